@@ -1,0 +1,1 @@
+"""Model recipes: which layers feed which cache group, and page bytes per group."""

@@ -1,0 +1,71 @@
+"""Cache-group specifications: pure data, counted in tokens only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Retention = Literal["full_history", "sliding_window"]
+Family = Literal["history", "state"]
+
+_RETENTIONS = ("full_history", "sliding_window")
+_FAMILIES = ("history", "state")
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class CacheGroupSpec:
+    """One page-id namespace shared by every layer of the group.
+
+    A page holds ``rows_per_page`` rows; each row covers ``entry_stride_tokens``
+    consecutive tokens, so a page spans ``page_tokens`` tokens. Sliding groups
+    keep only the trailing ``sliding_window_tokens`` tokens per request.
+    """
+
+    group_id: str
+    retention: Retention
+    rows_per_page: int
+    entry_stride_tokens: int
+    sliding_window_tokens: int | None = None
+    family: Family = "history"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.group_id, str) or not self.group_id:
+            raise ValueError(f"group_id must be a non-empty str, got {self.group_id!r}")
+        if self.retention not in _RETENTIONS:
+            raise ValueError(f"retention must be one of {_RETENTIONS}, got {self.retention!r}")
+        if self.family not in _FAMILIES:
+            raise ValueError(f"family must be one of {_FAMILIES}, got {self.family!r}")
+        _positive_int("rows_per_page", self.rows_per_page)
+        _positive_int("entry_stride_tokens", self.entry_stride_tokens)
+        if self.retention == "sliding_window":
+            if self.sliding_window_tokens is None:
+                raise ValueError(
+                    f"group {self.group_id!r}: sliding_window_tokens is required for a sliding group"
+                )
+            _positive_int("sliding_window_tokens", self.sliding_window_tokens)
+        elif self.sliding_window_tokens is not None:
+            raise ValueError(
+                f"group {self.group_id!r}: sliding_window_tokens must be None for full_history, "
+                f"got {self.sliding_window_tokens!r}"
+            )
+
+    @property
+    def page_tokens(self) -> int:
+        """Tokens one page spans (rows * stride)."""
+        return self.rows_per_page * self.entry_stride_tokens
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.retention == "sliding_window"
+
+
+PagedCacheGroupSpec = CacheGroupSpec
+"""The same class under the engine's name."""
