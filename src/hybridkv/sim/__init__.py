@@ -1,0 +1,1 @@
+"""Serving simulation: workloads (``hybridkv.sim.workloads``) and, later, the driver."""
