@@ -1,0 +1,578 @@
+"""The runtime cache manager: the one object an engine calls every step.
+
+Flow of one step: ``check_admission`` (pure) -> ``schedule`` (commit the previous
+step's tokens to the prefix cache, release slid-out pages, allocate, build the
+kernel arrays) -> the engine runs the step -> optionally ``rewind`` (speculative
+tokens rejected) -> next step. ``free`` ends a request.
+
+Every public method validates its whole input before it mutates anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hybridkv.pool import PagePool
+from hybridkv.prefix import PrefixCache, PrefixHit, RequestHashes
+from hybridkv.spec import CacheGroupSpec
+from hybridkv.tables import GroupTable, cdiv, segment_arange
+
+
+class CacheManagerError(ValueError):
+    """A misuse of the manager (unknown id, inadmissible step, bad count...). State is unchanged."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    ok: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class GroupStep:
+    """What the kernels of one group need for a step."""
+
+    block_table: np.ndarray  # int32 [R, width], -1 padded
+    base_pages: np.ndarray | None  # int32 [R] logical page of column 0 (sliding groups)
+    write_slots: np.ndarray  # int64 [N], -1 where a token writes no row
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    request_ids: tuple[str, ...]
+    num_scheduled_tokens: np.ndarray  # int32 [R]
+    query_start_loc: np.ndarray  # int32 [R+1]
+    positions: np.ndarray  # int64 [N]
+    request_indices: np.ndarray  # int32 [N]
+    groups: dict[str, GroupStep]
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    group_id: str
+    total_pages: int
+    free_pages: int
+    used_pages: int
+    peak_used_pages: int
+    utilization: float
+    cached_pages: int
+    evictable_pages: int
+    allocated_pages: int
+    released_pages: int
+    failed_allocations: int
+    evicted_pages: int
+
+
+@dataclass
+class _Request:
+    request_id: str
+    row: int
+    prompt_tokens: int
+    max_total_tokens: int
+    token_ids: np.ndarray | None
+    known_tokens: int
+    hashes: RequestHashes | None = None
+    own_checkpoints: list = field(default_factory=list)
+
+
+@dataclass
+class _StepPlan:
+    """Per-group arrays of one admissible step (pure, from ``_plan``)."""
+
+    rows: np.ndarray
+    counts: np.ndarray
+    first: np.ndarray
+    end: np.ndarray
+    new_base: dict[str, np.ndarray]
+    alloc: dict[str, np.ndarray]
+    need_hi: dict[str, np.ndarray]
+
+
+class CacheManager:
+    """Pages, tables and slots for every request and every cache group."""
+
+    def __init__(
+        self,
+        specs: Sequence[CacheGroupSpec],
+        group_pages: Mapping[str, int],
+        *,
+        max_context_tokens: int,
+        max_step_tokens: int | None = None,
+        table_widths: Mapping[str, int] | None = None,
+        shuffle_seed: int | None = None,
+        enable_prefix_caching: bool = False,
+        prefix_granularity: int | None = None,
+        hash_algo: str = "xxh3_128",
+        state_checkpoint_interval: int | None = None,
+        on_event: Any = None,
+    ):
+        self.specs = tuple(specs)
+        if not self.specs:
+            raise ValueError("a cache manager needs at least one cache group")
+        ids = [s.group_id for s in self.specs]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"duplicate group ids in {ids}")
+        if set(group_pages) != set(ids):
+            raise ValueError(f"group_pages keys {sorted(group_pages)} do not match the groups {sorted(ids)}")
+        self.max_context_tokens = _positive("max_context_tokens", max_context_tokens)
+        self.max_step_tokens = _positive(
+            "max_step_tokens", max_step_tokens if max_step_tokens is not None else self.max_context_tokens
+        )
+        self.table_widths = dict(table_widths) if table_widths is not None else None
+        self.pools = {
+            s.group_id: PagePool(
+                s.group_id, group_pages[s.group_id],
+                shuffle_seed=None if shuffle_seed is None else shuffle_seed + i,
+            )
+            for i, s in enumerate(self.specs)
+        }
+        self.tables = {
+            s.group_id: GroupTable(
+                s, max_context_tokens=self.max_context_tokens, max_step_tokens=self.max_step_tokens
+            )
+            for s in self.specs
+        }
+        self._requests: dict[str, _Request] = {}
+        self._row_owner: dict[int, _Request] = {}
+        self._free_rows: list[int] = []
+        self._next_row = 0
+        self._computed = np.zeros(64, dtype=np.int64)
+        self._committed = np.zeros(64, dtype=np.int64)
+        self.prefix: PrefixCache | None = None
+        if enable_prefix_caching:
+            self.prefix = PrefixCache(
+                self.specs, self.pools, self.tables,
+                granularity_tokens=prefix_granularity, hash_algo=hash_algo,
+                state_checkpoint_interval=state_checkpoint_interval, on_event=on_event,
+            )
+
+    @classmethod
+    def from_plan(cls, plan: Any, **options: Any) -> CacheManager:
+        """Build from a ``hybridkv.plan.Plan`` (pages per group, limits, capture widths)."""
+        return cls(
+            plan.specs,
+            plan.group_pages,
+            max_context_tokens=plan.limits.max_context_tokens,
+            max_step_tokens=plan.limits.max_scheduled_tokens,
+            table_widths=plan.table_widths,
+            **options,
+        )
+
+    # --- requests -------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Iterable[int] | np.ndarray | None = None,
+        *,
+        prompt_tokens: int | None = None,
+        max_new_tokens: int = 0,
+        cache_salt: str | bytes | None = None,
+    ) -> PrefixHit:
+        """Register a request; with prefix caching, borrow its cached prefix. Returns the hit."""
+        if not isinstance(request_id, str) or not request_id:
+            raise CacheManagerError(f"request id must be a non-empty str, got {request_id!r}")
+        if request_id in self._requests:
+            raise CacheManagerError(f"request {request_id!r} already exists")
+        ids = None
+        if prompt_token_ids is not None:
+            ids = _token_array(prompt_token_ids)
+            if prompt_tokens is not None and int(prompt_tokens) != ids.size:
+                raise CacheManagerError(
+                    f"prompt_tokens={prompt_tokens} disagrees with {ids.size} prompt token ids"
+                )
+            prompt_len = int(ids.size)
+        elif prompt_tokens is not None:
+            prompt_len = _nonneg_int("prompt_tokens", prompt_tokens)
+        else:
+            raise CacheManagerError("give prompt_token_ids or prompt_tokens")
+        if prompt_len < 1:
+            raise CacheManagerError(f"request {request_id!r}: the prompt must have at least one token")
+        max_new = _nonneg_int("max_new_tokens", max_new_tokens)
+        total = prompt_len + max_new
+        if total > self.max_context_tokens:
+            raise CacheManagerError(
+                f"request {request_id!r}: prompt {prompt_len} + max_new_tokens {max_new} = {total} tokens "
+                f"exceeds the plan's max context of {self.max_context_tokens} tokens"
+            )
+        hashes = None
+        if self.prefix is not None and ids is not None:
+            hashes = self.prefix.new_request_hashes(cache_salt)
+        row = self._take_row()
+        buf = None
+        if ids is not None:
+            buf = np.empty(max(total, 1), dtype=np.int32)
+            buf[: ids.size] = ids
+        req = _Request(request_id, row, prompt_len, total, buf, prompt_len, hashes)
+        hit = PrefixHit.none(self.specs)
+        if self.prefix is not None and buf is not None:
+            hit = self.prefix.match_and_borrow(req.hashes, buf[:prompt_len], row)
+        self._computed[row] = hit.hit_tokens
+        self._committed[row] = hit.hit_tokens
+        self._requests[request_id] = req
+        self._row_owner[row] = req
+        return hit
+
+    def append_token_ids(self, request_id: str, token_ids: Iterable[int] | np.ndarray) -> None:
+        """Extend a request's known tokens (sampled outputs, draft tokens)."""
+        req = self._get(request_id)
+        if req.token_ids is None:
+            raise CacheManagerError(f"request {request_id!r} was added without token ids")
+        ids = _token_array(token_ids)
+        if req.known_tokens + ids.size > req.max_total_tokens:
+            raise CacheManagerError(
+                f"request {request_id!r}: {req.known_tokens} + {ids.size} tokens exceeds its "
+                f"declared total of {req.max_total_tokens} (prompt + max_new_tokens)"
+            )
+        req.token_ids[req.known_tokens : req.known_tokens + ids.size] = ids
+        req.known_tokens += ids.size
+
+    def num_computed_tokens(self, request_id: str) -> int:
+        return int(self._computed[self._get(request_id).row])
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # --- admission -----------------------------------------------------------
+    def check_admission(
+        self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False
+    ) -> list[Admission]:
+        """Would each (request, new tokens) fit, taken greedily in order? Never mutates."""
+        answers, _ = self._admit(items, fixed_width)
+        return answers
+
+    def _admit(self, items, fixed_width):
+        answers: list[Admission | None] = [None] * len(items)
+        seen: set[str] = set()
+        ok_idx, rows, counts = [], [], []
+        for i, item in enumerate(items):
+            reason = self._item_error(item, seen, fixed_width)
+            if reason:
+                answers[i] = Admission(False, reason)
+                continue
+            req = self._requests[item[0]]
+            ok_idx.append(i)
+            rows.append(req.row)
+            counts.append(int(item[1]))
+        if not ok_idx:
+            return [a for a in answers], None
+        plan = self._plan(np.asarray(rows, dtype=np.int64), np.asarray(counts, dtype=np.int64))
+        net = {}
+        for s in self.specs:
+            gid = s.group_id
+            credit = self._release_credit(gid, plan.rows, plan.new_base[gid])
+            net[gid] = plan.alloc[gid] - credit
+        fits = np.ones(len(ok_idx), dtype=bool)
+        deny: dict[int, str] = {}
+        if fixed_width and self.table_widths is not None:
+            for s in self.specs:
+                gid = s.group_id
+                width = plan.need_hi[gid] - plan.new_base[gid]
+                over = width > self.table_widths[gid]
+                for k in np.flatnonzero(over & fits).tolist():
+                    fits[k] = False
+                    deny[k] = (
+                        f"group {gid!r} needs {int(width[k])} table columns, more than the "
+                        f"capture width {self.table_widths[gid]}"
+                    )
+        avail = {gid: pool.num_free_pages for gid, pool in self.pools.items()}
+        # Releases all happen before allocations, so only the admitted totals matter.
+        if not all(int(net[g][fits].sum()) <= avail[g] for g in avail):
+            # Greedy, in order: admit a request only if everything admitted so far still fits.
+            used = {g: 0 for g in avail}
+            for k in range(len(ok_idx)):
+                if not fits[k]:
+                    continue
+                short = [g for g in avail if used[g] + int(net[g][k]) > avail[g]]
+                if short:
+                    g = short[0]
+                    fits[k] = False
+                    deny[k] = (
+                        f"group {g!r} needs {int(plan.alloc[g][k])} new pages "
+                        f"(after {int(plan.alloc[g][k] - net[g][k])} released), "
+                        f"{avail[g] - used[g]} free or evictable"
+                    )
+                else:
+                    for g in avail:
+                        used[g] += int(net[g][k])
+        for k, i in enumerate(ok_idx):
+            answers[i] = Admission(True) if fits[k] else Admission(False, deny[k])
+        return answers, plan
+
+    def _item_error(self, item, seen: set[str], fixed_width: bool) -> str:
+        try:
+            rid, n = item
+        except (TypeError, ValueError):
+            return f"each item must be (request_id, num_new_tokens), got {item!r}"
+        if rid not in self._requests:
+            return f"unknown request {rid!r}"
+        if rid in seen:
+            return f"request {rid!r} appears twice in the batch"
+        seen.add(rid)
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            return f"request {rid!r}: token count must be an int, got {n!r}"
+        n = int(n)
+        if n < 1:
+            return f"request {rid!r}: token count must be positive, got {n}"
+        if n > self.max_step_tokens:
+            return f"request {rid!r}: {n} tokens exceed the per-step limit of {self.max_step_tokens}"
+        req = self._requests[rid]
+        done = int(self._computed[req.row])
+        if done + n > req.max_total_tokens:
+            return (
+                f"request {rid!r}: {done} + {n} tokens exceeds its declared total of "
+                f"{req.max_total_tokens} (prompt + max_new_tokens)"
+            )
+        if req.token_ids is not None and done + n > req.known_tokens:
+            return (
+                f"request {rid!r}: {done} + {n} tokens exceeds the {req.known_tokens} known token ids "
+                "(append_token_ids first)"
+            )
+        return ""
+
+    def _plan(self, rows: np.ndarray, counts: np.ndarray) -> _StepPlan:
+        first = self._computed[rows]
+        end = first + counts
+        new_base, alloc, need_hi = {}, {}, {}
+        for s in self.specs:
+            gid = s.group_id
+            table = self.tables[gid]
+            nb = table.new_base(rows, first)
+            nh = table.need_hi(end)
+            new_base[gid] = nb
+            need_hi[gid] = nh
+            alloc[gid] = np.maximum(nh - np.maximum(table.hi[rows], nb), 0)
+        return _StepPlan(rows, counts, first, end, new_base, alloc, need_hi)
+
+    def _release_credit(self, gid: str, rows: np.ndarray, new_base: np.ndarray) -> np.ndarray:
+        table = self.tables[gid]
+        if not table.sliding:
+            return np.zeros(rows.size, dtype=np.int64)
+        base = table.base[rows]
+        counts = new_base - base
+        if not counts.any():
+            return np.zeros(rows.size, dtype=np.int64)
+        pages = table.pages_in(rows, base, new_base)
+        sole = self.pools[gid].ref_counts[pages] == 1
+        return np.bincount(np.repeat(np.arange(rows.size), counts), weights=sole, minlength=rows.size).astype(
+            np.int64
+        )
+
+    # --- the step ------------------------------------------------------------
+    def schedule(self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False) -> StepBatch:
+        """Release, allocate and build the kernel arrays for one step (all or nothing)."""
+        items = list(items)
+        if not items:
+            raise CacheManagerError("empty batch")
+        answers, plan = self._admit(items, fixed_width)
+        bad = [(items[i], a.reason) for i, a in enumerate(answers) if not a.ok]
+        if bad:
+            detail = "; ".join(reason for _, reason in bad[:3])
+            raise CacheManagerError(f"{len(bad)} of {len(items)} requests not admissible: {detail}")
+        rows, counts = plan.rows, plan.counts
+        if self.prefix is not None:
+            pending = rows[self._committed[rows] < plan.first]
+            for row in pending.tolist():
+                self._commit_row(row)
+        for s in self.specs:
+            gid = s.group_id
+            table, pool = self.tables[gid], self.pools[gid]
+            if table.sliding:
+                base = table.base[rows]
+                nb = plan.new_base[gid]
+                if (nb > base).any():
+                    pool.decref(table.pages_in(rows, base, nb))
+                    table.drop(rows, base, nb)
+                    table.base[rows] = nb
+            lo = np.maximum(table.hi[rows], plan.new_base[gid])
+            n_alloc = plan.alloc[gid]
+            total = int(n_alloc.sum())
+            if total:
+                table.place(rows, lo, n_alloc, pool.allocate(total))
+            table.hi[rows] = np.maximum(table.hi[rows], plan.need_hi[gid])
+        self._computed[rows] = plan.end
+        return self._build_batch(items, plan, fixed_width)
+
+    def _build_batch(self, items, plan: _StepPlan, fixed_width: bool) -> StepBatch:
+        rows, counts = plan.rows, plan.counts
+        n_req = rows.size
+        req_idx = np.repeat(np.arange(n_req, dtype=np.int32), counts)
+        positions = np.repeat(plan.first, counts) + segment_arange(counts)
+        token_rows = rows[req_idx]
+        qsl = np.zeros(n_req + 1, dtype=np.int32)
+        np.cumsum(counts, out=qsl[1:])
+        groups = {}
+        for s in self.specs:
+            gid = s.group_id
+            table = self.tables[gid]
+            width = self.table_widths[gid] if (fixed_width and self.table_widths) else None
+            groups[gid] = GroupStep(
+                block_table=table.block_table(rows, width),
+                base_pages=table.base[rows].astype(np.int32) if table.sliding else None,
+                write_slots=table.write_slots(token_rows, positions),
+            )
+        return StepBatch(
+            request_ids=tuple(rid for rid, _ in items),
+            num_scheduled_tokens=counts.astype(np.int32),
+            query_start_loc=qsl,
+            positions=positions,
+            request_indices=req_idx,
+            groups=groups,
+        )
+
+    def _commit_row(self, row: int) -> None:
+        req = self._row_request(row)
+        old, new = int(self._committed[row]), int(self._computed[row])
+        if self.prefix is not None and req.token_ids is not None:
+            self.prefix.commit(req, old, new, req.token_ids[: max(new, 0)])
+        self._committed[row] = new
+
+    # --- rewind and free -----------------------------------------------------
+    def rewind(self, request_id: str, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` computed tokens; pages past them go back."""
+        req = self._get(request_id)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+            raise CacheManagerError(f"num_tokens must be an int, got {num_tokens!r}")
+        num_tokens = int(num_tokens)
+        computed = int(self._computed[req.row])
+        committed = int(self._committed[req.row])
+        if num_tokens > computed:
+            raise CacheManagerError(
+                f"request {request_id!r}: cannot rewind forward to {num_tokens} (computed {computed})"
+            )
+        if num_tokens < committed:
+            raise CacheManagerError(
+                f"request {request_id!r}: cannot rewind to {num_tokens}, below the {committed} tokens "
+                "committed before the last step"
+            )
+        row = np.asarray([req.row], dtype=np.int64)
+        for s in self.specs:
+            table = self.tables[s.group_id]
+            keep = max(cdiv(num_tokens, table.page_tokens), int(table.base[req.row]))
+            hi = int(table.hi[req.row])
+            if keep < hi:
+                lo_a, hi_a = np.asarray([keep]), np.asarray([hi])
+                self.pools[s.group_id].decref(table.pages_in(row, lo_a, hi_a))
+                table.drop(row, lo_a, hi_a)
+                table.hi[req.row] = keep
+        self._computed[req.row] = num_tokens
+        if req.token_ids is not None:
+            req.known_tokens = min(req.known_tokens, max(num_tokens, req.prompt_tokens))
+
+    def free(self, request_id: str) -> None:
+        """End a request: commit its last step to the prefix cache, release every page."""
+        req = self._get(request_id)
+        if self.prefix is not None and self._committed[req.row] < self._computed[req.row]:
+            self._commit_row(req.row)
+        row = np.asarray([req.row], dtype=np.int64)
+        for s in self.specs:
+            table = self.tables[s.group_id]
+            pages = table.pages_in(row, table.base[row], table.hi[row])
+            self.pools[s.group_id].decref(pages)
+            table.reset_rows(row)
+        if self.prefix is not None:
+            self.prefix.forget_request(req)
+        self._computed[req.row] = 0
+        self._committed[req.row] = 0
+        del self._requests[request_id]
+        del self._row_owner[req.row]
+        self._free_rows.append(req.row)
+
+    # --- observability -------------------------------------------------------
+    def stats(self) -> dict[str, GroupStats]:
+        out = {}
+        for gid, pool in self.pools.items():
+            c = pool.counters
+            out[gid] = GroupStats(
+                group_id=gid,
+                total_pages=pool.usable_pages,
+                free_pages=pool.num_free_pages,
+                used_pages=pool.num_used_pages,
+                peak_used_pages=pool.peak_used_pages,
+                utilization=pool.num_used_pages / pool.usable_pages,
+                cached_pages=pool.num_cached_pages,
+                evictable_pages=pool.num_evictable_pages,
+                allocated_pages=c.allocated_pages,
+                released_pages=c.released_pages,
+                failed_allocations=c.failed_allocations,
+                evicted_pages=c.evicted_pages,
+            )
+        return out
+
+    def request_pages(self, request_id: str, group_id: str) -> tuple[int, np.ndarray]:
+        """(base logical page, held page ids in logical order) of one request in one group."""
+        req = self._get(request_id)
+        table = self.tables[group_id]
+        row = np.asarray([req.row])
+        return int(table.base[req.row]), table.pages_in(row, table.base[row], table.hi[row])
+
+    def clear_prefix_cache(self) -> None:
+        if self.prefix is not None:
+            self.prefix.clear()
+
+    def check_invariants(self) -> None:
+        """Assert that ref counts equal the tables' holdings and pools are consistent."""
+        for s in self.specs:
+            gid = s.group_id
+            table, pool = self.tables[gid], self.pools[gid]
+            expected = np.zeros(pool.num_pages, dtype=np.int64)
+            for req in self._requests.values():
+                row = np.asarray([req.row])
+                pages = table.pages_in(row, table.base[row], table.hi[row])
+                assert np.all(pages > 0), f"{gid}: request {req.request_id} has a hole in its table"
+                np.add.at(expected, pages, 1)
+            assert np.array_equal(expected, pool.ref_counts), f"{gid}: ref counts differ from tables"
+            pool.check_invariants()
+
+    # --- helpers --------------------------------------------------------------
+    def _get(self, request_id: str) -> _Request:
+        try:
+            return self._requests[request_id]
+        except (KeyError, TypeError):
+            raise CacheManagerError(f"unknown request {request_id!r}") from None
+
+    def _row_request(self, row: int) -> _Request:
+        return self._row_owner[row]
+
+    def _take_row(self) -> int:
+        if self._free_rows:
+            return self._free_rows.pop()
+        row = self._next_row
+        self._next_row += 1
+        if row >= self._computed.size:
+            grow = self._computed.size
+            self._computed = np.concatenate([self._computed, np.zeros(grow, dtype=np.int64)])
+            self._committed = np.concatenate([self._committed, np.zeros(grow, dtype=np.int64)])
+        for table in self.tables.values():
+            table.ensure_rows(row + 1)
+        return row
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or int(value) != value or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _nonneg_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise CacheManagerError(f"{name} must be a non-negative int, got {value!r}")
+    return int(value)
+
+
+def _token_array(token_ids: Any) -> np.ndarray:
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise CacheManagerError(f"token ids must be 1-D, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise CacheManagerError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
+        raise CacheManagerError("token ids must be in [0, 2**31)")
+    return arr.astype(np.int32, copy=False)

@@ -1,0 +1,217 @@
+"""Physical pages of one cache group: free ids, ref counts, cached-page LRU.
+
+A page id is in exactly one state: free (on the free stack), held (ref count
+>= 1), or cached and evictable (ref count 0, published under a content key, in
+the LRU). Page 0 is the reserved null page and never handed out.
+
+Free order is deterministic: a LIFO stack, so freed pages are reused first
+("freed to the front"); cached pages are reclaimed only once the free stack is
+empty, least recently used first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+NULL_PAGE = 0
+
+
+class PoolExhausted(RuntimeError):
+    """An allocation asked for more pages than free plus evictable."""
+
+
+@dataclass
+class PoolCounters:
+    allocated_pages: int = 0
+    released_pages: int = 0
+    failed_allocations: int = 0
+    evicted_pages: int = 0
+
+
+class PagePool:
+    """Pages ``1 .. num_pages-1`` of one group (``num_pages`` counts the null page)."""
+
+    def __init__(self, group_id: str, num_pages: int, *, shuffle_seed: int | None = None):
+        if isinstance(num_pages, bool) or int(num_pages) != num_pages or num_pages < 2:
+            raise ValueError(
+                f"group {group_id!r}: a pool needs at least 2 pages (null page + 1), got {num_pages!r}"
+            )
+        self.group_id = group_id
+        self.num_pages = int(num_pages)
+        self.ref_counts = np.zeros(self.num_pages, dtype=np.int32)
+        ids = np.arange(1, self.num_pages, dtype=np.int32)
+        if shuffle_seed is not None:
+            np.random.default_rng(shuffle_seed).shuffle(ids)
+        # Stack top is the end of the array: reverse so page ids[0] is handed out first.
+        self._stack = np.empty(self.num_pages, dtype=np.int32)
+        self._stack[: ids.size] = ids[::-1]
+        self._top = int(ids.size)
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.cached = np.zeros(self.num_pages, dtype=bool)
+        self._page_key: dict[int, Hashable] = {}
+        self._entries: dict[Hashable, tuple[int, ...]] = {}
+        self.on_removed: Callable[[Hashable], None] | None = None
+        self.counters = PoolCounters()
+        self.peak_used_pages = 0
+
+    # --- counts ---------------------------------------------------------
+    @property
+    def usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages an allocation can get now: free plus cached-evictable."""
+        return self._top + len(self._evictable)
+
+    @property
+    def num_clean_free_pages(self) -> int:
+        return self._top
+
+    @property
+    def num_evictable_pages(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_used_pages(self) -> int:
+        """Pages held by at least one request."""
+        return self.usable_pages - self.num_free_pages
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._page_key)
+
+    # --- allocation -----------------------------------------------------
+    def allocate(self, count: int) -> np.ndarray:
+        """``count`` pages with ref count 1, all or nothing; evicts LRU cached pages if needed."""
+        count = int(count)
+        if count < 0:
+            raise ValueError(f"cannot allocate a negative number of pages ({count})")
+        if count > self.num_free_pages:
+            self.counters.failed_allocations += 1
+            raise PoolExhausted(
+                f"group {self.group_id!r}: need {count} pages, {self.num_free_pages} free or evictable"
+            )
+        while self._top < count:
+            self._evict_one()
+        out = self._stack[self._top - count : self._top][::-1].copy()
+        self._top -= count
+        self.ref_counts[out] = 1
+        self.counters.allocated_pages += count
+        used = self.num_used_pages
+        if used > self.peak_used_pages:
+            self.peak_used_pages = used
+        return out
+
+    def incref(self, pages: np.ndarray | Sequence[int]) -> None:
+        """Take one more reference on held or cached pages (a prefix hit borrowing them)."""
+        pages = np.asarray(pages, dtype=np.int64)
+        if pages.size == 0:
+            return
+        for page in pages[self.ref_counts[pages] == 0].tolist():
+            if page not in self._evictable:
+                raise ValueError(f"group {self.group_id!r}: page {page} is free, cannot be borrowed")
+            del self._evictable[page]
+        np.add.at(self.ref_counts, pages, 1)
+        used = self.num_used_pages
+        if used > self.peak_used_pages:
+            self.peak_used_pages = used
+
+    def decref(self, pages: np.ndarray) -> None:
+        """Drop one reference per listed page; pages reaching 0 become free or evictable.
+
+        Listed in logical order; pages that become evictable enter the LRU tail
+        first, so a chain's tail is evicted before its head.
+        """
+        pages = np.asarray(pages, dtype=np.int64)
+        if pages.size == 0:
+            return
+        np.subtract.at(self.ref_counts, pages, 1)
+        zero = pages[self.ref_counts[pages] == 0]
+        if zero.size == 0:
+            return
+        if zero.size > 1:
+            zero = zero[np.sort(np.unique(zero, return_index=True)[1])]
+        self.counters.released_pages += int(zero.size)
+        keyed = self.cached[zero]
+        if keyed.any():
+            for page in zero[keyed][::-1].tolist():
+                self._evictable[page] = None
+            zero = zero[~keyed]
+        self._push_free(zero)
+
+    def _push_free(self, pages: np.ndarray) -> None:
+        n = pages.size
+        if n:
+            # Push in reverse so the first listed page is on top (reused first).
+            self._stack[self._top : self._top + n] = pages[::-1]
+            self._top += n
+
+    # --- content-keyed entries -------------------------------------------
+    def publish(self, key: Hashable, pages: Sequence[int]) -> bool:
+        """Publish held pages under ``key``; False (and nothing changes) if the key exists."""
+        if key in self._entries:
+            return False
+        pages = tuple(int(p) for p in pages)
+        for page in pages:
+            if page <= NULL_PAGE or self.ref_counts[page] <= 0 or self.cached[page]:
+                raise ValueError(
+                    f"group {self.group_id!r}: page {page} is not a held, unpublished page"
+                )
+        self._entries[key] = pages
+        for page in pages:
+            self._page_key[page] = key
+        self.cached[list(pages)] = True
+        return True
+
+    def lookup(self, key: Hashable) -> tuple[int, ...] | None:
+        return self._entries.get(key)
+
+    def unpublish(self, key: Hashable) -> None:
+        """Drop an entry; its pages that no request holds go back to the free stack."""
+        pages = self._entries.pop(key)
+        free = []
+        for page in pages:
+            del self._page_key[page]
+            self.cached[page] = False
+            if self.ref_counts[page] == 0:
+                del self._evictable[page]
+                free.append(page)
+        self._push_free(np.asarray(free, dtype=np.int32))
+        if self.on_removed is not None:
+            self.on_removed(key)
+
+    def entry_keys(self) -> list[Hashable]:
+        return list(self._entries)
+
+    def _evict_one(self) -> None:
+        page = next(iter(self._evictable))
+        key = self._page_key[page]
+        self.counters.evicted_pages += sum(
+            1 for p in self._entries[key] if self.ref_counts[p] == 0
+        )
+        self.unpublish(key)
+
+    def clear_cache(self) -> None:
+        """Unpublish every entry (held pages stay held)."""
+        for key in list(self._entries):
+            self.unpublish(key)
+
+    # --- checks -----------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError if free/held/evictable states overlap or pages leak."""
+        free = self._stack[: self._top]
+        assert np.unique(free).size == free.size, "page on the free stack twice"
+        assert not np.any(free == NULL_PAGE), "null page on the free stack"
+        assert np.all(self.ref_counts[free] == 0), "free page with references"
+        assert not np.any(self.cached[free]), "free page still keyed"
+        for page in self._evictable:
+            assert self.ref_counts[page] == 0 and self.cached[page], "bad evictable page"
+        assert self.ref_counts[NULL_PAGE] == 0
+        assert np.all(self.ref_counts >= 0)
+        held = int(np.count_nonzero(self.ref_counts > 0))
+        assert held + self._top + len(self._evictable) == self.usable_pages, "page leaked"

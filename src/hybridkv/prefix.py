@@ -1,0 +1,335 @@
+"""Prefix caching across hybrid groups: content keys, publication, matching.
+
+Content keys are chained hashes over blocks of ``granularity_tokens`` tokens:
+``h[b] = H(h[b-1] || tokens of block b)``, with ``h[-1] = H(salt)``. A key
+names a whole prefix, so equal keys mean equal content.
+
+* History groups publish the pages of block ``b`` under ``h[b]`` once the block
+  is committed (all its rows written, no speculative token in it).
+* State groups publish a checkpoint at a boundary ``D``: the pages holding the
+  trailing window ``[D-W, D)``, under ``h[D/G - 1]``. A request keeps only its
+  latest own checkpoint (plus every ``state_checkpoint_interval`` tokens); the
+  superseded ones are unpublished so state pools cannot fill up.
+* A hit at ``D`` needs every history group to hold all blocks below ``D`` and
+  every state group a checkpoint at exactly ``D``; ``D <= prompt - 1``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import reduce
+from math import lcm
+from typing import IO, Any
+
+import numpy as np
+import xxhash
+
+from hybridkv.spec import CacheGroupSpec
+from hybridkv.tables import cdiv
+
+HASH_ALGOS = ("xxh3_128", "sha256")
+
+
+def _hash_fn(algo: str) -> Callable[[bytes], int]:
+    if algo == "xxh3_128":
+        return xxhash.xxh3_128_intdigest
+    if algo == "sha256":
+        return lambda data: int.from_bytes(hashlib.sha256(data).digest()[:16], "little")
+    raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {algo!r}")
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """The reconciled hit (one number for every group) and what each group alone allowed."""
+
+    hit_tokens: int
+    group_hit_tokens: dict[str, int]
+
+    @staticmethod
+    def none(specs: Sequence[CacheGroupSpec]) -> PrefixHit:
+        return PrefixHit(0, {s.group_id: 0 for s in specs})
+
+    @property
+    def limiting_groups(self) -> list[str]:
+        """Groups that alone could not reach past the reconciled hit."""
+        return [g for g, t in self.group_hit_tokens.items() if t <= self.hit_tokens]
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    kind: str  # "stored" | "removed"
+    group_id: str
+    block_hash: str
+    parent_hash: str | None
+    tokens: int  # prefix length the key names
+    num_pages: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+
+class RequestHashes:
+    """A request's chained block hashes, extended as its committed tokens grow."""
+
+    def __init__(self, root: int, granularity_tokens: int, hash_fn: Callable[[bytes], int]):
+        self.root = root
+        self.granularity_tokens = granularity_tokens
+        self._hash = hash_fn
+        self.hashes: list[int] = []
+
+    def extend_to(self, token_ids: np.ndarray, num_tokens: int) -> None:
+        """Hash every complete block of the first ``num_tokens`` tokens not hashed yet."""
+        g = self.granularity_tokens
+        have, want = len(self.hashes), num_tokens // g
+        if want <= have:
+            return
+        data = memoryview(np.ascontiguousarray(token_ids[have * g : want * g], dtype="<i4").tobytes())
+        block_bytes = 4 * g
+        parent = self.hashes[-1] if self.hashes else self.root
+        out = self.hashes
+        for i in range(want - have):
+            parent = self._hash(parent.to_bytes(16, "little") + data[i * block_bytes : (i + 1) * block_bytes])
+            out.append(parent)
+
+    def key(self, boundary_tokens: int) -> int:
+        """Key of the prefix ``[0, boundary)`` (boundary a positive multiple of the grain)."""
+        return self.hashes[boundary_tokens // self.granularity_tokens - 1]
+
+    def parent(self, boundary_tokens: int) -> int:
+        b = boundary_tokens // self.granularity_tokens
+        return self.hashes[b - 2] if b >= 2 else self.root
+
+
+@dataclass
+class PrefixGroupStats:
+    lookups: int = 0
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    alone_hit_tokens: int = 0
+    stored_entries: int = 0
+    removed_entries: int = 0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+@dataclass
+class _OwnCheckpoint:
+    boundary_tokens: int
+    entries: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # gid -> (key, pages)
+
+
+class PrefixCache:
+    """Content-keyed pages over the manager's pools and tables."""
+
+    def __init__(
+        self,
+        specs: Sequence[CacheGroupSpec],
+        pools: Mapping[str, Any],
+        tables: Mapping[str, Any],
+        *,
+        granularity_tokens: int | None = None,
+        hash_algo: str = "xxh3_128",
+        state_checkpoint_interval: int | None = None,
+        on_event: Callable[[CacheEvent], None] | None = None,
+    ):
+        self.specs = tuple(specs)
+        self.pools = pools
+        self.tables = tables
+        self._hash = _hash_fn(hash_algo)
+        self.hash_algo = hash_algo
+        history = [s for s in self.specs if not s.is_sliding]
+        self.history_ids = [s.group_id for s in history]
+        self.state_ids = [s.group_id for s in self.specs if s.is_sliding]
+        spans = [s.page_tokens for s in (history or self.specs)]
+        default = reduce(lcm, spans, 1)
+        g = default if granularity_tokens is None else int(granularity_tokens)
+        if g <= 0:
+            raise ValueError(f"prefix_granularity must be positive, got {granularity_tokens!r}")
+        for s in self.specs:
+            if g % s.page_tokens:
+                raise ValueError(
+                    f"prefix_granularity {g} must be a multiple of group {s.group_id!r} page tokens "
+                    f"({s.page_tokens}); the smallest valid grain here is "
+                    f"{reduce(lcm, [x.page_tokens for x in self.specs], 1)}"
+                )
+            if s.is_sliding and s.sliding_window_tokens > g:
+                raise ValueError(
+                    f"prefix_granularity {g} is smaller than group {s.group_id!r} window "
+                    f"({s.sliding_window_tokens} tokens): checkpoints would overlap"
+                )
+        self.granularity_tokens = g
+        if state_checkpoint_interval is not None:
+            n = int(state_checkpoint_interval)
+            if n <= 0 or n % g:
+                raise ValueError(
+                    f"state_checkpoint_interval must be a positive multiple of the grain {g}, got {n}"
+                )
+            state_checkpoint_interval = n
+        self.state_checkpoint_interval = state_checkpoint_interval
+        self.on_event = on_event
+        self.events: list[CacheEvent] = []
+        self.record_events = on_event is None
+        self.stats = {s.group_id: PrefixGroupStats() for s in self.specs}
+        self._meta: dict[str, dict[int, tuple[int | None, int, int]]] = {s.group_id: {} for s in self.specs}
+        for gid, pool in pools.items():
+            pool.on_removed = self._removed_callback(gid)
+
+    # --- keys ------------------------------------------------------------------
+    def new_request_hashes(self, cache_salt: str | bytes | None) -> RequestHashes:
+        salt = cache_salt.encode() if isinstance(cache_salt, str) else (cache_salt or b"")
+        if not isinstance(salt, bytes):
+            raise ValueError(f"cache_salt must be str or bytes, got {type(cache_salt).__name__}")
+        root = self._hash(b"hybridkv-prefix-root\x00" + salt)
+        return RequestHashes(root, self.granularity_tokens, self._hash)
+
+    # --- matching ---------------------------------------------------------------
+    def match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> PrefixHit:
+        """The hit for a prompt, without borrowing anything."""
+        g = self.granularity_tokens
+        max_blocks = (prompt_ids.size - 1) // g
+        hashes.extend_to(prompt_ids, max_blocks * g)
+        alone: dict[str, int] = {}
+        limit = max_blocks
+        for gid in self.history_ids:
+            pool = self.pools[gid]
+            n = 0
+            while n < max_blocks and pool.lookup(hashes.hashes[n]) is not None:
+                n += 1
+            alone[gid] = n * g
+            limit = min(limit, n)
+        state_blocks: dict[str, set[int]] = {}
+        for gid in self.state_ids:
+            pool = self.pools[gid]
+            have = {k for k in range(1, max_blocks + 1) if pool.lookup(hashes.hashes[k - 1]) is not None}
+            state_blocks[gid] = have
+            alone[gid] = max(have, default=0) * g
+        k = limit
+        while k > 0 and not all(k in state_blocks[gid] for gid in self.state_ids):
+            k -= 1
+        return PrefixHit(k * g, {s.group_id: alone[s.group_id] for s in self.specs})
+
+    def match_and_borrow(self, hashes: RequestHashes, prompt_ids: np.ndarray, row: int) -> PrefixHit:
+        """Match, then place the cached pages in ``row``'s tables (ref count +1 each)."""
+        hit = self.match(hashes, prompt_ids)
+        d = hit.hit_tokens
+        for s in self.specs:
+            st = self.stats[s.group_id]
+            st.lookups += 1
+            st.queried_tokens += int(prompt_ids.size)
+            st.hit_tokens += d
+            st.alone_hit_tokens += hit.group_hit_tokens[s.group_id]
+        if d == 0:
+            return hit
+        rows = np.asarray([row], dtype=np.int64)
+        for s in self.specs:
+            gid = s.group_id
+            pool, table = self.pools[gid], self.tables[gid]
+            t = s.page_tokens
+            if s.is_sliding:
+                lo = max(0, d - s.sliding_window_tokens) // t
+                pages = np.asarray(pool.lookup(hashes.key(d)), dtype=np.int64)
+            else:
+                lo = 0
+                pages = np.concatenate(
+                    [np.asarray(pool.lookup(h), dtype=np.int64) for h in hashes.hashes[: d // self.granularity_tokens]]
+                )
+            count = d // t - lo
+            assert pages.size == count, (gid, pages.size, count)
+            pool.incref(pages)
+            table.place(rows, np.asarray([lo]), np.asarray([count]), pages)
+            table.base[row] = lo
+            table.hi[row] = d // t
+        return hit
+
+    # --- publication -------------------------------------------------------------
+    def commit(self, req: Any, old_tokens: int, new_tokens: int, token_ids: np.ndarray) -> None:
+        """Publish what tokens ``[old, new)`` completed: history blocks and the newest checkpoint."""
+        g = self.granularity_tokens
+        hashes: RequestHashes = req.hashes
+        if hashes is None or new_tokens // g == old_tokens // g:
+            return
+        hashes.extend_to(token_ids, new_tokens)
+        row = np.asarray([req.row], dtype=np.int64)
+        for b in range(old_tokens // g, new_tokens // g):
+            boundary = (b + 1) * g
+            for gid in self.history_ids:
+                self._publish(gid, row, hashes, boundary, lo_tokens=b * g)
+        d = (new_tokens // g) * g
+        own = _OwnCheckpoint(d)
+        for gid in self.state_ids:
+            spec = self.tables[gid].spec
+            if self._publish(gid, row, hashes, d, lo_tokens=max(0, d - spec.sliding_window_tokens)):
+                key = hashes.key(d)
+                own.entries[gid] = (key, self.pools[gid].lookup(key))
+        interval = self.state_checkpoint_interval
+        for prev in req.own_checkpoints:
+            if interval is not None and prev.boundary_tokens % interval == 0:
+                continue
+            for gid, (key, pages) in prev.entries.items():
+                if self.pools[gid].lookup(key) == pages:  # still ours (not evicted and re-stored)
+                    self.pools[gid].unpublish(key)
+        req.own_checkpoints = [c for c in req.own_checkpoints if interval and c.boundary_tokens % interval == 0]
+        if own.entries:
+            req.own_checkpoints.append(own)
+
+    def _publish(self, gid: str, row: np.ndarray, hashes: RequestHashes, boundary: int, lo_tokens: int) -> bool:
+        pool, table = self.pools[gid], self.tables[gid]
+        key = hashes.key(boundary)
+        if pool.lookup(key) is not None:
+            return False
+        t = table.page_tokens
+        lo, hi = lo_tokens // t, boundary // t
+        if lo < table.base[row[0]] or hi > table.hi[row[0]]:
+            return False  # rows already slid out (cannot happen when committed each step)
+        pages = table.pages_in(row, np.asarray([lo]), np.asarray([hi]))
+        if pool.cached[pages].any():
+            return False  # borrowed pages already carry a key
+        pool.publish(key, pages.tolist())
+        parent = hashes.parent(boundary)
+        self._meta[gid][key] = (parent, boundary, len(pages))
+        self.stats[gid].stored_entries += 1
+        self._emit(CacheEvent("stored", gid, _hex(key), _hex(parent), boundary, len(pages)))
+        return True
+
+    def forget_request(self, req: Any) -> None:
+        """A freed request's checkpoints stay cached (its last one is its terminal)."""
+        req.own_checkpoints = []
+
+    def clear(self) -> None:
+        for pool in self.pools.values():
+            pool.clear_cache()
+
+    # --- events ---------------------------------------------------------------
+    def _removed_callback(self, gid: str) -> Callable[[int], None]:
+        def removed(key: int) -> None:
+            parent, boundary, n = self._meta[gid].pop(key, (None, 0, 0))
+            self.stats[gid].removed_entries += 1
+            self._emit(CacheEvent("removed", gid, _hex(key), _hex(parent), boundary, n))
+
+        return removed
+
+    def _emit(self, event: CacheEvent) -> None:
+        if self.on_event is not None:
+            self.on_event(event)
+        else:
+            self.events.append(event)
+
+    def drain_events(self) -> list[CacheEvent]:
+        out, self.events = self.events, []
+        return out
+
+    def write_events_jsonl(self, stream: IO[str]) -> int:
+        """Write (and drain) recorded events as JSON lines; returns how many."""
+        events = self.drain_events()
+        for e in events:
+            stream.write(e.to_json() + "\n")
+        return len(events)
+
+
+def _hex(key: int | None) -> str | None:
+    return None if key is None else f"{key:032x}"

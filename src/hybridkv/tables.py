@@ -1,0 +1,141 @@
+"""Per-request page tables of one cache group, stored as one array per group.
+
+Each request owns a row of ``pages``. Full-history groups store logical page
+``L`` (tokens ``[L*T, (L+1)*T)``) at column ``L``. Sliding groups keep only the
+live pages ``[base, hi)`` in a ring (logical page ``L`` at column ``L % cap``)
+and hand kernels a table whose column ``j`` is logical page ``base + j``.
+
+Every method here works on a whole batch of rows with numpy; none mutates the
+pool: the manager takes the page ids these methods compute.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hybridkv.spec import CacheGroupSpec
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def segment_arange(counts: np.ndarray) -> np.ndarray:
+    """``concat(arange(c) for c in counts)`` without a Python loop."""
+    counts = np.asarray(counts, dtype=np.int64)
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.cumsum(counts) - counts
+    return np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
+
+
+class GroupTable:
+    """Page tables of one group for every request row."""
+
+    def __init__(
+        self,
+        spec: CacheGroupSpec,
+        *,
+        max_context_tokens: int,
+        max_step_tokens: int,
+        initial_rows: int = 64,
+    ):
+        self.spec = spec
+        self.page_tokens = spec.page_tokens
+        self.rows_per_page = spec.rows_per_page
+        self.stride_tokens = spec.entry_stride_tokens
+        self.sliding = spec.is_sliding
+        self.window_tokens = spec.sliding_window_tokens or 0
+        if self.sliding:
+            self.capacity_pages = cdiv(self.window_tokens - 1 + max_step_tokens, self.page_tokens) + 2
+        else:
+            self.capacity_pages = cdiv(max_context_tokens, self.page_tokens)
+        rows = max(1, int(initial_rows))
+        self.pages = np.full((rows, self.capacity_pages), -1, dtype=np.int32)
+        self.base = np.zeros(rows, dtype=np.int64)
+        self.hi = np.zeros(rows, dtype=np.int64)
+
+    def ensure_rows(self, rows: int) -> None:
+        have = self.pages.shape[0]
+        if rows <= have:
+            return
+        new = max(rows, 2 * have)
+        pages = np.full((new, self.capacity_pages), -1, dtype=np.int32)
+        pages[:have] = self.pages
+        self.pages = pages
+        self.base = np.concatenate([self.base, np.zeros(new - have, dtype=np.int64)])
+        self.hi = np.concatenate([self.hi, np.zeros(new - have, dtype=np.int64)])
+
+    def _cols(self, logical: np.ndarray) -> np.ndarray:
+        return logical % self.capacity_pages if self.sliding else logical
+
+    # --- planning (pure) ---------------------------------------------------
+    def new_base(self, rows: np.ndarray, first: np.ndarray) -> np.ndarray:
+        """Base page after releasing pages below ``(first - W + 1) // T``."""
+        if not self.sliding:
+            return self.base[rows]
+        keep_from = np.maximum(first - self.window_tokens + 1, 0) // self.page_tokens
+        return np.maximum(self.base[rows], np.minimum(keep_from, self.hi[rows]))
+
+    def need_hi(self, end: np.ndarray) -> np.ndarray:
+        """Pages needed to hold tokens ``[0, end)`` (a partial entry still needs its page)."""
+        return cdiv(end, self.page_tokens)
+
+    def pages_in(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Held page ids of logical pages ``[lo_r, hi_r)`` per row, row-major, in logical order."""
+        counts = np.maximum(hi - lo, 0)
+        if not counts.any():
+            return np.zeros(0, dtype=np.int64)
+        rep = np.repeat(rows, counts)
+        logical = np.repeat(lo, counts) + segment_arange(counts)
+        return self.pages[rep, self._cols(logical)].astype(np.int64)
+
+    # --- mutation -----------------------------------------------------------
+    def drop(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
+        """Forget logical pages ``[lo, hi)`` (the caller returns them to the pool)."""
+        counts = np.maximum(hi - lo, 0)
+        if counts.any():
+            rep = np.repeat(rows, counts)
+            logical = np.repeat(lo, counts) + segment_arange(counts)
+            self.pages[rep, self._cols(logical)] = -1
+
+    def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
+        """Store ``page_ids`` at logical pages ``[lo_r, lo_r + counts_r)``, row-major."""
+        if page_ids.size:
+            rep = np.repeat(rows, counts)
+            logical = np.repeat(lo, counts) + segment_arange(counts)
+            self.pages[rep, self._cols(logical)] = page_ids
+
+    def reset_rows(self, rows: np.ndarray) -> None:
+        self.pages[rows] = -1
+        self.base[rows] = 0
+        self.hi[rows] = 0
+
+    # --- kernel views ------------------------------------------------------
+    def block_table(self, rows: np.ndarray, width: int | None = None) -> np.ndarray:
+        """int32 ``[len(rows), width]`` padded with -1 (width: widest row, or fixed)."""
+        base = self.base[rows]
+        live = self.hi[rows] - base
+        if width is None:
+            width = int(live.max()) if live.size else 0
+        if not self.sliding:
+            if width <= self.capacity_pages:
+                return self.pages[rows, :width]
+            out = np.full((rows.size, width), -1, dtype=np.int32)
+            out[:, : self.capacity_pages] = self.pages[rows]
+            return out
+        j = np.arange(width, dtype=np.int64)
+        table = self.pages[rows[:, None], (base[:, None] + j) % self.capacity_pages]
+        table[j[None, :] >= live[:, None]] = -1
+        return table
+
+    def write_slots(self, token_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """int64 slot per token (``page * rows_per_page + row``), -1 where no row is written."""
+        entry = positions // self.stride_tokens
+        logical = entry // self.rows_per_page
+        page = self.pages[token_rows, self._cols(logical)].astype(np.int64)
+        slots = page * self.rows_per_page + entry % self.rows_per_page
+        if self.stride_tokens > 1:
+            slots[(positions + 1) % self.stride_tokens != 0] = -1
+        return slots
