@@ -18,7 +18,7 @@ import json
 import math
 import operator
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -99,15 +99,24 @@ def _lookup(config: Mapping[str, Any], key: str) -> Any:
     return None
 
 
+def _as_int(value: Any) -> int:
+    """An int from an int, a numpy integer or a decimal string; floats and bools refused."""
+    if isinstance(value, bool):
+        raise TypeError(f"{value!r} is not an integer")
+    if isinstance(value, str):
+        return int(value)
+    return operator.index(value)
+
+
 def _config_int(config: Mapping[str, Any], key: str, *, minimum: int = 1) -> int:
     value = _lookup(config, key)
     if value is None:
         raise ValueError(f"DeepSeek-V4 config is missing {key}")
     try:
-        number = operator.index(value) if not isinstance(value, str) else int(value)
+        number = _as_int(value)
     except (TypeError, ValueError):
         raise ValueError(f"config {key} must be an integer, got {value!r}") from None
-    if isinstance(value, bool) or number < minimum:
+    if number < minimum:
         raise ValueError(f"config {key} must be an integer >= {minimum}, got {value!r}")
     return number
 
@@ -202,10 +211,10 @@ def _layer_ratios(config: Mapping[str, Any], include_mtp: bool) -> tuple[int, in
             + (f"; model_type={model_type!r}" if model_type is not None else "")
             + "): only DeepSeek-V4 cache layouts are supported so far"
         )
-    if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence):
-        raise ValueError(f"compress_ratios must be a list of integers, got {raw!r}")
     try:
-        ratios = [int(r) for r in raw]
+        if isinstance(raw, (str, bytes, Mapping)):
+            raise TypeError
+        ratios = [_as_int(r) for r in raw]
     except (TypeError, ValueError):
         raise ValueError(f"compress_ratios must be a list of integers, got {raw!r}") from None
     num_main = _config_int(config, "num_hidden_layers")
