@@ -1,0 +1,101 @@
+"""Dense path: one request's whole sequence at once, every row kept in arrays, no cache.
+
+It applies the same roundings the cache stores (FP8 nope + bf16 rope for KV
+rows, MXFP4 indexer keys, float32 state rows), as the real model does, so the
+paged path must reproduce it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hybridkv.reference.config import ReferenceModel
+from hybridkv.reference.layer import (
+    LayerCodecs,
+    all_visible_entries,
+    compress_entries,
+    compressor_slot_positions,
+    index_key_rows,
+    index_scores,
+    layer_input,
+    main_entry_rows,
+    output_projection,
+    project_tokens,
+    select_topk,
+    sparse_attention,
+    visible_entries,
+    window_key_positions,
+)
+
+
+@dataclass(frozen=True)
+class DenseLayerTrace:
+    """One layer over the sequence: what it produced and which entries it chose."""
+
+    outputs: np.ndarray  # [T, hidden] attention output (before the residual add)
+    kv_rows: np.ndarray  # [T, head_dim] window rows as cached
+    state_rows: np.ndarray | None  # [T, state_width]
+    entry_rows: np.ndarray | None  # [T // ratio, head_dim] compressed rows as cached
+    index_keys: np.ndarray | None  # [T // 4, index_head_dim]
+    selected: np.ndarray | None  # [T, topk] CSA selections (ascending, -1 padded)
+
+
+@dataclass(frozen=True)
+class DenseTrace:
+    hidden: np.ndarray  # [T, hidden] residual stream after the last layer
+    layers: tuple[DenseLayerTrace, ...]
+
+
+def _pool_all_windows(config, comp, state_rows: np.ndarray, num_entries: int) -> np.ndarray:
+    entries = np.arange(num_entries)
+    slot_pos = compressor_slot_positions(entries, comp.ratio)
+    gathered = state_rows[np.maximum(slot_pos, 0)]
+    return compress_entries(config, comp, gathered, slot_pos >= 0, entries)
+
+
+def dense_forward(model: ReferenceModel, token_ids: np.ndarray) -> DenseTrace:
+    """Run every layer of ``model`` over ``token_ids`` (positions ``0..T-1``)."""
+    config = model.config
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if ids.ndim != 1 or ids.size == 0:
+        raise ValueError(f"token_ids must be a non-empty 1-d array, got shape {ids.shape}")
+    if ids.min() < 0 or ids.max() >= config.vocab_size:
+        raise ValueError(f"token ids must lie in [0, {config.vocab_size})")
+    codecs = LayerCodecs.for_config(config)
+    num_tokens = ids.size
+    positions = np.arange(num_tokens)
+    hidden = model.embedding[ids].astype(np.float64)
+    window_pos = window_key_positions(positions, config.window_tokens)
+    traces = []
+    for layer in model.layers:
+        proj = project_tokens(config, codecs, layer, layer_input(config, layer, hidden), positions)
+        window_keys = proj.kv_rows[np.maximum(window_pos, 0)]
+        entry_rows = index_keys = selected = None
+        chosen = np.zeros((num_tokens, 0), dtype=np.int64)
+        if layer.ratio:
+            num_entries = num_tokens // layer.ratio
+            entry_rows = main_entry_rows(
+                codecs, _pool_all_windows(config, layer.compressor, proj.state_rows, num_entries)
+            )
+            if layer.indexer is not None:
+                index_keys = index_key_rows(
+                    codecs,
+                    _pool_all_windows(config, layer.indexer.compressor, proj.index_state_rows, num_entries),
+                )
+                scores = index_scores(proj.index_q, proj.index_weights, index_keys)
+                selected = select_topk(scores, visible_entries(positions, layer.ratio), config.index_topk)
+                chosen = selected
+            else:
+                chosen = all_visible_entries(positions, layer.ratio)
+            entry_keys = entry_rows[np.maximum(chosen, 0)] if entry_rows.shape[0] else np.zeros(
+                chosen.shape + (config.head_dim,), dtype=np.float32
+            )
+        else:
+            entry_keys = np.zeros((num_tokens, 0, config.head_dim), dtype=np.float32)
+        o = sparse_attention(layer, proj.q, window_keys, window_pos >= 0, entry_keys, chosen >= 0)
+        out = output_projection(config, layer, o, positions)
+        hidden = hidden + out
+        traces.append(DenseLayerTrace(out, proj.kv_rows, proj.state_rows, entry_rows, index_keys, selected))
+    return DenseTrace(hidden=hidden, layers=tuple(traces))
