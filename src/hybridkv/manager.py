@@ -127,6 +127,7 @@ class CacheManager:
             s.group_id: PagePool(
                 s.group_id, group_pages[s.group_id],
                 shuffle_seed=None if shuffle_seed is None else shuffle_seed + i,
+                shared_pages=enable_prefix_caching,
             )
             for i, s in enumerate(self.specs)
         }
@@ -142,6 +143,8 @@ class CacheManager:
         self._next_row = 0
         self._computed = np.zeros(64, dtype=np.int64)
         self._committed = np.zeros(64, dtype=np.int64)
+        self._max_total = np.zeros(64, dtype=np.int64)
+        self._known = np.zeros(64, dtype=np.int64)  # known token ids (max total without ids)
         self.prefix: PrefixCache | None = None
         if enable_prefix_caching:
             self.prefix = PrefixCache(
@@ -214,6 +217,8 @@ class CacheManager:
         self._committed[row] = hit.hit_tokens
         self._requests[request_id] = req
         self._row_owner[row] = req
+        self._max_total[row] = total
+        self._known[row] = prompt_len if buf is not None else total
         return hit
 
     def append_token_ids(self, request_id: str, token_ids: Iterable[int] | np.ndarray) -> None:
@@ -229,6 +234,7 @@ class CacheManager:
             )
         req.token_ids[req.known_tokens : req.known_tokens + ids.size] = ids
         req.known_tokens += ids.size
+        self._known[req.row] = req.known_tokens
 
     def num_computed_tokens(self, request_id: str) -> int:
         return int(self._computed[self._get(request_id).row])
@@ -245,30 +251,35 @@ class CacheManager:
         self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False
     ) -> list[Admission]:
         """Would each (request, new tokens) fit, taken greedily in order? Never mutates."""
-        answers, _ = self._admit(items, fixed_width)
+        answers, ok_idx, fits, deny, _ = self._admit(items, fixed_width)
+        for k, i in enumerate(ok_idx):
+            answers[i] = Admission(True) if fits[k] else Admission(False, deny[k])
         return answers
 
     def _admit(self, items, fixed_width):
+        """(answers for invalid items, indices of valid items, fits mask over them,
+        reasons for the denied ones, step plan); pure."""
         answers: list[Admission | None] = [None] * len(items)
-        seen: set[str] = set()
-        ok_idx, rows, counts = [], [], []
-        for i, item in enumerate(items):
-            reason = self._item_error(item, seen, fixed_width)
-            if reason:
-                answers[i] = Admission(False, reason)
-                continue
-            req = self._requests[item[0]]
-            ok_idx.append(i)
-            rows.append(req.row)
-            counts.append(int(item[1]))
-        if not ok_idx:
-            return [a for a in answers], None
-        plan = self._plan(np.asarray(rows, dtype=np.int64), np.asarray(counts, dtype=np.int64))
-        net = {}
-        for s in self.specs:
-            gid = s.group_id
-            credit = self._release_credit(gid, plan.rows, plan.new_base[gid])
-            net[gid] = plan.alloc[gid] - credit
+        fast = self._fast_validate(items)
+        if fast is not None:
+            ok_idx = range(len(items))
+            rows, counts = fast
+        else:
+            seen: set[str] = set()
+            ok_idx, row_list, count_list = [], [], []
+            for i, item in enumerate(items):
+                reason = self._item_error(item, seen, fixed_width)
+                if reason:
+                    answers[i] = Admission(False, reason)
+                    continue
+                ok_idx.append(i)
+                row_list.append(self._requests[item[0]].row)
+                count_list.append(int(item[1]))
+            if not ok_idx:
+                return answers, ok_idx, np.zeros(0, dtype=bool), {}, None
+            rows = np.asarray(row_list, dtype=np.int64)
+            counts = np.asarray(count_list, dtype=np.int64)
+        plan = self._plan(rows, counts)
         fits = np.ones(len(ok_idx), dtype=bool)
         deny: dict[int, str] = {}
         if fixed_width and self.table_widths is not None:
@@ -283,8 +294,12 @@ class CacheManager:
                         f"capture width {self.table_widths[gid]}"
                     )
         avail = {gid: pool.num_free_pages for gid, pool in self.pools.items()}
-        # Releases all happen before allocations, so only the admitted totals matter.
-        if not all(int(net[g][fits].sum()) <= avail[g] for g in avail):
+        # Releases all happen before allocations, so only the admitted totals matter;
+        # release credit is computed only when allocations alone do not fit.
+        if not all(int(plan.alloc[g][fits].sum()) <= avail[g] for g in avail):
+            net = {
+                g: plan.alloc[g] - self._release_credit(g, plan.rows, plan.new_base[g]) for g in avail
+            }
             # Greedy, in order: admit a request only if everything admitted so far still fits.
             used = {g: 0 for g in avail}
             for k in range(len(ok_idx)):
@@ -302,9 +317,30 @@ class CacheManager:
                 else:
                     for g in avail:
                         used[g] += int(net[g][k])
-        for k, i in enumerate(ok_idx):
-            answers[i] = Admission(True) if fits[k] else Admission(False, deny[k])
-        return answers, plan
+        return answers, ok_idx, fits, deny, plan
+
+    def _fast_validate(self, items) -> tuple[np.ndarray, np.ndarray] | None:
+        """Rows and counts when every item is valid (vectorized); None sends the batch
+        down the per-item path that words each reason."""
+        try:
+            reqs = self._requests
+            rids = [rid for rid, _ in items]
+            rows = np.array([reqs[rid].row for rid in rids], dtype=np.int64)
+            counts = np.array([n for _, n in items])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if counts.dtype.kind not in "iu" or len(set(rids)) != len(rids):
+            return None
+        counts = counts.astype(np.int64, copy=False)
+        end = self._computed[rows] + counts
+        if (
+            counts.min() < 1
+            or counts.max() > self.max_step_tokens
+            or np.any(end > self._max_total[rows])
+            or np.any(end > self._known[rows])
+        ):
+            return None
+        return rows, counts
 
     def _item_error(self, item, seen: set[str], fixed_width: bool) -> str:
         try:
@@ -371,11 +407,12 @@ class CacheManager:
         items = list(items)
         if not items:
             raise CacheManagerError("empty batch")
-        answers, plan = self._admit(items, fixed_width)
-        bad = [(items[i], a.reason) for i, a in enumerate(answers) if not a.ok]
-        if bad:
-            detail = "; ".join(reason for _, reason in bad[:3])
-            raise CacheManagerError(f"{len(bad)} of {len(items)} requests not admissible: {detail}")
+        answers, ok_idx, fits, deny, plan = self._admit(items, fixed_width)
+        if len(ok_idx) < len(items) or not fits.all():
+            reasons = [a.reason for a in answers if a is not None] + [deny[k] for k in sorted(deny)]
+            raise CacheManagerError(
+                f"{len(reasons)} of {len(items)} requests not admissible: {'; '.join(reasons[:3])}"
+            )
         rows, counts = plan.rows, plan.counts
         if self.prefix is not None:
             pending = rows[self._committed[rows] < plan.first]
@@ -385,11 +422,10 @@ class CacheManager:
             gid = s.group_id
             table, pool = self.tables[gid], self.pools[gid]
             if table.sliding:
-                base = table.base[rows]
                 nb = plan.new_base[gid]
-                if (nb > base).any():
-                    pool.decref(table.pages_in(rows, base, nb))
-                    table.drop(rows, base, nb)
+                released = table.take(rows, table.base[rows], nb)
+                if released.size:
+                    pool.decref(released)
                     table.base[rows] = nb
             lo = np.maximum(table.hi[rows], plan.new_base[gid])
             n_alloc = plan.alloc[gid]
@@ -419,7 +455,7 @@ class CacheManager:
                 write_slots=table.write_slots(token_rows, positions),
             )
         return StepBatch(
-            request_ids=tuple(rid for rid, _ in items),
+            request_ids=tuple([rid for rid, _ in items]),
             num_scheduled_tokens=counts.astype(np.int32),
             query_start_loc=qsl,
             positions=positions,
@@ -458,13 +494,12 @@ class CacheManager:
             keep = max(cdiv(num_tokens, table.page_tokens), int(table.base[req.row]))
             hi = int(table.hi[req.row])
             if keep < hi:
-                lo_a, hi_a = np.asarray([keep]), np.asarray([hi])
-                self.pools[s.group_id].decref(table.pages_in(row, lo_a, hi_a))
-                table.drop(row, lo_a, hi_a)
+                self.pools[s.group_id].decref(table.take(row, np.asarray([keep]), np.asarray([hi])))
                 table.hi[req.row] = keep
         self._computed[req.row] = num_tokens
         if req.token_ids is not None:
             req.known_tokens = min(req.known_tokens, max(num_tokens, req.prompt_tokens))
+            self._known[req.row] = req.known_tokens
 
     def free(self, request_id: str) -> None:
         """End a request: commit its last step to the prefix cache, release every page."""
@@ -547,9 +582,11 @@ class CacheManager:
         row = self._next_row
         self._next_row += 1
         if row >= self._computed.size:
-            grow = self._computed.size
-            self._computed = np.concatenate([self._computed, np.zeros(grow, dtype=np.int64)])
-            self._committed = np.concatenate([self._committed, np.zeros(grow, dtype=np.int64)])
+            grow = np.zeros(self._computed.size, dtype=np.int64)
+            self._computed = np.concatenate([self._computed, grow])
+            self._committed = np.concatenate([self._committed, grow])
+            self._max_total = np.concatenate([self._max_total, grow])
+            self._known = np.concatenate([self._known, grow])
         for table in self.tables.values():
             table.ensure_rows(row + 1)
         return row

@@ -35,12 +35,22 @@ class PoolCounters:
 class PagePool:
     """Pages ``1 .. num_pages-1`` of one group (``num_pages`` counts the null page)."""
 
-    def __init__(self, group_id: str, num_pages: int, *, shuffle_seed: int | None = None):
+    def __init__(
+        self,
+        group_id: str,
+        num_pages: int,
+        *,
+        shuffle_seed: int | None = None,
+        shared_pages: bool = True,
+    ):
         if isinstance(num_pages, bool) or int(num_pages) != num_pages or num_pages < 2:
             raise ValueError(
                 f"group {group_id!r}: a pool needs at least 2 pages (null page + 1), got {num_pages!r}"
             )
         self.group_id = group_id
+        # Without sharing a page has at most one holder, so one decref call never
+        # lists a page twice and plain fancy indexing is exact (and faster).
+        self.shared_pages = shared_pages
         self.num_pages = int(num_pages)
         self.ref_counts = np.zeros(self.num_pages, dtype=np.int32)
         ids = np.arange(1, self.num_pages, dtype=np.int32)
@@ -130,11 +140,14 @@ class PagePool:
         pages = np.asarray(pages, dtype=np.int64)
         if pages.size == 0:
             return
-        np.subtract.at(self.ref_counts, pages, 1)
+        if self.shared_pages:
+            np.subtract.at(self.ref_counts, pages, 1)
+        else:
+            self.ref_counts[pages] -= 1
         zero = pages[self.ref_counts[pages] == 0]
         if zero.size == 0:
             return
-        if zero.size > 1:
+        if self.shared_pages and zero.size > 1:
             zero = zero[np.sort(np.unique(zero, return_index=True)[1])]
         self.counters.released_pages += int(zero.size)
         keyed = self.cached[zero]

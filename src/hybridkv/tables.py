@@ -92,6 +92,17 @@ class GroupTable:
         return self.pages[rep, self._cols(logical)].astype(np.int64)
 
     # --- mutation -----------------------------------------------------------
+    def take(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """``pages_in`` then ``drop`` in one pass: the removed page ids in logical order."""
+        counts = np.maximum(hi - lo, 0)
+        if not counts.any():
+            return np.zeros(0, dtype=np.int64)
+        rep = np.repeat(rows, counts)
+        cols = self._cols(np.repeat(lo, counts) + segment_arange(counts))
+        pages = self.pages[rep, cols].astype(np.int64)
+        self.pages[rep, cols] = -1
+        return pages
+
     def drop(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
         """Forget logical pages ``[lo, hi)`` (the caller returns them to the pool)."""
         counts = np.maximum(hi - lo, 0)
