@@ -1,0 +1,267 @@
+"""`hybridkv plan` and the human size parsers it uses."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridkv.cli import main
+from hybridkv.units import format_bytes, format_tokens, parse_bytes, parse_tokens
+
+GiB = 2**30
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# --- size parsing --------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("40GiB", 40 * 2**30),
+        ("512MiB", 512 * 2**20),
+        ("1.5GiB", 3 * 2**29),
+        ("40GB", 40 * 10**9),
+        ("40gb", 40 * 10**9),
+        ("2TiB", 2 * 2**40),
+        ("8KiB", 8192),
+        ("8kB", 8000),
+        ("4096", 4096),
+        ("4096B", 4096),
+        (" 40 GiB ", 40 * 2**30),
+        ("1_000", 1000),
+        ("0.1KiB", 102),  # 102.4 rounds down
+        ("0", 0),
+    ],
+)
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("40G", "GiB .*GB"),
+        ("40 GiBs", "unknown byte unit"),
+        ("-5GiB", "negative"),
+        ("abc", "cannot read"),
+        ("", "cannot read"),
+        ("1.5", "whole"),
+        ("1e9", "cannot read"),
+        ("4,", "cannot read"),
+        (".5GiB", "cannot read"),
+    ],
+)
+def test_parse_bytes_errors(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [("128k", 131_072), ("128K", 131_072), ("1M", 1_048_576), ("8192", 8192), ("1.5k", 1536), ("8,192", 8192)],
+)
+def test_parse_tokens(text, value):
+    assert parse_tokens(text) == value
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [("1.1k", "whole number"), ("12x", "unknown token unit"), ("-1k", "negative"), ("k", "cannot read"), ("1.5", "whole")],
+)
+def test_parse_tokens_errors(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_tokens(text)
+
+
+def test_formatting():
+    assert format_bytes(40 * GiB) == "40.00 GiB"
+    assert format_bytes(1536) == "1.50 KiB"
+    assert format_bytes(512) == "512 B"
+    assert format_tokens(131_072) == "128k"
+    assert format_tokens(2**20) == "1M"
+    assert format_tokens(100_000) == "100,000"
+
+
+# --- the plan command ----------------------------------------------------------------
+
+def test_default_plan(capsys):
+    code, out, err = _run(capsys, "plan")
+    assert code == 0 and err == ""
+    assert out.splitlines()[0] == (
+        "40.00 GiB holds 10,612,480 tokens; 81 concurrent requests at 128k "
+        "(limited by v4.c4a.compressed_kv)"
+    )
+    assert "41,455 scheduler pages x 256 tokens = 10,612,480 tokens" in out
+    assert "4,047.03 allocated vs 3,514.25 ideal" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("v4.")}
+    assert rows["v4.c4a.compressed_kv"][4:7] == ["41,584", "877,632", "33.99"]
+    assert rows["v4.swa_kv"][1:3] == ["window", "128"]
+    assert rows["v4.c128a.compressor_state"][-1] == "18"  # table width
+
+
+def test_pro_80gib_readable_table(capsys):
+    code, out, _ = _run(capsys, "plan", "--model", "deepseek-v4-pro", "--kv-memory", "80GiB", "--context-len", "128k")
+    assert code == 0
+    # By hand: sliding groups fixed at 513 / 2,433 / 3,201 / 2,433 pages; each scheduler page
+    # adds 30 * (37,440 + 4,352) + 31 * 1,728 bytes.
+    fixed = 513 * 61 * 37_440 + 2_433 * 30 * 32_768 + 3_201 * 31 * 32_768 + 2_433 * 30 * 8_192
+    per_page = 30 * 41_792 + 31 * 1_728
+    pages = (80 * GiB - fixed) // per_page - 129
+    assert pages == 59_906
+    # 128k needs 513 pages of each compressed group: (59,906 + 129 - 1) // 513 = 117.
+    assert out.splitlines()[0] == (
+        f"80.00 GiB holds {pages * 256:,} tokens; 117 concurrent requests at 128k "
+        "(limited by v4.c4a.compressed_kv)"
+    )
+    assert max(len(line) for line in out.splitlines()) <= 100
+    assert len(out.splitlines()) <= 16
+
+
+def test_json_output(capsys):
+    code, out, _ = _run(capsys, "plan", "--json", "--context-len", "64k")
+    assert code == 0
+    report = json.loads(out)
+    assert report["scheduler_pages"] == 41_455
+    assert report["concurrency"]["context_tokens"] == 65_536
+    # Compressed groups fit (41,584 - 1) // ceil(65,537 / 256) = 161; the window KV
+    # group fits (513 - 1) // (ceil(129 / 64) + 1) = 128 and so limits.
+    assert report["concurrency"]["max_requests"] == 128
+    assert report["concurrency"]["limiting_group"] == "v4.swa_kv"
+    assert [g["pages"] for g in report["groups"]] == [513, 2_433, 41_584, 3_201, 41_584, 2_433]
+
+
+def test_options_reach_the_plan(capsys):
+    code, out, _ = _run(
+        capsys,
+        "plan", "--json", "--indexer", "fp8", "--include-mtp", "--speculative-tokens", "5",
+        "--max-running", "64", "--chunk-tokens", "4k", "--max-context", "256k", "--kv-memory", "20GB",
+    )
+    assert code == 0
+    report = json.loads(out)
+    assert report["limits"] == {
+        "max_running_requests": 64,
+        "max_scheduled_tokens": 4096,
+        "max_context_tokens": 262_144,
+        "speculative_tokens": 5,
+    }
+    assert report["budget_bytes"] == 20 * 10**9
+    assert (report["indexer"], report["include_mtp"], report["num_layers"]) == ("fp8", True, 44)
+    groups = {g["group_id"]: g for g in report["groups"]}
+    assert groups["v4.c4a.compressed_kv"]["page_bytes"] == 21 * (37_440 + 64 * 132)
+    assert groups["v4.c4a.compressor_state"]["sliding_window_tokens"] == 9
+    # 64 * ceil((127 + 4) / 64) + ceil(4096 / 64) + 64 + 1
+    assert groups["v4.swa_kv"]["pages"] == 64 * 3 + 64 + 65
+    assert groups["v4.c4a.compressed_kv"]["table_width"] == -(-(262_144 + 5) // 256)
+
+
+def test_config_path(capsys, tmp_path):
+    from hybridkv.models.layout import load_model_config
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(load_model_config("deepseek-v4-flash")))
+    _, by_name, _ = _run(capsys, "plan", "--json")
+    for source in (str(path), str(tmp_path)):
+        code, out, _ = _run(capsys, "plan", "--json", "--config", source)
+        assert code == 0
+        a, b = json.loads(out), json.loads(by_name)
+        assert a["groups"] == b["groups"] and a["total_tokens"] == b["total_tokens"]
+        assert a["model"] == source
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.fixture
+def bad_configs(tmp_path):
+    no_max = {
+        "num_hidden_layers": 2,
+        "compress_ratios": [4, 128],
+        "head_dim": 512,
+        "qk_rope_head_dim": 64,
+        "index_head_dim": 128,
+        "sliding_window": 128,
+    }
+    return {
+        "broken": _write(tmp_path, "broken.json", "{"),
+        "llama": _write(tmp_path, "llama.json", json.dumps({"model_type": "llama", "sliding_window": 8})),
+        "no_max": _write(tmp_path, "nomax.json", json.dumps(no_max)),
+        "missing": str(tmp_path / "absent.json"),
+    }
+
+
+BAD_INPUTS = [
+    (["plan", "--model", "llama-3"], "unknown model 'llama-3'"),
+    (["plan", "--config", "{missing}"], "no such model config"),
+    (["plan", "--config", "{broken}"], "not valid JSON"),
+    (["plan", "--config", "{llama}"], "not a DeepSeek-V4 config"),
+    (["plan", "--config", "{no_max}"], "no max_position_embeddings: pass --max-context"),
+    (["plan", "--model", "deepseek-v4-pro", "--config", "{llama}"], "not allowed with argument"),
+    (["plan", "--kv-memory", "-5GiB"], "expected one argument"),
+    (["plan", "--kv-memory=-5GiB"], "negative"),
+    (["plan", "--kv-memory", "40G"], "GiB"),
+    (["plan", "--kv-memory", "forty"], "cannot read 'forty'"),
+    (["plan", "--kv-memory", "0"], "--kv-memory must be positive"),
+    (["plan", "--kv-memory", "1MiB"], "too small.*at least 2,578,745,920 B"),
+    (["plan", "--max-running", "-3"], "whole number"),
+    (["plan", "--max-running", "0"], "--max-running must be positive"),
+    (["plan", "--max-running", "1.5"], "whole number"),
+    (["plan", "--chunk-tokens", "8x"], "unknown token unit"),
+    (["plan", "--chunk-tokens", "0"], "--chunk-tokens must be positive"),
+    (["plan", "--max-context=-1M"], "negative"),
+    (["plan", "--context-len", "2M"], "exceeds the max context"),
+    (["plan", "--context-len", "100k", "--max-context", "64k"], "exceeds the max context"),
+    (["plan", "--speculative-tokens", "0"], "must be positive"),
+    (["plan", "--indexer", "fp4"], "invalid choice: 'fp4'"),
+    (["plan", "--bogus"], "unrecognized arguments: --bogus"),
+    (["plan", "extra"], "unrecognized arguments"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+]
+
+
+@pytest.mark.parametrize("argv, match", BAD_INPUTS)
+def test_bad_input_is_one_line_and_exit_2(capsys, bad_configs, argv, match):
+    argv = [a.format(**bad_configs) for a in argv]
+    code, out, err = _run(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("hybridkv: error: ")
+    assert __import__("re").search(match, lines[0]), lines[0]
+
+
+def test_no_subcommand_prints_help_and_exits_2(capsys):
+    code, out, err = _run(capsys)
+    assert code == 2 and out == ""
+    assert "usage: hybridkv" in err and "plan" in err
+
+
+def test_help_and_version(capsys):
+    code, out, _ = _run(capsys, "plan", "--help")
+    assert code == 0 and "--kv-memory" in out and "128k = 131072" in " ".join(out.split())
+    code, out, _ = _run(capsys, "--version")
+    assert code == 0 and out.startswith("hybridkv ")
+
+
+def test_installed_console_script():
+    script = Path(sys.executable).with_name("hybridkv")
+    if not script.exists():
+        pytest.skip("console script not installed next to this interpreter")
+    env = dict(os.environ, COLUMNS="100")
+    ok = subprocess.run([script, "plan", "--json"], capture_output=True, text=True, env=env, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["scheduler_pages"] == 41_455
+    bad = subprocess.run([script, "plan", "--kv-memory", "lots"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("hybridkv: error: ") and "Traceback" not in bad.stderr
