@@ -1,0 +1,300 @@
+"""A continuous-batching driver: workloads -> CacheManager -> per-step metrics.
+
+Each step: running requests first (decode 1 token, or their next prefill
+chunk), then waiting requests in arrival order while the step token budget
+and ``max_running`` allow. A new request is probed against the prefix cache
+(``add_request``) and starts prefilling after its hit. When a running request
+cannot grow, the most recently started running request is preempted
+(recompute: freed, and later re-added with its prompt plus the outputs it had
+produced) until the rest fits. Only manager calls are timed.
+
+Token accounting per request: ``prompt + outputs - 1`` tokens are computed in
+its final incarnation (the last sampled token is never fed back); each of
+them is either a prefix hit or scheduled exactly once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hybridkv.manager import CacheManager
+from hybridkv.sim.workloads import Request
+
+
+@dataclass
+class _Live:
+    request: Request
+    produced: int = 0  # output tokens sampled so far
+    incarnation: int = 0
+    hit_tokens: int = 0  # hit of the current incarnation
+    scheduled_tokens: int = 0  # scheduled in the current incarnation
+    context_tokens: int = 0  # tokens to compute in the current incarnation before decode
+    started_step: int = -1
+
+    @property
+    def rid(self) -> str:
+        return self.request.request_id
+
+    def sequence(self) -> np.ndarray:
+        """Prompt plus the outputs produced so far (what a recompute re-adds)."""
+        r = self.request
+        return np.concatenate([r.prompt_token_ids, r.output_token_ids[: self.produced]])
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    prompt_tokens: int
+    output_tokens: int
+    first_hit_tokens: int
+    final_hit_tokens: int
+    final_scheduled_tokens: int
+    total_scheduled_tokens: int
+    preemptions: int
+    produced_tokens: int
+    start_step: int
+    finish_step: int
+
+
+@dataclass
+class SimResult:
+    steps: int
+    group_ids: tuple[str, ...]
+    group_total_pages: dict[str, int]
+    used_pages: dict[str, np.ndarray]  # per step
+    running: np.ndarray
+    scheduled_tokens: np.ndarray
+    hit_tokens: np.ndarray  # hit tokens of requests started in the step
+    prompt_tokens_started: np.ndarray
+    preemptions: np.ndarray
+    manager_us: np.ndarray
+    requests: list[RequestRecord] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        steps = max(self.steps, 1)
+        prompt = int(sum(r.prompt_tokens for r in self.requests))
+        first_hits = int(sum(r.first_hit_tokens for r in self.requests))
+        util = {
+            g: {
+                "mean": float(self.used_pages[g].mean() / self.group_total_pages[g]) if self.steps else 0.0,
+                "peak": float(self.used_pages[g].max() / self.group_total_pages[g]) if self.steps else 0.0,
+            }
+            for g in self.group_ids
+        }
+        return {
+            "steps": self.steps,
+            "requests_finished": len(self.requests),
+            "scheduled_tokens": int(self.scheduled_tokens.sum()),
+            "scheduled_tokens_per_step": float(self.scheduled_tokens.sum() / steps),
+            "max_running_reached": int(self.running.max()) if self.steps else 0,
+            "mean_running": float(self.running.mean()) if self.steps else 0.0,
+            "prompt_tokens": prompt,
+            "hit_tokens": first_hits,
+            "token_hit_rate": first_hits / prompt if prompt else 0.0,
+            "preemptions": int(self.preemptions.sum()),
+            "manager_us_per_step_p50": float(np.percentile(self.manager_us, 50)) if self.steps else 0.0,
+            "manager_us_per_step_p99": float(np.percentile(self.manager_us, 99)) if self.steps else 0.0,
+            "utilization": util,
+        }
+
+
+class Simulator:
+    """Drive ``manager`` with ``requests`` under a per-step token budget."""
+
+    def __init__(
+        self,
+        manager: CacheManager,
+        requests: Sequence[Request],
+        *,
+        max_running: int,
+        step_token_budget: int,
+        max_steps: int = 1_000_000,
+    ):
+        if max_running < 1 or step_token_budget < 1:
+            raise ValueError("max_running and step_token_budget must be positive")
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids must be unique")
+        self.manager = manager
+        self.requests = list(requests)
+        self.max_running = int(max_running)
+        self.budget = int(step_token_budget)
+        self.max_steps = int(max_steps)
+        total = [r.prompt_tokens + r.output_tokens for r in self.requests]
+        too_long = [r.request_id for r, t in zip(self.requests, total) if t > manager.max_context_tokens]
+        if too_long:
+            raise ValueError(
+                f"{len(too_long)} requests exceed the max context of {manager.max_context_tokens} tokens "
+                f"(first: {too_long[0]!r})"
+            )
+
+    def run(self, on_step: Callable[[int, int], None] | None = None) -> SimResult:
+        mgr = self.manager
+        gids = tuple(s.group_id for s in mgr.specs)
+        pending = deque(sorted(self.requests, key=lambda r: r.arrival_step))
+        finished_ids: set[str] = set()
+        waiting: deque[_Live] = deque()  # arrived, not started (or preempted)
+        running: list[_Live] = []
+        records: list[RequestRecord] = []
+        first_hit: dict[str, int] = {}
+        total_sched: dict[str, int] = {}
+        preempt_count: dict[str, int] = {}
+        series = {k: [] for k in ("running", "sched", "hit", "prompt", "preempt", "us")}
+        used = {g: [] for g in gids}
+        blocked: list[Request] = []
+        step = 0
+        while (pending or waiting or running or blocked) and step < self.max_steps:
+            # Arrivals whose dependency finished.
+            while pending and pending[0].arrival_step <= step:
+                blocked.append(pending.popleft())
+            still = []
+            for r in blocked:
+                if r.after_request_id is None or r.after_request_id in finished_ids:
+                    waiting.append(_Live(r))
+                else:
+                    still.append(r)
+            blocked = still
+            us = 0.0
+            preempted_now = 0
+            # Running requests: decodes (1 token each) first, then prefill chunks.
+            batch: list[tuple[_Live, int]] = []
+            budget = self.budget
+            for live in running:
+                if self._prefill_left(live) == 0:
+                    batch.append((live, 1))
+                    budget -= 1
+            for live in running:
+                left = self._prefill_left(live)
+                if left > 0 and budget > 0:
+                    batch.append((live, min(left, budget)))
+                    budget -= min(left, budget)
+            items = [(live.rid, n) for live, n in batch]
+            while items:
+                t0 = time.perf_counter()
+                answers = mgr.check_admission(items)
+                us += (time.perf_counter() - t0) * 1e6
+                if all(a.ok for a in answers):
+                    break
+                victim = running.pop()  # the most recently started
+                batch = [(lv, n) for lv, n in batch if lv is not victim]
+                items = [(lv.rid, n) for lv, n in batch]
+                t0 = time.perf_counter()
+                mgr.free(victim.rid)
+                us += (time.perf_counter() - t0) * 1e6
+                preempted_now += 1
+                preempt_count[victim.rid] = preempt_count.get(victim.rid, 0) + 1
+                victim.incarnation += 1
+                waiting.appendleft(victim)
+            # Start waiting requests while room remains.
+            hits_now = prompt_now = 0
+            while waiting and len(running) < self.max_running and budget > 0 and not preempted_now:
+                live = waiting[0]
+                seq = live.sequence()
+                remaining = live.request.output_tokens - live.produced
+                t0 = time.perf_counter()
+                hit = mgr.add_request(live.rid, seq, max_new_tokens=remaining)
+                live.hit_tokens = hit.hit_tokens
+                live.scheduled_tokens = 0
+                live.context_tokens = seq.size
+                n = max(1, min(self._prefill_left(live), budget))
+                ok = mgr.check_admission(items + [(live.rid, n)])[-1].ok
+                if not ok:
+                    mgr.free(live.rid)
+                us += (time.perf_counter() - t0) * 1e6
+                if not ok:
+                    break
+                waiting.popleft()
+                if live.incarnation == 0:
+                    first_hit[live.rid] = hit.hit_tokens
+                    hits_now += hit.hit_tokens
+                    prompt_now += live.request.prompt_tokens
+                live.started_step = step if live.started_step < 0 else live.started_step
+                running.append(live)
+                batch.append((live, n))
+                items.append((live.rid, n))
+                budget -= n
+            if not items:
+                if not running and not waiting and not blocked and not pending:
+                    break
+                if not running and waiting:
+                    raise RuntimeError(
+                        f"request {waiting[0].rid!r} cannot start even with no request running: "
+                        "the cache is too small for it"
+                    )
+                step += 1
+                continue
+            t0 = time.perf_counter()
+            mgr.schedule(items)
+            us += (time.perf_counter() - t0) * 1e6
+            # "Sample": requests whose context is complete produce a token.
+            still_running = []
+            scheduled = {id(lv) for lv, _ in batch}
+            for live, n in batch:
+                live.scheduled_tokens += n
+                total_sched[live.rid] = total_sched.get(live.rid, 0) + n
+                computed = live.hit_tokens + live.scheduled_tokens
+                if computed >= live.context_tokens:
+                    live.produced += 1
+                    if live.produced >= live.request.output_tokens:
+                        t0 = time.perf_counter()
+                        mgr.free(live.rid)
+                        us += (time.perf_counter() - t0) * 1e6
+                        finished_ids.add(live.rid)
+                        records.append(self._record(live, step, first_hit, total_sched, preempt_count))
+                        continue
+                    t0 = time.perf_counter()
+                    mgr.append_token_ids(live.rid, live.request.output_token_ids[live.produced - 1 : live.produced])
+                    us += (time.perf_counter() - t0) * 1e6
+                still_running.append(live)
+            running = [lv for lv in running if id(lv) not in scheduled] + still_running
+            series["running"].append(len(items))
+            series["sched"].append(sum(n for _, n in items))
+            series["hit"].append(hits_now)
+            series["prompt"].append(prompt_now)
+            series["preempt"].append(preempted_now)
+            series["us"].append(us)
+            for gid, st in mgr.stats().items():
+                used[gid].append(st.used_pages)
+            step += 1
+            if on_step is not None:
+                on_step(step, len(records))
+        stats = mgr.stats()
+        return SimResult(
+            steps=len(series["running"]),
+            group_ids=gids,
+            group_total_pages={g: stats[g].total_pages for g in gids},
+            used_pages={g: np.asarray(v, dtype=np.int64) for g, v in used.items()},
+            running=np.asarray(series["running"], dtype=np.int64),
+            scheduled_tokens=np.asarray(series["sched"], dtype=np.int64),
+            hit_tokens=np.asarray(series["hit"], dtype=np.int64),
+            prompt_tokens_started=np.asarray(series["prompt"], dtype=np.int64),
+            preemptions=np.asarray(series["preempt"], dtype=np.int64),
+            manager_us=np.asarray(series["us"], dtype=np.float64),
+            requests=records,
+        )
+
+    @staticmethod
+    def _prefill_left(live: _Live) -> int:
+        return max(live.context_tokens - live.hit_tokens - live.scheduled_tokens, 0)
+
+    @staticmethod
+    def _record(live, step, first_hit, total_sched, preempt_count) -> RequestRecord:
+        r = live.request
+        return RequestRecord(
+            request_id=r.request_id,
+            prompt_tokens=r.prompt_tokens,
+            output_tokens=r.output_tokens,
+            first_hit_tokens=first_hit.get(r.request_id, 0),
+            final_hit_tokens=live.hit_tokens,
+            final_scheduled_tokens=live.scheduled_tokens,
+            total_scheduled_tokens=total_sched.get(r.request_id, 0),
+            preemptions=preempt_count.get(r.request_id, 0),
+            produced_tokens=live.produced,
+            start_step=live.started_step,
+            finish_step=step,
+        )
