@@ -162,6 +162,16 @@ def test_options_reach_the_plan(capsys):
     assert groups["v4.c4a.compressed_kv"]["table_width"] == -(-(262_144 + 5) // 256)
 
 
+def test_context_len_defaults_to_128k_or_the_max_context(capsys):
+    _, out, _ = _run(capsys, "plan", "--json")
+    assert json.loads(out)["concurrency"]["context_tokens"] == 131_072
+    code, out, _ = _run(capsys, "plan", "--json", "--max-context", "64k")
+    assert code == 0
+    report = json.loads(out)
+    assert report["concurrency"]["context_tokens"] == 65_536
+    assert report["limits"]["max_context_tokens"] == 65_536
+
+
 def test_config_path(capsys, tmp_path):
     from hybridkv.models.layout import load_model_config
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -58,6 +59,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(run(args) or 0)
     except SystemExit as exc:  # --help / --version
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BrokenPipeError:  # e.g. `hybridkv plan --json | head`
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 1
     except (UsageError, ValueError) as exc:
         message = " ".join(str(exc).split())
         print(f"hybridkv: error: {message}", file=sys.stderr)

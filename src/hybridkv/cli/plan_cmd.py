@@ -15,6 +15,7 @@ from hybridkv.plan import Limits, Plan, plan_for_budget
 from hybridkv.units import format_bytes, format_tokens, parse_bytes, parse_tokens
 
 MAX_WIDTH_COLUMNS = 100
+DEFAULT_CONTEXT_TOKENS = 128 * 1024
 
 
 def _argument_type(parse, what: str):
@@ -73,8 +74,9 @@ def register(subparsers: Any) -> None:
         metavar="TOKENS", help="max context per request (default: the model's max_position_embeddings)",
     )
     parser.add_argument(
-        "--context-len", type=_argument_type(parse_tokens, "--context-len"), default="128k",
-        metavar="TOKENS", help="context length for the concurrency line (default 128k)",
+        "--context-len", type=_argument_type(parse_tokens, "--context-len"), default=None,
+        metavar="TOKENS",
+        help="context length for the concurrency line (default 128k, or the max context if smaller)",
     )
     parser.add_argument(
         "--indexer", choices=INDEXER_FORMATS, default="mxfp4", help="indexer key format (default mxfp4)"
@@ -107,6 +109,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
     max_context = args.max_context or layout.max_position_embeddings
     if max_context is None:
         raise ValueError("the config has no max_position_embeddings: pass --max-context")
+    if args.context_len is None:
+        args.context_len = min(DEFAULT_CONTEXT_TOKENS, max_context)
     if args.context_len > max_context:
         raise ValueError(
             f"--context-len {args.context_len:,} exceeds the max context {max_context:,}"
