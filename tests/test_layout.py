@@ -162,6 +162,18 @@ def test_smaller_geometry():
     assert layout.group("v4.c4a.indexer_compressor_state").page_bytes == 4 * 2 * 2 * 64 * 4
 
 
+def test_model_without_ratio_4_needs_no_indexer():
+    config = _minimal_config(compress_ratios=[0, 128, 128], num_hidden_layers=3, index_head_dim=None)
+    layout = cache_layout(config)
+    assert [g.group_id for g in layout.groups] == [
+        "v4.swa_kv",
+        "v4.c128a.compressor_state",
+        "v4.c128a.compressed_kv",
+    ]
+    assert (layout.index_head_dim, layout.indexer_row_bytes) == (None, None)
+    assert layout.ideal_bytes_per_token == 2 * 584 / 128
+
+
 def test_sources_agree(tmp_path):
     from_name = cache_layout("deepseek-v4-flash")
     config = load_model_config("deepseek-v4-flash")

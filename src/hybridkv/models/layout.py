@@ -270,6 +270,7 @@ def cache_layout(
     indexer_row_bytes = None
     if uses_indexer or _lookup(config, "index_head_dim") is not None:
         index_head_dim = _config_int(config, "index_head_dim")
+    if uses_indexer:
         indexer_row_bytes = _indexer_row_bytes(indexer, index_head_dim)
     max_positions = _lookup(config, "max_position_embeddings")
     if max_positions is not None:
