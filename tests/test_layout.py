@@ -292,6 +292,7 @@ def test_not_a_v4_config():
         ({"index_head_dim": 48}, "divisible by 32"),
         ({"sliding_window": 0}, "positive"),
         ({"sliding_window": None}, "sliding_window"),
+        ({"sliding_window": [128]}, "invalid DeepSeek-V4 config"),
         ({"num_nextn_predict_layers": 2}, "num_nextn_predict_layers=2"),
     ],
 )

@@ -262,9 +262,12 @@ def cache_layout(
     rope_dim = _config_int(config, "qk_rope_head_dim")
     kv_row_bytes = v4.deepseek_v4_swa_row_bytes(head_dim, rope_dim)
     token_stride_bytes = v4.deepseek_v4_swa_token_stride(head_dim, rope_dim)
-    specs = tuple(
-        v4.build_v4_cache_specs(config, layer_ratio=ratios, speculative_tokens=speculative_tokens)
-    )
+    try:
+        specs = tuple(
+            v4.build_v4_cache_specs(config, layer_ratio=ratios, speculative_tokens=speculative_tokens)
+        )
+    except TypeError as exc:  # e.g. a list where the seed expects an integer
+        raise ValueError(f"invalid DeepSeek-V4 config or arguments: {exc}") from None
     uses_indexer = 4 in v4.compress_ratios_in(ratios)
     index_head_dim = None
     indexer_row_bytes = None
