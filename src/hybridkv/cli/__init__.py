@@ -21,6 +21,7 @@ from hybridkv import __version__
 
 COMMAND_MODULES: tuple[str, ...] = (
     "hybridkv.cli.plan_cmd",
+    "hybridkv.cli.simulate_cmd",
 )
 
 EXIT_USAGE = 2

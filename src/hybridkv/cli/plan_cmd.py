@@ -49,6 +49,13 @@ def register(subparsers: Any) -> None:
             "Tokens: 128k = 131072, 1M = 1048576."
         ),
     )
+    add_plan_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON (docs/planning.md)")
+    parser.set_defaults(run=run)
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and limit options shared by ``plan`` and ``simulate``."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
         "--model",
@@ -86,8 +93,6 @@ def register(subparsers: Any) -> None:
         metavar="K", help="tokens verified per decode step (default 1)",
     )
     parser.add_argument("--include-mtp", action="store_true", help="also cache the MTP layer(s)")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON (docs/planning.md)")
-    parser.set_defaults(run=run)
 
 
 def build_plan(args: argparse.Namespace) -> Plan:
