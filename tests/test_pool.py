@@ -218,12 +218,6 @@ def test_check_invariants_catches_corruption():
         pool.check_invariants()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: PagePool.incref deletes evictable pages from the LRU before it finds a free "
-    "page in the same call and raises, so the evictable page leaks (ref 0, keyed, neither "
-    "free nor evictable)",
-)
 def test_failed_incref_changes_nothing():
     pool = PagePool("g", 6)
     a, b = pool.allocate(2).tolist()

@@ -122,10 +122,12 @@ class PagePool:
         pages = np.asarray(pages, dtype=np.int64)
         if pages.size == 0:
             return
-        for page in pages[self.ref_counts[pages] == 0].tolist():
+        idle = pages[self.ref_counts[pages] == 0].tolist()
+        for page in idle:
             if page not in self._evictable:
                 raise ValueError(f"group {self.group_id!r}: page {page} is free, cannot be borrowed")
-            del self._evictable[page]
+        for page in idle:
+            self._evictable.pop(page, None)
         np.add.at(self.ref_counts, pages, 1)
         used = self.num_used_pages
         if used > self.peak_used_pages:
