@@ -22,6 +22,7 @@ from hybridkv import __version__
 COMMAND_MODULES: tuple[str, ...] = (
     "hybridkv.cli.plan_cmd",
     "hybridkv.cli.simulate_cmd",
+    "hybridkv.cli.verify_cmd",
 )
 
 EXIT_USAGE = 2
