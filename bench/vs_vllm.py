@@ -1,0 +1,607 @@
+"""Side by side: vLLM's KV-cache manager and hybridkv's, same layout, budget and workloads.
+
+Run with the vLLM environment (bench/README.md):
+
+    .venv-vllm/bin/python bench/vs_vllm.py            # full run, ~1-2 min on 2 cores
+    .venv-vllm/bin/python bench/vs_vllm.py --quick    # smaller, for a smoke test
+
+Both managers plan DeepSeek-V4-Flash (FP8 indexer, as vLLM uses) in the same
+byte budget and are fed the same requests, phase by phase, alternating sides
+within one process. Measured:
+
+* decode: manager time per running request per decode step (``--decode-requests``
+  running requests, chat-workload prompts, ``--decode-steps`` steps);
+* prefill: manager time per ``--chunk``-token prefill chunk;
+* multiturn: token hit rate on conversations sharing a system prompt, requests
+  served one after another (the order ``ideal_hit_tokens`` assumes);
+* capacity: requests of ``--context`` tokens that fit, computed from the layout
+  and measured by prefilling requests until the pool refuses.
+
+It prints a table of ratios and writes JSON (``--json``, default
+bench/out/vs_vllm.json). The hybridkv side is :class:`HybridkvSide`; until it
+is wired to ``hybridkv.manager`` its column reads "n/a".
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+import numpy as np
+
+from hybridkv.sim.workloads import (
+    DEFAULT_VOCAB_SIZE,
+    chat_workload,
+    ideal_hit_tokens,
+    multiturn_workload,
+)
+
+BENCH_DIR = Path(__file__).resolve().parent
+DEFAULT_JSON = BENCH_DIR / "out" / "vs_vllm.json"
+GIB = 2**30
+
+
+class CacheSide(Protocol):
+    """What both adapters offer (see bench/vllm_side.py for the semantics)."""
+
+    name: str
+
+    def describe(self) -> dict[str, Any]: ...
+    def computed_capacity(self, context_tokens: int) -> float: ...
+    def new_request(self, request_id: str, token_ids: Sequence[int], max_tokens: int = 1) -> Any: ...
+    def probe_hit(self, request: Any) -> int: ...
+    def allocate(self, request: Any, num_new_tokens: int) -> bool: ...
+    def append_tokens(self, request: Any, token_ids: Sequence[int]) -> None: ...
+    def free(self, request: Any) -> None: ...
+    def begin_step(self) -> None: ...
+    def num_computed_tokens(self, request: Any) -> int: ...
+    def pages_per_group(self, request: Any) -> list[int]: ...
+    def num_free_blocks(self) -> int: ...
+    def num_total_blocks(self) -> int: ...
+    def reset_prefix_cache(self) -> bool: ...
+    def take_timings(self) -> dict[str, int]: ...
+
+
+class HybridkvSide:
+    """hybridkv's manager behind the same adapter API as ``vllm_side.VllmSide``.
+
+    TODO(issue 7): build a ``hybridkv.manager.CacheManager`` for the same model
+    (FP8 indexer), budget (``kv_memory_bytes``), ``max_model_len``, chunk and
+    running-request limits, and implement every method below with the
+    semantics documented on ``VllmSide``: ``probe_hit`` returns the reusable
+    prompt tokens, the first ``allocate`` adopts that hit, ``allocate``
+    returns False and changes nothing when the pool refuses, manager call
+    times accumulate per method and ``take_timings`` returns and resets them.
+    """
+
+    name = "hybridkv"
+
+    def __init__(
+        self,
+        *,
+        kv_memory_bytes: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        raise NotImplementedError("HybridkvSide is not wired to hybridkv.manager yet")
+
+    def describe(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def computed_capacity(self, context_tokens: int) -> float:
+        raise NotImplementedError
+
+    def new_request(self, request_id: str, token_ids: Sequence[int], max_tokens: int = 1) -> Any:
+        raise NotImplementedError
+
+    def probe_hit(self, request: Any) -> int:
+        raise NotImplementedError
+
+    def allocate(self, request: Any, num_new_tokens: int) -> bool:
+        raise NotImplementedError
+
+    def append_tokens(self, request: Any, token_ids: Sequence[int]) -> None:
+        raise NotImplementedError
+
+    def free(self, request: Any) -> None:
+        raise NotImplementedError
+
+    def begin_step(self) -> None:
+        raise NotImplementedError
+
+    def num_computed_tokens(self, request: Any) -> int:
+        raise NotImplementedError
+
+    def pages_per_group(self, request: Any) -> list[int]:
+        raise NotImplementedError
+
+    def num_free_blocks(self) -> int:
+        raise NotImplementedError
+
+    def num_total_blocks(self) -> int:
+        raise NotImplementedError
+
+    def reset_prefix_cache(self) -> bool:
+        raise NotImplementedError
+
+    def take_timings(self) -> dict[str, int]:
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@contextlib.contextmanager
+def quiet_gc() -> Iterator[None]:
+    """Collect first, then keep the collector out of the timed region."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def prefill(side: CacheSide, request: Any, prompt_tokens: int, chunk_tokens: int) -> bool:
+    """Schedule the rest of the prompt in chunks; False if the pool refuses a chunk."""
+    while (done := side.num_computed_tokens(request)) < prompt_tokens:
+        if not side.allocate(request, min(chunk_tokens, prompt_tokens - done)):
+            return False
+    return True
+
+
+def _manager_ns(timings: dict[str, int], *names: str) -> int:
+    return sum(timings.get(name, 0) for name in names)
+
+
+def _unique_prompts(rng: np.random.Generator, count: int, tokens: int) -> list[np.ndarray]:
+    return [rng.integers(0, DEFAULT_VOCAB_SIZE, size=tokens, dtype=np.int32) for _ in range(count)]
+
+
+# --------------------------------------------------------------------------- measurements
+
+
+def measure_decode(side: CacheSide, *, num_requests: int, steps: int, chunk_tokens: int, seed: int) -> dict[str, Any]:
+    """Manager time per running request per decode step."""
+    workload = chat_workload(num_requests, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    running = []
+    for item in workload:
+        # Prefill, then one decode step, so the request holds its steady-state
+        # pages (window pages of the last chunk released) before the next one.
+        request = side.new_request(item.request_id, item.prompt_token_ids, max_tokens=steps + 2)
+        side.probe_hit(request)
+        if not (
+            prefill(side, request, item.prompt_tokens, chunk_tokens)
+            and (side.append_tokens(request, [int(item.output_token_ids[0])]) or True)
+            and side.allocate(request, 1)
+        ):
+            raise RuntimeError(f"{side.name}: decode setup does not fit ({item.request_id})")
+        side.append_tokens(request, [int(rng.integers(0, DEFAULT_VOCAB_SIZE))])
+        running.append(request)
+    side.take_timings()
+    step_ns = np.zeros(steps, dtype=np.int64)
+    outputs = rng.integers(0, DEFAULT_VOCAB_SIZE, size=(steps, num_requests))
+    with quiet_gc():
+        for step in range(steps):
+            side.begin_step()
+            for request in running:
+                if not side.allocate(request, 1):
+                    raise RuntimeError(f"{side.name}: decode step {step} refused a slot")
+            timings = side.take_timings()
+            step_ns[step] = _manager_ns(timings, "begin_step", "allocate")
+            for request, token in zip(running, outputs[step]):
+                side.append_tokens(request, [int(token)])
+    hash_ns = side.take_timings().get("hash", 0)
+    for request in running:
+        side.free(request)
+    per_request_us = step_ns / num_requests / 1e3
+    return dict(
+        running_requests=num_requests,
+        steps=steps,
+        prompt_tokens_total=int(sum(r.prompt_tokens for r in workload)),
+        us_per_request_step_mean=float(per_request_us.mean()),
+        us_per_request_step_p50=float(np.median(per_request_us)),
+        us_per_request_step_p90=float(np.percentile(per_request_us, 90)),
+        ms_per_step_mean=float(step_ns.mean() / 1e6),
+        hash_us_per_request_step=float(hash_ns / steps / num_requests / 1e3),
+    )
+
+
+def measure_prefill(side: CacheSide, *, num_requests: int, prompt_tokens: int, chunk_tokens: int, seed: int) -> dict[str, Any]:
+    """Manager time per prefill chunk of ``chunk_tokens`` (unique prompts, no hits)."""
+    rng = np.random.default_rng(seed + 2)
+    chunk_ns: list[int] = []
+    requests = []
+    for index, prompt in enumerate(_unique_prompts(rng, num_requests, prompt_tokens)):
+        request = side.new_request(f"prefill-{index}", prompt)
+        side.probe_hit(request)
+        side.take_timings()
+        with quiet_gc():
+            while (done := side.num_computed_tokens(request)) < prompt_tokens:
+                if not side.allocate(request, min(chunk_tokens, prompt_tokens - done)):
+                    raise RuntimeError(f"{side.name}: prefill chunk refused")
+                chunk_ns.append(_manager_ns(side.take_timings(), "allocate"))
+        requests.append(request)
+    for request in requests:
+        side.free(request)
+    chunk_ms = np.asarray(chunk_ns) / 1e6
+    return dict(
+        chunk_tokens=chunk_tokens,
+        chunks=len(chunk_ns),
+        prompt_tokens=prompt_tokens,
+        ms_per_chunk_mean=float(chunk_ms.mean()),
+        ms_per_chunk_p50=float(np.median(chunk_ms)),
+        ms_per_chunk_min=float(chunk_ms.min()),
+        ms_per_chunk_max=float(chunk_ms.max()),
+    )
+
+
+def measure_multiturn(side: CacheSide, workload: list, *, chunk_tokens: int) -> dict[str, Any]:
+    """Token hit rate with requests served one after another in workload order."""
+    hits = np.zeros(len(workload), dtype=np.int64)
+    side.take_timings()
+    for index, item in enumerate(workload):
+        request = side.new_request(item.request_id, item.prompt_token_ids, max_tokens=item.output_tokens)
+        hits[index] = side.probe_hit(request)
+        if not prefill(side, request, item.prompt_tokens, chunk_tokens):
+            raise RuntimeError(f"{side.name}: multiturn request {item.request_id} refused")
+        side.append_tokens(request, [int(item.output_token_ids[0])])
+        for token in item.output_token_ids[1:]:
+            if not side.allocate(request, 1):
+                raise RuntimeError(f"{side.name}: multiturn decode refused")
+            side.append_tokens(request, [int(token)])
+        side.free(request)
+    timings = side.take_timings()
+    prompt_tokens = int(sum(r.prompt_tokens for r in workload))
+    return dict(
+        requests=len(workload),
+        prompt_tokens=prompt_tokens,
+        hit_tokens=int(hits.sum()),
+        hit_rate=float(hits.sum() / prompt_tokens),
+        manager_ms_total=float(_manager_ns(timings, "probe_hit", "allocate", "free") / 1e6),
+    )
+
+
+def measure_capacity(side: CacheSide, *, context_tokens: int, chunk_tokens: int, seed: int, limit: int) -> dict[str, Any]:
+    """Admit unique requests of ``context_tokens`` one by one until the pool refuses one.
+
+    A request is a ``context_tokens - 1`` token prompt, prefilled in chunks,
+    then one decode step (its first output token gets its slot), so each holds
+    its steady-state pages when the next one is admitted.
+    """
+    rng = np.random.default_rng(seed + 3)
+    prompt_tokens = context_tokens - 1
+    admitted = []
+    refused_at = "none (limit reached)"
+    for index in range(limit):
+        prompt = rng.integers(0, DEFAULT_VOCAB_SIZE, size=prompt_tokens, dtype=np.int32)
+        request = side.new_request(f"cap-{index}", prompt, max_tokens=2)
+        side.probe_hit(request)
+        if not side.allocate(request, min(chunk_tokens, prompt_tokens)):
+            refused_at = "admission"
+            break
+        if prefill(side, request, prompt_tokens, chunk_tokens):
+            side.append_tokens(request, [int(rng.integers(0, DEFAULT_VOCAB_SIZE))])
+            if side.allocate(request, 1):
+                admitted.append(request)
+                continue
+            refused_at = "first decode step"
+        else:
+            refused_at = f"prefill chunk at token {side.num_computed_tokens(request)}"
+        side.free(request)
+        break
+    used_blocks = side.num_total_blocks() - side.num_free_blocks()
+    first_request_pages = side.pages_per_group(admitted[0]) if admitted else []
+    for request in admitted:
+        side.free(request)
+    side.take_timings()
+    return dict(
+        context_tokens=context_tokens,
+        measured_requests=len(admitted),
+        refused_at=refused_at,
+        blocks_used_when_refused=int(used_blocks),
+        blocks_per_request=float(used_blocks / max(len(admitted), 1)),
+        first_request_pages_per_group=first_request_pages,
+        computed_requests=float(side.computed_capacity(context_tokens)),
+    )
+
+
+# --------------------------------------------------------------------------- driver
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    kv_memory_bytes: int
+    max_model_len: int
+    chunk_tokens: int
+    max_num_seqs: int
+    decode_requests: int
+    decode_steps: int
+    prefill_requests: int
+    prefill_tokens: int
+    conversations: int
+    turns: int
+    system_prompt_tokens: int
+    context_tokens: int
+    capacity_limit: int
+    seed: int
+    skip_capacity: bool
+    rounds: int
+
+
+def _make_sides(config: BenchConfig, vllm_factory: Callable[..., Any] | None) -> dict[str, Any]:
+    """Each side, or the reason it is unavailable."""
+    kwargs = dict(
+        kv_memory_bytes=config.kv_memory_bytes,
+        max_model_len=config.max_model_len,
+        max_num_batched_tokens=config.chunk_tokens,
+        max_num_seqs=config.max_num_seqs,
+    )
+    sides: dict[str, Any] = {}
+    for name, factory in (("vLLM", vllm_factory), ("hybridkv", HybridkvSide)):
+        if factory is None:
+            sides[name] = "vLLM is not installed (see bench/README.md)"
+            continue
+        try:
+            sides[name] = factory(**kwargs)
+        except NotImplementedError as exc:
+            sides[name] = f"not implemented: {exc}"
+    return sides
+
+
+def byte_ideal_capacity(config: BenchConfig) -> dict[str, Any]:
+    """Requests of ``context_tokens`` that fit if every byte held live cache (no padding)."""
+    from hybridkv.models.layout import cache_layout
+
+    layout = cache_layout("deepseek-v4-flash", indexer="fp8")
+    request_bytes = config.context_tokens * layout.ideal_bytes_per_token + layout.ideal_bytes_per_request
+    return dict(
+        ideal_bytes_per_token=layout.ideal_bytes_per_token,
+        fixed_bytes_per_request=layout.ideal_bytes_per_request,
+        requests=config.kv_memory_bytes / request_bytes,
+    )
+
+
+TIMED_PHASES = {"decode": "us_per_request_step_mean", "prefill": "ms_per_chunk_mean"}
+
+
+def run(config: BenchConfig, vllm_factory: Callable[..., Any] | None, log: Callable[[str], None]) -> dict[str, Any]:
+    sides = _make_sides(config, vllm_factory)
+    live = {name: side for name, side in sides.items() if not isinstance(side, str)}
+    results: dict[str, dict[str, Any]] = {name: {} for name in sides}
+    for name, side in sides.items():
+        if isinstance(side, str):
+            results[name]["unavailable"] = side
+            log(f"{name}: {side}")
+        else:
+            results[name]["layout"] = side.describe()
+
+    multiturn = multiturn_workload(
+        config.conversations, config.turns, seed=config.seed, system_prompt_tokens=config.system_prompt_tokens
+    )
+    prompt_total = sum(r.prompt_tokens for r in multiturn)
+    bounds = dict(
+        ideal_hit_rate=float(ideal_hit_tokens(multiturn).sum() / prompt_total),
+        grain_256_hit_rate=float(ideal_hit_tokens(multiturn, grain_tokens=256).sum() / prompt_total),
+        prompt_tokens=int(prompt_total),
+    )
+
+    phases: list[tuple[str, Callable[[Any], dict[str, Any]]]] = [
+        ("decode", lambda s: measure_decode(
+            s, num_requests=config.decode_requests, steps=config.decode_steps,
+            chunk_tokens=config.chunk_tokens, seed=config.seed)),
+        ("prefill", lambda s: measure_prefill(
+            s, num_requests=config.prefill_requests, prompt_tokens=config.prefill_tokens,
+            chunk_tokens=config.chunk_tokens, seed=config.seed)),
+        ("multiturn", lambda s: measure_multiturn(s, multiturn, chunk_tokens=config.chunk_tokens)),
+    ]
+    if not config.skip_capacity:
+        phases.append(("capacity", lambda s: measure_capacity(
+            s, context_tokens=config.context_tokens, chunk_tokens=config.chunk_tokens,
+            seed=config.seed, limit=config.capacity_limit)))
+    for phase, measure in phases:
+        primary = TIMED_PHASES.get(phase)
+        rounds = config.rounds if primary else 1
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in live}
+        for _ in range(rounds):  # interleaved: each round runs the phase on every side in turn
+            for name, side in live.items():
+                if not side.reset_prefix_cache():
+                    raise RuntimeError(f"{name}: prefix cache could not be reset before {phase}")
+                started = time.perf_counter()
+                runs[name].append(measure(side))
+                log(f"{name}: {phase} done in {time.perf_counter() - started:.1f} s")
+        for name, outcomes in runs.items():
+            if primary:  # report the round with the median primary figure
+                outcomes = sorted(outcomes, key=lambda outcome: outcome[primary])
+                chosen = dict(outcomes[len(outcomes) // 2])
+                chosen[f"rounds_{primary}"] = [outcome[primary] for outcome in outcomes]
+                results[name][phase] = chosen
+            else:
+                results[name][phase] = outcomes[0]
+    return dict(
+        config=config.__dict__,
+        multiturn_bounds=bounds,
+        byte_ideal_capacity=byte_ideal_capacity(config),
+        results=results,
+        environment=dict(
+            python=platform.python_version(),
+            machine=platform.machine(),
+            cpus=os.cpu_count(),
+            vllm=getattr(sides.get("vLLM"), "describe", lambda: {})().get("vllm_version"),
+        ),
+        command=" ".join([Path(sys.executable).name, *sys.argv]),
+        timestamp=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
+
+
+def _get(results: dict[str, Any], side: str, phase: str, key: str) -> float | None:
+    value = results["results"].get(side, {}).get(phase, {}).get(key)
+    return None if value is None else float(value)
+
+
+def ratio_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each metric with both values, the ratio in the "ours is better when > 1" sense, the target."""
+    bounds = report["multiturn_bounds"]
+    ideal = report["byte_ideal_capacity"]["requests"]
+    rows = []
+
+    def add(metric: str, phase: str, key: str, unit: str, lower_is_better: bool, target: str) -> None:
+        theirs, ours = _get(report, "vLLM", phase, key), _get(report, "hybridkv", phase, key)
+        ratio = None
+        if theirs is not None and ours is not None and ours > 0 and theirs > 0:
+            ratio = theirs / ours if lower_is_better else ours / theirs
+        rows.append(dict(metric=metric, unit=unit, vllm=theirs, hybridkv=ours, ratio=ratio, target=target))
+
+    add("manager time per running request per decode step", "decode", "us_per_request_step_mean", "µs", True, ">= 20x")
+    add("manager time per prefill chunk", "prefill", "ms_per_chunk_mean", "ms", True, "-")
+    add("token hit rate, multiturn", "multiturn", "hit_rate", "", False,
+        f">= 1x and >= {bounds['grain_256_hit_rate']:.1%} (256 grain); ideal {bounds['ideal_hit_rate']:.1%}")
+    add("requests that fit (computed from layout)", "capacity", "computed_requests", "", False, "-")
+    add("requests that fit (measured)", "capacity", "measured_requests", "", False,
+        f">= 1x and >= {0.97 * ideal:.1f} (97% of byte-ideal {ideal:.1f})")
+    return rows
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "n/a"
+    if unit == "" and value <= 1.0:
+        return f"{value:.1%}"
+    if unit == "":
+        return f"{value:,.1f}"
+    return f"{value:,.2f} {unit}" if value < 100 else f"{value:,.0f} {unit}"
+
+
+def print_report(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 120))
+    for name, result in report["results"].items():
+        layout = result.get("layout")
+        if not layout:
+            continue
+        specs = Table(title=f"{name}: per-layer cache specs")
+        for column in ("spec", "layers", "block tokens", "window", "tokens/state", "page bytes", "dtype"):
+            specs.add_column(column, justify="left" if column in ("spec", "dtype") else "right")
+        for row in layout.get("specs", []):
+            specs.add_row(row["spec_class"], str(row["layers"]), str(row["block_tokens"]),
+                          str(row["window_tokens"] or "-"), str(row["tokens_per_state"]),
+                          f"{row['page_bytes_real']:,} -> {row['page_bytes_padded']:,}", row["dtype"])
+        console.print(specs)
+        table = Table(title=f"{name} layout: {layout.get('num_blocks', '?'):,} blocks of "
+                      f"{layout.get('block_stride_bytes', 0):,} B, layout {layout.get('layout')}, "
+                      f"hit grain {layout.get('scheduler_block_tokens')} / hash {layout.get('hash_block_tokens')} tokens")
+        held = result.get("capacity", {}).get("first_request_pages_per_group") or []
+        for column in ("group", "spec", "layers", "block tokens", "window", "page bytes",
+                       "blocks held by one context request"):
+            table.add_column(column, justify="right" if column != "spec" else "left")
+        for index, group in enumerate(layout.get("groups", [])):
+            table.add_row(str(group["group"]), group["spec_class"], str(group["layers"]),
+                          str(group["block_tokens"]), str(group["window_tokens"] or "-"),
+                          f"{group['page_bytes']:,}", str(held[index]) if index < len(held) else "-")
+        console.print(table)
+
+    table = Table(title="DeepSeek-V4-Flash, FP8 indexer, "
+                  f"{report['config']['kv_memory_bytes'] / GIB:g} GiB: vLLM vs hybridkv")
+    for column in ("metric", "vLLM", "hybridkv", "ratio (ours better > 1)", "target"):
+        table.add_column(column, justify="left" if column in ("metric", "target") else "right")
+    for row in ratio_rows(report):
+        ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.2f}x"
+        table.add_row(row["metric"], _fmt(row["vllm"], row["unit"]), _fmt(row["hybridkv"], row["unit"]),
+                      ratio, row["target"])
+    console.print(table)
+    console.print(f"byte-ideal requests at {report['config']['context_tokens']:,} tokens: "
+                  f"{report['byte_ideal_capacity']['requests']:.2f}; multiturn prompt tokens "
+                  f"{report['multiturn_bounds']['prompt_tokens']:,}")
+
+
+def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Path]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kv-memory-gib", type=float, default=40.0)
+    parser.add_argument("--max-model-len", type=int, default=131_072)
+    parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk = token budget per step")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--decode-requests", type=int, default=256)
+    parser.add_argument("--decode-steps", type=int, default=64)
+    parser.add_argument("--prefill-requests", type=int, default=4)
+    parser.add_argument("--prefill-tokens", type=int, default=32_768)
+    parser.add_argument("--conversations", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--system-prompt", type=int, default=2_000)
+    parser.add_argument("--context", type=int, default=131_072)
+    parser.add_argument("--capacity-limit", type=int, default=1_000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of the timed phases (decode, prefill); the median round is reported")
+    parser.add_argument("--skip-capacity", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.decode_requests, args.decode_steps = 32, 8
+        args.prefill_requests, args.prefill_tokens = 1, 8_192
+        args.conversations, args.turns, args.rounds = 4, 2, 1
+        args.context, args.capacity_limit = 32_768, 8
+    config = BenchConfig(
+        kv_memory_bytes=int(args.kv_memory_gib * GIB),
+        max_model_len=max(args.max_model_len, args.context),
+        chunk_tokens=args.chunk,
+        max_num_seqs=args.max_num_seqs,
+        decode_requests=args.decode_requests,
+        decode_steps=args.decode_steps,
+        prefill_requests=args.prefill_requests,
+        prefill_tokens=args.prefill_tokens,
+        conversations=args.conversations,
+        turns=args.turns,
+        system_prompt_tokens=args.system_prompt,
+        context_tokens=args.context,
+        capacity_limit=args.capacity_limit,
+        seed=args.seed,
+        skip_capacity=args.skip_capacity,
+        rounds=max(1, args.rounds),
+    )
+    return config, args.json
+
+
+def load_vllm_factory() -> Callable[..., Any] | None:
+    try:
+        from vllm_side import VllmSide
+    except ImportError as exc:
+        print(f"vLLM side unavailable: {exc}", file=sys.stderr)
+        return None
+    return VllmSide
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, json_path = parse_args(argv)
+    vllm_factory = load_vllm_factory()
+    if vllm_factory is None:
+        print("Build the vLLM environment as bench/README.md describes, then run "
+              ".venv-vllm/bin/python bench/vs_vllm.py", file=sys.stderr)
+    report = run(config, vllm_factory, log=lambda line: print(line, file=sys.stderr))
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print_report(report)
+    print(f"JSON: {json_path}")
+    ran = any("decode" in result for result in report["results"].values())
+    return 0 if ran else 2
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(BENCH_DIR))
+    raise SystemExit(main())
