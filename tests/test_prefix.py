@@ -1,0 +1,637 @@
+"""Prefix caching across hybrid groups (issue 5): keys, publication, matching, sharing, eviction.
+
+Most tests use a small DeepSeek-V4 group set (window 128, ratios 0/4/128) with
+the default 256-token grain:
+
+    group                               family   page tokens  window
+    v4.swa_kv                           state    64           128
+    v4.c4a.compressor_state             state    4            8
+    v4.c4a.compressed_kv                history  256          -
+    v4.c128a.compressor_state           state    8            128
+    v4.c128a.compressed_kv              history  256          -
+    v4.c4a.indexer_compressor_state     state    4            8
+
+Expected hits are worked out by hand in each test from the rules: tokens of a
+step are committed at the request's next ``schedule`` or ``free``; a commit
+publishes every completed 256-token block (history groups) and one state
+checkpoint at the latest boundary it crossed; a request's older own checkpoint
+is dropped when it publishes a newer one (unless on the interval); a hit needs
+all history blocks below D and a checkpoint at exactly D in every state group,
+with D <= prompt - 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import xxhash
+
+from hybridkv.manager import CacheManager, CacheManagerError
+from hybridkv.models.deepseek_v4 import build_v4_cache_specs
+from hybridkv.models.layout import cache_layout
+from hybridkv.prefix import CacheEvent, PrefixHit
+
+SPECS = tuple(build_v4_cache_specs(SimpleNamespace(sliding_window=128), layer_ratio=[0, 4, 128]))
+SWA = "v4.swa_kv"
+C4S = "v4.c4a.compressor_state"
+C4KV = "v4.c4a.compressed_kv"
+C128S = "v4.c128a.compressor_state"
+C128KV = "v4.c128a.compressed_kv"
+IDX = "v4.c4a.indexer_compressor_state"
+HISTORY = (C4KV, C128KV)
+STATE = (SWA, C4S, C128S, IDX)
+ALL = (SWA, C4S, C4KV, C128S, C128KV, IDX)
+VOCAB = 129_280
+
+
+def make_manager(pages: int = 1200, *, group_pages: dict[str, int] | None = None, specs=SPECS, **options):
+    sizes = {s.group_id: pages for s in specs}
+    sizes.update(group_pages or {})
+    return CacheManager(specs, sizes, max_context_tokens=8192, enable_prefix_caching=True, **options)
+
+
+def ids(seed: int, count: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, count, dtype=np.int32)
+
+
+def cat(*parts) -> np.ndarray:
+    return np.concatenate([np.asarray(p, dtype=np.int32) for p in parts])
+
+
+def prefill(mgr: CacheManager, rid: str, prompt_tokens: int, chunk_tokens: int = 2048) -> None:
+    while (done := mgr.num_computed_tokens(rid)) < prompt_tokens:
+        mgr.schedule([(rid, min(chunk_tokens, prompt_tokens - done))])
+
+
+def decode(mgr: CacheManager, rid: str, output_ids: np.ndarray) -> None:
+    """Feed every sampled id but the last one (the last sampled token is never fed back)."""
+    for token in np.asarray(output_ids)[:-1].tolist():
+        mgr.append_token_ids(rid, [token])
+        mgr.schedule([(rid, 1)])
+
+
+def run_request(mgr, rid, prompt, output_ids=(), *, chunk_tokens=2048, salt=None) -> PrefixHit:
+    """Add, prefill, decode and free one request; returns its hit."""
+    output_ids = np.asarray(output_ids, dtype=np.int32)
+    hit = mgr.add_request(rid, prompt, max_new_tokens=max(len(output_ids), 1), cache_salt=salt)
+    prefill(mgr, rid, len(prompt), chunk_tokens)
+    if len(output_ids):
+        decode(mgr, rid, output_ids)
+    mgr.free(rid)
+    mgr.check_invariants()
+    return hit
+
+
+def events_of(events, kind: str, gid: str) -> list[int]:
+    """Prefix lengths (``tokens``) of the events of one kind and group, in order."""
+    return [e.tokens for e in events if e.kind == kind and e.group_id == gid]
+
+
+def stored_key(events, gid: str, tokens: int) -> int:
+    (event,) = [e for e in events if e.kind == "stored" and e.group_id == gid and e.tokens == tokens]
+    return int(event.block_hash, 16)
+
+
+# --------------------------------------------------------------------------- sharing
+
+
+def test_shared_system_prompt_is_borrowed_by_every_later_request():
+    mgr = make_manager()
+    system = ids(1, 1024)
+    first_prompt = cat(system, ids(2, 60))  # 1,084 tokens, prefilled in one step
+    assert mgr.add_request("first", first_prompt, max_new_tokens=8).hit_tokens == 0
+    prefill(mgr, "first", 1084)
+    # The first decode step commits the prefill: blocks 0..3 and a checkpoint at 1024 (the
+    # latest boundary the step crossed). 7 fed tokens -> 1,091 computed, no newer boundary.
+    decode(mgr, "first", ids(3, 8))
+    assert mgr.num_computed_tokens("first") == 1091
+
+    extra_tokens = [1, 5, 200, 900]  # prompts of 1,025 .. 1,924 tokens
+    borrowed = {}
+    for i, extra in enumerate(extra_tokens):
+        hit = mgr.add_request(f"user{i}", cat(system, ids(10 + i, extra)), max_new_tokens=4)
+        # Shared prefix 1,024 = 4 blocks; the first's checkpoint sits at exactly 1,024.
+        assert hit.hit_tokens == 1024
+        assert hit.group_hit_tokens == {g: 1024 for g in ALL}
+        assert mgr.num_computed_tokens(f"user{i}") == 1024
+        for gid in ALL:
+            base, pages = mgr.request_pages(f"user{i}", gid)
+            borrowed.setdefault(gid, (base, pages.tolist()))
+            assert (base, pages.tolist()) == borrowed[gid], gid  # every user borrows the same pages
+        mgr.check_invariants()
+
+    # History: the 4 blocks are the first request's own pages, now held by 1 + 4 requests.
+    for gid in HISTORY:
+        _, first_pages = mgr.request_pages("first", gid)
+        assert borrowed[gid] == (0, first_pages[:4].tolist())
+        assert mgr.pools[gid].ref_counts[first_pages[:4]].tolist() == [5, 5, 5, 5]
+    # State: the checkpoint is the window [1024 - W, 1024): swa 896..1023 = pages 14..15,
+    # c4 states 1016..1023 = pages 254..255, c128 state 896..1023 = pages 112..127.
+    expected_window = {SWA: (14, 2), C4S: (254, 2), C128S: (112, 16), IDX: (254, 2)}
+    for gid, (base, count) in expected_window.items():
+        assert borrowed[gid][0] == base and len(borrowed[gid][1]) == count, gid
+        _, first_pages = mgr.request_pages("first", gid)
+        still_held_by_first = np.isin(borrowed[gid][1], first_pages)
+        refs = mgr.pools[gid].ref_counts[borrowed[gid][1]]
+        assert (refs == 4 + still_held_by_first).all(), gid
+    # The first request's swa window moved on to base (1090 - 127) // 64 = 15: it still holds
+    # page 15 of the checkpoint but released page 14 (kept cached, then borrowed).
+    assert mgr.request_pages("first", SWA)[0] == 15
+
+    for i in range(len(extra_tokens)):
+        mgr.free(f"user{i}")
+        refs = mgr.pools[C4KV].ref_counts[borrowed[C4KV][1]]
+        assert refs.tolist() == [4 - i] * 4
+    mgr.check_invariants()
+
+    # A prompt that is exactly the system prompt may hit at most 768 (its last token is
+    # computed), and no state group has a checkpoint at 768: no hit; history alone says 768.
+    hit = mgr.add_request("exact", system)
+    assert hit.hit_tokens == 0
+    assert {g: hit.group_hit_tokens[g] for g in HISTORY} == {C4KV: 768, C128KV: 768}
+    assert {g: hit.group_hit_tokens[g] for g in STATE} == {g: 0 for g in STATE}
+    assert hit.limiting_groups == list(STATE)
+
+    stats = mgr.prefix.stats[C4KV]
+    assert stats.lookups == 6
+    assert stats.queried_tokens == 1084 + sum(1024 + e for e in extra_tokens) + 1024
+    assert stats.hit_tokens == 4 * 1024
+    assert stats.token_hit_rate == pytest.approx(4096 / stats.queried_tokens)
+    assert mgr.prefix.stats[SWA].alone_hit_tokens == 4 * 1024
+    assert mgr.prefix.stats[C4KV].alone_hit_tokens == 4 * 1024 + 768
+
+
+def test_multi_turn_chat_hits_each_turns_terminal_checkpoint():
+    """The worked example of docs/prefix-caching.md."""
+    mgr = make_manager()
+    prompt0 = ids(20, 700)
+    answer0 = ids(21, 100)
+    # Turn 0: prefill 700 in one step; decode feeds 99 of its 100 answer tokens.
+    # Committed: 700 + 100 - 1 = 799; terminal = 799 // 256 * 256 = 768.
+    assert run_request(mgr, "turn0", prompt0, answer0).hit_tokens == 0
+    ev0 = mgr.prefix.drain_events()
+    assert events_of(ev0, "stored", C4KV) == [256, 512, 768]
+    assert events_of(ev0, "stored", SWA) == [512, 768]  # prefill commit: latest boundary 512
+    assert events_of(ev0, "removed", SWA) == [512]  # superseded when decode crossed 768
+
+    prompt1 = cat(prompt0, answer0, ids(22, 80))  # 880 tokens
+    answer1 = ids(23, 300)
+    hit1 = run_request(mgr, "turn1", prompt1, answer1)
+    assert hit1.hit_tokens == 768  # (700 + 100 - 1) // 256 * 256
+    ev1 = mgr.prefix.drain_events()
+    # Committed 880 + 300 - 1 = 1,179 -> terminal 1,024. Turn 0's 768 is not turn 1's own
+    # checkpoint, so it stays.
+    assert events_of(ev1, "stored", SWA) == [1024]
+    assert events_of(ev1, "removed", SWA) == []
+    assert events_of(ev1, "stored", C4KV) == [1024]
+
+    prompt2 = cat(prompt1, answer1, ids(24, 50))  # 1,230 tokens
+    hit2 = run_request(mgr, "turn2", prompt2, ids(25, 20))
+    assert hit2.hit_tokens == 1024  # (880 + 300 - 1) // 256 * 256
+    assert mgr.prefix.drain_events() == []  # 1,024 .. 1,249 crosses no boundary
+    for gid in STATE:
+        assert mgr.stats()[gid].cached_pages == {SWA: 2, C4S: 2, C128S: 16, IDX: 2}[gid] * 2
+    assert mgr.stats()[C4KV].cached_pages == 4
+    assert mgr.prefix.stats[C4KV].token_hit_rate == pytest.approx((768 + 1024) / (700 + 880 + 1230))
+
+
+def test_prompt_diverging_inside_a_block_hits_at_the_previous_boundary():
+    mgr = make_manager()
+    base = ids(30, 800)
+    run_request(mgr, "a", base)  # committed 800: blocks 0..2, terminal checkpoint at 768
+    hit = mgr.add_request("b", cat(base[:790], ids(31, 110)))  # diverges at 790 in [768, 1024)
+    assert hit.hit_tokens == 768
+    mgr.free("b")
+    # Diverging at 768 exactly: block [768, 1024) differs, block 2 and the checkpoint match.
+    assert mgr.add_request("c", cat(base[:768], ids(32, 100))).hit_tokens == 768
+    mgr.free("c")
+    # Diverging at 700 (inside block 2): history stops at 512, and no checkpoint at 512 exists.
+    hit = mgr.add_request("d", cat(base[:700], ids(33, 200)))
+    assert hit.hit_tokens == 0
+    assert hit.group_hit_tokens[C4KV] == 512 and hit.group_hit_tokens[SWA] == 0
+    mgr.free("d")
+
+
+def test_divergence_with_every_boundary_checkpointed():
+    # Prefilling in 256-token steps makes every boundary the latest of its step; the interval
+    # keeps them all.
+    mgr = make_manager(state_checkpoint_interval=256)
+    base = ids(35, 1100)
+    run_request(mgr, "a", base, chunk_tokens=256)
+    for diverge_at, expected in [(1099, 1024), (1000, 768), (768, 768), (767, 512), (300, 256), (255, 0)]:
+        prompt = cat(base[:diverge_at], ids(36 + diverge_at, 50))
+        prompt[diverge_at] = (base[diverge_at] + 1) % VOCAB if diverge_at < base.size else prompt[diverge_at]
+        hit = mgr.add_request(f"p{diverge_at}", prompt)
+        assert hit.hit_tokens == expected, diverge_at
+        assert hit.group_hit_tokens == {g: expected for g in ALL}, diverge_at
+        mgr.free(f"p{diverge_at}")
+    mgr.check_invariants()
+
+
+# --------------------------------------------------------------------------- state checkpoints
+
+
+def test_hit_refused_when_interior_checkpoint_was_superseded():
+    mgr = make_manager()
+    base = ids(40, 1100)
+    # 256-token steps: checkpoints at 256, 512, 768 are each superseded by the next; the
+    # terminal is 1,024 (crossed by the step [768, 1024), committed by the next one).
+    run_request(mgr, "a", base, chunk_tokens=256)
+    ev = mgr.prefix.drain_events()
+    assert events_of(ev, "stored", C128S) == [256, 512, 768, 1024]
+    assert events_of(ev, "removed", C128S) == [256, 512, 768]
+    hit = mgr.add_request("b", cat(base[:900], ids(41, 100)))
+    assert hit.hit_tokens == 0
+    assert hit.group_hit_tokens == {SWA: 0, C4S: 0, C4KV: 768, C128S: 0, C128KV: 768, IDX: 0}
+    assert sorted(hit.limiting_groups) == sorted(STATE)
+
+
+def test_interval_checkpoint_rescues_an_interior_hit():
+    mgr = make_manager(state_checkpoint_interval=512)
+    base = ids(40, 1100)
+    run_request(mgr, "a", base, chunk_tokens=256)
+    ev = mgr.prefix.drain_events()
+    assert events_of(ev, "removed", C128S) == [256, 768]  # 512 is on the interval, 1,024 too
+    hit = mgr.add_request("b", cat(base[:900], ids(41, 100)))
+    assert hit.hit_tokens == 512
+    assert hit.group_hit_tokens == {SWA: 512, C4S: 512, C4KV: 768, C128S: 512, C128KV: 768, IDX: 512}
+
+
+def test_one_evicted_state_group_cuts_the_hit_and_is_named():
+    # The c128 state pool is tight: a second, unrelated prefill evicts the first request's
+    # terminal checkpoint there, and only there.
+    mgr = make_manager(group_pages={C128S: 141})  # 140 usable
+    a = ids(50, 1100)
+    run_request(mgr, "a", a)  # one step: 138 c128-state pages; checkpoint 1,024 = 16 pages
+    assert mgr.stats()[C128S].cached_pages == 16
+    run_request(mgr, "x", ids(51, 1100))  # needs 138: 124 clean free, then evicts
+    assert mgr.stats()[C128S].evicted_pages == 16  # the whole 16-page checkpoint goes at once
+    assert sum(mgr.stats()[g].evicted_pages for g in ALL if g != C128S) == 0
+    hit = mgr.add_request("b", cat(a, ids(52, 10)))
+    assert hit.hit_tokens == 0
+    assert hit.group_hit_tokens == {SWA: 1024, C4S: 1024, C4KV: 1024, C128S: 0, C128KV: 1024, IDX: 1024}
+    assert hit.limiting_groups == [C128S]
+
+
+def test_interval_keeps_checkpoints_crossed_while_decoding():
+    def run(interval):
+        mgr = make_manager(state_checkpoint_interval=interval)
+        prompt, answer = ids(60, 300), ids(61, 900)
+        run_request(mgr, "a", prompt, answer)  # committed 300 + 899 = 1,199
+        return mgr, cat(prompt, answer)
+
+    mgr, seq = run(512)
+    ev = mgr.prefix.drain_events()
+    # Boundaries 256 (prefill), then 512, 768, 1024 one token at a time while decoding.
+    assert events_of(ev, "stored", SWA) == [256, 512, 768, 1024]
+    assert events_of(ev, "removed", SWA) == [256, 768]
+    cases = {600: 512, 800: 512, 1100: 1024}  # shared tokens -> hit
+    for shared, expected in cases.items():
+        hit = mgr.add_request(f"s{shared}", cat(seq[:shared], ids(62, 40)))
+        assert hit.hit_tokens == expected, shared
+        mgr.free(f"s{shared}")
+
+    mgr, seq = run(None)
+    ev = mgr.prefix.drain_events()
+    assert events_of(ev, "removed", SWA) == [256, 512, 768]
+    hits = [mgr.add_request(f"t{n}", cat(seq[:n], ids(62, 40))).hit_tokens for n in (600, 800, 1100)]
+    assert hits == [0, 0, 1024]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: a commit publishes a state checkpoint only at the latest boundary it crossed, so "
+    "interval boundaries inside one prefill step (512 inside [0, 1100)) are never checkpointed",
+)
+def test_interval_checkpoints_inside_one_prefill_step():
+    mgr = make_manager(state_checkpoint_interval=512)
+    base = ids(70, 1100)
+    run_request(mgr, "a", base)  # one 1,100-token step crosses 256 .. 1,024
+    assert 512 in events_of(mgr.prefix.drain_events(), "stored", SWA)
+    assert mgr.add_request("b", cat(base[:600], ids(71, 10))).hit_tokens == 512
+
+
+# --------------------------------------------------------------------------- the last token
+
+
+def test_last_prompt_token_is_never_a_hit():
+    mgr = make_manager(state_checkpoint_interval=256)
+    a = ids(80, 600)
+    run_request(mgr, "a", a, chunk_tokens=256)  # checkpoints at 256 and 512 (both kept)
+    hit = mgr.add_request("exact512", a[:512])  # fully cached, but token 511 must be computed
+    assert hit.hit_tokens == 256
+    assert hit.group_hit_tokens == {g: 256 for g in ALL}
+    assert mgr.add_request("p513", a[:513]).hit_tokens == 512
+    assert mgr.add_request("p257", a[:257]).hit_tokens == 256
+    assert mgr.add_request("p256", a[:256]).hit_tokens == 0
+    assert mgr.add_request("p1", a[:1]).hit_tokens == 0
+
+
+# --------------------------------------------------------------------------- speculative tokens
+
+
+def test_rejected_draft_tokens_are_never_published():
+    mgr = make_manager()
+    prompt = ids(90, 250)
+    drafts = ids(91, 8)  # 1 sampled + 7 drafts at positions 250..257, crossing 256
+    mgr.add_request("a", prompt, max_new_tokens=100)
+    prefill(mgr, "a", 250)
+    mgr.append_token_ids("a", drafts)
+    mgr.schedule([("a", 8)])  # commits [0, 250): no boundary
+    mgr.rewind("a", 252)  # accept 2 (positions 250, 251)
+    assert mgr.prefix.drain_events() == []
+    accepted = ids(92, 48)
+    mgr.append_token_ids("a", accepted[:1])
+    mgr.schedule([("a", 1)])  # commits [250, 252): still no boundary
+    assert mgr.prefix.drain_events() == []
+    assert mgr.stats()[C4KV].cached_pages == 0
+
+    # Continue with different ids past 256; the committed block 0 is the accepted content.
+    mgr.append_token_ids("a", accepted[1:])
+    mgr.schedule([("a", 47)])  # positions 253..299
+    mgr.free("a")  # commits up to 300: block 0 and the checkpoint at 256
+    ev = mgr.prefix.drain_events()
+    assert events_of(ev, "stored", C4KV) == [256] and events_of(ev, "stored", SWA) == [256]
+    seq = cat(prompt, drafts[:2], accepted)
+    assert mgr.add_request("good", cat(seq[:280], [5])).hit_tokens == 256
+    assert mgr.add_request("rejected", cat(prompt, drafts, ids(93, 30))).hit_tokens == 0
+    assert mgr.add_request("rejected-tail", cat(seq[:255], drafts[5:])).hit_tokens == 0
+
+
+def test_rewind_onto_a_boundary_commits_exactly_that_boundary():
+    mgr = make_manager()
+    prompt, drafts = ids(95, 250), ids(96, 10)
+    mgr.add_request("a", prompt, max_new_tokens=20)
+    prefill(mgr, "a", 250)
+    mgr.append_token_ids("a", drafts)
+    mgr.schedule([("a", 10)])  # 250..259
+    mgr.rewind("a", 256)  # accept 6: exactly block 0
+    mgr.free("a")
+    ev = mgr.prefix.drain_events()
+    assert events_of(ev, "stored", C4KV) == [256] and events_of(ev, "stored", C128S) == [256]
+    assert mgr.add_request("b", cat(prompt, drafts[:6], [1, 2])).hit_tokens == 256
+    assert mgr.add_request("c", cat(prompt, drafts[:5], [1, 2])).hit_tokens == 0
+
+
+# --------------------------------------------------------------------------- eviction
+
+
+def test_clean_free_pages_are_used_before_cached_ones():
+    mgr = make_manager(group_pages={C4KV: 14, C128KV: 14})  # 13 usable history pages
+    run_request(mgr, "a", ids(100, 1030))  # 5 pages per history group; blocks 0..3 cached
+    st = mgr.stats()[C4KV]
+    assert (st.cached_pages, st.evictable_pages, st.free_pages, st.used_pages) == (4, 4, 13, 0)
+    run_request(mgr, "b", ids(101, 2300))  # needs 9 pages = exactly the 9 clean ones
+    assert mgr.stats()[C4KV].evicted_pages == 0
+    assert mgr.add_request("a2", cat(ids(100, 1030), [1])).hit_tokens == 1024
+
+
+def test_eviction_under_pressure_is_lru_tail_first():
+    mgr = make_manager(group_pages={C4KV: 14, C128KV: 14})  # 13 usable history pages
+    a, b = ids(110, 1030), ids(111, 1030)
+    run_request(mgr, "a", a)
+    run_request(mgr, "b", b)
+    # LRU order: a3 a2 a1 a0 b3 b2 b1 b0 (8 evictable); 5 clean free pages.
+    assert mgr.stats()[C4KV].evictable_pages == 8 and mgr.prefix.drain_events()
+    x = ids(112, 1793)  # 8 pages: 5 clean + 3 evicted: a3, a2, a1
+    mgr.add_request("x", x)
+    assert mgr.check_admission([("x", 1793)])[0].ok  # evictable pages count as credit
+    mgr.schedule([("x", 1793)])
+    for gid in HISTORY:
+        assert mgr.stats()[gid].evicted_pages == 3
+    ev = mgr.prefix.drain_events()
+    assert events_of(ev, "removed", C4KV) == [1024, 768, 512]  # tail of a's chain first
+    assert events_of(ev, "removed", SWA) == []
+    removed_keys = [e.block_hash for e in ev if e.kind == "removed" and e.group_id == C4KV]
+    assert len(set(removed_keys)) == 3
+    hit_a = mgr.add_request("a2", cat(a, [7]))
+    assert hit_a.group_hit_tokens[C4KV] == 256 and hit_a.hit_tokens == 0
+    assert mgr.add_request("b2", cat(b, [7])).hit_tokens == 1024  # b's chain untouched
+    mgr.check_invariants()
+
+
+def test_borrowed_pages_are_never_evicted():
+    mgr = make_manager(group_pages={C4KV: 9, C128KV: 9})  # 8 usable history pages
+    a = ids(120, 1030)
+    run_request(mgr, "a", a)  # blocks 0..3 cached
+    assert mgr.add_request("a2", cat(a, ids(121, 10))).hit_tokens == 1024  # borrows them
+    mgr.schedule([("a2", 16)])  # [1024, 1040): one own page -> 5 held, 3 free, 0 evictable
+    _, held = mgr.request_pages("a2", C4KV)
+    borrowed = held[:4].copy()
+    mgr.add_request("x", ids(122, 1030))
+    answer = mgr.check_admission([("x", 1030)])[0]
+    assert not answer.ok and "compressed_kv" in answer.reason and "3 free or evictable" in answer.reason
+    with pytest.raises(CacheManagerError):
+        mgr.schedule([("x", 1030)])
+    assert mgr.pools[C4KV].ref_counts[borrowed].tolist() == [1, 1, 1, 1]
+    assert mgr.pools[C4KV].cached[borrowed].all()
+    mgr.schedule([("x", 768)])  # 3 pages: exactly the clean ones
+    assert mgr.stats()[C4KV].evicted_pages == 0
+    assert not mgr.check_admission([("x", 262)])[0].ok  # 2 more pages, nothing free or evictable
+    mgr.free("a2")  # a0..a3 evictable again, a2's own page clean
+    mgr.schedule([("x", 262)])  # 1 clean + evicts a3
+    assert mgr.stats()[C4KV].evicted_pages == 1
+    assert events_of(mgr.prefix.drain_events(), "removed", C4KV)[-1:] == [1024]
+    mgr.check_invariants()
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def test_salt_isolates_identical_prompts():
+    mgr = make_manager()
+    a = ids(130, 600)
+    run_request(mgr, "alice", a, salt="alice")
+    assert mgr.add_request("bob", cat(a, [1]), cache_salt="bob").hit_tokens == 0
+    assert mgr.add_request("nobody", cat(a, [1])).hit_tokens == 0
+    assert mgr.add_request("alice2", cat(a, [1]), cache_salt="alice").hit_tokens == 512
+    assert mgr.add_request("alice-bytes", cat(a, [1]), cache_salt=b"alice").hit_tokens == 512
+
+
+def test_bad_salt_type_is_rejected_without_registering_the_request():
+    mgr = make_manager()
+    with pytest.raises(ValueError, match="cache_salt"):
+        mgr.add_request("r", ids(1, 10), cache_salt=5)
+    assert not mgr.has_request("r") and mgr.num_requests == 0
+
+
+@pytest.mark.xfail(strict=True, reason="bug: a falsy non-str salt (0) is silently treated as no salt")
+def test_falsy_non_string_salt_is_rejected():
+    mgr = make_manager()
+    with pytest.raises(ValueError, match="cache_salt"):
+        mgr.add_request("r", ids(1, 10), cache_salt=0)
+
+
+def _expected_keys(algo: str, salt: bytes, tokens: np.ndarray, blocks: int) -> list[str]:
+    """Block keys recomputed independently: h[-1] = H(root tag + salt), h[b] = H(h[b-1] || block b)."""
+    if algo == "xxh3_128":
+        digest = xxhash.xxh3_128_intdigest
+    else:
+        def digest(data):
+            return int.from_bytes(hashlib.sha256(data).digest()[:16], "little")
+    parent = digest(b"hybridkv-prefix-root\x00" + salt)
+    out = []
+    for b in range(blocks):
+        block = tokens[b * 256 : (b + 1) * 256].astype("<i4").tobytes()
+        parent = digest(parent.to_bytes(16, "little") + block)
+        out.append(f"{parent:032x}")
+    return out
+
+
+@pytest.mark.parametrize("algo", ["xxh3_128", "sha256"])
+def test_hash_algorithms_give_the_same_hits_and_documented_keys(algo):
+    mgr = make_manager(hash_algo=algo)
+    a = ids(140, 600)
+    run_request(mgr, "a", a, salt="s")
+    ev = mgr.prefix.drain_events()
+    keys = [e.block_hash for e in ev if e.kind == "stored" and e.group_id == C4KV]
+    assert keys == _expected_keys(algo, b"s", a, 2)
+    assert [e.parent_hash for e in ev if e.kind == "stored" and e.group_id == C4KV][1] == keys[0]
+    assert stored_key(ev, SWA, 512) == int(keys[1], 16)  # a checkpoint is named by its prefix key
+    assert mgr.add_request("b", cat(a, [3]), cache_salt="s").hit_tokens == 512
+    assert mgr.add_request("c", cat(a, [3])).hit_tokens == 0
+
+
+def test_default_and_sha256_keys_differ():
+    a = ids(141, 300)
+    assert _expected_keys("xxh3_128", b"", a, 1) != _expected_keys("sha256", b"", a, 1)
+
+
+# --------------------------------------------------------------------------- events and stats
+
+
+def test_events_json_lines_round_trip():
+    mgr = make_manager()
+    a = ids(150, 600)
+    run_request(mgr, "a", a, chunk_tokens=256)  # checkpoints 256 (removed), 512 (terminal)
+    mgr.clear_prefix_cache()
+    stream = io.StringIO()
+    written = mgr.prefix.write_events_jsonl(stream)
+    lines = stream.getvalue().splitlines()
+    assert written == len(lines) > 0
+    records = [json.loads(line) for line in lines]
+    assert all(set(r) == {"kind", "group_id", "block_hash", "parent_hash", "tokens", "num_pages"} for r in records)
+    assert [CacheEvent(**r) for r in records][0].to_json() == lines[0]
+    # Every stored key is removed exactly once afterwards (superseded, then the clear).
+    for gid in ALL:
+        stored = [(r["block_hash"], r["tokens"]) for r in records if r["group_id"] == gid and r["kind"] == "stored"]
+        removed = [(r["block_hash"], r["tokens"]) for r in records if r["group_id"] == gid and r["kind"] == "removed"]
+        assert sorted(stored) == sorted(removed), gid
+        for key, _ in stored:
+            kinds = [r["kind"] for r in records if r["group_id"] == gid and r["block_hash"] == key]
+            assert kinds == ["stored", "removed"], (gid, key)
+    swa = [(r["kind"], r["tokens"], r["num_pages"]) for r in records if r["group_id"] == SWA]
+    # A newer checkpoint is stored before the one it supersedes is removed.
+    assert swa == [("stored", 256, 2), ("stored", 512, 2), ("removed", 256, 2), ("removed", 512, 2)]
+    c4kv = [r for r in records if r["group_id"] == C4KV and r["kind"] == "stored"]
+    assert c4kv[0]["parent_hash"] is not None and c4kv[1]["parent_hash"] == c4kv[0]["block_hash"]
+    assert mgr.prefix.write_events_jsonl(io.StringIO()) == 0  # drained
+
+
+def test_on_event_callback_receives_events_instead_of_the_buffer():
+    seen: list[CacheEvent] = []
+    mgr = make_manager(on_event=seen.append)
+    run_request(mgr, "a", ids(160, 300))
+    assert [(e.kind, e.group_id, e.tokens) for e in seen if e.group_id in (C4KV, SWA)] == [
+        ("stored", C4KV, 256),
+        ("stored", SWA, 256),
+    ]
+    assert len(seen) == 6  # one block per history group, one checkpoint per state group
+    assert mgr.prefix.drain_events() == []
+    assert mgr.prefix.stats[C128S].stored_entries == 1
+
+
+def test_free_then_clear_returns_every_pool_to_full():
+    mgr = make_manager()
+    prompt, answer = ids(170, 1500), ids(171, 40)
+    run_request(mgr, "a", prompt, answer)  # committed 1,539 -> blocks 0..5, terminal 1,536
+    assert mgr.add_request("b", cat(prompt, answer[:39], [1, 2])).hit_tokens == 1536
+    assert sum(mgr.stats()[g].cached_pages for g in ALL) > 0
+    mgr.clear_prefix_cache()  # held (borrowed) pages stay held, lose their keys
+    mgr.check_invariants()
+    mgr.free("b")
+    for gid, st in mgr.stats().items():
+        assert st.free_pages == st.total_pages == 1199 and st.cached_pages == 0, gid
+    ev = mgr.prefix.drain_events()
+    assert len(events_of(ev, "removed", C4KV)) == len(events_of(ev, "stored", C4KV)) == 6
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"prefix_granularity": 320}, "multiple of group"),  # not a multiple of 256
+        ({"prefix_granularity": 128}, "multiple of group"),
+        ({"prefix_granularity": 0}, "positive"),
+        ({"prefix_granularity": -256}, "positive"),
+        ({"state_checkpoint_interval": 0}, "state_checkpoint_interval"),
+        ({"state_checkpoint_interval": 300}, "state_checkpoint_interval"),
+        ({"state_checkpoint_interval": -512}, "state_checkpoint_interval"),
+        ({"prefix_granularity": 512, "state_checkpoint_interval": 256}, "state_checkpoint_interval"),
+        ({"hash_algo": "md5"}, "hash_algo"),
+    ],
+)
+def test_invalid_prefix_config_raises(options, message):
+    with pytest.raises(ValueError, match=message):
+        make_manager(**options)
+
+
+def test_grain_smaller_than_a_window_raises():
+    # A 64-token-page group set with a 128-token window: grain 64 divides every page but
+    # checkpoints at 64-token boundaries would overlap.
+    from hybridkv.spec import CacheGroupSpec
+
+    specs = (
+        CacheGroupSpec("kv", "full_history", 64, 1),
+        CacheGroupSpec("win", "sliding_window", 64, 1, sliding_window_tokens=128, family="state"),
+    )
+    with pytest.raises(ValueError, match="window"):
+        make_manager(specs=specs, prefix_granularity=64)
+    assert make_manager(specs=specs, prefix_granularity=128).prefix.granularity_tokens == 128
+
+
+def test_default_and_explicit_grains():
+    assert make_manager().prefix.granularity_tokens == 256
+    mgr = make_manager(prefix_granularity=512, state_checkpoint_interval=1024)
+    assert (mgr.prefix.granularity_tokens, mgr.prefix.state_checkpoint_interval) == (512, 1024)
+    a = ids(180, 1100)
+    run_request(mgr, "a", a)
+    assert mgr.add_request("b", cat(a[:1050], [1])).hit_tokens == 1024
+    assert mgr.add_request("c", cat(a[:1000], [1])).hit_tokens == 0  # no checkpoint at 512
+
+
+@pytest.mark.xfail(strict=True, reason="bug: a non-integer grain (256.5) is truncated by int() instead of rejected")
+def test_non_integer_grain_is_rejected():
+    with pytest.raises(ValueError):
+        make_manager(prefix_granularity=256.5)
+
+
+@pytest.mark.xfail(strict=True, reason="bug: a non-integer interval (512.9) is truncated by int() instead of rejected")
+def test_non_integer_interval_is_rejected():
+    with pytest.raises(ValueError):
+        make_manager(state_checkpoint_interval=512.9)
+
+
+# --------------------------------------------------------------------------- real model specs
+
+
+@pytest.mark.parametrize("model", ["deepseek-v4-flash", "deepseek-v4-pro"])
+def test_bundled_v4_models_hit_at_the_terminal(model):
+    specs = cache_layout(model).specs
+    mgr = make_manager(specs=specs)
+    assert mgr.prefix.granularity_tokens == 256
+    prompt0, answer0 = ids(190, 1500), ids(191, 200)
+    run_request(mgr, "t0", prompt0, answer0)  # committed 1,699 -> terminal 1,536
+    hit = mgr.add_request("t1", cat(prompt0, answer0, ids(192, 100)), max_new_tokens=1)
+    assert hit.hit_tokens == 1536
+    assert hit.group_hit_tokens == {s.group_id: 1536 for s in specs}
+    prefill(mgr, "t1", 1800)
+    mgr.free("t1")
+    mgr.check_invariants()
