@@ -457,9 +457,11 @@ class VllmSide:
         request.status = RequestStatus.FINISHED_STOPPED
 
     def begin_step(self) -> None:
-        """The per-step notification the scheduler sends before scheduling."""
+        """The scheduler's per-step calls: ``new_step_starts`` and draining the
+        new-block-id list (done every step whether or not blocks get zeroed)."""
         start = time.perf_counter_ns()
         self.manager.new_step_starts()
+        self.manager.take_new_block_ids()
         self.manager_ns["begin_step"] += time.perf_counter_ns() - start
 
     def num_computed_tokens(self, request: Request) -> int:

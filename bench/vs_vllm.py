@@ -2,7 +2,7 @@
 
 Run with the vLLM environment (bench/README.md):
 
-    .venv-vllm/bin/python bench/vs_vllm.py            # full run, ~1-2 min on 2 cores
+    .venv-vllm/bin/python bench/vs_vllm.py            # full run, ~30-40 s on 2 cores
     .venv-vllm/bin/python bench/vs_vllm.py --quick    # smaller, for a smoke test
 
 Both managers plan DeepSeek-V4-Flash (FP8 indexer, as vLLM uses) in the same
@@ -156,8 +156,9 @@ def quiet_gc() -> Iterator[None]:
 
 
 def prefill(side: CacheSide, request: Any, prompt_tokens: int, chunk_tokens: int) -> bool:
-    """Schedule the rest of the prompt in chunks; False if the pool refuses a chunk."""
+    """Schedule the rest of the prompt in chunks, one step each; False if the pool refuses a chunk."""
     while (done := side.num_computed_tokens(request)) < prompt_tokens:
+        side.begin_step()
         if not side.allocate(request, min(chunk_tokens, prompt_tokens - done)):
             return False
     return True
@@ -184,11 +185,12 @@ def measure_decode(side: CacheSide, *, num_requests: int, steps: int, chunk_toke
         # pages (window pages of the last chunk released) before the next one.
         request = side.new_request(item.request_id, item.prompt_token_ids, max_tokens=steps + 2)
         side.probe_hit(request)
-        if not (
-            prefill(side, request, item.prompt_tokens, chunk_tokens)
-            and (side.append_tokens(request, [int(item.output_token_ids[0])]) or True)
-            and side.allocate(request, 1)
-        ):
+        fits = prefill(side, request, item.prompt_tokens, chunk_tokens)
+        if fits:
+            side.append_tokens(request, [int(item.output_token_ids[0])])
+            side.begin_step()
+            fits = side.allocate(request, 1)
+        if not fits:
             raise RuntimeError(f"{side.name}: decode setup does not fit ({item.request_id})")
         side.append_tokens(request, [int(rng.integers(0, DEFAULT_VOCAB_SIZE))])
         running.append(request)
@@ -232,9 +234,10 @@ def measure_prefill(side: CacheSide, *, num_requests: int, prompt_tokens: int, c
         side.take_timings()
         with quiet_gc():
             while (done := side.num_computed_tokens(request)) < prompt_tokens:
+                side.begin_step()
                 if not side.allocate(request, min(chunk_tokens, prompt_tokens - done)):
                     raise RuntimeError(f"{side.name}: prefill chunk refused")
-                chunk_ns.append(_manager_ns(side.take_timings(), "allocate"))
+                chunk_ns.append(_manager_ns(side.take_timings(), "begin_step", "allocate"))
         requests.append(request)
     for request in requests:
         side.free(request)
@@ -261,6 +264,7 @@ def measure_multiturn(side: CacheSide, workload: list, *, chunk_tokens: int) -> 
             raise RuntimeError(f"{side.name}: multiturn request {item.request_id} refused")
         side.append_tokens(request, [int(item.output_token_ids[0])])
         for token in item.output_token_ids[1:]:
+            side.begin_step()
             if not side.allocate(request, 1):
                 raise RuntimeError(f"{side.name}: multiturn decode refused")
             side.append_tokens(request, [int(token)])
@@ -296,6 +300,7 @@ def measure_capacity(side: CacheSide, *, context_tokens: int, chunk_tokens: int,
             break
         if prefill(side, request, prompt_tokens, chunk_tokens):
             side.append_tokens(request, [int(rng.integers(0, DEFAULT_VOCAB_SIZE))])
+            side.begin_step()
             if side.allocate(request, 1):
                 admitted.append(request)
                 continue
