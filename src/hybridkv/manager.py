@@ -77,6 +77,7 @@ class _Request:
     known_tokens: int
     hashes: RequestHashes | None = None
     own_checkpoints: list = field(default_factory=list)
+    keep_boundaries: frozenset = frozenset()
 
 
 @dataclass
@@ -213,6 +214,8 @@ class CacheManager:
         hit = PrefixHit.none(self.specs)
         if self.prefix is not None and buf is not None:
             hit = self.prefix.match_and_borrow(req.hashes, buf[:prompt_len], row)
+            if hit.junction_tokens:
+                req.keep_boundaries = frozenset([hit.junction_tokens])
         self._computed[row] = hit.hit_tokens
         self._committed[row] = hit.hit_tokens
         self._requests[request_id] = req
@@ -259,6 +262,10 @@ class CacheManager:
     def _admit(self, items, fixed_width):
         """(answers for invalid items, indices of valid items, fits mask over them,
         reasons for the denied ones, step plan); pure."""
+        if fixed_width and self.table_widths is None:
+            raise CacheManagerError(
+                "fixed_width needs capture widths: build the manager with table_widths (from_plan does)"
+            )
         answers: list[Admission | None] = [None] * len(items)
         fast = self._fast_validate(items)
         if fast is not None:
@@ -282,7 +289,7 @@ class CacheManager:
         plan = self._plan(rows, counts)
         fits = np.ones(len(ok_idx), dtype=bool)
         deny: dict[int, str] = {}
-        if fixed_width and self.table_widths is not None:
+        if fixed_width:
             for s in self.specs:
                 gid = s.group_id
                 width = plan.need_hi[gid] - plan.new_base[gid]
@@ -296,28 +303,34 @@ class CacheManager:
         avail = {gid: pool.num_free_pages for gid, pool in self.pools.items()}
         # Releases all happen before allocations, so only the admitted totals matter;
         # release credit is computed only when allocations alone do not fit.
-        if not all(int(plan.alloc[g][fits].sum()) <= avail[g] for g in avail):
-            net = {
-                g: plan.alloc[g] - self._release_credit(g, plan.rows, plan.new_base[g]) for g in avail
-            }
-            # Greedy, in order: admit a request only if everything admitted so far still fits.
-            used = {g: 0 for g in avail}
-            for k in range(len(ok_idx)):
-                if not fits[k]:
-                    continue
-                short = [g for g in avail if used[g] + int(net[g][k]) > avail[g]]
-                if short:
-                    g = short[0]
-                    fits[k] = False
-                    deny[k] = (
-                        f"group {g!r} needs {int(plan.alloc[g][k])} new pages "
-                        f"(after {int(plan.alloc[g][k] - net[g][k])} released), "
-                        f"{avail[g] - used[g]} free or evictable"
-                    )
-                else:
-                    for g in avail:
-                        used[g] += int(net[g][k])
+        def total_fits(need: dict[str, np.ndarray]) -> bool:
+            return all(int(need[g][fits].sum()) <= avail[g] for g in avail)
+
+        if not total_fits(plan.alloc):
+            net = {g: plan.alloc[g] - self._release_credit(g, plan.rows, plan.new_base[g]) for g in avail}
+            if not total_fits(net):
+                self._deny_greedily(plan, net, avail, fits, deny)
         return answers, ok_idx, fits, deny, plan
+
+    @staticmethod
+    def _deny_greedily(plan, net, avail, fits, deny) -> None:
+        """In batch order, admit a request only if everything admitted so far still fits."""
+        used = {g: 0 for g in avail}
+        for k in range(fits.size):
+            if not fits[k]:
+                continue
+            short = [g for g in avail if used[g] + int(net[g][k]) > avail[g]]
+            if short:
+                g = short[0]
+                fits[k] = False
+                deny[k] = (
+                    f"group {g!r} needs {int(plan.alloc[g][k])} new pages "
+                    f"(after {int(plan.alloc[g][k] - net[g][k])} released), "
+                    f"{avail[g] - used[g]} free or evictable"
+                )
+            else:
+                for g in avail:
+                    used[g] += int(net[g][k])
 
     def _fast_validate(self, items) -> tuple[np.ndarray, np.ndarray] | None:
         """Rows and counts when every item is valid (vectorized); None sends the batch
@@ -418,6 +431,7 @@ class CacheManager:
             pending = rows[self._committed[rows] < plan.first]
             for row in pending.tolist():
                 self._commit_row(row)
+        self._committed[rows] = plan.first
         for s in self.specs:
             gid = s.group_id
             table, pool = self.tables[gid], self.pools[gid]

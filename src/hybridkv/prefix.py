@@ -47,10 +47,21 @@ class PrefixHit:
 
     hit_tokens: int
     group_hit_tokens: dict[str, int]
+    history_hit_tokens: int = 0  # how far every history group reaches together
 
     @staticmethod
     def none(specs: Sequence[CacheGroupSpec]) -> PrefixHit:
         return PrefixHit(0, {s.group_id: 0 for s in specs})
+
+    @property
+    def junction_tokens(self) -> int:
+        """Where this prompt leaves content other requests computed (0 if the hit reaches it).
+
+        A state checkpoint there is kept (pinned) when the request crosses it, so
+        later requests sharing the same prefix hit at the junction: the shared
+        system prompt case, whose boundary no single request would otherwise keep.
+        """
+        return self.history_hit_tokens if self.history_hit_tokens > self.hit_tokens else 0
 
     @property
     def limiting_groups(self) -> list[str]:
@@ -120,6 +131,7 @@ class PrefixGroupStats:
 @dataclass
 class _OwnCheckpoint:
     boundary_tokens: int
+    pinned: bool = False  # an interval or junction checkpoint: never superseded
     entries: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # gid -> (key, pages)
 
 
@@ -147,7 +159,7 @@ class PrefixCache:
         self.state_ids = [s.group_id for s in self.specs if s.is_sliding]
         spans = [s.page_tokens for s in (history or self.specs)]
         default = reduce(lcm, spans, 1)
-        g = default if granularity_tokens is None else int(granularity_tokens)
+        g = default if granularity_tokens is None else _int_value("prefix_granularity", granularity_tokens)
         if g <= 0:
             raise ValueError(f"prefix_granularity must be positive, got {granularity_tokens!r}")
         for s in self.specs:
@@ -164,7 +176,7 @@ class PrefixCache:
                 )
         self.granularity_tokens = g
         if state_checkpoint_interval is not None:
-            n = int(state_checkpoint_interval)
+            n = _int_value("state_checkpoint_interval", state_checkpoint_interval)
             if n <= 0 or n % g:
                 raise ValueError(
                     f"state_checkpoint_interval must be a positive multiple of the grain {g}, got {n}"
@@ -181,9 +193,9 @@ class PrefixCache:
 
     # --- keys ------------------------------------------------------------------
     def new_request_hashes(self, cache_salt: str | bytes | None) -> RequestHashes:
-        salt = cache_salt.encode() if isinstance(cache_salt, str) else (cache_salt or b"")
-        if not isinstance(salt, bytes):
+        if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
             raise ValueError(f"cache_salt must be str or bytes, got {type(cache_salt).__name__}")
+        salt = cache_salt.encode() if isinstance(cache_salt, str) else (cache_salt or b"")
         root = self._hash(b"hybridkv-prefix-root\x00" + salt)
         return RequestHashes(root, self.granularity_tokens, self._hash)
 
@@ -211,7 +223,7 @@ class PrefixCache:
         k = limit
         while k > 0 and not all(k in state_blocks[gid] for gid in self.state_ids):
             k -= 1
-        return PrefixHit(k * g, {s.group_id: alone[s.group_id] for s in self.specs})
+        return PrefixHit(k * g, {s.group_id: alone[s.group_id] for s in self.specs}, limit * g)
 
     def match_and_borrow(self, hashes: RequestHashes, prompt_ids: np.ndarray, row: int) -> PrefixHit:
         """Match, then place the cached pages in ``row``'s tables (ref count +1 each)."""
@@ -259,23 +271,31 @@ class PrefixCache:
             boundary = (b + 1) * g
             for gid in self.history_ids:
                 self._publish(gid, row, hashes, boundary, lo_tokens=b * g)
-        d = (new_tokens // g) * g
-        own = _OwnCheckpoint(d)
-        for gid in self.state_ids:
-            spec = self.tables[gid].spec
-            if self._publish(gid, row, hashes, d, lo_tokens=max(0, d - spec.sliding_window_tokens)):
-                key = hashes.key(d)
-                own.entries[gid] = (key, self.pools[gid].lookup(key))
+        latest = (new_tokens // g) * g
         interval = self.state_checkpoint_interval
+        keep = req.keep_boundaries
+        boundaries = [
+            d for d in range((old_tokens // g + 1) * g, latest, g)
+            if d in keep or (interval is not None and d % interval == 0)
+        ]
+        new_own = []
+        for d in boundaries + [latest]:
+            own = _OwnCheckpoint(d, pinned=d in keep or (interval is not None and d % interval == 0))
+            for gid in self.state_ids:
+                window = self.tables[gid].spec.sliding_window_tokens
+                if self._publish(gid, row, hashes, d, lo_tokens=max(0, d - window)):
+                    key = hashes.key(d)
+                    own.entries[gid] = (key, self.pools[gid].lookup(key))
+            if own.entries:
+                new_own.append(own)
+        # Superseded: every earlier own checkpoint that is not pinned.
         for prev in req.own_checkpoints:
-            if interval is not None and prev.boundary_tokens % interval == 0:
+            if prev.pinned:
                 continue
             for gid, (key, pages) in prev.entries.items():
                 if self.pools[gid].lookup(key) == pages:  # still ours (not evicted and re-stored)
                     self.pools[gid].unpublish(key)
-        req.own_checkpoints = [c for c in req.own_checkpoints if interval and c.boundary_tokens % interval == 0]
-        if own.entries:
-            req.own_checkpoints.append(own)
+        req.own_checkpoints = [c for c in req.own_checkpoints if c.pinned] + new_own
 
     def _publish(self, gid: str, row: np.ndarray, hashes: RequestHashes, boundary: int, lo_tokens: int) -> bool:
         pool, table = self.pools[gid], self.tables[gid]
@@ -329,6 +349,12 @@ class PrefixCache:
         for e in events:
             stream.write(e.to_json() + "\n")
         return len(events)
+
+
+def _int_value(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    return int(value)
 
 
 def _hex(key: int | None) -> str | None:
