@@ -285,11 +285,6 @@ def test_from_plan_uses_the_plan_capture_widths():
         m.add_request("long", prompt_tokens=4000, max_new_tokens=97)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: schedule(fixed_width=True) on a manager built without table_widths silently "
-    "returns variable-width tables instead of raising",
-)
 def test_fixed_width_without_capture_widths_is_a_misuse():
     m = manager([KV], 10)
     m.add_request("a", prompt_tokens=5)
@@ -377,12 +372,6 @@ def test_a_later_request_releases_credit_for_an_earlier_one_in_batch_order():
     m.check_invariants()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug (since a7ca247): when allocations alone do not fit, admission goes straight "
-    "to the greedy prefix check and no longer admits a batch whose net total fits, although "
-    "schedule releases every slid-out page before it allocates",
-)
 def test_a_batch_whose_net_total_fits_is_admitted_in_any_order():
     m = _two_request_credit_setup()
     assert [x.ok for x in m.check_admission([("b", 12), ("a", 4)])] == [True, True]
@@ -463,13 +452,6 @@ def test_scheduling_more_than_the_pools_admit_raises_and_changes_nothing():
     assert m.stats()["kv"].failed_allocations == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: without prefix caching _committed never advances (only _commit_row sets it, "
-    "and only with a prefix cache), so rewind below the first position of the last step is "
-    "accepted; sliding pages released by that step are gone and the next step emits "
-    "negative write slots",
-)
 def test_rewind_below_the_last_step_start_is_refused():
     m = _misuse_manager()  # a: last step was [12, 20); swa released logical page 0
     before = snapshot(m, ["a", "ids"])
