@@ -8,7 +8,9 @@ names a whole prefix, so equal keys mean equal content.
   is committed (all its rows written, no speculative token in it).
 * State groups publish a checkpoint at a boundary ``D``: the pages holding the
   trailing window ``[D-W, D)``, under ``h[D/G - 1]``. A request keeps only its
-  latest own checkpoint (plus every ``state_checkpoint_interval`` tokens); the
+  latest own checkpoint (plus every ``state_checkpoint_interval`` tokens, and
+  its *junction*: the boundary where its prompt left content that other
+  requests had computed, e.g. the end of a shared system prompt); the
   superseded ones are unpublished so state pools cannot fill up.
 * A hit at ``D`` needs every history group to hold all blocks below ``D`` and
   every state group a checkpoint at exactly ``D``; ``D <= prompt - 1``.
