@@ -563,13 +563,16 @@ def test_events_json_lines_round_trip():
     lines = stream.getvalue().splitlines()
     assert written == len(lines) > 0
     records = [json.loads(line) for line in lines]
-    assert all(set(r) == {"kind", "group_id", "block_hash", "parent_hash", "tokens", "num_pages"} for r in records)
+    fields = {"kind", "group_id", "block_hash", "parent_hash", "tokens", "num_pages"}
+    assert all(set(r) == fields for r in records)
     assert [CacheEvent(**r) for r in records][0].to_json() == lines[0]
     # Every stored key is removed exactly once afterwards (superseded, then the clear).
+    def entries(gid, kind):
+        return [(r["block_hash"], r["tokens"]) for r in records if r["group_id"] == gid and r["kind"] == kind]
+
     for gid in ALL:
-        stored = [(r["block_hash"], r["tokens"]) for r in records if r["group_id"] == gid and r["kind"] == "stored"]
-        removed = [(r["block_hash"], r["tokens"]) for r in records if r["group_id"] == gid and r["kind"] == "removed"]
-        assert sorted(stored) == sorted(removed), gid
+        stored = entries(gid, "stored")
+        assert sorted(stored) == sorted(entries(gid, "removed")), gid
         for key, _ in stored:
             kinds = [r["kind"] for r in records if r["group_id"] == gid and r["block_hash"] == key]
             assert kinds == ["stored", "removed"], (gid, key)
@@ -687,3 +690,35 @@ def test_bundled_v4_models_hit_at_the_terminal(model):
     prefill(mgr, "t1", 1800)
     mgr.free("t1")
     mgr.check_invariants()
+
+
+# --------------------------------------------------------------------------- a workload
+
+
+def test_multiturn_workload_hits_follow_the_rules():
+    """A small run of the study in docs/prefix_caching_study.py, checked request by request."""
+    from hybridkv.sim.workloads import LengthDistribution, ideal_hit_tokens, multiturn_workload
+
+    answers = LengthDistribution(median_tokens=64, sigma=0.5, min_tokens=16, max_tokens=256)
+    requests = multiturn_workload(6, 3, seed=3, answer_lengths=answers)
+    mgr = make_manager(pages=4096, group_pages={C4KV: 1024, C128KV: 1024})
+    hits = {
+        r.request_id: run_request(mgr, r.request_id, r.prompt_token_ids, r.output_token_ids).hit_tokens
+        for r in requests
+    }
+    by_id = {r.request_id: r for r in requests}
+    for r in requests:
+        if r.turn == 0:
+            # conv0 finds nothing; conv1 shares the 2,000-token system prompt with conv0 but no
+            # checkpoint sits inside it, so it pins the junction 1,792 = 2000 // 256 * 256;
+            # every later first turn hits there.
+            expected = {"conv0000": 0, "conv0001": 0}.get(r.conversation_id, 1792)
+        else:
+            prev = by_id[r.after_request_id]
+            expected = (prev.prompt_tokens + prev.output_tokens - 1) // 256 * 256  # its terminal
+        assert hits[r.request_id] == expected, r.request_id
+    ideal = ideal_hit_tokens(requests, grain_tokens=256)
+    got = np.array([hits[r.request_id] for r in requests])
+    assert (got <= ideal).all()
+    assert int((ideal - got).sum()) == 1792  # only conv1's first turn misses the ideal
+    assert mgr.stats()[C4KV].evicted_pages == 0

@@ -259,7 +259,7 @@ def test_fixed_runs_exercise_hits_evictions_and_rewinds():
         for key, value in counts.items():
             totals[key] = totals.get(key, 0) + value
     assert totals["hits"] >= 10 and totals["continuation_hits"] >= 3, totals
-    assert totals["evicted_history_pages"] > 0 and totals["evicted_pages"] > totals["evicted_history_pages"], totals
+    assert 0 < totals["evicted_history_pages"] < totals["evicted_pages"], totals  # both kinds evicted
     assert totals["rewinds"] > 0 and totals["clears"] > 0, totals
 
 
