@@ -363,6 +363,26 @@ def test_terminal_survives_a_concurrent_request_with_the_same_prefix():
     assert hit.hit_tokens == 512  # (600 + 100 - 1) // 256 * 256
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: a request that hit at D does not co-own the checkpoint at D; when the running "
+    "request that published it moves on, the hit request is left without its terminal",
+)
+def test_terminal_survives_when_the_borrowed_checkpoint_is_superseded():
+    # "x" is still running with its own checkpoint at 512; "y" hits it, answers 40 tokens
+    # (committed 550 + 40 - 1 = 589, terminal 512) and finishes; then "x" crosses 768.
+    mgr = make_manager()
+    x = ids(97, 600)
+    mgr.add_request("x", x, max_new_tokens=300)
+    prefill(mgr, "x", 600)
+    decode(mgr, "x", ids(98, 2))  # commits the prefill: checkpoint at 512, x's own
+    y_prompt, y_answer = cat(x[:540], ids(99, 10)), ids(100, 40)
+    assert run_request(mgr, "y", y_prompt, y_answer).hit_tokens == 512
+    decode(mgr, "x", ids(101, 200))  # x: 601 + 199 = 800 computed, crosses 768
+    hit = mgr.add_request("y-turn2", cat(y_prompt, y_answer, ids(102, 30)))
+    assert hit.hit_tokens == 512  # (550 + 40 - 1) // 256 * 256
+
+
 # --------------------------------------------------------------------------- the last token
 
 
