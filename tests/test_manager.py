@@ -486,3 +486,18 @@ def test_state_after_a_rejected_rewind_still_schedules_correctly():
     assert batch.positions.tolist() == [20, 21]
     assert np.all(batch.groups["swa"].write_slots >= 0)
     m.check_invariants()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: an unhashable request id makes check_admission/schedule raise TypeError from "
+    "the per-item path (`rid not in self._requests`) instead of denying it",
+)
+def test_an_unhashable_request_id_is_denied_not_a_type_error():
+    m = _misuse_manager()
+    before = snapshot(m, ["a", "ids"])
+    [adm] = m.check_admission([(["a"], 1)])
+    assert not adm.ok and "unknown request" in adm.reason
+    with pytest.raises(CacheManagerError):
+        m.schedule([(["a"], 1)])
+    assert snapshot(m, ["a", "ids"]) == before
