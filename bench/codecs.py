@@ -1,6 +1,6 @@
 """Codec throughput next to a plain-numpy floor measured in the same run.
 
-    .venv/bin/python bench/codecs.py [--rows 100000] [--repeats 5] [--seed 0]
+    .venv/bin/python bench/codecs.py [--rows 100000] [--repeats 7] [--seed 0] [--markdown]
 
 Scatter/gather slots: whole pages in random order with rows in order inside a
 page (prefill-like), and separately fully random distinct slots (worst case).
@@ -9,7 +9,8 @@ Floors: encode / fake_quantize -> ``x.astype(float8_e4m3fn)`` of the same
 that shape; scatter / gather -> a plain contiguous copy of the same encoded bytes
 into / out of the pool array. write_slots / read_slots (encode + scatter,
 gather + decode) are compared with the sum of the two floors. Times are the
-median of ``--repeats`` runs; ratio = codec time / floor time (target <= 4).
+median of ``--repeats`` runs; each repeat times the floor right before the codec
+and ratio = the median of the per-repeat codec time / floor time (target <= 4).
 Writes ``bench/out/codecs.json``.
 """
 
@@ -33,14 +34,26 @@ ROWS_PER_PAGE = 64
 TARGET_RATIO = 4.0
 
 
-def median_seconds(fn, repeats: int) -> float:
+def seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def paired_medians(fn, floor_fns, repeats: int) -> tuple[float, float, float]:
+    """Median codec time, median floor time and median per-repeat ratio. Each repeat
+    times the floor right before the codec, so both see the same machine load."""
     fn()  # warm-up (allocations, lazy imports)
-    times = []
+    for floor in floor_fns:
+        floor()
+    codec_times, floor_times, ratios = [], [], []
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        floor_s = sum(seconds(floor) for floor in floor_fns)
+        codec_s = seconds(fn)
+        codec_times.append(codec_s)
+        floor_times.append(floor_s)
+        ratios.append(codec_s / floor_s)
+    return statistics.median(codec_times), statistics.median(floor_times), statistics.median(ratios)
 
 
 def bench_codec(name, codec, rows: int, repeats: int, rng) -> list[dict]:
@@ -61,60 +74,63 @@ def bench_codec(name, codec, rows: int, repeats: int, rng) -> list[dict]:
     flat_rows = encoded.reshape(-1)
     nbytes = flat_rows.size
 
+    def cast():
+        return x.astype(ml_dtypes.float8_e4m3fn)
+
+    def uncast():
+        return q8.astype(np.float32)
+
     def copy_in():
         np.copyto(flat_pool[:nbytes], flat_rows)
 
     def copy_out():
         return flat_pool[:nbytes].copy()
 
-    cast_floor = median_seconds(lambda: x.astype(ml_dtypes.float8_e4m3fn), repeats)
-    uncast_floor = median_seconds(lambda: q8.astype(np.float32), repeats)
-    copy_in_floor = median_seconds(copy_in, repeats)
-    copy_out_floor = median_seconds(copy_out, repeats)
+    r = ROWS_PER_PAGE
     cases = [
-        ("encode", lambda: codec.encode(x), cast_floor, "cast f32->e4m3"),
-        ("decode", lambda: codec.decode(encoded), uncast_floor, "cast e4m3->f32"),
-        ("fake_quantize", lambda: codec.fake_quantize(x), cast_floor, "cast f32->e4m3"),
+        ("encode", lambda: codec.encode(x), [cast], "cast f32->e4m3"),
+        ("decode", lambda: codec.decode(encoded), [uncast], "cast e4m3->f32"),
+        ("fake_quantize", lambda: codec.fake_quantize(x), [cast], "cast f32->e4m3"),
         (
             "scatter (write_slot_bytes)",
-            lambda: codec.write_slot_bytes(pool, slots, encoded, ROWS_PER_PAGE),
-            copy_in_floor,
+            lambda: codec.write_slot_bytes(pool, slots, encoded, r),
+            [copy_in],
             "copy into pool",
         ),
         (
             "gather (read_slot_bytes)",
-            lambda: codec.read_slot_bytes(pool, slots, ROWS_PER_PAGE),
-            copy_out_floor,
+            lambda: codec.read_slot_bytes(pool, slots, r),
+            [copy_out],
             "copy out of pool",
         ),
         (
             "scatter, random slots",
-            lambda: codec.write_slot_bytes(pool, random_slots, encoded, ROWS_PER_PAGE),
-            copy_in_floor,
+            lambda: codec.write_slot_bytes(pool, random_slots, encoded, r),
+            [copy_in],
             "copy into pool",
         ),
         (
             "gather, random slots",
-            lambda: codec.read_slot_bytes(pool, random_slots, ROWS_PER_PAGE),
-            copy_out_floor,
+            lambda: codec.read_slot_bytes(pool, random_slots, r),
+            [copy_out],
             "copy out of pool",
         ),
         (
             "write_slots (encode+scatter)",
-            lambda: codec.write_slots(pool, slots, x, ROWS_PER_PAGE),
-            cast_floor + copy_in_floor,
+            lambda: codec.write_slots(pool, slots, x, r),
+            [cast, copy_in],
             "cast + copy",
         ),
         (
             "read_slots (gather+decode)",
-            lambda: codec.read_slots(pool, slots, ROWS_PER_PAGE),
-            uncast_floor + copy_out_floor,
+            lambda: codec.read_slots(pool, slots, r),
+            [uncast, copy_out],
             "cast + copy",
         ),
     ]
     results = []
-    for op, fn, floor_s, floor_name in cases:
-        codec_s = median_seconds(fn, repeats)
+    for op, fn, floor_fns, floor_name in cases:
+        codec_s, floor_s, ratio = paired_medians(fn, floor_fns, repeats)
         results.append(
             {
                 "format": name,
@@ -125,7 +141,7 @@ def bench_codec(name, codec, rows: int, repeats: int, rng) -> list[dict]:
                 "floor": floor_name,
                 "codec_rows_per_s": rows / codec_s,
                 "floor_rows_per_s": rows / floor_s,
-                "ratio": codec_s / floor_s,
+                "ratio": ratio,
             }
         )
     return results
@@ -134,9 +150,10 @@ def bench_codec(name, codec, rows: int, repeats: int, rng) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=100_000)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "codecs.json")
+    parser.add_argument("--markdown", action="store_true", help="also print the table as markdown")
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
 
@@ -165,6 +182,14 @@ def main() -> None:
             ratio,
         )
     Console(width=130).print(table)
+    if args.markdown:
+        print("| format | op | codec rows/s | floor rows/s | floor | ratio |")
+        print("|---|---|---:|---:|---|---:|")
+        for r in results:
+            print(
+                f"| {r['format']} | {r['op']} | {r['codec_rows_per_s'] / 1e6:.2f} M "
+                f"| {r['floor_rows_per_s'] / 1e6:.2f} M | {r['floor']} | {r['ratio']:.2f}x |"
+            )
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {

@@ -296,3 +296,21 @@ def test_a_second_write_leaves_earlier_rows_alone(name, data):
     np.testing.assert_array_equal(
         codec.read_slots(pool, slots[half:], rows_per_page), codec.fake_quantize(x[half:] * 3)
     )
+
+
+def test_gather_across_chunk_boundaries_with_skips():
+    codec = MXFP4IndexerCodec(dim=128)
+    codec.GATHER_CHUNK_BYTES = 68 * 100  # 100-row byte chunks; read_slots uses 512-row chunks
+    rng = np.random.default_rng(5)
+    pool = codec.new_pool(400, 4)
+    slots = rng.permutation(1600)[:1300].astype(np.int64)
+    x = rng.standard_normal((1300, 128)).astype(np.float32)
+    codec.write_slots(pool, slots, x, 4)
+    slots[rng.random(1300) < 0.2] = -1
+    written = slots >= 0
+    got = codec.read_slot_bytes(pool, slots, 4)
+    np.testing.assert_array_equal(got[written], codec.encode(x)[written])
+    assert not got[~written].any()
+    values = codec.read_slots(pool, slots, 4)
+    np.testing.assert_array_equal(values[written], codec.fake_quantize(x)[written])
+    assert not values[~written].any()

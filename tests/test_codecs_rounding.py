@@ -94,3 +94,21 @@ def test_block_exponent_examples_from_the_issue():
     blocks = np.float32([[[448.0, 0]], [[1e-4, 0]], [[0, 0]], [[449.0, 0]], [[3.0, -6.0]]])
     got = block_exponents(blocks, 448.0, np.float32(3.3e38))[:, 0]
     np.testing.assert_array_equal(got, [0, -22, -22, 1, -6])
+
+
+@pytest.mark.parametrize("limit", [448.0, 6.0])
+def test_block_exponent_equals_the_float32_kernel_formula(limit):
+    """Kernels compute ceil(log2(amax * (1/fmax))) in float32 from the product's bits. The exact
+    rule gives the same e: checked on every float32 within 4096 ulps of fmax * 2^k and on a
+    sample of two whole binades (the outcome is the same at every k: float32 rounding is
+    scale-invariant while the product stays normal, as it does for amax >= 1e-4)."""
+    inv = np.float32(1) / np.float32(limit)
+    boundary = np.float32(limit * 4).view(np.uint32).astype(np.int64)
+    near = np.arange(boundary - 4096, boundary + 4096)
+    start = np.float32(limit).view(np.uint32).astype(np.int64)
+    sample = np.arange(start - 2**23, start + 2**23, 13)
+    amax = np.concatenate([near, sample]).astype(np.uint32).view(np.float32)
+    product_bits = (amax * inv).view(np.uint32)
+    kernel = ((product_bits >> 23) & 0xFF).astype(np.int64) - 127 + ((product_bits & 0x7FFFFF) != 0)
+    got = block_exponents(amax.reshape(-1, 1, 1), limit, np.float32(3.3e38))[:, 0]
+    np.testing.assert_array_equal(got, kernel)

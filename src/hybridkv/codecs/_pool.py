@@ -33,6 +33,7 @@ class PagedRowCodec:
     """
 
     CHUNK_VALUES = 1 << 16
+    GATHER_CHUNK_BYTES = 1 << 18
 
     dim: int
     value_bytes: int
@@ -142,12 +143,14 @@ class PagedRowCodec:
 
     def read_slot_bytes(self, pool: np.ndarray, slots: object, rows_per_page: int) -> np.ndarray:
         """Gather the encoded rows at ``slots`` as ``uint8[n, row_bytes]``; slot -1 reads zeros."""
-        n, skipped, parts = self._gather_checked(pool, slots, rows_per_page)
-        out = np.empty((n, self.row_bytes), dtype=np.uint8)
-        for items, start in parts:
-            out[:, start : start + items.dtype.itemsize].view(items.dtype)[:, 0] = items
-        if skipped is not None:
-            out[skipped] = 0
+        n, skipped, parts = self._gather_plan(pool, slots, rows_per_page)
+        out = np.zeros((n, self.row_bytes), dtype=np.uint8) if parts is None else np.empty(
+            (n, self.row_bytes), dtype=np.uint8
+        )
+        step = max(1, self.GATHER_CHUNK_BYTES // self.row_bytes)
+        for start, stop, values, scales in self._gathered(n, skipped, parts, step):
+            out[start:stop, : self.value_bytes] = values
+            out[start:stop, self.value_bytes :] = scales
         return out
 
     # --- value-level pool and page API ----------------------------------------------
@@ -175,16 +178,14 @@ class PagedRowCodec:
 
     def read_slots(self, pool: np.ndarray, slots: object, rows_per_page: int) -> np.ndarray:
         """Decode the rows at ``slots`` as ``float32[n, dim]``; slot -1 reads +0.0 values."""
-        n, skipped, parts = self._gather_checked(pool, slots, rows_per_page)
-        by_start = {
-            start: items.view(np.uint8).reshape(n, items.dtype.itemsize) for items, start in parts
-        }
-        values = by_start[0]
-        scales = by_start.get(self.value_bytes, np.empty((n, 0), dtype=np.uint8))
-        if skipped is not None:
-            values[skipped] = 0
-            scales[skipped] = 0
-        return self._decode_parts(values, scales)
+        n, skipped, parts = self._gather_plan(pool, slots, rows_per_page)
+        if parts is None:
+            return np.zeros((n, self.dim), dtype=np.float32)
+        out = np.empty((n, self.dim), dtype=np.float32)
+        step = max(1, self.CHUNK_VALUES // self.dim)
+        for start, stop, values, scales in self._gathered(n, skipped, parts, step):
+            self._decode_rows(values, scales, out[start:stop])
+        return out
 
     def write_page(
         self, page_buf: np.ndarray, row_offsets: object, x: object, rows_per_page: int
@@ -206,12 +207,11 @@ class PagedRowCodec:
         """``(item_array, index, first_byte_in_row)`` for the value part and the scale part."""
         stride, rows_per_page = pool.shape[1], int(rows_per_page)
         if rows_per_page & (rows_per_page - 1) == 0:
-            shift = rows_per_page.bit_length() - 1
-            pages, rows = slots >> shift, slots & (rows_per_page - 1)
+            pages = slots >> (rows_per_page.bit_length() - 1)
         else:
-            pages, rows = np.divmod(slots, rows_per_page)
+            pages = slots // rows_per_page
         parts = []
-        for offset, width, start in (
+        for offset, width, first_byte in (
             (0, self.value_bytes, 0),
             (rows_per_page * self.value_bytes, self.scale_bytes, self.value_bytes),
         ):
@@ -219,16 +219,17 @@ class PagedRowCodec:
                 continue
             item = np.dtype((np.void, width))
             if stride % width == 0 and offset % width == 0:
+                # item index = page * items_per_page + offset / width + row, row = slot - page * R
                 items = pool.reshape(-1).view(item)
-                index = pages * (stride // width)
-                index += rows
+                index = pages * (stride // width - rows_per_page)
+                index += slots
                 if offset:
                     index += offset // width
             else:
                 plane = pool[:, offset : offset + rows_per_page * width]
                 items = plane.reshape(pool.shape[0], rows_per_page, width, copy=False).view(item)[..., 0]
-                index = (pages, rows)
-            parts.append((items, index, start))
+                index = (pages, slots - pages * rows_per_page)
+            parts.append((items, index, first_byte))
         return parts
 
     def _scatter(self, pool: np.ndarray, slots: np.ndarray, rows: np.ndarray, rows_per_page: int) -> None:
@@ -238,29 +239,40 @@ class PagedRowCodec:
             width = items.dtype.itemsize
             items[index] = rows[:, start : start + width].view(items.dtype)[:, 0]
 
-    def _gather_checked(self, pool: np.ndarray, slots: object, rows_per_page: int):
-        """Checked gather: ``(n, skipped mask or None, [(items [n] void, first_byte_in_row)])``.
+    def _gather_plan(self, pool: np.ndarray, slots: object, rows_per_page: int):
+        """Checked gather plan: ``(n, skipped mask or None, parts or None if nothing to read)``.
 
-        Rows at slot -1 are read from slot 0 and must be zeroed by the caller.
+        Rows at slot -1 are read from slot 0 and zeroed afterwards by ``_gathered``.
         """
         pool = self._check_pool(pool, rows_per_page, writable=False)
         slot_arr = self._check_slots(slots, pool.shape[0] * rows_per_page, no_repeats=False)
-        n = slot_arr.shape[0]
         skipped = slot_arr < 0
         if not skipped.any():
-            skipped = None
-        elif skipped.all():  # possibly a pool without pages: nothing to read
-            return n, None, [
-                (np.zeros(n, dtype=(np.void, w)), start)
-                for w, start in ((self.value_bytes, 0), (self.scale_bytes, self.value_bytes))
-                if w
-            ]
-        else:
-            slot_arr = np.where(skipped, 0, slot_arr)
-        return n, skipped, [
-            (np.take(items, index) if not isinstance(index, tuple) else items[index], start)
-            for items, index, start in self._parts(pool, slot_arr, rows_per_page)
-        ]
+            return slot_arr.shape[0], None, self._parts(pool, slot_arr, rows_per_page)
+        if skipped.all():  # possibly a pool without pages
+            return slot_arr.shape[0], skipped, None
+        read_from = np.where(skipped, 0, slot_arr)
+        return slot_arr.shape[0], skipped, self._parts(pool, read_from, rows_per_page)
+
+    def _gathered(self, n: int, skipped, parts, step: int):
+        """Yield ``(start, stop, values uint8[m, value_bytes], scales uint8[m, scale_bytes])``
+        in chunks of ``step`` rows (the gathered temporaries stay in cache)."""
+        if parts is None:
+            return
+        for start in range(0, n, step):
+            stop = min(start + step, n)
+            got = {}
+            for items, index, first_byte in parts:
+                if isinstance(index, tuple):
+                    chunk = items[index[0][start:stop], index[1][start:stop]]
+                else:
+                    chunk = np.take(items, index[start:stop])
+                chunk = chunk.view(np.uint8).reshape(stop - start, items.dtype.itemsize)
+                if skipped is not None:
+                    chunk[skipped[start:stop]] = 0
+                got[first_byte] = chunk
+            scales = got.get(self.value_bytes, np.empty((stop - start, 0), dtype=np.uint8))
+            yield start, stop, got[0], scales
 
     def _check_pool(self, pool: object, rows_per_page: int, *, writable: bool) -> np.ndarray:
         stride = self.page_stride_bytes(rows_per_page)

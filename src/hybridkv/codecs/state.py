@@ -34,9 +34,8 @@ class StateRowCodec(PagedRowCodec):
         x32 = self.fake_quantize(x)
         return x32.view(np.uint8).reshape(*x32.shape[:-1], self.row_bytes)
 
-    def _decode_parts(self, values: np.ndarray, scales: np.ndarray) -> np.ndarray:
-        """A float32 copy of the row bytes."""
-        return values.view(F32).astype(np.float32, copy=True)
+    def _decode_rows(self, values: np.ndarray, scales: np.ndarray, out: np.ndarray) -> None:
+        out[...] = values.view(F32)
 
     def fake_quantize(self, x: object) -> np.ndarray:
         """``x`` as a new float32 array; ``ValueError`` on NaN/inf."""
