@@ -333,12 +333,6 @@ def test_junction_checkpoint_makes_a_shared_system_prompt_hit():
         assert (hit.hit_tokens, hit.junction_tokens) == (768, 0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a request whose boundary checkpoint already existed (published by a concurrent "
-    "request with the same prefix) does not co-own it; the publisher supersedes it and the "
-    "finished request is left without its terminal",
-)
 def test_terminal_survives_a_concurrent_request_with_the_same_prefix():
     # Two samples of one 600-token prompt (parallel sampling). "c" commits first, so it
     # publishes the checkpoint at 512; "a" finds it present. "a" answers 100 tokens (committed
@@ -363,11 +357,6 @@ def test_terminal_survives_a_concurrent_request_with_the_same_prefix():
     assert hit.hit_tokens == 512  # (600 + 100 - 1) // 256 * 256
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a request that hit at D does not co-own the checkpoint at D; when the running "
-    "request that published it moves on, the hit request is left without its terminal",
-)
 def test_terminal_survives_when_the_borrowed_checkpoint_is_superseded():
     # "x" is still running with its own checkpoint at 512; "y" hits it, answers 40 tokens
     # (committed 550 + 40 - 1 = 589, terminal 512) and finishes; then "x" crosses 768.

@@ -91,6 +91,7 @@ class _StepPlan:
     new_base: dict[str, np.ndarray]
     alloc: dict[str, np.ndarray]
     need_hi: dict[str, np.ndarray]
+    settle: int = 0  # leading rows with zero new tokens (previous step's requests settling)
 
 
 class CacheManager:
@@ -139,6 +140,7 @@ class CacheManager:
             for s in self.specs
         }
         self._requests: dict[str, _Request] = {}
+        self._last_rows = np.zeros(0, dtype=np.int64)  # rows scheduled in the previous step
         self._row_owner: dict[int, _Request] = {}
         self._free_rows: list[int] = []
         self._next_row = 0
@@ -216,6 +218,7 @@ class CacheManager:
             hit = self.prefix.match_and_borrow(req.hashes, buf[:prompt_len], row)
             if hit.junction_tokens:
                 req.keep_boundaries = frozenset([hit.junction_tokens])
+            req.own_checkpoints = self.prefix.hold_hit(req.hashes, hit.hit_tokens)
         self._computed[row] = hit.hit_tokens
         self._committed[row] = hit.hit_tokens
         self._requests[request_id] = req
@@ -286,14 +289,20 @@ class CacheManager:
                 return answers, ok_idx, np.zeros(0, dtype=bool), {}, None
             rows = np.asarray(row_list, dtype=np.int64)
             counts = np.asarray(count_list, dtype=np.int64)
-        plan = self._plan(rows, counts)
-        fits = np.ones(len(ok_idx), dtype=bool)
+        # Requests of the previous step that are not in this one settle now: their
+        # tokens commit and their slid-out pages go back (zero new tokens each). They
+        # come first so their release counts as credit for everyone.
+        settle = self._settling_rows(rows)
+        plan = self._plan(np.concatenate([settle, rows]), np.concatenate([np.zeros_like(settle), counts]))
+        plan.settle = settle.size
+        fits = np.ones(plan.rows.size, dtype=bool)
         deny: dict[int, str] = {}
         if fixed_width:
             for s in self.specs:
                 gid = s.group_id
                 width = plan.need_hi[gid] - plan.new_base[gid]
                 over = width > self.table_widths[gid]
+                over[: plan.settle] = False
                 for k in np.flatnonzero(over & fits).tolist():
                     fits[k] = False
                     deny[k] = (
@@ -310,7 +319,15 @@ class CacheManager:
             net = {g: plan.alloc[g] - self._release_credit(g, plan.rows, plan.new_base[g]) for g in avail}
             if not total_fits(net):
                 self._deny_greedily(plan, net, avail, fits, deny)
-        return answers, ok_idx, fits, deny, plan
+        off = plan.settle
+        return answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items()}, plan
+
+    def _settling_rows(self, batch_rows: np.ndarray) -> np.ndarray:
+        prev = self._last_rows
+        if prev.size == 0:
+            return prev
+        prev = prev[self._committed[prev] < self._computed[prev]]
+        return prev[~np.isin(prev, batch_rows)] if prev.size else prev
 
     @staticmethod
     def _deny_greedily(plan, net, avail, fits, deny) -> None:
@@ -448,13 +465,15 @@ class CacheManager:
                 table.place(rows, lo, n_alloc, pool.allocate(total))
             table.hi[rows] = np.maximum(table.hi[rows], plan.need_hi[gid])
         self._computed[rows] = plan.end
+        self._last_rows = rows[plan.settle :].copy()
         return self._build_batch(items, plan, fixed_width)
 
     def _build_batch(self, items, plan: _StepPlan, fixed_width: bool) -> StepBatch:
-        rows, counts = plan.rows, plan.counts
+        rows, counts = plan.rows[plan.settle :], plan.counts[plan.settle :]
+        first = plan.first[plan.settle :]
         n_req = rows.size
         req_idx = np.repeat(np.arange(n_req, dtype=np.int32), counts)
-        positions = np.repeat(plan.first, counts) + segment_arange(counts)
+        positions = np.repeat(first, counts) + segment_arange(counts)
         token_rows = rows[req_idx]
         qsl = np.zeros(n_req + 1, dtype=np.int32)
         np.cumsum(counts, out=qsl[1:])
@@ -532,6 +551,7 @@ class CacheManager:
         self._committed[req.row] = 0
         del self._requests[request_id]
         del self._row_owner[req.row]
+        self._last_rows = self._last_rows[self._last_rows != req.row]
         self._free_rows.append(req.row)
 
     # --- observability -------------------------------------------------------

@@ -190,6 +190,10 @@ class PrefixCache:
         self.record_events = on_event is None
         self.stats = {s.group_id: PrefixGroupStats() for s in self.specs}
         self._meta: dict[str, dict[int, tuple[int | None, int, int]]] = {s.group_id: {} for s in self.specs}
+        # State entries: how many requests keep each one as an own checkpoint (publisher,
+        # concurrent computers of the same prefix, hits at it). Superseding drops one hold;
+        # the entry is unpublished when none is left. Pinned holds are never dropped.
+        self._holders: dict[str, dict[int, int]] = {gid: {} for gid in self.state_ids}
         for gid, pool in pools.items():
             pool.on_removed = self._removed_callback(gid)
 
@@ -285,9 +289,8 @@ class PrefixCache:
             own = _OwnCheckpoint(d, pinned=d in keep or (interval is not None and d % interval == 0))
             for gid in self.state_ids:
                 window = self.tables[gid].spec.sliding_window_tokens
-                if self._publish(gid, row, hashes, d, lo_tokens=max(0, d - window)):
-                    key = hashes.key(d)
-                    own.entries[gid] = (key, self.pools[gid].lookup(key))
+                self._publish(gid, row, hashes, d, lo_tokens=max(0, d - window))
+                self._hold(own, gid, hashes.key(d))
             if own.entries:
                 new_own.append(own)
         # Superseded: every earlier own checkpoint that is not pinned.
@@ -295,7 +298,13 @@ class PrefixCache:
             if prev.pinned:
                 continue
             for gid, (key, pages) in prev.entries.items():
-                if self.pools[gid].lookup(key) == pages:  # still ours (not evicted and re-stored)
+                if self.pools[gid].lookup(key) != pages:
+                    continue  # evicted (and maybe re-stored) meanwhile
+                left = self._holders[gid].get(key, 1) - 1
+                if left:
+                    self._holders[gid][key] = left
+                else:
+                    self._holders[gid].pop(key, None)
                     self.pools[gid].unpublish(key)
         req.own_checkpoints = [c for c in req.own_checkpoints if c.pinned] + new_own
 
@@ -318,6 +327,21 @@ class PrefixCache:
         self._emit(CacheEvent("stored", gid, _hex(key), _hex(parent), boundary, len(pages)))
         return True
 
+    def _hold(self, own: _OwnCheckpoint, gid: str, key: int) -> None:
+        pages = self.pools[gid].lookup(key)
+        if pages is not None:
+            own.entries[gid] = (key, pages)
+            self._holders[gid][key] = self._holders[gid].get(key, 0) + 1
+
+    def hold_hit(self, hashes: RequestHashes, hit_tokens: int) -> list[_OwnCheckpoint]:
+        """A hit at D keeps the checkpoint at D as the request's own (its terminal so far)."""
+        if hit_tokens == 0:
+            return []
+        own = _OwnCheckpoint(hit_tokens)
+        for gid in self.state_ids:
+            self._hold(own, gid, hashes.key(hit_tokens))
+        return [own] if own.entries else []
+
     def forget_request(self, req: Any) -> None:
         """A freed request's checkpoints stay cached (its last one is its terminal)."""
         req.own_checkpoints = []
@@ -330,6 +354,7 @@ class PrefixCache:
     def _removed_callback(self, gid: str) -> Callable[[int], None]:
         def removed(key: int) -> None:
             parent, boundary, n = self._meta[gid].pop(key, (None, 0, 0))
+            self._holders.get(gid, {}).pop(key, None)
             self.stats[gid].removed_entries += 1
             self._emit(CacheEvent("removed", gid, _hex(key), _hex(parent), boundary, n))
 
