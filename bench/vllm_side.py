@@ -456,6 +456,11 @@ class VllmSide:
         self.manager_ns["free"] += time.perf_counter_ns() - start
         request.status = RequestStatus.FINISHED_STOPPED
 
+    def decode_step(self, requests: Sequence[Request]) -> bool:
+        """One token for every request, as vLLM's scheduler does it: one
+        ``allocate_slots`` call per running request."""
+        return all(self.allocate(request, 1) for request in requests)
+
     def begin_step(self) -> None:
         """The scheduler's per-step calls: ``new_step_starts`` and draining the
         new-block-id list (done every step whether or not blocks get zeroed)."""

@@ -69,18 +69,29 @@ class CacheSide(Protocol):
     def num_total_blocks(self) -> int: ...
     def reset_prefix_cache(self) -> bool: ...
     def take_timings(self) -> dict[str, int]: ...
+    def decode_step(self, requests: Sequence[Any]) -> bool: ...
+
+
+class _Handle:
+    __slots__ = ("request_id", "token_ids", "max_tokens", "added", "scheduled")
+
+    def __init__(self, request_id: str, token_ids: np.ndarray, max_tokens: int):
+        self.request_id = request_id
+        self.token_ids = token_ids
+        self.max_tokens = max_tokens
+        self.added = False
+        self.scheduled = False
 
 
 class HybridkvSide:
-    """hybridkv's manager behind the same adapter API as ``vllm_side.VllmSide``.
+    """hybridkv's ``CacheManager`` behind the same adapter API as ``vllm_side.VllmSide``.
 
-    TODO(issue 7): build a ``hybridkv.manager.CacheManager`` for the same model
-    (FP8 indexer), budget (``kv_memory_bytes``), ``max_model_len``, chunk and
-    running-request limits, and implement every method below with the
-    semantics documented on ``VllmSide``: ``probe_hit`` returns the reusable
-    prompt tokens, the first ``allocate`` adopts that hit, ``allocate``
-    returns False and changes nothing when the pool refuses, manager call
-    times accumulate per method and ``take_timings`` returns and resets them.
+    Same model (DeepSeek-V4-Flash, FP8 indexer), budget, context limit, chunk
+    and running limits. ``probe_hit`` adds the request (matching and borrowing
+    its cached prefix); a refused first ``allocate`` frees it again, so nothing
+    changed. ``decode_step`` schedules every running request in one call (the
+    manager is built for whole-batch steps); each call's time accumulates per
+    method and ``take_timings`` returns and resets it.
     """
 
     name = "hybridkv"
@@ -94,49 +105,121 @@ class HybridkvSide:
         max_num_seqs: int,
         enable_prefix_caching: bool = True,
     ) -> None:
-        raise NotImplementedError("HybridkvSide is not wired to hybridkv.manager yet")
+        from hybridkv.manager import CacheManager
+        from hybridkv.models.layout import cache_layout
+        from hybridkv.plan import Limits, plan_for_budget
+
+        self.layout = cache_layout("deepseek-v4-flash", indexer="fp8")
+        limits = Limits(max_num_seqs, max_num_batched_tokens, max_model_len)
+        self.plan = plan_for_budget(self.layout, kv_memory_bytes, limits)
+        self.manager = CacheManager.from_plan(self.plan, enable_prefix_caching=enable_prefix_caching)
+        self.manager_ns: dict[str, int] = {}
+
+    def _timed(self, name: str, start: int) -> None:
+        self.manager_ns[name] = self.manager_ns.get(name, 0) + time.perf_counter_ns() - start
 
     def describe(self) -> dict[str, Any]:
-        raise NotImplementedError
+        groups = [
+            dict(
+                group=g.group_id,
+                spec_class=g.spec.retention,
+                layers=len(g.layers),
+                block_tokens=g.spec.page_tokens,
+                window_tokens=g.spec.sliding_window_tokens,
+                page_bytes=g.page_bytes,
+            )
+            for g in self.layout.groups
+        ]
+        pages = self.plan.group_pages
+        return dict(
+            layout="per-group pools",
+            specs=[],
+            groups=groups,
+            group_pages=pages,
+            num_blocks=sum(pages.values()),
+            block_stride_bytes=0,
+            pool_bytes=self.plan.total_bytes,
+            scheduler_block_tokens=self.plan.scheduler_page_tokens,
+            hash_block_tokens=self.manager.prefix.granularity_tokens if self.manager.prefix else None,
+        )
 
     def computed_capacity(self, context_tokens: int) -> float:
-        raise NotImplementedError
+        return float(self.plan.max_concurrent_requests(context_tokens))
 
     def new_request(self, request_id: str, token_ids: Sequence[int], max_tokens: int = 1) -> Any:
-        raise NotImplementedError
+        return _Handle(request_id, np.asarray(token_ids, dtype=np.int32), int(max_tokens))
 
     def probe_hit(self, request: Any) -> int:
-        raise NotImplementedError
+        start = time.perf_counter_ns()
+        # vLLM lets max_tokens run past max_model_len; ours refuses that, so clip.
+        room = self.manager.max_context_tokens - request.token_ids.size
+        hit = self.manager.add_request(
+            request.request_id, request.token_ids, max_new_tokens=max(0, min(request.max_tokens, room))
+        )
+        self._timed("probe_hit", start)
+        request.added = True
+        return hit.hit_tokens
 
     def allocate(self, request: Any, num_new_tokens: int) -> bool:
-        raise NotImplementedError
+        if not request.added:
+            self.probe_hit(request)
+        items = [(request.request_id, int(num_new_tokens))]
+        start = time.perf_counter_ns()
+        ok = self.manager.check_admission(items)[0].ok
+        if ok:
+            self.manager.schedule(items)
+        elif not request.scheduled:
+            self.manager.free(request.request_id)  # undo the probe's borrow
+            request.added = False
+        self._timed("allocate", start)
+        request.scheduled = request.scheduled or ok
+        return ok
+
+    def decode_step(self, requests: Sequence[Any]) -> bool:
+        """One token for every request, in one scheduling call."""
+        items = [(r.request_id, 1) for r in requests]
+        start = time.perf_counter_ns()
+        try:
+            self.manager.schedule(items)
+        except ValueError:
+            return False
+        finally:
+            self._timed("allocate", start)
+        return True
 
     def append_tokens(self, request: Any, token_ids: Sequence[int]) -> None:
-        raise NotImplementedError
+        self.manager.append_token_ids(request.request_id, np.asarray(token_ids, dtype=np.int32))
 
     def free(self, request: Any) -> None:
-        raise NotImplementedError
+        start = time.perf_counter_ns()
+        self.manager.free(request.request_id)
+        self._timed("free", start)
+        request.added = request.scheduled = False
 
     def begin_step(self) -> None:
-        raise NotImplementedError
+        pass  # nothing per step outside schedule()
 
     def num_computed_tokens(self, request: Any) -> int:
-        raise NotImplementedError
+        return self.manager.num_computed_tokens(request.request_id) if request.added else 0
 
     def pages_per_group(self, request: Any) -> list[int]:
-        raise NotImplementedError
+        return [
+            int(self.manager.request_pages(request.request_id, s.group_id)[1].size) for s in self.manager.specs
+        ]
 
     def num_free_blocks(self) -> int:
-        raise NotImplementedError
+        return sum(st.free_pages for st in self.manager.stats().values())
 
     def num_total_blocks(self) -> int:
-        raise NotImplementedError
+        return sum(st.total_pages for st in self.manager.stats().values())
 
     def reset_prefix_cache(self) -> bool:
-        raise NotImplementedError
+        self.manager.clear_prefix_cache()
+        return True
 
     def take_timings(self) -> dict[str, int]:
-        raise NotImplementedError
+        timings, self.manager_ns = self.manager_ns, {}
+        return timings
 
 
 # --------------------------------------------------------------------------- helpers
@@ -200,9 +283,8 @@ def measure_decode(side: CacheSide, *, num_requests: int, steps: int, chunk_toke
     with quiet_gc():
         for step in range(steps):
             side.begin_step()
-            for request in running:
-                if not side.allocate(request, 1):
-                    raise RuntimeError(f"{side.name}: decode step {step} refused a slot")
+            if not side.decode_step(running):
+                raise RuntimeError(f"{side.name}: decode step {step} refused a slot")
             timings = side.take_timings()
             step_ns[step] = _manager_ns(timings, "begin_step", "allocate")
             for request, token in zip(running, outputs[step]):

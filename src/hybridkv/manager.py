@@ -139,6 +139,15 @@ class CacheManager:
             )
             for s in self.specs
         }
+        # Groups whose tables move identically (same page tokens and window) share
+        # the per-step arithmetic; the first group of each shape computes it.
+        shapes: dict[tuple, str] = {}
+        self._shape_leader = {
+            s.group_id: shapes.setdefault((s.page_tokens, s.sliding_window_tokens), s.group_id)
+            for s in self.specs
+        }
+        self._version = 0  # bumped by every mutation; keys the admission cache
+        self._admitted: tuple | None = None
         self._requests: dict[str, _Request] = {}
         self._last_rows = np.zeros(0, dtype=np.int64)  # rows scheduled in the previous step
         self._row_owner: dict[int, _Request] = {}
@@ -179,6 +188,7 @@ class CacheManager:
         cache_salt: str | bytes | None = None,
     ) -> PrefixHit:
         """Register a request; with prefix caching, borrow its cached prefix. Returns the hit."""
+        self._version += 1  # invalidates a cached admission
         if not isinstance(request_id, str) or not request_id:
             raise CacheManagerError(f"request id must be a non-empty str, got {request_id!r}")
         if request_id in self._requests:
@@ -229,6 +239,7 @@ class CacheManager:
 
     def append_token_ids(self, request_id: str, token_ids: Iterable[int] | np.ndarray) -> None:
         """Extend a request's known tokens (sampled outputs, draft tokens)."""
+        self._version += 1  # invalidates a cached admission
         req = self._get(request_id)
         if req.token_ids is None:
             raise CacheManagerError(f"request {request_id!r} was added without token ids")
@@ -257,7 +268,9 @@ class CacheManager:
         self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False
     ) -> list[Admission]:
         """Would each (request, new tokens) fit, taken greedily in order? Never mutates."""
-        answers, ok_idx, fits, deny, _ = self._admit(items, fixed_width)
+        answers, ok_idx, fits, deny, plan = self._admit(items, fixed_width)
+        # schedule() right after, with the same items and no mutation between, reuses it.
+        self._admitted = (self._version, list(items), fixed_width, (answers, ok_idx, fits, deny, plan))
         for k, i in enumerate(ok_idx):
             answers[i] = Admission(True) if fits[k] else Admission(False, deny[k])
         return answers
@@ -324,10 +337,14 @@ class CacheManager:
 
     def _settling_rows(self, batch_rows: np.ndarray) -> np.ndarray:
         prev = self._last_rows
+        if prev.size == 0 or (prev.size == batch_rows.size and np.array_equal(prev, batch_rows)):
+            return prev[:0]
+        prev = prev[self._committed[prev] < self._computed[prev]]
         if prev.size == 0:
             return prev
-        prev = prev[self._committed[prev] < self._computed[prev]]
-        return prev[~np.isin(prev, batch_rows)] if prev.size else prev
+        in_batch = np.zeros(self._computed.size, dtype=bool)
+        in_batch[batch_rows] = True
+        return prev[~in_batch[prev]]
 
     @staticmethod
     def _deny_greedily(plan, net, avail, fits, deny) -> None:
@@ -377,7 +394,7 @@ class CacheManager:
             rid, n = item
         except (TypeError, ValueError):
             return f"each item must be (request_id, num_new_tokens), got {item!r}"
-        if rid not in self._requests:
+        if not isinstance(rid, str) or rid not in self._requests:
             return f"unknown request {rid!r}"
         if rid in seen:
             return f"request {rid!r} appears twice in the batch"
@@ -407,8 +424,10 @@ class CacheManager:
         first = self._computed[rows]
         end = first + counts
         new_base, alloc, need_hi = {}, {}, {}
-        for s in self.specs:
-            gid = s.group_id
+        for gid, leader in self._shape_leader.items():
+            if leader != gid:  # same page tokens and window: identical base/hi (asserted)
+                new_base[gid], need_hi[gid], alloc[gid] = new_base[leader], need_hi[leader], alloc[leader]
+                continue
             table = self.tables[gid]
             nb = table.new_base(rows, first)
             nh = table.need_hi(end)
@@ -437,12 +456,18 @@ class CacheManager:
         items = list(items)
         if not items:
             raise CacheManagerError("empty batch")
-        answers, ok_idx, fits, deny, plan = self._admit(items, fixed_width)
+        cached = self._admitted
+        if cached is not None and cached[0] == self._version and cached[2] == fixed_width and cached[1] == items:
+            answers, ok_idx, fits, deny, plan = cached[3]
+        else:
+            answers, ok_idx, fits, deny, plan = self._admit(items, fixed_width)
+        self._admitted = None
         if len(ok_idx) < len(items) or not fits.all():
             reasons = [a.reason for a in answers if a is not None] + [deny[k] for k in sorted(deny)]
             raise CacheManagerError(
                 f"{len(reasons)} of {len(items)} requests not admissible: {'; '.join(reasons[:3])}"
             )
+        self._version += 1
         rows, counts = plan.rows, plan.counts
         if self.prefix is not None:
             pending = rows[self._committed[rows] < plan.first]
@@ -506,6 +531,7 @@ class CacheManager:
     # --- rewind and free -----------------------------------------------------
     def rewind(self, request_id: str, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` computed tokens; pages past them go back."""
+        self._version += 1  # invalidates a cached admission
         req = self._get(request_id)
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
             raise CacheManagerError(f"num_tokens must be an int, got {num_tokens!r}")
@@ -536,6 +562,7 @@ class CacheManager:
 
     def free(self, request_id: str) -> None:
         """End a request: commit its last step to the prefix cache, release every page."""
+        self._version += 1  # invalidates a cached admission
         req = self._get(request_id)
         if self.prefix is not None and self._committed[req.row] < self._computed[req.row]:
             self._commit_row(req.row)
@@ -583,11 +610,16 @@ class CacheManager:
         return int(table.base[req.row]), table.pages_in(row, table.base[row], table.hi[row])
 
     def clear_prefix_cache(self) -> None:
+        """Unpublish every cached entry (pages held by requests stay held)."""
+        self._version += 1  # invalidates a cached admission
         if self.prefix is not None:
             self.prefix.clear()
 
     def check_invariants(self) -> None:
         """Assert that ref counts equal the tables' holdings and pools are consistent."""
+        for gid, leader in self._shape_leader.items():
+            a, b = self.tables[gid], self.tables[leader]
+            assert np.array_equal(a.base, b.base) and np.array_equal(a.hi, b.hi), f"{gid} drifted from {leader}"
         for s in self.specs:
             gid = s.group_id
             table, pool = self.tables[gid], self.pools[gid]
