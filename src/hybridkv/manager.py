@@ -470,8 +470,10 @@ class CacheManager:
         self._version += 1
         rows, counts = plan.rows, plan.counts
         if self.prefix is not None:
-            pending = rows[self._committed[rows] < plan.first]
-            for row in pending.tolist():
+            # Only a request that crossed a grain boundary has something to publish.
+            grain = self.prefix.granularity_tokens
+            crossed = rows[self._committed[rows] // grain < plan.first // grain]
+            for row in crossed.tolist():
                 self._commit_row(row)
         self._committed[rows] = plan.first
         for s in self.specs:
