@@ -131,10 +131,10 @@ def test_json_output(capsys):
     report = json.loads(out)
     assert report["scheduler_pages"] == 41_455
     assert report["concurrency"]["context_tokens"] == 65_536
-    # Compressed groups fit (41,584 - 1) // ceil(65,537 / 256) = 161; the window KV
-    # group fits (513 - 1) // (ceil(129 / 64) + 1) = 128 and so limits.
-    assert report["concurrency"]["max_requests"] == 128
-    assert report["concurrency"]["limiting_group"] == "v4.swa_kv"
+    # Compressed groups fit (41,584 - 1) // ceil(65,537 / 256) = 161 and limit; the window
+    # KV group fits (513 - 1) // ceil((127 + 1 + 63) / 64) = 512 // 3 = 170.
+    assert report["concurrency"]["max_requests"] == 161
+    assert report["concurrency"]["limiting_group"] == "v4.c4a.compressed_kv"
     assert [g["pages"] for g in report["groups"]] == [513, 2_433, 41_584, 3_201, 41_584, 2_433]
 
 

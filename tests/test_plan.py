@@ -100,12 +100,19 @@ def test_concurrency_counts_every_group():
     # Window groups: swa 512 // 4 = 128, c4 state 2,432 // 4 = 608, c128 state 3,200 // 18 = 177.
     assert plan.concurrency(131_072) == (81, "v4.c4a.compressed_kv")  # ties: spec order
     assert plan.max_concurrent_requests(131_072) == 81
-    # 1,000 tokens: compressed groups fit 41,583 // 4 = 10,395; swa needs ceil(129/64)+1 = 4 -> 128.
-    assert plan.concurrency(1_000) == (128, "v4.swa_kv")
+    # 1,000 tokens: compressed groups fit 41,583 // 4 = 10,395. The next query reads the 127
+    # tokens before it plus the one it writes: 128 tokens span at most ceil((128 + 63) / 64) = 3
+    # swa pages -> 512 // 3 = 170 requests.
+    assert plan.concurrency(1_000) == (170, "v4.swa_kv")
     assert plan.request_pages(1_000)["v4.c4a.compressed_kv"] == 4
-    # 10 tokens: swa needs ceil((10 + 1) / 64) + 1 = 2 pages -> 256; c4 state ceil(9/4)+1 = 4 -> 608.
-    assert plan.request_pages(10)["v4.swa_kv"] == 2
-    assert plan.concurrency(10) == (256, "v4.swa_kv")
+    assert plan.request_pages(1_000)["v4.swa_kv"] == 3
+    # 10 tokens: 11 tokens in all fit one swa page -> 512 requests; c4 state needs
+    # min(ceil((7 + 1 + 3) / 4), ceil(11 / 4)) = 3 -> 2,432 // 3 = 810; c128 state
+    # min(ceil((10 + 1 + 7) / 8), ceil(11 / 8)) = 2 -> 3,200 // 2 = 1,600.
+    assert plan.request_pages(10)["v4.swa_kv"] == 1
+    assert plan.request_pages(10)["v4.c4a.compressor_state"] == 3
+    assert plan.request_pages(10)["v4.c128a.compressor_state"] == 2
+    assert plan.concurrency(10) == (512, "v4.swa_kv")
     assert plan.concurrency(2**20) == (41_583 // 4_097, "v4.c4a.compressed_kv")
 
 

@@ -108,18 +108,28 @@ def group_page_counts(
 def table_widths(specs: Iterable[CacheGroupSpec], limits: Limits) -> dict[str, int]:
     """Block-table widths for graph capture: full ``ceil((ctx + k) / T)``, sliding
     ``ceil((min(W, ctx) + k) / T) + 1``."""
+    k, ctx = limits.speculative_tokens, limits.max_context_tokens
     return {
-        spec.group_id: _request_pages(spec, limits.max_context_tokens, limits.speculative_tokens)
+        spec.group_id: (
+            -(-(min(spec.sliding_window_tokens, ctx) + k) // spec.page_tokens) + 1
+            if spec.is_sliding
+            else -(-(ctx + k) // spec.page_tokens)
+        )
         for spec in specs
     }
 
 
 def _request_pages(spec: CacheGroupSpec, context_tokens: int, horizon_tokens: int) -> int:
     """Pages one request at ``context_tokens`` holds, with ``horizon_tokens`` reserved ahead."""
+    t = spec.page_tokens
+    whole = -(-(context_tokens + horizon_tokens) // t)
     if spec.is_sliding:
-        span = min(spec.sliding_window_tokens, context_tokens) + horizon_tokens
-        return -(-span // spec.page_tokens) + 1
-    return -(-(context_tokens + horizon_tokens) // spec.page_tokens)
+        # The next query reads W-1 earlier tokens plus the k it writes; at the worst
+        # page alignment those span ceil((n + T - 1) / T) pages, never more than the
+        # pages of the whole sequence.
+        live_tokens = min(spec.sliding_window_tokens - 1, context_tokens) + horizon_tokens
+        return min(-(-(live_tokens + t - 1) // t), whole)
+    return whole
 
 
 @dataclass(frozen=True)
