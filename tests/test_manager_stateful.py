@@ -1,10 +1,13 @@
 """Random add / admit / schedule / rewind / free sequences against a small model.
 
-The model knows only the rules, per request: computed tokens, the first position
-of its last step (a rewind may not go below it) and, per sliding group, the base
-page ``max over its steps of max(0, first - W + 1) // T``. A group then holds the
-logical pages ``[base, ceil(computed / T))`` (base 0 for full-history groups).
-Pools are small so that denials happen; without prefix caching no page is shared.
+The model knows only the rules, per request: computed tokens, its committed
+tokens (a rewind may not go below them) and, per sliding group, its base page.
+A step from ``first`` sets committed to ``first`` and the base to
+``max(base, max(0, first - W + 1) // T)``. The requests of the previous step that
+are not in the next one settle when it is scheduled: the same rule with
+``first = computed``. A group then holds the logical pages
+``[base, ceil(computed / T))`` (base 0 for full-history groups). Pools are small
+so that denials happen; without prefix caching no page is shared.
 """
 
 from dataclasses import dataclass, field
@@ -56,7 +59,7 @@ class ModelRequest:
     prompt: int
     total: int
     computed: int = 0
-    last_first: int = 0
+    committed: int = 0
     base: dict = field(default_factory=dict)
 
 
@@ -75,6 +78,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.ctx, self.step_limit = ctx, step
         self.m = CacheManager(specs, pages, max_context_tokens=ctx, max_step_tokens=step, shuffle_seed=shuffle_seed)
         self.model: dict[str, ModelRequest] = {}
+        self.last_batch: list[str] = []
         self.next_id = 0
 
     # --- model rules -----------------------------------------------------------------
@@ -100,12 +104,21 @@ class ManagerMachine(RuleBasedStateMachine):
         need = cdiv(req.computed + n, t)
         return new_base, need, max(need - max(hi, new_base), 0), new_base - base
 
+    def settling(self, batch_rids):
+        """Requests of the previous step, not in this one, with uncommitted tokens."""
+        return [
+            r for r in self.last_batch
+            if r in self.model and r not in batch_rids and self.model[r].computed > self.model[r].committed
+        ]
+
+    def net_pages(self, items, spec):
+        """Pages the step needs beyond what it releases, settling requests included."""
+        settle = self.settling({rid for rid, _ in items})
+        released = sum(self.step_plan(r, 0, spec)[3] for r in settle)
+        return sum(p[2] - p[3] for p in (self.step_plan(rid, n, spec) for rid, n in items)) - released
+
     def fits_alone(self, rid, n):
-        return all(
-            alloc - credit <= self.model_free(s)
-            for s in self.specs
-            for _, _, alloc, credit in [self.step_plan(rid, n, s)]
-        )
+        return all(self.net_pages([(rid, n)], s) <= self.model_free(s) for s in self.specs)
 
     def step_tokens(self, data, rid):
         req = self.model[rid]
@@ -171,10 +184,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert snapshot(self.m) == before
         assert len(answers) == len(items)
         # Releases precede allocations: a batch whose net total fits is admitted whole.
-        net_fits = all(
-            sum(p[2] - p[3] for p in (self.step_plan(rid, n, s) for rid, n in items)) <= self.model_free(s)
-            for s in self.specs
-        )
+        net_fits = all(self.net_pages(items, s) <= self.model_free(s) for s in self.specs)
         if net_fits:
             assert all(a.ok for a in answers), [a.reason for a in answers]
         admitted = [item for item, a in zip(items, answers) if a.ok]
@@ -188,16 +198,21 @@ class ManagerMachine(RuleBasedStateMachine):
             self.run_step(admitted)  # "yes" is never followed by a failed schedule
 
     def run_step(self, items):
-        plans = {rid: {s.group_id: self.step_plan(rid, n, s) for s in self.specs} for rid, n in items}
+        settle = self.settling({rid for rid, _ in items})
+        moves = [(rid, n) for rid, n in items] + [(rid, 0) for rid in settle]
+        plans = {rid: {s.group_id: self.step_plan(rid, n, s) for s in self.specs} for rid, n in moves}
         firsts = np.array([self.model[rid].computed for rid, _ in items], dtype=np.int64)
         batch = self.m.schedule(items)
-        for rid, n in items:
+        for rid, n in moves:
             req = self.model[rid]
-            req.last_first = req.computed
+            req.committed = req.computed
             req.computed += n
             for s in self.specs:
                 if s.is_sliding:
                     req.base[s.group_id] = plans[rid][s.group_id][0]
+        self.last_batch = [rid for rid, _ in items]
+        if settle:
+            event("previous-step requests settled")
         self.check_batch(batch, items, firsts, plans)
 
     def check_batch(self, batch, items, firsts, plans):
@@ -248,18 +263,22 @@ class ManagerMachine(RuleBasedStateMachine):
             assert np.all(first_page >= base[tok_req]), gid
             assert np.all(positions // stride // rows < hi[tok_req]), gid
 
-    @precondition(lambda self: any(r.computed > r.last_first for r in self.model.values()))
+    @precondition(lambda self: any(r.computed > r.committed for r in self.model.values()))
     @rule(data=st.data())
     def rewind(self, data):
         rid = data.draw(
-            st.sampled_from(sorted(r for r, q in self.model.items() if q.computed > q.last_first)), label="rid"
+            st.sampled_from(sorted(r for r, q in self.model.items() if q.computed > q.committed)), label="rid"
         )
         req = self.model[rid]
         before = snapshot(self.m)
         with pytest.raises(CacheManagerError, match="forward"):
             self.m.rewind(rid, req.computed + 1)
         assert snapshot(self.m) == before
-        keep = data.draw(st.integers(req.last_first, req.computed), label="keep")
+        if req.committed > 0:
+            with pytest.raises(CacheManagerError, match="below"):
+                self.m.rewind(rid, req.committed - 1)
+            assert snapshot(self.m) == before
+        keep = data.draw(st.integers(req.committed, req.computed), label="keep")
         self.m.rewind(rid, keep)
         event("rewind below the chunk end" if keep < req.computed else "rewind in place")
         req.computed = keep
