@@ -273,10 +273,16 @@ class PrefixCache:
             return
         hashes.extend_to(token_ids, new_tokens)
         row = np.asarray([req.row], dtype=np.int64)
-        for b in range(old_tokens // g, new_tokens // g):
-            boundary = (b + 1) * g
-            for gid in self.history_ids:
-                self._publish(gid, row, hashes, boundary, lo_tokens=b * g)
+        first_block, end_block = old_tokens // g, new_tokens // g
+        for gid in self.history_ids:
+            # One gather for every completed block of this group, then per-block entries.
+            table = self.tables[gid]
+            per_block = g // table.page_tokens
+            lo, hi = first_block * per_block, end_block * per_block
+            pages = table.pages_in(row, np.asarray([lo]), np.asarray([hi])).tolist()
+            for i, b in enumerate(range(first_block, end_block)):
+                block = pages[i * per_block : (i + 1) * per_block]
+                self._publish_pages(gid, hashes, (b + 1) * g, block)
         latest = (new_tokens // g) * g
         interval = self.state_checkpoint_interval
         keep = req.keep_boundaries
@@ -317,10 +323,14 @@ class PrefixCache:
         lo, hi = lo_tokens // t, boundary // t
         if lo < table.base[row[0]] or hi > table.hi[row[0]]:
             return False  # rows already slid out (cannot happen when committed each step)
-        pages = table.pages_in(row, np.asarray([lo]), np.asarray([hi]))
-        if pool.cached[pages].any():
-            return False  # borrowed pages already carry a key
-        pool.publish(key, pages.tolist())
+        return self._publish_pages(gid, hashes, boundary, table.pages_in(row, np.asarray([lo]), np.asarray([hi])).tolist())
+
+    def _publish_pages(self, gid: str, hashes: RequestHashes, boundary: int, pages: list[int]) -> bool:
+        pool = self.pools[gid]
+        key = hashes.key(boundary)
+        if pool.lookup(key) is not None or any(pool.cached[p] for p in pages):
+            return False  # already published, or borrowed pages that carry a key
+        pool.publish(key, pages)
         parent = hashes.parent(boundary)
         self._meta[gid][key] = (parent, boundary, len(pages))
         self.stats[gid].stored_entries += 1
