@@ -9,8 +9,8 @@ count N, N requests with prompts log-uniform in [2,048, 32,768] tokens (the firs
 N of one fixed-seed draw of 1,024) go through three timed phases:
 
 * prefill: a scheduler fills each step's 8,192-token budget with prompt chunks in
-  arrival order; a request whose prompt completed gets one decode token in the
-  next step (that releases the slid-out pages of its last chunk) and then waits.
+  arrival order; a request whose prompt completed waits for the decode phase
+  (it settles, releasing its last chunk's slid-out pages, at the next schedule).
 * decode: every running request schedules 1 token per step.
 * verify: every running request schedules 4 tokens, then rewinds to 2 accepted.
 
@@ -104,12 +104,10 @@ class Run:
         return time.perf_counter_ns() - t0
 
     def prefill(self, step_tokens: int) -> dict:
-        m, queue, just_done = self.m, list(self.rids), []
-        sched_ns, admit_ns, append_ns, reqs_per_step = [], [], [], []
-        while queue or just_done:
-            items = [(rid, 1) for rid in just_done]
-            append_ns.append(self.append(just_done, 1))
-            budget, just_done = step_tokens - len(items), []
+        m, queue = self.m, list(self.rids)
+        sched_ns, admit_ns, reqs_per_step = [], [], []
+        while queue:
+            items, budget = [], step_tokens
             while queue and budget > 0:
                 rid = queue[0]
                 done = m.num_computed_tokens(rid)
@@ -117,7 +115,7 @@ class Run:
                 items.append((rid, n))
                 budget -= n
                 if done + n == self.prompt[rid]:
-                    just_done.append(queue.pop(0))
+                    queue.pop(0)
             t0 = time.perf_counter_ns()
             answers = m.check_admission(items)
             t1 = time.perf_counter_ns()
@@ -133,8 +131,6 @@ class Run:
         out["p99_us_per_request"] = float(np.percentile(np.asarray(sched_ns) / 1e3 / reqs_per_step, 99))
         out["check_admission_p50_us"] = float(np.percentile(admit_ns, 50) / 1e3)
         out["tokens"] = int(sum(self.prompt.values()))
-        if self.caching:
-            out["append_p50_us"] = float(np.percentile(append_ns, 50) / 1e3)
         return out
 
     def decode(self, steps: int) -> dict:
@@ -226,15 +222,21 @@ def profile_decode(plan, prompts, args, caching: bool) -> str:
 BREAKDOWN_METHODS = {
     "CacheManager": ["schedule", "_admit", "_fast_validate", "_plan", "_build_batch", "rewind"],
     "GroupTable": ["block_table", "write_slots", "take", "place", "new_base", "need_hi"],
-    "PagePool": ["allocate", "decref"],
+    "PagePool": ["allocate", "decref", "publish", "unpublish"],
+    "PrefixCache": ["commit"],
 }
 
 
 def breakdown(plan, prompts, args, caching: bool) -> dict[str, dict[str, float]]:
     """Inclusive wall µs per step of the manager's methods (wrapped with timers here)."""
-    from hybridkv import manager, pool, tables
+    from hybridkv import manager, pool, prefix, tables
 
-    classes = {"CacheManager": manager.CacheManager, "GroupTable": tables.GroupTable, "PagePool": pool.PagePool}
+    classes = {
+        "CacheManager": manager.CacheManager,
+        "GroupTable": tables.GroupTable,
+        "PagePool": pool.PagePool,
+        "PrefixCache": prefix.PrefixCache,
+    }
     spent: dict[str, int] = {}
     originals = []
 
@@ -339,7 +341,7 @@ def main(argv=None) -> int:
             result = breakdown(plan, all_prompts[: args.breakdown], args, caching)
             for phase, spent in result.items():
                 t = Table(title=f"{phase}, {args.breakdown} running, caching {'on' if caching else 'off'}: "
-                          "inclusive µs per step (timer wrappers add ~0.3 µs per call)")
+                          "inclusive µs per step")
                 t.add_column("method")
                 t.add_column("µs/step", justify="right")
                 t.add_column("µs/req", justify="right")
