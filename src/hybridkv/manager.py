@@ -196,7 +196,7 @@ class CacheManager:
         ids = None
         if prompt_token_ids is not None:
             ids = _token_array(prompt_token_ids)
-            if prompt_tokens is not None and int(prompt_tokens) != ids.size:
+            if prompt_tokens is not None and _nonneg_int("prompt_tokens", prompt_tokens) != ids.size:
                 raise CacheManagerError(
                     f"prompt_tokens={prompt_tokens} disagrees with {ids.size} prompt token ids"
                 )
@@ -607,9 +607,11 @@ class CacheManager:
     def request_pages(self, request_id: str, group_id: str) -> tuple[int, np.ndarray]:
         """(base logical page, held page ids in logical order) of one request in one group."""
         req = self._get(request_id)
+        if group_id not in self.tables:
+            raise CacheManagerError(f"unknown group {group_id!r}; groups are {list(self.tables)}")
         table = self.tables[group_id]
-        row = np.asarray([req.row])
-        return int(table.base[req.row]), table.pages_in(row, table.base[row], table.hi[row])
+        base, hi = int(table.base[req.row]), int(table.hi[req.row])
+        return base, np.asarray(table.row_pages(req.row, base, hi), dtype=np.int64)
 
     def clear_prefix_cache(self) -> None:
         """Unpublish every cached entry (pages held by requests stay held)."""

@@ -172,15 +172,16 @@ class PagePool:
         if key in self._entries:
             return False
         pages = tuple(int(p) for p in pages)
+        ref, cached = self.ref_counts, self.cached
         for page in pages:
-            if page <= NULL_PAGE or self.ref_counts[page] <= 0 or self.cached[page]:
+            if page <= NULL_PAGE or page >= self.num_pages or ref[page] <= 0 or cached[page]:
                 raise ValueError(
                     f"group {self.group_id!r}: page {page} is not a held, unpublished page"
                 )
         self._entries[key] = pages
         for page in pages:
             self._page_key[page] = key
-        self.cached[list(pages)] = True
+            cached[page] = True
         return True
 
     def lookup(self, key: Hashable) -> tuple[int, ...] | None:

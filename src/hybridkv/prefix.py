@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import reduce
@@ -150,6 +151,7 @@ class PrefixCache:
         hash_algo: str = "xxh3_128",
         state_checkpoint_interval: int | None = None,
         on_event: Callable[[CacheEvent], None] | None = None,
+        max_buffered_events: int = 100_000,
     ):
         self.specs = tuple(specs)
         self.pools = pools
@@ -186,8 +188,10 @@ class PrefixCache:
             state_checkpoint_interval = n
         self.state_checkpoint_interval = state_checkpoint_interval
         self.on_event = on_event
-        self.events: list[CacheEvent] = []
-        self.record_events = on_event is None
+        # Without a callback, events wait in a bounded buffer for drain_events();
+        # past max_buffered_events the oldest are dropped (and counted).
+        self.events: deque[CacheEvent] = deque(maxlen=max_buffered_events)
+        self.dropped_events = 0
         self.stats = {s.group_id: PrefixGroupStats() for s in self.specs}
         self._meta: dict[str, dict[int, tuple[int | None, int, int]]] = {s.group_id: {} for s in self.specs}
         # State entries: how many requests keep each one as an own checkpoint (publisher,
@@ -278,8 +282,7 @@ class PrefixCache:
             # One gather for every completed block of this group, then per-block entries.
             table = self.tables[gid]
             per_block = g // table.page_tokens
-            lo, hi = first_block * per_block, end_block * per_block
-            pages = table.pages_in(row, np.asarray([lo]), np.asarray([hi])).tolist()
+            pages = table.row_pages(req.row, first_block * per_block, end_block * per_block)
             for i, b in enumerate(range(first_block, end_block)):
                 block = pages[i * per_block : (i + 1) * per_block]
                 self._publish_pages(gid, hashes, (b + 1) * g, block)
@@ -323,7 +326,7 @@ class PrefixCache:
         lo, hi = lo_tokens // t, boundary // t
         if lo < table.base[row[0]] or hi > table.hi[row[0]]:
             return False  # rows already slid out (cannot happen when committed each step)
-        return self._publish_pages(gid, hashes, boundary, table.pages_in(row, np.asarray([lo]), np.asarray([hi])).tolist())
+        return self._publish_pages(gid, hashes, boundary, table.row_pages(int(row[0]), lo, hi))
 
     def _publish_pages(self, gid: str, hashes: RequestHashes, boundary: int, pages: list[int]) -> bool:
         pool = self.pools[gid]
@@ -373,11 +376,14 @@ class PrefixCache:
     def _emit(self, event: CacheEvent) -> None:
         if self.on_event is not None:
             self.on_event(event)
-        else:
-            self.events.append(event)
+            return
+        if len(self.events) == self.events.maxlen:
+            self.dropped_events += 1
+        self.events.append(event)
 
     def drain_events(self) -> list[CacheEvent]:
-        out, self.events = self.events, []
+        out = list(self.events)
+        self.events.clear()
         return out
 
     def write_events_jsonl(self, stream: IO[str]) -> int:

@@ -91,6 +91,18 @@ class GroupTable:
         logical = np.repeat(lo, counts) + segment_arange(counts)
         return self.pages[rep, self._cols(logical)].astype(np.int64)
 
+    def row_pages(self, row: int, lo: int, hi: int) -> list[int]:
+        """Held page ids of one row's logical pages ``[lo, hi)`` (slices, no fancy indexing)."""
+        if hi <= lo:
+            return []
+        line = self.pages[row]
+        if not self.sliding:
+            return line[lo:hi].tolist()
+        c0, c1 = lo % self.capacity_pages, hi % self.capacity_pages
+        if c0 < c1:
+            return line[c0:c1].tolist()
+        return line[c0:].tolist() + line[:c1].tolist()
+
     # --- mutation -----------------------------------------------------------
     def take(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """``pages_in`` then ``drop`` in one pass: the removed page ids in logical order."""
