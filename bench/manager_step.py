@@ -12,11 +12,12 @@ N of one fixed-seed draw of 1,024) go through three timed phases:
   arrival order; a request whose prompt completed waits for the decode phase
   (it settles, releasing its last chunk's slid-out pages, at the next schedule).
 * decode: every running request schedules 1 token per step.
-* verify: every running request schedules 4 tokens, then rewinds to 2 accepted.
+* verify: every running request schedules 4 tokens, then all rewind to 2 accepted
+  in one ``rewind_many`` call.
 
 Only manager calls are timed (``perf_counter_ns``, cyclic GC off in timed loops): ``schedule`` per step
 (``check_admission`` is timed separately for prefill steps only), the N
-``rewind`` calls of a verify step together, and with ``--prefix-caching`` the
+``rewind_many`` call of a verify step, and with ``--prefix-caching`` the
 N ``append_token_ids`` calls of a step together. ``--prefix-caching`` runs every
 count twice, caching off and on (requests then carry token ids), and reports
 on/off per running request per decode step. Writes bench/out/manager_step.json.
@@ -154,12 +155,11 @@ class Run:
         sched_ns, rewind_ns, append_ns = [], [], []
         for _ in range(steps):
             append_ns.append(self.append(self.rids, VERIFY_TOKENS))
-            keep = [m.num_computed_tokens(rid) + ACCEPTED_TOKENS for rid in self.rids]
+            keep = [(rid, m.num_computed_tokens(rid) + ACCEPTED_TOKENS) for rid in self.rids]
             t0 = time.perf_counter_ns()
             m.schedule(items)
             t1 = time.perf_counter_ns()
-            for rid, k in zip(self.rids, keep):
-                m.rewind(rid, k)
+            m.rewind_many(keep)
             t2 = time.perf_counter_ns()
             sched_ns.append(t1 - t0)
             rewind_ns.append(t2 - t1)
@@ -220,7 +220,7 @@ def profile_decode(plan, prompts, args, caching: bool) -> str:
 
 
 BREAKDOWN_METHODS = {
-    "CacheManager": ["schedule", "_admit", "_fast_validate", "_plan", "_build_batch", "rewind"],
+    "CacheManager": ["schedule", "_admit", "_fast_validate", "_plan", "_build_batch", "rewind_many"],
     "GroupTable": ["block_table", "write_slots", "take", "place", "new_base", "need_hi"],
     "PagePool": ["allocate", "decref", "publish", "unpublish"],
     "PrefixCache": ["commit"],

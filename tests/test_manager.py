@@ -519,3 +519,43 @@ def test_previous_step_requests_settle_at_the_next_schedule():
     m.rewind("b", 4)
     assert held(m, "b", "swa") == (0, [1])
     m.check_invariants()
+
+
+# --- batched rewind ------------------------------------------------------------------
+def _verify_pair():
+    m = manager([SWA, KV], 40, ctx=64, step=16)
+    for rid in "ab":
+        m.add_request(rid, prompt_tokens=10, max_new_tokens=20)
+    m.schedule([("a", 10), ("b", 10)])
+    m.schedule([("a", 4), ("b", 4)])  # verify steps: positions 10..13 each
+    return m
+
+
+def test_rewind_many_equals_rewinding_one_by_one():
+    one, many = _verify_pair(), _verify_pair()
+    one.rewind("a", 11)
+    one.rewind("b", 13)
+    many.rewind_many([("a", 11), ("b", 13)])
+    assert snapshot(one, "ab") == snapshot(many, "ab")
+    # a keeps tokens [0, 11): kv pages ceil(11 / 4) = 3 (page 3 of 0..3 went back); b keeps 4.
+    assert [len(held(many, rid, "kv")[1]) for rid in "ab"] == [3, 4]
+    many.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "items, match",
+    [
+        ([("a", 11), ("b", 15)], "forward"),
+        ([("a", 11), ("a", 12)], "twice"),
+        ([("a", 11), ("zz", 12)], "unknown"),
+        ([("a", 11), ("b", 9)], "below"),
+        ([("a", 11), ("b", 12.0)], "int"),
+        ([("a", 11), ("b",)], "each item"),
+    ],
+)
+def test_rewind_many_rejects_the_whole_batch(items, match):
+    m = _verify_pair()
+    before = snapshot(m, "ab")
+    with pytest.raises(CacheManagerError, match=match):
+        m.rewind_many(items)
+    assert snapshot(m, "ab") == before

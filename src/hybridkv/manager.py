@@ -243,14 +243,16 @@ class CacheManager:
         req = self._get(request_id)
         if req.token_ids is None:
             raise CacheManagerError(f"request {request_id!r} was added without token ids")
-        ids = _token_array(token_ids)
-        if req.known_tokens + ids.size > req.max_total_tokens:
+        ids = _small_token_list(token_ids)
+        if ids is None:
+            ids = _token_array(token_ids)
+        if req.known_tokens + len(ids) > req.max_total_tokens:
             raise CacheManagerError(
-                f"request {request_id!r}: {req.known_tokens} + {ids.size} tokens exceeds its "
+                f"request {request_id!r}: {req.known_tokens} + {len(ids)} tokens exceeds its "
                 f"declared total of {req.max_total_tokens} (prompt + max_new_tokens)"
             )
-        req.token_ids[req.known_tokens : req.known_tokens + ids.size] = ids
-        req.known_tokens += ids.size
+        req.token_ids[req.known_tokens : req.known_tokens + len(ids)] = ids
+        req.known_tokens += len(ids)
         self._known[req.row] = req.known_tokens
 
     def num_computed_tokens(self, request_id: str) -> int:
@@ -533,34 +535,53 @@ class CacheManager:
     # --- rewind and free -----------------------------------------------------
     def rewind(self, request_id: str, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` computed tokens; pages past them go back."""
+        self.rewind_many([(request_id, num_tokens)])
+
+    def rewind_many(self, items: Sequence[tuple[str, int]]) -> None:
+        """``rewind`` for many requests at once (all validated first; vectorized per group)."""
         self._version += 1  # invalidates a cached admission
-        req = self._get(request_id)
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
-            raise CacheManagerError(f"num_tokens must be an int, got {num_tokens!r}")
-        num_tokens = int(num_tokens)
-        computed = int(self._computed[req.row])
-        committed = int(self._committed[req.row])
-        if num_tokens > computed:
-            raise CacheManagerError(
-                f"request {request_id!r}: cannot rewind forward to {num_tokens} (computed {computed})"
-            )
-        if num_tokens < committed:
-            raise CacheManagerError(
-                f"request {request_id!r}: cannot rewind to {num_tokens}, below the {committed} tokens "
-                "committed before the last step"
-            )
-        row = np.asarray([req.row], dtype=np.int64)
+        reqs, keeps, seen = [], [], set()
+        for item in items:
+            try:
+                request_id, num_tokens = item
+            except (TypeError, ValueError):
+                raise CacheManagerError(f"each item must be (request_id, num_tokens), got {item!r}") from None
+            req = self._get(request_id)
+            if request_id in seen:
+                raise CacheManagerError(f"request {request_id!r} appears twice")
+            seen.add(request_id)
+            if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+                raise CacheManagerError(f"num_tokens must be an int, got {num_tokens!r}")
+            num_tokens = int(num_tokens)
+            computed = int(self._computed[req.row])
+            committed = int(self._committed[req.row])
+            if num_tokens > computed:
+                raise CacheManagerError(
+                    f"request {request_id!r}: cannot rewind forward to {num_tokens} (computed {computed})"
+                )
+            if num_tokens < committed:
+                raise CacheManagerError(
+                    f"request {request_id!r}: cannot rewind to {num_tokens}, below the {committed} "
+                    "tokens committed before the last step"
+                )
+            reqs.append(req)
+            keeps.append(num_tokens)
+        if not reqs:
+            return
+        rows = np.asarray([r.row for r in reqs], dtype=np.int64)
+        kept = np.asarray(keeps, dtype=np.int64)
         for s in self.specs:
             table = self.tables[s.group_id]
-            keep = max(cdiv(num_tokens, table.page_tokens), int(table.base[req.row]))
-            hi = int(table.hi[req.row])
-            if keep < hi:
-                self.pools[s.group_id].decref(table.take(row, np.asarray([keep]), np.asarray([hi])))
-                table.hi[req.row] = keep
-        self._computed[req.row] = num_tokens
-        if req.token_ids is not None:
-            req.known_tokens = min(req.known_tokens, max(num_tokens, req.prompt_tokens))
-            self._known[req.row] = req.known_tokens
+            hi = table.hi[rows]
+            keep = np.minimum(np.maximum(cdiv(kept, table.page_tokens), table.base[rows]), hi)
+            if (keep < hi).any():
+                self.pools[s.group_id].decref(table.take(rows, keep, hi))
+                table.hi[rows] = keep
+        self._computed[rows] = kept
+        for req, num_tokens in zip(reqs, keeps):
+            if req.token_ids is not None:
+                req.known_tokens = min(req.known_tokens, max(num_tokens, req.prompt_tokens))
+                self._known[req.row] = req.known_tokens
 
     def free(self, request_id: str) -> None:
         """End a request: commit its last step to the prefix cache, release every page."""
@@ -672,6 +693,19 @@ def _nonneg_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise CacheManagerError(f"{name} must be a non-negative int, got {value!r}")
     return int(value)
+
+
+_MAX_TOKEN_ID = int(np.iinfo(np.int32).max)
+
+
+def _small_token_list(token_ids: Any) -> list[int] | None:
+    """A short list/tuple of plain ints, validated without numpy (the decode-step case)."""
+    if type(token_ids) not in (list, tuple) or len(token_ids) > 16:
+        return None
+    for t in token_ids:
+        if type(t) is not int or not 0 <= t <= _MAX_TOKEN_ID:
+            return None  # the array path words the error
+    return list(token_ids)
 
 
 def _token_array(token_ids: Any) -> np.ndarray:
