@@ -16,7 +16,7 @@ N of one fixed-seed draw of 1,024) go through three timed phases:
   in one ``rewind_many`` call.
 
 Only manager calls are timed (``perf_counter_ns``, cyclic GC off in timed loops): ``schedule`` per step
-(``check_admission`` is timed separately for prefill steps only), the N
+(``check_admission`` is timed separately for prefill steps only), the
 ``rewind_many`` call of a verify step, and with ``--prefix-caching`` the
 N ``append_token_ids`` calls of a step together. ``--prefix-caching`` runs every
 count twice, caching off and on (requests then carry token ids), and reports

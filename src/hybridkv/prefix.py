@@ -190,7 +190,7 @@ class PrefixCache:
         self.on_event = on_event
         # Without a callback, events wait in a bounded buffer for drain_events();
         # past max_buffered_events the oldest are dropped (and counted).
-        self.events: deque[CacheEvent] = deque(maxlen=max_buffered_events)
+        self.events: deque[tuple] = deque(maxlen=max_buffered_events)
         self.dropped_events = 0
         self.stats = {s.group_id: PrefixGroupStats() for s in self.specs}
         self._meta: dict[str, dict[int, tuple[int | None, int, int]]] = {s.group_id: {} for s in self.specs}
@@ -337,7 +337,7 @@ class PrefixCache:
         parent = hashes.parent(boundary)
         self._meta[gid][key] = (parent, boundary, len(pages))
         self.stats[gid].stored_entries += 1
-        self._emit(CacheEvent("stored", gid, _hex(key), _hex(parent), boundary, len(pages)))
+        self._emit(("stored", gid, key, parent, boundary, len(pages)))
         return True
 
     def _hold(self, own: _OwnCheckpoint, gid: str, key: int) -> None:
@@ -369,20 +369,21 @@ class PrefixCache:
             parent, boundary, n = self._meta[gid].pop(key, (None, 0, 0))
             self._holders.get(gid, {}).pop(key, None)
             self.stats[gid].removed_entries += 1
-            self._emit(CacheEvent("removed", gid, _hex(key), _hex(parent), boundary, n))
+            self._emit(("removed", gid, key, parent, boundary, n))
 
         return removed
 
-    def _emit(self, event: CacheEvent) -> None:
+    def _emit(self, raw: tuple) -> None:
+        # Buffered events stay raw tuples; the hex keys are formatted when drained.
         if self.on_event is not None:
-            self.on_event(event)
+            self.on_event(_event(raw))
             return
         if len(self.events) == self.events.maxlen:
             self.dropped_events += 1
-        self.events.append(event)
+        self.events.append(raw)
 
     def drain_events(self) -> list[CacheEvent]:
-        out = list(self.events)
+        out = [_event(raw) for raw in self.events]
         self.events.clear()
         return out
 
@@ -398,6 +399,11 @@ def _int_value(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an int, got {value!r}")
     return int(value)
+
+
+def _event(raw: tuple) -> CacheEvent:
+    kind, gid, key, parent, boundary, num_pages = raw
+    return CacheEvent(kind, gid, _hex(key), _hex(parent), boundary, num_pages)
 
 
 def _hex(key: int | None) -> str | None:
