@@ -18,7 +18,7 @@ N of one fixed-seed draw of 1,024) go through three timed phases:
 Only manager calls are timed (``perf_counter_ns``, cyclic GC off in timed loops): ``schedule`` per step
 (``check_admission`` is timed separately for prefill steps only), the
 ``rewind_many`` call of a verify step, and with ``--prefix-caching`` the
-N ``append_token_ids`` calls of a step together. ``--prefix-caching`` runs every
+``append_token_ids_many`` call of a step. ``--prefix-caching`` runs every
 count twice, caching off and on (requests then carry token ids), and reports
 on/off per running request per decode step. Writes bench/out/manager_step.json.
 """
@@ -100,8 +100,7 @@ class Run:
             return 0
         ids = self.rng.integers(0, 2**17, (len(rids), per_request))
         t0 = time.perf_counter_ns()
-        for rid, row in zip(rids, ids):
-            self.m.append_token_ids(rid, row)
+        self.m.append_token_ids_many(rids, ids)
         return time.perf_counter_ns() - t0
 
     def prefill(self, step_tokens: int) -> dict:

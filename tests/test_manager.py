@@ -559,3 +559,45 @@ def test_rewind_many_rejects_the_whole_batch(items, match):
     with pytest.raises(CacheManagerError, match=match):
         m.rewind_many(items)
     assert snapshot(m, "ab") == before
+
+
+# --- batched append --------------------------------------------------------------------
+def test_append_token_ids_many_equals_appending_one_by_one():
+    one, many = (manager([SWA, KV], 40, ctx=64, step=16) for _ in range(2))
+    for m in (one, many):
+        m.add_request("a", np.arange(5), max_new_tokens=4)
+        m.add_request("b", np.arange(7), max_new_tokens=2)
+    one.append_token_ids("a", [9, 8])
+    one.append_token_ids("b", [7, 6])
+    many.append_token_ids_many(["a", "b"], np.array([[9, 8], [7, 6]]))
+    for rid in "ab":
+        known = one._requests[rid].known_tokens
+        assert known == many._requests[rid].known_tokens
+        assert np.array_equal(one._requests[rid].token_ids[:known], many._requests[rid].token_ids[:known])
+    assert many._requests["a"].token_ids[:7].tolist() == [0, 1, 2, 3, 4, 9, 8]
+    # b declared 7 + 2 tokens: it now knows 9, and one more token is refused for the batch.
+    before = snapshot(many, "ab")
+    with pytest.raises(CacheManagerError, match="'b': 9 \\+ 1 tokens exceeds"):
+        many.append_token_ids_many(["a", "b"], np.array([[1], [2]]))
+    assert snapshot(many, "ab") == before and many._requests["a"].known_tokens == 7
+
+
+@pytest.mark.parametrize(
+    "rids, ids, match",
+    [
+        (["a", "a"], [[1], [2]], "twice"),
+        (["a", "zz"], [[1], [2]], "unknown"),
+        (["a"], [[1], [2]], "must be"),
+        (["a"], [1, 2], "must be"),
+        (["a"], [[-1]], "token ids"),
+        (["a"], [[1.5]], "integers"),
+        (["n"], [[1]], "without token ids"),
+    ],
+)
+def test_append_token_ids_many_rejects_bad_input(rids, ids, match):
+    m = manager([SWA, KV], 40, ctx=64, step=16)
+    m.add_request("a", np.arange(5), max_new_tokens=4)
+    m.add_request("n", prompt_tokens=5, max_new_tokens=4)
+    with pytest.raises(CacheManagerError, match=match):
+        m.append_token_ids_many(rids, ids)
+    assert m._requests["a"].known_tokens == 5

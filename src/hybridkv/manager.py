@@ -255,6 +255,40 @@ class CacheManager:
         req.known_tokens += len(ids)
         self._known[req.row] = req.known_tokens
 
+    def append_token_ids_many(self, request_ids: Sequence[str], token_ids: Any) -> None:
+        """Append ``k`` token ids to each of many requests (``token_ids``: ints ``[n, k]``).
+
+        The decode-step form of ``append_token_ids``: one validation for the whole
+        array; all or nothing.
+        """
+        self._version += 1  # invalidates a cached admission
+        arr = np.asarray(token_ids)
+        if arr.ndim != 2 or arr.shape[0] != len(request_ids):
+            raise CacheManagerError(
+                f"token_ids must be [{len(request_ids)}, k] for {len(request_ids)} requests, got {arr.shape}"
+            )
+        flat = _token_array(arr.reshape(-1))
+        reqs = [self._get(rid) for rid in request_ids]
+        if len({r.request_id for r in reqs}) != len(reqs):
+            raise CacheManagerError("a request appears twice")
+        bare = [r.request_id for r in reqs if r.token_ids is None]
+        if bare:
+            raise CacheManagerError(f"request {bare[0]!r} was added without token ids")
+        k = arr.shape[1]
+        rows = np.asarray([r.row for r in reqs], dtype=np.int64)
+        over = np.flatnonzero(self._known[rows] + k > self._max_total[rows])
+        if over.size:
+            r = reqs[int(over[0])]
+            raise CacheManagerError(
+                f"request {r.request_id!r}: {r.known_tokens} + {k} tokens exceeds its declared total "
+                f"of {r.max_total_tokens} (prompt + max_new_tokens)"
+            )
+        lines = flat.reshape(arr.shape)
+        for req, line in zip(reqs, lines):
+            req.token_ids[req.known_tokens : req.known_tokens + k] = line
+            req.known_tokens += k
+        self._known[rows] += k
+
     def num_computed_tokens(self, request_id: str) -> int:
         return int(self._computed[self._get(request_id).row])
 
