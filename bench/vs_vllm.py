@@ -18,14 +18,15 @@ within one process. Measured:
   and measured by prefilling requests until the pool refuses.
 
 It prints a table of ratios and writes JSON (``--json``, default
-bench/out/vs_vllm.json). The hybridkv side is :class:`HybridkvSide`; until it
-is wired to ``hybridkv.manager`` its column reads "n/a".
+bench/out/vs_vllm.json). The hybridkv side is :class:`HybridkvSide`
+(``--state-checkpoint-interval 256`` keeps a state checkpoint at every block).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -104,6 +105,7 @@ class HybridkvSide:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         enable_prefix_caching: bool = True,
+        state_checkpoint_interval: int | None = None,
     ) -> None:
         from hybridkv.manager import CacheManager
         from hybridkv.models.layout import cache_layout
@@ -112,7 +114,11 @@ class HybridkvSide:
         self.layout = cache_layout("deepseek-v4-flash", indexer="fp8")
         limits = Limits(max_num_seqs, max_num_batched_tokens, max_model_len)
         self.plan = plan_for_budget(self.layout, kv_memory_bytes, limits)
-        self.manager = CacheManager.from_plan(self.plan, enable_prefix_caching=enable_prefix_caching)
+        self.manager = CacheManager.from_plan(
+            self.plan,
+            enable_prefix_caching=enable_prefix_caching,
+            state_checkpoint_interval=state_checkpoint_interval if enable_prefix_caching else None,
+        )
         self.manager_ns: dict[str, int] = {}
 
     def _timed(self, name: str, start: int) -> None:
@@ -428,6 +434,7 @@ class BenchConfig:
     seed: int
     skip_capacity: bool
     rounds: int
+    state_checkpoint_interval: int | None = None
 
 
 def _make_sides(config: BenchConfig, vllm_factory: Callable[..., Any] | None) -> dict[str, Any]:
@@ -439,7 +446,8 @@ def _make_sides(config: BenchConfig, vllm_factory: Callable[..., Any] | None) ->
         max_num_seqs=config.max_num_seqs,
     )
     sides: dict[str, Any] = {}
-    for name, factory in (("vLLM", vllm_factory), ("hybridkv", HybridkvSide)):
+    ours = functools.partial(HybridkvSide, state_checkpoint_interval=config.state_checkpoint_interval)
+    for name, factory in (("vLLM", vllm_factory), ("hybridkv", ours)):
         if factory is None:
             sides[name] = "vLLM is not installed (see bench/README.md)"
             continue
@@ -636,6 +644,8 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Path]:
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of the timed phases (decode, prefill); the median round is reported")
     parser.add_argument("--skip-capacity", action="store_true")
+    parser.add_argument("--state-checkpoint-interval", type=int, default=None,
+                        help="hybridkv only: also keep state checkpoints every N tokens")
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args(argv)
@@ -661,6 +671,7 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Path]:
         seed=args.seed,
         skip_capacity=args.skip_capacity,
         rounds=max(1, args.rounds),
+        state_checkpoint_interval=args.state_checkpoint_interval,
     )
     return config, args.json
 
