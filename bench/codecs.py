@@ -86,6 +86,18 @@ def bench_codec(name, codec, rows: int, repeats: int, rng) -> list[dict]:
     def copy_out():
         return flat_pool[:nbytes].copy()
 
+    # The same random slots with whole rows as single items in a row-major array: the
+    # cheapest scatter/gather with the codec's access pattern (no plane split).
+    row_item = np.dtype((np.void, codec.row_bytes))
+    aos = np.zeros((num_pages * ROWS_PER_PAGE, codec.row_bytes), dtype=np.uint8).view(row_item)[:, 0]
+    encoded_items = np.ascontiguousarray(encoded).view(row_item)[:, 0]
+
+    def row_scatter():
+        aos[random_slots] = encoded_items
+
+    def row_gather():
+        return aos[random_slots]
+
     r = ROWS_PER_PAGE
     cases = [
         ("encode", lambda: codec.encode(x), [cast], "cast f32->e4m3"),
@@ -114,6 +126,18 @@ def bench_codec(name, codec, rows: int, repeats: int, rng) -> list[dict]:
             lambda: codec.read_slot_bytes(pool, random_slots, r),
             [copy_out],
             "copy out of pool",
+        ),
+        (
+            "scatter, random slots",
+            lambda: codec.write_slot_bytes(pool, random_slots, encoded, r),
+            [row_scatter],
+            "row scatter, same slots",
+        ),
+        (
+            "gather, random slots",
+            lambda: codec.read_slot_bytes(pool, random_slots, r),
+            [row_gather],
+            "row gather, same slots",
         ),
         (
             "write_slots (encode+scatter)",
