@@ -705,7 +705,7 @@ def test_bundled_v4_models_hit_at_the_terminal(model):
 
 
 def test_multiturn_workload_hits_follow_the_rules():
-    """A small run of the study in docs/prefix_caching_study.py, checked request by request."""
+    """A small run of the study in bench/prefix_study.py, checked request by request."""
     from hybridkv.sim.workloads import LengthDistribution, ideal_hit_tokens, multiturn_workload
 
     answers = LengthDistribution(median_tokens=64, sigma=0.5, min_tokens=16, max_tokens=256)

@@ -1,6 +1,6 @@
 """Token hit rate of the prefix cache on the multi-turn workload, against the ideal.
 
-Run: ``.venv/bin/python docs/prefix_caching_study.py`` (about 25 s). The
+Run: ``.venv/bin/python bench/prefix_study.py`` (about 25 s). The
 numbers are quoted in ``docs/prefix-caching.md``.
 
 Workload: ``multiturn_workload(32, 4, seed=0)``: 32 conversations x 4 turns
