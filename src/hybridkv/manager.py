@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from hybridkv._checks import as_int
 from hybridkv.pool import PagePool
 from hybridkv.prefix import PrefixCache, PrefixHit, RequestHashes
 from hybridkv.spec import CacheGroupSpec
@@ -718,15 +719,11 @@ class CacheManager:
 
 
 def _positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or int(value) != value or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
+    return as_int(name, value, minimum=1)
 
 
 def _nonneg_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise CacheManagerError(f"{name} must be a non-negative int, got {value!r}")
-    return int(value)
+    return as_int(name, value, minimum=0, error=CacheManagerError)
 
 
 _MAX_TOKEN_ID = int(np.iinfo(np.int32).max)

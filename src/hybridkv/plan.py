@@ -15,11 +15,11 @@ the reserved null page.
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Iterable
 
+from hybridkv._checks import as_int
 from hybridkv.models.layout import ModelCacheLayout
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.units import format_bytes
@@ -27,16 +27,8 @@ from hybridkv.units import format_bytes
 REPORT_SCHEMA_VERSION = 1
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}") from None
-    if number <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {number}")
-    return number
+def _positive(name: str, value: object) -> int:
+    return as_int(name, value, minimum=1)
 
 
 @dataclass(frozen=True)
@@ -63,7 +55,7 @@ class Limits:
             "max_context_tokens",
             "speculative_tokens",
         ):
-            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
+            object.__setattr__(self, name, _positive(name, getattr(self, name)))
 
 
 def scheduler_page_tokens(specs: Iterable[CacheGroupSpec]) -> int:
@@ -87,7 +79,7 @@ def group_page_counts(
     specs: Iterable[CacheGroupSpec], limits: Limits, total_tokens: int
 ) -> dict[str, int]:
     """Pages per group (null page included) for a token budget of ``total_tokens``."""
-    total = _positive_int("total_tokens", total_tokens)
+    total = _positive("total_tokens", total_tokens)
     live = limits.max_running_requests
     counts: dict[str, int] = {}
     for spec in specs:
@@ -192,7 +184,7 @@ class Plan:
         """Pages one request at ``context_tokens`` needs per group, reserving
         ``speculative_tokens`` ahead: full ``ceil((L + k) / T)``, sliding
         ``ceil((min(W, L) + k) / T) + 1`` (the table width once ``L >= W``)."""
-        context = _positive_int("context_tokens", context_tokens)
+        context = _positive("context_tokens", context_tokens)
         if context > self.limits.max_context_tokens:
             raise ValueError(
                 f"context_tokens={context:,} exceeds max_context_tokens="
@@ -295,7 +287,7 @@ def _check_layout_limits(layout: ModelCacheLayout, limits: Limits) -> None:
 def plan_for_tokens(layout: ModelCacheLayout, total_tokens: int, limits: Limits) -> Plan:
     """The plan for a token budget, a positive multiple of the scheduler page tokens."""
     _check_layout_limits(layout, limits)
-    total = _positive_int("total_tokens", total_tokens)
+    total = _positive("total_tokens", total_tokens)
     grain = scheduler_page_tokens(layout.specs)
     if total % grain:
         raise ValueError(
@@ -317,14 +309,7 @@ def plan_for_budget(layout: ModelCacheLayout, kv_memory_bytes: int, limits: Limi
     names the minimum), or when no group grows with the token budget.
     """
     _check_layout_limits(layout, limits)
-    if isinstance(kv_memory_bytes, bool):
-        raise ValueError(f"kv_memory_bytes must be an integer, got {kv_memory_bytes!r}")
-    try:
-        budget = operator.index(kv_memory_bytes)
-    except TypeError:
-        raise ValueError(f"kv_memory_bytes must be an integer, got {kv_memory_bytes!r}") from None
-    if budget < 0:
-        raise ValueError(f"kv_memory_bytes must not be negative, got {budget}")
+    budget = as_int("kv_memory_bytes", kv_memory_bytes, minimum=0)
     grain = scheduler_page_tokens(layout.specs)
     # Bytes that every extra scheduler page adds at least (history groups only).
     growth_bytes = sum(

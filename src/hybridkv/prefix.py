@@ -30,6 +30,7 @@ from typing import IO, Any
 import numpy as np
 import xxhash
 
+from hybridkv._checks import as_int
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables import cdiv
 
@@ -163,7 +164,7 @@ class PrefixCache:
         self.state_ids = [s.group_id for s in self.specs if s.is_sliding]
         spans = [s.page_tokens for s in (history or self.specs)]
         default = reduce(lcm, spans, 1)
-        g = default if granularity_tokens is None else _int_value("prefix_granularity", granularity_tokens)
+        g = default if granularity_tokens is None else as_int("prefix_granularity", granularity_tokens)
         if g <= 0:
             raise ValueError(f"prefix_granularity must be positive, got {granularity_tokens!r}")
         for s in self.specs:
@@ -180,7 +181,7 @@ class PrefixCache:
                 )
         self.granularity_tokens = g
         if state_checkpoint_interval is not None:
-            n = _int_value("state_checkpoint_interval", state_checkpoint_interval)
+            n = as_int("state_checkpoint_interval", state_checkpoint_interval)
             if n <= 0 or n % g:
                 raise ValueError(
                     f"state_checkpoint_interval must be a positive multiple of the grain {g}, got {n}"
@@ -393,12 +394,6 @@ class PrefixCache:
         for e in events:
             stream.write(e.to_json() + "\n")
         return len(events)
-
-
-def _int_value(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    return int(value)
 
 
 def _event(raw: tuple) -> CacheEvent:

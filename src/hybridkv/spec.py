@@ -5,19 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from hybridkv._checks import as_int
+
 Retention = Literal["full_history", "sliding_window"]
 Family = Literal["history", "state"]
 
 _RETENTIONS = ("full_history", "sliding_window")
 _FAMILIES = ("history", "state")
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -43,14 +37,15 @@ class CacheGroupSpec:
             raise ValueError(f"retention must be one of {_RETENTIONS}, got {self.retention!r}")
         if self.family not in _FAMILIES:
             raise ValueError(f"family must be one of {_FAMILIES}, got {self.family!r}")
-        _positive_int("rows_per_page", self.rows_per_page)
-        _positive_int("entry_stride_tokens", self.entry_stride_tokens)
+        for name in ("rows_per_page", "entry_stride_tokens"):
+            object.__setattr__(self, name, as_int(name, getattr(self, name), minimum=1))
         if self.retention == "sliding_window":
             if self.sliding_window_tokens is None:
                 raise ValueError(
                     f"group {self.group_id!r}: sliding_window_tokens is required for a sliding group"
                 )
-            _positive_int("sliding_window_tokens", self.sliding_window_tokens)
+            window = as_int("sliding_window_tokens", self.sliding_window_tokens, minimum=1)
+            object.__setattr__(self, "sliding_window_tokens", window)
         elif self.sliding_window_tokens is not None:
             raise ValueError(
                 f"group {self.group_id!r}: sliding_window_tokens must be None for full_history, "
