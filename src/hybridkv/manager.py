@@ -505,7 +505,7 @@ class CacheManager:
                 f"{len(reasons)} of {len(items)} requests not admissible: {'; '.join(reasons[:3])}"
             )
         self._version += 1
-        rows, counts = plan.rows, plan.counts
+        rows = plan.rows
         if self.prefix is not None:
             # Only a request that crossed a grain boundary has something to publish.
             grain = self.prefix.granularity_tokens

@@ -32,7 +32,6 @@ import xxhash
 
 from hybridkv._checks import as_int
 from hybridkv.spec import CacheGroupSpec
-from hybridkv.tables import cdiv
 
 HASH_ALGOS = ("xxh3_128", "sha256")
 

@@ -1,4 +1,4 @@
-"""Fixed-seed request workloads and a JSONL trace loader.
+"""Fixed-seed request workloads (chat, multi-turn, long context); traces load via ``traces``.
 
 Every generator returns a list of :class:`Request` in dispatch order: a request
 never appears before the request it waits for (``after_request_id``). Token ids
@@ -9,117 +9,38 @@ drawn from the same seed, so a driver that "generates" exactly
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
 
 import numpy as np
-import xxhash
 
-DEFAULT_VOCAB_SIZE = 129_280
-"""Tokenizer size of DeepSeek-V3/V4; token ids are drawn from ``[0, vocab)``."""
+from hybridkv.sim.requests import (
+    DEFAULT_VOCAB_SIZE,
+    MAX_TOKEN_ID,
+    Request,
+    _check_int,
+    _check_vocab,
+    _token_ids,
+)
+from hybridkv.sim.traces import (
+    TraceFormatError,
+    dump_jsonl_trace,
+    load_jsonl_trace,
+    parse_jsonl_trace,
+    trace_lines,
+)
 
-MAX_TOKEN_ID = np.iinfo(np.int32).max
-
-
-class TraceFormatError(ValueError):
-    """A JSONL trace line is malformed; the message names the file and line."""
-
-
-def _check_int(name: str, value: object, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
-def _frozen_token_array(name: str, values: Any) -> np.ndarray:
-    array = np.asarray(values)
-    if array.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {array.shape}")
-    if array.size and not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(f"{name} must hold integers, got dtype {array.dtype}")
-    if array.size and (array.min() < 0 or array.max() > MAX_TOKEN_ID):
-        raise ValueError(f"{name} must hold ids in [0, {MAX_TOKEN_ID}]")
-    frozen = array.astype(np.int32, copy=True)
-    frozen.flags.writeable = False
-    return frozen
-
-
-@dataclass(frozen=True, eq=False)
-class Request:
-    """One request of a workload.
-
-    ``arrival_step`` is the earliest driver step at which the request may be
-    admitted; with ``after_request_id`` set it also waits until that request
-    has finished (the driver admits it at the later of the two). Token arrays
-    are stored as read-only int32 copies.
-    """
-
-    request_id: str
-    arrival_step: int
-    prompt_token_ids: np.ndarray
-    output_tokens: int
-    output_token_ids: np.ndarray
-    conversation_id: str | None = None
-    turn: int | None = None
-    after_request_id: str | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.request_id, str) or not self.request_id:
-            raise ValueError(f"request_id must be a non-empty str, got {self.request_id!r}")
-        object.__setattr__(
-            self, "arrival_step", _check_int("arrival_step", self.arrival_step, minimum=0)
-        )
-        prompt = _frozen_token_array("prompt_token_ids", self.prompt_token_ids)
-        if prompt.size == 0:
-            raise ValueError(f"request {self.request_id!r}: prompt_token_ids is empty")
-        object.__setattr__(self, "prompt_token_ids", prompt)
-        output_tokens = _check_int("output_tokens", self.output_tokens, minimum=1)
-        object.__setattr__(self, "output_tokens", output_tokens)
-        outputs = _frozen_token_array("output_token_ids", self.output_token_ids)
-        if outputs.size != output_tokens:
-            raise ValueError(
-                f"request {self.request_id!r}: output_token_ids has {outputs.size} ids, "
-                f"output_tokens is {output_tokens}"
-            )
-        object.__setattr__(self, "output_token_ids", outputs)
-        if self.conversation_id is not None and (
-            not isinstance(self.conversation_id, str) or not self.conversation_id
-        ):
-            raise ValueError(f"conversation_id must be a non-empty str, got {self.conversation_id!r}")
-        if self.turn is not None:
-            object.__setattr__(self, "turn", _check_int("turn", self.turn, minimum=0))
-        if self.after_request_id is not None:
-            if not isinstance(self.after_request_id, str) or not self.after_request_id:
-                raise ValueError(
-                    f"after_request_id must be a non-empty str, got {self.after_request_id!r}"
-                )
-            if self.after_request_id == self.request_id:
-                raise ValueError(f"request {self.request_id!r} cannot wait for itself")
-
-    @property
-    def prompt_tokens(self) -> int:
-        return int(self.prompt_token_ids.size)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Request):
-            return NotImplemented
-        return (
-            self.request_id == other.request_id
-            and self.arrival_step == other.arrival_step
-            and self.output_tokens == other.output_tokens
-            and self.conversation_id == other.conversation_id
-            and self.turn == other.turn
-            and self.after_request_id == other.after_request_id
-            and np.array_equal(self.prompt_token_ids, other.prompt_token_ids)
-            and np.array_equal(self.output_token_ids, other.output_token_ids)
-        )
-
-    __hash__ = None  # type: ignore[assignment]  # arrays are not hashable; key by request_id
+__all__ = [
+    "DEFAULT_VOCAB_SIZE",
+    "MAX_TOKEN_ID",
+    "Request",
+    "TraceFormatError",
+    "dump_jsonl_trace",
+    "load_jsonl_trace",
+    "parse_jsonl_trace",
+    "trace_lines",
+]
 
 
 @dataclass(frozen=True)
@@ -165,16 +86,8 @@ def _arrival_steps(
     return np.floor(np.cumsum(gaps)).astype(np.int64)
 
 
-def _token_ids(rng: np.random.Generator, count: int, vocab_size: int) -> np.ndarray:
-    return rng.integers(0, vocab_size, size=int(count), dtype=np.int32)
-
-
 def _split(tokens: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
     return np.split(tokens, np.cumsum(lengths)[:-1])
-
-
-def _check_vocab(vocab_size: int) -> int:
-    return _check_int("vocab_size", vocab_size, minimum=2)
 
 
 def chat_workload(
@@ -303,302 +216,7 @@ def longctx_workload(
     ]
 
 
-# --------------------------------------------------------------------------- JSONL traces
 
-_TRACE_KEYS = frozenset(
-    {
-        "arrival",
-        "prompt_token_ids",
-        "prompt_tokens",
-        "prefix_id",
-        "prefix_tokens",
-        "output_tokens",
-        "output_token_ids",
-        "request_id",
-        "after",
-        "conversation_id",
-        "turn",
-    }
-)
-
-
-@dataclass(frozen=True)
-class _TraceLine:
-    line_no: int
-    request_id: str
-    arrival_step: int
-    prompt_token_ids: list[int] | None
-    prompt_tokens: int
-    prefix_key: str | None
-    prefix_tokens: int
-    output_tokens: int
-    output_token_ids: list[int] | None
-    after: str | None
-    conversation_id: str | None
-    turn: int | None
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _parse_trace_line(
-    obj: object,
-    line_no: int,
-    *,
-    vocab_size: int,
-    arrival_steps_per_unit: float,
-    seen_ids: dict[str, int],
-) -> _TraceLine:
-    def fail(message: str) -> TraceFormatError:
-        return TraceFormatError(f"line {line_no}: {message}")
-
-    def token_list(key: str) -> list[int]:
-        ids = obj[key]
-        if not isinstance(ids, list) or not ids:
-            raise fail(f"{key!r} must be a non-empty list of token ids")
-        if not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
-            raise fail(f"{key!r} must hold ints in [0, {vocab_size})")
-        return ids
-
-    def positive_int(key: str) -> int:
-        value = obj[key]
-        if not _is_int(value) or value < 1:
-            raise fail(f"{key!r} must be a positive int, got {value!r}")
-        return value
-
-    def nonempty_str(key: str) -> str:
-        value = obj[key]
-        if not isinstance(value, str) or not value:
-            raise fail(f"{key!r} must be a non-empty string, got {value!r}")
-        return value
-
-    if not isinstance(obj, dict):
-        raise fail(f"expected a JSON object, got {type(obj).__name__}")
-    unknown = sorted(set(obj) - _TRACE_KEYS)
-    if unknown:
-        raise fail(f"unknown key(s) {unknown}; allowed: {sorted(_TRACE_KEYS)}")
-    for key in ("arrival", "output_tokens"):
-        if key not in obj:
-            raise fail(f"missing required key {key!r}")
-
-    arrival = obj["arrival"]
-    if isinstance(arrival, bool) or not isinstance(arrival, (int, float)):
-        raise fail(f"'arrival' must be a number, got {arrival!r}")
-    if not math.isfinite(arrival) or arrival < 0:
-        raise fail(f"'arrival' must be finite and >= 0, got {arrival!r}")
-    arrival_step = math.floor(arrival * arrival_steps_per_unit)
-
-    has_ids, has_count = "prompt_token_ids" in obj, "prompt_tokens" in obj
-    if has_ids == has_count:
-        raise fail("give exactly one of 'prompt_token_ids' and 'prompt_tokens'")
-    has_prefix_id, has_prefix_tokens = "prefix_id" in obj, "prefix_tokens" in obj
-    if has_prefix_id != has_prefix_tokens:
-        raise fail("'prefix_id' and 'prefix_tokens' go together")
-    if has_prefix_id and has_ids:
-        raise fail("'prefix_id' applies to 'prompt_tokens', not to explicit 'prompt_token_ids'")
-
-    prompt_ids: list[int] | None = None
-    if has_ids:
-        prompt_ids = token_list("prompt_token_ids")
-        prompt_tokens = len(prompt_ids)
-    else:
-        prompt_tokens = positive_int("prompt_tokens")
-
-    prefix_key: str | None = None
-    prefix_tokens = 0
-    if has_prefix_id:
-        prefix_id = obj["prefix_id"]
-        if not (isinstance(prefix_id, str) and prefix_id) and not _is_int(prefix_id):
-            raise fail(f"'prefix_id' must be a non-empty string or an int, got {prefix_id!r}")
-        prefix_key = json.dumps(prefix_id)
-        prefix_tokens = positive_int("prefix_tokens")
-        if prefix_tokens > prompt_tokens:
-            raise fail(
-                f"'prefix_tokens' ({prefix_tokens}) exceeds 'prompt_tokens' ({prompt_tokens})"
-            )
-
-    output_tokens = positive_int("output_tokens")
-    output_ids: list[int] | None = None
-    if "output_token_ids" in obj:
-        output_ids = token_list("output_token_ids")
-        if len(output_ids) != output_tokens:
-            raise fail(
-                f"'output_token_ids' has {len(output_ids)} ids, 'output_tokens' is {output_tokens}"
-            )
-
-    request_id = nonempty_str("request_id") if "request_id" in obj else f"line-{line_no}"
-    if request_id in seen_ids:
-        raise fail(f"duplicate request_id {request_id!r} (first on line {seen_ids[request_id]})")
-    after: str | None = None
-    if "after" in obj:
-        after = nonempty_str("after")
-        if after == request_id:
-            raise fail(f"request {request_id!r} cannot wait for itself")
-        if after not in seen_ids:
-            raise fail(f"'after' names {after!r}, which no earlier line defines")
-    conversation_id = nonempty_str("conversation_id") if "conversation_id" in obj else None
-    turn: int | None = None
-    if "turn" in obj:
-        turn = obj["turn"]
-        if not _is_int(turn) or turn < 0:
-            raise fail(f"'turn' must be an int >= 0, got {turn!r}")
-
-    return _TraceLine(
-        line_no=line_no,
-        request_id=request_id,
-        arrival_step=arrival_step,
-        prompt_token_ids=prompt_ids,
-        prompt_tokens=prompt_tokens,
-        prefix_key=prefix_key,
-        prefix_tokens=prefix_tokens,
-        output_tokens=output_tokens,
-        output_token_ids=output_ids,
-        after=after,
-        conversation_id=conversation_id,
-        turn=turn,
-    )
-
-
-def _prefix_stream(seed: int, prefix_key: str, count: int, vocab_size: int) -> np.ndarray:
-    """The shared-prefix ids of one ``prefix_id``: a function of (seed, id) only."""
-    digest = xxhash.xxh64_intdigest(prefix_key.encode())
-    return _token_ids(np.random.default_rng([seed, digest]), count, vocab_size)
-
-
-def parse_jsonl_trace(
-    lines: Iterable[str],
-    *,
-    seed: int = 0,
-    vocab_size: int = DEFAULT_VOCAB_SIZE,
-    arrival_steps_per_unit: float = 1.0,
-) -> list[Request]:
-    """Requests from JSONL text lines (format: ``docs/workloads.md``).
-
-    Blank lines are skipped. Ids not given in the trace (prompt suffixes,
-    outputs) are drawn from ``seed`` in line order; shared prefixes from
-    ``(seed, prefix_id)``. Raises :class:`TraceFormatError` naming the line.
-    """
-    _check_vocab(vocab_size)
-    if not (
-        isinstance(arrival_steps_per_unit, (int, float))
-        and not isinstance(arrival_steps_per_unit, bool)
-        and math.isfinite(arrival_steps_per_unit)
-        and arrival_steps_per_unit > 0
-    ):
-        raise ValueError(
-            f"arrival_steps_per_unit must be a positive number, got {arrival_steps_per_unit!r}"
-        )
-    parsed: list[_TraceLine] = []
-    seen_ids: dict[str, int] = {}
-    for line_no, text in enumerate(lines, start=1):
-        if not text.strip():
-            continue
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise TraceFormatError(f"line {line_no}: invalid JSON ({exc.msg})") from None
-        entry = _parse_trace_line(
-            obj,
-            line_no,
-            vocab_size=vocab_size,
-            arrival_steps_per_unit=arrival_steps_per_unit,
-            seen_ids=seen_ids,
-        )
-        seen_ids[entry.request_id] = line_no
-        parsed.append(entry)
-    if not parsed:
-        raise TraceFormatError("trace holds no requests")
-
-    prefix_lengths: dict[str, int] = {}
-    for entry in parsed:
-        if entry.prefix_key is not None:
-            prefix_lengths[entry.prefix_key] = max(
-                prefix_lengths.get(entry.prefix_key, 0), entry.prefix_tokens
-            )
-    prefixes = {
-        key: _prefix_stream(seed, key, count, vocab_size) for key, count in prefix_lengths.items()
-    }
-    rng = np.random.default_rng(seed)
-    requests = []
-    for entry in parsed:
-        if entry.prompt_token_ids is not None:
-            prompt = np.asarray(entry.prompt_token_ids, dtype=np.int32)
-        else:
-            shared = (
-                prefixes[entry.prefix_key][: entry.prefix_tokens]
-                if entry.prefix_key is not None
-                else np.empty(0, dtype=np.int32)
-            )
-            suffix = _token_ids(rng, entry.prompt_tokens - entry.prefix_tokens, vocab_size)
-            prompt = np.concatenate([shared, suffix])
-        if entry.output_token_ids is not None:
-            outputs = np.asarray(entry.output_token_ids, dtype=np.int32)
-        else:
-            outputs = _token_ids(rng, entry.output_tokens, vocab_size)
-        requests.append(
-            Request(
-                request_id=entry.request_id,
-                arrival_step=entry.arrival_step,
-                prompt_token_ids=prompt,
-                output_tokens=entry.output_tokens,
-                output_token_ids=outputs,
-                conversation_id=entry.conversation_id,
-                turn=entry.turn,
-                after_request_id=entry.after,
-            )
-        )
-    return requests
-
-
-def load_jsonl_trace(
-    path: str | Path,
-    *,
-    seed: int = 0,
-    vocab_size: int = DEFAULT_VOCAB_SIZE,
-    arrival_steps_per_unit: float = 1.0,
-) -> list[Request]:
-    """Read a JSONL trace file; errors read ``<path>: line N: ...``."""
-    path = Path(path)
-    with path.open(encoding="utf-8") as handle:
-        try:
-            return parse_jsonl_trace(
-                handle,
-                seed=seed,
-                vocab_size=vocab_size,
-                arrival_steps_per_unit=arrival_steps_per_unit,
-            )
-        except TraceFormatError as exc:
-            raise TraceFormatError(f"{path}: {exc}") from None
-
-
-def trace_lines(requests: Iterable[Request]) -> list[str]:
-    """JSONL lines that :func:`parse_jsonl_trace` reads back into equal requests."""
-    lines = []
-    for request in requests:
-        obj: dict[str, Any] = {
-            "request_id": request.request_id,
-            "arrival": request.arrival_step,
-            "prompt_token_ids": request.prompt_token_ids.tolist(),
-            "output_tokens": request.output_tokens,
-            "output_token_ids": request.output_token_ids.tolist(),
-        }
-        if request.after_request_id is not None:
-            obj["after"] = request.after_request_id
-        if request.conversation_id is not None:
-            obj["conversation_id"] = request.conversation_id
-        if request.turn is not None:
-            obj["turn"] = request.turn
-        lines.append(json.dumps(obj, separators=(",", ":")))
-    return lines
-
-
-def dump_jsonl_trace(requests: Iterable[Request], path: str | Path) -> None:
-    """Write ``requests`` as a JSONL trace with explicit token ids."""
-    Path(path).write_text("".join(line + "\n" for line in trace_lines(requests)), encoding="utf-8")
-
-
-# --------------------------------------------------------------------------- helpers
 
 WORKLOAD_NAMES = ("chat", "multiturn", "longctx")
 

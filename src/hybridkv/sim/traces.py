@@ -1,0 +1,314 @@
+"""JSONL request traces: load (with validation naming the line) and dump."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import xxhash
+
+from hybridkv.sim.requests import DEFAULT_VOCAB_SIZE, Request, _check_vocab, _token_ids
+
+
+class TraceFormatError(ValueError):
+    """A JSONL trace line is malformed; the message names the file and line."""
+
+
+_TRACE_KEYS = frozenset(
+    {
+        "arrival",
+        "prompt_token_ids",
+        "prompt_tokens",
+        "prefix_id",
+        "prefix_tokens",
+        "output_tokens",
+        "output_token_ids",
+        "request_id",
+        "after",
+        "conversation_id",
+        "turn",
+    }
+)
+
+
+@dataclass(frozen=True)
+class _TraceLine:
+    line_no: int
+    request_id: str
+    arrival_step: int
+    prompt_token_ids: list[int] | None
+    prompt_tokens: int
+    prefix_key: str | None
+    prefix_tokens: int
+    output_tokens: int
+    output_token_ids: list[int] | None
+    after: str | None
+    conversation_id: str | None
+    turn: int | None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_trace_line(
+    obj: object,
+    line_no: int,
+    *,
+    vocab_size: int,
+    arrival_steps_per_unit: float,
+    seen_ids: dict[str, int],
+) -> _TraceLine:
+    def fail(message: str) -> TraceFormatError:
+        return TraceFormatError(f"line {line_no}: {message}")
+
+    def token_list(key: str) -> list[int]:
+        ids = obj[key]
+        if not isinstance(ids, list) or not ids:
+            raise fail(f"{key!r} must be a non-empty list of token ids")
+        if not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
+            raise fail(f"{key!r} must hold ints in [0, {vocab_size})")
+        return ids
+
+    def positive_int(key: str) -> int:
+        value = obj[key]
+        if not _is_int(value) or value < 1:
+            raise fail(f"{key!r} must be a positive int, got {value!r}")
+        return value
+
+    def nonempty_str(key: str) -> str:
+        value = obj[key]
+        if not isinstance(value, str) or not value:
+            raise fail(f"{key!r} must be a non-empty string, got {value!r}")
+        return value
+
+    if not isinstance(obj, dict):
+        raise fail(f"expected a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - _TRACE_KEYS)
+    if unknown:
+        raise fail(f"unknown key(s) {unknown}; allowed: {sorted(_TRACE_KEYS)}")
+    for key in ("arrival", "output_tokens"):
+        if key not in obj:
+            raise fail(f"missing required key {key!r}")
+
+    arrival = obj["arrival"]
+    if isinstance(arrival, bool) or not isinstance(arrival, (int, float)):
+        raise fail(f"'arrival' must be a number, got {arrival!r}")
+    if not math.isfinite(arrival) or arrival < 0:
+        raise fail(f"'arrival' must be finite and >= 0, got {arrival!r}")
+    arrival_step = math.floor(arrival * arrival_steps_per_unit)
+
+    has_ids, has_count = "prompt_token_ids" in obj, "prompt_tokens" in obj
+    if has_ids == has_count:
+        raise fail("give exactly one of 'prompt_token_ids' and 'prompt_tokens'")
+    has_prefix_id, has_prefix_tokens = "prefix_id" in obj, "prefix_tokens" in obj
+    if has_prefix_id != has_prefix_tokens:
+        raise fail("'prefix_id' and 'prefix_tokens' go together")
+    if has_prefix_id and has_ids:
+        raise fail("'prefix_id' applies to 'prompt_tokens', not to explicit 'prompt_token_ids'")
+
+    prompt_ids: list[int] | None = None
+    if has_ids:
+        prompt_ids = token_list("prompt_token_ids")
+        prompt_tokens = len(prompt_ids)
+    else:
+        prompt_tokens = positive_int("prompt_tokens")
+
+    prefix_key: str | None = None
+    prefix_tokens = 0
+    if has_prefix_id:
+        prefix_id = obj["prefix_id"]
+        if not (isinstance(prefix_id, str) and prefix_id) and not _is_int(prefix_id):
+            raise fail(f"'prefix_id' must be a non-empty string or an int, got {prefix_id!r}")
+        prefix_key = json.dumps(prefix_id)
+        prefix_tokens = positive_int("prefix_tokens")
+        if prefix_tokens > prompt_tokens:
+            raise fail(
+                f"'prefix_tokens' ({prefix_tokens}) exceeds 'prompt_tokens' ({prompt_tokens})"
+            )
+
+    output_tokens = positive_int("output_tokens")
+    output_ids: list[int] | None = None
+    if "output_token_ids" in obj:
+        output_ids = token_list("output_token_ids")
+        if len(output_ids) != output_tokens:
+            raise fail(
+                f"'output_token_ids' has {len(output_ids)} ids, 'output_tokens' is {output_tokens}"
+            )
+
+    request_id = nonempty_str("request_id") if "request_id" in obj else f"line-{line_no}"
+    if request_id in seen_ids:
+        raise fail(f"duplicate request_id {request_id!r} (first on line {seen_ids[request_id]})")
+    after: str | None = None
+    if "after" in obj:
+        after = nonempty_str("after")
+        if after == request_id:
+            raise fail(f"request {request_id!r} cannot wait for itself")
+        if after not in seen_ids:
+            raise fail(f"'after' names {after!r}, which no earlier line defines")
+    conversation_id = nonempty_str("conversation_id") if "conversation_id" in obj else None
+    turn: int | None = None
+    if "turn" in obj:
+        turn = obj["turn"]
+        if not _is_int(turn) or turn < 0:
+            raise fail(f"'turn' must be an int >= 0, got {turn!r}")
+
+    return _TraceLine(
+        line_no=line_no,
+        request_id=request_id,
+        arrival_step=arrival_step,
+        prompt_token_ids=prompt_ids,
+        prompt_tokens=prompt_tokens,
+        prefix_key=prefix_key,
+        prefix_tokens=prefix_tokens,
+        output_tokens=output_tokens,
+        output_token_ids=output_ids,
+        after=after,
+        conversation_id=conversation_id,
+        turn=turn,
+    )
+
+
+def _prefix_stream(seed: int, prefix_key: str, count: int, vocab_size: int) -> np.ndarray:
+    """The shared-prefix ids of one ``prefix_id``: a function of (seed, id) only."""
+    digest = xxhash.xxh64_intdigest(prefix_key.encode())
+    return _token_ids(np.random.default_rng([seed, digest]), count, vocab_size)
+
+
+def parse_jsonl_trace(
+    lines: Iterable[str],
+    *,
+    seed: int = 0,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    arrival_steps_per_unit: float = 1.0,
+) -> list[Request]:
+    """Requests from JSONL text lines (format: ``docs/workloads.md``).
+
+    Blank lines are skipped. Ids not given in the trace (prompt suffixes,
+    outputs) are drawn from ``seed`` in line order; shared prefixes from
+    ``(seed, prefix_id)``. Raises :class:`TraceFormatError` naming the line.
+    """
+    _check_vocab(vocab_size)
+    if not (
+        isinstance(arrival_steps_per_unit, (int, float))
+        and not isinstance(arrival_steps_per_unit, bool)
+        and math.isfinite(arrival_steps_per_unit)
+        and arrival_steps_per_unit > 0
+    ):
+        raise ValueError(
+            f"arrival_steps_per_unit must be a positive number, got {arrival_steps_per_unit!r}"
+        )
+    parsed: list[_TraceLine] = []
+    seen_ids: dict[str, int] = {}
+    for line_no, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise TraceFormatError(f"line {line_no}: invalid JSON ({exc.msg})") from None
+        entry = _parse_trace_line(
+            obj,
+            line_no,
+            vocab_size=vocab_size,
+            arrival_steps_per_unit=arrival_steps_per_unit,
+            seen_ids=seen_ids,
+        )
+        seen_ids[entry.request_id] = line_no
+        parsed.append(entry)
+    if not parsed:
+        raise TraceFormatError("trace holds no requests")
+
+    prefix_lengths: dict[str, int] = {}
+    for entry in parsed:
+        if entry.prefix_key is not None:
+            prefix_lengths[entry.prefix_key] = max(
+                prefix_lengths.get(entry.prefix_key, 0), entry.prefix_tokens
+            )
+    prefixes = {
+        key: _prefix_stream(seed, key, count, vocab_size) for key, count in prefix_lengths.items()
+    }
+    rng = np.random.default_rng(seed)
+    requests = []
+    for entry in parsed:
+        if entry.prompt_token_ids is not None:
+            prompt = np.asarray(entry.prompt_token_ids, dtype=np.int32)
+        else:
+            shared = (
+                prefixes[entry.prefix_key][: entry.prefix_tokens]
+                if entry.prefix_key is not None
+                else np.empty(0, dtype=np.int32)
+            )
+            suffix = _token_ids(rng, entry.prompt_tokens - entry.prefix_tokens, vocab_size)
+            prompt = np.concatenate([shared, suffix])
+        if entry.output_token_ids is not None:
+            outputs = np.asarray(entry.output_token_ids, dtype=np.int32)
+        else:
+            outputs = _token_ids(rng, entry.output_tokens, vocab_size)
+        requests.append(
+            Request(
+                request_id=entry.request_id,
+                arrival_step=entry.arrival_step,
+                prompt_token_ids=prompt,
+                output_tokens=entry.output_tokens,
+                output_token_ids=outputs,
+                conversation_id=entry.conversation_id,
+                turn=entry.turn,
+                after_request_id=entry.after,
+            )
+        )
+    return requests
+
+
+def load_jsonl_trace(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    arrival_steps_per_unit: float = 1.0,
+) -> list[Request]:
+    """Read a JSONL trace file; errors read ``<path>: line N: ...``."""
+    path = Path(path)
+    with path.open(encoding="utf-8") as handle:
+        try:
+            return parse_jsonl_trace(
+                handle,
+                seed=seed,
+                vocab_size=vocab_size,
+                arrival_steps_per_unit=arrival_steps_per_unit,
+            )
+        except TraceFormatError as exc:
+            raise TraceFormatError(f"{path}: {exc}") from None
+
+
+def trace_lines(requests: Iterable[Request]) -> list[str]:
+    """JSONL lines that :func:`parse_jsonl_trace` reads back into equal requests."""
+    lines = []
+    for request in requests:
+        obj: dict[str, Any] = {
+            "request_id": request.request_id,
+            "arrival": request.arrival_step,
+            "prompt_token_ids": request.prompt_token_ids.tolist(),
+            "output_tokens": request.output_tokens,
+            "output_token_ids": request.output_token_ids.tolist(),
+        }
+        if request.after_request_id is not None:
+            obj["after"] = request.after_request_id
+        if request.conversation_id is not None:
+            obj["conversation_id"] = request.conversation_id
+        if request.turn is not None:
+            obj["turn"] = request.turn
+        lines.append(json.dumps(obj, separators=(",", ":")))
+    return lines
+
+
+def dump_jsonl_trace(requests: Iterable[Request], path: str | Path) -> None:
+    """Write ``requests`` as a JSONL trace with explicit token ids."""
+    Path(path).write_text("".join(line + "\n" for line in trace_lines(requests)), encoding="utf-8")
+
+
+# --------------------------------------------------------------------------- helpers
