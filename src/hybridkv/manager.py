@@ -17,55 +17,26 @@ from typing import Any
 import numpy as np
 
 from hybridkv._checks import as_int
+from hybridkv.batch import Admission, GroupStats, GroupStep, StepBatch
 from hybridkv.pool import PagePool
 from hybridkv.prefix import PrefixCache, PrefixHit, RequestHashes
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables import GroupTable, cdiv, segment_arange
 
 
+__all__ = [
+    "Admission",
+    "CacheManager",
+    "CacheManagerError",
+    "GroupStats",
+    "GroupStep",
+    "PrefixHit",
+    "StepBatch",
+]
+
+
 class CacheManagerError(ValueError):
     """A misuse of the manager (unknown id, inadmissible step, bad count...). State is unchanged."""
-
-
-@dataclass(frozen=True)
-class Admission:
-    ok: bool
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class GroupStep:
-    """What the kernels of one group need for a step."""
-
-    block_table: np.ndarray  # int32 [R, width], -1 padded
-    base_pages: np.ndarray | None  # int32 [R] logical page of column 0 (sliding groups)
-    write_slots: np.ndarray  # int64 [N], -1 where a token writes no row
-
-
-@dataclass(frozen=True)
-class StepBatch:
-    request_ids: tuple[str, ...]
-    num_scheduled_tokens: np.ndarray  # int32 [R]
-    query_start_loc: np.ndarray  # int32 [R+1]
-    positions: np.ndarray  # int64 [N]
-    request_indices: np.ndarray  # int32 [N]
-    groups: dict[str, GroupStep]
-
-
-@dataclass(frozen=True)
-class GroupStats:
-    group_id: str
-    total_pages: int
-    free_pages: int
-    used_pages: int
-    peak_used_pages: int
-    utilization: float
-    cached_pages: int
-    evictable_pages: int
-    allocated_pages: int
-    released_pages: int
-    failed_allocations: int
-    evicted_pages: int
 
 
 @dataclass
