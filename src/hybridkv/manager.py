@@ -21,7 +21,7 @@ from hybridkv.batch import Admission, GroupStats, GroupStep, StepBatch
 from hybridkv.pool import PagePool
 from hybridkv.prefix import PrefixCache, PrefixHit, RequestHashes
 from hybridkv.spec import CacheGroupSpec
-from hybridkv.tables import GroupTable, cdiv, segment_arange
+from hybridkv.tables import TableSet, cdiv, segment_arange
 
 
 __all__ = [
@@ -64,6 +64,11 @@ class _StepPlan:
     alloc: dict[str, np.ndarray]
     need_hi: dict[str, np.ndarray]
     settle: int = 0  # leading rows with zero new tokens (previous step's requests settling)
+    base: np.ndarray | None = None  # [G, R] stacked forms of the per-group dicts
+    hi: np.ndarray | None = None
+    new_base_all: np.ndarray | None = None
+    alloc_all: np.ndarray | None = None
+    need_hi_all: np.ndarray | None = None
 
 
 class CacheManager:
@@ -105,19 +110,12 @@ class CacheManager:
             )
             for i, s in enumerate(self.specs)
         }
-        self.tables = {
-            s.group_id: GroupTable(
-                s, max_context_tokens=self.max_context_tokens, max_step_tokens=self.max_step_tokens
-            )
-            for s in self.specs
-        }
-        # Groups whose tables move identically (same page tokens and window) share
-        # the per-step arithmetic; the first group of each shape computes it.
-        shapes: dict[tuple, str] = {}
-        self._shape_leader = {
-            s.group_id: shapes.setdefault((s.page_tokens, s.sliding_window_tokens), s.group_id)
-            for s in self.specs
-        }
+        # Every group's tables are stacked: a step is a few numpy calls for all groups.
+        self._tableset = TableSet(
+            self.specs, max_context_tokens=self.max_context_tokens, max_step_tokens=self.max_step_tokens
+        )
+        self.tables = {s.group_id: t for s, t in zip(self.specs, self._tableset.tables)}
+        self._pool_list = [self.pools[s.group_id] for s in self.specs]
         self._version = 0  # bumped by every mutation; keys the admission cache
         self._admitted: tuple | None = None
         self._requests: dict[str, _Request] = {}
@@ -429,20 +427,22 @@ class CacheManager:
         return ""
 
     def _plan(self, rows: np.ndarray, counts: np.ndarray) -> _StepPlan:
+        ts = self._tableset
         first = self._computed[rows]
         end = first + counts
-        new_base, alloc, need_hi = {}, {}, {}
-        for gid, leader in self._shape_leader.items():
-            if leader != gid:  # same page tokens and window: identical base/hi (asserted)
-                new_base[gid], need_hi[gid], alloc[gid] = new_base[leader], need_hi[leader], alloc[leader]
-                continue
-            table = self.tables[gid]
-            nb = table.new_base(rows, first)
-            nh = table.need_hi(end)
-            new_base[gid] = nb
-            need_hi[gid] = nh
-            alloc[gid] = np.maximum(nh - np.maximum(table.hi[rows], nb), 0)
-        return _StepPlan(rows, counts, first, end, new_base, alloc, need_hi)
+        tokens = ts.page_tokens[:, None]
+        base, hi = ts.base[:, rows], ts.hi[:, rows]  # [G, R]
+        # Sliding groups release pages below (first - W + 1) // T (never past hi).
+        keep_from = np.maximum(first[None, :] - ts.window_tokens[:, None] + 1, 0) // tokens
+        new_base = np.where(ts.sliding[:, None], np.maximum(base, np.minimum(keep_from, hi)), base)
+        need_hi = -(-end[None, :] // tokens)  # a partial entry still needs its page
+        alloc = np.maximum(need_hi - np.maximum(hi, new_base), 0)
+        gids = [s.group_id for s in self.specs]
+        return _StepPlan(
+            rows, counts, first, end,
+            dict(zip(gids, new_base)), dict(zip(gids, alloc)), dict(zip(gids, need_hi)),
+            base=base, hi=hi, new_base_all=new_base, alloc_all=alloc, need_hi_all=need_hi,
+        )
 
     def _release_credit(self, gid: str, rows: np.ndarray, new_base: np.ndarray) -> np.ndarray:
         table = self.tables[gid]
@@ -484,21 +484,17 @@ class CacheManager:
             for row in crossed.tolist():
                 self._commit_row(row)
         self._committed[rows] = plan.first
-        for s in self.specs:
-            gid = s.group_id
-            table, pool = self.tables[gid], self.pools[gid]
-            if table.sliding:
-                nb = plan.new_base[gid]
-                released = table.take(rows, table.base[rows], nb)
+        ts = self._tableset
+        if (plan.new_base_all > plan.base).any():
+            for pool, released in zip(self._pool_list, ts.take(rows, plan.base, plan.new_base_all)):
                 if released.size:
                     pool.decref(released)
-                    table.base[rows] = nb
-            lo = np.maximum(table.hi[rows], plan.new_base[gid])
-            n_alloc = plan.alloc[gid]
-            total = int(n_alloc.sum())
-            if total:
-                table.place(rows, lo, n_alloc, pool.allocate(total))
-            table.hi[rows] = np.maximum(table.hi[rows], plan.need_hi[gid])
+            ts.base[:, rows] = plan.new_base_all
+        totals = plan.alloc_all.sum(axis=1)
+        if totals.any():
+            fresh = [pool.allocate(int(n)) for pool, n in zip(self._pool_list, totals)]
+            ts.place(rows, np.maximum(plan.hi, plan.new_base_all), plan.alloc_all, np.concatenate(fresh))
+        ts.hi[:, rows] = np.maximum(plan.hi, plan.need_hi_all)
         self._computed[rows] = plan.end
         self._last_rows = rows[plan.settle :].copy()
         return self._build_batch(items, plan, fixed_width)
@@ -512,15 +508,18 @@ class CacheManager:
         token_rows = rows[req_idx]
         qsl = np.zeros(n_req + 1, dtype=np.int32)
         np.cumsum(counts, out=qsl[1:])
+        ts = self._tableset
+        slots = ts.write_slots(token_rows, positions)
+        base_pages = ts.base[:, rows].astype(np.int32)
+        tables = [
+            t.block_table(rows, self.table_widths[t.spec.group_id] if fixed_width else None) for t in ts.tables
+        ]
         groups = {}
-        for s in self.specs:
-            gid = s.group_id
-            table = self.tables[gid]
-            width = self.table_widths[gid] if (fixed_width and self.table_widths) else None
-            groups[gid] = GroupStep(
-                block_table=table.block_table(rows, width),
-                base_pages=table.base[rows].astype(np.int32) if table.sliding else None,
-                write_slots=table.write_slots(token_rows, positions),
+        for g, spec in enumerate(self.specs):
+            groups[spec.group_id] = GroupStep(
+                block_table=tables[g],
+                base_pages=base_pages[g] if spec.is_sliding else None,
+                write_slots=slots[g],
             )
         return StepBatch(
             request_ids=tuple([rid for rid, _ in items]),
@@ -648,9 +647,6 @@ class CacheManager:
 
     def check_invariants(self) -> None:
         """Assert that ref counts equal the tables' holdings and pools are consistent."""
-        for gid, leader in self._shape_leader.items():
-            a, b = self.tables[gid], self.tables[leader]
-            assert np.array_equal(a.base, b.base) and np.array_equal(a.hi, b.hi), f"{gid} drifted from {leader}"
         for s in self.specs:
             gid = s.group_id
             table, pool = self.tables[gid], self.pools[gid]
@@ -684,8 +680,7 @@ class CacheManager:
             self._committed = np.concatenate([self._committed, grow])
             self._max_total = np.concatenate([self._max_total, grow])
             self._known = np.concatenate([self._known, grow])
-        for table in self.tables.values():
-            table.ensure_rows(row + 1)
+        self._tableset.ensure_rows(row + 1)
         return row
 
 

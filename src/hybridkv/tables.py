@@ -162,3 +162,91 @@ class GroupTable:
         if self.stride_tokens > 1:
             slots[(positions + 1) % self.stride_tokens != 0] = -1
         return slots
+
+
+class TableSet:
+    """The tables of every group of a manager, stacked so one numpy call serves all groups.
+
+    ``pages[g]``, ``base[g]`` and ``hi[g]`` are group ``g``'s arrays; each
+    ``GroupTable`` in ``tables`` is bound to views of them, so per-group code
+    (prefix publishing, rewind, free) and whole-step code see the same state.
+    """
+
+    def __init__(
+        self,
+        specs: list[CacheGroupSpec] | tuple[CacheGroupSpec, ...],
+        *,
+        max_context_tokens: int,
+        max_step_tokens: int,
+        initial_rows: int = 64,
+    ):
+        self.tables = [
+            GroupTable(s, max_context_tokens=max_context_tokens, max_step_tokens=max_step_tokens, initial_rows=1)
+            for s in specs
+        ]
+        t = self.tables
+        self.page_tokens = np.array([x.page_tokens for x in t], dtype=np.int64)
+        self.window_tokens = np.array([x.window_tokens for x in t], dtype=np.int64)
+        self.sliding = np.array([x.sliding for x in t], dtype=bool)
+        self.capacity_pages = np.array([x.capacity_pages for x in t], dtype=np.int64)
+        self.rows_per_page = np.array([x.rows_per_page for x in t], dtype=np.int64)
+        self.stride_tokens = np.array([x.stride_tokens for x in t], dtype=np.int64)
+        self.group_index = np.arange(len(t), dtype=np.int64)
+        self.pages = np.full((len(t), max(1, int(initial_rows)), int(self.capacity_pages.max())), -1, np.int32)
+        self.base = np.zeros(self.pages.shape[:2], dtype=np.int64)
+        self.hi = np.zeros(self.pages.shape[:2], dtype=np.int64)
+        self._bind()
+
+    def _bind(self) -> None:
+        for g, table in enumerate(self.tables):
+            table.pages = self.pages[g, :, : table.capacity_pages]
+            table.base = self.base[g]
+            table.hi = self.hi[g]
+
+    def ensure_rows(self, rows: int) -> None:
+        have = self.pages.shape[1]
+        if rows <= have:
+            return
+        new = max(rows, 2 * have)
+        pages = np.full((self.pages.shape[0], new, self.pages.shape[2]), -1, dtype=np.int32)
+        pages[:, :have] = self.pages
+        grow = np.zeros((self.pages.shape[0], new - have), dtype=np.int64)
+        self.pages = pages
+        self.base = np.concatenate([self.base, grow], axis=1)
+        self.hi = np.concatenate([self.hi, grow], axis=1)
+        self._bind()
+
+    def _flat_ranges(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray):
+        """Index arrays of logical pages ``[lo[g, r], hi[g, r])``, group-major, and the
+        number of pages per group."""
+        counts = np.maximum(hi - lo, 0)
+        flat = counts.ravel()
+        cell = np.repeat(np.arange(flat.size, dtype=np.int64), flat)
+        g = cell // rows.size
+        logical = np.repeat(lo.ravel(), flat) + segment_arange(flat)
+        cols = np.where(self.sliding[g], logical % self.capacity_pages[g], logical)
+        return (g, rows[cell % rows.size], cols), counts.sum(axis=1)
+
+    def take(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> list[np.ndarray]:
+        """Forget logical pages ``[lo, hi)`` of every group; their ids per group, row-major."""
+        index, per_group = self._flat_ranges(rows, lo, hi)
+        pages = self.pages[index].astype(np.int64)
+        self.pages[index] = -1
+        return np.split(pages, np.cumsum(per_group)[:-1])
+
+    def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
+        """Store ``page_ids`` (group-major, row-major) at logical pages ``[lo, lo + counts)``."""
+        index, _ = self._flat_ranges(rows, lo, lo + counts)
+        self.pages[index] = page_ids
+
+    def write_slots(self, token_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """int64 ``[G, N]`` slots of every group for the scheduled tokens (-1: no row)."""
+        stride = self.stride_tokens[:, None]
+        per_page = self.rows_per_page[:, None]
+        entry = positions[None, :] // stride
+        logical = entry // per_page
+        cols = np.where(self.sliding[:, None], logical % self.capacity_pages[:, None], logical)
+        page = self.pages[self.group_index[:, None], token_rows[None, :], cols].astype(np.int64)
+        slots = page * per_page + entry % per_page
+        slots[(stride > 1) & ((positions[None, :] + 1) % stride != 0)] = -1
+        return slots
