@@ -192,6 +192,15 @@ class TableSet:
         self.rows_per_page = np.array([x.rows_per_page for x in t], dtype=np.int64)
         self.stride_tokens = np.array([x.stride_tokens for x in t], dtype=np.int64)
         self.group_index = np.arange(len(t), dtype=np.int64)
+        # Strides and rows per page are powers of two for V4: shifts and masks then
+        # replace integer division, which dominates write slots of long chunks.
+        pow2 = lambda v: bool(np.all((v & (v - 1)) == 0))  # noqa: E731
+        self._shifts = None
+        if pow2(self.stride_tokens) and pow2(self.rows_per_page):
+            self._shifts = (
+                np.log2(self.stride_tokens).astype(np.int64)[:, None],
+                np.log2(self.rows_per_page).astype(np.int64)[:, None],
+            )
         self.pages = np.full((len(t), max(1, int(initial_rows)), int(self.capacity_pages.max())), -1, np.int32)
         self.base = np.zeros(self.pages.shape[:2], dtype=np.int64)
         self.hi = np.zeros(self.pages.shape[:2], dtype=np.int64)
@@ -221,32 +230,50 @@ class TableSet:
         number of pages per group."""
         counts = np.maximum(hi - lo, 0)
         flat = counts.ravel()
-        cell = np.repeat(np.arange(flat.size, dtype=np.int64), flat)
-        g = cell // rows.size
+        # Per (group, request) cell: the flat offset of its row and its ring size
+        # (0 for full-history groups, whose column is the logical page itself).
+        _, rows_cap, cap_max = self.pages.shape
+        row_start = ((self.group_index[:, None] * rows_cap + rows[None, :]) * cap_max).ravel()
+        ring = np.repeat(np.where(self.sliding, self.capacity_pages, 0), rows.size)
         logical = np.repeat(lo.ravel(), flat) + segment_arange(flat)
-        cols = np.where(self.sliding[g], logical % self.capacity_pages[g], logical)
-        return (g, rows[cell % rows.size], cols), counts.sum(axis=1)
+        ring_rep = np.repeat(ring, flat)
+        cols = np.where(ring_rep > 0, logical % np.maximum(ring_rep, 1), logical)
+        return np.repeat(row_start, flat) + cols, counts.sum(axis=1)
 
     def take(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> list[np.ndarray]:
         """Forget logical pages ``[lo, hi)`` of every group; their ids per group, row-major."""
         index, per_group = self._flat_ranges(rows, lo, hi)
-        pages = self.pages[index].astype(np.int64)
-        self.pages[index] = -1
+        flat = self.pages.reshape(-1)
+        pages = flat[index].astype(np.int64)
+        flat[index] = -1
         return np.split(pages, np.cumsum(per_group)[:-1])
 
     def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
         """Store ``page_ids`` (group-major, row-major) at logical pages ``[lo, lo + counts)``."""
         index, _ = self._flat_ranges(rows, lo, lo + counts)
-        self.pages[index] = page_ids
+        self.pages.reshape(-1)[index] = page_ids
 
     def write_slots(self, token_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """int64 ``[G, N]`` slots of every group for the scheduled tokens (-1: no row)."""
         stride = self.stride_tokens[:, None]
         per_page = self.rows_per_page[:, None]
-        entry = positions[None, :] // stride
-        logical = entry // per_page
-        cols = np.where(self.sliding[:, None], logical % self.capacity_pages[:, None], logical)
-        page = self.pages[self.group_index[:, None], token_rows[None, :], cols].astype(np.int64)
-        slots = page * per_page + entry % per_page
-        slots[(stride > 1) & ((positions[None, :] + 1) % stride != 0)] = -1
+        if self._shifts is not None:
+            stride_shift, page_shift = self._shifts
+            entry = positions[None, :] >> stride_shift
+            logical = entry >> page_shift
+            row_in_page = entry & (per_page - 1)
+            off_boundary = ((positions[None, :] + 1) & (stride - 1)) != 0
+        else:
+            entry = positions[None, :] // stride
+            logical = entry // per_page
+            row_in_page = entry % per_page
+            off_boundary = (positions[None, :] + 1) % stride != 0
+        sliding = np.flatnonzero(self.sliding)
+        if sliding.size:
+            logical[sliding] %= self.capacity_pages[sliding, None]
+        _, rows_cap, cap_max = self.pages.shape
+        row_start = (self.group_index[:, None] * rows_cap + token_rows[None, :]) * cap_max
+        page = self.pages.reshape(-1)[row_start + logical].astype(np.int64)
+        slots = page * per_page + row_in_page
+        slots[(stride > 1) & off_boundary] = -1
         return slots
