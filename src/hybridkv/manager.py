@@ -427,16 +427,9 @@ class CacheManager:
         return ""
 
     def _plan(self, rows: np.ndarray, counts: np.ndarray) -> _StepPlan:
-        ts = self._tableset
         first = self._computed[rows]
         end = first + counts
-        tokens = ts.page_tokens[:, None]
-        base, hi = ts.base[:, rows], ts.hi[:, rows]  # [G, R]
-        # Sliding groups release pages below (first - W + 1) // T (never past hi).
-        keep_from = np.maximum(first[None, :] - ts.window_tokens[:, None] + 1, 0) // tokens
-        new_base = np.where(ts.sliding[:, None], np.maximum(base, np.minimum(keep_from, hi)), base)
-        need_hi = -(-end[None, :] // tokens)  # a partial entry still needs its page
-        alloc = np.maximum(need_hi - np.maximum(hi, new_base), 0)
+        base, hi, new_base, need_hi, alloc = self._tableset.plan(rows, first, end)
         gids = [s.group_id for s in self.specs]
         return _StepPlan(
             rows, counts, first, end,

@@ -20,6 +20,17 @@ def cdiv(a, b):
     return -(-a // b)
 
 
+def release_floor(first, window_tokens, page_tokens):
+    """First logical page a sliding group must keep when writing from ``first``:
+    ``(first - W + 1) // T`` (pages strictly below it are no longer read)."""
+    return np.maximum(first - window_tokens + 1, 0) // page_tokens
+
+
+def pages_needed(end, page_tokens):
+    """Pages that hold tokens ``[0, end)``; a partial entry still needs its page."""
+    return cdiv(end, page_tokens)
+
+
 def segment_arange(counts: np.ndarray) -> np.ndarray:
     """``concat(arange(c) for c in counts)`` without a Python loop."""
     counts = np.asarray(counts, dtype=np.int64)
@@ -75,12 +86,12 @@ class GroupTable:
         """Base page after releasing pages below ``(first - W + 1) // T``."""
         if not self.sliding:
             return self.base[rows]
-        keep_from = np.maximum(first - self.window_tokens + 1, 0) // self.page_tokens
+        keep_from = release_floor(first, self.window_tokens, self.page_tokens)
         return np.maximum(self.base[rows], np.minimum(keep_from, self.hi[rows]))
 
     def need_hi(self, end: np.ndarray) -> np.ndarray:
         """Pages needed to hold tokens ``[0, end)`` (a partial entry still needs its page)."""
-        return cdiv(end, self.page_tokens)
+        return pages_needed(end, self.page_tokens)
 
     def pages_in(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Held page ids of logical pages ``[lo_r, hi_r)`` per row, row-major, in logical order."""
@@ -114,14 +125,6 @@ class GroupTable:
         pages = self.pages[rep, cols].astype(np.int64)
         self.pages[rep, cols] = -1
         return pages
-
-    def drop(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
-        """Forget logical pages ``[lo, hi)`` (the caller returns them to the pool)."""
-        counts = np.maximum(hi - lo, 0)
-        if counts.any():
-            rep = np.repeat(rows, counts)
-            logical = np.repeat(lo, counts) + segment_arange(counts)
-            self.pages[rep, self._cols(logical)] = -1
 
     def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
         """Store ``page_ids`` at logical pages ``[lo_r, lo_r + counts_r)``, row-major."""
@@ -224,6 +227,17 @@ class TableSet:
         self.base = np.concatenate([self.base, grow], axis=1)
         self.hi = np.concatenate([self.hi, grow], axis=1)
         self._bind()
+
+    def plan(self, rows: np.ndarray, first: np.ndarray, end: np.ndarray):
+        """``[G, R]`` arrays for a step writing tokens ``[first, end)`` per row (pure):
+        current base and hi, the base after release, pages needed, pages to allocate."""
+        tokens = self.page_tokens[:, None]
+        base, hi = self.base[:, rows], self.hi[:, rows]
+        keep_from = release_floor(first[None, :], self.window_tokens[:, None], tokens)
+        new_base = np.where(self.sliding[:, None], np.maximum(base, np.minimum(keep_from, hi)), base)
+        need_hi = pages_needed(end[None, :], tokens)
+        alloc = np.maximum(need_hi - np.maximum(hi, new_base), 0)
+        return base, hi, new_base, need_hi, alloc
 
     def _flat_ranges(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray):
         """Index arrays of logical pages ``[lo[g, r], hi[g, r])``, group-major, and the
