@@ -276,7 +276,6 @@ class PrefixCache:
         if hashes is None or new_tokens // g == old_tokens // g:
             return
         hashes.extend_to(token_ids, new_tokens)
-        row = np.asarray([req.row], dtype=np.int64)
         first_block, end_block = old_tokens // g, new_tokens // g
         for gid in self.history_ids:
             # One gather for every completed block of this group, then per-block entries.
@@ -298,7 +297,7 @@ class PrefixCache:
             own = _OwnCheckpoint(d, pinned=d in keep or (interval is not None and d % interval == 0))
             for gid in self.state_ids:
                 window = self.tables[gid].spec.sliding_window_tokens
-                self._publish(gid, row, hashes, d, lo_tokens=max(0, d - window))
+                self._publish(gid, req.row, hashes, d, lo_tokens=max(0, d - window))
                 self._hold(own, gid, hashes.key(d))
             if own.entries:
                 new_own.append(own)
@@ -317,16 +316,16 @@ class PrefixCache:
                     self.pools[gid].unpublish(key)
         req.own_checkpoints = [c for c in req.own_checkpoints if c.pinned] + new_own
 
-    def _publish(self, gid: str, row: np.ndarray, hashes: RequestHashes, boundary: int, lo_tokens: int) -> bool:
+    def _publish(self, gid: str, row: int, hashes: RequestHashes, boundary: int, lo_tokens: int) -> bool:
         pool, table = self.pools[gid], self.tables[gid]
         key = hashes.key(boundary)
         if pool.lookup(key) is not None:
             return False
         t = table.page_tokens
         lo, hi = lo_tokens // t, boundary // t
-        if lo < table.base[row[0]] or hi > table.hi[row[0]]:
+        if lo < table.base[row] or hi > table.hi[row]:
             return False  # rows already slid out (cannot happen when committed each step)
-        return self._publish_pages(gid, hashes, boundary, table.row_pages(int(row[0]), lo, hi))
+        return self._publish_pages(gid, hashes, boundary, table.row_pages(row, lo, hi))
 
     def _publish_pages(self, gid: str, hashes: RequestHashes, boundary: int, pages: list[int]) -> bool:
         pool = self.pools[gid]
