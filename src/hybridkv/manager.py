@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from hybridkv._checks import as_int
+from hybridkv.arena import Arena, ArenaGeometry, _Scan, shared_arena_for
 from hybridkv.batch import Admission, GroupStats, GroupStep, StepBatch
 from hybridkv.pool import PagePool
 from hybridkv.prefix import PrefixCache, PrefixHit, RequestHashes
@@ -69,6 +70,7 @@ class _StepPlan:
     new_base_all: np.ndarray | None = None
     alloc_all: np.ndarray | None = None
     need_hi_all: np.ndarray | None = None
+    grants: list | None = None  # arena slabs to move before allocating (shared page space)
 
 
 class CacheManager:
@@ -77,7 +79,7 @@ class CacheManager:
     def __init__(
         self,
         specs: Sequence[CacheGroupSpec],
-        group_pages: Mapping[str, int],
+        group_pages: Mapping[str, int] | None,
         *,
         max_context_tokens: int,
         max_step_tokens: int | None = None,
@@ -88,6 +90,7 @@ class CacheManager:
         hash_algo: str = "xxh3_128",
         state_checkpoint_interval: int | None = None,
         on_event: Any = None,
+        arena: ArenaGeometry | None = None,
     ):
         self.specs = tuple(specs)
         if not self.specs:
@@ -95,8 +98,14 @@ class CacheManager:
         ids = [s.group_id for s in self.specs]
         if len(set(ids)) != len(ids):
             raise ValueError(f"duplicate group ids in {ids}")
-        if set(group_pages) != set(ids):
-            raise ValueError(f"group_pages keys {sorted(group_pages)} do not match the groups {sorted(ids)}")
+        if arena is not None:
+            if set(arena.page_bytes) != set(ids):
+                raise ValueError(f"arena groups {sorted(arena.page_bytes)} do not match the groups {sorted(ids)}")
+            group_pages = {gid: arena.view_pages(gid) for gid in ids}
+        elif group_pages is None or set(group_pages) != set(ids):
+            raise ValueError(
+                f"group_pages keys {sorted(group_pages or {})} do not match the groups {sorted(ids)}"
+            )
         self.max_context_tokens = _positive("max_context_tokens", max_context_tokens)
         self.max_step_tokens = _positive(
             "max_step_tokens", max_step_tokens if max_step_tokens is not None else self.max_context_tokens
@@ -107,9 +116,13 @@ class CacheManager:
                 s.group_id, group_pages[s.group_id],
                 shuffle_seed=None if shuffle_seed is None else shuffle_seed + i,
                 shared_pages=enable_prefix_caching,
+                granted=arena is None,
+                lowest_first=arena is not None,
             )
             for i, s in enumerate(self.specs)
         }
+        # With a shared arena the pools start empty and borrow slabs as they need pages.
+        self.arena = Arena(arena, self.pools) if arena is not None else None
         # Every group's tables are stacked: a step is a few numpy calls for all groups.
         self._tableset = TableSet(
             self.specs, max_context_tokens=self.max_context_tokens, max_step_tokens=self.max_step_tokens
@@ -136,11 +149,25 @@ class CacheManager:
             )
 
     @classmethod
-    def from_plan(cls, plan: Any, **options: Any) -> CacheManager:
-        """Build from a ``hybridkv.plan.Plan`` (pages per group, limits, capture widths)."""
+    def from_plan(
+        cls, plan: Any, *, page_space: str = "per-group", slab_anchor_pages: int | None = None, **options: Any
+    ) -> CacheManager:
+        """Build from a ``hybridkv.plan.Plan`` (pages per group, limits, capture widths).
+
+        ``page_space="per-group"``: one pool per group with the plan's page counts.
+        ``"shared"``: one arena of the plan's budget (its bytes when it has no
+        budget) lent to the groups in slabs (:mod:`hybridkv.arena`)."""
+        arena = None
+        if page_space == "shared":
+            arena = shared_arena_for(plan, slab_anchor_pages)
+        elif page_space != "per-group":
+            raise ValueError(f"page_space must be 'per-group' or 'shared', got {page_space!r}")
+        elif slab_anchor_pages is not None:
+            raise ValueError("slab_anchor_pages applies only to page_space='shared'")
         return cls(
             plan.specs,
-            plan.group_pages,
+            None if arena is not None else plan.group_pages,
+            arena=arena,
             max_context_tokens=plan.limits.max_context_tokens,
             max_step_tokens=plan.limits.max_scheduled_tokens,
             table_widths=plan.table_widths,
@@ -329,15 +356,27 @@ class CacheManager:
                         f"capture width {self.table_widths[gid]}"
                     )
         avail = {gid: pool.num_free_pages for gid, pool in self.pools.items()}
-        # Releases all happen before allocations, so only the admitted totals matter;
-        # release credit is computed only when allocations alone do not fit.
-        def total_fits(need: dict[str, np.ndarray]) -> bool:
-            return all(int(need[g][fits].sum()) <= avail[g] for g in avail)
+        arena, scan = self.arena, _Scan()
 
-        if not total_fits(plan.alloc):
+        # Releases all happen before allocations, so only the admitted totals matter;
+        # release credit is computed only when allocations alone do not fit. With a
+        # shared arena a group that is short borrows slabs.
+        def totals_fit(need: dict[str, np.ndarray]) -> bool:
+            sums = {g: int(need[g][fits].sum()) for g in avail}
+            if all(sums[g] <= avail[g] for g in avail):
+                plan.grants = []
+                return True
+            if arena is None:
+                return False
+            plan.grants = arena.plan(
+                {g: sums[g] - avail[g] for g in avail}, {g: avail[g] - sums[g] for g in avail}, scan
+            )
+            return plan.grants is not None
+
+        if not totals_fit(plan.alloc):
             net = {g: plan.alloc[g] - self._release_credit(g, plan.rows, plan.new_base[g]) for g in avail}
-            if not total_fits(net):
-                self._deny_greedily(plan, net, avail, fits, deny)
+            if not totals_fit(net):
+                self._deny_greedily(plan, net, avail, fits, deny, arena, scan)
         off = plan.settle
         return answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items()}, plan
 
@@ -353,24 +392,32 @@ class CacheManager:
         return prev[~in_batch[prev]]
 
     @staticmethod
-    def _deny_greedily(plan, net, avail, fits, deny) -> None:
+    def _deny_greedily(plan, net, avail, fits, deny, arena=None, scan=None) -> None:
         """In batch order, admit a request only if everything admitted so far still fits."""
         used = {g: 0 for g in avail}
+        plan.grants = []
         for k in range(fits.size):
             if not fits[k]:
                 continue
-            short = [g for g in avail if used[g] + int(net[g][k]) > avail[g]]
+            want = {g: used[g] + int(net[g][k]) for g in avail}
+            short = [g for g in avail if want[g] > avail[g]]
+            grants = []
+            if short and arena is not None:
+                grants = arena.plan({g: want[g] - avail[g] for g in avail}, {g: avail[g] - want[g] for g in avail}, scan)
+                if grants is not None:
+                    short = []
             if short:
                 g = short[0]
                 fits[k] = False
                 deny[k] = (
                     f"group {g!r} needs {int(plan.alloc[g][k])} new pages "
                     f"(after {int(plan.alloc[g][k] - net[g][k])} released), "
-                    f"{avail[g] - used[g]} free or evictable"
+                    f"{max(avail[g] - used[g], 0)} free or evictable"
+                    + ("" if arena is None else ", and no slab of the shared arena can be lent")
                 )
             else:
-                for g in avail:
-                    used[g] += int(net[g][k])
+                used = want
+                plan.grants = grants
 
     def _fast_validate(self, items) -> tuple[np.ndarray, np.ndarray] | None:
         """Rows and counts when every item is valid (vectorized); None sends the batch
@@ -483,6 +530,8 @@ class CacheManager:
                 if released.size:
                     pool.decref(released)
             ts.base[:, rows] = plan.new_base_all
+        if plan.grants:
+            self.arena.apply(plan.grants)
         totals = plan.alloc_all.sum(axis=1)
         if totals.any():
             fresh = [pool.allocate(int(n)) for pool, n in zip(self._pool_list, totals)]
@@ -613,7 +662,7 @@ class CacheManager:
                 free_pages=pool.num_free_pages,
                 used_pages=pool.num_used_pages,
                 peak_used_pages=pool.peak_used_pages,
-                utilization=pool.num_used_pages / pool.usable_pages,
+                utilization=pool.num_used_pages / pool.usable_pages if pool.usable_pages else 0.0,
                 cached_pages=pool.num_cached_pages,
                 evictable_pages=pool.num_evictable_pages,
                 allocated_pages=c.allocated_pages,
@@ -651,6 +700,8 @@ class CacheManager:
                 np.add.at(expected, pages, 1)
             assert np.array_equal(expected, pool.ref_counts), f"{gid}: ref counts differ from tables"
             pool.check_invariants()
+        if self.arena is not None:
+            self.arena.check_invariants()
 
     # --- helpers --------------------------------------------------------------
     def _get(self, request_id: str) -> _Request:

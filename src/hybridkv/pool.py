@@ -7,6 +7,14 @@ the LRU). Page 0 is the reserved null page and never handed out.
 Free order is deterministic: a LIFO stack, so freed pages are reused first
 ("freed to the front"); cached pages are reclaimed only once the free stack is
 empty, least recently used first.
+
+A pool built with ``lowest_first=True`` hands out its lowest free ids first
+instead (used with an arena, so live pages pack into few slabs).
+
+A pool built with ``granted=False`` starts with no usable pages: a shared
+arena (:mod:`hybridkv.arena`) grants it page ids slab by slab and takes back
+slabs whose pages are all free or evictable. An id never granted is in none
+of the states above.
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ class PagePool:
         *,
         shuffle_seed: int | None = None,
         shared_pages: bool = True,
+        granted: bool = True,
+        lowest_first: bool = False,
     ):
         if isinstance(num_pages, bool) or int(num_pages) != num_pages or num_pages < 2:
             raise ValueError(
@@ -53,13 +63,13 @@ class PagePool:
         self.shared_pages = shared_pages
         self.num_pages = int(num_pages)
         self.ref_counts = np.zeros(self.num_pages, dtype=np.int32)
-        ids = np.arange(1, self.num_pages, dtype=np.int32)
-        if shuffle_seed is not None:
-            np.random.default_rng(shuffle_seed).shuffle(ids)
-        # Stack top is the end of the array: reverse so page ids[0] is handed out first.
+        self._rng = None if shuffle_seed is None else np.random.default_rng(shuffle_seed)
+        # Lowest free id first (the stack kept sorted, top = lowest): live pages pack
+        # into few arena slabs, so whole slabs fall free for other groups.
+        self.lowest_first = bool(lowest_first) and self._rng is None
         self._stack = np.empty(self.num_pages, dtype=np.int32)
-        self._stack[: ids.size] = ids[::-1]
-        self._top = int(ids.size)
+        self._top = 0
+        self._granted_pages = 0
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.cached = np.zeros(self.num_pages, dtype=bool)
         self._page_key: dict[int, Hashable] = {}
@@ -67,11 +77,14 @@ class PagePool:
         self.on_removed: Callable[[Hashable], None] | None = None
         self.counters = PoolCounters()
         self.peak_used_pages = 0
+        if granted:
+            self.grant(np.arange(1, self.num_pages, dtype=np.int32))
 
     # --- counts ---------------------------------------------------------
     @property
     def usable_pages(self) -> int:
-        return self.num_pages - 1
+        """Pages granted to this pool (all but the null page unless an arena manages it)."""
+        return self._granted_pages
 
     @property
     def num_free_pages(self) -> int:
@@ -161,10 +174,60 @@ class PagePool:
 
     def _push_free(self, pages: np.ndarray) -> None:
         n = pages.size
-        if n:
+        if n and self.lowest_first:
+            merged = np.concatenate([self._stack[: self._top], pages.astype(np.int32, copy=False)])
+            merged.sort()
+            self._top += n
+            self._stack[: self._top] = merged[::-1]
+        elif n:
             # Push in reverse so the first listed page is on top (reused first).
             self._stack[self._top : self._top + n] = pages[::-1]
             self._top += n
+
+    # --- grants (shared arena) ---------------------------------------------
+    def grant(self, pages: np.ndarray) -> None:
+        """Make never-granted (or revoked) page ids usable: they go on the free stack,
+        the first listed on top (shuffled first with a shuffle seed)."""
+        pages = np.asarray(pages, dtype=np.int32)
+        if pages.size == 0:
+            return
+        if self._rng is not None:
+            pages = pages.copy()
+            self._rng.shuffle(pages)
+        self._push_free(pages)
+        self._granted_pages += int(pages.size)
+
+    def free_page_ids(self) -> np.ndarray:
+        """Ids on the free stack (a view; do not keep across calls)."""
+        return self._stack[: self._top]
+
+    def evictable_page_ids(self) -> np.ndarray:
+        return np.fromiter(self._evictable, dtype=np.int64, count=len(self._evictable))
+
+    def revoke(self, pages: np.ndarray) -> None:
+        """Take back page ids that are all free or cached-evictable (their entries are
+        unpublished first). All or nothing."""
+        pages = np.unique(np.asarray(pages, dtype=np.int64))
+        if pages.size == 0:
+            return
+        gone = np.zeros(self.num_pages, dtype=bool)
+        gone[pages] = True
+        evictable = pages[self.cached[pages]]
+        idle = int(np.count_nonzero(gone[self._stack[: self._top]]))
+        if np.any(self.ref_counts[pages] != 0) or idle + sum(
+            1 for p in evictable.tolist() if p in self._evictable
+        ) != pages.size:
+            raise ValueError(f"group {self.group_id!r}: only granted pages no request holds can be revoked")
+        for page in evictable.tolist():
+            key = self._page_key.get(page)
+            if key is not None:
+                self.counters.evicted_pages += sum(1 for p in self._entries[key] if self.ref_counts[p] == 0)
+                self.unpublish(key)
+        free = self._stack[: self._top]
+        keep = free[~gone[free]]
+        self._stack[: keep.size] = keep
+        self._top = int(keep.size)
+        self._granted_pages -= int(pages.size)
 
     # --- content-keyed entries -------------------------------------------
     def publish(self, key: Hashable, pages: Sequence[int]) -> bool:
@@ -230,4 +293,4 @@ class PagePool:
         assert self.ref_counts[NULL_PAGE] == 0
         assert np.all(self.ref_counts >= 0)
         held = int(np.count_nonzero(self.ref_counts > 0))
-        assert held + self._top + len(self._evictable) == self.usable_pages, "page leaked"
+        assert held + self._top + len(self._evictable) == self._granted_pages, "page leaked"

@@ -1,0 +1,217 @@
+"""Shared arena: geometry worked by hand, slab lending and reclaim, the manager in
+``page_space="shared"`` mode, and that live pages of different groups never share
+a byte (checked from page ids and page sizes alone, not through the arena)."""
+
+import numpy as np
+import pytest
+
+from hybridkv.arena import Arena, anchor_group_for, arena_geometry, shared_arena_for
+from hybridkv.manager import CacheManager, CacheManagerError
+from hybridkv.models.layout import cache_layout
+from hybridkv.plan import Limits, plan_for_budget
+from hybridkv.pool import PagePool
+from hybridkv.spec import CacheGroupSpec
+
+SWA = CacheGroupSpec("swa", "sliding_window", 4, 1, sliding_window_tokens=8, family="state")
+KV = CacheGroupSpec("kv", "full_history", rows_per_page=16, entry_stride_tokens=1)
+# swa pages 40 B, kv pages 30 B (anchor). Head: ceil(40/30) = 2 kv pages = 60 B; slab
+# 8 kv pages = 240 B; 4 slabs -> 1,020 B.
+SMALL_BYTES = {"swa": 40, "kv": 30}
+
+
+def small_geometry(slabs=4):
+    return arena_geometry(SMALL_BYTES, 60 + 240 * slabs + 17, anchor_group="kv", slab_anchor_pages=8)
+
+
+def small_manager(slabs=4, **kw):
+    return CacheManager([SWA, KV], None, max_context_tokens=256, max_step_tokens=64,
+                        arena=small_geometry(slabs), **kw)
+
+
+def live_byte_ranges_disjoint(m):
+    """Independent check: every held or cached page of every group, as a byte range."""
+    spans = []
+    for gid, pool in m.pools.items():
+        size = m.arena.geometry.page_bytes[gid]
+        live = np.flatnonzero((pool.ref_counts > 0) | pool.cached)
+        spans += [(int(p) * size, (int(p) + 1) * size, gid) for p in live]
+    spans.sort()
+    for (a0, a1, ga), (b0, b1, gb) in zip(spans, spans[1:]):
+        assert a1 <= b0, f"{ga} [{a0}, {a1}) overlaps {gb} [{b0}, {b1})"
+    return spans
+
+
+# --- geometry ----------------------------------------------------------------------
+def test_geometry_worked_by_hand():
+    g = small_geometry()
+    assert (g.reserved_bytes, g.slab_bytes, g.num_slabs, g.total_bytes) == (60, 240, 4, 1020)
+    assert (g.view_pages("swa"), g.view_pages("kv")) == (25, 34)
+    lo, hi = g.slab_page_ranges("swa")
+    # slab k = [60 + 240k, 300 + 240k): 40-byte pages wholly inside; page 7 = [280, 320) straddles.
+    assert lo.tolist() == [2, 8, 14, 20] and hi.tolist() == [7, 13, 19, 25]
+    lo, hi = g.slab_page_ranges("kv")
+    assert lo.tolist() == [2, 10, 18, 26] and hi.tolist() == [10, 18, 26, 34]
+    assert g.slab_of("swa", [2, 6, 8, 24]).tolist() == [0, 0, 1, 3]
+
+
+def test_slab_holds_at_least_two_of_the_largest_pages():
+    g = arena_geometry({"big": 1000, "small": 10}, 10_000, anchor_group="small", slab_anchor_pages=3)
+    # head: 1000 B (100 small pages); slab raised from 30 B to ceil(2000/10) * 10 = 2000 B
+    assert (g.reserved_bytes, g.slab_bytes, g.num_slabs) == (1000, 2000, 4)
+
+
+def test_geometry_errors():
+    with pytest.raises(ValueError, match="holds no slab.*needs 300 B"):
+        arena_geometry(SMALL_BYTES, 299, anchor_group="kv", slab_anchor_pages=8)
+    with pytest.raises(ValueError, match="anchor group 'x'"):
+        arena_geometry(SMALL_BYTES, 10_000, anchor_group="x")
+    with pytest.raises(ValueError, match="slab_anchor_pages"):
+        arena_geometry(SMALL_BYTES, 10_000, anchor_group="kv", slab_anchor_pages=0)
+
+
+def test_anchor_is_the_history_group_with_most_bytes_per_token():
+    layout = cache_layout("deepseek-v4-flash", indexer="fp8")
+    page_bytes = {g.group_id: g.page_bytes for g in layout.groups}
+    assert anchor_group_for(layout.specs, page_bytes) == "v4.c4a.compressed_kv"
+
+
+def test_v4_flash_40gib_arena():
+    """Slab = 16 c4 pages of 963,648 B; head = 2 c4 pages (covers the 1,609,920 B window page)."""
+    layout = cache_layout("deepseek-v4-flash", indexer="fp8")
+    plan = plan_for_budget(layout, 40 << 30, Limits(256, 2048, 131072))
+    g = shared_arena_for(plan)
+    assert g.slab_bytes == 16 * 963_648 and g.reserved_bytes == 2 * 963_648
+    assert g.num_slabs == (40 * 2**30 - 2 * 963_648) // (16 * 963_648) == 2785
+    lo, hi = g.slab_page_ranges("v4.c4a.compressed_kv")
+    assert set((hi - lo).tolist()) == {16}  # the anchor loses nothing at slab edges
+
+
+# --- arena on bare pools -------------------------------------------------------------
+def bare_arena():
+    g = small_geometry()
+    pools = {gid: PagePool(gid, g.view_pages(gid), granted=False, lowest_first=True) for gid in SMALL_BYTES}
+    return Arena(g, pools), pools
+
+
+def test_spare_slabs_go_out_lowest_first_and_pools_start_empty():
+    arena, pools = bare_arena()
+    assert all(p.usable_pages == 0 and p.num_free_pages == 0 for p in pools.values())
+    grants = arena.plan({"swa": 6, "kv": 3}, {})
+    assert grants == [("swa", 0, None), ("swa", 1, None), ("kv", 2, None)]
+    arena.apply(grants)
+    assert pools["swa"].usable_pages == 10 and pools["kv"].usable_pages == 8
+    assert pools["swa"].allocate(3).tolist() == [2, 3, 4]
+    assert pools["kv"].allocate(2).tolist() == [18, 19]
+    assert arena.num_spare_slabs == 1
+    arena.check_invariants()
+
+
+def test_reclaim_takes_only_wholly_idle_slabs_and_respects_the_donors_surplus():
+    arena, pools = bare_arena()
+    arena.apply(arena.plan({"swa": 20}, {}))  # every slab to swa
+    held = pools["swa"].allocate(6)  # ids 2..6 (slab 0) and 8 (slab 1)
+    assert held.tolist() == [2, 3, 4, 5, 6, 8]
+    assert arena.plan({"kv": 1}, {"swa": 100}) == [("kv", 2, "swa")]
+    # Two idle slabs (2 and 3) exist, but swa can spare only 5 pages: one slab.
+    assert arena.plan({"kv": 9}, {"swa": 5}) is None
+    grants = arena.plan({"kv": 9}, {"swa": 10})
+    assert grants == [("kv", 2, "swa"), ("kv", 3, "swa")]
+    arena.apply(grants)
+    assert pools["swa"].usable_pages == 10 and pools["kv"].usable_pages == 16
+    assert sorted(pools["swa"].free_page_ids().tolist()) == [9, 10, 11, 12]
+    arena.check_invariants()
+    pools["swa"].decref(held)
+    assert arena.release_idle() == 4 and arena.num_spare_slabs == 4
+    arena.check_invariants()
+
+
+def test_revoke_refuses_held_pages_and_changes_nothing():
+    arena, pools = bare_arena()
+    arena.apply(arena.plan({"swa": 1}, {}))
+    page = pools["swa"].allocate(1)
+    with pytest.raises(ValueError, match="no request holds"):
+        pools["swa"].revoke(np.arange(2, 7))
+    assert pools["swa"].usable_pages == 5 and pools["swa"].num_free_pages == 4
+    pools["swa"].decref(page)
+    arena.check_invariants()
+
+
+# --- the manager on an arena ------------------------------------------------------------
+def test_manager_borrows_slabs_on_demand_worked_example():
+    m = small_manager()
+    assert m.stats()["kv"].total_pages == 0 and m.stats()["kv"].utilization == 0.0
+    m.add_request("a", prompt_tokens=8, max_new_tokens=4)
+    batch = m.schedule([("a", 8)])
+    # swa (first in spec order) takes slab 0 (ids 2..6), kv slab 1 (ids 10..17); lowest ids first.
+    assert batch.groups["swa"].block_table.tolist() == [[2, 3]]
+    assert batch.groups["kv"].block_table.tolist() == [[10]]
+    assert batch.groups["kv"].write_slots.tolist() == list(range(160, 168))
+    assert m.arena.owner.tolist() == [0, 1, -1, -1]
+    assert m.stats()["kv"].total_pages == 8 and m.stats()["swa"].total_pages == 5
+    live_byte_ranges_disjoint(m)
+    m.check_invariants()
+
+
+def test_history_grows_into_memory_the_window_group_gave_back():
+    """A window-heavy burst takes 3 of 4 slabs for swa; once it is freed, one long
+    request's history borrows an idle swa slab (per-group pools would be fixed)."""
+    m = small_manager()
+    for i in range(3):
+        m.add_request(f"s{i}", prompt_tokens=20)
+    m.schedule([(f"s{i}", 20) for i in range(3)])  # swa 3 x 5 pages = slabs 0-2, kv 3 x 2 = slab 3
+    assert m.arena.owner.tolist() == [0, 0, 0, 1]
+    live_byte_ranges_disjoint(m)
+    for i in range(3):
+        m.free(f"s{i}")
+    m.add_request("long", prompt_tokens=200)
+    for _ in range(25):
+        assert m.check_admission([("long", 8)])[0].ok
+        m.schedule([("long", 8)])
+        live_byte_ranges_disjoint(m)
+    m.check_invariants()
+    # kv needed a 9th page at token 128: swa's slab 0 holds the window (lowest ids),
+    # slab 1 was wholly idle and moved.
+    assert m.arena.owner.tolist() == [0, 1, 0, 1] and m.arena.slab_moves == 1
+    assert m.request_pages("long", "kv")[1].size == 13
+
+
+def test_refusal_names_the_arena_and_changes_nothing():
+    m = small_manager(slabs=2)
+    m.add_request("a", prompt_tokens=200)
+    m.schedule([("a", 8)])
+    before = ({g: (p.ref_counts.tolist(), p.usable_pages) for g, p in m.pools.items()}, m.arena.owner.tolist())
+    [adm] = m.check_admission([("a", 64)])
+    assert not adm.ok and "no slab of the shared arena can be lent" in adm.reason
+    with pytest.raises(CacheManagerError, match="not admissible"):
+        m.schedule([("a", 64)])
+    after = ({g: (p.ref_counts.tolist(), p.usable_pages) for g, p in m.pools.items()}, m.arena.owner.tolist())
+    assert after == before
+    m.check_invariants()
+
+
+def test_reclaim_evicts_cached_pages_of_the_donor_slab():
+    arena, pools = bare_arena()
+    removed = []
+    pools["kv"].on_removed = removed.append
+    arena.apply(arena.plan({"kv": 32}, {}))  # all 4 slabs to kv
+    pages = pools["kv"].allocate(3)  # 2, 3, 4 in slab 0
+    assert pools["kv"].publish("block", pages)
+    pools["kv"].decref(pages)
+    assert pools["kv"].num_evictable_pages == 3
+    grants = arena.plan({"swa": 1}, {"kv": 8})
+    assert grants == [("swa", 0, "kv")]  # slab 0: 3 evictable + 5 free pages
+    arena.apply(grants)
+    assert removed == ["block"] and pools["kv"].counters.evicted_pages == 3
+    assert pools["kv"].num_cached_pages == 0 and pools["kv"].usable_pages == 24
+    arena.check_invariants()
+
+
+def test_from_plan_page_space_errors():
+    layout = cache_layout("deepseek-v4-flash", indexer="fp8")
+    plan = plan_for_budget(layout, 2 << 30, Limits(8, 2048, 32768))
+    with pytest.raises(ValueError, match="page_space must be"):
+        CacheManager.from_plan(plan, page_space="global")
+    with pytest.raises(ValueError, match="only to page_space='shared'"):
+        CacheManager.from_plan(plan, slab_anchor_pages=4)
+    m = CacheManager.from_plan(plan, page_space="shared")
+    assert m.arena.geometry.total_bytes <= 2 << 30

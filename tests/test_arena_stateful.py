@@ -1,0 +1,156 @@
+"""The stateful manager machine of test_manager_stateful, on a shared arena.
+
+The page-count model of the base machine still says which pages every request
+holds. What changes is how much a step may allocate: a group's free pages grow
+when the arena lends it a slab. So admission is checked against bounds:
+
+* a step whose per-group deficits fit in the spare slabs alone must be admitted;
+* an admitted step never fails to schedule;
+* a refused step changes nothing.
+
+After every rule: live pages of different groups never share a byte (from page
+ids and page sizes alone), the arena's ownership matches the pools, and after
+freeing everything every slab can go back to the spare list.
+"""
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import event, settings
+from hypothesis.stateful import initialize, invariant, precondition, rule
+
+from hybridkv.arena import arena_geometry
+from hybridkv.manager import CacheManager, CacheManagerError
+from test_manager_stateful import CONFIGS, ManagerMachine, snapshot
+
+# Invented page sizes in bytes (distinct, mostly coprime), and budgets near the
+# per-group configs' bytes, so denials happen.
+PAGE_BYTES = {
+    "v4": {
+        "v4.swa_kv": 37,
+        "v4.c4a.compressor_state": 23,
+        "v4.c4a.compressed_kv": 50,
+        "v4.c128a.compressor_state": 19,
+        "v4.c128a.compressed_kv": 7,
+        "v4.c4a.indexer_compressor_state": 11,
+    },
+    "odd": {"s7": 13, "s6x2": 17, "f10": 29, "f3": 5},
+}
+ANCHOR = {"v4": "v4.c4a.compressed_kv", "odd": "f10"}
+BUDGET = {"v4": 1_400, "odd": 450}
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+class ArenaMachine(ManagerMachine):
+    @initialize(config=st.sampled_from(sorted(CONFIGS)), slab_pages=st.sampled_from([1, 2, 3]))
+    def setup(self, config, slab_pages):
+        specs, _, ctx, step = CONFIGS[config]
+        self.specs = list(specs)
+        self.ctx, self.step_limit = ctx, step
+        geometry = arena_geometry(
+            PAGE_BYTES[config], BUDGET[config], anchor_group=ANCHOR[config], slab_anchor_pages=slab_pages
+        )
+        self.m = CacheManager(specs, None, max_context_tokens=ctx, max_step_tokens=step, arena=geometry)
+        self.geometry = geometry
+        self.min_slab_pages = {
+            gid: int((lambda r: (r[1] - r[0]).min())(geometry.slab_page_ranges(gid))) for gid in PAGE_BYTES[config]
+        }
+        self.model = {}
+        self.last_batch = []
+        self.next_id = 0
+
+    def model_free(self, spec):
+        return self.m.pools[spec.group_id].num_free_pages
+
+    def surely_fits(self, items):
+        """Deficits the spare slabs alone cover (each slab counted at its group's minimum)."""
+        slabs = 0
+        for s in self.specs:
+            short = self.net_pages(items, s) - self.model_free(s)
+            if short > 0:
+                slabs += cdiv(short, self.min_slab_pages[s.group_id])
+        return slabs <= self.m.arena.num_spare_slabs
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def schedule_one(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.model)), label="rid")
+        n = self.step_tokens(data, rid)
+        if n == 0:
+            return
+        before = snapshot(self.m), self.m.arena.owner.tolist()
+        [adm] = self.m.check_admission([(rid, n)])
+        assert (snapshot(self.m), self.m.arena.owner.tolist()) == before
+        if self.surely_fits([(rid, n)]):
+            assert adm.ok, adm.reason
+        event("single request denied" if not adm.ok else "single request admitted")
+        if adm.ok:
+            self.run_step([(rid, n)])
+        else:
+            assert "shared arena" in adm.reason
+            with pytest.raises(CacheManagerError, match="not admissible"):
+                self.m.schedule([(rid, n)])
+            assert (snapshot(self.m), self.m.arena.owner.tolist()) == before
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def schedule_batch(self, data):
+        rids = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1, unique=True), label="batch")
+        items = [(rid, n) for rid in rids for n in [self.step_tokens(data, rid)] if n > 0]
+        if not items:
+            return
+        before = snapshot(self.m), self.m.arena.owner.tolist()
+        answers = self.m.check_admission(items)
+        assert (snapshot(self.m), self.m.arena.owner.tolist()) == before
+        if self.surely_fits(items):
+            assert all(a.ok for a in answers), [a.reason for a in answers]
+        admitted = [item for item, a in zip(items, answers) if a.ok]
+        event(f"batch: {len(admitted)} of {len(items)} admitted")
+        if len(admitted) < len(items):
+            with pytest.raises(CacheManagerError, match="not admissible"):
+                self.m.schedule(items)
+            assert (snapshot(self.m), self.m.arena.owner.tolist()) == before
+        if admitted:
+            moved = self.m.arena.slab_moves
+            self.run_step(admitted)
+            if self.m.arena.slab_moves > moved:
+                event("a slab moved between groups")
+
+    @invariant()
+    def tables_match_the_model(self):
+        if not hasattr(self, "m"):
+            return
+        self.m.check_invariants()  # includes the arena's ownership check
+        spans = []
+        for s in self.specs:
+            gid = s.group_id
+            for rid, req in self.model.items():
+                lo, hi = self.held_range(req, s)
+                base, pages = self.m.request_pages(rid, gid)
+                assert base == lo and pages.size == hi - lo, (gid, rid)
+            pool = self.m.pools[gid]
+            size = self.geometry.page_bytes[gid]
+            live = np.flatnonzero((pool.ref_counts > 0) | pool.cached)
+            spans += [(int(p) * size, (int(p) + 1) * size) for p in live]
+            assert np.all(live * size >= self.geometry.reserved_bytes), f"{gid}: a page in the null head"
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "two live pages share bytes"
+        assert (spans[-1][1] if spans else 0) <= self.geometry.total_bytes
+
+    def teardown(self):
+        if not hasattr(self, "m"):
+            return
+        for rid in list(self.model):
+            self.m.free(rid)
+        self.m.check_invariants()
+        assert all(s.used_pages == 0 for s in self.m.stats().values())
+        self.m.arena.release_idle()
+        assert self.m.arena.num_spare_slabs == self.geometry.num_slabs
+        assert all(p.usable_pages == 0 for p in self.m.pools.values())
+
+
+TestArenaStateful = ArenaMachine.TestCase
+TestArenaStateful.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
