@@ -275,3 +275,27 @@ def test_installed_console_script():
     bad = subprocess.run([script, "plan", "--kv-memory", "lots"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2
     assert bad.stderr.startswith("hybridkv: error: ") and "Traceback" not in bad.stderr
+
+
+def test_shared_page_space_line_and_json(capsys):
+    args = ("--indexer", "fp8", "--max-running", "256", "--chunk-tokens", "2048", "--max-context", "128k")
+    code, out, _ = _run(capsys, "plan", "--page-space", "shared", *args)
+    assert code == 0
+    # 2,785 slabs of 16 x 963,648 B; the shared figure (79) beats the per-group pools' 73.
+    line = " ".join(out.split())
+    assert "shared arena 2,785 slabs x 14.70 MiB + 1.84 MiB of null pages: 79 concurrent requests at 128k" in line
+    assert "(per-group pools above: 73)" in line
+    code, out, _ = _run(capsys, "plan", "--page-space", "shared", "--json", *args)
+    shared = json.loads(out)["shared_arena"]
+    assert shared == {
+        "total_bytes": 1_927_296 + 2785 * 15_418_368,
+        "reserved_bytes": 1_927_296,
+        "slab_bytes": 15_418_368,
+        "num_slabs": 2785,
+        "context_tokens": 131072,
+        "max_requests": 79,
+    }
+    code, out, _ = _run(capsys, "plan", "--json", *args)
+    assert "shared_arena" not in json.loads(out)
+    code, _, err = _run(capsys, "plan", "--page-space", "pooled")
+    assert code == 2 and "invalid choice" in err

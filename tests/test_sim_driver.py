@@ -7,7 +7,7 @@ import pytest
 from hybridkv.cli import main
 from hybridkv.manager import CacheManager
 from hybridkv.models.deepseek_v4 import build_v4_cache_specs
-from hybridkv.sim.driver import Simulator
+from hybridkv.sim.driver import SimulationError, Simulator
 from hybridkv.sim.workloads import Request, chat_workload, multiturn_workload
 
 
@@ -62,7 +62,7 @@ def test_preempted_requests_recompute_and_finish():
 
 def test_request_too_large_for_the_cache_is_reported():
     requests = [Request("big", 0, np.arange(5000, dtype=np.int32), 2, np.array([1, 2], dtype=np.int32))]
-    with pytest.raises(RuntimeError, match="cannot start"):
+    with pytest.raises(SimulationError, match="cannot start.*too small for it \\(group"):
         Simulator(_manager(6), requests, max_running=4, step_token_budget=1024).run()
 
 
@@ -98,3 +98,17 @@ def test_simulate_cli_bad_input_is_one_line_exit_2(argv, message, capsys):
     err = capsys.readouterr().err
     assert code == 2
     assert err.startswith("hybridkv: error:") and message in err and err.count("\n") == 1
+
+
+def test_simulate_shared_page_space_runs_where_per_group_pools_cannot(capsys):
+    """3 GiB, 128 running: per-group pools leave the c4 compressor state too small for
+    one chat chunk; the shared arena lends it memory the idle groups do not use."""
+    argv = ["simulate", "--workload", "chat", "--requests", "24", "--kv-memory", "3GiB", "--max-context", "32k"]
+    code = main(argv)
+    assert code == 2 and "cannot start" in capsys.readouterr().err
+    code = main([*argv, "--page-space", "shared", "--json"])
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["page_space"] == "shared" and summary["requests_finished"] == 24
+    arena = summary["utilization"]["arena (all groups)"]
+    assert 0 < arena["mean"] <= arena["peak"] <= 1

@@ -101,6 +101,34 @@ def shared_arena_for(plan: Any, slab_anchor_pages: int | None = None) -> ArenaGe
     )
 
 
+def shared_concurrency(plan: Any, context_tokens: int, geometry: ArenaGeometry | None = None) -> int:
+    """Requests at ``context_tokens`` a shared arena holds at once: the largest ``N``
+    whose pages, ``N * plan.request_pages(context)`` per group plus one full step's
+    chunk pages in every sliding group, fill whole slabs (each counted at its
+    group's fewest pages per slab) within the arena. Memory only, like
+    :meth:`hybridkv.plan.Plan.concurrency`."""
+    geometry = geometry if geometry is not None else shared_arena_for(plan)
+    need = plan.request_pages(context_tokens)
+    sched = plan.limits.max_scheduled_tokens
+    step = {s.group_id: (-(-sched // s.page_tokens) + 1 if s.is_sliding else 0) for s in plan.specs}
+    per_slab = {}
+    for s in plan.specs:
+        lo, hi = geometry.slab_page_ranges(s.group_id)
+        per_slab[s.group_id] = int((hi - lo).min())
+
+    def slabs(n: int) -> int:
+        return sum(-(-(n * need[g] + step[g]) // per_slab[g]) for g in need)
+
+    fits, too_many = 0, geometry.num_slabs * max(per_slab.values()) + 2
+    while too_many - fits > 1:
+        mid = (fits + too_many) // 2
+        if slabs(mid) <= geometry.num_slabs:
+            fits = mid
+        else:
+            too_many = mid
+    return fits
+
+
 Grant = tuple[str, int, "str | None"]  # (receiving group, slab, donor group or None for a spare slab)
 
 
@@ -260,4 +288,4 @@ class Arena:
         )
 
 
-__all__ = ["Arena", "ArenaGeometry", "DEFAULT_SLAB_ANCHOR_PAGES", "anchor_group_for", "arena_geometry", "shared_arena_for"]
+__all__ = ["Arena", "ArenaGeometry", "DEFAULT_SLAB_ANCHOR_PAGES", "anchor_group_for", "arena_geometry", "shared_arena_for", "shared_concurrency"]

@@ -10,6 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from hybridkv.arena import shared_arena_for, shared_concurrency
 from hybridkv.models.layout import BUNDLED_MODELS, INDEXER_FORMATS, cache_layout
 from hybridkv.plan import Limits, Plan, plan_for_budget
 from hybridkv.units import format_bytes, format_tokens, parse_bytes, parse_tokens
@@ -93,6 +94,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K", help="tokens verified per decode step (default 1)",
     )
     parser.add_argument("--include-mtp", action="store_true", help="also cache the MTP layer(s)")
+    parser.add_argument(
+        "--page-space", choices=("per-group", "shared"), default="per-group",
+        help="per-group: one pool per cache group, sized by the limits; shared: one arena "
+        "the groups borrow slabs from (docs/planning.md); default per-group",
+    )
 
 
 def build_plan(args: argparse.Namespace) -> Plan:
@@ -129,13 +135,30 @@ def build_plan(args: argparse.Namespace) -> Plan:
     return plan_for_budget(layout, args.kv_memory, limits)
 
 
+def shared_report(plan: Plan, context_tokens: int) -> dict[str, Any]:
+    """The shared-arena section of a plan report."""
+    geometry = shared_arena_for(plan)
+    return {
+        "total_bytes": geometry.total_bytes,
+        "reserved_bytes": geometry.reserved_bytes,
+        "slab_bytes": geometry.slab_bytes,
+        "num_slabs": geometry.num_slabs,
+        "context_tokens": int(context_tokens),
+        "max_requests": shared_concurrency(plan, context_tokens, geometry),
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     plan = build_plan(args)
+    shared = shared_report(plan, args.context_len) if args.page_space == "shared" else None
     if args.json:
-        json.dump(plan.report(args.context_len), sys.stdout, indent=2)
+        report = plan.report(args.context_len)
+        if shared is not None:
+            report["shared_arena"] = shared
+        json.dump(report, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        render(plan, args.context_len, sys.stdout)
+        render(plan, args.context_len, sys.stdout, shared)
     return 0
 
 
@@ -143,7 +166,7 @@ def _retention(spec) -> str:
     return f"window {spec.sliding_window_tokens:,}" if spec.is_sliding else "full"
 
 
-def render(plan: Plan, context_tokens: int, file) -> None:
+def render(plan: Plan, context_tokens: int, file, shared: dict[str, Any] | None = None) -> None:
     """Print the human summary: headline, per-group table, totals."""
     report = plan.report(context_tokens)
     layout, limits = plan.layout, plan.limits
@@ -215,5 +238,12 @@ def render(plan: Plan, context_tokens: int, file) -> None:
             f"note         memory fits {concurrency['max_requests']:,} requests at "
             f"{format_tokens(context_tokens)}; the scheduler runs at most "
             f"{limits.max_running_requests:,}"
+        )
+    if shared is not None:
+        console.print(
+            f"shared arena {shared['num_slabs']:,} slabs x {format_bytes(shared['slab_bytes'])} "
+            f"+ {format_bytes(shared['reserved_bytes'])} of null pages: "
+            f"{shared['max_requests']:,} concurrent requests at {format_tokens(context_tokens)} "
+            f"(per-group pools above: {concurrency['max_requests']:,})"
         )
     console.print("width = block-table width for graph capture (pages per request)")

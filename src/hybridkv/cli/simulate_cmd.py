@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.prefix_caching:
             raise ValueError("--state-checkpoint-interval needs --prefix-caching")
         options["state_checkpoint_interval"] = args.state_checkpoint_interval
-    manager = CacheManager.from_plan(plan, **options)
+    manager = CacheManager.from_plan(plan, page_space=args.page_space, **options)
     sim = Simulator(
         manager, requests,
         max_running=plan.limits.max_running_requests,
@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     summary["requests"] = len(requests)
     summary["prefix_caching"] = args.prefix_caching
     summary["kv_memory_bytes"] = plan.budget_bytes
+    summary["page_space"] = args.page_space
     if args.plot:
         write_plot(result, args.plot)
     if args.json:
@@ -98,6 +99,7 @@ def print_summary(summary: dict, console: Console) -> None:
         ("max running requests", f"{summary['max_running_reached']:,}"),
         ("mean running requests", f"{summary['mean_running']:,.1f}"),
         ("prefix caching", "on" if summary["prefix_caching"] else "off"),
+        ("page space", summary["page_space"]),
         ("token hit rate", f"{summary['token_hit_rate']:.1%}"),
         ("preemptions", f"{summary['preemptions']:,}"),
         ("manager µs / step p50", f"{summary['manager_us_per_step_p50']:,.0f}"),
@@ -122,7 +124,7 @@ def write_plot(result: SimResult, path: str) -> None:
     fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
     for gid in result.group_ids:
         axes[0].plot(steps, 100.0 * result.used_pages[gid] / result.group_total_pages[gid], label=gid)
-    axes[0].set_ylabel("pages in use (% of pool)")
+    axes[0].set_ylabel("bytes in use (% of arena)" if result.shared_arena else "pages in use (% of pool)")
     axes[0].legend(fontsize=7, loc="upper right")
     axes[1].plot(steps, result.running, color="black")
     axes[1].set_ylabel("running requests")

@@ -65,7 +65,7 @@ class RequestRecord:
 class SimResult:
     steps: int
     group_ids: tuple[str, ...]
-    group_total_pages: dict[str, int]
+    group_total_pages: dict[str, float]  # utilization denominators (arena bytes / page bytes when shared)
     used_pages: dict[str, np.ndarray]  # per step
     running: np.ndarray
     scheduled_tokens: np.ndarray
@@ -74,6 +74,7 @@ class SimResult:
     preemptions: np.ndarray
     manager_us: np.ndarray
     requests: list[RequestRecord] = field(default_factory=list)
+    shared_arena: bool = False  # utilization is then each group's share of the arena's bytes
 
     def summary(self) -> dict:
         steps = max(self.steps, 1)
@@ -86,6 +87,9 @@ class SimResult:
             }
             for g in self.group_ids
         }
+        if self.shared_arena and self.steps:
+            share = sum(self.used_pages[g] / self.group_total_pages[g] for g in self.group_ids)
+            util["arena (all groups)"] = {"mean": float(share.mean()), "peak": float(share.max())}
         return {
             "steps": self.steps,
             "requests_finished": len(self.requests),
@@ -101,6 +105,10 @@ class SimResult:
             "manager_us_per_step_p99": float(np.percentile(self.manager_us, 99)) if self.steps else 0.0,
             "utilization": util,
         }
+
+
+class SimulationError(ValueError):
+    """The workload cannot run on this cache at all (a request never fits)."""
 
 
 class Simulator:
@@ -161,6 +169,7 @@ class Simulator:
             blocked = still
             us = 0.0
             preempted_now = 0
+            refusal = "not tried"
             # Running requests: decodes (1 token each) first, then prefill chunks.
             batch: list[tuple[_Live, int]] = []
             budget = self.budget
@@ -202,8 +211,10 @@ class Simulator:
                 live.scheduled_tokens = 0
                 live.context_tokens = seq.size
                 n = max(1, min(self._prefill_left(live), budget))
-                ok = mgr.check_admission(items + [(live.rid, n)])[-1].ok
+                answer = mgr.check_admission(items + [(live.rid, n)])[-1]
+                ok = answer.ok
                 if not ok:
+                    refusal = answer.reason
                     mgr.free(live.rid)
                 us += (time.perf_counter() - t0) * 1e6
                 if not ok:
@@ -222,9 +233,9 @@ class Simulator:
                 if not running and not waiting and not blocked and not pending:
                     break
                 if not running and waiting:
-                    raise RuntimeError(
+                    raise SimulationError(
                         f"request {waiting[0].rid!r} cannot start even with no request running: "
-                        "the cache is too small for it"
+                        f"the cache is too small for it ({refusal})"
                     )
                 step += 1
                 continue
@@ -264,10 +275,16 @@ class Simulator:
             if on_step is not None:
                 on_step(step, len(records))
         stats = mgr.stats()
+        if mgr.arena is not None:
+            g = mgr.arena.geometry
+            totals = {gid: g.total_bytes / g.page_bytes[gid] for gid in gids}
+        else:
+            totals = {gid: stats[gid].total_pages for gid in gids}
         return SimResult(
             steps=len(series["running"]),
             group_ids=gids,
-            group_total_pages={g: stats[g].total_pages for g in gids},
+            group_total_pages=totals,
+            shared_arena=mgr.arena is not None,
             used_pages={g: np.asarray(v, dtype=np.int64) for g, v in used.items()},
             running=np.asarray(series["running"], dtype=np.int64),
             scheduled_tokens=np.asarray(series["sched"], dtype=np.int64),
