@@ -52,6 +52,9 @@ def test_geometry_worked_by_hand():
     lo, hi = g.slab_page_ranges("kv")
     assert lo.tolist() == [2, 10, 18, 26] and hi.tolist() == [10, 18, 26, 34]
     assert g.slab_of("swa", [2, 6, 8, 24]).tolist() == [0, 0, 1, 3]
+    # Boundaries at 300, 540, 780 cut swa pages 7, 13, 19; kv pages tile the slabs.
+    assert g.boundary_pages("swa").tolist() == [-1, 7, 13, 19]
+    assert g.boundary_pages("kv").tolist() == [-1, -1, -1, -1]
 
 
 def test_slab_holds_at_least_two_of_the_largest_pages():
@@ -99,7 +102,8 @@ def test_spare_slabs_go_out_lowest_first_and_pools_start_empty():
     grants = arena.plan({"swa": 6, "kv": 3}, {})
     assert grants == [("swa", 0, None), ("swa", 1, None), ("kv", 2, None)]
     arena.apply(grants)
-    assert pools["swa"].usable_pages == 10 and pools["kv"].usable_pages == 8
+    # swa owns slabs 0 and 1, so page 7 straddling their boundary is its too: 5 + 5 + 1.
+    assert pools["swa"].usable_pages == 11 and pools["kv"].usable_pages == 8
     assert pools["swa"].allocate(3).tolist() == [2, 3, 4]
     assert pools["kv"].allocate(2).tolist() == [18, 19]
     assert arena.num_spare_slabs == 1
@@ -108,20 +112,36 @@ def test_spare_slabs_go_out_lowest_first_and_pools_start_empty():
 
 def test_reclaim_takes_only_wholly_idle_slabs_and_respects_the_donors_surplus():
     arena, pools = bare_arena()
-    arena.apply(arena.plan({"swa": 20}, {}))  # every slab to swa
-    held = pools["swa"].allocate(6)  # ids 2..6 (slab 0) and 8 (slab 1)
-    assert held.tolist() == [2, 3, 4, 5, 6, 8]
+    arena.apply(arena.plan({"swa": 20}, {}))  # every slab to swa: 4 x 5 inner + 3 straddlers
+    assert pools["swa"].usable_pages == 23
+    held = pools["swa"].allocate(6)  # lowest first: 2..6 in slab 0 and straddler 7 (slabs 0/1)
+    assert held.tolist() == [2, 3, 4, 5, 6, 7]
+    # Slab 1 is pinned by page 7. Slab 2 gives its 5 inner pages and both straddlers (13, 19).
     assert arena.plan({"kv": 1}, {"swa": 100}) == [("kv", 2, "swa")]
-    # Two idle slabs (2 and 3) exist, but swa can spare only 5 pages: one slab.
+    # Slab 2 costs swa 7 pages and slab 3 costs 6: more than 5 it can spare.
     assert arena.plan({"kv": 9}, {"swa": 5}) is None
-    grants = arena.plan({"kv": 9}, {"swa": 10})
+    # With 13 to spare: slab 2 (7), then slab 3 alone (5, its straddler went with slab 2).
+    grants = arena.plan({"kv": 9}, {"swa": 13})
     assert grants == [("kv", 2, "swa"), ("kv", 3, "swa")]
     arena.apply(grants)
-    assert pools["swa"].usable_pages == 10 and pools["kv"].usable_pages == 16
-    assert sorted(pools["swa"].free_page_ids().tolist()) == [9, 10, 11, 12]
+    assert pools["swa"].usable_pages == 11 and pools["kv"].usable_pages == 16
+    assert sorted(pools["swa"].free_page_ids().tolist()) == [8, 9, 10, 11, 12]
     arena.check_invariants()
     pools["swa"].decref(held)
     assert arena.release_idle() == 4 and arena.num_spare_slabs == 4
+    assert all(p.usable_pages == 0 for p in pools.values())
+    arena.check_invariants()
+
+
+def test_a_spare_slab_next_to_the_groups_own_is_preferred():
+    arena, pools = bare_arena()
+    arena.apply([("kv", 0, None), ("swa", 2, None)])
+    # swa is short again: slab 1 and slab 3 both touch slab 2; the lower is taken, and
+    # it brings the straddling page 13 (slabs 1/2) with it.
+    grants = arena.plan({"swa": 1}, {})
+    assert grants == [("swa", 1, None)]
+    arena.apply(grants)
+    assert sorted(pools["swa"].free_page_ids().tolist()) == [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]
     arena.check_invariants()
 
 

@@ -50,8 +50,17 @@ class ArenaGeometry:
         start = self.reserved_bytes + np.arange(self.num_slabs, dtype=np.int64) * self.slab_bytes
         return -(-start // size), (start + self.slab_bytes) // size
 
+    def boundary_pages(self, group_id: str) -> np.ndarray:
+        """Per slab ``k``: the group's page straddling the boundary between slabs ``k-1``
+        and ``k`` (usable when the group owns both), or -1 (none, or ``k == 0``)."""
+        size = self.page_bytes[group_id]
+        start = self.reserved_bytes + np.arange(self.num_slabs, dtype=np.int64) * self.slab_bytes
+        out = np.where(start % size != 0, start // size, -1)
+        out[0] = -1
+        return out
+
     def slab_of(self, group_id: str, pages: np.ndarray) -> np.ndarray:
-        """Slab index of each (non-null) page id of a group."""
+        """Slab index of the first byte of each (non-null) page id of a group."""
         return (np.asarray(pages, dtype=np.int64) * self.page_bytes[group_id] - self.reserved_bytes) // self.slab_bytes
 
 
@@ -134,13 +143,19 @@ Grant = tuple[str, int, "str | None"]  # (receiving group, slab, donor group or 
 
 @dataclass
 class _Scan:
-    """Reclaimable slabs per group, computed once per admission decision."""
+    """Per group, from its idle (free or evictable) pages at one admission decision:
+    slabs whose inner pages are all idle, and boundaries whose straddling page is."""
 
-    reclaimable: dict[str, list[int]] = field(default_factory=dict)
+    idle: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
 class Arena:
-    """Slab ownership for the pools of one manager; pools start with no pages."""
+    """Slab ownership for the pools of one manager; pools start with no pages.
+
+    A group may use the pages wholly inside the slabs it owns, plus the page
+    straddling the boundary of two adjacent slabs it both owns, so a run of
+    adjacent slabs loses bytes only at its two ends.
+    """
 
     def __init__(self, geometry: ArenaGeometry, pools: Mapping[str, PagePool]):
         if set(pools) != set(geometry.page_bytes):
@@ -152,123 +167,158 @@ class Arena:
             if pool.num_pages != geometry.view_pages(gid) or pool.usable_pages:
                 raise ValueError(f"group {gid!r}: an arena pool starts empty with {geometry.view_pages(gid)} page ids")
         self._ranges = {gid: geometry.slab_page_ranges(gid) for gid in self.group_ids}
+        self._straddle = {gid: geometry.boundary_pages(gid) for gid in self.group_ids}
         self._index = {gid: i for i, gid in enumerate(self.group_ids)}
         self.owner = np.full(geometry.num_slabs, -1, dtype=np.int16)
-        self._spare = list(range(geometry.num_slabs - 1, -1, -1))  # pop() hands out the lowest
         self.slab_moves = 0
 
     # --- counts ---------------------------------------------------------------
     @property
     def num_spare_slabs(self) -> int:
-        return len(self._spare)
+        return int(np.count_nonzero(self.owner < 0))
 
     def slabs_owned(self) -> dict[str, int]:
         counts = np.bincount(self.owner[self.owner >= 0], minlength=len(self.group_ids))
         return {gid: int(counts[i]) for i, gid in enumerate(self.group_ids)}
 
-    def pages_in_slab(self, group_id: str, slab: int) -> int:
-        lo, hi = self._ranges[group_id]
-        return int(hi[slab] - lo[slab])
+    def _edges(self, gid: str, slab: int, own: np.ndarray) -> list[int]:
+        """Straddling pages ``slab`` shares with neighbours ``gid`` owns under ``own``."""
+        gi, st, last = self._index[gid], self._straddle[gid], self.geometry.num_slabs - 1
+        out = []
+        if slab > 0 and own[slab - 1] == gi and st[slab] >= 0:
+            out.append(int(st[slab]))
+        if slab < last and own[slab + 1] == gi and st[slab + 1] >= 0:
+            out.append(int(st[slab + 1]))
+        return out
+
+    def _count(self, gid: str, slab: int, own: np.ndarray) -> int:
+        """Pages ``gid`` gains by taking (or loses by giving) ``slab`` under ``own``."""
+        lo, hi = self._ranges[gid]
+        return int(hi[slab] - lo[slab]) + len(self._edges(gid, slab, own))
+
+    def _pages(self, gid: str, slab: int, own: np.ndarray) -> np.ndarray:
+        lo, hi = self._ranges[gid]
+        inner = np.arange(lo[slab], hi[slab], dtype=np.int64)
+        edges = self._edges(gid, slab, own)
+        return np.concatenate([inner, np.asarray(edges, dtype=np.int64)]) if edges else inner
 
     # --- planning ---------------------------------------------------------------
     def plan(
         self, deficit: Mapping[str, int], surplus: Mapping[str, int], scan: _Scan | None = None
     ) -> list[Grant] | None:
-        """Slabs that cover every group's page ``deficit`` (pages short), spare slabs
-        first, then slabs of other groups that are wholly free or evictable, taken
-        only while the donor keeps ``surplus`` (pages it can spare) >= 0. ``None``
-        if they do not suffice. Pure."""
+        """Slabs that cover every group's page ``deficit`` (pages short): spare slabs
+        first (one next to a slab the group owns if there is one, else the lowest),
+        then slabs of other groups whose pages are all free or evictable, taken only
+        while the donor keeps ``surplus`` (pages it can spare) >= 0. ``None`` if they
+        do not suffice. Pure; the page counts are exact for :meth:`apply` in order."""
         scan = scan if scan is not None else _Scan()
-        spare = list(self._spare)
+        own = self.owner.copy()
         left = {g: int(surplus.get(g, 0)) for g in self.group_ids}
-        taken: set[int] = set()
         grants: list[Grant] = []
         for gid in self.group_ids:
             short = int(deficit.get(gid, 0))
-            while short > 0 and spare:
-                slab = spare.pop()
+            if short <= 0:
+                continue
+            gi = self._index[gid]
+            while short > 0:
+                spare = own < 0
+                if not spare.any():
+                    break
+                near = np.zeros_like(spare)
+                near[1:] |= own[:-1] == gi
+                near[:-1] |= own[1:] == gi
+                pick = np.flatnonzero(spare & near)
+                slab = int(pick[0]) if pick.size else int(np.argmax(spare))
+                short -= self._count(gid, slab, own)
+                own[slab] = gi
                 grants.append((gid, slab, None))
-                short -= self.pages_in_slab(gid, slab)
             for donor in self.group_ids:
                 if short <= 0:
                     break
                 if donor == gid or deficit.get(donor, 0) > 0 or left[donor] <= 0:
                     continue
-                for slab in self._reclaimable(donor, scan):
-                    give = self.pages_in_slab(donor, slab)
-                    if slab in taken or give > left[donor]:
+                inner_idle, edge_idle = self._idle(donor, scan)
+                di = self._index[donor]
+                for slab in np.flatnonzero((own == di) & inner_idle).tolist():
+                    edges = self._edges(donor, slab, own)
+                    give = self._count(donor, slab, own)
+                    if give > left[donor] or not all(edge_idle[self._edge_slab(donor, slab, e)] for e in edges):
                         continue
-                    taken.add(slab)
                     left[donor] -= give
+                    own[slab] = -1
+                    short -= self._count(gid, slab, own)
+                    own[slab] = gi
                     grants.append((gid, slab, donor))
-                    short -= self.pages_in_slab(gid, slab)
                     if short <= 0:
                         break
             if short > 0:
                 return None
         return grants
 
-    def _reclaimable(self, gid: str, scan: _Scan) -> list[int]:
-        """Slabs of ``gid`` whose pages are all free or evictable (lowest first)."""
-        found = scan.reclaimable.get(gid)
+    def _edge_slab(self, gid: str, slab: int, page: int) -> int:
+        """The boundary index (slab on its right) of a straddling page next to ``slab``."""
+        return slab if self._straddle[gid][slab] == page else slab + 1
+
+    def _idle(self, gid: str, scan: _Scan) -> tuple[np.ndarray, np.ndarray]:
+        """(slabs whose inner pages are all idle, boundaries whose straddler is idle)."""
+        found = scan.idle.get(gid)
         if found is None:
-            pool, geometry = self.pools[gid], self.geometry
+            pool, g = self.pools[gid], self.geometry
             idle = np.concatenate([pool.free_page_ids().astype(np.int64), pool.evictable_page_ids()])
-            per_slab = np.bincount(geometry.slab_of(gid, idle), minlength=geometry.num_slabs) if idle.size else None
+            size = g.page_bytes[gid]
+            first = (idle * size - g.reserved_bytes) // g.slab_bytes
+            last = ((idle + 1) * size - 1 - g.reserved_bytes) // g.slab_bytes
+            inner = first == last
             lo, hi = self._ranges[gid]
-            owned = self.owner == self._index[gid]
-            if per_slab is None:
-                found = []
-            else:
-                found = np.flatnonzero(owned & (per_slab == hi - lo)).tolist()
-            scan.reclaimable[gid] = found
+            inner_idle = np.bincount(first[inner], minlength=g.num_slabs) == hi - lo
+            edge_idle = np.zeros(g.num_slabs, dtype=bool)
+            edge_idle[last[~inner]] = True
+            found = scan.idle[gid] = (inner_idle, edge_idle)
         return found
 
     # --- mutation -------------------------------------------------------------
     def apply(self, grants: Sequence[Grant]) -> None:
-        """Move the planned slabs (donor pages revoked, receiver pages granted)."""
+        """Move the planned slabs, in order (donor pages revoked, receiver pages granted)."""
         for gid, slab, donor in grants:
-            if donor is None:
-                self._spare.remove(slab)
-            else:
-                lo, hi = self._ranges[donor]
-                self.pools[donor].revoke(np.arange(lo[slab], hi[slab], dtype=np.int64))
+            if donor is not None:
+                self.pools[donor].revoke(self._pages(donor, slab, self.owner))
+                self.owner[slab] = -1
                 self.slab_moves += 1
-            lo, hi = self._ranges[gid]
+            elif self.owner[slab] >= 0:
+                raise AssertionError(f"slab {slab} is not spare")
+            pages = self._pages(gid, slab, self.owner)
             self.owner[slab] = self._index[gid]
-            self.pools[gid].grant(np.arange(lo[slab], hi[slab], dtype=np.int32))
+            self.pools[gid].grant(pages.astype(np.int32))
 
     def release_idle(self) -> int:
-        """Return every wholly free (not evictable) slab to the spare list; the count."""
+        """Return every slab whose pages are all free (not evictable) to the spare list; the count."""
         moved = 0
         for gid in self.group_ids:
-            pool = self.pools[gid]
-            free = pool.free_page_ids().astype(np.int64)
-            if not free.size:
-                continue
-            per_slab = np.bincount(self.geometry.slab_of(gid, free), minlength=self.geometry.num_slabs)
-            lo, hi = self._ranges[gid]
-            idle = np.flatnonzero((self.owner == self._index[gid]) & (per_slab == hi - lo))
-            for slab in idle.tolist():
-                pool.revoke(np.arange(lo[slab], hi[slab], dtype=np.int64))
+            pool, gi = self.pools[gid], self._index[gid]
+            for slab in np.flatnonzero(self.owner == gi).tolist():
+                pages = self._pages(gid, slab, self.owner)
+                if np.any(pool.ref_counts[pages] != 0) or np.any(pool.cached[pages]):
+                    continue
+                pool.revoke(pages)
                 self.owner[slab] = -1
-                self._spare.append(slab)
                 moved += 1
-        self._spare.sort(reverse=True)
         return moved
 
     # --- checks ---------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Every granted page id lies in a slab its group owns, and every owned slab's
-        pages are granted: so live pages of different groups never share a byte."""
-        assert sorted(self._spare) == sorted(np.flatnonzero(self.owner < 0).tolist()), "spare list drifted"
+        """Every granted page id lies in slabs its group owns (inner pages, or a
+        straddling page whose two slabs it owns), and all such pages are granted:
+        so live pages of different groups never share a byte."""
         for gid in self.group_ids:
-            pool = self.pools[gid]
+            pool, gi = self.pools[gid], self._index[gid]
             lo, hi = self._ranges[gid]
-            slabs = np.flatnonzero(self.owner == self._index[gid])
+            st = self._straddle[gid]
+            mine = self.owner == gi
             expected = np.zeros(pool.num_pages, dtype=bool)
-            for slab in slabs.tolist():
+            for slab in np.flatnonzero(mine).tolist():
                 expected[lo[slab] : hi[slab]] = True
+            both = np.flatnonzero(mine[1:] & mine[:-1]) + 1
+            expected[st[both][st[both] >= 0]] = True
             granted = pool.ref_counts > 0
             granted[pool.free_page_ids()] = True
             granted[pool.evictable_page_ids()] = True
