@@ -175,8 +175,9 @@ class PagePool:
     def _push_free(self, pages: np.ndarray) -> None:
         n = pages.size
         if n and self.lowest_first:
-            merged = np.concatenate([self._stack[: self._top], pages.astype(np.int32, copy=False)])
-            merged.sort()
+            # Two ascending runs: a stable (merge) sort joins them in linear time.
+            merged = np.concatenate([self._stack[: self._top][::-1], np.sort(pages).astype(np.int32, copy=False)])
+            merged.sort(kind="stable")
             self._top += n
             self._stack[: self._top] = merged[::-1]
         elif n:
