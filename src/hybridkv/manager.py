@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from hybridkv._checks import as_int
-from hybridkv.batch import Admission, GroupStats, GroupStep, StepBatch
+from hybridkv.batch import Admission, GroupStats, GroupStep, StepBatch, TableUpdates
 from hybridkv.pool import PagePool
 from hybridkv.prefix import PrefixCache, PrefixHit, RequestHashes
 from hybridkv.spec import CacheGroupSpec
@@ -32,7 +32,10 @@ __all__ = [
     "GroupStep",
     "PrefixHit",
     "StepBatch",
+    "TableUpdates",
 ]
+
+_BLOCK_TABLE_MODES = ("full", "updates")
 
 
 class CacheManagerError(ValueError):
@@ -452,9 +455,18 @@ class CacheManager:
         )
 
     # --- the step ------------------------------------------------------------
-    def schedule(self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False) -> StepBatch:
-        """Release, allocate and build the kernel arrays for one step (all or nothing)."""
-        items = list(items)
+    def schedule(
+        self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False, block_tables: str = "full"
+    ) -> StepBatch:
+        """Release, allocate and build the kernel arrays for one step (all or nothing).
+
+        ``block_tables="full"`` builds each group's ``[R, width]`` table;
+        ``"updates"`` hands out only the table cells that changed
+        (``StepBatch.table_updates``, applied by ``hybridkv.mirror.BlockTableMirror``).
+        """
+        if block_tables not in _BLOCK_TABLE_MODES:
+            raise CacheManagerError(f"block_tables must be one of {_BLOCK_TABLE_MODES}, got {block_tables!r}")
+        items = items if type(items) is list else list(items)
         if not items:
             raise CacheManagerError("empty batch")
         cached = self._admitted
@@ -478,6 +490,8 @@ class CacheManager:
                 self._commit_row(row)
         self._committed[rows] = plan.first
         ts = self._tableset
+        if block_tables == "updates" and ts.log is None:
+            ts.start_log()  # the first updates batch carries every cell
         if (plan.new_base_all > plan.base).any():
             for pool, released in zip(self._pool_list, ts.take(rows, plan.base, plan.new_base_all)):
                 if released.size:
@@ -487,14 +501,17 @@ class CacheManager:
         if totals.any():
             fresh = [pool.allocate(int(n)) for pool, n in zip(self._pool_list, totals)]
             ts.place(rows, np.maximum(plan.hi, plan.new_base_all), plan.alloc_all, np.concatenate(fresh))
-        ts.hi[:, rows] = np.maximum(plan.hi, plan.need_hi_all)
+        hi = np.maximum(plan.hi, plan.need_hi_all)
+        ts.hi[:, rows] = hi
         self._computed[rows] = plan.end
         self._last_rows = rows[plan.settle :].copy()
-        return self._build_batch(items, plan, fixed_width)
+        return self._build_batch(items, plan, fixed_width, hi if block_tables == "updates" else None)
 
-    def _build_batch(self, items, plan: _StepPlan, fixed_width: bool) -> StepBatch:
-        rows, counts = plan.rows[plan.settle :], plan.counts[plan.settle :]
-        first = plan.first[plan.settle :]
+    def _build_batch(self, items, plan: _StepPlan, fixed_width: bool, updates_hi: np.ndarray | None) -> StepBatch:
+        """The step's arrays; ``updates_hi`` (the batch's new hi, ``[G, R]``) selects updates mode."""
+        off = plan.settle
+        rows, counts = plan.rows[off:], plan.counts[off:]
+        first = plan.first[off:]
         n_req = rows.size
         req_idx = np.repeat(np.arange(n_req, dtype=np.int32), counts)
         positions = np.repeat(first, counts) + segment_arange(counts)
@@ -503,10 +520,20 @@ class CacheManager:
         np.cumsum(counts, out=qsl[1:])
         ts = self._tableset
         slots = ts.write_slots(token_rows, positions)
-        base_pages = ts.base[:, rows].astype(np.int32)
-        tables = [
-            t.block_table(rows, self.table_widths[t.spec.group_id] if fixed_width else None) for t in ts.tables
-        ]
+        base_pages = plan.new_base_all[:, off:].astype(np.int32)
+        updates = None
+        if updates_hi is None:
+            tables = [
+                t.block_table(rows, self.table_widths[t.spec.group_id] if fixed_width else None)
+                for t in ts.tables
+            ]
+        else:
+            tables = [None] * len(self.specs)
+            if fixed_width:
+                widths = tuple(self.table_widths[s.group_id] for s in self.specs)
+            else:
+                widths = tuple((updates_hi[:, off:] - plan.new_base_all[:, off:]).max(axis=1).tolist())
+            updates = TableUpdates(*ts.drain_updates(), widths=widths)
         groups = {}
         for g, spec in enumerate(self.specs):
             groups[spec.group_id] = GroupStep(
@@ -521,6 +548,8 @@ class CacheManager:
             positions=positions,
             request_indices=req_idx,
             groups=groups,
+            table_rows=rows.astype(np.int32),
+            table_updates=updates,
         )
 
     def _commit_row(self, row: int) -> None:

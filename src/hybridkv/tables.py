@@ -44,6 +44,12 @@ def segment_arange(counts: np.ndarray) -> np.ndarray:
 class GroupTable:
     """Page tables of one group for every request row."""
 
+    # Bound by ``TableSet``: where this group's cells sit in the stacked array, and
+    # the log of touched cells (None: not logging) that feeds incremental updates.
+    _log = None  # callable taking flat indices, or None
+    _log_offset = 0
+    _log_stride = 0
+
     def __init__(
         self,
         spec: CacheGroupSpec,
@@ -124,19 +130,26 @@ class GroupTable:
         cols = self._cols(np.repeat(lo, counts) + segment_arange(counts))
         pages = self.pages[rep, cols].astype(np.int64)
         self.pages[rep, cols] = -1
+        self._note(rep, cols)
         return pages
 
     def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
         """Store ``page_ids`` at logical pages ``[lo_r, lo_r + counts_r)``, row-major."""
         if page_ids.size:
             rep = np.repeat(rows, counts)
-            logical = np.repeat(lo, counts) + segment_arange(counts)
-            self.pages[rep, self._cols(logical)] = page_ids
+            cols = self._cols(np.repeat(lo, counts) + segment_arange(counts))
+            self.pages[rep, cols] = page_ids
+            self._note(rep, cols)
 
     def reset_rows(self, rows: np.ndarray) -> None:
         self.pages[rows] = -1
+        self._note(np.asarray(rows)[..., None], np.arange(self.capacity_pages))
         self.base[rows] = 0
         self.hi[rows] = 0
+
+    def _note(self, rows: np.ndarray, cols: np.ndarray) -> None:
+        if self._log is not None:
+            self._log((self._log_offset + rows * self._log_stride + cols).ravel())
 
     # --- kernel views ------------------------------------------------------
     def block_table(self, rows: np.ndarray, width: int | None = None) -> np.ndarray:
@@ -173,6 +186,10 @@ class TableSet:
     ``pages[g]``, ``base[g]`` and ``hi[g]`` are group ``g``'s arrays; each
     ``GroupTable`` in ``tables`` is bound to views of them, so per-group code
     (prefix publishing, rewind, free) and whole-step code see the same state.
+
+    Once ``start_log`` is called, every cell any mutation touches is logged (as
+    a flat index into ``pages``); ``drain_updates`` hands out those cells with
+    their current page ids, which is all a mirror of ``pages`` needs.
     """
 
     def __init__(
@@ -207,13 +224,45 @@ class TableSet:
         self.pages = np.full((len(t), max(1, int(initial_rows)), int(self.capacity_pages.max())), -1, np.int32)
         self.base = np.zeros(self.pages.shape[:2], dtype=np.int64)
         self.hi = np.zeros(self.pages.shape[:2], dtype=np.int64)
+        self.log: list[np.ndarray] | None = None
         self._bind()
 
     def _bind(self) -> None:
+        _, rows_cap, cap_max = self.pages.shape
         for g, table in enumerate(self.tables):
             table.pages = self.pages[g, :, : table.capacity_pages]
             table.base = self.base[g]
             table.hi = self.hi[g]
+            table._log = None if self.log is None else self._log_cells
+            table._log_offset = g * rows_cap * cap_max
+            table._log_stride = cap_max
+
+    # --- touched-cell log (incremental block tables) ------------------------
+    def start_log(self) -> None:
+        """Log touched cells from now on; the log starts with every cell (a snapshot)."""
+        self.log = [np.arange(self.pages.size, dtype=np.int64)]
+        self._bind()
+
+    def _log_cells(self, index: np.ndarray) -> None:
+        log = self.log
+        if log is not None:
+            log.append(index)
+            if len(log) > 512:  # nobody drains (full-mode steps only): keep it bounded
+                log[:] = [np.unique(np.concatenate(log))]
+
+    def drain_updates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(group, row, column, page id) of every cell touched since the last drain,
+        with the page id it holds now (-1: empty); a cell may appear twice."""
+        log = self.log
+        if not log:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty, np.zeros(0, dtype=np.int32)
+        index = log[0] if len(log) == 1 else np.concatenate(log)
+        log.clear()
+        _, rows_cap, cap_max = self.pages.shape
+        group, cell = np.divmod(index, rows_cap * cap_max)
+        row, column = np.divmod(cell, cap_max)
+        return group, row, column, self.pages.reshape(-1)[index]
 
     def ensure_rows(self, rows: int) -> None:
         have = self.pages.shape[1]
@@ -223,6 +272,10 @@ class TableSet:
         pages = np.full((self.pages.shape[0], new, self.pages.shape[2]), -1, dtype=np.int32)
         pages[:, :have] = self.pages
         grow = np.zeros((self.pages.shape[0], new - have), dtype=np.int64)
+        if self.log:
+            # Logged flat indices move with the wider rows dimension.
+            group, cell = np.divmod(np.concatenate(self.log), have * self.pages.shape[2])
+            self.log[:] = [group * (new * self.pages.shape[2]) + cell]
         self.pages = pages
         self.base = np.concatenate([self.base, grow], axis=1)
         self.hi = np.concatenate([self.hi, grow], axis=1)
@@ -260,12 +313,14 @@ class TableSet:
         flat = self.pages.reshape(-1)
         pages = flat[index].astype(np.int64)
         flat[index] = -1
+        self._log_cells(index)
         return np.split(pages, np.cumsum(per_group)[:-1])
 
     def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
         """Store ``page_ids`` (group-major, row-major) at logical pages ``[lo, lo + counts)``."""
         index, _ = self._flat_ranges(rows, lo, lo + counts)
         self.pages.reshape(-1)[index] = page_ids
+        self._log_cells(index)
 
     def write_slots(self, token_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """int64 ``[G, N]`` slots of every group for the scheduled tokens (-1: no row)."""
