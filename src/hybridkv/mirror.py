@@ -15,8 +15,8 @@ full mode hands out (column ``j`` = logical page ``base_pages[r] + j``); a kerne
 that can read the ring directly uses ``store`` with ``table_rows`` and
 ``base_pages`` and skips that gather.
 
-The first updates-mode batch of a manager carries every cell (a snapshot), so a
-mirror must see that batch and every later updates-mode batch, in order; steps
+The first updates-mode batch of a manager carries every non-empty cell (a
+snapshot against the mirror's initial all -1 store), so a mirror must see that batch and every later updates-mode batch, in order; steps
 scheduled in full mode between them are covered by the next updates batch.
 """
 

@@ -239,8 +239,9 @@ class TableSet:
 
     # --- touched-cell log (incremental block tables) ------------------------
     def start_log(self) -> None:
-        """Log touched cells from now on; the log starts with every cell (a snapshot)."""
-        self.log = [np.arange(self.pages.size, dtype=np.int64)]
+        """Log touched cells from now on; the log starts with every non-empty cell (a
+        snapshot against an all -1 copy)."""
+        self.log = [np.flatnonzero(self.pages.reshape(-1) != -1)]
         self._bind()
 
     def _log_cells(self, index: np.ndarray) -> None:
