@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -76,6 +77,9 @@ class _StepPlan:
 
 class CacheManager:
     """Pages, tables and slots for every request and every cache group."""
+
+    _roster_version = 0  # bumped when a request gets or gives back its row
+    _rows_memo: tuple | None = None  # (request ids, roster version, rows) of the last batch
 
     def __init__(
         self,
@@ -206,6 +210,7 @@ class CacheManager:
         self._committed[row] = hit.hit_tokens
         self._requests[request_id] = req
         self._row_owner[row] = req
+        self._roster_version += 1  # request -> row mapping changed
         self._max_total[row] = total
         self._known[row] = prompt_len if buf is not None else total
         return hit
@@ -344,17 +349,6 @@ class CacheManager:
         off = plan.settle
         return answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items()}, plan
 
-    def _settling_rows(self, batch_rows: np.ndarray) -> np.ndarray:
-        prev = self._last_rows
-        if prev.size == 0 or (prev.size == batch_rows.size and np.array_equal(prev, batch_rows)):
-            return prev[:0]
-        prev = prev[self._committed[prev] < self._computed[prev]]
-        if prev.size == 0:
-            return prev
-        in_batch = np.zeros(self._computed.size, dtype=bool)
-        in_batch[batch_rows] = True
-        return prev[~in_batch[prev]]
-
     @staticmethod
     def _deny_greedily(plan, net, avail, fits, deny) -> None:
         """In batch order, admit a request only if everything admitted so far still fits."""
@@ -379,24 +373,51 @@ class CacheManager:
         """Rows and counts when every item is valid (vectorized); None sends the batch
         down the per-item path that words each reason."""
         try:
+            rids, counts = zip(*items)
+        except (TypeError, ValueError):
+            return None  # not all pairs
+        memo = self._rows_memo
+        if memo is not None and memo[1] == self._roster_version and memo[0] == rids:
+            rows = memo[2]  # same ids as a batch already validated, no request added or freed since
+        else:
             reqs = self._requests
-            rids = [rid for rid, _ in items]
-            rows = np.array([reqs[rid].row for rid in rids], dtype=np.int64)
-            counts = np.array([n for _, n in items])
-        except (KeyError, TypeError, ValueError):
-            return None
-        if counts.dtype.kind not in "iu" or len(set(rids)) != len(rids):
-            return None
-        counts = counts.astype(np.int64, copy=False)
-        end = self._computed[rows] + counts
-        if (
-            counts.min() < 1
-            or counts.max() > self.max_step_tokens
-            or np.any(end > self._max_total[rows])
-            or np.any(end > self._known[rows])
-        ):
+            try:
+                rows = np.array([reqs[rid].row for rid in rids], dtype=np.int64)
+            except (KeyError, TypeError):
+                return None  # unknown or unhashable id
+            if len(set(rids)) != len(rids):
+                return None
+            self._rows_memo = (rids, self._roster_version, rows)
+        kinds = set(map(type, counts))
+        if kinds == {int} and counts.count(counts[0]) == len(counts):
+            # Uniform plain-int counts (a decode or verify step): one scalar range check.
+            if not 1 <= counts[0] <= self.max_step_tokens:
+                return None
+            counts = np.full(len(rids), counts[0], dtype=np.int64)
+        else:
+            if bool in kinds or not all(k is int or issubclass(k, np.integer) for k in kinds):
+                return None  # bool is an int subclass but not a token count
+            counts = np.array(counts, dtype=np.int64)
+            if counts.min() < 1 or counts.max() > self.max_step_tokens:
+                return None
+        # Known ids never exceed the declared total (add/append check it), so this
+        # one comparison covers both limits; the per-item path words which one.
+        if (self._computed[rows] + counts > self._known[rows]).any():
             return None
         return rows, counts
+
+    def _settling_rows(self, batch_rows: np.ndarray) -> np.ndarray:
+        prev = self._last_rows
+        if prev is batch_rows or prev.size == 0:
+            return prev[:0]
+        if prev.size == batch_rows.size and np.array_equal(prev, batch_rows):
+            return prev[:0]
+        prev = prev[self._committed[prev] < self._computed[prev]]
+        if prev.size == 0:
+            return prev
+        in_batch = np.zeros(self._computed.size, dtype=bool)
+        in_batch[batch_rows] = True
+        return prev[~in_batch[prev]]
 
     def _item_error(self, item, seen: set[str], fixed_width: bool) -> str:
         try:
@@ -497,14 +518,14 @@ class CacheManager:
                 if released.size:
                     pool.decref(released)
             ts.base[:, rows] = plan.new_base_all
-        totals = plan.alloc_all.sum(axis=1)
-        if totals.any():
-            fresh = [pool.allocate(int(n)) for pool, n in zip(self._pool_list, totals)]
+        totals = plan.alloc_all.sum(axis=1).tolist()
+        if any(totals):
+            fresh = [pool.allocate(n) for pool, n in zip(self._pool_list, totals) if n]
             ts.place(rows, np.maximum(plan.hi, plan.new_base_all), plan.alloc_all, np.concatenate(fresh))
         hi = np.maximum(plan.hi, plan.need_hi_all)
         ts.hi[:, rows] = hi
         self._computed[rows] = plan.end
-        self._last_rows = rows[plan.settle :].copy()
+        self._last_rows = rows[plan.settle :]
         return self._build_batch(items, plan, fixed_width, hi if block_tables == "updates" else None)
 
     def _build_batch(self, items, plan: _StepPlan, fixed_width: bool, updates_hi: np.ndarray | None) -> StepBatch:
@@ -513,11 +534,17 @@ class CacheManager:
         rows, counts = plan.rows[off:], plan.counts[off:]
         first = plan.first[off:]
         n_req = rows.size
-        req_idx = np.repeat(np.arange(n_req, dtype=np.int32), counts)
-        positions = np.repeat(first, counts) + segment_arange(counts)
-        token_rows = rows[req_idx]
-        qsl = np.zeros(n_req + 1, dtype=np.int32)
-        np.cumsum(counts, out=qsl[1:])
+        count = int(counts[0])
+        if count == 1 and counts.max() == 1:  # decode: one token per request
+            req_idx = np.arange(n_req, dtype=np.int32)
+            positions, token_rows = first, rows
+            qsl = np.arange(n_req + 1, dtype=np.int32)
+        else:
+            req_idx = np.repeat(np.arange(n_req, dtype=np.int32), counts)
+            positions = np.repeat(first, counts) + segment_arange(counts)
+            token_rows = rows[req_idx]
+            qsl = np.zeros(n_req + 1, dtype=np.int32)
+            np.cumsum(counts, out=qsl[1:])
         ts = self._tableset
         slots = ts.write_slots(token_rows, positions)
         base_pages = plan.new_base_all[:, off:].astype(np.int32)
@@ -542,7 +569,7 @@ class CacheManager:
                 write_slots=slots[g],
             )
         return StepBatch(
-            request_ids=tuple([rid for rid, _ in items]),
+            request_ids=tuple(map(itemgetter(0), items)),
             num_scheduled_tokens=counts.astype(np.int32),
             query_start_loc=qsl,
             positions=positions,
@@ -628,6 +655,7 @@ class CacheManager:
         self._committed[req.row] = 0
         del self._requests[request_id]
         del self._row_owner[req.row]
+        self._roster_version += 1  # request -> row mapping changed
         self._last_rows = self._last_rows[self._last_rows != req.row]
         self._free_rows.append(req.row)
 

@@ -57,6 +57,7 @@ class GroupTable:
         max_context_tokens: int,
         max_step_tokens: int,
         initial_rows: int = 64,
+        ring_power_of_two: bool = False,
     ):
         self.spec = spec
         self.page_tokens = spec.page_tokens
@@ -66,6 +67,8 @@ class GroupTable:
         self.window_tokens = spec.sliding_window_tokens or 0
         if self.sliding:
             self.capacity_pages = cdiv(self.window_tokens - 1 + max_step_tokens, self.page_tokens) + 2
+            if ring_power_of_two:  # the ring column is then a mask, not a modulo
+                self.capacity_pages = 1 << (self.capacity_pages - 1).bit_length()
         else:
             self.capacity_pages = cdiv(max_context_tokens, self.page_tokens)
         rows = max(1, int(initial_rows))
@@ -201,7 +204,8 @@ class TableSet:
         initial_rows: int = 64,
     ):
         self.tables = [
-            GroupTable(s, max_context_tokens=max_context_tokens, max_step_tokens=max_step_tokens, initial_rows=1)
+            GroupTable(s, max_context_tokens=max_context_tokens, max_step_tokens=max_step_tokens, initial_rows=1,
+                       ring_power_of_two=True)
             for s in specs
         ]
         t = self.tables
@@ -221,6 +225,16 @@ class TableSet:
                 np.log2(self.stride_tokens).astype(np.int64)[:, None],
                 np.log2(self.rows_per_page).astype(np.int64)[:, None],
             )
+        # Columns for [G, R] step arithmetic. A full-history group never releases: its
+        # window is made so large that the release floor is always 0.
+        self._window_less_one = np.where(self.sliding, self.window_tokens - 1, 2**62)[:, None]
+        self._tokens_less_one = (self.page_tokens - 1)[:, None]
+        self._tokens = self.page_tokens[:, None]
+        # int64 floor division costs ~4 ns an element; V4's page spans are powers of two.
+        self._tokens_shift = np.log2(self.page_tokens).astype(np.int64)[:, None] if pow2(self.page_tokens) else None
+        # Ring column of a logical page: ``& (capacity - 1)`` (rings are powers of two);
+        # full-history pages stay below capacity, so their mask keeps every bit.
+        self._column_mask = np.where(self.sliding, self.capacity_pages - 1, -1)
         self.pages = np.full((len(t), max(1, int(initial_rows)), int(self.capacity_pages.max())), -1, np.int32)
         self.base = np.zeros(self.pages.shape[:2], dtype=np.int64)
         self.hi = np.zeros(self.pages.shape[:2], dtype=np.int64)
@@ -284,12 +298,19 @@ class TableSet:
 
     def plan(self, rows: np.ndarray, first: np.ndarray, end: np.ndarray):
         """``[G, R]`` arrays for a step writing tokens ``[first, end)`` per row (pure):
-        current base and hi, the base after release, pages needed, pages to allocate."""
-        tokens = self.page_tokens[:, None]
-        base, hi = self.base[:, rows], self.hi[:, rows]
-        keep_from = release_floor(first[None, :], self.window_tokens[:, None], tokens)
-        new_base = np.where(self.sliding[:, None], np.maximum(base, np.minimum(keep_from, hi)), base)
-        need_hi = pages_needed(end[None, :], tokens)
+        current base and hi, the base after release, pages needed, pages to allocate.
+
+        Same rules as ``release_floor`` and ``pages_needed``, in fewer numpy calls."""
+        base, hi = self.base.take(rows, axis=1), self.hi.take(rows, axis=1)
+        keep_from = np.maximum(first - self._window_less_one, 0)
+        need_hi = end + self._tokens_less_one
+        if self._tokens_shift is not None:
+            keep_from >>= self._tokens_shift
+            need_hi >>= self._tokens_shift
+        else:
+            keep_from //= self._tokens
+            need_hi //= self._tokens
+        new_base = np.maximum(base, np.minimum(keep_from, hi))
         alloc = np.maximum(need_hi - np.maximum(hi, new_base), 0)
         return base, hi, new_base, need_hi, alloc
 
@@ -297,16 +318,19 @@ class TableSet:
         """Index arrays of logical pages ``[lo[g, r], hi[g, r])``, group-major, and the
         number of pages per group."""
         counts = np.maximum(hi - lo, 0)
-        flat = counts.ravel()
-        # Per (group, request) cell: the flat offset of its row and its ring size
-        # (0 for full-history groups, whose column is the logical page itself).
+        per_group = counts.sum(axis=1)
         _, rows_cap, cap_max = self.pages.shape
+        if counts.max() <= 1:
+            # At most one page per cell (a decode step): pick the cells, no repeat.
+            cell = np.flatnonzero(counts)
+            group, r = np.divmod(cell, rows.size)
+            cols = lo.reshape(-1)[cell] & self._column_mask[group]
+            return (group * rows_cap + rows[r]) * cap_max + cols, per_group
+        flat = counts.ravel()
         row_start = ((self.group_index[:, None] * rows_cap + rows[None, :]) * cap_max).ravel()
-        ring = np.repeat(np.where(self.sliding, self.capacity_pages, 0), rows.size)
+        mask = np.repeat(self._column_mask, rows.size)
         logical = np.repeat(lo.ravel(), flat) + segment_arange(flat)
-        ring_rep = np.repeat(ring, flat)
-        cols = np.where(ring_rep > 0, logical % np.maximum(ring_rep, 1), logical)
-        return np.repeat(row_start, flat) + cols, counts.sum(axis=1)
+        return np.repeat(row_start, flat) + (logical & np.repeat(mask, flat)), per_group
 
     def take(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> list[np.ndarray]:
         """Forget logical pages ``[lo, hi)`` of every group; their ids per group, row-major."""
@@ -315,7 +339,8 @@ class TableSet:
         pages = flat[index].astype(np.int64)
         flat[index] = -1
         self._log_cells(index)
-        return np.split(pages, np.cumsum(per_group)[:-1])
+        ends = np.cumsum(per_group).tolist()
+        return [pages[a:b] for a, b in zip([0] + ends, ends)]
 
     def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
         """Store ``page_ids`` (group-major, row-major) at logical pages ``[lo, lo + counts)``."""
@@ -327,23 +352,23 @@ class TableSet:
         """int64 ``[G, N]`` slots of every group for the scheduled tokens (-1: no row)."""
         stride = self.stride_tokens[:, None]
         per_page = self.rows_per_page[:, None]
+        pos = positions[None, :]
         if self._shifts is not None:
             stride_shift, page_shift = self._shifts
-            entry = positions[None, :] >> stride_shift
+            entry = pos >> stride_shift
             logical = entry >> page_shift
             row_in_page = entry & (per_page - 1)
-            off_boundary = ((positions[None, :] + 1) & (stride - 1)) != 0
+            off_boundary = ((pos + 1) & (stride - 1)) != 0  # never for stride 1
         else:
-            entry = positions[None, :] // stride
+            entry = pos // stride
             logical = entry // per_page
             row_in_page = entry % per_page
-            off_boundary = (positions[None, :] + 1) % stride != 0
-        sliding = np.flatnonzero(self.sliding)
-        if sliding.size:
-            logical[sliding] %= self.capacity_pages[sliding, None]
+            off_boundary = (pos + 1) % stride != 0
+        logical &= self._column_mask[:, None]
         _, rows_cap, cap_max = self.pages.shape
-        row_start = (self.group_index[:, None] * rows_cap + token_rows[None, :]) * cap_max
-        page = self.pages.reshape(-1)[row_start + logical].astype(np.int64)
-        slots = page * per_page + row_in_page
-        slots[(stride > 1) & off_boundary] = -1
+        logical += token_rows * cap_max
+        logical += self.group_index[:, None] * (rows_cap * cap_max)
+        slots = self.pages.reshape(-1)[logical] * per_page  # int32 * int64 -> int64
+        slots += row_in_page
+        slots[off_boundary] = -1
         return slots
