@@ -75,10 +75,30 @@ class _StepPlan:
     need_hi_all: np.ndarray | None = None
 
 
+class _ByGroup(Mapping):
+    """Group id -> row of a stacked ``[G, R]`` plan array (no per-group copies)."""
+
+    __slots__ = ("_index", "_stacked")
+
+    def __init__(self, index: dict[str, int], stacked: np.ndarray):
+        self._index, self._stacked = index, stacked
+
+    def __getitem__(self, gid: str) -> np.ndarray:
+        return self._stacked[self._index[gid]]
+
+    def __iter__(self):
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+
 class CacheManager:
     """Pages, tables and slots for every request and every cache group."""
 
+    _group_index: dict[str, int] | None = None  # group id -> index in specs
     _roster_version = 0  # bumped when a request gets or gives back its row
+    _fast_paths = True  # uniform-count validation and decode arrays (tests compare both ways)
     _rows_memo: tuple | None = None  # (request ids, roster version, rows) of the last batch
 
     def __init__(
@@ -388,13 +408,13 @@ class CacheManager:
             if len(set(rids)) != len(rids):
                 return None
             self._rows_memo = (rids, self._roster_version, rows)
-        kinds = set(map(type, counts))
-        if kinds == {int} and counts.count(counts[0]) == len(counts):
-            # Uniform plain-int counts (a decode or verify step): one scalar range check.
+        if self._fast_paths and type(counts[0]) is int and len(set(map(id, counts))) == 1:
+            # One int object for every item (a decode or verify step): one scalar check.
             if not 1 <= counts[0] <= self.max_step_tokens:
                 return None
             counts = np.full(len(rids), counts[0], dtype=np.int64)
         else:
+            kinds = set(map(type, counts))
             if bool in kinds or not all(k is int or issubclass(k, np.integer) for k in kinds):
                 return None  # bool is an int subclass but not a token count
             counts = np.array(counts, dtype=np.int64)
@@ -402,7 +422,7 @@ class CacheManager:
                 return None
         # Known ids never exceed the declared total (add/append check it), so this
         # one comparison covers both limits; the per-item path words which one.
-        if (self._computed[rows] + counts > self._known[rows]).any():
+        if (self._computed.take(rows) + counts > self._known.take(rows)).any():
             return None
         return rows, counts
 
@@ -451,13 +471,15 @@ class CacheManager:
         return ""
 
     def _plan(self, rows: np.ndarray, counts: np.ndarray) -> _StepPlan:
-        first = self._computed[rows]
+        first = self._computed.take(rows)
         end = first + counts
         base, hi, new_base, need_hi, alloc = self._tableset.plan(rows, first, end)
-        gids = [s.group_id for s in self.specs]
+        index = self._group_index
+        if index is None:
+            index = self._group_index = {s.group_id: g for g, s in enumerate(self.specs)}
         return _StepPlan(
             rows, counts, first, end,
-            dict(zip(gids, new_base)), dict(zip(gids, alloc)), dict(zip(gids, need_hi)),
+            _ByGroup(index, new_base), _ByGroup(index, alloc), _ByGroup(index, need_hi),
             base=base, hi=hi, new_base_all=new_base, alloc_all=alloc, need_hi_all=need_hi,
         )
 
@@ -535,7 +557,7 @@ class CacheManager:
         first = plan.first[off:]
         n_req = rows.size
         count = int(counts[0])
-        if count == 1 and counts.max() == 1:  # decode: one token per request
+        if count == 1 and self._fast_paths and counts.max() == 1:  # decode: one token per request
             req_idx = np.arange(n_req, dtype=np.int32)
             positions, token_rows = first, rows
             qsl = np.arange(n_req + 1, dtype=np.int32)

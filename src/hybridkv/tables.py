@@ -195,6 +195,8 @@ class TableSet:
     their current page ids, which is all a mirror of ``pages`` needs.
     """
 
+    single_page_cells = True  # the decode shortcut of _flat_ranges (tests compare both ways)
+
     def __init__(
         self,
         specs: list[CacheGroupSpec] | tuple[CacheGroupSpec, ...],
@@ -243,6 +245,7 @@ class TableSet:
 
     def _bind(self) -> None:
         _, rows_cap, cap_max = self.pages.shape
+        self._group_cells = self.group_index[:, None] * (rows_cap * cap_max)  # flat start of each group
         for g, table in enumerate(self.tables):
             table.pages = self.pages[g, :, : table.capacity_pages]
             table.base = self.base[g]
@@ -320,7 +323,7 @@ class TableSet:
         counts = np.maximum(hi - lo, 0)
         per_group = counts.sum(axis=1)
         _, rows_cap, cap_max = self.pages.shape
-        if counts.max() <= 1:
+        if self.single_page_cells and counts.max() <= 1:
             # At most one page per cell (a decode step): pick the cells, no repeat.
             cell = np.flatnonzero(counts)
             group, r = np.divmod(cell, rows.size)
@@ -357,18 +360,17 @@ class TableSet:
             stride_shift, page_shift = self._shifts
             entry = pos >> stride_shift
             logical = entry >> page_shift
-            row_in_page = entry & (per_page - 1)
+            entry &= per_page - 1  # the row within the page
             off_boundary = ((pos + 1) & (stride - 1)) != 0  # never for stride 1
         else:
             entry = pos // stride
             logical = entry // per_page
-            row_in_page = entry % per_page
+            entry %= per_page
             off_boundary = (pos + 1) % stride != 0
         logical &= self._column_mask[:, None]
         _, rows_cap, cap_max = self.pages.shape
-        logical += token_rows * cap_max
-        logical += self.group_index[:, None] * (rows_cap * cap_max)
-        slots = self.pages.reshape(-1)[logical] * per_page  # int32 * int64 -> int64
-        slots += row_in_page
-        slots[off_boundary] = -1
+        logical += token_rows * cap_max + self._group_cells
+        slots = self.pages.reshape(-1).take(logical) * per_page  # int32 * int64 -> int64
+        slots += entry
+        np.putmask(slots, off_boundary, -1)
         return slots
