@@ -317,18 +317,15 @@ class TableSet:
         alloc = np.maximum(need_hi - np.maximum(hi, new_base), 0)
         return base, hi, new_base, need_hi, alloc
 
-    def _flat_ranges(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray):
-        """Index arrays of logical pages ``[lo[g, r], hi[g, r])``, group-major, and the
-        number of pages per group."""
-        counts = np.maximum(hi - lo, 0)
+    def _flat_ranges(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray):
+        """Flat indices into ``pages`` of logical pages ``[lo[g, r], lo[g, r] + counts[g, r])``,
+        group-major then row order, and the number of pages per group."""
         per_group = counts.sum(axis=1)
         _, rows_cap, cap_max = self.pages.shape
         if self.single_page_cells and counts.max() <= 1:
-            # At most one page per cell (a decode step): pick the cells, no repeat.
-            cell = np.flatnonzero(counts)
-            group, r = np.divmod(cell, rows.size)
-            cols = lo.reshape(-1)[cell] & self._column_mask[group]
-            return (group * rows_cap + rows[r]) * cap_max + cols, per_group
+            # At most one page per cell (a decode step): mask the [G, R] cell indices.
+            cells = (lo & self._column_mask[:, None]) + (rows * cap_max + self._group_cells)
+            return cells[counts.astype(bool)], per_group
         flat = counts.ravel()
         row_start = ((self.group_index[:, None] * rows_cap + rows[None, :]) * cap_max).ravel()
         mask = np.repeat(self._column_mask, rows.size)
@@ -337,7 +334,7 @@ class TableSet:
 
     def take(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> list[np.ndarray]:
         """Forget logical pages ``[lo, hi)`` of every group; their ids per group, row-major."""
-        index, per_group = self._flat_ranges(rows, lo, hi)
+        index, per_group = self._flat_ranges(rows, lo, np.maximum(hi - lo, 0))
         flat = self.pages.reshape(-1)
         pages = flat[index].astype(np.int64)
         flat[index] = -1
@@ -347,7 +344,7 @@ class TableSet:
 
     def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
         """Store ``page_ids`` (group-major, row-major) at logical pages ``[lo, lo + counts)``."""
-        index, _ = self._flat_ranges(rows, lo, lo + counts)
+        index, _ = self._flat_ranges(rows, lo, counts)
         self.pages.reshape(-1)[index] = page_ids
         self._log_cells(index)
 
