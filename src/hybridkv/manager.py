@@ -528,15 +528,20 @@ class CacheManager:
         if self.prefix is not None:
             # Only a request that crossed a grain boundary has something to publish.
             grain = self.prefix.granularity_tokens
-            crossed = rows[self._committed[rows] // grain < plan.first // grain]
+            committed = self._committed.take(rows)
+            if grain & (grain - 1) == 0:  # c // g != f // g  <=>  (c ^ f) >= g for a power of two g
+                crossed = rows[(committed ^ plan.first) >= grain]
+            else:
+                crossed = rows[committed // grain < plan.first // grain]
             for row in crossed.tolist():
                 self._commit_row(row)
         self._committed[rows] = plan.first
         ts = self._tableset
         if block_tables == "updates" and ts.log is None:
             ts.start_log()  # the first updates batch carries every cell
-        if (plan.new_base_all > plan.base).any():
-            for pool, released in zip(self._pool_list, ts.take(rows, plan.base, plan.new_base_all)):
+        releases = plan.new_base_all - plan.base  # never negative
+        if releases.any():
+            for pool, released in zip(self._pool_list, ts.take(rows, plan.base, counts=releases)):
                 if released.size:
                     pool.decref(released)
             ts.base[:, rows] = plan.new_base_all

@@ -332,9 +332,13 @@ class TableSet:
         logical = np.repeat(lo.ravel(), flat) + segment_arange(flat)
         return np.repeat(row_start, flat) + (logical & np.repeat(mask, flat)), per_group
 
-    def take(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> list[np.ndarray]:
-        """Forget logical pages ``[lo, hi)`` of every group; their ids per group, row-major."""
-        index, per_group = self._flat_ranges(rows, lo, np.maximum(hi - lo, 0))
+    def take(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray | None = None, *,
+             counts: np.ndarray | None = None) -> list[np.ndarray]:
+        """Forget logical pages ``[lo, hi)`` (or ``[lo, lo + counts)``) of every group;
+        their ids per group, row-major."""
+        if counts is None:
+            counts = np.maximum(hi - lo, 0)
+        index, per_group = self._flat_ranges(rows, lo, counts)
         flat = self.pages.reshape(-1)
         pages = flat[index].astype(np.int64)
         flat[index] = -1
