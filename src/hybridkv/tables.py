@@ -226,6 +226,8 @@ class TableSet:
             self._shifts = (
                 np.log2(self.stride_tokens).astype(np.int64)[:, None],
                 np.log2(self.rows_per_page).astype(np.int64)[:, None],
+                (self.stride_tokens - 1)[:, None],
+                (self.rows_per_page - 1)[:, None],
             )
         # Columns for [G, R] step arithmetic. A full-history group never releases: its
         # window is made so large that the release floor is always 0.
@@ -237,6 +239,7 @@ class TableSet:
         # Ring column of a logical page: ``& (capacity - 1)`` (rings are powers of two);
         # full-history pages stay below capacity, so their mask keeps every bit.
         self._column_mask = np.where(self.sliding, self.capacity_pages - 1, -1)
+        self._column_mask_col = self._column_mask[:, None]
         self.pages = np.full((len(t), max(1, int(initial_rows)), int(self.capacity_pages.max())), -1, np.int32)
         self.base = np.zeros(self.pages.shape[:2], dtype=np.int64)
         self.hi = np.zeros(self.pages.shape[:2], dtype=np.int64)
@@ -324,7 +327,7 @@ class TableSet:
         _, rows_cap, cap_max = self.pages.shape
         if self.single_page_cells and counts.max() <= 1:
             # At most one page per cell (a decode step): mask the [G, R] cell indices.
-            cells = (lo & self._column_mask[:, None]) + (rows * cap_max + self._group_cells)
+            cells = (lo & self._column_mask_col) + (rows * cap_max + self._group_cells)
             return cells[counts.astype(bool)], per_group
         flat = counts.ravel()
         row_start = ((self.group_index[:, None] * rows_cap + rows[None, :]) * cap_max).ravel()
@@ -358,17 +361,17 @@ class TableSet:
         per_page = self.rows_per_page[:, None]
         pos = positions[None, :]
         if self._shifts is not None:
-            stride_shift, page_shift = self._shifts
+            stride_shift, page_shift, stride_mask, page_mask = self._shifts
             entry = pos >> stride_shift
             logical = entry >> page_shift
-            entry &= per_page - 1  # the row within the page
-            off_boundary = ((pos + 1) & (stride - 1)) != 0  # never for stride 1
+            entry &= page_mask  # the row within the page
+            off_boundary = ((pos + 1) & stride_mask) != 0  # never for stride 1
         else:
             entry = pos // stride
             logical = entry // per_page
             entry %= per_page
             off_boundary = (pos + 1) % stride != 0
-        logical &= self._column_mask[:, None]
+        logical &= self._column_mask_col
         _, rows_cap, cap_max = self.pages.shape
         logical += token_rows * cap_max + self._group_cells
         slots = self.pages.reshape(-1).take(logical) * per_page  # int32 * int64 -> int64
