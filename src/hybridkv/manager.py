@@ -539,24 +539,28 @@ class CacheManager:
         ts = self._tableset
         if block_tables == "updates" and ts.log is None:
             ts.start_log()  # the first updates batch carries every cell
+        cells = ts.row_cells(rows)
         releases = plan.new_base_all - plan.base  # never negative
         if releases.any():
-            for pool, released in zip(self._pool_list, ts.take(rows, plan.base, counts=releases)):
+            for pool, released in zip(self._pool_list, ts.take(rows, plan.base, counts=releases, row_cells=cells)):
                 if released.size:
                     pool.decref(released)
             ts.base[:, rows] = plan.new_base_all
         totals = plan.alloc_all.sum(axis=1).tolist()
         if any(totals):
             fresh = [pool.allocate(n) for pool, n in zip(self._pool_list, totals) if n]
-            ts.place(rows, np.maximum(plan.hi, plan.new_base_all), plan.alloc_all, np.concatenate(fresh))
+            ts.place(rows, plan.hi, plan.alloc_all, np.concatenate(fresh), cells)  # new pages start at hi
         hi = np.maximum(plan.hi, plan.need_hi_all)
         ts.hi[:, rows] = hi
         self._computed[rows] = plan.end
         self._last_rows = rows[plan.settle :]
-        return self._build_batch(items, plan, fixed_width, hi if block_tables == "updates" else None)
+        return self._build_batch(items, plan, fixed_width, hi if block_tables == "updates" else None, cells)
 
-    def _build_batch(self, items, plan: _StepPlan, fixed_width: bool, updates_hi: np.ndarray | None) -> StepBatch:
-        """The step's arrays; ``updates_hi`` (the batch's new hi, ``[G, R]``) selects updates mode."""
+    def _build_batch(
+        self, items, plan: _StepPlan, fixed_width: bool, updates_hi: np.ndarray | None, cells: np.ndarray
+    ) -> StepBatch:
+        """The step's arrays; ``updates_hi`` (the batch's new hi, ``[G, R]``) selects updates
+        mode; ``cells`` is ``row_cells`` of every planned row."""
         off = plan.settle
         rows, counts = plan.rows[off:], plan.counts[off:]
         first = plan.first[off:]
@@ -564,16 +568,16 @@ class CacheManager:
         count = int(counts[0])
         if count == 1 and self._fast_paths and counts.max() == 1:  # decode: one token per request
             req_idx = np.arange(n_req, dtype=np.int32)
-            positions, token_rows = first, rows
+            positions, token_rows, token_cells = first, rows, cells[:, off:]
             qsl = np.arange(n_req + 1, dtype=np.int32)
         else:
             req_idx = np.repeat(np.arange(n_req, dtype=np.int32), counts)
             positions = np.repeat(first, counts) + segment_arange(counts)
-            token_rows = rows[req_idx]
+            token_rows, token_cells = rows[req_idx], None
             qsl = np.zeros(n_req + 1, dtype=np.int32)
             np.cumsum(counts, out=qsl[1:])
         ts = self._tableset
-        slots = ts.write_slots(token_rows, positions)
+        slots = ts.write_slots(token_rows, positions, token_cells)
         base_pages = plan.new_base_all[:, off:].astype(np.int32)
         updates = None
         if updates_hi is None:

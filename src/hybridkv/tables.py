@@ -317,17 +317,23 @@ class TableSet:
             keep_from //= self._tokens
             need_hi //= self._tokens
         new_base = np.maximum(base, np.minimum(keep_from, hi))
-        alloc = np.maximum(need_hi - np.maximum(hi, new_base), 0)
+        # base <= hi always, so new_base <= hi: new pages start at hi. Pages needed can
+        # fall below hi only after a rewind emptied the window (hi == base).
+        alloc = np.maximum(need_hi - hi, 0)
         return base, hi, new_base, need_hi, alloc
 
-    def _flat_ranges(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray):
+    def row_cells(self, rows: np.ndarray) -> np.ndarray:
+        """``[G, R]`` flat index of column 0 of each row in each group (valid until rows grow)."""
+        return rows * self.pages.shape[2] + self._group_cells
+
+    def _flat_ranges(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, row_cells=None):
         """Flat indices into ``pages`` of logical pages ``[lo[g, r], lo[g, r] + counts[g, r])``,
         group-major then row order, and the number of pages per group."""
         per_group = counts.sum(axis=1)
         _, rows_cap, cap_max = self.pages.shape
         if self.single_page_cells and counts.max() <= 1:
             # At most one page per cell (a decode step): mask the [G, R] cell indices.
-            cells = (lo & self._column_mask_col) + (rows * cap_max + self._group_cells)
+            cells = (lo & self._column_mask_col) + (self.row_cells(rows) if row_cells is None else row_cells)
             return cells[counts.astype(bool)], per_group
         flat = counts.ravel()
         row_start = ((self.group_index[:, None] * rows_cap + rows[None, :]) * cap_max).ravel()
@@ -336,12 +342,12 @@ class TableSet:
         return np.repeat(row_start, flat) + (logical & np.repeat(mask, flat)), per_group
 
     def take(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray | None = None, *,
-             counts: np.ndarray | None = None) -> list[np.ndarray]:
+             counts: np.ndarray | None = None, row_cells: np.ndarray | None = None) -> list[np.ndarray]:
         """Forget logical pages ``[lo, hi)`` (or ``[lo, lo + counts)``) of every group;
         their ids per group, row-major."""
         if counts is None:
             counts = np.maximum(hi - lo, 0)
-        index, per_group = self._flat_ranges(rows, lo, counts)
+        index, per_group = self._flat_ranges(rows, lo, counts, row_cells)
         flat = self.pages.reshape(-1)
         pages = flat[index].astype(np.int64)
         flat[index] = -1
@@ -349,14 +355,16 @@ class TableSet:
         ends = np.cumsum(per_group).tolist()
         return [pages[a:b] for a, b in zip([0] + ends, ends)]
 
-    def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
+    def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray,
+              row_cells: np.ndarray | None = None) -> None:
         """Store ``page_ids`` (group-major, row-major) at logical pages ``[lo, lo + counts)``."""
-        index, _ = self._flat_ranges(rows, lo, counts)
+        index, _ = self._flat_ranges(rows, lo, counts, row_cells)
         self.pages.reshape(-1)[index] = page_ids
         self._log_cells(index)
 
-    def write_slots(self, token_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """int64 ``[G, N]`` slots of every group for the scheduled tokens (-1: no row)."""
+    def write_slots(self, token_rows: np.ndarray, positions: np.ndarray, row_cells=None) -> np.ndarray:
+        """int64 ``[G, N]`` slots of every group for the scheduled tokens (-1: no row);
+        ``row_cells``: ``self.row_cells(token_rows)`` if the caller has it."""
         stride = self.stride_tokens[:, None]
         per_page = self.rows_per_page[:, None]
         pos = positions[None, :]
@@ -372,8 +380,7 @@ class TableSet:
             entry %= per_page
             off_boundary = (pos + 1) % stride != 0
         logical &= self._column_mask_col
-        _, rows_cap, cap_max = self.pages.shape
-        logical += token_rows * cap_max + self._group_cells
+        logical += self.row_cells(token_rows) if row_cells is None else row_cells
         slots = self.pages.reshape(-1).take(logical) * per_page  # int32 * int64 -> int64
         slots += entry
         np.putmask(slots, off_boundary, -1)
