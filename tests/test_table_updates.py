@@ -228,28 +228,38 @@ def test_mirror_reproduces_full_tables(config, caching, seed, data):
     inc.check_invariants()
 
 
-def test_first_updates_batch_is_a_snapshot_and_later_ones_are_small():
+def test_resync_after_full_mode_and_small_updates_between():
     specs, pages, ctx, step = CONFIGS["v4"]
     m = CacheManager(specs, pages, max_context_tokens=ctx, max_step_tokens=step)
     m.add_request("a", prompt_tokens=200, max_new_tokens=50)
     m.add_request("b", prompt_tokens=40, max_new_tokens=50)
-    m.schedule([("a", 64), ("b", 40)])  # full mode: no log yet
+    m.schedule([("a", 64), ("b", 40)])  # full mode: nothing is logged
+    assert m._tableset.log is None
     mirror = BlockTableMirror.for_manager(m)
+    mirror.store[:] = 77  # stale content a resync must clear
     first = m.schedule([("a", 64), ("b", 1)], block_tables="updates")
-    up = first.table_updates
-    store = m._tableset.pages
-    held = (up.group * store.shape[1] + up.row) * store.shape[2] + up.column
-    assert set(np.flatnonzero(store.reshape(-1) != -1).tolist()) <= set(held.tolist())  # every held cell
-    mirror.apply(first)
-    for gid, step_ in first.groups.items():
+    assert first.table_updates.reset
+    for step_ in first.groups.values():
         assert step_.block_table is None
+    store = m._tableset.pages
+    up = first.table_updates
+    held = (up.group * store.shape[1] + up.row) * store.shape[2] + up.column
+    assert set(np.flatnonzero(store.reshape(-1) != -1).tolist()) == set(held.tolist())  # the live cells
+    mirror.apply(first)
     later = m.schedule([("a", 1), ("b", 1)], block_tables="updates")
-    assert 0 < later.table_updates.page.size < 50
+    assert not later.table_updates.reset and 0 < later.table_updates.page.size < 50
     mirror.apply(later)
-    reference = m._tableset
-    for g, t in enumerate(m._tableset.tables):
-        rows = later.table_rows.astype(np.int64)
-        assert np.array_equal(mirror.store[g, rows, : t.capacity_pages], reference.pages[g, rows, : t.capacity_pages])
+    m.rewind("b", m.num_computed_tokens("b") - 1)
+    m.free("a")
+    m.add_request("c", prompt_tokens=30, max_new_tokens=5)
+    m.schedule([("b", 1), ("c", 30)])  # full mode again: the next updates batch resyncs
+    again = m.schedule([("b", 1), ("c", 1)], block_tables="updates")
+    assert again.table_updates.reset
+    mirror.apply(again)
+    ts = m._tableset
+    seen = min(mirror.store.shape[1], ts.pages.shape[1])
+    assert np.array_equal(mirror.store[:, :seen], ts.pages[:, :seen])
+    assert np.all(ts.pages[:, seen:] == -1)
 
 
 def test_bad_mode_is_refused_and_changes_nothing():

@@ -34,7 +34,8 @@ class TableUpdates:
     logical page ``L`` at column ``L``, sliding groups at column ``L % capacity``
     (a ring), and every cell outside a request's live pages is -1. Setting
     ``store[group, row, column] = page`` for every listed cell (any order; a cell
-    listed twice carries the same id) brings a copy up to date.
+    listed twice carries the same id), after clearing the store to -1 when
+    ``reset`` is set, brings a copy up to date.
     """
 
     group: np.ndarray  # int64 [k] group index (manager's group order)
@@ -42,6 +43,7 @@ class TableUpdates:
     column: np.ndarray  # int64 [k] store column
     page: np.ndarray  # int32 [k] page id now in that cell (-1: empty)
     widths: tuple[int, ...]  # per group, the width the full-mode block table has this step
+    reset: bool = False  # a resync: the first updates step, or the first after full-mode steps
 
 
 @dataclass(frozen=True)

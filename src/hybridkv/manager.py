@@ -537,8 +537,10 @@ class CacheManager:
                 self._commit_row(row)
         self._committed[rows] = plan.first
         ts = self._tableset
-        if block_tables == "updates" and ts.log is None:
-            ts.start_log()  # the first updates batch carries every cell
+        if block_tables == "updates":
+            ts.start_log()  # after full-mode steps (or at first) the batch is a resync
+        else:
+            ts.stop_log()
         cells = ts.row_cells(rows)
         releases = plan.new_base_all - plan.base  # never negative
         if releases.any():
@@ -591,7 +593,8 @@ class CacheManager:
                 widths = tuple(self.table_widths[s.group_id] for s in self.specs)
             else:
                 widths = tuple((updates_hi[:, off:] - plan.new_base_all[:, off:]).max(axis=1).tolist())
-            updates = TableUpdates(*ts.drain_updates(), widths=widths)
+            group, row, column, page, reset = ts.drain_updates()
+            updates = TableUpdates(group, row, column, page, widths=widths, reset=reset)
         groups = {}
         for g, spec in enumerate(self.specs):
             groups[spec.group_id] = GroupStep(

@@ -15,9 +15,9 @@ full mode hands out (column ``j`` = logical page ``base_pages[r] + j``); a kerne
 that can read the ring directly uses ``store`` with ``table_rows`` and
 ``base_pages`` and skips that gather.
 
-The first updates-mode batch of a manager carries every non-empty cell (a
-snapshot against the mirror's initial all -1 store), so a mirror must see that batch and every later updates-mode batch, in order; steps
-scheduled in full mode between them are covered by the next updates batch.
+The first updates-mode batch of a manager, and the first after any full-mode
+step, is a resync (``TableUpdates.reset``): the mirror clears its store, then
+takes every live cell. A mirror must apply every updates-mode batch, in order.
 """
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ class BlockTableMirror:
         if up.row.size:
             need = max(need, int(up.row.max()) + 1)
         self._ensure_rows(need)
+        if up.reset:
+            self.store.fill(-1)
         self.store[up.group, up.row, up.column] = up.page
         self.table_rows = batch.table_rows.astype(np.int64)
         self.base_pages = {gid: step.base_pages for gid, step in batch.groups.items()}

@@ -145,8 +145,11 @@ class GroupTable:
             self._note(rep, cols)
 
     def reset_rows(self, rows: np.ndarray) -> None:
+        rows = np.atleast_1d(np.asarray(rows))
+        if self._log is not None:
+            held = self.pages[rows] != -1  # only cells that held a page change
+            self._note(np.repeat(rows, held.sum(axis=1)), np.nonzero(held)[1])
         self.pages[rows] = -1
-        self._note(np.asarray(rows)[..., None], np.arange(self.capacity_pages))
         self.base[rows] = 0
         self.hi[rows] = 0
 
@@ -190,9 +193,11 @@ class TableSet:
     ``GroupTable`` in ``tables`` is bound to views of them, so per-group code
     (prefix publishing, rewind, free) and whole-step code see the same state.
 
-    Once ``start_log`` is called, every cell any mutation touches is logged (as
-    a flat index into ``pages``); ``drain_updates`` hands out those cells with
-    their current page ids, which is all a mirror of ``pages`` needs.
+    While ``log`` is a list, every cell any mutation touches is logged (as a flat
+    index into ``pages``); ``drain_updates`` hands out those cells with their
+    current page ids, which is all a mirror of ``pages`` needs. ``stop_log``
+    turns logging off; the next drain after a start is a resync: every live
+    cell, and a flag telling the mirror to clear first.
     """
 
     single_page_cells = True  # the decode shortcut of _flat_ranges (tests compare both ways)
@@ -244,6 +249,7 @@ class TableSet:
         self.base = np.zeros(self.pages.shape[:2], dtype=np.int64)
         self.hi = np.zeros(self.pages.shape[:2], dtype=np.int64)
         self.log: list[np.ndarray] | None = None
+        self._resync = False
         self._bind()
 
     def _bind(self) -> None:
@@ -259,31 +265,46 @@ class TableSet:
 
     # --- touched-cell log (incremental block tables) ------------------------
     def start_log(self) -> None:
-        """Log touched cells from now on; the log starts with every non-empty cell (a
-        snapshot against an all -1 copy)."""
-        self.log = [np.flatnonzero(self.pages.reshape(-1) != -1)]
-        self._bind()
+        """Log touched cells from now on (the next drain is a resync)."""
+        if self.log is None:
+            self.log = []
+            self._resync = True
+            self._bind()
+
+    def stop_log(self) -> None:
+        """Stop logging (full-mode steps): mutations cost nothing extra until the next start."""
+        if self.log is not None:
+            self.log = None
+            self._bind()
 
     def _log_cells(self, index: np.ndarray) -> None:
         log = self.log
         if log is not None:
             log.append(index)
-            if len(log) > 512:  # nobody drains (full-mode steps only): keep it bounded
+            if len(log) > 512:  # many mutations between two drains: keep it bounded
                 log[:] = [np.unique(np.concatenate(log))]
 
-    def drain_updates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(group, row, column, page id) of every cell touched since the last drain,
-        with the page id it holds now (-1: empty); a cell may appear twice."""
+    def drain_updates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
+        """(group, row, column, page id, reset): every cell touched since the last drain
+        with the page id it holds now (-1: empty; a cell may appear twice); after a
+        (re)start of the log, every live cell instead and ``reset`` True."""
         log = self.log
-        if not log:
+        reset = self._resync
+        if reset:
+            # Every cell outside [base, hi) is -1: the live ranges are the whole store.
+            rows = np.arange(self.pages.shape[1])
+            index, _ = self._flat_ranges(rows, self.base, self.hi - self.base)
+            self._resync = False
+        elif not log:
             empty = np.zeros(0, dtype=np.int64)
-            return empty, empty, empty, np.zeros(0, dtype=np.int32)
-        index = log[0] if len(log) == 1 else np.concatenate(log)
+            return empty, empty, empty, np.zeros(0, dtype=np.int32), False
+        else:
+            index = log[0] if len(log) == 1 else np.concatenate(log)
         log.clear()
         _, rows_cap, cap_max = self.pages.shape
         group, cell = np.divmod(index, rows_cap * cap_max)
         row, column = np.divmod(cell, cap_max)
-        return group, row, column, self.pages.reshape(-1)[index]
+        return group, row, column, self.pages.reshape(-1)[index], reset
 
     def ensure_rows(self, rows: int) -> None:
         have = self.pages.shape[1]
