@@ -408,8 +408,10 @@ class CacheManager:
             if len(set(rids)) != len(rids):
                 return None
             self._rows_memo = (rids, self._roster_version, rows)
-        if self._fast_paths and type(counts[0]) is int and len(set(map(id, counts))) == 1:
-            # One int object for every item (a decode or verify step): one scalar check.
+        n = len(counts)
+        if self._fast_paths and counts.count(counts[0]) == n and tuple(map(type, counts)).count(int) == n:
+            # Equal plain ints (a decode or verify step; the type count keeps out True,
+            # which equals 1): one scalar check.
             if not 1 <= counts[0] <= self.max_step_tokens:
                 return None
             counts = np.full(len(rids), counts[0], dtype=np.int64)
