@@ -1,7 +1,8 @@
 """CPU cost of the cache manager per engine step (all six DeepSeek-V4-Flash groups).
 
     .venv/bin/python bench/manager_step.py [--prefix-caching] [--requests 32,64,...,1024]
-        [--decode-steps 200] [--verify-steps 100] [--seed 0] [--profile N | --breakdown N]
+        [--decode-steps 200] [--verify-steps 100] [--seed 0] [--block-tables full|updates]
+        [--profile N | --breakdown N]
 
 Plan: V4-Flash, 80 GiB, Limits(max_running 1024, 8,192 tokens per step, context
 2**20, speculative 4) from ``hybridkv.plan.plan_for_budget``. For each running
@@ -20,7 +21,10 @@ Only manager calls are timed (``perf_counter_ns``, cyclic GC off in timed loops)
 ``rewind_many`` call of a verify step, and with ``--prefix-caching`` the
 ``append_token_ids_many`` call of a step. ``--prefix-caching`` runs every
 count twice, caching off and on (requests then carry token ids), and reports
-on/off per running request per decode step. Writes bench/out/manager_step.json.
+on/off per running request per decode step. ``--block-tables`` is the mode of
+every ``schedule`` call: ``full`` builds each group's ``[R, width]`` table,
+``updates`` hands out only the changed table cells (docs/manager.md). Writes
+bench/out/manager_step.json.
 """
 
 from __future__ import annotations
@@ -81,8 +85,10 @@ def summarize(ns: list[int], per: int = 1) -> dict:
 class Run:
     """One manager with N running requests, driven through the three phases."""
 
-    def __init__(self, plan, prompts: np.ndarray, *, prefix_caching: bool, seed: int, max_new: int):
+    def __init__(self, plan, prompts: np.ndarray, *, prefix_caching: bool, seed: int, max_new: int,
+                 block_tables: str = "full"):
         self.m = CacheManager.from_plan(plan, enable_prefix_caching=prefix_caching)
+        self.block_tables = block_tables
         self.caching = prefix_caching
         self.rng = np.random.default_rng(seed + 1)
         self.rids = [f"req{i}" for i in range(prompts.size)]
@@ -119,7 +125,7 @@ class Run:
             t0 = time.perf_counter_ns()
             answers = m.check_admission(items)
             t1 = time.perf_counter_ns()
-            m.schedule(items)
+            m.schedule(items, block_tables=self.block_tables)
             t2 = time.perf_counter_ns()
             assert all(a.ok for a in answers)
             admit_ns.append(t1 - t0)
@@ -140,7 +146,7 @@ class Run:
         for _ in range(steps):
             append_ns.append(self.append(self.rids, 1))
             t0 = time.perf_counter_ns()
-            m.schedule(items)
+            m.schedule(items, block_tables=self.block_tables)
             sched_ns.append(time.perf_counter_ns() - t0)
         out = summarize(sched_ns, n)
         if self.caching:
@@ -156,7 +162,7 @@ class Run:
             append_ns.append(self.append(self.rids, VERIFY_TOKENS))
             keep = [(rid, m.num_computed_tokens(rid) + ACCEPTED_TOKENS) for rid in self.rids]
             t0 = time.perf_counter_ns()
-            m.schedule(items)
+            m.schedule(items, block_tables=self.block_tables)
             t1 = time.perf_counter_ns()
             m.rewind_many(keep)
             t2 = time.perf_counter_ns()
@@ -178,7 +184,7 @@ class Run:
 
 def run_count(plan, prompts, args, caching: bool) -> dict:
     max_new = 2 + args.decode_steps + ACCEPTED_TOKENS * args.verify_steps + VERIFY_TOKENS
-    run = Run(plan, prompts, prefix_caching=caching, seed=args.seed, max_new=max_new)
+    run = Run(plan, prompts, prefix_caching=caching, seed=args.seed, max_new=max_new, block_tables=args.block_tables)
     gc.collect()
     gc.disable()  # timed loops run without the cyclic collector (engines gc.freeze())
     try:
@@ -194,6 +200,7 @@ def run_count(plan, prompts, args, caching: bool) -> dict:
     return {
         "requests": int(prompts.size),
         "prefix_caching": caching,
+        "block_tables": args.block_tables,
         "prompt_tokens": int(prompts.sum()),
         "prefill": prefill,
         "decode_1": decode,
@@ -204,14 +211,15 @@ def run_count(plan, prompts, args, caching: bool) -> dict:
 
 
 def profile_decode(plan, prompts, args, caching: bool) -> str:
-    run = Run(plan, prompts, prefix_caching=caching, seed=args.seed, max_new=4 + 2 * args.decode_steps)
+    run = Run(plan, prompts, prefix_caching=caching, seed=args.seed, max_new=4 + 2 * args.decode_steps,
+              block_tables=args.block_tables)
     run.prefill(LIMITS.max_scheduled_tokens)
     items = [(rid, 1) for rid in run.rids]
     prof = cProfile.Profile()
     for _ in range(args.decode_steps):
         run.append(run.rids, 1)
         prof.enable()
-        run.m.schedule(items)
+        run.m.schedule(items, block_tables=args.block_tables)
         prof.disable()
     stream = __import__("io").StringIO()
     pstats.Stats(prof, stream=stream).sort_stats("tottime").print_stats(20)
@@ -220,7 +228,8 @@ def profile_decode(plan, prompts, args, caching: bool) -> str:
 
 BREAKDOWN_METHODS = {
     "CacheManager": ["schedule", "_admit", "_fast_validate", "_plan", "_build_batch", "rewind_many"],
-    "GroupTable": ["block_table", "write_slots", "take", "place", "new_base", "need_hi"],
+    "GroupTable": ["block_table", "take"],
+    "TableSet": ["plan", "take", "place", "write_slots", "drain_updates"],
     "PagePool": ["allocate", "decref", "publish", "unpublish"],
     "PrefixCache": ["commit"],
 }
@@ -233,6 +242,7 @@ def breakdown(plan, prompts, args, caching: bool) -> dict[str, dict[str, float]]
     classes = {
         "CacheManager": manager.CacheManager,
         "GroupTable": tables.GroupTable,
+        "TableSet": tables.TableSet,
         "PagePool": pool.PagePool,
         "PrefixCache": prefix.PrefixCache,
     }
@@ -256,7 +266,8 @@ def breakdown(plan, prompts, args, caching: bool) -> dict[str, dict[str, float]]
             setattr(cls, name, timed(f"{cls_name}.{name}", getattr(cls, name)))
     try:
         run = Run(plan, prompts, prefix_caching=caching, seed=args.seed,
-                  max_new=4 + args.decode_steps + ACCEPTED_TOKENS * args.verify_steps + VERIFY_TOKENS)
+                  max_new=4 + args.decode_steps + ACCEPTED_TOKENS * args.verify_steps + VERIFY_TOKENS,
+                  block_tables=args.block_tables)
         run.prefill(LIMITS.max_scheduled_tokens)
         out = {}
         gc.collect()
@@ -275,7 +286,8 @@ def breakdown(plan, prompts, args, caching: bool) -> dict[str, dict[str, float]]
 
 
 def print_tables(console: Console, runs: list[dict]) -> None:
-    table = Table(title="Manager µs per step, V4-Flash, all 6 groups: p50 / p99 (per running request: p50)")
+    table = Table(title="Manager µs per step, V4-Flash, all 6 groups: p50 / p99 (per running request: p50), "
+                  f"block_tables={runs[0].get('block_tables', 'full') if runs else 'full'}")
     for col in (
         "running",
         "caching",
@@ -318,6 +330,8 @@ def main(argv=None) -> int:
     ap.add_argument("--verify-steps", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prefix-caching", action="store_true", help="also run with caching on; report on/off")
+    ap.add_argument("--block-tables", choices=("full", "updates"), default="full",
+                    help="schedule mode: full [R, width] tables, or only the changed cells")
     ap.add_argument("--profile", type=int, metavar="N", help="cProfile the decode steps at N running, then exit")
     ap.add_argument("--breakdown", type=int, metavar="N", help="µs per step per manager method at N running, then exit")
     ap.add_argument("--json", type=Path, default=OUT)
@@ -399,6 +413,7 @@ def main(argv=None) -> int:
         "prompts": {"distribution": "log-uniform", "range_tokens": PROMPT_RANGE, "seed": args.seed},
         "decode_steps": args.decode_steps,
         "verify_steps": args.verify_steps,
+        "block_tables": args.block_tables,
         "targets": {"us_per_running_request_per_decode_step": TARGET_US_PER_REQUEST,
                     "prefix_caching_ratio": TARGET_PREFIX_RATIO},
         "runs": runs,

@@ -191,12 +191,16 @@ class HybridkvSide:
         request.scheduled = request.scheduled or ok
         return ok
 
+    # "updates": the step hands out the changed table cells (vLLM's manager likewise
+    # returns new block ids and builds no tables); "full": [R, width] tables per group.
+    decode_block_tables = "updates"
+
     def decode_step(self, requests: Sequence[Any]) -> bool:
         """One token for every request, in one scheduling call."""
         items = [(r.request_id, 1) for r in requests]
         start = time.perf_counter_ns()
         try:
-            self.manager.schedule(items)
+            self.manager.schedule(items, block_tables=self.decode_block_tables)
         except ValueError:
             return False
         finally:
@@ -726,9 +730,12 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Path]:
                         help="hybridkv's page space for every phase (default shared)")
     parser.add_argument("--state-checkpoint-interval", type=int, default=None,
                         help="hybridkv only: also keep state checkpoints every N tokens")
+    parser.add_argument("--decode-block-tables", choices=("updates", "full"), default="updates",
+                        help="hybridkv only: block table mode of the decode steps (see docs/manager.md)")
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args(argv)
+    HybridkvSide.decode_block_tables = args.decode_block_tables
     if args.quick:
         args.decode_requests, args.decode_steps = 32, 8
         args.prefill_requests, args.prefill_tokens = 1, 8_192

@@ -20,9 +20,30 @@ class Admission:
 class GroupStep:
     """What the kernels of one group need for a step."""
 
-    block_table: np.ndarray  # int32 [R, width], -1 padded
+    block_table: np.ndarray | None  # int32 [R, width], -1 padded; None with block_tables="updates"
     base_pages: np.ndarray | None  # int32 [R] logical page of column 0 (sliding groups)
     write_slots: np.ndarray  # int64 [N], -1 where a token writes no row
+
+
+@dataclass(frozen=True)
+class TableUpdates:
+    """How the manager's table store changed since the previous ``block_tables="updates"`` step.
+
+    The store is ``[groups, table rows, columns]`` int32 (see ``hybridkv.mirror``):
+    a request keeps its table row for its whole life; full-history groups hold
+    logical page ``L`` at column ``L``, sliding groups at column ``L % capacity``
+    (a ring), and every cell outside a request's live pages is -1. Setting
+    ``store[group, row, column] = page`` for every listed cell (any order; a cell
+    listed twice carries the same id), after clearing the store to -1 when
+    ``reset`` is set, brings a copy up to date.
+    """
+
+    group: np.ndarray  # int64 [k] group index (manager's group order)
+    row: np.ndarray  # int64 [k] table row
+    column: np.ndarray  # int64 [k] store column
+    page: np.ndarray  # int32 [k] page id now in that cell (-1: empty)
+    widths: tuple[int, ...]  # per group, the width the full-mode block table has this step
+    reset: bool = False  # a resync: the first updates step, or the first after full-mode steps
 
 
 @dataclass(frozen=True)
@@ -33,6 +54,8 @@ class StepBatch:
     positions: np.ndarray  # int64 [N]
     request_indices: np.ndarray  # int32 [N]
     groups: dict[str, GroupStep]
+    table_rows: np.ndarray | None = None  # int32 [R] each request's row in the table store
+    table_updates: TableUpdates | None = None  # with block_tables="updates"
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
 
 from hybridkv._checks import as_int
 from hybridkv.arena import Arena, ArenaGeometry, _Scan, shared_arena_for
-from hybridkv.batch import Admission, GroupStats, GroupStep, StepBatch
+from hybridkv.batch import Admission, GroupStats, GroupStep, StepBatch, TableUpdates
 from hybridkv.pool import PagePool
 from hybridkv.prefix import PrefixCache, PrefixHit, RequestHashes
 from hybridkv.spec import CacheGroupSpec
@@ -33,7 +34,10 @@ __all__ = [
     "GroupStep",
     "PrefixHit",
     "StepBatch",
+    "TableUpdates",
 ]
+
+_BLOCK_TABLE_MODES = ("full", "updates")
 
 
 class CacheManagerError(ValueError):
@@ -73,8 +77,31 @@ class _StepPlan:
     grants: list | None = None  # arena slabs to move before allocating (shared page space)
 
 
+class _ByGroup(Mapping):
+    """Group id -> row of a stacked ``[G, R]`` plan array (no per-group copies)."""
+
+    __slots__ = ("_index", "_stacked")
+
+    def __init__(self, index: dict[str, int], stacked: np.ndarray):
+        self._index, self._stacked = index, stacked
+
+    def __getitem__(self, gid: str) -> np.ndarray:
+        return self._stacked[self._index[gid]]
+
+    def __iter__(self):
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+
 class CacheManager:
     """Pages, tables and slots for every request and every cache group."""
+
+    _group_index: dict[str, int] | None = None  # group id -> index in specs
+    _roster_version = 0  # bumped when a request gets or gives back its row
+    _fast_paths = True  # uniform-count validation and decode arrays (tests compare both ways)
+    _rows_memo: tuple | None = None  # (request ids, roster version, rows) of the last batch
 
     def __init__(
         self,
@@ -230,6 +257,7 @@ class CacheManager:
         self._committed[row] = hit.hit_tokens
         self._requests[request_id] = req
         self._row_owner[row] = req
+        self._roster_version += 1  # request -> row mapping changed
         self._max_total[row] = total
         self._known[row] = prompt_len if buf is not None else total
         return hit
@@ -380,17 +408,6 @@ class CacheManager:
         off = plan.settle
         return answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items()}, plan
 
-    def _settling_rows(self, batch_rows: np.ndarray) -> np.ndarray:
-        prev = self._last_rows
-        if prev.size == 0 or (prev.size == batch_rows.size and np.array_equal(prev, batch_rows)):
-            return prev[:0]
-        prev = prev[self._committed[prev] < self._computed[prev]]
-        if prev.size == 0:
-            return prev
-        in_batch = np.zeros(self._computed.size, dtype=bool)
-        in_batch[batch_rows] = True
-        return prev[~in_batch[prev]]
-
     @staticmethod
     def _deny_greedily(plan, net, avail, fits, deny, arena=None, scan=None) -> None:
         """In batch order, admit a request only if everything admitted so far still fits."""
@@ -423,24 +440,53 @@ class CacheManager:
         """Rows and counts when every item is valid (vectorized); None sends the batch
         down the per-item path that words each reason."""
         try:
+            rids, counts = zip(*items)
+        except (TypeError, ValueError):
+            return None  # not all pairs
+        memo = self._rows_memo
+        if memo is not None and memo[1] == self._roster_version and memo[0] == rids:
+            rows = memo[2]  # same ids as a batch already validated, no request added or freed since
+        else:
             reqs = self._requests
-            rids = [rid for rid, _ in items]
-            rows = np.array([reqs[rid].row for rid in rids], dtype=np.int64)
-            counts = np.array([n for _, n in items])
-        except (KeyError, TypeError, ValueError):
-            return None
-        if counts.dtype.kind not in "iu" or len(set(rids)) != len(rids):
-            return None
-        counts = counts.astype(np.int64, copy=False)
-        end = self._computed[rows] + counts
-        if (
-            counts.min() < 1
-            or counts.max() > self.max_step_tokens
-            or np.any(end > self._max_total[rows])
-            or np.any(end > self._known[rows])
-        ):
+            try:
+                rows = np.array([reqs[rid].row for rid in rids], dtype=np.int64)
+            except (KeyError, TypeError):
+                return None  # unknown or unhashable id
+            if len(set(rids)) != len(rids):
+                return None
+            self._rows_memo = (rids, self._roster_version, rows)
+        n = len(counts)
+        if self._fast_paths and counts.count(counts[0]) == n and tuple(map(type, counts)).count(int) == n:
+            # Equal plain ints (a decode or verify step; the type count keeps out True,
+            # which equals 1): one scalar check.
+            if not 1 <= counts[0] <= self.max_step_tokens:
+                return None
+            counts = np.full(len(rids), counts[0], dtype=np.int64)
+        else:
+            kinds = set(map(type, counts))
+            if bool in kinds or not all(k is int or issubclass(k, np.integer) for k in kinds):
+                return None  # bool is an int subclass but not a token count
+            counts = np.array(counts, dtype=np.int64)
+            if counts.min() < 1 or counts.max() > self.max_step_tokens:
+                return None
+        # Known ids never exceed the declared total (add/append check it), so this
+        # one comparison covers both limits; the per-item path words which one.
+        if (self._computed.take(rows) + counts > self._known.take(rows)).any():
             return None
         return rows, counts
+
+    def _settling_rows(self, batch_rows: np.ndarray) -> np.ndarray:
+        prev = self._last_rows
+        if prev is batch_rows or prev.size == 0:
+            return prev[:0]
+        if prev.size == batch_rows.size and np.array_equal(prev, batch_rows):
+            return prev[:0]
+        prev = prev[self._committed[prev] < self._computed[prev]]
+        if prev.size == 0:
+            return prev
+        in_batch = np.zeros(self._computed.size, dtype=bool)
+        in_batch[batch_rows] = True
+        return prev[~in_batch[prev]]
 
     def _item_error(self, item, seen: set[str], fixed_width: bool) -> str:
         try:
@@ -474,13 +520,15 @@ class CacheManager:
         return ""
 
     def _plan(self, rows: np.ndarray, counts: np.ndarray) -> _StepPlan:
-        first = self._computed[rows]
+        first = self._computed.take(rows)
         end = first + counts
         base, hi, new_base, need_hi, alloc = self._tableset.plan(rows, first, end)
-        gids = [s.group_id for s in self.specs]
+        index = self._group_index
+        if index is None:
+            index = self._group_index = {s.group_id: g for g, s in enumerate(self.specs)}
         return _StepPlan(
             rows, counts, first, end,
-            dict(zip(gids, new_base)), dict(zip(gids, alloc)), dict(zip(gids, need_hi)),
+            _ByGroup(index, new_base), _ByGroup(index, alloc), _ByGroup(index, need_hi),
             base=base, hi=hi, new_base_all=new_base, alloc_all=alloc, need_hi_all=need_hi,
         )
 
@@ -499,9 +547,18 @@ class CacheManager:
         )
 
     # --- the step ------------------------------------------------------------
-    def schedule(self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False) -> StepBatch:
-        """Release, allocate and build the kernel arrays for one step (all or nothing)."""
-        items = list(items)
+    def schedule(
+        self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False, block_tables: str = "full"
+    ) -> StepBatch:
+        """Release, allocate and build the kernel arrays for one step (all or nothing).
+
+        ``block_tables="full"`` builds each group's ``[R, width]`` table;
+        ``"updates"`` hands out only the table cells that changed
+        (``StepBatch.table_updates``, applied by ``hybridkv.mirror.BlockTableMirror``).
+        """
+        if block_tables not in _BLOCK_TABLE_MODES:
+            raise CacheManagerError(f"block_tables must be one of {_BLOCK_TABLE_MODES}, got {block_tables!r}")
+        items = items if type(items) is list else list(items)
         if not items:
             raise CacheManagerError("empty batch")
         cached = self._admitted
@@ -520,42 +577,75 @@ class CacheManager:
         if self.prefix is not None:
             # Only a request that crossed a grain boundary has something to publish.
             grain = self.prefix.granularity_tokens
-            crossed = rows[self._committed[rows] // grain < plan.first // grain]
+            committed = self._committed.take(rows)
+            if grain & (grain - 1) == 0:  # c // g != f // g  <=>  (c ^ f) >= g for a power of two g
+                crossed = rows[(committed ^ plan.first) >= grain]
+            else:
+                crossed = rows[committed // grain < plan.first // grain]
             for row in crossed.tolist():
                 self._commit_row(row)
         self._committed[rows] = plan.first
         ts = self._tableset
-        if (plan.new_base_all > plan.base).any():
-            for pool, released in zip(self._pool_list, ts.take(rows, plan.base, plan.new_base_all)):
+        if block_tables == "updates":
+            ts.start_log()  # after full-mode steps (or at first) the batch is a resync
+        else:
+            ts.stop_log()
+        cells = ts.row_cells(rows)
+        releases = plan.new_base_all - plan.base  # never negative
+        if releases.any():
+            for pool, released in zip(self._pool_list, ts.take(rows, plan.base, counts=releases, row_cells=cells)):
                 if released.size:
                     pool.decref(released)
             ts.base[:, rows] = plan.new_base_all
         if plan.grants:
             self.arena.apply(plan.grants)
-        totals = plan.alloc_all.sum(axis=1)
-        if totals.any():
-            fresh = [pool.allocate(int(n)) for pool, n in zip(self._pool_list, totals)]
-            ts.place(rows, np.maximum(plan.hi, plan.new_base_all), plan.alloc_all, np.concatenate(fresh))
-        ts.hi[:, rows] = np.maximum(plan.hi, plan.need_hi_all)
+        totals = plan.alloc_all.sum(axis=1).tolist()
+        if any(totals):
+            fresh = [pool.allocate(n) for pool, n in zip(self._pool_list, totals) if n]
+            ts.place(rows, plan.hi, plan.alloc_all, np.concatenate(fresh), cells)  # new pages start at hi
+        hi = np.maximum(plan.hi, plan.need_hi_all)
+        ts.hi[:, rows] = hi
         self._computed[rows] = plan.end
-        self._last_rows = rows[plan.settle :].copy()
-        return self._build_batch(items, plan, fixed_width)
+        self._last_rows = rows[plan.settle :]
+        return self._build_batch(items, plan, fixed_width, hi if block_tables == "updates" else None, cells)
 
-    def _build_batch(self, items, plan: _StepPlan, fixed_width: bool) -> StepBatch:
-        rows, counts = plan.rows[plan.settle :], plan.counts[plan.settle :]
-        first = plan.first[plan.settle :]
+    def _build_batch(
+        self, items, plan: _StepPlan, fixed_width: bool, updates_hi: np.ndarray | None, cells: np.ndarray
+    ) -> StepBatch:
+        """The step's arrays; ``updates_hi`` (the batch's new hi, ``[G, R]``) selects updates
+        mode; ``cells`` is ``row_cells`` of every planned row."""
+        off = plan.settle
+        rows, counts = plan.rows[off:], plan.counts[off:]
+        first = plan.first[off:]
         n_req = rows.size
-        req_idx = np.repeat(np.arange(n_req, dtype=np.int32), counts)
-        positions = np.repeat(first, counts) + segment_arange(counts)
-        token_rows = rows[req_idx]
-        qsl = np.zeros(n_req + 1, dtype=np.int32)
-        np.cumsum(counts, out=qsl[1:])
+        count = int(counts[0])
+        if count == 1 and self._fast_paths and counts.max() == 1:  # decode: one token per request
+            req_idx = np.arange(n_req, dtype=np.int32)
+            positions, token_rows, token_cells = first, rows, cells[:, off:]
+            qsl = np.arange(n_req + 1, dtype=np.int32)
+        else:
+            req_idx = np.repeat(np.arange(n_req, dtype=np.int32), counts)
+            positions = np.repeat(first, counts) + segment_arange(counts)
+            token_rows, token_cells = rows[req_idx], None
+            qsl = np.zeros(n_req + 1, dtype=np.int32)
+            np.cumsum(counts, out=qsl[1:])
         ts = self._tableset
-        slots = ts.write_slots(token_rows, positions)
-        base_pages = ts.base[:, rows].astype(np.int32)
-        tables = [
-            t.block_table(rows, self.table_widths[t.spec.group_id] if fixed_width else None) for t in ts.tables
-        ]
+        slots = ts.write_slots(token_rows, positions, token_cells)
+        base_pages = plan.new_base_all[:, off:].astype(np.int32)
+        updates = None
+        if updates_hi is None:
+            tables = [
+                t.block_table(rows, self.table_widths[t.spec.group_id] if fixed_width else None)
+                for t in ts.tables
+            ]
+        else:
+            tables = [None] * len(self.specs)
+            if fixed_width:
+                widths = tuple(self.table_widths[s.group_id] for s in self.specs)
+            else:
+                widths = tuple((updates_hi[:, off:] - plan.new_base_all[:, off:]).max(axis=1).tolist())
+            group, row, column, page, reset = ts.drain_updates()
+            updates = TableUpdates(group, row, column, page, widths=widths, reset=reset)
         groups = {}
         for g, spec in enumerate(self.specs):
             groups[spec.group_id] = GroupStep(
@@ -564,12 +654,14 @@ class CacheManager:
                 write_slots=slots[g],
             )
         return StepBatch(
-            request_ids=tuple([rid for rid, _ in items]),
+            request_ids=tuple(map(itemgetter(0), items)),
             num_scheduled_tokens=counts.astype(np.int32),
             query_start_loc=qsl,
             positions=positions,
             request_indices=req_idx,
             groups=groups,
+            table_rows=rows.astype(np.int32),
+            table_updates=updates,
         )
 
     def _commit_row(self, row: int) -> None:
@@ -648,6 +740,7 @@ class CacheManager:
         self._committed[req.row] = 0
         del self._requests[request_id]
         del self._row_owner[req.row]
+        self._roster_version += 1  # request -> row mapping changed
         self._last_rows = self._last_rows[self._last_rows != req.row]
         self._free_rows.append(req.row)
 

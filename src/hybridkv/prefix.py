@@ -198,6 +198,7 @@ class PrefixCache:
         # concurrent computers of the same prefix, hits at it). Superseding drops one hold;
         # the entry is unpublished when none is left. Pinned holds are never dropped.
         self._holders: dict[str, dict[int, int]] = {gid: {} for gid in self.state_ids}
+        self._windows = {s.group_id: s.sliding_window_tokens for s in self.specs if s.is_sliding}
         for gid, pool in pools.items():
             pool.on_removed = self._removed_callback(gid)
 
@@ -285,20 +286,25 @@ class PrefixCache:
             for i, b in enumerate(range(first_block, end_block)):
                 block = pages[i * per_block : (i + 1) * per_block]
                 self._publish_pages(gid, hashes, (b + 1) * g, block)
-        latest = (new_tokens // g) * g
+        latest = end_block * g
         interval = self.state_checkpoint_interval
         keep = req.keep_boundaries
-        boundaries = [
-            d for d in range((old_tokens // g + 1) * g, latest, g)
-            if d in keep or (interval is not None and d % interval == 0)
-        ]
+        boundaries = [latest]
+        if keep or interval is not None:
+            boundaries[:0] = [
+                d for d in range((first_block + 1) * g, latest, g)
+                if d in keep or (interval is not None and d % interval == 0)
+            ]
         new_own = []
-        for d in boundaries + [latest]:
+        row = req.row
+        for d in boundaries:
             own = _OwnCheckpoint(d, pinned=d in keep or (interval is not None and d % interval == 0))
+            key = hashes.key(d)  # one key names the checkpoint in every state group
             for gid in self.state_ids:
-                window = self.tables[gid].spec.sliding_window_tokens
-                self._publish(gid, req.row, hashes, d, lo_tokens=max(0, d - window))
-                self._hold(own, gid, hashes.key(d))
+                pool = self.pools[gid]
+                if pool.lookup(key) is None:
+                    self._publish(gid, row, hashes, d, lo_tokens=max(0, d - self._windows[gid]), key=key)
+                self._hold(own, gid, key)
             if own.entries:
                 new_own.append(own)
         # Superseded: every earlier own checkpoint that is not pinned.
@@ -306,32 +312,43 @@ class PrefixCache:
             if prev.pinned:
                 continue
             for gid, (key, pages) in prev.entries.items():
-                if self.pools[gid].lookup(key) != pages:
+                pool = self.pools[gid]
+                if pool.lookup(key) != pages:
                     continue  # evicted (and maybe re-stored) meanwhile
-                left = self._holders[gid].get(key, 1) - 1
+                holders = self._holders[gid]
+                left = holders.get(key, 1) - 1
                 if left:
-                    self._holders[gid][key] = left
+                    holders[key] = left
                 else:
-                    self._holders[gid].pop(key, None)
-                    self.pools[gid].unpublish(key)
-        req.own_checkpoints = [c for c in req.own_checkpoints if c.pinned] + new_own
+                    holders.pop(key, None)
+                    pool.unpublish(key)
+        req.own_checkpoints = [c for c in req.own_checkpoints if c.pinned] + new_own if req.own_checkpoints else new_own
 
-    def _publish(self, gid: str, row: int, hashes: RequestHashes, boundary: int, lo_tokens: int) -> bool:
+    def _publish(
+        self, gid: str, row: int, hashes: RequestHashes, boundary: int, lo_tokens: int, key: int | None = None
+    ) -> bool:
         pool, table = self.pools[gid], self.tables[gid]
-        key = hashes.key(boundary)
+        if key is None:
+            key = hashes.key(boundary)
         if pool.lookup(key) is not None:
             return False
         t = table.page_tokens
         lo, hi = lo_tokens // t, boundary // t
         if lo < table.base[row] or hi > table.hi[row]:
             return False  # rows already slid out (cannot happen when committed each step)
-        return self._publish_pages(gid, hashes, boundary, table.row_pages(row, lo, hi))
+        return self._publish_pages(gid, hashes, boundary, table.row_pages(row, lo, hi), key)
 
-    def _publish_pages(self, gid: str, hashes: RequestHashes, boundary: int, pages: list[int]) -> bool:
+    def _publish_pages(
+        self, gid: str, hashes: RequestHashes, boundary: int, pages: list[int], key: int | None = None
+    ) -> bool:
         pool = self.pools[gid]
-        key = hashes.key(boundary)
-        if pool.lookup(key) is not None or any(pool.cached[p] for p in pages):
-            return False  # already published, or borrowed pages that carry a key
+        if key is None:
+            key = hashes.key(boundary)
+            if pool.lookup(key) is not None:
+                return False  # already published
+        cached = pool.cached
+        if cached[pages].any() if len(pages) > 4 else any(cached[p] for p in pages):
+            return False  # borrowed pages that carry a key
         pool.publish(key, pages)
         parent = hashes.parent(boundary)
         self._meta[gid][key] = (parent, boundary, len(pages))

@@ -44,6 +44,12 @@ def segment_arange(counts: np.ndarray) -> np.ndarray:
 class GroupTable:
     """Page tables of one group for every request row."""
 
+    # Bound by ``TableSet``: where this group's cells sit in the stacked array, and
+    # the log of touched cells (None: not logging) that feeds incremental updates.
+    _log = None  # callable taking flat indices, or None
+    _log_offset = 0
+    _log_stride = 0
+
     def __init__(
         self,
         spec: CacheGroupSpec,
@@ -51,6 +57,7 @@ class GroupTable:
         max_context_tokens: int,
         max_step_tokens: int,
         initial_rows: int = 64,
+        ring_power_of_two: bool = False,
     ):
         self.spec = spec
         self.page_tokens = spec.page_tokens
@@ -60,6 +67,8 @@ class GroupTable:
         self.window_tokens = spec.sliding_window_tokens or 0
         if self.sliding:
             self.capacity_pages = cdiv(self.window_tokens - 1 + max_step_tokens, self.page_tokens) + 2
+            if ring_power_of_two:  # the ring column is then a mask, not a modulo
+                self.capacity_pages = 1 << (self.capacity_pages - 1).bit_length()
         else:
             self.capacity_pages = cdiv(max_context_tokens, self.page_tokens)
         rows = max(1, int(initial_rows))
@@ -124,19 +133,29 @@ class GroupTable:
         cols = self._cols(np.repeat(lo, counts) + segment_arange(counts))
         pages = self.pages[rep, cols].astype(np.int64)
         self.pages[rep, cols] = -1
+        self._note(rep, cols)
         return pages
 
     def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
         """Store ``page_ids`` at logical pages ``[lo_r, lo_r + counts_r)``, row-major."""
         if page_ids.size:
             rep = np.repeat(rows, counts)
-            logical = np.repeat(lo, counts) + segment_arange(counts)
-            self.pages[rep, self._cols(logical)] = page_ids
+            cols = self._cols(np.repeat(lo, counts) + segment_arange(counts))
+            self.pages[rep, cols] = page_ids
+            self._note(rep, cols)
 
     def reset_rows(self, rows: np.ndarray) -> None:
+        rows = np.atleast_1d(np.asarray(rows))
+        if self._log is not None:
+            held = self.pages[rows] != -1  # only cells that held a page change
+            self._note(np.repeat(rows, held.sum(axis=1)), np.nonzero(held)[1])
         self.pages[rows] = -1
         self.base[rows] = 0
         self.hi[rows] = 0
+
+    def _note(self, rows: np.ndarray, cols: np.ndarray) -> None:
+        if self._log is not None:
+            self._log((self._log_offset + rows * self._log_stride + cols).ravel())
 
     # --- kernel views ------------------------------------------------------
     def block_table(self, rows: np.ndarray, width: int | None = None) -> np.ndarray:
@@ -173,7 +192,15 @@ class TableSet:
     ``pages[g]``, ``base[g]`` and ``hi[g]`` are group ``g``'s arrays; each
     ``GroupTable`` in ``tables`` is bound to views of them, so per-group code
     (prefix publishing, rewind, free) and whole-step code see the same state.
+
+    While ``log`` is a list, every cell any mutation touches is logged (as a flat
+    index into ``pages``); ``drain_updates`` hands out those cells with their
+    current page ids, which is all a mirror of ``pages`` needs. ``stop_log``
+    turns logging off; the next drain after a start is a resync: every live
+    cell, and a flag telling the mirror to clear first.
     """
+
+    single_page_cells = True  # the decode shortcut of _flat_ranges (tests compare both ways)
 
     def __init__(
         self,
@@ -184,7 +211,8 @@ class TableSet:
         initial_rows: int = 64,
     ):
         self.tables = [
-            GroupTable(s, max_context_tokens=max_context_tokens, max_step_tokens=max_step_tokens, initial_rows=1)
+            GroupTable(s, max_context_tokens=max_context_tokens, max_step_tokens=max_step_tokens, initial_rows=1,
+                       ring_power_of_two=True)
             for s in specs
         ]
         t = self.tables
@@ -203,17 +231,80 @@ class TableSet:
             self._shifts = (
                 np.log2(self.stride_tokens).astype(np.int64)[:, None],
                 np.log2(self.rows_per_page).astype(np.int64)[:, None],
+                (self.stride_tokens - 1)[:, None],
+                (self.rows_per_page - 1)[:, None],
             )
+        # Columns for [G, R] step arithmetic. A full-history group never releases: its
+        # window is made so large that the release floor is always 0.
+        self._window_less_one = np.where(self.sliding, self.window_tokens - 1, 2**62)[:, None]
+        self._tokens_less_one = (self.page_tokens - 1)[:, None]
+        self._tokens = self.page_tokens[:, None]
+        # int64 floor division costs ~4 ns an element; V4's page spans are powers of two.
+        self._tokens_shift = np.log2(self.page_tokens).astype(np.int64)[:, None] if pow2(self.page_tokens) else None
+        # Ring column of a logical page: ``& (capacity - 1)`` (rings are powers of two);
+        # full-history pages stay below capacity, so their mask keeps every bit.
+        self._column_mask = np.where(self.sliding, self.capacity_pages - 1, -1)
+        self._column_mask_col = self._column_mask[:, None]
         self.pages = np.full((len(t), max(1, int(initial_rows)), int(self.capacity_pages.max())), -1, np.int32)
         self.base = np.zeros(self.pages.shape[:2], dtype=np.int64)
         self.hi = np.zeros(self.pages.shape[:2], dtype=np.int64)
+        self.log: list[np.ndarray] | None = None
+        self._resync = False
         self._bind()
 
     def _bind(self) -> None:
+        _, rows_cap, cap_max = self.pages.shape
+        self._group_cells = self.group_index[:, None] * (rows_cap * cap_max)  # flat start of each group
         for g, table in enumerate(self.tables):
             table.pages = self.pages[g, :, : table.capacity_pages]
             table.base = self.base[g]
             table.hi = self.hi[g]
+            table._log = None if self.log is None else self._log_cells
+            table._log_offset = g * rows_cap * cap_max
+            table._log_stride = cap_max
+
+    # --- touched-cell log (incremental block tables) ------------------------
+    def start_log(self) -> None:
+        """Log touched cells from now on (the next drain is a resync)."""
+        if self.log is None:
+            self.log = []
+            self._resync = True
+            self._bind()
+
+    def stop_log(self) -> None:
+        """Stop logging (full-mode steps): mutations cost nothing extra until the next start."""
+        if self.log is not None:
+            self.log = None
+            self._bind()
+
+    def _log_cells(self, index: np.ndarray) -> None:
+        log = self.log
+        if log is not None:
+            log.append(index)
+            if len(log) > 512:  # many mutations between two drains: keep it bounded
+                log[:] = [np.unique(np.concatenate(log))]
+
+    def drain_updates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
+        """(group, row, column, page id, reset): every cell touched since the last drain
+        with the page id it holds now (-1: empty; a cell may appear twice); after a
+        (re)start of the log, every live cell instead and ``reset`` True."""
+        log = self.log
+        reset = self._resync
+        if reset:
+            # Every cell outside [base, hi) is -1: the live ranges are the whole store.
+            rows = np.arange(self.pages.shape[1])
+            index, _ = self._flat_ranges(rows, self.base, self.hi - self.base)
+            self._resync = False
+        elif not log:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty, np.zeros(0, dtype=np.int32), False
+        else:
+            index = log[0] if len(log) == 1 else np.concatenate(log)
+        log.clear()
+        _, rows_cap, cap_max = self.pages.shape
+        group, cell = np.divmod(index, rows_cap * cap_max)
+        row, column = np.divmod(cell, cap_max)
+        return group, row, column, self.pages.reshape(-1)[index], reset
 
     def ensure_rows(self, rows: int) -> None:
         have = self.pages.shape[1]
@@ -223,6 +314,10 @@ class TableSet:
         pages = np.full((self.pages.shape[0], new, self.pages.shape[2]), -1, dtype=np.int32)
         pages[:, :have] = self.pages
         grow = np.zeros((self.pages.shape[0], new - have), dtype=np.int64)
+        if self.log:
+            # Logged flat indices move with the wider rows dimension.
+            group, cell = np.divmod(np.concatenate(self.log), have * self.pages.shape[2])
+            self.log[:] = [group * (new * self.pages.shape[2]) + cell]
         self.pages = pages
         self.base = np.concatenate([self.base, grow], axis=1)
         self.hi = np.concatenate([self.hi, grow], axis=1)
@@ -230,64 +325,84 @@ class TableSet:
 
     def plan(self, rows: np.ndarray, first: np.ndarray, end: np.ndarray):
         """``[G, R]`` arrays for a step writing tokens ``[first, end)`` per row (pure):
-        current base and hi, the base after release, pages needed, pages to allocate."""
-        tokens = self.page_tokens[:, None]
-        base, hi = self.base[:, rows], self.hi[:, rows]
-        keep_from = release_floor(first[None, :], self.window_tokens[:, None], tokens)
-        new_base = np.where(self.sliding[:, None], np.maximum(base, np.minimum(keep_from, hi)), base)
-        need_hi = pages_needed(end[None, :], tokens)
-        alloc = np.maximum(need_hi - np.maximum(hi, new_base), 0)
+        current base and hi, the base after release, pages needed, pages to allocate.
+
+        Same rules as ``release_floor`` and ``pages_needed``, in fewer numpy calls."""
+        base, hi = self.base.take(rows, axis=1), self.hi.take(rows, axis=1)
+        keep_from = np.maximum(first - self._window_less_one, 0)
+        need_hi = end + self._tokens_less_one
+        if self._tokens_shift is not None:
+            keep_from >>= self._tokens_shift
+            need_hi >>= self._tokens_shift
+        else:
+            keep_from //= self._tokens
+            need_hi //= self._tokens
+        new_base = np.maximum(base, np.minimum(keep_from, hi))
+        # base <= hi always, so new_base <= hi: new pages start at hi. Pages needed can
+        # fall below hi only after a rewind emptied the window (hi == base).
+        alloc = np.maximum(need_hi - hi, 0)
         return base, hi, new_base, need_hi, alloc
 
-    def _flat_ranges(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray):
-        """Index arrays of logical pages ``[lo[g, r], hi[g, r])``, group-major, and the
-        number of pages per group."""
-        counts = np.maximum(hi - lo, 0)
-        flat = counts.ravel()
-        # Per (group, request) cell: the flat offset of its row and its ring size
-        # (0 for full-history groups, whose column is the logical page itself).
-        _, rows_cap, cap_max = self.pages.shape
-        row_start = ((self.group_index[:, None] * rows_cap + rows[None, :]) * cap_max).ravel()
-        ring = np.repeat(np.where(self.sliding, self.capacity_pages, 0), rows.size)
-        logical = np.repeat(lo.ravel(), flat) + segment_arange(flat)
-        ring_rep = np.repeat(ring, flat)
-        cols = np.where(ring_rep > 0, logical % np.maximum(ring_rep, 1), logical)
-        return np.repeat(row_start, flat) + cols, counts.sum(axis=1)
+    def row_cells(self, rows: np.ndarray) -> np.ndarray:
+        """``[G, R]`` flat index of column 0 of each row in each group (valid until rows grow)."""
+        return rows * self.pages.shape[2] + self._group_cells
 
-    def take(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> list[np.ndarray]:
-        """Forget logical pages ``[lo, hi)`` of every group; their ids per group, row-major."""
-        index, per_group = self._flat_ranges(rows, lo, hi)
+    def _flat_ranges(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, row_cells=None):
+        """Flat indices into ``pages`` of logical pages ``[lo[g, r], lo[g, r] + counts[g, r])``,
+        group-major then row order, and the number of pages per group."""
+        per_group = counts.sum(axis=1)
+        _, rows_cap, cap_max = self.pages.shape
+        if self.single_page_cells and counts.max() <= 1:
+            # At most one page per cell (a decode step): mask the [G, R] cell indices.
+            cells = (lo & self._column_mask_col) + (self.row_cells(rows) if row_cells is None else row_cells)
+            return cells[counts.astype(bool)], per_group
+        flat = counts.ravel()
+        row_start = ((self.group_index[:, None] * rows_cap + rows[None, :]) * cap_max).ravel()
+        mask = np.repeat(self._column_mask, rows.size)
+        logical = np.repeat(lo.ravel(), flat) + segment_arange(flat)
+        return np.repeat(row_start, flat) + (logical & np.repeat(mask, flat)), per_group
+
+    def take(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray | None = None, *,
+             counts: np.ndarray | None = None, row_cells: np.ndarray | None = None) -> list[np.ndarray]:
+        """Forget logical pages ``[lo, hi)`` (or ``[lo, lo + counts)``) of every group;
+        their ids per group, row-major."""
+        if counts is None:
+            counts = np.maximum(hi - lo, 0)
+        index, per_group = self._flat_ranges(rows, lo, counts, row_cells)
         flat = self.pages.reshape(-1)
         pages = flat[index].astype(np.int64)
         flat[index] = -1
-        return np.split(pages, np.cumsum(per_group)[:-1])
+        self._log_cells(index)
+        ends = np.cumsum(per_group).tolist()
+        return [pages[a:b] for a, b in zip([0] + ends, ends)]
 
-    def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
+    def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray,
+              row_cells: np.ndarray | None = None) -> None:
         """Store ``page_ids`` (group-major, row-major) at logical pages ``[lo, lo + counts)``."""
-        index, _ = self._flat_ranges(rows, lo, lo + counts)
+        index, _ = self._flat_ranges(rows, lo, counts, row_cells)
         self.pages.reshape(-1)[index] = page_ids
+        self._log_cells(index)
 
-    def write_slots(self, token_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """int64 ``[G, N]`` slots of every group for the scheduled tokens (-1: no row)."""
+    def write_slots(self, token_rows: np.ndarray, positions: np.ndarray, row_cells=None) -> np.ndarray:
+        """int64 ``[G, N]`` slots of every group for the scheduled tokens (-1: no row);
+        ``row_cells``: ``self.row_cells(token_rows)`` if the caller has it."""
         stride = self.stride_tokens[:, None]
         per_page = self.rows_per_page[:, None]
+        pos = positions[None, :]
         if self._shifts is not None:
-            stride_shift, page_shift = self._shifts
-            entry = positions[None, :] >> stride_shift
+            stride_shift, page_shift, stride_mask, page_mask = self._shifts
+            entry = pos >> stride_shift
             logical = entry >> page_shift
-            row_in_page = entry & (per_page - 1)
-            off_boundary = ((positions[None, :] + 1) & (stride - 1)) != 0
+            entry &= page_mask  # the row within the page
+            off_boundary = ((pos + 1) & stride_mask) != 0  # never for stride 1
         else:
-            entry = positions[None, :] // stride
+            entry = pos // stride
             logical = entry // per_page
-            row_in_page = entry % per_page
-            off_boundary = (positions[None, :] + 1) % stride != 0
-        sliding = np.flatnonzero(self.sliding)
-        if sliding.size:
-            logical[sliding] %= self.capacity_pages[sliding, None]
-        _, rows_cap, cap_max = self.pages.shape
-        row_start = (self.group_index[:, None] * rows_cap + token_rows[None, :]) * cap_max
-        page = self.pages.reshape(-1)[row_start + logical].astype(np.int64)
-        slots = page * per_page + row_in_page
-        slots[(stride > 1) & off_boundary] = -1
+            entry %= per_page
+            off_boundary = (pos + 1) % stride != 0
+        logical &= self._column_mask_col
+        logical += self.row_cells(token_rows) if row_cells is None else row_cells
+        slots = self.pages.reshape(-1).take(logical) * per_page  # int32 * int64 -> int64
+        slots += entry
+        np.putmask(slots, off_boundary, -1)
         return slots

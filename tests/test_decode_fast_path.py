@@ -1,0 +1,150 @@
+"""The decode shortcuts give the same step as the general path.
+
+``fast`` runs with every shortcut (uniform-count validation, single-page cells in
+the stacked ranges, decode batch arrays without repeat); ``general`` has them
+switched off. Both get the same calls; every ``StepBatch`` array must match.
+Prompts end just below page and block boundaries, so decode steps cross page
+boundaries in every group and release sliding pages.
+"""
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import event, given, settings
+
+from hybridkv.manager import CacheManager, CacheManagerError
+from test_table_updates import CONFIGS
+
+
+def pair(config, caching, seed):
+    specs, pages, ctx, step = CONFIGS[config]
+    out = []
+    for fast in (True, False):
+        m = CacheManager(specs, pages, max_context_tokens=ctx, max_step_tokens=step, shuffle_seed=seed,
+                         enable_prefix_caching=caching, prefix_granularity=256 if config == "v4" else 60)
+        if not fast:
+            m._fast_paths = False
+            m._tableset.single_page_cells = False
+        out.append(m)
+    return out
+
+
+def same(a, b):
+    assert a.request_ids == b.request_ids
+    for name in ("num_scheduled_tokens", "query_start_loc", "positions", "request_indices", "table_rows"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and np.array_equal(x, y), name
+    for gid, gb in b.groups.items():
+        ga = a.groups[gid]
+        for name in ("block_table", "base_pages", "write_slots"):
+            x, y = getattr(ga, name), getattr(gb, name)
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert x.dtype == y.dtype and np.array_equal(x, y), (gid, name)
+
+
+def on_both(managers, method, *args, **kwargs):
+    results, errors = [], []
+    for m in managers:
+        try:
+            results.append(getattr(m, method)(*args, **kwargs))
+            errors.append(None)
+        except CacheManagerError as exc:
+            results.append(None)
+            errors.append(str(exc))
+    assert errors[0] == errors[1]
+    return results, errors[0]
+
+
+@settings(max_examples=50, deadline=None)
+@given(config=st.sampled_from(sorted(CONFIGS)), caching=st.booleans(), seed=st.sampled_from([None, 5]),
+       data=st.data())
+def test_fast_path_equals_general_path(config, caching, seed, data):
+    managers = pair(config, caching, seed)
+    specs, _, ctx, step_limit = CONFIGS[config]
+    big = max(s.page_tokens for s in specs)
+    rng = np.random.default_rng(data.draw(st.integers(0, 999), label="rng"))
+    live = {}
+    crossed = set()
+    for i in range(data.draw(st.integers(1, 4), label="requests")):
+        # Just below a boundary of the widest page span: decode crosses every group's pages.
+        blocks = data.draw(st.integers(1, max(1, (ctx - 40) // big)), label="blocks")
+        prompt = max(1, blocks * big - data.draw(st.integers(1, 6), label="short"))
+        ids = rng.integers(0, 30, prompt).astype(np.int32)
+        rid = f"r{i}"
+        _, err = on_both(managers, "add_request", rid, ids, max_new_tokens=30)
+        if err is None:
+            live[rid] = prompt
+    while live:  # prefill every prompt
+        todo = [(rid, min(step_limit, p - managers[0].num_computed_tokens(rid))) for rid, p in live.items()
+                if managers[0].num_computed_tokens(rid) < p]
+        if not todo:
+            break
+        batches, err = on_both(managers, "schedule", todo)
+        if err is not None:
+            return
+        same(*batches)
+    for _ in range(data.draw(st.integers(1, 24), label="steps")):
+        kind = data.draw(st.sampled_from(["decode", "decode", "verify", "mixed", "subset"]), label="kind")
+        rids = sorted(live)
+        if kind == "subset":
+            rids = data.draw(st.lists(st.sampled_from(sorted(live)), min_size=1, unique=True), label="subset")
+        k = data.draw(st.integers(2, 4), label="k") if kind == "verify" else 1
+        counts = [data.draw(st.integers(1, 3), label="n") if kind == "mixed" else k for _ in rids]
+        items = [(rid, n) for rid, n in zip(rids, counts)]
+        for rid, n in items:
+            ids = rng.integers(0, 30, n).astype(np.int32)
+            on_both(managers, "append_token_ids", rid, ids)
+        before = [{s.group_id: m.tables[s.group_id].hi[[m._requests[r].row for r in rids]].copy() for s in specs}
+                  for m in managers[:1]][0]
+        batches, err = on_both(managers, "schedule", items)
+        if err is not None:
+            event("step refused (same reason on both)")
+            break
+        same(*batches)
+        for s in specs:
+            if (managers[0].tables[s.group_id].hi[[managers[0]._requests[r].row for r in rids]] > before[s.group_id]).any():
+                crossed.add(s.group_id)
+        if kind == "verify":
+            keep = [(rid, managers[0].num_computed_tokens(rid) - data.draw(st.integers(0, k), label="rej"))
+                    for rid in rids]
+            on_both(managers, "rewind_many", keep)
+    event(f"groups crossing a page boundary while decoding: {len(crossed)} of {len(specs)}")
+    for m in managers:
+        m.check_invariants()
+
+
+def test_decode_crosses_every_group_and_matches():
+    """A deterministic case: 300 decode steps from just below a block boundary."""
+    managers = pair("v4", True, 5)
+    specs = CONFIGS["v4"][0]
+    for i, prompt in enumerate((250, 509)):
+        on_both(managers, "add_request", f"r{i}", np.arange(prompt, dtype=np.int32) % 40, max_new_tokens=300)
+        while managers[0].num_computed_tokens(f"r{i}") < prompt:
+            n = min(64, prompt - managers[0].num_computed_tokens(f"r{i}"))
+            same(*on_both(managers, "schedule", [(f"r{i}", n)])[0])
+    allocated = {s.group_id: managers[0].stats()[s.group_id].allocated_pages for s in specs}
+    released = {s.group_id: managers[0].stats()[s.group_id].released_pages for s in specs}
+    for _ in range(300):
+        for rid in ("r0", "r1"):
+            on_both(managers, "append_token_ids", rid, [7])
+        same(*on_both(managers, "schedule", [("r0", 1), ("r1", 1)])[0])
+    stats = managers[0].stats()
+    for s in specs:
+        assert stats[s.group_id].allocated_pages > allocated[s.group_id], s.group_id
+        if s.is_sliding:
+            assert stats[s.group_id].released_pages > released[s.group_id], s.group_id
+
+
+def test_bool_and_float_counts_are_refused_in_a_decode_batch():
+    specs, pages, ctx, step = CONFIGS["odd"]
+    m = CacheManager(specs, pages, max_context_tokens=ctx, max_step_tokens=step)
+    for rid in ("a", "b"):
+        m.add_request(rid, prompt_tokens=4, max_new_tokens=4)
+    m.schedule([("a", 4), ("b", 4)])
+    for bad in (True, 1.0):
+        with pytest.raises(CacheManagerError, match="token count must be an int"):
+            m.schedule([("a", 1), ("b", bad)])
+        assert m.num_computed_tokens("a") == 4 and m.num_computed_tokens("b") == 4
+    batch = m.schedule([("a", np.int64(1)), ("b", 1)])  # numpy ints are counts
+    assert batch.num_scheduled_tokens.tolist() == [1, 1]

@@ -1,0 +1,279 @@
+"""Incremental block tables: a mirror fed ``block_tables="updates"`` batches yields the full-mode tables.
+
+Two managers get the same calls: ``full`` always schedules in full mode (the
+oracle); ``inc`` schedules mostly in updates mode (sometimes full, whose changes
+the next updates batch must carry) and a ``BlockTableMirror`` applies its
+batches. Random programs mix new requests (prefix hits when caching is on),
+prefill chunks, decode, speculative verify with ``rewind_many``, free, denied
+steps and cache clears.
+"""
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import event, given, settings
+
+from hybridkv.manager import CacheManager, CacheManagerError
+from hybridkv.mirror import BlockTableMirror
+from hybridkv.models.deepseek_v4 import build_v4_cache_specs
+from hybridkv.spec import CacheGroupSpec
+
+V4_SPECS = build_v4_cache_specs({"sliding_window": 16}, layer_ratio=[0, 4, 128])
+V4_PAGES = {
+    "v4.swa_kv": 30,
+    "v4.c4a.compressor_state": 120,
+    "v4.c4a.compressed_kv": 14,
+    "v4.c128a.compressor_state": 160,
+    "v4.c128a.compressed_kv": 14,
+    "v4.c4a.indexer_compressor_state": 120,
+}
+ODD_SPECS = [
+    CacheGroupSpec("s7", "sliding_window", rows_per_page=3, entry_stride_tokens=1, sliding_window_tokens=7),
+    CacheGroupSpec("s6x2", "sliding_window", rows_per_page=2, entry_stride_tokens=2, sliding_window_tokens=6),
+    CacheGroupSpec("f10", "full_history", rows_per_page=2, entry_stride_tokens=5),
+    CacheGroupSpec("f3", "full_history", rows_per_page=3, entry_stride_tokens=1),
+]
+ODD_PAGES = {"s7": 30, "s6x2": 30, "f10": 30, "f3": 90}
+CONFIGS = {"v4": (V4_SPECS, V4_PAGES, 1500, 64), "odd": (ODD_SPECS, ODD_PAGES, 90, 12)}
+
+
+def build(config, caching, seed):
+    specs, pages, ctx, step = CONFIGS[config]
+    # Capture widths one past the ring capacity exercise the padded columns.
+    probe = CacheManager(specs, pages, max_context_tokens=ctx, max_step_tokens=step)
+    widths = {gid: t.capacity_pages + 1 for gid, t in probe.tables.items()}
+    return [
+        CacheManager(specs, pages, max_context_tokens=ctx, max_step_tokens=step, table_widths=widths,
+                     shuffle_seed=seed, enable_prefix_caching=caching, prefix_granularity=256 if config == "v4" else 60)
+        for _ in range(2)
+    ]
+
+
+def same_batch(a, b, mirror=None):
+    assert a.request_ids == b.request_ids
+    for name in ("num_scheduled_tokens", "query_start_loc", "positions", "request_indices", "table_rows"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    for gid, gb in b.groups.items():
+        ga = a.groups[gid]
+        assert np.array_equal(ga.write_slots, gb.write_slots), gid
+        assert (ga.base_pages is None) == (gb.base_pages is None)
+        if gb.base_pages is not None:
+            assert np.array_equal(ga.base_pages, gb.base_pages), gid
+        table = mirror.block_table(gid) if mirror is not None else ga.block_table
+        assert table.dtype == np.int32 and gb.block_table.dtype == np.int32
+        assert table.shape == gb.block_table.shape, (gid, table.shape, gb.block_table.shape)
+        assert np.array_equal(table, gb.block_table), gid
+
+
+def both(call, *args, **kwargs):
+    """Run the same call on both managers; both succeed or both raise."""
+    out, errors = [], []
+    for m in call:
+        try:
+            out.append(m(*args, **kwargs))
+            errors.append(None)
+        except CacheManagerError as exc:
+            out.append(None)
+            errors.append(str(exc))
+    assert (errors[0] is None) == (errors[1] is None), errors
+    return out, errors[0]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    config=st.sampled_from(sorted(CONFIGS)),
+    caching=st.booleans(),
+    seed=st.sampled_from([None, 3]),
+    data=st.data(),
+)
+def test_mirror_reproduces_full_tables(config, caching, seed, data):
+    inc, full = build(config, caching, seed)
+    mirror = BlockTableMirror.for_manager(inc)
+    _, _, ctx, step_limit = CONFIGS[config]
+    grain = 256 if config == "v4" else 60
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="rng"))
+    shared = rng.integers(0, 50, ctx)  # common prefix material, so caching gets hits
+    live: dict[str, dict] = {}
+    seen: list[np.ndarray] = []  # prompts added so far
+    hit_rids: set[str] = set()
+    next_id, updates_seen = 0, False
+    last_step: dict[str, tuple[int, int]] = {}  # rid -> (first, end) of its last step
+    def step(rids, full_chunks):
+        """Schedule ``rids`` on both managers and compare; False if refused."""
+        nonlocal last_step, updates_seen
+        items = []
+        for rid in rids:
+            req = live[rid]
+            done = inc.num_computed_tokens(rid)
+            if done < req["prompt"]:
+                chunk = step_limit if full_chunks else data.draw(st.integers(1, step_limit), label="chunk")
+                n = min(chunk, req["prompt"] - done)
+            else:
+                left = req["total"] - done
+                if left == 0:
+                    continue
+                n = data.draw(st.integers(1, min(4, left)), label="decode")
+                extra = done + n - req["known"]
+                if extra > 0:
+                    more = rng.integers(0, 100, extra)
+                    inc.append_token_ids(rid, more)
+                    full.append_token_ids(rid, more)
+                    req["known"] += extra
+            items.append((rid, n))
+        if not items:
+            return False
+        # The first step starts the log (later hits must then travel as updates).
+        mode = data.draw(st.sampled_from(["updates", "updates", "updates", "full"]), label="mode") if updates_seen else "updates"
+        fixed = data.draw(st.booleans(), label="fixed_width")
+        firsts = {rid: inc.num_computed_tokens(rid) for rid, _ in items}
+        (a, b), err = both(
+            [lambda: inc.schedule(items, fixed_width=fixed, block_tables=mode),
+             lambda: full.schedule(items, fixed_width=fixed)]
+        )
+        if err is not None:
+            event("step refused")
+            return False
+        last_step = {rid: (firsts[rid], firsts[rid] + n) for rid, n in items}
+        event(f"step in {mode} mode")
+        if mode == "updates":
+            assert b.table_updates is None and a.table_updates is not None
+            mirror.apply(a)
+            updates_seen = True
+            if hit_rids & {rid for rid, _ in items}:
+                event("updates step with a request that hit")
+            same_batch(a, b, mirror)
+        else:
+            same_batch(a, b)
+        return True
+
+    def add(ids, max_new):
+        nonlocal next_id
+        rid = f"r{next_id}"
+        next_id += 1
+        hits, err = both([inc.add_request, full.add_request], rid, ids, max_new_tokens=max_new)
+        if err is not None:
+            return None
+        assert hits[0].hit_tokens == hits[1].hit_tokens
+        if hits[0].hit_tokens:
+            event("prefix hit")
+            hit_rids.add(rid)
+        live[rid] = dict(prompt=ids.size, total=ids.size + max_new, known=ids.size)
+        return rid
+
+    for _ in range(data.draw(st.integers(8, 40), label="ops")):
+        ops = ["add", "add", "step", "step", "step", "prefill", "turn", "rewind", "free", "clear"]
+        op = data.draw(st.sampled_from(ops))
+        if op == "add" and len(live) < 5:
+            long = st.integers(grain + 1, min(ctx - 20, 3 * grain))  # long enough to be hit
+            prompt = data.draw(st.one_of(st.integers(1, 40), long), label="prompt")
+            max_new = data.draw(st.integers(0, 16), label="max_new")
+            source = data.draw(st.sampled_from(["fresh", "shared", "resume", "resume"]), label="source")
+            if source == "resume" and seen:  # an earlier prompt plus a new turn
+                ids = seen[data.draw(st.integers(0, len(seen) - 1), label="earlier")]
+                ids = np.concatenate([ids, rng.integers(50, 100, 1 + prompt // 4)])[: ctx - 20]
+                prompt = ids.size
+            else:
+                keep = prompt if source == "shared" else 0
+                ids = np.concatenate([shared[:keep], rng.integers(50, 100, prompt - keep)])
+            ids = ids.astype(np.int32)
+            seen.append(ids)
+            add(ids, max_new)
+        elif op == "turn" and caching and len(live) < 4:
+            # A whole prompt, one decode step (its blocks commit), then a new turn of the same
+            # conversation: the second request hits and borrows pages between two updates steps.
+            prompt = data.draw(st.integers(grain + 1, min(ctx - 20, 3 * grain)), label="turn prompt")
+            ids = rng.integers(0, 100, prompt).astype(np.int32)
+            first = add(ids, 4)
+            while first and inc.num_computed_tokens(first) < prompt and step([first], True):
+                pass
+            if first and step([first], True):
+                add(np.concatenate([ids, rng.integers(0, 100, 9)]).astype(np.int32), 4)
+        elif op == "step" and live:
+            everyone = st.permutations(sorted(live))
+            subset = st.lists(st.sampled_from(sorted(live)), min_size=1, unique=True)
+            step(data.draw(st.one_of(everyone, subset), label="batch"), data.draw(st.booleans(), label="full chunks"))
+        elif op == "prefill" and live:
+            for _ in range(12):  # whole prompts, a full chunk per step: long histories, hits later
+                todo = [rid for rid in sorted(live) if inc.num_computed_tokens(rid) < live[rid]["prompt"]]
+                if not todo or not step(todo, True):
+                    break
+        elif op == "rewind" and last_step:
+            picks = data.draw(st.lists(st.sampled_from(sorted(last_step)), min_size=1, unique=True), label="rw")
+            targets = [(rid, data.draw(st.integers(*last_step[rid]), label="keep")) for rid in picks]
+            both([inc.rewind_many, full.rewind_many], targets)
+            event("rewind")
+            for rid, keep in targets:
+                last_step[rid] = (last_step[rid][0], keep)
+                live[rid]["known"] = min(live[rid]["known"], max(keep, live[rid]["prompt"]))
+        elif op == "free" and live:
+            rid = data.draw(st.sampled_from(sorted(live)), label="free")
+            both([inc.free, full.free], rid)
+            del live[rid]
+            last_step.pop(rid, None)
+        elif op == "clear":
+            both([inc.clear_prefix_cache, full.clear_prefix_cache])
+    if updates_seen:
+        # The mirror's store equals the manager's store once the log is drained.
+        rows = sorted(inc._requests[r].row for r in live)
+        final = [(r, 1) for r in live if inc.num_computed_tokens(r) < live[r]["total"]]
+        if final:
+            (a, _), err = both([lambda: inc.schedule(final, block_tables="updates"), lambda: full.schedule(final)])
+            if err is None:
+                mirror.apply(a)
+                ts = inc._tableset
+                assert np.array_equal(mirror.store[:, rows, : ts.pages.shape[2]], ts.pages[:, rows])
+    for rid in list(live):
+        inc.free(rid)
+        full.free(rid)
+    inc.check_invariants()
+
+
+def test_resync_after_full_mode_and_small_updates_between():
+    specs, pages, ctx, step = CONFIGS["v4"]
+    m = CacheManager(specs, pages, max_context_tokens=ctx, max_step_tokens=step)
+    m.add_request("a", prompt_tokens=200, max_new_tokens=50)
+    m.add_request("b", prompt_tokens=40, max_new_tokens=50)
+    m.schedule([("a", 64), ("b", 40)])  # full mode: nothing is logged
+    assert m._tableset.log is None
+    mirror = BlockTableMirror.for_manager(m)
+    mirror.store[:] = 77  # stale content a resync must clear
+    first = m.schedule([("a", 64), ("b", 1)], block_tables="updates")
+    assert first.table_updates.reset
+    for step_ in first.groups.values():
+        assert step_.block_table is None
+    store = m._tableset.pages
+    up = first.table_updates
+    held = (up.group * store.shape[1] + up.row) * store.shape[2] + up.column
+    assert set(np.flatnonzero(store.reshape(-1) != -1).tolist()) == set(held.tolist())  # the live cells
+    mirror.apply(first)
+    later = m.schedule([("a", 1), ("b", 1)], block_tables="updates")
+    assert not later.table_updates.reset and 0 < later.table_updates.page.size < 50
+    mirror.apply(later)
+    m.rewind("b", m.num_computed_tokens("b") - 1)
+    m.free("a")
+    m.add_request("c", prompt_tokens=30, max_new_tokens=5)
+    m.schedule([("b", 1), ("c", 30)])  # full mode again: the next updates batch resyncs
+    again = m.schedule([("b", 1), ("c", 1)], block_tables="updates")
+    assert again.table_updates.reset
+    mirror.apply(again)
+    ts = m._tableset
+    seen = min(mirror.store.shape[1], ts.pages.shape[1])
+    assert np.array_equal(mirror.store[:, :seen], ts.pages[:, :seen])
+    assert np.all(ts.pages[:, seen:] == -1)
+
+
+def test_bad_mode_is_refused_and_changes_nothing():
+    specs, pages, ctx, step = CONFIGS["odd"]
+    m = CacheManager(specs, pages, max_context_tokens=ctx, max_step_tokens=step)
+    m.add_request("a", prompt_tokens=5)
+    with pytest.raises(CacheManagerError, match="block_tables"):
+        m.schedule([("a", 5)], block_tables="delta")
+    assert m.num_computed_tokens("a") == 0 and m._tableset.log is None
+
+
+def test_apply_needs_an_updates_batch():
+    specs, pages, ctx, step = CONFIGS["odd"]
+    m = CacheManager(specs, pages, max_context_tokens=ctx, max_step_tokens=step)
+    m.add_request("a", prompt_tokens=5)
+    with pytest.raises(ValueError, match="updates"):
+        BlockTableMirror.for_manager(m).apply(m.schedule([("a", 5)]))
