@@ -156,6 +156,7 @@ class CacheManager:
         )
         self.tables = {s.group_id: t for s, t in zip(self.specs, self._tableset.tables)}
         self._pool_list = [self.pools[s.group_id] for s in self.specs]
+        self._group_ids = ids
         self._version = 0  # bumped by every mutation; keys the admission cache
         self._admitted: tuple | None = None
         self._requests: dict[str, _Request] = {}
@@ -383,7 +384,11 @@ class CacheManager:
                         f"group {gid!r} needs {int(width[k])} table columns, more than the "
                         f"capture width {self.table_widths[gid]}"
                     )
-        avail = {gid: pool.num_free_pages for gid, pool in self.pools.items()}
+        free = [pool.num_free_pages for pool in self._pool_list]
+        if not deny and all(n <= f for n, f in zip(plan.alloc_all.sum(axis=1).tolist(), free)):
+            plan.grants = []  # the common case: every group has the pages, no credit needed
+            return answers, ok_idx, fits[plan.settle :], {}, plan
+        avail = dict(zip(self._group_ids, free))
         arena, scan = self.arena, _Scan()
 
         # Releases all happen before allocations, so only the admitted totals matter;

@@ -155,14 +155,19 @@ class PagePool:
         pages = np.asarray(pages, dtype=np.int64)
         if pages.size == 0:
             return
-        if self.shared_pages:
+        repeated = False
+        if self.shared_pages and pages.size > 1:
+            # Pages may be shared, but one call rarely lists a page twice: check first.
+            ordered = np.sort(pages)
+            repeated = bool((ordered[1:] == ordered[:-1]).any())
+        if repeated:
             np.subtract.at(self.ref_counts, pages, 1)
         else:
             self.ref_counts[pages] -= 1
         zero = pages[self.ref_counts[pages] == 0]
         if zero.size == 0:
             return
-        if self.shared_pages and zero.size > 1:
+        if repeated and zero.size > 1:
             zero = zero[np.sort(np.unique(zero, return_index=True)[1])]
         self.counters.released_pages += int(zero.size)
         keyed = self.cached[zero]
@@ -176,7 +181,8 @@ class PagePool:
         n = pages.size
         if n and self.lowest_first:
             # Two ascending runs: a stable (merge) sort joins them in linear time.
-            merged = np.concatenate([self._stack[: self._top][::-1], np.sort(pages).astype(np.int32, copy=False)])
+            run = pages if n == 1 else np.sort(pages)
+            merged = np.concatenate([self._stack[: self._top][::-1], run.astype(np.int32, copy=False)])
             merged.sort(kind="stable")
             self._top += n
             self._stack[: self._top] = merged[::-1]
