@@ -228,3 +228,47 @@ def test_failed_incref_changes_nothing():
         pool.incref([a, b])
     assert_same_state(before, pool_state(pool))
     pool.check_invariants()
+
+
+# --- lowest-first pools (shared arena) --------------------------------------------------
+def test_lowest_first_hands_out_the_lowest_free_ids_whatever_the_release_order():
+    pool = PagePool("g", 10, lowest_first=True)
+    a = pool.allocate(6)
+    assert a.tolist() == [1, 2, 3, 4, 5, 6]
+    pool.decref(np.array([5, 2]))
+    pool.decref(np.array([6]))
+    assert pool.num_free_pages == 6 and pool.num_clean_free_pages == 6  # pending releases count
+    # A LIFO pool would hand out 6 first; lowest-first gives 2, 5, 6, then 7.
+    assert pool.allocate(4).tolist() == [2, 5, 6, 7]
+    pool.check_invariants()
+
+
+def test_lowest_first_eviction_and_revoke_see_pending_releases():
+    pool = PagePool("g", 6, lowest_first=True)
+    pages = pool.allocate(5)
+    assert pool.publish("k", pages[:2])
+    pool.decref(pages)  # 1, 2 evictable; 3, 4, 5 pending free
+    assert pool.num_free_pages == 5 and pool.num_evictable_pages == 2
+    # 5 pages: the 3 free ones are not enough alone, so the cached entry is evicted.
+    assert pool.allocate(5).tolist() == [1, 2, 3, 4, 5]
+    assert pool.counters.evicted_pages == 2 and pool.num_cached_pages == 0
+    pool.decref(np.array([4, 5]))
+    pool.revoke(np.array([4, 5]))  # pending releases can be revoked
+    assert pool.usable_pages == 3 and sorted(pool.free_page_ids().tolist()) == []
+    pool.check_invariants()
+    with pytest.raises(ValueError, match="no request holds"):
+        pool.revoke(np.array([4]))  # no longer granted
+
+
+def test_grant_starts_empty_pools_and_shuffles_grants_when_seeded():
+    pool = PagePool("g", 9, granted=False)
+    assert pool.usable_pages == 0 and pool.num_free_pages == 0
+    with pytest.raises(PoolExhausted):
+        pool.allocate(1)
+    pool.grant(np.array([4, 5, 6]))
+    assert pool.allocate(3).tolist() == [4, 5, 6]  # first listed on top
+    shuffled = PagePool("g", 9, granted=False, shuffle_seed=3)
+    shuffled.grant(np.arange(1, 9))
+    out = shuffled.allocate(8).tolist()
+    assert sorted(out) == list(range(1, 9)) and out != list(range(1, 9))
+    pool.check_invariants()
