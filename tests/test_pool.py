@@ -272,3 +272,18 @@ def test_grant_starts_empty_pools_and_shuffles_grants_when_seeded():
     out = shuffled.allocate(8).tolist()
     assert sorted(out) == list(range(1, 9)) and out != list(range(1, 9))
     pool.check_invariants()
+
+
+def test_lowest_first_reuses_idle_low_priority_pages_in_id_order():
+    pool = PagePool("g", 10, lowest_first=True, shared_pages=True)
+    low, normal = pool.allocate(2), pool.allocate(2)  # 1, 2 and 3, 4
+    assert pool.publish("low", low, low_priority=True) and pool.publish("normal", normal)
+    pool.decref(low)
+    pool.decref(normal)
+    # Free ids are 5..9. Ids 1, 2 are idle, low priority and lower, so their entry is
+    # evicted and they are reused first; the normal entry (3, 4) stays cached even though
+    # its ids are lower than 5: only low-priority pages count as free for the order.
+    assert pool.allocate(3).tolist() == [1, 2, 5]
+    assert pool.lookup("low") is None and pool.lookup("normal") == (3, 4)
+    assert pool.counters.evicted_pages == 2
+    pool.check_invariants()

@@ -35,6 +35,7 @@ from hybridkv.manager import CacheManager, CacheManagerError
 from hybridkv.models.deepseek_v4 import build_v4_cache_specs
 from hybridkv.models.layout import cache_layout
 from hybridkv.prefix import CacheEvent, PrefixHit
+from hybridkv.pool import PagePool
 
 SPECS = tuple(build_v4_cache_specs(SimpleNamespace(sliding_window=128), layer_ratio=[0, 4, 128]))
 SWA = "v4.swa_kv"
@@ -50,8 +51,11 @@ VOCAB = 129_280
 
 
 def make_manager(pages: int = 1200, *, group_pages: dict[str, int] | None = None, specs=SPECS, **options):
+    """Most tests below work out the base checkpoint policy (latest, junction, interval)
+    by hand, so prompt checkpoints are off unless a test turns them on."""
     sizes = {s.group_id: pages for s in specs}
     sizes.update(group_pages or {})
+    options.setdefault("prompt_checkpoints", False)
     return CacheManager(specs, sizes, max_context_tokens=8192, enable_prefix_caching=True, **options)
 
 
@@ -731,3 +735,74 @@ def test_multiturn_workload_hits_follow_the_rules():
     assert (got <= ideal).all()
     assert int((ideal - got).sum()) == 1792  # only conv1's first turn misses the ideal
     assert mgr.stats()[C4KV].evicted_pages == 0
+
+
+# --- prompt checkpoints (the default) ---------------------------------------------------
+def test_prompt_checkpoints_keep_every_boundary_inside_the_prompt():
+    mgr = make_manager(prompt_checkpoints=True)
+    base = ids(40, 1100)
+    run_request(mgr, "a", base, chunk_tokens=256)
+    ev = mgr.prefix.drain_events()
+    # 256, 512, 768 are superseded as a's latest checkpoint but lie inside its prompt:
+    # demoted to low priority, not removed. The same prompt with the base policy removes them.
+    assert events_of(ev, "stored", C128S) == [256, 512, 768, 1024]
+    assert events_of(ev, "removed", C128S) == []
+    key_512 = stored_key(ev, C128S, 512)
+    assert mgr.pools[C128S].low_priority[list(mgr.pools[C128S].lookup(key_512))].all()
+    hit = mgr.add_request("b", cat(base[:900], ids(41, 100)))
+    assert hit.hit_tokens == 768 and hit.group_hit_tokens == {g: 768 for g in ALL}
+    mgr.check_invariants()
+
+
+def test_prompt_checkpoints_inside_one_prefill_step_and_not_past_the_prompt():
+    mgr = make_manager(prompt_checkpoints=True)
+    prompt = ids(50, 700)
+    # One 700-token step: its commit publishes 256 (inside the prompt, unheld, low priority)
+    # and 512 (the latest, held). Decoding to 1,100 crosses 768 and 1,024 past the prompt:
+    # those are plain latest checkpoints, superseded and removed as before.
+    run_request(mgr, "a", prompt, ids(51, 400), chunk_tokens=2048)
+    ev = mgr.prefix.drain_events()
+    assert events_of(ev, "stored", SWA) == [256, 512, 768, 1024]
+    assert events_of(ev, "removed", SWA) == [768]
+    pool = mgr.pools[SWA]
+    assert pool.low_priority[list(pool.lookup(stored_key(ev, SWA, 256)))].all()
+    assert pool.low_priority[list(pool.lookup(stored_key(ev, SWA, 512)))].all()  # demoted
+    assert not pool.low_priority[list(pool.lookup(stored_key(ev, SWA, 1024)))].any()
+    hit = mgr.add_request("b", cat(prompt[:300], ids(52, 10)))
+    assert hit.hit_tokens == 256
+    mgr.check_invariants()
+
+
+def test_low_priority_entries_are_evicted_before_older_ones():
+    pool = PagePool("g", 8, shared_pages=True)
+    old = pool.allocate(2)
+    new = pool.allocate(2)
+    assert pool.publish("old", old) and pool.publish("new", new, low_priority=True)
+    pool.decref(old)
+    pool.decref(new)  # LRU order would evict "old" first; low priority goes ahead of it
+    pool.allocate(5)  # 3 clean + 2 evicted
+    assert pool.lookup("new") is None and pool.lookup("old") == tuple(old.tolist())
+    # demote moves an entry that is already idle to the front as well
+    pool2 = PagePool("g", 8, shared_pages=True)
+    a, b = pool2.allocate(2), pool2.allocate(2)
+    pool2.publish("a", a), pool2.publish("b", b)
+    pool2.decref(a), pool2.decref(b)
+    pool2.demote("b")
+    pool2.allocate(5)
+    assert pool2.lookup("b") is None and pool2.lookup("a") is not None
+    pool.check_invariants(), pool2.check_invariants()
+
+
+def test_multiturn_workload_reaches_the_256_grain_bound_with_prompt_checkpoints():
+    """The study of bench/prefix_study.py, small: with prompt checkpoints every request
+    hits the ideal 256-grain boundary (conv1's first turn included)."""
+    from hybridkv.sim.workloads import LengthDistribution, ideal_hit_tokens, multiturn_workload
+
+    answers = LengthDistribution(median_tokens=64, sigma=0.5, min_tokens=16, max_tokens=256)
+    requests = multiturn_workload(6, 3, seed=3, answer_lengths=answers)
+    mgr = make_manager(pages=4096, group_pages={C4KV: 1024, C128KV: 1024}, prompt_checkpoints=True)
+    got = np.array([
+        run_request(mgr, r.request_id, r.prompt_token_ids, r.output_token_ids).hit_tokens for r in requests
+    ])
+    assert got.tolist() == ideal_hit_tokens(requests, grain_tokens=256).tolist()
+    mgr.check_invariants()

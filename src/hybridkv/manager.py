@@ -116,6 +116,7 @@ class CacheManager:
         prefix_granularity: int | None = None,
         hash_algo: str = "xxh3_128",
         state_checkpoint_interval: int | None = None,
+        prompt_checkpoints: bool = True,
         on_event: Any = None,
         arena: ArenaGeometry | None = None,
     ):
@@ -173,7 +174,8 @@ class CacheManager:
             self.prefix = PrefixCache(
                 self.specs, self.pools, self.tables,
                 granularity_tokens=prefix_granularity, hash_algo=hash_algo,
-                state_checkpoint_interval=state_checkpoint_interval, on_event=on_event,
+                state_checkpoint_interval=state_checkpoint_interval, prompt_checkpoints=prompt_checkpoints,
+                on_event=on_event,
             )
 
     @classmethod

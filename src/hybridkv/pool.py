@@ -19,6 +19,7 @@ of the states above.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -79,6 +80,11 @@ class PagePool:
         self._granted_pages = 0
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.cached = np.zeros(self.num_pages, dtype=bool)
+        # Keyed pages evicted before all others once idle (speculative prompt checkpoints).
+        self.low_priority = np.zeros(self.num_pages, dtype=bool)
+        # Lowest-first pools: idle low-priority page ids (a min-heap, stale ids skipped),
+        # reused in id order like free pages so they do not push live pages up.
+        self._low_idle: list[int] = []
         self._page_key: dict[int, Hashable] = {}
         self._entries: dict[Hashable, tuple[int, ...]] = {}
         self.on_removed: Callable[[Hashable], None] | None = None
@@ -128,6 +134,8 @@ class PagePool:
             )
         if self._pending and (self._top < count or self._pending_pages > PENDING_MERGE_PAGES):
             self._merge_pending()
+        if self._low_idle:
+            self._evict_low_below(count)
         while self._top < count:
             self._evict_one()
             if self._pending:
@@ -140,6 +148,28 @@ class PagePool:
         if used > self.peak_used_pages:
             self.peak_used_pages = used
         return out
+
+    def _evict_low_below(self, count: int) -> None:
+        """Evict idle low-priority entries holding ids below the ``count`` lowest free
+        ones, so an allocation takes the lowest ids of free and low-priority pages."""
+        heap, evictable, low = self._low_idle, self._evictable, self.low_priority
+        freed = 0
+        while heap and freed < count:
+            bound = self._stack[self._top - count] if self._top >= count else self.num_pages
+            page = heap[0]
+            if page not in evictable or not low[page]:
+                heapq.heappop(heap)  # stale: borrowed, evicted or promoted meanwhile
+                continue
+            if page >= bound:
+                break
+            heapq.heappop(heap)
+            key = self._page_key[page]
+            idle = sum(1 for p in self._entries[key] if self.ref_counts[p] == 0)
+            self.counters.evicted_pages += idle
+            self.unpublish(key)
+            freed += idle
+            if self._pending:
+                self._merge_pending()
 
     def incref(self, pages: np.ndarray | Sequence[int]) -> None:
         """Take one more reference on held or cached pages (a prefix hit borrowing them)."""
@@ -185,6 +215,10 @@ class PagePool:
         if keyed.any():
             for page in zero[keyed][::-1].tolist():
                 self._evictable[page] = None
+                if self.low_priority[page]:
+                    self._evictable.move_to_end(page, last=False)
+                    if self.lowest_first:
+                        heapq.heappush(self._low_idle, page)
             zero = zero[~keyed]
         self._push_free(zero)
 
@@ -261,8 +295,9 @@ class PagePool:
         self._granted_pages -= int(pages.size)
 
     # --- content-keyed entries -------------------------------------------
-    def publish(self, key: Hashable, pages: Sequence[int]) -> bool:
-        """Publish held pages under ``key``; False (and nothing changes) if the key exists."""
+    def publish(self, key: Hashable, pages: Sequence[int], *, low_priority: bool = False) -> bool:
+        """Publish held pages under ``key``; False (and nothing changes) if the key exists.
+        ``low_priority`` entries are evicted before every other once idle."""
         if key in self._entries:
             return False
         pages = tuple(int(p) for p in pages)
@@ -276,7 +311,19 @@ class PagePool:
         for page in pages:
             self._page_key[page] = key
             cached[page] = True
+        if low_priority:
+            self.low_priority[list(pages)] = True
         return True
+
+    def demote(self, key: Hashable) -> None:
+        """Make an entry low priority: its idle pages move to the front of the LRU."""
+        pages = self._entries[key]
+        self.low_priority[list(pages)] = True
+        for page in pages:
+            if page in self._evictable:
+                self._evictable.move_to_end(page, last=False)
+                if self.lowest_first:
+                    heapq.heappush(self._low_idle, page)
 
     def lookup(self, key: Hashable) -> tuple[int, ...] | None:
         return self._entries.get(key)
@@ -285,6 +332,7 @@ class PagePool:
         """Drop an entry; its pages that no request holds go back to the free stack."""
         pages = self._entries.pop(key)
         free = []
+        self.low_priority[list(pages)] = False
         for page in pages:
             del self._page_key[page]
             self.cached[page] = False

@@ -150,6 +150,7 @@ class PrefixCache:
         granularity_tokens: int | None = None,
         hash_algo: str = "xxh3_128",
         state_checkpoint_interval: int | None = None,
+        prompt_checkpoints: bool = True,
         on_event: Callable[[CacheEvent], None] | None = None,
         max_buffered_events: int = 100_000,
     ):
@@ -187,6 +188,7 @@ class PrefixCache:
                 )
             state_checkpoint_interval = n
         self.state_checkpoint_interval = state_checkpoint_interval
+        self.prompt_checkpoints = bool(prompt_checkpoints)
         self.on_event = on_event
         # Without a callback, events wait in a bounded buffer for drain_events();
         # past max_buffered_events the oldest are dropped (and counted).
@@ -297,6 +299,21 @@ class PrefixCache:
             ]
         new_own = []
         row = req.row
+        if self.prompt_checkpoints:
+            # Every boundary inside the prompt is where another request may leave this
+            # one (a shared system prompt, an earlier turn): publish it, unheld and low
+            # priority, so it lives only while no other cached entry has to be evicted.
+            prompt_end = min(req.prompt_tokens, latest - g)
+            for d in range((first_block + 1) * g, prompt_end + 1, g):
+                if d in boundaries:
+                    continue
+                key = hashes.key(d)
+                for gid in self.state_ids:
+                    if self.pools[gid].lookup(key) is None:
+                        self._publish(
+                            gid, row, hashes, d, lo_tokens=max(0, d - self._windows[gid]), key=key,
+                            low_priority=True,
+                        )
         for d in boundaries:
             own = _OwnCheckpoint(d, pinned=d in keep or (interval is not None and d % interval == 0))
             key = hashes.key(d)  # one key names the checkpoint in every state group
@@ -319,13 +336,17 @@ class PrefixCache:
                 left = holders.get(key, 1) - 1
                 if left:
                     holders[key] = left
+                elif self.prompt_checkpoints and prev.boundary_tokens <= req.prompt_tokens:
+                    holders.pop(key, None)
+                    pool.demote(key)  # a prompt boundary: kept like the ones above, low priority
                 else:
                     holders.pop(key, None)
                     pool.unpublish(key)
         req.own_checkpoints = [c for c in req.own_checkpoints if c.pinned] + new_own if req.own_checkpoints else new_own
 
     def _publish(
-        self, gid: str, row: int, hashes: RequestHashes, boundary: int, lo_tokens: int, key: int | None = None
+        self, gid: str, row: int, hashes: RequestHashes, boundary: int, lo_tokens: int, key: int | None = None,
+        low_priority: bool = False,
     ) -> bool:
         pool, table = self.pools[gid], self.tables[gid]
         if key is None:
@@ -336,10 +357,11 @@ class PrefixCache:
         lo, hi = lo_tokens // t, boundary // t
         if lo < table.base[row] or hi > table.hi[row]:
             return False  # rows already slid out (cannot happen when committed each step)
-        return self._publish_pages(gid, hashes, boundary, table.row_pages(row, lo, hi), key)
+        return self._publish_pages(gid, hashes, boundary, table.row_pages(row, lo, hi), key, low_priority)
 
     def _publish_pages(
-        self, gid: str, hashes: RequestHashes, boundary: int, pages: list[int], key: int | None = None
+        self, gid: str, hashes: RequestHashes, boundary: int, pages: list[int], key: int | None = None,
+        low_priority: bool = False,
     ) -> bool:
         pool = self.pools[gid]
         if key is None:
@@ -349,7 +371,7 @@ class PrefixCache:
         cached = pool.cached
         if cached[pages].any() if len(pages) > 4 else any(cached[p] for p in pages):
             return False  # borrowed pages that carry a key
-        pool.publish(key, pages)
+        pool.publish(key, pages, low_priority=low_priority)
         parent = hashes.parent(boundary)
         self._meta[gid][key] = (parent, boundary, len(pages))
         self.stats[gid].stored_entries += 1
