@@ -68,6 +68,7 @@ def main() -> None:
     cached = {}
     for label, options in [
         ("hybridkv, default", {}),
+        ("hybridkv, prompt_checkpoints=True", {"prompt_checkpoints": True}),
         ("hybridkv, state_checkpoint_interval=256", {"state_checkpoint_interval": 256}),
     ]:
         start = time.perf_counter()

@@ -107,6 +107,7 @@ class HybridkvSide:
         enable_prefix_caching: bool = True,
         state_checkpoint_interval: int | None = None,
         page_space: str = "shared",
+        prompt_checkpoints: bool = False,
     ) -> None:
         from hybridkv.manager import CacheManager
         from hybridkv.models.layout import cache_layout
@@ -121,6 +122,7 @@ class HybridkvSide:
             page_space=page_space,
             enable_prefix_caching=enable_prefix_caching,
             state_checkpoint_interval=state_checkpoint_interval if enable_prefix_caching else None,
+            prompt_checkpoints=prompt_checkpoints,
         )
         self.manager_ns: dict[str, int] = {}
 
@@ -451,6 +453,7 @@ class BenchConfig:
     state_checkpoint_interval: int | None = None
     capacity_max_running: int | None = None
     page_space: str = "shared"
+    prompt_checkpoints: bool = False
 
 
 def _make_sides(config: BenchConfig, vllm_factory: Callable[..., Any] | None) -> dict[str, Any]:
@@ -463,7 +466,8 @@ def _make_sides(config: BenchConfig, vllm_factory: Callable[..., Any] | None) ->
     )
     sides: dict[str, Any] = {}
     ours = functools.partial(
-        HybridkvSide, state_checkpoint_interval=config.state_checkpoint_interval, page_space=config.page_space
+        HybridkvSide, state_checkpoint_interval=config.state_checkpoint_interval, page_space=config.page_space,
+        prompt_checkpoints=config.prompt_checkpoints,
     )
     for name, factory in (("vLLM", vllm_factory), ("hybridkv", ours)):
         if factory is None:
@@ -728,6 +732,8 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Path]:
                              "running requests (0: skip)")
     parser.add_argument("--page-space", choices=("shared", "per-group"), default="shared",
                         help="hybridkv's page space for every phase (default shared)")
+    parser.add_argument("--prompt-checkpoints", action="store_true",
+                        help="hybridkv only: keep low-priority checkpoints at every prompt boundary")
     parser.add_argument("--state-checkpoint-interval", type=int, default=None,
                         help="hybridkv only: also keep state checkpoints every N tokens")
     parser.add_argument("--decode-block-tables", choices=("updates", "full"), default="updates",
@@ -761,6 +767,7 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Path]:
         state_checkpoint_interval=args.state_checkpoint_interval,
         capacity_max_running=args.capacity_max_running or None,
         page_space=args.page_space,
+        prompt_checkpoints=args.prompt_checkpoints,
     )
     return config, args.json
 

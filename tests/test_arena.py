@@ -235,3 +235,20 @@ def test_from_plan_page_space_errors():
         CacheManager.from_plan(plan, slab_anchor_pages=4)
     m = CacheManager.from_plan(plan, page_space="shared")
     assert m.arena.geometry.total_bytes <= 2 << 30
+
+
+def test_low_priority_pages_are_packed_only_when_no_slab_is_spare():
+    arena, pools = bare_arena()
+    kv = pools["kv"]
+    arena.apply(arena.plan({"kv": 8}, {}))  # slab 0; three slabs spare
+    low = kv.allocate(2)
+    assert kv.publish("low", low, low_priority=True)
+    kv.decref(low)
+    assert not kv.pack_low_priority()
+    assert kv.allocate(1).tolist() == [4]  # spare slabs left: the cached entry is kept
+    assert kv.lookup("low") == (2, 3)
+    arena.apply(arena.plan({"swa": 15}, {}))  # the other three slabs: nothing spare
+    assert kv.pack_low_priority() and arena.num_spare_slabs == 0
+    assert kv.allocate(1).tolist() == [2]  # now ids 2, 3 are reused in order
+    assert kv.lookup("low") is None
+    arena.check_invariants()

@@ -171,11 +171,17 @@ class Arena:
         self._index = {gid: i for i, gid in enumerate(self.group_ids)}
         self.owner = np.full(geometry.num_slabs, -1, dtype=np.int16)
         self.slab_moves = 0
+        self._spare_count = geometry.num_slabs
+        for pool in self.pools.values():
+            pool.pack_low_priority = self._tight
 
     # --- counts ---------------------------------------------------------------
     @property
     def num_spare_slabs(self) -> int:
-        return int(np.count_nonzero(self.owner < 0))
+        return self._spare_count
+
+    def _tight(self) -> bool:
+        return self._spare_count == 0
 
     def slabs_owned(self) -> dict[str, int]:
         counts = np.bincount(self.owner[self.owner >= 0], minlength=len(self.group_ids))
@@ -286,6 +292,8 @@ class Arena:
                 self.slab_moves += 1
             elif self.owner[slab] >= 0:
                 raise AssertionError(f"slab {slab} is not spare")
+            else:
+                self._spare_count -= 1
             pages = self._pages(gid, slab, self.owner)
             self.owner[slab] = self._index[gid]
             self.pools[gid].grant(pages.astype(np.int32))
@@ -301,6 +309,7 @@ class Arena:
                     continue
                 pool.revoke(pages)
                 self.owner[slab] = -1
+                self._spare_count += 1
                 moved += 1
         return moved
 
@@ -309,6 +318,7 @@ class Arena:
         """Every granted page id lies in slabs its group owns (inner pages, or a
         straddling page whose two slabs it owns), and all such pages are granted:
         so live pages of different groups never share a byte."""
+        assert self._spare_count == int(np.count_nonzero(self.owner < 0)), "spare count drifted"
         for gid in self.group_ids:
             pool, gi = self.pools[gid], self._index[gid]
             lo, hi = self._ranges[gid]

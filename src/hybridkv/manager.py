@@ -116,7 +116,7 @@ class CacheManager:
         prefix_granularity: int | None = None,
         hash_algo: str = "xxh3_128",
         state_checkpoint_interval: int | None = None,
-        prompt_checkpoints: bool = True,
+        prompt_checkpoints: bool = False,
         on_event: Any = None,
         arena: ArenaGeometry | None = None,
     ):

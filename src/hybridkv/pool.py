@@ -85,6 +85,9 @@ class PagePool:
         # Lowest-first pools: idle low-priority page ids (a min-heap, stale ids skipped),
         # reused in id order like free pages so they do not push live pages up.
         self._low_idle: list[int] = []
+        # Set by an arena: reuse low-priority pages in id order only while it returns
+        # True (no spare slab), so they are kept as long as memory is not tight.
+        self.pack_low_priority: Callable[[], bool] = lambda: True
         self._page_key: dict[int, Hashable] = {}
         self._entries: dict[Hashable, tuple[int, ...]] = {}
         self.on_removed: Callable[[Hashable], None] | None = None
@@ -134,7 +137,7 @@ class PagePool:
             )
         if self._pending and (self._top < count or self._pending_pages > PENDING_MERGE_PAGES):
             self._merge_pending()
-        if self._low_idle:
+        if self._low_idle and self.pack_low_priority():
             self._evict_low_below(count)
         while self._top < count:
             self._evict_one()
