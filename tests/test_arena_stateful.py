@@ -15,12 +15,11 @@ freeing everything every slab can go back to the spare list.
 
 import hypothesis.strategies as st
 import numpy as np
-import pytest
 from hypothesis import event, settings
-from hypothesis.stateful import initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant
 
 from hybridkv.arena import arena_geometry
-from hybridkv.manager import CacheManager, CacheManagerError
+from hybridkv.manager import CacheManager
 from test_manager_stateful import CONFIGS, ManagerMachine, snapshot
 
 # Invented page sizes in bytes (distinct, mostly coprime), and budgets near the
@@ -74,50 +73,25 @@ class ArenaMachine(ManagerMachine):
                 slabs += cdiv(short, self.min_slab_pages[s.group_id])
         return slabs <= self.m.arena.num_spare_slabs
 
-    @precondition(lambda self: self.model)
-    @rule(data=st.data())
-    def schedule_one(self, data):
-        rid = data.draw(st.sampled_from(sorted(self.model)), label="rid")
-        n = self.step_tokens(data, rid)
-        if n == 0:
-            return
-        before = snapshot(self.m), self.m.arena.owner.tolist()
-        [adm] = self.m.check_admission([(rid, n)])
-        assert (snapshot(self.m), self.m.arena.owner.tolist()) == before
+    def state(self):
+        return snapshot(self.m), self.m.arena.owner.tolist()
+
+    def check_single_answer(self, rid, n, adm):
         if self.surely_fits([(rid, n)]):
             assert adm.ok, adm.reason
-        event("single request denied" if not adm.ok else "single request admitted")
-        if adm.ok:
-            self.run_step([(rid, n)])
-        else:
-            assert "shared arena" in adm.reason
-            with pytest.raises(CacheManagerError, match="not admissible"):
-                self.m.schedule([(rid, n)])
-            assert (snapshot(self.m), self.m.arena.owner.tolist()) == before
 
-    @precondition(lambda self: self.model)
-    @rule(data=st.data())
-    def schedule_batch(self, data):
-        rids = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1, unique=True), label="batch")
-        items = [(rid, n) for rid in rids for n in [self.step_tokens(data, rid)] if n > 0]
-        if not items:
-            return
-        before = snapshot(self.m), self.m.arena.owner.tolist()
-        answers = self.m.check_admission(items)
-        assert (snapshot(self.m), self.m.arena.owner.tolist()) == before
+    def check_refusal_reason(self, reason):
+        assert "shared arena" in reason
+
+    def check_batch_answers(self, items, answers):
         if self.surely_fits(items):
             assert all(a.ok for a in answers), [a.reason for a in answers]
-        admitted = [item for item, a in zip(items, answers) if a.ok]
-        event(f"batch: {len(admitted)} of {len(items)} admitted")
-        if len(admitted) < len(items):
-            with pytest.raises(CacheManagerError, match="not admissible"):
-                self.m.schedule(items)
-            assert (snapshot(self.m), self.m.arena.owner.tolist()) == before
-        if admitted:
-            moved = self.m.arena.slab_moves
-            self.run_step(admitted)
-            if self.m.arena.slab_moves > moved:
-                event("a slab moved between groups")
+
+    def run_step(self, items):
+        moved = self.m.arena.slab_moves
+        super().run_step(items)
+        if self.m.arena.slab_moves > moved:
+            event("a slab moved between groups")
 
     @invariant()
     def tables_match_the_model(self):

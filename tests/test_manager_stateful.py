@@ -120,6 +120,21 @@ class ManagerMachine(RuleBasedStateMachine):
     def fits_alone(self, rid, n):
         return all(self.net_pages([(rid, n)], s) <= self.model_free(s) for s in self.specs)
 
+    # --- admission checks (the arena machine overrides these) -------------------------
+    def state(self):
+        return snapshot(self.m)
+
+    def check_single_answer(self, rid, n, adm):
+        assert adm.ok == self.fits_alone(rid, n), adm.reason
+
+    def check_refusal_reason(self, reason):
+        assert reason
+
+    def check_batch_answers(self, items, answers):
+        # Releases precede allocations: a batch whose net total fits is admitted whole.
+        if all(self.net_pages(items, s) <= self.model_free(s) for s in self.specs):
+            assert all(a.ok for a in answers), [a.reason for a in answers]
+
     def step_tokens(self, data, rid):
         req = self.model[rid]
         if req.computed < req.prompt:
@@ -156,18 +171,18 @@ class ManagerMachine(RuleBasedStateMachine):
         n = self.step_tokens(data, rid)
         if n == 0:
             return
-        before = snapshot(self.m)
+        before = self.state()
         [adm] = self.m.check_admission([(rid, n)])
-        assert snapshot(self.m) == before
-        assert adm.ok == self.fits_alone(rid, n), adm.reason
+        assert self.state() == before
+        self.check_single_answer(rid, n, adm)
         event("single request denied" if not adm.ok else "single request admitted")
         if adm.ok:
             self.run_step([(rid, n)])
         else:
-            assert adm.reason
+            self.check_refusal_reason(adm.reason)
             with pytest.raises(CacheManagerError, match="not admissible"):
                 self.m.schedule([(rid, n)])
-            assert snapshot(self.m) == before
+            assert self.state() == before
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
@@ -179,21 +194,18 @@ class ManagerMachine(RuleBasedStateMachine):
         items = [(rid, n) for rid in rids for n in [self.step_tokens(data, rid)] if n > 0]
         if not items:
             return
-        before = snapshot(self.m)
+        before = self.state()
         answers = self.m.check_admission(items)
-        assert snapshot(self.m) == before
+        assert self.state() == before
         assert len(answers) == len(items)
-        # Releases precede allocations: a batch whose net total fits is admitted whole.
-        net_fits = all(self.net_pages(items, s) <= self.model_free(s) for s in self.specs)
-        if net_fits:
-            assert all(a.ok for a in answers), [a.reason for a in answers]
+        self.check_batch_answers(items, answers)
         admitted = [item for item, a in zip(items, answers) if a.ok]
         event(f"batch: {len(admitted)} of {len(items)} admitted")
         if len(admitted) < len(items):
             assert all(a.reason for a in answers if not a.ok)
             with pytest.raises(CacheManagerError, match="not admissible"):
                 self.m.schedule(items)
-            assert snapshot(self.m) == before
+            assert self.state() == before
         if admitted:
             self.run_step(admitted)  # "yes" is never followed by a failed schedule
 
