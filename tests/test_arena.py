@@ -252,3 +252,32 @@ def test_low_priority_pages_are_packed_only_when_no_slab_is_spare():
     assert kv.allocate(1).tolist() == [2]  # now ids 2, 3 are reused in order
     assert kv.lookup("low") is None
     arena.check_invariants()
+
+
+def test_a_group_grows_into_a_spare_slab_instead_of_evicting_cached_pages():
+    m = small_manager(slabs=5, enable_prefix_caching=True, prefix_granularity=16)
+    a_ids = np.arange(40, dtype=np.int32)
+    m.add_request("a", a_ids, max_new_tokens=1)
+    m.schedule([("a", 32)])
+    m.schedule([("a", 8)])  # commits [0, 32): two kv blocks published
+    m.free("a")
+    kv = m.pools["kv"]
+    cached = kv.num_cached_pages
+    assert cached == 2 and kv.num_clean_free_pages == 6 and m.arena.num_spare_slabs == 2
+    # b needs 8 kv pages: 6 clean + 2 evictable would do, but a spare slab is taken instead
+    # (swa, short of clean pages too, takes the other one rather than evict a's checkpoint).
+    m.add_request("b", 1000 + np.arange(120, dtype=np.int32), max_new_tokens=1)
+    for _ in range(8):
+        m.schedule([("b", 15)])
+    assert kv.counters.evicted_pages == 0 and kv.num_cached_pages > cached  # b published too
+    assert m.arena.slabs_owned() == {"swa": 3, "kv": 2} and m.arena.num_spare_slabs == 0
+    assert m.add_request("c", np.concatenate([a_ids[:33], [7]]).astype(np.int32)).hit_tokens == 32
+    live_byte_ranges_disjoint(m)
+    m.check_invariants()
+
+
+def test_partial_plan_keeps_the_groups_it_can_cover():
+    arena, _ = bare_arena()
+    assert arena.plan({"swa": 100, "kv": 3}, {}) is None
+    # swa cannot be covered even by all four slabs (23 pages): its grants are rolled back.
+    assert arena.plan({"swa": 100, "kv": 3}, {}, partial=True) == [("kv", 0, None)]

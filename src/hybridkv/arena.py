@@ -210,13 +210,19 @@ class Arena:
 
     # --- planning ---------------------------------------------------------------
     def plan(
-        self, deficit: Mapping[str, int], surplus: Mapping[str, int], scan: _Scan | None = None
+        self,
+        deficit: Mapping[str, int],
+        surplus: Mapping[str, int],
+        scan: _Scan | None = None,
+        *,
+        partial: bool = False,
     ) -> list[Grant] | None:
         """Slabs that cover every group's page ``deficit`` (pages short): spare slabs
         first (one next to a slab the group owns if there is one, else the lowest),
         then slabs of other groups whose pages are all free or evictable, taken only
         while the donor keeps ``surplus`` (pages it can spare) >= 0. ``None`` if they
-        do not suffice. Pure; the page counts are exact for :meth:`apply` in order."""
+        do not suffice (with ``partial``, the groups they do cover). Pure; the page
+        counts are exact for :meth:`apply` in order."""
         scan = scan if scan is not None else _Scan()
         own = self.owner.copy()
         left = {g: int(surplus.get(g, 0)) for g in self.group_ids}
@@ -226,6 +232,7 @@ class Arena:
             if short <= 0:
                 continue
             gi = self._index[gid]
+            undo = (own.copy(), len(grants), dict(left))
             while short > 0:
                 spare = own < 0
                 if not spare.any():
@@ -258,7 +265,10 @@ class Arena:
                     if short <= 0:
                         break
             if short > 0:
-                return None
+                if not partial:
+                    return None
+                own, kept, left = undo[0], undo[1], undo[2]
+                del grants[kept:]
         return grants
 
     def _edge_slab(self, gid: str, slab: int, page: int) -> int:

@@ -387,8 +387,12 @@ class CacheManager:
                         f"capture width {self.table_widths[gid]}"
                     )
         free = [pool.num_free_pages for pool in self._pool_list]
-        if not deny and all(n <= f for n, f in zip(plan.alloc_all.sum(axis=1).tolist(), free)):
-            plan.grants = []  # the common case: every group has the pages, no credit needed
+        sums = plan.alloc_all.sum(axis=1).tolist()
+        if not deny and all(n <= f for n, f in zip(sums, free)):
+            # The common case: every group has the pages, no credit needed. On an arena
+            # with spare slabs, a group that would have to evict cached pages grows
+            # instead: cached entries go only when memory is really short.
+            plan.grants = self._grow_instead_of_evicting(sums) if self.arena is not None else []
             return answers, ok_idx, fits[plan.settle :], {}, plan
         avail = dict(zip(self._group_ids, free))
         arena, scan = self.arena, _Scan()
@@ -414,6 +418,19 @@ class CacheManager:
                 self._deny_greedily(plan, net, avail, fits, deny, arena, scan)
         off = plan.settle
         return answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items()}, plan
+
+    def _grow_instead_of_evicting(self, sums: list[int]) -> list:
+        arena = self.arena
+        if not arena.num_spare_slabs:
+            return []
+        short = {
+            gid: n - pool.num_clean_free_pages
+            for gid, pool, n in zip(self._group_ids, self._pool_list, sums)
+            if n > pool.num_clean_free_pages
+        }
+        if not short:
+            return []
+        return arena.plan(short, {}, partial=True)  # no donors: spare slabs only; the rest evict
 
     @staticmethod
     def _deny_greedily(plan, net, avail, fits, deny, arena=None, scan=None) -> None:
