@@ -423,10 +423,12 @@ class CacheManager:
         arena = self.arena
         if not arena.num_spare_slabs:
             return []
+        # Low-priority cached pages (prompt checkpoints) are meant to go first: a group
+        # holding idle ones evicts them rather than grow.
         short = {
             gid: n - pool.num_clean_free_pages
             for gid, pool, n in zip(self._group_ids, self._pool_list, sums)
-            if n > pool.num_clean_free_pages
+            if n > pool.num_clean_free_pages and not pool.has_low_priority_idle
         }
         if not short:
             return []

@@ -121,6 +121,11 @@ class PagePool:
         return self.usable_pages - self.num_free_pages
 
     @property
+    def has_low_priority_idle(self) -> bool:
+        """Whether idle low-priority pages may exist (lowest-first pools track them)."""
+        return bool(self._low_idle)
+
+    @property
     def num_cached_pages(self) -> int:
         return len(self._page_key)
 
