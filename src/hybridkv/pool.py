@@ -27,11 +27,6 @@ from dataclasses import dataclass
 import numpy as np
 
 NULL_PAGE = 0
-# Lowest-first pools merge released pages into their sorted stack at the next
-# allocation once more than this many are pending (or the stack runs short). Batching
-# (1,024) saved ~25 us a decode step at 256 running but cost 1-2 requests of 128k in
-# 40 GiB (released window pages were reused late and pinned slabs), so merge always.
-PENDING_MERGE_PAGES = 0
 
 
 class PoolExhausted(RuntimeError):
@@ -140,7 +135,10 @@ class PagePool:
             raise PoolExhausted(
                 f"group {self.group_id!r}: need {count} pages, {self.num_free_pages} free or evictable"
             )
-        if self._pending and (self._top < count or self._pending_pages > PENDING_MERGE_PAGES):
+        if self._pending:
+            # Every allocation merges: deferring merges (batches of 1,024) saved ~25 us a
+            # decode step at 256 running but cost 1-2 requests of 128k in 40 GiB, as
+            # released window pages were reused late and pinned arena slabs.
             self._merge_pending()
         if self._low_idle and self.pack_low_priority():
             self._evict_low_below(count)
@@ -171,11 +169,7 @@ class PagePool:
             if page >= bound:
                 break
             heapq.heappop(heap)
-            key = self._page_key[page]
-            idle = sum(1 for p in self._entries[key] if self.ref_counts[p] == 0)
-            self.counters.evicted_pages += idle
-            self.unpublish(key)
-            freed += idle
+            freed += self._evict_entry(self._page_key[page])
             if self._pending:
                 self._merge_pending()
 
@@ -233,7 +227,7 @@ class PagePool:
     def _push_free(self, pages: np.ndarray) -> None:
         n = pages.size
         if n and self.lowest_first:
-            # Merged into the sorted stack in batches (see PENDING_MERGE_PAGES).
+            # Merged into the sorted stack at the next allocation (one merge, not one per release).
             self._pending.append(pages.astype(np.int32))
             self._pending_pages += n
         elif n:
@@ -292,8 +286,7 @@ class PagePool:
         for page in evictable.tolist():
             key = self._page_key.get(page)
             if key is not None:
-                self.counters.evicted_pages += sum(1 for p in self._entries[key] if self.ref_counts[p] == 0)
-                self.unpublish(key)
+                self._evict_entry(key)
         if self._pending:
             self._merge_pending()
         free = self._stack[: self._top]
@@ -355,12 +348,14 @@ class PagePool:
         return list(self._entries)
 
     def _evict_one(self) -> None:
-        page = next(iter(self._evictable))
-        key = self._page_key[page]
-        self.counters.evicted_pages += sum(
-            1 for p in self._entries[key] if self.ref_counts[p] == 0
-        )
+        self._evict_entry(self._page_key[next(iter(self._evictable))])
+
+    def _evict_entry(self, key: Hashable) -> int:
+        """Unpublish an entry to reclaim its idle pages (counted as evicted); their count."""
+        idle = sum(1 for p in self._entries[key] if self.ref_counts[p] == 0)
+        self.counters.evicted_pages += idle
         self.unpublish(key)
+        return idle
 
     def clear_cache(self) -> None:
         """Unpublish every entry (held pages stay held)."""
