@@ -309,18 +309,12 @@ class PrefixCache:
                     continue
                 key = hashes.key(d)
                 for gid in self.state_ids:
-                    if self.pools[gid].lookup(key) is None:
-                        self._publish(
-                            gid, row, hashes, d, lo_tokens=max(0, d - self._windows[gid]), key=key,
-                            low_priority=True,
-                        )
+                    self._publish_checkpoint(gid, row, hashes, d, key, low_priority=True)
         for d in boundaries:
             own = _OwnCheckpoint(d, pinned=d in keep or (interval is not None and d % interval == 0))
             key = hashes.key(d)  # one key names the checkpoint in every state group
             for gid in self.state_ids:
-                pool = self.pools[gid]
-                if pool.lookup(key) is None:
-                    self._publish(gid, row, hashes, d, lo_tokens=max(0, d - self._windows[gid]), key=key)
+                self._publish_checkpoint(gid, row, hashes, d, key)
                 self._hold(own, gid, key)
             if own.entries:
                 new_own.append(own)
@@ -344,17 +338,16 @@ class PrefixCache:
                     pool.unpublish(key)
         req.own_checkpoints = [c for c in req.own_checkpoints if c.pinned] + new_own if req.own_checkpoints else new_own
 
-    def _publish(
-        self, gid: str, row: int, hashes: RequestHashes, boundary: int, lo_tokens: int, key: int | None = None,
-        low_priority: bool = False,
+    def _publish_checkpoint(
+        self, gid: str, row: int, hashes: RequestHashes, boundary: int, key: int, low_priority: bool = False
     ) -> bool:
+        """Publish the pages of the window ``[boundary - W, boundary)`` under ``key``
+        unless the key is already published."""
         pool, table = self.pools[gid], self.tables[gid]
-        if key is None:
-            key = hashes.key(boundary)
         if pool.lookup(key) is not None:
             return False
         t = table.page_tokens
-        lo, hi = lo_tokens // t, boundary // t
+        lo, hi = max(0, boundary - self._windows[gid]) // t, boundary // t
         if lo < table.base[row] or hi > table.hi[row]:
             return False  # rows already slid out (cannot happen when committed each step)
         return self._publish_pages(gid, hashes, boundary, table.row_pages(row, lo, hi), key, low_priority)
