@@ -401,15 +401,7 @@ class CacheManager:
         # release credit is computed only when allocations alone do not fit. With a
         # shared arena a group that is short borrows slabs.
         def totals_fit(need: dict[str, np.ndarray]) -> bool:
-            sums = {g: int(need[g][fits].sum()) for g in avail}
-            if all(sums[g] <= avail[g] for g in avail):
-                plan.grants = []
-                return True
-            if arena is None:
-                return False
-            plan.grants = arena.plan(
-                {g: sums[g] - avail[g] for g in avail}, {g: avail[g] - sums[g] for g in avail}, scan
-            )
+            plan.grants = _grants_to_fit(arena, {g: int(need[g][fits].sum()) for g in avail}, avail, scan)
             return plan.grants is not None
 
         if not totals_fit(plan.alloc):
@@ -443,14 +435,9 @@ class CacheManager:
             if not fits[k]:
                 continue
             want = {g: used[g] + int(net[g][k]) for g in avail}
-            short = [g for g in avail if want[g] > avail[g]]
-            grants = []
-            if short and arena is not None:
-                grants = arena.plan({g: want[g] - avail[g] for g in avail}, {g: avail[g] - want[g] for g in avail}, scan)
-                if grants is not None:
-                    short = []
-            if short:
-                g = short[0]
+            grants = _grants_to_fit(arena, want, avail, scan)
+            if grants is None:
+                g = next(g for g in avail if want[g] > avail[g])
                 fits[k] = False
                 deny[k] = (
                     f"group {g!r} needs {int(plan.alloc[g][k])} new pages "
@@ -845,6 +832,16 @@ class CacheManager:
             self._known = np.concatenate([self._known, grow])
         self._tableset.ensure_rows(row + 1)
         return row
+
+
+def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, int], scan: _Scan) -> list | None:
+    """Slab moves that let each group get ``want`` pages out of ``avail``: ``[]`` when
+    they fit already, ``None`` when they cannot (or there is no arena to lend)."""
+    if all(want[g] <= avail[g] for g in avail):
+        return []
+    if arena is None:
+        return None
+    return arena.plan({g: want[g] - avail[g] for g in avail}, {g: avail[g] - want[g] for g in avail}, scan)
 
 
 def _positive(name: str, value: Any) -> int:
