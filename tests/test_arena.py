@@ -29,15 +29,19 @@ def small_manager(slabs=4, **kw):
 
 
 def live_byte_ranges_disjoint(m):
-    """Independent check: every held or cached page of every group, as a byte range."""
+    """Independent check: every held or cached page of every group, as a byte range,
+    lies after the null head, inside the arena, and overlaps no other."""
+    geometry = m.arena.geometry
     spans = []
     for gid, pool in m.pools.items():
-        size = m.arena.geometry.page_bytes[gid]
+        size = geometry.page_bytes[gid]
         live = np.flatnonzero((pool.ref_counts > 0) | pool.cached)
+        assert np.all(live * size >= geometry.reserved_bytes), f"{gid}: a page in the null head"
         spans += [(int(p) * size, (int(p) + 1) * size, gid) for p in live]
     spans.sort()
     for (a0, a1, ga), (b0, b1, gb) in zip(spans, spans[1:]):
         assert a1 <= b0, f"{ga} [{a0}, {a1}) overlaps {gb} [{b0}, {b1})"
+    assert (spans[-1][1] if spans else 0) <= geometry.total_bytes
     return spans
 
 

@@ -14,12 +14,12 @@ freeing everything every slab can go back to the spare list.
 """
 
 import hypothesis.strategies as st
-import numpy as np
 from hypothesis import event, settings
 from hypothesis.stateful import initialize, invariant
 
 from hybridkv.arena import arena_geometry
 from hybridkv.manager import CacheManager
+from test_arena import live_byte_ranges_disjoint
 from test_manager_stateful import CONFIGS, ManagerMachine, snapshot
 
 # Invented page sizes in bytes (distinct, mostly coprime), and budgets near the
@@ -98,21 +98,12 @@ class ArenaMachine(ManagerMachine):
         if not hasattr(self, "m"):
             return
         self.m.check_invariants()  # includes the arena's ownership check
-        spans = []
         for s in self.specs:
-            gid = s.group_id
             for rid, req in self.model.items():
                 lo, hi = self.held_range(req, s)
-                base, pages = self.m.request_pages(rid, gid)
-                assert base == lo and pages.size == hi - lo, (gid, rid)
-            pool = self.m.pools[gid]
-            size = self.geometry.page_bytes[gid]
-            live = np.flatnonzero((pool.ref_counts > 0) | pool.cached)
-            spans += [(int(p) * size, (int(p) + 1) * size) for p in live]
-            assert np.all(live * size >= self.geometry.reserved_bytes), f"{gid}: a page in the null head"
-        spans.sort()
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "two live pages share bytes"
-        assert (spans[-1][1] if spans else 0) <= self.geometry.total_bytes
+                base, pages = self.m.request_pages(rid, s.group_id)
+                assert base == lo and pages.size == hi - lo, (s.group_id, rid)
+        live_byte_ranges_disjoint(self.m)
 
     def teardown(self):
         if not hasattr(self, "m"):
