@@ -188,13 +188,14 @@ class Arena:
         return {gid: int(counts[i]) for i, gid in enumerate(self.group_ids)}
 
     def _edges(self, gid: str, slab: int, own: np.ndarray) -> list[int]:
-        """Straddling pages ``slab`` shares with neighbours ``gid`` owns under ``own``."""
+        """Boundaries (indexed by the slab on their right) whose straddling page
+        ``slab`` shares with a neighbour ``gid`` owns under ``own``."""
         gi, st, last = self._index[gid], self._straddle[gid], self.geometry.num_slabs - 1
         out = []
         if slab > 0 and own[slab - 1] == gi and st[slab] >= 0:
-            out.append(int(st[slab]))
+            out.append(slab)
         if slab < last and own[slab + 1] == gi and st[slab + 1] >= 0:
-            out.append(int(st[slab + 1]))
+            out.append(slab + 1)
         return out
 
     def _count(self, gid: str, slab: int, own: np.ndarray) -> int:
@@ -206,7 +207,7 @@ class Arena:
         lo, hi = self._ranges[gid]
         inner = np.arange(lo[slab], hi[slab], dtype=np.int64)
         edges = self._edges(gid, slab, own)
-        return np.concatenate([inner, np.asarray(edges, dtype=np.int64)]) if edges else inner
+        return np.concatenate([inner, self._straddle[gid][edges]]) if edges else inner
 
     # --- planning ---------------------------------------------------------------
     def plan(
@@ -253,9 +254,8 @@ class Arena:
                 inner_idle, edge_idle = self._idle(donor, scan)
                 di = self._index[donor]
                 for slab in np.flatnonzero((own == di) & inner_idle).tolist():
-                    edges = self._edges(donor, slab, own)
                     give = self._count(donor, slab, own)
-                    if give > left[donor] or not all(edge_idle[self._edge_slab(donor, slab, e)] for e in edges):
+                    if give > left[donor] or not edge_idle[self._edges(donor, slab, own)].all():
                         continue
                     left[donor] -= give
                     own[slab] = -1
@@ -271,19 +271,14 @@ class Arena:
                 del grants[kept:]
         return grants
 
-    def _edge_slab(self, gid: str, slab: int, page: int) -> int:
-        """The boundary index (slab on its right) of a straddling page next to ``slab``."""
-        return slab if self._straddle[gid][slab] == page else slab + 1
-
     def _idle(self, gid: str, scan: _Scan) -> tuple[np.ndarray, np.ndarray]:
         """(slabs whose inner pages are all idle, boundaries whose straddler is idle)."""
         found = scan.idle.get(gid)
         if found is None:
             pool, g = self.pools[gid], self.geometry
             idle = np.concatenate([pool.free_page_ids().astype(np.int64), pool.evictable_page_ids()])
-            size = g.page_bytes[gid]
-            first = (idle * size - g.reserved_bytes) // g.slab_bytes
-            last = ((idle + 1) * size - 1 - g.reserved_bytes) // g.slab_bytes
+            first = g.slab_of(gid, idle)
+            last = ((idle + 1) * g.page_bytes[gid] - 1 - g.reserved_bytes) // g.slab_bytes
             inner = first == last
             lo, hi = self._ranges[gid]
             inner_idle = np.bincount(first[inner], minlength=g.num_slabs) == hi - lo
