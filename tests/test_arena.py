@@ -285,3 +285,42 @@ def test_partial_plan_keeps_the_groups_it_can_cover():
     assert arena.plan({"swa": 100, "kv": 3}, {}) is None
     # swa cannot be covered even by all four slabs (23 pages): its grants are rolled back.
     assert arena.plan({"swa": 100, "kv": 3}, {}, partial=True) == [("kv", 0, None)]
+
+
+def test_pages_that_outlive_a_chunk_get_its_lowest_ids():
+    """A 20-token chunk on the 8-token window keeps only logical pages 3 and 4 after the
+    step; they get the lowest fresh ids, so the released ones leave slab 0's top free."""
+    m = small_manager()
+    m.add_request("a", prompt_tokens=40)
+    batch = m.schedule([("a", 20)])
+    # fresh swa ids 2..6 ascending; survivors (pages 3, 4) take 2, 3; pages 0-2 take 4-6
+    assert batch.groups["swa"].block_table.tolist() == [[4, 5, 6, 2, 3]]
+    assert batch.groups["swa"].write_slots[[0, 12, 16, 19]].tolist() == [16, 8, 12, 15]
+    batch = m.schedule([("a", 1)])  # releases pages 0-2; position 20 takes the lowest free id
+    assert batch.groups["swa"].block_table.tolist() == [[2, 3, 4]]
+    assert batch.groups["swa"].base_pages.tolist() == [3]
+    m.check_invariants()
+
+
+# kv pages of 2 tokens, so a short step needs several kv pages while the window group
+# releases a chunk's pages in the same step.
+KV2 = CacheGroupSpec("kv", "full_history", rows_per_page=2, entry_stride_tokens=1)
+
+
+def test_a_slab_idle_only_after_the_steps_own_release_can_be_lent():
+    m = CacheManager([SWA, KV2], None, max_context_tokens=256, max_step_tokens=64, arena=small_geometry(5))
+    m.add_request("a", prompt_tokens=60)
+    m.schedule([("a", 40)])
+    # swa: 10 pages in slabs 0-1 (ids 2..11, straddler 7 included), survivors 2, 3;
+    # kv: 20 of the 24 pages of slabs 2-4.
+    assert m.arena.owner.tolist() == [0, 0, 1, 1, 1]
+    assert sorted(m.request_pages("a", "swa")[1].tolist()) == list(range(2, 12))
+    # 12 more tokens: swa releases pages 0-7 (ids 4..11) and needs 3; kv needs 6 and has
+    # 4 free. Slab 1 (ids 8..12, straddler 7) is idle only once the release has run.
+    assert m.check_admission([("a", 12)])[0].ok
+    m.schedule([("a", 12)])
+    assert m.arena.owner.tolist() == [0, 1, 1, 1, 1] and m.arena.slab_moves == 1
+    assert sorted(m.request_pages("a", "swa")[1].tolist()) == [2, 3, 4, 5, 6]
+    assert m.request_pages("a", "kv")[1].size == 26
+    live_byte_ranges_disjoint(m)
+    m.check_invariants()

@@ -147,6 +147,7 @@ class _Scan:
     slabs whose inner pages are all idle, and boundaries whose straddling page is."""
 
     idle: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    releasing: dict[str, np.ndarray] | None = None  # pages the step frees before slabs move
 
 
 class Arena:
@@ -276,7 +277,10 @@ class Arena:
         found = scan.idle.get(gid)
         if found is None:
             pool, g = self.pools[gid], self.geometry
-            idle = np.concatenate([pool.free_page_ids().astype(np.int64), pool.evictable_page_ids()])
+            parts = [pool.free_page_ids().astype(np.int64), pool.evictable_page_ids()]
+            if scan.releasing is not None and gid in scan.releasing:
+                parts.append(scan.releasing[gid].astype(np.int64))
+            idle = np.concatenate(parts)
             first = g.slab_of(gid, idle)
             last = ((idle + 1) * g.page_bytes[gid] - 1 - g.reserved_bytes) // g.slab_bytes
             inner = first == last

@@ -405,7 +405,11 @@ class CacheManager:
             return plan.grants is not None
 
         if not totals_fit(plan.alloc):
-            net = {g: plan.alloc[g] - self._release_credit(g, plan.rows, plan.new_base[g]) for g in avail}
+            # The step's releases run before slabs move, so a donor slab whose pages are
+            # all idle once they are released can be lent too.
+            scan = _Scan(releasing={})
+            net = {g: plan.alloc[g] - self._release_credit(g, plan.rows, plan.new_base[g], scan.releasing)
+                   for g in avail}
             if not totals_fit(net):
                 self._deny_greedily(plan, net, avail, fits, deny, arena, scan)
         off = plan.settle
@@ -545,7 +549,11 @@ class CacheManager:
             base=base, hi=hi, new_base_all=new_base, alloc_all=alloc, need_hi_all=need_hi,
         )
 
-    def _release_credit(self, gid: str, rows: np.ndarray, new_base: np.ndarray) -> np.ndarray:
+    def _release_credit(
+        self, gid: str, rows: np.ndarray, new_base: np.ndarray, releasing: dict | None = None
+    ) -> np.ndarray:
+        """Per row, the pages its release this step frees (sole reference); those
+        pages go to ``releasing[gid]`` when given."""
         table = self.tables[gid]
         if not table.sliding:
             return np.zeros(rows.size, dtype=np.int64)
@@ -555,6 +563,8 @@ class CacheManager:
             return np.zeros(rows.size, dtype=np.int64)
         pages = table.pages_in(rows, base, new_base)
         sole = self.pools[gid].ref_counts[pages] == 1
+        if releasing is not None:
+            releasing[gid] = pages[sole]
         return np.bincount(np.repeat(np.arange(rows.size), counts), weights=sole, minlength=rows.size).astype(
             np.int64
         )
@@ -615,12 +625,38 @@ class CacheManager:
         totals = plan.alloc_all.sum(axis=1).tolist()
         if any(totals):
             fresh = [pool.allocate(n) for pool, n in zip(self._pool_list, totals) if n]
+            if self.arena is not None:
+                self._survivors_first(plan, totals, fresh)
             ts.place(rows, plan.hi, plan.alloc_all, np.concatenate(fresh), cells)  # new pages start at hi
         hi = np.maximum(plan.hi, plan.need_hi_all)
         ts.hi[:, rows] = hi
         self._computed[rows] = plan.end
         self._last_rows = rows[plan.settle :]
         return self._build_batch(items, plan, fixed_width, hi if block_tables == "updates" else None, cells)
+
+    def _survivors_first(self, plan: _StepPlan, totals: list[int], fresh: list[np.ndarray]) -> None:
+        """Give a sliding group's pages that outlive the step the lowest of its fresh ids.
+
+        Pools hand out their lowest free ids; a prefill chunk's window and state pages
+        are released next step except the last few, so without this the kept pages sit
+        at the top of the chunk's ids and pin arena slabs the released ones left empty.
+        """
+        k = 0
+        for g, n in enumerate(totals):
+            if not n:
+                continue
+            k += 1
+            spec = self.specs[g]
+            counts = plan.alloc_all[g]
+            if not spec.is_sliding or n <= np.count_nonzero(counts):
+                continue  # history pages all live on; one page per row has no order
+            page_idx = np.repeat(plan.hi[g], counts) + segment_arange(counts)
+            keep_from = np.maximum(plan.end - spec.sliding_window_tokens + 1, 0) // spec.page_tokens
+            transient = page_idx < np.repeat(keep_from, counts)
+            if transient.any():
+                ids = np.empty_like(fresh[k - 1])
+                ids[np.argsort(transient, kind="stable")] = fresh[k - 1]
+                fresh[k - 1] = ids
 
     def _build_batch(
         self, items, plan: _StepPlan, fixed_width: bool, updates_hi: np.ndarray | None, cells: np.ndarray
