@@ -624,39 +624,38 @@ class CacheManager:
             self.arena.apply(plan.grants)
         totals = plan.alloc_all.sum(axis=1).tolist()
         if any(totals):
-            fresh = [pool.allocate(n) for pool, n in zip(self._pool_list, totals) if n]
+            fresh = [pool.allocate(n) if n else None for pool, n in zip(self._pool_list, totals)]
             if self.arena is not None:
                 self._survivors_first(plan, totals, fresh)
-            ts.place(rows, plan.hi, plan.alloc_all, np.concatenate(fresh), cells)  # new pages start at hi
+            pages = np.concatenate([f for f in fresh if f is not None])
+            ts.place(rows, plan.hi, plan.alloc_all, pages, cells)  # new pages start at hi
         hi = np.maximum(plan.hi, plan.need_hi_all)
         ts.hi[:, rows] = hi
         self._computed[rows] = plan.end
         self._last_rows = rows[plan.settle :]
         return self._build_batch(items, plan, fixed_width, hi if block_tables == "updates" else None, cells)
 
-    def _survivors_first(self, plan: _StepPlan, totals: list[int], fresh: list[np.ndarray]) -> None:
+    def _survivors_first(self, plan: _StepPlan, totals: list[int], fresh: list[np.ndarray | None]) -> None:
         """Give a sliding group's pages that outlive the step the lowest of its fresh ids.
 
         Pools hand out their lowest free ids; a prefill chunk's window and state pages
         are released next step except the last few, so without this the kept pages sit
         at the top of the chunk's ids and pin arena slabs the released ones left empty.
         """
-        k = 0
+        if int(plan.counts.max()) <= 1:
+            return  # one token per row: at most one new page per row, nothing to order
         for g, n in enumerate(totals):
-            if not n:
-                continue
-            k += 1
             spec = self.specs[g]
             counts = plan.alloc_all[g]
-            if not spec.is_sliding or n <= np.count_nonzero(counts):
+            if not n or not spec.is_sliding or n <= np.count_nonzero(counts):
                 continue  # history pages all live on; one page per row has no order
             page_idx = np.repeat(plan.hi[g], counts) + segment_arange(counts)
             keep_from = np.maximum(plan.end - spec.sliding_window_tokens + 1, 0) // spec.page_tokens
             transient = page_idx < np.repeat(keep_from, counts)
             if transient.any():
-                ids = np.empty_like(fresh[k - 1])
-                ids[np.argsort(transient, kind="stable")] = fresh[k - 1]
-                fresh[k - 1] = ids
+                ids = np.empty_like(fresh[g])
+                ids[np.argsort(transient, kind="stable")] = fresh[g]
+                fresh[g] = ids
 
     def _build_batch(
         self, items, plan: _StepPlan, fixed_width: bool, updates_hi: np.ndarray | None, cells: np.ndarray

@@ -198,16 +198,20 @@ class PagePool:
         pages = np.asarray(pages, dtype=np.int64)
         if pages.size == 0:
             return
+        ref = self.ref_counts
+        before = ref[pages]
         repeated = False
-        if self.shared_pages and pages.size > 1:
-            # Pages may be shared, but one call rarely lists a page twice: check first.
+        if self.shared_pages and pages.size > 1 and (before > 1).any():
+            # A page listed twice has two references, so only then can the list repeat.
             ordered = np.sort(pages)
             repeated = bool((ordered[1:] == ordered[:-1]).any())
         if repeated:
-            np.subtract.at(self.ref_counts, pages, 1)
+            np.subtract.at(ref, pages, 1)
+            zero = pages[ref[pages] == 0]
         else:
-            self.ref_counts[pages] -= 1
-        zero = pages[self.ref_counts[pages] == 0]
+            before -= 1
+            ref[pages] = before
+            zero = pages[before == 0]
         if zero.size == 0:
             return
         if repeated and zero.size > 1:
