@@ -737,7 +737,7 @@ def test_multiturn_workload_hits_follow_the_rules():
     assert mgr.stats()[C4KV].evicted_pages == 0
 
 
-# --- prompt checkpoints (the default) ---------------------------------------------------
+# --- prompt checkpoints (an option, off by default) ---------------------------------------------------
 def test_prompt_checkpoints_keep_every_boundary_inside_the_prompt():
     mgr = make_manager(prompt_checkpoints=True)
     base = ids(40, 1100)
@@ -770,6 +770,29 @@ def test_prompt_checkpoints_inside_one_prefill_step_and_not_past_the_prompt():
     assert not pool.low_priority[list(pool.lookup(stored_key(ev, SWA, 1024)))].any()
     hit = mgr.add_request("b", cat(prompt[:300], ids(52, 10)))
     assert hit.hit_tokens == 256
+    mgr.check_invariants()
+
+
+def test_prompt_checkpoints_of_one_step_hold_each_boundarys_window_pages():
+    """One 1,100-token step publishes 256, 512 and 768 (prompt checkpoints, batched) and
+    1,024 (the latest); each entry names exactly the pages that held ``[D - W, D)``."""
+    mgr = make_manager(prompt_checkpoints=True)
+    mgr.add_request("a", ids(60, 1100), max_new_tokens=4)
+    batch = mgr.schedule([("a", 1100)])
+    assert all(batch.groups[g].base_pages.tolist() == [0] for g in STATE)
+    mgr.append_token_ids("a", [7])
+    mgr.schedule([("a", 1)])  # commits the 1,100 tokens
+    ev = mgr.prefix.drain_events()
+    for spec in SPECS:
+        gid = spec.group_id
+        if gid not in STATE:
+            continue
+        table = batch.groups[gid].block_table[0]
+        t, w = spec.page_tokens, spec.sliding_window_tokens
+        assert events_of(ev, "stored", gid) == [256, 512, 768, 1024]
+        for d in (256, 512, 768, 1024):
+            want = tuple(table[max(0, d - w) // t : d // t].tolist())
+            assert mgr.pools[gid].lookup(stored_key(ev, gid, d)) == want, (gid, d)
     mgr.check_invariants()
 
 

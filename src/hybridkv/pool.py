@@ -142,10 +142,10 @@ class PagePool:
             self._merge_pending()
         if self._low_idle and self.pack_low_priority():
             self._evict_low_below(count)
-        while self._top < count:
-            self._evict_one()
-            if self._pending:
-                self._merge_pending()
+        if self._top + self._pending_pages < count:
+            self._evict_lru(count - self._top - self._pending_pages)
+        if self._pending:
+            self._merge_pending()
         out = self._stack[self._top - count : self._top][::-1].copy()
         self._top -= count
         self.ref_counts[out] = 1
@@ -320,6 +320,39 @@ class PagePool:
             self.low_priority[list(pages)] = True
         return True
 
+    def publish_many(self, keys: Sequence[Hashable], pages: np.ndarray, *, low_priority: bool = False) -> list[bool]:
+        """Publish row ``i`` of the 2-D ``pages`` under ``keys[i]``, as :meth:`publish`
+        would one by one, except that an entry holding an already keyed page is skipped
+        (False) rather than refused. Whether each entry was published."""
+        pages = np.asarray(pages, dtype=np.int64)
+        if pages.ndim != 2 or pages.shape[0] != len(keys):
+            raise ValueError(f"group {self.group_id!r}: need one row of pages per key, got {pages.shape}")
+        if pages.size == 0:
+            return [False] * len(keys)
+        ordered = np.sort(pages, axis=None)
+        if ordered[0] <= NULL_PAGE or ordered[-1] >= self.num_pages or (self.ref_counts[pages] <= 0).any():
+            raise ValueError(f"group {self.group_id!r}: only held pages can be published")
+        if (ordered[1:] == ordered[:-1]).any():  # overlapping entries: one by one
+            return [
+                not self.cached[row].any() and self.publish(key, row, low_priority=low_priority)
+                for key, row in zip(keys, pages)
+            ]
+        free_of_keys = (~self.cached[pages].any(axis=1)).tolist()
+        out = []
+        entries, page_key = self._entries, self._page_key
+        for key, row, ok in zip(keys, pages.tolist(), free_of_keys):
+            ok = ok and key not in entries
+            if ok:
+                row = tuple(row)
+                entries[key] = row
+                page_key.update(dict.fromkeys(row, key))
+            out.append(ok)
+        chosen = pages[np.asarray(out, dtype=bool)]
+        self.cached[chosen] = True
+        if low_priority:
+            self.low_priority[chosen] = True
+        return out
+
     def demote(self, key: Hashable) -> None:
         """Make an entry low priority: its idle pages move to the front of the LRU."""
         pages = self._entries[key]
@@ -351,8 +384,44 @@ class PagePool:
     def entry_keys(self) -> list[Hashable]:
         return list(self._entries)
 
-    def _evict_one(self) -> None:
-        self._evict_entry(self._page_key[next(iter(self._evictable))])
+    def _evict_lru(self, pages_needed: int) -> None:
+        """Evict least recently used entries until ``pages_needed`` idle pages are freed
+        (the same entries, in the same order, as evicting one at a time)."""
+        keys, freed, seen = [], 0, set()
+        ref, page_key = self.ref_counts, self._page_key
+        for page in self._evictable:
+            key = page_key[page]
+            if key in seen:
+                continue
+            seen.add(key)
+            keys.append(key)
+            freed += sum(1 for p in self._entries[key] if ref[p] == 0)
+            if freed >= pages_needed:
+                break
+        self.counters.evicted_pages += freed
+        self._unpublish_many(keys)
+
+    def _unpublish_many(self, keys: Sequence[Hashable]) -> None:
+        """:meth:`unpublish` for several entries, with one pass over their pages."""
+        if len(keys) == 1:
+            self.unpublish(keys[0])
+            return
+        page_key, evictable = self._page_key, self._evictable
+        every = []
+        for key in reversed(keys):  # the last entry's pages on top, as one by one
+            every.extend(self._entries.pop(key))
+        for page in every:
+            del page_key[page]
+        pages = np.asarray(every, dtype=np.int64)
+        self.cached[pages] = False
+        self.low_priority[pages] = False
+        idle = pages[self.ref_counts[pages] == 0]
+        for page in idle.tolist():
+            del evictable[page]
+        self._push_free(idle.astype(np.int32))
+        if self.on_removed is not None:
+            for key in keys:
+                self.on_removed(key)
 
     def _evict_entry(self, key: Hashable) -> int:
         """Unpublish an entry to reclaim its idle pages (counted as evicted); their count."""

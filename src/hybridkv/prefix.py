@@ -285,6 +285,9 @@ class PrefixCache:
             table = self.tables[gid]
             per_block = g // table.page_tokens
             pages = table.row_pages(req.row, first_block * per_block, end_block * per_block)
+            if end_block - first_block > 1:
+                self._publish_blocks(gid, hashes, first_block, end_block, pages)
+                continue
             for i, b in enumerate(range(first_block, end_block)):
                 block = pages[i * per_block : (i + 1) * per_block]
                 self._publish_pages(gid, hashes, (b + 1) * g, block)
@@ -304,12 +307,9 @@ class PrefixCache:
             # one (a shared system prompt, an earlier turn): publish it, unheld and low
             # priority, so it lives only while no other cached entry has to be evicted.
             prompt_end = min(req.prompt_tokens, latest - g)
-            for d in range((first_block + 1) * g, prompt_end + 1, g):
-                if d in boundaries:
-                    continue
-                key = hashes.key(d)
-                for gid in self.state_ids:
-                    self._publish_checkpoint(gid, row, hashes, d, key, low_priority=True)
+            inside = [d for d in range((first_block + 1) * g, prompt_end + 1, g) if d not in boundaries]
+            if inside:
+                self._publish_prompt_checkpoints(row, hashes, inside)
         for d in boundaries:
             own = _OwnCheckpoint(d, pinned=d in keep or (interval is not None and d % interval == 0))
             key = hashes.key(d)  # one key names the checkpoint in every state group
@@ -351,6 +351,67 @@ class PrefixCache:
         if lo < table.base[row] or hi > table.hi[row]:
             return False  # rows already slid out (cannot happen when committed each step)
         return self._publish_pages(gid, hashes, boundary, table.row_pages(row, lo, hi), key, low_priority)
+
+    def _publish_blocks(self, gid: str, hashes: RequestHashes, first_block: int, end_block: int,
+                        pages: list[int]) -> None:
+        """History blocks ``[first_block, end_block)`` of one group (``pages`` in order),
+        as ``_publish_pages`` block by block, in one publish call."""
+        g, pool = self.granularity_tokens, self.pools[gid]
+        blocks = range(first_block, end_block)
+        take = [i for i, b in enumerate(blocks) if pool.lookup(hashes.key((b + 1) * g)) is None]
+        if not take:
+            return
+        per_block = len(pages) // len(blocks)
+        grid = np.asarray(pages, dtype=np.int64).reshape(len(blocks), per_block)[take]
+        boundaries = [(first_block + i + 1) * g for i in take]
+        keys = [hashes.key(d) for d in boundaries]
+        stats, meta = self.stats[gid], self._meta[gid]
+        for d, key, ok in zip(boundaries, keys, pool.publish_many(keys, grid)):
+            if ok:
+                parent = hashes.parent(d)
+                meta[key] = (parent, d, per_block)
+                stats.stored_entries += 1
+                self._emit(("stored", gid, key, parent, d, per_block))
+
+    def _publish_prompt_checkpoints(self, row: int, hashes: RequestHashes, boundaries: list[int]) -> None:
+        """Low-priority checkpoints at ``boundaries`` in every state group: what
+        ``_publish_checkpoint`` does boundary by boundary, group by group (same entries,
+        same event order), with one gather and one publish call per group."""
+        keys = [hashes.key(d) for d in boundaries]
+        work = []
+        for gid in self.state_ids:
+            pool, table = self.pools[gid], self.tables[gid]
+            t, window = table.page_tokens, self._windows[gid]
+            base, top = int(table.base[row]), int(table.hi[row])
+            lo = [max(0, d - window) // t for d in boundaries]
+            take = [
+                i for i, d in enumerate(boundaries)
+                if lo[i] >= base and d // t <= top and pool.lookup(keys[i]) is None
+            ]
+            widths = {boundaries[i] // t - lo[i] for i in take}
+            if len(widths) > 1:  # a window cut short at the start: the plain loop
+                for d, key in zip(boundaries, keys):
+                    for other in self.state_ids:
+                        self._publish_checkpoint(other, row, hashes, d, key, low_priority=True)
+                return
+            if take:
+                work.append((gid, pool, table, take, [lo[i] for i in take], widths.pop()))
+        stored = []  # (boundary index, group index, event)
+        for g, (gid, pool, table, take, lo, width) in enumerate(work):
+            cols = np.asarray(lo, dtype=np.int64)[:, None] + np.arange(width)
+            pages = table.pages[row][cols % table.capacity_pages]
+            done = pool.publish_many([keys[i] for i in take], pages, low_priority=True)
+            stats, meta = self.stats[gid], self._meta[gid]
+            for i, ok in zip(take, done):
+                if ok:
+                    d, key = boundaries[i], keys[i]
+                    parent = hashes.parent(d)
+                    meta[key] = (parent, d, width)
+                    stats.stored_entries += 1
+                    stored.append((i, g, ("stored", gid, key, parent, d, width)))
+        stored.sort(key=lambda item: item[:2])
+        for _, _, event in stored:
+            self._emit(event)
 
     def _publish_pages(
         self, gid: str, hashes: RequestHashes, boundary: int, pages: list[int], key: int | None = None,
