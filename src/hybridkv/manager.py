@@ -649,13 +649,22 @@ class CacheManager:
             counts = plan.alloc_all[g]
             if not n or not spec.is_sliding or n <= np.count_nonzero(counts):
                 continue  # history pages all live on; one page per row has no order
-            page_idx = np.repeat(plan.hi[g], counts) + segment_arange(counts)
+            hi = plan.hi[g]
             keep_from = np.maximum(plan.end - spec.sliding_window_tokens + 1, 0) // spec.page_tokens
-            transient = page_idx < np.repeat(keep_from, counts)
+            if counts.size == 1 or np.count_nonzero(counts) == 1:
+                # One row (a prefill chunk): its first t pages in logical order are
+                # transient, the last n - t survive and take the lowest ids (a rotation).
+                r = int(np.flatnonzero(counts)[0]) if counts.size > 1 else 0
+                t = min(max(int(keep_from[r]) - int(hi[r]), 0), n)
+                if 0 < t < n:
+                    fresh[g] = np.concatenate([fresh[g][n - t :], fresh[g][: n - t]])
+                continue
+            transient = np.repeat(hi, counts) + segment_arange(counts) < np.repeat(keep_from, counts)
             if transient.any():
-                ids = np.empty_like(fresh[g])
-                ids[np.argsort(transient, kind="stable")] = fresh[g]
-                fresh[g] = ids
+                # Survivors take the lowest ids in logical order, then the transient pages.
+                rank = np.where(transient, np.cumsum(transient) - 1 + np.count_nonzero(~transient),
+                                np.cumsum(~transient) - 1)
+                fresh[g] = fresh[g][rank]
 
     def _build_batch(
         self, items, plan: _StepPlan, fixed_width: bool, updates_hi: np.ndarray | None, cells: np.ndarray
