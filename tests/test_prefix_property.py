@@ -235,13 +235,13 @@ def run_random_ops(choose: Chooser, num_ops: int, *, mgr: CacheManager | None = 
         mgr.free(rid)
     mgr.check_invariants()
     stats = mgr.stats()
-    counts["evicted_pages"] = sum(st.evicted_pages for st in stats.values())
+    counts["evicted_pages"] = sum(g.evicted_pages for g in stats.values())
     counts["evicted_history_pages"] = sum(
-        st.evicted_pages for s, st in zip(mgr.specs, stats.values()) if not s.is_sliding
+        g.evicted_pages for s, g in zip(mgr.specs, stats.values()) if not s.is_sliding
     )
     mgr.clear_prefix_cache()
-    for gid, st in mgr.stats().items():
-        assert st.free_pages == st.total_pages and st.cached_pages == 0 and st.used_pages == 0, gid
+    for gid, g in mgr.stats().items():
+        assert g.free_pages == g.total_pages and g.cached_pages == 0 and g.used_pages == 0, gid
     mgr.check_invariants()
     return counts
 
