@@ -8,6 +8,8 @@ page listed in a release on top.
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 
 from hybridkv.manager import Admission, CacheManager, CacheManagerError
 from hybridkv.models.deepseek_v4 import build_v4_cache_specs
@@ -601,3 +603,102 @@ def test_append_token_ids_many_rejects_bad_input(rids, ids, match):
     with pytest.raises(CacheManagerError, match=match):
         m.append_token_ids_many(rids, ids)
     assert m._requests["a"].known_tokens == 5
+
+
+# --- shrinking a chunk to the memory left -------------------------------------------------
+def test_max_admissible_tokens_worked_by_hand():
+    # kv: 4-token pages, 9 pages with the null page -> 8 usable = 32 tokens.
+    m = manager([KV], 9, ctx=256, step=64)
+    m.add_request("a", prompt_tokens=12, max_new_tokens=8)
+    m.schedule([("a", 12)])  # 3 pages
+    m.add_request("b", prompt_tokens=100)
+    # 5 pages left = 20 tokens; with "a" decoding one token in the same step (a 4th
+    # page at position 12), 4 pages = 16 tokens.
+    assert m.max_admissible_tokens("b", 100) == 20
+    assert m.max_admissible_tokens("b", 100, batch=[("a", 1)]) == 16
+    assert m.max_admissible_tokens("b", 7) == 7  # the asked count fits
+    batch = m.schedule([("a", 1), ("b", 16)])  # reuses the last check
+    assert batch.num_scheduled_tokens.tolist() == [1, 16]
+    assert batch.groups["kv"].block_table.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert m.max_admissible_tokens("b", 100) == 0  # pool full: not even one token
+
+
+def test_max_admissible_tokens_respects_step_and_known_token_limits():
+    m = manager([KV], 64, ctx=256, step=10)
+    m.add_request("a", np.arange(30, dtype=np.int32), max_new_tokens=5)
+    assert m.max_admissible_tokens("a", 100) == 10  # max_step_tokens
+    m.schedule([("a", 10)])
+    m.schedule([("a", 10)])
+    m.schedule([("a", 10)])
+    assert m.max_admissible_tokens("a", 100) == 0  # every known token id computed
+    m.append_token_ids("a", [1, 2])
+    assert m.max_admissible_tokens("a", 100) == 2
+
+
+def test_max_admissible_tokens_errors_change_nothing():
+    m = manager([KV], 9, ctx=256, step=64)
+    m.add_request("a", prompt_tokens=40)
+    m.add_request("b", prompt_tokens=40)
+    before = snapshot(m, ["a", "b"])
+    with pytest.raises(CacheManagerError, match="unknown request"):
+        m.max_admissible_tokens("zz", 4)
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(CacheManagerError, match="max_tokens"):
+            m.max_admissible_tokens("a", bad)
+    with pytest.raises(CacheManagerError, match="already in the batch"):
+        m.max_admissible_tokens("a", 4, batch=[("a", 1)])
+    with pytest.raises(CacheManagerError, match="rest of the batch is not admissible"):
+        m.max_admissible_tokens("a", 4, batch=[("b", 40)])  # 10 pages > 8
+    assert snapshot(m, ["a", "b"]) == before
+
+
+@given(
+    pages=hst.integers(3, 40),
+    others=hst.lists(hst.tuples(hst.integers(1, 300), hst.integers(1, 64)), max_size=3),
+    want=hst.integers(1, 700),
+    shared=hst.booleans(),
+)
+@settings(max_examples=60, deadline=None)
+def test_max_admissible_tokens_is_the_largest_count_admission_accepts(pages, others, want, shared):
+    """Whatever the state: the answer is admitted with the batch, one more token is not
+    (unless a non-memory limit caps it), and schedule() then succeeds."""
+    specs = v4_specs()
+    if shared:
+        from hybridkv.arena import arena_geometry
+
+        sizes = {s.group_id: 10 + 7 * i for i, s in enumerate(specs)}
+        geom = arena_geometry(sizes, 60 * pages, anchor_group="v4.c4a.compressed_kv", slab_anchor_pages=4)
+        m = CacheManager(specs, None, max_context_tokens=4096, max_step_tokens=512, arena=geom)
+    else:
+        m = manager(specs, pages, step=512)
+    candidates, batch = [], []
+    for i, (prompt, step) in enumerate(others):
+        m.add_request(f"o{i}", prompt_tokens=prompt, max_new_tokens=64)
+        n = m.max_admissible_tokens(f"o{i}", prompt)  # a prefill chunk of what fits
+        if n:
+            m.schedule([(f"o{i}", n)])
+            candidates.append((f"o{i}", min(step, prompt - n) or 1))
+    for item in candidates:  # the rest of the step with "x": what is admitted together
+        if all(a.ok for a in m.check_admission(batch + [item])):
+            batch.append(item)
+    m.add_request("x", prompt_tokens=600)
+    n = m.max_admissible_tokens("x", want, batch=batch)
+    cap = min(want, 512, 600)
+    assert 0 <= n <= cap
+    if n:
+        assert all(a.ok for a in m.check_admission(batch + [("x", n)]))
+    if n < cap:
+        assert not all(a.ok for a in m.check_admission(batch + [("x", n + 1)]))
+    if n:
+        m.schedule(batch + [("x", n)])
+    m.check_invariants()
+
+
+def test_schedule_after_a_denying_check_names_only_the_denied_requests():
+    m = manager([KV], 9, ctx=256, step=64)
+    for rid in ("a", "b"):
+        m.add_request(rid, prompt_tokens=20)
+    items = [("a", 20), ("b", 20)]  # 5 + 5 pages of 8
+    assert [a.ok for a in m.check_admission(items)] == [True, False]
+    with pytest.raises(CacheManagerError, match=r"^1 of 2 requests not admissible: group 'kv' needs 5 new pages"):
+        m.schedule(items)  # reuses the cached check

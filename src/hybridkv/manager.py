@@ -335,9 +335,54 @@ class CacheManager:
         answers, ok_idx, fits, deny, plan = self._admit(items, fixed_width)
         # schedule() right after, with the same items and no mutation between, reuses it.
         self._admitted = (self._version, list(items), fixed_width, (answers, ok_idx, fits, deny, plan))
+        answers = list(answers)  # the cached list keeps None for valid items (schedule's reasons)
         for k, i in enumerate(ok_idx):
             answers[i] = Admission(True) if fits[k] else Admission(False, deny[k])
         return answers
+
+    def max_admissible_tokens(
+        self, request_id: str, max_tokens: int, *, batch: Sequence[tuple[str, int]] = (), fixed_width: bool = False
+    ) -> int:
+        """The most new tokens, up to ``max_tokens``, that ``request_id`` can schedule in a
+        step together with ``batch`` (the rest of the step, as given): 0 if not even one.
+
+        For schedulers that shrink a prefill chunk to the memory left rather than wait
+        or preempt. Pure, like :meth:`check_admission` (about log2(max_tokens) checks);
+        the answer is the largest count with which every item of the step is admitted
+        (monotone: admitting all means the totals fit). The last check is the
+        answer's, so ``schedule`` right after reuses it.
+        """
+        req = self._get(request_id)
+        limit = as_int("max_tokens", max_tokens, minimum=1, error=CacheManagerError)
+        batch = list(batch)
+        if any(item[0] == request_id for item in batch if isinstance(item, tuple) and item):
+            raise CacheManagerError(f"request {request_id!r} is already in the batch")
+        for answer in self.check_admission(batch, fixed_width=fixed_width) if batch else ():
+            if not answer.ok:
+                raise CacheManagerError(f"the rest of the batch is not admissible: {answer.reason}")
+        done = int(self._computed[req.row])
+        ceiling = req.known_tokens if req.token_ids is not None else req.max_total_tokens
+        hi = min(limit, self.max_step_tokens, ceiling - done)
+        if hi < 1:
+            return 0
+
+        def fits(n: int) -> bool:
+            # Every item, not just the last: greedy admission may deny an earlier one
+            # (whose release credit it counted on) instead of ours.
+            return all(a.ok for a in self.check_admission(batch + [(request_id, n)], fixed_width=fixed_width))
+
+        if fits(hi):
+            return hi
+        lo = 0  # fits(lo) holds for lo = 0 (nothing scheduled); fits(hi) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        if lo:
+            fits(lo)  # leave the answer's admission cached for schedule()
+        return lo
 
     def _admit(self, items, fixed_width):
         """(answers for invalid items, indices of valid items, fits mask over them,
