@@ -60,6 +60,42 @@ def test_preempted_requests_recompute_and_finish():
     assert all(s.free_pages == s.total_pages for s in mgr.stats().values())
 
 
+def test_a_prefill_chunk_shrinks_to_fit_before_anyone_is_preempted():
+    """Two long prompts prefill beside two decoding chats on 20 history pages: with
+    shrinking off a chunk that does not fit preempts a request (twice in this run);
+    with it the chunk shrinks once and only one preemption is left. Tokens are
+    conserved either way."""
+    rng = np.random.default_rng(0)
+
+    def request(rid, prompt, output, arrival):
+        return Request(rid, arrival, rng.integers(0, 1000, prompt).astype(np.int32), output,
+                       rng.integers(0, 1000, output).astype(np.int32))
+
+    requests = [request("a", 300, 400, 0), request("b", 3000, 4, 0), request("c", 2500, 4, 1),
+                request("d", 600, 300, 2)]
+    runs = {}
+    for floor in (0, 256):
+        mgr = _manager(2000, history_pages=20)
+        result = Simulator(mgr, requests, max_running=4, step_token_budget=1024, min_chunk_tokens=floor).run()
+        _check_conservation(result, requests)
+        mgr.check_invariants()
+        runs[floor] = result.summary()
+    assert (runs[0]["shrunk_chunks"], runs[0]["preemptions"]) == (0, 2)
+    assert (runs[256]["shrunk_chunks"], runs[256]["preemptions"]) == (1, 1)
+
+
+def test_a_request_that_cannot_grow_alone_is_reported_not_retried_forever():
+    # 600 prompt + 300 output tokens need more than the 2 usable history pages per
+    # compressed group (3 with the null page); its 600-token first chunk fits in them,
+    # so it starts, then cannot grow: before, it was preempted and restarted forever.
+    req = chat_workload(1, seed=5)[0]
+    requests = [Request("alone", 0, req.prompt_token_ids[:600], 300, np.resize(req.output_token_ids, 300))]
+    sim = Simulator(_manager(2000, history_pages=3), requests, max_running=4, step_token_budget=1024,
+                    max_steps=5000)
+    with pytest.raises(SimulationError, match="'alone' cannot grow even with no other request running"):
+        sim.run()
+
+
 def test_request_too_large_for_the_cache_is_reported():
     requests = [Request("big", 0, np.arange(5000, dtype=np.int32), 2, np.array([1, 2], dtype=np.int32))]
     with pytest.raises(SimulationError, match="cannot start.*too small for it \\(group"):
@@ -91,6 +127,7 @@ def test_simulate_cli_json_and_plot(tmp_path, capsys):
         (["--requests", "0"], "--requests must be positive"),
         (["--no-prefix-caching", "--state-checkpoint-interval", "512"], "needs --prefix-caching"),
         (["--kv-memory", "1MiB"], "too small"),
+        (["--min-chunk-tokens", "-1"], "--min-chunk-tokens must be >= 0"),
     ],
 )
 def test_simulate_cli_bad_input_is_one_line_exit_2(argv, message, capsys):
@@ -104,7 +141,7 @@ def test_simulate_shared_page_space_runs_where_per_group_pools_cannot(capsys):
     """3 GiB, 128 running: per-group pools leave the c4 compressor state too small for
     one chat chunk; the shared arena lends it memory the idle groups do not use."""
     argv = ["simulate", "--workload", "chat", "--requests", "24", "--kv-memory", "3GiB", "--max-context", "32k"]
-    code = main(argv)
+    code = main([*argv, "--min-chunk-tokens", "0"])
     assert code == 2 and "cannot start" in capsys.readouterr().err
     code = main([*argv, "--page-space", "shared", "--json"])
     assert code == 0

@@ -43,6 +43,11 @@ def register(subparsers: Any) -> None:
         "--state-checkpoint-interval", type=int, default=None, metavar="TOKENS",
         help="also keep state checkpoints every N tokens (a multiple of 256)",
     )
+    parser.add_argument(
+        "--min-chunk-tokens", type=int, default=256, metavar="TOKENS",
+        help="a running request's prefill chunk that does not fit shrinks to what fits, down to "
+             "this many tokens, before a request is preempted (0: never shrink; default 256)",
+    )
     parser.add_argument("--plot", metavar="PNG", default=None, help="write a plot of the run")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.set_defaults(run=run)
@@ -51,6 +56,8 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.requests is not None and args.requests < 1:
         raise ValueError(f"--requests must be positive, got {args.requests}")
+    if args.min_chunk_tokens < 0:
+        raise ValueError(f"--min-chunk-tokens must be >= 0, got {args.min_chunk_tokens}")
     plan = build_plan(args)
     requests = build_workload(args.workload, num_requests=args.requests, seed=args.seed)
     options: dict[str, Any] = {"enable_prefix_caching": args.prefix_caching}
@@ -63,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         manager, requests,
         max_running=plan.limits.max_running_requests,
         step_token_budget=plan.limits.max_scheduled_tokens,
+        min_chunk_tokens=args.min_chunk_tokens,
     )
     quiet = args.json or not sys.stderr.isatty()
     with Progress(
@@ -102,6 +110,7 @@ def print_summary(summary: dict, console: Console) -> None:
         ("page space", summary["page_space"]),
         ("token hit rate", f"{summary['token_hit_rate']:.1%}"),
         ("preemptions", f"{summary['preemptions']:,}"),
+        ("prefill chunks shrunk to fit", f"{summary['shrunk_chunks']:,}"),
         ("manager µs / step p50", f"{summary['manager_us_per_step_p50']:,.0f}"),
         ("manager µs / step p99", f"{summary['manager_us_per_step_p99']:,.0f}"),
     ]

@@ -4,9 +4,13 @@ Each step: running requests first (decode 1 token, or their next prefill
 chunk), then waiting requests in arrival order while the step token budget
 and ``max_running`` allow. A new request is probed against the prefix cache
 (``add_request``) and starts prefilling after its hit. When a running request
-cannot grow, the most recently started running request is preempted
+cannot grow, the last prefill chunk of the step first shrinks to what fits
+(``CacheManager.max_admissible_tokens``, not below ``min_chunk_tokens``);
+failing that, the most recently started running request is preempted
 (recompute: freed, and later re-added with its prompt plus the outputs it had
-produced) until the rest fits. Only manager calls are timed.
+produced) until the rest fits. New requests start only with a full first
+chunk (starting them with less only makes room for more thrashing). Only
+manager calls are timed.
 
 Token accounting per request: ``prompt + outputs - 1`` tokens are computed in
 its final incarnation (the last sampled token is never fed back); each of
@@ -74,6 +78,7 @@ class SimResult:
     preemptions: np.ndarray
     manager_us: np.ndarray
     requests: list[RequestRecord] = field(default_factory=list)
+    shrunk_chunks: np.ndarray | None = None  # prefill chunks shrunk to fit, per step
     shared_arena: bool = False  # utilization is then each group's share of the arena's bytes
 
     def summary(self) -> dict:
@@ -101,6 +106,7 @@ class SimResult:
             "hit_tokens": first_hits,
             "token_hit_rate": first_hits / prompt if prompt else 0.0,
             "preemptions": int(self.preemptions.sum()),
+            "shrunk_chunks": int(self.shrunk_chunks.sum()) if self.shrunk_chunks is not None else 0,
             "manager_us_per_step_p50": float(np.percentile(self.manager_us, 50)) if self.steps else 0.0,
             "manager_us_per_step_p99": float(np.percentile(self.manager_us, 99)) if self.steps else 0.0,
             "utilization": util,
@@ -122,9 +128,12 @@ class Simulator:
         max_running: int,
         step_token_budget: int,
         max_steps: int = 1_000_000,
+        min_chunk_tokens: int = 256,
     ):
         if max_running < 1 or step_token_budget < 1:
             raise ValueError("max_running and step_token_budget must be positive")
+        if isinstance(min_chunk_tokens, bool) or int(min_chunk_tokens) != min_chunk_tokens or min_chunk_tokens < 0:
+            raise ValueError(f"min_chunk_tokens must be a non-negative int (0: never shrink), got {min_chunk_tokens!r}")
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids):
             raise ValueError("request ids must be unique")
@@ -133,6 +142,7 @@ class Simulator:
         self.max_running = int(max_running)
         self.budget = int(step_token_budget)
         self.max_steps = int(max_steps)
+        self.min_chunk_tokens = int(min_chunk_tokens)
         total = [r.prompt_tokens + r.output_tokens for r in self.requests]
         too_long = [r.request_id for r, t in zip(self.requests, total) if t > manager.max_context_tokens]
         if too_long:
@@ -152,7 +162,7 @@ class Simulator:
         first_hit: dict[str, int] = {}
         total_sched: dict[str, int] = {}
         preempt_count: dict[str, int] = {}
-        series = {k: [] for k in ("running", "sched", "hit", "prompt", "preempt", "us")}
+        series = {k: [] for k in ("running", "sched", "hit", "prompt", "preempt", "shrunk", "us")}
         used = {g: [] for g in gids}
         blocked: list[Request] = []
         step = 0
@@ -169,6 +179,7 @@ class Simulator:
             blocked = still
             us = 0.0
             preempted_now = 0
+            memory_short = False  # a chunk was shrunk to fit: no room to start others
             refusal = "not tried"
             # Running requests: decodes (1 token each) first, then prefill chunks.
             batch: list[tuple[_Live, int]] = []
@@ -189,7 +200,19 @@ class Simulator:
                 us += (time.perf_counter() - t0) * 1e6
                 if all(a.ok for a in answers):
                     break
+                t0 = time.perf_counter()
+                shrunk = self._shrink_last_chunk(batch, items)
+                us += (time.perf_counter() - t0) * 1e6
+                if shrunk:
+                    memory_short = True
+                    break
                 victim = running.pop()  # the most recently started
+                if not running:
+                    reason = next(a.reason for a in answers if not a.ok)
+                    raise SimulationError(
+                        f"request {victim.rid!r} cannot grow even with no other request running: "
+                        f"the cache is too small for it ({reason})"
+                    )
                 batch = [(lv, n) for lv, n in batch if lv is not victim]
                 items = [(lv.rid, n) for lv, n in batch]
                 t0 = time.perf_counter()
@@ -201,7 +224,8 @@ class Simulator:
                 waiting.appendleft(victim)
             # Start waiting requests while room remains.
             hits_now = prompt_now = 0
-            while waiting and len(running) < self.max_running and budget > 0 and not preempted_now:
+            while (waiting and len(running) < self.max_running and budget > 0
+                   and not preempted_now and not memory_short):
                 live = waiting[0]
                 seq = live.sequence()
                 remaining = live.request.output_tokens - live.produced
@@ -268,6 +292,7 @@ class Simulator:
             series["hit"].append(hits_now)
             series["prompt"].append(prompt_now)
             series["preempt"].append(preempted_now)
+            series["shrunk"].append(int(memory_short))
             series["us"].append(us)
             for gid, st in mgr.stats().items():
                 used[gid].append(st.used_pages)
@@ -293,11 +318,28 @@ class Simulator:
             preemptions=np.asarray(series["preempt"], dtype=np.int64),
             manager_us=np.asarray(series["us"], dtype=np.float64),
             requests=records,
+            shrunk_chunks=np.asarray(series["shrunk"], dtype=np.int64),
         )
 
     @staticmethod
     def _prefill_left(live: _Live) -> int:
         return max(live.context_tokens - live.hit_tokens - live.scheduled_tokens, 0)
+
+    def _shrink_last_chunk(self, batch: list, items: list) -> bool:
+        """Shrink the step's last item, if it is a prefill chunk, to what fits with the
+        rest (in place); False if that is not possible or below ``min_chunk_tokens``."""
+        if not self.min_chunk_tokens or not items or items[-1][1] <= 1:
+            return False
+        live, n = batch[-1]
+        try:
+            fit = self.manager.max_admissible_tokens(live.rid, n - 1, batch=items[:-1])
+        except ValueError:
+            return False  # the rest does not fit either
+        if fit < min(self.min_chunk_tokens, n):
+            return False
+        batch[-1] = (live, fit)
+        items[-1] = (live.rid, fit)
+        return True
 
     @staticmethod
     def _record(live, step, first_hit, total_sched, preempt_count) -> RequestRecord:
