@@ -15,7 +15,9 @@ within one process. Measured:
 * multiturn: token hit rate on conversations sharing a system prompt, requests
   served one after another (the order ``ideal_hit_tokens`` assumes);
 * capacity: requests of ``--context`` tokens that fit, computed from the layout
-  and measured by prefilling requests until the pool refuses.
+  and measured by prefilling requests until the pool refuses (chunks after the
+  first shrink to fit down to ``--capacity-min-chunk`` tokens; the
+  ``capacity_fixed_chunk`` phase keeps every chunk at ``--chunk``).
 
 It prints a table of ratios and writes JSON (``--json``, default
 bench/out/vs_vllm.json). The hybridkv side is :class:`HybridkvSide`
