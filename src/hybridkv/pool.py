@@ -370,14 +370,17 @@ class PagePool:
         """Drop an entry; its pages that no request holds go back to the free stack."""
         pages = self._entries.pop(key)
         free = []
-        self.low_priority[list(pages)] = False
+        if pages and self.low_priority[pages[0]]:  # an entry is low priority as a whole
+            self.low_priority[list(pages)] = False
+        page_key, cached, ref, evictable = self._page_key, self.cached, self.ref_counts, self._evictable
         for page in pages:
-            del self._page_key[page]
-            self.cached[page] = False
-            if self.ref_counts[page] == 0:
-                del self._evictable[page]
+            del page_key[page]
+            cached[page] = False
+            if ref[page] == 0:
+                del evictable[page]
                 free.append(page)
-        self._push_free(np.asarray(free, dtype=np.int32))
+        if free:
+            self._push_free(np.asarray(free, dtype=np.int32))
         if self.on_removed is not None:
             self.on_removed(key)
 
