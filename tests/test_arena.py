@@ -311,11 +311,12 @@ def test_a_slab_idle_only_after_the_steps_own_release_can_be_lent():
     m = CacheManager([SWA, KV2], None, max_context_tokens=256, max_step_tokens=64, arena=small_geometry(5))
     m.add_request("a", prompt_tokens=60)
     m.schedule([("a", 40)])
-    # swa: 10 pages in slabs 0-1 (ids 2..11, straddler 7 included), survivors 2, 3;
-    # kv: 20 of the 24 pages of slabs 2-4.
+    # swa: 10 of the 11 pages of slabs 0-1 (ids 2..12, straddler 7 included): the 2
+    # survivors take the lowest free ids (2, 3), the 8 transient pages the highest
+    # (5..12); kv: 20 of the 24 pages of slabs 2-4.
     assert m.arena.owner.tolist() == [0, 0, 1, 1, 1]
-    assert sorted(m.request_pages("a", "swa")[1].tolist()) == list(range(2, 12))
-    # 12 more tokens: swa releases pages 0-7 (ids 4..11) and needs 3; kv needs 6 and has
+    assert sorted(m.request_pages("a", "swa")[1].tolist()) == [2, 3] + list(range(5, 13))
+    # 12 more tokens: swa releases pages 0-7 (ids 5..12) and needs 3; kv needs 6 and has
     # 4 free. Slab 1 (ids 8..12, straddler 7) is idle only once the release has run.
     assert m.check_admission([("a", 12)])[0].ok
     m.schedule([("a", 12)])

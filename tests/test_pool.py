@@ -349,3 +349,17 @@ def test_an_allocation_evicting_several_entries_frees_them_as_one_by_one(lowest_
     assert pool.allocate(2).tolist() == ([2, 3] if not lowest_first else [8, 9])
     assert pool.lookup(("e", 3)) == (10, 11, 12) and pool.num_evictable_pages == 6
     pool.check_invariants()
+
+
+def test_allocate_highest_takes_the_top_free_ids_in_lowest_first_pools():
+    pool = PagePool("g", 12, lowest_first=True)  # ids 1..11 free
+    assert pool.allocate(5, highest=3).tolist() == [1, 2, 9, 10, 11]
+    assert pool.allocate(2).tolist() == [3, 4]
+    pool.decref(np.array([10, 1]))  # pending releases are merged first
+    assert pool.allocate(3, highest=1).tolist() == [1, 5, 10]
+    assert pool.free_page_ids().tolist()[::-1] == [6, 7, 8]
+    with pytest.raises(ValueError, match="highest must lie in"):
+        pool.allocate(1, highest=2)
+    pool.check_invariants()
+    lifo = PagePool("g", 6)  # LIFO pools have no order to choose: highest is ignored
+    assert lifo.allocate(3, highest=2).tolist() == [1, 2, 3]

@@ -669,10 +669,22 @@ class CacheManager:
             self.arena.apply(plan.grants)
         totals = plan.alloc_all.sum(axis=1).tolist()
         if any(totals):
-            fresh = [pool.allocate(n) if n else None for pool, n in zip(self._pool_list, totals)]
-            if self.arena is not None:
-                self._survivors_first(plan, totals, fresh)
-            pages = np.concatenate([f for f in fresh if f is not None])
+            split = self._transient_split(plan, totals)
+            fresh = []
+            for g, (pool, n) in enumerate(zip(self._pool_list, totals)):
+                if not n:
+                    continue
+                if g not in split:
+                    fresh.append(pool.allocate(n))
+                    continue
+                t, rank = split[g]
+                ids = pool.allocate(n, highest=t)  # n - t lowest, then t highest, ascending
+                if rank is None:  # one row: transient pages first in logical order
+                    ids = np.concatenate([ids[n - t :], ids[: n - t]])
+                else:
+                    ids = ids[rank]
+                fresh.append(ids)
+            pages = np.concatenate(fresh)
             ts.place(rows, plan.hi, plan.alloc_all, pages, cells)  # new pages start at hi
         hi = np.maximum(plan.hi, plan.need_hi_all)
         ts.hi[:, rows] = hi
@@ -680,15 +692,18 @@ class CacheManager:
         self._last_rows = rows[plan.settle :]
         return self._build_batch(items, plan, fixed_width, hi if block_tables == "updates" else None, cells)
 
-    def _survivors_first(self, plan: _StepPlan, totals: list[int], fresh: list[np.ndarray | None]) -> None:
-        """Give a sliding group's pages that outlive the step the lowest of its fresh ids.
+    def _transient_split(self, plan: _StepPlan, totals: list[int]) -> dict[int, tuple[int, object]]:
+        """Per sliding group whose rows get several pages this step (prefill chunks):
+        (transient page count, how to order ids). Transient pages are released at the
+        next step (below the window of the chunk's end); the rest survive.
 
-        Pools hand out their lowest free ids; a prefill chunk's window and state pages
-        are released next step except the last few, so without this the kept pages sit
-        at the top of the chunk's ids and pin arena slabs the released ones left empty.
+        With a shared arena the survivors take the group's lowest free ids and the
+        transient pages its highest, so long-lived pages pack at the bottom and the
+        released ones leave whole slabs idle at the top for other groups.
         """
-        if int(plan.counts.max()) <= 1:
-            return  # one token per row: at most one new page per row, nothing to order
+        out: dict[int, tuple[int, object]] = {}
+        if self.arena is None or int(plan.counts.max()) <= 1:
+            return out  # one token per row: at most one new page per row, nothing to order
         for g, n in enumerate(totals):
             spec = self.specs[g]
             counts = plan.alloc_all[g]
@@ -697,19 +712,18 @@ class CacheManager:
             hi = plan.hi[g]
             keep_from = np.maximum(plan.end - spec.sliding_window_tokens + 1, 0) // spec.page_tokens
             if counts.size == 1 or np.count_nonzero(counts) == 1:
-                # One row (a prefill chunk): its first t pages in logical order are
-                # transient, the last n - t survive and take the lowest ids (a rotation).
+                # One row (a prefill chunk): its first t pages in logical order are transient.
                 r = int(np.flatnonzero(counts)[0]) if counts.size > 1 else 0
                 t = min(max(int(keep_from[r]) - int(hi[r]), 0), n)
-                if 0 < t < n:
-                    fresh[g] = np.concatenate([fresh[g][n - t :], fresh[g][: n - t]])
+                if 0 < t:
+                    out[g] = (t, None)
                 continue
             transient = np.repeat(hi, counts) + segment_arange(counts) < np.repeat(keep_from, counts)
-            if transient.any():
-                # Survivors take the lowest ids in logical order, then the transient pages.
-                rank = np.where(transient, np.cumsum(transient) - 1 + np.count_nonzero(~transient),
-                                np.cumsum(~transient) - 1)
-                fresh[g] = fresh[g][rank]
+            t = int(np.count_nonzero(transient))
+            if t:
+                # Survivors take the first n - t ids in logical order, then the transient pages.
+                out[g] = (t, np.where(transient, np.cumsum(transient) - 1 + (n - t), np.cumsum(~transient) - 1))
+        return out
 
     def _build_batch(
         self, items, plan: _StepPlan, fixed_width: bool, updates_hi: np.ndarray | None, cells: np.ndarray

@@ -125,9 +125,17 @@ class PagePool:
         return len(self._page_key)
 
     # --- allocation -----------------------------------------------------
-    def allocate(self, count: int) -> np.ndarray:
-        """``count`` pages with ref count 1, all or nothing; evicts LRU cached pages if needed."""
+    def allocate(self, count: int, *, highest: int = 0) -> np.ndarray:
+        """``count`` pages with ref count 1, all or nothing; evicts LRU cached pages if needed.
+
+        A lowest-first pool returns its lowest free ids, ascending, except that the
+        last ``highest`` of them are its highest free ids instead (for pages released
+        again at the next step, so they do not sit among long-lived ones).
+        """
         count = int(count)
+        highest = int(highest) if self.lowest_first else 0
+        if not 0 <= highest <= max(count, 0):
+            raise ValueError(f"highest must lie in [0, {count}], got {highest}")
         if count < 0:
             raise ValueError(f"cannot allocate a negative number of pages ({count})")
         if count > self.num_free_pages:
@@ -146,8 +154,14 @@ class PagePool:
             self._evict_lru(count - self._top - self._pending_pages)
         if self._pending:
             self._merge_pending()
-        out = self._stack[self._top - count : self._top][::-1].copy()
-        self._top -= count
+        low = count - highest
+        out = self._stack[self._top - low : self._top][::-1].copy()
+        self._top -= low
+        if highest:
+            # The stack is sorted with the lowest id on top: the highest are at its bottom.
+            out = np.concatenate([out, self._stack[:highest][::-1]])
+            self._stack[: self._top - highest] = self._stack[highest : self._top].copy()
+            self._top -= highest
         self.ref_counts[out] = 1
         self.counters.allocated_pages += count
         used = self.num_used_pages
