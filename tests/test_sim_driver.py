@@ -143,9 +143,16 @@ def test_simulate_shared_page_space_runs_where_per_group_pools_cannot(capsys):
     argv = ["simulate", "--workload", "chat", "--requests", "24", "--kv-memory", "3GiB", "--max-context", "32k"]
     code = main([*argv, "--min-chunk-tokens", "0"])
     assert code == 2 and "cannot start" in capsys.readouterr().err
+    # Shrinking lets a request that is alone start with a shorter first chunk: the
+    # per-group pools then get through, one request at a time or so.
+    code = main([*argv, "--json"])
+    assert code == 0
+    per_group = json.loads(capsys.readouterr().out)
+    assert per_group["requests_finished"] == 24 and per_group["shrunk_chunks"] > 0
     code = main([*argv, "--page-space", "shared", "--json"])
     assert code == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["page_space"] == "shared" and summary["requests_finished"] == 24
+    assert summary["shrunk_chunks"] == 0 and summary["steps"] < per_group["steps"]
     arena = summary["utilization"]["arena (all groups)"]
     assert 0 < arena["mean"] <= arena["peak"] <= 1

@@ -9,7 +9,9 @@ cannot grow, the last prefill chunk of the step first shrinks to what fits
 failing that, the most recently started running request is preempted
 (recompute: freed, and later re-added with its prompt plus the outputs it had
 produced) until the rest fits. New requests start only with a full first
-chunk (starting them with less only makes room for more thrashing). Only
+chunk (starting them with less only makes room for more thrashing), except
+when nothing is running: then a first chunk larger than the memory (a
+per-group pool smaller than one chunk's state pages) shrinks to fit. Only
 manager calls are timed.
 
 Token accounting per request: ``prompt + outputs - 1`` tokens are computed in
@@ -237,6 +239,11 @@ class Simulator:
                 n = max(1, min(self._prefill_left(live), budget))
                 answer = mgr.check_admission(items + [(live.rid, n)])[-1]
                 ok = answer.ok
+                if not ok and not running and self.min_chunk_tokens and n > 1:
+                    # Alone, a first chunk larger than a pool would otherwise never start.
+                    fit = mgr.max_admissible_tokens(live.rid, n, batch=items)
+                    ok = memory_short = fit >= min(self.min_chunk_tokens, n)
+                    n = fit if ok else n
                 if not ok:
                     refusal = answer.reason
                     mgr.free(live.rid)
