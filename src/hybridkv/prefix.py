@@ -365,13 +365,9 @@ class PrefixCache:
         grid = np.asarray(pages, dtype=np.int64).reshape(len(blocks), per_block)[take]
         boundaries = [(first_block + i + 1) * g for i in take]
         keys = [hashes.key(d) for d in boundaries]
-        stats, meta = self.stats[gid], self._meta[gid]
         for d, key, ok in zip(boundaries, keys, pool.publish_many(keys, grid)):
             if ok:
-                parent = hashes.parent(d)
-                meta[key] = (parent, d, per_block)
-                stats.stored_entries += 1
-                self._emit(("stored", gid, key, parent, d, per_block))
+                self._emit(self._stored(gid, hashes, key, d, per_block))
 
     def _publish_prompt_checkpoints(self, row: int, hashes: RequestHashes, boundaries: list[int]) -> None:
         """Low-priority checkpoints at ``boundaries`` in every state group: what
@@ -401,14 +397,9 @@ class PrefixCache:
             cols = np.asarray(lo, dtype=np.int64)[:, None] + np.arange(width)
             pages = table.pages[row][cols % table.capacity_pages]
             done = pool.publish_many([keys[i] for i in take], pages, low_priority=True)
-            stats, meta = self.stats[gid], self._meta[gid]
             for i, ok in zip(take, done):
                 if ok:
-                    d, key = boundaries[i], keys[i]
-                    parent = hashes.parent(d)
-                    meta[key] = (parent, d, width)
-                    stats.stored_entries += 1
-                    stored.append((i, g, ("stored", gid, key, parent, d, width)))
+                    stored.append((i, g, self._stored(gid, hashes, keys[i], boundaries[i], width)))
         stored.sort(key=lambda item: item[:2])
         for _, _, event in stored:
             self._emit(event)
@@ -426,11 +417,15 @@ class PrefixCache:
         if cached[pages].any() if len(pages) > 4 else any(cached[p] for p in pages):
             return False  # borrowed pages that carry a key
         pool.publish(key, pages, low_priority=low_priority)
-        parent = hashes.parent(boundary)
-        self._meta[gid][key] = (parent, boundary, len(pages))
-        self.stats[gid].stored_entries += 1
-        self._emit(("stored", gid, key, parent, boundary, len(pages)))
+        self._emit(self._stored(gid, hashes, key, boundary, len(pages)))
         return True
+
+    def _stored(self, gid: str, hashes: RequestHashes, key: int, boundary: int, num_pages: int) -> tuple:
+        """Book an entry just published (metadata, stats); its raw "stored" event."""
+        parent = hashes.parent(boundary)
+        self._meta[gid][key] = (parent, boundary, num_pages)
+        self.stats[gid].stored_entries += 1
+        return ("stored", gid, key, parent, boundary, num_pages)
 
     def _hold(self, own: _OwnCheckpoint, gid: str, key: int) -> None:
         pages = self.pools[gid].lookup(key)
