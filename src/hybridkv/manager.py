@@ -355,7 +355,7 @@ class CacheManager:
         req = self._get(request_id)
         limit = as_int("max_tokens", max_tokens, minimum=1, error=CacheManagerError)
         batch = list(batch)
-        if any(item[0] == request_id for item in batch if isinstance(item, tuple) and item):
+        if any(isinstance(item, (tuple, list)) and item and item[0] == request_id for item in batch):
             raise CacheManagerError(f"request {request_id!r} is already in the batch")
         for answer in self.check_admission(batch, fixed_width=fixed_width) if batch else ():
             if not answer.ok:
