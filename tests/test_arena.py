@@ -325,3 +325,28 @@ def test_a_slab_idle_only_after_the_steps_own_release_can_be_lent():
     assert m.request_pages("a", "kv")[1].size == 26
     live_byte_ranges_disjoint(m)
     m.check_invariants()
+
+
+def test_a_step_that_must_borrow_still_grows_rather_than_evicts():
+    """The grow-before-evict rule also holds on the path where a group must take
+    slabs: both spare slabs go to the window group, so it keeps its cached checkpoint;
+    the history group, with no spare slab left, evicts two blocks."""
+    m = small_manager(slabs=5, enable_prefix_caching=True)
+    m.add_request("a", np.arange(100, dtype=np.int32), max_new_tokens=1)
+    for _ in range(25):
+        m.schedule([("a", 4)])
+    m.free("a")
+    # swa: slabs 0 and 2, 8 clean pages + the checkpoint at 96 (2 pages, cached);
+    # kv: slab 1, 2 clean pages + 6 cached blocks.
+    assert m.arena.owner.tolist() == [0, 1, 0, -1, -1]
+    assert (m.pools["swa"].num_clean_free_pages, m.pools["swa"].num_evictable_pages) == (8, 2)
+    assert (m.pools["kv"].num_clean_free_pages, m.pools["kv"].num_evictable_pages) == (2, 6)
+    m.add_request("b", 1000 + np.arange(60, dtype=np.int32), max_new_tokens=1)
+    # swa needs 15 pages: slab 3 (5 + the straddler with slab 2) is a must; with it
+    # swa would still evict its checkpoint for the 15th page, so it takes slab 4 too.
+    m.schedule([("b", 60)])
+    assert m.arena.owner.tolist() == [0, 1, 0, 0, 0]
+    assert m.stats()["swa"].evicted_pages == 0 and m.stats()["swa"].cached_pages == 2
+    assert m.stats()["kv"].evicted_pages == 2
+    live_byte_ranges_disjoint(m)
+    m.check_invariants()

@@ -218,15 +218,17 @@ class Arena:
         scan: _Scan | None = None,
         *,
         partial: bool = False,
+        after: Sequence[Grant] = (),
     ) -> list[Grant] | None:
         """Slabs that cover every group's page ``deficit`` (pages short): spare slabs
         first (one next to a slab the group owns if there is one, else the lowest),
         then slabs of other groups whose pages are all free or evictable, taken only
         while the donor keeps ``surplus`` (pages it can spare) >= 0. ``None`` if they
         do not suffice (with ``partial``, the groups they do cover). Pure; the page
-        counts are exact for :meth:`apply` in order."""
+        counts are exact for :meth:`apply` in order. ``after``: grants planned
+        already (applied first); the new ones continue from them."""
         scan = scan if scan is not None else _Scan()
-        own = self.owner.copy()
+        own = self.replay(after)[0] if after else self.owner.copy()
         left = {g: int(surplus.get(g, 0)) for g in self.group_ids}
         grants: list[Grant] = []
         for gid in self.group_ids:
@@ -271,6 +273,16 @@ class Arena:
                 own, kept, left = undo[0], undo[1], undo[2]
                 del grants[kept:]
         return grants
+
+    def replay(self, grants: Sequence[Grant]) -> tuple[np.ndarray, dict[str, int]]:
+        """Slab owners after ``grants`` (pure), and the pages each receiving group gains."""
+        own, gained = self.owner.copy(), {}
+        for gid, slab, donor in grants:
+            if donor is not None:
+                own[slab] = -1
+            gained[gid] = gained.get(gid, 0) + self._count(gid, slab, own)
+            own[slab] = self._index[gid]
+        return own, gained
 
     def _idle(self, gid: str, scan: _Scan) -> tuple[np.ndarray, np.ndarray]:
         """(slabs whose inner pages are all idle, boundaries whose straddler is idle)."""

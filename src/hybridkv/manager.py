@@ -449,31 +449,42 @@ class CacheManager:
             plan.grants = _grants_to_fit(arena, {g: int(need[g][fits].sum()) for g in avail}, avail, scan)
             return plan.grants is not None
 
-        if not totals_fit(plan.alloc):
+        need = plan.alloc
+        if not totals_fit(need):
             # The step's releases run before slabs move, so a donor slab whose pages are
             # all idle once they are released can be lent too.
             scan = _Scan(releasing={})
-            net = {g: plan.alloc[g] - self._release_credit(g, plan.rows, plan.new_base[g], scan.releasing)
-                   for g in avail}
-            if not totals_fit(net):
-                self._deny_greedily(plan, net, avail, fits, deny, arena, scan)
+            need = {g: plan.alloc[g] - self._release_credit(g, plan.rows, plan.new_base[g], scan.releasing)
+                    for g in avail}
+            if not totals_fit(need):
+                self._deny_greedily(plan, need, avail, fits, deny, arena, scan)
+                need = None
+        if need is not None and arena is not None:
+            # As on the fast path: a group that would evict cached pages grows instead.
+            sums = [int(need[g][fits].sum()) for g in self._group_ids]
+            plan.grants = plan.grants + self._grow_instead_of_evicting(sums, after=plan.grants)
         off = plan.settle
         return answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items()}, plan
 
-    def _grow_instead_of_evicting(self, sums: list[int]) -> list:
+    def _grow_instead_of_evicting(self, sums: list[int], after: list | None = None) -> list:
+        """Spare slabs for groups that would have to evict cached pages to get ``sums``
+        pages (counting what the grants ``after`` already give them)."""
         arena = self.arena
-        if not arena.num_spare_slabs:
+        spare = arena.num_spare_slabs - sum(1 for grant in after or () if grant[2] is None)
+        if spare <= 0:
             return []
+        gained = arena.replay(after)[1] if after else {}
         # Low-priority cached pages (prompt checkpoints) are meant to go first: a group
         # holding idle ones evicts them rather than grow.
-        short = {
-            gid: n - pool.num_clean_free_pages
-            for gid, pool, n in zip(self._group_ids, self._pool_list, sums)
-            if n > pool.num_clean_free_pages and not pool.has_low_priority_idle
-        }
+        short = {}
+        for gid, pool, n in zip(self._group_ids, self._pool_list, sums):
+            clean = pool.num_clean_free_pages + gained.get(gid, 0)
+            if n > clean and not pool.has_low_priority_idle:
+                short[gid] = n - clean
         if not short:
             return []
-        return arena.plan(short, {}, partial=True)  # no donors: spare slabs only; the rest evict
+        # No donors: spare slabs only; the rest evict.
+        return arena.plan(short, {}, partial=True, after=after or ())
 
     @staticmethod
     def _deny_greedily(plan, net, avail, fits, deny, arena=None, scan=None) -> None:
