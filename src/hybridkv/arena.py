@@ -218,17 +218,17 @@ class Arena:
         scan: _Scan | None = None,
         *,
         partial: bool = False,
-        after: Sequence[Grant] = (),
+        owner: np.ndarray | None = None,
     ) -> list[Grant] | None:
         """Slabs that cover every group's page ``deficit`` (pages short): spare slabs
         first (one next to a slab the group owns if there is one, else the lowest),
         then slabs of other groups whose pages are all free or evictable, taken only
         while the donor keeps ``surplus`` (pages it can spare) >= 0. ``None`` if they
         do not suffice (with ``partial``, the groups they do cover). Pure; the page
-        counts are exact for :meth:`apply` in order. ``after``: grants planned
-        already (applied first); the new ones continue from them."""
+        counts are exact for :meth:`apply` in order. ``owner``: slab owners to start
+        from (:meth:`replay` of grants planned already, applied before these)."""
         scan = scan if scan is not None else _Scan()
-        own = self.replay(after)[0] if after else self.owner.copy()
+        own = (self.owner if owner is None else owner).copy()
         left = {g: int(surplus.get(g, 0)) for g in self.group_ids}
         grants: list[Grant] = []
         for gid in self.group_ids:

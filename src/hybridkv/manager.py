@@ -470,10 +470,9 @@ class CacheManager:
         """Spare slabs for groups that would have to evict cached pages to get ``sums``
         pages (counting what the grants ``after`` already give them)."""
         arena = self.arena
-        spare = arena.num_spare_slabs - sum(1 for grant in after or () if grant[2] is None)
-        if spare <= 0:
+        own, gained = arena.replay(after) if after else (None, {})
+        if not (arena.num_spare_slabs if own is None else np.count_nonzero(own < 0)):
             return []
-        gained = arena.replay(after)[1] if after else {}
         # Low-priority cached pages (prompt checkpoints) are meant to go first: a group
         # holding idle ones evicts them rather than grow.
         short = {}
@@ -484,7 +483,7 @@ class CacheManager:
         if not short:
             return []
         # No donors: spare slabs only; the rest evict.
-        return arena.plan(short, {}, partial=True, after=after or ())
+        return arena.plan(short, {}, partial=True, owner=own)
 
     @staticmethod
     def _deny_greedily(plan, net, avail, fits, deny, arena=None, scan=None) -> None:
