@@ -239,11 +239,11 @@ class Simulator:
                 n = max(1, min(self._prefill_left(live), budget))
                 answer = mgr.check_admission(items + [(live.rid, n)])[-1]
                 ok = answer.ok
-                if not ok and not running and self.min_chunk_tokens and n > 1:
+                if not ok and not running:
                     # Alone, a first chunk larger than a pool would otherwise never start.
-                    fit = mgr.max_admissible_tokens(live.rid, n, batch=items)
-                    ok = memory_short = fit >= min(self.min_chunk_tokens, n)
-                    n = fit if ok else n
+                    fit = self._fitting_tokens(live.rid, n, n, items)
+                    ok = memory_short = fit > 0
+                    n = fit or n
                 if not ok:
                     refusal = answer.reason
                     mgr.free(live.rid)
@@ -332,17 +332,26 @@ class Simulator:
     def _prefill_left(live: _Live) -> int:
         return max(live.context_tokens - live.hit_tokens - live.scheduled_tokens, 0)
 
+    def _fitting_tokens(self, rid: str, chunk: int, upto: int, rest: list) -> int:
+        """Tokens, up to ``upto``, that a ``chunk``-token chunk of ``rid`` can shrink to
+        beside ``rest``; 0 below ``min(min_chunk_tokens, chunk)`` (or when shrinking is
+        off, or ``rest`` does not fit)."""
+        if not self.min_chunk_tokens or chunk <= 1:
+            return 0
+        try:
+            fit = self.manager.max_admissible_tokens(rid, upto, batch=rest)
+        except ValueError:
+            return 0  # the rest does not fit either
+        return fit if fit >= min(self.min_chunk_tokens, chunk) else 0
+
     def _shrink_last_chunk(self, batch: list, items: list) -> bool:
         """Shrink the step's last item, if it is a prefill chunk, to what fits with the
         rest (in place); False if that is not possible or below ``min_chunk_tokens``."""
-        if not self.min_chunk_tokens or not items or items[-1][1] <= 1:
+        if not items or items[-1][1] <= 1:
             return False
         live, n = batch[-1]
-        try:
-            fit = self.manager.max_admissible_tokens(live.rid, n - 1, batch=items[:-1])
-        except ValueError:
-            return False  # the rest does not fit either
-        if fit < min(self.min_chunk_tokens, n):
+        fit = self._fitting_tokens(live.rid, n, n - 1, items[:-1])
+        if not fit:
             return False
         batch[-1] = (live, fit)
         items[-1] = (live.rid, fit)
