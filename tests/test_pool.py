@@ -1,7 +1,9 @@
 """PagePool: null page, all-or-nothing allocation, LIFO reuse, ref counts, cached LRU."""
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 from hybridkv.pool import NULL_PAGE, PagePool, PoolExhausted
 
@@ -241,6 +243,37 @@ def test_lowest_first_hands_out_the_lowest_free_ids_whatever_the_release_order()
     # A LIFO pool would hand out 6 first; lowest-first gives 2, 5, 6, then 7.
     assert pool.allocate(4).tolist() == [2, 5, 6, 7]
     pool.check_invariants()
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(1, 40), st.integers(0, 2**31)), min_size=1, max_size=60),
+       highest=st.integers(0, 3))
+def test_lowest_first_matches_a_sorted_set_model(ops, highest):
+    """Whatever mix of releases (kept pending) and allocations (small ones sort only
+    the pending pages with the stack's lowest), an allocation hands out the lowest
+    free ids in ascending order, or, with ``highest``, the highest ones last."""
+    pool = PagePool("g", 300, lowest_first=True)
+    free, held = set(range(1, 300)), []
+    for alloc, n, seed in ops:
+        if alloc:
+            n = min(n, len(free))
+            if n == 0:
+                continue
+            h = min(highest, n)
+            out = pool.allocate(n, highest=h).tolist()
+            ordered = sorted(free)
+            assert out == ordered[: n - h] + (ordered[len(ordered) - h :] if h else [])
+            free.difference_update(out)
+            held.extend(out)
+        elif held:
+            rng = np.random.default_rng(seed)
+            rng.shuffle(held)
+            gone, held = held[:n], held[n:]
+            pool.decref(np.array(gone))
+            free.update(gone)
+        assert pool.num_free_pages == len(free)
+    pool.check_invariants()
+    assert sorted(pool.free_page_ids().tolist()) == sorted(free)
 
 
 def test_lowest_first_eviction_and_revoke_see_pending_releases():

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 NULL_PAGE = 0
+_SMALL_PENDING = 256  # pending releases an allocation sorts in place of a full merge
 
 
 class PoolExhausted(RuntimeError):
@@ -143,20 +144,33 @@ class PagePool:
             raise PoolExhausted(
                 f"group {self.group_id!r}: need {count} pages, {self.num_free_pages} free or evictable"
             )
-        if self._pending:
-            # Every allocation merges: deferring merges (batches of 1,024) saved ~25 us a
-            # decode step at 256 running but cost 1-2 requests of 128k in 40 GiB, as
-            # released window pages were reused late and pinned arena slabs.
-            self._merge_pending()
+        # Released pages are always reusable at once (deferring them cost 1-2 requests
+        # of 128k in 40 GiB: late reuse pinned arena slabs), so every allocation
+        # takes the lowest ids of stack and pending together.
         if self._low_idle and self.pack_low_priority():
+            if self._pending:
+                self._merge_pending()
             self._evict_low_below(count)
         if self._top + self._pending_pages < count:
             self._evict_lru(count - self._top - self._pending_pages)
-        if self._pending:
-            self._merge_pending()
         low = count - highest
-        out = self._stack[self._top - low : self._top][::-1].copy()
-        self._top -= low
+        if self._pending and not highest and low <= self._top and self._pending_pages <= _SMALL_PENDING:
+            # Few pending pages (a decode step): the lowest ``low`` of the union are among
+            # the stack's ``low`` lowest and the pending ones; sort just those and keep
+            # the rest pending, instead of merging the whole stack.
+            top = self._top
+            pending = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
+            both = np.concatenate([self._stack[top - low : top], pending])
+            both.sort()
+            out = both[:low]
+            self._top = top - low
+            rest = both[low:]
+            self._pending, self._pending_pages = ([rest], rest.size) if rest.size else ([], 0)
+        else:
+            if self._pending:
+                self._merge_pending()
+            out = self._stack[self._top - low : self._top][::-1].copy()
+            self._top -= low
         if highest:
             # The stack is sorted with the lowest id on top: the highest are at its bottom.
             out = np.concatenate([out, self._stack[:highest][::-1]])
@@ -332,6 +346,24 @@ class PagePool:
             cached[page] = True
         if low_priority:
             self.low_priority[list(pages)] = True
+        return True
+
+    def publish_held(self, key: Hashable, pages: list[int]) -> bool:
+        """:meth:`publish` for pages the caller holds (ids from its own table row, so
+        not re-validated); False, and nothing changes, if the key exists or a page
+        already carries one."""
+        if key in self._entries:
+            return False
+        cached = self.cached
+        for page in pages:
+            if cached[page]:
+                return False
+        pages = tuple(pages)
+        self._entries[key] = pages
+        page_key = self._page_key
+        for page in pages:
+            page_key[page] = key
+            cached[page] = True
         return True
 
     def publish_many(self, keys: Sequence[Hashable], pages: np.ndarray, *, low_priority: bool = False) -> list[bool]:
