@@ -25,8 +25,25 @@ def pair(config, caching, seed):
         if not fast:
             m._fast_paths = False
             m._tableset.single_page_cells = False
+            if m.prefix is not None:
+                m.prefix._fast_commit = False
         out.append(m)
     return out
+
+
+def same_cache(a, b):
+    """Same prefix-cache entries (keys, pages, order), events and holds on both managers."""
+    assert (a.prefix is None) == (b.prefix is None)
+    if a.prefix is None:
+        return
+    assert a.prefix.drain_events() == b.prefix.drain_events()
+    for s in a.specs:
+        pa, pb = a.pools[s.group_id], b.pools[s.group_id]
+        assert pa.entry_keys() == pb.entry_keys(), s.group_id
+        assert [pa.lookup(k) for k in pa.entry_keys()] == [pb.lookup(k) for k in pb.entry_keys()], s.group_id
+        assert a.prefix.stats[s.group_id] == b.prefix.stats[s.group_id]
+    assert a.prefix._holders == b.prefix._holders
+    assert a.prefix._meta == b.prefix._meta
 
 
 def same(a, b):
@@ -112,6 +129,7 @@ def test_fast_path_equals_general_path(config, caching, seed, data):
     event(f"groups crossing a page boundary while decoding: {len(crossed)} of {len(specs)}")
     for m in managers:
         m.check_invariants()
+    same_cache(*managers)
 
 
 def test_decode_crosses_every_group_and_matches():
@@ -134,6 +152,43 @@ def test_decode_crosses_every_group_and_matches():
         assert stats[s.group_id].allocated_pages > allocated[s.group_id], s.group_id
         if s.is_sliding:
             assert stats[s.group_id].released_pages > released[s.group_id], s.group_id
+    same_cache(*managers)
+
+
+@pytest.mark.parametrize("interval", [None, 512])
+def test_one_block_commits_equal_the_general_commit(interval):
+    """Decode crossings take the one-block commit path; with the general path they give
+    the same entries, events and holds, also when requests share their content (a
+    block already published, a checkpoint held twice) and under a checkpoint interval."""
+    specs = CONFIGS["v4"][0]
+    pages = {s.group_id: 2_000 for s in specs}
+    managers = []
+    for fast in (True, False):
+        m = CacheManager(specs, pages, max_context_tokens=2_048, max_step_tokens=256,
+                         enable_prefix_caching=True, prefix_granularity=256,
+                         state_checkpoint_interval=interval)
+        m.prefix._fast_commit = fast
+        managers.append(m)
+    shared = np.arange(700, dtype=np.int32) % 50
+    prompts = {"a": shared, "b": shared.copy(), "c": np.concatenate([shared[:300], shared[:100] + 1])}
+    for rid, ids in prompts.items():
+        on_both(managers, "add_request", rid, ids, max_new_tokens=700)
+    for start in range(0, 700, 256):
+        same(*on_both(managers, "schedule", [(rid, min(256, ids.size - start)) for rid, ids in prompts.items()
+                                             if start < ids.size])[0])
+    rng = np.random.default_rng(3)
+    for step_index in range(650):
+        tokens = rng.integers(0, 50, 1)  # a and b generate the same tokens: same keys
+        for rid in prompts:
+            on_both(managers, "append_token_ids", rid, tokens if rid != "c" else tokens + 1)
+        same(*on_both(managers, "schedule", [(rid, 1) for rid in prompts])[0])
+        if step_index == 400:
+            on_both(managers, "free", "b")
+            prompts.pop("b")
+    assert managers[0].prefix.stats[specs[0].group_id].stored_entries > 0
+    for m in managers:
+        m.check_invariants()
+    same_cache(*managers)
 
 
 def test_bool_and_float_counts_are_refused_in_a_decode_batch():

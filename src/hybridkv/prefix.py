@@ -141,6 +141,8 @@ class _OwnCheckpoint:
 class PrefixCache:
     """Content-keyed pages over the manager's pools and tables."""
 
+    _fast_commit = True  # the one-block commit path (tests compare both ways)
+
     def __init__(
         self,
         specs: Sequence[CacheGroupSpec],
@@ -201,6 +203,16 @@ class PrefixCache:
         # the entry is unpublished when none is left. Pinned holds are never dropped.
         self._holders: dict[str, dict[int, int]] = {gid: {} for gid in self.state_ids}
         self._windows = {s.group_id: s.sliding_window_tokens for s in self.specs if s.is_sliding}
+        # Per-group constants of the one-block commit, bound once.
+        self._history_plan = [
+            (gid, pools[gid], tables[gid], g // tables[gid].page_tokens, self._meta[gid], self.stats[gid])
+            for gid in self.history_ids
+        ]
+        self._state_plan = [
+            (gid, pools[gid], tables[gid], tables[gid].page_tokens, self._windows[gid], self._holders[gid],
+             self._meta[gid], self.stats[gid])
+            for gid in self.state_ids
+        ]
         for gid, pool in pools.items():
             pool.on_removed = self._removed_callback(gid)
 
@@ -280,6 +292,9 @@ class PrefixCache:
             return
         hashes.extend_to(token_ids, new_tokens)
         first_block, end_block = old_tokens // g, new_tokens // g
+        if end_block == first_block + 1 and self._fast_commit:
+            self._commit_one_block(req, hashes, first_block)
+            return
         for gid in self.history_ids:
             # One gather for every completed block of this group, then per-block entries.
             table = self.tables[gid]
@@ -318,7 +333,42 @@ class PrefixCache:
                 self._hold(own, gid, key)
             if own.entries:
                 new_own.append(own)
-        # Superseded: every earlier own checkpoint that is not pinned.
+        self._supersede(req, new_own)
+
+    def _commit_one_block(self, req: Any, hashes: RequestHashes, b: int) -> None:
+        """``commit`` of a step that completed exactly block ``b`` (every decode crossing):
+        the same entries, holds and events in the same order, per-group work inlined."""
+        d = (b + 1) * self.granularity_tokens
+        key = hashes.hashes[b]
+        parent = hashes.hashes[b - 1] if b else hashes.root
+        row, emit = req.row, self._emit
+        for gid, pool, table, per_block, meta, stats in self._history_plan:
+            if pool.lookup(key) is None:
+                pages = table.row_pages(row, b * per_block, (b + 1) * per_block)
+                if pool.publish_held(key, pages):
+                    meta[key] = (parent, d, len(pages))
+                    stats.stored_entries += 1
+                    emit(("stored", gid, key, parent, d, len(pages)))
+        interval = self.state_checkpoint_interval
+        own = _OwnCheckpoint(d, pinned=d in req.keep_boundaries or (interval is not None and d % interval == 0))
+        for gid, pool, table, page_tokens, window, holders, meta, stats in self._state_plan:
+            if pool.lookup(key) is None:
+                lo, hi = max(0, d - window) // page_tokens, d // page_tokens
+                if lo >= table.base[row] and hi <= table.hi[row]:
+                    pages = table.row_pages(row, lo, hi)
+                    if pool.publish_held(key, pages):
+                        meta[key] = (parent, d, len(pages))
+                        stats.stored_entries += 1
+                        emit(("stored", gid, key, parent, d, len(pages)))
+            pages = pool.lookup(key)
+            if pages is not None:
+                own.entries[gid] = (key, pages)
+                holders[key] = holders.get(key, 0) + 1
+        self._supersede(req, [own] if own.entries else [])
+
+    def _supersede(self, req: Any, new_own: list) -> None:
+        """Drop the request's hold on every earlier own checkpoint that is not pinned
+        (unpublished when no hold is left); ``new_own`` become its own checkpoints."""
         for prev in req.own_checkpoints:
             if prev.pinned:
                 continue
