@@ -200,11 +200,12 @@ class HybridkvSide:
     decode_block_tables = "updates"
 
     def decode_step(self, requests: Sequence[Any]) -> bool:
-        """One token for every request, in one scheduling call."""
-        items = [(r.request_id, 1) for r in requests]
+        """One token for every request, in one scheduling call (``schedule_uniform``:
+        the ids as a tuple, one count for all)."""
+        ids = tuple(r.request_id for r in requests)
         start = time.perf_counter_ns()
         try:
-            self.manager.schedule(items, block_tables=self.decode_block_tables)
+            self.manager.schedule_uniform(ids, 1, block_tables=self.decode_block_tables)
         except ValueError:
             return False
         finally:

@@ -203,3 +203,54 @@ def test_bool_and_float_counts_are_refused_in_a_decode_batch():
         assert m.num_computed_tokens("a") == 4 and m.num_computed_tokens("b") == 4
     batch = m.schedule([("a", np.int64(1)), ("b", 1)])  # numpy ints are counts
     assert batch.num_scheduled_tokens.tolist() == [1, 1]
+
+
+def test_schedule_uniform_equals_schedule_of_pairs():
+    """Decode and verify steps through ``schedule_uniform`` give what ``schedule`` gives
+    for the same (id, count) pairs, in both block-table modes."""
+    specs, pages, ctx, step = CONFIGS["v4"]
+    managers = [CacheManager(specs, pages, max_context_tokens=ctx, max_step_tokens=step,
+                             enable_prefix_caching=True, prefix_granularity=256) for _ in range(2)]
+    rng = np.random.default_rng(0)
+    prompts = {f"r{i}": rng.integers(0, 30, n).astype(np.int32) for i, n in enumerate((60, 250, 130))}
+    for rid, ids in prompts.items():
+        on_both(managers, "add_request", rid, ids, max_new_tokens=400)
+        same(*on_both(managers, "schedule", [(rid, min(64, ids.size))])[0])
+        while managers[0].num_computed_tokens(rid) < ids.size:
+            n = min(64, ids.size - managers[0].num_computed_tokens(rid))
+            same(*on_both(managers, "schedule", [(rid, n)])[0])
+    rids = list(prompts)
+    for i in range(300):
+        k = 3 if i % 7 == 0 else 1
+        for rid in rids:
+            on_both(managers, "append_token_ids", rid, rng.integers(0, 30, k).astype(np.int32))
+        mode = "updates" if i % 2 else "full"
+        a = managers[0].schedule_uniform(rids, k, block_tables=mode)
+        b = managers[1].schedule([(rid, k) for rid in rids], block_tables=mode)
+        same(a, b)
+        assert a.request_ids == tuple(rids)
+        if i % 7 == 0:
+            keep = [(rid, managers[0].num_computed_tokens(rid) - 2) for rid in rids]
+            on_both(managers, "rewind_many", keep)
+    same_cache(*managers)
+
+
+@pytest.mark.parametrize("request_ids, count, message", [
+    ([], 1, "empty batch"),
+    (["a", "nope"], 1, "unknown request 'nope'"),
+    (["a", "a"], 1, "appears twice"),
+    (["a", "b"], True, "token count must be an int"),
+    (["a", "b"], 0, "token count must be positive"),
+    (["a", "b"], 5, "exceeds its declared total"),
+])
+def test_schedule_uniform_refuses_what_schedule_refuses(request_ids, count, message):
+    specs, pages, ctx, step = CONFIGS["odd"]
+    m = CacheManager(specs, pages, max_context_tokens=ctx, max_step_tokens=step)
+    for rid in ("a", "b"):
+        m.add_request(rid, prompt_tokens=4, max_new_tokens=4)
+    m.schedule_uniform(["a", "b"], 4)
+    with pytest.raises(CacheManagerError, match=message):
+        m.schedule_uniform(request_ids, count)
+    assert m.num_computed_tokens("a") == 4 and m.num_computed_tokens("b") == 4
+    batch = m.schedule_uniform(("a", "b"), np.int64(2))  # numpy ints are counts
+    assert batch.num_scheduled_tokens.tolist() == [2, 2]

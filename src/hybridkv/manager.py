@@ -75,6 +75,7 @@ class _StepPlan:
     alloc_all: np.ndarray | None = None
     need_hi_all: np.ndarray | None = None
     grants: list | None = None  # arena slabs to move before allocating (shared page space)
+    request_ids: tuple | None = None  # the batch's ids in order, once known
 
 
 class _ByGroup(Mapping):
@@ -384,18 +385,22 @@ class CacheManager:
             fits(lo)  # leave the answer's admission cached for schedule()
         return lo
 
-    def _admit(self, items, fixed_width):
+    def _admit(self, items, fixed_width, uniform=None):
         """(answers for invalid items, indices of valid items, fits mask over them,
-        reasons for the denied ones, step plan); pure."""
+        reasons for the denied ones, step plan); pure. ``uniform`` (request ids, one
+        count) stands for ``items`` when given."""
         if fixed_width and self.table_widths is None:
             raise CacheManagerError(
                 "fixed_width needs capture widths: build the manager with table_widths (from_plan does)"
             )
-        answers: list[Admission | None] = [None] * len(items)
-        fast = self._fast_validate(items)
+        fast = self._fast_validate(items) if uniform is None else self._fast_validate_uniform(*uniform)
+        if fast is None and uniform is not None:
+            items = [(rid, uniform[1]) for rid in uniform[0]]  # the per-item path words the reasons
+        request_ids = None
+        answers: list[Admission | None] = [None] * (len(items) if fast is None else fast[0].size)
         if fast is not None:
-            ok_idx = range(len(items))
-            rows, counts = fast
+            ok_idx = range(fast[0].size)
+            rows, counts, request_ids = fast
         else:
             seen: set[str] = set()
             ok_idx, row_list, count_list = [], [], []
@@ -417,6 +422,7 @@ class CacheManager:
         settle = self._settling_rows(rows)
         plan = self._plan(np.concatenate([settle, rows]), np.concatenate([np.zeros_like(settle), counts]))
         plan.settle = settle.size
+        plan.request_ids = request_ids
         fits = np.ones(plan.rows.size, dtype=bool)
         deny: dict[int, str] = {}
         if fixed_width:
@@ -508,25 +514,16 @@ class CacheManager:
                 used = want
                 plan.grants = grants
 
-    def _fast_validate(self, items) -> tuple[np.ndarray, np.ndarray] | None:
-        """Rows and counts when every item is valid (vectorized); None sends the batch
-        down the per-item path that words each reason."""
+    def _fast_validate(self, items) -> tuple[np.ndarray, np.ndarray, tuple] | None:
+        """Rows, counts and request ids when every item is valid (vectorized); None
+        sends the batch down the per-item path that words each reason."""
         try:
             rids, counts = zip(*items)
         except (TypeError, ValueError):
             return None  # not all pairs
-        memo = self._rows_memo
-        if memo is not None and memo[1] == self._roster_version and memo[0] == rids:
-            rows = memo[2]  # same ids as a batch already validated, no request added or freed since
-        else:
-            reqs = self._requests
-            try:
-                rows = np.array([reqs[rid].row for rid in rids], dtype=np.int64)
-            except (KeyError, TypeError):
-                return None  # unknown or unhashable id
-            if len(set(rids)) != len(rids):
-                return None
-            self._rows_memo = (rids, self._roster_version, rows)
+        rows = self._rows_of(rids)
+        if rows is None:
+            return None
         n = len(counts)
         if self._fast_paths and counts.count(counts[0]) == n and tuple(map(type, counts)).count(int) == n:
             # Equal plain ints (a decode or verify step; the type count keeps out True,
@@ -545,7 +542,34 @@ class CacheManager:
         # one comparison covers both limits; the per-item path words which one.
         if (self._computed.take(rows) + counts > self._known.take(rows)).any():
             return None
-        return rows, counts
+        return rows, counts, rids
+
+    def _fast_validate_uniform(self, rids: tuple, count) -> tuple[np.ndarray, np.ndarray, tuple] | None:
+        """``_fast_validate`` of ``(rid, count)`` for every id: one scalar count check."""
+        if type(count) is not int or not 1 <= count <= self.max_step_tokens:
+            return None  # the per-item path words it (numpy ints included)
+        rows = self._rows_of(rids)
+        if rows is None:
+            return None
+        if (self._computed.take(rows) + count > self._known.take(rows)).any():
+            return None
+        return rows, np.full(rows.size, count, dtype=np.int64), rids
+
+    def _rows_of(self, rids: tuple) -> np.ndarray | None:
+        """Table rows of distinct known request ids (memoized for a repeated batch);
+        None if an id is unknown, unhashable or repeated."""
+        memo = self._rows_memo
+        if memo is not None and memo[1] == self._roster_version and memo[0] == rids:
+            return memo[2]  # same ids as a batch already validated, no request added or freed since
+        reqs = self._requests
+        try:
+            rows = np.array([reqs[rid].row for rid in rids], dtype=np.int64)
+        except (KeyError, TypeError):
+            return None
+        if len(set(rids)) != len(rids):
+            return None
+        self._rows_memo = (rids, self._roster_version, rows)
+        return rows
 
     def _settling_rows(self, batch_rows: np.ndarray) -> np.ndarray:
         prev = self._last_rows
@@ -634,21 +658,38 @@ class CacheManager:
         ``"updates"`` hands out only the table cells that changed
         (``StepBatch.table_updates``, applied by ``hybridkv.mirror.BlockTableMirror``).
         """
+        items = items if type(items) is list else list(items)
+        return self._schedule(items, None, fixed_width, block_tables)
+
+    def schedule_uniform(
+        self, request_ids: Sequence[str], num_tokens: int, *, fixed_width: bool = False, block_tables: str = "full"
+    ) -> StepBatch:
+        """``schedule([(rid, num_tokens) for rid in request_ids])``, for a step in which
+        every request gets the same count (decode, or verifying k draft tokens),
+        without building the pairs. Same checks, errors and result."""
+        rids = request_ids if type(request_ids) is tuple else tuple(request_ids)
+        return self._schedule(None, (rids, num_tokens), fixed_width, block_tables)
+
+    def _schedule(self, items, uniform, fixed_width: bool, block_tables: str) -> StepBatch:
+        """``schedule`` of ``items``, or of ``uniform`` = (request ids, one count for all)."""
         if block_tables not in _BLOCK_TABLE_MODES:
             raise CacheManagerError(f"block_tables must be one of {_BLOCK_TABLE_MODES}, got {block_tables!r}")
-        items = items if type(items) is list else list(items)
-        if not items:
+        if not (items if uniform is None else uniform[0]):
             raise CacheManagerError("empty batch")
         cached = self._admitted
-        if cached is not None and cached[0] == self._version and cached[2] == fixed_width and cached[1] == items:
+        if (uniform is None and cached is not None and cached[0] == self._version and cached[2] == fixed_width
+                and cached[1] == items):
             answers, ok_idx, fits, deny, plan = cached[3]
         else:
-            answers, ok_idx, fits, deny, plan = self._admit(items, fixed_width)
+            answers, ok_idx, fits, deny, plan = self._admit(items, fixed_width, uniform)
         self._admitted = None
-        if len(ok_idx) < len(items) or not fits.all():
+        if plan is not None and plan.request_ids is None:
+            plan.request_ids = uniform[0] if items is None else tuple(map(itemgetter(0), items))
+        n_items = len(items) if uniform is None else len(uniform[0])
+        if len(ok_idx) < n_items or not fits.all():
             reasons = [a.reason for a in answers if a is not None] + [deny[k] for k in sorted(deny)]
             raise CacheManagerError(
-                f"{len(reasons)} of {len(items)} requests not admissible: {'; '.join(reasons[:3])}"
+                f"{len(reasons)} of {n_items} requests not admissible: {'; '.join(reasons[:3])}"
             )
         self._version += 1
         rows = plan.rows
@@ -700,7 +741,7 @@ class CacheManager:
         ts.hi[:, rows] = hi
         self._computed[rows] = plan.end
         self._last_rows = rows[plan.settle :]
-        return self._build_batch(items, plan, fixed_width, hi if block_tables == "updates" else None, cells)
+        return self._build_batch(plan, fixed_width, hi if block_tables == "updates" else None, cells)
 
     def _transient_split(self, plan: _StepPlan, totals: list[int]) -> dict[int, tuple[int, object]]:
         """Per sliding group whose rows get several pages this step (prefill chunks):
@@ -736,7 +777,7 @@ class CacheManager:
         return out
 
     def _build_batch(
-        self, items, plan: _StepPlan, fixed_width: bool, updates_hi: np.ndarray | None, cells: np.ndarray
+        self, plan: _StepPlan, fixed_width: bool, updates_hi: np.ndarray | None, cells: np.ndarray
     ) -> StepBatch:
         """The step's arrays; ``updates_hi`` (the batch's new hi, ``[G, R]``) selects updates
         mode; ``cells`` is ``row_cells`` of every planned row."""
@@ -780,7 +821,7 @@ class CacheManager:
                 write_slots=slots[g],
             )
         return StepBatch(
-            request_ids=tuple(map(itemgetter(0), items)),
+            request_ids=plan.request_ids,
             num_scheduled_tokens=counts.astype(np.int32),
             query_start_loc=qsl,
             positions=positions,
