@@ -420,7 +420,10 @@ class CacheManager:
         # tokens commit and their slid-out pages go back (zero new tokens each). They
         # come first so their release counts as credit for everyone.
         settle = self._settling_rows(rows)
-        plan = self._plan(np.concatenate([settle, rows]), np.concatenate([np.zeros_like(settle), counts]))
+        if settle.size:
+            plan = self._plan(np.concatenate([settle, rows]), np.concatenate([np.zeros_like(settle), counts]))
+        else:
+            plan = self._plan(rows, counts)  # the same rows array as the last step: settling is skipped
         plan.settle = settle.size
         plan.request_ids = request_ids
         fits = np.ones(plan.rows.size, dtype=bool)
@@ -740,7 +743,7 @@ class CacheManager:
         hi = np.maximum(plan.hi, plan.need_hi_all)
         ts.hi[:, rows] = hi
         self._computed[rows] = plan.end
-        self._last_rows = rows[plan.settle :]
+        self._last_rows = rows[plan.settle :] if plan.settle else rows
         return self._build_batch(plan, fixed_width, hi if block_tables == "updates" else None, cells)
 
     def _transient_split(self, plan: _StepPlan, totals: list[int]) -> dict[int, tuple[int, object]]:

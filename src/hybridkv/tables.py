@@ -394,7 +394,7 @@ class TableSet:
             entry = pos >> stride_shift
             logical = entry >> page_shift
             entry &= page_mask  # the row within the page
-            off_boundary = ((pos + 1) & stride_mask) != 0  # never for stride 1
+            off_boundary = (pos & stride_mask) != stride_mask  # (pos + 1) % stride != 0; never for stride 1
         else:
             entry = pos // stride
             logical = entry // per_page
