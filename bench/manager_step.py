@@ -141,12 +141,12 @@ class Run:
 
     def decode(self, steps: int) -> dict:
         m, n = self.m, len(self.rids)
-        items = [(rid, 1) for rid in self.rids]
+        ids = tuple(self.rids)
         sched_ns, append_ns = [], []
         for _ in range(steps):
             append_ns.append(self.append(self.rids, 1))
             t0 = time.perf_counter_ns()
-            m.schedule(items, block_tables=self.block_tables)
+            m.schedule_uniform(ids, 1, block_tables=self.block_tables)
             sched_ns.append(time.perf_counter_ns() - t0)
         out = summarize(sched_ns, n)
         if self.caching:
@@ -156,13 +156,13 @@ class Run:
 
     def verify(self, steps: int) -> tuple[dict, dict]:
         m, n = self.m, len(self.rids)
-        items = [(rid, VERIFY_TOKENS) for rid in self.rids]
+        ids = tuple(self.rids)
         sched_ns, rewind_ns, append_ns = [], [], []
         for _ in range(steps):
             append_ns.append(self.append(self.rids, VERIFY_TOKENS))
             keep = [(rid, m.num_computed_tokens(rid) + ACCEPTED_TOKENS) for rid in self.rids]
             t0 = time.perf_counter_ns()
-            m.schedule(items, block_tables=self.block_tables)
+            m.schedule_uniform(ids, VERIFY_TOKENS, block_tables=self.block_tables)
             t1 = time.perf_counter_ns()
             m.rewind_many(keep)
             t2 = time.perf_counter_ns()
@@ -214,12 +214,12 @@ def profile_decode(plan, prompts, args, caching: bool) -> str:
     run = Run(plan, prompts, prefix_caching=caching, seed=args.seed, max_new=4 + 2 * args.decode_steps,
               block_tables=args.block_tables)
     run.prefill(LIMITS.max_scheduled_tokens)
-    items = [(rid, 1) for rid in run.rids]
+    ids = tuple(run.rids)
     prof = cProfile.Profile()
     for _ in range(args.decode_steps):
         run.append(run.rids, 1)
         prof.enable()
-        run.m.schedule(items, block_tables=args.block_tables)
+        run.m.schedule_uniform(ids, 1, block_tables=args.block_tables)
         prof.disable()
     stream = __import__("io").StringIO()
     pstats.Stats(prof, stream=stream).sort_stats("tottime").print_stats(20)
@@ -227,10 +227,11 @@ def profile_decode(plan, prompts, args, caching: bool) -> str:
 
 
 BREAKDOWN_METHODS = {
-    "CacheManager": ["schedule", "_admit", "_fast_validate", "_plan", "_build_batch", "rewind_many"],
+    "CacheManager": ["schedule", "schedule_uniform", "_admit", "_fast_validate", "_fast_validate_uniform", "_plan",
+                     "_build_batch", "rewind_many"],
     "GroupTable": ["block_table", "take"],
     "TableSet": ["plan", "take", "place", "write_slots", "drain_updates"],
-    "PagePool": ["allocate", "decref", "publish", "unpublish"],
+    "PagePool": ["allocate", "decref", "publish", "publish_held", "unpublish"],
     "PrefixCache": ["commit"],
 }
 
