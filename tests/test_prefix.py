@@ -52,10 +52,12 @@ VOCAB = 129_280
 
 def make_manager(pages: int = 1200, *, group_pages: dict[str, int] | None = None, specs=SPECS, **options):
     """Most tests below work out the base checkpoint policy (latest, junction, interval)
-    by hand, so prompt checkpoints are off unless a test turns them on."""
+    by hand, so prompt checkpoints are off unless a test turns them on, and checkpoints
+    store whole windows (the V4 default stores less: tests at the end of this file)."""
     sizes = {s.group_id: pages for s in specs}
     sizes.update(group_pages or {})
     options.setdefault("prompt_checkpoints", False)
+    options.setdefault("checkpoint_window_tokens", {s.group_id: s.sliding_window_tokens for s in specs if s.is_sliding})
     return CacheManager(specs, sizes, max_context_tokens=8192, enable_prefix_caching=True, **options)
 
 
@@ -829,3 +831,81 @@ def test_multiturn_workload_reaches_the_256_grain_bound_with_prompt_checkpoints(
     ])
     assert got.tolist() == ideal_hit_tokens(requests, grain_tokens=256).tolist()
     mgr.check_invariants()
+
+
+# --------------------------------------------------------------------------- V4 checkpoint windows
+V4_WINDOWS = {SWA: 128, C4S: 4, C128S: 0, IDX: 4}
+
+
+def test_v4_checkpoint_windows_follow_what_a_resumed_request_reads():
+    """Window KV: token D attends to [D-127, D], the whole window. Ratio 4 overlaps:
+    the entry closing at D+3 pools the first halves of window [D-4, D). Ratio 128
+    pools only its own window, which starts at D. Unknown sliding groups keep theirs."""
+    from hybridkv.models.deepseek_v4 import v4_checkpoint_window_tokens
+    from hybridkv.spec import CacheGroupSpec
+
+    assert v4_checkpoint_window_tokens(SPECS) == V4_WINDOWS
+    other = CacheGroupSpec("mine", "sliding_window", 8, 1, sliding_window_tokens=32, family="state")
+    assert v4_checkpoint_window_tokens([*SPECS, other])["mine"] == 32
+    # A verify width of 6 widens the ratio-4 state window to 10; a resume still needs 4.
+    wide = tuple(build_v4_cache_specs(SimpleNamespace(sliding_window=128), layer_ratio=[0, 4, 128],
+                                      speculative_tokens=6))
+    assert {s.group_id: s.sliding_window_tokens for s in wide if s.is_sliding}[C4S] == 10
+    assert v4_checkpoint_window_tokens(wide)[C4S] == 4
+    assert CacheManager(SPECS, {s.group_id: 64 for s in SPECS}, max_context_tokens=4096,
+                        enable_prefix_caching=True).prefix._windows == V4_WINDOWS
+
+
+def test_v4_checkpoints_store_only_what_a_resume_reads_and_hit_the_same():
+    """A terminal checkpoint at 768 holds 2 SWA pages (tokens 640..767), 1 page of each
+    ratio-4 state (764..767) and nothing for the ratio-128 state: 4 pages instead of
+    2 + 2 + 16 + 2 = 22. The next turn hits at 768 as with whole windows, and its rows
+    restart there: the HCA state row is empty (base = hi = 768 / 8 = 96)."""
+    mgr = make_manager(checkpoint_window_tokens=None)  # the V4 default
+    prompt0, answer0 = ids(20, 700), ids(21, 100)
+    assert run_request(mgr, "turn0", prompt0, answer0).hit_tokens == 0
+    ev0 = mgr.prefix.drain_events()
+    assert events_of(ev0, "stored", C128S) == []  # never checkpointed
+    stored = {g: [e.num_pages for e in ev0 if e.kind == "stored" and e.group_id == g] for g in (SWA, C4S, IDX)}
+    assert stored == {SWA: [2, 2], C4S: [1, 1], IDX: [1, 1]}  # prefill commit at 512, then 768
+    assert mgr.pools[C128S].num_cached_pages == 0
+    cached_state = sum(mgr.pools[g].num_cached_pages for g in STATE)
+    assert cached_state == 2 + 1 + 1  # only the terminal at 768 is left (512 superseded)
+
+    prompt1 = cat(prompt0, answer0, ids(22, 80))  # 880 tokens
+    hit = mgr.add_request("turn1", prompt1, max_new_tokens=40)
+    assert hit.hit_tokens == 768
+    assert hit.group_hit_tokens[C128S] == 768  # (880 - 1) // 256 * 256: never limiting
+    pages = {g: mgr.request_pages("turn1", g) for g in STATE}
+    assert {g: (int(base), ids_.size) for g, (base, ids_) in pages.items()} == {
+        SWA: (10, 2), C4S: (191, 1), IDX: (191, 1), C128S: (96, 0)}
+    prefill(mgr, "turn1", 880)
+    decode(mgr, "turn1", ids(23, 40))
+    mgr.check_invariants()
+    mgr.free("turn1")
+    mgr.check_invariants()
+
+
+def test_v4_checkpoint_windows_hit_like_whole_windows_on_a_multiturn_workload():
+    """Storing less changes no hit: the same workload, the same hit per request."""
+    from hybridkv.sim.workloads import multiturn_workload
+
+    hits = []
+    for windows in (None, {s.group_id: s.sliding_window_tokens for s in SPECS if s.is_sliding}):
+        mgr = make_manager(pages=4096, group_pages={C4KV: 1024, C128KV: 1024}, checkpoint_window_tokens=windows)
+        run = []
+        for item in multiturn_workload(6, 3, system_prompt_tokens=600, seed=4):
+            run.append(run_request(mgr, item.request_id, item.prompt_token_ids, item.output_token_ids).hit_tokens)
+        hits.append(run)
+    assert hits[0] == hits[1] and sum(hits[0]) > 0
+
+
+@pytest.mark.parametrize("windows, message", [
+    ({C4KV: 4}, "is not a sliding group"),
+    ({C4S: 9}, "exceeds the group's window"),
+    ({C4S: -1}, "checkpoint_window_tokens"),
+    ({C4S: 2.5}, "checkpoint_window_tokens"),
+])
+def test_bad_checkpoint_windows_are_refused(windows, message):
+    with pytest.raises(ValueError, match=message):
+        make_manager(checkpoint_window_tokens=windows)

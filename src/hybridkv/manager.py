@@ -20,6 +20,7 @@ import numpy as np
 from hybridkv._checks import as_int
 from hybridkv.arena import Arena, ArenaGeometry, _Scan, shared_arena_for
 from hybridkv.batch import Admission, GroupStats, GroupStep, StepBatch, TableUpdates
+from hybridkv.models.deepseek_v4 import v4_checkpoint_window_tokens
 from hybridkv.pool import PagePool
 from hybridkv.prefix import PrefixCache, PrefixHit, RequestHashes
 from hybridkv.spec import CacheGroupSpec
@@ -120,6 +121,7 @@ class CacheManager:
         prompt_checkpoints: bool = False,
         on_event: Any = None,
         arena: ArenaGeometry | None = None,
+        checkpoint_window_tokens: Mapping[str, int] | None = None,
     ):
         self.specs = tuple(specs)
         if not self.specs:
@@ -177,6 +179,10 @@ class CacheManager:
                 granularity_tokens=prefix_granularity, hash_algo=hash_algo,
                 state_checkpoint_interval=state_checkpoint_interval, prompt_checkpoints=prompt_checkpoints,
                 on_event=on_event,
+                checkpoint_window_tokens=(
+                    v4_checkpoint_window_tokens(self.specs) if checkpoint_window_tokens is None
+                    else checkpoint_window_tokens
+                ),
             )
 
     @classmethod

@@ -155,15 +155,30 @@ class PrefixCache:
         prompt_checkpoints: bool = False,
         on_event: Callable[[CacheEvent], None] | None = None,
         max_buffered_events: int = 100_000,
+        checkpoint_window_tokens: Mapping[str, int] | None = None,
     ):
         self.specs = tuple(specs)
+        # Per sliding group, the trailing tokens a checkpoint stores: what a request
+        # resumed at a grain boundary still reads (default: the whole window).
+        windows = {s.group_id: s.sliding_window_tokens for s in self.specs if s.is_sliding}
+        for gid, n in (checkpoint_window_tokens or {}).items():
+            if gid not in windows:
+                raise ValueError(f"checkpoint_window_tokens: {gid!r} is not a sliding group")
+            n = as_int(f"checkpoint_window_tokens[{gid!r}]", n, minimum=0)
+            if n > windows[gid]:
+                raise ValueError(
+                    f"checkpoint_window_tokens[{gid!r}] = {n} exceeds the group's window ({windows[gid]} tokens)"
+                )
+            windows[gid] = n
         self.pools = pools
         self.tables = tables
         self._hash = _hash_fn(hash_algo)
         self.hash_algo = hash_algo
         history = [s for s in self.specs if not s.is_sliding]
         self.history_ids = [s.group_id for s in history]
-        self.state_ids = [s.group_id for s in self.specs if s.is_sliding]
+        # State groups that store checkpoints; one whose checkpoint window is 0 needs
+        # nothing from before a boundary and is restorable at every one.
+        self.state_ids = [gid for gid, n in windows.items() if n > 0]
         spans = [s.page_tokens for s in (history or self.specs)]
         default = reduce(lcm, spans, 1)
         g = default if granularity_tokens is None else as_int("prefix_granularity", granularity_tokens)
@@ -176,10 +191,10 @@ class PrefixCache:
                     f"({s.page_tokens}); the smallest valid grain here is "
                     f"{reduce(lcm, [x.page_tokens for x in self.specs], 1)}"
                 )
-            if s.is_sliding and s.sliding_window_tokens > g:
+            if s.is_sliding and windows[s.group_id] > g:
                 raise ValueError(
-                    f"prefix_granularity {g} is smaller than group {s.group_id!r} window "
-                    f"({s.sliding_window_tokens} tokens): checkpoints would overlap"
+                    f"prefix_granularity {g} is smaller than group {s.group_id!r} checkpoint window "
+                    f"({windows[s.group_id]} tokens): checkpoints would overlap"
                 )
         self.granularity_tokens = g
         if state_checkpoint_interval is not None:
@@ -202,7 +217,7 @@ class PrefixCache:
         # concurrent computers of the same prefix, hits at it). Superseding drops one hold;
         # the entry is unpublished when none is left. Pinned holds are never dropped.
         self._holders: dict[str, dict[int, int]] = {gid: {} for gid in self.state_ids}
-        self._windows = {s.group_id: s.sliding_window_tokens for s in self.specs if s.is_sliding}
+        self._windows = windows
         # Per-group constants of the one-block commit, bound once.
         self._history_plan = [
             (gid, pools[gid], tables[gid], g // tables[gid].page_tokens, self._meta[gid], self.stats[gid])
@@ -248,6 +263,9 @@ class PrefixCache:
         k = limit
         while k > 0 and not all(k in state_blocks[gid] for gid in self.state_ids):
             k -= 1
+        for gid, n in self._windows.items():
+            if n == 0:
+                alone[gid] = max_blocks * g  # restorable at any boundary
         return PrefixHit(k * g, {s.group_id: alone[s.group_id] for s in self.specs}, limit * g)
 
     def match_and_borrow(self, hashes: RequestHashes, prompt_ids: np.ndarray, row: int) -> PrefixHit:
@@ -268,8 +286,9 @@ class PrefixCache:
             pool, table = self.pools[gid], self.tables[gid]
             t = s.page_tokens
             if s.is_sliding:
-                lo = max(0, d - s.sliding_window_tokens) // t
-                pages = np.asarray(pool.lookup(hashes.key(d)), dtype=np.int64)
+                lo = max(0, d - self._windows[gid]) // t
+                pages = (np.asarray(pool.lookup(hashes.key(d)), dtype=np.int64) if gid in self._holders
+                         else np.zeros(0, dtype=np.int64))
             else:
                 lo = 0
                 pages = np.concatenate(

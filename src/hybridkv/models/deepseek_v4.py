@@ -209,6 +209,32 @@ def compressor_state_window_tokens(ratio: int, speculative_tokens: int = 1) -> i
     return _STATE_WINDOW_TOKENS[ratio]
 
 
+# Tokens before a boundary D (a multiple of the ratio) that compressed entries after
+# D still pool: ratio 4 overlaps (entry D/4 takes the first halves of window D/4 - 1),
+# ratio 128 pools only its own window.
+_CHECKPOINT_STATE_TOKENS = {4: 4, 128: 0}
+
+
+def v4_checkpoint_window_tokens(specs: Sequence[Any]) -> dict[str, int]:
+    """Per sliding group, the trailing tokens a prefix checkpoint at boundary ``D``
+    must store for a request to resume at ``D`` (``D`` a multiple of 128, as every
+    V4 prefix grain is: the history pages span 256 tokens).
+
+    Window KV: the whole window (token ``D`` attends to ``[D-127, D]``). Compressor
+    states (section 2 of the facts): the rows of windows that entries after ``D``
+    still pool, 4 tokens at ratio 4 and none at ratio 128, where ``D`` closes a window.
+    Groups not recognized keep their whole window.
+    """
+    out: dict[str, int] = {}
+    for spec in specs:
+        if not spec.is_sliding:
+            continue
+        gid, window = spec.group_id, spec.sliding_window_tokens
+        ratio = 4 if gid == V4_INDEXER_COMPRESSOR_STATE_GROUP_ID else parse_v4_compressor_state_group_id(gid)
+        out[gid] = min(_CHECKPOINT_STATE_TOKENS[ratio], window) if ratio in _CHECKPOINT_STATE_TOKENS else window
+    return out
+
+
 def compress_ratios_in(layer_ratio: Sequence[int]) -> list[int]:
     """Sorted distinct compress ratios (> 1) in ``layer_ratio``; raises on unsupported ones."""
     ratios: set[int] = set()
