@@ -187,7 +187,7 @@ class HybridkvSide:
         start = time.perf_counter_ns()
         ok = self.manager.check_admission(items)[0].ok
         if ok:
-            self.manager.schedule(items)
+            self.manager.schedule(items, block_tables=self.block_tables)
         elif not request.scheduled:
             self.manager.free(request.request_id)  # undo the probe's borrow
             request.added = False
@@ -195,9 +195,10 @@ class HybridkvSide:
         request.scheduled = request.scheduled or ok
         return ok
 
-    # "updates": the step hands out the changed table cells (vLLM's manager likewise
+    # "updates" (every step, prefill and decode, as an engine keeping a BlockTableMirror
+    # runs it): the step hands out the changed table cells (vLLM's manager likewise
     # returns new block ids and builds no tables); "full": [R, width] tables per group.
-    decode_block_tables = "updates"
+    block_tables = "updates"
 
     def decode_step(self, requests: Sequence[Any]) -> bool:
         """One token for every request, in one scheduling call (``schedule_uniform``:
@@ -205,7 +206,7 @@ class HybridkvSide:
         ids = tuple(r.request_id for r in requests)
         start = time.perf_counter_ns()
         try:
-            self.manager.schedule_uniform(ids, 1, block_tables=self.decode_block_tables)
+            self.manager.schedule_uniform(ids, 1, block_tables=self.block_tables)
         except ValueError:
             return False
         finally:
@@ -774,12 +775,13 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Path]:
                         help="hybridkv only: keep low-priority checkpoints at every prompt boundary")
     parser.add_argument("--state-checkpoint-interval", type=int, default=None,
                         help="hybridkv only: also keep state checkpoints every N tokens")
-    parser.add_argument("--decode-block-tables", choices=("updates", "full"), default="updates",
-                        help="hybridkv only: block table mode of the decode steps (see docs/manager.md)")
+    parser.add_argument("--block-tables", "--decode-block-tables", dest="block_tables",
+                        choices=("updates", "full"), default="updates",
+                        help="hybridkv only: block table mode of every step (see docs/manager.md)")
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args(argv)
-    HybridkvSide.decode_block_tables = args.decode_block_tables
+    HybridkvSide.block_tables = args.block_tables
     if args.quick:
         args.decode_requests, args.decode_steps = 32, 8
         args.prefill_requests, args.prefill_tokens = 1, 8_192
