@@ -102,7 +102,7 @@ def test_fast_path_equals_general_path(config, caching, seed, data):
             return
         same(*batches)
     for _ in range(data.draw(st.integers(1, 24), label="steps")):
-        kind = data.draw(st.sampled_from(["decode", "decode", "verify", "mixed", "subset"]), label="kind")
+        kind = data.draw(st.sampled_from(["decode", "decode", "verify", "mixed", "subset", "undo"]), label="kind")
         rids = sorted(live)
         if kind == "subset":
             rids = data.draw(st.lists(st.sampled_from(sorted(live)), min_size=1, unique=True), label="subset")
@@ -122,7 +122,7 @@ def test_fast_path_equals_general_path(config, caching, seed, data):
         for s in specs:
             if (managers[0].tables[s.group_id].hi[[managers[0]._requests[r].row for r in rids]] > before[s.group_id]).any():
                 crossed.add(s.group_id)
-        if kind == "verify":
+        if kind in ("verify", "undo"):  # undo: a decode step's token rejected (pages it took go back)
             keep = [(rid, managers[0].num_computed_tokens(rid) - data.draw(st.integers(0, k), label="rej"))
                     for rid in rids]
             on_both(managers, "rewind_many", keep)

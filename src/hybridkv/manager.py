@@ -165,6 +165,7 @@ class CacheManager:
         self._admitted: tuple | None = None
         self._requests: dict[str, _Request] = {}
         self._last_rows = np.zeros(0, dtype=np.int64)  # rows scheduled in the previous step
+        self._tail: tuple | None = None  # (rows, [G, R] pages at hi - 1) of the last decode step
         self._row_owner: dict[int, _Request] = {}
         self._free_rows: list[int] = []
         self._next_row = 0
@@ -223,6 +224,7 @@ class CacheManager:
     ) -> PrefixHit:
         """Register a request; with prefix caching, borrow its cached prefix. Returns the hit."""
         self._version += 1  # invalidates a cached admission
+        self._tail = None  # defensive: a changed roster or rewind already forces a gather
         if not isinstance(request_id, str) or not request_id:
             raise CacheManagerError(f"request id must be a non-empty str, got {request_id!r}")
         if request_id in self._requests:
@@ -748,9 +750,14 @@ class CacheManager:
             ts.place(rows, plan.hi, plan.alloc_all, pages, cells)  # new pages start at hi
         hi = np.maximum(plan.hi, plan.need_hi_all)
         ts.hi[:, rows] = hi
+        tail = None
+        if self._fast_paths and not plan.settle and (uniform is not None and uniform[1] == 1
+                                                      or int(plan.counts.max()) == 1 == int(plan.counts.min())):
+            tail = self._tail_pages(plan, rows, hi, cells, pages if any(totals) else None)
+        self._tail = None if tail is None else (rows, tail)
         self._computed[rows] = plan.end
         self._last_rows = rows[plan.settle :] if plan.settle else rows
-        return self._build_batch(plan, fixed_width, hi if block_tables == "updates" else None, cells)
+        return self._build_batch(plan, fixed_width, hi if block_tables == "updates" else None, cells, tail)
 
     def _transient_split(self, plan: _StepPlan, totals: list[int]) -> dict[int, tuple[int, object]]:
         """Per sliding group whose rows get several pages this step (prefill chunks):
@@ -785,8 +792,28 @@ class CacheManager:
                 out[g] = (t, np.where(transient, np.cumsum(transient) - 1 + (n - t), np.cumsum(~transient) - 1))
         return out
 
+    def _tail_pages(self, plan: _StepPlan, rows: np.ndarray, hi: np.ndarray, cells: np.ndarray,
+                    placed: np.ndarray | None) -> np.ndarray | None:
+        """``[G, R]`` page id at logical page ``hi - 1`` of every row, where a decode step
+        writes its token. The previous step's array when the batch repeats (same rows
+        array, tables untouched since: every other mutation drops it) with this step's
+        new pages set in; else a gather from the table store. None if a cell got two
+        pages (not a plain decode step)."""
+        prev = self._tail
+        if prev is not None and prev[0] is rows:
+            if placed is None:
+                return prev[1]
+            grown = plan.alloc_all.astype(bool)
+            if placed.size != np.count_nonzero(grown):
+                return None
+            tail = prev[1].copy()
+            tail[grown] = placed
+            return tail
+        return self._tableset.pages_at(cells, hi - 1)
+
     def _build_batch(
-        self, plan: _StepPlan, fixed_width: bool, updates_hi: np.ndarray | None, cells: np.ndarray
+        self, plan: _StepPlan, fixed_width: bool, updates_hi: np.ndarray | None, cells: np.ndarray,
+        tail: np.ndarray | None = None,
     ) -> StepBatch:
         """The step's arrays; ``updates_hi`` (the batch's new hi, ``[G, R]``) selects updates
         mode; ``cells`` is ``row_cells`` of every planned row."""
@@ -806,7 +833,10 @@ class CacheManager:
             qsl = np.zeros(n_req + 1, dtype=np.int32)
             np.cumsum(counts, out=qsl[1:])
         ts = self._tableset
-        slots = ts.write_slots(token_rows, positions, token_cells)
+        if tail is not None:
+            slots = ts.write_slots_in(tail, positions)
+        else:
+            slots = ts.write_slots(token_rows, positions, token_cells)
         base_pages = plan.new_base_all[:, off:].astype(np.int32)
         updates = None
         if updates_hi is None:
@@ -855,6 +885,7 @@ class CacheManager:
     def rewind_many(self, items: Sequence[tuple[str, int]]) -> None:
         """``rewind`` for many requests at once (all validated first; vectorized per group)."""
         self._version += 1  # invalidates a cached admission
+        self._tail = None  # defensive: a changed roster or rewind already forces a gather
         reqs, keeps, seen = [], [], set()
         for item in items:
             try:
@@ -901,6 +932,7 @@ class CacheManager:
     def free(self, request_id: str) -> None:
         """End a request: commit its last step to the prefix cache, release every page."""
         self._version += 1  # invalidates a cached admission
+        self._tail = None  # defensive: a changed roster or rewind already forces a gather
         req = self._get(request_id)
         if self.prefix is not None and self._committed[req.row] < self._computed[req.row]:
             self._commit_row(req.row)

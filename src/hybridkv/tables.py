@@ -383,6 +383,27 @@ class TableSet:
         self.pages.reshape(-1)[index] = page_ids
         self._log_cells(index)
 
+    def pages_at(self, row_cells: np.ndarray, logical: np.ndarray) -> np.ndarray:
+        """``[G, R]`` page ids at logical pages ``logical`` (``row_cells`` from ``row_cells``)."""
+        return self.pages.reshape(-1).take((logical & self._column_mask_col) + row_cells)
+
+    def write_slots_in(self, pages: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """``write_slots`` for one token per row when ``pages[g, r]`` is the page holding
+        row ``r``'s token (a decode step: the row's last page), without reading the store."""
+        pos = positions[None, :]
+        per_page = self.rows_per_page[:, None]
+        slots = pages * per_page  # int32 * int64 -> int64
+        if self._shifts is not None:
+            stride_shift, _, stride_mask, page_mask = self._shifts
+            slots += (pos >> stride_shift) & page_mask
+            off_boundary = (pos & stride_mask) != stride_mask
+        else:
+            stride = self.stride_tokens[:, None]
+            slots += (pos // stride) % per_page
+            off_boundary = (pos + 1) % stride != 0
+        np.putmask(slots, off_boundary, -1)
+        return slots
+
     def write_slots(self, token_rows: np.ndarray, positions: np.ndarray, row_cells=None) -> np.ndarray:
         """int64 ``[G, N]`` slots of every group for the scheduled tokens (-1: no row);
         ``row_cells``: ``self.row_cells(token_rows)`` if the caller has it."""
