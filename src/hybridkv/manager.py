@@ -448,8 +448,12 @@ class CacheManager:
                         f"group {gid!r} needs {int(width[k])} table columns, more than the "
                         f"capture width {self.table_widths[gid]}"
                     )
-        free = [pool.num_free_pages for pool in self._pool_list]
         sums = plan.alloc_all.sum(axis=1).tolist()
+        if not deny and all(n <= pool.num_clean_free_pages for n, pool in zip(sums, self._pool_list)):
+            # Clean pages cover everything (most decode steps): nothing to evict, nothing to grow.
+            plan.grants = []
+            return answers, ok_idx, fits[plan.settle :], {}, plan
+        free = [pool.num_free_pages for pool in self._pool_list]
         if not deny and all(n <= f for n, f in zip(sums, free)):
             # The common case: every group has the pages, no credit needed. On an arena
             # with spare slabs, a group that would have to evict cached pages grows

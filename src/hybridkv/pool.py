@@ -178,7 +178,7 @@ class PagePool:
             self._top -= highest
         self.ref_counts[out] = 1
         self.counters.allocated_pages += count
-        used = self.num_used_pages
+        used = self._granted_pages - self._top - self._pending_pages - len(self._evictable)  # num_used_pages
         if used > self.peak_used_pages:
             self.peak_used_pages = used
         return out
@@ -228,6 +228,11 @@ class PagePool:
             return
         ref = self.ref_counts
         before = ref[pages]
+        if before.max() == 1 == before.min():
+            # Every page had one holder (a decode step's releases): all go idle.
+            ref[pages] = 0
+            self._released(pages)
+            return
         repeated = False
         if self.shared_pages and pages.size > 1 and (before > 1).any():
             # A page listed twice has two references, so only then can the list repeat.
@@ -244,6 +249,11 @@ class PagePool:
             return
         if repeated and zero.size > 1:
             zero = zero[np.sort(np.unique(zero, return_index=True)[1])]
+        self._released(zero)
+
+    def _released(self, zero: np.ndarray) -> None:
+        """Pages whose last reference just went (logical order): keyed ones join the
+        LRU, the rest go free."""
         self.counters.released_pages += int(zero.size)
         keyed = self.cached[zero]
         if keyed.any():
