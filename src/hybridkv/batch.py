@@ -1,6 +1,8 @@
 """What the manager hands out: the arrays of a step, admission answers, pool stats.
 
-Plain data; every array is numpy and can be copied to a device as is.
+Plain data; every array is numpy and can be copied to a device as is. Arrays
+that repeat from step to step (a decode step's request indices, query start
+locations and token counts) are shared and read-only: copy before writing.
 """
 
 from __future__ import annotations

@@ -166,6 +166,8 @@ class CacheManager:
         self._requests: dict[str, _Request] = {}
         self._last_rows = np.zeros(0, dtype=np.int64)  # rows scheduled in the previous step
         self._tail: tuple | None = None  # (rows, [G, R] pages at hi - 1) of the last decode step
+        self._decode_arrays_memo: tuple | None = None
+        self._group_sliding = tuple((s.group_id, s.is_sliding) for s in self.specs)
         self._row_owner: dict[int, _Request] = {}
         self._free_rows: list[int] = []
         self._next_row = 0
@@ -826,16 +828,16 @@ class CacheManager:
         first = plan.first[off:]
         n_req = rows.size
         count = int(counts[0])
-        if count == 1 and self._fast_paths and counts.max() == 1:  # decode: one token per request
-            req_idx = np.arange(n_req, dtype=np.int32)
+        if tail is not None or count == 1 and self._fast_paths and counts.max() == 1:  # decode
+            req_idx, qsl, scheduled = self._decode_arrays(n_req)
             positions, token_rows, token_cells = first, rows, cells[:, off:]
-            qsl = np.arange(n_req + 1, dtype=np.int32)
         else:
             req_idx = np.repeat(np.arange(n_req, dtype=np.int32), counts)
             positions = np.repeat(first, counts) + segment_arange(counts)
             token_rows, token_cells = rows[req_idx], None
             qsl = np.zeros(n_req + 1, dtype=np.int32)
             np.cumsum(counts, out=qsl[1:])
+            scheduled = None
         ts = self._tableset
         if tail is not None:
             slots = ts.write_slots_in(tail, positions)
@@ -857,15 +859,12 @@ class CacheManager:
             group, row, column, page, reset = ts.drain_updates()
             updates = TableUpdates(group, row, column, page, widths=widths, reset=reset)
         groups = {}
-        for g, spec in enumerate(self.specs):
-            groups[spec.group_id] = GroupStep(
-                block_table=tables[g],
-                base_pages=base_pages[g] if spec.is_sliding else None,
-                write_slots=slots[g],
-            )
+        for g, (gid, sliding) in enumerate(self._group_sliding):
+            groups[gid] = GroupStep(block_table=tables[g], base_pages=base_pages[g] if sliding else None,
+                                    write_slots=slots[g])
         return StepBatch(
             request_ids=plan.request_ids,
-            num_scheduled_tokens=counts.astype(np.int32),
+            num_scheduled_tokens=counts.astype(np.int32) if scheduled is None else scheduled,
             query_start_loc=qsl,
             positions=positions,
             request_indices=req_idx,
@@ -873,6 +872,18 @@ class CacheManager:
             table_rows=rows.astype(np.int32),
             table_updates=updates,
         )
+
+    def _decode_arrays(self, n_req: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Request indices, query start locations and token counts of a decode step of
+        ``n_req`` requests: the same every step, so built once and handed out read-only."""
+        cached = self._decode_arrays_memo
+        if cached is None or cached[0].size != n_req:
+            cached = (np.arange(n_req, dtype=np.int32), np.arange(n_req + 1, dtype=np.int32),
+                      np.ones(n_req, dtype=np.int32))
+            for a in cached:
+                a.flags.writeable = False
+            self._decode_arrays_memo = cached
+        return cached
 
     def _commit_row(self, row: int) -> None:
         req = self._row_request(row)
