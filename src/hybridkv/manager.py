@@ -66,9 +66,7 @@ class _StepPlan:
     counts: np.ndarray
     first: np.ndarray
     end: np.ndarray
-    new_base: dict[str, np.ndarray]
-    alloc: dict[str, np.ndarray]
-    need_hi: dict[str, np.ndarray]
+    group_index: dict[str, int]
     settle: int = 0  # leading rows with zero new tokens (previous step's requests settling)
     base: np.ndarray | None = None  # [G, R] stacked forms of the per-group dicts
     hi: np.ndarray | None = None
@@ -77,6 +75,19 @@ class _StepPlan:
     need_hi_all: np.ndarray | None = None
     grants: list | None = None  # arena slabs to move before allocating (shared page space)
     request_ids: tuple | None = None  # the batch's ids in order, once known
+
+    # Per-group views of the stacked arrays, built only where a slow path asks.
+    @property
+    def new_base(self) -> _ByGroup:
+        return _ByGroup(self.group_index, self.new_base_all)
+
+    @property
+    def alloc(self) -> _ByGroup:
+        return _ByGroup(self.group_index, self.alloc_all)
+
+    @property
+    def need_hi(self) -> _ByGroup:
+        return _ByGroup(self.group_index, self.need_hi_all)
 
 
 class _ByGroup(Mapping):
@@ -410,7 +421,7 @@ class CacheManager:
         answers: list[Admission | None] = [None] * (len(items) if fast is None else fast[0].size)
         if fast is not None:
             ok_idx = range(fast[0].size)
-            rows, counts, request_ids = fast
+            rows, counts, request_ids, first = fast
         else:
             seen: set[str] = set()
             ok_idx, row_list, count_list = [], [], []
@@ -426,6 +437,7 @@ class CacheManager:
                 return answers, ok_idx, np.zeros(0, dtype=bool), {}, None
             rows = np.asarray(row_list, dtype=np.int64)
             counts = np.asarray(count_list, dtype=np.int64)
+            first = None
         # Requests of the previous step that are not in this one settle now: their
         # tokens commit and their slid-out pages go back (zero new tokens each). They
         # come first so their release counts as credit for everyone.
@@ -433,7 +445,7 @@ class CacheManager:
         if settle.size:
             plan = self._plan(np.concatenate([settle, rows]), np.concatenate([np.zeros_like(settle), counts]))
         else:
-            plan = self._plan(rows, counts)  # the same rows array as the last step: settling is skipped
+            plan = self._plan(rows, counts, first)  # the same rows array as the last step: no settling
         plan.settle = settle.size
         plan.request_ids = request_ids
         fits = np.ones(plan.rows.size, dtype=bool)
@@ -531,9 +543,9 @@ class CacheManager:
                 used = want
                 plan.grants = grants
 
-    def _fast_validate(self, items) -> tuple[np.ndarray, np.ndarray, tuple] | None:
-        """Rows, counts and request ids when every item is valid (vectorized); None
-        sends the batch down the per-item path that words each reason."""
+    def _fast_validate(self, items) -> tuple[np.ndarray, np.ndarray, tuple, np.ndarray] | None:
+        """Rows, counts, request ids and computed tokens when every item is valid
+        (vectorized); None sends the batch down the per-item path that words each reason."""
         try:
             rids, counts = zip(*items)
         except (TypeError, ValueError):
@@ -557,20 +569,22 @@ class CacheManager:
                 return None
         # Known ids never exceed the declared total (add/append check it), so this
         # one comparison covers both limits; the per-item path words which one.
-        if (self._computed.take(rows) + counts > self._known.take(rows)).any():
+        first = self._computed.take(rows)
+        if (first + counts > self._known.take(rows)).any():
             return None
-        return rows, counts, rids
+        return rows, counts, rids, first
 
-    def _fast_validate_uniform(self, rids: tuple, count) -> tuple[np.ndarray, np.ndarray, tuple] | None:
+    def _fast_validate_uniform(self, rids: tuple, count) -> tuple[np.ndarray, np.ndarray, tuple, np.ndarray] | None:
         """``_fast_validate`` of ``(rid, count)`` for every id: one scalar count check."""
         if type(count) is not int or not 1 <= count <= self.max_step_tokens:
             return None  # the per-item path words it (numpy ints included)
         rows = self._rows_of(rids)
         if rows is None:
             return None
-        if (self._computed.take(rows) + count > self._known.take(rows)).any():
+        first = self._computed.take(rows)
+        if (first + count > self._known.take(rows)).any():
             return None
-        return rows, np.full(rows.size, count, dtype=np.int64), rids
+        return rows, np.full(rows.size, count, dtype=np.int64), rids, first
 
     def _rows_of(self, rids: tuple) -> np.ndarray | None:
         """Table rows of distinct known request ids (memoized for a repeated batch);
@@ -632,18 +646,17 @@ class CacheManager:
             )
         return ""
 
-    def _plan(self, rows: np.ndarray, counts: np.ndarray) -> _StepPlan:
-        first = self._computed.take(rows)
+    def _plan(self, rows: np.ndarray, counts: np.ndarray, first: np.ndarray | None = None) -> _StepPlan:
+        """The step's arrays; ``first`` (computed tokens of ``rows``) if the caller has it."""
+        if first is None:
+            first = self._computed.take(rows)
         end = first + counts
         base, hi, new_base, need_hi, alloc = self._tableset.plan(rows, first, end)
         index = self._group_index
         if index is None:
             index = self._group_index = {s.group_id: g for g, s in enumerate(self.specs)}
-        return _StepPlan(
-            rows, counts, first, end,
-            _ByGroup(index, new_base), _ByGroup(index, alloc), _ByGroup(index, need_hi),
-            base=base, hi=hi, new_base_all=new_base, alloc_all=alloc, need_hi_all=need_hi,
-        )
+        return _StepPlan(rows, counts, first, end, index, base=base, hi=hi, new_base_all=new_base,
+                         alloc_all=alloc, need_hi_all=need_hi)
 
     def _release_credit(
         self, gid: str, rows: np.ndarray, new_base: np.ndarray, releasing: dict | None = None
