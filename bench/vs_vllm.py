@@ -109,7 +109,7 @@ class HybridkvSide:
         enable_prefix_caching: bool = True,
         state_checkpoint_interval: int | None = None,
         page_space: str = "shared",
-        prompt_checkpoints: bool = False,
+        prompt_checkpoints: bool = True,
     ) -> None:
         from hybridkv.manager import CacheManager
         from hybridkv.models.layout import cache_layout
@@ -474,7 +474,7 @@ class BenchConfig:
     state_checkpoint_interval: int | None = None
     capacity_max_running: int | None = None
     page_space: str = "shared"
-    prompt_checkpoints: bool = False
+    prompt_checkpoints: bool = True
     capacity_min_chunk_tokens: int = 256
 
 
@@ -771,8 +771,9 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Path]:
                              "running requests (0: skip)")
     parser.add_argument("--page-space", choices=("shared", "per-group"), default="shared",
                         help="hybridkv's page space for every phase (default shared)")
-    parser.add_argument("--prompt-checkpoints", action="store_true",
-                        help="hybridkv only: keep low-priority checkpoints at every prompt boundary")
+    parser.add_argument("--prompt-checkpoints", action=argparse.BooleanOptionalAction, default=True,
+                        help="hybridkv only: keep low-priority checkpoints at every prompt boundary "
+                             "(the manager's default; --no-prompt-checkpoints turns them off)")
     parser.add_argument("--state-checkpoint-interval", type=int, default=None,
                         help="hybridkv only: also keep state checkpoints every N tokens")
     parser.add_argument("--block-tables", "--decode-block-tables", dest="block_tables",

@@ -259,7 +259,8 @@ def test_low_priority_pages_are_packed_only_when_no_slab_is_spare():
 
 
 def test_a_group_grows_into_a_spare_slab_instead_of_evicting_cached_pages():
-    m = small_manager(slabs=5, enable_prefix_caching=True, prefix_granularity=16)
+    # Worked out with only each request's own checkpoints (no low-priority prompt ones).
+    m = small_manager(slabs=5, enable_prefix_caching=True, prefix_granularity=16, prompt_checkpoints=False)
     a_ids = np.arange(40, dtype=np.int32)
     m.add_request("a", a_ids, max_new_tokens=1)
     m.schedule([("a", 32)])
@@ -330,8 +331,9 @@ def test_a_slab_idle_only_after_the_steps_own_release_can_be_lent():
 def test_a_step_that_must_borrow_still_grows_rather_than_evicts():
     """The grow-before-evict rule also holds on the path where a group must take
     slabs: both spare slabs go to the window group, so it keeps its cached checkpoint;
-    the history group, with no spare slab left, evicts two blocks."""
-    m = small_manager(slabs=5, enable_prefix_caching=True)
+    the history group, with no spare slab left, evicts two blocks (prompt checkpoints
+    off: the cached pages are worked out from own checkpoints only)."""
+    m = small_manager(slabs=5, enable_prefix_caching=True, prompt_checkpoints=False)
     m.add_request("a", np.arange(100, dtype=np.int32), max_new_tokens=1)
     for _ in range(25):
         m.schedule([("a", 4)])

@@ -129,7 +129,7 @@ class CacheManager:
         prefix_granularity: int | None = None,
         hash_algo: str = "xxh3_128",
         state_checkpoint_interval: int | None = None,
-        prompt_checkpoints: bool = False,
+        prompt_checkpoints: bool = True,
         on_event: Any = None,
         arena: ArenaGeometry | None = None,
         checkpoint_window_tokens: Mapping[str, int] | None = None,

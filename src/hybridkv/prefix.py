@@ -152,7 +152,7 @@ class PrefixCache:
         granularity_tokens: int | None = None,
         hash_algo: str = "xxh3_128",
         state_checkpoint_interval: int | None = None,
-        prompt_checkpoints: bool = False,
+        prompt_checkpoints: bool = True,
         on_event: Callable[[CacheEvent], None] | None = None,
         max_buffered_events: int = 100_000,
         checkpoint_window_tokens: Mapping[str, int] | None = None,
