@@ -67,9 +67,10 @@ def main() -> None:
     ]
     cached = {}
     for label, options in [
-        ("hybridkv, default", {}),
-        ("hybridkv, prompt_checkpoints=True", {"prompt_checkpoints": True}),
-        ("hybridkv, state_checkpoint_interval=256", {"state_checkpoint_interval": 256}),
+        ("hybridkv, default (prompt checkpoints on)", {}),
+        ("hybridkv, prompt_checkpoints=False", {"prompt_checkpoints": False}),
+        ("hybridkv, prompt_checkpoints=False, state_checkpoint_interval=256",
+         {"prompt_checkpoints": False, "state_checkpoint_interval": 256}),
     ]:
         start = time.perf_counter()
         hits, cached[label] = run(requests, **options)
