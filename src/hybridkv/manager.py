@@ -237,7 +237,7 @@ class CacheManager:
     ) -> PrefixHit:
         """Register a request; with prefix caching, borrow its cached prefix. Returns the hit."""
         self._version += 1  # invalidates a cached admission
-        self._tail = None  # defensive: a changed roster or rewind already forces a gather
+        self._tail = None  # tables may change outside schedule: the next decode step regathers
         if not isinstance(request_id, str) or not request_id:
             raise CacheManagerError(f"request id must be a non-empty str, got {request_id!r}")
         if request_id in self._requests:
@@ -913,7 +913,7 @@ class CacheManager:
     def rewind_many(self, items: Sequence[tuple[str, int]]) -> None:
         """``rewind`` for many requests at once (all validated first; vectorized per group)."""
         self._version += 1  # invalidates a cached admission
-        self._tail = None  # defensive: a changed roster or rewind already forces a gather
+        self._tail = None  # tables may change outside schedule: the next decode step regathers
         reqs, keeps, seen = [], [], set()
         for item in items:
             try:
@@ -960,7 +960,7 @@ class CacheManager:
     def free(self, request_id: str) -> None:
         """End a request: commit its last step to the prefix cache, release every page."""
         self._version += 1  # invalidates a cached admission
-        self._tail = None  # defensive: a changed roster or rewind already forces a gather
+        self._tail = None  # tables may change outside schedule: the next decode step regathers
         req = self._get(request_id)
         if self.prefix is not None and self._committed[req.row] < self._computed[req.row]:
             self._commit_row(req.row)
