@@ -176,7 +176,7 @@ class CacheManager:
         self._admitted: tuple | None = None
         self._requests: dict[str, _Request] = {}
         self._last_rows = np.zeros(0, dtype=np.int64)  # rows scheduled in the previous step
-        self._tail: tuple | None = None  # (rows, [G, R] pages at hi - 1) of the last decode step
+        self._tail: tuple | None = None  # last decode step: (rows, [G, R] pages at hi - 1, end, base, hi)
         self._decode_arrays_memo: tuple | None = None
         self._group_sliding = tuple((s.group_id, s.is_sliding) for s in self.specs)
         self._row_owner: dict[int, _Request] = {}
@@ -581,7 +581,8 @@ class CacheManager:
         rows = self._rows_of(rids)
         if rows is None:
             return None
-        first = self._computed.take(rows)
+        prev = self._tail
+        first = prev[2] if prev is not None and prev[0] is rows else self._computed.take(rows)
         if (first + count > self._known.take(rows)).any():
             return None
         return rows, np.full(rows.size, count, dtype=np.int64), rids, first
@@ -651,7 +652,11 @@ class CacheManager:
         if first is None:
             first = self._computed.take(rows)
         end = first + counts
-        base, hi, new_base, need_hi, alloc = self._tableset.plan(rows, first, end)
+        prev = self._tail
+        if prev is not None and prev[0] is rows:  # the batch of the last decode step again
+            base, hi, new_base, need_hi, alloc = self._tableset.plan(rows, first, end, prev[3], prev[4])
+        else:
+            base, hi, new_base, need_hi, alloc = self._tableset.plan(rows, first, end)
         index = self._group_index
         if index is None:
             index = self._group_index = {s.group_id: g for g, s in enumerate(self.specs)}
@@ -773,7 +778,9 @@ class CacheManager:
         if self._fast_paths and not plan.settle and (uniform is not None and uniform[1] == 1
                                                       or int(plan.counts.max()) == 1 == int(plan.counts.min())):
             tail = self._tail_pages(plan, rows, hi, cells, pages if any(totals) else None)
-        self._tail = None if tail is None else (rows, tail)
+        # What the next step of the same batch would read back: last pages, computed
+        # tokens, base and hi (cleared by every mutation outside schedule).
+        self._tail = None if tail is None else (rows, tail, plan.end, plan.new_base_all, hi)
         self._computed[rows] = plan.end
         self._last_rows = rows[plan.settle :] if plan.settle else rows
         return self._build_batch(plan, fixed_width, hi if block_tables == "updates" else None, cells, tail)

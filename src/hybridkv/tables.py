@@ -323,12 +323,15 @@ class TableSet:
         self.hi = np.concatenate([self.hi, grow], axis=1)
         self._bind()
 
-    def plan(self, rows: np.ndarray, first: np.ndarray, end: np.ndarray):
+    def plan(self, rows: np.ndarray, first: np.ndarray, end: np.ndarray,
+             base: np.ndarray | None = None, hi: np.ndarray | None = None):
         """``[G, R]`` arrays for a step writing tokens ``[first, end)`` per row (pure):
-        current base and hi, the base after release, pages needed, pages to allocate.
+        current base and hi (read from the tables unless the caller has them), the base
+        after release, pages needed, pages to allocate.
 
         Same rules as ``release_floor`` and ``pages_needed``, in fewer numpy calls."""
-        base, hi = self.base.take(rows, axis=1), self.hi.take(rows, axis=1)
+        if base is None:
+            base, hi = self.base.take(rows, axis=1), self.hi.take(rows, axis=1)
         keep_from = np.maximum(first - self._window_less_one, 0)
         need_hi = end + self._tokens_less_one
         if self._tokens_shift is not None:
