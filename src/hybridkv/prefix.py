@@ -360,14 +360,14 @@ class PrefixCache:
         d = (b + 1) * self.granularity_tokens
         key = hashes.hashes[b]
         parent = hashes.hashes[b - 1] if b else hashes.root
-        row, emit = req.row, self._emit
+        row, stored = req.row, []
         for gid, pool, table, per_block, meta, stats in self._history_plan:
             if pool.lookup(key) is None:
                 pages = table.row_pages(row, b * per_block, (b + 1) * per_block)
                 if pool.publish_held(key, pages):
                     meta[key] = (parent, d, len(pages))
                     stats.stored_entries += 1
-                    emit(("stored", gid, key, parent, d, len(pages)))
+                    stored.append(("stored", gid, key, parent, d, len(pages)))
         interval = self.state_checkpoint_interval
         own = _OwnCheckpoint(d, pinned=d in req.keep_boundaries or (interval is not None and d % interval == 0))
         for gid, pool, table, page_tokens, window, holders, meta, stats in self._state_plan:
@@ -378,11 +378,12 @@ class PrefixCache:
                     if pool.publish_held(key, pages):
                         meta[key] = (parent, d, len(pages))
                         stats.stored_entries += 1
-                        emit(("stored", gid, key, parent, d, len(pages)))
+                        stored.append(("stored", gid, key, parent, d, len(pages)))
             pages = pool.lookup(key)
             if pages is not None:
                 own.entries[gid] = (key, pages)
                 holders[key] = holders.get(key, 0) + 1
+        self._emit_all(stored)
         self._supersede(req, [own] if own.entries else [])
 
     def _supersede(self, req: Any, new_own: list) -> None:
@@ -537,6 +538,20 @@ class PrefixCache:
         if len(self.events) == self.events.maxlen:
             self.dropped_events += 1
         self.events.append(raw)
+
+    def _emit_all(self, raws: list[tuple]) -> None:
+        """``_emit`` of each, in order, in one call."""
+        if not raws:
+            return
+        if self.on_event is not None:
+            for raw in raws:
+                self.on_event(_event(raw))
+            return
+        events = self.events
+        over = len(events) + len(raws) - events.maxlen
+        if over > 0:
+            self.dropped_events += min(over, len(raws))
+        events.extend(raws)
 
     def drain_events(self) -> list[CacheEvent]:
         out = [_event(raw) for raw in self.events]

@@ -301,9 +301,7 @@ class TableSet:
         else:
             index = log[0] if len(log) == 1 else np.concatenate(log)
         log.clear()
-        _, rows_cap, cap_max = self.pages.shape
-        group, cell = np.divmod(index, rows_cap * cap_max)
-        row, column = np.divmod(cell, cap_max)
+        group, row, column = np.unravel_index(index, self.pages.shape)
         return group, row, column, self.pages.reshape(-1)[index], reset
 
     def ensure_rows(self, rows: int) -> None:
