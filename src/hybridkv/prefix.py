@@ -550,7 +550,7 @@ class PrefixCache:
         events = self.events
         over = len(events) + len(raws) - events.maxlen
         if over > 0:
-            self.dropped_events += min(over, len(raws))
+            self.dropped_events += over  # at most len(raws): the buffer never holds more than maxlen
         events.extend(raws)
 
     def drain_events(self) -> list[CacheEvent]:
