@@ -277,6 +277,21 @@ def test_installed_console_script():
     assert bad.stderr.startswith("hybridkv: error: ") and "Traceback" not in bad.stderr
 
 
+def test_shared_page_space_below_the_per_group_minimum(capsys):
+    """2 GiB cannot hold per-group pools for 128 running (2.40 GiB): the per-group plan
+    is refused; the shared one is printed with a note, and its JSON says so."""
+    code, _, err = _run(capsys, "plan", "--kv-memory", "2GiB")
+    assert code == 2 and "at least 2,578,745,920 B" in err
+    code, out, _ = _run(capsys, "plan", "--kv-memory", "2GiB", "--page-space", "shared")
+    assert code == 0
+    line = " ".join(out.split())
+    assert "per-group pools for 128 running requests do not fit 2.00 GiB" in line
+    assert "only the shared arena runs in this budget" in line
+    assert "2,578,745,920 B used of 2,147,483,648 B (431,262,272 B over)" in line
+    code, out, _ = _run(capsys, "plan", "--kv-memory", "2GiB", "--page-space", "shared", "--json")
+    assert json.loads(out)["shared_arena"]["per_group_pools_fit"] is False
+
+
 def test_shared_page_space_line_and_json(capsys):
     args = ("--indexer", "fp8", "--max-running", "256", "--chunk-tokens", "2048", "--max-context", "128k")
     code, out, _ = _run(capsys, "plan", "--page-space", "shared", *args)
@@ -288,6 +303,7 @@ def test_shared_page_space_line_and_json(capsys):
     code, out, _ = _run(capsys, "plan", "--page-space", "shared", "--json", *args)
     shared = json.loads(out)["shared_arena"]
     assert shared == {
+        "per_group_pools_fit": True,
         "total_bytes": 1_927_296 + 2785 * 15_418_368,
         "reserved_bytes": 1_927_296,
         "slab_bytes": 15_418_368,

@@ -292,6 +292,21 @@ def test_minimum_budget_is_exactly_one_scheduler_page():
         plan_for_budget(layout, minimum - 1, LIMITS)
 
 
+def test_shared_page_space_plans_a_budget_too_small_for_per_group_pools():
+    """A shared arena reserves no per-request window pages, so it needs no per-group
+    minimum: below it the plan keeps the budget and one scheduler page of per-group
+    figures, flagged as not fitting; at the minimum both kinds agree."""
+    layout = _layout()
+    minimum = _bytes_for(layout, LIMITS, 256)
+    plan = plan_for_budget(layout, minimum - 1, LIMITS, page_space="shared")
+    assert (plan.scheduler_pages, plan.budget_bytes, plan.fits_per_group) == (1, minimum - 1, False)
+    assert plan.total_bytes == minimum
+    at_minimum = plan_for_budget(layout, minimum, LIMITS, page_space="shared")
+    assert at_minimum == plan_for_budget(layout, minimum, LIMITS) and at_minimum.fits_per_group
+    with pytest.raises(ValueError, match="page_space must be"):
+        plan_for_budget(layout, minimum, LIMITS, page_space="arena")
+
+
 # --- validation --------------------------------------------------------------------
 
 @pytest.mark.parametrize(

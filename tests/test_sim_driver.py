@@ -137,6 +137,19 @@ def test_simulate_cli_bad_input_is_one_line_exit_2(argv, message, capsys):
     assert err.startswith("hybridkv: error:") and message in err and err.count("\n") == 1
 
 
+def test_simulate_shared_page_space_needs_no_per_group_minimum(capsys):
+    """2 GiB is below the per-group minimum for 128 running (2.40 GiB): refused with
+    per-group pools, run on the shared arena; a budget without one slab is refused."""
+    argv = ["simulate", "--workload", "chat", "--requests", "8", "--kv-memory", "2GiB", "--max-context", "32k"]
+    assert main(argv) == 2 and "too small" in capsys.readouterr().err
+    assert main([*argv, "--page-space", "shared", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["requests_finished"] == 8 and summary["kv_memory_bytes"] == 2 * 2**30
+    code = main(["simulate", "--page-space", "shared", "--kv-memory", "1MiB"])
+    err = capsys.readouterr().err
+    assert code == 2 and "holds no slab" in err and err.count("\n") == 1
+
+
 def test_simulate_shared_page_space_runs_where_per_group_pools_cannot(capsys):
     """3 GiB, 128 running: per-group pools leave the c4 compressor state too small for
     one chat chunk; the shared arena lends it memory the idle groups do not use."""

@@ -165,6 +165,11 @@ class Plan:
         return {gid: pages * page_bytes[gid] for gid, pages in self._group_pages}
 
     @property
+    def fits_per_group(self) -> bool:
+        """Whether per-group pools of this plan fit its budget (always, without one)."""
+        return self.budget_bytes is None or self.total_bytes <= self.budget_bytes
+
+    @property
     def total_bytes(self) -> int:
         return sum(self.group_bytes.values())
 
@@ -301,13 +306,23 @@ def _plan_bytes(layout: ModelCacheLayout, limits: Limits, total_tokens: int) -> 
     return sum(pages[g.group_id] * g.page_bytes for g in layout.groups)
 
 
-def plan_for_budget(layout: ModelCacheLayout, kv_memory_bytes: int, limits: Limits) -> Plan:
+def plan_for_budget(
+    layout: ModelCacheLayout, kv_memory_bytes: int, limits: Limits, *, page_space: str = "per-group"
+) -> Plan:
     """The largest plan, in whole scheduler pages, whose bytes fit ``kv_memory_bytes``:
     ``bytes(plan) <= budget < bytes(plan with one more scheduler page)``.
 
     Raises ``ValueError`` when even one scheduler page does not fit (the message
     names the minimum), or when no group grows with the token budget.
+
+    With ``page_space="shared"`` a budget too small for per-group pools still gives
+    a plan: a shared arena reserves no window or state pages per running request, and
+    uses only the plan's layout, limits and budget (it refuses, itself, a budget
+    that holds no slab). The per-group figures of such a plan are those of one
+    scheduler page and exceed the budget (``Plan.fits_per_group`` is False).
     """
+    if page_space not in ("per-group", "shared"):
+        raise ValueError(f"page_space must be 'per-group' or 'shared', got {page_space!r}")
     _check_layout_limits(layout, limits)
     budget = as_int("kv_memory_bytes", kv_memory_bytes, minimum=0)
     grain = scheduler_page_tokens(layout.specs)
@@ -321,6 +336,8 @@ def plan_for_budget(layout: ModelCacheLayout, kv_memory_bytes: int, limits: Limi
             "bounded by memory"
         )
     minimum = _plan_bytes(layout, limits, grain)
+    if minimum > budget and page_space == "shared":
+        return Plan(layout, limits, grain, budget)
     if minimum > budget:
         raise ValueError(
             f"KV memory of {budget:,} B ({format_bytes(budget)}) is too small: one "

@@ -132,13 +132,14 @@ def build_plan(args: argparse.Namespace) -> Plan:
         max_context_tokens=max_context,
         speculative_tokens=args.speculative_tokens,
     )
-    return plan_for_budget(layout, args.kv_memory, limits)
+    return plan_for_budget(layout, args.kv_memory, limits, page_space=args.page_space)
 
 
 def shared_report(plan: Plan, context_tokens: int) -> dict[str, Any]:
     """The shared-arena section of a plan report."""
     geometry = shared_arena_for(plan)
     return {
+        "per_group_pools_fit": plan.fits_per_group,
         "total_bytes": geometry.total_bytes,
         "reserved_bytes": geometry.reserved_bytes,
         "slab_bytes": geometry.slab_bytes,
@@ -229,9 +230,10 @@ def render(plan: Plan, context_tokens: int, file, shared: dict[str, Any] | None 
         if ideal
         else f"bytes/token  {allocated:,.2f} allocated"
     )
+    spare = plan.budget_bytes - plan.total_bytes
     console.print(
         f"memory       {plan.total_bytes:,} B used of {plan.budget_bytes:,} B "
-        f"({plan.budget_bytes - plan.total_bytes:,} B spare)"
+        + (f"({spare:,} B spare)" if spare >= 0 else f"({-spare:,} B over)")
     )
     if concurrency["max_requests"] > limits.max_running_requests:
         console.print(
@@ -246,4 +248,10 @@ def render(plan: Plan, context_tokens: int, file, shared: dict[str, Any] | None 
             f"{shared['max_requests']:,} concurrent requests at {format_tokens(context_tokens)} "
             f"(per-group pools above: {concurrency['max_requests']:,})"
         )
+        if not shared["per_group_pools_fit"]:
+            console.print(
+                f"note         per-group pools for {limits.max_running_requests:,} running requests "
+                f"do not fit {format_bytes(plan.budget_bytes)} (the table above is one scheduler "
+                "page of them); only the shared arena runs in this budget"
+            )
     console.print("width = block-table width for graph capture (pages per request)")
