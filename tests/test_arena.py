@@ -352,3 +352,47 @@ def test_a_step_that_must_borrow_still_grows_rather_than_evicts():
     assert m.stats()["kv"].evicted_pages == 2
     live_byte_ranges_disjoint(m)
     m.check_invariants()
+
+
+def test_a_group_borrows_another_groups_clean_slab_rather_than_evict_cached_pages():
+    """No spare slab left: the history group, out of clean pages, would evict cached
+    blocks; the window group has a slab whose pages are all free (once the step's own
+    releases have run) and does not need it, so that slab is lent instead. A cached
+    page goes only when no memory is idle anywhere."""
+    m = CacheManager([SWA, KV], None, max_context_tokens=256, max_step_tokens=64, arena=small_geometry(4),
+                     enable_prefix_caching=True, prefix_granularity=16, prompt_checkpoints=False)
+    m.add_request("s", np.arange(60, dtype=np.int32), max_new_tokens=2)
+    m.schedule([("s", 60)])
+    m.append_token_ids("s", [5])
+    m.schedule([("s", 1)])
+    m.free("s")
+    # swa: slabs 0-2, 15 clean pages and the checkpoint at 48 (2 pages); kv: slab 3,
+    # 5 clean pages and 3 cached blocks. No spare slab.
+    assert m.arena.owner.tolist() == [0, 0, 0, 1] and m.arena.num_spare_slabs == 0
+    assert (m.pools["swa"].num_clean_free_pages, m.pools["swa"].num_evictable_pages) == (15, 2)
+    assert (m.pools["kv"].num_clean_free_pages, m.pools["kv"].num_evictable_pages) == (5, 3)
+    m.add_request("k", 1000 + np.arange(200, dtype=np.int32), max_new_tokens=1)
+    for step in range(12):  # one kv page a step; kv runs out of clean pages at step 5
+        m.schedule([("k", 16)])
+        if step == 4:
+            assert m.pools["kv"].num_clean_free_pages == 0 and m.arena.slab_moves == 0
+    assert m.arena.owner.tolist() == [0, 1, 0, 1] and m.arena.slab_moves == 1
+    assert m.stats()["kv"].evicted_pages == 0 and m.stats()["swa"].evicted_pages == 0
+    assert m.pools["kv"].num_evictable_pages == 3  # s's blocks are still cached
+    live_byte_ranges_disjoint(m)
+    m.check_invariants()
+
+
+def test_a_donor_of_planned_grants_is_not_asked_for_its_lent_pages_again():
+    """A step that borrows slabs (planned first) and then grows instead of evicting
+    (planned after) counts what the first grants took from each donor: before, a
+    donor's lent pages still counted as its clean pages, the second plan lent them
+    twice, and the step's allocation failed (PoolExhausted in this run)."""
+    from hybridkv.sim.driver import Simulator
+    from hybridkv.sim.workloads import multiturn_workload
+
+    plan = plan_for_budget(cache_layout("deepseek-v4-flash"), int(2.5 * 2**30), Limits(64, 8192, 2**20))
+    m = CacheManager.from_plan(plan, page_space="shared", enable_prefix_caching=True)
+    result = Simulator(m, multiturn_workload(24, 4), max_running=64, step_token_budget=8192).run()
+    assert result.summary()["requests_finished"] == 96 and m.arena.slab_moves > 0
+    m.check_invariants()

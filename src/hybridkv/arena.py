@@ -148,6 +148,7 @@ class _Scan:
 
     idle: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     releasing: dict[str, np.ndarray] | None = None  # pages the step frees before slabs move
+    clean: bool = False  # count only free pages as idle (lending then evicts nothing)
 
 
 class Arena:
@@ -275,10 +276,12 @@ class Arena:
         return grants
 
     def replay(self, grants: Sequence[Grant]) -> tuple[np.ndarray, dict[str, int]]:
-        """Slab owners after ``grants`` (pure), and the pages each receiving group gains."""
+        """Slab owners after ``grants`` (pure), and the pages each group gains (a donor's
+        are negative: the pages it gives up)."""
         own, gained = self.owner.copy(), {}
         for gid, slab, donor in grants:
             if donor is not None:
+                gained[donor] = gained.get(donor, 0) - self._count(donor, slab, own)
                 own[slab] = -1
             gained[gid] = gained.get(gid, 0) + self._count(gid, slab, own)
             own[slab] = self._index[gid]
@@ -289,7 +292,9 @@ class Arena:
         found = scan.idle.get(gid)
         if found is None:
             pool, g = self.pools[gid], self.geometry
-            parts = [pool.free_page_ids().astype(np.int64), pool.evictable_page_ids()]
+            parts = [pool.free_page_ids().astype(np.int64)]
+            if not scan.clean:
+                parts.append(pool.evictable_page_ids())
             if scan.releasing is not None and gid in scan.releasing:
                 parts.append(scan.releasing[gid].astype(np.int64))
             idle = np.concatenate(parts)

@@ -472,7 +472,7 @@ class CacheManager:
             # The common case: every group has the pages, no credit needed. On an arena
             # with spare slabs, a group that would have to evict cached pages grows
             # instead: cached entries go only when memory is really short.
-            plan.grants = self._grow_instead_of_evicting(sums) if self.arena is not None else []
+            plan.grants = self._grow_instead_of_evicting(sums, plan=plan) if self.arena is not None else []
             return answers, ok_idx, fits[plan.settle :], {}, plan
         avail = dict(zip(self._group_ids, free))
         arena, scan = self.arena, _Scan()
@@ -501,24 +501,36 @@ class CacheManager:
         off = plan.settle
         return answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items()}, plan
 
-    def _grow_instead_of_evicting(self, sums: list[int], after: list | None = None) -> list:
-        """Spare slabs for groups that would have to evict cached pages to get ``sums``
-        pages (counting what the grants ``after`` already give them)."""
+    def _grow_instead_of_evicting(self, sums: list[int], after: list | None = None, plan=None) -> list:
+        """Slabs for groups that would have to evict cached pages to get ``sums`` pages
+        (counting what the grants ``after`` already give them): spare slabs first, then
+        slabs of other groups whose pages are all clean free (with ``plan``, whose
+        ``sums`` are gross, also once the step's releases have run) and that they do
+        not need this step. A cached page goes only when no memory is idle anywhere."""
         arena = self.arena
         own, gained = arena.replay(after) if after else (None, {})
-        if not (arena.num_spare_slabs if own is None else np.count_nonzero(own < 0)):
-            return []
         # Low-priority cached pages (prompt checkpoints) are meant to go first: a group
         # holding idle ones evicts them rather than grow.
-        short = {}
+        short, donors = {}, []
         for gid, pool, n in zip(self._group_ids, self._pool_list, sums):
             clean = pool.num_clean_free_pages + gained.get(gid, 0)
             if n > clean and not pool.has_low_priority_idle:
                 short[gid] = n - clean
+            else:
+                donors.append((gid, pool, clean - n))
         if not short:
             return []
-        # No donors: spare slabs only; the rest evict.
-        return arena.plan(short, {}, partial=True, owner=own)
+        scan = _Scan(releasing={} if plan is not None else None, clean=True)
+        spare = {}
+        for gid, pool, left in donors:
+            if plan is not None and self.tables[gid].sliding:
+                self._release_credit(gid, plan.rows, plan.new_base[gid], scan.releasing)
+                freed = scan.releasing.get(gid)
+                if freed is not None:
+                    freed = scan.releasing[gid] = freed[~pool.cached[freed]]  # keyed ones stay cached
+                    left += freed.size
+            spare[gid] = max(left, 0)
+        return arena.plan(short, spare, scan, partial=True, owner=own)
 
     @staticmethod
     def _deny_greedily(plan, net, avail, fits, deny, arena=None, scan=None) -> None:
