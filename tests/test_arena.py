@@ -385,9 +385,10 @@ def test_a_group_borrows_another_groups_clean_slab_rather_than_evict_cached_page
 
 def test_a_donor_of_planned_grants_is_not_asked_for_its_lent_pages_again():
     """A step that borrows slabs (planned first) and then grows instead of evicting
-    (planned after) counts what the first grants took from each donor: before, a
-    donor's lent pages still counted as its clean pages, the second plan lent them
-    twice, and the step's allocation failed (PoolExhausted in this run)."""
+    (planned after) counts what the first grants took from each donor. Counting a
+    donor's lent pages as still its clean pages, the second plan lends them twice and
+    the step's allocation fails (PoolExhausted in this run without the donor losses
+    of ``Arena.replay``)."""
     from hybridkv.sim.driver import Simulator
     from hybridkv.sim.workloads import multiturn_workload
 
