@@ -397,3 +397,29 @@ def test_a_donor_of_planned_grants_is_not_asked_for_its_lent_pages_again():
     result = Simulator(m, multiturn_workload(24, 4), max_running=64, step_token_budget=8192).run()
     assert result.summary()["requests_finished"] == 96 and m.arena.slab_moves > 0
     m.check_invariants()
+
+
+def test_only_what_low_priority_pages_cannot_cover_is_evicted_from_valuable_entries():
+    """A group with a few idle low-priority pages (prompt checkpoints) evicts those
+    first, but grows into a spare slab for the rest of its need rather than evict a
+    request's terminal checkpoint too; the next turn still hits."""
+    m = CacheManager([SWA, KV], None, max_context_tokens=256, max_step_tokens=64, arena=small_geometry(5),
+                     enable_prefix_caching=True, prefix_granularity=16)
+    a_ids = np.arange(64, dtype=np.int32)
+    m.add_request("a", a_ids, max_new_tokens=2)
+    m.schedule([("a", 64)])
+    m.append_token_ids("a", [3])
+    m.schedule([("a", 1)])
+    m.free("a")
+    swa = m.pools["swa"]
+    # swa: 9 clean pages; 8 cached: the prompt checkpoints at 16, 32, 48 (6 pages, low
+    # priority) and a's terminal at 64 (2 pages). One spare slab.
+    assert (swa.num_clean_free_pages, swa.num_evictable_pages, swa.num_low_priority_idle_pages) == (9, 8, 6)
+    assert m.arena.owner.tolist() == [0, 0, 0, 1, -1]
+    m.add_request("b", 1000 + np.arange(100, dtype=np.int32), max_new_tokens=1)
+    m.schedule([("b", 64)])  # swa needs 16 pages: 9 clean + 6 low priority + 1 more
+    assert m.arena.owner.tolist() == [0, 0, 0, 1, 0]
+    assert m.stats()["swa"].evicted_pages == 6 and swa.num_evictable_pages == 2
+    assert m.add_request("c", np.concatenate([a_ids, [3, 9]]).astype(np.int32)).hit_tokens == 64
+    live_byte_ranges_disjoint(m)
+    m.check_invariants()

@@ -514,8 +514,11 @@ class CacheManager:
         short, donors = {}, []
         for gid, pool, n in zip(self._group_ids, self._pool_list, sums):
             clean = pool.num_clean_free_pages + gained.get(gid, 0)
-            if n > clean and not pool.has_low_priority_idle:
-                short[gid] = n - clean
+            if n > clean:
+                # What idle low-priority pages cannot cover would evict valuable entries.
+                low = pool.num_low_priority_idle_pages if pool.has_low_priority_idle else 0
+                if n > clean + low:
+                    short[gid] = n - clean - low
             else:
                 donors.append((gid, pool, clean - n))
         if not short:

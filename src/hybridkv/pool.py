@@ -122,6 +122,11 @@ class PagePool:
         return bool(self._low_idle)
 
     @property
+    def num_low_priority_idle_pages(self) -> int:
+        """Idle keyed pages of low-priority entries (evicted before any other)."""
+        return int(np.count_nonzero(self.low_priority[self.evictable_page_ids()]))
+
+    @property
     def num_cached_pages(self) -> int:
         return len(self._page_key)
 
