@@ -516,7 +516,7 @@ class CacheManager:
             clean = pool.num_clean_free_pages + gained.get(gid, 0)
             if n > clean:
                 # What idle low-priority pages cannot cover would evict valuable entries.
-                low = pool.num_low_priority_idle_pages if pool.has_low_priority_idle else 0
+                low = pool.num_low_priority_idle_pages
                 if n > clean + low:
                     short[gid] = n - clean - low
             else:

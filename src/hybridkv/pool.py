@@ -81,6 +81,7 @@ class PagePool:
         # Lowest-first pools: idle low-priority page ids (a min-heap, stale ids skipped),
         # reused in id order like free pages so they do not push live pages up.
         self._low_idle: list[int] = []
+        self._low_idle_pages = 0  # exact count of idle low-priority pages
         # Set by an arena: reuse low-priority pages in id order only while it returns
         # True (no spare slab), so they are kept as long as memory is not tight.
         self.pack_low_priority: Callable[[], bool] = lambda: True
@@ -123,8 +124,9 @@ class PagePool:
 
     @property
     def num_low_priority_idle_pages(self) -> int:
-        """Idle keyed pages of low-priority entries (evicted before any other)."""
-        return int(np.count_nonzero(self.low_priority[self.evictable_page_ids()]))
+        """Idle keyed pages of low-priority entries (evicted before any other); kept
+        as a count, checked against the pages in ``check_invariants``."""
+        return self._low_idle_pages
 
     @property
     def num_cached_pages(self) -> int:
@@ -215,8 +217,10 @@ class PagePool:
         for page in idle:
             if page not in self._evictable:
                 raise ValueError(f"group {self.group_id!r}: page {page} is free, cannot be borrowed")
+        low = self.low_priority
         for page in idle:
-            self._evictable.pop(page, None)
+            if self._evictable.pop(page, 0) is None and low[page]:
+                self._low_idle_pages -= 1
         np.add.at(self.ref_counts, pages, 1)
         used = self.num_used_pages
         if used > self.peak_used_pages:
@@ -265,6 +269,7 @@ class PagePool:
             for page in zero[keyed][::-1].tolist():
                 self._evictable[page] = None
                 if self.low_priority[page]:
+                    self._low_idle_pages += 1
                     self._evictable.move_to_end(page, last=False)
                     if self.lowest_first:
                         heapq.heappush(self._low_idle, page)
@@ -417,9 +422,12 @@ class PagePool:
     def demote(self, key: Hashable) -> None:
         """Make an entry low priority: its idle pages move to the front of the LRU."""
         pages = self._entries[key]
+        was_low = bool(self.low_priority[pages[0]]) if pages else True  # an entry is low as a whole
         self.low_priority[list(pages)] = True
         for page in pages:
             if page in self._evictable:
+                if not was_low:
+                    self._low_idle_pages += 1
                 self._evictable.move_to_end(page, last=False)
                 if self.lowest_first:
                     heapq.heappush(self._low_idle, page)
@@ -431,7 +439,8 @@ class PagePool:
         """Drop an entry; its pages that no request holds go back to the free stack."""
         pages = self._entries.pop(key)
         free = []
-        if pages and self.low_priority[pages[0]]:  # an entry is low priority as a whole
+        low = bool(pages) and bool(self.low_priority[pages[0]])  # an entry is low priority as a whole
+        if low:
             self.low_priority[list(pages)] = False
         page_key, cached, ref, evictable = self._page_key, self.cached, self.ref_counts, self._evictable
         for page in pages:
@@ -440,6 +449,8 @@ class PagePool:
             if ref[page] == 0:
                 del evictable[page]
                 free.append(page)
+        if low:
+            self._low_idle_pages -= len(free)
         if free:
             self._push_free(np.asarray(free, dtype=np.int32))
         if self.on_removed is not None:
@@ -478,8 +489,9 @@ class PagePool:
             del page_key[page]
         pages = np.asarray(every, dtype=np.int64)
         self.cached[pages] = False
-        self.low_priority[pages] = False
         idle = pages[self.ref_counts[pages] == 0]
+        self._low_idle_pages -= int(np.count_nonzero(self.low_priority[idle]))
+        self.low_priority[pages] = False
         for page in idle.tolist():
             del evictable[page]
         self._push_free(idle.astype(np.int32))
@@ -511,6 +523,9 @@ class PagePool:
         assert not np.any(self.cached[free]), "free page still keyed"
         for page in self._evictable:
             assert self.ref_counts[page] == 0 and self.cached[page], "bad evictable page"
+        assert self._low_idle_pages == int(np.count_nonzero(self.low_priority[self.evictable_page_ids()])), (
+            "idle low-priority count"
+        )
         assert self.ref_counts[NULL_PAGE] == 0
         assert np.all(self.ref_counts >= 0)
         held = int(np.count_nonzero(self.ref_counts > 0))
