@@ -228,9 +228,8 @@ class TableSet:
         pow2 = lambda v: bool(np.all((v & (v - 1)) == 0))  # noqa: E731
         self._shifts = None
         if pow2(self.stride_tokens) and pow2(self.rows_per_page):
-            self._shifts = (
+            self._shifts = (  # row of a position within its page: (pos >> shift) & page mask
                 np.log2(self.stride_tokens).astype(np.int64)[:, None],
-                np.log2(self.rows_per_page).astype(np.int64)[:, None],
                 (self.stride_tokens - 1)[:, None],
                 (self.rows_per_page - 1)[:, None],
             )
@@ -395,7 +394,7 @@ class TableSet:
         per_page = self.rows_per_page[:, None]
         slots = pages * per_page  # int32 * int64 -> int64
         if self._shifts is not None:
-            stride_shift, _, stride_mask, page_mask = self._shifts
+            stride_shift, stride_mask, page_mask = self._shifts
             slots += (pos >> stride_shift) & page_mask
             off_boundary = (pos & stride_mask) != stride_mask
         else:
@@ -408,23 +407,7 @@ class TableSet:
     def write_slots(self, token_rows: np.ndarray, positions: np.ndarray, row_cells=None) -> np.ndarray:
         """int64 ``[G, N]`` slots of every group for the scheduled tokens (-1: no row);
         ``row_cells``: ``self.row_cells(token_rows)`` if the caller has it."""
-        stride = self.stride_tokens[:, None]
-        per_page = self.rows_per_page[:, None]
         pos = positions[None, :]
-        if self._shifts is not None:
-            stride_shift, page_shift, stride_mask, page_mask = self._shifts
-            entry = pos >> stride_shift
-            logical = entry >> page_shift
-            entry &= page_mask  # the row within the page
-            off_boundary = (pos & stride_mask) != stride_mask  # (pos + 1) % stride != 0; never for stride 1
-        else:
-            entry = pos // stride
-            logical = entry // per_page
-            entry %= per_page
-            off_boundary = (pos + 1) % stride != 0
-        logical &= self._column_mask_col
-        logical += self.row_cells(token_rows) if row_cells is None else row_cells
-        slots = self.pages.reshape(-1).take(logical) * per_page  # int32 * int64 -> int64
-        slots += entry
-        np.putmask(slots, off_boundary, -1)
-        return slots
+        logical = pos >> self._tokens_shift if self._tokens_shift is not None else pos // self._tokens
+        cells = self.row_cells(token_rows) if row_cells is None else row_cells
+        return self.write_slots_in(self.pages_at(cells, logical), positions)
