@@ -220,12 +220,10 @@ class PrefixCache:
         self._windows = windows
         # Per-group constants of the one-block commit, bound once.
         self._history_plan = [
-            (gid, pools[gid], tables[gid], g // tables[gid].page_tokens, self._meta[gid], self.stats[gid])
-            for gid in self.history_ids
+            (gid, pools[gid], tables[gid], g // tables[gid].page_tokens) for gid in self.history_ids
         ]
         self._state_plan = [
-            (gid, pools[gid], tables[gid], tables[gid].page_tokens, self._windows[gid], self._holders[gid],
-             self._meta[gid], self.stats[gid])
+            (gid, pools[gid], tables[gid], tables[gid].page_tokens, self._windows[gid], self._holders[gid])
             for gid in self.state_ids
         ]
         for gid, pool in pools.items():
@@ -359,26 +357,21 @@ class PrefixCache:
         the same entries, holds and events in the same order, per-group work inlined."""
         d = (b + 1) * self.granularity_tokens
         key = hashes.hashes[b]
-        parent = hashes.hashes[b - 1] if b else hashes.root
         row, stored = req.row, []
-        for gid, pool, table, per_block, meta, stats in self._history_plan:
+        for gid, pool, table, per_block in self._history_plan:
             if pool.lookup(key) is None:
                 pages = table.row_pages(row, b * per_block, (b + 1) * per_block)
                 if pool.publish_held(key, pages):
-                    meta[key] = (parent, d, len(pages))
-                    stats.stored_entries += 1
-                    stored.append(("stored", gid, key, parent, d, len(pages)))
+                    stored.append(self._stored(gid, hashes, key, d, len(pages)))
         interval = self.state_checkpoint_interval
         own = _OwnCheckpoint(d, pinned=d in req.keep_boundaries or (interval is not None and d % interval == 0))
-        for gid, pool, table, page_tokens, window, holders, meta, stats in self._state_plan:
+        for gid, pool, table, page_tokens, window, holders in self._state_plan:
             if pool.lookup(key) is None:
                 lo, hi = max(0, d - window) // page_tokens, d // page_tokens
                 if lo >= table.base[row] and hi <= table.hi[row]:
                     pages = table.row_pages(row, lo, hi)
                     if pool.publish_held(key, pages):
-                        meta[key] = (parent, d, len(pages))
-                        stats.stored_entries += 1
-                        stored.append(("stored", gid, key, parent, d, len(pages)))
+                        stored.append(self._stored(gid, hashes, key, d, len(pages)))
             pages = pool.lookup(key)
             if pages is not None:
                 own.entries[gid] = (key, pages)
