@@ -75,6 +75,7 @@ class _StepPlan:
     need_hi_all: np.ndarray | None = None
     grants: list | None = None  # arena slabs to move before allocating (shared page space)
     request_ids: tuple | None = None  # the batch's ids in order, once known
+    alloc_sums: list | None = None  # pages per group the step allocates (alloc_all summed)
 
     # Per-group views of the stacked arrays, built only where a slow path asks.
     @property
@@ -462,7 +463,7 @@ class CacheManager:
                         f"group {gid!r} needs {int(width[k])} table columns, more than the "
                         f"capture width {self.table_widths[gid]}"
                     )
-        sums = plan.alloc_all.sum(axis=1).tolist()
+        sums = plan.alloc_sums = plan.alloc_all.sum(axis=1).tolist()
         if not deny and all(n <= pool.num_clean_free_pages for n, pool in zip(sums, self._pool_list)):
             # Clean pages cover everything (most decode steps): nothing to evict, nothing to grow.
             plan.grants = []
@@ -768,7 +769,7 @@ class CacheManager:
             ts.base[:, rows] = plan.new_base_all
         if plan.grants:
             self.arena.apply(plan.grants)
-        totals = plan.alloc_all.sum(axis=1).tolist()
+        totals = plan.alloc_sums
         if any(totals):
             split = self._transient_split(plan, totals)
             fresh = []
