@@ -106,11 +106,8 @@ class ArenaMachine(ManagerMachine):
         live_byte_ranges_disjoint(self.m)
 
     def teardown(self):
-        if not hasattr(self, "m"):
+        if not self.free_everything():
             return
-        for rid in list(self.model):
-            self.m.free(rid)
-        self.m.check_invariants()
         assert all(s.used_pages == 0 for s in self.m.stats().values())
         self.m.arena.release_idle()
         assert self.m.arena.num_spare_slabs == self.geometry.num_slabs

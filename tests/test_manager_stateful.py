@@ -326,12 +326,18 @@ class ManagerMachine(RuleBasedStateMachine):
             assert pool.ref_counts.max() <= 1
             assert pool.num_free_pages == self.model_free(s)
 
-    def teardown(self):
+    def free_everything(self) -> bool:
+        """Free every request and check the manager's invariants; False if none was built."""
         if not hasattr(self, "m"):
-            return
+            return False
         for rid in list(self.model):
             self.m.free(rid)
         self.m.check_invariants()
+        return True
+
+    def teardown(self):
+        if not self.free_everything():
+            return
         for gid, s in self.m.stats().items():
             assert s.free_pages == s.total_pages == self.pages[gid] - 1 and s.used_pages == 0
 
