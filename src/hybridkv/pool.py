@@ -161,16 +161,16 @@ class PagePool:
         if self._top + self._pending_pages < count:
             self._evict_lru(count - self._top - self._pending_pages)
         low = count - highest
-        if self._pending and not highest and low <= self._top and self._pending_pages <= _SMALL_PENDING:
+        if self._pending and not highest and self._pending_pages <= _SMALL_PENDING:
             # Few pending pages (a decode step): the lowest ``low`` of the union are among
-            # the stack's ``low`` lowest and the pending ones; sort just those and keep
-            # the rest pending, instead of merging the whole stack.
+            # the stack's ``low`` lowest (all of it if shorter) and the pending ones; sort
+            # just those and keep the rest pending, instead of merging the whole stack.
             top = self._top
             pending = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
-            both = np.concatenate([self._stack[top - low : top], pending])
+            both = np.concatenate([self._stack[max(top - low, 0) : top], pending])
             both.sort()
             out = both[:low]
-            self._top = top - low
+            self._top = max(top - low, 0)
             rest = both[low:]
             self._pending, self._pending_pages = ([rest], rest.size) if rest.size else ([], 0)
         else:
