@@ -702,3 +702,25 @@ def test_schedule_after_a_denying_check_names_only_the_denied_requests():
     assert [a.ok for a in m.check_admission(items)] == [True, False]
     with pytest.raises(CacheManagerError, match=r"^1 of 2 requests not admissible: group 'kv' needs 5 new pages"):
         m.schedule(items)  # reuses the cached check
+
+
+def test_step_objects_are_whole_frozen_dataclasses():
+    """The step's objects are built without their __init__ (batch._fill): each must
+    still carry exactly its fields and refuse assignment, in both table modes."""
+    import dataclasses
+
+    from hybridkv.batch import GroupStep, StepBatch, TableUpdates
+
+    m = manager(v4_specs(), 64, step=512)
+    m.add_request("a", prompt_tokens=300)
+    for mode in ("full", "updates"):
+        batch = m.schedule([("a", 100)], block_tables=mode)
+        objects = [(batch, StepBatch)] + [(g, GroupStep) for g in batch.groups.values()]
+        if batch.table_updates is not None:
+            objects.append((batch.table_updates, TableUpdates))
+        for obj, cls in objects:
+            assert type(obj) is cls
+            assert set(vars(obj)) == {f.name for f in dataclasses.fields(cls)}
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                obj.__setattr__(dataclasses.fields(cls)[0].name, None)
+    assert batch.table_updates is not None and isinstance(batch.table_updates.widths, tuple)

@@ -19,7 +19,7 @@ import numpy as np
 
 from hybridkv._checks import as_int
 from hybridkv.arena import Arena, ArenaGeometry, _Scan, shared_arena_for
-from hybridkv.batch import Admission, GroupStats, GroupStep, StepBatch, TableUpdates
+from hybridkv.batch import Admission, GroupStats, GroupStep, StepBatch, TableUpdates, _fill
 from hybridkv.models.deepseek_v4 import v4_checkpoint_window_tokens
 from hybridkv.pool import PagePool
 from hybridkv.prefix import PrefixCache, PrefixHit, RequestHashes
@@ -177,7 +177,8 @@ class CacheManager:
         self._admitted: tuple | None = None
         self._requests: dict[str, _Request] = {}
         self._last_rows = np.zeros(0, dtype=np.int64)  # rows scheduled in the previous step
-        self._tail: tuple | None = None  # last decode step: (rows, [G, R] pages at hi - 1, end, base, hi)
+        # Last decode step: (rows, [G, R] pages at hi - 1, end, base, hi, row cells, counts).
+        self._tail: tuple | None = None
         self._decode_arrays_memo: tuple | None = None
         self._group_sliding = tuple((s.group_id, s.is_sliding) for s in self.specs)
         self._row_owner: dict[int, _Request] = {}
@@ -464,17 +465,25 @@ class CacheManager:
                         f"capture width {self.table_widths[gid]}"
                     )
         sums = plan.alloc_sums = plan.alloc_all.sum(axis=1).tolist()
-        if not deny and all(n <= pool.num_clean_free_pages for n, pool in zip(sums, self._pool_list)):
-            # Clean pages cover everything (most decode steps): nothing to evict, nothing to grow.
-            plan.grants = []
+        # True: clean pages, or idle low-priority ones (evicted first anyway), cover every
+        # group (most decode steps): nothing to grow. False: free and evictable pages
+        # cover it, but some group would evict valuable entries. None: some group is short.
+        covered = None if deny else True
+        for n, pool in zip(sums, self._pool_list) if covered else ():
+            clean = pool.num_clean_free_pages
+            if n <= clean:
+                continue
+            if n > pool.num_free_pages:
+                covered = None
+                break
+            if n > clean + pool.num_low_priority_idle_pages:
+                covered = False
+        if covered is not None:
+            # No credit needed. On an arena with spare slabs, a group that would have to
+            # evict valuable cached pages grows instead: they go only when memory is short.
+            plan.grants = self._grow_instead_of_evicting(sums, plan=plan) if covered is False and self.arena is not None else []
             return answers, ok_idx, fits[plan.settle :], {}, plan
         free = [pool.num_free_pages for pool in self._pool_list]
-        if not deny and all(n <= f for n, f in zip(sums, free)):
-            # The common case: every group has the pages, no credit needed. On an arena
-            # with spare slabs, a group that would have to evict cached pages grows
-            # instead: cached entries go only when memory is really short.
-            plan.grants = self._grow_instead_of_evicting(sums, plan=plan) if self.arena is not None else []
-            return answers, ok_idx, fits[plan.settle :], {}, plan
         avail = dict(zip(self._group_ids, free))
         arena, scan = self.arena, _Scan()
 
@@ -598,10 +607,12 @@ class CacheManager:
         if rows is None:
             return None
         prev = self._tail
-        first = prev[2] if prev is not None and prev[0] is rows else self._computed.take(rows)
+        repeat = prev is not None and prev[0] is rows
+        first = prev[2] if repeat else self._computed.take(rows)
         if (first + count > self._known.take(rows)).any():
             return None
-        return rows, np.full(rows.size, count, dtype=np.int64), rids, first
+        counts = prev[6] if repeat and count == 1 else np.full(rows.size, count, dtype=np.int64)
+        return rows, counts, rids, first
 
     def _rows_of(self, rids: tuple) -> np.ndarray | None:
         """Table rows of distinct known request ids (memoized for a repeated batch);
@@ -760,7 +771,8 @@ class CacheManager:
             ts.start_log()  # after full-mode steps (or at first) the batch is a resync
         else:
             ts.stop_log()
-        cells = ts.row_cells(rows)
+        prev = self._tail
+        cells = prev[5] if prev is not None and prev[0] is rows else ts.row_cells(rows)
         releases = plan.new_base_all - plan.base  # never negative
         if releases.any():
             for pool, released in zip(self._pool_list, ts.take(rows, plan.base, counts=releases, row_cells=cells)):
@@ -796,7 +808,7 @@ class CacheManager:
             tail = self._tail_pages(plan, rows, hi, cells, pages if any(totals) else None)
         # What the next step of the same batch would read back: last pages, computed
         # tokens, base and hi (cleared by every mutation outside schedule).
-        self._tail = None if tail is None else (rows, tail, plan.end, plan.new_base_all, hi)
+        self._tail = None if tail is None else (rows, tail, plan.end, plan.new_base_all, hi, cells, plan.counts)
         self._computed[rows] = plan.end
         self._last_rows = rows[plan.settle :] if plan.settle else rows
         return self._build_batch(plan, fixed_width, hi if block_tables == "updates" else None, cells, tail)
@@ -893,12 +905,13 @@ class CacheManager:
             else:
                 widths = tuple((updates_hi[:, off:] - plan.new_base_all[:, off:]).max(axis=1).tolist())
             group, row, column, page, reset = ts.drain_updates()
-            updates = TableUpdates(group, row, column, page, widths=widths, reset=reset)
+            updates = _fill(TableUpdates, dict(group=group, row=row, column=column, page=page, widths=widths,
+                                               reset=reset))
         groups = {}
         for g, (gid, sliding) in enumerate(self._group_sliding):
-            groups[gid] = GroupStep(block_table=tables[g], base_pages=base_pages[g] if sliding else None,
-                                    write_slots=slots[g])
-        return StepBatch(
+            groups[gid] = _fill(GroupStep, dict(block_table=tables[g], base_pages=base_pages[g] if sliding else None,
+                                                write_slots=slots[g]))
+        return _fill(StepBatch, dict(
             request_ids=plan.request_ids,
             num_scheduled_tokens=counts.astype(np.int32) if scheduled is None else scheduled,
             query_start_loc=qsl,
@@ -907,7 +920,7 @@ class CacheManager:
             groups=groups,
             table_rows=rows.astype(np.int32),
             table_updates=updates,
-        )
+        ))
 
     def _decode_arrays(self, n_req: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Request indices, query start locations and token counts of a decode step of
