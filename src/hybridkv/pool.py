@@ -422,9 +422,10 @@ class PagePool:
     def demote(self, key: Hashable) -> None:
         """Make an entry low priority: its idle pages move to the front of the LRU."""
         pages = self._entries[key]
-        was_low = bool(self.low_priority[pages[0]]) if pages else True  # an entry is low as a whole
-        self.low_priority[list(pages)] = True
+        low = self.low_priority
+        was_low = bool(low[pages[0]]) if pages else True  # an entry is low as a whole
         for page in pages:
+            low[page] = True  # entries are a few pages: item stores beat one fancy store
             if page in self._evictable:
                 if not was_low:
                     self._low_idle_pages += 1
@@ -439,13 +440,14 @@ class PagePool:
         """Drop an entry; its pages that no request holds go back to the free stack."""
         pages = self._entries.pop(key)
         free = []
-        low = bool(pages) and bool(self.low_priority[pages[0]])  # an entry is low priority as a whole
-        if low:
-            self.low_priority[list(pages)] = False
+        flags = self.low_priority
+        low = bool(pages) and bool(flags[pages[0]])  # an entry is low priority as a whole
         page_key, cached, ref, evictable = self._page_key, self.cached, self.ref_counts, self._evictable
         for page in pages:
             del page_key[page]
             cached[page] = False
+            if low:
+                flags[page] = False
             if ref[page] == 0:
                 del evictable[page]
                 free.append(page)
