@@ -396,3 +396,50 @@ def test_allocate_highest_takes_the_top_free_ids_in_lowest_first_pools():
     pool.check_invariants()
     lifo = PagePool("g", 6)  # LIFO pools have no order to choose: highest is ignored
     assert lifo.allocate(3, highest=2).tolist() == [1, 2, 3]
+
+
+def _pool_state(pool):
+    pool.check_invariants()  # merges pending releases, so both sides compare sorted stacks
+    return (pool.ref_counts.tolist(), pool.free_page_ids().tolist(), list(pool._evictable),
+            sorted(pool._low_idle), pool.num_low_priority_idle_pages, dict(vars(pool.counters)),
+            pool.peak_used_pages)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), lowest_first=st.booleans())
+def test_page_space_release_is_decref_pool_by_pool(data, lowest_first):
+    """PageSpace.release of every group's pages (some keyed, some low priority, some
+    with a second holder) leaves each pool as its own decref would."""
+    from hybridkv.pool import PageSpace
+
+    sizes = data.draw(st.lists(st.integers(2, 24), min_size=1, max_size=5), label="sizes")
+    sides = []
+    for _ in range(2):
+        pools = [PagePool(f"g{i}", n, lowest_first=lowest_first) for i, n in enumerate(sizes)]
+        sides.append((pools, PageSpace(pools)))
+    any_shared = data.draw(st.booleans(), label="any_shared")  # False: the fused path itself
+    script = []
+    for i, n in enumerate(sizes):
+        held = data.draw(st.integers(0, n - 1), label=f"held{i}")
+        keyed = data.draw(st.lists(st.booleans(), min_size=held, max_size=held), label=f"keyed{i}")
+        low = data.draw(st.lists(st.booleans(), min_size=held, max_size=held), label=f"low{i}")
+        shared = data.draw(st.lists(st.booleans(), min_size=held, max_size=held), label=f"shared{i}")
+        shared = [x and any_shared for x in shared]
+        order = data.draw(st.permutations(range(held)), label=f"order{i}")
+        script.append((held, keyed, low, shared, order))
+    for pools, _ in sides:
+        for pool, (held, keyed, low, shared, _order) in zip(pools, script):
+            pages = pool.allocate(held).tolist()
+            for j, page in enumerate(pages):
+                if keyed[j]:
+                    pool.publish(("k", page), [page], low_priority=low[j])
+                if shared[j]:
+                    pool.incref([page])
+    (pools_a, space), (pools_b, _) = sides
+    released = [np.asarray([p for p in range(1, n) if pools_a[i].ref_counts[p] > 0], dtype=np.int64)[
+        list(script[i][4])] for i, n in enumerate(sizes)]
+    space.release(np.concatenate(released), np.array([r.size for r in released]))
+    for pool, pages in zip(pools_b, released):
+        pool.decref(pages)
+    for a, b in zip(pools_a, pools_b):
+        assert _pool_state(a) == _pool_state(b)

@@ -21,7 +21,7 @@ from hybridkv._checks import as_int
 from hybridkv.arena import Arena, ArenaGeometry, _Scan, shared_arena_for
 from hybridkv.batch import Admission, GroupStats, GroupStep, StepBatch, TableUpdates, _fill
 from hybridkv.models.deepseek_v4 import v4_checkpoint_window_tokens
-from hybridkv.pool import PagePool
+from hybridkv.pool import PagePool, PageSpace
 from hybridkv.prefix import PrefixCache, PrefixHit, RequestHashes
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables import TableSet, cdiv, segment_arange
@@ -164,6 +164,10 @@ class CacheManager:
             )
             for i, s in enumerate(self.specs)
         }
+        # Every pool's ref counts and flags in one array: a step's releases and
+        # allocations are a few numpy calls for all groups.
+        self._pool_list = [self.pools[s.group_id] for s in self.specs]
+        self._space = PageSpace(self._pool_list)
         # With a shared arena the pools start empty and borrow slabs as they need pages.
         self.arena = Arena(arena, self.pools) if arena is not None else None
         # Every group's tables are stacked: a step is a few numpy calls for all groups.
@@ -171,7 +175,6 @@ class CacheManager:
             self.specs, max_context_tokens=self.max_context_tokens, max_step_tokens=self.max_step_tokens
         )
         self.tables = {s.group_id: t for s, t in zip(self.specs, self._tableset.tables)}
-        self._pool_list = [self.pools[s.group_id] for s in self.specs]
         self._group_ids = ids
         self._version = 0  # bumped by every mutation; keys the admission cache
         self._admitted: tuple | None = None
@@ -775,9 +778,12 @@ class CacheManager:
         cells = prev[5] if prev is not None and prev[0] is rows else ts.row_cells(rows)
         releases = plan.new_base_all - plan.base  # never negative
         if releases.any():
-            for pool, released in zip(self._pool_list, ts.take(rows, plan.base, counts=releases, row_cells=cells)):
-                if released.size:
-                    pool.decref(released)
+            if self._fast_paths:
+                self._space.release(*ts.take_flat(rows, plan.base, counts=releases, row_cells=cells))
+            else:
+                for pool, released in zip(self._pool_list, ts.take(rows, plan.base, counts=releases, row_cells=cells)):
+                    if released.size:
+                        pool.decref(released)
             ts.base[:, rows] = plan.new_base_all
         if plan.grants:
             self.arena.apply(plan.grants)

@@ -266,21 +266,26 @@ class PagePool:
         self.counters.released_pages += int(zero.size)
         keyed = self.cached[zero]
         if keyed.any():
-            for page in zero[keyed][::-1].tolist():
-                self._evictable[page] = None
-                if self.low_priority[page]:
-                    self._low_idle_pages += 1
-                    self._evictable.move_to_end(page, last=False)
-                    if self.lowest_first:
-                        heapq.heappush(self._low_idle, page)
+            self._keyed_idle(zero[keyed].tolist())
             zero = zero[~keyed]
         self._push_free(zero)
+
+    def _keyed_idle(self, pages: list[int]) -> None:
+        """Keyed pages (logical order) whose last reference just went join the LRU,
+        the last listed first, so a chain's tail is evicted before its head."""
+        for page in reversed(pages):
+            self._evictable[page] = None
+            if self.low_priority[page]:
+                self._low_idle_pages += 1
+                self._evictable.move_to_end(page, last=False)
+                if self.lowest_first:
+                    heapq.heappush(self._low_idle, page)
 
     def _push_free(self, pages: np.ndarray) -> None:
         n = pages.size
         if n and self.lowest_first:
             # Merged into the sorted stack at the next allocation (one merge, not one per release).
-            self._pending.append(pages.astype(np.int32))
+            self._pending.append(pages if pages.dtype == np.int32 else pages.astype(np.int32))
             self._pending_pages += n
         elif n:
             # Push in reverse so the first listed page is on top (reused first).
@@ -532,3 +537,70 @@ class PagePool:
         assert np.all(self.ref_counts >= 0)
         held = int(np.count_nonzero(self.ref_counts > 0))
         assert held + self._top + len(self._evictable) == self._granted_pages, "page leaked"
+
+
+class PageSpace:
+    """The ref counts and key flags of several pools as views of one array each, so
+    one step's releases in every group (``release``) take a few numpy calls in all
+    instead of a few per group: exactly ``decref`` of each group's pages in pool order.
+
+    (Allocations stay per pool: sorting every group's candidate ids in one call did
+    not pay for the id offsets and bookkeeping it needs; docs/manager.md.)
+    """
+
+    def __init__(self, pools: Sequence[PagePool]):
+        self.pools = list(pools)
+        sizes = [p.num_pages for p in self.pools]
+        if sum(sizes) >= 2**31:
+            raise ValueError("a page space holds fewer than 2**31 pages")
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int32)
+        self._offset_list = self.offsets.tolist()
+        for name in ("ref_counts", "cached", "low_priority"):
+            whole = np.concatenate([getattr(p, name) for p in self.pools])
+            setattr(self, name, whole)
+            for pool, start, n in zip(self.pools, self._offset_list, sizes):
+                setattr(pool, name, whole[start : start + n])
+
+    def release(self, pages: np.ndarray, per_group: np.ndarray) -> None:
+        """``pools[g].decref`` of each group's slice of ``pages`` (local ids, group-major,
+        ``per_group[g]`` of them)."""
+        glob = pages + np.repeat(self.offsets, per_group)
+        ref = self.ref_counts
+        before = ref[glob]
+        sizes = per_group.tolist()
+        if before.size and not before.max() == 1 == before.min():
+            start = 0  # some page has another holder: the general path, pool by pool
+            for pool, n in zip(self.pools, sizes):
+                if n:
+                    pool.decref(pages[start : start + n])
+                start += n
+            return
+        ref[glob] = 0
+        keyed = self.cached[glob]
+        kept = sizes
+        if keyed.any():
+            # Few keyed pages a step: hand each pool its own, in logical order.
+            kept = list(sizes)
+            at = np.flatnonzero(keyed).tolist()
+            g, end = 0, sizes[0]
+            mine: list[int] = []
+            for i in at:
+                while i >= end:
+                    if mine:
+                        self.pools[g]._keyed_idle(mine)
+                        mine = []
+                    g += 1
+                    end += sizes[g]
+                mine.append(int(pages[i]))
+                kept[g] -= 1
+            self.pools[g]._keyed_idle(mine)
+            free = pages[~keyed].astype(np.int32)
+        else:
+            free = pages.astype(np.int32)
+        start = 0
+        for pool, n, m in zip(self.pools, sizes, kept):
+            if n:
+                pool.counters.released_pages += n
+                if m:
+                    pool._push_free(free[start : start + m])
+            start += m

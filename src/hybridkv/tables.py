@@ -366,6 +366,13 @@ class TableSet:
              counts: np.ndarray | None = None, row_cells: np.ndarray | None = None) -> list[np.ndarray]:
         """Forget logical pages ``[lo, hi)`` (or ``[lo, lo + counts)``) of every group;
         their ids per group, row-major."""
+        pages, per_group = self.take_flat(rows, lo, hi, counts=counts, row_cells=row_cells)
+        ends = np.cumsum(per_group).tolist()
+        return [pages[a:b] for a, b in zip([0] + ends, ends)]
+
+    def take_flat(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray | None = None, *,
+                  counts: np.ndarray | None = None, row_cells: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``take`` as one array (group-major, row-major) and the count per group."""
         if counts is None:
             counts = np.maximum(hi - lo, 0)
         index, per_group = self._flat_ranges(rows, lo, counts, row_cells)
@@ -373,8 +380,7 @@ class TableSet:
         pages = flat[index].astype(np.int64)
         flat[index] = -1
         self._log_cells(index)
-        ends = np.cumsum(per_group).tolist()
-        return [pages[a:b] for a, b in zip([0] + ends, ends)]
+        return pages, per_group
 
     def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray,
               row_cells: np.ndarray | None = None) -> None:
