@@ -254,3 +254,50 @@ def test_schedule_uniform_refuses_what_schedule_refuses(request_ids, count, mess
     assert m.num_computed_tokens("a") == 4 and m.num_computed_tokens("b") == 4
     batch = m.schedule_uniform(("a", "b"), np.int64(2))  # numpy ints are counts
     assert batch.num_scheduled_tokens.tolist() == [2, 2]
+
+
+def test_steps_without_write_slots_change_nothing_else():
+    """``write_slots=False`` leaves every group's write slots None and everything else
+    (the batch, table updates, later steps' slots) as a manager that always builds them."""
+    specs, pages, ctx, step = CONFIGS["v4"]
+    managers = [CacheManager(specs, pages, max_context_tokens=ctx, max_step_tokens=step,
+                             enable_prefix_caching=True, prefix_granularity=256) for _ in range(2)]
+    rng = np.random.default_rng(1)
+    prompts = {f"r{i}": rng.integers(0, 30, n).astype(np.int32) for i, n in enumerate((70, 300, 129))}
+    for rid, ids in prompts.items():
+        on_both(managers, "add_request", rid, ids, max_new_tokens=300)
+        while (done := managers[0].num_computed_tokens(rid)) < ids.size:
+            same(*on_both(managers, "schedule", [(rid, min(64, ids.size - done))])[0])
+    rids = list(prompts)
+    skipped = 0
+    for i in range(200):
+        k = 2 if i % 9 == 0 else 1
+        for rid in rids:
+            on_both(managers, "append_token_ids", rid, rng.integers(0, 30, k).astype(np.int32))
+        slots = i % 3 != 0  # runs of decode steps with and without write slots
+        mode = "updates" if i % 2 else "full"
+        a = managers[0].schedule_uniform(rids, k, block_tables=mode, write_slots=slots)
+        b = managers[1].schedule_uniform(rids, k, block_tables=mode)
+        if slots:
+            same(a, b)
+        else:
+            skipped += 1
+            assert all(g.write_slots is None for g in a.groups.values())
+            assert all(g.write_slots is not None for g in b.groups.values())
+            for gid, g in a.groups.items():
+                assert (g.base_pages is None) == (b.groups[gid].base_pages is None)
+                if g.base_pages is not None:
+                    assert np.array_equal(g.base_pages, b.groups[gid].base_pages)
+                if g.block_table is not None:
+                    assert np.array_equal(g.block_table, b.groups[gid].block_table)
+            for name in ("positions", "query_start_loc", "num_scheduled_tokens", "request_indices"):
+                assert np.array_equal(getattr(a, name), getattr(b, name))
+        if mode == "updates":
+            ua, ub = a.table_updates, b.table_updates
+            assert ua.widths == ub.widths and ua.reset == ub.reset
+            for name in ("group", "row", "column", "page"):
+                assert np.array_equal(getattr(ua, name), getattr(ub, name)), name
+    assert skipped
+    same_cache(*managers)
+    with pytest.raises(CacheManagerError, match="write_slots must be True or False"):
+        managers[0].schedule_uniform(rids, 1, write_slots=None)

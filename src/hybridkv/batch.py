@@ -34,7 +34,7 @@ class GroupStep:
 
     block_table: np.ndarray | None  # int32 [R, width], -1 padded; None with block_tables="updates"
     base_pages: np.ndarray | None  # int32 [R] logical page of column 0 (sliding groups)
-    write_slots: np.ndarray  # int64 [N], -1 where a token writes no row
+    write_slots: np.ndarray | None  # int64 [N], -1 where a token writes no row; None with write_slots=False
 
 
 @dataclass(frozen=True)

@@ -715,30 +715,36 @@ class CacheManager:
 
     # --- the step ------------------------------------------------------------
     def schedule(
-        self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False, block_tables: str = "full"
+        self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False, block_tables: str = "full",
+        write_slots: bool = True,
     ) -> StepBatch:
         """Release, allocate and build the kernel arrays for one step (all or nothing).
 
         ``block_tables="full"`` builds each group's ``[R, width]`` table;
         ``"updates"`` hands out only the table cells that changed
         (``StepBatch.table_updates``, applied by ``hybridkv.mirror.BlockTableMirror``).
+        ``write_slots=False`` leaves every ``GroupStep.write_slots`` None, for an
+        engine that computes them itself from its mirrored tables and the positions.
         """
         items = items if type(items) is list else list(items)
-        return self._schedule(items, None, fixed_width, block_tables)
+        return self._schedule(items, None, fixed_width, block_tables, write_slots)
 
     def schedule_uniform(
-        self, request_ids: Sequence[str], num_tokens: int, *, fixed_width: bool = False, block_tables: str = "full"
+        self, request_ids: Sequence[str], num_tokens: int, *, fixed_width: bool = False, block_tables: str = "full",
+        write_slots: bool = True,
     ) -> StepBatch:
         """``schedule([(rid, num_tokens) for rid in request_ids])``, for a step in which
         every request gets the same count (decode, or verifying k draft tokens),
         without building the pairs. Same checks, errors and result."""
         rids = request_ids if type(request_ids) is tuple else tuple(request_ids)
-        return self._schedule(None, (rids, num_tokens), fixed_width, block_tables)
+        return self._schedule(None, (rids, num_tokens), fixed_width, block_tables, write_slots)
 
-    def _schedule(self, items, uniform, fixed_width: bool, block_tables: str) -> StepBatch:
+    def _schedule(self, items, uniform, fixed_width: bool, block_tables: str, write_slots: bool = True) -> StepBatch:
         """``schedule`` of ``items``, or of ``uniform`` = (request ids, one count for all)."""
         if block_tables not in _BLOCK_TABLE_MODES:
             raise CacheManagerError(f"block_tables must be one of {_BLOCK_TABLE_MODES}, got {block_tables!r}")
+        if type(write_slots) is not bool:
+            raise CacheManagerError(f"write_slots must be True or False, got {write_slots!r}")
         if not (items if uniform is None else uniform[0]):
             raise CacheManagerError("empty batch")
         cached = self._admitted
@@ -809,15 +815,19 @@ class CacheManager:
         hi = np.maximum(plan.hi, plan.need_hi_all)
         ts.hi[:, rows] = hi
         tail = None
-        if self._fast_paths and not plan.settle and (uniform is not None and uniform[1] == 1
-                                                      or int(plan.counts.max()) == 1 == int(plan.counts.min())):
+        decode = self._fast_paths and not plan.settle and (uniform is not None and uniform[1] == 1
+                                                          or int(plan.counts.max()) == 1 == int(plan.counts.min()))
+        if decode and write_slots:
             tail = self._tail_pages(plan, rows, hi, cells, pages if any(totals) else None)
-        # What the next step of the same batch would read back: last pages, computed
-        # tokens, base and hi (cleared by every mutation outside schedule).
-        self._tail = None if tail is None else (rows, tail, plan.end, plan.new_base_all, hi, cells, plan.counts)
+        # What the next step of the same batch would read back: last pages (None: not
+        # kept, write slots were not asked for), computed tokens, base and hi (cleared
+        # by every mutation outside schedule).
+        self._tail = (rows, tail, plan.end, plan.new_base_all, hi, cells, plan.counts) if (
+            decode and (tail is not None or not write_slots)) else None
         self._computed[rows] = plan.end
         self._last_rows = rows[plan.settle :] if plan.settle else rows
-        return self._build_batch(plan, fixed_width, hi if block_tables == "updates" else None, cells, tail)
+        return self._build_batch(plan, fixed_width, hi if block_tables == "updates" else None, cells, tail,
+                                 write_slots)
 
     def _transient_split(self, plan: _StepPlan, totals: list[int]) -> dict[int, tuple[int, object]]:
         """Per sliding group whose rows get several pages this step (prefill chunks):
@@ -860,7 +870,7 @@ class CacheManager:
         new pages set in; else a gather from the table store. None if a cell got two
         pages (not a plain decode step)."""
         prev = self._tail
-        if prev is not None and prev[0] is rows:
+        if prev is not None and prev[0] is rows and prev[1] is not None:
             if placed is None:
                 return prev[1]
             grown = plan.alloc_all.astype(bool)
@@ -873,7 +883,7 @@ class CacheManager:
 
     def _build_batch(
         self, plan: _StepPlan, fixed_width: bool, updates_hi: np.ndarray | None, cells: np.ndarray,
-        tail: np.ndarray | None = None,
+        tail: np.ndarray | None = None, write_slots: bool = True,
     ) -> StepBatch:
         """The step's arrays; ``updates_hi`` (the batch's new hi, ``[G, R]``) selects updates
         mode; ``cells`` is ``row_cells`` of every planned row."""
@@ -893,7 +903,9 @@ class CacheManager:
             np.cumsum(counts, out=qsl[1:])
             scheduled = None
         ts = self._tableset
-        if tail is not None:
+        if not write_slots:
+            slots = [None] * len(self.specs)
+        elif tail is not None:
             slots = ts.write_slots_in(tail, positions)
         else:
             slots = ts.write_slots(token_rows, positions, token_cells)
