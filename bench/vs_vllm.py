@@ -157,6 +157,8 @@ class HybridkvSide:
             pool_bytes=self.plan.total_bytes if arena is None else arena.geometry.total_bytes,
             scheduler_block_tokens=self.plan.scheduler_page_tokens,
             hash_block_tokens=self.manager.prefix.granularity_tokens if self.manager.prefix else None,
+            block_tables=self.block_tables,
+            write_slots=self.write_slots,
         )
 
     def computed_capacity(self, context_tokens: int) -> float:
@@ -187,7 +189,7 @@ class HybridkvSide:
         start = time.perf_counter_ns()
         ok = self.manager.check_admission(items)[0].ok
         if ok:
-            self.manager.schedule(items, block_tables=self.block_tables)
+            self.manager.schedule(items, block_tables=self.block_tables, write_slots=self.write_slots)
         elif not request.scheduled:
             self.manager.free(request.request_id)  # undo the probe's borrow
             request.added = False
@@ -199,6 +201,10 @@ class HybridkvSide:
     # runs it): the step hands out the changed table cells (vLLM's manager likewise
     # returns new block ids and builds no tables); "full": [R, width] tables per group.
     block_tables = "updates"
+    # True: every step also computes each group's write slots (the manager's default);
+    # False: the engine derives them from its mirrored tables, as vLLM's model runner
+    # derives its slot mapping outside the cache manager.
+    write_slots = True
 
     def decode_step(self, requests: Sequence[Any]) -> bool:
         """One token for every request, in one scheduling call (``schedule_uniform``:
@@ -206,7 +212,7 @@ class HybridkvSide:
         ids = tuple(r.request_id for r in requests)
         start = time.perf_counter_ns()
         try:
-            self.manager.schedule_uniform(ids, 1, block_tables=self.block_tables)
+            self.manager.schedule_uniform(ids, 1, block_tables=self.block_tables, write_slots=self.write_slots)
         except ValueError:
             return False
         finally:
@@ -857,10 +863,14 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Path]:
     parser.add_argument("--block-tables", "--decode-block-tables", dest="block_tables",
                         choices=("updates", "full"), default="updates",
                         help="hybridkv only: block table mode of every step (see docs/manager.md)")
+    parser.add_argument("--write-slots", action=argparse.BooleanOptionalAction, default=True,
+                        help="hybridkv only: compute write slots in every step (default); "
+                             "--no-write-slots leaves them to the engine, as vLLM's manager does")
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke test")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args(argv)
     HybridkvSide.block_tables = args.block_tables
+    HybridkvSide.write_slots = args.write_slots
     if args.quick:
         args.decode_requests, args.decode_steps = 32, 8
         args.prefill_requests, args.prefill_tokens = 1, 8_192
