@@ -21,7 +21,8 @@ Only manager calls are timed (``perf_counter_ns``, cyclic GC off in timed loops)
 ``rewind_many`` call of a verify step, and with ``--prefix-caching`` the
 ``append_token_ids_many`` call of a step. ``--prefix-caching`` runs every
 count twice, caching off and on (requests then carry token ids), and reports
-on/off per running request per decode step. ``--block-tables`` is the mode of
+on/off per running request per decode step, also with the off and on managers'
+decode steps alternating (the steadier ratio on a noisy machine). ``--block-tables`` is the mode of
 every ``schedule`` call: ``full`` builds each group's ``[R, width]`` table,
 ``updates`` hands out only the changed table cells (docs/manager.md). Writes
 bench/out/manager_step.json.
@@ -210,6 +211,39 @@ def run_count(plan, prompts, args, caching: bool) -> dict:
     }
 
 
+def paired_decode(plan, prompts, args) -> dict:
+    """Caching off and on, decode steps alternating (the order rotating each step):
+    the on/off ratio over the same stretch of time, so the machine's slow minutes
+    hit both managers alike. ``schedule`` time only; appends are not timed."""
+    max_new = 2 + args.decode_steps
+    runs = [Run(plan, prompts, prefix_caching=caching, seed=args.seed, max_new=max_new,
+                block_tables=args.block_tables) for caching in (False, True)]
+    for run in runs:
+        run.prefill(LIMITS.max_scheduled_tokens)
+    ns = np.zeros((2, args.decode_steps), dtype=np.int64)
+    ids = [tuple(run.rids) for run in runs]
+    gc.collect()
+    gc.disable()
+    try:
+        for step in range(args.decode_steps):
+            for k in ((0, 1) if step % 2 == 0 else (1, 0)):
+                runs[k].append(runs[k].rids, 1)
+                t0 = time.perf_counter_ns()
+                runs[k].m.schedule_uniform(ids[k], 1, block_tables=args.block_tables)
+                ns[k, step] = time.perf_counter_ns() - t0
+    finally:
+        gc.enable()
+    for run in runs:
+        run.check_and_free()
+    return {
+        "requests": int(prompts.size),
+        "off_p50_us_per_request": float(np.median(ns[0]) / 1e3 / prompts.size),
+        "on_p50_us_per_request": float(np.median(ns[1]) / 1e3 / prompts.size),
+        "on_over_off_median_step_ratio": float(np.median(ns[1] / ns[0])),
+        "on_over_off_ratio_of_totals": float(ns[1].sum() / ns[0].sum()),
+    }
+
+
 def profile_decode(plan, prompts, args, caching: bool) -> str:
     run = Run(plan, prompts, prefix_caching=caching, seed=args.seed, max_new=4 + 2 * args.decode_steps,
               block_tables=args.block_tables)
@@ -378,21 +412,24 @@ def main(argv=None) -> int:
         for r in runs:
             if r["prefix_caching"]:
                 o = off[r["requests"]]["decode_1"]["p50_us_per_request"]
+                paired = paired_decode(plan, all_prompts[: r["requests"]], args)
                 ratios.append(
                     {
                         "requests": r["requests"],
                         "schedule_on_over_off": r["decode_1"]["p50_us_per_request"] / o,
                         "schedule_plus_append_on_over_off": r["decode_1"]["with_append"]["p50_us_per_request"] / o,
+                        "paired": paired,
                     }
                 )
         t = Table(title=f"Prefix caching on / off, µs per running request per decode step (target <= {TARGET_PREFIX_RATIO}x)")
-        for col in ("running", "schedule", "schedule + append_token_ids"):
+        for col in ("running", "schedule", "schedule + append_token_ids", "schedule, steps alternating (median)"):
             t.add_column(col, justify="right")
         for x in ratios:
             t.add_row(
                 f"{x['requests']:,}",
                 f"{x['schedule_on_over_off']:.2f}x",
                 f"{x['schedule_plus_append_on_over_off']:.2f}x",
+                f"{x['paired']['on_over_off_median_step_ratio']:.2f}x",
             )
         console.print(t)
 
