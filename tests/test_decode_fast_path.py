@@ -205,21 +205,25 @@ def test_bool_and_float_counts_are_refused_in_a_decode_batch():
     assert batch.num_scheduled_tokens.tolist() == [1, 1]
 
 
-def test_schedule_uniform_equals_schedule_of_pairs():
-    """Decode and verify steps through ``schedule_uniform`` give what ``schedule`` gives
-    for the same (id, count) pairs, in both block-table modes."""
+def prefilled_twins(seed, prompt_lengths, *, max_new_tokens):
+    """Two identical V4 managers (caching on) with one request per prompt length,
+    prefilled in 64-token chunks (every batch compared); the rng and request ids."""
     specs, pages, ctx, step = CONFIGS["v4"]
     managers = [CacheManager(specs, pages, max_context_tokens=ctx, max_step_tokens=step,
                              enable_prefix_caching=True, prefix_granularity=256) for _ in range(2)]
-    rng = np.random.default_rng(0)
-    prompts = {f"r{i}": rng.integers(0, 30, n).astype(np.int32) for i, n in enumerate((60, 250, 130))}
+    rng = np.random.default_rng(seed)
+    prompts = {f"r{i}": rng.integers(0, 30, n).astype(np.int32) for i, n in enumerate(prompt_lengths)}
     for rid, ids in prompts.items():
-        on_both(managers, "add_request", rid, ids, max_new_tokens=400)
-        same(*on_both(managers, "schedule", [(rid, min(64, ids.size))])[0])
-        while managers[0].num_computed_tokens(rid) < ids.size:
-            n = min(64, ids.size - managers[0].num_computed_tokens(rid))
-            same(*on_both(managers, "schedule", [(rid, n)])[0])
-    rids = list(prompts)
+        on_both(managers, "add_request", rid, ids, max_new_tokens=max_new_tokens)
+        while (done := managers[0].num_computed_tokens(rid)) < ids.size:
+            same(*on_both(managers, "schedule", [(rid, min(64, ids.size - done))])[0])
+    return managers, rng, list(prompts)
+
+
+def test_schedule_uniform_equals_schedule_of_pairs():
+    """Decode and verify steps through ``schedule_uniform`` give what ``schedule`` gives
+    for the same (id, count) pairs, in both block-table modes."""
+    managers, rng, rids = prefilled_twins(0, (60, 250, 130), max_new_tokens=400)
     for i in range(300):
         k = 3 if i % 7 == 0 else 1
         for rid in rids:
@@ -259,16 +263,7 @@ def test_schedule_uniform_refuses_what_schedule_refuses(request_ids, count, mess
 def test_steps_without_write_slots_change_nothing_else():
     """``write_slots=False`` leaves every group's write slots None and everything else
     (the batch, table updates, later steps' slots) as a manager that always builds them."""
-    specs, pages, ctx, step = CONFIGS["v4"]
-    managers = [CacheManager(specs, pages, max_context_tokens=ctx, max_step_tokens=step,
-                             enable_prefix_caching=True, prefix_granularity=256) for _ in range(2)]
-    rng = np.random.default_rng(1)
-    prompts = {f"r{i}": rng.integers(0, 30, n).astype(np.int32) for i, n in enumerate((70, 300, 129))}
-    for rid, ids in prompts.items():
-        on_both(managers, "add_request", rid, ids, max_new_tokens=300)
-        while (done := managers[0].num_computed_tokens(rid)) < ids.size:
-            same(*on_both(managers, "schedule", [(rid, min(64, ids.size - done))])[0])
-    rids = list(prompts)
+    managers, rng, rids = prefilled_twins(1, (70, 300, 129), max_new_tokens=300)
     skipped = 0
     for i in range(200):
         k = 2 if i % 9 == 0 else 1
