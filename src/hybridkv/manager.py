@@ -164,8 +164,8 @@ class CacheManager:
             )
             for i, s in enumerate(self.specs)
         }
-        # Every pool's ref counts and flags in one array: a step's releases and
-        # allocations are a few numpy calls for all groups.
+        # Every pool's ref counts and flags in one array: a step's releases in all
+        # groups are one vectorized decref.
         self._pool_list = [self.pools[s.group_id] for s in self.specs]
         self._space = PageSpace(self._pool_list)
         # With a shared arena the pools start empty and borrow slabs as they need pages.
@@ -484,7 +484,8 @@ class CacheManager:
         if covered is not None:
             # No credit needed. On an arena with spare slabs, a group that would have to
             # evict valuable cached pages grows instead: they go only when memory is short.
-            plan.grants = self._grow_instead_of_evicting(sums, plan=plan) if covered is False and self.arena is not None else []
+            grow = covered is False and self.arena is not None
+            plan.grants = self._grow_instead_of_evicting(sums, plan=plan) if grow else []
             return answers, ok_idx, fits[plan.settle :], {}, plan
         free = [pool.num_free_pages for pool in self._pool_list]
         avail = dict(zip(self._group_ids, free))

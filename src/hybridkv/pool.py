@@ -554,11 +554,11 @@ class PageSpace:
         if sum(sizes) >= 2**31:
             raise ValueError("a page space holds fewer than 2**31 pages")
         self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int32)
-        self._offset_list = self.offsets.tolist()
+        starts = self.offsets.tolist()
         for name in ("ref_counts", "cached", "low_priority"):
             whole = np.concatenate([getattr(p, name) for p in self.pools])
             setattr(self, name, whole)
-            for pool, start, n in zip(self.pools, self._offset_list, sizes):
+            for pool, start, n in zip(self.pools, starts, sizes):
                 setattr(pool, name, whole[start : start + n])
 
     def release(self, pages: np.ndarray, per_group: np.ndarray) -> None:
