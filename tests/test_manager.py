@@ -724,3 +724,16 @@ def test_step_objects_are_whole_frozen_dataclasses():
             with pytest.raises(dataclasses.FrozenInstanceError):
                 obj.__setattr__(dataclasses.fields(cls)[0].name, None)
     assert batch.table_updates is not None and isinstance(batch.table_updates.widths, tuple)
+
+
+def test_check_invariants_catches_a_pool_array_rebound_off_the_page_space():
+    """Releases go through PageSpace's arrays; a pool whose array was replaced would
+    diverge from them silently, so check_invariants says so."""
+    m = manager(v4_specs(), 64, step=512)
+    m.add_request("a", prompt_tokens=100)
+    m.schedule([("a", 100)])
+    m.check_invariants()
+    pool = next(iter(m.pools.values()))
+    pool.cached = pool.cached.copy()
+    with pytest.raises(AssertionError, match="cached rebound"):
+        m.check_invariants()

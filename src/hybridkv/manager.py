@@ -1083,6 +1083,8 @@ class CacheManager:
                 assert np.all(pages > 0), f"{gid}: request {req.request_id} has a hole in its table"
                 np.add.at(expected, pages, 1)
             assert np.array_equal(expected, pool.ref_counts), f"{gid}: ref counts differ from tables"
+            for name in ("ref_counts", "cached", "low_priority"):  # still the page space's views
+                assert np.shares_memory(getattr(pool, name), getattr(self._space, name)), f"{gid}: {name} rebound"
             pool.check_invariants()
         if self.arena is not None:
             self.arena.check_invariants()
