@@ -169,3 +169,46 @@ def test_simulate_shared_page_space_runs_where_per_group_pools_cannot(capsys):
     assert summary["shrunk_chunks"] == 0 and summary["steps"] < per_group["steps"]
     arena = summary["utilization"]["arena (all groups)"]
     assert 0 < arena["mean"] <= arena["peak"] <= 1
+
+
+class _BorrowingManager(CacheManager):
+    """A manager on which admitting ``victim`` beside other requests denies the batch's
+    first item, as when the victim's prefix hit borrows cached pages an earlier chunk
+    was going to evict: only the other item's answer says so."""
+
+    def check_admission(self, items, **kw):
+        from hybridkv.manager import Admission
+
+        answers = super().check_admission(items, **kw)
+        if len(items) > 1 and items[-1][0] == "victim":
+            answers[0] = Admission(False, "its pages were borrowed by the victim's prefix hit")
+        return answers
+
+
+def test_a_request_starts_only_if_every_item_of_the_batch_still_fits():
+    """The driver checks every answer when it adds a request to the step, not only the
+    new request's: here the victim can start only once it runs alone."""
+    specs = build_v4_cache_specs(SimpleNamespace(sliding_window=128), layer_ratio=[0, 4, 128])
+    mgr = _BorrowingManager(specs, {s.group_id: 2000 for s in specs}, max_context_tokens=8192,
+                            max_step_tokens=1024)
+    base = chat_workload(4, seed=2)
+    requests = [Request(rid, 0, r.prompt_token_ids[:300], 20, r.output_token_ids[:20])
+                for rid, r in zip(["a", "b", "c", "victim"], base)]
+    result = Simulator(mgr, requests, max_running=8, step_token_budget=1024).run()
+    _check_conservation(result, requests)
+    by_id = {r.request_id: r for r in result.requests}
+    others_done = max(by_id[rid].finish_step for rid in "abc")
+    assert by_id["victim"].start_step > others_done
+    mgr.check_invariants()
+
+
+def test_simulate_shared_arena_2gib_multiturn_completes(capsys):
+    """The command that failed from commit 1d2e64e on ("1 of 20 requests not admissible"):
+    a new request's prefix hit borrowed cached pages an admitted chunk needed, and the
+    driver looked only at the new request's answer."""
+    code = main(["simulate", "--model", "deepseek-v4-flash", "--page-space", "shared", "--kv-memory", "2GiB",
+                 "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    summary = json.loads(out.out)
+    assert summary["requests_finished"] == 128 and summary["preemptions"] == 0

@@ -237,7 +237,10 @@ class Simulator:
                 live.scheduled_tokens = 0
                 live.context_tokens = seq.size
                 n = max(1, min(self._prefill_left(live), budget))
-                answer = mgr.check_admission(items + [(live.rid, n)])[-1]
+                # Every item must still fit, not only the new one: its prefix hit borrowed
+                # cached pages that the batch admitted so far may have been counting on.
+                answers = mgr.check_admission(items + [(live.rid, n)])
+                answer = next((a for a in answers if not a.ok), answers[-1])
                 ok = answer.ok
                 if not ok and not running:
                     # Alone, a first chunk larger than a pool would otherwise never start.
