@@ -2,7 +2,7 @@
 
 Run with the vLLM environment (bench/README.md):
 
-    .venv-vllm/bin/python bench/vs_vllm.py            # full run, ~30-40 s on 2 cores
+    .venv-vllm/bin/python bench/vs_vllm.py            # full run, ~1-3 min on 2 cores
     .venv-vllm/bin/python bench/vs_vllm.py --quick    # smaller, for a smoke test
 
 Both managers plan DeepSeek-V4-Flash (FP8 indexer, as vLLM uses) in the same
@@ -10,7 +10,9 @@ byte budget and are fed the same requests, phase by phase, alternating sides
 within one process. Measured:
 
 * decode: manager time per running request per decode step (``--decode-requests``
-  running requests, chat-workload prompts, ``--decode-steps`` steps);
+  running requests, chat-workload prompts, ``--decode-steps`` steps), with the
+  two sides' steps alternating ("decode") and with each side's steps in a row
+  ("decode_unpaired"); see ``measure_decode``;
 * prefill: manager time per ``--chunk``-token prefill chunk;
 * multiturn: token hit rate on conversations sharing a system prompt, requests
   served one after another (the order ``ideal_hit_tokens`` assumes);
