@@ -11,8 +11,9 @@ within one process. Measured:
 
 * decode: manager time per running request per decode step (``--decode-requests``
   running requests, chat-workload prompts, ``--decode-steps`` steps), with the
-  two sides' steps alternating ("decode") and with each side's steps in a row
-  ("decode_unpaired"); see ``measure_decode``;
+  two sides' steps alternating ("decode"), with each side's steps in a row
+  ("decode_unpaired"), and alternating with a batch that changes every step
+  ("decode_churn"); see ``measure_decode``;
 * prefill: manager time per ``--chunk``-token prefill chunk;
 * multiturn: token hit rate on conversations sharing a system prompt, requests
   served one after another (the order ``ideal_hit_tokens`` assumes);
@@ -325,7 +326,7 @@ def _decode_setup(side: CacheSide, workload: list, *, steps: int, chunk_tokens: 
 
 
 def measure_decode(sides: dict[str, CacheSide], *, num_requests: int, steps: int, chunk_tokens: int,
-                   seed: int, paired: bool = True) -> dict[str, Any]:
+                   seed: int, paired: bool = True, churn: bool = False) -> dict[str, Any]:
     """Manager time per running request per decode step, every side in one run.
 
     Each side gets the same requests. ``paired``: the timed steps alternate between
@@ -334,6 +335,9 @@ def measure_decode(sides: dict[str, CacheSide], *, num_requests: int, steps: int
     both; each side's step then also starts with caches the other side's step
     filled, as in an engine whose scheduler runs between other work. Otherwise each
     side runs all its steps in turn (its own code stays warm from step to step).
+    ``churn``: at step k request k (mod the count) sits the step out, so no two
+    consecutive batches are the same, as in serving, where requests finish and
+    join every few steps; figures are then per request of the step's batch.
     Per side: the usual figures. ``paired``, with two sides: the ratio of the first
     side's total step time to the second's, and the median of the per-step ratios.
     """
@@ -352,29 +356,36 @@ def measure_decode(sides: dict[str, CacheSide], *, num_requests: int, steps: int
         for index, name in enumerate(order):
             step = index // len(names) if paired else index % steps
             side = sides[name]
+            batch = running[name]
+            if churn:
+                out_index = step % num_requests
+                batch = batch[:out_index] + batch[out_index + 1 :]
             side.begin_step()
-            if not side.decode_step(running[name]):
+            if not side.decode_step(batch):
                 raise RuntimeError(f"{name}: decode step {step} refused a slot")
             timings = side.take_timings()  # with the hashing of the previous step's tokens
             step_ns[name][step] = _manager_ns(timings, "begin_step", "allocate")
             hash_ns[name] += timings.get("hash", 0)
-            for request, token in zip(running[name], outputs[step]):
+            for request, token in zip(batch, outputs[step]):
                 side.append_tokens(request, [int(token)])
     out: dict[str, Any] = {}
     for name, side in sides.items():
         hash_ns[name] += side.take_timings().get("hash", 0)
         for request in running[name]:
             side.free(request)
-        per_request_us = step_ns[name] / num_requests / 1e3
+        batch_requests = num_requests - 1 if churn else num_requests
+        per_request_us = step_ns[name] / batch_requests / 1e3
         out[name] = dict(
             running_requests=num_requests,
+            batch_requests=batch_requests,
+            churn=churn,
             steps=steps,
             prompt_tokens_total=int(sum(r.prompt_tokens for r in workload)),
             us_per_request_step_mean=float(per_request_us.mean()),
             us_per_request_step_p50=float(np.median(per_request_us)),
             us_per_request_step_p90=float(np.percentile(per_request_us, 90)),
             ms_per_step_mean=float(step_ns[name].mean() / 1e6),
-            hash_us_per_request_step=float(hash_ns[name] / steps / num_requests / 1e3),
+            hash_us_per_request_step=float(hash_ns[name] / steps / batch_requests / 1e3),
         )
     if len(names) == 2:
         a, b = (step_ns[n].astype(np.float64) for n in names)
@@ -588,14 +599,16 @@ TIMED_PHASES = {"prefill": "ms_per_chunk_mean"}
 
 def _decode_rounds(config: BenchConfig, live: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
     """The decode phases: ``config.rounds`` runs of every live side with paired steps
-    ("decode") and as many with each side's steps in a row ("decode_unpaired"), see
+    ("decode"), as many with each side's steps in a row ("decode_unpaired") and as
+    many with paired steps whose batch changes every step ("decode_churn"), see
     ``measure_decode``. Of each, the round with the median vLLM/hybridkv ratio of
     totals is reported (one side: its median per-request mean); every round's
     figures are kept."""
     out: dict[str, Any] = {name: {} for name in live}
     if not live:
         return out
-    for phase, paired in (("decode", True), ("decode_unpaired", False)):
+    for phase, paired, churn in (("decode", True, False), ("decode_unpaired", False, False),
+                                 ("decode_churn", True, True)):
         outcomes = []
         for _ in range(config.rounds):
             for side in live.values():
@@ -604,7 +617,7 @@ def _decode_rounds(config: BenchConfig, live: dict[str, Any], log: Callable[[str
             started = time.perf_counter()
             outcomes.append(measure_decode(
                 live, num_requests=config.decode_requests, steps=config.decode_steps,
-                chunk_tokens=config.chunk_tokens, seed=config.seed, paired=paired))
+                chunk_tokens=config.chunk_tokens, seed=config.seed, paired=paired, churn=churn))
             log(f"{phase} ({', '.join(live)}) done in {time.perf_counter() - started:.1f} s")
         if all("ratio" in o for o in outcomes):
             key = lambda o: o["ratio"]["ratio_of_totals"]  # noqa: E731
@@ -746,6 +759,8 @@ def ratio_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
                          hybridkv=_get(report, "hybridkv", "decode", "us_per_request_step_p50"),
                          ratio=paired["median_step_ratio"], target="-"))
     add("manager time per running request per decode step (each side's steps in a row)", "decode_unpaired",
+        "us_per_request_step_mean", "µs", True, "-")
+    add("same, steps alternate, the batch changes every step (one request sits out, rotating)", "decode_churn",
         "us_per_request_step_mean", "µs", True, "-")
     add("manager time per prefill chunk", "prefill", "ms_per_chunk_mean", "ms", True, "-")
     add("token hit rate, multiturn", "multiturn", "hit_rate", "", False,
