@@ -179,6 +179,7 @@ class CacheManager:
         self._version = 0  # bumped by every mutation; keys the admission cache
         self._admitted: tuple | None = None
         self._requests: dict[str, _Request] = {}
+        self._row_of: dict[str, int] = {}  # request id -> table row (batch validation reads only this)
         self._last_rows = np.zeros(0, dtype=np.int64)  # rows scheduled in the previous step
         # Last decode step: (rows, [G, R] pages at hi - 1, end, base, hi, row cells, counts).
         self._tail: tuple | None = None
@@ -286,6 +287,7 @@ class CacheManager:
         self._computed[row] = hit.hit_tokens
         self._committed[row] = hit.hit_tokens
         self._requests[request_id] = req
+        self._row_of[request_id] = row
         self._row_owner[row] = req
         self._roster_version += 1  # request -> row mapping changed
         self._max_total[row] = total
@@ -624,11 +626,12 @@ class CacheManager:
         memo = self._rows_memo
         if memo is not None and memo[1] == self._roster_version and memo[0] == rids:
             return memo[2]  # same ids as a batch already validated, no request added or freed since
-        reqs = self._requests
         try:
-            rows = np.array([reqs[rid].row for rid in rids], dtype=np.int64)
+            # One C-level lookup of every id (itemgetter of one key returns it bare).
+            found = itemgetter(*rids)(self._row_of) if len(rids) > 1 else [self._row_of[rid] for rid in rids]
         except (KeyError, TypeError):
             return None
+        rows = np.array(found, dtype=np.int64)
         if len(set(rids)) != len(rids):
             return None
         self._rows_memo = (rids, self._roster_version, rows)
@@ -1030,6 +1033,7 @@ class CacheManager:
         self._computed[req.row] = 0
         self._committed[req.row] = 0
         del self._requests[request_id]
+        del self._row_of[request_id]
         del self._row_owner[req.row]
         self._roster_version += 1  # request -> row mapping changed
         self._last_rows = self._last_rows[self._last_rows != req.row]
