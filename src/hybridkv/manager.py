@@ -1077,6 +1077,7 @@ class CacheManager:
 
     def check_invariants(self) -> None:
         """Assert that ref counts equal the tables' holdings and pools are consistent."""
+        assert self._row_of == {rid: req.row for rid, req in self._requests.items()}, "id -> row map is stale"
         for s in self.specs:
             gid = s.group_id
             table, pool = self.tables[gid], self.pools[gid]
