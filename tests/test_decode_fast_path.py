@@ -155,6 +155,29 @@ def test_decode_crosses_every_group_and_matches():
     same_cache(*managers)
 
 
+def test_decode_after_the_table_store_grows_matches():
+    """Rows beyond the store's first 64 (it regrows, moving base, hi and cells) between
+    repeated decode steps: the fast path's kept cells and base/hi slots are not reused."""
+    managers = pair("v4", True, 5)
+    for i, prompt in enumerate((250, 509)):
+        on_both(managers, "add_request", f"r{i}", np.arange(prompt, dtype=np.int32) % 40, max_new_tokens=300)
+        while managers[0].num_computed_tokens(f"r{i}") < prompt:
+            n = min(64, prompt - managers[0].num_computed_tokens(f"r{i}"))
+            same(*on_both(managers, "schedule", [(f"r{i}", n)])[0])
+    rows_before = managers[0]._tableset.pages.shape[1]
+    for step in range(40):
+        if step == 20:  # idle requests take rows 2..71: the store grows past 64 rows
+            for k in range(70):
+                on_both(managers, "add_request", f"idle{k}", np.arange(3, dtype=np.int32), max_new_tokens=1)
+        for rid in ("r0", "r1"):
+            on_both(managers, "append_token_ids", rid, [7])
+        same(*on_both(managers, "schedule_uniform", ("r0", "r1"), 1, block_tables="updates")[0])
+    assert managers[0]._tableset.pages.shape[1] > rows_before == 64
+    for m in managers:
+        m.check_invariants()
+    same_cache(*managers)
+
+
 @pytest.mark.parametrize("interval", [None, 512])
 def test_one_block_commits_equal_the_general_commit(interval):
     """Decode crossings take the one-block commit path; with the general path they give

@@ -76,6 +76,7 @@ class _StepPlan:
     grants: list | None = None  # arena slabs to move before allocating (shared page space)
     request_ids: tuple | None = None  # the batch's ids in order, once known
     alloc_sums: list | None = None  # pages per group the step allocates (alloc_all summed)
+    slots: np.ndarray | None = None  # [G, R] TableSet.row_slots of rows
 
     # Per-group views of the stacked arrays, built only where a slow path asks.
     @property
@@ -688,14 +689,16 @@ class CacheManager:
         end = first + counts
         prev = self._tail
         if prev is not None and prev[0] is rows:  # the batch of the last decode step again
+            slots = prev[7]
             base, hi, new_base, need_hi, alloc = self._tableset.plan(rows, first, end, prev[3], prev[4])
         else:
-            base, hi, new_base, need_hi, alloc = self._tableset.plan(rows, first, end)
+            slots = self._tableset.row_slots(rows)
+            base, hi, new_base, need_hi, alloc = self._tableset.plan(rows, first, end, slots=slots)
         index = self._group_index
         if index is None:
             index = self._group_index = {s.group_id: g for g, s in enumerate(self.specs)}
         return _StepPlan(rows, counts, first, end, index, base=base, hi=hi, new_base_all=new_base,
-                         alloc_all=alloc, need_hi_all=need_hi)
+                         alloc_all=alloc, need_hi_all=need_hi, slots=slots)
 
     def _release_credit(
         self, gid: str, rows: np.ndarray, new_base: np.ndarray, releasing: dict | None = None
@@ -794,7 +797,7 @@ class CacheManager:
                 for pool, released in zip(self._pool_list, ts.take(rows, plan.base, counts=releases, row_cells=cells)):
                     if released.size:
                         pool.decref(released)
-            ts.base[:, rows] = plan.new_base_all
+            ts.set_bounds(plan.slots, base=plan.new_base_all)
         if plan.grants:
             self.arena.apply(plan.grants)
         totals = plan.alloc_sums
@@ -817,16 +820,16 @@ class CacheManager:
             pages = np.concatenate(fresh)
             ts.place(rows, plan.hi, plan.alloc_all, pages, cells)  # new pages start at hi
         hi = np.maximum(plan.hi, plan.need_hi_all)
-        ts.hi[:, rows] = hi
+        ts.set_bounds(plan.slots, hi=hi)
         tail = None
         decode = self._fast_paths and not plan.settle and (uniform is not None and uniform[1] == 1
                                                           or int(plan.counts.max()) == 1 == int(plan.counts.min()))
         if decode and write_slots:
             tail = self._tail_pages(plan, rows, hi, cells, pages if any(totals) else None)
         # What the next step of the same batch would read back: last pages (None: not
-        # kept, write slots were not asked for), computed tokens, base and hi (cleared
-        # by every mutation outside schedule).
-        self._tail = (rows, tail, plan.end, plan.new_base_all, hi, cells, plan.counts) if (
+        # kept, write slots were not asked for), computed tokens, base and hi, the rows'
+        # store cells and base / hi slots, counts (cleared by every mutation outside schedule).
+        self._tail = (rows, tail, plan.end, plan.new_base_all, hi, cells, plan.counts, plan.slots) if (
             decode and (tail is not None or not write_slots)) else None
         self._computed[rows] = plan.end
         self._last_rows = rows[plan.settle :] if plan.settle else rows

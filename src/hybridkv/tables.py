@@ -254,6 +254,8 @@ class TableSet:
     def _bind(self) -> None:
         _, rows_cap, cap_max = self.pages.shape
         self._group_cells = self.group_index[:, None] * (rows_cap * cap_max)  # flat start of each group
+        self._group_rows = self.group_index[:, None] * rows_cap  # flat start of each group in base / hi
+        self._base_flat, self._hi_flat = self.base.reshape(-1), self.hi.reshape(-1)  # views
         for g, table in enumerate(self.tables):
             table.pages = self.pages[g, :, : table.capacity_pages]
             table.base = self.base[g]
@@ -321,14 +323,17 @@ class TableSet:
         self._bind()
 
     def plan(self, rows: np.ndarray, first: np.ndarray, end: np.ndarray,
-             base: np.ndarray | None = None, hi: np.ndarray | None = None):
+             base: np.ndarray | None = None, hi: np.ndarray | None = None, slots: np.ndarray | None = None):
         """``[G, R]`` arrays for a step writing tokens ``[first, end)`` per row (pure):
-        current base and hi (read from the tables unless the caller has them), the base
-        after release, pages needed, pages to allocate.
+        current base and hi (read from the tables unless the caller has them; ``slots``
+        is ``row_slots(rows)`` if the caller has it), the base after release, pages
+        needed, pages to allocate.
 
         Same rules as ``release_floor`` and ``pages_needed``, in fewer numpy calls."""
         if base is None:
-            base, hi = self.base.take(rows, axis=1), self.hi.take(rows, axis=1)
+            if slots is None:
+                slots = self.row_slots(rows)
+            base, hi = self._base_flat.take(slots), self._hi_flat.take(slots)
         keep_from = np.maximum(first - self._window_less_one, 0)
         need_hi = end + self._tokens_less_one
         if self._tokens_shift is not None:
@@ -342,6 +347,18 @@ class TableSet:
         # fall below hi only after a rewind emptied the window (hi == base).
         alloc = np.maximum(need_hi - hi, 0)
         return base, hi, new_base, need_hi, alloc
+
+    def row_slots(self, rows: np.ndarray) -> np.ndarray:
+        """``[G, R]`` flat index of each row's base and hi in each group (valid until rows grow)."""
+        return rows + self._group_rows
+
+    def set_bounds(self, slots: np.ndarray, base: np.ndarray | None = None, hi: np.ndarray | None = None) -> None:
+        """Store ``[G, R]`` base and / or hi of the rows whose ``row_slots`` are ``slots``
+        (one flat store each: a ``[:, rows]`` store costs twice as much)."""
+        if base is not None:
+            self._base_flat[slots] = base
+        if hi is not None:
+            self._hi_flat[slots] = hi
 
     def row_cells(self, rows: np.ndarray) -> np.ndarray:
         """``[G, R]`` flat index of column 0 of each row in each group (valid until rows grow)."""
