@@ -115,6 +115,7 @@ class CacheManager:
 
     _group_index: dict[str, int] | None = None  # group id -> index in specs
     _roster_version = 0  # bumped when a request gets or gives back its row
+    _all_fit_memo: np.ndarray | None = None
     _fast_paths = True  # uniform-count validation and decode arrays (tests compare both ways)
     _rows_memo: tuple | None = None  # (request ids, roster version, rows) of the last batch
 
@@ -456,9 +457,10 @@ class CacheManager:
             plan = self._plan(rows, counts, first)  # the same rows array as the last step: no settling
         plan.settle = settle.size
         plan.request_ids = request_ids
-        fits = np.ones(plan.rows.size, dtype=bool)
+        fits = self._all_fit(plan.rows.size)  # read-only; copied where requests get denied
         deny: dict[int, str] = {}
         if fixed_width:
+            fits = fits.copy()
             for s in self.specs:
                 gid = s.group_id
                 width = plan.need_hi[gid] - plan.new_base[gid]
@@ -509,6 +511,8 @@ class CacheManager:
             need = {g: plan.alloc[g] - self._release_credit(g, plan.rows, plan.new_base[g], scan.releasing)
                     for g in avail}
             if not totals_fit(need):
+                if not fits.flags.writeable:
+                    fits = fits.copy()
                 self._deny_greedily(plan, need, avail, fits, deny, arena, scan)
                 need = None
         if need is not None and arena is not None:
@@ -517,6 +521,14 @@ class CacheManager:
             plan.grants = plan.grants + self._grow_instead_of_evicting(sums, after=plan.grants)
         off = plan.settle
         return answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items()}, plan
+
+    def _all_fit(self, n: int) -> np.ndarray:
+        """A read-only all-True mask of ``n`` requests (the same array while ``n`` repeats)."""
+        cached = self._all_fit_memo
+        if cached is None or cached.size != n:
+            cached = self._all_fit_memo = np.ones(n, dtype=bool)
+            cached.flags.writeable = False
+        return cached
 
     def _grow_instead_of_evicting(self, sums: list[int], after: list | None = None, plan=None) -> list:
         """Slabs for groups that would have to evict cached pages to get ``sums`` pages
