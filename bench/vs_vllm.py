@@ -2,7 +2,7 @@
 
 Run with the vLLM environment (bench/README.md):
 
-    .venv-vllm/bin/python bench/vs_vllm.py            # full run, ~1-3 min on 2 cores
+    .venv-vllm/bin/python bench/vs_vllm.py            # full run, ~3-4 min on 2 cores
     .venv-vllm/bin/python bench/vs_vllm.py --quick    # smaller, for a smoke test
 
 Both managers plan DeepSeek-V4-Flash (FP8 indexer, as vLLM uses) in the same
