@@ -183,7 +183,8 @@ class CacheManager:
         self._requests: dict[str, _Request] = {}
         self._row_of: dict[str, int] = {}  # request id -> table row (batch validation reads only this)
         self._last_rows = np.zeros(0, dtype=np.int64)  # rows scheduled in the previous step
-        # Last decode step: (rows, [G, R] pages at hi - 1, end, base, hi, row cells, counts).
+        # Last decode step: (rows, [G, R] pages at hi - 1, end, base, hi, row cells, counts,
+        # base/hi slots).
         self._tail: tuple | None = None
         self._decode_arrays_memo: tuple | None = None
         self._group_sliding = tuple((s.group_id, s.is_sliding) for s in self.specs)
