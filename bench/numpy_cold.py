@@ -73,9 +73,10 @@ def _op_sequence(arrays) -> list[int]:
     return np.diff(t).tolist()
 
 
-def _decode_manager(running: int) -> tuple[CacheManager, tuple[str, ...]]:
+def _decode_manager(running: int, decode_tokens: int) -> tuple[CacheManager, tuple[str, ...]]:
     """V4-Flash, 40 GiB shared arena, prefix caching: ``running`` chat requests
-    prefilled in 2,048-token chunks and one token into their decode."""
+    prefilled in 2,048-token chunks and one token into their decode, each allowed
+    ``decode_tokens`` more."""
     plan = plan_for_budget(cache_layout("deepseek-v4-flash", indexer="fp8"), 40 * 2**30,
                            Limits(running, 2048, 131072))
     mgr = CacheManager.from_plan(plan, page_space="shared", enable_prefix_caching=True)
@@ -83,7 +84,7 @@ def _decode_manager(running: int) -> tuple[CacheManager, tuple[str, ...]]:
     workload = chat_workload(running, seed=0)
     for item in workload:
         ids = np.asarray(item.prompt_token_ids, dtype=np.int32)
-        mgr.add_request(item.request_id, ids, max_new_tokens=4096)
+        mgr.add_request(item.request_id, ids, max_new_tokens=decode_tokens + 1)
         while (done := mgr.num_computed_tokens(item.request_id)) < ids.size:
             mgr.schedule([(item.request_id, min(2048, ids.size - done))], block_tables="updates")
         mgr.append_token_ids(item.request_id, [int(rng.integers(0, 100_000))])
@@ -95,14 +96,16 @@ def measure(steps: int, running: int, seed: int = 0) -> dict:
     arrays = (np.arange(1024, dtype=np.int64) + 5, np.arange(1024, dtype=np.int64),
               rng.permutation(1024)[:256], np.arange(6, dtype=np.int64)[:, None])
     ops = {c: [] for c in CONDITIONS}
-    mgr, ids = _decode_manager(running)
+    blocks = steps // 4
+    decode_steps = blocks * len(CONDITIONS) * 2 * 4  # every condition, with and without write slots
+    mgr, ids = _decode_manager(running, decode_steps)
     step_us = {(c, ws): [] for c in CONDITIONS for ws in (True, False)}
-    tokens = rng.integers(0, 100_000, size=(len(CONDITIONS) * 2 * steps, len(ids)))
+    tokens = rng.integers(0, 100_000, size=(decode_steps, len(ids)))
     used = 0
     gc.collect()
     gc.disable()
     try:
-        for block in range(steps // 4):
+        for _ in range(blocks):
             for condition in CONDITIONS:
                 for _ in range(4):
                     BEFORE[condition]()
