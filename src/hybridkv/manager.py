@@ -116,6 +116,7 @@ class CacheManager:
     _group_index: dict[str, int] | None = None  # group id -> index in specs
     _roster_version = 0  # bumped when a request gets or gives back its row
     _all_fit_memo: np.ndarray | None = None
+    _group_offsets_memo: np.ndarray | None = None
     _fast_paths = True  # uniform-count validation and decode arrays (tests compare both ways)
     _rows_memo: tuple | None = None  # (request ids, roster version, rows) of the last batch
 
@@ -429,9 +430,10 @@ class CacheManager:
             items = [(rid, uniform[1]) for rid in uniform[0]]  # the per-item path words the reasons
         request_ids = None
         answers: list[Admission | None] = [None] * (len(items) if fast is None else fast[0].size)
+        end = None
         if fast is not None:
             ok_idx = range(fast[0].size)
-            rows, counts, request_ids, first = fast
+            rows, counts, request_ids, first, end = fast
         else:
             seen: set[str] = set()
             ok_idx, row_list, count_list = [], [], []
@@ -455,7 +457,8 @@ class CacheManager:
         if settle.size:
             plan = self._plan(np.concatenate([settle, rows]), np.concatenate([np.zeros_like(settle), counts]))
         else:
-            plan = self._plan(rows, counts, first)  # the same rows array as the last step: no settling
+            # The same rows array as the last step: no settling.
+            plan = self._plan(rows, counts, first, uniform[1] if uniform is not None and self._fast_paths else None, end)
         plan.settle = settle.size
         plan.request_ids = request_ids
         fits = self._all_fit(plan.rows.size)  # read-only; copied where requests get denied
@@ -492,7 +495,7 @@ class CacheManager:
             # evict valuable cached pages grows instead: they go only when memory is short.
             grow = covered is False and self.arena is not None
             plan.grants = self._grow_instead_of_evicting(sums, plan=plan) if grow else []
-            return answers, ok_idx, fits[plan.settle :], {}, plan
+            return answers, ok_idx, fits[plan.settle :] if plan.settle else fits, {}, plan
         free = [pool.num_free_pages for pool in self._pool_list]
         avail = dict(zip(self._group_ids, free))
         arena, scan = self.arena, _Scan()
@@ -522,6 +525,14 @@ class CacheManager:
             plan.grants = plan.grants + self._grow_instead_of_evicting(sums, after=plan.grants)
         off = plan.settle
         return answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items()}, plan
+
+    def _group_offsets(self, like: np.ndarray) -> np.ndarray:
+        """``[G, R]`` page space offset of each group, R as in ``like`` (cached while R repeats)."""
+        cached = self._group_offsets_memo
+        if cached is None or cached.shape != like.shape:
+            cached = self._group_offsets_memo = np.repeat(
+                self._space.offsets.astype(np.int64)[:, None], like.shape[1], axis=1)
+        return cached
 
     def _all_fit(self, n: int) -> np.ndarray:
         """A read-only all-True mask of ``n`` requests (the same array while ``n`` repeats)."""
@@ -588,9 +599,10 @@ class CacheManager:
                 used = want
                 plan.grants = grants
 
-    def _fast_validate(self, items) -> tuple[np.ndarray, np.ndarray, tuple, np.ndarray] | None:
-        """Rows, counts, request ids and computed tokens when every item is valid
-        (vectorized); None sends the batch down the per-item path that words each reason."""
+    def _fast_validate(self, items) -> tuple[np.ndarray, np.ndarray, tuple, np.ndarray, np.ndarray] | None:
+        """Rows, counts, request ids, computed tokens and computed tokens after the step
+        when every item is valid (vectorized); None sends the batch down the per-item
+        path that words each reason."""
         try:
             rids, counts = zip(*items)
         except (TypeError, ValueError):
@@ -615,11 +627,13 @@ class CacheManager:
         # Known ids never exceed the declared total (add/append check it), so this
         # one comparison covers both limits; the per-item path words which one.
         first = self._computed.take(rows)
-        if (first + counts > self._known.take(rows)).any():
+        end = first + counts
+        if (end > self._known.take(rows)).any():
             return None
-        return rows, counts, rids, first
+        return rows, counts, rids, first, end
 
-    def _fast_validate_uniform(self, rids: tuple, count) -> tuple[np.ndarray, np.ndarray, tuple, np.ndarray] | None:
+    def _fast_validate_uniform(self, rids: tuple, count) -> tuple[np.ndarray, np.ndarray, tuple, np.ndarray,
+                                                                   np.ndarray] | None:
         """``_fast_validate`` of ``(rid, count)`` for every id: one scalar count check."""
         if type(count) is not int or not 1 <= count <= self.max_step_tokens:
             return None  # the per-item path words it (numpy ints included)
@@ -629,10 +643,11 @@ class CacheManager:
         prev = self._tail
         repeat = prev is not None and prev[0] is rows
         first = prev[2] if repeat else self._computed.take(rows)
-        if (first + count > self._known.take(rows)).any():
+        end = first + count
+        if (end > self._known.take(rows)).any():
             return None
         counts = prev[6] if repeat and count == 1 else np.full(rows.size, count, dtype=np.int64)
-        return rows, counts, rids, first
+        return rows, counts, rids, first, end
 
     def _rows_of(self, rids: tuple) -> np.ndarray | None:
         """Table rows of distinct known request ids (memoized for a repeated batch);
@@ -695,18 +710,22 @@ class CacheManager:
             )
         return ""
 
-    def _plan(self, rows: np.ndarray, counts: np.ndarray, first: np.ndarray | None = None) -> _StepPlan:
-        """The step's arrays; ``first`` (computed tokens of ``rows``) if the caller has it."""
+    def _plan(self, rows: np.ndarray, counts: np.ndarray, first: np.ndarray | None = None,
+              count: int | None = None, end: np.ndarray | None = None) -> _StepPlan:
+        """The step's arrays; ``first`` (computed tokens of ``rows``) and ``end``
+        (``first + counts``) if the caller has them; ``count`` if every entry of
+        ``counts`` is that int."""
         if first is None:
             first = self._computed.take(rows)
-        end = first + counts
+        if end is None:
+            end = first + counts
         prev = self._tail
         if prev is not None and prev[0] is rows:  # the batch of the last decode step again
             slots = prev[7]
-            base, hi, new_base, need_hi, alloc = self._tableset.plan(rows, first, end, prev[3], prev[4])
+            base, hi, new_base, need_hi, alloc = self._tableset.plan(rows, first, end, prev[3], prev[4], count=count)
         else:
             slots = self._tableset.row_slots(rows)
-            base, hi, new_base, need_hi, alloc = self._tableset.plan(rows, first, end, slots=slots)
+            base, hi, new_base, need_hi, alloc = self._tableset.plan(rows, first, end, slots=slots, count=count)
         index = self._group_index
         if index is None:
             index = self._group_index = {s.group_id: g for g, s in enumerate(self.specs)}
@@ -777,7 +796,7 @@ class CacheManager:
         if plan is not None and plan.request_ids is None:
             plan.request_ids = uniform[0] if items is None else tuple(map(itemgetter(0), items))
         n_items = len(items) if uniform is None else len(uniform[0])
-        if len(ok_idx) < n_items or not fits.all():
+        if len(ok_idx) < n_items or fits is not self._all_fit_memo and not fits.all():
             reasons = [a.reason for a in answers if a is not None] + [deny[k] for k in sorted(deny)]
             raise CacheManagerError(
                 f"{len(reasons)} of {n_items} requests not admissible: {'; '.join(reasons[:3])}"
@@ -788,8 +807,8 @@ class CacheManager:
             # Only a request that crossed a grain boundary has something to publish.
             grain = self.prefix.granularity_tokens
             committed = self._committed.take(rows)
-            if grain & (grain - 1) == 0:  # c // g != f // g  <=>  (c ^ f) >= g for a power of two g
-                crossed = rows[(committed ^ plan.first) >= grain]
+            if grain & (grain - 1) == 0:  # c // g < f // g  <=>  f > (c | (g - 1)) for a power of two g
+                crossed = rows[plan.first > (committed | (grain - 1))]
             else:
                 crossed = rows[committed // grain < plan.first // grain]
             for row in crossed.tolist():
@@ -803,9 +822,12 @@ class CacheManager:
         prev = self._tail
         cells = prev[5] if prev is not None and prev[0] is rows else ts.row_cells(rows)
         releases = plan.new_base_all - plan.base  # never negative
-        if releases.any():
+        released = releases.sum(axis=1).tolist()
+        if any(released):
             if self._fast_paths:
-                self._space.release(*ts.take_flat(rows, plan.base, counts=releases, row_cells=cells))
+                pages, _, mask = ts.take_flat(rows, plan.base, counts=releases, row_cells=cells, per_group=released,
+                                              with_mask=True)
+                self._space.release(pages, released, None if mask is None else self._group_offsets(mask)[mask])
             else:
                 for pool, released in zip(self._pool_list, ts.take(rows, plan.base, counts=releases, row_cells=cells)):
                     if released.size:
@@ -831,7 +853,10 @@ class CacheManager:
                     ids = ids[rank]
                 fresh.append(ids)
             pages = np.concatenate(fresh)
-            ts.place(rows, plan.hi, plan.alloc_all, pages, cells)  # new pages start at hi
+            # New pages start at hi; one token per row needs at most one page per group
+            # (hi >= cdiv(computed, T), which check_invariants asserts).
+            ts.place(rows, plan.hi, plan.alloc_all, pages, cells,
+                     single=uniform is not None and uniform[1] == 1 and not plan.settle)
         hi = np.maximum(plan.hi, plan.need_hi_all)
         ts.set_bounds(plan.slots, hi=hi)
         tail = None
@@ -1102,6 +1127,9 @@ class CacheManager:
                 row = np.asarray([req.row])
                 pages = table.pages_in(row, table.base[row], table.hi[row])
                 assert np.all(pages > 0), f"{gid}: request {req.request_id} has a hole in its table"
+                # A one-token step then needs at most one new page (schedule relies on it).
+                assert table.hi[req.row] >= cdiv(int(self._computed[req.row]), table.page_tokens), (
+                    f"{gid}: request {req.request_id} has computed tokens without pages")
                 np.add.at(expected, pages, 1)
             assert np.array_equal(expected, pool.ref_counts), f"{gid}: ref counts differ from tables"
             for name in ("ref_counts", "cached", "low_priority"):  # still the page space's views

@@ -166,8 +166,7 @@ class PagePool:
             # the stack's ``low`` lowest (all of it if shorter) and the pending ones; sort
             # just those and keep the rest pending, instead of merging the whole stack.
             top = self._top
-            pending = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
-            both = np.concatenate([self._stack[max(top - low, 0) : top], pending])
+            both = np.concatenate([self._stack[max(top - low, 0) : top], *self._pending])  # one copy of all
             both.sort()
             out = both[:low]
             self._top = max(top - low, 0)
@@ -555,20 +554,23 @@ class PageSpace:
             raise ValueError("a page space holds fewer than 2**31 pages")
         self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int32)
         starts = self.offsets.tolist()
+        self._starts, self._ends = starts, starts[1:] + [sum(sizes)]  # each pool's global id range
         for name in ("ref_counts", "cached", "low_priority"):
             whole = np.concatenate([getattr(p, name) for p in self.pools])
             setattr(self, name, whole)
             for pool, start, n in zip(self.pools, starts, sizes):
                 setattr(pool, name, whole[start : start + n])
 
-    def release(self, pages: np.ndarray, per_group: np.ndarray) -> None:
+    def release(self, pages: np.ndarray, per_group, offsets: np.ndarray | None = None) -> None:
         """``pools[g].decref`` of each group's slice of ``pages`` (local ids, group-major,
-        ``per_group[g]`` of them)."""
-        glob = pages + np.repeat(self.offsets, per_group)
+        ``per_group[g]`` of them, an array or a list); ``offsets``: each page's group
+        offset (``self.offsets`` repeated), if the caller has it."""
+        glob = pages + (np.repeat(self.offsets, per_group) if offsets is None else offsets)
         ref = self.ref_counts
         before = ref[glob]
-        sizes = per_group.tolist()
-        if before.size and not before.max() == 1 == before.min():
+        sizes = per_group if type(per_group) is list else per_group.tolist()
+        # Listed pages are held (ref >= 1): one reduction tells whether each has one holder.
+        if before.size and before.max() != 1:
             start = 0  # some page has another holder: the general path, pool by pool
             for pool, n in zip(self.pools, sizes):
                 if n:
@@ -579,19 +581,19 @@ class PageSpace:
         keyed = self.cached[glob]
         kept = sizes
         if keyed.any():
-            # Few keyed pages a step: hand each pool its own, in logical order.
+            # Few keyed pages a step: hand each pool its own, in logical order. A global id
+            # tells its group (pools own consecutive id ranges).
             kept = list(sizes)
-            at = np.flatnonzero(keyed).tolist()
-            g, end = 0, sizes[0]
+            starts, ends = self._starts, self._ends
+            g = 0
             mine: list[int] = []
-            for i in at:
-                while i >= end:
+            for page in glob[keyed].tolist():
+                while page >= ends[g]:
                     if mine:
                         self.pools[g]._keyed_idle(mine)
                         mine = []
                     g += 1
-                    end += sizes[g]
-                mine.append(int(pages[i]))
+                mine.append(page - starts[g])
                 kept[g] -= 1
             self.pools[g]._keyed_idle(mine)
             free = pages[~keyed].astype(np.int32)

@@ -240,6 +240,10 @@ class TableSet:
         self._tokens = self.page_tokens[:, None]
         # int64 floor division costs ~4 ns an element; V4's page spans are powers of two.
         self._tokens_shift = np.log2(self.page_tokens).astype(np.int64)[:, None] if pow2(self.page_tokens) else None
+        # ``plan`` works on release floors and pages needed stacked as one [2G, R] array.
+        self._plan_divisor = np.concatenate([self._tokens, self._tokens])
+        self._plan_shift = None if self._tokens_shift is None else np.concatenate([self._tokens_shift] * 2)
+        self._plan_offsets: dict[int, np.ndarray] = {}  # uniform count -> [2G, 1] offsets of first
         # Ring column of a logical page: ``& (capacity - 1)`` (rings are powers of two);
         # full-history pages stay below capacity, so their mask keeps every bit.
         self._column_mask = np.where(self.sliding, self.capacity_pages - 1, -1)
@@ -294,7 +298,7 @@ class TableSet:
         if reset:
             # Every cell outside [base, hi) is -1: the live ranges are the whole store.
             rows = np.arange(self.pages.shape[1])
-            index, _ = self._flat_ranges(rows, self.base, self.hi - self.base)
+            index = self._flat_ranges(rows, self.base, self.hi - self.base)[0]
             self._resync = False
         elif not log:
             empty = np.zeros(0, dtype=np.int64)
@@ -323,25 +327,38 @@ class TableSet:
         self._bind()
 
     def plan(self, rows: np.ndarray, first: np.ndarray, end: np.ndarray,
-             base: np.ndarray | None = None, hi: np.ndarray | None = None, slots: np.ndarray | None = None):
+             base: np.ndarray | None = None, hi: np.ndarray | None = None, slots: np.ndarray | None = None,
+             count: int | None = None):
         """``[G, R]`` arrays for a step writing tokens ``[first, end)`` per row (pure):
         current base and hi (read from the tables unless the caller has them; ``slots``
         is ``row_slots(rows)`` if the caller has it), the base after release, pages
-        needed, pages to allocate.
+        needed, pages to allocate. ``count``: every row's token count, when they are
+        all equal (``end == first + count``).
 
         Same rules as ``release_floor`` and ``pages_needed``, in fewer numpy calls."""
         if base is None:
             if slots is None:
                 slots = self.row_slots(rows)
             base, hi = self._base_flat.take(slots), self._hi_flat.take(slots)
-        keep_from = np.maximum(first - self._window_less_one, 0)
-        need_hi = end + self._tokens_less_one
-        if self._tokens_shift is not None:
-            keep_from >>= self._tokens_shift
-            need_hi >>= self._tokens_shift
+        # Rows [0, G): first - (W - 1), the release floor's numerator; rows [G, 2G):
+        # end + (T - 1), the pages-needed one. Both are then floored at 0 and divided by T.
+        g = len(self.tables)
+        if count is not None:
+            offsets = self._plan_offsets.get(count)
+            if offsets is None:
+                offsets = self._plan_offsets[count] = np.concatenate(
+                    [-self._window_less_one, self._tokens_less_one + count])
+            both = first + offsets
         else:
-            keep_from //= self._tokens
-            need_hi //= self._tokens
+            both = np.empty((2 * g, first.size), dtype=np.int64)
+            np.subtract(first, self._window_less_one, out=both[:g])
+            np.add(end, self._tokens_less_one, out=both[g:])
+        np.maximum(both, 0, out=both)
+        if self._plan_shift is not None:
+            both >>= self._plan_shift
+        else:
+            both //= self._plan_divisor
+        keep_from, need_hi = both[:g], both[g:]
         new_base = np.maximum(base, np.minimum(keep_from, hi))
         # base <= hi always, so new_base <= hi: new pages start at hi. Pages needed can
         # fall below hi only after a rewind emptied the window (hi == base).
@@ -364,20 +381,25 @@ class TableSet:
         """``[G, R]`` flat index of column 0 of each row in each group (valid until rows grow)."""
         return rows * self.pages.shape[2] + self._group_cells
 
-    def _flat_ranges(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, row_cells=None):
+    def _flat_ranges(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, row_cells=None,
+                     per_group=None, single: bool = False):
         """Flat indices into ``pages`` of logical pages ``[lo[g, r], lo[g, r] + counts[g, r])``,
-        group-major then row order, and the number of pages per group."""
-        per_group = counts.sum(axis=1)
+        group-major then row order; the number of pages per group (``per_group`` if the
+        caller has it); and the ``[G, R]`` mask of cells with a page when each has at most
+        one (else None). ``single``: the caller knows every count is 0 or 1."""
+        if per_group is None:
+            per_group = counts.sum(axis=1)
         _, rows_cap, cap_max = self.pages.shape
-        if self.single_page_cells and counts.max() <= 1:
+        if self.single_page_cells and (single or counts.max() <= 1):
             # At most one page per cell (a decode step): mask the [G, R] cell indices.
             cells = (lo & self._column_mask_col) + (self.row_cells(rows) if row_cells is None else row_cells)
-            return cells[counts.astype(bool)], per_group
+            mask = counts.astype(bool)
+            return cells[mask], per_group, mask
         flat = counts.ravel()
         row_start = ((self.group_index[:, None] * rows_cap + rows[None, :]) * cap_max).ravel()
         mask = np.repeat(self._column_mask, rows.size)
         logical = np.repeat(lo.ravel(), flat) + segment_arange(flat)
-        return np.repeat(row_start, flat) + (logical & np.repeat(mask, flat)), per_group
+        return np.repeat(row_start, flat) + (logical & np.repeat(mask, flat)), per_group, None
 
     def take(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray | None = None, *,
              counts: np.ndarray | None = None, row_cells: np.ndarray | None = None) -> list[np.ndarray]:
@@ -388,21 +410,25 @@ class TableSet:
         return [pages[a:b] for a, b in zip([0] + ends, ends)]
 
     def take_flat(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray | None = None, *,
-                  counts: np.ndarray | None = None, row_cells: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """``take`` as one array (group-major, row-major) and the count per group."""
+                  counts: np.ndarray | None = None, row_cells: np.ndarray | None = None,
+                  per_group=None, with_mask: bool = False) -> tuple:
+        """``take`` as one array (group-major, row-major) and the count per group
+        (``per_group`` if the caller has it); with ``with_mask``, also the ``[G, R]``
+        mask of the cells taken when each gave at most one page (else None)."""
         if counts is None:
             counts = np.maximum(hi - lo, 0)
-        index, per_group = self._flat_ranges(rows, lo, counts, row_cells)
+        index, per_group, mask = self._flat_ranges(rows, lo, counts, row_cells, per_group)
         flat = self.pages.reshape(-1)
         pages = flat[index].astype(np.int64)
         flat[index] = -1
         self._log_cells(index)
-        return pages, per_group
+        return (pages, per_group, mask) if with_mask else (pages, per_group)
 
     def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray,
-              row_cells: np.ndarray | None = None) -> None:
-        """Store ``page_ids`` (group-major, row-major) at logical pages ``[lo, lo + counts)``."""
-        index, _ = self._flat_ranges(rows, lo, counts, row_cells)
+              row_cells: np.ndarray | None = None, single: bool = False) -> None:
+        """Store ``page_ids`` (group-major, row-major) at logical pages ``[lo, lo + counts)``;
+        ``single``: every count is 0 or 1."""
+        index = self._flat_ranges(rows, lo, counts, row_cells, per_group=(), single=single)[0]
         self.pages.reshape(-1)[index] = page_ids
         self._log_cells(index)
 
