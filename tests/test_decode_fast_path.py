@@ -319,3 +319,27 @@ def test_steps_without_write_slots_change_nothing_else():
     same_cache(*managers)
     with pytest.raises(CacheManagerError, match="write_slots must be True or False"):
         managers[0].schedule_uniform(rids, 1, write_slots=None)
+
+
+def test_repeated_decode_batches_share_read_only_arrays():
+    """Arrays that repeat while the batch repeats are handed out once, read-only; a
+    changed batch gets new ones with its own rows."""
+    m = pair("v4", False, None)[0]
+    for i in range(3):
+        m.add_request(f"r{i}", np.arange(60 + i, dtype=np.int32), max_new_tokens=8)
+        m.schedule([(f"r{i}", 60 + i)])
+    batches = []
+    for ids in (("r0", "r1", "r2"), ("r0", "r1", "r2"), ("r0", "r2")):
+        for rid in ids:
+            m.append_token_ids(rid, [1])
+        batches.append(m.schedule_uniform(ids, 1, block_tables="updates"))
+    first, again, other = batches
+    for name in ("table_rows", "request_indices", "query_start_loc", "num_scheduled_tokens"):
+        array = getattr(again, name)
+        assert array is getattr(first, name), name
+        assert not array.flags.writeable, name
+        with pytest.raises(ValueError):
+            array[0] = 5
+    rows = [m._requests[r].row for r in ("r0", "r2")]
+    assert other.table_rows.tolist() == rows and other.table_rows.dtype == np.int32
+    assert other.table_rows is not first.table_rows

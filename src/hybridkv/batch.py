@@ -2,7 +2,8 @@
 
 Plain data; every array is numpy and can be copied to a device as is. Arrays
 that repeat from step to step (a decode step's request indices, query start
-locations and token counts) are shared and read-only: copy before writing.
+locations and token counts, and table rows while the batch repeats) are shared
+and read-only: copy before writing.
 """
 
 from __future__ import annotations

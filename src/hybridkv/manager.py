@@ -76,7 +76,13 @@ class _StepPlan:
     grants: list | None = None  # arena slabs to move before allocating (shared page space)
     request_ids: tuple | None = None  # the batch's ids in order, once known
     alloc_sums: list | None = None  # pages per group the step allocates (alloc_all summed)
-    slots: np.ndarray | None = None  # [G, R] TableSet.row_slots of rows
+    slots: np.ndarray | None = None  # [2G, R] TableSet.row_slots of rows
+    # Stacked [2G, R] (TableSet.plan): base and hi now, after the step, and their
+    # difference (pages released, pages allocated); base ... alloc_all are views of them.
+    bounds: np.ndarray | None = None
+    after: np.ndarray | None = None
+    moves: np.ndarray | None = None
+    rel_sums: list | None = None  # pages per group the step releases
 
     # Per-group views of the stacked arrays, built only where a slow path asks.
     @property
@@ -117,6 +123,7 @@ class CacheManager:
     _roster_version = 0  # bumped when a request gets or gives back its row
     _all_fit_memo: np.ndarray | None = None
     _group_offsets_memo: np.ndarray | None = None
+    _rows_int32_memo: tuple | None = None
     _fast_paths = True  # uniform-count validation and decode arrays (tests compare both ways)
     _rows_memo: tuple | None = None  # (request ids, roster version, rows) of the last batch
 
@@ -476,7 +483,7 @@ class CacheManager:
                         f"group {gid!r} needs {int(width[k])} table columns, more than the "
                         f"capture width {self.table_widths[gid]}"
                     )
-        sums = plan.alloc_sums = plan.alloc_all.sum(axis=1).tolist()
+        sums = plan.alloc_sums
         # True: clean pages, or idle low-priority ones (evicted first anyway), cover every
         # group (most decode steps): nothing to grow. False: free and evictable pages
         # cover it, but some group would evict valuable entries. None: some group is short.
@@ -722,15 +729,18 @@ class CacheManager:
         prev = self._tail
         if prev is not None and prev[0] is rows:  # the batch of the last decode step again
             slots = prev[7]
-            base, hi, new_base, need_hi, alloc = self._tableset.plan(rows, first, end, prev[3], prev[4], count=count)
+            bounds, after, moves, need_hi = self._tableset.plan(rows, first, end, prev[3], count=count)
         else:
             slots = self._tableset.row_slots(rows)
-            base, hi, new_base, need_hi, alloc = self._tableset.plan(rows, first, end, slots=slots, count=count)
+            bounds, after, moves, need_hi = self._tableset.plan(rows, first, end, slots=slots, count=count)
         index = self._group_index
         if index is None:
             index = self._group_index = {s.group_id: g for g, s in enumerate(self.specs)}
-        return _StepPlan(rows, counts, first, end, index, base=base, hi=hi, new_base_all=new_base,
-                         alloc_all=alloc, need_hi_all=need_hi, slots=slots)
+        g = len(self.specs)
+        sums = moves.sum(axis=1).tolist()
+        return _StepPlan(rows, counts, first, end, index, base=bounds[:g], hi=bounds[g:], new_base_all=after[:g],
+                         alloc_all=moves[g:], need_hi_all=need_hi, slots=slots, bounds=bounds, after=after,
+                         moves=moves, rel_sums=sums[:g], alloc_sums=sums[g:])
 
     def _release_credit(
         self, gid: str, rows: np.ndarray, new_base: np.ndarray, releasing: dict | None = None
@@ -820,10 +830,18 @@ class CacheManager:
         else:
             ts.stop_log()
         prev = self._tail
-        cells = prev[5] if prev is not None and prev[0] is rows else ts.row_cells(rows)
-        releases = plan.new_base_all - plan.base  # never negative
-        released = releases.sum(axis=1).tolist()
-        if any(released):
+        cells2 = prev[5] if prev is not None and prev[0] is rows else ts.row_cells2(rows)
+        cells = cells2[: len(self.specs)]
+        released = plan.rel_sums
+        n_released = sum(released)
+        # At most one page per cell (a decode step): the cells released and filled, in one go.
+        moved = ts.moved_cells(plan.bounds, plan.moves, cells2) if self._fast_paths else None
+        if moved is not None and n_released:
+            index, mask = moved
+            offsets = self._group_offsets(cells)[mask[: len(self.specs)]]
+            self._space.release(ts.take_cells(index[:n_released]), released, offsets)
+        elif n_released:
+            releases = plan.moves[: len(self.specs)]  # never negative
             if self._fast_paths:
                 pages, _, mask = ts.take_flat(rows, plan.base, counts=releases, row_cells=cells, per_group=released,
                                               with_mask=True)
@@ -832,7 +850,6 @@ class CacheManager:
                 for pool, released in zip(self._pool_list, ts.take(rows, plan.base, counts=releases, row_cells=cells)):
                     if released.size:
                         pool.decref(released)
-            ts.set_bounds(plan.slots, base=plan.new_base_all)
         if plan.grants:
             self.arena.apply(plan.grants)
         totals = plan.alloc_sums
@@ -853,12 +870,12 @@ class CacheManager:
                     ids = ids[rank]
                 fresh.append(ids)
             pages = np.concatenate(fresh)
-            # New pages start at hi; one token per row needs at most one page per group
-            # (hi >= cdiv(computed, T), which check_invariants asserts).
-            ts.place(rows, plan.hi, plan.alloc_all, pages, cells,
-                     single=uniform is not None and uniform[1] == 1 and not plan.settle)
-        hi = np.maximum(plan.hi, plan.need_hi_all)
-        ts.set_bounds(plan.slots, hi=hi)
+            if moved is not None:
+                ts.put_cells(moved[0][n_released:], pages)
+            else:
+                ts.place(rows, plan.hi, plan.alloc_all, pages, cells)  # new pages start at hi
+        ts.set_bounds(plan.slots, plan.after)
+        hi = plan.after[len(self.specs) :]
         tail = None
         decode = self._fast_paths and not plan.settle and (uniform is not None and uniform[1] == 1
                                                           or int(plan.counts.max()) == 1 == int(plan.counts.min()))
@@ -867,12 +884,12 @@ class CacheManager:
         # What the next step of the same batch would read back: last pages (None: not
         # kept, write slots were not asked for), computed tokens, base and hi, the rows'
         # store cells and base / hi slots, counts (cleared by every mutation outside schedule).
-        self._tail = (rows, tail, plan.end, plan.new_base_all, hi, cells, plan.counts, plan.slots) if (
+        self._tail = (rows, tail, plan.end, plan.after, None, cells2, plan.counts, plan.slots) if (
             decode and (tail is not None or not write_slots)) else None
         self._computed[rows] = plan.end
         self._last_rows = rows[plan.settle :] if plan.settle else rows
         return self._build_batch(plan, fixed_width, hi if block_tables == "updates" else None, cells, tail,
-                                 write_slots)
+                                 write_slots, decode)
 
     def _transient_split(self, plan: _StepPlan, totals: list[int]) -> dict[int, tuple[int, object]]:
         """Per sliding group whose rows get several pages this step (prefill chunks):
@@ -928,16 +945,17 @@ class CacheManager:
 
     def _build_batch(
         self, plan: _StepPlan, fixed_width: bool, updates_hi: np.ndarray | None, cells: np.ndarray,
-        tail: np.ndarray | None = None, write_slots: bool = True,
+        tail: np.ndarray | None = None, write_slots: bool = True, decode: bool = False,
     ) -> StepBatch:
         """The step's arrays; ``updates_hi`` (the batch's new hi, ``[G, R]``) selects updates
-        mode; ``cells`` is ``row_cells`` of every planned row."""
+        mode; ``cells`` is ``row_cells`` of every planned row; ``decode``: one token per
+        row, no settling rows."""
         off = plan.settle
-        rows, counts = plan.rows[off:], plan.counts[off:]
-        first = plan.first[off:]
+        rows, counts, first = (plan.rows[off:], plan.counts[off:], plan.first[off:]) if off else (
+            plan.rows, plan.counts, plan.first)
         n_req = rows.size
         count = int(counts[0])
-        if tail is not None or count == 1 and self._fast_paths and counts.max() == 1:  # decode
+        if tail is not None or count == 1 and self._fast_paths and (decode or counts.max() == 1):
             req_idx, qsl, scheduled = self._decode_arrays(n_req)
             positions, token_rows, token_cells = first, rows, cells[:, off:]
         else:
@@ -981,9 +999,18 @@ class CacheManager:
             positions=positions,
             request_indices=req_idx,
             groups=groups,
-            table_rows=rows.astype(np.int32),
+            table_rows=self._rows_int32(rows),
             table_updates=updates,
         ))
+
+    def _rows_int32(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` as int32, read-only; the same array while the batch's rows array repeats."""
+        cached = self._rows_int32_memo
+        if cached is None or cached[0] is not rows:
+            out = rows.astype(np.int32)
+            out.flags.writeable = False
+            cached = self._rows_int32_memo = (rows, out)
+        return cached[1]
 
     def _decode_arrays(self, n_req: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Request indices, query start locations and token counts of a decode step of

@@ -596,9 +596,11 @@ class PageSpace:
                 mine.append(page - starts[g])
                 kept[g] -= 1
             self.pools[g]._keyed_idle(mine)
-            free = pages[~keyed].astype(np.int32)
+            free = pages[~keyed]
         else:
-            free = pages.astype(np.int32)
+            free = pages
+        if free.dtype != np.int32:  # ids from the table store already are
+            free = free.astype(np.int32)
         start = 0
         for pool, n, m in zip(self.pools, sizes, kept):
             if n:

@@ -248,18 +248,24 @@ class TableSet:
         # full-history pages stay below capacity, so their mask keeps every bit.
         self._column_mask = np.where(self.sliding, self.capacity_pages - 1, -1)
         self._column_mask_col = self._column_mask[:, None]
+        self._column_mask_col2 = np.concatenate([self._column_mask_col] * 2)
         self.pages = np.full((len(t), max(1, int(initial_rows)), int(self.capacity_pages.max())), -1, np.int32)
-        self.base = np.zeros(self.pages.shape[:2], dtype=np.int64)
-        self.hi = np.zeros(self.pages.shape[:2], dtype=np.int64)
+        # base and hi of every group and row in one array: a step gathers and stores both at once.
+        self.bounds = np.zeros((2, *self.pages.shape[:2]), dtype=np.int64)
         self.log: list[np.ndarray] | None = None
         self._resync = False
         self._bind()
 
     def _bind(self) -> None:
         _, rows_cap, cap_max = self.pages.shape
+        self.base, self.hi = self.bounds[0], self.bounds[1]
         self._group_cells = self.group_index[:, None] * (rows_cap * cap_max)  # flat start of each group
+        self._group_cells2 = np.concatenate([self._group_cells] * 2)
         self._group_rows = self.group_index[:, None] * rows_cap  # flat start of each group in base / hi
+        # [2G, 1]: flat start of each group's base (rows [0, G)) and hi (rows [G, 2G)) in bounds.
+        self._group_rows2 = np.arange(2 * len(self.tables), dtype=np.int64)[:, None] * rows_cap
         self._base_flat, self._hi_flat = self.base.reshape(-1), self.hi.reshape(-1)  # views
+        self._bounds_flat = self.bounds.reshape(-1)
         for g, table in enumerate(self.tables):
             table.pages = self.pages[g, :, : table.capacity_pages]
             table.base = self.base[g]
@@ -316,30 +322,30 @@ class TableSet:
         new = max(rows, 2 * have)
         pages = np.full((self.pages.shape[0], new, self.pages.shape[2]), -1, dtype=np.int32)
         pages[:, :have] = self.pages
-        grow = np.zeros((self.pages.shape[0], new - have), dtype=np.int64)
         if self.log:
             # Logged flat indices move with the wider rows dimension.
             group, cell = np.divmod(np.concatenate(self.log), have * self.pages.shape[2])
             self.log[:] = [group * (new * self.pages.shape[2]) + cell]
         self.pages = pages
-        self.base = np.concatenate([self.base, grow], axis=1)
-        self.hi = np.concatenate([self.hi, grow], axis=1)
+        self.bounds = np.concatenate([self.bounds, np.zeros((2, pages.shape[0], new - have), dtype=np.int64)], axis=2)
         self._bind()
 
-    def plan(self, rows: np.ndarray, first: np.ndarray, end: np.ndarray,
-             base: np.ndarray | None = None, hi: np.ndarray | None = None, slots: np.ndarray | None = None,
-             count: int | None = None):
-        """``[G, R]`` arrays for a step writing tokens ``[first, end)`` per row (pure):
-        current base and hi (read from the tables unless the caller has them; ``slots``
-        is ``row_slots(rows)`` if the caller has it), the base after release, pages
-        needed, pages to allocate. ``count``: every row's token count, when they are
-        all equal (``end == first + count``).
+    def plan(self, rows: np.ndarray, first: np.ndarray, end: np.ndarray, bounds: np.ndarray | None = None,
+             slots: np.ndarray | None = None, count: int | None = None):
+        """Stacked ``[2G, R]`` arrays for a step writing tokens ``[first, end)`` per row
+        (pure): ``bounds``, the rows' base (rows ``[0, G)``) and hi (``[G, 2G)``), read
+        from the tables unless the caller has them (``slots``: ``row_slots(rows)`` if
+        the caller has it); ``after``, base once released and hi once allocated;
+        ``moves = after - bounds``, pages released and pages allocated per cell; and
+        ``need_hi`` (``[G, R]``), pages needed. ``count``: every row's token count,
+        when they are all equal (``end == first + count``).
 
-        Same rules as ``release_floor`` and ``pages_needed``, in fewer numpy calls."""
-        if base is None:
-            if slots is None:
-                slots = self.row_slots(rows)
-            base, hi = self._base_flat.take(slots), self._hi_flat.take(slots)
+        Same rules as ``release_floor`` and ``pages_needed``, in fewer numpy calls:
+        base after release ``max(base, min(floor, hi))``, hi after allocation
+        ``max(hi, needed)`` (new pages start at hi; base <= hi always, so released
+        pages never reach them)."""
+        if bounds is None:
+            bounds = self._bounds_flat.take(self.row_slots(rows) if slots is None else slots)
         # Rows [0, G): first - (W - 1), the release floor's numerator; rows [G, 2G):
         # end + (T - 1), the pages-needed one. Both are then floored at 0 and divided by T.
         g = len(self.tables)
@@ -358,28 +364,51 @@ class TableSet:
             both >>= self._plan_shift
         else:
             both //= self._plan_divisor
-        keep_from, need_hi = both[:g], both[g:]
-        new_base = np.maximum(base, np.minimum(keep_from, hi))
-        # base <= hi always, so new_base <= hi: new pages start at hi. Pages needed can
-        # fall below hi only after a rewind emptied the window (hi == base).
-        alloc = np.maximum(need_hi - hi, 0)
-        return base, hi, new_base, need_hi, alloc
+        need_hi = both[g:]
+        np.minimum(both[:g], bounds[g:], out=both[:g])  # the release floor, capped at hi
+        after = np.maximum(both, bounds)
+        return bounds, after, after - bounds, need_hi
 
     def row_slots(self, rows: np.ndarray) -> np.ndarray:
-        """``[G, R]`` flat index of each row's base and hi in each group (valid until rows grow)."""
-        return rows + self._group_rows
+        """``[2G, R]`` flat index into ``bounds`` of each row's base (rows ``[0, G)``) and hi
+        (rows ``[G, 2G)``) in each group (valid until rows grow)."""
+        return rows + self._group_rows2
 
-    def set_bounds(self, slots: np.ndarray, base: np.ndarray | None = None, hi: np.ndarray | None = None) -> None:
-        """Store ``[G, R]`` base and / or hi of the rows whose ``row_slots`` are ``slots``
-        (one flat store each: a ``[:, rows]`` store costs twice as much)."""
-        if base is not None:
-            self._base_flat[slots] = base
-        if hi is not None:
-            self._hi_flat[slots] = hi
+    def set_bounds(self, slots: np.ndarray, bounds: np.ndarray) -> None:
+        """Store ``[2G, R]`` base and hi of the rows whose ``row_slots`` are ``slots`` (one
+        flat store: a ``[:, rows]`` store costs twice as much)."""
+        self._bounds_flat[slots] = bounds
 
     def row_cells(self, rows: np.ndarray) -> np.ndarray:
         """``[G, R]`` flat index of column 0 of each row in each group (valid until rows grow)."""
         return rows * self.pages.shape[2] + self._group_cells
+
+    def row_cells2(self, rows: np.ndarray) -> np.ndarray:
+        """``row_cells`` twice, stacked ``[2G, R]`` (to pair with ``bounds``)."""
+        return rows * self.pages.shape[2] + self._group_cells2
+
+    def moved_cells(self, bounds: np.ndarray, moves: np.ndarray, cells2: np.ndarray) -> tuple | None:
+        """For a step whose ``moves`` (``plan``) are all 0 or 1: the flat cells it releases
+        (at base) and fills (at hi), group-major then row order, as one array (releases
+        first), and the ``[2G, R]`` mask of moving cells. None if a cell moves more than
+        one page (or the decode shortcut is off)."""
+        if not self.single_page_cells or moves.max() > 1:
+            return None
+        mask = moves.astype(bool)
+        return ((bounds & self._column_mask_col2) + cells2)[mask], mask
+
+    def take_cells(self, index: np.ndarray) -> np.ndarray:
+        """Forget the page ids in flat cells ``index``; they are returned (int32)."""
+        flat = self.pages.reshape(-1)
+        pages = flat[index]
+        flat[index] = -1
+        self._log_cells(index)
+        return pages
+
+    def put_cells(self, index: np.ndarray, page_ids: np.ndarray) -> None:
+        """Store ``page_ids`` in flat cells ``index``."""
+        self.pages.reshape(-1)[index] = page_ids
+        self._log_cells(index)
 
     def _flat_ranges(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, row_cells=None,
                      per_group=None, single: bool = False):
