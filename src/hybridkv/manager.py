@@ -839,7 +839,7 @@ class CacheManager:
         if moved is not None and n_released:
             index, mask = moved
             offsets = self._group_offsets(cells)[mask[: len(self.specs)]]
-            self._space.release(ts.take_cells(index[:n_released]), released, offsets)
+            self._space.release(ts.take_cells(index[:n_released], log=False), released, offsets)
         elif n_released:
             releases = plan.moves[: len(self.specs)]  # never negative
             if self._fast_paths:
@@ -860,7 +860,7 @@ class CacheManager:
                 if not n:
                     continue
                 if g not in split:
-                    fresh.append(pool.allocate(n))
+                    fresh.append(pool.allocate(n, set_refs=moved is None))
                     continue
                 t, rank = split[g]
                 ids = pool.allocate(n, highest=t)  # n - t lowest, then t highest, ascending
@@ -871,9 +871,13 @@ class CacheManager:
                 fresh.append(ids)
             pages = np.concatenate(fresh)
             if moved is not None:
-                ts.put_cells(moved[0][n_released:], pages)
+                # Every group's new pages held once, in one store (allocate left them).
+                self._space.ref_counts[pages + self._group_offsets(cells)[moved[1][len(self.specs) :]]] = 1
+                ts.put_cells(moved[0][n_released:], pages, log=False)
             else:
                 ts.place(rows, plan.hi, plan.alloc_all, pages, cells)  # new pages start at hi
+        if moved is not None and moved[0].size:
+            ts.log_cells(moved[0])  # the cells emptied and filled, logged once
         ts.set_bounds(plan.slots, plan.after)
         hi = plan.after[len(self.specs) :]
         tail = None

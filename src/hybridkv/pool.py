@@ -133,12 +133,16 @@ class PagePool:
         return len(self._page_key)
 
     # --- allocation -----------------------------------------------------
-    def allocate(self, count: int, *, highest: int = 0) -> np.ndarray:
+    def allocate(self, count: int, *, highest: int = 0, set_refs: bool = True) -> np.ndarray:
         """``count`` pages with ref count 1, all or nothing; evicts LRU cached pages if needed.
 
         A lowest-first pool returns its lowest free ids, ascending, except that the
         last ``highest`` of them are its highest free ids instead (for pages released
         again at the next step, so they do not sit among long-lived ones).
+
+        ``set_refs=False`` leaves the ref counts to the caller, which must set them to
+        1 before anything else touches the pool (a ``PageSpace`` user storing several
+        pools' counts in one call).
         """
         count = int(count)
         highest = int(highest) if self.lowest_first else 0
@@ -182,7 +186,8 @@ class PagePool:
             out = np.concatenate([out, self._stack[:highest][::-1]])
             self._stack[: self._top - highest] = self._stack[highest : self._top].copy()
             self._top -= highest
-        self.ref_counts[out] = 1
+        if set_refs:
+            self.ref_counts[out] = 1
         self.counters.allocated_pages += count
         used = self._granted_pages - self._top - self._pending_pages - len(self._evictable)  # num_used_pages
         if used > self.peak_used_pages:
