@@ -934,3 +934,23 @@ def test_event_buffer_drops_the_oldest_and_counts_them_one_by_one_or_batched():
     prefix.on_event = seen.append
     prefix._emit_all(raws[:2])
     assert [e.tokens for e in seen] == [256, 512] and prefix.dropped_events == 4
+
+
+def test_block_hashes_do_not_depend_on_the_token_array_layout():
+    """The same tokens hash the same from the manager's int32 buffer, an int64 array,
+    a big-endian array and a strided view (blocks are hashed as little-endian int32)."""
+    from hybridkv.prefix import RequestHashes
+
+    tokens = np.random.default_rng(3).integers(0, 2**31 - 1, 600)
+    layouts = [tokens.astype(np.int32), tokens.astype(np.int64), tokens.astype(">i4"),
+               np.repeat(tokens.astype(np.int32), 2)[::2]]
+    chains = []
+    for ids in layouts:
+        h = RequestHashes(7, 256, xxhash.xxh3_128_intdigest)
+        h.extend_to(ids, 300)  # one block
+        h.extend_to(ids, 600)  # the second
+        chains.append(h.hashes)
+    assert len(chains[0]) == 2
+    assert all(c == chains[0] for c in chains)
+    expected = xxhash.xxh3_128_intdigest((7).to_bytes(16, "little") + tokens[:256].astype("<i4").tobytes())
+    assert chains[0][0] == expected

@@ -85,6 +85,9 @@ class CacheEvent:
         return json.dumps(asdict(self), separators=(",", ":"))
 
 
+_INT32_LE = np.dtype("<i4")  # the byte order blocks are hashed in
+
+
 class RequestHashes:
     """A request's chained block hashes, extended as its committed tokens grow."""
 
@@ -100,7 +103,10 @@ class RequestHashes:
         have, want = len(self.hashes), num_tokens // g
         if want <= have:
             return
-        data = memoryview(np.ascontiguousarray(token_ids[have * g : want * g], dtype="<i4").tobytes())
+        block = token_ids[have * g : want * g]
+        if block.dtype != _INT32_LE or not block.flags.c_contiguous:  # a manager's buffer already is
+            block = np.ascontiguousarray(block, dtype=_INT32_LE)
+        data = memoryview(block.tobytes())
         block_bytes = 4 * g
         parent = self.hashes[-1] if self.hashes else self.root
         out = self.hashes
