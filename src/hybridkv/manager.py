@@ -191,8 +191,8 @@ class CacheManager:
         self._requests: dict[str, _Request] = {}
         self._row_of: dict[str, int] = {}  # request id -> table row (batch validation reads only this)
         self._last_rows = np.zeros(0, dtype=np.int64)  # rows scheduled in the previous step
-        # Last decode step: (rows, [G, R] pages at hi - 1, end, base, hi, row cells, counts,
-        # base/hi slots).
+        # Last decode step: (rows, [G, R] pages at hi - 1, end, [2G, R] base and hi after
+        # it, [2G, R] row cells, counts, base/hi slots).
         self._tail: tuple | None = None
         self._decode_arrays_memo: tuple | None = None
         self._group_sliding = tuple((s.group_id, s.is_sliding) for s in self.specs)
@@ -653,7 +653,7 @@ class CacheManager:
         end = first + count
         if (end > self._known.take(rows)).any():
             return None
-        counts = prev[6] if repeat and count == 1 else np.full(rows.size, count, dtype=np.int64)
+        counts = prev[5] if repeat and count == 1 else np.full(rows.size, count, dtype=np.int64)
         return rows, counts, rids, first, end
 
     def _rows_of(self, rids: tuple) -> np.ndarray | None:
@@ -728,7 +728,7 @@ class CacheManager:
             end = first + counts
         prev = self._tail
         if prev is not None and prev[0] is rows:  # the batch of the last decode step again
-            slots = prev[7]
+            slots = prev[6]
             bounds, after, moves, need_hi = self._tableset.plan(rows, first, end, prev[3], count=count)
         else:
             slots = self._tableset.row_slots(rows)
@@ -830,7 +830,7 @@ class CacheManager:
         else:
             ts.stop_log()
         prev = self._tail
-        cells2 = prev[5] if prev is not None and prev[0] is rows else ts.row_cells2(rows)
+        cells2 = prev[4] if prev is not None and prev[0] is rows else ts.row_cells2(rows)
         cells = cells2[: len(self.specs)]
         released = plan.rel_sums
         n_released = sum(released)
@@ -888,7 +888,7 @@ class CacheManager:
         # What the next step of the same batch would read back: last pages (None: not
         # kept, write slots were not asked for), computed tokens, base and hi, the rows'
         # store cells and base / hi slots, counts (cleared by every mutation outside schedule).
-        self._tail = (rows, tail, plan.end, plan.after, None, cells2, plan.counts, plan.slots) if (
+        self._tail = (rows, tail, plan.end, plan.after, cells2, plan.counts, plan.slots) if (
             decode and (tail is not None or not write_slots)) else None
         self._computed[rows] = plan.end
         self._last_rows = rows[plan.settle :] if plan.settle else rows

@@ -418,15 +418,15 @@ class TableSet:
         self._log_cells(index)
 
     def _flat_ranges(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, row_cells=None,
-                     per_group=None, single: bool = False):
+                     per_group=None):
         """Flat indices into ``pages`` of logical pages ``[lo[g, r], lo[g, r] + counts[g, r])``,
         group-major then row order; the number of pages per group (``per_group`` if the
         caller has it); and the ``[G, R]`` mask of cells with a page when each has at most
-        one (else None). ``single``: the caller knows every count is 0 or 1."""
+        one (else None)."""
         if per_group is None:
             per_group = counts.sum(axis=1)
         _, rows_cap, cap_max = self.pages.shape
-        if self.single_page_cells and (single or counts.max() <= 1):
+        if self.single_page_cells and counts.max() <= 1:
             # At most one page per cell (a decode step): mask the [G, R] cell indices.
             cells = (lo & self._column_mask_col) + (self.row_cells(rows) if row_cells is None else row_cells)
             mask = counts.astype(bool)
@@ -461,10 +461,9 @@ class TableSet:
         return (pages, per_group, mask) if with_mask else (pages, per_group)
 
     def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray,
-              row_cells: np.ndarray | None = None, single: bool = False) -> None:
-        """Store ``page_ids`` (group-major, row-major) at logical pages ``[lo, lo + counts)``;
-        ``single``: every count is 0 or 1."""
-        index = self._flat_ranges(rows, lo, counts, row_cells, per_group=(), single=single)[0]
+              row_cells: np.ndarray | None = None) -> None:
+        """Store ``page_ids`` (group-major, row-major) at logical pages ``[lo, lo + counts)``."""
+        index = self._flat_ranges(rows, lo, counts, row_cells, per_group=())[0]
         self.pages.reshape(-1)[index] = page_ids
         self._log_cells(index)
 
