@@ -261,10 +261,8 @@ class TableSet:
         self.base, self.hi = self.bounds[0], self.bounds[1]
         self._group_cells = self.group_index[:, None] * (rows_cap * cap_max)  # flat start of each group
         self._group_cells2 = np.concatenate([self._group_cells] * 2)
-        self._group_rows = self.group_index[:, None] * rows_cap  # flat start of each group in base / hi
         # [2G, 1]: flat start of each group's base (rows [0, G)) and hi (rows [G, 2G)) in bounds.
         self._group_rows2 = np.arange(2 * len(self.tables), dtype=np.int64)[:, None] * rows_cap
-        self._base_flat, self._hi_flat = self.base.reshape(-1), self.hi.reshape(-1)  # views
         self._bounds_flat = self.bounds.reshape(-1)
         for g, table in enumerate(self.tables):
             table.pages = self.pages[g, :, : table.capacity_pages]
