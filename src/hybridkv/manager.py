@@ -839,7 +839,7 @@ class CacheManager:
         if moved is not None and n_released:
             index, mask = moved
             offsets = self._group_offsets(cells)[mask[: len(self.specs)]]
-            self._space.release(ts.take_cells(index[:n_released], log=False), released, offsets)
+            self._space.release(ts.take_cells(index[:n_released]), released, offsets)
         elif n_released:
             releases = plan.moves[: len(self.specs)]  # never negative
             if self._fast_paths:
@@ -873,7 +873,7 @@ class CacheManager:
             if moved is not None:
                 # Every group's new pages held once, in one store (allocate left them).
                 self._space.ref_counts[pages + self._group_offsets(cells)[moved[1][len(self.specs) :]]] = 1
-                ts.put_cells(moved[0][n_released:], pages, log=False)
+                ts.put_cells(moved[0][n_released:], pages)
             else:
                 ts.place(rows, plan.hi, plan.alloc_all, pages, cells)  # new pages start at hi
         if moved is not None and moved[0].size:

@@ -395,24 +395,20 @@ class TableSet:
         mask = moves.astype(bool)
         return ((bounds & self._column_mask_col2) + cells2)[mask], mask
 
-    def take_cells(self, index: np.ndarray, log: bool = True) -> np.ndarray:
-        """Forget the page ids in flat cells ``index``; they are returned (int32).
-        ``log=False``: the caller logs the cells (``log_cells``)."""
+    def take_cells(self, index: np.ndarray) -> np.ndarray:
+        """Forget the page ids in flat cells ``index``; they are returned (int32). Not
+        logged: the caller logs every cell it moved once (``log_cells``)."""
         flat = self.pages.reshape(-1)
         pages = flat[index]
         flat[index] = -1
-        if log:
-            self._log_cells(index)
         return pages
 
-    def put_cells(self, index: np.ndarray, page_ids: np.ndarray, log: bool = True) -> None:
-        """Store ``page_ids`` in flat cells ``index``; ``log`` as in ``take_cells``."""
+    def put_cells(self, index: np.ndarray, page_ids: np.ndarray) -> None:
+        """Store ``page_ids`` in flat cells ``index`` (not logged, as ``take_cells``)."""
         self.pages.reshape(-1)[index] = page_ids
-        if log:
-            self._log_cells(index)
 
     def log_cells(self, index: np.ndarray) -> None:
-        """Log flat cells that ``take_cells`` or ``put_cells`` changed without logging."""
+        """Log flat cells that ``take_cells`` and ``put_cells`` changed."""
         self._log_cells(index)
 
     def _flat_ranges(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, row_cells=None,
