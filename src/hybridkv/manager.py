@@ -178,6 +178,7 @@ class CacheManager:
         # groups are one vectorized decref.
         self._pool_list = [self.pools[s.group_id] for s in self.specs]
         self._space = PageSpace(self._pool_list)
+        self._space_offsets2 = np.tile(self._space.offsets.astype(np.int64), 2)  # per stacked [2G] group
         # With a shared arena the pools start empty and borrow slabs as they need pages.
         self.arena = Arena(arena, self.pools) if arena is not None else None
         # Every group's tables are stacked: a step is a few numpy calls for all groups.
@@ -836,10 +837,11 @@ class CacheManager:
         n_released = sum(released)
         # At most one page per cell (a decode step): the cells released and filled, in one go.
         moved = ts.moved_cells(plan.bounds, plan.moves, cells2) if self._fast_paths else None
+        if moved is not None:
+            # Page space offset of each moved cell's group (releases first, as the cells).
+            moved_offsets = self._space_offsets2.take(moved[1])
         if moved is not None and n_released:
-            index, mask = moved
-            offsets = self._group_offsets(cells)[mask[: len(self.specs)]]
-            self._space.release(ts.take_cells(index[:n_released]), released, offsets)
+            self._space.release(ts.take_cells(moved[0][:n_released]), released, moved_offsets[:n_released])
         elif n_released:
             releases = plan.moves[: len(self.specs)]  # never negative
             if self._fast_paths:
@@ -872,7 +874,9 @@ class CacheManager:
             pages = np.concatenate(fresh)
             if moved is not None:
                 # Every group's new pages held once, in one store (allocate left them).
-                self._space.ref_counts[pages + self._group_offsets(cells)[moved[1][len(self.specs) :]]] = 1
+                glob = pages.astype(np.int64)
+                glob += moved_offsets[n_released:]
+                self._space.ref_counts[glob] = 1
                 ts.put_cells(moved[0][n_released:], pages)
             else:
                 ts.place(rows, plan.hi, plan.alloc_all, pages, cells)  # new pages start at hi

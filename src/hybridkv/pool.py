@@ -171,7 +171,7 @@ class PagePool:
             # just those and keep the rest pending, instead of merging the whole stack.
             top = self._top
             both = np.concatenate([self._stack[max(top - low, 0) : top], *self._pending])  # one copy of all
-            both.sort()
+            both.sort(kind="stable")  # timsort: far less code than the SIMD sort (fewer cold misses)
             out = both[:low]
             self._top = max(top - low, 0)
             rest = both[low:]
@@ -570,7 +570,10 @@ class PageSpace:
         """``pools[g].decref`` of each group's slice of ``pages`` (local ids, group-major,
         ``per_group[g]`` of them, an array or a list); ``offsets``: each page's group
         offset (``self.offsets`` repeated), if the caller has it."""
-        glob = pages + (np.repeat(self.offsets, per_group) if offsets is None else offsets)
+        # int64 ids (numpy casts int32 index arrays at every indexing) and same-dtype
+        # operands (a mixed-dtype add buffers them).
+        glob = pages.astype(np.int64)
+        glob += np.repeat(self.offsets.astype(np.int64), per_group) if offsets is None else offsets
         ref = self.ref_counts
         before = ref[glob]
         sizes = per_group if type(per_group) is list else per_group.tolist()
