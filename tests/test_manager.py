@@ -605,6 +605,81 @@ def test_append_token_ids_many_rejects_bad_input(rids, ids, match):
     assert m._requests["a"].known_tokens == 5
 
 
+def _known(m, rids):
+    return {rid: m._requests[rid].token_ids[: m._requests[rid].known_tokens].tolist() for rid in rids}
+
+
+def test_one_token_appends_in_every_form_equal_the_general_path():
+    # k = 1 takes a scalar store per request, k = 2 the slice path; lists, tuples,
+    # numpy rows and ids just scheduled (memoized rows) all give the same token ids.
+    ms = [manager([SWA, KV], 40, ctx=64, step=16) for _ in range(4)]
+    for m in ms:
+        m.add_request("a", np.arange(5), max_new_tokens=6)
+        m.add_request("b", np.arange(3), max_new_tokens=6)
+    ms[3].schedule([("a", 5), ("b", 3)])  # ms[3]'s appends find the batch's rows memoized
+    ms[0].append_token_ids("a", [11])
+    ms[0].append_token_ids("b", (12,))
+    ms[0].append_token_ids("a", np.array([13], dtype=np.int64))
+    ms[0].append_token_ids("b", np.array([14, 15], dtype=np.uint16))
+    ms[1].append_token_ids_many(["a", "b"], [[11], [12]])
+    ms[1].append_token_ids_many(("a",), np.array([[13]]))
+    ms[1].append_token_ids_many(["b"], np.array([[14, 15]]))
+    for m in ms[2:]:
+        m.append_token_ids_many(("a", "b"), np.array([[11], [12]], dtype=np.int32))
+        m.append_token_ids_many(["a"], np.array([[13]], dtype=np.uint8))
+        m.append_token_ids_many(("b",), np.array([[14, 15]]))
+    want = {"a": [0, 1, 2, 3, 4, 11, 13], "b": [0, 1, 2, 12, 14, 15]}
+    for m in ms:
+        assert _known(m, "ab") == want
+        assert m._known[[m._requests[r].row for r in "ab"]].tolist() == [7, 6]
+
+
+@pytest.mark.parametrize("ids, match", [
+    (np.array([-1]), "token ids"),
+    (np.array([2**31]), "token ids"),
+    (np.array([1.0]), "integers"),
+    (np.array([True]), "integers"),
+    (np.array([[1]]), "1-D"),
+])
+def test_short_token_arrays_are_validated_like_lists(ids, match):
+    m = manager([SWA, KV], 40, ctx=64, step=16)
+    m.add_request("a", np.arange(5), max_new_tokens=4)
+    with pytest.raises(CacheManagerError, match=match):
+        m.append_token_ids("a", ids)
+    assert _known(m, "a") == {"a": [0, 1, 2, 3, 4]}
+
+
+def test_batched_append_refusals_for_a_scheduled_batch_change_nothing():
+    # The ids were just scheduled (rows memoized): over the declared total, or a
+    # request without token ids, is still refused with its reason, all or nothing.
+    m = manager([SWA, KV], 40, ctx=64, step=16)
+    m.add_request("a", np.arange(5), max_new_tokens=4)
+    m.add_request("b", np.arange(7), max_new_tokens=1)
+    m.add_request("n", prompt_tokens=5, max_new_tokens=4)
+    m.schedule([("a", 5), ("b", 7), ("n", 5)])
+    m.append_token_ids("b", [9])  # b now knows its declared 8
+    before = _known(m, "ab")
+    with pytest.raises(CacheManagerError, match="'b': 8 \\+ 1 tokens exceeds its declared total of 8"):
+        m.append_token_ids_many(["a", "b"], [[1], [2]])
+    with pytest.raises(CacheManagerError, match="'n' was added without token ids"):
+        m.append_token_ids_many(("a", "n"), [[1], [2]])
+    assert _known(m, "ab") == before
+    assert m._known[[m._requests[r].row for r in "ab"]].tolist() == [5, 8]
+
+
+def test_appending_for_other_ids_keeps_the_scheduled_batch_memoized():
+    m = manager([SWA, KV], 40, ctx=64, step=16)
+    for rid in "abc":
+        m.add_request(rid, np.arange(5), max_new_tokens=4)
+    m.schedule_uniform(("a", "b", "c"), 5)
+    memo = m._rows_memo
+    m.append_token_ids_many(("a", "b"), [[1], [2]])  # a subset: looked up, not remembered
+    m.append_token_ids_many(("c",), [[3]])
+    assert m._rows_memo is memo
+    m.schedule_uniform(("a", "b", "c"), 1)
+    assert m._rows_memo is memo and m.num_computed_tokens("c") == 6
+
+
 # --- shrinking a chunk to the memory left -------------------------------------------------
 def test_max_admissible_tokens_worked_by_hand():
     # kv: 4-token pages, 9 pages with the null page -> 8 usable = 32 tokens.

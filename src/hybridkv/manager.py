@@ -320,8 +320,12 @@ class CacheManager:
                 f"request {request_id!r}: {req.known_tokens} + {len(ids)} tokens exceeds its "
                 f"declared total of {req.max_total_tokens} (prompt + max_new_tokens)"
             )
-        req.token_ids[req.known_tokens : req.known_tokens + len(ids)] = ids
-        req.known_tokens += len(ids)
+        n = req.known_tokens
+        if len(ids) == 1:
+            req.token_ids[n] = ids[0]  # a scalar store: a decode step's token
+        else:
+            req.token_ids[n : n + len(ids)] = ids
+        req.known_tokens = n + len(ids)
         self._known[req.row] = req.known_tokens
 
     def append_token_ids_many(self, request_ids: Sequence[str], token_ids: Any) -> None:
@@ -337,25 +341,34 @@ class CacheManager:
                 f"token_ids must be [{len(request_ids)}, k] for {len(request_ids)} requests, got {arr.shape}"
             )
         flat = _token_array(arr.reshape(-1))
-        reqs = [self._get(rid) for rid in request_ids]
-        if len({r.request_id for r in reqs}) != len(reqs):
-            raise CacheManagerError("a request appears twice")
-        bare = [r.request_id for r in reqs if r.token_ids is None]
-        if bare:
-            raise CacheManagerError(f"request {bare[0]!r} was added without token ids")
+        rids = request_ids if type(request_ids) is tuple else tuple(request_ids)
+        rows = self._rows_of(rids, remember=False)  # the last step's batch: memoized
         k = arr.shape[1]
-        rows = np.asarray([r.row for r in reqs], dtype=np.int64)
-        over = np.flatnonzero(self._known[rows] + k > self._max_total[rows])
-        if over.size:
-            r = reqs[int(over[0])]
+        # A request without token ids counts its declared total as known, so this one
+        # test also catches those; the loop below words which reason.
+        if rows is None or (self._known.take(rows) + k > self._max_total.take(rows)).any():
+            reqs = [self._get(rid) for rid in rids]
+            if len({r.request_id for r in reqs}) != len(reqs):
+                raise CacheManagerError("a request appears twice")
+            bare = [r.request_id for r in reqs if r.token_ids is None]
+            if bare:
+                raise CacheManagerError(f"request {bare[0]!r} was added without token ids")
+            r = next(r for r in reqs if r.known_tokens + k > r.max_total_tokens)
             raise CacheManagerError(
                 f"request {r.request_id!r}: {r.known_tokens} + {k} tokens exceeds its declared total "
                 f"of {r.max_total_tokens} (prompt + max_new_tokens)"
             )
-        lines = flat.reshape(arr.shape)
-        for req, line in zip(reqs, lines):
-            req.token_ids[req.known_tokens : req.known_tokens + k] = line
-            req.known_tokens += k
+        reqs = itemgetter(*rids)(self._requests) if len(rids) > 1 else (self._requests[rids[0]],)
+        if k == 1:
+            # One token each (decode): a scalar store per request, not a slice assignment.
+            for req, token in zip(reqs, flat.tolist()):
+                n = req.known_tokens
+                req.token_ids[n] = token
+                req.known_tokens = n + 1
+        else:
+            for req, line in zip(reqs, flat.reshape(arr.shape)):
+                req.token_ids[req.known_tokens : req.known_tokens + k] = line
+                req.known_tokens += k
         self._known[rows] += k
 
     def num_computed_tokens(self, request_id: str) -> int:
@@ -657,9 +670,10 @@ class CacheManager:
         counts = prev[5] if repeat and count == 1 else np.full(rows.size, count, dtype=np.int64)
         return rows, counts, rids, first, end
 
-    def _rows_of(self, rids: tuple) -> np.ndarray | None:
-        """Table rows of distinct known request ids (memoized for a repeated batch);
-        None if an id is unknown, unhashable or repeated."""
+    def _rows_of(self, rids: tuple, remember: bool = True) -> np.ndarray | None:
+        """Table rows of distinct known request ids (memoized for a repeated batch;
+        ``remember=False`` reads the memo without replacing it); None if an id is
+        unknown, unhashable or repeated."""
         memo = self._rows_memo
         if memo is not None and memo[1] == self._roster_version and memo[0] == rids:
             return memo[2]  # same ids as a batch already validated, no request added or freed since
@@ -671,7 +685,8 @@ class CacheManager:
         rows = np.array(found, dtype=np.int64)
         if len(set(rids)) != len(rids):
             return None
-        self._rows_memo = (rids, self._roster_version, rows)
+        if remember:
+            self._rows_memo = (rids, self._roster_version, rows)
         return rows
 
     def _settling_rows(self, batch_rows: np.ndarray) -> np.ndarray:
@@ -1220,7 +1235,10 @@ _MAX_TOKEN_ID = int(np.iinfo(np.int32).max)
 
 
 def _small_token_list(token_ids: Any) -> list[int] | None:
-    """A short list/tuple of plain ints, validated without numpy (the decode-step case)."""
+    """A short list/tuple of plain ints, or a short 1-D integer array as one, validated
+    without numpy reductions (the decode-step case)."""
+    if type(token_ids) is np.ndarray and token_ids.ndim == 1 and token_ids.size <= 16 and token_ids.dtype.kind in "iu":
+        token_ids = token_ids.tolist()
     if type(token_ids) not in (list, tuple) or len(token_ids) > 16:
         return None
     for t in token_ids:
