@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add_column(col, justify="right")
     table.add_row(*(f"{v:,.0f}" for v in (s["Ir"], s["LL misses"], s["ILmr"], s["DLmr"], s["DLmw"])))
     console.print(table)
-    top = Table(title="functions with the most LL misses per step")
+    top = Table(title="functions with the most LL misses per round")
     top.add_column("misses", justify="right")
     top.add_column("instructions", justify="right")
     top.add_column("function")

@@ -248,8 +248,7 @@ class TableSet:
         # full-history pages stay below capacity, so their mask keeps every bit.
         self._column_mask = np.where(self.sliding, self.capacity_pages - 1, -1)
         self._column_mask_col = self._column_mask[:, None]
-        self._column_mask_col2 = np.concatenate([self._column_mask_col] * 2)
-        self._column_mask2 = self._column_mask_col2[:, 0].copy()
+        self._column_mask2 = np.concatenate([self._column_mask] * 2)  # per stacked [2G] group
         self.pages = np.full((len(t), max(1, int(initial_rows)), int(self.capacity_pages.max())), -1, np.int32)
         # base and hi of every group and row in one array: a step gathers and stores both at once.
         self.bounds = np.zeros((2, *self.pages.shape[:2]), dtype=np.int64)
