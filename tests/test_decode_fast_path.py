@@ -155,6 +155,36 @@ def test_decode_crosses_every_group_and_matches():
     same_cache(*managers)
 
 
+@pytest.mark.parametrize("caching", [True, False])
+def test_long_uniform_decode_runs_match_the_general_path(caching):
+    """schedule_uniform over hundreds of steps (planned several steps at a time on
+    the fast side), with a rewind and a changed batch cutting runs short."""
+    managers = pair("v4", caching, 5)
+    prompts = (250, 509, 1000, 3)
+    rids = tuple(f"r{i}" for i in range(len(prompts)))
+    for rid, prompt in zip(rids, prompts):
+        on_both(managers, "add_request", rid, np.arange(prompt, dtype=np.int32) % 40, max_new_tokens=400)
+        while managers[0].num_computed_tokens(rid) < prompt:
+            n = min(64, prompt - managers[0].num_computed_tokens(rid))
+            same(*on_both(managers, "schedule", [(rid, n)])[0])
+    windowed = 0
+    for step in range(260):  # the test pool runs short at ~280
+        batch = rids[:3] if 100 <= step < 113 else rids  # r3 sits out 13 steps
+        on_both(managers, "append_token_ids_many", batch, np.full((len(batch), 1), step % 40))
+        same(*on_both(managers, "schedule_uniform", batch, 1)[0])
+        tail = managers[0]._tail
+        windowed += tail is not None and tail[7] is not None
+        if step == 200:  # a rejected token: the run restarts from a rewound request
+            on_both(managers, "rewind", "r1", managers[0].num_computed_tokens("r1") - 1)
+        if step % 50 == 0:
+            for m in managers:
+                m.check_invariants()
+    assert windowed > 200  # the fast side really planned ahead
+    for m in managers:
+        m.check_invariants()
+    same_cache(*managers)
+
+
 def test_decode_after_the_table_store_grows_matches():
     """Rows beyond the store's first 64 (it regrows, moving base, hi and cells) between
     repeated decode steps: the fast path's kept cells and base/hi slots are not reused."""

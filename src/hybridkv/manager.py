@@ -83,6 +83,12 @@ class _StepPlan:
     after: np.ndarray | None = None
     moves: np.ndarray | None = None
     rel_sums: list | None = None  # pages per group the step releases
+    # From a decode window (a repeated one-token batch): the step's moved cells,
+    # their stacked group and page-space offset (as TableSet.moved_cells), and the
+    # window itself, handed to the next step.
+    moved: tuple | None = None
+    moved_offsets: np.ndarray | None = None
+    window: _DecodeWindow | None = None
 
     # Per-group views of the stacked arrays, built only where a slow path asks.
     @property
@@ -96,6 +102,31 @@ class _StepPlan:
     @property
     def need_hi(self) -> _ByGroup:
         return _ByGroup(self.group_index, self.need_hi_all)
+
+
+_WINDOW_STEPS = 8  # one-token steps of a repeated batch planned at once
+
+
+@dataclass
+class _DecodeWindow:
+    """``_decode_window``'s plans: step k's stacked ``[2G, R]`` bounds before and after,
+    moves, need, per-group sums, and its moved cells ``[splits[k], splits[k + 1])``."""
+
+    first0: int  # first row's computed tokens at step 0
+    before: np.ndarray  # [K, 2G, R]
+    after: np.ndarray
+    moves: np.ndarray
+    need: np.ndarray  # [K, G, R]
+    sums: list
+    cells: np.ndarray
+    stacked: np.ndarray
+    offsets: np.ndarray
+    splits: list
+
+
+def _window_steps(win: _DecodeWindow | None) -> int:
+    """Steps a decode window plans (0 for none)."""
+    return 0 if win is None else win.before.shape[0]
 
 
 class _ByGroup(Mapping):
@@ -745,6 +776,13 @@ class CacheManager:
         prev = self._tail
         if prev is not None and prev[0] is rows:  # the batch of the last decode step again
             slots = prev[6]
+            if count == 1 and self._fast_paths:
+                win = prev[7]
+                k = -1 if win is None else int(first[0]) - win.first0
+                if not 0 <= k < _window_steps(win):
+                    win, k = self._decode_window(prev[3], first, prev[4]), 0
+                if win is not None:
+                    return self._window_plan(rows, counts, first, end, slots, win, k)
             bounds, after, moves, need_hi = self._tableset.plan(rows, first, end, prev[3], count=count)
         else:
             slots = self._tableset.row_slots(rows)
@@ -757,6 +795,55 @@ class CacheManager:
         return _StepPlan(rows, counts, first, end, index, base=bounds[:g], hi=bounds[g:], new_base_all=after[:g],
                          alloc_all=moves[g:], need_hi_all=need_hi, slots=slots, bounds=bounds, after=after,
                          moves=moves, rel_sums=sums[:g], alloc_sums=sums[g:])
+
+    def _decode_window(self, bounds: np.ndarray, first: np.ndarray, cells2: np.ndarray) -> _DecodeWindow | None:
+        """The plans of the next ``_WINDOW_STEPS`` one-token steps of a repeated batch,
+        computed at once (``TableSet.plan``'s rules, unrolled: need and release floor
+        only grow with the position, so hi after step k is ``max(hi, need_k)`` and base
+        ``max(base, min(floor_k, hi_{k-1}))``); None if some cell would move more than
+        one page in a step."""
+        ts = self._tableset
+        g, n = len(self.specs), first.size
+        steps = _WINDOW_STEPS
+        both = np.add.outer(np.arange(steps, dtype=np.int64), first)[:, None, :] + ts.plan_offsets(1)[None]
+        np.maximum(both, 0, out=both)
+        ts.floor_pages(both)
+        need = both[:, g:]
+        hi = np.maximum(need, bounds[None, g:])
+        hi_before = np.concatenate([bounds[None, g:], hi[:-1]])
+        base = both[:, :g]
+        np.minimum(base, hi_before, out=base)
+        np.maximum(base, bounds[None, :g], out=base)
+        after = np.concatenate([base, hi], axis=1)
+        before = np.concatenate([bounds[None], after[:-1]])
+        moves = after - before
+        at = np.flatnonzero(moves)
+        if at.size != int(moves.sum()):
+            # A guard: after a first decode step every row is at its floor and need,
+            # so a one-token step moves at most one page per cell.
+            return None
+        per_step = 2 * g * n
+        step_of = at // per_step
+        pos = at - step_of * per_step
+        stacked = pos // n
+        cells = before.reshape(-1).take(at)
+        cells &= ts.column_mask2.take(stacked)
+        cells += cells2.take(pos)
+        return _DecodeWindow(int(first[0]), before, after, moves, need.copy(), moves.sum(axis=2).tolist(),
+                             cells, stacked, self._space_offsets2.take(stacked),
+                             np.searchsorted(step_of, np.arange(steps + 1)).tolist())
+
+    def _window_plan(self, rows, counts, first, end, slots, win: _DecodeWindow, k: int) -> _StepPlan:
+        g = len(self.specs)
+        bounds, after, moves, sums = win.before[k], win.after[k], win.moves[k], win.sums[k]
+        a, b = win.splits[k], win.splits[k + 1]
+        index = self._group_index
+        if index is None:
+            index = self._group_index = {s.group_id: i for i, s in enumerate(self.specs)}
+        return _StepPlan(rows, counts, first, end, index, base=bounds[:g], hi=bounds[g:], new_base_all=after[:g],
+                         alloc_all=moves[g:], need_hi_all=win.need[k], slots=slots, bounds=bounds, after=after,
+                         moves=moves, rel_sums=sums[:g], alloc_sums=sums[g:],
+                         moved=(win.cells[a:b], win.stacked[a:b]), moved_offsets=win.offsets[a:b], window=win)
 
     def _release_credit(
         self, gid: str, rows: np.ndarray, new_base: np.ndarray, releasing: dict | None = None
@@ -851,10 +938,13 @@ class CacheManager:
         released = plan.rel_sums
         n_released = sum(released)
         # At most one page per cell (a decode step): the cells released and filled, in one go.
-        moved = ts.moved_cells(plan.bounds, plan.moves, cells2) if self._fast_paths else None
-        if moved is not None:
-            # Page space offset of each moved cell's group (releases first, as the cells).
-            moved_offsets = self._space_offsets2.take(moved[1])
+        if plan.moved is not None:  # planned by a decode window
+            moved, moved_offsets = plan.moved, plan.moved_offsets
+        else:
+            moved = ts.moved_cells(plan.bounds, plan.moves, cells2) if self._fast_paths else None
+            if moved is not None:
+                # Page space offset of each moved cell's group (releases first, as the cells).
+                moved_offsets = self._space_offsets2.take(moved[1])
         if moved is not None and n_released:
             self._space.release(ts.take_cells(moved[0][:n_released]), released, moved_offsets[:n_released])
         elif n_released:
@@ -906,8 +996,9 @@ class CacheManager:
             tail = self._tail_pages(plan, rows, hi, cells, pages if any(totals) else None)
         # What the next step of the same batch would read back: last pages (None: not
         # kept, write slots were not asked for), computed tokens, base and hi, the rows'
-        # store cells and base / hi slots, counts (cleared by every mutation outside schedule).
-        self._tail = (rows, tail, plan.end, plan.after, cells2, plan.counts, plan.slots) if (
+        # store cells and base / hi slots, counts, the decode window the step came from
+        # (cleared by every mutation outside schedule).
+        self._tail = (rows, tail, plan.end, plan.after, cells2, plan.counts, plan.slots, plan.window) if (
             decode and (tail is not None or not write_slots)) else None
         self._computed[rows] = plan.end
         self._last_rows = rows[plan.settle :] if plan.settle else rows

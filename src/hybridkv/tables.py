@@ -367,6 +367,25 @@ class TableSet:
         after = np.maximum(both, bounds)
         return bounds, after, after - bounds, need_hi
 
+    def plan_offsets(self, count: int) -> np.ndarray:
+        """``[2G, 1]``: what ``plan`` adds to ``first`` for a uniform ``count``."""
+        offsets = self._plan_offsets.get(count)
+        if offsets is None:
+            offsets = self._plan_offsets[count] = np.concatenate(
+                [-self._window_less_one, self._tokens_less_one + count])
+        return offsets
+
+    def floor_pages(self, both: np.ndarray) -> None:
+        """``both //= T`` in place over its last two axes ``[2G, R]`` (floors and needs)."""
+        if self._plan_shift is not None:
+            both >>= self._plan_shift
+        else:
+            both //= self._plan_divisor
+
+    @property
+    def column_mask2(self) -> np.ndarray:
+        return self._column_mask2
+
     def row_slots(self, rows: np.ndarray) -> np.ndarray:
         """``[2G, R]`` flat index into ``bounds`` of each row's base (rows ``[0, G)``) and hi
         (rows ``[G, 2G)``) in each group (valid until rows grow)."""
