@@ -89,6 +89,7 @@ class _StepPlan:
     moved: tuple | None = None
     moved_offsets: np.ndarray | None = None
     window: _DecodeWindow | None = None
+    window_step: int = 0
 
     # Per-group views of the stacked arrays, built only where a slow path asks.
     @property
@@ -122,6 +123,10 @@ class _DecodeWindow:
     stacked: np.ndarray
     offsets: np.ndarray
     splits: list
+    # [K, G, R] write-slot pieces (TableSet.slot_pieces) of each step's positions; None
+    # where the geometry has no shifts.
+    slot_rows: np.ndarray | None = None
+    slot_skip: np.ndarray | None = None
 
 
 def _window_steps(win: _DecodeWindow | None) -> int:
@@ -805,7 +810,8 @@ class CacheManager:
         ts = self._tableset
         g, n = len(self.specs), first.size
         steps = _WINDOW_STEPS
-        both = np.add.outer(np.arange(steps, dtype=np.int64), first)[:, None, :] + ts.plan_offsets(1)[None]
+        positions = np.add.outer(np.arange(steps, dtype=np.int64), first)[:, None, :]  # [K, 1, R]
+        both = positions + ts.plan_offsets(1)[None]
         np.maximum(both, 0, out=both)
         ts.floor_pages(both)
         need = both[:, g:]
@@ -829,9 +835,10 @@ class CacheManager:
         cells = before.reshape(-1).take(at)
         cells &= ts.column_mask2.take(stacked)
         cells += cells2.take(pos)
+        pieces = ts.slot_pieces(positions)
         return _DecodeWindow(int(first[0]), before, after, moves, need.copy(), moves.sum(axis=2).tolist(),
                              cells, stacked, self._space_offsets2.take(stacked),
-                             np.searchsorted(step_of, np.arange(steps + 1)).tolist())
+                             np.searchsorted(step_of, np.arange(steps + 1)).tolist(), *pieces)
 
     def _window_plan(self, rows, counts, first, end, slots, win: _DecodeWindow, k: int) -> _StepPlan:
         g = len(self.specs)
@@ -843,7 +850,8 @@ class CacheManager:
         return _StepPlan(rows, counts, first, end, index, base=bounds[:g], hi=bounds[g:], new_base_all=after[:g],
                          alloc_all=moves[g:], need_hi_all=win.need[k], slots=slots, bounds=bounds, after=after,
                          moves=moves, rel_sums=sums[:g], alloc_sums=sums[g:],
-                         moved=(win.cells[a:b], win.stacked[a:b]), moved_offsets=win.offsets[a:b], window=win)
+                         moved=(win.cells[a:b], win.stacked[a:b]), moved_offsets=win.offsets[a:b], window=win,
+                         window_step=k)
 
     def _release_credit(
         self, gid: str, rows: np.ndarray, new_base: np.ndarray, releasing: dict | None = None
@@ -1082,6 +1090,9 @@ class CacheManager:
         ts = self._tableset
         if not write_slots:
             slots = [None] * len(self.specs)
+        elif tail is not None and plan.window is not None and plan.window.slot_rows is not None:
+            k = plan.window_step
+            slots = ts.write_slots_from(tail, plan.window.slot_rows[k], plan.window.slot_skip[k])
         elif tail is not None:
             slots = ts.write_slots_in(tail, positions)
         else:

@@ -507,6 +507,24 @@ class TableSet:
         np.putmask(slots, off_boundary, -1)
         return slots
 
+    def slot_pieces(self, positions: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """For positions ``[..., 1, R]`` (one token per row): each group's row within
+        its page and whether the token writes no row (``[..., G, R]`` each), the two
+        position-dependent parts of ``write_slots_in``; (None, None) without shifts."""
+        if self._shifts is None:
+            return None, None
+        stride_shift, stride_mask, page_mask = self._shifts
+        rows = positions >> stride_shift
+        rows &= page_mask
+        return rows, (positions & stride_mask) != stride_mask
+
+    def write_slots_from(self, pages: np.ndarray, page_rows: np.ndarray, skip: np.ndarray) -> np.ndarray:
+        """``write_slots_in`` from its ``slot_pieces`` (``[G, R]`` each)."""
+        slots = pages * self.rows_per_page[:, None]
+        slots += page_rows
+        np.putmask(slots, skip, -1)
+        return slots
+
     def write_slots(self, token_rows: np.ndarray, positions: np.ndarray, row_cells=None) -> np.ndarray:
         """int64 ``[G, N]`` slots of every group for the scheduled tokens (-1: no row);
         ``row_cells``: ``self.row_cells(token_rows)`` if the caller has it."""
