@@ -129,11 +129,6 @@ class _DecodeWindow:
     slot_skip: np.ndarray | None = None
 
 
-def _window_steps(win: _DecodeWindow | None) -> int:
-    """Steps a decode window plans (0 for none)."""
-    return 0 if win is None else win.before.shape[0]
-
-
 class _ByGroup(Mapping):
     """Group id -> row of a stacked ``[G, R]`` plan array (no per-group copies)."""
 
@@ -155,7 +150,6 @@ class _ByGroup(Mapping):
 class CacheManager:
     """Pages, tables and slots for every request and every cache group."""
 
-    _group_index: dict[str, int] | None = None  # group id -> index in specs
     _roster_version = 0  # bumped when a request gets or gives back its row
     _all_fit_memo: np.ndarray | None = None
     _group_offsets_memo: np.ndarray | None = None
@@ -213,6 +207,7 @@ class CacheManager:
         # Every pool's ref counts and flags in one array: a step's releases in all
         # groups are one vectorized decref.
         self._pool_list = [self.pools[s.group_id] for s in self.specs]
+        self._group_index = {s.group_id: g for g, s in enumerate(self.specs)}  # group id -> index in specs
         self._space = PageSpace(self._pool_list)
         self._space_offsets2 = np.tile(self._space.offsets.astype(np.int64), 2)  # per stacked [2G] group
         # With a shared arena the pools start empty and borrow slabs as they need pages.
@@ -784,7 +779,7 @@ class CacheManager:
             if count == 1 and self._fast_paths:
                 win = prev[7]
                 k = -1 if win is None else int(first[0]) - win.first0
-                if not 0 <= k < _window_steps(win):
+                if not 0 <= k < _WINDOW_STEPS:
                     win, k = self._decode_window(prev[3], first, prev[4]), 0
                 if win is not None:
                     return self._window_plan(rows, counts, first, end, slots, win, k)
@@ -792,13 +787,11 @@ class CacheManager:
         else:
             slots = self._tableset.row_slots(rows)
             bounds, after, moves, need_hi = self._tableset.plan(rows, first, end, slots=slots, count=count)
-        index = self._group_index
-        if index is None:
-            index = self._group_index = {s.group_id: g for g, s in enumerate(self.specs)}
         g = len(self.specs)
         sums = moves.sum(axis=1).tolist()
-        return _StepPlan(rows, counts, first, end, index, base=bounds[:g], hi=bounds[g:], new_base_all=after[:g],
-                         alloc_all=moves[g:], need_hi_all=need_hi, slots=slots, bounds=bounds, after=after,
+        return _StepPlan(rows, counts, first, end, self._group_index, base=bounds[:g], hi=bounds[g:],
+                         new_base_all=after[:g], alloc_all=moves[g:],
+                         need_hi_all=need_hi, slots=slots, bounds=bounds, after=after,
                          moves=moves, rel_sums=sums[:g], alloc_sums=sums[g:])
 
     def _decode_window(self, bounds: np.ndarray, first: np.ndarray, cells2: np.ndarray) -> _DecodeWindow | None:
@@ -844,11 +837,9 @@ class CacheManager:
         g = len(self.specs)
         bounds, after, moves, sums = win.before[k], win.after[k], win.moves[k], win.sums[k]
         a, b = win.splits[k], win.splits[k + 1]
-        index = self._group_index
-        if index is None:
-            index = self._group_index = {s.group_id: i for i, s in enumerate(self.specs)}
-        return _StepPlan(rows, counts, first, end, index, base=bounds[:g], hi=bounds[g:], new_base_all=after[:g],
-                         alloc_all=moves[g:], need_hi_all=win.need[k], slots=slots, bounds=bounds, after=after,
+        return _StepPlan(rows, counts, first, end, self._group_index, base=bounds[:g], hi=bounds[g:],
+                         new_base_all=after[:g], alloc_all=moves[g:],
+                         need_hi_all=win.need[k], slots=slots, bounds=bounds, after=after,
                          moves=moves, rel_sums=sums[:g], alloc_sums=sums[g:],
                          moved=(win.cells[a:b], win.stacked[a:b]), moved_offsets=win.offsets[a:b], window=win,
                          window_step=k)

@@ -248,7 +248,7 @@ class TableSet:
         # full-history pages stay below capacity, so their mask keeps every bit.
         self._column_mask = np.where(self.sliding, self.capacity_pages - 1, -1)
         self._column_mask_col = self._column_mask[:, None]
-        self._column_mask2 = np.concatenate([self._column_mask] * 2)  # per stacked [2G] group
+        self.column_mask2 = np.concatenate([self._column_mask] * 2)  # per stacked [2G] group
         self.pages = np.full((len(t), max(1, int(initial_rows)), int(self.capacity_pages.max())), -1, np.int32)
         # base and hi of every group and row in one array: a step gathers and stores both at once.
         self.bounds = np.zeros((2, *self.pages.shape[:2]), dtype=np.int64)
@@ -348,20 +348,13 @@ class TableSet:
         # end + (T - 1), the pages-needed one. Both are then floored at 0 and divided by T.
         g = len(self.tables)
         if count is not None:
-            offsets = self._plan_offsets.get(count)
-            if offsets is None:
-                offsets = self._plan_offsets[count] = np.concatenate(
-                    [-self._window_less_one, self._tokens_less_one + count])
-            both = first + offsets
+            both = first + self.plan_offsets(count)
         else:
             both = np.empty((2 * g, first.size), dtype=np.int64)
             np.subtract(first, self._window_less_one, out=both[:g])
             np.add(end, self._tokens_less_one, out=both[g:])
         np.maximum(both, 0, out=both)
-        if self._plan_shift is not None:
-            both >>= self._plan_shift
-        else:
-            both //= self._plan_divisor
+        self.floor_pages(both)
         need_hi = both[g:]
         np.minimum(both[:g], bounds[g:], out=both[:g])  # the release floor, capped at hi
         after = np.maximum(both, bounds)
@@ -381,10 +374,6 @@ class TableSet:
             both >>= self._plan_shift
         else:
             both //= self._plan_divisor
-
-    @property
-    def column_mask2(self) -> np.ndarray:
-        return self._column_mask2
 
     def row_slots(self, rows: np.ndarray) -> np.ndarray:
         """``[2G, R]`` flat index into ``bounds`` of each row's base (rows ``[0, G)``) and hi
@@ -416,7 +405,7 @@ class TableSet:
         at = np.flatnonzero(moves)
         cells = bounds.take(at)
         stacked = at // moves.shape[1]
-        cells &= self._column_mask2.take(stacked)
+        cells &= self.column_mask2.take(stacked)
         cells += cells2.take(at)
         return cells, stacked
 
@@ -494,17 +483,13 @@ class TableSet:
         """``write_slots`` for one token per row when ``pages[g, r]`` is the page holding
         row ``r``'s token (a decode step: the row's last page), without reading the store."""
         pos = positions[None, :]
+        if self._shifts is not None:
+            return self.write_slots_from(pages, *self.slot_pieces(pos))
         per_page = self.rows_per_page[:, None]
         slots = pages * per_page  # int32 * int64 -> int64
-        if self._shifts is not None:
-            stride_shift, stride_mask, page_mask = self._shifts
-            slots += (pos >> stride_shift) & page_mask
-            off_boundary = (pos & stride_mask) != stride_mask
-        else:
-            stride = self.stride_tokens[:, None]
-            slots += (pos // stride) % per_page
-            off_boundary = (pos + 1) % stride != 0
-        np.putmask(slots, off_boundary, -1)
+        stride = self.stride_tokens[:, None]
+        slots += (pos // stride) % per_page
+        np.putmask(slots, (pos + 1) % stride != 0, -1)
         return slots
 
     def slot_pieces(self, positions: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
