@@ -185,6 +185,45 @@ def test_long_uniform_decode_runs_match_the_general_path(caching):
     same_cache(*managers)
 
 
+@pytest.mark.parametrize("caching", [True, False])
+def test_decode_windows_with_odd_page_spans_match_the_general_path(caching):
+    """Page spans of 2 to 10 tokens, not all powers of two (floor division; cells that
+    move several times in a window), decoded in windows: every step equals the
+    general path's."""
+    from test_table_updates import ODD_SPECS
+
+    out = []
+    for fast in (True, False):
+        m = CacheManager(ODD_SPECS, {s.group_id: 400 for s in ODD_SPECS}, max_context_tokens=400,
+                         max_step_tokens=12, shuffle_seed=3, enable_prefix_caching=caching, prefix_granularity=60)
+        if not fast:
+            m._fast_paths = False
+            m._tableset.single_page_cells = False
+            if m.prefix is not None:
+                m.prefix._fast_commit = False
+        out.append(m)
+    prompts = (5, 13, 31, 2)
+    rids = tuple(f"r{i}" for i in range(len(prompts)))
+    for rid, prompt in zip(rids, prompts):
+        on_both(out, "add_request", rid, np.arange(prompt, dtype=np.int32) % 7, max_new_tokens=300)
+        while out[0].num_computed_tokens(rid) < prompt:
+            n = min(12, prompt - out[0].num_computed_tokens(rid))
+            same(*on_both(out, "schedule", [(rid, n)])[0])
+    windowed = 0
+    for step in range(200):
+        batch = rids[1:] if 60 <= step < 67 else rids
+        on_both(out, "append_token_ids_many", batch, np.full((len(batch), 1), step % 7))
+        same(*on_both(out, "schedule_uniform", batch, 1, block_tables="updates")[0])
+        tail = out[0]._tail
+        windowed += tail is not None and tail[7] is not None
+        if step == 120:
+            on_both(out, "rewind", "r2", out[0].num_computed_tokens("r2") - 2)
+    assert windowed > 150
+    for m in out:
+        m.check_invariants()
+    same_cache(*out)
+
+
 def test_decode_after_the_table_store_grows_matches():
     """Rows beyond the store's first 64 (it regrows, moving base, hi and cells) between
     repeated decode steps: the fast path's kept cells and base/hi slots are not reused."""

@@ -90,6 +90,9 @@ class _StepPlan:
     moved_offsets: np.ndarray | None = None
     window: _DecodeWindow | None = None
     window_step: int = 0
+    # A window's step: flat [G, R] cells that get a page (``alloc_all``, moves and
+    # need are then left None: no decode path reads them).
+    grown: np.ndarray | None = None
 
     # Per-group views of the stacked arrays, built only where a slow path asks.
     @property
@@ -98,6 +101,9 @@ class _StepPlan:
 
     @property
     def alloc(self) -> _ByGroup:
+        if self.alloc_all is None:
+            self.moves = self.after - self.bounds
+            self.alloc_all = self.moves[len(self.group_index) :]
         return _ByGroup(self.group_index, self.alloc_all)
 
     @property
@@ -105,19 +111,20 @@ class _StepPlan:
         return _ByGroup(self.group_index, self.need_hi_all)
 
 
-_WINDOW_STEPS = 8  # one-token steps of a repeated batch planned at once
+_WINDOW_STEPS = 16  # one-token steps of a repeated batch planned at once
 
 
 @dataclass
 class _DecodeWindow:
-    """``_decode_window``'s plans: step k's stacked ``[2G, R]`` bounds before and after,
-    moves, need, per-group sums, and its moved cells ``[splits[k], splits[k + 1])``."""
+    """``_decode_window``'s plans: step k's moves are ``[splits[k], splits[k + 1])`` of
+    ``pos`` (flat ``[2G, R]`` cell), ``cells`` (table store cell), ``stacked`` and
+    ``offsets``, releases first; ``sums[k]`` per stacked group. ``bounds[k]``: stacked
+    ``[2G, R]`` base and hi before step k, grown as steps are planned."""
 
     first0: int  # first row's computed tokens at step 0
-    before: np.ndarray  # [K, 2G, R]
-    after: np.ndarray
-    moves: np.ndarray
-    need: np.ndarray  # [K, G, R]
+    bounds: list
+    pos: np.ndarray
+    hi_pos: np.ndarray  # pos - G * R: the flat [G, R] cell of a move of hi
     sums: list
     cells: np.ndarray
     stacked: np.ndarray
@@ -517,6 +524,8 @@ class CacheManager:
         deny: dict[int, str] = {}
         if fixed_width:
             fits = fits.copy()
+            if plan.need_hi_all is None:
+                plan.need_hi_all = self._tableset.need_pages(plan.end)
             for s in self.specs:
                 gid = s.group_id
                 width = plan.need_hi[gid] - plan.new_base[gid]
@@ -795,54 +804,41 @@ class CacheManager:
                          moves=moves, rel_sums=sums[:g], alloc_sums=sums[g:])
 
     def _decode_window(self, bounds: np.ndarray, first: np.ndarray, cells2: np.ndarray) -> _DecodeWindow | None:
-        """The plans of the next ``_WINDOW_STEPS`` one-token steps of a repeated batch,
-        computed at once (``TableSet.plan``'s rules, unrolled: need and release floor
-        only grow with the position, so hi after step k is ``max(hi, need_k)`` and base
-        ``max(base, min(floor_k, hi_{k-1}))``); None if some cell would move more than
-        one page in a step."""
+        """The moves of the next ``_WINDOW_STEPS`` one-token steps of a repeated batch
+        (``TableSet.window_moves``), with their table cells, groups, page-space offsets
+        and write-slot pieces; None if some cell would move more than one page in a step."""
         ts = self._tableset
-        g, n = len(self.specs), first.size
         steps = _WINDOW_STEPS
-        positions = np.add.outer(np.arange(steps, dtype=np.int64), first)[:, None, :]  # [K, 1, R]
-        both = positions + ts.plan_offsets(1)[None]
-        np.maximum(both, 0, out=both)
-        ts.floor_pages(both)
-        need = both[:, g:]
-        hi = np.maximum(need, bounds[None, g:])
-        hi_before = np.concatenate([bounds[None, g:], hi[:-1]])
-        base = both[:, :g]
-        np.minimum(base, hi_before, out=base)
-        np.maximum(base, bounds[None, :g], out=base)
-        after = np.concatenate([base, hi], axis=1)
-        before = np.concatenate([bounds[None], after[:-1]])
-        moves = after - before
-        at = np.flatnonzero(moves)
-        if at.size != int(moves.sum()):
-            # A guard: after a first decode step every row is at its floor and need,
-            # so a one-token step moves at most one page per cell.
-            return None
-        per_step = 2 * g * n
-        step_of = at // per_step
-        pos = at - step_of * per_step
-        stacked = pos // n
-        cells = before.reshape(-1).take(at)
+        moves = ts.window_moves(bounds, first, steps)
+        if moves is None:
+            return None  # not after a first decode step; the per-step plan handles it
+        step, pos, cells = moves
+        stacked = pos // first.size
         cells &= ts.column_mask2.take(stacked)
         cells += cells2.take(pos)
-        pieces = ts.slot_pieces(positions)
-        return _DecodeWindow(int(first[0]), before, after, moves, need.copy(), moves.sum(axis=2).tolist(),
-                             cells, stacked, self._space_offsets2.take(stacked),
-                             np.searchsorted(step_of, np.arange(steps + 1)).tolist(), *pieces)
+        g2 = 2 * len(self.specs)
+        sums = np.bincount(step * g2 + stacked, minlength=steps * g2).reshape(steps, g2).tolist()
+        positions = np.add.outer(np.arange(steps, dtype=np.int64), first)[:, None, :]  # [K, 1, R]
+        return _DecodeWindow(int(first[0]), [bounds], pos, pos - g2 // 2 * first.size, sums, cells, stacked, self._space_offsets2.take(stacked),
+                             np.searchsorted(step, np.arange(steps + 1)).tolist(), *ts.slot_pieces(positions))
 
     def _window_plan(self, rows, counts, first, end, slots, win: _DecodeWindow, k: int) -> _StepPlan:
         g = len(self.specs)
-        bounds, after, moves, sums = win.before[k], win.after[k], win.moves[k], win.sums[k]
+        known = win.bounds
+        while len(known) <= k + 1:  # bounds after each step: one more page where a cell moves
+            i = len(known) - 1
+            after = known[i].copy()
+            moved = win.pos[win.splits[i] : win.splits[i + 1]]
+            after.put(moved, after.take(moved) + 1)
+            known.append(after)
+        bounds, after, sums = known[k], known[k + 1], win.sums[k]
         a, b = win.splits[k], win.splits[k + 1]
+        grown = win.hi_pos[a + sum(sums[:g]) : b]
         return _StepPlan(rows, counts, first, end, self._group_index, base=bounds[:g], hi=bounds[g:],
-                         new_base_all=after[:g], alloc_all=moves[g:],
-                         need_hi_all=win.need[k], slots=slots, bounds=bounds, after=after,
-                         moves=moves, rel_sums=sums[:g], alloc_sums=sums[g:],
+                         new_base_all=after[:g], slots=slots, bounds=bounds, after=after,
+                         rel_sums=sums[:g], alloc_sums=sums[g:],
                          moved=(win.cells[a:b], win.stacked[a:b]), moved_offsets=win.offsets[a:b], window=win,
-                         window_step=k)
+                         window_step=k, grown=grown)
 
     def _release_credit(
         self, gid: str, rows: np.ndarray, new_base: np.ndarray, releasing: dict | None = None
@@ -1048,10 +1044,13 @@ class CacheManager:
         if prev is not None and prev[0] is rows and prev[1] is not None:
             if placed is None:
                 return prev[1]
+            tail = prev[1].copy()
+            if plan.grown is not None:  # a window's step: its grown cells, in placing order
+                tail.put(plan.grown, placed)
+                return tail
             grown = plan.alloc_all.astype(bool)
             if placed.size != np.count_nonzero(grown):
                 return None
-            tail = prev[1].copy()
             tail[grown] = placed
             return tail
         return self._tableset.pages_at(cells, hi - 1)

@@ -244,6 +244,7 @@ class TableSet:
         self._plan_divisor = np.concatenate([self._tokens, self._tokens])
         self._plan_shift = None if self._tokens_shift is None else np.concatenate([self._tokens_shift] * 2)
         self._plan_offsets: dict[int, np.ndarray] = {}  # uniform count -> [2G, 1] offsets of first
+        self._window_strides: dict[int, np.ndarray] = {}  # steps -> [J, 2G, 1] j * T (window_moves)
         # Ring column of a logical page: ``& (capacity - 1)`` (rings are powers of two);
         # full-history pages stay below capacity, so their mask keeps every bit.
         self._column_mask = np.where(self.sliding, self.capacity_pages - 1, -1)
@@ -367,6 +368,58 @@ class TableSet:
             offsets = self._plan_offsets[count] = np.concatenate(
                 [-self._window_less_one, self._tokens_less_one + count])
         return offsets
+
+    def need_pages(self, end: np.ndarray) -> np.ndarray:
+        """``[G, R]`` pages needed to hold ``end`` tokens per row (``plan``'s ``need_hi``)."""
+        need = end + self._tokens_less_one
+        if self._tokens_shift is not None:
+            need >>= self._tokens_shift
+        else:
+            need //= self._tokens
+        return need
+
+    def window_moves(self, bounds: np.ndarray, first: np.ndarray, steps: int):
+        """The page moves of ``steps`` one-token steps of rows at stacked ``[2G, R]``
+        ``bounds`` with ``first`` computed tokens: (step, flat ``[2G, R]`` position of
+        the cell, its value before the move) of each move, ordered by step then
+        position; None unless ``bounds`` are at least the release floors and needs of
+        ``first - 1`` computed tokens (as after a one-token step of these rows).
+
+        Step k's release floor and need are ``v(k) = max(first + k + offset, 0) // T``
+        (``plan``'s for a count of 1) and the bounds after it ``max(bounds, v(k))``:
+        ``plan`` also caps the floor at hi, but a floor never passes the pages needed a
+        token earlier (a window holds >= 1 token), so the cap does not bind. v rises
+        by one where ``first + k + offset`` is a multiple of T: a cell moves first at
+        the step its v passes its bound, then every T steps."""
+        strides = self._window_strides.get(steps)
+        if strides is None:
+            most = 1 + (steps - 1) // int(self._plan_divisor.min())  # moves of one cell, at most
+            strides = self._window_strides[steps] = np.arange(most)[:, None, None] * self._plan_divisor
+        start = bounds + 1
+        start *= self._plan_divisor
+        start -= first + self.plan_offsets(1)  # the step at which v reaches bounds + 1
+        if (start < 0).any():
+            return None  # v(-1) > bounds: not as after a one-token step
+        at_steps = start + strides  # [J, 2G, R]: the j-th move of each cell, if before ``steps``
+        at = np.flatnonzero(at_steps < steps)
+        per_step = bounds.size
+        # Ordered by step, then position: one sort of int32 keys (step, position, j).
+        bits = int(strides.shape[0] - 1).bit_length()
+        j, pos = np.divmod(at, per_step)
+        key = at_steps.take(at)
+        key *= per_step
+        key += pos
+        key <<= bits
+        key |= j
+        if steps * per_step << bits < 2**31:
+            key = key.astype(np.int32)  # sorts in about half the time of int64
+        key.sort()
+        j = key & ((1 << bits) - 1)
+        key >>= bits
+        step, pos = np.divmod(key, per_step)
+        value = bounds.take(pos)
+        value += j  # the j-th move starts from bounds + j
+        return step, pos, value
 
     def floor_pages(self, both: np.ndarray) -> None:
         """``both //= T`` in place over its last two axes ``[2G, R]`` (floors and needs)."""
