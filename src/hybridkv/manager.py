@@ -130,6 +130,9 @@ class _DecodeWindow:
     stacked: np.ndarray
     offsets: np.ndarray
     splits: list
+    # Per step, the rows that cross a prefix grain boundary, in batch order (None:
+    # no prefix cache, or a grain shorter than a window).
+    crossed: list | None = None
     # [K, G, R] write-slot pieces (TableSet.slot_pieces) of each step's positions; None
     # where the geometry has no shifts.
     slot_rows: np.ndarray | None = None
@@ -789,7 +792,7 @@ class CacheManager:
                 win = prev[7]
                 k = -1 if win is None else int(first[0]) - win.first0
                 if not 0 <= k < _WINDOW_STEPS:
-                    win, k = self._decode_window(prev[3], first, prev[4]), 0
+                    win, k = self._decode_window(rows, prev[3], first, prev[4]), 0
                 if win is not None:
                     return self._window_plan(rows, counts, first, end, slots, win, k)
             bounds, after, moves, need_hi = self._tableset.plan(rows, first, end, prev[3], count=count)
@@ -803,10 +806,12 @@ class CacheManager:
                          need_hi_all=need_hi, slots=slots, bounds=bounds, after=after,
                          moves=moves, rel_sums=sums[:g], alloc_sums=sums[g:])
 
-    def _decode_window(self, bounds: np.ndarray, first: np.ndarray, cells2: np.ndarray) -> _DecodeWindow | None:
+    def _decode_window(self, rows: np.ndarray, bounds: np.ndarray, first: np.ndarray,
+                       cells2: np.ndarray) -> _DecodeWindow | None:
         """The moves of the next ``_WINDOW_STEPS`` one-token steps of a repeated batch
-        (``TableSet.window_moves``), with their table cells, groups, page-space offsets
-        and write-slot pieces; None if some cell would move more than one page in a step."""
+        (``TableSet.window_moves``), with their table cells, groups, page-space offsets,
+        write-slot pieces and grain crossings; None if the rows are not as after a
+        one-token step."""
         ts = self._tableset
         steps = _WINDOW_STEPS
         moves = ts.window_moves(bounds, first, steps)
@@ -819,8 +824,20 @@ class CacheManager:
         g2 = 2 * len(self.specs)
         sums = np.bincount(step * g2 + stacked, minlength=steps * g2).reshape(steps, g2).tolist()
         positions = np.add.outer(np.arange(steps, dtype=np.int64), first)[:, None, :]  # [K, 1, R]
-        return _DecodeWindow(int(first[0]), [bounds], pos, pos - g2 // 2 * first.size, sums, cells, stacked, self._space_offsets2.take(stacked),
-                             np.searchsorted(step, np.arange(steps + 1)).tolist(), *ts.slot_pieces(positions))
+        crossed = None
+        grain = self.prefix.granularity_tokens if self.prefix is not None else 0
+        if grain >= steps:
+            # Tokens [0, first + k) are committed at step k: a row crosses where first + k
+            # is a multiple of the grain (at most once a window).
+            at = -first % grain
+            hit = np.flatnonzero(at < steps)
+            order = np.argsort(at.take(hit), kind="stable")
+            ends = np.searchsorted(at.take(hit).take(order), np.arange(steps + 1)).tolist()
+            ordered = rows.take(hit.take(order)).tolist()
+            crossed = [ordered[ends[k] : ends[k + 1]] for k in range(steps)]
+        return _DecodeWindow(int(first[0]), [bounds], pos, pos - g2 // 2 * first.size, sums, cells, stacked,
+                             self._space_offsets2.take(stacked), np.searchsorted(step, np.arange(steps + 1)).tolist(),
+                             crossed, *ts.slot_pieces(positions))
 
     def _window_plan(self, rows, counts, first, end, slots, win: _DecodeWindow, k: int) -> _StepPlan:
         g = len(self.specs)
@@ -914,12 +931,15 @@ class CacheManager:
         if self.prefix is not None:
             # Only a request that crossed a grain boundary has something to publish.
             grain = self.prefix.granularity_tokens
-            committed = self._committed.take(rows)
-            if grain & (grain - 1) == 0:  # c // g < f // g  <=>  f > (c | (g - 1)) for a power of two g
-                crossed = rows[plan.first > (committed | (grain - 1))]
+            if plan.window is not None and plan.window.crossed is not None:
+                crossed = plan.window.crossed[plan.window_step]
             else:
-                crossed = rows[committed // grain < plan.first // grain]
-            for row in crossed.tolist():
+                committed = self._committed.take(rows)
+                if grain & (grain - 1) == 0:  # c // g < f // g  <=>  f > (c | (g - 1)) for a power of two g
+                    crossed = rows[plan.first > (committed | (grain - 1))].tolist()
+                else:
+                    crossed = rows[committed // grain < plan.first // grain].tolist()
+            for row in crossed:
                 self._commit_row(row)
         self._committed[rows] = plan.first
         ts = self._tableset
@@ -956,7 +976,7 @@ class CacheManager:
             self.arena.apply(plan.grants)
         totals = plan.alloc_sums
         if any(totals):
-            split = self._transient_split(plan, totals)
+            split = self._transient_split(plan, totals) if moved is None else {}  # one page a cell: none
             fresh = []
             for g, (pool, n) in enumerate(zip(self._pool_list, totals)):
                 if not n:
