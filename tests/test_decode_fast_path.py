@@ -12,16 +12,25 @@ import numpy as np
 import pytest
 from hypothesis import event, given, settings
 
+from hybridkv.arena import arena_geometry
 from hybridkv.manager import CacheManager, CacheManagerError
+from test_arena_stateful import ANCHOR, PAGE_BYTES
 from test_table_updates import CONFIGS
 
 
-def pair(config, caching, seed):
+def pair(config, caching, seed, arena=False):
+    """A fast and a general manager; ``arena``: on a shared arena (pools hand out their
+    lowest free ids, releases wait in a pending list) of twice the pools' bytes."""
     specs, pages, ctx, step = CONFIGS[config]
+    geometry = None
+    if arena:
+        budget = 2 * sum(n * PAGE_BYTES[config][gid] for gid, n in pages.items())
+        geometry = arena_geometry(PAGE_BYTES[config], budget, anchor_group=ANCHOR[config])
     out = []
     for fast in (True, False):
-        m = CacheManager(specs, pages, max_context_tokens=ctx, max_step_tokens=step, shuffle_seed=seed,
-                         enable_prefix_caching=caching, prefix_granularity=256 if config == "v4" else 60)
+        m = CacheManager(specs, None if arena else pages, max_context_tokens=ctx, max_step_tokens=step,
+                         shuffle_seed=seed, enable_prefix_caching=caching, arena=geometry,
+                         prefix_granularity=256 if config == "v4" else 60)
         if not fast:
             m._fast_paths = False
             m._tableset.single_page_cells = False
@@ -155,12 +164,12 @@ def test_decode_crosses_every_group_and_matches():
     same_cache(*managers)
 
 
-@pytest.mark.parametrize("caching", [True, False])
-def test_long_uniform_decode_runs_match_the_general_path(caching):
+@pytest.mark.parametrize("caching, arena", [(True, False), (False, False), (True, True)])
+def test_long_uniform_decode_runs_match_the_general_path(caching, arena):
     """schedule_uniform over hundreds of steps (planned several steps at a time on
     the fast side), with a rewind and a changed batch cutting runs short."""
-    managers = pair("v4", caching, 5)
-    prompts = (250, 509, 1000, 3)
+    managers = pair("v4", caching, None if arena else 5, arena)  # an arena: lowest ids first
+    prompts = (250, 506, 1000, 3)  # r0 and r1 cross 256-token pages at the same steps
     rids = tuple(f"r{i}" for i in range(len(prompts)))
     for rid, prompt in zip(rids, prompts):
         on_both(managers, "add_request", rid, np.arange(prompt, dtype=np.int32) % 40, max_new_tokens=400)

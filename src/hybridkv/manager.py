@@ -982,7 +982,7 @@ class CacheManager:
                 if not n:
                     continue
                 if g not in split:
-                    fresh.append(pool.allocate(n, set_refs=moved is None))
+                    fresh.append(pool.allocate(n) if moved is None else pool.allocate_unheld(n))
                     continue
                 t, rank = split[g]
                 ids = pool.allocate(n, highest=t)  # n - t lowest, then t highest, ascending

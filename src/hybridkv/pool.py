@@ -194,6 +194,29 @@ class PagePool:
             self.peak_used_pages = used
         return out
 
+    def allocate_unheld(self, count: int) -> np.ndarray:
+        """``allocate(count, set_refs=False)`` for a plain int ``count`` >= 1, with the
+        decode step's common case (lowest first, clean pages enough, few pending
+        releases, no low-priority packing) in fewer steps; the rest goes to ``allocate``."""
+        top, pending = self._top, self._pending
+        if (top + self._pending_pages < count or self._pending_pages > _SMALL_PENDING or not self.lowest_first
+                or self._low_idle and self.pack_low_priority()):
+            return self.allocate(count, set_refs=False)
+        if pending:
+            both = np.concatenate([self._stack[max(top - count, 0) : top], *pending])
+            both.sort(kind="stable")
+            out, rest = both[:count], both[count:]
+            self._top = max(top - count, 0)
+            self._pending, self._pending_pages = ([rest], rest.size) if rest.size else ([], 0)
+        else:
+            out = self._stack[top - count : top][::-1].copy()
+            self._top = top - count
+        self.counters.allocated_pages += count
+        used = self._granted_pages - self._top - self._pending_pages - len(self._evictable)
+        if used > self.peak_used_pages:
+            self.peak_used_pages = used
+        return out
+
     def _evict_low_below(self, count: int) -> None:
         """Evict idle low-priority entries holding ids below the ``count`` lowest free
         ones, so an allocation takes the lowest ids of free and low-priority pages."""
