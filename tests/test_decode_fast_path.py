@@ -14,6 +14,7 @@ from hypothesis import event, given, settings
 
 from hybridkv.arena import arena_geometry
 from hybridkv.manager import CacheManager, CacheManagerError
+from hybridkv.mirror import BlockTableMirror
 from test_arena_stateful import ANCHOR, PAGE_BYTES
 from test_table_updates import CONFIGS
 
@@ -55,14 +56,15 @@ def same_cache(a, b):
     assert a.prefix._meta == b.prefix._meta
 
 
-def same(a, b):
+def same(a, b, tables=True):
+    """Equal batches (``tables=False``: block tables not compared, one side in updates mode)."""
     assert a.request_ids == b.request_ids
     for name in ("num_scheduled_tokens", "query_start_loc", "positions", "request_indices", "table_rows"):
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype and np.array_equal(x, y), name
     for gid, gb in b.groups.items():
         ga = a.groups[gid]
-        for name in ("block_table", "base_pages", "write_slots"):
+        for name in ("block_table", "base_pages", "write_slots")[0 if tables else 1 :]:
             x, y = getattr(ga, name), getattr(gb, name)
             assert (x is None) == (y is None)
             if x is not None:
@@ -219,10 +221,16 @@ def test_decode_windows_with_odd_page_spans_match_the_general_path(caching):
             n = min(12, prompt - out[0].num_computed_tokens(rid))
             same(*on_both(out, "schedule", [(rid, n)])[0])
     windowed = 0
+    mirror = BlockTableMirror.for_manager(out[0])
     for step in range(200):
         batch = rids[1:] if 60 <= step < 67 else rids
         on_both(out, "append_token_ids_many", batch, np.full((len(batch), 1), step % 7))
-        same(*on_both(out, "schedule_uniform", batch, 1, block_tables="updates")[0])
+        fast = out[0].schedule_uniform(batch, 1, block_tables="updates")
+        general = out[1].schedule_uniform(batch, 1)  # full tables
+        same(fast, general, tables=False)
+        mirror.apply(fast)  # the fast side's table updates rebuild the general side's tables
+        for gid, table in mirror.block_tables().items():
+            assert np.array_equal(table, general.groups[gid].block_table), (step, gid)
         tail = out[0]._tail
         windowed += tail is not None and tail[7] is not None
         if step == 120:

@@ -93,6 +93,7 @@ class _StepPlan:
     # A window's step: flat [G, R] cells that get a page (``alloc_all``, moves and
     # need are then left None: no decode path reads them).
     grown: np.ndarray | None = None
+    moved_units: tuple | None = None  # (group, row, column) of ``moved[0]``
 
     # Per-group views of the stacked arrays, built only where a slow path asks.
     @property
@@ -127,6 +128,7 @@ class _DecodeWindow:
     hi_pos: np.ndarray  # pos - G * R: the flat [G, R] cell of a move of hi
     sums: list
     cells: np.ndarray
+    units: tuple  # (group, table row, column) of each cell, as TableSet.drain_updates gives them
     stacked: np.ndarray
     offsets: np.ndarray
     splits: list
@@ -818,10 +820,11 @@ class CacheManager:
         if moves is None:
             return None  # not after a first decode step; the per-step plan handles it
         step, pos, cells = moves
-        stacked = pos // first.size
+        g2, n = 2 * len(self.specs), first.size
+        stacked = pos // n
         cells &= ts.column_mask2.take(stacked)
+        units = (stacked % (g2 // 2), rows.take(pos % n), cells.copy())
         cells += cells2.take(pos)
-        g2 = 2 * len(self.specs)
         sums = np.bincount(step * g2 + stacked, minlength=steps * g2).reshape(steps, g2).tolist()
         positions = np.add.outer(np.arange(steps, dtype=np.int64), first)[:, None, :]  # [K, 1, R]
         crossed = None
@@ -835,7 +838,7 @@ class CacheManager:
             ends = np.searchsorted(at.take(hit).take(order), np.arange(steps + 1)).tolist()
             ordered = rows.take(hit.take(order)).tolist()
             crossed = [ordered[ends[k] : ends[k + 1]] for k in range(steps)]
-        return _DecodeWindow(int(first[0]), [bounds], pos, pos - g2 // 2 * first.size, sums, cells, stacked,
+        return _DecodeWindow(int(first[0]), [bounds], pos, pos - g2 // 2 * n, sums, cells, units, stacked,
                              self._space_offsets2.take(stacked), np.searchsorted(step, np.arange(steps + 1)).tolist(),
                              crossed, *ts.slot_pieces(positions))
 
@@ -855,7 +858,7 @@ class CacheManager:
                          new_base_all=after[:g], slots=slots, bounds=bounds, after=after,
                          rel_sums=sums[:g], alloc_sums=sums[g:],
                          moved=(win.cells[a:b], win.stacked[a:b]), moved_offsets=win.offsets[a:b], window=win,
-                         window_step=k, grown=grown)
+                         window_step=k, grown=grown, moved_units=tuple(u[a:b] for u in win.units))
 
     def _release_credit(
         self, gid: str, rows: np.ndarray, new_base: np.ndarray, releasing: dict | None = None
@@ -1120,7 +1123,8 @@ class CacheManager:
                 widths = tuple(self.table_widths[s.group_id] for s in self.specs)
             else:
                 widths = tuple((updates_hi[:, off:] - plan.new_base_all[:, off:]).max(axis=1).tolist())
-            group, row, column, page, reset = ts.drain_updates()
+            known = None if plan.moved_units is None else (plan.moved[0], *plan.moved_units)
+            group, row, column, page, reset = ts.drain_updates(known)
             updates = _fill(TableUpdates, dict(group=group, row=row, column=column, page=page, widths=widths,
                                                reset=reset))
         groups = {}

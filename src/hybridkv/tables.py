@@ -294,10 +294,12 @@ class TableSet:
             if len(log) > 512:  # many mutations between two drains: keep it bounded
                 log[:] = [np.unique(np.concatenate(log))]
 
-    def drain_updates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
+    def drain_updates(self, known: tuple | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
         """(group, row, column, page id, reset): every cell touched since the last drain
         with the page id it holds now (-1: empty; a cell may appear twice); after a
-        (re)start of the log, every live cell instead and ``reset`` True."""
+        (re)start of the log, every live cell instead and ``reset`` True. ``known``:
+        (flat cells, their group, row and column), used when those cells, the same
+        array, are all the log holds."""
         log = self.log
         reset = self._resync
         if reset:
@@ -308,6 +310,9 @@ class TableSet:
         elif not log:
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, empty, np.zeros(0, dtype=np.int32), False
+        elif known is not None and len(log) == 1 and log[0] is known[0]:
+            log.clear()
+            return known[1], known[2], known[3], self.pages.reshape(-1).take(known[0]), False
         else:
             index = log[0] if len(log) == 1 else np.concatenate(log)
         log.clear()
