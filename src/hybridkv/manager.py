@@ -129,6 +129,8 @@ class _DecodeWindow:
     sums: list
     cells: np.ndarray
     units: tuple  # (group, table row, column) of each cell, as TableSet.drain_updates gives them
+    store_slots: np.ndarray  # TableSet.row_slots of each move's cell
+    moved_to: np.ndarray  # the cell's bound after the move
     stacked: np.ndarray
     offsets: np.ndarray
     splits: list
@@ -794,7 +796,7 @@ class CacheManager:
                 win = prev[7]
                 k = -1 if win is None else int(first[0]) - win.first0
                 if not 0 <= k < _WINDOW_STEPS:
-                    win, k = self._decode_window(rows, prev[3], first, prev[4]), 0
+                    win, k = self._decode_window(rows, prev[3], first, prev[4], slots), 0
                 if win is not None:
                     return self._window_plan(rows, counts, first, end, slots, win, k)
             bounds, after, moves, need_hi = self._tableset.plan(rows, first, end, prev[3], count=count)
@@ -808,8 +810,8 @@ class CacheManager:
                          need_hi_all=need_hi, slots=slots, bounds=bounds, after=after,
                          moves=moves, rel_sums=sums[:g], alloc_sums=sums[g:])
 
-    def _decode_window(self, rows: np.ndarray, bounds: np.ndarray, first: np.ndarray,
-                       cells2: np.ndarray) -> _DecodeWindow | None:
+    def _decode_window(self, rows: np.ndarray, bounds: np.ndarray, first: np.ndarray, cells2: np.ndarray,
+                       slots: np.ndarray) -> _DecodeWindow | None:
         """The moves of the next ``_WINDOW_STEPS`` one-token steps of a repeated batch
         (``TableSet.window_moves``), with their table cells, groups, page-space offsets,
         write-slot pieces and grain crossings; None if the rows are not as after a
@@ -820,6 +822,7 @@ class CacheManager:
         if moves is None:
             return None  # not after a first decode step; the per-step plan handles it
         step, pos, cells = moves
+        moved_to = cells + 1
         g2, n = 2 * len(self.specs), first.size
         stacked = pos // n
         cells &= ts.column_mask2.take(stacked)
@@ -838,9 +841,9 @@ class CacheManager:
             ends = np.searchsorted(at.take(hit).take(order), np.arange(steps + 1)).tolist()
             ordered = rows.take(hit.take(order)).tolist()
             crossed = [ordered[ends[k] : ends[k + 1]] for k in range(steps)]
-        return _DecodeWindow(int(first[0]), [bounds], pos, pos - g2 // 2 * n, sums, cells, units, stacked,
-                             self._space_offsets2.take(stacked), np.searchsorted(step, np.arange(steps + 1)).tolist(),
-                             crossed, *ts.slot_pieces(positions))
+        return _DecodeWindow(int(first[0]), [bounds], pos, pos - g2 // 2 * n, sums, cells, units, slots.take(pos),
+                             moved_to, stacked, self._space_offsets2.take(stacked),
+                             np.searchsorted(step, np.arange(steps + 1)).tolist(), crossed, *ts.slot_pieces(positions))
 
     def _window_plan(self, rows, counts, first, end, slots, win: _DecodeWindow, k: int) -> _StepPlan:
         g = len(self.specs)
@@ -1005,7 +1008,11 @@ class CacheManager:
                 ts.place(rows, plan.hi, plan.alloc_all, pages, cells)  # new pages start at hi
         if moved is not None and moved[0].size:
             ts.log_cells(moved[0])  # the cells emptied and filled, logged once
-        ts.set_bounds(plan.slots, plan.after)
+        if plan.window is not None:  # only the moved cells' bounds change
+            win, a, b = plan.window, *plan.window.splits[plan.window_step : plan.window_step + 2]
+            ts.set_bounds(win.store_slots[a:b], win.moved_to[a:b])
+        else:
+            ts.set_bounds(plan.slots, plan.after)
         hi = plan.after[len(self.specs) :]
         tail = None
         decode = self._fast_paths and not plan.settle and (uniform is not None and uniform[1] == 1
