@@ -112,7 +112,7 @@ class _StepPlan:
         return _ByGroup(self.group_index, self.need_hi_all)
 
 
-_WINDOW_STEPS = 16  # one-token steps of a repeated batch planned at once
+_WINDOW_STEPS = 32  # one-token steps of a repeated batch planned at once
 
 
 @dataclass
@@ -120,7 +120,8 @@ class _DecodeWindow:
     """``_decode_window``'s plans: step k's moves are ``[splits[k], splits[k + 1])`` of
     ``pos`` (flat ``[2G, R]`` cell), ``cells`` (table store cell), ``stacked`` and
     ``offsets``, releases first; ``sums[k]`` per stacked group. ``bounds[k]``: stacked
-    ``[2G, R]`` base and hi before step k, grown as steps are planned."""
+    ``[2G, R]`` base and hi before step k, filled in as steps are planned (the older
+    ones dropped)."""
 
     first0: int  # first row's computed tokens at step 0
     bounds: list
@@ -854,6 +855,8 @@ class CacheManager:
             moved = win.pos[win.splits[i] : win.splits[i + 1]]
             after.put(moved, after.take(moved) + 1)
             known.append(after)
+            if i:
+                known[i - 1] = None  # no later step reads it
         bounds, after, sums = known[k], known[k + 1], win.sums[k]
         a, b = win.splits[k], win.splits[k + 1]
         grown = win.hi_pos[a + sum(sums[:g]) : b]
