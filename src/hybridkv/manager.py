@@ -830,7 +830,10 @@ class CacheManager:
         units = (stacked % (g2 // 2), rows.take(pos % n), cells.copy())
         cells += cells2.take(pos)
         sums = np.bincount(step * g2 + stacked, minlength=steps * g2).reshape(steps, g2).tolist()
-        positions = np.add.outer(np.arange(steps, dtype=np.int64), first)[:, None, :]  # [K, 1, R]
+        # [K, 1, R] positions, int32 where they fit (the slot pieces then stream half the bytes)
+        narrow = self.max_context_tokens + steps < 2**31
+        positions = np.add.outer(np.arange(steps, dtype=np.int32 if narrow else np.int64),
+                                 first.astype(np.int32) if narrow else first)[:, None, :]
         crossed = None
         grain = self.prefix.granularity_tokens if self.prefix is not None else 0
         if grain >= steps:

@@ -233,6 +233,7 @@ class TableSet:
                 (self.stride_tokens - 1)[:, None],
                 (self.rows_per_page - 1)[:, None],
             )
+            self._shifts32 = tuple(a.astype(np.int32) for a in self._shifts)
         # Columns for [G, R] step arithmetic. A full-history group never releases: its
         # window is made so large that the release floor is always 0.
         self._window_less_one = np.where(self.sliding, self.window_tokens - 1, 2**62)[:, None]
@@ -556,7 +557,9 @@ class TableSet:
         position-dependent parts of ``write_slots_in``; (None, None) without shifts."""
         if self._shifts is None:
             return None, None
-        stride_shift, stride_mask, page_mask = self._shifts
+        # int32 positions (a decode window's) keep to int32: half the bytes to stream.
+        shifts = self._shifts if positions.dtype != np.int32 else self._shifts32
+        stride_shift, stride_mask, page_mask = shifts
         rows = positions >> stride_shift
         rows &= page_mask
         return rows, (positions & stride_mask) != stride_mask
