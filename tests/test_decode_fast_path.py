@@ -27,18 +27,30 @@ def pair(config, caching, seed, arena=False):
     if arena:
         budget = 2 * sum(n * PAGE_BYTES[config][gid] for gid, n in pages.items())
         geometry = arena_geometry(PAGE_BYTES[config], budget, anchor_group=ANCHOR[config])
-    out = []
-    for fast in (True, False):
-        m = CacheManager(specs, None if arena else pages, max_context_tokens=ctx, max_step_tokens=step,
-                         shuffle_seed=seed, enable_prefix_caching=caching, arena=geometry,
-                         prefix_granularity=256 if config == "v4" else 60)
-        if not fast:
-            m._fast_paths = False
-            m._tableset.single_page_cells = False
-            if m.prefix is not None:
-                m.prefix._fast_commit = False
-        out.append(m)
-    return out
+    fast, general = (CacheManager(specs, None if arena else pages, max_context_tokens=ctx, max_step_tokens=step,
+                                  shuffle_seed=seed, enable_prefix_caching=caching, arena=geometry,
+                                  prefix_granularity=256 if config == "v4" else 60) for _ in range(2))
+    return [fast, without_shortcuts(general)]
+
+
+def without_shortcuts(m):
+    m._fast_paths = False
+    m._tableset.single_page_cells = False
+    if m.prefix is not None:
+        m.prefix._fast_commit = False
+    return m
+
+
+def add_and_prefill(managers, prompts, *, vocab, chunk, max_new_tokens):
+    """Requests r0, r1, ... with prompts of these lengths, prefilled one chunk at a time
+    (every batch equal on both managers); their ids."""
+    rids = tuple(f"r{i}" for i in range(len(prompts)))
+    for rid, prompt in zip(rids, prompts):
+        on_both(managers, "add_request", rid, np.arange(prompt, dtype=np.int32) % vocab, max_new_tokens=max_new_tokens)
+        while managers[0].num_computed_tokens(rid) < prompt:
+            n = min(chunk, prompt - managers[0].num_computed_tokens(rid))
+            same(*on_both(managers, "schedule", [(rid, n)])[0])
+    return rids
 
 
 def same_cache(a, b):
@@ -171,13 +183,8 @@ def test_long_uniform_decode_runs_match_the_general_path(caching, arena):
     """schedule_uniform over hundreds of steps (planned several steps at a time on
     the fast side), with a rewind and a changed batch cutting runs short."""
     managers = pair("v4", caching, None if arena else 5, arena)  # an arena: lowest ids first
-    prompts = (250, 506, 1000, 3)  # r0 and r1 cross 256-token pages at the same steps
-    rids = tuple(f"r{i}" for i in range(len(prompts)))
-    for rid, prompt in zip(rids, prompts):
-        on_both(managers, "add_request", rid, np.arange(prompt, dtype=np.int32) % 40, max_new_tokens=400)
-        while managers[0].num_computed_tokens(rid) < prompt:
-            n = min(64, prompt - managers[0].num_computed_tokens(rid))
-            same(*on_both(managers, "schedule", [(rid, n)])[0])
+    # r0 and r1 cross 256-token pages at the same steps
+    rids = add_and_prefill(managers, (250, 506, 1000, 3), vocab=40, chunk=64, max_new_tokens=400)
     windowed = 0
     for step in range(260):  # the test pool runs short at ~280
         batch = rids[:3] if 100 <= step < 113 else rids  # r3 sits out 13 steps
@@ -203,23 +210,12 @@ def test_decode_windows_with_odd_page_spans_match_the_general_path(caching):
     general path's."""
     from test_table_updates import ODD_SPECS
 
-    out = []
-    for fast in (True, False):
-        m = CacheManager(ODD_SPECS, {s.group_id: 400 for s in ODD_SPECS}, max_context_tokens=400,
-                         max_step_tokens=12, shuffle_seed=3, enable_prefix_caching=caching, prefix_granularity=60)
-        if not fast:
-            m._fast_paths = False
-            m._tableset.single_page_cells = False
-            if m.prefix is not None:
-                m.prefix._fast_commit = False
-        out.append(m)
-    prompts = (5, 13, 65, 2)  # r0 and r2 cross grain boundaries at the same steps
-    rids = tuple(f"r{i}" for i in range(len(prompts)))
-    for rid, prompt in zip(rids, prompts):
-        on_both(out, "add_request", rid, np.arange(prompt, dtype=np.int32) % 7, max_new_tokens=300)
-        while out[0].num_computed_tokens(rid) < prompt:
-            n = min(12, prompt - out[0].num_computed_tokens(rid))
-            same(*on_both(out, "schedule", [(rid, n)])[0])
+    fast, general = (CacheManager(ODD_SPECS, {s.group_id: 400 for s in ODD_SPECS}, max_context_tokens=400,
+                                  max_step_tokens=12, shuffle_seed=3, enable_prefix_caching=caching,
+                                  prefix_granularity=60) for _ in range(2))
+    out = [fast, without_shortcuts(general)]
+    # r0 and r2 cross grain boundaries at the same steps
+    rids = add_and_prefill(out, (5, 13, 65, 2), vocab=7, chunk=12, max_new_tokens=300)
     windowed = 0
     mirror = BlockTableMirror.for_manager(out[0])
     for step in range(200):

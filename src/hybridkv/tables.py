@@ -423,6 +423,7 @@ class TableSet:
         j = key & ((1 << bits) - 1)
         key >>= bits
         step, pos = np.divmod(key, per_step)
+        pos = pos.astype(np.int64)  # indexes every step: numpy would convert int32 at each use
         value = bounds.take(pos)
         value += j  # the j-th move starts from bounds + j
         return step, pos, value
