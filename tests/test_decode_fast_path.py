@@ -237,6 +237,46 @@ def test_decode_windows_with_odd_page_spans_match_the_general_path(caching):
     same_cache(*out)
 
 
+@settings(max_examples=25, deadline=None)
+@given(caching=st.booleans(), arena=st.booleans(), data=st.data())
+def test_random_uniform_decode_programs_match_the_general_path(caching, arena, data):
+    """Runs of ``schedule_uniform`` decode steps (planned in windows on the fast side)
+    broken at random: a request sits out or comes back, one is rewound, block-table
+    mode and write slots switch; every step equals the general path's."""
+    managers = pair("v4", caching, None if arena else 5, arena)
+    rng = np.random.default_rng(data.draw(st.integers(0, 999), label="rng"))
+    prompts = data.draw(st.lists(st.integers(1, 700), min_size=1, max_size=4), label="prompts")
+    rids = add_and_prefill(managers, prompts, vocab=40, chunk=64, max_new_tokens=200)
+    live = list(rids)
+    windowed = 0
+    for step in range(data.draw(st.integers(20, 120), label="steps")):
+        event_kind = data.draw(st.sampled_from(["none"] * 12 + ["out", "back", "rewind", "full", "no slots"]),
+                               label="event")
+        if event_kind == "out" and len(live) > 1:
+            live.remove(data.draw(st.sampled_from(live), label="out"))
+        elif event_kind == "back":
+            back = data.draw(st.sampled_from(rids), label="back")
+            live = [r for r in rids if r in live or r == back]
+        elif event_kind == "rewind":
+            rid = data.draw(st.sampled_from(live), label="rewound")
+            keep = max(1, managers[0].num_computed_tokens(rid) - data.draw(st.integers(0, 2), label="by"))
+            on_both(managers, "rewind", rid, keep)
+        batch = tuple(live)
+        on_both(managers, "append_token_ids_many", batch, rng.integers(0, 40, (len(batch), 1)))
+        batches, err = on_both(managers, "schedule_uniform", batch, 1,
+                               block_tables="full" if event_kind == "full" else "updates",
+                               write_slots=event_kind != "no slots")
+        if err is not None:
+            event("step refused (same reason on both)")
+            break
+        same(*batches)
+        windowed += managers[0]._tail is not None and managers[0]._tail[7] is not None
+    event(f"windowed steps: {min(windowed, 50) // 10 * 10}+")
+    for m in managers:
+        m.check_invariants()
+    same_cache(*managers)
+
+
 def test_decode_after_the_table_store_grows_matches():
     """Rows beyond the store's first 64 (it regrows, moving base, hi and cells) between
     repeated decode steps: the fast path's kept cells and base/hi slots are not reused."""
