@@ -295,7 +295,9 @@ class TableSet:
             if len(log) > 512:  # many mutations between two drains: keep it bounded
                 log[:] = [np.unique(np.concatenate(log))]
 
-    def drain_updates(self, known: tuple | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
+    def drain_updates(
+        self, known: tuple | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
         """(group, row, column, page id, reset): every cell touched since the last drain
         with the page id it holds now (-1: empty; a cell may appear twice); after a
         (re)start of the log, every live cell instead and ``reset`` True. ``known``:
