@@ -533,7 +533,7 @@ class CacheManager:
         if fixed_width:
             fits = fits.copy()
             if plan.need_hi_all is None:
-                plan.need_hi_all = self._tableset.need_pages(plan.end)
+                plan.need_hi_all = np.stack([t.need_hi(plan.end) for t in self._tableset.tables])
             for s in self.specs:
                 gid = s.group_id
                 width = plan.need_hi[gid] - plan.new_base[gid]

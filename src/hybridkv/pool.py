@@ -164,23 +164,7 @@ class PagePool:
             self._evict_low_below(count)
         if self._top + self._pending_pages < count:
             self._evict_lru(count - self._top - self._pending_pages)
-        low = count - highest
-        if self._pending and not highest and self._pending_pages <= _SMALL_PENDING:
-            # Few pending pages (a decode step): the lowest ``low`` of the union are among
-            # the stack's ``low`` lowest (all of it if shorter) and the pending ones; sort
-            # just those and keep the rest pending, instead of merging the whole stack.
-            top = self._top
-            both = np.concatenate([self._stack[max(top - low, 0) : top], *self._pending])  # one copy of all
-            both.sort(kind="stable")  # timsort: far less code than the SIMD sort (fewer cold misses)
-            out = both[:low]
-            self._top = max(top - low, 0)
-            rest = both[low:]
-            self._pending, self._pending_pages = ([rest], rest.size) if rest.size else ([], 0)
-        else:
-            if self._pending:
-                self._merge_pending()
-            out = self._stack[self._top - low : self._top][::-1].copy()
-            self._top -= low
+        out = self._take_lowest(count - highest, sort_pending=not highest)
         if highest:
             # The stack is sorted with the lowest id on top: the highest are at its bottom.
             out = np.concatenate([out, self._stack[:highest][::-1]])
@@ -188,34 +172,44 @@ class PagePool:
             self._top -= highest
         if set_refs:
             self.ref_counts[out] = 1
-        self.counters.allocated_pages += count
-        used = self._granted_pages - self._top - self._pending_pages - len(self._evictable)  # num_used_pages
-        if used > self.peak_used_pages:
-            self.peak_used_pages = used
+        self._count_allocated(count)
         return out
 
     def allocate_unheld(self, count: int) -> np.ndarray:
         """``allocate(count, set_refs=False)`` for a plain int ``count`` >= 1, with the
         decode step's common case (lowest first, clean pages enough, few pending
         releases, no low-priority packing) in fewer steps; the rest goes to ``allocate``."""
-        top, pending = self._top, self._pending
-        if (top + self._pending_pages < count or self._pending_pages > _SMALL_PENDING or not self.lowest_first
+        if (self._top + self._pending_pages < count or self._pending_pages > _SMALL_PENDING or not self.lowest_first
                 or self._low_idle and self.pack_low_priority()):
             return self.allocate(count, set_refs=False)
-        if pending:
-            both = np.concatenate([self._stack[max(top - count, 0) : top], *pending])
-            both.sort(kind="stable")
-            out, rest = both[:count], both[count:]
-            self._top = max(top - count, 0)
+        out = self._take_lowest(count, sort_pending=True)
+        self._count_allocated(count)
+        return out
+
+    def _take_lowest(self, low: int, sort_pending: bool) -> np.ndarray:
+        """The ``low`` lowest free ids (stack and pending releases), ascending, taken."""
+        if self._pending and sort_pending and self._pending_pages <= _SMALL_PENDING:
+            # Few pending pages (a decode step): the lowest ``low`` of the union are among
+            # the stack's ``low`` lowest (all of it if shorter) and the pending ones; sort
+            # just those and keep the rest pending, instead of merging the whole stack.
+            top = self._top
+            both = np.concatenate([self._stack[max(top - low, 0) : top], *self._pending])  # one copy of all
+            both.sort(kind="stable")  # timsort: far less code than the SIMD sort (fewer cold misses)
+            self._top = max(top - low, 0)
+            rest = both[low:]
             self._pending, self._pending_pages = ([rest], rest.size) if rest.size else ([], 0)
-        else:
-            out = self._stack[top - count : top][::-1].copy()
-            self._top = top - count
+            return both[:low]
+        if self._pending:
+            self._merge_pending()
+        out = self._stack[self._top - low : self._top][::-1].copy()
+        self._top -= low
+        return out
+
+    def _count_allocated(self, count: int) -> None:
         self.counters.allocated_pages += count
-        used = self._granted_pages - self._top - self._pending_pages - len(self._evictable)
+        used = self._granted_pages - self._top - self._pending_pages - len(self._evictable)  # num_used_pages
         if used > self.peak_used_pages:
             self.peak_used_pages = used
-        return out
 
     def _evict_low_below(self, count: int) -> None:
         """Evict idle low-priority entries holding ids below the ``count`` lowest free

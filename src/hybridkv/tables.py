@@ -377,15 +377,6 @@ class TableSet:
                 [-self._window_less_one, self._tokens_less_one + count])
         return offsets
 
-    def need_pages(self, end: np.ndarray) -> np.ndarray:
-        """``[G, R]`` pages needed to hold ``end`` tokens per row (``plan``'s ``need_hi``)."""
-        need = end + self._tokens_less_one
-        if self._tokens_shift is not None:
-            need >>= self._tokens_shift
-        else:
-            need //= self._tokens
-        return need
-
     def window_moves(self, bounds: np.ndarray, first: np.ndarray, steps: int):
         """The page moves of ``steps`` one-token steps of rows at stacked ``[2G, R]``
         ``bounds`` with ``first`` computed tokens: (step, flat ``[2G, R]`` position of
