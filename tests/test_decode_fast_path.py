@@ -27,8 +27,10 @@ def pair(config, caching, seed, arena=False):
     if arena:
         budget = 2 * sum(n * PAGE_BYTES[config][gid] for gid, n in pages.items())
         geometry = arena_geometry(PAGE_BYTES[config], budget, anchor_group=ANCHOR[config])
+    # Capture widths: a full-history group's is short enough to refuse long requests.
+    widths = {s.group_id: -(-ctx // s.page_tokens) // (1 if s.is_sliding else 2) for s in specs}
     fast, general = (CacheManager(specs, None if arena else pages, max_context_tokens=ctx, max_step_tokens=step,
-                                  shuffle_seed=seed, enable_prefix_caching=caching, arena=geometry,
+                                  shuffle_seed=seed, enable_prefix_caching=caching, arena=geometry, table_widths=widths,
                                   prefix_granularity=256 if config == "v4" else 60) for _ in range(2))
     return [fast, without_shortcuts(general)]
 
@@ -242,7 +244,7 @@ def test_decode_windows_with_odd_page_spans_match_the_general_path(caching):
 def test_random_uniform_decode_programs_match_the_general_path(caching, arena, data):
     """Runs of ``schedule_uniform`` decode steps (planned in windows on the fast side)
     broken at random: a request sits out or comes back, one is rewound, block-table
-    mode and write slots switch; every step equals the general path's."""
+    mode, write slots and fixed widths switch; every step equals the general path's."""
     managers = pair("v4", caching, None if arena else 5, arena)
     rng = np.random.default_rng(data.draw(st.integers(0, 999), label="rng"))
     prompts = data.draw(st.lists(st.integers(1, 700), min_size=1, max_size=4), label="prompts")
@@ -250,7 +252,7 @@ def test_random_uniform_decode_programs_match_the_general_path(caching, arena, d
     live = list(rids)
     windowed = 0
     for step in range(data.draw(st.integers(20, 120), label="steps")):
-        event_kind = data.draw(st.sampled_from(["none"] * 12 + ["out", "back", "rewind", "full", "no slots"]),
+        event_kind = data.draw(st.sampled_from(["none"] * 12 + ["out", "back", "rewind", "full", "no slots", "fixed"]),
                                label="event")
         if event_kind == "out" and len(live) > 1:
             live.remove(data.draw(st.sampled_from(live), label="out"))
@@ -265,7 +267,7 @@ def test_random_uniform_decode_programs_match_the_general_path(caching, arena, d
         on_both(managers, "append_token_ids_many", batch, rng.integers(0, 40, (len(batch), 1)))
         batches, err = on_both(managers, "schedule_uniform", batch, 1,
                                block_tables="full" if event_kind == "full" else "updates",
-                               write_slots=event_kind != "no slots")
+                               write_slots=event_kind != "no slots", fixed_width=event_kind == "fixed")
         if err is not None:
             event("step refused (same reason on both)")
             break
@@ -275,6 +277,22 @@ def test_random_uniform_decode_programs_match_the_general_path(caching, arena, d
     for m in managers:
         m.check_invariants()
     same_cache(*managers)
+
+
+def test_fixed_width_decode_windows_refuse_at_the_capture_width():
+    """Fixed-width decode steps planned in a window: a request whose full-history
+    tables outgrow the capture width (3 pages = 768 tokens) is refused at the same step,
+    with the same reason, as on the general path."""
+    managers = pair("v4", True, 5)
+    rids = add_and_prefill(managers, (740, 300), vocab=40, chunk=64, max_new_tokens=100)
+    for step in range(60):
+        on_both(managers, "append_token_ids_many", rids, np.full((2, 1), step % 40))
+        batches, err = on_both(managers, "schedule_uniform", rids, 1, fixed_width=True)
+        if err is not None:
+            break
+        same(*batches)
+    assert managers[0].num_computed_tokens("r0") == 768  # token 769 would need a fourth page
+    assert "capture width" in err
 
 
 def test_decode_after_the_table_store_grows_matches():
