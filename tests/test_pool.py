@@ -245,17 +245,44 @@ def test_lowest_first_hands_out_the_lowest_free_ids_whatever_the_release_order()
     pool.check_invariants()
 
 
-@settings(max_examples=60, deadline=None)
-@given(ops=st.lists(st.tuples(st.booleans(), st.integers(1, 40), st.integers(0, 2**31)), min_size=1, max_size=60),
+def test_lowest_first_leftovers_above_the_stack_stay_pending():
+    """A small allocation sorts the stack's lowest with the pending releases; what it
+    leaves goes back on the stack only if all of it lies below the stack's next id."""
+    pool = PagePool("g", 64, lowest_first=True)
+    pool.allocate(40)  # 1..40 held, 41.. on the stack
+    pool.decref(np.array([1, 2, 3]))
+    assert pool.allocate(1).tolist() == [1]  # leftovers 2, 3 and 41 lie below 42: back on the stack
+    assert pool._pending_pages == 0  # nothing left to merge later
+    pool.decref(np.array([30]))
+    assert pool.allocate(1).tolist() == [2]  # leftover 30 lies above the stack's next (3): pending
+    assert pool._pending_pages == 1
+    assert pool.allocate_unheld(2).tolist() == [3, 30]
+    assert pool.allocate(2).tolist() == [41, 42]
+    pool.ref_counts[[3, 30]] = 1
+    pool.check_invariants()
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 40), st.integers(0, 2**31)), min_size=1, max_size=60),
        highest=st.integers(0, 3))
 def test_lowest_first_matches_a_sorted_set_model(ops, highest):
     """Whatever mix of releases (kept pending) and allocations (small ones sort only
     the pending pages with the stack's lowest), an allocation hands out the lowest
-    free ids in ascending order, or, with ``highest``, the highest ones last."""
+    free ids in ascending order, or, with ``highest``, the highest ones last;
+    ``allocate_unheld`` the lowest ones."""
     pool = PagePool("g", 300, lowest_first=True)
     free, held = set(range(1, 300)), []
-    for alloc, n, seed in ops:
-        if alloc:
+    for op, n, seed in ops:
+        if op == 2:
+            n = min(n, len(free))
+            if n == 0:
+                continue
+            out = pool.allocate_unheld(n)
+            pool.ref_counts[out] = 1  # the caller's part
+            assert out.tolist() == sorted(free)[:n]
+            free.difference_update(out.tolist())
+            held.extend(out.tolist())
+        elif op == 1:
             n = min(n, len(free))
             if n == 0:
                 continue

@@ -192,12 +192,21 @@ class PagePool:
             # Few pending pages (a decode step): the lowest ``low`` of the union are among
             # the stack's ``low`` lowest (all of it if shorter) and the pending ones; sort
             # just those and keep the rest pending, instead of merging the whole stack.
-            top = self._top
-            both = np.concatenate([self._stack[max(top - low, 0) : top], *self._pending])  # one copy of all
+            stack, top = self._stack, self._top
+            under = max(top - low, 0)
+            both = np.concatenate([stack[under:top], *self._pending])  # one copy of all
             both.sort(kind="stable")  # timsort: far less code than the SIMD sort (fewer cold misses)
-            self._top = max(top - low, 0)
             rest = both[low:]
-            self._pending, self._pending_pages = ([rest], rest.size) if rest.size else ([], 0)
+            if rest.size and under and rest[-1] > stack[under - 1]:
+                # Some pending id lies above the stack's next: the rest stays pending.
+                self._top = under
+                self._pending, self._pending_pages = [rest], rest.size
+            else:
+                # Every id left is below the stack's next one: back on top, still sorted
+                # (so pending releases never pile up into a full merge).
+                self._top = under + rest.size
+                stack[under : self._top] = rest[::-1]
+                self._pending, self._pending_pages = [], 0
             return both[:low]
         if self._pending:
             self._merge_pending()
