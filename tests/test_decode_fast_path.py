@@ -295,6 +295,40 @@ def test_fixed_width_decode_windows_refuse_at_the_capture_width():
     assert "capture width" in err
 
 
+def test_a_refused_window_step_leaves_the_window_as_it_was():
+    """A step refused at admission (capture width) after a window planned it moves none
+    of the window's bounds: the same batch then verifies two tokens (a plan from the
+    bounds the last step left) and decodes on, as on the general path."""
+    managers = pair("v4", True, 5)
+    rids = add_and_prefill(managers, (740, 300), vocab=40, chunk=64, max_new_tokens=100)
+    mirror, refused = BlockTableMirror.for_manager(managers[0]), 0
+    for step in range(60):
+        on_both(managers, "append_token_ids_many", rids, np.full((2, 1), step % 40))
+        while True:
+            fast = general = None
+            try:
+                count = 2 if refused and managers[0].num_computed_tokens("r0") == 768 else 1
+                fast = managers[0].schedule_uniform(rids, count, fixed_width=refused == 0, block_tables="updates")
+                general = managers[1].schedule_uniform(rids, count, fixed_width=refused == 0)  # full tables
+            except CacheManagerError as exc:
+                assert "capture width" in str(exc) and fast is None  # refused on the fast side first
+                with pytest.raises(CacheManagerError, match="capture width"):
+                    managers[1].schedule_uniform(rids, 1, fixed_width=True)
+                refused += 1  # then two tokens each, without capture widths
+                on_both(managers, "append_token_ids_many", rids, np.full((2, 1), 3))
+                continue
+            break
+        same(fast, general, tables=False)
+        mirror.apply(fast)  # the fast side's table updates rebuild the general side's tables
+        for gid, table in mirror.block_tables().items():
+            assert np.array_equal(table, general.groups[gid].block_table), (step, gid)
+    assert refused == 1 and managers[0].num_computed_tokens("r0") == 801
+    assert managers[0]._tail[7] is not None  # the last steps were planned in a window
+    for m in managers:
+        m.check_invariants()
+    same_cache(*managers)
+
+
 def test_decode_after_the_table_store_grows_matches():
     """Rows beyond the store's first 64 (it regrows, moving base, hi and cells) between
     repeated decode steps: the fast path's kept cells and base/hi slots are not reused."""

@@ -98,11 +98,22 @@ class _StepPlan:
     # Per-group views of the stacked arrays, built only where a slow path asks.
     @property
     def new_base(self) -> _ByGroup:
+        self.settle_after()
         return _ByGroup(self.group_index, self.new_base_all)
+
+    def settle_after(self) -> None:
+        """A window's step leaves ``after`` unset until the step runs (its bounds then
+        move in place); a slow path of the admission gets a copy of it here."""
+        if self.after is None:
+            a, b = self.window.splits[self.window_step : self.window_step + 2]
+            self.after = self.bounds.copy()
+            self.after.put(self.window.pos[a:b], self.window.moved_to[a:b])
+            self.new_base_all = self.after[: len(self.group_index)]
 
     @property
     def alloc(self) -> _ByGroup:
         if self.alloc_all is None:
+            self.settle_after()
             self.moves = self.after - self.bounds
             self.alloc_all = self.moves[len(self.group_index) :]
         return _ByGroup(self.group_index, self.alloc_all)
@@ -119,12 +130,12 @@ _WINDOW_STEPS = 32  # one-token steps of a repeated batch planned at once
 class _DecodeWindow:
     """``_decode_window``'s plans: step k's moves are ``[splits[k], splits[k + 1])`` of
     ``pos`` (flat ``[2G, R]`` cell), ``cells`` (table store cell), ``stacked`` and
-    ``offsets``, releases first; ``sums[k]`` per stacked group. ``bounds[k]``: stacked
-    ``[2G, R]`` base and hi before step k, filled in as steps are planned (the older
-    ones dropped)."""
+    ``offsets``, releases first; ``sums[k]`` per stacked group. ``bounds``: stacked
+    ``[2G, R]`` base and hi before the next step (the window's own array: each step that
+    runs moves its cells in place)."""
 
     first0: int  # first row's computed tokens at step 0
-    bounds: list
+    bounds: np.ndarray
     pos: np.ndarray
     hi_pos: np.ndarray  # pos - G * R: the flat [G, R] cell of a move of hi
     sums: list
@@ -845,26 +856,20 @@ class CacheManager:
             ends = np.searchsorted(at.take(hit).take(order), np.arange(steps + 1)).tolist()
             ordered = rows.take(hit.take(order)).tolist()
             crossed = [ordered[ends[k] : ends[k + 1]] for k in range(steps)]
-        return _DecodeWindow(int(first[0]), [bounds], pos, pos - g2 // 2 * n, sums, cells, units, slots.take(pos),
+        return _DecodeWindow(int(first[0]), bounds.copy(), pos, pos - g2 // 2 * n, sums, cells, units, slots.take(pos),
                              moved_to, stacked, self._space_offsets2.take(stacked),
                              np.searchsorted(step, np.arange(steps + 1)).tolist(), crossed, *ts.slot_pieces(positions))
 
     def _window_plan(self, rows, counts, first, end, slots, win: _DecodeWindow, k: int) -> _StepPlan:
+        """Step ``k`` of ``win`` (its bounds as before step k); ``after`` stays unset: the
+        step moves the window's bounds in place when it runs (``_StepPlan.settle_after``
+        copies them for a slow admission path)."""
         g = len(self.specs)
-        known = win.bounds
-        while len(known) <= k + 1:  # bounds after each step: one more page where a cell moves
-            i = len(known) - 1
-            after = known[i].copy()
-            moved = win.pos[win.splits[i] : win.splits[i + 1]]
-            after.put(moved, after.take(moved) + 1)
-            known.append(after)
-            if i:
-                known[i - 1] = None  # no later step reads it
-        bounds, after, sums = known[k], known[k + 1], win.sums[k]
+        bounds, sums = win.bounds, win.sums[k]
         a, b = win.splits[k], win.splits[k + 1]
         grown = win.hi_pos[a + sum(sums[:g]) : b]
         return _StepPlan(rows, counts, first, end, self._group_index, base=bounds[:g], hi=bounds[g:],
-                         new_base_all=after[:g], slots=slots, bounds=bounds, after=after,
+                         slots=slots, bounds=bounds,
                          rel_sums=sums[:g], alloc_sums=sums[g:],
                          moved=(win.cells[a:b], win.stacked[a:b]), moved_offsets=win.offsets[a:b], window=win,
                          window_step=k, grown=grown, moved_units=tuple(u[a:b] for u in win.units))
@@ -1017,6 +1022,8 @@ class CacheManager:
         if plan.window is not None:  # only the moved cells' bounds change
             win, a, b = plan.window, *plan.window.splits[plan.window_step : plan.window_step + 2]
             ts.set_bounds(win.store_slots[a:b], win.moved_to[a:b])
+            win.bounds.put(win.pos[a:b], win.moved_to[a:b])  # the window's bounds move on, in place
+            plan.after, plan.new_base_all = win.bounds, win.bounds[: len(self.specs)]
         else:
             ts.set_bounds(plan.slots, plan.after)
         hi = plan.after[len(self.specs) :]
@@ -1080,10 +1087,11 @@ class CacheManager:
         if prev is not None and prev[0] is rows and prev[1] is not None:
             if placed is None:
                 return prev[1]
-            tail = prev[1].copy()
             if plan.grown is not None:  # a window's step: its grown cells, in placing order
+                tail = prev[1]  # only the manager holds it: updated in place
                 tail.put(plan.grown, placed)
                 return tail
+            tail = prev[1].copy()
             grown = plan.alloc_all.astype(bool)
             if placed.size != np.count_nonzero(grown):
                 return None
