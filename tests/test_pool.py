@@ -334,6 +334,34 @@ def test_grant_starts_empty_pools_and_shuffles_grants_when_seeded():
     pool.check_invariants()
 
 
+@pytest.mark.parametrize("lowest_first", [False, True])
+def test_an_eviction_takes_idle_low_priority_entries_beyond_its_need(lowest_first):
+    """Evicting for an allocation also frees the idle low-priority entries next in the
+    LRU, up to 16 pages beyond the need (so a run of small allocations does not evict
+    once each), but never a normal entry the allocation does not need."""
+    pool = PagePool("g", 1 + 22 + 4, lowest_first=lowest_first)
+    pool.pack_low_priority = lambda: False  # (an arena with spare slabs) not reused in id order
+    for i in range(11):  # 11 low-priority entries of 2 pages
+        pages = pool.allocate(2)
+        assert pool.publish(("low", i), pages.tolist(), low_priority=True)
+        pool.decref(pages)
+    normal = pool.allocate(4)
+    assert pool.publish("normal", normal[:2].tolist()) and pool.publish("normal2", normal[2:].tolist())
+    pool.decref(normal)
+    assert pool.num_clean_free_pages == 0 and pool.num_low_priority_idle_pages == 22
+    held = pool.allocate(2)  # needs 2 pages; low entries go until 2 + 16 pages are free
+    assert pool.counters.evicted_pages == 18 and pool.num_low_priority_idle_pages == 4
+    assert pool.num_clean_free_pages == 16
+    assert pool.lookup("normal") is not None and pool.lookup("normal2") is not None
+    # 5 pages beyond the clean ones: the last 2 low entries, then one normal entry (the
+    # tail of the two, released last, goes first); the extra stops at a normal one.
+    more = pool.allocate(16 + 5)
+    assert pool.counters.evicted_pages == 18 + 4 + 2 and pool.num_low_priority_idle_pages == 0
+    assert pool.lookup("normal2") is None and pool.lookup("normal") is not None
+    pool.decref(np.concatenate([held, more]))
+    pool.check_invariants()
+
+
 def test_lowest_first_reuses_idle_low_priority_pages_in_id_order():
     pool = PagePool("g", 10, lowest_first=True, shared_pages=True)
     low, normal = pool.allocate(2), pool.allocate(2)  # 1, 2 and 3, 4

@@ -28,6 +28,7 @@ import numpy as np
 
 NULL_PAGE = 0
 _SMALL_PENDING = 256  # pending releases an allocation sorts in place of a full merge
+_LOW_EVICT_PAGES = 16  # idle low-priority pages an eviction frees beyond the allocation's need
 
 
 class PoolExhausted(RuntimeError):
@@ -498,18 +499,20 @@ class PagePool:
 
     def _evict_lru(self, pages_needed: int) -> None:
         """Evict least recently used entries until ``pages_needed`` idle pages are freed
-        (the same entries, in the same order, as evicting one at a time)."""
+        (the same entries, in the same order, as evicting one at a time); idle
+        low-priority entries at the head of the LRU go ``_LOW_EVICT_PAGES`` pages beyond
+        that in the same pass, so a run of small allocations does not evict once each."""
         keys, freed, seen = [], 0, set()
-        ref, page_key = self.ref_counts, self._page_key
+        ref, page_key, low = self.ref_counts, self._page_key, self.low_priority
         for page in self._evictable:
             key = page_key[page]
             if key in seen:
                 continue
+            if freed >= pages_needed and (freed >= pages_needed + _LOW_EVICT_PAGES or not low[page]):
+                break
             seen.add(key)
             keys.append(key)
             freed += sum(1 for p in self._entries[key] if ref[p] == 0)
-            if freed >= pages_needed:
-                break
         self.counters.evicted_pages += freed
         self._unpublish_many(keys)
 
