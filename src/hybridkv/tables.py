@@ -221,6 +221,7 @@ class TableSet:
         self.sliding = np.array([x.sliding for x in t], dtype=bool)
         self.capacity_pages = np.array([x.capacity_pages for x in t], dtype=np.int64)
         self.rows_per_page = np.array([x.rows_per_page for x in t], dtype=np.int64)
+        self._rows_per_page_col = self.rows_per_page[:, None]
         self.stride_tokens = np.array([x.stride_tokens for x in t], dtype=np.int64)
         self.group_index = np.arange(len(t), dtype=np.int64)
         # Strides and rows per page are powers of two for V4: shifts and masks then
@@ -560,7 +561,10 @@ class TableSet:
 
     def write_slots_from(self, pages: np.ndarray, page_rows: np.ndarray, skip: np.ndarray) -> np.ndarray:
         """``write_slots_in`` from its ``slot_pieces`` (``[G, R]`` each)."""
-        slots = pages * self.rows_per_page[:, None]
+        # int64 first: a multiply of int32 pages by the int64 column would have numpy
+        # buffer both operands (a cast and a broadcast copy) before writing the slots.
+        slots = pages.astype(np.int64)
+        slots *= self._rows_per_page_col
         slots += page_rows
         np.putmask(slots, skip, -1)
         return slots
