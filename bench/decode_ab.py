@@ -1,0 +1,144 @@
+"""A/B of hybridkv's decode step at two commits, each step right after a vLLM step.
+
+Run with the vLLM environment (bench/README.md), from the repository root:
+
+    .venv-vllm/bin/python bench/decode_ab.py --base f429c17            # ~1 min for 6 rounds
+    .venv-vllm/bin/python bench/decode_ab.py --base HEAD~1 --rounds 4 --steps 64
+
+``vs_vllm.py``'s alternating decode phase runs a vLLM step (one ``allocate_slots``
+per request, ~10 ms of Python) before each hybridkv step, so hybridkv's step
+starts with cold caches; plain Python in its place (as ``numpy_cold.py`` does)
+misjudges some changes. Here two vLLM managers and two hybridkv managers (the
+working tree and ``--base``, a commit exported with ``git archive`` and imported
+under another package name) get the same requests (vs_vllm's decode setup: 256
+chat requests on the 40 GiB V4-Flash arena, caching on, write slots on, updates
+mode), and every step runs vLLM A, base, vLLM B, new (the pairs' order
+alternating). Each round prefills afresh. Prints each round's mean per running
+request and the ratio new / base, and writes JSON (``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+sys.path.insert(0, str(BENCH_DIR))
+
+import vs_vllm as V  # noqa: E402
+
+BASE_PACKAGE = "hybridkv_base"
+
+
+def export_base(rev: str, into: Path) -> None:
+    """``src/hybridkv`` at ``rev`` as package ``hybridkv_base`` under ``into``."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src/hybridkv"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    package = into / BASE_PACKAGE
+    (into / "src" / "hybridkv").rename(package)
+    word = re.compile(r"\bhybridkv\b(?=[.\s])")
+    for path in package.rglob("*.py"):
+        path.write_text(word.sub(BASE_PACKAGE, path.read_text()))
+
+
+class BaseSide(V.HybridkvSide):
+    """``HybridkvSide`` on the exported base package."""
+
+    name = "base"
+
+    def __init__(self, **kwargs):
+        manager = __import__(f"{BASE_PACKAGE}.manager", fromlist=["x"])
+        layout = __import__(f"{BASE_PACKAGE}.models.layout", fromlist=["x"])
+        plan = __import__(f"{BASE_PACKAGE}.plan", fromlist=["x"])
+        self.layout = layout.cache_layout("deepseek-v4-flash", indexer="fp8")
+        limits = plan.Limits(kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"], kwargs["max_model_len"])
+        self.plan = plan.plan_for_budget(self.layout, kwargs["kv_memory_bytes"], limits)
+        self.page_space = "shared"
+        self.manager = manager.CacheManager.from_plan(self.plan, page_space="shared", enable_prefix_caching=True)
+        self.manager_ns = {}
+
+
+def run(rounds: int, steps: int, requests: int) -> list[dict]:
+    from vllm_side import VllmSide
+
+    kwargs = dict(kv_memory_bytes=40 * V.GIB, max_model_len=131_072, max_num_batched_tokens=2048,
+                  max_num_seqs=requests)
+    sides = {"base": BaseSide(**kwargs), "new": V.HybridkvSide(**kwargs),
+             "vllm_a": VllmSide(**kwargs), "vllm_b": VllmSide(**kwargs)}
+    out = []
+    for r in range(rounds):
+        for side in sides.values():
+            if not side.reset_prefix_cache():
+                raise RuntimeError("prefix cache could not be reset")
+        workload = V.chat_workload(requests, seed=r)
+        running = {name: V._decode_setup(side, workload, steps=steps, chunk_tokens=2048, seed=r)
+                   for name, side in sides.items()}
+        tokens = np.random.default_rng(r + 2).integers(0, V.DEFAULT_VOCAB_SIZE, size=(steps, requests))
+        step_ns = {"base": np.zeros(steps), "new": np.zeros(steps)}
+        with V.quiet_gc():
+            for step in range(steps):
+                pairs = [("vllm_a", "base"), ("vllm_b", "new")]
+                for before, name in pairs if (step + r) % 2 == 0 else pairs[::-1]:
+                    for who in (before, name):
+                        side = sides[who]
+                        side.begin_step()
+                        if not side.decode_step(running[who]):
+                            raise RuntimeError(f"{who}: decode step {step} refused")
+                        timings = side.take_timings()
+                        if who == name:
+                            step_ns[name][step] = V._manager_ns(timings, "begin_step", "allocate")
+                        for request, token in zip(running[who], tokens[step]):
+                            side.append_tokens(request, [int(token)])
+        for name, side in sides.items():
+            for request in running[name]:
+                side.free(request)
+            side.take_timings()
+        base, new = (float(step_ns[n].mean() / requests / 1e3) for n in ("base", "new"))
+        out.append(dict(base_us_per_request_step=base, new_us_per_request_step=new, ratio=new / base))
+        print(f"round {r}: base {base:.3f} new {new:.3f} µs per running request per step, new/base {new / base:.3f}",
+              flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", required=True, help="git revision to compare the working tree with")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--json", type=Path, default=BENCH_DIR / "out" / "decode_ab.json")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        export_base(args.base, Path(tmp))
+        sys.path.insert(0, tmp)
+        rounds = run(args.rounds, args.steps, args.requests)
+    ratios = [r["ratio"] for r in rounds]
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"decode step, working tree against {args.base} (vLLM step before each)")
+    for column in ("round", "base µs", "new µs", "new / base"):
+        table.add_column(column, justify="right")
+    for i, r in enumerate(rounds):
+        table.add_row(str(i), f"{r['base_us_per_request_step']:.3f}", f"{r['new_us_per_request_step']:.3f}",
+                      f"{r['ratio']:.3f}")
+    table.add_row("median", "", "", f"{float(np.median(ratios)):.3f}")
+    Console().print(table)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(dict(base=args.base, steps=args.steps, requests=args.requests, rounds=rounds,
+                                         median_ratio=float(np.median(ratios))), indent=2))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
