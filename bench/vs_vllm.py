@@ -864,8 +864,9 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Path]:
     parser.add_argument("--context", type=int, default=131_072)
     parser.add_argument("--capacity-limit", type=int, default=1_000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="rounds of the timed phases (decode, prefill); the median round is reported")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds of the timed phases (decode, prefill); the median round is reported "
+                             "(5: one disturbed round cannot decide it)")
     parser.add_argument("--skip-capacity", action="store_true")
     parser.add_argument("--capacity-min-chunk", type=int, default=256,
                         help="capacity phase: a refused chunk is retried at half size down to this "
