@@ -539,8 +539,9 @@ class TableSet:
         pos = positions[None, :]
         if self._shifts is not None:
             return self.write_slots_from(pages, *self.slot_pieces(pos))
-        per_page = self.rows_per_page[:, None]
-        slots = pages * per_page  # int32 * int64 -> int64
+        per_page = self._rows_per_page_col
+        slots = pages.astype(np.int64)  # then in place, as write_slots_from does
+        slots *= per_page
         stride = self.stride_tokens[:, None]
         slots += (pos // stride) % per_page
         np.putmask(slots, (pos + 1) % stride != 0, -1)
