@@ -192,7 +192,7 @@ class PagePool:
         if self._pending and sort_pending and self._pending_pages <= _SMALL_PENDING:
             # Few pending pages (a decode step): the lowest ``low`` of the union are among
             # the stack's ``low`` lowest (all of it if shorter) and the pending ones; sort
-            # just those and keep the rest pending, instead of merging the whole stack.
+            # just those instead of merging the whole stack.
             stack, top = self._stack, self._top
             under = max(top - low, 0)
             both = np.concatenate([stack[under:top], *self._pending])  # one copy of all
