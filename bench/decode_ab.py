@@ -54,17 +54,7 @@ class BaseSide(V.HybridkvSide):
     """``HybridkvSide`` on the exported base package."""
 
     name = "base"
-
-    def __init__(self, **kwargs):
-        manager = __import__(f"{BASE_PACKAGE}.manager", fromlist=["x"])
-        layout = __import__(f"{BASE_PACKAGE}.models.layout", fromlist=["x"])
-        plan = __import__(f"{BASE_PACKAGE}.plan", fromlist=["x"])
-        self.layout = layout.cache_layout("deepseek-v4-flash", indexer="fp8")
-        limits = plan.Limits(kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"], kwargs["max_model_len"])
-        self.plan = plan.plan_for_budget(self.layout, kwargs["kv_memory_bytes"], limits)
-        self.page_space = "shared"
-        self.manager = manager.CacheManager.from_plan(self.plan, page_space="shared", enable_prefix_caching=True)
-        self.manager_ns = {}
+    package = BASE_PACKAGE
 
 
 def run(rounds: int, steps: int, requests: int) -> list[dict]:

@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import importlib
 import json
 import os
 import platform
@@ -101,6 +102,7 @@ class HybridkvSide:
     """
 
     name = "hybridkv"
+    package = "hybridkv"  # the package the manager comes from (decode_ab.py sets an older copy)
 
     def __init__(
         self,
@@ -114,15 +116,15 @@ class HybridkvSide:
         page_space: str = "shared",
         prompt_checkpoints: bool = True,
     ) -> None:
-        from hybridkv.manager import CacheManager
-        from hybridkv.models.layout import cache_layout
-        from hybridkv.plan import Limits, plan_for_budget
+        manager = importlib.import_module(f"{self.package}.manager")
+        layout = importlib.import_module(f"{self.package}.models.layout")
+        plan = importlib.import_module(f"{self.package}.plan")
 
-        self.layout = cache_layout("deepseek-v4-flash", indexer="fp8")
-        limits = Limits(max_num_seqs, max_num_batched_tokens, max_model_len)
-        self.plan = plan_for_budget(self.layout, kv_memory_bytes, limits)
+        self.layout = layout.cache_layout("deepseek-v4-flash", indexer="fp8")
+        limits = plan.Limits(max_num_seqs, max_num_batched_tokens, max_model_len)
+        self.plan = plan.plan_for_budget(self.layout, kv_memory_bytes, limits)
         self.page_space = page_space
-        self.manager = CacheManager.from_plan(
+        self.manager = manager.CacheManager.from_plan(
             self.plan,
             page_space=page_space,
             enable_prefix_caching=enable_prefix_caching,
