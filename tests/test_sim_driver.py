@@ -127,7 +127,7 @@ def test_simulate_cli_json_and_plot(tmp_path, capsys):
         (["--requests", "0"], "--requests must be positive"),
         (["--no-prefix-caching", "--state-checkpoint-interval", "512"], "needs --prefix-caching"),
         (["--kv-memory", "1MiB"], "too small"),
-        (["--min-chunk-tokens", "-1"], "--min-chunk-tokens must be >= 0"),
+        (["--min-chunk-tokens=-1"], "--min-chunk-tokens must not be negative"),
     ],
 )
 def test_simulate_cli_bad_input_is_one_line_exit_2(argv, message, capsys):

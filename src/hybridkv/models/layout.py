@@ -44,7 +44,7 @@ def _read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8-sig") as handle:
             data = json.load(handle)
     except FileNotFoundError:
         raise ValueError(
@@ -52,8 +52,12 @@ def _read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         ) from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"config {path!r} is not valid JSON: {exc}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read config {path!r}: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"config {path!r}: JSON nested too deeply") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"config {path!r} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read config {path!r}: {exc.strerror or exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config {path!r} must hold a JSON object, got {type(data).__name__}")
     return data
