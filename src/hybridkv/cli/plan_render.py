@@ -10,32 +10,58 @@ from __future__ import annotations
 
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
 from hybridkv.units import format_bytes, format_tokens, plural
 
 MAX_WIDTH_COLUMNS = 100
 _INDEXER_NAMES = {"mxfp4": "MXFP4", "fp8": "FP8"}
 
 
-def _console(file) -> Console:
-    console = Console(
-        file=file,
-        width=MAX_WIDTH_COLUMNS if not file.isatty() else None,
-        highlight=False,
-        soft_wrap=False,
-    )
-    if console.width > MAX_WIDTH_COLUMNS:
-        console.width = MAX_WIDTH_COLUMNS
-    return console
+class _Printer:
+    """Plain lines to ``file`` (no styling: the output is the same on a terminal and in a pipe)."""
+
+    def __init__(self, file) -> None:
+        self.file = file
+
+    def print(self, text) -> None:
+        if isinstance(text, _Table):
+            text = text.render()
+        self.file.write(f"{text}\n")
 
 
-def _table(columns: tuple[tuple[str, str], ...]) -> Table:
-    table = Table(box=None, pad_edge=False, padding=(0, 1), collapse_padding=True, header_style="bold")
-    for name, justify in columns:
-        table.add_column(name, justify=justify, no_wrap=True)
-    return table
+class _Table:
+    """Columns aligned by hand: left or right justified, one space apart."""
+
+    def __init__(self, columns: tuple[tuple[str, str], ...]) -> None:
+        self.columns = columns
+        self.rows: list[tuple[str, ...] | None] = []
+
+    def add_row(self, *cells: str) -> None:
+        self.rows.append(tuple(cells))
+
+    def add_section(self) -> None:
+        self.rows.append(None)
+
+    def render(self) -> str:
+        rows = [tuple(name for name, _ in self.columns)] + self.rows
+        widths = [max(len(r[i]) for r in rows if r is not None) for i in range(len(self.columns))]
+        lines = []
+        for row in rows:
+            if row is None:
+                continue
+            cells = [
+                cell.ljust(width) if justify == "left" else cell.rjust(width)
+                for cell, width, (_, justify) in zip(row, widths, self.columns)
+            ]
+            lines.append(" ".join(cells).rstrip())
+        return "\n".join(lines)
+
+
+def _console(file) -> _Printer:
+    return _Printer(file)
+
+
+def _table(columns: tuple[tuple[str, str], ...]) -> _Table:
+    return _Table(columns)
 
 
 def _retention(spec) -> str:
@@ -100,7 +126,7 @@ def render(plan, context_tokens: int, file, shared: dict[str, Any] | None = None
         return
     report = plan.report(context_tokens)
     console = _console(file)
-    console.print(f"[bold]{headline(plan, context_tokens)}[/bold]")
+    console.print(headline(plan, context_tokens))
     console.print(model_line(plan.layout, plan.limits))
     table = _table(
         (("group", "left"), ("retention", "left"), ("layers", "right"), ("tok/page", "right"),
@@ -131,7 +157,7 @@ def render(plan, context_tokens: int, file, shared: dict[str, Any] | None = None
     _footer(console)
 
 
-def _footer(console: Console) -> None:
+def _footer(console: _Printer) -> None:
     console.print("per GPU      one GPU's cache; tensor-parallel ranks each hold all of it (one KV head)")
     console.print("width        block-table width for graph capture (pages per request)")
 
@@ -149,7 +175,7 @@ def render_shared(plan, context_tokens: int, file, shared: dict[str, Any]) -> No
         f"memory fits {fit:,})"
     )
     console.print(
-        f"[bold]{format_bytes(plan.budget_bytes)} per GPU as one shared arena: {count}[/bold]"
+        f"{format_bytes(plan.budget_bytes)} per GPU as one shared arena: {count}"
     )
     console.print(model_line(plan.layout, plan.limits))
     need = plan.request_pages(context_tokens)
@@ -193,9 +219,9 @@ def render_inverse(need, file) -> None:
     plan = need.per_group_plan
     at = format_tokens(need.context_tokens)
     console.print(
-        f"[bold]{plural(need.requests, 'request')} at {at} need, per GPU, "
+        f"{plural(need.requests, 'request')} at {at} need, per GPU, "
         f"{format_bytes(need.per_group_total_bytes)} in per-group pools or "
-        f"{format_bytes(need.shared_total_bytes)} as a shared arena[/bold]"
+        f"{format_bytes(need.shared_total_bytes)} as a shared arena"
     )
     console.print(model_line(plan.layout, plan.limits))
     pages = plan.request_pages(need.context_tokens)

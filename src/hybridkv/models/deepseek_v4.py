@@ -231,7 +231,7 @@ def v4_checkpoint_window_tokens(specs: Sequence[Any]) -> dict[str, int]:
     V4 prefix grain is: the history pages span 256 tokens).
 
     Window KV: the whole window (token ``D`` attends to ``[D-127, D]``). Compressor
-    states (section 2 of the facts): the rows of windows that entries after ``D``
+    states: the rows of windows that entries after ``D``
     still pool, 4 tokens at ratio 4 and none at ratio 128, where ``D`` closes a window.
     Groups not recognized keep their whole window.
     """

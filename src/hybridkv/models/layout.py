@@ -20,7 +20,6 @@ import operator
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib import resources
 from types import SimpleNamespace
 from typing import Any
 
@@ -35,8 +34,11 @@ FP32_BYTES = 4
 # --- reading configs ----------------------------------------------------------
 
 def _bundled_config(name: str) -> dict[str, Any]:
-    text = resources.files("hybridkv.models").joinpath("configs", f"{name}.json").read_text("utf-8")
-    return json.loads(text)
+    # Read beside this file (package data), not through importlib.resources: that
+    # import alone costs more than the rest of `hybridkv plan`'s start.
+    path = os.path.join(os.path.dirname(__file__), "configs", f"{name}.json")
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
 
 
 def _read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:

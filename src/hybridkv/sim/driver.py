@@ -176,15 +176,6 @@ class Simulator:
         blocked: list[Request] = []
         step = 0
         while pending or waiting or running or blocked:
-            if not (waiting or running):
-                # Idle: nothing to schedule until the next arrival, so skip to it.
-                if pending:
-                    step = max(step, pending[0].arrival_step)
-                elif blocked:
-                    raise SimulationError(
-                        f"request {blocked[0].request_id!r} waits for "
-                        f"{blocked[0].after_request_id!r}, which never runs"
-                    )
             if len(series["running"]) >= self.max_steps:
                 raise SimulationError(
                     f"the run reached max_steps={self.max_steps:,} scheduled steps with "
@@ -201,6 +192,15 @@ class Simulator:
                 else:
                     still.append(r)
             blocked = still
+            if not (waiting or running):
+                # Idle: nothing to schedule until the next arrival, so skip to it.
+                if pending:
+                    step = max(step + 1, pending[0].arrival_step)
+                    continue
+                raise SimulationError(
+                    f"request {blocked[0].request_id!r} waits for "
+                    f"{blocked[0].after_request_id!r}, which never runs"
+                )
             us = 0.0
             preempted_now = 0
             memory_short = False  # a chunk was shrunk to fit: no room to start others
