@@ -67,7 +67,7 @@ def plot_title(summary: dict) -> str:
     )
 
 
-def _plot_usage(axis, result: SimResult, steps: np.ndarray) -> None:
+def plot_usage(axis, result: SimResult, steps: np.ndarray) -> None:
     shares = {g: 100.0 * result.used_pages[g] / result.group_total_pages[g] for g in result.group_ids}
     count = len(result.group_ids)
     for index, gid in enumerate(result.group_ids):
@@ -92,7 +92,7 @@ def write_plot(result: SimResult, path: str, summary: dict) -> None:
 
     steps = np.arange(result.steps)
     fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
-    _plot_usage(axes[0], result, steps)
+    plot_usage(axes[0], result, steps)
     axes[1].plot(steps, result.running, color="black")
     axes[1].set_ylabel("running requests")
     prompt = np.cumsum(result.prompt_tokens_started)
