@@ -142,6 +142,8 @@ BAD = [
     (S + ["--no-prefix-caching", "--state-checkpoint-interval", "512"], r"needs --prefix-caching"),
     (S + ["--min-chunk-tokens=-1"], r"--min-chunk-tokens must not be negative"),
     (S + ["--kv-memory", "1MiB"], r"too small"),
+    (S + ["--kv-memory", "64TiB"], r"--kv-memory: [0-9,]+ pages of v4\.c4a\.compressed_kv are more than the 16,777,216"),
+    (S + ["--kv-memory", "64TiB", "--page-space", "shared"], r"--kv-memory: [0-9,]+ pages of .* are more than"),
     (S + ["--max-context", "2M"], r"exceeds the model's max_position_embeddings"),
     # traces: the path, the line, the reason
     (S + ["--workload", "{t_latin1}"], r"t1\.jsonl: line 2: not UTF-8 text \(byte 0xe9"),

@@ -65,7 +65,7 @@ def test_headline_says_when_the_running_limit_and_not_memory_decides(capsys):
     code, out, _ = _run(capsys, "plan", "--max-running", "16")
     assert code == 0
     first = out.splitlines()[0]
-    assert first.startswith("40.00 GiB per GPU: 16 requests at 128k run at once (the running-request limit; memory fits ")
+    assert first.startswith("40.00 GiB per GPU: 16 requests at 128k run at once (--max-running; memory fits ")
 
 
 def test_headline_names_the_fp8_indexer(capsys):

@@ -34,6 +34,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
 }
 COMMAND_MODULES: tuple[str, ...] = tuple(module for module, _ in COMMANDS.values())
+# Said on a terminal before a command that prints nothing for a while.
+SLOW_START = {"verify": "running the reference attention paged and dense (10-25 s)..."}
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -119,6 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return main([args.command, "--help"])
             parser.print_help(sys.stderr)
             return EXIT_USAGE
+        if args.command in SLOW_START and sys.stderr.isatty():
+            print(f"hybridkv {args.command}: {SLOW_START[args.command]}", file=sys.stderr, flush=True)
         return int(run(args) or 0)
     except SystemExit as exc:  # --help / --version
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

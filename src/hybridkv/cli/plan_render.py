@@ -93,8 +93,8 @@ def headline(plan, context_tokens: int) -> str:
     if fit <= running:
         return f"{budget} per GPU: {plural(fit, 'request')} {at} fit at once (limited by {limiting})"
     return (
-        f"{budget} per GPU: {plural(running, 'request')} {at} run at once (the running-request "
-        f"limit; memory fits {fit:,})"
+        f"{budget} per GPU: {plural(running, 'request')} {at} run at once (--max-running; "
+        f"memory fits {fit:,})"
     )
 
 
@@ -171,7 +171,7 @@ def render_shared(plan, context_tokens: int, file, shared: dict[str, Any]) -> No
     count = (
         f"{plural(fit, 'request')} at {at} fit at once"
         if fit <= running
-        else f"{plural(running, 'request')} at {at} run at once (the running-request limit; "
+        else f"{plural(running, 'request')} at {at} run at once (--max-running; "
         f"memory fits {fit:,})"
     )
     console.print(

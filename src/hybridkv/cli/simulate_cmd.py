@@ -111,6 +111,27 @@ def check_arguments(args: argparse.Namespace) -> None:
         args.plot = plot_path(args.plot)
 
 
+MAX_SIMULATED_POOL_PAGES = 2**24
+
+
+def check_pool_sizes(plan, page_space: str) -> None:
+    """The simulator holds every page of every pool in memory: refuse budgets whose
+    pools would not fit this machine before any is allocated."""
+    if page_space == "shared":
+        from hybridkv.arena import shared_arena_for
+
+        geometry = shared_arena_for(plan)
+        pages = {gid: geometry.view_pages(gid) for gid in geometry.page_bytes}
+    else:
+        pages = plan.group_pages
+    gid, count = max(pages.items(), key=lambda item: item[1])
+    if count > MAX_SIMULATED_POOL_PAGES:
+        raise ValueError(
+            f"--kv-memory: {count:,} pages of {gid} are more than the {MAX_SIMULATED_POOL_PAGES:,} "
+            "a simulated pool holds; plan budgets this large with `hybridkv plan`"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     from rich.console import Console
@@ -121,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
     from hybridkv.sim.workloads import build_workload
 
     plan = build_plan(args)
+    check_pool_sizes(plan, args.page_space)
     requests = build_workload(
         args.workload, num_requests=args.requests, seed=args.seed,
         max_request_tokens=plan.limits.max_context_tokens,
