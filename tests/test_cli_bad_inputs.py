@@ -224,3 +224,20 @@ def test_console_script_one_line_for_a_huge_budget_in_shared_mode():
     )
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.count("\n") == 1 and "at most 64.00 TiB" in done.stderr
+
+
+def test_plot_without_matplotlib_is_refused_before_the_run(monkeypatch, tmp_path, capsys):
+    import importlib.util
+
+    from hybridkv.cli import simulate_cmd
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        simulate_cmd.importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a)
+    )
+    ran = []
+    monkeypatch.setattr(simulate_cmd, "build_plan", lambda args: ran.append(args))
+    code = main(["simulate", "--plot", str(tmp_path / "run.png")])
+    err = capsys.readouterr().err
+    assert code == 2 and not ran
+    assert "--plot needs matplotlib: pip install 'hybridkv[plot]' (in a source checkout: pip install -e '.[plot]')" in err
