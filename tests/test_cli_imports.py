@@ -45,3 +45,13 @@ def test_simulate_help_does_not_import_the_simulator():
     modules = _modules_after("main(['simulate', '--help'])")
     for name in HEAVY + ("numpy",):
         assert not _loaded(modules, name), name
+
+
+def test_the_light_name_lists_match_the_library():
+    from hybridkv.cli import plan_cmd, simulate_cmd
+    from hybridkv.models.layout import BUNDLED_MODELS, INDEXER_FORMATS
+    from hybridkv.sim.workloads import WORKLOAD_NAMES
+
+    assert plan_cmd.BUNDLED_MODELS == BUNDLED_MODELS
+    assert plan_cmd.INDEXER_FORMATS == INDEXER_FORMATS
+    assert simulate_cmd.WORKLOAD_NAMES == WORKLOAD_NAMES
