@@ -8,9 +8,10 @@ window) sorted, ``num_blocks``, the block stride in bytes and
 environment of bench/README.md). When vLLM is importable (that environment, with
 ``bench`` on the path) the same cases are also planned live.
 
-The admitted count (77 at 40 GiB, 128k, 2,048 batched tokens) is what bench's
-``VllmSide`` measured by admitting requests into vLLM's ``KVCacheManager``
-(bench/README.md, "Admission over-reserves state").
+ADMITTED holds how many 128k requests vLLM's own ``KVCacheManager`` admitted at
+40 GiB, measured by ``tests/golden/record_vllm_admission.py`` (bench's
+``measure_capacity``: prefill in chunks, one decode step, next request, until
+the manager refuses one).
 """
 
 import importlib.util
@@ -33,6 +34,13 @@ GOLDEN = [
 ]
 
 
+ADMITTED = [
+    # (model, budget GiB, context, batched tokens) -> requests vLLM's manager admitted
+    (("deepseek-v4-flash", 40, 131072, 2048), 77),
+    (("deepseek-v4-flash", 40, 131072, 8192), 67),
+]
+
+
 def _compare(model, gib, context, batched):
     layout = cache_layout(model, indexer="fp8")
     limits = Limits(128, batched, 2**20, 1)
@@ -46,6 +54,11 @@ def test_matches_vllm_recorded_outputs(case, groups, num_blocks, block_bytes, co
     assert ours.num_blocks == num_blocks
     assert ours.block_bytes == block_bytes
     assert ours.logged_concurrency == pytest.approx(concurrency, rel=1e-12)
+
+
+@pytest.mark.parametrize("case, admitted", ADMITTED)
+def test_admitted_requests_match_vllms_manager(case, admitted):
+    assert _compare(*case).admitted_requests == admitted
 
 
 def test_the_issue_figures_and_the_admitted_count():
