@@ -116,6 +116,7 @@ BAD = [
     (P + ["--config", "{no_mtp}", "--include-mtp"], r"include_mtp: the config has no MTP layer"),
     # the inverse plan and the engine comparison
     (P + ["--requests", "0"], r"--requests must be positive"),
+    (P + ["--requests", "1M", "--context-len", "1M"], r"1,000,000 requests at 1,048,576 tokens need 3415\.88 TiB in per-group pools, beyond the 64\.00 TiB"),
     (P + ["--requests", "64", "--max-running", "32"], r"--requests 64 exceeds --max-running 32"),
     (P + ["--requests", "8", "--compare", "vllm"], r"answer different questions"),
     (P + ["--compare", "vllm", "--indexer", "mxfp4"], r"vLLM 0.33 caches V4's indexer keys in FP8"),

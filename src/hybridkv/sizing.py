@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from hybridkv._checks import as_int
 from hybridkv.models.layout import ModelCacheLayout
 from hybridkv.plan import Limits, Plan, plan_for_tokens, scheduler_page_tokens
+from hybridkv.units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -129,12 +130,19 @@ def _shared_group_bytes(plan: Plan, geometry, requests: int, context: int) -> di
 
 
 def memory_for_requests(
-    layout: ModelCacheLayout, limits: Limits, requests: int, context_tokens: int
+    layout: ModelCacheLayout,
+    limits: Limits,
+    requests: int,
+    context_tokens: int,
+    *,
+    max_total_bytes: int | None = None,
 ) -> RequestMemory:
     """KV memory for ``requests`` requests at ``context_tokens`` each, in both page spaces.
 
     ``limits.max_running_requests`` must be at least ``requests`` (they all run at
-    once) and ``context_tokens`` at most ``limits.max_context_tokens``.
+    once) and ``context_tokens`` at most ``limits.max_context_tokens``. With
+    ``max_total_bytes``, a need beyond it raises ``ValueError`` before the shared
+    arena (whose search allocates per slab) is sized.
     """
     count = as_int("requests", requests, minimum=1)
     context = as_int("context_tokens", context_tokens, minimum=1)
@@ -148,6 +156,11 @@ def memory_for_requests(
             f"context_tokens={context:,} exceeds max_context_tokens={limits.max_context_tokens:,}"
         )
     plan = _smallest_per_group_plan(layout, limits, count, context)
+    if max_total_bytes is not None and plan.total_bytes > max_total_bytes:
+        raise ValueError(
+            f"{count:,} requests at {context:,} tokens need {format_bytes(plan.total_bytes)} "
+            f"in per-group pools, beyond the {format_bytes(max_total_bytes)} hybridkv plans for"
+        )
     budget = _smallest_shared_budget(plan, count, context)
     geometry = _shared_arena(plan, budget)
     return RequestMemory(

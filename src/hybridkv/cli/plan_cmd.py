@@ -214,7 +214,9 @@ def _run_inverse(args: argparse.Namespace, render) -> int:
 
     layout = build_layout(args)
     limits = resolve_limits(args, layout, running_default=args.requests)
-    need = memory_for_requests(layout, limits, args.requests, args.context_len)
+    need = memory_for_requests(
+        layout, limits, args.requests, args.context_len, max_total_bytes=a.MAX_KV_MEMORY_BYTES
+    )
     if args.json:
         report = need.per_group_plan.report(args.context_len)
         report["requests_memory"] = need.report()
