@@ -49,7 +49,9 @@ def test_parse_bytes(text, value):
     "text, match",
     [
         ("40G", "GiB .*GB"),
-        ("40 GiBs", "unknown byte unit"),
+        ("40 GiBs", "unknown unit"),
+        ("1,5GiB", "no commas"),
+        ("4" * 31, "more than 30 digits"),
         ("-5GiB", "negative"),
         ("abc", "cannot read"),
         ("", "cannot read"),
@@ -66,7 +68,7 @@ def test_parse_bytes_errors(text, match):
 
 @pytest.mark.parametrize(
     "text, value",
-    [("128k", 131_072), ("128K", 131_072), ("1M", 1_048_576), ("8192", 8192), ("1.5k", 1536), ("8,192", 8192)],
+    [("128k", 131_072), ("128K", 131_072), ("1M", 1_048_576), ("8192", 8192), ("1.5k", 1536), ("8_192", 8192)],
 )
 def test_parse_tokens(text, value):
     assert parse_tokens(text) == value
@@ -74,7 +76,7 @@ def test_parse_tokens(text, value):
 
 @pytest.mark.parametrize(
     "text, match",
-    [("1.1k", "whole number"), ("12x", "unknown token unit"), ("-1k", "negative"), ("k", "cannot read"), ("1.5", "whole")],
+    [("1.1k", "whole number"), ("12x", "unknown unit"), ("8,192", "no commas"), ("-1k", "negative"), ("k", "cannot read"), ("1.5", "whole")],
 )
 def test_parse_tokens_errors(text, match):
     with pytest.raises(ValueError, match=match):
@@ -96,10 +98,14 @@ def test_default_plan(capsys):
     code, out, err = _run(capsys, "plan")
     assert code == 0 and err == ""
     assert out.splitlines()[0] == (
-        "40.00 GiB holds 10,612,480 tokens; 81 concurrent requests at 128k "
-        "(limited by v4.c4a.compressed_kv)"
+        "40.00 GiB per GPU: 81 requests at 128k fit at once (limited by v4.c4a.compressed_kv)"
     )
+    assert out.splitlines()[1] == "deepseek-v4-flash: 43 layers, MXFP4 indexer keys (68 B/row)"
     assert "41,455 scheduler pages x 256 tokens = 10,612,480 tokens" in out
+    # 81 x 131,072 = 10,616,832 > 10,612,480: the spare pages (41,584 = 41,455 + 128 + 1) say why.
+    flat = " ".join(out.split())
+    assert "81 x 128k = 10,616,832 tokens > the budget" in flat
+    assert "(v4.c4a.compressed_kv: 41,584 = 41,455 + 128 + 1 null)" in flat
     assert "4,047.03 allocated vs 3,514.25 ideal" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("v4.")}
     assert rows["v4.c4a.compressed_kv"][4:7] == ["41,584", "877,632", "33.99"]
@@ -118,11 +124,11 @@ def test_pro_80gib_readable_table(capsys):
     assert pages == 59_906
     # 128k needs 513 pages of each compressed group: (59,906 + 129 - 1) // 513 = 117.
     assert out.splitlines()[0] == (
-        f"80.00 GiB holds {pages * 256:,} tokens; 117 concurrent requests at 128k "
-        "(limited by v4.c4a.compressed_kv)"
+        "80.00 GiB per GPU: 117 requests at 128k fit at once (limited by v4.c4a.compressed_kv)"
     )
+    assert f"= {pages * 256:,} tokens (token budget)" in out
     assert max(len(line) for line in out.splitlines()) <= 100
-    assert len(out.splitlines()) <= 16
+    assert len(out.splitlines()) <= 18
 
 
 def test_json_output(capsys):
@@ -223,10 +229,10 @@ BAD_INPUTS = [
     (["plan", "--kv-memory", "forty"], "cannot read 'forty'"),
     (["plan", "--kv-memory", "0"], "--kv-memory must be positive"),
     (["plan", "--kv-memory", "1MiB"], "too small.*at least 2,578,745,920 B"),
-    (["plan", "--max-running", "-3"], "whole number"),
+    (["plan", "--max-running", "-3"], "--max-running must not be negative"),
     (["plan", "--max-running", "0"], "--max-running must be positive"),
-    (["plan", "--max-running", "1.5"], "whole number"),
-    (["plan", "--chunk-tokens", "8x"], "unknown token unit"),
+    (["plan", "--max-running", "1.5"], "--max-running: '1.5' is not a whole number"),
+    (["plan", "--chunk-tokens", "8x"], "--chunk-tokens: unknown unit 'x'"),
     (["plan", "--chunk-tokens", "0"], "--chunk-tokens must be positive"),
     (["plan", "--max-context=-1M"], "negative"),
     (["plan", "--context-len", "2M"], "exceeds the max context"),
@@ -285,9 +291,11 @@ def test_shared_page_space_below_the_per_group_minimum(capsys):
     code, out, _ = _run(capsys, "plan", "--kv-memory", "2GiB", "--page-space", "shared")
     assert code == 0
     line = " ".join(out.split())
-    assert "per-group pools for 128 running requests do not fit 2.00 GiB" in line
+    # The headline describes the arena (no per-group pool figures, no "+286539.4%").
+    assert out.startswith("2.00 GiB per GPU as one shared arena: ")
+    assert "pools for 128 running requests do not fit 2.00 GiB (they need at least 2,578,745,920 B)" in line
     assert "only the shared arena runs in this budget" in line
-    assert "2,578,745,920 B used of 2,147,483,648 B (431,262,272 B over)" in line
+    assert "holds 256 tokens" not in line and "%" not in line
     code, out, _ = _run(capsys, "plan", "--kv-memory", "2GiB", "--page-space", "shared", "--json")
     assert json.loads(out)["shared_arena"]["per_group_pools_fit"] is False
 
@@ -298,8 +306,9 @@ def test_shared_page_space_line_and_json(capsys):
     assert code == 0
     # 2,785 slabs of 16 x 963,648 B; the shared figure (79) beats the per-group pools' 73.
     line = " ".join(out.split())
-    assert "shared arena 2,785 slabs x 14.70 MiB + 1.84 MiB of null pages: 79 concurrent requests at 128k" in line
-    assert "(per-group pools above: 73)" in line
+    assert line.startswith("40.00 GiB per GPU as one shared arena: 79 requests at 128k fit at once")
+    assert "shared arena 2,785 slabs x 14.70 MiB + 1.84 MiB of null pages" in line
+    assert "pools in the same budget fit 73 requests at 128k" in line
     code, out, _ = _run(capsys, "plan", "--page-space", "shared", "--json", *args)
     shared = json.loads(out)["shared_arena"]
     assert shared == {

@@ -101,12 +101,20 @@ def test_indexer_errors():
         v4.deepseek_v4_indexer_fp8_scale_bytes(64)
     with pytest.raises(ValueError, match="divisible by 128"):
         v4.deepseek_v4_indexer_fp8_row_bytes(192)
-    for bad in (0, -17, 16, 18, 67, 69):
+    for bad in (16, 18, 67, 69, -16):
         with pytest.raises(ValueError, match="multiple of 17"):
             v4.deepseek_v4_indexer_mxfp4_layout_from_row_bytes(bad)
-    for bad in (0, -132, 131, 133, 200):
+    for bad in (131, 133, 200, -131):
         with pytest.raises(ValueError, match="multiple of 132"):
             v4.deepseek_v4_indexer_fp8_layout_from_row_bytes(bad)
+
+
+def test_layout_inverses_take_zero_and_negative_multiples_as_the_seed():
+    # The seed only checks the block multiple: 0 bytes is 0 blocks, -17 is -1 block.
+    assert v4.deepseek_v4_indexer_mxfp4_layout_from_row_bytes(0) == (0, 0, 0)
+    assert v4.deepseek_v4_indexer_mxfp4_layout_from_row_bytes(-17) == (-32, -16, -1)
+    assert v4.deepseek_v4_indexer_fp8_layout_from_row_bytes(0) == (0, 0)
+    assert v4.deepseek_v4_indexer_fp8_layout_from_row_bytes(-132) == (-128, -4)
 
 
 @given(blocks=st.integers(min_value=1, max_value=4096))
@@ -177,12 +185,17 @@ def test_group_ids():
         ("v4.cxa.compressor_state", None),
         ("v4.c4a.compressor_state_", None),
         ("", None),
-        (None, None),
-        (4, None),
     ],
 )
 def test_parse_state_group_id(group_id, ratio):
     assert v4.parse_v4_compressor_state_group_id(group_id) == ratio
+
+
+@pytest.mark.parametrize("group_id", [None, 4])
+def test_parse_state_group_id_non_string_raises_as_the_seed(group_id):
+    # The seed calls str methods on the id: anything else raises AttributeError.
+    with pytest.raises(AttributeError):
+        v4.parse_v4_compressor_state_group_id(group_id)
 
 
 @given(ratio=st.integers(min_value=0, max_value=10**9))
@@ -235,7 +248,13 @@ def test_ratios_0_and_1_add_no_groups(ratios):
     assert specs == [FLASH_SPECS[0]]
 
 
-@pytest.mark.parametrize("bad", [2, 8, -1, 3, 64, 256])
+@pytest.mark.parametrize("ratios", [[-1], [-4, 0], [-128, 1, -7]])
+def test_ratios_below_2_add_no_groups_even_negative(ratios):
+    # The seed keeps only ratios > 1; a negative ratio is skipped like 0 and 1.
+    assert v4.build_v4_cache_specs(WINDOW, layer_ratio=ratios) == [FLASH_SPECS[0]]
+
+
+@pytest.mark.parametrize("bad", [2, 8, 3, 64, 256])
 def test_unsupported_ratio_raises(bad):
     with pytest.raises(ValueError, match="compress_ratio"):
         v4.build_v4_cache_specs(WINDOW, layer_ratio=[0, 4, bad])

@@ -323,7 +323,7 @@ def test_bad_sources(tmp_path):
         cache_layout(listing)
     binary = tmp_path / "binary.json"
     binary.write_bytes(b"\xff\xfe\x00")
-    with pytest.raises(ValueError, match="cannot read|not valid JSON"):
+    with pytest.raises(ValueError, match="cannot read|not valid JSON|not UTF-8 text"):
         cache_layout(binary)
     with pytest.raises(ValueError, match="cannot read a model config"):
         cache_layout(42)

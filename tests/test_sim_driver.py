@@ -104,7 +104,7 @@ def test_request_too_large_for_the_cache_is_reported():
 
 def test_request_longer_than_max_context_is_refused():
     requests = [Request("long", 0, np.arange(9000, dtype=np.int32), 2, np.array([1, 2], dtype=np.int32))]
-    with pytest.raises(ValueError, match="max context"):
+    with pytest.raises(ValueError, match=r"^1 request exceeds the max context of 8,192 tokens \(first: .long.\)"):
         Simulator(_manager(100), requests, max_running=4, step_token_budget=1024)
 
 
@@ -127,7 +127,7 @@ def test_simulate_cli_json_and_plot(tmp_path, capsys):
         (["--requests", "0"], "--requests must be positive"),
         (["--no-prefix-caching", "--state-checkpoint-interval", "512"], "needs --prefix-caching"),
         (["--kv-memory", "1MiB"], "too small"),
-        (["--min-chunk-tokens", "-1"], "--min-chunk-tokens must be >= 0"),
+        (["--min-chunk-tokens=-1"], "--min-chunk-tokens must not be negative"),
     ],
 )
 def test_simulate_cli_bad_input_is_one_line_exit_2(argv, message, capsys):
@@ -212,3 +212,41 @@ def test_simulate_shared_arena_2gib_multiturn_completes(capsys):
     assert code == 0, out.err
     summary = json.loads(out.out)
     assert summary["requests_finished"] == 128 and summary["preemptions"] == 0
+
+
+def _two(arrival_far: int):
+    ids = np.arange(1, 65, dtype=np.int32)
+    return [
+        Request("near", 0, ids, 4, np.array([1, 2, 3, 4], dtype=np.int32)),
+        Request("far", arrival_far, ids + 100, 4, np.array([5, 6, 7, 8], dtype=np.int32)),
+    ]
+
+
+def test_a_far_arrival_is_reached_by_skipping_idle_steps():
+    # Before: idle steps counted against a hidden 1,000,000-step cap and the run
+    # stopped quietly with 1 of 2 requests finished.
+    requests = _two(1_500_000)
+    result = Simulator(_manager(2000), requests, max_running=4, step_token_budget=1024).run()
+    assert sorted(r.request_id for r in result.requests) == ["far", "near"]
+    far = next(r for r in result.requests if r.request_id == "far")
+    assert far.start_step == 1_500_000
+    assert result.steps == 8  # 4 scheduled steps each: 64-token prefill + 3 decodes, twice
+    _check_conservation(result, requests)
+
+
+def test_reaching_max_steps_raises_instead_of_stopping_quietly():
+    requests = _two(10)
+    sim = Simulator(_manager(2000), requests, max_running=4, step_token_budget=1024, max_steps=5)
+    with pytest.raises(SimulationError, match="reached max_steps=5 scheduled steps with 1 of 2 requests"):
+        sim.run()
+
+
+def test_simulate_cli_far_arrival_trace_finishes_every_request(tmp_path, capsys):
+    trace = tmp_path / "far.jsonl"
+    trace.write_text(
+        '{"arrival": 0, "prompt_tokens": 300, "output_tokens": 3}\n'
+        '{"arrival": 1500000, "prompt_tokens": 300, "output_tokens": 3}\n'
+    )
+    code = main(["simulate", "--workload", str(trace), "--kv-memory", "8GiB", "--max-context", "64k", "--json"])
+    assert code == 0
+    assert json.loads(capsys.readouterr().out)["requests_finished"] == 2

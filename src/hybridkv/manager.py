@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from hybridkv import _checks
 from hybridkv._checks import as_int
 from hybridkv.arena import Arena, ArenaGeometry, _Scan, shared_arena_for
 from hybridkv.batch import Admission, GroupStats, GroupStep, StepBatch, TableUpdates, _fill
@@ -311,6 +312,9 @@ class CacheManager:
         cache_salt: str | bytes | None = None,
     ) -> PrefixHit:
         """Register a request; with prefix caching, borrow its cached prefix. Returns the hit."""
+        _checks.check_cache_salt(cache_salt, CacheManagerError)
+        if prompt_token_ids is not None:
+            _checks.check_token_ids("prompt_token_ids", prompt_token_ids, CacheManagerError)
         self._version += 1  # invalidates a cached admission
         self._tail = None  # tables may change outside schedule: the next decode step regathers
         if not isinstance(request_id, str) or not request_id:
@@ -365,6 +369,7 @@ class CacheManager:
 
     def append_token_ids(self, request_id: str, token_ids: Iterable[int] | np.ndarray) -> None:
         """Extend a request's known tokens (sampled outputs, draft tokens)."""
+        _checks.check_token_ids("token_ids", token_ids, CacheManagerError)
         self._version += 1  # invalidates a cached admission
         req = self._get(request_id)
         if req.token_ids is None:
@@ -391,6 +396,9 @@ class CacheManager:
         The decode-step form of ``append_token_ids``: one validation for the whole
         array; all or nothing.
         """
+        _checks.check_request_ids("request_ids", request_ids, CacheManagerError)
+        if len(request_ids) == 0:
+            return _checks.check_empty_token_batch(token_ids, CacheManagerError)
         self._version += 1  # invalidates a cached admission
         arr = np.asarray(token_ids)
         if arr.ndim != 2 or arr.shape[0] != len(request_ids):
@@ -443,6 +451,7 @@ class CacheManager:
         self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False
     ) -> list[Admission]:
         """Would each (request, new tokens) fit, taken greedily in order? Never mutates."""
+        _checks.check_items(items, CacheManagerError)
         answers, ok_idx, fits, deny, plan = self._admit(items, fixed_width)
         # schedule() right after, with the same items and no mutation between, reuses it.
         self._admitted = (self._version, list(items), fixed_width, (answers, ok_idx, fits, deny, plan))
@@ -907,6 +916,7 @@ class CacheManager:
         ``write_slots=False`` leaves every ``GroupStep.write_slots`` None, for an
         engine that computes them itself from its mirrored tables and the positions.
         """
+        _checks.check_items(items, CacheManagerError)
         items = items if type(items) is list else list(items)
         return self._schedule(items, None, fixed_width, block_tables, write_slots)
 
@@ -917,6 +927,7 @@ class CacheManager:
         """``schedule([(rid, num_tokens) for rid in request_ids])``, for a step in which
         every request gets the same count (decode, or verifying k draft tokens),
         without building the pairs. Same checks, errors and result."""
+        _checks.check_request_ids("request_ids", request_ids, CacheManagerError)
         rids = request_ids if type(request_ids) is tuple else tuple(request_ids)
         return self._schedule(None, (rids, num_tokens), fixed_width, block_tables, write_slots)
 

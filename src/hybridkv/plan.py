@@ -9,7 +9,7 @@ the reserved null page.
 
 * full history: ``ceil(total / T) + live + 1``
 * sliding: ``live * ceil(min(max(W - 1, 0) + k - 1, ctx) / T)
-  + ceil(min(sched, total) / T) + live + 1`` (the facts-doc formula at k = 1)
+  + ceil(min(sched, total) / T) + live + 1``
 """
 
 from __future__ import annotations
@@ -26,6 +26,15 @@ from hybridkv.units import format_bytes
 
 REPORT_SCHEMA_VERSION = 1
 
+# Beyond these, block tables and positions (int32) would overflow or tables would
+# not fit memory: refused when a Limits is built, before anything is allocated.
+LIMIT_MAXIMA = {
+    "max_running_requests": 2**20,
+    "max_scheduled_tokens": 2**31 - 1,
+    "max_context_tokens": 2**31 - 1,
+    "speculative_tokens": 2**16,
+}
+
 
 def _positive(name: str, value: object) -> int:
     return as_int(name, value, minimum=1)
@@ -40,7 +49,8 @@ class Limits:
     (``sched``, the chunk size); ``max_context_tokens``: longest request
     (``ctx``); ``speculative_tokens``: tokens a decoding request schedules per
     step (verify width ``k``; 1 without speculation), also the reservation
-    horizon of block tables.
+    horizon of block tables. Each must be a positive int no larger than
+    ``LIMIT_MAXIMA`` gives (positions are int32).
     """
 
     max_running_requests: int
@@ -49,13 +59,11 @@ class Limits:
     speculative_tokens: int = 1
 
     def __post_init__(self) -> None:
-        for name in (
-            "max_running_requests",
-            "max_scheduled_tokens",
-            "max_context_tokens",
-            "speculative_tokens",
-        ):
-            object.__setattr__(self, name, _positive(name, getattr(self, name)))
+        for name, most in LIMIT_MAXIMA.items():
+            value = _positive(name, getattr(self, name))
+            if value > most:
+                raise ValueError(f"{name}={value:,} is beyond {most:,}, the most hybridkv plans for")
+            object.__setattr__(self, name, value)
 
 
 def scheduler_page_tokens(specs: Iterable[CacheGroupSpec]) -> int:

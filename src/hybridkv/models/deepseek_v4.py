@@ -1,8 +1,12 @@
 """DeepSeek-V4 cache geometry and cache-group recipe (the engine-facing seed API).
 
-Names, values and error behaviour follow the facts doc
-(``shared/docs/deepseek-v4-cache.md`` §3-4). Integer-like arguments are
-converted with ``int()``.
+Names, values and error behaviour are the seed's: the engine-facing DeepSeek-V4
+cache geometry module this project started from (the ``deepseek_v4`` cache-spec
+module of the tokenspeed serving engine, LightSeek Foundation, MIT). Integer-like
+arguments are converted with ``int()``; inputs the seed accepts are accepted here
+with the same result (``tests/test_seed_compat.py`` checks a grid of them against
+an oracle of the seed's rules). hybridkv's own, stricter checks live in
+:func:`hybridkv.models.layout.cache_layout`.
 """
 
 from __future__ import annotations
@@ -94,21 +98,23 @@ def deepseek_v4_indexer_mxfp4_row_bytes(index_head_dim: int) -> int:
 def deepseek_v4_indexer_mxfp4_layout_from_row_bytes(row_bytes: int) -> tuple[int, int, int]:
     """Inverse of the MXFP4 row size: ``(index_head_dim, value_bytes, scale_bytes)``.
 
-    ``row_bytes`` must be a whole number of 17-byte blocks (16 value + 1 scale).
+    ``row_bytes`` must be a whole number of 17-byte blocks (16 value + 1 scale);
+    as in the seed, 0 gives ``(0, 0, 0)`` and a negative multiple negative sizes
+    (:func:`hybridkv.models.layout.cache_layout` refuses those itself).
     """
     row_bytes = int(row_bytes)
     block_value_bytes = DEEPSEEK_V4_MXFP4_BLOCK_SIZE // 2
     block_bytes = block_value_bytes + DEEPSEEK_V4_MXFP4_SCALE_BYTES
-    if row_bytes <= 0 or row_bytes % block_bytes:
+    if row_bytes % block_bytes:
         raise ValueError(
-            f"MXFP4 indexer row bytes must be a positive multiple of {block_bytes}, got {row_bytes}"
+            f"MXFP4 indexer row bytes must be a multiple of {block_bytes} (value + scale), "
+            f"got {row_bytes}"
         )
     blocks = row_bytes // block_bytes
-    return (
-        blocks * DEEPSEEK_V4_MXFP4_BLOCK_SIZE,
-        blocks * block_value_bytes,
-        blocks * DEEPSEEK_V4_MXFP4_SCALE_BYTES,
-    )
+    dim = blocks * DEEPSEEK_V4_MXFP4_BLOCK_SIZE
+    if deepseek_v4_indexer_mxfp4_scale_dim(dim) != blocks * DEEPSEEK_V4_MXFP4_SCALE_BYTES:
+        raise ValueError(f"invalid MXFP4 indexer row bytes {row_bytes} for index_head_dim={dim}")
+    return dim, blocks * block_value_bytes, blocks * DEEPSEEK_V4_MXFP4_SCALE_BYTES
 
 
 def deepseek_v4_indexer_fp8_scale_bytes(index_head_dim: int) -> int:
@@ -127,15 +133,20 @@ def deepseek_v4_indexer_fp8_row_bytes(index_head_dim: int) -> int:
 
 
 def deepseek_v4_indexer_fp8_layout_from_row_bytes(row_bytes: int) -> tuple[int, int]:
-    """Inverse of the FP8 row size: ``(index_head_dim, scale_bytes)``; a multiple of 132."""
+    """Inverse of the FP8 row size: ``(index_head_dim, scale_bytes)``; a multiple of 132
+    (0 gives ``(0, 0)``, as in the seed)."""
     row_bytes = int(row_bytes)
     block_bytes = DEEPSEEK_V4_FP8_INDEXER_BLOCK_SIZE + DEEPSEEK_V4_FP8_SCALE_BYTES
-    if row_bytes <= 0 or row_bytes % block_bytes:
+    if row_bytes % block_bytes:
         raise ValueError(
-            f"FP8 indexer row bytes must be a positive multiple of {block_bytes}, got {row_bytes}"
+            f"FP8 indexer row bytes must be a multiple of {block_bytes} (value + scale), "
+            f"got {row_bytes}"
         )
-    blocks = row_bytes // block_bytes
-    return blocks * DEEPSEEK_V4_FP8_INDEXER_BLOCK_SIZE, blocks * DEEPSEEK_V4_FP8_SCALE_BYTES
+    dim = row_bytes // block_bytes * DEEPSEEK_V4_FP8_INDEXER_BLOCK_SIZE
+    scale_bytes = deepseek_v4_indexer_fp8_scale_bytes(dim)
+    if dim + scale_bytes != row_bytes:
+        raise ValueError(f"invalid FP8 indexer row bytes {row_bytes} for index_head_dim={dim}")
+    return dim, scale_bytes
 
 
 # --- group ids --------------------------------------------------------------
@@ -153,9 +164,8 @@ def v4_compressed_kv_group_id(ratio: int) -> str:
 
 
 def parse_v4_compressor_state_group_id(group_id: str) -> int | None:
-    """The ratio of a ``v4.c{r}a.compressor_state`` id, or ``None`` for any other id."""
-    if not isinstance(group_id, str):
-        return None
+    """The ratio of a ``v4.c{r}a.compressor_state`` id, or ``None`` for any other
+    string (a non-string raises, as in the seed)."""
     if not (group_id.startswith(_PREFIX) and group_id.endswith(_STATE_SUFFIX)):
         return None
     text = group_id[len(_PREFIX) : len(group_id) - len(_STATE_SUFFIX)]
@@ -188,7 +198,7 @@ def resolve_sliding_window(hf_config: Any) -> int:
         if window <= 0:
             raise ValueError(f"sliding_window must be positive, got {value!r}")
         return window
-    raise ValueError("DeepSeek V4 config is missing sliding_window")
+    raise ValueError("DeepSeek V4 hf_config is missing sliding_window")
 
 
 def compressed_rows_per_page(ratio: int) -> int:
@@ -221,7 +231,7 @@ def v4_checkpoint_window_tokens(specs: Sequence[Any]) -> dict[str, int]:
     V4 prefix grain is: the history pages span 256 tokens).
 
     Window KV: the whole window (token ``D`` attends to ``[D-127, D]``). Compressor
-    states (section 2 of the facts): the rows of windows that entries after ``D``
+    states: the rows of windows that entries after ``D``
     still pool, 4 tokens at ratio 4 and none at ratio 128, where ``D`` closes a window.
     Groups not recognized keep their whole window.
     """
@@ -260,7 +270,13 @@ def build_v4_cache_specs(
     state and compressed groups, then the indexer state (only when ratio 4 is present).
 
     ``speculative_tokens`` (verify width k >= 1) widens the ratio-4 state windows to
-    ``max(8, 4 + k)``; the default leaves them at 8.
+    ``max(8, 4 + k)``; the default leaves them at 8 (hybridkv's one extension).
+
+    As in the seed: ``hf_config.sliding_window`` is read, else
+    ``hf_config.text_config.sliding_window``; ratios of 1 or less (0, 1, negative)
+    are skipped; any other ratio than 4 or 128 raises ``ValueError``. Beyond the
+    seed, a mapping config (a parsed ``config.json``) is read by key as well.
+    :func:`hybridkv.models.layout.cache_layout` is the stricter layer.
     """
     if isinstance(speculative_tokens, bool):
         raise ValueError("speculative_tokens must be a positive integer")
@@ -268,7 +284,10 @@ def build_v4_cache_specs(
     if speculative_tokens <= 0:
         raise ValueError(f"speculative_tokens must be a positive integer, got {speculative_tokens}")
     window = resolve_sliding_window(hf_config)
-    ratios = compress_ratios_in(layer_ratio)
+    ratios = sorted({int(r) for r in layer_ratio if int(r) > 1})
+    for ratio in ratios:
+        if ratio not in SUPPORTED_COMPRESS_RATIOS:
+            raise ValueError(f"unsupported DeepSeek V4 compress_ratio={ratio}; expected 4 or 128")
     specs = [
         PagedCacheGroupSpec(
             group_id=V4_SWA_KV_GROUP_ID,

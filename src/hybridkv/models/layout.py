@@ -2,7 +2,7 @@
 
 ``cache_layout`` reads a Hugging Face ``config.json`` (a path, a dict, a config
 object, or a bundled name) into a frozen :class:`ModelCacheLayout`. Page bytes
-follow the exact DeepSeek-V4 page formats (facts doc §4):
+follow the exact DeepSeek-V4 page formats (docs/planning.md has the byte sums):
 
 * KV pages (window and compressed groups) are structure-of-arrays: ``rows``
   token-data blocks then ``rows`` scale blocks, the page stride padded up to a
@@ -20,7 +20,7 @@ import operator
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib import resources
+from types import SimpleNamespace
 from typing import Any
 
 from hybridkv.models import deepseek_v4 as v4
@@ -34,8 +34,11 @@ FP32_BYTES = 4
 # --- reading configs ----------------------------------------------------------
 
 def _bundled_config(name: str) -> dict[str, Any]:
-    text = resources.files("hybridkv.models").joinpath("configs", f"{name}.json").read_text("utf-8")
-    return json.loads(text)
+    # Read beside this file (package data), not through importlib.resources: that
+    # import alone costs more than the rest of `hybridkv plan`'s start.
+    path = os.path.join(os.path.dirname(__file__), "configs", f"{name}.json")
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
 
 
 def _read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -43,7 +46,7 @@ def _read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8-sig") as handle:
             data = json.load(handle)
     except FileNotFoundError:
         raise ValueError(
@@ -51,8 +54,12 @@ def _read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         ) from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"config {path!r} is not valid JSON: {exc}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read config {path!r}: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"config {path!r}: JSON nested too deeply") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"config {path!r} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read config {path!r}: {exc.strerror or exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config {path!r} must hold a JSON object, got {type(data).__name__}")
     return data
@@ -230,6 +237,11 @@ def _layer_ratios(config: Mapping[str, Any], include_mtp: bool) -> tuple[int, in
             f"num_nextn_predict_layers={num_mtp} but compress_ratios has only {extra} "
             f"entries after the {num_main} main layers"
         )
+    if include_mtp and num_mtp == 0:
+        raise ValueError(
+            "include_mtp: the config has no MTP layer (num_nextn_predict_layers is 0 or "
+            "compress_ratios has no entry after the main layers)"
+        )
     selected = ratios[: num_main + (num_mtp if include_mtp else 0)]
     return num_main, num_mtp, tuple(selected)
 
@@ -262,13 +274,18 @@ def cache_layout(
     rope_dim = _config_int(config, "qk_rope_head_dim")
     kv_row_bytes = v4.deepseek_v4_swa_row_bytes(head_dim, rope_dim)
     token_stride_bytes = v4.deepseek_v4_swa_token_stride(head_dim, rope_dim)
+    uses_indexer = 4 in v4.compress_ratios_in(ratios)  # refuses ratios other than 0, 1, 4, 128
     try:
+        window = v4.resolve_sliding_window(config)
         specs = tuple(
-            v4.build_v4_cache_specs(config, layer_ratio=ratios, speculative_tokens=speculative_tokens)
+            v4.build_v4_cache_specs(
+                SimpleNamespace(sliding_window=window),
+                layer_ratio=ratios,
+                speculative_tokens=speculative_tokens,
+            )
         )
     except TypeError as exc:  # e.g. a list where the seed expects an integer
         raise ValueError(f"invalid DeepSeek-V4 config or arguments: {exc}") from None
-    uses_indexer = 4 in v4.compress_ratios_in(ratios)
     index_head_dim = None
     indexer_row_bytes = None
     if uses_indexer or _lookup(config, "index_head_dim") is not None:
@@ -330,7 +347,7 @@ def cache_layout(
         rope_dim=rope_dim,
         index_head_dim=index_head_dim,
         indexer=indexer,
-        sliding_window_tokens=v4.resolve_sliding_window(config),
+        sliding_window_tokens=window,
         speculative_tokens=int(speculative_tokens),
         max_position_embeddings=max_positions,
         kv_row_bytes=kv_row_bytes,

@@ -120,7 +120,13 @@ class SimulationError(ValueError):
 
 
 class Simulator:
-    """Drive ``manager`` with ``requests`` under a per-step token budget."""
+    """Drive ``manager`` with ``requests`` under a per-step token budget.
+
+    Steps are a clock: a request arrives at its ``arrival_step``. Idle stretches
+    (nothing running or waiting) are skipped to the next arrival, so far arrivals
+    cost nothing. ``max_steps`` bounds the steps that schedule work; reaching it
+    raises :class:`SimulationError` (a run is never cut short silently).
+    """
 
     def __init__(
         self,
@@ -148,8 +154,9 @@ class Simulator:
         total = [r.prompt_tokens + r.output_tokens for r in self.requests]
         too_long = [r.request_id for r, t in zip(self.requests, total) if t > manager.max_context_tokens]
         if too_long:
+            count = "1 request exceeds" if len(too_long) == 1 else f"{len(too_long):,} requests exceed"
             raise ValueError(
-                f"{len(too_long)} requests exceed the max context of {manager.max_context_tokens} tokens "
+                f"{count} the max context of {manager.max_context_tokens:,} tokens "
                 f"(first: {too_long[0]!r})"
             )
 
@@ -168,7 +175,13 @@ class Simulator:
         used = {g: [] for g in gids}
         blocked: list[Request] = []
         step = 0
-        while (pending or waiting or running or blocked) and step < self.max_steps:
+        while pending or waiting or running or blocked:
+            if len(series["running"]) >= self.max_steps:
+                raise SimulationError(
+                    f"the run reached max_steps={self.max_steps:,} scheduled steps with "
+                    f"{len(records):,} of {len(self.requests):,} requests finished; "
+                    "raise max_steps or run fewer requests"
+                )
             # Arrivals whose dependency finished.
             while pending and pending[0].arrival_step <= step:
                 blocked.append(pending.popleft())
@@ -179,6 +192,15 @@ class Simulator:
                 else:
                     still.append(r)
             blocked = still
+            if not (waiting or running):
+                # Idle: nothing to schedule until the next arrival, so skip to it.
+                if pending:
+                    step = max(step + 1, pending[0].arrival_step)
+                    continue
+                raise SimulationError(
+                    f"request {blocked[0].request_id!r} waits for "
+                    f"{blocked[0].after_request_id!r}, which never runs"
+                )
             us = 0.0
             preempted_now = 0
             memory_short = False  # a chunk was shrunk to fit: no room to start others

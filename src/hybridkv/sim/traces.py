@@ -18,6 +18,12 @@ class TraceFormatError(ValueError):
     """A JSONL trace line is malformed; the message names the file and line."""
 
 
+# Bounds checked while reading, before any token array is allocated.
+MAX_REQUEST_TOKENS = 2**31 - 1  # prompt + output of one request (int32 positions)
+MAX_TRACE_TOKENS = 2**32  # prompt + output over the whole trace (16 GiB of int32 ids)
+MAX_ARRIVAL_STEP = 2**62
+
+
 _TRACE_KEYS = frozenset(
     {
         "arrival",
@@ -62,6 +68,7 @@ def _parse_trace_line(
     vocab_size: int,
     arrival_steps_per_unit: float,
     seen_ids: dict[str, int],
+    max_request_tokens: int,
 ) -> _TraceLine:
     def fail(message: str) -> TraceFormatError:
         return TraceFormatError(f"line {line_no}: {message}")
@@ -101,6 +108,8 @@ def _parse_trace_line(
     if not math.isfinite(arrival) or arrival < 0:
         raise fail(f"'arrival' must be finite and >= 0, got {arrival!r}")
     arrival_step = math.floor(arrival * arrival_steps_per_unit)
+    if arrival_step > MAX_ARRIVAL_STEP:
+        raise fail(f"'arrival' step {arrival_step:,} is beyond {MAX_ARRIVAL_STEP:,}")
 
     has_ids, has_count = "prompt_token_ids" in obj, "prompt_tokens" in obj
     if has_ids == has_count:
@@ -132,6 +141,11 @@ def _parse_trace_line(
             )
 
     output_tokens = positive_int("output_tokens")
+    if prompt_tokens + output_tokens > max_request_tokens:
+        raise fail(
+            f"prompt and output tokens ({prompt_tokens + output_tokens:,}) exceed "
+            f"{max_request_tokens:,}, the longest request allowed"
+        )
     output_ids: list[int] | None = None
     if "output_token_ids" in obj:
         output_ids = token_list("output_token_ids")
@@ -173,6 +187,26 @@ def _parse_trace_line(
     )
 
 
+def _json_line(text: str, line_no: int) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"line {line_no}: invalid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise TraceFormatError(f"line {line_no}: JSON nested too deeply") from None
+
+
+def _decoded_lines(handle) -> Iterable[str]:
+    """Text lines of a binary file; a line that is not UTF-8 raises naming it."""
+    for line_no, raw in enumerate(handle, start=1):
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise TraceFormatError(
+                f"line {line_no}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
+            ) from None
+
+
 def _prefix_stream(seed: int, prefix_key: str, count: int, vocab_size: int) -> np.ndarray:
     """The shared-prefix ids of one ``prefix_id``: a function of (seed, id) only."""
     digest = xxhash.xxh64_intdigest(prefix_key.encode())
@@ -185,12 +219,16 @@ def parse_jsonl_trace(
     seed: int = 0,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     arrival_steps_per_unit: float = 1.0,
+    max_request_tokens: int = MAX_REQUEST_TOKENS,
 ) -> list[Request]:
     """Requests from JSONL text lines (format: ``docs/workloads.md``).
 
     Blank lines are skipped. Ids not given in the trace (prompt suffixes,
     outputs) are drawn from ``seed`` in line order; shared prefixes from
-    ``(seed, prefix_id)``. Raises :class:`TraceFormatError` naming the line.
+    ``(seed, prefix_id)``. A UTF-8 byte-order mark on the first line is skipped.
+    Raises :class:`TraceFormatError` naming the line, also for a request longer
+    than ``max_request_tokens`` and a trace of more than ``MAX_TRACE_TOKENS``
+    tokens in all (both checked before any token array is allocated).
     """
     _check_vocab(vocab_size)
     if not (
@@ -204,20 +242,26 @@ def parse_jsonl_trace(
         )
     parsed: list[_TraceLine] = []
     seen_ids: dict[str, int] = {}
+    total_tokens = 0
     for line_no, text in enumerate(lines, start=1):
+        if line_no == 1 and text.startswith("\ufeff"):
+            text = text[1:]
         if not text.strip():
             continue
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise TraceFormatError(f"line {line_no}: invalid JSON ({exc.msg})") from None
+        obj = _json_line(text, line_no)
         entry = _parse_trace_line(
             obj,
             line_no,
             vocab_size=vocab_size,
             arrival_steps_per_unit=arrival_steps_per_unit,
             seen_ids=seen_ids,
+            max_request_tokens=max_request_tokens,
         )
+        total_tokens += entry.prompt_tokens + entry.output_tokens
+        if total_tokens > MAX_TRACE_TOKENS:
+            raise TraceFormatError(
+                f"line {line_no}: the trace holds more than {MAX_TRACE_TOKENS:,} tokens in all"
+            )
         seen_ids[entry.request_id] = line_no
         parsed.append(entry)
     if not parsed:
@@ -270,16 +314,19 @@ def load_jsonl_trace(
     seed: int = 0,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     arrival_steps_per_unit: float = 1.0,
+    max_request_tokens: int = MAX_REQUEST_TOKENS,
 ) -> list[Request]:
-    """Read a JSONL trace file; errors read ``<path>: line N: ...``."""
+    """Read a JSONL trace file (a pipe such as ``/dev/stdin`` too); errors read
+    ``<path>: line N: ...``, a line that is not UTF-8 included."""
     path = Path(path)
-    with path.open(encoding="utf-8") as handle:
+    with path.open("rb") as handle:
         try:
             return parse_jsonl_trace(
-                handle,
+                _decoded_lines(handle),
                 seed=seed,
                 vocab_size=vocab_size,
                 arrival_steps_per_unit=arrival_steps_per_unit,
+                max_request_tokens=max_request_tokens,
             )
         except TraceFormatError as exc:
             raise TraceFormatError(f"{path}: {exc}") from None

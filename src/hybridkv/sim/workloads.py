@@ -221,12 +221,20 @@ def longctx_workload(
 WORKLOAD_NAMES = ("chat", "multiturn", "longctx")
 
 
-def build_workload(name_or_path: str, *, num_requests: int | None = None, seed: int = 0) -> list[Request]:
+def build_workload(
+    name_or_path: str,
+    *,
+    num_requests: int | None = None,
+    seed: int = 0,
+    max_request_tokens: int | None = None,
+) -> list[Request]:
     """``chat``, ``multiturn``, ``longctx`` on their defaults, or a JSONL trace path.
 
     ``num_requests`` overrides the request count; for ``multiturn`` it is the
     total over all turns (``ceil(n / 4)`` conversations of 4 turns, cut to
-    ``n`` in turn-major order). A trace is cut to its first ``n`` requests.
+    ``n`` in turn-major order). A trace is cut to its first ``n`` requests, and
+    any of its requests longer than ``max_request_tokens`` is refused while the
+    file is read.
     """
     if num_requests is not None:
         _check_int("num_requests", num_requests, minimum=1)
@@ -240,11 +248,17 @@ def build_workload(name_or_path: str, *, num_requests: int | None = None, seed: 
     if name_or_path == "longctx":
         return longctx_workload(num_requests or 8, seed=seed)
     path = Path(name_or_path)
-    if not path.is_file():
+    try:
+        readable = path.exists() and not path.is_dir()
+    except OSError:  # e.g. a name longer than the system allows
+        readable = False
+    if not readable:
+        shown = name_or_path if len(name_or_path) <= 60 else name_or_path[:57] + "..."
         raise ValueError(
-            f"workload must be one of {WORKLOAD_NAMES} or a JSONL trace file, got {name_or_path!r}"
+            f"workload must be one of {', '.join(WORKLOAD_NAMES)} or a JSONL trace file, got {shown!r}"
         )
-    requests = load_jsonl_trace(path, seed=seed)
+    limits = {} if max_request_tokens is None else {"max_request_tokens": max_request_tokens}
+    requests = load_jsonl_trace(path, seed=seed, **limits)
     return requests if num_requests is None else requests[:num_requests]
 
 
