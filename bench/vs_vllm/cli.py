@@ -233,12 +233,13 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Path]:
     p.add_argument("--block-tables", choices=("updates", "full"), default="updates", help="hybridkv only")
     p.add_argument("--write-slots", action=argparse.BooleanOptionalAction, default=True, help="hybridkv only")
     p.add_argument("--quick", action="store_true",
-                   help="smoke test (~1 min): 3 rounds of 16 steps, smaller prefill, multi-turn and capacity")
+                   help="smoke test (~1 min on a quiet machine): sizes 32 and 256, 3 rounds of 16 steps, "
+                        "smaller prefill, multi-turn and capacity phases")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)
     a = p.parse_args(argv)
     HybridkvSide.block_tables, HybridkvSide.write_slots = a.block_tables, a.write_slots
     if a.quick:
-        a.rounds, a.serving_steps, a.decode_steps = 3, 16, 16
+        a.sizes, a.rounds, a.serving_steps, a.decode_steps = "32,256", 3, 16, 16
         a.prefill_requests, a.prefill_tokens, a.conversations, a.turns = 1, 8_192, 4, 2
         a.context, a.capacity_limit, a.capacity_max_running = 32_768, 8, 0
     phases = tuple(x for x in a.phases.split(",") if x)

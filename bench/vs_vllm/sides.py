@@ -7,9 +7,11 @@ manager call's wall time accumulates per method; ``take_timings`` returns
 and resets it.
 
 hybridkv is driven through its public API only: ``CacheManager.from_plan``,
-``add_request``, ``check_admission``, ``schedule``, ``schedule_uniform``,
-``append_token_ids``, ``append_token_ids_many``, ``free``, ``stats``,
-``request_pages`` and ``clear_prefix_cache``.
+``add_request``, ``schedule``, ``schedule_uniform``, ``append_token_ids``,
+``append_token_ids_many``, ``free``, ``stats``, ``request_pages``,
+``clear_prefix_cache`` and ``CacheManagerError``; ``plan_for_budget``,
+``Limits`` and ``cache_layout`` for the plan; the arena module's
+``shared_arena_for`` / ``shared_concurrency`` for the capacity figures.
 """
 
 from __future__ import annotations
@@ -194,12 +196,14 @@ class HybridkvSide:
             self.probe_hit(request)
         items = [(request.request_id, int(num_new_tokens))]
         start = time.perf_counter_ns()
-        ok = self.manager.check_admission(items)[0].ok
-        if ok:
+        try:  # all or nothing: a step that does not fit raises and changes nothing
             self.manager.schedule(items, block_tables=self.block_tables, write_slots=self.write_slots)
-        elif not request.scheduled:
-            self.manager.free(request.request_id)  # undo the probe's borrow
-            request.added = False
+            ok = True
+        except self._error:
+            ok = False
+            if not request.scheduled:
+                self.manager.free(request.request_id)  # undo the probe's borrow
+                request.added = False
         self._timed("allocate", start)
         if ok:
             request.scheduled = True
