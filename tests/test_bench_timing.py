@@ -90,11 +90,26 @@ def test_steady_start_spreads_the_finishes_over_the_horizon(vs):
     requests = vs.workload.serving_requests(20, seed=0)
     produced = vs.workload.steady_start(requests, finishes_per_step=2, horizon_steps=5, seed=1)
     left = [r.output_tokens - p for r, p in zip(requests, produced)]
-    assert left[:10] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert sorted(left[:10]) == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]  # two finish in each of the 5 steps
+    by_output = sorted(range(10), key=lambda j: requests[j].output_tokens)
+    assert [left[j] for j in by_output] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]  # shortest outputs first
     assert all(5 < x < r.output_tokens for x, r in zip(left[10:], requests[10:]))
     assert all(p >= 1 for p in produced)
     with pytest.raises(ValueError, match="need that many"):
         vs.workload.steady_start(requests, finishes_per_step=3, horizon_steps=7, seed=1)
+
+
+def test_steady_start_fits_a_horizon_longer_than_the_shortest_output(vs):
+    """128 finishers over 128 steps with outputs from 64 tokens: the shortest get the
+    earliest finishes, and every request still has produced at least one token."""
+    requests = vs.workload.serving_requests(128, seed=0)
+    produced = vs.workload.steady_start(requests, finishes_per_step=1, horizon_steps=128, seed=1)
+    left = sorted(r.output_tokens - p for r, p in zip(requests, produced))
+    assert left == list(range(128)) and min(produced) >= 1
+    short = vs.workload.ServingShape(output_tokens=(4, 8))
+    with pytest.raises(ValueError, match="cannot leave"):
+        vs.workload.steady_start(vs.workload.serving_requests(20, seed=0, shape=short), finishes_per_step=1,
+                                 horizon_steps=20, seed=1)
 
 
 def test_finishes_per_step_is_running_over_mean_output_at_least_one(vs):

@@ -79,13 +79,14 @@ def steady_start(requests: list[ServingRequest], *, finishes_per_step: int, hori
                  seed: int) -> list[int]:
     """Output tokens each request has produced when the timed steps begin.
 
-    Request ``j < finishes_per_step * horizon_steps`` has ``j // finishes_per_step``
-    output tokens left: those with none left finish before step 0's batch (they
-    are freed in step 0), the next ``finishes_per_step`` get their last token in
-    step 0 and are freed in step 1, and so on, so every step of the horizon frees
-    at least that many. Every other request has at least ``horizon_steps`` tokens
-    left (uniform from there to all but one) where its output allows, else all
-    but one (it then finishes inside the horizon too, as a short request would).
+    The first ``finishes_per_step * horizon_steps`` requests finish inside the
+    horizon: ``finishes_per_step`` of them have no token left (they are freed in
+    step 0), as many have one left (they get their last token in step 0 and are
+    freed in step 1), and so on, so every step of the horizon frees at least that
+    many; the shortest outputs get the fewest tokens left, so each fits its
+    share. Every other request has at least ``horizon_steps`` tokens left
+    (uniform from there to all but one) where its output allows, else all but
+    one (it then finishes inside the horizon too, as a short request would).
     Every request has produced at least one token (its prefill sampled it).
     """
     if finishes_per_step < 1 or horizon_steps < 1:
@@ -93,15 +94,15 @@ def steady_start(requests: list[ServingRequest], *, finishes_per_step: int, hori
     finishing = finishes_per_step * horizon_steps
     if finishing > len(requests):
         raise ValueError(f"{finishing} finishes need that many running requests, got {len(requests)}")
+    by_output = sorted(range(finishing), key=lambda j: requests[j].output_tokens)
+    left = {j: rank // finishes_per_step for rank, j in enumerate(by_output)}
     rng = np.random.default_rng(seed)
+    for j in range(finishing, len(requests)):
+        total = requests[j].output_tokens
+        left[j] = int(rng.integers(horizon_steps, total)) if total - 1 > horizon_steps else total - 1
     produced = []
     for j, request in enumerate(requests):
-        total = request.output_tokens
-        if j < finishing:
-            left = j // finishes_per_step
-        else:
-            left = int(rng.integers(horizon_steps, total)) if total - 1 > horizon_steps else total - 1
-        if left >= total:
-            raise ValueError(f"{request.request_id}: {total} output tokens cannot leave {left}")
-        produced.append(total - left)
+        if left[j] >= request.output_tokens:
+            raise ValueError(f"{request.request_id}: {request.output_tokens} output tokens cannot leave {left[j]}")
+        produced.append(request.output_tokens - left[j])
     return produced
