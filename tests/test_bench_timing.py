@@ -123,13 +123,15 @@ def test_a_tiny_run_without_vllm_reports_every_phase(vs, tmp_path, capsys):
         shape=vs.workload.ServingShape(prompt_tokens=(64, 512), output_tokens=(12, 40), prefix_tokens=32),
         kv_memory_bytes=2 * 2**30, max_model_len=8192, prefill_requests=1, prefill_tokens=2048, conversations=2,
         turns=2, system_prompt_tokens=200, context_tokens=8192, capacity_limit=3, capacity_max_running=None,
-        other_max_num_seqs=8)
+        capacity_variants=True, other_max_num_seqs=8)
     report = vs.cli.run(config, "no vLLM here", log=lambda line: None)
     json.dumps(report)  # what the CLI writes
     results = report["results"]
     assert set(results["serving"]) == set(results["decode"]) == {"4", "8"}
     assert set(results["fits"]["decode"]["hybridkv"]) == {"fixed_us_per_step", "us_per_request", "sizes"}
-    assert results["capacity"]["hybridkv"]["shrinking_chunks"]["measured_requests"] == 3  # the limit
+    capacity = results["capacity"]["hybridkv"]
+    assert capacity["shrinking_chunks"]["measured_requests"] == 3  # the limit
+    assert capacity["fixed_chunks"]["measured_requests"] == capacity["per_group_pools_8"]["measured_requests"] == 3
     assert 0 < results["multiturn"]["hybridkv"]["hit_rate"] < 1
     vs.report.print_report(report)
     printed = capsys.readouterr().out

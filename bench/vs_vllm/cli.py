@@ -49,6 +49,7 @@ class BenchConfig:
     capacity_limit: int = 1_000
     capacity_min_chunk_tokens: int = 256
     capacity_max_running: int | None = 96
+    capacity_variants: bool = False
     other_max_num_seqs: int = 256
     seed: int = 0
     page_space: str = "shared"
@@ -138,23 +139,28 @@ def run_others(config: BenchConfig, sides: Sides, log: Callable[[str], None]) ->
 
 
 def run_capacity(config: BenchConfig, live: dict[str, Any], sides: Sides, log: Callable[[str], None]) -> dict:
-    """Both sides with chunks that shrink to fit and with fixed chunks; hybridkv also with
-    per-group pools (sized for ``other_max_num_seqs`` and ``capacity_max_running``)."""
+    """Both sides with chunks that shrink to fit; with ``capacity_variants`` also with fixed
+    chunks, and hybridkv with per-group pools (sized for ``other_max_num_seqs`` and
+    ``capacity_max_running``)."""
     out: dict[str, Any] = dict(byte_ideal=byte_ideal_capacity(config.kv_memory_bytes, config.context_tokens))
     kwargs = dict(context_tokens=config.context_tokens, chunk_tokens=config.chunk_tokens, seed=config.seed,
                   limit=config.capacity_limit)
+    variants = [("shrinking_chunks", config.capacity_min_chunk_tokens)]
+    if config.capacity_variants:
+        variants.append(("fixed_chunks", config.chunk_tokens))
     for name, side in live.items():
         out[name] = {
             phase: _timed_log(log, f"{name}: {phase}", lambda s=side, f=floor: measure_capacity(
                 s, min_chunk_tokens=f, **kwargs))
-            for phase, floor in (("shrinking_chunks", config.capacity_min_chunk_tokens),
-                                 ("fixed_chunks", config.chunk_tokens))
+            for phase, floor in variants
         }
     held = out["hybridkv"]["shrinking_chunks"]["first_request_pages_per_group"]
     if held:
         out["hybridkv"]["bound_shrinking_chunks"] = layout_capacity_bound(
             config.kv_memory_bytes, held, config.capacity_min_chunk_tokens)
         out["hybridkv"]["bound_fixed_chunks"] = layout_capacity_bound(config.kv_memory_bytes, held, config.chunk_tokens)
+    if not config.capacity_variants:
+        return out
     for running in filter(None, (config.other_max_num_seqs, config.capacity_max_running)):
         side = HybridkvSide(kv_memory_bytes=config.kv_memory_bytes,
                             max_model_len=max(config.max_model_len, config.context_tokens),
@@ -224,8 +230,11 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Path]:
     p.add_argument("--context", type=int, default=131_072, help="capacity phase: tokens per request")
     p.add_argument("--capacity-limit", type=int, default=1_000)
     p.add_argument("--capacity-min-chunk", type=int, default=256)
+    p.add_argument("--capacity-variants", action="store_true",
+                   help="capacity also with fixed chunks (both sides) and with hybridkv's per-group pools "
+                        "(~3 more minutes)")
     p.add_argument("--capacity-max-running", type=int, default=96,
-                   help="also measure hybridkv's per-group pools sized for this many running (0: skip)")
+                   help="with --capacity-variants: per-group pools also sized for this many running (0: skip)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--page-space", choices=("shared", "per-group"), default="shared", help="hybridkv only")
     p.add_argument("--prompt-checkpoints", action=argparse.BooleanOptionalAction, default=True, help="hybridkv only")
@@ -253,7 +262,8 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Path]:
         kv_memory_bytes=int(a.kv_memory_gib * GIB), phases=phases, prefill_requests=a.prefill_requests,
         prefill_tokens=a.prefill_tokens, conversations=a.conversations, turns=a.turns, context_tokens=a.context,
         capacity_limit=a.capacity_limit, capacity_min_chunk_tokens=a.capacity_min_chunk,
-        capacity_max_running=a.capacity_max_running or None, seed=a.seed, page_space=a.page_space,
+        capacity_max_running=a.capacity_max_running or None, capacity_variants=a.capacity_variants, seed=a.seed,
+        page_space=a.page_space,
         prompt_checkpoints=a.prompt_checkpoints, state_checkpoint_interval=a.state_checkpoint_interval)
     return config, a.json
 
