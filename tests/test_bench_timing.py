@@ -136,3 +136,8 @@ def test_a_tiny_run_without_vllm_reports_every_phase(vs, tmp_path, capsys):
     vs.report.print_report(report)
     printed = capsys.readouterr().out
     assert "vLLM side unavailable" in printed and "Steady decode" in printed and "n/a" in printed
+    vs.report.print_report(report, markdown=True)
+    lines = capsys.readouterr().out.splitlines()
+    header = lines.index("| running | vLLM | hybridkv | hybridkv per request | ratio | rounds | vLLM p50 / p99 | "
+                         "hybridkv p50 / p99 | p99/p50 | target |")
+    assert lines[header + 2].startswith("| 4 | n/a | ") and lines[header + 3].startswith("| 8 | n/a | ")

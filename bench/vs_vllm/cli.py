@@ -207,7 +207,7 @@ def _range(text: str) -> tuple[int, int]:
     return int(low), int(high or low)
 
 
-def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Path]:
+def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Output]:
     p = argparse.ArgumentParser(prog="vs_vllm", description="hybridkv's cache manager side by side with "
                                 "vLLM 0.33's KVCacheManager (DeepSeek-V4-Flash, FP8 indexer)")
     p.add_argument("--sizes", default="32,128,512,1024", help="running requests of the serving and decode phases")
@@ -245,6 +245,9 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Path]:
                    help="smoke test (~1 min on a quiet machine): sizes 32 and 256, 3 rounds of 16 steps, "
                         "smaller prefill, multi-turn and capacity phases")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    p.add_argument("--markdown", action="store_true", help="print the tables as markdown (for docs/benchmarks.md)")
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="run nothing: print the tables of an earlier run's JSON")
     a = p.parse_args(argv)
     HybridkvSide.block_tables, HybridkvSide.write_slots = a.block_tables, a.write_slots
     if a.quick:
@@ -265,11 +268,22 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Path]:
         capacity_max_running=a.capacity_max_running or None, capacity_variants=a.capacity_variants, seed=a.seed,
         page_space=a.page_space,
         prompt_checkpoints=a.prompt_checkpoints, state_checkpoint_interval=a.state_checkpoint_interval)
-    return config, a.json
+    return config, Output(a.json, a.markdown, a.from_json)
+
+
+@dataclass(frozen=True)
+class Output:
+    json_path: Path
+    markdown: bool
+    from_json: Path | None
 
 
 def main(argv: list[str] | None = None) -> int:
-    config, json_path = parse_args(argv)
+    config, output = parse_args(argv)
+    if output.from_json is not None:
+        report.print_report(json.loads(output.from_json.read_text(encoding="utf-8")), markdown=output.markdown)
+        return 0
+    json_path = output.json_path
     vllm_factory = load_vllm_side()
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if isinstance(vllm_factory, str):
@@ -277,6 +291,6 @@ def main(argv: list[str] | None = None) -> int:
     result = run(config, vllm_factory, log)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    report.print_report(result)
+    report.print_report(result, markdown=output.markdown)
     print(f"JSON: {json_path}")
     return 2 if isinstance(vllm_factory, str) else 0

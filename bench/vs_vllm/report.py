@@ -136,7 +136,17 @@ def capacity_rows(capacity: dict) -> list[list[str]]:
     return rows
 
 
-def _table(title: str, columns: list[str], rows: list[list[str]]) -> Any:
+def markdown_table(columns: list[str], rows: list[list[str]]) -> str:
+    """A GitHub table (first column left-aligned, the others right-aligned)."""
+    lines = ["| " + " | ".join(columns) + " |",
+             "|" + "|".join(["---"] + ["---:"] * (len(columns) - 1)) + "|"]
+    lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _table(title: str, columns: list[str], rows: list[list[str]], markdown: bool = False) -> Any:
+    if markdown:
+        return f"{title}\n\n{markdown_table(columns, rows)}\n"
     from rich.table import Table
 
     table = Table(title=title)
@@ -147,33 +157,46 @@ def _table(title: str, columns: list[str], rows: list[list[str]]) -> Any:
     return table
 
 
-def print_report(report: dict) -> None:
+def tables(report: dict, *, markdown: bool = False) -> list[Any]:
+    """The report's tables: rich tables, or markdown text for docs/benchmarks.md."""
+    results, config = report["results"], report["config"]
+    shape = config["shape"]
+    return [
+        _table(f"Serving: joins and finishes every step (prompts {shape['prompt_tokens'][0]:,}-"
+               f"{shape['prompt_tokens'][1]:,}, outputs {shape['output_tokens'][0]:,}-{shape['output_tokens'][1]:,}, "
+               f"prefix caching on); manager time per step, median of {config['rounds']} rounds",
+               ["running", "finishes/step", "vLLM", "hybridkv", "ratio", "rounds", "vLLM p50 / p99",
+                "hybridkv p50 / p99", "target"], serving_rows(results), markdown),
+        _table(f"Steady decode: manager time per step, median of {config['rounds']} rounds",
+               ["running", "vLLM", "hybridkv", "hybridkv per request", "ratio", "rounds", "vLLM p50 / p99",
+                "hybridkv p50 / p99", "p99/p50", "target"], decode_rows(results), markdown),
+        _table("Step time = fixed + per request x running (least squares over the sizes); "
+               "flat = hybridkv's per-request time, largest size / smallest",
+               ["phase", "vLLM fixed", "vLLM per request", "hybridkv fixed", "hybridkv per request", "flat",
+                "target"], fit_rows(results), markdown),
+        _table("Prefill, hit rate, capacity (DeepSeek-V4-Flash, FP8 indexer, "
+               f"{config['kv_memory_bytes'] / 2**30:g} GiB)",
+               ["metric", "vLLM", "hybridkv", "ratio (ours better > 1)", "target"], other_rows(results), markdown),
+    ]
+
+
+def footer(report: dict) -> str:
+    env = report["environment"]
+    return (f"commit {env.get('commit')}{' (src modified)' if env.get('src_modified') else ''}, "
+            f"vLLM {env.get('vllm')}, {env.get('cpus')} CPUs, load average at the end "
+            f"{', '.join(f'{x:.1f}' for x in env.get('load_average', ()))}, {report['wall_seconds']:.0f} s, "
+            f"{report['timestamp']}")
+
+
+def print_report(report: dict, *, markdown: bool = False) -> None:
+    if markdown:
+        print("\n".join(tables(report, markdown=True)) + "\n" + footer(report))
+        return
     from rich.console import Console
 
     console = Console(width=max(Console().width, 160))
-    results, config = report["results"], report["config"]
-    shape = config["shape"]
     if report.get("vllm_unavailable"):
         console.print(f"[bold]vLLM side unavailable[/bold]: {report['vllm_unavailable']}")
-    console.print(_table(
-        f"Serving: joins and finishes every step (prompts {shape['prompt_tokens'][0]:,}-"
-        f"{shape['prompt_tokens'][1]:,}, outputs {shape['output_tokens'][0]:,}-{shape['output_tokens'][1]:,}, "
-        f"prefix caching on); manager time per step, median of {config['rounds']} rounds",
-        ["running", "finishes/step", "vLLM", "hybridkv", "ratio", "rounds", "vLLM p50 / p99",
-         "hybridkv p50 / p99", "target"], serving_rows(results)))
-    console.print(_table(
-        f"Steady decode: manager time per step, median of {config['rounds']} rounds",
-        ["running", "vLLM", "hybridkv", "hybridkv per request", "ratio", "rounds", "vLLM p50 / p99",
-         "hybridkv p50 / p99", "p99/p50", "target"], decode_rows(results)))
-    console.print(_table(
-        "Step time = fixed + per request x running (least squares over the sizes); "
-        "flat = hybridkv's per-request time, largest size / smallest",
-        ["phase", "vLLM fixed", "vLLM per request", "hybridkv fixed", "hybridkv per request", "flat", "target"],
-        fit_rows(results)))
-    console.print(_table("Prefill, hit rate, capacity (DeepSeek-V4-Flash, FP8 indexer, "
-                         f"{config['kv_memory_bytes'] / 2**30:g} GiB)",
-                         ["metric", "vLLM", "hybridkv", "ratio (ours better > 1)", "target"], other_rows(results)))
-    env = report["environment"]
-    console.print(f"commit {env.get('commit')}{' (src modified)' if env.get('src_modified') else ''}, "
-                  f"vLLM {env.get('vllm')}, {env.get('cpus')} CPUs, load average at the end "
-                  f"{', '.join(f'{x:.1f}' for x in env.get('load_average', ()))}, {report['wall_seconds']:.0f} s")
+    for table in tables(report):
+        console.print(table)
+    console.print(footer(report))
