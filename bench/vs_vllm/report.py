@@ -120,6 +120,8 @@ def capacity_rows(capacity: dict) -> list[list[str]]:
     rows = []
     for key, label in (("shrinking_chunks", "chunks shrink to fit"), ("fixed_chunks", "fixed chunks")):
         counts = [_value(capacity, n, key, "measured_requests") for n in SIDES]
+        if counts == [None, None]:
+            continue  # a variant this run left out
         rows.append([f"requests of {context:,} tokens that fit, measured ({label})",
                      *("n/a" if c is None else str(c) for c in counts), _quotient(counts[1], counts[0]),
                      f"byte-ideal {ideal:.1f}"])
