@@ -2,18 +2,18 @@
 
 Run with the vLLM environment (bench/README.md), from the repository root:
 
-    .venv-vllm/bin/python bench/decode_ab.py --base f429c17            # ~1 min for 6 rounds
-    .venv-vllm/bin/python bench/decode_ab.py --base HEAD~1 --rounds 4 --steps 64
+    PYTHONPATH=src /work/venv-vllm/bin/python bench/decode_ab.py --base f429c17    # ~1 min for 6 rounds
+    PYTHONPATH=src /work/venv-vllm/bin/python bench/decode_ab.py --base HEAD~1 --rounds 4 --steps 64
 
-``vs_vllm.py``'s alternating decode phase runs a vLLM step (one ``allocate_slots``
-per request, ~10 ms of Python) before each hybridkv step, so hybridkv's step
+``vs_vllm``'s decode phase runs a vLLM step (one ``allocate_slots`` per
+request, ~10 ms of Python at 256) before each hybridkv step, so hybridkv's step
 starts with cold caches; plain Python in its place (as ``numpy_cold.py`` does)
 misjudges some changes. Here two vLLM managers and two hybridkv managers (the
 working tree and ``--base``, a commit exported with ``git archive`` and imported
-under another package name) get the same requests (vs_vllm's decode setup: 256
-chat requests on the 40 GiB V4-Flash arena, caching on, write slots on, updates
-mode), and every step runs vLLM A, base, vLLM B, new (the pairs' order
-alternating). Each round prefills afresh. Prints each round's mean per running
+under another package name) get the same requests (``vs_vllm.decode``'s
+set-up: ``--requests`` serving-workload requests on the 40 GiB V4-Flash arena,
+caching on, write slots on, updates mode), and every step runs vLLM A, base,
+vLLM B, new (the pairs' order alternating). Each round sets up afresh. Prints each round's mean per running
 request and the ratio new / base, and writes JSON (``--json``).
 """
 
@@ -33,7 +33,10 @@ BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 
-import vs_vllm as V  # noqa: E402
+from vs_vllm.decode import DecodeDriver  # noqa: E402
+from vs_vllm.sides import GIB, HybridkvSide  # noqa: E402
+from vs_vllm.timing import quiet_gc  # noqa: E402
+from vs_vllm.workload import ServingShape  # noqa: E402
 
 BASE_PACKAGE = "hybridkv_base"
 
@@ -50,7 +53,7 @@ def export_base(rev: str, into: Path) -> None:
         path.write_text(word.sub(BASE_PACKAGE, path.read_text()))
 
 
-class BaseSide(V.HybridkvSide):
+class BaseSide(HybridkvSide):
     """``HybridkvSide`` on the exported base package."""
 
     name = "base"
@@ -58,40 +61,30 @@ class BaseSide(V.HybridkvSide):
 
 
 def run(rounds: int, steps: int, requests: int) -> list[dict]:
-    from vllm_side import VllmSide
+    from vs_vllm.vllm_side import VllmSide
 
-    kwargs = dict(kv_memory_bytes=40 * V.GIB, max_model_len=131_072, max_num_batched_tokens=2048,
+    kwargs = dict(kv_memory_bytes=40 * GIB, max_model_len=131_072, max_num_batched_tokens=2048,
                   max_num_seqs=requests)
-    sides = {"base": BaseSide(**kwargs), "new": V.HybridkvSide(**kwargs),
+    sides = {"base": BaseSide(**kwargs), "new": HybridkvSide(**kwargs),
              "vllm_a": VllmSide(**kwargs), "vllm_b": VllmSide(**kwargs)}
     out = []
     for r in range(rounds):
-        for side in sides.values():
+        drivers = {}
+        for name, side in sides.items():
             if not side.reset_prefix_cache():
                 raise RuntimeError("prefix cache could not be reset")
-        workload = V.chat_workload(requests, seed=r)
-        running = {name: V._decode_setup(side, workload, steps=steps, chunk_tokens=2048, seed=r)
-                   for name, side in sides.items()}
-        tokens = np.random.default_rng(r + 2).integers(0, V.DEFAULT_VOCAB_SIZE, size=(steps, requests))
+            drivers[name] = DecodeDriver(side, running=requests, total_steps=steps, chunk_tokens=2048,
+                                         shape=ServingShape(), seed=r)
+            drivers[name].start()
         step_ns = {"base": np.zeros(steps), "new": np.zeros(steps)}
-        with V.quiet_gc():
+        with quiet_gc():
             for step in range(steps):
                 pairs = [("vllm_a", "base"), ("vllm_b", "new")]
                 for before, name in pairs if (step + r) % 2 == 0 else pairs[::-1]:
-                    for who in (before, name):
-                        side = sides[who]
-                        side.begin_step()
-                        if not side.decode_step(running[who]):
-                            raise RuntimeError(f"{who}: decode step {step} refused")
-                        timings = side.take_timings()
-                        if who == name:
-                            step_ns[name][step] = V._manager_ns(timings, "begin_step", "allocate")
-                        for request, token in zip(running[who], tokens[step]):
-                            side.append_tokens(request, [int(token)])
-        for name, side in sides.items():
-            for request in running[name]:
-                side.free(request)
-            side.take_timings()
+                    drivers[before].step(step)
+                    step_ns[name][step] = drivers[name].step(step)
+        for driver in drivers.values():
+            driver.stop()
         base, new = (float(step_ns[n].mean() / requests / 1e3) for n in ("base", "new"))
         out.append(dict(base_us_per_request_step=base, new_us_per_request_step=new, ratio=new / base))
         print(f"round {r}: base {base:.3f} new {new:.3f} µs per running request per step, new/base {new / base:.3f}",

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/numpy_cold.py [--steps 240] [--running 256] [--json PATH]
 
-``bench/vs_vllm.py`` alternates the two managers' decode steps, so each step
+``bench/vs_vllm`` alternates the two managers' decode steps, so each step
 starts with the caches the other side's step filled; hybridkv's step comes out
 slower that way than when its steps run back to back. This script measures that
 penalty apart, on hybridkv alone, under three conditions before each timed call:

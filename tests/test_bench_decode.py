@@ -1,63 +1,155 @@
-"""bench/vs_vllm.py's decode phases, driven on the hybridkv side alone (no vLLM)."""
+"""bench/vs_vllm's decode and serving phases, driven on the hybridkv side alone (no vLLM)."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from hybridkv.sim.workloads import chat_workload
-
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "vs_vllm.py"
+BENCH = str(Path(__file__).resolve().parent.parent / "bench")
 
 
 @pytest.fixture(scope="module")
-def vs_vllm():
-    spec = importlib.util.spec_from_file_location("vs_vllm_under_test", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
+def vs():
+    sys.path.insert(0, BENCH)
     try:
-        spec.loader.exec_module(module)
-        yield module
+        import vs_vllm.decode
+        import vs_vllm.serving
+        import vs_vllm.sides
+        import vs_vllm.workload
+
+        yield vs_vllm
     finally:
-        del sys.modules[spec.name]
+        sys.path.remove(BENCH)
 
 
 class _Recording:
-    """A side that records each decode step's batch and the requests that got a
-    token appended after it (request ids)."""
+    """A side that records what the phases ask of it, and checks after every step that
+    the manager's computed tokens (public ``num_computed_tokens``) match the handles'."""
 
     def __init__(self, side):
-        self._side, self.batches, self.appended = side, [], []
+        self._side = side
+        self.steps = []  # per step: dict(frees, joins, items, appended)
+        self.appended = {}  # request id -> token ids appended so far
+        self._pending = dict(frees=[], joins=[])
 
     def __getattr__(self, name):
         return getattr(self._side, name)
 
+    def free(self, request):
+        self._pending["frees"].append(request.request_id)
+        return self._side.free(request)
+
+    def probe_hit(self, request):
+        self._pending["joins"].append(request.request_id)
+        return self._side.probe_hit(request)
+
+    def allocate(self, request, num_new_tokens):
+        self._pending = dict(frees=[], joins=[])  # a set-up step (one request), not a timed one
+        return self._side.allocate(request, num_new_tokens)
+
+    def _record(self, items):
+        self.steps.append(dict(self._pending, items=items, appended=[]))
+        self._pending = dict(frees=[], joins=[])
+        for request, _ in items:
+            assert self._side.manager.num_computed_tokens(request.request_id) == request.computed_tokens
+
+    def schedule_step(self, items):
+        ok = self._side.schedule_step(items)
+        self._record([(r, n) for r, n in items])
+        return ok
+
     def decode_step(self, requests):
-        self.batches.append([r.request_id for r in requests])
-        self.appended.append([])
-        return self._side.decode_step(requests)
+        ok = self._side.decode_step(requests)
+        self._record([(r, 1) for r in requests])
+        return ok
 
     def append_tokens(self, request, token_ids):
-        if self.appended:
-            self.appended[-1].append(request.request_id)
+        self.appended.setdefault(request.request_id, []).extend(int(t) for t in token_ids)
         return self._side.append_tokens(request, token_ids)
 
+    def append_many(self, requests, token_ids):
+        for request, token in zip(requests, token_ids):
+            self.appended.setdefault(request.request_id, []).append(int(token))
+        if self.steps:
+            self.steps[-1]["appended"] = [r.request_id for r in requests]
+        return self._side.append_many(requests, token_ids)
 
-@pytest.mark.parametrize("churn", [False, True])
-def test_decode_phase_batches(vs_vllm, churn):
-    """Every step schedules all running requests, or with churn all but request
-    k mod 8 at step k, in workload order; figures are per request of the batch."""
-    side = _Recording(vs_vllm.HybridkvSide(kv_memory_bytes=40 * 2**30, max_model_len=131072,
-                                           max_num_batched_tokens=2048, max_num_seqs=8))
-    out = vs_vllm.measure_decode({"hybridkv": side}, num_requests=8, steps=10, chunk_tokens=2048, seed=0,
-                                 paired=True, churn=churn)
-    ids = [item.request_id for item in chat_workload(8, seed=0)]
-    assert len(side.batches) == 10
-    for k, batch in enumerate(side.batches):
-        assert batch == [rid for i, rid in enumerate(ids) if not (churn and i == k % 8)], k
-        assert side.appended[k] == batch, k  # only what the step computed gets its next token
+
+def _side(vs, running):
+    return vs.sides.HybridkvSide(kv_memory_bytes=4 * 2**30, max_model_len=131072, max_num_batched_tokens=1024,
+                                 max_num_seqs=running)
+
+
+SMALL = dict(prompt_tokens=(64, 512), output_tokens=(12, 40), prefix_tokens=32, num_prefixes=2)
+
+
+def test_decode_phase_schedules_the_whole_batch_each_step(vs):
+    """Every timed step schedules every request once, in workload order, and only
+    those get a token appended after it; two rounds run on one set-up."""
+    shape = vs.workload.ServingShape(**SMALL)
+    side = _Recording(_side(vs, 8))
+    out = vs.decode.measure_decode({"hybridkv": side}, running=8, steps=5, rounds=2, chunk_tokens=1024,
+                                   shape=shape, seed=0)
+    ids = [r.request_id for r in vs.workload.serving_requests(8, seed=0, shape=shape, prefix="dec")]
+    timed = side.steps[-10:]
+    for step in timed:
+        assert [r.request_id for r, _ in step["items"]] == ids
+        assert all(n == 1 for _, n in step["items"])
+        assert step["appended"] == ids
     result = out["hybridkv"]
-    assert result["batch_requests"] == (7 if churn else 8) and result["churn"] is churn
-    assert result["steps"] == 10 and result["us_per_request_step_mean"] > 0
+    assert out["rounds"] == 2 and out["steps_per_round"] == 5 and "ratio" not in out
+    assert len(result["rounds_us_per_step_mean"]) == 2
+    assert 0 < result["us_per_step_p50"] <= result["us_per_step_p99"]
+    assert result["us_per_request_step"] == pytest.approx(result["us_per_step_mean"] / 8)
     assert side.manager.num_requests == 0  # every request freed after the phase
+
+
+def test_serving_phase_keeps_running_with_a_finish_and_a_join_every_step(vs):
+    shape = vs.workload.ServingShape(**SMALL)
+    side = _Recording(_side(vs, 6))
+    out = vs.serving.measure_serving({"hybridkv": side}, running=6, steps=4, rounds=1, step_tokens=300,
+                                     chunk_tokens=128, shape=shape, seed=1)
+    stream = {r.request_id: r for r in vs.workload.serving_requests(6 + 4, seed=1, shape=shape)}
+    timed = side.steps[-4:]
+    joined = [rid for step in timed for rid in step["joins"]]
+    assert joined == [f"srv-{i:06d}" for i in range(6, 10)]  # arrivals in stream order
+    running = set(list(stream)[:6])
+    for step in timed:
+        assert len(step["frees"]) == 1 and len(step["joins"]) == 1
+        for rid in step["frees"]:  # a request leaves once it sampled its whole output
+            assert side.appended[rid] == stream[rid].output_ids.tolist()
+        running = (running - set(step["frees"])) | set(step["joins"])
+        assert {r.request_id for r, _ in step["items"]} <= running and len(running) == 6
+        counts = [n for _, n in step["items"]]
+        decoding = [n for n in counts if n == 1]
+        assert counts[: len(decoding)] == decoding  # decodes first, then prefill chunks
+        assert all(n <= 128 for n in counts) and sum(counts) <= 300
+    result = out["hybridkv"]
+    assert out["finishes_per_step"] == 1 and result["finished"] == 4 and result["joined"] == 4
+    assert result["finished_per_step_min"] == 1
+    assert side.manager.num_requests == 0
+
+
+def test_serving_phase_caps_its_steps_at_the_finishes_the_running_requests_supply(vs):
+    shape = vs.workload.ServingShape(**SMALL)
+    out = vs.serving.measure_serving({"hybridkv": _side(vs, 3)}, running=3, steps=10, rounds=1, step_tokens=300,
+                                     chunk_tokens=128, shape=shape, seed=2)
+    assert out["steps_per_round"] == 3
+
+
+def test_serving_driver_refuses_a_step_budget_below_the_running_requests(vs):
+    with pytest.raises(ValueError, match="step_tokens"):
+        vs.serving.ServingDriver(_side(vs, 8), [], running=8, step_tokens=8, chunk_tokens=4)
+
+
+def test_appended_tokens_are_the_stream_outputs(vs):
+    """Both sides "sample" the stream's output ids, in order."""
+    shape = vs.workload.ServingShape(**SMALL)
+    side = _Recording(_side(vs, 4))
+    vs.serving.measure_serving({"hybridkv": side}, running=4, steps=3, rounds=1, step_tokens=300,
+                               chunk_tokens=128, shape=shape, seed=3)
+    stream = {r.request_id: r for r in vs.workload.serving_requests(4 + 3, seed=3, shape=shape)}
+    for rid, tokens in side.appended.items():
+        assert tokens == stream[rid].output_ids[: len(tokens)].tolist()
+        assert np.asarray(tokens).size <= stream[rid].output_tokens

@@ -1,7 +1,8 @@
 """vLLM's KV-cache manager for DeepSeek-V4, driven on the CPU without a model.
 
-Every vLLM import of the project lives here; only bench scripts import this
-module (it needs the ``.venv-vllm`` environment of bench/README.md).
+Every vLLM import of the project lives here; only the ``vs_vllm`` benchmark
+package and ``bench/decode_ab.py`` import this module (it needs the vLLM
+environment of bench/README.md).
 
 It builds the per-layer cache specs that vLLM 0.33.0's DeepSeek-V4 layers
 return from ``get_kv_cache_spec`` (FlashMLA path, ``fp8_ds_mla`` KV cache, FP8
@@ -52,8 +53,8 @@ try:
     from vllm.v1.request import Request, RequestStatus
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "vLLM 0.33.0 is not importable here; build .venv-vllm as bench/README.md "
-        f"describes and run with .venv-vllm/bin/python ({exc})"
+        "vLLM 0.33.0 is not importable here; build the vLLM environment as "
+        f"bench/README.md describes and run the benchmark with its python ({exc})"
     ) from exc
 
 VLLM_VERSION = __import__("vllm").__version__
@@ -461,6 +462,17 @@ class VllmSide:
         ``allocate_slots`` call per running request."""
         return all(self.allocate(request, 1) for request in requests)
 
+    def schedule_step(self, items: Sequence[tuple[Request, int]]) -> bool:
+        """A mixed step (decodes and prefill chunks, in batch order), as vLLM's
+        scheduler makes it: one ``allocate_slots`` per request; False at the
+        first refusal (the requests before it keep their slots)."""
+        return all(self.allocate(request, num_new_tokens) for request, num_new_tokens in items)
+
+    def append_many(self, requests: Sequence[Request], token_ids: Sequence[int]) -> None:
+        """One sampled token for each request (``append_tokens`` for each)."""
+        for request, token in zip(requests, token_ids):
+            self.append_tokens(request, [int(token)])
+
     def begin_step(self) -> None:
         """The scheduler's per-step calls: ``new_step_starts`` and draining the
         new-block-id list (done every step whether or not blocks get zeroed)."""
@@ -470,7 +482,9 @@ class VllmSide:
         self.manager_ns["begin_step"] += time.perf_counter_ns() - start
 
     def num_computed_tokens(self, request: Request) -> int:
-        return request.num_computed_tokens
+        """Computed tokens, counting a probed hit that the first ``allocate`` will adopt."""
+        pending = self._pending_hits.get(request.request_id)
+        return request.num_computed_tokens + (pending[1] if pending is not None else 0)
 
     def pages_per_group(self, request: Request) -> list[int]:
         """Blocks the request holds now in each group (null placeholders left out)."""
