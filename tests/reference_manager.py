@@ -249,9 +249,8 @@ class ReferenceManager:
         if not all(self.check_admission(items, fixed_width)):
             raise RefError("denied")
         settle = self.settling(items)
-        for rid in self.last:
-            if rid in self.reqs:
-                self.commit(self.reqs[rid])
+        for rid in settle + [rid for rid, _ in items]:  # paused requests commit first (then the first
+            self.commit(self.reqs[rid])  # publisher of a key is the first of them), then the batch's
         for rid in settle + [rid for rid, _ in items]:
             self.release_below(self.reqs[rid])
         out = {"positions": [], "request_indices": [], "qsl": [0], "groups": {}}
@@ -308,7 +307,7 @@ class ReferenceManager:
             raise RefError("rewind out of range")
         r["c"] = n
         if r["ids"] is not None:
-            del r["ids"][n:]  # rejected draft ids are dropped with their tokens
+            del r["ids"][max(n, r["prompt"]):]  # rejected draft ids go with their tokens
         for g, p in self.pools.items():
             keep = max(cdiv(n, p.T), r["base"][g])
             gone = [r["pages"][g].pop(L) for L in range(keep, self.hi(r, g))]
@@ -322,5 +321,5 @@ class ReferenceManager:
 
     def stats(self) -> dict:
         return {g: {"total_pages": p.total, "free_pages": p.free(), "used_pages": len(p.ref),
-                    "cached_pages": len(p.key_of), "evictable_pages": len(p.lru), "evicted_pages": p.evicted}
+                    "cached_pages": len(p.key_of), "evictable_pages": len(p.lru)}
                 for g, p in self.pools.items()}

@@ -31,7 +31,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 
 from hybridkv.manager import CacheManager, CacheManagerError
 from hybridkv.mirror import BlockTableMirror
@@ -138,6 +138,14 @@ class Twin:
                           [s // rows if s >= 0 else -1 for s in slots])
 
 
+LOG: list[str] = []
+
+
+def log(line: str) -> None:
+    """The program so far: ``REF_LOG=path`` writes a failing program's calls there."""
+    LOG.append(line)
+
+
 def both(call_mgr, call_ref):
     """Run a call on both sides: the same result, or both refuse."""
     try:
@@ -160,6 +168,7 @@ def add(twin, data, stems, rid) -> None:
     if twin.caching:
         prompt = draw_prompt(data, stems)
         max_new = data.draw(st.integers(0, min(14, CTX - len(prompt))))
+        log(f"add {rid} {prompt} max_new={max_new}")
         want = twin.ref.add_request(rid, ids=prompt, max_new=max_new)
         hit = twin.mgr.add_request(rid, np.asarray(prompt, dtype=np.int32), max_new_tokens=max_new)
         assert hit.hit_tokens == want["hit"]
@@ -167,6 +176,7 @@ def add(twin, data, stems, rid) -> None:
     else:
         prompt = data.draw(st.integers(1, 40))
         max_new = data.draw(st.integers(0, 14))
+        log(f"add {rid} prompt_tokens={prompt} max_new={max_new}")
         twin.ref.add_request(rid, prompt_tokens=prompt, max_new=max_new)
         assert twin.mgr.add_request(rid, prompt_tokens=prompt, max_new_tokens=max_new).hit_tokens == 0
 
@@ -185,6 +195,7 @@ def draw_items(twin, data):
         if r["ids"] is not None and len(r["ids"]) < r["c"] + n:
             extra = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=r["c"] + n - len(r["ids"]),
                                        max_size=r["c"] + n - len(r["ids"])))
+            log(f"append {rid} {extra}")
             twin.ref.append(rid, extra)
             twin.mgr.append_token_ids(rid, np.asarray(extra, dtype=np.int32))
         items.append((rid, n))
@@ -210,6 +221,7 @@ def step(twin, data) -> None:
             [r for r, _ in items], n, fixed_width=fixed_width, block_tables=mode)
     else:
         call = lambda: twin.mgr.schedule(items, fixed_width=fixed_width, block_tables=mode)  # noqa: E731
+    log(f"schedule {items} fixed_width={fixed_width} {mode}")
     want, batch = both(call, lambda: twin.ref.schedule(items, fixed_width))
     if want is not None:
         twin.compare_state()
@@ -217,11 +229,13 @@ def step(twin, data) -> None:
 
 
 def rewind(twin, data) -> None:
-    open_ = [(rid, r) for rid, r in twin.ref.reqs.items() if r["c"] > r["committed"]]
+    open_ = [rid for rid, r in twin.ref.reqs.items() if r["c"] > r["committed"]]
     if not open_:
         return
-    picked = data.draw(st.lists(st.sampled_from(open_), unique_by=lambda x: x[0], min_size=1, max_size=3))
-    items = [(rid, data.draw(st.integers(r["committed"], r["c"]))) for rid, r in picked]
+    picked = data.draw(st.lists(st.sampled_from(open_), unique=True, min_size=1, max_size=3))
+    reqs = twin.ref.reqs
+    items = [(rid, data.draw(st.integers(reqs[rid]["committed"], reqs[rid]["c"]))) for rid in picked]
+    log(f"rewind {items}")
     for rid, n in items:
         twin.ref.rewind(rid, n)
     if len(items) == 1 and data.draw(st.booleans()):
@@ -233,6 +247,7 @@ def rewind(twin, data) -> None:
 def free(twin, data) -> None:
     if twin.ref.reqs:
         rid = data.draw(st.sampled_from(sorted(twin.ref.reqs)))
+        log(f"free {rid}")
         twin.ref.free(rid)
         twin.mgr.free(rid)
         twin.rows.forget("rows", [rid])
@@ -242,9 +257,21 @@ def run_program(data, caching):
     pages = {g: data.draw(st.integers(4, 24), label=f"pages[{g}]") for g in GIDS}
     widths = {"kv": data.draw(st.integers(4, 16)), "c4": data.draw(st.integers(2, 8)),
               "swa": data.draw(st.integers(3, 8)), "cst": data.draw(st.integers(3, 8))}
+    LOG.clear()
     twin = Twin(pages, widths, caching, data.draw(st.booleans()) if caching else True)
+    log(f"pages={pages} widths={widths} prompt_checkpoints={twin.ref.prompt_cps}")
     stems = [data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=8, max_size=40)) for _ in range(2)]
     ops = {"add": add, "step": step, "rewind": rewind, "free": free}
+    try:
+        play(twin, data, stems, ops)
+    except BaseException:
+        if os.environ.get("REF_LOG"):
+            with open(os.environ["REF_LOG"], "w") as f:
+                f.write("\n".join(LOG) + "\n")
+        raise
+
+
+def play(twin, data, stems, ops) -> None:
     for i in range(data.draw(st.integers(4, 40))):
         op = data.draw(st.sampled_from(["add", "step", "step", "step", "rewind", "free"]))
         if op == "add":
@@ -254,12 +281,15 @@ def run_program(data, caching):
             ops[op](twin, data)
         twin.compare_state()
     for rid in sorted(twin.ref.reqs):
+        log(f"free {rid}")
         twin.ref.free(rid)
         twin.mgr.free(rid)
     twin.compare_state()
 
 
-PROGRAM_SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+PROGRAM_SETTINGS = settings(max_examples=int(os.environ.get("REF_EXAMPLES", 150)), deadline=None, suppress_health_check=list(HealthCheck),
+                            report_multiple_bugs=False,
+                            phases=[Phase.explicit, Phase.reuse, Phase.generate] if os.environ.get("REF_NOSHRINK") else tuple(Phase))
 
 
 @PROGRAM_SETTINGS
