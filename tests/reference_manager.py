@@ -251,16 +251,17 @@ class ReferenceManager:
         settle = self.settling(items)
         for rid in settle + [rid for rid, _ in items]:  # paused requests commit first (then the first
             self.commit(self.reqs[rid])  # publisher of a key is the first of them), then the batch's
+        gone = {g: [] for g in self.pools}  # one release per group: the first page listed ends on top
         for rid in settle + [rid for rid, _ in items]:
-            self.release_below(self.reqs[rid])
-        out = {"positions": [], "request_indices": [], "qsl": [0], "groups": {}}
+            self.release_below(self.reqs[rid], gone)
         for g, p in self.pools.items():
-            for rid, n in items:
-                r = self.reqs[rid]
-                need = cdiv(r["c"] + n, p.T)
-                hi = self.hi(r, g)
-                for L, q in zip(range(hi, need), p.take(max(0, need - hi))):
-                    r["pages"][g][L] = q
+            p.release(gone[g])
+        out = {"positions": [], "request_indices": [], "qsl": [0], "groups": {}}
+        for g, p in self.pools.items():  # one allocation per group, handed out in batch order
+            cells = [(r, L) for r, n in ((self.reqs[rid], n) for rid, n in items)
+                     for L in range(self.hi(r, g), cdiv(r["c"] + n, p.T))]
+            for (r, L), q in zip(cells, p.take(len(cells))):
+                r["pages"][g][L] = q
         for i, (rid, n) in enumerate(items):
             r = self.reqs[rid]
             out["positions"] += list(range(r["c"], r["c"] + n))
@@ -274,13 +275,13 @@ class ReferenceManager:
         self.last = [rid for rid, _ in items]
         return out
 
-    def release_below(self, r) -> None:
+    def release_below(self, r, gone) -> None:
+        """A sliding group's pages below the step's release point, from the first position written."""
         for g, p in self.pools.items():
             if p.W:
                 floor = min(max(0, r["c"] - p.W + 1) // p.T, self.hi(r, g))
-                gone = [r["pages"][g].pop(L) for L in range(r["base"][g], floor)]
+                gone[g] += [r["pages"][g].pop(L) for L in range(r["base"][g], floor)]
                 r["base"][g] = max(r["base"][g], floor)
-                p.release(gone)
 
     def group_step(self, items, p, fixed_width):
         rows, slots = [], []
@@ -301,17 +302,21 @@ class ReferenceManager:
         return {"table": table, "base_pages": bases, "write_slots": slots}
 
     # --- outside a step ----------------------------------------------------------------
-    def rewind(self, rid, n) -> None:
-        r = self.reqs[rid]
-        if not r["committed"] <= n <= r["c"]:
+    def rewind_many(self, items) -> None:
+        """Keep the first n computed tokens of each; the pages past them go back as one release."""
+        if not all(self.reqs[rid]["committed"] <= n <= self.reqs[rid]["c"] for rid, n in items):
             raise RefError("rewind out of range")
-        r["c"] = n
-        if r["ids"] is not None:
-            del r["ids"][max(n, r["prompt"]):]  # rejected draft ids go with their tokens
+        gone = {g: [] for g in self.pools}
+        for rid, n in items:
+            r = self.reqs[rid]
+            r["c"] = n
+            if r["ids"] is not None:
+                del r["ids"][max(n, r["prompt"]):]  # rejected draft ids go with their tokens
+            for g, p in self.pools.items():
+                keep = max(cdiv(n, p.T), r["base"][g])
+                gone[g] += [r["pages"][g].pop(L) for L in range(keep, self.hi(r, g))]
         for g, p in self.pools.items():
-            keep = max(cdiv(n, p.T), r["base"][g])
-            gone = [r["pages"][g].pop(L) for L in range(keep, self.hi(r, g))]
-            p.release(gone)
+            p.release(gone[g])
 
     def free(self, rid) -> None:
         r = self.reqs.pop(rid)

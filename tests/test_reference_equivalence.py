@@ -236,8 +236,7 @@ def rewind(twin, data) -> None:
     reqs = twin.ref.reqs
     items = [(rid, data.draw(st.integers(reqs[rid]["committed"], reqs[rid]["c"]))) for rid in picked]
     log(f"rewind {items}")
-    for rid, n in items:
-        twin.ref.rewind(rid, n)
+    twin.ref.rewind_many(items)
     if len(items) == 1 and data.draw(st.booleans()):
         twin.mgr.rewind(*items[0])
     else:
