@@ -59,16 +59,11 @@ class Pool:
         while short > 0 and self.lru:  # low-priority entries (at the front) up to 16 pages beyond the need
             if evicted >= short + (16 if self.is_low(self.lru[0]) else 0):
                 break
-            evicted += self.unpublish(self.key_of[self.lru[0]], evicted=True)
-        out = []
-        for _ in range(n):
-            if self.stack:
-                out.append(self.stack.pop())
-            else:
-                out.append(self.fresh)
-                self.fresh += 1
-        for p in out:
-            self.ref[p] = 1
+            evicted += self.unpublish(self.key_of[self.lru[0]])
+        k = min(n, len(self.stack))
+        out = [self.stack.pop() for _ in range(k)] + list(range(self.fresh, self.fresh + n - k))
+        self.fresh += n - k  # freed pages first (LIFO), then fresh ones in id order
+        self.ref.update((p, 1) for p in out)
         return out
 
     def is_low(self, page) -> bool:
@@ -80,20 +75,16 @@ class Pool:
             for p in pages:
                 self.key_of[p] = key
 
-    def unpublish(self, key, evicted=False) -> int:
+    def unpublish(self, key) -> int:
         """Remove an entry; its idle pages become clean free. Returns how many."""
         freed = [p for p in self.entries.pop(key)["pages"] if p not in self.ref]
         for p in freed:
             self.lru.remove(p)
-        for p in reversed(freed):
-            self.stack.append(p)
-            self.cleaned.append(p)
+        self.stack += reversed(freed)
+        self.cleaned += freed
         for p in [p for p, k in self.key_of.items() if k == key]:
             del self.key_of[p]
-        self.evicted += len(freed) if evicted else 0
         return len(freed)
-
-    evicted = 0
 
     def demote(self, key) -> None:
         self.entries[key]["low"] = True
