@@ -182,9 +182,10 @@ def both(call_mgr, call_ref):
 
 
 def draw_prompt(data, stems):
+    """Mostly a whole stem (another turn of a conversation, a shared system prompt) and a tail."""
     stem = data.draw(st.sampled_from(stems))
-    keep = data.draw(st.integers(1, len(stem)))
-    tail = data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=12))
+    keep = data.draw(st.one_of(st.just(len(stem)), st.integers(1, len(stem))))
+    tail = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12))
     return stem[:keep] + tail
 
 
@@ -294,7 +295,7 @@ def run_program(data, caching, shared=False):
     prompt_checkpoints = caching and not shared and data.draw(st.sampled_from([True, True, True, False]))
     twin = Twin(pages, widths, caching, prompt_checkpoints, shared)
     log(f"pages={pages} widths={widths} prompt_checkpoints={twin.ref.prompt_cps} shared={shared}")
-    stems = [data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=8, max_size=40)) for _ in range(2)]
+    stems = [data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=9, max_size=40)) for _ in range(2)]
     ops = {"add": add, "step": step, "rewind": rewind, "free": free}
     try:
         play(twin, data, stems, ops)
@@ -306,8 +307,8 @@ def run_program(data, caching, shared=False):
 
 
 def play(twin, data, stems, ops) -> None:
-    for i in range(data.draw(st.integers(4, 40))):
-        op = data.draw(st.sampled_from(["add", "step", "step", "step", "rewind", "free"]))
+    for i in range(data.draw(st.integers(4, 50))):
+        op = data.draw(st.sampled_from(["add", "add", "step", "step", "step", "step", "rewind", "free"]))
         if op == "add":
             if len(twin.ref.reqs) < 5:
                 add(twin, data, stems, f"r{i}")
