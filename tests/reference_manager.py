@@ -8,6 +8,15 @@ follow the documented reuse order of a per-group pool: a fresh pool hands out
 top. Prefix keys are the token tuples themselves (equal keys <=> equal
 content), not hashes. ``tests/test_reference_equivalence.py`` runs random
 programs on this and on ``CacheManager`` and compares what they hand out.
+
+Where the docs leave an order open this follows the manager (and says so):
+a step's releases are one release per group (paused requests, then the batch,
+each request's pages in logical order), a ``rewind_many`` one release in item
+order; a step allocates once per group, in batch order, evicting before it
+pops the stack; paused requests commit before the batch's; an eviction takes
+idle low-priority entries while it has freed fewer than its need plus 16
+pages; a rewind drops the known ids past ``max(n, prompt)``. Not modelled: the
+shared arena's slabs, the checkpoint interval, salts, events.
 """
 
 from __future__ import annotations
