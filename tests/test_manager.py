@@ -780,8 +780,8 @@ def test_schedule_after_a_denying_check_names_only_the_denied_requests():
 
 
 def test_step_objects_are_whole_frozen_dataclasses():
-    """The step's objects are built without their __init__ (batch._fill): each must
-    still carry exactly its fields and refuse assignment, in both table modes."""
+    """The step's objects each carry exactly their fields and refuse assignment, in
+    both table modes."""
     import dataclasses
 
     from hybridkv.batch import GroupStep, StepBatch, TableUpdates

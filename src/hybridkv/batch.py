@@ -13,16 +13,6 @@ from dataclasses import dataclass
 import numpy as np
 
 
-def _fill(cls, values: dict):
-    """An instance of the frozen dataclass ``cls`` holding ``values`` (every field),
-    without the field-by-field ``object.__setattr__`` of its ``__init__``: the step
-    builds eight of these, and at 256 requests a decode step's whole budget is a few
-    hundred microseconds. Only for values already of the fields' types."""
-    obj = cls.__new__(cls)
-    obj.__dict__.update(values)
-    return obj
-
-
 @dataclass(frozen=True)
 class Admission:
     ok: bool

@@ -18,9 +18,8 @@ from typing import Any
 import numpy as np
 
 from hybridkv._checks import as_int
-from hybridkv.arena import Arena, ArenaGeometry, _Scan, shared_arena_for
-from hybridkv.batch import Admission, GroupStats, GroupStep, StepBatch, TableUpdates, _fill
-from hybridkv.models.deepseek_v4 import v4_checkpoint_window_tokens
+from hybridkv.arena import Arena, ArenaGeometry, IdleScan, shared_arena_for
+from hybridkv.batch import Admission, GroupStats, GroupStep, StepBatch, TableUpdates
 from hybridkv.pool import PagePool, PageSpace
 from hybridkv.prefix import PrefixCache, PrefixHit, RequestHashes
 from hybridkv.spec import CacheGroupSpec
@@ -268,10 +267,7 @@ class CacheManager:
                 granularity_tokens=prefix_granularity, hash_algo=hash_algo,
                 state_checkpoint_interval=state_checkpoint_interval, prompt_checkpoints=prompt_checkpoints,
                 on_event=on_event,
-                checkpoint_window_tokens=(
-                    v4_checkpoint_window_tokens(self.specs) if checkpoint_window_tokens is None
-                    else checkpoint_window_tokens
-                ),
+                checkpoint_window_tokens=checkpoint_window_tokens,
             )
 
     @classmethod
@@ -578,7 +574,7 @@ class CacheManager:
             return answers, ok_idx, fits[plan.settle :] if plan.settle else fits, {}, plan
         free = [pool.num_free_pages for pool in self._pool_list]
         avail = dict(zip(self._group_ids, free))
-        arena, scan = self.arena, _Scan()
+        arena, scan = self.arena, IdleScan()
 
         # Releases all happen before allocations, so only the admitted totals matter;
         # release credit is computed only when allocations alone do not fit. With a
@@ -591,7 +587,7 @@ class CacheManager:
         if not totals_fit(need):
             # The step's releases run before slabs move, so a donor slab whose pages are
             # all idle once they are released can be lent too.
-            scan = _Scan(releasing={})
+            scan = IdleScan(releasing={})
             need = {g: plan.alloc[g] - self._release_credit(g, plan.rows, plan.new_base[g], scan.releasing)
                     for g in avail}
             if not totals_fit(need):
@@ -644,7 +640,7 @@ class CacheManager:
                 donors.append((gid, pool, clean - n))
         if not short:
             return []
-        scan = _Scan(releasing={} if plan is not None else None, clean=True)
+        scan = IdleScan(releasing={} if plan is not None else None, clean=True)
         spare = {}
         for gid, pool, left in donors:
             if plan is not None and self.tables[gid].sliding:
@@ -1146,13 +1142,12 @@ class CacheManager:
                 widths = tuple((updates_hi[:, off:] - plan.new_base_all[:, off:]).max(axis=1).tolist())
             known = None if plan.moved_units is None else (plan.moved[0], *plan.moved_units)
             group, row, column, page, reset = ts.drain_updates(known)
-            updates = _fill(TableUpdates, dict(group=group, row=row, column=column, page=page, widths=widths,
-                                               reset=reset))
+            updates = TableUpdates(group=group, row=row, column=column, page=page, widths=widths, reset=reset)
         groups = {}
         for g, (gid, sliding) in enumerate(self._group_sliding):
-            groups[gid] = _fill(GroupStep, dict(block_table=tables[g], base_pages=base_pages[g] if sliding else None,
-                                                write_slots=slots[g]))
-        return _fill(StepBatch, dict(
+            groups[gid] = GroupStep(block_table=tables[g], base_pages=base_pages[g] if sliding else None,
+                                    write_slots=slots[g])
+        return StepBatch(
             request_ids=plan.request_ids,
             num_scheduled_tokens=counts.astype(np.int32) if scheduled is None else scheduled,
             query_start_loc=qsl,
@@ -1161,7 +1156,7 @@ class CacheManager:
             groups=groups,
             table_rows=self._rows_int32(rows),
             table_updates=updates,
-        ))
+        )
 
     def _rows_int32(self, rows: np.ndarray) -> np.ndarray:
         """``rows`` as int32, read-only; the same array while the batch's rows array repeats."""
@@ -1350,7 +1345,7 @@ class CacheManager:
         return row
 
 
-def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, int], scan: _Scan) -> list | None:
+def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, int], scan: IdleScan) -> list | None:
     """Slab moves that let each group get ``want`` pages out of ``avail``: ``[]`` when
     they fit already, ``None`` when they cannot (or there is no arena to lend)."""
     if all(want[g] <= avail[g] for g in avail):

@@ -166,14 +166,18 @@ class PrefixCache:
         self.specs = tuple(specs)
         # Per sliding group, the trailing tokens a checkpoint stores: what a request
         # resumed at a grain boundary still reads (default: the whole window).
-        windows = {s.group_id: s.sliding_window_tokens for s in self.specs if s.is_sliding}
+        windows = {
+            s.group_id: s.sliding_window_tokens if s.checkpoint_window_tokens is None else s.checkpoint_window_tokens
+            for s in self.specs if s.is_sliding
+        }
         for gid, n in (checkpoint_window_tokens or {}).items():
             if gid not in windows:
                 raise ValueError(f"checkpoint_window_tokens: {gid!r} is not a sliding group")
             n = as_int(f"checkpoint_window_tokens[{gid!r}]", n, minimum=0)
-            if n > windows[gid]:
+            limit = next(s.sliding_window_tokens for s in self.specs if s.group_id == gid)
+            if n > limit:
                 raise ValueError(
-                    f"checkpoint_window_tokens[{gid!r}] = {n} exceeds the group's window ({windows[gid]} tokens)"
+                    f"checkpoint_window_tokens[{gid!r}] = {n} exceeds the group's window ({limit} tokens)"
                 )
             windows[gid] = n
         self.pools = pools
