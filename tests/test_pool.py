@@ -256,9 +256,8 @@ def test_lowest_first_leftovers_above_the_stack_stay_pending():
     pool.decref(np.array([30]))
     assert pool.allocate(1).tolist() == [2]  # leftover 30 lies above the stack's next (3): pending
     assert pool._pending_pages == 1
-    assert pool.allocate_unheld(2).tolist() == [3, 30]
+    assert pool.allocate(2).tolist() == [3, 30]
     assert pool.allocate(2).tolist() == [41, 42]
-    pool.ref_counts[[3, 30]] = 1
     pool.check_invariants()
 
 
@@ -268,8 +267,7 @@ def test_lowest_first_leftovers_above_the_stack_stay_pending():
 def test_lowest_first_matches_a_sorted_set_model(ops, highest):
     """Whatever mix of releases (kept pending) and allocations (small ones sort only
     the pending pages with the stack's lowest), an allocation hands out the lowest
-    free ids in ascending order, or, with ``highest``, the highest ones last;
-    ``allocate_unheld`` the lowest ones."""
+    free ids in ascending order, or, with ``highest``, the highest ones last."""
     pool = PagePool("g", 300, lowest_first=True)
     free, held = set(range(1, 300)), []
     for op, n, seed in ops:
@@ -277,8 +275,7 @@ def test_lowest_first_matches_a_sorted_set_model(ops, highest):
             n = min(n, len(free))
             if n == 0:
                 continue
-            out = pool.allocate_unheld(n)
-            pool.ref_counts[out] = 1  # the caller's part
+            out = pool.allocate(n)
             assert out.tolist() == sorted(free)[:n]
             free.difference_update(out.tolist())
             held.extend(out.tolist())

@@ -82,76 +82,18 @@ class _StepPlan:
     after: np.ndarray | None = None
     moves: np.ndarray | None = None
     rel_sums: list | None = None  # pages per group the step releases
-    # From a decode window (a repeated one-token batch): the step's moved cells,
-    # their stacked group and page-space offset (as TableSet.moved_cells), and the
-    # window itself, handed to the next step.
-    moved: tuple | None = None
-    moved_offsets: np.ndarray | None = None
-    window: _DecodeWindow | None = None
-    window_step: int = 0
-    # A window's step: flat [G, R] cells that get a page (``alloc_all``, moves and
-    # need are then left None: no decode path reads them).
-    grown: np.ndarray | None = None
-    moved_units: tuple | None = None  # (group, row, column) of ``moved[0]``
 
-    # Per-group views of the stacked arrays, built only where a slow path asks.
     @property
     def new_base(self) -> _ByGroup:
-        self.settle_after()
         return _ByGroup(self.group_index, self.new_base_all)
-
-    def settle_after(self) -> None:
-        """A window's step leaves ``after`` unset until the step runs (its bounds then
-        move in place); a slow path of the admission gets a copy of it here."""
-        if self.after is None:
-            a, b = self.window.splits[self.window_step : self.window_step + 2]
-            self.after = self.bounds.copy()
-            self.after.put(self.window.pos[a:b], self.window.moved_to[a:b])
-            self.new_base_all = self.after[: len(self.group_index)]
 
     @property
     def alloc(self) -> _ByGroup:
-        if self.alloc_all is None:
-            self.settle_after()
-            self.moves = self.after - self.bounds
-            self.alloc_all = self.moves[len(self.group_index) :]
         return _ByGroup(self.group_index, self.alloc_all)
 
     @property
     def need_hi(self) -> _ByGroup:
         return _ByGroup(self.group_index, self.need_hi_all)
-
-
-_WINDOW_STEPS = 32  # one-token steps of a repeated batch planned at once
-
-
-@dataclass
-class _DecodeWindow:
-    """``_decode_window``'s plans: step k's moves are ``[splits[k], splits[k + 1])`` of
-    ``pos`` (flat ``[2G, R]`` cell), ``cells`` (table store cell), ``stacked`` and
-    ``offsets``, releases first; ``sums[k]`` per stacked group. ``bounds``: stacked
-    ``[2G, R]`` base and hi before the next step (the window's own array: each step that
-    runs moves its cells in place)."""
-
-    first0: int  # first row's computed tokens at step 0
-    bounds: np.ndarray
-    pos: np.ndarray
-    hi_pos: np.ndarray  # pos - G * R: the flat [G, R] cell of a move of hi
-    sums: list
-    cells: np.ndarray
-    units: tuple  # (group, table row, column) of each cell, as TableSet.drain_updates gives them
-    store_slots: np.ndarray  # TableSet.row_slots of each move's cell
-    moved_to: np.ndarray  # the cell's bound after the move
-    stacked: np.ndarray
-    offsets: np.ndarray
-    splits: list
-    # Per step, the rows that cross a prefix grain boundary, in batch order (None:
-    # no prefix cache, or a grain shorter than a window).
-    crossed: list | None = None
-    # [K, G, R] write-slot pieces (TableSet.slot_pieces) of each step's positions; None
-    # where the geometry has no shifts.
-    slot_rows: np.ndarray | None = None
-    slot_skip: np.ndarray | None = None
 
 
 class _ByGroup(Mapping):
@@ -174,13 +116,6 @@ class _ByGroup(Mapping):
 
 class CacheManager:
     """Pages, tables and slots for every request and every cache group."""
-
-    _roster_version = 0  # bumped when a request gets or gives back its row
-    _all_fit_memo: np.ndarray | None = None
-    _group_offsets_memo: np.ndarray | None = None
-    _rows_int32_memo: tuple | None = None
-    _fast_paths = True  # uniform-count validation and decode arrays (tests compare both ways)
-    _rows_memo: tuple | None = None  # (request ids, roster version, rows) of the last batch
 
     def __init__(
         self,
@@ -234,7 +169,6 @@ class CacheManager:
         self._pool_list = [self.pools[s.group_id] for s in self.specs]
         self._group_index = {s.group_id: g for g, s in enumerate(self.specs)}  # group id -> index in specs
         self._space = PageSpace(self._pool_list)
-        self._space_offsets2 = np.tile(self._space.offsets.astype(np.int64), 2)  # per stacked [2G] group
         # With a shared arena the pools start empty and borrow slabs as they need pages.
         self.arena = Arena(arena, self.pools) if arena is not None else None
         # Every group's tables are stacked: a step is a few numpy calls for all groups.
@@ -248,10 +182,6 @@ class CacheManager:
         self._requests: dict[str, _Request] = {}
         self._row_of: dict[str, int] = {}  # request id -> table row (batch validation reads only this)
         self._last_rows = np.zeros(0, dtype=np.int64)  # rows scheduled in the previous step
-        # Last decode step: (rows, [G, R] pages at hi - 1, end, [2G, R] base and hi after
-        # it, [2G, R] row cells, counts, base/hi slots).
-        self._tail: tuple | None = None
-        self._decode_arrays_memo: tuple | None = None
         self._group_sliding = tuple((s.group_id, s.is_sliding) for s in self.specs)
         self._row_owner: dict[int, _Request] = {}
         self._free_rows: list[int] = []
@@ -308,7 +238,6 @@ class CacheManager:
     ) -> PrefixHit:
         """Register a request; with prefix caching, borrow its cached prefix. Returns the hit."""
         self._version += 1  # invalidates a cached admission
-        self._tail = None  # tables may change outside schedule: the next decode step regathers
         if not isinstance(request_id, str) or not request_id:
             raise CacheManagerError(f"request id must be a non-empty str, got {request_id!r}")
         if request_id in self._requests:
@@ -354,7 +283,6 @@ class CacheManager:
         self._requests[request_id] = req
         self._row_of[request_id] = row
         self._row_owner[row] = req
-        self._roster_version += 1  # request -> row mapping changed
         self._max_total[row] = total
         self._known[row] = prompt_len if buf is not None else total
         return hit
@@ -395,7 +323,7 @@ class CacheManager:
             )
         flat = _token_array(arr.reshape(-1))
         rids = request_ids if type(request_ids) is tuple else tuple(request_ids)
-        rows = self._rows_of(rids, remember=False)  # the last step's batch: memoized
+        rows = self._rows_of(rids)
         k = arr.shape[1]
         # A request without token ids counts its declared total as known, so this one
         # test also catches those; the loop below words which reason.
@@ -532,13 +460,12 @@ class CacheManager:
             plan = self._plan(np.concatenate([settle, rows]), np.concatenate([np.zeros_like(settle), counts]))
         else:
             # The same rows array as the last step: no settling.
-            plan = self._plan(rows, counts, first, uniform[1] if uniform is not None and self._fast_paths else None, end)
+            plan = self._plan(rows, counts, first, uniform[1] if uniform is not None else None, end)
         plan.settle = settle.size
         plan.request_ids = request_ids
-        fits = self._all_fit(plan.rows.size)  # read-only; copied where requests get denied
+        fits = np.ones(plan.rows.size, dtype=bool)
         deny: dict[int, str] = {}
         if fixed_width:
-            fits = fits.copy()
             if plan.need_hi_all is None:
                 plan.need_hi_all = np.stack([t.need_hi(plan.end) for t in self._tableset.tables])
             for s in self.specs:
@@ -591,8 +518,6 @@ class CacheManager:
             need = {g: plan.alloc[g] - self._release_credit(g, plan.rows, plan.new_base[g], scan.releasing)
                     for g in avail}
             if not totals_fit(need):
-                if not fits.flags.writeable:
-                    fits = fits.copy()
                 self._deny_greedily(plan, need, avail, fits, deny, arena, scan)
                 need = None
         if need is not None and arena is not None:
@@ -601,22 +526,6 @@ class CacheManager:
             plan.grants = plan.grants + self._grow_instead_of_evicting(sums, after=plan.grants)
         off = plan.settle
         return answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items()}, plan
-
-    def _group_offsets(self, like: np.ndarray) -> np.ndarray:
-        """``[G, R]`` page space offset of each group, R as in ``like`` (cached while R repeats)."""
-        cached = self._group_offsets_memo
-        if cached is None or cached.shape != like.shape:
-            cached = self._group_offsets_memo = np.repeat(
-                self._space.offsets.astype(np.int64)[:, None], like.shape[1], axis=1)
-        return cached
-
-    def _all_fit(self, n: int) -> np.ndarray:
-        """A read-only all-True mask of ``n`` requests (the same array while ``n`` repeats)."""
-        cached = self._all_fit_memo
-        if cached is None or cached.size != n:
-            cached = self._all_fit_memo = np.ones(n, dtype=bool)
-            cached.flags.writeable = False
-        return cached
 
     def _grow_instead_of_evicting(self, sums: list[int], after: list | None = None, plan=None) -> list:
         """Slabs for groups that would have to evict cached pages to get ``sums`` pages
@@ -687,7 +596,7 @@ class CacheManager:
         if rows is None:
             return None
         n = len(counts)
-        if self._fast_paths and counts.count(counts[0]) == n and tuple(map(type, counts)).count(int) == n:
+        if counts.count(counts[0]) == n and tuple(map(type, counts)).count(int) == n:
             # Equal plain ints (a decode or verify step; the type count keeps out True,
             # which equals 1): one scalar check.
             if not 1 <= counts[0] <= self.max_step_tokens:
@@ -716,22 +625,15 @@ class CacheManager:
         rows = self._rows_of(rids)
         if rows is None:
             return None
-        prev = self._tail
-        repeat = prev is not None and prev[0] is rows
-        first = prev[2] if repeat else self._computed.take(rows)
+        first = self._computed.take(rows)
         end = first + count
         if (end > self._known.take(rows)).any():
             return None
-        counts = prev[5] if repeat and count == 1 else np.full(rows.size, count, dtype=np.int64)
-        return rows, counts, rids, first, end
+        return rows, np.full(rows.size, count, dtype=np.int64), rids, first, end
 
-    def _rows_of(self, rids: tuple, remember: bool = True) -> np.ndarray | None:
-        """Table rows of distinct known request ids (memoized for a repeated batch;
-        ``remember=False`` reads the memo without replacing it); None if an id is
-        unknown, unhashable or repeated."""
-        memo = self._rows_memo
-        if memo is not None and memo[1] == self._roster_version and memo[0] == rids:
-            return memo[2]  # same ids as a batch already validated, no request added or freed since
+    def _rows_of(self, rids: tuple) -> np.ndarray | None:
+        """Table rows of distinct known request ids; None if an id is unknown,
+        unhashable or repeated."""
         try:
             # One C-level lookup of every id (itemgetter of one key returns it bare).
             found = itemgetter(*rids)(self._row_of) if len(rids) > 1 else [self._row_of[rid] for rid in rids]
@@ -740,14 +642,12 @@ class CacheManager:
         rows = np.array(found, dtype=np.int64)
         if len(set(rids)) != len(rids):
             return None
-        if remember:
-            self._rows_memo = (rids, self._roster_version, rows)
         return rows
 
     def _settling_rows(self, batch_rows: np.ndarray) -> np.ndarray:
         prev = self._last_rows
-        if prev is batch_rows or prev.size == 0:
-            return prev[:0]
+        if prev.size == 0:
+            return prev
         if prev.size == batch_rows.size and np.array_equal(prev, batch_rows):
             return prev[:0]
         prev = prev[self._committed[prev] < self._computed[prev]]
@@ -797,78 +697,14 @@ class CacheManager:
             first = self._computed.take(rows)
         if end is None:
             end = first + counts
-        prev = self._tail
-        if prev is not None and prev[0] is rows:  # the batch of the last decode step again
-            slots = prev[6]
-            if count == 1 and self._fast_paths:
-                win = prev[7]
-                k = -1 if win is None else int(first[0]) - win.first0
-                if not 0 <= k < _WINDOW_STEPS:
-                    win, k = self._decode_window(rows, prev[3], first, prev[4], slots), 0
-                if win is not None:
-                    return self._window_plan(rows, counts, first, end, slots, win, k)
-            bounds, after, moves, need_hi = self._tableset.plan(rows, first, end, prev[3], count=count)
-        else:
-            slots = self._tableset.row_slots(rows)
-            bounds, after, moves, need_hi = self._tableset.plan(rows, first, end, slots=slots, count=count)
+        slots = self._tableset.row_slots(rows)
+        bounds, after, moves, need_hi = self._tableset.plan(rows, first, end, slots=slots, count=count)
         g = len(self.specs)
         sums = moves.sum(axis=1).tolist()
         return _StepPlan(rows, counts, first, end, self._group_index, base=bounds[:g], hi=bounds[g:],
                          new_base_all=after[:g], alloc_all=moves[g:],
                          need_hi_all=need_hi, slots=slots, bounds=bounds, after=after,
                          moves=moves, rel_sums=sums[:g], alloc_sums=sums[g:])
-
-    def _decode_window(self, rows: np.ndarray, bounds: np.ndarray, first: np.ndarray, cells2: np.ndarray,
-                       slots: np.ndarray) -> _DecodeWindow | None:
-        """The moves of the next ``_WINDOW_STEPS`` one-token steps of a repeated batch
-        (``TableSet.window_moves``), with their table cells, groups, page-space offsets,
-        write-slot pieces and grain crossings; None if the rows are not as after a
-        one-token step."""
-        ts = self._tableset
-        steps = _WINDOW_STEPS
-        moves = ts.window_moves(bounds, first, steps)
-        if moves is None:
-            return None  # not after a first decode step; the per-step plan handles it
-        step, pos, cells = moves
-        moved_to = cells + 1
-        g2, n = 2 * len(self.specs), first.size
-        stacked = pos // n
-        cells &= ts.column_mask2.take(stacked)
-        units = (stacked % (g2 // 2), rows.take(pos % n), cells.copy())
-        cells += cells2.take(pos)
-        sums = np.bincount(step * g2 + stacked, minlength=steps * g2).reshape(steps, g2).tolist()
-        # [K, 1, R] positions, int32 where they fit (the slot pieces then stream half the bytes)
-        narrow = self.max_context_tokens + steps < 2**31
-        positions = np.add.outer(np.arange(steps, dtype=np.int32 if narrow else np.int64),
-                                 first.astype(np.int32) if narrow else first)[:, None, :]
-        crossed = None
-        grain = self.prefix.granularity_tokens if self.prefix is not None else 0
-        if grain >= steps:
-            # Tokens [0, first + k) are committed at step k: a row crosses where first + k
-            # is a multiple of the grain (at most once a window).
-            at = -first % grain
-            hit = np.flatnonzero(at < steps)
-            order = np.argsort(at.take(hit), kind="stable")
-            ends = np.searchsorted(at.take(hit).take(order), np.arange(steps + 1)).tolist()
-            ordered = rows.take(hit.take(order)).tolist()
-            crossed = [ordered[ends[k] : ends[k + 1]] for k in range(steps)]
-        return _DecodeWindow(int(first[0]), bounds.copy(), pos, pos - g2 // 2 * n, sums, cells, units, slots.take(pos),
-                             moved_to, stacked, self._space_offsets2.take(stacked),
-                             np.searchsorted(step, np.arange(steps + 1)).tolist(), crossed, *ts.slot_pieces(positions))
-
-    def _window_plan(self, rows, counts, first, end, slots, win: _DecodeWindow, k: int) -> _StepPlan:
-        """Step ``k`` of ``win`` (its bounds as before step k); ``after`` stays unset: the
-        step moves the window's bounds in place when it runs (``_StepPlan.settle_after``
-        copies them for a slow admission path)."""
-        g = len(self.specs)
-        bounds, sums = win.bounds, win.sums[k]
-        a, b = win.splits[k], win.splits[k + 1]
-        grown = win.hi_pos[a + sum(sums[:g]) : b]
-        return _StepPlan(rows, counts, first, end, self._group_index, base=bounds[:g], hi=bounds[g:],
-                         slots=slots, bounds=bounds,
-                         rel_sums=sums[:g], alloc_sums=sums[g:],
-                         moved=(win.cells[a:b], win.stacked[a:b]), moved_offsets=win.offsets[a:b], window=win,
-                         window_step=k, grown=grown, moved_units=tuple(u[a:b] for u in win.units))
 
     def _release_credit(
         self, gid: str, rows: np.ndarray, new_base: np.ndarray, releasing: dict | None = None
@@ -934,110 +770,68 @@ class CacheManager:
         if plan is not None and plan.request_ids is None:
             plan.request_ids = uniform[0] if items is None else tuple(map(itemgetter(0), items))
         n_items = len(items) if uniform is None else len(uniform[0])
-        if len(ok_idx) < n_items or fits is not self._all_fit_memo and not fits.all():
+        if len(ok_idx) < n_items or not fits.all():
             reasons = [a.reason for a in answers if a is not None] + [deny[k] for k in sorted(deny)]
             raise CacheManagerError(
                 f"{len(reasons)} of {n_items} requests not admissible: {'; '.join(reasons[:3])}"
             )
         self._version += 1
-        rows = plan.rows
-        if self.prefix is not None:
-            # Only a request that crossed a grain boundary has something to publish.
-            grain = self.prefix.granularity_tokens
-            if plan.window is not None and plan.window.crossed is not None:
-                crossed = plan.window.crossed[plan.window_step]
-            else:
-                committed = self._committed.take(rows)
-                if grain & (grain - 1) == 0:  # c // g < f // g  <=>  f > (c | (g - 1)) for a power of two g
-                    crossed = rows[plan.first > (committed | (grain - 1))].tolist()
-                else:
-                    crossed = rows[committed // grain < plan.first // grain].tolist()
-            for row in crossed:
-                self._commit_row(row)
-        self._committed[rows] = plan.first
+        self._commit_crossings(plan)
         ts = self._tableset
         if block_tables == "updates":
             ts.start_log()  # after full-mode steps (or at first) the batch is a resync
         else:
             ts.stop_log()
-        prev = self._tail
-        cells2 = prev[4] if prev is not None and prev[0] is rows else ts.row_cells2(rows)
-        cells = cells2[: len(self.specs)]
-        released = plan.rel_sums
-        n_released = sum(released)
-        # At most one page per cell (a decode step): the cells released and filled, in one go.
-        if plan.moved is not None:  # planned by a decode window
-            moved, moved_offsets = plan.moved, plan.moved_offsets
-        else:
-            moved = ts.moved_cells(plan.bounds, plan.moves, cells2) if self._fast_paths else None
-            if moved is not None:
-                # Page space offset of each moved cell's group (releases first, as the cells).
-                moved_offsets = self._space_offsets2.take(moved[1])
-        if moved is not None and n_released:
-            self._space.release(ts.take_cells(moved[0][:n_released]), released, moved_offsets[:n_released])
-        elif n_released:
-            releases = plan.moves[: len(self.specs)]  # never negative
-            if self._fast_paths:
-                pages, _, mask = ts.take_flat(rows, plan.base, counts=releases, row_cells=cells, per_group=released,
-                                              with_mask=True)
-                self._space.release(pages, released, None if mask is None else self._group_offsets(mask)[mask])
-            else:
-                for pool, released in zip(self._pool_list, ts.take(rows, plan.base, counts=releases, row_cells=cells)):
-                    if released.size:
-                        pool.decref(released)
+        self._release(plan)
         if plan.grants:
             self.arena.apply(plan.grants)
-        totals = plan.alloc_sums
-        if any(totals):
-            split = self._transient_split(plan, totals) if moved is None else {}  # one page a cell: none
-            fresh = []
-            for g, (pool, n) in enumerate(zip(self._pool_list, totals)):
-                if not n:
-                    continue
-                if g not in split:
-                    fresh.append(pool.allocate(n) if moved is None else pool.allocate_unheld(n))
-                    continue
-                t, rank = split[g]
-                ids = pool.allocate(n, highest=t)  # n - t lowest, then t highest, ascending
-                if rank is None:  # one row: transient pages first in logical order
-                    ids = np.concatenate([ids[n - t :], ids[: n - t]])
-                else:
-                    ids = ids[rank]
-                fresh.append(ids)
-            pages = np.concatenate(fresh)
-            if moved is not None:
-                # Every group's new pages held once, in one store (allocate left them).
-                glob = pages.astype(np.int64)
-                glob += moved_offsets[n_released:]
-                self._space.ref_counts[glob] = 1
-                ts.put_cells(moved[0][n_released:], pages)
-            else:
-                ts.place(rows, plan.hi, plan.alloc_all, pages, cells)  # new pages start at hi
-        if moved is not None and moved[0].size:
-            ts.log_cells(moved[0])  # the cells emptied and filled, logged once
-        if plan.window is not None:  # only the moved cells' bounds change
-            win, a, b = plan.window, *plan.window.splits[plan.window_step : plan.window_step + 2]
-            ts.set_bounds(win.store_slots[a:b], win.moved_to[a:b])
-            win.bounds.put(win.pos[a:b], win.moved_to[a:b])  # the window's bounds move on, in place
-            plan.after, plan.new_base_all = win.bounds, win.bounds[: len(self.specs)]
-        else:
-            ts.set_bounds(plan.slots, plan.after)
+        self._allocate(plan)
+        ts.set_bounds(plan.slots, plan.after)
+        self._computed[plan.rows] = plan.end
+        self._last_rows = plan.rows[plan.settle :] if plan.settle else plan.rows
         hi = plan.after[len(self.specs) :]
-        tail = None
-        decode = self._fast_paths and not plan.settle and (uniform is not None and uniform[1] == 1
-                                                          or int(plan.counts.max()) == 1 == int(plan.counts.min()))
-        if decode and write_slots:
-            tail = self._tail_pages(plan, rows, hi, cells, pages if any(totals) else None)
-        # What the next step of the same batch would read back: last pages (None: not
-        # kept, write slots were not asked for), computed tokens, base and hi, the rows'
-        # store cells and base / hi slots, counts, the decode window the step came from
-        # (cleared by every mutation outside schedule).
-        self._tail = (rows, tail, plan.end, plan.after, cells2, plan.counts, plan.slots, plan.window) if (
-            decode and (tail is not None or not write_slots)) else None
-        self._computed[rows] = plan.end
-        self._last_rows = rows[plan.settle :] if plan.settle else rows
-        return self._build_batch(plan, fixed_width, hi if block_tables == "updates" else None, cells, tail,
-                                 write_slots, decode)
+        return self._build_batch(plan, fixed_width, hi if block_tables == "updates" else None, write_slots)
+
+    def _commit_crossings(self, plan: _StepPlan) -> None:
+        """Commit the tokens of the rows' previous steps; with prefix caching, publish
+        what the rows that crossed a grain boundary completed."""
+        rows = plan.rows
+        if self.prefix is not None:
+            grain = self.prefix.granularity_tokens
+            committed = self._committed.take(rows)
+            for row in rows[committed // grain < plan.first // grain].tolist():
+                self._commit_row(row)
+        self._committed[rows] = plan.first
+
+    def _release(self, plan: _StepPlan) -> None:
+        """Every sliding group's pages below the rows' new base go back (one decref for all groups)."""
+        released = plan.rel_sums
+        if sum(released):
+            g = len(self.specs)
+            pages, _ = self._tableset.take_flat(plan.rows, plan.base, counts=plan.moves[:g], per_group=released)
+            self._space.release(pages, released)
+
+    def _allocate(self, plan: _StepPlan) -> None:
+        """The pages from each row's hi to its new hi, one pool call per group, placed in the tables."""
+        totals = plan.alloc_sums
+        if not any(totals):
+            return
+        split = self._transient_split(plan, totals)
+        fresh = []
+        for g, (pool, n) in enumerate(zip(self._pool_list, totals)):
+            if not n:
+                continue
+            if g not in split:
+                fresh.append(pool.allocate(n))
+                continue
+            t, rank = split[g]
+            ids = pool.allocate(n, highest=t)  # n - t lowest, then t highest, ascending
+            if rank is None:  # one row: transient pages first in logical order
+                ids = np.concatenate([ids[n - t :], ids[: n - t]])
+            else:
+                ids = ids[rank]
+            fresh.append(ids)
+        self._tableset.place(plan.rows, plan.hi, plan.alloc_all, np.concatenate(fresh))
 
     def _transient_split(self, plan: _StepPlan, totals: list[int]) -> dict[int, tuple[int, object]]:
         """Per sliding group whose rows get several pages this step (prefill chunks):
@@ -1072,61 +866,18 @@ class CacheManager:
                 out[g] = (t, np.where(transient, np.cumsum(transient) - 1 + (n - t), np.cumsum(~transient) - 1))
         return out
 
-    def _tail_pages(self, plan: _StepPlan, rows: np.ndarray, hi: np.ndarray, cells: np.ndarray,
-                    placed: np.ndarray | None) -> np.ndarray | None:
-        """``[G, R]`` page id at logical page ``hi - 1`` of every row, where a decode step
-        writes its token. The previous step's array when the batch repeats (same rows
-        array, tables untouched since: every other mutation drops it) with this step's
-        new pages set in; else a gather from the table store. None if a cell got two
-        pages (not a plain decode step)."""
-        prev = self._tail
-        if prev is not None and prev[0] is rows and prev[1] is not None:
-            if placed is None:
-                return prev[1]
-            if plan.grown is not None:  # a window's step: its grown cells, in placing order
-                tail = prev[1]  # only the manager holds it: updated in place
-                tail.put(plan.grown, placed)
-                return tail
-            tail = prev[1].copy()
-            grown = plan.alloc_all.astype(bool)
-            if placed.size != np.count_nonzero(grown):
-                return None
-            tail[grown] = placed
-            return tail
-        return self._tableset.pages_at(cells, hi - 1)
-
-    def _build_batch(
-        self, plan: _StepPlan, fixed_width: bool, updates_hi: np.ndarray | None, cells: np.ndarray,
-        tail: np.ndarray | None = None, write_slots: bool = True, decode: bool = False,
-    ) -> StepBatch:
-        """The step's arrays; ``updates_hi`` (the batch's new hi, ``[G, R]``) selects updates
-        mode; ``cells`` is ``row_cells`` of every planned row; ``decode``: one token per
-        row, no settling rows."""
+    def _build_batch(self, plan: _StepPlan, fixed_width: bool, updates_hi: np.ndarray | None,
+                     write_slots: bool = True) -> StepBatch:
+        """The step's arrays; ``updates_hi`` (the batch's new hi, ``[G, R]``) selects updates mode."""
         off = plan.settle
-        rows, counts, first = (plan.rows[off:], plan.counts[off:], plan.first[off:]) if off else (
-            plan.rows, plan.counts, plan.first)
+        rows, counts, first = plan.rows[off:], plan.counts[off:], plan.first[off:]
         n_req = rows.size
-        count = int(counts[0])
-        if tail is not None or count == 1 and self._fast_paths and (decode or counts.max() == 1):
-            req_idx, qsl, scheduled = self._decode_arrays(n_req)
-            positions, token_rows, token_cells = first, rows, cells[:, off:]
-        else:
-            req_idx = np.repeat(np.arange(n_req, dtype=np.int32), counts)
-            positions = np.repeat(first, counts) + segment_arange(counts)
-            token_rows, token_cells = rows[req_idx], None
-            qsl = np.zeros(n_req + 1, dtype=np.int32)
-            np.cumsum(counts, out=qsl[1:])
-            scheduled = None
+        req_idx = np.repeat(np.arange(n_req, dtype=np.int32), counts)
+        positions = np.repeat(first, counts) + segment_arange(counts)
+        qsl = np.zeros(n_req + 1, dtype=np.int32)
+        np.cumsum(counts, out=qsl[1:])
         ts = self._tableset
-        if not write_slots:
-            slots = [None] * len(self.specs)
-        elif tail is not None and plan.window is not None and plan.window.slot_rows is not None:
-            k = plan.window_step
-            slots = ts.write_slots_from(tail, plan.window.slot_rows[k], plan.window.slot_skip[k])
-        elif tail is not None:
-            slots = ts.write_slots_in(tail, positions)
-        else:
-            slots = ts.write_slots(token_rows, positions, token_cells)
+        slots = ts.write_slots(rows[req_idx], positions) if write_slots else [None] * len(self.specs)
         base_pages = plan.new_base_all[:, off:].astype(np.int32)
         updates = None
         if updates_hi is None:
@@ -1140,44 +891,22 @@ class CacheManager:
                 widths = tuple(self.table_widths[s.group_id] for s in self.specs)
             else:
                 widths = tuple((updates_hi[:, off:] - plan.new_base_all[:, off:]).max(axis=1).tolist())
-            known = None if plan.moved_units is None else (plan.moved[0], *plan.moved_units)
-            group, row, column, page, reset = ts.drain_updates(known)
+            group, row, column, page, reset = ts.drain_updates()
             updates = TableUpdates(group=group, row=row, column=column, page=page, widths=widths, reset=reset)
-        groups = {}
-        for g, (gid, sliding) in enumerate(self._group_sliding):
-            groups[gid] = GroupStep(block_table=tables[g], base_pages=base_pages[g] if sliding else None,
-                                    write_slots=slots[g])
+        groups = {
+            gid: GroupStep(block_table=tables[g], base_pages=base_pages[g] if sliding else None, write_slots=slots[g])
+            for g, (gid, sliding) in enumerate(self._group_sliding)
+        }
         return StepBatch(
             request_ids=plan.request_ids,
-            num_scheduled_tokens=counts.astype(np.int32) if scheduled is None else scheduled,
+            num_scheduled_tokens=counts.astype(np.int32),
             query_start_loc=qsl,
             positions=positions,
             request_indices=req_idx,
             groups=groups,
-            table_rows=self._rows_int32(rows),
+            table_rows=rows.astype(np.int32),
             table_updates=updates,
         )
-
-    def _rows_int32(self, rows: np.ndarray) -> np.ndarray:
-        """``rows`` as int32, read-only; the same array while the batch's rows array repeats."""
-        cached = self._rows_int32_memo
-        if cached is None or cached[0] is not rows:
-            out = rows.astype(np.int32)
-            out.flags.writeable = False
-            cached = self._rows_int32_memo = (rows, out)
-        return cached[1]
-
-    def _decode_arrays(self, n_req: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Request indices, query start locations and token counts of a decode step of
-        ``n_req`` requests: the same every step, so built once and handed out read-only."""
-        cached = self._decode_arrays_memo
-        if cached is None or cached[0].size != n_req:
-            cached = (np.arange(n_req, dtype=np.int32), np.arange(n_req + 1, dtype=np.int32),
-                      np.ones(n_req, dtype=np.int32))
-            for a in cached:
-                a.flags.writeable = False
-            self._decode_arrays_memo = cached
-        return cached
 
     def _commit_row(self, row: int) -> None:
         req = self._row_request(row)
@@ -1194,7 +923,6 @@ class CacheManager:
     def rewind_many(self, items: Sequence[tuple[str, int]]) -> None:
         """``rewind`` for many requests at once (all validated first; vectorized per group)."""
         self._version += 1  # invalidates a cached admission
-        self._tail = None  # tables may change outside schedule: the next decode step regathers
         reqs, keeps, seen = [], [], set()
         for item in items:
             try:
@@ -1241,7 +969,6 @@ class CacheManager:
     def free(self, request_id: str) -> None:
         """End a request: commit its last step to the prefix cache, release every page."""
         self._version += 1  # invalidates a cached admission
-        self._tail = None  # tables may change outside schedule: the next decode step regathers
         req = self._get(request_id)
         if self.prefix is not None and self._committed[req.row] < self._computed[req.row]:
             self._commit_row(req.row)
@@ -1258,7 +985,6 @@ class CacheManager:
         del self._requests[request_id]
         del self._row_of[request_id]
         del self._row_owner[req.row]
-        self._roster_version += 1  # request -> row mapping changed
         self._last_rows = self._last_rows[self._last_rows != req.row]
         self._free_rows.append(req.row)
 

@@ -176,17 +176,6 @@ class PagePool:
         self._count_allocated(count)
         return out
 
-    def allocate_unheld(self, count: int) -> np.ndarray:
-        """``allocate(count, set_refs=False)`` for a plain int ``count`` >= 1, with the
-        decode step's common case (lowest first, clean pages enough, few pending
-        releases, no low-priority packing) in fewer steps; the rest goes to ``allocate``."""
-        if (self._top + self._pending_pages < count or self._pending_pages > _SMALL_PENDING or not self.lowest_first
-                or self._low_idle and self.pack_low_priority()):
-            return self.allocate(count, set_refs=False)
-        out = self._take_lowest(count, sort_pending=True)
-        self._count_allocated(count)
-        return out
-
     def _take_lowest(self, low: int, sort_pending: bool) -> np.ndarray:
         """The ``low`` lowest free ids (stack and pending releases), ascending, taken."""
         if self._pending and sort_pending and self._pending_pages <= _SMALL_PENDING:
