@@ -22,6 +22,7 @@ from hybridkv.arena import Arena, ArenaGeometry, IdleScan, shared_arena_for
 from hybridkv.batch import Admission, GroupStats, GroupStep, StepBatch, TableUpdates
 from hybridkv.pool import PagePool, PageSpace
 from hybridkv.prefix import PrefixCache, PrefixHit, RequestHashes
+from hybridkv.runtime import kernels
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables import TableSet, cdiv, segment_arange
 
@@ -460,14 +461,12 @@ class CacheManager:
             plan = self._plan(np.concatenate([settle, rows]), np.concatenate([np.zeros_like(settle), counts]))
         else:
             # The same rows array as the last step: no settling.
-            plan = self._plan(rows, counts, first, uniform[1] if uniform is not None else None, end)
+            plan = self._plan(rows, counts, first, end)
         plan.settle = settle.size
         plan.request_ids = request_ids
         fits = np.ones(plan.rows.size, dtype=bool)
         deny: dict[int, str] = {}
         if fixed_width:
-            if plan.need_hi_all is None:
-                plan.need_hi_all = np.stack([t.need_hi(plan.end) for t in self._tableset.tables])
             for s in self.specs:
                 gid = s.group_id
                 width = plan.need_hi[gid] - plan.new_base[gid]
@@ -689,22 +688,21 @@ class CacheManager:
         return ""
 
     def _plan(self, rows: np.ndarray, counts: np.ndarray, first: np.ndarray | None = None,
-              count: int | None = None, end: np.ndarray | None = None) -> _StepPlan:
+              end: np.ndarray | None = None) -> _StepPlan:
         """The step's arrays; ``first`` (computed tokens of ``rows``) and ``end``
-        (``first + counts``) if the caller has them; ``count`` if every entry of
-        ``counts`` is that int."""
+        (``first + counts``) if the caller has them."""
         if first is None:
             first = self._computed.take(rows)
         if end is None:
             end = first + counts
-        slots = self._tableset.row_slots(rows)
-        bounds, after, moves, need_hi = self._tableset.plan(rows, first, end, slots=slots, count=count)
+        bounds, after, need_hi, sums = self._tableset.plan(rows, first, counts)
+        moves = after - bounds
         g = len(self.specs)
-        sums = moves.sum(axis=1).tolist()
+        released, allocated = sums.tolist()
         return _StepPlan(rows, counts, first, end, self._group_index, base=bounds[:g], hi=bounds[g:],
-                         new_base_all=after[:g], alloc_all=moves[g:],
-                         need_hi_all=need_hi, slots=slots, bounds=bounds, after=after,
-                         moves=moves, rel_sums=sums[:g], alloc_sums=sums[g:])
+                         new_base_all=after[:g], alloc_all=moves[g:], need_hi_all=need_hi,
+                         slots=self._tableset.row_slots(rows), bounds=bounds, after=after,
+                         moves=moves, rel_sums=released, alloc_sums=allocated)
 
     def _release_credit(
         self, gid: str, rows: np.ndarray, new_base: np.ndarray, releasing: dict | None = None
@@ -789,8 +787,7 @@ class CacheManager:
         ts.set_bounds(plan.slots, plan.after)
         self._computed[plan.rows] = plan.end
         self._last_rows = plan.rows[plan.settle :] if plan.settle else plan.rows
-        hi = plan.after[len(self.specs) :]
-        return self._build_batch(plan, fixed_width, hi if block_tables == "updates" else None, write_slots)
+        return self._build_batch(plan, fixed_width, block_tables == "updates", write_slots)
 
     def _commit_crossings(self, plan: _StepPlan) -> None:
         """Commit the tokens of the rows' previous steps; with prefix caching, publish
@@ -808,7 +805,7 @@ class CacheManager:
         released = plan.rel_sums
         if sum(released):
             g = len(self.specs)
-            pages, _ = self._tableset.take_flat(plan.rows, plan.base, counts=plan.moves[:g], per_group=released)
+            pages = self._tableset.take_flat(plan.rows, plan.base, counts=plan.moves[:g], total=sum(released))
             self._space.release(pages, released)
 
     def _allocate(self, plan: _StepPlan) -> None:
@@ -866,33 +863,32 @@ class CacheManager:
                 out[g] = (t, np.where(transient, np.cumsum(transient) - 1 + (n - t), np.cumsum(~transient) - 1))
         return out
 
-    def _build_batch(self, plan: _StepPlan, fixed_width: bool, updates_hi: np.ndarray | None,
+    def _build_batch(self, plan: _StepPlan, fixed_width: bool, updates: bool,
                      write_slots: bool = True) -> StepBatch:
-        """The step's arrays; ``updates_hi`` (the batch's new hi, ``[G, R]``) selects updates mode."""
+        """The step's arrays: block tables, or with ``updates`` the table cells changed."""
         off = plan.settle
         rows, counts, first = plan.rows[off:], plan.counts[off:], plan.first[off:]
-        n_req = rows.size
-        req_idx = np.repeat(np.arange(n_req, dtype=np.int32), counts)
-        positions = np.repeat(first, counts) + segment_arange(counts)
-        qsl = np.zeros(n_req + 1, dtype=np.int32)
-        np.cumsum(counts, out=qsl[1:])
+        n_req, n_tokens = rows.size, int(counts.sum())
+        positions = np.empty(n_tokens, dtype=np.int64)
+        req_idx = np.empty(n_tokens, dtype=np.int32)
+        qsl = np.empty(n_req + 1, dtype=np.int32)
+        kernels.batch_tokens(first, counts, positions, req_idx, qsl)
         ts = self._tableset
-        slots = ts.write_slots(rows[req_idx], positions) if write_slots else [None] * len(self.specs)
+        slots = ts.write_slots(rows, positions, req_idx) if write_slots else [None] * len(self.specs)
         base_pages = plan.new_base_all[:, off:].astype(np.int32)
-        updates = None
-        if updates_hi is None:
-            tables = [
-                t.block_table(rows, self.table_widths[t.spec.group_id] if fixed_width else None)
-                for t in ts.tables
-            ]
+        g = len(self.specs)
+        if fixed_width:
+            widths = tuple(self.table_widths[s.group_id] for s in self.specs)
         else:
-            tables = [None] * len(self.specs)
-            if fixed_width:
-                widths = tuple(self.table_widths[s.group_id] for s in self.specs)
-            else:
-                widths = tuple((updates_hi[:, off:] - plan.new_base_all[:, off:]).max(axis=1).tolist())
+            widths = tuple((plan.after[g:, off:] - plan.new_base_all[:, off:]).max(axis=1).tolist())
+        table_updates = None
+        if not updates:
+            tables = [ts.block_table(k, rows, width) for k, width in enumerate(widths)]
+        else:
+            tables = [None] * g
             group, row, column, page, reset = ts.drain_updates()
-            updates = TableUpdates(group=group, row=row, column=column, page=page, widths=widths, reset=reset)
+            table_updates = TableUpdates(group=group, row=row, column=column, page=page, widths=widths,
+                                         reset=reset)
         groups = {
             gid: GroupStep(block_table=tables[g], base_pages=base_pages[g] if sliding else None, write_slots=slots[g])
             for g, (gid, sliding) in enumerate(self._group_sliding)
@@ -905,7 +901,7 @@ class CacheManager:
             request_indices=req_idx,
             groups=groups,
             table_rows=rows.astype(np.int32),
-            table_updates=updates,
+            table_updates=table_updates,
         )
 
     def _commit_row(self, row: int) -> None:

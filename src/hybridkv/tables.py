@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hybridkv.runtime import kernels
 from hybridkv.spec import CacheGroupSpec
 
 
@@ -187,7 +188,8 @@ class GroupTable:
 
 
 class TableSet:
-    """The tables of every group of a manager, stacked so one numpy call serves all groups.
+    """The tables of every group of a manager in one store; the step's table work runs
+    in the compiled kernels of ``hybridkv.runtime.kernels``.
 
     ``pages[g]``, ``base[g]`` and ``hi[g]`` are group ``g``'s arrays; each
     ``GroupTable`` in ``tables`` is bound to views of them, so per-group code
@@ -213,41 +215,15 @@ class TableSet:
                        ring_power_of_two=True)
             for s in specs
         ]
-        t = self.tables
-        self.page_tokens = np.array([x.page_tokens for x in t], dtype=np.int64)
-        self.window_tokens = np.array([x.window_tokens for x in t], dtype=np.int64)
-        self.sliding = np.array([x.sliding for x in t], dtype=bool)
-        self.capacity_pages = np.array([x.capacity_pages for x in t], dtype=np.int64)
-        self.rows_per_page = np.array([x.rows_per_page for x in t], dtype=np.int64)
-        self._rows_per_page_col = self.rows_per_page[:, None]
-        self.stride_tokens = np.array([x.stride_tokens for x in t], dtype=np.int64)
-        self.group_index = np.arange(len(t), dtype=np.int64)
-        # Strides and rows per page are powers of two for V4: shifts and masks then
-        # replace integer division, which dominates write slots of long chunks.
-        pow2 = lambda v: bool(np.all((v & (v - 1)) == 0))  # noqa: E731
-        self._shifts = None
-        if pow2(self.stride_tokens) and pow2(self.rows_per_page):
-            self._shifts = (  # row of a position within its page: (pos >> shift) & page mask
-                np.log2(self.stride_tokens).astype(np.int64)[:, None],
-                (self.stride_tokens - 1)[:, None],
-                (self.rows_per_page - 1)[:, None],
-            )
-        # Columns for [G, R] step arithmetic. A full-history group never releases: its
-        # window is made so large that the release floor is always 0.
-        self._window_less_one = np.where(self.sliding, self.window_tokens - 1, 2**62)[:, None]
-        self._tokens_less_one = (self.page_tokens - 1)[:, None]
-        self._tokens = self.page_tokens[:, None]
-        # int64 floor division costs ~4 ns an element; V4's page spans are powers of two.
-        self._tokens_shift = np.log2(self.page_tokens).astype(np.int64)[:, None] if pow2(self.page_tokens) else None
-        # ``plan`` works on release floors and pages needed stacked as one [2G, R] array.
-        self._plan_divisor = np.concatenate([self._tokens, self._tokens])
-        self._plan_shift = None if self._tokens_shift is None else np.concatenate([self._tokens_shift] * 2)
-        self._plan_offsets: dict[int, np.ndarray] = {}  # uniform count -> [2G, 1] offsets of first
-        # Ring column of a logical page: ``& (capacity - 1)`` (rings are powers of two);
-        # full-history pages stay below capacity, so their mask keeps every bit.
-        self._column_mask = np.where(self.sliding, self.capacity_pages - 1, -1)
-        self._column_mask_col = self._column_mask[:, None]
-        self.pages = np.full((len(t), max(1, int(initial_rows)), int(self.capacity_pages.max())), -1, np.int32)
+        self.geometry = np.zeros((len(self.tables), kernels.GEOMETRY_COLUMNS), dtype=np.int64)
+        for g, t in enumerate(self.tables):
+            # A ring column is ``logical & (capacity - 1)`` (rings are powers of two); full
+            # history keeps every bit.
+            mask = t.capacity_pages - 1 if t.sliding else -1
+            self.geometry[g] = (t.page_tokens, t.window_tokens, mask, t.rows_per_page, t.stride_tokens, 0,
+                                _log2(t.page_tokens), _log2(t.rows_per_page), _log2(t.stride_tokens))
+        cap_max = max(t.capacity_pages for t in self.tables)
+        self.pages = np.full((len(self.tables), max(1, int(initial_rows)), cap_max), -1, np.int32)
         # base and hi of every group and row in one array: a step gathers and stores both at once.
         self.bounds = np.zeros((2, *self.pages.shape[:2]), dtype=np.int64)
         self.log: list[np.ndarray] | None = None
@@ -257,7 +233,6 @@ class TableSet:
     def _bind(self) -> None:
         _, rows_cap, cap_max = self.pages.shape
         self.base, self.hi = self.bounds[0], self.bounds[1]
-        self._group_cells = self.group_index[:, None] * (rows_cap * cap_max)  # flat start of each group
         # [2G, 1]: flat start of each group's base (rows [0, G)) and hi (rows [G, 2G)) in bounds.
         self._group_rows2 = np.arange(2 * len(self.tables), dtype=np.int64)[:, None] * rows_cap
         self._bounds_flat = self.bounds.reshape(-1)
@@ -298,8 +273,10 @@ class TableSet:
         reset = self._resync
         if reset:
             # Every cell outside [base, hi) is -1: the live ranges are the whole store.
-            rows = np.arange(self.pages.shape[1])
-            index = self._flat_ranges(rows, self.base, self.hi - self.base)[0]
+            rows = np.arange(self.pages.shape[1], dtype=np.int64)
+            counts = self.hi - self.base
+            index = np.empty(int(counts.sum()), dtype=np.int64)
+            kernels.take_pages(self.geometry, self.pages.copy(), rows, self.base, counts, index.copy(), index)
             self._resync = False
         elif not log:
             empty = np.zeros(0, dtype=np.int64)
@@ -325,52 +302,18 @@ class TableSet:
         self.bounds = np.concatenate([self.bounds, np.zeros((2, pages.shape[0], new - have), dtype=np.int64)], axis=2)
         self._bind()
 
-    def plan(self, rows: np.ndarray, first: np.ndarray, end: np.ndarray, bounds: np.ndarray | None = None,
-             slots: np.ndarray | None = None, count: int | None = None):
-        """Stacked ``[2G, R]`` arrays for a step writing tokens ``[first, end)`` per row
-        (pure): ``bounds``, the rows' base (rows ``[0, G)``) and hi (``[G, 2G)``), read
-        from the tables unless the caller has them (``slots``: ``row_slots(rows)`` if
-        the caller has it); ``after``, base once released and hi once allocated;
-        ``moves = after - bounds``, pages released and pages allocated per cell; and
-        ``need_hi`` (``[G, R]``), pages needed. ``count``: every row's token count,
-        when they are all equal (``end == first + count``).
-
-        Same rules as ``release_floor`` and ``pages_needed``, in fewer numpy calls:
-        base after release ``max(base, min(floor, hi))``, hi after allocation
-        ``max(hi, needed)`` (new pages start at hi; base <= hi always, so released
-        pages never reach them)."""
-        if bounds is None:
-            bounds = self._bounds_flat.take(self.row_slots(rows) if slots is None else slots)
-        # Rows [0, G): first - (W - 1), the release floor's numerator; rows [G, 2G):
-        # end + (T - 1), the pages-needed one. Both are then floored at 0 and divided by T.
+    # --- one step -------------------------------------------------------------
+    def plan(self, rows: np.ndarray, first: np.ndarray, counts: np.ndarray):
+        """Stacked ``[2G, R]`` base (rows ``[0, G)``) and hi (rows ``[G, 2G)``) of ``rows``
+        now and after a step writing ``counts`` tokens from ``first`` (pure), ``[G, R]``
+        pages needed, and ``[2, G]`` pages released and allocated per group
+        (``kernels.plan_rows``)."""
         g = len(self.tables)
-        if count is not None:
-            both = first + self.plan_offsets(count)
-        else:
-            both = np.empty((2 * g, first.size), dtype=np.int64)
-            np.subtract(first, self._window_less_one, out=both[:g])
-            np.add(end, self._tokens_less_one, out=both[g:])
-        np.maximum(both, 0, out=both)
-        self.floor_pages(both)
-        need_hi = both[g:]
-        np.minimum(both[:g], bounds[g:], out=both[:g])  # the release floor, capped at hi
-        after = np.maximum(both, bounds)
-        return bounds, after, after - bounds, need_hi
-
-    def plan_offsets(self, count: int) -> np.ndarray:
-        """``[2G, 1]``: what ``plan`` adds to ``first`` for a uniform ``count``."""
-        offsets = self._plan_offsets.get(count)
-        if offsets is None:
-            offsets = self._plan_offsets[count] = np.concatenate(
-                [-self._window_less_one, self._tokens_less_one + count])
-        return offsets
-
-    def floor_pages(self, both: np.ndarray) -> None:
-        """``both //= T`` in place over its last two axes ``[2G, R]`` (floors and needs)."""
-        if self._plan_shift is not None:
-            both >>= self._plan_shift
-        else:
-            both //= self._plan_divisor
+        now = np.empty((2 * g, rows.size), dtype=np.int64)
+        after = np.empty((2 * g, rows.size), dtype=np.int64)
+        need = np.empty((g, rows.size), dtype=np.int64)
+        sums = kernels.plan_rows(self.geometry, self.bounds, rows, first, counts, now, after, need)
+        return now, after, need, sums
 
     def row_slots(self, rows: np.ndarray) -> np.ndarray:
         """``[2G, R]`` flat index into ``bounds`` of each row's base (rows ``[0, G)``) and hi
@@ -378,68 +321,38 @@ class TableSet:
         return rows + self._group_rows2
 
     def set_bounds(self, slots: np.ndarray, bounds: np.ndarray) -> None:
-        """Store ``[2G, R]`` base and hi of the rows whose ``row_slots`` are ``slots`` (one
-        flat store: a ``[:, rows]`` store costs twice as much)."""
+        """Store ``[2G, R]`` base and hi of the rows whose ``row_slots`` are ``slots``."""
         self._bounds_flat[slots] = bounds
 
-    def row_cells(self, rows: np.ndarray) -> np.ndarray:
-        """``[G, R]`` flat index of column 0 of each row in each group (valid until rows grow)."""
-        return rows * self.pages.shape[2] + self._group_cells
-
-    def _flat_ranges(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, per_group=None):
-        """Flat indices into ``pages`` of logical pages ``[lo[g, r], lo[g, r] + counts[g, r])``,
-        group-major then row order, and the number of pages per group (``per_group`` if
-        the caller has it)."""
-        if per_group is None:
-            per_group = counts.sum(axis=1)
-        _, rows_cap, cap_max = self.pages.shape
-        flat = counts.ravel()
-        row_start = ((self.group_index[:, None] * rows_cap + rows[None, :]) * cap_max).ravel()
-        mask = np.repeat(self._column_mask, rows.size)
-        logical = np.repeat(lo.ravel(), flat) + segment_arange(flat)
-        return np.repeat(row_start, flat) + (logical & np.repeat(mask, flat)), per_group
-
-    def take_flat(self, rows: np.ndarray, lo: np.ndarray, *, counts: np.ndarray, per_group=None) -> tuple:
-        """Forget logical pages ``[lo, lo + counts)`` of every group: their ids as one
-        array (group-major, row-major) and the count per group (``per_group`` if the
-        caller has it)."""
-        index, per_group = self._flat_ranges(rows, lo, counts, per_group)
-        flat = self.pages.reshape(-1)
-        pages = flat[index].astype(np.int64)
-        flat[index] = -1
-        self._log_cells(index)
-        return pages, per_group
+    def take_flat(self, rows: np.ndarray, lo: np.ndarray, *, counts: np.ndarray, total: int) -> np.ndarray:
+        """Forget logical pages ``[lo, lo + counts)`` (``[G, R]`` each, ``total`` pages in
+        all) of every group: their ids, group-major then row-major."""
+        out = np.empty(total, dtype=np.int64)
+        touched = np.empty(total, dtype=np.int64)
+        kernels.take_pages(self.geometry, self.pages, rows, lo, counts, out, touched)
+        self._log_cells(touched)
+        return out
 
     def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
         """Store ``page_ids`` (group-major, row-major) at logical pages ``[lo, lo + counts)``."""
-        index = self._flat_ranges(rows, lo, counts, per_group=())[0]
-        self.pages.reshape(-1)[index] = page_ids
-        self._log_cells(index)
+        touched = np.empty(page_ids.size, dtype=np.int64)
+        kernels.place_pages(self.geometry, self.pages, rows, lo, counts, page_ids, touched)
+        self._log_cells(touched)
 
-    def pages_at(self, row_cells: np.ndarray, logical: np.ndarray) -> np.ndarray:
-        """``[G, R]`` page ids at logical pages ``logical`` (``row_cells`` from ``row_cells``)."""
-        return self.pages.reshape(-1).take((logical & self._column_mask_col) + row_cells)
-
-    def write_slots_in(self, pages: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """``[G, N]`` slots of tokens at ``positions`` when ``pages[g, i]`` is the page
-        holding token ``i`` in group ``g``."""
-        pos = positions[None, :]
-        slots = pages.astype(np.int64)
-        slots *= self._rows_per_page_col
-        if self._shifts is not None:
-            stride_shift, stride_mask, page_mask = self._shifts
-            slots += (pos >> stride_shift) & page_mask
-            np.putmask(slots, (pos & stride_mask) != stride_mask, -1)
-            return slots
-        stride = self.stride_tokens[:, None]
-        slots += (pos // stride) % self._rows_per_page_col
-        np.putmask(slots, (pos + 1) % stride != 0, -1)
+    def write_slots(self, rows: np.ndarray, positions: np.ndarray, request_indices: np.ndarray) -> np.ndarray:
+        """int64 ``[G, N]`` slots of every group for token ``i`` of ``rows[request_indices[i]]``
+        at ``positions[i]`` (-1: the token closes no entry)."""
+        slots = np.empty((len(self.tables), positions.size), dtype=np.int64)
+        kernels.write_slots(self.geometry, self.pages, rows, 0, positions, request_indices, slots)
         return slots
 
-    def write_slots(self, token_rows: np.ndarray, positions: np.ndarray, row_cells=None) -> np.ndarray:
-        """int64 ``[G, N]`` slots of every group for the scheduled tokens (-1: no row);
-        ``row_cells``: ``self.row_cells(token_rows)`` if the caller has it."""
-        pos = positions[None, :]
-        logical = pos >> self._tokens_shift if self._tokens_shift is not None else pos // self._tokens
-        cells = self.row_cells(token_rows) if row_cells is None else row_cells
-        return self.write_slots_in(self.pages_at(cells, logical), positions)
+    def block_table(self, g: int, rows: np.ndarray, width: int) -> np.ndarray:
+        """int32 ``[R, width]``: group ``g``'s pages from each row's base, -1 padded."""
+        out = np.empty((rows.size, width), dtype=np.int32)
+        kernels.block_table(self.geometry, self.pages, self.bounds, g, rows, out)
+        return out
+
+
+def _log2(n: int) -> int:
+    """log2 of a power of two, -1 otherwise."""
+    return n.bit_length() - 1 if n & (n - 1) == 0 else -1

@@ -248,3 +248,97 @@ def finish_step(geometry, pages, bounds, computed, ref, stack, top, rows, counts
     write_slots(geometry, pages, rows, first_row, positions, request_indices, slots)
     base_pages(bounds, rows, first_row, bases)
     return n_touched
+
+
+# --- the pieces the manager's step calls (its pools stay Python objects) -----------------
+@njit(cache=True)
+def plan_rows(geometry, bounds, rows, first, counts, now, after, need):
+    """Stacked ``[2G, R]``: ``now`` and ``after``, base (rows ``[0, G)``) and hi (rows
+    ``[G, 2G)``) of every row before and after a step writing ``counts`` tokens from
+    ``first``; ``need[g, r]`` pages holding its tokens. Pure. Returns int64
+    ``[2, G]``: pages released and allocated per group."""
+    n_groups = geometry.shape[0]
+    sums = np.zeros((2, n_groups), dtype=np.int64)
+    for g in range(n_groups):
+        tokens, shift = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT]
+        window = geometry[g, WINDOW_TOKENS]
+        for r in range(rows.size):
+            row = rows[r]
+            base = bounds[0, g, row]
+            hi = bounds[1, g, row]
+            new_base = base
+            if window > 0:
+                new_base = max(base, min(divide(max(first[r] - window + 1, 0), tokens, shift), hi))
+            pages = divide(first[r] + counts[r] + tokens - 1, tokens, shift)
+            now[g, r] = base
+            now[n_groups + g, r] = hi
+            after[g, r] = new_base
+            after[n_groups + g, r] = max(hi, pages)
+            need[g, r] = pages
+            sums[0, g] += new_base - base
+            sums[1, g] += after[n_groups + g, r] - hi
+    return sums
+
+
+@njit(cache=True)
+def take_pages(geometry, pages, rows, lo, counts, out, touched):
+    """Empty logical pages ``[lo[g, r], lo[g, r] + counts[g, r])`` of every group and row;
+    their ids go to ``out`` and their flat cells to ``touched``, group-major then row
+    order. Returns how many."""
+    n = 0
+    n_rows, n_cols = pages.shape[1], pages.shape[2]
+    for g in range(geometry.shape[0]):
+        mask = geometry[g, COLUMN_MASK]
+        for r in range(rows.size):
+            row = rows[r]
+            for logical in range(lo[g, r], lo[g, r] + counts[g, r]):
+                col = logical & mask
+                out[n] = pages[g, row, col]
+                pages[g, row, col] = -1
+                touched[n] = (g * n_rows + row) * n_cols + col
+                n += 1
+    return n
+
+
+@njit(cache=True)
+def place_pages(geometry, pages, rows, lo, counts, ids, touched):
+    """Store ``ids`` (group-major, row-major) at logical pages ``[lo, lo + counts)``;
+    their flat cells go to ``touched``."""
+    n = 0
+    n_rows, n_cols = pages.shape[1], pages.shape[2]
+    for g in range(geometry.shape[0]):
+        mask = geometry[g, COLUMN_MASK]
+        for r in range(rows.size):
+            row = rows[r]
+            for logical in range(lo[g, r], lo[g, r] + counts[g, r]):
+                col = logical & mask
+                pages[g, row, col] = ids[n]
+                touched[n] = (g * n_rows + row) * n_cols + col
+                n += 1
+
+
+@njit(cache=True)
+def batch_tokens(first, counts, positions, request_indices, query_start_loc):
+    """Positions, request indices and query start locations of a batch whose request
+    ``r`` writes ``counts[r]`` tokens from ``first[r]``."""
+    n = 0
+    query_start_loc[0] = 0
+    for r in range(first.size):
+        for i in range(counts[r]):
+            positions[n] = first[r] + i
+            request_indices[n] = r
+            n += 1
+        query_start_loc[r + 1] = n
+
+
+@njit(cache=True)
+def block_table(geometry, pages, bounds, g, rows, out):
+    """``out[r, j]``: group ``g``'s page of logical page ``base + j`` of ``rows[r]``, -1
+    past its live pages."""
+    mask = geometry[g, COLUMN_MASK]
+    for r in range(rows.size):
+        row = rows[r]
+        base = bounds[0, g, row]
+        live = bounds[1, g, row] - base
+        for j in range(out.shape[1]):
+            out[r, j] = pages[g, row, (base + j) & mask] if j < live else -1
