@@ -97,6 +97,26 @@ class _StepPlan:
         return _ByGroup(self.group_index, self.need_hi_all)
 
 
+@dataclass
+class _Verdict:
+    """What admission decided for a batch (pure): a reason for each invalid item,
+    the indices of the valid ones, whether each valid one fits (and why not), and the
+    step's plan (None when no item is valid)."""
+
+    answers: list  # Admission for each invalid item, None for the valid ones
+    ok_idx: Sequence[int]
+    fits: np.ndarray
+    deny: dict[int, str]
+    plan: _StepPlan | None
+
+    def refusal(self, n_items: int) -> str | None:
+        """The error of a step refused in whole or part; None when every item fits."""
+        if len(self.ok_idx) == n_items and self.fits.all():
+            return None
+        reasons = [a.reason for a in self.answers if a is not None] + [self.deny[k] for k in sorted(self.deny)]
+        return f"{len(reasons)} of {n_items} requests not admissible: {'; '.join(reasons[:3])}"
+
+
 class _ByGroup(Mapping):
     """Group id -> row of a stacked ``[G, R]`` plan array (no per-group copies)."""
 
@@ -137,19 +157,8 @@ class CacheManager:
         checkpoint_window_tokens: Mapping[str, int] | None = None,
     ):
         self.specs = tuple(specs)
-        if not self.specs:
-            raise ValueError("a cache manager needs at least one cache group")
         ids = [s.group_id for s in self.specs]
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"duplicate group ids in {ids}")
-        if arena is not None:
-            if set(arena.page_bytes) != set(ids):
-                raise ValueError(f"arena groups {sorted(arena.page_bytes)} do not match the groups {sorted(ids)}")
-            group_pages = {gid: arena.view_pages(gid) for gid in ids}
-        elif group_pages is None or set(group_pages) != set(ids):
-            raise ValueError(
-                f"group_pages keys {sorted(group_pages or {})} do not match the groups {sorted(ids)}"
-            )
+        group_pages = _pages_per_group(ids, group_pages, arena)
         self.max_context_tokens = _positive("max_context_tokens", max_context_tokens)
         self.max_step_tokens = _positive(
             "max_step_tokens", max_step_tokens if max_step_tokens is not None else self.max_context_tokens
@@ -179,7 +188,7 @@ class CacheManager:
         self.tables = {s.group_id: t for s, t in zip(self.specs, self._tableset.tables)}
         self._group_ids = ids
         self._version = 0  # bumped by every mutation; keys the admission cache
-        self._admitted: tuple | None = None
+        self._admitted: tuple | None = None  # (version, items, fixed_width, _Verdict) of the last check
         self._requests: dict[str, _Request] = {}
         self._row_of: dict[str, int] = {}  # request id -> table row (batch validation reads only this)
         self._last_rows = np.zeros(0, dtype=np.int64)  # rows scheduled in the previous step
@@ -368,12 +377,12 @@ class CacheManager:
         self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False
     ) -> list[Admission]:
         """Would each (request, new tokens) fit, taken greedily in order? Never mutates."""
-        answers, ok_idx, fits, deny, plan = self._admit(items, fixed_width)
+        verdict = self._admit(items, fixed_width)
         # schedule() right after, with the same items and no mutation between, reuses it.
-        self._admitted = (self._version, list(items), fixed_width, (answers, ok_idx, fits, deny, plan))
-        answers = list(answers)  # the cached list keeps None for valid items (schedule's reasons)
-        for k, i in enumerate(ok_idx):
-            answers[i] = Admission(True) if fits[k] else Admission(False, deny[k])
+        self._admitted = (self._version, list(items), fixed_width, verdict)
+        answers = list(verdict.answers)  # the verdict keeps None for valid items (schedule's reasons)
+        for k, i in enumerate(verdict.ok_idx):
+            answers[i] = Admission(True) if verdict.fits[k] else Admission(False, verdict.deny[k])
         return answers
 
     def max_admissible_tokens(
@@ -420,91 +429,106 @@ class CacheManager:
             fits(lo)  # leave the answer's admission cached for schedule()
         return lo
 
-    def _admit(self, items, fixed_width, uniform=None):
-        """(answers for invalid items, indices of valid items, fits mask over them,
-        reasons for the denied ones, step plan); pure. ``uniform`` (request ids, one
-        count) stands for ``items`` when given."""
+    def _admit(self, items, fixed_width, uniform=None) -> _Verdict:
+        """Stages 1 and 2 of a step, pure: validate the items, plan every row (the
+        settling ones first), and decide which requests fit. ``uniform`` (request ids,
+        one count) stands for ``items`` when given."""
         if fixed_width and self.table_widths is None:
             raise CacheManagerError(
                 "fixed_width needs capture widths: build the manager with table_widths (from_plan does)"
             )
-        fast = self._fast_validate(items) if uniform is None else self._fast_validate_uniform(*uniform)
-        if fast is None and uniform is not None:
-            items = [(rid, uniform[1]) for rid in uniform[0]]  # the per-item path words the reasons
-        request_ids = None
-        answers: list[Admission | None] = [None] * (len(items) if fast is None else fast[0].size)
-        end = None
-        if fast is not None:
-            ok_idx = range(fast[0].size)
-            rows, counts, request_ids, first, end = fast
-        else:
-            seen: set[str] = set()
-            ok_idx, row_list, count_list = [], [], []
-            for i, item in enumerate(items):
-                reason = self._item_error(item, seen, fixed_width)
-                if reason:
-                    answers[i] = Admission(False, reason)
-                    continue
-                ok_idx.append(i)
-                row_list.append(self._requests[item[0]].row)
-                count_list.append(int(item[1]))
-            if not ok_idx:
-                return answers, ok_idx, np.zeros(0, dtype=bool), {}, None
-            rows = np.asarray(row_list, dtype=np.int64)
-            counts = np.asarray(count_list, dtype=np.int64)
-            first = None
-        # Requests of the previous step that are not in this one settle now: their
-        # tokens commit and their slid-out pages go back (zero new tokens each). They
-        # come first so their release counts as credit for everyone.
-        settle = self._settling_rows(rows)
-        if settle.size:
-            plan = self._plan(np.concatenate([settle, rows]), np.concatenate([np.zeros_like(settle), counts]))
-        else:
-            # The same rows array as the last step: no settling.
-            plan = self._plan(rows, counts, first, end)
-        plan.settle = settle.size
+        answers, ok_idx, rows, counts, request_ids, first, end = self._validate(items, fixed_width, uniform)
+        if not ok_idx:
+            return _Verdict(answers, ok_idx, np.zeros(0, dtype=bool), {}, None)
+        plan = self._plan_with_settling(rows, counts, first, end)
         plan.request_ids = request_ids
         fits = np.ones(plan.rows.size, dtype=bool)
         deny: dict[int, str] = {}
         if fixed_width:
-            for s in self.specs:
-                gid = s.group_id
-                width = plan.need_hi[gid] - plan.new_base[gid]
-                over = width > self.table_widths[gid]
-                over[: plan.settle] = False
-                for k in np.flatnonzero(over & fits).tolist():
-                    fits[k] = False
-                    deny[k] = (
-                        f"group {gid!r} needs {int(width[k])} table columns, more than the "
-                        f"capture width {self.table_widths[gid]}"
-                    )
-        sums = plan.alloc_sums
-        # True: clean pages, or idle low-priority ones (evicted first anyway), cover every
-        # group (most decode steps): nothing to grow. False: free and evictable pages
-        # cover it, but some group would evict valuable entries. None: some group is short.
-        covered = None if deny else True
-        for n, pool in zip(sums, self._pool_list) if covered else ():
-            clean = pool.num_clean_free_pages
-            if n <= clean:
-                continue
-            if n > pool.num_free_pages:
-                covered = None
-                break
-            if n > clean + pool.num_low_priority_idle_pages:
-                covered = False
+            self._deny_past_capture_width(plan, fits, deny)
+        covered = None if deny else self._coverage(plan.alloc_sums)
         if covered is not None:
             # No credit needed. On an arena with spare slabs, a group that would have to
             # evict valuable cached pages grows instead: they go only when memory is short.
             grow = covered is False and self.arena is not None
-            plan.grants = self._grow_instead_of_evicting(sums, plan=plan) if grow else []
-            return answers, ok_idx, fits[plan.settle :] if plan.settle else fits, {}, plan
-        free = [pool.num_free_pages for pool in self._pool_list]
-        avail = dict(zip(self._group_ids, free))
+            plan.grants = self._grow_instead_of_evicting(plan.alloc_sums, plan=plan) if grow else []
+        else:
+            self._fit_with_credit(plan, fits, deny)
+        off = plan.settle
+        return _Verdict(answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items()}, plan)
+
+    def _validate(self, items, fixed_width, uniform):
+        """(answers, valid indices, rows, counts, request ids, first, end) of the valid
+        items: vectorized when all are valid, else item by item with a reason each
+        (then request ids, first and end are None)."""
+        fast = self._fast_validate(items) if uniform is None else self._fast_validate_uniform(*uniform)
+        if fast is not None:
+            rows, counts, request_ids, first, end = fast
+            return [None] * rows.size, range(rows.size), rows, counts, request_ids, first, end
+        if uniform is not None:
+            items = [(rid, uniform[1]) for rid in uniform[0]]  # the per-item path words the reasons
+        answers: list[Admission | None] = [None] * len(items)
+        seen: set[str] = set()
+        ok_idx, row_list, count_list = [], [], []
+        for i, item in enumerate(items):
+            reason = self._item_error(item, seen, fixed_width)
+            if reason:
+                answers[i] = Admission(False, reason)
+                continue
+            ok_idx.append(i)
+            row_list.append(self._requests[item[0]].row)
+            count_list.append(int(item[1]))
+        rows = np.asarray(row_list, dtype=np.int64)
+        return answers, ok_idx, rows, np.asarray(count_list, dtype=np.int64), None, None, None
+
+    def _plan_with_settling(self, rows, counts, first, end) -> _StepPlan:
+        """The step's plan. Requests of the previous step that are not in this one settle
+        now: their tokens commit and their slid-out pages go back (zero new tokens each).
+        They come first so their release counts as credit for everyone."""
+        settle = self._settling_rows(rows)
+        if not settle.size:
+            return self._plan(rows, counts, first, end)
+        plan = self._plan(np.concatenate([settle, rows]), np.concatenate([np.zeros_like(settle), counts]))
+        plan.settle = settle.size
+        return plan
+
+    def _deny_past_capture_width(self, plan: _StepPlan, fits: np.ndarray, deny: dict[int, str]) -> None:
+        """Deny every request whose table in some group would be wider than its capture width."""
+        for s in self.specs:
+            gid = s.group_id
+            width = plan.need_hi[gid] - plan.new_base[gid]
+            over = width > self.table_widths[gid]
+            over[: plan.settle] = False
+            for k in np.flatnonzero(over & fits).tolist():
+                fits[k] = False
+                deny[k] = (
+                    f"group {gid!r} needs {int(width[k])} table columns, more than the "
+                    f"capture width {self.table_widths[gid]}"
+                )
+
+    def _coverage(self, sums: list[int]) -> bool | None:
+        """True: clean pages, or idle low-priority ones (evicted first anyway), cover every
+        group's ``sums`` (most decode steps). False: free and evictable pages cover them,
+        but some group would evict valuable entries. None: some group is short."""
+        covered = True
+        for n, pool in zip(sums, self._pool_list):
+            clean = pool.num_clean_free_pages
+            if n <= clean:
+                continue
+            if n > pool.num_free_pages:
+                return None
+            if n > clean + pool.num_low_priority_idle_pages:
+                covered = False
+        return covered
+
+    def _fit_with_credit(self, plan: _StepPlan, fits: np.ndarray, deny: dict[int, str]) -> None:
+        """Admission when the allocations alone do not fit: count the pages the step's
+        releases free (release credit), lend arena slabs, and if the totals still do
+        not fit, admit greedily in batch order. Sets ``plan.grants``."""
+        avail = {gid: pool.num_free_pages for gid, pool in zip(self._group_ids, self._pool_list)}
         arena, scan = self.arena, IdleScan()
 
-        # Releases all happen before allocations, so only the admitted totals matter;
-        # release credit is computed only when allocations alone do not fit. With a
-        # shared arena a group that is short borrows slabs.
+        # Releases all happen before allocations, so only the admitted totals matter.
         def totals_fit(need: dict[str, np.ndarray]) -> bool:
             plan.grants = _grants_to_fit(arena, {g: int(need[g][fits].sum()) for g in avail}, avail, scan)
             return plan.grants is not None
@@ -518,13 +542,11 @@ class CacheManager:
                     for g in avail}
             if not totals_fit(need):
                 self._deny_greedily(plan, need, avail, fits, deny, arena, scan)
-                need = None
-        if need is not None and arena is not None:
-            # As on the fast path: a group that would evict cached pages grows instead.
+                return
+        if arena is not None:
+            # As when no credit is needed: a group that would evict cached pages grows instead.
             sums = [int(need[g][fits].sum()) for g in self._group_ids]
             plan.grants = plan.grants + self._grow_instead_of_evicting(sums, after=plan.grants)
-        off = plan.settle
-        return answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items()}, plan
 
     def _grow_instead_of_evicting(self, sums: list[int], after: list | None = None, plan=None) -> list:
         """Slabs for groups that would have to evict cached pages to get ``sums`` pages
@@ -751,43 +773,35 @@ class CacheManager:
         return self._schedule(None, (rids, num_tokens), fixed_width, block_tables, write_slots)
 
     def _schedule(self, items, uniform, fixed_width: bool, block_tables: str, write_slots: bool = True) -> StepBatch:
-        """``schedule`` of ``items``, or of ``uniform`` = (request ids, one count for all)."""
-        if block_tables not in _BLOCK_TABLE_MODES:
-            raise CacheManagerError(f"block_tables must be one of {_BLOCK_TABLE_MODES}, got {block_tables!r}")
-        if type(write_slots) is not bool:
-            raise CacheManagerError(f"write_slots must be True or False, got {write_slots!r}")
-        if not (items if uniform is None else uniform[0]):
-            raise CacheManagerError("empty batch")
-        cached = self._admitted
-        if (uniform is None and cached is not None and cached[0] == self._version and cached[2] == fixed_width
-                and cached[1] == items):
-            answers, ok_idx, fits, deny, plan = cached[3]
-        else:
-            answers, ok_idx, fits, deny, plan = self._admit(items, fixed_width, uniform)
-        self._admitted = None
-        if plan is not None and plan.request_ids is None:
+        """``schedule`` of ``items``, or of ``uniform`` = (request ids, one count for all), in
+        five stages: admit (validate and plan, pure), commit the previous step's tokens,
+        release, allocate, build the batch."""
+        _check_step_options(items if uniform is None else uniform[0], block_tables, write_slots)
+        verdict = self._verdict_for(items, uniform, fixed_width)
+        refusal = verdict.refusal(len(items) if uniform is None else len(uniform[0]))
+        if refusal is not None:
+            raise CacheManagerError(refusal)
+        plan = verdict.plan
+        if plan.request_ids is None:
             plan.request_ids = uniform[0] if items is None else tuple(map(itemgetter(0), items))
-        n_items = len(items) if uniform is None else len(uniform[0])
-        if len(ok_idx) < n_items or not fits.all():
-            reasons = [a.reason for a in answers if a is not None] + [deny[k] for k in sorted(deny)]
-            raise CacheManagerError(
-                f"{len(reasons)} of {n_items} requests not admissible: {'; '.join(reasons[:3])}"
-            )
         self._version += 1
         self._commit_crossings(plan)
-        ts = self._tableset
-        if block_tables == "updates":
-            ts.start_log()  # after full-mode steps (or at first) the batch is a resync
-        else:
-            ts.stop_log()
-        self._release(plan)
-        if plan.grants:
-            self.arena.apply(plan.grants)
+        self._release(plan, block_tables == "updates")
         self._allocate(plan)
-        ts.set_bounds(plan.slots, plan.after)
         self._computed[plan.rows] = plan.end
         self._last_rows = plan.rows[plan.settle :] if plan.settle else plan.rows
         return self._build_batch(plan, fixed_width, block_tables == "updates", write_slots)
+
+    def _verdict_for(self, items, uniform, fixed_width: bool) -> _Verdict:
+        """The admission of this step: the last ``check_admission``'s when it checked the
+        same items and nothing changed since, else a new one."""
+        cached, self._admitted = self._admitted, None
+        if (uniform is None and cached is not None and cached[0] == self._version and cached[2] == fixed_width
+                and cached[1] == items):
+            verdict = cached[3]
+        else:
+            verdict = self._admit(items, fixed_width, uniform)
+        return verdict
 
     def _commit_crossings(self, plan: _StepPlan) -> None:
         """Commit the tokens of the rows' previous steps; with prefix caching, publish
@@ -800,16 +814,27 @@ class CacheManager:
                 self._commit_row(row)
         self._committed[rows] = plan.first
 
-    def _release(self, plan: _StepPlan) -> None:
-        """Every sliding group's pages below the rows' new base go back (one decref for all groups)."""
+    def _release(self, plan: _StepPlan, updates: bool) -> None:
+        """Every sliding group's pages below the rows' new base go back (one decref for all
+        groups); then the arena's slabs move as admission planned. ``updates``: the
+        table store logs the cells this step changes."""
+        ts = self._tableset
+        if updates:
+            ts.start_log()  # after full-mode steps (or at first) the batch is a resync
+        else:
+            ts.stop_log()
         released = plan.rel_sums
         if sum(released):
             g = len(self.specs)
             pages = self._tableset.take_flat(plan.rows, plan.base, counts=plan.moves[:g], total=sum(released))
             self._space.release(pages, released)
+        if plan.grants:
+            self.arena.apply(plan.grants)
 
     def _allocate(self, plan: _StepPlan) -> None:
-        """The pages from each row's hi to its new hi, one pool call per group, placed in the tables."""
+        """The pages from each row's hi to its new hi, one pool call per group, placed in the
+        tables; then the rows' bounds move to the plan's."""
+        self._tableset.set_bounds(plan.slots, plan.after)
         totals = plan.alloc_sums
         if not any(totals):
             return
@@ -1067,6 +1092,22 @@ class CacheManager:
         return row
 
 
+def _pages_per_group(ids: list[str], group_pages: Mapping[str, int] | None,
+                     arena: ArenaGeometry | None) -> Mapping[str, int]:
+    """Page ids per group: the arena's views, or ``group_pages``, checked against the groups."""
+    if not ids:
+        raise ValueError("a cache manager needs at least one cache group")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"duplicate group ids in {ids}")
+    if arena is not None:
+        if set(arena.page_bytes) != set(ids):
+            raise ValueError(f"arena groups {sorted(arena.page_bytes)} do not match the groups {sorted(ids)}")
+        return {gid: arena.view_pages(gid) for gid in ids}
+    if group_pages is None or set(group_pages) != set(ids):
+        raise ValueError(f"group_pages keys {sorted(group_pages or {})} do not match the groups {sorted(ids)}")
+    return group_pages
+
+
 def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, int], scan: IdleScan) -> list | None:
     """Slab moves that let each group get ``want`` pages out of ``avail``: ``[]`` when
     they fit already, ``None`` when they cannot (or there is no arena to lend)."""
@@ -1075,6 +1116,15 @@ def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, i
     if arena is None:
         return None
     return arena.plan({g: want[g] - avail[g] for g in avail}, {g: avail[g] - want[g] for g in avail}, scan)
+
+
+def _check_step_options(ids: Sequence, block_tables: str, write_slots: bool) -> None:
+    if block_tables not in _BLOCK_TABLE_MODES:
+        raise CacheManagerError(f"block_tables must be one of {_BLOCK_TABLE_MODES}, got {block_tables!r}")
+    if type(write_slots) is not bool:
+        raise CacheManagerError(f"write_slots must be True or False, got {write_slots!r}")
+    if not ids:
+        raise CacheManagerError("empty batch")
 
 
 def _positive(name: str, value: Any) -> int:
