@@ -265,7 +265,7 @@ BREAKDOWN_METHODS = {
                      "_build_batch", "rewind_many"],
     "GroupTable": ["block_table", "take"],
     "TableSet": ["plan", "take_flat", "place", "write_slots", "drain_updates"],
-    "PagePool": ["allocate", "decref", "publish", "publish_held", "unpublish"],
+    "PagePool": ["allocate", "decref", "publish", "unpublish"],
     "PrefixCache": ["commit"],
 }
 

@@ -1,8 +1,7 @@
 """Decode steps through ``schedule_uniform`` give the same step as ``schedule`` of pairs.
 
 ``fast`` takes every call as given; ``general`` (a ``Pairs`` wrapper) turns each
-``schedule_uniform(ids, k)`` into ``schedule([(id, k), ...])`` and commits a
-prefix-cache block through the general multi-block path. Both get the same calls;
+``schedule_uniform(ids, k)`` into ``schedule([(id, k), ...])``. Both get the same calls;
 every ``StepBatch`` array, the prefix cache's entries and events must match.
 Prompts end just below page and block boundaries, so decode steps cross page
 boundaries in every group and release sliding pages.
@@ -41,8 +40,6 @@ class Pairs:
 
     def __init__(self, manager):
         self.__dict__["_m"] = manager
-        if manager.prefix is not None:
-            manager.prefix._fast_commit = False
 
     def __getattr__(self, name):
         return getattr(self._m, name)
@@ -350,19 +347,17 @@ def test_decode_after_the_table_store_grows_matches():
 
 
 @pytest.mark.parametrize("interval", [None, 512])
-def test_one_block_commits_equal_the_general_commit(interval):
-    """Decode crossings take the one-block commit path; with the general path they give
-    the same entries, events and holds, also when requests share their content (a
-    block already published, a checkpoint held twice) and under a checkpoint interval."""
+def test_decode_commits_of_shared_content_match(interval):
+    """Decode crossings commit one block each; through ``schedule_uniform`` and through
+    pairs they give the same entries, events and holds, also when requests share their
+    content (a block already published, a checkpoint held twice) and under a checkpoint
+    interval."""
     specs = CONFIGS["v4"][0]
     pages = {s.group_id: 2_000 for s in specs}
-    managers = []
-    for fast in (True, False):
-        m = CacheManager(specs, pages, max_context_tokens=2_048, max_step_tokens=256,
-                         enable_prefix_caching=True, prefix_granularity=256,
-                         state_checkpoint_interval=interval)
-        m.prefix._fast_commit = fast
-        managers.append(m)
+    managers = [CacheManager(specs, pages, max_context_tokens=2_048, max_step_tokens=256,
+                             enable_prefix_caching=True, prefix_granularity=256,
+                             state_checkpoint_interval=interval) for _ in range(2)]
+    managers[1] = Pairs(managers[1])
     shared = np.arange(700, dtype=np.int32) % 50
     prompts = {"a": shared, "b": shared.copy(), "c": np.concatenate([shared[:300], shared[:100] + 1])}
     for rid, ids in prompts.items():
@@ -375,7 +370,7 @@ def test_one_block_commits_equal_the_general_commit(interval):
         tokens = rng.integers(0, 50, 1)  # a and b generate the same tokens: same keys
         for rid in prompts:
             on_both(managers, "append_token_ids", rid, tokens if rid != "c" else tokens + 1)
-        same(*on_both(managers, "schedule", [(rid, 1) for rid in prompts])[0])
+        same(*on_both(managers, "schedule_uniform", list(prompts), 1)[0])
         if step_index == 400:
             on_both(managers, "free", "b")
             prompts.pop("b")

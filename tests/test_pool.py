@@ -378,43 +378,6 @@ def _entries(pool):
     return {key: pool.lookup(key) for key in pool.entry_keys()}
 
 
-def test_publish_many_is_publish_one_by_one():
-    """Same entries and flags as publish() per row; rows with a keyed page and keys
-    already published are skipped, not refused."""
-    one, many = PagePool("g", 20), PagePool("g", 20)
-    for pool in (one, many):
-        pages = pool.allocate(12)
-        pool.publish("old", [int(pages[0])])  # page 1 carries a key
-        pool.publish("taken", [int(pages[11])])
-    grid = np.arange(1, 13, dtype=np.int64)[:10].reshape(5, 2)  # rows (1,2) (3,4) ... (9,10)
-    keys = ["a", "taken", "c", "d", "e"]
-    expected = []
-    for key, row in zip(keys, grid.tolist()):
-        ok = not one.cached[row].any() and one.publish(key, row, low_priority=True)
-        expected.append(bool(ok))
-    assert expected == [False, False, True, True, True]
-    assert many.publish_many(keys, grid, low_priority=True) == expected
-    assert _entries(many) == _entries(one)
-    assert np.array_equal(many.cached, one.cached) and np.array_equal(many.low_priority, one.low_priority)
-    many.check_invariants()
-
-
-def test_publish_many_overlapping_rows_and_errors():
-    pool = PagePool("g", 10)
-    pool.allocate(5)
-    # Rows (1,2) and (2,3) share page 2: the second is skipped, as one by one.
-    assert pool.publish_many(["x", "y"], np.array([[1, 2], [2, 3]])) == [True, False]
-    assert pool.lookup("x") == (1, 2) and pool.lookup("y") is None
-    with pytest.raises(ValueError, match="one row of pages per key"):
-        pool.publish_many(["p"], np.array([4, 5]))
-    with pytest.raises(ValueError, match="only held pages"):
-        pool.publish_many(["p"], np.array([[4, 7]]))  # 7 is free
-    with pytest.raises(ValueError, match="only held pages"):
-        pool.publish_many(["p"], np.array([[NULL_PAGE, 4]]))
-    assert pool.lookup("p") is None and not pool.cached[4]
-    pool.check_invariants()
-
-
 @pytest.mark.parametrize("lowest_first", [False, True])
 def test_an_allocation_evicting_several_entries_frees_them_as_one_by_one(lowest_first):
     """Worked by hand: entries are evicted in LRU order until enough pages are idle,

@@ -393,57 +393,6 @@ class PagePool:
             self.low_priority[list(pages)] = True
         return True
 
-    def publish_held(self, key: Hashable, pages: list[int]) -> bool:
-        """:meth:`publish` for pages the caller holds (ids from its own table row, so
-        not re-validated); False, and nothing changes, if the key exists or a page
-        already carries one."""
-        if key in self._entries:
-            return False
-        cached = self.cached
-        for page in pages:
-            if cached[page]:
-                return False
-        pages = tuple(pages)
-        self._entries[key] = pages
-        page_key = self._page_key
-        for page in pages:
-            page_key[page] = key
-            cached[page] = True
-        return True
-
-    def publish_many(self, keys: Sequence[Hashable], pages: np.ndarray, *, low_priority: bool = False) -> list[bool]:
-        """Publish row ``i`` of the 2-D ``pages`` under ``keys[i]``, as :meth:`publish`
-        would one by one, except that an entry holding an already keyed page is skipped
-        (False) rather than refused. Whether each entry was published."""
-        pages = np.asarray(pages, dtype=np.int64)
-        if pages.ndim != 2 or pages.shape[0] != len(keys):
-            raise ValueError(f"group {self.group_id!r}: need one row of pages per key, got {pages.shape}")
-        if pages.size == 0:
-            return [False] * len(keys)
-        ordered = np.sort(pages, axis=None)
-        if ordered[0] <= NULL_PAGE or ordered[-1] >= self.num_pages or (self.ref_counts[pages] <= 0).any():
-            raise ValueError(f"group {self.group_id!r}: only held pages can be published")
-        if (ordered[1:] == ordered[:-1]).any():  # overlapping entries: one by one
-            return [
-                not self.cached[row].any() and self.publish(key, row, low_priority=low_priority)
-                for key, row in zip(keys, pages)
-            ]
-        free_of_keys = (~self.cached[pages].any(axis=1)).tolist()
-        out = []
-        entries, page_key = self._entries, self._page_key
-        for key, row, ok in zip(keys, pages.tolist(), free_of_keys):
-            ok = ok and key not in entries
-            if ok:
-                row = tuple(row)
-                entries[key] = row
-                page_key.update(dict.fromkeys(row, key))
-            out.append(ok)
-        chosen = pages[np.asarray(out, dtype=bool)]
-        self.cached[chosen] = True
-        if low_priority:
-            self.low_priority[chosen] = True
-        return out
-
     def demote(self, key: Hashable) -> None:
         """Make an entry low priority: its idle pages move to the front of the LRU."""
         pages = self._entries[key]

@@ -147,8 +147,6 @@ class _OwnCheckpoint:
 class PrefixCache:
     """Content-keyed pages over the manager's pools and tables."""
 
-    _fast_commit = True  # the one-block commit path (tests compare both ways)
-
     def __init__(
         self,
         specs: Sequence[CacheGroupSpec],
@@ -228,14 +226,6 @@ class PrefixCache:
         # the entry is unpublished when none is left. Pinned holds are never dropped.
         self._holders: dict[str, dict[int, int]] = {gid: {} for gid in self.state_ids}
         self._windows = windows
-        # Per-group constants of the one-block commit, bound once.
-        self._history_plan = [
-            (gid, pools[gid], tables[gid], g // tables[gid].page_tokens) for gid in self.history_ids
-        ]
-        self._state_plan = [
-            (gid, pools[gid], tables[gid], tables[gid].page_tokens, self._windows[gid], self._holders[gid])
-            for gid in self.state_ids
-        ]
         for gid, pool in pools.items():
             pool.on_removed = self._removed_callback(gid)
 
@@ -319,17 +309,11 @@ class PrefixCache:
             return
         hashes.extend_to(token_ids, new_tokens)
         first_block, end_block = old_tokens // g, new_tokens // g
-        if end_block == first_block + 1 and self._fast_commit:
-            self._commit_one_block(req, hashes, first_block)
-            return
         for gid in self.history_ids:
             # One gather for every completed block of this group, then per-block entries.
             table = self.tables[gid]
             per_block = g // table.page_tokens
             pages = table.row_pages(req.row, first_block * per_block, end_block * per_block)
-            if end_block - first_block > 1:
-                self._publish_blocks(gid, hashes, first_block, end_block, pages)
-                continue
             for i, b in enumerate(range(first_block, end_block)):
                 block = pages[i * per_block : (i + 1) * per_block]
                 self._publish_pages(gid, hashes, (b + 1) * g, block)
@@ -350,8 +334,10 @@ class PrefixCache:
             # priority, so it lives only while no other cached entry has to be evicted.
             prompt_end = min(req.prompt_tokens, latest - g)
             inside = [d for d in range((first_block + 1) * g, prompt_end + 1, g) if d not in boundaries]
-            if inside:
-                self._publish_prompt_checkpoints(row, hashes, inside)
+            for d in inside:
+                key = hashes.key(d)
+                for gid in self.state_ids:
+                    self._publish_checkpoint(gid, row, hashes, d, key, low_priority=True)
         for d in boundaries:
             own = _OwnCheckpoint(d, pinned=d in keep or (interval is not None and d % interval == 0))
             key = hashes.key(d)  # one key names the checkpoint in every state group
@@ -361,33 +347,6 @@ class PrefixCache:
             if own.entries:
                 new_own.append(own)
         self._supersede(req, new_own)
-
-    def _commit_one_block(self, req: Any, hashes: RequestHashes, b: int) -> None:
-        """``commit`` of a step that completed exactly block ``b`` (every decode crossing):
-        the same entries, holds and events in the same order, per-group work inlined."""
-        d = (b + 1) * self.granularity_tokens
-        key = hashes.hashes[b]
-        row, stored = req.row, []
-        for gid, pool, table, per_block in self._history_plan:
-            if pool.lookup(key) is None:
-                pages = table.row_pages(row, b * per_block, (b + 1) * per_block)
-                if pool.publish_held(key, pages):
-                    stored.append(self._stored(gid, hashes, key, d, len(pages)))
-        interval = self.state_checkpoint_interval
-        own = _OwnCheckpoint(d, pinned=d in req.keep_boundaries or (interval is not None and d % interval == 0))
-        for gid, pool, table, page_tokens, window, holders in self._state_plan:
-            if pool.lookup(key) is None:
-                lo, hi = max(0, d - window) // page_tokens, d // page_tokens
-                if lo >= table.base[row] and hi <= table.hi[row]:
-                    pages = table.row_pages(row, lo, hi)
-                    if pool.publish_held(key, pages):
-                        stored.append(self._stored(gid, hashes, key, d, len(pages)))
-            pages = pool.lookup(key)
-            if pages is not None:
-                own.entries[gid] = (key, pages)
-                holders[key] = holders.get(key, 0) + 1
-        self._emit_all(stored)
-        self._supersede(req, [own] if own.entries else [])
 
     def _supersede(self, req: Any, new_own: list) -> None:
         """Drop the request's hold on every earlier own checkpoint that is not pinned
@@ -424,58 +383,6 @@ class PrefixCache:
         if lo < table.base[row] or hi > table.hi[row]:
             return False  # rows already slid out (cannot happen when committed each step)
         return self._publish_pages(gid, hashes, boundary, table.row_pages(row, lo, hi), key, low_priority)
-
-    def _publish_blocks(self, gid: str, hashes: RequestHashes, first_block: int, end_block: int,
-                        pages: list[int]) -> None:
-        """History blocks ``[first_block, end_block)`` of one group (``pages`` in order),
-        as ``_publish_pages`` block by block, in one publish call."""
-        g, pool = self.granularity_tokens, self.pools[gid]
-        blocks = range(first_block, end_block)
-        take = [i for i, b in enumerate(blocks) if pool.lookup(hashes.key((b + 1) * g)) is None]
-        if not take:
-            return
-        per_block = len(pages) // len(blocks)
-        grid = np.asarray(pages, dtype=np.int64).reshape(len(blocks), per_block)[take]
-        boundaries = [(first_block + i + 1) * g for i in take]
-        keys = [hashes.key(d) for d in boundaries]
-        for d, key, ok in zip(boundaries, keys, pool.publish_many(keys, grid)):
-            if ok:
-                self._emit(self._stored(gid, hashes, key, d, per_block))
-
-    def _publish_prompt_checkpoints(self, row: int, hashes: RequestHashes, boundaries: list[int]) -> None:
-        """Low-priority checkpoints at ``boundaries`` in every state group: what
-        ``_publish_checkpoint`` does boundary by boundary, group by group (same entries,
-        same event order), with one gather and one publish call per group."""
-        keys = [hashes.key(d) for d in boundaries]
-        work = []
-        for gid in self.state_ids:
-            pool, table = self.pools[gid], self.tables[gid]
-            t, window = table.page_tokens, self._windows[gid]
-            base, top = int(table.base[row]), int(table.hi[row])
-            lo = [max(0, d - window) // t for d in boundaries]
-            take = [
-                i for i, d in enumerate(boundaries)
-                if lo[i] >= base and d // t <= top and pool.lookup(keys[i]) is None
-            ]
-            widths = {boundaries[i] // t - lo[i] for i in take}
-            if len(widths) > 1:  # a window cut short at the start: the plain loop
-                for d, key in zip(boundaries, keys):
-                    for other in self.state_ids:
-                        self._publish_checkpoint(other, row, hashes, d, key, low_priority=True)
-                return
-            if take:
-                work.append((gid, pool, table, take, [lo[i] for i in take], widths.pop()))
-        stored = []  # (boundary index, group index, event)
-        for g, (gid, pool, table, take, lo, width) in enumerate(work):
-            cols = np.asarray(lo, dtype=np.int64)[:, None] + np.arange(width)
-            pages = table.pages[row][cols % table.capacity_pages]
-            done = pool.publish_many([keys[i] for i in take], pages, low_priority=True)
-            for i, ok in zip(take, done):
-                if ok:
-                    stored.append((i, g, self._stored(gid, hashes, keys[i], boundaries[i], width)))
-        stored.sort(key=lambda item: item[:2])
-        for _, _, event in stored:
-            self._emit(event)
 
     def _publish_pages(
         self, gid: str, hashes: RequestHashes, boundary: int, pages: list[int], key: int | None = None,
@@ -541,20 +448,6 @@ class PrefixCache:
         if len(self.events) == self.events.maxlen:
             self.dropped_events += 1
         self.events.append(raw)
-
-    def _emit_all(self, raws: list[tuple]) -> None:
-        """``_emit`` of each, in order, in one call."""
-        if not raws:
-            return
-        if self.on_event is not None:
-            for raw in raws:
-                self.on_event(_event(raw))
-            return
-        events = self.events
-        over = len(events) + len(raws) - events.maxlen
-        if over > 0:
-            self.dropped_events += over  # at most len(raws): the buffer never holds more than maxlen
-        events.extend(raws)
 
     def drain_events(self) -> list[CacheEvent]:
         out = [_event(raw) for raw in self.events]
