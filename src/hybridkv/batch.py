@@ -1,9 +1,7 @@
 """What the manager hands out: the arrays of a step, admission answers, pool stats.
 
-Plain data; every array is numpy and can be copied to a device as is. Arrays
-that repeat from step to step (a decode step's request indices, query start
-locations and token counts, and table rows while the batch repeats) are shared
-and read-only: copy before writing.
+Plain data; every array is numpy, fresh for each step, and can be copied to a
+device as is.
 """
 
 from __future__ import annotations

@@ -25,13 +25,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import reduce
 from math import lcm
-from typing import IO, Any
+from typing import IO, Protocol
 
 import numpy as np
 import xxhash
 
 from hybridkv._checks import as_int
+from hybridkv.pool import PagePool
 from hybridkv.spec import CacheGroupSpec
+from hybridkv.tables import GroupTable
 
 HASH_ALGOS = ("xxh3_128", "sha256")
 
@@ -138,10 +140,20 @@ class PrefixGroupStats:
 
 
 @dataclass
-class _OwnCheckpoint:
+class OwnCheckpoint:
     boundary_tokens: int
     pinned: bool = False  # an interval or junction checkpoint: never superseded
     entries: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # gid -> (key, pages)
+
+
+class CommittingRequest(Protocol):
+    """What the prefix cache reads and keeps of a request (the manager's record)."""
+
+    row: int  # its table row
+    prompt_tokens: int
+    hashes: RequestHashes | None
+    own_checkpoints: list[OwnCheckpoint]
+    keep_boundaries: frozenset[int]  # boundaries whose checkpoints it pins (its junction)
 
 
 class PrefixCache:
@@ -150,8 +162,8 @@ class PrefixCache:
     def __init__(
         self,
         specs: Sequence[CacheGroupSpec],
-        pools: Mapping[str, Any],
-        tables: Mapping[str, Any],
+        pools: Mapping[str, PagePool],
+        tables: Mapping[str, GroupTable],
         *,
         granularity_tokens: int | None = None,
         hash_algo: str = "xxh3_128",
@@ -301,7 +313,7 @@ class PrefixCache:
         return hit
 
     # --- publication -------------------------------------------------------------
-    def commit(self, req: Any, old_tokens: int, new_tokens: int, token_ids: np.ndarray) -> None:
+    def commit(self, req: CommittingRequest, old_tokens: int, new_tokens: int, token_ids: np.ndarray) -> None:
         """Publish what tokens ``[old, new)`` completed: history blocks and the newest checkpoint."""
         g = self.granularity_tokens
         hashes: RequestHashes = req.hashes
@@ -339,7 +351,7 @@ class PrefixCache:
                 for gid in self.state_ids:
                     self._publish_checkpoint(gid, row, hashes, d, key, low_priority=True)
         for d in boundaries:
-            own = _OwnCheckpoint(d, pinned=d in keep or (interval is not None and d % interval == 0))
+            own = OwnCheckpoint(d, pinned=d in keep or (interval is not None and d % interval == 0))
             key = hashes.key(d)  # one key names the checkpoint in every state group
             for gid in self.state_ids:
                 self._publish_checkpoint(gid, row, hashes, d, key)
@@ -348,7 +360,7 @@ class PrefixCache:
                 new_own.append(own)
         self._supersede(req, new_own)
 
-    def _supersede(self, req: Any, new_own: list) -> None:
+    def _supersede(self, req: CommittingRequest, new_own: list) -> None:
         """Drop the request's hold on every earlier own checkpoint that is not pinned
         (unpublished when no hold is left); ``new_own`` become its own checkpoints."""
         for prev in req.own_checkpoints:
@@ -407,22 +419,22 @@ class PrefixCache:
         self.stats[gid].stored_entries += 1
         return ("stored", gid, key, parent, boundary, num_pages)
 
-    def _hold(self, own: _OwnCheckpoint, gid: str, key: int) -> None:
+    def _hold(self, own: OwnCheckpoint, gid: str, key: int) -> None:
         pages = self.pools[gid].lookup(key)
         if pages is not None:
             own.entries[gid] = (key, pages)
             self._holders[gid][key] = self._holders[gid].get(key, 0) + 1
 
-    def hold_hit(self, hashes: RequestHashes, hit_tokens: int) -> list[_OwnCheckpoint]:
+    def hold_hit(self, hashes: RequestHashes, hit_tokens: int) -> list[OwnCheckpoint]:
         """A hit at D keeps the checkpoint at D as the request's own (its terminal so far)."""
         if hit_tokens == 0:
             return []
-        own = _OwnCheckpoint(hit_tokens)
+        own = OwnCheckpoint(hit_tokens)
         for gid in self.state_ids:
             self._hold(own, gid, hashes.key(hit_tokens))
         return [own] if own.entries else []
 
-    def forget_request(self, req: Any) -> None:
+    def forget_request(self, req: CommittingRequest) -> None:
         """A freed request's checkpoints stay cached (its last one is its terminal)."""
         req.own_checkpoints = []
 
