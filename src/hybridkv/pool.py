@@ -119,11 +119,6 @@ class PagePool:
         return self.usable_pages - self.num_free_pages
 
     @property
-    def has_low_priority_idle(self) -> bool:
-        """Whether idle low-priority pages may exist (lowest-first pools track them)."""
-        return bool(self._low_idle)
-
-    @property
     def num_low_priority_idle_pages(self) -> int:
         """Idle keyed pages of low-priority entries (evicted before any other); kept
         as a count, checked against the pages in ``check_invariants``."""
