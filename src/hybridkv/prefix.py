@@ -174,49 +174,16 @@ class PrefixCache:
         checkpoint_window_tokens: Mapping[str, int] | None = None,
     ):
         self.specs = tuple(specs)
-        # Per sliding group, the trailing tokens a checkpoint stores: what a request
-        # resumed at a grain boundary still reads (default: the whole window).
-        windows = {
-            s.group_id: s.sliding_window_tokens if s.checkpoint_window_tokens is None else s.checkpoint_window_tokens
-            for s in self.specs if s.is_sliding
-        }
-        for gid, n in (checkpoint_window_tokens or {}).items():
-            if gid not in windows:
-                raise ValueError(f"checkpoint_window_tokens: {gid!r} is not a sliding group")
-            n = as_int(f"checkpoint_window_tokens[{gid!r}]", n, minimum=0)
-            limit = next(s.sliding_window_tokens for s in self.specs if s.group_id == gid)
-            if n > limit:
-                raise ValueError(
-                    f"checkpoint_window_tokens[{gid!r}] = {n} exceeds the group's window ({limit} tokens)"
-                )
-            windows[gid] = n
+        windows = _checkpoint_windows(self.specs, checkpoint_window_tokens)
         self.pools = pools
         self.tables = tables
         self._hash = _hash_fn(hash_algo)
         self.hash_algo = hash_algo
-        history = [s for s in self.specs if not s.is_sliding]
-        self.history_ids = [s.group_id for s in history]
+        self.history_ids = [s.group_id for s in self.specs if not s.is_sliding]
         # State groups that store checkpoints; one whose checkpoint window is 0 needs
         # nothing from before a boundary and is restorable at every one.
         self.state_ids = [gid for gid, n in windows.items() if n > 0]
-        spans = [s.page_tokens for s in (history or self.specs)]
-        default = reduce(lcm, spans, 1)
-        g = default if granularity_tokens is None else as_int("prefix_granularity", granularity_tokens)
-        if g <= 0:
-            raise ValueError(f"prefix_granularity must be positive, got {granularity_tokens!r}")
-        for s in self.specs:
-            if g % s.page_tokens:
-                raise ValueError(
-                    f"prefix_granularity {g} must be a multiple of group {s.group_id!r} page tokens "
-                    f"({s.page_tokens}); the smallest valid grain here is "
-                    f"{reduce(lcm, [x.page_tokens for x in self.specs], 1)}"
-                )
-            if s.is_sliding and windows[s.group_id] > g:
-                raise ValueError(
-                    f"prefix_granularity {g} is smaller than group {s.group_id!r} checkpoint window "
-                    f"({windows[s.group_id]} tokens): checkpoints would overlap"
-                )
-        self.granularity_tokens = g
+        g = self.granularity_tokens = _grain(self.specs, windows, granularity_tokens)
         if state_checkpoint_interval is not None:
             n = as_int("state_checkpoint_interval", state_checkpoint_interval)
             if n <= 0 or n % g:
@@ -321,44 +288,43 @@ class PrefixCache:
             return
         hashes.extend_to(token_ids, new_tokens)
         first_block, end_block = old_tokens // g, new_tokens // g
-        for gid in self.history_ids:
-            # One gather for every completed block of this group, then per-block entries.
-            table = self.tables[gid]
-            per_block = g // table.page_tokens
-            pages = table.row_pages(req.row, first_block * per_block, end_block * per_block)
-            for i, b in enumerate(range(first_block, end_block)):
-                block = pages[i * per_block : (i + 1) * per_block]
-                self._publish_pages(gid, hashes, (b + 1) * g, block)
+        self._publish_history(req.row, hashes, first_block, end_block)
         latest = end_block * g
         interval = self.state_checkpoint_interval
         keep = req.keep_boundaries
-        boundaries = [latest]
-        if keep or interval is not None:
-            boundaries[:0] = [
-                d for d in range((first_block + 1) * g, latest, g)
-                if d in keep or (interval is not None and d % interval == 0)
-            ]
-        new_own = []
-        row = req.row
+        boundaries = [
+            d for d in range((first_block + 1) * g, latest, g) if d in keep or (interval is not None and d % interval == 0)
+        ] + [latest]
         if self.prompt_checkpoints:
             # Every boundary inside the prompt is where another request may leave this
             # one (a shared system prompt, an earlier turn): publish it, unheld and low
             # priority, so it lives only while no other cached entry has to be evicted.
             prompt_end = min(req.prompt_tokens, latest - g)
-            inside = [d for d in range((first_block + 1) * g, prompt_end + 1, g) if d not in boundaries]
-            for d in inside:
-                key = hashes.key(d)
-                for gid in self.state_ids:
-                    self._publish_checkpoint(gid, row, hashes, d, key, low_priority=True)
+            for d in range((first_block + 1) * g, prompt_end + 1, g):
+                if d not in boundaries:
+                    key = hashes.key(d)
+                    for gid in self.state_ids:
+                        self._publish_checkpoint(gid, req.row, hashes, d, key, low_priority=True)
+        new_own = []
         for d in boundaries:
             own = OwnCheckpoint(d, pinned=d in keep or (interval is not None and d % interval == 0))
             key = hashes.key(d)  # one key names the checkpoint in every state group
             for gid in self.state_ids:
-                self._publish_checkpoint(gid, row, hashes, d, key)
+                self._publish_checkpoint(gid, req.row, hashes, d, key)
                 self._hold(own, gid, key)
             if own.entries:
                 new_own.append(own)
         self._supersede(req, new_own)
+
+    def _publish_history(self, row: int, hashes: RequestHashes, first_block: int, end_block: int) -> None:
+        """Every history group's pages of blocks ``[first_block, end_block)``, one entry a block."""
+        g = self.granularity_tokens
+        for gid in self.history_ids:
+            table = self.tables[gid]
+            per_block = g // table.page_tokens
+            pages = table.row_pages(row, first_block * per_block, end_block * per_block)
+            for i, b in enumerate(range(first_block, end_block)):
+                self._publish_pages(gid, hashes, (b + 1) * g, pages[i * per_block : (i + 1) * per_block])
 
     def _supersede(self, req: CommittingRequest, new_own: list) -> None:
         """Drop the request's hold on every earlier own checkpoint that is not pinned
@@ -472,6 +438,49 @@ class PrefixCache:
         for e in events:
             stream.write(e.to_json() + "\n")
         return len(events)
+
+
+def _checkpoint_windows(specs: Sequence[CacheGroupSpec], overrides: Mapping[str, int] | None) -> dict[str, int]:
+    """Per sliding group, the trailing tokens a checkpoint stores: what a request resumed
+    at a grain boundary still reads (the spec's ``checkpoint_window_tokens``, default the
+    whole window), unless ``overrides`` names the group."""
+    windows = {
+        s.group_id: s.sliding_window_tokens if s.checkpoint_window_tokens is None else s.checkpoint_window_tokens
+        for s in specs if s.is_sliding
+    }
+    for gid, n in (overrides or {}).items():
+        if gid not in windows:
+            raise ValueError(f"checkpoint_window_tokens: {gid!r} is not a sliding group")
+        n = as_int(f"checkpoint_window_tokens[{gid!r}]", n, minimum=0)
+        limit = next(s.sliding_window_tokens for s in specs if s.group_id == gid)
+        if n > limit:
+            raise ValueError(f"checkpoint_window_tokens[{gid!r}] = {n} exceeds the group's window ({limit} tokens)")
+        windows[gid] = n
+    return windows
+
+
+def _grain(specs: Sequence[CacheGroupSpec], windows: Mapping[str, int], granularity_tokens: int | None) -> int:
+    """The prefix grain: given, or the LCM of the history groups' page spans (every
+    group's when none is full history); a multiple of every page span, and no shorter
+    than any checkpoint window."""
+    history = [s for s in specs if not s.is_sliding]
+    default = reduce(lcm, [s.page_tokens for s in (history or specs)], 1)
+    g = default if granularity_tokens is None else as_int("prefix_granularity", granularity_tokens)
+    if g <= 0:
+        raise ValueError(f"prefix_granularity must be positive, got {granularity_tokens!r}")
+    for s in specs:
+        if g % s.page_tokens:
+            raise ValueError(
+                f"prefix_granularity {g} must be a multiple of group {s.group_id!r} page tokens "
+                f"({s.page_tokens}); the smallest valid grain here is "
+                f"{reduce(lcm, [x.page_tokens for x in specs], 1)}"
+            )
+        if s.is_sliding and windows[s.group_id] > g:
+            raise ValueError(
+                f"prefix_granularity {g} is smaller than group {s.group_id!r} checkpoint window "
+                f"({windows[s.group_id]} tokens): checkpoints would overlap"
+            )
+    return g
 
 
 def _event(raw: tuple) -> CacheEvent:
