@@ -421,11 +421,11 @@ def _pool_state(pool):
 
 
 @settings(max_examples=60, deadline=None)
-@given(data=st.data(), lowest_first=st.booleans(), caller_offsets=st.booleans())
-def test_page_space_release_is_decref_pool_by_pool(data, lowest_first, caller_offsets):
+@given(data=st.data(), lowest_first=st.booleans(), as_list=st.booleans(), twice=st.booleans())
+def test_page_space_release_is_decref_pool_by_pool(data, lowest_first, as_list, twice):
     """PageSpace.release of every group's pages (some keyed, some low priority, some
-    with a second holder) leaves each pool as its own decref would; also with the
-    counts as a list and each page's group offset given by the caller."""
+    with a second holder, listed twice with ``twice``) leaves each pool as its own
+    decref would; the counts as an array or a list."""
     from hybridkv.pool import PageSpace
 
     sizes = data.draw(st.lists(st.integers(2, 24), min_size=1, max_size=5), label="sizes")
@@ -454,11 +454,10 @@ def test_page_space_release_is_decref_pool_by_pool(data, lowest_first, caller_of
     (pools_a, space), (pools_b, _) = sides
     released = [np.asarray([p for p in range(1, n) if pools_a[i].ref_counts[p] > 0], dtype=np.int64)[
         list(script[i][4])] for i, n in enumerate(sizes)]
-    if caller_offsets:
-        sizes_list = [r.size for r in released]
-        space.release(np.concatenate(released), sizes_list, np.repeat(space.offsets.astype(np.int64), sizes_list))
-    else:
-        space.release(np.concatenate(released), np.array([r.size for r in released]))
+    if twice:  # both holders of a shared page release it in the same call
+        released = [np.concatenate([r, r[pools_a[i].ref_counts[r] > 1]]) for i, r in enumerate(released)]
+    counts = [r.size for r in released]
+    space.release(np.concatenate(released), counts if as_list else np.array(counts))
     for pool, pages in zip(pools_b, released):
         pool.decref(pages)
     for a, b in zip(pools_a, pools_b):

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hybridkv.runtime import kernels
+
 NULL_PAGE = 0
 _SMALL_PENDING = 256  # pending releases an allocation sorts in place of a full merge
 _LOW_EVICT_PAGES = 16  # idle low-priority pages an eviction frees beyond the allocation's need
@@ -507,12 +509,8 @@ class PagePool:
 
 class PageSpace:
     """The ref counts and key flags of several pools as views of one array each, so
-    one step's releases in every group (``release``) take a few numpy calls in all
-    instead of a few per group: exactly ``decref`` of each group's pages in pool order.
-
-    (Allocations stay per pool: sorting every group's candidate ids in one call did
-    not pay for the id offsets and bookkeeping it needs; docs/manager.md.)
-    """
+    one step's releases in every group (``release``) are one compiled pass: exactly
+    ``decref`` of each group's pages in pool order. (Allocations stay per pool.)"""
 
     def __init__(self, pools: Sequence[PagePool]):
         self.pools = list(pools)
@@ -520,61 +518,29 @@ class PageSpace:
         if sum(sizes) >= 2**31:
             raise ValueError("a page space holds fewer than 2**31 pages")
         self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int32)
+        self._offsets64 = self.offsets.astype(np.int64)
         starts = self.offsets.tolist()
-        self._starts, self._ends = starts, starts[1:] + [sum(sizes)]  # each pool's global id range
         for name in ("ref_counts", "cached", "low_priority"):
             whole = np.concatenate([getattr(p, name) for p in self.pools])
             setattr(self, name, whole)
             for pool, start, n in zip(self.pools, starts, sizes):
                 setattr(pool, name, whole[start : start + n])
 
-    def release(self, pages: np.ndarray, per_group, offsets: np.ndarray | None = None) -> None:
+    def release(self, pages: np.ndarray, per_group: Sequence[int]) -> None:
         """``pools[g].decref`` of each group's slice of ``pages`` (local ids, group-major,
-        ``per_group[g]`` of them, an array or a list); ``offsets``: each page's group
-        offset (``self.offsets`` repeated), if the caller has it."""
-        # int64 ids (numpy casts int32 index arrays at every indexing) and same-dtype
-        # operands (a mixed-dtype add buffers them).
-        glob = pages.astype(np.int64)
-        glob += np.repeat(self.offsets.astype(np.int64), per_group) if offsets is None else offsets
-        ref = self.ref_counts
-        before = ref[glob]
-        sizes = per_group if type(per_group) is list else per_group.tolist()
-        # Listed pages are held (ref >= 1): one reduction tells whether each has one holder.
-        if before.size and before.max() != 1:
-            start = 0  # some page has another holder: the general path, pool by pool
-            for pool, n in zip(self.pools, sizes):
-                if n:
-                    pool.decref(pages[start : start + n])
-                start += n
-            return
-        ref[glob] = 0
-        keyed = self.cached[glob]
-        kept = sizes
-        if keyed.any():
-            # Few keyed pages a step: hand each pool its own, in logical order. A global id
-            # tells its group (pools own consecutive id ranges).
-            kept = list(sizes)
-            starts, ends = self._starts, self._ends
-            g = 0
-            mine: list[int] = []
-            for page in glob[keyed].tolist():
-                while page >= ends[g]:
-                    if mine:
-                        self.pools[g]._keyed_idle(mine)
-                        mine = []
-                    g += 1
-                mine.append(page - starts[g])
-                kept[g] -= 1
-            self.pools[g]._keyed_idle(mine)
-            free = pages[~keyed]
-        else:
-            free = pages
-        if free.dtype != np.int32:  # ids from the table store already are
-            free = free.astype(np.int32)
-        start = 0
-        for pool, n, m in zip(self.pools, sizes, kept):
-            if n:
-                pool.counters.released_pages += n
-                if m:
-                    pool._push_free(free[start : start + m])
-            start += m
+        ``per_group[g]`` of them), in one compiled pass (``kernels.drop_holds``)."""
+        freed = np.empty(pages.size, dtype=np.int64)
+        keyed = np.empty(pages.size, dtype=np.int64)
+        counts = np.zeros((2, len(self.pools)), dtype=np.int64)
+        kernels.drop_holds(self.ref_counts, self.cached, self._offsets64, np.asarray(per_group, dtype=np.int64),
+                           pages, freed, keyed, counts)
+        n_freed = n_keyed = 0
+        for pool, f, k in zip(self.pools, *counts.tolist()):
+            if f + k:
+                pool.counters.released_pages += f + k
+            if k:
+                pool._keyed_idle(keyed[n_keyed : n_keyed + k].tolist())
+                n_keyed += k
+            if f:
+                pool._push_free(freed[n_freed : n_freed + f])
+                n_freed += f

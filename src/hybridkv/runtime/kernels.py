@@ -342,3 +342,33 @@ def block_table(geometry, pages, bounds, g, rows, out):
         live = bounds[1, g, row] - base
         for j in range(out.shape[1]):
             out[r, j] = pages[g, row, (base + j) & mask] if j < live else -1
+
+
+@njit(cache=True)
+def drop_holds(ref, keyed, offsets, per_group, pages, freed, keyed_pages, counts):
+    """One reference less on each listed page (local ids, group-major, ``per_group[g]``
+    of group ``g``, whose ids start at ``offsets[g]`` in ``ref`` and ``keyed``). The pages
+    whose last reference went, once each in the order first listed: unkeyed ones to
+    ``freed``, keyed ones to ``keyed_pages``; ``counts[0, g]`` and ``counts[1, g]`` how many."""
+    start, n_freed, n_keyed = 0, 0, 0
+    for g in range(per_group.size):
+        end = start + per_group[g]
+        offset = offsets[g]
+        for i in range(start, end):
+            ref[offset + pages[i]] -= 1
+        for i in range(start, end):
+            page = offset + pages[i]
+            if ref[page] == 0:
+                ref[page] = -1  # taken once, even where the list repeats it
+                if keyed[page]:
+                    keyed_pages[n_keyed] = pages[i]
+                    n_keyed += 1
+                    counts[1, g] += 1
+                else:
+                    freed[n_freed] = pages[i]
+                    n_freed += 1
+                    counts[0, g] += 1
+        for i in range(start, end):
+            if ref[offset + pages[i]] == -1:
+                ref[offset + pages[i]] = 0
+        start = end
