@@ -264,8 +264,8 @@ BREAKDOWN_METHODS = {
     "CacheManager": ["schedule", "schedule_uniform", "_admit", "_fast_validate", "_fast_validate_uniform", "_plan",
                      "_build_batch", "rewind_many"],
     "GroupTable": ["block_table", "take"],
-    "TableSet": ["plan", "take", "place", "write_slots", "drain_updates"],
-    "PagePool": ["allocate", "decref", "publish", "publish_held", "unpublish"],
+    "TableSet": ["plan", "take_flat", "place", "write_slots", "drain_updates"],
+    "PagePool": ["allocate", "decref", "publish", "unpublish"],
     "PrefixCache": ["commit"],
 }
 

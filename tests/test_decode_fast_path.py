@@ -1,8 +1,8 @@
-"""The decode shortcuts give the same step as the general path.
+"""Decode steps through ``schedule_uniform`` give the same step as ``schedule`` of pairs.
 
-``fast`` runs with every shortcut (uniform-count validation, single-page cells in
-the stacked ranges, decode batch arrays without repeat); ``general`` has them
-switched off. Both get the same calls; every ``StepBatch`` array must match.
+``fast`` takes every call as given; ``general`` (a ``Pairs`` wrapper) turns each
+``schedule_uniform(ids, k)`` into ``schedule([(id, k), ...])``. Both get the same calls;
+every ``StepBatch`` array, the prefix cache's entries and events must match.
 Prompts end just below page and block boundaries, so decode steps cross page
 boundaries in every group and release sliding pages.
 """
@@ -32,15 +32,22 @@ def pair(config, caching, seed, arena=False):
     fast, general = (CacheManager(specs, None if arena else pages, max_context_tokens=ctx, max_step_tokens=step,
                                   shuffle_seed=seed, enable_prefix_caching=caching, arena=geometry, table_widths=widths,
                                   prefix_granularity=256 if config == "v4" else 60) for _ in range(2))
-    return [fast, without_shortcuts(general)]
+    return [fast, Pairs(general)]
 
 
-def without_shortcuts(m):
-    m._fast_paths = False
-    m._tableset.single_page_cells = False
-    if m.prefix is not None:
-        m.prefix._fast_commit = False
-    return m
+class Pairs:
+    """A manager whose uniform steps go through ``schedule`` of (id, count) pairs."""
+
+    def __init__(self, manager):
+        self.__dict__["_m"] = manager
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+    def schedule_uniform(self, request_ids, num_tokens, **options):
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool):
+            return self._m.schedule_uniform(request_ids, num_tokens, **options)  # the same refusal
+        return self._m.schedule([(rid, num_tokens) for rid in request_ids], **options)
 
 
 def add_and_prefill(managers, prompts, *, vocab, chunk, max_new_tokens):
@@ -187,38 +194,32 @@ def test_long_uniform_decode_runs_match_the_general_path(caching, arena):
     managers = pair("v4", caching, None if arena else 5, arena)  # an arena: lowest ids first
     # r0 and r1 cross 256-token pages at the same steps
     rids = add_and_prefill(managers, (250, 506, 1000, 3), vocab=40, chunk=64, max_new_tokens=400)
-    windowed = 0
     for step in range(260):  # the test pool runs short at ~280
         batch = rids[:3] if 100 <= step < 113 else rids  # r3 sits out 13 steps
         on_both(managers, "append_token_ids_many", batch, np.full((len(batch), 1), step % 40))
         same(*on_both(managers, "schedule_uniform", batch, 1)[0])
-        tail = managers[0]._tail
-        windowed += tail is not None and tail[7] is not None
         if step == 200:  # a rejected token: the run restarts from a rewound request
             on_both(managers, "rewind", "r1", managers[0].num_computed_tokens("r1") - 1)
         if step % 50 == 0:
             for m in managers:
                 m.check_invariants()
-    assert windowed > 200  # the fast side really planned ahead
     for m in managers:
         m.check_invariants()
     same_cache(*managers)
 
 
 @pytest.mark.parametrize("caching", [True, False])
-def test_decode_windows_with_odd_page_spans_match_the_general_path(caching):
-    """Page spans of 2 to 10 tokens, not all powers of two (floor division; cells that
-    move several times in a window), decoded in windows: every step equals the
-    general path's."""
+def test_decode_with_odd_page_spans_matches_the_general_path(caching):
+    """Page spans of 2 to 10 tokens, not all powers of two (floor division), decoded
+    for 200 steps: every step equals the general path's."""
     from test_table_updates import ODD_SPECS
 
     fast, general = (CacheManager(ODD_SPECS, {s.group_id: 400 for s in ODD_SPECS}, max_context_tokens=400,
                                   max_step_tokens=12, shuffle_seed=3, enable_prefix_caching=caching,
                                   prefix_granularity=60) for _ in range(2))
-    out = [fast, without_shortcuts(general)]
+    out = [fast, Pairs(general)]
     # r0 and r2 cross grain boundaries at the same steps
     rids = add_and_prefill(out, (5, 13, 65, 2), vocab=7, chunk=12, max_new_tokens=300)
-    windowed = 0
     mirror = BlockTableMirror.for_manager(out[0])
     for step in range(200):
         batch = rids[1:] if 60 <= step < 67 else rids
@@ -229,11 +230,8 @@ def test_decode_windows_with_odd_page_spans_match_the_general_path(caching):
         mirror.apply(fast)  # the fast side's table updates rebuild the general side's tables
         for gid, table in mirror.block_tables().items():
             assert np.array_equal(table, general.groups[gid].block_table), (step, gid)
-        tail = out[0]._tail
-        windowed += tail is not None and tail[7] is not None
         if step == 120:
             on_both(out, "rewind", "r2", out[0].num_computed_tokens("r2") - 2)
-    assert windowed > 150
     for m in out:
         m.check_invariants()
     same_cache(*out)
@@ -242,15 +240,14 @@ def test_decode_windows_with_odd_page_spans_match_the_general_path(caching):
 @settings(max_examples=25, deadline=None)
 @given(caching=st.booleans(), arena=st.booleans(), data=st.data())
 def test_random_uniform_decode_programs_match_the_general_path(caching, arena, data):
-    """Runs of ``schedule_uniform`` decode steps (planned in windows on the fast side)
-    broken at random: a request sits out or comes back, one is rewound, block-table
-    mode, write slots and fixed widths switch; every step equals the general path's."""
+    """Runs of ``schedule_uniform`` decode steps broken at random: a request sits out
+    or comes back, one is rewound, block-table mode, write slots and fixed widths
+    switch; every step equals the general path's."""
     managers = pair("v4", caching, None if arena else 5, arena)
     rng = np.random.default_rng(data.draw(st.integers(0, 999), label="rng"))
     prompts = data.draw(st.lists(st.integers(1, 700), min_size=1, max_size=4), label="prompts")
     rids = add_and_prefill(managers, prompts, vocab=40, chunk=64, max_new_tokens=200)
     live = list(rids)
-    windowed = 0
     for step in range(data.draw(st.integers(20, 120), label="steps")):
         event_kind = data.draw(st.sampled_from(["none"] * 12 + ["out", "back", "rewind", "full", "no slots", "fixed"]),
                                label="event")
@@ -272,15 +269,13 @@ def test_random_uniform_decode_programs_match_the_general_path(caching, arena, d
             event("step refused (same reason on both)")
             break
         same(*batches)
-        windowed += managers[0]._tail is not None and managers[0]._tail[7] is not None
-    event(f"windowed steps: {min(windowed, 50) // 10 * 10}+")
     for m in managers:
         m.check_invariants()
     same_cache(*managers)
 
 
-def test_fixed_width_decode_windows_refuse_at_the_capture_width():
-    """Fixed-width decode steps planned in a window: a request whose full-history
+def test_fixed_width_decode_refuses_at_the_capture_width():
+    """Fixed-width decode steps: a request whose full-history
     tables outgrow the capture width (3 pages = 768 tokens) is refused at the same step,
     with the same reason, as on the general path."""
     managers = pair("v4", True, 5)
@@ -295,10 +290,10 @@ def test_fixed_width_decode_windows_refuse_at_the_capture_width():
     assert "capture width" in err
 
 
-def test_a_refused_window_step_leaves_the_window_as_it_was():
-    """A step refused at admission (capture width) after a window planned it moves none
-    of the window's bounds: the same batch then verifies two tokens (a plan from the
-    bounds the last step left) and decodes on, as on the general path."""
+def test_a_refused_decode_step_changes_nothing():
+    """A step refused at admission (capture width) changes nothing: the same batch
+    then verifies two tokens (a plan from the bounds the last step left) and decodes
+    on, as on the general path."""
     managers = pair("v4", True, 5)
     rids = add_and_prefill(managers, (740, 300), vocab=40, chunk=64, max_new_tokens=100)
     mirror, refused = BlockTableMirror.for_manager(managers[0]), 0
@@ -323,7 +318,6 @@ def test_a_refused_window_step_leaves_the_window_as_it_was():
         for gid, table in mirror.block_tables().items():
             assert np.array_equal(table, general.groups[gid].block_table), (step, gid)
     assert refused == 1 and managers[0].num_computed_tokens("r0") == 801
-    assert managers[0]._tail[7] is not None  # the last steps were planned in a window
     for m in managers:
         m.check_invariants()
     same_cache(*managers)
@@ -353,19 +347,17 @@ def test_decode_after_the_table_store_grows_matches():
 
 
 @pytest.mark.parametrize("interval", [None, 512])
-def test_one_block_commits_equal_the_general_commit(interval):
-    """Decode crossings take the one-block commit path; with the general path they give
-    the same entries, events and holds, also when requests share their content (a
-    block already published, a checkpoint held twice) and under a checkpoint interval."""
+def test_decode_commits_of_shared_content_match(interval):
+    """Decode crossings commit one block each; through ``schedule_uniform`` and through
+    pairs they give the same entries, events and holds, also when requests share their
+    content (a block already published, a checkpoint held twice) and under a checkpoint
+    interval."""
     specs = CONFIGS["v4"][0]
     pages = {s.group_id: 2_000 for s in specs}
-    managers = []
-    for fast in (True, False):
-        m = CacheManager(specs, pages, max_context_tokens=2_048, max_step_tokens=256,
-                         enable_prefix_caching=True, prefix_granularity=256,
-                         state_checkpoint_interval=interval)
-        m.prefix._fast_commit = fast
-        managers.append(m)
+    managers = [CacheManager(specs, pages, max_context_tokens=2_048, max_step_tokens=256,
+                             enable_prefix_caching=True, prefix_granularity=256,
+                             state_checkpoint_interval=interval) for _ in range(2)]
+    managers[1] = Pairs(managers[1])
     shared = np.arange(700, dtype=np.int32) % 50
     prompts = {"a": shared, "b": shared.copy(), "c": np.concatenate([shared[:300], shared[:100] + 1])}
     for rid, ids in prompts.items():
@@ -378,7 +370,7 @@ def test_one_block_commits_equal_the_general_commit(interval):
         tokens = rng.integers(0, 50, 1)  # a and b generate the same tokens: same keys
         for rid in prompts:
             on_both(managers, "append_token_ids", rid, tokens if rid != "c" else tokens + 1)
-        same(*on_both(managers, "schedule", [(rid, 1) for rid in prompts])[0])
+        same(*on_both(managers, "schedule_uniform", list(prompts), 1)[0])
         if step_index == 400:
             on_both(managers, "free", "b")
             prompts.pop("b")
@@ -493,27 +485,3 @@ def test_steps_without_write_slots_change_nothing_else():
     same_cache(*managers)
     with pytest.raises(CacheManagerError, match="write_slots must be True or False"):
         managers[0].schedule_uniform(rids, 1, write_slots=None)
-
-
-def test_repeated_decode_batches_share_read_only_arrays():
-    """Arrays that repeat while the batch repeats are handed out once, read-only; a
-    changed batch gets new ones with its own rows."""
-    m = pair("v4", False, None)[0]
-    for i in range(3):
-        m.add_request(f"r{i}", np.arange(60 + i, dtype=np.int32), max_new_tokens=8)
-        m.schedule([(f"r{i}", 60 + i)])
-    batches = []
-    for ids in (("r0", "r1", "r2"), ("r0", "r1", "r2"), ("r0", "r2")):
-        for rid in ids:
-            m.append_token_ids(rid, [1])
-        batches.append(m.schedule_uniform(ids, 1, block_tables="updates"))
-    first, again, other = batches
-    for name in ("table_rows", "request_indices", "query_start_loc", "num_scheduled_tokens"):
-        array = getattr(again, name)
-        assert array is getattr(first, name), name
-        assert not array.flags.writeable, name
-        with pytest.raises(ValueError):
-            array[0] = 5
-    rows = [m._requests[r].row for r in ("r0", "r2")]
-    assert other.table_rows.tolist() == rows and other.table_rows.dtype == np.int32
-    assert other.table_rows is not first.table_rows

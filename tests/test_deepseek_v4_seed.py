@@ -18,18 +18,18 @@ PRO_RATIOS = [128, 128] + [4, 128] * 29 + [4]  # 61 main layers
 WINDOW = SimpleNamespace(sliding_window=128)
 
 
-def _spec(gid, retention, rows, stride, window, family):
-    return CacheGroupSpec(gid, retention, rows, stride, window, family)
+def _spec(gid, retention, rows, stride, window, family, checkpoint=None):
+    return CacheGroupSpec(gid, retention, rows, stride, window, family, checkpoint)
 
 
-# The facts doc §3 table, row by row.
+# The facts doc §3 table, row by row (the last column: what a prefix checkpoint stores).
 FLASH_SPECS = [
     _spec("v4.swa_kv", "sliding_window", 64, 1, 128, "state"),
-    _spec("v4.c4a.compressor_state", "sliding_window", 4, 1, 8, "state"),
+    _spec("v4.c4a.compressor_state", "sliding_window", 4, 1, 8, "state", 4),
     _spec("v4.c4a.compressed_kv", "full_history", 64, 4, None, "history"),
-    _spec("v4.c128a.compressor_state", "sliding_window", 8, 1, 128, "state"),
+    _spec("v4.c128a.compressor_state", "sliding_window", 8, 1, 128, "state", 0),
     _spec("v4.c128a.compressed_kv", "full_history", 2, 128, None, "history"),
-    _spec("v4.c4a.indexer_compressor_state", "sliding_window", 4, 1, 8, "state"),
+    _spec("v4.c4a.indexer_compressor_state", "sliding_window", 4, 1, 8, "state", 4),
 ]
 
 

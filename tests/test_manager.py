@@ -667,19 +667,6 @@ def test_batched_append_refusals_for_a_scheduled_batch_change_nothing():
     assert m._known[[m._requests[r].row for r in "ab"]].tolist() == [5, 8]
 
 
-def test_appending_for_other_ids_keeps_the_scheduled_batch_memoized():
-    m = manager([SWA, KV], 40, ctx=64, step=16)
-    for rid in "abc":
-        m.add_request(rid, np.arange(5), max_new_tokens=4)
-    m.schedule_uniform(("a", "b", "c"), 5)
-    memo = m._rows_memo
-    m.append_token_ids_many(("a", "b"), [[1], [2]])  # a subset: looked up, not remembered
-    m.append_token_ids_many(("c",), [[3]])
-    assert m._rows_memo is memo
-    m.schedule_uniform(("a", "b", "c"), 1)
-    assert m._rows_memo is memo and m.num_computed_tokens("c") == 6
-
-
 # --- shrinking a chunk to the memory left -------------------------------------------------
 def test_max_admissible_tokens_worked_by_hand():
     # kv: 4-token pages, 9 pages with the null page -> 8 usable = 32 tokens.
@@ -780,8 +767,8 @@ def test_schedule_after_a_denying_check_names_only_the_denied_requests():
 
 
 def test_step_objects_are_whole_frozen_dataclasses():
-    """The step's objects are built without their __init__ (batch._fill): each must
-    still carry exactly its fields and refuse assignment, in both table modes."""
+    """The step's objects each carry exactly their fields and refuse assignment, in
+    both table modes."""
     import dataclasses
 
     from hybridkv.batch import GroupStep, StepBatch, TableUpdates

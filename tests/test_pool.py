@@ -256,9 +256,8 @@ def test_lowest_first_leftovers_above_the_stack_stay_pending():
     pool.decref(np.array([30]))
     assert pool.allocate(1).tolist() == [2]  # leftover 30 lies above the stack's next (3): pending
     assert pool._pending_pages == 1
-    assert pool.allocate_unheld(2).tolist() == [3, 30]
+    assert pool.allocate(2).tolist() == [3, 30]
     assert pool.allocate(2).tolist() == [41, 42]
-    pool.ref_counts[[3, 30]] = 1
     pool.check_invariants()
 
 
@@ -268,8 +267,7 @@ def test_lowest_first_leftovers_above_the_stack_stay_pending():
 def test_lowest_first_matches_a_sorted_set_model(ops, highest):
     """Whatever mix of releases (kept pending) and allocations (small ones sort only
     the pending pages with the stack's lowest), an allocation hands out the lowest
-    free ids in ascending order, or, with ``highest``, the highest ones last;
-    ``allocate_unheld`` the lowest ones."""
+    free ids in ascending order, or, with ``highest``, the highest ones last."""
     pool = PagePool("g", 300, lowest_first=True)
     free, held = set(range(1, 300)), []
     for op, n, seed in ops:
@@ -277,8 +275,7 @@ def test_lowest_first_matches_a_sorted_set_model(ops, highest):
             n = min(n, len(free))
             if n == 0:
                 continue
-            out = pool.allocate_unheld(n)
-            pool.ref_counts[out] = 1  # the caller's part
+            out = pool.allocate(n)
             assert out.tolist() == sorted(free)[:n]
             free.difference_update(out.tolist())
             held.extend(out.tolist())
@@ -381,43 +378,6 @@ def _entries(pool):
     return {key: pool.lookup(key) for key in pool.entry_keys()}
 
 
-def test_publish_many_is_publish_one_by_one():
-    """Same entries and flags as publish() per row; rows with a keyed page and keys
-    already published are skipped, not refused."""
-    one, many = PagePool("g", 20), PagePool("g", 20)
-    for pool in (one, many):
-        pages = pool.allocate(12)
-        pool.publish("old", [int(pages[0])])  # page 1 carries a key
-        pool.publish("taken", [int(pages[11])])
-    grid = np.arange(1, 13, dtype=np.int64)[:10].reshape(5, 2)  # rows (1,2) (3,4) ... (9,10)
-    keys = ["a", "taken", "c", "d", "e"]
-    expected = []
-    for key, row in zip(keys, grid.tolist()):
-        ok = not one.cached[row].any() and one.publish(key, row, low_priority=True)
-        expected.append(bool(ok))
-    assert expected == [False, False, True, True, True]
-    assert many.publish_many(keys, grid, low_priority=True) == expected
-    assert _entries(many) == _entries(one)
-    assert np.array_equal(many.cached, one.cached) and np.array_equal(many.low_priority, one.low_priority)
-    many.check_invariants()
-
-
-def test_publish_many_overlapping_rows_and_errors():
-    pool = PagePool("g", 10)
-    pool.allocate(5)
-    # Rows (1,2) and (2,3) share page 2: the second is skipped, as one by one.
-    assert pool.publish_many(["x", "y"], np.array([[1, 2], [2, 3]])) == [True, False]
-    assert pool.lookup("x") == (1, 2) and pool.lookup("y") is None
-    with pytest.raises(ValueError, match="one row of pages per key"):
-        pool.publish_many(["p"], np.array([4, 5]))
-    with pytest.raises(ValueError, match="only held pages"):
-        pool.publish_many(["p"], np.array([[4, 7]]))  # 7 is free
-    with pytest.raises(ValueError, match="only held pages"):
-        pool.publish_many(["p"], np.array([[NULL_PAGE, 4]]))
-    assert pool.lookup("p") is None and not pool.cached[4]
-    pool.check_invariants()
-
-
 @pytest.mark.parametrize("lowest_first", [False, True])
 def test_an_allocation_evicting_several_entries_frees_them_as_one_by_one(lowest_first):
     """Worked by hand: entries are evicted in LRU order until enough pages are idle,
@@ -461,11 +421,11 @@ def _pool_state(pool):
 
 
 @settings(max_examples=60, deadline=None)
-@given(data=st.data(), lowest_first=st.booleans(), caller_offsets=st.booleans())
-def test_page_space_release_is_decref_pool_by_pool(data, lowest_first, caller_offsets):
+@given(data=st.data(), lowest_first=st.booleans(), as_list=st.booleans(), twice=st.booleans())
+def test_page_space_release_is_decref_pool_by_pool(data, lowest_first, as_list, twice):
     """PageSpace.release of every group's pages (some keyed, some low priority, some
-    with a second holder) leaves each pool as its own decref would; also with the
-    counts as a list and each page's group offset given by the caller."""
+    with a second holder, listed twice with ``twice``) leaves each pool as its own
+    decref would; the counts as an array or a list."""
     from hybridkv.pool import PageSpace
 
     sizes = data.draw(st.lists(st.integers(2, 24), min_size=1, max_size=5), label="sizes")
@@ -494,11 +454,10 @@ def test_page_space_release_is_decref_pool_by_pool(data, lowest_first, caller_of
     (pools_a, space), (pools_b, _) = sides
     released = [np.asarray([p for p in range(1, n) if pools_a[i].ref_counts[p] > 0], dtype=np.int64)[
         list(script[i][4])] for i, n in enumerate(sizes)]
-    if caller_offsets:
-        sizes_list = [r.size for r in released]
-        space.release(np.concatenate(released), sizes_list, np.repeat(space.offsets.astype(np.int64), sizes_list))
-    else:
-        space.release(np.concatenate(released), np.array([r.size for r in released]))
+    if twice:  # both holders of a shared page release it in the same call
+        released = [np.concatenate([r, r[pools_a[i].ref_counts[r] > 1]]) for i, r in enumerate(released)]
+    counts = [r.size for r in released]
+    space.release(np.concatenate(released), counts if as_list else np.array(counts))
     for pool, pages in zip(pools_b, released):
         pool.decref(pages)
     for a, b in zip(pools_a, pools_b):

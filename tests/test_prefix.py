@@ -911,29 +911,24 @@ def test_bad_checkpoint_windows_are_refused(windows, message):
         make_manager(checkpoint_window_tokens=windows)
 
 
-def test_event_buffer_drops_the_oldest_and_counts_them_one_by_one_or_batched():
-    """A full buffer keeps the newest events; every dropped one is counted, whether
-    events arrive one at a time (``_emit``) or as a commit's batch (``_emit_all``)."""
+def test_event_buffer_drops_the_oldest_and_counts_them():
+    """A full buffer keeps the newest events; every dropped one is counted; with a
+    callback, events go to it and nothing is buffered."""
     from collections import deque
 
     mgr = make_manager()
     prefix = mgr.prefix
     raws = [("stored", SWA, k, None, 256 * (k + 1), 1) for k in range(7)]
-    for batched in (False, True):
-        prefix.events, prefix.dropped_events = deque(maxlen=3), 0
-        if batched:
-            prefix._emit(raws[0])
-            prefix._emit_all(raws[1:5])  # 1 + 4 into 3 places: 2 dropped
-            prefix._emit_all(raws[5:])  # 2 more: 2 dropped
-        else:
-            for raw in raws:
-                prefix._emit(raw)
-        assert prefix.dropped_events == 4
-        assert [e.tokens for e in prefix.drain_events()] == [256 * 5, 256 * 6, 256 * 7]
+    prefix.events, prefix.dropped_events = deque(maxlen=3), 0
+    for raw in raws:
+        prefix._emit(raw)
+    assert prefix.dropped_events == 4
+    assert [e.tokens for e in prefix.drain_events()] == [256 * 5, 256 * 6, 256 * 7]
     seen = []
     prefix.on_event = seen.append
-    prefix._emit_all(raws[:2])
-    assert [e.tokens for e in seen] == [256, 512] and prefix.dropped_events == 4
+    for raw in raws[:2]:
+        prefix._emit(raw)
+    assert [e.tokens for e in seen] == [256, 512] and prefix.dropped_events == 4 and not prefix.events
 
 
 def test_block_hashes_do_not_depend_on_the_token_array_layout():

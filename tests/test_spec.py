@@ -37,3 +37,17 @@ def test_invalid_combinations_raise(kwargs, match):
     base.update(kwargs)
     with pytest.raises(ValueError, match=match):
         CacheGroupSpec(**base)
+
+
+def test_checkpoint_window_tokens_is_a_sliding_groups_part_of_its_window():
+    spec = CacheGroupSpec("s", "sliding_window", 4, 1, sliding_window_tokens=8, family="state",
+                          checkpoint_window_tokens=4)
+    assert spec.checkpoint_window_tokens == 4
+    assert CacheGroupSpec("s", "sliding_window", 4, 1, sliding_window_tokens=8).checkpoint_window_tokens is None
+    assert CacheGroupSpec("s", "sliding_window", 4, 1, sliding_window_tokens=8,
+                          checkpoint_window_tokens=0).checkpoint_window_tokens == 0
+    for bad, match in [(9, "exceeds the window"), (-1, "non-negative"), (2.0, "integer")]:
+        with pytest.raises(ValueError, match=match):
+            CacheGroupSpec("s", "sliding_window", 4, 1, sliding_window_tokens=8, checkpoint_window_tokens=bad)
+    with pytest.raises(ValueError, match="sliding groups only"):
+        CacheGroupSpec("h", "full_history", 4, 1, checkpoint_window_tokens=0)

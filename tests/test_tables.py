@@ -1,14 +1,9 @@
-"""GroupTable: release point, page needs, write slots and kernel tables (worked by hand);
-TableSet.window_moves against step-by-step plans."""
+"""GroupTable: release point, page needs, write slots and kernel tables (worked by hand)."""
 
-import hypothesis.strategies as st
 import numpy as np
-from hypothesis import given, settings
 
-from hybridkv.manager import CacheManager
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables import GroupTable, cdiv, segment_arange
-from test_table_updates import CONFIGS
 
 SWA_4_8 = CacheGroupSpec("swa", "sliding_window", 4, 1, sliding_window_tokens=8, family="state")
 C4 = CacheGroupSpec("c4", "full_history", rows_per_page=64, entry_stride_tokens=4)
@@ -111,51 +106,3 @@ def test_ensure_rows_keeps_existing_rows():
     assert table.pages.shape[0] >= 3
     assert table.pages[0, 0] == 5 and np.all(table.pages[1:] == -1)
     assert table.hi.tolist()[:3] == [1, 0, 0]
-
-
-def _window_oracle(ts, bounds, first, steps):
-    """``TableSet.plan`` one step at a time: (step, position, value before) of every move."""
-    moves = []
-    rows = np.arange(first.size)
-    for k in range(steps):
-        _, after, moved, _ = ts.plan(rows, first + k, first + k + 1, bounds=bounds, count=1)
-        assert moved.max() <= 1
-        at = np.flatnonzero(moved)
-        moves += [(k, int(p), int(bounds.reshape(-1)[p])) for p in at]
-        bounds = after
-    return moves
-
-
-@settings(max_examples=60, deadline=None)
-@given(config=st.sampled_from(["v4", "odd"]), steps=st.sampled_from([1, 3, 8, 16]), data=st.data())
-def test_window_moves_equal_step_by_step_plans(config, steps, data):
-    """Every page move of a decode window, from the closed form, equals the moves of
-    ``plan`` run step by step, from any state at or above the floors and needs of the
-    previous token (a one-token step leaves rows there, rewinds and long chunks above)."""
-    specs, pages, _, _ = CONFIGS[config]
-    ts = CacheManager(specs, pages, max_context_tokens=4000, max_step_tokens=64)._tableset
-    n = data.draw(st.integers(1, 5), label="rows")
-    first = np.array(data.draw(st.lists(st.integers(1, 3000), min_size=n, max_size=n), label="first"))
-    prev = first - 1 + ts.plan_offsets(1)  # floors and needs of first - 1 tokens
-    np.maximum(prev, 0, out=prev)
-    ts.floor_pages(prev)
-    extra = np.array(data.draw(st.lists(st.integers(0, 2), min_size=prev.size, max_size=prev.size), label="extra"))
-    bounds = prev + extra.reshape(prev.shape)
-    g = len(specs)
-    np.minimum(bounds[:g], bounds[g:], out=bounds[:g])  # base <= hi
-    assert (bounds >= prev).all()  # a floor never passes the previous token's need
-    step, pos, value = ts.window_moves(bounds.copy(), first, steps)
-    assert list(zip(step.tolist(), pos.tolist(), value.tolist())) == _window_oracle(ts, bounds, first, steps)
-
-
-def test_window_moves_refuse_rows_below_their_floor():
-    specs, pages, _, _ = CONFIGS["v4"]
-    ts = CacheManager(specs, pages, max_context_tokens=4000, max_step_tokens=64)._tableset
-    first = np.array([848, 900])  # 848 - 15 = 833 = 13 * 64 + 1 (a 16-token window): one token past a page
-    prev = first - 1 + ts.plan_offsets(1)
-    np.maximum(prev, 0, out=prev)
-    ts.floor_pages(prev)
-    assert ts.window_moves(prev.copy(), first, 8) is not None
-    lagging = prev.copy()
-    lagging[0, 0] -= 1  # window-KV base one page below the previous token's floor
-    assert ts.window_moves(lagging, first, 8) is None

@@ -142,7 +142,7 @@ Grant = tuple[str, int, "str | None"]  # (receiving group, slab, donor group or 
 
 
 @dataclass
-class _Scan:
+class IdleScan:
     """Per group, from its idle (free or evictable) pages at one admission decision:
     slabs whose inner pages are all idle, and boundaries whose straddling page is."""
 
@@ -216,7 +216,7 @@ class Arena:
         self,
         deficit: Mapping[str, int],
         surplus: Mapping[str, int],
-        scan: _Scan | None = None,
+        scan: IdleScan | None = None,
         *,
         partial: bool = False,
         owner: np.ndarray | None = None,
@@ -228,7 +228,7 @@ class Arena:
         do not suffice (with ``partial``, the groups they do cover). Pure; the page
         counts are exact for :meth:`apply` in order. ``owner``: slab owners to start
         from (:meth:`replay` of grants planned already, applied before these)."""
-        scan = scan if scan is not None else _Scan()
+        scan = scan if scan is not None else IdleScan()
         own = (self.owner if owner is None else owner).copy()
         left = {g: int(surplus.get(g, 0)) for g in self.group_ids}
         grants: list[Grant] = []
@@ -287,7 +287,7 @@ class Arena:
             own[slab] = self._index[gid]
         return own, gained
 
-    def _idle(self, gid: str, scan: _Scan) -> tuple[np.ndarray, np.ndarray]:
+    def _idle(self, gid: str, scan: IdleScan) -> tuple[np.ndarray, np.ndarray]:
         """(slabs whose inner pages are all idle, boundaries whose straddler is idle)."""
         found = scan.idle.get(gid)
         if found is None:
@@ -374,4 +374,4 @@ class Arena:
         )
 
 
-__all__ = ["Arena", "ArenaGeometry", "DEFAULT_SLAB_ANCHOR_PAGES", "anchor_group_for", "arena_geometry", "shared_arena_for", "shared_concurrency"]
+__all__ = ["Arena", "ArenaGeometry", "IdleScan", "DEFAULT_SLAB_ANCHOR_PAGES", "anchor_group_for", "arena_geometry", "shared_arena_for", "shared_concurrency"]

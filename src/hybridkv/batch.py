@@ -1,9 +1,7 @@
 """What the manager hands out: the arrays of a step, admission answers, pool stats.
 
-Plain data; every array is numpy and can be copied to a device as is. Arrays
-that repeat from step to step (a decode step's request indices, query start
-locations and token counts, and table rows while the batch repeats) are shared
-and read-only: copy before writing.
+Plain data; every array is numpy, fresh for each step, and can be copied to a
+device as is.
 """
 
 from __future__ import annotations
@@ -11,16 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-
-def _fill(cls, values: dict):
-    """An instance of the frozen dataclass ``cls`` holding ``values`` (every field),
-    without the field-by-field ``object.__setattr__`` of its ``__init__``: the step
-    builds eight of these, and at 256 requests a decode step's whole budget is a few
-    hundred microseconds. Only for values already of the fields' types."""
-    obj = cls.__new__(cls)
-    obj.__dict__.update(values)
-    return obj
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,19 @@ from typing import Any
 
 import numpy as np
 
-from hybridkv import _checks
-from hybridkv._checks import as_int
-from hybridkv.arena import Arena, ArenaGeometry, _Scan, shared_arena_for
-from hybridkv.batch import Admission, GroupStats, GroupStep, StepBatch, TableUpdates, _fill
-from hybridkv.models.deepseek_v4 import v4_checkpoint_window_tokens
+from hybridkv._checks import (
+    as_int,
+    check_cache_salt,
+    check_empty_token_batch,
+    check_items,
+    check_request_ids,
+    check_token_ids,
+)
+from hybridkv.arena import Arena, ArenaGeometry, IdleScan, shared_arena_for
+from hybridkv.batch import Admission, GroupStats, GroupStep, StepBatch, TableUpdates
 from hybridkv.pool import PagePool, PageSpace
 from hybridkv.prefix import PrefixCache, PrefixHit, RequestHashes
+from hybridkv.runtime import kernels
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables import TableSet, cdiv, segment_arange
 
@@ -84,39 +90,13 @@ class _StepPlan:
     after: np.ndarray | None = None
     moves: np.ndarray | None = None
     rel_sums: list | None = None  # pages per group the step releases
-    # From a decode window (a repeated one-token batch): the step's moved cells,
-    # their stacked group and page-space offset (as TableSet.moved_cells), and the
-    # window itself, handed to the next step.
-    moved: tuple | None = None
-    moved_offsets: np.ndarray | None = None
-    window: _DecodeWindow | None = None
-    window_step: int = 0
-    # A window's step: flat [G, R] cells that get a page (``alloc_all``, moves and
-    # need are then left None: no decode path reads them).
-    grown: np.ndarray | None = None
-    moved_units: tuple | None = None  # (group, row, column) of ``moved[0]``
 
-    # Per-group views of the stacked arrays, built only where a slow path asks.
     @property
     def new_base(self) -> _ByGroup:
-        self.settle_after()
         return _ByGroup(self.group_index, self.new_base_all)
-
-    def settle_after(self) -> None:
-        """A window's step leaves ``after`` unset until the step runs (its bounds then
-        move in place); a slow path of the admission gets a copy of it here."""
-        if self.after is None:
-            a, b = self.window.splits[self.window_step : self.window_step + 2]
-            self.after = self.bounds.copy()
-            self.after.put(self.window.pos[a:b], self.window.moved_to[a:b])
-            self.new_base_all = self.after[: len(self.group_index)]
 
     @property
     def alloc(self) -> _ByGroup:
-        if self.alloc_all is None:
-            self.settle_after()
-            self.moves = self.after - self.bounds
-            self.alloc_all = self.moves[len(self.group_index) :]
         return _ByGroup(self.group_index, self.alloc_all)
 
     @property
@@ -124,36 +104,24 @@ class _StepPlan:
         return _ByGroup(self.group_index, self.need_hi_all)
 
 
-_WINDOW_STEPS = 32  # one-token steps of a repeated batch planned at once
-
-
 @dataclass
-class _DecodeWindow:
-    """``_decode_window``'s plans: step k's moves are ``[splits[k], splits[k + 1])`` of
-    ``pos`` (flat ``[2G, R]`` cell), ``cells`` (table store cell), ``stacked`` and
-    ``offsets``, releases first; ``sums[k]`` per stacked group. ``bounds``: stacked
-    ``[2G, R]`` base and hi before the next step (the window's own array: each step that
-    runs moves its cells in place)."""
+class _Verdict:
+    """What admission decided for a batch (pure): a reason for each invalid item,
+    the indices of the valid ones, whether each valid one fits (and why not), and the
+    step's plan (None when no item is valid)."""
 
-    first0: int  # first row's computed tokens at step 0
-    bounds: np.ndarray
-    pos: np.ndarray
-    hi_pos: np.ndarray  # pos - G * R: the flat [G, R] cell of a move of hi
-    sums: list
-    cells: np.ndarray
-    units: tuple  # (group, table row, column) of each cell, as TableSet.drain_updates gives them
-    store_slots: np.ndarray  # TableSet.row_slots of each move's cell
-    moved_to: np.ndarray  # the cell's bound after the move
-    stacked: np.ndarray
-    offsets: np.ndarray
-    splits: list
-    # Per step, the rows that cross a prefix grain boundary, in batch order (None:
-    # no prefix cache, or a grain shorter than a window).
-    crossed: list | None = None
-    # [K, G, R] write-slot pieces (TableSet.slot_pieces) of each step's positions; None
-    # where the geometry has no shifts.
-    slot_rows: np.ndarray | None = None
-    slot_skip: np.ndarray | None = None
+    answers: list  # Admission for each invalid item, None for the valid ones
+    ok_idx: Sequence[int]
+    fits: np.ndarray
+    deny: dict[int, str]
+    plan: _StepPlan | None
+
+    def refusal(self, n_items: int) -> str | None:
+        """The error of a step refused in whole or part; None when every item fits."""
+        if len(self.ok_idx) == n_items and self.fits.all():
+            return None
+        reasons = [a.reason for a in self.answers if a is not None] + [self.deny[k] for k in sorted(self.deny)]
+        return f"{len(reasons)} of {n_items} requests not admissible: {'; '.join(reasons[:3])}"
 
 
 class _ByGroup(Mapping):
@@ -177,13 +145,6 @@ class _ByGroup(Mapping):
 class CacheManager:
     """Pages, tables and slots for every request and every cache group."""
 
-    _roster_version = 0  # bumped when a request gets or gives back its row
-    _all_fit_memo: np.ndarray | None = None
-    _group_offsets_memo: np.ndarray | None = None
-    _rows_int32_memo: tuple | None = None
-    _fast_paths = True  # uniform-count validation and decode arrays (tests compare both ways)
-    _rows_memo: tuple | None = None  # (request ids, roster version, rows) of the last batch
-
     def __init__(
         self,
         specs: Sequence[CacheGroupSpec],
@@ -203,19 +164,8 @@ class CacheManager:
         checkpoint_window_tokens: Mapping[str, int] | None = None,
     ):
         self.specs = tuple(specs)
-        if not self.specs:
-            raise ValueError("a cache manager needs at least one cache group")
         ids = [s.group_id for s in self.specs]
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"duplicate group ids in {ids}")
-        if arena is not None:
-            if set(arena.page_bytes) != set(ids):
-                raise ValueError(f"arena groups {sorted(arena.page_bytes)} do not match the groups {sorted(ids)}")
-            group_pages = {gid: arena.view_pages(gid) for gid in ids}
-        elif group_pages is None or set(group_pages) != set(ids):
-            raise ValueError(
-                f"group_pages keys {sorted(group_pages or {})} do not match the groups {sorted(ids)}"
-            )
+        group_pages = _pages_per_group(ids, group_pages, arena)
         self.max_context_tokens = _positive("max_context_tokens", max_context_tokens)
         self.max_step_tokens = _positive(
             "max_step_tokens", max_step_tokens if max_step_tokens is not None else self.max_context_tokens
@@ -236,7 +186,6 @@ class CacheManager:
         self._pool_list = [self.pools[s.group_id] for s in self.specs]
         self._group_index = {s.group_id: g for g, s in enumerate(self.specs)}  # group id -> index in specs
         self._space = PageSpace(self._pool_list)
-        self._space_offsets2 = np.tile(self._space.offsets.astype(np.int64), 2)  # per stacked [2G] group
         # With a shared arena the pools start empty and borrow slabs as they need pages.
         self.arena = Arena(arena, self.pools) if arena is not None else None
         # Every group's tables are stacked: a step is a few numpy calls for all groups.
@@ -246,14 +195,10 @@ class CacheManager:
         self.tables = {s.group_id: t for s, t in zip(self.specs, self._tableset.tables)}
         self._group_ids = ids
         self._version = 0  # bumped by every mutation; keys the admission cache
-        self._admitted: tuple | None = None
+        self._admitted: tuple | None = None  # (version, items, fixed_width, _Verdict) of the last check
         self._requests: dict[str, _Request] = {}
         self._row_of: dict[str, int] = {}  # request id -> table row (batch validation reads only this)
         self._last_rows = np.zeros(0, dtype=np.int64)  # rows scheduled in the previous step
-        # Last decode step: (rows, [G, R] pages at hi - 1, end, [2G, R] base and hi after
-        # it, [2G, R] row cells, counts, base/hi slots).
-        self._tail: tuple | None = None
-        self._decode_arrays_memo: tuple | None = None
         self._group_sliding = tuple((s.group_id, s.is_sliding) for s in self.specs)
         self._row_owner: dict[int, _Request] = {}
         self._free_rows: list[int] = []
@@ -269,10 +214,7 @@ class CacheManager:
                 granularity_tokens=prefix_granularity, hash_algo=hash_algo,
                 state_checkpoint_interval=state_checkpoint_interval, prompt_checkpoints=prompt_checkpoints,
                 on_event=on_event,
-                checkpoint_window_tokens=(
-                    v4_checkpoint_window_tokens(self.specs) if checkpoint_window_tokens is None
-                    else checkpoint_window_tokens
-                ),
+                checkpoint_window_tokens=checkpoint_window_tokens,
             )
 
     @classmethod
@@ -312,11 +254,10 @@ class CacheManager:
         cache_salt: str | bytes | None = None,
     ) -> PrefixHit:
         """Register a request; with prefix caching, borrow its cached prefix. Returns the hit."""
-        _checks.check_cache_salt(cache_salt, CacheManagerError)
+        check_cache_salt(cache_salt, CacheManagerError)
         if prompt_token_ids is not None:
-            _checks.check_token_ids("prompt_token_ids", prompt_token_ids, CacheManagerError)
+            check_token_ids("prompt_token_ids", prompt_token_ids, CacheManagerError)
         self._version += 1  # invalidates a cached admission
-        self._tail = None  # tables may change outside schedule: the next decode step regathers
         if not isinstance(request_id, str) or not request_id:
             raise CacheManagerError(f"request id must be a non-empty str, got {request_id!r}")
         if request_id in self._requests:
@@ -362,14 +303,13 @@ class CacheManager:
         self._requests[request_id] = req
         self._row_of[request_id] = row
         self._row_owner[row] = req
-        self._roster_version += 1  # request -> row mapping changed
         self._max_total[row] = total
         self._known[row] = prompt_len if buf is not None else total
         return hit
 
     def append_token_ids(self, request_id: str, token_ids: Iterable[int] | np.ndarray) -> None:
         """Extend a request's known tokens (sampled outputs, draft tokens)."""
-        _checks.check_token_ids("token_ids", token_ids, CacheManagerError)
+        check_token_ids("token_ids", token_ids, CacheManagerError)
         self._version += 1  # invalidates a cached admission
         req = self._get(request_id)
         if req.token_ids is None:
@@ -396,9 +336,9 @@ class CacheManager:
         The decode-step form of ``append_token_ids``: one validation for the whole
         array; all or nothing.
         """
-        _checks.check_request_ids("request_ids", request_ids, CacheManagerError)
+        check_request_ids("request_ids", request_ids, CacheManagerError)
         if len(request_ids) == 0:
-            return _checks.check_empty_token_batch(token_ids, CacheManagerError)
+            return check_empty_token_batch(token_ids, CacheManagerError)
         self._version += 1  # invalidates a cached admission
         arr = np.asarray(token_ids)
         if arr.ndim != 2 or arr.shape[0] != len(request_ids):
@@ -407,7 +347,7 @@ class CacheManager:
             )
         flat = _token_array(arr.reshape(-1))
         rids = request_ids if type(request_ids) is tuple else tuple(request_ids)
-        rows = self._rows_of(rids, remember=False)  # the last step's batch: memoized
+        rows = self._rows_of(rids)
         k = arr.shape[1]
         # A request without token ids counts its declared total as known, so this one
         # test also catches those; the loop below words which reason.
@@ -451,13 +391,13 @@ class CacheManager:
         self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False
     ) -> list[Admission]:
         """Would each (request, new tokens) fit, taken greedily in order? Never mutates."""
-        _checks.check_items(items, CacheManagerError)
-        answers, ok_idx, fits, deny, plan = self._admit(items, fixed_width)
+        check_items(items, CacheManagerError)
+        verdict = self._admit(items, fixed_width)
         # schedule() right after, with the same items and no mutation between, reuses it.
-        self._admitted = (self._version, list(items), fixed_width, (answers, ok_idx, fits, deny, plan))
-        answers = list(answers)  # the cached list keeps None for valid items (schedule's reasons)
-        for k, i in enumerate(ok_idx):
-            answers[i] = Admission(True) if fits[k] else Admission(False, deny[k])
+        self._admitted = (self._version, list(items), fixed_width, verdict)
+        answers = list(verdict.answers)  # the verdict keeps None for valid items (schedule's reasons)
+        for k, i in enumerate(verdict.ok_idx):
+            answers[i] = Admission(True) if verdict.fits[k] else Admission(False, verdict.deny[k])
         return answers
 
     def max_admissible_tokens(
@@ -504,94 +444,106 @@ class CacheManager:
             fits(lo)  # leave the answer's admission cached for schedule()
         return lo
 
-    def _admit(self, items, fixed_width, uniform=None):
-        """(answers for invalid items, indices of valid items, fits mask over them,
-        reasons for the denied ones, step plan); pure. ``uniform`` (request ids, one
-        count) stands for ``items`` when given."""
+    def _admit(self, items, fixed_width, uniform=None) -> _Verdict:
+        """Stages 1 and 2 of a step, pure: validate the items, plan every row (the
+        settling ones first), and decide which requests fit. ``uniform`` (request ids,
+        one count) stands for ``items`` when given."""
         if fixed_width and self.table_widths is None:
             raise CacheManagerError(
                 "fixed_width needs capture widths: build the manager with table_widths (from_plan does)"
             )
-        fast = self._fast_validate(items) if uniform is None else self._fast_validate_uniform(*uniform)
-        if fast is None and uniform is not None:
-            items = [(rid, uniform[1]) for rid in uniform[0]]  # the per-item path words the reasons
-        request_ids = None
-        answers: list[Admission | None] = [None] * (len(items) if fast is None else fast[0].size)
-        end = None
-        if fast is not None:
-            ok_idx = range(fast[0].size)
-            rows, counts, request_ids, first, end = fast
-        else:
-            seen: set[str] = set()
-            ok_idx, row_list, count_list = [], [], []
-            for i, item in enumerate(items):
-                reason = self._item_error(item, seen, fixed_width)
-                if reason:
-                    answers[i] = Admission(False, reason)
-                    continue
-                ok_idx.append(i)
-                row_list.append(self._requests[item[0]].row)
-                count_list.append(int(item[1]))
-            if not ok_idx:
-                return answers, ok_idx, np.zeros(0, dtype=bool), {}, None
-            rows = np.asarray(row_list, dtype=np.int64)
-            counts = np.asarray(count_list, dtype=np.int64)
-            first = None
-        # Requests of the previous step that are not in this one settle now: their
-        # tokens commit and their slid-out pages go back (zero new tokens each). They
-        # come first so their release counts as credit for everyone.
-        settle = self._settling_rows(rows)
-        if settle.size:
-            plan = self._plan(np.concatenate([settle, rows]), np.concatenate([np.zeros_like(settle), counts]))
-        else:
-            # The same rows array as the last step: no settling.
-            plan = self._plan(rows, counts, first, uniform[1] if uniform is not None and self._fast_paths else None, end)
-        plan.settle = settle.size
+        answers, ok_idx, rows, counts, request_ids, first, end = self._validate(items, fixed_width, uniform)
+        if not ok_idx:
+            return _Verdict(answers, ok_idx, np.zeros(0, dtype=bool), {}, None)
+        plan = self._plan_with_settling(rows, counts, first, end)
         plan.request_ids = request_ids
-        fits = self._all_fit(plan.rows.size)  # read-only; copied where requests get denied
+        fits = np.ones(plan.rows.size, dtype=bool)
         deny: dict[int, str] = {}
         if fixed_width:
-            fits = fits.copy()
-            if plan.need_hi_all is None:
-                plan.need_hi_all = np.stack([t.need_hi(plan.end) for t in self._tableset.tables])
-            for s in self.specs:
-                gid = s.group_id
-                width = plan.need_hi[gid] - plan.new_base[gid]
-                over = width > self.table_widths[gid]
-                over[: plan.settle] = False
-                for k in np.flatnonzero(over & fits).tolist():
-                    fits[k] = False
-                    deny[k] = (
-                        f"group {gid!r} needs {int(width[k])} table columns, more than the "
-                        f"capture width {self.table_widths[gid]}"
-                    )
-        sums = plan.alloc_sums
-        # True: clean pages, or idle low-priority ones (evicted first anyway), cover every
-        # group (most decode steps): nothing to grow. False: free and evictable pages
-        # cover it, but some group would evict valuable entries. None: some group is short.
-        covered = None if deny else True
-        for n, pool in zip(sums, self._pool_list) if covered else ():
-            clean = pool.num_clean_free_pages
-            if n <= clean:
-                continue
-            if n > pool.num_free_pages:
-                covered = None
-                break
-            if n > clean + pool.num_low_priority_idle_pages:
-                covered = False
+            self._deny_past_capture_width(plan, fits, deny)
+        covered = None if deny else self._coverage(plan.alloc_sums)
         if covered is not None:
             # No credit needed. On an arena with spare slabs, a group that would have to
             # evict valuable cached pages grows instead: they go only when memory is short.
             grow = covered is False and self.arena is not None
-            plan.grants = self._grow_instead_of_evicting(sums, plan=plan) if grow else []
-            return answers, ok_idx, fits[plan.settle :] if plan.settle else fits, {}, plan
-        free = [pool.num_free_pages for pool in self._pool_list]
-        avail = dict(zip(self._group_ids, free))
-        arena, scan = self.arena, _Scan()
+            plan.grants = self._grow_instead_of_evicting(plan.alloc_sums, plan=plan) if grow else []
+        else:
+            self._fit_with_credit(plan, fits, deny)
+        off = plan.settle
+        return _Verdict(answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items()}, plan)
 
-        # Releases all happen before allocations, so only the admitted totals matter;
-        # release credit is computed only when allocations alone do not fit. With a
-        # shared arena a group that is short borrows slabs.
+    def _validate(self, items, fixed_width, uniform):
+        """(answers, valid indices, rows, counts, request ids, first, end) of the valid
+        items: vectorized when all are valid, else item by item with a reason each
+        (then request ids, first and end are None)."""
+        fast = self._fast_validate(items) if uniform is None else self._fast_validate_uniform(*uniform)
+        if fast is not None:
+            rows, counts, request_ids, first, end = fast
+            return [None] * rows.size, range(rows.size), rows, counts, request_ids, first, end
+        if uniform is not None:
+            items = [(rid, uniform[1]) for rid in uniform[0]]  # the per-item path words the reasons
+        answers: list[Admission | None] = [None] * len(items)
+        seen: set[str] = set()
+        ok_idx, row_list, count_list = [], [], []
+        for i, item in enumerate(items):
+            reason = self._item_error(item, seen, fixed_width)
+            if reason:
+                answers[i] = Admission(False, reason)
+                continue
+            ok_idx.append(i)
+            row_list.append(self._requests[item[0]].row)
+            count_list.append(int(item[1]))
+        rows = np.asarray(row_list, dtype=np.int64)
+        return answers, ok_idx, rows, np.asarray(count_list, dtype=np.int64), None, None, None
+
+    def _plan_with_settling(self, rows, counts, first, end) -> _StepPlan:
+        """The step's plan. Requests of the previous step that are not in this one settle
+        now: their tokens commit and their slid-out pages go back (zero new tokens each).
+        They come first so their release counts as credit for everyone."""
+        settle = self._settling_rows(rows)
+        if not settle.size:
+            return self._plan(rows, counts, first, end)
+        plan = self._plan(np.concatenate([settle, rows]), np.concatenate([np.zeros_like(settle), counts]))
+        plan.settle = settle.size
+        return plan
+
+    def _deny_past_capture_width(self, plan: _StepPlan, fits: np.ndarray, deny: dict[int, str]) -> None:
+        """Deny every request whose table in some group would be wider than its capture width."""
+        for s in self.specs:
+            gid = s.group_id
+            width = plan.need_hi[gid] - plan.new_base[gid]
+            over = width > self.table_widths[gid]
+            over[: plan.settle] = False
+            for k in np.flatnonzero(over & fits).tolist():
+                fits[k] = False
+                deny[k] = (
+                    f"group {gid!r} needs {int(width[k])} table columns, more than the "
+                    f"capture width {self.table_widths[gid]}"
+                )
+
+    def _coverage(self, sums: list[int]) -> bool | None:
+        """True: clean pages, or idle low-priority ones (evicted first anyway), cover every
+        group's ``sums`` (most decode steps). False: free and evictable pages cover them,
+        but some group would evict valuable entries. None: some group is short."""
+        covered = True
+        for n, pool in zip(sums, self._pool_list):
+            clean = pool.num_clean_free_pages
+            if n <= clean:
+                continue
+            if n > pool.num_free_pages:
+                return None
+            if n > clean + pool.num_low_priority_idle_pages:
+                covered = False
+        return covered
+
+    def _fit_with_credit(self, plan: _StepPlan, fits: np.ndarray, deny: dict[int, str]) -> None:
+        """Admission when the allocations alone do not fit: count the pages the step's
+        releases free (release credit), lend arena slabs, and if the totals still do
+        not fit, admit greedily in batch order. Sets ``plan.grants``."""
+        avail = {gid: pool.num_free_pages for gid, pool in zip(self._group_ids, self._pool_list)}
+        arena, scan = self.arena, IdleScan()
+
+        # Releases all happen before allocations, so only the admitted totals matter.
         def totals_fit(need: dict[str, np.ndarray]) -> bool:
             plan.grants = _grants_to_fit(arena, {g: int(need[g][fits].sum()) for g in avail}, avail, scan)
             return plan.grants is not None
@@ -600,36 +552,16 @@ class CacheManager:
         if not totals_fit(need):
             # The step's releases run before slabs move, so a donor slab whose pages are
             # all idle once they are released can be lent too.
-            scan = _Scan(releasing={})
+            scan = IdleScan(releasing={})
             need = {g: plan.alloc[g] - self._release_credit(g, plan.rows, plan.new_base[g], scan.releasing)
                     for g in avail}
             if not totals_fit(need):
-                if not fits.flags.writeable:
-                    fits = fits.copy()
                 self._deny_greedily(plan, need, avail, fits, deny, arena, scan)
-                need = None
-        if need is not None and arena is not None:
-            # As on the fast path: a group that would evict cached pages grows instead.
+                return
+        if arena is not None:
+            # As when no credit is needed: a group that would evict cached pages grows instead.
             sums = [int(need[g][fits].sum()) for g in self._group_ids]
             plan.grants = plan.grants + self._grow_instead_of_evicting(sums, after=plan.grants)
-        off = plan.settle
-        return answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items()}, plan
-
-    def _group_offsets(self, like: np.ndarray) -> np.ndarray:
-        """``[G, R]`` page space offset of each group, R as in ``like`` (cached while R repeats)."""
-        cached = self._group_offsets_memo
-        if cached is None or cached.shape != like.shape:
-            cached = self._group_offsets_memo = np.repeat(
-                self._space.offsets.astype(np.int64)[:, None], like.shape[1], axis=1)
-        return cached
-
-    def _all_fit(self, n: int) -> np.ndarray:
-        """A read-only all-True mask of ``n`` requests (the same array while ``n`` repeats)."""
-        cached = self._all_fit_memo
-        if cached is None or cached.size != n:
-            cached = self._all_fit_memo = np.ones(n, dtype=bool)
-            cached.flags.writeable = False
-        return cached
 
     def _grow_instead_of_evicting(self, sums: list[int], after: list | None = None, plan=None) -> list:
         """Slabs for groups that would have to evict cached pages to get ``sums`` pages
@@ -653,7 +585,7 @@ class CacheManager:
                 donors.append((gid, pool, clean - n))
         if not short:
             return []
-        scan = _Scan(releasing={} if plan is not None else None, clean=True)
+        scan = IdleScan(releasing={} if plan is not None else None, clean=True)
         spare = {}
         for gid, pool, left in donors:
             if plan is not None and self.tables[gid].sliding:
@@ -700,7 +632,7 @@ class CacheManager:
         if rows is None:
             return None
         n = len(counts)
-        if self._fast_paths and counts.count(counts[0]) == n and tuple(map(type, counts)).count(int) == n:
+        if counts.count(counts[0]) == n and tuple(map(type, counts)).count(int) == n:
             # Equal plain ints (a decode or verify step; the type count keeps out True,
             # which equals 1): one scalar check.
             if not 1 <= counts[0] <= self.max_step_tokens:
@@ -729,22 +661,15 @@ class CacheManager:
         rows = self._rows_of(rids)
         if rows is None:
             return None
-        prev = self._tail
-        repeat = prev is not None and prev[0] is rows
-        first = prev[2] if repeat else self._computed.take(rows)
+        first = self._computed.take(rows)
         end = first + count
         if (end > self._known.take(rows)).any():
             return None
-        counts = prev[5] if repeat and count == 1 else np.full(rows.size, count, dtype=np.int64)
-        return rows, counts, rids, first, end
+        return rows, np.full(rows.size, count, dtype=np.int64), rids, first, end
 
-    def _rows_of(self, rids: tuple, remember: bool = True) -> np.ndarray | None:
-        """Table rows of distinct known request ids (memoized for a repeated batch;
-        ``remember=False`` reads the memo without replacing it); None if an id is
-        unknown, unhashable or repeated."""
-        memo = self._rows_memo
-        if memo is not None and memo[1] == self._roster_version and memo[0] == rids:
-            return memo[2]  # same ids as a batch already validated, no request added or freed since
+    def _rows_of(self, rids: tuple) -> np.ndarray | None:
+        """Table rows of distinct known request ids; None if an id is unknown,
+        unhashable or repeated."""
         try:
             # One C-level lookup of every id (itemgetter of one key returns it bare).
             found = itemgetter(*rids)(self._row_of) if len(rids) > 1 else [self._row_of[rid] for rid in rids]
@@ -753,14 +678,12 @@ class CacheManager:
         rows = np.array(found, dtype=np.int64)
         if len(set(rids)) != len(rids):
             return None
-        if remember:
-            self._rows_memo = (rids, self._roster_version, rows)
         return rows
 
     def _settling_rows(self, batch_rows: np.ndarray) -> np.ndarray:
         prev = self._last_rows
-        if prev is batch_rows or prev.size == 0:
-            return prev[:0]
+        if prev.size == 0:
+            return prev
         if prev.size == batch_rows.size and np.array_equal(prev, batch_rows):
             return prev[:0]
         prev = prev[self._committed[prev] < self._computed[prev]]
@@ -802,86 +725,21 @@ class CacheManager:
         return ""
 
     def _plan(self, rows: np.ndarray, counts: np.ndarray, first: np.ndarray | None = None,
-              count: int | None = None, end: np.ndarray | None = None) -> _StepPlan:
+              end: np.ndarray | None = None) -> _StepPlan:
         """The step's arrays; ``first`` (computed tokens of ``rows``) and ``end``
-        (``first + counts``) if the caller has them; ``count`` if every entry of
-        ``counts`` is that int."""
+        (``first + counts``) if the caller has them."""
         if first is None:
             first = self._computed.take(rows)
         if end is None:
             end = first + counts
-        prev = self._tail
-        if prev is not None and prev[0] is rows:  # the batch of the last decode step again
-            slots = prev[6]
-            if count == 1 and self._fast_paths:
-                win = prev[7]
-                k = -1 if win is None else int(first[0]) - win.first0
-                if not 0 <= k < _WINDOW_STEPS:
-                    win, k = self._decode_window(rows, prev[3], first, prev[4], slots), 0
-                if win is not None:
-                    return self._window_plan(rows, counts, first, end, slots, win, k)
-            bounds, after, moves, need_hi = self._tableset.plan(rows, first, end, prev[3], count=count)
-        else:
-            slots = self._tableset.row_slots(rows)
-            bounds, after, moves, need_hi = self._tableset.plan(rows, first, end, slots=slots, count=count)
+        bounds, after, need_hi, sums = self._tableset.plan(rows, first, counts)
+        moves = after - bounds
         g = len(self.specs)
-        sums = moves.sum(axis=1).tolist()
+        released, allocated = sums.tolist()
         return _StepPlan(rows, counts, first, end, self._group_index, base=bounds[:g], hi=bounds[g:],
-                         new_base_all=after[:g], alloc_all=moves[g:],
-                         need_hi_all=need_hi, slots=slots, bounds=bounds, after=after,
-                         moves=moves, rel_sums=sums[:g], alloc_sums=sums[g:])
-
-    def _decode_window(self, rows: np.ndarray, bounds: np.ndarray, first: np.ndarray, cells2: np.ndarray,
-                       slots: np.ndarray) -> _DecodeWindow | None:
-        """The moves of the next ``_WINDOW_STEPS`` one-token steps of a repeated batch
-        (``TableSet.window_moves``), with their table cells, groups, page-space offsets,
-        write-slot pieces and grain crossings; None if the rows are not as after a
-        one-token step."""
-        ts = self._tableset
-        steps = _WINDOW_STEPS
-        moves = ts.window_moves(bounds, first, steps)
-        if moves is None:
-            return None  # not after a first decode step; the per-step plan handles it
-        step, pos, cells = moves
-        moved_to = cells + 1
-        g2, n = 2 * len(self.specs), first.size
-        stacked = pos // n
-        cells &= ts.column_mask2.take(stacked)
-        units = (stacked % (g2 // 2), rows.take(pos % n), cells.copy())
-        cells += cells2.take(pos)
-        sums = np.bincount(step * g2 + stacked, minlength=steps * g2).reshape(steps, g2).tolist()
-        # [K, 1, R] positions, int32 where they fit (the slot pieces then stream half the bytes)
-        narrow = self.max_context_tokens + steps < 2**31
-        positions = np.add.outer(np.arange(steps, dtype=np.int32 if narrow else np.int64),
-                                 first.astype(np.int32) if narrow else first)[:, None, :]
-        crossed = None
-        grain = self.prefix.granularity_tokens if self.prefix is not None else 0
-        if grain >= steps:
-            # Tokens [0, first + k) are committed at step k: a row crosses where first + k
-            # is a multiple of the grain (at most once a window).
-            at = -first % grain
-            hit = np.flatnonzero(at < steps)
-            order = np.argsort(at.take(hit), kind="stable")
-            ends = np.searchsorted(at.take(hit).take(order), np.arange(steps + 1)).tolist()
-            ordered = rows.take(hit.take(order)).tolist()
-            crossed = [ordered[ends[k] : ends[k + 1]] for k in range(steps)]
-        return _DecodeWindow(int(first[0]), bounds.copy(), pos, pos - g2 // 2 * n, sums, cells, units, slots.take(pos),
-                             moved_to, stacked, self._space_offsets2.take(stacked),
-                             np.searchsorted(step, np.arange(steps + 1)).tolist(), crossed, *ts.slot_pieces(positions))
-
-    def _window_plan(self, rows, counts, first, end, slots, win: _DecodeWindow, k: int) -> _StepPlan:
-        """Step ``k`` of ``win`` (its bounds as before step k); ``after`` stays unset: the
-        step moves the window's bounds in place when it runs (``_StepPlan.settle_after``
-        copies them for a slow admission path)."""
-        g = len(self.specs)
-        bounds, sums = win.bounds, win.sums[k]
-        a, b = win.splits[k], win.splits[k + 1]
-        grown = win.hi_pos[a + sum(sums[:g]) : b]
-        return _StepPlan(rows, counts, first, end, self._group_index, base=bounds[:g], hi=bounds[g:],
-                         slots=slots, bounds=bounds,
-                         rel_sums=sums[:g], alloc_sums=sums[g:],
-                         moved=(win.cells[a:b], win.stacked[a:b]), moved_offsets=win.offsets[a:b], window=win,
-                         window_step=k, grown=grown, moved_units=tuple(u[a:b] for u in win.units))
+                         new_base_all=after[:g], alloc_all=moves[g:], need_hi_all=need_hi,
+                         slots=self._tableset.row_slots(rows), bounds=bounds, after=after,
+                         moves=moves, rel_sums=released, alloc_sums=allocated)
 
     def _release_credit(
         self, gid: str, rows: np.ndarray, new_base: np.ndarray, releasing: dict | None = None
@@ -916,7 +774,7 @@ class CacheManager:
         ``write_slots=False`` leaves every ``GroupStep.write_slots`` None, for an
         engine that computes them itself from its mirrored tables and the positions.
         """
-        _checks.check_items(items, CacheManagerError)
+        check_items(items, CacheManagerError)
         items = items if type(items) is list else list(items)
         return self._schedule(items, None, fixed_width, block_tables, write_slots)
 
@@ -927,132 +785,92 @@ class CacheManager:
         """``schedule([(rid, num_tokens) for rid in request_ids])``, for a step in which
         every request gets the same count (decode, or verifying k draft tokens),
         without building the pairs. Same checks, errors and result."""
-        _checks.check_request_ids("request_ids", request_ids, CacheManagerError)
+        check_request_ids("request_ids", request_ids, CacheManagerError)
         rids = request_ids if type(request_ids) is tuple else tuple(request_ids)
         return self._schedule(None, (rids, num_tokens), fixed_width, block_tables, write_slots)
 
     def _schedule(self, items, uniform, fixed_width: bool, block_tables: str, write_slots: bool = True) -> StepBatch:
-        """``schedule`` of ``items``, or of ``uniform`` = (request ids, one count for all)."""
-        if block_tables not in _BLOCK_TABLE_MODES:
-            raise CacheManagerError(f"block_tables must be one of {_BLOCK_TABLE_MODES}, got {block_tables!r}")
-        if type(write_slots) is not bool:
-            raise CacheManagerError(f"write_slots must be True or False, got {write_slots!r}")
-        if not (items if uniform is None else uniform[0]):
-            raise CacheManagerError("empty batch")
-        cached = self._admitted
+        """``schedule`` of ``items``, or of ``uniform`` = (request ids, one count for all), in
+        five stages: admit (validate and plan, pure), commit the previous step's tokens,
+        release, allocate, build the batch."""
+        _check_step_options(items if uniform is None else uniform[0], block_tables, write_slots)
+        verdict = self._verdict_for(items, uniform, fixed_width)
+        refusal = verdict.refusal(len(items) if uniform is None else len(uniform[0]))
+        if refusal is not None:
+            raise CacheManagerError(refusal)
+        plan = verdict.plan
+        if plan.request_ids is None:
+            plan.request_ids = uniform[0] if items is None else tuple(map(itemgetter(0), items))
+        self._version += 1
+        self._commit_crossings(plan)
+        self._release(plan, block_tables == "updates")
+        self._allocate(plan)
+        self._computed[plan.rows] = plan.end
+        self._last_rows = plan.rows[plan.settle :] if plan.settle else plan.rows
+        return self._build_batch(plan, fixed_width, block_tables == "updates", write_slots)
+
+    def _verdict_for(self, items, uniform, fixed_width: bool) -> _Verdict:
+        """The admission of this step: the last ``check_admission``'s when it checked the
+        same items and nothing changed since, else a new one."""
+        cached, self._admitted = self._admitted, None
         if (uniform is None and cached is not None and cached[0] == self._version and cached[2] == fixed_width
                 and cached[1] == items):
-            answers, ok_idx, fits, deny, plan = cached[3]
+            verdict = cached[3]
         else:
-            answers, ok_idx, fits, deny, plan = self._admit(items, fixed_width, uniform)
-        self._admitted = None
-        if plan is not None and plan.request_ids is None:
-            plan.request_ids = uniform[0] if items is None else tuple(map(itemgetter(0), items))
-        n_items = len(items) if uniform is None else len(uniform[0])
-        if len(ok_idx) < n_items or fits is not self._all_fit_memo and not fits.all():
-            reasons = [a.reason for a in answers if a is not None] + [deny[k] for k in sorted(deny)]
-            raise CacheManagerError(
-                f"{len(reasons)} of {n_items} requests not admissible: {'; '.join(reasons[:3])}"
-            )
-        self._version += 1
+            verdict = self._admit(items, fixed_width, uniform)
+        return verdict
+
+    def _commit_crossings(self, plan: _StepPlan) -> None:
+        """Commit the tokens of the rows' previous steps; with prefix caching, publish
+        what the rows that crossed a grain boundary completed."""
         rows = plan.rows
         if self.prefix is not None:
-            # Only a request that crossed a grain boundary has something to publish.
             grain = self.prefix.granularity_tokens
-            if plan.window is not None and plan.window.crossed is not None:
-                crossed = plan.window.crossed[plan.window_step]
-            else:
-                committed = self._committed.take(rows)
-                if grain & (grain - 1) == 0:  # c // g < f // g  <=>  f > (c | (g - 1)) for a power of two g
-                    crossed = rows[plan.first > (committed | (grain - 1))].tolist()
-                else:
-                    crossed = rows[committed // grain < plan.first // grain].tolist()
-            for row in crossed:
+            committed = self._committed.take(rows)
+            for row in rows[committed // grain < plan.first // grain].tolist():
                 self._commit_row(row)
         self._committed[rows] = plan.first
+
+    def _release(self, plan: _StepPlan, updates: bool) -> None:
+        """Every sliding group's pages below the rows' new base go back (one decref for all
+        groups); then the arena's slabs move as admission planned. ``updates``: the
+        table store logs the cells this step changes."""
         ts = self._tableset
-        if block_tables == "updates":
+        if updates:
             ts.start_log()  # after full-mode steps (or at first) the batch is a resync
         else:
             ts.stop_log()
-        prev = self._tail
-        cells2 = prev[4] if prev is not None and prev[0] is rows else ts.row_cells2(rows)
-        cells = cells2[: len(self.specs)]
         released = plan.rel_sums
-        n_released = sum(released)
-        # At most one page per cell (a decode step): the cells released and filled, in one go.
-        if plan.moved is not None:  # planned by a decode window
-            moved, moved_offsets = plan.moved, plan.moved_offsets
-        else:
-            moved = ts.moved_cells(plan.bounds, plan.moves, cells2) if self._fast_paths else None
-            if moved is not None:
-                # Page space offset of each moved cell's group (releases first, as the cells).
-                moved_offsets = self._space_offsets2.take(moved[1])
-        if moved is not None and n_released:
-            self._space.release(ts.take_cells(moved[0][:n_released]), released, moved_offsets[:n_released])
-        elif n_released:
-            releases = plan.moves[: len(self.specs)]  # never negative
-            if self._fast_paths:
-                pages, _, mask = ts.take_flat(rows, plan.base, counts=releases, row_cells=cells, per_group=released,
-                                              with_mask=True)
-                self._space.release(pages, released, None if mask is None else self._group_offsets(mask)[mask])
-            else:
-                for pool, released in zip(self._pool_list, ts.take(rows, plan.base, counts=releases, row_cells=cells)):
-                    if released.size:
-                        pool.decref(released)
+        if sum(released):
+            g = len(self.specs)
+            pages = self._tableset.take_flat(plan.rows, plan.base, counts=plan.moves[:g], total=sum(released))
+            self._space.release(pages, released)
         if plan.grants:
             self.arena.apply(plan.grants)
+
+    def _allocate(self, plan: _StepPlan) -> None:
+        """The pages from each row's hi to its new hi, one pool call per group, placed in the
+        tables; then the rows' bounds move to the plan's."""
+        self._tableset.set_bounds(plan.slots, plan.after)
         totals = plan.alloc_sums
-        if any(totals):
-            split = self._transient_split(plan, totals) if moved is None else {}  # one page a cell: none
-            fresh = []
-            for g, (pool, n) in enumerate(zip(self._pool_list, totals)):
-                if not n:
-                    continue
-                if g not in split:
-                    fresh.append(pool.allocate(n) if moved is None else pool.allocate_unheld(n))
-                    continue
-                t, rank = split[g]
-                ids = pool.allocate(n, highest=t)  # n - t lowest, then t highest, ascending
-                if rank is None:  # one row: transient pages first in logical order
-                    ids = np.concatenate([ids[n - t :], ids[: n - t]])
-                else:
-                    ids = ids[rank]
-                fresh.append(ids)
-            pages = np.concatenate(fresh)
-            if moved is not None:
-                # Every group's new pages held once, in one store (allocate left them).
-                glob = pages.astype(np.int64)
-                glob += moved_offsets[n_released:]
-                self._space.ref_counts[glob] = 1
-                ts.put_cells(moved[0][n_released:], pages)
+        if not any(totals):
+            return
+        split = self._transient_split(plan, totals)
+        fresh = []
+        for g, (pool, n) in enumerate(zip(self._pool_list, totals)):
+            if not n:
+                continue
+            if g not in split:
+                fresh.append(pool.allocate(n))
+                continue
+            t, rank = split[g]
+            ids = pool.allocate(n, highest=t)  # n - t lowest, then t highest, ascending
+            if rank is None:  # one row: transient pages first in logical order
+                ids = np.concatenate([ids[n - t :], ids[: n - t]])
             else:
-                ts.place(rows, plan.hi, plan.alloc_all, pages, cells)  # new pages start at hi
-        if moved is not None and moved[0].size:
-            ts.log_cells(moved[0])  # the cells emptied and filled, logged once
-        if plan.window is not None:  # only the moved cells' bounds change
-            win, a, b = plan.window, *plan.window.splits[plan.window_step : plan.window_step + 2]
-            ts.set_bounds(win.store_slots[a:b], win.moved_to[a:b])
-            win.bounds.put(win.pos[a:b], win.moved_to[a:b])  # the window's bounds move on, in place
-            plan.after, plan.new_base_all = win.bounds, win.bounds[: len(self.specs)]
-        else:
-            ts.set_bounds(plan.slots, plan.after)
-        hi = plan.after[len(self.specs) :]
-        tail = None
-        decode = self._fast_paths and not plan.settle and (uniform is not None and uniform[1] == 1
-                                                          or int(plan.counts.max()) == 1 == int(plan.counts.min()))
-        if decode and write_slots:
-            tail = self._tail_pages(plan, rows, hi, cells, pages if any(totals) else None)
-        # What the next step of the same batch would read back: last pages (None: not
-        # kept, write slots were not asked for), computed tokens, base and hi, the rows'
-        # store cells and base / hi slots, counts, the decode window the step came from
-        # (cleared by every mutation outside schedule).
-        self._tail = (rows, tail, plan.end, plan.after, cells2, plan.counts, plan.slots, plan.window) if (
-            decode and (tail is not None or not write_slots)) else None
-        self._computed[rows] = plan.end
-        self._last_rows = rows[plan.settle :] if plan.settle else rows
-        return self._build_batch(plan, fixed_width, hi if block_tables == "updates" else None, cells, tail,
-                                 write_slots, decode)
+                ids = ids[rank]
+            fresh.append(ids)
+        self._tableset.place(plan.rows, plan.hi, plan.alloc_all, np.concatenate(fresh))
 
     def _transient_split(self, plan: _StepPlan, totals: list[int]) -> dict[int, tuple[int, object]]:
         """Per sliding group whose rows get several pages this step (prefill chunks):
@@ -1087,113 +905,46 @@ class CacheManager:
                 out[g] = (t, np.where(transient, np.cumsum(transient) - 1 + (n - t), np.cumsum(~transient) - 1))
         return out
 
-    def _tail_pages(self, plan: _StepPlan, rows: np.ndarray, hi: np.ndarray, cells: np.ndarray,
-                    placed: np.ndarray | None) -> np.ndarray | None:
-        """``[G, R]`` page id at logical page ``hi - 1`` of every row, where a decode step
-        writes its token. The previous step's array when the batch repeats (same rows
-        array, tables untouched since: every other mutation drops it) with this step's
-        new pages set in; else a gather from the table store. None if a cell got two
-        pages (not a plain decode step)."""
-        prev = self._tail
-        if prev is not None and prev[0] is rows and prev[1] is not None:
-            if placed is None:
-                return prev[1]
-            if plan.grown is not None:  # a window's step: its grown cells, in placing order
-                tail = prev[1]  # only the manager holds it: updated in place
-                tail.put(plan.grown, placed)
-                return tail
-            tail = prev[1].copy()
-            grown = plan.alloc_all.astype(bool)
-            if placed.size != np.count_nonzero(grown):
-                return None
-            tail[grown] = placed
-            return tail
-        return self._tableset.pages_at(cells, hi - 1)
-
-    def _build_batch(
-        self, plan: _StepPlan, fixed_width: bool, updates_hi: np.ndarray | None, cells: np.ndarray,
-        tail: np.ndarray | None = None, write_slots: bool = True, decode: bool = False,
-    ) -> StepBatch:
-        """The step's arrays; ``updates_hi`` (the batch's new hi, ``[G, R]``) selects updates
-        mode; ``cells`` is ``row_cells`` of every planned row; ``decode``: one token per
-        row, no settling rows."""
+    def _build_batch(self, plan: _StepPlan, fixed_width: bool, updates: bool,
+                     write_slots: bool = True) -> StepBatch:
+        """The step's arrays: block tables, or with ``updates`` the table cells changed."""
         off = plan.settle
-        rows, counts, first = (plan.rows[off:], plan.counts[off:], plan.first[off:]) if off else (
-            plan.rows, plan.counts, plan.first)
-        n_req = rows.size
-        count = int(counts[0])
-        if tail is not None or count == 1 and self._fast_paths and (decode or counts.max() == 1):
-            req_idx, qsl, scheduled = self._decode_arrays(n_req)
-            positions, token_rows, token_cells = first, rows, cells[:, off:]
-        else:
-            req_idx = np.repeat(np.arange(n_req, dtype=np.int32), counts)
-            positions = np.repeat(first, counts) + segment_arange(counts)
-            token_rows, token_cells = rows[req_idx], None
-            qsl = np.zeros(n_req + 1, dtype=np.int32)
-            np.cumsum(counts, out=qsl[1:])
-            scheduled = None
+        rows, counts, first = plan.rows[off:], plan.counts[off:], plan.first[off:]
+        n_req, n_tokens = rows.size, int(counts.sum())
+        positions = np.empty(n_tokens, dtype=np.int64)
+        req_idx = np.empty(n_tokens, dtype=np.int32)
+        qsl = np.empty(n_req + 1, dtype=np.int32)
+        kernels.batch_tokens(first, counts, positions, req_idx, qsl)
         ts = self._tableset
-        if not write_slots:
-            slots = [None] * len(self.specs)
-        elif tail is not None and plan.window is not None and plan.window.slot_rows is not None:
-            k = plan.window_step
-            slots = ts.write_slots_from(tail, plan.window.slot_rows[k], plan.window.slot_skip[k])
-        elif tail is not None:
-            slots = ts.write_slots_in(tail, positions)
-        else:
-            slots = ts.write_slots(token_rows, positions, token_cells)
+        slots = ts.write_slots(rows, positions, req_idx) if write_slots else [None] * len(self.specs)
         base_pages = plan.new_base_all[:, off:].astype(np.int32)
-        updates = None
-        if updates_hi is None:
-            tables = [
-                t.block_table(rows, self.table_widths[t.spec.group_id] if fixed_width else None)
-                for t in ts.tables
-            ]
+        g = len(self.specs)
+        if fixed_width:
+            widths = tuple(self.table_widths[s.group_id] for s in self.specs)
         else:
-            tables = [None] * len(self.specs)
-            if fixed_width:
-                widths = tuple(self.table_widths[s.group_id] for s in self.specs)
-            else:
-                widths = tuple((updates_hi[:, off:] - plan.new_base_all[:, off:]).max(axis=1).tolist())
-            known = None if plan.moved_units is None else (plan.moved[0], *plan.moved_units)
-            group, row, column, page, reset = ts.drain_updates(known)
-            updates = _fill(TableUpdates, dict(group=group, row=row, column=column, page=page, widths=widths,
-                                               reset=reset))
-        groups = {}
-        for g, (gid, sliding) in enumerate(self._group_sliding):
-            groups[gid] = _fill(GroupStep, dict(block_table=tables[g], base_pages=base_pages[g] if sliding else None,
-                                                write_slots=slots[g]))
-        return _fill(StepBatch, dict(
+            widths = tuple((plan.after[g:, off:] - plan.new_base_all[:, off:]).max(axis=1).tolist())
+        table_updates = None
+        if not updates:
+            tables = [ts.block_table(k, rows, width) for k, width in enumerate(widths)]
+        else:
+            tables = [None] * g
+            group, row, column, page, reset = ts.drain_updates()
+            table_updates = TableUpdates(group=group, row=row, column=column, page=page, widths=widths,
+                                         reset=reset)
+        groups = {
+            gid: GroupStep(block_table=tables[g], base_pages=base_pages[g] if sliding else None, write_slots=slots[g])
+            for g, (gid, sliding) in enumerate(self._group_sliding)
+        }
+        return StepBatch(
             request_ids=plan.request_ids,
-            num_scheduled_tokens=counts.astype(np.int32) if scheduled is None else scheduled,
+            num_scheduled_tokens=counts.astype(np.int32),
             query_start_loc=qsl,
             positions=positions,
             request_indices=req_idx,
             groups=groups,
-            table_rows=self._rows_int32(rows),
-            table_updates=updates,
-        ))
-
-    def _rows_int32(self, rows: np.ndarray) -> np.ndarray:
-        """``rows`` as int32, read-only; the same array while the batch's rows array repeats."""
-        cached = self._rows_int32_memo
-        if cached is None or cached[0] is not rows:
-            out = rows.astype(np.int32)
-            out.flags.writeable = False
-            cached = self._rows_int32_memo = (rows, out)
-        return cached[1]
-
-    def _decode_arrays(self, n_req: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Request indices, query start locations and token counts of a decode step of
-        ``n_req`` requests: the same every step, so built once and handed out read-only."""
-        cached = self._decode_arrays_memo
-        if cached is None or cached[0].size != n_req:
-            cached = (np.arange(n_req, dtype=np.int32), np.arange(n_req + 1, dtype=np.int32),
-                      np.ones(n_req, dtype=np.int32))
-            for a in cached:
-                a.flags.writeable = False
-            self._decode_arrays_memo = cached
-        return cached
+            table_rows=rows.astype(np.int32),
+            table_updates=table_updates,
+        )
 
     def _commit_row(self, row: int) -> None:
         req = self._row_request(row)
@@ -1210,7 +961,6 @@ class CacheManager:
     def rewind_many(self, items: Sequence[tuple[str, int]]) -> None:
         """``rewind`` for many requests at once (all validated first; vectorized per group)."""
         self._version += 1  # invalidates a cached admission
-        self._tail = None  # tables may change outside schedule: the next decode step regathers
         reqs, keeps, seen = [], [], set()
         for item in items:
             try:
@@ -1257,7 +1007,6 @@ class CacheManager:
     def free(self, request_id: str) -> None:
         """End a request: commit its last step to the prefix cache, release every page."""
         self._version += 1  # invalidates a cached admission
-        self._tail = None  # tables may change outside schedule: the next decode step regathers
         req = self._get(request_id)
         if self.prefix is not None and self._committed[req.row] < self._computed[req.row]:
             self._commit_row(req.row)
@@ -1274,7 +1023,6 @@ class CacheManager:
         del self._requests[request_id]
         del self._row_of[request_id]
         del self._row_owner[req.row]
-        self._roster_version += 1  # request -> row mapping changed
         self._last_rows = self._last_rows[self._last_rows != req.row]
         self._free_rows.append(req.row)
 
@@ -1361,7 +1109,23 @@ class CacheManager:
         return row
 
 
-def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, int], scan: _Scan) -> list | None:
+def _pages_per_group(ids: list[str], group_pages: Mapping[str, int] | None,
+                     arena: ArenaGeometry | None) -> Mapping[str, int]:
+    """Page ids per group: the arena's views, or ``group_pages``, checked against the groups."""
+    if not ids:
+        raise ValueError("a cache manager needs at least one cache group")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"duplicate group ids in {ids}")
+    if arena is not None:
+        if set(arena.page_bytes) != set(ids):
+            raise ValueError(f"arena groups {sorted(arena.page_bytes)} do not match the groups {sorted(ids)}")
+        return {gid: arena.view_pages(gid) for gid in ids}
+    if group_pages is None or set(group_pages) != set(ids):
+        raise ValueError(f"group_pages keys {sorted(group_pages or {})} do not match the groups {sorted(ids)}")
+    return group_pages
+
+
+def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, int], scan: IdleScan) -> list | None:
     """Slab moves that let each group get ``want`` pages out of ``avail``: ``[]`` when
     they fit already, ``None`` when they cannot (or there is no arena to lend)."""
     if all(want[g] <= avail[g] for g in avail):
@@ -1369,6 +1133,15 @@ def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, i
     if arena is None:
         return None
     return arena.plan({g: want[g] - avail[g] for g in avail}, {g: avail[g] - want[g] for g in avail}, scan)
+
+
+def _check_step_options(ids: Sequence, block_tables: str, write_slots: bool) -> None:
+    if block_tables not in _BLOCK_TABLE_MODES:
+        raise CacheManagerError(f"block_tables must be one of {_BLOCK_TABLE_MODES}, got {block_tables!r}")
+    if type(write_slots) is not bool:
+        raise CacheManagerError(f"write_slots must be True or False, got {write_slots!r}")
+    if not ids:
+        raise CacheManagerError("empty batch")
 
 
 def _positive(name: str, value: Any) -> int:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hybridkv.runtime import kernels
+
 NULL_PAGE = 0
 _SMALL_PENDING = 256  # pending releases an allocation sorts in place of a full merge
 _LOW_EVICT_PAGES = 16  # idle low-priority pages an eviction frees beyond the allocation's need
@@ -119,11 +121,6 @@ class PagePool:
         return self.usable_pages - self.num_free_pages
 
     @property
-    def has_low_priority_idle(self) -> bool:
-        """Whether idle low-priority pages may exist (lowest-first pools track them)."""
-        return bool(self._low_idle)
-
-    @property
     def num_low_priority_idle_pages(self) -> int:
         """Idle keyed pages of low-priority entries (evicted before any other); kept
         as a count, checked against the pages in ``check_invariants``."""
@@ -173,17 +170,6 @@ class PagePool:
             self._top -= highest
         if set_refs:
             self.ref_counts[out] = 1
-        self._count_allocated(count)
-        return out
-
-    def allocate_unheld(self, count: int) -> np.ndarray:
-        """``allocate(count, set_refs=False)`` for a plain int ``count`` >= 1, with the
-        decode step's common case (lowest first, clean pages enough, few pending
-        releases, no low-priority packing) in fewer steps; the rest goes to ``allocate``."""
-        if (self._top + self._pending_pages < count or self._pending_pages > _SMALL_PENDING or not self.lowest_first
-                or self._low_idle and self.pack_low_priority()):
-            return self.allocate(count, set_refs=False)
-        out = self._take_lowest(count, sort_pending=True)
         self._count_allocated(count)
         return out
 
@@ -404,57 +390,6 @@ class PagePool:
             self.low_priority[list(pages)] = True
         return True
 
-    def publish_held(self, key: Hashable, pages: list[int]) -> bool:
-        """:meth:`publish` for pages the caller holds (ids from its own table row, so
-        not re-validated); False, and nothing changes, if the key exists or a page
-        already carries one."""
-        if key in self._entries:
-            return False
-        cached = self.cached
-        for page in pages:
-            if cached[page]:
-                return False
-        pages = tuple(pages)
-        self._entries[key] = pages
-        page_key = self._page_key
-        for page in pages:
-            page_key[page] = key
-            cached[page] = True
-        return True
-
-    def publish_many(self, keys: Sequence[Hashable], pages: np.ndarray, *, low_priority: bool = False) -> list[bool]:
-        """Publish row ``i`` of the 2-D ``pages`` under ``keys[i]``, as :meth:`publish`
-        would one by one, except that an entry holding an already keyed page is skipped
-        (False) rather than refused. Whether each entry was published."""
-        pages = np.asarray(pages, dtype=np.int64)
-        if pages.ndim != 2 or pages.shape[0] != len(keys):
-            raise ValueError(f"group {self.group_id!r}: need one row of pages per key, got {pages.shape}")
-        if pages.size == 0:
-            return [False] * len(keys)
-        ordered = np.sort(pages, axis=None)
-        if ordered[0] <= NULL_PAGE or ordered[-1] >= self.num_pages or (self.ref_counts[pages] <= 0).any():
-            raise ValueError(f"group {self.group_id!r}: only held pages can be published")
-        if (ordered[1:] == ordered[:-1]).any():  # overlapping entries: one by one
-            return [
-                not self.cached[row].any() and self.publish(key, row, low_priority=low_priority)
-                for key, row in zip(keys, pages)
-            ]
-        free_of_keys = (~self.cached[pages].any(axis=1)).tolist()
-        out = []
-        entries, page_key = self._entries, self._page_key
-        for key, row, ok in zip(keys, pages.tolist(), free_of_keys):
-            ok = ok and key not in entries
-            if ok:
-                row = tuple(row)
-                entries[key] = row
-                page_key.update(dict.fromkeys(row, key))
-            out.append(ok)
-        chosen = pages[np.asarray(out, dtype=bool)]
-        self.cached[chosen] = True
-        if low_priority:
-            self.low_priority[chosen] = True
-        return out
-
     def demote(self, key: Hashable) -> None:
         """Make an entry low priority: its idle pages move to the front of the LRU."""
         pages = self._entries[key]
@@ -574,12 +509,8 @@ class PagePool:
 
 class PageSpace:
     """The ref counts and key flags of several pools as views of one array each, so
-    one step's releases in every group (``release``) take a few numpy calls in all
-    instead of a few per group: exactly ``decref`` of each group's pages in pool order.
-
-    (Allocations stay per pool: sorting every group's candidate ids in one call did
-    not pay for the id offsets and bookkeeping it needs; docs/manager.md.)
-    """
+    one step's releases in every group (``release``) are one compiled pass: exactly
+    ``decref`` of each group's pages in pool order. (Allocations stay per pool.)"""
 
     def __init__(self, pools: Sequence[PagePool]):
         self.pools = list(pools)
@@ -587,61 +518,29 @@ class PageSpace:
         if sum(sizes) >= 2**31:
             raise ValueError("a page space holds fewer than 2**31 pages")
         self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int32)
+        self._offsets64 = self.offsets.astype(np.int64)
         starts = self.offsets.tolist()
-        self._starts, self._ends = starts, starts[1:] + [sum(sizes)]  # each pool's global id range
         for name in ("ref_counts", "cached", "low_priority"):
             whole = np.concatenate([getattr(p, name) for p in self.pools])
             setattr(self, name, whole)
             for pool, start, n in zip(self.pools, starts, sizes):
                 setattr(pool, name, whole[start : start + n])
 
-    def release(self, pages: np.ndarray, per_group, offsets: np.ndarray | None = None) -> None:
+    def release(self, pages: np.ndarray, per_group: Sequence[int]) -> None:
         """``pools[g].decref`` of each group's slice of ``pages`` (local ids, group-major,
-        ``per_group[g]`` of them, an array or a list); ``offsets``: each page's group
-        offset (``self.offsets`` repeated), if the caller has it."""
-        # int64 ids (numpy casts int32 index arrays at every indexing) and same-dtype
-        # operands (a mixed-dtype add buffers them).
-        glob = pages.astype(np.int64)
-        glob += np.repeat(self.offsets.astype(np.int64), per_group) if offsets is None else offsets
-        ref = self.ref_counts
-        before = ref[glob]
-        sizes = per_group if type(per_group) is list else per_group.tolist()
-        # Listed pages are held (ref >= 1): one reduction tells whether each has one holder.
-        if before.size and before.max() != 1:
-            start = 0  # some page has another holder: the general path, pool by pool
-            for pool, n in zip(self.pools, sizes):
-                if n:
-                    pool.decref(pages[start : start + n])
-                start += n
-            return
-        ref[glob] = 0
-        keyed = self.cached[glob]
-        kept = sizes
-        if keyed.any():
-            # Few keyed pages a step: hand each pool its own, in logical order. A global id
-            # tells its group (pools own consecutive id ranges).
-            kept = list(sizes)
-            starts, ends = self._starts, self._ends
-            g = 0
-            mine: list[int] = []
-            for page in glob[keyed].tolist():
-                while page >= ends[g]:
-                    if mine:
-                        self.pools[g]._keyed_idle(mine)
-                        mine = []
-                    g += 1
-                mine.append(page - starts[g])
-                kept[g] -= 1
-            self.pools[g]._keyed_idle(mine)
-            free = pages[~keyed]
-        else:
-            free = pages
-        if free.dtype != np.int32:  # ids from the table store already are
-            free = free.astype(np.int32)
-        start = 0
-        for pool, n, m in zip(self.pools, sizes, kept):
-            if n:
-                pool.counters.released_pages += n
-                if m:
-                    pool._push_free(free[start : start + m])
-            start += m
+        ``per_group[g]`` of them), in one compiled pass (``kernels.drop_holds``)."""
+        freed = np.empty(pages.size, dtype=np.int64)
+        keyed = np.empty(pages.size, dtype=np.int64)
+        counts = np.zeros((2, len(self.pools)), dtype=np.int64)
+        kernels.drop_holds(self.ref_counts, self.cached, self._offsets64, np.asarray(per_group, dtype=np.int64),
+                           pages, freed, keyed, counts)
+        n_freed = n_keyed = 0
+        for pool, f, k in zip(self.pools, *counts.tolist()):
+            if f + k:
+                pool.counters.released_pages += f + k
+            if k:
+                pool._keyed_idle(keyed[n_keyed : n_keyed + k].tolist())
+                n_keyed += k
+            if f:
+                pool._push_free(freed[n_freed : n_freed + f])
+                n_freed += f

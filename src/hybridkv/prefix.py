@@ -25,13 +25,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import reduce
 from math import lcm
-from typing import IO, Any
+from typing import IO, Protocol
 
 import numpy as np
 import xxhash
 
 from hybridkv._checks import as_int
+from hybridkv.pool import PagePool
 from hybridkv.spec import CacheGroupSpec
+from hybridkv.tables import GroupTable
 
 HASH_ALGOS = ("xxh3_128", "sha256")
 
@@ -138,22 +140,30 @@ class PrefixGroupStats:
 
 
 @dataclass
-class _OwnCheckpoint:
+class OwnCheckpoint:
     boundary_tokens: int
     pinned: bool = False  # an interval or junction checkpoint: never superseded
     entries: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # gid -> (key, pages)
 
 
+class CommittingRequest(Protocol):
+    """What the prefix cache reads and keeps of a request (the manager's record)."""
+
+    row: int  # its table row
+    prompt_tokens: int
+    hashes: RequestHashes | None
+    own_checkpoints: list[OwnCheckpoint]
+    keep_boundaries: frozenset[int]  # boundaries whose checkpoints it pins (its junction)
+
+
 class PrefixCache:
     """Content-keyed pages over the manager's pools and tables."""
-
-    _fast_commit = True  # the one-block commit path (tests compare both ways)
 
     def __init__(
         self,
         specs: Sequence[CacheGroupSpec],
-        pools: Mapping[str, Any],
-        tables: Mapping[str, Any],
+        pools: Mapping[str, PagePool],
+        tables: Mapping[str, GroupTable],
         *,
         granularity_tokens: int | None = None,
         hash_algo: str = "xxh3_128",
@@ -164,45 +174,16 @@ class PrefixCache:
         checkpoint_window_tokens: Mapping[str, int] | None = None,
     ):
         self.specs = tuple(specs)
-        # Per sliding group, the trailing tokens a checkpoint stores: what a request
-        # resumed at a grain boundary still reads (default: the whole window).
-        windows = {s.group_id: s.sliding_window_tokens for s in self.specs if s.is_sliding}
-        for gid, n in (checkpoint_window_tokens or {}).items():
-            if gid not in windows:
-                raise ValueError(f"checkpoint_window_tokens: {gid!r} is not a sliding group")
-            n = as_int(f"checkpoint_window_tokens[{gid!r}]", n, minimum=0)
-            if n > windows[gid]:
-                raise ValueError(
-                    f"checkpoint_window_tokens[{gid!r}] = {n} exceeds the group's window ({windows[gid]} tokens)"
-                )
-            windows[gid] = n
+        windows = _checkpoint_windows(self.specs, checkpoint_window_tokens)
         self.pools = pools
         self.tables = tables
         self._hash = _hash_fn(hash_algo)
         self.hash_algo = hash_algo
-        history = [s for s in self.specs if not s.is_sliding]
-        self.history_ids = [s.group_id for s in history]
+        self.history_ids = [s.group_id for s in self.specs if not s.is_sliding]
         # State groups that store checkpoints; one whose checkpoint window is 0 needs
         # nothing from before a boundary and is restorable at every one.
         self.state_ids = [gid for gid, n in windows.items() if n > 0]
-        spans = [s.page_tokens for s in (history or self.specs)]
-        default = reduce(lcm, spans, 1)
-        g = default if granularity_tokens is None else as_int("prefix_granularity", granularity_tokens)
-        if g <= 0:
-            raise ValueError(f"prefix_granularity must be positive, got {granularity_tokens!r}")
-        for s in self.specs:
-            if g % s.page_tokens:
-                raise ValueError(
-                    f"prefix_granularity {g} must be a multiple of group {s.group_id!r} page tokens "
-                    f"({s.page_tokens}); the smallest valid grain here is "
-                    f"{reduce(lcm, [x.page_tokens for x in self.specs], 1)}"
-                )
-            if s.is_sliding and windows[s.group_id] > g:
-                raise ValueError(
-                    f"prefix_granularity {g} is smaller than group {s.group_id!r} checkpoint window "
-                    f"({windows[s.group_id]} tokens): checkpoints would overlap"
-                )
-        self.granularity_tokens = g
+        g = self.granularity_tokens = _grain(self.specs, windows, granularity_tokens)
         if state_checkpoint_interval is not None:
             n = as_int("state_checkpoint_interval", state_checkpoint_interval)
             if n <= 0 or n % g:
@@ -224,14 +205,6 @@ class PrefixCache:
         # the entry is unpublished when none is left. Pinned holds are never dropped.
         self._holders: dict[str, dict[int, int]] = {gid: {} for gid in self.state_ids}
         self._windows = windows
-        # Per-group constants of the one-block commit, bound once.
-        self._history_plan = [
-            (gid, pools[gid], tables[gid], g // tables[gid].page_tokens) for gid in self.history_ids
-        ]
-        self._state_plan = [
-            (gid, pools[gid], tables[gid], tables[gid].page_tokens, self._windows[gid], self._holders[gid])
-            for gid in self.state_ids
-        ]
         for gid, pool in pools.items():
             pool.on_removed = self._removed_callback(gid)
 
@@ -307,7 +280,7 @@ class PrefixCache:
         return hit
 
     # --- publication -------------------------------------------------------------
-    def commit(self, req: Any, old_tokens: int, new_tokens: int, token_ids: np.ndarray) -> None:
+    def commit(self, req: CommittingRequest, old_tokens: int, new_tokens: int, token_ids: np.ndarray) -> None:
         """Publish what tokens ``[old, new)`` completed: history blocks and the newest checkpoint."""
         g = self.granularity_tokens
         hashes: RequestHashes = req.hashes
@@ -315,77 +288,45 @@ class PrefixCache:
             return
         hashes.extend_to(token_ids, new_tokens)
         first_block, end_block = old_tokens // g, new_tokens // g
-        if end_block == first_block + 1 and self._fast_commit:
-            self._commit_one_block(req, hashes, first_block)
-            return
-        for gid in self.history_ids:
-            # One gather for every completed block of this group, then per-block entries.
-            table = self.tables[gid]
-            per_block = g // table.page_tokens
-            pages = table.row_pages(req.row, first_block * per_block, end_block * per_block)
-            if end_block - first_block > 1:
-                self._publish_blocks(gid, hashes, first_block, end_block, pages)
-                continue
-            for i, b in enumerate(range(first_block, end_block)):
-                block = pages[i * per_block : (i + 1) * per_block]
-                self._publish_pages(gid, hashes, (b + 1) * g, block)
+        self._publish_history(req.row, hashes, first_block, end_block)
         latest = end_block * g
         interval = self.state_checkpoint_interval
         keep = req.keep_boundaries
-        boundaries = [latest]
-        if keep or interval is not None:
-            boundaries[:0] = [
-                d for d in range((first_block + 1) * g, latest, g)
-                if d in keep or (interval is not None and d % interval == 0)
-            ]
-        new_own = []
-        row = req.row
+        boundaries = [
+            d for d in range((first_block + 1) * g, latest, g) if d in keep or (interval is not None and d % interval == 0)
+        ] + [latest]
         if self.prompt_checkpoints:
             # Every boundary inside the prompt is where another request may leave this
             # one (a shared system prompt, an earlier turn): publish it, unheld and low
             # priority, so it lives only while no other cached entry has to be evicted.
             prompt_end = min(req.prompt_tokens, latest - g)
-            inside = [d for d in range((first_block + 1) * g, prompt_end + 1, g) if d not in boundaries]
-            if inside:
-                self._publish_prompt_checkpoints(row, hashes, inside)
+            for d in range((first_block + 1) * g, prompt_end + 1, g):
+                if d not in boundaries:
+                    key = hashes.key(d)
+                    for gid in self.state_ids:
+                        self._publish_checkpoint(gid, req.row, hashes, d, key, low_priority=True)
+        new_own = []
         for d in boundaries:
-            own = _OwnCheckpoint(d, pinned=d in keep or (interval is not None and d % interval == 0))
+            own = OwnCheckpoint(d, pinned=d in keep or (interval is not None and d % interval == 0))
             key = hashes.key(d)  # one key names the checkpoint in every state group
             for gid in self.state_ids:
-                self._publish_checkpoint(gid, row, hashes, d, key)
+                self._publish_checkpoint(gid, req.row, hashes, d, key)
                 self._hold(own, gid, key)
             if own.entries:
                 new_own.append(own)
         self._supersede(req, new_own)
 
-    def _commit_one_block(self, req: Any, hashes: RequestHashes, b: int) -> None:
-        """``commit`` of a step that completed exactly block ``b`` (every decode crossing):
-        the same entries, holds and events in the same order, per-group work inlined."""
-        d = (b + 1) * self.granularity_tokens
-        key = hashes.hashes[b]
-        row, stored = req.row, []
-        for gid, pool, table, per_block in self._history_plan:
-            if pool.lookup(key) is None:
-                pages = table.row_pages(row, b * per_block, (b + 1) * per_block)
-                if pool.publish_held(key, pages):
-                    stored.append(self._stored(gid, hashes, key, d, len(pages)))
-        interval = self.state_checkpoint_interval
-        own = _OwnCheckpoint(d, pinned=d in req.keep_boundaries or (interval is not None and d % interval == 0))
-        for gid, pool, table, page_tokens, window, holders in self._state_plan:
-            if pool.lookup(key) is None:
-                lo, hi = max(0, d - window) // page_tokens, d // page_tokens
-                if lo >= table.base[row] and hi <= table.hi[row]:
-                    pages = table.row_pages(row, lo, hi)
-                    if pool.publish_held(key, pages):
-                        stored.append(self._stored(gid, hashes, key, d, len(pages)))
-            pages = pool.lookup(key)
-            if pages is not None:
-                own.entries[gid] = (key, pages)
-                holders[key] = holders.get(key, 0) + 1
-        self._emit_all(stored)
-        self._supersede(req, [own] if own.entries else [])
+    def _publish_history(self, row: int, hashes: RequestHashes, first_block: int, end_block: int) -> None:
+        """Every history group's pages of blocks ``[first_block, end_block)``, one entry a block."""
+        g = self.granularity_tokens
+        for gid in self.history_ids:
+            table = self.tables[gid]
+            per_block = g // table.page_tokens
+            pages = table.row_pages(row, first_block * per_block, end_block * per_block)
+            for i, b in enumerate(range(first_block, end_block)):
+                self._publish_pages(gid, hashes, (b + 1) * g, pages[i * per_block : (i + 1) * per_block])
 
-    def _supersede(self, req: Any, new_own: list) -> None:
+    def _supersede(self, req: CommittingRequest, new_own: list) -> None:
         """Drop the request's hold on every earlier own checkpoint that is not pinned
         (unpublished when no hold is left); ``new_own`` become its own checkpoints."""
         for prev in req.own_checkpoints:
@@ -421,58 +362,6 @@ class PrefixCache:
             return False  # rows already slid out (cannot happen when committed each step)
         return self._publish_pages(gid, hashes, boundary, table.row_pages(row, lo, hi), key, low_priority)
 
-    def _publish_blocks(self, gid: str, hashes: RequestHashes, first_block: int, end_block: int,
-                        pages: list[int]) -> None:
-        """History blocks ``[first_block, end_block)`` of one group (``pages`` in order),
-        as ``_publish_pages`` block by block, in one publish call."""
-        g, pool = self.granularity_tokens, self.pools[gid]
-        blocks = range(first_block, end_block)
-        take = [i for i, b in enumerate(blocks) if pool.lookup(hashes.key((b + 1) * g)) is None]
-        if not take:
-            return
-        per_block = len(pages) // len(blocks)
-        grid = np.asarray(pages, dtype=np.int64).reshape(len(blocks), per_block)[take]
-        boundaries = [(first_block + i + 1) * g for i in take]
-        keys = [hashes.key(d) for d in boundaries]
-        for d, key, ok in zip(boundaries, keys, pool.publish_many(keys, grid)):
-            if ok:
-                self._emit(self._stored(gid, hashes, key, d, per_block))
-
-    def _publish_prompt_checkpoints(self, row: int, hashes: RequestHashes, boundaries: list[int]) -> None:
-        """Low-priority checkpoints at ``boundaries`` in every state group: what
-        ``_publish_checkpoint`` does boundary by boundary, group by group (same entries,
-        same event order), with one gather and one publish call per group."""
-        keys = [hashes.key(d) for d in boundaries]
-        work = []
-        for gid in self.state_ids:
-            pool, table = self.pools[gid], self.tables[gid]
-            t, window = table.page_tokens, self._windows[gid]
-            base, top = int(table.base[row]), int(table.hi[row])
-            lo = [max(0, d - window) // t for d in boundaries]
-            take = [
-                i for i, d in enumerate(boundaries)
-                if lo[i] >= base and d // t <= top and pool.lookup(keys[i]) is None
-            ]
-            widths = {boundaries[i] // t - lo[i] for i in take}
-            if len(widths) > 1:  # a window cut short at the start: the plain loop
-                for d, key in zip(boundaries, keys):
-                    for other in self.state_ids:
-                        self._publish_checkpoint(other, row, hashes, d, key, low_priority=True)
-                return
-            if take:
-                work.append((gid, pool, table, take, [lo[i] for i in take], widths.pop()))
-        stored = []  # (boundary index, group index, event)
-        for g, (gid, pool, table, take, lo, width) in enumerate(work):
-            cols = np.asarray(lo, dtype=np.int64)[:, None] + np.arange(width)
-            pages = table.pages[row][cols % table.capacity_pages]
-            done = pool.publish_many([keys[i] for i in take], pages, low_priority=True)
-            for i, ok in zip(take, done):
-                if ok:
-                    stored.append((i, g, self._stored(gid, hashes, keys[i], boundaries[i], width)))
-        stored.sort(key=lambda item: item[:2])
-        for _, _, event in stored:
-            self._emit(event)
-
     def _publish_pages(
         self, gid: str, hashes: RequestHashes, boundary: int, pages: list[int], key: int | None = None,
         low_priority: bool = False,
@@ -496,22 +385,22 @@ class PrefixCache:
         self.stats[gid].stored_entries += 1
         return ("stored", gid, key, parent, boundary, num_pages)
 
-    def _hold(self, own: _OwnCheckpoint, gid: str, key: int) -> None:
+    def _hold(self, own: OwnCheckpoint, gid: str, key: int) -> None:
         pages = self.pools[gid].lookup(key)
         if pages is not None:
             own.entries[gid] = (key, pages)
             self._holders[gid][key] = self._holders[gid].get(key, 0) + 1
 
-    def hold_hit(self, hashes: RequestHashes, hit_tokens: int) -> list[_OwnCheckpoint]:
+    def hold_hit(self, hashes: RequestHashes, hit_tokens: int) -> list[OwnCheckpoint]:
         """A hit at D keeps the checkpoint at D as the request's own (its terminal so far)."""
         if hit_tokens == 0:
             return []
-        own = _OwnCheckpoint(hit_tokens)
+        own = OwnCheckpoint(hit_tokens)
         for gid in self.state_ids:
             self._hold(own, gid, hashes.key(hit_tokens))
         return [own] if own.entries else []
 
-    def forget_request(self, req: Any) -> None:
+    def forget_request(self, req: CommittingRequest) -> None:
         """A freed request's checkpoints stay cached (its last one is its terminal)."""
         req.own_checkpoints = []
 
@@ -538,20 +427,6 @@ class PrefixCache:
             self.dropped_events += 1
         self.events.append(raw)
 
-    def _emit_all(self, raws: list[tuple]) -> None:
-        """``_emit`` of each, in order, in one call."""
-        if not raws:
-            return
-        if self.on_event is not None:
-            for raw in raws:
-                self.on_event(_event(raw))
-            return
-        events = self.events
-        over = len(events) + len(raws) - events.maxlen
-        if over > 0:
-            self.dropped_events += over  # at most len(raws): the buffer never holds more than maxlen
-        events.extend(raws)
-
     def drain_events(self) -> list[CacheEvent]:
         out = [_event(raw) for raw in self.events]
         self.events.clear()
@@ -563,6 +438,49 @@ class PrefixCache:
         for e in events:
             stream.write(e.to_json() + "\n")
         return len(events)
+
+
+def _checkpoint_windows(specs: Sequence[CacheGroupSpec], overrides: Mapping[str, int] | None) -> dict[str, int]:
+    """Per sliding group, the trailing tokens a checkpoint stores: what a request resumed
+    at a grain boundary still reads (the spec's ``checkpoint_window_tokens``, default the
+    whole window), unless ``overrides`` names the group."""
+    windows = {
+        s.group_id: s.sliding_window_tokens if s.checkpoint_window_tokens is None else s.checkpoint_window_tokens
+        for s in specs if s.is_sliding
+    }
+    for gid, n in (overrides or {}).items():
+        if gid not in windows:
+            raise ValueError(f"checkpoint_window_tokens: {gid!r} is not a sliding group")
+        n = as_int(f"checkpoint_window_tokens[{gid!r}]", n, minimum=0)
+        limit = next(s.sliding_window_tokens for s in specs if s.group_id == gid)
+        if n > limit:
+            raise ValueError(f"checkpoint_window_tokens[{gid!r}] = {n} exceeds the group's window ({limit} tokens)")
+        windows[gid] = n
+    return windows
+
+
+def _grain(specs: Sequence[CacheGroupSpec], windows: Mapping[str, int], granularity_tokens: int | None) -> int:
+    """The prefix grain: given, or the LCM of the history groups' page spans (every
+    group's when none is full history); a multiple of every page span, and no shorter
+    than any checkpoint window."""
+    history = [s for s in specs if not s.is_sliding]
+    default = reduce(lcm, [s.page_tokens for s in (history or specs)], 1)
+    g = default if granularity_tokens is None else as_int("prefix_granularity", granularity_tokens)
+    if g <= 0:
+        raise ValueError(f"prefix_granularity must be positive, got {granularity_tokens!r}")
+    for s in specs:
+        if g % s.page_tokens:
+            raise ValueError(
+                f"prefix_granularity {g} must be a multiple of group {s.group_id!r} page tokens "
+                f"({s.page_tokens}); the smallest valid grain here is "
+                f"{reduce(lcm, [x.page_tokens for x in specs], 1)}"
+            )
+        if s.is_sliding and windows[s.group_id] > g:
+            raise ValueError(
+                f"prefix_granularity {g} is smaller than group {s.group_id!r} checkpoint window "
+                f"({windows[s.group_id]} tokens): checkpoints would overlap"
+            )
+    return g
 
 
 def _event(raw: tuple) -> CacheEvent:

@@ -21,6 +21,10 @@ class CacheGroupSpec:
     A page holds ``rows_per_page`` rows; each row covers ``entry_stride_tokens``
     consecutive tokens, so a page spans ``page_tokens`` tokens. Sliding groups
     keep only the trailing ``sliding_window_tokens`` tokens per request.
+
+    ``checkpoint_window_tokens`` (sliding groups only): the trailing tokens a
+    prefix checkpoint at a boundary stores, what a request resumed there still
+    reads; ``None`` stores the whole window. A model recipe fills it in.
     """
 
     group_id: str
@@ -29,6 +33,7 @@ class CacheGroupSpec:
     entry_stride_tokens: int
     sliding_window_tokens: int | None = None
     family: Family = "history"
+    checkpoint_window_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.group_id, str) or not self.group_id:
@@ -51,6 +56,16 @@ class CacheGroupSpec:
                 f"group {self.group_id!r}: sliding_window_tokens must be None for full_history, "
                 f"got {self.sliding_window_tokens!r}"
             )
+        if self.checkpoint_window_tokens is not None:
+            if not self.is_sliding:
+                raise ValueError(f"group {self.group_id!r}: checkpoint_window_tokens applies to sliding groups only")
+            n = as_int("checkpoint_window_tokens", self.checkpoint_window_tokens, minimum=0)
+            if n > self.sliding_window_tokens:
+                raise ValueError(
+                    f"group {self.group_id!r}: checkpoint_window_tokens {n} exceeds the window "
+                    f"({self.sliding_window_tokens} tokens)"
+                )
+            object.__setattr__(self, "checkpoint_window_tokens", n)
 
     @property
     def page_tokens(self) -> int:

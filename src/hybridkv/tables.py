@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hybridkv.runtime import kernels
 from hybridkv.spec import CacheGroupSpec
 
 
@@ -187,7 +188,8 @@ class GroupTable:
 
 
 class TableSet:
-    """The tables of every group of a manager, stacked so one numpy call serves all groups.
+    """The tables of every group of a manager in one store; the step's table work runs
+    in the compiled kernels of ``hybridkv.runtime.kernels``.
 
     ``pages[g]``, ``base[g]`` and ``hi[g]`` are group ``g``'s arrays; each
     ``GroupTable`` in ``tables`` is bound to views of them, so per-group code
@@ -199,8 +201,6 @@ class TableSet:
     turns logging off; the next drain after a start is a resync: every live
     cell, and a flag telling the mirror to clear first.
     """
-
-    single_page_cells = True  # the decode shortcut of _flat_ranges (tests compare both ways)
 
     def __init__(
         self,
@@ -215,44 +215,15 @@ class TableSet:
                        ring_power_of_two=True)
             for s in specs
         ]
-        t = self.tables
-        self.page_tokens = np.array([x.page_tokens for x in t], dtype=np.int64)
-        self.window_tokens = np.array([x.window_tokens for x in t], dtype=np.int64)
-        self.sliding = np.array([x.sliding for x in t], dtype=bool)
-        self.capacity_pages = np.array([x.capacity_pages for x in t], dtype=np.int64)
-        self.rows_per_page = np.array([x.rows_per_page for x in t], dtype=np.int64)
-        self._rows_per_page_col = self.rows_per_page[:, None]
-        self.stride_tokens = np.array([x.stride_tokens for x in t], dtype=np.int64)
-        self.group_index = np.arange(len(t), dtype=np.int64)
-        # Strides and rows per page are powers of two for V4: shifts and masks then
-        # replace integer division, which dominates write slots of long chunks.
-        pow2 = lambda v: bool(np.all((v & (v - 1)) == 0))  # noqa: E731
-        self._shifts = None
-        if pow2(self.stride_tokens) and pow2(self.rows_per_page):
-            self._shifts = (  # row of a position within its page: (pos >> shift) & page mask
-                np.log2(self.stride_tokens).astype(np.int64)[:, None],
-                (self.stride_tokens - 1)[:, None],
-                (self.rows_per_page - 1)[:, None],
-            )
-            self._shifts32 = tuple(a.astype(np.int32) for a in self._shifts)
-        # Columns for [G, R] step arithmetic. A full-history group never releases: its
-        # window is made so large that the release floor is always 0.
-        self._window_less_one = np.where(self.sliding, self.window_tokens - 1, 2**62)[:, None]
-        self._tokens_less_one = (self.page_tokens - 1)[:, None]
-        self._tokens = self.page_tokens[:, None]
-        # int64 floor division costs ~4 ns an element; V4's page spans are powers of two.
-        self._tokens_shift = np.log2(self.page_tokens).astype(np.int64)[:, None] if pow2(self.page_tokens) else None
-        # ``plan`` works on release floors and pages needed stacked as one [2G, R] array.
-        self._plan_divisor = np.concatenate([self._tokens, self._tokens])
-        self._plan_shift = None if self._tokens_shift is None else np.concatenate([self._tokens_shift] * 2)
-        self._plan_offsets: dict[int, np.ndarray] = {}  # uniform count -> [2G, 1] offsets of first
-        self._window_strides: dict[int, np.ndarray] = {}  # steps -> [J, 2G, 1] j * T (window_moves)
-        # Ring column of a logical page: ``& (capacity - 1)`` (rings are powers of two);
-        # full-history pages stay below capacity, so their mask keeps every bit.
-        self._column_mask = np.where(self.sliding, self.capacity_pages - 1, -1)
-        self._column_mask_col = self._column_mask[:, None]
-        self.column_mask2 = np.concatenate([self._column_mask] * 2)  # per stacked [2G] group
-        self.pages = np.full((len(t), max(1, int(initial_rows)), int(self.capacity_pages.max())), -1, np.int32)
+        self.geometry = np.zeros((len(self.tables), kernels.GEOMETRY_COLUMNS), dtype=np.int64)
+        for g, t in enumerate(self.tables):
+            # A ring column is ``logical & (capacity - 1)`` (rings are powers of two); full
+            # history keeps every bit.
+            mask = t.capacity_pages - 1 if t.sliding else -1
+            self.geometry[g] = (t.page_tokens, t.window_tokens, mask, t.rows_per_page, t.stride_tokens, 0,
+                                _log2(t.page_tokens), _log2(t.rows_per_page), _log2(t.stride_tokens))
+        cap_max = max(t.capacity_pages for t in self.tables)
+        self.pages = np.full((len(self.tables), max(1, int(initial_rows)), cap_max), -1, np.int32)
         # base and hi of every group and row in one array: a step gathers and stores both at once.
         self.bounds = np.zeros((2, *self.pages.shape[:2]), dtype=np.int64)
         self.log: list[np.ndarray] | None = None
@@ -262,8 +233,6 @@ class TableSet:
     def _bind(self) -> None:
         _, rows_cap, cap_max = self.pages.shape
         self.base, self.hi = self.bounds[0], self.bounds[1]
-        self._group_cells = self.group_index[:, None] * (rows_cap * cap_max)  # flat start of each group
-        self._group_cells2 = np.concatenate([self._group_cells] * 2)
         # [2G, 1]: flat start of each group's base (rows [0, G)) and hi (rows [G, 2G)) in bounds.
         self._group_rows2 = np.arange(2 * len(self.tables), dtype=np.int64)[:, None] * rows_cap
         self._bounds_flat = self.bounds.reshape(-1)
@@ -296,27 +265,22 @@ class TableSet:
             if len(log) > 512:  # many mutations between two drains: keep it bounded
                 log[:] = [np.unique(np.concatenate(log))]
 
-    def drain_updates(
-        self, known: tuple | None = None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
+    def drain_updates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
         """(group, row, column, page id, reset): every cell touched since the last drain
         with the page id it holds now (-1: empty; a cell may appear twice); after a
-        (re)start of the log, every live cell instead and ``reset`` True. ``known``:
-        (flat cells, their group, row and column), used when those cells, the same
-        array, are all the log holds."""
+        (re)start of the log, every live cell instead and ``reset`` True."""
         log = self.log
         reset = self._resync
         if reset:
             # Every cell outside [base, hi) is -1: the live ranges are the whole store.
-            rows = np.arange(self.pages.shape[1])
-            index = self._flat_ranges(rows, self.base, self.hi - self.base)[0]
+            rows = np.arange(self.pages.shape[1], dtype=np.int64)
+            counts = self.hi - self.base
+            index = np.empty(int(counts.sum()), dtype=np.int64)
+            kernels.take_pages(self.geometry, self.pages.copy(), rows, self.base, counts, index.copy(), index)
             self._resync = False
         elif not log:
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, empty, np.zeros(0, dtype=np.int32), False
-        elif known is not None and len(log) == 1 and log[0] is known[0]:
-            log.clear()
-            return known[1], known[2], known[3], self.pages.reshape(-1).take(known[0]), False
         else:
             index = log[0] if len(log) == 1 else np.concatenate(log)
         log.clear()
@@ -338,96 +302,18 @@ class TableSet:
         self.bounds = np.concatenate([self.bounds, np.zeros((2, pages.shape[0], new - have), dtype=np.int64)], axis=2)
         self._bind()
 
-    def plan(self, rows: np.ndarray, first: np.ndarray, end: np.ndarray, bounds: np.ndarray | None = None,
-             slots: np.ndarray | None = None, count: int | None = None):
-        """Stacked ``[2G, R]`` arrays for a step writing tokens ``[first, end)`` per row
-        (pure): ``bounds``, the rows' base (rows ``[0, G)``) and hi (``[G, 2G)``), read
-        from the tables unless the caller has them (``slots``: ``row_slots(rows)`` if
-        the caller has it); ``after``, base once released and hi once allocated;
-        ``moves = after - bounds``, pages released and pages allocated per cell; and
-        ``need_hi`` (``[G, R]``), pages needed. ``count``: every row's token count,
-        when they are all equal (``end == first + count``).
-
-        Same rules as ``release_floor`` and ``pages_needed``, in fewer numpy calls:
-        base after release ``max(base, min(floor, hi))``, hi after allocation
-        ``max(hi, needed)`` (new pages start at hi; base <= hi always, so released
-        pages never reach them)."""
-        if bounds is None:
-            bounds = self._bounds_flat.take(self.row_slots(rows) if slots is None else slots)
-        # Rows [0, G): first - (W - 1), the release floor's numerator; rows [G, 2G):
-        # end + (T - 1), the pages-needed one. Both are then floored at 0 and divided by T.
+    # --- one step -------------------------------------------------------------
+    def plan(self, rows: np.ndarray, first: np.ndarray, counts: np.ndarray):
+        """Stacked ``[2G, R]`` base (rows ``[0, G)``) and hi (rows ``[G, 2G)``) of ``rows``
+        now and after a step writing ``counts`` tokens from ``first`` (pure), ``[G, R]``
+        pages needed, and ``[2, G]`` pages released and allocated per group
+        (``kernels.plan_rows``)."""
         g = len(self.tables)
-        if count is not None:
-            both = first + self.plan_offsets(count)
-        else:
-            both = np.empty((2 * g, first.size), dtype=np.int64)
-            np.subtract(first, self._window_less_one, out=both[:g])
-            np.add(end, self._tokens_less_one, out=both[g:])
-        np.maximum(both, 0, out=both)
-        self.floor_pages(both)
-        need_hi = both[g:]
-        np.minimum(both[:g], bounds[g:], out=both[:g])  # the release floor, capped at hi
-        after = np.maximum(both, bounds)
-        return bounds, after, after - bounds, need_hi
-
-    def plan_offsets(self, count: int) -> np.ndarray:
-        """``[2G, 1]``: what ``plan`` adds to ``first`` for a uniform ``count``."""
-        offsets = self._plan_offsets.get(count)
-        if offsets is None:
-            offsets = self._plan_offsets[count] = np.concatenate(
-                [-self._window_less_one, self._tokens_less_one + count])
-        return offsets
-
-    def window_moves(self, bounds: np.ndarray, first: np.ndarray, steps: int):
-        """The page moves of ``steps`` one-token steps of rows at stacked ``[2G, R]``
-        ``bounds`` with ``first`` computed tokens: (step, flat ``[2G, R]`` position of
-        the cell, its value before the move) of each move, ordered by step then
-        position; None unless ``bounds`` are at least the release floors and needs of
-        ``first - 1`` computed tokens (as after a one-token step of these rows).
-
-        Step k's release floor and need are ``v(k) = max(first + k + offset, 0) // T``
-        (``plan``'s for a count of 1) and the bounds after it ``max(bounds, v(k))``:
-        ``plan`` also caps the floor at hi, but a floor never passes the pages needed a
-        token earlier (a window holds >= 1 token), so the cap does not bind. v rises
-        by one where ``first + k + offset`` is a multiple of T: a cell moves first at
-        the step its v passes its bound, then every T steps."""
-        strides = self._window_strides.get(steps)
-        if strides is None:
-            most = 1 + (steps - 1) // int(self._plan_divisor.min())  # moves of one cell, at most
-            strides = self._window_strides[steps] = np.arange(most)[:, None, None] * self._plan_divisor
-        start = bounds + 1
-        start *= self._plan_divisor
-        start -= first + self.plan_offsets(1)  # the step at which v reaches bounds + 1
-        if (start < 0).any():
-            return None  # v(-1) > bounds: not as after a one-token step
-        at_steps = start + strides  # [J, 2G, R]: the j-th move of each cell, if before ``steps``
-        at = np.flatnonzero(at_steps < steps)
-        per_step = bounds.size
-        # Ordered by step, then position: one sort of int32 keys (step, position, j).
-        bits = int(strides.shape[0] - 1).bit_length()
-        j, pos = np.divmod(at, per_step)
-        key = at_steps.take(at)
-        key *= per_step
-        key += pos
-        key <<= bits
-        key |= j
-        if steps * per_step << bits < 2**31:
-            key = key.astype(np.int32)  # sorts in about half the time of int64
-        key.sort()
-        j = key & ((1 << bits) - 1)
-        key >>= bits
-        step, pos = np.divmod(key, per_step)
-        pos = pos.astype(np.int64)  # indexes every step: numpy would convert int32 at each use
-        value = bounds.take(pos)
-        value += j  # the j-th move starts from bounds + j
-        return step, pos, value
-
-    def floor_pages(self, both: np.ndarray) -> None:
-        """``both //= T`` in place over its last two axes ``[2G, R]`` (floors and needs)."""
-        if self._plan_shift is not None:
-            both >>= self._plan_shift
-        else:
-            both //= self._plan_divisor
+        now = np.empty((2 * g, rows.size), dtype=np.int64)
+        after = np.empty((2 * g, rows.size), dtype=np.int64)
+        need = np.empty((g, rows.size), dtype=np.int64)
+        sums = kernels.plan_rows(self.geometry, self.bounds, rows, first, counts, now, after, need)
+        return now, after, need, sums
 
     def row_slots(self, rows: np.ndarray) -> np.ndarray:
         """``[2G, R]`` flat index into ``bounds`` of each row's base (rows ``[0, G)``) and hi
@@ -435,145 +321,38 @@ class TableSet:
         return rows + self._group_rows2
 
     def set_bounds(self, slots: np.ndarray, bounds: np.ndarray) -> None:
-        """Store ``[2G, R]`` base and hi of the rows whose ``row_slots`` are ``slots`` (one
-        flat store: a ``[:, rows]`` store costs twice as much)."""
+        """Store ``[2G, R]`` base and hi of the rows whose ``row_slots`` are ``slots``."""
         self._bounds_flat[slots] = bounds
 
-    def row_cells(self, rows: np.ndarray) -> np.ndarray:
-        """``[G, R]`` flat index of column 0 of each row in each group (valid until rows grow)."""
-        return rows * self.pages.shape[2] + self._group_cells
+    def take_flat(self, rows: np.ndarray, lo: np.ndarray, *, counts: np.ndarray, total: int) -> np.ndarray:
+        """Forget logical pages ``[lo, lo + counts)`` (``[G, R]`` each, ``total`` pages in
+        all) of every group: their ids, group-major then row-major."""
+        out = np.empty(total, dtype=np.int64)
+        touched = np.empty(total, dtype=np.int64)
+        kernels.take_pages(self.geometry, self.pages, rows, lo, counts, out, touched)
+        self._log_cells(touched)
+        return out
 
-    def row_cells2(self, rows: np.ndarray) -> np.ndarray:
-        """``row_cells`` twice, stacked ``[2G, R]`` (to pair with ``bounds``)."""
-        return rows * self.pages.shape[2] + self._group_cells2
-
-    def moved_cells(self, bounds: np.ndarray, moves: np.ndarray, cells2: np.ndarray) -> tuple | None:
-        """For a step whose ``moves`` (``plan``) are all 0 or 1: the flat cells it releases
-        (at base) and fills (at hi), group-major then row order, as one array (releases
-        first), and the index into the ``[2G]`` stacked groups of each. None if a cell
-        moves more than one page (or the decode shortcut is off)."""
-        if not self.single_page_cells or moves.max() > 1:
-            return None
-        # Positions, then gathers of the tenth of cells that move: a boolean mask of
-        # [2G, R] costs ~4x an add of it, and a [2G, 1] column makes numpy buffer.
-        at = np.flatnonzero(moves)
-        cells = bounds.take(at)
-        stacked = at // moves.shape[1]
-        cells &= self.column_mask2.take(stacked)
-        cells += cells2.take(at)
-        return cells, stacked
-
-    def take_cells(self, index: np.ndarray) -> np.ndarray:
-        """Forget the page ids in flat cells ``index``; they are returned (int32). Not
-        logged: the caller logs every cell it moved once (``log_cells``)."""
-        flat = self.pages.reshape(-1)
-        pages = flat[index]
-        flat[index] = -1
-        return pages
-
-    def put_cells(self, index: np.ndarray, page_ids: np.ndarray) -> None:
-        """Store ``page_ids`` in flat cells ``index`` (not logged, as ``take_cells``)."""
-        self.pages.reshape(-1)[index] = page_ids
-
-    def log_cells(self, index: np.ndarray) -> None:
-        """Log flat cells that ``take_cells`` and ``put_cells`` changed."""
-        self._log_cells(index)
-
-    def _flat_ranges(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, row_cells=None,
-                     per_group=None):
-        """Flat indices into ``pages`` of logical pages ``[lo[g, r], lo[g, r] + counts[g, r])``,
-        group-major then row order; the number of pages per group (``per_group`` if the
-        caller has it); and the ``[G, R]`` mask of cells with a page when each has at most
-        one (else None)."""
-        if per_group is None:
-            per_group = counts.sum(axis=1)
-        _, rows_cap, cap_max = self.pages.shape
-        if self.single_page_cells and counts.max() <= 1:
-            # At most one page per cell (a decode step): mask the [G, R] cell indices.
-            cells = (lo & self._column_mask_col) + (self.row_cells(rows) if row_cells is None else row_cells)
-            mask = counts.astype(bool)
-            return cells[mask], per_group, mask
-        flat = counts.ravel()
-        row_start = ((self.group_index[:, None] * rows_cap + rows[None, :]) * cap_max).ravel()
-        mask = np.repeat(self._column_mask, rows.size)
-        logical = np.repeat(lo.ravel(), flat) + segment_arange(flat)
-        return np.repeat(row_start, flat) + (logical & np.repeat(mask, flat)), per_group, None
-
-    def take(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray | None = None, *,
-             counts: np.ndarray | None = None, row_cells: np.ndarray | None = None) -> list[np.ndarray]:
-        """Forget logical pages ``[lo, hi)`` (or ``[lo, lo + counts)``) of every group;
-        their ids per group, row-major."""
-        pages, per_group = self.take_flat(rows, lo, hi, counts=counts, row_cells=row_cells)
-        ends = np.cumsum(per_group).tolist()
-        return [pages[a:b] for a, b in zip([0] + ends, ends)]
-
-    def take_flat(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray | None = None, *,
-                  counts: np.ndarray | None = None, row_cells: np.ndarray | None = None,
-                  per_group=None, with_mask: bool = False) -> tuple:
-        """``take`` as one array (group-major, row-major) and the count per group
-        (``per_group`` if the caller has it); with ``with_mask``, also the ``[G, R]``
-        mask of the cells taken when each gave at most one page (else None)."""
-        if counts is None:
-            counts = np.maximum(hi - lo, 0)
-        index, per_group, mask = self._flat_ranges(rows, lo, counts, row_cells, per_group)
-        flat = self.pages.reshape(-1)
-        pages = flat[index].astype(np.int64)
-        flat[index] = -1
-        self._log_cells(index)
-        return (pages, per_group, mask) if with_mask else (pages, per_group)
-
-    def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray,
-              row_cells: np.ndarray | None = None) -> None:
+    def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
         """Store ``page_ids`` (group-major, row-major) at logical pages ``[lo, lo + counts)``."""
-        index = self._flat_ranges(rows, lo, counts, row_cells, per_group=())[0]
-        self.pages.reshape(-1)[index] = page_ids
-        self._log_cells(index)
+        touched = np.empty(page_ids.size, dtype=np.int64)
+        kernels.place_pages(self.geometry, self.pages, rows, lo, counts, page_ids, touched)
+        self._log_cells(touched)
 
-    def pages_at(self, row_cells: np.ndarray, logical: np.ndarray) -> np.ndarray:
-        """``[G, R]`` page ids at logical pages ``logical`` (``row_cells`` from ``row_cells``)."""
-        return self.pages.reshape(-1).take((logical & self._column_mask_col) + row_cells)
-
-    def write_slots_in(self, pages: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """``write_slots`` for one token per row when ``pages[g, r]`` is the page holding
-        row ``r``'s token (a decode step: the row's last page), without reading the store."""
-        pos = positions[None, :]
-        if self._shifts is not None:
-            return self.write_slots_from(pages, *self.slot_pieces(pos))
-        per_page = self._rows_per_page_col
-        slots = pages.astype(np.int64)  # then in place, as write_slots_from does
-        slots *= per_page
-        stride = self.stride_tokens[:, None]
-        slots += (pos // stride) % per_page
-        np.putmask(slots, (pos + 1) % stride != 0, -1)
+    def write_slots(self, rows: np.ndarray, positions: np.ndarray, request_indices: np.ndarray) -> np.ndarray:
+        """int64 ``[G, N]`` slots of every group for token ``i`` of ``rows[request_indices[i]]``
+        at ``positions[i]`` (-1: the token closes no entry)."""
+        slots = np.empty((len(self.tables), positions.size), dtype=np.int64)
+        kernels.write_slots(self.geometry, self.pages, rows, 0, positions, request_indices, slots)
         return slots
 
-    def slot_pieces(self, positions: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """For positions ``[..., 1, R]`` (one token per row): each group's row within
-        its page and whether the token writes no row (``[..., G, R]`` each), the two
-        position-dependent parts of ``write_slots_in``; (None, None) without shifts."""
-        if self._shifts is None:
-            return None, None
-        # int32 positions (a decode window's) keep to int32: half the bytes to stream.
-        shifts = self._shifts if positions.dtype != np.int32 else self._shifts32
-        stride_shift, stride_mask, page_mask = shifts
-        rows = positions >> stride_shift
-        rows &= page_mask
-        return rows, (positions & stride_mask) != stride_mask
+    def block_table(self, g: int, rows: np.ndarray, width: int) -> np.ndarray:
+        """int32 ``[R, width]``: group ``g``'s pages from each row's base, -1 padded."""
+        out = np.empty((rows.size, width), dtype=np.int32)
+        kernels.block_table(self.geometry, self.pages, self.bounds, g, rows, out)
+        return out
 
-    def write_slots_from(self, pages: np.ndarray, page_rows: np.ndarray, skip: np.ndarray) -> np.ndarray:
-        """``write_slots_in`` from its ``slot_pieces`` (``[G, R]`` each)."""
-        # int64 first: a multiply of int32 pages by the int64 column would have numpy
-        # buffer both operands (a cast and a broadcast copy) before writing the slots.
-        slots = pages.astype(np.int64)
-        slots *= self._rows_per_page_col
-        slots += page_rows
-        np.putmask(slots, skip, -1)
-        return slots
 
-    def write_slots(self, token_rows: np.ndarray, positions: np.ndarray, row_cells=None) -> np.ndarray:
-        """int64 ``[G, N]`` slots of every group for the scheduled tokens (-1: no row);
-        ``row_cells``: ``self.row_cells(token_rows)`` if the caller has it."""
-        pos = positions[None, :]
-        logical = pos >> self._tokens_shift if self._tokens_shift is not None else pos // self._tokens
-        cells = self.row_cells(token_rows) if row_cells is None else row_cells
-        return self.write_slots_in(self.pages_at(cells, logical), positions)
+def _log2(n: int) -> int:
+    """log2 of a power of two, -1 otherwise."""
+    return n.bit_length() - 1 if n & (n - 1) == 0 else -1

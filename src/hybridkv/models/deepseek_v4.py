@@ -307,6 +307,7 @@ def build_v4_cache_specs(
                 entry_stride_tokens=1,
                 sliding_window_tokens=compressor_state_window_tokens(ratio, speculative_tokens),
                 family="state",
+                checkpoint_window_tokens=_CHECKPOINT_STATE_TOKENS[ratio],
             )
         )
         specs.append(
@@ -328,6 +329,7 @@ def build_v4_cache_specs(
                 entry_stride_tokens=1,
                 sliding_window_tokens=compressor_state_window_tokens(4, speculative_tokens),
                 family="state",
+                checkpoint_window_tokens=_CHECKPOINT_STATE_TOKENS[4],
             )
         )
     return specs

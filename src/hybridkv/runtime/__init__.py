@@ -1,0 +1,1 @@
+"""The runtime: the compiled step kernels and the state they own."""
