@@ -1,0 +1,228 @@
+"""Moving a request's cache rows between instances and tiers, by logical position.
+
+What a request resumed at boundary ``D`` needs, per group:
+
+* a full-history group: every row below ``D``, as one object per block of
+  ``block_tokens`` (the last one partial when ``D`` is not a block multiple);
+* a sliding group: the checkpoint at ``D``, only its trailing rows
+  (:func:`checkpoint_tokens`); a group whose checkpoint is empty needs nothing.
+
+Plans name objects (:class:`PlannedObject`) and the pages their rows sit in
+on one side (:class:`~hybridkv.tiers.rows.GroupPages`, logical order), never a
+page id of the other side, so instances with different page ids and page sizes
+exchange the same rows. A load checks every object before it writes a row and
+writes only what serves a usable boundary: on a missing or bad object it falls
+back to a shorter boundary (or none), never to wrong rows.
+
+Page views come from the manager's public API: :func:`pages_from_step` (a
+full-mode ``StepBatch``) or :func:`pages_from_manager` (``request_pages``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hybridkv.models.deepseek_v4 import v4_checkpoint_window_tokens
+from hybridkv.models.layout import ModelCacheLayout
+from hybridkv.tiers.keys import ObjectKey, chained_keys
+from hybridkv.tiers.namespace import Namespace
+from hybridkv.tiers.objects import NamespaceMismatch, RowsObject
+from hybridkv.tiers.pools import GroupPools
+from hybridkv.tiers.rows import GroupPages, gather_object, rows_for_tokens, scatter_object
+from hybridkv.tiers.store import ObjectStore
+
+
+@dataclass(frozen=True)
+class PlannedObject:
+    """One object of a plan: ``key``'s rows for tokens ``[first_token, end_token)``."""
+
+    key: ObjectKey
+    first_token: int
+    end_token: int
+    boundary_tokens: int  # the boundary this object serves (a block: its end; a checkpoint: D)
+
+
+@dataclass(frozen=True)
+class HandoffPlan:
+    """What a decode instance needs of one request at boundary ``D``: history below, checkpoint at."""
+
+    namespace: Namespace
+    boundary_tokens: int
+    objects: tuple[PlannedObject, ...]
+
+    def keys(self) -> list[ObjectKey]:
+        return [o.key for o in self.objects]
+
+    def export(self, pools: Mapping[str, GroupPools], pages: Mapping[str, GroupPages]) -> list[RowsObject]:
+        """The plan's objects read from the prefill side's pools (its page view ``pages``)."""
+        return export_objects(self.objects, pools, pages)
+
+    def load(self, store: ObjectStore, pools: Mapping[str, GroupPools], pages: Mapping[str, GroupPages]) -> LoadResult:
+        """Load the plan into the decode side's pools (its page view ``pages``): all or nothing."""
+        if store.namespace.digest != self.namespace.digest:
+            raise NamespaceMismatch(
+                f"plan of namespace {self.namespace.hex} loaded into a store of namespace {store.namespace.hex}")
+        return load_objects(store, self.objects, [self.boundary_tokens], pools, pages)
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    boundary_tokens: int  # tokens the target now holds rows for (0: fall back to a full prefill)
+    loaded_objects: int
+    missing: tuple[ObjectKey, ...]  # objects absent or refused by verification
+
+
+def aligned_grain_tokens(layout: ModelCacheLayout) -> int:
+    """Boundaries where a checkpoint is narrowest: multiples of every history group's row stride."""
+    strides = [g.spec.entry_stride_tokens for g in layout.groups if not g.spec.is_sliding]
+    return math.lcm(*strides) if strides else 1
+
+
+def checkpoint_tokens(layout: ModelCacheLayout, group_id: str, boundary_tokens: int) -> int:
+    """Trailing tokens of a sliding group's checkpoint at ``boundary_tokens``.
+
+    At a boundary that closes every compressor window (a multiple of
+    :func:`aligned_grain_tokens`), the model's checkpoint window
+    (``v4_checkpoint_window_tokens``: the whole KV window, 4 tokens of each
+    ratio-4 state, none of the ratio-128 state on V4). Elsewhere, the window
+    less one token: what the model still reads at ``D`` (the window ending at
+    ``D`` itself and the open compressor windows) and what the manager keeps.
+    """
+    spec = layout.group(group_id).spec
+    if not spec.is_sliding:
+        raise ValueError(f"group {group_id} is not a sliding group")
+    if boundary_tokens % aligned_grain_tokens(layout) == 0:
+        tokens = v4_checkpoint_window_tokens(layout.specs)[group_id]
+    else:
+        tokens = spec.sliding_window_tokens - 1
+    return min(tokens, boundary_tokens)
+
+
+def _history_objects(layout: ModelCacheLayout, keys: Sequence[bytes], block_tokens: int, end: int):
+    out = []
+    for group in layout.groups:
+        if group.spec.is_sliding:
+            continue
+        for index in range(-(-end // block_tokens)):
+            start, stop = index * block_tokens, min((index + 1) * block_tokens, end)
+            if rows_for_tokens(group.spec, start, stop)[1] == 0:
+                continue  # a partial block with no whole row yet (its tokens live in a state)
+            out.append(PlannedObject(ObjectKey("block", group.group_id, keys[index]), start, stop, stop))
+    return out
+
+
+def _checkpoint_objects(layout: ModelCacheLayout, key: bytes, boundary: int) -> list[PlannedObject]:
+    out = []
+    for group in layout.groups:
+        if group.spec.is_sliding:
+            tokens = checkpoint_tokens(layout, group.group_id, boundary)
+            if tokens:
+                out.append(PlannedObject(ObjectKey("checkpoint", group.group_id, key), boundary - tokens, boundary, boundary))
+    return out
+
+
+def plan_handoff(
+    store: ObjectStore,
+    token_ids: object,
+    boundary_tokens: int,
+    *,
+    block_tokens: int = 256,
+    salt: bytes = b"",
+    peer_namespace: Namespace | None = None,
+) -> HandoffPlan:
+    """The objects a decode instance needs to resume ``token_ids`` at ``boundary_tokens``.
+
+    ``peer_namespace``: the other instance's layout namespace; a different one
+    raises :class:`NamespaceMismatch` (its rows would be read as the wrong layout).
+    """
+    if peer_namespace is not None and peer_namespace.digest != store.namespace.digest:
+        raise NamespaceMismatch(
+            f"peer layout namespace {peer_namespace.hex} differs from this instance's {store.namespace.hex}: "
+            "the two instances run different models, dtypes or cache geometry"
+        )
+    tokens = np.asarray(token_ids)
+    if isinstance(boundary_tokens, bool) or not isinstance(boundary_tokens, int) or not 1 <= boundary_tokens <= tokens.size:
+        raise ValueError(f"boundary_tokens must be an int in [1, {tokens.size}], got {boundary_tokens!r}")
+    keys = chained_keys(tokens[:boundary_tokens], block_tokens, salt=salt)
+    objects = _history_objects(store.layout, keys, block_tokens, boundary_tokens)
+    objects += _checkpoint_objects(store.layout, keys[-1], boundary_tokens)
+    return HandoffPlan(store.namespace, boundary_tokens, tuple(objects))
+
+
+def export_objects(
+    objects: Sequence[PlannedObject], pools: Mapping[str, GroupPools], pages: Mapping[str, GroupPages]
+) -> list[RowsObject]:
+    """Copy each planned object's rows out of the source pools (source page view ``pages``)."""
+    return [
+        gather_object(pools[o.key.group_id], pages[o.key.group_id], o.key, o.first_token, o.end_token)
+        for o in objects
+    ]
+
+
+def _serves(o: PlannedObject, boundary: int) -> bool:
+    """Whether resuming at ``boundary`` needs object ``o``: a block below it, its own checkpoint."""
+    if o.key.kind == "block":
+        return o.first_token < boundary
+    return o.boundary_tokens == boundary
+
+
+def usable_boundary(objects: Sequence[PlannedObject], present: Sequence[bool], boundaries: Sequence[int]) -> int:
+    """The largest of ``boundaries`` whose objects (blocks below it, checkpoints at it) are all present."""
+    for boundary in sorted(set(boundaries), reverse=True):
+        needed = [ok for o, ok in zip(objects, present) if _serves(o, boundary)]
+        if boundary > 0 and needed and all(needed):
+            return boundary
+    return 0
+
+
+def load_objects(
+    store: ObjectStore,
+    objects: Sequence[PlannedObject],
+    boundaries: Sequence[int],
+    pools: Mapping[str, GroupPools],
+    pages: Mapping[str, GroupPages],
+) -> LoadResult:
+    """Fetch and verify ``objects``; write the rows serving the largest usable of ``boundaries``
+    into the target pools (target page view ``pages``). A boundary whose checkpoint or any
+    history block below it is missing, corrupted or refused is not used; nothing is written
+    for it, and 0 means nothing was written."""
+    got = store.get([o.key for o in objects])
+    for o, obj in zip(objects, got):
+        if obj is not None and (obj.first_token, obj.first_token + obj.num_tokens) != (o.first_token, o.end_token):
+            raise ValueError(f"object {o.key} covers other tokens than planned")
+    boundary = usable_boundary(objects, [obj is not None for obj in got], boundaries)
+    written = 0
+    for o, obj in zip(objects, got):
+        if boundary and _serves(o, boundary):
+            scatter_object(pools[o.key.group_id], pages[o.key.group_id], obj)
+            written += 1
+    missing = tuple(o.key for o, obj in zip(objects, got) if obj is None)
+    return LoadResult(boundary, written, missing)
+
+
+def pages_from_step(step: object, request_id: str) -> dict[str, GroupPages]:
+    """Every group's page view of ``request_id`` from a ``StepBatch`` with full block tables."""
+    try:
+        row = step.request_ids.index(request_id)
+    except ValueError:
+        raise KeyError(f"request {request_id!r} is not in this step") from None
+    out = {}
+    for gid, group in step.groups.items():
+        if group.block_table is None:
+            raise ValueError("the step carries no block tables (block_tables='updates'): use pages_from_manager")
+        base = 0 if group.base_pages is None else int(group.base_pages[row])
+        out[gid] = GroupPages(base, np.asarray(group.block_table[row], dtype=np.int64))
+    return out
+
+
+def pages_from_manager(manager: object, request_id: str) -> dict[str, GroupPages]:
+    """Every group's page view of ``request_id`` from ``CacheManager.request_pages``."""
+    out = {}
+    for spec in manager.specs:
+        base, pages = manager.request_pages(request_id, spec.group_id)
+        out[spec.group_id] = GroupPages(int(base), np.asarray(pages, dtype=np.int64))
+    return out
