@@ -10,6 +10,9 @@ holds is decided by the store, not by this process.
 Faults are answers, not exceptions: a put the store refuses (full, or the
 master unreachable) is "not stored" and counted; a get of a name that is
 absent is a miss, and when the master cannot be reached, a miss and an error.
+With the master gone each client call blocks for seconds (about 4 s here) before
+it fails, so after such a failure the tier answers at once, without calling the
+store, for ``retry_after_s``; then one call tries again.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from dataclasses import dataclass
 
 from hybridkv.tiers.base import Tier, TierUnavailable
 
-_ABSENT = 0
 _PRESENT = 1
+RPC_FAIL = -900  # the client's code when the master cannot be reached
 
 
 def load_store_class():
@@ -148,8 +151,11 @@ class MooncakeTier(Tier):
         local_buffer_bytes: int = 16 << 20,
         protocol: str = "tcp",
         local_hostname: str = "127.0.0.1",
+        retry_after_s: float = 2.0,
     ) -> None:
         super().__init__()
+        self.retry_after_s = float(retry_after_s)
+        self._down_until = 0.0
         self._store = load_store_class()()
         code = self._store.setup(
             local_hostname, metadata_url, int(segment_bytes), int(local_buffer_bytes), protocol, "", master_address
@@ -161,18 +167,18 @@ class MooncakeTier(Tier):
     def _put(self, items: list[tuple[str, bytes]]) -> list[bool]:
         if not items:
             return []
-        names = [name for name, _ in items]
-        try:
-            codes = self._store.put_batch(names, [value for _, value in items])
-        except Exception as exc:  # the binding raises on some faults
-            codes, message = -1, f"Mooncake put_batch raised {exc!r}"
-        else:
-            message = f"Mooncake put_batch returned {codes}"
-        if isinstance(codes, int):
-            # one code for the batch: on a failure, ask the store which items it holds
-            stored = [True] * len(items) if codes == 0 else [c == _PRESENT for c in self._exists(names)]
-        else:
-            stored = [int(c) == 0 for c in codes]
+        if self._down():
+            self._stats.refused += len(items)
+            return [False] * len(items)
+        message, stored = self._put_batch(items)
+        # one bad item can fail the whole batch: put the others one by one
+        for i, (name, value) in enumerate(items):
+            if stored[i] or self._paused():
+                continue
+            code = self._call("put", name, value)
+            stored[i] = code == 0
+            if not stored[i]:
+                message = self._stats.last_error if code == -1 else f"Mooncake put of {name} ({len(value)} B) returned {code}"
         for (_, value), ok in zip(items, stored):
             if ok:
                 self._stats.stored += 1
@@ -180,34 +186,66 @@ class MooncakeTier(Tier):
             else:
                 self._stats.refused += 1
         if not all(stored):
-            self._fault(message)
+            self._fault(self._stats.last_error if self._paused() else message)
         return stored
 
-    def _get(self, names: list[str]) -> list[bytes | None]:
-        if not names:
-            return []
+    def _put_batch(self, items: list[tuple[str, bytes]]) -> tuple[str, list[bool]]:
+        names = [name for name, _ in items]
+        codes = self._call("put_batch", names, [value for _, value in items])
+        if isinstance(codes, int):
+            # one code for the batch: on a failure, ask the store which items it holds
+            stored = [True] * len(items) if codes == 0 else [c == _PRESENT for c in self._exists(names)]
+        else:
+            stored = [int(c) == 0 for c in codes]
+        return f"Mooncake put_batch returned {codes}", stored
+
+    def _call(self, method: str, *args):
+        """A store call; an exception from the binding becomes code -1 (counted by the caller).
+        An unreachable master (code -900 anywhere in the answer) starts the retry pause."""
         try:
-            values = list(self._store.get_batch(names))
+            answer = getattr(self._store, method)(*args)
         except Exception as exc:
-            self._fault(f"Mooncake get_batch raised {exc!r}")
+            self._stats.last_error = f"Mooncake {method} raised {exc!r}"
+            return -1
+        codes = [answer] if isinstance(answer, int) else answer if method in ("put_batch", "batch_is_exist") else []
+        if any(int(code) == RPC_FAIL for code in codes):
+            self._down_until = time.monotonic() + self.retry_after_s
+            self._stats.last_error = f"Mooncake master unreachable ({method} returned {RPC_FAIL})"
+        return answer
+
+    def _paused(self) -> bool:
+        """Whether the master was found unreachable less than ``retry_after_s`` ago."""
+        return time.monotonic() < self._down_until
+
+    def _down(self) -> bool:
+        """In the pause: count a fault and call nothing."""
+        if not self._paused():
+            return False
+        self._fault(f"Mooncake master unreachable: not asked again for {self.retry_after_s} s")
+        return True
+
+    def _get(self, names: list[str]) -> list[bytes | None]:
+        if not names or self._down():
+            return [None] * len(names)
+        values = self._call("get_batch", names)
+        if isinstance(values, int):
+            self._fault(self._stats.last_error)
             return [None] * len(names)
         out: list[bytes | None] = [bytes(v) if len(v) else None for v in values]
-        empty = [i for i, v in enumerate(out) if v is None]
+        empty = [names[i] for i, v in enumerate(out) if v is None]
         if empty:  # an empty answer is a miss or a fault: ask which
-            codes = self._exists([names[i] for i in empty])
+            codes = self._exists(empty)
             if any(code < 0 for code in codes):
                 self._fault(f"Mooncake store unreachable (exists codes {sorted(set(codes))})")
         return out
 
     def _exists(self, names: list[str]) -> list[int]:
-        try:
-            return [int(c) for c in self._store.batch_is_exist(names)]
-        except Exception:
-            return [-1] * len(names)
+        codes = self._call("batch_is_exist", names)
+        return [-1] * len(names) if isinstance(codes, int) else [int(c) for c in codes]
 
     def _contains(self, names: list[str]) -> list[bool]:
-        if not names:
-            return []
+        if not names or self._down():
+            return [False] * len(names)
         codes = self._exists(names)
         if any(code < 0 for code in codes):
             self._fault(f"Mooncake store unreachable (exists codes {sorted(set(codes))})")
@@ -216,13 +254,9 @@ class MooncakeTier(Tier):
     def _delete(self, names: list[str]) -> int:
         count = 0
         for name in names:
-            try:
-                code = self._store.remove(name)
-            except Exception as exc:
-                self._fault(f"Mooncake remove raised {exc!r}")
-                continue
-            if code == 0:
-                count += 1
+            if self._down():
+                break
+            count += int(self._call("remove", name) == 0)
         return count
 
     def raw_get(self, names: list[str]) -> list[bytes]:
