@@ -13,10 +13,12 @@ from hybridkv.tiers import (
     ObjectError,
     ObjectKey,
     gather_object,
+    gather_objects,
     layout_parts,
     new_group_pools,
     rows_for_tokens,
     scatter_object,
+    scatter_objects,
 )
 
 LAYOUT = cache_layout(ReferenceConfig().hf_config(), speculative_tokens=3)
@@ -119,3 +121,34 @@ def test_scatter_refuses_an_object_of_another_group_or_shape():
     obj = gather_object(pools["v4.c4a.compressed_kv"], view, ObjectKey("block", "v4.c4a.compressed_kv", b"k"), 0, 64)
     with pytest.raises(ObjectError, match="group"):
         scatter_object(pools["v4.c128a.compressed_kv"], view, obj)
+
+
+@settings(max_examples=20)
+@given(st.lists(st.tuples(st.sampled_from(GROUPS), st.integers(0, 3), st.integers(1, 100)), min_size=1, max_size=6),
+       st.integers(0, 2**31))
+def test_batched_gather_and_scatter_equal_one_object_at_a_time(items, seed):
+    rng = np.random.default_rng(seed)
+    pages = {g.group_id: 0 for g in LAYOUT.groups} | {gid: 110 for gid, _, _ in items}
+    src, one, many = (new_group_pools(LAYOUT, pages) for _ in range(3))
+    for group in src.values():
+        for plane in group.planes:
+            plane.pool[...] = rng.integers(0, 256, plane.pool.shape, dtype=np.uint8)
+    views, ranges, used = {}, [], set()
+    for gid, block, span in items:
+        if (gid, block) in used:
+            continue  # objects of one batch never share rows
+        used.add((gid, block))
+        ranges.append((ObjectKey("block", gid, bytes([block + 1])), block * 100, block * 100 + span))
+    for gid, count in pages.items():
+        views[gid] = GroupPages(0, rng.permutation(np.arange(1, count)))
+    batched = gather_objects(src, views, ranges)
+    single = [gather_object(src[k.group_id], views[k.group_id], k, a, b) for k, a, b in ranges]
+    for x, y in zip(batched, single):
+        assert x.key == y.key and (x.first_row, x.num_rows) == (y.first_row, y.num_rows)
+        assert np.array_equal(x.payload, y.payload)
+    scatter_objects(many, views, batched)
+    for obj in single:
+        scatter_object(one[obj.key.group_id], views[obj.key.group_id], obj)
+    for gid in one:
+        for a, b in zip(one[gid].planes, many[gid].planes):
+            assert np.array_equal(a.pool, b.pool)

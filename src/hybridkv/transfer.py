@@ -32,7 +32,7 @@ from hybridkv.tiers.keys import ObjectKey, chained_keys
 from hybridkv.tiers.namespace import Namespace
 from hybridkv.tiers.objects import NamespaceMismatch, RowsObject
 from hybridkv.tiers.pools import GroupPools
-from hybridkv.tiers.rows import GroupPages, gather_object, rows_for_tokens, scatter_object
+from hybridkv.tiers.rows import GroupPages, gather_objects, rows_for_tokens, scatter_objects
 from hybridkv.tiers.store import ObjectStore
 
 
@@ -157,10 +157,7 @@ def export_objects(
     objects: Sequence[PlannedObject], pools: Mapping[str, GroupPools], pages: Mapping[str, GroupPages]
 ) -> list[RowsObject]:
     """Copy each planned object's rows out of the source pools (source page view ``pages``)."""
-    return [
-        gather_object(pools[o.key.group_id], pages[o.key.group_id], o.key, o.first_token, o.end_token)
-        for o in objects
-    ]
+    return gather_objects(dict(pools), dict(pages), [(o.key, o.first_token, o.end_token) for o in objects])
 
 
 def _serves(o: PlannedObject, boundary: int) -> bool:
@@ -195,11 +192,9 @@ def load_objects(
         if obj is not None and (obj.first_token, obj.first_token + obj.num_tokens) != (o.first_token, o.end_token):
             raise ValueError(f"object {o.key} covers other tokens than planned")
     boundary = usable_boundary(objects, [obj is not None for obj in got], boundaries)
-    written = 0
-    for o, obj in zip(objects, got):
-        if boundary and _serves(o, boundary):
-            scatter_object(pools[o.key.group_id], pages[o.key.group_id], obj)
-            written += 1
+    chosen = [obj for o, obj in zip(objects, got) if boundary and _serves(o, boundary)]
+    scatter_objects(dict(pools), dict(pages), chosen)
+    written = len(chosen)
     missing = tuple(o.key for o, obj in zip(objects, got) if obj is None)
     return LoadResult(boundary, written, missing)
 

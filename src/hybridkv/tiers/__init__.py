@@ -17,7 +17,15 @@ from hybridkv.tiers.keys import ObjectKey, boundary_key, chained_keys
 from hybridkv.tiers.namespace import Namespace, layout_namespace
 from hybridkv.tiers.objects import NamespaceMismatch, ObjectError, RowsObject, decode_object, encode_object
 from hybridkv.tiers.pools import GroupPools, group_pools_from_layers, layout_parts, new_group_pools
-from hybridkv.tiers.rows import GroupPages, MissingRows, gather_object, rows_for_tokens, scatter_object
+from hybridkv.tiers.rows import (
+    GroupPages,
+    MissingRows,
+    gather_object,
+    gather_objects,
+    rows_for_tokens,
+    scatter_object,
+    scatter_objects,
+)
 from hybridkv.tiers.stack import TierStack
 from hybridkv.tiers.store import ObjectStore, StoreStats
 
@@ -26,5 +34,5 @@ __all__ = [
     "ObjectError", "ObjectKey", "ObjectStore", "RowsObject", "StoreStats", "Tier", "TierStack", "TierStats",
     "TierUnavailable", "boundary_key", "chained_keys", "decode_object", "encode_object", "gather_object",
     "group_pools_from_layers", "layout_namespace", "layout_parts", "new_group_pools", "rows_for_tokens",
-    "scatter_object",
+    "scatter_object", "gather_objects", "scatter_objects",
 ]

@@ -32,6 +32,7 @@ is wrong; nothing half-decoded is returned.
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 
@@ -84,9 +85,19 @@ class RowsObject:
         return sum(size for _, _, size in self.parts)
 
     def part_rows(self, index: int) -> np.ndarray:
-        start = self.num_rows * sum(size for _, _, size in self.parts[:index])
+        start = self.num_rows * part_offsets(self.parts)[index]
         size = self.parts[index][2]
         return self.payload[start : start + self.num_rows * size].reshape(self.num_rows, size)
+
+
+@functools.lru_cache(maxsize=256)
+def part_offsets(parts: tuple[Part, ...]) -> tuple[int, ...]:
+    """Bytes of one row of every part before part ``i`` (a part starts at ``rows * offset``)."""
+    out, at = [], 0
+    for _, _, size in parts:
+        out.append(at)
+        at += size
+    return tuple(out)
 
 
 def _check_shape(obj: RowsObject) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tiers.keys import ObjectKey
-from hybridkv.tiers.objects import ObjectError, RowsObject
+from hybridkv.tiers.objects import ObjectError, RowsObject, part_offsets
 from hybridkv.tiers.pools import GroupPools
 
 
@@ -83,3 +83,60 @@ def scatter_object(pools: GroupPools, pages: GroupPages, obj: RowsObject) -> Non
     slots = pages.slots(pools.spec, obj.first_row, obj.num_rows)
     for index, plane in enumerate(pools.planes):
         plane.codec.write_slot_bytes(plane.pool, slots, obj.part_rows(index), pools.spec.rows_per_page)
+
+
+def scatter_objects(pools: dict[str, GroupPools], pages: dict[str, GroupPages], objects: list[RowsObject]) -> None:
+    """``scatter_object`` for many objects, one codec call per (group, layer, plane).
+
+    Every object is checked (group, parts, rows, held pages) before any row is
+    written; rows of different objects must not overlap.
+    """
+    by_group: dict[str, list[RowsObject]] = {}
+    for obj in objects:
+        by_group.setdefault(obj.key.group_id, []).append(obj)
+    planned = []
+    for gid, group_objects in by_group.items():
+        if gid not in pools:
+            raise ObjectError(f"object of group {gid}, which these pools do not have")
+        group = pools[gid]
+        slots = []
+        for obj in group_objects:
+            if obj.parts != group.parts:
+                raise ObjectError(f"object parts {obj.parts} differ from the pools' {group.parts}")
+            expected = rows_for_tokens(group.spec, obj.first_token, obj.first_token + obj.num_tokens)
+            if expected != (obj.first_row, obj.num_rows):
+                raise ObjectError(f"object rows {(obj.first_row, obj.num_rows)} do not match its tokens ({expected})")
+            slots.append(pages[gid].slots(group.spec, obj.first_row, obj.num_rows))
+        planned.append((group, group_objects, np.concatenate(slots) if slots else np.zeros(0, np.int64)))
+    for group, group_objects, slots in planned:
+        rpp = group.spec.rows_per_page
+        for index, plane in enumerate(group.planes):
+            rows = [obj.part_rows(index) for obj in group_objects]
+            plane.codec.write_slot_bytes(plane.pool, slots, np.concatenate(rows) if len(rows) > 1 else rows[0], rpp)
+
+
+def gather_objects(
+    pools: dict[str, GroupPools], pages: dict[str, GroupPages], ranges: list[tuple[ObjectKey, int, int]]
+) -> list[RowsObject]:
+    """``gather_object`` for many ``(key, first_token, end_token)``, one codec call per (group, layer, plane)."""
+    by_group: dict[str, list[int]] = {}
+    for i, (key, _, _) in enumerate(ranges):
+        by_group.setdefault(key.group_id, []).append(i)
+    out: list[RowsObject | None] = [None] * len(ranges)
+    for gid, members in by_group.items():
+        group = pools[gid]
+        shapes = [rows_for_tokens(group.spec, ranges[i][1], ranges[i][2]) for i in members]
+        slots = np.concatenate([pages[gid].slots(group.spec, first, n) for first, n in shapes])
+        offsets, row_bytes = part_offsets(group.parts), sum(p.codec.row_bytes for p in group.planes)
+        payloads = [np.empty(n * row_bytes, dtype=np.uint8) for _, n in shapes]
+        for index, plane in enumerate(group.planes):
+            rows = plane.codec.read_slot_bytes(plane.pool, slots, group.spec.rows_per_page)
+            size, at = plane.codec.row_bytes, 0
+            for payload, (_, n) in zip(payloads, shapes):
+                start = n * offsets[index]
+                payload[start : start + n * size] = rows[at : at + n].reshape(-1)
+                at += n
+        for i, payload, (first, n) in zip(members, payloads, shapes):
+            key, first_token, end_token = ranges[i]
+            out[i] = RowsObject(key, first_token, end_token - first_token, first, n, group.parts, payload)
+    return out

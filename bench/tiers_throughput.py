@@ -1,0 +1,169 @@
+"""KV tiers: load throughput through the Mooncake tier vs raw Mooncake ``get`` of the same
+bytes, and stored bytes per cached token vs the groups' byte-ideal and a naive full-page layout.
+
+    .venv/bin/python bench/tiers_throughput.py                 # V4-Flash, 16k-token prefix, 5 repeats
+    .venv/bin/python bench/tiers_throughput.py --tokens 4096 --repeats 3 --json PATH
+
+Needs the [mooncake] extra and its libraries (scripts/install-test-deps.sh); it
+starts its own master on loopback. One process is both writer and reader (the
+objects live in this client's segment), so the figures are loopback memory
+copies through the transfer engine, not a network. Writes a table and JSON
+(default bench/out/tiers_throughput.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from hybridkv.models.layout import cache_layout
+from hybridkv.tiers import ObjectStore, encode_object, new_group_pools
+from hybridkv.tiers.mooncake import MooncakeMaster, MooncakeTier
+from hybridkv.tiers.rows import GroupPages, scatter_objects
+from hybridkv.transfer import checkpoint_tokens, export_objects, plan_handoff
+
+
+def build_source(layout, tokens: int, seed: int):
+    """Pools holding random bytes on shuffled pages for one request of ``tokens`` tokens."""
+    rng = np.random.default_rng(seed)
+    need = {g.group_id: math.ceil(tokens / g.spec.page_tokens) + 2 for g in layout.groups}
+    pools = new_group_pools(layout, need)
+    pages = {}
+    for gid, group in pools.items():
+        for plane in group.planes:
+            plane.pool[...] = rng.integers(0, 256, plane.pool.shape, dtype=np.uint8)
+        pages[gid] = GroupPages(0, rng.permutation(np.arange(1, need[gid]))[: need[gid] - 2])
+    return pools, pages
+
+
+def bytes_per_token(layout, objects, encoded, tokens: int) -> dict:
+    stored = sum(len(b) for b in encoded)
+    payload = sum(o.payload.size for o in objects)
+    ideal_history = sum(g.ideal_bytes_per_token for g in layout.groups) * tokens
+    ideal_checkpoint = sum(
+        len(g.layers) * g.row_bytes * checkpoint_tokens(layout, g.group_id, tokens)
+        for g in layout.groups if g.spec.is_sliding
+    )
+    naive = sum(math.ceil(tokens / g.spec.page_tokens) * g.page_bytes for g in layout.groups)
+    ideal = ideal_history + ideal_checkpoint
+    return {
+        "tokens": tokens,
+        "stored_bytes_per_token": stored / tokens,
+        "payload_bytes_per_token": payload / tokens,
+        "ideal_bytes_per_token": ideal / tokens,
+        "naive_full_page_bytes_per_token": naive / tokens,
+        "stored_over_ideal": stored / ideal,
+        "naive_over_ideal": naive / ideal,
+    }
+
+
+def timed(fn, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def run(args) -> dict:
+    layout = cache_layout(args.model)
+    tokens = args.tokens
+    pools, pages = build_source(layout, tokens, args.seed)
+    with tempfile.TemporaryDirectory() as tmp, MooncakeMaster(log_path=os.path.join(tmp, "master.log")) as master:
+        tier = MooncakeTier(master.master_address, master.metadata_url, segment_bytes=args.segment_mib << 20,
+                            local_buffer_bytes=args.buffer_mib << 20)
+        try:
+            store = ObjectStore(tier, layout)
+            plan = plan_handoff(store, np.arange(tokens) % 50000, tokens)
+            objects = export_objects(plan.objects, pools, pages)
+            encoded = [encode_object(o, store.namespace) for o in objects]
+            assert all(store.put(objects)), "the store refused objects: raise --segment-mib"
+            names = [store.name(o.key) for o in plan.objects]
+            total_bytes = sum(len(b) for b in encoded)
+            batches = [list(range(i, min(i + args.batch, len(names)))) for i in range(0, len(names), args.batch)]
+            dst_pools, dst_pages = build_source(layout, tokens, args.seed + 1)
+
+            def raw():
+                for b in batches:
+                    tier.raw_get([names[i] for i in b])
+
+            def tier_get():
+                for b in batches:
+                    store.get([plan.objects[i].key for i in b])
+
+            def tier_load():
+                for b in batches:
+                    scatter_objects(dst_pools, dst_pages, store.get([plan.objects[i].key for i in b]))
+
+            tier_load()
+            for i, o in enumerate(plan.objects):  # the load moved the right bytes
+                back = export_objects([o], dst_pools, dst_pages)[0]
+                assert np.array_equal(back.payload, objects[i].payload)
+            results = {}
+            rounds = {name: [] for name in ("raw_get", "tier_get", "tier_load")}
+            for _ in range(args.repeats):  # interleaved, so drift hits all three alike
+                for name, fn in (("raw_get", raw), ("tier_get", tier_get), ("tier_load", tier_load)):
+                    rounds[name] += timed(fn, 1)
+            for name, times in rounds.items():
+                median = statistics.median(times)
+                results[name] = {"median_s": median, "mb_per_s": total_bytes / median / 1e6}
+            for name in ("tier_get", "tier_load"):
+                results[name]["of_raw"] = results["raw_get"]["median_s"] / results[name]["median_s"]
+        finally:
+            tier.close()
+    return {
+        "model": args.model,
+        "objects": len(objects),
+        "bytes": total_bytes,
+        "batch_objects": args.batch,
+        "repeats": args.repeats,
+        "throughput": results,
+        "bytes_per_token": bytes_per_token(layout, objects, encoded, tokens),
+    }
+
+
+def print_report(report: dict) -> None:
+    print(f"{report['model']}: {report['objects']} objects, {report['bytes'] / 2**20:.1f} MiB, "
+          f"batches of {report['batch_objects']}, median of {report['repeats']}")
+    print(f"{'path':<34}{'MB/s':>10}{'of raw get':>12}")
+    labels = {"raw_get": "raw Mooncake get_batch", "tier_get": "tier get (fetch + verify)",
+              "tier_load": "tier load (fetch + verify + scatter)"}
+    for name, row in report["throughput"].items():
+        share = f"{row['of_raw']:.0%}" if "of_raw" in row else ""
+        print(f"{labels[name]:<34}{row['mb_per_s']:>10.0f}{share:>12}")
+    b = report["bytes_per_token"]
+    print(f"\nbytes per cached token ({b['tokens']} tokens, history + checkpoint at the end):")
+    print(f"  stored objects   {b['stored_bytes_per_token']:>10.1f}  ({b['stored_over_ideal']:.4f}x ideal)")
+    print(f"  payload only     {b['payload_bytes_per_token']:>10.1f}")
+    print(f"  byte-ideal       {b['ideal_bytes_per_token']:>10.1f}")
+    print(f"  naive full pages {b['naive_full_page_bytes_per_token']:>10.1f}  ({b['naive_over_ideal']:.2f}x ideal)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="deepseek-v4-flash")
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=16, help="objects per get_batch call")
+    parser.add_argument("--segment-mib", type=int, default=256)
+    parser.add_argument("--buffer-mib", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default="bench/out/tiers_throughput.json")
+    args = parser.parse_args()
+    report = run(args)
+    print_report(report)
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as handle:
+        json.dump(report, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
