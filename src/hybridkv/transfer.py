@@ -32,7 +32,7 @@ from hybridkv.tiers.keys import ObjectKey, chained_keys
 from hybridkv.tiers.namespace import Namespace
 from hybridkv.tiers.objects import NamespaceMismatch, RowsObject
 from hybridkv.tiers.pools import GroupPools
-from hybridkv.tiers.rows import GroupPages, gather_objects, rows_for_tokens, scatter_objects
+from hybridkv.tiers.rows import GroupPages, MissingRows, gather_object, gather_objects, rows_for_tokens, scatter_objects
 from hybridkv.tiers.store import ObjectStore
 
 
@@ -197,6 +197,116 @@ def load_objects(
     written = len(chosen)
     missing = tuple(o.key for o, obj in zip(objects, got) if obj is None)
     return LoadResult(boundary, written, missing)
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Objects to write to a tier and, per object, the pages its rows sit in now (logical order
+    from the object's first page). What the manager hands the engine when it evicts or, under
+    write-through, publishes a block or a checkpoint."""
+
+    objects: tuple[PlannedObject, ...]
+    sources: tuple[GroupPages, ...]
+
+    def run(self, store: ObjectStore, pools: Mapping[str, GroupPools]) -> list[bool]:
+        """Copy the rows out and put the objects; per object, whether a tier stored it."""
+        objects = [
+            gather_object(pools[o.key.group_id], view, o.key, o.first_token, o.end_token)
+            for o, view in zip(self.objects, self.sources)
+        ]
+        return store.put(objects)
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """Objects to load into the pages admission allocated (``targets``: the request's page view),
+    and the boundaries the load may end at, longest usable first."""
+
+    objects: tuple[PlannedObject, ...]
+    boundaries: tuple[int, ...]
+
+    @property
+    def boundary_tokens(self) -> int:
+        return max(self.boundaries, default=0)
+
+    def run(self, store: ObjectStore, pools: Mapping[str, GroupPools], targets: Mapping[str, GroupPages]) -> LoadResult:
+        """Load what serves the longest boundary whose objects all arrive verified; write nothing else."""
+        return load_objects(store, self.objects, self.boundaries, pools, targets)
+
+
+def prefix_objects(
+    layout: ModelCacheLayout,
+    token_ids: object,
+    end_tokens: int,
+    *,
+    checkpoints_at: Sequence[int] | None = None,
+    block_tokens: int = 256,
+    salt: bytes = b"",
+) -> tuple[list[PlannedObject], list[int]]:
+    """History blocks below ``end_tokens`` (whole blocks only) and checkpoints at the block
+    boundaries ``checkpoints_at`` (default: every one); returns them and those boundaries."""
+    whole = end_tokens // block_tokens * block_tokens
+    boundaries = list(range(block_tokens, whole + 1, block_tokens))
+    if checkpoints_at is not None:
+        unknown = sorted(set(checkpoints_at) - set(boundaries))
+        if unknown:
+            raise ValueError(f"checkpoints must sit on block boundaries up to {whole}, got {unknown}")
+        boundaries = sorted(set(checkpoints_at))
+    if whole == 0:
+        return [], []
+    keys = chained_keys(np.asarray(token_ids)[:whole], block_tokens, salt=salt)
+    objects = _history_objects(layout, keys, block_tokens, whole)
+    for boundary in boundaries:
+        objects += _checkpoint_objects(layout, keys[boundary // block_tokens - 1], boundary)
+    return objects, boundaries
+
+
+def plan_prefix_offload(
+    store: ObjectStore,
+    token_ids: object,
+    end_tokens: int,
+    pages: Mapping[str, GroupPages],
+    *,
+    checkpoints_at: Sequence[int] | None = None,
+    block_tokens: int = 256,
+    salt: bytes = b"",
+) -> OffloadPlan:
+    """Offload a request's prefix from its page view ``pages``: the whole blocks below
+    ``end_tokens`` and checkpoints at ``checkpoints_at`` (default: the last block boundary; a
+    checkpoint costs a whole window of rows, so storing one at every boundary is a policy choice).
+    A checkpoint whose rows the request no longer holds is left out."""
+    whole = end_tokens // block_tokens * block_tokens
+    at = ([whole] if whole else []) if checkpoints_at is None else checkpoints_at
+    objects, _ = prefix_objects(store.layout, token_ids, end_tokens, checkpoints_at=at,
+                                block_tokens=block_tokens, salt=salt)
+    kept, sources = [], []
+    for o in objects:
+        spec = store.layout.group(o.key.group_id).spec
+        first_row, num_rows = rows_for_tokens(spec, o.first_token, o.end_token)
+        try:
+            pages[o.key.group_id].slots(spec, first_row, num_rows)
+        except MissingRows:
+            if o.key.kind == "block":
+                raise
+            continue  # a checkpoint whose window the request has already released
+        kept.append(o)
+        sources.append(pages[o.key.group_id])
+    return OffloadPlan(tuple(kept), tuple(sources))
+
+
+def plan_prefix_load(store: ObjectStore, token_ids: object, *, block_tokens: int = 256, salt: bytes = b"") -> LoadPlan:
+    """The boundaries of ``token_ids`` (below its last token, which must be computed) the tiers can
+    serve by ``contains``: every history block below and the checkpoint at. The plan fetches
+    those checkpoints and the blocks below the longest; its load verifies and may fall back."""
+    tokens = np.asarray(token_ids)
+    objects, boundaries = prefix_objects(store.layout, tokens, max(tokens.size - 1, 0),
+                                         block_tokens=block_tokens, salt=salt)
+    if not objects:
+        return LoadPlan((), ())
+    present = store.contains([o.key for o in objects])
+    usable = tuple(b for b in boundaries if usable_boundary(objects, present, [b]) == b)
+    chosen = tuple(o for o in objects if any(_serves(o, b) for b in usable))
+    return LoadPlan(chosen, usable)
 
 
 def pages_from_step(step: object, request_id: str) -> dict[str, GroupPages]:
