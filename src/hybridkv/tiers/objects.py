@@ -161,13 +161,18 @@ def _parse_variable(data: memoryview, fields: tuple) -> tuple[ObjectKey, tuple[P
     except (UnicodeDecodeError, ValueError) as exc:
         raise ObjectError(f"bad key or group in header: {exc}") from None
     at += key_len + group_len
+    return object_key, _parse_parts(bytes(data[at : at + num_parts * _PART.size]))
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_parts(raw: bytes) -> tuple[Part, ...]:
+    """The part table (the same bytes for every object of a group, so parsed once)."""
     parts = []
-    for i in range(num_parts):
-        layer, code, _, size = _PART.unpack_from(data, at + i * _PART.size)
+    for i, (layer, code, _, size) in enumerate(_PART.iter_unpack(raw)):
         if code not in _PLANES:
             raise ObjectError(f"part {i}: unknown plane code {code}")
         parts.append((layer, _PLANES[code], size))
-    return object_key, tuple(parts)
+    return tuple(parts)
 
 
 def decode_object(
