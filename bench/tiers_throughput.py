@@ -73,60 +73,64 @@ def timed(fn, repeats: int) -> list[float]:
     return out
 
 
+def measure(tier, store, plan, objects, layout, args) -> dict:
+    """Median seconds and MB/s of raw get, tier get and tier load of the plan's objects."""
+    names = [store.name(o.key) for o in plan.objects]
+    total_bytes = sum(len(encode_object(o, store.namespace)) for o in objects)
+    batches = [list(range(i, min(i + args.batch, len(names)))) for i in range(0, len(names), args.batch)]
+    dst_pools, dst_pages = build_source(layout, args.tokens, args.seed + 1)
+
+    def raw():
+        for b in batches:
+            tier.raw_get([names[i] for i in b])
+
+    def tier_get():
+        for b in batches:
+            store.get([plan.objects[i].key for i in b])
+
+    def tier_load():
+        for b in batches:
+            scatter_objects(dst_pools, dst_pages, store.get([plan.objects[i].key for i in b]))
+
+    tier_load()
+    for i, o in enumerate(plan.objects):  # the load moved the right bytes
+        assert np.array_equal(export_objects([o], dst_pools, dst_pages)[0].payload, objects[i].payload)
+    rounds = {"raw_get": [], "tier_get": [], "tier_load": []}
+    for _ in range(args.repeats):  # interleaved, so drift hits all three alike
+        for name, fn in (("raw_get", raw), ("tier_get", tier_get), ("tier_load", tier_load)):
+            rounds[name] += timed(fn, 1)
+    results = {}
+    for name, times in rounds.items():
+        median = statistics.median(times)
+        results[name] = {"median_s": median, "mb_per_s": total_bytes / median / 1e6}
+    for name in ("tier_get", "tier_load"):
+        results[name]["of_raw"] = results["raw_get"]["median_s"] / results[name]["median_s"]
+    return results
+
+
 def run(args) -> dict:
     layout = cache_layout(args.model)
-    tokens = args.tokens
-    pools, pages = build_source(layout, tokens, args.seed)
+    pools, pages = build_source(layout, args.tokens, args.seed)
     with tempfile.TemporaryDirectory() as tmp, MooncakeMaster(log_path=os.path.join(tmp, "master.log")) as master:
         tier = MooncakeTier(master.master_address, master.metadata_url, segment_bytes=args.segment_mib << 20,
                             local_buffer_bytes=args.buffer_mib << 20)
         try:
             store = ObjectStore(tier, layout)
-            plan = plan_handoff(store, np.arange(tokens) % 50000, tokens)
+            plan = plan_handoff(store, np.arange(args.tokens) % 50000, args.tokens)
             objects = export_objects(plan.objects, pools, pages)
-            encoded = [encode_object(o, store.namespace) for o in objects]
             assert all(store.put(objects)), "the store refused objects: raise --segment-mib"
-            names = [store.name(o.key) for o in plan.objects]
-            total_bytes = sum(len(b) for b in encoded)
-            batches = [list(range(i, min(i + args.batch, len(names)))) for i in range(0, len(names), args.batch)]
-            dst_pools, dst_pages = build_source(layout, tokens, args.seed + 1)
-
-            def raw():
-                for b in batches:
-                    tier.raw_get([names[i] for i in b])
-
-            def tier_get():
-                for b in batches:
-                    store.get([plan.objects[i].key for i in b])
-
-            def tier_load():
-                for b in batches:
-                    scatter_objects(dst_pools, dst_pages, store.get([plan.objects[i].key for i in b]))
-
-            tier_load()
-            for i, o in enumerate(plan.objects):  # the load moved the right bytes
-                back = export_objects([o], dst_pools, dst_pages)[0]
-                assert np.array_equal(back.payload, objects[i].payload)
-            results = {}
-            rounds = {name: [] for name in ("raw_get", "tier_get", "tier_load")}
-            for _ in range(args.repeats):  # interleaved, so drift hits all three alike
-                for name, fn in (("raw_get", raw), ("tier_get", tier_get), ("tier_load", tier_load)):
-                    rounds[name] += timed(fn, 1)
-            for name, times in rounds.items():
-                median = statistics.median(times)
-                results[name] = {"median_s": median, "mb_per_s": total_bytes / median / 1e6}
-            for name in ("tier_get", "tier_load"):
-                results[name]["of_raw"] = results["raw_get"]["median_s"] / results[name]["median_s"]
+            results = measure(tier, store, plan, objects, layout, args)
         finally:
             tier.close()
+    encoded = [encode_object(o, store.namespace) for o in objects]
     return {
         "model": args.model,
         "objects": len(objects),
-        "bytes": total_bytes,
+        "bytes": sum(len(b) for b in encoded),
         "batch_objects": args.batch,
         "repeats": args.repeats,
         "throughput": results,
-        "bytes_per_token": bytes_per_token(layout, objects, encoded, tokens),
+        "bytes_per_token": bytes_per_token(layout, objects, encoded, args.tokens),
     }
 
 
