@@ -60,7 +60,7 @@ def reference_rows(group_pools, view, first_row, num_rows):
 GROUPS = [g.group_id for g in LAYOUT.groups]
 
 
-@settings(max_examples=30)
+@settings(max_examples=20)
 @given(st.sampled_from(GROUPS), st.integers(0, 700), st.integers(0, 300), st.integers(0, 2**31))
 def test_gather_matches_row_by_row_reference_and_scatter_moves_rows_by_position(gid, first, span, seed):
     rng = np.random.default_rng(seed)
