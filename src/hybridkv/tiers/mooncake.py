@@ -52,6 +52,14 @@ def master_binary() -> str:
     return found
 
 
+def _die_with_parent() -> list[str]:
+    """A command prefix that has the master killed when the process that started it dies
+    (a crashed or killed test or benchmark leaves no master behind): util-linux ``setpriv
+    --pdeathsig`` where it exists, else nothing."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--"] if setpriv and sys.platform == "linux" else []
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -97,7 +105,7 @@ class MooncakeMaster:
         ]
         log = open(self.log_path, "ab")
         try:
-            self._process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+            self._process = subprocess.Popen(_die_with_parent() + args, stdout=log, stderr=subprocess.STDOUT)
         finally:
             log.close()
         deadline = time.monotonic() + timeout_s
