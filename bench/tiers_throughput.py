@@ -80,31 +80,46 @@ def measure(tier, store, plan, objects, layout, args) -> dict:
     batches = [list(range(i, min(i + args.batch, len(names)))) for i in range(0, len(names), args.batch)]
     dst_pools, dst_pages = build_source(layout, args.tokens, args.seed + 1)
 
+    sizes = [len(encode_object(o, store.namespace)) for o in objects]
+    rows = [o.num_rows for o in objects]
+
     def raw():
         for b in batches:
             tier.raw_get([names[i] for i in b])
+
+    def raw_into():
+        for b in batches:
+            codes = tier.raw_get_into([names[i] for i in b], [sizes[i] for i in b])
+            assert list(codes) == [sizes[i] for i in b]
 
     def tier_get():
         for b in batches:
             store.get([plan.objects[i].key for i in b])
 
+    def tier_fetch():
+        for b in batches:
+            store.fetch([plan.objects[i].key for i in b], [rows[i] for i in b])
+
     def tier_load():
         for b in batches:
-            scatter_objects(dst_pools, dst_pages, store.get([plan.objects[i].key for i in b]))
+            scatter_objects(dst_pools, dst_pages, store.fetch([plan.objects[i].key for i in b], [rows[i] for i in b]))
 
     tier_load()
     for i, o in enumerate(plan.objects):  # the load moved the right bytes
         assert np.array_equal(export_objects([o], dst_pools, dst_pages)[0].payload, objects[i].payload)
-    rounds = {"raw_get": [], "tier_get": [], "tier_load": []}
-    for _ in range(args.repeats):  # interleaved, so drift hits all three alike
-        for name, fn in (("raw_get", raw), ("tier_get", tier_get), ("tier_load", tier_load)):
+    paths = (("raw_get", raw), ("raw_get_into", raw_into), ("tier_get", tier_get), ("tier_fetch", tier_fetch),
+             ("tier_load", tier_load))
+    rounds = {name: [] for name, _ in paths}
+    for _ in range(args.repeats):  # interleaved, so drift hits every path alike
+        for name, fn in paths:
             rounds[name] += timed(fn, 1)
     results = {}
     for name, times in rounds.items():
         median = statistics.median(times)
         results[name] = {"median_s": median, "mb_per_s": total_bytes / median / 1e6}
-    for name in ("tier_get", "tier_load"):
+    for name in ("tier_get", "tier_fetch", "tier_load"):
         results[name]["of_raw"] = results["raw_get"]["median_s"] / results[name]["median_s"]
+        results[name]["of_raw_into"] = results["raw_get_into"]["median_s"] / results[name]["median_s"]
     return results
 
 
@@ -137,12 +152,14 @@ def run(args) -> dict:
 def print_report(report: dict) -> None:
     print(f"{report['model']}: {report['objects']} objects, {report['bytes'] / 2**20:.1f} MiB, "
           f"batches of {report['batch_objects']}, median of {report['repeats']}")
-    print(f"{'path':<34}{'MB/s':>10}{'of raw get':>12}")
-    labels = {"raw_get": "raw Mooncake get_batch", "tier_get": "tier get (fetch + verify)",
+    print(f"{'path':<44}{'MB/s':>8}{'of get_batch':>14}{'of get_into':>13}")
+    labels = {"raw_get": "raw Mooncake get_batch", "raw_get_into": "raw Mooncake batch_get_into (registered)",
+              "tier_get": "tier get (get_batch + verify)", "tier_fetch": "tier fetch (get_into + verify)",
               "tier_load": "tier load (fetch + verify + scatter)"}
     for name, row in report["throughput"].items():
         share = f"{row['of_raw']:.0%}" if "of_raw" in row else ""
-        print(f"{labels[name]:<34}{row['mb_per_s']:>10.0f}{share:>12}")
+        share_into = f"{row['of_raw_into']:.0%}" if "of_raw_into" in row else ""
+        print(f"{labels[name]:<44}{row['mb_per_s']:>8.0f}{share:>14}{share_into:>13}")
     b = report["bytes_per_token"]
     print(f"\nbytes per cached token ({b['tokens']} tokens, history + checkpoint at the end):")
     print(f"  stored objects   {b['stored_bytes_per_token']:>10.1f}  ({b['stored_over_ideal']:.4f}x ideal)")

@@ -66,9 +66,10 @@ def test_host_tier_counts_hits_and_misses():
     tier = HostTier(100)
     tier.put([("a", b"1"), ("b", b"22")])
     assert tier.get(["a", "c", "b"]) == [b"1", None, b"22"]
+    assert [None if v is None else bytes(v) for v in tier.fetch(["b", "x"], [2, 5])] == [b"22", None]
     assert tier.contains(["a", "c"]) == [True, False]
     s = tier.stats()
-    assert (s.lookups, s.hits, s.misses, s.stored, s.stored_bytes) == (3, 2, 1, 2, 3)
+    assert (s.lookups, s.hits, s.misses, s.stored, s.stored_bytes) == (5, 3, 2, 2, 3)
     with pytest.raises(ValueError, match="non-empty str"):
         tier.get([""])
     with pytest.raises(ValueError, match="bytes"):

@@ -192,3 +192,29 @@ def test_ci_fails_loudly_when_mooncake_is_missing():
     env = dict(os.environ, CI="true")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "CI must run the Mooncake tests" in out.stderr
+
+
+def test_fetch_receives_into_the_registered_buffer_and_falls_back_to_get(master):
+    client = MooncakeTier(master.master_address, master.metadata_url, segment_bytes=32 << 20,
+                          receive_bytes=2 << 20)
+    try:
+        store = ObjectStore(client, FLASH)
+        objects = [c4_block(40 + i) for i in range(2)]  # 2 x 876 kB: fits the 2 MiB buffer
+        assert store.put(objects) == [True, True]
+        keys = [o.key for o in objects]
+        got = store.fetch(keys, [64, 64])
+        assert all(np.array_equal(g.payload, o.payload) for g, o in zip(got, objects))
+        assert not got[0].payload.flags.writeable
+        # a wrong size (another row count) misses the buffer path, then get finds the object
+        assert np.array_equal(store.fetch(keys[:1], [63])[0].payload, objects[0].payload)
+        # three objects do not fit the buffer: fetched through get
+        third = c4_block(42)
+        store.put([third])
+        got = store.fetch(keys + [third.key], [64, 64, 64])
+        assert np.array_equal(got[2].payload, third.payload)
+        absent = ObjectKey("block", C4, b"\x77" * 16)
+        assert store.fetch([absent], [64]) == [None]
+        stats = client.stats()
+        assert stats.errors == 0 and stats.misses == 1
+    finally:
+        client.close()

@@ -187,10 +187,13 @@ def load_objects(
     into the target pools (target page view ``pages``). A boundary whose checkpoint or any
     history block below it is missing, corrupted or refused is not used; nothing is written
     for it, and 0 means nothing was written."""
-    got = store.get([o.key for o in objects])
-    for o, obj in zip(objects, got):
-        if obj is not None and (obj.first_token, obj.first_token + obj.num_tokens) != (o.first_token, o.end_token):
-            raise ValueError(f"object {o.key} covers other tokens than planned")
+    rows = [rows_for_tokens(store.layout.group(o.key.group_id).spec, o.first_token, o.end_token)[1] for o in objects]
+    got = store.fetch([o.key for o in objects], rows)
+    got = [  # an intact object under the planned key but of other tokens is not used
+        obj if obj is not None and (obj.first_token, obj.first_token + obj.num_tokens) == (o.first_token, o.end_token)
+        else None
+        for o, obj in zip(objects, got)
+    ]
     boundary = usable_boundary(objects, [obj is not None for obj in got], boundaries)
     chosen = [obj for o, obj in zip(objects, got) if boundary and _serves(o, boundary)]
     scatter_objects(dict(pools), dict(pages), chosen)

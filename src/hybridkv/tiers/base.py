@@ -76,6 +76,23 @@ class Tier(ABC):
         self._stats.misses += len(names) - hits
         return values
 
+    def fetch(self, names: Sequence[str], sizes: Sequence[int]) -> list[memoryview | None]:
+        """``get`` of objects whose sizes the caller knows, as read-only views. A tier may
+        receive into a buffer of its own: the views stay valid only until its next ``fetch``
+        (copy what must outlive it). Counted as ``get``."""
+        names = [check_name(n) for n in names]
+        if len(sizes) != len(names):
+            raise ValueError(f"{len(sizes)} sizes for {len(names)} names")
+        values = self._fetch(names, [int(size) for size in sizes])
+        hits = sum(v is not None for v in values)
+        self._stats.lookups += len(names)
+        self._stats.hits += hits
+        self._stats.misses += len(names) - hits
+        return values
+
+    def _fetch(self, names: list[str], sizes: list[int]) -> list[memoryview | None]:
+        return [None if v is None else memoryview(v) for v in self._get(names)]
+
     def contains(self, names: Sequence[str]) -> list[bool]:
         return self._contains([check_name(n) for n in names])
 

@@ -112,6 +112,12 @@ def _check_shape(obj: RowsObject) -> None:
         raise ValueError(f"payload has {payload.size} bytes; {obj.num_rows} rows need {obj.num_rows * obj.row_bytes}")
 
 
+def encoded_size(key: ObjectKey, parts: tuple[Part, ...], num_rows: int) -> int:
+    """Bytes of the stored object of ``key`` with ``num_rows`` rows of ``parts`` (known before a fetch)."""
+    header = _FIXED.size + len(key.key) + len(key.group_id.encode("utf-8")) + len(parts) * _PART.size + _CHECKSUM.size
+    return header + num_rows * sum(size for _, _, size in parts)
+
+
 def encode_object(obj: RowsObject, namespace: Namespace) -> bytes:
     """The stored bytes of ``obj`` (header, payload) under ``namespace``."""
     _check_shape(obj)
@@ -208,5 +214,5 @@ def decode_object(
 
 __all__ = [
     "FORMAT_VERSION", "MAGIC", "NAMESPACE_BYTES", "NamespaceMismatch", "ObjectError", "PLANE_CODES",
-    "Part", "RowsObject", "decode_object", "encode_object",
+    "Part", "RowsObject", "decode_object", "encode_object", "encoded_size",
 ]

@@ -15,7 +15,14 @@ from hybridkv.models.layout import ModelCacheLayout
 from hybridkv.tiers.base import Tier
 from hybridkv.tiers.keys import ObjectKey
 from hybridkv.tiers.namespace import Namespace, layout_namespace
-from hybridkv.tiers.objects import NamespaceMismatch, ObjectError, RowsObject, decode_object, encode_object
+from hybridkv.tiers.objects import (
+    NamespaceMismatch,
+    ObjectError,
+    RowsObject,
+    decode_object,
+    encode_object,
+    encoded_size,
+)
 from hybridkv.tiers.pools import layout_parts
 
 
@@ -58,8 +65,19 @@ class ObjectStore:
         return stored
 
     def get(self, keys: Sequence[ObjectKey]) -> list[RowsObject | None]:
+        """Per key, the verified object or ``None`` (absent, a tier fault, or refused by verification)."""
         names = [self.name(key) for key in keys]
-        values = self.tier.get(names)
+        return self._verified(keys, names, self.tier.get(names))
+
+    def fetch(self, keys: Sequence[ObjectKey], num_rows: Sequence[int]) -> list[RowsObject | None]:
+        """``get`` of objects whose row counts are known (a plan knows them), through the tier's
+        ``fetch``: the payloads may be views of the tier's receive buffer, valid until its next
+        fetch, so use them (scatter them) before fetching again."""
+        names = [self.name(key) for key in keys]
+        sizes = [encoded_size(key, self._parts[key.group_id], rows) for key, rows in zip(keys, num_rows)]
+        return self._verified(keys, names, self.tier.fetch(names, sizes))
+
+    def _verified(self, keys, names, values) -> list[RowsObject | None]:
         out: list[RowsObject | None] = []
         bad = []
         for key, name, value in zip(keys, names, values):
