@@ -24,6 +24,7 @@ LAYERS = [
     ("hybridkv.batch",),
     ("hybridkv.manager",),
     ("hybridkv.mirror",),
+    ("hybridkv.tiers", "hybridkv.transfer"),
     ("hybridkv.reference", "hybridkv.sim"),
     ("hybridkv.cli",),
 ]

@@ -1,0 +1,38 @@
+"""KV tiers: compact, checksummed objects of cache rows in host memory, on disk or in Mooncake Store.
+
+* :mod:`~hybridkv.tiers.namespace` - the layout namespace key.
+* :mod:`~hybridkv.tiers.keys` - chained content keys and object names.
+* :mod:`~hybridkv.tiers.objects` - the object format (encode, verify, decode).
+* :mod:`~hybridkv.tiers.pools`, :mod:`~hybridkv.tiers.rows` - rows between page pools and objects.
+* :mod:`~hybridkv.tiers.host`, :mod:`~hybridkv.tiers.disk`, :mod:`~hybridkv.tiers.mooncake`,
+  :mod:`~hybridkv.tiers.stack` - the tiers; :mod:`~hybridkv.tiers.store` - objects through a tier.
+
+See ``docs/tiers.md``.
+"""
+
+from hybridkv.tiers.base import Tier, TierStats, TierUnavailable
+from hybridkv.tiers.disk import DiskTier
+from hybridkv.tiers.host import HostTier
+from hybridkv.tiers.keys import ObjectKey, boundary_key, chained_keys
+from hybridkv.tiers.namespace import Namespace, layout_namespace
+from hybridkv.tiers.objects import NamespaceMismatch, ObjectError, RowsObject, decode_object, encode_object
+from hybridkv.tiers.pools import GroupPools, group_pools_from_layers, layout_parts, new_group_pools
+from hybridkv.tiers.rows import (
+    GroupPages,
+    MissingRows,
+    gather_object,
+    gather_objects,
+    rows_for_tokens,
+    scatter_object,
+    scatter_objects,
+)
+from hybridkv.tiers.stack import TierStack
+from hybridkv.tiers.store import ObjectStore, StoreStats
+
+__all__ = [
+    "DiskTier", "GroupPages", "GroupPools", "HostTier", "MissingRows", "Namespace", "NamespaceMismatch",
+    "ObjectError", "ObjectKey", "ObjectStore", "RowsObject", "StoreStats", "Tier", "TierStack", "TierStats",
+    "TierUnavailable", "boundary_key", "chained_keys", "decode_object", "encode_object", "gather_object",
+    "group_pools_from_layers", "layout_namespace", "layout_parts", "new_group_pools", "rows_for_tokens",
+    "scatter_object", "gather_objects", "scatter_objects",
+]

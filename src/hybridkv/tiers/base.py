@@ -1,0 +1,125 @@
+"""The tier interface: batched put, get, contains and delete of named byte objects.
+
+A tier never raises out of these four calls for a storage fault (a full
+budget, a full disk, a dead server): it answers "not stored" / a miss and
+counts the fault in :class:`TierStats`. It raises ``ValueError`` only for a
+caller's mistake (a name that is not a non-empty str, a value that is not
+bytes). Each tier keeps and evicts on its own; no tier knows the device.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+
+@dataclass
+class TierStats:
+    """Counters since the tier was made (objects unless a name says bytes)."""
+
+    stored: int = 0  # puts that stored an object
+    stored_bytes: int = 0
+    refused: int = 0  # puts not stored: larger than the budget, disk or store full, or a fault
+    lookups: int = 0  # names asked for by get
+    hits: int = 0
+    misses: int = 0
+    errors: int = 0  # faults: I/O errors, a full disk, an unreachable store (each counted once)
+    evicted: int = 0  # objects this tier dropped to make room
+    evicted_bytes: int = 0
+    deleted: int = 0
+    held: int = 0  # objects held now (-1: unknown, e.g. a shared store)
+    held_bytes: int = 0
+    last_error: str = ""
+
+
+class TierUnavailable(RuntimeError):
+    """A tier cannot be set up (a missing package or library, an unreachable server)."""
+
+
+def check_items(items: Sequence[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+    out = []
+    for item in items:
+        name, value = item
+        check_name(name)
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise ValueError(f"value of {name!r} must be bytes, got {type(value).__name__}")
+        out.append((name, bytes(value) if not isinstance(value, bytes) else value))
+    return out
+
+
+def check_name(name: object) -> str:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"an object name must be a non-empty str, got {name!r}")
+    return name
+
+
+class Tier(ABC):
+    """One storage level. Subclasses implement the ``_`` methods; counting happens here."""
+
+    name: str = "tier"
+
+    def __init__(self) -> None:
+        self._stats = TierStats()
+
+    def put(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+        """Store ``(name, bytes)`` pairs; per item, whether it is stored now."""
+        return self._put(check_items(items))
+
+    def get(self, names: Sequence[str]) -> list[bytes | None]:
+        """Per name, the stored bytes or ``None`` (a miss, or a fault counted in ``errors``)."""
+        names = [check_name(n) for n in names]
+        values = self._get(names)
+        hits = sum(v is not None for v in values)
+        self._stats.lookups += len(names)
+        self._stats.hits += hits
+        self._stats.misses += len(names) - hits
+        return values
+
+    def fetch(self, names: Sequence[str], sizes: Sequence[int]) -> list[memoryview | None]:
+        """``get`` of objects whose sizes the caller knows, as read-only views. A tier may
+        receive into a buffer of its own: the views stay valid only until its next ``fetch``
+        (copy what must outlive it). Counted as ``get``."""
+        names = [check_name(n) for n in names]
+        if len(sizes) != len(names):
+            raise ValueError(f"{len(sizes)} sizes for {len(names)} names")
+        values = self._fetch(names, [int(size) for size in sizes])
+        hits = sum(v is not None for v in values)
+        self._stats.lookups += len(names)
+        self._stats.hits += hits
+        self._stats.misses += len(names) - hits
+        return values
+
+    def _fetch(self, names: list[str], sizes: list[int]) -> list[memoryview | None]:
+        return [None if v is None else memoryview(v) for v in self._get(names)]
+
+    def contains(self, names: Sequence[str]) -> list[bool]:
+        return self._contains([check_name(n) for n in names])
+
+    def delete(self, names: Sequence[str]) -> int:
+        """Drop the named objects; how many were held."""
+        count = self._delete([check_name(n) for n in names])
+        self._stats.deleted += count
+        return count
+
+    def stats(self) -> TierStats:
+        return replace(self._stats)
+
+    def close(self) -> None:
+        """Release what the tier holds open (files, connections); stored objects stay where they live."""
+
+    def _fault(self, message: str, count: int = 1) -> None:
+        self._stats.errors += count
+        self._stats.last_error = message
+
+    @abstractmethod
+    def _put(self, items: list[tuple[str, bytes]]) -> list[bool]: ...
+
+    @abstractmethod
+    def _get(self, names: list[str]) -> list[bytes | None]: ...
+
+    @abstractmethod
+    def _contains(self, names: list[str]) -> list[bool]: ...
+
+    @abstractmethod
+    def _delete(self, names: list[str]) -> int: ...

@@ -1,0 +1,319 @@
+"""Mooncake Store tier, and a loopback ``mooncake_master`` for tests and benchmarks.
+
+Needs the ``[mooncake]`` extra (PyPI ``mooncake-transfer-engine-non-cuda``)
+and the Debian libraries ``libibverbs1``, ``libnl-3-200`` and
+``libnl-route-3-200`` (``scripts/install-test-deps.sh``). The client mounts a
+segment of its own memory into the store (``segment_bytes``); the master
+places and evicts objects across every mounted segment, so what this tier
+holds is decided by the store, not by this process.
+
+Faults are answers, not exceptions: a put the store refuses (full, or the
+master unreachable) is "not stored" and counted; a get of a name that is
+absent is a miss, and when the master cannot be reached, a miss and an error.
+With the master gone each client call blocks for seconds (about 4 s here) before
+it fails, so after such a failure the tier answers at once, without calling the
+store, for ``retry_after_s``; then one call tries again.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from hybridkv.tiers.base import Tier, TierUnavailable
+
+_PRESENT = 1
+RPC_FAIL = -900  # the client's code when the master cannot be reached
+
+
+def load_store_class():
+    """``mooncake.store.MooncakeDistributedStore``, or ``TierUnavailable`` saying what to install."""
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        raise TierUnavailable(
+            "the Mooncake tier needs `pip install 'hybridkv[mooncake]'` and the Debian packages "
+            f"libibverbs1 libnl-3-200 libnl-route-3-200 (scripts/install-test-deps.sh): {exc}"
+        ) from None
+    return MooncakeDistributedStore
+
+
+def master_binary() -> str:
+    """Path of ``mooncake_master`` (next to this Python, else on ``PATH``)."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    found = beside if os.access(beside, os.X_OK) else shutil.which("mooncake_master")
+    if not found:
+        raise TierUnavailable("mooncake_master not found: install the [mooncake] extra")
+    return found
+
+
+def _die_with_parent() -> list[str]:
+    """A command prefix that has the master killed when the process that started it dies
+    (a crashed or killed test or benchmark leaves no master behind): util-linux ``setpriv
+    --pdeathsig`` where it exists, else nothing."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--"] if setpriv and sys.platform == "linux" else []
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class MooncakeMaster:
+    """A ``mooncake_master`` on loopback with free ports; ``start``, ``stop``, ``restart`` (same ports)."""
+
+    log_path: str = os.devnull
+    lease_ms: int = 50  # how long a read or write pins an object against removal
+    rpc_port: int = 0
+    http_port: int = 0
+    metrics_port: int = 0
+
+    def __post_init__(self) -> None:
+        self.rpc_port = self.rpc_port or free_port()
+        self.http_port = self.http_port or free_port()
+        self.metrics_port = self.metrics_port or free_port()
+        self._process: subprocess.Popen | None = None
+
+    @property
+    def master_address(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/metadata"
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def start(self, timeout_s: float = 20.0) -> MooncakeMaster:
+        if self.running:
+            return self
+        args = [
+            master_binary(), "-rpc_address=127.0.0.1", f"-rpc_port={self.rpc_port}",
+            "-enable_http_metadata_server=true", "-http_metadata_server_host=127.0.0.1",
+            f"-http_metadata_server_port={self.http_port}", f"-metrics_port={self.metrics_port}",
+            f"-default_kv_lease_ttl={self.lease_ms}",
+        ]
+        log = open(self.log_path, "ab")
+        try:
+            self._process = subprocess.Popen(_die_with_parent() + args, stdout=log, stderr=subprocess.STDOUT)
+        finally:
+            log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise TierUnavailable(f"mooncake_master exited with {self._process.returncode} (log {self.log_path})")
+            if _accepts(self.rpc_port) and _accepts(self.http_port):
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise TierUnavailable(f"mooncake_master did not listen within {timeout_s} s")
+
+    def stop(self) -> None:
+        """Kill the master (as a crash would) and wait for it."""
+        if self._process is not None:
+            if self._process.poll() is None:
+                self._process.kill()
+            self._process.wait()
+            self._process = None
+
+    def restart(self) -> MooncakeMaster:
+        self.stop()
+        return self.start()
+
+    def __enter__(self) -> MooncakeMaster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+    except OSError:
+        return False
+    return True
+
+
+class MooncakeTier(Tier):
+    """Objects in a Mooncake Store reached through ``master_address``."""
+
+    name = "mooncake"
+
+    def __init__(
+        self,
+        master_address: str,
+        metadata_url: str,
+        *,
+        segment_bytes: int = 64 << 20,
+        local_buffer_bytes: int = 16 << 20,
+        protocol: str = "tcp",
+        local_hostname: str = "127.0.0.1",
+        retry_after_s: float = 2.0,
+        receive_bytes: int = 64 << 20,
+    ) -> None:
+        super().__init__()
+        self.retry_after_s = float(retry_after_s)
+        self._down_until = 0.0
+        self._arena: np.ndarray | None = None
+        self._store = load_store_class()()
+        code = self._store.setup(
+            local_hostname, metadata_url, int(segment_bytes), int(local_buffer_bytes), protocol, "", master_address
+        )
+        if code != 0:
+            raise TierUnavailable(f"Mooncake setup with master {master_address} failed with code {code}")
+        self._stats.held = -1  # the store decides what it holds
+        if receive_bytes > 0:
+            arena = np.empty(int(receive_bytes), dtype=np.uint8)
+            if self._store.register_buffer(arena.ctypes.data, arena.nbytes) == 0:
+                self._arena = arena  # fetch receives here without a new bytes object per value
+
+    def _put(self, items: list[tuple[str, bytes]]) -> list[bool]:
+        if not items:
+            return []
+        if self._down():
+            self._stats.refused += len(items)
+            return [False] * len(items)
+        message, stored = self._put_batch(items)
+        # one bad item can fail the whole batch: put the others one by one
+        for i, (name, value) in enumerate(items):
+            if stored[i] or self._paused():
+                continue
+            code = self._call("put", name, value)
+            stored[i] = code == 0
+            if not stored[i]:
+                message = self._stats.last_error if code == -1 else f"Mooncake put of {name} ({len(value)} B) returned {code}"
+        for (_, value), ok in zip(items, stored):
+            if ok:
+                self._stats.stored += 1
+                self._stats.stored_bytes += len(value)
+            else:
+                self._stats.refused += 1
+        if not all(stored):
+            self._fault(self._stats.last_error if self._paused() else message)
+        return stored
+
+    def _put_batch(self, items: list[tuple[str, bytes]]) -> tuple[str, list[bool]]:
+        names = [name for name, _ in items]
+        codes = self._call("put_batch", names, [value for _, value in items])
+        if isinstance(codes, int):
+            # one code for the batch: on a failure, ask the store which items it holds
+            stored = [True] * len(items) if codes == 0 else [c == _PRESENT for c in self._exists(names)]
+        else:
+            stored = [int(c) == 0 for c in codes]
+        return f"Mooncake put_batch returned {codes}", stored
+
+    def _call(self, method: str, *args):
+        """A store call; an exception from the binding becomes code -1 (counted by the caller).
+        An unreachable master (code -900 anywhere in the answer) starts the retry pause."""
+        try:
+            answer = getattr(self._store, method)(*args)
+        except Exception as exc:
+            self._stats.last_error = f"Mooncake {method} raised {exc!r}"
+            return -1
+        codes = [answer] if isinstance(answer, int) else answer if method in ("put_batch", "batch_is_exist") else []
+        if any(int(code) == RPC_FAIL for code in codes):
+            self._down_until = time.monotonic() + self.retry_after_s
+            self._stats.last_error = f"Mooncake master unreachable ({method} returned {RPC_FAIL})"
+        return answer
+
+    def _paused(self) -> bool:
+        """Whether the master was found unreachable less than ``retry_after_s`` ago."""
+        return time.monotonic() < self._down_until
+
+    def _down(self) -> bool:
+        """In the pause: count a fault and call nothing."""
+        if not self._paused():
+            return False
+        self._fault(f"Mooncake master unreachable: not asked again for {self.retry_after_s} s")
+        return True
+
+    def _get(self, names: list[str]) -> list[bytes | None]:
+        if not names or self._down():
+            return [None] * len(names)
+        values = self._call("get_batch", names)
+        if isinstance(values, int):
+            self._fault(self._stats.last_error)
+            return [None] * len(names)
+        out: list[bytes | None] = [bytes(v) if len(v) else None for v in values]
+        empty = [names[i] for i, v in enumerate(out) if v is None]
+        if empty:  # an empty answer is a miss or a fault: ask which
+            codes = self._exists(empty)
+            if any(code < 0 for code in codes):
+                self._fault(f"Mooncake store unreachable (exists codes {sorted(set(codes))})")
+        return out
+
+    def _fetch(self, names: list[str], sizes: list[int]) -> list[memoryview | None]:
+        """Into the registered receive buffer when the batch fits (one ``batch_get_into``);
+        names it could not fetch so (absent, another size, a fault) go through ``get``."""
+        if self._arena is None or not names or sum(sizes) > self._arena.nbytes or min(sizes) <= 0:
+            return super()._fetch(names, sizes)
+        if self._down():
+            return [None] * len(names)
+        starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
+        base = self._arena.ctypes.data
+        codes = self._call("batch_get_into", names, [base + start for start in starts], sizes)
+        if isinstance(codes, int):
+            codes = [codes] * len(names)
+        view = memoryview(self._arena).toreadonly()
+        out: list[memoryview | None] = [
+            view[start : start + size] if int(code) == size else None
+            for start, size, code in zip(starts, sizes, codes)
+        ]
+        again = [i for i, v in enumerate(out) if v is None]
+        if again and not self._paused():
+            for i, value in zip(again, self._get([names[i] for i in again])):
+                out[i] = None if value is None else memoryview(value)
+        return out
+
+    def _exists(self, names: list[str]) -> list[int]:
+        codes = self._call("batch_is_exist", names)
+        return [-1] * len(names) if isinstance(codes, int) else [int(c) for c in codes]
+
+    def _contains(self, names: list[str]) -> list[bool]:
+        if not names or self._down():
+            return [False] * len(names)
+        codes = self._exists(names)
+        if any(code < 0 for code in codes):
+            self._fault(f"Mooncake store unreachable (exists codes {sorted(set(codes))})")
+        return [code == _PRESENT for code in codes]
+
+    def _delete(self, names: list[str]) -> int:
+        count = 0
+        for name in names:
+            if self._down():
+                break
+            count += int(self._call("remove", name) == 0)
+        return count
+
+    def raw_get_into(self, names: list[str], sizes: list[int]) -> list[int]:
+        """The store's ``batch_get_into`` the receive buffer as is (a benchmark floor)."""
+        starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
+        base = self._arena.ctypes.data
+        return self._store.batch_get_into(names, [base + start for start in starts], sizes)
+
+    def raw_get(self, names: list[str]) -> list[bytes]:
+        """The store's ``get_batch`` as is (for benchmarks: the floor a tier read is measured against)."""
+        return self._store.get_batch(names)
+
+    def close(self) -> None:
+        if self._store is not None:
+            try:
+                if self._arena is not None:
+                    self._store.unregister_buffer(self._arena.ctypes.data)
+                self._store.close()
+            except Exception:
+                pass
+            self._store = None

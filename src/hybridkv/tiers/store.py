@@ -1,0 +1,112 @@
+"""Objects in a tier: encode and name on the way in, verify on the way out.
+
+:class:`ObjectStore` binds a tier (or a stack) to one layout namespace. A
+loaded object is checked against the key and parts asked for; an object that
+fails (corrupted, truncated, another layout) is a miss, counted, and deleted
+from the tier so it cannot fail again. Nothing unverified reaches a pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from hybridkv.models.layout import ModelCacheLayout
+from hybridkv.tiers.base import Tier
+from hybridkv.tiers.keys import ObjectKey
+from hybridkv.tiers.namespace import Namespace, layout_namespace
+from hybridkv.tiers.objects import (
+    NamespaceMismatch,
+    ObjectError,
+    RowsObject,
+    decode_object,
+    encode_object,
+    encoded_size,
+)
+from hybridkv.tiers.pools import layout_parts
+
+
+@dataclass
+class StoreStats:
+    offered: int = 0  # objects offered to put
+    stored: int = 0
+    requested: int = 0  # objects asked for by get
+    loaded: int = 0  # verified and returned
+    missing: int = 0  # not in any tier (or a tier fault)
+    corrupt: int = 0  # failed verification: checksum, lengths, key or parts
+    refused: int = 0  # another layout's namespace
+    last_error: str = ""
+
+
+class ObjectStore:
+    """``put`` / ``get`` / ``contains`` / ``delete`` of :class:`RowsObject` through ``tier``."""
+
+    def __init__(self, tier: Tier, layout: ModelCacheLayout, *, model_id: str | None = None) -> None:
+        self.tier = tier
+        self.layout = layout
+        self.namespace: Namespace = layout_namespace(layout, model_id)
+        self._parts = {g.group_id: layout_parts(layout, g.group_id) for g in layout.groups}
+        self._stats = StoreStats()
+
+    def name(self, key: ObjectKey) -> str:
+        if key.group_id not in self._parts:
+            raise ValueError(f"no group {key.group_id!r} in layout {self.layout.name}")
+        return key.name(self.namespace)
+
+    def put(self, objects: Sequence[RowsObject]) -> list[bool]:
+        items = []
+        for obj in objects:
+            if obj.parts != self._parts.get(obj.key.group_id):
+                raise ValueError(f"object of group {obj.key.group_id} has parts that are not this layout's")
+            items.append((self.name(obj.key), encode_object(obj, self.namespace)))
+        stored = self.tier.put(items)
+        self._stats.offered += len(items)
+        self._stats.stored += sum(stored)
+        return stored
+
+    def get(self, keys: Sequence[ObjectKey]) -> list[RowsObject | None]:
+        """Per key, the verified object or ``None`` (absent, a tier fault, or refused by verification)."""
+        names = [self.name(key) for key in keys]
+        return self._verified(keys, names, self.tier.get(names))
+
+    def fetch(self, keys: Sequence[ObjectKey], num_rows: Sequence[int]) -> list[RowsObject | None]:
+        """``get`` of objects whose row counts are known (a plan knows them), through the tier's
+        ``fetch``: the payloads may be views of the tier's receive buffer, valid until its next
+        fetch, so use them (scatter them) before fetching again."""
+        names = [self.name(key) for key in keys]
+        sizes = [encoded_size(key, self._parts[key.group_id], rows) for key, rows in zip(keys, num_rows)]
+        return self._verified(keys, names, self.tier.fetch(names, sizes))
+
+    def _verified(self, keys, names, values) -> list[RowsObject | None]:
+        out: list[RowsObject | None] = []
+        bad = []
+        for key, name, value in zip(keys, names, values):
+            obj = None
+            if value is None:
+                self._stats.missing += 1
+            else:
+                try:
+                    obj = decode_object(value, self.namespace, expect_key=key, expect_parts=self._parts[key.group_id])
+                except NamespaceMismatch as exc:
+                    self._stats.refused += 1
+                    self._stats.last_error = str(exc)
+                    bad.append(name)
+                except ObjectError as exc:
+                    self._stats.corrupt += 1
+                    self._stats.last_error = str(exc)
+                    bad.append(name)
+            out.append(obj)
+        if bad:
+            self.tier.delete(bad)
+        self._stats.requested += len(keys)
+        self._stats.loaded += sum(o is not None for o in out)
+        return out
+
+    def contains(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        return self.tier.contains([self.name(key) for key in keys])
+
+    def delete(self, keys: Sequence[ObjectKey]) -> int:
+        return self.tier.delete([self.name(key) for key in keys])
+
+    def stats(self) -> StoreStats:
+        return replace(self._stats)

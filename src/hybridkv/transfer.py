@@ -1,0 +1,336 @@
+"""Moving a request's cache rows between instances and tiers, by logical position.
+
+What a request resumed at boundary ``D`` needs, per group:
+
+* a full-history group: every row below ``D``, as one object per block of
+  ``block_tokens`` (the last one partial when ``D`` is not a block multiple);
+* a sliding group: the checkpoint at ``D``, only its trailing rows
+  (:func:`checkpoint_tokens`); a group whose checkpoint is empty needs nothing.
+
+Plans name objects (:class:`PlannedObject`) and the pages their rows sit in
+on one side (:class:`~hybridkv.tiers.rows.GroupPages`, logical order), never a
+page id of the other side, so instances with different page ids and page sizes
+exchange the same rows. A load checks every object before it writes a row and
+writes only what serves a usable boundary: on a missing or bad object it falls
+back to a shorter boundary (or none), never to wrong rows.
+
+Page views come from the manager's public API: :func:`pages_from_step` (a
+full-mode ``StepBatch``) or :func:`pages_from_manager` (``request_pages``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hybridkv.models.deepseek_v4 import v4_checkpoint_window_tokens
+from hybridkv.models.layout import ModelCacheLayout
+from hybridkv.tiers.keys import ObjectKey, chained_keys
+from hybridkv.tiers.namespace import Namespace
+from hybridkv.tiers.objects import NamespaceMismatch, RowsObject
+from hybridkv.tiers.pools import GroupPools
+from hybridkv.tiers.rows import GroupPages, MissingRows, gather_object, gather_objects, rows_for_tokens, scatter_objects
+from hybridkv.tiers.store import ObjectStore
+
+
+@dataclass(frozen=True)
+class PlannedObject:
+    """One object of a plan: ``key``'s rows for tokens ``[first_token, end_token)``."""
+
+    key: ObjectKey
+    first_token: int
+    end_token: int
+    boundary_tokens: int  # the boundary this object serves (a block: its end; a checkpoint: D)
+
+
+@dataclass(frozen=True)
+class HandoffPlan:
+    """What a decode instance needs of one request at boundary ``D``: history below, checkpoint at."""
+
+    namespace: Namespace
+    boundary_tokens: int
+    objects: tuple[PlannedObject, ...]
+
+    def keys(self) -> list[ObjectKey]:
+        return [o.key for o in self.objects]
+
+    def export(self, pools: Mapping[str, GroupPools], pages: Mapping[str, GroupPages]) -> list[RowsObject]:
+        """The plan's objects read from the prefill side's pools (its page view ``pages``)."""
+        return export_objects(self.objects, pools, pages)
+
+    def load(self, store: ObjectStore, pools: Mapping[str, GroupPools], pages: Mapping[str, GroupPages]) -> LoadResult:
+        """Load the plan into the decode side's pools (its page view ``pages``): all or nothing."""
+        if store.namespace.digest != self.namespace.digest:
+            raise NamespaceMismatch(
+                f"plan of namespace {self.namespace.hex} loaded into a store of namespace {store.namespace.hex}")
+        return load_objects(store, self.objects, [self.boundary_tokens], pools, pages)
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    boundary_tokens: int  # tokens the target now holds rows for (0: fall back to a full prefill)
+    loaded_objects: int
+    missing: tuple[ObjectKey, ...]  # objects absent or refused by verification
+
+
+def aligned_grain_tokens(layout: ModelCacheLayout) -> int:
+    """Boundaries where a checkpoint is narrowest: multiples of every history group's row stride."""
+    strides = [g.spec.entry_stride_tokens for g in layout.groups if not g.spec.is_sliding]
+    return math.lcm(*strides) if strides else 1
+
+
+def checkpoint_tokens(layout: ModelCacheLayout, group_id: str, boundary_tokens: int) -> int:
+    """Trailing tokens of a sliding group's checkpoint at ``boundary_tokens``.
+
+    At a boundary that closes every compressor window (a multiple of
+    :func:`aligned_grain_tokens`), the model's checkpoint window
+    (``v4_checkpoint_window_tokens``: the whole KV window, 4 tokens of each
+    ratio-4 state, none of the ratio-128 state on V4). Elsewhere, the window
+    less one token: what the model still reads at ``D`` (the window ending at
+    ``D`` itself and the open compressor windows) and what the manager keeps.
+    """
+    spec = layout.group(group_id).spec
+    if not spec.is_sliding:
+        raise ValueError(f"group {group_id} is not a sliding group")
+    if boundary_tokens % aligned_grain_tokens(layout) == 0:
+        tokens = v4_checkpoint_window_tokens(layout.specs)[group_id]
+    else:
+        tokens = spec.sliding_window_tokens - 1
+    return min(tokens, boundary_tokens)
+
+
+def _history_objects(layout: ModelCacheLayout, keys: Sequence[bytes], block_tokens: int, end: int):
+    out = []
+    for group in layout.groups:
+        if group.spec.is_sliding:
+            continue
+        for index in range(-(-end // block_tokens)):
+            start, stop = index * block_tokens, min((index + 1) * block_tokens, end)
+            if rows_for_tokens(group.spec, start, stop)[1] == 0:
+                continue  # a partial block with no whole row yet (its tokens live in a state)
+            out.append(PlannedObject(ObjectKey("block", group.group_id, keys[index]), start, stop, stop))
+    return out
+
+
+def _checkpoint_objects(layout: ModelCacheLayout, key: bytes, boundary: int) -> list[PlannedObject]:
+    out = []
+    for group in layout.groups:
+        if group.spec.is_sliding:
+            tokens = checkpoint_tokens(layout, group.group_id, boundary)
+            if tokens:
+                out.append(PlannedObject(ObjectKey("checkpoint", group.group_id, key), boundary - tokens, boundary, boundary))
+    return out
+
+
+def plan_handoff(
+    store: ObjectStore,
+    token_ids: object,
+    boundary_tokens: int,
+    *,
+    block_tokens: int = 256,
+    salt: bytes = b"",
+    peer_namespace: Namespace | None = None,
+) -> HandoffPlan:
+    """The objects a decode instance needs to resume ``token_ids`` at ``boundary_tokens``.
+
+    ``peer_namespace``: the other instance's layout namespace; a different one
+    raises :class:`NamespaceMismatch` (its rows would be read as the wrong layout).
+    """
+    if peer_namespace is not None and peer_namespace.digest != store.namespace.digest:
+        raise NamespaceMismatch(
+            f"peer layout namespace {peer_namespace.hex} differs from this instance's {store.namespace.hex}: "
+            "the two instances run different models, dtypes or cache geometry"
+        )
+    tokens = np.asarray(token_ids)
+    if isinstance(boundary_tokens, bool) or not isinstance(boundary_tokens, int) or not 1 <= boundary_tokens <= tokens.size:
+        raise ValueError(f"boundary_tokens must be an int in [1, {tokens.size}], got {boundary_tokens!r}")
+    keys = chained_keys(tokens[:boundary_tokens], block_tokens, salt=salt)
+    objects = _history_objects(store.layout, keys, block_tokens, boundary_tokens)
+    objects += _checkpoint_objects(store.layout, keys[-1], boundary_tokens)
+    return HandoffPlan(store.namespace, boundary_tokens, tuple(objects))
+
+
+def export_objects(
+    objects: Sequence[PlannedObject], pools: Mapping[str, GroupPools], pages: Mapping[str, GroupPages]
+) -> list[RowsObject]:
+    """Copy each planned object's rows out of the source pools (source page view ``pages``)."""
+    return gather_objects(dict(pools), dict(pages), [(o.key, o.first_token, o.end_token) for o in objects])
+
+
+def _serves(o: PlannedObject, boundary: int) -> bool:
+    """Whether resuming at ``boundary`` needs object ``o``: a block below it, its own checkpoint."""
+    if o.key.kind == "block":
+        return o.first_token < boundary
+    return o.boundary_tokens == boundary
+
+
+def usable_boundary(objects: Sequence[PlannedObject], present: Sequence[bool], boundaries: Sequence[int]) -> int:
+    """The largest of ``boundaries`` whose objects (blocks below it, checkpoints at it) are all present."""
+    for boundary in sorted(set(boundaries), reverse=True):
+        needed = [ok for o, ok in zip(objects, present) if _serves(o, boundary)]
+        if boundary > 0 and needed and all(needed):
+            return boundary
+    return 0
+
+
+def load_objects(
+    store: ObjectStore,
+    objects: Sequence[PlannedObject],
+    boundaries: Sequence[int],
+    pools: Mapping[str, GroupPools],
+    pages: Mapping[str, GroupPages],
+) -> LoadResult:
+    """Fetch and verify ``objects``; write the rows serving the largest usable of ``boundaries``
+    into the target pools (target page view ``pages``). A boundary whose checkpoint or any
+    history block below it is missing, corrupted or refused is not used; nothing is written
+    for it, and 0 means nothing was written."""
+    rows = [rows_for_tokens(store.layout.group(o.key.group_id).spec, o.first_token, o.end_token)[1] for o in objects]
+    got = store.fetch([o.key for o in objects], rows)
+    got = [  # an intact object under the planned key but of other tokens is not used
+        obj if obj is not None and (obj.first_token, obj.first_token + obj.num_tokens) == (o.first_token, o.end_token)
+        else None
+        for o, obj in zip(objects, got)
+    ]
+    boundary = usable_boundary(objects, [obj is not None for obj in got], boundaries)
+    chosen = [obj for o, obj in zip(objects, got) if boundary and _serves(o, boundary)]
+    scatter_objects(dict(pools), dict(pages), chosen)
+    written = len(chosen)
+    missing = tuple(o.key for o, obj in zip(objects, got) if obj is None)
+    return LoadResult(boundary, written, missing)
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Objects to write to a tier and, per object, the pages its rows sit in now (logical order
+    from the object's first page). What the manager hands the engine when it evicts or, under
+    write-through, publishes a block or a checkpoint."""
+
+    objects: tuple[PlannedObject, ...]
+    sources: tuple[GroupPages, ...]
+
+    def run(self, store: ObjectStore, pools: Mapping[str, GroupPools]) -> list[bool]:
+        """Copy the rows out and put the objects; per object, whether a tier stored it."""
+        objects = [
+            gather_object(pools[o.key.group_id], view, o.key, o.first_token, o.end_token)
+            for o, view in zip(self.objects, self.sources)
+        ]
+        return store.put(objects)
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """Objects to load into the pages admission allocated (``targets``: the request's page view),
+    and the boundaries the load may end at, longest usable first."""
+
+    objects: tuple[PlannedObject, ...]
+    boundaries: tuple[int, ...]
+
+    @property
+    def boundary_tokens(self) -> int:
+        return max(self.boundaries, default=0)
+
+    def run(self, store: ObjectStore, pools: Mapping[str, GroupPools], targets: Mapping[str, GroupPages]) -> LoadResult:
+        """Load what serves the longest boundary whose objects all arrive verified; write nothing else."""
+        return load_objects(store, self.objects, self.boundaries, pools, targets)
+
+
+def prefix_objects(
+    layout: ModelCacheLayout,
+    token_ids: object,
+    end_tokens: int,
+    *,
+    checkpoints_at: Sequence[int] | None = None,
+    block_tokens: int = 256,
+    salt: bytes = b"",
+) -> tuple[list[PlannedObject], list[int]]:
+    """History blocks below ``end_tokens`` (whole blocks only) and checkpoints at the block
+    boundaries ``checkpoints_at`` (default: every one); returns them and those boundaries."""
+    whole = end_tokens // block_tokens * block_tokens
+    boundaries = list(range(block_tokens, whole + 1, block_tokens))
+    if checkpoints_at is not None:
+        unknown = sorted(set(checkpoints_at) - set(boundaries))
+        if unknown:
+            raise ValueError(f"checkpoints must sit on block boundaries up to {whole}, got {unknown}")
+        boundaries = sorted(set(checkpoints_at))
+    if whole == 0:
+        return [], []
+    keys = chained_keys(np.asarray(token_ids)[:whole], block_tokens, salt=salt)
+    objects = _history_objects(layout, keys, block_tokens, whole)
+    for boundary in boundaries:
+        objects += _checkpoint_objects(layout, keys[boundary // block_tokens - 1], boundary)
+    return objects, boundaries
+
+
+def plan_prefix_offload(
+    store: ObjectStore,
+    token_ids: object,
+    end_tokens: int,
+    pages: Mapping[str, GroupPages],
+    *,
+    checkpoints_at: Sequence[int] | None = None,
+    block_tokens: int = 256,
+    salt: bytes = b"",
+) -> OffloadPlan:
+    """Offload a request's prefix from its page view ``pages``: the whole blocks below
+    ``end_tokens`` and checkpoints at ``checkpoints_at`` (default: the last block boundary; a
+    checkpoint costs a whole window of rows, so storing one at every boundary is a policy choice).
+    A checkpoint whose rows the request no longer holds is left out."""
+    whole = end_tokens // block_tokens * block_tokens
+    at = ([whole] if whole else []) if checkpoints_at is None else checkpoints_at
+    objects, _ = prefix_objects(store.layout, token_ids, end_tokens, checkpoints_at=at,
+                                block_tokens=block_tokens, salt=salt)
+    kept, sources = [], []
+    for o in objects:
+        spec = store.layout.group(o.key.group_id).spec
+        first_row, num_rows = rows_for_tokens(spec, o.first_token, o.end_token)
+        try:
+            pages[o.key.group_id].slots(spec, first_row, num_rows)
+        except MissingRows:
+            if o.key.kind == "block":
+                raise
+            continue  # a checkpoint whose window the request has already released
+        kept.append(o)
+        sources.append(pages[o.key.group_id])
+    return OffloadPlan(tuple(kept), tuple(sources))
+
+
+def plan_prefix_load(store: ObjectStore, token_ids: object, *, block_tokens: int = 256, salt: bytes = b"") -> LoadPlan:
+    """The boundaries of ``token_ids`` (below its last token, which must be computed) the tiers can
+    serve by ``contains``: every history block below and the checkpoint at. The plan fetches
+    those checkpoints and the blocks below the longest; its load verifies and may fall back."""
+    tokens = np.asarray(token_ids)
+    objects, boundaries = prefix_objects(store.layout, tokens, max(tokens.size - 1, 0),
+                                         block_tokens=block_tokens, salt=salt)
+    if not objects:
+        return LoadPlan((), ())
+    present = store.contains([o.key for o in objects])
+    usable = tuple(b for b in boundaries if usable_boundary(objects, present, [b]) == b)
+    chosen = tuple(o for o in objects if any(_serves(o, b) for b in usable))
+    return LoadPlan(chosen, usable)
+
+
+def pages_from_step(step: object, request_id: str) -> dict[str, GroupPages]:
+    """Every group's page view of ``request_id`` from a ``StepBatch`` with full block tables."""
+    try:
+        row = step.request_ids.index(request_id)
+    except ValueError:
+        raise KeyError(f"request {request_id!r} is not in this step") from None
+    out = {}
+    for gid, group in step.groups.items():
+        if group.block_table is None:
+            raise ValueError("the step carries no block tables (block_tables='updates'): use pages_from_manager")
+        base = 0 if group.base_pages is None else int(group.base_pages[row])
+        out[gid] = GroupPages(base, np.asarray(group.block_table[row], dtype=np.int64))
+    return out
+
+
+def pages_from_manager(manager: object, request_id: str) -> dict[str, GroupPages]:
+    """Every group's page view of ``request_id`` from ``CacheManager.request_pages``."""
+    out = {}
+    for spec in manager.specs:
+        base, pages = manager.request_pages(request_id, spec.group_id)
+        out[spec.group_id] = GroupPages(int(base), np.asarray(pages, dtype=np.int64))
+    return out

@@ -1,0 +1,202 @@
+"""Host and disk tiers, the stack, and the object store's verification on top of them."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hybridkv.models.layout import cache_layout
+from hybridkv.tiers import DiskTier, HostTier, ObjectKey, ObjectStore, RowsObject, TierStack, layout_parts
+
+FLASH = cache_layout("deepseek-v4-flash")
+C128 = "v4.c128a.compressed_kv"
+
+
+def c128_object(seed, rows=2):
+    parts = layout_parts(FLASH, C128)
+    payload = np.random.default_rng(seed).integers(0, 256, rows * 20 * 584, dtype=np.uint8)
+    return RowsObject(ObjectKey("block", C128, seed.to_bytes(16, "big")), 0, rows * 128, 0, rows, parts, payload)
+
+
+# --- host -------------------------------------------------------------------------
+
+ops = st.lists(st.tuples(st.sampled_from(["put", "get", "delete"]), st.integers(0, 7), st.integers(0, 40)), max_size=60)
+
+
+@given(st.integers(0, 100), ops)
+def test_host_tier_is_an_lru_within_its_budget(budget, program):
+    tier, model = HostTier(budget), OrderedDict()  # model: name -> size, least recent first
+    evicted = refused = 0
+    for op, n, size in program:
+        name = f"k{n}"
+        if op == "put":
+            stored = tier.put([(name, bytes([n]) * size)])[0]
+            if name in model:
+                model.move_to_end(name)
+                assert stored
+            elif size > budget:
+                refused += 1
+                assert not stored
+            else:
+                while sum(model.values()) + size > budget:
+                    model.popitem(last=False)
+                    evicted += 1
+                model[name] = size
+                assert stored
+        elif op == "get":
+            value = tier.get([name])[0]
+            assert (value is not None) == (name in model)
+            if name in model:
+                assert value == bytes([n]) * model[name]
+                model.move_to_end(name)
+        else:
+            assert tier.delete([name]) == int(model.pop(name, None) is not None)
+        stats = tier.stats()
+        assert stats.held == len(model) and stats.held_bytes == sum(model.values()) <= budget
+        assert (stats.evicted, stats.refused) == (evicted, refused)
+
+
+def test_host_tier_counts_hits_and_misses():
+    tier = HostTier(100)
+    tier.put([("a", b"1"), ("b", b"22")])
+    assert tier.get(["a", "c", "b"]) == [b"1", None, b"22"]
+    assert [None if v is None else bytes(v) for v in tier.fetch(["b", "x"], [2, 5])] == [b"22", None]
+    assert tier.contains(["a", "c"]) == [True, False]
+    s = tier.stats()
+    assert (s.lookups, s.hits, s.misses, s.stored, s.stored_bytes) == (5, 3, 2, 2, 3)
+    with pytest.raises(ValueError, match="non-empty str"):
+        tier.get([""])
+    with pytest.raises(ValueError, match="bytes"):
+        tier.put([("x", "text")])
+
+
+# --- disk -------------------------------------------------------------------------
+
+def test_disk_tier_persists_across_instances_and_evicts_lru_within_budget(tmp_path):
+    tier = DiskTier(tmp_path, budget_bytes=25)
+    assert tier.put([("a", b"a" * 10), ("b", b"b" * 10)]) == [True, True]
+    assert tier.get(["a"]) == [b"a" * 10]  # a is now the most recent
+    assert tier.put([("c", b"c" * 10)]) == [True]  # evicts b
+    assert tier.contains(["a", "b", "c"]) == [True, False, True]
+    assert tier.stats().evicted == 1 and tier.stats().held_bytes == 20
+    assert tier.put([("huge", b"h" * 26)]) == [False] and tier.stats().refused == 1
+    assert sorted(os.listdir(tmp_path)) == sorted(n for n in os.listdir(tmp_path) if n.endswith(".hkv"))
+    assert len(os.listdir(tmp_path)) == 2
+    (tmp_path / ".x.1.0.tmp").write_bytes(b"half")  # a crash's leftover
+    again = DiskTier(tmp_path, budget_bytes=25)
+    assert again.get(["a", "c", "b"]) == [b"a" * 10, b"c" * 10, None]
+    assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path))
+    assert again.delete(["a", "b"]) == 1 and again.stats().held == 1
+
+
+def test_disk_tier_read_fault_is_a_counted_miss(tmp_path):
+    tier = DiskTier(tmp_path)
+    tier.put([("a", b"x")])
+    for name in os.listdir(tmp_path):
+        os.unlink(tmp_path / name)
+        os.mkdir(tmp_path / name)  # now reading it fails with IsADirectoryError
+    assert tier.get(["a"]) == [None]
+    assert tier.stats().errors == 1 and "read failed" in tier.stats().last_error
+
+
+def _mount_tmpfs(path):
+    if os.geteuid() != 0:
+        return False
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)], capture_output=True)
+    return done.returncode == 0
+
+
+def test_disk_full_on_a_small_tmpfs_is_a_refusal_and_a_counted_error(tmp_path):
+    root = tmp_path / "small"
+    root.mkdir()
+    if not _mount_tmpfs(root):
+        pytest.skip("cannot mount a tmpfs here (not root); the RLIMIT_FSIZE test covers the same path")
+    try:
+        tier = DiskTier(root)
+        chunk = b"z" * (300 << 10)
+        stored = tier.put([(f"k{i}", chunk) for i in range(5)])  # 1.5 MiB into 1 MiB
+        assert stored[:3] == [True, True, True] and stored[-1] is False
+        stats = tier.stats()
+        assert stats.refused == stored.count(False) and stats.errors == stats.refused
+        assert "No space left" in stats.last_error
+        assert not any(n.endswith(".tmp") for n in os.listdir(root))  # no half-written file stays
+        assert tier.get(["k0"]) == [chunk]
+    finally:
+        subprocess.run(["umount", str(root)], check=False)
+
+
+def test_disk_full_as_a_file_size_limit_is_a_refusal_and_a_counted_error(tmp_path):
+    # Without root, RLIMIT_FSIZE makes writes past 64 KiB fail (EFBIG) as a full disk would.
+    script = textwrap.dedent(f"""
+        import os, resource, signal
+        from hybridkv.tiers import DiskTier
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+        tier = DiskTier({str(tmp_path)!r})
+        print(tier.put([("small", b"s" * 1000), ("big", b"b" * (100 << 10))]))
+        s = tier.stats()
+        print(s.refused, s.errors, "File too large" in s.last_error)
+        print(sorted(os.listdir({str(tmp_path)!r})).__len__(), tier.get(["small", "big"])[1])
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:3] == ["[True, False]", "1 1 True", "1 None"]
+
+
+# --- the stack --------------------------------------------------------------------
+
+def test_stack_writes_through_keeps_lower_tiers_and_promotes_hits(tmp_path):
+    host, disk = HostTier(20), DiskTier(tmp_path)
+    stack = TierStack([host, disk])
+    assert stack.put([("a", b"a" * 10), ("b", b"b" * 10), ("c", b"c" * 10)]) == [True] * 3
+    assert host.contains(["a", "b", "c"]) == [False, True, True]  # the host dropped a...
+    assert disk.contains(["a", "b", "c"]) == [True] * 3  # ...the disk kept it
+    assert stack.get(["a", "x"]) == [b"a" * 10, None]
+    assert host.contains(["a"]) == [True]  # promoted on the hit
+    assert stack.contains(["a", "b", "c", "x"]) == [True, True, True, False]
+    assert stack.put([("huge", b"h" * 30)]) == [True]  # the host refuses, the disk stores
+    assert host.stats().refused == 1
+    assert stack.delete(["a"]) == 1 and stack.contains(["a"]) == [False]
+    assert set(stack.tier_stats()) == {"0:host", "1:disk"}
+
+
+# --- objects through a tier -------------------------------------------------------
+
+def test_store_round_trips_objects_and_turns_a_corrupted_one_into_a_counted_miss(tmp_path):
+    disk = DiskTier(tmp_path)
+    store = ObjectStore(disk, FLASH)
+    objects = [c128_object(i) for i in range(3)]
+    assert store.put(objects) == [True] * 3
+    got = store.get([o.key for o in objects])
+    assert all(np.array_equal(g.payload, o.payload) for g, o in zip(got, objects))
+    name = os.path.join(tmp_path, sorted(os.listdir(tmp_path))[0])
+    raw = bytearray(open(name, "rb").read())
+    raw[-1] ^= 0x10
+    open(name, "wb").write(raw)
+    got = store.get([o.key for o in objects])
+    assert sum(g is None for g in got) == 1
+    stats = store.stats()
+    assert (stats.corrupt, stats.loaded, stats.missing) == (1, 5, 0)
+    assert "checksum" in stats.last_error
+    assert sum(store.contains([o.key for o in objects])) == 2  # the bad object was deleted
+    assert sum(g is None for g in store.get([o.key for o in objects])) == 1
+    assert store.stats().missing == 1
+
+
+def test_store_refuses_another_layouts_object_under_its_name():
+    host = HostTier(1 << 20)
+    mine = ObjectStore(host, FLASH)
+    theirs = ObjectStore(host, FLASH, model_id="other-weights")
+    obj = c128_object(7)
+    theirs.put([obj])
+    # planted under this store's name (a forged or colliding name): refused, not loaded
+    host.put([(mine.name(obj.key), host.get([theirs.name(obj.key)])[0])])
+    assert mine.get([obj.key]) == [None]
+    assert mine.stats().refused == 1 and "refused" in mine.stats().last_error
+    assert mine.name(obj.key) != theirs.name(obj.key)

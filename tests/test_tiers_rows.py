@@ -1,0 +1,155 @@
+"""Rows between codec pools and objects, found by logical position through page views."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridkv.models.layout import cache_layout
+from hybridkv.reference.config import ReferenceConfig
+from hybridkv.tiers import (
+    GroupPages,
+    MissingRows,
+    ObjectError,
+    ObjectKey,
+    gather_object,
+    gather_objects,
+    layout_parts,
+    new_group_pools,
+    rows_for_tokens,
+    scatter_object,
+    scatter_objects,
+)
+
+LAYOUT = cache_layout(ReferenceConfig().hf_config(), speculative_tokens=3)
+PAGES = 200
+
+
+def random_pools(seed, only=None):
+    pools = new_group_pools(LAYOUT, {g.group_id: PAGES if only in (None, g.group_id) else 0 for g in LAYOUT.groups})
+    rng = np.random.default_rng(seed)
+    for group in pools.values():
+        for plane in group.planes:
+            plane.pool[...] = rng.integers(0, 256, plane.pool.shape, dtype=np.uint8)
+    return pools
+
+
+def random_view(rng, spec, first_token, end_token):
+    """Held pages for logical pages covering the tokens, a random base below them (as low as
+    the PAGES - 1 page ids allow), random ids."""
+    first_row, num_rows = rows_for_tokens(spec, first_token, end_token)
+    lo = first_row // spec.rows_per_page
+    hi = -(-(first_row + num_rows) // spec.rows_per_page)
+    base = int(rng.integers(max(0, hi - (PAGES - 1)), lo + 1))  # at most PAGES - 1 ids to hand out
+    pages = rng.permutation(np.arange(1, PAGES))[: hi - base]
+    return GroupPages(base, pages)
+
+
+def reference_rows(group_pools, view, first_row, num_rows):
+    """Row by row: page = view.pages[row // R - base], slot = page * R + row % R; plane by plane."""
+    spec, out = group_pools.spec, []
+    for plane in group_pools.planes:
+        codec, rows = plane.codec, []
+        for row in range(first_row, first_row + num_rows):
+            page = int(view.pages[row // spec.rows_per_page - view.base_page])
+            rows.append(codec.read_slot_bytes(plane.pool, [page * spec.rows_per_page + row % spec.rows_per_page],
+                                              spec.rows_per_page)[0])
+        out.append(np.array(rows, dtype=np.uint8).reshape(num_rows, codec.row_bytes).reshape(-1))
+    return np.concatenate(out) if out else np.zeros(0, np.uint8)
+
+
+GROUPS = [g.group_id for g in LAYOUT.groups]
+
+
+@settings(max_examples=20)
+@given(st.sampled_from(GROUPS), st.integers(0, 700), st.integers(0, 300), st.integers(0, 2**31))
+def test_gather_matches_row_by_row_reference_and_scatter_moves_rows_by_position(gid, first, span, seed):
+    rng = np.random.default_rng(seed)
+    src, dst = random_pools(seed, gid), random_pools(seed + 1, gid)
+    spec = LAYOUT.group(gid).spec
+    first_token = first - first % spec.entry_stride_tokens  # objects start on a row
+    end_token = first_token + span
+    src_view = random_view(rng, spec, first_token, end_token)
+    dst_view = random_view(rng, spec, first_token, end_token)
+    key = ObjectKey("block", gid, b"k")
+    obj = gather_object(src[gid], src_view, key, first_token, end_token)
+    first_row, num_rows = rows_for_tokens(spec, first_token, end_token)
+    assert (obj.first_row, obj.num_rows) == (first_row, num_rows)
+    assert obj.parts == layout_parts(LAYOUT, gid)
+    assert np.array_equal(obj.payload, reference_rows(src[gid], src_view, first_row, num_rows))
+
+    before = [p.pool.copy() for p in dst[gid].planes]
+    scatter_object(dst[gid], dst_view, obj)
+    assert np.array_equal(reference_rows(dst[gid], dst_view, first_row, num_rows), obj.payload)
+    # only the object's rows changed: every other row of every page is as it was
+    written = dst_view.slots(spec, first_row, num_rows)
+    for plane, old in zip(dst[gid].planes, before):
+        all_slots = np.arange(PAGES * spec.rows_per_page)
+        others = np.setdiff1d(all_slots, written)
+        assert np.array_equal(plane.codec.read_slot_bytes(plane.pool, others, spec.rows_per_page),
+                              plane.codec.read_slot_bytes(old, others, spec.rows_per_page))
+
+
+def test_rows_for_tokens_counts_whole_rows_only():
+    c4 = LAYOUT.group("v4.c4a.compressed_kv").spec
+    c128 = LAYOUT.group("v4.c128a.compressed_kv").spec
+    assert rows_for_tokens(c4, 256, 300) == (64, 11)  # tokens 256..299: rows 64..74, row 75 open
+    assert rows_for_tokens(c128, 256, 300) == (2, 0)
+    assert rows_for_tokens(c128, 0, 256) == (0, 2)
+    with pytest.raises(ValueError):
+        rows_for_tokens(c4, 10, 5)
+
+
+def test_a_row_on_no_held_page_is_refused_before_anything_is_written():
+    pools = random_pools(1)
+    spec = LAYOUT.group("v4.swa_kv").spec  # 64 rows a page
+    view = GroupPages(2, np.array([5, -1, 7]))  # logical pages 2..4, page 3 released
+    with pytest.raises(MissingRows, match="row 192"):
+        gather_object(pools["v4.swa_kv"], view, ObjectKey("checkpoint", "v4.swa_kv", b"k"), 150, 200)
+    with pytest.raises(MissingRows, match="row 100"):  # below the base
+        view.slots(spec, 100, 10)
+    obj = gather_object(pools["v4.swa_kv"], GroupPages(0, np.arange(1, 5)), ObjectKey("checkpoint", "v4.swa_kv", b"k"),
+                        150, 200)
+    before = pools["v4.swa_kv"].planes[0].pool.copy()
+    with pytest.raises(MissingRows):
+        scatter_object(pools["v4.swa_kv"], view, obj)
+    assert np.array_equal(before, pools["v4.swa_kv"].planes[0].pool)
+
+
+def test_scatter_refuses_an_object_of_another_group_or_shape():
+    pools = random_pools(2)
+    view = GroupPages(0, np.arange(1, 10))
+    obj = gather_object(pools["v4.c4a.compressed_kv"], view, ObjectKey("block", "v4.c4a.compressed_kv", b"k"), 0, 64)
+    with pytest.raises(ObjectError, match="group"):
+        scatter_object(pools["v4.c128a.compressed_kv"], view, obj)
+
+
+@settings(max_examples=20)
+@given(st.lists(st.tuples(st.sampled_from(GROUPS), st.integers(0, 3), st.integers(1, 100)), min_size=1, max_size=6),
+       st.integers(0, 2**31))
+def test_batched_gather_and_scatter_equal_one_object_at_a_time(items, seed):
+    rng = np.random.default_rng(seed)
+    pages = {g.group_id: 0 for g in LAYOUT.groups} | {gid: 110 for gid, _, _ in items}
+    src, one, many = (new_group_pools(LAYOUT, pages) for _ in range(3))
+    for group in src.values():
+        for plane in group.planes:
+            plane.pool[...] = rng.integers(0, 256, plane.pool.shape, dtype=np.uint8)
+    views, ranges, used = {}, [], set()
+    for gid, block, span in items:
+        if (gid, block) in used:
+            continue  # objects of one batch never share rows
+        used.add((gid, block))
+        ranges.append((ObjectKey("block", gid, bytes([block + 1])), block * 100, block * 100 + span))
+    for gid, count in pages.items():
+        views[gid] = GroupPages(0, rng.permutation(np.arange(1, count)))
+    batched = gather_objects(src, views, ranges)
+    single = [gather_object(src[k.group_id], views[k.group_id], k, a, b) for k, a, b in ranges]
+    for x, y in zip(batched, single):
+        assert x.key == y.key and (x.first_row, x.num_rows) == (y.first_row, y.num_rows)
+        assert np.array_equal(x.payload, y.payload)
+    scatter_objects(many, views, batched)
+    for obj in single:
+        scatter_object(one[obj.key.group_id], views[obj.key.group_id], obj)
+    for gid in one:
+        for a, b in zip(one[gid].planes, many[gid].planes):
+            assert np.array_equal(a.pool, b.pool)
