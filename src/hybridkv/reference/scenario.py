@@ -77,7 +77,8 @@ def path_checks(runner: ScenarioRunner) -> list[CheckResult]:
 
 
 def run_verify_scenario(
-    seed: int = 0, *, fault: str | None = None, tolerance: float = TOLERANCE, config: ReferenceConfig | None = None
+    seed: int = 0, *, fault: str | None = None, tolerance: float = TOLERANCE, config: ReferenceConfig | None = None,
+    progress=None,
 ) -> VerifyReport:
     """The fixed scenario: 5 requests, one shuffled prefix-caching manager, stack [0, 4, 128, 4].
 
@@ -147,8 +148,12 @@ def run_verify_scenario(
             runner.snapshot(rid, "after rewind")
         if step == 40:
             runner.free("b")
+        if progress is not None and step % 110 == 109:
+            progress(f"scripted: step {step + 1}/330, {runner.manager.num_requests} requests running")
         if fault is not None and step == 150:
             faulted = corrupt_byte(runner, fault, "c")
+    if progress is not None:
+        progress("scripted: comparing with dense")
     checks.extend(runner.compare(tolerance))
     checks.append(CheckResult(
         "prefix hits at 256 and 512", hits == {"d": 512, "e": 256}, detail=f"hit tokens {hits}"))
