@@ -35,8 +35,17 @@ def _tokens(n, seed=0):
     return [int(t) for t in np.random.default_rng(seed).integers(0, 256, n)]
 
 
-def test_the_verify_check_passes_every_case():
-    report = run_transformers_check(seed=0)
+def test_verify_against_transformers_passes_every_case(monkeypatch, capsys):
+    from hybridkv.cli import main
+    from hybridkv.integrations.transformers import check
+
+    reports = []
+    monkeypatch.setattr(check, "run_transformers_check",
+                        lambda **kw: reports.append(run_transformers_check(**kw)) or reports[-1])
+    assert main(["verify", "--against", "transformers"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.rstrip().endswith("PASS") and "selecting sub-case" in captured.err
+    report = reports[0]
     assert report.passed, [c for c in report.checks if not c.passed]
     names = {c.name for c in report.checks}
     for case in ("chunked prefill", "decode", "prefix hit 512", "prefix hit 256", "prefix hit after evictions",
@@ -127,3 +136,13 @@ def test_indexer_keys_live_on_the_compressed_group_pages(model):
     keys = engine.pools.layers[1].index_keys
     assert keys.shape[0] == engine.pools.layers[1].entries.shape[0]
     assert keys[pages[0]].any() and not np.delete(keys, pages, axis=0).any()
+
+
+def test_verify_against_transformers_without_the_extra_is_a_usage_error(monkeypatch, capsys):
+    import sys
+
+    from hybridkv.cli import main
+
+    monkeypatch.setitem(sys.modules, "hybridkv.integrations.transformers.check", None)
+    assert main(["verify", "--against", "transformers"]) == 2
+    assert "needs the [hf] extra" in capsys.readouterr().err
