@@ -186,3 +186,16 @@ def test_stack_rejects_bad_input():
         runner.stack.forward(batch, np.arange(9))
     with pytest.raises(ValueError):
         runner.stack.forward(batch, np.full(10, 5000))
+
+
+def test_verify_command_reports_a_crashed_run_as_fail(monkeypatch, capsys):
+    from hybridkv.reference import suite
+    from hybridkv.reference.paged import PagedReadError
+
+    def broken(*args, **kwargs):
+        raise PagedReadError("group v4.swa_kv: request 'a' reads cache row 7 whose page is not in its table")
+
+    monkeypatch.setattr(suite, "run_verify_suite", broken)
+    assert _verify_cli(["verify"]) == 1
+    out = capsys.readouterr().out
+    assert "the run stopped: PagedReadError" in out and out.rstrip().endswith("FAIL")

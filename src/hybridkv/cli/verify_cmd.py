@@ -64,7 +64,10 @@ def run(args: Any) -> int:
     from hybridkv.reference.suite import geometry_label, run_verify_suite
 
     started = time.perf_counter()
-    results = run_verify_suite(args.seed, args.scenarios, fault=args.inject_fault, progress=_progress)
+    try:
+        results = run_verify_suite(args.seed, args.scenarios, fault=args.inject_fault, progress=_progress)
+    except Exception as exc:  # the cache under test broke the run: that is a FAIL, not bad input
+        return _crashed(exc)
     seconds = time.perf_counter() - started
     print("hybridkv verify: DeepSeek-V4 reference attention, paged (manager + codec pools) vs dense, "
           f"seed {args.seed}")
@@ -79,6 +82,14 @@ def run(args: Any) -> int:
     print(f"max abs error {worst:.3e} (tolerance {TOLERANCE:.0e}); {seconds:.1f} s")
     print("PASS" if passed else "FAIL")
     return 0 if passed else EXIT_FAIL
+
+
+def _crashed(exc: Exception) -> int:
+    """A scenario raised (a read of a page the table does not hold, a refused step, ...)."""
+    message = " ".join(str(exc).split())
+    print(f"hybridkv verify: the run stopped: {type(exc).__name__}: {message}")
+    print("FAIL")
+    return EXIT_FAIL
 
 
 def _print_checks(checks) -> None:
@@ -102,7 +113,10 @@ def _run_transformers(args: Any) -> int:
             f"--against transformers needs the [hf] extra (torch, transformers): pip install 'hybridkv[hf]' ({exc})"
         ) from None
     started = time.perf_counter()
-    report = run_transformers_check(seed=args.seed, progress=_progress)
+    try:
+        report = run_transformers_check(seed=args.seed, progress=_progress)
+    except Exception as exc:
+        return _crashed(exc)
     seconds = time.perf_counter() - started
     print("hybridkv verify --against transformers: Hugging Face DeepseekV4ForCausalLM on hybridkv pages vs "
           f"on its own cache, seed {args.seed}")

@@ -47,7 +47,7 @@ def layout_config(config) -> dict:
 
 
 @dataclass
-class Sequence_:
+class _Request:
     request_id: str
     tokens: list[int]
     prompt_tokens: int
@@ -139,8 +139,8 @@ class PagedEngine:
         prefill in chunks of at most ``prefill_chunk_tokens``, decode everything running each
         step; a step that finds no pages preempts the newest request (it re-enters later,
         hitting its own checkpoints). Returns each request's generated tokens."""
-        waiting = [Sequence_(rid, [int(t) for t in p], len(p), max_new_tokens) for rid, p in prompts.items()]
-        running: list[Sequence_] = []
+        waiting = [_Request(rid, [int(t) for t in p], len(p), max_new_tokens) for rid, p in prompts.items()]
+        running: list[_Request] = []
         finished: dict[str, list[int]] = {}
         while waiting or running:
             while waiting and len(running) < max_running:
@@ -172,6 +172,6 @@ class PagedEngine:
                     self.append(seq.request_id, [token])
         return {rid: finished[rid] for rid in prompts}
 
-    def _next_tokens(self, seq: Sequence_, chunk: int) -> list[int]:
+    def _next_tokens(self, seq: _Request, chunk: int) -> list[int]:
         n = self.computed(seq.request_id)
         return seq.tokens[n:n + chunk]

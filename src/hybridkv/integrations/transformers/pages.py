@@ -91,7 +91,6 @@ class PagePools:
         self.specs = {s.group_id: s for s in specs}
         self.ratios = [LAYER_RATIO[t] for t in config.layer_types]
         d, di = config.head_dim, config.index_head_dim
-        self.codecs: dict[str, StateRowCodec] = {}
         layers = []
         for ratio in self.ratios:
             lp = LayerPools(ratio, self._pool(V4_SWA_KV_GROUP_ID, d, group_pages))
@@ -101,17 +100,16 @@ class PagePools:
                 lp.entries = self._pool(v4_compressed_kv_group_id(ratio), d, group_pages)
             if ratio == 4:
                 lp.index_state = self._pool(V4_INDEXER_COMPRESSOR_STATE_GROUP_ID, 4 * di, group_pages)
-                lp.index_keys = self._pool(v4_compressed_kv_group_id(4), di, group_pages, key="index_keys")
+                lp.index_keys = self._pool(v4_compressed_kv_group_id(4), di, group_pages)
             layers.append(lp)
         self.layers = layers
 
-    def _pool(self, gid: str, width: int, group_pages, key: str | None = None) -> np.ndarray:
-        codec = self.codecs.setdefault(f"{key or gid}:{width}", StateRowCodec(width))
-        return codec.new_pool(int(group_pages[gid]), self.specs[gid].rows_per_page)
+    def _pool(self, gid: str, width: int, group_pages) -> np.ndarray:
+        return StateRowCodec(width).new_pool(int(group_pages[gid]), self.specs[gid].rows_per_page)
 
     def codec(self, pool: np.ndarray, gid: str) -> StateRowCodec:
-        width = pool.shape[1] // (4 * self.specs[gid].rows_per_page)
-        return StateRowCodec(width)
+        """The float32 row codec of ``pool`` (its width follows from the page stride)."""
+        return StateRowCodec(pool.shape[1] // (4 * self.specs[gid].rows_per_page))
 
     def read(self, pool, gid, table_row, base_page, cache_rows, request_id) -> np.ndarray:
         spec = self.specs[gid]
