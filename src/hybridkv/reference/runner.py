@@ -103,6 +103,8 @@ class ScenarioRunner:
     max_csa_entries_visible: int = 0
     csa_selecting_queries: int = 0  # queries with more than 4 * index_topk visible entries
     rejected_window_closes: dict[int, int] = field(default_factory=dict)  # ratio -> count
+    invariant_checks: int = 0  # manager.check_invariants() calls (one per checkpoint)
+    invariant_failures: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._rng = np.random.default_rng(self.seed + 1_000_003)
@@ -202,6 +204,11 @@ class ScenarioRunner:
         """Decode the rows the request's next query would read (every layer, every group)."""
         req = self._requests[request_id]
         n = self.manager.num_computed_tokens(request_id)
+        self.invariant_checks += 1
+        try:
+            self.manager.check_invariants()
+        except AssertionError as exc:
+            self.invariant_failures.append(f"{why} of {request_id!r} at {n} tokens: {exc}")
         if n:
             self.snapshots.append(snapshot_rows(self.model, self.manager, self.stack, request_id, req.version, n, why))
 
@@ -244,6 +251,11 @@ class ScenarioRunner:
         traces = dense_traces(self.model, self.sequences(), need)
         checks = self._compare_outputs(traces, tolerance)
         checks.extend(self._compare_rows(traces, tolerance))
+        failures = self.invariant_failures
+        checks.append(CheckResult(
+            "manager invariants (ref counts == table holdings) at every checkpoint", not failures,
+            detail=f"{self.invariant_checks} checks" + (f"; {failures[0]}" if failures else ""),
+        ))
         return checks
 
     def _compare_outputs(self, traces, tolerance: float) -> list[CheckResult]:
