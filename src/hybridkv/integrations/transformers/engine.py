@@ -142,8 +142,9 @@ class PagedEngine:
         waiting = [_Request(rid, [int(t) for t in p], len(p), max_new_tokens) for rid, p in prompts.items()]
         running: list[_Request] = []
         finished: dict[str, list[int]] = {}
+        admit = max_running  # lowered by a preemption, so the victim waits until a request ends
         while waiting or running:
-            while waiting and len(running) < max_running:
+            while waiting and (len(running) < admit or not running):
                 seq = waiting.pop(0)
                 left = seq.prompt_tokens + seq.max_new_tokens - len(seq.tokens)
                 seq.hit_tokens = self.add(seq.request_id, seq.tokens, left)
@@ -158,6 +159,7 @@ class PagedEngine:
                 self.free(victim.request_id)
                 waiting.insert(0, victim)
                 self.stats.preemptions += 1
+                admit = len(running)
                 continue
             for seq in list(running):
                 if self.computed(seq.request_id) < len(seq.tokens):
@@ -168,6 +170,7 @@ class PagedEngine:
                     running.remove(seq)
                     self.free(seq.request_id)
                     finished[seq.request_id] = seq.tokens[seq.prompt_tokens:]
+                    admit = max_running
                 else:
                     self.append(seq.request_id, [token])
         return {rid: finished[rid] for rid in prompts}
