@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs beyond pip's '.[test]': the Mooncake Store
-# client and master ('.[mooncake]', PyPI mooncake-transfer-engine-non-cuda) and
-# the three Debian libraries its shared objects load. Run from the repository
+# client and master ('.[mooncake]', PyPI mooncake-transfer-engine-non-cuda) with
+# the three Debian libraries its shared objects load, and CPU torch and
+# transformers for the Hugging Face check ('.[hf]'). Run from the repository
 # root with the venv already made: scripts/install-test-deps.sh [.venv]
 set -euo pipefail
 venv="${1:-.venv}"
@@ -15,4 +16,4 @@ if [ "${#missing[@]}" -gt 0 ]; then
     $sudo apt-get update -qq
     $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
-"$venv/bin/pip" install -q -e '.[test,mooncake]'
+"$venv/bin/pip" install -q -e '.[test,mooncake,hf]'

@@ -80,10 +80,19 @@ def test_mxfp4_values_next_to_ties_round_to_nearest():
 
 
 def test_mxfp4_scale_bytes():
-    # all-zero block: a = 1e-4 -> e = ceil(log2(1e-4 / 6)) = ceil(-15.87) = -15 -> byte 112
-    np.testing.assert_array_equal(MX32.encode(block())[0], mx_row([], 112))
-    # 1e-5 under the floor: 1e-5 * 2^15 = 0.328 -> 0.5 (code 1)
-    np.testing.assert_array_equal(MX32.encode(block(1e-5))[0], mx_row([0x01], 112))
+    # all-zero block: a = 6 * 2^-126 (the kernels' floor) -> e = -126 -> byte 1
+    np.testing.assert_array_equal(MX32.encode(block())[0], mx_row([], 1))
+    # 1e-5 is far above that floor: e = ceil(log2(1e-5 / 6)) = ceil(-19.19) = -19 (byte 108),
+    # 1e-5 * 2^19 = 5.24 -> 6 (code 7)
+    np.testing.assert_array_equal(MX32.encode(block(1e-5))[0], mx_row([0x07], 108))
+    # under the floor: 2^-128 (subnormal) * 2^126 = 0.25 ties to 0 (code 0); 3 * 2^-128 -> 0.75 -> 1.0
+    np.testing.assert_array_equal(MX32.encode(block(2.0**-128))[0], mx_row([0x00], 1))
+    np.testing.assert_array_equal(MX32.encode(block(3 * 2.0**-128))[0], mx_row([0x02], 1))
+    # exactly the floor: 6 * 2^-126 -> e = -126, 6 (code 7); one ulp above -> e = -125
+    np.testing.assert_array_equal(MX32.encode(block(6 * 2.0**-126))[0], mx_row([0x07], 1))
+    np.testing.assert_array_equal(
+        MX32.encode(block(np.nextafter(np.float32(6 * 2.0**-126), np.float32(1))))[0], mx_row([0x05], 2)
+    )
     # 12 -> e = 1 (byte 128), 12/2 = 6 (code 7); 7 -> e = 1, 7/2 = 3.5 ties to 4 (code 6)
     np.testing.assert_array_equal(MX32.encode(block(12.0))[0], mx_row([0x07], 128))
     np.testing.assert_array_equal(MX32.encode(block(7.0))[0], mx_row([0x06], 128))
@@ -271,7 +280,7 @@ def fp8_block_parts(rows, r, b):
 def test_reencoding_is_idempotent(fmt, data):
     """Values are a fixed point at once. Bytes too, except blocks whose largest |q| is half
     the format maximum (e2m1 3 = code 5, e4m3 224 = 0x76) and whose scale is above the floor
-    (MXFP4 byte 112, FP8 2^-22): those re-encode one exponent lower with q doubled."""
+    (MXFP4 byte 1, FP8 2^-22): those re-encode one exponent lower with q doubled."""
     codec = FORMATS[fmt][0]
     x = data.draw(inputs(fmt))
     first = codec.encode(x)
@@ -283,7 +292,7 @@ def test_reencoding_is_idempotent(fmt, data):
         if fmt == "mxfp4":
             for b in range(4):
                 (c1, s1), (c2, s2) = mx_block_parts(first, r, b), mx_block_parts(second, r, b)
-                if (c1 & 7).max() == 5 and s1 > 112:
+                if (c1 & 7).max() == 5 and s1 > 1:
                     assert s2 == s1 - 1
                     v1 = c1.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
                     v2 = c2.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
@@ -308,7 +317,7 @@ def test_mxfp4_encoding_matches_an_independent_reference(data):
     exact powers of two, which the hand tests cover), ml_dtypes e2m1 cast, nibble packing."""
     x = data.draw(inputs("mxfp4"))
     blocks = x.reshape(-1, 4, 32).astype(np.float64)
-    amax = np.maximum(np.abs(blocks).max(-1), np.float32(1e-4))
+    amax = np.maximum(np.abs(blocks).max(-1), 6.0 * 2.0**-126)
     ratio = np.log2(amax / 6.0)
     exact_power = ratio == np.round(ratio)
     e = np.where(exact_power, np.round(ratio), np.ceil(ratio)).astype(int)

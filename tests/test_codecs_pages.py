@@ -58,12 +58,12 @@ def test_real_kv_page_and_pool_offsets():
 
 def test_indexer_pages_are_structure_of_arrays_without_padding():
     x = np.zeros((1, 128), np.float32)
-    x[0, 0] = 6.0  # MXFP4: value byte 0x07, scales [127, 112, 112, 112]
+    x[0, 0] = 6.0  # MXFP4: value byte 0x07, scales [127, 1, 1, 1]
     pool = MX.new_pool(2, 4)
     assert pool.shape == (2, 272)
     MX.write_slots(pool, [6], x, 4)  # page 1, row 2: values at 128, scales at 256 + 8
     assert pool[1, 128] == 0x07
-    np.testing.assert_array_equal(pool[1, 264:268], [127, 112, 112, 112])
+    np.testing.assert_array_equal(pool[1, 264:268], [127, 1, 1, 1])
     assert np.count_nonzero(pool) == 5
 
     x[0, 0] = 448.0  # FP8: value byte 0x7E, scale 1.0 = 00 00 80 3F

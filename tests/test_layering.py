@@ -25,7 +25,7 @@ LAYERS = [
     ("hybridkv.manager",),
     ("hybridkv.mirror",),
     ("hybridkv.tiers", "hybridkv.transfer"),
-    ("hybridkv.reference", "hybridkv.sim"),
+    ("hybridkv.reference", "hybridkv.sim", "hybridkv.integrations"),
     ("hybridkv.cli",),
 ]
 CORE = ("hybridkv.pool", "hybridkv.tables", "hybridkv.runtime", "hybridkv.arena", "hybridkv.prefix",

@@ -281,8 +281,10 @@ def test_window_only_layer_sees_exactly_the_last_16_tokens(dense_run):
     other[100] = (other[100] + 7) % CONFIG.vocab_size
     changed = dense_forward(model, other[:140])
     diff = np.abs(changed.layers[0].outputs - trace.layers[0].outputs[:140]).max(axis=1)
-    assert (diff[:100] == 0).all() and (diff[116:] == 0).all()  # W = 16: tokens 100..115 see token 100
-    assert (diff[100:116] > 0).all()
+    # W = 16: tokens 100..115 see token 100; the others differ only by summation order
+    # (a sequence of 140 rows is one block product of another shape than one of 300)
+    assert (diff[:100] < 1e-12).all() and (diff[116:] < 1e-12).all()
+    assert (diff[100:116] > 1e-6).all()
 
 
 def test_dense_rejects_bad_token_ids():

@@ -44,6 +44,17 @@ def test_paged_matches_dense(report, case):
     assert check.passed
 
 
+def test_cache_rows_are_compared_at_checkpoints(report):
+    for kind in ("window KV", "compressed KV", "indexer keys", "compressor states"):
+        check = report.check(f"cache rows == dense rows: {kind}")
+        assert check.passed and check.tokens > 1000 and check.max_abs_error <= TOLERANCE
+
+
+def test_scenario_runs_the_benchmarked_decode_path(report):
+    check = report.check("benchmarked decode path ran (schedule_uniform, table updates, mirror, fixed widths)")
+    assert check.passed and "with write slots from the mirrored tables" in check.detail
+
+
 def test_scenario_covers_what_it_claims(report):
     assert report.check("prefix hits at 256 and 512").detail == "hit tokens {'d': 512, 'e': 256}"
     assert report.check("HCA reads >= 3 entries").passed
@@ -96,20 +107,29 @@ def _verify_cli(argv):
 
 
 def test_verify_command_prints_checks_and_pass(report, monkeypatch, capsys):
-    monkeypatch.setattr(verify_cmd, "run_verify_scenario", lambda seed, fault=None: report)
+    from hybridkv.reference import suite
+
+    fake = [("scripted scenario", suite.SMALL_GEOMETRY, report), ("pressure scenario", suite.PRODUCTION_GEOMETRY, report)]
+    monkeypatch.setattr(suite, "run_verify_suite", lambda seed, scenarios, fault=None, progress=None: fake)
     assert _verify_cli(["verify"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert out.rstrip().endswith("PASS") and "FAIL" not in out
     assert "PASS  paged == dense: prefix hit 512" in out
-    assert "max abs error" in out and "tolerance 1e-05" in out
+    assert "PASS  cache rows == dense rows: indexer keys" in out
+    assert "pressure scenario: window 128, head_dim 512" in out
+    assert "max abs error" in out and "tolerance 1e-09" in out
 
 
-def test_verify_command_with_a_fault_fails_with_exit_1(capsys):
+def test_verify_command_reports_progress_and_a_fault_fails_with_exit_1(capsys):
     assert _verify_cli(["verify", "--inject-fault", "kv-byte"]) == 1
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert out.rstrip().endswith("FAIL")
     assert "FAIL  paged == dense: all tokens" in out
+    assert "FAIL  cache rows == dense rows: compressed KV" in out  # the flipped row itself is seen
     assert "note: fault injected after step 150: layer 2 HCA compressed entry 0" in out
+    assert "[1/2] scripted scenario" in captured.err and "[2/2] pressure scenario" in captured.err
 
 
 def test_unknown_fault_is_rejected():
@@ -166,3 +186,16 @@ def test_stack_rejects_bad_input():
         runner.stack.forward(batch, np.arange(9))
     with pytest.raises(ValueError):
         runner.stack.forward(batch, np.full(10, 5000))
+
+
+def test_verify_command_reports_a_crashed_run_as_fail(monkeypatch, capsys):
+    from hybridkv.reference import suite
+    from hybridkv.reference.paged import PagedReadError
+
+    def broken(*args, **kwargs):
+        raise PagedReadError("group v4.swa_kv: request 'a' reads cache row 7 whose page is not in its table")
+
+    monkeypatch.setattr(suite, "run_verify_suite", broken)
+    assert _verify_cli(["verify"]) == 1
+    out = capsys.readouterr().out
+    assert "the run stopped: PagedReadError" in out and out.rstrip().endswith("FAIL")

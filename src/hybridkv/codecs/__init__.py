@@ -10,7 +10,7 @@ Every codec has ``row_bytes``, ``page_stride_bytes(R)``, ``encode`` / ``decode``
 ``read_slot_bytes``). See ``docs/codecs.md``.
 """
 
-from hybridkv.codecs._floats import AMAX_FLOOR
+from hybridkv.codecs._floats import AMAX_FLOOR, MXFP4_AMAX_FLOOR
 from hybridkv.codecs._pool import PagedRowCodec
 from hybridkv.codecs.indexer import FP8IndexerCodec, MXFP4IndexerCodec
 from hybridkv.codecs.kv import KVRowCodec
@@ -18,6 +18,7 @@ from hybridkv.codecs.state import StateRowCodec
 
 __all__ = [
     "AMAX_FLOOR",
+    "MXFP4_AMAX_FLOOR",
     "FP8IndexerCodec",
     "KVRowCodec",
     "MXFP4IndexerCodec",

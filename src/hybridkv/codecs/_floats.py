@@ -25,6 +25,10 @@ E2M1_MAX = 6.0
 # Floor on a block's max |value| before the exponent is taken (facts doc §4, the
 # model's clamp); it also fixes the scale of an all-zero block. float32, as the model computes.
 AMAX_FLOOR = np.float32(1e-4)
+# The MXFP4 (e2m1) indexer keys' floor is 6 * 2^-126 instead, as in DeepSeek-V4's
+# inference/kernel.py (the FP4 act-quant clamp) and vLLM's fused MXFP4 indexer kernel:
+# an all-zero or near-zero block gets e = -126 (scale byte 1), not -15.
+MXFP4_AMAX_FLOOR = np.float32(6.0 * 2.0**-126)
 UE8M0_BIAS = 127
 
 # Smallest |v| whose quantized value would round up to 2^128 (infinity in float32):
@@ -107,9 +111,12 @@ def check_bf16_finite(values: np.ndarray, what: str = "x", first_row: int = 0) -
 
 
 def block_exponents(
-    blocks: np.ndarray, limit: float, too_large: np.float32, what: str = "x", first_row: int = 0
+    blocks: np.ndarray, limit: float, too_large: np.float32, what: str = "x", first_row: int = 0,
+    floor: np.float32 = AMAX_FLOOR,
 ) -> np.ndarray:
-    """Exact ``e = ceil(log2(max(amax, 1e-4) / limit))`` per block (int32, ``blocks.shape[:-1]``).
+    """Exact ``e = ceil(log2(max(amax, floor) / limit))`` per block (int32, ``blocks.shape[:-1]``).
+
+    ``floor`` is float32 1e-4 for the FP8 formats and ``MXFP4_AMAX_FLOOR`` for e2m1.
 
     ``blocks`` is float32 ``[m, nblocks, block]``. Raises ``ValueError`` on NaN or
     infinity, and on ``|v| >= too_large`` (values whose quantized form would decode
@@ -129,7 +136,7 @@ def block_exponents(
         raise ValueError(
             f"{what} has a value too large for this format (|v| >= {float(too_large):.6g}) in row {row}"
         )
-    amax = np.maximum(amax_bits.view(np.float32), AMAX_FLOOR)
+    amax = np.maximum(amax_bits.view(np.float32), np.float32(floor))
     mant, exp = np.frexp(amax)
     limit_mant, limit_exp = math.frexp(limit)
     return (exp - limit_exp + (mant > np.float32(limit_mant))).astype(np.int32)

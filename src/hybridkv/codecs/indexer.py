@@ -14,12 +14,13 @@ import numpy as np
 
 from hybridkv.codecs._floats import (
     E2M1_MAX,
-    E2M1_TOO_LARGE,
     E2M1_TO_F32,
+    E2M1_TOO_LARGE,
     E4M3,
     E4M3_MAX,
     E4M3_TOO_LARGE,
     F32,
+    MXFP4_AMAX_FLOOR,
     UE8M0_BIAS,
     UE8M0_TO_F32,
     block_exponents,
@@ -68,7 +69,9 @@ class MXFP4IndexerCodec(PagedRowCodec):
     integer/float32 ops, tested equal to ``ml_dtypes.float4_e2m1fn``). ``|v / 2^e| <= 6``
     always, so the clamp to 6 never binds. Values ``>= 3.5 * 2^126`` (~3e38, whose
     form would decode to infinity) are rejected; for accepted input ``e`` lies in
-    [-15, 126] and the scale byte ``e + 127`` in [112, 253] (the clamp never binds).
+    [-126, 126] and the scale byte ``e + 127`` in [1, 253] (the clamp never binds). The
+    amax floor is ``MXFP4_AMAX_FLOOR`` = 6 * 2^-126 (DeepSeek-V4's ``inference/kernel.py``),
+    so an all-zero block gets byte 1.
     """
 
     def __init__(self, dim: int = 128) -> None:
@@ -84,7 +87,7 @@ class MXFP4IndexerCodec(PagedRowCodec):
     def _rounded(self, x: np.ndarray, first_row: int) -> tuple[np.ndarray, np.ndarray]:
         """Scaled values rounded to the e2m1 grid (float32 ``[m, blocks, 32]``) and exponents."""
         blocks = x.reshape(x.shape[0], self.blocks, MXFP4_BLOCK)
-        exps = block_exponents(blocks, E2M1_MAX, E2M1_TOO_LARGE, "x", first_row)
+        exps = block_exponents(blocks, E2M1_MAX, E2M1_TOO_LARGE, "x", first_row, MXFP4_AMAX_FLOOR)
         return round_to_grid(blocks * pow2_f32(-exps)[..., None], 1, 0), exps
 
     def _encode_rows(self, x: np.ndarray, out: np.ndarray, first_row: int) -> None:

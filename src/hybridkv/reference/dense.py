@@ -26,7 +26,6 @@ from hybridkv.reference.layer import (
     select_topk,
     sparse_attention,
     visible_entries,
-    window_key_positions,
 )
 
 
@@ -40,6 +39,7 @@ class DenseLayerTrace:
     entry_rows: np.ndarray | None  # [T // ratio, head_dim] compressed rows as cached
     index_keys: np.ndarray | None  # [T // 4, index_head_dim]
     selected: np.ndarray | None  # [T, topk] CSA selections (ascending, -1 padded)
+    index_state_rows: np.ndarray | None = None  # [T, indexer state_width] (ratio 4)
 
 
 @dataclass(frozen=True)
@@ -55,47 +55,68 @@ def _pool_all_windows(config, comp, state_rows: np.ndarray, num_entries: int) ->
     return compress_entries(config, comp, gathered, slot_pos >= 0, entries)
 
 
-def dense_forward(model: ReferenceModel, token_ids: np.ndarray) -> DenseTrace:
-    """Run every layer of ``model`` over ``token_ids`` (positions ``0..T-1``)."""
+def _joined(prefix: np.ndarray | None, new: np.ndarray | None, keep: int) -> np.ndarray | None:
+    if new is None:
+        return None
+    return new if prefix is None else np.concatenate([prefix[:keep], new])
+
+
+def dense_forward(model: ReferenceModel, token_ids: np.ndarray, prefix: DenseTrace | None = None,
+                  prefix_tokens: int = 0) -> DenseTrace:
+    """Run every layer of ``model`` over ``token_ids`` (positions ``0..T-1``).
+
+    With ``prefix`` (the trace of a sequence whose first ``prefix_tokens`` tokens
+    equal these), positions below ``prefix_tokens`` are taken from it instead of
+    being recomputed: every row and output at ``p`` depends only on tokens
+    ``0..p``. Compressed entries and indexer keys are always pooled afresh from
+    the state rows."""
     config = model.config
     ids = np.asarray(token_ids, dtype=np.int64)
     if ids.ndim != 1 or ids.size == 0:
         raise ValueError(f"token_ids must be a non-empty 1-d array, got shape {ids.shape}")
     if ids.min() < 0 or ids.max() >= config.vocab_size:
         raise ValueError(f"token ids must lie in [0, {config.vocab_size})")
+    keep = int(prefix_tokens) if prefix is not None else 0
+    if not 0 <= keep < ids.size or (prefix is not None and prefix.hidden.shape[0] < keep):
+        raise ValueError(f"prefix_tokens={prefix_tokens} must lie in [0, {ids.size}) and in the prefix trace")
     codecs = LayerCodecs.for_config(config)
     num_tokens = ids.size
-    positions = np.arange(num_tokens)
-    hidden = model.embedding[ids].astype(np.float64)
-    window_pos = window_key_positions(positions, config.window_tokens)
+    positions = np.arange(keep, num_tokens)
+    hidden = model.embedding[ids[keep:]].astype(np.float64)
+    first = max(0, keep - config.window_tokens + 1)
     traces = []
-    for layer in model.layers:
+    for li, layer in enumerate(model.layers):
+        old = prefix.layers[li] if prefix is not None else None
         proj = project_tokens(config, codecs, layer, layer_input(config, layer, hidden), positions)
-        window_keys = proj.kv_rows[np.maximum(window_pos, 0)]
+        kv_rows = _joined(old and old.kv_rows, proj.kv_rows, keep)
+        state_rows = _joined(old and old.state_rows, proj.state_rows, keep)
+        index_state_rows = _joined(old and old.index_state_rows, proj.index_state_rows, keep)
         entry_rows = index_keys = selected = None
-        chosen = np.zeros((num_tokens, 0), dtype=np.int64)
+        chosen = np.zeros((positions.size, 0), dtype=np.int64)
+        entry_keys = np.zeros((positions.size, 0, config.head_dim), dtype=np.float32)
         if layer.ratio:
             num_entries = num_tokens // layer.ratio
-            entry_rows = main_entry_rows(
-                codecs, _pool_all_windows(config, layer.compressor, proj.state_rows, num_entries)
-            )
+            entry_rows = main_entry_rows(codecs, _pool_all_windows(config, layer.compressor, state_rows, num_entries))
             if layer.indexer is not None:
                 index_keys = index_key_rows(
-                    codecs,
-                    _pool_all_windows(config, layer.indexer.compressor, proj.index_state_rows, num_entries),
+                    codecs, _pool_all_windows(config, layer.indexer.compressor, index_state_rows, num_entries)
                 )
                 scores = index_scores(proj.index_q, proj.index_weights, index_keys)
-                selected = select_topk(scores, visible_entries(positions, layer.ratio), config.index_topk)
-                chosen = selected
+                chosen = select_topk(scores, visible_entries(positions, layer.ratio), config.index_topk)
+                selected = _joined(old and old.selected, chosen, keep)
             else:
                 chosen = all_visible_entries(positions, layer.ratio)
-            entry_keys = entry_rows[np.maximum(chosen, 0)] if entry_rows.shape[0] else np.zeros(
-                chosen.shape + (config.head_dim,), dtype=np.float32
-            )
-        else:
-            entry_keys = np.zeros((num_tokens, 0, config.head_dim), dtype=np.float32)
-        o = sparse_attention(layer, proj.q, window_keys, window_pos >= 0, entry_keys, chosen >= 0)
+            if entry_rows.shape[0]:
+                entry_keys = entry_rows[np.maximum(chosen, 0)]
+            else:
+                entry_keys = np.zeros(chosen.shape + (config.head_dim,), dtype=np.float32)
+        o = sparse_attention(
+            layer, proj.q, positions, kv_rows[first:], first, config.window_tokens, entry_keys, chosen >= 0
+        )
         out = output_projection(config, layer, o, positions)
         hidden = hidden + out
-        traces.append(DenseLayerTrace(out, proj.kv_rows, proj.state_rows, entry_rows, index_keys, selected))
-    return DenseTrace(hidden=hidden, layers=tuple(traces))
+        traces.append(DenseLayerTrace(
+            _joined(old and old.outputs, out, keep), kv_rows, state_rows, entry_rows, index_keys, selected,
+            index_state_rows,
+        ))
+    return DenseTrace(hidden=_joined(prefix and prefix.hidden, hidden, keep), layers=tuple(traces))

@@ -246,12 +246,12 @@ def attend(q: np.ndarray, keys: np.ndarray, key_valid: np.ndarray, sink: np.ndar
     The sink only enlarges the denominator. Scale ``D ** -0.5``.
     """
     keys = np.asarray(keys, dtype=np.float64)
-    logits = np.einsum("nhd,nkd->nhk", q, keys) * q.shape[-1] ** -0.5
+    logits = np.matmul(q, keys.transpose(0, 2, 1)) * q.shape[-1] ** -0.5
     logits = np.where(key_valid[:, None, :], logits, -np.inf)
     peak = np.maximum(logits.max(axis=-1), sink[None, :])
     weights = np.exp(logits - peak[..., None])
     denom = weights.sum(axis=-1) + np.exp(sink[None, :] - peak)
-    return np.einsum("nhk,nkd->nhd", weights, keys) / denom[..., None]
+    return np.matmul(weights, keys) / denom[..., None]
 
 
 def output_projection(
@@ -274,12 +274,38 @@ def layer_input(config: ReferenceConfig, layer: LayerWeights, hidden: np.ndarray
 def sparse_attention(
     layer: LayerWeights,
     q: np.ndarray,
-    window_keys: np.ndarray,
-    window_valid: np.ndarray,
+    positions: np.ndarray,
+    window_rows: np.ndarray,
+    first_position: int,
+    window_tokens: int,
     entry_keys: np.ndarray,
     entry_valid: np.ndarray,
 ) -> np.ndarray:
-    """Attention over window keys (oldest first) then compressed entries (ascending)."""
-    keys = np.concatenate([window_keys, entry_keys], axis=1)
-    valid = np.concatenate([window_valid, entry_valid], axis=1)
-    return attend(q, keys, valid, layer.attn_sink)
+    """Attention of one request's queries over its window rows, then compressed entries.
+
+    ``window_rows`` ``[M, D]`` are the rows of positions ``first_position ..
+    first_position + M - 1`` read once as a block (as a kernel streams them); a
+    query at ``p`` uses those in ``(p - window_tokens, p]``. ``entry_keys``
+    ``[N, E, D]`` per query (ascending entries), ``entry_valid`` ``[N, E]``. One
+    softmax per query and head over both plus the sink logit; V = K.
+    """
+    n, h, d = q.shape
+    rows = np.asarray(window_rows, dtype=np.float64)
+    entries = np.asarray(entry_keys, dtype=np.float64)
+    key_pos = first_position + np.arange(rows.shape[0])
+    pos = np.asarray(positions, dtype=np.int64)[:, None]
+    band = (key_pos[None, :] <= pos) & (key_pos[None, :] > pos - window_tokens)
+    scale = d**-0.5
+    window_logits = (q.reshape(n * h, d) @ rows.T).reshape(n, h, -1) * scale
+    entry_logits = np.matmul(q, entries.transpose(0, 2, 1)) * scale
+    logits = np.concatenate([window_logits, entry_logits], axis=-1)
+    valid = np.concatenate([band, np.asarray(entry_valid, dtype=bool)], axis=1)
+    logits = np.where(valid[:, None, :], logits, -np.inf)
+    sink = layer.attn_sink
+    peak = np.maximum(logits.max(axis=-1, initial=-np.inf), sink[None, :])
+    weights = np.exp(logits - peak[..., None])
+    denom = weights.sum(axis=-1) + np.exp(sink[None, :] - peak)
+    m = rows.shape[0]
+    out = (weights[..., :m].reshape(n * h, m) @ rows).reshape(n, h, d)
+    out = out + np.matmul(weights[..., m:], entries)
+    return out / denom[..., None]

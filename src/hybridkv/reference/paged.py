@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hybridkv.batch import GroupStep
 from hybridkv.codecs import StateRowCodec
 from hybridkv.models.deepseek_v4 import (
     V4_INDEXER_COMPRESSOR_STATE_GROUP_ID,
@@ -46,7 +47,6 @@ from hybridkv.reference.layer import (
     select_topk,
     sparse_attention,
     visible_entries,
-    window_key_positions,
 )
 from hybridkv.spec import CacheGroupSpec
 
@@ -156,6 +156,10 @@ class PagedStack:
             pools.append(lp)
         self.pools: tuple[LayerPools, ...] = tuple(pools)
 
+    def state_codec(self, group_id: str) -> StateRowCodec:
+        """The codec of a state group's pools (every layer's rows of that group share it)."""
+        return self._state_codecs[group_id]
+
     def _state_codec(self, group_id: str, width: int) -> StateRowCodec:
         codec = self._state_codecs.get(group_id)
         if codec is None:
@@ -165,8 +169,14 @@ class PagedStack:
     def _new_pool(self, codec, group_id: str, group_pages: Mapping[str, int]) -> np.ndarray:
         return codec.new_pool(int(group_pages[group_id]), self.specs[group_id].rows_per_page)
 
-    def forward(self, batch, token_ids: np.ndarray) -> PagedStepResult:
-        """Run every layer for the tokens of ``batch``; ``token_ids`` in batch order."""
+    def forward(self, batch, token_ids: np.ndarray, block_tables: Mapping[str, np.ndarray] | None = None
+                ) -> PagedStepResult:
+        """Run every layer for the tokens of ``batch``; ``token_ids`` in batch order.
+
+        ``block_tables`` (group id -> table, e.g. from a ``BlockTableMirror``) replaces the
+        batch's own tables (an updates-mode batch has none). A group whose
+        ``write_slots`` is None gets them computed from its table, as an engine that
+        schedules with ``write_slots=False`` does."""
         model, config, codecs = self.model, self.model.config, self.codecs
         ids = np.asarray(token_ids, dtype=np.int64)
         positions = np.asarray(batch.positions, dtype=np.int64)
@@ -175,10 +185,8 @@ class PagedStack:
             raise ValueError(f"got {ids.shape} token ids for {positions.shape} scheduled tokens")
         if ids.size and (ids.min() < 0 or ids.max() >= config.vocab_size):
             raise ValueError(f"token ids must lie in [0, {config.vocab_size})")
-        rids = batch.request_ids
-        swa_spec, swa = self.specs[V4_SWA_KV_GROUP_ID], batch.groups[V4_SWA_KV_GROUP_ID]
-        window_pos = window_key_positions(positions, config.window_tokens)
-        window_slots = table_slots(swa_spec, swa, req[:, None], window_pos, rids)
+        groups = self._kernel_groups(batch, block_tables, positions, req)
+        swa_spec, swa = self.specs[V4_SWA_KV_GROUP_ID], groups[V4_SWA_KV_GROUP_ID]
         hidden = model.embedding[ids].astype(np.float64)
         outputs, selected = [], {}
         for li, (layer, pools) in enumerate(zip(model.layers, self.pools)):
@@ -188,31 +196,32 @@ class PagedStack:
             entry_keys = np.zeros((positions.size, 0, config.head_dim), dtype=np.float32)
             if layer.ratio:
                 comp_gid = v4_compressed_kv_group_id(layer.ratio)
-                comp_spec, comp = self.specs[comp_gid], batch.groups[comp_gid]
+                comp_spec, comp = self.specs[comp_gid], groups[comp_gid]
+                state_gid = v4_compressor_state_group_id(layer.ratio)
                 self._compress(
-                    batch, layer.compressor, v4_compressor_state_group_id(layer.ratio), pools.state,
+                    batch, layer.compressor, state_gid, groups[state_gid], pools.state,
                     proj.state_rows, comp, comp_spec, pools.entries, lambda p: main_entry_rows(codecs, p),
                     codecs.kv,
                 )
                 if layer.indexer is not None:
+                    gid = V4_INDEXER_COMPRESSOR_STATE_GROUP_ID
                     self._compress(
-                        batch, layer.indexer.compressor, V4_INDEXER_COMPRESSOR_STATE_GROUP_ID,
-                        pools.index_state, proj.index_state_rows, comp, comp_spec, pools.index_keys,
+                        batch, layer.indexer.compressor, gid, groups[gid], pools.index_state,
+                        proj.index_state_rows, comp, comp_spec, pools.index_keys,
                         lambda p: index_key_rows(codecs, p), codecs.index_key,
                     )
                     chosen = self._select(batch, proj, comp_spec, comp, pools.index_keys)
                     selected[li] = chosen
                 else:
                     chosen = all_visible_entries(positions, layer.ratio)
-                entry_slots = table_slots(comp_spec, comp, req[:, None], chosen, rids)
+                entry_slots = table_slots(comp_spec, comp, req[:, None], chosen, batch.request_ids)
                 entry_keys = _read(codecs.kv, pools.entries, entry_slots, comp_spec.rows_per_page)
-            window_keys = _read(codecs.kv, pools.window, window_slots, swa_spec.rows_per_page)
-            o = sparse_attention(layer, proj.q, window_keys, window_pos >= 0, entry_keys, chosen >= 0)
+            o = self._attend(batch, layer, proj.q, positions, swa_spec, swa, pools.window, entry_keys, chosen)
             out = output_projection(config, layer, o, positions)
             hidden = hidden + out
             outputs.append(out)
         return PagedStepResult(
-            request_ids=tuple(rids),
+            request_ids=tuple(batch.request_ids),
             request_indices=req,
             positions=positions,
             hidden=hidden,
@@ -220,11 +229,50 @@ class PagedStack:
             selected=selected,
         )
 
+    def _kernel_groups(self, batch, block_tables, positions, req) -> dict[str, GroupStep]:
+        """Per group: the table and base pages a kernel reads, and the write slots."""
+        out = {}
+        for gid, step in batch.groups.items():
+            table = step.block_table if block_tables is None else block_tables[gid]
+            if table is None:
+                raise ValueError(f"group {gid}: the batch has no block table (pass block_tables)")
+            group = GroupStep(block_table=table, base_pages=step.base_pages, write_slots=step.write_slots)
+            if group.write_slots is None:
+                group = GroupStep(table, step.base_pages, self._write_slots(gid, group, positions, req, batch))
+            out[gid] = group
+        return out
+
+    def _write_slots(self, gid, group, positions, req, batch) -> np.ndarray:
+        """Slot of each token's row: stride-1 groups every token, compressed groups the closing ones."""
+        stride = self.specs[gid].entry_stride_tokens
+        rows = np.where((positions + 1) % stride == 0, positions // stride, -1)
+        return table_slots(self.specs[gid], group, req, rows, batch.request_ids)
+
+    def _attend(self, batch, layer, q, positions, swa_spec, swa, window_pool, entry_keys, chosen) -> np.ndarray:
+        """Per request: read its window rows once as a block through the table, then attend."""
+        window = self.model.config.window_tokens
+        starts = np.asarray(batch.query_start_loc, dtype=np.int64)
+        o = np.empty(q.shape, dtype=np.float64)
+        for r in range(len(batch.request_ids)):
+            lo, hi = int(starts[r]), int(starts[r + 1])
+            if hi == lo:
+                continue
+            pos = positions[lo:hi]
+            first = max(0, int(pos.min()) - window + 1)
+            block = np.arange(first, int(pos.max()) + 1)
+            slots = table_slots(swa_spec, swa, r, block, batch.request_ids)
+            rows = _read(self.codecs.kv, window_pool, slots, swa_spec.rows_per_page)
+            o[lo:hi] = sparse_attention(
+                layer, q[lo:hi], pos, rows, first, window, entry_keys[lo:hi], chosen[lo:hi] >= 0
+            )
+        return o
+
     def _compress(
-        self, batch, comp_weights, state_gid, state_pool, state_rows, comp, comp_spec, out_pool, finish, out_codec
+        self, batch, comp_weights, state_gid, state, state_pool, state_rows, comp, comp_spec, out_pool, finish,
+        out_codec,
     ) -> None:
         """Write this step's state rows; for each closing token pool its window from the pool."""
-        state_spec, state = self.specs[state_gid], batch.groups[state_gid]
+        state_spec = self.specs[state_gid]
         codec = self._state_codecs[state_gid]
         codec.write_slots(state_pool, state.write_slots, state_rows, state_spec.rows_per_page)
         closing = np.flatnonzero(comp.write_slots >= 0)

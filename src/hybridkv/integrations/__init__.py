@@ -1,0 +1,1 @@
+"""Integrations of hybridkv's cache with model implementations (optional extras)."""
