@@ -1,4 +1,4 @@
-"""Pins the seed module hybridkv.models.deepseek_v4 against the facts doc (§3-4).
+"""Pins the seed module hybridkv.models.deepseek_v4 against the published V4 cache groups and byte sizes (docs/planning.md, docs/codecs.md).
 
 Expected values are worked out by hand here, never by calling the code under test.
 """
@@ -22,7 +22,7 @@ def _spec(gid, retention, rows, stride, window, family, checkpoint=None):
     return CacheGroupSpec(gid, retention, rows, stride, window, family, checkpoint)
 
 
-# The facts doc §3 table, row by row (the last column: what a prefix checkpoint stores).
+# The V4 cache-group table, row by row (the last column: what a prefix checkpoint stores).
 FLASH_SPECS = [
     _spec("v4.swa_kv", "sliding_window", 64, 1, 128, "state"),
     _spec("v4.c4a.compressor_state", "sliding_window", 4, 1, 8, "state", 4),

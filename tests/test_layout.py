@@ -1,6 +1,6 @@
 """hybridkv.models.layout: config reading and exact page bytes per group.
 
-Byte values are worked out by hand from the facts doc §4:
+Byte values are worked out by hand from the byte formats of docs/codecs.md:
 KV row 584 B = 576 token data + 8 scale; a page of R rows is padded to a
 multiple of 576. MXFP4 indexer row 68 B, FP8 132 B. fp32 [C|Z] state rows.
 """
@@ -88,7 +88,7 @@ def test_flash_ideal_bytes_per_token_is_3514_25():
 
 def test_flash_fixed_bytes_per_request():
     layout = cache_layout("deepseek-v4-flash", include_mtp=True)
-    # Window KV: 44 layers * 128 tokens * 584 B = 3.3 MB (facts doc §5).
+    # Window KV: 44 layers * 128 tokens * 584 B = 3.3 MB (docs/planning.md).
     assert layout.group("v4.swa_kv").ideal_bytes_per_request == 44 * 128 * 584 == 3_289_088
     state = sum(
         layout.group(gid).ideal_bytes_per_request

@@ -24,7 +24,7 @@ from hybridkv.spec import CacheGroupSpec
 GiB = 2**30
 LIMITS = Limits(max_running_requests=128, max_scheduled_tokens=8192, max_context_tokens=2**20)
 
-# V4-Flash page bytes per group, by hand (facts doc §4; see test_layout.py).
+# V4-Flash page bytes per group, by hand (docs/codecs.md; see test_layout.py).
 SWA_PAGE = 43 * 37_440
 C4_STATE_PAGE = 21 * 32_768
 C4_KV_PAGE = 21 * (37_440 + 4_352)
@@ -39,7 +39,7 @@ def _layout(name="deepseek-v4-flash", k=1, indexer="mxfp4"):
 
 
 def test_acceptance_flash_40gib():
-    # Sliding pages (facts doc §6), live 128, sched 8192, W 128:
+    # Sliding pages (docs/planning.md), live 128, sched 8192, W 128:
     swa = 128 * math.ceil(127 / 64) + 8192 // 64 + 128 + 1  # 513
     c4_state = 128 * math.ceil(7 / 4) + 8192 // 4 + 128 + 1  # 2,433
     c128_state = 128 * math.ceil(127 / 8) + 8192 // 8 + 128 + 1  # 3,201

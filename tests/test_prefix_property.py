@@ -7,7 +7,7 @@ After every operation, for every live request and group, every row of every
 page in its table that lies below its computed tokens must carry that
 request's own digest at that position. Borrowed pages (prefix hits), released
 and re-allocated pages, evicted and rewound pages are all covered by the one
-check; it is what the stale-window bug of the facts doc (section 7) would
+check; it is what the stale-window bug serving engines hit (a window read past its release) would
 break.
 
 Random runs mix shared prefixes (lengths 1..1500), continuations of finished

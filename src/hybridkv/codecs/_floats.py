@@ -22,7 +22,7 @@ F32 = np.dtype("<f4")
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
-# Floor on a block's max |value| before the exponent is taken (facts doc §4, the
+# Floor on a block's max |value| before the exponent is taken (docs/codecs.md; the
 # model's clamp); it also fixes the scale of an all-zero block. float32, as the model computes.
 AMAX_FLOOR = np.float32(1e-4)
 # The MXFP4 (e2m1) indexer keys' floor is 6 * 2^-126 instead, as in DeepSeek-V4's

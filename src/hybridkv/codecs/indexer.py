@@ -1,4 +1,4 @@
-"""DeepSeek-V4 lightning-indexer keys: MXFP4 and FP8 rows (facts doc §4).
+"""DeepSeek-V4 lightning-indexer keys: MXFP4 and FP8 rows (docs/codecs.md).
 
 Both formats use a power-of-two scale per block, ``2^ceil(log2(a / fmax))`` with
 ``a = max(max|v|, 1e-4)`` (the KV rule's floor, which also fixes the scale of an

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 main KV rows: FP8-e4m3 nope tiles with UE8M0 scales, bf16 rope (facts doc §4).
+"""DeepSeek-V4 main KV rows: FP8-e4m3 nope tiles with UE8M0 scales, bf16 rope (docs/codecs.md).
 
 Row (584 B for head_dim 512, rope 64): ``nope`` e4m3 bytes, then ``rope`` bf16
 values (little-endian), then one UE8M0 scale byte per 64 nope values, then one
