@@ -190,11 +190,27 @@ def print_table(results: dict, budgets: list[int], lines: list[str]) -> None:
         print("| KV budget | " + " | ".join(lines) + " |")
         print("|---:|" + "---:|" * len(lines))
         for budget in budgets:
+            row = entry["budgets"][str(budget)]
+            bound = row.get("offline bound", {}).get("hit_rate")
             cells = []
             for line in lines:
-                rate = entry["budgets"][str(budget)].get(line, {}).get("hit_rate")
-                cells.append("-" if rate is None else f"{rate:.1%}")
+                rate = row.get(line, {}).get("hit_rate")
+                above = bound is not None and rate is not None and rate > bound + 1e-9
+                cells.append("-" if rate is None else f"{rate:.1%}" + (" (above the bound!)" if above else ""))
             print(f"| {budget / GIB:g} GiB | " + " | ".join(cells) + " |")
+    print_diagnostics(results, budgets)
+
+
+def print_diagnostics(results: dict, budgets: list[int]) -> None:
+    """Per group, after each hybridkv run: pages cached (idle, published) / evicted in the run."""
+    for workload, entry in results.items():
+        for line in ("hybridkv shared", "hybridkv per-group"):
+            for budget in budgets:
+                groups = entry["budgets"][str(budget)].get(line, {}).get("groups")
+                if groups:
+                    cells = ", ".join(f"{gid.removeprefix('v4.')} {g['cached_pages']:,}/{g['evicted_pages']:,}"
+                                      for gid, g in groups.items())
+                    print(f"# {workload}, {line}, {budget / GIB:g} GiB, cached/evicted pages: {cells}")
 
 
 def write_plot(results: dict, budgets: list[int], lines: list[str], path: str) -> None:

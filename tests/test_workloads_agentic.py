@@ -123,3 +123,10 @@ def test_in_waves_interleaves_at_most_that_many_conversations():
     assert in_waves(requests, 5) == requests
     with pytest.raises(ValueError, match="conversations_per_wave"):
         in_waves(requests, 0)
+
+
+def test_documented_default_figures():
+    # docs/workloads.md quotes these for agentic_workload() on seed 0.
+    requests = agentic_workload(seed=0)
+    assert len(requests) == 780
+    assert sum(r.prompt_tokens for r in requests) == 7_008_630
