@@ -229,6 +229,7 @@ def write_plot(results: dict, budgets: list[int], lines: list[str], path: str) -
                         linestyle="--" if line == "offline bound" else "-")
         ax.axhline(100 * entry["grain_256_hit_rate"], color="grey", linewidth=0.8, label="ideal (256 grain)")
         ax.set_xscale("log")
+        ax.minorticks_off()
         ax.set_xticks(xs, [f"{x:g}" for x in xs])
         ax.set_xlabel("KV budget (GiB)")
         ax.set_ylabel("token hit rate (%)")
