@@ -130,3 +130,17 @@ def test_documented_default_figures():
     requests = agentic_workload(seed=0)
     assert len(requests) == 780
     assert sum(r.prompt_tokens for r in requests) == 7_008_630
+
+
+def test_simulate_runs_the_agentic_workload(capsys):
+    import json
+
+    from hybridkv.cli import main
+
+    code = main(["simulate", "--workload", "agentic", "--requests", "12", "--kv-memory", "8GiB",
+                 "--max-context", "64k", "--json"])
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["requests_finished"] == 12 and summary["workload"] == "agentic"
+    # Sessions share long prefixes, so some prompt tokens are hits.
+    assert 0 < summary["token_hit_rate"] < 1
