@@ -128,7 +128,7 @@ BAD = [
     # simulate: every flag checked before the run
     (S + ["--workload", ""], r"--workload must not be empty"),
     (S + ["--workload", LONG], r"--workload: file name too long \(5,000 characters"),
-    (S + ["--workload", "nope"], r"workload must be one of chat, multiturn, longctx or a JSONL trace file"),
+    (S + ["--workload", "nope"], r"workload must be one of chat, multiturn, longctx, agentic or a JSONL trace file"),
     (S + ["--workload", "{root}"], r"workload must be one of"),
     (S + ["--requests", "1000000000"], r"--requests must be at most 1,000,000"),
     (S + ["--requests", "0"], r"--requests must be positive"),

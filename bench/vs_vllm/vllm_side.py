@@ -164,6 +164,7 @@ def make_vllm_config(
     max_num_batched_tokens: int,
     max_num_seqs: int,
     enable_prefix_caching: bool,
+    prefix_cache_retention_interval: int | None = 0,
 ) -> VllmConfig:
     """A ``VllmConfig`` for V4 as a GPU engine would hold it, built on the CPU.
 
@@ -187,6 +188,7 @@ def make_vllm_config(
             cache_dtype=FP8_DS_MLA,
             block_size=COMPRESSED_BLOCK_TOKENS,
             enable_prefix_caching=enable_prefix_caching,
+            prefix_cache_retention_interval=prefix_cache_retention_interval,
         ),
         scheduler_config=SchedulerConfig(
             max_model_len=max_model_len,
@@ -217,6 +219,7 @@ def plan_kv_cache(
     max_num_batched_tokens: int = 2048,
     max_num_seqs: int = 256,
     enable_prefix_caching: bool = True,
+    prefix_cache_retention_interval: int | None = 0,
 ) -> PlannedCache:
     """Plan ``kv_memory_bytes`` the way ``EngineCore._initialize_kv_caches`` does."""
     vllm_config = make_vllm_config(
@@ -225,6 +228,7 @@ def plan_kv_cache(
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         enable_prefix_caching=enable_prefix_caching,
+        prefix_cache_retention_interval=prefix_cache_retention_interval,
     )
     specs = build_v4_layer_specs(hf_config)
     resolve_kv_cache_layout(vllm_config, V4_SUPPORTED_LAYOUTS, specs.values())
@@ -328,7 +332,10 @@ class VllmSide:
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 256,
         enable_prefix_caching: bool = True,
+        prefix_cache_retention_interval: int | None = 0,
     ) -> None:
+        # prefix_cache_retention_interval: vLLM's CacheConfig field (0, its default: only
+        # semantic checkpoints; None: a sliding-window checkpoint at every boundary).
         self.hf_config = hf_config if hf_config is not None else bundled_v4_config()
         self.plan = plan_kv_cache(
             self.hf_config,
@@ -337,6 +344,7 @@ class VllmSide:
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             enable_prefix_caching=enable_prefix_caching,
+            prefix_cache_retention_interval=prefix_cache_retention_interval,
         )
         vllm_config = self.plan.vllm_config
         self.manager = KVCacheManager(

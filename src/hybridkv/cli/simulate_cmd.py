@@ -17,7 +17,7 @@ from typing import Any
 from hybridkv.cli import args as a
 from hybridkv.cli.plan_cmd import add_plan_arguments, build_plan
 
-WORKLOAD_NAMES = ("chat", "multiturn", "longctx")  # = hybridkv.sim.workloads.WORKLOAD_NAMES
+WORKLOAD_NAMES = ("chat", "multiturn", "longctx", "agentic")  # = hybridkv.sim.workloads.WORKLOAD_NAMES
 PLOT_FORMATS = (".png", ".pdf", ".svg")
 
 

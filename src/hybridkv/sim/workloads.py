@@ -216,9 +216,142 @@ def longctx_workload(
     ]
 
 
+AGENT_PREFIX_LENGTHS = LengthDistribution(median_tokens=6_000, sigma=0.4, min_tokens=1_024, max_tokens=24_576)
+AGENT_TASK_LENGTHS = LengthDistribution(median_tokens=256, sigma=0.7, min_tokens=16, max_tokens=4_096)
+TOOL_CALL_LENGTHS = LengthDistribution(median_tokens=96, sigma=0.6, min_tokens=8, max_tokens=1_024)
+TOOL_RESULT_LENGTHS = LengthDistribution(median_tokens=600, sigma=1.0, min_tokens=16, max_tokens=8_192)
+BRANCH_MESSAGE_LENGTHS = LengthDistribution(median_tokens=128, sigma=0.6, min_tokens=8, max_tokens=2_048)
+BRANCH_OUTPUT_LENGTHS = LengthDistribution(median_tokens=64, sigma=0.6, min_tokens=4, max_tokens=1_024)
 
 
-WORKLOAD_NAMES = ("chat", "multiturn", "longctx")
+@dataclass(frozen=True)
+class AgenticShape:
+    """Shape of :func:`agentic_workload`'s sessions (token counts are lognormal draws).
+
+    ``steps``: tool-call turns per session, uniform in the range (both ends
+    included). After each turn, with probability ``branch_probability``, the
+    session forks ``branches`` (uniform, both ends included) one-shot
+    requests off its context.
+    """
+
+    num_prefixes: int = 4
+    steps: tuple[int, int] = (2, 8)
+    branch_probability: float = 0.5
+    branches: tuple[int, int] = (1, 4)
+    prefix_lengths: LengthDistribution = AGENT_PREFIX_LENGTHS
+    task_lengths: LengthDistribution = AGENT_TASK_LENGTHS
+    tool_call_lengths: LengthDistribution = TOOL_CALL_LENGTHS
+    tool_result_lengths: LengthDistribution = TOOL_RESULT_LENGTHS
+    branch_message_lengths: LengthDistribution = BRANCH_MESSAGE_LENGTHS
+    branch_output_lengths: LengthDistribution = BRANCH_OUTPUT_LENGTHS
+
+    def __post_init__(self) -> None:
+        _check_int("num_prefixes", self.num_prefixes, minimum=1)
+        for name in ("steps", "branches"):
+            low, high = getattr(self, name)
+            _check_int(f"{name}[0]", low, minimum=1)
+            _check_int(f"{name}[1]", high, minimum=low)
+        p = self.branch_probability
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+            raise ValueError(f"branch_probability must be a number in [0, 1], got {p!r}")
+
+
+def _agent_session(rng, index, prefix, arrival, shape, vocab_size) -> list[list[Request]]:
+    """One session's requests per round: round ``k`` holds tool-call turn ``k``
+    and the branches forked off the context that turn ``k`` reads."""
+    session_id = f"agent{index:05d}"
+    steps = int(rng.integers(shape.steps[0], shape.steps[1] + 1))
+    context = prefix
+    previous_id: str | None = None
+    rounds: list[list[Request]] = []
+    for step in range(steps):
+        lengths = shape.task_lengths if step == 0 else shape.tool_result_lengths
+        message = _token_ids(rng, int(lengths.sample(rng, 1)[0]), vocab_size)
+        call_tokens = int(shape.tool_call_lengths.sample(rng, 1)[0])
+        prompt = np.concatenate([context, message])
+        turn = Request(
+            request_id=f"{session_id}-step{step}", arrival_step=arrival, prompt_token_ids=prompt,
+            output_tokens=call_tokens, output_token_ids=_token_ids(rng, call_tokens, vocab_size),
+            conversation_id=session_id, turn=step, after_request_id=previous_id,
+        )
+        this_round = [turn]
+        if rng.random() < shape.branch_probability:
+            count = int(rng.integers(shape.branches[0], shape.branches[1] + 1))
+            for b in range(count):
+                ask = _token_ids(rng, int(shape.branch_message_lengths.sample(rng, 1)[0]), vocab_size)
+                out_tokens = int(shape.branch_output_lengths.sample(rng, 1)[0])
+                this_round.append(Request(
+                    request_id=f"{session_id}-step{step}-branch{b}", arrival_step=arrival,
+                    prompt_token_ids=np.concatenate([context, ask]), output_tokens=out_tokens,
+                    output_token_ids=_token_ids(rng, out_tokens, vocab_size),
+                    conversation_id=session_id, turn=step, after_request_id=previous_id,
+                ))
+        rounds.append(this_round)
+        context = np.concatenate([prompt, turn.output_token_ids])
+        previous_id = turn.request_id
+    return rounds
+
+
+def agentic_workload(
+    num_sessions: int = 64,
+    *,
+    seed: int = 0,
+    shape: AgenticShape = AgenticShape(),
+    arrival_rate_per_step: float | None = None,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+) -> list[Request]:
+    """Agent sessions over a few long shared tool/system prefixes.
+
+    Each session takes one of ``shape.num_prefixes`` shared prefixes (tool
+    definitions and system prompt), adds a task message and runs tool-call
+    turns: turn ``k``'s output is a short tool call, and turn ``k+1``'s prompt
+    is turn ``k``'s prompt, its call and the tool's result (it waits for turn
+    ``k``). Off the context a turn reads, a session sometimes forks short
+    one-shot branches (a sub-question, a retry) that nobody continues; a
+    branch waits for the turn before it, as that turn does. Requests come
+    round-major (every session's round 0, then every round 1, ...), a round
+    being a turn followed by its branches; sessions arrive per
+    ``arrival_rate_per_step`` (all at step 0 by default) and their later
+    requests carry that step.
+    """
+    _check_int("num_sessions", num_sessions, minimum=1)
+    _check_vocab(vocab_size)
+    if not isinstance(shape, AgenticShape):
+        raise ValueError(f"shape must be an AgenticShape, got {type(shape).__name__}")
+    rng = np.random.default_rng(seed)
+    arrivals = _arrival_steps(rng, num_sessions, arrival_rate_per_step)
+    prefix_lens = shape.prefix_lengths.sample(rng, shape.num_prefixes)
+    prefixes = [_token_ids(rng, int(n), vocab_size) for n in prefix_lens]
+    choice = rng.integers(0, shape.num_prefixes, size=num_sessions)
+    sessions = [
+        _agent_session(rng, i, prefixes[int(choice[i])], int(arrivals[i]), shape, vocab_size)
+        for i in range(num_sessions)
+    ]
+    rounds = max(len(s) for s in sessions)
+    return [r for k in range(rounds) for s in sessions if k < len(s) for r in s[k]]
+
+
+
+def in_waves(requests: list[Request], conversations_per_wave: int) -> list[Request]:
+    """``requests`` reordered so that at most ``conversations_per_wave`` conversations
+    interleave: conversations (by ``conversation_id``; a request without one is a
+    conversation of its own) are taken in order of first appearance, in waves of
+    that many, and each wave keeps the list's relative order. Dispatch order holds
+    (a request waits only for one of its own conversation)."""
+    _check_int("conversations_per_wave", conversations_per_wave, minimum=1)
+    wave_of: dict[str, int] = {}
+    waves: list[list[Request]] = []
+    for request in requests:
+        conversation = request.conversation_id or f"\0{request.request_id}"
+        if conversation not in wave_of:
+            wave_of[conversation] = len(wave_of) // conversations_per_wave
+            if wave_of[conversation] == len(waves):
+                waves.append([])
+        waves[wave_of[conversation]].append(request)
+    return [request for wave in waves for request in wave]
+
+
+WORKLOAD_NAMES = ("chat", "multiturn", "longctx", "agentic")
 
 
 def build_workload(
@@ -228,13 +361,15 @@ def build_workload(
     seed: int = 0,
     max_request_tokens: int | None = None,
 ) -> list[Request]:
-    """``chat``, ``multiturn``, ``longctx`` on their defaults, or a JSONL trace path.
+    """``chat``, ``multiturn``, ``longctx``, ``agentic`` on their defaults, or a JSONL trace path.
 
     ``num_requests`` overrides the request count; for ``multiturn`` it is the
     total over all turns (``ceil(n / 4)`` conversations of 4 turns, cut to
     ``n`` in turn-major order). A trace is cut to its first ``n`` requests, and
     any of its requests longer than ``max_request_tokens`` is refused while the
-    file is read.
+    file is read. For ``agentic`` it is the total too: ``ceil(n / 2)`` sessions
+    (a session has at least 2 requests, so that is always enough), cut to ``n``
+    in round-major order.
     """
     if num_requests is not None:
         _check_int("num_requests", num_requests, minimum=1)
@@ -247,6 +382,11 @@ def build_workload(
         return multiturn_workload(-(-num_requests // turns), turns, seed=seed)[:num_requests]
     if name_or_path == "longctx":
         return longctx_workload(num_requests or 8, seed=seed)
+    if name_or_path == "agentic":
+        if num_requests is None:
+            return agentic_workload(seed=seed)
+        # A session has at least 2 requests, so ceil(n / 2) sessions are always enough.
+        return agentic_workload(-(-num_requests // 2), seed=seed)[:num_requests]
     path = Path(name_or_path)
     try:
         readable = path.exists() and not path.is_dir()
