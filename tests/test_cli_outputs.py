@@ -127,11 +127,13 @@ def test_plot_title_and_lines_describe_the_run():
 # --- verify's status -----------------------------------------------------------------
 
 def test_a_failed_verify_exits_1_and_bad_input_2(capsys, monkeypatch):
-    from hybridkv.cli import verify_cmd
-    from hybridkv.reference.scenario import CheckResult, VerifyReport
+    from hybridkv.reference import suite
+    from hybridkv.reference.runner import CheckResult, VerifyReport
 
     failing = VerifyReport((CheckResult("paged vs dense", False, 8, 1.0, 0),), 1e-3)
-    monkeypatch.setattr(verify_cmd, "run_verify_scenario", lambda seed, fault=None: failing)
+    monkeypatch.setattr(suite, "run_verify_suite",
+                        lambda seed, scenarios, fault=None, progress=None:
+                        [("scripted scenario", suite.SMALL_GEOMETRY, failing)])
     code, out, _ = _run(capsys, "verify")
     assert code == 1 and out.rstrip().endswith("FAIL")
     code, _, err = _run(capsys, "verify", "--seed", "x")
