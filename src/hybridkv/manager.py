@@ -83,7 +83,6 @@ class _StepPlan:
     grants: list | None = None  # arena slabs to move before allocating (shared page space)
     request_ids: tuple | None = None  # the batch's ids in order, once known
     alloc_sums: list | None = None  # pages per group the step allocates (alloc_all summed)
-    slots: np.ndarray | None = None  # [2G, R] TableSet.row_slots of rows
     # Stacked [2G, R] (TableSet.plan): base and hi now, after the step, and their
     # difference (pages released, pages allocated); base ... alloc_all are views of them.
     bounds: np.ndarray | None = None
@@ -732,13 +731,12 @@ class CacheManager:
             first = self._computed.take(rows)
         if end is None:
             end = first + counts
-        bounds, after, need_hi, sums = self._tableset.plan(rows, first, counts)
-        moves = after - bounds
+        bounds, after, moves, need_hi, sums = self._tableset.plan(rows, first, counts)
         g = len(self.specs)
         released, allocated = sums.tolist()
         return _StepPlan(rows, counts, first, end, self._group_index, base=bounds[:g], hi=bounds[g:],
                          new_base_all=after[:g], alloc_all=moves[g:], need_hi_all=need_hi,
-                         slots=self._tableset.row_slots(rows), bounds=bounds, after=after,
+                         bounds=bounds, after=after,
                          moves=moves, rel_sums=released, alloc_sums=allocated)
 
     def _release_credit(
@@ -851,7 +849,7 @@ class CacheManager:
     def _allocate(self, plan: _StepPlan) -> None:
         """The pages from each row's hi to its new hi, one pool call per group, placed in the
         tables; then the rows' bounds move to the plan's."""
-        self._tableset.set_bounds(plan.slots, plan.after)
+        self._tableset.set_bounds(plan.rows, plan.after)
         totals = plan.alloc_sums
         if not any(totals):
             return

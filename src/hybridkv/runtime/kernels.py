@@ -252,11 +252,12 @@ def finish_step(geometry, pages, bounds, computed, ref, stack, top, rows, counts
 
 # --- the pieces the manager's step calls (its pools stay Python objects) -----------------
 @njit(cache=True)
-def plan_rows(geometry, bounds, rows, first, counts, now, after, need):
+def plan_rows(geometry, bounds, rows, first, counts, now, after, need, moves):
     """Stacked ``[2G, R]``: ``now`` and ``after``, base (rows ``[0, G)``) and hi (rows
     ``[G, 2G)``) of every row before and after a step writing ``counts`` tokens from
-    ``first``; ``need[g, r]`` pages holding its tokens. Pure. Returns int64
-    ``[2, G]``: pages released and allocated per group."""
+    ``first``, and ``moves = after - now`` (pages released, pages allocated);
+    ``need[g, r]`` pages holding its tokens. Pure. Returns int64 ``[2, G]``: pages
+    released and allocated per group."""
     n_groups = geometry.shape[0]
     sums = np.zeros((2, n_groups), dtype=np.int64)
     for g in range(n_groups):
@@ -275,9 +276,22 @@ def plan_rows(geometry, bounds, rows, first, counts, now, after, need):
             after[g, r] = new_base
             after[n_groups + g, r] = max(hi, pages)
             need[g, r] = pages
+            moves[g, r] = new_base - base
+            moves[n_groups + g, r] = after[n_groups + g, r] - hi
             sums[0, g] += new_base - base
             sums[1, g] += after[n_groups + g, r] - hi
     return sums
+
+
+@njit(cache=True)
+def store_bounds(bounds, rows, after):
+    """``bounds[0, g, rows[r]] = after[g, r]`` and ``bounds[1, g, rows[r]] = after[G + g, r]``
+    (``after`` stacked as ``plan_rows`` writes it)."""
+    n_groups = bounds.shape[1]
+    for g in range(n_groups):
+        for r in range(rows.size):
+            bounds[0, g, rows[r]] = after[g, r]
+            bounds[1, g, rows[r]] = after[n_groups + g, r]
 
 
 @njit(cache=True)
