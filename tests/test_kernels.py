@@ -210,16 +210,26 @@ def test_the_same_kernels_run_as_plain_python():
     assert plain.stdout.strip() == str(s.step(rows, np.array([1, 1], dtype=np.int64)).write_slots.tolist())
 
 
-def test_the_manager_gives_the_same_steps_without_the_jit():
+_PAGE_SPACES = {
+    "per-group": "{s.group_id: 300 for s in specs}, shuffle_seed=1,",
+    # A shared arena: prefill chunks' transient pages take the highest ids (kernels.transient_ranks).
+    "shared": "None, arena=arena_geometry({s.group_id: 512 for s in specs}, 512 * 1200, "
+              "anchor_group=anchor_group_for(specs, {s.group_id: 512 for s in specs}), slab_anchor_pages=4),",
+}
+
+
+@pytest.mark.parametrize("space", sorted(_PAGE_SPACES))
+def test_the_manager_gives_the_same_steps_without_the_jit(space):
     """A short program (prefill chunks, decode, a rewind, a free, prefix hits) through
     the manager: the batches' arrays are the same compiled and as plain Python."""
     code = (
         "import numpy as np\n"
+        "from hybridkv.arena import anchor_group_for, arena_geometry\n"
         "from hybridkv.manager import CacheManager\n"
         "from hybridkv.models.deepseek_v4 import build_v4_cache_specs\n"
         "specs = build_v4_cache_specs({'sliding_window': 16}, layer_ratio=[0, 4, 128])\n"
-        "m = CacheManager(specs, {s.group_id: 300 for s in specs}, max_context_tokens=1500, max_step_tokens=64,\n"
-        "                 enable_prefix_caching=True, prefix_granularity=256, shuffle_seed=1)\n"
+        f"m = CacheManager(specs, {_PAGE_SPACES[space]} max_context_tokens=1500, max_step_tokens=64,\n"
+        "                 enable_prefix_caching=True, prefix_granularity=256)\n"
         "out = []\n"
         "for rid in ('a', 'b'):\n"
         "    m.add_request(rid, np.arange(300, dtype=np.int32) % 50, max_new_tokens=40)\n"

@@ -31,7 +31,7 @@ from hybridkv.pool import PagePool, PageSpace
 from hybridkv.prefix import PrefixCache, PrefixHit, RequestHashes
 from hybridkv.runtime import kernels
 from hybridkv.spec import CacheGroupSpec
-from hybridkv.tables import TableSet, cdiv, segment_arange
+from hybridkv.tables import TableSet, cdiv
 
 
 __all__ = [
@@ -848,60 +848,37 @@ class CacheManager:
 
     def _allocate(self, plan: _StepPlan) -> None:
         """The pages from each row's hi to its new hi, one pool call per group, placed in the
-        tables; then the rows' bounds move to the plan's."""
+        tables; then the rows' bounds move to the plan's.
+
+        With a shared arena, in a sliding group whose rows get several pages this step
+        (prefill chunks), the pages the next step releases (below the window of the
+        chunk's end: transient) take the group's highest free ids and the survivors its
+        lowest, so long-lived pages pack at the bottom and the released ones leave
+        whole slabs idle at the top for other groups (``kernels.transient_ranks``)."""
         self._tableset.set_bounds(plan.rows, plan.after)
         totals = plan.alloc_sums
         if not any(totals):
             return
-        split = self._transient_split(plan, totals)
-        fresh = []
-        for g, (pool, n) in enumerate(zip(self._pool_list, totals)):
+        g = len(self.specs)
+        ranks = highest = None
+        if self.arena is not None and int(plan.counts.max()) > 1:
+            ranks = np.empty(sum(totals), dtype=np.int64)
+            highest = np.zeros(g, dtype=np.int64)
+            kernels.transient_ranks(self._tableset.geometry, plan.hi, plan.alloc_all, plan.end,
+                                    np.asarray(totals, dtype=np.int64), ranks, highest)
+            highest = highest.tolist()
+        fresh, start = [], 0
+        for k, (pool, n) in enumerate(zip(self._pool_list, totals)):
             if not n:
                 continue
-            if g not in split:
-                fresh.append(pool.allocate(n))
-                continue
-            t, rank = split[g]
-            ids = pool.allocate(n, highest=t)  # n - t lowest, then t highest, ascending
-            if rank is None:  # one row: transient pages first in logical order
-                ids = np.concatenate([ids[n - t :], ids[: n - t]])
-            else:
-                ids = ids[rank]
-            fresh.append(ids)
-        self._tableset.place(plan.rows, plan.hi, plan.alloc_all, np.concatenate(fresh))
-
-    def _transient_split(self, plan: _StepPlan, totals: list[int]) -> dict[int, tuple[int, object]]:
-        """Per sliding group whose rows get several pages this step (prefill chunks):
-        (transient page count, how to order ids). Transient pages are released at the
-        next step (below the window of the chunk's end); the rest survive.
-
-        With a shared arena the survivors take the group's lowest free ids and the
-        transient pages its highest, so long-lived pages pack at the bottom and the
-        released ones leave whole slabs idle at the top for other groups.
-        """
-        out: dict[int, tuple[int, object]] = {}
-        if self.arena is None or int(plan.counts.max()) <= 1:
-            return out  # one token per row: at most one new page per row, nothing to order
-        for g, n in enumerate(totals):
-            spec = self.specs[g]
-            counts = plan.alloc_all[g]
-            if not n or not spec.is_sliding or n <= np.count_nonzero(counts):
-                continue  # history pages all live on; one page per row has no order
-            hi = plan.hi[g]
-            keep_from = np.maximum(plan.end - spec.sliding_window_tokens + 1, 0) // spec.page_tokens
-            if counts.size == 1 or np.count_nonzero(counts) == 1:
-                # One row (a prefill chunk): its first t pages in logical order are transient.
-                r = int(np.flatnonzero(counts)[0]) if counts.size > 1 else 0
-                t = min(max(int(keep_from[r]) - int(hi[r]), 0), n)
-                if 0 < t:
-                    out[g] = (t, None)
-                continue
-            transient = np.repeat(hi, counts) + segment_arange(counts) < np.repeat(keep_from, counts)
-            t = int(np.count_nonzero(transient))
+            t = 0 if highest is None else highest[k]
             if t:
-                # Survivors take the first n - t ids in logical order, then the transient pages.
-                out[g] = (t, np.where(transient, np.cumsum(transient) - 1 + (n - t), np.cumsum(~transient) - 1))
-        return out
+                # n - t lowest, then t highest, ascending; then each page its rank's id.
+                fresh.append(pool.allocate(n, highest=t)[ranks[start : start + n]])
+            else:
+                fresh.append(pool.allocate(n))
+            start += n
+        self._tableset.place(plan.rows, plan.hi, plan.alloc_all, np.concatenate(fresh))
 
     def _build_batch(self, plan: _StepPlan, fixed_width: bool, updates: bool,
                      write_slots: bool = True) -> StepBatch:
@@ -1008,12 +985,9 @@ class CacheManager:
         req = self._get(request_id)
         if self.prefix is not None and self._committed[req.row] < self._computed[req.row]:
             self._commit_row(req.row)
-        row = np.asarray([req.row], dtype=np.int64)
-        for s in self.specs:
-            table = self.tables[s.group_id]
-            pages = table.pages_in(row, table.base[row], table.hi[row])
-            self.pools[s.group_id].decref(pages)
-            table.reset_rows(row)
+        pages, per_group = self._tableset.clear_rows(np.asarray([req.row], dtype=np.int64))
+        if pages.size:
+            self._space.release(pages, per_group)
         if self.prefix is not None:
             self.prefix.forget_request(req)
         self._computed[req.row] = 0

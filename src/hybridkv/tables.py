@@ -326,6 +326,16 @@ class TableSet:
         self._log_cells(touched)
         return out
 
+    def clear_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Empty ``rows`` in every group (bounds back to 0): their held page ids,
+        group-major, row-major, in logical order, and how many per group."""
+        lo = self.bounds[0][:, rows]
+        counts = self.bounds[1][:, rows] - lo
+        per_group = counts.sum(axis=1)
+        pages = self.take_flat(rows, lo, counts=counts, total=int(per_group.sum()))
+        self.bounds[:, :, rows] = 0
+        return pages, per_group
+
     def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
         """Store ``page_ids`` (group-major, row-major) at logical pages ``[lo, lo + counts)``."""
         touched = np.empty(page_ids.size, dtype=np.int64)

@@ -332,6 +332,44 @@ def place_pages(geometry, pages, rows, lo, counts, ids, touched):
 
 
 @njit(cache=True)
+def transient_ranks(geometry, hi, counts, end, totals, ranks, highest):
+    """Per sliding group ``g`` in which some row gets several of the ``totals[g]`` pages
+    it allocates: ``highest[g]`` of them are transient (logical page below
+    ``max(end - W + 1, 0) // T``, released at the next step), and ``ranks`` (the
+    groups' segments of ``totals`` each, in order) puts survivors first, in row then
+    logical order, then the transient pages: the id of logical page ``hi[g, r] + k``
+    of row ``r`` is ``ids[rank]`` of the group's ids. ``highest[g] = 0`` elsewhere."""
+    start = 0
+    for g in range(geometry.shape[0]):
+        n = totals[g]
+        highest[g] = 0
+        tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
+        rows_allocating = 0
+        for r in range(end.size):
+            if counts[g, r] > 0:
+                rows_allocating += 1
+        if n == 0 or window <= 0 or n <= rows_allocating:
+            start += n
+            continue  # history pages all live on; one page per row has no order
+        t = 0
+        for r in range(end.size):
+            keep_from = divide(max(end[r] - window + 1, 0), tokens, shift)
+            t += min(max(keep_from - hi[g, r], 0), counts[g, r])
+        survivors, transient = 0, 0
+        for r in range(end.size):
+            keep_from = divide(max(end[r] - window + 1, 0), tokens, shift)
+            for k in range(counts[g, r]):
+                if hi[g, r] + k < keep_from:
+                    ranks[start + survivors + transient] = n - t + transient
+                    transient += 1
+                else:
+                    ranks[start + survivors + transient] = survivors
+                    survivors += 1
+        highest[g] = t
+        start += n
+
+
+@njit(cache=True)
 def batch_tokens(first, counts, positions, request_indices, query_start_loc):
     """Positions, request indices and query start locations of a batch whose request
     ``r`` writes ``counts[r]`` tokens from ``first[r]``."""
