@@ -255,3 +255,18 @@ def test_the_manager_gives_the_same_steps_without_the_jit(space):
         runs.append(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                    check=True).stdout)
     assert runs[0] == runs[1] and runs[0].endswith("hit 256\n")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sets(st.integers(1, 500), max_size=60), st.data())
+def test_merge_free_keeps_the_stack_descending_with_the_run_merged_in(ids, data):
+    ids = sorted(ids)
+    in_run = data.draw(st.lists(st.booleans(), min_size=len(ids), max_size=len(ids)))
+    run = np.array([p for p, r in zip(ids, in_run) if r], dtype=np.int32)
+    held = [p for p, r in zip(ids, in_run) if not r]
+    stack = np.full(len(ids) + 3, -7, dtype=np.int32)
+    stack[: len(held)] = held[::-1]
+    top = kernels.merge_free(stack, len(held), run)
+    assert top == len(ids)
+    assert stack[:top].tolist() == ids[::-1]
+    assert stack[top:].tolist() == [-7, -7, -7]  # nothing written past the new top

@@ -312,11 +312,7 @@ class PagePool:
     def _merge_pending(self) -> None:
         """Sorted stack (top = lowest id) plus pending releases, as one sorted stack."""
         run = np.sort(np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0])
-        # Two ascending runs: a stable (merge) sort joins them in linear time.
-        merged = np.concatenate([self._stack[: self._top][::-1], run])
-        merged.sort(kind="stable")
-        self._top = merged.size
-        self._stack[: self._top] = merged[::-1]
+        self._top = int(kernels.merge_free(self._stack, self._top, run))  # one linear merge, in place
         self._pending, self._pending_pages = [], 0
 
     # --- grants (shared arena) ---------------------------------------------

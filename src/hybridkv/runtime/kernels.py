@@ -370,6 +370,22 @@ def transient_ranks(geometry, hi, counts, end, totals, ranks, highest):
 
 
 @njit(cache=True)
+def merge_free(stack, top, run):
+    """Merge the ascending ids ``run`` into the free stack ``stack[:top]`` (descending:
+    the lowest id on top), in place; returns the new top. Ids are distinct."""
+    i, j, k = top - 1, 0, top + run.size - 1
+    while j < run.size:  # fill from the new top down, lowest first; stack ids left are in place
+        if i >= 0 and stack[i] < run[j]:
+            stack[k] = stack[i]
+            i -= 1
+        else:
+            stack[k] = run[j]
+            j += 1
+        k -= 1
+    return top + run.size
+
+
+@njit(cache=True)
 def batch_tokens(first, counts, positions, request_indices, query_start_loc):
     """Positions, request indices and query start locations of a batch whose request
     ``r`` writes ``counts[r]`` tokens from ``first[r]``."""
