@@ -883,21 +883,23 @@ class CacheManager:
     def _build_batch(self, plan: _StepPlan, fixed_width: bool, updates: bool,
                      write_slots: bool = True) -> StepBatch:
         """The step's arrays: block tables, or with ``updates`` the table cells changed."""
-        off = plan.settle
-        rows, counts, first = plan.rows[off:], plan.counts[off:], plan.first[off:]
-        n_req, n_tokens = rows.size, int(counts.sum())
+        off, g = plan.settle, len(self.specs)
+        n_req, n_tokens = plan.rows.size - off, int(plan.counts.sum())  # settling rows schedule 0
+        table_rows, scheduled = np.empty(n_req, dtype=np.int32), np.empty(n_req, dtype=np.int32)
         positions = np.empty(n_tokens, dtype=np.int64)
         req_idx = np.empty(n_tokens, dtype=np.int32)
         qsl = np.empty(n_req + 1, dtype=np.int32)
-        kernels.batch_tokens(first, counts, positions, req_idx, qsl)
+        base_pages = np.empty((g, n_req), dtype=np.int32)
+        live = np.empty(g, dtype=np.int64)
+        kernels.batch_arrays(plan.rows, plan.first, plan.counts, plan.after, off, table_rows, scheduled, positions,
+                             req_idx, qsl, base_pages, live)
+        rows = plan.rows[off:]
         ts = self._tableset
-        slots = ts.write_slots(rows, positions, req_idx) if write_slots else [None] * len(self.specs)
-        base_pages = plan.new_base_all[:, off:].astype(np.int32)
-        g = len(self.specs)
+        slots = ts.write_slots(rows, positions, req_idx) if write_slots else [None] * g
         if fixed_width:
             widths = tuple(self.table_widths[s.group_id] for s in self.specs)
         else:
-            widths = tuple((plan.after[g:, off:] - plan.new_base_all[:, off:]).max(axis=1).tolist())
+            widths = tuple(live.tolist())
         table_updates = None
         if not updates:
             tables = [ts.block_table(k, rows, width) for k, width in enumerate(widths)]
@@ -907,17 +909,17 @@ class CacheManager:
             table_updates = TableUpdates(group=group, row=row, column=column, page=page, widths=widths,
                                          reset=reset)
         groups = {
-            gid: GroupStep(block_table=tables[g], base_pages=base_pages[g] if sliding else None, write_slots=slots[g])
-            for g, (gid, sliding) in enumerate(self._group_sliding)
+            gid: GroupStep(block_table=tables[k], base_pages=base_pages[k] if sliding else None, write_slots=slots[k])
+            for k, (gid, sliding) in enumerate(self._group_sliding)
         }
         return StepBatch(
             request_ids=plan.request_ids,
-            num_scheduled_tokens=counts.astype(np.int32),
+            num_scheduled_tokens=scheduled,
             query_start_loc=qsl,
             positions=positions,
             request_indices=req_idx,
             groups=groups,
-            table_rows=rows.astype(np.int32),
+            table_rows=table_rows,
             table_updates=table_updates,
         )
 

@@ -386,17 +386,31 @@ def merge_free(stack, top, run):
 
 
 @njit(cache=True)
-def batch_tokens(first, counts, positions, request_indices, query_start_loc):
-    """Positions, request indices and query start locations of a batch whose request
-    ``r`` writes ``counts[r]`` tokens from ``first[r]``."""
+def batch_arrays(rows, first, counts, after, off, table_rows, scheduled, positions, request_indices,
+                 query_start_loc, base_pages, widths):
+    """The batch of plan rows ``[off, R)`` (rows before ``off`` only settle): each one's
+    table row and scheduled tokens (int32), its tokens' positions from ``first`` and
+    request indices, query start locations; ``base_pages[g, r]``, the row's base page
+    after the step (``after`` stacked as ``plan_rows`` writes it); ``widths[g]``, the
+    widest row's live pages."""
+    n_groups = base_pages.shape[0]
     n = 0
     query_start_loc[0] = 0
-    for r in range(first.size):
+    for r in range(off, rows.size):
+        k = r - off
+        table_rows[k] = rows[r]
+        scheduled[k] = counts[r]
         for i in range(counts[r]):
             positions[n] = first[r] + i
-            request_indices[n] = r
+            request_indices[n] = k
             n += 1
-        query_start_loc[r + 1] = n
+        query_start_loc[k + 1] = n
+    for g in range(n_groups):
+        widest = 0
+        for r in range(off, rows.size):
+            base_pages[g, r - off] = after[g, r]
+            widest = max(widest, after[n_groups + g, r] - after[g, r])
+        widths[g] = widest
 
 
 @njit(cache=True)
