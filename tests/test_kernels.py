@@ -270,3 +270,20 @@ def test_merge_free_keeps_the_stack_descending_with_the_run_merged_in(ids, data)
     assert top == len(ids)
     assert stack[:top].tolist() == ids[::-1]
     assert stack[top:].tolist() == [-7, -7, -7]  # nothing written past the new top
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sets(st.integers(1, 300), min_size=1, max_size=40), st.data())
+def test_take_lowest_takes_the_lowest_of_stack_and_pending(ids, data):
+    ids = sorted(ids)
+    in_pending = data.draw(st.lists(st.booleans(), min_size=len(ids), max_size=len(ids)))
+    pending = np.array([p for p, r in zip(ids, in_pending) if r], dtype=np.int32)
+    held = [p for p, r in zip(ids, in_pending) if not r]
+    stack = np.zeros(len(ids) + 2, dtype=np.int32)
+    stack[: len(held)] = held[::-1]
+    low = data.draw(st.integers(0, len(ids)))
+    taken, top, rest = kernels.take_lowest(stack, len(held), pending, low)
+    assert taken.tolist() == ids[:low]
+    left = stack[:top].tolist()
+    assert left == sorted(left, reverse=True)  # still a descending stack
+    assert sorted(left + rest.tolist()) == ids[low:]  # nothing lost, nothing twice

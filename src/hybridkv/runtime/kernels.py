@@ -386,6 +386,26 @@ def merge_free(stack, top, run):
 
 
 @njit(cache=True)
+def take_lowest(stack, top, pending, low):
+    """The ``low`` lowest ids of the free stack ``stack[:top]`` (descending, lowest on
+    top) and the released ids ``pending`` together, ascending, taken. Only the stack's
+    ``low`` lowest can be among them, so just those and ``pending`` are sorted. What is
+    left of them goes back on top of the stack when it all lies below the stack's next
+    id; otherwise it stays pending. Returns (taken, new top, still pending)."""
+    under = max(top - low, 0)
+    both = np.empty(top - under + pending.size, dtype=stack.dtype)
+    both[: top - under] = stack[under:top]
+    both[top - under :] = pending
+    both.sort()  # distinct ids: any sort gives the same order
+    rest = both[low:]
+    if rest.size and under and rest[-1] > stack[under - 1]:
+        return both[:low].copy(), under, rest.copy()
+    for i in range(rest.size):
+        stack[under + i] = rest[rest.size - 1 - i]
+    return both[:low].copy(), under + rest.size, rest[:0].copy()
+
+
+@njit(cache=True)
 def batch_arrays(rows, first, counts, after, off, table_rows, scheduled, positions, request_indices,
                  query_start_loc, base_pages, widths):
     """The batch of plan rows ``[off, R)`` (rows before ``off`` only settle): each one's
