@@ -210,16 +210,26 @@ def test_the_same_kernels_run_as_plain_python():
     assert plain.stdout.strip() == str(s.step(rows, np.array([1, 1], dtype=np.int64)).write_slots.tolist())
 
 
-def test_the_manager_gives_the_same_steps_without_the_jit():
+_PAGE_SPACES = {
+    "per-group": "{s.group_id: 300 for s in specs}, shuffle_seed=1,",
+    # A shared arena: prefill chunks' transient pages take the highest ids (kernels.transient_ranks).
+    "shared": "None, arena=arena_geometry({s.group_id: 512 for s in specs}, 512 * 1200, "
+              "anchor_group=anchor_group_for(specs, {s.group_id: 512 for s in specs}), slab_anchor_pages=4),",
+}
+
+
+@pytest.mark.parametrize("space", sorted(_PAGE_SPACES))
+def test_the_manager_gives_the_same_steps_without_the_jit(space):
     """A short program (prefill chunks, decode, a rewind, a free, prefix hits) through
     the manager: the batches' arrays are the same compiled and as plain Python."""
     code = (
         "import numpy as np\n"
+        "from hybridkv.arena import anchor_group_for, arena_geometry\n"
         "from hybridkv.manager import CacheManager\n"
         "from hybridkv.models.deepseek_v4 import build_v4_cache_specs\n"
         "specs = build_v4_cache_specs({'sliding_window': 16}, layer_ratio=[0, 4, 128])\n"
-        "m = CacheManager(specs, {s.group_id: 300 for s in specs}, max_context_tokens=1500, max_step_tokens=64,\n"
-        "                 enable_prefix_caching=True, prefix_granularity=256, shuffle_seed=1)\n"
+        f"m = CacheManager(specs, {_PAGE_SPACES[space]} max_context_tokens=1500, max_step_tokens=64,\n"
+        "                 enable_prefix_caching=True, prefix_granularity=256)\n"
         "out = []\n"
         "for rid in ('a', 'b'):\n"
         "    m.add_request(rid, np.arange(300, dtype=np.int32) % 50, max_new_tokens=40)\n"
@@ -245,3 +255,35 @@ def test_the_manager_gives_the_same_steps_without_the_jit():
         runs.append(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                    check=True).stdout)
     assert runs[0] == runs[1] and runs[0].endswith("hit 256\n")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sets(st.integers(1, 500), max_size=60), st.data())
+def test_merge_free_keeps_the_stack_descending_with_the_run_merged_in(ids, data):
+    ids = sorted(ids)
+    in_run = data.draw(st.lists(st.booleans(), min_size=len(ids), max_size=len(ids)))
+    run = np.array([p for p, r in zip(ids, in_run) if r], dtype=np.int32)
+    held = [p for p, r in zip(ids, in_run) if not r]
+    stack = np.full(len(ids) + 3, -7, dtype=np.int32)
+    stack[: len(held)] = held[::-1]
+    top = kernels.merge_free(stack, len(held), run)
+    assert top == len(ids)
+    assert stack[:top].tolist() == ids[::-1]
+    assert stack[top:].tolist() == [-7, -7, -7]  # nothing written past the new top
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sets(st.integers(1, 300), min_size=1, max_size=40), st.data())
+def test_take_lowest_takes_the_lowest_of_stack_and_pending(ids, data):
+    ids = sorted(ids)
+    in_pending = data.draw(st.lists(st.booleans(), min_size=len(ids), max_size=len(ids)))
+    pending = np.array([p for p, r in zip(ids, in_pending) if r], dtype=np.int32)
+    held = [p for p, r in zip(ids, in_pending) if not r]
+    stack = np.zeros(len(ids) + 2, dtype=np.int32)
+    stack[: len(held)] = held[::-1]
+    low = data.draw(st.integers(0, len(ids)))
+    taken, top, rest = kernels.take_lowest(stack, len(held), pending, low)
+    assert taken.tolist() == ids[:low]
+    left = stack[:top].tolist()
+    assert left == sorted(left, reverse=True)  # still a descending stack
+    assert sorted(left + rest.tolist()) == ids[low:]  # nothing lost, nothing twice

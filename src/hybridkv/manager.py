@@ -31,7 +31,7 @@ from hybridkv.pool import PagePool, PageSpace
 from hybridkv.prefix import PrefixCache, PrefixHit, RequestHashes
 from hybridkv.runtime import kernels
 from hybridkv.spec import CacheGroupSpec
-from hybridkv.tables import TableSet, cdiv, segment_arange
+from hybridkv.tables import TableSet, cdiv
 
 
 __all__ = [
@@ -83,7 +83,6 @@ class _StepPlan:
     grants: list | None = None  # arena slabs to move before allocating (shared page space)
     request_ids: tuple | None = None  # the batch's ids in order, once known
     alloc_sums: list | None = None  # pages per group the step allocates (alloc_all summed)
-    slots: np.ndarray | None = None  # [2G, R] TableSet.row_slots of rows
     # Stacked [2G, R] (TableSet.plan): base and hi now, after the step, and their
     # difference (pages released, pages allocated); base ... alloc_all are views of them.
     bounds: np.ndarray | None = None
@@ -732,13 +731,12 @@ class CacheManager:
             first = self._computed.take(rows)
         if end is None:
             end = first + counts
-        bounds, after, need_hi, sums = self._tableset.plan(rows, first, counts)
-        moves = after - bounds
+        bounds, after, moves, need_hi, sums = self._tableset.plan(rows, first, counts)
         g = len(self.specs)
         released, allocated = sums.tolist()
         return _StepPlan(rows, counts, first, end, self._group_index, base=bounds[:g], hi=bounds[g:],
                          new_base_all=after[:g], alloc_all=moves[g:], need_hi_all=need_hi,
-                         slots=self._tableset.row_slots(rows), bounds=bounds, after=after,
+                         bounds=bounds, after=after,
                          moves=moves, rel_sums=released, alloc_sums=allocated)
 
     def _release_credit(
@@ -850,79 +848,58 @@ class CacheManager:
 
     def _allocate(self, plan: _StepPlan) -> None:
         """The pages from each row's hi to its new hi, one pool call per group, placed in the
-        tables; then the rows' bounds move to the plan's."""
-        self._tableset.set_bounds(plan.slots, plan.after)
+        tables; then the rows' bounds move to the plan's.
+
+        With a shared arena, in a sliding group whose rows get several pages this step
+        (prefill chunks), the pages the next step releases (below the window of the
+        chunk's end: transient) take the group's highest free ids and the survivors its
+        lowest, so long-lived pages pack at the bottom and the released ones leave
+        whole slabs idle at the top for other groups (``kernels.transient_ranks``)."""
+        self._tableset.set_bounds(plan.rows, plan.after)
         totals = plan.alloc_sums
         if not any(totals):
             return
-        split = self._transient_split(plan, totals)
-        fresh = []
-        for g, (pool, n) in enumerate(zip(self._pool_list, totals)):
+        g = len(self.specs)
+        ranks = highest = None
+        if self.arena is not None and int(plan.counts.max()) > 1:
+            ranks = np.empty(sum(totals), dtype=np.int64)
+            highest = np.zeros(g, dtype=np.int64)
+            kernels.transient_ranks(self._tableset.geometry, plan.hi, plan.alloc_all, plan.end,
+                                    np.asarray(totals, dtype=np.int64), ranks, highest)
+            highest = highest.tolist()
+        fresh, start = [], 0
+        for k, (pool, n) in enumerate(zip(self._pool_list, totals)):
             if not n:
                 continue
-            if g not in split:
-                fresh.append(pool.allocate(n))
-                continue
-            t, rank = split[g]
-            ids = pool.allocate(n, highest=t)  # n - t lowest, then t highest, ascending
-            if rank is None:  # one row: transient pages first in logical order
-                ids = np.concatenate([ids[n - t :], ids[: n - t]])
-            else:
-                ids = ids[rank]
-            fresh.append(ids)
-        self._tableset.place(plan.rows, plan.hi, plan.alloc_all, np.concatenate(fresh))
-
-    def _transient_split(self, plan: _StepPlan, totals: list[int]) -> dict[int, tuple[int, object]]:
-        """Per sliding group whose rows get several pages this step (prefill chunks):
-        (transient page count, how to order ids). Transient pages are released at the
-        next step (below the window of the chunk's end); the rest survive.
-
-        With a shared arena the survivors take the group's lowest free ids and the
-        transient pages its highest, so long-lived pages pack at the bottom and the
-        released ones leave whole slabs idle at the top for other groups.
-        """
-        out: dict[int, tuple[int, object]] = {}
-        if self.arena is None or int(plan.counts.max()) <= 1:
-            return out  # one token per row: at most one new page per row, nothing to order
-        for g, n in enumerate(totals):
-            spec = self.specs[g]
-            counts = plan.alloc_all[g]
-            if not n or not spec.is_sliding or n <= np.count_nonzero(counts):
-                continue  # history pages all live on; one page per row has no order
-            hi = plan.hi[g]
-            keep_from = np.maximum(plan.end - spec.sliding_window_tokens + 1, 0) // spec.page_tokens
-            if counts.size == 1 or np.count_nonzero(counts) == 1:
-                # One row (a prefill chunk): its first t pages in logical order are transient.
-                r = int(np.flatnonzero(counts)[0]) if counts.size > 1 else 0
-                t = min(max(int(keep_from[r]) - int(hi[r]), 0), n)
-                if 0 < t:
-                    out[g] = (t, None)
-                continue
-            transient = np.repeat(hi, counts) + segment_arange(counts) < np.repeat(keep_from, counts)
-            t = int(np.count_nonzero(transient))
+            t = 0 if highest is None else highest[k]
             if t:
-                # Survivors take the first n - t ids in logical order, then the transient pages.
-                out[g] = (t, np.where(transient, np.cumsum(transient) - 1 + (n - t), np.cumsum(~transient) - 1))
-        return out
+                # n - t lowest, then t highest, ascending; then each page its rank's id.
+                fresh.append(pool.allocate(n, highest=t)[ranks[start : start + n]])
+            else:
+                fresh.append(pool.allocate(n))
+            start += n
+        self._tableset.place(plan.rows, plan.hi, plan.alloc_all, np.concatenate(fresh))
 
     def _build_batch(self, plan: _StepPlan, fixed_width: bool, updates: bool,
                      write_slots: bool = True) -> StepBatch:
         """The step's arrays: block tables, or with ``updates`` the table cells changed."""
-        off = plan.settle
-        rows, counts, first = plan.rows[off:], plan.counts[off:], plan.first[off:]
-        n_req, n_tokens = rows.size, int(counts.sum())
+        off, g = plan.settle, len(self.specs)
+        n_req, n_tokens = plan.rows.size - off, int(plan.counts.sum())  # settling rows schedule 0
+        table_rows, scheduled = np.empty(n_req, dtype=np.int32), np.empty(n_req, dtype=np.int32)
         positions = np.empty(n_tokens, dtype=np.int64)
         req_idx = np.empty(n_tokens, dtype=np.int32)
         qsl = np.empty(n_req + 1, dtype=np.int32)
-        kernels.batch_tokens(first, counts, positions, req_idx, qsl)
+        base_pages = np.empty((g, n_req), dtype=np.int32)
+        live = np.empty(g, dtype=np.int64)
+        kernels.batch_arrays(plan.rows, plan.first, plan.counts, plan.after, off, table_rows, scheduled, positions,
+                             req_idx, qsl, base_pages, live)
+        rows = plan.rows[off:]
         ts = self._tableset
-        slots = ts.write_slots(rows, positions, req_idx) if write_slots else [None] * len(self.specs)
-        base_pages = plan.new_base_all[:, off:].astype(np.int32)
-        g = len(self.specs)
+        slots = ts.write_slots(rows, positions, req_idx) if write_slots else [None] * g
         if fixed_width:
             widths = tuple(self.table_widths[s.group_id] for s in self.specs)
         else:
-            widths = tuple((plan.after[g:, off:] - plan.new_base_all[:, off:]).max(axis=1).tolist())
+            widths = tuple(live.tolist())
         table_updates = None
         if not updates:
             tables = [ts.block_table(k, rows, width) for k, width in enumerate(widths)]
@@ -932,17 +909,17 @@ class CacheManager:
             table_updates = TableUpdates(group=group, row=row, column=column, page=page, widths=widths,
                                          reset=reset)
         groups = {
-            gid: GroupStep(block_table=tables[g], base_pages=base_pages[g] if sliding else None, write_slots=slots[g])
-            for g, (gid, sliding) in enumerate(self._group_sliding)
+            gid: GroupStep(block_table=tables[k], base_pages=base_pages[k] if sliding else None, write_slots=slots[k])
+            for k, (gid, sliding) in enumerate(self._group_sliding)
         }
         return StepBatch(
             request_ids=plan.request_ids,
-            num_scheduled_tokens=counts.astype(np.int32),
+            num_scheduled_tokens=scheduled,
             query_start_loc=qsl,
             positions=positions,
             request_indices=req_idx,
             groups=groups,
-            table_rows=rows.astype(np.int32),
+            table_rows=table_rows,
             table_updates=table_updates,
         )
 
@@ -1010,12 +987,9 @@ class CacheManager:
         req = self._get(request_id)
         if self.prefix is not None and self._committed[req.row] < self._computed[req.row]:
             self._commit_row(req.row)
-        row = np.asarray([req.row], dtype=np.int64)
-        for s in self.specs:
-            table = self.tables[s.group_id]
-            pages = table.pages_in(row, table.base[row], table.hi[row])
-            self.pools[s.group_id].decref(pages)
-            table.reset_rows(row)
+        pages, per_group = self._tableset.clear_rows(np.asarray([req.row], dtype=np.int64))
+        if pages.size:
+            self._space.release(pages, per_group)
         if self.prefix is not None:
             self.prefix.forget_request(req)
         self._computed[req.row] = 0

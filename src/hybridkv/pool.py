@@ -177,24 +177,11 @@ class PagePool:
         """The ``low`` lowest free ids (stack and pending releases), ascending, taken."""
         if self._pending and sort_pending and self._pending_pages <= _SMALL_PENDING:
             # Few pending pages (a decode step): the lowest ``low`` of the union are among
-            # the stack's ``low`` lowest (all of it if shorter) and the pending ones; sort
-            # just those instead of merging the whole stack.
-            stack, top = self._stack, self._top
-            under = max(top - low, 0)
-            both = np.concatenate([stack[under:top], *self._pending])  # one copy of all
-            both.sort(kind="stable")  # timsort: far less code than the SIMD sort (fewer cold misses)
-            rest = both[low:]
-            if rest.size and under and rest[-1] > stack[under - 1]:
-                # Some pending id lies above the stack's next: the rest stays pending.
-                self._top = under
-                self._pending, self._pending_pages = [rest], rest.size
-            else:
-                # Every id left is below the stack's next one: back on top, still sorted
-                # (so pending releases never pile up into a full merge).
-                self._top = under + rest.size
-                stack[under : self._top] = rest[::-1]
-                self._pending, self._pending_pages = [], 0
-            return both[:low]
+            # the stack's ``low`` lowest (all of it if shorter) and the pending ones.
+            pending = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
+            out, self._top, rest = kernels.take_lowest(self._stack, self._top, pending, low)
+            self._pending, self._pending_pages = ([rest], rest.size) if rest.size else ([], 0)
+            return out
         if self._pending:
             self._merge_pending()
         out = self._stack[self._top - low : self._top][::-1].copy()
@@ -312,11 +299,7 @@ class PagePool:
     def _merge_pending(self) -> None:
         """Sorted stack (top = lowest id) plus pending releases, as one sorted stack."""
         run = np.sort(np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0])
-        # Two ascending runs: a stable (merge) sort joins them in linear time.
-        merged = np.concatenate([self._stack[: self._top][::-1], run])
-        merged.sort(kind="stable")
-        self._top = merged.size
-        self._stack[: self._top] = merged[::-1]
+        self._top = int(kernels.merge_free(self._stack, self._top, run))  # one linear merge, in place
         self._pending, self._pending_pages = [], 0
 
     # --- grants (shared arena) ---------------------------------------------

@@ -233,9 +233,6 @@ class TableSet:
     def _bind(self) -> None:
         _, rows_cap, cap_max = self.pages.shape
         self.base, self.hi = self.bounds[0], self.bounds[1]
-        # [2G, 1]: flat start of each group's base (rows [0, G)) and hi (rows [G, 2G)) in bounds.
-        self._group_rows2 = np.arange(2 * len(self.tables), dtype=np.int64)[:, None] * rows_cap
-        self._bounds_flat = self.bounds.reshape(-1)
         for g, table in enumerate(self.tables):
             table.pages = self.pages[g, :, : table.capacity_pages]
             table.base = self.base[g]
@@ -305,24 +302,20 @@ class TableSet:
     # --- one step -------------------------------------------------------------
     def plan(self, rows: np.ndarray, first: np.ndarray, counts: np.ndarray):
         """Stacked ``[2G, R]`` base (rows ``[0, G)``) and hi (rows ``[G, 2G)``) of ``rows``
-        now and after a step writing ``counts`` tokens from ``first`` (pure), ``[G, R]``
-        pages needed, and ``[2, G]`` pages released and allocated per group
-        (``kernels.plan_rows``)."""
+        now and after a step writing ``counts`` tokens from ``first`` (pure), their
+        difference (pages released, pages allocated), ``[G, R]`` pages needed, and
+        ``[2, G]`` pages released and allocated per group (``kernels.plan_rows``)."""
         g = len(self.tables)
         now = np.empty((2 * g, rows.size), dtype=np.int64)
         after = np.empty((2 * g, rows.size), dtype=np.int64)
+        moves = np.empty((2 * g, rows.size), dtype=np.int64)
         need = np.empty((g, rows.size), dtype=np.int64)
-        sums = kernels.plan_rows(self.geometry, self.bounds, rows, first, counts, now, after, need)
-        return now, after, need, sums
+        sums = kernels.plan_rows(self.geometry, self.bounds, rows, first, counts, now, after, need, moves)
+        return now, after, moves, need, sums
 
-    def row_slots(self, rows: np.ndarray) -> np.ndarray:
-        """``[2G, R]`` flat index into ``bounds`` of each row's base (rows ``[0, G)``) and hi
-        (rows ``[G, 2G)``) in each group (valid until rows grow)."""
-        return rows + self._group_rows2
-
-    def set_bounds(self, slots: np.ndarray, bounds: np.ndarray) -> None:
-        """Store ``[2G, R]`` base and hi of the rows whose ``row_slots`` are ``slots``."""
-        self._bounds_flat[slots] = bounds
+    def set_bounds(self, rows: np.ndarray, bounds: np.ndarray) -> None:
+        """Store ``[2G, R]`` base (rows ``[0, G)``) and hi (rows ``[G, 2G)``) of ``rows``."""
+        kernels.store_bounds(self.bounds, rows, bounds)
 
     def take_flat(self, rows: np.ndarray, lo: np.ndarray, *, counts: np.ndarray, total: int) -> np.ndarray:
         """Forget logical pages ``[lo, lo + counts)`` (``[G, R]`` each, ``total`` pages in
@@ -332,6 +325,16 @@ class TableSet:
         kernels.take_pages(self.geometry, self.pages, rows, lo, counts, out, touched)
         self._log_cells(touched)
         return out
+
+    def clear_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Empty ``rows`` in every group (bounds back to 0): their held page ids,
+        group-major, row-major, in logical order, and how many per group."""
+        lo = self.bounds[0][:, rows]
+        counts = self.bounds[1][:, rows] - lo
+        per_group = counts.sum(axis=1)
+        pages = self.take_flat(rows, lo, counts=counts, total=int(per_group.sum()))
+        self.bounds[:, :, rows] = 0
+        return pages, per_group
 
     def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
         """Store ``page_ids`` (group-major, row-major) at logical pages ``[lo, lo + counts)``."""

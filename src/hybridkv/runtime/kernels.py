@@ -252,11 +252,12 @@ def finish_step(geometry, pages, bounds, computed, ref, stack, top, rows, counts
 
 # --- the pieces the manager's step calls (its pools stay Python objects) -----------------
 @njit(cache=True)
-def plan_rows(geometry, bounds, rows, first, counts, now, after, need):
+def plan_rows(geometry, bounds, rows, first, counts, now, after, need, moves):
     """Stacked ``[2G, R]``: ``now`` and ``after``, base (rows ``[0, G)``) and hi (rows
     ``[G, 2G)``) of every row before and after a step writing ``counts`` tokens from
-    ``first``; ``need[g, r]`` pages holding its tokens. Pure. Returns int64
-    ``[2, G]``: pages released and allocated per group."""
+    ``first``, and ``moves = after - now`` (pages released, pages allocated);
+    ``need[g, r]`` pages holding its tokens. Pure. Returns int64 ``[2, G]``: pages
+    released and allocated per group."""
     n_groups = geometry.shape[0]
     sums = np.zeros((2, n_groups), dtype=np.int64)
     for g in range(n_groups):
@@ -275,9 +276,22 @@ def plan_rows(geometry, bounds, rows, first, counts, now, after, need):
             after[g, r] = new_base
             after[n_groups + g, r] = max(hi, pages)
             need[g, r] = pages
+            moves[g, r] = new_base - base
+            moves[n_groups + g, r] = after[n_groups + g, r] - hi
             sums[0, g] += new_base - base
             sums[1, g] += after[n_groups + g, r] - hi
     return sums
+
+
+@njit(cache=True)
+def store_bounds(bounds, rows, after):
+    """``bounds[0, g, rows[r]] = after[g, r]`` and ``bounds[1, g, rows[r]] = after[G + g, r]``
+    (``after`` stacked as ``plan_rows`` writes it)."""
+    n_groups = bounds.shape[1]
+    for g in range(n_groups):
+        for r in range(rows.size):
+            bounds[0, g, rows[r]] = after[g, r]
+            bounds[1, g, rows[r]] = after[n_groups + g, r]
 
 
 @njit(cache=True)
@@ -318,17 +332,105 @@ def place_pages(geometry, pages, rows, lo, counts, ids, touched):
 
 
 @njit(cache=True)
-def batch_tokens(first, counts, positions, request_indices, query_start_loc):
-    """Positions, request indices and query start locations of a batch whose request
-    ``r`` writes ``counts[r]`` tokens from ``first[r]``."""
+def transient_ranks(geometry, hi, counts, end, totals, ranks, highest):
+    """Per sliding group ``g`` in which some row gets several of the ``totals[g]`` pages
+    it allocates: ``highest[g]`` of them are transient (logical page below
+    ``max(end - W + 1, 0) // T``, released at the next step), and ``ranks`` (the
+    groups' segments of ``totals`` each, in order) puts survivors first, in row then
+    logical order, then the transient pages: the id of logical page ``hi[g, r] + k``
+    of row ``r`` is ``ids[rank]`` of the group's ids. ``highest[g] = 0`` elsewhere."""
+    start = 0
+    for g in range(geometry.shape[0]):
+        n = totals[g]
+        highest[g] = 0
+        tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
+        rows_allocating = 0
+        for r in range(end.size):
+            if counts[g, r] > 0:
+                rows_allocating += 1
+        if n == 0 or window <= 0 or n <= rows_allocating:
+            start += n
+            continue  # history pages all live on; one page per row has no order
+        t = 0
+        for r in range(end.size):
+            keep_from = divide(max(end[r] - window + 1, 0), tokens, shift)
+            t += min(max(keep_from - hi[g, r], 0), counts[g, r])
+        survivors, transient = 0, 0
+        for r in range(end.size):
+            keep_from = divide(max(end[r] - window + 1, 0), tokens, shift)
+            for k in range(counts[g, r]):
+                if hi[g, r] + k < keep_from:
+                    ranks[start + survivors + transient] = n - t + transient
+                    transient += 1
+                else:
+                    ranks[start + survivors + transient] = survivors
+                    survivors += 1
+        highest[g] = t
+        start += n
+
+
+@njit(cache=True)
+def merge_free(stack, top, run):
+    """Merge the ascending ids ``run`` into the free stack ``stack[:top]`` (descending:
+    the lowest id on top), in place; returns the new top. Ids are distinct."""
+    i, j, k = top - 1, 0, top + run.size - 1
+    while j < run.size:  # fill from the new top down, lowest first; stack ids left are in place
+        if i >= 0 and stack[i] < run[j]:
+            stack[k] = stack[i]
+            i -= 1
+        else:
+            stack[k] = run[j]
+            j += 1
+        k -= 1
+    return top + run.size
+
+
+@njit(cache=True)
+def take_lowest(stack, top, pending, low):
+    """The ``low`` lowest ids of the free stack ``stack[:top]`` (descending, lowest on
+    top) and the released ids ``pending`` together, ascending, taken. Only the stack's
+    ``low`` lowest can be among them, so just those and ``pending`` are sorted. What is
+    left of them goes back on top of the stack when it all lies below the stack's next
+    id; otherwise it stays pending. Returns (taken, new top, still pending)."""
+    under = max(top - low, 0)
+    both = np.empty(top - under + pending.size, dtype=stack.dtype)
+    both[: top - under] = stack[under:top]
+    both[top - under :] = pending
+    both.sort()  # distinct ids: any sort gives the same order
+    rest = both[low:]
+    if rest.size and under and rest[-1] > stack[under - 1]:
+        return both[:low].copy(), under, rest.copy()
+    for i in range(rest.size):
+        stack[under + i] = rest[rest.size - 1 - i]
+    return both[:low].copy(), under + rest.size, rest[:0].copy()
+
+
+@njit(cache=True)
+def batch_arrays(rows, first, counts, after, off, table_rows, scheduled, positions, request_indices,
+                 query_start_loc, base_pages, widths):
+    """The batch of plan rows ``[off, R)`` (rows before ``off`` only settle): each one's
+    table row and scheduled tokens (int32), its tokens' positions from ``first`` and
+    request indices, query start locations; ``base_pages[g, r]``, the row's base page
+    after the step (``after`` stacked as ``plan_rows`` writes it); ``widths[g]``, the
+    widest row's live pages."""
+    n_groups = base_pages.shape[0]
     n = 0
     query_start_loc[0] = 0
-    for r in range(first.size):
+    for r in range(off, rows.size):
+        k = r - off
+        table_rows[k] = rows[r]
+        scheduled[k] = counts[r]
         for i in range(counts[r]):
             positions[n] = first[r] + i
-            request_indices[n] = r
+            request_indices[n] = k
             n += 1
-        query_start_loc[r + 1] = n
+        query_start_loc[k + 1] = n
+    for g in range(n_groups):
+        widest = 0
+        for r in range(off, rows.size):
+            base_pages[g, r - off] = after[g, r]
+            widest = max(widest, after[n_groups + g, r] - after[g, r])
+        widths[g] = widest
 
 
 @njit(cache=True)

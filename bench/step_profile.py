@@ -1,0 +1,200 @@
+"""Step cost of ``CacheManager.schedule`` / ``schedule_uniform``, for profiling.
+
+    .venv/bin/python bench/step_profile.py [--sizes 32,128,512,1024] [--steps 300]
+        [--phase decode|serving|both] [--profile cprofile|none] [--clock wall|cpu] [--json PATH]
+        [--against PACKAGE]
+
+Manager as ``bench/vs_vllm/sides.py`` builds it: DeepSeek-V4-Flash (FP8 indexer),
+40 GiB shared arena, prefix caching on, 8,192 tokens per step, context 131,072,
+every step ``block_tables="updates"``. Public API only.
+
+* decode: ``N`` requests (prompts 512-1,536 tokens, prefilled untimed) schedule
+  one token each per step (``schedule_uniform``); timed: that call.
+* serving: each step the oldest request finishes (``free``), one joins with a
+  512-1,536-token prompt (``add_request``), and one ``schedule`` runs the
+  ``N - 1`` decoders (1 token) plus the newcomer's whole prompt; timed: the three
+  calls. Token appends are untimed in both phases.
+
+Prints p50/p99 per phase and size (and with ``--profile cprofile`` the top of a
+cProfile of the timed calls). The figures are wall time on whatever machine runs
+it: on a shared one, compare runs made back to back, or use ``--against``: a
+copy of another version renamed to another package (``hybridkv`` -> e.g.
+``hybridkv_base`` in every import) on ``PYTHONPATH``, whose steps alternate with
+this version's on the same workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import importlib
+import json
+import pstats
+import time
+
+import numpy as np
+
+GIB = 2**30
+PROMPT_RANGE = (512, 1536)
+STEP_TOKENS = 8192
+CONTEXT_TOKENS = 131_072
+MAX_NEW_TOKENS = 4096
+CLOCK = time.perf_counter_ns  # --clock cpu: this thread's CPU time (steadier on a shared machine)
+
+
+def build_manager(running: int, package: str = "hybridkv"):
+    """The manager of ``package`` (``hybridkv``, or a renamed copy of another version)."""
+    layout = importlib.import_module(f"{package}.models.layout")
+    plan_module = importlib.import_module(f"{package}.plan")
+    manager = importlib.import_module(f"{package}.manager")
+    limits = plan_module.Limits(max(running, 2), STEP_TOKENS, CONTEXT_TOKENS)
+    plan = plan_module.plan_for_budget(layout.cache_layout("deepseek-v4-flash", indexer="fp8"), 40 * GIB, limits)
+    return manager.CacheManager.from_plan(plan, page_space="shared", enable_prefix_caching=True)
+
+
+class Workload:
+    """``running`` live requests on one manager, with a seeded prompt stream."""
+
+    def __init__(self, running: int, seed: int = 0, package: str = "hybridkv"):
+        self.manager = build_manager(running, package)
+        self.rng = np.random.default_rng(seed)
+        self.live: list[str] = []
+        self.prompts: dict[str, int] = {}
+        self.next_id = 0
+        for _ in range(running):
+            self.join()
+        self.prefill()
+
+    def prompt(self) -> np.ndarray:
+        n = int(self.rng.integers(PROMPT_RANGE[0], PROMPT_RANGE[1] + 1))
+        return self.rng.integers(0, 100_000, n, dtype=np.int32)
+
+    def join(self) -> tuple[str, int]:
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        prompt = self.prompt()
+        hit = self.manager.add_request(rid, prompt, max_new_tokens=MAX_NEW_TOKENS)
+        self.prompts[rid] = prompt.size
+        self.live.append(rid)
+        return rid, hit.hit_tokens
+
+    def prefill(self) -> None:
+        m = self.manager
+        pending = list(self.live)
+        while pending:
+            items, budget = [], STEP_TOKENS
+            for rid in pending:
+                n = min(self.prompt_left(rid), budget)
+                if n:
+                    items.append((rid, n))
+                    budget -= n
+                if not budget:
+                    break
+            m.schedule(items, block_tables="updates")
+            self.sample([rid for rid, n in items if not self.prompt_left(rid)])
+            pending = [rid for rid in pending if self.prompt_left(rid)]
+
+    def prompt_left(self, rid: str) -> int:
+        return self.prompts[rid] - self.manager.num_computed_tokens(rid)
+
+    def sample(self, rids: list[str]) -> None:
+        if rids:
+            tokens = self.rng.integers(0, 100_000, (len(rids), 1), dtype=np.int32)
+            self.manager.append_token_ids_many(tuple(rids), tokens)
+
+
+def decode_steps(work: Workload, steps: int, profiler=None) -> list[int]:
+    m, ids, out = work.manager, tuple(work.live), []
+    for _ in range(steps):
+        if profiler:
+            profiler.enable()
+        start = CLOCK()
+        m.schedule_uniform(ids, 1, block_tables="updates")
+        out.append(CLOCK() - start)
+        if profiler:
+            profiler.disable()
+        work.sample(list(ids))
+    return out
+
+
+def serving_steps(work: Workload, steps: int, profiler=None) -> list[int]:
+    m, out = work.manager, []
+    for _ in range(steps):
+        gone = work.live.pop(0)
+        prompt = work.prompt()
+        rid = f"r{work.next_id}"
+        work.next_id += 1
+        if profiler:
+            profiler.enable()
+        start = CLOCK()
+        m.free(gone)
+        hit = m.add_request(rid, prompt, max_new_tokens=MAX_NEW_TOKENS)
+        items = [(r, 1) for r in work.live] + [(rid, prompt.size - hit.hit_tokens)]
+        m.schedule(items, block_tables="updates")
+        out.append(CLOCK() - start)
+        if profiler:
+            profiler.disable()
+        work.live.append(rid)
+        work.sample(work.live)
+    return out
+
+
+def summarize(ns: list[int]) -> dict:
+    us = np.asarray(ns, dtype=np.float64) / 1e3
+    p50, p99 = np.percentile(us, [50, 99])
+    return {"p50_us": round(float(p50), 1), "p99_us": round(float(p99), 1), "steps": len(ns)}
+
+
+def run(sizes, steps, phases, profile, against=None) -> dict:
+    """p50/p99 per phase and size; with ``against`` (a package name) the same
+    workload on that package's manager too, the two sides' steps alternating."""
+    results = {}
+    profiler = cProfile.Profile() if profile == "cprofile" else None
+    sides = ("hybridkv",) if against is None else (against, "hybridkv")
+    for n in sizes:
+        for phase in phases:
+            fn = decode_steps if phase == "decode" else serving_steps
+            works = {side: Workload(n, package=side) for side in sides}
+            times = {side: [] for side in sides}
+            for side in sides:
+                fn(works[side], 20)  # warm (kernels compiled, caches filled)
+            gc.disable()
+            try:
+                for _ in range(steps):
+                    for side in sides:
+                        times[side] += fn(works[side], 1, profiler if side == "hybridkv" else None)
+            finally:
+                gc.enable()
+            for side in sides:
+                key = f"{phase}/{n}" if side == "hybridkv" else f"{side}:{phase}/{n}"
+                results[key] = summarize(times[side])
+                print(f"{side:14s} {phase:8s} {n:5d}  {results[key]}", flush=True)
+    if profiler:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(35)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="32,128,512,1024")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--phase", choices=("decode", "serving", "both"), default="both")
+    ap.add_argument("--profile", choices=("cprofile", "none"), default="none")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    ap.add_argument("--against", default=None,
+                    help="package of another version (a renamed copy on PYTHONPATH), steps alternating")
+    a = ap.parse_args()
+    if a.clock == "cpu":
+        global CLOCK
+        CLOCK = time.thread_time_ns
+    phases = ("decode", "serving") if a.phase == "both" else (a.phase,)
+    results = run([int(s) for s in a.sizes.split(",")], a.steps, phases, a.profile, a.against)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
