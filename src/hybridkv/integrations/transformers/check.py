@@ -33,34 +33,17 @@ import numpy as np
 import torch
 
 from hybridkv.integrations.transformers.engine import PagedEngine
+from hybridkv.reference.runner import CheckResult as Check
+from hybridkv.reference.runner import VerifyReport
 
 LOGIT_TOLERANCE = 1e-4
 
 
 @dataclass(frozen=True)
-class Check:
-    name: str
-    passed: bool
-    tokens: int = 0
-    max_abs_error: float = 0.0
-    topk_mismatches: int = 0
-    detail: str = ""
+class TransformersReport(VerifyReport):
+    """verify's report (checks, tolerance, notes), plus the model it ran."""
 
-
-@dataclass(frozen=True)
-class TransformersReport:
-    checks: tuple[Check, ...]
-    tolerance: float
-    model_label: str
-    notes: tuple[str, ...] = ()
-
-    @property
-    def passed(self) -> bool:
-        return all(c.passed for c in self.checks)
-
-    @property
-    def max_abs_error(self) -> float:
-        return max((c.max_abs_error for c in self.checks), default=0.0)
+    model_label: str = ""
 
 
 def tiny_config(index_topk: int = 512):
@@ -293,4 +276,4 @@ def run_transformers_check(seed: int = 0, *, progress: Callable[[str], None] | N
     label = (f"DeepseekV4ForCausalLM, random weights seed {seed}: layers {c.layer_types}, window {c.sliding_window}, "
              f"head_dim {c.head_dim} (rope {c.qk_rope_head_dim}), index_head_dim {c.index_head_dim}, hidden "
              f"{c.hidden_size}, float32, eager attention")
-    return TransformersReport(tuple(checks), tolerance, label)
+    return TransformersReport(tuple(checks), tolerance, model_label=label)
