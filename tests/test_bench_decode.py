@@ -1,26 +1,7 @@
 """bench/vs_vllm's decode and serving phases, driven on the hybridkv side alone (no vLLM)."""
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
-
-BENCH = str(Path(__file__).resolve().parent.parent / "bench")
-
-
-@pytest.fixture(scope="module")
-def vs():
-    sys.path.insert(0, BENCH)
-    try:
-        import vs_vllm.decode
-        import vs_vllm.serving
-        import vs_vllm.sides
-        import vs_vllm.workload
-
-        yield vs_vllm
-    finally:
-        sys.path.remove(BENCH)
 
 
 class _Recording:

@@ -1,27 +1,9 @@
 """bench/vs_vllm's workload, rounds and fits, on numbers worked out by hand."""
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-BENCH = str(Path(__file__).resolve().parent.parent / "bench")
-
-
-@pytest.fixture(scope="module")
-def vs():
-    sys.path.insert(0, BENCH)
-    try:
-        import vs_vllm.cli
-        import vs_vllm.serving
-        import vs_vllm.timing
-        import vs_vllm.workload
-
-        yield vs_vllm
-    finally:
-        sys.path.remove(BENCH)
 
 
 def test_alternate_rotates_the_sides_each_step(vs):

@@ -61,6 +61,15 @@ class DiskTier(Tier):
             self._held_bytes += size
         self._sync_held()
 
+    def _unlink(self, file_id: str, what: str) -> None:
+        """Remove an object's file; one already gone is fine, any other failure is a counted fault."""
+        try:
+            os.unlink(self._path(file_id))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self._fault(f"disk {what} failed: {exc}")
+
     def _path(self, file_id: str) -> str:
         return os.path.join(self.root, file_id + _SUFFIX)
 
@@ -107,12 +116,7 @@ class DiskTier(Tier):
         self._held_bytes -= size
         self._stats.evicted += 1
         self._stats.evicted_bytes += size
-        try:
-            os.unlink(self._path(file_id))
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            self._fault(f"disk eviction failed: {exc}")
+        self._unlink(file_id, "eviction")
 
     def _get(self, names: list[str]) -> list[bytes | None]:
         out = []
@@ -147,12 +151,7 @@ class DiskTier(Tier):
                 continue
             self._forget(file_id)
             count += 1
-            try:
-                os.unlink(self._path(file_id))
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                self._fault(f"disk delete failed: {exc}")
+            self._unlink(file_id, "delete")
         self._sync_held()
         return count
 
