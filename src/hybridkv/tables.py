@@ -209,6 +209,7 @@ class TableSet:
         max_context_tokens: int,
         max_step_tokens: int,
         initial_rows: int = 64,
+        id_offsets: list[int] | None = None,
     ):
         self.tables = [
             GroupTable(s, max_context_tokens=max_context_tokens, max_step_tokens=max_step_tokens, initial_rows=1,
@@ -220,7 +221,8 @@ class TableSet:
             # A ring column is ``logical & (capacity - 1)`` (rings are powers of two); full
             # history keeps every bit.
             mask = t.capacity_pages - 1 if t.sliding else -1
-            self.geometry[g] = (t.page_tokens, t.window_tokens, mask, t.rows_per_page, t.stride_tokens, 0,
+            offset = 0 if id_offsets is None else id_offsets[g]  # the group's first id in the page space
+            self.geometry[g] = (t.page_tokens, t.window_tokens, mask, t.rows_per_page, t.stride_tokens, offset,
                                 _log2(t.page_tokens), _log2(t.rows_per_page), _log2(t.stride_tokens))
         cap_max = max(t.capacity_pages for t in self.tables)
         self.pages = np.full((len(self.tables), max(1, int(initial_rows)), cap_max), -1, np.int32)
@@ -237,7 +239,7 @@ class TableSet:
             table.pages = self.pages[g, :, : table.capacity_pages]
             table.base = self.base[g]
             table.hi = self.hi[g]
-            table._log = None if self.log is None else self._log_cells
+            table._log = None if self.log is None else self.note_cells
             table._log_offset = g * rows_cap * cap_max
             table._log_stride = cap_max
 
@@ -255,7 +257,8 @@ class TableSet:
             self.log = None
             self._bind()
 
-    def _log_cells(self, index: np.ndarray) -> None:
+    def note_cells(self, index: np.ndarray) -> None:
+        """Log changed cells (flat indices into ``pages``) while logging is on."""
         log = self.log
         if log is not None:
             log.append(index)
@@ -281,8 +284,10 @@ class TableSet:
         else:
             index = log[0] if len(log) == 1 else np.concatenate(log)
         log.clear()
-        group, row, column = np.unravel_index(index, self.pages.shape)
-        return group, row, column, self.pages.reshape(-1)[index], reset
+        group, row, column = (np.empty(index.size, dtype=np.int64) for _ in range(3))
+        page = np.empty(index.size, dtype=np.int32)
+        kernels.read_cells(self.pages, index, group, row, column, page)
+        return group, row, column, page, reset
 
     def ensure_rows(self, rows: int) -> None:
         have = self.pages.shape[1]
@@ -299,31 +304,14 @@ class TableSet:
         self.bounds = np.concatenate([self.bounds, np.zeros((2, pages.shape[0], new - have), dtype=np.int64)], axis=2)
         self._bind()
 
-    # --- one step -------------------------------------------------------------
-    def plan(self, rows: np.ndarray, first: np.ndarray, counts: np.ndarray):
-        """Stacked ``[2G, R]`` base (rows ``[0, G)``) and hi (rows ``[G, 2G)``) of ``rows``
-        now and after a step writing ``counts`` tokens from ``first`` (pure), their
-        difference (pages released, pages allocated), ``[G, R]`` pages needed, and
-        ``[2, G]`` pages released and allocated per group (``kernels.plan_rows``)."""
-        g = len(self.tables)
-        now = np.empty((2 * g, rows.size), dtype=np.int64)
-        after = np.empty((2 * g, rows.size), dtype=np.int64)
-        moves = np.empty((2 * g, rows.size), dtype=np.int64)
-        need = np.empty((g, rows.size), dtype=np.int64)
-        sums = kernels.plan_rows(self.geometry, self.bounds, rows, first, counts, now, after, need, moves)
-        return now, after, moves, need, sums
-
-    def set_bounds(self, rows: np.ndarray, bounds: np.ndarray) -> None:
-        """Store ``[2G, R]`` base (rows ``[0, G)``) and hi (rows ``[G, 2G)``) of ``rows``."""
-        kernels.store_bounds(self.bounds, rows, bounds)
-
+    # --- outside the step (free, rewind) and the step's block tables -------------------
     def take_flat(self, rows: np.ndarray, lo: np.ndarray, *, counts: np.ndarray, total: int) -> np.ndarray:
         """Forget logical pages ``[lo, lo + counts)`` (``[G, R]`` each, ``total`` pages in
         all) of every group: their ids, group-major then row-major."""
         out = np.empty(total, dtype=np.int64)
         touched = np.empty(total, dtype=np.int64)
         kernels.take_pages(self.geometry, self.pages, rows, lo, counts, out, touched)
-        self._log_cells(touched)
+        self.note_cells(touched)
         return out
 
     def clear_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -335,19 +323,6 @@ class TableSet:
         pages = self.take_flat(rows, lo, counts=counts, total=int(per_group.sum()))
         self.bounds[:, :, rows] = 0
         return pages, per_group
-
-    def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
-        """Store ``page_ids`` (group-major, row-major) at logical pages ``[lo, lo + counts)``."""
-        touched = np.empty(page_ids.size, dtype=np.int64)
-        kernels.place_pages(self.geometry, self.pages, rows, lo, counts, page_ids, touched)
-        self._log_cells(touched)
-
-    def write_slots(self, rows: np.ndarray, positions: np.ndarray, request_indices: np.ndarray) -> np.ndarray:
-        """int64 ``[G, N]`` slots of every group for token ``i`` of ``rows[request_indices[i]]``
-        at ``positions[i]`` (-1: the token closes no entry)."""
-        slots = np.empty((len(self.tables), positions.size), dtype=np.int64)
-        kernels.write_slots(self.geometry, self.pages, rows, 0, positions, request_indices, slots)
-        return slots
 
     def block_table(self, g: int, rows: np.ndarray, width: int) -> np.ndarray:
         """int32 ``[R, width]``: group ``g``'s pages from each row's base, -1 padded."""
