@@ -79,6 +79,7 @@ class _StepPlan:
     crossing: np.ndarray  # rows whose uncommitted tokens complete a prefix grain (commit first)
     settle: int  # leading rows that only settle (previous step's requests not in this one)
     clean: bool  # every group's free stack covers its allocations: no credit, slab or eviction
+    totals: tuple[int, int, int, int]  # tokens, pages released, most released in one group, pages allocated
     request_ids: tuple | None = None  # the batch's ids in order, once known
     grants: list | None = None  # arena slabs to move before allocating (shared page space)
 
@@ -110,6 +111,26 @@ class _StepArrays:
         """In ``kernels.run_step``'s argument order."""
         return (self.table_rows, self.scheduled, self.positions, self.request_indices, self.query_start_loc,
                 self.base_pages, self.widths, self.slots)
+
+
+class _Scratch:
+    """``run_step``'s working buffers, kept between steps and grown as steps need."""
+
+    def __init__(self, n_groups: int):
+        self.released = np.empty((2, n_groups), dtype=np.int64)
+        self.pages = np.empty(0, dtype=np.int32)
+        self.idle_keyed = np.empty(0, dtype=np.int64)
+        self.touched = np.empty(0, dtype=np.int64)
+
+    def reserve(self, most_released: int, released_pages: int, allocated_pages: int) -> tuple:
+        """(release scratch, idle keyed pages, released counts, touched cells), large enough."""
+        if most_released > self.pages.size:
+            self.pages = np.empty(2 * most_released, dtype=np.int32)
+        if released_pages > self.idle_keyed.size:
+            self.idle_keyed = np.empty(2 * released_pages, dtype=np.int64)
+        if released_pages + allocated_pages > self.touched.size:
+            self.touched = np.empty(2 * (released_pages + allocated_pages), dtype=np.int64)
+        return self.pages, self.idle_keyed, self.released, self.touched
 
 
 @dataclass
@@ -179,6 +200,8 @@ class CacheManager:
         self.arena = Arena(arena, self.pools) if arena is not None else None
         # Groups whose prefill pages released again at the next step take the highest free ids.
         self._transient = self._space.lowest_first & (arena is not None)
+        self._lowest_pools = [pool for pool in self._pool_list if pool.lowest_first]
+        self._scratch = _Scratch(len(self.specs))
         self._tableset = TableSet(
             self.specs, max_context_tokens=self.max_context_tokens, max_step_tokens=self.max_step_tokens,
             id_offsets=self._space.offsets.tolist(),
@@ -712,13 +735,14 @@ class CacheManager:
         need = np.empty((n_groups, n_rows), dtype=np.int64)
         sums = np.empty((2, n_groups), dtype=np.int64)
         crossing = np.empty(n_rows, dtype=np.int64)
+        totals = np.empty(4, dtype=np.int64)
         ts = self._tableset
         grain = self.prefix.granularity_tokens if self.prefix is not None else 0
         n, settle, n_crossing, clean = kernels.prepare_step(
             ts.geometry, ts.bounds, self._computed, self._committed, self._last_rows, rows_in, counts_in, grain,
-            self._space.tops, self._in_batch, rows, counts, first, after, need, sums, crossing)
+            self._space.tops, self._in_batch, rows, counts, first, after, need, sums, crossing, totals)
         return _StepPlan(rows[:n], counts[:n], first[:n], after[:, :, :n], need[:, :n], sums,
-                         crossing[:n_crossing], settle, clean)
+                         crossing[:n_crossing], settle, clean, tuple(totals.tolist()))
 
     def _release_credit(
         self, gid: str, rows: np.ndarray, new_base: np.ndarray, releasing: dict | None = None
@@ -809,23 +833,20 @@ class CacheManager:
         (``kernels.run_step``). Python steps in between only when the kernel stops after
         the releases: to lend the arena's slabs admission planned, and to make room
         (``PagePool.make_room``: evict) in the groups that need it."""
-        n_groups, n_rows = plan.sums.shape[1], plan.rows.size
-        out = _StepArrays.empty(n_groups, n_rows - plan.settle, int(plan.counts.sum()), write_slots)
-        released_pages = int(plan.sums[0].sum())
-        scratch = np.empty(int(plan.sums[0].max()), dtype=np.int32)
-        idle_keyed = np.empty(released_pages, dtype=np.int64)
-        released = np.zeros((2, n_groups), dtype=np.int64)
-        touched = np.empty(released_pages + int(plan.sums[1].sum()), dtype=np.int64)
+        n_tokens, released_pages, most_released, allocated_pages = plan.totals
+        out = _StepArrays.empty(len(self.specs), plan.rows.size - plan.settle, n_tokens, write_slots)
+        scratch, idle_keyed, released, touched = self._scratch.reserve(most_released, released_pages,
+                                                                        allocated_pages)
         space, ts = self._space, self._tableset
         state = (ts.geometry, ts.pages, ts.bounds, self._computed)
         step = (plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums)
         status, n_touched, n_keyed = kernels.run_step(
             *state, self._committed, space.ref_counts, space.cached, space.stack, space.tops, space.lowest_first,
-            space.low_idle, self._transient, *step, bool(plan.grants), scratch, idle_keyed, released, touched,
-            *out.arrays())
-        if n_keyed or released.any():
+            space.low_idle, self._transient, *step, bool(plan.grants), self._packing(), scratch, idle_keyed,
+            released, touched, *out.arrays())
+        if released_pages:
             space.released(released, idle_keyed)
-        allocated = plan.sums[1].tolist()
+        allocated = plan.sums[1].tolist() if allocated_pages else ()
         if status != kernels.STEP_DONE:
             if plan.grants:
                 self.arena.apply(plan.grants)
@@ -838,8 +859,14 @@ class CacheManager:
             if n:
                 pool.note_allocated(n)
         if ts.log is not None and n_touched:
-            ts.note_cells(touched[:n_touched])
+            ts.note_cells(touched[:n_touched].copy())
         return out
+
+    def _packing(self) -> bool:
+        """Whether some lowest-first pool now reuses idle low-priority pages in id order
+        before taking free ones (its ``pack_low_priority``; an arena says so once no
+        slab is spare)."""
+        return any(pool.pack_low_priority() for pool in self._lowest_pools)
 
     def _build_batch(self, plan: _StepPlan, out: _StepArrays, fixed_width: bool, updates: bool) -> StepBatch:
         """The step's ``StepBatch``: block tables, or with ``updates`` the table cells changed."""

@@ -77,7 +77,7 @@ def write_slots(geometry, pages, rows, first_row, positions, request_indices, sl
 # --- one step: plan (pure), then run (release, allocate, the batch's arrays) -----------------
 @njit(cache=True)
 def prepare_step(geometry, bounds, computed, committed, last_rows, rows_in, counts_in, grain, top, mark,
-                 rows, counts, first, after, need, sums, crossing):
+                 rows, counts, first, after, need, sums, crossing, totals):
     """The plan of a step of ``rows_in`` (table rows) writing ``counts_in`` tokens each; pure
     but for ``mark`` (scratch, all False on return).
 
@@ -88,8 +88,10 @@ def prepare_step(geometry, bounds, computed, committed, last_rows, rows_in, coun
     ``g`` after the step; ``need[g, r]``: pages holding its tokens; ``sums[0, g]`` and
     ``sums[1, g]``: pages the step releases and allocates in group ``g``. ``crossing``:
     the rows whose committed tokens lie in an earlier grain (of ``grain`` tokens, 0:
-    none) than their computed ones, in plan order. Returns (rows in the plan, settling
-    rows, crossing rows, whether every group's free stack covers its allocations)."""
+    none) than their computed ones, in plan order. ``totals``: tokens scheduled, pages
+    released, most pages released in one group, pages allocated. Returns (rows in the
+    plan, settling rows, crossing rows, whether every group's free stack covers its
+    allocations)."""
     n_in = rows_in.size
     settle = 0
     same = last_rows.size == n_in
@@ -120,6 +122,9 @@ def prepare_step(geometry, bounds, computed, committed, last_rows, rows_in, coun
             crossing[n_cross] = row
             n_cross += 1
     clean = True
+    totals[:] = 0
+    for r in range(n):
+        totals[0] += counts[r]
     for g in range(geometry.shape[0]):
         tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
         released, allocated = 0, 0
@@ -137,6 +142,9 @@ def prepare_step(geometry, bounds, computed, committed, last_rows, rows_in, coun
             allocated += after[1, g, r] - hi
         sums[0, g] = released
         sums[1, g] = allocated
+        totals[1] += released
+        totals[2] = max(totals[2], released)
+        totals[3] += allocated
         if allocated > top[g]:
             clean = False
     return n, settle, n_cross, clean
@@ -273,15 +281,15 @@ def batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, posi
 
 @njit(cache=True)
 def run_step(geometry, pages, bounds, computed, committed, ref, keyed, stack, top, lowest, low_idle, transient,
-             rows, counts, first, settle, after, sums, hold, scratch, idle_keyed, released, touched,
+             rows, counts, first, settle, after, sums, hold, packing, scratch, idle_keyed, released, touched,
              table_rows, scheduled, positions, request_indices, query_start_loc, base_pages, widths, slots):
     """One admitted step as planned by ``prepare_step``: the rows' tokens so far count as
     committed, releases, allocations, then the batch's arrays (``finish_step``). Returns
     (status, cells logged, idle keyed pages). ``STEP_NEEDS_PAGES``: the releases ran,
     nothing else; the caller lends slabs (``hold``), makes room in the groups whose stack
-    is short or that must first reuse idle low-priority pages (``lowest`` groups with
-    ``low_idle`` pages, or whose releases left keyed pages idle), then calls
-    ``finish_step``."""
+    is short or that must first reuse idle low-priority pages (while ``packing``:
+    ``lowest`` groups with ``low_idle`` pages, or whose releases left keyed pages idle),
+    then calls ``finish_step``."""
     for r in range(rows.size):
         committed[rows[r]] = first[r]
     n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, top, lowest, rows, after,
@@ -289,7 +297,8 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, stack, to
     if hold:
         return STEP_NEEDS_PAGES, n_touched, n_keyed
     for g in range(geometry.shape[0]):
-        if sums[1, g] > 0 and (sums[1, g] > top[g] or (lowest[g] and (low_idle[g] > 0 or released[1, g] > 0))):
+        reuse_low = packing and lowest[g] and (low_idle[g] > 0 or released[1, g] > 0)
+        if sums[1, g] > 0 and (sums[1, g] > top[g] or reuse_low):
             return STEP_NEEDS_PAGES, n_touched, n_keyed
     n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, top, transient, rows, counts, first,
                             settle, after, sums, touched, n_touched, table_rows, scheduled, positions,
