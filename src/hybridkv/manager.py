@@ -689,9 +689,7 @@ class CacheManager:
         except (KeyError, TypeError):
             return None
         rows = np.array(found, dtype=np.int64)
-        if len(set(rids)) != len(rids):
-            return None
-        return rows
+        return rows if kernels.distinct_rows(rows, self._in_batch) else None
 
     def _item_error(self, item, seen: set[str], fixed_width: bool) -> str:
         try:

@@ -422,3 +422,18 @@ def read_cells(pages, index, group, row, column, page):
         row[i] = (cell // n_cols) % n_rows
         group[i] = cell // (n_cols * n_rows)
         page[i] = pages[group[i], row[i], column[i]]
+
+
+@njit(cache=True)
+def distinct_rows(rows, mark):
+    """Whether no row is listed twice (``mark``: scratch, one flag per table row, all
+    False before and after)."""
+    distinct = True
+    for r in range(rows.size):
+        if mark[rows[r]]:
+            distinct = False
+            break
+        mark[rows[r]] = True
+    for r in range(rows.size):
+        mark[rows[r]] = False
+    return distinct
