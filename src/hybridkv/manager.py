@@ -210,20 +210,8 @@ class CacheManager:
             self.table_widths[s.group_id] for s in self.specs)
         self.tables = {s.group_id: t for s, t in zip(self.specs, self._tableset.tables)}
         self._group_ids = ids
-        self._version = 0  # bumped by every mutation; keys the admission cache
-        self._admitted: tuple | None = None  # (version, items, fixed_width, _Verdict) of the last check
-        self._requests: dict[str, _Request] = {}
-        self._row_of: dict[str, int] = {}  # request id -> table row (batch validation reads only this)
-        self._last_rows = np.zeros(0, dtype=np.int64)  # rows scheduled in the previous step
         self._group_sliding = tuple((s.group_id, s.is_sliding) for s in self.specs)
-        self._row_owner: dict[int, _Request] = {}
-        self._free_rows: list[int] = []
-        self._next_row = 0
-        self._computed = np.zeros(64, dtype=np.int64)
-        self._committed = np.zeros(64, dtype=np.int64)
-        self._max_total = np.zeros(64, dtype=np.int64)
-        self._known = np.zeros(64, dtype=np.int64)  # known token ids (max total without ids)
-        self._in_batch = np.zeros(64, dtype=np.bool_)  # prepare_step's scratch, one flag per row
+        self._init_registry()
         self.prefix: PrefixCache | None = None
         if enable_prefix_caching:
             self.prefix = PrefixCache(
@@ -233,6 +221,22 @@ class CacheManager:
                 on_event=on_event,
                 checkpoint_window_tokens=checkpoint_window_tokens,
             )
+
+    def _init_registry(self) -> None:
+        """No requests yet: the id -> record maps, free table rows, per-row counters."""
+        self._version = 0  # bumped by every mutation; keys the admission cache
+        self._admitted: tuple | None = None  # (version, items, fixed_width, _Verdict) of the last check
+        self._requests: dict[str, _Request] = {}
+        self._row_of: dict[str, int] = {}  # request id -> table row (batch validation reads only this)
+        self._last_rows = np.zeros(0, dtype=np.int64)  # rows scheduled in the previous step
+        self._row_owner: dict[int, _Request] = {}
+        self._free_rows: list[int] = []
+        self._next_row = 0
+        self._computed = np.zeros(64, dtype=np.int64)
+        self._committed = np.zeros(64, dtype=np.int64)
+        self._max_total = np.zeros(64, dtype=np.int64)
+        self._known = np.zeros(64, dtype=np.int64)  # known token ids (max total without ids)
+        self._in_batch = np.zeros(64, dtype=np.bool_)  # prepare_step's scratch, one flag per row
 
     @classmethod
     def from_plan(

@@ -76,6 +76,32 @@ def write_slots(geometry, pages, rows, first_row, positions, request_indices, sl
 
 # --- one step: plan (pure), then run (release, allocate, the batch's arrays) -----------------
 @njit(cache=True)
+def settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts):
+    """Rows of the previous step (``last_rows``) not in this one (``rows_in``) whose tokens
+    are not committed yet, in their order, to ``rows`` with zero ``counts``; how many.
+    ``mark``: scratch, one flag per table row, all False before and after."""
+    n_in, settle = rows_in.size, 0
+    same = last_rows.size == n_in
+    for r in range(n_in if same else 0):
+        if last_rows[r] != rows_in[r]:
+            same = False
+            break
+    if same:
+        return 0
+    for r in range(n_in):
+        mark[rows_in[r]] = True
+    for r in range(last_rows.size):
+        row = last_rows[r]
+        if not mark[row] and committed[row] < computed[row]:
+            rows[settle] = row
+            counts[settle] = 0
+            settle += 1
+    for r in range(n_in):
+        mark[rows_in[r]] = False
+    return settle
+
+
+@njit(cache=True)
 def prepare_step(geometry, bounds, computed, committed, last_rows, rows_in, counts_in, grain, top, mark,
                  rows, counts, first, after, need, sums, crossing, totals):
     """The plan of a step of ``rows_in`` (table rows) writing ``counts_in`` tokens each; pure
@@ -92,25 +118,8 @@ def prepare_step(geometry, bounds, computed, committed, last_rows, rows_in, coun
     released, most pages released in one group, pages allocated. Returns (rows in the
     plan, settling rows, crossing rows, whether every group's free stack covers its
     allocations)."""
-    n_in = rows_in.size
-    settle = 0
-    same = last_rows.size == n_in
-    for r in range(n_in if same else 0):
-        if last_rows[r] != rows_in[r]:
-            same = False
-            break
-    if not same:
-        for r in range(n_in):
-            mark[rows_in[r]] = True
-        for r in range(last_rows.size):
-            row = last_rows[r]
-            if not mark[row] and committed[row] < computed[row]:
-                rows[settle] = row
-                counts[settle] = 0
-                settle += 1
-        for r in range(n_in):
-            mark[rows_in[r]] = False
-    n = settle + n_in
+    settle = settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts)
+    n = settle + rows_in.size
     n_cross = 0
     for r in range(n):
         if r >= settle:
