@@ -138,9 +138,13 @@ def test_random_steps_match_the_reference(config, data):
 
 _PAGE_SPACES = {
     "per-group": "{s.group_id: 300 for s in specs}, shuffle_seed=1,",
-    # A shared arena: prefill chunks' transient pages take the highest ids (kernels.transient_ranks).
+    # A shared arena: prefill chunks' transient pages take the highest ids (kernels.transient_pages).
     "shared": "None, arena=arena_geometry({s.group_id: 512 for s in specs}, 512 * 1200, "
               "anchor_group=anchor_group_for(specs, {s.group_id: 512 for s in specs}), slab_anchor_pages=4),",
+    # Shuffled arena pools are LIFO: a chunk's transient pages take the ids popped after its survivors'.
+    "shared-shuffled": "None, arena=arena_geometry({s.group_id: 512 for s in specs}, 512 * 1200, "
+                       "anchor_group=anchor_group_for(specs, {s.group_id: 512 for s in specs}), "
+                       "slab_anchor_pages=4), shuffle_seed=3,",
 }
 
 

@@ -198,8 +198,8 @@ class CacheManager:
         self._space = PageSpace(self._pool_list)
         # With a shared arena the pools start empty and borrow slabs as they need pages.
         self.arena = Arena(arena, self.pools) if arena is not None else None
-        # Groups whose prefill pages released again at the next step take the highest free ids.
-        self._transient = self._space.lowest_first & (arena is not None)
+        # On an arena, prefill pages released again at the next step come last (highest ids).
+        self._transient = np.full(len(self.specs), arena is not None, dtype=np.bool_)
         self._lowest_pools = [pool for pool in self._pool_list if pool.lowest_first]
         self._scratch = _Scratch(len(self.specs))
         self._tableset = TableSet(
@@ -855,8 +855,8 @@ class CacheManager:
             for pool, n in zip(self._pool_list, allocated):
                 if n:
                     pool.make_room(n)
-            n_touched = kernels.finish_step(*state, space.ref_counts, space.stack, space.tops, self._transient,
-                                            *step, touched, n_touched, *out.arrays())
+            n_touched = kernels.finish_step(*state, space.ref_counts, space.stack, space.tops, space.lowest_first,
+                                            self._transient, *step, touched, n_touched, *out.arrays())
         for pool, n in zip(self._pool_list, allocated):
             if n:
                 pool.note_allocated(n)

@@ -214,38 +214,49 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, top, lowest, rows,
 
 
 @njit(cache=True)
-def allocate_pages(geometry, pages, bounds, ref, stack, top, transient, rows, first, counts, after, sums,
+def transient_pages(geometry, bounds, g, rows, first, counts, after, sums):
+    """Pages group ``g`` allocates this step that the next step releases again (below
+    the window of their row's new end); 0 outside sliding groups and when no row gets
+    more than one page (one page per row has no order to keep)."""
+    tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
+    if window <= 0:
+        return 0
+    rows_allocating, n = 0, 0
+    for r in range(rows.size):
+        hi = bounds[1, g, rows[r]]
+        if after[1, g, r] > hi:
+            rows_allocating += 1
+        keep_from = divide(max(first[r] + counts[r] - window + 1, 0), tokens, shift)
+        n += min(max(keep_from - hi, 0), after[1, g, r] - hi)
+    return 0 if sums[1, g] <= rows_allocating else n
+
+
+@njit(cache=True)
+def allocate_pages(geometry, pages, bounds, ref, stack, top, lowest, transient, rows, first, counts, after, sums,
                    touched, n_touched):
     """Every row gets the pages from its hi to its new hi (rows in plan order, pages in
     logical order), popped off its group's free stack, each held once. In a
-    ``transient`` group (lowest-first, shared arena) where some row gets several pages,
-    the pages the next step releases again (below the window of the row's new end)
-    take the stack's bottom (highest) ids instead, in ascending order, so long-lived
-    pages pack low. The stacks hold enough (the caller made room). Returns cells logged."""
+    ``transient`` group (shared arena) where some row gets several pages, the pages
+    the next step releases again (below the window of the row's new end) come last:
+    in a ``lowest`` group they take the stack's bottom (highest) ids, in ascending
+    order, so long-lived pages pack low; in a LIFO group the ids popped after the
+    survivors'. The stacks hold enough (the caller made room). Returns cells logged."""
     n_rows, n_cols = pages.shape[1], pages.shape[2]
     for g in range(geometry.shape[0]):
         if sums[1, g] == 0:
             continue
         mask, offset = geometry[g, COLUMN_MASK], geometry[g, ID_OFFSET]
         tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
-        n_transient = 0
-        if transient[g] and window > 0:
-            rows_allocating = 0
-            for r in range(rows.size):
-                hi = bounds[1, g, rows[r]]
-                if after[1, g, r] > hi:
-                    rows_allocating += 1
-                keep_from = divide(max(first[r] + counts[r] - window + 1, 0), tokens, shift)
-                n_transient += min(max(keep_from - hi, 0), after[1, g, r] - hi)
-            if sums[1, g] <= rows_allocating:
-                n_transient = 0  # one page per row has no order to keep
+        n_transient = transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0
+        # Survivors pop from the top; transient page k sits at ``late - k``.
+        late = n_transient - 1 if lowest[g] else top[g] - sums[1, g] + n_transient - 1
         taken = 0
         for r in range(rows.size):
             row = rows[r]
             keep_from = divide(max(first[r] + counts[r] - window + 1, 0), tokens, shift)
             for logical in range(bounds[1, g, row], after[1, g, r]):
                 if n_transient > 0 and logical < keep_from:
-                    page = stack[offset + n_transient - 1 - taken]
+                    page = stack[offset + late - taken]
                     taken += 1
                 else:
                     top[g] -= 1
@@ -256,10 +267,10 @@ def allocate_pages(geometry, pages, bounds, ref, stack, top, transient, rows, fi
                 touched[n_touched] = (g * n_rows + row) * n_cols + col
                 n_touched += 1
             bounds[1, g, row] = after[1, g, r]
-        if n_transient > 0:
+        if n_transient > 0 and lowest[g]:
             for i in range(top[g] - n_transient):
                 stack[offset + i] = stack[offset + n_transient + i]
-            top[g] -= n_transient
+        top[g] -= n_transient
     return n_touched
 
 
@@ -309,20 +320,20 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, stack, to
         reuse_low = packing and lowest[g] and (low_idle[g] > 0 or released[1, g] > 0)
         if sums[1, g] > 0 and (sums[1, g] > top[g] or reuse_low):
             return STEP_NEEDS_PAGES, n_touched, n_keyed
-    n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, top, transient, rows, counts, first,
-                            settle, after, sums, touched, n_touched, table_rows, scheduled, positions,
+    n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, top, lowest, transient, rows, counts,
+                            first, settle, after, sums, touched, n_touched, table_rows, scheduled, positions,
                             request_indices, query_start_loc, base_pages, widths, slots)
     return STEP_DONE, n_touched, n_keyed
 
 
 @njit(cache=True)
-def finish_step(geometry, pages, bounds, computed, ref, stack, top, transient, rows, counts, first, settle, after,
-                sums, touched, n_touched, table_rows, scheduled, positions, request_indices, query_start_loc,
+def finish_step(geometry, pages, bounds, computed, ref, stack, top, lowest, transient, rows, counts, first, settle,
+                after, sums, touched, n_touched, table_rows, scheduled, positions, request_indices, query_start_loc,
                 base_pages, widths, slots):
     """The rest of ``run_step`` once the stacks hold enough: allocate, computed tokens
     move on, the batch's arrays and (when ``slots`` has rows) write slots."""
-    n_touched = allocate_pages(geometry, pages, bounds, ref, stack, top, transient, rows, first, counts, after,
-                               sums, touched, n_touched)
+    n_touched = allocate_pages(geometry, pages, bounds, ref, stack, top, lowest, transient, rows, first, counts,
+                               after, sums, touched, n_touched)
     for r in range(rows.size):
         computed[rows[r]] = first[r] + counts[r]
     batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, positions, request_indices,
