@@ -110,6 +110,20 @@ def scatter_objects(pools: dict[str, GroupPools], pages: dict[str, GroupPages], 
         _scatter_group(group, members, slots)
 
 
+def check_scatter(
+    pools: dict[str, GroupPools], pages: dict[str, GroupPages], ranges: list[tuple[ObjectKey, int, int]]
+) -> None:
+    """What ``scatter_objects`` checks before it writes, for objects not fetched yet
+    (``(key, first_token, end_token)`` each): their groups and pools, that every row lies on a
+    held page inside the pools, and that no two write the same row."""
+    for gid, members in _by_group(ranges, lambda r: r[0].group_id).items():
+        if gid not in pools:
+            raise ObjectError(f"object of group {gid}, which these pools do not have")
+        group = pools[gid]
+        _check_pools(group, writable=True)
+        _group_slots(group, pages[gid], [rows_for_tokens(group.spec, a, b) for _, a, b in members], unique=True)
+
+
 def gather_objects(
     pools: dict[str, GroupPools], pages: dict[str, GroupPages], ranges: list[tuple[ObjectKey, int, int]]
 ) -> list[RowsObject]:
