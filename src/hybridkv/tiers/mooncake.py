@@ -228,7 +228,8 @@ class MooncakeTier(Tier):
         except Exception as exc:
             self._stats.last_error = f"Mooncake {method} raised {exc!r}"
             return -1
-        codes = [answer] if isinstance(answer, int) else answer if method in ("put_batch", "batch_is_exist", "batch_get_into") else []
+        coded = ("put_batch", "batch_is_exist", "batch_get_into")  # answers that are lists of codes
+        codes = [answer] if isinstance(answer, int) else answer if method in coded else []
         if any(int(code) == RPC_FAIL for code in codes):
             self._down_until = time.monotonic() + self.retry_after_s
             self._stats.last_error = f"Mooncake master unreachable ({method} returned {RPC_FAIL})"
