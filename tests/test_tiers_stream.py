@@ -66,7 +66,8 @@ def source(seed):
 
 def ranges_of(blocks):
     """Blocks of the two compressed groups, and a window checkpoint at the end."""
-    out = [(ObjectKey("block", gid, bytes([i + 1]) * 4), 256 * i, 256 * (i + 1)) for i in range(blocks) for gid in (C4, C128)]
+    out = [(ObjectKey("block", gid, bytes([i + 1]) * 4), 256 * i, 256 * (i + 1))
+           for i in range(blocks) for gid in (C4, C128)]
     return out + [(ObjectKey("checkpoint", SWA, b"\x09" * 4), 256 * blocks - 128, 256 * blocks)]
 
 

@@ -201,7 +201,8 @@ def _scatter_group(group: GroupPools, objects: list[RowsObject], slots: np.ndarr
         else:
             slots_here = slots
         for plane, offset in zip(group.planes, offsets):
-            _copy_rows(scatter_rows, plane, flat, payload_at + rows * offset, rows, slots_here, group.spec.rows_per_page)
+            starts = payload_at + rows * offset
+            _copy_rows(scatter_rows, plane, flat, starts, rows, slots_here, group.spec.rows_per_page)
 
 
 def _copy_rows(kernel, plane, flat: np.ndarray, starts, rows, slots, rows_per_page: int) -> None:
