@@ -28,25 +28,44 @@ def copy_bytes(dst: np.ndarray, dst_at: int, src: np.ndarray, src_at: int, count
     dst[dst_at : dst_at + count] = src[src_at : src_at + count]
 
 
-@intrinsic
-def _memcpy(typingctx, dst, dst_at, src, src_at, count):
-    sig = types.void(dst, dst_at, src, src_at, count)
+def _memcpy_intrinsic(fixed_count: int | None):
+    """An intrinsic ``(dst, dst_at, src, src_at[, count])`` that copies bytes with LLVM's memcpy;
+    with ``fixed_count`` the count is a constant, so a small copy compiles to a few moves."""
 
     def codegen(context, builder, signature, args):
         dst_array = context.make_array(signature.args[0])(context, builder, args[0])
         src_array = context.make_array(signature.args[2])(context, builder, args[2])
         to = builder.gep(dst_array.data, [args[1]])
         at = builder.gep(src_array.data, [args[3]])
-        cgutils.raw_memcpy(builder, to, at, args[4], 1)
+        count = args[4] if fixed_count is None else context.get_constant(types.intp, fixed_count)
+        cgutils.raw_memcpy(builder, to, at, count, 1)
         return context.get_dummy_value()
 
-    return sig, codegen
+    if fixed_count is None:
+        def typer(typingctx, dst, dst_at, src, src_at, count):
+            return types.void(dst, dst_at, src, src_at, count), codegen
+    else:
+        def typer(typingctx, dst, dst_at, src, src_at):
+            return types.void(dst, dst_at, src, src_at), codegen
+    return intrinsic(typer)
+
+
+_memcpy = _memcpy_intrinsic(None)
+_memcpy4, _memcpy8, _memcpy64 = (_memcpy_intrinsic(n) for n in (4, 8, 64))
 
 
 @overload(copy_bytes)
 def _copy_bytes_compiled(dst, dst_at, src, src_at, count):
     def impl(dst, dst_at, src, src_at, count):
-        _memcpy(dst, dst_at, src, src_at, count)
+        # the small parts of a row (scales, indexer values) as inline moves, not memcpy calls
+        if count == 8:
+            _memcpy8(dst, dst_at, src, src_at)
+        elif count == 4:
+            _memcpy4(dst, dst_at, src, src_at)
+        elif count == 64:
+            _memcpy64(dst, dst_at, src, src_at)
+        else:
+            _memcpy(dst, dst_at, src, src_at, count)
 
     return impl
 
