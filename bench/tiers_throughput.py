@@ -30,16 +30,28 @@ from hybridkv.tiers.rows import GroupPages, scatter_objects
 from hybridkv.transfer import checkpoint_tokens, export_objects, plan_handoff
 
 
-def build_source(layout, tokens: int, seed: int):
-    """Pools holding random bytes on shuffled pages for one request of ``tokens`` tokens."""
+def build_source(layout, tokens: int, seed: int, objects=None):
+    """Pools holding random bytes on shuffled pages for one request of ``tokens`` tokens: per group,
+    the logical pages that ``objects`` (planned objects; default all of the prefix) touch, and two
+    more pages that no view holds."""
     rng = np.random.default_rng(seed)
-    need = {g.group_id: math.ceil(tokens / g.spec.page_tokens) + 2 for g in layout.groups}
+    spans = {g.group_id: (0, tokens) for g in layout.groups}
+    if objects is not None:
+        spans = {g.group_id: (tokens, 0) for g in layout.groups}
+        for o in objects:
+            lo, hi = spans[o.key.group_id]
+            spans[o.key.group_id] = (min(lo, o.first_token), max(hi, o.end_token))
+    first, need = {}, {}
+    for g in layout.groups:
+        lo, hi = spans[g.group_id]
+        first[g.group_id] = lo // g.spec.page_tokens if hi > lo else 0
+        need[g.group_id] = max(0, math.ceil(hi / g.spec.page_tokens) - first[g.group_id]) + 2
     pools = new_group_pools(layout, need)
     pages = {}
     for gid, group in pools.items():
         for plane in group.planes:
-            plane.pool[...] = rng.integers(0, 256, plane.pool.shape, dtype=np.uint8)
-        pages[gid] = GroupPages(0, rng.permutation(np.arange(1, need[gid]))[: need[gid] - 2])
+            plane.pool[...] = np.frombuffer(rng.bytes(plane.pool.size), dtype=np.uint8).reshape(plane.pool.shape)
+        pages[gid] = GroupPages(first[gid], rng.permutation(np.arange(1, need[gid]))[: need[gid] - 2])
     return pools, pages
 
 
@@ -104,7 +116,7 @@ def measure_load(tier, store, plan, objects, layout, args) -> dict:
     ranges = [(o.key, o.first_token, o.end_token) for o in plan.objects]
     rows = [o.num_rows for o in objects]
     batches = [list(range(i, min(i + args.batch, len(names)))) for i in range(0, len(names), args.batch)]
-    dst_pools, dst_pages = build_source(layout, args.tokens, args.seed + 1)
+    dst_pools, dst_pages = build_source(layout, args.tokens, args.seed + 1, plan.objects)
 
     def raw_get_batch():
         for b in batches:
@@ -113,7 +125,7 @@ def measure_load(tier, store, plan, objects, layout, args) -> dict:
     def raw_get_into():
         for b in batches:
             codes = tier.raw_get_into([names[i] for i in b], [sizes[i] for i in b])
-            assert list(codes) == [sizes[i] for i in b]
+            assert list(codes) == [sizes[i] for i in b], f"batch_get_into answered {list(codes)}"
 
     def tier_fetch():
         for b in batches:
@@ -183,13 +195,13 @@ def measure_offload(tier, layout, plan, pools, pages, args) -> dict:
 
 def run(args) -> dict:
     layout = cache_layout(args.model)
-    pools, pages = build_source(layout, args.tokens, args.seed)
     with tempfile.TemporaryDirectory() as tmp, MooncakeMaster(log_path=os.path.join(tmp, "master.log")) as master:
         tier = MooncakeTier(master.master_address, master.metadata_url, segment_bytes=args.segment_mib << 20,
                             local_buffer_bytes=args.buffer_mib << 20, receive_bytes=args.receive_mib << 20)
         try:
             store = ObjectStore(tier, layout)
             plan = plan_handoff(store, np.arange(args.tokens) % 50000, args.tokens)
+            pools, pages = build_source(layout, args.tokens, args.seed, plan.objects)
             objects = export_objects(plan.objects, pools, pages)
             assert all(store.put(objects)), "the store refused objects: raise --segment-mib"
             load = measure_load(tier, store, plan, objects, layout, args)
