@@ -26,7 +26,7 @@ import numpy as np
 from hybridkv.models.layout import cache_layout
 from hybridkv.tiers import ObjectStore, encode_object, new_group_pools, stream_load
 from hybridkv.tiers.mooncake import MooncakeMaster, MooncakeTier
-from hybridkv.tiers.rows import GroupPages, scatter_objects
+from hybridkv.tiers.rows import GroupPages
 from hybridkv.transfer import checkpoint_tokens, export_objects, plan_handoff
 
 
@@ -132,11 +132,10 @@ def measure_load(tier, store, plan, objects, layout, args) -> dict:
             store.fetch([plan.objects[i].key for i in b], [rows[i] for i in b])
 
     def tier_load_serial():
-        for b in batches:
-            scatter_objects(dst_pools, dst_pages, store.fetch([plan.objects[i].key for i in b], [rows[i] for i in b]))
+        assert all(stream_load(store, ranges, dst_pools, dst_pages, batch_objects=args.batch, overlap=False))
 
     def tier_load():
-        assert all(stream_load(store, ranges, dst_pools, dst_pages, batch_objects=args.batch))
+        assert all(stream_load(store, ranges, dst_pools, dst_pages, batch_objects=args.batch, overlap=True))
 
     def handoff_load():
         assert plan.load(store, dst_pools, dst_pages).boundary_tokens == args.tokens

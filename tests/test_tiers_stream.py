@@ -89,8 +89,8 @@ def same(a, b):
 
 
 @settings(max_examples=8, deadline=None)
-@given(st.integers(1, 8), st.integers(1, 5), st.sampled_from([1, 2, 3]), st.integers(0, 2**31))
-def test_stream_load_writes_what_one_object_at_a_time_writes(blocks, batch_objects, buffers, seed):
+@given(st.integers(1, 8), st.integers(1, 5), st.sampled_from([1, 2, 3]), st.booleans(), st.integers(0, 2**31))
+def test_stream_load_writes_what_one_object_at_a_time_writes(blocks, batch_objects, buffers, overlap, seed):
     tier = RingTier(buffers)
     store, ranges, objects = stored(tier, blocks)
     streamed, views = source(seed)
@@ -101,7 +101,8 @@ def test_stream_load_writes_what_one_object_at_a_time_writes(blocks, batch_objec
             plane.pool[...] = pool
     for obj in objects:
         scatter_object(reference_pools[obj.key.group_id], views[obj.key.group_id], obj)
-    assert stream_load(store, ranges, streamed, views, batch_objects=batch_objects) == [True] * len(ranges)
+    written = stream_load(store, ranges, streamed, views, batch_objects=batch_objects, overlap=overlap)
+    assert written == [True] * len(ranges)
     assert same(copies(streamed), copies(reference_pools))
     assert tier.fetches == -(-len(ranges) // batch_objects)
 

@@ -4,7 +4,7 @@
 verify) on one worker thread while the calling thread scatters the batch before into the
 pools (``scatter_objects``: compiled copies that release the GIL). A tier's receive buffers
 take turns (``Tier.fetch_views_kept``), so the batch being scattered is never the one being
-received; a tier with a single buffer is loaded one batch after the other.
+received; a tier with a single buffer (or ``overlap=False``) is loaded one batch after the other.
 
 Every target is checked before the first byte is written (``check_scatter``: groups,
 pools, held pages, no row written twice). A missing, corrupted or refused object, or one
@@ -34,16 +34,19 @@ def stream_load(
     pages: Mapping[str, GroupPages],
     *,
     batch_objects: int = 16,
+    overlap: bool = True,
 ) -> list[bool]:
     """Load each ``(key, first_token, end_token)`` object's rows into ``pools`` at the page view
-    ``pages``; per object, whether its rows were written."""
+    ``pages``; per object, whether its rows were written. ``overlap=False`` fetches and scatters
+    batch after batch on the calling thread (each hand-over between the threads waits for a
+    thread to be scheduled, which costs more than it saves on a machine without a free core)."""
     if isinstance(batch_objects, bool) or not isinstance(batch_objects, int) or batch_objects < 1:
         raise ValueError(f"batch_objects must be a positive int, got {batch_objects!r}")
     ranges, pools, pages = list(ranges), dict(pools), dict(pages)
     check_scatter(pools, pages, ranges)
     batches = [ranges[i : i + batch_objects] for i in range(0, len(ranges), batch_objects)]
     kept = store.tier.fetch_views_kept
-    if len(batches) < 2 or (kept is not None and kept < 2):
+    if not overlap or len(batches) < 2 or (kept is not None and kept < 2):
         return [ok for batch in batches for ok in _scatter(pools, pages, _fetch(store, batch))]
     written: list[bool] = []
     with ThreadPoolExecutor(1, thread_name_prefix="hybridkv-fetch") as worker:
