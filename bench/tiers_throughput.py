@@ -1,14 +1,26 @@
-"""KV tiers: load throughput through the Mooncake tier vs raw Mooncake ``get`` of the same
-bytes, and stored bytes per cached token vs the groups' byte-ideal and a naive full-page layout.
+"""KV tiers: load and offload throughput through the Mooncake tier against raw Mooncake reads and
+writes of the same bytes, and stored bytes per cached token against the groups' byte-ideal and a
+naive full-page layout.
 
-    .venv/bin/python bench/tiers_throughput.py                 # V4-Flash, 16k-token prefix, 5 repeats
-    .venv/bin/python bench/tiers_throughput.py --tokens 4096 --repeats 3 --json PATH
+    .venv/bin/python bench/tiers_throughput.py                 # V4-Flash, a 16k-token prefix, 7 rounds
+    .venv/bin/python bench/tiers_throughput.py --tokens 4096 --repeats 3 --batch 8 --json PATH
 
-Needs the [mooncake] extra and its libraries (scripts/install-test-deps.sh); it
-starts its own master on loopback. One process is both writer and reader (the
-objects live in this client's segment), so the figures are loopback memory
-copies through the transfer engine, not a network. Writes a table and JSON
-(default bench/out/tiers_throughput.json).
+The objects are one handoff's (history blocks of the two compressed groups, the checkpoint of the
+sliding groups at the end). Every path moves the same objects in the same batches (``--batch``):
+
+* raw ``get_batch`` (the client's ``get``, a new ``bytes`` per value) and raw ``batch_get_into``
+  a registered buffer (the fastest read the client has; 16 objects a batch is on its plateau);
+* tier fetch: ``ObjectStore.fetch`` (``batch_get_into`` + checksum, header and key checks);
+* tier load: ``stream_load`` into pools (fetch + verify + scatter), batch after batch and with
+  the next batch in flight; handoff load: ``HandoffPlan.load`` (one fetch of everything, then
+  the scatter of what the boundary uses: all or nothing);
+* raw ``put_batch`` / ``batch_put_from`` against tier offload (gather + encode + ``put``).
+
+The paths take turns within each round (drift hits them alike); medians of the rounds.
+Needs the [mooncake] extra and its libraries (scripts/install-test-deps.sh); it starts its own
+master on loopback. One process is both writer and reader (the objects live in this client's
+segment), so a transfer is a memory copy by Mooncake's transfer threads, not a network. Writes a
+table and JSON (default bench/out/tiers_throughput.json) with every round's seconds.
 """
 
 from __future__ import annotations
