@@ -12,7 +12,18 @@ import numpy as np
 import pytest
 
 from hybridkv.models.layout import cache_layout
-from hybridkv.tiers import HostTier, ObjectKey, ObjectStore, RowsObject, TierStack, TierUnavailable, layout_parts
+from hybridkv.tiers import (
+    GroupPages,
+    HostTier,
+    ObjectKey,
+    ObjectStore,
+    RowsObject,
+    TierStack,
+    TierUnavailable,
+    layout_parts,
+    new_group_pools,
+    stream_load,
+)
 from hybridkv.tiers.mooncake import MooncakeMaster, MooncakeTier, load_store_class
 
 try:
@@ -217,4 +228,62 @@ def test_fetch_receives_into_the_registered_buffer_and_falls_back_to_get(master)
         stats = client.stats()
         assert stats.errors == 0 and stats.misses == 1
     finally:
+        client.close()
+
+
+def test_the_receive_buffers_take_turns(master):
+    client = MooncakeTier(master.master_address, master.metadata_url, segment_bytes=32 << 20,
+                          receive_bytes=1 << 20, receive_buffers=2)
+    try:
+        values = {f"turns/{i}": bytes([i + 1]) * 1000 for i in range(3)}
+        assert client.put(list(values.items())) == [True] * 3
+        assert client.fetch_views_kept == 2
+        first = client.fetch(["turns/0"], [1000])[0]
+        second = client.fetch(["turns/1"], [1000])[0]
+        assert bytes(first) == values["turns/0"] and bytes(second) == values["turns/1"]  # both valid
+        client.fetch(["turns/2"], [1000])  # the third fetch reuses the first one's buffer
+        assert bytes(first) == values["turns/2"] and bytes(second) == values["turns/1"]
+    finally:
+        client.close()
+
+
+def c4_plan(blocks):
+    """Pools with random rows, a page view, and the ranges of ``blocks`` c4 blocks."""
+    rng = np.random.default_rng(blocks)
+    pools = new_group_pools(FLASH, {g.group_id: (blocks + 2 if g.group_id == C4 else 1) for g in FLASH.groups})
+    for plane in pools[C4].planes:
+        plane.pool[...] = rng.integers(0, 256, plane.pool.shape, dtype=np.uint8)
+    view = {C4: GroupPages(0, rng.permutation(np.arange(1, blocks + 2))[:blocks])}
+    ranges = [(ObjectKey("block", C4, b"stream" + bytes([i]) * 10), 256 * i, 256 * (i + 1)) for i in range(blocks)]
+    return pools, view, ranges
+
+
+def test_stream_load_skips_a_corrupted_object_and_a_killed_master_loads_nothing(master):
+    from hybridkv.tiers import gather_objects
+
+    client = MooncakeTier(master.master_address, master.metadata_url, segment_bytes=32 << 20, retry_after_s=30)
+    try:
+        store = ObjectStore(client, FLASH)
+        pools, view, ranges = c4_plan(6)
+        objects = gather_objects(pools, view, ranges)
+        assert store.put(objects) == [True] * 6
+        name = store.name(ranges[4][0])
+        raw = bytearray(client.get([name])[0])
+        raw[-1] ^= 0x01
+        time.sleep(0.1)
+        client.delete([name])
+        assert client.put([(name, bytes(raw))]) == [True]
+        target, _, _ = c4_plan(6)
+        assert stream_load(store, ranges, target, view, batch_objects=2) == [True] * 4 + [False, True]
+        assert store.stats().corrupt == 1
+        for i in (0, 5):
+            got = gather_objects(target, view, [ranges[i]])[0]
+            assert np.array_equal(got.payload, objects[i].payload)
+        master.stop()  # killed mid-run: every object is a miss, nothing is written, nothing raises
+        before = [p.pool.copy() for p in target[C4].planes]
+        assert stream_load(store, ranges, target, view, batch_objects=2) == [False] * 6
+        assert all(np.array_equal(p.pool, b) for p, b in zip(target[C4].planes, before))
+        assert client.stats().errors >= 1 and "unreachable" in client.stats().last_error
+    finally:
+        master.start()
         client.close()

@@ -153,3 +153,105 @@ def test_batched_gather_and_scatter_equal_one_object_at_a_time(items, seed):
     for gid in one:
         for a, b in zip(one[gid].planes, many[gid].planes):
             assert np.array_equal(a.pool, b.pool)
+
+
+# --- the compiled batched copies: sources, refusals, bounds -----------------------------
+
+def _encoded_blob(objects):
+    """The objects encoded one after the other in one buffer, decoded back as views of it
+    (as a tier's receive buffer holds a fetched batch)."""
+    from hybridkv.tiers import decode_object, encode_object, layout_namespace
+
+    ns = layout_namespace(LAYOUT)
+    encoded = [encode_object(o, ns) for o in objects]
+    blob = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+    views, at = [], 0
+    for data in encoded:
+        views.append(decode_object(memoryview(blob)[at : at + len(data)], ns))
+        at += len(data)
+    return views
+
+
+@settings(max_examples=15)
+@given(st.lists(st.tuples(st.sampled_from(GROUPS), st.integers(0, 3), st.integers(1, 100)), min_size=1, max_size=8),
+       st.integers(0, 2**31), st.integers(0, 3))
+def test_scatter_of_views_of_one_buffer_and_of_own_payloads_equals_one_object_at_a_time(items, seed, split):
+    rng = np.random.default_rng(seed)
+    pages = {g.group_id: 0 for g in LAYOUT.groups} | {gid: 110 for gid, _, _ in items}
+    src, one, many = (new_group_pools(LAYOUT, pages) for _ in range(3))
+    for group in src.values():
+        for plane in group.planes:
+            plane.pool[...] = rng.integers(0, 256, plane.pool.shape, dtype=np.uint8)
+    ranges = sorted({(gid, block): (ObjectKey("block", gid, bytes([block + 1])), block * 100, block * 100 + span)
+                     for gid, block, span in items}.values(), key=lambda r: (r[0].group_id, r[1]))
+    views = {gid: GroupPages(0, rng.permutation(np.arange(1, count))) for gid, count in pages.items()}
+    objects = [gather_object(src[k.group_id], views[k.group_id], k, a, b) for k, a, b in ranges]
+    # the first `split` objects in one shared buffer, the rest with their own payloads
+    mixed = _encoded_blob(objects[:split]) + [o for o in objects[split:]]
+    scatter_objects(many, views, mixed)
+    for obj in objects:
+        scatter_object(one[obj.key.group_id], views[obj.key.group_id], obj)
+    for gid in one:
+        for a, b in zip(one[gid].planes, many[gid].planes):
+            assert np.array_equal(a.pool, b.pool)
+
+
+def _pools_copy(pools):
+    return {gid: [p.pool.copy() for p in g.planes] for gid, g in pools.items()}
+
+
+def _unchanged(pools, before):
+    return all(np.array_equal(p.pool, old) for gid, g in pools.items() for p, old in zip(g.planes, before[gid]))
+
+
+def test_batched_scatter_refuses_rows_written_twice_or_pages_outside_the_pools_before_writing():
+    gid = "v4.c4a.compressed_kv"
+    src, dst = random_pools(3), random_pools(4)
+    view = GroupPages(0, np.arange(1, 20))
+    a = gather_object(src[gid], view, ObjectKey("block", gid, b"a"), 0, 256)
+    b = gather_object(src[gid], view, ObjectKey("block", gid, b"b"), 256, 512)
+    overlap = gather_object(src[gid], view, ObjectKey("block", gid, b"c"), 128, 384)
+    before = _pools_copy(dst)
+    with pytest.raises(ValueError, match="same cache row"):
+        scatter_objects(dst, {gid: view}, [a, b, overlap])
+    outside = GroupPages(0, np.array([1, PAGES + 5]))  # page id beyond the pools
+    with pytest.raises(ValueError, match="beyond"):
+        scatter_objects(dst, {gid: outside}, [a, b])
+    assert _unchanged(dst, before)
+    scatter_objects(dst, {gid: view}, [a, b])
+    assert not _unchanged(dst, before)
+
+
+def test_batched_scatter_refuses_a_read_only_pool_before_writing():
+    gid = "v4.c128a.compressed_kv"
+    src, dst = random_pools(5), random_pools(6)
+    view = GroupPages(0, np.arange(1, 20))
+    obj = gather_object(src[gid], view, ObjectKey("block", gid, b"a"), 0, 1024)
+    before = _pools_copy(dst)
+    dst[gid].planes[-1].pool.flags.writeable = False
+    with pytest.raises(ValueError, match="writable"):
+        scatter_objects(dst, {gid: view}, [obj])
+    assert _unchanged(dst, before)
+
+
+def test_row_copy_kernels_copy_nothing_when_a_row_is_out_of_bounds():
+    from hybridkv.tiers.rowcopy import gather_rows, scatter_rows
+
+    rpp, value_bytes, scale_bytes = 4, 6, 2
+    pool = np.zeros((3, rpp * (value_bytes + scale_bytes)), dtype=np.uint8)
+    src = np.arange(1, 1 + 2 * (value_bytes + scale_bytes), dtype=np.uint8)
+    starts, rows = np.array([0], np.int64), np.array([2], np.int64)
+    for slots in ([0, 12], [-1, 3], [0]):  # past the 12 slots, negative, fewer slots than rows
+        assert scatter_rows(pool, src, starts, rows, np.array(slots, np.int64), value_bytes, scale_bytes, rpp) >= 0
+        assert not pool.any()
+    assert scatter_rows(pool, src, np.array([1], np.int64), rows, np.array([0, 5], np.int64), value_bytes,
+                        scale_bytes, rpp) == 0  # the rows run past the end of src
+    assert not pool.any()
+    assert scatter_rows(pool, src, starts, rows, np.array([0, 5], np.int64), value_bytes, scale_bytes, rpp) == -1
+    # slot 5 = page 1 row 1: its values at 1 * 6, its scales after the page's 4 * 6 value bytes
+    assert pool[1, 6:12].tolist() == list(range(9, 15)) and pool[1, 26:28].tolist() == [15, 16]
+    assert pool[0, 0:6].tolist() == list(range(1, 7)) and pool[0, 24:26].tolist() == [7, 8]
+    back = np.zeros_like(src)
+    assert gather_rows(pool, back, starts, rows, np.array([0, 5], np.int64), value_bytes, scale_bytes, rpp) == -1
+    assert np.array_equal(back, src)
+    assert gather_rows(pool, back[:-1], starts, rows, np.array([0, 5], np.int64), value_bytes, scale_bytes, rpp) == 0

@@ -3,7 +3,9 @@
 * :mod:`~hybridkv.tiers.namespace` - the layout namespace key.
 * :mod:`~hybridkv.tiers.keys` - chained content keys and object names.
 * :mod:`~hybridkv.tiers.objects` - the object format (encode, verify, decode).
-* :mod:`~hybridkv.tiers.pools`, :mod:`~hybridkv.tiers.rows` - rows between page pools and objects.
+* :mod:`~hybridkv.tiers.pools`, :mod:`~hybridkv.tiers.rows` - rows between page pools and objects
+  (:mod:`~hybridkv.tiers.rowcopy` - the compiled row copies).
+* :mod:`~hybridkv.tiers.stream` - many objects into pools with the next batch in flight.
 * :mod:`~hybridkv.tiers.host`, :mod:`~hybridkv.tiers.disk`, :mod:`~hybridkv.tiers.mooncake`,
   :mod:`~hybridkv.tiers.stack` - the tiers; :mod:`~hybridkv.tiers.store` - objects through a tier.
 
@@ -20,6 +22,7 @@ from hybridkv.tiers.pools import GroupPools, group_pools_from_layers, layout_par
 from hybridkv.tiers.rows import (
     GroupPages,
     MissingRows,
+    check_scatter,
     gather_object,
     gather_objects,
     rows_for_tokens,
@@ -28,11 +31,12 @@ from hybridkv.tiers.rows import (
 )
 from hybridkv.tiers.stack import TierStack
 from hybridkv.tiers.store import ObjectStore, StoreStats
+from hybridkv.tiers.stream import stream_load
 
 __all__ = [
     "DiskTier", "GroupPages", "GroupPools", "HostTier", "MissingRows", "Namespace", "NamespaceMismatch",
     "ObjectError", "ObjectKey", "ObjectStore", "RowsObject", "StoreStats", "Tier", "TierStack", "TierStats",
     "TierUnavailable", "boundary_key", "chained_keys", "decode_object", "encode_object", "gather_object",
     "group_pools_from_layers", "layout_namespace", "layout_parts", "new_group_pools", "rows_for_tokens",
-    "scatter_object", "gather_objects", "scatter_objects",
+    "scatter_object", "gather_objects", "scatter_objects", "check_scatter", "stream_load",
 ]

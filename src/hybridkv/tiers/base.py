@@ -58,6 +58,9 @@ class Tier(ABC):
     """One storage level. Subclasses implement the ``_`` methods; counting happens here."""
 
     name: str = "tier"
+    # How many consecutive fetches' views stay valid together (None: all of them; the views
+    # hold their own bytes). A tier that receives into buffers of its own reuses them.
+    fetch_views_kept: int | None = None
 
     def __init__(self) -> None:
         self._stats = TierStats()
@@ -78,8 +81,8 @@ class Tier(ABC):
 
     def fetch(self, names: Sequence[str], sizes: Sequence[int]) -> list[memoryview | None]:
         """``get`` of objects whose sizes the caller knows, as read-only views. A tier may
-        receive into a buffer of its own: the views stay valid only until its next ``fetch``
-        (copy what must outlive it). Counted as ``get``."""
+        receive into buffers of its own: the views stay valid until ``fetch_views_kept`` more
+        fetches have been made (copy what must outlive them). Counted as ``get``."""
         names = [check_name(n) for n in names]
         if len(sizes) != len(names):
             raise ValueError(f"{len(sizes)} sizes for {len(names)} names")

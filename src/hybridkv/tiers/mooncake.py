@@ -163,11 +163,13 @@ class MooncakeTier(Tier):
         local_hostname: str = "127.0.0.1",
         retry_after_s: float = 2.0,
         receive_bytes: int = 64 << 20,
+        receive_buffers: int = 2,
     ) -> None:
         super().__init__()
         self.retry_after_s = float(retry_after_s)
         self._down_until = 0.0
-        self._arena: np.ndarray | None = None
+        self._arenas: list[np.ndarray] = []
+        self._turn = 0
         self._store = load_store_class()()
         code = self._store.setup(
             local_hostname, metadata_url, int(segment_bytes), int(local_buffer_bytes), protocol, "", master_address
@@ -175,10 +177,13 @@ class MooncakeTier(Tier):
         if code != 0:
             raise TierUnavailable(f"Mooncake setup with master {master_address} failed with code {code}")
         self._stats.held = -1  # the store decides what it holds
-        if receive_bytes > 0:
+        for _ in range(int(receive_buffers) if receive_bytes > 0 else 0):
             arena = np.empty(int(receive_bytes), dtype=np.uint8)
-            if self._store.register_buffer(arena.ctypes.data, arena.nbytes) == 0:
-                self._arena = arena  # fetch receives here without a new bytes object per value
+            if self._store.register_buffer(arena.ctypes.data, arena.nbytes) != 0:
+                break
+            self._arenas.append(arena)  # fetch receives here without a new bytes object per value
+        if self._arenas:
+            self.fetch_views_kept = len(self._arenas)
 
     def _put(self, items: list[tuple[str, bytes]]) -> list[bool]:
         if not items:
@@ -223,7 +228,8 @@ class MooncakeTier(Tier):
         except Exception as exc:
             self._stats.last_error = f"Mooncake {method} raised {exc!r}"
             return -1
-        codes = [answer] if isinstance(answer, int) else answer if method in ("put_batch", "batch_is_exist") else []
+        coded = ("put_batch", "batch_is_exist", "batch_get_into")  # answers that are lists of codes
+        codes = [answer] if isinstance(answer, int) else answer if method in coded else []
         if any(int(code) == RPC_FAIL for code in codes):
             self._down_until = time.monotonic() + self.retry_after_s
             self._stats.last_error = f"Mooncake master unreachable ({method} returned {RPC_FAIL})"
@@ -256,18 +262,22 @@ class MooncakeTier(Tier):
         return out
 
     def _fetch(self, names: list[str], sizes: list[int]) -> list[memoryview | None]:
-        """Into the registered receive buffer when the batch fits (one ``batch_get_into``);
-        names it could not fetch so (absent, another size, a fault) go through ``get``."""
-        if self._arena is None or not names or sum(sizes) > self._arena.nbytes or min(sizes) <= 0:
+        """Into the next registered receive buffer when the batch fits (one ``batch_get_into``;
+        the buffers take turns, so a fetch's views stay valid through the next
+        ``receive_buffers - 1`` fetches); names it could not fetch so (absent, another size,
+        a fault) go through ``get``."""
+        if not self._arenas or not names or sum(sizes) > self._arenas[0].nbytes or min(sizes) <= 0:
             return super()._fetch(names, sizes)
         if self._down():
             return [None] * len(names)
+        arena = self._arenas[self._turn]
+        self._turn = (self._turn + 1) % len(self._arenas)
         starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
-        base = self._arena.ctypes.data
+        base = arena.ctypes.data
         codes = self._call("batch_get_into", names, [base + start for start in starts], sizes)
         if isinstance(codes, int):
             codes = [codes] * len(names)
-        view = memoryview(self._arena).toreadonly()
+        view = memoryview(arena).toreadonly()
         out: list[memoryview | None] = [
             view[start : start + size] if int(code) == size else None
             for start, size, code in zip(starts, sizes, codes)
@@ -299,20 +309,38 @@ class MooncakeTier(Tier):
         return count
 
     def raw_get_into(self, names: list[str], sizes: list[int]) -> list[int]:
-        """The store's ``batch_get_into`` the receive buffer as is (a benchmark floor)."""
+        """The store's ``batch_get_into`` the first receive buffer as is (a benchmark floor)."""
         starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
-        base = self._arena.ctypes.data
+        base = self._arenas[0].ctypes.data
         return self._store.batch_get_into(names, [base + start for start in starts], sizes)
 
     def raw_get(self, names: list[str]) -> list[bytes]:
         """The store's ``get_batch`` as is (for benchmarks: the floor a tier read is measured against)."""
         return self._store.get_batch(names)
 
+    def raw_put(self, names: list[str], values: list[bytes]) -> int:
+        """The store's ``put_batch`` as is (a benchmark floor for offload)."""
+        return self._store.put_batch(names, values)
+
+    def raw_put_from(self, names: list[str], starts: list[int], sizes: list[int], buffer: int = 0) -> list[int]:
+        """The store's ``batch_put_from`` receive buffer ``buffer``: value ``i`` is the ``sizes[i]``
+        bytes at ``starts[i]`` (a benchmark floor for offload: no copy on the Python side)."""
+        base = self._arenas[buffer].ctypes.data
+        return self._store.batch_put_from(names, [base + start for start in starts], sizes)
+
+    def receive_buffer(self, index: int = 0) -> np.ndarray:
+        """Registered receive buffer ``index`` (for benchmarks that stage values to put from)."""
+        return self._arenas[index]
+
+    def raw_remove_matching(self, pattern: str) -> int:
+        """The store's ``remove_by_regex(pattern, force=True)`` (benchmarks clear what they put)."""
+        return self._store.remove_by_regex(pattern, True)
+
     def close(self) -> None:
         if self._store is not None:
             try:
-                if self._arena is not None:
-                    self._store.unregister_buffer(self._arena.ctypes.data)
+                for arena in self._arenas:
+                    self._store.unregister_buffer(arena.ctypes.data)
                 self._store.close()
             except Exception:
                 pass

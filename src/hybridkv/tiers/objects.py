@@ -82,7 +82,7 @@ class RowsObject:
     @property
     def row_bytes(self) -> int:
         """Bytes of one cache row over all parts (every layer and plane of the group)."""
-        return sum(size for _, _, size in self.parts)
+        return parts_row_bytes(self.parts)
 
     def part_rows(self, index: int) -> np.ndarray:
         start = self.num_rows * part_offsets(self.parts)[index]
@@ -100,6 +100,12 @@ def part_offsets(parts: tuple[Part, ...]) -> tuple[int, ...]:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=256)
+def parts_row_bytes(parts: tuple[Part, ...]) -> int:
+    """Bytes of one row over every part."""
+    return sum(size for _, _, size in parts)
+
+
 def _check_shape(obj: RowsObject) -> None:
     for name in ("first_token", "num_tokens", "first_row", "num_rows"):
         value = getattr(obj, name)
@@ -115,14 +121,14 @@ def _check_shape(obj: RowsObject) -> None:
 def encoded_size(key: ObjectKey, parts: tuple[Part, ...], num_rows: int) -> int:
     """Bytes of the stored object of ``key`` with ``num_rows`` rows of ``parts`` (known before a fetch)."""
     header = _FIXED.size + len(key.key) + len(key.group_id.encode("utf-8")) + len(parts) * _PART.size + _CHECKSUM.size
-    return header + num_rows * sum(size for _, _, size in parts)
+    return header + num_rows * parts_row_bytes(parts)
 
 
 def encode_object(obj: RowsObject, namespace: Namespace) -> bytes:
     """The stored bytes of ``obj`` (header, payload) under ``namespace``."""
     _check_shape(obj)
     key, group = obj.key.key, obj.key.group_id.encode("utf-8")
-    parts = b"".join(_PART.pack(layer, PLANE_CODES[plane], 0, size) for layer, plane, size in obj.parts)
+    parts = _part_table(obj.parts)
     header_bytes = _FIXED.size + len(key) + len(group) + len(parts) + _CHECKSUM.size
     fixed = _FIXED.pack(
         MAGIC, FORMAT_VERSION, _KIND_CODES[obj.key.kind], 0, namespace.digest, header_bytes,
@@ -130,10 +136,16 @@ def encode_object(obj: RowsObject, namespace: Namespace) -> bytes:
         obj.payload.size, len(key), len(group),
     )
     head = fixed + key + group + parts
+    payload = obj.payload if obj.payload.flags.c_contiguous else np.ascontiguousarray(obj.payload)
     digest = xxhash.xxh3_64()
     digest.update(head)
-    digest.update(obj.payload)
-    return b"".join((head, _CHECKSUM.pack(digest.intdigest()), obj.payload.tobytes()))
+    digest.update(payload)
+    return b"".join((head, _CHECKSUM.pack(digest.intdigest()), payload))  # one copy of the payload
+
+
+@functools.lru_cache(maxsize=256)
+def _part_table(parts: tuple[Part, ...]) -> bytes:
+    return b"".join(_PART.pack(layer, PLANE_CODES[plane], 0, size) for layer, plane, size in parts)
 
 
 def _fixed_fields(data: memoryview, namespace: Namespace) -> tuple:
@@ -194,7 +206,7 @@ def decode_object(
     object_key, parts = _parse_variable(view, fields)
     header_bytes = fields[5]
     first_token, num_tokens, first_row, num_rows, payload_bytes = fields[7:12]
-    if payload_bytes != num_rows * sum(size for _, _, size in parts):
+    if payload_bytes != num_rows * parts_row_bytes(parts):
         raise ObjectError(f"payload of {payload_bytes} bytes does not hold {num_rows} rows of the parts")
     if len(view) != header_bytes + payload_bytes:
         raise ObjectError(f"object has {len(view)} bytes; its header says {header_bytes + payload_bytes}")

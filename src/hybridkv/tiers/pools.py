@@ -9,6 +9,7 @@ parts.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -41,7 +42,7 @@ class GroupPools:
     spec: CacheGroupSpec
     planes: tuple[PlanePool, ...]
 
-    @property
+    @functools.cached_property
     def parts(self) -> tuple[Part, ...]:
         return tuple((p.layer, p.plane, p.codec.row_bytes) for p in self.planes)
 

@@ -16,8 +16,9 @@ import numpy as np
 
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tiers.keys import ObjectKey
-from hybridkv.tiers.objects import ObjectError, RowsObject, part_offsets
+from hybridkv.tiers.objects import ObjectError, RowsObject, part_offsets, parts_row_bytes
 from hybridkv.tiers.pools import GroupPools
+from hybridkv.tiers.rowcopy import gather_rows, scatter_rows
 
 
 class MissingRows(ValueError):
@@ -33,7 +34,10 @@ class GroupPages:
 
     def slots(self, spec: CacheGroupSpec, first_row: int, num_rows: int) -> np.ndarray:
         """int64 slots of cache rows ``[first_row, first_row + num_rows)``; ``MissingRows`` if any lacks a page."""
-        rows = np.arange(first_row, first_row + num_rows, dtype=np.int64)
+        return self.slots_of_rows(spec, np.arange(first_row, first_row + num_rows, dtype=np.int64))
+
+    def slots_of_rows(self, spec: CacheGroupSpec, rows: np.ndarray) -> np.ndarray:
+        """int64 slots of the cache rows ``rows`` (int64, any order); ``MissingRows`` if any lacks a page."""
         logical = rows // spec.rows_per_page - self.base_page
         pages = np.asarray(self.pages, dtype=np.int64)
         inside = (logical >= 0) & (logical < pages.size)
@@ -86,57 +90,155 @@ def scatter_object(pools: GroupPools, pages: GroupPages, obj: RowsObject) -> Non
 
 
 def scatter_objects(pools: dict[str, GroupPools], pages: dict[str, GroupPages], objects: list[RowsObject]) -> None:
-    """``scatter_object`` for many objects, one codec call per (group, layer, plane).
+    """``scatter_object`` for many objects: one compiled copy per (group, layer, plane) and
+    source buffer (objects fetched together lie in one buffer), a ``memcpy`` per row part.
 
-    Every object is checked (group, parts, rows, held pages) before any row is
-    written; rows of different objects must not overlap.
+    Every object is checked (group, parts, rows, held pages, slots inside every pool,
+    no row written twice) and every pool (shape, writable) before any row is written.
     """
-    by_group: dict[str, list[RowsObject]] = {}
-    for obj in objects:
-        by_group.setdefault(obj.key.group_id, []).append(obj)
     planned = []
-    for gid, group_objects in by_group.items():
+    for gid, members in _by_group(objects, lambda obj: obj.key.group_id).items():
         if gid not in pools:
             raise ObjectError(f"object of group {gid}, which these pools do not have")
         group = pools[gid]
-        slots = []
-        for obj in group_objects:
-            if obj.parts != group.parts:
-                raise ObjectError(f"object parts {obj.parts} differ from the pools' {group.parts}")
-            expected = rows_for_tokens(group.spec, obj.first_token, obj.first_token + obj.num_tokens)
-            if expected != (obj.first_row, obj.num_rows):
-                raise ObjectError(f"object rows {(obj.first_row, obj.num_rows)} do not match its tokens ({expected})")
-            slots.append(pages[gid].slots(group.spec, obj.first_row, obj.num_rows))
-        planned.append((group, group_objects, np.concatenate(slots) if slots else np.zeros(0, np.int64)))
-    for group, group_objects, slots in planned:
-        rpp = group.spec.rows_per_page
-        for index, plane in enumerate(group.planes):
-            rows = [obj.part_rows(index) for obj in group_objects]
-            plane.codec.write_slot_bytes(plane.pool, slots, np.concatenate(rows) if len(rows) > 1 else rows[0], rpp)
+        for obj in members:
+            _check_object_rows(group, obj)
+        _check_pools(group, writable=True)
+        slots = _group_slots(group, pages[gid], [(obj.first_row, obj.num_rows) for obj in members], unique=True)
+        planned.append((group, members, slots))
+    for group, members, slots in planned:
+        _scatter_group(group, members, slots)
+
+
+def check_scatter(
+    pools: dict[str, GroupPools], pages: dict[str, GroupPages], ranges: list[tuple[ObjectKey, int, int]]
+) -> None:
+    """What ``scatter_objects`` checks before it writes, for objects not fetched yet
+    (``(key, first_token, end_token)`` each): their groups and pools, that every row lies on a
+    held page inside the pools, and that no two write the same row."""
+    for gid, members in _by_group(ranges, lambda r: r[0].group_id).items():
+        if gid not in pools:
+            raise ObjectError(f"object of group {gid}, which these pools do not have")
+        group = pools[gid]
+        _check_pools(group, writable=True)
+        _group_slots(group, pages[gid], [rows_for_tokens(group.spec, a, b) for _, a, b in members], unique=True)
 
 
 def gather_objects(
     pools: dict[str, GroupPools], pages: dict[str, GroupPages], ranges: list[tuple[ObjectKey, int, int]]
 ) -> list[RowsObject]:
-    """``gather_object`` for many ``(key, first_token, end_token)``, one codec call per (group, layer, plane)."""
-    by_group: dict[str, list[int]] = {}
-    for i, (key, _, _) in enumerate(ranges):
-        by_group.setdefault(key.group_id, []).append(i)
+    """``gather_object`` for many ``(key, first_token, end_token)``: one compiled copy per
+    (group, layer, plane); a group's payloads are consecutive views of one new buffer."""
     out: list[RowsObject | None] = [None] * len(ranges)
-    for gid, members in by_group.items():
+    for gid, members in _by_group(range(len(ranges)), lambda i: ranges[i][0].group_id).items():
         group = pools[gid]
+        _check_pools(group, writable=False)
         shapes = [rows_for_tokens(group.spec, ranges[i][1], ranges[i][2]) for i in members]
-        slots = np.concatenate([pages[gid].slots(group.spec, first, n) for first, n in shapes])
-        offsets, row_bytes = part_offsets(group.parts), sum(p.codec.row_bytes for p in group.planes)
-        payloads = [np.empty(n * row_bytes, dtype=np.uint8) for _, n in shapes]
-        for index, plane in enumerate(group.planes):
-            rows = plane.codec.read_slot_bytes(plane.pool, slots, group.spec.rows_per_page)
-            size, at = plane.codec.row_bytes, 0
-            for payload, (_, n) in zip(payloads, shapes):
-                start = n * offsets[index]
-                payload[start : start + n * size] = rows[at : at + n].reshape(-1)
-                at += n
-        for i, payload, (first, n) in zip(members, payloads, shapes):
+        slots = _group_slots(group, pages[gid], shapes, unique=False)
+        rows = np.array([n for _, n in shapes], dtype=np.int64)
+        row_bytes, offsets = parts_row_bytes(group.parts), part_offsets(group.parts)
+        starts = np.concatenate(([0], np.cumsum(rows * row_bytes)[:-1])).astype(np.int64)
+        buffer = np.empty(int(rows.sum()) * row_bytes, dtype=np.uint8)
+        for plane, offset in zip(group.planes, offsets):
+            _copy_rows(gather_rows, plane, buffer, starts + rows * offset, rows, slots, group.spec.rows_per_page)
+        for i, (first, n), start in zip(members, shapes, starts.tolist()):
             key, first_token, end_token = ranges[i]
+            payload = buffer[start : start + n * row_bytes]
             out[i] = RowsObject(key, first_token, end_token - first_token, first, n, group.parts, payload)
     return out
+
+
+def _by_group(items, group_of) -> dict:
+    out: dict = {}
+    for item in items:
+        out.setdefault(group_of(item), []).append(item)
+    return out
+
+
+def _check_object_rows(group: GroupPools, obj: RowsObject) -> None:
+    if obj.parts != group.parts:
+        raise ObjectError(f"object parts {obj.parts} differ from the pools' {group.parts}")
+    expected = rows_for_tokens(group.spec, obj.first_token, obj.first_token + obj.num_tokens)
+    if expected != (obj.first_row, obj.num_rows):
+        raise ObjectError(f"object rows {(obj.first_row, obj.num_rows)} do not match its tokens ({expected})")
+
+
+def _check_pools(group: GroupPools, *, writable: bool) -> None:
+    """Every pool of the group is a C-contiguous ``uint8[pages, stride]`` (writable to write into)."""
+    rows_per_page = group.spec.rows_per_page
+    for plane in group.planes:
+        pool, stride = plane.pool, plane.codec.page_stride_bytes(rows_per_page)
+        where = f"group {group.spec.group_id} layer {plane.layer} plane {plane.plane}"
+        if not isinstance(pool, np.ndarray) or pool.dtype != np.uint8 or pool.ndim != 2 or pool.shape[1] != stride:
+            raise ValueError(f"{where}: the pool must be a uint8 [pages, {stride}] array")
+        if not pool.flags.c_contiguous or (writable and not pool.flags.writeable):
+            raise ValueError(f"{where}: the pool must be C-contiguous" + (" and writable" if writable else ""))
+
+
+def _group_slots(group: GroupPools, pages: GroupPages, shapes, *, unique: bool) -> np.ndarray:
+    """Slots of the rows ``shapes`` (``(first_row, num_rows)`` each), one object after the other.
+    ``MissingRows`` for a row on no held page; ``ValueError`` for a page outside a pool or, when
+    ``unique``, a row asked for twice (two objects writing one row)."""
+    counts = [n for _, n in shapes]
+    if not sum(counts):
+        return np.zeros(0, dtype=np.int64)
+    rows = np.concatenate([np.arange(first, first + n, dtype=np.int64) for first, n in shapes])
+    slots = pages.slots_of_rows(group.spec, rows)
+    capacity = min((p.pool.shape[0] for p in group.planes), default=0) * group.spec.rows_per_page
+    if int(slots.max()) >= capacity:
+        raise ValueError(f"group {group.spec.group_id}: slot {int(slots.max())} lies beyond the pools' {capacity} rows")
+    if unique and np.unique(slots).size != slots.size:
+        raise ValueError(f"group {group.spec.group_id}: two objects write the same cache row")
+    return slots
+
+
+def _scatter_group(group: GroupPools, objects: list[RowsObject], slots: np.ndarray) -> None:
+    ends, offsets = np.cumsum([obj.num_rows for obj in objects]).tolist(), part_offsets(group.parts)
+    for flat, members, payload_at in _sources([obj.payload for obj in objects]):
+        rows = np.array([objects[i].num_rows for i in members], dtype=np.int64)
+        if len(members) < len(objects):
+            slots_here = np.concatenate([slots[ends[i] - objects[i].num_rows : ends[i]] for i in members])
+        else:
+            slots_here = slots
+        for plane, offset in zip(group.planes, offsets):
+            starts = payload_at + rows * offset
+            _copy_rows(scatter_rows, plane, flat, starts, rows, slots_here, group.spec.rows_per_page)
+
+
+def _copy_rows(kernel, plane, flat: np.ndarray, starts, rows, slots, rows_per_page: int) -> None:
+    codec = plane.codec
+    bad = kernel(plane.pool, flat, starts, rows, slots, codec.value_bytes, codec.scale_bytes, rows_per_page)
+    if bad >= 0:  # the checks above make this unreachable; the kernel copied nothing
+        raise ValueError(f"layer {plane.layer} plane {plane.plane}: row {bad} of the copy is out of bounds")
+
+
+def _sources(payloads: list[np.ndarray]) -> list[tuple[np.ndarray, list[int], np.ndarray]]:
+    """Payloads grouped by the flat buffer they are views of (objects fetched in one batch share
+    the tier's receive buffer): ``(buffer, payload indices, int64 offsets in the buffer)``."""
+    found: dict[int, tuple[np.ndarray, list[int], list[int]]] = {}
+    for i, payload in enumerate(payloads):
+        owner, flat, offset = _flat_buffer(payload)
+        entry = found.setdefault(id(owner), (flat, [], []))
+        entry[1].append(i)
+        entry[2].append(offset)
+    return [(flat, members, np.array(offsets, dtype=np.int64)) for flat, members, offsets in found.values()]
+
+
+def _flat_buffer(payload: np.ndarray) -> tuple[object, np.ndarray, int]:
+    """``(owner, flat uint8 buffer, offset)``: the 1-D buffer a payload is a view of (an ndarray,
+    or the bytes behind a memoryview) and where it starts there; else the payload itself."""
+    owner = payload.base
+    if isinstance(owner, memoryview):
+        owner = owner.obj
+    if isinstance(owner, (bytes, bytearray)):
+        flat = np.frombuffer(owner, dtype=np.uint8)
+    elif isinstance(owner, np.ndarray) and owner.dtype == np.uint8 and owner.ndim == 1 and owner.flags.c_contiguous:
+        flat = owner
+    else:
+        flat = None
+    if flat is not None and payload.flags.c_contiguous:
+        offset = payload.ctypes.data - flat.ctypes.data
+        if 0 <= offset and offset + payload.size <= flat.size:
+            return owner, flat, offset
+    payload = np.ascontiguousarray(payload)
+    return payload, payload, 0

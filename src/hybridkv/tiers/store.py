@@ -66,21 +66,31 @@ class ObjectStore:
 
     def get(self, keys: Sequence[ObjectKey]) -> list[RowsObject | None]:
         """Per key, the verified object or ``None`` (absent, a tier fault, or refused by verification)."""
-        names = [self.name(key) for key in keys]
-        return self._verified(keys, names, self.tier.get(names))
+        objects, bad = self.verify(keys, self.tier.get([self.name(key) for key in keys]))
+        self.discard(bad)
+        return objects
 
     def fetch(self, keys: Sequence[ObjectKey], num_rows: Sequence[int]) -> list[RowsObject | None]:
         """``get`` of objects whose row counts are known (a plan knows them), through the tier's
-        ``fetch``: the payloads may be views of the tier's receive buffer, valid until its next
-        fetch, so use them (scatter them) before fetching again."""
-        names = [self.name(key) for key in keys]
-        sizes = [encoded_size(key, self._parts[key.group_id], rows) for key, rows in zip(keys, num_rows)]
-        return self._verified(keys, names, self.tier.fetch(names, sizes))
+        ``fetch``: the payloads may be views of the tier's receive buffers, valid until
+        ``tier.fetch_views_kept`` more fetches, so use them (scatter them) before that."""
+        objects, bad = self.verify(keys, self.receive(keys, num_rows))
+        self.discard(bad)
+        return objects
 
-    def _verified(self, keys, names, values) -> list[RowsObject | None]:
+    def receive(self, keys: Sequence[ObjectKey], num_rows: Sequence[int]) -> list[memoryview | None]:
+        """The first half of ``fetch``: the tier's ``fetch`` of the keys' stored bytes, not yet
+        verified (``verify`` them; nothing unverified may reach a pool)."""
+        sizes = [encoded_size(key, self._parts[key.group_id], rows) for key, rows in zip(keys, num_rows)]
+        return self.tier.fetch([self.name(key) for key in keys], sizes)
+
+    def verify(self, keys: Sequence[ObjectKey], values) -> tuple[list[RowsObject | None], list[ObjectKey]]:
+        """The second half: per key the verified object or ``None`` (counted), and the keys whose
+        bytes failed verification, for ``discard`` (kept apart so that a caller receiving on
+        another thread deletes from the tier on one thread only)."""
         out: list[RowsObject | None] = []
         bad = []
-        for key, name, value in zip(keys, names, values):
+        for key, value in zip(keys, values):
             obj = None
             if value is None:
                 self._stats.missing += 1
@@ -90,17 +100,20 @@ class ObjectStore:
                 except NamespaceMismatch as exc:
                     self._stats.refused += 1
                     self._stats.last_error = str(exc)
-                    bad.append(name)
+                    bad.append(key)
                 except ObjectError as exc:
                     self._stats.corrupt += 1
                     self._stats.last_error = str(exc)
-                    bad.append(name)
+                    bad.append(key)
             out.append(obj)
-        if bad:
-            self.tier.delete(bad)
         self._stats.requested += len(keys)
         self._stats.loaded += sum(o is not None for o in out)
-        return out
+        return out, bad
+
+    def discard(self, keys: Sequence[ObjectKey]) -> None:
+        """Delete objects that failed verification from the tier, so they cannot fail again."""
+        if keys:
+            self.tier.delete([self.name(key) for key in keys])
 
     def contains(self, keys: Sequence[ObjectKey]) -> list[bool]:
         return self.tier.contains([self.name(key) for key in keys])

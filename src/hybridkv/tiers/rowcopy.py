@@ -1,0 +1,130 @@
+"""Compiled row copies between objects' bytes and a codec pool's pages (the load and
+offload hot path of ``hybridkv.tiers.rows``).
+
+A pool is ``uint8[pages, stride]`` in the codecs' page layout: the value parts of a
+page's ``R`` rows first (row ``r`` at ``r * value_bytes``), then their scale parts
+(at ``R * value_bytes + r * scale_bytes``). An object's part is row-major: each row's
+value part then its scale part, ``value_bytes + scale_bytes`` bytes a row.
+
+``scatter_rows`` / ``gather_rows`` move the rows of many objects of one part in one
+call: object ``j``'s rows start at byte ``starts[j]`` of a flat buffer and go to (come
+from) ``slots[k]``, the slots of every object one after the other. Each part of a
+row is one ``memcpy``. Both kernels check every slot and every byte range first and
+copy nothing when one is out of bounds (they return the index of the first bad
+row, or -1 when all rows were copied), so a bad argument cannot write outside the
+arrays. With ``NUMBA_DISABLE_JIT=1`` they run as plain Python with numpy slices.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+
+def copy_bytes(dst: np.ndarray, dst_at: int, src: np.ndarray, src_at: int, count: int) -> None:
+    """``dst[dst_at : dst_at + count] = src[src_at : src_at + count]`` (1-D uint8; compiled: a memcpy)."""
+    dst[dst_at : dst_at + count] = src[src_at : src_at + count]
+
+
+def _memcpy_intrinsic(fixed_count: int | None):
+    """An intrinsic ``(dst, dst_at, src, src_at[, count])`` that copies bytes with LLVM's memcpy;
+    with ``fixed_count`` the count is a constant, so a small copy compiles to a few moves."""
+
+    def codegen(context, builder, signature, args):
+        dst_array = context.make_array(signature.args[0])(context, builder, args[0])
+        src_array = context.make_array(signature.args[2])(context, builder, args[2])
+        to = builder.gep(dst_array.data, [args[1]])
+        at = builder.gep(src_array.data, [args[3]])
+        count = args[4] if fixed_count is None else context.get_constant(types.intp, fixed_count)
+        cgutils.raw_memcpy(builder, to, at, count, 1)
+        return context.get_dummy_value()
+
+    if fixed_count is None:
+        def typer(typingctx, dst, dst_at, src, src_at, count):
+            return types.void(dst, dst_at, src, src_at, count), codegen
+    else:
+        def typer(typingctx, dst, dst_at, src, src_at):
+            return types.void(dst, dst_at, src, src_at), codegen
+    return intrinsic(typer)
+
+
+_memcpy = _memcpy_intrinsic(None)
+_memcpy4, _memcpy8, _memcpy64 = (_memcpy_intrinsic(n) for n in (4, 8, 64))
+
+
+@overload(copy_bytes)
+def _copy_bytes_compiled(dst, dst_at, src, src_at, count):
+    def impl(dst, dst_at, src, src_at, count):
+        # the small parts of a row (scales, indexer values) as inline moves, not memcpy calls
+        if count == 8:
+            _memcpy8(dst, dst_at, src, src_at)
+        elif count == 4:
+            _memcpy4(dst, dst_at, src, src_at)
+        elif count == 64:
+            _memcpy64(dst, dst_at, src, src_at)
+        else:
+            _memcpy(dst, dst_at, src, src_at, count)
+
+    return impl
+
+
+@njit(cache=True)
+def _first_bad_row(capacity_slots, flat_bytes, starts, rows, slots, row_bytes):
+    """Index of the first row whose slot or buffer range is out of bounds, else -1."""
+    k = 0
+    for j in range(starts.size):
+        if rows[j] < 0 or starts[j] < 0 or starts[j] + rows[j] * row_bytes > flat_bytes:
+            return k
+        for _ in range(rows[j]):
+            if k >= slots.size or slots[k] < 0 or slots[k] >= capacity_slots:
+                return k
+            k += 1
+    return -1 if k == slots.size else k
+
+
+@njit(cache=True, nogil=True)
+def scatter_rows(pool, src, starts, rows, slots, value_bytes, scale_bytes, rows_per_page):
+    """Write object ``j``'s ``rows[j]`` rows at ``src[starts[j]:]`` to ``slots``; -1, or the first bad row."""
+    row_bytes = value_bytes + scale_bytes
+    bad = _first_bad_row(pool.shape[0] * rows_per_page, src.size, starts, rows, slots, row_bytes)
+    if bad >= 0 or pool.shape[1] < rows_per_page * row_bytes:
+        return max(bad, 0)
+    flat = pool.reshape(-1)
+    stride, scales_at = pool.shape[1], rows_per_page * value_bytes
+    k = 0
+    for j in range(starts.size):
+        at = starts[j]
+        for _ in range(rows[j]):
+            page = slots[k] // rows_per_page
+            row = slots[k] - page * rows_per_page
+            copy_bytes(flat, page * stride + row * value_bytes, src, at, value_bytes)
+            if scale_bytes:
+                copy_bytes(flat, page * stride + scales_at + row * scale_bytes, src, at + value_bytes, scale_bytes)
+            at += row_bytes
+            k += 1
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def gather_rows(pool, dst, starts, rows, slots, value_bytes, scale_bytes, rows_per_page):
+    """Read ``slots`` into object ``j``'s ``rows[j]`` rows at ``dst[starts[j]:]``; -1, or the first bad row."""
+    row_bytes = value_bytes + scale_bytes
+    bad = _first_bad_row(pool.shape[0] * rows_per_page, dst.size, starts, rows, slots, row_bytes)
+    if bad >= 0 or pool.shape[1] < rows_per_page * row_bytes:
+        return max(bad, 0)
+    flat = pool.reshape(-1)
+    stride, scales_at = pool.shape[1], rows_per_page * value_bytes
+    k = 0
+    for j in range(starts.size):
+        at = starts[j]
+        for _ in range(rows[j]):
+            page = slots[k] // rows_per_page
+            row = slots[k] - page * rows_per_page
+            copy_bytes(dst, at, flat, page * stride + row * value_bytes, value_bytes)
+            if scale_bytes:
+                copy_bytes(dst, at + value_bytes, flat, page * stride + scales_at + row * scale_bytes, scale_bytes)
+            at += row_bytes
+            k += 1
+    return -1

@@ -1,0 +1,85 @@
+"""Loading many objects into pools with the next batch in flight.
+
+``stream_load`` receives the objects in batches (``ObjectStore.receive``: the tier's fetch)
+on one worker thread while the calling thread verifies the batch before (``ObjectStore.verify``:
+checksum, key, parts) and scatters it into the pools (``scatter_objects``: compiled copies).
+The worker spends its time in the tier's call with the GIL released, and the calling thread
+in the checksum and the copies, which release it too, so the two rarely wait on each other
+for the GIL. Objects that fail verification are deleted from the tier at the end, on the
+calling thread. A tier's receive buffers take turns (``Tier.fetch_views_kept``), so the
+batch being verified and scattered is never the one being received; a tier with a single
+buffer (or ``overlap=False``) is loaded one batch after the other.
+
+Every target is checked before the first byte is written (``check_scatter``: groups,
+pools, held pages, no row written twice). A missing, corrupted or refused object, or one
+that holds other tokens than planned, is not written; every other object is. A caller
+that needs all of a set or nothing (a load plan's boundary) fetches first and scatters
+what it chose (``hybridkv.transfer.load_objects``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from hybridkv.tiers.keys import ObjectKey
+from hybridkv.tiers.pools import GroupPools
+from hybridkv.tiers.rows import GroupPages, check_scatter, rows_for_tokens, scatter_objects
+from hybridkv.tiers.store import ObjectStore
+
+Range = tuple[ObjectKey, int, int]  # (key, first token, end token)
+
+
+def stream_load(
+    store: ObjectStore,
+    ranges: Sequence[Range],
+    pools: Mapping[str, GroupPools],
+    pages: Mapping[str, GroupPages],
+    *,
+    batch_objects: int = 16,
+    overlap: bool = True,
+) -> list[bool]:
+    """Load each ``(key, first_token, end_token)`` object's rows into ``pools`` at the page view
+    ``pages``; per object, whether its rows were written. ``overlap=False`` fetches and scatters
+    batch after batch on the calling thread (each hand-over between the threads waits for a
+    thread to be scheduled, which costs more than it saves on a machine without a free core)."""
+    if isinstance(batch_objects, bool) or not isinstance(batch_objects, int) or batch_objects < 1:
+        raise ValueError(f"batch_objects must be a positive int, got {batch_objects!r}")
+    ranges, pools, pages = list(ranges), dict(pools), dict(pages)
+    check_scatter(pools, pages, ranges)
+    batches = [ranges[i : i + batch_objects] for i in range(0, len(ranges), batch_objects)]
+    kept = store.tier.fetch_views_kept
+    written: list[bool] = []
+    bad: list[ObjectKey] = []
+    if not overlap or len(batches) < 2 or (kept is not None and kept < 2):
+        for batch in batches:
+            written += _verify_and_scatter(store, batch, _receive(store, batch), pools, pages, bad)
+    else:
+        with ThreadPoolExecutor(1, thread_name_prefix="hybridkv-fetch") as worker:
+            pending = worker.submit(_receive, store, batches[0])
+            for i, batch in enumerate(batches):
+                values = pending.result()
+                if i + 1 < len(batches):
+                    pending = worker.submit(_receive, store, batches[i + 1])
+                written += _verify_and_scatter(store, batch, values, pools, pages, bad)
+    store.discard(bad)  # on this thread, once no receive is running
+    return written
+
+
+def _receive(store: ObjectStore, batch: list[Range]) -> list:
+    """The batch's stored bytes, unverified (the worker thread's part: mostly waiting in the tier)."""
+    rows = [rows_for_tokens(store.layout.group(key.group_id).spec, a, b)[1] for key, a, b in batch]
+    return store.receive([key for key, _, _ in batch], rows)
+
+
+def _verify_and_scatter(store, batch: list[Range], values, pools, pages, bad: list[ObjectKey]) -> list[bool]:
+    """Verify the batch (checksums, keys, parts; then its tokens against the plan) and scatter
+    what passed; per object whether it was written. Keys that failed verification go to ``bad``."""
+    objects, failed = store.verify([key for key, _, _ in batch], values)
+    bad += failed
+    chosen = [
+        obj if obj is not None and (obj.first_token, obj.first_token + obj.num_tokens) == (a, b) else None
+        for (_, a, b), obj in zip(batch, objects)
+    ]
+    scatter_objects(pools, pages, [obj for obj in chosen if obj is not None])
+    return [obj is not None for obj in chosen]
