@@ -136,7 +136,9 @@ def test_evicted_entries_are_offloaded_and_the_prefix_comes_back_from_the_tier(s
     assert a.link.take_offloads().objects == ()  # published, not evicted: nothing to move yet
     rng = np.random.default_rng(7)
     for i in range(5):  # other prompts need the pages: the prefix's entries are evicted
-        compute_prompt(a, f"x{i}", rng.integers(0, CONFIG.vocab_size, 900), decode=())
+        a.manager.add_request(f"x{i}", rng.integers(0, CONFIG.vocab_size, 900), max_new_tokens=8)
+        a.manager.schedule([(f"x{i}", 900)])  # (not computed: nothing reads these rows)
+        a.offload()
         a.manager.free(f"x{i}")
     assert a.link.stats().offload_objects > 0 and all(a.stored)
     hit = a.manager.add_request("q", other, max_new_tokens=8)
