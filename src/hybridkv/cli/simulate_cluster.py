@@ -1,8 +1,8 @@
 """``hybridkv simulate --instances N --tier host|disk|mooncake``: instances sharing one KV store.
 
 Three runs of the same workload: N instances sharing the store, N instances
-without it, and one instance with the N instances' memory together (the
-instance that holds everything). Reported: each run's token hit rate, the
+without it, and one instance holding everything: the cluster's whole cache
+capacity, the N instances' memory and the store's, in one device cache. Reported: each run's token hit rate, the
 store's share of the hits, and the bytes that went through the store per
 token it served, beside a naive layout that stores every group's full pages.
 """
@@ -63,6 +63,7 @@ def _simulator_options(plan, args: argparse.Namespace) -> dict:
 def run_cluster_command(args: argparse.Namespace, plan, requests, build_plan) -> dict:
     """The three runs; the summary."""
     from hybridkv.sim.cluster import naive_bytes_per_token, run_cluster
+    from hybridkv.sim.workloads import ideal_hit_tokens
 
     n = args.instances
     runs = {}
@@ -75,21 +76,21 @@ def run_cluster_command(args: argparse.Namespace, plan, requests, build_plan) ->
         tier_stats = store.tier.stats()
     runs["without_store"] = run_cluster(_manager_factory(plan, args), requests, n,
                                         simulator_options=_simulator_options(plan, args)).summary()
-    if n > 1:
-        whole = copy.copy(args)
-        whole.kv_memory = args.kv_memory * n
-        big = build_plan(whole)
-        runs["one_instance"] = run_cluster(_manager_factory(big, args), requests, 1,
-                                           simulator_options=_simulator_options(big, args)).summary()
-    else:
-        runs["one_instance"] = runs["without_store"]
+    whole = copy.copy(args)
+    whole.kv_memory = args.kv_memory * n + args.tier_memory
+    big = build_plan(whole)
+    runs["one_instance"] = run_cluster(_manager_factory(big, args), requests, 1,
+                                       simulator_options=_simulator_options(big, args)).summary()
     shared = runs["with_store"]
     served = shared["tier_hit_tokens"]
     naive = naive_bytes_per_token(plan.layout)
     moved = shared["put_bytes"] + shared["fetched_bytes"]
     one = runs["one_instance"]["token_hit_rate"]
+    ideal = ideal_hit_tokens(list(requests), grain_tokens=plan.scheduler_page_tokens)
     return {
         **runs,
+        "one_instance_kv_memory_bytes": whole.kv_memory,
+        "ideal_hit_rate": float(ideal.sum()) / max(sum(r.prompt_tokens for r in requests), 1),
         "instances": n,
         "tier": args.tier,
         "tier_memory_bytes": args.tier_memory,
@@ -116,7 +117,7 @@ def print_cluster_summary(summary: dict, console) -> None:
         table.add_column(column, justify="left" if column == "run" else "right")
     names = {"with_store": f"{summary['instances']} instances sharing the store",
              "without_store": f"{summary['instances']} instances, no store",
-             "one_instance": f"1 instance, {summary['instances']}x the memory"}
+             "one_instance": f"1 instance, {format_bytes(summary['one_instance_kv_memory_bytes'])}"}
     for key, name in names.items():
         run = summary[key]
         share = run.get("tier_hit_tokens", 0) / run["prompt_tokens"] if run["prompt_tokens"] else 0.0
@@ -125,7 +126,8 @@ def print_cluster_summary(summary: dict, console) -> None:
     console.print(table)
     shared = summary["with_store"]
     console.print(
-        f"hit rate vs one instance: {summary['hit_rate_vs_one_instance']:.1%}; "
+        f"hit rate vs one instance: {summary['hit_rate_vs_one_instance']:.1%} "
+        f"(unbounded-cache ideal: {summary['ideal_hit_rate']:.1%}); "
         f"loads confirmed {shared['loads']['confirmed']:,}, failed {shared['loads']['failed']:,}, "
         f"denied {shared['loads']['denied']:,}\n"
         f"through the store: put {shared['put_objects']:,} objects ({format_bytes(shared['put_bytes'])}), "
@@ -143,13 +145,15 @@ def write_cluster_plot(summary: dict, path: str) -> None:
 
     fig, (rates, moved) = plt.subplots(1, 2, figsize=(11, 4.2))
     keys = ("one_instance", "with_store", "without_store")
-    labels = [f"1 instance\n{summary['instances']}x memory", f"{summary['instances']} instances\nshared {summary['tier']}",
+    labels = [f"1 instance\n{format_bytes(summary['one_instance_kv_memory_bytes'])}", f"{summary['instances']} instances\nshared {summary['tier']}",
               f"{summary['instances']} instances\nno store"]
     device = [100 * (summary[k]["hit_tokens"] - summary[k]["tier_hit_tokens"]) / max(summary[k]["prompt_tokens"], 1)
               for k in keys]
     store = [100 * summary[k]["tier_hit_tokens"] / max(summary[k]["prompt_tokens"], 1) for k in keys]
     rates.bar(labels, device, color="tab:blue", label="device hit")
     rates.bar(labels, store, bottom=device, color="tab:orange", label="loaded from the store")
+    rates.axhline(100 * summary["ideal_hit_rate"], color="black", linestyle=":", linewidth=1,
+                  label="unbounded-cache ideal")
     rates.set_ylabel("token hit rate (%)")
     rates.legend(fontsize=8)
     values = [summary["bytes_moved_per_tier_hit_token"], summary["naive_bytes_moved_per_tier_hit_token"]]
