@@ -1,8 +1,8 @@
 """``hybridkv simulate --instances N --tier host|disk|mooncake``: instances sharing one KV store.
 
 Three runs of the same workload: N instances sharing the store, N instances
-without it, and one instance holding everything: the cluster's whole cache
-capacity, the N instances' memory and the store's, in one device cache. Reported: each run's token hit rate, the
+without it, and one instance holding everything: the N instances' memory in
+one device cache, with a store of its own of the same kind and size. Reported: each run's token hit rate, the
 store's share of the hits, and the bytes that went through the store per
 token it served, beside a naive layout that stores every group's full pages.
 """
@@ -77,10 +77,13 @@ def run_cluster_command(args: argparse.Namespace, plan, requests, build_plan) ->
     runs["without_store"] = run_cluster(_manager_factory(plan, args), requests, n,
                                         simulator_options=_simulator_options(plan, args)).summary()
     whole = copy.copy(args)
-    whole.kv_memory = args.kv_memory * n + args.tier_memory
+    whole.kv_memory = args.kv_memory * n
     big = build_plan(whole)
-    runs["one_instance"] = run_cluster(_manager_factory(big, args), requests, 1,
-                                       simulator_options=_simulator_options(big, args)).summary()
+    with ExitStack() as stack:
+        own = open_store(args.tier, args.tier_memory, plan.layout, stack)
+        runs["one_instance"] = run_cluster(_manager_factory(big, args), requests, 1, store=own,
+                                           write_through=args.write_through,
+                                           simulator_options=_simulator_options(big, args)).summary()
     shared = runs["with_store"]
     served = shared["tier_hit_tokens"]
     naive = naive_bytes_per_token(plan.layout)
@@ -117,7 +120,7 @@ def print_cluster_summary(summary: dict, console) -> None:
         table.add_column(column, justify="left" if column == "run" else "right")
     names = {"with_store": f"{summary['instances']} instances sharing the store",
              "without_store": f"{summary['instances']} instances, no store",
-             "one_instance": f"1 instance, {format_bytes(summary['one_instance_kv_memory_bytes'])}"}
+             "one_instance": f"1 instance, {format_bytes(summary['one_instance_kv_memory_bytes'])}, own store"}
     for key, name in names.items():
         run = summary[key]
         share = run.get("tier_hit_tokens", 0) / run["prompt_tokens"] if run["prompt_tokens"] else 0.0
@@ -145,7 +148,7 @@ def write_cluster_plot(summary: dict, path: str) -> None:
 
     fig, (rates, moved) = plt.subplots(1, 2, figsize=(11, 4.2))
     keys = ("one_instance", "with_store", "without_store")
-    labels = [f"1 instance\n{format_bytes(summary['one_instance_kv_memory_bytes'])}", f"{summary['instances']} instances\nshared {summary['tier']}",
+    labels = [f"1 instance\n{format_bytes(summary['one_instance_kv_memory_bytes'])} + own {summary['tier']}", f"{summary['instances']} instances\nshared {summary['tier']}",
               f"{summary['instances']} instances\nno store"]
     device = [100 * (summary[k]["hit_tokens"] - summary[k]["tier_hit_tokens"]) / max(summary[k]["prompt_tokens"], 1)
               for k in keys]
@@ -159,6 +162,7 @@ def write_cluster_plot(summary: dict, path: str) -> None:
     values = [summary["bytes_moved_per_tier_hit_token"], summary["naive_bytes_moved_per_tier_hit_token"]]
     moved.bar(["hybridkv objects", "naive full pages"], values, color=["tab:green", "tab:gray"])
     moved.set_yscale("log")
+    moved.set_ylim(bottom=max(min(values), 1.0) / 10)
     moved.set_ylabel("bytes through the store per token it served")
     for x, value in enumerate(values):
         moved.text(x, value, f"{value:,.0f}", ha="center", va="bottom", fontsize=8)
