@@ -148,7 +148,7 @@ def write_cluster_plot(summary: dict, path: str) -> None:
 
     fig, (rates, moved) = plt.subplots(1, 2, figsize=(11, 4.2))
     keys = ("one_instance", "with_store", "without_store")
-    labels = [f"1 instance\n{format_bytes(summary['one_instance_kv_memory_bytes'])} + own {summary['tier']}", f"{summary['instances']} instances\nshared {summary['tier']}",
+    labels = [f"1 instance, {format_bytes(summary['one_instance_kv_memory_bytes'])}\n+ own {summary['tier']}", f"{summary['instances']} instances\nshared {summary['tier']}",
               f"{summary['instances']} instances\nno store"]
     device = [100 * (summary[k]["hit_tokens"] - summary[k]["tier_hit_tokens"]) / max(summary[k]["prompt_tokens"], 1)
               for k in keys]
@@ -158,7 +158,8 @@ def write_cluster_plot(summary: dict, path: str) -> None:
     rates.axhline(100 * summary["ideal_hit_rate"], color="black", linestyle=":", linewidth=1,
                   label="unbounded-cache ideal")
     rates.set_ylabel("token hit rate (%)")
-    rates.legend(fontsize=8)
+    rates.set_ylim(0, 100)
+    rates.legend(fontsize=8, loc="upper right", ncol=2)
     values = [summary["bytes_moved_per_tier_hit_token"], summary["naive_bytes_moved_per_tier_hit_token"]]
     moved.bar(["hybridkv objects", "naive full pages"], values, color=["tab:green", "tab:gray"])
     moved.set_yscale("log")
