@@ -146,3 +146,16 @@ def test_the_cli_runs_on_mooncake(capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["with_store"]["tier_hit_tokens"] > 0
     assert summary["store"]["corrupt"] == 0 and np.isfinite(summary["bytes_moved_per_tier_hit_token"])
+
+
+def test_one_instance_with_a_write_back_store(capsys):
+    argv = ["simulate", "--workload", "multiturn", "--requests", "8", "--kv-memory", "4GiB", "--tier", "host",
+            "--no-write-through", "--json"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["instances"] == 1 and summary["write_through"] is False
+    assert summary["one_instance"] == summary["with_store"]
+    assert summary["with_store"]["put_objects"] == 0  # 4 GiB evicts nothing: write-back moves nothing
+    assert main(argv[:-1]) == 0
+    out = capsys.readouterr().out
+    assert "1 instance with the store" in out and "1 instance, no store" in out

@@ -60,6 +60,16 @@ def _simulator_options(plan, args: argparse.Namespace) -> dict:
             "min_chunk_tokens": args.min_chunk_tokens}
 
 
+def _one_instance(args: argparse.Namespace, big, requests) -> dict:
+    """One instance of ``big`` (the instances' memory together) with a store of its own."""
+    from hybridkv.sim.cluster import run_cluster
+
+    with ExitStack() as stack:
+        own = open_store(args.tier, args.tier_memory, big.layout, stack)
+        return run_cluster(_manager_factory(big, args), requests, 1, store=own, write_through=args.write_through,
+                           simulator_options=_simulator_options(big, args)).summary()
+
+
 def run_cluster_command(args: argparse.Namespace, plan, requests, build_plan) -> dict:
     """The three runs; the summary."""
     from hybridkv.sim.cluster import naive_bytes_per_token, run_cluster
@@ -78,12 +88,10 @@ def run_cluster_command(args: argparse.Namespace, plan, requests, build_plan) ->
                                         simulator_options=_simulator_options(plan, args)).summary()
     whole = copy.copy(args)
     whole.kv_memory = args.kv_memory * n
-    big = build_plan(whole)
-    with ExitStack() as stack:
-        own = open_store(args.tier, args.tier_memory, plan.layout, stack)
-        runs["one_instance"] = run_cluster(_manager_factory(big, args), requests, 1, store=own,
-                                           write_through=args.write_through,
-                                           simulator_options=_simulator_options(big, args)).summary()
+    if n == 1:  # the one instance holding everything is the run with the store
+        runs["one_instance"] = runs["with_store"]
+    else:
+        runs["one_instance"] = _one_instance(args, build_plan(whole), requests)
     shared = runs["with_store"]
     served = shared["tier_hit_tokens"]
     naive = naive_bytes_per_token(plan.layout)
@@ -118,9 +126,12 @@ def print_cluster_summary(summary: dict, console) -> None:
     table = Table(title=title)
     for column in ("run", "token hit rate", "from the store", "preemptions", "steps"):
         table.add_column(column, justify="left" if column == "run" else "right")
-    names = {"with_store": f"{summary['instances']} instances sharing the store",
-             "without_store": f"{summary['instances']} instances, no store",
+    count = f"{summary['instances']} instance" + ("s" if summary["instances"] > 1 else "")
+    names = {"with_store": f"{count} sharing the store" if summary["instances"] > 1 else f"{count} with the store",
+             "without_store": f"{count}, no store",
              "one_instance": f"1 instance, {format_bytes(summary['one_instance_kv_memory_bytes'])}, own store"}
+    if summary["instances"] == 1:
+        del names["one_instance"]
     for key, name in names.items():
         run = summary[key]
         share = run.get("tier_hit_tokens", 0) / run["prompt_tokens"] if run["prompt_tokens"] else 0.0
