@@ -262,10 +262,10 @@ def profile_decode(plan, prompts, args, caching: bool) -> str:
 
 BREAKDOWN_METHODS = {
     "CacheManager": ["schedule", "schedule_uniform", "_admit", "_fast_validate", "_fast_validate_uniform", "_plan",
-                     "_build_batch", "rewind_many"],
-    "GroupTable": ["block_table", "take"],
-    "TableSet": ["plan", "take_flat", "place", "write_slots", "drain_updates"],
-    "PagePool": ["allocate", "decref", "publish", "unpublish"],
+                     "_run", "_build_batch", "rewind_many"],
+    "GroupTable": ["take"],
+    "TableSet": ["take_flat", "block_table", "drain_updates"],
+    "PagePool": ["make_room", "decref", "publish", "unpublish"],
     "PrefixCache": ["commit"],
 }
 

@@ -2,9 +2,10 @@
 
 The reference keeps, per group, a dict of each row's pages by logical page, a
 free list (its end is the top) and ref counts, and applies docs/manager.md's
-rules one request and one page at a time. Random programs of steps (joins,
-prefill chunks, decode, rows settling with zero tokens) must give the same
-arrays, tables, free stacks and ref counts on both.
+rules one request and one page at a time. Random programs of steps (prefill
+chunks, decode, rows settling with zero tokens) through the manager's public
+API must give the same arrays, tables and free counts on both; the same
+programs run as plain Python (``NUMBA_DISABLE_JIT=1``) give the same batches.
 """
 
 import os
@@ -16,9 +17,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
+from hybridkv.manager import CacheManager
 from hybridkv.models.deepseek_v4 import build_v4_cache_specs
 from hybridkv.runtime import kernels
-from hybridkv.runtime.state import StepState, capacity_pages
 from hybridkv.spec import CacheGroupSpec
 
 V4 = build_v4_cache_specs({"sliding_window": 16}, layer_ratio=[0, 4, 128])
@@ -85,34 +86,27 @@ class Reference:
         return positions, indices, slots, bases, idle_keyed
 
 
-def same_state(state, ref, rows_seen):
+def same_state(manager, ref, rows_seen):
     for g, spec in enumerate(ref.specs):
-        offset = int(state.geometry[g, kernels.ID_OFFSET])
-        top = int(state.top[g])
-        assert state.stack[offset : offset + top].tolist() == ref.free[g], spec.group_id
-        cap = capacity_pages(spec, *CONFIG_LIMITS[spec.group_id])
+        assert manager.stats()[spec.group_id].free_pages == len(ref.free[g]), spec.group_id
         for row in rows_seen:
             base, hi = ref.base[g].get(row, 0), ref.hi[g].get(row, 0)
-            assert state.bounds[:, g, row].tolist() == [base, hi]
-            want = np.full(state.pages.shape[2], -1)
-            for logical, page in ref.table[g].get(row, {}).items():
-                want[logical % cap if spec.is_sliding else logical] = page
-            assert state.pages[g, row].tolist() == want.tolist(), (spec.group_id, row)
-        held = {page: n for page, n in ref.ref[g].items() if n}
-        got = {p: int(state.ref[offset + p]) for p in np.flatnonzero(state.ref[offset : offset + state.num_pages[g]])}
-        assert got == held, spec.group_id
-
-
-CONFIG_LIMITS = {s.group_id: (ctx, step) for specs, ctx, step in CONFIGS.values() for s in specs}
+            got_base, got = manager.request_pages(f"r{row}", spec.group_id)
+            assert (got_base, got.tolist()) == (base, [ref.table[g][row][L] for L in range(base, hi)])
+    manager.check_invariants()
 
 
 @settings(max_examples=60, deadline=None)
 @given(config=st.sampled_from(sorted(CONFIGS)), data=st.data())
 def test_random_steps_match_the_reference(config, data):
+    """The manager's compiled step, driven through its public API (requests ``r0`` ..
+    ``r9`` on table rows 0 .. 9; a request of the previous step left out settles)."""
     specs, ctx, step_limit = CONFIGS[config]
     pages = 4000
-    state = StepState(specs, {s.group_id: pages for s in specs}, max_context_tokens=ctx,
-                      max_step_tokens=step_limit, table_rows=4)
+    manager = CacheManager(specs, {s.group_id: pages for s in specs}, max_context_tokens=ctx,
+                           max_step_tokens=step_limit)
+    for row in range(10):
+        manager.add_request(f"r{row}", prompt_tokens=ctx)
     ref = Reference(specs, pages)
     computed, rows_seen, last = {}, set(), []
     for _ in range(data.draw(st.integers(1, 25), label="steps")):
@@ -125,96 +119,32 @@ def test_random_steps_match_the_reference(config, data):
             continue
         settle = [r for r in last if r not in live]
         rows, all_counts = settle + live, [0] * len(settle) + counts
-        state.ensure_rows(max(rows) + 1)
-        out = state.step(np.asarray(rows, dtype=np.int64), np.asarray(all_counts, dtype=np.int64), len(settle))
+        batch = manager.schedule([(f"r{r}", n) for r, n in zip(live, counts)])
         positions, indices, slots, bases, _ = ref.step(rows, all_counts, len(settle))
-        assert out.positions.tolist() == positions
-        assert out.request_indices.tolist() == indices
-        assert out.query_start_loc.tolist() == np.concatenate([[0], np.cumsum(counts)]).tolist()
-        assert out.write_slots.tolist() == slots
-        assert out.base_pages.tolist() == bases
+        assert batch.positions.tolist() == positions
+        assert batch.request_indices.tolist() == indices
+        assert batch.query_start_loc.tolist() == np.concatenate([[0], np.cumsum(counts)]).tolist()
+        assert batch.table_rows.tolist() == live
+        for g, spec in enumerate(specs):
+            step = batch.groups[spec.group_id]
+            assert step.write_slots.tolist() == slots[g]
+            assert (step.base_pages.tolist() if spec.is_sliding else bases[g]) == bases[g]
         rows_seen.update(rows)
         for r, n in zip(rows, all_counts):
             computed[r] = computed.get(r, 0) + n
         last = live
-        same_state(state, ref, rows_seen)
-
-
-def test_touched_cells_name_every_changed_cell():
-    specs, ctx, step = CONFIGS["v4"]
-    state = StepState(specs, {s.group_id: 500 for s in specs}, max_context_tokens=ctx, max_step_tokens=step,
-                      table_rows=2)
-    rows = np.array([0, 1], dtype=np.int64)
-    for counts in ([40, 7], [1, 1], [30, 60], [1, 1]):
-        before = state.pages.copy()
-        out = state.step(rows, np.asarray(counts, dtype=np.int64))
-        changed = np.flatnonzero(before.reshape(-1) != state.pages.reshape(-1))
-        assert set(changed.tolist()) <= set(out.touched_cells.tolist())
-        assert out.touched_cells.size == len(set(out.touched_cells.tolist()))  # one move a cell a step here
-
-
-def test_keyed_pages_go_to_the_caller_not_the_free_stack():
-    spec = CacheGroupSpec("s", "sliding_window", rows_per_page=2, entry_stride_tokens=1, sliding_window_tokens=2)
-    state = StepState([spec], {"s": 10}, max_context_tokens=64, max_step_tokens=8, table_rows=1)
-    row, one = np.array([0], dtype=np.int64), np.array([1], dtype=np.int64)
-    state.step(row, np.array([6], dtype=np.int64))  # pages 1, 2, 3 for tokens 0..5
-    assert state.pages[0, 0, :4].tolist() == [1, 2, 3, -1]
-    state.keyed[1] = True  # page 1 carries a content key
-    out = state.step(row, one)  # first 6: floor (6 - 1) // 2 = 2, pages 1 and 2 go
-    assert out.idle_keyed_pages.tolist() == [1]
-    # The unkeyed one went on top of the stack and token 6 (logical page 3) took it.
-    assert state.bounds[:, 0, 0].tolist() == [2, 4]
-    assert state.pages[0, 0, :4].tolist() == [-1, -1, 3, 2]
-    assert state.stack[state.top[0] - 1] == 4
-
-
-def test_a_short_stack_asks_the_caller_for_room_after_the_releases():
-    spec = CacheGroupSpec("f", "full_history", rows_per_page=1, entry_stride_tokens=1)
-    state = StepState([spec], {"f": 6}, max_context_tokens=64, max_step_tokens=8, table_rows=1)
-    row = np.array([0], dtype=np.int64)
-    state.step(row, np.array([3], dtype=np.int64))  # pages 1, 2, 3; the stack keeps 5, 4 (4 on top)
-    state.top[0] = 0  # as if 4 and 5 were cached pages in the prefix cache's LRU
-    with pytest.raises(RuntimeError, match="short by \\[2\\]"):
-        state.step(row, np.array([2], dtype=np.int64))
-    asked = []
-
-    def room(short):
-        asked.append(short.tolist())
-        state.top[0] = 2  # as an eviction would: the pages go back on the stack
-
-    out = state.step(row, np.array([2], dtype=np.int64), make_room=room)
-    assert asked == [[2]]
-    assert state.pages[0, 0, :5].tolist() == [1, 2, 3, 4, 5]
-    assert out.write_slots.tolist() == [[4, 5]]
-
-
-def test_the_same_kernels_run_as_plain_python():
-    code = (
-        "import numpy as np\n"
-        "from hybridkv.runtime import kernels\n"
-        "from hybridkv.runtime.state import StepState\n"
-        "from hybridkv.models.deepseek_v4 import build_v4_cache_specs\n"
-        "assert not hasattr(kernels.run_step, 'py_func')\n"
-        "specs = build_v4_cache_specs({'sliding_window': 16}, layer_ratio=[0, 4, 128])\n"
-        "s = StepState(specs, {x.group_id: 400 for x in specs}, max_context_tokens=1500, max_step_tokens=64)\n"
-        "rows = np.array([0, 1], dtype=np.int64)\n"
-        "s.step(rows, np.array([50, 20], dtype=np.int64))\n"
-        "print(s.step(rows, np.array([1, 1], dtype=np.int64)).write_slots.tolist())\n"
-    )
-    env = dict(os.environ, NUMBA_DISABLE_JIT="1")
-    plain = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    specs = V4
-    s = StepState(specs, {x.group_id: 400 for x in specs}, max_context_tokens=1500, max_step_tokens=64)
-    rows = np.array([0, 1], dtype=np.int64)
-    s.step(rows, np.array([50, 20], dtype=np.int64))
-    assert plain.stdout.strip() == str(s.step(rows, np.array([1, 1], dtype=np.int64)).write_slots.tolist())
+        same_state(manager, ref, rows_seen)
 
 
 _PAGE_SPACES = {
     "per-group": "{s.group_id: 300 for s in specs}, shuffle_seed=1,",
-    # A shared arena: prefill chunks' transient pages take the highest ids (kernels.transient_ranks).
+    # A shared arena: prefill chunks' transient pages take the highest ids (kernels.transient_pages).
     "shared": "None, arena=arena_geometry({s.group_id: 512 for s in specs}, 512 * 1200, "
               "anchor_group=anchor_group_for(specs, {s.group_id: 512 for s in specs}), slab_anchor_pages=4),",
+    # Shuffled arena pools are LIFO: a chunk's transient pages take the ids popped after its survivors'.
+    "shared-shuffled": "None, arena=arena_geometry({s.group_id: 512 for s in specs}, 512 * 1200, "
+                       "anchor_group=anchor_group_for(specs, {s.group_id: 512 for s in specs}), "
+                       "slab_anchor_pages=4), shuffle_seed=3,",
 }
 
 
@@ -270,20 +200,3 @@ def test_merge_free_keeps_the_stack_descending_with_the_run_merged_in(ids, data)
     assert top == len(ids)
     assert stack[:top].tolist() == ids[::-1]
     assert stack[top:].tolist() == [-7, -7, -7]  # nothing written past the new top
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.sets(st.integers(1, 300), min_size=1, max_size=40), st.data())
-def test_take_lowest_takes_the_lowest_of_stack_and_pending(ids, data):
-    ids = sorted(ids)
-    in_pending = data.draw(st.lists(st.booleans(), min_size=len(ids), max_size=len(ids)))
-    pending = np.array([p for p, r in zip(ids, in_pending) if r], dtype=np.int32)
-    held = [p for p, r in zip(ids, in_pending) if not r]
-    stack = np.zeros(len(ids) + 2, dtype=np.int32)
-    stack[: len(held)] = held[::-1]
-    low = data.draw(st.integers(0, len(ids)))
-    taken, top, rest = kernels.take_lowest(stack, len(held), pending, low)
-    assert taken.tolist() == ids[:low]
-    left = stack[:top].tolist()
-    assert left == sorted(left, reverse=True)  # still a descending stack
-    assert sorted(left + rest.tolist()) == ids[low:]  # nothing lost, nothing twice

@@ -245,17 +245,15 @@ def test_lowest_first_hands_out_the_lowest_free_ids_whatever_the_release_order()
     pool.check_invariants()
 
 
-def test_lowest_first_leftovers_above_the_stack_stay_pending():
-    """A small allocation sorts the stack's lowest with the pending releases; what it
-    leaves goes back on the stack only if all of it lies below the stack's next id."""
+def test_lowest_first_released_pages_merge_into_the_free_order():
+    """Released pages are reused in id order with the free stack's, whenever they were released."""
     pool = PagePool("g", 64, lowest_first=True)
     pool.allocate(40)  # 1..40 held, 41.. on the stack
     pool.decref(np.array([1, 2, 3]))
-    assert pool.allocate(1).tolist() == [1]  # leftovers 2, 3 and 41 lie below 42: back on the stack
-    assert pool._pending_pages == 0  # nothing left to merge later
+    assert pool.allocate(1).tolist() == [1]
     pool.decref(np.array([30]))
-    assert pool.allocate(1).tolist() == [2]  # leftover 30 lies above the stack's next (3): pending
-    assert pool._pending_pages == 1
+    assert pool.allocate(1).tolist() == [2]
+    assert pool.free_page_ids()[-2:].tolist() == [30, 3]  # top of the stack: the lowest id
     assert pool.allocate(2).tolist() == [3, 30]
     assert pool.allocate(2).tolist() == [41, 42]
     pool.check_invariants()

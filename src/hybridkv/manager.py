@@ -67,40 +67,70 @@ class _Request:
 
 @dataclass
 class _StepPlan:
-    """Per-group arrays of one admissible step (pure, from ``_plan``)."""
+    """One admissible step as ``kernels.prepare_step`` plans it (pure): the rows it
+    touches, the settling ones first (zero new tokens), and what it does to them."""
 
-    rows: np.ndarray
-    counts: np.ndarray
-    first: np.ndarray
-    end: np.ndarray
-    group_index: dict[str, int]
-    settle: int = 0  # leading rows with zero new tokens (previous step's requests settling)
-    base: np.ndarray | None = None  # [G, R] stacked forms of the per-group dicts
-    hi: np.ndarray | None = None
-    new_base_all: np.ndarray | None = None
-    alloc_all: np.ndarray | None = None
-    need_hi_all: np.ndarray | None = None
-    grants: list | None = None  # arena slabs to move before allocating (shared page space)
+    rows: np.ndarray  # int64 [R] table rows
+    counts: np.ndarray  # int64 [R] new tokens
+    first: np.ndarray  # int64 [R] computed tokens before the step
+    after: np.ndarray  # int64 [2, G, R] base and hi pages after the step
+    need: np.ndarray  # int64 [G, R] pages holding the rows' tokens after the step
+    sums: np.ndarray  # int64 [2, G] pages released and allocated per group
+    crossing: np.ndarray  # rows whose uncommitted tokens complete a prefix grain (commit first)
+    settle: int  # leading rows that only settle (previous step's requests not in this one)
+    clean: bool  # every group's free stack covers its allocations: no credit, slab or eviction
+    totals: tuple[int, int, int, int]  # tokens, pages released, most released in one group, pages allocated
     request_ids: tuple | None = None  # the batch's ids in order, once known
-    alloc_sums: list | None = None  # pages per group the step allocates (alloc_all summed)
-    # Stacked [2G, R] (TableSet.plan): base and hi now, after the step, and their
-    # difference (pages released, pages allocated); base ... alloc_all are views of them.
-    bounds: np.ndarray | None = None
-    after: np.ndarray | None = None
-    moves: np.ndarray | None = None
-    rel_sums: list | None = None  # pages per group the step releases
+    grants: list | None = None  # arena slabs to move before allocating (shared page space)
 
-    @property
-    def new_base(self) -> _ByGroup:
-        return _ByGroup(self.group_index, self.new_base_all)
 
-    @property
-    def alloc(self) -> _ByGroup:
-        return _ByGroup(self.group_index, self.alloc_all)
+@dataclass
+class _StepArrays:
+    """What ``kernels.run_step`` writes for the batch's ``R`` requests and ``N`` tokens."""
 
-    @property
-    def need_hi(self) -> _ByGroup:
-        return _ByGroup(self.group_index, self.need_hi_all)
+    table_rows: np.ndarray  # int32 [R]
+    scheduled: np.ndarray  # int32 [R]
+    positions: np.ndarray  # int64 [N]
+    request_indices: np.ndarray  # int32 [N]
+    query_start_loc: np.ndarray  # int32 [R + 1]
+    base_pages: np.ndarray  # int32 [G, R]
+    widths: np.ndarray  # int64 [G] the widest request's live pages
+    slots: np.ndarray  # int64 [G, N] write slots ([0, 0] when not asked for)
+
+    @staticmethod
+    def empty(n_groups: int, n_requests: int, n_tokens: int, write_slots: bool) -> _StepArrays:
+        return _StepArrays(
+            np.empty(n_requests, dtype=np.int32), np.empty(n_requests, dtype=np.int32),
+            np.empty(n_tokens, dtype=np.int64), np.empty(n_tokens, dtype=np.int32),
+            np.empty(n_requests + 1, dtype=np.int32), np.empty((n_groups, n_requests), dtype=np.int32),
+            np.empty(n_groups, dtype=np.int64),
+            np.empty((n_groups, n_tokens) if write_slots else (0, 0), dtype=np.int64),
+        )
+
+    def arrays(self) -> tuple:
+        """In ``kernels.run_step``'s argument order."""
+        return (self.table_rows, self.scheduled, self.positions, self.request_indices, self.query_start_loc,
+                self.base_pages, self.widths, self.slots)
+
+
+class _Scratch:
+    """``run_step``'s working buffers, kept between steps and grown as steps need."""
+
+    def __init__(self, n_groups: int):
+        self.released = np.empty((2, n_groups), dtype=np.int64)
+        self.pages = np.empty(0, dtype=np.int32)
+        self.idle_keyed = np.empty(0, dtype=np.int64)
+        self.touched = np.empty(0, dtype=np.int64)
+
+    def reserve(self, most_released: int, released_pages: int, allocated_pages: int) -> tuple:
+        """(release scratch, idle keyed pages, released counts, touched cells), large enough."""
+        if most_released > self.pages.size:
+            self.pages = np.empty(2 * most_released, dtype=np.int32)
+        if released_pages > self.idle_keyed.size:
+            self.idle_keyed = np.empty(2 * released_pages, dtype=np.int64)
+        if released_pages + allocated_pages > self.touched.size:
+            self.touched = np.empty(2 * (released_pages + allocated_pages), dtype=np.int64)
+        return self.pages, self.idle_keyed, self.released, self.touched
 
 
 @dataclass
@@ -121,24 +151,6 @@ class _Verdict:
             return None
         reasons = [a.reason for a in self.answers if a is not None] + [self.deny[k] for k in sorted(self.deny)]
         return f"{len(reasons)} of {n_items} requests not admissible: {'; '.join(reasons[:3])}"
-
-
-class _ByGroup(Mapping):
-    """Group id -> row of a stacked ``[G, R]`` plan array (no per-group copies)."""
-
-    __slots__ = ("_index", "_stacked")
-
-    def __init__(self, index: dict[str, int], stacked: np.ndarray):
-        self._index, self._stacked = index, stacked
-
-    def __getitem__(self, gid: str) -> np.ndarray:
-        return self._stacked[self._index[gid]]
-
-    def __iter__(self):
-        return iter(self._index)
-
-    def __len__(self) -> int:
-        return len(self._index)
 
 
 class CacheManager:
@@ -181,32 +193,26 @@ class CacheManager:
             )
             for i, s in enumerate(self.specs)
         }
-        # Every pool's ref counts and flags in one array: a step's releases in all
-        # groups are one vectorized decref.
+        # Every pool's free stack, ref counts and flags live in arrays the step kernels
+        # own (the pools see views): a step is one compiled call for every group.
         self._pool_list = [self.pools[s.group_id] for s in self.specs]
-        self._group_index = {s.group_id: g for g, s in enumerate(self.specs)}  # group id -> index in specs
         self._space = PageSpace(self._pool_list)
         # With a shared arena the pools start empty and borrow slabs as they need pages.
         self.arena = Arena(arena, self.pools) if arena is not None else None
-        # Every group's tables are stacked: a step is a few numpy calls for all groups.
+        # On an arena, prefill pages released again at the next step come last (highest ids).
+        self._transient = np.full(len(self.specs), arena is not None, dtype=np.bool_)
+        self._lowest_pools = [pool for pool in self._pool_list if pool.lowest_first]
+        self._scratch = _Scratch(len(self.specs))
         self._tableset = TableSet(
-            self.specs, max_context_tokens=self.max_context_tokens, max_step_tokens=self.max_step_tokens
+            self.specs, max_context_tokens=self.max_context_tokens, max_step_tokens=self.max_step_tokens,
+            id_offsets=self._space.offsets.tolist(),
         )
+        self._capture_widths = None if self.table_widths is None else tuple(
+            self.table_widths[s.group_id] for s in self.specs)
         self.tables = {s.group_id: t for s, t in zip(self.specs, self._tableset.tables)}
         self._group_ids = ids
-        self._version = 0  # bumped by every mutation; keys the admission cache
-        self._admitted: tuple | None = None  # (version, items, fixed_width, _Verdict) of the last check
-        self._requests: dict[str, _Request] = {}
-        self._row_of: dict[str, int] = {}  # request id -> table row (batch validation reads only this)
-        self._last_rows = np.zeros(0, dtype=np.int64)  # rows scheduled in the previous step
         self._group_sliding = tuple((s.group_id, s.is_sliding) for s in self.specs)
-        self._row_owner: dict[int, _Request] = {}
-        self._free_rows: list[int] = []
-        self._next_row = 0
-        self._computed = np.zeros(64, dtype=np.int64)
-        self._committed = np.zeros(64, dtype=np.int64)
-        self._max_total = np.zeros(64, dtype=np.int64)
-        self._known = np.zeros(64, dtype=np.int64)  # known token ids (max total without ids)
+        self._init_registry()
         self.prefix: PrefixCache | None = None
         if enable_prefix_caching:
             self.prefix = PrefixCache(
@@ -221,6 +227,22 @@ class CacheManager:
         self.tier_link = tier_link
         if tier_link is not None:
             tier_link.attach(self)
+
+    def _init_registry(self) -> None:
+        """No requests yet: the id -> record maps, free table rows, per-row counters."""
+        self._version = 0  # bumped by every mutation; keys the admission cache
+        self._admitted: tuple | None = None  # (version, items, fixed_width, _Verdict) of the last check
+        self._requests: dict[str, _Request] = {}
+        self._row_of: dict[str, int] = {}  # request id -> table row (batch validation reads only this)
+        self._last_rows = np.zeros(0, dtype=np.int64)  # rows scheduled in the previous step
+        self._row_owner: dict[int, _Request] = {}
+        self._free_rows: list[int] = []
+        self._next_row = 0
+        self._computed = np.zeros(64, dtype=np.int64)
+        self._committed = np.zeros(64, dtype=np.int64)
+        self._max_total = np.zeros(64, dtype=np.int64)
+        self._known = np.zeros(64, dtype=np.int64)  # known token ids (max total without ids)
+        self._in_batch = np.zeros(64, dtype=np.bool_)  # prepare_step's scratch, one flag per row
 
     @classmethod
     def from_plan(
@@ -459,36 +481,40 @@ class CacheManager:
             raise CacheManagerError(
                 "fixed_width needs capture widths: build the manager with table_widths (from_plan does)"
             )
-        answers, ok_idx, rows, counts, request_ids, first, end = self._validate(items, fixed_width, uniform)
+        answers, ok_idx, rows, counts, request_ids = self._validate(items, fixed_width, uniform)
         if not ok_idx:
             return _Verdict(answers, ok_idx, np.zeros(0, dtype=bool), {}, None)
-        plan = self._plan_with_settling(rows, counts, first, end)
+        plan = self._plan(rows, counts)
         plan.request_ids = request_ids
         fits = np.ones(plan.rows.size, dtype=bool)
         deny: dict[int, str] = {}
+        if plan.clean and not fixed_width:
+            plan.grants = []  # clean free pages cover every allocation (most decode steps)
+            return _Verdict(answers, ok_idx, fits, deny, plan)
         if fixed_width:
             self._deny_past_capture_width(plan, fits, deny)
-        covered = None if deny else self._coverage(plan.alloc_sums)
+        sums = plan.sums[1].tolist()
+        covered = None if deny else self._coverage(sums)
         if covered is not None:
             # No credit needed. On an arena with spare slabs, a group that would have to
             # evict valuable cached pages grows instead: they go only when memory is short.
             grow = covered is False and self.arena is not None
-            plan.grants = self._grow_instead_of_evicting(plan.alloc_sums, plan=plan) if grow else []
+            plan.grants = self._grow_instead_of_evicting(sums, plan=plan) if grow else []
         else:
             self._fit_with_credit(plan, fits, deny)
         off = plan.settle
         return _Verdict(answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items()}, plan)
 
     def _validate(self, items, fixed_width, uniform):
-        """(answers, valid indices, rows, counts, request ids, first, end) of the valid
-        items: vectorized when all are valid, else item by item with a reason each
-        (then request ids, first and end are None)."""
+        """(answers, valid indices, rows, counts, request ids) of the valid items:
+        vectorized when all are valid, else item by item with a reason each (then
+        request ids are None)."""
         fast = self._fast_validate(items) if uniform is None else self._fast_validate_uniform(*uniform)
         if fast is not None and self.pending_loads and not self.pending_loads.isdisjoint(fast[2]):
             fast = None  # the per-item path words the reason
         if fast is not None:
-            rows, counts, request_ids, first, end = fast
-            return [None] * rows.size, range(rows.size), rows, counts, request_ids, first, end
+            rows, counts, request_ids = fast
+            return [None] * rows.size, range(rows.size), rows, counts, request_ids
         if uniform is not None:
             items = [(rid, uniform[1]) for rid in uniform[0]]  # the per-item path words the reasons
         answers: list[Admission | None] = [None] * len(items)
@@ -503,24 +529,20 @@ class CacheManager:
             row_list.append(self._requests[item[0]].row)
             count_list.append(int(item[1]))
         rows = np.asarray(row_list, dtype=np.int64)
-        return answers, ok_idx, rows, np.asarray(count_list, dtype=np.int64), None, None, None
+        return answers, ok_idx, rows, np.asarray(count_list, dtype=np.int64), None
 
-    def _plan_with_settling(self, rows, counts, first, end) -> _StepPlan:
-        """The step's plan. Requests of the previous step that are not in this one settle
-        now: their tokens commit and their slid-out pages go back (zero new tokens each).
-        They come first so their release counts as credit for everyone."""
-        settle = self._settling_rows(rows)
-        if not settle.size:
-            return self._plan(rows, counts, first, end)
-        plan = self._plan(np.concatenate([settle, rows]), np.concatenate([np.zeros_like(settle), counts]))
-        plan.settle = settle.size
-        return plan
+    def _by_group(self, stacked: np.ndarray) -> dict[str, np.ndarray]:
+        """Group id -> row ``g`` of a ``[G, R]`` plan array (views)."""
+        return dict(zip(self._group_ids, stacked))
+
+    def _allocations(self, plan: _StepPlan) -> dict[str, np.ndarray]:
+        """Group id -> pages each plan row allocates."""
+        return self._by_group(plan.after[1] - self._tableset.bounds[1][:, plan.rows])
 
     def _deny_past_capture_width(self, plan: _StepPlan, fits: np.ndarray, deny: dict[int, str]) -> None:
         """Deny every request whose table in some group would be wider than its capture width."""
-        for s in self.specs:
-            gid = s.group_id
-            width = plan.need_hi[gid] - plan.new_base[gid]
+        for g, gid in enumerate(self._group_ids):
+            width = plan.need[g] - plan.after[0, g]
             over = width > self.table_widths[gid]
             over[: plan.settle] = False
             for k in np.flatnonzero(over & fits).tolist():
@@ -551,21 +573,21 @@ class CacheManager:
         not fit, admit greedily in batch order. Sets ``plan.grants``."""
         avail = {gid: pool.num_free_pages for gid, pool in zip(self._group_ids, self._pool_list)}
         arena, scan = self.arena, IdleScan()
+        alloc, new_base = self._allocations(plan), self._by_group(plan.after[0])
 
         # Releases all happen before allocations, so only the admitted totals matter.
         def totals_fit(need: dict[str, np.ndarray]) -> bool:
             plan.grants = _grants_to_fit(arena, {g: int(need[g][fits].sum()) for g in avail}, avail, scan)
             return plan.grants is not None
 
-        need = plan.alloc
+        need = alloc
         if not totals_fit(need):
             # The step's releases run before slabs move, so a donor slab whose pages are
             # all idle once they are released can be lent too.
             scan = IdleScan(releasing={})
-            need = {g: plan.alloc[g] - self._release_credit(g, plan.rows, plan.new_base[g], scan.releasing)
-                    for g in avail}
+            need = {g: alloc[g] - self._release_credit(g, plan.rows, new_base[g], scan.releasing) for g in avail}
             if not totals_fit(need):
-                self._deny_greedily(plan, need, avail, fits, deny, arena, scan)
+                self._deny_greedily(alloc, need, avail, fits, deny, arena, scan, plan)
                 return
         if arena is not None:
             # As when no credit is needed: a group that would evict cached pages grows instead.
@@ -595,10 +617,11 @@ class CacheManager:
         if not short:
             return []
         scan = IdleScan(releasing={} if plan is not None else None, clean=True)
+        new_base = self._by_group(plan.after[0]) if plan is not None else {}
         spare = {}
         for gid, pool, left in donors:
             if plan is not None and self.tables[gid].sliding:
-                self._release_credit(gid, plan.rows, plan.new_base[gid], scan.releasing)
+                self._release_credit(gid, plan.rows, new_base[gid], scan.releasing)
                 freed = scan.releasing.get(gid)
                 if freed is not None:
                     freed = scan.releasing[gid] = freed[~pool.cached[freed]]  # keyed ones stay cached
@@ -607,7 +630,7 @@ class CacheManager:
         return arena.plan(short, spare, scan, partial=True, owner=own)
 
     @staticmethod
-    def _deny_greedily(plan, net, avail, fits, deny, arena=None, scan=None) -> None:
+    def _deny_greedily(alloc, net, avail, fits, deny, arena, scan, plan) -> None:
         """In batch order, admit a request only if everything admitted so far still fits."""
         used = {g: 0 for g in avail}
         plan.grants = []
@@ -620,8 +643,8 @@ class CacheManager:
                 g = next(g for g in avail if want[g] > avail[g])
                 fits[k] = False
                 deny[k] = (
-                    f"group {g!r} needs {int(plan.alloc[g][k])} new pages "
-                    f"(after {int(plan.alloc[g][k] - net[g][k])} released), "
+                    f"group {g!r} needs {int(alloc[g][k])} new pages "
+                    f"(after {int(alloc[g][k] - net[g][k])} released), "
                     f"{max(avail[g] - used[g], 0)} free or evictable"
                     + ("" if arena is None else ", and no slab of the shared arena can be lent")
                 )
@@ -629,10 +652,9 @@ class CacheManager:
                 used = want
                 plan.grants = grants
 
-    def _fast_validate(self, items) -> tuple[np.ndarray, np.ndarray, tuple, np.ndarray, np.ndarray] | None:
-        """Rows, counts, request ids, computed tokens and computed tokens after the step
-        when every item is valid (vectorized); None sends the batch down the per-item
-        path that words each reason."""
+    def _fast_validate(self, items) -> tuple[np.ndarray, np.ndarray, tuple] | None:
+        """Rows, counts and request ids when every item is valid (vectorized); None
+        sends the batch down the per-item path that words each reason."""
         try:
             rids, counts = zip(*items)
         except (TypeError, ValueError):
@@ -654,27 +676,23 @@ class CacheManager:
             counts = np.array(counts, dtype=np.int64)
             if counts.min() < 1 or counts.max() > self.max_step_tokens:
                 return None
-        # Known ids never exceed the declared total (add/append check it), so this
-        # one comparison covers both limits; the per-item path words which one.
-        first = self._computed.take(rows)
-        end = first + counts
-        if (end > self._known.take(rows)).any():
-            return None
-        return rows, counts, rids, first, end
+        return (rows, counts, rids) if self._within_known(rows, counts) else None
 
-    def _fast_validate_uniform(self, rids: tuple, count) -> tuple[np.ndarray, np.ndarray, tuple, np.ndarray,
-                                                                   np.ndarray] | None:
+    def _fast_validate_uniform(self, rids: tuple, count) -> tuple[np.ndarray, np.ndarray, tuple] | None:
         """``_fast_validate`` of ``(rid, count)`` for every id: one scalar count check."""
         if type(count) is not int or not 1 <= count <= self.max_step_tokens:
             return None  # the per-item path words it (numpy ints included)
         rows = self._rows_of(rids)
         if rows is None:
             return None
-        first = self._computed.take(rows)
-        end = first + count
-        if (end > self._known.take(rows)).any():
-            return None
-        return rows, np.full(rows.size, count, dtype=np.int64), rids, first, end
+        counts = np.full(rows.size, count, dtype=np.int64)
+        return (rows, counts, rids) if self._within_known(rows, counts) else None
+
+    def _within_known(self, rows: np.ndarray, counts: np.ndarray) -> bool:
+        """Every row's computed tokens plus its count stay within its known tokens. Known
+        ids never exceed the declared total (add/append check it), so this one test
+        covers both limits; the per-item path words which one."""
+        return kernels.within_known(self._computed, self._known, rows, counts)
 
     def _rows_of(self, rids: tuple) -> np.ndarray | None:
         """Table rows of distinct known request ids; None if an id is unknown,
@@ -685,22 +703,7 @@ class CacheManager:
         except (KeyError, TypeError):
             return None
         rows = np.array(found, dtype=np.int64)
-        if len(set(rids)) != len(rids):
-            return None
-        return rows
-
-    def _settling_rows(self, batch_rows: np.ndarray) -> np.ndarray:
-        prev = self._last_rows
-        if prev.size == 0:
-            return prev
-        if prev.size == batch_rows.size and np.array_equal(prev, batch_rows):
-            return prev[:0]
-        prev = prev[self._committed[prev] < self._computed[prev]]
-        if prev.size == 0:
-            return prev
-        in_batch = np.zeros(self._computed.size, dtype=bool)
-        in_batch[batch_rows] = True
-        return prev[~in_batch[prev]]
+        return rows if kernels.distinct_rows(rows, self._in_batch) else None
 
     def _item_error(self, item, seen: set[str], fixed_width: bool) -> str:
         try:
@@ -714,7 +717,6 @@ class CacheManager:
         seen.add(rid)
         if rid in self.pending_loads:
             return f"request {rid!r} waits for its tier load: run TierLink.take_loads() and confirm_load()"
-
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
             return f"request {rid!r}: token count must be an int, got {n!r}"
         n = int(n)
@@ -736,21 +738,25 @@ class CacheManager:
             )
         return ""
 
-    def _plan(self, rows: np.ndarray, counts: np.ndarray, first: np.ndarray | None = None,
-              end: np.ndarray | None = None) -> _StepPlan:
-        """The step's arrays; ``first`` (computed tokens of ``rows``) and ``end``
-        (``first + counts``) if the caller has them."""
-        if first is None:
-            first = self._computed.take(rows)
-        if end is None:
-            end = first + counts
-        bounds, after, moves, need_hi, sums = self._tableset.plan(rows, first, counts)
-        g = len(self.specs)
-        released, allocated = sums.tolist()
-        return _StepPlan(rows, counts, first, end, self._group_index, base=bounds[:g], hi=bounds[g:],
-                         new_base_all=after[:g], alloc_all=moves[g:], need_hi_all=need_hi,
-                         bounds=bounds, after=after,
-                         moves=moves, rel_sums=released, alloc_sums=allocated)
+    def _plan(self, rows_in: np.ndarray, counts_in: np.ndarray) -> _StepPlan:
+        """The step of ``rows_in`` writing ``counts_in`` tokens each, planned by
+        ``kernels.prepare_step`` (pure): the previous step's rows not in this one settle
+        first (their tokens commit, their slid-out pages go back), so their release
+        counts as credit for everyone."""
+        n_rows, n_groups = rows_in.size + self._last_rows.size, len(self.specs)
+        rows, counts, first = (np.empty(n_rows, dtype=np.int64) for _ in range(3))
+        after = np.empty((2, n_groups, n_rows), dtype=np.int64)
+        need = np.empty((n_groups, n_rows), dtype=np.int64)
+        sums = np.empty((2, n_groups), dtype=np.int64)
+        crossing = np.empty(n_rows, dtype=np.int64)
+        totals = np.empty(4, dtype=np.int64)
+        ts = self._tableset
+        grain = self.prefix.granularity_tokens if self.prefix is not None else 0
+        n, settle, n_crossing, clean = kernels.prepare_step(
+            ts.geometry, ts.bounds, self._computed, self._committed, self._last_rows, rows_in, counts_in, grain,
+            self._space.tops, self._in_batch, rows, counts, first, after, need, sums, crossing, totals)
+        return _StepPlan(rows[:n], counts[:n], first[:n], after[:, :, :n], need[:, :n], sums,
+                         crossing[:n_crossing], settle, clean, tuple(totals.tolist()))
 
     def _release_credit(
         self, gid: str, rows: np.ndarray, new_base: np.ndarray, releasing: dict | None = None
@@ -815,12 +821,17 @@ class CacheManager:
         if plan.request_ids is None:
             plan.request_ids = uniform[0] if items is None else tuple(map(itemgetter(0), items))
         self._version += 1
-        self._commit_crossings(plan)
-        self._release(plan, block_tables == "updates")
-        self._allocate(plan)
-        self._computed[plan.rows] = plan.end
+        if self.prefix is not None:
+            for row in plan.crossing.tolist():  # publish what the rows' previous steps completed
+                self._commit_row(row)
+        updates = block_tables == "updates"
+        if updates:
+            self._tableset.start_log()  # after full-mode steps (or at first) the batch is a resync
+        else:
+            self._tableset.stop_log()
+        arrays = self._run(plan, write_slots)
         self._last_rows = plan.rows[plan.settle :] if plan.settle else plan.rows
-        return self._build_batch(plan, fixed_width, block_tables == "updates", write_slots)
+        return self._build_batch(plan, arrays, fixed_width, updates)
 
     def _verdict_for(self, items, uniform, fixed_width: bool) -> _Verdict:
         """The admission of this step: the last ``check_admission``'s when it checked the
@@ -833,108 +844,72 @@ class CacheManager:
             verdict = self._admit(items, fixed_width, uniform)
         return verdict
 
-    def _commit_crossings(self, plan: _StepPlan) -> None:
-        """Commit the tokens of the rows' previous steps; with prefix caching, publish
-        what the rows that crossed a grain boundary completed."""
-        rows = plan.rows
-        if self.prefix is not None:
-            grain = self.prefix.granularity_tokens
-            committed = self._committed.take(rows)
-            for row in rows[committed // grain < plan.first // grain].tolist():
-                self._commit_row(row)
-        self._committed[rows] = plan.first
+    def _run(self, plan: _StepPlan, write_slots: bool) -> _StepArrays:
+        """Release, allocate and the batch's arrays in one compiled call
+        (``kernels.run_step``). Python steps in between only when the kernel stops after
+        the releases: to lend the arena's slabs admission planned, and to make room
+        (``PagePool.make_room``: evict) in the groups that need it."""
+        n_tokens, released_pages, most_released, allocated_pages = plan.totals
+        out = _StepArrays.empty(len(self.specs), plan.rows.size - plan.settle, n_tokens, write_slots)
+        scratch, idle_keyed, released, touched = self._scratch.reserve(most_released, released_pages,
+                                                                        allocated_pages)
+        space, ts = self._space, self._tableset
+        state = (ts.geometry, ts.pages, ts.bounds, self._computed)
+        step = (plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums)
+        status, n_touched, n_keyed = kernels.run_step(
+            *state, self._committed, space.ref_counts, space.cached, space.stack, space.tops, space.lowest_first,
+            space.low_idle, self._transient, *step, bool(plan.grants), self._packing(), scratch, idle_keyed,
+            released, touched, *out.arrays())
+        if released_pages:
+            space.released(released, idle_keyed)
+        allocated = plan.sums[1].tolist() if allocated_pages else ()
+        if status != kernels.STEP_DONE:
+            if plan.grants:
+                self.arena.apply(plan.grants)
+            for pool, n in zip(self._pool_list, allocated):
+                if n:
+                    pool.make_room(n)
+            n_touched = kernels.finish_step(*state, space.ref_counts, space.stack, space.tops, space.lowest_first,
+                                            self._transient, *step, touched, n_touched, *out.arrays())
+        for pool, n in zip(self._pool_list, allocated):
+            if n:
+                pool.note_allocated(n)
+        if ts.log is not None and n_touched:
+            ts.note_cells(touched[:n_touched].copy())
+        return out
 
-    def _release(self, plan: _StepPlan, updates: bool) -> None:
-        """Every sliding group's pages below the rows' new base go back (one decref for all
-        groups); then the arena's slabs move as admission planned. ``updates``: the
-        table store logs the cells this step changes."""
-        ts = self._tableset
-        if updates:
-            ts.start_log()  # after full-mode steps (or at first) the batch is a resync
-        else:
-            ts.stop_log()
-        released = plan.rel_sums
-        if sum(released):
-            g = len(self.specs)
-            pages = self._tableset.take_flat(plan.rows, plan.base, counts=plan.moves[:g], total=sum(released))
-            self._space.release(pages, released)
-        if plan.grants:
-            self.arena.apply(plan.grants)
+    def _packing(self) -> bool:
+        """Whether some lowest-first pool now reuses idle low-priority pages in id order
+        before taking free ones (its ``pack_low_priority``; an arena says so once no
+        slab is spare)."""
+        return any(pool.pack_low_priority() for pool in self._lowest_pools)
 
-    def _allocate(self, plan: _StepPlan) -> None:
-        """The pages from each row's hi to its new hi, one pool call per group, placed in the
-        tables; then the rows' bounds move to the plan's.
-
-        With a shared arena, in a sliding group whose rows get several pages this step
-        (prefill chunks), the pages the next step releases (below the window of the
-        chunk's end: transient) take the group's highest free ids and the survivors its
-        lowest, so long-lived pages pack at the bottom and the released ones leave
-        whole slabs idle at the top for other groups (``kernels.transient_ranks``)."""
-        self._tableset.set_bounds(plan.rows, plan.after)
-        totals = plan.alloc_sums
-        if not any(totals):
-            return
-        g = len(self.specs)
-        ranks = highest = None
-        if self.arena is not None and int(plan.counts.max()) > 1:
-            ranks = np.empty(sum(totals), dtype=np.int64)
-            highest = np.zeros(g, dtype=np.int64)
-            kernels.transient_ranks(self._tableset.geometry, plan.hi, plan.alloc_all, plan.end,
-                                    np.asarray(totals, dtype=np.int64), ranks, highest)
-            highest = highest.tolist()
-        fresh, start = [], 0
-        for k, (pool, n) in enumerate(zip(self._pool_list, totals)):
-            if not n:
-                continue
-            t = 0 if highest is None else highest[k]
-            if t:
-                # n - t lowest, then t highest, ascending; then each page its rank's id.
-                fresh.append(pool.allocate(n, highest=t)[ranks[start : start + n]])
-            else:
-                fresh.append(pool.allocate(n))
-            start += n
-        self._tableset.place(plan.rows, plan.hi, plan.alloc_all, np.concatenate(fresh))
-
-    def _build_batch(self, plan: _StepPlan, fixed_width: bool, updates: bool,
-                     write_slots: bool = True) -> StepBatch:
-        """The step's arrays: block tables, or with ``updates`` the table cells changed."""
-        off, g = plan.settle, len(self.specs)
-        n_req, n_tokens = plan.rows.size - off, int(plan.counts.sum())  # settling rows schedule 0
-        table_rows, scheduled = np.empty(n_req, dtype=np.int32), np.empty(n_req, dtype=np.int32)
-        positions = np.empty(n_tokens, dtype=np.int64)
-        req_idx = np.empty(n_tokens, dtype=np.int32)
-        qsl = np.empty(n_req + 1, dtype=np.int32)
-        base_pages = np.empty((g, n_req), dtype=np.int32)
-        live = np.empty(g, dtype=np.int64)
-        kernels.batch_arrays(plan.rows, plan.first, plan.counts, plan.after, off, table_rows, scheduled, positions,
-                             req_idx, qsl, base_pages, live)
-        rows = plan.rows[off:]
-        ts = self._tableset
-        slots = ts.write_slots(rows, positions, req_idx) if write_slots else [None] * g
-        if fixed_width:
-            widths = tuple(self.table_widths[s.group_id] for s in self.specs)
-        else:
-            widths = tuple(live.tolist())
-        table_updates = None
+    def _build_batch(self, plan: _StepPlan, out: _StepArrays, fixed_width: bool, updates: bool) -> StepBatch:
+        """The step's ``StepBatch``: block tables, or with ``updates`` the table cells changed."""
+        widths = self._capture_widths if fixed_width else tuple(out.widths.tolist())
+        ts, table_updates = self._tableset, None
         if not updates:
+            rows = plan.rows[plan.settle :]
             tables = [ts.block_table(k, rows, width) for k, width in enumerate(widths)]
         else:
-            tables = [None] * g
+            tables = [None] * len(widths)
             group, row, column, page, reset = ts.drain_updates()
             table_updates = TableUpdates(group=group, row=row, column=column, page=page, widths=widths,
                                          reset=reset)
+        slots = out.slots if out.slots.shape[0] else [None] * len(widths)
         groups = {
-            gid: GroupStep(block_table=tables[k], base_pages=base_pages[k] if sliding else None, write_slots=slots[k])
+            gid: GroupStep(block_table=tables[k], base_pages=out.base_pages[k] if sliding else None,
+                           write_slots=slots[k])
             for k, (gid, sliding) in enumerate(self._group_sliding)
         }
         return StepBatch(
             request_ids=plan.request_ids,
-            num_scheduled_tokens=scheduled,
-            query_start_loc=qsl,
-            positions=positions,
-            request_indices=req_idx,
+            num_scheduled_tokens=out.scheduled,
+            query_start_loc=out.query_start_loc,
+            positions=out.positions,
+            request_indices=out.request_indices,
             groups=groups,
-            table_rows=table_rows,
+            table_rows=out.table_rows,
             table_updates=table_updates,
         )
 
@@ -1096,6 +1071,7 @@ class CacheManager:
             self._committed = np.concatenate([self._committed, grow])
             self._max_total = np.concatenate([self._max_total, grow])
             self._known = np.concatenate([self._known, grow])
+            self._in_batch = np.zeros(self._computed.size, dtype=np.bool_)
         self._tableset.ensure_rows(row + 1)
         return row
 

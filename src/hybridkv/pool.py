@@ -29,7 +29,6 @@ import numpy as np
 from hybridkv.runtime import kernels
 
 NULL_PAGE = 0
-_SMALL_PENDING = 256  # pending releases an allocation sorts in place of a full merge
 _LOW_EVICT_PAGES = 16  # idle low-priority pages an eviction frees beyond the allocation's need
 
 
@@ -72,10 +71,13 @@ class PagePool:
         # Lowest free id first (the stack kept sorted, top = lowest): live pages pack
         # into few arena slabs, so whole slabs fall free for other groups.
         self.lowest_first = bool(lowest_first) and self._rng is None
+        # The free stack is ``_stack[:_top]``, the next id handed out last; ``_top`` and
+        # the idle low-priority count live in one-element arrays so that a ``PageSpace``
+        # can rebind them to its per-group arrays, which the step kernels own.
         self._stack = np.empty(self.num_pages, dtype=np.int32)
-        self._top = 0
-        self._pending: list[np.ndarray] = []  # lowest-first only: released, not yet merged
-        self._pending_pages = 0
+        self._tops = np.zeros(1, dtype=np.int64)
+        self._lows = np.zeros(1, dtype=np.int64)
+        self._slot = 0
         self._granted_pages = 0
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.cached = np.zeros(self.num_pages, dtype=bool)
@@ -84,7 +86,6 @@ class PagePool:
         # Lowest-first pools: idle low-priority page ids (a min-heap, stale ids skipped),
         # reused in id order like free pages so they do not push live pages up.
         self._low_idle: list[int] = []
-        self._low_idle_pages = 0  # exact count of idle low-priority pages
         # Set by an arena: reuse low-priority pages in id order only while it returns
         # True (no spare slab), so they are kept as long as memory is not tight.
         self.pack_low_priority: Callable[[], bool] = lambda: True
@@ -98,6 +99,23 @@ class PagePool:
 
     # --- counts ---------------------------------------------------------
     @property
+    def _top(self) -> int:
+        return int(self._tops[self._slot])
+
+    @_top.setter
+    def _top(self, value: int) -> None:
+        self._tops[self._slot] = value
+
+    @property
+    def _low_idle_pages(self) -> int:
+        """Exact count of idle low-priority pages."""
+        return int(self._lows[self._slot])
+
+    @_low_idle_pages.setter
+    def _low_idle_pages(self, value: int) -> None:
+        self._lows[self._slot] = value
+
+    @property
     def usable_pages(self) -> int:
         """Pages granted to this pool (all but the null page unless an arena manages it)."""
         return self._granted_pages
@@ -105,11 +123,11 @@ class PagePool:
     @property
     def num_free_pages(self) -> int:
         """Pages an allocation can get now: free plus cached-evictable."""
-        return self._top + self._pending_pages + len(self._evictable)
+        return self._top + len(self._evictable)
 
     @property
     def num_clean_free_pages(self) -> int:
-        return self._top + self._pending_pages
+        return self._top
 
     @property
     def num_evictable_pages(self) -> int:
@@ -153,16 +171,10 @@ class PagePool:
             raise PoolExhausted(
                 f"group {self.group_id!r}: need {count} pages, {self.num_free_pages} free or evictable"
             )
-        # Released pages are always reusable at once (deferring them cost 1-2 requests
-        # of 128k in 40 GiB: late reuse pinned arena slabs), so every allocation
-        # takes the lowest ids of stack and pending together.
-        if self._low_idle and self.pack_low_priority():
-            if self._pending:
-                self._merge_pending()
-            self._evict_low_below(count)
-        if self._top + self._pending_pages < count:
-            self._evict_lru(count - self._top - self._pending_pages)
-        out = self._take_lowest(count - highest, sort_pending=not highest)
+        self.make_room(count)
+        low = count - highest
+        out = self._stack[self._top - low : self._top][::-1].copy()
+        self._top -= low
         if highest:
             # The stack is sorted with the lowest id on top: the highest are at its bottom.
             out = np.concatenate([out, self._stack[:highest][::-1]])
@@ -170,27 +182,23 @@ class PagePool:
             self._top -= highest
         if set_refs:
             self.ref_counts[out] = 1
-        self._count_allocated(count)
+        self.note_allocated(count)
         return out
 
-    def _take_lowest(self, low: int, sort_pending: bool) -> np.ndarray:
-        """The ``low`` lowest free ids (stack and pending releases), ascending, taken."""
-        if self._pending and sort_pending and self._pending_pages <= _SMALL_PENDING:
-            # Few pending pages (a decode step): the lowest ``low`` of the union are among
-            # the stack's ``low`` lowest (all of it if shorter) and the pending ones.
-            pending = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
-            out, self._top, rest = kernels.take_lowest(self._stack, self._top, pending, low)
-            self._pending, self._pending_pages = ([rest], rest.size) if rest.size else ([], 0)
-            return out
-        if self._pending:
-            self._merge_pending()
-        out = self._stack[self._top - low : self._top][::-1].copy()
-        self._top -= low
-        return out
+    def make_room(self, count: int) -> None:
+        """Evict cached entries so that the free stack's top ``count`` ids are the ones
+        an allocation of ``count`` pages takes: idle low-priority entries below them
+        (lowest-first pools packing, see ``pack_low_priority``), then least recently
+        used entries while the stack is short. The one place allocation evicts."""
+        if self._low_idle and self.pack_low_priority():
+            self._evict_low_below(count)
+        if self._top < count:
+            self._evict_lru(count - self._top)
 
-    def _count_allocated(self, count: int) -> None:
+    def note_allocated(self, count: int) -> None:
+        """Count ``count`` pages just taken off the free stack (here or by a step kernel)."""
         self.counters.allocated_pages += count
-        used = self._granted_pages - self._top - self._pending_pages - len(self._evictable)  # num_used_pages
+        used = self._granted_pages - self._top - len(self._evictable)  # num_used_pages
         if used > self.peak_used_pages:
             self.peak_used_pages = used
 
@@ -209,8 +217,6 @@ class PagePool:
                 break
             heapq.heappop(heap)
             freed += self._evict_entry(self._page_key[page])
-            if self._pending:
-                self._merge_pending()
 
     def incref(self, pages: np.ndarray | Sequence[int]) -> None:
         """Take one more reference on held or cached pages (a prefix hit borrowing them)."""
@@ -288,19 +294,12 @@ class PagePool:
     def _push_free(self, pages: np.ndarray) -> None:
         n = pages.size
         if n and self.lowest_first:
-            # Merged into the sorted stack at the next allocation (one merge, not one per release).
-            self._pending.append(pages if pages.dtype == np.int32 else pages.astype(np.int32))
-            self._pending_pages += n
+            # Merged into the sorted stack (top = lowest id): one linear merge, in place.
+            self._top = int(kernels.merge_free(self._stack, self._top, np.sort(pages.astype(np.int32))))
         elif n:
             # Push in reverse so the first listed page is on top (reused first).
             self._stack[self._top : self._top + n] = pages[::-1]
             self._top += n
-
-    def _merge_pending(self) -> None:
-        """Sorted stack (top = lowest id) plus pending releases, as one sorted stack."""
-        run = np.sort(np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0])
-        self._top = int(kernels.merge_free(self._stack, self._top, run))  # one linear merge, in place
-        self._pending, self._pending_pages = [], 0
 
     # --- grants (shared arena) ---------------------------------------------
     def grant(self, pages: np.ndarray) -> None:
@@ -317,8 +316,6 @@ class PagePool:
 
     def free_page_ids(self) -> np.ndarray:
         """Ids on the free stack (a view; do not keep across calls)."""
-        if self._pending:
-            self._merge_pending()
         return self._stack[: self._top]
 
     def evictable_page_ids(self) -> np.ndarray:
@@ -330,8 +327,6 @@ class PagePool:
         pages = np.unique(np.asarray(pages, dtype=np.int64))
         if pages.size == 0:
             return
-        if self._pending:
-            self._merge_pending()
         gone = np.zeros(self.num_pages, dtype=bool)
         gone[pages] = True
         evictable = pages[self.cached[pages]]
@@ -344,8 +339,6 @@ class PagePool:
             key = self._page_key.get(page)
             if key is not None:
                 self._evict_entry(key)
-        if self._pending:
-            self._merge_pending()
         free = self._stack[: self._top]
         keep = free[~gone[free]]
         self._stack[: keep.size] = keep
@@ -472,8 +465,6 @@ class PagePool:
     # --- checks -----------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise AssertionError if free/held/evictable states overlap or pages leak."""
-        if self._pending:
-            self._merge_pending()
         free = self._stack[: self._top]
         assert np.unique(free).size == free.size, "page on the free stack twice"
         assert not np.any(free == NULL_PAGE), "null page on the free stack"
@@ -491,23 +482,30 @@ class PagePool:
 
 
 class PageSpace:
-    """The ref counts and key flags of several pools as views of one array each, so
-    one step's releases in every group (``release``) are one compiled pass: exactly
-    ``decref`` of each group's pages in pool order. (Allocations stay per pool.)"""
+    """Every pool's pages in arrays the step kernels own: ref counts, key flags, free
+    stacks (group ``g``'s ids at ``stack[offsets[g] : offsets[g] + tops[g]]``), idle
+    low-priority counts and whether a pool hands out its lowest ids first. Each pool
+    is rebound to views of them, so pool methods and kernels see the same state.
+    ``release`` is exactly ``decref`` of each group's pages in pool order, in one
+    compiled pass."""
 
     def __init__(self, pools: Sequence[PagePool]):
         self.pools = list(pools)
         sizes = [p.num_pages for p in self.pools]
         if sum(sizes) >= 2**31:
             raise ValueError("a page space holds fewer than 2**31 pages")
-        self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int32)
-        self._offsets64 = self.offsets.astype(np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         starts = self.offsets.tolist()
-        for name in ("ref_counts", "cached", "low_priority"):
+        for name in ("ref_counts", "cached", "low_priority", "_stack"):
             whole = np.concatenate([getattr(p, name) for p in self.pools])
-            setattr(self, name, whole)
+            setattr(self, name.lstrip("_"), whole)
             for pool, start, n in zip(self.pools, starts, sizes):
                 setattr(pool, name, whole[start : start + n])
+        self.tops = np.asarray([p._top for p in self.pools], dtype=np.int64)
+        self.low_idle = np.asarray([p._low_idle_pages for p in self.pools], dtype=np.int64)
+        self.lowest_first = np.asarray([p.lowest_first for p in self.pools], dtype=np.bool_)
+        for g, pool in enumerate(self.pools):
+            pool._tops, pool._lows, pool._slot = self.tops, self.low_idle, g
 
     def release(self, pages: np.ndarray, per_group: Sequence[int]) -> None:
         """``pools[g].decref`` of each group's slice of ``pages`` (local ids, group-major,
@@ -515,15 +513,23 @@ class PageSpace:
         freed = np.empty(pages.size, dtype=np.int64)
         keyed = np.empty(pages.size, dtype=np.int64)
         counts = np.zeros((2, len(self.pools)), dtype=np.int64)
-        kernels.drop_holds(self.ref_counts, self.cached, self._offsets64, np.asarray(per_group, dtype=np.int64),
+        kernels.drop_holds(self.ref_counts, self.cached, self.offsets, np.asarray(per_group, dtype=np.int64),
                            pages, freed, keyed, counts)
-        n_freed = n_keyed = 0
+        n_freed = 0
+        for pool, f in zip(self.pools, counts[0].tolist()):
+            if f:
+                pool._push_free(freed[n_freed : n_freed + f])
+                n_freed += f
+        self.released(counts, keyed)
+
+    def released(self, counts: np.ndarray, keyed: np.ndarray) -> None:
+        """Book pages a release took from requests: ``counts[0, g]`` went free (already
+        on the stacks), ``counts[1, g]`` keyed ones went idle (``keyed``, local ids, group
+        after group), which join their pool's LRU."""
+        n_keyed = 0
         for pool, f, k in zip(self.pools, *counts.tolist()):
             if f + k:
                 pool.counters.released_pages += f + k
             if k:
                 pool._keyed_idle(keyed[n_keyed : n_keyed + k].tolist())
                 n_keyed += k
-            if f:
-                pool._push_free(freed[n_freed : n_freed + f])
-                n_freed += f

@@ -1,12 +1,12 @@
-"""Per-request page tables of one cache group, stored as one array per group.
+"""Per-request page tables of every cache group, in one store the step kernels own.
 
-Each request owns a row of ``pages``. Full-history groups store logical page
+Each request owns a row of the store. Full-history groups store logical page
 ``L`` (tokens ``[L*T, (L+1)*T)``) at column ``L``. Sliding groups keep only the
-live pages ``[base, hi)`` in a ring (logical page ``L`` at column ``L % cap``)
-and hand kernels a table whose column ``j`` is logical page ``base + j``.
-
-Every method here works on a whole batch of rows with numpy; none mutates the
-pool: the manager takes the page ids these methods compute.
+live pages ``[base, hi)`` in a power-of-two ring (logical page ``L`` at column
+``L % cap``) and hand kernels a table whose column ``j`` is logical page
+``base + j``. The step's table work runs in ``hybridkv.runtime.kernels``; the
+methods here serve what happens outside a step (prefix hits, publishing,
+rewind, free) and never touch a pool: the manager takes the ids they return.
 """
 
 from __future__ import annotations
@@ -19,17 +19,6 @@ from hybridkv.spec import CacheGroupSpec
 
 def cdiv(a, b):
     return -(-a // b)
-
-
-def release_floor(first, window_tokens, page_tokens):
-    """First logical page a sliding group must keep when writing from ``first``:
-    ``(first - W + 1) // T`` (pages strictly below it are no longer read)."""
-    return np.maximum(first - window_tokens + 1, 0) // page_tokens
-
-
-def pages_needed(end, page_tokens):
-    """Pages that hold tokens ``[0, end)``; a partial entry still needs its page."""
-    return cdiv(end, page_tokens)
 
 
 def segment_arange(counts: np.ndarray) -> np.ndarray:
@@ -57,8 +46,7 @@ class GroupTable:
         *,
         max_context_tokens: int,
         max_step_tokens: int,
-        initial_rows: int = 64,
-        ring_power_of_two: bool = False,
+        initial_rows: int = 1,
     ):
         self.spec = spec
         self.page_tokens = spec.page_tokens
@@ -67,9 +55,9 @@ class GroupTable:
         self.sliding = spec.is_sliding
         self.window_tokens = spec.sliding_window_tokens or 0
         if self.sliding:
-            self.capacity_pages = cdiv(self.window_tokens - 1 + max_step_tokens, self.page_tokens) + 2
-            if ring_power_of_two:  # the ring column is then a mask, not a modulo
-                self.capacity_pages = 1 << (self.capacity_pages - 1).bit_length()
+            # A window plus a step's pages, as a power of two: the ring column is a mask.
+            ring = cdiv(self.window_tokens - 1 + max_step_tokens, self.page_tokens) + 2
+            self.capacity_pages = 1 << (ring - 1).bit_length()
         else:
             self.capacity_pages = cdiv(max_context_tokens, self.page_tokens)
         rows = max(1, int(initial_rows))
@@ -77,31 +65,8 @@ class GroupTable:
         self.base = np.zeros(rows, dtype=np.int64)
         self.hi = np.zeros(rows, dtype=np.int64)
 
-    def ensure_rows(self, rows: int) -> None:
-        have = self.pages.shape[0]
-        if rows <= have:
-            return
-        new = max(rows, 2 * have)
-        pages = np.full((new, self.capacity_pages), -1, dtype=np.int32)
-        pages[:have] = self.pages
-        self.pages = pages
-        self.base = np.concatenate([self.base, np.zeros(new - have, dtype=np.int64)])
-        self.hi = np.concatenate([self.hi, np.zeros(new - have, dtype=np.int64)])
-
     def _cols(self, logical: np.ndarray) -> np.ndarray:
         return logical % self.capacity_pages if self.sliding else logical
-
-    # --- planning (pure) ---------------------------------------------------
-    def new_base(self, rows: np.ndarray, first: np.ndarray) -> np.ndarray:
-        """Base page after releasing pages below ``(first - W + 1) // T``."""
-        if not self.sliding:
-            return self.base[rows]
-        keep_from = release_floor(first, self.window_tokens, self.page_tokens)
-        return np.maximum(self.base[rows], np.minimum(keep_from, self.hi[rows]))
-
-    def need_hi(self, end: np.ndarray) -> np.ndarray:
-        """Pages needed to hold tokens ``[0, end)`` (a partial entry still needs its page)."""
-        return pages_needed(end, self.page_tokens)
 
     def pages_in(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Held page ids of logical pages ``[lo_r, hi_r)`` per row, row-major, in logical order."""
@@ -145,46 +110,9 @@ class GroupTable:
             self.pages[rep, cols] = page_ids
             self._note(rep, cols)
 
-    def reset_rows(self, rows: np.ndarray) -> None:
-        rows = np.atleast_1d(np.asarray(rows))
-        if self._log is not None:
-            held = self.pages[rows] != -1  # only cells that held a page change
-            self._note(np.repeat(rows, held.sum(axis=1)), np.nonzero(held)[1])
-        self.pages[rows] = -1
-        self.base[rows] = 0
-        self.hi[rows] = 0
-
     def _note(self, rows: np.ndarray, cols: np.ndarray) -> None:
         if self._log is not None:
             self._log((self._log_offset + rows * self._log_stride + cols).ravel())
-
-    # --- kernel views ------------------------------------------------------
-    def block_table(self, rows: np.ndarray, width: int | None = None) -> np.ndarray:
-        """int32 ``[len(rows), width]`` padded with -1 (width: widest row, or fixed)."""
-        base = self.base[rows]
-        live = self.hi[rows] - base
-        if width is None:
-            width = int(live.max()) if live.size else 0
-        if not self.sliding:
-            if width <= self.capacity_pages:
-                return self.pages[rows, :width]
-            out = np.full((rows.size, width), -1, dtype=np.int32)
-            out[:, : self.capacity_pages] = self.pages[rows]
-            return out
-        j = np.arange(width, dtype=np.int64)
-        table = self.pages[rows[:, None], (base[:, None] + j) % self.capacity_pages]
-        table[j[None, :] >= live[:, None]] = -1
-        return table
-
-    def write_slots(self, token_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """int64 slot per token (``page * rows_per_page + row``), -1 where no row is written."""
-        entry = positions // self.stride_tokens
-        logical = entry // self.rows_per_page
-        page = self.pages[token_rows, self._cols(logical)].astype(np.int64)
-        slots = page * self.rows_per_page + entry % self.rows_per_page
-        if self.stride_tokens > 1:
-            slots[(positions + 1) % self.stride_tokens != 0] = -1
-        return slots
 
 
 class TableSet:
@@ -209,10 +137,10 @@ class TableSet:
         max_context_tokens: int,
         max_step_tokens: int,
         initial_rows: int = 64,
+        id_offsets: list[int] | None = None,
     ):
         self.tables = [
-            GroupTable(s, max_context_tokens=max_context_tokens, max_step_tokens=max_step_tokens, initial_rows=1,
-                       ring_power_of_two=True)
+            GroupTable(s, max_context_tokens=max_context_tokens, max_step_tokens=max_step_tokens)
             for s in specs
         ]
         self.geometry = np.zeros((len(self.tables), kernels.GEOMETRY_COLUMNS), dtype=np.int64)
@@ -220,7 +148,8 @@ class TableSet:
             # A ring column is ``logical & (capacity - 1)`` (rings are powers of two); full
             # history keeps every bit.
             mask = t.capacity_pages - 1 if t.sliding else -1
-            self.geometry[g] = (t.page_tokens, t.window_tokens, mask, t.rows_per_page, t.stride_tokens, 0,
+            offset = 0 if id_offsets is None else id_offsets[g]  # the group's first id in the page space
+            self.geometry[g] = (t.page_tokens, t.window_tokens, mask, t.rows_per_page, t.stride_tokens, offset,
                                 _log2(t.page_tokens), _log2(t.rows_per_page), _log2(t.stride_tokens))
         cap_max = max(t.capacity_pages for t in self.tables)
         self.pages = np.full((len(self.tables), max(1, int(initial_rows)), cap_max), -1, np.int32)
@@ -237,7 +166,7 @@ class TableSet:
             table.pages = self.pages[g, :, : table.capacity_pages]
             table.base = self.base[g]
             table.hi = self.hi[g]
-            table._log = None if self.log is None else self._log_cells
+            table._log = None if self.log is None else self.note_cells
             table._log_offset = g * rows_cap * cap_max
             table._log_stride = cap_max
 
@@ -255,7 +184,8 @@ class TableSet:
             self.log = None
             self._bind()
 
-    def _log_cells(self, index: np.ndarray) -> None:
+    def note_cells(self, index: np.ndarray) -> None:
+        """Log changed cells (flat indices into ``pages``) while logging is on."""
         log = self.log
         if log is not None:
             log.append(index)
@@ -281,8 +211,10 @@ class TableSet:
         else:
             index = log[0] if len(log) == 1 else np.concatenate(log)
         log.clear()
-        group, row, column = np.unravel_index(index, self.pages.shape)
-        return group, row, column, self.pages.reshape(-1)[index], reset
+        group, row, column = (np.empty(index.size, dtype=np.int64) for _ in range(3))
+        page = np.empty(index.size, dtype=np.int32)
+        kernels.read_cells(self.pages, index, group, row, column, page)
+        return group, row, column, page, reset
 
     def ensure_rows(self, rows: int) -> None:
         have = self.pages.shape[1]
@@ -299,31 +231,14 @@ class TableSet:
         self.bounds = np.concatenate([self.bounds, np.zeros((2, pages.shape[0], new - have), dtype=np.int64)], axis=2)
         self._bind()
 
-    # --- one step -------------------------------------------------------------
-    def plan(self, rows: np.ndarray, first: np.ndarray, counts: np.ndarray):
-        """Stacked ``[2G, R]`` base (rows ``[0, G)``) and hi (rows ``[G, 2G)``) of ``rows``
-        now and after a step writing ``counts`` tokens from ``first`` (pure), their
-        difference (pages released, pages allocated), ``[G, R]`` pages needed, and
-        ``[2, G]`` pages released and allocated per group (``kernels.plan_rows``)."""
-        g = len(self.tables)
-        now = np.empty((2 * g, rows.size), dtype=np.int64)
-        after = np.empty((2 * g, rows.size), dtype=np.int64)
-        moves = np.empty((2 * g, rows.size), dtype=np.int64)
-        need = np.empty((g, rows.size), dtype=np.int64)
-        sums = kernels.plan_rows(self.geometry, self.bounds, rows, first, counts, now, after, need, moves)
-        return now, after, moves, need, sums
-
-    def set_bounds(self, rows: np.ndarray, bounds: np.ndarray) -> None:
-        """Store ``[2G, R]`` base (rows ``[0, G)``) and hi (rows ``[G, 2G)``) of ``rows``."""
-        kernels.store_bounds(self.bounds, rows, bounds)
-
+    # --- outside the step (free, rewind) and the step's block tables -------------------
     def take_flat(self, rows: np.ndarray, lo: np.ndarray, *, counts: np.ndarray, total: int) -> np.ndarray:
         """Forget logical pages ``[lo, lo + counts)`` (``[G, R]`` each, ``total`` pages in
         all) of every group: their ids, group-major then row-major."""
         out = np.empty(total, dtype=np.int64)
         touched = np.empty(total, dtype=np.int64)
         kernels.take_pages(self.geometry, self.pages, rows, lo, counts, out, touched)
-        self._log_cells(touched)
+        self.note_cells(touched)
         return out
 
     def clear_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -335,19 +250,6 @@ class TableSet:
         pages = self.take_flat(rows, lo, counts=counts, total=int(per_group.sum()))
         self.bounds[:, :, rows] = 0
         return pages, per_group
-
-    def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
-        """Store ``page_ids`` (group-major, row-major) at logical pages ``[lo, lo + counts)``."""
-        touched = np.empty(page_ids.size, dtype=np.int64)
-        kernels.place_pages(self.geometry, self.pages, rows, lo, counts, page_ids, touched)
-        self._log_cells(touched)
-
-    def write_slots(self, rows: np.ndarray, positions: np.ndarray, request_indices: np.ndarray) -> np.ndarray:
-        """int64 ``[G, N]`` slots of every group for token ``i`` of ``rows[request_indices[i]]``
-        at ``positions[i]`` (-1: the token closes no entry)."""
-        slots = np.empty((len(self.tables), positions.size), dtype=np.int64)
-        kernels.write_slots(self.geometry, self.pages, rows, 0, positions, request_indices, slots)
-        return slots
 
     def block_table(self, g: int, rows: np.ndarray, width: int) -> np.ndarray:
         """int32 ``[R, width]``: group ``g``'s pages from each row's base, -1 padded."""

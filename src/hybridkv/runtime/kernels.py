@@ -1,9 +1,12 @@
 """The compiled data plane: one step's per-group, per-request work as plain loops.
 
 Every function here is a numba ``@njit(cache=True)`` kernel over struct-of-arrays
-state (``StepState`` in ``hybridkv.runtime.state``); with ``NUMBA_DISABLE_JIT=1``
-the same functions run as plain Python. Nothing here allocates Python objects
-per request: a step is one call whatever the batch looks like (decode, prefill
+state: the manager's table store (``hybridkv.tables.TableSet``), its page space
+(``hybridkv.pool.PageSpace``: every pool's free stack, ref counts and flags) and
+its per-row token counters. With ``NUMBA_DISABLE_JIT=1`` the same functions run
+as plain Python. Nothing here allocates Python objects per request: a step is
+``prepare_step`` (pure: the plan admission reads) then ``run_step`` (release,
+allocate, the batch's arrays), whatever the batch looks like (decode, prefill
 chunks, both, requests joining and settling).
 
 Arrays (``G`` groups, ``R`` scheduled rows, ``N`` scheduled tokens):
@@ -21,7 +24,8 @@ Arrays (``G`` groups, ``R`` scheduled rows, ``N`` scheduled tokens):
   whether it carries a content key (an idle keyed page goes to the prefix
   cache's LRU, which Python keeps, not to the free stack).
 * ``stack`` int32 ``[P]`` and ``top`` int64 ``[G]``: group ``g``'s free local ids at
-  ``stack[offset_g : offset_g + top[g]]``, the next one handed out last (LIFO).
+  ``stack[offset_g : offset_g + top[g]]``, the next one handed out last (LIFO);
+  a ``lowest`` group keeps its stack sorted, the lowest id on top.
 
 The rules (docs/manager.md): a step writing tokens ``[first, first + n)`` of a
 row releases, in a sliding group, the logical pages below
@@ -38,140 +42,13 @@ PAGE_SHIFT, ROWS_SHIFT, STRIDE_SHIFT = range(6, 9)  # log2 of the three sizes, -
 GEOMETRY_COLUMNS = 9
 
 STEP_DONE = 0
-STEP_NEEDS_PAGES = 1  # some group's free stack is short after the releases: evict or lend, then allocate
-STEP_NEEDS_ROOM = 2  # the scratch buffers are too small for this step's moves: nothing changed
+STEP_NEEDS_PAGES = 1  # the releases ran; the caller lends slabs or evicts, then calls finish_step
 
 
 @njit(cache=True)
 def divide(value, divisor, shift):
     """``value // divisor`` for ``value >= 0``, a shift when ``divisor`` is ``1 << shift``."""
     return value >> shift if shift >= 0 else value // divisor
-
-
-@njit(cache=True)
-def plan_bounds(geometry, bounds, computed, rows, counts, after):
-    """``after[0, g, r]``, ``after[1, g, r]``: base and hi of ``rows[r]`` in group ``g``
-    once the step ran (pure). Returns int64 ``[2, G]``: pages released and pages
-    allocated per group."""
-    n_groups = geometry.shape[0]
-    sums = np.zeros((2, n_groups), dtype=np.int64)
-    for g in range(n_groups):
-        tokens, shift = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT]
-        window = geometry[g, WINDOW_TOKENS]
-        for r in range(rows.size):
-            row = rows[r]
-            first = computed[row]
-            base = bounds[0, g, row]
-            hi = bounds[1, g, row]
-            new_base = base
-            if window > 0:
-                floor = divide(max(first - window + 1, 0), tokens, shift)
-                new_base = max(base, min(floor, hi))
-            new_hi = max(hi, divide(first + counts[r] + tokens - 1, tokens, shift))
-            after[0, g, r] = new_base
-            after[1, g, r] = new_hi
-            sums[0, g] += new_base - base
-            sums[1, g] += new_hi - hi
-    return sums
-
-
-@njit(cache=True)
-def release_credit(geometry, pages, bounds, ref, rows, after, credit):
-    """``credit[g, r]``: pages row ``r`` releases in group ``g`` whose only holder it is
-    (they become free or evictable). Pure."""
-    for g in range(geometry.shape[0]):
-        mask = geometry[g, COLUMN_MASK]
-        offset = geometry[g, ID_OFFSET]
-        for r in range(rows.size):
-            row = rows[r]
-            n = 0
-            for logical in range(bounds[0, g, row], after[0, g, r]):
-                if ref[offset + pages[g, row, logical & mask]] == 1:
-                    n += 1
-            credit[g, r] = n
-
-
-@njit(cache=True)
-def release(geometry, pages, bounds, ref, keyed, stack, top, rows, after, touched, n_touched, idle_keyed):
-    """Drop every row's pages below its new base, in batch order then logical order.
-    A page whose last holder left goes on its group's free stack (the first released
-    on top) or, if keyed, to ``idle_keyed`` (page-space ids, in release order). Cells
-    changed are appended to ``touched`` (flat cell index) from ``n_touched``. Returns
-    (cells logged so far, idle keyed pages)."""
-    n_keyed = 0
-    n_rows = pages.shape[1]
-    n_cols = pages.shape[2]
-    for g in range(geometry.shape[0]):
-        mask = geometry[g, COLUMN_MASK]
-        offset = geometry[g, ID_OFFSET]
-        start = top[g]  # this step's released pages, pushed in order, reversed below
-        for r in range(rows.size):
-            row = rows[r]
-            for logical in range(bounds[0, g, row], after[0, g, r]):
-                col = logical & mask
-                page = pages[g, row, col]
-                pages[g, row, col] = -1
-                touched[n_touched] = (g * n_rows + row) * n_cols + col
-                n_touched += 1
-                ref[offset + page] -= 1
-                if ref[offset + page] == 0:
-                    if keyed[offset + page]:
-                        idle_keyed[n_keyed] = offset + page
-                        n_keyed += 1
-                    else:
-                        stack[offset + top[g]] = page
-                        top[g] += 1
-            bounds[0, g, row] = after[0, g, r]
-        # The first page released ends on top (reused first).
-        lo, hi = offset + start, offset + top[g] - 1
-        while lo < hi:
-            stack[lo], stack[hi] = stack[hi], stack[lo]
-            lo += 1
-            hi -= 1
-    return n_touched, n_keyed
-
-
-@njit(cache=True)
-def allocate(geometry, pages, bounds, ref, stack, top, rows, after, touched, n_touched):
-    """Give every row the pages from its hi to its new hi, popping its group's free
-    stack (rows in batch order, pages in logical order); every page held once.
-    The caller has checked that each stack holds enough. Returns cells logged."""
-    n_rows = pages.shape[1]
-    n_cols = pages.shape[2]
-    for g in range(geometry.shape[0]):
-        mask = geometry[g, COLUMN_MASK]
-        offset = geometry[g, ID_OFFSET]
-        for r in range(rows.size):
-            row = rows[r]
-            for logical in range(bounds[1, g, row], after[1, g, r]):
-                top[g] -= 1
-                page = stack[offset + top[g]]
-                ref[offset + page] = 1
-                col = logical & mask
-                pages[g, row, col] = page
-                touched[n_touched] = (g * n_rows + row) * n_cols + col
-                n_touched += 1
-            bounds[1, g, row] = after[1, g, r]
-    return n_touched
-
-
-@njit(cache=True)
-def token_arrays(computed, rows, counts, first_row, positions, request_indices, query_start_loc):
-    """Positions, request indices and query start locations of rows ``[first_row, R)``
-    (the scheduled ones; rows before them only settle), from their computed tokens
-    before the step; then their computed tokens move on."""
-    n = 0
-    query_start_loc[0] = 0
-    for r in range(first_row, rows.size):
-        row = rows[r]
-        k = r - first_row
-        for i in range(counts[r]):
-            positions[n] = computed[row] + i
-            request_indices[n] = k
-            n += 1
-        query_start_loc[k + 1] = n
-    for r in range(rows.size):
-        computed[rows[r]] += counts[r]
 
 
 @njit(cache=True)
@@ -195,105 +72,291 @@ def write_slots(geometry, pages, rows, first_row, positions, request_indices, sl
             slots[g, i] = np.int64(page) * per_page + entry - divide(entry, per_page, rows_shift) * per_page
 
 
+
+
+# --- one step: plan (pure), then run (release, allocate, the batch's arrays) -----------------
 @njit(cache=True)
-def base_pages(bounds, rows, first_row, out):
-    """``out[g, r]``: base logical page of scheduled row ``r`` in group ``g``."""
-    for g in range(bounds.shape[1]):
-        for r in range(first_row, rows.size):
-            out[g, r - first_row] = bounds[0, g, rows[r]]
+def settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts):
+    """Rows of the previous step (``last_rows``) not in this one (``rows_in``) whose tokens
+    are not committed yet, in their order, to ``rows`` with zero ``counts``; how many.
+    ``mark``: scratch, one flag per table row, all False before and after."""
+    n_in, settle = rows_in.size, 0
+    same = last_rows.size == n_in
+    for r in range(n_in if same else 0):
+        if last_rows[r] != rows_in[r]:
+            same = False
+            break
+    if same:
+        return 0
+    for r in range(n_in):
+        mark[rows_in[r]] = True
+    for r in range(last_rows.size):
+        row = last_rows[r]
+        if not mark[row] and committed[row] < computed[row]:
+            rows[settle] = row
+            counts[settle] = 0
+            settle += 1
+    for r in range(n_in):
+        mark[rows_in[r]] = False
+    return settle
 
 
 @njit(cache=True)
-def block_tables(geometry, pages, bounds, rows, first_row, width, out):
-    """``out[g, r, j]``: page of logical page ``base + j`` of scheduled row ``r``, -1
-    past its live pages (``width`` columns)."""
+def prepare_step(geometry, bounds, computed, committed, last_rows, rows_in, counts_in, grain, top, mark,
+                 rows, counts, first, after, need, sums, crossing, totals):
+    """The plan of a step of ``rows_in`` (table rows) writing ``counts_in`` tokens each; pure
+    but for ``mark`` (scratch, all False on return).
+
+    ``rows``, ``counts``, ``first``: the rows the step touches, the settling ones first
+    (rows of the previous step, ``last_rows``, not in this one whose tokens are not
+    committed yet: zero new tokens, they only release), their counts and computed
+    tokens. ``after[0, g, r]`` and ``after[1, g, r]``: base and hi of row ``r`` in group
+    ``g`` after the step; ``need[g, r]``: pages holding its tokens; ``sums[0, g]`` and
+    ``sums[1, g]``: pages the step releases and allocates in group ``g``. ``crossing``:
+    the rows whose committed tokens lie in an earlier grain (of ``grain`` tokens, 0:
+    none) than their computed ones, in plan order. ``totals``: tokens scheduled, pages
+    released, most pages released in one group, pages allocated. Returns (rows in the
+    plan, settling rows, crossing rows, whether every group's free stack covers its
+    allocations)."""
+    settle = settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts)
+    n = settle + rows_in.size
+    n_cross = 0
+    for r in range(n):
+        if r >= settle:
+            rows[r] = rows_in[r - settle]
+            counts[r] = counts_in[r - settle]
+        row = rows[r]
+        first[r] = computed[row]
+        if grain > 0 and committed[row] // grain < first[r] // grain:
+            crossing[n_cross] = row
+            n_cross += 1
+    clean = True
+    totals[:] = 0
+    for r in range(n):
+        totals[0] += counts[r]
     for g in range(geometry.shape[0]):
-        mask = geometry[g, COLUMN_MASK]
-        for r in range(first_row, rows.size):
+        tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
+        released, allocated = 0, 0
+        for r in range(n):
             row = rows[r]
-            base = bounds[0, g, row]
-            live = bounds[1, g, row] - base
-            for j in range(width):
-                out[g, r - first_row, j] = pages[g, row, (base + j) & mask] if j < live else -1
+            base, hi = bounds[0, g, row], bounds[1, g, row]
+            new_base = base
+            if window > 0:
+                new_base = max(base, min(divide(max(first[r] - window + 1, 0), tokens, shift), hi))
+            held = divide(first[r] + counts[r] + tokens - 1, tokens, shift)
+            after[0, g, r] = new_base
+            after[1, g, r] = max(hi, held)
+            need[g, r] = held
+            released += new_base - base
+            allocated += after[1, g, r] - hi
+        sums[0, g] = released
+        sums[1, g] = allocated
+        totals[1] += released
+        totals[2] = max(totals[2], released)
+        totals[3] += allocated
+        if allocated > top[g]:
+            clean = False
+    return n, settle, n_cross, clean
 
 
 @njit(cache=True)
-def run_step(geometry, pages, bounds, computed, ref, keyed, stack, top, rows, counts, first_row,
-             after, touched, idle_keyed, positions, request_indices, query_start_loc, slots, bases):
-    """One step, admitted already: plan, release, allocate, token arrays, write slots,
-    base pages. Returns (status, cells touched, idle keyed pages). ``STEP_NEEDS_PAGES``:
-    releases ran but some group's stack is short; nothing else changed, and the
-    caller makes room (evicts, lends) and calls ``finish_step``. ``STEP_NEEDS_ROOM``:
-    ``touched`` (and ``idle_keyed``, as large) must hold the second number of cells;
-    nothing changed."""
-    sums = plan_bounds(geometry, bounds, computed, rows, counts, after)
-    if sums.sum() > touched.size:
-        return STEP_NEEDS_ROOM, sums.sum(), 0
-    n_touched, n_keyed = release(geometry, pages, bounds, ref, keyed, stack, top, rows, after, touched, 0,
-                                 idle_keyed)
+def release_pages(geometry, pages, bounds, ref, keyed, stack, top, lowest, rows, after, scratch, idle_keyed,
+                  released, touched, n_touched):
+    """Every row's pages below its new base leave its table; then, per group, one
+    reference less on each (rows in plan order, pages in logical order). A page whose
+    last reference went (once, where first listed) goes on its group's free stack, or
+    if keyed to ``idle_keyed`` (local ids, group after group; the caller's prefix cache
+    keeps them). LIFO groups push the first released on top; ``lowest`` groups keep
+    their stack sorted, the lowest id on top. ``released[0, g]``, ``released[1, g]``:
+    pages gone free and gone idle keyed. Returns (cells logged, idle keyed pages)."""
+    n_rows, n_cols = pages.shape[1], pages.shape[2]
+    n_keyed = 0
     for g in range(geometry.shape[0]):
-        if sums[1, g] > top[g]:
+        mask, offset = geometry[g, COLUMN_MASK], geometry[g, ID_OFFSET]
+        n = 0
+        for r in range(rows.size):
+            row = rows[r]
+            for logical in range(bounds[0, g, row], after[0, g, r]):
+                col = logical & mask
+                scratch[n] = pages[g, row, col]
+                pages[g, row, col] = -1
+                touched[n_touched] = (g * n_rows + row) * n_cols + col
+                n_touched += 1
+                n += 1
+            bounds[0, g, row] = after[0, g, r]
+        for i in range(n):
+            ref[offset + scratch[i]] -= 1
+        n_free, keyed_from = 0, n_keyed
+        for i in range(n):
+            page = scratch[i]
+            if ref[offset + page] == 0:
+                ref[offset + page] = -1  # taken once, even where the list repeats it
+                if keyed[offset + page]:
+                    idle_keyed[n_keyed] = page
+                    n_keyed += 1
+                else:
+                    scratch[n_free] = page  # n_free <= i: read already
+                    n_free += 1
+        for i in range(n_free):
+            ref[offset + scratch[i]] = 0
+        for i in range(keyed_from, n_keyed):
+            ref[offset + idle_keyed[i]] = 0
+        released[0, g] = n_free
+        released[1, g] = n_keyed - keyed_from
+        if lowest[g]:
+            run = np.sort(scratch[:n_free])
+            top[g] = merge_free(stack[offset:], top[g], run)
+        else:
+            for i in range(n_free):
+                stack[offset + top[g] + i] = scratch[n_free - 1 - i]
+            top[g] += n_free
+    return n_touched, n_keyed
+
+
+@njit(cache=True)
+def transient_pages(geometry, bounds, g, rows, first, counts, after, sums):
+    """Pages group ``g`` allocates this step that the next step releases again (below
+    the window of their row's new end); 0 outside sliding groups and when no row gets
+    more than one page (one page per row has no order to keep)."""
+    tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
+    if window <= 0:
+        return 0
+    rows_allocating, n = 0, 0
+    for r in range(rows.size):
+        hi = bounds[1, g, rows[r]]
+        if after[1, g, r] > hi:
+            rows_allocating += 1
+        keep_from = divide(max(first[r] + counts[r] - window + 1, 0), tokens, shift)
+        n += min(max(keep_from - hi, 0), after[1, g, r] - hi)
+    return 0 if sums[1, g] <= rows_allocating else n
+
+
+@njit(cache=True)
+def allocate_pages(geometry, pages, bounds, ref, stack, top, lowest, transient, rows, first, counts, after, sums,
+                   touched, n_touched):
+    """Every row gets the pages from its hi to its new hi (rows in plan order, pages in
+    logical order), popped off its group's free stack, each held once. In a
+    ``transient`` group (shared arena) where some row gets several pages, the pages
+    the next step releases again (below the window of the row's new end) come last:
+    in a ``lowest`` group they take the stack's bottom (highest) ids, in ascending
+    order, so long-lived pages pack low; in a LIFO group the ids popped after the
+    survivors'. The stacks hold enough (the caller made room). Returns cells logged."""
+    n_rows, n_cols = pages.shape[1], pages.shape[2]
+    for g in range(geometry.shape[0]):
+        if sums[1, g] == 0:
+            continue
+        mask, offset = geometry[g, COLUMN_MASK], geometry[g, ID_OFFSET]
+        tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
+        n_transient = transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0
+        # Survivors pop from the top; transient page k sits at ``late - k``.
+        late = n_transient - 1 if lowest[g] else top[g] - sums[1, g] + n_transient - 1
+        taken = 0
+        for r in range(rows.size):
+            row = rows[r]
+            keep_from = divide(max(first[r] + counts[r] - window + 1, 0), tokens, shift)
+            for logical in range(bounds[1, g, row], after[1, g, r]):
+                if n_transient > 0 and logical < keep_from:
+                    page = stack[offset + late - taken]
+                    taken += 1
+                else:
+                    top[g] -= 1
+                    page = stack[offset + top[g]]
+                ref[offset + page] = 1
+                col = logical & mask
+                pages[g, row, col] = page
+                touched[n_touched] = (g * n_rows + row) * n_cols + col
+                n_touched += 1
+            bounds[1, g, row] = after[1, g, r]
+        if n_transient > 0 and lowest[g]:
+            for i in range(top[g] - n_transient):
+                stack[offset + i] = stack[offset + n_transient + i]
+        top[g] -= n_transient
+    return n_touched
+
+
+@njit(cache=True)
+def batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, positions, request_indices,
+                 query_start_loc, base_pages, widths):
+    """The batch of plan rows ``[settle, R)``: each one's table row and scheduled tokens,
+    its tokens' positions and request indices, query start locations; ``base_pages[g, r]``
+    the row's base page after the step; ``widths[g]`` the widest row's live pages."""
+    n = 0
+    query_start_loc[0] = 0
+    for r in range(settle, rows.size):
+        k = r - settle
+        table_rows[k] = rows[r]
+        scheduled[k] = counts[r]
+        for i in range(counts[r]):
+            positions[n] = first[r] + i
+            request_indices[n] = k
+            n += 1
+        query_start_loc[k + 1] = n
+    for g in range(base_pages.shape[0]):
+        widest = 0
+        for r in range(settle, rows.size):
+            base_pages[g, r - settle] = after[0, g, r]
+            widest = max(widest, after[1, g, r] - after[0, g, r])
+        widths[g] = widest
+
+
+@njit(cache=True)
+def run_step(geometry, pages, bounds, computed, committed, ref, keyed, stack, top, lowest, low_idle, transient,
+             rows, counts, first, settle, after, sums, hold, packing, scratch, idle_keyed, released, touched,
+             table_rows, scheduled, positions, request_indices, query_start_loc, base_pages, widths, slots):
+    """One admitted step as planned by ``prepare_step``: the rows' tokens so far count as
+    committed, releases, allocations, then the batch's arrays (``finish_step``). Returns
+    (status, cells logged, idle keyed pages). ``STEP_NEEDS_PAGES``: the releases ran,
+    nothing else; the caller lends slabs (``hold``), makes room in the groups whose stack
+    is short or that must first reuse idle low-priority pages (while ``packing``:
+    ``lowest`` groups with ``low_idle`` pages, or whose releases left keyed pages idle),
+    then calls ``finish_step``."""
+    for r in range(rows.size):
+        committed[rows[r]] = first[r]
+    n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, top, lowest, rows, after,
+                                       scratch, idle_keyed, released, touched, 0)
+    if hold:
+        return STEP_NEEDS_PAGES, n_touched, n_keyed
+    for g in range(geometry.shape[0]):
+        reuse_low = packing and lowest[g] and (low_idle[g] > 0 or released[1, g] > 0)
+        if sums[1, g] > 0 and (sums[1, g] > top[g] or reuse_low):
             return STEP_NEEDS_PAGES, n_touched, n_keyed
-    n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, top, rows, counts, first_row, after,
-                            touched, n_touched, positions, request_indices, query_start_loc, slots, bases)
+    n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, top, lowest, transient, rows, counts,
+                            first, settle, after, sums, touched, n_touched, table_rows, scheduled, positions,
+                            request_indices, query_start_loc, base_pages, widths, slots)
     return STEP_DONE, n_touched, n_keyed
 
 
 @njit(cache=True)
-def finish_step(geometry, pages, bounds, computed, ref, stack, top, rows, counts, first_row, after,
-                touched, n_touched, positions, request_indices, query_start_loc, slots, bases):
-    """The rest of ``run_step`` once the stacks hold enough: allocate, then the arrays."""
-    n_touched = allocate(geometry, pages, bounds, ref, stack, top, rows, after, touched, n_touched)
-    token_arrays(computed, rows, counts, first_row, positions, request_indices, query_start_loc)
-    write_slots(geometry, pages, rows, first_row, positions, request_indices, slots)
-    base_pages(bounds, rows, first_row, bases)
+def finish_step(geometry, pages, bounds, computed, ref, stack, top, lowest, transient, rows, counts, first, settle,
+                after, sums, touched, n_touched, table_rows, scheduled, positions, request_indices, query_start_loc,
+                base_pages, widths, slots):
+    """The rest of ``run_step`` once the stacks hold enough: allocate, computed tokens
+    move on, the batch's arrays and (when ``slots`` has rows) write slots."""
+    n_touched = allocate_pages(geometry, pages, bounds, ref, stack, top, lowest, transient, rows, first, counts,
+                               after, sums, touched, n_touched)
+    for r in range(rows.size):
+        computed[rows[r]] = first[r] + counts[r]
+    batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, positions, request_indices,
+                 query_start_loc, base_pages, widths)
+    if slots.shape[0]:
+        write_slots(geometry, pages, rows, settle, positions, request_indices, slots)
     return n_touched
 
 
-# --- the pieces the manager's step calls (its pools stay Python objects) -----------------
 @njit(cache=True)
-def plan_rows(geometry, bounds, rows, first, counts, now, after, need, moves):
-    """Stacked ``[2G, R]``: ``now`` and ``after``, base (rows ``[0, G)``) and hi (rows
-    ``[G, 2G)``) of every row before and after a step writing ``counts`` tokens from
-    ``first``, and ``moves = after - now`` (pages released, pages allocated);
-    ``need[g, r]`` pages holding its tokens. Pure. Returns int64 ``[2, G]``: pages
-    released and allocated per group."""
-    n_groups = geometry.shape[0]
-    sums = np.zeros((2, n_groups), dtype=np.int64)
-    for g in range(n_groups):
-        tokens, shift = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT]
-        window = geometry[g, WINDOW_TOKENS]
-        for r in range(rows.size):
-            row = rows[r]
-            base = bounds[0, g, row]
-            hi = bounds[1, g, row]
-            new_base = base
-            if window > 0:
-                new_base = max(base, min(divide(max(first[r] - window + 1, 0), tokens, shift), hi))
-            pages = divide(first[r] + counts[r] + tokens - 1, tokens, shift)
-            now[g, r] = base
-            now[n_groups + g, r] = hi
-            after[g, r] = new_base
-            after[n_groups + g, r] = max(hi, pages)
-            need[g, r] = pages
-            moves[g, r] = new_base - base
-            moves[n_groups + g, r] = after[n_groups + g, r] - hi
-            sums[0, g] += new_base - base
-            sums[1, g] += after[n_groups + g, r] - hi
-    return sums
+def block_table(geometry, pages, bounds, g, rows, out):
+    """``out[r, j]``: group ``g``'s page of logical page ``base + j`` of ``rows[r]``, -1
+    past its live pages."""
+    mask = geometry[g, COLUMN_MASK]
+    for r in range(rows.size):
+        row = rows[r]
+        base = bounds[0, g, row]
+        live = bounds[1, g, row] - base
+        for j in range(out.shape[1]):
+            out[r, j] = pages[g, row, (base + j) & mask] if j < live else -1
 
 
-@njit(cache=True)
-def store_bounds(bounds, rows, after):
-    """``bounds[0, g, rows[r]] = after[g, r]`` and ``bounds[1, g, rows[r]] = after[G + g, r]``
-    (``after`` stacked as ``plan_rows`` writes it)."""
-    n_groups = bounds.shape[1]
-    for g in range(n_groups):
-        for r in range(rows.size):
-            bounds[0, g, rows[r]] = after[g, r]
-            bounds[1, g, rows[r]] = after[n_groups + g, r]
-
-
+# --- table and page-space helpers outside the step (free, rewind, prefix hits, pools) ------------
 @njit(cache=True)
 def take_pages(geometry, pages, rows, lo, counts, out, touched):
     """Empty logical pages ``[lo[g, r], lo[g, r] + counts[g, r])`` of every group and row;
@@ -315,61 +378,6 @@ def take_pages(geometry, pages, rows, lo, counts, out, touched):
 
 
 @njit(cache=True)
-def place_pages(geometry, pages, rows, lo, counts, ids, touched):
-    """Store ``ids`` (group-major, row-major) at logical pages ``[lo, lo + counts)``;
-    their flat cells go to ``touched``."""
-    n = 0
-    n_rows, n_cols = pages.shape[1], pages.shape[2]
-    for g in range(geometry.shape[0]):
-        mask = geometry[g, COLUMN_MASK]
-        for r in range(rows.size):
-            row = rows[r]
-            for logical in range(lo[g, r], lo[g, r] + counts[g, r]):
-                col = logical & mask
-                pages[g, row, col] = ids[n]
-                touched[n] = (g * n_rows + row) * n_cols + col
-                n += 1
-
-
-@njit(cache=True)
-def transient_ranks(geometry, hi, counts, end, totals, ranks, highest):
-    """Per sliding group ``g`` in which some row gets several of the ``totals[g]`` pages
-    it allocates: ``highest[g]`` of them are transient (logical page below
-    ``max(end - W + 1, 0) // T``, released at the next step), and ``ranks`` (the
-    groups' segments of ``totals`` each, in order) puts survivors first, in row then
-    logical order, then the transient pages: the id of logical page ``hi[g, r] + k``
-    of row ``r`` is ``ids[rank]`` of the group's ids. ``highest[g] = 0`` elsewhere."""
-    start = 0
-    for g in range(geometry.shape[0]):
-        n = totals[g]
-        highest[g] = 0
-        tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
-        rows_allocating = 0
-        for r in range(end.size):
-            if counts[g, r] > 0:
-                rows_allocating += 1
-        if n == 0 or window <= 0 or n <= rows_allocating:
-            start += n
-            continue  # history pages all live on; one page per row has no order
-        t = 0
-        for r in range(end.size):
-            keep_from = divide(max(end[r] - window + 1, 0), tokens, shift)
-            t += min(max(keep_from - hi[g, r], 0), counts[g, r])
-        survivors, transient = 0, 0
-        for r in range(end.size):
-            keep_from = divide(max(end[r] - window + 1, 0), tokens, shift)
-            for k in range(counts[g, r]):
-                if hi[g, r] + k < keep_from:
-                    ranks[start + survivors + transient] = n - t + transient
-                    transient += 1
-                else:
-                    ranks[start + survivors + transient] = survivors
-                    survivors += 1
-        highest[g] = t
-        start += n
-
-
-@njit(cache=True)
 def merge_free(stack, top, run):
     """Merge the ascending ids ``run`` into the free stack ``stack[:top]`` (descending:
     the lowest id on top), in place; returns the new top. Ids are distinct."""
@@ -383,67 +391,6 @@ def merge_free(stack, top, run):
             j += 1
         k -= 1
     return top + run.size
-
-
-@njit(cache=True)
-def take_lowest(stack, top, pending, low):
-    """The ``low`` lowest ids of the free stack ``stack[:top]`` (descending, lowest on
-    top) and the released ids ``pending`` together, ascending, taken. Only the stack's
-    ``low`` lowest can be among them, so just those and ``pending`` are sorted. What is
-    left of them goes back on top of the stack when it all lies below the stack's next
-    id; otherwise it stays pending. Returns (taken, new top, still pending)."""
-    under = max(top - low, 0)
-    both = np.empty(top - under + pending.size, dtype=stack.dtype)
-    both[: top - under] = stack[under:top]
-    both[top - under :] = pending
-    both.sort()  # distinct ids: any sort gives the same order
-    rest = both[low:]
-    if rest.size and under and rest[-1] > stack[under - 1]:
-        return both[:low].copy(), under, rest.copy()
-    for i in range(rest.size):
-        stack[under + i] = rest[rest.size - 1 - i]
-    return both[:low].copy(), under + rest.size, rest[:0].copy()
-
-
-@njit(cache=True)
-def batch_arrays(rows, first, counts, after, off, table_rows, scheduled, positions, request_indices,
-                 query_start_loc, base_pages, widths):
-    """The batch of plan rows ``[off, R)`` (rows before ``off`` only settle): each one's
-    table row and scheduled tokens (int32), its tokens' positions from ``first`` and
-    request indices, query start locations; ``base_pages[g, r]``, the row's base page
-    after the step (``after`` stacked as ``plan_rows`` writes it); ``widths[g]``, the
-    widest row's live pages."""
-    n_groups = base_pages.shape[0]
-    n = 0
-    query_start_loc[0] = 0
-    for r in range(off, rows.size):
-        k = r - off
-        table_rows[k] = rows[r]
-        scheduled[k] = counts[r]
-        for i in range(counts[r]):
-            positions[n] = first[r] + i
-            request_indices[n] = k
-            n += 1
-        query_start_loc[k + 1] = n
-    for g in range(n_groups):
-        widest = 0
-        for r in range(off, rows.size):
-            base_pages[g, r - off] = after[g, r]
-            widest = max(widest, after[n_groups + g, r] - after[g, r])
-        widths[g] = widest
-
-
-@njit(cache=True)
-def block_table(geometry, pages, bounds, g, rows, out):
-    """``out[r, j]``: group ``g``'s page of logical page ``base + j`` of ``rows[r]``, -1
-    past its live pages."""
-    mask = geometry[g, COLUMN_MASK]
-    for r in range(rows.size):
-        row = rows[r]
-        base = bounds[0, g, row]
-        live = bounds[1, g, row] - base
-        for j in range(out.shape[1]):
-            out[r, j] = pages[g, row, (base + j) & mask] if j < live else -1
 
 
 @njit(cache=True)
@@ -474,3 +421,39 @@ def drop_holds(ref, keyed, offsets, per_group, pages, freed, keyed_pages, counts
             if ref[offset + pages[i]] == -1:
                 ref[offset + pages[i]] = 0
         start = end
+
+
+@njit(cache=True)
+def within_known(computed, known, rows, counts):
+    """Whether ``computed[row] + count <= known[row]`` for every row (pure)."""
+    for r in range(rows.size):
+        if computed[rows[r]] + counts[r] > known[rows[r]]:
+            return False
+    return True
+
+
+@njit(cache=True)
+def read_cells(pages, index, group, row, column, page):
+    """Group, row, column and page id now of each flat cell ``index[i]`` of ``pages``."""
+    n_rows, n_cols = pages.shape[1], pages.shape[2]
+    for i in range(index.size):
+        cell = index[i]
+        column[i] = cell % n_cols
+        row[i] = (cell // n_cols) % n_rows
+        group[i] = cell // (n_cols * n_rows)
+        page[i] = pages[group[i], row[i], column[i]]
+
+
+@njit(cache=True)
+def distinct_rows(rows, mark):
+    """Whether no row is listed twice (``mark``: scratch, one flag per table row, all
+    False before and after)."""
+    distinct = True
+    for r in range(rows.size):
+        if mark[rows[r]]:
+            distinct = False
+            break
+        mark[rows[r]] = True
+    for r in range(rows.size):
+        mark[rows[r]] = False
+    return distinct
