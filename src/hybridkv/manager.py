@@ -173,6 +173,7 @@ class CacheManager:
         on_event: Any = None,
         arena: ArenaGeometry | None = None,
         checkpoint_window_tokens: Mapping[str, int] | None = None,
+        tier_link: Any = None,
     ):
         self.specs = tuple(specs)
         ids = [s.group_id for s in self.specs]
@@ -221,6 +222,11 @@ class CacheManager:
                 on_event=on_event,
                 checkpoint_window_tokens=checkpoint_window_tokens,
             )
+        # Requests waiting for a tier load (hybridkv.tierlink): admission refuses them.
+        self.pending_loads: set[str] = set()
+        self.tier_link = tier_link
+        if tier_link is not None:
+            tier_link.attach(self)
 
     def _init_registry(self) -> None:
         """No requests yet: the id -> record maps, free table rows, per-row counters."""
@@ -326,6 +332,8 @@ class CacheManager:
         self._row_owner[row] = req
         self._max_total[row] = total
         self._known[row] = prompt_len if buf is not None else total
+        if self.tier_link is not None and buf is not None:
+            self.tier_link.on_add(request_id, req.hashes, buf[:prompt_len], hit.hit_tokens, max_new, cache_salt)
         return hit
 
     def append_token_ids(self, request_id: str, token_ids: Iterable[int] | np.ndarray) -> None:
@@ -502,6 +510,8 @@ class CacheManager:
         vectorized when all are valid, else item by item with a reason each (then
         request ids are None)."""
         fast = self._fast_validate(items) if uniform is None else self._fast_validate_uniform(*uniform)
+        if fast is not None and self.pending_loads and not self.pending_loads.isdisjoint(fast[2]):
+            fast = None  # the per-item path words the reason
         if fast is not None:
             rows, counts, request_ids = fast
             return [None] * rows.size, range(rows.size), rows, counts, request_ids
@@ -705,6 +715,8 @@ class CacheManager:
         if rid in seen:
             return f"request {rid!r} appears twice in the batch"
         seen.add(rid)
+        if rid in self.pending_loads:
+            return f"request {rid!r} waits for its tier load: run TierLink.take_loads() and confirm_load()"
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
             return f"request {rid!r}: token count must be an int, got {n!r}"
         n = int(n)
@@ -799,6 +811,8 @@ class CacheManager:
         five stages: admit (validate and plan, pure), commit the previous step's tokens,
         release, allocate, build the batch."""
         _check_step_options(items if uniform is None else uniform[0], block_tables, write_slots)
+        if self.tier_link is not None:
+            self.tier_link.check_schedule()
         verdict = self._verdict_for(items, uniform, fixed_width)
         refusal = verdict.refusal(len(items) if uniform is None else len(uniform[0]))
         if refusal is not None:
@@ -961,6 +975,8 @@ class CacheManager:
         """End a request: commit its last step to the prefix cache, release every page."""
         self._version += 1  # invalidates a cached admission
         req = self._get(request_id)
+        if self.tier_link is not None:
+            self.tier_link.on_free(request_id)  # an unconfirmed load is rewound, not committed
         if self.prefix is not None and self._committed[req.row] < self._computed[req.row]:
             self._commit_row(req.row)
         pages, per_group = self._tableset.clear_rows(np.asarray([req.row], dtype=np.int64))

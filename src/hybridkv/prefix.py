@@ -205,6 +205,8 @@ class PrefixCache:
         # the entry is unpublished when none is left. Pinned holds are never dropped.
         self._holders: dict[str, dict[int, int]] = {gid: {} for gid in self.state_ids}
         self._windows = windows
+        self.tier_hook = None  # a hybridkv.tierlink.TierLink: told what is published and removed
+        self._dropping = False  # unpublishing a superseded checkpoint (not an eviction)
         for gid, pool in pools.items():
             pool.on_removed = self._removed_callback(gid)
 
@@ -345,7 +347,9 @@ class PrefixCache:
                     pool.demote(key)  # a prompt boundary: kept like the ones above, low priority
                 else:
                     holders.pop(key, None)
+                    self._dropping = True
                     pool.unpublish(key)
+                    self._dropping = False
         req.own_checkpoints = [c for c in req.own_checkpoints if c.pinned] + new_own if req.own_checkpoints else new_own
 
     def _publish_checkpoint(
@@ -375,6 +379,8 @@ class PrefixCache:
         if cached[pages].any() if len(pages) > 4 else any(cached[p] for p in pages):
             return False  # borrowed pages that carry a key
         pool.publish(key, pages, low_priority=low_priority)
+        if self.tier_hook is not None:
+            self.tier_hook.stored(gid, key, boundary, pages, low_priority)
         self._emit(self._stored(gid, hashes, key, boundary, len(pages)))
         return True
 
@@ -405,8 +411,14 @@ class PrefixCache:
         req.own_checkpoints = []
 
     def clear(self) -> None:
+        self._dropping = True
         for pool in self.pools.values():
             pool.clear_cache()
+        self._dropping = False
+
+    def checkpoint_window_tokens(self, group_id: str) -> int:
+        """Trailing tokens a checkpoint of state group ``group_id`` stores."""
+        return self._windows[group_id]
 
     # --- events ---------------------------------------------------------------
     def _removed_callback(self, gid: str) -> Callable[[int], None]:
@@ -414,6 +426,8 @@ class PrefixCache:
             parent, boundary, n = self._meta[gid].pop(key, (None, 0, 0))
             self._holders.get(gid, {}).pop(key, None)
             self.stats[gid].removed_entries += 1
+            if self.tier_hook is not None:
+                self.tier_hook.removed(gid, key, self._dropping)
             self._emit(("removed", gid, key, parent, boundary, n))
 
         return removed

@@ -19,6 +19,9 @@ from hybridkv.cli.plan_cmd import add_plan_arguments, build_plan
 
 WORKLOAD_NAMES = ("chat", "multiturn", "longctx", "agentic")  # = hybridkv.sim.workloads.WORKLOAD_NAMES
 PLOT_FORMATS = (".png", ".pdf", ".svg")
+TIERS = ("host", "disk", "mooncake")  # = hybridkv.cli.simulate_cluster.TIERS
+MAX_INSTANCES = 64
+DEFAULT_TIER_MEMORY = 4 << 30
 
 
 def register(subparsers: Any) -> None:
@@ -65,6 +68,24 @@ def register(subparsers: Any) -> None:
         "--plot", type=a.nonempty("--plot"), metavar="PATH", default=None,
         help="write a plot of the run (.png, .pdf or .svg; no extension: .png)",
     )
+    parser.add_argument(
+        "--instances", type=a.number("--instances", maximum=MAX_INSTANCES), default=1, metavar="N",
+        help="spread the workload round-robin over N instances (each its own manager and --kv-memory) "
+        "sharing the --tier store; needs --tier (default 1)",
+    )
+    parser.add_argument(
+        "--tier", choices=TIERS, default=None,
+        help="a KV store the instances offload to and load from: compares N instances with it, without it, "
+        "and one instance with all their memory (Mooncake: a master on loopback is started and stopped)",
+    )
+    parser.add_argument(
+        "--tier-memory", type=a.number("--tier-memory", "bytes", maximum=a.MAX_KV_MEMORY_BYTES), default=None,
+        metavar="BYTES", help="the store's capacity (host budget, disk budget, Mooncake segment; default 4GiB)",
+    )
+    parser.add_argument(
+        "--write-through", action=argparse.BooleanOptionalAction, default=None,
+        help="offload entries when published, not only when evicted (default on with --tier)",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.set_defaults(run=run)
 
@@ -106,9 +127,28 @@ def check_arguments(args: argparse.Namespace) -> None:
     """Everything that can be checked before planning and the run."""
     if args.state_checkpoint_interval is not None and not args.prefix_caching:
         raise ValueError("--state-checkpoint-interval needs --prefix-caching")
+    check_tier_arguments(args)
     args.workload = workload_source(args.workload)
     if args.plot is not None:
         args.plot = plot_path(args.plot)
+
+
+def check_tier_arguments(args: argparse.Namespace) -> None:
+    """``--instances``, ``--tier-memory`` and ``--write-through`` need ``--tier``; a tier needs prefix caching."""
+    if args.tier is None:
+        for flag, given in (("--instances", args.instances != 1), ("--tier-memory", args.tier_memory is not None),
+                            ("--write-through", args.write_through is not None)):
+            if given:
+                raise ValueError(f"{flag} needs --tier (the store the instances share)")
+        return
+    if not args.prefix_caching:
+        raise ValueError("--tier needs --prefix-caching (objects are keyed by cached prefixes)")
+    if args.tier_memory is None:
+        args.tier_memory = DEFAULT_TIER_MEMORY
+    if args.tier == "mooncake" and args.tier_memory < 16 << 20:
+        raise ValueError("--tier-memory: a Mooncake segment needs at least 16MiB")
+    if args.write_through is None:
+        args.write_through = True
 
 
 MAX_SIMULATED_POOL_PAGES = 2**24
@@ -147,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
         args.workload, num_requests=args.requests, seed=args.seed,
         max_request_tokens=plan.limits.max_context_tokens,
     )
+    if args.tier is not None:
+        return _run_with_tier(args, plan, requests)
     options: dict[str, Any] = {"enable_prefix_caching": args.prefix_caching}
     if args.state_checkpoint_interval is not None:
         options["state_checkpoint_interval"] = args.state_checkpoint_interval
@@ -172,4 +214,16 @@ def run(args: argparse.Namespace) -> int:
         print_summary(summary, Console(width=100))
         if args.plot:
             print(f"plot written to {args.plot}")
+    return 0
+
+
+def _run_with_tier(args: argparse.Namespace, plan, requests) -> int:
+    from hybridkv.cli.simulate_cluster import report, run_cluster_command
+
+    summary = run_cluster_command(args, plan, requests, build_plan)
+    summary.update(
+        workload=args.workload, requests=len(requests), kv_memory_bytes=plan.budget_bytes,
+        page_space=args.page_space, model=plan.layout.name,
+    )
+    report(summary, args)
     return 0

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -65,6 +66,7 @@ class RequestRecord:
     produced_tokens: int
     start_step: int
     finish_step: int
+    first_tier_hit_tokens: int = 0  # of first_hit_tokens, loaded from a tier
 
 
 @dataclass
@@ -106,6 +108,7 @@ class SimResult:
             "mean_running": float(self.running.mean()) if self.steps else 0.0,
             "prompt_tokens": prompt,
             "hit_tokens": first_hits,
+            "tier_hit_tokens": int(sum(r.first_tier_hit_tokens for r in self.requests)),
             "token_hit_rate": first_hits / prompt if prompt else 0.0,
             "preemptions": int(self.preemptions.sum()),
             "shrunk_chunks": int(self.shrunk_chunks.sum()) if self.shrunk_chunks is not None else 0,
@@ -137,6 +140,7 @@ class Simulator:
         step_token_budget: int,
         max_steps: int = 1_000_000,
         min_chunk_tokens: int = 256,
+        tier: Any = None,
     ):
         if max_running < 1 or step_token_budget < 1:
             raise ValueError("max_running and step_token_budget must be positive")
@@ -151,6 +155,9 @@ class Simulator:
         self.budget = int(step_token_budget)
         self.max_steps = int(max_steps)
         self.min_chunk_tokens = int(min_chunk_tokens)
+        # The engine's side of a tier link (hybridkv.sim.cluster.TierEngine): loads a new
+        # request's tier hit, runs each step's offloads. None: no tier.
+        self.tier = tier
         total = [r.prompt_tokens + r.output_tokens for r in self.requests]
         too_long = [r.request_id for r, t in zip(self.requests, total) if t > manager.max_context_tokens]
         if too_long:
@@ -161,14 +168,30 @@ class Simulator:
             )
 
     def run(self, on_step: Callable[[int, int], None] | None = None) -> SimResult:
+        steps = self.steps(on_step)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def steps(self, on_step: Callable[[int, int], None] | None = None, finished_ids: set[str] | None = None,
+              ) -> Generator[bool, None, SimResult]:
+        """``run`` one step at a time: yields whether the step scheduled work; returns the result.
+
+        ``finished_ids`` shared by several simulators (a cluster) lets a request wait for one
+        that another runs: an instance with only such requests then idles a step at a time
+        (instead of skipping ahead or giving up) until its driver stops calling it."""
         mgr = self.manager
         gids = tuple(s.group_id for s in mgr.specs)
         pending = deque(sorted(self.requests, key=lambda r: r.arrival_step))
-        finished_ids: set[str] = set()
+        shared = finished_ids is not None
+        finished_ids = set() if finished_ids is None else finished_ids
         waiting: deque[_Live] = deque()  # arrived, not started (or preempted)
         running: list[_Live] = []
         records: list[RequestRecord] = []
         first_hit: dict[str, int] = {}
+        first_tier_hit: dict[str, int] = {}
         total_sched: dict[str, int] = {}
         preempt_count: dict[str, int] = {}
         series = {k: [] for k in ("running", "sched", "hit", "prompt", "preempt", "shrunk", "us")}
@@ -194,6 +217,10 @@ class Simulator:
             blocked = still
             if not (waiting or running):
                 # Idle: nothing to schedule until the next arrival, so skip to it.
+                if shared:
+                    step += 1
+                    yield False
+                    continue
                 if pending:
                     step = max(step + 1, pending[0].arrival_step)
                     continue
@@ -256,6 +283,13 @@ class Simulator:
                 t0 = time.perf_counter()
                 hit = mgr.add_request(live.rid, seq, max_new_tokens=remaining)
                 live.hit_tokens = hit.hit_tokens
+                denied = False
+                if self.tier is not None:
+                    us += (time.perf_counter() - t0) * 1e6
+                    # the device hit and what the store adds; a load that got no pages waits
+                    # for them (as a chunk that does not fit) while others run
+                    live.hit_tokens, denied = self.tier.load(live.rid)
+                    t0 = time.perf_counter()
                 live.scheduled_tokens = 0
                 live.context_tokens = seq.size
                 n = max(1, min(self._prefill_left(live), budget))
@@ -263,22 +297,23 @@ class Simulator:
                 # cached pages that the batch admitted so far may have been counting on.
                 answers = mgr.check_admission(items + [(live.rid, n)])
                 answer = next((a for a in answers if not a.ok), answers[-1])
-                ok = answer.ok
+                ok = answer.ok and not (denied and running)
                 if not ok and not running:
                     # Alone, a first chunk larger than a pool would otherwise never start.
                     fit = self._fitting_tokens(live.rid, n, n, items)
                     ok = memory_short = fit > 0
                     n = fit or n
                 if not ok:
-                    refusal = answer.reason
+                    refusal = answer.reason if not answer.ok else "its tier load got no pages"
                     mgr.free(live.rid)
                 us += (time.perf_counter() - t0) * 1e6
                 if not ok:
                     break
                 waiting.popleft()
                 if live.incarnation == 0:
-                    first_hit[live.rid] = hit.hit_tokens
-                    hits_now += hit.hit_tokens
+                    first_hit[live.rid] = live.hit_tokens
+                    first_tier_hit[live.rid] = live.hit_tokens - hit.hit_tokens
+                    hits_now += live.hit_tokens
                     prompt_now += live.request.prompt_tokens
                 live.started_step = step if live.started_step < 0 else live.started_step
                 running.append(live)
@@ -294,10 +329,13 @@ class Simulator:
                         f"the cache is too small for it ({refusal})"
                     )
                 step += 1
+                yield False
                 continue
             t0 = time.perf_counter()
             mgr.schedule(items)
             us += (time.perf_counter() - t0) * 1e6
+            if self.tier is not None:
+                self.tier.offload()  # before the step writes a page
             # "Sample": requests whose context is complete produce a token.
             still_running = []
             scheduled = {id(lv) for lv, _ in batch}
@@ -313,12 +351,15 @@ class Simulator:
                         us += (time.perf_counter() - t0) * 1e6
                         finished_ids.add(live.rid)
                         records.append(self._record(live, step, first_hit, total_sched, preempt_count))
+                        records[-1].first_tier_hit_tokens = first_tier_hit.get(live.rid, 0)
                         continue
                     t0 = time.perf_counter()
                     mgr.append_token_ids(live.rid, live.request.output_token_ids[live.produced - 1 : live.produced])
                     us += (time.perf_counter() - t0) * 1e6
                 still_running.append(live)
             running = [lv for lv in running if id(lv) not in scheduled] + still_running
+            if self.tier is not None:
+                self.tier.offload()  # what the finished requests published, out before others look
             series["running"].append(len(items))
             series["sched"].append(sum(n for _, n in items))
             series["hit"].append(hits_now)
@@ -331,6 +372,7 @@ class Simulator:
             step += 1
             if on_step is not None:
                 on_step(step, len(records))
+            yield True
         stats = mgr.stats()
         if mgr.arena is not None:
             g = mgr.arena.geometry
