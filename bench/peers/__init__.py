@@ -12,6 +12,7 @@ import functools
 # line name -> "module:loader"; a loader returns the side class or why it is not importable.
 PEER_LINES = {
     "tokenspeed 0.1.30": "peers.tokenspeed_side:load_tokenspeed_side",
+    "SGLang 0.5.23": "peers.sglang_side:load_sglang_side",
 }
 
 

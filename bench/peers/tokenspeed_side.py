@@ -23,7 +23,9 @@ tokenspeed's Python package imports ``tokenspeed_kernel`` (GPU kernels) at
 module level; when that package is absent, a stand-in module answers every
 name with a function that raises, and ``dsv4_indexer_cache_format`` (the one
 kernel-package call the sizing makes) with the format asked for ("mxfp4" when
-FP4 is requested, else "fp8").
+FP4 is requested, else "fp8"). ``torchvision`` is a stand-in too
+(``stand_ins``): transformers imports it when installed, and the wheel's
+compiled ops need a CUDA torch.
 
 The hit of a request is ``extend_prefix_lens`` of its first forward: the
 prefix tokens the scheduler's admission found cached.
@@ -31,16 +33,15 @@ prefix tokens the scheduler's admission found cached.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import json
-import sys
 import types
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+
+from peers import stand_ins
 
 SCHEDULER_VERSION = "0.1.30"
 LINE = f"tokenspeed {SCHEDULER_VERSION}"
@@ -48,38 +49,12 @@ V4_PREFIX_GRANULARITY_TOKENS = 256  # tokenspeed's default for DeepSeek V4 (DEEP
 MAX_ROUNDS_PER_REQUEST = 1 << 22
 
 
-class _StubModule(types.ModuleType):
-    """A GPU-kernel module: every name is a function that raises when called."""
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-
-        def gpu_only(*_args: Any, **_kwargs: Any) -> Any:
-            raise RuntimeError(f"{self.__name__}.{name} is a GPU kernel (stubbed on CPU)")
-
-        return gpu_only
-
-
-class _KernelStubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname == "tokenspeed_kernel" or fullname.startswith("tokenspeed_kernel."):
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec: Any) -> types.ModuleType:
-        module = _StubModule(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        if module.__name__ == "tokenspeed_kernel.ops.attention.dsv4":
-            module.dsv4_indexer_cache_format = lambda requested: "mxfp4" if requested else "fp8"
-
-
-def _stub_kernels_if_absent() -> None:
+def _install_stand_ins() -> None:
     if importlib.util.find_spec("tokenspeed_kernel") is None:
-        sys.meta_path.insert(0, _KernelStubFinder())
+        stand_ins.install("tokenspeed_kernel", stand_ins.RaisingModule, {
+            "tokenspeed_kernel.ops.attention.dsv4": {
+                "dsv4_indexer_cache_format": lambda requested: "mxfp4" if requested else "fp8"}})
+    stand_ins.install("torchvision", stand_ins.InertModule)
 
 
 def load_tokenspeed_side() -> type | str:
@@ -91,7 +66,7 @@ def load_tokenspeed_side() -> type | str:
 
     if (found := version("tokenspeed-scheduler")) != SCHEDULER_VERSION:
         return f"tokenspeed-scheduler {found} installed; this side speaks {SCHEDULER_VERSION}"
-    _stub_kernels_if_absent()
+    _install_stand_ins()
     try:
         _tokenspeed()
     except ImportError as exc:
