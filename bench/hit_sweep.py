@@ -33,8 +33,9 @@ first probe. Lines:
   ``bench/vs_vllm``'s ``VllmSide`` builds it, with
   ``prefix_cache_retention_interval`` 0 (vLLM's default) / ``None`` (a
   checkpoint at every boundary);
-* ``tokenspeed 0.1.30``: tokenspeed's scheduler sized by its own V4 recipe
-  (``bench/peers``; run with the peers environment's python, bench/README.md);
+* ``tokenspeed 0.1.30`` / ``SGLang 0.5.23``: tokenspeed's scheduler sized by
+  its own V4 recipe / SGLang's V4 pool, SWA allocator and radix tree sized by
+  its own configurator (``bench/peers``; the peers environment, bench/README.md);
 * ``offline bound``: ``hybridkv.sim.offline_bound`` (Belady-style, with
   knowledge of the future, under the same one-at-a-time model);
 * ``ideal (256 grain)``: ``ideal_hit_tokens(..., grain_tokens=256)``, no budget.
