@@ -42,6 +42,7 @@ torch path.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -106,8 +107,9 @@ def _sglang() -> types.SimpleNamespace:
         SpeculativeAlgorithm=SpeculativeAlgorithm)
 
 
+@functools.cache
 def _model_dir() -> str:
-    """A directory holding the bundled DeepSeek-V4-Flash config as SGLang reads it."""
+    """A directory holding the bundled DeepSeek-V4-Flash config as SGLang reads it (one a process)."""
     import hybridkv.models
 
     config = json.loads((Path(hybridkv.models.__file__).parent / "configs" / "deepseek-v4-flash.json").read_text())
