@@ -33,6 +33,9 @@ first probe. Lines:
   ``bench/vs_vllm``'s ``VllmSide`` builds it, with
   ``prefix_cache_retention_interval`` 0 (vLLM's default) / ``None`` (a
   checkpoint at every boundary);
+* ``tokenspeed 0.1.30`` / ``SGLang 0.5.23``: tokenspeed's scheduler sized by
+  its own V4 recipe / SGLang's V4 pool, SWA allocator and radix tree sized by
+  its own configurator (``bench/peers``; the peers environment, bench/README.md);
 * ``offline bound``: ``hybridkv.sim.offline_bound`` (Belady-style, with
   knowledge of the future, under the same one-at-a-time model);
 * ``ideal (256 grain)``: ``ideal_hit_tokens(..., grain_tokens=256)``, no budget.
@@ -65,13 +68,14 @@ from hybridkv.sim.workloads import (  # noqa: E402
     load_jsonl_trace,
     multiturn_workload,
 )
+from peers import PEER_LINES, load_peer_side, peer_lines_skipped  # noqa: E402
 from vs_vllm.sides import HybridkvSide, load_vllm_side  # noqa: E402
 
 GIB = 2**30
 CHUNK_TOKENS = 2048
 ANSWER_CHUNK_TOKENS = 256
 MAX_NUM_SEQS = 16  # the plan reserves running state for this many; the sweep runs one at a time
-LINES = ("hybridkv shared", "hybridkv per-group", "vLLM default", "vLLM retention None", "offline bound")
+LINES = ("hybridkv shared", "hybridkv per-group", "vLLM default", "vLLM retention None", *PEER_LINES, "offline bound")
 
 
 def parse_bytes(text: str) -> int:
@@ -146,6 +150,8 @@ def serve_in_order(side: Any, requests: list) -> np.ndarray:
 def make_side(line: str, budget_bytes: int, max_model_len: int, vllm_side: Any) -> Any:
     common = dict(kv_memory_bytes=budget_bytes, max_model_len=max_model_len,
                   max_num_batched_tokens=CHUNK_TOKENS, max_num_seqs=MAX_NUM_SEQS)
+    if line in PEER_LINES:  # bench/peers: a side with serve(requests)
+        return load_peer_side(line)(**common)
     if line.startswith("hybridkv"):
         return HybridkvSide(page_space="shared" if line.endswith("shared") else "per-group", **common)
     retention = 0 if line == "vLLM default" else None
@@ -171,7 +177,7 @@ def run_line(line: str, requests: list, budget_bytes: int, vllm_side: Any, sizes
     max_model_len = -(-longest // 4096) * 4096
     try:
         side = make_side(line, budget_bytes, max_model_len, vllm_side)
-        hits = serve_in_order(side, requests)
+        hits = side.serve(requests) if hasattr(side, "serve") else serve_in_order(side, requests)
     except (RuntimeError, ValueError) as exc:
         return dict(hit_rate=None, error=str(exc)[:300], seconds=time.perf_counter() - start)
     result = dict(hit_rate=float(hits.sum() / prompt_tokens), seconds=time.perf_counter() - start)
@@ -289,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(vllm_side, str):
         print(f"# vLLM lines skipped: {vllm_side}", file=sys.stderr)
         lines = [line for line in lines if not line.startswith("vLLM")]
+    for line, reason in peer_lines_skipped(lines).items():
+        print(f"# {line} skipped: {reason}", file=sys.stderr)
+        lines.remove(line)
     sizes = UnitBytes.from_layout(cache_layout("deepseek-v4-flash", indexer="fp8"))
     results: dict[str, Any] = {}
     for workload, requests in build_workloads(args).items():

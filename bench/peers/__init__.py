@@ -1,0 +1,31 @@
+"""Peer cache managers driven as lines of ``bench/hit_sweep.py`` (issue 21).
+
+One module per peer; each imports its peer only inside itself, and each has a
+``load_*`` function that returns the side class, or a sentence saying why the
+peer is not importable here. bench/README.md has the environments.
+"""
+
+from __future__ import annotations
+
+import functools
+
+# line name -> "module:loader"; a loader returns the side class or why it is not importable.
+PEER_LINES = {
+    "tokenspeed 0.1.30": "peers.tokenspeed_side:load_tokenspeed_side",
+    "SGLang 0.5.23": "peers.sglang_side:load_sglang_side",
+}
+
+
+@functools.cache
+def load_peer_side(line: str) -> type | str:
+    """The side class of a peer line, or a sentence saying why it cannot run here."""
+    import importlib
+
+    module, loader = PEER_LINES[line].split(":")
+    return getattr(importlib.import_module(module), loader)()
+
+
+def peer_lines_skipped(lines: list[str]) -> dict[str, str]:
+    """The peer lines among ``lines`` that cannot run in this Python, with the reason."""
+    loaded = {line: load_peer_side(line) for line in lines if line in PEER_LINES}
+    return {line: side for line, side in loaded.items() if isinstance(side, str)}
