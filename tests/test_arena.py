@@ -216,7 +216,7 @@ def test_refusal_names_the_arena_and_changes_nothing():
 def test_reclaim_evicts_cached_pages_of_the_donor_slab():
     arena, pools = bare_arena()
     removed = []
-    pools["kv"].on_removed = removed.append
+    pools["kv"].on_removed = lambda key, cause, idle: removed.append((key, cause, idle))
     arena.apply(arena.plan({"kv": 32}, {}))  # all 4 slabs to kv
     pages = pools["kv"].allocate(3)  # 2, 3, 4 in slab 0
     assert pools["kv"].publish("block", pages)
@@ -225,7 +225,7 @@ def test_reclaim_evicts_cached_pages_of_the_donor_slab():
     grants = arena.plan({"swa": 1}, {"kv": 8})
     assert grants == [("swa", 0, "kv")]  # slab 0: 3 evictable + 5 free pages
     arena.apply(grants)
-    assert removed == ["block"] and pools["kv"].counters.evicted_pages == 3
+    assert removed == [("block", "revoked", 3)] and pools["kv"].counters.evicted_pages == 3
     assert pools["kv"].num_cached_pages == 0 and pools["kv"].usable_pages == 24
     arena.check_invariants()
 
@@ -332,7 +332,8 @@ def test_a_step_that_must_borrow_still_grows_rather_than_evicts():
     """The grow-before-evict rule also holds on the path where a group must take
     slabs: both spare slabs go to the window group, so it keeps its cached checkpoint;
     the history group, with no spare slab left, evicts two blocks (prompt checkpoints
-    off: the cached pages are worked out from own checkpoints only)."""
+    off: the cached pages are worked out from own checkpoints only), and with them the
+    checkpoint they were below."""
     m = small_manager(slabs=5, enable_prefix_caching=True, prompt_checkpoints=False)
     m.add_request("a", np.arange(100, dtype=np.int32), max_new_tokens=1)
     for _ in range(25):
@@ -348,8 +349,12 @@ def test_a_step_that_must_borrow_still_grows_rather_than_evicts():
     # swa would still evict its checkpoint for the 15th page, so it takes slab 4 too.
     m.schedule([("b", 60)])
     assert m.arena.owner.tolist() == [0, 1, 0, 0, 0]
-    assert m.stats()["swa"].evicted_pages == 0 and m.stats()["swa"].cached_pages == 2
+    # The history group evicts two blocks, its chain's tail first; the checkpoint at 96
+    # needs every block below 96, so under the default value policy it goes with them
+    # (swa's 2 pages, reason "unit"); with every group on its own LRU it would stay.
     assert m.stats()["kv"].evicted_pages == 2
+    assert m.stats()["swa"].evicted_pages == 2 and m.stats()["swa"].cached_pages == 0
+    assert m.prefix.value_report()["swa"].evicted_pages["unit"] == 2
     live_byte_ranges_disjoint(m)
     m.check_invariants()
 

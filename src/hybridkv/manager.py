@@ -161,6 +161,7 @@ class CacheManager:
         on_event: Any = None,
         arena: ArenaGeometry | None = None,
         checkpoint_window_tokens: Mapping[str, int] | None = None,
+        eviction_policy: str = "value",
     ):
         self.specs = tuple(specs)
         ids = [s.group_id for s in self.specs]
@@ -214,6 +215,7 @@ class CacheManager:
                 state_checkpoint_interval=state_checkpoint_interval, prompt_checkpoints=prompt_checkpoints,
                 on_event=on_event,
                 checkpoint_window_tokens=checkpoint_window_tokens,
+                eviction_policy=eviction_policy,
             )
 
     @classmethod
@@ -594,7 +596,25 @@ class CacheManager:
                     freed = scan.releasing[gid] = freed[~pool.cached[freed]]  # keyed ones stay cached
                     left += freed.size
             spare[gid] = max(left, 0)
+        self._cheap_donor_pages(short, spare, scan)
         return arena.plan(short, spare, scan, partial=True, owner=own)
+
+    def _cheap_donor_pages(self, short: dict, spare: dict, scan: IdleScan) -> None:
+        """Value-based slab moves: a donor's idle entries worth less than the least
+        recently used usable entry a short group would evict (orphans, prompt
+        checkpoints, older entries) count as idle in ``scan`` and as spare pages."""
+        policy = self.prefix.eviction if self.prefix is not None else None
+        if policy is None or not policy.acts or not spare:
+            return
+        ticks = [t for t in (policy.oldest_usable_tick(g) for g in short) if t is not None]
+        if not ticks:
+            return
+        before = min(ticks)
+        for gid in spare:
+            cheap = policy.cheap_pages(gid, before)
+            if cheap.size:
+                scan.cheap[gid] = cheap
+                spare[gid] += int(cheap.size)
 
     @staticmethod
     def _deny_greedily(plan, net, avail, fits, deny, arena=None, scan=None) -> None:

@@ -31,6 +31,7 @@ import numpy as np
 import xxhash
 
 from hybridkv._checks import as_int
+from hybridkv.eviction import GroupValueStats, ValueEviction
 from hybridkv.pool import PagePool
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables import GroupTable
@@ -172,6 +173,7 @@ class PrefixCache:
         on_event: Callable[[CacheEvent], None] | None = None,
         max_buffered_events: int = 100_000,
         checkpoint_window_tokens: Mapping[str, int] | None = None,
+        eviction_policy: str = "value",
     ):
         self.specs = tuple(specs)
         windows = _checkpoint_windows(self.specs, checkpoint_window_tokens)
@@ -205,6 +207,8 @@ class PrefixCache:
         # the entry is unpublished when none is left. Pinned holds are never dropped.
         self._holders: dict[str, dict[int, int]] = {gid: {} for gid in self.state_ids}
         self._windows = windows
+        # What goes first when a pool must evict (hybridkv.eviction): units, orphans.
+        self.eviction = ValueEviction(pools, self.history_ids, self.state_ids, eviction_policy)
         for gid, pool in pools.items():
             pool.on_removed = self._removed_callback(gid)
 
@@ -383,6 +387,7 @@ class PrefixCache:
         parent = hashes.parent(boundary)
         self._meta[gid][key] = (parent, boundary, num_pages)
         self.stats[gid].stored_entries += 1
+        self.eviction.stored(gid, key, parent)
         return ("stored", gid, key, parent, boundary, num_pages)
 
     def _hold(self, own: OwnCheckpoint, gid: str, key: int) -> None:
@@ -408,13 +413,19 @@ class PrefixCache:
         for pool in self.pools.values():
             pool.clear_cache()
 
+    def value_report(self) -> dict[str, GroupValueStats]:
+        """Per group: cached pages and entries, usable entries, evicted pages by reason
+        (:class:`hybridkv.eviction.GroupValueStats`)."""
+        return self.eviction.report()
+
     # --- events ---------------------------------------------------------------
     def _removed_callback(self, gid: str) -> Callable[[int], None]:
-        def removed(key: int) -> None:
+        def removed(key: int, cause: str, idle_pages: int) -> None:
             parent, boundary, n = self._meta[gid].pop(key, (None, 0, 0))
             self._holders.get(gid, {}).pop(key, None)
             self.stats[gid].removed_entries += 1
             self._emit(("removed", gid, key, parent, boundary, n))
+            self.eviction.removed(gid, key, cause, idle_pages)
 
         return removed
 
