@@ -462,7 +462,7 @@ class CacheManager:
         deny: dict[int, str] = {}
         if fixed_width:
             self._deny_past_capture_width(plan, fits, deny)
-        covered = None if deny else self._coverage(plan.alloc_sums)
+        covered = None if deny else self._coverage(plan.alloc_sums, plan.rel_sums)
         if covered is not None:
             # No credit needed. On an arena with spare slabs, a group that would have to
             # evict valuable cached pages grows instead: they go only when memory is short.
@@ -522,18 +522,19 @@ class CacheManager:
                     f"capture width {self.table_widths[gid]}"
                 )
 
-    def _coverage(self, sums: list[int]) -> bool | None:
-        """True: clean pages, or idle low-priority ones (evicted first anyway), cover every
-        group's ``sums`` (most decode steps). False: free and evictable pages cover them,
-        but some group would evict valuable entries. None: some group is short."""
+    def _coverage(self, sums: list[int], released: list[int]) -> bool | None:
+        """True: clean pages, the pages the step releases first, or idle low-priority ones
+        (evicted first anyway), cover every group's ``sums`` (most decode steps). False:
+        free and evictable pages cover them, but some group would evict valuable entries.
+        None: some group is short."""
         covered = True
-        for n, pool in zip(sums, self._pool_list):
+        for n, pool, freed in zip(sums, self._pool_list, released):
             clean = pool.num_clean_free_pages
             if n <= clean:
                 continue
             if n > pool.num_free_pages:
                 return None
-            if n > clean + pool.num_low_priority_idle_pages:
+            if n > clean + freed + pool.num_low_priority_idle_pages:
                 covered = False
         return covered
 
@@ -550,9 +551,10 @@ class CacheManager:
             return plan.grants is not None
 
         need = plan.alloc
-        if not totals_fit(need):
+        if not totals_fit(need) or plan.grants:
             # The step's releases run before slabs move, so a donor slab whose pages are
-            # all idle once they are released can be lent too.
+            # all idle once they are released can be lent too; and a group whose own
+            # releases cover it takes no slab from another (which would evict there).
             scan = IdleScan(releasing={})
             need = {g: plan.alloc[g] - self._release_credit(g, plan.rows, plan.new_base[g], scan.releasing)
                     for g in avail}
@@ -562,9 +564,11 @@ class CacheManager:
         if arena is not None:
             # As when no credit is needed: a group that would evict cached pages grows instead.
             sums = [int(need[g][fits].sum()) for g in self._group_ids]
-            plan.grants = plan.grants + self._grow_instead_of_evicting(sums, after=plan.grants)
+            released = plan.rel_sums if need is plan.alloc else None  # gross sums: releases run first
+            plan.grants = plan.grants + self._grow_instead_of_evicting(sums, after=plan.grants, released=released)
 
-    def _grow_instead_of_evicting(self, sums: list[int], after: list | None = None, plan=None) -> list:
+    def _grow_instead_of_evicting(self, sums: list[int], after: list | None = None, plan=None,
+                                  released: list | None = None) -> list:
         """Slabs for groups that would have to evict cached pages to get ``sums`` pages
         (counting what the grants ``after`` already give them): spare slabs first, then
         slabs of other groups whose pages are all clean free (with ``plan``, whose
@@ -575,13 +579,17 @@ class CacheManager:
         # Low-priority cached pages (prompt checkpoints) are meant to go first: a group
         # holding idle ones evicts them rather than grow.
         short, donors = {}, []
-        for gid, pool, n in zip(self._group_ids, self._pool_list, sums):
+        # Gross ``sums`` (with ``plan``): the step's releases run first, so a sliding group's
+        # prefill chunk reuses the previous chunk's pages rather than grow for both.
+        if released is None:
+            released = plan.rel_sums if plan is not None else [0] * len(sums)
+        for gid, pool, n, freed in zip(self._group_ids, self._pool_list, sums, released):
             clean = pool.num_clean_free_pages + gained.get(gid, 0)
-            if n > clean:
+            if n > clean + freed:
                 # What idle low-priority pages cannot cover would evict valuable entries.
                 low = pool.num_low_priority_idle_pages
-                if n > clean + low:
-                    short[gid] = n - clean - low
+                if n > clean + freed + low:
+                    short[gid] = n - clean - freed - low
             else:
                 donors.append((gid, pool, clean - n))
         if not short:
