@@ -149,17 +149,21 @@ class ValueEviction:
 
     def _drop_support(self, key: Hashable) -> None:
         """A complete checkpoint at ``key`` went: -1 there, and up the chain while a
-        block loses its last support (demoted: an orphan goes before usable entries)."""
+        block loses its last support (demoted: an orphan goes before usable entries).
+        The orphans are demoted head first, so the tail ends at the front of the LRU."""
+        orphans = []
         while (node := self._nodes.get(key)) is not None and node[1] > 0:
             node[1] -= 1
             if node[1]:
-                return
-            for gid in self.history_ids if self.acts else ():
-                if self.pools[gid].lookup(key) is not None:
-                    self.pools[gid].demote(key)
+                break
+            orphans.append(key)
             parent = node[0]
             self._forget_if_idle(key)
             key = parent
+        for key in reversed(orphans) if self.acts else ():
+            for gid in self.history_ids:
+                if self.pools[gid].lookup(key) is not None:
+                    self.pools[gid].demote(key)
 
     def _forget_if_idle(self, key: Hashable) -> None:
         node = self._nodes.get(key)
