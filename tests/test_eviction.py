@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from test_prefix import ALL, C4KV, C128KV, C128S, C4S, HISTORY, IDX, STATE, SWA, cat, events_of, ids, make_manager, \
-    run_request
+from hybridkv.manager import CacheManager
+from test_prefix import ALL, C4KV, C128KV, C128S, C4S, HISTORY, IDX, SPECS, STATE, SWA, cat, events_of, ids, \
+    make_manager, run_request
 
 
 def _checkpoint_key(events, gid: str, tokens: int) -> int:
@@ -118,3 +119,24 @@ def test_no_group_keeps_what_cannot_produce_a_hit(program):
             low = sum(1 for k in pool.entry_keys() if pool.low_priority[pool.lookup(k)[0]])
             assert report[g].cached_entries - report[g].usable_entries <= low
         assert {g for g in ALL} == set(report)
+
+
+def test_checkpoint_policy_names_and_the_older_switch():
+    """``checkpoint_policy`` names what ``prompt_checkpoints`` switched: the default keeps
+    every prompt boundary (low priority), "terminal-and-junctions" only the latest."""
+    def stored_swa(**options):
+        mgr = CacheManager(SPECS, {s.group_id: 1200 for s in SPECS}, max_context_tokens=8192,
+                           enable_prefix_caching=True, **options)
+        run_request(mgr, "a", ids(160, 1100))
+        return mgr.prefix.checkpoint_policy, events_of(mgr.prefix.drain_events(), "stored", SWA)
+
+    # 1,100-token prompt, one step: boundaries 256, 512, 768 inside it, 1,024 the latest.
+    assert stored_swa() == ("prompt-boundaries", [256, 512, 768, 1024])
+    assert stored_swa(checkpoint_policy="terminal-and-junctions") == ("terminal-and-junctions", [1024])
+    assert stored_swa(prompt_checkpoints=False) == ("terminal-and-junctions", [1024])
+    assert stored_swa(prompt_checkpoints=True, checkpoint_policy="prompt-boundaries")[0] == "prompt-boundaries"
+    with pytest.raises(ValueError, match="contradicts"):
+        stored_swa(prompt_checkpoints=False, checkpoint_policy="prompt-boundaries")
+    with pytest.raises(ValueError, match="checkpoint_policy must be one of"):
+        stored_swa(checkpoint_policy="every-boundary")
+

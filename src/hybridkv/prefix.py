@@ -37,6 +37,24 @@ from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables import GroupTable
 
 HASH_ALGOS = ("xxh3_128", "sha256")
+# Which checkpoints a request keeps (docs/prefix-caching.md); ``state_checkpoint_interval``
+# adds every k-th boundary to either.
+CHECKPOINT_POLICIES = ("prompt-boundaries", "terminal-and-junctions")
+DEFAULT_CHECKPOINT_POLICY = "prompt-boundaries"
+
+
+def checkpoint_policy_name(checkpoint_policy: str | None, prompt_checkpoints: bool | None) -> str:
+    """The checkpoint policy from its name and/or the older ``prompt_checkpoints`` switch
+    (True: ``"prompt-boundaries"``, False: ``"terminal-and-junctions"``); ValueError when
+    the name is unknown or the two disagree."""
+    if checkpoint_policy is not None and checkpoint_policy not in CHECKPOINT_POLICIES:
+        raise ValueError(f"checkpoint_policy must be one of {CHECKPOINT_POLICIES}, got {checkpoint_policy!r}")
+    if prompt_checkpoints is None:
+        return checkpoint_policy or DEFAULT_CHECKPOINT_POLICY
+    implied = CHECKPOINT_POLICIES[0] if prompt_checkpoints else CHECKPOINT_POLICIES[1]
+    if checkpoint_policy is not None and checkpoint_policy != implied:
+        raise ValueError(f"prompt_checkpoints={prompt_checkpoints!r} contradicts checkpoint_policy={checkpoint_policy!r}")
+    return implied
 
 
 def _hash_fn(algo: str) -> Callable[[bytes], int]:
@@ -169,7 +187,8 @@ class PrefixCache:
         granularity_tokens: int | None = None,
         hash_algo: str = "xxh3_128",
         state_checkpoint_interval: int | None = None,
-        prompt_checkpoints: bool = True,
+        prompt_checkpoints: bool | None = None,
+        checkpoint_policy: str | None = None,
         on_event: Callable[[CacheEvent], None] | None = None,
         max_buffered_events: int = 100_000,
         checkpoint_window_tokens: Mapping[str, int] | None = None,
@@ -194,7 +213,8 @@ class PrefixCache:
                 )
             state_checkpoint_interval = n
         self.state_checkpoint_interval = state_checkpoint_interval
-        self.prompt_checkpoints = bool(prompt_checkpoints)
+        self.checkpoint_policy = checkpoint_policy_name(checkpoint_policy, prompt_checkpoints)
+        self.prompt_checkpoints = self.checkpoint_policy == "prompt-boundaries"
         self.on_event = on_event
         # Without a callback, events wait in a bounded buffer for drain_events();
         # past max_buffered_events the oldest are dropped (and counted).
