@@ -592,8 +592,10 @@ class CacheManager:
                 low = pool.num_low_priority_idle_pages
                 if n > clean + freed + low:
                     short[gid] = n - clean - freed - low
-            else:
-                donors.append((gid, pool, clean - n))
+                    continue
+            # Not short: it may give what it does not need (its own low-priority pages
+            # first cover its shortfall, so it may start below zero).
+            donors.append((gid, pool, clean - n))
         if not short:
             return []
         scan = IdleScan(releasing={} if plan is not None else None, clean=True)
@@ -605,8 +607,9 @@ class CacheManager:
                 if freed is not None:
                     freed = scan.releasing[gid] = freed[~pool.cached[freed]]  # keyed ones stay cached
                     left += freed.size
-            spare[gid] = max(left, 0)
+            spare[gid] = left
         self._cheap_donor_pages(short, spare, scan)
+        spare = {gid: max(left, 0) for gid, left in spare.items()}
         return arena.plan(short, spare, scan, partial=True, owner=own)
 
     def _cheap_donor_pages(self, short: dict, spare: dict, scan: IdleScan) -> None:
