@@ -464,7 +464,7 @@ class CacheManager:
         deny: dict[int, str] = {}
         if fixed_width:
             self._deny_past_capture_width(plan, fits, deny)
-        covered = None if deny else self._coverage(plan.alloc_sums, plan.rel_sums)
+        covered = None if deny else self._coverage(plan.alloc_sums, plan)
         if covered is not None:
             # No credit needed. On an arena with spare slabs, a group that would have to
             # evict valuable cached pages grows instead: they go only when memory is short.
@@ -524,21 +524,42 @@ class CacheManager:
                     f"capture width {self.table_widths[gid]}"
                 )
 
-    def _coverage(self, sums: list[int], released: list[int]) -> bool | None:
-        """True: clean pages, the pages the step releases first, or idle low-priority ones
+    def _coverage(self, sums: list[int], plan: _StepPlan) -> bool | None:
+        """True: clean pages, the pages the step frees first, or idle low-priority ones
         (evicted first anyway), cover every group's ``sums`` (most decode steps). False:
         free and evictable pages cover them, but some group would evict valuable entries.
         None: some group is short."""
         covered = True
-        for n, pool, freed in zip(sums, self._pool_list, released):
+        for k, (n, pool) in enumerate(zip(sums, self._pool_list)):
             clean = pool.num_clean_free_pages
             if n <= clean:
                 continue
             if n > pool.num_free_pages:
                 return None
-            if n > clean + freed + pool.num_low_priority_idle_pages:
+            if n > clean + pool.num_low_priority_idle_pages and n > clean + self._freed_first(plan, k) + \
+                    pool.num_low_priority_idle_pages:
                 covered = False
         return covered
+
+    def _freed_first(self, plan: _StepPlan, k: int) -> int:
+        """Pages of group ``k`` the step's releases put on the free stack before it
+        allocates (sole references without a key: keyed ones stay cached)."""
+        if not plan.rel_sums[k]:
+            return 0
+        gid, releasing = self._group_ids[k], {}
+        self._release_credit(gid, plan.rows, plan.new_base[gid], releasing)
+        freed = releasing.get(gid)
+        if freed is None:
+            return 0
+        freed = int(np.count_nonzero(~self._pool_list[k].cached[freed]))
+        window = self.prefix.checkpoint_windows.get(gid, 0) if self.prefix is not None else 0
+        if window:
+            # The step's commits run first and may publish released pages as checkpoints
+            # (then they stay cached): at most a window's pages per boundary crossed.
+            grain = self.prefix.granularity_tokens
+            crossed = int((plan.first // grain - self._committed.take(plan.rows) // grain).clip(0).sum())
+            freed -= crossed * (-(-window // self.specs[k].page_tokens) + 1)
+        return max(freed, 0)
 
     def _fit_with_credit(self, plan: _StepPlan, fits: np.ndarray, deny: dict[int, str]) -> None:
         """Admission when the allocations alone do not fit: count the pages the step's
@@ -565,12 +586,11 @@ class CacheManager:
                 return
         if arena is not None:
             # As when no credit is needed: a group that would evict cached pages grows instead.
-            sums = [int(need[g][fits].sum()) for g in self._group_ids]
-            released = plan.rel_sums if need is plan.alloc else None  # gross sums: releases run first
-            plan.grants = plan.grants + self._grow_instead_of_evicting(sums, after=plan.grants, released=released)
+            # Gross sums: the pages the releases free (not those they leave cached) count there.
+            sums = [int(plan.alloc[g][fits].sum()) for g in self._group_ids]
+            plan.grants = plan.grants + self._grow_instead_of_evicting(sums, after=plan.grants, plan=plan)
 
-    def _grow_instead_of_evicting(self, sums: list[int], after: list | None = None, plan=None,
-                                  released: list | None = None) -> list:
+    def _grow_instead_of_evicting(self, sums: list[int], after: list | None = None, plan=None) -> list:
         """Slabs for groups that would have to evict cached pages to get ``sums`` pages
         (counting what the grants ``after`` already give them): spare slabs first, then
         slabs of other groups whose pages are all clean free (with ``plan``, whose
@@ -583,10 +603,9 @@ class CacheManager:
         short, donors = {}, []
         # Gross ``sums`` (with ``plan``): the step's releases run first, so a sliding group's
         # prefill chunk reuses the previous chunk's pages rather than grow for both.
-        if released is None:
-            released = plan.rel_sums if plan is not None else [0] * len(sums)
-        for gid, pool, n, freed in zip(self._group_ids, self._pool_list, sums, released):
+        for k, (gid, pool, n) in enumerate(zip(self._group_ids, self._pool_list, sums)):
             clean = pool.num_clean_free_pages + gained.get(gid, 0)
+            freed = self._freed_first(plan, k) if plan is not None and n > clean else 0
             if n > clean + freed:
                 # What idle low-priority pages cannot cover would evict valuable entries.
                 low = pool.num_low_priority_idle_pages

@@ -232,6 +232,11 @@ class PrefixCache:
         for gid, pool in pools.items():
             pool.on_removed = self._removed_callback(gid)
 
+    @property
+    def checkpoint_windows(self) -> dict[str, int]:
+        """Per state group that stores checkpoints, the trailing tokens one stores."""
+        return {gid: self._windows[gid] for gid in self.state_ids}
+
     # --- keys ------------------------------------------------------------------
     def new_request_hashes(self, cache_salt: str | bytes | None) -> RequestHashes:
         if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
