@@ -37,8 +37,11 @@ first probe. Lines:
   knowledge of the future, under the same one-at-a-time model);
 * ``ideal (256 grain)``: ``ideal_hit_tokens(..., grain_tokens=256)``, no budget.
 
-Prints a table, writes JSON (``--json``, default ``bench/out/hit_sweep.json``)
-and, with ``--plot PATH``, one panel per workload.
+Prints a table, then per hybridkv run and group the value report
+(``mgr.prefix.value_report()``: cached and evicted pages, usable / cached
+entries, evicted pages by reason; docs/prefix-caching.md) and the arena's slabs;
+writes JSON (``--json``, default ``bench/out/hit_sweep.json``) and, with
+``--plot PATH``, one panel per workload.
 """
 
 from __future__ import annotations

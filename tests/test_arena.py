@@ -269,14 +269,15 @@ def test_a_group_grows_into_a_spare_slab_instead_of_evicting_cached_pages():
     kv = m.pools["kv"]
     cached = kv.num_cached_pages
     assert cached == 2 and kv.num_clean_free_pages == 6 and m.arena.num_spare_slabs == 2
-    # b needs 8 kv pages: 6 clean + 2 evictable would do, but a spare slab is taken instead.
-    # swa is short of clean pages too, but each step releases the previous chunk's pages
-    # below its window first, and those cover it: it keeps a's checkpoint without a slab.
+    # b needs 8 kv pages: 6 clean + 2 evictable would do, but a spare slab is taken instead
+    # (swa, short of clean pages too, takes the other one rather than evict a's checkpoint:
+    # its step's releases are not counted as room, since b's 16-token grain boundaries may
+    # publish them as checkpoints first).
     m.add_request("b", 1000 + np.arange(120, dtype=np.int32), max_new_tokens=1)
     for _ in range(8):
         m.schedule([("b", 15)])
     assert kv.counters.evicted_pages == 0 and kv.num_cached_pages > cached  # b published too
-    assert m.arena.slabs_owned() == {"swa": 2, "kv": 2} and m.arena.num_spare_slabs == 1
+    assert m.arena.slabs_owned() == {"swa": 3, "kv": 2} and m.arena.num_spare_slabs == 0
     assert m.stats()["swa"].evicted_pages == 0
     assert m.add_request("c", np.concatenate([a_ids[:33], [7]]).astype(np.int32)).hit_tokens == 32
     live_byte_ranges_disjoint(m)
@@ -340,16 +341,17 @@ def test_a_step_that_must_borrow_still_grows_rather_than_evicts():
     for _ in range(25):
         m.schedule([("a", 4)])
     m.free("a")
-    # swa: slab 0 (5 pages: each 4-token step's releases cover the next), 3 clean + the
-    # checkpoint at 96 (2 pages, cached); kv: slab 1, 2 clean pages + 6 cached blocks.
-    assert m.arena.owner.tolist() == [0, 1, -1, -1, -1]
-    assert (m.pools["swa"].num_clean_free_pages, m.pools["swa"].num_evictable_pages) == (3, 2)
+    # swa: slabs 0 and 2, 8 clean pages + the checkpoint at 96 (2 pages, cached);
+    # kv: slab 1, 2 clean pages + 6 cached blocks.
+    assert m.arena.owner.tolist() == [0, 1, 0, -1, -1]
+    assert (m.pools["swa"].num_clean_free_pages, m.pools["swa"].num_evictable_pages) == (8, 2)
     assert (m.pools["kv"].num_clean_free_pages, m.pools["kv"].num_evictable_pages) == (2, 6)
     m.add_request("b", 1000 + np.arange(60, dtype=np.int32), max_new_tokens=1)
-    # swa needs 15 pages: 3 clean + the 3 spare slabs (5, 6 and 6 pages with the straddlers)
-    # rather than evict its checkpoint; kv needs 4 with 2 clean and no slab left: it evicts
-    # two blocks, the tail of a's chain first (96's block, then the one below, an orphan by
-    # then), so the checkpoint at 96, which needs every block below 96, goes too ("unit").
+    # swa needs 15 pages: slab 3 (5 + the straddler with slab 2) is a must; with it swa
+    # would still evict its checkpoint for the 15th page, so it takes slab 4 too. kv needs
+    # 4 with 2 clean and no slab left: it evicts two blocks, the tail of a's chain first
+    # (96's block, then the one below, an orphan by then), so the checkpoint at 96, which
+    # needs every block below 96, goes too ("unit").
     m.schedule([("b", 60)])
     assert m.arena.owner.tolist() == [0, 1, 0, 0, 0]
     report = m.prefix.value_report()
