@@ -11,7 +11,9 @@ produce a hit:
   checkpoint entry leaves one state group (evicted, revoked for a slab,
   superseded), the checkpoint leaves every state group; when a history block
   leaves one history group, the block leaves every history group and the
-  checkpoint at its end leaves every state group (reason ``"unit"``).
+  checkpoint at its end leaves every state group (reason ``"unit"`` when the
+  first entry was evicted; a superseded or cleared one takes the rest along
+  unpublished, not counted as evicted).
 * **Orphans.** A history block is *supported* while a complete checkpoint sits
   at its end or deeper along its chain (a count per key: its own checkpoint
   plus its supported children). When the last support goes, the block is
@@ -118,10 +120,15 @@ class ValueEviction:
             others = self.state_ids
         else:
             others = self.history_ids + self.state_ids
+        # An eviction takes the rest of the unit as evictions ("unit"); an unpublished
+        # entry (a superseded checkpoint, a cleared cache) takes it unpublished.
+        follow = UNPUBLISHED if cause == UNPUBLISHED else UNIT
         for other in others if self.acts else ():
             pool = self.pools[other]
             if other != gid and pool.lookup(key) is not None:
-                pool.counters.evicted_pages += pool.unpublish(key, UNIT)
+                freed = pool.unpublish(key, follow)
+                if follow == UNIT:
+                    pool.counters.evicted_pages += freed
         self._forget_if_idle(key)
 
     def _reason(self, gid: str, node: list | None, cause: str) -> str:
