@@ -40,8 +40,11 @@ first probe. Lines:
   knowledge of the future, under the same one-at-a-time model);
 * ``ideal (256 grain)``: ``ideal_hit_tokens(..., grain_tokens=256)``, no budget.
 
-Prints a table, writes JSON (``--json``, default ``bench/out/hit_sweep.json``)
-and, with ``--plot PATH``, one panel per workload.
+Prints a table, then per hybridkv run and group the value report
+(``mgr.prefix.value_report()``: cached and evicted pages, usable / cached
+entries, evicted pages by reason; docs/prefix-caching.md) and the arena's slabs;
+writes JSON (``--json``, default ``bench/out/hit_sweep.json``) and, with
+``--plot PATH``, one panel per workload.
 """
 
 from __future__ import annotations
@@ -158,13 +161,22 @@ def make_side(line: str, budget_bytes: int, max_model_len: int, vllm_side: Any) 
     return vllm_side(prefix_cache_retention_interval=retention, **common)
 
 
-def group_diagnostics(side: Any) -> dict[str, dict[str, int]]:
-    """What ``CacheManager.stats()`` says per group after the run."""
-    return {
-        gid: dict(cached_pages=st.cached_pages, evicted_pages=st.evicted_pages,
-                  peak_used_pages=st.peak_used_pages, total_pages=st.total_pages)
-        for gid, st in side.manager.stats().items()
-    }
+def group_diagnostics(side: Any) -> dict[str, dict]:
+    """Per group after the run: ``CacheManager.stats()`` counts and the prefix cache's
+    value report (usable entries, evicted pages by reason; docs/prefix-caching.md)."""
+    manager = side.manager
+    value = manager.prefix.value_report() if manager.prefix is not None else {}
+    out = {}
+    for gid, st in manager.stats().items():
+        out[gid] = dict(cached_pages=st.cached_pages, evicted_pages=st.evicted_pages,
+                        peak_used_pages=st.peak_used_pages, total_pages=st.total_pages)
+        if gid in value:
+            v = value[gid]
+            out[gid].update(cached_entries=v.cached_entries, usable_entries=v.usable_entries,
+                            evicted_by_reason=v.evicted_pages)
+    if manager.arena is not None:
+        out["arena"] = dict(slabs_owned=manager.arena.slabs_owned(), slab_moves=manager.arena.slab_moves)
+    return out
 
 
 def run_line(line: str, requests: list, budget_bytes: int, vllm_side: Any, sizes: UnitBytes) -> dict:
@@ -208,15 +220,23 @@ def print_table(results: dict, budgets: list[int], lines: list[str]) -> None:
 
 
 def print_diagnostics(results: dict, budgets: list[int]) -> None:
-    """Per group, after each hybridkv run: pages cached (idle, published) / evicted in the run."""
+    """Per group, after each hybridkv run: pages cached / evicted, usable entries of the
+    cached ones, evicted pages by reason (prompt, orphan, lru, unit, slab), slabs owned."""
     for workload, entry in results.items():
         for line in ("hybridkv shared", "hybridkv per-group"):
             for budget in budgets:
                 groups = entry["budgets"][str(budget)].get(line, {}).get("groups")
-                if groups:
-                    cells = ", ".join(f"{gid.removeprefix('v4.')} {g['cached_pages']:,}/{g['evicted_pages']:,}"
-                                      for gid, g in groups.items())
-                    print(f"# {workload}, {line}, {budget / GIB:g} GiB, cached/evicted pages: {cells}")
+                if not groups:
+                    continue
+                print(f"# {workload}, {line}, {budget / GIB:g} GiB, per group: cached pages / evicted pages;"
+                      " usable / cached entries; evicted by reason")
+                for gid, g in groups.items():
+                    if gid == "arena":
+                        print(f"#   arena: slabs owned {g['slabs_owned']}, slab moves {g['slab_moves']:,}")
+                        continue
+                    reasons = ", ".join(f"{k} {n:,}" for k, n in g.get("evicted_by_reason", {}).items() if n)
+                    print(f"#   {gid.removeprefix('v4.')}: {g['cached_pages']:,} / {g['evicted_pages']:,}; "
+                          f"{g.get('usable_entries', 0):,} / {g.get('cached_entries', 0):,}; {reasons or '-'}")
 
 
 def write_plot(results: dict, budgets: list[int], lines: list[str], path: str) -> None:

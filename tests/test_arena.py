@@ -216,7 +216,7 @@ def test_refusal_names_the_arena_and_changes_nothing():
 def test_reclaim_evicts_cached_pages_of_the_donor_slab():
     arena, pools = bare_arena()
     removed = []
-    pools["kv"].on_removed = removed.append
+    pools["kv"].on_removed = lambda key, cause, idle: removed.append((key, cause, idle))
     arena.apply(arena.plan({"kv": 32}, {}))  # all 4 slabs to kv
     pages = pools["kv"].allocate(3)  # 2, 3, 4 in slab 0
     assert pools["kv"].publish("block", pages)
@@ -225,7 +225,7 @@ def test_reclaim_evicts_cached_pages_of_the_donor_slab():
     grants = arena.plan({"swa": 1}, {"kv": 8})
     assert grants == [("swa", 0, "kv")]  # slab 0: 3 evictable + 5 free pages
     arena.apply(grants)
-    assert removed == ["block"] and pools["kv"].counters.evicted_pages == 3
+    assert removed == [("block", "revoked", 3)] and pools["kv"].counters.evicted_pages == 3
     assert pools["kv"].num_cached_pages == 0 and pools["kv"].usable_pages == 24
     arena.check_invariants()
 
@@ -270,12 +270,15 @@ def test_a_group_grows_into_a_spare_slab_instead_of_evicting_cached_pages():
     cached = kv.num_cached_pages
     assert cached == 2 and kv.num_clean_free_pages == 6 and m.arena.num_spare_slabs == 2
     # b needs 8 kv pages: 6 clean + 2 evictable would do, but a spare slab is taken instead
-    # (swa, short of clean pages too, takes the other one rather than evict a's checkpoint).
+    # (swa, short of clean pages too, takes the other one rather than evict a's checkpoint:
+    # its step's releases are not counted as room, since b's 16-token grain boundaries may
+    # publish them as checkpoints first).
     m.add_request("b", 1000 + np.arange(120, dtype=np.int32), max_new_tokens=1)
     for _ in range(8):
         m.schedule([("b", 15)])
     assert kv.counters.evicted_pages == 0 and kv.num_cached_pages > cached  # b published too
     assert m.arena.slabs_owned() == {"swa": 3, "kv": 2} and m.arena.num_spare_slabs == 0
+    assert m.stats()["swa"].evicted_pages == 0
     assert m.add_request("c", np.concatenate([a_ids[:33], [7]]).astype(np.int32)).hit_tokens == 32
     live_byte_ranges_disjoint(m)
     m.check_invariants()
@@ -330,9 +333,9 @@ def test_a_slab_idle_only_after_the_steps_own_release_can_be_lent():
 
 def test_a_step_that_must_borrow_still_grows_rather_than_evicts():
     """The grow-before-evict rule also holds on the path where a group must take
-    slabs: both spare slabs go to the window group, so it keeps its cached checkpoint;
-    the history group, with no spare slab left, evicts two blocks (prompt checkpoints
-    off: the cached pages are worked out from own checkpoints only)."""
+    slabs: the spare slabs go to the window group; the history group, with no spare
+    slab left, evicts two blocks (prompt checkpoints off: the cached pages are worked
+    out from own checkpoints only), and with them the checkpoint they were below."""
     m = small_manager(slabs=5, enable_prefix_caching=True, prompt_checkpoints=False)
     m.add_request("a", np.arange(100, dtype=np.int32), max_new_tokens=1)
     for _ in range(25):
@@ -344,12 +347,18 @@ def test_a_step_that_must_borrow_still_grows_rather_than_evicts():
     assert (m.pools["swa"].num_clean_free_pages, m.pools["swa"].num_evictable_pages) == (8, 2)
     assert (m.pools["kv"].num_clean_free_pages, m.pools["kv"].num_evictable_pages) == (2, 6)
     m.add_request("b", 1000 + np.arange(60, dtype=np.int32), max_new_tokens=1)
-    # swa needs 15 pages: slab 3 (5 + the straddler with slab 2) is a must; with it
-    # swa would still evict its checkpoint for the 15th page, so it takes slab 4 too.
+    # swa needs 15 pages: slab 3 (5 + the straddler with slab 2) is a must; with it swa
+    # would still evict its checkpoint for the 15th page, so it takes slab 4 too. kv needs
+    # 4 with 2 clean and no slab left: it evicts two blocks, the tail of a's chain first
+    # (96's block, then the one below, an orphan by then), so the checkpoint at 96, which
+    # needs every block below 96, goes too ("unit").
     m.schedule([("b", 60)])
     assert m.arena.owner.tolist() == [0, 1, 0, 0, 0]
-    assert m.stats()["swa"].evicted_pages == 0 and m.stats()["swa"].cached_pages == 2
-    assert m.stats()["kv"].evicted_pages == 2
+    report = m.prefix.value_report()
+    assert m.stats()["kv"].evicted_pages == 2 and report["kv"].evicted_pages["lru"] == 1
+    assert report["kv"].evicted_pages["orphan"] == 1
+    assert m.stats()["swa"].evicted_pages == 2 and report["swa"].evicted_pages["unit"] == 2
+    assert m.stats()["swa"].cached_pages == 0 and report["kv"].usable_entries == 0
     live_byte_ranges_disjoint(m)
     m.check_invariants()
 

@@ -132,7 +132,7 @@ def test_peak_used_pages():
 def test_publish_lookup_unpublish():
     pool = PagePool("g", 8)
     removed = []
-    pool.on_removed = removed.append
+    pool.on_removed = lambda key, cause, idle: removed.append(key)
     a, b, c = pool.allocate(3).tolist()
     assert pool.publish("k", [a, b]) is True
     assert pool.lookup("k") == (a, b)
@@ -382,7 +382,7 @@ def test_an_allocation_evicting_several_entries_frees_them_as_one_by_one(lowest_
     and a LIFO pool's stack ends as if each had been unpublished in turn."""
     pool = PagePool("g", 16, lowest_first=lowest_first)
     removed = []
-    pool.on_removed = removed.append
+    pool.on_removed = lambda key, cause, idle: removed.append(key)
     held = pool.allocate(15)
     for i in range(5):
         pool.publish(("e", i), held[3 * i : 3 * i + 3].tolist())  # e0 = (1, 2, 3), ...

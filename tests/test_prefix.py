@@ -270,8 +270,9 @@ def test_interval_checkpoint_rescues_an_interior_hit():
 
 def test_one_evicted_state_group_cuts_the_hit_and_is_named():
     # The c128 state pool is tight: a second, unrelated prefill evicts the first request's
-    # terminal checkpoint there, and only there.
-    mgr = make_manager(group_pages={C128S: 141})  # 140 usable
+    # terminal checkpoint there, and (with every pool evicting by its own LRU: the
+    # "group-lru" policy) only there. The default policy's answer is the next test.
+    mgr = make_manager(group_pages={C128S: 141}, eviction_policy="group-lru")  # 140 usable
     a = ids(50, 1100)
     run_request(mgr, "a", a)  # one step: 138 c128-state pages; checkpoint 1,024 = 16 pages
     assert mgr.stats()[C128S].cached_pages == 16
@@ -282,6 +283,26 @@ def test_one_evicted_state_group_cuts_the_hit_and_is_named():
     assert hit.hit_tokens == 0
     assert hit.group_hit_tokens == {SWA: 1024, C4S: 1024, C4KV: 1024, C128S: 0, C128KV: 1024, IDX: 1024}
     assert hit.limiting_groups == [C128S]
+
+
+def test_value_policy_evicts_the_whole_checkpoint_and_demotes_its_history():
+    # As above, default policy: the c128 state evicts a's terminal checkpoint (1,024; 16
+    # pages); the checkpoint then leaves every state group ("unit": 2 + 2 + 2 window and
+    # state pages), and a's history blocks 256..1,024, below no checkpoint any more,
+    # become orphans (nothing is evicted in those pools: they have room).
+    mgr = make_manager(group_pages={C128S: 141})
+    a = ids(50, 1100)
+    run_request(mgr, "a", a)
+    run_request(mgr, "x", ids(51, 1100))
+    report = mgr.prefix.value_report()
+    assert report[C128S].evicted_pages["lru"] == 16
+    assert {g: report[g].evicted_pages["unit"] for g in (SWA, C4S, IDX)} == {SWA: 2, C4S: 2, IDX: 2}
+    # x's checkpoint (1,024) is the only usable one; its 4 blocks are the only usable history.
+    assert {g: report[g].usable_entries for g in ALL} == {SWA: 1, C4S: 1, C128S: 1, IDX: 1, C4KV: 4, C128KV: 4}
+    assert {g: report[g].cached_entries for g in HISTORY} == {C4KV: 8, C128KV: 8}  # a's 4 are orphans
+    hit = mgr.add_request("b", cat(a, ids(52, 10)))
+    assert hit.hit_tokens == 0
+    assert hit.group_hit_tokens == {SWA: 0, C4S: 0, C4KV: 1024, C128S: 0, C128KV: 1024, IDX: 0}
 
 
 def test_interval_keeps_checkpoints_crossed_while_decoding():
@@ -468,7 +489,8 @@ def test_eviction_under_pressure_is_lru_tail_first():
         assert mgr.stats()[gid].evicted_pages == 3
     ev = mgr.prefix.drain_events()
     assert events_of(ev, "removed", C4KV) == [1024, 768, 512]  # tail of a's chain first
-    assert events_of(ev, "removed", SWA) == []
+    # Block 1,024 gone, a's checkpoint there is useless: it leaves every state group too.
+    assert events_of(ev, "removed", SWA) == [1024]
     removed_keys = [e.block_hash for e in ev if e.kind == "removed" and e.group_id == C4KV]
     assert len(set(removed_keys)) == 3
     hit_a = mgr.add_request("a2", cat(a, [7]))

@@ -32,7 +32,9 @@ to a renaming per group (a bijection that must hold while the reference's page
 stays held or cached), the arena is roomy (nothing denied or evicted), prompt
 checkpoints are off (a short group there reuses idle low-priority pages before
 it takes a spare slab) and the free and total page counts, which follow the
-slabs, are not compared. Table rows
+slabs, are not compared. Eviction: the reference models each pool evicting by its
+own LRU, so the manager runs ``eviction_policy="group-lru"`` here; the default value
+policy (``hybridkv.eviction``) is pinned by tests/test_eviction.py. Table rows
 are compared the same way (any row, one per live request, kept until free).
 """
 
@@ -105,7 +107,7 @@ class Twin:
         self.mgr = CacheManager(
             SPECS, None if shared else pages, max_context_tokens=CTX, max_step_tokens=4 * CTX,
             table_widths=widths, arena=arena, enable_prefix_caching=caching, prefix_granularity=GRAIN,
-            prompt_checkpoints=prompt_checkpoints,
+            prompt_checkpoints=prompt_checkpoints, eviction_policy="group-lru",
             checkpoint_window_tokens={s.group_id: s.sliding_window_tokens for s in SPECS if s.is_sliding},
         )
         self.ref = ReferenceManager(SPECS, pages, table_widths=widths, caching=caching, grain=GRAIN,

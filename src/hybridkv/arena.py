@@ -149,6 +149,9 @@ class IdleScan:
     idle: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     releasing: dict[str, np.ndarray] | None = None  # pages the step frees before slabs move
     clean: bool = False  # count only free pages as idle (lending then evicts nothing)
+    # Cached-evictable pages counted as idle even when ``clean``: entries of less value
+    # than what the short group would evict (hybridkv.eviction.ValueEviction.cheap_pages).
+    cheap: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 class Arena:
@@ -295,6 +298,8 @@ class Arena:
             parts = [pool.free_page_ids().astype(np.int64)]
             if not scan.clean:
                 parts.append(pool.evictable_page_ids())
+            elif gid in scan.cheap:
+                parts.append(scan.cheap[gid])
             if scan.releasing is not None and gid in scan.releasing:
                 parts.append(scan.releasing[gid].astype(np.int64))
             idle = np.concatenate(parts)

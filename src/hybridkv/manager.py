@@ -169,10 +169,12 @@ class CacheManager:
         prefix_granularity: int | None = None,
         hash_algo: str = "xxh3_128",
         state_checkpoint_interval: int | None = None,
-        prompt_checkpoints: bool = True,
+        prompt_checkpoints: bool | None = None,
+        checkpoint_policy: str | None = None,
         on_event: Any = None,
         arena: ArenaGeometry | None = None,
         checkpoint_window_tokens: Mapping[str, int] | None = None,
+        eviction_policy: str = "value",
         tier_link: Any = None,
     ):
         self.specs = tuple(specs)
@@ -219,8 +221,10 @@ class CacheManager:
                 self.specs, self.pools, self.tables,
                 granularity_tokens=prefix_granularity, hash_algo=hash_algo,
                 state_checkpoint_interval=state_checkpoint_interval, prompt_checkpoints=prompt_checkpoints,
+                checkpoint_policy=checkpoint_policy,
                 on_event=on_event,
                 checkpoint_window_tokens=checkpoint_window_tokens,
+                eviction_policy=eviction_policy,
             )
         # Requests waiting for a tier load (hybridkv.tierlink): admission refuses them.
         self.pending_loads: set[str] = set()
@@ -494,7 +498,7 @@ class CacheManager:
         if fixed_width:
             self._deny_past_capture_width(plan, fits, deny)
         sums = plan.sums[1].tolist()
-        covered = None if deny else self._coverage(sums)
+        covered = None if deny else self._coverage(sums, plan)
         if covered is not None:
             # No credit needed. On an arena with spare slabs, a group that would have to
             # evict valuable cached pages grows instead: they go only when memory is short.
@@ -552,20 +556,42 @@ class CacheManager:
                     f"capture width {self.table_widths[gid]}"
                 )
 
-    def _coverage(self, sums: list[int]) -> bool | None:
-        """True: clean pages, or idle low-priority ones (evicted first anyway), cover every
-        group's ``sums`` (most decode steps). False: free and evictable pages cover them,
-        but some group would evict valuable entries. None: some group is short."""
+    def _coverage(self, sums: list[int], plan: _StepPlan) -> bool | None:
+        """True: clean pages, the pages the step frees first, or idle low-priority ones
+        (evicted first anyway), cover every group's ``sums`` (most decode steps). False:
+        free and evictable pages cover them, but some group would evict valuable entries.
+        None: some group is short."""
         covered = True
-        for n, pool in zip(sums, self._pool_list):
+        for k, (n, pool) in enumerate(zip(sums, self._pool_list)):
             clean = pool.num_clean_free_pages
             if n <= clean:
                 continue
             if n > pool.num_free_pages:
                 return None
-            if n > clean + pool.num_low_priority_idle_pages:
+            if n > clean + pool.num_low_priority_idle_pages and n > clean + self._freed_first(plan, k) + \
+                    pool.num_low_priority_idle_pages:
                 covered = False
         return covered
+
+    def _freed_first(self, plan: _StepPlan, k: int) -> int:
+        """Pages of group ``k`` the step's releases put on the free stack before it
+        allocates (sole references without a key: keyed ones stay cached)."""
+        if not plan.sums[0, k]:
+            return 0
+        gid, releasing = self._group_ids[k], {}
+        self._release_credit(gid, plan.rows, plan.after[0, k], releasing)
+        freed = releasing.get(gid)
+        if freed is None:
+            return 0
+        freed = int(np.count_nonzero(~self._pool_list[k].cached[freed]))
+        window = self.prefix.checkpoint_windows.get(gid, 0) if self.prefix is not None else 0
+        if window:
+            # The step's commits run first and may publish released pages as checkpoints
+            # (then they stay cached): at most a window's pages per boundary crossed.
+            grain = self.prefix.granularity_tokens
+            crossed = int((plan.first // grain - self._committed.take(plan.rows) // grain).clip(0).sum())
+            freed -= crossed * (-(-window // self.specs[k].page_tokens) + 1)
+        return max(freed, 0)
 
     def _fit_with_credit(self, plan: _StepPlan, fits: np.ndarray, deny: dict[int, str]) -> None:
         """Admission when the allocations alone do not fit: count the pages the step's
@@ -581,9 +607,10 @@ class CacheManager:
             return plan.grants is not None
 
         need = alloc
-        if not totals_fit(need):
+        if not totals_fit(need) or plan.grants:
             # The step's releases run before slabs move, so a donor slab whose pages are
-            # all idle once they are released can be lent too.
+            # all idle once they are released can be lent too; and a group whose own
+            # releases cover it takes no slab from another (which would evict there).
             scan = IdleScan(releasing={})
             need = {g: alloc[g] - self._release_credit(g, plan.rows, new_base[g], scan.releasing) for g in avail}
             if not totals_fit(need):
@@ -591,8 +618,9 @@ class CacheManager:
                 return
         if arena is not None:
             # As when no credit is needed: a group that would evict cached pages grows instead.
-            sums = [int(need[g][fits].sum()) for g in self._group_ids]
-            plan.grants = plan.grants + self._grow_instead_of_evicting(sums, after=plan.grants)
+            # Gross sums: the pages the releases free (not those they leave cached) count there.
+            sums = [int(alloc[g][fits].sum()) for g in self._group_ids]
+            plan.grants = plan.grants + self._grow_instead_of_evicting(sums, after=plan.grants, plan=plan)
 
     def _grow_instead_of_evicting(self, sums: list[int], after: list | None = None, plan=None) -> list:
         """Slabs for groups that would have to evict cached pages to get ``sums`` pages
@@ -605,15 +633,20 @@ class CacheManager:
         # Low-priority cached pages (prompt checkpoints) are meant to go first: a group
         # holding idle ones evicts them rather than grow.
         short, donors = {}, []
-        for gid, pool, n in zip(self._group_ids, self._pool_list, sums):
+        # Gross ``sums`` (with ``plan``): the step's releases run first, so a sliding group's
+        # prefill chunk reuses the previous chunk's pages rather than grow for both.
+        for k, (gid, pool, n) in enumerate(zip(self._group_ids, self._pool_list, sums)):
             clean = pool.num_clean_free_pages + gained.get(gid, 0)
-            if n > clean:
+            freed = self._freed_first(plan, k) if plan is not None and n > clean else 0
+            if n > clean + freed:
                 # What idle low-priority pages cannot cover would evict valuable entries.
                 low = pool.num_low_priority_idle_pages
-                if n > clean + low:
-                    short[gid] = n - clean - low
-            else:
-                donors.append((gid, pool, clean - n))
+                if n > clean + freed + low:
+                    short[gid] = n - clean - freed - low
+                    continue
+            # Not short: it may give what it does not need (its own low-priority pages
+            # first cover its shortfall, so it may start below zero).
+            donors.append((gid, pool, clean - n))
         if not short:
             return []
         scan = IdleScan(releasing={} if plan is not None else None, clean=True)
@@ -626,8 +659,27 @@ class CacheManager:
                 if freed is not None:
                     freed = scan.releasing[gid] = freed[~pool.cached[freed]]  # keyed ones stay cached
                     left += freed.size
-            spare[gid] = max(left, 0)
+            spare[gid] = left
+        self._cheap_donor_pages(short, spare, scan)
+        spare = {gid: max(left, 0) for gid, left in spare.items()}
         return arena.plan(short, spare, scan, partial=True, owner=own)
+
+    def _cheap_donor_pages(self, short: dict, spare: dict, scan: IdleScan) -> None:
+        """Value-based slab moves: a donor's idle entries worth less than the least
+        recently used usable entry a short group would evict (orphans, prompt
+        checkpoints, older entries) count as idle in ``scan`` and as spare pages."""
+        policy = self.prefix.eviction if self.prefix is not None else None
+        if policy is None or not policy.acts or not spare:
+            return
+        ticks = [t for t in (policy.oldest_usable_tick(g) for g in short) if t is not None]
+        if not ticks:
+            return
+        before = min(ticks)
+        for gid in spare:
+            cheap = policy.cheap_pages(gid, before)
+            if cheap.size:
+                scan.cheap[gid] = cheap
+                spare[gid] += int(cheap.size)
 
     @staticmethod
     def _deny_greedily(alloc, net, avail, fits, deny, arena, scan, plan) -> None:

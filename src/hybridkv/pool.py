@@ -20,6 +20,7 @@ of the states above.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,12 @@ from hybridkv.runtime import kernels
 
 NULL_PAGE = 0
 _LOW_EVICT_PAGES = 16  # idle low-priority pages an eviction frees beyond the allocation's need
+# One clock for every pool: when a keyed page last went idle, comparable across groups
+# (a request's pages in all groups go idle at one tick when it is freed).
+_IDLE_CLOCK = itertools.count(1)
+
+# Why an entry left a pool (the second argument of ``on_removed``).
+UNPUBLISHED, EVICTED, EVICTED_LOW, REVOKED = "unpublished", "evicted", "evicted_low", "revoked"
 
 
 class PoolExhausted(RuntimeError):
@@ -91,7 +98,11 @@ class PagePool:
         self.pack_low_priority: Callable[[], bool] = lambda: True
         self._page_key: dict[int, Hashable] = {}
         self._entries: dict[Hashable, tuple[int, ...]] = {}
-        self.on_removed: Callable[[Hashable], None] | None = None
+        # Called with (key, cause, idle pages freed) after an entry is removed; cause is
+        # UNPUBLISHED, EVICTED, EVICTED_LOW (a low-priority entry evicted) or REVOKED.
+        self.on_removed: Callable[[Hashable, str, int], None] | None = None
+        # Per page: the idle clock's tick when it last became cached-evictable.
+        self.idle_tick = np.zeros(self.num_pages, dtype=np.int64)
         self.counters = PoolCounters()
         self.peak_used_pages = 0
         if granted:
@@ -283,7 +294,10 @@ class PagePool:
     def _keyed_idle(self, pages: list[int]) -> None:
         """Keyed pages (logical order) whose last reference just went join the LRU,
         the last listed first, so a chain's tail is evicted before its head."""
+        tick = next(_IDLE_CLOCK)
+        idle_tick = self.idle_tick
         for page in reversed(pages):
+            idle_tick[page] = tick
             self._evictable[page] = None
             if self.low_priority[page]:
                 self._low_idle_pages += 1
@@ -338,7 +352,7 @@ class PagePool:
         for page in evictable.tolist():
             key = self._page_key.get(page)
             if key is not None:
-                self._evict_entry(key)
+                self._evict_entry(key, REVOKED)
         free = self._stack[: self._top]
         keep = free[~gone[free]]
         self._stack[: keep.size] = keep
@@ -383,8 +397,9 @@ class PagePool:
     def lookup(self, key: Hashable) -> tuple[int, ...] | None:
         return self._entries.get(key)
 
-    def unpublish(self, key: Hashable) -> None:
-        """Drop an entry; its pages that no request holds go back to the free stack."""
+    def unpublish(self, key: Hashable, cause: str = UNPUBLISHED) -> int:
+        """Drop an entry; its pages that no request holds go back to the free stack
+        (their count is returned)."""
         pages = self._entries.pop(key)
         free = []
         flags = self.low_priority
@@ -403,7 +418,20 @@ class PagePool:
         if free:
             self._push_free(np.asarray(free, dtype=np.int32))
         if self.on_removed is not None:
-            self.on_removed(key)
+            self.on_removed(key, EVICTED_LOW if low and cause == EVICTED else cause, len(free))
+        return len(free)
+
+    def promote(self, key: Hashable) -> None:
+        """Undo :meth:`demote`: the entry's idle pages become the most recently used."""
+        pages = self._entries[key]
+        low = self.low_priority
+        if not pages or not low[pages[0]]:
+            return
+        for page in pages:
+            low[page] = False
+            if page in self._evictable:
+                self._low_idle_pages -= 1
+                self._evictable.move_to_end(page)
 
     def entry_keys(self) -> list[Hashable]:
         return list(self._entries)
@@ -428,33 +456,35 @@ class PagePool:
         self._unpublish_many(keys)
 
     def _unpublish_many(self, keys: Sequence[Hashable]) -> None:
-        """:meth:`unpublish` for several entries, with one pass over their pages."""
+        """:meth:`unpublish` (as evictions) for several entries, with one pass over their pages."""
         if len(keys) == 1:
-            self.unpublish(keys[0])
+            self.unpublish(keys[0], EVICTED)
             return
-        page_key, evictable = self._page_key, self._evictable
-        every = []
+        page_key, evictable, ref, low = self._page_key, self._evictable, self.ref_counts, self.low_priority
+        every, causes = [], []
         for key in reversed(keys):  # the last entry's pages on top, as one by one
-            every.extend(self._entries.pop(key))
+            pages = self._entries.pop(key)
+            every.extend(pages)
+            causes.append((key, EVICTED_LOW if pages and low[pages[0]] else EVICTED,
+                           sum(1 for p in pages if ref[p] == 0)))
         for page in every:
             del page_key[page]
         pages = np.asarray(every, dtype=np.int64)
         self.cached[pages] = False
-        idle = pages[self.ref_counts[pages] == 0]
-        self._low_idle_pages -= int(np.count_nonzero(self.low_priority[idle]))
-        self.low_priority[pages] = False
+        idle = pages[ref[pages] == 0]
+        self._low_idle_pages -= int(np.count_nonzero(low[idle]))
+        low[pages] = False
         for page in idle.tolist():
             del evictable[page]
         self._push_free(idle.astype(np.int32))
         if self.on_removed is not None:
-            for key in keys:
-                self.on_removed(key)
+            for key, cause, n in reversed(causes):
+                self.on_removed(key, cause, n)
 
-    def _evict_entry(self, key: Hashable) -> int:
+    def _evict_entry(self, key: Hashable, cause: str = EVICTED) -> int:
         """Unpublish an entry to reclaim its idle pages (counted as evicted); their count."""
-        idle = sum(1 for p in self._entries[key] if self.ref_counts[p] == 0)
+        idle = self.unpublish(key, cause)
         self.counters.evicted_pages += idle
-        self.unpublish(key)
         return idle
 
     def clear_cache(self) -> None:

@@ -31,11 +31,30 @@ import numpy as np
 import xxhash
 
 from hybridkv._checks import as_int
+from hybridkv.eviction import GroupValueStats, ValueEviction
 from hybridkv.pool import PagePool
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables import GroupTable
 
 HASH_ALGOS = ("xxh3_128", "sha256")
+# Which checkpoints a request keeps (docs/prefix-caching.md); ``state_checkpoint_interval``
+# adds every k-th boundary to either.
+CHECKPOINT_POLICIES = ("prompt-boundaries", "terminal-and-junctions")
+DEFAULT_CHECKPOINT_POLICY = "prompt-boundaries"
+
+
+def checkpoint_policy_name(checkpoint_policy: str | None, prompt_checkpoints: bool | None) -> str:
+    """The checkpoint policy from its name and/or the older ``prompt_checkpoints`` switch
+    (True: ``"prompt-boundaries"``, False: ``"terminal-and-junctions"``); ValueError when
+    the name is unknown or the two disagree."""
+    if checkpoint_policy is not None and checkpoint_policy not in CHECKPOINT_POLICIES:
+        raise ValueError(f"checkpoint_policy must be one of {CHECKPOINT_POLICIES}, got {checkpoint_policy!r}")
+    if prompt_checkpoints is None:
+        return checkpoint_policy or DEFAULT_CHECKPOINT_POLICY
+    implied = CHECKPOINT_POLICIES[0] if prompt_checkpoints else CHECKPOINT_POLICIES[1]
+    if checkpoint_policy is not None and checkpoint_policy != implied:
+        raise ValueError(f"prompt_checkpoints={prompt_checkpoints!r} contradicts checkpoint_policy={checkpoint_policy!r}")
+    return implied
 
 
 def _hash_fn(algo: str) -> Callable[[bytes], int]:
@@ -168,10 +187,12 @@ class PrefixCache:
         granularity_tokens: int | None = None,
         hash_algo: str = "xxh3_128",
         state_checkpoint_interval: int | None = None,
-        prompt_checkpoints: bool = True,
+        prompt_checkpoints: bool | None = None,
+        checkpoint_policy: str | None = None,
         on_event: Callable[[CacheEvent], None] | None = None,
         max_buffered_events: int = 100_000,
         checkpoint_window_tokens: Mapping[str, int] | None = None,
+        eviction_policy: str = "value",
     ):
         self.specs = tuple(specs)
         windows = _checkpoint_windows(self.specs, checkpoint_window_tokens)
@@ -192,7 +213,8 @@ class PrefixCache:
                 )
             state_checkpoint_interval = n
         self.state_checkpoint_interval = state_checkpoint_interval
-        self.prompt_checkpoints = bool(prompt_checkpoints)
+        self.checkpoint_policy = checkpoint_policy_name(checkpoint_policy, prompt_checkpoints)
+        self.prompt_checkpoints = self.checkpoint_policy == "prompt-boundaries"
         self.on_event = on_event
         # Without a callback, events wait in a bounded buffer for drain_events();
         # past max_buffered_events the oldest are dropped (and counted).
@@ -207,8 +229,15 @@ class PrefixCache:
         self._windows = windows
         self.tier_hook = None  # a hybridkv.tierlink.TierLink: told what is published and removed
         self._dropping = False  # unpublishing a superseded checkpoint (not an eviction)
+        # What goes first when a pool must evict (hybridkv.eviction): units, orphans.
+        self.eviction = ValueEviction(pools, self.history_ids, self.state_ids, eviction_policy)
         for gid, pool in pools.items():
             pool.on_removed = self._removed_callback(gid)
+
+    @property
+    def checkpoint_windows(self) -> dict[str, int]:
+        """Per state group that stores checkpoints, the trailing tokens one stores."""
+        return {gid: self._windows[gid] for gid in self.state_ids}
 
     # --- keys ------------------------------------------------------------------
     def new_request_hashes(self, cache_salt: str | bytes | None) -> RequestHashes:
@@ -389,6 +418,7 @@ class PrefixCache:
         parent = hashes.parent(boundary)
         self._meta[gid][key] = (parent, boundary, num_pages)
         self.stats[gid].stored_entries += 1
+        self.eviction.stored(gid, key, parent)
         return ("stored", gid, key, parent, boundary, num_pages)
 
     def _hold(self, own: OwnCheckpoint, gid: str, key: int) -> None:
@@ -420,15 +450,21 @@ class PrefixCache:
         """Trailing tokens a checkpoint of state group ``group_id`` stores."""
         return self._windows[group_id]
 
+    def value_report(self) -> dict[str, GroupValueStats]:
+        """Per group: cached pages and entries, usable entries, evicted pages by reason
+        (:class:`hybridkv.eviction.GroupValueStats`)."""
+        return self.eviction.report()
+
     # --- events ---------------------------------------------------------------
     def _removed_callback(self, gid: str) -> Callable[[int], None]:
-        def removed(key: int) -> None:
+        def removed(key: int, cause: str, idle_pages: int) -> None:
             parent, boundary, n = self._meta[gid].pop(key, (None, 0, 0))
             self._holders.get(gid, {}).pop(key, None)
             self.stats[gid].removed_entries += 1
             if self.tier_hook is not None:
                 self.tier_hook.removed(gid, key, self._dropping)
             self._emit(("removed", gid, key, parent, boundary, n))
+            self.eviction.removed(gid, key, cause, idle_pages)
 
         return removed
 

@@ -1,0 +1,235 @@
+"""Which cached entries go first when memory is short: one notion of value across groups.
+
+A hybrid model's cached prefix is usable at a boundary ``D`` only with every
+history block below ``D`` and a checkpoint at ``D`` in every state group
+(docs/prefix-caching.md). Each pool evicts its own idle entries, front of its
+LRU first (:mod:`hybridkv.pool`); :class:`ValueEviction` keeps what the
+pools hold consistent with that rule, so memory goes to entries that can still
+produce a hit:
+
+* **Units.** The entries published under one key form a unit. When a
+  checkpoint entry leaves one state group (evicted, revoked for a slab,
+  superseded), the checkpoint leaves every state group; when a history block
+  leaves one history group, the block leaves every history group and the
+  checkpoint at its end leaves every state group (reason ``"unit"`` when the
+  first entry was evicted; a superseded or cleared one takes the rest along
+  unpublished, not counted as evicted).
+* **Orphans.** A history block is *supported* while a complete checkpoint sits
+  at its end or deeper along its chain (a count per key: its own checkpoint
+  plus its supported children). When the last support goes, the block is
+  demoted: low priority, at the front of its pool's LRU, evicted before any
+  usable entry (reason ``"orphan"``). A checkpoint published above it
+  promotes it back. So when a conversation's terminal checkpoint goes, its
+  history back to its previous surviving checkpoint goes next, tail first.
+* **Slabs** (shared arena, used by the manager): a group that would have to
+  evict a usable entry first takes a slab of another group whose idle pages
+  are all of less value (:meth:`cheap_pages`): low priority (prompt
+  checkpoints, orphans) or idle since before the short group's own least
+  recently used usable entry.
+
+Eviction order within a pool is then: orphans and prompt checkpoints (the
+most recently demoted first), then usable entries least recently used first
+(reason ``"lru"``). A request's pages in every group go idle at one tick of
+the pools' shared idle clock, so "least recently used" means the same thing in
+every group and a unit's entries age together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hybridkv.pool import EVICTED_LOW, REVOKED, UNPUBLISHED, PagePool
+
+UNIT = "unit"  # the ``cause`` of an entry removed because the rest of its unit went
+REASONS = ("prompt", "orphan", "lru", "unit", "slab")  # why evicted pages went (GroupValueStats)
+POLICIES = ("value", "group-lru")
+
+
+@dataclass(frozen=True)
+class GroupValueStats:
+    """One group's cached entries by value, and its evicted pages by reason.
+
+    ``usable_entries``: in a state group, checkpoints a hit could use now
+    (complete in every state group, every history block below them cached); in a
+    history group, blocks below such a checkpoint. ``evicted_pages``: idle pages
+    freed by eviction, per reason: ``prompt`` (a low-priority prompt checkpoint),
+    ``orphan`` (a history block below no checkpoint), ``lru`` (a usable entry,
+    least recently used), ``unit`` (the rest of its unit went), ``slab`` (its slab
+    moved to another group)."""
+
+    group_id: str
+    cached_pages: int
+    cached_entries: int
+    usable_entries: int
+    evicted_pages: dict[str, int] = field(default_factory=dict)
+
+
+class ValueEviction:
+    """Unit coherence and orphan demotion over one manager's pools (module docstring).
+
+    :class:`hybridkv.prefix.PrefixCache` reports every entry it publishes
+    (:meth:`stored`) and every removal its pools report (:meth:`removed`)."""
+
+    def __init__(self, pools: Mapping[str, PagePool], history_ids: Sequence[str], state_ids: Sequence[str],
+                 policy: str = "value"):
+        if policy not in POLICIES:
+            raise ValueError(f"eviction_policy must be one of {POLICIES}, got {policy!r}")
+        self.policy = policy
+        # "group-lru": count and report only; every pool evicts by its own LRU alone.
+        self.acts = policy == "value"
+        self.pools = pools
+        self.history_ids = list(history_ids)
+        self.state_ids = list(state_ids)
+        self._state = frozenset(self.state_ids)
+        # Orphans exist only where a hit needs both kinds of group.
+        self._track = bool(self.history_ids) and bool(self.state_ids)
+        # key -> [parent key, support, entries in any group, state groups holding it]
+        self._nodes: dict[Hashable, list] = {}
+        self.evicted_pages = {gid: dict.fromkeys(REASONS, 0) for gid in pools}
+
+    # --- bookkeeping ---------------------------------------------------------------
+    def stored(self, gid: str, key: Hashable, parent: Hashable | None) -> None:
+        """An entry was published under ``key`` in group ``gid``."""
+        node = self._nodes.get(key)
+        if node is None:
+            node = self._nodes[key] = [parent, 0, 0, 0]
+        node[2] += 1
+        if gid in self._state:
+            node[3] += 1
+            if node[3] == len(self.state_ids) and self._track:
+                self._add_support(key)
+        elif self._track and node[1] > 0 and self.acts:
+            self.pools[gid].promote(key)
+
+    def removed(self, gid: str, key: Hashable, cause: str, idle_pages: int) -> None:
+        """An entry left group ``gid`` (``cause`` as the pool reports it, ``UNIT`` for
+        this class's own removals); the rest of its unit follows."""
+        node = self._nodes.get(key)
+        if cause != UNPUBLISHED:
+            self.evicted_pages[gid][self._reason(gid, node, cause)] += idle_pages
+        if node is None:
+            return
+        node[2] -= 1
+        if gid in self._state:
+            if node[3] == len(self.state_ids) and self._track:
+                self._drop_support(key)
+            node[3] -= 1
+            others = self.state_ids
+        else:
+            others = self.history_ids + self.state_ids
+        # An eviction takes the rest of the unit as evictions ("unit"); an unpublished
+        # entry (a superseded checkpoint, a cleared cache) takes it unpublished.
+        follow = UNPUBLISHED if cause == UNPUBLISHED else UNIT
+        for other in others if self.acts else ():
+            pool = self.pools[other]
+            if other != gid and pool.lookup(key) is not None:
+                freed = pool.unpublish(key, follow)
+                if follow == UNIT:
+                    pool.counters.evicted_pages += freed
+        self._forget_if_idle(key)
+
+    def _reason(self, gid: str, node: list | None, cause: str) -> str:
+        if cause == REVOKED:
+            return "slab"
+        if cause == UNIT:
+            return "unit"
+        if gid not in self._state and self._track and (node is None or node[1] == 0):
+            return "orphan"
+        if cause == EVICTED_LOW:
+            return "prompt" if gid in self._state else "orphan"
+        return "lru"
+
+    def _add_support(self, key: Hashable) -> None:
+        """A complete checkpoint at ``key``: +1 there, and up the chain while a block
+        goes from unsupported to supported (promoted back if it was an orphan)."""
+        while (node := self._nodes.get(key)) is not None:
+            node[1] += 1
+            if node[1] > 1:
+                return
+            for gid in self.history_ids if self.acts else ():
+                if self.pools[gid].lookup(key) is not None:
+                    self.pools[gid].promote(key)
+            key = node[0]
+
+    def _drop_support(self, key: Hashable) -> None:
+        """A complete checkpoint at ``key`` went: -1 there, and up the chain while a
+        block loses its last support (demoted: an orphan goes before usable entries).
+        The orphans are demoted head first, so the tail ends at the front of the LRU."""
+        orphans = []
+        while (node := self._nodes.get(key)) is not None and node[1] > 0:
+            node[1] -= 1
+            if node[1]:
+                break
+            orphans.append(key)
+            parent = node[0]
+            self._forget_if_idle(key)
+            key = parent
+        for key in reversed(orphans) if self.acts else ():
+            for gid in self.history_ids:
+                if self.pools[gid].lookup(key) is not None:
+                    self.pools[gid].demote(key)
+
+    def _forget_if_idle(self, key: Hashable) -> None:
+        node = self._nodes.get(key)
+        if node is not None and node[1] == 0 and node[2] == 0:
+            del self._nodes[key]
+
+    # --- value of idle pages (shared arena) -------------------------------------
+    def oldest_usable_tick(self, gid: str) -> int | None:
+        """Idle tick of the group's least recently used idle entry of normal priority
+        (what it would evict after its orphans and prompt checkpoints); None if none."""
+        pool = self.pools[gid]
+        ids = pool.evictable_page_ids()
+        ids = ids[~pool.low_priority[ids]]
+        return int(pool.idle_tick[ids].min()) if ids.size else None
+
+    def cheap_pages(self, gid: str, before_tick: int) -> np.ndarray:
+        """Idle cached pages of ``gid`` worth less than an entry that went idle at
+        ``before_tick``: low priority, or idle since earlier."""
+        pool = self.pools[gid]
+        ids = pool.evictable_page_ids()
+        return ids[pool.low_priority[ids] | (pool.idle_tick[ids] < before_tick)]
+
+    # --- diagnostics ------------------------------------------------------------
+    def report(self) -> dict[str, GroupValueStats]:
+        """Per group: cached pages and entries, usable entries, evicted pages by reason."""
+        usable = self._usable_checkpoints()
+        below: set = set()
+        for key in usable:
+            while key in self._nodes and key not in below:
+                below.add(key)
+                key = self._nodes[key][0]
+        out = {}
+        for gid, pool in self.pools.items():
+            keys = pool.entry_keys()
+            count = sum(1 for k in keys if k in (usable if gid in self._state else below))
+            out[gid] = GroupValueStats(gid, pool.num_cached_pages, len(keys), count, dict(self.evicted_pages[gid]))
+        return out
+
+    def _usable_checkpoints(self) -> set:
+        """Keys with a checkpoint in every state group and every block below it in every
+        history group."""
+        chain_ok: dict[Hashable, bool] = {}
+
+        def held(key: Hashable) -> bool:
+            path = []
+            while key not in chain_ok and (node := self._nodes.get(key)) is not None:
+                path.append(key)
+                key = node[0]
+            ok = chain_ok.get(key, True)  # a key without a node: the salt root
+            for k in reversed(path):
+                ok = ok and all(self.pools[g].lookup(k) is not None for g in self.history_ids)
+                chain_ok[k] = ok
+            return ok
+
+        if not self.state_ids:
+            return set()
+        first = self.pools[self.state_ids[0]]
+        return {k for k in first.entry_keys()
+                if all(self.pools[g].lookup(k) is not None for g in self.state_ids) and held(k)}
+
+
+__all__ = ["GroupValueStats", "POLICIES", "REASONS", "UNIT", "ValueEviction"]

@@ -1,0 +1,142 @@
+"""The value-based eviction policy (hybridkv.eviction), worked by hand, and a property.
+
+Same small DeepSeek-V4 group set and helpers as tests/test_prefix.py (grain 256,
+whole-window checkpoints, prompt checkpoints off unless a test turns them on).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridkv.manager import CacheManager
+from test_prefix import ALL, C4KV, C128KV, C128S, C4S, HISTORY, IDX, SPECS, STATE, SWA, cat, events_of, ids, \
+    make_manager, run_request
+
+
+def _checkpoint_key(events, gid: str, tokens: int) -> int:
+    [h] = [e.block_hash for e in events if e.kind == "stored" and e.group_id == gid and e.tokens == tokens]
+    return int(h, 16)
+
+
+@pytest.mark.parametrize("policy", ["value", "group-lru"])
+def test_a_lost_checkpoint_sends_its_history_first_tail_first(policy):
+    """b runs, then a (1,030 tokens each: blocks 256..1,024 and a terminal at 1,024 each).
+    a's checkpoint then leaves the window group (unpublished there, as an eviction would).
+    x needs 8 history pages with 5 clean: 3 cached blocks go.
+
+    value: a's checkpoint leaves every state group with it (a unit); a's four blocks are
+    below no checkpoint, so they are demoted, tail first at the front: 1,024, 768, 512 go,
+    and 256 in the same pass (low-priority entries go up to 16 pages beyond the need), and
+    b, least recently used but usable, keeps its hit at 1,024.
+    group-lru: each pool evicts its own LRU front, b's tail (older than a): b loses its hit,
+    and a's state entries stay cached in three groups, useless."""
+    mgr = make_manager(group_pages={C4KV: 14, C128KV: 14}, eviction_policy=policy)
+    a, b = ids(120, 1030), ids(121, 1030)
+    run_request(mgr, "b", b)
+    mgr.prefix.drain_events()
+    run_request(mgr, "a", a)
+    key = _checkpoint_key(mgr.prefix.drain_events(), SWA, 1024)
+    mgr.pools[SWA].unpublish(key)
+    left = {g: mgr.pools[g].lookup(key) is not None for g in STATE}
+    report = mgr.prefix.value_report()
+    run_request(mgr, "x", ids(122, 1793))
+    removed = events_of(mgr.prefix.drain_events(), "removed", C4KV)
+    hit_b = mgr.add_request("b2", cat(b, [7])).hit_tokens
+    if policy == "value":
+        assert left == {SWA: False, C4S: False, C128S: False, IDX: False}
+        assert {g: (report[g].usable_entries, report[g].cached_entries) for g in HISTORY} == {C4KV: (4, 8),
+                                                                                              C128KV: (4, 8)}
+        assert removed == [1024, 768, 512, 256] and hit_b == 1024
+        assert mgr.prefix.value_report()[C4KV].evicted_pages["orphan"] == 4
+    else:
+        assert left == {SWA: False, C4S: True, C128S: True, IDX: True}
+        assert removed == [1024, 768, 512] and hit_b == 0  # b's blocks, LRU front
+    mgr.check_invariants()
+
+
+def test_a_checkpoint_above_an_orphan_chain_promotes_it_back():
+    """a's checkpoint goes (its blocks become orphans, low priority); c then computes a's
+    prompt again past it, hits nothing (no checkpoint), pins its junction at 1,024 (a's
+    blocks still reach there), and its checkpoint there makes a's blocks usable again:
+    normal priority, so a later allocation takes clean pages and evicts nothing of them."""
+    mgr = make_manager()
+    a = ids(130, 1030)
+    run_request(mgr, "a", a)
+    key = _checkpoint_key(mgr.prefix.drain_events(), SWA, 1024)
+    mgr.pools[SWA].unpublish(key)
+    kv = mgr.pools[C4KV]
+    assert kv.num_low_priority_idle_pages == 4
+    hit = run_request(mgr, "c", cat(a[:1024], ids(131, 100)))
+    assert (hit.hit_tokens, hit.junction_tokens) == (0, 1024)
+    assert kv.num_low_priority_idle_pages == 0
+    report = mgr.prefix.value_report()
+    assert report[C4KV].usable_entries == report[C4KV].cached_entries == 4
+    assert mgr.add_request("d", cat(a[:1024], ids(132, 50))).hit_tokens == 1024
+
+
+def test_group_lru_and_value_give_the_same_hits_without_pressure():
+    hits = {}
+    for policy in ("value", "group-lru"):
+        mgr = make_manager(pages=4096, eviction_policy=policy)
+        stem = ids(140, 700)
+        hits[policy] = [run_request(mgr, f"r{i}", cat(stem, ids(141 + i, 300 + 37 * i))).hit_tokens
+                        for i in range(6)]
+        assert all(sum(r.evicted_pages.values()) == 0 for r in mgr.prefix.value_report().values())
+    assert hits["value"] == hits["group-lru"]
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="eviction_policy must be one of"):
+        make_manager(eviction_policy="lru")
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1400), st.integers(1, 1500), st.integers(0, 400)),
+                min_size=3, max_size=8))
+def test_no_group_keeps_what_cannot_produce_a_hit(program):
+    """Random requests over four shared stems, pools tight enough to evict in every group.
+    After each request (all idle): every state group holds the same checkpoints (a unit
+    leaves as a whole), and every history block below no complete checkpoint is low
+    priority (an orphan, evicted before anything usable). The allowance: a block evicted
+    in the middle of a chain takes its own key's checkpoint with it, but a deeper
+    checkpoint on that chain stays complete (unusable) until it is evicted in turn, and
+    keeps the blocks between as "supported"."""
+    mgr = make_manager(group_pages={SWA: 40, C4S: 240, C128S: 160, IDX: 240, C4KV: 14, C128KV: 14},
+                       prompt_checkpoints=True)
+    stems = [ids(150 + s, 1400) for s in range(4)]
+    for i, (stem, shared, fresh, answer) in enumerate(program):
+        prompt = cat(stems[stem][:shared], ids(1000 + i, fresh))[:1500]
+        run_request(mgr, f"q{i}", prompt, ids(2000 + i, answer + 1), chunk_tokens=256)
+        report = mgr.prefix.value_report()
+        keys = {g: set(mgr.pools[g].entry_keys()) for g in STATE if g != C128S or report[g].cached_entries}
+        assert len({frozenset(k) for k in keys.values()}) <= 1
+        gap_free = all(report[g].usable_entries == report[g].cached_entries for g in STATE)
+        for g in HISTORY if gap_free else ():
+            pool = mgr.pools[g]
+            low = sum(1 for k in pool.entry_keys() if pool.low_priority[pool.lookup(k)[0]])
+            assert report[g].cached_entries - report[g].usable_entries <= low
+        assert {g for g in ALL} == set(report)
+
+
+def test_checkpoint_policy_names_and_the_older_switch():
+    """``checkpoint_policy`` names what ``prompt_checkpoints`` switched: the default keeps
+    every prompt boundary (low priority), "terminal-and-junctions" only the latest."""
+    def stored_swa(**options):
+        mgr = CacheManager(SPECS, {s.group_id: 1200 for s in SPECS}, max_context_tokens=8192,
+                           enable_prefix_caching=True, **options)
+        run_request(mgr, "a", ids(160, 1100))
+        return mgr.prefix.checkpoint_policy, events_of(mgr.prefix.drain_events(), "stored", SWA)
+
+    # 1,100-token prompt, one step: boundaries 256, 512, 768 inside it, 1,024 the latest.
+    assert stored_swa() == ("prompt-boundaries", [256, 512, 768, 1024])
+    assert stored_swa(checkpoint_policy="terminal-and-junctions") == ("terminal-and-junctions", [1024])
+    assert stored_swa(prompt_checkpoints=False) == ("terminal-and-junctions", [1024])
+    assert stored_swa(prompt_checkpoints=True, checkpoint_policy="prompt-boundaries")[0] == "prompt-boundaries"
+    with pytest.raises(ValueError, match="contradicts"):
+        stored_swa(prompt_checkpoints=False, checkpoint_policy="prompt-boundaries")
+    with pytest.raises(ValueError, match="checkpoint_policy must be one of"):
+        stored_swa(checkpoint_policy="every-boundary")
+
