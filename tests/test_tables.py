@@ -24,7 +24,8 @@ def planned(ts, first, count=1):
     computed[0] = first
     out = [np.empty(1, dtype=np.int64) for _ in range(3)]
     after, need = np.empty((2, 1, 1), dtype=np.int64), np.empty((1, 1), dtype=np.int64)
-    kernels.prepare_step(ts.geometry, ts.bounds, computed, computed.copy(), np.zeros(0, dtype=np.int64), ROW0,
+    kernels.prepare_step(ts.geometry, ts.bounds, computed, computed.copy(), np.full(computed.size, 10**9),
+                         np.zeros(0, dtype=np.int64), ROW0,
                          np.array([count]), 0, np.array([10**6]), np.zeros(computed.size, dtype=np.bool_), *out,
                          after, need, np.empty((2, 1), dtype=np.int64), np.empty(1, dtype=np.int64),
                          np.empty(4, dtype=np.int64))

@@ -117,10 +117,27 @@ class _Scratch:
     """``run_step``'s working buffers, kept between steps and grown as steps need."""
 
     def __init__(self, n_groups: int):
+        self.n_groups = n_groups
+        self.plan = self.plan_buffers(0)
         self.released = np.empty((2, n_groups), dtype=np.int64)
         self.pages = np.empty(0, dtype=np.int32)
         self.idle_keyed = np.empty(0, dtype=np.int64)
         self.touched = np.empty(0, dtype=np.int64)
+
+    def plan_buffers(self, n_rows: int) -> tuple:
+        """``prepare_step``'s outputs for ``n_rows`` rows: rows, counts, first, after,
+        need, sums, crossing, totals."""
+        g = self.n_groups
+        rows, counts, first, crossing = (np.empty(n_rows, dtype=np.int64) for _ in range(4))
+        return (rows, counts, first, np.empty((2, g, n_rows), dtype=np.int64), np.empty((g, n_rows), dtype=np.int64),
+                np.empty((2, g), dtype=np.int64), crossing, np.empty(4, dtype=np.int64))
+
+    def plan_arrays(self, n_rows: int) -> tuple:
+        """``plan_buffers(n_rows)``, the same arrays while the size stays (every plan
+        overwrites the previous one's)."""
+        if self.plan[0].size != n_rows:
+            self.plan = self.plan_buffers(n_rows)
+        return self.plan
 
     def reserve(self, most_released: int, released_pages: int, allocated_pages: int) -> tuple:
         """(release scratch, idle keyed pages, released counts, touched cells), large enough."""
@@ -372,7 +389,8 @@ class CacheManager:
         k = arr.shape[1]
         # A request without token ids counts its declared total as known, so this one
         # test also catches those; the loop below words which reason.
-        if rows is None or (self._known.take(rows) + k > self._max_total.take(rows)).any():
+        if (rows is None or not kernels.distinct_rows(rows, self._in_batch)
+                or (self._known.take(rows) + k > self._max_total.take(rows)).any()):
             reqs = [self._get(rid) for rid in rids]
             if len({r.request_id for r in reqs}) != len(reqs):
                 raise CacheManagerError("a request appears twice")
@@ -473,11 +491,15 @@ class CacheManager:
             raise CacheManagerError(
                 "fixed_width needs capture widths: build the manager with table_widths (from_plan does)"
             )
-        answers, ok_idx, rows, counts, request_ids = self._validate(items, fixed_width, uniform)
-        if not ok_idx:
-            return _Verdict(answers, ok_idx, np.zeros(0, dtype=bool), {}, None)
-        plan = self._plan(rows, counts)
-        plan.request_ids = request_ids
+        fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
+        plan = None if fast is None else self._plan(fast[0], fast[1])
+        if plan is not None:  # every item valid (the plan checked rows and known tokens)
+            answers, ok_idx, plan.request_ids = [None] * fast[0].size, range(fast[0].size), fast[2]
+        else:
+            answers, ok_idx, rows, counts = self._validate(items, fixed_width, uniform)
+            if not ok_idx:
+                return _Verdict(answers, ok_idx, np.zeros(0, dtype=bool), {}, None)
+            plan = self._plan(rows, counts)
         fits = np.ones(plan.rows.size, dtype=bool)
         deny: dict[int, str] = {}
         if plan.clean and not fixed_width:
@@ -498,13 +520,8 @@ class CacheManager:
         return _Verdict(answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items()}, plan)
 
     def _validate(self, items, fixed_width, uniform):
-        """(answers, valid indices, rows, counts, request ids) of the valid items:
-        vectorized when all are valid, else item by item with a reason each (then
-        request ids are None)."""
-        fast = self._fast_validate(items) if uniform is None else self._fast_validate_uniform(*uniform)
-        if fast is not None:
-            rows, counts, request_ids = fast
-            return [None] * rows.size, range(rows.size), rows, counts, request_ids
+        """(answers, valid indices, rows, counts) of the valid items, item by item with
+        a reason for each invalid one."""
         if uniform is not None:
             items = [(rid, uniform[1]) for rid in uniform[0]]  # the per-item path words the reasons
         answers: list[Admission | None] = [None] * len(items)
@@ -519,7 +536,7 @@ class CacheManager:
             row_list.append(self._requests[item[0]].row)
             count_list.append(int(item[1]))
         rows = np.asarray(row_list, dtype=np.int64)
-        return answers, ok_idx, rows, np.asarray(count_list, dtype=np.int64), None
+        return answers, ok_idx, rows, np.asarray(count_list, dtype=np.int64)
 
     def _by_group(self, stacked: np.ndarray) -> dict[str, np.ndarray]:
         """Group id -> row ``g`` of a ``[G, R]`` plan array (views)."""
@@ -642,9 +659,10 @@ class CacheManager:
                 used = want
                 plan.grants = grants
 
-    def _fast_validate(self, items) -> tuple[np.ndarray, np.ndarray, tuple] | None:
-        """Rows, counts and request ids when every item is valid (vectorized); None
-        sends the batch down the per-item path that words each reason."""
+    def _fast_rows(self, items) -> tuple[np.ndarray, np.ndarray, tuple] | None:
+        """Rows, counts and request ids of pairs of known ids and plain counts in range
+        (vectorized); None sends the batch down the per-item path that words each reason.
+        The plan checks the rest (distinct rows, known tokens)."""
         try:
             rids, counts = zip(*items)
         except (TypeError, ValueError):
@@ -666,34 +684,25 @@ class CacheManager:
             counts = np.array(counts, dtype=np.int64)
             if counts.min() < 1 or counts.max() > self.max_step_tokens:
                 return None
-        return (rows, counts, rids) if self._within_known(rows, counts) else None
+        return rows, counts, rids
 
-    def _fast_validate_uniform(self, rids: tuple, count) -> tuple[np.ndarray, np.ndarray, tuple] | None:
-        """``_fast_validate`` of ``(rid, count)`` for every id: one scalar count check."""
+    def _fast_rows_uniform(self, rids: tuple, count) -> tuple[np.ndarray, np.ndarray, tuple] | None:
+        """``_fast_rows`` of ``(rid, count)`` for every id: one scalar count check."""
         if type(count) is not int or not 1 <= count <= self.max_step_tokens:
             return None  # the per-item path words it (numpy ints included)
         rows = self._rows_of(rids)
         if rows is None:
             return None
-        counts = np.full(rows.size, count, dtype=np.int64)
-        return (rows, counts, rids) if self._within_known(rows, counts) else None
-
-    def _within_known(self, rows: np.ndarray, counts: np.ndarray) -> bool:
-        """Every row's computed tokens plus its count stay within its known tokens. Known
-        ids never exceed the declared total (add/append check it), so this one test
-        covers both limits; the per-item path words which one."""
-        return kernels.within_known(self._computed, self._known, rows, counts)
+        return rows, np.full(rows.size, count, dtype=np.int64), rids
 
     def _rows_of(self, rids: tuple) -> np.ndarray | None:
-        """Table rows of distinct known request ids; None if an id is unknown,
-        unhashable or repeated."""
+        """Table rows of known request ids; None if an id is unknown or unhashable."""
         try:
             # One C-level lookup of every id (itemgetter of one key returns it bare).
             found = itemgetter(*rids)(self._row_of) if len(rids) > 1 else [self._row_of[rid] for rid in rids]
         except (KeyError, TypeError):
             return None
-        rows = np.array(found, dtype=np.int64)
-        return rows if kernels.distinct_rows(rows, self._in_batch) else None
+        return np.array(found, dtype=np.int64)
 
     def _item_error(self, item, seen: set[str], fixed_width: bool) -> str:
         try:
@@ -726,23 +735,22 @@ class CacheManager:
             )
         return ""
 
-    def _plan(self, rows_in: np.ndarray, counts_in: np.ndarray) -> _StepPlan:
+    def _plan(self, rows_in: np.ndarray, counts_in: np.ndarray) -> _StepPlan | None:
         """The step of ``rows_in`` writing ``counts_in`` tokens each, planned by
         ``kernels.prepare_step`` (pure): the previous step's rows not in this one settle
         first (their tokens commit, their slid-out pages go back), so their release
-        counts as credit for everyone."""
-        n_rows, n_groups = rows_in.size + self._last_rows.size, len(self.specs)
-        rows, counts, first = (np.empty(n_rows, dtype=np.int64) for _ in range(3))
-        after = np.empty((2, n_groups, n_rows), dtype=np.int64)
-        need = np.empty((n_groups, n_rows), dtype=np.int64)
-        sums = np.empty((2, n_groups), dtype=np.int64)
-        crossing = np.empty(n_rows, dtype=np.int64)
-        totals = np.empty(4, dtype=np.int64)
+        counts as credit for everyone. None when a row is listed twice or passes its
+        known tokens. The plan's arrays are scratch: only the latest plan is valid."""
+        rows, counts, first, after, need, sums, crossing, totals = self._scratch.plan_arrays(
+            rows_in.size + self._last_rows.size)
         ts = self._tableset
         grain = self.prefix.granularity_tokens if self.prefix is not None else 0
         n, settle, n_crossing, clean = kernels.prepare_step(
-            ts.geometry, ts.bounds, self._computed, self._committed, self._last_rows, rows_in, counts_in, grain,
-            self._space.tops, self._in_batch, rows, counts, first, after, need, sums, crossing, totals)
+            ts.geometry, ts.bounds, self._computed, self._committed, self._known, self._last_rows, rows_in,
+            counts_in, grain, self._space.tops, self._in_batch, rows, counts, first, after, need, sums, crossing,
+            totals)
+        if n < 0:
+            return None  # a row twice, or past its known tokens: the per-item path words it
         return _StepPlan(rows[:n], counts[:n], first[:n], after[:, :, :n], need[:, :n], sums,
                          crossing[:n_crossing], settle, clean, tuple(totals.tolist()))
 
@@ -816,7 +824,7 @@ class CacheManager:
         else:
             self._tableset.stop_log()
         arrays = self._run(plan, write_slots)
-        self._last_rows = plan.rows[plan.settle :] if plan.settle else plan.rows
+        self._last_rows = plan.rows[plan.settle :].copy()  # the plan's arrays are scratch
         return self._build_batch(plan, arrays, fixed_width, updates)
 
     def _verdict_for(self, items, uniform, fixed_width: bool) -> _Verdict:
