@@ -164,7 +164,7 @@ class _Verdict:
 
     def refusal(self, n_items: int) -> str | None:
         """The error of a step refused in whole or part; None when every item fits."""
-        if len(self.ok_idx) == n_items and self.fits.all():
+        if len(self.ok_idx) == n_items and not self.deny:  # a request fits unless denied
             return None
         reasons = [a.reason for a in self.answers if a is not None] + [self.deny[k] for k in sorted(self.deny)]
         return f"{len(reasons)} of {n_items} requests not admissible: {'; '.join(reasons[:3])}"
@@ -517,7 +517,7 @@ class CacheManager:
         else:
             self._fit_with_credit(plan, fits, deny)
         off = plan.settle
-        return _Verdict(answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items()}, plan)
+        return _Verdict(answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items() if k >= off}, plan)
 
     def _validate(self, items, fixed_width, uniform):
         """(answers, valid indices, rows, counts) of the valid items, item by item with
@@ -702,7 +702,7 @@ class CacheManager:
             found = itemgetter(*rids)(self._row_of) if len(rids) > 1 else [self._row_of[rid] for rid in rids]
         except (KeyError, TypeError):
             return None
-        return np.array(found, dtype=np.int64)
+        return np.fromiter(found, dtype=np.int64, count=len(rids))
 
     def _item_error(self, item, seen: set[str], fixed_width: bool) -> str:
         try:
@@ -892,8 +892,7 @@ class CacheManager:
                                          reset=reset)
         slots = out.slots if out.slots.shape[0] else [None] * len(widths)
         groups = {
-            gid: GroupStep(block_table=tables[k], base_pages=out.base_pages[k] if sliding else None,
-                           write_slots=slots[k])
+            gid: GroupStep(tables[k], out.base_pages[k] if sliding else None, slots[k])  # block table, base, slots
             for k, (gid, sliding) in enumerate(self._group_sliding)
         }
         return StepBatch(
