@@ -759,20 +759,16 @@ class CacheManager:
     ) -> np.ndarray:
         """Per row, the pages its release this step frees (sole reference); those
         pages go to ``releasing[gid]`` when given."""
-        table = self.tables[gid]
-        if not table.sliding:
-            return np.zeros(rows.size, dtype=np.int64)
-        base = table.base[rows]
-        counts = new_base - base
-        if not counts.any():
-            return np.zeros(rows.size, dtype=np.int64)
-        pages = table.pages_in(rows, base, new_base)
-        sole = self.pools[gid].ref_counts[pages] == 1
-        if releasing is not None:
-            releasing[gid] = pages[sole]
-        return np.bincount(np.repeat(np.arange(rows.size), counts), weights=sole, minlength=rows.size).astype(
-            np.int64
-        )
+        credit = np.zeros(rows.size, dtype=np.int64)
+        if not self.tables[gid].sliding:
+            return credit
+        ts, g = self._tableset, self._group_ids.index(gid)
+        sole = np.empty(int((new_base - ts.bounds[0, g, rows]).sum()), dtype=np.int64)
+        n_sole, n_pages = kernels.release_credit(ts.geometry, ts.pages, ts.bounds, self._space.ref_counts, g, rows,
+                                                 new_base, credit, sole)
+        if releasing is not None and n_pages:
+            releasing[gid] = sole[:n_sole]
+        return credit
 
     # --- the step ------------------------------------------------------------
     def schedule(

@@ -435,6 +435,26 @@ def drop_holds(ref, keyed, offsets, per_group, pages, freed, keyed_pages, counts
 
 
 @njit(cache=True)
+def release_credit(geometry, pages, bounds, ref, g, rows, new_base, credit, sole_pages):
+    """Group ``g``'s pages below each row's ``new_base`` that only that row holds (pure):
+    ``credit[r]`` how many of row ``r``'s, their local ids to ``sole_pages`` (rows in
+    order, pages in logical order). Returns (sole pages, pages below the new bases)."""
+    mask, offset = geometry[g, COLUMN_MASK], geometry[g, ID_OFFSET]
+    n_sole, n_pages = 0, 0
+    for r in range(rows.size):
+        row = rows[r]
+        before = n_sole
+        for logical in range(bounds[0, g, row], new_base[r]):
+            page = pages[g, row, logical & mask]
+            n_pages += 1
+            if ref[offset + page] == 1:
+                sole_pages[n_sole] = page
+                n_sole += 1
+        credit[r] = n_sole - before
+    return n_sole, n_pages
+
+
+@njit(cache=True)
 def within_known(computed, known, rows, counts):
     """Whether ``computed[row] + count <= known[row]`` for every row (pure)."""
     for r in range(rows.size):
