@@ -582,9 +582,14 @@ class CacheManager:
         arena, scan = self.arena, IdleScan()
         alloc, new_base = self._allocations(plan), self._by_group(plan.after[0])
 
+        all_fit = bool(fits.all())  # no capture-width denial: totals without a mask
+
+        def total(per_row: np.ndarray) -> int:
+            return int(per_row.sum()) if all_fit else int(per_row[fits].sum())
+
         # Releases all happen before allocations, so only the admitted totals matter.
         def totals_fit(need: dict[str, np.ndarray]) -> bool:
-            plan.grants = _grants_to_fit(arena, {g: int(need[g][fits].sum()) for g in avail}, avail, scan)
+            plan.grants = _grants_to_fit(arena, {g: total(need[g]) for g in avail}, avail, scan)
             return plan.grants is not None
 
         need = alloc
@@ -598,7 +603,7 @@ class CacheManager:
                 return
         if arena is not None:
             # As when no credit is needed: a group that would evict cached pages grows instead.
-            sums = [int(need[g][fits].sum()) for g in self._group_ids]
+            sums = [total(need[g]) for g in self._group_ids]
             plan.grants = plan.grants + self._grow_instead_of_evicting(sums, after=plan.grants)
 
     def _grow_instead_of_evicting(self, sums: list[int], after: list | None = None, plan=None) -> list:
