@@ -385,12 +385,11 @@ class CacheManager:
             )
         flat = _token_array(arr.reshape(-1))
         rids = request_ids if type(request_ids) is tuple else tuple(request_ids)
-        rows = self._rows_of(rids)
+        rows = self._distinct_rows_of(rids)
         k = arr.shape[1]
         # A request without token ids counts its declared total as known, so this one
         # test also catches those; the loop below words which reason.
-        if (rows is None or not kernels.distinct_rows(rows, self._in_batch)
-                or (self._known.take(rows) + k > self._max_total.take(rows)).any()):
+        if rows is None or (self._known.take(rows) + k > self._max_total.take(rows)).any():
             reqs = [self._get(rid) for rid in rids]
             if len({r.request_id for r in reqs}) != len(reqs):
                 raise CacheManagerError("a request appears twice")
@@ -491,15 +490,9 @@ class CacheManager:
             raise CacheManagerError(
                 "fixed_width needs capture widths: build the manager with table_widths (from_plan does)"
             )
-        fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
-        plan = None if fast is None else self._plan(fast[0], fast[1])
-        if plan is not None:  # every item valid (the plan checked rows and known tokens)
-            answers, ok_idx, plan.request_ids = [None] * fast[0].size, range(fast[0].size), fast[2]
-        else:
-            answers, ok_idx, rows, counts = self._validate(items, fixed_width, uniform)
-            if not ok_idx:
-                return _Verdict(answers, ok_idx, np.zeros(0, dtype=bool), {}, None)
-            plan = self._plan(rows, counts)
+        answers, ok_idx, plan = self._validated_plan(items, fixed_width, uniform)
+        if plan is None:
+            return _Verdict(answers, ok_idx, np.zeros(0, dtype=bool), {}, None)
         fits = np.ones(plan.rows.size, dtype=bool)
         deny: dict[int, str] = {}
         if plan.clean and not fixed_width:
@@ -518,6 +511,17 @@ class CacheManager:
             self._fit_with_credit(plan, fits, deny)
         off = plan.settle
         return _Verdict(answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items() if k >= off}, plan)
+
+    def _validated_plan(self, items, fixed_width, uniform) -> tuple[list, Sequence[int], _StepPlan | None]:
+        """(answers, valid indices, plan of the valid items; None when none is valid):
+        vectorized when every item is valid, else item by item with a reason each."""
+        fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
+        plan = None if fast is None else self._plan(fast[0], fast[1])
+        if plan is not None:  # every item valid (the plan checked rows and known tokens)
+            plan.request_ids = fast[2]
+            return [None] * fast[0].size, range(fast[0].size), plan
+        answers, ok_idx, rows, counts = self._validate(items, fixed_width, uniform)
+        return answers, ok_idx, self._plan(rows, counts) if ok_idx else None
 
     def _validate(self, items, fixed_width, uniform):
         """(answers, valid indices, rows, counts) of the valid items, item by item with
@@ -708,6 +712,11 @@ class CacheManager:
         except (KeyError, TypeError):
             return None
         return np.fromiter(found, dtype=np.int64, count=len(rids))
+
+    def _distinct_rows_of(self, rids: tuple) -> np.ndarray | None:
+        """``_rows_of``, and None too when an id is listed twice."""
+        rows = self._rows_of(rids)
+        return rows if rows is not None and kernels.distinct_rows(rows, self._in_batch) else None
 
     def _item_error(self, item, seen: set[str], fixed_width: bool) -> str:
         try:
