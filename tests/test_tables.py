@@ -24,7 +24,8 @@ def planned(ts, first, count=1):
     computed[0] = first
     out = [np.empty(1, dtype=np.int64) for _ in range(3)]
     after, need = np.empty((2, 1, 1), dtype=np.int64), np.empty((1, 1), dtype=np.int64)
-    kernels.prepare_step(ts.geometry, ts.bounds, computed, computed.copy(), np.zeros(0, dtype=np.int64), ROW0,
+    kernels.prepare_step(ts.geometry, ts.bounds, computed, computed.copy(), np.full(computed.size, 10**9),
+                         np.zeros(0, dtype=np.int64), ROW0,
                          np.array([count]), 0, np.array([10**6]), np.zeros(computed.size, dtype=np.bool_), *out,
                          after, need, np.empty((2, 1), dtype=np.int64), np.empty(1, dtype=np.int64),
                          np.empty(4, dtype=np.int64))
@@ -63,6 +64,27 @@ def test_full_history_group_never_releases():
     ts, table = store(C4, 4096, 256)
     table.hi[0] = 5
     assert planned(ts, 2000)[0] == 0
+
+
+def test_no_plan_for_a_row_listed_twice_or_past_its_known_tokens():
+    ts, _ = store(C4, 4096, 256, rows=3)
+    computed, known = np.array([5, 0, 9]), np.array([6, 4, 9])
+    mark = np.zeros(3, dtype=np.bool_)
+
+    def plan_rows(rows, counts):
+        n = len(rows)
+        out = [np.empty(n, dtype=np.int64) for _ in range(3)]
+        return kernels.prepare_step(
+            ts.geometry, ts.bounds, computed, computed.copy(), known, np.zeros(0, dtype=np.int64),
+            np.array(rows), np.array(counts), 0, np.array([10**6]), mark, *out, np.empty((2, 1, n), dtype=np.int64),
+            np.empty((1, n), dtype=np.int64), np.empty((2, 1), dtype=np.int64), np.empty(n, dtype=np.int64),
+            np.empty(4, dtype=np.int64))[0]
+
+    assert plan_rows([0, 1], [1, 4]) == 2  # 5 + 1 <= 6 and 0 + 4 <= 4
+    assert plan_rows([0, 1, 0], [1, 1, 1]) == -1  # row 0 twice
+    assert not mark.any()  # the scratch flags are clear again
+    assert plan_rows([0, 1], [2, 1]) == -1  # 5 + 2 > 6 known tokens
+    assert plan_rows([1, 2], [1, 1]) == -1  # row 2 knows no token past its 9 computed
 
 
 def test_compressed_pages_needed_for_1_256_257_tokens():

@@ -117,10 +117,27 @@ class _Scratch:
     """``run_step``'s working buffers, kept between steps and grown as steps need."""
 
     def __init__(self, n_groups: int):
+        self.n_groups = n_groups
+        self.plan = self.plan_buffers(0)
         self.released = np.empty((2, n_groups), dtype=np.int64)
         self.pages = np.empty(0, dtype=np.int32)
         self.idle_keyed = np.empty(0, dtype=np.int64)
         self.touched = np.empty(0, dtype=np.int64)
+
+    def plan_buffers(self, n_rows: int) -> tuple:
+        """``prepare_step``'s outputs for ``n_rows`` rows: rows, counts, first, after,
+        need, sums, crossing, totals."""
+        g = self.n_groups
+        rows, counts, first, crossing = (np.empty(n_rows, dtype=np.int64) for _ in range(4))
+        return (rows, counts, first, np.empty((2, g, n_rows), dtype=np.int64), np.empty((g, n_rows), dtype=np.int64),
+                np.empty((2, g), dtype=np.int64), crossing, np.empty(4, dtype=np.int64))
+
+    def plan_arrays(self, n_rows: int) -> tuple:
+        """``plan_buffers(n_rows)``, the same arrays while the size stays (every plan
+        overwrites the previous one's)."""
+        if self.plan[0].size != n_rows:
+            self.plan = self.plan_buffers(n_rows)
+        return self.plan
 
     def reserve(self, most_released: int, released_pages: int, allocated_pages: int) -> tuple:
         """(release scratch, idle keyed pages, released counts, touched cells), large enough."""
@@ -147,7 +164,7 @@ class _Verdict:
 
     def refusal(self, n_items: int) -> str | None:
         """The error of a step refused in whole or part; None when every item fits."""
-        if len(self.ok_idx) == n_items and self.fits.all():
+        if len(self.ok_idx) == n_items and not self.deny:  # a request fits unless denied
             return None
         reasons = [a.reason for a in self.answers if a is not None] + [self.deny[k] for k in sorted(self.deny)]
         return f"{len(reasons)} of {n_items} requests not admissible: {'; '.join(reasons[:3])}"
@@ -380,7 +397,7 @@ class CacheManager:
             )
         flat = _token_array(arr.reshape(-1))
         rids = request_ids if type(request_ids) is tuple else tuple(request_ids)
-        rows = self._rows_of(rids)
+        rows = self._distinct_rows_of(rids)
         k = arr.shape[1]
         # A request without token ids counts its declared total as known, so this one
         # test also catches those; the loop below words which reason.
@@ -485,11 +502,9 @@ class CacheManager:
             raise CacheManagerError(
                 "fixed_width needs capture widths: build the manager with table_widths (from_plan does)"
             )
-        answers, ok_idx, rows, counts, request_ids = self._validate(items, fixed_width, uniform)
-        if not ok_idx:
+        answers, ok_idx, plan = self._validated_plan(items, fixed_width, uniform)
+        if plan is None:
             return _Verdict(answers, ok_idx, np.zeros(0, dtype=bool), {}, None)
-        plan = self._plan(rows, counts)
-        plan.request_ids = request_ids
         fits = np.ones(plan.rows.size, dtype=bool)
         deny: dict[int, str] = {}
         if plan.clean and not fixed_width:
@@ -507,18 +522,24 @@ class CacheManager:
         else:
             self._fit_with_credit(plan, fits, deny)
         off = plan.settle
-        return _Verdict(answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items()}, plan)
+        return _Verdict(answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items() if k >= off}, plan)
+
+    def _validated_plan(self, items, fixed_width, uniform) -> tuple[list, Sequence[int], _StepPlan | None]:
+        """(answers, valid indices, plan of the valid items; None when none is valid):
+        vectorized when every item is valid, else item by item with a reason each."""
+        fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
+        if fast is not None and self.pending_loads and not self.pending_loads.isdisjoint(fast[2]):
+            fast = None  # a request waits for a tier load: the per-item path words the reason
+        plan = None if fast is None else self._plan(fast[0], fast[1])
+        if plan is not None:  # every item valid (the plan checked rows and known tokens)
+            plan.request_ids = fast[2]
+            return [None] * fast[0].size, range(fast[0].size), plan
+        answers, ok_idx, rows, counts = self._validate(items, fixed_width, uniform)
+        return answers, ok_idx, self._plan(rows, counts) if ok_idx else None
 
     def _validate(self, items, fixed_width, uniform):
-        """(answers, valid indices, rows, counts, request ids) of the valid items:
-        vectorized when all are valid, else item by item with a reason each (then
-        request ids are None)."""
-        fast = self._fast_validate(items) if uniform is None else self._fast_validate_uniform(*uniform)
-        if fast is not None and self.pending_loads and not self.pending_loads.isdisjoint(fast[2]):
-            fast = None  # the per-item path words the reason
-        if fast is not None:
-            rows, counts, request_ids = fast
-            return [None] * rows.size, range(rows.size), rows, counts, request_ids
+        """(answers, valid indices, rows, counts) of the valid items, item by item with
+        a reason for each invalid one."""
         if uniform is not None:
             items = [(rid, uniform[1]) for rid in uniform[0]]  # the per-item path words the reasons
         answers: list[Admission | None] = [None] * len(items)
@@ -533,7 +554,7 @@ class CacheManager:
             row_list.append(self._requests[item[0]].row)
             count_list.append(int(item[1]))
         rows = np.asarray(row_list, dtype=np.int64)
-        return answers, ok_idx, rows, np.asarray(count_list, dtype=np.int64), None
+        return answers, ok_idx, rows, np.asarray(count_list, dtype=np.int64)
 
     def _by_group(self, stacked: np.ndarray) -> dict[str, np.ndarray]:
         """Group id -> row ``g`` of a ``[G, R]`` plan array (views)."""
@@ -601,9 +622,14 @@ class CacheManager:
         arena, scan = self.arena, IdleScan()
         alloc, new_base = self._allocations(plan), self._by_group(plan.after[0])
 
+        all_fit = bool(fits.all())  # no capture-width denial: totals without a mask
+
+        def total(per_row: np.ndarray) -> int:
+            return int(per_row.sum()) if all_fit else int(per_row[fits].sum())
+
         # Releases all happen before allocations, so only the admitted totals matter.
         def totals_fit(need: dict[str, np.ndarray]) -> bool:
-            plan.grants = _grants_to_fit(arena, {g: int(need[g][fits].sum()) for g in avail}, avail, scan)
+            plan.grants = _grants_to_fit(arena, {g: total(need[g]) for g in avail}, avail, scan)
             return plan.grants is not None
 
         need = alloc
@@ -619,7 +645,7 @@ class CacheManager:
         if arena is not None:
             # As when no credit is needed: a group that would evict cached pages grows instead.
             # Gross sums: the pages the releases free (not those they leave cached) count there.
-            sums = [int(alloc[g][fits].sum()) for g in self._group_ids]
+            sums = [total(alloc[g]) for g in self._group_ids]
             plan.grants = plan.grants + self._grow_instead_of_evicting(sums, after=plan.grants, plan=plan)
 
     def _grow_instead_of_evicting(self, sums: list[int], after: list | None = None, plan=None) -> list:
@@ -704,9 +730,10 @@ class CacheManager:
                 used = want
                 plan.grants = grants
 
-    def _fast_validate(self, items) -> tuple[np.ndarray, np.ndarray, tuple] | None:
-        """Rows, counts and request ids when every item is valid (vectorized); None
-        sends the batch down the per-item path that words each reason."""
+    def _fast_rows(self, items) -> tuple[np.ndarray, np.ndarray, tuple] | None:
+        """Rows, counts and request ids of pairs of known ids and plain counts in range
+        (vectorized); None sends the batch down the per-item path that words each reason.
+        The plan checks the rest (distinct rows, known tokens)."""
         try:
             rids, counts = zip(*items)
         except (TypeError, ValueError):
@@ -728,34 +755,30 @@ class CacheManager:
             counts = np.array(counts, dtype=np.int64)
             if counts.min() < 1 or counts.max() > self.max_step_tokens:
                 return None
-        return (rows, counts, rids) if self._within_known(rows, counts) else None
+        return rows, counts, rids
 
-    def _fast_validate_uniform(self, rids: tuple, count) -> tuple[np.ndarray, np.ndarray, tuple] | None:
-        """``_fast_validate`` of ``(rid, count)`` for every id: one scalar count check."""
+    def _fast_rows_uniform(self, rids: tuple, count) -> tuple[np.ndarray, np.ndarray, tuple] | None:
+        """``_fast_rows`` of ``(rid, count)`` for every id: one scalar count check."""
         if type(count) is not int or not 1 <= count <= self.max_step_tokens:
             return None  # the per-item path words it (numpy ints included)
         rows = self._rows_of(rids)
         if rows is None:
             return None
-        counts = np.full(rows.size, count, dtype=np.int64)
-        return (rows, counts, rids) if self._within_known(rows, counts) else None
-
-    def _within_known(self, rows: np.ndarray, counts: np.ndarray) -> bool:
-        """Every row's computed tokens plus its count stay within its known tokens. Known
-        ids never exceed the declared total (add/append check it), so this one test
-        covers both limits; the per-item path words which one."""
-        return kernels.within_known(self._computed, self._known, rows, counts)
+        return rows, np.full(rows.size, count, dtype=np.int64), rids
 
     def _rows_of(self, rids: tuple) -> np.ndarray | None:
-        """Table rows of distinct known request ids; None if an id is unknown,
-        unhashable or repeated."""
+        """Table rows of known request ids; None if an id is unknown or unhashable."""
         try:
             # One C-level lookup of every id (itemgetter of one key returns it bare).
             found = itemgetter(*rids)(self._row_of) if len(rids) > 1 else [self._row_of[rid] for rid in rids]
         except (KeyError, TypeError):
             return None
-        rows = np.array(found, dtype=np.int64)
-        return rows if kernels.distinct_rows(rows, self._in_batch) else None
+        return np.fromiter(found, dtype=np.int64, count=len(rids))
+
+    def _distinct_rows_of(self, rids: tuple) -> np.ndarray | None:
+        """``_rows_of``, and None too when an id is listed twice."""
+        rows = self._rows_of(rids)
+        return rows if rows is not None and kernels.distinct_rows(rows, self._in_batch) else None
 
     def _item_error(self, item, seen: set[str], fixed_width: bool) -> str:
         try:
@@ -790,23 +813,22 @@ class CacheManager:
             )
         return ""
 
-    def _plan(self, rows_in: np.ndarray, counts_in: np.ndarray) -> _StepPlan:
+    def _plan(self, rows_in: np.ndarray, counts_in: np.ndarray) -> _StepPlan | None:
         """The step of ``rows_in`` writing ``counts_in`` tokens each, planned by
         ``kernels.prepare_step`` (pure): the previous step's rows not in this one settle
         first (their tokens commit, their slid-out pages go back), so their release
-        counts as credit for everyone."""
-        n_rows, n_groups = rows_in.size + self._last_rows.size, len(self.specs)
-        rows, counts, first = (np.empty(n_rows, dtype=np.int64) for _ in range(3))
-        after = np.empty((2, n_groups, n_rows), dtype=np.int64)
-        need = np.empty((n_groups, n_rows), dtype=np.int64)
-        sums = np.empty((2, n_groups), dtype=np.int64)
-        crossing = np.empty(n_rows, dtype=np.int64)
-        totals = np.empty(4, dtype=np.int64)
+        counts as credit for everyone. None when a row is listed twice or passes its
+        known tokens. The plan's arrays are scratch: only the latest plan is valid."""
+        rows, counts, first, after, need, sums, crossing, totals = self._scratch.plan_arrays(
+            rows_in.size + self._last_rows.size)
         ts = self._tableset
         grain = self.prefix.granularity_tokens if self.prefix is not None else 0
         n, settle, n_crossing, clean = kernels.prepare_step(
-            ts.geometry, ts.bounds, self._computed, self._committed, self._last_rows, rows_in, counts_in, grain,
-            self._space.tops, self._in_batch, rows, counts, first, after, need, sums, crossing, totals)
+            ts.geometry, ts.bounds, self._computed, self._committed, self._known, self._last_rows, rows_in,
+            counts_in, grain, self._space.tops, self._in_batch, rows, counts, first, after, need, sums, crossing,
+            totals)
+        if n < 0:
+            return None  # a row twice, or past its known tokens: the per-item path words it
         return _StepPlan(rows[:n], counts[:n], first[:n], after[:, :, :n], need[:, :n], sums,
                          crossing[:n_crossing], settle, clean, tuple(totals.tolist()))
 
@@ -815,20 +837,16 @@ class CacheManager:
     ) -> np.ndarray:
         """Per row, the pages its release this step frees (sole reference); those
         pages go to ``releasing[gid]`` when given."""
-        table = self.tables[gid]
-        if not table.sliding:
-            return np.zeros(rows.size, dtype=np.int64)
-        base = table.base[rows]
-        counts = new_base - base
-        if not counts.any():
-            return np.zeros(rows.size, dtype=np.int64)
-        pages = table.pages_in(rows, base, new_base)
-        sole = self.pools[gid].ref_counts[pages] == 1
-        if releasing is not None:
-            releasing[gid] = pages[sole]
-        return np.bincount(np.repeat(np.arange(rows.size), counts), weights=sole, minlength=rows.size).astype(
-            np.int64
-        )
+        credit = np.zeros(rows.size, dtype=np.int64)
+        if not self.tables[gid].sliding:
+            return credit
+        ts, g = self._tableset, self._group_ids.index(gid)
+        sole = np.empty(int((new_base - ts.bounds[0, g, rows]).sum()), dtype=np.int64)
+        n_sole, n_pages = kernels.release_credit(ts.geometry, ts.pages, ts.bounds, self._space.ref_counts, g, rows,
+                                                 new_base, credit, sole)
+        if releasing is not None and n_pages:
+            releasing[gid] = sole[:n_sole]
+        return credit
 
     # --- the step ------------------------------------------------------------
     def schedule(
@@ -882,7 +900,7 @@ class CacheManager:
         else:
             self._tableset.stop_log()
         arrays = self._run(plan, write_slots)
-        self._last_rows = plan.rows[plan.settle :] if plan.settle else plan.rows
+        self._last_rows = plan.rows[plan.settle :].copy()  # the plan's arrays are scratch
         return self._build_batch(plan, arrays, fixed_width, updates)
 
     def _verdict_for(self, items, uniform, fixed_width: bool) -> _Verdict:
@@ -950,8 +968,7 @@ class CacheManager:
                                          reset=reset)
         slots = out.slots if out.slots.shape[0] else [None] * len(widths)
         groups = {
-            gid: GroupStep(block_table=tables[k], base_pages=out.base_pages[k] if sliding else None,
-                           write_slots=slots[k])
+            gid: GroupStep(tables[k], out.base_pages[k] if sliding else None, slots[k])  # block table, base, slots
             for k, (gid, sliding) in enumerate(self._group_sliding)
         }
         return StepBatch(

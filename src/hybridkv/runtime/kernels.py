@@ -77,9 +77,10 @@ def write_slots(geometry, pages, rows, first_row, positions, request_indices, sl
 # --- one step: plan (pure), then run (release, allocate, the batch's arrays) -----------------
 @njit(cache=True)
 def settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts):
-    """Rows of the previous step (``last_rows``) not in this one (``rows_in``) whose tokens
-    are not committed yet, in their order, to ``rows`` with zero ``counts``; how many.
-    ``mark``: scratch, one flag per table row, all False before and after."""
+    """Rows of the previous step (``last_rows``, distinct) not in this one (``rows_in``)
+    whose tokens are not committed yet, in their order, to ``rows`` with zero ``counts``;
+    how many, or -1 when ``rows_in`` lists a row twice. ``mark``: scratch, one flag per
+    table row, all False before and after."""
     n_in, settle = rows_in.size, 0
     same = last_rows.size == n_in
     for r in range(n_in if same else 0):
@@ -89,6 +90,10 @@ def settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts):
     if same:
         return 0
     for r in range(n_in):
+        if mark[rows_in[r]]:
+            for k in range(r):
+                mark[rows_in[k]] = False
+            return -1
         mark[rows_in[r]] = True
     for r in range(last_rows.size):
         row = last_rows[r]
@@ -102,10 +107,11 @@ def settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts):
 
 
 @njit(cache=True)
-def prepare_step(geometry, bounds, computed, committed, last_rows, rows_in, counts_in, grain, top, mark,
+def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in, counts_in, grain, top, mark,
                  rows, counts, first, after, need, sums, crossing, totals):
     """The plan of a step of ``rows_in`` (table rows) writing ``counts_in`` tokens each; pure
-    but for ``mark`` (scratch, all False on return).
+    but for ``mark`` (scratch, all False on return). No plan (-1 rows) when a row is
+    listed twice or would pass its ``known`` tokens (the caller words why).
 
     ``rows``, ``counts``, ``first``: the rows the step touches, the settling ones first
     (rows of the previous step, ``last_rows``, not in this one whose tokens are not
@@ -118,7 +124,12 @@ def prepare_step(geometry, bounds, computed, committed, last_rows, rows_in, coun
     released, most pages released in one group, pages allocated. Returns (rows in the
     plan, settling rows, crossing rows, whether every group's free stack covers its
     allocations)."""
+    for r in range(rows_in.size):
+        if computed[rows_in[r]] + counts_in[r] > known[rows_in[r]]:
+            return -1, 0, 0, False
     settle = settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts)
+    if settle < 0:
+        return -1, 0, 0, False
     n = settle + rows_in.size
     n_cross = 0
     for r in range(n):
@@ -421,6 +432,26 @@ def drop_holds(ref, keyed, offsets, per_group, pages, freed, keyed_pages, counts
             if ref[offset + pages[i]] == -1:
                 ref[offset + pages[i]] = 0
         start = end
+
+
+@njit(cache=True)
+def release_credit(geometry, pages, bounds, ref, g, rows, new_base, credit, sole_pages):
+    """Group ``g``'s pages below each row's ``new_base`` that only that row holds (pure):
+    ``credit[r]`` how many of row ``r``'s, their local ids to ``sole_pages`` (rows in
+    order, pages in logical order). Returns (sole pages, pages below the new bases)."""
+    mask, offset = geometry[g, COLUMN_MASK], geometry[g, ID_OFFSET]
+    n_sole, n_pages = 0, 0
+    for r in range(rows.size):
+        row = rows[r]
+        before = n_sole
+        for logical in range(bounds[0, g, row], new_base[r]):
+            page = pages[g, row, logical & mask]
+            n_pages += 1
+            if ref[offset + page] == 1:
+                sole_pages[n_sole] = page
+                n_sole += 1
+        credit[r] = n_sole - before
+    return n_sole, n_pages
 
 
 @njit(cache=True)
