@@ -633,10 +633,11 @@ class CacheManager:
             return plan.grants is not None
 
         need = alloc
-        if not totals_fit(need) or plan.grants:
+        if not totals_fit(need) or any(donor is not None for _, _, donor in plan.grants):
             # The step's releases run before slabs move, so a donor slab whose pages are
             # all idle once they are released can be lent too; and a group whose own
             # releases cover it takes no slab from another (which would evict there).
+            # Spare slabs evict nothing: a plan of those alone stands.
             scan = IdleScan(releasing={})
             need = {g: alloc[g] - self._release_credit(g, plan.rows, new_base[g], scan.releasing) for g in avail}
             if not totals_fit(need):
