@@ -687,9 +687,24 @@ class CacheManager:
                     freed = scan.releasing[gid] = freed[~pool.cached[freed]]  # keyed ones stay cached
                     left += freed.size
             spare[gid] = left
-        self._cheap_donor_pages(short, spare, scan)
+        if not self._spare_slabs_cover(short, own):
+            self._cheap_donor_pages(short, spare, scan)
         spare = {gid: max(left, 0) for gid, left in spare.items()}
         return arena.plan(short, spare, scan, partial=True, owner=own)
+
+    def _spare_slabs_cover(self, short: dict, owner: np.ndarray | None) -> bool:
+        """True when spare slabs alone surely cover every ``short`` group (a slab holds
+        at least ``slab_bytes // page_bytes - 1`` whole pages of a group): the arena's
+        plan then takes no donor slab, so the donors' values need not be worked out."""
+        geometry = self.arena.geometry
+        spare = self.arena.num_spare_slabs if owner is None else int(np.count_nonzero(owner < 0))
+        need = 0
+        for gid, pages in short.items():
+            per_slab = geometry.slab_bytes // geometry.page_bytes[gid] - 1
+            if per_slab <= 0:
+                return False
+            need += -(-pages // per_slab)
+        return need <= spare
 
     def _cheap_donor_pages(self, short: dict, spare: dict, scan: IdleScan) -> None:
         """Value-based slab moves: a donor's idle entries worth less than the least
