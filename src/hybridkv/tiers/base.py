@@ -111,6 +111,15 @@ class Tier(ABC):
     def close(self) -> None:
         """Release what the tier holds open (files, connections); stored objects stay where they live."""
 
+    def _count_puts(self, items: Sequence[tuple[str, bytes]], stored: Sequence[bool]) -> None:
+        """Count each item's put as stored (with its bytes) or refused."""
+        for (_, value), ok in zip(items, stored):
+            if ok:
+                self._stats.stored += 1
+                self._stats.stored_bytes += len(value)
+            else:
+                self._stats.refused += 1
+
     def _fault(self, message: str, count: int = 1) -> None:
         self._stats.errors += count
         self._stats.last_error = message

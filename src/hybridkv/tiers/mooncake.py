@@ -200,12 +200,7 @@ class MooncakeTier(Tier):
             stored[i] = code == 0
             if not stored[i]:
                 message = self._stats.last_error if code == -1 else f"Mooncake put of {name} ({len(value)} B) returned {code}"
-        for (_, value), ok in zip(items, stored):
-            if ok:
-                self._stats.stored += 1
-                self._stats.stored_bytes += len(value)
-            else:
-                self._stats.refused += 1
+        self._count_puts(items, stored)
         if not all(stored):
             self._fault(self._stats.last_error if self._paused() else message)
         return stored

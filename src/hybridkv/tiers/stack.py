@@ -34,12 +34,7 @@ class TierStack(Tier):
         stored = [False] * len(items)
         for tier in self.tiers:
             stored = [a or b for a, b in zip(stored, tier.put(items))]
-        for (_, value), ok in zip(items, stored):
-            if ok:
-                self._stats.stored += 1
-                self._stats.stored_bytes += len(value)
-            else:
-                self._stats.refused += 1
+        self._count_puts(items, stored)
         return stored
 
     def _get(self, names: list[str]) -> list[bytes | None]:
