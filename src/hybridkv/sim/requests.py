@@ -13,7 +13,7 @@ DEFAULT_VOCAB_SIZE = 129_280
 MAX_TOKEN_ID = np.iinfo(np.int32).max
 
 
-def _check_int(name: str, value: object, *, minimum: int) -> int:
+def check_int(name: str, value: object, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an int, got {value!r}")
     if value < minimum:
@@ -57,13 +57,13 @@ class Request:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"request_id must be a non-empty str, got {self.request_id!r}")
         object.__setattr__(
-            self, "arrival_step", _check_int("arrival_step", self.arrival_step, minimum=0)
+            self, "arrival_step", check_int("arrival_step", self.arrival_step, minimum=0)
         )
         prompt = _frozen_token_array("prompt_token_ids", self.prompt_token_ids)
         if prompt.size == 0:
             raise ValueError(f"request {self.request_id!r}: prompt_token_ids is empty")
         object.__setattr__(self, "prompt_token_ids", prompt)
-        output_tokens = _check_int("output_tokens", self.output_tokens, minimum=1)
+        output_tokens = check_int("output_tokens", self.output_tokens, minimum=1)
         object.__setattr__(self, "output_tokens", output_tokens)
         outputs = _frozen_token_array("output_token_ids", self.output_token_ids)
         if outputs.size != output_tokens:
@@ -77,7 +77,7 @@ class Request:
         ):
             raise ValueError(f"conversation_id must be a non-empty str, got {self.conversation_id!r}")
         if self.turn is not None:
-            object.__setattr__(self, "turn", _check_int("turn", self.turn, minimum=0))
+            object.__setattr__(self, "turn", check_int("turn", self.turn, minimum=0))
         if self.after_request_id is not None:
             if not isinstance(self.after_request_id, str) or not self.after_request_id:
                 raise ValueError(
@@ -107,9 +107,9 @@ class Request:
     __hash__ = None  # type: ignore[assignment]  # arrays are not hashable; key by request_id
 
 
-def _token_ids(rng: np.random.Generator, count: int, vocab_size: int) -> np.ndarray:
+def random_token_ids(rng: np.random.Generator, count: int, vocab_size: int) -> np.ndarray:
     return rng.integers(0, vocab_size, size=int(count), dtype=np.int32)
 
 
-def _check_vocab(vocab_size: int) -> int:
-    return _check_int("vocab_size", vocab_size, minimum=2)
+def check_vocab_size(vocab_size: int) -> int:
+    return check_int("vocab_size", vocab_size, minimum=2)

@@ -11,7 +11,7 @@ from typing import Any, Iterable
 import numpy as np
 import xxhash
 
-from hybridkv.sim.requests import DEFAULT_VOCAB_SIZE, Request, _check_vocab, _token_ids
+from hybridkv.sim.requests import DEFAULT_VOCAB_SIZE, Request, check_vocab_size, random_token_ids
 
 
 class TraceFormatError(ValueError):
@@ -210,7 +210,7 @@ def _decoded_lines(handle) -> Iterable[str]:
 def _prefix_stream(seed: int, prefix_key: str, count: int, vocab_size: int) -> np.ndarray:
     """The shared-prefix ids of one ``prefix_id``: a function of (seed, id) only."""
     digest = xxhash.xxh64_intdigest(prefix_key.encode())
-    return _token_ids(np.random.default_rng([seed, digest]), count, vocab_size)
+    return random_token_ids(np.random.default_rng([seed, digest]), count, vocab_size)
 
 
 def parse_jsonl_trace(
@@ -230,7 +230,7 @@ def parse_jsonl_trace(
     than ``max_request_tokens`` and a trace of more than ``MAX_TRACE_TOKENS``
     tokens in all (both checked before any token array is allocated).
     """
-    _check_vocab(vocab_size)
+    check_vocab_size(vocab_size)
     if not (
         isinstance(arrival_steps_per_unit, (int, float))
         and not isinstance(arrival_steps_per_unit, bool)
@@ -287,12 +287,12 @@ def parse_jsonl_trace(
                 if entry.prefix_key is not None
                 else np.empty(0, dtype=np.int32)
             )
-            suffix = _token_ids(rng, entry.prompt_tokens - entry.prefix_tokens, vocab_size)
+            suffix = random_token_ids(rng, entry.prompt_tokens - entry.prefix_tokens, vocab_size)
             prompt = np.concatenate([shared, suffix])
         if entry.output_token_ids is not None:
             outputs = np.asarray(entry.output_token_ids, dtype=np.int32)
         else:
-            outputs = _token_ids(rng, entry.output_tokens, vocab_size)
+            outputs = random_token_ids(rng, entry.output_tokens, vocab_size)
         requests.append(
             Request(
                 request_id=entry.request_id,

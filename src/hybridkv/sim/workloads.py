@@ -19,9 +19,9 @@ from hybridkv.sim.requests import (
     DEFAULT_VOCAB_SIZE,
     MAX_TOKEN_ID,
     Request,
-    _check_int,
-    _check_vocab,
-    _token_ids,
+    check_int,
+    check_vocab_size,
+    random_token_ids,
 )
 from hybridkv.sim.traces import (
     TraceFormatError,
@@ -58,8 +58,8 @@ class LengthDistribution:
             raise ValueError(f"median_tokens must be a positive number, got {self.median_tokens!r}")
         if not (isinstance(self.sigma, (int, float)) and self.sigma >= 0):
             raise ValueError(f"sigma must be a non-negative number, got {self.sigma!r}")
-        _check_int("min_tokens", self.min_tokens, minimum=1)
-        _check_int("max_tokens", self.max_tokens, minimum=self.min_tokens)
+        check_int("min_tokens", self.min_tokens, minimum=1)
+        check_int("max_tokens", self.max_tokens, minimum=self.min_tokens)
 
     def sample(self, rng: np.random.Generator, count: int) -> np.ndarray:
         """``count`` lengths as int64."""
@@ -100,14 +100,14 @@ def chat_workload(
     vocab_size: int = DEFAULT_VOCAB_SIZE,
 ) -> list[Request]:
     """Independent requests with lognormal prompt and output lengths, random ids."""
-    _check_int("num_requests", num_requests, minimum=1)
-    _check_vocab(vocab_size)
+    check_int("num_requests", num_requests, minimum=1)
+    check_vocab_size(vocab_size)
     rng = np.random.default_rng(seed)
     arrivals = _arrival_steps(rng, num_requests, arrival_rate_per_step)
     prompt_lens = prompt_lengths.sample(rng, num_requests)
     output_lens = output_lengths.sample(rng, num_requests)
-    prompts = _split(_token_ids(rng, prompt_lens.sum(), vocab_size), prompt_lens)
-    outputs = _split(_token_ids(rng, output_lens.sum(), vocab_size), output_lens)
+    prompts = _split(random_token_ids(rng, prompt_lens.sum(), vocab_size), prompt_lens)
+    outputs = _split(random_token_ids(rng, output_lens.sum(), vocab_size), output_lens)
     return [
         Request(
             request_id=f"chat-{i:05d}",
@@ -140,17 +140,17 @@ def multiturn_workload(
     ``arrival_rate_per_step`` (all at step 0 by default), later turns carry the
     arrival step of their conversation's first turn.
     """
-    _check_int("num_conversations", num_conversations, minimum=1)
-    _check_int("turns", turns, minimum=1)
-    _check_int("system_prompt_tokens", system_prompt_tokens, minimum=0)
-    _check_vocab(vocab_size)
+    check_int("num_conversations", num_conversations, minimum=1)
+    check_int("turns", turns, minimum=1)
+    check_int("system_prompt_tokens", system_prompt_tokens, minimum=0)
+    check_vocab_size(vocab_size)
     rng = np.random.default_rng(seed)
     arrivals = _arrival_steps(rng, num_conversations, arrival_rate_per_step)
-    system_prompt = _token_ids(rng, system_prompt_tokens, vocab_size)
+    system_prompt = random_token_ids(rng, system_prompt_tokens, vocab_size)
     user_lens = user_message_lengths.sample(rng, num_conversations * turns)
     answer_lens = answer_lengths.sample(rng, num_conversations * turns)
-    user_msgs = _split(_token_ids(rng, user_lens.sum(), vocab_size), user_lens)
-    answers = _split(_token_ids(rng, answer_lens.sum(), vocab_size), answer_lens)
+    user_msgs = _split(random_token_ids(rng, user_lens.sum(), vocab_size), user_lens)
+    answers = _split(random_token_ids(rng, answer_lens.sum(), vocab_size), answer_lens)
 
     by_turn: list[list[Request]] = [[] for _ in range(turns)]
     for conv in range(num_conversations):
@@ -191,19 +191,19 @@ def longctx_workload(
 
     A prompt is shortened so that prompt + output fits ``max_context_tokens``.
     """
-    _check_int("num_requests", num_requests, minimum=1)
-    _check_int("min_prompt_tokens", min_prompt_tokens, minimum=1)
-    _check_int("max_prompt_tokens", max_prompt_tokens, minimum=min_prompt_tokens)
-    _check_int("max_context_tokens", max_context_tokens, minimum=output_lengths.max_tokens + 1)
-    _check_vocab(vocab_size)
+    check_int("num_requests", num_requests, minimum=1)
+    check_int("min_prompt_tokens", min_prompt_tokens, minimum=1)
+    check_int("max_prompt_tokens", max_prompt_tokens, minimum=min_prompt_tokens)
+    check_int("max_context_tokens", max_context_tokens, minimum=output_lengths.max_tokens + 1)
+    check_vocab_size(vocab_size)
     rng = np.random.default_rng(seed)
     arrivals = _arrival_steps(rng, num_requests, arrival_rate_per_step)
     log_lens = rng.uniform(math.log(min_prompt_tokens), math.log(max_prompt_tokens), num_requests)
     output_lens = output_lengths.sample(rng, num_requests)
     prompt_lens = np.clip(np.rint(np.exp(log_lens)), min_prompt_tokens, max_prompt_tokens)
     prompt_lens = np.minimum(prompt_lens, max_context_tokens - output_lens).astype(np.int64)
-    prompts = _split(_token_ids(rng, prompt_lens.sum(), vocab_size), prompt_lens)
-    outputs = _split(_token_ids(rng, output_lens.sum(), vocab_size), output_lens)
+    prompts = _split(random_token_ids(rng, prompt_lens.sum(), vocab_size), prompt_lens)
+    outputs = _split(random_token_ids(rng, output_lens.sum(), vocab_size), output_lens)
     return [
         Request(
             request_id=f"long-{i:03d}",
@@ -246,11 +246,11 @@ class AgenticShape:
     branch_output_lengths: LengthDistribution = BRANCH_OUTPUT_LENGTHS
 
     def __post_init__(self) -> None:
-        _check_int("num_prefixes", self.num_prefixes, minimum=1)
+        check_int("num_prefixes", self.num_prefixes, minimum=1)
         for name in ("steps", "branches"):
             low, high = getattr(self, name)
-            _check_int(f"{name}[0]", low, minimum=1)
-            _check_int(f"{name}[1]", high, minimum=low)
+            check_int(f"{name}[0]", low, minimum=1)
+            check_int(f"{name}[1]", high, minimum=low)
         p = self.branch_probability
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
             raise ValueError(f"branch_probability must be a number in [0, 1], got {p!r}")
@@ -266,24 +266,24 @@ def _agent_session(rng, index, prefix, arrival, shape, vocab_size) -> list[list[
     rounds: list[list[Request]] = []
     for step in range(steps):
         lengths = shape.task_lengths if step == 0 else shape.tool_result_lengths
-        message = _token_ids(rng, int(lengths.sample(rng, 1)[0]), vocab_size)
+        message = random_token_ids(rng, int(lengths.sample(rng, 1)[0]), vocab_size)
         call_tokens = int(shape.tool_call_lengths.sample(rng, 1)[0])
         prompt = np.concatenate([context, message])
         turn = Request(
             request_id=f"{session_id}-step{step}", arrival_step=arrival, prompt_token_ids=prompt,
-            output_tokens=call_tokens, output_token_ids=_token_ids(rng, call_tokens, vocab_size),
+            output_tokens=call_tokens, output_token_ids=random_token_ids(rng, call_tokens, vocab_size),
             conversation_id=session_id, turn=step, after_request_id=previous_id,
         )
         this_round = [turn]
         if rng.random() < shape.branch_probability:
             count = int(rng.integers(shape.branches[0], shape.branches[1] + 1))
             for b in range(count):
-                ask = _token_ids(rng, int(shape.branch_message_lengths.sample(rng, 1)[0]), vocab_size)
+                ask = random_token_ids(rng, int(shape.branch_message_lengths.sample(rng, 1)[0]), vocab_size)
                 out_tokens = int(shape.branch_output_lengths.sample(rng, 1)[0])
                 this_round.append(Request(
                     request_id=f"{session_id}-step{step}-branch{b}", arrival_step=arrival,
                     prompt_token_ids=np.concatenate([context, ask]), output_tokens=out_tokens,
-                    output_token_ids=_token_ids(rng, out_tokens, vocab_size),
+                    output_token_ids=random_token_ids(rng, out_tokens, vocab_size),
                     conversation_id=session_id, turn=step, after_request_id=previous_id,
                 ))
         rounds.append(this_round)
@@ -314,14 +314,14 @@ def agentic_workload(
     ``arrival_rate_per_step`` (all at step 0 by default) and their later
     requests carry that step.
     """
-    _check_int("num_sessions", num_sessions, minimum=1)
-    _check_vocab(vocab_size)
+    check_int("num_sessions", num_sessions, minimum=1)
+    check_vocab_size(vocab_size)
     if not isinstance(shape, AgenticShape):
         raise ValueError(f"shape must be an AgenticShape, got {type(shape).__name__}")
     rng = np.random.default_rng(seed)
     arrivals = _arrival_steps(rng, num_sessions, arrival_rate_per_step)
     prefix_lens = shape.prefix_lengths.sample(rng, shape.num_prefixes)
-    prefixes = [_token_ids(rng, int(n), vocab_size) for n in prefix_lens]
+    prefixes = [random_token_ids(rng, int(n), vocab_size) for n in prefix_lens]
     choice = rng.integers(0, shape.num_prefixes, size=num_sessions)
     sessions = [
         _agent_session(rng, i, prefixes[int(choice[i])], int(arrivals[i]), shape, vocab_size)
@@ -338,7 +338,7 @@ def in_waves(requests: list[Request], conversations_per_wave: int) -> list[Reque
     conversation of its own) are taken in order of first appearance, in waves of
     that many, and each wave keeps the list's relative order. Dispatch order holds
     (a request waits only for one of its own conversation)."""
-    _check_int("conversations_per_wave", conversations_per_wave, minimum=1)
+    check_int("conversations_per_wave", conversations_per_wave, minimum=1)
     wave_of: dict[str, int] = {}
     waves: list[list[Request]] = []
     for request in requests:
@@ -372,7 +372,7 @@ def build_workload(
     in round-major order.
     """
     if num_requests is not None:
-        _check_int("num_requests", num_requests, minimum=1)
+        check_int("num_requests", num_requests, minimum=1)
     if name_or_path == "chat":
         return chat_workload(num_requests or 256, seed=seed)
     if name_or_path == "multiturn":
@@ -418,7 +418,7 @@ def ideal_hit_tokens(requests: list[Request], *, grain_tokens: int = 1) -> np.nd
     no KV) in the cache. A hit is capped at ``prompt_tokens - 1`` (the last
     prompt token is always computed) and rounded down to ``grain_tokens``.
     """
-    _check_int("grain_tokens", grain_tokens, minimum=1)
+    check_int("grain_tokens", grain_tokens, minimum=1)
     cached: list[np.ndarray] = []
     hits = np.zeros(len(requests), dtype=np.int64)
     for index, request in enumerate(requests):
