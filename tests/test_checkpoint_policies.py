@@ -107,23 +107,23 @@ def test_prefill_per_byte_order_by_hand():
     """Scores at c's free (clock 3), worked from the rule. Successes: speculative 1 (b's
     hit at 512, which made it reused), reused 1 (c's); no failures (nothing left the
     cache). Expected reuse: speculative 2/3, own 1/2, reused 2/3; no class below the
-    floor. saved_prefill: 256.25 (256), 513 (512), 770.25 (768).
+    floor. saved_prefill: 256.25 (256), 513 (512), 770.25 (768); pinned: D + 1,046.
 
-        256   log2(256.25 * 2/3) - 3/64 = 7.370   (last use: published, clock 0)
-        512   log2(513 * 2/3)    - 1/64 = 8.402   (c's hit at clock 2)
-        a768  log2(770.25 / 2)   - 3/64 = 8.542
-        b768  8.589 - 2/64 = 8.558,  c768  8.589 - 1/64 = 8.574
+        256   log2(256.25 * 2/3 / 1302) - 3/64 = -2.977   (last use: published, clock 0)
+        a768  log2(770.25 / 2 / 1814)   - 3/64 = -2.283
+        b768  -2.236 - 2/64 = -2.267,  c768  -2.236 - 1/64 = -2.251
+        512   log2(513 * 2/3 / 1558)    - 1/64 = -2.203   (c's hit at clock 2)
 
-    So 256 goes first, the terminals last."""
+    So 256 goes first, the document's end last."""
     mgr, _, names = three_questions_on_one_document("prefill-per-byte")
     values = mgr.prefix.values
     assert (values.successes, values.failures) == ({SPECULATIVE: 1, OWN: 0, REUSED: 1},
                                                    {SPECULATIVE: 0, OWN: 0, REUSED: 0})
     by_name = {n: k for k, n in names.items()}
-    assert values.score(by_name["256"]) == pytest.approx(math.log2(256.25 * 2 / 3) - 3 / 64)
-    assert values.score(by_name["512"]) == pytest.approx(math.log2(513 * 2 / 3) - 1 / 64)
-    assert values.score(by_name["a768"]) == pytest.approx(math.log2(770.25 / 2) - 3 / 64)
-    assert [names[k] for k in mgr.prefix.rank_checkpoints()] == ["256", "512", "a768", "b768", "c768"]
+    assert values.score(by_name["256"]) == pytest.approx(math.log2(256.25 * 2 / 3 / 1302) - 3 / 64)
+    assert values.score(by_name["512"]) == pytest.approx(math.log2(513 * 2 / 3 / 1558) - 1 / 64)
+    assert values.score(by_name["a768"]) == pytest.approx(math.log2(770.25 / 2 / 1814) - 3 / 64)
+    assert [names[k] for k in mgr.prefix.rank_checkpoints()] == ["256", "a768", "b768", "c768", "512"]
     assert mgr.pools[SWA].num_low_priority_idle_pages == 0
 
 
@@ -151,27 +151,36 @@ def test_which_checkpoint_goes_first_under_pressure(policy, evicted, hit_d):
 
 def test_values_by_hand():
     """The score pieces: saved prefill grows faster than depth; a class's expected reuse
-    is (hits + 1) / (entered + 2); age costs 1 / VALUE_HALF_LIFE_REQUESTS per request."""
+    is (successes + 1) / (successes + failures + 2); what a hit pins is D + the
+    checkpoint's tokens; age costs 1 / VALUE_HALF_LIFE_REQUESTS per request."""
     L = ATTENTION_EQUAL_DEPTH_TOKENS
     assert saved_prefill(L) == 1.5 * L  # token t costs 1 + t / L: L + L^2 / (2 L)
     assert saved_prefill(2048) / 2048 > saved_prefill(256) / 256
-    v = CheckpointValues(pinned_bytes=4)
+    assert saved_prefill(1024) == 1028  # 1024 + 1024^2 / 262144
+    v = CheckpointValues(checkpoint_tokens=1024)
     v.published("k", 1024, speculative=True)
-    assert v.score("k") == pytest.approx(math.log2(saved_prefill(1024) * 0.5) - 2)
+    assert v.score("k") == pytest.approx(math.log2(1028 * 0.5 / 2048))
     v.request_freed()
     v.request_freed()
-    assert v.score("k") == pytest.approx(math.log2(saved_prefill(1024) * 0.5) - 2 - 2 / 64)
+    assert v.score("k") == pytest.approx(math.log2(1028 * 0.5 / 2048) - 2 / 64)
     v.hit("k")  # a success of speculative; now reused, used now
     assert (v.kind("k"), v.expected_reuse(SPECULATIVE), v.expected_reuse(REUSED)) == (REUSED, 2 / 3, 1 / 2)
-    assert v.score("k") == pytest.approx(math.log2(saved_prefill(1024) / 2) - 2)
+    assert v.score("k") == pytest.approx(math.log2(1028 / 2 / 2048))
     v.removed("k")  # left without a hit as reused: a failure of reused
     assert (v.kind("k"), v.failures[REUSED], v.expected_reuse(REUSED)) == (None, 1, 1 / 3)
-    for i in range(4):  # four own checkpoints evicted unhit: own drops to 1/6, below the floor
-        v.published(i, 256, speculative=False)
-        v.removed(i)
-    assert (v.expected_reuse(OWN), v.low_priority(OWN), v.low_priority(SPECULATIVE)) == (1 / 6, True, False)
-    with pytest.raises(ValueError, match="pinned_bytes must be positive"):
-        CheckpointValues(pinned_bytes=0)
+    for i in range(4):  # four evicted unhit: a class drops to 1/6, below the floor
+        for speculative in (True, False):
+            v.published((i, speculative), 256, speculative=speculative)
+            v.removed((i, speculative))
+    assert (v.expected_reuse(SPECULATIVE), v.expected_reuse(OWN)) == (2 / 7, 1 / 6)
+    assert (v.low_priority(SPECULATIVE), v.low_priority(OWN), v.low_priority(REUSED)) == (False, False, False)
+    v.published(9, 256, speculative=True)
+    v.removed(9)  # speculative: 1 success, 5 failures: 2/8 = the floor, not below
+    v.published(10, 256, speculative=True)
+    v.removed(10)  # 2/9: below; own, 1/6, never is (terminals stay normal)
+    assert (v.low_priority(SPECULATIVE), v.low_priority(OWN)) == (True, False)
+    with pytest.raises(ValueError, match="checkpoint_tokens must be positive"):
+        CheckpointValues(checkpoint_tokens=0)
 
 
 # --------------------------------------------------------------------------- errors

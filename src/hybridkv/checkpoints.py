@@ -35,6 +35,10 @@ DEFAULT_CHECKPOINT_POLICY = "prompt-boundaries"
 # and reads t/128 ratio-128 entries (20 layers x 64 heads x 512 dims), ~1.3e5 x t FLOP,
 # against ~1e10 FLOP per token of projections and experts: the order of 1e5 tokens.
 ATTENTION_EQUAL_DEPTH_TOKENS = 131_072
+# A checkpoint's bytes in tokens of history: on V4-Flash (FP8 indexer) one checkpoint is
+# 4,080,000 B and the history of 256 tokens 998,208 B, so a checkpoint weighs as much as
+# the history of 1,046 tokens. A hit at D pins the checkpoint and the history below D.
+CHECKPOINT_HISTORY_TOKENS = 1_046
 # Recency: a checkpoint's value halves (its score, a log2, drops by 1) for every this many
 # requests freed since its last use.
 VALUE_HALF_LIFE_REQUESTS = 64
@@ -110,9 +114,11 @@ class CheckpointValues:
     """Saved prefill per byte, blended with recency, of the checkpoints a
     ``"prefill-per-byte"`` prefix cache publishes (one record per key).
 
-    ``score = log2(saved_prefill(D) * expected_reuse / pinned_bytes) - age / H``,
-    age in requests freed since the checkpoint's last use (publication or hit),
-    ``H`` = ``VALUE_HALF_LIFE_REQUESTS``. Expected reuse is learned online per
+    ``score = log2(saved_prefill(D) * expected_reuse / pinned(D)) - age / H``:
+    ``pinned(D) = D + checkpoint_tokens`` is what a hit at ``D`` needs cached (the
+    history below ``D`` and the checkpoint, in tokens of history bytes; default
+    ``CHECKPOINT_HISTORY_TOKENS``), age counts requests freed since the
+    checkpoint's last use (publication or hit), ``H`` = ``VALUE_HALF_LIFE_REQUESTS``. Expected reuse is learned online per
     class from outcomes: a checkpoint is published ``"speculative"`` (a boundary
     the policy guessed) or ``"own"`` (a request's latest, junction or interval
     checkpoint); a speculative one becomes ``"reused"`` at its first hit (a hit at
@@ -121,17 +127,15 @@ class CheckpointValues:
     without a hit in its class, a failure (an ``own`` one its request moves past
     counts as neither: it was no terminal; kept, it becomes speculative). A
     class's expected reuse is ``(successes + 1) / (successes + failures + 2)``;
-    below ``REUSE_FLOOR`` its checkpoints are low priority. So on a multi-turn
+    below ``REUSE_FLOOR`` its speculative and reused checkpoints are low priority
+    (own ones, terminals, stay normal, lowest score first: they keep the history
+    below them from being an orphan). So on a multi-turn
     workload, where each turn hits the previous turn's terminal, ``own`` rates
     high and ``speculative`` low; on documents shared by many questions,
-    ``reused`` rates high and terminals, never hit, low. Every checkpoint of one
-    manager pins the same bytes (its state groups' windows), so ``pinned_bytes``
-    is one number, passed in."""
+    ``reused`` rates high and terminals, never hit, low."""
 
-    def __init__(self, pinned_bytes: int = 1):
-        if pinned_bytes <= 0:
-            raise ValueError(f"pinned_bytes must be positive, got {pinned_bytes}")
-        self._log_bytes = math.log2(pinned_bytes)
+    def __init__(self, checkpoint_tokens: int = CHECKPOINT_HISTORY_TOKENS):
+        self.checkpoint_tokens = as_int("checkpoint_tokens", checkpoint_tokens, minimum=1)
         self.freed_requests = 0  # the clock: requests freed so far
         # key -> [boundary tokens, class, last use, hits in its class]
         self._records: dict[Hashable, list] = {}
@@ -184,13 +188,14 @@ class CheckpointValues:
         return (hits + 1) / (hits + self.failures[kind] + 2)
 
     def low_priority(self, kind: str) -> bool:
-        """Whether checkpoints of class ``kind`` go before anything usable."""
-        return self.expected_reuse(kind) < REUSE_FLOOR
+        """Whether checkpoints of class ``kind`` go before anything usable: a
+        speculative or reused class rated below ``REUSE_FLOOR``."""
+        return kind != OWN and self.expected_reuse(kind) < REUSE_FLOOR
 
     def score(self, key: Hashable) -> float:
         """The checkpoint's score now (higher: kept longer); KeyError if not recorded."""
         boundary, kind, last_use, _ = self._records[key]
-        value = math.log2(saved_prefill(boundary) * self.expected_reuse(kind)) - self._log_bytes
+        value = math.log2(saved_prefill(boundary) * self.expected_reuse(kind) / (boundary + self.checkpoint_tokens))
         return value - (self.freed_requests - last_use) / VALUE_HALF_LIFE_REQUESTS
 
     def eviction_order(self, keys: Iterable[Hashable]) -> list[Hashable]:
@@ -203,7 +208,7 @@ class CheckpointValues:
 
 
 __all__ = [
-    "ATTENTION_EQUAL_DEPTH_TOKENS", "CHECKPOINT_POLICIES", "CheckpointPolicy", "CheckpointValues",
+    "ATTENTION_EQUAL_DEPTH_TOKENS", "CHECKPOINT_HISTORY_TOKENS", "CHECKPOINT_POLICIES", "CheckpointPolicy", "CheckpointValues",
     "DEFAULT_CHECKPOINT_POLICY", "OWN", "REUSE_FLOOR", "REUSED", "SPECULATIVE", "VALUE_HALF_LIFE_REQUESTS",
     "checkpoint_policy", "saved_prefill",
 ]
