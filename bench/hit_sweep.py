@@ -63,6 +63,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from hybridkv.checkpoints import CHECKPOINT_POLICIES, DEFAULT_CHECKPOINT_POLICY, checkpoint_policy  # noqa: E402
+from hybridkv.cli.simulate_cmd import flag_names  # noqa: E402
 from hybridkv.models.layout import cache_layout  # noqa: E402
 from hybridkv.sim.offline_bound import UnitBytes, offline_hit_bound  # noqa: E402
 from hybridkv.sim.workloads import (  # noqa: E402
@@ -322,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         policy = checkpoint_policy(args.checkpoint_policy, None, args.checkpoint_interval_tokens, 256)
     except ValueError as exc:
-        parser.error(str(exc))
+        parser.error(flag_names(str(exc)))
     args.workloads = args.workloads.split(",")
     budgets = [parse_bytes(b) for b in args.budgets.split(",")]
     lines = [line for line in args.lines.split(",") if line]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -23,6 +25,7 @@ from hybridkv.checkpoints import (
     CheckpointValues,
     saved_prefill,
 )
+from hybridkv.checkpoints import checkpoint_policy as policy_from_options
 from test_prefix import C4KV, C4S, C128KV, C128S, IDX, STATE, SWA, cat, events_of, ids, make_manager, run_request
 
 POLICY_OPTIONS = {
@@ -263,3 +266,25 @@ def test_simulate_runs_each_policy(capsys):
         out, err = capsys.readouterr()
         assert code == 0, err
         assert json.loads(out)["requests"] == 6
+
+
+def test_hit_sweep_names_the_policy(capsys):
+    """bench/hit_sweep.py: --checkpoint-policy reaches the hybridkv lines' manager and
+    the JSON; a bad name or interval exits 2 before anything runs."""
+    bench = str(Path(__file__).resolve().parent.parent / "bench")
+    sys.path.insert(0, bench)
+    try:
+        import hit_sweep
+    finally:
+        sys.path.remove(bench)
+    side = hit_sweep.make_side("hybridkv shared", 2 << 30, 8192, None, policy_from_options("interval", None, 1024, 256))
+    assert (side.manager.prefix.checkpoint_policy, side.manager.prefix.checkpoint_interval_tokens) == ("interval", 1024)
+    for argv, message in ((["--checkpoint-policy", "nope"], "invalid choice: 'nope'"),
+                          (["--checkpoint-policy", "interval"], "'interval' needs --checkpoint-interval-tokens"),
+                          (["--checkpoint-policy", "interval", "--checkpoint-interval-tokens", "300"],
+                           "--checkpoint-interval-tokens must be a positive multiple of the grain 256, got 300"),
+                          (["--checkpoint-interval-tokens", "512"], "applies to --checkpoint-policy 'interval' only")):
+        with pytest.raises(SystemExit) as exit_:
+            hit_sweep.main(argv)
+        assert exit_.value.code == 2
+        assert message in capsys.readouterr().err

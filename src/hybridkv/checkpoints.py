@@ -13,9 +13,10 @@ before anything usable) at other boundaries the request crosses:
 * ``"prefill-per-byte"``: the prompt boundaries, as the default, and every cached
   checkpoint ranked by the prefill it saves per byte it pins, times its expected
   reuse (learned online per class), blended with recency (in the spirit of
-  Marconi, MLSys 2025): the classes rated below ``REUSE_FLOOR`` are low priority
-  (speculative ones are published so), the rest sit in the state pools' LRU in
-  the order of :meth:`CheckpointValues.score`, the lowest at the front.
+  Marconi, MLSys 2025): speculative and reused checkpoints of a class rated
+  below ``REUSE_FLOOR`` are low priority (speculative ones are published so),
+  the rest sit in the state pools' LRU in the order of
+  :meth:`CheckpointValues.score`, the lowest at the front.
 
 ``state_checkpoint_interval`` (pinned, normal priority checkpoints) adds to any policy.
 """
@@ -117,22 +118,24 @@ class CheckpointValues:
     ``score = log2(saved_prefill(D) * expected_reuse / pinned(D)) - age / H``:
     ``pinned(D) = D + checkpoint_tokens`` is what a hit at ``D`` needs cached (the
     history below ``D`` and the checkpoint, in tokens of history bytes; default
-    ``CHECKPOINT_HISTORY_TOKENS``), age counts requests freed since the
-    checkpoint's last use (publication or hit), ``H`` = ``VALUE_HALF_LIFE_REQUESTS``. Expected reuse is learned online per
-    class from outcomes: a checkpoint is published ``"speculative"`` (a boundary
-    the policy guessed) or ``"own"`` (a request's latest, junction or interval
-    checkpoint); a speculative one becomes ``"reused"`` at its first hit (a hit at
-    an ``own`` one, a terminal, is a conversation continuing: it stays ``own``).
-    A hit is a success of the class the checkpoint is in; leaving the cache
-    without a hit in its class, a failure (an ``own`` one its request moves past
-    counts as neither: it was no terminal; kept, it becomes speculative). A
-    class's expected reuse is ``(successes + 1) / (successes + failures + 2)``;
-    below ``REUSE_FLOOR`` its speculative and reused checkpoints are low priority
-    (own ones, terminals, stay normal, lowest score first: they keep the history
-    below them from being an orphan). So on a multi-turn
-    workload, where each turn hits the previous turn's terminal, ``own`` rates
-    high and ``speculative`` low; on documents shared by many questions,
-    ``reused`` rates high and terminals, never hit, low."""
+    ``CHECKPOINT_HISTORY_TOKENS``); age counts requests freed since the
+    checkpoint's last use (publication or hit); ``H`` = ``VALUE_HALF_LIFE_REQUESTS``.
+
+    Expected reuse is learned online per class, from outcomes. A checkpoint is
+    published ``"speculative"`` (a boundary the policy guessed) or ``"own"`` (a
+    request's latest, junction or interval checkpoint); a speculative one becomes
+    ``"reused"`` at its first hit (a hit at an ``own`` one, a terminal, is a
+    conversation continuing: it stays ``own``). A hit is a success of the class
+    the checkpoint is in; leaving the cache without a hit in its class, a failure
+    (an ``own`` one its request moves past counts as neither: it was no terminal;
+    kept, it becomes speculative). A class's expected reuse is
+    ``(successes + 1) / (successes + failures + 2)``. A speculative or reused
+    class rated below ``REUSE_FLOOR`` is low priority; own checkpoints stay
+    normal, lowest score first (a terminal keeps the history below it from
+    being an orphan). So on a multi-turn workload, where each turn hits the
+    previous turn's terminal, ``own`` rates high and ``speculative`` low; on
+    documents shared by many questions, ``reused`` rates high and terminals,
+    never hit, low."""
 
     def __init__(self, checkpoint_tokens: int = CHECKPOINT_HISTORY_TOKENS):
         self.checkpoint_tokens = as_int("checkpoint_tokens", checkpoint_tokens, minimum=1)
@@ -208,7 +211,7 @@ class CheckpointValues:
 
 
 __all__ = [
-    "ATTENTION_EQUAL_DEPTH_TOKENS", "CHECKPOINT_HISTORY_TOKENS", "CHECKPOINT_POLICIES", "CheckpointPolicy", "CheckpointValues",
-    "DEFAULT_CHECKPOINT_POLICY", "OWN", "REUSE_FLOOR", "REUSED", "SPECULATIVE", "VALUE_HALF_LIFE_REQUESTS",
-    "checkpoint_policy", "saved_prefill",
+    "ATTENTION_EQUAL_DEPTH_TOKENS", "CHECKPOINT_HISTORY_TOKENS", "CHECKPOINT_POLICIES", "CheckpointPolicy",
+    "CheckpointValues", "DEFAULT_CHECKPOINT_POLICY", "OWN", "REUSE_FLOOR", "REUSED", "SPECULATIVE",
+    "VALUE_HALF_LIFE_REQUESTS", "checkpoint_policy", "saved_prefill",
 ]

@@ -323,8 +323,8 @@ class PrefixCache:
             # Where the policy expects another request to leave this one (a prompt
             # boundary: a shared system prompt, an earlier turn; or every k-th one):
             # publish it, unheld and low priority, so it lives only while no other
-            # cached entry has to be evicted ("prefill-per-byte": normal priority,
-            # in the LRU by value).
+            # cached entry has to be evicted ("prefill-per-byte": low priority while
+            # speculative checkpoints rate low, else ranked by value).
             speculative = self.policy.speculative
             low = self.values is None or self.values.low_priority(SPECULATIVE)
             self._speculating = True
@@ -402,7 +402,7 @@ class PrefixCache:
             return False  # rows already slid out (cannot happen when committed each step)
         published = self._publish_pages(gid, hashes, boundary, table.row_pages(row, lo, hi), key, low_priority)
         if published and self.values is not None:
-            self.values.published(key, boundary, speculative=low_priority or self._speculating)
+            self.values.published(key, boundary, speculative=self._speculating)
         return published
 
     def _publish_pages(
