@@ -28,7 +28,8 @@ first probe. Lines:
 
 * ``hybridkv shared`` / ``hybridkv per-group``: ``CacheManager.from_plan`` on
   ``plan_for_budget`` with ``page_space="shared"`` / ``"per-group"``, prefix
-  caching on, default options;
+  caching on, default options but the checkpoint policy (``--checkpoint-policy``,
+  ``--checkpoint-interval-tokens``; docs/prefix-caching.md), which the JSON records;
 * ``vLLM default`` / ``vLLM retention None``: vLLM 0.33's ``KVCacheManager`` as
   ``bench/vs_vllm``'s ``VllmSide`` builds it, with
   ``prefix_cache_retention_interval`` 0 (vLLM's default) / ``None`` (a
@@ -61,6 +62,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from hybridkv.checkpoints import CHECKPOINT_POLICIES, DEFAULT_CHECKPOINT_POLICY, checkpoint_policy  # noqa: E402
+from hybridkv.cli.simulate_cmd import flag_names  # noqa: E402
 from hybridkv.models.layout import cache_layout  # noqa: E402
 from hybridkv.sim.offline_bound import UnitBytes, offline_hit_bound  # noqa: E402
 from hybridkv.sim.workloads import (  # noqa: E402
@@ -150,13 +153,16 @@ def serve_in_order(side: Any, requests: list) -> np.ndarray:
     return hits
 
 
-def make_side(line: str, budget_bytes: int, max_model_len: int, vllm_side: Any) -> Any:
+def make_side(line: str, budget_bytes: int, max_model_len: int, vllm_side: Any, policy: Any = None) -> Any:
+    """``policy``: the hybridkv lines' ``hybridkv.checkpoints.CheckpointPolicy`` (None: the default)."""
     common = dict(kv_memory_bytes=budget_bytes, max_model_len=max_model_len,
                   max_num_batched_tokens=CHUNK_TOKENS, max_num_seqs=MAX_NUM_SEQS)
     if line in PEER_LINES:  # bench/peers: a side with serve(requests)
         return load_peer_side(line)(**common)
     if line.startswith("hybridkv"):
-        return HybridkvSide(page_space="shared" if line.endswith("shared") else "per-group", **common)
+        options = {} if policy is None else dict(checkpoint_policy=policy.name,
+                                                 checkpoint_interval_tokens=policy.interval_tokens)
+        return HybridkvSide(page_space="shared" if line.endswith("shared") else "per-group", **common, **options)
     retention = 0 if line == "vLLM default" else None
     return vllm_side(prefix_cache_retention_interval=retention, **common)
 
@@ -179,7 +185,8 @@ def group_diagnostics(side: Any) -> dict[str, dict]:
     return out
 
 
-def run_line(line: str, requests: list, budget_bytes: int, vllm_side: Any, sizes: UnitBytes) -> dict:
+def run_line(line: str, requests: list, budget_bytes: int, vllm_side: Any, sizes: UnitBytes,
+             policy: Any = None) -> dict:
     prompt_tokens = sum(r.prompt_tokens for r in requests)
     start = time.perf_counter()
     if line == "offline bound":
@@ -188,13 +195,15 @@ def run_line(line: str, requests: list, budget_bytes: int, vllm_side: Any, sizes
     longest = max(r.prompt_tokens + r.output_tokens for r in requests)
     max_model_len = -(-longest // 4096) * 4096
     try:
-        side = make_side(line, budget_bytes, max_model_len, vllm_side)
+        side = make_side(line, budget_bytes, max_model_len, vllm_side, policy)
         hits = side.serve(requests) if hasattr(side, "serve") else serve_in_order(side, requests)
     except (RuntimeError, ValueError) as exc:
         return dict(hit_rate=None, error=str(exc)[:300], seconds=time.perf_counter() - start)
     result = dict(hit_rate=float(hits.sum() / prompt_tokens), seconds=time.perf_counter() - start)
     if line.startswith("hybridkv"):
         result["groups"] = group_diagnostics(side)
+        result["checkpoint_policy"] = side.manager.prefix.checkpoint_policy
+        result["checkpoint_interval_tokens"] = side.manager.prefix.checkpoint_interval_tokens
     return result
 
 
@@ -299,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=96)
     parser.add_argument("--agent-wave", type=int, default=32, help="sessions interleaved (agentic)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint-policy", choices=CHECKPOINT_POLICIES, default=DEFAULT_CHECKPOINT_POLICY,
+                        help="the hybridkv lines' checkpoint policy (docs/prefix-caching.md; default %(default)s)")
+    parser.add_argument("--checkpoint-interval-tokens", type=int, default=None, metavar="TOKENS",
+                        help="the \"interval\" policy's k: a speculative checkpoint every k tokens (a multiple of 256)")
     parser.add_argument("--json", default="bench/out/hit_sweep.json")
     parser.add_argument("--plot", default=None, help="write the plot here (.png, .pdf, .svg)")
     parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
@@ -307,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.merge:
         return merge(args)
+    try:
+        policy = checkpoint_policy(args.checkpoint_policy, None, args.checkpoint_interval_tokens, 256)
+    except ValueError as exc:
+        parser.error(flag_names(str(exc)))
     args.workloads = args.workloads.split(",")
     budgets = [parse_bytes(b) for b in args.budgets.split(",")]
     lines = [line for line in args.lines.split(",") if line]
@@ -331,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         for budget in budgets:
             row = entry["budgets"][str(budget)] = {}
             for line in lines:
-                row[line] = run_line(line, requests, budget, vllm_side, sizes)
+                row[line] = run_line(line, requests, budget, vllm_side, sizes, policy)
                 rate = row[line]["hit_rate"]
                 print(f"# {workload} {budget / GIB:g} GiB {line}: "
                       f"{'refused' if rate is None else f'{rate:.1%}'} ({row[line]['seconds']:.0f} s)",

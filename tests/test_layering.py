@@ -19,7 +19,7 @@ LAYERS = [
     ("hybridkv._checks", "hybridkv.units", "hybridkv.spec", "hybridkv"),
     ("hybridkv.models", "hybridkv.codecs", "hybridkv.plan"),
     ("hybridkv.pool", "hybridkv.tables", "hybridkv.runtime.kernels"),
-    ("hybridkv.arena", "hybridkv.eviction", "hybridkv.prefix"),
+    ("hybridkv.arena", "hybridkv.eviction", "hybridkv.checkpoints", "hybridkv.prefix"),
     ("hybridkv.sizing", "hybridkv.compare_vllm"),
     ("hybridkv.batch",),
     ("hybridkv.manager",),
@@ -29,7 +29,7 @@ LAYERS = [
     ("hybridkv.cli",),
 ]
 CORE = ("hybridkv.pool", "hybridkv.tables", "hybridkv.runtime", "hybridkv.arena", "hybridkv.eviction", "hybridkv.prefix",
-        "hybridkv.batch", "hybridkv.manager", "hybridkv.mirror")
+        "hybridkv.checkpoints", "hybridkv.batch", "hybridkv.manager", "hybridkv.mirror")
 NOT_FOR_CORE = ("hybridkv.models", "hybridkv.plan", "hybridkv.codecs", "hybridkv.reference", "hybridkv.sim",
                 "hybridkv.cli")
 

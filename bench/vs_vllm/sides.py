@@ -112,7 +112,9 @@ class HybridkvSide:
         enable_prefix_caching: bool = True,
         state_checkpoint_interval: int | None = None,
         page_space: str = "shared",
-        prompt_checkpoints: bool = True,
+        prompt_checkpoints: bool | None = None,
+        checkpoint_policy: str | None = None,
+        checkpoint_interval_tokens: int | None = None,
     ) -> None:
         manager = importlib.import_module(f"{self.package}.manager")
         layout = importlib.import_module(f"{self.package}.models.layout")
@@ -129,6 +131,8 @@ class HybridkvSide:
             enable_prefix_caching=enable_prefix_caching,
             state_checkpoint_interval=state_checkpoint_interval if enable_prefix_caching else None,
             prompt_checkpoints=prompt_checkpoints,
+            **({} if checkpoint_policy is None else dict(checkpoint_policy=checkpoint_policy,
+                                                          checkpoint_interval_tokens=checkpoint_interval_tokens)),
         )
         self.group_ids = [spec.group_id for spec in self.plan.specs]
         self.manager_ns: dict[str, int] = {}

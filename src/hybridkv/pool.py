@@ -433,6 +433,15 @@ class PagePool:
                 self._low_idle_pages -= 1
                 self._evictable.move_to_end(page)
 
+    def touch(self, key: Hashable) -> None:
+        """Move a normal-priority entry's idle pages to the back of the LRU (the most
+        recently used); a low-priority entry stays where it is."""
+        pages, evictable = self._entries[key], self._evictable
+        if pages and not self.low_priority[pages[0]]:
+            for page in pages:
+                if page in evictable:
+                    evictable.move_to_end(page)
+
     def entry_keys(self) -> list[Hashable]:
         return list(self._entries)
 

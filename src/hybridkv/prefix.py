@@ -11,7 +11,9 @@ names a whole prefix, so equal keys mean equal content.
   latest own checkpoint (plus every ``state_checkpoint_interval`` tokens, and
   its *junction*: the boundary where its prompt left content that other
   requests had computed, e.g. the end of a shared system prompt); the
-  superseded ones are unpublished so state pools cannot fill up.
+  superseded ones are unpublished so state pools cannot fill up, except where
+  the checkpoint policy (:mod:`hybridkv.checkpoints`) keeps a speculative,
+  low-priority checkpoint.
 * A hit at ``D`` needs every history group to hold all blocks below ``D`` and
   every state group a checkpoint at exactly ``D``; ``D <= prompt - 1``.
 """
@@ -31,30 +33,14 @@ import numpy as np
 import xxhash
 
 from hybridkv._checks import as_int
+from hybridkv.checkpoints import OWN, REUSED, SPECULATIVE, CheckpointValues
+from hybridkv.checkpoints import checkpoint_policy as policy_from_options
 from hybridkv.eviction import GroupValueStats, ValueEviction
 from hybridkv.pool import PagePool
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables import GroupTable
 
 HASH_ALGOS = ("xxh3_128", "sha256")
-# Which checkpoints a request keeps (docs/prefix-caching.md); ``state_checkpoint_interval``
-# adds every k-th boundary to either.
-CHECKPOINT_POLICIES = ("prompt-boundaries", "terminal-and-junctions")
-DEFAULT_CHECKPOINT_POLICY = "prompt-boundaries"
-
-
-def checkpoint_policy_name(checkpoint_policy: str | None, prompt_checkpoints: bool | None) -> str:
-    """The checkpoint policy from its name and/or the older ``prompt_checkpoints`` switch
-    (True: ``"prompt-boundaries"``, False: ``"terminal-and-junctions"``); ValueError when
-    the name is unknown or the two disagree."""
-    if checkpoint_policy is not None and checkpoint_policy not in CHECKPOINT_POLICIES:
-        raise ValueError(f"checkpoint_policy must be one of {CHECKPOINT_POLICIES}, got {checkpoint_policy!r}")
-    if prompt_checkpoints is None:
-        return checkpoint_policy or DEFAULT_CHECKPOINT_POLICY
-    implied = CHECKPOINT_POLICIES[0] if prompt_checkpoints else CHECKPOINT_POLICIES[1]
-    if checkpoint_policy is not None and checkpoint_policy != implied:
-        raise ValueError(f"prompt_checkpoints={prompt_checkpoints!r} contradicts checkpoint_policy={checkpoint_policy!r}")
-    return implied
 
 
 def _hash_fn(algo: str) -> Callable[[bytes], int]:
@@ -189,6 +175,7 @@ class PrefixCache:
         state_checkpoint_interval: int | None = None,
         prompt_checkpoints: bool | None = None,
         checkpoint_policy: str | None = None,
+        checkpoint_interval_tokens: int | None = None,
         on_event: Callable[[CacheEvent], None] | None = None,
         max_buffered_events: int = 100_000,
         checkpoint_window_tokens: Mapping[str, int] | None = None,
@@ -213,8 +200,14 @@ class PrefixCache:
                 )
             state_checkpoint_interval = n
         self.state_checkpoint_interval = state_checkpoint_interval
-        self.checkpoint_policy = checkpoint_policy_name(checkpoint_policy, prompt_checkpoints)
+        # Which boundaries keep a speculative checkpoint (hybridkv.checkpoints).
+        self.policy = policy_from_options(checkpoint_policy, prompt_checkpoints, checkpoint_interval_tokens, g)
+        self.checkpoint_policy = self.policy.name
+        self.checkpoint_interval_tokens = self.policy.interval_tokens
         self.prompt_checkpoints = self.checkpoint_policy == "prompt-boundaries"
+        # "prefill-per-byte": each checkpoint's saved prefill, hits and last use.
+        self.values = CheckpointValues() if self.policy.ranks_by_value else None
+        self._speculating = False  # publishing speculative checkpoints (CheckpointValues' class)
         self.on_event = on_event
         # Without a callback, events wait in a bounded buffer for drain_events();
         # past max_buffered_events the oldest are dropped (and counted).
@@ -326,16 +319,21 @@ class PrefixCache:
         boundaries = [
             d for d in range((first_block + 1) * g, latest, g) if d in keep or (interval is not None and d % interval == 0)
         ] + [latest]
-        if self.prompt_checkpoints:
-            # Every boundary inside the prompt is where another request may leave this
-            # one (a shared system prompt, an earlier turn): publish it, unheld and low
-            # priority, so it lives only while no other cached entry has to be evicted.
-            prompt_end = min(req.prompt_tokens, latest - g)
-            for d in range((first_block + 1) * g, prompt_end + 1, g):
-                if d not in boundaries:
+        if self.checkpoint_policy != "terminal-and-junctions":
+            # Where the policy expects another request to leave this one (a prompt
+            # boundary: a shared system prompt, an earlier turn; or every k-th one):
+            # publish it, unheld and low priority, so it lives only while no other
+            # cached entry has to be evicted ("prefill-per-byte": low priority while
+            # speculative checkpoints rate low, else ranked by value).
+            speculative = self.policy.speculative
+            low = self.values is None or self.values.low_priority(SPECULATIVE)
+            self._speculating = True
+            for d in range((first_block + 1) * g, latest, g):
+                if d not in boundaries and speculative(d, req.prompt_tokens):
                     key = hashes.key(d)
                     for gid in self.state_ids:
-                        self._publish_checkpoint(gid, req.row, hashes, d, key, low_priority=True)
+                        self._publish_checkpoint(gid, req.row, hashes, d, key, low_priority=low)
+            self._speculating = False
         new_own = []
         for d in boundaries:
             own = OwnCheckpoint(d, pinned=d in keep or (interval is not None and d % interval == 0))
@@ -371,15 +369,24 @@ class PrefixCache:
                 left = holders.get(key, 1) - 1
                 if left:
                     holders[key] = left
-                elif self.prompt_checkpoints and prev.boundary_tokens <= req.prompt_tokens:
+                elif self.values is not None and self._kept_by_value(key, prev.boundary_tokens, req):
+                    holders.pop(key, None)  # its priority and place: rank_checkpoints
+                elif self.values is None and self.policy.speculative(prev.boundary_tokens, req.prompt_tokens):
                     holders.pop(key, None)
-                    pool.demote(key)  # a prompt boundary: kept like the ones above, low priority
+                    pool.demote(key)  # a speculative boundary: kept like the ones above, low priority
                 else:
                     holders.pop(key, None)
                     self._dropping = True
                     pool.unpublish(key)
                     self._dropping = False
         req.own_checkpoints = [c for c in req.own_checkpoints if c.pinned] + new_own if req.own_checkpoints else new_own
+
+    def _kept_by_value(self, key: int, boundary_tokens: int, req: CommittingRequest) -> bool:
+        """"prefill-per-byte": a superseded checkpoint stays if the policy's placement
+        keeps its boundary or it produced a hit at a branch (class ``reused``)."""
+        kept = self.policy.speculative(boundary_tokens, req.prompt_tokens) or self.values.kind(key) == REUSED
+        self.values.superseded(key, kept)
+        return kept
 
     def _publish_checkpoint(
         self, gid: str, row: int, hashes: RequestHashes, boundary: int, key: int, low_priority: bool = False
@@ -393,7 +400,10 @@ class PrefixCache:
         lo, hi = max(0, boundary - self._windows[gid]) // t, boundary // t
         if lo < table.base[row] or hi > table.hi[row]:
             return False  # rows already slid out (cannot happen when committed each step)
-        return self._publish_pages(gid, hashes, boundary, table.row_pages(row, lo, hi), key, low_priority)
+        published = self._publish_pages(gid, hashes, boundary, table.row_pages(row, lo, hi), key, low_priority)
+        if published and self.values is not None:
+            self.values.published(key, boundary, speculative=self._speculating)
+        return published
 
     def _publish_pages(
         self, gid: str, hashes: RequestHashes, boundary: int, pages: list[int], key: int | None = None,
@@ -428,17 +438,57 @@ class PrefixCache:
             self._holders[gid][key] = self._holders[gid].get(key, 0) + 1
 
     def hold_hit(self, hashes: RequestHashes, hit_tokens: int) -> list[OwnCheckpoint]:
-        """A hit at D keeps the checkpoint at D as the request's own (its terminal so far)."""
+        """A hit at D keeps the checkpoint at D as the request's own (its terminal so far);
+        with ``"prefill-per-byte"`` it counts as a reuse of that checkpoint."""
         if hit_tokens == 0:
             return []
+        key = hashes.key(hit_tokens)
         own = OwnCheckpoint(hit_tokens)
         for gid in self.state_ids:
-            self._hold(own, gid, hashes.key(hit_tokens))
+            self._hold(own, gid, key)
+        if self.values is not None:
+            self.values.hit(key)
         return [own] if own.entries else []
 
     def forget_request(self, req: CommittingRequest) -> None:
-        """A freed request's checkpoints stay cached (its last one is its terminal)."""
+        """A freed request's checkpoints stay cached (its last one is its terminal).
+        With ``"prefill-per-byte"`` the cached checkpoints are then put in order of
+        value (:meth:`rank_checkpoints`)."""
         req.own_checkpoints = []
+        if self.values is not None:
+            self.values.request_freed()
+            self.rank_checkpoints()
+
+    def rank_checkpoints(self) -> list[int]:
+        """``"prefill-per-byte"``: the checkpoints of a class rated below the reuse
+        floor become low priority (at the front of each state pool's LRU, the newly
+        demoted ones lowest score first, ahead of those already there), the others
+        normal priority in the order of
+        :meth:`hybridkv.checkpoints.CheckpointValues.score`, the highest at the back.
+        Returns every cached checkpoint's key, low-priority classes first, each part
+        lowest score first ([] for other policies)."""
+        if self.values is None or not self.state_ids:
+            return []
+        values = self.values
+        order = values.eviction_order(self.pools[self.state_ids[0]].entry_keys())
+        kinds = {kind: values.low_priority(kind) for kind in (SPECULATIVE, OWN, REUSED)}
+        demoted = [key for key in order if kinds[values.kind(key)]]
+        kept = order[len(demoted):]  # eviction_order puts the low-priority classes first
+        for gid in self.state_ids:
+            pool = self.pools[gid]
+            low = pool.low_priority
+            for key in reversed(demoted):  # each to the front: the lowest score ends first
+                pages = pool.lookup(key)
+                if pages is not None and not low[pages[0]]:
+                    pool.demote(key)
+            for key in kept:  # each to the back: the highest score ends last
+                pages = pool.lookup(key)
+                if pages is not None:
+                    if low[pages[0]]:
+                        pool.promote(key)
+                    else:
+                        pool.touch(key)
+        return order
 
     def clear(self) -> None:
         self._dropping = True
@@ -460,6 +510,8 @@ class PrefixCache:
         def removed(key: int, cause: str, idle_pages: int) -> None:
             parent, boundary, n = self._meta[gid].pop(key, (None, 0, 0))
             self._holders.get(gid, {}).pop(key, None)
+            if self.values is not None and gid in self._holders:
+                self.values.removed(key)
             self.stats[gid].removed_entries += 1
             if self.tier_hook is not None:
                 self.tier_hook.removed(gid, key, self._dropping)

@@ -45,9 +45,9 @@ def open_store(kind: str, budget_bytes: int, layout, stack: ExitStack):
 def _manager_factory(plan, args: argparse.Namespace):
     from hybridkv.manager import CacheManager
 
-    options: dict[str, Any] = {"enable_prefix_caching": True}
-    if args.state_checkpoint_interval is not None:
-        options["state_checkpoint_interval"] = args.state_checkpoint_interval
+    from hybridkv.cli.simulate_cmd import checkpoint_options
+
+    options: dict[str, Any] = {"enable_prefix_caching": True, **checkpoint_options(args)}
 
     def make(link):
         return CacheManager.from_plan(plan, page_space=args.page_space, tier_link=link, **options)

@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Any
 
+from hybridkv.checkpoints import CHECKPOINT_POLICIES, checkpoint_policy
 from hybridkv.cli import args as a
 from hybridkv.cli.plan_cmd import add_plan_arguments, build_plan
 
@@ -56,6 +57,16 @@ def register(subparsers: Any) -> None:
         "--state-checkpoint-interval",
         type=a.number("--state-checkpoint-interval", "tokens", maximum=a.MAX_CONTEXT_TOKENS),
         default=None, metavar="TOKENS", help="also keep state checkpoints every N tokens (a multiple of 256)",
+    )
+    parser.add_argument(
+        "--checkpoint-policy", choices=CHECKPOINT_POLICIES, default=None,
+        help="which boundaries keep a state checkpoint (docs/prefix-caching.md; default prompt-boundaries)",
+    )
+    parser.add_argument(
+        "--checkpoint-interval-tokens",
+        type=a.number("--checkpoint-interval-tokens", "tokens", maximum=a.MAX_CONTEXT_TOKENS),
+        default=None, metavar="TOKENS",
+        help="the interval policy's k: a speculative checkpoint every k tokens (a multiple of 256)",
     )
     parser.add_argument(
         "--min-chunk-tokens",
@@ -125,8 +136,13 @@ def workload_source(text: str) -> str:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Everything that can be checked before planning and the run."""
-    if args.state_checkpoint_interval is not None and not args.prefix_caching:
-        raise ValueError("--state-checkpoint-interval needs --prefix-caching")
+    for flag in ("state_checkpoint_interval", "checkpoint_policy", "checkpoint_interval_tokens"):
+        if getattr(args, flag) is not None and not args.prefix_caching:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --prefix-caching")
+    try:  # the grain's multiple is checked when the manager is built (before the run)
+        checkpoint_policy(args.checkpoint_policy, None, args.checkpoint_interval_tokens, 1)
+    except ValueError as exc:
+        raise ValueError(flag_names(str(exc))) from None
     check_tier_arguments(args)
     args.workload = workload_source(args.workload)
     if args.plot is not None:
@@ -189,10 +205,11 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.tier is not None:
         return _run_with_tier(args, plan, requests)
-    options: dict[str, Any] = {"enable_prefix_caching": args.prefix_caching}
-    if args.state_checkpoint_interval is not None:
-        options["state_checkpoint_interval"] = args.state_checkpoint_interval
-    manager = CacheManager.from_plan(plan, page_space=args.page_space, **options)
+    options = {"enable_prefix_caching": args.prefix_caching, **checkpoint_options(args)}
+    try:
+        manager = CacheManager.from_plan(plan, page_space=args.page_space, **options)
+    except ValueError as exc:
+        raise ValueError(flag_names(str(exc))) from None
     sim = Simulator(
         manager, requests,
         max_running=plan.limits.max_running_requests,
@@ -215,6 +232,19 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             print(f"plot written to {args.plot}")
     return 0
+
+
+def flag_names(message: str) -> str:
+    """A library error about the checkpoint options, in the flags' names."""
+    for name in ("state_checkpoint_interval", "checkpoint_interval_tokens"):
+        message = message.replace(name, "--" + name.replace("_", "-"))
+    return message.replace("checkpoint_policy=", "--checkpoint-policy ")
+
+
+def checkpoint_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The manager's checkpoint options the flags set (none when left out)."""
+    names = ("state_checkpoint_interval", "checkpoint_policy", "checkpoint_interval_tokens")
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def _run_with_tier(args: argparse.Namespace, plan, requests) -> int:
