@@ -11,6 +11,7 @@ from hybridkv.tiers import (
     GroupPages,
     MissingRows,
     ObjectError,
+    check_scatter,
     ObjectKey,
     gather_object,
     gather_objects,
@@ -220,6 +221,26 @@ def test_batched_scatter_refuses_rows_written_twice_or_pages_outside_the_pools_b
     assert _unchanged(dst, before)
     scatter_objects(dst, {gid: view}, [a, b])
     assert not _unchanged(dst, before)
+
+
+def test_check_scatter_answers_each_range_s_slots_and_scatter_takes_them():
+    src, by_slots, by_views = random_pools(7), random_pools(8), random_pools(8)
+    rng = np.random.default_rng(7)
+    ranges = [(ObjectKey("block", gid, bytes([i + 1])), 256 * i, 256 * (i + 1)) for gid in GROUPS for i in range(3)]
+    views = {gid: random_view(rng, src[gid].spec, 0, 768) for gid in GROUPS}
+    slots = check_scatter(by_slots, views, ranges)
+    for (key, a, b), got in zip(ranges, slots):  # the rows' slots, found row by row
+        first_row, num_rows = rows_for_tokens(src[key.group_id].spec, a, b)
+        rpp, view = src[key.group_id].spec.rows_per_page, views[key.group_id]
+        expected = [int(view.pages[r // rpp - view.base_page]) * rpp + r % rpp for r in range(first_row, first_row + num_rows)]
+        assert got.tolist() == expected
+    objects = gather_objects(src, views, ranges)
+    assert objects[0].num_rows > 0
+    scatter_objects(by_slots, views, objects, slots=slots)
+    scatter_objects(by_views, views, objects)
+    assert _unchanged(by_slots, _pools_copy(by_views))
+    with pytest.raises(ValueError, match="slots for an object"):
+        scatter_objects(by_slots, views, objects[:1], slots=[slots[0][:-1]])  # one slot short
 
 
 def test_batched_scatter_refuses_a_read_only_pool_before_writing():

@@ -89,39 +89,61 @@ def scatter_object(pools: GroupPools, pages: GroupPages, obj: RowsObject) -> Non
         plane.codec.write_slot_bytes(plane.pool, slots, obj.part_rows(index), pools.spec.rows_per_page)
 
 
-def scatter_objects(pools: dict[str, GroupPools], pages: dict[str, GroupPages], objects: list[RowsObject]) -> None:
+def scatter_objects(
+    pools: dict[str, GroupPools],
+    pages: dict[str, GroupPages],
+    objects: list[RowsObject],
+    *,
+    slots: list[np.ndarray] | None = None,
+) -> None:
     """``scatter_object`` for many objects: one compiled copy per (group, layer, plane) and
     source buffer (objects fetched together lie in one buffer), a ``memcpy`` per row part.
 
     Every object is checked (group, parts, rows, held pages, slots inside every pool,
     no row written twice) and every pool (shape, writable) before any row is written.
+    ``slots``: per object, its rows' slots as ``check_scatter`` of the same pools and page
+    views answered them (so objects of one checked set are scattered batch by batch without
+    finding their slots again); the objects' groups, parts and row counts are still checked.
     """
     planned = []
-    for gid, members in _by_group(objects, lambda obj: obj.key.group_id).items():
+    for gid, members in _by_group(range(len(objects)), lambda i: objects[i].key.group_id).items():
         if gid not in pools:
             raise ObjectError(f"object of group {gid}, which these pools do not have")
         group = pools[gid]
-        for obj in members:
-            _check_object_rows(group, obj)
-        _check_pools(group, writable=True)
-        slots = _group_slots(group, pages[gid], [(obj.first_row, obj.num_rows) for obj in members], unique=True)
-        planned.append((group, members, slots))
-    for group, members, slots in planned:
-        _scatter_group(group, members, slots)
+        for i in members:
+            _check_object_rows(group, objects[i])
+            if slots is not None and len(slots[i]) != objects[i].num_rows:
+                raise ValueError(f"{len(slots[i])} slots for an object of {objects[i].num_rows} rows")
+        if slots is None:
+            _check_pools(group, writable=True)
+            shapes = [(objects[i].first_row, objects[i].num_rows) for i in members]
+            group_slots = _group_slots(group, pages[gid], shapes, unique=True)
+        else:
+            group_slots = np.concatenate([slots[i] for i in members]) if members else np.zeros(0, np.int64)
+        planned.append((group, [objects[i] for i in members], group_slots))
+    for group, members, group_slots in planned:
+        _scatter_group(group, members, group_slots)
 
 
 def check_scatter(
     pools: dict[str, GroupPools], pages: dict[str, GroupPages], ranges: list[tuple[ObjectKey, int, int]]
-) -> None:
+) -> list[np.ndarray]:
     """What ``scatter_objects`` checks before it writes, for objects not fetched yet
     (``(key, first_token, end_token)`` each): their groups and pools, that every row lies on a
-    held page inside the pools, and that no two write the same row."""
-    for gid, members in _by_group(ranges, lambda r: r[0].group_id).items():
+    held page inside the pools, and that no two write the same row. Returns each range's
+    int64 slots, in order (``scatter_objects(..., slots=)``)."""
+    out: list[np.ndarray] = [np.zeros(0, np.int64)] * len(ranges)
+    for gid, members in _by_group(range(len(ranges)), lambda i: ranges[i][0].group_id).items():
         if gid not in pools:
             raise ObjectError(f"object of group {gid}, which these pools do not have")
         group = pools[gid]
         _check_pools(group, writable=True)
-        _group_slots(group, pages[gid], [rows_for_tokens(group.spec, a, b) for _, a, b in members], unique=True)
+        shapes = [rows_for_tokens(group.spec, ranges[i][1], ranges[i][2]) for i in members]
+        slots = _group_slots(group, pages[gid], shapes, unique=True)
+        ends = np.cumsum([n for _, n in shapes]).tolist()
+        for i, (_, n), end in zip(members, shapes, ends):
+            out[i] = slots[end - n : end]
+    return out
 
 
 def gather_objects(
