@@ -1,20 +1,21 @@
 """Loading many objects into pools with the next batch in flight.
 
-``stream_load`` receives the objects in batches (``ObjectStore.receive``: the tier's fetch)
-on one worker thread while the calling thread verifies the batch before (``ObjectStore.verify``:
-checksum, key, parts) and scatters it into the pools (``scatter_objects``: compiled copies).
-The worker spends its time in the tier's call with the GIL released, and the calling thread
-in the checksum and the copies, which release it too, so the two rarely wait on each other
-for the GIL. Objects that fail verification are deleted from the tier at the end, on the
-calling thread. A tier's receive buffers take turns (``Tier.fetch_views_kept``), so the
-batch being verified and scattered is never the one being received; a tier with a single
-buffer (or ``overlap=False``) is loaded one batch after the other.
+``stream_load`` receives and verifies the objects in batches on one worker thread
+(``ObjectStore.receive``: the tier's fetch; ``ObjectStore.verify``: checksum, key, parts) while
+the calling thread scatters the batch before into the pools (``scatter_objects``: compiled
+copies, with the slots found once for every object before the first fetch). The worker spends
+its time in the tier's call and in the checksum, the calling thread in the copies; all three
+release the GIL, so on a machine with a free core the receive and checksum of one batch overlap
+the scatter of the one before. Objects that fail verification are deleted from the tier at the
+end, on the calling thread. A tier's receive buffers take turns (``Tier.fetch_views_kept``), so
+the batch being scattered is never the one being received; a tier with a single buffer (or
+``overlap=False``) is loaded one batch after the other.
 
 Every target is checked before the first byte is written (``check_scatter``: groups,
 pools, held pages, no row written twice). A missing, corrupted or refused object, or one
 that holds other tokens than planned, is not written; every other object is. A caller
-that needs all of a set or nothing (a load plan's boundary) fetches first and scatters
-what it chose (``hybridkv.transfer.load_objects``).
+that needs all of a set or nothing (a load plan's boundary) verifies everything first and
+scatters what it chose (``hybridkv.transfer.load_objects``).
 """
 
 from __future__ import annotations
