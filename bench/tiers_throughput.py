@@ -14,7 +14,8 @@ sliding groups at the end). Every path moves the same objects in the same batche
 * tier load: ``stream_load`` into pools (fetch + verify + scatter), batch after batch and with
   the next batch in flight; handoff load: ``HandoffPlan.load`` (one fetch of everything, then
   the scatter of what the boundary uses: all or nothing);
-* raw ``put_batch`` / ``batch_put_from`` against tier offload (gather + encode + ``put``).
+* raw ``put_batch`` / ``batch_put_from`` against tier offload (``OffloadPlan.run``: gather with room
+  for each header, header written in place, ``put``).
 
 The paths take turns within each round (drift hits them alike); medians of the rounds.
 Needs the [mooncake] extra and its libraries (scripts/install-test-deps.sh); it starts its own
@@ -39,7 +40,7 @@ from hybridkv.models.layout import cache_layout
 from hybridkv.tiers import ObjectStore, encode_object, new_group_pools, stream_load
 from hybridkv.tiers.mooncake import MooncakeMaster, MooncakeTier
 from hybridkv.tiers.rows import GroupPages
-from hybridkv.transfer import checkpoint_tokens, export_objects, plan_handoff
+from hybridkv.transfer import OffloadPlan, checkpoint_tokens, export_objects, plan_handoff
 
 
 def build_source(layout, tokens: int, seed: int, objects=None):
@@ -197,7 +198,8 @@ def measure_offload(tier, layout, plan, pools, pages, args) -> dict:
 
     def tier_offload():
         for b in batches:
-            assert all(store.put(export_objects([plan.objects[i] for i in b], pools, pages)))
+            planned = tuple(plan.objects[i] for i in b)
+            assert all(OffloadPlan(planned, tuple(pages[o.key.group_id] for o in planned)).run(store, pools))
 
     paths = (("raw_put_batch", raw_put_batch), ("raw_put_from", raw_put_from), ("tier_offload", tier_offload))
     rounds = rounds_of(paths, args.repeats, after=lambda: tier.raw_remove_matching(pattern))

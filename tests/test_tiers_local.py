@@ -200,3 +200,12 @@ def test_store_refuses_another_layouts_object_under_its_name():
     assert mine.get([obj.key]) == [None]
     assert mine.stats().refused == 1 and "refused" in mine.stats().last_error
     assert mine.name(obj.key) != theirs.name(obj.key)
+
+
+def test_a_view_put_into_a_host_tier_is_copied_so_later_writes_to_its_buffer_do_not_reach_it():
+    tier = HostTier(1 << 20)
+    buffer = np.arange(64, dtype=np.uint8)
+    assert tier.put([("a", memoryview(buffer)[8:40]), ("b", bytearray(b"xyz"))]) == [True, True]
+    buffer[...] = 0
+    assert tier.get(["a", "b"]) == [bytes(range(8, 40)), b"xyz"]
+    assert tier.stats().stored_bytes == 35

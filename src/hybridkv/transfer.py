@@ -30,9 +30,9 @@ from hybridkv.models.deepseek_v4 import v4_checkpoint_window_tokens
 from hybridkv.models.layout import ModelCacheLayout
 from hybridkv.tiers.keys import ObjectKey, chained_keys
 from hybridkv.tiers.namespace import Namespace
-from hybridkv.tiers.objects import NamespaceMismatch, RowsObject
+from hybridkv.tiers.objects import NamespaceMismatch, RowsObject, header_size
 from hybridkv.tiers.pools import GroupPools
-from hybridkv.tiers.rows import GroupPages, MissingRows, gather_object, gather_objects, rows_for_tokens, scatter_objects
+from hybridkv.tiers.rows import GroupPages, MissingRows, gather_objects, rows_for_tokens, scatter_objects
 from hybridkv.tiers.store import ObjectStore
 
 
@@ -212,12 +212,24 @@ class OffloadPlan:
     sources: tuple[GroupPages, ...]
 
     def run(self, store: ObjectStore, pools: Mapping[str, GroupPools]) -> list[bool]:
-        """Copy the rows out and put the objects; per object, whether a tier stored it."""
-        objects = [
-            gather_object(pools[o.key.group_id], view, o.key, o.first_token, o.end_token)
-            for o, view in zip(self.objects, self.sources)
-        ]
-        return store.put(objects)
+        """Copy the rows out and put the objects; per object, whether a tier stored it. The rows of
+        all objects that share a page view are copied by one compiled call per (group, layer,
+        plane), each payload after room for its header, which is then written in place: the
+        stored bytes are made without copying a payload again (``gather_objects``, ``encode_object``)."""
+        objects: list[RowsObject | None] = [None] * len(self.objects)
+        by_view: dict[tuple[str, int], list[int]] = {}
+        for i, (o, view) in enumerate(zip(self.objects, self.sources)):
+            by_view.setdefault((o.key.group_id, id(view)), []).append(i)
+        for (gid, _), members in by_view.items():
+            planned = [self.objects[i] for i in members]
+            gathered = gather_objects(
+                dict(pools), {gid: self.sources[members[0]]},
+                [(o.key, o.first_token, o.end_token) for o in planned],
+                room_bytes=[header_size(o.key, pools[o.key.group_id].parts) for o in planned],
+            )
+            for i, obj in zip(members, gathered):
+                objects[i] = obj
+        return store.put(objects, in_place=True)
 
 
 @dataclass(frozen=True)

@@ -151,6 +151,7 @@ class MooncakeTier(Tier):
     """Objects in a Mooncake Store reached through ``master_address``."""
 
     name = "mooncake"
+    put_copies = True  # put_batch copies the values into the store's segments before it returns
 
     def __init__(
         self,

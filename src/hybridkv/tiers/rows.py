@@ -147,10 +147,19 @@ def check_scatter(
 
 
 def gather_objects(
-    pools: dict[str, GroupPools], pages: dict[str, GroupPages], ranges: list[tuple[ObjectKey, int, int]]
+    pools: dict[str, GroupPools],
+    pages: dict[str, GroupPages],
+    ranges: list[tuple[ObjectKey, int, int]],
+    *,
+    room_bytes: list[int] | None = None,
 ) -> list[RowsObject]:
     """``gather_object`` for many ``(key, first_token, end_token)``: one compiled copy per
-    (group, layer, plane); a group's payloads are consecutive views of one new buffer."""
+    (group, layer, plane); a group's payloads are views of one new buffer, in order.
+    ``room_bytes``: per range, bytes left free right before its payload (where
+    ``encode_object(..., in_place=True)`` writes the header)."""
+    room = [0] * len(ranges) if room_bytes is None else [int(n) for n in room_bytes]
+    if len(room) != len(ranges) or min(room, default=0) < 0:
+        raise ValueError(f"room_bytes must be {len(ranges)} non-negative ints")
     out: list[RowsObject | None] = [None] * len(ranges)
     for gid, members in _by_group(range(len(ranges)), lambda i: ranges[i][0].group_id).items():
         group = pools[gid]
@@ -159,8 +168,10 @@ def gather_objects(
         slots = _group_slots(group, pages[gid], shapes, unique=False)
         rows = np.array([n for _, n in shapes], dtype=np.int64)
         row_bytes, offsets = parts_row_bytes(group.parts), part_offsets(group.parts)
-        starts = np.concatenate(([0], np.cumsum(rows * row_bytes)[:-1])).astype(np.int64)
-        buffer = np.empty(int(rows.sum()) * row_bytes, dtype=np.uint8)
+        before = np.array([room[i] for i in members], dtype=np.int64)
+        ends = np.cumsum(before + rows * row_bytes)
+        starts = ends - rows * row_bytes
+        buffer = np.empty(int(ends[-1]), dtype=np.uint8)
         for plane, offset in zip(group.planes, offsets):
             _copy_rows(gather_rows, plane, buffer, starts + rows * offset, rows, slots, group.spec.rows_per_page)
         for i, (first, n), start in zip(members, shapes, starts.tolist()):

@@ -53,12 +53,15 @@ class ObjectStore:
             raise ValueError(f"no group {key.group_id!r} in layout {self.layout.name}")
         return key.name(self.namespace)
 
-    def put(self, objects: Sequence[RowsObject]) -> list[bool]:
+    def put(self, objects: Sequence[RowsObject], *, in_place: bool = False) -> list[bool]:
+        """Encode and put the objects; per object, whether a tier stored it. ``in_place``: each
+        payload has room for its header right before it (``gather_objects(..., room_bytes=)``),
+        and the header is written there rather than the payload copied (``encode_object``)."""
         items = []
         for obj in objects:
             if obj.parts != self._parts.get(obj.key.group_id):
                 raise ValueError(f"object of group {obj.key.group_id} has parts that are not this layout's")
-            items.append((self.name(obj.key), encode_object(obj, self.namespace)))
+            items.append((self.name(obj.key), encode_object(obj, self.namespace, in_place=in_place)))
         stored = self.tier.put(items)
         self._stats.offered += len(items)
         self._stats.stored += sum(stored)
