@@ -1,5 +1,7 @@
 """Rows between codec pools and objects, found by logical position through page views."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -190,11 +192,14 @@ def test_scatter_of_views_of_one_buffer_and_of_own_payloads_equals_one_object_at
     # the first `split` objects in one shared buffer, the rest with their own payloads
     mixed = _encoded_blob(objects[:split]) + [o for o in objects[split:]]
     scatter_objects(many, views, mixed)
+    halves = new_group_pools(LAYOUT, pages)  # the copies split between this thread and a helper
+    with ThreadPoolExecutor(1) as helper:
+        scatter_objects(halves, views, mixed, helper=helper)
     for obj in objects:
         scatter_object(one[obj.key.group_id], views[obj.key.group_id], obj)
     for gid in one:
-        for a, b in zip(one[gid].planes, many[gid].planes):
-            assert np.array_equal(a.pool, b.pool)
+        for a, b, c in zip(one[gid].planes, many[gid].planes, halves[gid].planes):
+            assert np.array_equal(a.pool, b.pool) and np.array_equal(a.pool, c.pool)
 
 
 def _pools_copy(pools):

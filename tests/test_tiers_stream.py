@@ -146,3 +146,25 @@ def test_targets_are_checked_before_anything_is_fetched_or_written():
     with pytest.raises(ValueError, match="batch_objects"):
         stream_load(store, ranges, pools, views, batch_objects=0)
     assert same(copies(pools), before) and tier.fetches == 0
+
+
+def test_verify_with_a_helper_answers_and_counts_as_on_one_thread():
+    from concurrent.futures import ThreadPoolExecutor
+
+    answers = []
+    for helper in (None, ThreadPoolExecutor(1)):
+        tier = RingTier(2)
+        store, ranges, objects = stored(tier, 4)
+        keys = [key for key, _, _ in ranges]
+        values = [None if v is None else bytearray(v) for v in tier.get([store.name(k) for k in keys])]
+        values[1][-3] ^= 4  # corrupted
+        values[4] = None  # missing
+        values[6] = values[0]  # another object's bytes under this key
+        got, bad = store.verify(keys, values, helper=helper)
+        answers.append(([None if o is None else bytes(o.payload) for o in got], bad, store.stats()))
+        if helper is not None:
+            helper.shutdown()
+    assert answers[0] == answers[1]
+    got, bad, stats = answers[0]
+    assert [o is None for o in got] == [i in (1, 4, 6) for i in range(len(got))]
+    assert bad == [ranges[1][0], ranges[6][0]] and (stats.corrupt, stats.missing, stats.loaded) == (2, 1, len(got) - 3)

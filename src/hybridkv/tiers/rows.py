@@ -10,6 +10,7 @@ ids (and groups with different page sizes) exchange the same rows.
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,9 +96,12 @@ def scatter_objects(
     objects: list[RowsObject],
     *,
     slots: list[np.ndarray] | None = None,
+    helper: Executor | None = None,
 ) -> None:
     """``scatter_object`` for many objects: one compiled copy per (group, layer, plane) and
     source buffer (objects fetched together lie in one buffer), a ``memcpy`` per row part.
+    ``helper``: an executor that runs about half the copies (by bytes) while this thread runs
+    the rest (the copies write disjoint rows of distinct pools, and release the GIL).
 
     Every object is checked (group, parts, rows, held pages, slots inside every pool,
     no row written twice) and every pool (shape, writable) before any row is written.
@@ -121,8 +125,8 @@ def scatter_objects(
         else:
             group_slots = np.concatenate([slots[i] for i in members]) if members else np.zeros(0, np.int64)
         planned.append((group, [objects[i] for i in members], group_slots))
-    for group, members, group_slots in planned:
-        _scatter_group(group, members, group_slots)
+    copies = [copy for group, members, group_slots in planned for copy in _group_copies(group, members, group_slots)]
+    _run_copies(copies, helper)
 
 
 def check_scatter(
@@ -225,17 +229,36 @@ def _group_slots(group: GroupPools, pages: GroupPages, shapes, *, unique: bool) 
     return slots
 
 
-def _scatter_group(group: GroupPools, objects: list[RowsObject], slots: np.ndarray) -> None:
+def _group_copies(group: GroupPools, objects: list[RowsObject], slots: np.ndarray) -> list[tuple]:
+    """The kernel calls that scatter a group's objects: per source buffer and (layer, plane),
+    ``(bytes, plane, buffer, starts, rows, slots, rows_per_page)``."""
     ends, offsets = np.cumsum([obj.num_rows for obj in objects]).tolist(), part_offsets(group.parts)
+    copies = []
     for flat, members, payload_at in _sources([obj.payload for obj in objects]):
         rows = np.array([objects[i].num_rows for i in members], dtype=np.int64)
         if len(members) < len(objects):
             slots_here = np.concatenate([slots[ends[i] - objects[i].num_rows : ends[i]] for i in members])
         else:
             slots_here = slots
+        total_rows = int(rows.sum())
         for plane, offset in zip(group.planes, offsets):
             starts = payload_at + rows * offset
-            _copy_rows(scatter_rows, plane, flat, starts, rows, slots_here, group.spec.rows_per_page)
+            copies.append((total_rows * plane.codec.row_bytes, plane, flat, starts, rows, slots_here,
+                           group.spec.rows_per_page))
+    return copies
+
+
+def _run_copies(copies: list[tuple], helper: Executor | None) -> None:
+    """Run the scatter kernel calls, about half of the bytes on ``helper`` when one is given."""
+    if helper is None or len(copies) < 2:
+        for _, *args in copies:
+            _copy_rows(scatter_rows, *args)
+        return
+    sizes = np.cumsum([copy[0] for copy in copies])
+    cut = max(1, int(np.searchsorted(sizes, sizes[-1] / 2)))
+    first = helper.submit(_run_copies, copies[:cut], None)
+    _run_copies(copies[cut:], None)
+    first.result()
 
 
 def _copy_rows(kernel, plane, flat: np.ndarray, starts, rows, slots, rows_per_page: int) -> None:
