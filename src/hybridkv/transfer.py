@@ -219,22 +219,32 @@ class OffloadPlan:
     def run(self, store: ObjectStore, pools: Mapping[str, GroupPools]) -> list[bool]:
         """Copy the rows out and put the objects; per object, whether a tier stored it. The rows of
         all objects that share a page view are copied by one compiled call per (group, layer,
-        plane), each payload after room for its header, which is then written in place: the
-        stored bytes are made without copying a payload again (``gather_objects``, ``encode_object``)."""
-        objects: list[RowsObject | None] = [None] * len(self.objects)
+        plane), each payload after room for its header, which is then written in place, into the
+        tier's ``put_buffer`` when it lends one (the Mooncake tier then sends from there): no
+        payload is copied again on this side (``gather_objects``, ``encode_object``)."""
         by_view: dict[tuple[str, int], list[int]] = {}
         for i, (o, view) in enumerate(zip(self.objects, self.sources)):
             by_view.setdefault((o.key.group_id, id(view)), []).append(i)
-        for (gid, _), members in by_view.items():
-            planned = [self.objects[i] for i in members]
-            gathered = gather_objects(
-                dict(pools), {gid: self.sources[members[0]]},
-                [(o.key, o.first_token, o.end_token) for o in planned],
-                room_bytes=[header_size(o.key, pools[o.key.group_id].parts) for o in planned],
-            )
-            for i, obj in zip(members, gathered):
-                objects[i] = obj
-        return store.put(objects, in_place=True)
+        heads = [header_size(o.key, pools[o.key.group_id].parts) for o in self.objects]
+        total = sum(
+            head + rows_for_tokens(pools[o.key.group_id].spec, o.first_token, o.end_token)[1]
+            * sum(size for _, _, size in pools[o.key.group_id].parts)
+            for o, head in zip(self.objects, heads)
+        )
+        objects: list[RowsObject | None] = [None] * len(self.objects)
+        with store.tier.put_buffer(total) as staging:
+            used = 0
+            for (gid, _), members in by_view.items():
+                planned = [self.objects[i] for i in members]
+                gathered = gather_objects(
+                    dict(pools), {gid: self.sources[members[0]]},
+                    [(o.key, o.first_token, o.end_token) for o in planned],
+                    room_bytes=[heads[i] for i in members], into=None if staging is None else staging[used:],
+                )
+                for i, obj in zip(members, gathered):
+                    objects[i] = obj
+                    used += heads[i] + obj.payload.size
+            return store.put(objects, in_place=True)
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,12 @@ bytes). Each tier keeps and evicts on its own; no tier knows the device.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 
 @dataclass
@@ -102,6 +105,14 @@ class Tier(ABC):
 
     def _fetch(self, names: list[str], sizes: list[int]) -> list[memoryview | None]:
         return [None if v is None else memoryview(v) for v in self._get(names)]
+
+    @contextlib.contextmanager
+    def put_buffer(self, nbytes: int) -> Iterator[np.ndarray | None]:
+        """A ``uint8`` buffer of ``nbytes`` to build values in, for the ``with`` block: values put
+        as views of it are sent from it without a copy of their own (the Mooncake tier registers
+        one with the store). ``None`` when the tier has none, or none that large or free now;
+        then build the values anywhere."""
+        yield None
 
     def contains(self, names: Sequence[str]) -> list[bool]:
         return self._contains([check_name(n) for n in names])

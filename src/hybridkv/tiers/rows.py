@@ -156,15 +156,19 @@ def gather_objects(
     ranges: list[tuple[ObjectKey, int, int]],
     *,
     room_bytes: list[int] | None = None,
+    into: np.ndarray | None = None,
 ) -> list[RowsObject]:
     """``gather_object`` for many ``(key, first_token, end_token)``: one compiled copy per
     (group, layer, plane); a group's payloads are views of one new buffer, in order.
     ``room_bytes``: per range, bytes left free right before its payload (where
-    ``encode_object(..., in_place=True)`` writes the header)."""
+    ``encode_object(..., in_place=True)`` writes the header). ``into``: a writable 1-D ``uint8``
+    buffer to lay every group's payloads in, one group after the other, rather than new ones
+    (``ValueError`` when it is too small)."""
     room = [0] * len(ranges) if room_bytes is None else [int(n) for n in room_bytes]
     if len(room) != len(ranges) or min(room, default=0) < 0:
         raise ValueError(f"room_bytes must be {len(ranges)} non-negative ints")
     out: list[RowsObject | None] = [None] * len(ranges)
+    used = 0
     for gid, members in _by_group(range(len(ranges)), lambda i: ranges[i][0].group_id).items():
         group = pools[gid]
         _check_pools(group, writable=False)
@@ -175,7 +179,7 @@ def gather_objects(
         before = np.array([room[i] for i in members], dtype=np.int64)
         ends = np.cumsum(before + rows * row_bytes)
         starts = ends - rows * row_bytes
-        buffer = np.empty(int(ends[-1]), dtype=np.uint8)
+        buffer, used = _payload_buffer(into, used, int(ends[-1]))
         for plane, offset in zip(group.planes, offsets):
             _copy_rows(gather_rows, plane, buffer, starts + rows * offset, rows, slots, group.spec.rows_per_page)
         for i, (first, n), start in zip(members, shapes, starts.tolist()):
@@ -183,6 +187,17 @@ def gather_objects(
             payload = buffer[start : start + n * row_bytes]
             out[i] = RowsObject(key, first_token, end_token - first_token, first, n, group.parts, payload)
     return out
+
+
+def _payload_buffer(into: np.ndarray | None, used: int, nbytes: int) -> tuple[np.ndarray, int]:
+    """``nbytes`` for a group's payloads: new, or the next ``nbytes`` of ``into`` after ``used``."""
+    if into is None:
+        return np.empty(nbytes, dtype=np.uint8), used
+    if not (isinstance(into, np.ndarray) and into.dtype == np.uint8 and into.ndim == 1 and into.flags.writeable):
+        raise ValueError("into must be a writable 1-D uint8 array")
+    if used + nbytes > into.size:
+        raise ValueError(f"into holds {into.size} bytes; the payloads need {used + nbytes} at least")
+    return into[used : used + nbytes], used + nbytes
 
 
 def _by_group(items, group_of) -> dict:
