@@ -212,7 +212,9 @@ def measure_offload(tier, layout, plan, pools, pages, args) -> dict:
 
 def run(args) -> dict:
     layout = cache_layout(args.model)
-    with tempfile.TemporaryDirectory() as tmp, MooncakeMaster(log_path=os.path.join(tmp, "master.log")) as master:
+    # a read lease of 5 s (the tests' 50 ms can expire inside a batch get on a loaded machine)
+    with tempfile.TemporaryDirectory() as tmp, MooncakeMaster(log_path=os.path.join(tmp, "master.log"),
+                                                              lease_ms=5000) as master:
         tier = MooncakeTier(master.master_address, master.metadata_url, segment_bytes=args.segment_mib << 20,
                             local_buffer_bytes=args.buffer_mib << 20, receive_bytes=args.receive_mib << 20)
         try:

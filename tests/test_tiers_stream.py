@@ -168,3 +168,36 @@ def test_verify_with_a_helper_answers_and_counts_as_on_one_thread():
     got, bad, stats = answers[0]
     assert [o is None for o in got] == [i in (1, 4, 6) for i in range(len(got))]
     assert bad == [ranges[1][0], ranges[6][0]] and (stats.corrupt, stats.missing, stats.loaded) == (2, 1, len(got) - 3)
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_a_large_all_or_nothing_load_on_two_threads_writes_every_row_or_none(corrupt):
+    """load_objects past TWO_THREAD_LOAD_BYTES (checksums and copies split with a helper): every
+    object's rows as the one-object reference writes them, or, with one object corrupted, none."""
+    from hybridkv.transfer import TWO_THREAD_LOAD_BYTES, PlannedObject, load_objects
+
+    tier = HostTier(1 << 30)
+    store, ranges, objects = stored(tier, 8)
+    assert sum(o.payload.size for o in objects) > TWO_THREAD_LOAD_BYTES
+    if corrupt:
+        name = store.name(ranges[9][0])
+        data = bytearray(tier.get([name])[0])
+        data[100] ^= 0x10
+        tier.delete([name])
+        tier.put([(name, bytes(data))])
+    planned = [PlannedObject(key, a, b, 256 * 8) for key, a, b in ranges]
+    pools, views = source(3)
+    before = copies(pools)
+    expected = new_pools()
+    for gid, group in expected.items():
+        for plane, pool in zip(group.planes, before[gid]):
+            plane.pool[...] = pool
+    for obj in objects:
+        scatter_object(expected[obj.key.group_id], views[obj.key.group_id], obj)
+    result = load_objects(store, planned, [256 * 8], pools, views)
+    if corrupt:
+        assert (result.boundary_tokens, result.loaded_objects, result.missing) == (0, 0, (ranges[9][0],))
+        assert same(copies(pools), before) and store.stats().corrupt == 1
+    else:
+        assert (result.boundary_tokens, result.loaded_objects) == (256 * 8, len(ranges))
+        assert same(copies(pools), copies(expected))

@@ -20,6 +20,7 @@ full-mode ``StepBatch``) or :func:`pages_from_manager` (``request_pages``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -177,6 +178,9 @@ def usable_boundary(objects: Sequence[PlannedObject], present: Sequence[bool], b
     return 0
 
 
+TWO_THREAD_LOAD_BYTES = 4 << 20  # a smaller load is verified and copied on the calling thread alone
+
+
 def load_objects(
     store: ObjectStore,
     objects: Sequence[PlannedObject],
@@ -188,12 +192,14 @@ def load_objects(
     into the target pools (target page view ``pages``). A boundary whose checkpoint or any
     history block below it is missing, corrupted or refused is not used; nothing is written
     for it, and 0 means nothing was written. Everything is received in one fetch and verified
-    before the first row is written; the checksums and then the copies run on two threads
-    (this one and a helper), each about half the bytes."""
+    before the first row is written; from ``TWO_THREAD_LOAD_BYTES`` received, the checksums and
+    then the copies run on two threads (this one and a helper), each about half the bytes."""
     rows = [rows_for_tokens(store.layout.group(o.key.group_id).spec, o.first_token, o.end_token)[1] for o in objects]
     keys = [o.key for o in objects]
-    with ThreadPoolExecutor(1, thread_name_prefix="hybridkv-load") as helper:
-        got, bad = store.verify(keys, store.receive(keys, rows), helper=helper)
+    values = store.receive(keys, rows)
+    large = sum(len(v) for v in values if v is not None) >= TWO_THREAD_LOAD_BYTES
+    with ThreadPoolExecutor(1, thread_name_prefix="hybridkv-load") if large else contextlib.nullcontext() as helper:
+        got, bad = store.verify(keys, values, helper=helper)
         got = [  # an intact object under the planned key but of other tokens is not used
             obj if obj is not None and (obj.first_token, obj.first_token + obj.num_tokens) == (o.first_token, o.end_token)
             else None
