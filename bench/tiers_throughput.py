@@ -261,7 +261,8 @@ def print_table(rows: dict, floors: tuple[str, str]) -> None:
     print(f"{'path':<44}{'MB/s':>8}{short[0]:>18}{short[1]:>17}{'CPU ms':>9}")
     for name, row in rows.items():
         shares = [f"{row[f'of_{f}']:.0%}" if f"of_{f}" in row else "" for f in floors]
-        print(f"{LABELS[name]:<44}{row['mb_per_s']:>8.0f}{shares[0]:>18}{shares[1]:>17}{row['cpu_median_s'] * 1e3:>9.1f}")
+        cpu_ms = row["cpu_median_s"] * 1e3
+        print(f"{LABELS[name]:<44}{row['mb_per_s']:>8.0f}{shares[0]:>18}{shares[1]:>17}{cpu_ms:>9.1f}")
 
 
 def print_report(report: dict) -> None:

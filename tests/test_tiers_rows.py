@@ -237,7 +237,8 @@ def test_check_scatter_answers_each_range_s_slots_and_scatter_takes_them():
     for (key, a, b), got in zip(ranges, slots):  # the rows' slots, found row by row
         first_row, num_rows = rows_for_tokens(src[key.group_id].spec, a, b)
         rpp, view = src[key.group_id].spec.rows_per_page, views[key.group_id]
-        expected = [int(view.pages[r // rpp - view.base_page]) * rpp + r % rpp for r in range(first_row, first_row + num_rows)]
+        rows = range(first_row, first_row + num_rows)
+        expected = [int(view.pages[r // rpp - view.base_page]) * rpp + r % rpp for r in rows]
         assert got.tolist() == expected
     objects = gather_objects(src, views, ranges)
     assert objects[0].num_rows > 0
@@ -246,6 +247,26 @@ def test_check_scatter_answers_each_range_s_slots_and_scatter_takes_them():
     assert _unchanged(by_slots, _pools_copy(by_views))
     with pytest.raises(ValueError, match="slots for an object"):
         scatter_objects(by_slots, views, objects[:1], slots=[slots[0][:-1]])  # one slot short
+
+
+def test_gather_into_a_given_buffer_leaves_the_room_asked_for_before_each_payload():
+    src = random_pools(9)
+    rng = np.random.default_rng(9)
+    ranges = [(ObjectKey("block", gid, bytes([i + 1])), 256 * i, 256 * (i + 1)) for gid in GROUPS[:3] for i in range(2)]
+    views = {gid: random_view(rng, src[gid].spec, 0, 512) for gid in GROUPS}
+    room = [int(n) for n in rng.integers(0, 50, len(ranges))]
+    fresh = gather_objects(src, views, ranges)
+    need = sum(room) + sum(o.payload.size for o in fresh)
+    into = np.full(need + 10, 0xEE, dtype=np.uint8)
+    placed = gather_objects(src, views, ranges, room_bytes=room, into=into)
+    at = 0
+    for a, b, gap in zip(fresh, placed, room):  # ranges are in group order: laid out one after the other
+        assert np.array_equal(a.payload, b.payload) and np.shares_memory(b.payload, into)
+        assert b.payload.ctypes.data - into.ctypes.data == at + gap and np.all(into[at : at + gap] == 0xEE)
+        at += gap + b.payload.size
+    assert np.all(into[need:] == 0xEE)
+    with pytest.raises(ValueError, match="into holds"):
+        gather_objects(src, views, ranges, room_bytes=room, into=into[: need - 1])
 
 
 def test_batched_scatter_refuses_a_read_only_pool_before_writing():

@@ -201,7 +201,7 @@ def load_objects(
     with ThreadPoolExecutor(1, thread_name_prefix="hybridkv-load") if large else contextlib.nullcontext() as helper:
         got, bad = store.verify(keys, values, helper=helper)
         got = [  # an intact object under the planned key but of other tokens is not used
-            obj if obj is not None and (obj.first_token, obj.first_token + obj.num_tokens) == (o.first_token, o.end_token)
+            obj if obj is not None and (obj.first_token, obj.num_tokens) == (o.first_token, o.end_token - o.first_token)
             else None
             for o, obj in zip(objects, got)
         ]

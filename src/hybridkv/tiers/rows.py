@@ -193,8 +193,9 @@ def _payload_buffer(into: np.ndarray | None, used: int, nbytes: int) -> tuple[np
     """``nbytes`` for a group's payloads: new, or the next ``nbytes`` of ``into`` after ``used``."""
     if into is None:
         return np.empty(nbytes, dtype=np.uint8), used
-    if not (isinstance(into, np.ndarray) and into.dtype == np.uint8 and into.ndim == 1 and into.flags.writeable):
-        raise ValueError("into must be a writable 1-D uint8 array")
+    if not (isinstance(into, np.ndarray) and into.dtype == np.uint8 and into.ndim == 1
+            and into.flags.c_contiguous and into.flags.writeable):
+        raise ValueError("into must be a writable, contiguous 1-D uint8 array")
     if used + nbytes > into.size:
         raise ValueError(f"into holds {into.size} bytes; the payloads need {used + nbytes} at least")
     return into[used : used + nbytes], used + nbytes
