@@ -200,6 +200,7 @@ def load_objects(
     large = sum(len(v) for v in values if v is not None) >= TWO_THREAD_LOAD_BYTES
     with ThreadPoolExecutor(1, thread_name_prefix="hybridkv-load") if large else contextlib.nullcontext() as helper:
         got, bad = store.verify(keys, values, helper=helper)
+        store.discard(bad)
         got = [  # an intact object under the planned key but of other tokens is not used
             obj if obj is not None and (obj.first_token, obj.num_tokens) == (o.first_token, o.end_token - o.first_token)
             else None
@@ -208,7 +209,6 @@ def load_objects(
         boundary = usable_boundary(objects, [obj is not None for obj in got], boundaries)
         chosen = [obj for o, obj in zip(objects, got) if boundary and _serves(o, boundary)]
         scatter_objects(dict(pools), dict(pages), chosen, helper=helper)
-    store.discard(bad)
     missing = tuple(o.key for o, obj in zip(objects, got) if obj is None)
     return LoadResult(boundary, len(chosen), missing)
 
