@@ -200,3 +200,13 @@ def test_store_refuses_another_layouts_object_under_its_name():
     assert mine.get([obj.key]) == [None]
     assert mine.stats().refused == 1 and "refused" in mine.stats().last_error
     assert mine.name(obj.key) != theirs.name(obj.key)
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_a_view_put_into_a_local_tier_is_kept_as_it_was_when_put(kind, tmp_path):
+    tier = HostTier(1 << 20) if kind == "host" else DiskTier(tmp_path / "d")
+    buffer = np.arange(64, dtype=np.uint8)
+    assert tier.put([("a", memoryview(buffer)[8:40]), ("b", bytearray(b"xyz"))]) == [True, True]
+    buffer[...] = 0  # later writes to the buffer do not reach the stored object
+    assert tier.get(["a", "b"]) == [bytes(range(8, 40)), b"xyz"]
+    assert tier.stats().stored_bytes == 35

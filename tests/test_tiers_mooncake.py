@@ -287,3 +287,21 @@ def test_stream_load_skips_a_corrupted_object_and_a_killed_master_loads_nothing(
     finally:
         master.start()
         client.close()
+
+
+def test_views_of_the_put_buffer_are_sent_from_it_and_others_are_copied(tier):
+    with tier.put_buffer(1 << 20) as staging:
+        assert staging is not None and staging.size == 1 << 20
+        with tier.put_buffer(10) as second:
+            assert second is None  # lent once at a time
+        staging[:300_000] = np.frombuffer(os.urandom(300_000), dtype=np.uint8)
+        outside = np.frombuffer(os.urandom(5000), dtype=np.uint8).copy()
+        items = [("pb/a", memoryview(staging)[:100_000]), ("pb/b", memoryview(outside)),
+                 ("pb/c", memoryview(staging)[100_000:300_000]), ("pb/d", b"plain bytes")]
+        expected = [bytes(v) for _, v in items]
+        assert tier.put(items) == [True] * 4
+        staging[:300_000] = 0  # the store holds its own copy
+    assert tier.get([name for name, _ in items]) == expected
+    with tier.put_buffer(1 << 40) as huge:
+        assert huge is None  # larger than the tier's buffer: build values elsewhere
+    tier.delete([name for name, _ in items])

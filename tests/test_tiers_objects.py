@@ -16,6 +16,7 @@ from hybridkv.tiers import (
     RowsObject,
     decode_object,
     encode_object,
+    header_size,
     layout_namespace,
     layout_parts,
 )
@@ -108,6 +109,27 @@ def test_round_trip(num_rows, kind, key):
         obj.first_token, obj.num_tokens, obj.first_row, obj.num_rows)
     assert np.array_equal(back.payload, obj.payload)
     assert np.array_equal(back.part_rows(1), obj.payload[num_rows * 584 : num_rows * 652].reshape(num_rows, 68))
+
+
+@given(st.integers(1, 5), st.integers(0, 64))
+def test_an_in_place_encode_writes_the_same_bytes_into_the_room_before_the_payload(num_rows, slack):
+    obj = make_object(num_rows=num_rows, seed=num_rows)
+    head = header_size(obj.key, obj.parts)
+    buffer = np.full(slack + head + obj.payload.size + 7, 0xEE, dtype=np.uint8)
+    payload = buffer[slack + head : slack + head + obj.payload.size]
+    payload[...] = obj.payload
+    placed = RowsObject(obj.key, obj.first_token, obj.num_tokens, obj.first_row, obj.num_rows, obj.parts, payload)
+    stored = encode_object(placed, NS, in_place=True)
+    assert bytes(stored) == encode_object(obj, NS)
+    assert np.all(buffer[:slack] == 0xEE) and np.all(buffer[-7:] == 0xEE)  # nothing outside the object
+    assert stored.readonly and np.shares_memory(np.frombuffer(stored, np.uint8), buffer)
+    with pytest.raises(ValueError, match="no room"):  # one byte short of a header before the payload
+        encode_object(RowsObject(obj.key, obj.first_token, obj.num_tokens, obj.first_row, obj.num_rows,
+                                 obj.parts, buffer[head - 1 : head - 1 + obj.payload.size]), NS, in_place=True)
+    with pytest.raises(ValueError, match="writable 1-D uint8"):
+        encode_object(obj, NS, in_place=True)  # a payload that owns its bytes
+    empty = make_object(num_rows=0)
+    assert encode_object(empty, NS, in_place=True) == encode_object(empty, NS)
 
 
 @given(st.data())

@@ -1,5 +1,7 @@
 """Rows between codec pools and objects, found by logical position through page views."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -11,6 +13,7 @@ from hybridkv.tiers import (
     GroupPages,
     MissingRows,
     ObjectError,
+    check_scatter,
     ObjectKey,
     gather_object,
     gather_objects,
@@ -189,11 +192,14 @@ def test_scatter_of_views_of_one_buffer_and_of_own_payloads_equals_one_object_at
     # the first `split` objects in one shared buffer, the rest with their own payloads
     mixed = _encoded_blob(objects[:split]) + [o for o in objects[split:]]
     scatter_objects(many, views, mixed)
+    halves = new_group_pools(LAYOUT, pages)  # the copies split between this thread and a helper
+    with ThreadPoolExecutor(1) as helper:
+        scatter_objects(halves, views, mixed, helper=helper)
     for obj in objects:
         scatter_object(one[obj.key.group_id], views[obj.key.group_id], obj)
     for gid in one:
-        for a, b in zip(one[gid].planes, many[gid].planes):
-            assert np.array_equal(a.pool, b.pool)
+        for a, b, c in zip(one[gid].planes, many[gid].planes, halves[gid].planes):
+            assert np.array_equal(a.pool, b.pool) and np.array_equal(a.pool, c.pool)
 
 
 def _pools_copy(pools):
@@ -220,6 +226,47 @@ def test_batched_scatter_refuses_rows_written_twice_or_pages_outside_the_pools_b
     assert _unchanged(dst, before)
     scatter_objects(dst, {gid: view}, [a, b])
     assert not _unchanged(dst, before)
+
+
+def test_check_scatter_answers_each_range_s_slots_and_scatter_takes_them():
+    src, by_slots, by_views = random_pools(7), random_pools(8), random_pools(8)
+    rng = np.random.default_rng(7)
+    ranges = [(ObjectKey("block", gid, bytes([i + 1])), 256 * i, 256 * (i + 1)) for gid in GROUPS for i in range(3)]
+    views = {gid: random_view(rng, src[gid].spec, 0, 768) for gid in GROUPS}
+    slots = check_scatter(by_slots, views, ranges)
+    for (key, a, b), got in zip(ranges, slots):  # the rows' slots, found row by row
+        first_row, num_rows = rows_for_tokens(src[key.group_id].spec, a, b)
+        rpp, view = src[key.group_id].spec.rows_per_page, views[key.group_id]
+        rows = range(first_row, first_row + num_rows)
+        expected = [int(view.pages[r // rpp - view.base_page]) * rpp + r % rpp for r in rows]
+        assert got.tolist() == expected
+    objects = gather_objects(src, views, ranges)
+    assert objects[0].num_rows > 0
+    scatter_objects(by_slots, views, objects, slots=slots)
+    scatter_objects(by_views, views, objects)
+    assert _unchanged(by_slots, _pools_copy(by_views))
+    with pytest.raises(ValueError, match="slots for an object"):
+        scatter_objects(by_slots, views, objects[:1], slots=[slots[0][:-1]])  # one slot short
+
+
+def test_gather_into_a_given_buffer_leaves_the_room_asked_for_before_each_payload():
+    src = random_pools(9)
+    rng = np.random.default_rng(9)
+    ranges = [(ObjectKey("block", gid, bytes([i + 1])), 256 * i, 256 * (i + 1)) for gid in GROUPS[:3] for i in range(2)]
+    views = {gid: random_view(rng, src[gid].spec, 0, 512) for gid in GROUPS}
+    room = [int(n) for n in rng.integers(0, 50, len(ranges))]
+    fresh = gather_objects(src, views, ranges)
+    need = sum(room) + sum(o.payload.size for o in fresh)
+    into = np.full(need + 10, 0xEE, dtype=np.uint8)
+    placed = gather_objects(src, views, ranges, room_bytes=room, into=into)
+    at = 0
+    for a, b, gap in zip(fresh, placed, room):  # ranges are in group order: laid out one after the other
+        assert np.array_equal(a.payload, b.payload) and np.shares_memory(b.payload, into)
+        assert b.payload.ctypes.data - into.ctypes.data == at + gap and np.all(into[at : at + gap] == 0xEE)
+        at += gap + b.payload.size
+    assert np.all(into[need:] == 0xEE)
+    with pytest.raises(ValueError, match="into holds"):
+        gather_objects(src, views, ranges, room_bytes=room, into=into[: need - 1])
 
 
 def test_batched_scatter_refuses_a_read_only_pool_before_writing():

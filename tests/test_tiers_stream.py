@@ -146,3 +146,58 @@ def test_targets_are_checked_before_anything_is_fetched_or_written():
     with pytest.raises(ValueError, match="batch_objects"):
         stream_load(store, ranges, pools, views, batch_objects=0)
     assert same(copies(pools), before) and tier.fetches == 0
+
+
+def test_verify_with_a_helper_answers_and_counts_as_on_one_thread():
+    from concurrent.futures import ThreadPoolExecutor
+
+    answers = []
+    for helper in (None, ThreadPoolExecutor(1)):
+        tier = RingTier(2)
+        store, ranges, objects = stored(tier, 4)
+        keys = [key for key, _, _ in ranges]
+        values = [None if v is None else bytearray(v) for v in tier.get([store.name(k) for k in keys])]
+        values[1][-3] ^= 4  # corrupted
+        values[4] = None  # missing
+        values[6] = values[0]  # another object's bytes under this key
+        got, bad = store.verify(keys, values, helper=helper)
+        answers.append(([None if o is None else bytes(o.payload) for o in got], bad, store.stats()))
+        if helper is not None:
+            helper.shutdown()
+    assert answers[0] == answers[1]
+    got, bad, stats = answers[0]
+    assert [o is None for o in got] == [i in (1, 4, 6) for i in range(len(got))]
+    assert bad == [ranges[1][0], ranges[6][0]] and (stats.corrupt, stats.missing, stats.loaded) == (2, 1, len(got) - 3)
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_a_large_all_or_nothing_load_on_two_threads_writes_every_row_or_none(corrupt):
+    """load_objects past TWO_THREAD_LOAD_BYTES (checksums and copies split with a helper): every
+    object's rows as the one-object reference writes them, or, with one object corrupted, none."""
+    from hybridkv.transfer import TWO_THREAD_LOAD_BYTES, PlannedObject, load_objects
+
+    tier = HostTier(1 << 30)
+    store, ranges, objects = stored(tier, 8)
+    assert sum(o.payload.size for o in objects) > TWO_THREAD_LOAD_BYTES
+    if corrupt:
+        name = store.name(ranges[9][0])
+        data = bytearray(tier.get([name])[0])
+        data[100] ^= 0x10
+        tier.delete([name])
+        tier.put([(name, bytes(data))])
+    planned = [PlannedObject(key, a, b, 256 * 8) for key, a, b in ranges]
+    pools, views = source(3)
+    before = copies(pools)
+    expected = new_pools()
+    for gid, group in expected.items():
+        for plane, pool in zip(group.planes, before[gid]):
+            plane.pool[...] = pool
+    for obj in objects:
+        scatter_object(expected[obj.key.group_id], views[obj.key.group_id], obj)
+    result = load_objects(store, planned, [256 * 8], pools, views)
+    if corrupt:
+        assert (result.boundary_tokens, result.loaded_objects, result.missing) == (0, 0, (ranges[9][0],))
+        assert same(copies(pools), before) and store.stats().corrupt == 1
+    else:
+        assert (result.boundary_tokens, result.loaded_objects) == (256 * 8, len(ranges))
+        assert same(copies(pools), copies(expected))

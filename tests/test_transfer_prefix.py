@@ -105,3 +105,26 @@ def test_offload_leaves_out_checkpoints_whose_window_is_released():
     boundaries = {o.boundary_tokens for o in plan.objects if o.key.kind == "checkpoint"}
     assert boundaries == {512}
     assert sum(o.key.kind == "block" for o in plan.objects) == 4  # 2 blocks x 2 history groups
+
+
+def test_an_offload_plan_stores_what_gather_and_encode_make_one_object_at_a_time():
+    """Objects of two requests (two page views) in one group and of several groups: the batched
+    gather with headers written in place stores the bytes the one-object reference encodes."""
+    from hybridkv.tiers import GroupPages, encode_object, gather_object, new_group_pools
+    from hybridkv.transfer import OffloadPlan, prefix_objects
+
+    rng = np.random.default_rng(4)
+    pools = new_group_pools(LAYOUT, {g.group_id: 200 for g in LAYOUT.groups})
+    for group in pools.values():
+        for plane in group.planes:
+            plane.pool[...] = rng.integers(0, 256, plane.pool.shape, dtype=np.uint8)
+    prompt = np.arange(700) % 97
+    objects, _ = prefix_objects(LAYOUT, prompt, 700, checkpoints_at=[256, 512])
+    views = [{g.group_id: GroupPages(0, rng.permutation(np.arange(1, 200))) for g in LAYOUT.groups} for _ in range(2)]
+    sources = [views[i % 2][o.key.group_id] for i, o in enumerate(objects)]  # two requests' views, interleaved
+    store = ObjectStore(HostTier(1 << 30), LAYOUT)
+    assert all(OffloadPlan(tuple(objects), tuple(sources)).run(store, pools))
+    for o, view in zip(objects, sources):
+        expected = encode_object(gather_object(pools[o.key.group_id], view, o.key, o.first_token, o.end_token),
+                                 store.namespace)
+        assert store.tier.get([store.name(o.key)]) == [expected]

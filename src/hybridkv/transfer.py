@@ -20,8 +20,10 @@ full-mode ``StepBatch``) or :func:`pages_from_manager` (``request_pages``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,9 +32,9 @@ from hybridkv.models.deepseek_v4 import v4_checkpoint_window_tokens
 from hybridkv.models.layout import ModelCacheLayout
 from hybridkv.tiers.keys import ObjectKey, chained_keys
 from hybridkv.tiers.namespace import Namespace
-from hybridkv.tiers.objects import NamespaceMismatch, RowsObject
+from hybridkv.tiers.objects import NamespaceMismatch, RowsObject, header_size
 from hybridkv.tiers.pools import GroupPools
-from hybridkv.tiers.rows import GroupPages, MissingRows, gather_object, gather_objects, rows_for_tokens, scatter_objects
+from hybridkv.tiers.rows import GroupPages, MissingRows, gather_objects, rows_for_tokens, scatter_objects
 from hybridkv.tiers.store import ObjectStore
 
 
@@ -176,6 +178,9 @@ def usable_boundary(objects: Sequence[PlannedObject], present: Sequence[bool], b
     return 0
 
 
+TWO_THREAD_LOAD_BYTES = 4 << 20  # a smaller load is verified and copied on the calling thread alone
+
+
 def load_objects(
     store: ObjectStore,
     objects: Sequence[PlannedObject],
@@ -186,20 +191,26 @@ def load_objects(
     """Fetch and verify ``objects``; write the rows serving the largest usable of ``boundaries``
     into the target pools (target page view ``pages``). A boundary whose checkpoint or any
     history block below it is missing, corrupted or refused is not used; nothing is written
-    for it, and 0 means nothing was written."""
+    for it, and 0 means nothing was written. Everything is received in one fetch and verified
+    before the first row is written; from ``TWO_THREAD_LOAD_BYTES`` received, the checksums and
+    then the copies run on two threads (this one and a helper), each about half the bytes."""
     rows = [rows_for_tokens(store.layout.group(o.key.group_id).spec, o.first_token, o.end_token)[1] for o in objects]
-    got = store.fetch([o.key for o in objects], rows)
-    got = [  # an intact object under the planned key but of other tokens is not used
-        obj if obj is not None and (obj.first_token, obj.first_token + obj.num_tokens) == (o.first_token, o.end_token)
-        else None
-        for o, obj in zip(objects, got)
-    ]
-    boundary = usable_boundary(objects, [obj is not None for obj in got], boundaries)
-    chosen = [obj for o, obj in zip(objects, got) if boundary and _serves(o, boundary)]
-    scatter_objects(dict(pools), dict(pages), chosen)
-    written = len(chosen)
+    keys = [o.key for o in objects]
+    values = store.receive(keys, rows)
+    large = sum(len(v) for v in values if v is not None) >= TWO_THREAD_LOAD_BYTES
+    with ThreadPoolExecutor(1, thread_name_prefix="hybridkv-load") if large else contextlib.nullcontext() as helper:
+        got, bad = store.verify(keys, values, helper=helper)
+        store.discard(bad)
+        got = [  # an intact object under the planned key but of other tokens is not used
+            obj if obj is not None and (obj.first_token, obj.num_tokens) == (o.first_token, o.end_token - o.first_token)
+            else None
+            for o, obj in zip(objects, got)
+        ]
+        boundary = usable_boundary(objects, [obj is not None for obj in got], boundaries)
+        chosen = [obj for o, obj in zip(objects, got) if boundary and _serves(o, boundary)]
+        scatter_objects(dict(pools), dict(pages), chosen, helper=helper)
     missing = tuple(o.key for o, obj in zip(objects, got) if obj is None)
-    return LoadResult(boundary, written, missing)
+    return LoadResult(boundary, len(chosen), missing)
 
 
 @dataclass(frozen=True)
@@ -212,12 +223,34 @@ class OffloadPlan:
     sources: tuple[GroupPages, ...]
 
     def run(self, store: ObjectStore, pools: Mapping[str, GroupPools]) -> list[bool]:
-        """Copy the rows out and put the objects; per object, whether a tier stored it."""
-        objects = [
-            gather_object(pools[o.key.group_id], view, o.key, o.first_token, o.end_token)
-            for o, view in zip(self.objects, self.sources)
-        ]
-        return store.put(objects)
+        """Copy the rows out and put the objects; per object, whether a tier stored it. The rows of
+        all objects that share a page view are copied by one compiled call per (group, layer,
+        plane), each payload after room for its header, which is then written in place, into the
+        tier's ``put_buffer`` when it lends one (the Mooncake tier then sends from there): no
+        payload is copied again on this side (``gather_objects``, ``encode_object``)."""
+        by_view: dict[tuple[str, int], list[int]] = {}
+        for i, (o, view) in enumerate(zip(self.objects, self.sources)):
+            by_view.setdefault((o.key.group_id, id(view)), []).append(i)
+        heads = [header_size(o.key, pools[o.key.group_id].parts) for o in self.objects]
+        total = sum(
+            head + rows_for_tokens(pools[o.key.group_id].spec, o.first_token, o.end_token)[1]
+            * sum(size for _, _, size in pools[o.key.group_id].parts)
+            for o, head in zip(self.objects, heads)
+        )
+        objects: list[RowsObject | None] = [None] * len(self.objects)
+        with store.tier.put_buffer(total) as staging:
+            used = 0
+            for (gid, _), members in by_view.items():
+                planned = [self.objects[i] for i in members]
+                gathered = gather_objects(
+                    dict(pools), {gid: self.sources[members[0]]},
+                    [(o.key, o.first_token, o.end_token) for o in planned],
+                    room_bytes=[heads[i] for i in members], into=None if staging is None else staging[used:],
+                )
+                for i, obj in zip(members, gathered):
+                    objects[i] = obj
+                    used += heads[i] + obj.payload.size
+            return store.put(objects, in_place=True)
 
 
 @dataclass(frozen=True)

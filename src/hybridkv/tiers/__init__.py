@@ -17,7 +17,14 @@ from hybridkv.tiers.disk import DiskTier
 from hybridkv.tiers.host import HostTier
 from hybridkv.tiers.keys import ObjectKey, boundary_key, chained_keys
 from hybridkv.tiers.namespace import Namespace, layout_namespace
-from hybridkv.tiers.objects import NamespaceMismatch, ObjectError, RowsObject, decode_object, encode_object
+from hybridkv.tiers.objects import (
+    NamespaceMismatch,
+    ObjectError,
+    RowsObject,
+    decode_object,
+    encode_object,
+    header_size,
+)
 from hybridkv.tiers.pools import GroupPools, group_pools_from_layers, layout_parts, new_group_pools
 from hybridkv.tiers.rows import (
     GroupPages,
@@ -37,6 +44,6 @@ __all__ = [
     "DiskTier", "GroupPages", "GroupPools", "HostTier", "MissingRows", "Namespace", "NamespaceMismatch",
     "ObjectError", "ObjectKey", "ObjectStore", "RowsObject", "StoreStats", "Tier", "TierStack", "TierStats",
     "TierUnavailable", "boundary_key", "chained_keys", "decode_object", "encode_object", "gather_object",
-    "group_pools_from_layers", "layout_namespace", "layout_parts", "new_group_pools", "rows_for_tokens",
+    "group_pools_from_layers", "header_size", "layout_namespace", "layout_parts", "new_group_pools", "rows_for_tokens",
     "scatter_object", "gather_objects", "scatter_objects", "check_scatter", "stream_load",
 ]

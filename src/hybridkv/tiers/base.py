@@ -9,9 +9,12 @@ bytes). Each tier keeps and evicts on its own; no tier knows the device.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 
 @dataclass
@@ -37,14 +40,18 @@ class TierUnavailable(RuntimeError):
     """A tier cannot be set up (a missing package or library, an unreachable server)."""
 
 
-def check_items(items: Sequence[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+def check_items(items: Sequence[tuple[str, bytes]], *, views: bool = False) -> list[tuple[str, bytes]]:
+    """Items with checked names and values: ``bytes``, or a ``bytearray`` / ``memoryview`` copied
+    into ``bytes`` (kept as a byte view when ``views``: the tier copies the value while it puts)."""
     out = []
     for item in items:
         name, value = item
         check_name(name)
         if not isinstance(value, (bytes, bytearray, memoryview)):
             raise ValueError(f"value of {name!r} must be bytes, got {type(value).__name__}")
-        out.append((name, bytes(value) if not isinstance(value, bytes) else value))
+        if not isinstance(value, bytes):
+            value = memoryview(value).cast("B") if views else bytes(value)
+        out.append((name, value))
     return out
 
 
@@ -61,13 +68,16 @@ class Tier(ABC):
     # How many consecutive fetches' views stay valid together (None: all of them; the views
     # hold their own bytes). A tier that receives into buffers of its own reuses them.
     fetch_views_kept: int | None = None
+    # Whether ``put`` copies each value before it returns (then a caller may hand it a view of a
+    # buffer it reuses, and no ``bytes`` is made); otherwise values are kept and made ``bytes``.
+    put_copies: bool = False
 
     def __init__(self) -> None:
         self._stats = TierStats()
 
     def put(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
         """Store ``(name, bytes)`` pairs; per item, whether it is stored now."""
-        return self._put(check_items(items))
+        return self._put(check_items(items, views=self.put_copies))
 
     def get(self, names: Sequence[str]) -> list[bytes | None]:
         """Per name, the stored bytes or ``None`` (a miss, or a fault counted in ``errors``)."""
@@ -95,6 +105,14 @@ class Tier(ABC):
 
     def _fetch(self, names: list[str], sizes: list[int]) -> list[memoryview | None]:
         return [None if v is None else memoryview(v) for v in self._get(names)]
+
+    @contextlib.contextmanager
+    def put_buffer(self, nbytes: int) -> Iterator[np.ndarray | None]:
+        """A ``uint8`` buffer of ``nbytes`` to build values in, for the ``with`` block: values put
+        as views of it are sent from it without a copy of their own (the Mooncake tier registers
+        one with the store). ``None`` when the tier has none, or none that large or free now;
+        then build the values anywhere."""
+        yield None
 
     def contains(self, names: Sequence[str]) -> list[bool]:
         return self._contains([check_name(n) for n in names])

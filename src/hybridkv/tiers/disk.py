@@ -29,6 +29,7 @@ class DiskTier(Tier):
     """Objects as files under ``root`` (made if missing)."""
 
     name = "disk"
+    put_copies = True  # a put writes the value to its file before it returns
 
     def __init__(self, root: str | os.PathLike[str], budget_bytes: int | None = None, *, fsync: bool = False) -> None:
         super().__init__()

@@ -17,12 +17,15 @@ store, for ``retry_after_s``; then one call tries again.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,6 +154,7 @@ class MooncakeTier(Tier):
     """Objects in a Mooncake Store reached through ``master_address``."""
 
     name = "mooncake"
+    put_copies = True  # put_batch copies the values into the store's segments before it returns
 
     def __init__(
         self,
@@ -164,6 +168,7 @@ class MooncakeTier(Tier):
         retry_after_s: float = 2.0,
         receive_bytes: int = 64 << 20,
         receive_buffers: int = 2,
+        send_bytes: int = 64 << 20,
     ) -> None:
         super().__init__()
         self.retry_after_s = float(retry_after_s)
@@ -184,6 +189,25 @@ class MooncakeTier(Tier):
             self._arenas.append(arena)  # fetch receives here without a new bytes object per value
         if self._arenas:
             self.fetch_views_kept = len(self._arenas)
+        self._send: np.ndarray | None = None
+        self._send_lock = threading.Lock()
+        if send_bytes > 0:
+            send = np.empty(int(send_bytes), dtype=np.uint8)
+            if self._store.register_buffer(send.ctypes.data, send.nbytes) == 0:
+                self._send = send  # put_buffer lends it; puts of views into it use batch_put_from
+
+    @contextlib.contextmanager
+    def put_buffer(self, nbytes: int) -> Iterator[np.ndarray | None]:
+        """The registered send buffer's first ``nbytes`` (``None`` when it is smaller, or lent to
+        another thread now): values put as views of it go by ``batch_put_from``, no copy here."""
+        send = self._send
+        if send is None or nbytes > send.nbytes or not self._send_lock.acquire(blocking=False):
+            yield None
+            return
+        try:
+            yield send[:nbytes]
+        finally:
+            self._send_lock.release()
 
     def _put(self, items: list[tuple[str, bytes]]) -> list[bool]:
         if not items:
@@ -206,14 +230,36 @@ class MooncakeTier(Tier):
         return stored
 
     def _put_batch(self, items: list[tuple[str, bytes]]) -> tuple[str, list[bool]]:
-        names = [name for name, _ in items]
-        codes = self._call("put_batch", names, [value for _, value in items])
-        if isinstance(codes, int):
-            # one code for the batch: on a failure, ask the store which items it holds
-            stored = [True] * len(items) if codes == 0 else [c == _PRESENT for c in self._exists(names)]
-        else:
-            stored = [int(c) == 0 for c in codes]
-        return f"Mooncake put_batch returned {codes}", stored
+        """One batched put: views of the send buffer by ``batch_put_from`` (sent from where they
+        lie), the other values by ``put_batch``; per item whether it is stored."""
+        at = [self._send_offset(value) for _, value in items]
+        stored, messages = [False] * len(items), []
+        for method, members in (("batch_put_from", [i for i, a in enumerate(at) if a is not None]),
+                                ("put_batch", [i for i, a in enumerate(at) if a is None])):
+            if not members:
+                continue
+            names = [items[i][0] for i in members]
+            if method == "put_batch":
+                codes = self._call(method, names, [items[i][1] for i in members])
+            else:
+                base = self._send.ctypes.data
+                codes = self._call(method, names, [base + at[i] for i in members], [len(items[i][1]) for i in members])
+            if isinstance(codes, int):
+                # one code for the batch: on a failure, ask the store which items it holds
+                done = [True] * len(names) if codes == 0 else [c == _PRESENT for c in self._exists(names)]
+            else:
+                done = [int(c) == 0 for c in codes]
+            for i, ok in zip(members, done):
+                stored[i] = ok
+            messages.append(f"Mooncake {method} returned {codes}")
+        return "; ".join(messages), stored
+
+    def _send_offset(self, value) -> int | None:
+        """Where ``value`` starts in the send buffer when it is a view that lies inside it, else ``None``."""
+        if self._send is None or isinstance(value, bytes):
+            return None
+        at = np.frombuffer(value, dtype=np.uint8).ctypes.data - self._send.ctypes.data
+        return at if 0 <= at and at + len(value) <= self._send.nbytes else None
 
     def _call(self, method: str, *args):
         """A store call; an exception from the binding becomes code -1 (counted by the caller).
@@ -223,7 +269,7 @@ class MooncakeTier(Tier):
         except Exception as exc:
             self._stats.last_error = f"Mooncake {method} raised {exc!r}"
             return -1
-        coded = ("put_batch", "batch_is_exist", "batch_get_into")  # answers that are lists of codes
+        coded = ("put_batch", "batch_put_from", "batch_is_exist", "batch_get_into")  # answers: lists of codes
         codes = [answer] if isinstance(answer, int) else answer if method in coded else []
         if any(int(code) == RPC_FAIL for code in codes):
             self._down_until = time.monotonic() + self.retry_after_s
@@ -334,7 +380,7 @@ class MooncakeTier(Tier):
     def close(self) -> None:
         if self._store is not None:
             try:
-                for arena in self._arenas:
+                for arena in self._arenas + ([] if self._send is None else [self._send]):
                     self._store.unregister_buffer(arena.ctypes.data)
                 self._store.close()
             except Exception:

@@ -124,9 +124,35 @@ def encoded_size(key: ObjectKey, parts: tuple[Part, ...], num_rows: int) -> int:
     return header + num_rows * parts_row_bytes(parts)
 
 
-def encode_object(obj: RowsObject, namespace: Namespace) -> bytes:
-    """The stored bytes of ``obj`` (header, payload) under ``namespace``."""
+def header_size(key: ObjectKey, parts: tuple[Part, ...]) -> int:
+    """Bytes of the header of ``key``'s object with ``parts`` (checksum included)."""
+    return encoded_size(key, parts, 0)
+
+
+def encode_object(obj: RowsObject, namespace: Namespace, *, in_place: bool = False) -> bytes | memoryview:
+    """The stored bytes of ``obj`` (header, payload) under ``namespace``: new ``bytes`` (one copy
+    of the payload). ``in_place``: the payload is a view of a writable 1-D ``uint8`` buffer with
+    room for the header right before it (``gather_objects(..., room_bytes=)`` leaves it); the
+    header is written there and the stored bytes come back as a read-only view of that buffer,
+    the payload not copied (an empty payload: new ``bytes``)."""
     _check_shape(obj)
+    head = _header_fields(obj, namespace)
+    payload = obj.payload if obj.payload.flags.c_contiguous else np.ascontiguousarray(obj.payload)
+    digest = xxhash.xxh3_64()
+    digest.update(head)
+    digest.update(payload)
+    checksum = _CHECKSUM.pack(digest.intdigest())
+    if not in_place or payload.size == 0:  # (an empty payload has no place in a buffer to find)
+        return b"".join((head, checksum, payload))  # one copy of the payload
+    buffer, at = _room_before(obj.payload, len(head) + len(checksum))
+    buffer[at : at + len(head)] = np.frombuffer(head, dtype=np.uint8)
+    buffer[at + len(head) : at + len(head) + len(checksum)] = np.frombuffer(checksum, dtype=np.uint8)
+    end = at + len(head) + len(checksum) + payload.size
+    return memoryview(buffer)[at:end].toreadonly()
+
+
+def _header_fields(obj: RowsObject, namespace: Namespace) -> bytes:
+    """The header's bytes before the checksum."""
     key, group = obj.key.key, obj.key.group_id.encode("utf-8")
     parts = _part_table(obj.parts)
     header_bytes = _FIXED.size + len(key) + len(group) + len(parts) + _CHECKSUM.size
@@ -135,12 +161,20 @@ def encode_object(obj: RowsObject, namespace: Namespace) -> bytes:
         len(obj.parts), obj.first_token, obj.num_tokens, obj.first_row, obj.num_rows,
         obj.payload.size, len(key), len(group),
     )
-    head = fixed + key + group + parts
-    payload = obj.payload if obj.payload.flags.c_contiguous else np.ascontiguousarray(obj.payload)
-    digest = xxhash.xxh3_64()
-    digest.update(head)
-    digest.update(payload)
-    return b"".join((head, _CHECKSUM.pack(digest.intdigest()), payload))  # one copy of the payload
+    return fixed + key + group + parts
+
+
+def _room_before(payload: np.ndarray, size: int) -> tuple[np.ndarray, int]:
+    """``(buffer, at)``: the writable 1-D uint8 buffer ``payload`` is a view of, and where the
+    ``size`` bytes right before the payload start in it."""
+    buffer = payload.base
+    if not (isinstance(buffer, np.ndarray) and buffer.dtype == np.uint8 and buffer.ndim == 1
+            and buffer.flags.c_contiguous and buffer.flags.writeable and payload.flags.c_contiguous):
+        raise ValueError("an in-place encode needs a payload that is a view of a writable 1-D uint8 buffer")
+    at = payload.ctypes.data - buffer.ctypes.data - size
+    if at < 0 or at + size + payload.size > buffer.size:
+        raise ValueError(f"no room for a {size}-byte header before the payload")
+    return buffer, at
 
 
 @functools.lru_cache(maxsize=256)
@@ -226,5 +260,5 @@ def decode_object(
 
 __all__ = [
     "FORMAT_VERSION", "MAGIC", "NAMESPACE_BYTES", "NamespaceMismatch", "ObjectError", "PLANE_CODES",
-    "Part", "RowsObject", "decode_object", "encode_object", "encoded_size",
+    "Part", "RowsObject", "decode_object", "encode_object", "encoded_size", "header_size",
 ]

@@ -10,6 +10,7 @@ ids (and groups with different page sizes) exchange the same rows.
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,47 +90,85 @@ def scatter_object(pools: GroupPools, pages: GroupPages, obj: RowsObject) -> Non
         plane.codec.write_slot_bytes(plane.pool, slots, obj.part_rows(index), pools.spec.rows_per_page)
 
 
-def scatter_objects(pools: dict[str, GroupPools], pages: dict[str, GroupPages], objects: list[RowsObject]) -> None:
+def scatter_objects(
+    pools: dict[str, GroupPools],
+    pages: dict[str, GroupPages],
+    objects: list[RowsObject],
+    *,
+    slots: list[np.ndarray] | None = None,
+    helper: Executor | None = None,
+) -> None:
     """``scatter_object`` for many objects: one compiled copy per (group, layer, plane) and
     source buffer (objects fetched together lie in one buffer), a ``memcpy`` per row part.
+    ``helper``: an executor that runs about half the copies (by bytes) while this thread runs
+    the rest (the copies write disjoint rows of distinct pools, and release the GIL).
 
     Every object is checked (group, parts, rows, held pages, slots inside every pool,
     no row written twice) and every pool (shape, writable) before any row is written.
+    ``slots``: per object, its rows' slots as ``check_scatter`` of the same pools and page
+    views answered them (so objects of one checked set are scattered batch by batch without
+    finding their slots again); the objects' groups, parts and row counts are still checked.
     """
     planned = []
-    for gid, members in _by_group(objects, lambda obj: obj.key.group_id).items():
+    for gid, members in _by_group(range(len(objects)), lambda i: objects[i].key.group_id).items():
         if gid not in pools:
             raise ObjectError(f"object of group {gid}, which these pools do not have")
         group = pools[gid]
-        for obj in members:
-            _check_object_rows(group, obj)
-        _check_pools(group, writable=True)
-        slots = _group_slots(group, pages[gid], [(obj.first_row, obj.num_rows) for obj in members], unique=True)
-        planned.append((group, members, slots))
-    for group, members, slots in planned:
-        _scatter_group(group, members, slots)
+        for i in members:
+            _check_object_rows(group, objects[i])
+            if slots is not None and len(slots[i]) != objects[i].num_rows:
+                raise ValueError(f"{len(slots[i])} slots for an object of {objects[i].num_rows} rows")
+        if slots is None:
+            _check_pools(group, writable=True)
+            shapes = [(objects[i].first_row, objects[i].num_rows) for i in members]
+            group_slots = _group_slots(group, pages[gid], shapes, unique=True)
+        else:
+            group_slots = np.concatenate([slots[i] for i in members]) if members else np.zeros(0, np.int64)
+        planned.append((group, [objects[i] for i in members], group_slots))
+    copies = [copy for group, members, group_slots in planned for copy in _group_copies(group, members, group_slots)]
+    _run_copies(copies, helper)
 
 
 def check_scatter(
     pools: dict[str, GroupPools], pages: dict[str, GroupPages], ranges: list[tuple[ObjectKey, int, int]]
-) -> None:
+) -> list[np.ndarray]:
     """What ``scatter_objects`` checks before it writes, for objects not fetched yet
     (``(key, first_token, end_token)`` each): their groups and pools, that every row lies on a
-    held page inside the pools, and that no two write the same row."""
-    for gid, members in _by_group(ranges, lambda r: r[0].group_id).items():
+    held page inside the pools, and that no two write the same row. Returns each range's
+    int64 slots, in order (``scatter_objects(..., slots=)``)."""
+    out: list[np.ndarray] = [np.zeros(0, np.int64)] * len(ranges)
+    for gid, members in _by_group(range(len(ranges)), lambda i: ranges[i][0].group_id).items():
         if gid not in pools:
             raise ObjectError(f"object of group {gid}, which these pools do not have")
         group = pools[gid]
         _check_pools(group, writable=True)
-        _group_slots(group, pages[gid], [rows_for_tokens(group.spec, a, b) for _, a, b in members], unique=True)
+        shapes = [rows_for_tokens(group.spec, ranges[i][1], ranges[i][2]) for i in members]
+        slots = _group_slots(group, pages[gid], shapes, unique=True)
+        ends = np.cumsum([n for _, n in shapes]).tolist()
+        for i, (_, n), end in zip(members, shapes, ends):
+            out[i] = slots[end - n : end]
+    return out
 
 
 def gather_objects(
-    pools: dict[str, GroupPools], pages: dict[str, GroupPages], ranges: list[tuple[ObjectKey, int, int]]
+    pools: dict[str, GroupPools],
+    pages: dict[str, GroupPages],
+    ranges: list[tuple[ObjectKey, int, int]],
+    *,
+    room_bytes: list[int] | None = None,
+    into: np.ndarray | None = None,
 ) -> list[RowsObject]:
     """``gather_object`` for many ``(key, first_token, end_token)``: one compiled copy per
-    (group, layer, plane); a group's payloads are consecutive views of one new buffer."""
+    (group, layer, plane); a group's payloads are views of one new buffer, in order.
+    ``room_bytes``: per range, bytes left free right before its payload (where
+    ``encode_object(..., in_place=True)`` writes the header). ``into``: a writable 1-D ``uint8``
+    buffer to lay every group's payloads in, one group after the other, rather than new ones
+    (``ValueError`` when it is too small)."""
+    room = [0] * len(ranges) if room_bytes is None else [int(n) for n in room_bytes]
+    if len(room) != len(ranges) or min(room, default=0) < 0:
+        raise ValueError(f"room_bytes must be {len(ranges)} non-negative ints")
     out: list[RowsObject | None] = [None] * len(ranges)
+    used = 0
     for gid, members in _by_group(range(len(ranges)), lambda i: ranges[i][0].group_id).items():
         group = pools[gid]
         _check_pools(group, writable=False)
@@ -137,8 +176,10 @@ def gather_objects(
         slots = _group_slots(group, pages[gid], shapes, unique=False)
         rows = np.array([n for _, n in shapes], dtype=np.int64)
         row_bytes, offsets = parts_row_bytes(group.parts), part_offsets(group.parts)
-        starts = np.concatenate(([0], np.cumsum(rows * row_bytes)[:-1])).astype(np.int64)
-        buffer = np.empty(int(rows.sum()) * row_bytes, dtype=np.uint8)
+        before = np.array([room[i] for i in members], dtype=np.int64)
+        ends = np.cumsum(before + rows * row_bytes)
+        starts = ends - rows * row_bytes
+        buffer, used = _payload_buffer(into, used, int(ends[-1]))
         for plane, offset in zip(group.planes, offsets):
             _copy_rows(gather_rows, plane, buffer, starts + rows * offset, rows, slots, group.spec.rows_per_page)
         for i, (first, n), start in zip(members, shapes, starts.tolist()):
@@ -146,6 +187,18 @@ def gather_objects(
             payload = buffer[start : start + n * row_bytes]
             out[i] = RowsObject(key, first_token, end_token - first_token, first, n, group.parts, payload)
     return out
+
+
+def _payload_buffer(into: np.ndarray | None, used: int, nbytes: int) -> tuple[np.ndarray, int]:
+    """``nbytes`` for a group's payloads: new, or the next ``nbytes`` of ``into`` after ``used``."""
+    if into is None:
+        return np.empty(nbytes, dtype=np.uint8), used
+    if not (isinstance(into, np.ndarray) and into.dtype == np.uint8 and into.ndim == 1
+            and into.flags.c_contiguous and into.flags.writeable):
+        raise ValueError("into must be a writable, contiguous 1-D uint8 array")
+    if used + nbytes > into.size:
+        raise ValueError(f"into holds {into.size} bytes; the payloads need {used + nbytes} at least")
+    return into[used : used + nbytes], used + nbytes
 
 
 def _by_group(items, group_of) -> dict:
@@ -192,17 +245,36 @@ def _group_slots(group: GroupPools, pages: GroupPages, shapes, *, unique: bool) 
     return slots
 
 
-def _scatter_group(group: GroupPools, objects: list[RowsObject], slots: np.ndarray) -> None:
+def _group_copies(group: GroupPools, objects: list[RowsObject], slots: np.ndarray) -> list[tuple]:
+    """The kernel calls that scatter a group's objects: per source buffer and (layer, plane),
+    ``(bytes, plane, buffer, starts, rows, slots, rows_per_page)``."""
     ends, offsets = np.cumsum([obj.num_rows for obj in objects]).tolist(), part_offsets(group.parts)
+    copies = []
     for flat, members, payload_at in _sources([obj.payload for obj in objects]):
         rows = np.array([objects[i].num_rows for i in members], dtype=np.int64)
         if len(members) < len(objects):
             slots_here = np.concatenate([slots[ends[i] - objects[i].num_rows : ends[i]] for i in members])
         else:
             slots_here = slots
+        total_rows = int(rows.sum())
         for plane, offset in zip(group.planes, offsets):
             starts = payload_at + rows * offset
-            _copy_rows(scatter_rows, plane, flat, starts, rows, slots_here, group.spec.rows_per_page)
+            copies.append((total_rows * plane.codec.row_bytes, plane, flat, starts, rows, slots_here,
+                           group.spec.rows_per_page))
+    return copies
+
+
+def _run_copies(copies: list[tuple], helper: Executor | None) -> None:
+    """Run the scatter kernel calls, about half of the bytes on ``helper`` when one is given."""
+    if helper is None or len(copies) < 2:
+        for _, *args in copies:
+            _copy_rows(scatter_rows, *args)
+        return
+    sizes = np.cumsum([copy[0] for copy in copies])
+    cut = max(1, int(np.searchsorted(sizes, sizes[-1] / 2)))
+    first = helper.submit(_run_copies, copies[:cut], None)
+    _run_copies(copies[cut:], None)
+    first.result()
 
 
 def _copy_rows(kernel, plane, flat: np.ndarray, starts, rows, slots, rows_per_page: int) -> None:

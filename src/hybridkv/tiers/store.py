@@ -9,7 +9,10 @@ from the tier so it cannot fail again. Nothing unverified reaches a pool.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from hybridkv.models.layout import ModelCacheLayout
 from hybridkv.tiers.base import Tier
@@ -53,12 +56,15 @@ class ObjectStore:
             raise ValueError(f"no group {key.group_id!r} in layout {self.layout.name}")
         return key.name(self.namespace)
 
-    def put(self, objects: Sequence[RowsObject]) -> list[bool]:
+    def put(self, objects: Sequence[RowsObject], *, in_place: bool = False) -> list[bool]:
+        """Encode and put the objects; per object, whether a tier stored it. ``in_place``: each
+        payload has room for its header right before it (``gather_objects(..., room_bytes=)``),
+        and the header is written there rather than the payload copied (``encode_object``)."""
         items = []
         for obj in objects:
             if obj.parts != self._parts.get(obj.key.group_id):
                 raise ValueError(f"object of group {obj.key.group_id} has parts that are not this layout's")
-            items.append((self.name(obj.key), encode_object(obj, self.namespace)))
+            items.append((self.name(obj.key), encode_object(obj, self.namespace, in_place=in_place)))
         stored = self.tier.put(items)
         self._stats.offered += len(items)
         self._stats.stored += sum(stored)
@@ -84,31 +90,53 @@ class ObjectStore:
         sizes = [encoded_size(key, self._parts[key.group_id], rows) for key, rows in zip(keys, num_rows)]
         return self.tier.fetch([self.name(key) for key in keys], sizes)
 
-    def verify(self, keys: Sequence[ObjectKey], values) -> tuple[list[RowsObject | None], list[ObjectKey]]:
+    def verify(
+        self, keys: Sequence[ObjectKey], values, *, helper: Executor | None = None
+    ) -> tuple[list[RowsObject | None], list[ObjectKey]]:
         """The second half: per key the verified object or ``None`` (counted), and the keys whose
         bytes failed verification, for ``discard`` (kept apart so that a caller receiving on
-        another thread deletes from the tier on one thread only)."""
+        another thread deletes from the tier on one thread only). ``helper``: an executor that
+        decodes (checksums) about half the bytes while this thread decodes the rest; the counting
+        stays on this thread."""
+        keys, values = list(keys), list(values)
+        decoded = self._decode_split(keys, values, helper) if helper is not None else self._decode(keys, values)
         out: list[RowsObject | None] = []
         bad = []
-        for key, value in zip(keys, values):
-            obj = None
+        for key, value, obj in zip(keys, values, decoded):
             if value is None:
                 self._stats.missing += 1
-            else:
-                try:
-                    obj = decode_object(value, self.namespace, expect_key=key, expect_parts=self._parts[key.group_id])
-                except NamespaceMismatch as exc:
+            elif isinstance(obj, ObjectError):
+                if isinstance(obj, NamespaceMismatch):
                     self._stats.refused += 1
-                    self._stats.last_error = str(exc)
-                    bad.append(key)
-                except ObjectError as exc:
+                else:
                     self._stats.corrupt += 1
-                    self._stats.last_error = str(exc)
-                    bad.append(key)
-            out.append(obj)
+                self._stats.last_error = str(obj)
+                bad.append(key)
+            out.append(obj if isinstance(obj, RowsObject) else None)
         self._stats.requested += len(keys)
         self._stats.loaded += sum(o is not None for o in out)
         return out, bad
+
+    def _decode(self, keys: list[ObjectKey], values: list) -> list[RowsObject | ObjectError | None]:
+        """Per key the decoded object, the ``ObjectError`` that refused it, or ``None`` (no value)."""
+        out: list[RowsObject | ObjectError | None] = []
+        for key, value in zip(keys, values):
+            if value is None:
+                out.append(None)
+                continue
+            try:
+                out.append(decode_object(value, self.namespace, expect_key=key, expect_parts=self._parts[key.group_id]))
+            except ObjectError as exc:
+                out.append(exc)
+        return out
+
+    def _decode_split(self, keys: list[ObjectKey], values: list, helper: Executor) -> list:
+        """``_decode`` with the values cut in two of about equal bytes, the first half on ``helper``."""
+        sizes = np.cumsum([0 if v is None else len(v) for v in values])
+        cut = int(np.searchsorted(sizes, sizes[-1] / 2)) if len(values) > 1 else 0
+        first = helper.submit(self._decode, keys[:cut], values[:cut])
+        rest = self._decode(keys[cut:], values[cut:])
+        return first.result() + rest
 
     def discard(self, keys: Sequence[ObjectKey]) -> None:
         """Delete objects that failed verification from the tier, so they cannot fail again."""
