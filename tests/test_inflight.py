@@ -250,3 +250,21 @@ def test_a_link_refuses_a_rule_of_another_type(store):
     markers = Markers(store.tier, store.namespace, InFlightRule())
     with pytest.raises(ValueError, match="marker kind"):
         markers.name("other", 1)
+
+
+def test_take_loads_of_one_request_leaves_the_others_planned(store):
+    # (an engine building a batch takes one request's load without spending pages the batch
+    # admitted so far counted on)
+    clock = Clock()
+    prompt, _ = prompts(7)
+    a, b = Instance(store, clock, 3), Instance(store, clock, 31)
+    a.manager.add_request("p", prompt, max_new_tokens=8)
+    a.compute("p", prompt)
+    b.manager.add_request("q", prompt, max_new_tokens=8)
+    b.manager.add_request("r", prompt[:850].copy(), max_new_tokens=8)  # p's checkpoint at 768 too
+    assert b.link.pending("q") and b.link.pending("r")
+    (load,) = b.link.take_loads(["q"])
+    assert load.request_id == "q" and b.link.pending("r")
+    assert b.link.confirm_load("q", load.plan.run(store, b.pools, load.targets)) == 768
+    assert b.link.take_loads(["nobody"]) == [] and b.link.pending("r")
+    assert [x.request_id for x in b.link.take_loads()] == ["r"]

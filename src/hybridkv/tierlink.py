@@ -287,17 +287,24 @@ class TierLink:
         self._stats.offload_bytes += sum(self.object_payload_bytes(o) for o in objects)
         return OffloadPlan(tuple(objects), tuple(sources))
 
-    def take_loads(self) -> list[PendingLoad]:
+    def take_loads(self, request_ids: Iterable[str] | None = None) -> list[PendingLoad]:
         """Pages for the planned loads (one step of those requests, nothing computed) and the
-        plans, after resuming the waiting requests whose wait is over (:meth:`resume_waits`).
+        plans. Without ``request_ids``, after resuming the waiting requests whose wait is over
+        (:meth:`resume_waits`), every planned load; with them, only theirs (an engine building a
+        batch takes one request's load without touching the others' pages).
         Loads are admitted in plan order while they fit together; one that fits alone but not
         beside those stays planned for the next call; one that does not fit alone is dropped:
         the request keeps its device hit. Run :meth:`take_offloads` and its plan first (the step
         may have evicted pages)."""
         if any(p.taken for p in self._plans.values()):
             raise TierLinkError("confirm_load() the loads taken before taking more")
-        self.resume_waits()
-        items = self._admit_loads()
+        if request_ids is None:
+            self.resume_waits()
+            rids = list(self._plans)
+        else:
+            wanted = set(request_ids)
+            rids = [rid for rid in self._plans if rid in wanted]
+        items = self._admit_loads(rids)
         if not items:
             return []
         mgr = self.manager
@@ -318,10 +325,10 @@ class TierLink:
             out.append(PendingLoad(rid, plan.from_tokens, load, pages_from_manager(mgr, rid)))
         return out
 
-    def _admit_loads(self) -> list[tuple[str, int]]:
-        """The planned loads admission takes together, in order; the ones that fit alone stay planned."""
+    def _admit_loads(self, rids: Sequence[str]) -> list[tuple[str, int]]:
+        """The loads of ``rids`` admission takes together, in order; the ones that fit alone stay planned."""
         mgr = self.manager
-        items = [(rid, plan.boundary_tokens - plan.from_tokens) for rid, plan in self._plans.items()]
+        items = [(rid, self._plans[rid].boundary_tokens - self._plans[rid].from_tokens) for rid in rids]
         mgr.pending_loads.difference_update(rid for rid, _ in items)
         if items and all(a.ok for a in mgr.check_admission(items)):
             return items

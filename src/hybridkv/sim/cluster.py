@@ -82,7 +82,7 @@ class TierEngine:
         for _ in range(limit):
             if not self.link.pending(request_id) or self.link.waiting(request_id):
                 break
-            if not self._take_and_confirm() and not self.link.pending(request_id):
+            if not self._take_and_confirm(request_id) and not self.link.pending(request_id):
                 break
         waiting = self.link.waiting(request_id)
         return self.link.manager.num_computed_tokens(request_id), self.link.stats().denied_loads > denied, waiting
@@ -101,8 +101,8 @@ class TierEngine:
     def forget(self, request_id: str) -> None:
         self._loaded.pop(request_id, None)
 
-    def _take_and_confirm(self) -> bool:
-        loads = self.link.take_loads()
+    def _take_and_confirm(self, request_id: str) -> bool:
+        loads = self.link.take_loads([request_id])
         self.offload()  # the load's pages may have evicted entries: out before they are written
         for load in loads:
             result = self._fetch(load)
