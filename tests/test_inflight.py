@@ -15,7 +15,7 @@ from hybridkv.plan import Limits, plan_for_tokens
 from hybridkv.reference.config import ReferenceConfig, build_model
 from hybridkv.reference.dense import dense_forward
 from hybridkv.reference.paged import PagedStack
-from hybridkv.tiers import HostTier, ObjectStore, group_pools_from_layers
+from hybridkv.tiers import HostTier, ObjectKey, ObjectStore, group_pools_from_layers
 from hybridkv.tierlink import TierLink
 
 CONFIG = ReferenceConfig()
@@ -260,6 +260,8 @@ def test_take_loads_of_one_request_leaves_the_others_planned(store):
     a, b = Instance(store, clock, 3), Instance(store, clock, 31)
     a.manager.add_request("p", prompt, max_new_tokens=8)
     a.compute("p", prompt)
+    a.manager.free("p")  # its last checkpoint (768) goes through
+    a.offload()
     b.manager.add_request("q", prompt, max_new_tokens=8)
     b.manager.add_request("r", prompt[:850].copy(), max_new_tokens=8)  # p's checkpoint at 768 too
     assert b.link.pending("q") and b.link.pending("r")
@@ -268,3 +270,29 @@ def test_take_loads_of_one_request_leaves_the_others_planned(store):
     assert b.link.confirm_load("q", load.plan.run(store, b.pools, load.targets)) == 768
     assert b.link.take_loads(["nobody"]) == [] and b.link.pending("r")
     assert [x.request_id for x in b.link.take_loads()] == ["r"]
+
+
+def test_with_markers_a_checkpoint_goes_through_when_wanted_or_as_its_requests_last(store):
+    clock = Clock()
+    prompt, _ = prompts(8)
+    a = Instance(store, clock, 3)
+    a.manager.add_request("p", prompt, max_new_tokens=8)
+    out = [a.step("p", prompt[:512]), a.step("p", prompt[512:])]  # checkpoints at 512, then 768
+    a.manager.append_token_ids("p", [1])
+    out.append(a.step("p", [1]))
+    a.offload()
+    key = dict(zip((256, 512, 768), keys(a.manager, prompt, [256, 512, 768])))
+    state = a.manager.prefix.state_ids
+    blocks = [ObjectKey("block", gid, key[end]) for gid in a.manager.prefix.history_ids for end in key]
+    checkpoints = {end: [ObjectKey("checkpoint", gid, key[end]) for gid in state] for end in (512, 768)}
+    assert all(store.contains(blocks))  # blocks go through when committed
+    assert not any(store.contains(checkpoints[512] + checkpoints[768]))  # checkpoints wait
+    a.manager.free("p")
+    a.offload()
+    assert all(store.contains(checkpoints[768])) and not any(store.contains(checkpoints[512]))
+    np.testing.assert_allclose(np.concatenate(out), dense(a.model, np.concatenate([prompt, [1]])), rtol=0, atol=ATOL)
+    b = Instance(store, clock, 37)
+    b.manager.add_request("q", prompt, max_new_tokens=8)
+    assert b.load("q") == 768
+    np.testing.assert_allclose(b.compute("q", prompt, [2]), dense(b.model, np.concatenate([prompt, [2]]))[768:],
+                               rtol=0, atol=ATOL)

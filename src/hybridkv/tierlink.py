@@ -151,7 +151,8 @@ class TierLink:
         self._marker_of: dict[int, str] = {}  # key -> the request that marked it
         self._landed: list[int] = []  # marked keys published since the last take_offloads
         self._landed_before: list[int] = []  # ... before it: their markers go at the next one
-        self._fresh_low: list[tuple[str, int]] = []  # low-priority checkpoints published since then
+        self._fresh: list[tuple[str, int]] = []  # checkpoints published since then (write-through)
+        self._ending: list[tuple[Any, int]] = []  # freed requests' hashes and last boundaries
         self._waiting: dict[str, int] = {}  # request -> the key of the block it waits for
         self._wait_since: dict[str, float] = {}
         self._resuming = False
@@ -189,6 +190,7 @@ class TierLink:
         self.manager = manager
         self._prefix = manager.prefix
         self._first_history = manager.prefix.history_ids[0] if manager.prefix.history_ids else None
+        self._state_ids = frozenset(manager.prefix.state_ids)
         self._specs = {s.group_id: s for s in manager.specs}
         self._prefix.tier_hook = self
 
@@ -196,12 +198,12 @@ class TierLink:
         """The prefix cache published ``pages`` under ``key`` (a block ending at, or a checkpoint at, the boundary)."""
         pages = tuple(pages)
         self._entries[(group_id, key)] = (boundary_tokens, pages, low_priority)
-        if self.write_through and not low_priority:
+        deferred = self.markers is not None and self.write_through and group_id in self._state_ids
+        if self.write_through and not low_priority and not deferred:
             self._queue.append((group_id, key, boundary_tokens, pages))
         if self.markers is not None:
-            if low_priority:
-                if self.write_through:  # written back, the blocks below it are not in the store
-                    self._fresh_low.append((group_id, key))
+            if deferred:  # written back, the blocks below it would not be in the store
+                self._fresh.append((group_id, key))
             elif group_id == self._first_history and key in self._marker_of:
                 self._landed.append(key)
 
@@ -230,7 +232,7 @@ class TierLink:
         committed); the request's computing markers go."""
         plan = self._plans.pop(request_id, None)
         self.manager.pending_loads.discard(request_id)
-        self._args.pop(request_id, None)
+        args = self._args.pop(request_id, None)
         self._below.pop(request_id, None)
         self._waiting.pop(request_id, None)
         if not self._resuming:
@@ -242,6 +244,10 @@ class TierLink:
             self.markers.delete("computing", keys)
         if plan is not None and plan.taken:
             self.manager.rewind(request_id, plan.from_tokens)
+        if self.markers is not None and self.write_through and args is not None and not self._resuming:
+            # its last checkpoint (published now or before) goes through at the next take_offloads
+            grain = self._prefix.granularity_tokens
+            self._ending.append((args.hashes, self.manager.num_computed_tokens(request_id) // grain * grain))
 
     def check_schedule(self) -> None:
         """Called by ``schedule``: refuse while a taken load is not confirmed."""
@@ -488,9 +494,22 @@ class TierLink:
             finally:
                 self._resuming = False
 
+    def _queue_ending(self) -> None:
+        """Queue the last checkpoint of every request freed since the last call (still cached)."""
+        ending, self._ending = self._ending, []
+        for hashes, boundary in ending:
+            if boundary <= 0 or boundary // self._prefix.granularity_tokens > len(hashes.hashes):
+                continue
+            key = hashes.key(boundary)
+            for gid in self._state_ids:
+                entry = self._entries.get((gid, key))
+                if entry is not None:
+                    self._queue.append((gid, key, entry[0], entry[1]))
+
     def _queue_wanted(self) -> None:
-        """Queue the low-priority checkpoints published since the last call that a waiter wants."""
-        fresh, self._fresh_low = self._fresh_low, []
+        """Queue the checkpoints published since the last call that a waiter wants."""
+        self._queue_ending()
+        fresh, self._fresh = self._fresh, []
         fresh = [(gid, key) for gid, key in dict.fromkeys(fresh) if (gid, key) in self._entries]
         if not fresh:
             return
