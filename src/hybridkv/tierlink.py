@@ -52,12 +52,12 @@ request is freed, and expires after ``ttl`` in any case. A request whose next
 block carries another request's live marker (any instance's: one rule for all)
 *waits* instead of computing: it is pending, puts a *wanted* marker at the
 boundary where its prompt leaves the marked (or held) blocks, and
-:meth:`TierLink.take_loads` resumes it (matches it again on the device, plans
-its load) once that marker is gone or after ``wait`` in all. An instance
-offloads a low-priority checkpoint (one published at a prompt boundary) that
-a wanted marker asks for (when it writes through: written back, the blocks
-below it would not be in the store). Markers only delay a request; rows come from
-verified objects or the device as always.
+:meth:`TierLink.resume_waits` (which ``take_loads()`` calls) matches it again
+(device, then store) once that marker is gone or after ``wait`` in all. With
+markers, write-through puts a checkpoint (low-priority prompt boundaries
+included) only when a wanted marker asks for it or as the last one of a
+request that is freed; history blocks still go when committed. Markers only
+delay a request; rows come from verified objects or the device as always.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class TierLinkStats:
     waits: int = 0  # requests that waited for blocks another request was computing (each wait once)
     waited_out: int = 0  # of those, resumed by the bound on waiting with the marker still live
     markers_put: int = 0  # computing markers put
-    wanted_checkpoints: int = 0  # low-priority checkpoints offloaded because a waiter asked for them
+    wanted_checkpoints: int = 0  # checkpoints offloaded because a waiter asked for them
 
 
 @dataclass
@@ -198,14 +198,14 @@ class TierLink:
         """The prefix cache published ``pages`` under ``key`` (a block ending at, or a checkpoint at, the boundary)."""
         pages = tuple(pages)
         self._entries[(group_id, key)] = (boundary_tokens, pages, low_priority)
+        # with markers, a written-through checkpoint goes when wanted or as its request's last
         deferred = self.markers is not None and self.write_through and group_id in self._state_ids
-        if self.write_through and not low_priority and not deferred:
+        if deferred:
+            self._fresh.append((group_id, key))
+        elif self.write_through and not low_priority:
             self._queue.append((group_id, key, boundary_tokens, pages))
-        if self.markers is not None:
-            if deferred:  # written back, the blocks below it would not be in the store
-                self._fresh.append((group_id, key))
-            elif group_id == self._first_history and key in self._marker_of:
-                self._landed.append(key)
+        if self.markers is not None and group_id == self._first_history and key in self._marker_of:
+            self._landed.append(key)
 
     def removed(self, group_id: str, key: int, dropped: bool) -> None:
         """The prefix cache removed an entry: evicted (``dropped`` False) or superseded/cleared."""
@@ -273,6 +273,7 @@ class TierLink:
         """Everything evicted (or, with write-through, published) since the last call, less what
         the store holds: run it before writing any page handed out since."""
         if self.markers is not None:
+            self._queue_ending()
             self._queue_wanted()
             self._retire_markers()
         queue, self._queue = self._queue, []
@@ -508,7 +509,6 @@ class TierLink:
 
     def _queue_wanted(self) -> None:
         """Queue the checkpoints published since the last call that a waiter wants."""
-        self._queue_ending()
         fresh, self._fresh = self._fresh, []
         fresh = [(gid, key) for gid, key in dict.fromkeys(fresh) if (gid, key) in self._entries]
         if not fresh:
