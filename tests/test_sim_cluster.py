@@ -89,6 +89,31 @@ def test_instances_sharing_a_store_hit_what_the_others_computed(kind, tmp_path):
     assert naive_bytes_per_token(LAYOUT) > 50 * history
 
 
+@pytest.mark.parametrize("instances", [1, 2])
+def test_a_cold_start_computes_the_shared_prompt_once(instances):
+    # 8 first turns arrive at step 0, all sharing a 600-token system prompt (its blocks: 512
+    # tokens). Waiting for the request that computes it, every other first turn hits it, on
+    # the same instance or through the store; without waiting, the first turns of a step each
+    # compute it.
+    plan = small_plan()
+    reqs = multiturn_workload(8, 2, seed=4, system_prompt_tokens=600)
+    ideal = dict(zip([r.request_id for r in reqs], ideal_hit_tokens(reqs, grain_tokens=GRAIN)))
+    first = {}
+    for wait in (0, 8):
+        store = ObjectStore(HostTier(2 << 30), LAYOUT)
+        result = run_cluster(make(plan), reqs, instances, store=store, wait_steps=wait, **SIM)
+        got = records(result)
+        assert len(got) == len(reqs)
+        for rid, r in got.items():
+            assert r.final_hit_tokens + r.final_scheduled_tokens == r.prompt_tokens + r.produced_tokens - 1
+            assert r.first_hit_tokens <= ideal[rid]
+        first[wait] = sorted(r.first_hit_tokens for rid, r in got.items() if rid.endswith("turn0"))
+        waits = sum(link.waits for link in result.links)
+    assert first[8] == [0] + [512] * 7 and waits >= 1  # one computes it, seven waited or hit it
+    assert first[0].count(0) >= 3
+    assert result.summary()["hit_tokens"] == sum(ideal.values())
+
+
 def test_without_a_store_the_lockstep_run_matches_the_single_instance_driver():
     plan, reqs = small_plan(), workload()
     one = run_cluster(make(plan), reqs, 1, **SIM)
@@ -118,6 +143,7 @@ def test_the_cli_compares_the_three_runs_and_draws_the_plot(tmp_path, capsys):
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["instances"] == 2 and summary["tier"] == "host" and summary["write_through"] is True
+    assert summary["in_flight_wait_steps"] == 8
     for run in ("with_store", "without_store", "one_instance"):
         assert summary[run]["requests_finished"] == 12
     assert summary["with_store"]["token_hit_rate"] >= summary["without_store"]["token_hit_rate"]

@@ -42,6 +42,22 @@ runs the offloads, then the loads, and reports each with
 While a load is taken and not confirmed, ``schedule`` refuses every batch (a
 step would commit the unloaded tokens). ``free`` of a pending request drops
 its load.
+
+**In flight** (``in_flight=InFlightRule(...)``, :mod:`hybridkv.inflight`). A
+request that will compute blocks puts a *computing* marker in the store under
+each of them that is neither held (device or store) nor marked by another
+request; the marker goes when the block is published (at the second
+:meth:`TierLink.take_offloads` after, once the engine has put it) or when the
+request is freed, and expires after ``ttl`` in any case. A request whose next
+block carries another request's live marker (any instance's: one rule for all)
+*waits* instead of computing: it is pending, puts a *wanted* marker at the
+boundary where its prompt leaves the marked (or held) blocks, and
+:meth:`TierLink.resume_waits` (which ``take_loads()`` calls) matches it again
+(device, then store) once that marker is gone or after ``wait`` in all. With
+markers, write-through puts a checkpoint (low-priority prompt boundaries
+included) only when a wanted marker asks for it or as the last one of a
+request that is freed; history blocks still go when committed. Markers only
+delay a request; rows come from verified objects or the device as always.
 """
 
 from __future__ import annotations
@@ -52,6 +68,7 @@ from typing import Any
 
 import numpy as np
 
+from hybridkv.inflight import InFlightRule, Markers
 from hybridkv.manager import CacheManagerError
 from hybridkv.tiers.keys import ObjectKey
 from hybridkv.tiers.pools import layout_parts
@@ -91,6 +108,10 @@ class TierLinkStats:
     offload_skipped: int = 0  # objects the store already held
     load_objects: int = 0
     load_bytes: int = 0
+    waits: int = 0  # requests that waited for blocks another request was computing (each wait once)
+    waited_out: int = 0  # of those, resumed by the bound on waiting with the marker still live
+    markers_put: int = 0  # computing markers put
+    wanted_checkpoints: int = 0  # checkpoints offloaded because a waiter asked for them
 
 
 @dataclass
@@ -115,11 +136,26 @@ class TierLink:
     ``write_through``: offload entries when published, not when evicted.
     ``offload_low_priority``: also offload evicted low-priority prompt checkpoints
     (published at every prompt boundary in case another request leaves there).
+    ``in_flight``: mark the blocks a request computes and let a request wait for the
+    blocks another is computing (None: never wait).
     """
 
-    def __init__(self, store: ObjectStore, *, write_through: bool = False, offload_low_priority: bool = False):
+    def __init__(self, store: ObjectStore, *, write_through: bool = False, offload_low_priority: bool = False,
+                 in_flight: InFlightRule | None = None):
         if not isinstance(store, ObjectStore):
             raise TypeError(f"store must be an ObjectStore, got {type(store).__name__}")
+        if in_flight is not None and not isinstance(in_flight, InFlightRule):
+            raise TypeError(f"in_flight must be an InFlightRule or None, got {type(in_flight).__name__}")
+        self.markers = Markers(store.tier, store.namespace, in_flight) if in_flight is not None else None
+        self._marked: dict[str, list[int]] = {}  # request -> keys of its computing markers
+        self._marker_of: dict[int, str] = {}  # key -> the request that marked it
+        self._landed: list[int] = []  # marked keys published since the last take_offloads
+        self._landed_before: list[int] = []  # ... before it: their markers go at the next one
+        self._fresh: list[tuple[str, int]] = []  # checkpoints published since then (write-through)
+        self._ending: list[tuple[Any, int]] = []  # freed requests' hashes and last boundaries
+        self._waiting: dict[str, int] = {}  # request -> the key of the block it waits for
+        self._wait_since: dict[str, float] = {}
+        self._resuming = False
         self.store = store
         self.write_through = bool(write_through)
         self.offload_low_priority = bool(offload_low_priority)
@@ -153,6 +189,8 @@ class TierLink:
                 raise TierLinkError(f"group {spec.group_id!r}: manager geometry {mine} differs from the store's {theirs}")
         self.manager = manager
         self._prefix = manager.prefix
+        self._first_history = manager.prefix.history_ids[0] if manager.prefix.history_ids else None
+        self._state_ids = frozenset(manager.prefix.state_ids)
         self._specs = {s.group_id: s for s in manager.specs}
         self._prefix.tier_hook = self
 
@@ -160,8 +198,14 @@ class TierLink:
         """The prefix cache published ``pages`` under ``key`` (a block ending at, or a checkpoint at, the boundary)."""
         pages = tuple(pages)
         self._entries[(group_id, key)] = (boundary_tokens, pages, low_priority)
-        if self.write_through and not low_priority:
+        # with markers, a written-through checkpoint goes when wanted or as its request's last
+        deferred = self.markers is not None and self.write_through and group_id in self._state_ids
+        if deferred:
+            self._fresh.append((group_id, key))
+        elif self.write_through and not low_priority:
             self._queue.append((group_id, key, boundary_tokens, pages))
+        if self.markers is not None and group_id == self._first_history and key in self._marker_of:
+            self._landed.append(key)
 
     def removed(self, group_id: str, key: int, dropped: bool) -> None:
         """The prefix cache removed an entry: evicted (``dropped`` False) or superseded/cleared."""
@@ -180,15 +224,30 @@ class TierLink:
             return
         self._args[request_id] = _Args(hashes, token_ids, max_new_tokens, cache_salt)
         self._plan_load(request_id, hashes, token_ids.size, hit_tokens)
+        if self.markers is not None and request_id not in self._plans:
+            self._mark_or_wait(request_id, hit_tokens)
 
     def on_free(self, request_id: str) -> None:
-        """Before ``free``: a taken, unconfirmed load goes back to the device hit (nothing unloaded is committed)."""
+        """Before ``free``: a taken, unconfirmed load goes back to the device hit (nothing unloaded is
+        committed); the request's computing markers go."""
         plan = self._plans.pop(request_id, None)
         self.manager.pending_loads.discard(request_id)
-        self._args.pop(request_id, None)
+        args = self._args.pop(request_id, None)
         self._below.pop(request_id, None)
+        self._waiting.pop(request_id, None)
+        if not self._resuming:
+            self._wait_since.pop(request_id, None)
+        keys = self._marked.pop(request_id, None)
+        if keys:
+            for key in keys:
+                self._marker_of.pop(key, None)
+            self.markers.delete("computing", keys)
         if plan is not None and plan.taken:
             self.manager.rewind(request_id, plan.from_tokens)
+        if self.markers is not None and self.write_through and args is not None and not self._resuming:
+            # its last checkpoint (published now or before) goes through at the next take_offloads
+            grain = self._prefix.granularity_tokens
+            self._ending.append((args.hashes, self.manager.num_computed_tokens(request_id) // grain * grain))
 
     def check_schedule(self) -> None:
         """Called by ``schedule``: refuse while a taken load is not confirmed."""
@@ -202,12 +261,21 @@ class TierLink:
 
     # --- the engine's side -----------------------------------------------------
     def pending(self, request_id: str) -> bool:
-        """Whether ``request_id`` waits for a load (``schedule`` refuses it)."""
-        return request_id in self._plans
+        """Whether ``request_id`` waits for a load, or for blocks another request computes
+        (``schedule`` refuses it; ``take_loads`` moves it on)."""
+        return request_id in self._plans or request_id in self._waiting
+
+    def waiting(self, request_id: str) -> bool:
+        """Whether ``request_id`` waits for blocks another request is computing."""
+        return request_id in self._waiting
 
     def take_offloads(self) -> OffloadPlan:
         """Everything evicted (or, with write-through, published) since the last call, less what
         the store holds: run it before writing any page handed out since."""
+        if self.markers is not None:
+            self._queue_ending()
+            self._queue_wanted()
+            self._retire_markers()
         queue, self._queue = self._queue, []
         objects, sources, seen = [], [], set()
         for gid, key, boundary, pages in queue:
@@ -226,29 +294,27 @@ class TierLink:
         self._stats.offload_bytes += sum(self.object_payload_bytes(o) for o in objects)
         return OffloadPlan(tuple(objects), tuple(sources))
 
-    def take_loads(self) -> list[PendingLoad]:
-        """Pages for every planned load (one step of those requests, nothing computed) and the
-        plans. A load admission cannot give pages is dropped: the request keeps its device hit.
-        Run :meth:`take_offloads` and its plan first (the step may have evicted pages)."""
+    def take_loads(self, request_ids: Iterable[str] | None = None) -> list[PendingLoad]:
+        """Pages for the planned loads (one step of those requests, nothing computed) and the
+        plans. Without ``request_ids``, after resuming the waiting requests whose wait is over
+        (:meth:`resume_waits`), every planned load; with them, only theirs (an engine building a
+        batch takes one request's load without touching the others' pages).
+        Loads are admitted in plan order while they fit together; one that fits alone but not
+        beside those stays planned for the next call; one that does not fit alone is dropped:
+        the request keeps its device hit. Run :meth:`take_offloads` and its plan first (the step
+        may have evicted pages)."""
         if any(p.taken for p in self._plans.values()):
             raise TierLinkError("confirm_load() the loads taken before taking more")
-        rids = list(self._plans)
-        if not rids:
-            return []
-        mgr = self.manager
-        mgr.pending_loads.difference_update(rids)
-        items = [(rid, self._plans[rid].boundary_tokens - self._plans[rid].from_tokens) for rid in rids]
-        while items:
-            answers = mgr.check_admission(items)
-            if all(a.ok for a in answers):
-                break
-            for (rid, _), answer in zip(items, answers):
-                if not answer.ok:
-                    del self._plans[rid]
-                    self._stats.denied_loads += 1
-            items = [item for item, answer in zip(items, answers) if answer.ok]
+        if request_ids is None:
+            self.resume_waits()
+            rids = list(self._plans)
+        else:
+            wanted = set(request_ids)
+            rids = [rid for rid in self._plans if rid in wanted]
+        items = self._admit_loads(rids)
         if not items:
             return []
+        mgr = self.manager
         self._scheduling = True
         try:
             mgr.schedule(items, write_slots=False)
@@ -266,6 +332,24 @@ class TierLink:
             out.append(PendingLoad(rid, plan.from_tokens, load, pages_from_manager(mgr, rid)))
         return out
 
+    def _admit_loads(self, rids: Sequence[str]) -> list[tuple[str, int]]:
+        """The loads of ``rids`` admission takes together, in order; the ones that fit alone stay planned."""
+        mgr = self.manager
+        items = [(rid, self._plans[rid].boundary_tokens - self._plans[rid].from_tokens) for rid in rids]
+        mgr.pending_loads.difference_update(rid for rid, _ in items)
+        if items and all(a.ok for a in mgr.check_admission(items)):
+            return items
+        taken: list[tuple[str, int]] = []
+        for item in items:
+            if all(a.ok for a in mgr.check_admission(taken + [item])):
+                taken.append(item)
+            elif mgr.check_admission([item])[0].ok:
+                mgr.pending_loads.add(item[0])  # for the next call
+            else:
+                del self._plans[item[0]]
+                self._stats.denied_loads += 1
+        return taken
+
     def confirm_load(self, request_id: str, result: LoadResult | int) -> int:
         """Report a taken load: its ``LoadResult`` (or the tokens it loaded). Returns the request's
         computed tokens now; check :meth:`pending` for a further load."""
@@ -281,6 +365,8 @@ class TierLink:
             self._stats.loaded_tokens += loaded - plan.from_tokens
             args = self._args[request_id]
             self._plan_load(request_id, args.hashes, args.token_ids.size, loaded)
+            if self.markers is not None and request_id not in self._plans:
+                self._mark_or_wait(request_id, loaded)
             return mgr.num_computed_tokens(request_id)
         self._stats.failed_loads += 1
         args = self._args[request_id]
@@ -341,6 +427,115 @@ class TierLink:
         self._plans[request_id] = _Plan(hit_tokens, boundary, tuple(objects[i] for i in chosen))
         self.manager.pending_loads.add(request_id)
         self._stats.planned_loads += 1
+
+    # --- in flight ------------------------------------------------------------------
+    def _mark_or_wait(self, request_id: str, start_tokens: int) -> None:
+        """The request computes from ``start_tokens``: wait when its next blocks are another
+        request's (marked), else mark the blocks it will compute that nobody holds or marks."""
+        args = self._args[request_id]
+        grain = self._prefix.granularity_tokens
+        last = (args.token_ids.size - 1) // grain * grain
+        if last <= start_tokens:
+            return
+        args.hashes.extend_to(args.token_ids, last)
+        ends = range(start_tokens + grain, last + 1, grain)
+        keys = [args.hashes.key(end) for end in ends]
+        held = self._blocks_held(keys)
+        busy = self.markers.others("computing", keys, request_id)
+        run = next((i for i, (h, b) in enumerate(zip(held, busy)) if not (h or b)), len(keys))
+        now = self.markers.now()
+        if any(busy[:run]) and now - self._wait_since.get(request_id, now) < self.markers.rule.wait:
+            first = next(i for i in range(run) if busy[i])
+            self.markers.put("wanted", [keys[run - 1]], request_id)  # the checkpoint where it leaves them
+            if request_id not in self._wait_since:
+                self._wait_since[request_id] = now
+                self._stats.waits += 1
+            self._waiting[request_id] = keys[first]
+            self.manager.pending_loads.add(request_id)
+            return
+        mine = self._marked.setdefault(request_id, [])
+        new = [k for k, h, b in zip(keys, held, busy) if not (h or b) and self._marker_of.get(k) != request_id]
+        if new:
+            self.markers.put("computing", new, request_id)
+            self._stats.markers_put += len(new)
+            mine.extend(new)
+            for key in new:
+                self._marker_of[key] = request_id
+
+    def _blocks_held(self, keys: Sequence[int]) -> list[bool]:
+        """Per block key: whether its first history group's rows are on the device or in the store."""
+        gid = self._first_history
+        if gid is None:
+            return [True] * len(keys)
+        device = [(gid, key) in self._entries for key in keys]
+        ask = [i for i, d in enumerate(device) if not d]
+        stored = self.store.contains([ObjectKey("block", gid, keys[i]) for i in ask]) if ask else []
+        for i, ok in zip(ask, stored):
+            device[i] = ok
+        return device
+
+    def resume_waits(self) -> None:
+        """Match again (on the device, then the store) every waiting request whose block's marker is
+        gone, or whose wait is over; ``take_loads`` calls it first."""
+        if not self._waiting:
+            return
+        rids = list(self._waiting)
+        busy = [self.markers.others("computing", [self._waiting[rid]], rid)[0] for rid in rids]
+        now = self.markers.now()
+        for rid, still in zip(rids, busy):
+            if still and now - self._wait_since[rid] < self.markers.rule.wait:
+                continue
+            self._stats.waited_out += int(still)
+            args = self._args[rid]
+            self._resuming = True
+            try:
+                self.manager.free(rid)  # commits what it loaded, if anything: the new match finds it
+                self.manager.add_request(rid, args.token_ids, max_new_tokens=args.max_new_tokens,
+                                         cache_salt=args.cache_salt)
+            finally:
+                self._resuming = False
+
+    def _queue_ending(self) -> None:
+        """Queue the last checkpoint of every request freed since the last call (still cached)."""
+        ending, self._ending = self._ending, []
+        for hashes, boundary in ending:
+            if boundary <= 0 or boundary // self._prefix.granularity_tokens > len(hashes.hashes):
+                continue
+            key = hashes.key(boundary)
+            for gid in self._state_ids:
+                entry = self._entries.get((gid, key))
+                if entry is not None:
+                    self._queue.append((gid, key, entry[0], entry[1]))
+
+    def _queue_wanted(self) -> None:
+        """Queue the checkpoints published since the last call that a waiter wants."""
+        fresh, self._fresh = self._fresh, []
+        fresh = [(gid, key) for gid, key in dict.fromkeys(fresh) if (gid, key) in self._entries]
+        if not fresh:
+            return
+        keys = list(dict.fromkeys(key for _, key in fresh))
+        wanted = {key for key, ok in zip(keys, self.markers.present("wanted", keys)) if ok}
+        for gid, key in fresh:
+            if key in wanted:
+                boundary, pages, _ = self._entries[(gid, key)]
+                self._queue.append((gid, key, boundary, pages))
+                self._stats.wanted_checkpoints += 1
+        if wanted:
+            self.markers.delete("wanted", list(wanted))
+
+    def _retire_markers(self) -> None:
+        """Delete the markers of blocks published before the last take_offloads (put by now)."""
+        done, self._landed_before, self._landed = self._landed_before, self._landed, []
+        gone = []
+        for key in done:
+            rid = self._marker_of.pop(key, None)
+            if rid is not None:
+                gone.append(key)
+                mine = self._marked.get(rid)
+                if mine is not None and key in mine:
+                    mine.remove(key)
+        if gone:
+            self.markers.delete("computing", gone)
 
     def _load_objects(self, hashes: Any, hit_tokens: int, last: int) -> Iterable[tuple[PlannedObject, int]]:
         """Every block in ``[hit, last)`` and every checkpoint at a boundary in ``(hit, last]``, with its key."""

@@ -67,7 +67,7 @@ def _one_instance(args: argparse.Namespace, big, requests) -> dict:
     with ExitStack() as stack:
         own = open_store(args.tier, args.tier_memory, big.layout, stack)
         return run_cluster(_manager_factory(big, args), requests, 1, store=own, write_through=args.write_through,
-                           simulator_options=_simulator_options(big, args)).summary()
+                           simulator_options=_simulator_options(big, args), wait_steps=args.in_flight_wait).summary()
 
 
 def run_cluster_command(args: argparse.Namespace, plan, requests, build_plan) -> dict:
@@ -81,7 +81,8 @@ def run_cluster_command(args: argparse.Namespace, plan, requests, build_plan) ->
         store = open_store(args.tier, args.tier_memory, plan.layout, stack)
         runs["with_store"] = run_cluster(_manager_factory(plan, args), requests, n, store=store,
                                          write_through=args.write_through,
-                                         simulator_options=_simulator_options(plan, args)).summary()
+                                         simulator_options=_simulator_options(plan, args),
+                                         wait_steps=args.in_flight_wait).summary()
         store_stats = store.stats()
         tier_stats = store.tier.stats()
     runs["without_store"] = run_cluster(_manager_factory(plan, args), requests, n,
@@ -106,6 +107,7 @@ def run_cluster_command(args: argparse.Namespace, plan, requests, build_plan) ->
         "tier": args.tier,
         "tier_memory_bytes": args.tier_memory,
         "write_through": args.write_through,
+        "in_flight_wait_steps": args.in_flight_wait,
         "hit_rate_vs_one_instance": shared["token_hit_rate"] / one if one else 0.0,
         "bytes_moved_per_tier_hit_token": moved / served if served else 0.0,
         "naive_bytes_moved_per_tier_hit_token": (naive * (shared["offloaded_prefix_tokens"] + served) / served

@@ -23,6 +23,8 @@ PLOT_FORMATS = (".png", ".pdf", ".svg")
 TIERS = ("host", "disk", "mooncake")  # = hybridkv.cli.simulate_cluster.TIERS
 MAX_INSTANCES = 64
 DEFAULT_TIER_MEMORY = 4 << 30
+DEFAULT_IN_FLIGHT_WAIT = 8  # steps
+MAX_IN_FLIGHT_WAIT = 10_000
 
 
 def register(subparsers: Any) -> None:
@@ -97,6 +99,13 @@ def register(subparsers: Any) -> None:
         "--write-through", action=argparse.BooleanOptionalAction, default=None,
         help="offload entries when published, not only when evicted (default on with --tier)",
     )
+    parser.add_argument(
+        "--in-flight-wait", type=a.number("--in-flight-wait", minimum=0, maximum=MAX_IN_FLIGHT_WAIT),
+        default=None, metavar="STEPS",
+        help="with --tier: a request whose next prefix block another request is computing (a marker in "
+        "the store) waits up to this many steps, then loads it or computes it (0: never wait; default "
+        f"{DEFAULT_IN_FLIGHT_WAIT})",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.set_defaults(run=run)
 
@@ -150,10 +159,12 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def check_tier_arguments(args: argparse.Namespace) -> None:
-    """``--instances``, ``--tier-memory`` and ``--write-through`` need ``--tier``; a tier needs prefix caching."""
+    """``--instances``, ``--tier-memory``, ``--write-through`` and ``--in-flight-wait`` need ``--tier``; a tier
+    needs prefix caching."""
     if args.tier is None:
         for flag, given in (("--instances", args.instances != 1), ("--tier-memory", args.tier_memory is not None),
-                            ("--write-through", args.write_through is not None)):
+                            ("--write-through", args.write_through is not None),
+                            ("--in-flight-wait", args.in_flight_wait is not None)):
             if given:
                 raise ValueError(f"{flag} needs --tier (the store the instances share)")
         return
@@ -161,6 +172,8 @@ def check_tier_arguments(args: argparse.Namespace) -> None:
         raise ValueError("--tier needs --prefix-caching (objects are keyed by cached prefixes)")
     if args.tier_memory is None:
         args.tier_memory = DEFAULT_TIER_MEMORY
+    if args.in_flight_wait is None:
+        args.in_flight_wait = DEFAULT_IN_FLIGHT_WAIT
     if args.tier == "mooncake" and args.tier_memory < 16 << 20:
         raise ValueError("--tier-memory: a Mooncake segment needs at least 16MiB")
     if args.write_through is None:

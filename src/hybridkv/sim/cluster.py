@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from hybridkv.sim.driver import SimResult, SimulationError, Simulator
+from hybridkv.inflight import InFlightRule
 from hybridkv.sim.workloads import Request
 from hybridkv.tierlink import PendingLoad, TierLink, TierLinkStats
 from hybridkv.tiers.objects import RowsObject
@@ -27,6 +28,7 @@ from hybridkv.tiers.store import ObjectStore
 from hybridkv.transfer import LoadResult, usable_boundary
 
 MAX_IDLE_ROUNDS = 100_000  # lockstep rounds in which no instance schedules anything
+DEFAULT_MARKER_TTL_STEPS = 64
 
 
 @dataclass
@@ -51,6 +53,7 @@ class TierEngine:
         self._parts = {g.group_id: layout_parts(layout, g.group_id) for g in layout.groups}
         self._specs = {g.group_id: g.spec for g in layout.groups}
         self._keys: set[bytes] = set()
+        self._loaded: dict[str, int] = {}
 
     def offload(self) -> None:
         """Put every object the manager handed out (zero rows of the right size)."""
@@ -70,18 +73,44 @@ class TierEngine:
             self.moved.put_bytes += sum(_encoded_bytes(o) for o in objects)
             self.moved.offloaded_keys = len(self._keys)
 
-    def load(self, request_id: str, limit: int = 64) -> tuple[int, bool]:
-        """Load ``request_id``'s tier hit (rounds and fallbacks included): its computed tokens, and
-        whether a load was denied pages (the request then holds only what loaded before)."""
+    def load(self, request_id: str, limit: int = 64) -> tuple[int, bool, bool]:
+        """Load ``request_id``'s tier hit (rounds and fallbacks included): its computed tokens,
+        whether a load was denied pages (the request then holds only what loaded before), and
+        whether it waits for blocks another request is computing (then it is not to be scheduled:
+        :meth:`poll` each step moves it on)."""
         denied = self.link.stats().denied_loads
         for _ in range(limit):
-            if not self.link.pending(request_id):
+            if not self.link.pending(request_id) or self.link.waiting(request_id):
                 break
-            loads = self.link.take_loads()
-            self.offload()  # the load's pages may have evicted entries: out before they are written
-            for load in loads:
-                self.link.confirm_load(load.request_id, self._fetch(load))
-        return self.link.manager.num_computed_tokens(request_id), self.link.stats().denied_loads > denied
+            if not self._take_and_confirm(request_id) and not self.link.pending(request_id):
+                break
+        waiting = self.link.waiting(request_id)
+        return self.link.manager.num_computed_tokens(request_id), self.link.stats().denied_loads > denied, waiting
+
+    def resume(self) -> None:
+        """Match again the waiting requests whose wait is over (their loads: :meth:`load`)."""
+        self.link.resume_waits()
+
+    def loaded_tokens(self, request_id: str) -> int:
+        """Tokens ``request_id`` gained from confirmed loads since :meth:`forget` (or ever)."""
+        return self._loaded.get(request_id, 0)
+
+    def waiting(self, request_id: str) -> bool:
+        return self.link.waiting(request_id)
+
+    def forget(self, request_id: str) -> None:
+        self._loaded.pop(request_id, None)
+
+    def _take_and_confirm(self, request_id: str) -> bool:
+        loads = self.link.take_loads([request_id])
+        self.offload()  # the load's pages may have evicted entries: out before they are written
+        for load in loads:
+            result = self._fetch(load)
+            self.link.confirm_load(load.request_id, result)
+            if result.boundary_tokens == load.boundary_tokens:
+                gained = load.boundary_tokens - load.from_tokens
+                self._loaded[load.request_id] = self._loaded.get(load.request_id, 0) + gained
+        return bool(loads)
 
     def _fetch(self, load: PendingLoad) -> LoadResult:
         objects = load.plan.objects
@@ -153,14 +182,25 @@ def run_cluster(
     write_through: bool = True,
     simulator_options: dict | None = None,
     on_round: Callable[[int], None] | None = None,
+    wait_steps: int = 0,
+    marker_ttl_steps: int = DEFAULT_MARKER_TTL_STEPS,
 ) -> ClusterResult:
     """Run ``requests`` over ``instances`` managers (``make_manager(link)`` builds one) in lockstep,
-    all linked to ``store`` (None: no store)."""
+    all linked to ``store`` (None: no store).
+
+    ``wait_steps`` > 0: the links mark the blocks their requests compute, and a request whose
+    next block another request is computing waits up to that many lockstep rounds
+    (:class:`~hybridkv.inflight.InFlightRule`, its clock the round counter; markers expire after
+    ``marker_ttl_steps``)."""
     parts = spread(requests, instances)
     finished: set[str] = set()
     sims, links, engines = [], [], []
+    rounds = 0
+    rule = None
+    if wait_steps:
+        rule = InFlightRule(wait=wait_steps, ttl=marker_ttl_steps, clock=lambda: rounds)
     for part in parts:
-        link = TierLink(store, write_through=write_through) if store is not None else None
+        link = TierLink(store, write_through=write_through, in_flight=rule) if store is not None else None
         manager = make_manager(link)
         engine = TierEngine(link) if link is not None else None
         sims.append(Simulator(manager, part, tier=engine, **(simulator_options or {})))
@@ -168,7 +208,7 @@ def run_cluster(
         engines.append(engine)
     steps = [sim.steps(finished_ids=finished) for sim in sims]
     results: list[SimResult | None] = [None] * instances
-    live, idle, rounds = list(range(instances)), 0, 0
+    live, idle = list(range(instances)), 0
     while live:
         worked = False
         for i in list(live):

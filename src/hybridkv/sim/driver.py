@@ -42,6 +42,7 @@ class _Live:
     scheduled_tokens: int = 0  # scheduled in the current incarnation
     context_tokens: int = 0  # tokens to compute in the current incarnation before decode
     started_step: int = -1
+    added: bool = False  # in the manager already: it waited for another request's blocks
 
     @property
     def rid(self) -> str:
@@ -197,8 +198,9 @@ class Simulator:
         series = {k: [] for k in ("running", "sched", "hit", "prompt", "preempt", "shrunk", "us")}
         used = {g: [] for g in gids}
         blocked: list[Request] = []
+        held: list[_Live] = []  # added, waiting for blocks another request computes (tier markers)
         step = 0
-        while pending or waiting or running or blocked:
+        while pending or waiting or running or blocked or held:
             if len(series["running"]) >= self.max_steps:
                 raise SimulationError(
                     f"the run reached max_steps={self.max_steps:,} scheduled steps with "
@@ -215,9 +217,11 @@ class Simulator:
                 else:
                     still.append(r)
             blocked = still
+            if held:
+                held = self._resume_held(held, waiting)
             if not (waiting or running):
                 # Idle: nothing to schedule until the next arrival, so skip to it.
-                if shared:
+                if shared or held:
                     step += 1
                     yield False
                     continue
@@ -281,15 +285,22 @@ class Simulator:
                 seq = live.sequence()
                 remaining = live.request.output_tokens - live.produced
                 t0 = time.perf_counter()
-                hit = mgr.add_request(live.rid, seq, max_new_tokens=remaining)
-                live.hit_tokens = hit.hit_tokens
                 denied = False
+                if not live.added:  # (added: resumed from waiting for another request's blocks)
+                    live.hit_tokens = mgr.add_request(live.rid, seq, max_new_tokens=remaining).hit_tokens
+                    if self.tier is not None:
+                        self.tier.forget(live.rid)
+                live.added = False
                 if self.tier is not None:
                     us += (time.perf_counter() - t0) * 1e6
                     # the device hit and what the store adds; a load that got no pages waits
                     # for them (as a chunk that does not fit) while others run
-                    live.hit_tokens, denied = self.tier.load(live.rid)
+                    live.hit_tokens, denied, parked = self.tier.load(live.rid)
                     t0 = time.perf_counter()
+                    if parked:  # waits for blocks another request computes; others may start
+                        live.added = True
+                        held.append(waiting.popleft())
+                        continue
                 live.scheduled_tokens = 0
                 live.context_tokens = seq.size
                 n = max(1, min(self._prefill_left(live), budget))
@@ -312,7 +323,7 @@ class Simulator:
                 waiting.popleft()
                 if live.incarnation == 0:
                     first_hit[live.rid] = live.hit_tokens
-                    first_tier_hit[live.rid] = live.hit_tokens - hit.hit_tokens
+                    first_tier_hit[live.rid] = self.tier.loaded_tokens(live.rid) if self.tier is not None else 0
                     hits_now += live.hit_tokens
                     prompt_now += live.request.prompt_tokens
                 live.started_step = step if live.started_step < 0 else live.started_step
@@ -321,7 +332,7 @@ class Simulator:
                 items.append((live.rid, n))
                 budget -= n
             if not items:
-                if not running and not waiting and not blocked and not pending:
+                if not running and not waiting and not blocked and not pending and not held:
                     break
                 if not running and waiting:
                     raise SimulationError(
@@ -394,6 +405,14 @@ class Simulator:
             requests=records,
             shrunk_chunks=np.asarray(series["shrunk"], dtype=np.int64),
         )
+
+    def _resume_held(self, held: list[_Live], waiting: deque) -> list[_Live]:
+        """Let the tier move waiting requests on; those no longer waiting go first in line."""
+        self.tier.resume()
+        resumed = [live for live in held if not self.tier.waiting(live.rid)]
+        for live in reversed(resumed):
+            waiting.appendleft(live)
+        return [live for live in held if self.tier.waiting(live.rid)]
 
     @staticmethod
     def _prefill_left(live: _Live) -> int:
