@@ -1119,21 +1119,31 @@ class CacheManager:
         if pages.size and (pages.min() <= 0 or pages.max() >= pool.num_pages):
             raise CacheManagerError(f"group {group_id!r}: page ids must lie in [1, {pool.num_pages})")
         self._version += 1  # invalidates a cached admission
-        pool.incref(pages)
-        np.add.at(self._held_outside[group_id], pages, 1)
+        ref = pool.ref_counts
+        if pages.size and ref[pages].min() > 0 and np.unique(pages).size == pages.size:
+            ref[pages] += 1  # held by requests already: nothing leaves the free or evictable sets
+        else:
+            pool.incref(pages)
+        self._held_outside[group_id] += np.bincount(pages, minlength=pool.num_pages)
 
     def release_held_pages(self, group_id: str, pages: np.ndarray) -> None:
         """Drop holds taken by :meth:`hold_pages`; a page no one holds goes free or, still
         cached, evictable."""
         pages = np.asarray(pages, dtype=np.int64)
         held = self._held_outside[group_id]
-        counts = np.zeros_like(held)
-        np.add.at(counts, pages, 1)
-        if np.any(counts > held):
+        if pages.size and pages.min() < 0:
+            raise CacheManagerError(f"group {group_id!r}: releasing pages that hold_pages did not hold")
+        counts = np.bincount(pages, minlength=held.size) if pages.size else np.zeros_like(held)
+        if counts.size > held.size or np.any(counts > held):
             raise CacheManagerError(f"group {group_id!r}: releasing pages that hold_pages did not hold")
         self._version += 1  # invalidates a cached admission
         held -= counts
-        self.pools[group_id].decref(pages)
+        pool = self.pools[group_id]
+        ref = pool.ref_counts
+        if pages.size and ref[pages].min() > 1 and np.unique(pages).size == pages.size:
+            ref[pages] -= 1  # still held by requests: nothing joins the free or evictable sets
+        else:
+            pool.decref(pages)
 
     def held_outside_pages(self, group_id: str) -> int:
         """Holds taken by :meth:`hold_pages` and not released (a page held twice counts twice)."""

@@ -253,6 +253,7 @@ class TierLink:
         refused by the tier, None dropped or failed)`` each, as ``OffloadWorker.finished()`` gives
         them. The pages pinned for a plan are released (those no request holds go back to the
         pool); an unknown ticket (a plan with nothing pinned) only counts."""
+        released: dict[str, list[np.ndarray]] = {}
         for ticket, stored in results:
             self._stats.offload_stored += sum(1 for x in stored if x is True)
             self._stats.offload_refused += sum(1 for x in stored if x is False)
@@ -262,9 +263,12 @@ class TierLink:
                 continue
             by_group, keys = pins
             for gid, pages in by_group.items():
-                self.manager.release_held_pages(gid, pages)
-                self._stats.pinned_pages -= pages.size
+                released.setdefault(gid, []).append(pages)
             self._in_flight.difference_update(keys)
+        for gid, arrays in released.items():  # one release per group for every plan confirmed
+            pages = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
+            self.manager.release_held_pages(gid, pages)
+            self._stats.pinned_pages -= pages.size
 
     def _pin(self, ticket: int, entries: list[tuple[str, int, tuple[int, ...]]]) -> tuple[bool, ...]:
         """Hold the pages of every entry still published as it was (within ``max_pinned_pages``);
