@@ -135,8 +135,10 @@ class TierLink:
         self.pin_offloads = bool(pin_offloads)
         self.max_pinned_pages = max_pinned_pages
         self._tickets = 0
-        self._pins: dict[int, tuple[dict[str, np.ndarray], tuple[tuple[str, int], ...]]] = {}
+        # ticket -> (pinned pages by group, pinned entries, every entry of the plan in order)
+        self._pins: dict[int, tuple[dict[str, np.ndarray], tuple, tuple]] = {}
         self._in_flight: set[tuple[str, int]] = set()  # pinned entries not confirmed yet
+        self._sent: set[tuple[str, int]] = set()  # device entries a tier confirmed stored
         self.manager: Any = None
         self._scheduling = False  # take_loads' own step
         self._stats = TierLinkStats()
@@ -180,6 +182,9 @@ class TierLink:
     def removed(self, group_id: str, key: int, dropped: bool) -> None:
         """The prefix cache removed an entry: evicted (``dropped`` False) or superseded/cleared."""
         entry = self._entries.pop((group_id, key), None)
+        if (group_id, key) in self._sent:  # written through already: nothing to move at eviction
+            self._sent.discard((group_id, key))
+            return
         if entry is None or dropped:
             return
         boundary, pages, low = entry
@@ -261,7 +266,8 @@ class TierLink:
             pins = self._pins.pop(ticket, None) if ticket is not None else None
             if pins is None:
                 continue
-            by_group, keys = pins
+            by_group, keys, every = pins
+            self._sent.update(entry for entry, ok in zip(every, stored) if ok is True and entry in self._entries)
             for gid, pages in by_group.items():
                 released.setdefault(gid, []).append(pages)
             self._in_flight.difference_update(keys)
@@ -284,14 +290,14 @@ class TierLink:
                 by_group.setdefault(gid, []).extend(pages)
                 keys.append((gid, key))
             pinned.append(ok)
-        if keys:
-            arrays = {gid: np.asarray(pages, dtype=np.int64) for gid, pages in by_group.items()}
-            for gid, pages in arrays.items():
-                self.manager.hold_pages(gid, pages)
-                self._stats.pinned_pages += pages.size
-            self._pins[ticket] = (arrays, tuple(keys))
-            self._in_flight.update(keys)
-            self._stats.offload_pinned += len(keys)
+        arrays = {gid: np.asarray(pages, dtype=np.int64) for gid, pages in by_group.items()}
+        for gid, pages in arrays.items():
+            self.manager.hold_pages(gid, pages)
+            self._stats.pinned_pages += pages.size
+        # Recorded even with nothing pinned: what a tier stores need not move again at eviction.
+        self._pins[ticket] = (arrays, tuple(keys), tuple((gid, key) for gid, key, _ in entries))
+        self._in_flight.update(keys)
+        self._stats.offload_pinned += len(keys)
         return tuple(pinned)
 
     def take_loads(self) -> list[PendingLoad]:

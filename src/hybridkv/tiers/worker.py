@@ -78,12 +78,15 @@ class OffloadWorker:
                 return False
             self._stats.queued_objects += num_objects
             self._jobs.append((ticket, make_objects, num_objects))
-            self._cond.notify_all()
+            if not self._busy:  # a busy worker takes the next job without waiting
+                self._cond.notify_all()
             return True
 
     def finished(self) -> list[tuple[Hashable, list[bool | None]]]:
         """Jobs done (or dropped) since the last call: ``(ticket, per object True stored,
         False refused by the tier, None dropped or failed)``."""
+        if not self._done:  # nothing finished: no lock taken (the step thread calls this every step)
+            return []
         with self._cond:
             out = list(self._done)
             self._done.clear()
