@@ -22,7 +22,8 @@ Variants (each a fresh manager, link, store and worker; they take turns within e
 * ``<tier>-through``: write-through with ``pin_offloads``: published entries' pages are held
   until ``confirm_offloads``; the gather, encode and put all run on the worker.
 
-``<tier>`` is ``host`` (``HostTier``) or ``disk`` (``DiskTier`` in a temporary directory).
+With ``--gate`` the worker is paused (``OffloadWorker.pause``) from the end of each forward
+until the next one starts. ``<tier>`` is ``host`` (``HostTier``) or ``disk`` (``DiskTier`` in a temporary directory).
 Timed on the step thread: everything the simulator times (``check_admission``, ``add_request``,
 ``schedule``, ``append_token_ids``, ``free``), plus ``confirm_offloads``, ``take_offloads``, the
 copy before the forward (``submit``, or ``run`` for ``-sync``). Apart: how late the step thread
@@ -71,8 +72,9 @@ class StepEngine:
     """The engine's side in the simulator: offloads (and loads) per variant, timed per step."""
 
     def __init__(self, manager: CacheManager, link: TierLink | None, pools: dict, worker: OffloadWorker | None,
-                 forward_s: float):
+                 forward_s: float, gate: bool = False):
         self.manager, self.link, self.pools, self.worker, self.forward_s = manager, link, pools, worker, forward_s
+        self.gate = gate  # pause the worker outside the forward
         self.tier_us = 0.0  # this step's tier work on the step thread
         self.load_us = 0.0  # this step's loads
         self.wake_us = 0.0  # how late the step thread woke from this step's forward
@@ -102,8 +104,12 @@ class StepEngine:
         self.tier_us += (time.perf_counter() - t0) * 1e6
         if not self._forward_done:  # the first call of a step follows its schedule: the forward
             self._forward_done = True
+            if self.worker is not None and self.gate:
+                self.worker.resume()  # the worker runs while the device computes
             start = time.perf_counter()
             time.sleep(self.forward_s)
+            if self.worker is not None and self.gate:
+                self.worker.pause()
             # Waking late is the step's too: the timer's slack, and any wait for the GIL the
             # worker holds (a step thread waiting for its device is as late as this).
             self.wake_us += max(0.0, time.perf_counter() - start - self.forward_s) * 1e6
@@ -173,9 +179,9 @@ def run_variant(variant: str, plan, pools, requests, args, tmp: str, index: int)
         store = new_store(kind, plan.layout, tmp, index)
         link = TierLink(store, write_through=mode == "through", pin_offloads=mode == "through")
         if mode != "sync":
-            worker = OffloadWorker(store, max_queued_objects=args.queue_objects)
+            worker = OffloadWorker(store, max_queued_objects=args.queue_objects, put_batch_objects=args.put_batch)
     manager = CacheManager.from_plan(plan, enable_prefix_caching=True, tier_link=link)
-    engine = StepEngine(manager, link, pools, worker, args.forward_ms / 1e3)
+    engine = StepEngine(manager, link, pools, worker, args.forward_ms / 1e3, gate=args.gate)
     sim = Simulator(manager, requests, max_running=plan.limits.max_running_requests,
                     step_token_budget=plan.limits.max_scheduled_tokens, tier=engine)
     gc.collect()
@@ -310,6 +316,8 @@ def main() -> None:
     ap.add_argument("--arrival-rate", type=float, default=0.5)
     ap.add_argument("--forward-ms", type=float, default=10.0)
     ap.add_argument("--queue-objects", type=int, default=512)
+    ap.add_argument("--put-batch", type=int, default=16, help="objects per put on the worker")
+    ap.add_argument("--gate", action="store_true", help="pause the worker outside the forward")
     ap.add_argument("--switch-interval-ms", type=float, default=None,
                     help="sys.setswitchinterval for the run (default: Python's, 5 ms)")
     ap.add_argument("--seed", type=int, default=0)

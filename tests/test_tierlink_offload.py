@@ -279,6 +279,30 @@ def test_the_worker_drops_what_does_not_fit_its_queue_and_counts_failures():
         OffloadWorker(HostTier(1 << 20))
 
 
+def test_a_paused_worker_starts_nothing_until_resumed_and_puts_in_batches():
+    store = ObjectStore(HostTier(1 << 30), LAYOUT)
+    engine = Engine(total_tokens=2048)
+    compute(engine, "p", np.random.default_rng(8).integers(0, CONFIG.vocab_size, 600))
+    (ticket, make_objects, n), = engine.worker.jobs
+    assert n >= 3
+    calls = []
+    put = store.put
+    store.put = lambda objects: calls.append(len(objects)) or put(objects)
+    with OffloadWorker(store, put_batch_objects=2) as worker:
+        worker.pause()
+        assert worker.submit(ticket, make_objects, n)
+        assert worker.finished() == [] and calls == []  # held before the job starts
+        threading.Event().wait(0.2)
+        assert worker.finished() == [] and calls == []
+        worker.resume()
+        assert worker.drain(30)
+        (done,) = worker.finished()
+    assert done[0] == ticket and done[1] == [True] * n
+    assert calls == [2] * (n // 2) + [n % 2] * (n % 2)
+    with pytest.raises(ValueError, match="put_batch_objects"):
+        OffloadWorker(store, put_batch_objects=0)
+
+
 def test_close_runs_what_is_queued_and_the_engine_confirms_it():
     engine = Engine(total_tokens=2048)
     rng = np.random.default_rng(6)
