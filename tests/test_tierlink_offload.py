@@ -55,14 +55,15 @@ class DeferredWorker:
 class Engine:
     """A manager with a pinned write-through link (or write-back), byte pools and a fake forward."""
 
-    def __init__(self, total_tokens=2048, *, write_through=True, seed=0, max_pinned_pages=None):
+    def __init__(self, total_tokens=2048, *, write_through=True, seed=0, max_pinned_pages=None,
+                 page_space="per-group"):
         plan = plan_for_tokens(LAYOUT, total_tokens, LIMITS)
         self.store = ObjectStore(HostTier(1 << 30), LAYOUT)
         self.link = TierLink(self.store, write_through=write_through, pin_offloads=True,
                              max_pinned_pages=max_pinned_pages)
         self.manager = CacheManager.from_plan(plan, shuffle_seed=seed, enable_prefix_caching=True,
-                                              prefix_granularity=256, tier_link=self.link)
-        self.pools = new_group_pools(LAYOUT, plan.group_pages)
+                                              prefix_granularity=256, tier_link=self.link, page_space=page_space)
+        self.pools = new_group_pools(LAYOUT, {gid: pool.num_pages for gid, pool in self.manager.pools.items()})
         self.rng = np.random.default_rng(seed)
         self.worker = DeferredWorker()
         self.expected = {}  # object key -> the rows its entry held when the plan was taken
@@ -340,11 +341,13 @@ SEQUENTIAL = [op for slot in range(4) for op in
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@example(ops=SEQUENTIAL, seed=1, write_through=True)
-@example(ops=SEQUENTIAL, seed=2, write_through=False)
-@given(ops=OPS, seed=st.integers(0, 1000), write_through=st.booleans())
-def test_stored_rows_are_the_rows_at_take_time_whatever_runs_between(ops, seed, write_through):
-    engine = Engine(total_tokens=1024, write_through=write_through, seed=seed)
+@example(ops=SEQUENTIAL, seed=1, write_through=True, shared=False)
+@example(ops=SEQUENTIAL, seed=2, write_through=False, shared=False)
+@example(ops=SEQUENTIAL, seed=3, write_through=True, shared=True)
+@given(ops=OPS, seed=st.integers(0, 1000), write_through=st.booleans(), shared=st.booleans())
+def test_stored_rows_are_the_rows_at_take_time_whatever_runs_between(ops, seed, write_through, shared):
+    engine = Engine(total_tokens=1024, write_through=write_through, seed=seed,
+                    page_space="shared" if shared else "per-group")  # shared: one arena lent in slabs
     rng = np.random.default_rng(seed)
     shared = rng.integers(0, CONFIG.vocab_size, 300)
     live = {}
