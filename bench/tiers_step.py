@@ -22,6 +22,8 @@ Variants (each a fresh manager, link, store and worker; they take turns within e
 * ``<tier>-through``: write-through with ``pin_offloads``: published entries' pages are held
   until ``confirm_offloads``; the gather, encode and put all run on the worker.
 
+With ``--no-loads`` the links only offload (``plan_loads=False``): no tier hits, so every variant
+runs exactly the steps and evictions of ``off`` and the difference is the offload path alone.
 With ``--gate`` the worker is paused (``OffloadWorker.pause``) from the end of each forward
 until the next one starts. ``<tier>`` is ``host`` (``HostTier``) or ``disk`` (``DiskTier`` in a temporary directory).
 Timed on the step thread: everything the simulator times (``check_admission``, ``add_request``,
@@ -177,7 +179,8 @@ def run_variant(variant: str, plan, pools, requests, args, tmp: str, index: int)
     if variant != "off":
         kind, mode = variant.split("-")
         store = new_store(kind, plan.layout, tmp, index)
-        link = TierLink(store, write_through=mode == "through", pin_offloads=mode == "through")
+        link = TierLink(store, write_through=mode == "through", pin_offloads=mode == "through",
+                        plan_loads=not args.no_loads)
         if mode != "sync":
             worker = OffloadWorker(store, max_queued_objects=args.queue_objects, put_batch_objects=args.put_batch)
     manager = CacheManager.from_plan(plan, enable_prefix_caching=True, tier_link=link)
@@ -242,6 +245,8 @@ def run(args) -> dict:
         "workload": {"conversations": args.conversations, "turns": args.turns, "system_tokens": args.system_tokens,
                      "arrival_rate": args.arrival_rate, "requests": len(requests)},
         "forward_ms": args.forward_ms,
+        "loads": not args.no_loads,
+        "gate": args.gate,
         "switch_interval_ms": sys.getswitchinterval() * 1e3,
         "rounds": args.rounds,
         "cpus": os.cpu_count(),
@@ -287,6 +292,7 @@ def summarize(rounds: list[dict], variants: list[str]) -> dict:
 def print_report(report: dict) -> None:
     print(f"\nV4-Flash, {report['kv_tokens']:,} KV tokens, {report['workload']['requests']} requests, "
           f"forward {report['forward_ms']} ms (not counted), GIL switch interval {report['switch_interval_ms']:g} ms, "
+          f"{'loads on' if report['loads'] else 'no loads'}, {'gated worker, ' if report['gate'] else ''}"
           f"{report['rounds']} rounds, load average {report['load_average_1m']:.1f} on {report['cpus']} CPUs")
     head = ("variant", "steps", "p50 us", "p99 us", "total ms", "x off", "x off range", "wake ms", "x off +wake",
             "cpu ms", "cpu x off",
@@ -317,6 +323,8 @@ def main() -> None:
     ap.add_argument("--forward-ms", type=float, default=10.0)
     ap.add_argument("--queue-objects", type=int, default=512)
     ap.add_argument("--put-batch", type=int, default=16, help="objects per put on the worker")
+    ap.add_argument("--no-loads", action="store_true",
+                    help="links offload only (plan_loads=False): every variant runs the off workload's steps")
     ap.add_argument("--gate", action="store_true", help="pause the worker outside the forward")
     ap.add_argument("--switch-interval-ms", type=float, default=None,
                     help="sys.setswitchinterval for the run (default: Python's, 5 ms)")

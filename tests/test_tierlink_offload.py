@@ -320,6 +320,19 @@ def test_close_runs_what_is_queued_and_the_engine_confirms_it():
     engine.manager.check_invariants()
 
 
+def test_an_offload_only_link_plans_no_load():
+    engine = Engine(total_tokens=2048)
+    tokens = np.random.default_rng(9).integers(0, CONFIG.vocab_size, 600)
+    compute(engine, "p", tokens)
+    engine.run_jobs()
+    plan = plan_for_tokens(LAYOUT, 2048, LIMITS)
+    for plan_loads, pending in ((False, False), (True, True)):
+        link = TierLink(engine.store, plan_loads=plan_loads)
+        manager = CacheManager.from_plan(plan, enable_prefix_caching=True, prefix_granularity=256, tier_link=link)
+        manager.add_request("q", tokens, max_new_tokens=4)
+        assert link.pending("q") is pending and link.stats().planned_loads == int(pending)
+
+
 def test_hold_pages_refuses_bad_ids_and_release_refuses_what_was_not_held():
     engine = Engine()
     gid = engine.manager.specs[0].group_id

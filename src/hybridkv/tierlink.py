@@ -120,10 +120,13 @@ class TierLink:
     ``write_through``: offload entries when published, not when evicted.
     ``offload_low_priority``: also offload evicted low-priority prompt checkpoints
     (published at every prompt boundary in case another request leaves there).
+    ``pin_offloads``: hold the pages of entries still published until
+    :meth:`confirm_offloads` (their copy may run off the step), at most
+    ``max_pinned_pages`` at once. ``plan_loads=False``: offload only, never load.
     """
 
     def __init__(self, store: ObjectStore, *, write_through: bool = False, offload_low_priority: bool = False,
-                 pin_offloads: bool = False, max_pinned_pages: int | None = None):
+                 pin_offloads: bool = False, max_pinned_pages: int | None = None, plan_loads: bool = True):
         if not isinstance(store, ObjectStore):
             raise TypeError(f"store must be an ObjectStore, got {type(store).__name__}")
         if max_pinned_pages is not None and (isinstance(max_pinned_pages, bool) or not isinstance(max_pinned_pages, int)
@@ -133,6 +136,7 @@ class TierLink:
         self.write_through = bool(write_through)
         self.offload_low_priority = bool(offload_low_priority)
         self.pin_offloads = bool(pin_offloads)
+        self.plan_loads = bool(plan_loads)  # False: offload only (nothing is ever pending)
         self.max_pinned_pages = max_pinned_pages
         self._tickets = 0
         # ticket -> (pinned pages by group, pinned entries, every entry of the plan in order)
@@ -195,7 +199,7 @@ class TierLink:
     def on_add(self, request_id: str, hashes: Any, token_ids: np.ndarray, hit_tokens: int,
                max_new_tokens: int, cache_salt: Any) -> None:
         """After ``add_request``'s device match: plan a load when the store serves more."""
-        if hashes is None:
+        if hashes is None or not self.plan_loads:
             return
         self._args[request_id] = _Args(hashes, token_ids, max_new_tokens, cache_salt)
         self._plan_load(request_id, hashes, token_ids.size, hit_tokens)
