@@ -320,6 +320,27 @@ def test_close_runs_what_is_queued_and_the_engine_confirms_it():
     engine.manager.check_invariants()
 
 
+def test_an_entry_stored_through_is_not_offloaded_again_when_evicted():
+    engine = Engine(total_tokens=1536)
+    rng = np.random.default_rng(10)
+    compute(engine, "p", rng.integers(0, CONFIG.vocab_size, 600))
+    engine.run_jobs()
+    first = set(engine.expected)
+    engine.manager.free("p")
+    def removed():
+        return sum(s.removed_entries for s in engine.manager.prefix.stats.values())
+
+    removed_before = removed()
+    for i in range(4):
+        compute(engine, f"x{i}", rng.integers(0, CONFIG.vocab_size, 900))
+        engine.run_jobs()  # the pins go: the next request's pages come out of p's entries
+        engine.manager.free(f"x{i}")
+    assert removed() > removed_before  # entries went (p's first: least recently used)
+    assert engine.link.stats().offload_skipped == 0  # not even asked about: known stored
+    offloaded_again = [o.key for o in engine.link.take_offloads().objects]
+    assert not first & set(offloaded_again)
+
+
 def test_an_offload_only_link_plans_no_load():
     engine = Engine(total_tokens=2048)
     tokens = np.random.default_rng(9).integers(0, CONFIG.vocab_size, 600)
