@@ -246,6 +246,9 @@ class CacheManager:
             )
         # Requests waiting for a tier load (hybridkv.tierlink): admission refuses them.
         self.pending_loads: set[str] = set()
+        # Pages held outside any request (an offload's rows being copied): see hold_pages.
+        self._held_outside = {s.group_id: np.zeros(self.pools[s.group_id].num_pages, dtype=np.int64)
+                              for s in self.specs}
         self.tier_link = tier_link
         if tier_link is not None:
             tier_link.attach(self)
@@ -1108,6 +1111,45 @@ class CacheManager:
         base, hi = int(table.base[req.row]), int(table.hi[req.row])
         return base, np.asarray(table.row_pages(req.row, base, hi), dtype=np.int64)
 
+    def hold_pages(self, group_id: str, pages: np.ndarray) -> None:
+        """Hold ``pages`` (held or cached) outside any request: no allocation reuses them and
+        admission counts them as used until :meth:`release_held_pages`. A tier offload holds an
+        entry's pages so while its rows are copied (``hybridkv.tierlink``)."""
+        pages = np.asarray(pages, dtype=np.int64)
+        pool = self.pools[group_id]
+        if pages.size and (pages.min() <= 0 or pages.max() >= pool.num_pages):
+            raise CacheManagerError(f"group {group_id!r}: page ids must lie in [1, {pool.num_pages})")
+        self._version += 1  # invalidates a cached admission
+        ref = pool.ref_counts
+        if pages.size and ref[pages].min() > 0 and np.unique(pages).size == pages.size:
+            ref[pages] += 1  # held by requests already: nothing leaves the free or evictable sets
+        else:
+            pool.incref(pages)
+        self._held_outside[group_id] += np.bincount(pages, minlength=pool.num_pages)
+
+    def release_held_pages(self, group_id: str, pages: np.ndarray) -> None:
+        """Drop holds taken by :meth:`hold_pages`; a page no one holds goes free or, still
+        cached, evictable."""
+        pages = np.asarray(pages, dtype=np.int64)
+        held = self._held_outside[group_id]
+        if pages.size and pages.min() < 0:
+            raise CacheManagerError(f"group {group_id!r}: releasing pages that hold_pages did not hold")
+        counts = np.bincount(pages, minlength=held.size) if pages.size else np.zeros_like(held)
+        if counts.size > held.size or np.any(counts > held):
+            raise CacheManagerError(f"group {group_id!r}: releasing pages that hold_pages did not hold")
+        self._version += 1  # invalidates a cached admission
+        held -= counts
+        pool = self.pools[group_id]
+        ref = pool.ref_counts
+        if pages.size and ref[pages].min() > 1 and np.unique(pages).size == pages.size:
+            ref[pages] -= 1  # still held by requests: nothing joins the free or evictable sets
+        else:
+            pool.decref(pages)
+
+    def held_outside_pages(self, group_id: str) -> int:
+        """Holds taken by :meth:`hold_pages` and not released (a page held twice counts twice)."""
+        return int(self._held_outside[group_id].sum())
+
     def clear_prefix_cache(self) -> None:
         """Unpublish every cached entry (pages held by requests stay held)."""
         self._version += 1  # invalidates a cached admission
@@ -1129,6 +1171,7 @@ class CacheManager:
                 assert table.hi[req.row] >= cdiv(int(self._computed[req.row]), table.page_tokens), (
                     f"{gid}: request {req.request_id} has computed tokens without pages")
                 np.add.at(expected, pages, 1)
+            expected += self._held_outside[gid]
             assert np.array_equal(expected, pool.ref_counts), f"{gid}: ref counts differ from tables"
             for name in ("ref_counts", "cached", "low_priority"):  # still the page space's views
                 assert np.shares_memory(getattr(pool, name), getattr(self._space, name)), f"{gid}: {name} rebound"

@@ -106,6 +106,11 @@ class TierLinkStats:
     offload_objects: int = 0  # objects handed to the engine
     offload_bytes: int = 0  # their payload bytes (rows only)
     offload_skipped: int = 0  # objects the store already held
+    offload_pinned: int = 0  # handed out with their pages held for a later copy (pin_offloads)
+    offload_stored: int = 0  # confirmed stored by a tier (confirm_offloads)
+    offload_refused: int = 0  # confirmed, no tier stored them
+    offload_dropped: int = 0  # confirmed dropped or failed (a full worker queue, a fault): never stored
+    pinned_pages: int = 0  # pages held now for offloads not confirmed yet
     load_objects: int = 0
     load_bytes: int = 0
     waits: int = 0  # requests that waited for blocks another request was computing (each wait once)
@@ -138,14 +143,21 @@ class TierLink:
     (published at every prompt boundary in case another request leaves there).
     ``in_flight``: mark the blocks a request computes and let a request wait for the
     blocks another is computing (None: never wait).
+    ``pin_offloads``: hold the pages of entries still published until
+    :meth:`confirm_offloads` (their copy may run off the step), at most
+    ``max_pinned_pages`` at once. ``plan_loads=False``: offload only, never load.
     """
 
     def __init__(self, store: ObjectStore, *, write_through: bool = False, offload_low_priority: bool = False,
-                 in_flight: InFlightRule | None = None):
+                 in_flight: InFlightRule | None = None, pin_offloads: bool = False,
+                 max_pinned_pages: int | None = None, plan_loads: bool = True):
         if not isinstance(store, ObjectStore):
             raise TypeError(f"store must be an ObjectStore, got {type(store).__name__}")
         if in_flight is not None and not isinstance(in_flight, InFlightRule):
             raise TypeError(f"in_flight must be an InFlightRule or None, got {type(in_flight).__name__}")
+        if max_pinned_pages is not None and (isinstance(max_pinned_pages, bool) or not isinstance(max_pinned_pages, int)
+                                             or max_pinned_pages < 0):
+            raise ValueError(f"max_pinned_pages must be a non-negative int or None, got {max_pinned_pages!r}")
         self.markers = Markers(store.tier, store.namespace, in_flight) if in_flight is not None else None
         self._marked: dict[str, list[int]] = {}  # request -> keys of its computing markers
         self._marker_of: dict[int, str] = {}  # key -> the request that marked it
@@ -159,6 +171,14 @@ class TierLink:
         self.store = store
         self.write_through = bool(write_through)
         self.offload_low_priority = bool(offload_low_priority)
+        self.pin_offloads = bool(pin_offloads)
+        self.plan_loads = bool(plan_loads)  # False: offload only (nothing is ever pending)
+        self.max_pinned_pages = max_pinned_pages
+        self._tickets = 0
+        # ticket -> (pinned pages by group, pinned entries, every entry of the plan in order)
+        self._pins: dict[int, tuple[dict[str, np.ndarray], tuple, tuple]] = {}
+        self._offloading: set[tuple[str, int]] = set()  # pinned entries not confirmed yet
+        self._sent: set[tuple[str, int]] = set()  # device entries a tier confirmed stored
         self.manager: Any = None
         self._scheduling = False  # take_loads' own step
         self._stats = TierLinkStats()
@@ -210,6 +230,9 @@ class TierLink:
     def removed(self, group_id: str, key: int, dropped: bool) -> None:
         """The prefix cache removed an entry: evicted (``dropped`` False) or superseded/cleared."""
         entry = self._entries.pop((group_id, key), None)
+        if (group_id, key) in self._sent:  # written through already: nothing to move at eviction
+            self._sent.discard((group_id, key))
+            return
         if entry is None or dropped:
             return
         boundary, pages, low = entry
@@ -220,7 +243,7 @@ class TierLink:
     def on_add(self, request_id: str, hashes: Any, token_ids: np.ndarray, hit_tokens: int,
                max_new_tokens: int, cache_salt: Any) -> None:
         """After ``add_request``'s device match: plan a load when the store serves more."""
-        if hashes is None:
+        if hashes is None or not self.plan_loads:
             return
         self._args[request_id] = _Args(hashes, token_ids, max_new_tokens, cache_salt)
         self._plan_load(request_id, hashes, token_ids.size, hit_tokens)
@@ -271,13 +294,17 @@ class TierLink:
 
     def take_offloads(self) -> OffloadPlan:
         """Everything evicted (or, with write-through, published) since the last call, less what
-        the store holds: run it before writing any page handed out since."""
+        the store holds. Unpinned objects: copy them before writing any page handed out since.
+        With ``pin_offloads``, entries still published keep their pages held (pinned) until
+        :meth:`confirm_offloads` reports the plan's ticket, so their copy may run later."""
         if self.markers is not None:
             self._queue_ending()
             self._queue_wanted()
             self._retire_markers()
         queue, self._queue = self._queue, []
-        objects, sources, seen = [], [], set()
+        if not queue:
+            return OffloadPlan((), ())
+        objects, sources, entries, seen = [], [], [], set(self._offloading)
         for gid, key, boundary, pages in queue:
             if (gid, key) in seen:
                 continue
@@ -285,14 +312,65 @@ class TierLink:
             obj, view = self._offload_object(gid, key, boundary, pages)
             objects.append(obj)
             sources.append(view)
-        if objects:
-            held = self.store.contains([o.key for o in objects])
-            self._stats.offload_skipped += sum(held)
-            keep = [i for i, h in enumerate(held) if not h]
-            objects, sources = [objects[i] for i in keep], [sources[i] for i in keep]
+            entries.append((gid, key, pages))
+        held = self.store.contains([o.key for o in objects])
+        self._stats.offload_skipped += sum(held)
+        keep = [i for i, h in enumerate(held) if not h]
+        objects, sources, entries = [objects[i] for i in keep], [sources[i] for i in keep], [entries[i] for i in keep]
         self._stats.offload_objects += len(objects)
         self._stats.offload_bytes += sum(self.object_payload_bytes(o) for o in objects)
-        return OffloadPlan(tuple(objects), tuple(sources))
+        if not objects:
+            return OffloadPlan((), ())
+        self._tickets += 1
+        pinned = self._pin(self._tickets, entries) if self.pin_offloads else ()
+        return OffloadPlan(tuple(objects), tuple(sources), pinned, self._tickets)
+
+    def confirm_offloads(self, results: Iterable[tuple[int | None, Sequence[bool | None]]]) -> None:
+        """Report offload plans the engine has run: ``(ticket, per object True stored, False
+        refused by the tier, None dropped or failed)`` each, as ``OffloadWorker.finished()`` gives
+        them. The pages pinned for a plan are released (those no request holds go back to the
+        pool); an unknown ticket (a plan with nothing pinned) only counts."""
+        released: dict[str, list[np.ndarray]] = {}
+        for ticket, stored in results:
+            self._stats.offload_stored += sum(1 for x in stored if x is True)
+            self._stats.offload_refused += sum(1 for x in stored if x is False)
+            self._stats.offload_dropped += sum(1 for x in stored if x is None)
+            pins = self._pins.pop(ticket, None) if ticket is not None else None
+            if pins is None:
+                continue
+            by_group, keys, every = pins
+            self._sent.update(entry for entry, ok in zip(every, stored) if ok is True and entry in self._entries)
+            for gid, pages in by_group.items():
+                released.setdefault(gid, []).append(pages)
+            self._offloading.difference_update(keys)
+        for gid, arrays in released.items():  # one release per group for every plan confirmed
+            pages = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
+            self.manager.release_held_pages(gid, pages)
+            self._stats.pinned_pages -= pages.size
+
+    def _pin(self, ticket: int, entries: list[tuple[str, int, tuple[int, ...]]]) -> tuple[bool, ...]:
+        """Hold the pages of every entry still published as it was (within ``max_pinned_pages``);
+        per entry, whether it is pinned. An evicted entry's pages may be reused already."""
+        pools, budget = self.manager.pools, self.max_pinned_pages
+        room = None if budget is None else budget - self._stats.pinned_pages
+        pinned, by_group, keys = [], {}, []
+        for gid, key, pages in entries:
+            ok = pools[gid].lookup(key) == pages and (room is None or len(pages) <= room)
+            if ok:
+                if room is not None:
+                    room -= len(pages)
+                by_group.setdefault(gid, []).extend(pages)
+                keys.append((gid, key))
+            pinned.append(ok)
+        arrays = {gid: np.asarray(pages, dtype=np.int64) for gid, pages in by_group.items()}
+        for gid, pages in arrays.items():
+            self.manager.hold_pages(gid, pages)
+            self._stats.pinned_pages += pages.size
+        # Recorded even with nothing pinned: what a tier stores need not move again at eviction.
+        self._pins[ticket] = (arrays, tuple(keys), tuple((gid, key) for gid, key, _ in entries))
+        self._offloading.update(keys)
+        self._stats.offload_pinned += len(keys)
+        return tuple(pinned)
 
     def take_loads(self, request_ids: Iterable[str] | None = None) -> list[PendingLoad]:
         """Pages for the planned loads (one step of those requests, nothing computed) and the

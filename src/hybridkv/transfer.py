@@ -36,6 +36,7 @@ from hybridkv.tiers.objects import NamespaceMismatch, RowsObject, header_size
 from hybridkv.tiers.pools import GroupPools
 from hybridkv.tiers.rows import GroupPages, MissingRows, gather_objects, rows_for_tokens, scatter_objects
 from hybridkv.tiers.store import ObjectStore
+from hybridkv.tiers.worker import OffloadWorker
 
 
 @dataclass(frozen=True)
@@ -217,10 +218,45 @@ def load_objects(
 class OffloadPlan:
     """Objects to write to a tier and, per object, the pages its rows sit in now (logical order
     from the object's first page). What the manager hands the engine when it evicts or, under
-    write-through, publishes a block or a checkpoint."""
+    write-through, publishes a block or a checkpoint.
+
+    ``pinned`` (per object; empty: none): the manager holds the object's pages until the engine
+    confirms ``ticket`` (``TierLink.confirm_offloads``), so its rows may be copied later, on
+    another thread. Every other object must be copied before the engine writes any page the
+    manager handed out since (:meth:`submit` copies those at once)."""
 
     objects: tuple[PlannedObject, ...]
     sources: tuple[GroupPages, ...]
+    pinned: tuple[bool, ...] = ()
+    ticket: int | None = None
+
+    def is_pinned(self, index: int) -> bool:
+        return bool(self.pinned) and self.pinned[index]
+
+    def submit(self, worker: OffloadWorker, pools: Mapping[str, GroupPools]) -> bool:
+        """Hand the plan to ``worker``: the rows of unpinned objects are gathered now, on this
+        thread (their pages may be written next); the pinned ones are gathered on the worker;
+        the worker puts them all. False: the worker's queue was full and the plan was dropped
+        (its ticket still comes back from ``worker.finished()``). Empty plans are not queued."""
+        if not self.objects:
+            return True
+        pools = dict(pools)
+        now = [i for i in range(len(self.objects)) if not self.is_pinned(i)]
+        later = [i for i in range(len(self.objects)) if self.is_pinned(i)]
+        staged = self._gather(pools, now)
+
+        def make_objects() -> list[RowsObject]:
+            gathered = dict(zip(now, staged))
+            gathered.update(zip(later, self._gather(pools, later)))
+            return [gathered[i] for i in range(len(self.objects))]
+
+        return worker.submit(self.ticket, make_objects, len(self.objects))
+
+    def _gather(self, pools: dict[str, GroupPools], indices: list[int]) -> list[RowsObject]:
+        if not indices:
+            return []
+        ranges = [(self.objects[i].key, self.objects[i].first_token, self.objects[i].end_token) for i in indices]
+        return gather_objects(pools, [self.sources[i] for i in indices], ranges)
 
     def run(self, store: ObjectStore, pools: Mapping[str, GroupPools]) -> list[bool]:
         """Copy the rows out and put the objects; per object, whether a tier stored it. The rows of

@@ -6,6 +6,7 @@
 * :mod:`~hybridkv.tiers.pools`, :mod:`~hybridkv.tiers.rows` - rows between page pools and objects
   (:mod:`~hybridkv.tiers.rowcopy` - the compiled row copies).
 * :mod:`~hybridkv.tiers.stream` - many objects into pools with the next batch in flight.
+* :mod:`~hybridkv.tiers.worker` - puts off the engine's thread (a bounded queue, dropped when full).
 * :mod:`~hybridkv.tiers.host`, :mod:`~hybridkv.tiers.disk`, :mod:`~hybridkv.tiers.mooncake`,
   :mod:`~hybridkv.tiers.stack` - the tiers; :mod:`~hybridkv.tiers.store` - objects through a tier.
 
@@ -39,9 +40,10 @@ from hybridkv.tiers.rows import (
 from hybridkv.tiers.stack import TierStack
 from hybridkv.tiers.store import ObjectStore, StoreStats
 from hybridkv.tiers.stream import stream_load
+from hybridkv.tiers.worker import OffloadWorker, OffloadWorkerStats
 
 __all__ = [
-    "DiskTier", "GroupPages", "GroupPools", "HostTier", "MissingRows", "Namespace", "NamespaceMismatch",
+    "DiskTier", "GroupPages", "OffloadWorker", "OffloadWorkerStats", "GroupPools", "HostTier", "MissingRows", "Namespace", "NamespaceMismatch",
     "ObjectError", "ObjectKey", "ObjectStore", "RowsObject", "StoreStats", "Tier", "TierStack", "TierStats",
     "TierUnavailable", "boundary_key", "chained_keys", "decode_object", "encode_object", "gather_object",
     "group_pools_from_layers", "header_size", "layout_namespace", "layout_parts", "new_group_pools", "rows_for_tokens",

@@ -10,6 +10,7 @@ ids (and groups with different page sizes) exchange the same rows.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -152,7 +153,7 @@ def check_scatter(
 
 def gather_objects(
     pools: dict[str, GroupPools],
-    pages: dict[str, GroupPages],
+    pages: dict[str, GroupPages] | Sequence[GroupPages],
     ranges: list[tuple[ObjectKey, int, int]],
     *,
     room_bytes: list[int] | None = None,
@@ -160,6 +161,7 @@ def gather_objects(
 ) -> list[RowsObject]:
     """``gather_object`` for many ``(key, first_token, end_token)``: one compiled copy per
     (group, layer, plane); a group's payloads are views of one new buffer, in order.
+    ``pages``: each group's page view, or one view per range (an offload's sources).
     ``room_bytes``: per range, bytes left free right before its payload (where
     ``encode_object(..., in_place=True)`` writes the header). ``into``: a writable 1-D ``uint8``
     buffer to lay every group's payloads in, one group after the other, rather than new ones
@@ -169,11 +171,15 @@ def gather_objects(
         raise ValueError(f"room_bytes must be {len(ranges)} non-negative ints")
     out: list[RowsObject | None] = [None] * len(ranges)
     used = 0
+    per_range = not isinstance(pages, Mapping)
     for gid, members in _by_group(range(len(ranges)), lambda i: ranges[i][0].group_id).items():
         group = pools[gid]
         _check_pools(group, writable=False)
         shapes = [rows_for_tokens(group.spec, ranges[i][1], ranges[i][2]) for i in members]
-        slots = _group_slots(group, pages[gid], shapes, unique=False)
+        if per_range:
+            slots = _slots_per_view(group, [pages[i] for i in members], shapes)
+        else:
+            slots = _group_slots(group, pages[gid], shapes, unique=False)
         rows = np.array([n for _, n in shapes], dtype=np.int64)
         row_bytes, offsets = parts_row_bytes(group.parts), part_offsets(group.parts)
         before = np.array([room[i] for i in members], dtype=np.int64)
@@ -242,6 +248,31 @@ def _group_slots(group: GroupPools, pages: GroupPages, shapes, *, unique: bool) 
         raise ValueError(f"group {group.spec.group_id}: slot {int(slots.max())} lies beyond the pools' {capacity} rows")
     if unique and np.unique(slots).size != slots.size:
         raise ValueError(f"group {group.spec.group_id}: two objects write the same cache row")
+    return slots
+
+
+def _slots_per_view(group: GroupPools, views: Sequence[GroupPages], shapes) -> np.ndarray:
+    """Slots of the rows ``shapes`` (``(first_row, num_rows)`` each), each read through its own
+    page view, one object after the other; ``MissingRows``/``ValueError`` as ``_group_slots``."""
+    counts = np.array([n for _, n in shapes], dtype=np.int64)
+    total = int(counts.sum())
+    if not total:
+        return np.zeros(0, dtype=np.int64)
+    spec, rpp = group.spec, group.spec.rows_per_page
+    owner = np.repeat(np.arange(counts.size), counts)
+    starts = np.cumsum(counts) - counts
+    rows = np.arange(total, dtype=np.int64) - starts[owner] + np.array([f for f, _ in shapes], dtype=np.int64)[owner]
+    sizes = np.array([np.asarray(v.pages).size for v in views], dtype=np.int64)
+    flat = np.concatenate([np.asarray(v.pages, dtype=np.int64) for v in views] + [np.full(1, -1, dtype=np.int64)])
+    logical = rows // rpp - np.array([v.base_page for v in views], dtype=np.int64)[owner]
+    inside = (logical >= 0) & (logical < sizes[owner])
+    page = np.where(inside, flat[np.where(inside, (np.cumsum(sizes) - sizes)[owner] + logical, flat.size - 1)], -1)
+    if (page < 0).any():
+        raise MissingRows(f"group {spec.group_id}: cache row {int(rows[np.argmax(page < 0)])} lies on no held page")
+    slots = page * rpp + rows % rpp
+    capacity = min((p.pool.shape[0] for p in group.planes), default=0) * rpp
+    if int(slots.max()) >= capacity:
+        raise ValueError(f"group {spec.group_id}: slot {int(slots.max())} lies beyond the pools' {capacity} rows")
     return slots
 
 

@@ -1,0 +1,347 @@
+"""What the engine's step thread pays per step with a KV tier on, against the same workload with it off.
+
+    .venv/bin/python bench/tiers_step.py                       # 5 rounds, every variant
+    .venv/bin/python bench/tiers_step.py --rounds 3 --conversations 16 --json PATH
+
+Workload: ``multiturn_workload`` (V4-Flash, conversations sharing a system prompt, each turn
+waiting for the one before, first turns arriving through the run) driven by
+``hybridkv.sim.Simulator`` on a manager of ``--kv-tokens`` tokens (prefix caching on, memory
+tight: cached entries are evicted every few steps) with real byte pools (``new_group_pools``:
+the codecs' pools stand in for device memory, so rows really move). Requests join and finish
+every few steps. After each ``schedule`` the step sleeps ``--forward-ms`` (the device's
+forward pass, not counted: the worker thread may run then, as it would while a GPU computes).
+
+Variants (each a fresh manager, link, store and worker; they take turns within each round):
+
+* ``off``: no tier link;
+* ``<tier>-sync``: the protocol without a worker, as the simulation and the tests run it:
+  ``take_offloads().run(store, pools)`` on the step thread (gather, encode, put);
+* ``<tier>-back``: write-back (evicted entries), ``OffloadPlan.submit`` to an ``OffloadWorker``:
+  evicted rows are gathered on the step thread (their pages are reused by this step), the
+  encode and put run on the worker;
+* ``<tier>-through``: write-through with ``pin_offloads``: published entries' pages are held
+  until ``confirm_offloads``; the gather, encode and put all run on the worker.
+
+With ``--no-loads`` the links only offload (``plan_loads=False``): no tier hits, so every variant
+runs exactly the steps and evictions of ``off`` and the difference is the offload path alone.
+With ``--gate`` the worker is paused (``OffloadWorker.pause``) from the end of each forward
+until the next one starts. ``<tier>`` is ``host`` (``HostTier``) or ``disk`` (``DiskTier`` in a temporary directory).
+Timed on the step thread: everything the simulator times (``check_admission``, ``add_request``,
+``schedule``, ``append_token_ids``, ``free``), plus ``confirm_offloads``, ``take_offloads``, the
+copy before the forward (``submit``, or ``run`` for ``-sync``). Apart: how late the step thread
+wakes from the forward's sleep (the timer's and the OS scheduler's latency in every variant, plus
+any wait for the GIL while the worker thread holds it: what a step thread waiting for its device
+would wait too). Loads of tier hits (a request
+whose prefix came back from the store: fetch, verify, scatter on the step thread) are timed
+apart and reported beside (they replace prefill compute; they are not offload).
+
+Reported per variant: p50 and p99 of the per-step cost, the total over the run's steps, and
+the ratio of totals against ``off`` within each round (median over rounds and its range); the
+same ratio with the wake-up delays added (``x off +wake``; on a busy machine the scheduler's
+latency dominates them); the step thread's CPU time (``time.thread_time``: everything the
+thread ran per step, the simulator's own bookkeeping included, loads apart; neither waits for a
+core nor for the GIL count) and its ratio; offload objects, pinned, dropped, and the load time. Writes a table and JSON (default bench/out/tiers_step.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hybridkv.manager import CacheManager
+from hybridkv.models.layout import cache_layout
+from hybridkv.plan import Limits, plan_for_tokens
+from hybridkv.sim.driver import Simulator
+from hybridkv.sim.workloads import LengthDistribution, multiturn_workload
+from hybridkv.tierlink import TierLink
+from hybridkv.tiers import DiskTier, HostTier, ObjectStore, OffloadWorker, new_group_pools
+
+OUT = Path(__file__).parent / "out" / "tiers_step.json"
+TARGET_RATIO = 1.2
+VARIANTS = ("off", "host-sync", "host-back", "host-through", "disk-back", "disk-through")
+
+
+class StepEngine:
+    """The engine's side in the simulator: offloads (and loads) per variant, timed per step."""
+
+    def __init__(self, manager: CacheManager, link: TierLink | None, pools: dict, worker: OffloadWorker | None,
+                 forward_s: float, gate: bool = False):
+        self.manager, self.link, self.pools, self.worker, self.forward_s = manager, link, pools, worker, forward_s
+        self.gate = gate  # pause the worker outside the forward
+        self.tier_us = 0.0  # this step's tier work on the step thread
+        self.load_us = 0.0  # this step's loads
+        self.wake_us = 0.0  # how late the step thread woke from this step's forward
+        self.steps_wake_us: list[float] = []
+        self.load_cpu_us = 0.0
+        self.steps_cpu_us: list[float] = []  # the step thread's CPU time per step, loads apart
+        self._cpu_mark = time.thread_time()
+        self.steps_tier_us: list[float] = []
+        self.steps_load_us: list[float] = []
+        self._forward_done = False
+        self.parts_us = {"confirm": 0.0, "take": 0.0, "copy": 0.0}  # the run's tier work, by call
+
+    def end_step(self, *_: object) -> None:
+        self.steps_tier_us.append(self.tier_us)
+        self.steps_load_us.append(self.load_us)
+        self.steps_wake_us.append(self.wake_us)
+        now = time.thread_time()
+        self.steps_cpu_us.append((now - self._cpu_mark) * 1e6 - self.load_cpu_us)
+        self._cpu_mark, self.load_cpu_us = now, 0.0
+        self.tier_us = self.load_us = self.wake_us = 0.0
+        self._forward_done = False
+
+    def offload(self) -> None:
+        t0 = time.perf_counter()
+        if self.link is not None:
+            self._offload()
+        self.tier_us += (time.perf_counter() - t0) * 1e6
+        if not self._forward_done:  # the first call of a step follows its schedule: the forward
+            self._forward_done = True
+            if self.worker is not None and self.gate:
+                self.worker.resume()  # the worker runs while the device computes
+            start = time.perf_counter()
+            time.sleep(self.forward_s)
+            if self.worker is not None and self.gate:
+                self.worker.pause()
+            # Waking late is the step's too: the timer's slack, and any wait for the GIL the
+            # worker holds (a step thread waiting for its device is as late as this).
+            self.wake_us += max(0.0, time.perf_counter() - start - self.forward_s) * 1e6
+
+    def _offload(self) -> None:
+        link, parts = self.link, self.parts_us
+        t0 = time.perf_counter()
+        if self.worker is not None:
+            link.confirm_offloads(self.worker.finished())
+        t1 = time.perf_counter()
+        plan = link.take_offloads()
+        t2 = time.perf_counter()
+        if self.worker is None:
+            plan.run(link.store, self.pools)
+        else:
+            plan.submit(self.worker, self.pools)
+        t3 = time.perf_counter()
+        parts["confirm"] += (t1 - t0) * 1e6
+        parts["take"] += (t2 - t1) * 1e6
+        parts["copy"] += (t3 - t2) * 1e6
+
+    def load(self, rid: str) -> tuple[int, bool]:
+        link = self.link
+        if link is None or not link.pending(rid):
+            return self.manager.num_computed_tokens(rid), False
+        t0, c0 = time.perf_counter(), time.thread_time()
+        denied = link.stats().denied_loads
+        for _ in range(64):
+            if not link.pending(rid):
+                break
+            loads = link.take_loads()
+            self._offload()
+            if self.worker is not None:  # a load may read what an offload just queued
+                self.worker.drain()
+                link.confirm_offloads(self.worker.finished())
+            for load in loads:
+                link.confirm_load(load.request_id, load.plan.run(link.store, self.pools, load.targets))
+        self.load_us += (time.perf_counter() - t0) * 1e6
+        self.load_cpu_us += (time.thread_time() - c0) * 1e6
+        return link.manager.num_computed_tokens(rid), link.stats().denied_loads > denied
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.link.confirm_offloads(self.worker.finished())
+
+
+def workload(args) -> list:
+    return multiturn_workload(
+        args.conversations, args.turns, seed=args.seed, system_prompt_tokens=args.system_tokens,
+        user_message_lengths=LengthDistribution(median_tokens=384, sigma=0.6, min_tokens=32, max_tokens=2048),
+        answer_lengths=LengthDistribution(median_tokens=48, sigma=0.6, min_tokens=8, max_tokens=256),
+        arrival_rate_per_step=args.arrival_rate,
+    )
+
+
+def new_store(kind: str, layout, tmp: str, index: int) -> ObjectStore:
+    if kind == "host":
+        return ObjectStore(HostTier(8 << 30), layout)
+    return ObjectStore(DiskTier(os.path.join(tmp, f"disk{index}")), layout)
+
+
+def run_variant(variant: str, plan, pools, requests, args, tmp: str, index: int) -> dict:
+    link = worker = None
+    if variant != "off":
+        kind, mode = variant.split("-")
+        store = new_store(kind, plan.layout, tmp, index)
+        link = TierLink(store, write_through=mode == "through", pin_offloads=mode == "through",
+                        plan_loads=not args.no_loads)
+        if mode != "sync":
+            worker = OffloadWorker(store, max_queued_objects=args.queue_objects, put_batch_objects=args.put_batch)
+    manager = CacheManager.from_plan(plan, enable_prefix_caching=True, tier_link=link)
+    engine = StepEngine(manager, link, pools, worker, args.forward_ms / 1e3, gate=args.gate)
+    sim = Simulator(manager, requests, max_running=plan.limits.max_running_requests,
+                    step_token_budget=plan.limits.max_scheduled_tokens, tier=engine)
+    gc.collect()
+    gc.disable()  # a collection's pause lands on whichever step it hits
+    try:
+        result = sim.run(on_step=engine.end_step)
+    finally:
+        gc.enable()
+    engine.close()
+    manager.check_invariants()
+    steps = np.asarray(result.manager_us) + np.asarray(engine.steps_tier_us)
+    out = {
+        "steps": int(steps.size),
+        "step_us": steps.tolist(),
+        "load_us_total": float(sum(engine.steps_load_us)),
+        "wake_us": engine.steps_wake_us,
+        "cpu_us": engine.steps_cpu_us,
+        "manager_us_total": float(np.sum(result.manager_us)),
+        "tier_us_total": float(sum(engine.steps_tier_us)),
+        "tier_parts_us": engine.parts_us,
+        "hit_tokens": int(result.hit_tokens.sum()),
+        "scheduled_tokens": int(result.scheduled_tokens.sum()),
+        "evicted_pages": int(sum(s.evicted_pages for s in manager.stats().values())),
+    }
+    if link is not None:
+        st = link.stats()
+        out.update(offload_objects=st.offload_objects, offload_pinned=st.offload_pinned,
+                   offload_dropped=st.offload_dropped, offload_bytes=st.offload_bytes,
+                   confirmed_loads=st.confirmed_loads, pinned_pages_left=st.pinned_pages)
+    return out
+
+
+def run(args) -> dict:
+    layout = cache_layout("deepseek-v4-flash")
+    limits = Limits(max_running_requests=args.running, max_scheduled_tokens=args.step_tokens,
+                    max_context_tokens=16384, speculative_tokens=1)
+    plan = plan_for_tokens(layout, args.kv_tokens, limits)
+    pools = new_group_pools(layout, plan.group_pages)
+    for group in pools.values():
+        for plane in group.planes:
+            plane.pool.fill(7)  # touch the memory once (rows really move)
+    requests = workload(args)
+    variants = [v for v in args.variants.split(",")]
+    rounds: list[dict] = []
+    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+        for i, v in enumerate(variants):  # warm-up, not reported: first calls compile and fault pages in
+            run_variant(v, plan, pools, requests[: len(requests) // 3], args, tmp, 10_000 + i)
+        for r in range(args.rounds):
+            order = variants[r % len(variants):] + variants[: r % len(variants)]
+            got = {v: run_variant(v, plan, pools, requests, args, tmp, r * 100 + i) for i, v in enumerate(order)}
+            rounds.append(got)
+            print(f"round {r + 1}/{args.rounds}: " + ", ".join(
+                f"{v} {sum(got[v]['step_us']) / 1e3:.0f} ms" for v in variants), flush=True)
+    return {
+        "model": "deepseek-v4-flash",
+        "kv_tokens": args.kv_tokens,
+        "limits": {"running": args.running, "step_tokens": args.step_tokens},
+        "workload": {"conversations": args.conversations, "turns": args.turns, "system_tokens": args.system_tokens,
+                     "arrival_rate": args.arrival_rate, "requests": len(requests)},
+        "forward_ms": args.forward_ms,
+        "loads": not args.no_loads,
+        "gate": args.gate,
+        "switch_interval_ms": sys.getswitchinterval() * 1e3,
+        "rounds": args.rounds,
+        "cpus": os.cpu_count(),
+        "load_average_1m": os.getloadavg()[0],
+        "summary": summarize(rounds, variants),
+        "per_round": [{v: {k: x for k, x in d.items() if not isinstance(x, list)} for v, d in got.items()}
+                      for got in rounds],
+    }
+
+
+def _ratios(rounds: list[dict], v: str, field: str) -> list[float]:
+    return [sum(r[v][field]) / sum(r["off"][field]) for r in rounds]
+
+
+def summarize(rounds: list[dict], variants: list[str]) -> dict:
+    out = {}
+    for v in variants:
+        steps = np.concatenate([np.asarray(r[v]["step_us"]) for r in rounds])
+        woken = np.concatenate([np.asarray(r[v]["step_us"]) + np.asarray(r[v]["wake_us"]) for r in rounds])
+        for r in rounds:
+            r[v]["woken_us"] = (np.asarray(r[v]["step_us"]) + np.asarray(r[v]["wake_us"])).tolist()
+        ratios, woken_ratios = _ratios(rounds, v, "step_us"), _ratios(rounds, v, "woken_us")
+        cpu_ratios = _ratios(rounds, v, "cpu_us")
+        last = rounds[-1][v]
+        out[v] = {
+            "p50_us": float(np.percentile(steps, 50)),
+            "p99_us": float(np.percentile(steps, 99)),
+            "total_ms_median": statistics.median(sum(r[v]["step_us"]) / 1e3 for r in rounds),
+            "ratio_median": statistics.median(ratios),
+            "ratio_range": [min(ratios), max(ratios)],
+            "wake_ms_median": statistics.median(sum(r[v]["wake_us"]) / 1e3 for r in rounds),
+            "with_wake_p99_us": float(np.percentile(woken, 99)),
+            "with_wake_ratio_median": statistics.median(woken_ratios),
+            "cpu_ms_median": statistics.median(sum(r[v]["cpu_us"]) / 1e3 for r in rounds),
+            "cpu_ratio_median": statistics.median(cpu_ratios),
+            "load_ms_median": statistics.median(r[v]["load_us_total"] / 1e3 for r in rounds),
+            **{k: last[k] for k in ("steps", "evicted_pages", "hit_tokens", "offload_objects", "offload_pinned",
+                                    "offload_dropped", "confirmed_loads") if k in last},
+        }
+    return out
+
+
+def print_report(report: dict) -> None:
+    print(f"\nV4-Flash, {report['kv_tokens']:,} KV tokens, {report['workload']['requests']} requests, "
+          f"forward {report['forward_ms']} ms (not counted), GIL switch interval {report['switch_interval_ms']:g} ms, "
+          f"{'loads on' if report['loads'] else 'no loads'}, {'gated worker, ' if report['gate'] else ''}"
+          f"{report['rounds']} rounds, load average {report['load_average_1m']:.1f} on {report['cpus']} CPUs")
+    head = ("variant", "steps", "p50 us", "p99 us", "total ms", "x off", "x off range", "wake ms", "x off +wake",
+            "cpu ms", "cpu x off",
+            "objects", "pinned", "dropped", "evicted pg", "loads ms")
+    print(" | ".join(head))
+    for v, s in report["summary"].items():
+        print(" | ".join(str(x) for x in (
+            v, s["steps"], f"{s['p50_us']:.0f}", f"{s['p99_us']:.0f}", f"{s['total_ms_median']:.0f}",
+            f"{s['ratio_median']:.3f}", f"{s['ratio_range'][0]:.2f}-{s['ratio_range'][1]:.2f}",
+            f"{s['wake_ms_median']:.0f}", f"{s['with_wake_ratio_median']:.3f}",
+            f"{s['cpu_ms_median']:.0f}", f"{s['cpu_ratio_median']:.3f}",
+            s.get("offload_objects", ""), s.get("offload_pinned", ""), s.get("offload_dropped", ""),
+            s["evicted_pages"], f"{s['load_ms_median']:.0f}")))
+    print(f"target: the step's cost with a tier on <= {TARGET_RATIO}x off (loads apart)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--kv-tokens", type=int, default=24576)
+    ap.add_argument("--running", type=int, default=16)
+    ap.add_argument("--step-tokens", type=int, default=2048)
+    ap.add_argument("--conversations", type=int, default=24)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--system-tokens", type=int, default=1024)
+    ap.add_argument("--arrival-rate", type=float, default=0.5)
+    ap.add_argument("--forward-ms", type=float, default=10.0)
+    ap.add_argument("--queue-objects", type=int, default=512)
+    ap.add_argument("--put-batch", type=int, default=16, help="objects per put on the worker")
+    ap.add_argument("--no-loads", action="store_true",
+                    help="links offload only (plan_loads=False): every variant runs the off workload's steps")
+    ap.add_argument("--gate", action="store_true", help="pause the worker outside the forward")
+    ap.add_argument("--switch-interval-ms", type=float, default=None,
+                    help="sys.setswitchinterval for the run (default: Python's, 5 ms)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tmp", default=None, help="where the disk tier's directory goes (default: the system's)")
+    ap.add_argument("--json", type=Path, default=OUT)
+    args = ap.parse_args()
+    if "off" not in args.variants.split(","):
+        ap.error("--variants must include off (the ratios are against it)")
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    report = run(args)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1))
+    print_report(report)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

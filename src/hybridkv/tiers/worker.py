@@ -1,0 +1,178 @@
+"""Puts to a tier off the engine's step thread: one worker thread, a bounded queue.
+
+:class:`OffloadWorker` runs *jobs*: a job makes its objects (a callable run on
+the worker, e.g. rows gathered from pages the manager keeps for it, or
+objects gathered before) and puts them through an
+:class:`~hybridkv.tiers.store.ObjectStore`. :meth:`OffloadWorker.submit` never
+waits: a job that would take the queue past ``max_queued_objects`` is dropped
+and counted. Every job submitted, run or dropped, comes back exactly once from
+:meth:`OffloadWorker.finished` with its ticket and, per object, whether a tier
+stored it (``True``), refused it (``False``) or never got it (``None``: the job
+was dropped or failed), so the caller can let go of whatever it kept for the job. A job that raises is counted as failed and stores
+nothing more; the worker goes on.
+
+The worker touches nothing but the job's callable and the store; the caller
+(the engine's thread) keeps the pages the callable reads unchanged until the
+ticket comes back. The worker is a Python thread: the encode (checksum, one
+copy into ``bytes``) and a host tier's ``put`` hold the GIL, so an engine may
+:meth:`OffloadWorker.pause` it while its step thread schedules and
+:meth:`OffloadWorker.resume` it while the device computes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, replace
+
+from hybridkv.tiers.objects import RowsObject
+from hybridkv.tiers.store import ObjectStore
+
+
+@dataclass
+class OffloadWorkerStats:
+    submitted_jobs: int = 0
+    submitted_objects: int = 0
+    dropped_jobs: int = 0  # the queue was full: nothing of the job was put
+    dropped_objects: int = 0
+    failed_jobs: int = 0  # the job's callable or the put raised
+    stored_objects: int = 0
+    refused_objects: int = 0  # put, and no tier stored them
+    queued_objects: int = 0  # waiting or running now
+    last_error: str | None = None
+
+
+_STOP = object()
+
+
+class OffloadWorker:
+    """One thread putting the objects of submitted jobs, at most ``max_queued_objects`` queued,
+    ``put_batch_objects`` to a ``put`` (Mooncake's batch puts plateau near 16)."""
+
+    def __init__(self, store: ObjectStore, *, max_queued_objects: int = 1024, put_batch_objects: int = 16,
+                 name: str = "hybridkv-offload"):
+        if not isinstance(store, ObjectStore):
+            raise TypeError(f"store must be an ObjectStore, got {type(store).__name__}")
+        if isinstance(max_queued_objects, bool) or not isinstance(max_queued_objects, int) or max_queued_objects < 1:
+            raise ValueError(f"max_queued_objects must be a positive int, got {max_queued_objects!r}")
+        if isinstance(put_batch_objects, bool) or not isinstance(put_batch_objects, int) or put_batch_objects < 1:
+            raise ValueError(f"put_batch_objects must be a positive int, got {put_batch_objects!r}")
+        self.store = store
+        self.max_queued_objects = max_queued_objects
+        self.put_batch_objects = put_batch_objects
+        self._stats = OffloadWorkerStats()
+        self._cond = threading.Condition()
+        self._jobs: deque = deque()
+        self._done: deque = deque()
+        self._busy = False
+        self._closed = False
+        self._running = threading.Event()  # cleared by pause(): the worker waits between puts
+        self._running.set()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    # --- the caller's side ----------------------------------------------------------
+    def submit(self, ticket: Hashable, make_objects: Callable[[], Sequence[RowsObject]], num_objects: int) -> bool:
+        """Queue a job of ``num_objects`` objects; False when it does not fit (dropped, counted,
+        and reported by :meth:`finished` like any other). Never waits for the tier."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the offload worker is closed")
+            self._stats.submitted_jobs += 1
+            self._stats.submitted_objects += num_objects
+            if self._stats.queued_objects + num_objects > self.max_queued_objects:
+                self._stats.dropped_jobs += 1
+                self._stats.dropped_objects += num_objects
+                self._done.append((ticket, [None] * num_objects))
+                return False
+            self._stats.queued_objects += num_objects
+            self._jobs.append((ticket, make_objects, num_objects))
+            if not self._busy:  # a busy worker takes the next job without waiting
+                self._cond.notify_all()
+            return True
+
+    def finished(self) -> list[tuple[Hashable, list[bool | None]]]:
+        """Jobs done (or dropped) since the last call: ``(ticket, per object True stored,
+        False refused by the tier, None dropped or failed)``."""
+        if not self._done:  # nothing finished: no lock taken (the step thread calls this every step)
+            return []
+        with self._cond:
+            out = list(self._done)
+            self._done.clear()
+        return out
+
+    def pause(self) -> None:
+        """Hold the worker at its next job or put (what it is doing finishes): the step thread
+        calls this when it leaves its device wait, so the worker does not take the GIL from
+        it while it schedules. :meth:`resume` lets it go on."""
+        self._running.clear()
+
+    def resume(self) -> None:
+        """Let a paused worker go on (the step thread calls this before it waits for its device)."""
+        self._running.set()
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Resume the worker and wait until every queued job has run; False if ``timeout_s``
+        passed first."""
+        self._running.set()
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._jobs and not self._busy, timeout_s)
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Run what is queued, then stop the thread; False if it did not stop within ``timeout_s``.
+        Call :meth:`finished` afterwards for the last tickets."""
+        self._running.set()
+        with self._cond:
+            if not self._closed:
+                self._closed = True
+                self._jobs.append(_STOP)
+                self._cond.notify_all()
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def stats(self) -> OffloadWorkerStats:
+        with self._cond:
+            return replace(self._stats)
+
+    def __enter__(self) -> OffloadWorker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- the worker thread ------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._jobs))
+                job = self._jobs.popleft()
+                if job is _STOP:
+                    self._cond.notify_all()
+                    return
+                self._busy = True
+            ticket, make_objects, num_objects = job
+            self._running.wait()
+            stored, error = self._run(make_objects)
+            with self._cond:
+                self._busy = False
+                self._stats.queued_objects -= num_objects
+                if stored is None:
+                    self._stats.failed_jobs += 1
+                    self._stats.last_error = error
+                    stored = [None] * num_objects
+                else:
+                    self._stats.stored_objects += sum(stored)
+                    self._stats.refused_objects += len(stored) - sum(stored)
+                self._done.append((ticket, stored))
+                self._cond.notify_all()
+
+    def _run(self, make_objects: Callable[[], Sequence[RowsObject]]) -> tuple[list[bool] | None, str | None]:
+        try:
+            objects, stored = list(make_objects()), []
+            for at in range(0, len(objects), self.put_batch_objects):
+                self._running.wait()  # paused between puts, not within one
+                stored += self.store.put(objects[at : at + self.put_batch_objects])
+            return stored, None
+        except Exception as exc:  # a job's fault is counted, never raised into the worker's loop
+            return None, f"{type(exc).__name__}: {exc}"
