@@ -552,6 +552,20 @@ class PageSpace:
                 n_freed += f
         self.released(counts, keyed)
 
+    def low_floors(self, out: np.ndarray) -> np.ndarray:
+        """``out[g]``: for a lowest-first pool that now reuses idle low-priority pages in
+        id order (``pack_low_priority``), a lower bound of their ids (the smallest id
+        its heap lists, possibly stale) or ``kernels.NO_LOW_IDLE`` when it has none;
+        ``kernels.NO_PACKING`` for every other pool. What ``kernels.needs_room`` reads."""
+        for g, pool in enumerate(self.pools):
+            if not pool.lowest_first or not pool.pack_low_priority():
+                out[g] = kernels.NO_PACKING
+            elif pool.num_low_priority_idle_pages and pool._low_idle:
+                out[g] = pool._low_idle[0]
+            else:
+                out[g] = kernels.NO_LOW_IDLE
+        return out
+
     def released(self, counts: np.ndarray, keyed: np.ndarray) -> None:
         """Book pages a release took from requests: ``counts[0, g]`` went free (already
         on the stacks), ``counts[1, g]`` keyed ones went idle (``keyed``, local ids, group
