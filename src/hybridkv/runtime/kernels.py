@@ -506,15 +506,6 @@ def release_credit(geometry, pages, bounds, ref, g, rows, new_base, credit, sole
 
 
 @njit(cache=True)
-def within_known(computed, known, rows, counts):
-    """Whether ``computed[row] + count <= known[row]`` for every row (pure)."""
-    for r in range(rows.size):
-        if computed[rows[r]] + counts[r] > known[rows[r]]:
-            return False
-    return True
-
-
-@njit(cache=True)
 def read_cells(pages, index, group, row, column, page):
     """Group, row, column and page id now of each flat cell ``index[i]`` of ``pages``."""
     n_rows, n_cols = pages.shape[1], pages.shape[2]
