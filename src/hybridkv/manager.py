@@ -911,12 +911,9 @@ class CacheManager:
         updates = block_tables == "updates"
         verdict = self._cached_verdict(items, uniform, fixed_width)
         if verdict is None and not fixed_width:
-            fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
-            if fast is not None and not (self.pending_loads and not self.pending_loads.isdisjoint(fast[2])):
-                done = self._step(fast, write_slots, updates)
-                if isinstance(done, StepBatch):
-                    return done
-                verdict = None if done is None else self._admit(items, fixed_width, uniform, planned=done)
+            verdict = self._fast_step(items, uniform, write_slots, updates)
+            if isinstance(verdict, StepBatch):
+                return verdict
         if verdict is None:
             verdict = self._admit(items, fixed_width, uniform)
         refusal = verdict.refusal(len(items) if uniform is None else len(uniform[0]))
@@ -947,6 +944,17 @@ class CacheManager:
                 and cached[1] == items):
             return cached[3]
         return None
+
+    def _fast_step(self, items, uniform, write_slots: bool, updates: bool) -> StepBatch | _Verdict | None:
+        """The step of valid pairs through ``_step``: its batch, or the verdict on the
+        plan it made; None when some item is invalid (``_admit`` words why)."""
+        fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
+        if fast is None or (self.pending_loads and not self.pending_loads.isdisjoint(fast[2])):
+            return None
+        done = self._step(fast, write_slots, updates)
+        if done is None or isinstance(done, StepBatch):
+            return done
+        return self._admit(items, False, uniform, planned=done)
 
     def _step(self, fast: tuple, write_slots: bool, updates: bool) -> StepBatch | _StepPlan | None:
         """A step of valid items (``fast``: rows, counts, request ids) in one compiled call
