@@ -123,6 +123,7 @@ class _Scratch:
         self.pages = np.empty(0, dtype=np.int32)
         self.idle_keyed = np.empty(0, dtype=np.int64)
         self.touched = np.empty(0, dtype=np.int64)
+        self.low_floor = np.empty(n_groups, dtype=np.int64)
 
     def plan_buffers(self, n_rows: int) -> tuple:
         """``prepare_step``'s outputs for ``n_rows`` rows: rows, counts, first, after,
@@ -221,7 +222,6 @@ class CacheManager:
         self.arena = Arena(arena, self.pools) if arena is not None else None
         # On an arena, prefill pages released again at the next step come last (highest ids).
         self._transient = np.full(len(self.specs), arena is not None, dtype=np.bool_)
-        self._lowest_pools = [pool for pool in self._pool_list if pool.lowest_first]
         self._scratch = _Scratch(len(self.specs))
         self._tableset = TableSet(
             self.specs, max_context_tokens=self.max_context_tokens, max_step_tokens=self.max_step_tokens,
@@ -498,15 +498,19 @@ class CacheManager:
             fits(lo)  # leave the answer's admission cached for schedule()
         return lo
 
-    def _admit(self, items, fixed_width, uniform=None) -> _Verdict:
+    def _admit(self, items, fixed_width, uniform=None, planned: _StepPlan | None = None) -> _Verdict:
         """Stages 1 and 2 of a step, pure: validate the items, plan every row (the
         settling ones first), and decide which requests fit. ``uniform`` (request ids,
-        one count) stands for ``items`` when given."""
+        one count) stands for ``items`` when given; ``planned``: the plan of the items,
+        every one valid, already made (``_step``)."""
         if fixed_width and self.table_widths is None:
             raise CacheManagerError(
                 "fixed_width needs capture widths: build the manager with table_widths (from_plan does)"
             )
-        answers, ok_idx, plan = self._validated_plan(items, fixed_width, uniform)
+        if planned is not None:
+            answers, ok_idx, plan = [None] * len(planned.request_ids), range(len(planned.request_ids)), planned
+        else:
+            answers, ok_idx, plan = self._validated_plan(items, fixed_width, uniform)
         if plan is None:
             return _Verdict(answers, ok_idx, np.zeros(0, dtype=bool), {}, None)
         fits = np.ones(plan.rows.size, dtype=bool)
@@ -849,6 +853,11 @@ class CacheManager:
             totals)
         if n < 0:
             return None  # a row twice, or past its known tokens: the per-item path words it
+        return self._plan_of(n, settle, n_crossing, clean)
+
+    def _plan_of(self, n: int, settle: int, n_crossing: int, clean: bool) -> _StepPlan:
+        """The ``_StepPlan`` that ``prepare_step`` just wrote to the scratch buffers."""
+        rows, counts, first, after, need, sums, crossing, totals = self._scratch.plan
         return _StepPlan(rows[:n], counts[:n], first[:n], after[:, :, :n], need[:, :n], sums,
                          crossing[:n_crossing], settle, clean, tuple(totals.tolist()))
 
@@ -899,87 +908,144 @@ class CacheManager:
     def _schedule(self, items, uniform, fixed_width: bool, block_tables: str, write_slots: bool = True) -> StepBatch:
         """``schedule`` of ``items``, or of ``uniform`` = (request ids, one count for all), in
         five stages: admit (validate and plan, pure), commit the previous step's tokens,
-        release, allocate, build the batch."""
+        release, allocate, build the batch. Most steps take ``_step``'s one compiled call."""
         _check_step_options(items if uniform is None else uniform[0], block_tables, write_slots)
         if self.tier_link is not None:
             self.tier_link.check_schedule()
-        verdict = self._verdict_for(items, uniform, fixed_width)
+        updates = block_tables == "updates"
+        verdict = self._cached_verdict(items, uniform, fixed_width)
+        if verdict is None and not fixed_width:
+            verdict = self._fast_step(items, uniform, write_slots, updates)
+            if isinstance(verdict, StepBatch):
+                return verdict
+        if verdict is None:
+            verdict = self._admit(items, fixed_width, uniform)
         refusal = verdict.refusal(len(items) if uniform is None else len(uniform[0]))
         if refusal is not None:
             raise CacheManagerError(refusal)
         plan = verdict.plan
         if plan.request_ids is None:
             plan.request_ids = uniform[0] if items is None else tuple(map(itemgetter(0), items))
+        return self._commit_and_run(plan, write_slots, updates, fixed_width)
+
+    def _commit_and_run(self, plan: _StepPlan, write_slots: bool, updates: bool, fixed_width: bool) -> StepBatch:
+        """An admitted plan's stages 2-4: commit, run, build the batch."""
         self._version += 1
         if self.prefix is not None:
             for row in plan.crossing.tolist():  # publish what the rows' previous steps completed
                 self._commit_row(row)
-        updates = block_tables == "updates"
-        if updates:
-            self._tableset.start_log()  # after full-mode steps (or at first) the batch is a resync
-        else:
-            self._tableset.stop_log()
+        self._tableset.start_log() if updates else self._tableset.stop_log()
         arrays = self._run(plan, write_slots)
-        self._last_rows = plan.rows[plan.settle :].copy()  # the plan's arrays are scratch
-        return self._build_batch(plan, arrays, fixed_width, updates)
+        rows = plan.rows[plan.settle :]
+        self._last_rows = rows.copy()  # the plan's arrays are scratch
+        return self._build_batch(rows, plan.request_ids, arrays, fixed_width, updates)
 
-    def _verdict_for(self, items, uniform, fixed_width: bool) -> _Verdict:
-        """The admission of this step: the last ``check_admission``'s when it checked the
-        same items and nothing changed since, else a new one."""
+    def _cached_verdict(self, items, uniform, fixed_width: bool) -> _Verdict | None:
+        """The last ``check_admission``'s verdict when it checked the same items and
+        nothing changed since (used once)."""
         cached, self._admitted = self._admitted, None
         if (uniform is None and cached is not None and cached[0] == self._version and cached[2] == fixed_width
                 and cached[1] == items):
-            verdict = cached[3]
-        else:
-            verdict = self._admit(items, fixed_width, uniform)
-        return verdict
+            return cached[3]
+        return None
+
+    def _fast_step(self, items, uniform, write_slots: bool, updates: bool) -> StepBatch | _Verdict | None:
+        """The step of valid pairs through ``_step``: its batch, or the verdict on the
+        plan it made; None when some item is invalid (``_admit`` words why)."""
+        fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
+        if fast is None or (self.pending_loads and not self.pending_loads.isdisjoint(fast[2])):
+            return None
+        done = self._step(fast, write_slots, updates)
+        if done is None or isinstance(done, StepBatch):
+            return done
+        return self._admit(items, False, uniform, planned=done)
+
+    def _step(self, fast: tuple, write_slots: bool, updates: bool) -> StepBatch | _StepPlan | None:
+        """A step of valid items (``fast``: rows, counts, request ids) in one compiled call
+        (``kernels.step``): plan, and when every group's free stack covers the plan (it is
+        admitted as is) and no row must commit first, run it; the batch (a second call
+        runs it after the commits). Else (nothing changed) the plan, for ``_admit`` and
+        the stages after it, or None when there is none (a row twice, or past its known
+        tokens)."""
+        rows_in, counts_in, rids = fast
+        out = _StepArrays.empty(len(self.specs), rows_in.size, int(counts_in.sum()), write_slots)
+        sc, space, ts = self._scratch, self._space, self._tableset
+        plan_arrays = sc.plan_arrays(rows_in.size + self._last_rows.size)
+        grain = self.prefix.granularity_tokens if self.prefix is not None else 0
+        status, n, settle, n_crossing, clean, n_touched, _ = kernels.step(
+            ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, self._known, space.ref_counts,
+            space.cached, space.low_priority, space.stack, space.tops, space.lowest_first,
+            space.low_floors(sc.low_floor), self._transient, self._last_rows, rows_in, counts_in, grain,
+            self._in_batch, *plan_arrays, sc.pages, sc.idle_keyed, sc.released, sc.touched, *out.arrays())
+        if status == kernels.STEP_PLANNED:
+            if n < 0:
+                return None
+            plan = self._plan_of(n, settle, n_crossing, clean)
+            plan.request_ids = rids
+            if not clean:
+                return plan
+            plan.grants = []  # admitted as is: rows commit first, or the scratch buffers grow
+            return self._commit_and_run(plan, write_slots, updates, False)
+        self._version += 1
+        ts.start_log() if updates else ts.stop_log()
+        plan = self._plan_of(n, settle, n_crossing, clean) if status != kernels.STEP_DONE else None
+        if plan is not None:
+            plan.grants = []
+        self._after_run(plan_arrays[5], plan_arrays[7].tolist(), status, n_touched, plan, out)
+        rows = plan_arrays[0][settle:n]
+        self._last_rows = rows.copy()
+        return self._build_batch(rows, rids, out, False, updates)
 
     def _run(self, plan: _StepPlan, write_slots: bool) -> _StepArrays:
         """Release, allocate and the batch's arrays in one compiled call
-        (``kernels.run_step``). Python steps in between only when the kernel stops after
-        the releases: to lend the arena's slabs admission planned, and to make room
-        (``PagePool.make_room``: evict) in the groups that need it."""
+        (``kernels.run_step``); ``_after_run`` books them."""
         n_tokens, released_pages, most_released, allocated_pages = plan.totals
         out = _StepArrays.empty(len(self.specs), plan.rows.size - plan.settle, n_tokens, write_slots)
         scratch, idle_keyed, released, touched = self._scratch.reserve(most_released, released_pages,
                                                                         allocated_pages)
         space, ts = self._space, self._tableset
-        state = (ts.geometry, ts.pages, ts.bounds, self._computed)
-        step = (plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums)
-        status, n_touched, n_keyed = kernels.run_step(
-            *state, self._committed, space.ref_counts, space.cached, space.stack, space.tops, space.lowest_first,
-            space.low_idle, self._transient, *step, bool(plan.grants), self._packing(), scratch, idle_keyed,
-            released, touched, *out.arrays())
-        if released_pages:
-            space.released(released, idle_keyed)
-        allocated = plan.sums[1].tolist() if allocated_pages else ()
+        status, n_touched, _ = kernels.run_step(
+            ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
+            space.low_priority, space.stack, space.tops, space.lowest_first,
+            space.low_floors(self._scratch.low_floor), self._transient, plan.rows, plan.counts, plan.first,
+            plan.settle, plan.after, plan.sums, bool(plan.grants), scratch, idle_keyed, released, touched,
+            *out.arrays())
+        self._after_run(plan.sums, plan.totals, status, n_touched, plan, out)
+        return out
+
+    def _after_run(self, sums: np.ndarray, totals, status: int, n_touched: int, plan: _StepPlan | None,
+                   out: _StepArrays) -> None:
+        """Book what the step kernel did: the pages it released (keyed ones join the prefix
+        cache's LRU), and when it stopped after the releases, the arena's slabs move as
+        admission planned, groups make room (``PagePool.make_room``: evict) and
+        ``finish_step`` allocates; then the allocations and the touched table cells."""
+        space, ts, sc = self._space, self._tableset, self._scratch
+        if totals[1]:
+            space.released(sc.released, sc.idle_keyed)
+        allocated = sums[1].tolist() if totals[3] else ()
         if status != kernels.STEP_DONE:
             if plan.grants:
                 self.arena.apply(plan.grants)
             for pool, n in zip(self._pool_list, allocated):
                 if n:
                     pool.make_room(n)
-            n_touched = kernels.finish_step(*state, space.ref_counts, space.stack, space.tops, space.lowest_first,
-                                            self._transient, *step, touched, n_touched, *out.arrays())
+            n_touched = kernels.finish_step(
+                ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.tops,
+                space.lowest_first, self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after,
+                plan.sums, sc.touched, n_touched, *out.arrays())
         for pool, n in zip(self._pool_list, allocated):
             if n:
                 pool.note_allocated(n)
         if ts.log is not None and n_touched:
-            ts.note_cells(touched[:n_touched].copy())
-        return out
+            ts.note_cells(sc.touched[:n_touched].copy())
 
-    def _packing(self) -> bool:
-        """Whether some lowest-first pool now reuses idle low-priority pages in id order
-        before taking free ones (its ``pack_low_priority``; an arena says so once no
-        slab is spare)."""
-        return any(pool.pack_low_priority() for pool in self._lowest_pools)
-
-    def _build_batch(self, plan: _StepPlan, out: _StepArrays, fixed_width: bool, updates: bool) -> StepBatch:
-        """The step's ``StepBatch``: block tables, or with ``updates`` the table cells changed."""
+    def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
+                     updates: bool) -> StepBatch:
+        """The step's ``StepBatch`` of table ``rows``: block tables, or with ``updates`` the
+        table cells changed."""
         widths = self._capture_widths if fixed_width else tuple(out.widths.tolist())
         ts, table_updates = self._tableset, None
         if not updates:
-            rows = plan.rows[plan.settle :]
             tables = [ts.block_table(k, rows, width) for k, width in enumerate(widths)]
         else:
             tables = [None] * len(widths)
@@ -992,7 +1058,7 @@ class CacheManager:
             for k, (gid, sliding) in enumerate(self._group_sliding)
         }
         return StepBatch(
-            request_ids=plan.request_ids,
+            request_ids=request_ids,
             num_scheduled_tokens=out.scheduled,
             query_start_loc=out.query_start_loc,
             positions=out.positions,

@@ -365,34 +365,37 @@ class PagePool:
         ``low_priority`` entries are evicted before every other once idle."""
         if key in self._entries:
             return False
-        pages = tuple(int(p) for p in pages)
-        ref, cached = self.ref_counts, self.cached
+        pages = tuple(map(int, pages))
+        ref, cached, limit = self.ref_counts, self.cached, self.num_pages
         for page in pages:
-            if page <= NULL_PAGE or page >= self.num_pages or ref[page] <= 0 or cached[page]:
+            if page <= NULL_PAGE or page >= limit or ref[page] <= 0 or cached[page]:
                 raise ValueError(
                     f"group {self.group_id!r}: page {page} is not a held, unpublished page"
                 )
         self._entries[key] = pages
+        page_key, low = self._page_key, self.low_priority
         for page in pages:
-            self._page_key[page] = key
+            page_key[page] = key
             cached[page] = True
-        if low_priority:
-            self.low_priority[list(pages)] = True
+            if low_priority:
+                low[page] = True  # entries are a few pages: item stores beat one fancy store
         return True
 
     def demote(self, key: Hashable) -> None:
         """Make an entry low priority: its idle pages move to the front of the LRU."""
         pages = self._entries[key]
-        low = self.low_priority
+        low, evictable = self.low_priority, self._evictable
         was_low = bool(low[pages[0]]) if pages else True  # an entry is low as a whole
+        idle = 0
         for page in pages:
             low[page] = True  # entries are a few pages: item stores beat one fancy store
-            if page in self._evictable:
-                if not was_low:
-                    self._low_idle_pages += 1
-                self._evictable.move_to_end(page, last=False)
+            if page in evictable:
+                idle += 1
+                evictable.move_to_end(page, last=False)
                 if self.lowest_first:
                     heapq.heappush(self._low_idle, page)
+        if idle and not was_low:
+            self._low_idle_pages += idle
 
     def lookup(self, key: Hashable) -> tuple[int, ...] | None:
         return self._entries.get(key)
@@ -560,6 +563,20 @@ class PageSpace:
                 pool._push_free(freed[n_freed : n_freed + f])
                 n_freed += f
         self.released(counts, keyed)
+
+    def low_floors(self, out: np.ndarray) -> np.ndarray:
+        """``out[g]``: for a lowest-first pool that now reuses idle low-priority pages in
+        id order (``pack_low_priority``), a lower bound of their ids (the smallest id
+        its heap lists, possibly stale) or ``kernels.NO_LOW_IDLE`` when it has none;
+        ``kernels.NO_PACKING`` for every other pool. What ``kernels.needs_room`` reads."""
+        for g, pool in enumerate(self.pools):
+            if not pool.lowest_first or not pool.pack_low_priority():
+                out[g] = kernels.NO_PACKING
+            elif pool.num_low_priority_idle_pages and pool._low_idle:
+                out[g] = pool._low_idle[0]
+            else:
+                out[g] = kernels.NO_LOW_IDLE
+        return out
 
     def released(self, counts: np.ndarray, keyed: np.ndarray) -> None:
         """Book pages a release took from requests: ``counts[0, g]`` went free (already

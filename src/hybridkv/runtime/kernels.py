@@ -7,7 +7,8 @@ its per-row token counters. With ``NUMBA_DISABLE_JIT=1`` the same functions run
 as plain Python. Nothing here allocates Python objects per request: a step is
 ``prepare_step`` (pure: the plan admission reads) then ``run_step`` (release,
 allocate, the batch's arrays), whatever the batch looks like (decode, prefill
-chunks, both, requests joining and settling).
+chunks, both, requests joining and settling); ``step`` runs both in one call when
+the plan needs nothing from Python in between (most steps).
 
 Arrays (``G`` groups, ``R`` scheduled rows, ``N`` scheduled tokens):
 
@@ -43,6 +44,9 @@ GEOMETRY_COLUMNS = 9
 
 STEP_DONE = 0
 STEP_NEEDS_PAGES = 1  # the releases ran; the caller lends slabs or evicts, then calls finish_step
+STEP_PLANNED = 2  # ``step`` planned only: Python admits, commits or grows buffers, then runs
+NO_PACKING = np.iinfo(np.int64).max  # ``low_floor`` of a group that does not reuse idle low-priority pages
+NO_LOW_IDLE = NO_PACKING - 1  # ``low_floor`` of a packing group without idle low-priority pages
 
 
 @njit(cache=True)
@@ -311,30 +315,77 @@ def batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, posi
 
 
 @njit(cache=True)
-def run_step(geometry, pages, bounds, computed, committed, ref, keyed, stack, top, lowest, low_idle, transient,
-             rows, counts, first, settle, after, sums, hold, packing, scratch, idle_keyed, released, touched,
+def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, top, lowest, low_floor,
+             transient, rows, counts, first, settle, after, sums, hold, scratch, idle_keyed, released, touched,
              table_rows, scheduled, positions, request_indices, query_start_loc, base_pages, widths, slots):
     """One admitted step as planned by ``prepare_step``: the rows' tokens so far count as
     committed, releases, allocations, then the batch's arrays (``finish_step``). Returns
     (status, cells logged, idle keyed pages). ``STEP_NEEDS_PAGES``: the releases ran,
-    nothing else; the caller lends slabs (``hold``), makes room in the groups whose stack
-    is short or that must first reuse idle low-priority pages (while ``packing``:
-    ``lowest`` groups with ``low_idle`` pages, or whose releases left keyed pages idle),
-    then calls ``finish_step``."""
+    nothing else; the caller lends slabs (``hold``) and makes room (``PagePool.make_room``)
+    in the groups whose stack is short or that would first reuse idle low-priority pages
+    (``needs_room``), then calls ``finish_step``."""
     for r in range(rows.size):
         committed[rows[r]] = first[r]
     n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, top, lowest, rows, after,
                                        scratch, idle_keyed, released, touched, 0)
-    if hold:
+    if hold or needs_room(geometry, stack, top, lowest, low_floor, low_priority, sums, released, idle_keyed):
         return STEP_NEEDS_PAGES, n_touched, n_keyed
-    for g in range(geometry.shape[0]):
-        reuse_low = packing and lowest[g] and (low_idle[g] > 0 or released[1, g] > 0)
-        if sums[1, g] > 0 and (sums[1, g] > top[g] or reuse_low):
-            return STEP_NEEDS_PAGES, n_touched, n_keyed
     n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, top, lowest, transient, rows, counts,
                             first, settle, after, sums, touched, n_touched, table_rows, scheduled, positions,
                             request_indices, query_start_loc, base_pages, widths, slots)
     return STEP_DONE, n_touched, n_keyed
+
+
+@njit(cache=True)
+def needs_room(geometry, stack, top, lowest, low_floor, low_priority, sums, released, idle_keyed):
+    """Whether some group allocating this step must make room first: its free stack is
+    short, or (a ``lowest`` group whose idle low-priority pages are reused in id order,
+    ``low_floor[g]``: a lower bound of their ids, past every id when not packing) one of
+    them, or a low-priority page its releases just left idle (``idle_keyed``, group
+    after group, ``released[1, g]`` each), lies below the highest id the allocation takes."""
+    keyed_from = 0
+    for g in range(geometry.shape[0]):
+        n, offset, n_keyed = sums[1, g], geometry[g, ID_OFFSET], released[1, g]
+        keyed_from += n_keyed
+        if n == 0:
+            continue
+        if n > top[g]:
+            return True
+        if not lowest[g]:
+            continue
+        bound = stack[offset + top[g] - n]  # the highest of the n lowest free ids
+        if low_floor[g] < bound:
+            return True
+        if low_floor[g] == NO_PACKING:
+            continue
+        for i in range(keyed_from - n_keyed, keyed_from):
+            if idle_keyed[i] < bound and low_priority[offset + idle_keyed[i]]:
+                return True
+    return False
+
+
+@njit(cache=True)
+def step(geometry, pages, bounds, computed, committed, known, ref, keyed, low_priority, stack, top, lowest,
+         low_floor, transient, last_rows, rows_in, counts_in, grain, mark, rows, counts, first, after, need, sums,
+         crossing, totals, scratch, idle_keyed, released, touched, table_rows, scheduled, positions,
+         request_indices, query_start_loc, base_pages, widths, slots):
+    """``prepare_step`` then, when the plan needs nothing from Python first (every
+    group's free stack covers it, no row crosses a prefix grain, the scratch buffers
+    are large enough), ``run_step``, in one call. Returns (status, rows in the plan,
+    settling rows, crossing rows, clean, cells logged, idle keyed pages); status
+    ``STEP_PLANNED`` (or -1 rows: no plan) when only the plan ran."""
+    n, settle, n_cross, clean = prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in,
+                                             counts_in, grain, top, mark, rows, counts, first, after, need, sums,
+                                             crossing, totals)
+    if (n < 0 or not clean or n_cross > 0 or totals[0] != positions.size or totals[2] > scratch.size
+            or totals[1] > idle_keyed.size or totals[1] + totals[3] > touched.size):
+        return STEP_PLANNED, n, settle, n_cross, clean, 0, 0
+    status, n_touched, n_keyed = run_step(
+        geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, top, lowest, low_floor,
+        transient, rows[:n], counts[:n], first[:n], settle, after[:, :, :n], sums, False, scratch, idle_keyed,
+        released, touched, table_rows, scheduled, positions, request_indices, query_start_loc, base_pages, widths,
+        slots)
+    return status, n, settle, n_cross, clean, n_touched, n_keyed
 
 
 @njit(cache=True)
@@ -452,15 +503,6 @@ def release_credit(geometry, pages, bounds, ref, g, rows, new_base, credit, sole
                 n_sole += 1
         credit[r] = n_sole - before
     return n_sole, n_pages
-
-
-@njit(cache=True)
-def within_known(computed, known, rows, counts):
-    """Whether ``computed[row] + count <= known[row]`` for every row (pure)."""
-    for r in range(rows.size):
-        if computed[rows[r]] + counts[r] > known[rows[r]]:
-            return False
-    return True
 
 
 @njit(cache=True)
