@@ -61,6 +61,117 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+class _LineReader:
+    """Checks one trace line's fields; every failure names the line."""
+
+    def __init__(self, obj: dict, line_no: int, vocab_size: int):
+        self.obj, self.line_no, self.vocab_size = obj, line_no, vocab_size
+
+    def fail(self, message: str) -> TraceFormatError:
+        return TraceFormatError(f"line {self.line_no}: {message}")
+
+    def token_list(self, key: str) -> list[int]:
+        ids = self.obj[key]
+        if not isinstance(ids, list) or not ids:
+            raise self.fail(f"{key!r} must be a non-empty list of token ids")
+        if not all(_is_int(t) and 0 <= t < self.vocab_size for t in ids):
+            raise self.fail(f"{key!r} must hold ints in [0, {self.vocab_size})")
+        return ids
+
+    def positive_int(self, key: str) -> int:
+        value = self.obj[key]
+        if not _is_int(value) or value < 1:
+            raise self.fail(f"{key!r} must be a positive int, got {value!r}")
+        return value
+
+    def nonempty_str(self, key: str) -> str:
+        value = self.obj[key]
+        if not isinstance(value, str) or not value:
+            raise self.fail(f"{key!r} must be a non-empty string, got {value!r}")
+        return value
+
+    def optional_str(self, key: str) -> str | None:
+        return self.nonempty_str(key) if key in self.obj else None
+
+    def check_keys(self) -> None:
+        unknown = sorted(set(self.obj) - _TRACE_KEYS)
+        if unknown:
+            raise self.fail(f"unknown key(s) {unknown}; allowed: {sorted(_TRACE_KEYS)}")
+        for key in ("arrival", "output_tokens"):
+            if key not in self.obj:
+                raise self.fail(f"missing required key {key!r}")
+        has_ids, has_count = "prompt_token_ids" in self.obj, "prompt_tokens" in self.obj
+        if has_ids == has_count:
+            raise self.fail("give exactly one of 'prompt_token_ids' and 'prompt_tokens'")
+        if ("prefix_id" in self.obj) != ("prefix_tokens" in self.obj):
+            raise self.fail("'prefix_id' and 'prefix_tokens' go together")
+        if "prefix_id" in self.obj and has_ids:
+            raise self.fail("'prefix_id' applies to 'prompt_tokens', not to explicit 'prompt_token_ids'")
+
+    def arrival_step(self, arrival_steps_per_unit: float) -> int:
+        arrival = self.obj["arrival"]
+        if isinstance(arrival, bool) or not isinstance(arrival, (int, float)):
+            raise self.fail(f"'arrival' must be a number, got {arrival!r}")
+        if not math.isfinite(arrival) or arrival < 0:
+            raise self.fail(f"'arrival' must be finite and >= 0, got {arrival!r}")
+        step = math.floor(arrival * arrival_steps_per_unit)
+        if step > MAX_ARRIVAL_STEP:
+            raise self.fail(f"'arrival' step {step:,} is beyond {MAX_ARRIVAL_STEP:,}")
+        return step
+
+    def prompt(self) -> tuple[list[int] | None, int]:
+        """The prompt's explicit ids (or None) and its token count."""
+        if "prompt_token_ids" in self.obj:
+            ids = self.token_list("prompt_token_ids")
+            return ids, len(ids)
+        return None, self.positive_int("prompt_tokens")
+
+    def prefix(self, prompt_tokens: int) -> tuple[str | None, int]:
+        """The shared prefix's key (its id as JSON) and token count; (None, 0) without one."""
+        if "prefix_id" not in self.obj:
+            return None, 0
+        prefix_id = self.obj["prefix_id"]
+        if not (isinstance(prefix_id, str) and prefix_id) and not _is_int(prefix_id):
+            raise self.fail(f"'prefix_id' must be a non-empty string or an int, got {prefix_id!r}")
+        prefix_tokens = self.positive_int("prefix_tokens")
+        if prefix_tokens > prompt_tokens:
+            raise self.fail(f"'prefix_tokens' ({prefix_tokens}) exceeds 'prompt_tokens' ({prompt_tokens})")
+        return json.dumps(prefix_id), prefix_tokens
+
+    def output(self, prompt_tokens: int, max_request_tokens: int) -> tuple[list[int] | None, int]:
+        """The output's explicit ids (or None) and its token count."""
+        output_tokens = self.positive_int("output_tokens")
+        if prompt_tokens + output_tokens > max_request_tokens:
+            raise self.fail(
+                f"prompt and output tokens ({prompt_tokens + output_tokens:,}) exceed "
+                f"{max_request_tokens:,}, the longest request allowed"
+            )
+        if "output_token_ids" not in self.obj:
+            return None, output_tokens
+        ids = self.token_list("output_token_ids")
+        if len(ids) != output_tokens:
+            raise self.fail(f"'output_token_ids' has {len(ids)} ids, 'output_tokens' is {output_tokens}")
+        return ids, output_tokens
+
+    def request_ids(self, seen_ids: dict[str, int]) -> tuple[str, str | None]:
+        """This line's request id and the earlier request it waits for (or None)."""
+        request_id = self.optional_str("request_id") or f"line-{self.line_no}"
+        if request_id in seen_ids:
+            raise self.fail(f"duplicate request_id {request_id!r} (first on line {seen_ids[request_id]})")
+        after = self.optional_str("after")
+        if after == request_id:
+            raise self.fail(f"request {request_id!r} cannot wait for itself")
+        if after is not None and after not in seen_ids:
+            raise self.fail(f"'after' names {after!r}, which no earlier line defines")
+        return request_id, after
+
+    def turn(self) -> int | None:
+        turn = self.obj.get("turn")
+        if "turn" in self.obj and (not _is_int(turn) or turn < 0):
+            raise self.fail(f"'turn' must be an int >= 0, got {turn!r}")
+        return turn
+
+
 def _parse_trace_line(
     obj: object,
     line_no: int,
@@ -70,107 +181,15 @@ def _parse_trace_line(
     seen_ids: dict[str, int],
     max_request_tokens: int,
 ) -> _TraceLine:
-    def fail(message: str) -> TraceFormatError:
-        return TraceFormatError(f"line {line_no}: {message}")
-
-    def token_list(key: str) -> list[int]:
-        ids = obj[key]
-        if not isinstance(ids, list) or not ids:
-            raise fail(f"{key!r} must be a non-empty list of token ids")
-        if not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
-            raise fail(f"{key!r} must hold ints in [0, {vocab_size})")
-        return ids
-
-    def positive_int(key: str) -> int:
-        value = obj[key]
-        if not _is_int(value) or value < 1:
-            raise fail(f"{key!r} must be a positive int, got {value!r}")
-        return value
-
-    def nonempty_str(key: str) -> str:
-        value = obj[key]
-        if not isinstance(value, str) or not value:
-            raise fail(f"{key!r} must be a non-empty string, got {value!r}")
-        return value
-
     if not isinstance(obj, dict):
-        raise fail(f"expected a JSON object, got {type(obj).__name__}")
-    unknown = sorted(set(obj) - _TRACE_KEYS)
-    if unknown:
-        raise fail(f"unknown key(s) {unknown}; allowed: {sorted(_TRACE_KEYS)}")
-    for key in ("arrival", "output_tokens"):
-        if key not in obj:
-            raise fail(f"missing required key {key!r}")
-
-    arrival = obj["arrival"]
-    if isinstance(arrival, bool) or not isinstance(arrival, (int, float)):
-        raise fail(f"'arrival' must be a number, got {arrival!r}")
-    if not math.isfinite(arrival) or arrival < 0:
-        raise fail(f"'arrival' must be finite and >= 0, got {arrival!r}")
-    arrival_step = math.floor(arrival * arrival_steps_per_unit)
-    if arrival_step > MAX_ARRIVAL_STEP:
-        raise fail(f"'arrival' step {arrival_step:,} is beyond {MAX_ARRIVAL_STEP:,}")
-
-    has_ids, has_count = "prompt_token_ids" in obj, "prompt_tokens" in obj
-    if has_ids == has_count:
-        raise fail("give exactly one of 'prompt_token_ids' and 'prompt_tokens'")
-    has_prefix_id, has_prefix_tokens = "prefix_id" in obj, "prefix_tokens" in obj
-    if has_prefix_id != has_prefix_tokens:
-        raise fail("'prefix_id' and 'prefix_tokens' go together")
-    if has_prefix_id and has_ids:
-        raise fail("'prefix_id' applies to 'prompt_tokens', not to explicit 'prompt_token_ids'")
-
-    prompt_ids: list[int] | None = None
-    if has_ids:
-        prompt_ids = token_list("prompt_token_ids")
-        prompt_tokens = len(prompt_ids)
-    else:
-        prompt_tokens = positive_int("prompt_tokens")
-
-    prefix_key: str | None = None
-    prefix_tokens = 0
-    if has_prefix_id:
-        prefix_id = obj["prefix_id"]
-        if not (isinstance(prefix_id, str) and prefix_id) and not _is_int(prefix_id):
-            raise fail(f"'prefix_id' must be a non-empty string or an int, got {prefix_id!r}")
-        prefix_key = json.dumps(prefix_id)
-        prefix_tokens = positive_int("prefix_tokens")
-        if prefix_tokens > prompt_tokens:
-            raise fail(
-                f"'prefix_tokens' ({prefix_tokens}) exceeds 'prompt_tokens' ({prompt_tokens})"
-            )
-
-    output_tokens = positive_int("output_tokens")
-    if prompt_tokens + output_tokens > max_request_tokens:
-        raise fail(
-            f"prompt and output tokens ({prompt_tokens + output_tokens:,}) exceed "
-            f"{max_request_tokens:,}, the longest request allowed"
-        )
-    output_ids: list[int] | None = None
-    if "output_token_ids" in obj:
-        output_ids = token_list("output_token_ids")
-        if len(output_ids) != output_tokens:
-            raise fail(
-                f"'output_token_ids' has {len(output_ids)} ids, 'output_tokens' is {output_tokens}"
-            )
-
-    request_id = nonempty_str("request_id") if "request_id" in obj else f"line-{line_no}"
-    if request_id in seen_ids:
-        raise fail(f"duplicate request_id {request_id!r} (first on line {seen_ids[request_id]})")
-    after: str | None = None
-    if "after" in obj:
-        after = nonempty_str("after")
-        if after == request_id:
-            raise fail(f"request {request_id!r} cannot wait for itself")
-        if after not in seen_ids:
-            raise fail(f"'after' names {after!r}, which no earlier line defines")
-    conversation_id = nonempty_str("conversation_id") if "conversation_id" in obj else None
-    turn: int | None = None
-    if "turn" in obj:
-        turn = obj["turn"]
-        if not _is_int(turn) or turn < 0:
-            raise fail(f"'turn' must be an int >= 0, got {turn!r}")
-
+        raise TraceFormatError(f"line {line_no}: expected a JSON object, got {type(obj).__name__}")
+    line = _LineReader(obj, line_no, vocab_size)
+    line.check_keys()
+    arrival_step = line.arrival_step(arrival_steps_per_unit)
+    prompt_ids, prompt_tokens = line.prompt()
+    prefix_key, prefix_tokens = line.prefix(prompt_tokens)
+    output_ids, output_tokens = line.output(prompt_tokens, max_request_tokens)
+    request_id, after = line.request_ids(seen_ids)
     return _TraceLine(
         line_no=line_no,
         request_id=request_id,
@@ -182,8 +201,8 @@ def _parse_trace_line(
         output_tokens=output_tokens,
         output_token_ids=output_ids,
         after=after,
-        conversation_id=conversation_id,
-        turn=turn,
+        conversation_id=line.optional_str("conversation_id"),
+        turn=line.turn(),
     )
 
 
