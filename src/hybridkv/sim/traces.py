@@ -259,6 +259,14 @@ def parse_jsonl_trace(
         raise ValueError(
             f"arrival_steps_per_unit must be a positive number, got {arrival_steps_per_unit!r}"
         )
+    parsed = _parse_lines(lines, vocab_size, arrival_steps_per_unit, max_request_tokens)
+    prefixes = _prefix_streams(parsed, seed, vocab_size)
+    rng = np.random.default_rng(seed)
+    return [_request(entry, prefixes, rng, vocab_size) for entry in parsed]
+
+
+def _parse_lines(lines: Iterable[str], vocab_size: int, arrival_steps_per_unit: float,
+                 max_request_tokens: int) -> list[_TraceLine]:
     parsed: list[_TraceLine] = []
     seen_ids: dict[str, int] = {}
     total_tokens = 0
@@ -267,9 +275,8 @@ def parse_jsonl_trace(
             text = text[1:]
         if not text.strip():
             continue
-        obj = _json_line(text, line_no)
         entry = _parse_trace_line(
-            obj,
+            _json_line(text, line_no),
             line_no,
             vocab_size=vocab_size,
             arrival_steps_per_unit=arrival_steps_per_unit,
@@ -285,46 +292,45 @@ def parse_jsonl_trace(
         parsed.append(entry)
     if not parsed:
         raise TraceFormatError("trace holds no requests")
+    return parsed
 
+
+def _prefix_streams(parsed: list[_TraceLine], seed: int, vocab_size: int) -> dict[str, np.ndarray]:
+    """Each shared prefix's ids, as long as its longest use, drawn from ``(seed, prefix_id)``."""
     prefix_lengths: dict[str, int] = {}
     for entry in parsed:
         if entry.prefix_key is not None:
-            prefix_lengths[entry.prefix_key] = max(
-                prefix_lengths.get(entry.prefix_key, 0), entry.prefix_tokens
-            )
-    prefixes = {
-        key: _prefix_stream(seed, key, count, vocab_size) for key, count in prefix_lengths.items()
-    }
-    rng = np.random.default_rng(seed)
-    requests = []
-    for entry in parsed:
-        if entry.prompt_token_ids is not None:
-            prompt = np.asarray(entry.prompt_token_ids, dtype=np.int32)
-        else:
-            shared = (
-                prefixes[entry.prefix_key][: entry.prefix_tokens]
-                if entry.prefix_key is not None
-                else np.empty(0, dtype=np.int32)
-            )
-            suffix = random_token_ids(rng, entry.prompt_tokens - entry.prefix_tokens, vocab_size)
-            prompt = np.concatenate([shared, suffix])
-        if entry.output_token_ids is not None:
-            outputs = np.asarray(entry.output_token_ids, dtype=np.int32)
-        else:
-            outputs = random_token_ids(rng, entry.output_tokens, vocab_size)
-        requests.append(
-            Request(
-                request_id=entry.request_id,
-                arrival_step=entry.arrival_step,
-                prompt_token_ids=prompt,
-                output_tokens=entry.output_tokens,
-                output_token_ids=outputs,
-                conversation_id=entry.conversation_id,
-                turn=entry.turn,
-                after_request_id=entry.after,
-            )
+            prefix_lengths[entry.prefix_key] = max(prefix_lengths.get(entry.prefix_key, 0), entry.prefix_tokens)
+    return {key: _prefix_stream(seed, key, count, vocab_size) for key, count in prefix_lengths.items()}
+
+
+def _request(entry: _TraceLine, prefixes: dict[str, np.ndarray], rng: np.random.Generator,
+             vocab_size: int) -> Request:
+    """The request of a parsed line; ids the trace does not give are drawn from ``rng``."""
+    if entry.prompt_token_ids is not None:
+        prompt = np.asarray(entry.prompt_token_ids, dtype=np.int32)
+    else:
+        shared = (
+            prefixes[entry.prefix_key][: entry.prefix_tokens]
+            if entry.prefix_key is not None
+            else np.empty(0, dtype=np.int32)
         )
-    return requests
+        suffix = random_token_ids(rng, entry.prompt_tokens - entry.prefix_tokens, vocab_size)
+        prompt = np.concatenate([shared, suffix])
+    if entry.output_token_ids is not None:
+        outputs = np.asarray(entry.output_token_ids, dtype=np.int32)
+    else:
+        outputs = random_token_ids(rng, entry.output_tokens, vocab_size)
+    return Request(
+        request_id=entry.request_id,
+        arrival_step=entry.arrival_step,
+        prompt_token_ids=prompt,
+        output_tokens=entry.output_tokens,
+        output_token_ids=outputs,
+        conversation_id=entry.conversation_id,
+        turn=entry.turn,
+        after_request_id=entry.after,
+    )
 
 
 def load_jsonl_trace(
