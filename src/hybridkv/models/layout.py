@@ -252,6 +252,72 @@ def _indexer_row_bytes(indexer: str, index_head_dim: int) -> int:
     return v4.deepseek_v4_indexer_fp8_row_bytes(index_head_dim)
 
 
+def _v4_specs(config: Any, ratios: tuple[int, ...], speculative_tokens: int) -> tuple[int, tuple]:
+    """The sliding window and the seed's cache group specs for these layer ratios."""
+    try:
+        window = v4.resolve_sliding_window(config)
+        specs = tuple(
+            v4.build_v4_cache_specs(
+                SimpleNamespace(sliding_window=window),
+                layer_ratio=ratios,
+                speculative_tokens=speculative_tokens,
+            )
+        )
+    except TypeError as exc:  # e.g. a list where the seed expects an integer
+        raise ValueError(f"invalid DeepSeek-V4 config or arguments: {exc}") from None
+    return window, specs
+
+
+@dataclass(frozen=True)
+class _RowBytes:
+    """The row sizes a group's layout is built from."""
+
+    head_dim: int
+    kv_row_bytes: int
+    kv_token_stride_bytes: int
+    index_head_dim: int | None
+    indexer_row_bytes: int | None
+
+
+def _group_layout(spec: Any, ratios: tuple[int, ...], sizes: _RowBytes) -> GroupLayout:
+    """One group's layers, planes (name, page stride bytes), row bytes and ideal bytes."""
+    gid, rows = spec.group_id, spec.rows_per_page
+    state_ratio = v4.parse_v4_compressor_state_group_id(gid)
+    kv_plane = ("kv", _kv_page_stride(rows, sizes.kv_row_bytes, sizes.kv_token_stride_bytes))
+
+    def layers_with(ratio: int) -> tuple[int, ...]:
+        return tuple(i for i, r in enumerate(ratios) if r == ratio)
+
+    if gid == v4.V4_SWA_KV_GROUP_ID:
+        layers, planes, row_bytes = tuple(range(len(ratios))), (kv_plane,), sizes.kv_row_bytes
+    elif gid == v4.V4_INDEXER_COMPRESSOR_STATE_GROUP_ID:
+        layers, row_bytes = layers_with(4), 2 * 2 * sizes.index_head_dim * FP32_BYTES
+        planes = (("state", rows * row_bytes),)
+    elif state_ratio is not None:
+        overlap = 2 if state_ratio == 4 else 1  # ratio 4 pools two half-windows
+        layers, row_bytes = layers_with(state_ratio), overlap * 2 * sizes.head_dim * FP32_BYTES
+        planes = (("state", rows * row_bytes),)
+    else:
+        layers, planes, row_bytes = layers_with(spec.entry_stride_tokens), (kv_plane,), sizes.kv_row_bytes
+        if spec.entry_stride_tokens == 4:
+            planes += (("indexer", rows * sizes.indexer_row_bytes),)
+            row_bytes += sizes.indexer_row_bytes
+    if spec.retention == "full_history":
+        ideal_token, ideal_request = len(layers) * row_bytes / spec.entry_stride_tokens, 0
+    else:
+        ideal_token, ideal_request = 0.0, len(layers) * spec.sliding_window_tokens * row_bytes
+    return GroupLayout(spec, layers, planes, row_bytes, ideal_token, ideal_request)
+
+
+def _layout_name(source: Any, config: Any) -> str:
+    """A bundled model's name, a config file's path, or the config's own name."""
+    if isinstance(source, str) and source in BUNDLED_MODELS:
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        return os.fspath(source)
+    return str(config.get("_name_or_path") or _lookup(config, "model_type") or "custom")
+
+
 def cache_layout(
     source: Any,
     *,
@@ -275,17 +341,7 @@ def cache_layout(
     kv_row_bytes = v4.deepseek_v4_swa_row_bytes(head_dim, rope_dim)
     token_stride_bytes = v4.deepseek_v4_swa_token_stride(head_dim, rope_dim)
     uses_indexer = 4 in v4.compress_ratios_in(ratios)  # refuses ratios other than 0, 1, 4, 128
-    try:
-        window = v4.resolve_sliding_window(config)
-        specs = tuple(
-            v4.build_v4_cache_specs(
-                SimpleNamespace(sliding_window=window),
-                layer_ratio=ratios,
-                speculative_tokens=speculative_tokens,
-            )
-        )
-    except TypeError as exc:  # e.g. a list where the seed expects an integer
-        raise ValueError(f"invalid DeepSeek-V4 config or arguments: {exc}") from None
+    window, specs = _v4_specs(config, ratios, speculative_tokens)
     index_head_dim = None
     indexer_row_bytes = None
     if uses_indexer or _lookup(config, "index_head_dim") is not None:
@@ -295,49 +351,9 @@ def cache_layout(
     max_positions = _lookup(config, "max_position_embeddings")
     if max_positions is not None:
         max_positions = _config_int(config, "max_position_embeddings")
-
-    def layers_with(ratio: int) -> tuple[int, ...]:
-        return tuple(i for i, r in enumerate(ratios) if r == ratio)
-
-    groups: list[GroupLayout] = []
-    for spec in specs:
-        gid = spec.group_id
-        rows = spec.rows_per_page
-        state_ratio = v4.parse_v4_compressor_state_group_id(gid)
-        if gid == v4.V4_SWA_KV_GROUP_ID:
-            layers = tuple(range(len(ratios)))
-            planes = (("kv", _kv_page_stride(rows, kv_row_bytes, token_stride_bytes)),)
-            row_bytes = kv_row_bytes
-        elif gid == v4.V4_INDEXER_COMPRESSOR_STATE_GROUP_ID:
-            layers = layers_with(4)
-            row_bytes = 2 * 2 * index_head_dim * FP32_BYTES
-            planes = (("state", rows * row_bytes),)
-        elif state_ratio is not None:
-            layers = layers_with(state_ratio)
-            overlap = 2 if state_ratio == 4 else 1  # ratio 4 pools two half-windows
-            row_bytes = overlap * 2 * head_dim * FP32_BYTES
-            planes = (("state", rows * row_bytes),)
-        else:
-            ratio = spec.entry_stride_tokens
-            layers = layers_with(ratio)
-            planes = (("kv", _kv_page_stride(rows, kv_row_bytes, token_stride_bytes)),)
-            row_bytes = kv_row_bytes
-            if ratio == 4:
-                planes += (("indexer", rows * indexer_row_bytes),)
-                row_bytes += indexer_row_bytes
-        if spec.retention == "full_history":
-            ideal_token = len(layers) * row_bytes / spec.entry_stride_tokens
-            ideal_request = 0
-        else:
-            ideal_token = 0.0
-            ideal_request = len(layers) * spec.sliding_window_tokens * row_bytes
-        groups.append(GroupLayout(spec, layers, planes, row_bytes, ideal_token, ideal_request))
-
-    name = source if isinstance(source, str) and source in BUNDLED_MODELS else None
-    if name is None and isinstance(source, (str, os.PathLike)):
-        name = os.fspath(source)
-    if name is None:
-        name = str(config.get("_name_or_path") or _lookup(config, "model_type") or "custom")
+    sizes = _RowBytes(head_dim, kv_row_bytes, token_stride_bytes, index_head_dim, indexer_row_bytes)
+    groups = [_group_layout(spec, ratios, sizes) for spec in specs]
+    name = _layout_name(source, config)
     return ModelCacheLayout(
         name=name,
         layer_ratios=ratios,
