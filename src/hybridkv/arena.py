@@ -189,7 +189,7 @@ class Arena:
         pages below them (evicting those) unless the arena is roomy and the allocation's
         highest page lies in a slab already holding live pages of the group, or the
         group's live pages then lie in at most ``SPREAD_SLABS`` slabs more than they fill."""
-        pool, (lo, hi), gi = self.pools[gid], self._ranges[gid], self._index[gid]
+        pool, (lo, hi) = self.pools[gid], self._ranges[gid]
         per_slab = max(int((hi - lo).min()), 1)
 
         def must_pack(page: int, pages: int) -> bool:
@@ -198,16 +198,9 @@ class Arena:
             slab = int(self.geometry.slab_of(gid, np.asarray([page]))[0])
             if (pool.ref_counts[lo[slab] : hi[slab]] > 0).any():
                 return False
-            # Slabs of the group holding live pages (inner pages; only its own slabs read).
-            owned = np.flatnonzero(self.owner == gi)
-            allowed = -(-(pool.num_used_pages + pages) // per_slab) + SPREAD_SLABS
-            if owned.size <= allowed:
-                return False  # it cannot spread further than the slabs it owns
-            sizes = hi[owned] - lo[owned]
-            starts = np.cumsum(sizes) - sizes
-            ids = np.repeat(lo[owned] - starts, sizes) + np.arange(int(sizes.sum()))
-            live = pool.ref_counts[ids] > 0
-            return int(np.count_nonzero(np.add.reduceat(live, starts))) + 1 > allowed
+            held = np.flatnonzero(pool.ref_counts > 0)
+            spread = np.unique(self.geometry.slab_of(gid, held)).size + 1
+            return spread > -(-(held.size + pages) // per_slab) + SPREAD_SLABS
 
         return must_pack
 
