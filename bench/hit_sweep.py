@@ -230,7 +230,7 @@ def print_table(results: dict, budgets: list[int], lines: list[str]) -> None:
 
 def print_diagnostics(results: dict, budgets: list[int]) -> None:
     """Per group, after each hybridkv run: pages cached / evicted, usable entries of the
-    cached ones, evicted pages by reason (prompt, orphan, lru, unit, slab), slabs owned."""
+    cached ones, evicted pages by reason (prompt, orphan, gap, lru, unit, slab), slabs owned."""
     for workload, entry in results.items():
         for line in ("hybridkv shared", "hybridkv per-group"):
             for budget in budgets:

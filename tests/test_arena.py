@@ -241,20 +241,49 @@ def test_from_plan_page_space_errors():
     assert m.arena.geometry.total_bytes <= 2 << 30
 
 
-def test_low_priority_pages_are_packed_only_when_no_slab_is_spare():
+def test_low_priority_pages_are_packed_under_long_lived_pages_once_the_arena_is_not_roomy():
+    """A long-lived allocation takes the lowest ids, evicting idle low-priority entries
+    below them, once less than a tenth of the slabs is spare (so live pages pack low and
+    the slabs above hold only idle pages an arena can lend). While the arena is roomy it
+    takes the lowest free id in a slab that already holds live pages. Pages released again
+    at the next step take the highest free ids and evict nothing."""
     arena, pools = bare_arena()
     kv = pools["kv"]
     arena.apply(arena.plan({"kv": 8}, {}))  # slab 0; three slabs spare
     low = kv.allocate(2)
-    assert kv.publish("low", low, low_priority=True)
+    assert low.tolist() == [2, 3] and kv.publish("low", low, low_priority=True)
     kv.decref(low)
-    assert not kv.pack_low_priority()
-    assert kv.allocate(1).tolist() == [4]  # spare slabs left: the cached entry is kept
+    assert kv.allocate(1, highest=1).tolist() == [9]  # transient: the highest id, entry kept
+    assert arena.roomy() and kv.allocate(1).tolist() == [4]  # slab 0 holds a live page: kept
     assert kv.lookup("low") == (2, 3)
     arena.apply(arena.plan({"swa": 15}, {}))  # the other three slabs: nothing spare
-    assert kv.pack_low_priority() and arena.num_spare_slabs == 0
-    assert kv.allocate(1).tolist() == [2]  # now ids 2, 3 are reused in order
-    assert kv.lookup("low") is None
+    assert not arena.roomy()
+    assert kv.allocate(1).tolist() == [2]  # ids 2, 3 are reused in order
+    assert kv.lookup("low") is None and kv.counters.evicted_pages == 2
+    arena.check_invariants()
+
+
+@pytest.mark.parametrize("live_slabs", [2, 3])
+def test_while_roomy_live_pages_spread_over_at_most_two_slabs_more_than_they_fill(live_slabs):
+    """kv owns slabs 0-5 (8 pages each, ids 2-49) of 12: roomy. One live page in each of
+    the first ``live_slabs`` slabs, every other page of slabs 0-4 an idle low-priority
+    entry, slab 5 free. One more live page fills one slab: in slab 5 it would spread the
+    live pages over 3 slabs (allowed: 1 + 2) or 4 (not: the lowest entry, id 3, is evicted
+    and its id taken)."""
+    geometry = small_geometry(12)
+    pools = {gid: PagePool(gid, geometry.view_pages(gid), granted=False, lowest_first=True) for gid in SMALL_BYTES}
+    arena, kv = Arena(geometry, pools), pools["kv"]
+    arena.apply(arena.plan({"kv": 48}, {}))
+    pages = kv.allocate(40)
+    assert pages.tolist() == list(range(2, 42)) and arena.roomy()
+    live = [2 + 8 * k for k in range(live_slabs)]
+    for page in pages.tolist():
+        if page not in live:
+            assert kv.publish(("e", page), [page], low_priority=True)
+    kv.decref(np.asarray([p for p in pages.tolist() if p not in live]))
+    got = kv.allocate(1).tolist()
+    assert got == ([42] if live_slabs == 2 else [3])
+    assert kv.counters.evicted_pages == (0 if live_slabs == 2 else 1)
     arena.check_invariants()
 
 
@@ -284,11 +313,13 @@ def test_a_group_grows_into_a_spare_slab_instead_of_evicting_cached_pages():
     m.check_invariants()
 
 
-def test_partial_plan_keeps_the_groups_it_can_cover():
+def test_partial_plan_gives_what_there_is_in_group_order():
     arena, _ = bare_arena()
     assert arena.plan({"swa": 100, "kv": 3}, {}) is None
-    # swa cannot be covered even by all four slabs (23 pages): its grants are rolled back.
-    assert arena.plan({"swa": 100, "kv": 3}, {}, partial=True) == [("kv", 0, None)]
+    # swa cannot be covered even by all four slabs (23 pages), but takes them all (it then
+    # evicts less); kv, after it, is left short.
+    assert arena.plan({"swa": 100, "kv": 3}, {}, partial=True) == [("swa", k, None) for k in range(4)]
+    assert arena.plan({"swa": 5, "kv": 3}, {}, partial=True) == [("swa", 0, None), ("kv", 1, None)]
 
 
 def test_pages_that_outlive_a_chunk_get_its_lowest_ids():
@@ -409,9 +440,9 @@ def test_a_donor_of_planned_grants_is_not_asked_for_its_lent_pages_again():
 
 
 def test_only_what_low_priority_pages_cannot_cover_is_evicted_from_valuable_entries():
-    """A group with a few idle low-priority pages (prompt checkpoints) evicts those
-    first, but grows into a spare slab for the rest of its need rather than evict a
-    request's terminal checkpoint too; the next turn still hits."""
+    """A group short of clean pages in a roomy arena (one slab of five spare) takes the
+    spare slab first, then evicts its idle low-priority pages (prompt checkpoints) for the
+    rest of its need rather than a request's terminal checkpoint; the next turn still hits."""
     m = CacheManager([SWA, KV], None, max_context_tokens=256, max_step_tokens=64, arena=small_geometry(5),
                      enable_prefix_caching=True, prefix_granularity=16)
     a_ids = np.arange(64, dtype=np.int32)
@@ -426,7 +457,7 @@ def test_only_what_low_priority_pages_cannot_cover_is_evicted_from_valuable_entr
     assert (swa.num_clean_free_pages, swa.num_evictable_pages, swa.num_low_priority_idle_pages) == (9, 8, 6)
     assert m.arena.owner.tolist() == [0, 0, 0, 1, -1]
     m.add_request("b", 1000 + np.arange(100, dtype=np.int32), max_new_tokens=1)
-    m.schedule([("b", 64)])  # swa needs 16 pages: 9 clean + 6 low priority + 1 more
+    m.schedule([("b", 64)])  # swa needs 16 pages: 9 clean, the spare slab's, then low-priority ones
     assert m.arena.owner.tolist() == [0, 0, 0, 1, 0]
     assert m.stats()["swa"].evicted_pages == 6 and swa.num_evictable_pages == 2
     assert m.add_request("c", np.concatenate([a_ids, [3, 9]]).astype(np.int32)).hit_tokens == 64

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.manager import CacheManager
+from hybridkv.pool import EVICTED
 from test_prefix import ALL, C4KV, C128KV, C128S, C4S, HISTORY, IDX, SPECS, STATE, SWA, cat, events_of, ids, \
     make_manager, run_request
 
@@ -77,6 +78,60 @@ def test_a_checkpoint_above_an_orphan_chain_promotes_it_back():
     assert mgr.add_request("d", cat(a[:1024], ids(132, 50))).hit_tokens == 1024
 
 
+def test_a_block_evicted_mid_chain_sends_everything_beyond_it_first_tail_first():
+    """b runs, then a (1,030 tokens each: blocks 256..1,024, a terminal checkpoint at
+    1,024). a's block 512 is evicted from one history group (its unit takes it from the
+    other; it has no checkpoint). a's checkpoint at 1,024 is still complete in every state
+    group but no hit can reach it: it and a's blocks 768, 1,024 lose their value at once
+    (low priority, reason "gap"), and block 256, supported by nothing now, is an orphan.
+    x then needs 8 history pages with 6 clean: a's entries go, the tail first (1,024, 768,
+    then 256 in the same pass), and b, older but usable, keeps its hit at 1,024."""
+    mgr = make_manager(group_pages={C4KV: 14, C128KV: 14})
+    a, b = ids(180, 1030), ids(181, 1030)
+    run_request(mgr, "b", b)
+    mgr.prefix.drain_events()
+    run_request(mgr, "a", a)
+    events = mgr.prefix.drain_events()
+    mgr.pools[C4KV].unpublish(_checkpoint_key(events, C4KV, 512), EVICTED)
+    report = mgr.prefix.value_report()
+    assert {g: (report[g].usable_entries, report[g].cached_entries) for g in ALL} == {
+        C4KV: (4, 7), C128KV: (4, 7), SWA: (1, 2), C4S: (1, 2), IDX: (1, 2), C128S: (1, 2)}
+    # Every entry of a's is low priority now: in the state groups its checkpoint, in the
+    # history groups its three blocks left.
+    a_pages = {g: sum(len(mgr.pools[g].lookup(_checkpoint_key(events, g, t)))
+                      for t in (256, 768, 1024) if g in HISTORY or t == 1024) for g in ALL}
+    assert {g: mgr.pools[g].num_low_priority_idle_pages for g in a_pages} == a_pages
+    mgr.prefix.drain_events()
+    run_request(mgr, "x", ids(182, 1793))
+    removed = events_of(mgr.prefix.drain_events(), "removed", C4KV)
+    assert removed == [1024, 768, 256]
+    assert mgr.add_request("b2", cat(b, [7])).hit_tokens == 1024
+    evicted = mgr.prefix.value_report()
+    assert evicted[C4KV].evicted_pages["gap"] == 2 and evicted[C4KV].evicted_pages["orphan"] == 1
+    assert evicted[SWA].evicted_pages["unit"] == 2  # a's checkpoint went with block 1,024
+    mgr.check_invariants()
+
+
+def test_a_block_published_again_gives_what_lies_beyond_it_its_value_back():
+    """a's block 512 goes (as above); c computes a's first 1,024 tokens again (no hit: no
+    checkpoint at 256) and publishes block 512 anew: a's blocks and its checkpoint at
+    1,024 are usable again, at normal priority, and d hits there."""
+    mgr = make_manager()
+    a = ids(185, 1030)
+    run_request(mgr, "a", a)
+    events = mgr.prefix.drain_events()
+    mgr.pools[C4KV].unpublish(_checkpoint_key(events, C4KV, 512), EVICTED)
+    assert mgr.prefix.value_report()[SWA].usable_entries == 0
+    assert run_request(mgr, "c", cat(a[:1024], ids(186, 40))).hit_tokens == 0
+    report = mgr.prefix.value_report()
+    # The window group: a's checkpoint at 1,024 and c's junction at 256 (its history hit).
+    assert {g: (report[g].usable_entries, report[g].cached_entries) for g in (C4KV, SWA)} == {
+        C4KV: (4, 4), SWA: (2, 2)}
+    assert all(mgr.pools[g].num_low_priority_idle_pages == 0 for g in ALL)
+    assert mgr.add_request("d", cat(a[:1024], ids(187, 10))).hit_tokens == 1024
+    mgr.check_invariants()
+
+
 def test_group_lru_and_value_give_the_same_hits_without_pressure():
     hits = {}
     for policy in ("value", "group-lru"):
@@ -99,11 +154,9 @@ def test_unknown_policy_is_refused():
 def test_no_group_keeps_what_cannot_produce_a_hit(program):
     """Random requests over four shared stems, pools tight enough to evict in every group.
     After each request (all idle): every state group holds the same checkpoints (a unit
-    leaves as a whole), and every history block below no complete checkpoint is low
-    priority (an orphan, evicted before anything usable). The allowance: a block evicted
-    in the middle of a chain takes its own key's checkpoint with it, but a deeper
-    checkpoint on that chain stays complete (unusable) until it is evicted in turn, and
-    keeps the blocks between as "supported"."""
+    leaves as a whole), and in every group the entries no hit can use (history blocks
+    below no usable checkpoint, checkpoints beyond a missing block) are low priority,
+    evicted before anything usable."""
     mgr = make_manager(group_pages={SWA: 40, C4S: 240, C128S: 160, IDX: 240, C4KV: 14, C128KV: 14},
                        prompt_checkpoints=True)
     stems = [ids(150 + s, 1400) for s in range(4)]
@@ -113,8 +166,7 @@ def test_no_group_keeps_what_cannot_produce_a_hit(program):
         report = mgr.prefix.value_report()
         keys = {g: set(mgr.pools[g].entry_keys()) for g in STATE if g != C128S or report[g].cached_entries}
         assert len({frozenset(k) for k in keys.values()}) <= 1
-        gap_free = all(report[g].usable_entries == report[g].cached_entries for g in STATE)
-        for g in HISTORY if gap_free else ():
+        for g in ALL:
             pool = mgr.pools[g]
             low = sum(1 for k in pool.entry_keys() if pool.low_priority[pool.lookup(k)[0]])
             assert report[g].cached_entries - report[g].usable_entries <= low

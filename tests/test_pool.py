@@ -335,16 +335,17 @@ def test_an_eviction_takes_idle_low_priority_entries_beyond_its_need(lowest_firs
     LRU, up to 16 pages beyond the need (so a run of small allocations does not evict
     once each), but never a normal entry the allocation does not need."""
     pool = PagePool("g", 1 + 22 + 4, lowest_first=lowest_first)
-    pool.pack_low_priority = lambda: False  # (an arena with spare slabs) not reused in id order
-    for i in range(11):  # 11 low-priority entries of 2 pages
-        pages = pool.allocate(2)
+    for i in range(11):  # 11 low-priority entries of 2 pages (highest ids: no packing)
+        pages = pool.allocate(2, highest=2)
         assert pool.publish(("low", i), pages.tolist(), low_priority=True)
         pool.decref(pages)
-    normal = pool.allocate(4)
+    normal = pool.allocate(4, highest=4)
     assert pool.publish("normal", normal[:2].tolist()) and pool.publish("normal2", normal[2:].tolist())
     pool.decref(normal)
     assert pool.num_clean_free_pages == 0 and pool.num_low_priority_idle_pages == 22
-    held = pool.allocate(2)  # needs 2 pages; low entries go until 2 + 16 pages are free
+    # Needs 2 pages; low entries go until 2 + 16 pages are free (both pages released again
+    # at the next step: a lowest-first pool does not pack for them, see the arena tests).
+    held = pool.allocate(2, highest=2)
     assert pool.counters.evicted_pages == 18 and pool.num_low_priority_idle_pages == 4
     assert pool.num_clean_free_pages == 16
     assert pool.lookup("normal") is not None and pool.lookup("normal2") is not None

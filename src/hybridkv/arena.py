@@ -15,7 +15,7 @@ edges; other groups lose less than one page per slab they hold.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,10 @@ from hybridkv._checks import as_int
 from hybridkv.pool import PagePool
 
 DEFAULT_SLAB_ANCHOR_PAGES = 16
+# While at least this share of the slabs is spare, the arena is roomy (Arena.roomy).
+ROOMY_SPARE_FRACTION = 0.1
+# While roomy, a group's live pages may lie in this many slabs more than they fill.
+SPREAD_SLABS = 2
 
 
 @dataclass(frozen=True)
@@ -177,16 +181,39 @@ class Arena:
         self.owner = np.full(geometry.num_slabs, -1, dtype=np.int16)
         self.slab_moves = 0
         self._spare_count = geometry.num_slabs
-        for pool in self.pools.values():
-            pool.pack_low_priority = self._tight
+        for gid, pool in self.pools.items():
+            pool.must_pack = self._packing_rule(gid)
+
+    def _packing_rule(self, gid: str) -> Callable[[int, int], bool]:
+        """A group's ``PagePool.must_pack``: its long-lived pages reuse idle low-priority
+        pages below them (evicting those) unless the arena is roomy and the allocation's
+        highest page lies in a slab already holding live pages of the group, or the
+        group's live pages then lie in at most ``SPREAD_SLABS`` slabs more than they fill."""
+        pool, (lo, hi) = self.pools[gid], self._ranges[gid]
+        per_slab = max(int((hi - lo).min()), 1)
+
+        def must_pack(page: int, pages: int) -> bool:
+            if not self.roomy():
+                return True
+            slab = int(self.geometry.slab_of(gid, np.asarray([page]))[0])
+            if (pool.ref_counts[lo[slab] : hi[slab]] > 0).any():
+                return False
+            held = np.flatnonzero(pool.ref_counts > 0)
+            spread = np.unique(self.geometry.slab_of(gid, held)).size + 1
+            return spread > -(-(held.size + pages) // per_slab) + SPREAD_SLABS
+
+        return must_pack
 
     # --- counts ---------------------------------------------------------------
     @property
     def num_spare_slabs(self) -> int:
         return self._spare_count
 
-    def _tight(self) -> bool:
-        return self._spare_count == 0
+    def roomy(self) -> bool:
+        """At least ``ROOMY_SPARE_FRACTION`` of the slabs are spare: idle low-priority
+        entries may keep spare memory (admission takes it back), and live pages may
+        spread a little (``PagePool.must_pack``)."""
+        return self._spare_count >= ROOMY_SPARE_FRACTION * self.geometry.num_slabs
 
     def slabs_owned(self) -> dict[str, int]:
         counts = np.bincount(self.owner[self.owner >= 0], minlength=len(self.group_ids))
@@ -228,7 +255,7 @@ class Arena:
         first (one next to a slab the group owns if there is one, else the lowest),
         then slabs of other groups whose pages are all free or evictable, taken only
         while the donor keeps ``surplus`` (pages it can spare) >= 0. ``None`` if they
-        do not suffice (with ``partial``, the groups they do cover). Pure; the page
+        do not suffice (with ``partial``, as many as there are: a group may stay short). Pure; the page
         counts are exact for :meth:`apply` in order. ``owner``: slab owners to start
         from (:meth:`replay` of grants planned already, applied before these)."""
         scan = scan if scan is not None else IdleScan()
@@ -240,7 +267,6 @@ class Arena:
             if short <= 0:
                 continue
             gi = self._index[gid]
-            undo = (own.copy(), len(grants), dict(left))
             while short > 0:
                 spare = own < 0
                 if not spare.any():
@@ -271,11 +297,8 @@ class Arena:
                     grants.append((gid, slab, donor))
                     if short <= 0:
                         break
-            if short > 0:
-                if not partial:
-                    return None
-                own, kept, left = undo[0], undo[1], undo[2]
-                del grants[kept:]
+            if short > 0 and not partial:
+                return None
         return grants
 
     def replay(self, grants: Sequence[Grant]) -> tuple[np.ndarray, dict[str, int]]:

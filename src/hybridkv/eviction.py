@@ -21,14 +21,21 @@ produce a hit:
   usable entry (reason ``"orphan"``). A checkpoint published above it
   promotes it back. So when a conversation's terminal checkpoint goes, its
   history back to its previous surviving checkpoint goes next, tail first.
+* **Gaps.** When a block leaves the history groups, every checkpoint beyond it on
+  its chain (a tree of keys: each node knows its children) can no longer be reached:
+  its support goes at once (the blocks between become orphans) and its entries, and
+  any published beyond the gap later, are demoted (reason ``"gap"`` when evicted),
+  head first so the deepest go first. When the block is published again, what lies
+  beyond it with every block cached regains its value (support, and the state
+  entries demoted for the gap promoted back).
 * **Slabs** (shared arena, used by the manager): a group that would have to
   evict a usable entry first takes a slab of another group whose idle pages
   are all of less value (:meth:`cheap_pages`): low priority (prompt
   checkpoints, orphans) or idle since before the short group's own least
   recently used usable entry.
 
-Eviction order within a pool is then: orphans and prompt checkpoints (the
-most recently demoted first), then usable entries least recently used first
+Eviction order within a pool is then: orphans, entries beyond a gap and prompt
+checkpoints (the most recently demoted first), then usable entries least recently used first
 (reason ``"lru"``). A request's pages in every group go idle at one tick of
 the pools' shared idle clock, so "least recently used" means the same thing in
 every group and a unit's entries age together.
@@ -44,7 +51,7 @@ import numpy as np
 from hybridkv.pool import EVICTED_LOW, REVOKED, UNPUBLISHED, PagePool
 
 UNIT = "unit"  # the ``cause`` of an entry removed because the rest of its unit went
-REASONS = ("prompt", "orphan", "lru", "unit", "slab")  # why evicted pages went (GroupValueStats)
+REASONS = ("prompt", "orphan", "gap", "lru", "unit", "slab")  # why evicted pages went (GroupValueStats)
 POLICIES = ("value", "group-lru")
 
 
@@ -56,7 +63,8 @@ class GroupValueStats:
     (complete in every state group, every history block below them cached); in a
     history group, blocks below such a checkpoint. ``evicted_pages``: idle pages
     freed by eviction, per reason: ``prompt`` (a low-priority prompt checkpoint),
-    ``orphan`` (a history block below no checkpoint), ``lru`` (a usable entry,
+    ``orphan`` (a history block below no checkpoint), ``gap`` (an entry beyond a
+    missing history block), ``lru`` (a usable entry,
     least recently used), ``unit`` (the rest of its unit went), ``slab`` (its slab
     moved to another group)."""
 
@@ -68,7 +76,7 @@ class GroupValueStats:
 
 
 class ValueEviction:
-    """Unit coherence and orphan demotion over one manager's pools (module docstring).
+    """Unit coherence, orphan and gap demotion over one manager's pools (module docstring).
 
     :class:`hybridkv.prefix.PrefixCache` reports every entry it publishes
     (:meth:`stored`) and every removal its pools report (:meth:`removed`)."""
@@ -86,8 +94,12 @@ class ValueEviction:
         self._state = frozenset(self.state_ids)
         # Orphans exist only where a hit needs both kinds of group.
         self._track = bool(self.history_ids) and bool(self.state_ids)
-        # key -> [parent key, support, entries in any group, state groups holding it]
+        # key -> [parent key, support, entries in any group, state groups holding it,
+        #         child keys (a set, or None), cut (a block on its chain is missing)]
         self._nodes: dict[Hashable, list] = {}
+        # (group, key) of state entries demoted because a block below them went (promoted
+        # back when it is published again); prompt checkpoints were low priority already.
+        self._cut_demoted: set[tuple[str, Hashable]] = set()
         self.evicted_pages = {gid: dict.fromkeys(REASONS, 0) for gid in pools}
 
     # --- bookkeeping ---------------------------------------------------------------
@@ -95,14 +107,29 @@ class ValueEviction:
         """An entry was published under ``key`` in group ``gid``."""
         node = self._nodes.get(key)
         if node is None:
-            node = self._nodes[key] = [parent, 0, 0, 0]
+            up = self._nodes.get(parent)
+            node = self._nodes[key] = [parent, 0, 0, 0, None, up is not None and up[5]]
+            if up is not None:
+                if up[4] is None:
+                    up[4] = set()
+                up[4].add(key)
         node[2] += 1
         if gid in self._state:
             node[3] += 1
-            if node[3] == len(self.state_ids) and self._track:
+            if node[5]:
+                self._demote_cut(gid, key)  # beyond a missing block: worth nothing yet
+            elif node[3] == len(self.state_ids) and self._track:
                 self._add_support(key)
-        elif self._track and node[1] > 0 and self.acts:
-            self.pools[gid].promote(key)
+        elif self._track:
+            if node[1] > 0 and self.acts:
+                self.pools[gid].promote(key)
+            if not node[5]:
+                return
+            up = self._nodes.get(node[0])
+            if node[2] - node[3] == len(self.history_ids) and (up is None or not up[5]):
+                self._mend(key)
+            else:
+                self._demote_cut(gid, key)  # beyond a missing block: worth nothing yet
 
     def removed(self, gid: str, key: Hashable, cause: str, idle_pages: int) -> None:
         """An entry left group ``gid`` (``cause`` as the pool reports it, ``UNIT`` for
@@ -112,14 +139,16 @@ class ValueEviction:
             self.evicted_pages[gid][self._reason(gid, node, cause)] += idle_pages
         if node is None:
             return
-        node[2] -= 1
         if gid in self._state:
-            if node[3] == len(self.state_ids) and self._track:
+            if node[3] == len(self.state_ids) and self._track and not node[5]:
                 self._drop_support(key)
             node[3] -= 1
             others = self.state_ids
         else:
+            if self._track and not node[5] and node[2] - node[3] == len(self.history_ids):
+                self._cut(key)
             others = self.history_ids + self.state_ids
+        node[2] -= 1
         # An eviction takes the rest of the unit as evictions ("unit"); an unpublished
         # entry (a superseded checkpoint, a cleared cache) takes it unpublished.
         follow = UNPUBLISHED if cause == UNPUBLISHED else UNIT
@@ -136,6 +165,8 @@ class ValueEviction:
             return "slab"
         if cause == UNIT:
             return "unit"
+        if node is not None and node[5]:
+            return "gap"
         if gid not in self._state and self._track and (node is None or node[1] == 0):
             return "orphan"
         if cause == EVICTED_LOW:
@@ -172,10 +203,71 @@ class ValueEviction:
                 if self.pools[gid].lookup(key) is not None:
                     self.pools[gid].demote(key)
 
+    def _cut(self, key: Hashable) -> None:
+        """The block at ``key`` leaves the history groups: every checkpoint at or beyond
+        it loses its value at once (its support above goes), and the entries beyond it
+        are demoted head first, so the deepest end at the front of the LRU."""
+        order, todo, whole = [], [key], len(self.state_ids)
+        while todo:
+            k = todo.pop()
+            node = self._nodes.get(k)
+            if node is None or (node[5] and k != key):
+                continue  # beyond an earlier cut already
+            node[5] = True
+            if node[3] == whole:
+                self._drop_support(k)
+            order.append(k)
+            if node[4]:
+                todo.extend(node[4])
+        for k in order[1:]:
+            for gid in self.history_ids + self.state_ids:
+                self._demote_cut(gid, k)
+
+    def _demote_cut(self, gid: str, key: Hashable) -> None:
+        """Demote an entry beyond a missing block (a state entry that was not low
+        priority is remembered, to be promoted back by :meth:`_mend`)."""
+        pool = self.pools[gid]
+        pages = pool.lookup(key)
+        if pages is None or not self.acts:
+            return
+        if gid in self._state and pages and not pool.low_priority[pages[0]]:
+            self._cut_demoted.add((gid, key))
+        pool.demote(key)
+
+    def _mend(self, key: Hashable) -> None:
+        """The block at ``key`` is back (its chain above is whole): the entries beyond it
+        whose blocks are all cached regain their value; the checkpoints among them support
+        their chains again."""
+        order, todo = [], [key]
+        while todo:
+            node = self._nodes.get(k := todo.pop())
+            if node is None or node[2] - node[3] < len(self.history_ids):
+                continue  # its own block is missing: it and what lies beyond stay cut
+            node[5] = False
+            order.append(k)
+            if node[4]:
+                todo.extend(node[4])
+        for k in order:
+            if self._nodes[k][3] == len(self.state_ids):
+                self._add_support(k)
+            for gid in self.state_ids:
+                if (gid, k) in self._cut_demoted:
+                    self._cut_demoted.discard((gid, k))
+                    if self.acts and self.pools[gid].lookup(k) is not None:
+                        self.pools[gid].promote(k)
+
     def _forget_if_idle(self, key: Hashable) -> None:
-        node = self._nodes.get(key)
-        if node is not None and node[1] == 0 and node[2] == 0:
+        """Drop the node of a key nothing is published under, that supports nothing and
+        has no child (then its parent's, in turn)."""
+        while (node := self._nodes.get(key)) is not None and node[1] == 0 and node[2] == 0 and not node[4]:
             del self._nodes[key]
+            for gid in self.state_ids:
+                self._cut_demoted.discard((gid, key))
+            up = self._nodes.get(node[0])
+            if up is None or not up[4] or key not in up[4]:
+                return  # (a node made before its parent's is no child of it)
+            up[4].discard(key)
+            key = node[0]
 
     # --- value of idle pages (shared arena) -------------------------------------
     def oldest_usable_tick(self, gid: str) -> int | None:

@@ -597,8 +597,8 @@ class CacheManager:
                 continue
             if n > pool.num_free_pages:
                 return None
-            if n > clean + pool.num_low_priority_idle_pages and n > clean + self._freed_first(plan, k) + \
-                    pool.num_low_priority_idle_pages:
+            low = self._low_room(pool)
+            if n > clean + low and n > clean + self._freed_first(plan, k) + low:
                 covered = False
         return covered
 
@@ -675,7 +675,7 @@ class CacheManager:
             freed = self._freed_first(plan, k) if plan is not None and n > clean else 0
             if n > clean + freed:
                 # What idle low-priority pages cannot cover would evict valuable entries.
-                low = pool.num_low_priority_idle_pages
+                low = self._low_room(pool)
                 if n > clean + freed + low:
                     short[gid] = n - clean - freed - low
                     continue
@@ -699,6 +699,11 @@ class CacheManager:
             self._cheap_donor_pages(short, spare, scan)
         spare = {gid: max(left, 0) for gid, left in spare.items()}
         return arena.plan(short, spare, scan, partial=True, owner=own)
+
+    def _low_room(self, pool: PagePool) -> int:
+        """Idle low-priority pages a group evicts rather than grow: all of them unless the
+        arena is roomy (then they keep spare memory until admission needs it back)."""
+        return 0 if self.arena is not None and self.arena.roomy() else pool.num_low_priority_idle_pages
 
     def _spare_slabs_cover(self, short: dict, owner: np.ndarray | None) -> bool:
         """True when spare slabs alone surely cover every ``short`` group (a slab holds
@@ -1026,9 +1031,9 @@ class CacheManager:
         if status != kernels.STEP_DONE:
             if plan.grants:
                 self.arena.apply(plan.grants)
-            for pool, n in zip(self._pool_list, allocated):
+            for k, (pool, n) in enumerate(zip(self._pool_list, allocated)):
                 if n:
-                    pool.make_room(n)
+                    pool.make_room(n, self._transient_pages(plan, k))
             n_touched = kernels.finish_step(
                 ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.tops,
                 space.lowest_first, self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after,
@@ -1038,6 +1043,15 @@ class CacheManager:
                 pool.note_allocated(n)
         if ts.log is not None and n_touched:
             ts.note_cells(sc.touched[:n_touched].copy())
+
+    def _transient_pages(self, plan: _StepPlan, k: int) -> int:
+        """Pages group ``k`` allocates this step that the next releases again (they take
+        the highest free ids, so packing need not make room for them low)."""
+        if not self._transient[k]:
+            return 0
+        ts = self._tableset
+        return int(kernels.transient_pages(ts.geometry, ts.bounds, k, plan.rows, plan.first, plan.counts,
+                                           plan.after, plan.sums))
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
                      updates: bool) -> StepBatch:

@@ -93,9 +93,10 @@ class PagePool:
         # Lowest-first pools: idle low-priority page ids (a min-heap, stale ids skipped),
         # reused in id order like free pages so they do not push live pages up.
         self._low_idle: list[int] = []
-        # Set by an arena: reuse low-priority pages in id order only while it returns
-        # True (no spare slab), so they are kept as long as memory is not tight.
-        self.pack_low_priority: Callable[[], bool] = lambda: True
+        # Set by an arena: whether a long-lived allocation of ``n`` pages whose highest id
+        # would be ``page`` must first reuse idle low-priority pages below it (packing);
+        # None: always.
+        self.must_pack: Callable[[int, int], bool] | None = None
         self._page_key: dict[int, Hashable] = {}
         self._entries: dict[Hashable, tuple[int, ...]] = {}
         # Called with (key, cause, idle pages freed) after an entry is removed; cause is
@@ -182,7 +183,7 @@ class PagePool:
             raise PoolExhausted(
                 f"group {self.group_id!r}: need {count} pages, {self.num_free_pages} free or evictable"
             )
-        self.make_room(count)
+        self.make_room(count, highest)
         low = count - highest
         out = self._stack[self._top - low : self._top][::-1].copy()
         self._top -= low
@@ -196,13 +197,19 @@ class PagePool:
         self.note_allocated(count)
         return out
 
-    def make_room(self, count: int) -> None:
+    def make_room(self, count: int, highest: int = 0) -> None:
         """Evict cached entries so that the free stack's top ``count`` ids are the ones
-        an allocation of ``count`` pages takes: idle low-priority entries below them
-        (lowest-first pools packing, see ``pack_low_priority``), then least recently
-        used entries while the stack is short. The one place allocation evicts."""
-        if self._low_idle and self.pack_low_priority():
-            self._evict_low_below(count)
+        an allocation of ``count`` pages takes: in a lowest-first pool, idle
+        low-priority entries holding ids below the ``count - highest`` lowest free ones
+        (packing: long-lived pages stay low, so the slabs above them hold only idle
+        pages an arena can lend; the ``highest`` pages, released again at the next step,
+        take the highest free ids), then least recently used entries while the stack is
+        short. The one place allocation evicts."""
+        long = count - highest
+        if self._low_idle and long > 0:
+            if self._top < long or self.must_pack is None or self.must_pack(int(self._stack[self._top - long]),
+                                                                             long):
+                self._evict_low_below(long)
         if self._top < count:
             self._evict_lru(count - self._top)
 
@@ -565,12 +572,13 @@ class PageSpace:
         self.released(counts, keyed)
 
     def low_floors(self, out: np.ndarray) -> np.ndarray:
-        """``out[g]``: for a lowest-first pool that now reuses idle low-priority pages in
-        id order (``pack_low_priority``), a lower bound of their ids (the smallest id
-        its heap lists, possibly stale) or ``kernels.NO_LOW_IDLE`` when it has none;
-        ``kernels.NO_PACKING`` for every other pool. What ``kernels.needs_room`` reads."""
+        """``out[g]``: for a lowest-first pool (one that may pack: ``PagePool.make_room``), a
+        lower bound of its idle low-priority pages' ids (the smallest id its heap lists,
+        possibly stale) or ``kernels.NO_LOW_IDLE`` when it has none; ``kernels.NO_PACKING``
+        for every other pool. What ``kernels.needs_room`` reads: a step stops for Python
+        when such a page lies below the ids it would take, and ``make_room`` decides."""
         for g, pool in enumerate(self.pools):
-            if not pool.lowest_first or not pool.pack_low_priority():
+            if not pool.lowest_first:
                 out[g] = kernels.NO_PACKING
             elif pool.num_low_priority_idle_pages and pool._low_idle:
                 out[g] = pool._low_idle[0]
