@@ -88,6 +88,7 @@ class StepEngine:
         self.steps_load_us: list[float] = []
         self._forward_done = False
         self.parts_us = {"confirm": 0.0, "take": 0.0, "copy": 0.0}  # the run's tier work, by call
+        self.loaded: dict[str, int] = {}  # tokens each request gained from confirmed loads
 
     def end_step(self, *_: object) -> None:
         self.steps_tier_us.append(self.tier_us)
@@ -133,14 +134,17 @@ class StepEngine:
         parts["take"] += (t2 - t1) * 1e6
         parts["copy"] += (t3 - t2) * 1e6
 
-    def load(self, rid: str) -> tuple[int, bool]:
+    def load(self, rid: str) -> tuple[int, bool, bool]:
+        """The simulator's tier hook: ``(computed tokens, a load was denied pages, waits for
+        blocks another request computes)``."""
         link = self.link
         if link is None or not link.pending(rid):
-            return self.manager.num_computed_tokens(rid), False
+            return self.manager.num_computed_tokens(rid), False, link is not None and link.waiting(rid)
         t0, c0 = time.perf_counter(), time.thread_time()
         denied = link.stats().denied_loads
+        before = self.manager.num_computed_tokens(rid)
         for _ in range(64):
-            if not link.pending(rid):
+            if not link.pending(rid) or link.waiting(rid):
                 break
             loads = link.take_loads()
             self._offload()
@@ -151,7 +155,22 @@ class StepEngine:
                 link.confirm_load(load.request_id, load.plan.run(link.store, self.pools, load.targets))
         self.load_us += (time.perf_counter() - t0) * 1e6
         self.load_cpu_us += (time.thread_time() - c0) * 1e6
-        return link.manager.num_computed_tokens(rid), link.stats().denied_loads > denied
+        after = link.manager.num_computed_tokens(rid)
+        self.loaded[rid] = self.loaded.get(rid, 0) + max(0, after - before)
+        return after, link.stats().denied_loads > denied, link.waiting(rid)
+
+    def loaded_tokens(self, rid: str) -> int:
+        return self.loaded.get(rid, 0)
+
+    def forget(self, rid: str) -> None:
+        self.loaded.pop(rid, None)
+
+    def waiting(self, rid: str) -> bool:
+        return self.link is not None and self.link.waiting(rid)
+
+    def resume(self) -> None:
+        if self.link is not None:
+            self.link.resume_waits()
 
     def close(self) -> None:
         if self.worker is not None:

@@ -47,8 +47,8 @@ class DeferredWorker:
     def __init__(self):
         self.jobs = []
 
-    def submit(self, ticket, make_objects, num_objects):
-        self.jobs.append((ticket, make_objects, num_objects))
+    def submit(self, ticket, make_objects, num_objects, *, in_place=False):
+        self.jobs.append((ticket, make_objects, num_objects, in_place))
         return True
 
 
@@ -103,8 +103,8 @@ class Engine:
     def run_jobs(self, drop=False):
         """Run (or drop) every queued job and confirm it; the objects now in the store."""
         results = []
-        for ticket, make_objects, num_objects in self.worker.jobs:
-            results.append((ticket, [None] * num_objects if drop else self.store.put(make_objects())))
+        for ticket, make_objects, num_objects, in_place in self.worker.jobs:
+            results.append((ticket, [None] * num_objects if drop else self.store.put(make_objects(), in_place=in_place)))
         self.worker.jobs.clear()
         self.link.confirm_offloads(results)
 
@@ -284,14 +284,15 @@ def test_a_paused_worker_starts_nothing_until_resumed_and_puts_in_batches():
     store = ObjectStore(HostTier(1 << 30), LAYOUT)
     engine = Engine(total_tokens=2048)
     compute(engine, "p", np.random.default_rng(8).integers(0, CONFIG.vocab_size, 600))
-    (ticket, make_objects, n), = engine.worker.jobs
+    (ticket, make_objects, n, in_place), = engine.worker.jobs
+    assert in_place  # an offload plan's payloads have room for their headers
     assert n >= 3
     calls = []
     put = store.put
-    store.put = lambda objects: calls.append(len(objects)) or put(objects)
+    store.put = lambda objects, **kw: calls.append(len(objects)) or put(objects, **kw)
     with OffloadWorker(store, put_batch_objects=2) as worker:
         worker.pause()
-        assert worker.submit(ticket, make_objects, n)
+        assert worker.submit(ticket, make_objects, n, in_place=in_place)
         assert worker.finished() == [] and calls == []  # held before the job starts
         threading.Event().wait(0.2)
         assert worker.finished() == [] and calls == []
@@ -310,8 +311,8 @@ def test_close_runs_what_is_queued_and_the_engine_confirms_it():
     compute(engine, "p", rng.integers(0, CONFIG.vocab_size, 600))
     jobs, engine.worker.jobs = engine.worker.jobs, []
     worker = OffloadWorker(engine.store)
-    for ticket, make_objects, n in jobs:
-        assert worker.submit(ticket, make_objects, n)
+    for ticket, make_objects, n, in_place in jobs:
+        assert worker.submit(ticket, make_objects, n, in_place=in_place)
     assert worker.close(30)
     engine.link.confirm_offloads(worker.finished())
     stats = engine.link.stats()

@@ -210,3 +210,26 @@ def test_a_view_put_into_a_local_tier_is_kept_as_it_was_when_put(kind, tmp_path)
     buffer[...] = 0  # later writes to the buffer do not reach the stored object
     assert tier.get(["a", "b"]) == [bytes(range(8, 40)), b"xyz"]
     assert tier.stats().stored_bytes == 35
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_a_large_view_put_into_the_host_tier_is_copied_and_read_back_whole(stacked, tmp_path):
+    # views of 64 KiB and more are copied with numpy (off the GIL), smaller ones into bytes
+    host = HostTier(1 << 22)
+    tier = TierStack([host, DiskTier(tmp_path / "d")]) if stacked else host
+    buffer = np.random.default_rng(3).integers(0, 256, (1 << 20) + 3, dtype=np.uint8)
+    expected = {"big": buffer[5 : 5 + (1 << 20)].tobytes(), "edge": buffer[: 64 << 10].tobytes(),
+                "small": buffer[7 : 7 + (64 << 10) - 1].tobytes()}
+    views = {"big": memoryview(buffer)[5 : 5 + (1 << 20)], "edge": memoryview(buffer)[: 64 << 10],
+             "small": memoryview(buffer)[7 : 7 + (64 << 10) - 1]}
+    assert tier.put(list(views.items())) == [True] * 3
+    buffer[...] = 0
+    got = host.get(list(expected))
+    assert [bytes(value) for value in got] == list(expected.values())
+    assert all(len(value) == len(expected[name]) for name, value in zip(expected, got))
+    with pytest.raises(TypeError):  # what the tier answers cannot be written through
+        got[0][0] = 1
+    assert host.stats().held_bytes == sum(len(v) for v in expected.values())
+    if stacked:
+        host.delete(list(expected))
+        assert [bytes(value) for value in tier.get(list(expected))] == list(expected.values())

@@ -23,6 +23,7 @@ class TierStack(Tier):
     """
 
     name = "stack"
+    put_copies = True  # views go down as they are: each tier's own put copies what it keeps
 
     def __init__(self, tiers: Sequence[Tier]) -> None:
         super().__init__()

@@ -13,10 +13,15 @@ nothing more; the worker goes on.
 
 The worker touches nothing but the job's callable and the store; the caller
 (the engine's thread) keeps the pages the callable reads unchanged until the
-ticket comes back. The worker is a Python thread: the encode (checksum, one
-copy into ``bytes``) and a host tier's ``put`` hold the GIL, so an engine may
-:meth:`OffloadWorker.pause` it while its step thread schedules and
-:meth:`OffloadWorker.resume` it while the device computes.
+ticket comes back. The worker is a Python thread, so what it runs must let go
+of the GIL while it moves bytes, or the step thread waits for it: the row
+gather (a compiled kernel), the XXH3 checksum (``xxhash``) and numpy's copies
+release it; a copy into a new ``bytes`` (``bytes(view)``, ``b"".join``) does
+not. Jobs submitted ``in_place`` (an :class:`~hybridkv.transfer.OffloadPlan`'s)
+encode without copying the payload, and the host tier copies views into its
+own buffers with numpy. An engine may still :meth:`OffloadWorker.pause` it
+while its step thread schedules and :meth:`OffloadWorker.resume` it while the
+device computes (its Python between copies takes the GIL too).
 """
 
 from __future__ import annotations
@@ -73,9 +78,13 @@ class OffloadWorker:
         self._thread.start()
 
     # --- the caller's side ----------------------------------------------------------
-    def submit(self, ticket: Hashable, make_objects: Callable[[], Sequence[RowsObject]], num_objects: int) -> bool:
+    def submit(self, ticket: Hashable, make_objects: Callable[[], Sequence[RowsObject]], num_objects: int,
+               *, in_place: bool = False) -> bool:
         """Queue a job of ``num_objects`` objects; False when it does not fit (dropped, counted,
-        and reported by :meth:`finished` like any other). Never waits for the tier."""
+        and reported by :meth:`finished` like any other). Never waits for the tier.
+        ``in_place``: every object's payload has room for its header right before it
+        (``gather_objects(..., room_bytes=)``), so the encode writes the header there and copies
+        no payload (``ObjectStore.put(..., in_place=True)``)."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("the offload worker is closed")
@@ -87,7 +96,7 @@ class OffloadWorker:
                 self._done.append((ticket, [None] * num_objects))
                 return False
             self._stats.queued_objects += num_objects
-            self._jobs.append((ticket, make_objects, num_objects))
+            self._jobs.append((ticket, make_objects, num_objects, in_place))
             if not self._busy:  # a busy worker takes the next job without waiting
                 self._cond.notify_all()
             return True
@@ -151,9 +160,9 @@ class OffloadWorker:
                     self._cond.notify_all()
                     return
                 self._busy = True
-            ticket, make_objects, num_objects = job
+            ticket, make_objects, num_objects, in_place = job
             self._running.wait()
-            stored, error = self._run(make_objects)
+            stored, error = self._run(make_objects, in_place)
             with self._cond:
                 self._busy = False
                 self._stats.queued_objects -= num_objects
@@ -167,12 +176,13 @@ class OffloadWorker:
                 self._done.append((ticket, stored))
                 self._cond.notify_all()
 
-    def _run(self, make_objects: Callable[[], Sequence[RowsObject]]) -> tuple[list[bool] | None, str | None]:
+    def _run(self, make_objects: Callable[[], Sequence[RowsObject]], in_place: bool
+             ) -> tuple[list[bool] | None, str | None]:
         try:
             objects, stored = list(make_objects()), []
             for at in range(0, len(objects), self.put_batch_objects):
                 self._running.wait()  # paused between puts, not within one
-                stored += self.store.put(objects[at : at + self.put_batch_objects])
+                stored += self.store.put(objects[at : at + self.put_batch_objects], in_place=in_place)
             return stored, None
         except Exception as exc:  # a job's fault is counted, never raised into the worker's loop
             return None, f"{type(exc).__name__}: {exc}"
