@@ -32,7 +32,7 @@ def step(mgr, program_step, stems, live, outcomes):
         rid = f"r{len(outcomes)}"
         prompt = cat(stems[a][:b], ids(1000 + len(outcomes), c + 1))[:1500]
         try:
-            hit = mgr.add_request(rid, prompt, max_new_tokens=64)
+            hit = mgr.add_request(rid, prompt, max_new_tokens=512)
         except (CacheManagerError, PoolExhausted) as e:
             outcomes.append(("refused", type(e).__name__))
             return
@@ -48,10 +48,10 @@ def step(mgr, program_step, stems, live, outcomes):
         done = mgr.num_computed_tokens(rid)
         if done < total:
             n = min(256 * (1 + b % 3), total - done)
-        elif decoded < 48:
-            mgr.append_token_ids(rid, [int(c) % 1000 + 7])
-            live[rid][1] += 1
-            n = 1
+        elif decoded < 400:  # decode a chunk: the window slides past a hit's checkpoint
+            n = 1 + c % 97
+            mgr.append_token_ids(rid, ids(5000 + c, n).tolist())
+            live[rid][1] += n
         else:
             n = 0
         if n:
@@ -76,8 +76,8 @@ def observe(mgr):
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(0, 1400), st.integers(0, 700)),
                 min_size=40, max_size=90))
 def test_incremental_order_makes_the_full_sorts_decisions(program):
-    """Requests over three shared stems, up to four in flight, prefilled in chunks,
-    decoded and freed in random order, pools tight enough to evict in every group:
+    """Requests over three shared stems, up to four in flight, prefilled and decoded
+    in chunks (windows slide past the checkpoints hit) and freed in random order, pools tight enough to evict in every group:
     after every op the incremental manager and the full-sort reference have the same
     hits, refusals, stored and removed entries (keys and order), usable entries,
     evictions by reason and idle low-priority pages."""

@@ -15,8 +15,8 @@ before anything usable) at other boundaries the request crosses:
   reuse (learned online per class), blended with recency (in the spirit of
   Marconi, MLSys 2025): speculative and reused checkpoints of a class rated
   below ``REUSE_FLOOR`` are low priority (speculative ones are published so),
-  the rest sit in the state pools' LRU in the order of
-  :meth:`CheckpointValues.score`, the lowest at the front.
+  the rest are evicted in the order of :meth:`CheckpointValues.score`, the
+  lowest first, an order :class:`CheckpointOrder` keeps incrementally.
 
 ``state_checkpoint_interval`` (pinned, normal priority checkpoints) adds to any policy.
 """
