@@ -6,8 +6,10 @@ Same small DeepSeek-V4 group set as tests/test_prefix.py (grain 256)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from hybridkv.manager import CacheManagerError
@@ -72,19 +74,25 @@ def observe(mgr):
     return events, report, {g: mgr.pools[g].num_low_priority_idle_pages for g in STATE}
 
 
-@settings(max_examples=30, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(0, 1400), st.integers(0, 700)),
-                min_size=40, max_size=90))
-def test_incremental_order_makes_the_full_sorts_decisions(program):
-    """Requests over three shared stems, up to four in flight, prefilled and decoded
-    in chunks (windows slide past the checkpoints hit) and freed in random order, pools tight enough to evict in every group:
-    after every op the incremental manager and the full-sort reference have the same
-    hits, refusals, stored and removed entries (keys and order), usable entries,
-    evictions by reason and idle low-priority pages."""
+def program_of(seed: int, ops: int = 90) -> list[tuple[int, int, int, int]]:
+    """A random program of ``ops`` ops (``step``'s tuples), from ``seed``."""
+    r = random.Random(seed)
+    return [(r.randint(0, 2), r.randint(0, 2), r.randint(0, 1400), r.randint(0, 700)) for _ in range(ops)]
+
+
+# Seeds 13 and 20 told apart an order that let a checkpoint hit and gone idle again
+# since the last free keep its place from before the hit (the reference puts it
+# behind, where it went idle); seed 3 one that demoted a class highest score first.
+@example(3)
+@example(13)
+@example(20)
+@settings(max_examples=16, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_incremental_order_makes_the_full_sorts_decisions(seed):
     fast, slow = pair(TIGHT)
     stems = [ids(40 + s, 1500) for s in range(3)]
     live_fast, live_slow, out_fast, out_slow = {}, {}, [], []
-    for op in program:
+    for op in program_of(seed):
         step(fast, op, stems, live_fast, out_fast)
         step(slow, op, stems, live_slow, out_slow)
         assert out_fast == out_slow

@@ -212,6 +212,10 @@ class CheckpointValues:
         """The recorded keys of class ``kind``."""
         return list(self._members[kind])
 
+    def last_use(self, key: Hashable) -> int:
+        """The clock at the checkpoint's publication or last hit; KeyError if not recorded."""
+        return self._records[key][2]
+
     def kind(self, key: Hashable) -> str | None:
         """The checkpoint's class (None if not recorded)."""
         record = self._records.get(key)
@@ -237,8 +241,13 @@ class CheckpointValues:
         """The checkpoint's score now (higher: kept longer), with the classes' expected
         reuse ``reuse`` (default: as learned now); KeyError if not recorded."""
         boundary, kind, last_use, _, _ = self._records[key]
-        rate = self.expected_reuse(kind) if reuse is None else reuse[kind]
-        value = math.log2(saved_prefill(boundary) * rate / (boundary + self.checkpoint_tokens))
+        return self.score_of(boundary, last_use, self.expected_reuse(kind) if reuse is None else reuse[kind])
+
+    def score_of(self, boundary_tokens: int, last_use: int, expected_reuse: float) -> float:
+        """The score now of a checkpoint at ``boundary_tokens`` last used at ``last_use``
+        in a class of that expected reuse."""
+        d = boundary_tokens
+        value = math.log2(saved_prefill(d) * expected_reuse / (d + self.checkpoint_tokens))
         return value - (self.freed_requests - last_use) / VALUE_HALF_LIFE_REQUESTS
 
     def order_key(self, key: Hashable, reuse: dict[str, float] | None = None) -> tuple:
@@ -315,35 +324,45 @@ class CheckpointOrder:
         """File again what changed since the last freed request (class docstring)."""
         values = self.values
         low = {kind: values.low_priority(kind) for kind in CLASSES}
-        changed = dict.fromkeys(values.take_changed())
+        kinds = {key: values.kind(key) for key in self._changed_keys(low)}
+        self._low = low
+        self._reuse = {kind: values.expected_reuse(kind) for kind in CLASSES}
+        self._tick = self._idle_clock()
+        self._demote(sorted((k for k, kind in kinds.items() if kind is not None and low[kind]), key=values.order_key))
+        for key, kind in kinds.items():
+            if kind is not None and not low[kind]:
+                self._file(key, kind)
+        self._compact()
+
+    def _changed_keys(self, low: dict[str, bool]) -> list[Hashable]:
+        """Keys to file again (class docstring), each once; empties the idle lists."""
+        changed = dict.fromkeys(self.values.take_changed())
         for kind in CLASSES:
             if low[kind] != self._low[kind]:
-                changed.update(dict.fromkeys(values.members(kind)))
+                changed.update(dict.fromkeys(self.values.members(kind)))
         for group_id, fresh in self._fresh.items():
             changed.update((key, None) for _, key, _ in fresh)
             fresh.clear()
             self._fresh_seen[group_id] = 0
-        self._low = low
-        self._reuse = {kind: values.expected_reuse(kind) for kind in CLASSES}
-        self._tick = self._idle_clock()
-        kinds = {key: values.kind(key) for key in changed}
-        demoted = sorted((k for k, kind in kinds.items() if kind is not None and low[kind]), key=values.order_key)
-        kept = [k for k, kind in kinds.items() if kind is not None and not low[kind]]
+        return list(changed)
+
+    def _demote(self, demoted: list[Hashable]) -> None:
+        """Demote ``demoted`` (lowest score first) where still normal priority: each to
+        the front of the LRU, so the lowest score ends first."""
         for pool in self.pools:
             flags = pool.low_priority
-            for key in reversed(demoted):  # each to the front: the lowest score ends first
+            for key in reversed(demoted):
                 pages = pool.lookup(key)
                 if pages and not flags[pages[0]]:
                     pool.demote(key)
-        for key in kept:
-            self._file(key, kinds[key])
-        self._compact()
 
     def _file(self, key: Hashable, kind: str) -> None:
         """Promote a normal-class checkpoint and push it, with a new version, on the heap
         of every pool where it has an idle page."""
         version = self._version[key] = next(self._versions)
-        entry = (*self.values.static_key(key), version, key)
+        # The entry keeps what it was ranked by (the record's last use may change before
+        # the next free files it again): static key, boundary, number, last use.
+        entry = (*self.values.static_key(key), self.values.last_use(key), version, key)
         for pool in self.pools:
             pages = pool.lookup(key)
             if not pages:
@@ -374,7 +393,8 @@ class CheckpointOrder:
             while heap and (heap[0][-1] in taken or not self._standing(pool, heap[0][-1], heap[0][-2])):
                 heapq.heappop(heap)
             if heap:
-                rank = values.order_key(heap[0][-1], self._reuse)
+                _, boundary, number, last_use, _, _ = heap[0]
+                rank = values.score_of(boundary, last_use, self._reuse[kind]), boundary, number
                 if best is None or rank < best[0]:
                     best = (rank, heap)
         if best is not None:
