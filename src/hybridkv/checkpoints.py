@@ -287,7 +287,9 @@ class CheckpointOrder:
     (lazy deletion: an entry stands while its key's version is current and the key
     has a page idle since before the last freed request). Across classes only
     ``log2(expected_reuse)`` differs, so a victim is the lowest of the class heads,
-    scored with the rates as they were at the last freed request. At each freed
+    scored with the rates as they were at the last freed request and with the class
+    and last use each entry was filed with (a checkpoint superseded into another
+    class keeps its rank until the next freed request, as in the reference). At each freed
     request (:meth:`request_freed`) only what changed is filed again: checkpoints
     published, hit or moved to another class since, those that went idle since, and
     every member of a class that crossed ``REUSE_FLOOR`` (demoted to low priority,
@@ -427,15 +429,9 @@ class CheckpointOrder:
         if len(self._version) > 2 * live + 64:
             self._version = {k: v for k, v in self._version.items() if self.values.kind(k) is not None}
 
-    def heap_entries(self) -> int:
-        """Debug view: entries on every heap, stale ones included (bounded by
-        ``_compact``: about twice the checkpoints recorded, per pool and class)."""
-        return sum(len(h) for heaps in self._heaps.values() for h in heaps.values())
-
 
 __all__ = [
     "ATTENTION_EQUAL_DEPTH_TOKENS", "CHECKPOINT_HISTORY_TOKENS", "CHECKPOINT_POLICIES", "CLASSES", "CheckpointOrder",
-    "CheckpointPolicy",
-    "CheckpointValues", "DEFAULT_CHECKPOINT_POLICY", "OWN", "REUSE_FLOOR", "REUSED", "SPECULATIVE",
+    "CheckpointPolicy", "CheckpointValues", "DEFAULT_CHECKPOINT_POLICY", "OWN", "REUSE_FLOOR", "REUSED", "SPECULATIVE",
     "VALUE_HALF_LIFE_REQUESTS", "checkpoint_policy", "saved_prefill",
 ]
