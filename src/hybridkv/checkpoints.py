@@ -15,16 +15,18 @@ before anything usable) at other boundaries the request crosses:
   reuse (learned online per class), blended with recency (in the spirit of
   Marconi, MLSys 2025): speculative and reused checkpoints of a class rated
   below ``REUSE_FLOOR`` are low priority (speculative ones are published so),
-  the rest sit in the state pools' LRU in the order of
-  :meth:`CheckpointValues.score`, the lowest at the front.
+  the rest are evicted in the order of :meth:`CheckpointValues.score`, the
+  lowest first, an order :class:`CheckpointOrder` keeps incrementally.
 
 ``state_checkpoint_interval`` (pinned, normal priority checkpoints) adds to any policy.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from hybridkv._checks import as_int
@@ -109,6 +111,7 @@ def saved_prefill(boundary_tokens: int) -> float:
 
 
 SPECULATIVE, OWN, REUSED = "speculative", "own", "reused"  # the classes of CheckpointValues
+CLASSES = (SPECULATIVE, OWN, REUSED)
 
 
 class CheckpointValues:
@@ -140,14 +143,21 @@ class CheckpointValues:
     def __init__(self, checkpoint_tokens: int = CHECKPOINT_HISTORY_TOKENS):
         self.checkpoint_tokens = as_int("checkpoint_tokens", checkpoint_tokens, minimum=1)
         self.freed_requests = 0  # the clock: requests freed so far
-        # key -> [boundary tokens, class, last use, hits in its class]
+        # key -> [boundary tokens, class, last use, hits in its class, publication number]
         self._records: dict[Hashable, list] = {}
+        self._published = itertools.count()
+        # Keys published, hit or moved to another class since take_changed() last ran.
+        self._changed: dict[Hashable, None] = {}
+        self._members: dict[str, dict[Hashable, None]] = {kind: {} for kind in CLASSES}
         self.successes = dict.fromkeys((SPECULATIVE, OWN, REUSED), 0)
         self.failures = dict.fromkeys((SPECULATIVE, OWN, REUSED), 0)
 
     def published(self, key: Hashable, boundary_tokens: int, speculative: bool) -> None:
         if key not in self._records:
-            self._records[key] = [boundary_tokens, SPECULATIVE if speculative else OWN, self.freed_requests, 0]
+            kind = SPECULATIVE if speculative else OWN
+            self._records[key] = [boundary_tokens, kind, self.freed_requests, 0, next(self._published)]
+            self._members[kind][key] = None
+            self._changed[key] = None
 
     def hit(self, key: Hashable) -> None:
         """A request hit at the checkpoint (a success of its class)."""
@@ -156,8 +166,9 @@ class CheckpointValues:
             return
         self.successes[record[1]] += 1
         record[2] = self.freed_requests
+        self._changed[key] = None
         if record[1] == SPECULATIVE:
-            record[1], record[3] = REUSED, 0
+            self._move(key, record, REUSED)
         else:
             record[3] += 1
 
@@ -168,15 +179,42 @@ class CheckpointValues:
         if record is None or record[1] != OWN:
             return
         if kept:
-            record[1], record[3] = SPECULATIVE, 0
+            self._move(key, record, SPECULATIVE)
+            self._changed[key] = None
         else:
-            del self._records[key]
+            self._forget(key)
+
+    def _move(self, key: Hashable, record: list, kind: str) -> None:
+        del self._members[record[1]][key]
+        record[1], record[3] = kind, 0
+        self._members[kind][key] = None
+
+    def _forget(self, key: Hashable) -> list | None:
+        record = self._records.pop(key, None)
+        if record is not None:
+            del self._members[record[1]][key]
+            self._changed.pop(key, None)
+        return record
 
     def removed(self, key: Hashable) -> None:
         """It left the cache: a failure of its class unless it was hit there."""
-        record = self._records.pop(key, None)
+        record = self._forget(key)
         if record is not None and record[3] == 0:
             self.failures[record[1]] += 1
+
+    def take_changed(self) -> list[Hashable]:
+        """The recorded keys published, hit or moved to another class since the last
+        call (in that order of first change), and forget them."""
+        changed, self._changed = list(self._changed), {}
+        return changed
+
+    def members(self, kind: str) -> list[Hashable]:
+        """The recorded keys of class ``kind``."""
+        return list(self._members[kind])
+
+    def last_use(self, key: Hashable) -> int:
+        """The clock at the checkpoint's publication or last hit; KeyError if not recorded."""
+        return self._records[key][2]
 
     def kind(self, key: Hashable) -> str | None:
         """The checkpoint's class (None if not recorded)."""
@@ -185,6 +223,10 @@ class CheckpointValues:
 
     def request_freed(self) -> None:
         self.freed_requests += 1
+
+    def __len__(self) -> int:
+        """Checkpoints recorded."""
+        return len(self._records)
 
     def expected_reuse(self, kind: str) -> float:
         hits = self.successes[kind]
@@ -195,23 +237,201 @@ class CheckpointValues:
         speculative or reused class rated below ``REUSE_FLOOR``."""
         return kind != OWN and self.expected_reuse(kind) < REUSE_FLOOR
 
-    def score(self, key: Hashable) -> float:
-        """The checkpoint's score now (higher: kept longer); KeyError if not recorded."""
-        boundary, kind, last_use, _ = self._records[key]
-        value = math.log2(saved_prefill(boundary) * self.expected_reuse(kind) / (boundary + self.checkpoint_tokens))
+    def score(self, key: Hashable, reuse: dict[str, float] | None = None) -> float:
+        """The checkpoint's score now (higher: kept longer), with the classes' expected
+        reuse ``reuse`` (default: as learned now); KeyError if not recorded."""
+        boundary, kind, last_use, _, _ = self._records[key]
+        return self.score_of(boundary, last_use, self.expected_reuse(kind) if reuse is None else reuse[kind])
+
+    def score_of(self, boundary_tokens: int, last_use: int, expected_reuse: float) -> float:
+        """The score now of a checkpoint at ``boundary_tokens`` last used at ``last_use``
+        in a class of that expected reuse."""
+        d = boundary_tokens
+        value = math.log2(saved_prefill(d) * expected_reuse / (d + self.checkpoint_tokens))
         return value - (self.freed_requests - last_use) / VALUE_HALF_LIFE_REQUESTS
+
+    def order_key(self, key: Hashable, reuse: dict[str, float] | None = None) -> tuple:
+        """Where the checkpoint stands in :meth:`eviction_order` among its priority:
+        (score, boundary, publication number)."""
+        record = self._records[key]
+        return self.score(key, reuse), record[0], record[4]
+
+    def static_key(self, key: Hashable) -> tuple:
+        """The checkpoint's place among its class, which no freed request changes:
+        ``log2(saved_prefill(D) / pinned(D)) + last_use / H`` (the score less the
+        class's ``log2(expected_reuse)``, plus the clock / H), boundary, publication
+        number."""
+        boundary, _, last_use, _, number = self._records[key]
+        value = math.log2(saved_prefill(boundary) / (boundary + self.checkpoint_tokens))
+        return value + last_use / VALUE_HALF_LIFE_REQUESTS, boundary, number
 
     def eviction_order(self, keys: Iterable[Hashable]) -> list[Hashable]:
         """The recorded ``keys``, low-priority classes first, then lowest score first
-        (ties: the shallower first)."""
-        low = {kind: self.low_priority(kind) for kind in (SPECULATIVE, OWN, REUSED)}
+        (ties: the shallower first, then the first published). A full sort: the
+        reference for :class:`CheckpointOrder`."""
+        low = {kind: self.low_priority(kind) for kind in CLASSES}
         records = self._records
         return sorted((k for k in keys if k in records),
-                      key=lambda k: (not low[records[k][1]], self.score(k), records[k][0]))
+                      key=lambda k: (not low[records[k][1]], *self.order_key(k)))
+
+
+class CheckpointOrder:
+    """The ``"prefill-per-byte"`` eviction order of the checkpoints in the state pools,
+    kept incrementally: the same decisions as re-sorting every cached checkpoint by
+    :meth:`CheckpointValues.eviction_order` at each freed request and laying each
+    state pool's LRU out in that order (the reference,
+    :meth:`hybridkv.prefix.PrefixCache.use_full_sort_ranking`), at O(log n) a change.
+
+    Within a class the order is :meth:`CheckpointValues.static_key`, which no freed
+    request moves (the clock shifts every score alike): one heap per pool and class
+    (lazy deletion: an entry stands while its key's version is current and the key
+    has a page idle since before the last freed request). Across classes only
+    ``log2(expected_reuse)`` differs, so a victim is the lowest of the class heads,
+    scored with the rates as they were at the last freed request and with the class
+    and last use each entry was filed with (a checkpoint superseded into another
+    class keeps its rank until the next freed request, as in the reference). At each freed
+    request (:meth:`request_freed`) only what changed is filed again: checkpoints
+    published, hit or moved to another class since, those that went idle since, and
+    every member of a class that crossed ``REUSE_FLOOR`` (demoted to low priority,
+    the lowest score at the front of the LRU, or promoted back). Between two freed
+    requests a checkpoint that goes idle sits behind all of them, in the order it
+    went idle, as in the reference's LRU.
+
+    A pool with ``ranker`` set to this object reports the pages that go idle
+    (:meth:`went_idle`) and takes its normal-priority victims from :meth:`victim`."""
+
+    def __init__(self, values: CheckpointValues, pools: Sequence, idle_clock):
+        self.values = values
+        self.pools = list(pools)
+        self._idle_clock = idle_clock  # a tick later than every idle tick so far
+        self._heaps = {pool.group_id: {kind: [] for kind in CLASSES} for pool in self.pools}
+        # Per pool: (page, key, idle tick) of normal-priority pages gone idle since the last
+        # freed request, in LRU order; and how many of them victim() has passed.
+        self._fresh: dict[str, list] = {pool.group_id: [] for pool in self.pools}
+        self._fresh_seen = dict.fromkeys(self._heaps, 0)
+        self._low = dict.fromkeys(CLASSES, False)  # each class's priority at the last freed request
+        self._reuse = {kind: values.expected_reuse(kind) for kind in CLASSES}
+        self._tick = 0  # the idle clock at the last freed request
+        self._version: dict[Hashable, int] = {}
+        self._versions = itertools.count(1)
+        for pool in self.pools:
+            pool.ranker = self
+
+    def went_idle(self, group_id: str, pages: list, tick: int) -> None:
+        """``pages`` ((page, key) of normal priority, in LRU order) of pool ``group_id``
+        went idle at ``tick``."""
+        self._fresh[group_id].extend((page, key, tick) for page, key in pages)
+
+    def request_freed(self) -> None:
+        """File again what changed since the last freed request (class docstring)."""
+        values = self.values
+        low = {kind: values.low_priority(kind) for kind in CLASSES}
+        kinds = {key: values.kind(key) for key in self._changed_keys(low)}
+        self._low = low
+        self._reuse = {kind: values.expected_reuse(kind) for kind in CLASSES}
+        self._tick = self._idle_clock()
+        self._demote(sorted((k for k, kind in kinds.items() if kind is not None and low[kind]), key=values.order_key))
+        for key, kind in kinds.items():
+            if kind is not None and not low[kind]:
+                self._file(key, kind)
+        self._compact()
+
+    def _changed_keys(self, low: dict[str, bool]) -> list[Hashable]:
+        """Keys to file again (class docstring), each once; empties the idle lists."""
+        changed = dict.fromkeys(self.values.take_changed())
+        for kind in CLASSES:
+            if low[kind] != self._low[kind]:
+                changed.update(dict.fromkeys(self.values.members(kind)))
+        for group_id, fresh in self._fresh.items():
+            changed.update((key, None) for _, key, _ in fresh)
+            fresh.clear()
+            self._fresh_seen[group_id] = 0
+        return list(changed)
+
+    def _demote(self, demoted: list[Hashable]) -> None:
+        """Demote ``demoted`` (lowest score first) where still normal priority: each to
+        the front of the LRU, so the lowest score ends first."""
+        for pool in self.pools:
+            flags = pool.low_priority
+            for key in reversed(demoted):
+                pages = pool.lookup(key)
+                if pages and not flags[pages[0]]:
+                    pool.demote(key)
+
+    def _file(self, key: Hashable, kind: str) -> None:
+        """Promote a normal-class checkpoint and push it, with a new version, on the heap
+        of every pool where it has an idle page."""
+        version = self._version[key] = next(self._versions)
+        # The entry keeps what it was ranked by (the record's last use may change before
+        # the next free files it again): static key, boundary, number, last use.
+        entry = (*self.values.static_key(key), self.values.last_use(key), version, key)
+        for pool in self.pools:
+            pages = pool.lookup(key)
+            if not pages:
+                continue
+            if pool.low_priority[pages[0]]:
+                pool.promote(key)
+            if any(pool.ref_counts[p] == 0 for p in pages):
+                heapq.heappush(self._heaps[pool.group_id][kind], entry)
+
+    def _standing(self, pool, key: Hashable, version: int) -> bool:
+        """Whether a heap entry still stands: current version, normal priority, a page
+        idle since before the last freed request."""
+        if self._version.get(key) != version or self.values.kind(key) is None:
+            return False
+        pages = pool.lookup(key)
+        if not pages or pool.low_priority[pages[0]]:
+            return False
+        ref, idle_tick = pool.ref_counts, pool.idle_tick
+        return any(ref[p] == 0 and idle_tick[p] <= self._tick for p in pages)
+
+    def victim(self, pool, taken: set) -> Hashable | None:
+        """The next normal-priority checkpoint ``pool`` evicts (not in ``taken``): the
+        lowest of the class heads, then those gone idle since the last freed request in
+        LRU order; None if none is left."""
+        best = None
+        values = self.values
+        for kind, heap in self._heaps[pool.group_id].items():
+            while heap and (heap[0][-1] in taken or not self._standing(pool, heap[0][-1], heap[0][-2])):
+                heapq.heappop(heap)
+            if heap:
+                _, boundary, number, last_use, _, _ = heap[0]
+                rank = values.score_of(boundary, last_use, self._reuse[kind]), boundary, number
+                if best is None or rank < best[0]:
+                    best = (rank, heap)
+        if best is not None:
+            return heapq.heappop(best[1])[-1]
+        return self._next_fresh(pool, taken)
+
+    def _next_fresh(self, pool, taken: set) -> Hashable | None:
+        fresh, n = self._fresh[pool.group_id], self._fresh_seen[pool.group_id]
+        ref, idle_tick, flags = pool.ref_counts, pool.idle_tick, pool.low_priority
+        while n < len(fresh):
+            page, key, tick = fresh[n]
+            n += 1
+            pages = pool.lookup(key)
+            if (key not in taken and pages and page in pages and ref[page] == 0 and idle_tick[page] == tick
+                    and not flags[page]):
+                self._fresh_seen[pool.group_id] = n
+                return key
+        self._fresh_seen[pool.group_id] = n
+        return None
+
+    def _compact(self) -> None:
+        """Drop heap entries of superseded versions or forgotten keys once they
+        outnumber the live ones (amortised O(1) a push)."""
+        live = len(self.values)
+        for heaps in self._heaps.values():
+            for kind, heap in heaps.items():
+                if len(heap) > 2 * live + 64:
+                    heap[:] = [e for e in heap if self._version.get(e[-1]) == e[-2] and self.values.kind(e[-1])]
+                    heapq.heapify(heap)
+        if len(self._version) > 2 * live + 64:
+            self._version = {k: v for k, v in self._version.items() if self.values.kind(k) is not None}
 
 
 __all__ = [
-    "ATTENTION_EQUAL_DEPTH_TOKENS", "CHECKPOINT_HISTORY_TOKENS", "CHECKPOINT_POLICIES", "CheckpointPolicy",
-    "CheckpointValues", "DEFAULT_CHECKPOINT_POLICY", "OWN", "REUSE_FLOOR", "REUSED", "SPECULATIVE",
+    "ATTENTION_EQUAL_DEPTH_TOKENS", "CHECKPOINT_HISTORY_TOKENS", "CHECKPOINT_POLICIES", "CLASSES", "CheckpointOrder",
+    "CheckpointPolicy", "CheckpointValues", "DEFAULT_CHECKPOINT_POLICY", "OWN", "REUSE_FLOOR", "REUSED", "SPECULATIVE",
     "VALUE_HALF_LIFE_REQUESTS", "checkpoint_policy", "saved_prefill",
 ]

@@ -35,6 +35,12 @@ _LOW_EVICT_PAGES = 16  # idle low-priority pages an eviction frees beyond the al
 # (a request's pages in all groups go idle at one tick when it is freed).
 _IDLE_CLOCK = itertools.count(1)
 
+
+def idle_clock_tick() -> int:
+    """A tick of the pools' shared idle clock later than every ``idle_tick`` so far."""
+    return next(_IDLE_CLOCK)
+
+
 # Why an entry left a pool (the second argument of ``on_removed``).
 UNPUBLISHED, EVICTED, EVICTED_LOW, REVOKED = "unpublished", "evicted", "evicted_low", "revoked"
 
@@ -104,6 +110,10 @@ class PagePool:
         self.on_removed: Callable[[Hashable, str, int], None] | None = None
         # Per page: the idle clock's tick when it last became cached-evictable.
         self.idle_tick = np.zeros(self.num_pages, dtype=np.int64)
+        # Set by a "prefill-per-byte" prefix cache on its state pools (a
+        # hybridkv.checkpoints.CheckpointOrder): told which pages go idle, it names the
+        # normal-priority victims in place of the LRU order.
+        self.ranker = None
         self.counters = PoolCounters()
         self.peak_used_pages = 0
         if granted:
@@ -311,6 +321,9 @@ class PagePool:
                 self._evictable.move_to_end(page, last=False)
                 if self.lowest_first:
                     heapq.heappush(self._low_idle, page)
+        if self.ranker is not None:
+            low, page_key = self.low_priority, self._page_key
+            self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in reversed(pages) if not low[p]], tick)
 
     def _push_free(self, pages: np.ndarray) -> None:
         n = pages.size
@@ -468,11 +481,27 @@ class PagePool:
                 continue
             if freed >= pages_needed and (freed >= pages_needed + _LOW_EVICT_PAGES or not low[page]):
                 break
+            if self.ranker is not None and not low[page]:
+                freed = self._evict_ranked(pages_needed, freed, keys, seen)
+                break
             seen.add(key)
             keys.append(key)
             freed += sum(1 for p in self._entries[key] if ref[p] == 0)
         self.counters.evicted_pages += freed
         self._unpublish_many(keys)
+
+    def _evict_ranked(self, pages_needed: int, freed: int, keys: list, seen: set) -> int:
+        """Past the idle low-priority entries at the front of the LRU, add the ranker's
+        victims to ``keys`` until ``pages_needed`` idle pages are freed; the total."""
+        ref = self.ref_counts
+        while freed < pages_needed:
+            key = self.ranker.victim(self, seen)
+            if key is None:
+                raise AssertionError(f"group {self.group_id!r}: the checkpoint order lost idle pages")
+            seen.add(key)
+            keys.append(key)
+            freed += sum(1 for p in self._entries[key] if ref[p] == 0)
+        return freed
 
     def _unpublish_many(self, keys: Sequence[Hashable]) -> None:
         """:meth:`unpublish` (as evictions) for several entries, with one pass over their pages."""

@@ -33,10 +33,10 @@ import numpy as np
 import xxhash
 
 from hybridkv._checks import as_int
-from hybridkv.checkpoints import OWN, REUSED, SPECULATIVE, CheckpointValues
+from hybridkv.checkpoints import OWN, REUSED, SPECULATIVE, CheckpointOrder, CheckpointValues
 from hybridkv.checkpoints import checkpoint_policy as policy_from_options
 from hybridkv.eviction import GroupValueStats, ValueEviction
-from hybridkv.pool import PagePool
+from hybridkv.pool import PagePool, idle_clock_tick
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables import GroupTable
 
@@ -226,6 +226,10 @@ class PrefixCache:
         self.eviction = ValueEviction(pools, self.history_ids, self.state_ids, eviction_policy)
         for gid, pool in pools.items():
             pool.on_removed = self._removed_callback(gid)
+        # "prefill-per-byte": the state pools' eviction order, kept incrementally.
+        self._order = None
+        if self.values is not None and self.state_ids:
+            self._order = CheckpointOrder(self.values, [pools[g] for g in self.state_ids], idle_clock_tick)
 
     @property
     def checkpoint_windows(self) -> dict[str, int]:
@@ -453,20 +457,36 @@ class PrefixCache:
     def forget_request(self, req: CommittingRequest) -> None:
         """A freed request's checkpoints stay cached (its last one is its terminal).
         With ``"prefill-per-byte"`` the cached checkpoints are then put in order of
-        value (:meth:`rank_checkpoints`)."""
+        value: incrementally (:class:`hybridkv.checkpoints.CheckpointOrder`), or by
+        :meth:`rank_checkpoints` after :meth:`use_full_sort_ranking`."""
         req.own_checkpoints = []
         if self.values is not None:
             self.values.request_freed()
-            self.rank_checkpoints()
+            if self._order is not None:
+                self._order.request_freed()
+            else:
+                self.rank_checkpoints()
+
+    def use_full_sort_ranking(self) -> None:
+        """``"prefill-per-byte"``: rank by :meth:`rank_checkpoints` at every freed
+        request (a full sort, O(n log n) a request: the reference the incremental
+        order must agree with) instead of :class:`hybridkv.checkpoints.CheckpointOrder`.
+        Only before anything is cached; ValueError otherwise."""
+        if self.values is None or any(pool.num_cached_pages for pool in self.pools.values()):
+            raise ValueError("use_full_sort_ranking needs checkpoint_policy='prefill-per-byte' and an empty cache")
+        for gid in self.state_ids:
+            self.pools[gid].ranker = None
+        self._order = None
 
     def rank_checkpoints(self) -> list[int]:
-        """``"prefill-per-byte"``: the checkpoints of a class rated below the reuse
-        floor become low priority (at the front of each state pool's LRU, the newly
-        demoted ones lowest score first, ahead of those already there), the others
-        normal priority in the order of
-        :meth:`hybridkv.checkpoints.CheckpointValues.score`, the highest at the back.
-        Returns every cached checkpoint's key, low-priority classes first, each part
-        lowest score first ([] for other policies)."""
+        """``"prefill-per-byte"``, the full-sort reference: the checkpoints of a class
+        rated below the reuse floor become low priority (at the front of each state
+        pool's LRU, the newly demoted ones lowest score first, ahead of those already
+        there), the others normal priority in the order of
+        :meth:`hybridkv.checkpoints.CheckpointValues.eviction_order`, the highest at the
+        back (a pool that uses an incremental order ignores the LRU order of its
+        normal-priority pages). Returns every cached checkpoint's key, low-priority
+        classes first, each part lowest score first ([] for other policies)."""
         if self.values is None or not self.state_ids:
             return []
         values = self.values
