@@ -169,6 +169,7 @@ class TierLink:
         self._waiting: dict[str, int] = {}  # request -> the key of the block (or checkpoint) it waits for
         self._checkpoint_waits: set[str] = set()  # of those, the requests waiting for a checkpoint
         self._served: set[tuple[str, int]] = set()  # checkpoints queued for the wanted board
+        self._loaded_since_add: set[str] = set()  # requests that confirmed a load since added
         self._wait_since: dict[str, float] = {}
         self._resuming = False
         self.store = store
@@ -263,6 +264,7 @@ class TierLink:
         self._below.pop(request_id, None)
         self._waiting.pop(request_id, None)
         self._checkpoint_waits.discard(request_id)
+        self._loaded_since_add.discard(request_id)
         if not self._resuming:
             self._wait_since.pop(request_id, None)
         keys = self._marked.pop(request_id, None)
@@ -472,6 +474,7 @@ class TierLink:
         mgr = self.manager
         if loaded == plan.boundary_tokens:
             self._stats.confirmed_loads += 1
+            self._loaded_since_add.add(request_id)
             self._stats.loaded_tokens += loaded - plan.from_tokens
             args = self._args[request_id]
             self._plan_load(request_id, args.hashes, args.token_ids.size, loaded)
@@ -582,9 +585,10 @@ class TierLink:
     def _wait_for_checkpoint(self, request_id: str, key: int) -> bool:
         """History blocks up to the boundary of ``key`` are held but the store has no checkpoint
         there: ask for it on the wanted board (a device that holds it writes it through) and
-        wait for it, within the request's bound. Whether it waits."""
+        wait for it, within the request's bound. Whether it waits. A request that loaded since it
+        was added does not: its load took pages an engine's batch in the making may count on."""
         now = self.markers.now()
-        if not self.write_through or not self._state_ids:
+        if not self.write_through or not self._state_ids or request_id in self._loaded_since_add:
             return False
         if now - self._wait_since.get(request_id, now) >= self.markers.rule.wait:
             return False
