@@ -8,7 +8,8 @@ managers with shuffled page ids. The rule's clock is a counter the tests move.
 import numpy as np
 import pytest
 
-from hybridkv.inflight import InFlightRule, Marker, Markers, decode_marker, encode_marker
+from hybridkv.inflight import (MAX_BOARD_KEYS, InFlightRule, Marker, Markers, decode_board, decode_marker, encode_board,
+                               encode_marker)
 from hybridkv.manager import CacheManager
 from hybridkv.models.layout import cache_layout
 from hybridkv.plan import Limits, plan_for_tokens
@@ -296,3 +297,58 @@ def test_with_markers_a_checkpoint_goes_through_when_wanted_or_as_its_requests_l
     assert b.load("q") == 768
     np.testing.assert_allclose(b.compute("q", prompt, [2]), dense(b.model, np.concatenate([prompt, [2]]))[768:],
                                rtol=0, atol=ATOL)
+
+
+def test_a_checkpoint_on_another_device_is_asked_for_on_the_board_and_loaded(store):
+    """The blocks landed, the junction's (low-priority) checkpoint is only on A's device: B asks
+    for it on the wanted board, A writes it through at its next take_offloads, B loads it."""
+    clock = Clock()
+    prompt, other = prompts(9)
+    a, b = Instance(store, clock, 3), Instance(store, clock, 17)
+    a.manager.add_request("p", prompt, max_new_tokens=8)
+    out_a = a.compute("p", prompt)
+    a.offload()  # every marker retired; p runs on, so its checkpoints stay on A's device
+    state = a.manager.prefix.state_ids
+    (k512,) = keys(a.manager, prompt, [512])
+    assert not any(store.contains([ObjectKey("checkpoint", gid, k512) for gid in state]))
+    assert b.manager.add_request("q", other, max_new_tokens=8).hit_tokens == 0
+    assert b.link.waiting("q") and b.link.stats().checkpoint_waits == 1
+    assert list(b.link.markers.board()) == [k512.to_bytes(16, "big")]
+    assert b.load("q") == 0 and b.link.waiting("q")  # nobody served it yet
+    a.offload()  # A reads the board: its checkpoint at 512 goes through
+    assert a.link.stats().wanted_checkpoints == len(state)
+    assert b.load("q") == 512 and not b.link.pending("q")
+    assert b.link.markers.board() == {}  # taken off by the waiter
+    out_b = b.compute("q", other, [2, 3])
+    np.testing.assert_allclose(out_a, dense(a.model, np.concatenate([prompt, [1]])), rtol=0, atol=ATOL)
+    np.testing.assert_allclose(out_b, dense(b.model, np.concatenate([other, [2, 3]]))[512:], rtol=0, atol=ATOL)
+    b.manager.check_invariants()
+
+
+def test_a_checkpoint_nobody_serves_costs_at_most_the_wait(store):
+    clock = Clock()
+    prompt, other = prompts(10)
+    a, b = Instance(store, clock, 3), Instance(store, clock, 19)
+    a.manager.add_request("p", prompt, max_new_tokens=8)
+    a.compute("p", prompt)
+    a.offload()
+    b.manager.add_request("q", other, max_new_tokens=8)
+    for now in range(WAIT):  # A never reads the board
+        clock.now = now
+        assert b.load("q") == 0 and b.link.waiting("q")
+    clock.now = WAIT
+    assert b.load("q") == 0 and not b.link.pending("q")  # waited out: computes it all
+    assert b.link.stats().waited_out == 1 and b.link.markers.board() == {}
+    out = b.compute("q", other)
+    np.testing.assert_allclose(out, dense(b.model, np.concatenate([other, [1]])), rtol=0, atol=ATOL)
+
+
+def test_the_board_round_trips_and_refuses_what_is_not_one():
+    entries = {b"\x01" * 16: 3.5, b"\x02" * 20: 7.0}
+    assert decode_board(encode_board(entries)) == entries
+    assert decode_board(encode_board({})) == {}
+    data = encode_board(entries)
+    for bad in (None, b"", data[:-1], data + b"x", b"HKVM" + data[4:], data[:4] + b"\x02" + data[5:]):
+        assert decode_board(bad) == {}
+    with pytest.raises(ValueError, match="at most"):
+        encode_board({i.to_bytes(2, "big"): 1.0 for i in range(1, MAX_BOARD_KEYS + 2)})

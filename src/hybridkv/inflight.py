@@ -21,6 +21,17 @@ that does not decode counts as absent. Names:
 Payload (little-endian): ``HKVM``, version u8 (1), kind u8 (1 computing, 2
 wanted), 2 reserved bytes, expiry f64 (the rule's clock), owner 16 bytes (one
 per link), request id length u16, the request id (UTF-8).
+
+The *wanted board* (``hkv1/<namespace>/marker/board``) is one small object
+listing the checkpoints a waiter wants from whichever device holds one, each
+with an expiry: a request that finds history blocks in the store but no
+checkpoint where its prompt leaves them adds the boundary's key; every link
+reads the board once per ``take_offloads`` and writes through the listed
+checkpoints its device holds. Payload: ``HKVB``, version u8 (1), 3 reserved
+bytes, count u32, then per entry expiry f64, key length u8, the key. Writers
+read, change and put it whole (delete, then put): a write another writer overwrote loses an
+entry, which its waiter adds again at its next poll (or it waits out its
+bound); at most ``MAX_BOARD_KEYS`` entries, the ones expiring first dropped.
 """
 
 from __future__ import annotations
@@ -40,6 +51,10 @@ MARKER_VERSION = 1
 MARKER_KINDS = {"computing": 1, "wanted": 2}
 _HEADER = struct.Struct("<4sBBHd16sH")
 MAX_REQUEST_ID_BYTES = 1024
+BOARD_MAGIC = b"HKVB"
+MAX_BOARD_KEYS = 256
+_BOARD_HEADER = struct.Struct("<4sB3xI")
+_BOARD_ENTRY = struct.Struct("<dB")
 
 
 @dataclass(frozen=True)
@@ -97,6 +112,39 @@ def decode_marker(data: bytes | memoryview | None) -> Marker | None:
     return Marker(names[kind], expires, owner, rid)
 
 
+def encode_board(entries: dict[bytes, float]) -> bytes:
+    """A board of ``{key bytes: expiry}`` (at most ``MAX_BOARD_KEYS``, keys of 1 to 255 bytes)."""
+    if len(entries) > MAX_BOARD_KEYS:
+        raise ValueError(f"a board holds at most {MAX_BOARD_KEYS} keys, got {len(entries)}")
+    out = [_BOARD_HEADER.pack(BOARD_MAGIC, MARKER_VERSION, len(entries))]
+    for key, expires in entries.items():
+        if not 1 <= len(key) <= 255:
+            raise ValueError(f"a board key has 1 to 255 bytes, got {len(key)}")
+        out.append(_BOARD_ENTRY.pack(float(expires), len(key)) + bytes(key))
+    return b"".join(out)
+
+
+def decode_board(data: bytes | memoryview | None) -> dict[bytes, float]:
+    """The board in ``data`` as ``{key bytes: expiry}``; empty for anything that is not a whole board."""
+    if data is None or len(data) < _BOARD_HEADER.size:
+        return {}
+    data = bytes(data)
+    magic, version, count = _BOARD_HEADER.unpack_from(data)
+    if magic != BOARD_MAGIC or version != MARKER_VERSION or count > MAX_BOARD_KEYS:
+        return {}
+    out, at = {}, _BOARD_HEADER.size
+    for _ in range(count):
+        if at + _BOARD_ENTRY.size > len(data):
+            return {}
+        expires, size = _BOARD_ENTRY.unpack_from(data, at)
+        at += _BOARD_ENTRY.size
+        if size == 0 or at + size > len(data):
+            return {}
+        out[data[at:at + size]] = expires
+        at += size
+    return out if at == len(data) else {}
+
+
 class Markers:
     """One link's view of the markers in ``tier`` under ``namespace``."""
 
@@ -148,3 +196,39 @@ class Markers:
     def present(self, kind: str, keys: Sequence[int]) -> list[bool]:
         """Per key: whether a ``kind`` marker is there (by ``contains``, expiry unread)."""
         return self.tier.contains([self.name(kind, k) for k in keys]) if keys else []
+
+    # --- the wanted board ---------------------------------------------------------
+    def board_name(self) -> str:
+        return f"hkv1/{self.namespace.hex}/marker/board"
+
+    def board(self) -> dict[bytes, float]:
+        """The live entries of the wanted board (``{key bytes: expiry}``; one ``get``)."""
+        now = self.now()
+        entries = decode_board(self.tier.get([self.board_name()])[0])
+        return {key: expires for key, expires in entries.items() if expires > now}
+
+    def want(self, keys: Sequence[int]) -> bool:
+        """Add ``keys`` to the board (expiring ``ttl`` from now) unless listed; whether it was written."""
+        entries = self.board()
+        missing = [as_key_bytes(k) for k in keys if as_key_bytes(k) not in entries]
+        if not missing:
+            return False
+        expires = self.now() + self.rule.ttl
+        entries.update((key, expires) for key in missing)
+        if len(entries) > MAX_BOARD_KEYS:  # the ones expiring first go
+            entries = dict(sorted(entries.items(), key=lambda kv: kv[1])[-MAX_BOARD_KEYS:])
+        return self._write_board(entries)
+
+    def unwant(self, keys: Sequence[int]) -> None:
+        """Take ``keys`` off the board (when listed)."""
+        entries = self.board()
+        gone = [as_key_bytes(k) for k in keys if as_key_bytes(k) in entries]
+        if gone:
+            for key in gone:
+                del entries[key]
+            self._write_board(entries)
+
+    def _write_board(self, entries: dict[bytes, float]) -> bool:
+        """Replace the board (a tier keeps the first value put under a name: delete, then put)."""
+        self.tier.delete([self.board_name()])
+        return bool(self.tier.put([(self.board_name(), encode_board(entries))])[0]) if entries else True

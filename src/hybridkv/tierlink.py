@@ -56,8 +56,13 @@ boundary where its prompt leaves the marked (or held) blocks, and
 (device, then store) once that marker is gone or after ``wait`` in all. With
 markers, write-through puts a checkpoint (low-priority prompt boundaries
 included) only when a wanted marker asks for it or as the last one of a
-request that is freed; history blocks still go when committed. Markers only
-delay a request; rows come from verified objects or the device as always.
+request that is freed; history blocks still go when committed. A request that
+finds blocks in the store but no checkpoint among them, or whose load does not
+fit alone (cut then to the most grains that fit), asks for the checkpoint it
+needs on the *wanted board* and waits (the same bound); every link reads the
+board at ``take_offloads`` and writes through the listed checkpoints its
+device holds. Markers only delay a request; rows come from verified objects
+or the device as always.
 """
 
 from __future__ import annotations
@@ -117,6 +122,7 @@ class TierLinkStats:
     waited_out: int = 0  # of those, resumed by the bound on waiting with the marker still live
     markers_put: int = 0  # computing markers put
     wanted_checkpoints: int = 0  # checkpoints offloaded because a waiter asked for them
+    checkpoint_waits: int = 0  # times a request waited for a checkpoint another device may hold
 
 
 @dataclass
@@ -165,7 +171,10 @@ class TierLink:
         self._landed_before: list[int] = []  # ... before it: their markers go at the next one
         self._fresh: list[tuple[str, int]] = []  # checkpoints published since then (write-through)
         self._ending: list[tuple[Any, int]] = []  # freed requests' hashes and last boundaries
-        self._waiting: dict[str, int] = {}  # request -> the key of the block it waits for
+        self._waiting: dict[str, int] = {}  # request -> the key of the block (or checkpoint) it waits for
+        self._checkpoint_waits: set[str] = set()  # of those, the requests waiting for a checkpoint
+        self._served: set[tuple[str, int]] = set()  # checkpoints queued for the wanted board
+        self._loaded_since_add: set[str] = set()  # requests that confirmed a load since added
         self._wait_since: dict[str, float] = {}
         self._resuming = False
         self.store = store
@@ -230,6 +239,7 @@ class TierLink:
     def removed(self, group_id: str, key: int, dropped: bool) -> None:
         """The prefix cache removed an entry: evicted (``dropped`` False) or superseded/cleared."""
         entry = self._entries.pop((group_id, key), None)
+        self._served.discard((group_id, key))
         if (group_id, key) in self._sent:  # written through already: nothing to move at eviction
             self._sent.discard((group_id, key))
             return
@@ -258,6 +268,8 @@ class TierLink:
         args = self._args.pop(request_id, None)
         self._below.pop(request_id, None)
         self._waiting.pop(request_id, None)
+        self._checkpoint_waits.discard(request_id)
+        self._loaded_since_add.discard(request_id)
         if not self._resuming:
             self._wait_since.pop(request_id, None)
         keys = self._marked.pop(request_id, None)
@@ -300,6 +312,7 @@ class TierLink:
         if self.markers is not None:
             self._queue_ending()
             self._queue_wanted()
+            self._queue_board()
             self._retire_markers()
         queue, self._queue = self._queue, []
         if not queue:
@@ -424,9 +437,35 @@ class TierLink:
             elif mgr.check_admission([item])[0].ok:
                 mgr.pending_loads.add(item[0])  # for the next call
             else:
-                del self._plans[item[0]]
+                plan = self._plans.pop(item[0])
                 self._stats.denied_loads += 1
+                if self.markers is not None:
+                    self._plan_shorter(item[0], plan)
         return taken
+
+    def _plan_shorter(self, request_id: str, plan: _Plan) -> None:
+        """``plan`` does not fit alone: plan the longest load that does (a shorter boundary the
+        store serves), or ask for the checkpoint at the boundary that fits and wait for it."""
+        grain = self._prefix.granularity_tokens
+        fit = self._fitting_grains(request_id, (plan.boundary_tokens - plan.from_tokens) // grain - 1)
+        if fit == 0:
+            return
+        cap = plan.from_tokens + fit * grain
+        args = self._args[request_id]
+        self._plan_load(request_id, args.hashes, args.token_ids.size, plan.from_tokens, cap_tokens=cap)
+        if request_id not in self._plans:
+            self._wait_for_checkpoint(request_id, args.hashes.key(cap))
+
+    def _fitting_grains(self, request_id: str, most: int) -> int:
+        """The most grains (at most ``most``) a step of ``request_id`` alone is admitted for."""
+        grain, lo, hi = self._prefix.granularity_tokens, 0, most
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.manager.check_admission([(request_id, mid * grain)])[0].ok:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def confirm_load(self, request_id: str, result: LoadResult | int) -> int:
         """Report a taken load: its ``LoadResult`` (or the tokens it loaded). Returns the request's
@@ -440,6 +479,7 @@ class TierLink:
         mgr = self.manager
         if loaded == plan.boundary_tokens:
             self._stats.confirmed_loads += 1
+            self._loaded_since_add.add(request_id)
             self._stats.loaded_tokens += loaded - plan.from_tokens
             args = self._args[request_id]
             self._plan_load(request_id, args.hashes, args.token_ids.size, loaded)
@@ -476,13 +516,17 @@ class TierLink:
         obj = PlannedObject(ObjectKey(kind, gid, key), first, boundary, boundary)
         return obj, GroupPages(first // spec.page_tokens, np.asarray(pages, dtype=np.int64))
 
-    def _plan_load(self, request_id: str, hashes: Any, prompt_tokens: int, hit_tokens: int) -> None:
-        """Find the longest boundary past ``hit_tokens`` the store serves; record it as pending."""
+    def _plan_load(self, request_id: str, hashes: Any, prompt_tokens: int, hit_tokens: int,
+                   cap_tokens: int | None = None) -> None:
+        """Find the longest boundary past ``hit_tokens`` (at most ``cap_tokens``) the store serves;
+        record it as pending."""
         grain = self._prefix.granularity_tokens
         last = (prompt_tokens - 1) // grain * grain
         last = min(last, hit_tokens + self.manager.max_step_tokens // grain * grain)
         if request_id in self._below:
             last = min(last, (self._below[request_id] - 1) // grain * grain)
+        if cap_tokens is not None:
+            last = min(last, cap_tokens)
         if last <= hit_tokens:
             return
         hashes.extend_to(self._args[request_id].token_ids, last)
@@ -531,6 +575,9 @@ class TierLink:
             self._waiting[request_id] = keys[first]
             self.manager.pending_loads.add(request_id)
             return
+        reach = min(run, self.manager.max_step_tokens // grain)
+        if not any(busy[:run]) and reach and self._wait_for_checkpoint(request_id, keys[reach - 1]):
+            return
         mine = self._marked.setdefault(request_id, [])
         new = [k for k, h, b in zip(keys, held, busy) if not (h or b) and self._marker_of.get(k) != request_id]
         if new:
@@ -539,6 +586,41 @@ class TierLink:
             mine.extend(new)
             for key in new:
                 self._marker_of[key] = request_id
+
+    def _wait_for_checkpoint(self, request_id: str, key: int) -> bool:
+        """History blocks up to the boundary of ``key`` are held but the store has no checkpoint
+        there: ask for it on the wanted board (a device that holds it writes it through) and
+        wait for it, within the request's bound. Whether it waits. A request that loaded since it
+        was added does not: its load took pages an engine's batch in the making may count on."""
+        now = self.markers.now()
+        if not self.write_through or not self._state_ids or request_id in self._loaded_since_add:
+            return False
+        if now - self._wait_since.get(request_id, now) >= self.markers.rule.wait:
+            return False
+        self.markers.want([key])
+        if request_id not in self._wait_since:
+            self._wait_since[request_id] = now
+            self._stats.waits += 1
+        self._stats.checkpoint_waits += 1
+        self._waiting[request_id] = key
+        self._checkpoint_waits.add(request_id)
+        self.manager.pending_loads.add(request_id)
+        return True
+
+    def _checkpoint_stored(self, key: int) -> bool:
+        """Whether the store holds the checkpoint at ``key`` in every state group."""
+        return all(self.store.contains([ObjectKey("checkpoint", gid, key) for gid in sorted(self._state_ids)]))
+
+    def _still_waiting(self, request_id: str) -> bool:
+        """Whether what ``request_id`` waits for is still to come: a block's marker is live, or the
+        checkpoint it wants is not stored (then its board entry is renewed, in case it was lost)."""
+        key = self._waiting[request_id]
+        if request_id not in self._checkpoint_waits:
+            return self.markers.others("computing", [key], request_id)[0]
+        if self._checkpoint_stored(key):
+            return False
+        self.markers.want([key])
+        return True
 
     def _blocks_held(self, keys: Sequence[int]) -> list[bool]:
         """Per block key: whether its first history group's rows are on the device or in the store."""
@@ -558,12 +640,14 @@ class TierLink:
         if not self._waiting:
             return
         rids = list(self._waiting)
-        busy = [self.markers.others("computing", [self._waiting[rid]], rid)[0] for rid in rids]
+        busy = [self._still_waiting(rid) for rid in rids]
         now = self.markers.now()
         for rid, still in zip(rids, busy):
             if still and now - self._wait_since[rid] < self.markers.rule.wait:
                 continue
             self._stats.waited_out += int(still)
+            if rid in self._checkpoint_waits:
+                self.markers.unwant([self._waiting[rid]])
             args = self._args[rid]
             self._resuming = True
             try:
@@ -600,6 +684,19 @@ class TierLink:
                 self._stats.wanted_checkpoints += 1
         if wanted:
             self.markers.delete("wanted", list(wanted))
+
+    def _queue_board(self) -> None:
+        """Queue (write through) the checkpoints on the wanted board this device holds (one ``get``)."""
+        if not self.write_through:
+            return
+        for raw in self.markers.board():
+            key = int.from_bytes(raw, "big")
+            for gid in self._state_ids:
+                entry = self._entries.get((gid, key))
+                if entry is not None and (gid, key) not in self._served:
+                    self._served.add((gid, key))
+                    self._queue.append((gid, key, entry[0], entry[1]))
+                    self._stats.wanted_checkpoints += 1
 
     def _retire_markers(self) -> None:
         """Delete the markers of blocks published before the last take_offloads (put by now)."""

@@ -158,6 +158,8 @@ class ClusterResult:
             "preemptions": sum(int(r.preemptions.sum()) for r in self.results),
             "loads": {"planned": link.planned_loads, "confirmed": link.confirmed_loads, "failed": link.failed_loads,
                       "denied": link.denied_loads},
+            "in_flight": {"waits": link.waits, "waited_out": link.waited_out,
+                          "checkpoint_waits": link.checkpoint_waits, "wanted_checkpoints": link.wanted_checkpoints},
             "put_objects": self.moved.put_objects,
             "put_bytes": self.moved.put_bytes,
             "fetched_objects": self.moved.fetched_objects,
