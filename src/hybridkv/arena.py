@@ -183,6 +183,7 @@ class Arena:
         self._spare_count = geometry.num_slabs
         for gid, pool in self.pools.items():
             pool.must_pack = self._packing_rule(gid)
+            pool.may_skip_packing = self.roomy
 
     def _packing_rule(self, gid: str) -> Callable[[int, int], bool]:
         """A group's ``PagePool.must_pack``: its long-lived pages reuse idle low-priority

@@ -103,6 +103,10 @@ class PagePool:
         # would be ``page`` must first reuse idle low-priority pages below it (packing);
         # None: always.
         self.must_pack: Callable[[int, int], bool] | None = None
+        # True while a step may skip packing (the arena is roomy): the step kernel then
+        # stops for Python only when the free stack is short, and ``must_pack`` is asked
+        # only on steps that stop anyway (a compiled step stays compiled).
+        self.may_skip_packing: Callable[[], bool] | None = None
         self._page_key: dict[int, Hashable] = {}
         self._entries: dict[Hashable, tuple[int, ...]] = {}
         # Called with (key, cause, idle pages freed) after an entry is removed; cause is
@@ -604,10 +608,11 @@ class PageSpace:
         """``out[g]``: for a lowest-first pool (one that may pack: ``PagePool.make_room``), a
         lower bound of its idle low-priority pages' ids (the smallest id its heap lists,
         possibly stale) or ``kernels.NO_LOW_IDLE`` when it has none; ``kernels.NO_PACKING``
-        for every other pool. What ``kernels.needs_room`` reads: a step stops for Python
-        when such a page lies below the ids it would take, and ``make_room`` decides."""
+        for every other pool and for one whose ``may_skip_packing`` says so. What
+        ``kernels.needs_room`` reads: a step stops for Python when such a page lies below
+        the ids it would take, and ``make_room`` decides."""
         for g, pool in enumerate(self.pools):
-            if not pool.lowest_first:
+            if not pool.lowest_first or (pool.may_skip_packing is not None and pool.may_skip_packing()):
                 out[g] = kernels.NO_PACKING
             elif pool.num_low_priority_idle_pages and pool._low_idle:
                 out[g] = pool._low_idle[0]
