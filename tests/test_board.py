@@ -47,7 +47,7 @@ def true_kept(head, keep):
     return {g for g in range(1, head + 1) if head - g < keep * (g & -g)}
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 2), st.booleans()), min_size=1, max_size=120),
        st.integers(3, 6))
 def test_any_reader_finds_the_newest_generation_written(ops, keep):
