@@ -301,9 +301,13 @@ def test_a_dead_master_is_a_clean_miss_and_a_counted_error(tmp_path):
             assert b.stats().board_changes_lost == 1
             assert a.others("computing", [7], "r") == [False]
             assert tier_a.stats().errors >= 1 and tier_b.stats().errors >= 1
-            master.start()  # a new master, empty: the board starts again
-            time.sleep(0.6)
-            assert b.want([1003]) and list(a.board()) == [key(3)]
+            master.start()  # a new master, empty: the board starts again once the clients are back
+            deadline = time.monotonic() + 20
+            while not b.want([1003]) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            while list(a.board()) != [key(3)] and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert list(a.board()) == [key(3)] and list(b.board()) == [key(3)]
         finally:
             tier_a.close()
             tier_b.close()

@@ -232,7 +232,6 @@ class Markers:
         self._seen = Sightings(rule.ttl)  # marker name -> (owner, request id, stamp)
         self._seen_entries = Sightings(rule.ttl)  # board key -> stamp
         self._log = VersionLog(tier, self.board_name(), keep=BOARD_KEEP)
-        self._board_at: tuple[int, dict[bytes, int]] = (0, {})  # the generation read last, its entries
         self._undeleted: dict[str, int] = {}  # names whose delete was refused -> tries
         self._stats = MarkerStats()
 
@@ -325,7 +324,7 @@ class Markers:
 
     def board(self) -> dict[bytes, float]:
         """The live entries of the wanted board, ``{key bytes: when it expires on this link's
-        clock}`` (one ``contains``; one ``get`` when a new generation is there)."""
+        clock}`` (one ``contains`` and one ``get``)."""
         if self._undeleted:
             self._delete([])
         return self._live(self._read_board()[1])
@@ -357,14 +356,10 @@ class Markers:
         return self._change_board(change)
 
     def _read_board(self) -> tuple[int, dict[bytes, int]]:
-        """The newest generation and its entries (read again only when it is new)."""
-        generation = self._log.newest()
-        if generation != self._board_at[0]:
-            value = self._log.value(generation)
-            if value is None and generation > 0:  # gone between finding and reading
-                generation, value = self._log.read()
-            self._board_at = (generation, decode_board(value))
-        return self._board_at
+        """The newest generation and its entries. Read each time, not kept: a store that lost
+        everything (a restarted master) numbers its generations from 1 again."""
+        generation, value = self._log.read()
+        return generation, decode_board(value)
 
     def _live(self, entries: dict[bytes, int]) -> dict[bytes, float]:
         """The entries not expired on this link's clock, with their expiry (sightings of keys
@@ -391,7 +386,6 @@ class Markers:
             if self._log.append(generation + 1, encode_board(changed)):
                 for key, stamp in changed.items():
                     self._seen_entries.first_seen(key, stamp, now)
-                self._board_at = (generation + 1, changed)
                 return True
             if self._log.known <= generation:  # refused or unreadable: a dead store
                 break
