@@ -13,25 +13,45 @@ instance to write its checkpoint there through to the store (a boundary no
 single request would keep: the end of the shared system prompt).
 
 A marker is never trusted for rows: it only delays a request. Every marker
-carries an expiry (``ttl``), so one left by a dead peer stops mattering; its
-owner deletes it when the block is published, or when the request ends; one
-that does not decode counts as absent. Names:
-``hkv1/<namespace>/marker/<computing|wanted>/<key>``, apart from the objects'.
+lives at most ``ttl`` (:class:`InFlightRule`) on each reader's own clock, so
+one left by a dead peer stops mattering; its owner deletes it when the block is
+published, or when the request ends; one that does not decode counts as
+absent. Names: ``hkv1/<namespace>/marker/<computing|wanted>/<key>``, apart
+from the objects'.
 
-Payload (little-endian): ``HKVM``, version u8 (1), kind u8 (1 computing, 2
-wanted), 2 reserved bytes, expiry f64 (the rule's clock), owner 16 bytes (one
-per link), request id length u16, the request id (UTF-8).
+Payload (little-endian): ``HKVM``, version u8 (2), kind u8 (1 computing, 2
+wanted), 2 reserved bytes, stamp u64 (random at each put: it tells one put
+from another; no clock is written), owner 16 bytes (one per link), request id length u16, the request id (UTF-8).
 
-The *wanted board* (``hkv1/<namespace>/marker/board``) is one small object
-listing the checkpoints a waiter wants from whichever device holds one, each
-with an expiry: a request that finds history blocks in the store but no
-checkpoint where its prompt leaves them adds the boundary's key; every link
-reads the board once per ``take_offloads`` and writes through the listed
-checkpoints its device holds. Payload: ``HKVB``, version u8 (1), 3 reserved
-bytes, count u32, then per entry expiry f64, key length u8, the key. Writers
-read, change and put it whole (delete, then put): a write another writer overwrote loses an
-entry, which its waiter adds again at its next poll (or it waits out its
-bound); at most ``MAX_BOARD_KEYS`` entries, the ones expiring first dropped.
+**Expiry without a shared clock.** Clocks of two machines differ, and a wall
+clock jumps. So nothing that crosses processes is compared with a reader's
+clock: a reader notes, on its own clock (``InFlightRule.clock``, monotonic by
+default), when it first saw each marker (a name with an owner, request id and
+stamp) and each board entry (a key with a stamp), and takes it for expired
+``ttl`` after that. A writer renews an entry by writing a new stamp. Clock
+skew then changes nothing; what a reader cannot know is how long the object
+lay there before it first looked, so an entry lives between ``ttl`` and
+``ttl`` plus its age at first sight. Its writer saw it first, so the writer's
+view expires it first (and renews it while it still needs it).
+
+**The wanted board** (``hkv1/<namespace>/marker/board/<generation>``,
+:class:`~hybridkv.tiers.versions.VersionLog`): the checkpoints a waiter wants
+from whichever device holds one. A request that finds history blocks in the
+store but no checkpoint where its prompt leaves them adds the boundary's key;
+every link reads the board once per ``take_offloads`` and writes through the
+listed checkpoints its device holds. A store may not replace an object (on
+Mooncake, once a client has read the board, its delete is refused for the
+read lease and a put under the same name keeps the old value), so the board is
+a sequence of write-once generations: a writer reads the newest, puts the next
+with its change, and reads it back. When two writers put the same generation,
+one loses (a conflict: it reads the winner's and tries again, at most
+``BOARD_ATTEMPTS`` times; then its change is lost and its waiter adds it again
+at its next poll). Payload: ``HKVB``, version u8 (2), 3 reserved bytes, count
+u32, then per entry stamp u64, key length u8, the key; at most
+``MAX_BOARD_KEYS`` entries, the ones first seen longest ago dropped.
+
+Deletes a store refuses (a Mooncake read lease) are counted and tried again at
+the next call (up to ``DELETE_ATTEMPTS`` times), never raised.
 """
 
 from __future__ import annotations
@@ -45,27 +65,34 @@ from dataclasses import dataclass, field
 from hybridkv.tiers.base import Tier
 from hybridkv.tiers.keys import as_key_bytes
 from hybridkv.tiers.namespace import Namespace
+from hybridkv.tiers.versions import VersionLog, VersionStats
 
 MARKER_MAGIC = b"HKVM"
-MARKER_VERSION = 1
+MARKER_VERSION = 2
 MARKER_KINDS = {"computing": 1, "wanted": 2}
-_HEADER = struct.Struct("<4sBBHd16sH")
+_HEADER = struct.Struct("<4sBBHQ16sH")
 MAX_REQUEST_ID_BYTES = 1024
 BOARD_MAGIC = b"HKVB"
+BOARD_VERSION = 2
 MAX_BOARD_KEYS = 256
+BOARD_ATTEMPTS = 3  # reads and appends of one board change before it is given up
+BOARD_KEEP = 8  # generations kept (VersionLog ``keep``)
+DELETE_ATTEMPTS = 8  # tries of a delete the store refuses
+MAX_SIGHTINGS = 1 << 16  # first sightings remembered (the oldest forgotten first)
 _BOARD_HEADER = struct.Struct("<4sB3xI")
-_BOARD_ENTRY = struct.Struct("<dB")
+_BOARD_ENTRY = struct.Struct("<QB")
 
 
 @dataclass(frozen=True)
 class InFlightRule:
     """How long a request waits for a block another request is computing, and how long a
-    marker lives. ``wait`` and ``ttl`` are in units of ``clock`` (seconds for ``time.time``;
-    a simulation passes its step counter). ``wait`` bounds a request's waiting in all."""
+    marker lives. ``wait`` and ``ttl`` are in units of ``clock`` (seconds for the default,
+    ``time.monotonic``; a simulation passes its step counter). ``clock`` only ever measures
+    this process's own intervals. ``wait`` bounds a request's waiting in all."""
 
     wait: float = 2.0
     ttl: float = 30.0
-    clock: Callable[[], float] = field(default=time.time, compare=False)
+    clock: Callable[[], float] = field(default=time.monotonic, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("wait", "ttl"):
@@ -81,9 +108,19 @@ class InFlightRule:
 @dataclass(frozen=True)
 class Marker:
     kind: str
-    expires_at: float
+    stamp: int  # random at each put (u64): tells puts apart; no clock crosses processes
     owner: bytes
     request_id: str
+
+
+@dataclass
+class MarkerStats:
+    """Counters of one link's markers and board."""
+
+    deletes_failed: int = 0  # deletes the store refused (each try)
+    deletes_dropped: int = 0  # refused deletes given up after DELETE_ATTEMPTS
+    board_changes_lost: int = 0  # board changes given up after BOARD_ATTEMPTS (or a dead store)
+    board: VersionStats = field(default_factory=VersionStats)  # its generations: appended, conflicts...
 
 
 def encode_marker(marker: Marker) -> bytes:
@@ -92,16 +129,16 @@ def encode_marker(marker: Marker) -> bytes:
         raise ValueError(f"request id of {len(rid)} bytes: at most {MAX_REQUEST_ID_BYTES}")
     if len(marker.owner) != 16:
         raise ValueError("a marker's owner is 16 bytes")
-    head = _HEADER.pack(MARKER_MAGIC, MARKER_VERSION, MARKER_KINDS[marker.kind], 0, float(marker.expires_at),
+    head = _HEADER.pack(MARKER_MAGIC, MARKER_VERSION, MARKER_KINDS[marker.kind], 0, int(marker.stamp),
                         marker.owner, len(rid))
     return head + rid
 
 
 def decode_marker(data: bytes | memoryview | None) -> Marker | None:
-    """The marker in ``data``, or None for anything that is not a whole version-1 marker."""
+    """The marker in ``data``, or None for anything that is not a whole version-2 marker."""
     if data is None or len(data) < _HEADER.size:
         return None
-    magic, version, kind, _, expires, owner, size = _HEADER.unpack_from(bytes(data[: _HEADER.size]))
+    magic, version, kind, _, stamp, owner, size = _HEADER.unpack_from(bytes(data[: _HEADER.size]))
     names = {v: k for k, v in MARKER_KINDS.items()}
     if magic != MARKER_MAGIC or version != MARKER_VERSION or kind not in names or len(data) != _HEADER.size + size:
         return None
@@ -109,44 +146,81 @@ def decode_marker(data: bytes | memoryview | None) -> Marker | None:
         rid = bytes(data[_HEADER.size:]).decode()
     except UnicodeDecodeError:
         return None
-    return Marker(names[kind], expires, owner, rid)
+    return Marker(names[kind], stamp, owner, rid)
 
 
-def encode_board(entries: dict[bytes, float]) -> bytes:
-    """A board of ``{key bytes: expiry}`` (at most ``MAX_BOARD_KEYS``, keys of 1 to 255 bytes)."""
+def encode_board(entries: dict[bytes, int]) -> bytes:
+    """A board of ``{key bytes: stamp}`` (at most ``MAX_BOARD_KEYS``, keys of 1 to 255 bytes,
+    stamps u64)."""
     if len(entries) > MAX_BOARD_KEYS:
         raise ValueError(f"a board holds at most {MAX_BOARD_KEYS} keys, got {len(entries)}")
-    out = [_BOARD_HEADER.pack(BOARD_MAGIC, MARKER_VERSION, len(entries))]
-    for key, expires in entries.items():
+    out = [_BOARD_HEADER.pack(BOARD_MAGIC, BOARD_VERSION, len(entries))]
+    for key, stamp in entries.items():
         if not 1 <= len(key) <= 255:
             raise ValueError(f"a board key has 1 to 255 bytes, got {len(key)}")
-        out.append(_BOARD_ENTRY.pack(float(expires), len(key)) + bytes(key))
+        out.append(_BOARD_ENTRY.pack(stamp, len(key)) + bytes(key))
     return b"".join(out)
 
 
-def decode_board(data: bytes | memoryview | None) -> dict[bytes, float]:
-    """The board in ``data`` as ``{key bytes: expiry}``; empty for anything that is not a whole board."""
+def decode_board(data: bytes | memoryview | None) -> dict[bytes, int]:
+    """The board in ``data`` as ``{key bytes: stamp}``; empty for anything that is not a whole board."""
     if data is None or len(data) < _BOARD_HEADER.size:
         return {}
     data = bytes(data)
     magic, version, count = _BOARD_HEADER.unpack_from(data)
-    if magic != BOARD_MAGIC or version != MARKER_VERSION or count > MAX_BOARD_KEYS:
+    if magic != BOARD_MAGIC or version != BOARD_VERSION or count > MAX_BOARD_KEYS:
         return {}
     out, at = {}, _BOARD_HEADER.size
     for _ in range(count):
         if at + _BOARD_ENTRY.size > len(data):
             return {}
-        expires, size = _BOARD_ENTRY.unpack_from(data, at)
+        stamp, size = _BOARD_ENTRY.unpack_from(data, at)
         at += _BOARD_ENTRY.size
         if size == 0 or at + size > len(data):
             return {}
-        out[data[at:at + size]] = expires
+        out[data[at:at + size]] = stamp
         at += size
     return out if at == len(data) else {}
 
 
+def new_stamp() -> int:
+    return int.from_bytes(os.urandom(8), "little")
+
+
+class Sightings:
+    """When this reader first saw each version of a thing (``ident -> (version, first seen)``)
+    on its own clock; a version is expired ``ttl`` after that."""
+
+    def __init__(self, ttl: float, limit: int = MAX_SIGHTINGS):
+        self.ttl = ttl
+        self.limit = limit
+        self._first: dict[object, tuple[object, float]] = {}
+
+    def first_seen(self, ident: object, version: object, now: float) -> float:
+        seen = self._first.get(ident)
+        if seen is None or seen[0] != version:
+            self._first.pop(ident, None)
+            if len(self._first) >= self.limit:
+                del self._first[next(iter(self._first))]
+            seen = self._first[ident] = (version, now)
+        return seen[1]
+
+    def live(self, ident: object, version: object, now: float) -> bool:
+        return now - self.first_seen(ident, version, now) < self.ttl
+
+    def __contains__(self, ident: object) -> bool:
+        return ident in self._first
+
+    def forget(self, ident: object) -> None:
+        self._first.pop(ident, None)
+
+    def keep_only(self, idents: set) -> None:
+        for ident in [i for i in self._first if i not in idents]:
+            del self._first[ident]
+
+
 class Markers:
-    """One link's view of the markers in ``tier`` under ``namespace``."""
+    """One link's view of the markers and the wanted board in ``tier`` under ``namespace``."""
 
     def __init__(self, tier: Tier, namespace: Namespace, rule: InFlightRule, owner: bytes | None = None):
         self.tier = tier
@@ -155,6 +229,11 @@ class Markers:
         self.owner = os.urandom(16) if owner is None else bytes(owner)
         if len(self.owner) != 16:
             raise ValueError("owner must be 16 bytes")
+        self._seen = Sightings(rule.ttl)  # marker name -> (owner, request id, stamp)
+        self._seen_entries = Sightings(rule.ttl)  # board key -> stamp
+        self._log = VersionLog(tier, self.board_name(), keep=BOARD_KEEP)
+        self._undeleted: dict[str, int] = {}  # names whose delete was refused -> tries
+        self._stats = MarkerStats()
 
     def name(self, kind: str, key: bytes | int) -> str:
         if kind not in MARKER_KINDS:
@@ -164,33 +243,74 @@ class Markers:
     def now(self) -> float:
         return float(self.rule.clock())
 
+    def stats(self) -> MarkerStats:
+        out = MarkerStats(**{k: v for k, v in vars(self._stats).items() if k != "board"})
+        out.board = self._log.stats()
+        return out
+
     def put(self, kind: str, keys: Sequence[int], request_id: str) -> list[bool]:
-        """Put a ``kind`` marker of ``request_id`` under each key (expiring ``ttl`` from now)."""
+        """Put a ``kind`` marker of ``request_id`` under each key (it lives ``ttl``)."""
         if not keys:
             return []
-        data = encode_marker(Marker(kind, self.now() + self.rule.ttl, self.owner, request_id))
-        return self.tier.put([(self.name(kind, k), data) for k in keys])
+        now = self.now()
+        marker = Marker(kind, new_stamp(), self.owner, request_id)
+        names = [self.name(kind, k) for k in keys]
+        for name in names:  # a name still holding another value keeps it (and its sighting)
+            if name not in self._seen:
+                self._seen.first_seen(name, (marker.owner, marker.request_id, marker.stamp), now)
+        return self.tier.put([(name, encode_marker(marker)) for name in names])
 
     def delete(self, kind: str, keys: Sequence[int]) -> int:
-        return self.tier.delete([self.name(kind, k) for k in keys]) if keys else 0
+        """Delete the ``kind`` markers of ``keys``; how many were there. A refused delete is
+        counted and tried again at the next call."""
+        names = [self.name(kind, k) for k in keys]
+        for name in names:
+            self._seen.forget(name)
+        return self._delete(names)
+
+    def _delete(self, names: list[str]) -> int:
+        again = [n for n in self._undeleted if n not in names]
+        names = list(dict.fromkeys(names + again))
+        if not names:
+            return 0
+        count = self.tier.delete(names)
+        tries = {n: self._undeleted.pop(n, 0) + 1 for n in names}
+        if count < len(names):
+            for name, held in zip(names, self.tier.contains(names)):
+                if not held:
+                    continue
+                self._stats.deletes_failed += 1
+                if tries[name] < DELETE_ATTEMPTS:
+                    self._undeleted[name] = tries[name]
+                else:
+                    self._stats.deletes_dropped += 1
+        return count
 
     def others(self, kind: str, keys: Sequence[int], request_id: str) -> list[bool]:
         """Per key: whether a live ``kind`` marker of another request (of any link) is there.
         An expired marker, or one that does not decode, is absent (and deleted)."""
         if not keys:
             return []
+        if self._undeleted:
+            self._delete([])
         names = [self.name(kind, k) for k in keys]
         values = self.tier.get(names)
         now = self.now()
         out, stale = [], []
         for name, value in zip(names, values):
             marker = decode_marker(value)
-            if value is not None and (marker is None or marker.kind != kind or marker.expires_at <= now):
+            if value is None:
+                self._seen.forget(name)
+            elif marker is None or marker.kind != kind or not self._seen.live(
+                    name, (marker.owner, marker.request_id, marker.stamp), now):
                 stale.append(name)
                 marker = None
             out.append(marker is not None and (marker.owner, marker.request_id) != (self.owner, request_id))
         if stale:
-            self.tier.delete(stale)
+            self._delete(stale)
+            for name in stale:  # deleted: a value put there later is new (one still there stays expired)
+                if name not in self._undeleted:
+                    self._seen.forget(name)
         return out
 
     def present(self, kind: str, keys: Sequence[int]) -> list[bool]:
@@ -199,36 +319,75 @@ class Markers:
 
     # --- the wanted board ---------------------------------------------------------
     def board_name(self) -> str:
+        """The base name of the board's generations (``<board_name>/<generation>``)."""
         return f"hkv1/{self.namespace.hex}/marker/board"
 
     def board(self) -> dict[bytes, float]:
-        """The live entries of the wanted board (``{key bytes: expiry}``; one ``get``)."""
-        now = self.now()
-        entries = decode_board(self.tier.get([self.board_name()])[0])
-        return {key: expires for key, expires in entries.items() if expires > now}
+        """The live entries of the wanted board, ``{key bytes: when it expires on this link's
+        clock}`` (one ``contains`` and one ``get``)."""
+        if self._undeleted:
+            self._delete([])
+        return self._live(self._read_board()[1])
 
     def want(self, keys: Sequence[int]) -> bool:
-        """Add ``keys`` to the board (expiring ``ttl`` from now) unless listed; whether it was written."""
-        entries = self.board()
-        missing = [as_key_bytes(k) for k in keys if as_key_bytes(k) not in entries]
-        if not missing:
-            return False
-        expires = self.now() + self.rule.ttl
-        entries.update((key, expires) for key in missing)
-        if len(entries) > MAX_BOARD_KEYS:  # the ones expiring first go
-            entries = dict(sorted(entries.items(), key=lambda kv: kv[1])[-MAX_BOARD_KEYS:])
-        return self._write_board(entries)
+        """Add ``keys`` to the board (each lives ``ttl``) unless listed; whether it was written."""
+        wanted = list(dict.fromkeys(as_key_bytes(k) for k in keys))
 
-    def unwant(self, keys: Sequence[int]) -> None:
-        """Take ``keys`` off the board (when listed)."""
-        entries = self.board()
-        gone = [as_key_bytes(k) for k in keys if as_key_bytes(k) in entries]
-        if gone:
-            for key in gone:
-                del entries[key]
-            self._write_board(entries)
+        def change(live: dict[bytes, int]) -> dict[bytes, int] | None:
+            missing = [key for key in wanted if key not in live]
+            if not missing:
+                return None
+            live.update((key, new_stamp()) for key in missing)
+            if len(live) > MAX_BOARD_KEYS:  # the ones seen longest ago go
+                live = dict(list(live.items())[-MAX_BOARD_KEYS:])
+            return live
 
-    def _write_board(self, entries: dict[bytes, float]) -> bool:
-        """Replace the board (a tier keeps the first value put under a name: delete, then put)."""
-        self.tier.delete([self.board_name()])
-        return bool(self.tier.put([(self.board_name(), encode_board(entries))])[0]) if entries else True
+        return self._change_board(change)
+
+    def unwant(self, keys: Sequence[int]) -> bool:
+        """Take ``keys`` off the board (when listed); whether it was written."""
+        gone = {as_key_bytes(k) for k in keys}
+
+        def change(live: dict[bytes, int]) -> dict[bytes, int] | None:
+            if not gone & live.keys():
+                return None
+            return {key: stamp for key, stamp in live.items() if key not in gone}
+
+        return self._change_board(change)
+
+    def _read_board(self) -> tuple[int, dict[bytes, int]]:
+        """The newest generation and its entries. Read each time, not kept: a store that lost
+        everything (a restarted master) numbers its generations from 1 again."""
+        generation, value = self._log.read()
+        return generation, decode_board(value)
+
+    def _live(self, entries: dict[bytes, int]) -> dict[bytes, float]:
+        """The entries not expired on this link's clock, with their expiry (sightings of keys
+        no longer listed are forgotten)."""
+        now = self.now()
+        self._seen_entries.keep_only(set(entries))
+        out = {}
+        for key, stamp in entries.items():
+            first = self._seen_entries.first_seen(key, stamp, now)
+            if now - first < self.rule.ttl:
+                out[key] = first + self.rule.ttl
+        return out
+
+    def _change_board(self, change: Callable[[dict[bytes, int]], dict[bytes, int] | None]) -> bool:
+        """Read the board, apply ``change`` to its live entries (None: nothing to write) and
+        append the result as the next generation; on a conflict, read and try again."""
+        for _ in range(BOARD_ATTEMPTS):
+            generation, entries = self._read_board()
+            live = self._live(entries)
+            changed = change({key: entries[key] for key in sorted(live, key=live.get)})
+            if changed is None:
+                return False
+            now = self.now()
+            if self._log.append(generation + 1, encode_board(changed)):
+                for key, stamp in changed.items():
+                    self._seen_entries.first_seen(key, stamp, now)
+                return True
+            if self._log.known <= generation:  # refused or unreadable: a dead store
+                break
+        self._stats.board_changes_lost += 1
+        return False

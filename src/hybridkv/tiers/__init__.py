@@ -7,6 +7,7 @@
   (:mod:`~hybridkv.tiers.rowcopy` - the compiled row copies).
 * :mod:`~hybridkv.tiers.stream` - many objects into pools with the next batch in flight.
 * :mod:`~hybridkv.tiers.worker` - puts off the engine's thread (a bounded queue, dropped when full).
+* :mod:`~hybridkv.tiers.versions` - a value that changes, as write-once generations (the wanted board).
 * :mod:`~hybridkv.tiers.host`, :mod:`~hybridkv.tiers.disk`, :mod:`~hybridkv.tiers.mooncake`,
   :mod:`~hybridkv.tiers.stack` - the tiers; :mod:`~hybridkv.tiers.store` - objects through a tier.
 
