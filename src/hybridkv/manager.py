@@ -940,10 +940,10 @@ class CacheManager:
             for row in plan.crossing.tolist():  # publish what the rows' previous steps completed
                 self._commit_row(row)
         self._tableset.start_log() if updates else self._tableset.stop_log()
-        arrays = self._run(plan, write_slots)
+        arrays, n_touched = self._run(plan, write_slots)
         rows = plan.rows[plan.settle :]
         self._last_rows = rows.copy()  # the plan's arrays are scratch
-        return self._build_batch(rows, plan.request_ids, arrays, fixed_width, updates)
+        return self._build_batch(rows, plan.request_ids, arrays, fixed_width, n_touched if updates else -1)
 
     def _cached_verdict(self, items, uniform, fixed_width: bool) -> _Verdict | None:
         """The last ``check_admission``'s verdict when it checked the same items and
@@ -996,14 +996,15 @@ class CacheManager:
         plan = self._plan_of(n, settle, n_crossing, clean) if status != kernels.STEP_DONE else None
         if plan is not None:
             plan.grants = []
-        self._after_run(plan_arrays[5], plan_arrays[7].tolist(), status, n_touched, plan, out)
+        n_touched = self._after_run(plan_arrays[5], plan_arrays[7], status, n_touched, plan, out)
         rows = plan_arrays[0][settle:n]
         self._last_rows = rows.copy()
-        return self._build_batch(rows, rids, out, False, updates)
+        return self._build_batch(rows, rids, out, False, n_touched if updates else -1)
 
-    def _run(self, plan: _StepPlan, write_slots: bool) -> _StepArrays:
+    def _run(self, plan: _StepPlan, write_slots: bool) -> tuple[_StepArrays, int]:
         """Release, allocate and the batch's arrays in one compiled call
-        (``kernels.run_step``); ``_after_run`` books them."""
+        (``kernels.run_step``); ``_after_run`` books them. Returns the arrays and how
+        many table cells the step changed (at the start of the touched scratch)."""
         n_tokens, released_pages, most_released, allocated_pages = plan.totals
         out = _StepArrays.empty(len(self.specs), plan.rows.size - plan.settle, n_tokens, write_slots)
         scratch, idle_keyed, released, touched = self._scratch.reserve(most_released, released_pages,
@@ -1015,34 +1016,37 @@ class CacheManager:
             space.low_floors(self._scratch.low_floor), self._transient, plan.rows, plan.counts, plan.first,
             plan.settle, plan.after, plan.sums, bool(plan.grants), scratch, idle_keyed, released, touched,
             *out.arrays())
-        self._after_run(plan.sums, plan.totals, status, n_touched, plan, out)
-        return out
+        return out, self._after_run(plan.sums, plan.totals, status, n_touched, plan, out)
 
     def _after_run(self, sums: np.ndarray, totals, status: int, n_touched: int, plan: _StepPlan | None,
-                   out: _StepArrays) -> None:
+                   out: _StepArrays) -> int:
         """Book what the step kernel did: the pages it released (keyed ones join the prefix
         cache's LRU), and when it stopped after the releases, the arena's slabs move as
         admission planned, groups make room (``PagePool.make_room``: evict) and
-        ``finish_step`` allocates; then the allocations and the touched table cells."""
-        space, ts, sc = self._space, self._tableset, self._scratch
+        ``finish_step`` allocates; then the allocations. Returns the table cells changed."""
+        space = self._space
         if totals[1]:
-            space.released(sc.released, sc.idle_keyed)
-        allocated = sums[1].tolist() if totals[3] else ()
+            space.released(self._scratch.released, self._scratch.idle_keyed)
         if status != kernels.STEP_DONE:
-            if plan.grants:
-                self.arena.apply(plan.grants)
-            for k, (pool, n) in enumerate(zip(self._pool_list, allocated)):
-                if n:
-                    pool.make_room(n, self._transient_pages(plan, k))
-            n_touched = kernels.finish_step(
-                ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.tops,
-                space.lowest_first, self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after,
-                plan.sums, sc.touched, n_touched, *out.arrays())
-        for pool, n in zip(self._pool_list, allocated):
+            n_touched = self._finish(plan, n_touched, out)
+        if totals[3]:
+            space.allocated(sums[1])
+        return n_touched
+
+    def _finish(self, plan: _StepPlan, n_touched: int, out: _StepArrays) -> int:
+        """A step the kernel stopped after its releases: move the arena's slabs as
+        admission planned, make room (``PagePool.make_room``: evict), then
+        ``finish_step`` allocates and builds the arrays."""
+        space, ts = self._space, self._tableset
+        if plan.grants:
+            self.arena.apply(plan.grants)
+        for k, (pool, n) in enumerate(zip(self._pool_list, plan.sums[1].tolist())):
             if n:
-                pool.note_allocated(n)
-        if ts.log is not None and n_touched:
-            ts.note_cells(sc.touched[:n_touched].copy())
+                pool.make_room(n, self._transient_pages(plan, k))
+        return kernels.finish_step(
+            ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.tops,
+            space.lowest_first, self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after,
+            plan.sums, self._scratch.touched, n_touched, *out.arrays())
 
     def _transient_pages(self, plan: _StepPlan, k: int) -> int:
         """Pages group ``k`` allocates this step that the next releases again (they take
@@ -1054,33 +1058,26 @@ class CacheManager:
                                            plan.after, plan.sums))
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
-                     updates: bool) -> StepBatch:
-        """The step's ``StepBatch`` of table ``rows``: block tables, or with ``updates`` the
-        table cells changed."""
+                     n_touched: int) -> StepBatch:
+        """The step's ``StepBatch`` of table ``rows``: block tables, or (``n_touched`` >= 0:
+        the cells the step changed lead the touched scratch) the table cells changed."""
         widths = self._capture_widths if fixed_width else tuple(out.widths.tolist())
         ts, table_updates = self._tableset, None
-        if not updates:
+        if n_touched < 0:
             tables = [ts.block_table(k, rows, width) for k, width in enumerate(widths)]
         else:
             tables = [None] * len(widths)
-            group, row, column, page, reset = ts.drain_updates()
-            table_updates = TableUpdates(group=group, row=row, column=column, page=page, widths=widths,
-                                         reset=reset)
+            touched = self._scratch.touched[:n_touched] if n_touched else None
+            group, row, column, page, reset = ts.drain_updates(touched)
+            table_updates = TableUpdates(group, row, column, page, widths, reset)
         slots = out.slots if out.slots.shape[0] else [None] * len(widths)
+        base_pages = out.base_pages
         groups = {
-            gid: GroupStep(tables[k], out.base_pages[k] if sliding else None, slots[k])  # block table, base, slots
+            gid: GroupStep(tables[k], base_pages[k] if sliding else None, slots[k])  # block table, base, slots
             for k, (gid, sliding) in enumerate(self._group_sliding)
         }
-        return StepBatch(
-            request_ids=request_ids,
-            num_scheduled_tokens=out.scheduled,
-            query_start_loc=out.query_start_loc,
-            positions=out.positions,
-            request_indices=out.request_indices,
-            groups=groups,
-            table_rows=out.table_rows,
-            table_updates=table_updates,
-        )
+        return StepBatch(request_ids, out.scheduled, out.query_start_loc, out.positions, out.request_indices, groups,
+                         out.table_rows, table_updates)
 
     def _commit_row(self, row: int) -> None:
         req = self._row_request(row)

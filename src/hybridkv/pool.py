@@ -586,6 +586,7 @@ class PageSpace:
         self.tops = np.asarray([p._top for p in self.pools], dtype=np.int64)
         self.low_idle = np.asarray([p._low_idle_pages for p in self.pools], dtype=np.int64)
         self.lowest_first = np.asarray([p.lowest_first for p in self.pools], dtype=np.bool_)
+        self.packing = [g for g, p in enumerate(self.pools) if p.lowest_first]  # pools ``low_floors`` asks
         for g, pool in enumerate(self.pools):
             pool._tops, pool._lows, pool._slot = self.tops, self.low_idle, g
 
@@ -611,13 +612,12 @@ class PageSpace:
         for every other pool and for one whose ``may_skip_packing`` says so. What
         ``kernels.needs_room`` reads: a step stops for Python when such a page lies below
         the ids it would take, and ``make_room`` decides."""
-        for g, pool in enumerate(self.pools):
-            if not pool.lowest_first or (pool.may_skip_packing is not None and pool.may_skip_packing()):
-                out[g] = kernels.NO_PACKING
-            elif pool.num_low_priority_idle_pages and pool._low_idle:
-                out[g] = pool._low_idle[0]
-            else:
-                out[g] = kernels.NO_LOW_IDLE
+        out.fill(kernels.NO_PACKING)
+        for g in self.packing:
+            pool = self.pools[g]
+            if pool.may_skip_packing is not None and pool.may_skip_packing():
+                continue
+            out[g] = pool._low_idle[0] if pool._low_idle and self.low_idle[g] else kernels.NO_LOW_IDLE
         return out
 
     def released(self, counts: np.ndarray, keyed: np.ndarray) -> None:
@@ -631,3 +631,13 @@ class PageSpace:
             if k:
                 pool._keyed_idle(keyed[n_keyed : n_keyed + k].tolist())
                 n_keyed += k
+
+    def allocated(self, counts: np.ndarray) -> None:
+        """``PagePool.note_allocated`` of ``counts[g]`` pages (a step kernel took them off
+        the stacks) for every pool, in one pass."""
+        for pool, n, top in zip(self.pools, counts.tolist(), self.tops.tolist()):
+            if n:
+                pool.counters.allocated_pages += n
+                used = pool._granted_pages - top - len(pool._evictable)  # num_used_pages
+                if used > pool.peak_used_pages:
+                    pool.peak_used_pages = used

@@ -506,15 +506,15 @@ def release_credit(geometry, pages, bounds, ref, g, rows, new_base, credit, sole
 
 
 @njit(cache=True)
-def read_cells(pages, index, group, row, column, page):
-    """Group, row, column and page id now of each flat cell ``index[i]`` of ``pages``."""
+def read_cells(pages, index, cells, page):
+    """``cells[0, i]``, ``cells[1, i]``, ``cells[2, i]``: group, row and column of the flat
+    cell ``index[i]`` of ``pages``; ``page[i]`` the page id it holds now."""
     n_rows, n_cols = pages.shape[1], pages.shape[2]
     for i in range(index.size):
         cell = index[i]
-        column[i] = cell % n_cols
-        row[i] = (cell // n_cols) % n_rows
-        group[i] = cell // (n_cols * n_rows)
-        page[i] = pages[group[i], row[i], column[i]]
+        group, row, column = cell // (n_cols * n_rows), (cell // n_cols) % n_rows, cell % n_cols
+        cells[0, i], cells[1, i], cells[2, i] = group, row, column
+        page[i] = pages[group, row, column]
 
 
 @njit(cache=True)
