@@ -118,27 +118,24 @@ class _Scratch:
 
     def __init__(self, n_groups: int):
         self.n_groups = n_groups
-        self.plan = self.plan_buffers(0)
-        self.released = np.empty((2, n_groups), dtype=np.int64)
+        self._grow_plan(0)
         self.pages = np.empty(0, dtype=np.int32)
         self.idle_keyed = np.empty(0, dtype=np.int64)
         self.touched = np.empty(0, dtype=np.int64)
-        self.low_floor = np.empty(n_groups, dtype=np.int64)
-
-    def plan_buffers(self, n_rows: int) -> tuple:
-        """``prepare_step``'s outputs for ``n_rows`` rows: rows, counts, first, after,
-        need, sums, crossing, totals."""
-        g = self.n_groups
-        rows, counts, first, crossing = (np.empty(n_rows, dtype=np.int64) for _ in range(4))
-        return (rows, counts, first, np.empty((2, g, n_rows), dtype=np.int64), np.empty((g, n_rows), dtype=np.int64),
-                np.empty((2, g), dtype=np.int64), crossing, np.empty(4, dtype=np.int64))
 
     def plan_arrays(self, n_rows: int) -> tuple:
-        """``plan_buffers(n_rows)``, the same arrays while the size stays (every plan
-        overwrites the previous one's)."""
-        if self.plan[0].size != n_rows:
-            self.plan = self.plan_buffers(n_rows)
+        """``prepare_step``'s outputs with room for ``n_rows`` rows (``kernels.plan_views``
+        of ``plan_buffer``): rows, counts, first, after, need, sums, crossing, totals; the
+        same arrays while they are large enough (every plan overwrites the previous one's).
+        ``released`` is ``release_pages``' count per group."""
+        if kernels.plan_size(n_rows, self.n_groups) > self.plan_buffer.size:
+            self._grow_plan(2 * n_rows)
         return self.plan
+
+    def _grow_plan(self, n_rows: int) -> None:
+        self.plan_buffer = np.empty(kernels.plan_size(n_rows, self.n_groups), dtype=np.int64)
+        views = kernels.plan_views(self.plan_buffer, self.n_groups)
+        self.plan, self.released = views[:8], views[8]
 
     def reserve(self, most_released: int, released_pages: int, allocated_pages: int) -> tuple:
         """(release scratch, idle keyed pages, released counts, touched cells), large enough."""
@@ -244,6 +241,7 @@ class CacheManager:
                 checkpoint_window_tokens=checkpoint_window_tokens,
                 eviction_policy=eviction_policy,
             )
+        self._grain = self.prefix.granularity_tokens if self.prefix is not None else 0  # tokens per prefix grain
         # Requests waiting for a tier load (hybridkv.tierlink): admission refuses them.
         self.pending_loads: set[str] = set()
         # Pages held outside any request (an offload's rows being copied): see hold_pages.
@@ -263,10 +261,11 @@ class CacheManager:
         self._row_owner: dict[int, _Request] = {}
         self._free_rows: list[int] = []
         self._next_row = 0
-        self._computed = np.zeros(64, dtype=np.int64)
-        self._committed = np.zeros(64, dtype=np.int64)
+        # Per table row: computed, committed and known token ids (max total without ids), as
+        # views of one array the step kernel takes whole.
+        self._counters = np.zeros((3, 64), dtype=np.int64)
+        self._computed, self._committed, self._known = self._counters
         self._max_total = np.zeros(64, dtype=np.int64)
-        self._known = np.zeros(64, dtype=np.int64)  # known token ids (max total without ids)
         self._in_batch = np.zeros(64, dtype=np.bool_)  # prepare_step's scratch, one flag per row
 
     @classmethod
@@ -759,9 +758,9 @@ class CacheManager:
                 used = want
                 plan.grants = grants
 
-    def _fast_rows(self, items) -> tuple[np.ndarray, np.ndarray, tuple] | None:
-        """Rows, counts and request ids of pairs of known ids and plain counts in range
-        (vectorized); None sends the batch down the per-item path that words each reason.
+    def _fast_rows(self, items) -> tuple[np.ndarray, np.ndarray, tuple, int] | None:
+        """Rows, counts, request ids and tokens in all of pairs of known ids and plain
+        counts in range (vectorized); None sends the batch down the per-item path that words each reason.
         The plan checks the rest (distinct rows, known tokens)."""
         try:
             rids, counts = zip(*items)
@@ -776,24 +775,23 @@ class CacheManager:
             # which equals 1): one scalar check.
             if not 1 <= counts[0] <= self.max_step_tokens:
                 return None
-            counts = np.full(len(rids), counts[0], dtype=np.int64)
-        else:
-            kinds = set(map(type, counts))
-            if bool in kinds or not all(k is int or issubclass(k, np.integer) for k in kinds):
-                return None  # bool is an int subclass but not a token count
-            counts = np.array(counts, dtype=np.int64)
-            if counts.min() < 1 or counts.max() > self.max_step_tokens:
-                return None
-        return rows, counts, rids
+            return rows, np.full(n, counts[0], dtype=np.int64), rids, n * counts[0]
+        kinds = set(map(type, counts))
+        if bool in kinds or not all(k is int or issubclass(k, np.integer) for k in kinds):
+            return None  # bool is an int subclass but not a token count
+        counts = np.array(counts, dtype=np.int64)
+        if counts.min() < 1 or counts.max() > self.max_step_tokens:
+            return None
+        return rows, counts, rids, int(counts.sum())
 
-    def _fast_rows_uniform(self, rids: tuple, count) -> tuple[np.ndarray, np.ndarray, tuple] | None:
+    def _fast_rows_uniform(self, rids: tuple, count) -> tuple[np.ndarray, np.ndarray, tuple, int] | None:
         """``_fast_rows`` of ``(rid, count)`` for every id: one scalar count check."""
         if type(count) is not int or not 1 <= count <= self.max_step_tokens:
             return None  # the per-item path words it (numpy ints included)
         rows = self._rows_of(rids)
         if rows is None:
             return None
-        return rows, np.full(rows.size, count, dtype=np.int64), rids
+        return rows, np.full(rows.size, count, dtype=np.int64), rids, rows.size * count
 
     def _rows_of(self, rids: tuple) -> np.ndarray | None:
         """Table rows of known request ids; None if an id is unknown or unhashable."""
@@ -851,10 +849,9 @@ class CacheManager:
         rows, counts, first, after, need, sums, crossing, totals = self._scratch.plan_arrays(
             rows_in.size + self._last_rows.size)
         ts = self._tableset
-        grain = self.prefix.granularity_tokens if self.prefix is not None else 0
         n, settle, n_crossing, clean = kernels.prepare_step(
             ts.geometry, ts.bounds, self._computed, self._committed, self._known, self._last_rows, rows_in,
-            counts_in, grain, self._space.tops, self._in_batch, rows, counts, first, after, need, sums, crossing,
+            counts_in, self._grain, self._space.tops, self._in_batch, rows, counts, first, after, need, sums, crossing,
             totals)
         if n < 0:
             return None  # a row twice, or past its known tokens: the per-item path words it
@@ -972,16 +969,14 @@ class CacheManager:
         runs it after the commits). Else (nothing changed) the plan, for ``_admit`` and
         the stages after it, or None when there is none (a row twice, or past its known
         tokens)."""
-        rows_in, counts_in, rids = fast
-        out = _StepArrays.empty(len(self.specs), rows_in.size, int(counts_in.sum()), write_slots)
+        rows_in, counts_in, rids, n_tokens = fast
+        out = _StepArrays.empty(len(self.specs), rows_in.size, n_tokens, write_slots)
         sc, space, ts = self._scratch, self._space, self._tableset
         plan_arrays = sc.plan_arrays(rows_in.size + self._last_rows.size)
-        grain = self.prefix.granularity_tokens if self.prefix is not None else 0
         status, n, settle, n_crossing, clean, n_touched, _ = kernels.step(
-            ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, self._known, space.ref_counts,
-            space.cached, space.low_priority, space.stack, space.tops, space.lowest_first,
-            space.low_floors(sc.low_floor), self._transient, self._last_rows, rows_in, counts_in, grain,
-            self._in_batch, *plan_arrays, sc.pages, sc.idle_keyed, sc.released, sc.touched, *out.arrays())
+            ts.geometry, ts.pages, ts.bounds, self._counters, space.ref_counts, space.cached, space.low_priority,
+            space.stack, space.low_floors(), self._transient, self._last_rows, rows_in, counts_in, self._grain,
+            self._in_batch, sc.plan_buffer, sc.pages, sc.idle_keyed, sc.touched, *out.arrays())
         if status == kernels.STEP_PLANNED:
             if n < 0:
                 return None
@@ -1010,10 +1005,11 @@ class CacheManager:
         scratch, idle_keyed, released, touched = self._scratch.reserve(most_released, released_pages,
                                                                         allocated_pages)
         space, ts = self._space, self._tableset
+        space.low_floors()
         status, n_touched, _ = kernels.run_step(
             ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
-            space.low_priority, space.stack, space.tops, space.lowest_first,
-            space.low_floors(self._scratch.low_floor), self._transient, plan.rows, plan.counts, plan.first,
+            space.low_priority, space.stack, space.tops, space.lowest_first, space.low_floor, self._transient,
+            plan.rows, plan.counts, plan.first,
             plan.settle, plan.after, plan.sums, bool(plan.grants), scratch, idle_keyed, released, touched,
             *out.arrays())
         return out, self._after_run(plan.sums, plan.totals, status, n_touched, plan, out)
@@ -1273,10 +1269,9 @@ class CacheManager:
         self._next_row += 1
         if row >= self._computed.size:
             grow = np.zeros(self._computed.size, dtype=np.int64)
-            self._computed = np.concatenate([self._computed, grow])
-            self._committed = np.concatenate([self._committed, grow])
+            self._counters = np.concatenate([self._counters, np.zeros_like(self._counters)], axis=1)
+            self._computed, self._committed, self._known = self._counters
             self._max_total = np.concatenate([self._max_total, grow])
-            self._known = np.concatenate([self._known, grow])
             self._in_batch = np.zeros(self._computed.size, dtype=np.bool_)
         self._tableset.ensure_rows(row + 1)
         return row

@@ -583,9 +583,13 @@ class PageSpace:
             setattr(self, name.lstrip("_"), whole)
             for pool, start, n in zip(self.pools, starts, sizes):
                 setattr(pool, name, whole[start : start + n])
-        self.tops = np.asarray([p._top for p in self.pools], dtype=np.int64)
+        # Per group, in one array a step kernel takes whole: the free stack's top, whether
+        # the pool hands out its lowest ids first, and ``low_floors``' answer.
+        self.per_group = np.zeros((3, len(self.pools)), dtype=np.int64)
+        self.tops, self.lowest_first, self.low_floor = self.per_group
+        self.tops[:] = [p._top for p in self.pools]
+        self.lowest_first[:] = [p.lowest_first for p in self.pools]
         self.low_idle = np.asarray([p._low_idle_pages for p in self.pools], dtype=np.int64)
-        self.lowest_first = np.asarray([p.lowest_first for p in self.pools], dtype=np.bool_)
         self.packing = [g for g, p in enumerate(self.pools) if p.lowest_first]  # pools ``low_floors`` asks
         for g, pool in enumerate(self.pools):
             pool._tops, pool._lows, pool._slot = self.tops, self.low_idle, g
@@ -605,20 +609,21 @@ class PageSpace:
                 n_freed += f
         self.released(counts, keyed)
 
-    def low_floors(self, out: np.ndarray) -> np.ndarray:
-        """``out[g]``: for a lowest-first pool (one that may pack: ``PagePool.make_room``), a
+    def low_floors(self) -> np.ndarray:
+        """``per_group`` once ``low_floor[g]`` holds, for a lowest-first pool (one that may pack: ``PagePool.make_room``), a
         lower bound of its idle low-priority pages' ids (the smallest id its heap lists,
         possibly stale) or ``kernels.NO_LOW_IDLE`` when it has none; ``kernels.NO_PACKING``
         for every other pool and for one whose ``may_skip_packing`` says so. What
         ``kernels.needs_room`` reads: a step stops for Python when such a page lies below
         the ids it would take, and ``make_room`` decides."""
+        out = self.low_floor
         out.fill(kernels.NO_PACKING)
         for g in self.packing:
             pool = self.pools[g]
             if pool.may_skip_packing is not None and pool.may_skip_packing():
                 continue
             out[g] = pool._low_idle[0] if pool._low_idle and self.low_idle[g] else kernels.NO_LOW_IDLE
-        return out
+        return self.per_group
 
     def released(self, counts: np.ndarray, keyed: np.ndarray) -> None:
         """Book pages a release took from requests: ``counts[0, g]`` went free (already

@@ -365,15 +365,42 @@ def needs_room(geometry, stack, top, lowest, low_floor, low_priority, sums, rele
 
 
 @njit(cache=True)
-def step(geometry, pages, bounds, computed, committed, known, ref, keyed, low_priority, stack, top, lowest,
-         low_floor, transient, last_rows, rows_in, counts_in, grain, mark, rows, counts, first, after, need, sums,
-         crossing, totals, scratch, idle_keyed, released, touched, table_rows, scheduled, positions,
+def plan_views(plan, n_groups):
+    """The plan's arrays, views of one flat int64 buffer ``plan`` (room for ``cap`` rows):
+    rows, counts, first, after ``[2, G, cap]``, need ``[G, cap]``, sums ``[2, G]``,
+    crossing, totals ``[4]`` (``prepare_step``'s outputs, in its order), then released
+    ``[2, G]`` (``release_pages``'). ``plan_size(cap, G)`` is the buffer's size."""
+    cap = (plan.size - 4 - 4 * n_groups) // (4 + 3 * n_groups)
+    grid = 4 * cap + 2 * n_groups * cap
+    tail = grid + n_groups * cap
+    return (plan[:cap], plan[cap : 2 * cap], plan[2 * cap : 3 * cap],
+            plan[4 * cap : grid].reshape((2, n_groups, cap)), plan[grid:tail].reshape((n_groups, cap)),
+            plan[tail : tail + 2 * n_groups].reshape((2, n_groups)), plan[3 * cap : 4 * cap],
+            plan[tail + 4 * n_groups : tail + 4 * n_groups + 4],
+            plan[tail + 2 * n_groups : tail + 4 * n_groups].reshape((2, n_groups)))
+
+
+def plan_size(cap, n_groups):
+    """Size of a ``plan_views`` buffer with room for ``cap`` rows."""
+    return (4 + 3 * n_groups) * cap + 4 * n_groups + 4
+
+
+@njit(cache=True)
+def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, last_rows,
+         rows_in, counts_in, grain, mark, plan, scratch, idle_keyed, touched, table_rows, scheduled, positions,
          request_indices, query_start_loc, base_pages, widths, slots):
     """``prepare_step`` then, when the plan needs nothing from Python first (every
     group's free stack covers it, no row crosses a prefix grain, the scratch buffers
-    are large enough), ``run_step``, in one call. Returns (status, rows in the plan,
-    settling rows, crossing rows, clean, cells logged, idle keyed pages); status
-    ``STEP_PLANNED`` (or -1 rows: no plan) when only the plan ran."""
+    are large enough), ``run_step``, in one call. Packed arguments: ``counters`` int64
+    ``[3, table rows]`` holds computed, committed and known tokens per row;
+    ``per_group`` int64 ``[3, G]`` the free stacks' tops, whether a group hands out its
+    lowest ids first, and ``low_floor``; ``plan`` the plan's arrays (``plan_views``).
+    Returns (status, rows in the plan, settling rows, crossing rows, clean, cells
+    logged, idle keyed pages); status ``STEP_PLANNED`` (or -1 rows: no plan) when only
+    the plan ran."""
+    rows, counts, first, after, need, sums, crossing, totals, released = plan_views(plan, geometry.shape[0])
+    computed, committed, known = counters[0], counters[1], counters[2]
+    top, lowest, low_floor = per_group[0], per_group[1], per_group[2]
     n, settle, n_cross, clean = prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in,
                                              counts_in, grain, top, mark, rows, counts, first, after, need, sums,
                                              crossing, totals)
