@@ -94,23 +94,26 @@ class _StepArrays:
     request_indices: np.ndarray  # int32 [N]
     query_start_loc: np.ndarray  # int32 [R + 1]
     base_pages: np.ndarray  # int32 [G, R]
-    widths: np.ndarray  # int64 [G] the widest request's live pages
+    widths: np.ndarray  # int64 [G] the widest request's live pages (scratch: not handed out)
     slots: np.ndarray  # int64 [G, N] write slots ([0, 0] when not asked for)
 
     @staticmethod
-    def empty(n_groups: int, n_requests: int, n_tokens: int, write_slots: bool) -> _StepArrays:
+    def empty(n_groups: int, n_requests: int, n_tokens: int, write_slots: bool, widths: np.ndarray) -> _StepArrays:
+        """Fresh arrays for what the batch hands out; ``widths`` is the caller's scratch."""
         return _StepArrays(
             np.empty(n_requests, dtype=np.int32), np.empty(n_requests, dtype=np.int32),
             np.empty(n_tokens, dtype=np.int64), np.empty(n_tokens, dtype=np.int32),
             np.empty(n_requests + 1, dtype=np.int32), np.empty((n_groups, n_requests), dtype=np.int32),
-            np.empty(n_groups, dtype=np.int64),
-            np.empty((n_groups, n_tokens) if write_slots else (0, 0), dtype=np.int64),
+            widths, np.empty((n_groups, n_tokens), dtype=np.int64) if write_slots else _NO_SLOTS,
         )
 
     def arrays(self) -> tuple:
         """In ``kernels.run_step``'s argument order."""
         return (self.table_rows, self.scheduled, self.positions, self.request_indices, self.query_start_loc,
                 self.base_pages, self.widths, self.slots)
+
+
+_NO_SLOTS = np.empty((0, 0), dtype=np.int64)  # ``_StepArrays.slots`` of a step without write slots
 
 
 class _Scratch:
@@ -122,6 +125,7 @@ class _Scratch:
         self.pages = np.empty(0, dtype=np.int32)
         self.idle_keyed = np.empty(0, dtype=np.int64)
         self.touched = np.empty(0, dtype=np.int64)
+        self.widths = np.empty(n_groups, dtype=np.int64)
 
     def plan_arrays(self, n_rows: int) -> tuple:
         """``prepare_step``'s outputs with room for ``n_rows`` rows (``kernels.plan_views``
@@ -775,7 +779,7 @@ class CacheManager:
             # which equals 1): one scalar check.
             if not 1 <= counts[0] <= self.max_step_tokens:
                 return None
-            return rows, np.full(n, counts[0], dtype=np.int64), rids, n * counts[0]
+            return rows, _filled(n, counts[0]), rids, n * counts[0]
         kinds = set(map(type, counts))
         if bool in kinds or not all(k is int or issubclass(k, np.integer) for k in kinds):
             return None  # bool is an int subclass but not a token count
@@ -791,7 +795,7 @@ class CacheManager:
         rows = self._rows_of(rids)
         if rows is None:
             return None
-        return rows, np.full(rows.size, count, dtype=np.int64), rids, rows.size * count
+        return rows, _filled(rows.size, count), rids, rows.size * count
 
     def _rows_of(self, rids: tuple) -> np.ndarray | None:
         """Table rows of known request ids; None if an id is unknown or unhashable."""
@@ -970,7 +974,7 @@ class CacheManager:
         the stages after it, or None when there is none (a row twice, or past its known
         tokens)."""
         rows_in, counts_in, rids, n_tokens = fast
-        out = _StepArrays.empty(len(self.specs), rows_in.size, n_tokens, write_slots)
+        out = _StepArrays.empty(len(self.specs), rows_in.size, n_tokens, write_slots, self._scratch.widths)
         sc, space, ts = self._scratch, self._space, self._tableset
         plan_arrays = sc.plan_arrays(rows_in.size + self._last_rows.size)
         status, n, settle, n_crossing, clean, n_touched, _ = kernels.step(
@@ -1001,7 +1005,8 @@ class CacheManager:
         (``kernels.run_step``); ``_after_run`` books them. Returns the arrays and how
         many table cells the step changed (at the start of the touched scratch)."""
         n_tokens, released_pages, most_released, allocated_pages = plan.totals
-        out = _StepArrays.empty(len(self.specs), plan.rows.size - plan.settle, n_tokens, write_slots)
+        out = _StepArrays.empty(len(self.specs), plan.rows.size - plan.settle, n_tokens, write_slots,
+                               self._scratch.widths)
         scratch, idle_keyed, released, touched = self._scratch.reserve(most_released, released_pages,
                                                                         allocated_pages)
         space, ts = self._space, self._tableset
@@ -1301,6 +1306,13 @@ def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, i
     if arena is None:
         return None
     return arena.plan({g: want[g] - avail[g] for g in avail}, {g: avail[g] - want[g] for g in avail}, scan)
+
+
+def _filled(n: int, value: int) -> np.ndarray:
+    """int64 ``[n]`` of ``value`` (``np.full`` without its Python-level wrapper)."""
+    out = np.empty(n, dtype=np.int64)
+    out.fill(value)
+    return out
 
 
 def _check_step_options(ids: Sequence, block_tables: str, write_slots: bool) -> None:

@@ -618,10 +618,15 @@ class PageSpace:
         the ids it would take, and ``make_room`` decides."""
         out = self.low_floor
         out.fill(kernels.NO_PACKING)
+        asked, skip = None, False
         for g in self.packing:
             pool = self.pools[g]
-            if pool.may_skip_packing is not None and pool.may_skip_packing():
-                continue
+            ask = pool.may_skip_packing
+            if ask is not None:
+                if ask != asked:  # the pools of one arena share its answer: asked once
+                    asked, skip = ask, ask()
+                if skip:
+                    continue
             out[g] = pool._low_idle[0] if pool._low_idle and self.low_idle[g] else kernels.NO_LOW_IDLE
         return self.per_group
 
