@@ -1072,10 +1072,9 @@ class CacheManager:
             group, row, column, page, reset = ts.drain_updates(touched)
             table_updates = TableUpdates(group, row, column, page, widths, reset)
         slots = out.slots if out.slots.shape[0] else [None] * len(widths)
-        base_pages = out.base_pages
-        groups = {
-            gid: GroupStep(tables[k], base_pages[k] if sliding else None, slots[k])  # block table, base, slots
-            for k, (gid, sliding) in enumerate(self._group_sliding)
+        groups = {  # iterating a 2-D array yields its rows
+            gid: GroupStep(table, base if sliding else None, slot)
+            for (gid, sliding), table, base, slot in zip(self._group_sliding, tables, out.base_pages, slots)
         }
         return StepBatch(request_ids, out.scheduled, out.query_start_loc, out.positions, out.request_indices, groups,
                          out.table_rows, table_updates)
