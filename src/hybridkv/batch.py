@@ -1,9 +1,8 @@
 """What the manager hands out: the arrays of a step, admission answers, pool stats.
 
 Plain data; every array is numpy, fresh for each step, and can be copied to a
-device as is. The step's classes are frozen dataclasses whose ``__init__`` stores
-its fields directly (a frozen dataclass's own ``__init__`` sets each field through
-``object.__setattr__``, which a step building eight of them would feel).
+device as is. The step's frozen dataclasses store their fields directly in ``__init__``
+(the generated one calls ``object.__setattr__`` per field: slow for eight objects a step).
 """
 
 from __future__ import annotations
@@ -29,9 +28,7 @@ class GroupStep:
 
     def __init__(self, block_table, base_pages, write_slots):
         fields = self.__dict__
-        fields["block_table"] = block_table
-        fields["base_pages"] = base_pages
-        fields["write_slots"] = write_slots
+        fields["block_table"], fields["base_pages"], fields["write_slots"] = block_table, base_pages, write_slots
 
 
 @dataclass(frozen=True, init=False)

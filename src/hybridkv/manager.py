@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -84,9 +84,9 @@ class _StepPlan:
     grants: list | None = None  # arena slabs to move before allocating (shared page space)
 
 
-@dataclass
-class _StepArrays:
-    """What ``kernels.run_step`` writes for the batch's ``R`` requests and ``N`` tokens."""
+class _StepArrays(NamedTuple):
+    """What ``kernels.run_step`` writes for the batch's ``R`` requests and ``N`` tokens, in
+    its argument order."""
 
     table_rows: np.ndarray  # int32 [R]
     scheduled: np.ndarray  # int32 [R]
@@ -106,11 +106,6 @@ class _StepArrays:
             np.empty(n_requests + 1, dtype=np.int32), np.empty((n_groups, n_requests), dtype=np.int32),
             widths, np.empty((n_groups, n_tokens), dtype=np.int64) if write_slots else _NO_SLOTS,
         )
-
-    def arrays(self) -> tuple:
-        """In ``kernels.run_step``'s argument order."""
-        return (self.table_rows, self.scheduled, self.positions, self.request_indices, self.query_start_loc,
-                self.base_pages, self.widths, self.slots)
 
 
 _NO_SLOTS = np.empty((0, 0), dtype=np.int64)  # ``_StepArrays.slots`` of a step without write slots
@@ -764,8 +759,8 @@ class CacheManager:
 
     def _fast_rows(self, items) -> tuple[np.ndarray, np.ndarray, tuple, int] | None:
         """Rows, counts, request ids and tokens in all of pairs of known ids and plain
-        counts in range (vectorized); None sends the batch down the per-item path that words each reason.
-        The plan checks the rest (distinct rows, known tokens)."""
+        counts in range (vectorized); None sends the batch down the per-item path that
+        words each reason. The plan checks the rest (distinct rows, known tokens)."""
         try:
             rids, counts = zip(*items)
         except (TypeError, ValueError):
@@ -980,7 +975,7 @@ class CacheManager:
         status, n, settle, n_crossing, clean, n_touched, _ = kernels.step(
             ts.geometry, ts.pages, ts.bounds, self._counters, space.ref_counts, space.cached, space.low_priority,
             space.stack, space.low_floors(), self._transient, self._last_rows, rows_in, counts_in, self._grain,
-            self._in_batch, sc.plan_buffer, sc.pages, sc.idle_keyed, sc.touched, *out.arrays())
+            self._in_batch, sc.plan_buffer, sc.pages, sc.idle_keyed, sc.touched, *out)
         if status == kernels.STEP_PLANNED:
             if n < 0:
                 return None
@@ -1014,9 +1009,8 @@ class CacheManager:
         status, n_touched, _ = kernels.run_step(
             ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
             space.low_priority, space.stack, space.tops, space.lowest_first, space.low_floor, self._transient,
-            plan.rows, plan.counts, plan.first,
-            plan.settle, plan.after, plan.sums, bool(plan.grants), scratch, idle_keyed, released, touched,
-            *out.arrays())
+            plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums, bool(plan.grants), scratch,
+            idle_keyed, released, touched, *out)
         return out, self._after_run(plan.sums, plan.totals, status, n_touched, plan, out)
 
     def _after_run(self, sums: np.ndarray, totals, status: int, n_touched: int, plan: _StepPlan | None,
@@ -1025,29 +1019,22 @@ class CacheManager:
         cache's LRU), and when it stopped after the releases, the arena's slabs move as
         admission planned, groups make room (``PagePool.make_room``: evict) and
         ``finish_step`` allocates; then the allocations. Returns the table cells changed."""
-        space = self._space
+        space, ts = self._space, self._tableset
         if totals[1]:
             space.released(self._scratch.released, self._scratch.idle_keyed)
         if status != kernels.STEP_DONE:
-            n_touched = self._finish(plan, n_touched, out)
+            if plan.grants:
+                self.arena.apply(plan.grants)
+            for k, (pool, n) in enumerate(zip(self._pool_list, sums[1].tolist())):
+                if n:
+                    pool.make_room(n, self._transient_pages(plan, k))
+            n_touched = kernels.finish_step(
+                ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.tops,
+                space.lowest_first, self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after,
+                plan.sums, self._scratch.touched, n_touched, *out)
         if totals[3]:
             space.allocated(sums[1])
         return n_touched
-
-    def _finish(self, plan: _StepPlan, n_touched: int, out: _StepArrays) -> int:
-        """A step the kernel stopped after its releases: move the arena's slabs as
-        admission planned, make room (``PagePool.make_room``: evict), then
-        ``finish_step`` allocates and builds the arrays."""
-        space, ts = self._space, self._tableset
-        if plan.grants:
-            self.arena.apply(plan.grants)
-        for k, (pool, n) in enumerate(zip(self._pool_list, plan.sums[1].tolist())):
-            if n:
-                pool.make_room(n, self._transient_pages(plan, k))
-        return kernels.finish_step(
-            ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.tops,
-            space.lowest_first, self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after,
-            plan.sums, self._scratch.touched, n_touched, *out.arrays())
 
     def _transient_pages(self, plan: _StepPlan, k: int) -> int:
         """Pages group ``k`` allocates this step that the next releases again (they take
@@ -1309,8 +1296,7 @@ def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, i
 
 def _filled(n: int, value: int) -> np.ndarray:
     """int64 ``[n]`` of ``value`` (``np.full`` without its Python-level wrapper)."""
-    out = np.empty(n, dtype=np.int64)
-    out.fill(value)
+    (out := np.empty(n, dtype=np.int64)).fill(value)
     return out
 
 

@@ -610,12 +610,12 @@ class PageSpace:
         self.released(counts, keyed)
 
     def low_floors(self) -> np.ndarray:
-        """``per_group`` once ``low_floor[g]`` holds, for a lowest-first pool (one that may pack: ``PagePool.make_room``), a
-        lower bound of its idle low-priority pages' ids (the smallest id its heap lists,
-        possibly stale) or ``kernels.NO_LOW_IDLE`` when it has none; ``kernels.NO_PACKING``
-        for every other pool and for one whose ``may_skip_packing`` says so. What
-        ``kernels.needs_room`` reads: a step stops for Python when such a page lies below
-        the ids it would take, and ``make_room`` decides."""
+        """``per_group``, once ``low_floor[g]`` holds: for a lowest-first pool (one that may
+        pack: ``PagePool.make_room``), a lower bound of its idle low-priority pages' ids (the
+        smallest id its heap lists, possibly stale) or ``kernels.NO_LOW_IDLE`` when it has
+        none; ``kernels.NO_PACKING`` for every other pool and for one whose
+        ``may_skip_packing`` says so. What ``kernels.needs_room`` reads: a step stops for
+        Python when such a page lies below the ids it would take, and ``make_room`` decides."""
         out = self.low_floor
         out.fill(kernels.NO_PACKING)
         asked, skip = None, False
@@ -645,9 +645,6 @@ class PageSpace:
     def allocated(self, counts: np.ndarray) -> None:
         """``PagePool.note_allocated`` of ``counts[g]`` pages (a step kernel took them off
         the stacks) for every pool, in one pass."""
-        for pool, n, top in zip(self.pools, counts.tolist(), self.tops.tolist()):
+        for pool, n in zip(self.pools, counts.tolist()):
             if n:
-                pool.counters.allocated_pages += n
-                used = pool._granted_pages - top - len(pool._evictable)  # num_used_pages
-                if used > pool.peak_used_pages:
-                    pool.peak_used_pages = used
+                pool.note_allocated(n)

@@ -20,7 +20,9 @@ Arrays (``G`` groups, ``R`` scheduled rows, ``N`` scheduled tokens):
 * ``pages`` int32 ``[G, table rows, columns]``: each row's page ids, logical page
   ``L`` at column ``L & mask`` (-1 where no page).
 * ``bounds`` int64 ``[2, G, table rows]``: live logical pages ``[base, hi)``.
-* ``computed`` int64 ``[table rows]``: tokens computed per row.
+* ``computed`` int64 ``[table rows]``: tokens computed per row; ``step`` takes it with
+  the committed and known tokens as ``counters`` ``[3, table rows]``, and ``top``,
+  ``lowest`` and ``low_floor`` as ``per_group`` ``[3, G]``.
 * ``ref`` int32 ``[P]``, ``keyed`` bool ``[P]``: per page-space id, its holders and
   whether it carries a content key (an idle keyed page goes to the prefix
   cache's LRU, which Python keeps, not to the free stack).
@@ -391,13 +393,11 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
          request_indices, query_start_loc, base_pages, widths, slots):
     """``prepare_step`` then, when the plan needs nothing from Python first (every
     group's free stack covers it, no row crosses a prefix grain, the scratch buffers
-    are large enough), ``run_step``, in one call. Packed arguments: ``counters`` int64
-    ``[3, table rows]`` holds computed, committed and known tokens per row;
-    ``per_group`` int64 ``[3, G]`` the free stacks' tops, whether a group hands out its
-    lowest ids first, and ``low_floor``; ``plan`` the plan's arrays (``plan_views``).
-    Returns (status, rows in the plan, settling rows, crossing rows, clean, cells
-    logged, idle keyed pages); status ``STEP_PLANNED`` (or -1 rows: no plan) when only
-    the plan ran."""
+    are large enough), ``run_step``, in one call; ``counters`` packs computed, committed
+    and known tokens, ``per_group`` top, lowest and low_floor, ``plan`` the plan's arrays
+    (``plan_views``). Returns (status, rows in the plan, settling rows, crossing rows,
+    clean, cells logged, idle keyed pages); status ``STEP_PLANNED`` (or -1 rows: no plan)
+    when only the plan ran."""
     rows, counts, first, after, need, sums, crossing, totals, released = plan_views(plan, geometry.shape[0])
     computed, committed, known = counters[0], counters[1], counters[2]
     top, lowest, low_floor = per_group[0], per_group[1], per_group[2]
