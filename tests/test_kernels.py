@@ -200,3 +200,18 @@ def test_merge_free_keeps_the_stack_descending_with_the_run_merged_in(ids, data)
     assert top == len(ids)
     assert stack[:top].tolist() == ids[::-1]
     assert stack[top:].tolist() == [-7, -7, -7]  # nothing written past the new top
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 40), st.integers(1, 8))
+def test_plan_views_tile_their_buffer_without_overlap(cap, n_groups):
+    plan = np.full(kernels.plan_size(cap, n_groups), -1, dtype=np.int64)
+    views = kernels.plan_views(plan, n_groups)
+    shapes = [(cap,), (cap,), (cap,), (2, n_groups, cap), (n_groups, cap), (2, n_groups), (cap,), (4,),
+              (2, n_groups)]
+    assert [v.shape for v in views] == shapes  # rows, counts, first, after, need, sums, crossing, totals, released
+    for k, view in enumerate(views):
+        assert np.shares_memory(view, plan) or view.size == 0
+        view[...] = k  # every element of the buffer is written by exactly one view
+    assert sorted(np.bincount(plan, minlength=len(views)).tolist()) == sorted(v.size for v in views)
+    assert (plan >= 0).all()

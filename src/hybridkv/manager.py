@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -84,9 +84,9 @@ class _StepPlan:
     grants: list | None = None  # arena slabs to move before allocating (shared page space)
 
 
-@dataclass
-class _StepArrays:
-    """What ``kernels.run_step`` writes for the batch's ``R`` requests and ``N`` tokens."""
+class _StepArrays(NamedTuple):
+    """What ``kernels.run_step`` writes for the batch's ``R`` requests and ``N`` tokens, in
+    its argument order."""
 
     table_rows: np.ndarray  # int32 [R]
     scheduled: np.ndarray  # int32 [R]
@@ -94,23 +94,21 @@ class _StepArrays:
     request_indices: np.ndarray  # int32 [N]
     query_start_loc: np.ndarray  # int32 [R + 1]
     base_pages: np.ndarray  # int32 [G, R]
-    widths: np.ndarray  # int64 [G] the widest request's live pages
+    widths: np.ndarray  # int64 [G] the widest request's live pages (scratch: not handed out)
     slots: np.ndarray  # int64 [G, N] write slots ([0, 0] when not asked for)
 
     @staticmethod
-    def empty(n_groups: int, n_requests: int, n_tokens: int, write_slots: bool) -> _StepArrays:
+    def empty(n_groups: int, n_requests: int, n_tokens: int, write_slots: bool, widths: np.ndarray) -> _StepArrays:
+        """Fresh arrays for what the batch hands out; ``widths`` is the caller's scratch."""
         return _StepArrays(
             np.empty(n_requests, dtype=np.int32), np.empty(n_requests, dtype=np.int32),
             np.empty(n_tokens, dtype=np.int64), np.empty(n_tokens, dtype=np.int32),
             np.empty(n_requests + 1, dtype=np.int32), np.empty((n_groups, n_requests), dtype=np.int32),
-            np.empty(n_groups, dtype=np.int64),
-            np.empty((n_groups, n_tokens) if write_slots else (0, 0), dtype=np.int64),
+            widths, np.empty((n_groups, n_tokens), dtype=np.int64) if write_slots else _NO_SLOTS,
         )
 
-    def arrays(self) -> tuple:
-        """In ``kernels.run_step``'s argument order."""
-        return (self.table_rows, self.scheduled, self.positions, self.request_indices, self.query_start_loc,
-                self.base_pages, self.widths, self.slots)
+
+_NO_SLOTS = np.empty((0, 0), dtype=np.int64)  # ``_StepArrays.slots`` of a step without write slots
 
 
 class _Scratch:
@@ -118,27 +116,25 @@ class _Scratch:
 
     def __init__(self, n_groups: int):
         self.n_groups = n_groups
-        self.plan = self.plan_buffers(0)
-        self.released = np.empty((2, n_groups), dtype=np.int64)
+        self._grow_plan(0)
         self.pages = np.empty(0, dtype=np.int32)
         self.idle_keyed = np.empty(0, dtype=np.int64)
         self.touched = np.empty(0, dtype=np.int64)
-        self.low_floor = np.empty(n_groups, dtype=np.int64)
-
-    def plan_buffers(self, n_rows: int) -> tuple:
-        """``prepare_step``'s outputs for ``n_rows`` rows: rows, counts, first, after,
-        need, sums, crossing, totals."""
-        g = self.n_groups
-        rows, counts, first, crossing = (np.empty(n_rows, dtype=np.int64) for _ in range(4))
-        return (rows, counts, first, np.empty((2, g, n_rows), dtype=np.int64), np.empty((g, n_rows), dtype=np.int64),
-                np.empty((2, g), dtype=np.int64), crossing, np.empty(4, dtype=np.int64))
+        self.widths = np.empty(n_groups, dtype=np.int64)
 
     def plan_arrays(self, n_rows: int) -> tuple:
-        """``plan_buffers(n_rows)``, the same arrays while the size stays (every plan
-        overwrites the previous one's)."""
-        if self.plan[0].size != n_rows:
-            self.plan = self.plan_buffers(n_rows)
+        """``prepare_step``'s outputs with room for ``n_rows`` rows (``kernels.plan_views``
+        of ``plan_buffer``): rows, counts, first, after, need, sums, crossing, totals; the
+        same arrays while they are large enough (every plan overwrites the previous one's).
+        ``released`` is ``release_pages``' count per group."""
+        if kernels.plan_size(n_rows, self.n_groups) > self.plan_buffer.size:
+            self._grow_plan(2 * n_rows)
         return self.plan
+
+    def _grow_plan(self, n_rows: int) -> None:
+        self.plan_buffer = np.empty(kernels.plan_size(n_rows, self.n_groups), dtype=np.int64)
+        views = kernels.plan_views(self.plan_buffer, self.n_groups)
+        self.plan, self.released = views[:8], views[8]
 
     def reserve(self, most_released: int, released_pages: int, allocated_pages: int) -> tuple:
         """(release scratch, idle keyed pages, released counts, touched cells), large enough."""
@@ -244,6 +240,7 @@ class CacheManager:
                 checkpoint_window_tokens=checkpoint_window_tokens,
                 eviction_policy=eviction_policy,
             )
+        self._grain = self.prefix.granularity_tokens if self.prefix is not None else 0  # tokens per prefix grain
         # Requests waiting for a tier load (hybridkv.tierlink): admission refuses them.
         self.pending_loads: set[str] = set()
         # Pages held outside any request (an offload's rows being copied): see hold_pages.
@@ -263,10 +260,11 @@ class CacheManager:
         self._row_owner: dict[int, _Request] = {}
         self._free_rows: list[int] = []
         self._next_row = 0
-        self._computed = np.zeros(64, dtype=np.int64)
-        self._committed = np.zeros(64, dtype=np.int64)
+        # Per table row: computed, committed and known token ids (max total without ids), as
+        # views of one array the step kernel takes whole.
+        self._counters = np.zeros((3, 64), dtype=np.int64)
+        self._computed, self._committed, self._known = self._counters
         self._max_total = np.zeros(64, dtype=np.int64)
-        self._known = np.zeros(64, dtype=np.int64)  # known token ids (max total without ids)
         self._in_batch = np.zeros(64, dtype=np.bool_)  # prepare_step's scratch, one flag per row
 
     @classmethod
@@ -759,10 +757,10 @@ class CacheManager:
                 used = want
                 plan.grants = grants
 
-    def _fast_rows(self, items) -> tuple[np.ndarray, np.ndarray, tuple] | None:
-        """Rows, counts and request ids of pairs of known ids and plain counts in range
-        (vectorized); None sends the batch down the per-item path that words each reason.
-        The plan checks the rest (distinct rows, known tokens)."""
+    def _fast_rows(self, items) -> tuple[np.ndarray, np.ndarray, tuple, int] | None:
+        """Rows, counts, request ids and tokens in all of pairs of known ids and plain
+        counts in range (vectorized); None sends the batch down the per-item path that
+        words each reason. The plan checks the rest (distinct rows, known tokens)."""
         try:
             rids, counts = zip(*items)
         except (TypeError, ValueError):
@@ -776,24 +774,23 @@ class CacheManager:
             # which equals 1): one scalar check.
             if not 1 <= counts[0] <= self.max_step_tokens:
                 return None
-            counts = np.full(len(rids), counts[0], dtype=np.int64)
-        else:
-            kinds = set(map(type, counts))
-            if bool in kinds or not all(k is int or issubclass(k, np.integer) for k in kinds):
-                return None  # bool is an int subclass but not a token count
-            counts = np.array(counts, dtype=np.int64)
-            if counts.min() < 1 or counts.max() > self.max_step_tokens:
-                return None
-        return rows, counts, rids
+            return rows, _filled(n, counts[0]), rids, n * counts[0]
+        kinds = set(map(type, counts))
+        if bool in kinds or not all(k is int or issubclass(k, np.integer) for k in kinds):
+            return None  # bool is an int subclass but not a token count
+        counts = np.array(counts, dtype=np.int64)
+        if counts.min() < 1 or counts.max() > self.max_step_tokens:
+            return None
+        return rows, counts, rids, int(counts.sum())
 
-    def _fast_rows_uniform(self, rids: tuple, count) -> tuple[np.ndarray, np.ndarray, tuple] | None:
+    def _fast_rows_uniform(self, rids: tuple, count) -> tuple[np.ndarray, np.ndarray, tuple, int] | None:
         """``_fast_rows`` of ``(rid, count)`` for every id: one scalar count check."""
         if type(count) is not int or not 1 <= count <= self.max_step_tokens:
             return None  # the per-item path words it (numpy ints included)
         rows = self._rows_of(rids)
         if rows is None:
             return None
-        return rows, np.full(rows.size, count, dtype=np.int64), rids
+        return rows, _filled(rows.size, count), rids, rows.size * count
 
     def _rows_of(self, rids: tuple) -> np.ndarray | None:
         """Table rows of known request ids; None if an id is unknown or unhashable."""
@@ -851,10 +848,9 @@ class CacheManager:
         rows, counts, first, after, need, sums, crossing, totals = self._scratch.plan_arrays(
             rows_in.size + self._last_rows.size)
         ts = self._tableset
-        grain = self.prefix.granularity_tokens if self.prefix is not None else 0
         n, settle, n_crossing, clean = kernels.prepare_step(
             ts.geometry, ts.bounds, self._computed, self._committed, self._known, self._last_rows, rows_in,
-            counts_in, grain, self._space.tops, self._in_batch, rows, counts, first, after, need, sums, crossing,
+            counts_in, self._grain, self._space.tops, self._in_batch, rows, counts, first, after, need, sums, crossing,
             totals)
         if n < 0:
             return None  # a row twice, or past its known tokens: the per-item path words it
@@ -940,10 +936,10 @@ class CacheManager:
             for row in plan.crossing.tolist():  # publish what the rows' previous steps completed
                 self._commit_row(row)
         self._tableset.start_log() if updates else self._tableset.stop_log()
-        arrays = self._run(plan, write_slots)
+        arrays, n_touched = self._run(plan, write_slots)
         rows = plan.rows[plan.settle :]
         self._last_rows = rows.copy()  # the plan's arrays are scratch
-        return self._build_batch(rows, plan.request_ids, arrays, fixed_width, updates)
+        return self._build_batch(rows, plan.request_ids, arrays, fixed_width, n_touched if updates else -1)
 
     def _cached_verdict(self, items, uniform, fixed_width: bool) -> _Verdict | None:
         """The last ``check_admission``'s verdict when it checked the same items and
@@ -972,16 +968,14 @@ class CacheManager:
         runs it after the commits). Else (nothing changed) the plan, for ``_admit`` and
         the stages after it, or None when there is none (a row twice, or past its known
         tokens)."""
-        rows_in, counts_in, rids = fast
-        out = _StepArrays.empty(len(self.specs), rows_in.size, int(counts_in.sum()), write_slots)
+        rows_in, counts_in, rids, n_tokens = fast
+        out = _StepArrays.empty(len(self.specs), rows_in.size, n_tokens, write_slots, self._scratch.widths)
         sc, space, ts = self._scratch, self._space, self._tableset
         plan_arrays = sc.plan_arrays(rows_in.size + self._last_rows.size)
-        grain = self.prefix.granularity_tokens if self.prefix is not None else 0
         status, n, settle, n_crossing, clean, n_touched, _ = kernels.step(
-            ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, self._known, space.ref_counts,
-            space.cached, space.low_priority, space.stack, space.tops, space.lowest_first,
-            space.low_floors(sc.low_floor), self._transient, self._last_rows, rows_in, counts_in, grain,
-            self._in_batch, *plan_arrays, sc.pages, sc.idle_keyed, sc.released, sc.touched, *out.arrays())
+            ts.geometry, ts.pages, ts.bounds, self._counters, space.ref_counts, space.cached, space.low_priority,
+            space.stack, space.low_floors(), self._transient, self._last_rows, rows_in, counts_in, self._grain,
+            self._in_batch, sc.plan_buffer, sc.pages, sc.idle_keyed, sc.touched, *out)
         if status == kernels.STEP_PLANNED:
             if n < 0:
                 return None
@@ -996,53 +990,51 @@ class CacheManager:
         plan = self._plan_of(n, settle, n_crossing, clean) if status != kernels.STEP_DONE else None
         if plan is not None:
             plan.grants = []
-        self._after_run(plan_arrays[5], plan_arrays[7].tolist(), status, n_touched, plan, out)
+        n_touched = self._after_run(plan_arrays[5], plan_arrays[7], status, n_touched, plan, out)
         rows = plan_arrays[0][settle:n]
         self._last_rows = rows.copy()
-        return self._build_batch(rows, rids, out, False, updates)
+        return self._build_batch(rows, rids, out, False, n_touched if updates else -1)
 
-    def _run(self, plan: _StepPlan, write_slots: bool) -> _StepArrays:
+    def _run(self, plan: _StepPlan, write_slots: bool) -> tuple[_StepArrays, int]:
         """Release, allocate and the batch's arrays in one compiled call
-        (``kernels.run_step``); ``_after_run`` books them."""
+        (``kernels.run_step``); ``_after_run`` books them. Returns the arrays and how
+        many table cells the step changed (at the start of the touched scratch)."""
         n_tokens, released_pages, most_released, allocated_pages = plan.totals
-        out = _StepArrays.empty(len(self.specs), plan.rows.size - plan.settle, n_tokens, write_slots)
+        out = _StepArrays.empty(len(self.specs), plan.rows.size - plan.settle, n_tokens, write_slots,
+                               self._scratch.widths)
         scratch, idle_keyed, released, touched = self._scratch.reserve(most_released, released_pages,
                                                                         allocated_pages)
         space, ts = self._space, self._tableset
+        space.low_floors()
         status, n_touched, _ = kernels.run_step(
             ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
-            space.low_priority, space.stack, space.tops, space.lowest_first,
-            space.low_floors(self._scratch.low_floor), self._transient, plan.rows, plan.counts, plan.first,
-            plan.settle, plan.after, plan.sums, bool(plan.grants), scratch, idle_keyed, released, touched,
-            *out.arrays())
-        self._after_run(plan.sums, plan.totals, status, n_touched, plan, out)
-        return out
+            space.low_priority, space.stack, space.tops, space.lowest_first, space.low_floor, self._transient,
+            plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums, bool(plan.grants), scratch,
+            idle_keyed, released, touched, *out)
+        return out, self._after_run(plan.sums, plan.totals, status, n_touched, plan, out)
 
     def _after_run(self, sums: np.ndarray, totals, status: int, n_touched: int, plan: _StepPlan | None,
-                   out: _StepArrays) -> None:
+                   out: _StepArrays) -> int:
         """Book what the step kernel did: the pages it released (keyed ones join the prefix
         cache's LRU), and when it stopped after the releases, the arena's slabs move as
         admission planned, groups make room (``PagePool.make_room``: evict) and
-        ``finish_step`` allocates; then the allocations and the touched table cells."""
-        space, ts, sc = self._space, self._tableset, self._scratch
+        ``finish_step`` allocates; then the allocations. Returns the table cells changed."""
+        space, ts = self._space, self._tableset
         if totals[1]:
-            space.released(sc.released, sc.idle_keyed)
-        allocated = sums[1].tolist() if totals[3] else ()
+            space.released(self._scratch.released, self._scratch.idle_keyed)
         if status != kernels.STEP_DONE:
             if plan.grants:
                 self.arena.apply(plan.grants)
-            for k, (pool, n) in enumerate(zip(self._pool_list, allocated)):
+            for k, (pool, n) in enumerate(zip(self._pool_list, sums[1].tolist())):
                 if n:
                     pool.make_room(n, self._transient_pages(plan, k))
             n_touched = kernels.finish_step(
                 ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.tops,
                 space.lowest_first, self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after,
-                plan.sums, sc.touched, n_touched, *out.arrays())
-        for pool, n in zip(self._pool_list, allocated):
-            if n:
-                pool.note_allocated(n)
-        if ts.log is not None and n_touched:
-            ts.note_cells(sc.touched[:n_touched].copy())
+                plan.sums, self._scratch.touched, n_touched, *out)
+        if totals[3]:
+            space.allocated(sums[1])
+        return n_touched
 
     def _transient_pages(self, plan: _StepPlan, k: int) -> int:
         """Pages group ``k`` allocates this step that the next releases again (they take
@@ -1054,33 +1046,25 @@ class CacheManager:
                                            plan.after, plan.sums))
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
-                     updates: bool) -> StepBatch:
-        """The step's ``StepBatch`` of table ``rows``: block tables, or with ``updates`` the
-        table cells changed."""
+                     n_touched: int) -> StepBatch:
+        """The step's ``StepBatch`` of table ``rows``: block tables, or (``n_touched`` >= 0:
+        the cells the step changed lead the touched scratch) the table cells changed."""
         widths = self._capture_widths if fixed_width else tuple(out.widths.tolist())
         ts, table_updates = self._tableset, None
-        if not updates:
+        if n_touched < 0:
             tables = [ts.block_table(k, rows, width) for k, width in enumerate(widths)]
         else:
             tables = [None] * len(widths)
-            group, row, column, page, reset = ts.drain_updates()
-            table_updates = TableUpdates(group=group, row=row, column=column, page=page, widths=widths,
-                                         reset=reset)
+            touched = self._scratch.touched[:n_touched] if n_touched else None
+            group, row, column, page, reset = ts.drain_updates(touched)
+            table_updates = TableUpdates(group, row, column, page, widths, reset)
         slots = out.slots if out.slots.shape[0] else [None] * len(widths)
-        groups = {
-            gid: GroupStep(tables[k], out.base_pages[k] if sliding else None, slots[k])  # block table, base, slots
-            for k, (gid, sliding) in enumerate(self._group_sliding)
+        groups = {  # iterating a 2-D array yields its rows
+            gid: GroupStep(table, base if sliding else None, slot)
+            for (gid, sliding), table, base, slot in zip(self._group_sliding, tables, out.base_pages, slots)
         }
-        return StepBatch(
-            request_ids=request_ids,
-            num_scheduled_tokens=out.scheduled,
-            query_start_loc=out.query_start_loc,
-            positions=out.positions,
-            request_indices=out.request_indices,
-            groups=groups,
-            table_rows=out.table_rows,
-            table_updates=table_updates,
-        )
+        return StepBatch(request_ids, out.scheduled, out.query_start_loc, out.positions, out.request_indices, groups,
+                         out.table_rows, table_updates)
 
     def _commit_row(self, row: int) -> None:
         req = self._row_request(row)
@@ -1276,10 +1260,9 @@ class CacheManager:
         self._next_row += 1
         if row >= self._computed.size:
             grow = np.zeros(self._computed.size, dtype=np.int64)
-            self._computed = np.concatenate([self._computed, grow])
-            self._committed = np.concatenate([self._committed, grow])
+            self._counters = np.concatenate([self._counters, np.zeros_like(self._counters)], axis=1)
+            self._computed, self._committed, self._known = self._counters
             self._max_total = np.concatenate([self._max_total, grow])
-            self._known = np.concatenate([self._known, grow])
             self._in_batch = np.zeros(self._computed.size, dtype=np.bool_)
         self._tableset.ensure_rows(row + 1)
         return row
@@ -1309,6 +1292,12 @@ def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, i
     if arena is None:
         return None
     return arena.plan({g: want[g] - avail[g] for g in avail}, {g: avail[g] - want[g] for g in avail}, scan)
+
+
+def _filled(n: int, value: int) -> np.ndarray:
+    """int64 ``[n]`` of ``value`` (``np.full`` without its Python-level wrapper)."""
+    (out := np.empty(n, dtype=np.int64)).fill(value)
+    return out
 
 
 def _check_step_options(ids: Sequence, block_tables: str, write_slots: bool) -> None:

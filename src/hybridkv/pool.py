@@ -583,9 +583,14 @@ class PageSpace:
             setattr(self, name.lstrip("_"), whole)
             for pool, start, n in zip(self.pools, starts, sizes):
                 setattr(pool, name, whole[start : start + n])
-        self.tops = np.asarray([p._top for p in self.pools], dtype=np.int64)
+        # Per group, in one array a step kernel takes whole: the free stack's top, whether
+        # the pool hands out its lowest ids first, and ``low_floors``' answer.
+        self.per_group = np.zeros((3, len(self.pools)), dtype=np.int64)
+        self.tops, self.lowest_first, self.low_floor = self.per_group
+        self.tops[:] = [p._top for p in self.pools]
+        self.lowest_first[:] = [p.lowest_first for p in self.pools]
         self.low_idle = np.asarray([p._low_idle_pages for p in self.pools], dtype=np.int64)
-        self.lowest_first = np.asarray([p.lowest_first for p in self.pools], dtype=np.bool_)
+        self.packing = [g for g, p in enumerate(self.pools) if p.lowest_first]  # pools ``low_floors`` asks
         for g, pool in enumerate(self.pools):
             pool._tops, pool._lows, pool._slot = self.tops, self.low_idle, g
 
@@ -604,21 +609,26 @@ class PageSpace:
                 n_freed += f
         self.released(counts, keyed)
 
-    def low_floors(self, out: np.ndarray) -> np.ndarray:
-        """``out[g]``: for a lowest-first pool (one that may pack: ``PagePool.make_room``), a
-        lower bound of its idle low-priority pages' ids (the smallest id its heap lists,
-        possibly stale) or ``kernels.NO_LOW_IDLE`` when it has none; ``kernels.NO_PACKING``
-        for every other pool and for one whose ``may_skip_packing`` says so. What
-        ``kernels.needs_room`` reads: a step stops for Python when such a page lies below
-        the ids it would take, and ``make_room`` decides."""
-        for g, pool in enumerate(self.pools):
-            if not pool.lowest_first or (pool.may_skip_packing is not None and pool.may_skip_packing()):
-                out[g] = kernels.NO_PACKING
-            elif pool.num_low_priority_idle_pages and pool._low_idle:
-                out[g] = pool._low_idle[0]
-            else:
-                out[g] = kernels.NO_LOW_IDLE
-        return out
+    def low_floors(self) -> np.ndarray:
+        """``per_group``, once ``low_floor[g]`` holds: for a lowest-first pool (one that may
+        pack: ``PagePool.make_room``), a lower bound of its idle low-priority pages' ids (the
+        smallest id its heap lists, possibly stale) or ``kernels.NO_LOW_IDLE`` when it has
+        none; ``kernels.NO_PACKING`` for every other pool and for one whose
+        ``may_skip_packing`` says so. What ``kernels.needs_room`` reads: a step stops for
+        Python when such a page lies below the ids it would take, and ``make_room`` decides."""
+        out = self.low_floor
+        out.fill(kernels.NO_PACKING)
+        asked, skip = None, False
+        for g in self.packing:
+            pool = self.pools[g]
+            ask = pool.may_skip_packing
+            if ask is not None:
+                if ask != asked:  # the pools of one arena share its answer: asked once
+                    asked, skip = ask, ask()
+                if skip:
+                    continue
+            out[g] = pool._low_idle[0] if pool._low_idle and self.low_idle[g] else kernels.NO_LOW_IDLE
+        return self.per_group
 
     def released(self, counts: np.ndarray, keyed: np.ndarray) -> None:
         """Book pages a release took from requests: ``counts[0, g]`` went free (already
@@ -631,3 +641,10 @@ class PageSpace:
             if k:
                 pool._keyed_idle(keyed[n_keyed : n_keyed + k].tolist())
                 n_keyed += k
+
+    def allocated(self, counts: np.ndarray) -> None:
+        """``PagePool.note_allocated`` of ``counts[g]`` pages (a step kernel took them off
+        the stacks) for every pool, in one pass."""
+        for pool, n in zip(self.pools, counts.tolist()):
+            if n:
+                pool.note_allocated(n)

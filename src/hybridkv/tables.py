@@ -192,10 +192,12 @@ class TableSet:
             if len(log) > 512:  # many mutations between two drains: keep it bounded
                 log[:] = [np.unique(np.concatenate(log))]
 
-    def drain_updates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
-        """(group, row, column, page id, reset): every cell touched since the last drain
-        with the page id it holds now (-1: empty; a cell may appear twice); after a
-        (re)start of the log, every live cell instead and ``reset`` True."""
+    def drain_updates(self, touched: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                         np.ndarray, bool]:
+        """(group, row, column, page id, reset): every cell touched since the last drain,
+        and the cells ``touched`` (flat indices a step just changed, read here and not
+        kept), with the page id it holds now (-1: empty; a cell may appear twice); after
+        a (re)start of the log, every live cell instead and ``reset`` True."""
         log = self.log
         reset = self._resync
         if reset:
@@ -205,16 +207,18 @@ class TableSet:
             index = np.empty(int(counts.sum()), dtype=np.int64)
             kernels.take_pages(self.geometry, self.pages.copy(), rows, self.base, counts, index.copy(), index)
             self._resync = False
-        elif not log:
+        elif log:
+            index = np.concatenate(log if touched is None else [*log, touched])
+        elif touched is not None:
+            index = touched
+        else:
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, empty, np.zeros(0, dtype=np.int32), False
-        else:
-            index = log[0] if len(log) == 1 else np.concatenate(log)
         log.clear()
-        group, row, column = (np.empty(index.size, dtype=np.int64) for _ in range(3))
+        cells = np.empty((3, index.size), dtype=np.int64)
         page = np.empty(index.size, dtype=np.int32)
-        kernels.read_cells(self.pages, index, group, row, column, page)
-        return group, row, column, page, reset
+        kernels.read_cells(self.pages, index, cells, page)
+        return cells[0], cells[1], cells[2], page, reset
 
     def ensure_rows(self, rows: int) -> None:
         have = self.pages.shape[1]

@@ -20,7 +20,9 @@ Arrays (``G`` groups, ``R`` scheduled rows, ``N`` scheduled tokens):
 * ``pages`` int32 ``[G, table rows, columns]``: each row's page ids, logical page
   ``L`` at column ``L & mask`` (-1 where no page).
 * ``bounds`` int64 ``[2, G, table rows]``: live logical pages ``[base, hi)``.
-* ``computed`` int64 ``[table rows]``: tokens computed per row.
+* ``computed`` int64 ``[table rows]``: tokens computed per row; ``step`` takes it with
+  the committed and known tokens as ``counters`` ``[3, table rows]``, and ``top``,
+  ``lowest`` and ``low_floor`` as ``per_group`` ``[3, G]``.
 * ``ref`` int32 ``[P]``, ``keyed`` bool ``[P]``: per page-space id, its holders and
   whether it carries a content key (an idle keyed page goes to the prefix
   cache's LRU, which Python keeps, not to the free stack).
@@ -365,15 +367,40 @@ def needs_room(geometry, stack, top, lowest, low_floor, low_priority, sums, rele
 
 
 @njit(cache=True)
-def step(geometry, pages, bounds, computed, committed, known, ref, keyed, low_priority, stack, top, lowest,
-         low_floor, transient, last_rows, rows_in, counts_in, grain, mark, rows, counts, first, after, need, sums,
-         crossing, totals, scratch, idle_keyed, released, touched, table_rows, scheduled, positions,
+def plan_views(plan, n_groups):
+    """The plan's arrays, views of one flat int64 buffer ``plan`` (room for ``cap`` rows):
+    rows, counts, first, after ``[2, G, cap]``, need ``[G, cap]``, sums ``[2, G]``,
+    crossing, totals ``[4]`` (``prepare_step``'s outputs, in its order), then released
+    ``[2, G]`` (``release_pages``'). ``plan_size(cap, G)`` is the buffer's size."""
+    cap = (plan.size - 4 - 4 * n_groups) // (4 + 3 * n_groups)
+    grid = 4 * cap + 2 * n_groups * cap
+    tail = grid + n_groups * cap
+    return (plan[:cap], plan[cap : 2 * cap], plan[2 * cap : 3 * cap],
+            plan[4 * cap : grid].reshape((2, n_groups, cap)), plan[grid:tail].reshape((n_groups, cap)),
+            plan[tail : tail + 2 * n_groups].reshape((2, n_groups)), plan[3 * cap : 4 * cap],
+            plan[tail + 4 * n_groups : tail + 4 * n_groups + 4],
+            plan[tail + 2 * n_groups : tail + 4 * n_groups].reshape((2, n_groups)))
+
+
+def plan_size(cap, n_groups):
+    """Size of a ``plan_views`` buffer with room for ``cap`` rows."""
+    return (4 + 3 * n_groups) * cap + 4 * n_groups + 4
+
+
+@njit(cache=True)
+def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, last_rows,
+         rows_in, counts_in, grain, mark, plan, scratch, idle_keyed, touched, table_rows, scheduled, positions,
          request_indices, query_start_loc, base_pages, widths, slots):
     """``prepare_step`` then, when the plan needs nothing from Python first (every
     group's free stack covers it, no row crosses a prefix grain, the scratch buffers
-    are large enough), ``run_step``, in one call. Returns (status, rows in the plan,
-    settling rows, crossing rows, clean, cells logged, idle keyed pages); status
-    ``STEP_PLANNED`` (or -1 rows: no plan) when only the plan ran."""
+    are large enough), ``run_step``, in one call; ``counters`` packs computed, committed
+    and known tokens, ``per_group`` top, lowest and low_floor, ``plan`` the plan's arrays
+    (``plan_views``). Returns (status, rows in the plan, settling rows, crossing rows,
+    clean, cells logged, idle keyed pages); status ``STEP_PLANNED`` (or -1 rows: no plan)
+    when only the plan ran."""
+    rows, counts, first, after, need, sums, crossing, totals, released = plan_views(plan, geometry.shape[0])
+    computed, committed, known = counters[0], counters[1], counters[2]
+    top, lowest, low_floor = per_group[0], per_group[1], per_group[2]
     n, settle, n_cross, clean = prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in,
                                              counts_in, grain, top, mark, rows, counts, first, after, need, sums,
                                              crossing, totals)
@@ -506,15 +533,15 @@ def release_credit(geometry, pages, bounds, ref, g, rows, new_base, credit, sole
 
 
 @njit(cache=True)
-def read_cells(pages, index, group, row, column, page):
-    """Group, row, column and page id now of each flat cell ``index[i]`` of ``pages``."""
+def read_cells(pages, index, cells, page):
+    """``cells[0, i]``, ``cells[1, i]``, ``cells[2, i]``: group, row and column of the flat
+    cell ``index[i]`` of ``pages``; ``page[i]`` the page id it holds now."""
     n_rows, n_cols = pages.shape[1], pages.shape[2]
     for i in range(index.size):
         cell = index[i]
-        column[i] = cell % n_cols
-        row[i] = (cell // n_cols) % n_rows
-        group[i] = cell // (n_cols * n_rows)
-        page[i] = pages[group[i], row[i], column[i]]
+        group, row, column = cell // (n_cols * n_rows), (cell // n_cols) % n_rows, cell % n_cols
+        cells[0, i], cells[1, i], cells[2, i] = group, row, column
+        page[i] = pages[group, row, column]
 
 
 @njit(cache=True)

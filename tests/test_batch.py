@@ -1,0 +1,35 @@
+"""The step's result classes (``hybridkv.batch``): frozen dataclasses whose ``__init__``
+stores the fields directly must still behave as the dataclasses they declare."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from hybridkv.batch import GroupStep, StepBatch, TableUpdates
+
+
+def test_positional_and_keyword_construction_agree_with_the_declared_fields():
+    slots = np.arange(3)
+    by_position = GroupStep(None, slots, slots)
+    by_name = GroupStep(write_slots=slots, base_pages=slots, block_table=None)
+    assert [f.name for f in dataclasses.fields(GroupStep)] == ["block_table", "base_pages", "write_slots"]
+    assert by_position.base_pages is slots and by_position.block_table is None
+    assert all(a is b for a, b in zip(vars(by_name).values(), vars(by_position).values()))
+    assert list(vars(by_name)) == ["block_table", "base_pages", "write_slots"]
+    assert repr(by_position).startswith("GroupStep(block_table=None, base_pages=array([0, 1, 2])")
+
+
+def test_defaults_replace_and_frozenness():
+    batch = StepBatch(("a",), np.ones(1), np.arange(2), np.zeros(1), np.zeros(1), {})
+    assert batch.table_rows is None and batch.table_updates is None
+    updates = TableUpdates(np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0), (1, 2))
+    assert updates.reset is False and updates.widths == (1, 2)
+    moved = dataclasses.replace(batch, table_updates=updates)
+    assert moved.table_updates is updates and moved.request_ids == ("a",) and batch.table_updates is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        batch.groups = {}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        updates.reset = True
+    with pytest.raises(TypeError):
+        GroupStep(None, None)  # a missing field is still an error
