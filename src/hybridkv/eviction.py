@@ -25,7 +25,8 @@ produce a hit:
   its chain (a tree of keys: each node knows its children) can no longer be reached:
   its support goes at once (the blocks between become orphans) and its entries, and
   any published beyond the gap later, are demoted (reason ``"gap"`` when evicted),
-  head first so the deepest go first. When the block is published again, what lies
+  head first so the deepest go first. A key published before its parent's waits
+  for it and becomes its child when the parent's key is published. When the block is published again, what lies
   beyond it with every block cached regains its value (support, and the state
   entries demoted for the gap promoted back).
 * **Slabs** (shared arena, used by the manager): a group that would have to
