@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.manager import CacheManager
-from hybridkv.pool import EVICTED
+from hybridkv.eviction import ValueEviction
+from hybridkv.pool import EVICTED, PagePool
 from test_prefix import ALL, C4KV, C128KV, C128S, C4S, HISTORY, IDX, SPECS, STATE, SWA, cat, events_of, ids, \
     make_manager, run_request
 
@@ -192,3 +193,42 @@ def test_checkpoint_policy_names_and_the_older_switch():
     with pytest.raises(ValueError, match="checkpoint_policy must be one of"):
         stored_swa(checkpoint_policy="every-boundary")
 
+
+
+def _linked_out_of_order():
+    """One history group ``h`` and one state group ``s`` (pools of 8 pages each, every
+    page held): block k2 (parent k1) and the checkpoint at its end are published first,
+    then block k1 (parent the root), as ``PrefixCache`` reports entries it publishes."""
+    pools = {g: PagePool(g, 8) for g in ("h", "s")}
+    policy = ValueEviction(pools, ["h"], ["s"])
+    for gid, pool in pools.items():
+        pool.on_removed = lambda key, cause, idle, gid=gid: policy.removed(gid, key, cause, idle)
+    h, s = pools["h"].allocate(2), pools["s"].allocate(1)
+    for gid, key, parent, pages in (("h", "k2", "k1", [h[1]]), ("s", "k2", "k1", [s[0]]), ("h", "k1", "root", [h[0]])):
+        assert pools[gid].publish(key, pages)
+        policy.stored(gid, key, parent)
+    return pools, policy, h, s
+
+
+def test_a_block_published_after_the_checkpoint_beyond_it_is_supported_by_it():
+    """k1's block is published after k2's checkpoint: k1 is k2's parent all the same, so
+    the checkpoint supports it, and when the checkpoint goes (unpublished) both blocks
+    lose their last support and are demoted (low priority): k1 as much as k2."""
+    pools, _, h, _ = _linked_out_of_order()
+    assert not pools["h"].low_priority[h].any()
+    pools["s"].unpublish("k2")
+    assert pools["h"].low_priority[h].tolist() == [True, True]  # k1 (h[0]) was not demoted before the fix
+    pools["h"].check_invariants()
+
+
+def test_a_block_published_after_the_checkpoint_beyond_it_cuts_it_when_evicted():
+    """k1's block, published after k2, is evicted: k2 lies beyond a missing block, so its
+    block and checkpoint are demoted (a gap); once idle, the checkpoint goes first, for
+    reason "gap"."""
+    pools, policy, h, s = _linked_out_of_order()
+    pools["h"].unpublish("k1", EVICTED)
+    assert pools["s"].low_priority[s[0]] and pools["h"].low_priority[h[1]]  # neither before the fix
+    pools["s"].decref(s)
+    pools["s"].allocate(7)  # 6 clean pages (page 0 is the null page) and the checkpoint's idle one
+    assert pools["s"].lookup("k2") is None
+    assert policy.report()["s"].evicted_pages["gap"] == 1

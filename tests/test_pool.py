@@ -461,3 +461,45 @@ def test_page_space_release_is_decref_pool_by_pool(data, lowest_first, as_list, 
         pool.decref(pages)
     for a, b in zip(pools_a, pools_b):
         assert _pool_state(a) == _pool_state(b)
+
+
+def _entries_state(pool: PagePool, keys) -> tuple:
+    return ({k: pool.lookup(k) for k in keys}, pool.cached.tolist(), pool.low_priority.tolist(),
+            pool.num_cached_pages)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.lists(st.integers(1, 11), min_size=2, max_size=2, unique=True)), max_size=8),
+       st.lists(st.integers(0, 5), max_size=3), st.booleans())
+def test_publish_new_is_publish_one_entry_at_a_time(entries, earlier, low):
+    """``publish_new`` over entries of two pages each (keys and pages may repeat across
+    entries) against
+    the per-entry reference: skip a published key or an entry with a keyed page,
+    else ``publish``. Same entries, flags and returned indices."""
+    pools = [PagePool("g", 12) for _ in range(2)]
+    for pool in pools:
+        pool.allocate(11)
+        for k in earlier:  # entries already there: keys published on pages 10, 11
+            pool.publish(k, [10 + k % 2]) if not pool.cached[10 + k % 2] else None
+    keys = [k for k, _ in entries]
+    pages = [p for _, pair in entries for p in pair]
+    done = pools[0].publish_new(keys, pages, 2, low_priority=low)
+    expected = []
+    for i, (key, pair) in enumerate(entries):
+        ref = pools[1]
+        if ref.lookup(key) is None and not any(ref.cached[p] for p in pair):
+            assert ref.publish(key, pair, low_priority=low)
+            expected.append(i)
+    assert done == expected
+    assert _entries_state(pools[0], range(6)) == _entries_state(pools[1], range(6))
+    for pool in pools:
+        pool.check_invariants()
+
+
+def test_publish_new_refuses_a_page_not_held_and_changes_nothing():
+    pool = PagePool("g", 8)
+    a, b = pool.allocate(2).tolist()
+    for bad in ([a, 7], [a, NULL_PAGE], [a, 8]):
+        with pytest.raises(ValueError, match="not a held, unpublished page"):
+            pool.publish_new(["k", "m"], [b] + bad[:1] + bad[1:], 1)
+        assert pool.num_cached_pages == 0 and not pool.cached.any()

@@ -25,7 +25,8 @@ produce a hit:
   its chain (a tree of keys: each node knows its children) can no longer be reached:
   its support goes at once (the blocks between become orphans) and its entries, and
   any published beyond the gap later, are demoted (reason ``"gap"`` when evicted),
-  head first so the deepest go first. When the block is published again, what lies
+  head first so the deepest go first. A key published before its parent's waits
+  for it and becomes its child when the parent's key is published. When the block is published again, what lies
   beyond it with every block cached regains its value (support, and the state
   entries demoted for the gap promoted back).
 * **Slabs** (shared arena, used by the manager): a group that would have to
@@ -97,6 +98,8 @@ class ValueEviction:
         # key -> [parent key, support, entries in any group, state groups holding it,
         #         child keys (a set, or None), cut (a block on its chain is missing)]
         self._nodes: dict[Hashable, list] = {}
+        # parent key -> keys published before it (linked as its children when it is)
+        self._unborn: dict[Hashable, set] = {}
         # (group, key) of state entries demoted because a block below them went (promoted
         # back when it is published again); prompt checkpoints were low priority already.
         self._cut_demoted: set[tuple[str, Hashable]] = set()
@@ -107,12 +110,7 @@ class ValueEviction:
         """An entry was published under ``key`` in group ``gid``."""
         node = self._nodes.get(key)
         if node is None:
-            up = self._nodes.get(parent)
-            node = self._nodes[key] = [parent, 0, 0, 0, None, up is not None and up[5]]
-            if up is not None:
-                if up[4] is None:
-                    up[4] = set()
-                up[4].add(key)
+            node = self._new_node(key, parent)
         node[2] += 1
         if gid in self._state:
             node[3] += 1
@@ -130,6 +128,26 @@ class ValueEviction:
                 self._mend(key)
             else:
                 self._demote_cut(gid, key)  # beyond a missing block: worth nothing yet
+
+    def _new_node(self, key: Hashable, parent: Hashable | None) -> list:
+        """The node of a key first published: a child of its parent's node, or waiting
+        for it (a key published before its parent's); the nodes that waited for this one
+        become its children, their support counts here and, beyond a cut, they are cut."""
+        up = self._nodes.get(parent)
+        children = self._unborn.pop(key, None)
+        node = self._nodes[key] = [parent, 0, 0, 0, children, up is not None and up[5]]
+        if up is None:
+            self._unborn.setdefault(parent, set()).add(key)
+        elif up[4] is None:
+            up[4] = {key}
+        else:
+            up[4].add(key)
+        for child in children or ():
+            if node[5] and not self._nodes[child][5]:
+                self._cut(child, demote_first=True)
+            elif self._nodes[child][1] > 0:
+                self._add_support(key)
+        return node
 
     def removed(self, gid: str, key: Hashable, cause: str, idle_pages: int) -> None:
         """An entry left group ``gid`` (``cause`` as the pool reports it, ``UNIT`` for
@@ -203,10 +221,11 @@ class ValueEviction:
                 if self.pools[gid].lookup(key) is not None:
                     self.pools[gid].demote(key)
 
-    def _cut(self, key: Hashable) -> None:
+    def _cut(self, key: Hashable, demote_first: bool = False) -> None:
         """The block at ``key`` leaves the history groups: every checkpoint at or beyond
         it loses its value at once (its support above goes), and the entries beyond it
-        are demoted head first, so the deepest end at the front of the LRU."""
+        (with ``demote_first``, from it: a key found beyond a cut) are demoted head first,
+        so the deepest end at the front of the LRU."""
         order, todo, whole = [], [key], len(self.state_ids)
         while todo:
             k = todo.pop()
@@ -219,7 +238,7 @@ class ValueEviction:
             order.append(k)
             if node[4]:
                 todo.extend(node[4])
-        for k in order[1:]:
+        for k in order if demote_first else order[1:]:
             for gid in self.history_ids + self.state_ids:
                 self._demote_cut(gid, k)
 
@@ -264,8 +283,12 @@ class ValueEviction:
             for gid in self.state_ids:
                 self._cut_demoted.discard((gid, key))
             up = self._nodes.get(node[0])
-            if up is None or not up[4] or key not in up[4]:
-                return  # (a node made before its parent's is no child of it)
+            if up is None:  # its parent's key was never published, or not since
+                waiting = self._unborn[node[0]]
+                waiting.discard(key)
+                if not waiting:
+                    del self._unborn[node[0]]
+                return
             up[4].discard(key)
             key = node[0]
 

@@ -389,21 +389,41 @@ class PagePool:
         ``low_priority`` entries are evicted before every other once idle."""
         if key in self._entries:
             return False
-        pages = tuple(map(int, pages))
-        ref, cached, limit = self.ref_counts, self.cached, self.num_pages
+        pages = list(map(int, pages))
         for page in pages:
-            if page <= NULL_PAGE or page >= limit or ref[page] <= 0 or cached[page]:
-                raise ValueError(
-                    f"group {self.group_id!r}: page {page} is not a held, unpublished page"
-                )
-        self._entries[key] = pages
-        page_key, low = self._page_key, self.low_priority
+            if 0 <= page < self.num_pages and self.cached.item(page):
+                raise ValueError(f"group {self.group_id!r}: page {page} is not a held, unpublished page")
+        return bool(self.publish_new([key], pages, len(pages), low_priority=low_priority))
+
+    def publish_new(self, keys: Sequence[Hashable], pages: Sequence[int], pages_per_entry: int, *,
+                    low_priority: bool = False) -> list[int]:
+        """Publish entries in one call: entry ``i`` is the held pages
+        ``pages[i * n : (i + 1) * n]`` under ``keys[i]`` (``n = pages_per_entry``), skipped
+        when its key is already published or one of its pages already carries a key (a
+        borrowed page); the indices of the entries published, in order. ValueError, and
+        nothing changes, if a listed page is not a held page of this pool."""
+        ref, limit = self.ref_counts, self.num_pages
         for page in pages:
-            page_key[page] = key
-            cached[page] = True
-            if low_priority:
-                low[page] = True  # entries are a few pages: item stores beat one fancy store
-        return True
+            if page <= NULL_PAGE or page >= limit or ref.item(page) <= 0:
+                raise ValueError(f"group {self.group_id!r}: page {page} is not a held, unpublished page")
+        entries, page_key, cached, low = self._entries, self._page_key, self.cached, self.low_priority
+        done = []
+        for i, key in enumerate(keys):
+            entry = tuple(pages[i * pages_per_entry : (i + 1) * pages_per_entry])
+            if key in entries:
+                continue
+            for page in entry:
+                if cached.item(page):
+                    break
+            else:
+                entries[key] = entry
+                for page in entry:  # entries are a few pages: item stores beat one fancy store
+                    page_key[page] = key
+                    cached[page] = True
+                    if low_priority:
+                        low[page] = True
+                done.append(i)
+        return done
 
     def demote(self, key: Hashable) -> None:
         """Make an entry low priority: its idle pages move to the front of the LRU."""

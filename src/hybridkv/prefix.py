@@ -207,7 +207,6 @@ class PrefixCache:
         self.prompt_checkpoints = self.checkpoint_policy == "prompt-boundaries"
         # "prefill-per-byte": each checkpoint's saved prefill, hits and last use.
         self.values = CheckpointValues() if self.policy.ranks_by_value else None
-        self._speculating = False  # publishing speculative checkpoints (CheckpointValues' class)
         self.on_event = on_event
         # Without a callback, events wait in a bounded buffer for drain_events();
         # past max_buffered_events the oldest are dropped (and counted).
@@ -317,12 +316,12 @@ class PrefixCache:
         hashes.extend_to(token_ids, new_tokens)
         first_block, end_block = old_tokens // g, new_tokens // g
         self._publish_history(req.row, hashes, first_block, end_block)
-        latest = end_block * g
-        interval = self.state_checkpoint_interval
-        keep = req.keep_boundaries
-        boundaries = [
-            d for d in range((first_block + 1) * g, latest, g) if d in keep or (interval is not None and d % interval == 0)
-        ] + [latest]
+        if not self.state_ids:
+            return  # no checkpoint to publish, hold or supersede
+        windows = self._row_windows(req.row)
+        crossed = range((first_block + 1) * g, end_block * g, g)
+        interval, keep = self.state_checkpoint_interval, req.keep_boundaries
+        pinned = [d for d in crossed if d in keep or (interval is not None and d % interval == 0)]
         if self.checkpoint_policy != "terminal-and-junctions":
             # Where the policy expects another request to leave this one (a prompt
             # boundary: a shared system prompt, an earlier turn; or every k-th one):
@@ -331,59 +330,107 @@ class PrefixCache:
             # speculative checkpoints rate low, else ranked by value).
             speculative = self.policy.speculative
             low = self.values is None or self.values.low_priority(SPECULATIVE)
-            self._speculating = True
-            for d in range((first_block + 1) * g, latest, g):
-                if d not in boundaries and speculative(d, req.prompt_tokens):
-                    key = hashes.key(d)
-                    for gid in self.state_ids:
-                        self._publish_checkpoint(gid, req.row, hashes, d, key, low_priority=low)
-            self._speculating = False
+            for d in crossed:
+                if d not in pinned and speculative(d, req.prompt_tokens):
+                    self._publish_checkpoint(windows, hashes, d, low, speculative=True)
         new_own = []
-        for d in boundaries:
+        for d in pinned + [end_block * g]:
             own = OwnCheckpoint(d, pinned=d in keep or (interval is not None and d % interval == 0))
-            key = hashes.key(d)  # one key names the checkpoint in every state group
+            key = self._publish_checkpoint(windows, hashes, d, False, speculative=False)
             for gid in self.state_ids:
-                self._publish_checkpoint(gid, req.row, hashes, d, key)
                 self._hold(own, gid, key)
             if own.entries:
                 new_own.append(own)
         self._supersede(req, new_own)
 
     def _publish_history(self, row: int, hashes: RequestHashes, first_block: int, end_block: int) -> None:
-        """Every history group's pages of blocks ``[first_block, end_block)``, one entry a block."""
+        """Every history group's pages of blocks ``[first_block, end_block)``, one entry a
+        block, in one ``PagePool.publish_new`` call per group."""
         g = self.granularity_tokens
+        keys = hashes.hashes[first_block:end_block]
+        parents = [hashes.parent((b + 1) * g) for b in range(first_block, end_block)]
         for gid in self.history_ids:
             table = self.tables[gid]
             per_block = g // table.page_tokens
             pages = table.row_pages(row, first_block * per_block, end_block * per_block)
-            for i, b in enumerate(range(first_block, end_block)):
-                self._publish_pages(gid, hashes, (b + 1) * g, pages[i * per_block : (i + 1) * per_block])
+            for i in self.pools[gid].publish_new(keys, pages, per_block):
+                entry = pages[i * per_block : (i + 1) * per_block]
+                self._stored(gid, keys[i], parents[i], (first_block + i + 1) * g, entry, False)
+
+    def _row_windows(self, row: int) -> list[tuple]:
+        """Per state group that stores checkpoints, what publishing one of ``row`` reads:
+        (group, pool, table, row, page tokens, checkpoint window tokens, the row's held
+        logical pages ``[base, hi)``)."""
+        out = []
+        for gid in self.state_ids:
+            table = self.tables[gid]
+            out.append((gid, self.pools[gid], table, row, table.page_tokens, self._windows[gid],
+                        int(table.base[row]), int(table.hi[row])))
+        return out
+
+    def _publish_checkpoint(self, windows: list[tuple], hashes: RequestHashes, boundary: int, low_priority: bool,
+                            speculative: bool) -> int:
+        """Publish the checkpoint at ``boundary`` (the pages of the window ``[boundary - C,
+        boundary)``) in every state group that lacks it, one group after another; its key."""
+        key, parent = hashes.key(boundary), hashes.parent(boundary)
+        for gid, pool, table, row, page_tokens, window_tokens, base, hi in windows:
+            if pool.lookup(key) is not None:
+                continue
+            lo, end = max(0, boundary - window_tokens) // page_tokens, boundary // page_tokens
+            if lo < base or end > hi:
+                continue  # rows already slid out (cannot happen when committed each step)
+            pages = table.row_pages(row, lo, end)
+            if not pool.publish_new([key], pages, len(pages), low_priority=low_priority):
+                continue  # borrowed pages that carry a key
+            self._stored(gid, key, parent, boundary, pages, low_priority)
+            if self.values is not None:
+                self.values.published(key, boundary, speculative=speculative)
+        return key
+
+    def _stored(self, gid: str, key: int, parent: int, boundary: int, pages: list[int], low_priority: bool) -> None:
+        """Book an entry just published: the tier link, metadata, stats, the value
+        policy, then its "stored" event."""
+        if self.tier_hook is not None:
+            self.tier_hook.stored(gid, key, boundary, pages, low_priority)
+        self._meta[gid][key] = (parent, boundary, len(pages))
+        self.stats[gid].stored_entries += 1
+        self.eviction.stored(gid, key, parent)
+        self._emit(("stored", gid, key, parent, boundary, len(pages)))
 
     def _supersede(self, req: CommittingRequest, new_own: list) -> None:
         """Drop the request's hold on every earlier own checkpoint that is not pinned
         (unpublished when no hold is left); ``new_own`` become its own checkpoints."""
         for prev in req.own_checkpoints:
-            if prev.pinned:
-                continue
-            for gid, (key, pages) in prev.entries.items():
-                pool = self.pools[gid]
-                if pool.lookup(key) != pages:
-                    continue  # evicted (and maybe re-stored) meanwhile
-                holders = self._holders[gid]
-                left = holders.get(key, 1) - 1
-                if left:
-                    holders[key] = left
-                elif self.values is not None and self._kept_by_value(key, prev.boundary_tokens, req):
-                    holders.pop(key, None)  # its priority and place: rank_checkpoints
-                elif self.values is None and self.policy.speculative(prev.boundary_tokens, req.prompt_tokens):
-                    holders.pop(key, None)
-                    pool.demote(key)  # a speculative boundary: kept like the ones above, low priority
-                else:
-                    holders.pop(key, None)
-                    self._dropping = True
-                    pool.unpublish(key)
-                    self._dropping = False
+            if not prev.pinned:
+                self._let_go(prev, req)
         req.own_checkpoints = [c for c in req.own_checkpoints if c.pinned] + new_own if req.own_checkpoints else new_own
+
+    def _let_go(self, prev: OwnCheckpoint, req: CommittingRequest) -> None:
+        """The request's hold on ``prev`` goes, group by group; where it was the last:
+        kept by value ("prefill-per-byte"), demoted (a speculative boundary: kept like
+        the ones the policy publishes, low priority) or unpublished."""
+        speculative = None  # whether the policy keeps the boundary, asked once
+        for gid, (key, pages) in prev.entries.items():
+            pool = self.pools[gid]
+            if pool.lookup(key) != pages:
+                continue  # evicted (and maybe re-stored) meanwhile
+            holders = self._holders[gid]
+            left = holders.pop(key, 1) - 1
+            if left:
+                holders[key] = left
+                continue
+            if self.values is not None:
+                if self._kept_by_value(key, prev.boundary_tokens, req):
+                    continue  # its priority and place: rank_checkpoints
+            else:
+                if speculative is None:
+                    speculative = self.policy.speculative(prev.boundary_tokens, req.prompt_tokens)
+                if speculative:
+                    pool.demote(key)
+                    continue
+            self._dropping = True
+            pool.unpublish(key)
+            self._dropping = False
 
     def _kept_by_value(self, key: int, boundary_tokens: int, req: CommittingRequest) -> bool:
         """"prefill-per-byte": a superseded checkpoint stays if the policy's placement
@@ -391,49 +438,6 @@ class PrefixCache:
         kept = self.policy.speculative(boundary_tokens, req.prompt_tokens) or self.values.kind(key) == REUSED
         self.values.superseded(key, kept)
         return kept
-
-    def _publish_checkpoint(
-        self, gid: str, row: int, hashes: RequestHashes, boundary: int, key: int, low_priority: bool = False
-    ) -> bool:
-        """Publish the pages of the window ``[boundary - W, boundary)`` under ``key``
-        unless the key is already published."""
-        pool, table = self.pools[gid], self.tables[gid]
-        if pool.lookup(key) is not None:
-            return False
-        t = table.page_tokens
-        lo, hi = max(0, boundary - self._windows[gid]) // t, boundary // t
-        if lo < table.base[row] or hi > table.hi[row]:
-            return False  # rows already slid out (cannot happen when committed each step)
-        published = self._publish_pages(gid, hashes, boundary, table.row_pages(row, lo, hi), key, low_priority)
-        if published and self.values is not None:
-            self.values.published(key, boundary, speculative=self._speculating)
-        return published
-
-    def _publish_pages(
-        self, gid: str, hashes: RequestHashes, boundary: int, pages: list[int], key: int | None = None,
-        low_priority: bool = False,
-    ) -> bool:
-        pool = self.pools[gid]
-        if key is None:
-            key = hashes.key(boundary)
-            if pool.lookup(key) is not None:
-                return False  # already published
-        cached = pool.cached
-        if cached[pages].any() if len(pages) > 4 else any(cached[p] for p in pages):
-            return False  # borrowed pages that carry a key
-        pool.publish(key, pages, low_priority=low_priority)
-        if self.tier_hook is not None:
-            self.tier_hook.stored(gid, key, boundary, pages, low_priority)
-        self._emit(self._stored(gid, hashes, key, boundary, len(pages)))
-        return True
-
-    def _stored(self, gid: str, hashes: RequestHashes, key: int, boundary: int, num_pages: int) -> tuple:
-        """Book an entry just published (metadata, stats); its raw "stored" event."""
-        parent = hashes.parent(boundary)
-        self._meta[gid][key] = (parent, boundary, num_pages)
-        self.stats[gid].stored_entries += 1
-        self.eviction.stored(gid, key, parent)
-        return ("stored", gid, key, parent, boundary, num_pages)
 
     def _hold(self, own: OwnCheckpoint, gid: str, key: int) -> None:
         pages = self.pools[gid].lookup(key)

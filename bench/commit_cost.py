@@ -1,0 +1,89 @@
+"""Cost of one prefix commit (``PrefixCache.commit``), this version against another.
+
+    PYTHONPATH=src:/tmp/commit_base .venv/bin/python bench/commit_cost.py --against hybridkv_base
+        [--sizes 32,1024] [--steps 200] [--phase decode|serving|both] [--clock wall|cpu]
+
+Same workloads as ``bench/step_profile.py`` (V4-Flash, 40 GiB shared arena, prefix
+caching on): decode steps (``N`` requests, one token each) and serving steps (one
+request finishes, one joins with a 512-1,536-token prompt). Each side's
+``manager.prefix.commit`` is wrapped in a timer; the two sides' steps alternate
+on the same seeded workload. Prints, per phase and size, the commits timed and
+their mean and median cost in µs, and whether both sides emitted the same events
+(kind, group, key, parent, tokens, pages; same order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import numpy as np
+from step_profile import Workload, decode_steps, serving_steps
+
+CLOCK = time.perf_counter_ns
+
+
+def timed_commits(work: Workload) -> list[int]:
+    """Wrap the workload's ``prefix.commit``; the list its durations (ns) go into."""
+    prefix, out = work.manager.prefix, []
+    inner = prefix.commit
+
+    def commit(*args):
+        start = CLOCK()
+        inner(*args)
+        out.append(CLOCK() - start)
+
+    prefix.commit = commit
+    return out
+
+
+def measure(n: int, phase: str, steps: int, sides: tuple[str, ...]) -> dict:
+    fn = decode_steps if phase == "decode" else serving_steps
+    works = {side: Workload(n, package=side) for side in sides}
+    for work in works.values():
+        fn(work, 20)  # warm
+        work.manager.prefix.drain_events()
+    times = {side: timed_commits(works[side]) for side in sides}
+    same_events = True
+    gc.disable()
+    try:
+        for _ in range(steps):
+            events = []
+            for side in sides:
+                fn(works[side], 1)
+                events.append([(e.kind, e.group_id, e.block_hash, e.parent_hash, e.tokens, e.num_pages)
+                               for e in works[side].manager.prefix.drain_events()])
+            same_events &= all(e == events[0] for e in events)
+    finally:
+        gc.enable()
+    out = {}
+    for side in sides:
+        us = np.asarray(times[side], dtype=np.float64) / 1e3
+        out[side] = {"commits": int(us.size), "mean_us": round(float(us.mean()), 1) if us.size else 0.0,
+                     "median_us": round(float(np.median(us)), 1) if us.size else 0.0}
+        print(f"{side:14s} {phase:8s} {n:5d}  {out[side]}", flush=True)
+    if len(sides) > 1:
+        print(f"{'':14s} {phase:8s} {n:5d}  same events: {same_events}", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="32,1024")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--phase", choices=("decode", "serving", "both"), default="both")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    ap.add_argument("--against", default=None, help="package of another version (a renamed copy on PYTHONPATH)")
+    a = ap.parse_args()
+    if a.clock == "cpu":
+        global CLOCK
+        CLOCK = time.thread_time_ns
+    sides = ("hybridkv",) if a.against is None else (a.against, "hybridkv")
+    for n in (int(s) for s in a.sizes.split(",")):
+        for phase in ("decode", "serving") if a.phase == "both" else (a.phase,):
+            measure(n, phase, a.steps, sides)
+
+
+if __name__ == "__main__":
+    main()
