@@ -1194,34 +1194,49 @@ class CacheManager:
     def hold_pages(self, group_id: str, pages: np.ndarray) -> None:
         """Hold ``pages`` (held or cached) outside any request: no allocation reuses them and
         admission counts them as used until :meth:`release_held_pages`. A tier offload holds an
-        entry's pages so while its rows are copied (``hybridkv.tierlink``)."""
+        entry's pages so while its rows are copied (``hybridkv.tierlink``). A few small array
+        operations per call (a tier link calls this for every group of every offload plan)."""
         pages = np.asarray(pages, dtype=np.int64)
         pool = self.pools[group_id]
-        if pages.size and (pages.min() <= 0 or pages.max() >= pool.num_pages):
+        if not pages.size:
+            return
+        listed = pages.tolist()
+        if min(listed) <= 0 or max(listed) >= pool.num_pages:
             raise CacheManagerError(f"group {group_id!r}: page ids must lie in [1, {pool.num_pages})")
         self._version += 1  # invalidates a cached admission
-        ref = pool.ref_counts
-        if pages.size and ref[pages].min() > 0 and np.unique(pages).size == pages.size:
+        ref, held = pool.ref_counts, self._held_outside[group_id]
+        distinct = len(set(listed)) == len(listed)
+        if distinct and ref[pages].min() > 0:
             ref[pages] += 1  # held by requests already: nothing leaves the free or evictable sets
         else:
             pool.incref(pages)
-        self._held_outside[group_id] += np.bincount(pages, minlength=pool.num_pages)
+        if distinct:
+            held[pages] += 1
+        else:
+            np.add.at(held, pages, 1)
 
     def release_held_pages(self, group_id: str, pages: np.ndarray) -> None:
         """Drop holds taken by :meth:`hold_pages`; a page no one holds goes free or, still
         cached, evictable."""
         pages = np.asarray(pages, dtype=np.int64)
         held = self._held_outside[group_id]
-        if pages.size and pages.min() < 0:
+        if not pages.size:
+            return
+        listed = pages.tolist()
+        distinct = len(set(listed)) == len(listed)
+        if min(listed) < 0 or max(listed) >= held.size:
             raise CacheManagerError(f"group {group_id!r}: releasing pages that hold_pages did not hold")
-        counts = np.bincount(pages, minlength=held.size) if pages.size else np.zeros_like(held)
-        if counts.size > held.size or np.any(counts > held):
+        counts = None if distinct else np.bincount(pages, minlength=held.size)
+        if held[pages].min() < 1 if distinct else np.any(counts > held):
             raise CacheManagerError(f"group {group_id!r}: releasing pages that hold_pages did not hold")
         self._version += 1  # invalidates a cached admission
-        held -= counts
+        if distinct:
+            held[pages] -= 1
+        else:
+            held -= counts
         pool = self.pools[group_id]
         ref = pool.ref_counts
-        if pages.size and ref[pages].min() > 1 and np.unique(pages).size == pages.size:
+        if distinct and ref[pages].min() > 1:
             ref[pages] -= 1  # still held by requests: nothing joins the free or evictable sets
         else:
             pool.decref(pages)

@@ -82,6 +82,9 @@ from hybridkv.tiers.store import ObjectStore
 from hybridkv.transfer import LoadPlan, LoadResult, OffloadPlan, PlannedObject, pages_from_manager
 
 
+_NO_OFFLOADS = OffloadPlan((), ())
+
+
 class TierLinkError(CacheManagerError):
     """A misuse of the link: an unknown load, a schedule while a load is in flight."""
 
@@ -315,28 +318,31 @@ class TierLink:
             self._queue_board()
             self._retire_markers()
         queue, self._queue = self._queue, []
-        if not queue:
-            return OffloadPlan((), ())
-        objects, sources, entries, seen = [], [], [], set(self._offloading)
-        for gid, key, boundary, pages in queue:
-            if (gid, key) in seen:
-                continue
-            seen.add((gid, key))
-            obj, view = self._offload_object(gid, key, boundary, pages)
-            objects.append(obj)
-            sources.append(view)
-            entries.append((gid, key, pages))
-        held = self.store.contains([o.key for o in objects])
-        self._stats.offload_skipped += sum(held)
-        keep = [i for i, h in enumerate(held) if not h]
-        objects, sources, entries = [objects[i] for i in keep], [sources[i] for i in keep], [entries[i] for i in keep]
-        self._stats.offload_objects += len(objects)
-        self._stats.offload_bytes += sum(self.object_payload_bytes(o) for o in objects)
-        if not objects:
-            return OffloadPlan((), ())
+        fresh: dict[tuple[str, int], tuple[int, tuple[int, ...]]] = {}
+        offloading = self._offloading
+        for gid, key, boundary, pages in queue:  # the first of each entry, none still in flight
+            if (gid, key) not in fresh and (gid, key) not in offloading:
+                fresh[(gid, key)] = (boundary, pages)
+        if not fresh:
+            return _NO_OFFLOADS
+        made = [self._offload_object(gid, key, boundary, pages) for (gid, key), (boundary, pages) in fresh.items()]
+        held = list(self.store.contains([obj.key for obj, _, _ in made]))
+        skipped = held.count(True)
+        self._stats.offload_skipped += skipped
+        if skipped:
+            keep = [i for i, h in enumerate(held) if not h]
+            made = [made[i] for i in keep]
+            entries = list(fresh.items())
+            entries = [entries[i] for i in keep]
+        else:
+            entries = list(fresh.items())
+        if not made:
+            return _NO_OFFLOADS
+        self._stats.offload_objects += len(made)
+        self._stats.offload_bytes += sum(nbytes for _, _, nbytes in made)
         self._tickets += 1
         pinned = self._pin(self._tickets, entries) if self.pin_offloads else ()
-        return OffloadPlan(tuple(objects), tuple(sources), pinned, self._tickets)
+        return OffloadPlan(tuple(obj for obj, _, _ in made), tuple(view for _, view, _ in made), pinned, self._tickets)
 
     def confirm_offloads(self, results: Iterable[tuple[int | None, Sequence[bool | None]]]) -> None:
         """Report offload plans the engine has run: ``(ticket, per object True stored, False
@@ -344,30 +350,37 @@ class TierLink:
         them. The pages pinned for a plan are released (those no request holds go back to the
         pool); an unknown ticket (a plan with nothing pinned) only counts."""
         released: dict[str, list[np.ndarray]] = {}
+        stats = self._stats
         for ticket, stored in results:
-            self._stats.offload_stored += sum(1 for x in stored if x is True)
-            self._stats.offload_refused += sum(1 for x in stored if x is False)
-            self._stats.offload_dropped += sum(1 for x in stored if x is None)
+            stored = list(stored)
+            n_stored, n_refused = stored.count(True), stored.count(False)
+            stats.offload_stored += n_stored
+            stats.offload_refused += n_refused
+            stats.offload_dropped += len(stored) - n_stored - n_refused
             pins = self._pins.pop(ticket, None) if ticket is not None else None
             if pins is None:
                 continue
             by_group, keys, every = pins
-            self._sent.update(entry for entry, ok in zip(every, stored) if ok is True and entry in self._entries)
+            if n_stored:
+                entries = self._entries
+                self._sent.update(entry for entry, ok in zip(every, stored) if ok is True and entry in entries)
             for gid, pages in by_group.items():
                 released.setdefault(gid, []).append(pages)
             self._offloading.difference_update(keys)
         for gid, arrays in released.items():  # one release per group for every plan confirmed
             pages = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
             self.manager.release_held_pages(gid, pages)
-            self._stats.pinned_pages -= pages.size
+            stats.pinned_pages -= pages.size
 
-    def _pin(self, ticket: int, entries: list[tuple[str, int, tuple[int, ...]]]) -> tuple[bool, ...]:
-        """Hold the pages of every entry still published as it was (within ``max_pinned_pages``);
-        per entry, whether it is pinned. An evicted entry's pages may be reused already."""
+    def _pin(self, ticket: int, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]
+             ) -> tuple[bool, ...]:
+        """Hold the pages of every entry (``((group, key), (boundary, pages))``) still published as
+        it was (within ``max_pinned_pages``); per entry, whether it is pinned. An evicted entry's
+        pages may be reused already."""
         pools, budget = self.manager.pools, self.max_pinned_pages
         room = None if budget is None else budget - self._stats.pinned_pages
         pinned, by_group, keys = [], {}, []
-        for gid, key, pages in entries:
+        for (gid, key), (_, pages) in entries:
             ok = pools[gid].lookup(key) == pages and (room is None or len(pages) <= room)
             if ok:
                 if room is not None:
@@ -380,7 +393,7 @@ class TierLink:
             self.manager.hold_pages(gid, pages)
             self._stats.pinned_pages += pages.size
         # Recorded even with nothing pinned: what a tier stores need not move again at eviction.
-        self._pins[ticket] = (arrays, tuple(keys), tuple((gid, key) for gid, key, _ in entries))
+        self._pins[ticket] = (arrays, tuple(keys), tuple(entry for entry, _ in entries))
         self._offloading.update(keys)
         self._stats.offload_pinned += len(keys)
         return tuple(pinned)
@@ -507,14 +520,17 @@ class TierLink:
         return rows_for_tokens(spec, obj.first_token, obj.end_token)[1] * self._row_bytes[obj.key.group_id]
 
     # --- planning ------------------------------------------------------------------
-    def _offload_object(self, gid: str, key: int, boundary: int, pages: tuple[int, ...]):
+    def _offload_object(self, gid: str, key: int, boundary: int, pages: tuple[int, ...]
+                        ) -> tuple[PlannedObject, GroupPages, int]:
+        """The object of a published entry, its pages' view and its payload bytes."""
         spec = self._specs[gid]
         if spec.is_sliding:
             first, kind = max(0, boundary - self._prefix.checkpoint_window_tokens(gid)), "checkpoint"
         else:
             first, kind = boundary - self._prefix.granularity_tokens, "block"
         obj = PlannedObject(ObjectKey(kind, gid, key), first, boundary, boundary)
-        return obj, GroupPages(first // spec.page_tokens, np.asarray(pages, dtype=np.int64))
+        nbytes = rows_for_tokens(spec, first, boundary)[1] * self._row_bytes[gid]
+        return obj, GroupPages(first // spec.page_tokens, np.asarray(pages, dtype=np.int64)), nbytes
 
     def _plan_load(self, request_id: str, hashes: Any, prompt_tokens: int, hit_tokens: int,
                    cap_tokens: int | None = None) -> None:
