@@ -74,6 +74,7 @@ from typing import Any
 import numpy as np
 
 from hybridkv.inflight import InFlightRule, Markers
+from hybridkv.inflight_state import InFlightState
 from hybridkv.manager import CacheManagerError
 from hybridkv.tiers.keys import ObjectKey
 from hybridkv.tiers.pools import layout_parts
@@ -167,19 +168,7 @@ class TierLink:
         if max_pinned_pages is not None and (isinstance(max_pinned_pages, bool) or not isinstance(max_pinned_pages, int)
                                              or max_pinned_pages < 0):
             raise ValueError(f"max_pinned_pages must be a non-negative int or None, got {max_pinned_pages!r}")
-        self.markers = Markers(store.tier, store.namespace, in_flight) if in_flight is not None else None
-        self._marked: dict[str, list[int]] = {}  # request -> keys of its computing markers
-        self._marker_of: dict[int, str] = {}  # key -> the request that marked it
-        self._landed: list[int] = []  # marked keys published since the last take_offloads
-        self._landed_before: list[int] = []  # ... before it: their markers go at the next one
-        self._fresh: list[tuple[str, int]] = []  # checkpoints published since then (write-through)
-        self._ending: list[tuple[Any, int]] = []  # freed requests' hashes and last boundaries
-        self._waiting: dict[str, int] = {}  # request -> the key of the block (or checkpoint) it waits for
-        self._checkpoint_waits: set[str] = set()  # of those, the requests waiting for a checkpoint
-        self._served: set[tuple[str, int]] = set()  # checkpoints queued for the wanted board
-        self._loaded_since_add: set[str] = set()  # requests that confirmed a load since added
-        self._wait_since: dict[str, float] = {}
-        self._resuming = False
+        self._flight = InFlightState(Markers(store.tier, store.namespace, in_flight) if in_flight else None)
         self.store = store
         self.write_through = bool(write_through)
         self.offload_low_priority = bool(offload_low_priority)
@@ -201,6 +190,11 @@ class TierLink:
         self._below: dict[str, int] = {}  # re-plans after a failed load stay below it
         self._row_bytes = {g.group_id: sum(size for _, _, size in layout_parts(store.layout, g.group_id))
                            for g in store.layout.groups}
+
+    @property
+    def markers(self) -> Markers | None:
+        """The link's markers in the store (None without an in-flight rule)."""
+        return self._flight.markers
 
     # --- wiring (called by CacheManager and PrefixCache) ---------------------------
     def attach(self, manager: Any) -> None:
@@ -233,16 +227,16 @@ class TierLink:
         # with markers, a written-through checkpoint goes when wanted or as its request's last
         deferred = self.markers is not None and self.write_through and group_id in self._state_ids
         if deferred:
-            self._fresh.append((group_id, key))
+            self._flight.fresh.append((group_id, key))
         elif self.write_through and not low_priority:
             self._queue.append((group_id, key, boundary_tokens, pages))
-        if self.markers is not None and group_id == self._first_history and key in self._marker_of:
-            self._landed.append(key)
+        if self._flight.on and group_id == self._first_history:
+            self._flight.published(key)
 
     def removed(self, group_id: str, key: int, dropped: bool) -> None:
         """The prefix cache removed an entry: evicted (``dropped`` False) or superseded/cleared."""
         entry = self._entries.pop((group_id, key), None)
-        self._served.discard((group_id, key))
+        self._flight.served.discard((group_id, key))
         if (group_id, key) in self._sent:  # written through already: nothing to move at eviction
             self._sent.discard((group_id, key))
             return
@@ -270,22 +264,13 @@ class TierLink:
         self.manager.pending_loads.discard(request_id)
         args = self._args.pop(request_id, None)
         self._below.pop(request_id, None)
-        self._waiting.pop(request_id, None)
-        self._checkpoint_waits.discard(request_id)
-        self._loaded_since_add.discard(request_id)
-        if not self._resuming:
-            self._wait_since.pop(request_id, None)
-        keys = self._marked.pop(request_id, None)
-        if keys:
-            for key in keys:
-                self._marker_of.pop(key, None)
-            self.markers.delete("computing", keys)
+        self._flight.forget(request_id)
         if plan is not None and plan.taken:
             self.manager.rewind(request_id, plan.from_tokens)
-        if self.markers is not None and self.write_through and args is not None and not self._resuming:
+        if self._flight.on and self.write_through and args is not None and not self._flight.resuming:
             # its last checkpoint (published now or before) goes through at the next take_offloads
             grain = self._prefix.granularity_tokens
-            self._ending.append((args.hashes, self.manager.num_computed_tokens(request_id) // grain * grain))
+            self._flight.ending.append((args.hashes, self.manager.num_computed_tokens(request_id) // grain * grain))
 
     def check_schedule(self) -> None:
         """Called by ``schedule``: refuse while a taken load is not confirmed."""
@@ -301,11 +286,11 @@ class TierLink:
     def pending(self, request_id: str) -> bool:
         """Whether ``request_id`` waits for a load, or for blocks another request computes
         (``schedule`` refuses it; ``take_loads`` moves it on)."""
-        return request_id in self._plans or request_id in self._waiting
+        return request_id in self._plans or request_id in self._flight.waiting
 
     def waiting(self, request_id: str) -> bool:
         """Whether ``request_id`` waits for blocks another request is computing."""
-        return request_id in self._waiting
+        return request_id in self._flight.waiting
 
     def take_offloads(self) -> OffloadPlan:
         """Everything evicted (or, with write-through, published) since the last call, less what
@@ -316,7 +301,7 @@ class TierLink:
             self._queue_ending()
             self._queue_wanted()
             self._queue_board()
-            self._retire_markers()
+            self._flight.retire()
         queue, self._queue = self._queue, []
         fresh: dict[tuple[str, int], tuple[int, tuple[int, ...]]] = {}
         offloading = self._offloading
@@ -492,7 +477,7 @@ class TierLink:
         mgr = self.manager
         if loaded == plan.boundary_tokens:
             self._stats.confirmed_loads += 1
-            self._loaded_since_add.add(request_id)
+            self._flight.loaded_since_add.add(request_id)
             self._stats.loaded_tokens += loaded - plan.from_tokens
             args = self._args[request_id]
             self._plan_load(request_id, args.hashes, args.token_ids.size, loaded)
@@ -582,26 +567,20 @@ class TierLink:
         busy = self.markers.others("computing", keys, request_id)
         run = next((i for i, (h, b) in enumerate(zip(held, busy)) if not (h or b)), len(keys))
         now = self.markers.now()
-        if any(busy[:run]) and now - self._wait_since.get(request_id, now) < self.markers.rule.wait:
+        if any(busy[:run]) and self._flight.waited(request_id, now) < self.markers.rule.wait:
             first = next(i for i in range(run) if busy[i])
             self.markers.put("wanted", [keys[run - 1]], request_id)  # the checkpoint where it leaves them
-            if request_id not in self._wait_since:
-                self._wait_since[request_id] = now
-                self._stats.waits += 1
-            self._waiting[request_id] = keys[first]
+            self._stats.waits += self._flight.start_wait(request_id, keys[first], now)
             self.manager.pending_loads.add(request_id)
             return
         reach = min(run, self.manager.max_step_tokens // grain)
         if not any(busy[:run]) and reach and self._wait_for_checkpoint(request_id, keys[reach - 1]):
             return
-        mine = self._marked.setdefault(request_id, [])
-        new = [k for k, h, b in zip(keys, held, busy) if not (h or b) and self._marker_of.get(k) != request_id]
+        new = [k for k, h, b in zip(keys, held, busy) if not (h or b) and self._flight.marked_by(k) != request_id]
         if new:
             self.markers.put("computing", new, request_id)
             self._stats.markers_put += len(new)
-            mine.extend(new)
-            for key in new:
-                self._marker_of[key] = request_id
+            self._flight.marked(request_id, new)
 
     def _wait_for_checkpoint(self, request_id: str, key: int) -> bool:
         """History blocks up to the boundary of ``key`` are held but the store has no checkpoint
@@ -609,17 +588,13 @@ class TierLink:
         wait for it, within the request's bound. Whether it waits. A request that loaded since it
         was added does not: its load took pages an engine's batch in the making may count on."""
         now = self.markers.now()
-        if not self.write_through or not self._state_ids or request_id in self._loaded_since_add:
+        if not self.write_through or not self._state_ids or request_id in self._flight.loaded_since_add:
             return False
-        if now - self._wait_since.get(request_id, now) >= self.markers.rule.wait:
+        if self._flight.waited(request_id, now) >= self.markers.rule.wait:
             return False
         self.markers.want([key])
-        if request_id not in self._wait_since:
-            self._wait_since[request_id] = now
-            self._stats.waits += 1
+        self._stats.waits += self._flight.start_wait(request_id, key, now, checkpoint=True)
         self._stats.checkpoint_waits += 1
-        self._waiting[request_id] = key
-        self._checkpoint_waits.add(request_id)
         self.manager.pending_loads.add(request_id)
         return True
 
@@ -630,8 +605,8 @@ class TierLink:
     def _still_waiting(self, request_id: str) -> bool:
         """Whether what ``request_id`` waits for is still to come: a block's marker is live, or the
         checkpoint it wants is not stored (then its board entry is renewed, in case it was lost)."""
-        key = self._waiting[request_id]
-        if request_id not in self._checkpoint_waits:
+        key = self._flight.waiting[request_id]
+        if request_id not in self._flight.checkpoint_waits:
             return self.markers.others("computing", [key], request_id)[0]
         if self._checkpoint_stored(key):
             return False
@@ -653,29 +628,30 @@ class TierLink:
     def resume_waits(self) -> None:
         """Match again (on the device, then the store) every waiting request whose block's marker is
         gone, or whose wait is over; ``take_loads`` calls it first."""
-        if not self._waiting:
+        flight = self._flight
+        if not flight.waiting:
             return
-        rids = list(self._waiting)
+        rids = list(flight.waiting)
         busy = [self._still_waiting(rid) for rid in rids]
         now = self.markers.now()
         for rid, still in zip(rids, busy):
-            if still and now - self._wait_since[rid] < self.markers.rule.wait:
+            if still and flight.waited(rid, now) < self.markers.rule.wait:
                 continue
             self._stats.waited_out += int(still)
-            if rid in self._checkpoint_waits:
-                self.markers.unwant([self._waiting[rid]])
+            if rid in flight.checkpoint_waits:
+                self.markers.unwant([flight.waiting[rid]])
             args = self._args[rid]
-            self._resuming = True
+            flight.resuming = True
             try:
                 self.manager.free(rid)  # commits what it loaded, if anything: the new match finds it
                 self.manager.add_request(rid, args.token_ids, max_new_tokens=args.max_new_tokens,
                                          cache_salt=args.cache_salt)
             finally:
-                self._resuming = False
+                flight.resuming = False
 
     def _queue_ending(self) -> None:
         """Queue the last checkpoint of every request freed since the last call (still cached)."""
-        ending, self._ending = self._ending, []
+        ending, self._flight.ending = self._flight.ending, []
         for hashes, boundary in ending:
             if boundary <= 0 or boundary // self._prefix.granularity_tokens > len(hashes.hashes):
                 continue
@@ -687,7 +663,7 @@ class TierLink:
 
     def _queue_wanted(self) -> None:
         """Queue the checkpoints published since the last call that a waiter wants."""
-        fresh, self._fresh = self._fresh, []
+        fresh, self._flight.fresh = self._flight.fresh, []
         fresh = [(gid, key) for gid, key in dict.fromkeys(fresh) if (gid, key) in self._entries]
         if not fresh:
             return
@@ -709,24 +685,10 @@ class TierLink:
             key = int.from_bytes(raw, "big")
             for gid in self._state_ids:
                 entry = self._entries.get((gid, key))
-                if entry is not None and (gid, key) not in self._served:
-                    self._served.add((gid, key))
+                if entry is not None and (gid, key) not in self._flight.served:
+                    self._flight.served.add((gid, key))
                     self._queue.append((gid, key, entry[0], entry[1]))
                     self._stats.wanted_checkpoints += 1
-
-    def _retire_markers(self) -> None:
-        """Delete the markers of blocks published before the last take_offloads (put by now)."""
-        done, self._landed_before, self._landed = self._landed_before, self._landed, []
-        gone = []
-        for key in done:
-            rid = self._marker_of.pop(key, None)
-            if rid is not None:
-                gone.append(key)
-                mine = self._marked.get(rid)
-                if mine is not None and key in mine:
-                    mine.remove(key)
-        if gone:
-            self.markers.delete("computing", gone)
 
     def _load_objects(self, hashes: Any, hit_tokens: int, last: int) -> Iterable[tuple[PlannedObject, int]]:
         """Every block in ``[hit, last)`` and every checkpoint at a boundary in ``(hit, last]``, with its key."""
