@@ -107,7 +107,8 @@ class PendingLoad:
 @dataclass
 class TierLinkStats:
     planned_loads: int = 0  # requests found to hit past the device
-    denied_loads: int = 0  # no pages for the load: the request kept its device hit
+    denied_loads: int = 0  # no pages for the whole load alone
+    shortened_loads: int = 0  # of those, planned again to the longest boundary that fits (the rest later)
     taken_loads: int = 0
     confirmed_loads: int = 0
     failed_loads: int = 0  # confirmed short: the request went back to its device hit
@@ -389,8 +390,10 @@ class TierLink:
         (:meth:`resume_waits`), every planned load; with them, only theirs (an engine building a
         batch takes one request's load without touching the others' pages).
         Loads are admitted in plan order while they fit together; one that fits alone but not
-        beside those stays planned for the next call; one that does not fit alone is dropped:
-        the request keeps its device hit. Run :meth:`take_offloads` and its plan first (the step
+        beside those stays planned for the next call; one that does not fit alone is planned
+        again to the longest boundary the store serves whose load fits alone (taken now when it
+        fits beside the others; the rest of the hit comes in the next rounds); when none does,
+        it is dropped: the request keeps its device hit. Run :meth:`take_offloads` and its plan first (the step
         may have evicted pages)."""
         if any(p.taken for p in self._plans.values()):
             raise TierLinkError("confirm_load() the loads taken before taking more")
@@ -437,22 +440,32 @@ class TierLink:
             else:
                 plan = self._plans.pop(item[0])
                 self._stats.denied_loads += 1
-                if self.markers is not None:
-                    self._plan_shorter(item[0], plan)
+                shorter = self._plan_shorter(item[0], plan)
+                if shorter is not None:  # taken now when it fits beside the others, else next call
+                    mgr.pending_loads.discard(item[0])
+                    if all(a.ok for a in mgr.check_admission(taken + [shorter])):
+                        taken.append(shorter)
+                    else:
+                        mgr.pending_loads.add(item[0])
         return taken
 
-    def _plan_shorter(self, request_id: str, plan: _Plan) -> None:
+    def _plan_shorter(self, request_id: str, plan: _Plan) -> tuple[str, int] | None:
         """``plan`` does not fit alone: plan the longest load that does (a shorter boundary the
-        store serves), or ask for the checkpoint at the boundary that fits and wait for it."""
+        store serves; the rest comes in the next rounds), or, with markers, ask for the checkpoint
+        at the boundary that fits and wait for it."""
         grain = self._prefix.granularity_tokens
         fit = self._fitting_grains(request_id, (plan.boundary_tokens - plan.from_tokens) // grain - 1)
         if fit == 0:
-            return
+            return None
         cap = plan.from_tokens + fit * grain
         args = self._args[request_id]
         self._plan_load(request_id, args.hashes, args.token_ids.size, plan.from_tokens, cap_tokens=cap)
-        if request_id not in self._plans:
+        if request_id in self._plans:
+            self._stats.shortened_loads += 1
+            return request_id, self._plans[request_id].boundary_tokens - plan.from_tokens
+        if self.markers is not None:
             self._wait_for_checkpoint(request_id, args.hashes.key(cap))
+        return None
 
     def _fitting_grains(self, request_id: str, most: int) -> int:
         """The most grains (at most ``most``) a step of ``request_id`` alone is admitted for."""
