@@ -26,8 +26,9 @@ every state group (the device rule: history below, checkpoint at), at most
 ``max_step_tokens`` past ``D0``. The request is then *pending*:
 ``schedule`` and ``check_admission`` refuse it. :meth:`TierLink.take_loads`
 gives it pages for tokens ``[D0, D)`` (a step of ``D - D0`` tokens of that
-request alone, admitted like any other; the engine computes nothing for it) and
-returns a :class:`PendingLoad` per request: a
+request alone, admitted like any other; the engine computes nothing for it; a
+load that does not fit alone is cut to the longest served boundary that does,
+the rest planned after it) and returns a :class:`PendingLoad` per request: a
 :class:`~hybridkv.transfer.LoadPlan` and the pages to load into. The engine
 runs the offloads, then the loads, and reports each with
 :meth:`TierLink.confirm_load`:
@@ -62,7 +63,8 @@ fit alone (cut then to the most grains that fit), asks for the checkpoint it
 needs on the *wanted board* and waits (the same bound); every link reads the
 board at ``take_offloads`` and writes through the listed checkpoints its
 device holds. Markers only delay a request; rows come from verified objects
-or the device as always.
+or the device as always. What the link knows of its markers and waits is kept
+in an :class:`~hybridkv.inflight_state.InFlightState`.
 """
 
 from __future__ import annotations
