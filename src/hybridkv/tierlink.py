@@ -355,10 +355,11 @@ class TierLink:
             for gid, pages in by_group.items():
                 released.setdefault(gid, []).append(pages)
             self._offloading.difference_update(keys)
-        for gid, arrays in released.items():  # one release per group for every plan confirmed
-            pages = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
-            self.manager.release_held_pages(gid, pages)
-            stats.pinned_pages -= pages.size
+        if released:  # one release for every plan confirmed
+            by_group = {gid: np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
+                        for gid, arrays in released.items()}
+            self.manager.release_held_pages_by_group(by_group)
+            stats.pinned_pages -= sum(pages.size for pages in by_group.values())
 
     def _pin(self, ticket: int, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]
              ) -> tuple[bool, ...]:
@@ -377,9 +378,9 @@ class TierLink:
                 keys.append((gid, key))
             pinned.append(ok)
         arrays = {gid: np.asarray(pages, dtype=np.int64) for gid, pages in by_group.items()}
-        for gid, pages in arrays.items():
-            self.manager.hold_pages(gid, pages)
-            self._stats.pinned_pages += pages.size
+        if arrays:
+            self.manager.hold_pages_by_group(arrays)
+            self._stats.pinned_pages += sum(pages.size for pages in arrays.values())
         # Recorded even with nothing pinned: what a tier stores need not move again at eviction.
         self._pins[ticket] = (arrays, tuple(keys), tuple(entry for entry, _ in entries))
         self._offloading.update(keys)
