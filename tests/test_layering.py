@@ -24,7 +24,7 @@ LAYERS = [
     ("hybridkv.batch",),
     ("hybridkv.manager",),
     ("hybridkv.mirror",),
-    ("hybridkv.tiers", "hybridkv.transfer", "hybridkv.inflight", "hybridkv.tierlink"),
+    ("hybridkv.tiers", "hybridkv.transfer", "hybridkv.inflight", "hybridkv.inflight_state", "hybridkv.tierlink"),
     ("hybridkv.reference", "hybridkv.sim", "hybridkv.integrations"),
     ("hybridkv.cli",),
 ]

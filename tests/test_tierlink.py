@@ -286,6 +286,47 @@ def test_a_load_without_pages_keeps_the_device_hit():
     assert b.manager.num_computed_tokens("q") == 0
 
 
+def fill_chunks(instance, chunks, chunk=64):
+    """Requests of random tokens computed ``chunk`` tokens a step, ``chunks`` steps in all."""
+    rng = np.random.default_rng(1)
+    i, done = 0, 0
+    instance.manager.add_request("f0", rng.integers(0, CONFIG.vocab_size, 1000), max_new_tokens=8)
+    for _ in range(chunks):
+        if done + chunk > 960:
+            i, done = i + 1, 0
+            instance.manager.add_request(f"f{i}", rng.integers(0, CONFIG.vocab_size, 1000), max_new_tokens=8)
+        instance.manager.schedule([(f"f{i}", chunk)])
+        instance.offload()
+        done += chunk
+    return [f"f{j}" for j in range(i + 1)]
+
+
+def test_a_load_too_big_alone_is_cut_to_what_fits_and_the_rest_follows():
+    """The store serves 768 tokens of q's prompt; with 39 steps of 64 filler tokens held, a load
+    of 768 tokens does not fit alone but one of 256 does: q loads [0, 256) now (before, the load
+    was dropped and q computed from 0), then the rest once the fillers are gone."""
+    store = ObjectStore(HostTier(1 << 30), LAYOUT)
+    prompt, other, tail = prompts(2, shared=800, length=900)
+    a = Instance(store, 3, write_through=True, interval=GRAIN)  # checkpoints at 256, 512, 768
+    compute_prompt(a, "p", prompt)
+    b = Instance(store, 13, total_tokens=1024)
+    fillers = fill_chunks(b, 39)
+    b.manager.add_request("q", other, max_new_tokens=8)
+    loads = b.take_loads()
+    assert [(x.from_tokens, x.boundary_tokens) for x in loads] == [(0, 256)]
+    stats = b.link.stats()
+    assert (stats.denied_loads, stats.shortened_loads) == (1, 1)
+    assert b.link.confirm_load("q", loads[0].plan.run(store, b.pools, loads[0].targets)) == 256
+    for rid in fillers:
+        b.manager.free(rid)
+    loads = b.take_loads()  # the rest of the hit, now that it fits
+    assert [(x.from_tokens, x.boundary_tokens) for x in loads] == [(256, 768)]
+    assert b.link.confirm_load("q", loads[0].plan.run(store, b.pools, loads[0].targets)) == 768
+    assert b.link.stats().denied_loads == 1
+    np.testing.assert_allclose(b.compute_rest("q", other, tail), dense(b.model, np.concatenate([other, tail]))[768:],
+                               rtol=0, atol=ATOL)
+
+
 # --- what is offloaded ----------------------------------------------------------------
 def test_write_through_skips_what_the_store_holds_and_dropped_checkpoints_stay_put():
     store = ObjectStore(HostTier(1 << 30), LAYOUT)

@@ -244,8 +244,11 @@ class CacheManager:
         # Requests waiting for a tier load (hybridkv.tierlink): admission refuses them.
         self.pending_loads: set[str] = set()
         # Pages held outside any request (an offload's rows being copied): see hold_pages.
-        self._held_outside = {s.group_id: np.zeros(self.pools[s.group_id].num_pages, dtype=np.int64)
-                              for s in self.specs}
+        # One array for every group (views per group, as the page space lays them out).
+        self._held_all = np.zeros(self._space.ref_counts.size, dtype=np.int64)
+        self._held_outside = {s.group_id: self._held_all[off : off + self.pools[s.group_id].num_pages]
+                              for s, off in zip(self.specs, self._space.offsets.tolist())}
+        self._space_offset = dict(zip((s.group_id for s in self.specs), self._space.offsets.tolist()))
         self.tier_link = tier_link
         if tier_link is not None:
             tier_link.attach(self)
@@ -1178,37 +1181,113 @@ class CacheManager:
     def hold_pages(self, group_id: str, pages: np.ndarray) -> None:
         """Hold ``pages`` (held or cached) outside any request: no allocation reuses them and
         admission counts them as used until :meth:`release_held_pages`. A tier offload holds an
-        entry's pages so while its rows are copied (``hybridkv.tierlink``)."""
+        entry's pages so while its rows are copied (``hybridkv.tierlink``). A few small array
+        operations per call (a tier link calls this for every group of every offload plan)."""
         pages = np.asarray(pages, dtype=np.int64)
         pool = self.pools[group_id]
-        if pages.size and (pages.min() <= 0 or pages.max() >= pool.num_pages):
+        if not pages.size:
+            return
+        listed = pages.tolist()
+        if min(listed) <= 0 or max(listed) >= pool.num_pages:
             raise CacheManagerError(f"group {group_id!r}: page ids must lie in [1, {pool.num_pages})")
         self._version += 1  # invalidates a cached admission
-        ref = pool.ref_counts
-        if pages.size and ref[pages].min() > 0 and np.unique(pages).size == pages.size:
+        ref, held = pool.ref_counts, self._held_outside[group_id]
+        distinct = len(set(listed)) == len(listed)
+        if distinct and ref[pages].min() > 0:
             ref[pages] += 1  # held by requests already: nothing leaves the free or evictable sets
         else:
             pool.incref(pages)
-        self._held_outside[group_id] += np.bincount(pages, minlength=pool.num_pages)
+        if distinct:
+            held[pages] += 1
+        else:
+            np.add.at(held, pages, 1)
 
     def release_held_pages(self, group_id: str, pages: np.ndarray) -> None:
         """Drop holds taken by :meth:`hold_pages`; a page no one holds goes free or, still
         cached, evictable."""
         pages = np.asarray(pages, dtype=np.int64)
         held = self._held_outside[group_id]
-        if pages.size and pages.min() < 0:
+        if not pages.size:
+            return
+        listed = pages.tolist()
+        distinct = len(set(listed)) == len(listed)
+        if min(listed) < 0 or max(listed) >= held.size:
             raise CacheManagerError(f"group {group_id!r}: releasing pages that hold_pages did not hold")
-        counts = np.bincount(pages, minlength=held.size) if pages.size else np.zeros_like(held)
-        if counts.size > held.size or np.any(counts > held):
+        counts = None if distinct else np.bincount(pages, minlength=held.size)
+        if held[pages].min() < 1 if distinct else np.any(counts > held):
             raise CacheManagerError(f"group {group_id!r}: releasing pages that hold_pages did not hold")
         self._version += 1  # invalidates a cached admission
-        held -= counts
+        if distinct:
+            held[pages] -= 1
+        else:
+            held -= counts
         pool = self.pools[group_id]
         ref = pool.ref_counts
-        if pages.size and ref[pages].min() > 1 and np.unique(pages).size == pages.size:
+        if distinct and ref[pages].min() > 1:
             ref[pages] -= 1  # still held by requests: nothing joins the free or evictable sets
         else:
             pool.decref(pages)
+
+    def hold_pages_by_group(self, pages_by_group: Mapping[str, np.ndarray]) -> None:
+        """:meth:`hold_pages` of several groups (a tier link's pins of one plan): one pass over
+        them all when every page is held by a request already (an entry a running request just
+        published), else group by group."""
+        glob, local, per_group = self._space_pages(pages_by_group, "page ids must lie in [1, {n})", 1)
+        if not glob.size:
+            return
+        ref = self._space.ref_counts
+        if ref[glob].min() > 0:  # nothing leaves the free or evictable sets
+            self._version += 1  # invalidates a cached admission
+            np.add.at(ref, glob, 1)
+            np.add.at(self._held_all, glob, 1)
+            return
+        for gid, pages in pages_by_group.items():
+            self.hold_pages(gid, pages)
+
+    def release_held_pages_by_group(self, pages_by_group: Mapping[str, np.ndarray]) -> None:
+        """:meth:`release_held_pages` of several groups in one pass (``PageSpace.release`` when
+        some page's last reference goes); refused whole, nothing released, when any group
+        releases a page more often than it is held."""
+        glob, local, per_group = self._space_pages(
+            pages_by_group, "releasing pages that hold_pages did not hold", 0)
+        if not glob.size:
+            return
+        held = self._held_all
+        counts = np.bincount(glob, minlength=held.size)
+        over = np.flatnonzero(counts > held)
+        if over.size:
+            gid = self._group_ids[int(np.searchsorted(self._space.offsets, over[0], side="right")) - 1]
+            raise CacheManagerError(f"group {gid!r}: releasing pages that hold_pages did not hold")
+        self._version += 1  # invalidates a cached admission
+        held -= counts
+        ref = self._space.ref_counts
+        if ref[glob].min() > 1:  # still held by requests: nothing joins the free or evictable sets
+            np.subtract.at(ref, glob, 1)
+        else:
+            self._space.release(local, per_group)
+
+    def _space_pages(self, pages_by_group: Mapping[str, np.ndarray], error: str, lowest: int
+                     ) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Every group's pages, in the page space's group order: as page-space ids, as each
+        group's own ids, and how many per group; checked to lie in ``[lowest, num_pages)``
+        (else ``error``)."""
+        glob, local, per_group = [], [], []
+        for gid in self._group_ids:
+            pages = pages_by_group.get(gid)
+            pages = np.zeros(0, dtype=np.int64) if pages is None else np.asarray(pages, dtype=np.int64)
+            if pages.size:
+                n = self.pools[gid].num_pages
+                if int(pages.min()) < lowest or int(pages.max()) >= n:
+                    raise CacheManagerError(f"group {gid!r}: " + error.format(n=n))
+                glob.append(pages + self._space_offset[gid])
+                local.append(pages)
+            per_group.append(int(pages.size))
+        for gid in pages_by_group:
+            if gid not in self._space_offset:
+                raise CacheManagerError(f"no group {gid!r}")
+        if not glob:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), per_group
+        return np.concatenate(glob), np.concatenate(local), per_group
 
     def held_outside_pages(self, group_id: str) -> int:
         """Holds taken by :meth:`hold_pages` and not released (a page held twice counts twice)."""

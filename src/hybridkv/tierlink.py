@@ -26,8 +26,9 @@ every state group (the device rule: history below, checkpoint at), at most
 ``max_step_tokens`` past ``D0``. The request is then *pending*:
 ``schedule`` and ``check_admission`` refuse it. :meth:`TierLink.take_loads`
 gives it pages for tokens ``[D0, D)`` (a step of ``D - D0`` tokens of that
-request alone, admitted like any other; the engine computes nothing for it) and
-returns a :class:`PendingLoad` per request: a
+request alone, admitted like any other; the engine computes nothing for it; a
+load that does not fit alone is cut to the longest served boundary that does,
+the rest planned after it) and returns a :class:`PendingLoad` per request: a
 :class:`~hybridkv.transfer.LoadPlan` and the pages to load into. The engine
 runs the offloads, then the loads, and reports each with
 :meth:`TierLink.confirm_load`:
@@ -62,7 +63,8 @@ fit alone (cut then to the most grains that fit), asks for the checkpoint it
 needs on the *wanted board* and waits (the same bound); every link reads the
 board at ``take_offloads`` and writes through the listed checkpoints its
 device holds. Markers only delay a request; rows come from verified objects
-or the device as always.
+or the device as always. What the link knows of its markers and waits is kept
+in an :class:`~hybridkv.inflight_state.InFlightState`.
 """
 
 from __future__ import annotations
@@ -74,12 +76,16 @@ from typing import Any
 import numpy as np
 
 from hybridkv.inflight import InFlightRule, Markers
+from hybridkv.inflight_state import InFlightState
 from hybridkv.manager import CacheManagerError
 from hybridkv.tiers.keys import ObjectKey
 from hybridkv.tiers.pools import layout_parts
 from hybridkv.tiers.rows import GroupPages, rows_for_tokens
 from hybridkv.tiers.store import ObjectStore
 from hybridkv.transfer import LoadPlan, LoadResult, OffloadPlan, PlannedObject, pages_from_manager
+
+
+_NO_OFFLOADS = OffloadPlan((), ())
 
 
 class TierLinkError(CacheManagerError):
@@ -103,7 +109,8 @@ class PendingLoad:
 @dataclass
 class TierLinkStats:
     planned_loads: int = 0  # requests found to hit past the device
-    denied_loads: int = 0  # no pages for the load: the request kept its device hit
+    denied_loads: int = 0  # no pages for the whole load alone
+    shortened_loads: int = 0  # of those, planned again to the longest boundary that fits (the rest later)
     taken_loads: int = 0
     confirmed_loads: int = 0
     failed_loads: int = 0  # confirmed short: the request went back to its device hit
@@ -164,19 +171,7 @@ class TierLink:
         if max_pinned_pages is not None and (isinstance(max_pinned_pages, bool) or not isinstance(max_pinned_pages, int)
                                              or max_pinned_pages < 0):
             raise ValueError(f"max_pinned_pages must be a non-negative int or None, got {max_pinned_pages!r}")
-        self.markers = Markers(store.tier, store.namespace, in_flight) if in_flight is not None else None
-        self._marked: dict[str, list[int]] = {}  # request -> keys of its computing markers
-        self._marker_of: dict[int, str] = {}  # key -> the request that marked it
-        self._landed: list[int] = []  # marked keys published since the last take_offloads
-        self._landed_before: list[int] = []  # ... before it: their markers go at the next one
-        self._fresh: list[tuple[str, int]] = []  # checkpoints published since then (write-through)
-        self._ending: list[tuple[Any, int]] = []  # freed requests' hashes and last boundaries
-        self._waiting: dict[str, int] = {}  # request -> the key of the block (or checkpoint) it waits for
-        self._checkpoint_waits: set[str] = set()  # of those, the requests waiting for a checkpoint
-        self._served: set[tuple[str, int]] = set()  # checkpoints queued for the wanted board
-        self._loaded_since_add: set[str] = set()  # requests that confirmed a load since added
-        self._wait_since: dict[str, float] = {}
-        self._resuming = False
+        self._flight = InFlightState(Markers(store.tier, store.namespace, in_flight) if in_flight else None)
         self.store = store
         self.write_through = bool(write_through)
         self.offload_low_priority = bool(offload_low_priority)
@@ -198,6 +193,11 @@ class TierLink:
         self._below: dict[str, int] = {}  # re-plans after a failed load stay below it
         self._row_bytes = {g.group_id: sum(size for _, _, size in layout_parts(store.layout, g.group_id))
                            for g in store.layout.groups}
+
+    @property
+    def markers(self) -> Markers | None:
+        """The link's markers in the store (None without an in-flight rule)."""
+        return self._flight.markers
 
     # --- wiring (called by CacheManager and PrefixCache) ---------------------------
     def attach(self, manager: Any) -> None:
@@ -230,16 +230,16 @@ class TierLink:
         # with markers, a written-through checkpoint goes when wanted or as its request's last
         deferred = self.markers is not None and self.write_through and group_id in self._state_ids
         if deferred:
-            self._fresh.append((group_id, key))
+            self._flight.fresh.append((group_id, key))
         elif self.write_through and not low_priority:
             self._queue.append((group_id, key, boundary_tokens, pages))
-        if self.markers is not None and group_id == self._first_history and key in self._marker_of:
-            self._landed.append(key)
+        if self._flight.on and group_id == self._first_history:
+            self._flight.published(key)
 
     def removed(self, group_id: str, key: int, dropped: bool) -> None:
         """The prefix cache removed an entry: evicted (``dropped`` False) or superseded/cleared."""
         entry = self._entries.pop((group_id, key), None)
-        self._served.discard((group_id, key))
+        self._flight.served.discard((group_id, key))
         if (group_id, key) in self._sent:  # written through already: nothing to move at eviction
             self._sent.discard((group_id, key))
             return
@@ -267,22 +267,13 @@ class TierLink:
         self.manager.pending_loads.discard(request_id)
         args = self._args.pop(request_id, None)
         self._below.pop(request_id, None)
-        self._waiting.pop(request_id, None)
-        self._checkpoint_waits.discard(request_id)
-        self._loaded_since_add.discard(request_id)
-        if not self._resuming:
-            self._wait_since.pop(request_id, None)
-        keys = self._marked.pop(request_id, None)
-        if keys:
-            for key in keys:
-                self._marker_of.pop(key, None)
-            self.markers.delete("computing", keys)
+        self._flight.forget(request_id)
         if plan is not None and plan.taken:
             self.manager.rewind(request_id, plan.from_tokens)
-        if self.markers is not None and self.write_through and args is not None and not self._resuming:
+        if self._flight.on and self.write_through and args is not None and not self._flight.resuming:
             # its last checkpoint (published now or before) goes through at the next take_offloads
             grain = self._prefix.granularity_tokens
-            self._ending.append((args.hashes, self.manager.num_computed_tokens(request_id) // grain * grain))
+            self._flight.ending.append((args.hashes, self.manager.num_computed_tokens(request_id) // grain * grain))
 
     def check_schedule(self) -> None:
         """Called by ``schedule``: refuse while a taken load is not confirmed."""
@@ -298,11 +289,11 @@ class TierLink:
     def pending(self, request_id: str) -> bool:
         """Whether ``request_id`` waits for a load, or for blocks another request computes
         (``schedule`` refuses it; ``take_loads`` moves it on)."""
-        return request_id in self._plans or request_id in self._waiting
+        return request_id in self._plans or request_id in self._flight.waiting
 
     def waiting(self, request_id: str) -> bool:
         """Whether ``request_id`` waits for blocks another request is computing."""
-        return request_id in self._waiting
+        return request_id in self._flight.waiting
 
     def take_offloads(self) -> OffloadPlan:
         """Everything evicted (or, with write-through, published) since the last call, less what
@@ -313,30 +304,33 @@ class TierLink:
             self._queue_ending()
             self._queue_wanted()
             self._queue_board()
-            self._retire_markers()
+            self._flight.retire()
         queue, self._queue = self._queue, []
-        if not queue:
-            return OffloadPlan((), ())
-        objects, sources, entries, seen = [], [], [], set(self._offloading)
-        for gid, key, boundary, pages in queue:
-            if (gid, key) in seen:
-                continue
-            seen.add((gid, key))
-            obj, view = self._offload_object(gid, key, boundary, pages)
-            objects.append(obj)
-            sources.append(view)
-            entries.append((gid, key, pages))
-        held = self.store.contains([o.key for o in objects])
-        self._stats.offload_skipped += sum(held)
-        keep = [i for i, h in enumerate(held) if not h]
-        objects, sources, entries = [objects[i] for i in keep], [sources[i] for i in keep], [entries[i] for i in keep]
-        self._stats.offload_objects += len(objects)
-        self._stats.offload_bytes += sum(self.object_payload_bytes(o) for o in objects)
-        if not objects:
-            return OffloadPlan((), ())
+        fresh: dict[tuple[str, int], tuple[int, tuple[int, ...]]] = {}
+        offloading = self._offloading
+        for gid, key, boundary, pages in queue:  # the first of each entry, none still in flight
+            if (gid, key) not in fresh and (gid, key) not in offloading:
+                fresh[(gid, key)] = (boundary, pages)
+        if not fresh:
+            return _NO_OFFLOADS
+        made = [self._offload_object(gid, key, boundary, pages) for (gid, key), (boundary, pages) in fresh.items()]
+        held = list(self.store.contains([obj.key for obj, _, _ in made]))
+        skipped = held.count(True)
+        self._stats.offload_skipped += skipped
+        if skipped:
+            keep = [i for i, h in enumerate(held) if not h]
+            made = [made[i] for i in keep]
+            entries = list(fresh.items())
+            entries = [entries[i] for i in keep]
+        else:
+            entries = list(fresh.items())
+        if not made:
+            return _NO_OFFLOADS
+        self._stats.offload_objects += len(made)
+        self._stats.offload_bytes += sum(nbytes for _, _, nbytes in made)
         self._tickets += 1
         pinned = self._pin(self._tickets, entries) if self.pin_offloads else ()
-        return OffloadPlan(tuple(objects), tuple(sources), pinned, self._tickets)
+        return OffloadPlan(tuple(obj for obj, _, _ in made), tuple(view for _, view, _ in made), pinned, self._tickets)
 
     def confirm_offloads(self, results: Iterable[tuple[int | None, Sequence[bool | None]]]) -> None:
         """Report offload plans the engine has run: ``(ticket, per object True stored, False
@@ -344,30 +338,38 @@ class TierLink:
         them. The pages pinned for a plan are released (those no request holds go back to the
         pool); an unknown ticket (a plan with nothing pinned) only counts."""
         released: dict[str, list[np.ndarray]] = {}
+        stats = self._stats
         for ticket, stored in results:
-            self._stats.offload_stored += sum(1 for x in stored if x is True)
-            self._stats.offload_refused += sum(1 for x in stored if x is False)
-            self._stats.offload_dropped += sum(1 for x in stored if x is None)
+            stored = list(stored)
+            n_stored, n_refused = stored.count(True), stored.count(False)
+            stats.offload_stored += n_stored
+            stats.offload_refused += n_refused
+            stats.offload_dropped += len(stored) - n_stored - n_refused
             pins = self._pins.pop(ticket, None) if ticket is not None else None
             if pins is None:
                 continue
             by_group, keys, every = pins
-            self._sent.update(entry for entry, ok in zip(every, stored) if ok is True and entry in self._entries)
+            if n_stored:
+                entries = self._entries
+                self._sent.update(entry for entry, ok in zip(every, stored) if ok is True and entry in entries)
             for gid, pages in by_group.items():
                 released.setdefault(gid, []).append(pages)
             self._offloading.difference_update(keys)
-        for gid, arrays in released.items():  # one release per group for every plan confirmed
-            pages = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
-            self.manager.release_held_pages(gid, pages)
-            self._stats.pinned_pages -= pages.size
+        if released:  # one release for every plan confirmed
+            by_group = {gid: np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
+                        for gid, arrays in released.items()}
+            self.manager.release_held_pages_by_group(by_group)
+            stats.pinned_pages -= sum(pages.size for pages in by_group.values())
 
-    def _pin(self, ticket: int, entries: list[tuple[str, int, tuple[int, ...]]]) -> tuple[bool, ...]:
-        """Hold the pages of every entry still published as it was (within ``max_pinned_pages``);
-        per entry, whether it is pinned. An evicted entry's pages may be reused already."""
+    def _pin(self, ticket: int, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]
+             ) -> tuple[bool, ...]:
+        """Hold the pages of every entry (``((group, key), (boundary, pages))``) still published as
+        it was (within ``max_pinned_pages``); per entry, whether it is pinned. An evicted entry's
+        pages may be reused already."""
         pools, budget = self.manager.pools, self.max_pinned_pages
         room = None if budget is None else budget - self._stats.pinned_pages
         pinned, by_group, keys = [], {}, []
-        for gid, key, pages in entries:
+        for (gid, key), (_, pages) in entries:
             ok = pools[gid].lookup(key) == pages and (room is None or len(pages) <= room)
             if ok:
                 if room is not None:
@@ -376,11 +378,11 @@ class TierLink:
                 keys.append((gid, key))
             pinned.append(ok)
         arrays = {gid: np.asarray(pages, dtype=np.int64) for gid, pages in by_group.items()}
-        for gid, pages in arrays.items():
-            self.manager.hold_pages(gid, pages)
-            self._stats.pinned_pages += pages.size
+        if arrays:
+            self.manager.hold_pages_by_group(arrays)
+            self._stats.pinned_pages += sum(pages.size for pages in arrays.values())
         # Recorded even with nothing pinned: what a tier stores need not move again at eviction.
-        self._pins[ticket] = (arrays, tuple(keys), tuple((gid, key) for gid, key, _ in entries))
+        self._pins[ticket] = (arrays, tuple(keys), tuple(entry for entry, _ in entries))
         self._offloading.update(keys)
         self._stats.offload_pinned += len(keys)
         return tuple(pinned)
@@ -391,8 +393,10 @@ class TierLink:
         (:meth:`resume_waits`), every planned load; with them, only theirs (an engine building a
         batch takes one request's load without touching the others' pages).
         Loads are admitted in plan order while they fit together; one that fits alone but not
-        beside those stays planned for the next call; one that does not fit alone is dropped:
-        the request keeps its device hit. Run :meth:`take_offloads` and its plan first (the step
+        beside those stays planned for the next call; one that does not fit alone is planned
+        again to the longest boundary the store serves whose load fits alone (taken now when it
+        fits beside the others; the rest of the hit comes in the next rounds); when none does,
+        it is dropped: the request keeps its device hit. Run :meth:`take_offloads` and its plan first (the step
         may have evicted pages)."""
         if any(p.taken for p in self._plans.values()):
             raise TierLinkError("confirm_load() the loads taken before taking more")
@@ -439,22 +443,32 @@ class TierLink:
             else:
                 plan = self._plans.pop(item[0])
                 self._stats.denied_loads += 1
-                if self.markers is not None:
-                    self._plan_shorter(item[0], plan)
+                shorter = self._plan_shorter(item[0], plan)
+                if shorter is not None:  # taken now when it fits beside the others, else next call
+                    mgr.pending_loads.discard(item[0])
+                    if all(a.ok for a in mgr.check_admission(taken + [shorter])):
+                        taken.append(shorter)
+                    else:
+                        mgr.pending_loads.add(item[0])
         return taken
 
-    def _plan_shorter(self, request_id: str, plan: _Plan) -> None:
+    def _plan_shorter(self, request_id: str, plan: _Plan) -> tuple[str, int] | None:
         """``plan`` does not fit alone: plan the longest load that does (a shorter boundary the
-        store serves), or ask for the checkpoint at the boundary that fits and wait for it."""
+        store serves; the rest comes in the next rounds), or, with markers, ask for the checkpoint
+        at the boundary that fits and wait for it."""
         grain = self._prefix.granularity_tokens
         fit = self._fitting_grains(request_id, (plan.boundary_tokens - plan.from_tokens) // grain - 1)
         if fit == 0:
-            return
+            return None
         cap = plan.from_tokens + fit * grain
         args = self._args[request_id]
         self._plan_load(request_id, args.hashes, args.token_ids.size, plan.from_tokens, cap_tokens=cap)
-        if request_id not in self._plans:
+        if request_id in self._plans:
+            self._stats.shortened_loads += 1
+            return request_id, self._plans[request_id].boundary_tokens - plan.from_tokens
+        if self.markers is not None:
             self._wait_for_checkpoint(request_id, args.hashes.key(cap))
+        return None
 
     def _fitting_grains(self, request_id: str, most: int) -> int:
         """The most grains (at most ``most``) a step of ``request_id`` alone is admitted for."""
@@ -479,7 +493,7 @@ class TierLink:
         mgr = self.manager
         if loaded == plan.boundary_tokens:
             self._stats.confirmed_loads += 1
-            self._loaded_since_add.add(request_id)
+            self._flight.loaded_since_add.add(request_id)
             self._stats.loaded_tokens += loaded - plan.from_tokens
             args = self._args[request_id]
             self._plan_load(request_id, args.hashes, args.token_ids.size, loaded)
@@ -507,14 +521,17 @@ class TierLink:
         return rows_for_tokens(spec, obj.first_token, obj.end_token)[1] * self._row_bytes[obj.key.group_id]
 
     # --- planning ------------------------------------------------------------------
-    def _offload_object(self, gid: str, key: int, boundary: int, pages: tuple[int, ...]):
+    def _offload_object(self, gid: str, key: int, boundary: int, pages: tuple[int, ...]
+                        ) -> tuple[PlannedObject, GroupPages, int]:
+        """The object of a published entry, its pages' view and its payload bytes."""
         spec = self._specs[gid]
         if spec.is_sliding:
             first, kind = max(0, boundary - self._prefix.checkpoint_window_tokens(gid)), "checkpoint"
         else:
             first, kind = boundary - self._prefix.granularity_tokens, "block"
         obj = PlannedObject(ObjectKey(kind, gid, key), first, boundary, boundary)
-        return obj, GroupPages(first // spec.page_tokens, np.asarray(pages, dtype=np.int64))
+        nbytes = rows_for_tokens(spec, first, boundary)[1] * self._row_bytes[gid]
+        return obj, GroupPages(first // spec.page_tokens, np.asarray(pages, dtype=np.int64)), nbytes
 
     def _plan_load(self, request_id: str, hashes: Any, prompt_tokens: int, hit_tokens: int,
                    cap_tokens: int | None = None) -> None:
@@ -566,26 +583,20 @@ class TierLink:
         busy = self.markers.others("computing", keys, request_id)
         run = next((i for i, (h, b) in enumerate(zip(held, busy)) if not (h or b)), len(keys))
         now = self.markers.now()
-        if any(busy[:run]) and now - self._wait_since.get(request_id, now) < self.markers.rule.wait:
+        if any(busy[:run]) and self._flight.waited(request_id, now) < self.markers.rule.wait:
             first = next(i for i in range(run) if busy[i])
             self.markers.put("wanted", [keys[run - 1]], request_id)  # the checkpoint where it leaves them
-            if request_id not in self._wait_since:
-                self._wait_since[request_id] = now
-                self._stats.waits += 1
-            self._waiting[request_id] = keys[first]
+            self._stats.waits += self._flight.start_wait(request_id, keys[first], now)
             self.manager.pending_loads.add(request_id)
             return
         reach = min(run, self.manager.max_step_tokens // grain)
         if not any(busy[:run]) and reach and self._wait_for_checkpoint(request_id, keys[reach - 1]):
             return
-        mine = self._marked.setdefault(request_id, [])
-        new = [k for k, h, b in zip(keys, held, busy) if not (h or b) and self._marker_of.get(k) != request_id]
+        new = [k for k, h, b in zip(keys, held, busy) if not (h or b) and self._flight.marked_by(k) != request_id]
         if new:
             self.markers.put("computing", new, request_id)
             self._stats.markers_put += len(new)
-            mine.extend(new)
-            for key in new:
-                self._marker_of[key] = request_id
+            self._flight.marked(request_id, new)
 
     def _wait_for_checkpoint(self, request_id: str, key: int) -> bool:
         """History blocks up to the boundary of ``key`` are held but the store has no checkpoint
@@ -593,17 +604,13 @@ class TierLink:
         wait for it, within the request's bound. Whether it waits. A request that loaded since it
         was added does not: its load took pages an engine's batch in the making may count on."""
         now = self.markers.now()
-        if not self.write_through or not self._state_ids or request_id in self._loaded_since_add:
+        if not self.write_through or not self._state_ids or request_id in self._flight.loaded_since_add:
             return False
-        if now - self._wait_since.get(request_id, now) >= self.markers.rule.wait:
+        if self._flight.waited(request_id, now) >= self.markers.rule.wait:
             return False
         self.markers.want([key])
-        if request_id not in self._wait_since:
-            self._wait_since[request_id] = now
-            self._stats.waits += 1
+        self._stats.waits += self._flight.start_wait(request_id, key, now, checkpoint=True)
         self._stats.checkpoint_waits += 1
-        self._waiting[request_id] = key
-        self._checkpoint_waits.add(request_id)
         self.manager.pending_loads.add(request_id)
         return True
 
@@ -614,8 +621,8 @@ class TierLink:
     def _still_waiting(self, request_id: str) -> bool:
         """Whether what ``request_id`` waits for is still to come: a block's marker is live, or the
         checkpoint it wants is not stored (then its board entry is renewed, in case it was lost)."""
-        key = self._waiting[request_id]
-        if request_id not in self._checkpoint_waits:
+        key = self._flight.waiting[request_id]
+        if request_id not in self._flight.checkpoint_waits:
             return self.markers.others("computing", [key], request_id)[0]
         if self._checkpoint_stored(key):
             return False
@@ -637,29 +644,30 @@ class TierLink:
     def resume_waits(self) -> None:
         """Match again (on the device, then the store) every waiting request whose block's marker is
         gone, or whose wait is over; ``take_loads`` calls it first."""
-        if not self._waiting:
+        flight = self._flight
+        if not flight.waiting:
             return
-        rids = list(self._waiting)
+        rids = list(flight.waiting)
         busy = [self._still_waiting(rid) for rid in rids]
         now = self.markers.now()
         for rid, still in zip(rids, busy):
-            if still and now - self._wait_since[rid] < self.markers.rule.wait:
+            if still and flight.waited(rid, now) < self.markers.rule.wait:
                 continue
             self._stats.waited_out += int(still)
-            if rid in self._checkpoint_waits:
-                self.markers.unwant([self._waiting[rid]])
+            if rid in flight.checkpoint_waits:
+                self.markers.unwant([flight.waiting[rid]])
             args = self._args[rid]
-            self._resuming = True
+            flight.resuming = True
             try:
                 self.manager.free(rid)  # commits what it loaded, if anything: the new match finds it
                 self.manager.add_request(rid, args.token_ids, max_new_tokens=args.max_new_tokens,
                                          cache_salt=args.cache_salt)
             finally:
-                self._resuming = False
+                flight.resuming = False
 
     def _queue_ending(self) -> None:
         """Queue the last checkpoint of every request freed since the last call (still cached)."""
-        ending, self._ending = self._ending, []
+        ending, self._flight.ending = self._flight.ending, []
         for hashes, boundary in ending:
             if boundary <= 0 or boundary // self._prefix.granularity_tokens > len(hashes.hashes):
                 continue
@@ -671,7 +679,7 @@ class TierLink:
 
     def _queue_wanted(self) -> None:
         """Queue the checkpoints published since the last call that a waiter wants."""
-        fresh, self._fresh = self._fresh, []
+        fresh, self._flight.fresh = self._flight.fresh, []
         fresh = [(gid, key) for gid, key in dict.fromkeys(fresh) if (gid, key) in self._entries]
         if not fresh:
             return
@@ -693,24 +701,10 @@ class TierLink:
             key = int.from_bytes(raw, "big")
             for gid in self._state_ids:
                 entry = self._entries.get((gid, key))
-                if entry is not None and (gid, key) not in self._served:
-                    self._served.add((gid, key))
+                if entry is not None and (gid, key) not in self._flight.served:
+                    self._flight.served.add((gid, key))
                     self._queue.append((gid, key, entry[0], entry[1]))
                     self._stats.wanted_checkpoints += 1
-
-    def _retire_markers(self) -> None:
-        """Delete the markers of blocks published before the last take_offloads (put by now)."""
-        done, self._landed_before, self._landed = self._landed_before, self._landed, []
-        gone = []
-        for key in done:
-            rid = self._marker_of.pop(key, None)
-            if rid is not None:
-                gone.append(key)
-                mine = self._marked.get(rid)
-                if mine is not None and key in mine:
-                    mine.remove(key)
-        if gone:
-            self.markers.delete("computing", gone)
 
     def _load_objects(self, hashes: Any, hit_tokens: int, last: int) -> Iterable[tuple[PlannedObject, int]]:
         """Every block in ``[hit, last)`` and every checkpoint at a boundary in ``(hit, last]``, with its key."""

@@ -241,24 +241,25 @@ class OffloadPlan:
         if not self.objects:
             return True
         pools = dict(pools)
-        heads = [header_size(o.key, pools[o.key.group_id].parts) for o in self.objects]
         now = [i for i in range(len(self.objects)) if not self.is_pinned(i)]
         later = [i for i in range(len(self.objects)) if self.is_pinned(i)]
-        staged = self._gather(pools, now, heads)
+        staged = self._gather(pools, now)
 
-        def make_objects() -> list[RowsObject]:
+        def make_objects() -> list[RowsObject]:  # on the worker: the pinned objects' headers and rows
             gathered = dict(zip(now, staged))
-            gathered.update(zip(later, self._gather(pools, later, heads)))
+            gathered.update(zip(later, self._gather(pools, later)))
             return [gathered[i] for i in range(len(self.objects))]
 
         return worker.submit(self.ticket, make_objects, len(self.objects), in_place=True)
 
-    def _gather(self, pools: dict[str, GroupPools], indices: list[int], heads: list[int]) -> list[RowsObject]:
+    def _gather(self, pools: dict[str, GroupPools], indices: list[int]) -> list[RowsObject]:
         """The objects ``indices``, each payload after room for its header (encoded in place)."""
         if not indices:
             return []
-        ranges = [(self.objects[i].key, self.objects[i].first_token, self.objects[i].end_token) for i in indices]
-        return gather_objects(pools, [self.sources[i] for i in indices], ranges, room_bytes=[heads[i] for i in indices])
+        objects = [self.objects[i] for i in indices]
+        ranges = [(o.key, o.first_token, o.end_token) for o in objects]
+        heads = [header_size(o.key, pools[o.key.group_id].parts) for o in objects]
+        return gather_objects(pools, [self.sources[i] for i in indices], ranges, room_bytes=heads)
 
     def run(self, store: ObjectStore, pools: Mapping[str, GroupPools]) -> list[bool]:
         """Copy the rows out and put the objects; per object, whether a tier stored it. The rows of
