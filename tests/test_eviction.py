@@ -6,7 +6,6 @@ whole-window checkpoints, prompt checkpoints off unless a test turns them on).
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -133,6 +132,43 @@ def test_a_block_published_again_gives_what_lies_beyond_it_its_value_back():
     mgr.check_invariants()
 
 
+@pytest.mark.parametrize("ranking", ["incremental", "full sort"])
+def test_prefill_per_byte_keeps_a_checkpoint_beyond_a_gap_low_until_its_block_is_back(ranking):
+    """"prefill-per-byte": a computes 1,030 tokens (own checkpoint at 1,024, speculative
+    ones at 256, 512, 768); while it runs, its block 512 leaves the history groups, so its
+    checkpoints at 768 and 1,024 lie beyond a gap (demoted). a's free then ranks every
+    cached checkpoint by value; an own checkpoint is normal priority by class, but no hit
+    can reach this one, so it stays low in every state group, as does the one at 768, and
+    stays low after another request's free. c computes a's first 1,024 tokens again and
+    publishes block 512 anew: both are promoted back (the gap is mended) and d hits at
+    1,024. The same with the full-sort reference."""
+    mgr = make_manager(prompt_checkpoints=None, checkpoint_policy="prefill-per-byte")
+    if ranking == "full sort":
+        mgr.prefix.use_full_sort_ranking()
+    a = ids(188, 1030)
+    mgr.add_request("a", a, max_new_tokens=2)
+    mgr.schedule([("a", 1030)])
+    mgr.append_token_ids("a", [5])
+    mgr.schedule([("a", 1)])  # commits the prompt's blocks and checkpoints
+    events = mgr.prefix.drain_events()
+    mgr.pools[C4KV].unpublish(_checkpoint_key(events, C4KV, 512), EVICTED)
+    beyond = [_checkpoint_key(events, SWA, t) for t in (768, 1024)]
+
+    def low():  # per state group: whether each checkpoint beyond the gap is low priority
+        return {g: [bool(mgr.pools[g].low_priority[mgr.pools[g].lookup(k)[0]]) for k in beyond] for g in STATE}
+
+    mgr.free("a")
+    assert low() == dict.fromkeys(STATE, [True, True])
+    run_request(mgr, "b", ids(189, 300))
+    assert low() == dict.fromkeys(STATE, [True, True])
+    report = mgr.prefix.value_report()[SWA]  # a's 256, 768, 1,024 (512 went with its block), b's 256
+    assert (report.usable_entries, report.cached_entries) == (2, 4)
+    run_request(mgr, "c", cat(a[:1024], ids(190, 40)))
+    assert low() == dict.fromkeys(STATE, [False, False])
+    assert mgr.add_request("d", cat(a[:1024], ids(191, 10))).hit_tokens == 1024
+    mgr.check_invariants()
+
+
 def test_group_lru_and_value_give_the_same_hits_without_pressure():
     hits = {}
     for policy in ("value", "group-lru"):
@@ -150,16 +186,18 @@ def test_unknown_policy_is_refused():
 
 
 @settings(max_examples=10, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1400), st.integers(1, 1500), st.integers(0, 400)),
+@given(st.sampled_from(["prompt-boundaries", "prefill-per-byte"]),
+       st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1400), st.integers(1, 1500), st.integers(0, 400)),
                 min_size=3, max_size=8))
-def test_no_group_keeps_what_cannot_produce_a_hit(program):
+def test_no_group_keeps_what_cannot_produce_a_hit(policy, program):
     """Random requests over four shared stems, pools tight enough to evict in every group.
     After each request (all idle): every state group holds the same checkpoints (a unit
     leaves as a whole), and in every group the entries no hit can use (history blocks
     below no usable checkpoint, checkpoints beyond a missing block) are low priority,
-    evicted before anything usable."""
+    evicted before anything usable; "prefill-per-byte", which ranks every checkpoint by
+    value at each free, must not promote one beyond a gap."""
     mgr = make_manager(group_pages={SWA: 40, C4S: 240, C128S: 160, IDX: 240, C4KV: 14, C128KV: 14},
-                       prompt_checkpoints=True)
+                       prompt_checkpoints=None, checkpoint_policy=policy)
     stems = [ids(150 + s, 1400) for s in range(4)]
     for i, (stem, shared, fresh, answer) in enumerate(program):
         prompt = cat(stems[stem][:shared], ids(1000 + i, fresh))[:1500]

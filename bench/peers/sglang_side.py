@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import json
 import os
 import tempfile
@@ -54,7 +53,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from peers import stand_ins
+from peers import peer_unavailable, stand_ins
 
 SGLANG_VERSION = "0.5.23"
 LINE = f"SGLang {SGLANG_VERSION}"
@@ -64,19 +63,12 @@ ZEROS_AS_EMPTY_BYTES = 16 << 20
 
 def load_sglang_side() -> type | str:
     """``SglangSide``, or why SGLang cannot be driven in this Python."""
-    if importlib.util.find_spec("sglang") is None:
-        return "sglang is not installed (bench/README.md: the peers environment)"
-    from importlib.metadata import version
-
-    if (found := version("sglang")) != SGLANG_VERSION:
-        return f"sglang {found} installed; this side speaks {SGLANG_VERSION}"
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    stand_ins.install("torchvision", stand_ins.InertModule)
-    try:
+    def load() -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        stand_ins.install("torchvision", stand_ins.InertModule)
         _sglang()
-    except ImportError as exc:
-        return f"sglang's cache modules do not import: {exc}"
-    return SglangSide
+
+    return peer_unavailable(("sglang",), "sglang", SGLANG_VERSION, load, "sglang's cache modules do") or SglangSide
 
 
 def _sglang() -> types.SimpleNamespace:

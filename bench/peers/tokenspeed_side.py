@@ -41,7 +41,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from peers import stand_ins
+from peers import peer_unavailable, stand_ins
 
 SCHEDULER_VERSION = "0.1.30"
 LINE = f"tokenspeed {SCHEDULER_VERSION}"
@@ -59,19 +59,12 @@ def _install_stand_ins() -> None:
 
 def load_tokenspeed_side() -> type | str:
     """``TokenspeedSide``, or why tokenspeed cannot be driven in this Python."""
-    for package in ("tokenspeed_scheduler", "tokenspeed"):
-        if importlib.util.find_spec(package) is None:
-            return f"{package} is not installed (bench/README.md: the peers environment)"
-    from importlib.metadata import version
-
-    if (found := version("tokenspeed-scheduler")) != SCHEDULER_VERSION:
-        return f"tokenspeed-scheduler {found} installed; this side speaks {SCHEDULER_VERSION}"
-    _install_stand_ins()
-    try:
+    def load() -> None:
+        _install_stand_ins()
         _tokenspeed()
-    except ImportError as exc:
-        return f"tokenspeed does not import: {exc}"
-    return TokenspeedSide
+
+    return peer_unavailable(("tokenspeed_scheduler", "tokenspeed"), "tokenspeed-scheduler", SCHEDULER_VERSION, load,
+                            "tokenspeed does") or TokenspeedSide
 
 
 def _tokenspeed() -> types.SimpleNamespace:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from hybridkv._checks import as_int
@@ -295,18 +295,26 @@ class CheckpointOrder:
     every member of a class that crossed ``REUSE_FLOOR`` (demoted to low priority,
     the lowest score at the front of the LRU, or promoted back). Between two freed
     requests a checkpoint that goes idle sits behind all of them, in the order it
-    went idle, as in the reference's LRU.
+    went idle, as in the reference's LRU. A checkpoint beyond a gap (``beyond_gap``,
+    :meth:`hybridkv.eviction.ValueEviction.beyond_gap`) is never promoted here; when
+    the gap is mended (:meth:`mended`) it ranks as gone idle then, until the next
+    freed request files it again.
 
     A pool with ``ranker`` set to this object reports the pages that go idle
     (:meth:`went_idle`) and takes its normal-priority victims from :meth:`victim`."""
 
-    def __init__(self, values: CheckpointValues, pools: Sequence, idle_clock):
+    def __init__(self, values: CheckpointValues, pools: Sequence, idle_clock,
+                 beyond_gap: Callable[[Hashable], bool] | None = None):
         self.values = values
         self.pools = list(pools)
         self._idle_clock = idle_clock  # a tick later than every idle tick so far
+        # Whether eviction holds a key's entries low for a gap (never promoted here).
+        self._beyond_gap = beyond_gap or (lambda key: False)
+        self._mended: dict[Hashable, None] = {}  # keys mended since the last freed request
         self._heaps = {pool.group_id: {kind: [] for kind in CLASSES} for pool in self.pools}
-        # Per pool: (page, key, idle tick) of normal-priority pages gone idle since the last
-        # freed request, in LRU order; and how many of them victim() has passed.
+        # Per pool: (page, key, idle tick, key's version) of normal-priority pages gone idle
+        # (or promoted back: mended) since the last freed request, in LRU order; and how
+        # many of them victim() has passed.
         self._fresh: dict[str, list] = {pool.group_id: [] for pool in self.pools}
         self._fresh_seen = dict.fromkeys(self._heaps, 0)
         self._low = dict.fromkeys(CLASSES, False)  # each class's priority at the last freed request
@@ -320,7 +328,8 @@ class CheckpointOrder:
     def went_idle(self, group_id: str, pages: list, tick: int) -> None:
         """``pages`` ((page, key) of normal priority, in LRU order) of pool ``group_id``
         went idle at ``tick``."""
-        self._fresh[group_id].extend((page, key, tick) for page, key in pages)
+        version = self._version.get
+        self._fresh[group_id].extend((page, key, tick, version(key, 0)) for page, key in pages)
 
     def request_freed(self) -> None:
         """File again what changed since the last freed request (class docstring)."""
@@ -339,11 +348,13 @@ class CheckpointOrder:
     def _changed_keys(self, low: dict[str, bool]) -> list[Hashable]:
         """Keys to file again (class docstring), each once; empties the idle lists."""
         changed = dict.fromkeys(self.values.take_changed())
+        changed.update(self._mended)
+        self._mended.clear()
         for kind in CLASSES:
             if low[kind] != self._low[kind]:
                 changed.update(dict.fromkeys(self.values.members(kind)))
         for group_id, fresh in self._fresh.items():
-            changed.update((key, None) for _, key, _ in fresh)
+            changed.update((entry[1], None) for entry in fresh)
             fresh.clear()
             self._fresh_seen[group_id] = 0
         return list(changed)
@@ -370,9 +381,28 @@ class CheckpointOrder:
             if not pages:
                 continue
             if pool.low_priority[pages[0]]:
+                if self._beyond_gap(key):
+                    continue  # held low until the missing block is back (mended)
                 pool.promote(key)
             if any(pool.ref_counts[p] == 0 for p in pages):
                 heapq.heappush(self._heaps[pool.group_id][kind], entry)
+
+    def mended(self, keys: list[Hashable]) -> None:
+        """The entries under ``keys`` lay beyond a gap and regained their value (those
+        the gap had demoted promoted back, in this order, to the back of the LRU): each
+        ranks as gone idle now until the next freed request files it again."""
+        for key in keys:
+            if self.values.kind(key) is None:
+                continue
+            # Its heap entries and its earlier places among the idle no longer stand.
+            version = self._version[key] = next(self._versions)
+            self._mended[key] = None
+            for pool in self.pools:
+                pages = pool.lookup(key)
+                if pages and not pool.low_priority[pages[0]]:
+                    ref, idle_tick = pool.ref_counts, pool.idle_tick
+                    self._fresh[pool.group_id].extend(
+                        (p, key, int(idle_tick[p]), version) for p in pages if ref[p] == 0)
 
     def _standing(self, pool, key: Hashable, version: int) -> bool:
         """Whether a heap entry still stands: current version, normal priority, a page
@@ -407,11 +437,11 @@ class CheckpointOrder:
         fresh, n = self._fresh[pool.group_id], self._fresh_seen[pool.group_id]
         ref, idle_tick, flags = pool.ref_counts, pool.idle_tick, pool.low_priority
         while n < len(fresh):
-            page, key, tick = fresh[n]
+            page, key, tick, version = fresh[n]
             n += 1
             pages = pool.lookup(key)
             if (key not in taken and pages and page in pages and ref[page] == 0 and idle_tick[page] == tick
-                    and not flags[page]):
+                    and not flags[page] and self._version.get(key, 0) == version):
                 self._fresh_seen[pool.group_id] = n
                 return key
         self._fresh_seen[pool.group_id] = n

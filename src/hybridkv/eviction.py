@@ -28,7 +28,9 @@ produce a hit:
   head first so the deepest go first. A key published before its parent's waits
   for it and becomes its child when the parent's key is published. When the block is published again, what lies
   beyond it with every block cached regains its value (support, and the state
-  entries demoted for the gap promoted back).
+  entries demoted for the gap promoted back; ``on_mended`` is told their keys).
+  Until then nothing else may promote them (:meth:`ValueEviction.beyond_gap`:
+  the ``"prefill-per-byte"`` order asks it).
 * **Slabs** (shared arena, used by the manager): a group that would have to
   evict a usable entry first takes a slab of another group whose idle pages
   are all of less value (:meth:`cheap_pages`): low priority (prompt
@@ -44,7 +46,7 @@ every group and a unit's entries age together.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -103,6 +105,9 @@ class ValueEviction:
         # (group, key) of state entries demoted because a block below them went (promoted
         # back when it is published again); prompt checkpoints were low priority already.
         self._cut_demoted: set[tuple[str, Hashable]] = set()
+        # Told the keys of the state entries beyond a gap that regained their value, in
+        # the order they were promoted back (hybridkv.checkpoints.CheckpointOrder.mended).
+        self.on_mended: Callable[[list], None] | None = None
         self.evicted_pages = {gid: dict.fromkeys(REASONS, 0) for gid in pools}
 
     # --- bookkeeping ---------------------------------------------------------------
@@ -274,6 +279,15 @@ class ValueEviction:
                     self._cut_demoted.discard((gid, k))
                     if self.acts and self.pools[gid].lookup(k) is not None:
                         self.pools[gid].promote(k)
+        if self.on_mended is not None and self.acts:
+            self.on_mended([k for k in order if self._nodes[k][3]])
+
+    def beyond_gap(self, key: Hashable) -> bool:
+        """Whether the policy holds the entries under ``key`` low for a gap: a history
+        block below them is missing (until it is published again, nothing may promote
+        them: no hit can reach them)."""
+        node = self._nodes.get(key)
+        return self.acts and node is not None and node[5]
 
     def _forget_if_idle(self, key: Hashable) -> None:
         """Drop the node of a key nothing is published under, that supports nothing and

@@ -228,7 +228,9 @@ class PrefixCache:
         # "prefill-per-byte": the state pools' eviction order, kept incrementally.
         self._order = None
         if self.values is not None and self.state_ids:
-            self._order = CheckpointOrder(self.values, [pools[g] for g in self.state_ids], idle_clock_tick)
+            self._order = CheckpointOrder(self.values, [pools[g] for g in self.state_ids], idle_clock_tick,
+                                          self.eviction.beyond_gap)
+            self.eviction.on_mended = self._order.mended
 
     @property
     def checkpoint_windows(self) -> dict[str, int]:
@@ -481,12 +483,14 @@ class PrefixCache:
         for gid in self.state_ids:
             self.pools[gid].ranker = None
         self._order = None
+        self.eviction.on_mended = None
 
     def rank_checkpoints(self) -> list[int]:
         """``"prefill-per-byte"``, the full-sort reference: the checkpoints of a class
         rated below the reuse floor become low priority (at the front of each state
         pool's LRU, the newly demoted ones lowest score first, ahead of those already
-        there), the others normal priority in the order of
+        there), the others normal priority (but those beyond a gap, held low until their
+        block is back: :meth:`hybridkv.eviction.ValueEviction.beyond_gap`) in the order of
         :meth:`hybridkv.checkpoints.CheckpointValues.eviction_order`, the highest at the
         back (a pool that uses an incremental order ignores the LRU order of its
         normal-priority pages). Returns every cached checkpoint's key, low-priority
@@ -509,7 +513,8 @@ class PrefixCache:
                 pages = pool.lookup(key)
                 if pages is not None:
                     if low[pages[0]]:
-                        pool.promote(key)
+                        if not self.eviction.beyond_gap(key):  # held low until its block is back
+                            pool.promote(key)
                     else:
                         pool.touch(key)
         return order

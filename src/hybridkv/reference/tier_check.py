@@ -29,7 +29,7 @@ from hybridkv.models.layout import cache_layout
 from hybridkv.reference.config import ReferenceConfig
 from hybridkv.reference.dense import dense_forward
 from hybridkv.reference.runner import TOLERANCE, CheckResult, VerifyReport, build_runner
-from hybridkv.tiers import DiskTier, HostTier, ObjectStore, TierUnavailable, group_pools_from_layers
+from hybridkv.tiers import DiskTier, HostTier, ObjectStore, group_pools_from_layers
 from hybridkv.transfer import LoadPlan, pages_from_manager, pages_from_step, plan_prefix_load, plan_prefix_offload
 
 TIERS = ("host", "disk", "mooncake")
