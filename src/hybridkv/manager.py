@@ -171,6 +171,47 @@ class _Verdict:
         return f"{len(reasons)} of {n_items} requests not admissible: {'; '.join(reasons[:3])}"
 
 
+class _Releases:
+    """What a planned step's releases free in each group, worked out at most once per
+    admission (pure): per row, the pages below its new base that only it holds (its
+    release credit), those pages, and the ones among them without a key (they go on
+    the free stack; keyed ones stay cached)."""
+
+    def __init__(self, tableset: TableSet, space: PageSpace, pools: Sequence[PagePool], plan: _StepPlan):
+        self._tableset, self._space, self._pools, self.plan = tableset, space, pools, plan
+        self._found: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def credit(self, k: int) -> np.ndarray:
+        """Pages each plan row's release frees in group ``k`` (sole references)."""
+        return self._of(k)[0]
+
+    def sole_pages(self, k: int) -> np.ndarray:
+        """Group ``k``'s pages the releases free (local ids, rows in plan order)."""
+        return self._of(k)[1]
+
+    def unkeyed_pages(self, k: int) -> np.ndarray:
+        """``sole_pages(k)`` without a key: the ones that go on the free stack."""
+        return self._of(k)[2]
+
+    def _of(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        found = self._found.get(k)
+        if found is None:
+            found = self._found[k] = self._work_out(k)
+        return found
+
+    def _work_out(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        plan, ts = self.plan, self._tableset
+        credit = np.zeros(plan.rows.size, dtype=np.int64)
+        released_pages = int(plan.sums[0, k])  # only windowed groups release
+        sole = np.empty(released_pages, dtype=np.int64)
+        n_sole = 0
+        if released_pages:
+            n_sole, _ = kernels.release_credit(ts.geometry, ts.pages, ts.bounds, self._space.ref_counts, k,
+                                               plan.rows, plan.after[0, k], credit, sole)
+        sole = sole[:n_sole]
+        return credit, sole, sole[~self._pools[k].cached[sole]]
+
+
 class CacheManager:
     """Pages, tables and slots for every request and every cache group."""
 
@@ -521,14 +562,15 @@ class CacheManager:
         if fixed_width:
             self._deny_past_capture_width(plan, fits, deny)
         sums = plan.sums[1].tolist()
-        covered = None if deny else self._coverage(sums, plan)
+        releases = _Releases(self._tableset, self._space, self._pool_list, plan)
+        covered = None if deny else self._coverage(sums, releases)
         if covered is not None:
             # No credit needed. On an arena with spare slabs, a group that would have to
             # evict valuable cached pages grows instead: they go only when memory is short.
             grow = covered is False and self.arena is not None
-            plan.grants = self._grow_instead_of_evicting(sums, plan=plan) if grow else []
+            plan.grants = self._grow_instead_of_evicting(sums, releases) if grow else []
         else:
-            self._fit_with_credit(plan, fits, deny)
+            self._fit_with_credit(releases, fits, deny)
         off = plan.settle
         return _Verdict(answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items() if k >= off}, plan)
 
@@ -585,7 +627,7 @@ class CacheManager:
                     f"capture width {self.table_widths[gid]}"
                 )
 
-    def _coverage(self, sums: list[int], plan: _StepPlan) -> bool | None:
+    def _coverage(self, sums: list[int], releases: _Releases) -> bool | None:
         """True: clean pages, the pages the step frees first, or idle low-priority ones
         (evicted first anyway), cover every group's ``sums`` (most decode steps). False:
         free and evictable pages cover them, but some group would evict valuable entries.
@@ -598,22 +640,18 @@ class CacheManager:
             if n > pool.num_free_pages:
                 return None
             low = self._low_room(pool)
-            if n > clean + low and n > clean + self._freed_first(plan, k) + low:
+            if n > clean + low and n > clean + self._freed_first(releases, k) + low:
                 covered = False
         return covered
 
-    def _freed_first(self, plan: _StepPlan, k: int) -> int:
+    def _freed_first(self, releases: _Releases, k: int) -> int:
         """Pages of group ``k`` the step's releases put on the free stack before it
         allocates (sole references without a key: keyed ones stay cached)."""
+        plan = releases.plan
         if not plan.sums[0, k]:
             return 0
-        gid, releasing = self._group_ids[k], {}
-        self._release_credit(gid, plan.rows, plan.after[0, k], releasing)
-        freed = releasing.get(gid)
-        if freed is None:
-            return 0
-        freed = int(np.count_nonzero(~self._pool_list[k].cached[freed]))
-        window = self.prefix.checkpoint_windows.get(gid, 0) if self.prefix is not None else 0
+        freed = releases.unkeyed_pages(k).size
+        window = self.prefix.checkpoint_windows.get(self._group_ids[k], 0) if self.prefix is not None else 0
         if window:
             # The step's commits run first and may publish released pages as checkpoints
             # (then they stay cached): at most a window's pages per boundary crossed.
@@ -622,14 +660,14 @@ class CacheManager:
             freed -= crossed * (-(-window // self.specs[k].page_tokens) + 1)
         return max(freed, 0)
 
-    def _fit_with_credit(self, plan: _StepPlan, fits: np.ndarray, deny: dict[int, str]) -> None:
+    def _fit_with_credit(self, releases: _Releases, fits: np.ndarray, deny: dict[int, str]) -> None:
         """Admission when the allocations alone do not fit: count the pages the step's
         releases free (release credit), lend arena slabs, and if the totals still do
         not fit, admit greedily in batch order. Sets ``plan.grants``."""
+        plan = releases.plan
         avail = {gid: pool.num_free_pages for gid, pool in zip(self._group_ids, self._pool_list)}
         arena, scan = self.arena, IdleScan()
-        alloc, new_base = self._allocations(plan), self._by_group(plan.after[0])
-
+        alloc = self._allocations(plan)
         all_fit = bool(fits.all())  # no capture-width denial: totals without a mask
 
         def total(per_row: np.ndarray) -> int:
@@ -647,7 +685,9 @@ class CacheManager:
             # releases cover it takes no slab from another (which would evict there).
             # Spare slabs evict nothing: a plan of those alone stands.
             scan = IdleScan(releasing={})
-            need = {g: alloc[g] - self._release_credit(g, plan.rows, new_base[g], scan.releasing) for g in avail}
+            need = {g: alloc[g] - releases.credit(k) for k, g in enumerate(self._group_ids)}
+            scan.releasing.update((g, releases.sole_pages(k)) for k, g in enumerate(self._group_ids)
+                                  if plan.sums[0, k])
             if not totals_fit(need):
                 self._deny_greedily(alloc, need, avail, fits, deny, arena, scan, plan)
                 return
@@ -655,50 +695,43 @@ class CacheManager:
             # As when no credit is needed: a group that would evict cached pages grows instead.
             # Gross sums: the pages the releases free (not those they leave cached) count there.
             sums = [total(alloc[g]) for g in self._group_ids]
-            plan.grants = plan.grants + self._grow_instead_of_evicting(sums, after=plan.grants, plan=plan)
+            plan.grants = plan.grants + self._grow_instead_of_evicting(sums, releases, after=plan.grants)
 
-    def _grow_instead_of_evicting(self, sums: list[int], after: list | None = None, plan=None) -> list:
+    def _grow_instead_of_evicting(self, sums: list[int], releases: _Releases, after: list | None = None) -> list:
         """Slabs for groups that would have to evict cached pages to get ``sums`` pages
-        (counting what the grants ``after`` already give them): spare slabs first, then
-        slabs of other groups whose pages are all clean free (with ``plan``, whose
-        ``sums`` are gross, also once the step's releases have run) and that they do
-        not need this step. A cached page goes only when no memory is idle anywhere."""
-        arena = self.arena
-        own, gained = arena.replay(after) if after else (None, {})
-        # Low-priority cached pages (prompt checkpoints) are meant to go first: a group
-        # holding idle ones evicts them rather than grow.
+        (gross: the step's releases run first, so a sliding group's prefill chunk reuses
+        the previous chunk's pages rather than grow for both), counting what the grants
+        ``after`` already give them: spare slabs first, then slabs of other groups whose
+        pages are all clean free once the step's releases have run and that they do not
+        need this step. A cached page goes only when no memory is idle anywhere."""
+        own, gained = self.arena.replay(after) if after else (None, {})
         short, donors = {}, []
-        # Gross ``sums`` (with ``plan``): the step's releases run first, so a sliding group's
-        # prefill chunk reuses the previous chunk's pages rather than grow for both.
         for k, (gid, pool, n) in enumerate(zip(self._group_ids, self._pool_list, sums)):
             clean = pool.num_clean_free_pages + gained.get(gid, 0)
-            freed = self._freed_first(plan, k) if plan is not None and n > clean else 0
-            if n > clean + freed:
-                # What idle low-priority pages cannot cover would evict valuable entries.
-                low = self._low_room(pool)
-                if n > clean + freed + low:
-                    short[gid] = n - clean - freed - low
-                    continue
-            # Not short: it may give what it does not need (its own low-priority pages
-            # first cover its shortfall, so it may start below zero).
-            donors.append((gid, pool, clean - n))
+            freed = self._freed_first(releases, k) if n > clean else 0
+            # Low-priority cached pages (prompt checkpoints) are meant to go first: a group
+            # holding idle ones evicts them rather than grow. What they cannot cover would
+            # evict valuable entries.
+            low = self._low_room(pool) if n > clean + freed else 0
+            if n > clean + freed + low:
+                short[gid] = n - clean - freed - low
+            else:
+                # Not short: it may give what it does not need (its own low-priority pages
+                # first cover its shortfall, so it may start below zero).
+                donors.append((k, gid, clean - n))
         if not short:
             return []
-        scan = IdleScan(releasing={} if plan is not None else None, clean=True)
-        new_base = self._by_group(plan.after[0]) if plan is not None else {}
+        scan = IdleScan(releasing={}, clean=True)
         spare = {}
-        for gid, pool, left in donors:
-            if plan is not None and self.tables[gid].sliding:
-                self._release_credit(gid, plan.rows, new_base[gid], scan.releasing)
-                freed = scan.releasing.get(gid)
-                if freed is not None:
-                    freed = scan.releasing[gid] = freed[~pool.cached[freed]]  # keyed ones stay cached
-                    left += freed.size
+        for k, gid, left in donors:
+            if self.tables[gid].sliding:
+                freed = scan.releasing[gid] = releases.unkeyed_pages(k)
+                left += freed.size
             spare[gid] = left
         if not self._spare_slabs_cover(short, own):
             self._cheap_donor_pages(short, spare, scan)
         spare = {gid: max(left, 0) for gid, left in spare.items()}
-        return arena.plan(short, spare, scan, partial=True, owner=own)
+        return self.arena.plan(short, spare, scan, partial=True, owner=own)
 
     def _low_room(self, pool: PagePool) -> int:
         """Idle low-priority pages a group evicts rather than grow: all of them unless the
@@ -865,22 +898,6 @@ class CacheManager:
         rows, counts, first, after, need, sums, crossing, totals = self._scratch.plan
         return _StepPlan(rows[:n], counts[:n], first[:n], after[:, :, :n], need[:, :n], sums,
                          crossing[:n_crossing], settle, clean, tuple(totals.tolist()))
-
-    def _release_credit(
-        self, gid: str, rows: np.ndarray, new_base: np.ndarray, releasing: dict | None = None
-    ) -> np.ndarray:
-        """Per row, the pages its release this step frees (sole reference); those
-        pages go to ``releasing[gid]`` when given."""
-        credit = np.zeros(rows.size, dtype=np.int64)
-        if not self.tables[gid].sliding:
-            return credit
-        ts, g = self._tableset, self._group_ids.index(gid)
-        sole = np.empty(int((new_base - ts.bounds[0, g, rows]).sum()), dtype=np.int64)
-        n_sole, n_pages = kernels.release_credit(ts.geometry, ts.pages, ts.bounds, self._space.ref_counts, g, rows,
-                                                 new_base, credit, sole)
-        if releasing is not None and n_pages:
-            releasing[gid] = sole[:n_sole]
-        return credit
 
     # --- the step ------------------------------------------------------------
     def schedule(
