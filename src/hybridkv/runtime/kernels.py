@@ -506,6 +506,40 @@ def release_credit(geometry, pages, bounds, ref, g, rows, new_base, credit, sole
 
 
 @njit(cache=True)
+def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
+    """Spare slabs (``owner < 0``) for ``group`` until it is no longer ``short_pages``
+    pages short: each time the lowest spare slab next to one it owns, else the lowest
+    spare slab. A slab gives its ``inner_pages`` plus the straddling page of each
+    boundary it shares with a slab the group owns (``straddle[b] >= 0``: boundary
+    ``b``, left of slab ``b``, has one). ``owner`` is updated, the slabs go to
+    ``taken`` in order; returns (slabs taken, pages still short: <= 0 when covered)."""
+    n, n_taken = owner.size, 0
+    while short_pages > 0:
+        pick, lowest = -1, -1
+        for s in range(n):
+            if owner[s] < 0:
+                if lowest < 0:
+                    lowest = s
+                if (s > 0 and owner[s - 1] == group) or (s < n - 1 and owner[s + 1] == group):
+                    pick = s
+                    break
+        if pick < 0:
+            pick = lowest
+        if pick < 0:
+            break
+        gain = inner_pages[pick]
+        if pick > 0 and owner[pick - 1] == group and straddle[pick] >= 0:
+            gain += 1
+        if pick < n - 1 and owner[pick + 1] == group and straddle[pick + 1] >= 0:
+            gain += 1
+        short_pages -= gain
+        owner[pick] = group
+        taken[n_taken] = pick
+        n_taken += 1
+    return n_taken, short_pages
+
+
+@njit(cache=True)
 def read_cells(pages, index, group, row, column, page):
     """Group, row, column and page id now of each flat cell ``index[i]`` of ``pages``."""
     n_rows, n_cols = pages.shape[1], pages.shape[2]
