@@ -180,6 +180,7 @@ class _Releases:
     def __init__(self, tableset: TableSet, space: PageSpace, pools: Sequence[PagePool], plan: _StepPlan):
         self._tableset, self._space, self._pools, self.plan = tableset, space, pools, plan
         self._found: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.crossed_grains: int | None = None  # prefix grains the rows' commits complete (``_freed_first``)
 
     def credit(self, k: int) -> np.ndarray:
         """Pages each plan row's release frees in group ``k`` (sole references)."""
@@ -285,6 +286,9 @@ class CacheManager:
                 checkpoint_window_tokens=checkpoint_window_tokens,
                 eviction_policy=eviction_policy,
             )
+        # Per group, the trailing tokens a checkpoint of it stores (0: none).
+        windows = self.prefix.checkpoint_windows if self.prefix is not None else {}
+        self._checkpoint_windows = tuple(windows.get(gid, 0) for gid in ids)
         # Requests waiting for a tier load (hybridkv.tierlink): admission refuses them.
         self.pending_loads: set[str] = set()
         # Pages held outside any request (an offload's rows being copied): see hold_pages.
@@ -355,20 +359,7 @@ class CacheManager:
             raise CacheManagerError(f"request id must be a non-empty str, got {request_id!r}")
         if request_id in self._requests:
             raise CacheManagerError(f"request {request_id!r} already exists")
-        ids = None
-        if prompt_token_ids is not None:
-            ids = _token_array(prompt_token_ids)
-            if prompt_tokens is not None and _nonneg_int("prompt_tokens", prompt_tokens) != ids.size:
-                raise CacheManagerError(
-                    f"prompt_tokens={prompt_tokens} disagrees with {ids.size} prompt token ids"
-                )
-            prompt_len = int(ids.size)
-        elif prompt_tokens is not None:
-            prompt_len = _nonneg_int("prompt_tokens", prompt_tokens)
-        else:
-            raise CacheManagerError("give prompt_token_ids or prompt_tokens")
-        if prompt_len < 1:
-            raise CacheManagerError(f"request {request_id!r}: the prompt must have at least one token")
+        ids, prompt_len = _checked_prompt(request_id, prompt_token_ids, prompt_tokens)
         max_new = _nonneg_int("max_new_tokens", max_new_tokens)
         total = prompt_len + max_new
         if total > self.max_context_tokens:
@@ -385,22 +376,31 @@ class CacheManager:
             buf = np.empty(max(total, 1), dtype=np.int32)
             buf[: ids.size] = ids
         req = _Request(request_id, row, prompt_len, total, buf, prompt_len, hashes)
-        hit = PrefixHit.none(self.specs)
-        if self.prefix is not None and buf is not None:
-            hit = self.prefix.match_and_borrow(req.hashes, buf[:prompt_len], row)
-            if hit.junction_tokens:
-                req.keep_boundaries = frozenset([hit.junction_tokens])
-            req.own_checkpoints = self.prefix.hold_hit(req.hashes, hit.hit_tokens)
-        self._computed[row] = hit.hit_tokens
-        self._committed[row] = hit.hit_tokens
-        self._requests[request_id] = req
-        self._row_of[request_id] = row
-        self._row_owner[row] = req
-        self._max_total[row] = total
-        self._known[row] = prompt_len if buf is not None else total
+        hit = self._borrow_prefix(req) if hashes is not None else PrefixHit.none(self.specs)
+        self._register(req, hit.hit_tokens)
         if self.tier_link is not None and buf is not None:
             self.tier_link.on_add(request_id, req.hashes, buf[:prompt_len], hit.hit_tokens, max_new, cache_salt)
         return hit
+
+    def _borrow_prefix(self, req: _Request) -> PrefixHit:
+        """Match a new request's prompt and borrow the cached prefix into its row; it
+        keeps the hit's checkpoint (and pins its junction when it crosses it)."""
+        hit = self.prefix.match_and_borrow(req.hashes, req.token_ids[: req.prompt_tokens], req.row)
+        if hit.junction_tokens:
+            req.keep_boundaries = frozenset([hit.junction_tokens])
+        req.own_checkpoints = self.prefix.hold_hit(req.hashes, hit.hit_tokens)
+        return hit
+
+    def _register(self, req: _Request, hit_tokens: int) -> None:
+        """A new request's record and row counters (``hit_tokens`` computed already)."""
+        row = req.row
+        self._computed[row] = hit_tokens
+        self._committed[row] = hit_tokens
+        self._requests[req.request_id] = req
+        self._row_of[req.request_id] = row
+        self._row_owner[row] = req
+        self._max_total[row] = req.max_total_tokens
+        self._known[row] = req.prompt_tokens if req.token_ids is not None else req.max_total_tokens
 
     def append_token_ids(self, request_id: str, token_ids: Iterable[int] | np.ndarray) -> None:
         """Extend a request's known tokens (sampled outputs, draft tokens)."""
@@ -651,13 +651,15 @@ class CacheManager:
         if not plan.sums[0, k]:
             return 0
         freed = releases.unkeyed_pages(k).size
-        window = self.prefix.checkpoint_windows.get(self._group_ids[k], 0) if self.prefix is not None else 0
+        window = self._checkpoint_windows[k]
         if window:
             # The step's commits run first and may publish released pages as checkpoints
             # (then they stay cached): at most a window's pages per boundary crossed.
-            grain = self.prefix.granularity_tokens
-            crossed = int((plan.first // grain - self._committed.take(plan.rows) // grain).clip(0).sum())
-            freed -= crossed * (-(-window // self.specs[k].page_tokens) + 1)
+            if releases.crossed_grains is None:
+                grain = self.prefix.granularity_tokens
+                releases.crossed_grains = int(np.maximum(plan.first // grain - self._committed.take(plan.rows) // grain,
+                                                         0).sum())
+            freed -= releases.crossed_grains * (-(-window // self.specs[k].page_tokens) + 1)
         return max(freed, 0)
 
     def _fit_with_credit(self, releases: _Releases, fits: np.ndarray, deny: dict[int, str]) -> None:
@@ -1361,12 +1363,33 @@ def _small_token_list(token_ids: Any) -> list[int] | None:
     return list(token_ids)
 
 
+def _checked_prompt(request_id: str, prompt_token_ids: Any, prompt_tokens: Any) -> tuple[np.ndarray | None, int]:
+    """A new request's prompt token ids (None when only its length is given) and its
+    length, checked: ids and ``prompt_tokens`` agree, at least one token."""
+    ids = None
+    if prompt_token_ids is not None:
+        ids = _token_array(prompt_token_ids)
+        if prompt_tokens is not None and _nonneg_int("prompt_tokens", prompt_tokens) != ids.size:
+            raise CacheManagerError(f"prompt_tokens={prompt_tokens} disagrees with {ids.size} prompt token ids")
+        prompt_len = int(ids.size)
+    elif prompt_tokens is not None:
+        prompt_len = _nonneg_int("prompt_tokens", prompt_tokens)
+    else:
+        raise CacheManagerError("give prompt_token_ids or prompt_tokens")
+    if prompt_len < 1:
+        raise CacheManagerError(f"request {request_id!r}: the prompt must have at least one token")
+    return ids, prompt_len
+
+
 def _token_array(token_ids: Any) -> np.ndarray:
     arr = np.asarray(token_ids)
     if arr.ndim != 1:
         raise CacheManagerError(f"token ids must be 1-D, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    kind = arr.dtype.kind
+    if arr.size and kind not in "iu":
         raise CacheManagerError(f"token ids must be integers, got dtype {arr.dtype}")
-    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
+    # Signed ids of at most 32 bits cannot pass the top of the range, unsigned ones cannot go below 0.
+    if arr.size and ((kind == "i" and arr.min() < 0)
+                     or ((kind == "u" or arr.dtype.itemsize > 4) and arr.max() > _MAX_TOKEN_ID)):
         raise CacheManagerError("token ids must be in [0, 2**31)")
     return arr.astype(np.int32, copy=False)
