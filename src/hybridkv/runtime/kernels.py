@@ -456,6 +456,25 @@ def merge_free(stack, top, run):
 
 
 @njit(cache=True)
+def push_free(stack, top, offsets, lowest, per_group, freed):
+    """Each group's freed local ids (``freed``, group after group, ``per_group[g]`` of
+    them, in logical order) onto its free stack, as ``PagePool`` pushes them: merged in
+    id order into a ``lowest`` group's sorted stack, else the first listed on top."""
+    start = 0
+    for g in range(per_group.size):
+        n = per_group[g]
+        if n:
+            base, t = offsets[g], top[g]
+            if lowest[g]:
+                top[g] = merge_free(stack[base:], t, np.sort(freed[start : start + n]))
+            else:
+                for i in range(n):
+                    stack[base + t + i] = freed[start + n - 1 - i]
+                top[g] = t + n
+        start += n
+
+
+@njit(cache=True)
 def drop_holds(ref, keyed, offsets, per_group, pages, freed, keyed_pages, counts):
     """One reference less on each listed page (local ids, group-major, ``per_group[g]``
     of group ``g``, whose ids start at ``offsets[g]`` in ``ref`` and ``keyed``). The pages
