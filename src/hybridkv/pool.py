@@ -316,20 +316,18 @@ class PagePool:
         """Keyed pages (logical order) whose last reference just went join the LRU,
         the last listed first, so a chain's tail is evicted before its head."""
         tick = next(_IDLE_CLOCK)
-        order = pages[::-1]
-        self.idle_tick[order] = tick
-        self._evictable.update(dict.fromkeys(order))  # at the LRU's back, in this order
-        low = self.low_priority[order]
-        lows = np.asarray(order)[low].tolist() if low.any() else []
-        for page in lows:  # low priority: at the LRU's front instead, the last listed first
-            self._evictable.move_to_end(page, last=False)
-            if self.lowest_first:
-                heapq.heappush(self._low_idle, page)
-        self._low_idle_pages += len(lows)
+        idle_tick = self.idle_tick
+        for page in reversed(pages):
+            idle_tick[page] = tick
+            self._evictable[page] = None
+            if self.low_priority[page]:
+                self._low_idle_pages += 1
+                self._evictable.move_to_end(page, last=False)
+                if self.lowest_first:
+                    heapq.heappush(self._low_idle, page)
         if self.ranker is not None:
-            page_key = self._page_key
-            normal = np.asarray(order)[~low].tolist() if lows else order
-            self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in normal], tick)
+            low, page_key = self.low_priority, self._page_key
+            self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in reversed(pages) if not low[p]], tick)
 
     def _push_free(self, pages: np.ndarray) -> None:
         n = pages.size
