@@ -724,13 +724,13 @@ class CacheManager:
         if not short:
             return []
         scan = IdleScan(releasing={}, clean=True)
-        spare = {}
-        for k, gid, left in donors:
-            if self.tables[gid].sliding:
-                freed = scan.releasing[gid] = releases.unkeyed_pages(k)
-                left += freed.size
-            spare[gid] = left
+        spare = {gid: left for _, gid, left in donors}
         if not self._spare_slabs_cover(short, own):
+            # Donor slabs may be taken: what each donor's releases free counts as idle.
+            for k, gid, _ in donors:
+                if self.tables[gid].sliding:
+                    freed = scan.releasing[gid] = releases.unkeyed_pages(k)
+                    spare[gid] += freed.size
             self._cheap_donor_pages(short, spare, scan)
         spare = {gid: max(left, 0) for gid, left in spare.items()}
         return self.arena.plan(short, spare, scan, partial=True, owner=own)
@@ -743,7 +743,8 @@ class CacheManager:
     def _spare_slabs_cover(self, short: dict, owner: np.ndarray | None) -> bool:
         """True when spare slabs alone surely cover every ``short`` group (a slab holds
         at least ``slab_bytes // page_bytes - 1`` whole pages of a group): the arena's
-        plan then takes no donor slab, so the donors' values need not be worked out."""
+        plan then takes no donor slab, so the donors' values and releases need not be
+        worked out."""
         geometry = self.arena.geometry
         spare = self.arena.num_spare_slabs if owner is None else int(np.count_nonzero(owner < 0))
         need = 0
