@@ -173,44 +173,29 @@ class _Verdict:
 
 class _Releases:
     """What a planned step's releases free in each group, worked out at most once per
-    admission (pure): per row, the pages below its new base that only it holds (its
-    release credit), those pages, and the ones among them without a key (they go on
-    the free stack; keyed ones stay cached)."""
+    admission (pure)."""
 
     def __init__(self, tableset: TableSet, space: PageSpace, pools: Sequence[PagePool], plan: _StepPlan):
         self._tableset, self._space, self._pools, self.plan = tableset, space, pools, plan
         self._found: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self.crossed_grains: int | None = None  # prefix grains the rows' commits complete (``_freed_first``)
 
-    def credit(self, k: int) -> np.ndarray:
-        """Pages each plan row's release frees in group ``k`` (sole references)."""
-        return self._of(k)[0]
-
-    def sole_pages(self, k: int) -> np.ndarray:
-        """Group ``k``'s pages the releases free (local ids, rows in plan order)."""
-        return self._of(k)[1]
-
-    def unkeyed_pages(self, k: int) -> np.ndarray:
-        """``sole_pages(k)`` without a key: the ones that go on the free stack."""
-        return self._of(k)[2]
-
-    def _of(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def of(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Group ``k``: per plan row, the pages below its new base that only it holds (its
+        release credit); those pages (local ids, rows in order); the ones among them
+        without a key (they go on the free stack, keyed ones stay cached)."""
         found = self._found.get(k)
         if found is None:
-            found = self._found[k] = self._work_out(k)
+            plan, ts = self.plan, self._tableset
+            credit = np.zeros(plan.rows.size, dtype=np.int64)
+            sole = np.empty(int(plan.sums[0, k]), dtype=np.int64)  # only windowed groups release
+            n_sole = 0
+            if sole.size:
+                n_sole, _ = kernels.release_credit(ts.geometry, ts.pages, ts.bounds, self._space.ref_counts, k,
+                                                   plan.rows, plan.after[0, k], credit, sole)
+            sole = sole[:n_sole]
+            found = self._found[k] = (credit, sole, sole[~self._pools[k].cached[sole]])
         return found
-
-    def _work_out(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        plan, ts = self.plan, self._tableset
-        credit = np.zeros(plan.rows.size, dtype=np.int64)
-        released_pages = int(plan.sums[0, k])  # only windowed groups release
-        sole = np.empty(released_pages, dtype=np.int64)
-        n_sole = 0
-        if released_pages:
-            n_sole, _ = kernels.release_credit(ts.geometry, ts.pages, ts.bounds, self._space.ref_counts, k,
-                                               plan.rows, plan.after[0, k], credit, sole)
-        sole = sole[:n_sole]
-        return credit, sole, sole[~self._pools[k].cached[sole]]
 
 
 class CacheManager:
@@ -376,31 +361,19 @@ class CacheManager:
             buf = np.empty(max(total, 1), dtype=np.int32)
             buf[: ids.size] = ids
         req = _Request(request_id, row, prompt_len, total, buf, prompt_len, hashes)
-        hit = self._borrow_prefix(req) if hashes is not None else PrefixHit.none(self.specs)
-        self._register(req, hit.hit_tokens)
+        hit = PrefixHit.none(self.specs) if hashes is None else self.prefix.match_and_borrow(hashes, buf[:prompt_len], row)
+        if hit.junction_tokens:
+            req.keep_boundaries = frozenset([hit.junction_tokens])  # pinned when it crosses them
+        if hashes is not None:
+            req.own_checkpoints = self.prefix.hold_hit(hashes, hit.hit_tokens)
+        self._computed[row] = self._committed[row] = hit.hit_tokens
+        self._requests[request_id] = self._row_owner[row] = req
+        self._row_of[request_id] = row
+        self._max_total[row] = total
+        self._known[row] = prompt_len if buf is not None else total
         if self.tier_link is not None and buf is not None:
             self.tier_link.on_add(request_id, req.hashes, buf[:prompt_len], hit.hit_tokens, max_new, cache_salt)
         return hit
-
-    def _borrow_prefix(self, req: _Request) -> PrefixHit:
-        """Match a new request's prompt and borrow the cached prefix into its row; it
-        keeps the hit's checkpoint (and pins its junction when it crosses it)."""
-        hit = self.prefix.match_and_borrow(req.hashes, req.token_ids[: req.prompt_tokens], req.row)
-        if hit.junction_tokens:
-            req.keep_boundaries = frozenset([hit.junction_tokens])
-        req.own_checkpoints = self.prefix.hold_hit(req.hashes, hit.hit_tokens)
-        return hit
-
-    def _register(self, req: _Request, hit_tokens: int) -> None:
-        """A new request's record and row counters (``hit_tokens`` computed already)."""
-        row = req.row
-        self._computed[row] = hit_tokens
-        self._committed[row] = hit_tokens
-        self._requests[req.request_id] = req
-        self._row_of[req.request_id] = row
-        self._row_owner[row] = req
-        self._max_total[row] = req.max_total_tokens
-        self._known[row] = req.prompt_tokens if req.token_ids is not None else req.max_total_tokens
 
     def append_token_ids(self, request_id: str, token_ids: Iterable[int] | np.ndarray) -> None:
         """Extend a request's known tokens (sampled outputs, draft tokens)."""
@@ -606,13 +579,9 @@ class CacheManager:
         rows = np.asarray(row_list, dtype=np.int64)
         return answers, ok_idx, rows, np.asarray(count_list, dtype=np.int64)
 
-    def _by_group(self, stacked: np.ndarray) -> dict[str, np.ndarray]:
-        """Group id -> row ``g`` of a ``[G, R]`` plan array (views)."""
-        return dict(zip(self._group_ids, stacked))
-
     def _allocations(self, plan: _StepPlan) -> dict[str, np.ndarray]:
         """Group id -> pages each plan row allocates."""
-        return self._by_group(plan.after[1] - self._tableset.bounds[1][:, plan.rows])
+        return dict(zip(self._group_ids, plan.after[1] - self._tableset.bounds[1][:, plan.rows]))
 
     def _deny_past_capture_width(self, plan: _StepPlan, fits: np.ndarray, deny: dict[int, str]) -> None:
         """Deny every request whose table in some group would be wider than its capture width."""
@@ -650,7 +619,7 @@ class CacheManager:
         plan = releases.plan
         if not plan.sums[0, k]:
             return 0
-        freed = releases.unkeyed_pages(k).size
+        freed = releases.of(k)[2].size
         window = self._checkpoint_windows[k]
         if window:
             # The step's commits run first and may publish released pages as checkpoints
@@ -687,8 +656,8 @@ class CacheManager:
             # releases cover it takes no slab from another (which would evict there).
             # Spare slabs evict nothing: a plan of those alone stands.
             scan = IdleScan(releasing={})
-            need = {g: alloc[g] - releases.credit(k) for k, g in enumerate(self._group_ids)}
-            scan.releasing.update((g, releases.sole_pages(k)) for k, g in enumerate(self._group_ids)
+            need = {g: alloc[g] - releases.of(k)[0] for k, g in enumerate(self._group_ids)}
+            scan.releasing.update((g, releases.of(k)[1]) for k, g in enumerate(self._group_ids)
                                   if plan.sums[0, k])
             if not totals_fit(need):
                 self._deny_greedily(alloc, need, avail, fits, deny, arena, scan, plan)
@@ -729,7 +698,7 @@ class CacheManager:
             # Donor slabs may be taken: what each donor's releases free counts as idle.
             for k, gid, _ in donors:
                 if self.tables[gid].sliding:
-                    freed = scan.releasing[gid] = releases.unkeyed_pages(k)
+                    freed = scan.releasing[gid] = releases.of(k)[2]
                     spare[gid] += freed.size
             self._cheap_donor_pages(short, spare, scan)
         spare = {gid: max(left, 0) for gid, left in spare.items()}

@@ -187,7 +187,7 @@ class PrefixCache:
         self.tables = tables
         self._hash = _hash_fn(hash_algo)
         self.hash_algo = hash_algo
-        self._unsalted_root = self._root(b"")  # most requests have no salt: their chains start here
+        self._unsalted_root = self._hash(b"hybridkv-prefix-root\x00")  # h[-1] of every unsalted request
         self.history_ids = [s.group_id for s in self.specs if not s.is_sliding]
         # State groups that store checkpoints; one whose checkpoint window is 0 needs
         # nothing from before a boundary and is restorable at every one.
@@ -242,13 +242,8 @@ class PrefixCache:
         if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
             raise ValueError(f"cache_salt must be str or bytes, got {type(cache_salt).__name__}")
         salt = cache_salt.encode() if isinstance(cache_salt, str) else (cache_salt or b"")
-        if not salt:
-            return RequestHashes(self._unsalted_root, self.granularity_tokens, self._hash)
-        return RequestHashes(self._root(salt), self.granularity_tokens, self._hash)
-
-    def _root(self, salt: bytes) -> int:
-        """``h[-1]``: the hash a request's chain starts from."""
-        return self._hash(b"hybridkv-prefix-root\x00" + salt)
+        root = self._hash(b"hybridkv-prefix-root\x00" + salt) if salt else self._unsalted_root
+        return RequestHashes(root, self.granularity_tokens, self._hash)
 
     # --- matching ---------------------------------------------------------------
     def match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> PrefixHit:
