@@ -361,7 +361,8 @@ class CacheManager:
             buf = np.empty(max(total, 1), dtype=np.int32)
             buf[: ids.size] = ids
         req = _Request(request_id, row, prompt_len, total, buf, prompt_len, hashes)
-        hit = PrefixHit.none(self.specs) if hashes is None else self.prefix.match_and_borrow(hashes, buf[:prompt_len], row)
+        hit = (PrefixHit.none(self.specs) if hashes is None
+               else self.prefix.match_and_borrow(hashes, buf[:prompt_len], row))
         if hit.junction_tokens:
             req.keep_boundaries = frozenset([hit.junction_tokens])  # pinned when it crosses them
         if hashes is not None:
