@@ -1,7 +1,7 @@
 """Step cost of ``CacheManager.schedule`` / ``schedule_uniform``, for profiling.
 
     .venv/bin/python bench/step_profile.py [--sizes 32,128,512,1024] [--steps 300]
-        [--phase decode|serving|both] [--profile cprofile|none] [--clock wall|cpu] [--json PATH]
+        [--phase decode|serving|prefill|both] [--profile cprofile|none] [--clock wall|cpu] [--json PATH]
         [--against PACKAGE]
 
 Manager as ``bench/vs_vllm/sides.py`` builds it: DeepSeek-V4-Flash (FP8 indexer),
@@ -14,6 +14,10 @@ every step ``block_tables="updates"``. Public API only.
   512-1,536-token prompt (``add_request``), and one ``schedule`` runs the
   ``N - 1`` decoders (1 token) plus the newcomer's whole prompt; timed: the three
   calls. Token appends are untimed in both phases.
+* prefill: unique 32,768-token prompts (added and freed untimed), one after the
+  other, scheduled in 2,048-token chunks, one chunk a step (as
+  ``bench/vs_vllm``'s prefill phase); timed: the chunk's ``schedule``. The size
+  only sets the manager's running limit.
 
 Prints p50/p99 per phase and size (and with ``--profile cprofile`` the top of a
 cProfile of the timed calls). The figures are wall time on whatever machine runs
@@ -140,6 +144,49 @@ def serving_steps(work: Workload, steps: int, profiler=None) -> list[int]:
     return out
 
 
+PREFILL_PROMPT_TOKENS, CHUNK_TOKENS = 32_768, 2048
+
+
+class PrefillWork:
+    """Long unique prompts on one manager, one at a time."""
+
+    def __init__(self, running: int, seed: int = 0, package: str = "hybridkv"):
+        self.manager = build_manager(running, package)
+        self.rng = np.random.default_rng(seed)
+        self.request_id: str | None = None
+        self.next_id = 0
+
+    def next_chunk(self) -> str:
+        """The request whose next chunk is due (a new one once the last is prefilled)."""
+        m = self.manager
+        if self.request_id is None or m.num_computed_tokens(self.request_id) >= PREFILL_PROMPT_TOKENS:
+            if self.request_id is not None:
+                m.free(self.request_id)
+            self.request_id = f"p{self.next_id}"
+            self.next_id += 1
+            prompt = self.rng.integers(0, 100_000, PREFILL_PROMPT_TOKENS, dtype=np.int32)
+            m.add_request(self.request_id, prompt, max_new_tokens=1)
+        return self.request_id
+
+
+def prefill_steps(work: PrefillWork, steps: int, profiler=None) -> list[int]:
+    m, out = work.manager, []
+    for _ in range(steps):
+        items = [(work.next_chunk(), CHUNK_TOKENS)]
+        if profiler:
+            profiler.enable()
+        start = CLOCK()
+        m.schedule(items, block_tables="updates")
+        out.append(CLOCK() - start)
+        if profiler:
+            profiler.disable()
+    return out
+
+
+PHASES = {"decode": (Workload, decode_steps), "serving": (Workload, serving_steps),
+          "prefill": (PrefillWork, prefill_steps)}
+
+
 def summarize(ns: list[int]) -> dict:
     us = np.asarray(ns, dtype=np.float64) / 1e3
     p50, p99 = np.percentile(us, [50, 99])
@@ -154,8 +201,8 @@ def run(sizes, steps, phases, profile, against=None) -> dict:
     sides = ("hybridkv",) if against is None else (against, "hybridkv")
     for n in sizes:
         for phase in phases:
-            fn = decode_steps if phase == "decode" else serving_steps
-            works = {side: Workload(n, package=side) for side in sides}
+            work_class, fn = PHASES[phase]
+            works = {side: work_class(n, package=side) for side in sides}
             times = {side: [] for side in sides}
             for side in sides:
                 fn(works[side], 20)  # warm (kernels compiled, caches filled)
@@ -179,7 +226,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="32,128,512,1024")
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--phase", choices=("decode", "serving", "both"), default="both")
+    ap.add_argument("--phase", choices=(*PHASES, "both"), default="both", help="both: decode and serving")
     ap.add_argument("--profile", choices=("cprofile", "none"), default="none")
     ap.add_argument("--json", default=None)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")

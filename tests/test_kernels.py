@@ -215,3 +215,59 @@ def test_plan_views_tile_their_buffer_without_overlap(cap, n_groups):
         view[...] = k  # every element of the buffer is written by exactly one view
     assert sorted(np.bincount(plan, minlength=len(views)).tolist()) == sorted(v.size for v in views)
     assert (plan >= 0).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sets(st.integers(1, 200), max_size=12), st.lists(st.integers(1, 200), max_size=8,
+                                                                              unique=True), st.booleans()),
+                min_size=1, max_size=4))
+def test_push_free_pushes_each_group_as_its_pool_would(groups):
+    """Per group: the free ids on its stack, the freed ones (logical order) and whether it
+    keeps its stack sorted. Reference: a sorted group's stack is every id, descending; any
+    other's is its old stack with the freed ids pushed in reverse (the first listed on top)."""
+    groups = [(sorted(free), [p for p in freed if p not in free], lowest) for free, freed, lowest in groups]
+    size = 40
+    stack = np.full(size * len(groups), -7, dtype=np.int32)
+    top = np.array([len(free) for free, _, _ in groups], dtype=np.int64)
+    offsets = np.arange(len(groups), dtype=np.int64) * size
+    for g, (free, _, lowest) in enumerate(groups):
+        stack[g * size : g * size + len(free)] = free[::-1] if lowest else free
+    freed = np.array([p for _, f, _ in groups for p in f], dtype=np.int64)
+    per_group = np.array([len(f) for _, f, _ in groups], dtype=np.int64)
+    kernels.push_free(stack, top, offsets, np.array([lw for _, _, lw in groups]), per_group, freed)
+    for g, (free, more, lowest) in enumerate(groups):
+        want = sorted(free + more)[::-1] if lowest else free + more[::-1]
+        assert top[g] == len(want)
+        assert stack[g * size : g * size + top[g]].tolist() == want
+        assert set(stack[g * size + top[g] : (g + 1) * size].tolist()) <= {-7}
+
+
+def _spare_slabs_reference(owner, group, inner, straddle, short):
+    """Arena.plan's spare-slab rule one slab at a time, with Python lists."""
+    owner, taken = list(owner), []
+    while short > 0:
+        spare = [s for s, o in enumerate(owner) if o < 0]
+        if not spare:
+            break
+        near = [s for s in spare if (s > 0 and owner[s - 1] == group) or (s + 1 < len(owner) and owner[s + 1] == group)]
+        slab = (near or spare)[0]
+        edges = sum(1 for b, n in ((slab, slab - 1), (slab + 1, slab + 1))
+                    if 0 <= n < len(owner) and n != slab and owner[n] == group and straddle[b] >= 0)
+        short -= inner[slab] + edges
+        owner[slab] = group
+        taken.append(slab)
+    return owner, taken, short
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(-1, 2), min_size=1, max_size=20), st.integers(0, 2), st.integers(0, 60), st.data())
+def test_take_spare_slabs_matches_the_one_slab_at_a_time_rule(owner, group, short, data):
+    n = len(owner)
+    inner = data.draw(st.lists(st.integers(0, 5), min_size=n, max_size=n))
+    straddle = [-1] + data.draw(st.lists(st.sampled_from([-1, 9]), min_size=n - 1, max_size=n - 1))
+    want_owner, want_taken, want_short = _spare_slabs_reference(owner, group, inner, straddle, short)
+    own = np.array(owner, dtype=np.int16)
+    taken = np.empty(n, dtype=np.int64)
+    n_taken, left = kernels.take_spare_slabs(own, group, np.array(inner, dtype=np.int64),
+                                             np.array(straddle, dtype=np.int64), short, taken)
+    assert (taken[:n_taken].tolist(), left, own.tolist()) == (want_taken, want_short, want_owner)

@@ -799,3 +799,19 @@ def test_check_invariants_catches_a_pool_array_rebound_off_the_page_space():
     pool.cached = pool.cached.copy()
     with pytest.raises(AssertionError, match="cached rebound"):
         m.check_invariants()
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64])
+def test_prompt_ids_of_every_integer_dtype_are_checked_against_the_int32_range(dtype):
+    # Reference: the range check on Python ints, whatever the array's dtype.
+    info = np.iinfo(dtype)
+    for value in sorted(v for v in {0, 7, int(info.max), int(info.min), -1, 2**31 - 1, 2**31} if info.min <= v <= info.max):
+        m = manager([SWA, KV], 40, ctx=64, step=16)
+        prompt = np.array([1, value, 2], dtype=dtype)
+        if 0 <= value < 2**31:
+            m.add_request("a", prompt, max_new_tokens=1)
+            assert m.has_request("a")
+        else:
+            with pytest.raises(CacheManagerError, match=r"token ids must be in \[0, 2\*\*31\)"):
+                m.add_request("a", prompt, max_new_tokens=1)
+            assert not m.has_request("a")

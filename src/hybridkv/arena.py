@@ -23,6 +23,7 @@ import numpy as np
 
 from hybridkv._checks import as_int
 from hybridkv.pool import PagePool
+from hybridkv.runtime import kernels
 
 DEFAULT_SLAB_ANCHOR_PAGES = 16
 # While at least this share of the slabs is spare, the arena is roomy (Arena.roomy).
@@ -177,6 +178,8 @@ class Arena:
                 raise ValueError(f"group {gid!r}: an arena pool starts empty with {geometry.view_pages(gid)} page ids")
         self._ranges = {gid: geometry.slab_page_ranges(gid) for gid in self.group_ids}
         self._straddle = {gid: geometry.boundary_pages(gid) for gid in self.group_ids}
+        self._inner = {gid: hi - lo for gid, (lo, hi) in self._ranges.items()}  # inner pages per slab
+        self._taken = np.empty(geometry.num_slabs, dtype=np.int64)  # plan's scratch: spare slabs taken
         self._index = {gid: i for i, gid in enumerate(self.group_ids)}
         self.owner = np.full(geometry.num_slabs, -1, dtype=np.int16)
         self.slab_moves = 0
@@ -268,39 +271,40 @@ class Arena:
             if short <= 0:
                 continue
             gi = self._index[gid]
-            while short > 0:
-                spare = own < 0
-                if not spare.any():
-                    break
-                near = np.zeros_like(spare)
-                near[1:] |= own[:-1] == gi
-                near[:-1] |= own[1:] == gi
-                pick = np.flatnonzero(spare & near)
-                slab = int(pick[0]) if pick.size else int(np.argmax(spare))
-                short -= self._count(gid, slab, own)
-                own[slab] = gi
-                grants.append((gid, slab, None))
-            for donor in self.group_ids:
-                if short <= 0:
-                    break
-                if donor == gid or deficit.get(donor, 0) > 0 or left[donor] <= 0:
-                    continue
-                inner_idle, edge_idle = self._idle(donor, scan)
-                di = self._index[donor]
-                for slab in np.flatnonzero((own == di) & inner_idle).tolist():
-                    give = self._count(donor, slab, own)
-                    if give > left[donor] or not edge_idle[self._edges(donor, slab, own)].all():
-                        continue
-                    left[donor] -= give
-                    own[slab] = -1
-                    short -= self._count(gid, slab, own)
-                    own[slab] = gi
-                    grants.append((gid, slab, donor))
-                    if short <= 0:
-                        break
+            n_taken, short = kernels.take_spare_slabs(own, gi, self._inner[gid], self._straddle[gid], short,
+                                                      self._taken)
+            grants.extend((gid, slab, None) for slab in self._taken[:n_taken].tolist())
+            if short > 0:
+                short = self._take_from_donors(gid, short, own, grants, deficit, left, scan)
             if short > 0 and not partial:
                 return None
         return grants
+
+    def _take_from_donors(self, gid: str, short: int, own: np.ndarray, grants: list[Grant],
+                          deficit: Mapping[str, int], left: dict[str, int], scan: IdleScan) -> int:
+        """:meth:`plan`'s second source: slabs of groups not short themselves whose pages
+        are all idle, while each keeps ``left`` >= 0 (both updated, like ``own`` and
+        ``grants``); the pages ``gid`` is still short."""
+        gi = self._index[gid]
+        for donor in self.group_ids:
+            if short <= 0:
+                break
+            if donor == gid or deficit.get(donor, 0) > 0 or left[donor] <= 0:
+                continue
+            inner_idle, edge_idle = self._idle(donor, scan)
+            di = self._index[donor]
+            for slab in np.flatnonzero((own == di) & inner_idle).tolist():
+                give = self._count(donor, slab, own)
+                if give > left[donor] or not edge_idle[self._edges(donor, slab, own)].all():
+                    continue
+                left[donor] -= give
+                own[slab] = -1
+                short -= self._count(gid, slab, own)
+                own[slab] = gi
+                grants.append((gid, slab, donor))
+                if short <= 0:
+                    break
+        return short
 
     def replay(self, grants: Sequence[Grant]) -> tuple[np.ndarray, dict[str, int]]:
         """Slab owners after ``grants`` (pure), and the pages each group gains (a donor's

@@ -167,6 +167,33 @@ class _Verdict:
         return f"{len(reasons)} of {n_items} requests not admissible: {'; '.join(reasons[:3])}"
 
 
+class _Releases:
+    """What a planned step's releases free in each group, worked out at most once per
+    admission (pure)."""
+
+    def __init__(self, tableset: TableSet, space: PageSpace, pools: Sequence[PagePool], plan: _StepPlan):
+        self._tableset, self._space, self._pools, self.plan = tableset, space, pools, plan
+        self._found: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.crossed_grains: int | None = None  # prefix grains the rows' commits complete (``_freed_first``)
+
+    def of(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Group ``k``: per plan row, the pages below its new base that only it holds (its
+        release credit); those pages (local ids, rows in order); the ones among them
+        without a key (they go on the free stack, keyed ones stay cached)."""
+        found = self._found.get(k)
+        if found is None:
+            plan, ts = self.plan, self._tableset
+            credit = np.zeros(plan.rows.size, dtype=np.int64)
+            sole = np.empty(int(plan.sums[0, k]), dtype=np.int64)  # only windowed groups release
+            n_sole = 0
+            if sole.size:
+                n_sole, _ = kernels.release_credit(ts.geometry, ts.pages, ts.bounds, self._space.ref_counts, k,
+                                                   plan.rows, plan.after[0, k], credit, sole)
+            sole = sole[:n_sole]
+            found = self._found[k] = (credit, sole, sole[~self._pools[k].cached[sole]])
+        return found
+
+
 class CacheManager:
     """Pages, tables and slots for every request and every cache group."""
 
@@ -241,6 +268,9 @@ class CacheManager:
                 eviction_policy=eviction_policy,
             )
         self._grain = self.prefix.granularity_tokens if self.prefix is not None else 0  # tokens per prefix grain
+        # Per group, the trailing tokens a checkpoint of it stores (0: none).
+        windows = self.prefix.checkpoint_windows if self.prefix is not None else {}
+        self._checkpoint_windows = tuple(windows.get(gid, 0) for gid in ids)
         # Requests waiting for a tier load (hybridkv.tierlink): admission refuses them.
         self.pending_loads: set[str] = set()
         # Pages held outside any request (an offload's rows being copied): see hold_pages.
@@ -315,20 +345,7 @@ class CacheManager:
             raise CacheManagerError(f"request id must be a non-empty str, got {request_id!r}")
         if request_id in self._requests:
             raise CacheManagerError(f"request {request_id!r} already exists")
-        ids = None
-        if prompt_token_ids is not None:
-            ids = _token_array(prompt_token_ids)
-            if prompt_tokens is not None and _nonneg_int("prompt_tokens", prompt_tokens) != ids.size:
-                raise CacheManagerError(
-                    f"prompt_tokens={prompt_tokens} disagrees with {ids.size} prompt token ids"
-                )
-            prompt_len = int(ids.size)
-        elif prompt_tokens is not None:
-            prompt_len = _nonneg_int("prompt_tokens", prompt_tokens)
-        else:
-            raise CacheManagerError("give prompt_token_ids or prompt_tokens")
-        if prompt_len < 1:
-            raise CacheManagerError(f"request {request_id!r}: the prompt must have at least one token")
+        ids, prompt_len = _checked_prompt(request_id, prompt_token_ids, prompt_tokens)
         max_new = _nonneg_int("max_new_tokens", max_new_tokens)
         total = prompt_len + max_new
         if total > self.max_context_tokens:
@@ -345,17 +362,15 @@ class CacheManager:
             buf = np.empty(max(total, 1), dtype=np.int32)
             buf[: ids.size] = ids
         req = _Request(request_id, row, prompt_len, total, buf, prompt_len, hashes)
-        hit = PrefixHit.none(self.specs)
-        if self.prefix is not None and buf is not None:
-            hit = self.prefix.match_and_borrow(req.hashes, buf[:prompt_len], row)
-            if hit.junction_tokens:
-                req.keep_boundaries = frozenset([hit.junction_tokens])
-            req.own_checkpoints = self.prefix.hold_hit(req.hashes, hit.hit_tokens)
-        self._computed[row] = hit.hit_tokens
-        self._committed[row] = hit.hit_tokens
-        self._requests[request_id] = req
+        hit = (PrefixHit.none(self.specs) if hashes is None
+               else self.prefix.match_and_borrow(hashes, buf[:prompt_len], row))
+        if hit.junction_tokens:
+            req.keep_boundaries = frozenset([hit.junction_tokens])  # pinned when it crosses them
+        if hashes is not None:
+            req.own_checkpoints = self.prefix.hold_hit(hashes, hit.hit_tokens)
+        self._computed[row] = self._committed[row] = hit.hit_tokens
+        self._requests[request_id] = self._row_owner[row] = req
         self._row_of[request_id] = row
-        self._row_owner[row] = req
         self._max_total[row] = total
         self._known[row] = prompt_len if buf is not None else total
         if self.tier_link is not None and buf is not None:
@@ -522,14 +537,15 @@ class CacheManager:
         if fixed_width:
             self._deny_past_capture_width(plan, fits, deny)
         sums = plan.sums[1].tolist()
-        covered = None if deny else self._coverage(sums, plan)
+        releases = _Releases(self._tableset, self._space, self._pool_list, plan)
+        covered = None if deny else self._coverage(sums, releases)
         if covered is not None:
             # No credit needed. On an arena with spare slabs, a group that would have to
             # evict valuable cached pages grows instead: they go only when memory is short.
             grow = covered is False and self.arena is not None
-            plan.grants = self._grow_instead_of_evicting(sums, plan=plan) if grow else []
+            plan.grants = self._grow_instead_of_evicting(sums, releases) if grow else []
         else:
-            self._fit_with_credit(plan, fits, deny)
+            self._fit_with_credit(releases, fits, deny)
         off = plan.settle
         return _Verdict(answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items() if k >= off}, plan)
 
@@ -565,13 +581,9 @@ class CacheManager:
         rows = np.asarray(row_list, dtype=np.int64)
         return answers, ok_idx, rows, np.asarray(count_list, dtype=np.int64)
 
-    def _by_group(self, stacked: np.ndarray) -> dict[str, np.ndarray]:
-        """Group id -> row ``g`` of a ``[G, R]`` plan array (views)."""
-        return dict(zip(self._group_ids, stacked))
-
     def _allocations(self, plan: _StepPlan) -> dict[str, np.ndarray]:
         """Group id -> pages each plan row allocates."""
-        return self._by_group(plan.after[1] - self._tableset.bounds[1][:, plan.rows])
+        return dict(zip(self._group_ids, plan.after[1] - self._tableset.bounds[1][:, plan.rows]))
 
     def _deny_past_capture_width(self, plan: _StepPlan, fits: np.ndarray, deny: dict[int, str]) -> None:
         """Deny every request whose table in some group would be wider than its capture width."""
@@ -586,7 +598,7 @@ class CacheManager:
                     f"capture width {self.table_widths[gid]}"
                 )
 
-    def _coverage(self, sums: list[int], plan: _StepPlan) -> bool | None:
+    def _coverage(self, sums: list[int], releases: _Releases) -> bool | None:
         """True: clean pages, the pages the step frees first, or idle low-priority ones
         (evicted first anyway), cover every group's ``sums`` (most decode steps). False:
         free and evictable pages cover them, but some group would evict valuable entries.
@@ -599,38 +611,36 @@ class CacheManager:
             if n > pool.num_free_pages:
                 return None
             low = self._low_room(pool)
-            if n > clean + low and n > clean + self._freed_first(plan, k) + low:
+            if n > clean + low and n > clean + self._freed_first(releases, k) + low:
                 covered = False
         return covered
 
-    def _freed_first(self, plan: _StepPlan, k: int) -> int:
+    def _freed_first(self, releases: _Releases, k: int) -> int:
         """Pages of group ``k`` the step's releases put on the free stack before it
         allocates (sole references without a key: keyed ones stay cached)."""
+        plan = releases.plan
         if not plan.sums[0, k]:
             return 0
-        gid, releasing = self._group_ids[k], {}
-        self._release_credit(gid, plan.rows, plan.after[0, k], releasing)
-        freed = releasing.get(gid)
-        if freed is None:
-            return 0
-        freed = int(np.count_nonzero(~self._pool_list[k].cached[freed]))
-        window = self.prefix.checkpoint_windows.get(gid, 0) if self.prefix is not None else 0
+        freed = releases.of(k)[2].size
+        window = self._checkpoint_windows[k]
         if window:
             # The step's commits run first and may publish released pages as checkpoints
             # (then they stay cached): at most a window's pages per boundary crossed.
-            grain = self.prefix.granularity_tokens
-            crossed = int((plan.first // grain - self._committed.take(plan.rows) // grain).clip(0).sum())
-            freed -= crossed * (-(-window // self.specs[k].page_tokens) + 1)
+            if releases.crossed_grains is None:
+                grain = self.prefix.granularity_tokens
+                releases.crossed_grains = int(np.maximum(plan.first // grain - self._committed.take(plan.rows) // grain,
+                                                         0).sum())
+            freed -= releases.crossed_grains * (-(-window // self.specs[k].page_tokens) + 1)
         return max(freed, 0)
 
-    def _fit_with_credit(self, plan: _StepPlan, fits: np.ndarray, deny: dict[int, str]) -> None:
+    def _fit_with_credit(self, releases: _Releases, fits: np.ndarray, deny: dict[int, str]) -> None:
         """Admission when the allocations alone do not fit: count the pages the step's
         releases free (release credit), lend arena slabs, and if the totals still do
         not fit, admit greedily in batch order. Sets ``plan.grants``."""
+        plan = releases.plan
         avail = {gid: pool.num_free_pages for gid, pool in zip(self._group_ids, self._pool_list)}
         arena, scan = self.arena, IdleScan()
-        alloc, new_base = self._allocations(plan), self._by_group(plan.after[0])
-
+        alloc = self._allocations(plan)
         all_fit = bool(fits.all())  # no capture-width denial: totals without a mask
 
         def total(per_row: np.ndarray) -> int:
@@ -648,7 +658,9 @@ class CacheManager:
             # releases cover it takes no slab from another (which would evict there).
             # Spare slabs evict nothing: a plan of those alone stands.
             scan = IdleScan(releasing={})
-            need = {g: alloc[g] - self._release_credit(g, plan.rows, new_base[g], scan.releasing) for g in avail}
+            need = {g: alloc[g] - releases.of(k)[0] for k, g in enumerate(self._group_ids)}
+            scan.releasing.update((g, releases.of(k)[1]) for k, g in enumerate(self._group_ids)
+                                  if plan.sums[0, k])
             if not totals_fit(need):
                 self._deny_greedily(alloc, need, avail, fits, deny, arena, scan, plan)
                 return
@@ -656,50 +668,43 @@ class CacheManager:
             # As when no credit is needed: a group that would evict cached pages grows instead.
             # Gross sums: the pages the releases free (not those they leave cached) count there.
             sums = [total(alloc[g]) for g in self._group_ids]
-            plan.grants = plan.grants + self._grow_instead_of_evicting(sums, after=plan.grants, plan=plan)
+            plan.grants = plan.grants + self._grow_instead_of_evicting(sums, releases, after=plan.grants)
 
-    def _grow_instead_of_evicting(self, sums: list[int], after: list | None = None, plan=None) -> list:
+    def _grow_instead_of_evicting(self, sums: list[int], releases: _Releases, after: list | None = None) -> list:
         """Slabs for groups that would have to evict cached pages to get ``sums`` pages
-        (counting what the grants ``after`` already give them): spare slabs first, then
-        slabs of other groups whose pages are all clean free (with ``plan``, whose
-        ``sums`` are gross, also once the step's releases have run) and that they do
-        not need this step. A cached page goes only when no memory is idle anywhere."""
-        arena = self.arena
-        own, gained = arena.replay(after) if after else (None, {})
-        # Low-priority cached pages (prompt checkpoints) are meant to go first: a group
-        # holding idle ones evicts them rather than grow.
+        (gross: the step's releases run first, so a sliding group's prefill chunk reuses
+        the previous chunk's pages rather than grow for both), counting what the grants
+        ``after`` already give them: spare slabs first, then slabs of other groups whose
+        pages are all clean free once the step's releases have run and that they do not
+        need this step. A cached page goes only when no memory is idle anywhere."""
+        own, gained = self.arena.replay(after) if after else (None, {})
         short, donors = {}, []
-        # Gross ``sums`` (with ``plan``): the step's releases run first, so a sliding group's
-        # prefill chunk reuses the previous chunk's pages rather than grow for both.
         for k, (gid, pool, n) in enumerate(zip(self._group_ids, self._pool_list, sums)):
             clean = pool.num_clean_free_pages + gained.get(gid, 0)
-            freed = self._freed_first(plan, k) if plan is not None and n > clean else 0
-            if n > clean + freed:
-                # What idle low-priority pages cannot cover would evict valuable entries.
-                low = self._low_room(pool)
-                if n > clean + freed + low:
-                    short[gid] = n - clean - freed - low
-                    continue
-            # Not short: it may give what it does not need (its own low-priority pages
-            # first cover its shortfall, so it may start below zero).
-            donors.append((gid, pool, clean - n))
+            freed = self._freed_first(releases, k) if n > clean else 0
+            # Low-priority cached pages (prompt checkpoints) are meant to go first: a group
+            # holding idle ones evicts them rather than grow. What they cannot cover would
+            # evict valuable entries.
+            low = self._low_room(pool) if n > clean + freed else 0
+            if n > clean + freed + low:
+                short[gid] = n - clean - freed - low
+            else:
+                # Not short: it may give what it does not need (its own low-priority pages
+                # first cover its shortfall, so it may start below zero).
+                donors.append((k, gid, clean - n))
         if not short:
             return []
-        scan = IdleScan(releasing={} if plan is not None else None, clean=True)
-        new_base = self._by_group(plan.after[0]) if plan is not None else {}
-        spare = {}
-        for gid, pool, left in donors:
-            if plan is not None and self.tables[gid].sliding:
-                self._release_credit(gid, plan.rows, new_base[gid], scan.releasing)
-                freed = scan.releasing.get(gid)
-                if freed is not None:
-                    freed = scan.releasing[gid] = freed[~pool.cached[freed]]  # keyed ones stay cached
-                    left += freed.size
-            spare[gid] = left
+        scan = IdleScan(releasing={}, clean=True)
+        spare = {gid: left for _, gid, left in donors}
         if not self._spare_slabs_cover(short, own):
+            # Donor slabs may be taken: what each donor's releases free counts as idle.
+            for k, gid, _ in donors:
+                if self.tables[gid].sliding:
+                    freed = scan.releasing[gid] = releases.of(k)[2]
+                    spare[gid] += freed.size
             self._cheap_donor_pages(short, spare, scan)
         spare = {gid: max(left, 0) for gid, left in spare.items()}
-        return arena.plan(short, spare, scan, partial=True, owner=own)
+        return self.arena.plan(short, spare, scan, partial=True, owner=own)
 
     def _low_room(self, pool: PagePool) -> int:
         """Idle low-priority pages a group evicts rather than grow: all of them unless the
@@ -709,7 +714,8 @@ class CacheManager:
     def _spare_slabs_cover(self, short: dict, owner: np.ndarray | None) -> bool:
         """True when spare slabs alone surely cover every ``short`` group (a slab holds
         at least ``slab_bytes // page_bytes - 1`` whole pages of a group): the arena's
-        plan then takes no donor slab, so the donors' values need not be worked out."""
+        plan then takes no donor slab, so the donors' values and releases need not be
+        worked out."""
         geometry = self.arena.geometry
         spare = self.arena.num_spare_slabs if owner is None else int(np.count_nonzero(owner < 0))
         need = 0
@@ -864,22 +870,6 @@ class CacheManager:
         rows, counts, first, after, need, sums, crossing, totals = self._scratch.plan
         return _StepPlan(rows[:n], counts[:n], first[:n], after[:, :, :n], need[:, :n], sums,
                          crossing[:n_crossing], settle, clean, tuple(totals.tolist()))
-
-    def _release_credit(
-        self, gid: str, rows: np.ndarray, new_base: np.ndarray, releasing: dict | None = None
-    ) -> np.ndarray:
-        """Per row, the pages its release this step frees (sole reference); those
-        pages go to ``releasing[gid]`` when given."""
-        credit = np.zeros(rows.size, dtype=np.int64)
-        if not self.tables[gid].sliding:
-            return credit
-        ts, g = self._tableset, self._group_ids.index(gid)
-        sole = np.empty(int((new_base - ts.bounds[0, g, rows]).sum()), dtype=np.int64)
-        n_sole, n_pages = kernels.release_credit(ts.geometry, ts.pages, ts.bounds, self._space.ref_counts, g, rows,
-                                                 new_base, credit, sole)
-        if releasing is not None and n_pages:
-            releasing[gid] = sole[:n_sole]
-        return credit
 
     # --- the step ------------------------------------------------------------
     def schedule(
@@ -1412,12 +1402,33 @@ def _small_token_list(token_ids: Any) -> list[int] | None:
     return list(token_ids)
 
 
+def _checked_prompt(request_id: str, prompt_token_ids: Any, prompt_tokens: Any) -> tuple[np.ndarray | None, int]:
+    """A new request's prompt token ids (None when only its length is given) and its
+    length, checked: ids and ``prompt_tokens`` agree, at least one token."""
+    ids = None
+    if prompt_token_ids is not None:
+        ids = _token_array(prompt_token_ids)
+        if prompt_tokens is not None and _nonneg_int("prompt_tokens", prompt_tokens) != ids.size:
+            raise CacheManagerError(f"prompt_tokens={prompt_tokens} disagrees with {ids.size} prompt token ids")
+        prompt_len = int(ids.size)
+    elif prompt_tokens is not None:
+        prompt_len = _nonneg_int("prompt_tokens", prompt_tokens)
+    else:
+        raise CacheManagerError("give prompt_token_ids or prompt_tokens")
+    if prompt_len < 1:
+        raise CacheManagerError(f"request {request_id!r}: the prompt must have at least one token")
+    return ids, prompt_len
+
+
 def _token_array(token_ids: Any) -> np.ndarray:
     arr = np.asarray(token_ids)
     if arr.ndim != 1:
         raise CacheManagerError(f"token ids must be 1-D, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    kind = arr.dtype.kind
+    if arr.size and kind not in "iu":
         raise CacheManagerError(f"token ids must be integers, got dtype {arr.dtype}")
-    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
+    # Signed ids of at most 32 bits cannot pass the top of the range, unsigned ones cannot go below 0.
+    if arr.size and ((kind == "i" and arr.min() < 0)
+                     or ((kind == "u" or arr.dtype.itemsize > 4) and arr.max() > _MAX_TOKEN_ID)):
         raise CacheManagerError("token ids must be in [0, 2**31)")
     return arr.astype(np.int32, copy=False)

@@ -616,17 +616,13 @@ class PageSpace:
 
     def release(self, pages: np.ndarray, per_group: Sequence[int]) -> None:
         """``pools[g].decref`` of each group's slice of ``pages`` (local ids, group-major,
-        ``per_group[g]`` of them), in one compiled pass (``kernels.drop_holds``)."""
+        ``per_group[g]`` of them), in two compiled passes (``kernels.drop_holds``, ``kernels.push_free``)."""
         freed = np.empty(pages.size, dtype=np.int64)
         keyed = np.empty(pages.size, dtype=np.int64)
         counts = np.zeros((2, len(self.pools)), dtype=np.int64)
         kernels.drop_holds(self.ref_counts, self.cached, self.offsets, np.asarray(per_group, dtype=np.int64),
                            pages, freed, keyed, counts)
-        n_freed = 0
-        for pool, f in zip(self.pools, counts[0].tolist()):
-            if f:
-                pool._push_free(freed[n_freed : n_freed + f])
-                n_freed += f
+        kernels.push_free(self.stack, self.tops, self.offsets, self.lowest_first, counts[0], freed)
         self.released(counts, keyed)
 
     def low_floors(self) -> np.ndarray:

@@ -187,6 +187,7 @@ class PrefixCache:
         self.tables = tables
         self._hash = _hash_fn(hash_algo)
         self.hash_algo = hash_algo
+        self._unsalted_root = self._hash(b"hybridkv-prefix-root\x00")  # h[-1] of every unsalted request
         self.history_ids = [s.group_id for s in self.specs if not s.is_sliding]
         # State groups that store checkpoints; one whose checkpoint window is 0 needs
         # nothing from before a boundary and is restorable at every one.
@@ -242,7 +243,7 @@ class PrefixCache:
         if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
             raise ValueError(f"cache_salt must be str or bytes, got {type(cache_salt).__name__}")
         salt = cache_salt.encode() if isinstance(cache_salt, str) else (cache_salt or b"")
-        root = self._hash(b"hybridkv-prefix-root\x00" + salt)
+        root = self._hash(b"hybridkv-prefix-root\x00" + salt) if salt else self._unsalted_root
         return RequestHashes(root, self.granularity_tokens, self._hash)
 
     # --- matching ---------------------------------------------------------------
@@ -251,24 +252,22 @@ class PrefixCache:
         g = self.granularity_tokens
         max_blocks = (prompt_ids.size - 1) // g
         hashes.extend_to(prompt_ids, max_blocks * g)
+        keys = hashes.hashes[:max_blocks]  # keys[b - 1] names the prefix of b blocks
         alone: dict[str, int] = {}
-        limit = max_blocks
+        limit = max_blocks  # blocks every history group holds, from the first
         for gid in self.history_ids:
-            pool = self.pools[gid]
-            n = 0
-            while n < max_blocks and pool.lookup(hashes.hashes[n]) is not None:
+            lookup, n = self.pools[gid].lookup, 0
+            while n < max_blocks and lookup(keys[n]) is not None:
                 n += 1
             alone[gid] = n * g
             limit = min(limit, n)
-        state_blocks: dict[str, set[int]] = {}
+        common = None  # boundaries (in blocks) where every state group holds a checkpoint
         for gid in self.state_ids:
-            pool = self.pools[gid]
-            have = {k for k in range(1, max_blocks + 1) if pool.lookup(hashes.hashes[k - 1]) is not None}
-            state_blocks[gid] = have
-            alone[gid] = max(have, default=0) * g
-        k = limit
-        while k > 0 and not all(k in state_blocks[gid] for gid in self.state_ids):
-            k -= 1
+            lookup = self.pools[gid].lookup
+            have = [b for b, key in enumerate(keys, 1) if lookup(key) is not None]
+            alone[gid] = (have[-1] if have else 0) * g
+            common = set(have) if common is None else common.intersection(have)
+        k = limit if common is None else max((b for b in common if b <= limit), default=0)
         for gid, n in self._windows.items():
             if n == 0:
                 alone[gid] = max_blocks * g  # restorable at any boundary

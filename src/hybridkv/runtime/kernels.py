@@ -483,6 +483,25 @@ def merge_free(stack, top, run):
 
 
 @njit(cache=True)
+def push_free(stack, top, offsets, lowest, per_group, freed):
+    """Each group's freed local ids (``freed``, group after group, ``per_group[g]`` of
+    them, in logical order) onto its free stack, as ``PagePool`` pushes them: merged in
+    id order into a ``lowest`` group's sorted stack, else the first listed on top."""
+    start = 0
+    for g in range(per_group.size):
+        n = per_group[g]
+        if n:
+            base, t = offsets[g], top[g]
+            if lowest[g]:
+                top[g] = merge_free(stack[base:], t, np.sort(freed[start : start + n]))
+            else:
+                for i in range(n):
+                    stack[base + t + i] = freed[start + n - 1 - i]
+                top[g] = t + n
+        start += n
+
+
+@njit(cache=True)
 def drop_holds(ref, keyed, offsets, per_group, pages, freed, keyed_pages, counts):
     """One reference less on each listed page (local ids, group-major, ``per_group[g]``
     of group ``g``, whose ids start at ``offsets[g]`` in ``ref`` and ``keyed``). The pages
@@ -530,6 +549,40 @@ def release_credit(geometry, pages, bounds, ref, g, rows, new_base, credit, sole
                 n_sole += 1
         credit[r] = n_sole - before
     return n_sole, n_pages
+
+
+@njit(cache=True)
+def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
+    """Spare slabs (``owner < 0``) for ``group`` until it is no longer ``short_pages``
+    pages short: each time the lowest spare slab next to one it owns, else the lowest
+    spare slab. A slab gives its ``inner_pages`` plus the straddling page of each
+    boundary it shares with a slab the group owns (``straddle[b] >= 0``: boundary
+    ``b``, left of slab ``b``, has one). ``owner`` is updated, the slabs go to
+    ``taken`` in order; returns (slabs taken, pages still short: <= 0 when covered)."""
+    n, n_taken = owner.size, 0
+    while short_pages > 0:
+        pick, lowest = -1, -1
+        for s in range(n):
+            if owner[s] < 0:
+                if lowest < 0:
+                    lowest = s
+                if (s > 0 and owner[s - 1] == group) or (s < n - 1 and owner[s + 1] == group):
+                    pick = s
+                    break
+        if pick < 0:
+            pick = lowest
+        if pick < 0:
+            break
+        gain = inner_pages[pick]
+        if pick > 0 and owner[pick - 1] == group and straddle[pick] >= 0:
+            gain += 1
+        if pick < n - 1 and owner[pick + 1] == group and straddle[pick + 1] >= 0:
+            gain += 1
+        short_pages -= gain
+        owner[pick] = group
+        taken[n_taken] = pick
+        n_taken += 1
+    return n_taken, short_pages
 
 
 @njit(cache=True)
