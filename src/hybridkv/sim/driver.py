@@ -123,6 +123,77 @@ class SimulationError(ValueError):
     """The workload cannot run on this cache at all (a request never fits)."""
 
 
+class _Run:
+    """A run's state across steps: the request lines, the records and the per-step series."""
+
+    def __init__(self, requests: Sequence[Request], finished_ids: set[str] | None, group_ids: tuple[str, ...]):
+        self.group_ids = group_ids
+        self.pending = deque(sorted(requests, key=lambda r: r.arrival_step))
+        self.shared = finished_ids is not None
+        self.finished_ids = set() if finished_ids is None else finished_ids
+        self.blocked: list[Request] = []  # arrived, after a request that has not finished
+        self.waiting: deque[_Live] = deque()  # arrived, not started (or preempted)
+        self.held: list[_Live] = []  # added, waiting for blocks another request computes (tier markers)
+        self.running: list[_Live] = []
+        self.records: list[RequestRecord] = []
+        self.first_hit: dict[str, int] = {}
+        self.first_tier_hit: dict[str, int] = {}
+        self.total_sched: dict[str, int] = {}
+        self.preempt_count: dict[str, int] = {}
+        self.series: dict[str, list] = {k: [] for k in ("running", "sched", "hit", "prompt", "preempt", "shrunk", "us")}
+        self.used: dict[str, list[int]] = {g: [] for g in group_ids}
+        self.step = 0
+
+    def has_work(self) -> bool:
+        return bool(self.pending or self.waiting or self.running or self.blocked or self.held)
+
+    def note(self, work: _StepWork, manager: CacheManager) -> None:
+        """Append a scheduled step's figures to the series."""
+        s = self.series
+        s["running"].append(len(work.items))
+        s["sched"].append(sum(n for _, n in work.items))
+        s["hit"].append(work.hit_tokens)
+        s["prompt"].append(work.prompt_tokens)
+        s["preempt"].append(work.preempted)
+        s["shrunk"].append(int(work.memory_short))
+        s["us"].append(work.us)
+        for gid, st in manager.stats().items():
+            self.used[gid].append(st.used_pages)
+
+
+class _StepWork:
+    """One step's batch as it is built: (request, tokens) pairs, the budget left, and
+    what the step counts (manager time, preemptions, hits of the requests started)."""
+
+    def __init__(self, budget_tokens: int):
+        self.batch: list[tuple[_Live, int]] = []
+        self.items: list[tuple[str, int]] = []
+        self.budget = budget_tokens
+        self.us = 0.0
+        self.preempted = 0
+        self.memory_short = False  # a chunk was shrunk to fit: no room to start others
+        self.refusal = "not tried"
+        self.hit_tokens = 0
+        self.prompt_tokens = 0
+
+    def add(self, live: _Live, n_tokens: int) -> None:
+        self.batch.append((live, n_tokens))
+        self.items.append((live.rid, n_tokens))
+        self.budget -= n_tokens
+
+    def drop(self, live: _Live) -> None:
+        self.batch = [(lv, n) for lv, n in self.batch if lv is not live]
+        self.items = [(lv.rid, n) for lv, n in self.batch]
+
+    def timed(self, call: Callable, *args):
+        """``call(*args)``, its wall time added to the step's manager time."""
+        t0 = time.perf_counter()
+        try:
+            return call(*args)
+        finally:
+            self.us += (time.perf_counter() - t0) * 1e6
+
+
 class Simulator:
     """Drive ``manager`` with ``requests`` under a per-step token budget.
 
@@ -183,227 +254,223 @@ class Simulator:
         ``finished_ids`` shared by several simulators (a cluster) lets a request wait for one
         that another runs: an instance with only such requests then idles a step at a time
         (instead of skipping ahead or giving up) until its driver stops calling it."""
-        mgr = self.manager
-        gids = tuple(s.group_id for s in mgr.specs)
-        pending = deque(sorted(self.requests, key=lambda r: r.arrival_step))
-        shared = finished_ids is not None
-        finished_ids = set() if finished_ids is None else finished_ids
-        waiting: deque[_Live] = deque()  # arrived, not started (or preempted)
-        running: list[_Live] = []
-        records: list[RequestRecord] = []
-        first_hit: dict[str, int] = {}
-        first_tier_hit: dict[str, int] = {}
-        total_sched: dict[str, int] = {}
-        preempt_count: dict[str, int] = {}
-        series = {k: [] for k in ("running", "sched", "hit", "prompt", "preempt", "shrunk", "us")}
-        used = {g: [] for g in gids}
-        blocked: list[Request] = []
-        held: list[_Live] = []  # added, waiting for blocks another request computes (tier markers)
-        step = 0
-        while pending or waiting or running or blocked or held:
-            if len(series["running"]) >= self.max_steps:
+        run = _Run(self.requests, finished_ids, tuple(s.group_id for s in self.manager.specs))
+        while run.has_work():
+            if len(run.series["running"]) >= self.max_steps:
                 raise SimulationError(
                     f"the run reached max_steps={self.max_steps:,} scheduled steps with "
-                    f"{len(records):,} of {len(self.requests):,} requests finished; "
+                    f"{len(run.records):,} of {len(self.requests):,} requests finished; "
                     "raise max_steps or run fewer requests"
                 )
-            # Arrivals whose dependency finished.
-            while pending and pending[0].arrival_step <= step:
-                blocked.append(pending.popleft())
-            still = []
-            for r in blocked:
-                if r.after_request_id is None or r.after_request_id in finished_ids:
-                    waiting.append(_Live(r))
-                else:
-                    still.append(r)
-            blocked = still
-            if held:
-                held = self._resume_held(held, waiting)
-            if not (waiting or running):
-                # Idle: nothing to schedule until the next arrival, so skip to it.
-                if shared or held:
-                    step += 1
+            self._arrive(run)
+            if not (run.waiting or run.running):
+                if self._idle(run):
+                    run.step += 1
                     yield False
-                    continue
-                if pending:
-                    step = max(step + 1, pending[0].arrival_step)
-                    continue
-                raise SimulationError(
-                    f"request {blocked[0].request_id!r} waits for "
-                    f"{blocked[0].after_request_id!r}, which never runs"
-                )
-            us = 0.0
-            preempted_now = 0
-            memory_short = False  # a chunk was shrunk to fit: no room to start others
-            refusal = "not tried"
-            # Running requests: decodes (1 token each) first, then prefill chunks.
-            batch: list[tuple[_Live, int]] = []
-            budget = self.budget
-            for live in running:
-                if self._prefill_left(live) == 0:
-                    batch.append((live, 1))
-                    budget -= 1
-            for live in running:
-                left = self._prefill_left(live)
-                if left > 0 and budget > 0:
-                    batch.append((live, min(left, budget)))
-                    budget -= min(left, budget)
-            items = [(live.rid, n) for live, n in batch]
-            while items:
-                t0 = time.perf_counter()
-                answers = mgr.check_admission(items)
-                us += (time.perf_counter() - t0) * 1e6
-                if all(a.ok for a in answers):
+                continue
+            work = _StepWork(self.budget)
+            self._batch_running(run, work)
+            self._preempt_until_fits(run, work)
+            self._start_waiting(run, work)
+            if not work.items:
+                if not (run.running or run.waiting or run.blocked or run.pending or run.held):
                     break
-                t0 = time.perf_counter()
-                shrunk = self._shrink_last_chunk(batch, items)
-                us += (time.perf_counter() - t0) * 1e6
-                if shrunk:
-                    memory_short = True
-                    break
-                victim = running.pop()  # the most recently started
-                if not running:
-                    reason = next(a.reason for a in answers if not a.ok)
+                if not run.running and run.waiting:
                     raise SimulationError(
-                        f"request {victim.rid!r} cannot grow even with no other request running: "
-                        f"the cache is too small for it ({reason})"
+                        f"request {run.waiting[0].rid!r} cannot start even with no request running: "
+                        f"the cache is too small for it ({work.refusal})"
                     )
-                batch = [(lv, n) for lv, n in batch if lv is not victim]
-                items = [(lv.rid, n) for lv, n in batch]
-                t0 = time.perf_counter()
-                mgr.free(victim.rid)
-                us += (time.perf_counter() - t0) * 1e6
-                preempted_now += 1
-                preempt_count[victim.rid] = preempt_count.get(victim.rid, 0) + 1
-                victim.incarnation += 1
-                waiting.appendleft(victim)
-            # Start waiting requests while room remains.
-            hits_now = prompt_now = 0
-            while (waiting and len(running) < self.max_running and budget > 0
-                   and not preempted_now and not memory_short):
-                live = waiting[0]
-                seq = live.sequence()
-                remaining = live.request.output_tokens - live.produced
-                t0 = time.perf_counter()
-                denied = False
-                if not live.added:  # (added: resumed from waiting for another request's blocks)
-                    live.hit_tokens = mgr.add_request(live.rid, seq, max_new_tokens=remaining).hit_tokens
-                    if self.tier is not None:
-                        self.tier.forget(live.rid)
-                live.added = False
-                if self.tier is not None:
-                    us += (time.perf_counter() - t0) * 1e6
-                    # the device hit and what the store adds; a load that got no pages waits
-                    # for them (as a chunk that does not fit) while others run
-                    live.hit_tokens, denied, parked = self.tier.load(live.rid)
-                    t0 = time.perf_counter()
-                    if parked:  # waits for blocks another request computes; others may start
-                        live.added = True
-                        held.append(waiting.popleft())
-                        continue
-                live.scheduled_tokens = 0
-                live.context_tokens = seq.size
-                n = max(1, min(self._prefill_left(live), budget))
-                # Every item must still fit, not only the new one: its prefix hit borrowed
-                # cached pages that the batch admitted so far may have been counting on.
-                answers = mgr.check_admission(items + [(live.rid, n)])
-                answer = next((a for a in answers if not a.ok), answers[-1])
-                ok = answer.ok and not (denied and running)
-                if not ok and not running:
-                    # Alone, a first chunk larger than a pool would otherwise never start.
-                    fit = self._fitting_tokens(live.rid, n, n, items)
-                    ok = memory_short = fit > 0
-                    n = fit or n
-                if not ok:
-                    refusal = answer.reason if not answer.ok else "its tier load got no pages"
-                    mgr.free(live.rid)
-                us += (time.perf_counter() - t0) * 1e6
-                if not ok:
-                    break
-                waiting.popleft()
-                if live.incarnation == 0:
-                    first_hit[live.rid] = live.hit_tokens
-                    first_tier_hit[live.rid] = self.tier.loaded_tokens(live.rid) if self.tier is not None else 0
-                    hits_now += live.hit_tokens
-                    prompt_now += live.request.prompt_tokens
-                live.started_step = step if live.started_step < 0 else live.started_step
-                running.append(live)
-                batch.append((live, n))
-                items.append((live.rid, n))
-                budget -= n
-            if not items:
-                if not running and not waiting and not blocked and not pending and not held:
-                    break
-                if not running and waiting:
-                    raise SimulationError(
-                        f"request {waiting[0].rid!r} cannot start even with no request running: "
-                        f"the cache is too small for it ({refusal})"
-                    )
-                step += 1
+                run.step += 1
                 yield False
                 continue
-            t0 = time.perf_counter()
-            mgr.schedule(items)
-            us += (time.perf_counter() - t0) * 1e6
-            if self.tier is not None:
-                self.tier.offload()  # before the step writes a page
-            # "Sample": requests whose context is complete produce a token.
-            still_running = []
-            scheduled = {id(lv) for lv, _ in batch}
-            for live, n in batch:
-                live.scheduled_tokens += n
-                total_sched[live.rid] = total_sched.get(live.rid, 0) + n
-                computed = live.hit_tokens + live.scheduled_tokens
-                if computed >= live.context_tokens:
-                    live.produced += 1
-                    if live.produced >= live.request.output_tokens:
-                        t0 = time.perf_counter()
-                        mgr.free(live.rid)
-                        us += (time.perf_counter() - t0) * 1e6
-                        finished_ids.add(live.rid)
-                        records.append(self._record(live, step, first_hit, total_sched, preempt_count))
-                        records[-1].first_tier_hit_tokens = first_tier_hit.get(live.rid, 0)
-                        continue
-                    t0 = time.perf_counter()
-                    mgr.append_token_ids(live.rid, live.request.output_token_ids[live.produced - 1 : live.produced])
-                    us += (time.perf_counter() - t0) * 1e6
-                still_running.append(live)
-            running = [lv for lv in running if id(lv) not in scheduled] + still_running
-            if self.tier is not None:
-                self.tier.offload()  # what the finished requests published, out before others look
-            series["running"].append(len(items))
-            series["sched"].append(sum(n for _, n in items))
-            series["hit"].append(hits_now)
-            series["prompt"].append(prompt_now)
-            series["preempt"].append(preempted_now)
-            series["shrunk"].append(int(memory_short))
-            series["us"].append(us)
-            for gid, st in mgr.stats().items():
-                used[gid].append(st.used_pages)
-            step += 1
+            self._run_step(run, work)
+            run.note(work, self.manager)
+            run.step += 1
             if on_step is not None:
-                on_step(step, len(records))
+                on_step(run.step, len(run.records))
             yield True
-        stats = mgr.stats()
+        return self._result(run)
+
+    # --- the stages of a step --------------------------------------------------
+    def _arrive(self, run: _Run) -> None:
+        """Arrivals up to this step join the line once the request they follow finished;
+        requests waiting for a peer's blocks move on when the tier says so."""
+        while run.pending and run.pending[0].arrival_step <= run.step:
+            run.blocked.append(run.pending.popleft())
+        still = []
+        for r in run.blocked:
+            if r.after_request_id is None or r.after_request_id in run.finished_ids:
+                run.waiting.append(_Live(r))
+            else:
+                still.append(r)
+        run.blocked = still
+        if run.held:
+            run.held = self._resume_held(run.held, run.waiting)
+
+    def _idle(self, run: _Run) -> bool:
+        """Nothing to schedule: whether to idle one step (a cluster, or requests held);
+        else skip ahead to the next arrival (False), or fail when none will come."""
+        if run.shared or run.held:
+            return True
+        if run.pending:
+            run.step = max(run.step + 1, run.pending[0].arrival_step)
+            return False
+        blocked = run.blocked[0]
+        raise SimulationError(
+            f"request {blocked.request_id!r} waits for {blocked.after_request_id!r}, which never runs"
+        )
+
+    def _batch_running(self, run: _Run, work: _StepWork) -> None:
+        """Running requests: decodes (1 token each) first, then prefill chunks."""
+        for live in run.running:
+            if self._prefill_left(live) == 0:
+                work.add(live, 1)
+        for live in run.running:
+            left = self._prefill_left(live)
+            if left > 0 and work.budget > 0:
+                work.add(live, min(left, work.budget))
+
+    def _preempt_until_fits(self, run: _Run, work: _StepWork) -> None:
+        """Until the batch fits: shrink its last chunk, else preempt the most recently
+        started request (freed, back to the front of the line)."""
+        mgr = self.manager
+        while work.items:
+            answers = work.timed(mgr.check_admission, work.items)
+            if all(a.ok for a in answers):
+                return
+            if work.timed(self._shrink_last_chunk, work.batch, work.items):
+                work.memory_short = True
+                return
+            victim = run.running.pop()  # the most recently started
+            if not run.running:
+                reason = next(a.reason for a in answers if not a.ok)
+                raise SimulationError(
+                    f"request {victim.rid!r} cannot grow even with no other request running: "
+                    f"the cache is too small for it ({reason})"
+                )
+            work.drop(victim)
+            work.timed(mgr.free, victim.rid)
+            work.preempted += 1
+            run.preempt_count[victim.rid] = run.preempt_count.get(victim.rid, 0) + 1
+            victim.incarnation += 1
+            run.waiting.appendleft(victim)
+
+    def _start_waiting(self, run: _Run, work: _StepWork) -> None:
+        """Start waiting requests in line while room remains (none after a preemption or a
+        shrunk chunk)."""
+        while (run.waiting and len(run.running) < self.max_running and work.budget > 0
+               and not work.preempted and not work.memory_short):
+            live = run.waiting[0]
+            started = self._try_start(run, work, live)
+            if started is None:  # held for a peer's blocks: others may start
+                continue
+            if not started:
+                return
+            run.waiting.popleft()
+            if live.incarnation == 0:
+                run.first_hit[live.rid] = live.hit_tokens
+                run.first_tier_hit[live.rid] = self.tier.loaded_tokens(live.rid) if self.tier is not None else 0
+                work.hit_tokens += live.hit_tokens
+                work.prompt_tokens += live.request.prompt_tokens
+            live.started_step = run.step if live.started_step < 0 else live.started_step
+            run.running.append(live)
+
+    def _try_start(self, run: _Run, work: _StepWork, live: _Live) -> bool | None:
+        """Add ``live`` to the manager (its prefix hit, and a tier's load) and its first chunk
+        to the batch if everything still fits: True; False (freed again) when it does not;
+        None when it waits for blocks another request computes."""
+        mgr, seq = self.manager, live.sequence()
+        t0, denied = time.perf_counter(), False
+        if not live.added:  # (added: resumed from waiting for another request's blocks)
+            remaining = live.request.output_tokens - live.produced
+            live.hit_tokens = mgr.add_request(live.rid, seq, max_new_tokens=remaining).hit_tokens
+            if self.tier is not None:
+                self.tier.forget(live.rid)
+        live.added = False
+        if self.tier is not None:
+            work.us += (time.perf_counter() - t0) * 1e6
+            # the device hit and what the store adds; a load that got no pages waits
+            # for them (as a chunk that does not fit) while others run
+            live.hit_tokens, denied, parked = self.tier.load(live.rid)
+            t0 = time.perf_counter()
+            if parked:
+                live.added = True
+                run.held.append(run.waiting.popleft())
+                return None
+        live.scheduled_tokens = 0
+        live.context_tokens = seq.size
+        n = max(1, min(self._prefill_left(live), work.budget))
+        # Every item must still fit, not only the new one: its prefix hit borrowed
+        # cached pages that the batch admitted so far may have been counting on.
+        answers = mgr.check_admission(work.items + [(live.rid, n)])
+        answer = next((a for a in answers if not a.ok), answers[-1])
+        ok = answer.ok and not (denied and run.running)
+        if not ok and not run.running:
+            # Alone, a first chunk larger than a pool would otherwise never start.
+            fit = self._fitting_tokens(live.rid, n, n, work.items)
+            ok = work.memory_short = fit > 0
+            n = fit or n
+        if not ok:
+            work.refusal = answer.reason if not answer.ok else "its tier load got no pages"
+            mgr.free(live.rid)
+        work.us += (time.perf_counter() - t0) * 1e6
+        if ok:
+            work.add(live, n)
+        return ok
+
+    def _run_step(self, run: _Run, work: _StepWork) -> None:
+        """Schedule the batch, then "sample": requests whose context is complete produce a
+        token; those done are freed and recorded."""
+        mgr = self.manager
+        work.timed(mgr.schedule, work.items)
+        if self.tier is not None:
+            self.tier.offload()  # before the step writes a page
+        still_running = []
+        for live, n in work.batch:
+            live.scheduled_tokens += n
+            run.total_sched[live.rid] = run.total_sched.get(live.rid, 0) + n
+            if live.hit_tokens + live.scheduled_tokens < live.context_tokens:
+                still_running.append(live)
+                continue
+            live.produced += 1
+            if live.produced >= live.request.output_tokens:
+                work.timed(mgr.free, live.rid)
+                run.finished_ids.add(live.rid)
+                record = self._record(live, run.step, run.first_hit, run.total_sched, run.preempt_count)
+                record.first_tier_hit_tokens = run.first_tier_hit.get(live.rid, 0)
+                run.records.append(record)
+                continue
+            work.timed(mgr.append_token_ids, live.rid,
+                       live.request.output_token_ids[live.produced - 1 : live.produced])
+            still_running.append(live)
+        scheduled = {id(lv) for lv, _ in work.batch}
+        run.running = [lv for lv in run.running if id(lv) not in scheduled] + still_running
+        if self.tier is not None:
+            self.tier.offload()  # what the finished requests published, out before others look
+
+    def _result(self, run: _Run) -> SimResult:
+        mgr, gids = self.manager, run.group_ids
         if mgr.arena is not None:
             g = mgr.arena.geometry
             totals = {gid: g.total_bytes / g.page_bytes[gid] for gid in gids}
         else:
+            stats = mgr.stats()
             totals = {gid: stats[gid].total_pages for gid in gids}
+        series = {k: np.asarray(v, dtype=np.float64 if k == "us" else np.int64) for k, v in run.series.items()}
         return SimResult(
-            steps=len(series["running"]),
+            steps=len(run.series["running"]),
             group_ids=gids,
             group_total_pages=totals,
             shared_arena=mgr.arena is not None,
-            used_pages={g: np.asarray(v, dtype=np.int64) for g, v in used.items()},
-            running=np.asarray(series["running"], dtype=np.int64),
-            scheduled_tokens=np.asarray(series["sched"], dtype=np.int64),
-            hit_tokens=np.asarray(series["hit"], dtype=np.int64),
-            prompt_tokens_started=np.asarray(series["prompt"], dtype=np.int64),
-            preemptions=np.asarray(series["preempt"], dtype=np.int64),
-            manager_us=np.asarray(series["us"], dtype=np.float64),
-            requests=records,
-            shrunk_chunks=np.asarray(series["shrunk"], dtype=np.int64),
+            used_pages={g: np.asarray(v, dtype=np.int64) for g, v in run.used.items()},
+            running=series["running"],
+            scheduled_tokens=series["sched"],
+            hit_tokens=series["hit"],
+            prompt_tokens_started=series["prompt"],
+            preemptions=series["preempt"],
+            manager_us=series["us"],
+            requests=run.records,
+            shrunk_chunks=series["shrunk"],
         )
 
     def _resume_held(self, held: list[_Live], waiting: deque) -> list[_Live]:
