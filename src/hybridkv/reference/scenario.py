@@ -50,6 +50,55 @@ def corrupt_byte(runner: ScenarioRunner, fault: str, request_id: str) -> str:
     raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
 
 
+
+def _step_items(plans: dict, manager, hit_tags: dict, after_verify: set) -> tuple[list, dict, list]:
+    """The next action of every request's plan: the step's items, each request's tags,
+    and the requests that verify (their rejected tokens rewind after the step)."""
+    items, tags, verifies = [], {}, []
+    for rid, plan in plans.items():
+        if not plan or not manager.has_request(rid):
+            continue
+        action = plan.pop(0)
+        req_tags = {hit_tags[rid]} if rid in hit_tags else set()
+        if action == "verify":
+            items.append((rid, 3))
+            verifies.append(rid)
+            req_tags.add("verify 3, accept 1, continue")
+        elif isinstance(action, str):
+            items.append((rid, int(action.split(":")[1])))
+            req_tags.add("chunked prefill")
+        else:
+            items.append((rid, action))
+            req_tags.add("decode")
+            if rid in after_verify:
+                req_tags.add("verify 3, accept 1, continue")
+        tags[rid] = req_tags
+    return items, tags, verifies
+
+
+def _scenario_checks(runner: ScenarioRunner, hits: dict[str, int]) -> list[CheckResult]:
+    """What the scenario must have exercised: both hits, HCA and CSA reads, windows closed by
+    rejected tokens, non-contiguous tables, and every path."""
+    checks = [CheckResult(
+        "prefix hits at 256 and 512", hits == {"d": 512, "e": 256}, detail=f"hit tokens {hits}")]
+    checks.append(CheckResult(
+        "HCA reads >= 3 entries", runner.max_hca_entries_read >= 3,
+        detail=f"up to {runner.max_hca_entries_read} entries"))
+    topk = runner.model.config.index_topk
+    checks.append(CheckResult(
+        f"CSA indexer selects {topk} of > {4 * topk} visible entries", runner.csa_selecting_queries > 0,
+        detail=f"{runner.csa_selecting_queries} queries, up to {runner.max_csa_entries_visible} entries visible"))
+    closes = runner.rejected_window_closes
+    checks.append(CheckResult(
+        "rejected draft tokens closed CSA and HCA windows", closes.get(4, 0) > 0 and closes.get(128, 0) > 0,
+        detail=f"windows closed by a rejected token, by ratio: {dict(sorted(closes.items()))}"))
+    checks.append(CheckResult(
+        "shuffled pools give non-contiguous tables", runner.noncontiguous_steps > 0,
+        detail=f"{runner.noncontiguous_steps} of {runner.steps} steps"))
+    checks.extend(path_checks(runner))
+    return checks
+
+
 def run_step(runner: ScenarioRunner, items: list[tuple[str, int]], tags: dict, step: int) -> None:
     """One step: a step in which every request gets the same count takes the benchmarked
     path (``schedule_uniform``, table updates through the mirror, fixed widths; on odd
@@ -122,25 +171,7 @@ def run_verify_scenario(
         if step == 8:
             for rid in ("d", "e"):
                 hits[rid] = runner.add(rid, prompts[rid], max_new_tokens=64).hit_tokens
-        items, tags, verifies = [], {}, []
-        for rid, plan in plans.items():
-            if not plan or not runner.manager.has_request(rid):
-                continue
-            action = plan.pop(0)
-            req_tags = {hit_tags[rid]} if rid in hit_tags else set()
-            if action == "verify":
-                items.append((rid, 3))
-                verifies.append(rid)
-                req_tags.add("verify 3, accept 1, continue")
-            elif isinstance(action, str):
-                items.append((rid, int(action.split(":")[1])))
-                req_tags.add("chunked prefill")
-            else:
-                items.append((rid, action))
-                req_tags.add("decode")
-                if rid in after_verify:
-                    req_tags.add("verify 3, accept 1, continue")
-            tags[rid] = req_tags
+        items, tags, verifies = _step_items(plans, runner.manager, hit_tags, after_verify)
         run_step(runner, items, tags, step)
         after_verify = set(verifies)
         for rid in verifies:
@@ -155,22 +186,6 @@ def run_verify_scenario(
     if progress is not None:
         progress("scripted: comparing with dense")
     checks.extend(runner.compare(tolerance))
-    checks.append(CheckResult(
-        "prefix hits at 256 and 512", hits == {"d": 512, "e": 256}, detail=f"hit tokens {hits}"))
-    checks.append(CheckResult(
-        "HCA reads >= 3 entries", runner.max_hca_entries_read >= 3,
-        detail=f"up to {runner.max_hca_entries_read} entries"))
-    topk = runner.model.config.index_topk
-    checks.append(CheckResult(
-        f"CSA indexer selects {topk} of > {4 * topk} visible entries", runner.csa_selecting_queries > 0,
-        detail=f"{runner.csa_selecting_queries} queries, up to {runner.max_csa_entries_visible} entries visible"))
-    closes = runner.rejected_window_closes
-    checks.append(CheckResult(
-        "rejected draft tokens closed CSA and HCA windows", closes.get(4, 0) > 0 and closes.get(128, 0) > 0,
-        detail=f"windows closed by a rejected token, by ratio: {dict(sorted(closes.items()))}"))
-    checks.append(CheckResult(
-        "shuffled pools give non-contiguous tables", runner.noncontiguous_steps > 0,
-        detail=f"{runner.noncontiguous_steps} of {runner.steps} steps"))
-    checks.extend(path_checks(runner))
+    checks.extend(_scenario_checks(runner, hits))
     notes = (f"fault injected after step 150: {faulted}",) if faulted else ()
     return VerifyReport(tuple(checks), tolerance, notes)
