@@ -132,11 +132,22 @@ class GroupTable:
         return self._set.pages[self._cells(rep, logical)].astype(np.int64)
 
     def row_pages(self, row: int, lo: int, hi: int) -> list[int]:
-        """Held page ids of one row's logical pages ``[lo, hi)``."""
+        """Held page ids of one row's logical pages ``[lo, hi)`` (slices, no fancy indexing)."""
         if hi <= lo:
             return []
-        logical = np.arange(lo, hi, dtype=np.int64)
-        return self._set.pages[self._cells(np.full(logical.size, row, dtype=np.int64), logical)].tolist()
+        ts = self._set
+        if self.has_lanes and ts.bounds[kernels.WIDE, self._g, row]:
+            cols = self.capacity_pages
+            start = int(ts.geometry[self._g, kernels.LANE_START]) + row * cols
+        else:
+            cols = self.ring_pages
+            start = int(ts.geometry[self._g, kernels.RING_START]) + row * cols
+        if not self.sliding:
+            return ts.pages[start + lo: start + hi].tolist()
+        c0, c1 = lo % cols, hi % cols
+        if c0 < c1:
+            return ts.pages[start + c0: start + c1].tolist()
+        return ts.pages[start + c0: start + cols].tolist() + ts.pages[start: start + c1].tolist()
 
     # --- mutation -----------------------------------------------------------
     def take(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
