@@ -116,7 +116,8 @@ class GroupTable:
     def _cells(self, rows: np.ndarray, logical: np.ndarray) -> np.ndarray:
         """Index in the store of logical pages ``logical`` of ``rows`` (same shapes)."""
         geo = self._set.geometry[self._g]
-        ring = geo[kernels.RING_START] + rows * geo[kernels.RING_COLUMNS] + (logical & geo[kernels.RING_MASK])
+        ring = (geo[kernels.RING_START] + rows * geo[kernels.ROW_STRIDE]
+                + (logical & geo[kernels.RING_MASK]) * geo[kernels.COLUMN_STRIDE])
         if not self.has_lanes:
             return ring
         lane = geo[kernels.LANE_START] + rows * self.capacity_pages + (logical & (self.capacity_pages - 1))
@@ -136,14 +137,15 @@ class GroupTable:
         if hi <= lo:
             return []
         ts = self._set
+        if not self.sliding:  # column-major: one cell per table row
+            rows, at = ts.rows_capacity, int(ts.geometry[self._g, kernels.RING_START]) + row
+            return ts.pages[at + lo * rows: at + hi * rows: rows].tolist()
         if self.has_lanes and ts.bounds[kernels.WIDE, self._g, row]:
             cols = self.capacity_pages
             start = int(ts.geometry[self._g, kernels.LANE_START]) + row * cols
         else:
             cols = self.ring_pages
             start = int(ts.geometry[self._g, kernels.RING_START]) + row * cols
-        if not self.sliding:
-            return ts.pages[start + lo: start + hi].tolist()
         c0, c1 = lo % cols, hi % cols
         if c0 < c1:
             return ts.pages[start + c0: start + c1].tolist()
@@ -227,7 +229,6 @@ class TableSet:
             self.geometry[g, : kernels.RING_START] = (
                 t.page_tokens, t.window_tokens, mask, t.rows_per_page, t.stride_tokens, offset,
                 _log2(t.page_tokens), _log2(t.rows_per_page), _log2(t.stride_tokens))
-            self.geometry[g, kernels.RING_COLUMNS] = t.ring_pages
             self.geometry[g, kernels.RING_MASK] = ring_mask
             self.geometry[g, kernels.VIEW_COLUMNS] = self.view_columns
         rows = max(1, int(initial_rows))
@@ -244,11 +245,14 @@ class TableSet:
 
     def _new_store(self, rows: int) -> np.ndarray:
         """An empty flat store for ``rows`` rows; writes its layout into ``geometry``.
-        Every group's narrow rings first (filled with -1), then the lanes (left
-        unwritten: only a wide row's live cells are ever read)."""
+        Every group's narrow rings (sliding, row-major) or tables (full history,
+        column-major) first, filled with -1, then the lanes (left unwritten: only a
+        wide row's live cells are ever read)."""
         at = 0
         for g, t in enumerate(self.tables):
             self.geometry[g, kernels.RING_START] = at
+            self.geometry[g, kernels.ROW_STRIDE] = t.ring_pages if t.sliding else 1
+            self.geometry[g, kernels.COLUMN_STRIDE] = 1 if t.sliding else rows
             at += rows * t.ring_pages
         rings = at
         for g, t in enumerate(self.tables):
@@ -259,8 +263,7 @@ class TableSet:
         return pages
 
     def _rings(self, pages: np.ndarray, g: int, rows: int) -> np.ndarray:
-        start, cols = self.geometry[g, kernels.RING_START], self.geometry[g, kernels.RING_COLUMNS]
-        return pages[start: start + rows * cols].reshape(rows, cols)
+        return _rings_of(pages, self.geometry, g, rows, self.tables[g])
 
     def _lanes(self, pages: np.ndarray, g: int, rows: int) -> np.ndarray:
         start, cols = self.geometry[g, kernels.LANE_START], self.tables[g].capacity_pages
@@ -345,8 +348,7 @@ class TableSet:
         self.base, self.hi = self.bounds[kernels.BASE], self.bounds[kernels.HI]
         self.pages = self._new_store(new)
         for g, t in enumerate(self.tables):
-            self._rings(self.pages, g, new)[:have] = _region(old_pages, old_geometry, g, kernels.RING_START,
-                                                             have, t.ring_pages)
+            self._rings(self.pages, g, new)[:have] = _rings_of(old_pages, old_geometry, g, have, t)
             wide = np.flatnonzero(self.bounds[kernels.WIDE, g, :have])
             if wide.size:
                 old = _region(old_pages, old_geometry, g, kernels.LANE_START, have, t.capacity_pages)
@@ -381,6 +383,13 @@ class TableSet:
         out = np.empty((rows.size, width), dtype=np.int32)
         kernels.block_table(self.geometry, self.pages, self.bounds, g, rows, out)
         return out
+
+
+def _rings_of(pages: np.ndarray, geometry: np.ndarray, g: int, rows: int, table: GroupTable) -> np.ndarray:
+    """``[rows, ring pages]`` view of group ``g``'s rings (a transposed view for full history)."""
+    start, cols = geometry[g, kernels.RING_START], table.ring_pages
+    region = pages[start: start + rows * cols]
+    return region.reshape(rows, cols) if table.sliding else region.reshape(cols, rows).T
 
 
 def _region(pages: np.ndarray, geometry: np.ndarray, g: int, start_column: int, rows: int, cols: int) -> np.ndarray:

@@ -19,9 +19,11 @@ Arrays (``G`` groups, ``R`` scheduled rows, ``N`` scheduled tokens):
   tokens, rows per page and stride (-1 where not a power of two: a division then),
   then where the group's cells sit in ``pages`` (below).
 * ``pages`` int32, flat: every group's table cells (``hybridkv.tables.TableSet``
-  lays them out). Group ``g``'s rows each own a ring of ``RING_COLUMNS`` cells at
-  ``RING_START + row * RING_COLUMNS`` holding logical page ``L`` at ``L & RING_MASK``
-  (full history: ``RING_MASK`` -1, the whole table). A sliding row whose live pages
+  lays them out). Group ``g``'s logical page ``L`` of a row is at ``RING_START + row *
+  ROW_STRIDE + (L & RING_MASK) * COLUMN_STRIDE``: a sliding group gives each row a
+  narrow ring of ``ROW_STRIDE`` cells (column stride 1); a full-history group
+  (``RING_MASK`` -1) is stored column-major (row stride 1, column stride the table
+  rows), so rows at the same logical page share cache lines. A sliding row whose live pages
   outgrow that narrow ring (a step of many tokens) is *wide*: its cells move to its
   lane of ``COLUMN_MASK + 1`` cells at ``LANE_START + row * (COLUMN_MASK + 1)``
   until a release brings it back under (``fit_ring``); ``cell`` finds a page either
@@ -51,8 +53,8 @@ from numba import njit
 
 PAGE_TOKENS, WINDOW_TOKENS, COLUMN_MASK, ROWS_PER_PAGE, STRIDE_TOKENS, ID_OFFSET = range(6)
 PAGE_SHIFT, ROWS_SHIFT, STRIDE_SHIFT = range(6, 9)  # log2 of the three sizes, -1 if not a power of two
-RING_START, RING_COLUMNS, RING_MASK, LANE_START, VIEW_COLUMNS = range(9, 14)  # the store's layout
-GEOMETRY_COLUMNS = 14
+RING_START, ROW_STRIDE, RING_MASK, LANE_START, VIEW_COLUMNS, COLUMN_STRIDE = range(9, 15)  # the store's layout
+GEOMETRY_COLUMNS = 15
 BASE, HI, WIDE = range(3)  # planes of ``bounds``
 
 STEP_DONE = 0
@@ -74,7 +76,8 @@ def cell(geometry, bounds, g, row, logical):
     if bounds[WIDE, g, row]:
         mask = geometry[g, COLUMN_MASK]
         return geometry[g, LANE_START] + row * (mask + 1) + (logical & mask)
-    return geometry[g, RING_START] + row * geometry[g, RING_COLUMNS] + (logical & geometry[g, RING_MASK])
+    return (geometry[g, RING_START] + row * geometry[g, ROW_STRIDE]
+            + (logical & geometry[g, RING_MASK]) * geometry[g, COLUMN_STRIDE])
 
 
 @njit(cache=True)
@@ -95,12 +98,12 @@ def fit_ring(geometry, pages, bounds, g, row, live_pages):
         return
     mask, narrow_mask = geometry[g, COLUMN_MASK], geometry[g, RING_MASK]
     lane = geometry[g, LANE_START] + row * (mask + 1)
-    ring = geometry[g, RING_START] + row * geometry[g, RING_COLUMNS]
+    ring, stride = geometry[g, RING_START] + row * geometry[g, ROW_STRIDE], geometry[g, COLUMN_STRIDE]
     for logical in range(bounds[BASE, g, row], bounds[HI, g, row]):
         if wide:
-            pages[lane + (logical & mask)] = pages[ring + (logical & narrow_mask)]
+            pages[lane + (logical & mask)] = pages[ring + (logical & narrow_mask) * stride]
         else:
-            pages[ring + (logical & narrow_mask)] = pages[lane + (logical & mask)]
+            pages[ring + (logical & narrow_mask) * stride] = pages[lane + (logical & mask)]
     bounds[WIDE, g, row] = wide
 
 
