@@ -184,7 +184,7 @@ def test_a_long_chunk_moves_a_row_to_its_lane_and_decode_moves_it_back():
     ts, table = m._tableset, m.tables["swa"]
     assert (table.capacity_pages, table.ring_pages) == (32, 4)
     m.add_request("a", prompt_tokens=100, max_new_tokens=8)
-    m.add_request("b", prompt_tokens=3, max_new_tokens=8)
+    m.add_request("b", prompt_tokens=40, max_new_tokens=8)
     (_, in_use_before) = ts.store_bytes()
     m.schedule([("b", 3)])
     batch = m.schedule([("a", 40), ("b", 1)])  # a: tokens [0, 40) on 10 pages, all live this step
@@ -200,6 +200,11 @@ def test_a_long_chunk_moves_a_row_to_its_lane_and_decode_moves_it_back():
     base, now = m.request_pages("a", "swa")
     assert base == 8 and now[:2].tolist() == held[8:].tolist()
     assert batch.groups["swa"].block_table[0].tolist() == now.tolist()
+    # b's chunk takes the lane a left (the lowest free one), then a free hands a's back.
+    m.schedule([("a", 1), ("b", 30)])
+    assert ts.lanes(0).max() == 0 and ts.wide_rows(0).size == 1
+    m.free("b")
+    assert ts.wide_rows(0).size == 0 and ts.store_bytes()[1] == in_use_before
     m.check_invariants()
 
 

@@ -120,8 +120,9 @@ class GroupTable:
                 + (logical & geo[kernels.RING_MASK]) * geo[kernels.COLUMN_STRIDE])
         if not self.has_lanes:
             return ring
-        lane = geo[kernels.LANE_START] + rows * self.capacity_pages + (logical & (self.capacity_pages - 1))
-        return np.where(self._set.bounds[kernels.WIDE, self._g, rows] != 0, lane, ring)
+        lanes = self._set.bounds[kernels.LANE, self._g, rows]
+        lane = geo[kernels.LANE_START] + (lanes - 1) * self.capacity_pages + (logical & (self.capacity_pages - 1))
+        return np.where(lanes > 0, lane, ring)
 
     def pages_in(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Held page ids of logical pages ``[lo_r, hi_r)`` per row, row-major, in logical order."""
@@ -140,9 +141,10 @@ class GroupTable:
         if not self.sliding:  # column-major: one cell per table row
             rows, at = ts.rows_capacity, int(ts.geometry[self._g, kernels.RING_START]) + row
             return ts.pages[at + lo * rows: at + hi * rows: rows].tolist()
-        if self.has_lanes and ts.bounds[kernels.WIDE, self._g, row]:
+        lane = int(ts.bounds[kernels.LANE, self._g, row])
+        if lane:
             cols = self.capacity_pages
-            start = int(ts.geometry[self._g, kernels.LANE_START]) + row * cols
+            start = int(ts.geometry[self._g, kernels.LANE_START]) + (lane - 1) * cols
         else:
             cols = self.ring_pages
             start = int(ts.geometry[self._g, kernels.RING_START]) + row * cols
@@ -193,7 +195,8 @@ class TableSet:
 
     ``pages`` is the flat store of cells (layout: the kernels' docstring and
     ``geometry``), ``bounds[0][g]``, ``bounds[1][g]`` group ``g``'s live pages
-    ``[base, hi)`` per row and ``bounds[2][g]`` which rows are wide; each
+    ``[base, hi)`` per row, ``bounds[2][g]`` each row's lane (plus one; 0: narrow)
+    and ``bounds[3][g]`` the group's free lanes; each
     ``GroupTable`` in ``tables`` reads and writes the same arrays, so per-group code
     (prefix publishing, rewind, free) and whole-step code see the same state.
 
@@ -232,7 +235,8 @@ class TableSet:
             self.geometry[g, kernels.RING_MASK] = ring_mask
             self.geometry[g, kernels.VIEW_COLUMNS] = self.view_columns
         rows = max(1, int(initial_rows))
-        self.bounds = np.zeros((3, len(self.tables), rows), dtype=np.int64)
+        self.bounds = np.zeros((4, len(self.tables), rows), dtype=np.int64)
+        self._add_lanes(0, rows)
         self.pages = self._new_store(rows)
         self.log: list[np.ndarray] | None = None
         self._resync = False
@@ -262,6 +266,18 @@ class TableSet:
         pages[:rings] = -1
         return pages
 
+    def _add_lanes(self, have: int, new: int) -> None:
+        """Lanes ``[have, new)`` join each lane group's free stack, below the free ones
+        (the lowest free lane stays on top)."""
+        for g, t in enumerate(self.tables):
+            if not t.has_lanes:
+                continue
+            free = int(self.geometry[g, kernels.FREE_COUNT])
+            stack = self.bounds[kernels.FREE_LANES, g]
+            stack[new - have: new - have + free] = stack[:free].copy()
+            stack[: new - have] = np.arange(new - 1, have - 1, -1)
+            self.geometry[g, kernels.FREE_COUNT] = free + new - have
+
     def _rings(self, pages: np.ndarray, g: int, rows: int) -> np.ndarray:
         return _rings_of(pages, self.geometry, g, rows, self.tables[g])
 
@@ -273,14 +289,18 @@ class TableSet:
         """(bytes allocated for the store, bytes of it in use: the narrow rings and
         the lanes of wide rows)."""
         rows = self.rows_capacity
-        wide = sum(int(np.count_nonzero(self.bounds[kernels.WIDE, g])) * t.capacity_pages
+        wide = sum(int(np.count_nonzero(self.bounds[kernels.LANE, g])) * t.capacity_pages
                    for g, t in enumerate(self.tables))
         rings = sum(rows * t.ring_pages for t in self.tables)
         return self.pages.nbytes + self.bounds.nbytes, (rings + wide) * 4 + self.bounds.nbytes
 
     def wide_rows(self, g: int) -> np.ndarray:
         """Debug view: the rows whose group ``g`` pages sit in their lane now."""
-        return np.flatnonzero(self.bounds[kernels.WIDE, g])
+        return np.flatnonzero(self.bounds[kernels.LANE, g])
+
+    def lanes(self, g: int) -> np.ndarray:
+        """Debug view: each row's lane in group ``g`` (-1: narrow)."""
+        return self.bounds[kernels.LANE, g] - 1
 
     def ring_view(self) -> np.ndarray:
         """Debug view: int32 ``[G, rows, view columns]``, group ``g``'s logical page ``L`` of
@@ -344,15 +364,17 @@ class TableSet:
             return
         new = max(rows, 2 * have)
         old_pages, old_geometry = self.pages, self.geometry.copy()
-        self.bounds = np.concatenate([self.bounds, np.zeros((3, len(self.tables), new - have), np.int64)], axis=2)
+        self.bounds = np.concatenate([self.bounds, np.zeros((4, len(self.tables), new - have), np.int64)], axis=2)
         self.base, self.hi = self.bounds[kernels.BASE], self.bounds[kernels.HI]
+        self._add_lanes(have, new)
         self.pages = self._new_store(new)
         for g, t in enumerate(self.tables):
             self._rings(self.pages, g, new)[:have] = _rings_of(old_pages, old_geometry, g, have, t)
-            wide = np.flatnonzero(self.bounds[kernels.WIDE, g, :have])
-            if wide.size:
+            lanes = self.bounds[kernels.LANE, g, :have]
+            used = lanes[lanes > 0] - 1
+            if used.size:
                 old = _region(old_pages, old_geometry, g, kernels.LANE_START, have, t.capacity_pages)
-                self._lanes(self.pages, g, new)[wide] = old[wide]
+                self._lanes(self.pages, g, new)[used] = old[used]
         if self.log:
             # Logged ring-view indices move with the wider rows dimension.
             group, cell = np.divmod(np.concatenate(self.log), have * self.view_columns)
@@ -375,7 +397,11 @@ class TableSet:
         counts = self.bounds[kernels.HI][:, rows] - lo
         per_group = counts.sum(axis=1)
         pages = self.take_flat(rows, lo, counts=counts, total=int(per_group.sum()))
-        self.bounds[:, :, rows] = 0
+        for g, t in enumerate(self.tables):
+            if t.has_lanes:
+                for row in rows[self.bounds[kernels.LANE, g, rows] > 0].tolist():
+                    kernels.fit_ring(self.geometry, self.pages, self.bounds, g, row, 0)  # its lane goes back
+        self.bounds[: kernels.LANE, :, rows] = 0
         return pages, per_group
 
     def block_table(self, g: int, rows: np.ndarray, width: int) -> np.ndarray:

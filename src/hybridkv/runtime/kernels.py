@@ -12,24 +12,28 @@ the plan needs nothing from Python in between (most steps).
 
 Arrays (``G`` groups, ``R`` scheduled rows, ``N`` scheduled tokens):
 
-* ``geometry`` int64 ``[G, 9]``: page tokens ``T``, window tokens ``W`` (0: full
+* ``geometry`` int64 ``[G, 16]``: page tokens ``T``, window tokens ``W`` (0: full
   history), ring column mask (``capacity - 1`` for sliding groups, -1 for full
   history), rows per page, entry stride tokens, the group's first id in the page
   space (ids of group ``g`` are ``offset + local id``), then the log2 of page
   tokens, rows per page and stride (-1 where not a power of two: a division then),
-  then where the group's cells sit in ``pages`` (below).
+  then where the group's cells sit in ``pages`` (below), and (the one column the
+  kernels change) how many of its lanes are free.
 * ``pages`` int32, flat: every group's table cells (``hybridkv.tables.TableSet``
   lays them out). Group ``g``'s logical page ``L`` of a row is at ``RING_START + row *
   ROW_STRIDE + (L & RING_MASK) * COLUMN_STRIDE``: a sliding group gives each row a
   narrow ring of ``ROW_STRIDE`` cells (column stride 1); a full-history group
   (``RING_MASK`` -1) is stored column-major (row stride 1, column stride the table
   rows), so rows at the same logical page share cache lines. A sliding row whose live pages
-  outgrow that narrow ring (a step of many tokens) is *wide*: its cells move to its
-  lane of ``COLUMN_MASK + 1`` cells at ``LANE_START + row * (COLUMN_MASK + 1)``
-  until a release brings it back under (``fit_ring``); ``cell`` finds a page either
-  way. Only cells of live pages mean anything.
-* ``bounds`` int64 ``[3, G, table rows]``: live logical pages ``[base, hi)``, and
-  whether the row is wide (1) in that group.
+  outgrow that narrow ring (a step of many tokens) is *wide*: its cells move to a
+  lane of ``COLUMN_MASK + 1`` cells, lane ``k`` at ``LANE_START + k * (COLUMN_MASK +
+  1)``, until a release brings it back under (``fit_ring``); ``cell`` finds a page
+  either way. There are as many lanes as table rows, handed out lowest first and
+  reused last-freed first, so only as many are ever written as rows were wide at
+  once. Only cells of live pages mean anything.
+* ``bounds`` int64 ``[4, G, table rows]``: live logical pages ``[base, hi)``, the
+  row's lane plus one (0: narrow) and, per group, the stack of free lanes
+  (``bounds[FREE_LANES, g, :geometry[g, FREE_COUNT]]``, the lowest on top).
 * The *ring view* (``TableSet.ring_view``, the engine's ``BlockTableMirror``): group
   ``g``, row, column ``L & COLUMN_MASK`` at index ``(g * table rows + row) *
   VIEW_COLUMNS + column``; the cells a kernel touches are logged in that form.
@@ -54,8 +58,9 @@ from numba import njit
 PAGE_TOKENS, WINDOW_TOKENS, COLUMN_MASK, ROWS_PER_PAGE, STRIDE_TOKENS, ID_OFFSET = range(6)
 PAGE_SHIFT, ROWS_SHIFT, STRIDE_SHIFT = range(6, 9)  # log2 of the three sizes, -1 if not a power of two
 RING_START, ROW_STRIDE, RING_MASK, LANE_START, VIEW_COLUMNS, COLUMN_STRIDE = range(9, 15)  # the store's layout
-GEOMETRY_COLUMNS = 15
-BASE, HI, WIDE = range(3)  # planes of ``bounds``
+FREE_COUNT = 15  # free lanes of the group (kernels change it)
+GEOMETRY_COLUMNS = 16
+BASE, HI, LANE, FREE_LANES = range(4)  # planes of ``bounds``
 
 STEP_DONE = 0
 STEP_NEEDS_PAGES = 1  # the releases ran; the caller lends slabs or evicts, then calls finish_step
@@ -73,9 +78,10 @@ def divide(value, divisor, shift):
 @njit(cache=True)
 def cell(geometry, bounds, g, row, logical):
     """Index in ``pages`` of logical page ``logical`` of ``row`` in group ``g``."""
-    if bounds[WIDE, g, row]:
+    lane = bounds[LANE, g, row]
+    if lane:
         mask = geometry[g, COLUMN_MASK]
-        return geometry[g, LANE_START] + row * (mask + 1) + (logical & mask)
+        return geometry[g, LANE_START] + (lane - 1) * (mask + 1) + (logical & mask)
     return (geometry[g, RING_START] + row * geometry[g, ROW_STRIDE]
             + (logical & geometry[g, RING_MASK]) * geometry[g, COLUMN_STRIDE])
 
@@ -88,23 +94,30 @@ def view_cell(geometry, n_rows, g, row, logical):
 
 @njit(cache=True)
 def fit_ring(geometry, pages, bounds, g, row, live_pages):
-    """Make ``row`` wide in group ``g`` when ``live_pages`` exceed its narrow ring, narrow
-    when they fit, moving its live cells ``[base, hi)`` across (groups without lanes
-    never change)."""
+    """Make ``row`` wide in group ``g`` (it takes the free lane on top) when
+    ``live_pages`` exceed its narrow ring, narrow (its lane goes back on top) when
+    they fit, moving its live cells ``[base, hi)`` across (groups without lanes never
+    change)."""
     if geometry[g, LANE_START] < 0:
         return
-    wide = 1 if live_pages > geometry[g, RING_MASK] + 1 else 0
-    if wide == bounds[WIDE, g, row]:
+    wide = live_pages > geometry[g, RING_MASK] + 1
+    if wide == (bounds[LANE, g, row] > 0):
         return
+    if wide:
+        geometry[g, FREE_COUNT] -= 1
+        bounds[LANE, g, row] = bounds[FREE_LANES, g, geometry[g, FREE_COUNT]] + 1
     mask, narrow_mask = geometry[g, COLUMN_MASK], geometry[g, RING_MASK]
-    lane = geometry[g, LANE_START] + row * (mask + 1)
+    lane = geometry[g, LANE_START] + (bounds[LANE, g, row] - 1) * (mask + 1)
     ring, stride = geometry[g, RING_START] + row * geometry[g, ROW_STRIDE], geometry[g, COLUMN_STRIDE]
     for logical in range(bounds[BASE, g, row], bounds[HI, g, row]):
         if wide:
             pages[lane + (logical & mask)] = pages[ring + (logical & narrow_mask) * stride]
         else:
             pages[ring + (logical & narrow_mask) * stride] = pages[lane + (logical & mask)]
-    bounds[WIDE, g, row] = wide
+    if not wide:
+        bounds[FREE_LANES, g, geometry[g, FREE_COUNT]] = bounds[LANE, g, row] - 1
+        geometry[g, FREE_COUNT] += 1
+        bounds[LANE, g, row] = 0
 
 
 @njit(cache=True)
@@ -250,7 +263,7 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, top, lowest, rows,
                 n_touched += 1
                 n += 1
             bounds[BASE, g, row] = after[0, g, r]
-            if bounds[WIDE, g, row]:
+            if bounds[LANE, g, row]:
                 fit_ring(geometry, pages, bounds, g, row, bounds[HI, g, row] - after[0, g, r])
         for i in range(n):
             ref[offset + scratch[i]] -= 1
