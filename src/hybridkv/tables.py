@@ -10,11 +10,13 @@ rewind, free) and never touch a pool: the manager takes the ids they return.
 
 Memory: a sliding row keeps its pages in a *narrow* ring sized for a decode step
 (``NARROW_STEP_TOKENS``; 4 to 32 cells in V4), so a decode step over many rows
-touches one or two cache lines per row and group, in a store of a few MB. A row whose
-step holds more pages (a prefill chunk: up to a whole step's pages) moves to its
+touches one or two cache lines per row and group, in a store of a few MB. A row
+whose step holds more pages (a prefill chunk: up to a whole step's pages) takes a
 *lane*, a ring of ``capacity_pages`` cells, for as long as its live pages do not
-fit the narrow ring. Lanes are allocated but only written when used, so they
-cost address space, not resident memory, until a row needs one. The engine sees
+fit the narrow ring. There is a lane per row, but a row takes the lowest free
+one and gives it back when it narrows, so only as many lanes are ever written
+as rows were wide at once: the rest cost address space, not memory. Full-history
+tables are column-major (rows at one logical page share lines). The engine sees
 neither: the ring view (``capacity_pages`` columns a group, ``ring_view``,
 ``drain_updates``, ``BlockTableMirror``) is the same whichever ring holds a row.
 """
@@ -176,7 +178,8 @@ class GroupTable:
             for row, first, n in zip(rows.tolist(), lo.tolist(), counts.tolist()):
                 base, hi = int(self.base[row]), int(self.hi[row])
                 live = max(hi, first + n) - (min(base, first) if hi > base else first)
-                kernels.fit_ring(self._set.geometry, self._set.pages, self._set.bounds, self._g, row, live)
+                if live > self.ring_pages or self._set.bounds[kernels.LANE, self._g, row]:
+                    kernels.fit_ring(self._set.geometry, self._set.pages, self._set.bounds, self._g, row, live)
         rep = np.repeat(rows, counts)
         logical = np.repeat(lo, counts) + segment_arange(counts)
         self._set.pages[self._cells(rep, logical)] = page_ids
@@ -397,10 +400,9 @@ class TableSet:
         counts = self.bounds[kernels.HI][:, rows] - lo
         per_group = counts.sum(axis=1)
         pages = self.take_flat(rows, lo, counts=counts, total=int(per_group.sum()))
-        for g, t in enumerate(self.tables):
-            if t.has_lanes:
-                for row in rows[self.bounds[kernels.LANE, g, rows] > 0].tolist():
-                    kernels.fit_ring(self.geometry, self.pages, self.bounds, g, row, 0)  # its lane goes back
+        wide_groups, wide_rows = np.nonzero(self.bounds[kernels.LANE][:, rows])
+        for g, r in zip(wide_groups.tolist(), wide_rows.tolist()):
+            kernels.fit_ring(self.geometry, self.pages, self.bounds, g, int(rows[r]), 0)  # its lane goes back
         self.bounds[: kernels.LANE, :, rows] = 0
         return pages, per_group
 
