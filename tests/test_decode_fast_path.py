@@ -332,7 +332,7 @@ def test_decode_after_the_table_store_grows_matches():
         while managers[0].num_computed_tokens(f"r{i}") < prompt:
             n = min(64, prompt - managers[0].num_computed_tokens(f"r{i}"))
             same(*on_both(managers, "schedule", [(f"r{i}", n)])[0])
-    rows_before = managers[0]._tableset.pages.shape[1]
+    rows_before = managers[0]._tableset.rows_capacity
     for step in range(40):
         if step == 20:  # idle requests take rows 2..71: the store grows past 64 rows
             for k in range(70):
@@ -340,7 +340,7 @@ def test_decode_after_the_table_store_grows_matches():
         for rid in ("r0", "r1"):
             on_both(managers, "append_token_ids", rid, [7])
         same(*on_both(managers, "schedule_uniform", ("r0", "r1"), 1, block_tables="updates")[0])
-    assert managers[0]._tableset.pages.shape[1] > rows_before == 64
+    assert managers[0]._tableset.rows_capacity > rows_before == 64
     for m in managers:
         m.check_invariants()
     same_cache(*managers)

@@ -221,7 +221,8 @@ def test_mirror_reproduces_full_tables(config, caching, seed, data):
             if err is None:
                 mirror.apply(a)
                 ts = inc._tableset
-                assert np.array_equal(mirror.store[:, rows, : ts.pages.shape[2]], ts.pages[:, rows])
+                view = ts.ring_view()
+                assert np.array_equal(mirror.store[:, rows, : view.shape[2]], view[:, rows])
     for rid in list(live):
         inc.free(rid)
         full.free(rid)
@@ -241,7 +242,7 @@ def test_resync_after_full_mode_and_small_updates_between():
     assert first.table_updates.reset
     for step_ in first.groups.values():
         assert step_.block_table is None
-    store = m._tableset.pages
+    store = m._tableset.ring_view()
     up = first.table_updates
     held = (up.group * store.shape[1] + up.row) * store.shape[2] + up.column
     assert set(np.flatnonzero(store.reshape(-1) != -1).tolist()) == set(held.tolist())  # the live cells
@@ -257,9 +258,10 @@ def test_resync_after_full_mode_and_small_updates_between():
     assert again.table_updates.reset
     mirror.apply(again)
     ts = m._tableset
-    seen = min(mirror.store.shape[1], ts.pages.shape[1])
-    assert np.array_equal(mirror.store[:, :seen], ts.pages[:, :seen])
-    assert np.all(ts.pages[:, seen:] == -1)
+    view = ts.ring_view()
+    seen = min(mirror.store.shape[1], view.shape[1])
+    assert np.array_equal(mirror.store[:, :seen], view[:, :seen])
+    assert np.all(view[:, seen:] == -1)
 
 
 def test_bad_mode_is_refused_and_changes_nothing():

@@ -5,7 +5,8 @@ import numpy as np
 
 from hybridkv.runtime import kernels
 from hybridkv.spec import CacheGroupSpec
-from hybridkv.tables import TableSet, cdiv, segment_arange
+from hybridkv.manager import CacheManager
+from hybridkv.tables import NARROW_STEP_TOKENS, TableSet, cdiv, live_pages_bound, segment_arange
 
 SWA_4_8 = CacheGroupSpec("swa", "sliding_window", 4, 1, sliding_window_tokens=8, family="state")
 C4 = CacheGroupSpec("c4", "full_history", rows_per_page=64, entry_stride_tokens=4)
@@ -20,7 +21,7 @@ def store(spec, max_context_tokens, max_step_tokens, rows=2):
 
 def planned(ts, first, count=1):
     """(base after, pages needed) of row 0 writing ``count`` tokens from ``first`` (``prepare_step``)."""
-    computed = np.zeros(ts.pages.shape[1], dtype=np.int64)
+    computed = np.zeros(ts.rows_capacity, dtype=np.int64)
     computed[0] = first
     out = [np.empty(1, dtype=np.int64) for _ in range(3)]
     after, need = np.empty((2, 1, 1), dtype=np.int64), np.empty((1, 1), dtype=np.int64)
@@ -34,7 +35,7 @@ def planned(ts, first, count=1):
 
 def slots_of(ts, rows, positions):
     slots = np.empty((1, len(positions)), dtype=np.int64)
-    kernels.write_slots(ts.geometry, ts.pages, np.asarray(rows, dtype=np.int64), 0, np.asarray(positions),
+    kernels.write_slots(ts.geometry, ts.pages, ts.bounds, np.asarray(rows, dtype=np.int64), 0, np.asarray(positions),
                         np.arange(len(positions), dtype=np.int32), slots)
     return slots[0].tolist()
 
@@ -118,9 +119,9 @@ def test_sliding_ring_table_columns_start_at_the_base_page():
     rows = np.array([0, 1])
     # Row 0 holds logical pages 7..9 (the ring wraps at 8), row 1 holds logical page 0.
     table.place(rows, np.array([7, 0]), np.array([3, 1]), np.array([21, 22, 23, 30]))
-    assert ts.pages[0, 0, [7, 0, 1]].tolist() == [21, 22, 23]
     table.base[:2] = [7, 0]
     table.hi[:2] = [10, 1]
+    assert ts.ring_view()[0, 0, [7, 0, 1]].tolist() == [21, 22, 23]
     assert ts.block_table(0, rows, 3).tolist() == [[21, 22, 23], [30, -1, -1]]
     assert ts.block_table(0, rows, 5).tolist() == [[21, 22, 23, -1, -1], [30, -1, -1, -1, -1]]
     # Token 30 is on logical page 7 (page 21), row 2 -> 21*4 + 2.
@@ -148,6 +149,72 @@ def test_ensure_rows_keeps_existing_rows():
     table.hi[0] = 1
     ts.ensure_rows(3)
     table = ts.tables[0]
-    assert table.pages.shape[0] >= 3
-    assert table.pages[0, 0] == 5 and np.all(table.pages[1:] == -1)
+    assert ts.rows_capacity >= 3
+    view = ts.ring_view()[0]
+    assert view[0, 0] == 5 and np.all(view[0, 1:] == -1) and np.all(view[1:] == -1)
     assert table.hi.tolist()[:3] == [1, 0, 0]
+
+
+def test_live_pages_bound_is_the_plans_widest_row():
+    """cdiv(W + n + T - 2, T): no step of n tokens leaves a row more live pages, and
+    some first position reaches it (hand check, W 8 T 4 n 1: cdiv(11, 4) = 3, e.g.
+    first 10 keeps pages 0..2 for tokens 3..10)."""
+    assert live_pages_bound(8, 4, 1) == 3
+    for rows, stride, window in ((4, 1, 8), (3, 1, 7), (2, 2, 6), (8, 1, 128), (64, 1, 128)):
+        spec = CacheGroupSpec("s", "sliding_window", rows, stride, sliding_window_tokens=window)
+        t = rows * stride
+        for n in sorted({1, 2, t - 1, t, t + 1, 3 * t + 2}):
+            if n < 1:
+                continue
+            ts, table = store(spec, 10**6, n, rows=1)
+            widest = 0
+            for first in range(0, window + 3 * t):
+                table.base[0], table.hi[0] = 0, cdiv(first, t)
+                base, held = planned(ts, first, n)
+                widest = max(widest, held - base)
+            assert widest == live_pages_bound(window, t, n), (rows, stride, window, n)
+            assert widest <= table.capacity_pages
+            if n <= NARROW_STEP_TOKENS:
+                assert widest <= table.ring_pages
+
+
+def test_a_long_chunk_moves_a_row_to_its_lane_and_decode_moves_it_back():
+    """W 8, T 4, steps up to 64 tokens: rings of 32 pages, narrow rings of 4."""
+    m = CacheManager([SWA_4_8], {"swa": 64}, max_context_tokens=256, max_step_tokens=64)
+    ts, table = m._tableset, m.tables["swa"]
+    assert (table.capacity_pages, table.ring_pages) == (32, 4)
+    m.add_request("a", prompt_tokens=100, max_new_tokens=8)
+    m.add_request("b", prompt_tokens=40, max_new_tokens=8)
+    (_, in_use_before) = ts.store_bytes()
+    m.schedule([("b", 3)])
+    batch = m.schedule([("a", 40), ("b", 1)])  # a: tokens [0, 40) on 10 pages, all live this step
+    assert ts.wide_rows(0).size == 1  # a's row
+    assert ts.store_bytes()[1] == in_use_before + 32 * 4
+    base, held = m.request_pages("a", "swa")
+    assert base == 0 and held.size == 10
+    assert batch.groups["swa"].block_table[0].tolist() == held.tolist()
+    # Position 39's slot is on logical page 9.
+    assert batch.groups["swa"].write_slots[39] == held[9] * 4 + 3
+    batch = m.schedule([("a", 1), ("b", 1)])  # releases below (40 - 7) // 4 = 8: pages 8, 9, 10 live
+    assert ts.wide_rows(0).size == 0 and ts.store_bytes()[1] == in_use_before
+    base, now = m.request_pages("a", "swa")
+    assert base == 8 and now[:2].tolist() == held[8:].tolist()
+    assert batch.groups["swa"].block_table[0].tolist() == now.tolist()
+    # b's chunk takes the lane a left (the lowest free one), then a free hands a's back.
+    m.schedule([("a", 1), ("b", 30)])
+    assert ts.lanes(0).max() == 0 and ts.wide_rows(0).size == 1
+    m.free("b")
+    assert ts.wide_rows(0).size == 0 and ts.store_bytes()[1] == in_use_before
+    m.check_invariants()
+
+
+def test_ensure_rows_keeps_a_wide_rows_lane():
+    ts, table = store(SWA_4_8, 256, 64, rows=1)
+    table.place(ROW0, np.array([3]), np.array([9]), np.arange(40, 49))
+    table.base[0], table.hi[0] = 3, 12
+    assert ts.wide_rows(0).tolist() == [0]
+    before = ts.ring_view()[0, 0].copy()
+    ts.ensure_rows(5)
+    assert ts.wide_rows(0).tolist() == [0]
+    assert np.array_equal(ts.ring_view()[0, 0], before)
+    assert ts.block_table(0, ROW0, 9).tolist() == [list(range(40, 49))]

@@ -7,6 +7,18 @@ live pages ``[base, hi)`` in a power-of-two ring (logical page ``L`` at column
 ``base + j``. The step's table work runs in ``hybridkv.runtime.kernels``; the
 methods here serve what happens outside a step (prefix hits, publishing,
 rewind, free) and never touch a pool: the manager takes the ids they return.
+
+Memory: a sliding row keeps its pages in a *narrow* ring sized for a decode step
+(``NARROW_STEP_TOKENS``; 4 to 32 cells in V4), so a decode step over many rows
+touches one or two cache lines per row and group, in a store of a few MB. A row
+whose step holds more pages (a prefill chunk: up to a whole step's pages) takes a
+*lane*, a ring of ``capacity_pages`` cells, for as long as its live pages do not
+fit the narrow ring. There is a lane per row, but a row takes the lowest free
+one and gives it back when it narrows, so only as many lanes are ever written
+as rows were wide at once: the rest cost address space, not memory. Full-history
+tables are column-major (rows at one logical page share lines). The engine sees
+neither: the ring view (``capacity_pages`` columns a group, ``ring_view``,
+``drain_updates``, ``BlockTableMirror``) is the same whichever ring holds a row.
 """
 
 from __future__ import annotations
@@ -31,14 +43,33 @@ def segment_arange(counts: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
 
 
-class GroupTable:
-    """Page tables of one group for every request row."""
+NARROW_STEP_TOKENS = 1
+"""Tokens a row writes in the step its narrow ring is sized for (a decode step; the
+ring is a power of two, so it often fits a few more: V4's c4 state rings fit 6)."""
 
-    # Bound by ``TableSet``: where this group's cells sit in the stacked array, and
-    # the log of touched cells (None: not logging) that feeds incremental updates.
-    _log = None  # callable taking flat indices, or None
-    _log_offset = 0
-    _log_stride = 0
+
+def live_pages_bound(window_tokens: int, page_tokens: int, step_tokens: int) -> int:
+    """The most pages a sliding row holds live after a step writing ``step_tokens``
+    tokens: ``cdiv(W + n + T - 2, T)``.
+
+    Proof: a step writing ``[first, first + n)`` keeps pages from
+    ``floor(max(first - W + 1, 0) / T)`` (the release point; the base never lags it,
+    every step releases up to it) to ``ceil((first + n) / T)`` (the hi before the
+    step is at most ``ceil(first / T)``). With ``a = first - W + 1 = qT + r``,
+    ``0 <= r < T``, that is ``ceil((r + W - 1 + n) / T)`` pages, largest at
+    ``r = T - 1``; below ``first = W - 1`` the base is 0 and the count is
+    ``ceil((first + n) / T)``, no more. ``tests/test_tables.py`` checks it against
+    the kernels' plan for every ``first``.
+    """
+    return cdiv(window_tokens + step_tokens + page_tokens - 2, page_tokens)
+
+
+def _power_of_two_at_least(n: int) -> int:
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+class GroupTable:
+    """Page tables of one group for every request row: a view of its ``TableSet``."""
 
     def __init__(
         self,
@@ -46,7 +77,6 @@ class GroupTable:
         *,
         max_context_tokens: int,
         max_step_tokens: int,
-        initial_rows: int = 1,
     ):
         self.spec = spec
         self.page_tokens = spec.page_tokens
@@ -55,18 +85,46 @@ class GroupTable:
         self.sliding = spec.is_sliding
         self.window_tokens = spec.sliding_window_tokens or 0
         if self.sliding:
-            # A window plus a step's pages, as a power of two: the ring column is a mask.
+            # A window plus a step's pages (at least ``live_pages_bound``), as a power of
+            # two: the ring column is a mask.
             ring = cdiv(self.window_tokens - 1 + max_step_tokens, self.page_tokens) + 2
-            self.capacity_pages = 1 << (ring - 1).bit_length()
+            self.capacity_pages = _power_of_two_at_least(ring)
+            narrow = live_pages_bound(self.window_tokens, self.page_tokens, NARROW_STEP_TOKENS)
+            self.ring_pages = min(_power_of_two_at_least(narrow), self.capacity_pages)
         else:
             self.capacity_pages = cdiv(max_context_tokens, self.page_tokens)
-        rows = max(1, int(initial_rows))
-        self.pages = np.full((rows, self.capacity_pages), -1, dtype=np.int32)
-        self.base = np.zeros(rows, dtype=np.int64)
-        self.hi = np.zeros(rows, dtype=np.int64)
+            self.ring_pages = self.capacity_pages
+        self.has_lanes = self.ring_pages < self.capacity_pages
+        self._set: TableSet | None = None  # bound by TableSet
+        self._g = 0
+
+    @property
+    def base(self) -> np.ndarray:
+        return self._set.bounds[kernels.BASE, self._g]
+
+    @property
+    def hi(self) -> np.ndarray:
+        return self._set.bounds[kernels.HI, self._g]
+
+    @property
+    def pages(self) -> np.ndarray:
+        """Debug view (a copy): int32 ``[rows, capacity_pages]``, this group's part of
+        ``TableSet.ring_view``."""
+        return self._set.ring_view()[self._g, :, : self.capacity_pages]
 
     def _cols(self, logical: np.ndarray) -> np.ndarray:
         return logical % self.capacity_pages if self.sliding else logical
+
+    def _cells(self, rows: np.ndarray, logical: np.ndarray) -> np.ndarray:
+        """Index in the store of logical pages ``logical`` of ``rows`` (same shapes)."""
+        geo = self._set.geometry[self._g]
+        ring = (geo[kernels.RING_START] + rows * geo[kernels.ROW_STRIDE]
+                + (logical & geo[kernels.RING_MASK]) * geo[kernels.COLUMN_STRIDE])
+        if not self.has_lanes:
+            return ring
+        lanes = self._set.bounds[kernels.LANE, self._g, rows]
+        lane = geo[kernels.LANE_START] + (lanes - 1) * self.capacity_pages + (logical & (self.capacity_pages - 1))
+        return np.where(lanes > 0, lane, ring)
 
     def pages_in(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Held page ids of logical pages ``[lo_r, hi_r)`` per row, row-major, in logical order."""
@@ -75,19 +133,27 @@ class GroupTable:
             return np.zeros(0, dtype=np.int64)
         rep = np.repeat(rows, counts)
         logical = np.repeat(lo, counts) + segment_arange(counts)
-        return self.pages[rep, self._cols(logical)].astype(np.int64)
+        return self._set.pages[self._cells(rep, logical)].astype(np.int64)
 
     def row_pages(self, row: int, lo: int, hi: int) -> list[int]:
         """Held page ids of one row's logical pages ``[lo, hi)`` (slices, no fancy indexing)."""
         if hi <= lo:
             return []
-        line = self.pages[row]
-        if not self.sliding:
-            return line[lo:hi].tolist()
-        c0, c1 = lo % self.capacity_pages, hi % self.capacity_pages
+        ts = self._set
+        if not self.sliding:  # column-major: one cell per table row
+            rows, at = ts.rows_capacity, int(ts.geometry[self._g, kernels.RING_START]) + row
+            return ts.pages[at + lo * rows: at + hi * rows: rows].tolist()
+        lane = int(ts.bounds[kernels.LANE, self._g, row])
+        if lane:
+            cols = self.capacity_pages
+            start = int(ts.geometry[self._g, kernels.LANE_START]) + (lane - 1) * cols
+        else:
+            cols = self.ring_pages
+            start = int(ts.geometry[self._g, kernels.RING_START]) + row * cols
+        c0, c1 = lo % cols, hi % cols
         if c0 < c1:
-            return line[c0:c1].tolist()
-        return line[c0:].tolist() + line[:c1].tolist()
+            return ts.pages[start + c0: start + c1].tolist()
+        return ts.pages[start + c0: start + cols].tolist() + ts.pages[start: start + c1].tolist()
 
     # --- mutation -----------------------------------------------------------
     def take(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -96,38 +162,52 @@ class GroupTable:
         if not counts.any():
             return np.zeros(0, dtype=np.int64)
         rep = np.repeat(rows, counts)
-        cols = self._cols(np.repeat(lo, counts) + segment_arange(counts))
-        pages = self.pages[rep, cols].astype(np.int64)
-        self.pages[rep, cols] = -1
-        self._note(rep, cols)
+        logical = np.repeat(lo, counts) + segment_arange(counts)
+        at = self._cells(rep, logical)
+        pages = self._set.pages[at].astype(np.int64)
+        self._set.pages[at] = -1
+        self._note(rep, logical)
         return pages
 
     def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
-        """Store ``page_ids`` at logical pages ``[lo_r, lo_r + counts_r)``, row-major."""
-        if page_ids.size:
-            rep = np.repeat(rows, counts)
-            cols = self._cols(np.repeat(lo, counts) + segment_arange(counts))
-            self.pages[rep, cols] = page_ids
-            self._note(rep, cols)
+        """Store ``page_ids`` at logical pages ``[lo_r, lo_r + counts_r)``, row-major (a row
+        whose live pages then outgrow its narrow ring moves to its lane first)."""
+        if not page_ids.size:
+            return
+        if self.has_lanes:
+            for row, first, n in zip(rows.tolist(), lo.tolist(), counts.tolist()):
+                base, hi = int(self.base[row]), int(self.hi[row])
+                live = max(hi, first + n) - (min(base, first) if hi > base else first)
+                if live > self.ring_pages or self._set.bounds[kernels.LANE, self._g, row]:
+                    kernels.fit_ring(self._set.geometry, self._set.pages, self._set.bounds, self._g, row, live)
+        rep = np.repeat(rows, counts)
+        logical = np.repeat(lo, counts) + segment_arange(counts)
+        self._set.pages[self._cells(rep, logical)] = page_ids
+        self._note(rep, logical)
 
-    def _note(self, rows: np.ndarray, cols: np.ndarray) -> None:
-        if self._log is not None:
-            self._log((self._log_offset + rows * self._log_stride + cols).ravel())
+    def _note(self, rows: np.ndarray, logical: np.ndarray) -> None:
+        ts = self._set
+        if ts.log is not None:
+            n_rows, n_cols = ts.bounds.shape[2], ts.view_columns
+            ts.note_cells(((self._g * n_rows + rows) * n_cols + self._cols(logical)).ravel())
 
 
 class TableSet:
     """The tables of every group of a manager in one store; the step's table work runs
     in the compiled kernels of ``hybridkv.runtime.kernels``.
 
-    ``pages[g]``, ``base[g]`` and ``hi[g]`` are group ``g``'s arrays; each
-    ``GroupTable`` in ``tables`` is bound to views of them, so per-group code
+    ``pages`` is the flat store of cells (layout: the kernels' docstring and
+    ``geometry``), ``bounds[0][g]``, ``bounds[1][g]`` group ``g``'s live pages
+    ``[base, hi)`` per row, ``bounds[2][g]`` each row's lane (plus one; 0: narrow)
+    and ``bounds[3][g]`` the group's free lanes; each
+    ``GroupTable`` in ``tables`` reads and writes the same arrays, so per-group code
     (prefix publishing, rewind, free) and whole-step code see the same state.
 
-    While ``log`` is a list, every cell any mutation touches is logged (as a flat
-    index into ``pages``); ``drain_updates`` hands out those cells with their
-    current page ids, which is all a mirror of ``pages`` needs. ``stop_log``
-    turns logging off; the next drain after a start is a resync: every live
-    cell, and a flag telling the mirror to clear first.
+    While ``log`` is a list, every cell any mutation touches is logged (as an index
+    into the ring view, ``ring_view``); ``drain_updates`` hands out those cells with
+    their current page ids, which is all a mirror of the ring view needs.
+    ``stop_log`` turns logging off; the next drain after a start is a resync: every
+    live cell, and a flag telling the mirror to clear first.
     """
 
     def __init__(
@@ -143,32 +223,104 @@ class TableSet:
             GroupTable(s, max_context_tokens=max_context_tokens, max_step_tokens=max_step_tokens)
             for s in specs
         ]
+        self.view_columns = max(t.capacity_pages for t in self.tables)
         self.geometry = np.zeros((len(self.tables), kernels.GEOMETRY_COLUMNS), dtype=np.int64)
         for g, t in enumerate(self.tables):
+            t._set, t._g = self, g
             # A ring column is ``logical & (capacity - 1)`` (rings are powers of two); full
             # history keeps every bit.
             mask = t.capacity_pages - 1 if t.sliding else -1
+            ring_mask = t.ring_pages - 1 if t.sliding else -1
             offset = 0 if id_offsets is None else id_offsets[g]  # the group's first id in the page space
-            self.geometry[g] = (t.page_tokens, t.window_tokens, mask, t.rows_per_page, t.stride_tokens, offset,
-                                _log2(t.page_tokens), _log2(t.rows_per_page), _log2(t.stride_tokens))
-        cap_max = max(t.capacity_pages for t in self.tables)
-        self.pages = np.full((len(self.tables), max(1, int(initial_rows)), cap_max), -1, np.int32)
-        # base and hi of every group and row in one array: a step gathers and stores both at once.
-        self.bounds = np.zeros((2, *self.pages.shape[:2]), dtype=np.int64)
+            self.geometry[g, : kernels.RING_START] = (
+                t.page_tokens, t.window_tokens, mask, t.rows_per_page, t.stride_tokens, offset,
+                _log2(t.page_tokens), _log2(t.rows_per_page), _log2(t.stride_tokens))
+            self.geometry[g, kernels.RING_MASK] = ring_mask
+            self.geometry[g, kernels.VIEW_COLUMNS] = self.view_columns
+        rows = max(1, int(initial_rows))
+        self.bounds = np.zeros((4, len(self.tables), rows), dtype=np.int64)
+        self._add_lanes(0, rows)
+        self.pages = self._new_store(rows)
         self.log: list[np.ndarray] | None = None
         self._resync = False
-        self._bind()
+        self.base, self.hi = self.bounds[kernels.BASE], self.bounds[kernels.HI]
 
-    def _bind(self) -> None:
-        _, rows_cap, cap_max = self.pages.shape
-        self.base, self.hi = self.bounds[0], self.bounds[1]
-        for g, table in enumerate(self.tables):
-            table.pages = self.pages[g, :, : table.capacity_pages]
-            table.base = self.base[g]
-            table.hi = self.hi[g]
-            table._log = None if self.log is None else self.note_cells
-            table._log_offset = g * rows_cap * cap_max
-            table._log_stride = cap_max
+    @property
+    def rows_capacity(self) -> int:
+        """Table rows the store holds now (it grows with ``ensure_rows``)."""
+        return self.bounds.shape[2]
+
+    def _new_store(self, rows: int) -> np.ndarray:
+        """An empty flat store for ``rows`` rows; writes its layout into ``geometry``.
+        Every group's narrow rings (sliding, row-major) or tables (full history,
+        column-major) first, filled with -1, then the lanes (left unwritten: only a
+        wide row's live cells are ever read)."""
+        at = 0
+        for g, t in enumerate(self.tables):
+            self.geometry[g, kernels.RING_START] = at
+            self.geometry[g, kernels.ROW_STRIDE] = t.ring_pages if t.sliding else 1
+            self.geometry[g, kernels.COLUMN_STRIDE] = 1 if t.sliding else rows
+            at += rows * t.ring_pages
+        rings = at
+        for g, t in enumerate(self.tables):
+            self.geometry[g, kernels.LANE_START] = at if t.has_lanes else -1
+            at += rows * t.capacity_pages if t.has_lanes else 0
+        pages = np.empty(at, dtype=np.int32)
+        pages[:rings] = -1
+        return pages
+
+    def _add_lanes(self, have: int, new: int) -> None:
+        """Lanes ``[have, new)`` join each lane group's free stack, below the free ones
+        (the lowest free lane stays on top)."""
+        for g, t in enumerate(self.tables):
+            if not t.has_lanes:
+                continue
+            free = int(self.geometry[g, kernels.FREE_COUNT])
+            stack = self.bounds[kernels.FREE_LANES, g]
+            stack[new - have: new - have + free] = stack[:free].copy()
+            stack[: new - have] = np.arange(new - 1, have - 1, -1)
+            self.geometry[g, kernels.FREE_COUNT] = free + new - have
+
+    def _rings(self, pages: np.ndarray, g: int, rows: int) -> np.ndarray:
+        return _rings_of(pages, self.geometry, g, rows, self.tables[g])
+
+    def _lanes(self, pages: np.ndarray, g: int, rows: int) -> np.ndarray:
+        start, cols = self.geometry[g, kernels.LANE_START], self.tables[g].capacity_pages
+        return pages[start: start + rows * cols].reshape(rows, cols)
+
+    def store_bytes(self) -> tuple[int, int]:
+        """(bytes allocated for the store, bytes of it in use: the narrow rings and
+        the lanes of wide rows)."""
+        rows = self.rows_capacity
+        wide = sum(int(np.count_nonzero(self.bounds[kernels.LANE, g])) * t.capacity_pages
+                   for g, t in enumerate(self.tables))
+        rings = sum(rows * t.ring_pages for t in self.tables)
+        return self.pages.nbytes + self.bounds.nbytes, (rings + wide) * 4 + self.bounds.nbytes
+
+    def wide_rows(self, g: int) -> np.ndarray:
+        """Debug view: the rows whose group ``g`` pages sit in their lane now."""
+        return np.flatnonzero(self.bounds[kernels.LANE, g])
+
+    def lanes(self, g: int) -> np.ndarray:
+        """Debug view: each row's lane in group ``g`` (-1: narrow)."""
+        return self.bounds[kernels.LANE, g] - 1
+
+    def ring_view(self) -> np.ndarray:
+        """Debug view: int32 ``[G, rows, view columns]``, group ``g``'s logical page ``L`` of
+        a row at column ``L % capacity`` (sliding) or ``L``, -1 outside live pages:
+        what a ``BlockTableMirror`` holds once it has applied every update."""
+        index = self._live_index()
+        view = np.full((len(self.tables), self.rows_capacity, self.view_columns), -1, dtype=np.int32)
+        group, row, column = (np.empty(index.size, dtype=np.int64) for _ in range(3))
+        page = np.empty(index.size, dtype=np.int32)
+        kernels.read_cells(self.geometry, self.pages, self.bounds, index, group, row, column, page)
+        view[group, row, column] = page
+        return view
+
+    def _live_index(self) -> np.ndarray:
+        index = np.empty(int((self.hi - self.base).sum()), dtype=np.int64)
+        kernels.live_cells(self.geometry, self.bounds, index)
+        return index
 
     # --- touched-cell log (incremental block tables) ------------------------
     def start_log(self) -> None:
@@ -176,16 +328,13 @@ class TableSet:
         if self.log is None:
             self.log = []
             self._resync = True
-            self._bind()
 
     def stop_log(self) -> None:
         """Stop logging (full-mode steps): mutations cost nothing extra until the next start."""
-        if self.log is not None:
-            self.log = None
-            self._bind()
+        self.log = None
 
     def note_cells(self, index: np.ndarray) -> None:
-        """Log changed cells (flat indices into ``pages``) while logging is on."""
+        """Log changed cells (ring-view indices) while logging is on."""
         log = self.log
         if log is not None:
             log.append(index)
@@ -201,11 +350,7 @@ class TableSet:
         log = self.log
         reset = self._resync
         if reset:
-            # Every cell outside [base, hi) is -1: the live ranges are the whole store.
-            rows = np.arange(self.pages.shape[1], dtype=np.int64)
-            counts = self.hi - self.base
-            index = np.empty(int(counts.sum()), dtype=np.int64)
-            kernels.take_pages(self.geometry, self.pages.copy(), rows, self.base, counts, index.copy(), index)
+            index = self._live_index()
             self._resync = False
         elif log:
             index = np.concatenate(log if touched is None else [*log, touched])
@@ -217,23 +362,30 @@ class TableSet:
         log.clear()
         cells = np.empty((3, index.size), dtype=np.int64)
         page = np.empty(index.size, dtype=np.int32)
-        kernels.read_cells(self.pages, index, cells, page)
+        kernels.read_cells(self.geometry, self.pages, self.bounds, index, cells[0], cells[1], cells[2], page)
         return cells[0], cells[1], cells[2], page, reset
 
     def ensure_rows(self, rows: int) -> None:
-        have = self.pages.shape[1]
+        have = self.rows_capacity
         if rows <= have:
             return
         new = max(rows, 2 * have)
-        pages = np.full((self.pages.shape[0], new, self.pages.shape[2]), -1, dtype=np.int32)
-        pages[:, :have] = self.pages
+        old_pages, old_geometry = self.pages, self.geometry.copy()
+        self.bounds = np.concatenate([self.bounds, np.zeros((4, len(self.tables), new - have), np.int64)], axis=2)
+        self.base, self.hi = self.bounds[kernels.BASE], self.bounds[kernels.HI]
+        self._add_lanes(have, new)
+        self.pages = self._new_store(new)
+        for g, t in enumerate(self.tables):
+            self._rings(self.pages, g, new)[:have] = _rings_of(old_pages, old_geometry, g, have, t)
+            lanes = self.bounds[kernels.LANE, g, :have]
+            used = lanes[lanes > 0] - 1
+            if used.size:
+                old = _region(old_pages, old_geometry, g, kernels.LANE_START, have, t.capacity_pages)
+                self._lanes(self.pages, g, new)[used] = old[used]
         if self.log:
-            # Logged flat indices move with the wider rows dimension.
-            group, cell = np.divmod(np.concatenate(self.log), have * self.pages.shape[2])
-            self.log[:] = [group * (new * self.pages.shape[2]) + cell]
-        self.pages = pages
-        self.bounds = np.concatenate([self.bounds, np.zeros((2, pages.shape[0], new - have), dtype=np.int64)], axis=2)
-        self._bind()
+            # Logged ring-view indices move with the wider rows dimension.
+            group, cell = np.divmod(np.concatenate(self.log), have * self.view_columns)
+            self.log[:] = [group * (new * self.view_columns) + cell]
 
     # --- outside the step (free, rewind) and the step's block tables -------------------
     def take_flat(self, rows: np.ndarray, lo: np.ndarray, *, counts: np.ndarray, total: int) -> np.ndarray:
@@ -241,18 +393,21 @@ class TableSet:
         all) of every group: their ids, group-major then row-major."""
         out = np.empty(total, dtype=np.int64)
         touched = np.empty(total, dtype=np.int64)
-        kernels.take_pages(self.geometry, self.pages, rows, lo, counts, out, touched)
+        kernels.take_pages(self.geometry, self.pages, self.bounds, rows, lo, counts, out, touched)
         self.note_cells(touched)
         return out
 
     def clear_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Empty ``rows`` in every group (bounds back to 0): their held page ids,
-        group-major, row-major, in logical order, and how many per group."""
-        lo = self.bounds[0][:, rows]
-        counts = self.bounds[1][:, rows] - lo
+        """Empty ``rows`` in every group (bounds back to 0, narrow again): their held
+        page ids, group-major, row-major, in logical order, and how many per group."""
+        lo = self.bounds[kernels.BASE][:, rows]
+        counts = self.bounds[kernels.HI][:, rows] - lo
         per_group = counts.sum(axis=1)
         pages = self.take_flat(rows, lo, counts=counts, total=int(per_group.sum()))
-        self.bounds[:, :, rows] = 0
+        wide_groups, wide_rows = np.nonzero(self.bounds[kernels.LANE][:, rows])
+        for g, r in zip(wide_groups.tolist(), wide_rows.tolist()):
+            kernels.fit_ring(self.geometry, self.pages, self.bounds, g, int(rows[r]), 0)  # its lane goes back
+        self.bounds[: kernels.LANE, :, rows] = 0
         return pages, per_group
 
     def block_table(self, g: int, rows: np.ndarray, width: int) -> np.ndarray:
@@ -260,6 +415,18 @@ class TableSet:
         out = np.empty((rows.size, width), dtype=np.int32)
         kernels.block_table(self.geometry, self.pages, self.bounds, g, rows, out)
         return out
+
+
+def _rings_of(pages: np.ndarray, geometry: np.ndarray, g: int, rows: int, table: GroupTable) -> np.ndarray:
+    """``[rows, ring pages]`` view of group ``g``'s rings (a transposed view for full history)."""
+    start, cols = geometry[g, kernels.RING_START], table.ring_pages
+    region = pages[start: start + rows * cols]
+    return region.reshape(rows, cols) if table.sliding else region.reshape(cols, rows).T
+
+
+def _region(pages: np.ndarray, geometry: np.ndarray, g: int, start_column: int, rows: int, cols: int) -> np.ndarray:
+    start = geometry[g, start_column]
+    return pages[start: start + rows * cols].reshape(rows, cols)
 
 
 def _log2(n: int) -> int:

@@ -12,14 +12,31 @@ the plan needs nothing from Python in between (most steps).
 
 Arrays (``G`` groups, ``R`` scheduled rows, ``N`` scheduled tokens):
 
-* ``geometry`` int64 ``[G, 9]``: page tokens ``T``, window tokens ``W`` (0: full
+* ``geometry`` int64 ``[G, 16]``: page tokens ``T``, window tokens ``W`` (0: full
   history), ring column mask (``capacity - 1`` for sliding groups, -1 for full
   history), rows per page, entry stride tokens, the group's first id in the page
   space (ids of group ``g`` are ``offset + local id``), then the log2 of page
-  tokens, rows per page and stride (-1 where not a power of two: a division then).
-* ``pages`` int32 ``[G, table rows, columns]``: each row's page ids, logical page
-  ``L`` at column ``L & mask`` (-1 where no page).
-* ``bounds`` int64 ``[2, G, table rows]``: live logical pages ``[base, hi)``.
+  tokens, rows per page and stride (-1 where not a power of two: a division then),
+  then where the group's cells sit in ``pages`` (below), and (the one column the
+  kernels change) how many of its lanes are free.
+* ``pages`` int32, flat: every group's table cells (``hybridkv.tables.TableSet``
+  lays them out). Group ``g``'s logical page ``L`` of a row is at ``RING_START + row *
+  ROW_STRIDE + (L & RING_MASK) * COLUMN_STRIDE``: a sliding group gives each row a
+  narrow ring of ``ROW_STRIDE`` cells (column stride 1); a full-history group
+  (``RING_MASK`` -1) is stored column-major (row stride 1, column stride the table
+  rows), so rows at the same logical page share cache lines. A sliding row whose live pages
+  outgrow that narrow ring (a step of many tokens) is *wide*: its cells move to a
+  lane of ``COLUMN_MASK + 1`` cells, lane ``k`` at ``LANE_START + k * (COLUMN_MASK +
+  1)``, until a release brings it back under (``fit_ring``); ``cell`` finds a page
+  either way. There are as many lanes as table rows, handed out lowest first and
+  reused last-freed first, so only as many are ever written as rows were wide at
+  once. Only cells of live pages mean anything.
+* ``bounds`` int64 ``[4, G, table rows]``: live logical pages ``[base, hi)``, the
+  row's lane plus one (0: narrow) and, per group, the stack of free lanes
+  (``bounds[FREE_LANES, g, :geometry[g, FREE_COUNT]]``, the lowest on top).
+* The *ring view* (``TableSet.ring_view``, the engine's ``BlockTableMirror``): group
+  ``g``, row, column ``L & COLUMN_MASK`` at index ``(g * table rows + row) *
+  VIEW_COLUMNS + column``; the cells a kernel touches are logged in that form.
 * ``computed`` int64 ``[table rows]``: tokens computed per row; ``step`` takes it with
   the committed and known tokens as ``counters`` ``[3, table rows]``, and ``top``,
   ``lowest`` and ``low_floor`` as ``per_group`` ``[3, G]``.
@@ -42,7 +59,10 @@ from numba import njit
 
 PAGE_TOKENS, WINDOW_TOKENS, COLUMN_MASK, ROWS_PER_PAGE, STRIDE_TOKENS, ID_OFFSET = range(6)
 PAGE_SHIFT, ROWS_SHIFT, STRIDE_SHIFT = range(6, 9)  # log2 of the three sizes, -1 if not a power of two
-GEOMETRY_COLUMNS = 9
+RING_START, ROW_STRIDE, RING_MASK, LANE_START, VIEW_COLUMNS, COLUMN_STRIDE = range(9, 15)  # the store's layout
+FREE_COUNT = 15  # free lanes of the group (kernels change it)
+GEOMETRY_COLUMNS = 16
+BASE, HI, LANE, FREE_LANES = range(4)  # planes of ``bounds``
 
 STEP_DONE = 0
 STEP_NEEDS_PAGES = 1  # the releases ran; the caller lends slabs or evicts, then calls finish_step
@@ -58,14 +78,58 @@ def divide(value, divisor, shift):
 
 
 @njit(cache=True)
-def write_slots(geometry, pages, rows, first_row, positions, request_indices, slots):
+def cell(geometry, bounds, g, row, logical):
+    """Index in ``pages`` of logical page ``logical`` of ``row`` in group ``g``."""
+    lane = bounds[LANE, g, row]
+    if lane:
+        mask = geometry[g, COLUMN_MASK]
+        return geometry[g, LANE_START] + (lane - 1) * (mask + 1) + (logical & mask)
+    return (geometry[g, RING_START] + row * geometry[g, ROW_STRIDE]
+            + (logical & geometry[g, RING_MASK]) * geometry[g, COLUMN_STRIDE])
+
+
+@njit(cache=True)
+def view_cell(geometry, n_rows, g, row, logical):
+    """Index of the same cell in the ring view (what the touched-cell log holds)."""
+    return (g * n_rows + row) * geometry[g, VIEW_COLUMNS] + (logical & geometry[g, COLUMN_MASK])
+
+
+@njit(cache=True)
+def fit_ring(geometry, pages, bounds, g, row, live_pages):
+    """Make ``row`` wide in group ``g`` (it takes the free lane on top) when
+    ``live_pages`` exceed its narrow ring, narrow (its lane goes back on top) when
+    they fit, moving its live cells ``[base, hi)`` across (groups without lanes never
+    change)."""
+    if geometry[g, LANE_START] < 0:
+        return
+    wide = live_pages > geometry[g, RING_MASK] + 1
+    if wide == (bounds[LANE, g, row] > 0):
+        return
+    if wide:
+        geometry[g, FREE_COUNT] -= 1
+        bounds[LANE, g, row] = bounds[FREE_LANES, g, geometry[g, FREE_COUNT]] + 1
+    mask, narrow_mask = geometry[g, COLUMN_MASK], geometry[g, RING_MASK]
+    lane = geometry[g, LANE_START] + (bounds[LANE, g, row] - 1) * (mask + 1)
+    ring, stride = geometry[g, RING_START] + row * geometry[g, ROW_STRIDE], geometry[g, COLUMN_STRIDE]
+    for logical in range(bounds[BASE, g, row], bounds[HI, g, row]):
+        if wide:
+            pages[lane + (logical & mask)] = pages[ring + (logical & narrow_mask) * stride]
+        else:
+            pages[ring + (logical & narrow_mask) * stride] = pages[lane + (logical & mask)]
+    if not wide:
+        bounds[FREE_LANES, g, geometry[g, FREE_COUNT]] = bounds[LANE, g, row] - 1
+        geometry[g, FREE_COUNT] += 1
+        bounds[LANE, g, row] = 0
+
+
+@njit(cache=True)
+def write_slots(geometry, pages, bounds, rows, first_row, positions, request_indices, slots):
     """``slots[g, i]``: ``page * rows_per_page + entry % rows_per_page`` for token ``i``
     (entry ``position // stride``), -1 where the token closes no entry."""
     for g in range(geometry.shape[0]):
         tokens, page_shift = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT]
         per_page, rows_shift = geometry[g, ROWS_PER_PAGE], geometry[g, ROWS_SHIFT]
         stride, stride_shift = geometry[g, STRIDE_TOKENS], geometry[g, STRIDE_SHIFT]
-        mask = geometry[g, COLUMN_MASK]
         for i in range(positions.size):
             pos = positions[i]
             entry = divide(pos + 1, stride, stride_shift)
@@ -74,7 +138,7 @@ def write_slots(geometry, pages, rows, first_row, positions, request_indices, sl
                 continue
             entry -= 1
             row = rows[first_row + request_indices[i]]
-            page = pages[g, row, divide(pos, tokens, page_shift) & mask]
+            page = pages[cell(geometry, bounds, g, row, divide(pos, tokens, page_shift))]
             slots[g, i] = np.int64(page) * per_page + entry - divide(entry, per_page, rows_shift) * per_page
 
 
@@ -186,21 +250,23 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, top, lowest, rows,
     keeps them). LIFO groups push the first released on top; ``lowest`` groups keep
     their stack sorted, the lowest id on top. ``released[0, g]``, ``released[1, g]``:
     pages gone free and gone idle keyed. Returns (cells logged, idle keyed pages)."""
-    n_rows, n_cols = pages.shape[1], pages.shape[2]
+    n_rows = bounds.shape[2]
     n_keyed = 0
     for g in range(geometry.shape[0]):
-        mask, offset = geometry[g, COLUMN_MASK], geometry[g, ID_OFFSET]
+        offset = geometry[g, ID_OFFSET]
         n = 0
         for r in range(rows.size):
             row = rows[r]
-            for logical in range(bounds[0, g, row], after[0, g, r]):
-                col = logical & mask
-                scratch[n] = pages[g, row, col]
-                pages[g, row, col] = -1
-                touched[n_touched] = (g * n_rows + row) * n_cols + col
+            for logical in range(bounds[BASE, g, row], after[0, g, r]):
+                at = cell(geometry, bounds, g, row, logical)
+                scratch[n] = pages[at]
+                pages[at] = -1
+                touched[n_touched] = view_cell(geometry, n_rows, g, row, logical)
                 n_touched += 1
                 n += 1
-            bounds[0, g, row] = after[0, g, r]
+            bounds[BASE, g, row] = after[0, g, r]
+            if bounds[LANE, g, row]:
+                fit_ring(geometry, pages, bounds, g, row, bounds[HI, g, row] - after[0, g, r])
         for i in range(n):
             ref[offset + scratch[i]] -= 1
         n_free, keyed_from = 0, n_keyed
@@ -258,11 +324,11 @@ def allocate_pages(geometry, pages, bounds, ref, stack, top, lowest, transient, 
     in a ``lowest`` group they take the stack's bottom (highest) ids, in ascending
     order, so long-lived pages pack low; in a LIFO group the ids popped after the
     survivors'. The stacks hold enough (the caller made room). Returns cells logged."""
-    n_rows, n_cols = pages.shape[1], pages.shape[2]
+    n_rows = bounds.shape[2]
     for g in range(geometry.shape[0]):
         if sums[1, g] == 0:
             continue
-        mask, offset = geometry[g, COLUMN_MASK], geometry[g, ID_OFFSET]
+        offset = geometry[g, ID_OFFSET]
         tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
         n_transient = transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0
         # Survivors pop from the top; transient page k sits at ``late - k``.
@@ -271,7 +337,9 @@ def allocate_pages(geometry, pages, bounds, ref, stack, top, lowest, transient, 
         for r in range(rows.size):
             row = rows[r]
             keep_from = divide(max(first[r] + counts[r] - window + 1, 0), tokens, shift)
-            for logical in range(bounds[1, g, row], after[1, g, r]):
+            if after[1, g, r] > bounds[HI, g, row]:
+                fit_ring(geometry, pages, bounds, g, row, after[1, g, r] - bounds[BASE, g, row])
+            for logical in range(bounds[HI, g, row], after[1, g, r]):
                 if n_transient > 0 and logical < keep_from:
                     page = stack[offset + late - taken]
                     taken += 1
@@ -279,9 +347,8 @@ def allocate_pages(geometry, pages, bounds, ref, stack, top, lowest, transient, 
                     top[g] -= 1
                     page = stack[offset + top[g]]
                 ref[offset + page] = 1
-                col = logical & mask
-                pages[g, row, col] = page
-                touched[n_touched] = (g * n_rows + row) * n_cols + col
+                pages[cell(geometry, bounds, g, row, logical)] = page
+                touched[n_touched] = view_cell(geometry, n_rows, g, row, logical)
                 n_touched += 1
             bounds[1, g, row] = after[1, g, r]
         if n_transient > 0 and lowest[g]:
@@ -428,7 +495,7 @@ def finish_step(geometry, pages, bounds, computed, ref, stack, top, lowest, tran
     batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, positions, request_indices,
                  query_start_loc, base_pages, widths)
     if slots.shape[0]:
-        write_slots(geometry, pages, rows, settle, positions, request_indices, slots)
+        write_slots(geometry, pages, bounds, rows, settle, positions, request_indices, slots)
     return n_touched
 
 
@@ -436,32 +503,43 @@ def finish_step(geometry, pages, bounds, computed, ref, stack, top, lowest, tran
 def block_table(geometry, pages, bounds, g, rows, out):
     """``out[r, j]``: group ``g``'s page of logical page ``base + j`` of ``rows[r]``, -1
     past its live pages."""
-    mask = geometry[g, COLUMN_MASK]
     for r in range(rows.size):
         row = rows[r]
-        base = bounds[0, g, row]
-        live = bounds[1, g, row] - base
+        base = bounds[BASE, g, row]
+        live = bounds[HI, g, row] - base
         for j in range(out.shape[1]):
-            out[r, j] = pages[g, row, (base + j) & mask] if j < live else -1
+            out[r, j] = pages[cell(geometry, bounds, g, row, base + j)] if j < live else -1
 
 
 # --- table and page-space helpers outside the step (free, rewind, prefix hits, pools) ------------
 @njit(cache=True)
-def take_pages(geometry, pages, rows, lo, counts, out, touched):
+def take_pages(geometry, pages, bounds, rows, lo, counts, out, touched):
     """Empty logical pages ``[lo[g, r], lo[g, r] + counts[g, r])`` of every group and row;
-    their ids go to ``out`` and their flat cells to ``touched``, group-major then row
-    order. Returns how many."""
+    their ids go to ``out`` and their ring-view cells to ``touched``, group-major then
+    row order. Returns how many. (The caller moves the bounds.)"""
     n = 0
-    n_rows, n_cols = pages.shape[1], pages.shape[2]
+    n_rows = bounds.shape[2]
     for g in range(geometry.shape[0]):
-        mask = geometry[g, COLUMN_MASK]
         for r in range(rows.size):
             row = rows[r]
             for logical in range(lo[g, r], lo[g, r] + counts[g, r]):
-                col = logical & mask
-                out[n] = pages[g, row, col]
-                pages[g, row, col] = -1
-                touched[n] = (g * n_rows + row) * n_cols + col
+                at = cell(geometry, bounds, g, row, logical)
+                out[n] = pages[at]
+                pages[at] = -1
+                touched[n] = view_cell(geometry, n_rows, g, row, logical)
+                n += 1
+    return n
+
+
+@njit(cache=True)
+def live_cells(geometry, bounds, index):
+    """Ring-view index of every live cell (every group, row and logical page in
+    ``[base, hi)``), group-major then row order; returns how many."""
+    n, n_rows = 0, bounds.shape[2]
+    for g in range(geometry.shape[0]):
+        for row in range(n_rows):
+            for logical in range(bounds[BASE, g, row], bounds[HI, g, row]):
+                index[n] = view_cell(geometry, n_rows, g, row, logical)
                 n += 1
     return n
 
@@ -536,13 +614,13 @@ def release_credit(geometry, pages, bounds, ref, g, rows, new_base, credit, sole
     """Group ``g``'s pages below each row's ``new_base`` that only that row holds (pure):
     ``credit[r]`` how many of row ``r``'s, their local ids to ``sole_pages`` (rows in
     order, pages in logical order). Returns (sole pages, pages below the new bases)."""
-    mask, offset = geometry[g, COLUMN_MASK], geometry[g, ID_OFFSET]
+    offset = geometry[g, ID_OFFSET]
     n_sole, n_pages = 0, 0
     for r in range(rows.size):
         row = rows[r]
         before = n_sole
-        for logical in range(bounds[0, g, row], new_base[r]):
-            page = pages[g, row, logical & mask]
+        for logical in range(bounds[BASE, g, row], new_base[r]):
+            page = pages[cell(geometry, bounds, g, row, logical)]
             n_pages += 1
             if ref[offset + page] == 1:
                 sole_pages[n_sole] = page
@@ -586,15 +664,18 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
 
 
 @njit(cache=True)
-def read_cells(pages, index, cells, page):
-    """``cells[0, i]``, ``cells[1, i]``, ``cells[2, i]``: group, row and column of the flat
-    cell ``index[i]`` of ``pages``; ``page[i]`` the page id it holds now."""
-    n_rows, n_cols = pages.shape[1], pages.shape[2]
+def read_cells(geometry, pages, bounds, index, group, row, column, page):
+    """Group, row, column and page id now (-1: no live page there) of each ring-view
+    cell ``index[i]``."""
+    n_rows, n_cols = bounds.shape[2], geometry[0, VIEW_COLUMNS]
     for i in range(index.size):
-        cell = index[i]
-        group, row, column = cell // (n_cols * n_rows), (cell // n_cols) % n_rows, cell % n_cols
-        cells[0, i], cells[1, i], cells[2, i] = group, row, column
-        page[i] = pages[group, row, column]
+        at = index[i]
+        g, r, c = at // (n_cols * n_rows), (at // n_cols) % n_rows, at % n_cols
+        group[i], row[i], column[i] = g, r, c
+        base, hi, mask = bounds[BASE, g, r], bounds[HI, g, r], geometry[g, COLUMN_MASK]
+        # The one logical page of [base, hi) at column c (a live span never exceeds the ring).
+        logical = c if mask < 0 else base + ((c - base) & mask)
+        page[i] = pages[cell(geometry, bounds, g, r, logical)] if base <= logical < hi else -1
 
 
 @njit(cache=True)
