@@ -1,5 +1,5 @@
 """Cost of the "prefill-per-byte" checkpoint order (issue 21): per freed request and
-per eviction, incremental (``hybridkv.checkpoints.CheckpointOrder``) against the
+per eviction, incremental (``hybridkv.prefix.checkpoints.CheckpointOrder``) against the
 full sort at every freed request (``PrefixCache.use_full_sort_ranking``, the
 reference and the behaviour before).
 
@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hit_sweep  # noqa: E402
 
-from hybridkv.checkpoints import checkpoint_policy  # noqa: E402
+from hybridkv.prefix.checkpoints import checkpoint_policy  # noqa: E402
 
 
 def timed(samples: list, fn, counted=lambda: True):

@@ -62,7 +62,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hybridkv.checkpoints import CHECKPOINT_POLICIES, DEFAULT_CHECKPOINT_POLICY, checkpoint_policy  # noqa: E402
+from hybridkv.prefix.checkpoints import CHECKPOINT_POLICIES, DEFAULT_CHECKPOINT_POLICY, checkpoint_policy  # noqa: E402
 from hybridkv.cli.simulate_cmd import flag_names  # noqa: E402
 from hybridkv.models.layout import cache_layout  # noqa: E402
 from hybridkv.sim.offline_bound import UnitBytes, offline_hit_bound  # noqa: E402
@@ -154,7 +154,7 @@ def serve_in_order(side: Any, requests: list) -> np.ndarray:
 
 
 def make_side(line: str, budget_bytes: int, max_model_len: int, vllm_side: Any, policy: Any = None) -> Any:
-    """``policy``: the hybridkv lines' ``hybridkv.checkpoints.CheckpointPolicy`` (None: the default)."""
+    """``policy``: the hybridkv lines' ``hybridkv.prefix.checkpoints.CheckpointPolicy`` (None: the default)."""
     common = dict(kv_memory_bytes=budget_bytes, max_model_len=max_model_len,
                   max_num_batched_tokens=CHUNK_TOKENS, max_num_seqs=MAX_NUM_SEQS)
     if line in PEER_LINES:  # bench/peers: a side with serve(requests)

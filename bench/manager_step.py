@@ -44,7 +44,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from hybridkv.manager import CacheManager
+from hybridkv.runtime.manager import CacheManager
 from hybridkv.models.layout import cache_layout
 from hybridkv.plan import Limits, plan_for_budget
 

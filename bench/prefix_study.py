@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from hybridkv.manager import CacheManager
+from hybridkv.runtime.manager import CacheManager
 from hybridkv.models.layout import cache_layout
 from hybridkv.sim.workloads import ideal_hit_tokens, multiturn_workload
 

@@ -57,7 +57,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridkv.manager import CacheManager
+from hybridkv.runtime.manager import CacheManager
 from hybridkv.models.layout import cache_layout
 from hybridkv.plan import Limits, plan_for_tokens
 from hybridkv.sim.driver import Simulator

@@ -5,11 +5,11 @@ a byte (checked from page ids and page sizes alone, not through the arena)."""
 import numpy as np
 import pytest
 
-from hybridkv.arena import Arena, anchor_group_for, arena_geometry, shared_arena_for
-from hybridkv.manager import CacheManager, CacheManagerError
+from hybridkv.memory.arena import Arena, anchor_group_for, arena_geometry, shared_arena_for
+from hybridkv.runtime.manager import CacheManager, CacheManagerError
 from hybridkv.models.layout import cache_layout
 from hybridkv.plan import Limits, plan_for_budget
-from hybridkv.pool import PagePool
+from hybridkv.memory.pool import PagePool
 from hybridkv.spec import CacheGroupSpec
 
 SWA = CacheGroupSpec("swa", "sliding_window", 4, 1, sliding_window_tokens=8, family="state")

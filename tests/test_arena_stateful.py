@@ -17,8 +17,8 @@ import hypothesis.strategies as st
 from hypothesis import event, settings
 from hypothesis.stateful import initialize, invariant
 
-from hybridkv.arena import arena_geometry
-from hybridkv.manager import CacheManager
+from hybridkv.memory.arena import arena_geometry
+from hybridkv.runtime.manager import CacheManager
 from test_arena import live_byte_ranges_disjoint
 from test_manager_stateful import CONFIGS, ManagerMachine, snapshot
 

@@ -1,4 +1,4 @@
-"""The step's result classes (``hybridkv.batch``): frozen dataclasses whose ``__init__``
+"""The step's result classes (``hybridkv.runtime.batch``): frozen dataclasses whose ``__init__``
 stores the fields directly must still behave as the dataclasses they declare."""
 
 import dataclasses
@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from hybridkv.batch import GroupStep, StepBatch, TableUpdates
+from hybridkv.runtime.batch import GroupStep, StepBatch, TableUpdates
 
 
 def test_positional_and_keyword_construction_agree_with_the_declared_fields():

@@ -1,4 +1,4 @@
-"""The incremental "prefill-per-byte" order (hybridkv.checkpoints.CheckpointOrder)
+"""The incremental "prefill-per-byte" order (hybridkv.prefix.checkpoints.CheckpointOrder)
 against its reference, the full sort at every freed request
 (PrefixCache.use_full_sort_ranking): same random programs, same decisions.
 
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridkv.manager import CacheManagerError
-from hybridkv.pool import PoolExhausted
+from hybridkv.runtime.manager import CacheManagerError
+from hybridkv.memory.pool import PoolExhausted
 from test_prefix import C4KV, C4S, C128KV, C128S, IDX, STATE, SWA, cat, ids, make_manager
 
 TIGHT = {SWA: 40, C4S: 240, C128S: 160, IDX: 240, C4KV: 14, C128KV: 14}
@@ -80,7 +80,7 @@ def program_of(seed: int, ops: int = 90) -> list[tuple[int, int, int, int]]:
     return [(r.randint(0, 2), r.randint(0, 2), r.randint(0, 1400), r.randint(0, 700)) for _ in range(ops)]
 
 
-# Programs where a block evicted mid-chain (a gap, hybridkv.eviction) cuts checkpoints
+# Programs where a block evicted mid-chain (a gap, hybridkv.prefix.eviction) cuts checkpoints
 # off beyond it: the two orders once promoted such checkpoints back at different frees
 # (the full sort at every free, the incremental order when it filed one again), where
 # neither should until the block is published again (docs/prefix-caching.md, "Gaps").

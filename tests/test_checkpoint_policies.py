@@ -1,4 +1,4 @@
-"""The checkpoint policies (hybridkv.checkpoints): which boundaries keep a checkpoint,
+"""The checkpoint policies (hybridkv.prefix.checkpoints): which boundaries keep a checkpoint,
 which goes first under pressure, worked by hand; their errors; a property for all four.
 
 Same small DeepSeek-V4 group set and helpers as tests/test_prefix.py (grain 256,
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.checkpoints import (
+from hybridkv.prefix.checkpoints import (
     ATTENTION_EQUAL_DEPTH_TOKENS,
     CHECKPOINT_POLICIES,
     OWN,
@@ -25,7 +25,7 @@ from hybridkv.checkpoints import (
     CheckpointValues,
     saved_prefill,
 )
-from hybridkv.checkpoints import checkpoint_policy as policy_from_options
+from hybridkv.prefix.checkpoints import checkpoint_policy as policy_from_options
 from test_prefix import C4KV, C4S, C128KV, C128S, IDX, STATE, SWA, cat, events_of, ids, make_manager, run_request
 
 POLICY_OPTIONS = {

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-HEAVY = ("matplotlib", "ml_dtypes", "numba", "hybridkv.sim", "hybridkv.manager", "hybridkv.reference", "torch")
+HEAVY = ("matplotlib", "ml_dtypes", "numba", "hybridkv.sim", "hybridkv.runtime.manager", "hybridkv.reference", "torch")
 
 
 def _modules_after(code: str) -> set[str]:

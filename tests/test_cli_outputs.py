@@ -96,7 +96,7 @@ def test_plot_title_and_lines_describe_the_run():
 
     from hybridkv.cli.simulate_render import plot_usage, plot_title
     from hybridkv.cli.plan_cmd import build_plan
-    from hybridkv.manager import CacheManager
+    from hybridkv.runtime.manager import CacheManager
     from hybridkv.sim.driver import Simulator
     from hybridkv.sim.workloads import build_workload
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from hypothesis import event, given, settings
 
-from hybridkv.arena import arena_geometry
-from hybridkv.manager import CacheManager, CacheManagerError
-from hybridkv.mirror import BlockTableMirror
+from hybridkv.memory.arena import arena_geometry
+from hybridkv.runtime.manager import CacheManager, CacheManagerError
+from hybridkv.tables.mirror import BlockTableMirror
 from test_arena_stateful import ANCHOR, PAGE_BYTES
 from test_table_updates import CONFIGS
 

@@ -1,4 +1,4 @@
-"""The value-based eviction policy (hybridkv.eviction), worked by hand, and a property.
+"""The value-based eviction policy (hybridkv.prefix.eviction), worked by hand, and a property.
 
 Same small DeepSeek-V4 group set and helpers as tests/test_prefix.py (grain 256,
 whole-window checkpoints, prompt checkpoints off unless a test turns them on).
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.manager import CacheManager
-from hybridkv.eviction import ValueEviction
-from hybridkv.pool import EVICTED, PagePool
+from hybridkv.runtime.manager import CacheManager
+from hybridkv.prefix.eviction import ValueEviction
+from hybridkv.memory.pool import EVICTED, PagePool
 from test_prefix import ALL, C4KV, C128KV, C128S, C4S, HISTORY, IDX, SPECS, STATE, SWA, cat, events_of, ids, \
     make_manager, run_request
 

@@ -10,7 +10,7 @@ import pytest
 
 from hybridkv.inflight import (MAX_BOARD_KEYS, InFlightRule, Marker, Markers, decode_board, decode_marker, encode_board,
                                encode_marker)
-from hybridkv.manager import CacheManager
+from hybridkv.runtime.manager import CacheManager
 from hybridkv.models.layout import cache_layout
 from hybridkv.plan import Limits, plan_for_tokens
 from hybridkv.reference.config import ReferenceConfig, build_model

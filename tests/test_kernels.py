@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from hybridkv.manager import CacheManager
+from hybridkv.runtime.manager import CacheManager
 from hybridkv.models.deepseek_v4 import build_v4_cache_specs
 from hybridkv.runtime import kernels
 from hybridkv.spec import CacheGroupSpec
@@ -154,8 +154,8 @@ def test_the_manager_gives_the_same_steps_without_the_jit(space):
     the manager: the batches' arrays are the same compiled and as plain Python."""
     code = (
         "import numpy as np\n"
-        "from hybridkv.arena import anchor_group_for, arena_geometry\n"
-        "from hybridkv.manager import CacheManager\n"
+        "from hybridkv.memory.arena import anchor_group_for, arena_geometry\n"
+        "from hybridkv.runtime.manager import CacheManager\n"
         "from hybridkv.models.deepseek_v4 import build_v4_cache_specs\n"
         "specs = build_v4_cache_specs({'sliding_window': 16}, layer_ratio=[0, 4, 128])\n"
         f"m = CacheManager(specs, {_PAGE_SPACES[space]} max_context_tokens=1500, max_step_tokens=64,\n"

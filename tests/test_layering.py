@@ -18,18 +18,18 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "hybridkv"
 LAYERS = [
     ("hybridkv._checks", "hybridkv.units", "hybridkv.spec", "hybridkv"),
     ("hybridkv.models", "hybridkv.codecs", "hybridkv.plan"),
-    ("hybridkv.pool", "hybridkv.tables", "hybridkv.runtime.kernels"),
-    ("hybridkv.arena", "hybridkv.eviction", "hybridkv.checkpoints", "hybridkv.prefix"),
+    ("hybridkv.memory.pool", "hybridkv.tables.store", "hybridkv.runtime.kernels"),
+    ("hybridkv.memory.arena", "hybridkv.prefix.eviction", "hybridkv.prefix.checkpoints", "hybridkv.prefix.cache"),
     ("hybridkv.sizing", "hybridkv.compare_vllm"),
-    ("hybridkv.batch",),
-    ("hybridkv.manager",),
-    ("hybridkv.mirror",),
+    ("hybridkv.runtime.batch",),
+    ("hybridkv.runtime.manager",),
+    ("hybridkv.tables.mirror", "hybridkv.manager", "hybridkv.batch", "hybridkv.mirror"),
     ("hybridkv.tiers", "hybridkv.transfer", "hybridkv.inflight", "hybridkv.inflight_state", "hybridkv.tierlink"),
     ("hybridkv.reference", "hybridkv.sim", "hybridkv.integrations"),
     ("hybridkv.cli",),
 ]
-CORE = ("hybridkv.pool", "hybridkv.tables", "hybridkv.runtime", "hybridkv.arena", "hybridkv.eviction", "hybridkv.prefix",
-        "hybridkv.checkpoints", "hybridkv.batch", "hybridkv.manager", "hybridkv.mirror")
+CORE = ("hybridkv.memory", "hybridkv.tables", "hybridkv.prefix", "hybridkv.runtime", "hybridkv.manager", "hybridkv.batch",
+        "hybridkv.mirror")
 NOT_FOR_CORE = ("hybridkv.models", "hybridkv.plan", "hybridkv.codecs", "hybridkv.reference", "hybridkv.sim",
                 "hybridkv.cli")
 
@@ -85,7 +85,7 @@ def test_no_private_name_crosses_modules(name):
 
 
 def test_the_check_itself_catches_an_upward_import():
-    tree = ast.parse("from hybridkv.manager import CacheManager\nfrom hybridkv.arena import _Hidden\n")
+    tree = ast.parse("from hybridkv.runtime.manager import CacheManager\nfrom hybridkv.memory.arena import _Hidden\n")
     (up, _), (_, names) = imports(tree)
-    assert rank(up) > rank("hybridkv.pool")
+    assert rank(up) > rank("hybridkv.memory.pool")
     assert names == ["_Hidden"]

@@ -5,7 +5,7 @@ the request list)."""
 import numpy as np
 import pytest
 
-from hybridkv.manager import CacheManager, CacheManagerError
+from hybridkv.runtime.manager import CacheManager, CacheManagerError
 from hybridkv.models.layout import cache_layout
 from hybridkv.plan import Limits, plan_for_budget
 from hybridkv.spec import CacheGroupSpec

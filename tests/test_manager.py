@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
-from hybridkv.manager import Admission, CacheManager, CacheManagerError
+from hybridkv.runtime.manager import Admission, CacheManager, CacheManagerError
 from hybridkv.models.deepseek_v4 import build_v4_cache_specs
 from hybridkv.spec import CacheGroupSpec
 
@@ -726,7 +726,7 @@ def test_max_admissible_tokens_is_the_largest_count_admission_accepts(pages, oth
     (unless a non-memory limit caps it), and schedule() then succeeds."""
     specs = v4_specs()
     if shared:
-        from hybridkv.arena import arena_geometry
+        from hybridkv.memory.arena import arena_geometry
 
         sizes = {s.group_id: 10 + 7 * i for i, s in enumerate(specs)}
         geom = arena_geometry(sizes, 60 * pages, anchor_group="v4.c4a.compressed_kv", slab_anchor_pages=4)
@@ -771,7 +771,7 @@ def test_step_objects_are_whole_frozen_dataclasses():
     both table modes."""
     import dataclasses
 
-    from hybridkv.batch import GroupStep, StepBatch, TableUpdates
+    from hybridkv.runtime.batch import GroupStep, StepBatch, TableUpdates
 
     m = manager(v4_specs(), 64, step=512)
     m.add_request("a", prompt_tokens=300)

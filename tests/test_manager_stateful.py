@@ -18,7 +18,7 @@ import pytest
 from hypothesis import event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hybridkv.manager import CacheManager, CacheManagerError
+from hybridkv.runtime.manager import CacheManager, CacheManagerError
 from hybridkv.models.deepseek_v4 import build_v4_cache_specs
 from hybridkv.spec import CacheGroupSpec
 

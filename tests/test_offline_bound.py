@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybridkv.manager import CacheManager
+from hybridkv.runtime.manager import CacheManager
 from hybridkv.models.layout import cache_layout
 from hybridkv.plan import Limits, plan_for_budget
 from hybridkv.sim.offline_bound import UnitBytes, block_keys, offline_hit_bound

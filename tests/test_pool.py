@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from hybridkv.pool import NULL_PAGE, PagePool, PoolExhausted
+from hybridkv.memory.pool import NULL_PAGE, PagePool, PoolExhausted
 
 
 def pool_state(pool: PagePool):
@@ -425,7 +425,7 @@ def test_page_space_release_is_decref_pool_by_pool(data, lowest_first, as_list, 
     """PageSpace.release of every group's pages (some keyed, some low priority, some
     with a second holder, listed twice with ``twice``) leaves each pool as its own
     decref would; the counts as an array or a list."""
-    from hybridkv.pool import PageSpace
+    from hybridkv.memory.pool import PageSpace
 
     sizes = data.draw(st.lists(st.integers(2, 24), min_size=1, max_size=5), label="sizes")
     sides = []

@@ -31,11 +31,11 @@ import numpy as np
 import pytest
 import xxhash
 
-from hybridkv.manager import CacheManager, CacheManagerError
+from hybridkv.runtime.manager import CacheManager, CacheManagerError
 from hybridkv.models.deepseek_v4 import build_v4_cache_specs
 from hybridkv.models.layout import cache_layout
-from hybridkv.prefix import CacheEvent, PrefixHit
-from hybridkv.pool import PagePool
+from hybridkv.prefix.cache import CacheEvent, PrefixHit
+from hybridkv.memory.pool import PagePool
 
 SPECS = tuple(build_v4_cache_specs(SimpleNamespace(sliding_window=128), layer_ratio=[0, 4, 128]))
 SWA = "v4.swa_kv"
@@ -956,7 +956,7 @@ def test_event_buffer_drops_the_oldest_and_counts_them():
 def test_block_hashes_do_not_depend_on_the_token_array_layout():
     """The same tokens hash the same from the manager's int32 buffer, an int64 array,
     a big-endian array and a strided view (blocks are hashed as little-endian int32)."""
-    from hybridkv.prefix import RequestHashes
+    from hybridkv.prefix.cache import RequestHashes
 
     tokens = np.random.default_rng(3).integers(0, 2**31 - 1, 600)
     layouts = [tokens.astype(np.int32), tokens.astype(np.int64), tokens.astype(">i4"),

@@ -26,7 +26,7 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hybridkv.manager import CacheManager
+from hybridkv.runtime.manager import CacheManager
 from hybridkv.models.deepseek_v4 import build_v4_cache_specs
 
 SPECS = tuple(build_v4_cache_specs(SimpleNamespace(sliding_window=128), layer_ratio=[0, 4, 128]))

@@ -34,7 +34,7 @@ checkpoints are off (a short group there reuses idle low-priority pages before
 it takes a spare slab) and the free and total page counts, which follow the
 slabs, are not compared. Eviction: the reference models each pool evicting by its
 own LRU, so the manager runs ``eviction_policy="group-lru"`` here; the default value
-policy (``hybridkv.eviction``) is pinned by tests/test_eviction.py. Table rows
+policy (``hybridkv.prefix.eviction``) is pinned by tests/test_eviction.py. Table rows
 are compared the same way (any row, one per live request, kept until free).
 """
 
@@ -49,9 +49,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
-from hybridkv.arena import arena_geometry
-from hybridkv.manager import CacheManager, CacheManagerError
-from hybridkv.mirror import BlockTableMirror
+from hybridkv.memory.arena import arena_geometry
+from hybridkv.runtime.manager import CacheManager, CacheManagerError
+from hybridkv.tables.mirror import BlockTableMirror
 from hybridkv.spec import CacheGroupSpec
 from reference_manager import ReferenceManager, RefError
 

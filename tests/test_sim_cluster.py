@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from hybridkv.cli import main
-from hybridkv.manager import CacheManager
+from hybridkv.runtime.manager import CacheManager
 from hybridkv.models.layout import cache_layout, load_model_config
 from hybridkv.plan import Limits, plan_for_budget
 from hybridkv.sim.cluster import naive_bytes_per_token, run_cluster, spread

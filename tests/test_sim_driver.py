@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from hybridkv.cli import main
-from hybridkv.manager import CacheManager
+from hybridkv.runtime.manager import CacheManager
 from hybridkv.models.deepseek_v4 import build_v4_cache_specs
 from hybridkv.sim.driver import SimulationError, Simulator
 from hybridkv.sim.workloads import Request, chat_workload, multiturn_workload
@@ -177,7 +177,7 @@ class _BorrowingManager(CacheManager):
     was going to evict: only the other item's answer says so."""
 
     def check_admission(self, items, **kw):
-        from hybridkv.manager import Admission
+        from hybridkv.runtime.manager import Admission
 
         answers = super().check_admission(items, **kw)
         if len(items) > 1 and items[-1][0] == "victim":

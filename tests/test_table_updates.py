@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from hypothesis import event, given, settings
 
-from hybridkv.manager import CacheManager, CacheManagerError
-from hybridkv.mirror import BlockTableMirror
+from hybridkv.runtime.manager import CacheManager, CacheManagerError
+from hybridkv.tables.mirror import BlockTableMirror
 from hybridkv.models.deepseek_v4 import build_v4_cache_specs
 from hybridkv.spec import CacheGroupSpec
 

@@ -5,8 +5,8 @@ import numpy as np
 
 from hybridkv.runtime import kernels
 from hybridkv.spec import CacheGroupSpec
-from hybridkv.manager import CacheManager
-from hybridkv.tables import NARROW_STEP_TOKENS, TableSet, cdiv, live_pages_bound, segment_arange
+from hybridkv.runtime.manager import CacheManager
+from hybridkv.tables.store import NARROW_STEP_TOKENS, TableSet, cdiv, live_pages_bound, segment_arange
 
 SWA_4_8 = CacheGroupSpec("swa", "sliding_window", 4, 1, sliding_window_tokens=8, family="state")
 C4 = CacheGroupSpec("c4", "full_history", rows_per_page=64, entry_stride_tokens=4)

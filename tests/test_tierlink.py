@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from hybridkv.manager import CacheManager, CacheManagerError
+from hybridkv.runtime.manager import CacheManager, CacheManagerError
 from hybridkv.models.layout import cache_layout
 from hybridkv.plan import Limits, plan_for_tokens
 from hybridkv.reference.config import ReferenceConfig, build_model

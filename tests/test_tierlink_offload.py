@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from hybridkv.manager import CacheManager, CacheManagerError
+from hybridkv.runtime.manager import CacheManager, CacheManagerError
 from hybridkv.models.layout import cache_layout
 from hybridkv.plan import Limits, plan_for_tokens
 from hybridkv.reference.config import ReferenceConfig, build_model

@@ -6,7 +6,7 @@
   :class:`~hybridkv.plan.Plan` fits ``N`` requests at ``L`` in every group
   (``Plan.concurrency(L) >= N``), and that plan's bytes per group;
 * a shared arena: the fewest slabs whose arena holds ``N`` requests at ``L``
-  (:func:`hybridkv.arena.shared_concurrency`), and the slabs each group fills.
+  (:func:`hybridkv.memory.arena.shared_concurrency`), and the slabs each group fills.
 
 Both are memory only, for one cache (one GPU, or one attention data-parallel
 rank; tensor-parallel ranks each hold the whole V4 cache, which has one KV head).
@@ -84,13 +84,13 @@ def _smallest_per_group_plan(layout: ModelCacheLayout, limits: Limits, requests:
 
 
 def _shared_arena(plan: Plan, budget: int):
-    from hybridkv.arena import shared_arena_for
+    from hybridkv.memory.arena import shared_arena_for
 
     return shared_arena_for(Plan(plan.layout, plan.limits, plan.total_tokens, budget))
 
 
 def _shared_fits(plan: Plan, budget: int, requests: int, context: int) -> bool:
-    from hybridkv.arena import shared_concurrency
+    from hybridkv.memory.arena import shared_concurrency
 
     shaped = Plan(plan.layout, plan.limits, plan.total_tokens, budget)
     return shared_concurrency(shaped, context, _shared_arena(plan, budget)) >= requests
@@ -98,7 +98,7 @@ def _shared_fits(plan: Plan, budget: int, requests: int, context: int) -> bool:
 
 def _smallest_shared_budget(plan: Plan, requests: int, context: int) -> int:
     """Fewest slabs (as bytes) whose arena fits the requests; ``plan`` gives the shape."""
-    from hybridkv.arena import anchor_group_for, arena_geometry
+    from hybridkv.memory.arena import anchor_group_for, arena_geometry
 
     page_bytes = plan.page_bytes
     probe = arena_geometry(

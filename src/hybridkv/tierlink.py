@@ -77,7 +77,7 @@ import numpy as np
 
 from hybridkv.inflight import InFlightRule, Markers
 from hybridkv.inflight_state import InFlightState
-from hybridkv.manager import CacheManagerError
+from hybridkv.runtime.manager import CacheManagerError
 from hybridkv.tiers.keys import ObjectKey
 from hybridkv.tiers.pools import layout_parts
 from hybridkv.tiers.rows import GroupPages, rows_for_tokens

@@ -43,7 +43,7 @@ def open_store(kind: str, budget_bytes: int, layout, stack: ExitStack):
 
 
 def _manager_factory(plan, args: argparse.Namespace):
-    from hybridkv.manager import CacheManager
+    from hybridkv.runtime.manager import CacheManager
 
     from hybridkv.cli.simulate_cmd import checkpoint_options
 

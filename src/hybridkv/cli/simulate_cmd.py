@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from hybridkv.checkpoints import CHECKPOINT_POLICIES, checkpoint_policy
+from hybridkv.prefix.checkpoints import CHECKPOINT_POLICIES, checkpoint_policy
 from hybridkv.cli import args as a
 from hybridkv.cli.plan_cmd import add_plan_arguments, build_plan
 
@@ -187,7 +187,7 @@ def check_pool_sizes(plan, page_space: str) -> None:
     """The simulator holds every page of every pool in memory: refuse budgets whose
     pools would not fit this machine before any is allocated."""
     if page_space == "shared":
-        from hybridkv.arena import shared_arena_for
+        from hybridkv.memory.arena import shared_arena_for
 
         geometry = shared_arena_for(plan)
         pages = {gid: geometry.view_pages(gid) for gid in geometry.page_bytes}
@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from hybridkv.cli.simulate_render import print_summary, progress_bar, write_plot
-    from hybridkv.manager import CacheManager
+    from hybridkv.runtime.manager import CacheManager
     from hybridkv.sim.driver import Simulator
     from hybridkv.sim.workloads import build_workload
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridkv.batch import GroupStep
+from hybridkv.runtime.batch import GroupStep
 from hybridkv.codecs import StateRowCodec
 from hybridkv.models.deepseek_v4 import (
     V4_INDEXER_COMPRESSOR_STATE_GROUP_ID,

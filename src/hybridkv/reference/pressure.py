@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from hybridkv.manager import CacheManagerError
+from hybridkv.runtime.manager import CacheManagerError
 
 from hybridkv.reference.config import ReferenceConfig
 from hybridkv.reference.runner import TOLERANCE, CheckResult, ScenarioRunner, VerifyReport, build_runner

@@ -1,10 +1,10 @@
 """An engine loop over one manager and one paged stack, recording what it computed.
 
-:class:`ScenarioRunner` drives a :class:`~hybridkv.manager.CacheManager` like an
+:class:`ScenarioRunner` drives a :class:`~hybridkv.runtime.manager.CacheManager` like an
 engine (add, schedule, run the layers, append sampled/draft tokens, rewind,
 free). Steps take either the general path (``schedule``, full block tables) or
 the benchmarked decode path (``schedule_uniform`` with fixed widths and
-``block_tables="updates"`` applied to a :class:`~hybridkv.mirror.BlockTableMirror`,
+``block_tables="updates"`` applied to a :class:`~hybridkv.tables.mirror.BlockTableMirror`,
 write slots from the manager or computed from the mirrored tables). It records
 every scheduled token's output and, at checkpoints, the cache rows a kernel
 would read next (decoded from the pools through the manager's page lists).
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hybridkv.manager import CacheManager, PrefixHit
-from hybridkv.mirror import BlockTableMirror
+from hybridkv.runtime.manager import CacheManager, PrefixHit
+from hybridkv.tables.mirror import BlockTableMirror
 from hybridkv.models.layout import cache_layout
 from hybridkv.plan import Limits, plan_for_tokens
 from hybridkv.reference.config import ReferenceConfig, ReferenceModel, build_model

@@ -1,8 +1,8 @@
 """The compiled data plane: one step's per-group, per-request work as plain loops.
 
 Every function here is a numba ``@njit(cache=True)`` kernel over struct-of-arrays
-state: the manager's table store (``hybridkv.tables.TableSet``), its page space
-(``hybridkv.pool.PageSpace``: every pool's free stack, ref counts and flags) and
+state: the manager's table store (``hybridkv.tables.store.TableSet``), its page space
+(``hybridkv.memory.pool.PageSpace``: every pool's free stack, ref counts and flags) and
 its per-row token counters. With ``NUMBA_DISABLE_JIT=1`` the same functions run
 as plain Python. Nothing here allocates Python objects per request: a step is
 ``prepare_step`` (pure: the plan admission reads) then ``run_step`` (release,
@@ -19,7 +19,7 @@ Arrays (``G`` groups, ``R`` scheduled rows, ``N`` scheduled tokens):
   tokens, rows per page and stride (-1 where not a power of two: a division then),
   then where the group's cells sit in ``pages`` (below), and (the one column the
   kernels change) how many of its lanes are free.
-* ``pages`` int32, flat: every group's table cells (``hybridkv.tables.TableSet``
+* ``pages`` int32, flat: every group's table cells (``hybridkv.tables.store.TableSet``
   lays them out). Group ``g``'s logical page ``L`` of a row is at ``RING_START + row *
   ROW_STRIDE + (L & RING_MASK) * COLUMN_STRIDE``: a sliding group gives each row a
   narrow ring of ``ROW_STRIDE`` cells (column stride 1); a full-history group

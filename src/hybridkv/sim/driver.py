@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridkv.manager import CacheManager
+from hybridkv.runtime.manager import CacheManager
 from hybridkv.sim.workloads import Request
 
 

@@ -1,6 +1,6 @@
 """A small continuous-batching engine: transformers' DeepseekV4 over hybridkv's pages.
 
-:class:`PagedEngine` owns a ``DeepseekV4ForCausalLM``, a :class:`~hybridkv.manager.CacheManager`
+:class:`PagedEngine` owns a ``DeepseekV4ForCausalLM``, a :class:`~hybridkv.runtime.manager.CacheManager`
 planned for the model's cache layout and the :class:`~.pages.PagePools`. A step
 schedules several requests at once through the manager (chunks of prompts,
 decode tokens, speculative verify widths), runs each request's forward on a
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hybridkv.manager import CacheManager, CacheManagerError
+from hybridkv.runtime.manager import CacheManager, CacheManagerError
 from hybridkv.models.layout import cache_layout
 from hybridkv.plan import Limits, plan_for_tokens
 from hybridkv.integrations.transformers.pages import LAYER_RATIO, PagePools, materialize

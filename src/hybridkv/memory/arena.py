@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from hybridkv._checks import as_int
-from hybridkv.pool import PagePool
+from hybridkv.memory.pool import PagePool
 from hybridkv.runtime import kernels
 
 DEFAULT_SLAB_ANCHOR_PAGES = 16
@@ -155,7 +155,7 @@ class IdleScan:
     releasing: dict[str, np.ndarray] | None = None  # pages the step frees before slabs move
     clean: bool = False  # count only free pages as idle (lending then evicts nothing)
     # Cached-evictable pages counted as idle even when ``clean``: entries of less value
-    # than what the short group would evict (hybridkv.eviction.ValueEviction.cheap_pages).
+    # than what the short group would evict (hybridkv.prefix.eviction.ValueEviction.cheap_pages).
     cheap: dict[str, np.ndarray] = field(default_factory=dict)
 
 

@@ -3,7 +3,7 @@
 A hybrid model's cached prefix is usable at a boundary ``D`` only with every
 history block below ``D`` and a checkpoint at ``D`` in every state group
 (docs/prefix-caching.md). Each pool evicts its own idle entries, front of its
-LRU first (:mod:`hybridkv.pool`); :class:`ValueEviction` keeps what the
+LRU first (:mod:`hybridkv.memory.pool`); :class:`ValueEviction` keeps what the
 pools hold consistent with that rule, so memory goes to entries that can still
 produce a hit:
 
@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hybridkv.pool import EVICTED_LOW, REVOKED, UNPUBLISHED, PagePool
+from hybridkv.memory.pool import EVICTED_LOW, REVOKED, UNPUBLISHED, PagePool
 
 UNIT = "unit"  # the ``cause`` of an entry removed because the rest of its unit went
 REASONS = ("prompt", "orphan", "gap", "lru", "unit", "slab")  # why evicted pages went (GroupValueStats)
@@ -81,7 +81,7 @@ class GroupValueStats:
 class ValueEviction:
     """Unit coherence, orphan and gap demotion over one manager's pools (module docstring).
 
-    :class:`hybridkv.prefix.PrefixCache` reports every entry it publishes
+    :class:`hybridkv.prefix.cache.PrefixCache` reports every entry it publishes
     (:meth:`stored`) and every removal its pools report (:meth:`removed`)."""
 
     def __init__(self, pools: Mapping[str, PagePool], history_ids: Sequence[str], state_ids: Sequence[str],
@@ -106,7 +106,7 @@ class ValueEviction:
         # back when it is published again); prompt checkpoints were low priority already.
         self._cut_demoted: set[tuple[str, Hashable]] = set()
         # Told the keys of the state entries beyond a gap that regained their value, in
-        # the order they were promoted back (hybridkv.checkpoints.CheckpointOrder.mended).
+        # the order they were promoted back (hybridkv.prefix.checkpoints.CheckpointOrder.mended).
         self.on_mended: Callable[[list], None] | None = None
         self.evicted_pages = {gid: dict.fromkeys(REASONS, 0) for gid in pools}
 

@@ -280,7 +280,7 @@ class CheckpointOrder:
     kept incrementally: the same decisions as re-sorting every cached checkpoint by
     :meth:`CheckpointValues.eviction_order` at each freed request and laying each
     state pool's LRU out in that order (the reference,
-    :meth:`hybridkv.prefix.PrefixCache.use_full_sort_ranking`), at O(log n) a change.
+    :meth:`hybridkv.prefix.cache.PrefixCache.use_full_sort_ranking`), at O(log n) a change.
 
     Within a class the order is :meth:`CheckpointValues.static_key`, which no freed
     request moves (the clock shifts every score alike): one heap per pool and class
@@ -296,7 +296,7 @@ class CheckpointOrder:
     the lowest score at the front of the LRU, or promoted back). Between two freed
     requests a checkpoint that goes idle sits behind all of them, in the order it
     went idle, as in the reference's LRU. A checkpoint beyond a gap (``beyond_gap``,
-    :meth:`hybridkv.eviction.ValueEviction.beyond_gap`) is never promoted here; when
+    :meth:`hybridkv.prefix.eviction.ValueEviction.beyond_gap`) is never promoted here; when
     the gap is mended (:meth:`mended`) it ranks as gone idle then, until the next
     freed request files it again.
 

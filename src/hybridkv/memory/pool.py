@@ -12,7 +12,7 @@ A pool built with ``lowest_first=True`` hands out its lowest free ids first
 instead (used with an arena, so live pages pack into few slabs).
 
 A pool built with ``granted=False`` starts with no usable pages: a shared
-arena (:mod:`hybridkv.arena`) grants it page ids slab by slab and takes back
+arena (:mod:`hybridkv.memory.arena`) grants it page ids slab by slab and takes back
 slabs whose pages are all free or evictable. An id never granted is in none
 of the states above.
 """
@@ -115,7 +115,7 @@ class PagePool:
         # Per page: the idle clock's tick when it last became cached-evictable.
         self.idle_tick = np.zeros(self.num_pages, dtype=np.int64)
         # Set by a "prefill-per-byte" prefix cache on its state pools (a
-        # hybridkv.checkpoints.CheckpointOrder): told which pages go idle, it names the
+        # hybridkv.prefix.checkpoints.CheckpointOrder): told which pages go idle, it names the
         # normal-priority victims in place of the LRU order.
         self.ranker = None
         self.counters = PoolCounters()

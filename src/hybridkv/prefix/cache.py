@@ -12,7 +12,7 @@ names a whole prefix, so equal keys mean equal content.
   its *junction*: the boundary where its prompt left content that other
   requests had computed, e.g. the end of a shared system prompt); the
   superseded ones are unpublished so state pools cannot fill up, except where
-  the checkpoint policy (:mod:`hybridkv.checkpoints`) keeps a speculative,
+  the checkpoint policy (:mod:`hybridkv.prefix.checkpoints`) keeps a speculative,
   low-priority checkpoint.
 * A hit at ``D`` needs every history group to hold all blocks below ``D`` and
   every state group a checkpoint at exactly ``D``; ``D <= prompt - 1``.
@@ -33,12 +33,12 @@ import numpy as np
 import xxhash
 
 from hybridkv._checks import as_int
-from hybridkv.checkpoints import OWN, REUSED, SPECULATIVE, CheckpointOrder, CheckpointValues
-from hybridkv.checkpoints import checkpoint_policy as policy_from_options
-from hybridkv.eviction import GroupValueStats, ValueEviction
-from hybridkv.pool import PagePool, idle_clock_tick
+from hybridkv.prefix.checkpoints import OWN, REUSED, SPECULATIVE, CheckpointOrder, CheckpointValues
+from hybridkv.prefix.checkpoints import checkpoint_policy as policy_from_options
+from hybridkv.prefix.eviction import GroupValueStats, ValueEviction
+from hybridkv.memory.pool import PagePool, idle_clock_tick
 from hybridkv.spec import CacheGroupSpec
-from hybridkv.tables import GroupTable
+from hybridkv.tables.store import GroupTable
 
 HASH_ALGOS = ("xxh3_128", "sha256")
 
@@ -201,7 +201,7 @@ class PrefixCache:
                 )
             state_checkpoint_interval = n
         self.state_checkpoint_interval = state_checkpoint_interval
-        # Which boundaries keep a speculative checkpoint (hybridkv.checkpoints).
+        # Which boundaries keep a speculative checkpoint (hybridkv.prefix.checkpoints).
         self.policy = policy_from_options(checkpoint_policy, prompt_checkpoints, checkpoint_interval_tokens, g)
         self.checkpoint_policy = self.policy.name
         self.checkpoint_interval_tokens = self.policy.interval_tokens
@@ -222,7 +222,7 @@ class PrefixCache:
         self._windows = windows
         self.tier_hook = None  # a hybridkv.tierlink.TierLink: told what is published and removed
         self._dropping = False  # unpublishing a superseded checkpoint (not an eviction)
-        # What goes first when a pool must evict (hybridkv.eviction): units, orphans.
+        # What goes first when a pool must evict (hybridkv.prefix.eviction): units, orphans.
         self.eviction = ValueEviction(pools, self.history_ids, self.state_ids, eviction_policy)
         for gid, pool in pools.items():
             pool.on_removed = self._removed_callback(gid)
@@ -462,7 +462,7 @@ class PrefixCache:
     def forget_request(self, req: CommittingRequest) -> None:
         """A freed request's checkpoints stay cached (its last one is its terminal).
         With ``"prefill-per-byte"`` the cached checkpoints are then put in order of
-        value: incrementally (:class:`hybridkv.checkpoints.CheckpointOrder`), or by
+        value: incrementally (:class:`hybridkv.prefix.checkpoints.CheckpointOrder`), or by
         :meth:`rank_checkpoints` after :meth:`use_full_sort_ranking`."""
         req.own_checkpoints = []
         if self.values is not None:
@@ -475,7 +475,7 @@ class PrefixCache:
     def use_full_sort_ranking(self) -> None:
         """``"prefill-per-byte"``: rank by :meth:`rank_checkpoints` at every freed
         request (a full sort, O(n log n) a request: the reference the incremental
-        order must agree with) instead of :class:`hybridkv.checkpoints.CheckpointOrder`.
+        order must agree with) instead of :class:`hybridkv.prefix.checkpoints.CheckpointOrder`.
         Only before anything is cached; ValueError otherwise."""
         if self.values is None or any(pool.num_cached_pages for pool in self.pools.values()):
             raise ValueError("use_full_sort_ranking needs checkpoint_policy='prefill-per-byte' and an empty cache")
@@ -489,8 +489,8 @@ class PrefixCache:
         rated below the reuse floor become low priority (at the front of each state
         pool's LRU, the newly demoted ones lowest score first, ahead of those already
         there), the others normal priority (but those beyond a gap, held low until their
-        block is back: :meth:`hybridkv.eviction.ValueEviction.beyond_gap`) in the order of
-        :meth:`hybridkv.checkpoints.CheckpointValues.eviction_order`, the highest at the
+        block is back: :meth:`hybridkv.prefix.eviction.ValueEviction.beyond_gap`) in the order of
+        :meth:`hybridkv.prefix.checkpoints.CheckpointValues.eviction_order`, the highest at the
         back (a pool that uses an incremental order ignores the LRU order of its
         normal-priority pages). Returns every cached checkpoint's key, low-priority
         classes first, each part lowest score first ([] for other policies)."""
@@ -530,7 +530,7 @@ class PrefixCache:
 
     def value_report(self) -> dict[str, GroupValueStats]:
         """Per group: cached pages and entries, usable entries, evicted pages by reason
-        (:class:`hybridkv.eviction.GroupValueStats`)."""
+        (:class:`hybridkv.prefix.eviction.GroupValueStats`)."""
         return self.eviction.report()
 
     # --- events ---------------------------------------------------------------

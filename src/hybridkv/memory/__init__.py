@@ -1,0 +1,1 @@
+"""Device memory: the per-group page pools and the shared arena's slabs."""

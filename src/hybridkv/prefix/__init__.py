@@ -1,0 +1,1 @@
+"""Prefix reuse: content keys, the cache of published pages, checkpoint and eviction order."""

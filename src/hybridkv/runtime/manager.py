@@ -1,0 +1,1434 @@
+"""The runtime cache manager: the one object an engine calls every step.
+
+Flow of one step: ``check_admission`` (pure) -> ``schedule`` (commit the previous
+step's tokens to the prefix cache, release slid-out pages, allocate, build the
+kernel arrays) -> the engine runs the step -> optionally ``rewind`` (speculative
+tokens rejected) -> next step. ``free`` ends a request.
+
+Every public method validates its whole input before it mutates anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from hybridkv._checks import (
+    as_int,
+    check_cache_salt,
+    check_empty_token_batch,
+    check_items,
+    check_request_ids,
+    check_token_ids,
+)
+from hybridkv.memory.arena import Arena, ArenaGeometry, IdleScan, shared_arena_for
+from hybridkv.runtime.batch import Admission, GroupStats, GroupStep, StepBatch, TableUpdates
+from hybridkv.memory.pool import PagePool, PageSpace
+from hybridkv.prefix.cache import PrefixCache, PrefixHit, RequestHashes
+from hybridkv.runtime import kernels
+from hybridkv.spec import CacheGroupSpec
+from hybridkv.tables.store import TableSet, cdiv
+
+
+__all__ = [
+    "Admission",
+    "CacheManager",
+    "CacheManagerError",
+    "GroupStats",
+    "GroupStep",
+    "PrefixHit",
+    "StepBatch",
+    "TableUpdates",
+]
+
+_BLOCK_TABLE_MODES = ("full", "updates")
+
+
+class CacheManagerError(ValueError):
+    """A misuse of the manager (unknown id, inadmissible step, bad count...). State is unchanged."""
+
+
+@dataclass
+class _Request:
+    request_id: str
+    row: int
+    prompt_tokens: int
+    max_total_tokens: int
+    token_ids: np.ndarray | None
+    known_tokens: int
+    hashes: RequestHashes | None = None
+    own_checkpoints: list = field(default_factory=list)
+    keep_boundaries: frozenset = frozenset()
+
+
+@dataclass
+class _StepPlan:
+    """One admissible step as ``kernels.prepare_step`` plans it (pure): the rows it
+    touches, the settling ones first (zero new tokens), and what it does to them."""
+
+    rows: np.ndarray  # int64 [R] table rows
+    counts: np.ndarray  # int64 [R] new tokens
+    first: np.ndarray  # int64 [R] computed tokens before the step
+    after: np.ndarray  # int64 [2, G, R] base and hi pages after the step
+    need: np.ndarray  # int64 [G, R] pages holding the rows' tokens after the step
+    sums: np.ndarray  # int64 [2, G] pages released and allocated per group
+    crossing: np.ndarray  # rows whose uncommitted tokens complete a prefix grain (commit first)
+    settle: int  # leading rows that only settle (previous step's requests not in this one)
+    clean: bool  # every group's free stack covers its allocations: no credit, slab or eviction
+    totals: tuple[int, int, int, int]  # tokens, pages released, most released in one group, pages allocated
+    request_ids: tuple | None = None  # the batch's ids in order, once known
+    grants: list | None = None  # arena slabs to move before allocating (shared page space)
+
+
+class _StepArrays(NamedTuple):
+    """What ``kernels.run_step`` writes for the batch's ``R`` requests and ``N`` tokens, in
+    its argument order."""
+
+    table_rows: np.ndarray  # int32 [R]
+    scheduled: np.ndarray  # int32 [R]
+    positions: np.ndarray  # int64 [N]
+    request_indices: np.ndarray  # int32 [N]
+    query_start_loc: np.ndarray  # int32 [R + 1]
+    base_pages: np.ndarray  # int32 [G, R]
+    widths: np.ndarray  # int64 [G] the widest request's live pages (scratch: not handed out)
+    slots: np.ndarray  # int64 [G, N] write slots ([0, 0] when not asked for)
+
+    @staticmethod
+    def empty(n_groups: int, n_requests: int, n_tokens: int, write_slots: bool, widths: np.ndarray) -> _StepArrays:
+        """Fresh arrays for what the batch hands out; ``widths`` is the caller's scratch."""
+        return _StepArrays(
+            np.empty(n_requests, dtype=np.int32), np.empty(n_requests, dtype=np.int32),
+            np.empty(n_tokens, dtype=np.int64), np.empty(n_tokens, dtype=np.int32),
+            np.empty(n_requests + 1, dtype=np.int32), np.empty((n_groups, n_requests), dtype=np.int32),
+            widths, np.empty((n_groups, n_tokens), dtype=np.int64) if write_slots else _NO_SLOTS,
+        )
+
+
+_NO_SLOTS = np.empty((0, 0), dtype=np.int64)  # ``_StepArrays.slots`` of a step without write slots
+
+
+class _Scratch:
+    """``run_step``'s working buffers, kept between steps and grown as steps need."""
+
+    def __init__(self, n_groups: int):
+        self.n_groups = n_groups
+        self._grow_plan(0)
+        self.pages = np.empty(0, dtype=np.int32)
+        self.idle_keyed = np.empty(0, dtype=np.int64)
+        self.touched = np.empty(0, dtype=np.int64)
+        self.widths = np.empty(n_groups, dtype=np.int64)
+
+    def plan_arrays(self, n_rows: int) -> tuple:
+        """``prepare_step``'s outputs with room for ``n_rows`` rows (``kernels.plan_views``
+        of ``plan_buffer``): rows, counts, first, after, need, sums, crossing, totals; the
+        same arrays while they are large enough (every plan overwrites the previous one's).
+        ``released`` is ``release_pages``' count per group."""
+        if kernels.plan_size(n_rows, self.n_groups) > self.plan_buffer.size:
+            self._grow_plan(2 * n_rows)
+        return self.plan
+
+    def _grow_plan(self, n_rows: int) -> None:
+        self.plan_buffer = np.empty(kernels.plan_size(n_rows, self.n_groups), dtype=np.int64)
+        views = kernels.plan_views(self.plan_buffer, self.n_groups)
+        self.plan, self.released = views[:8], views[8]
+
+    def reserve(self, most_released: int, released_pages: int, allocated_pages: int) -> tuple:
+        """(release scratch, idle keyed pages, released counts, touched cells), large enough."""
+        if most_released > self.pages.size:
+            self.pages = np.empty(2 * most_released, dtype=np.int32)
+        if released_pages > self.idle_keyed.size:
+            self.idle_keyed = np.empty(2 * released_pages, dtype=np.int64)
+        if released_pages + allocated_pages > self.touched.size:
+            self.touched = np.empty(2 * (released_pages + allocated_pages), dtype=np.int64)
+        return self.pages, self.idle_keyed, self.released, self.touched
+
+
+@dataclass
+class _Verdict:
+    """What admission decided for a batch (pure): a reason for each invalid item,
+    the indices of the valid ones, whether each valid one fits (and why not), and the
+    step's plan (None when no item is valid)."""
+
+    answers: list  # Admission for each invalid item, None for the valid ones
+    ok_idx: Sequence[int]
+    fits: np.ndarray
+    deny: dict[int, str]
+    plan: _StepPlan | None
+
+    def refusal(self, n_items: int) -> str | None:
+        """The error of a step refused in whole or part; None when every item fits."""
+        if len(self.ok_idx) == n_items and not self.deny:  # a request fits unless denied
+            return None
+        reasons = [a.reason for a in self.answers if a is not None] + [self.deny[k] for k in sorted(self.deny)]
+        return f"{len(reasons)} of {n_items} requests not admissible: {'; '.join(reasons[:3])}"
+
+
+class _Releases:
+    """What a planned step's releases free in each group, worked out at most once per
+    admission (pure)."""
+
+    def __init__(self, tableset: TableSet, space: PageSpace, pools: Sequence[PagePool], plan: _StepPlan):
+        self._tableset, self._space, self._pools, self.plan = tableset, space, pools, plan
+        self._found: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.crossed_grains: int | None = None  # prefix grains the rows' commits complete (``_freed_first``)
+
+    def of(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Group ``k``: per plan row, the pages below its new base that only it holds (its
+        release credit); those pages (local ids, rows in order); the ones among them
+        without a key (they go on the free stack, keyed ones stay cached)."""
+        found = self._found.get(k)
+        if found is None:
+            plan, ts = self.plan, self._tableset
+            credit = np.zeros(plan.rows.size, dtype=np.int64)
+            sole = np.empty(int(plan.sums[0, k]), dtype=np.int64)  # only windowed groups release
+            n_sole = 0
+            if sole.size:
+                n_sole, _ = kernels.release_credit(ts.geometry, ts.pages, ts.bounds, self._space.ref_counts, k,
+                                                   plan.rows, plan.after[0, k], credit, sole)
+            sole = sole[:n_sole]
+            found = self._found[k] = (credit, sole, sole[~self._pools[k].cached[sole]])
+        return found
+
+
+class CacheManager:
+    """Pages, tables and slots for every request and every cache group."""
+
+    def __init__(
+        self,
+        specs: Sequence[CacheGroupSpec],
+        group_pages: Mapping[str, int] | None,
+        *,
+        max_context_tokens: int,
+        max_step_tokens: int | None = None,
+        table_widths: Mapping[str, int] | None = None,
+        shuffle_seed: int | None = None,
+        enable_prefix_caching: bool = False,
+        prefix_granularity: int | None = None,
+        hash_algo: str = "xxh3_128",
+        state_checkpoint_interval: int | None = None,
+        prompt_checkpoints: bool | None = None,
+        checkpoint_policy: str | None = None,
+        checkpoint_interval_tokens: int | None = None,
+        on_event: Any = None,
+        arena: ArenaGeometry | None = None,
+        checkpoint_window_tokens: Mapping[str, int] | None = None,
+        eviction_policy: str = "value",
+        tier_link: Any = None,
+    ):
+        self.specs = tuple(specs)
+        ids = [s.group_id for s in self.specs]
+        group_pages = _pages_per_group(ids, group_pages, arena)
+        self.max_context_tokens = _positive("max_context_tokens", max_context_tokens)
+        self.max_step_tokens = _positive(
+            "max_step_tokens", max_step_tokens if max_step_tokens is not None else self.max_context_tokens
+        )
+        self.table_widths = dict(table_widths) if table_widths is not None else None
+        self.pools = {
+            s.group_id: PagePool(
+                s.group_id, group_pages[s.group_id],
+                shuffle_seed=None if shuffle_seed is None else shuffle_seed + i,
+                shared_pages=enable_prefix_caching,
+                granted=arena is None,
+                lowest_first=arena is not None,
+            )
+            for i, s in enumerate(self.specs)
+        }
+        # Every pool's free stack, ref counts and flags live in arrays the step kernels
+        # own (the pools see views): a step is one compiled call for every group.
+        self._pool_list = [self.pools[s.group_id] for s in self.specs]
+        self._space = PageSpace(self._pool_list)
+        # With a shared arena the pools start empty and borrow slabs as they need pages.
+        self.arena = Arena(arena, self.pools) if arena is not None else None
+        # On an arena, prefill pages released again at the next step come last (highest ids).
+        self._transient = np.full(len(self.specs), arena is not None, dtype=np.bool_)
+        self._scratch = _Scratch(len(self.specs))
+        self._tableset = TableSet(
+            self.specs, max_context_tokens=self.max_context_tokens, max_step_tokens=self.max_step_tokens,
+            id_offsets=self._space.offsets.tolist(),
+        )
+        self._capture_widths = None if self.table_widths is None else tuple(
+            self.table_widths[s.group_id] for s in self.specs)
+        self.tables = {s.group_id: t for s, t in zip(self.specs, self._tableset.tables)}
+        self._group_ids = ids
+        self._group_sliding = tuple((s.group_id, s.is_sliding) for s in self.specs)
+        self._init_registry()
+        self.prefix: PrefixCache | None = None
+        if enable_prefix_caching:
+            self.prefix = PrefixCache(
+                self.specs, self.pools, self.tables,
+                granularity_tokens=prefix_granularity, hash_algo=hash_algo,
+                state_checkpoint_interval=state_checkpoint_interval, prompt_checkpoints=prompt_checkpoints,
+                checkpoint_policy=checkpoint_policy, checkpoint_interval_tokens=checkpoint_interval_tokens,
+                on_event=on_event,
+                checkpoint_window_tokens=checkpoint_window_tokens,
+                eviction_policy=eviction_policy,
+            )
+        self._grain = self.prefix.granularity_tokens if self.prefix is not None else 0  # tokens per prefix grain
+        # Per group, the trailing tokens a checkpoint of it stores (0: none).
+        windows = self.prefix.checkpoint_windows if self.prefix is not None else {}
+        self._checkpoint_windows = tuple(windows.get(gid, 0) for gid in ids)
+        # Requests waiting for a tier load (hybridkv.tierlink): admission refuses them.
+        self.pending_loads: set[str] = set()
+        # Pages held outside any request (an offload's rows being copied): see hold_pages.
+        # One array for every group (views per group, as the page space lays them out).
+        self._held_all = np.zeros(self._space.ref_counts.size, dtype=np.int64)
+        self._held_outside = {s.group_id: self._held_all[off : off + self.pools[s.group_id].num_pages]
+                              for s, off in zip(self.specs, self._space.offsets.tolist())}
+        self._space_offset = dict(zip((s.group_id for s in self.specs), self._space.offsets.tolist()))
+        self.tier_link = tier_link
+        if tier_link is not None:
+            tier_link.attach(self)
+
+    def _init_registry(self) -> None:
+        """No requests yet: the id -> record maps, free table rows, per-row counters."""
+        self._version = 0  # bumped by every mutation; keys the admission cache
+        self._admitted: tuple | None = None  # (version, items, fixed_width, _Verdict) of the last check
+        self._requests: dict[str, _Request] = {}
+        self._row_of: dict[str, int] = {}  # request id -> table row (batch validation reads only this)
+        self._last_rows = np.zeros(0, dtype=np.int64)  # rows scheduled in the previous step
+        self._row_owner: dict[int, _Request] = {}
+        self._free_rows: list[int] = []
+        self._next_row = 0
+        # Per table row: computed, committed and known token ids (max total without ids), as
+        # views of one array the step kernel takes whole.
+        self._counters = np.zeros((3, 64), dtype=np.int64)
+        self._computed, self._committed, self._known = self._counters
+        self._max_total = np.zeros(64, dtype=np.int64)
+        self._in_batch = np.zeros(64, dtype=np.bool_)  # prepare_step's scratch, one flag per row
+
+    @classmethod
+    def from_plan(
+        cls, plan: Any, *, page_space: str = "per-group", slab_anchor_pages: int | None = None, **options: Any
+    ) -> CacheManager:
+        """Build from a ``hybridkv.plan.Plan`` (pages per group, limits, capture widths).
+
+        ``page_space="per-group"``: one pool per group with the plan's page counts.
+        ``"shared"``: one arena of the plan's budget (its bytes when it has no
+        budget) lent to the groups in slabs (:mod:`hybridkv.memory.arena`)."""
+        arena = None
+        if page_space == "shared":
+            arena = shared_arena_for(plan, slab_anchor_pages)
+        elif page_space != "per-group":
+            raise ValueError(f"page_space must be 'per-group' or 'shared', got {page_space!r}")
+        elif slab_anchor_pages is not None:
+            raise ValueError("slab_anchor_pages applies only to page_space='shared'")
+        return cls(
+            plan.specs,
+            None if arena is not None else plan.group_pages,
+            arena=arena,
+            max_context_tokens=plan.limits.max_context_tokens,
+            max_step_tokens=plan.limits.max_scheduled_tokens,
+            table_widths=plan.table_widths,
+            **options,
+        )
+
+    # --- requests -------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Iterable[int] | np.ndarray | None = None,
+        *,
+        prompt_tokens: int | None = None,
+        max_new_tokens: int = 0,
+        cache_salt: str | bytes | None = None,
+    ) -> PrefixHit:
+        """Register a request; with prefix caching, borrow its cached prefix. Returns the hit."""
+        check_cache_salt(cache_salt, CacheManagerError)
+        if prompt_token_ids is not None:
+            check_token_ids("prompt_token_ids", prompt_token_ids, CacheManagerError)
+        self._version += 1  # invalidates a cached admission
+        if not isinstance(request_id, str) or not request_id:
+            raise CacheManagerError(f"request id must be a non-empty str, got {request_id!r}")
+        if request_id in self._requests:
+            raise CacheManagerError(f"request {request_id!r} already exists")
+        ids, prompt_len = _checked_prompt(request_id, prompt_token_ids, prompt_tokens)
+        max_new = _nonneg_int("max_new_tokens", max_new_tokens)
+        total = prompt_len + max_new
+        if total > self.max_context_tokens:
+            raise CacheManagerError(
+                f"request {request_id!r}: prompt {prompt_len} + max_new_tokens {max_new} = {total} tokens "
+                f"exceeds the plan's max context of {self.max_context_tokens} tokens"
+            )
+        hashes = None
+        if self.prefix is not None and ids is not None:
+            hashes = self.prefix.new_request_hashes(cache_salt)
+        row = self._take_row()
+        buf = None
+        if ids is not None:
+            buf = np.empty(max(total, 1), dtype=np.int32)
+            buf[: ids.size] = ids
+        req = _Request(request_id, row, prompt_len, total, buf, prompt_len, hashes)
+        hit = (PrefixHit.none(self.specs) if hashes is None
+               else self.prefix.match_and_borrow(hashes, buf[:prompt_len], row))
+        if hit.junction_tokens:
+            req.keep_boundaries = frozenset([hit.junction_tokens])  # pinned when it crosses them
+        if hashes is not None:
+            req.own_checkpoints = self.prefix.hold_hit(hashes, hit.hit_tokens)
+        self._computed[row] = self._committed[row] = hit.hit_tokens
+        self._requests[request_id] = self._row_owner[row] = req
+        self._row_of[request_id] = row
+        self._max_total[row] = total
+        self._known[row] = prompt_len if buf is not None else total
+        if self.tier_link is not None and buf is not None:
+            self.tier_link.on_add(request_id, req.hashes, buf[:prompt_len], hit.hit_tokens, max_new, cache_salt)
+        return hit
+
+    def append_token_ids(self, request_id: str, token_ids: Iterable[int] | np.ndarray) -> None:
+        """Extend a request's known tokens (sampled outputs, draft tokens)."""
+        check_token_ids("token_ids", token_ids, CacheManagerError)
+        self._version += 1  # invalidates a cached admission
+        req = self._get(request_id)
+        if req.token_ids is None:
+            raise CacheManagerError(f"request {request_id!r} was added without token ids")
+        ids = _small_token_list(token_ids)
+        if ids is None:
+            ids = _token_array(token_ids)
+        if req.known_tokens + len(ids) > req.max_total_tokens:
+            raise CacheManagerError(
+                f"request {request_id!r}: {req.known_tokens} + {len(ids)} tokens exceeds its "
+                f"declared total of {req.max_total_tokens} (prompt + max_new_tokens)"
+            )
+        n = req.known_tokens
+        if len(ids) == 1:
+            req.token_ids[n] = ids[0]  # a scalar store: a decode step's token
+        else:
+            req.token_ids[n : n + len(ids)] = ids
+        req.known_tokens = n + len(ids)
+        self._known[req.row] = req.known_tokens
+
+    def append_token_ids_many(self, request_ids: Sequence[str], token_ids: Any) -> None:
+        """Append ``k`` token ids to each of many requests (``token_ids``: ints ``[n, k]``).
+
+        The decode-step form of ``append_token_ids``: one validation for the whole
+        array; all or nothing.
+        """
+        check_request_ids("request_ids", request_ids, CacheManagerError)
+        if len(request_ids) == 0:
+            return check_empty_token_batch(token_ids, CacheManagerError)
+        self._version += 1  # invalidates a cached admission
+        arr = np.asarray(token_ids)
+        if arr.ndim != 2 or arr.shape[0] != len(request_ids):
+            raise CacheManagerError(
+                f"token_ids must be [{len(request_ids)}, k] for {len(request_ids)} requests, got {arr.shape}"
+            )
+        flat = _token_array(arr.reshape(-1))
+        rids = request_ids if type(request_ids) is tuple else tuple(request_ids)
+        rows = self._distinct_rows_of(rids)
+        k = arr.shape[1]
+        # A request without token ids counts its declared total as known, so this one
+        # test also catches those; the loop below words which reason.
+        if rows is None or (self._known.take(rows) + k > self._max_total.take(rows)).any():
+            reqs = [self._get(rid) for rid in rids]
+            if len({r.request_id for r in reqs}) != len(reqs):
+                raise CacheManagerError("a request appears twice")
+            bare = [r.request_id for r in reqs if r.token_ids is None]
+            if bare:
+                raise CacheManagerError(f"request {bare[0]!r} was added without token ids")
+            r = next(r for r in reqs if r.known_tokens + k > r.max_total_tokens)
+            raise CacheManagerError(
+                f"request {r.request_id!r}: {r.known_tokens} + {k} tokens exceeds its declared total "
+                f"of {r.max_total_tokens} (prompt + max_new_tokens)"
+            )
+        reqs = itemgetter(*rids)(self._requests) if len(rids) > 1 else (self._requests[rids[0]],)
+        if k == 1:
+            # One token each (decode): a scalar store per request, not a slice assignment.
+            for req, token in zip(reqs, flat.tolist()):
+                n = req.known_tokens
+                req.token_ids[n] = token
+                req.known_tokens = n + 1
+        else:
+            for req, line in zip(reqs, flat.reshape(arr.shape)):
+                req.token_ids[req.known_tokens : req.known_tokens + k] = line
+                req.known_tokens += k
+        self._known[rows] += k
+
+    def num_computed_tokens(self, request_id: str) -> int:
+        return int(self._computed[self._get(request_id).row])
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # --- admission -----------------------------------------------------------
+    def check_admission(
+        self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False
+    ) -> list[Admission]:
+        """Would each (request, new tokens) fit, taken greedily in order? Never mutates."""
+        check_items(items, CacheManagerError)
+        verdict = self._admit(items, fixed_width)
+        # schedule() right after, with the same items and no mutation between, reuses it.
+        self._admitted = (self._version, list(items), fixed_width, verdict)
+        answers = list(verdict.answers)  # the verdict keeps None for valid items (schedule's reasons)
+        for k, i in enumerate(verdict.ok_idx):
+            answers[i] = Admission(True) if verdict.fits[k] else Admission(False, verdict.deny[k])
+        return answers
+
+    def max_admissible_tokens(
+        self, request_id: str, max_tokens: int, *, batch: Sequence[tuple[str, int]] = (), fixed_width: bool = False
+    ) -> int:
+        """The most new tokens, up to ``max_tokens``, that ``request_id`` can schedule in a
+        step together with ``batch`` (the rest of the step, as given): 0 if not even one.
+
+        For schedulers that shrink a prefill chunk to the memory left rather than wait
+        or preempt. Pure, like :meth:`check_admission` (about log2(max_tokens) checks);
+        the answer is the largest count with which every item of the step is admitted
+        (monotone: admitting all means the totals fit). The last check is the
+        answer's, so ``schedule`` right after reuses it.
+        """
+        req = self._get(request_id)
+        limit = as_int("max_tokens", max_tokens, minimum=1, error=CacheManagerError)
+        batch = list(batch)
+        if any(isinstance(item, (tuple, list)) and item and item[0] == request_id for item in batch):
+            raise CacheManagerError(f"request {request_id!r} is already in the batch")
+        for answer in self.check_admission(batch, fixed_width=fixed_width) if batch else ():
+            if not answer.ok:
+                raise CacheManagerError(f"the rest of the batch is not admissible: {answer.reason}")
+        done = int(self._computed[req.row])
+        ceiling = req.known_tokens if req.token_ids is not None else req.max_total_tokens
+        hi = min(limit, self.max_step_tokens, ceiling - done)
+        if hi < 1:
+            return 0
+
+        def fits(n: int) -> bool:
+            # Every item, not just the last: greedy admission may deny an earlier one
+            # (whose release credit it counted on) instead of ours.
+            return all(a.ok for a in self.check_admission(batch + [(request_id, n)], fixed_width=fixed_width))
+
+        if fits(hi):
+            return hi
+        lo = 0  # fits(lo) holds for lo = 0 (nothing scheduled); fits(hi) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        if lo:
+            fits(lo)  # leave the answer's admission cached for schedule()
+        return lo
+
+    def _admit(self, items, fixed_width, uniform=None, planned: _StepPlan | None = None) -> _Verdict:
+        """Stages 1 and 2 of a step, pure: validate the items, plan every row (the
+        settling ones first), and decide which requests fit. ``uniform`` (request ids,
+        one count) stands for ``items`` when given; ``planned``: the plan of the items,
+        every one valid, already made (``_step``)."""
+        if fixed_width and self.table_widths is None:
+            raise CacheManagerError(
+                "fixed_width needs capture widths: build the manager with table_widths (from_plan does)"
+            )
+        if planned is not None:
+            answers, ok_idx, plan = [None] * len(planned.request_ids), range(len(planned.request_ids)), planned
+        else:
+            answers, ok_idx, plan = self._validated_plan(items, fixed_width, uniform)
+        if plan is None:
+            return _Verdict(answers, ok_idx, np.zeros(0, dtype=bool), {}, None)
+        fits = np.ones(plan.rows.size, dtype=bool)
+        deny: dict[int, str] = {}
+        if plan.clean and not fixed_width:
+            plan.grants = []  # clean free pages cover every allocation (most decode steps)
+            return _Verdict(answers, ok_idx, fits, deny, plan)
+        if fixed_width:
+            self._deny_past_capture_width(plan, fits, deny)
+        sums = plan.sums[1].tolist()
+        releases = _Releases(self._tableset, self._space, self._pool_list, plan)
+        covered = None if deny else self._coverage(sums, releases)
+        if covered is not None:
+            # No credit needed. On an arena with spare slabs, a group that would have to
+            # evict valuable cached pages grows instead: they go only when memory is short.
+            grow = covered is False and self.arena is not None
+            plan.grants = self._grow_instead_of_evicting(sums, releases) if grow else []
+        else:
+            self._fit_with_credit(releases, fits, deny)
+        off = plan.settle
+        return _Verdict(answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items() if k >= off}, plan)
+
+    def _validated_plan(self, items, fixed_width, uniform) -> tuple[list, Sequence[int], _StepPlan | None]:
+        """(answers, valid indices, plan of the valid items; None when none is valid):
+        vectorized when every item is valid, else item by item with a reason each."""
+        fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
+        if fast is not None and self.pending_loads and not self.pending_loads.isdisjoint(fast[2]):
+            fast = None  # a request waits for a tier load: the per-item path words the reason
+        plan = None if fast is None else self._plan(fast[0], fast[1])
+        if plan is not None:  # every item valid (the plan checked rows and known tokens)
+            plan.request_ids = fast[2]
+            return [None] * fast[0].size, range(fast[0].size), plan
+        answers, ok_idx, rows, counts = self._validate(items, fixed_width, uniform)
+        return answers, ok_idx, self._plan(rows, counts) if ok_idx else None
+
+    def _validate(self, items, fixed_width, uniform):
+        """(answers, valid indices, rows, counts) of the valid items, item by item with
+        a reason for each invalid one."""
+        if uniform is not None:
+            items = [(rid, uniform[1]) for rid in uniform[0]]  # the per-item path words the reasons
+        answers: list[Admission | None] = [None] * len(items)
+        seen: set[str] = set()
+        ok_idx, row_list, count_list = [], [], []
+        for i, item in enumerate(items):
+            reason = self._item_error(item, seen, fixed_width)
+            if reason:
+                answers[i] = Admission(False, reason)
+                continue
+            ok_idx.append(i)
+            row_list.append(self._requests[item[0]].row)
+            count_list.append(int(item[1]))
+        rows = np.asarray(row_list, dtype=np.int64)
+        return answers, ok_idx, rows, np.asarray(count_list, dtype=np.int64)
+
+    def _allocations(self, plan: _StepPlan) -> dict[str, np.ndarray]:
+        """Group id -> pages each plan row allocates."""
+        return dict(zip(self._group_ids, plan.after[1] - self._tableset.bounds[1][:, plan.rows]))
+
+    def _deny_past_capture_width(self, plan: _StepPlan, fits: np.ndarray, deny: dict[int, str]) -> None:
+        """Deny every request whose table in some group would be wider than its capture width."""
+        for g, gid in enumerate(self._group_ids):
+            width = plan.need[g] - plan.after[0, g]
+            over = width > self.table_widths[gid]
+            over[: plan.settle] = False
+            for k in np.flatnonzero(over & fits).tolist():
+                fits[k] = False
+                deny[k] = (
+                    f"group {gid!r} needs {int(width[k])} table columns, more than the "
+                    f"capture width {self.table_widths[gid]}"
+                )
+
+    def _coverage(self, sums: list[int], releases: _Releases) -> bool | None:
+        """True: clean pages, the pages the step frees first, or idle low-priority ones
+        (evicted first anyway), cover every group's ``sums`` (most decode steps). False:
+        free and evictable pages cover them, but some group would evict valuable entries.
+        None: some group is short."""
+        covered = True
+        for k, (n, pool) in enumerate(zip(sums, self._pool_list)):
+            clean = pool.num_clean_free_pages
+            if n <= clean:
+                continue
+            if n > pool.num_free_pages:
+                return None
+            low = self._low_room(pool)
+            if n > clean + low and n > clean + self._freed_first(releases, k) + low:
+                covered = False
+        return covered
+
+    def _freed_first(self, releases: _Releases, k: int) -> int:
+        """Pages of group ``k`` the step's releases put on the free stack before it
+        allocates (sole references without a key: keyed ones stay cached)."""
+        plan = releases.plan
+        if not plan.sums[0, k]:
+            return 0
+        freed = releases.of(k)[2].size
+        window = self._checkpoint_windows[k]
+        if window:
+            # The step's commits run first and may publish released pages as checkpoints
+            # (then they stay cached): at most a window's pages per boundary crossed.
+            if releases.crossed_grains is None:
+                grain = self.prefix.granularity_tokens
+                releases.crossed_grains = int(np.maximum(plan.first // grain - self._committed.take(plan.rows) // grain,
+                                                         0).sum())
+            freed -= releases.crossed_grains * (-(-window // self.specs[k].page_tokens) + 1)
+        return max(freed, 0)
+
+    def _fit_with_credit(self, releases: _Releases, fits: np.ndarray, deny: dict[int, str]) -> None:
+        """Admission when the allocations alone do not fit: count the pages the step's
+        releases free (release credit), lend arena slabs, and if the totals still do
+        not fit, admit greedily in batch order. Sets ``plan.grants``."""
+        plan = releases.plan
+        avail = {gid: pool.num_free_pages for gid, pool in zip(self._group_ids, self._pool_list)}
+        arena, scan = self.arena, IdleScan()
+        alloc = self._allocations(plan)
+        all_fit = bool(fits.all())  # no capture-width denial: totals without a mask
+
+        def total(per_row: np.ndarray) -> int:
+            return int(per_row.sum()) if all_fit else int(per_row[fits].sum())
+
+        # Releases all happen before allocations, so only the admitted totals matter.
+        def totals_fit(need: dict[str, np.ndarray]) -> bool:
+            plan.grants = _grants_to_fit(arena, {g: total(need[g]) for g in avail}, avail, scan)
+            return plan.grants is not None
+
+        need = alloc
+        if not totals_fit(need) or any(donor is not None for _, _, donor in plan.grants):
+            # The step's releases run before slabs move, so a donor slab whose pages are
+            # all idle once they are released can be lent too; and a group whose own
+            # releases cover it takes no slab from another (which would evict there).
+            # Spare slabs evict nothing: a plan of those alone stands.
+            scan = IdleScan(releasing={})
+            need = {g: alloc[g] - releases.of(k)[0] for k, g in enumerate(self._group_ids)}
+            scan.releasing.update((g, releases.of(k)[1]) for k, g in enumerate(self._group_ids)
+                                  if plan.sums[0, k])
+            if not totals_fit(need):
+                self._deny_greedily(alloc, need, avail, fits, deny, arena, scan, plan)
+                return
+        if arena is not None:
+            # As when no credit is needed: a group that would evict cached pages grows instead.
+            # Gross sums: the pages the releases free (not those they leave cached) count there.
+            sums = [total(alloc[g]) for g in self._group_ids]
+            plan.grants = plan.grants + self._grow_instead_of_evicting(sums, releases, after=plan.grants)
+
+    def _grow_instead_of_evicting(self, sums: list[int], releases: _Releases, after: list | None = None) -> list:
+        """Slabs for groups that would have to evict cached pages to get ``sums`` pages
+        (gross: the step's releases run first, so a sliding group's prefill chunk reuses
+        the previous chunk's pages rather than grow for both), counting what the grants
+        ``after`` already give them: spare slabs first, then slabs of other groups whose
+        pages are all clean free once the step's releases have run and that they do not
+        need this step. A cached page goes only when no memory is idle anywhere."""
+        own, gained = self.arena.replay(after) if after else (None, {})
+        short, donors = {}, []
+        for k, (gid, pool, n) in enumerate(zip(self._group_ids, self._pool_list, sums)):
+            clean = pool.num_clean_free_pages + gained.get(gid, 0)
+            freed = self._freed_first(releases, k) if n > clean else 0
+            # Low-priority cached pages (prompt checkpoints) are meant to go first: a group
+            # holding idle ones evicts them rather than grow. What they cannot cover would
+            # evict valuable entries.
+            low = self._low_room(pool) if n > clean + freed else 0
+            if n > clean + freed + low:
+                short[gid] = n - clean - freed - low
+            else:
+                # Not short: it may give what it does not need (its own low-priority pages
+                # first cover its shortfall, so it may start below zero).
+                donors.append((k, gid, clean - n))
+        if not short:
+            return []
+        scan = IdleScan(releasing={}, clean=True)
+        spare = {gid: left for _, gid, left in donors}
+        if not self._spare_slabs_cover(short, own):
+            # Donor slabs may be taken: what each donor's releases free counts as idle.
+            for k, gid, _ in donors:
+                if self.tables[gid].sliding:
+                    freed = scan.releasing[gid] = releases.of(k)[2]
+                    spare[gid] += freed.size
+            self._cheap_donor_pages(short, spare, scan)
+        spare = {gid: max(left, 0) for gid, left in spare.items()}
+        return self.arena.plan(short, spare, scan, partial=True, owner=own)
+
+    def _low_room(self, pool: PagePool) -> int:
+        """Idle low-priority pages a group evicts rather than grow: all of them unless the
+        arena is roomy (then they keep spare memory until admission needs it back)."""
+        return 0 if self.arena is not None and self.arena.roomy() else pool.num_low_priority_idle_pages
+
+    def _spare_slabs_cover(self, short: dict, owner: np.ndarray | None) -> bool:
+        """True when spare slabs alone surely cover every ``short`` group (a slab holds
+        at least ``slab_bytes // page_bytes - 1`` whole pages of a group): the arena's
+        plan then takes no donor slab, so the donors' values and releases need not be
+        worked out."""
+        geometry = self.arena.geometry
+        spare = self.arena.num_spare_slabs if owner is None else int(np.count_nonzero(owner < 0))
+        need = 0
+        for gid, pages in short.items():
+            per_slab = geometry.slab_bytes // geometry.page_bytes[gid] - 1
+            if per_slab <= 0:
+                return False
+            need += -(-pages // per_slab)
+        return need <= spare
+
+    def _cheap_donor_pages(self, short: dict, spare: dict, scan: IdleScan) -> None:
+        """Value-based slab moves: a donor's idle entries worth less than the least
+        recently used usable entry a short group would evict (orphans, prompt
+        checkpoints, older entries) count as idle in ``scan`` and as spare pages."""
+        policy = self.prefix.eviction if self.prefix is not None else None
+        if policy is None or not policy.acts or not spare:
+            return
+        ticks = [t for t in (policy.oldest_usable_tick(g) for g in short) if t is not None]
+        if not ticks:
+            return
+        before = min(ticks)
+        for gid in spare:
+            cheap = policy.cheap_pages(gid, before)
+            if cheap.size:
+                scan.cheap[gid] = cheap
+                spare[gid] += int(cheap.size)
+
+    @staticmethod
+    def _deny_greedily(alloc, net, avail, fits, deny, arena, scan, plan) -> None:
+        """In batch order, admit a request only if everything admitted so far still fits."""
+        used = {g: 0 for g in avail}
+        plan.grants = []
+        for k in range(fits.size):
+            if not fits[k]:
+                continue
+            want = {g: used[g] + int(net[g][k]) for g in avail}
+            grants = _grants_to_fit(arena, want, avail, scan)
+            if grants is None:
+                g = next(g for g in avail if want[g] > avail[g])
+                fits[k] = False
+                deny[k] = (
+                    f"group {g!r} needs {int(alloc[g][k])} new pages "
+                    f"(after {int(alloc[g][k] - net[g][k])} released), "
+                    f"{max(avail[g] - used[g], 0)} free or evictable"
+                    + ("" if arena is None else ", and no slab of the shared arena can be lent")
+                )
+            else:
+                used = want
+                plan.grants = grants
+
+    def _fast_rows(self, items) -> tuple[np.ndarray, np.ndarray, tuple, int] | None:
+        """Rows, counts, request ids and tokens in all of pairs of known ids and plain
+        counts in range (vectorized); None sends the batch down the per-item path that
+        words each reason. The plan checks the rest (distinct rows, known tokens)."""
+        try:
+            rids, counts = zip(*items)
+        except (TypeError, ValueError):
+            return None  # not all pairs
+        rows = self._rows_of(rids)
+        if rows is None:
+            return None
+        n = len(counts)
+        if counts.count(counts[0]) == n and tuple(map(type, counts)).count(int) == n:
+            # Equal plain ints (a decode or verify step; the type count keeps out True,
+            # which equals 1): one scalar check.
+            if not 1 <= counts[0] <= self.max_step_tokens:
+                return None
+            return rows, _filled(n, counts[0]), rids, n * counts[0]
+        kinds = set(map(type, counts))
+        if bool in kinds or not all(k is int or issubclass(k, np.integer) for k in kinds):
+            return None  # bool is an int subclass but not a token count
+        counts = np.array(counts, dtype=np.int64)
+        if counts.min() < 1 or counts.max() > self.max_step_tokens:
+            return None
+        return rows, counts, rids, int(counts.sum())
+
+    def _fast_rows_uniform(self, rids: tuple, count) -> tuple[np.ndarray, np.ndarray, tuple, int] | None:
+        """``_fast_rows`` of ``(rid, count)`` for every id: one scalar count check."""
+        if type(count) is not int or not 1 <= count <= self.max_step_tokens:
+            return None  # the per-item path words it (numpy ints included)
+        rows = self._rows_of(rids)
+        if rows is None:
+            return None
+        return rows, _filled(rows.size, count), rids, rows.size * count
+
+    def _rows_of(self, rids: tuple) -> np.ndarray | None:
+        """Table rows of known request ids; None if an id is unknown or unhashable."""
+        try:
+            # One C-level lookup of every id (itemgetter of one key returns it bare).
+            found = itemgetter(*rids)(self._row_of) if len(rids) > 1 else [self._row_of[rid] for rid in rids]
+        except (KeyError, TypeError):
+            return None
+        return np.fromiter(found, dtype=np.int64, count=len(rids))
+
+    def _distinct_rows_of(self, rids: tuple) -> np.ndarray | None:
+        """``_rows_of``, and None too when an id is listed twice."""
+        rows = self._rows_of(rids)
+        return rows if rows is not None and kernels.distinct_rows(rows, self._in_batch) else None
+
+    def _item_error(self, item, seen: set[str], fixed_width: bool) -> str:
+        try:
+            rid, n = item
+        except (TypeError, ValueError):
+            return f"each item must be (request_id, num_new_tokens), got {item!r}"
+        if not isinstance(rid, str) or rid not in self._requests:
+            return f"unknown request {rid!r}"
+        if rid in seen:
+            return f"request {rid!r} appears twice in the batch"
+        seen.add(rid)
+        if rid in self.pending_loads:
+            return f"request {rid!r} waits for its tier load: run TierLink.take_loads() and confirm_load()"
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            return f"request {rid!r}: token count must be an int, got {n!r}"
+        n = int(n)
+        if n < 1:
+            return f"request {rid!r}: token count must be positive, got {n}"
+        if n > self.max_step_tokens:
+            return f"request {rid!r}: {n} tokens exceed the per-step limit of {self.max_step_tokens}"
+        req = self._requests[rid]
+        done = int(self._computed[req.row])
+        if done + n > req.max_total_tokens:
+            return (
+                f"request {rid!r}: {done} + {n} tokens exceeds its declared total of "
+                f"{req.max_total_tokens} (prompt + max_new_tokens)"
+            )
+        if req.token_ids is not None and done + n > req.known_tokens:
+            return (
+                f"request {rid!r}: {done} + {n} tokens exceeds the {req.known_tokens} known token ids "
+                "(append_token_ids first)"
+            )
+        return ""
+
+    def _plan(self, rows_in: np.ndarray, counts_in: np.ndarray) -> _StepPlan | None:
+        """The step of ``rows_in`` writing ``counts_in`` tokens each, planned by
+        ``kernels.prepare_step`` (pure): the previous step's rows not in this one settle
+        first (their tokens commit, their slid-out pages go back), so their release
+        counts as credit for everyone. None when a row is listed twice or passes its
+        known tokens. The plan's arrays are scratch: only the latest plan is valid."""
+        rows, counts, first, after, need, sums, crossing, totals = self._scratch.plan_arrays(
+            rows_in.size + self._last_rows.size)
+        ts = self._tableset
+        n, settle, n_crossing, clean = kernels.prepare_step(
+            ts.geometry, ts.bounds, self._computed, self._committed, self._known, self._last_rows, rows_in,
+            counts_in, self._grain, self._space.tops, self._in_batch, rows, counts, first, after, need, sums, crossing,
+            totals)
+        if n < 0:
+            return None  # a row twice, or past its known tokens: the per-item path words it
+        return self._plan_of(n, settle, n_crossing, clean)
+
+    def _plan_of(self, n: int, settle: int, n_crossing: int, clean: bool) -> _StepPlan:
+        """The ``_StepPlan`` that ``prepare_step`` just wrote to the scratch buffers."""
+        rows, counts, first, after, need, sums, crossing, totals = self._scratch.plan
+        return _StepPlan(rows[:n], counts[:n], first[:n], after[:, :, :n], need[:, :n], sums,
+                         crossing[:n_crossing], settle, clean, tuple(totals.tolist()))
+
+    # --- the step ------------------------------------------------------------
+    def schedule(
+        self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False, block_tables: str = "full",
+        write_slots: bool = True,
+    ) -> StepBatch:
+        """Release, allocate and build the kernel arrays for one step (all or nothing).
+
+        ``block_tables="full"`` builds each group's ``[R, width]`` table;
+        ``"updates"`` hands out only the table cells that changed
+        (``StepBatch.table_updates``, applied by ``hybridkv.tables.mirror.BlockTableMirror``).
+        ``write_slots=False`` leaves every ``GroupStep.write_slots`` None, for an
+        engine that computes them itself from its mirrored tables and the positions.
+        """
+        check_items(items, CacheManagerError)
+        items = items if type(items) is list else list(items)
+        return self._schedule(items, None, fixed_width, block_tables, write_slots)
+
+    def schedule_uniform(
+        self, request_ids: Sequence[str], num_tokens: int, *, fixed_width: bool = False, block_tables: str = "full",
+        write_slots: bool = True,
+    ) -> StepBatch:
+        """``schedule([(rid, num_tokens) for rid in request_ids])``, for a step in which
+        every request gets the same count (decode, or verifying k draft tokens),
+        without building the pairs. Same checks, errors and result."""
+        check_request_ids("request_ids", request_ids, CacheManagerError)
+        rids = request_ids if type(request_ids) is tuple else tuple(request_ids)
+        return self._schedule(None, (rids, num_tokens), fixed_width, block_tables, write_slots)
+
+    def _schedule(self, items, uniform, fixed_width: bool, block_tables: str, write_slots: bool = True) -> StepBatch:
+        """``schedule`` of ``items``, or of ``uniform`` = (request ids, one count for all), in
+        five stages: admit (validate and plan, pure), commit the previous step's tokens,
+        release, allocate, build the batch. Most steps take ``_step``'s one compiled call."""
+        _check_step_options(items if uniform is None else uniform[0], block_tables, write_slots)
+        if self.tier_link is not None:
+            self.tier_link.check_schedule()
+        updates = block_tables == "updates"
+        verdict = self._cached_verdict(items, uniform, fixed_width)
+        if verdict is None and not fixed_width:
+            verdict = self._fast_step(items, uniform, write_slots, updates)
+            if isinstance(verdict, StepBatch):
+                return verdict
+        if verdict is None:
+            verdict = self._admit(items, fixed_width, uniform)
+        refusal = verdict.refusal(len(items) if uniform is None else len(uniform[0]))
+        if refusal is not None:
+            raise CacheManagerError(refusal)
+        plan = verdict.plan
+        if plan.request_ids is None:
+            plan.request_ids = uniform[0] if items is None else tuple(map(itemgetter(0), items))
+        return self._commit_and_run(plan, write_slots, updates, fixed_width)
+
+    def _commit_and_run(self, plan: _StepPlan, write_slots: bool, updates: bool, fixed_width: bool) -> StepBatch:
+        """An admitted plan's stages 2-4: commit, run, build the batch."""
+        self._version += 1
+        if self.prefix is not None:
+            for row in plan.crossing.tolist():  # publish what the rows' previous steps completed
+                self._commit_row(row)
+        self._tableset.start_log() if updates else self._tableset.stop_log()
+        arrays, n_touched = self._run(plan, write_slots)
+        rows = plan.rows[plan.settle :]
+        self._last_rows = rows.copy()  # the plan's arrays are scratch
+        return self._build_batch(rows, plan.request_ids, arrays, fixed_width, n_touched if updates else -1)
+
+    def _cached_verdict(self, items, uniform, fixed_width: bool) -> _Verdict | None:
+        """The last ``check_admission``'s verdict when it checked the same items and
+        nothing changed since (used once)."""
+        cached, self._admitted = self._admitted, None
+        if (uniform is None and cached is not None and cached[0] == self._version and cached[2] == fixed_width
+                and cached[1] == items):
+            return cached[3]
+        return None
+
+    def _fast_step(self, items, uniform, write_slots: bool, updates: bool) -> StepBatch | _Verdict | None:
+        """The step of valid pairs through ``_step``: its batch, or the verdict on the
+        plan it made; None when some item is invalid (``_admit`` words why)."""
+        fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
+        if fast is None or (self.pending_loads and not self.pending_loads.isdisjoint(fast[2])):
+            return None
+        done = self._step(fast, write_slots, updates)
+        if done is None or isinstance(done, StepBatch):
+            return done
+        return self._admit(items, False, uniform, planned=done)
+
+    def _step(self, fast: tuple, write_slots: bool, updates: bool) -> StepBatch | _StepPlan | None:
+        """A step of valid items (``fast``: rows, counts, request ids) in one compiled call
+        (``kernels.step``): plan, and when every group's free stack covers the plan (it is
+        admitted as is) and no row must commit first, run it; the batch (a second call
+        runs it after the commits). Else (nothing changed) the plan, for ``_admit`` and
+        the stages after it, or None when there is none (a row twice, or past its known
+        tokens)."""
+        rows_in, counts_in, rids, n_tokens = fast
+        out = _StepArrays.empty(len(self.specs), rows_in.size, n_tokens, write_slots, self._scratch.widths)
+        sc, space, ts = self._scratch, self._space, self._tableset
+        plan_arrays = sc.plan_arrays(rows_in.size + self._last_rows.size)
+        status, n, settle, n_crossing, clean, n_touched, _ = kernels.step(
+            ts.geometry, ts.pages, ts.bounds, self._counters, space.ref_counts, space.cached, space.low_priority,
+            space.stack, space.low_floors(), self._transient, self._last_rows, rows_in, counts_in, self._grain,
+            self._in_batch, sc.plan_buffer, sc.pages, sc.idle_keyed, sc.touched, *out)
+        if status == kernels.STEP_PLANNED:
+            if n < 0:
+                return None
+            plan = self._plan_of(n, settle, n_crossing, clean)
+            plan.request_ids = rids
+            if not clean:
+                return plan
+            plan.grants = []  # admitted as is: rows commit first, or the scratch buffers grow
+            return self._commit_and_run(plan, write_slots, updates, False)
+        self._version += 1
+        ts.start_log() if updates else ts.stop_log()
+        plan = self._plan_of(n, settle, n_crossing, clean) if status != kernels.STEP_DONE else None
+        if plan is not None:
+            plan.grants = []
+        n_touched = self._after_run(plan_arrays[5], plan_arrays[7], status, n_touched, plan, out)
+        rows = plan_arrays[0][settle:n]
+        self._last_rows = rows.copy()
+        return self._build_batch(rows, rids, out, False, n_touched if updates else -1)
+
+    def _run(self, plan: _StepPlan, write_slots: bool) -> tuple[_StepArrays, int]:
+        """Release, allocate and the batch's arrays in one compiled call
+        (``kernels.run_step``); ``_after_run`` books them. Returns the arrays and how
+        many table cells the step changed (at the start of the touched scratch)."""
+        n_tokens, released_pages, most_released, allocated_pages = plan.totals
+        out = _StepArrays.empty(len(self.specs), plan.rows.size - plan.settle, n_tokens, write_slots,
+                               self._scratch.widths)
+        scratch, idle_keyed, released, touched = self._scratch.reserve(most_released, released_pages,
+                                                                        allocated_pages)
+        space, ts = self._space, self._tableset
+        space.low_floors()
+        status, n_touched, _ = kernels.run_step(
+            ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
+            space.low_priority, space.stack, space.tops, space.lowest_first, space.low_floor, self._transient,
+            plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums, bool(plan.grants), scratch,
+            idle_keyed, released, touched, *out)
+        return out, self._after_run(plan.sums, plan.totals, status, n_touched, plan, out)
+
+    def _after_run(self, sums: np.ndarray, totals, status: int, n_touched: int, plan: _StepPlan | None,
+                   out: _StepArrays) -> int:
+        """Book what the step kernel did: the pages it released (keyed ones join the prefix
+        cache's LRU), and when it stopped after the releases, the arena's slabs move as
+        admission planned, groups make room (``PagePool.make_room``: evict) and
+        ``finish_step`` allocates; then the allocations. Returns the table cells changed."""
+        space, ts = self._space, self._tableset
+        if totals[1]:
+            space.released(self._scratch.released, self._scratch.idle_keyed)
+        if status != kernels.STEP_DONE:
+            if plan.grants:
+                self.arena.apply(plan.grants)
+            for k, (pool, n) in enumerate(zip(self._pool_list, sums[1].tolist())):
+                if n:
+                    pool.make_room(n, self._transient_pages(plan, k))
+            n_touched = kernels.finish_step(
+                ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.tops,
+                space.lowest_first, self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after,
+                plan.sums, self._scratch.touched, n_touched, *out)
+        if totals[3]:
+            space.allocated(sums[1])
+        return n_touched
+
+    def _transient_pages(self, plan: _StepPlan, k: int) -> int:
+        """Pages group ``k`` allocates this step that the next releases again (they take
+        the highest free ids, so packing need not make room for them low)."""
+        if not self._transient[k]:
+            return 0
+        ts = self._tableset
+        return int(kernels.transient_pages(ts.geometry, ts.bounds, k, plan.rows, plan.first, plan.counts,
+                                           plan.after, plan.sums))
+
+    def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
+                     n_touched: int) -> StepBatch:
+        """The step's ``StepBatch`` of table ``rows``: block tables, or (``n_touched`` >= 0:
+        the cells the step changed lead the touched scratch) the table cells changed."""
+        widths = self._capture_widths if fixed_width else tuple(out.widths.tolist())
+        ts, table_updates = self._tableset, None
+        if n_touched < 0:
+            tables = [ts.block_table(k, rows, width) for k, width in enumerate(widths)]
+        else:
+            tables = [None] * len(widths)
+            touched = self._scratch.touched[:n_touched] if n_touched else None
+            group, row, column, page, reset = ts.drain_updates(touched)
+            table_updates = TableUpdates(group, row, column, page, widths, reset)
+        slots = out.slots if out.slots.shape[0] else [None] * len(widths)
+        groups = {  # iterating a 2-D array yields its rows
+            gid: GroupStep(table, base if sliding else None, slot)
+            for (gid, sliding), table, base, slot in zip(self._group_sliding, tables, out.base_pages, slots)
+        }
+        return StepBatch(request_ids, out.scheduled, out.query_start_loc, out.positions, out.request_indices, groups,
+                         out.table_rows, table_updates)
+
+    def _commit_row(self, row: int) -> None:
+        req = self._row_request(row)
+        old, new = int(self._committed[row]), int(self._computed[row])
+        if self.prefix is not None and req.token_ids is not None:
+            self.prefix.commit(req, old, new, req.token_ids[: max(new, 0)])
+        self._committed[row] = new
+
+    # --- rewind and free -----------------------------------------------------
+    def rewind(self, request_id: str, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` computed tokens; pages past them go back."""
+        self.rewind_many([(request_id, num_tokens)])
+
+    def rewind_many(self, items: Sequence[tuple[str, int]]) -> None:
+        """``rewind`` for many requests at once (all validated first; vectorized per group)."""
+        self._version += 1  # invalidates a cached admission
+        reqs, keeps, seen = [], [], set()
+        for item in items:
+            try:
+                request_id, num_tokens = item
+            except (TypeError, ValueError):
+                raise CacheManagerError(f"each item must be (request_id, num_tokens), got {item!r}") from None
+            req = self._get(request_id)
+            if request_id in seen:
+                raise CacheManagerError(f"request {request_id!r} appears twice")
+            seen.add(request_id)
+            if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+                raise CacheManagerError(f"num_tokens must be an int, got {num_tokens!r}")
+            num_tokens = int(num_tokens)
+            computed = int(self._computed[req.row])
+            committed = int(self._committed[req.row])
+            if num_tokens > computed:
+                raise CacheManagerError(
+                    f"request {request_id!r}: cannot rewind forward to {num_tokens} (computed {computed})"
+                )
+            if num_tokens < committed:
+                raise CacheManagerError(
+                    f"request {request_id!r}: cannot rewind to {num_tokens}, below the {committed} "
+                    "tokens committed before the last step"
+                )
+            reqs.append(req)
+            keeps.append(num_tokens)
+        if not reqs:
+            return
+        rows = np.asarray([r.row for r in reqs], dtype=np.int64)
+        kept = np.asarray(keeps, dtype=np.int64)
+        for s in self.specs:
+            table = self.tables[s.group_id]
+            hi = table.hi[rows]
+            keep = np.minimum(np.maximum(cdiv(kept, table.page_tokens), table.base[rows]), hi)
+            if (keep < hi).any():
+                self.pools[s.group_id].decref(table.take(rows, keep, hi))
+                table.hi[rows] = keep
+        self._computed[rows] = kept
+        for req, num_tokens in zip(reqs, keeps):
+            if req.token_ids is not None:
+                req.known_tokens = min(req.known_tokens, max(num_tokens, req.prompt_tokens))
+                self._known[req.row] = req.known_tokens
+
+    def free(self, request_id: str) -> None:
+        """End a request: commit its last step to the prefix cache, release every page."""
+        self._version += 1  # invalidates a cached admission
+        req = self._get(request_id)
+        if self.tier_link is not None:
+            self.tier_link.on_free(request_id)  # an unconfirmed load is rewound, not committed
+        if self.prefix is not None and self._committed[req.row] < self._computed[req.row]:
+            self._commit_row(req.row)
+        pages, per_group = self._tableset.clear_rows(np.asarray([req.row], dtype=np.int64))
+        if pages.size:
+            self._space.release(pages, per_group)
+        if self.prefix is not None:
+            self.prefix.forget_request(req)
+        self._computed[req.row] = 0
+        self._committed[req.row] = 0
+        del self._requests[request_id]
+        del self._row_of[request_id]
+        del self._row_owner[req.row]
+        self._last_rows = self._last_rows[self._last_rows != req.row]
+        self._free_rows.append(req.row)
+
+    # --- observability -------------------------------------------------------
+    def stats(self) -> dict[str, GroupStats]:
+        out = {}
+        for gid, pool in self.pools.items():
+            c = pool.counters
+            out[gid] = GroupStats(
+                group_id=gid,
+                total_pages=pool.usable_pages,
+                free_pages=pool.num_free_pages,
+                used_pages=pool.num_used_pages,
+                peak_used_pages=pool.peak_used_pages,
+                utilization=pool.num_used_pages / pool.usable_pages if pool.usable_pages else 0.0,
+                cached_pages=pool.num_cached_pages,
+                evictable_pages=pool.num_evictable_pages,
+                allocated_pages=c.allocated_pages,
+                released_pages=c.released_pages,
+                failed_allocations=c.failed_allocations,
+                evicted_pages=c.evicted_pages,
+            )
+        return out
+
+    def request_pages(self, request_id: str, group_id: str) -> tuple[int, np.ndarray]:
+        """(base logical page, held page ids in logical order) of one request in one group."""
+        req = self._get(request_id)
+        if group_id not in self.tables:
+            raise CacheManagerError(f"unknown group {group_id!r}; groups are {list(self.tables)}")
+        table = self.tables[group_id]
+        base, hi = int(table.base[req.row]), int(table.hi[req.row])
+        return base, np.asarray(table.row_pages(req.row, base, hi), dtype=np.int64)
+
+    def hold_pages(self, group_id: str, pages: np.ndarray) -> None:
+        """Hold ``pages`` (held or cached) outside any request: no allocation reuses them and
+        admission counts them as used until :meth:`release_held_pages`. A tier offload holds an
+        entry's pages so while its rows are copied (``hybridkv.tierlink``). A few small array
+        operations per call (a tier link calls this for every group of every offload plan)."""
+        pages = np.asarray(pages, dtype=np.int64)
+        pool = self.pools[group_id]
+        if not pages.size:
+            return
+        listed = pages.tolist()
+        if min(listed) <= 0 or max(listed) >= pool.num_pages:
+            raise CacheManagerError(f"group {group_id!r}: page ids must lie in [1, {pool.num_pages})")
+        self._version += 1  # invalidates a cached admission
+        ref, held = pool.ref_counts, self._held_outside[group_id]
+        distinct = len(set(listed)) == len(listed)
+        if distinct and ref[pages].min() > 0:
+            ref[pages] += 1  # held by requests already: nothing leaves the free or evictable sets
+        else:
+            pool.incref(pages)
+        if distinct:
+            held[pages] += 1
+        else:
+            np.add.at(held, pages, 1)
+
+    def release_held_pages(self, group_id: str, pages: np.ndarray) -> None:
+        """Drop holds taken by :meth:`hold_pages`; a page no one holds goes free or, still
+        cached, evictable."""
+        pages = np.asarray(pages, dtype=np.int64)
+        held = self._held_outside[group_id]
+        if not pages.size:
+            return
+        listed = pages.tolist()
+        distinct = len(set(listed)) == len(listed)
+        if min(listed) < 0 or max(listed) >= held.size:
+            raise CacheManagerError(f"group {group_id!r}: releasing pages that hold_pages did not hold")
+        counts = None if distinct else np.bincount(pages, minlength=held.size)
+        if held[pages].min() < 1 if distinct else np.any(counts > held):
+            raise CacheManagerError(f"group {group_id!r}: releasing pages that hold_pages did not hold")
+        self._version += 1  # invalidates a cached admission
+        if distinct:
+            held[pages] -= 1
+        else:
+            held -= counts
+        pool = self.pools[group_id]
+        ref = pool.ref_counts
+        if distinct and ref[pages].min() > 1:
+            ref[pages] -= 1  # still held by requests: nothing joins the free or evictable sets
+        else:
+            pool.decref(pages)
+
+    def hold_pages_by_group(self, pages_by_group: Mapping[str, np.ndarray]) -> None:
+        """:meth:`hold_pages` of several groups (a tier link's pins of one plan): one pass over
+        them all when every page is held by a request already (an entry a running request just
+        published), else group by group."""
+        glob, local, per_group = self._space_pages(pages_by_group, "page ids must lie in [1, {n})", 1)
+        if not glob.size:
+            return
+        ref = self._space.ref_counts
+        if ref[glob].min() > 0:  # nothing leaves the free or evictable sets
+            self._version += 1  # invalidates a cached admission
+            np.add.at(ref, glob, 1)
+            np.add.at(self._held_all, glob, 1)
+            return
+        for gid, pages in pages_by_group.items():
+            self.hold_pages(gid, pages)
+
+    def release_held_pages_by_group(self, pages_by_group: Mapping[str, np.ndarray]) -> None:
+        """:meth:`release_held_pages` of several groups in one pass (``PageSpace.release`` when
+        some page's last reference goes); refused whole, nothing released, when any group
+        releases a page more often than it is held."""
+        glob, local, per_group = self._space_pages(
+            pages_by_group, "releasing pages that hold_pages did not hold", 0)
+        if not glob.size:
+            return
+        held = self._held_all
+        counts = np.bincount(glob, minlength=held.size)
+        over = np.flatnonzero(counts > held)
+        if over.size:
+            gid = self._group_ids[int(np.searchsorted(self._space.offsets, over[0], side="right")) - 1]
+            raise CacheManagerError(f"group {gid!r}: releasing pages that hold_pages did not hold")
+        self._version += 1  # invalidates a cached admission
+        held -= counts
+        ref = self._space.ref_counts
+        if ref[glob].min() > 1:  # still held by requests: nothing joins the free or evictable sets
+            np.subtract.at(ref, glob, 1)
+        else:
+            self._space.release(local, per_group)
+
+    def _space_pages(self, pages_by_group: Mapping[str, np.ndarray], error: str, lowest: int
+                     ) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Every group's pages, in the page space's group order: as page-space ids, as each
+        group's own ids, and how many per group; checked to lie in ``[lowest, num_pages)``
+        (else ``error``)."""
+        glob, local, per_group = [], [], []
+        for gid in self._group_ids:
+            pages = pages_by_group.get(gid)
+            pages = np.zeros(0, dtype=np.int64) if pages is None else np.asarray(pages, dtype=np.int64)
+            if pages.size:
+                n = self.pools[gid].num_pages
+                if int(pages.min()) < lowest or int(pages.max()) >= n:
+                    raise CacheManagerError(f"group {gid!r}: " + error.format(n=n))
+                glob.append(pages + self._space_offset[gid])
+                local.append(pages)
+            per_group.append(int(pages.size))
+        for gid in pages_by_group:
+            if gid not in self._space_offset:
+                raise CacheManagerError(f"no group {gid!r}")
+        if not glob:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), per_group
+        return np.concatenate(glob), np.concatenate(local), per_group
+
+    def held_outside_pages(self, group_id: str) -> int:
+        """Holds taken by :meth:`hold_pages` and not released (a page held twice counts twice)."""
+        return int(self._held_outside[group_id].sum())
+
+    def clear_prefix_cache(self) -> None:
+        """Unpublish every cached entry (pages held by requests stay held)."""
+        self._version += 1  # invalidates a cached admission
+        if self.prefix is not None:
+            self.prefix.clear()
+
+    def check_invariants(self) -> None:
+        """Assert that ref counts equal the tables' holdings and pools are consistent."""
+        assert self._row_of == {rid: req.row for rid, req in self._requests.items()}, "id -> row map is stale"
+        for s in self.specs:
+            gid = s.group_id
+            table, pool = self.tables[gid], self.pools[gid]
+            expected = np.zeros(pool.num_pages, dtype=np.int64)
+            for req in self._requests.values():
+                row = np.asarray([req.row])
+                pages = table.pages_in(row, table.base[row], table.hi[row])
+                assert np.all(pages > 0), f"{gid}: request {req.request_id} has a hole in its table"
+                # A one-token step then needs at most one new page (schedule relies on it).
+                assert table.hi[req.row] >= cdiv(int(self._computed[req.row]), table.page_tokens), (
+                    f"{gid}: request {req.request_id} has computed tokens without pages")
+                np.add.at(expected, pages, 1)
+            expected += self._held_outside[gid]
+            assert np.array_equal(expected, pool.ref_counts), f"{gid}: ref counts differ from tables"
+            for name in ("ref_counts", "cached", "low_priority"):  # still the page space's views
+                assert np.shares_memory(getattr(pool, name), getattr(self._space, name)), f"{gid}: {name} rebound"
+            pool.check_invariants()
+        if self.arena is not None:
+            self.arena.check_invariants()
+
+    # --- helpers --------------------------------------------------------------
+    def _get(self, request_id: str) -> _Request:
+        try:
+            return self._requests[request_id]
+        except (KeyError, TypeError):
+            raise CacheManagerError(f"unknown request {request_id!r}") from None
+
+    def _row_request(self, row: int) -> _Request:
+        return self._row_owner[row]
+
+    def _take_row(self) -> int:
+        if self._free_rows:
+            return self._free_rows.pop()
+        row = self._next_row
+        self._next_row += 1
+        if row >= self._computed.size:
+            grow = np.zeros(self._computed.size, dtype=np.int64)
+            self._counters = np.concatenate([self._counters, np.zeros_like(self._counters)], axis=1)
+            self._computed, self._committed, self._known = self._counters
+            self._max_total = np.concatenate([self._max_total, grow])
+            self._in_batch = np.zeros(self._computed.size, dtype=np.bool_)
+        self._tableset.ensure_rows(row + 1)
+        return row
+
+
+def _pages_per_group(ids: list[str], group_pages: Mapping[str, int] | None,
+                     arena: ArenaGeometry | None) -> Mapping[str, int]:
+    """Page ids per group: the arena's views, or ``group_pages``, checked against the groups."""
+    if not ids:
+        raise ValueError("a cache manager needs at least one cache group")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"duplicate group ids in {ids}")
+    if arena is not None:
+        if set(arena.page_bytes) != set(ids):
+            raise ValueError(f"arena groups {sorted(arena.page_bytes)} do not match the groups {sorted(ids)}")
+        return {gid: arena.view_pages(gid) for gid in ids}
+    if group_pages is None or set(group_pages) != set(ids):
+        raise ValueError(f"group_pages keys {sorted(group_pages or {})} do not match the groups {sorted(ids)}")
+    return group_pages
+
+
+def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, int], scan: IdleScan) -> list | None:
+    """Slab moves that let each group get ``want`` pages out of ``avail``: ``[]`` when
+    they fit already, ``None`` when they cannot (or there is no arena to lend)."""
+    if all(want[g] <= avail[g] for g in avail):
+        return []
+    if arena is None:
+        return None
+    return arena.plan({g: want[g] - avail[g] for g in avail}, {g: avail[g] - want[g] for g in avail}, scan)
+
+
+def _filled(n: int, value: int) -> np.ndarray:
+    """int64 ``[n]`` of ``value`` (``np.full`` without its Python-level wrapper)."""
+    (out := np.empty(n, dtype=np.int64)).fill(value)
+    return out
+
+
+def _check_step_options(ids: Sequence, block_tables: str, write_slots: bool) -> None:
+    if block_tables not in _BLOCK_TABLE_MODES:
+        raise CacheManagerError(f"block_tables must be one of {_BLOCK_TABLE_MODES}, got {block_tables!r}")
+    if type(write_slots) is not bool:
+        raise CacheManagerError(f"write_slots must be True or False, got {write_slots!r}")
+    if not ids:
+        raise CacheManagerError("empty batch")
+
+
+def _positive(name: str, value: Any) -> int:
+    return as_int(name, value, minimum=1)
+
+
+def _nonneg_int(name: str, value: Any) -> int:
+    return as_int(name, value, minimum=0, error=CacheManagerError)
+
+
+_MAX_TOKEN_ID = int(np.iinfo(np.int32).max)
+
+
+def _small_token_list(token_ids: Any) -> list[int] | None:
+    """A short list/tuple of plain ints, or a short 1-D integer array as one, validated
+    without numpy reductions (the decode-step case)."""
+    if type(token_ids) is np.ndarray and token_ids.ndim == 1 and token_ids.size <= 16 and token_ids.dtype.kind in "iu":
+        token_ids = token_ids.tolist()
+    if type(token_ids) not in (list, tuple) or len(token_ids) > 16:
+        return None
+    for t in token_ids:
+        if type(t) is not int or not 0 <= t <= _MAX_TOKEN_ID:
+            return None  # the array path words the error
+    return list(token_ids)
+
+
+def _checked_prompt(request_id: str, prompt_token_ids: Any, prompt_tokens: Any) -> tuple[np.ndarray | None, int]:
+    """A new request's prompt token ids (None when only its length is given) and its
+    length, checked: ids and ``prompt_tokens`` agree, at least one token."""
+    ids = None
+    if prompt_token_ids is not None:
+        ids = _token_array(prompt_token_ids)
+        if prompt_tokens is not None and _nonneg_int("prompt_tokens", prompt_tokens) != ids.size:
+            raise CacheManagerError(f"prompt_tokens={prompt_tokens} disagrees with {ids.size} prompt token ids")
+        prompt_len = int(ids.size)
+    elif prompt_tokens is not None:
+        prompt_len = _nonneg_int("prompt_tokens", prompt_tokens)
+    else:
+        raise CacheManagerError("give prompt_token_ids or prompt_tokens")
+    if prompt_len < 1:
+        raise CacheManagerError(f"request {request_id!r}: the prompt must have at least one token")
+    return ids, prompt_len
+
+
+def _token_array(token_ids: Any) -> np.ndarray:
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise CacheManagerError(f"token ids must be 1-D, got shape {arr.shape}")
+    kind = arr.dtype.kind
+    if arr.size and kind not in "iu":
+        raise CacheManagerError(f"token ids must be integers, got dtype {arr.dtype}")
+    # Signed ids of at most 32 bits cannot pass the top of the range, unsigned ones cannot go below 0.
+    if arr.size and ((kind == "i" and arr.min() < 0)
+                     or ((kind == "u" or arr.dtype.itemsize > 4) and arr.max() > _MAX_TOKEN_ID)):
+        raise CacheManagerError("token ids must be in [0, 2**31)")
+    return arr.astype(np.int32, copy=False)

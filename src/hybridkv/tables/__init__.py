@@ -1,0 +1,1 @@
+"""Block tables: the compiled table store and the engine-side mirror."""

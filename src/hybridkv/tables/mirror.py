@@ -1,0 +1,94 @@
+"""An engine-side copy of the manager's page tables, kept current from step updates.
+
+With ``schedule(..., block_tables="updates")`` the manager does not build a
+``[R, width]`` table per group every step; it hands out the cells of its table
+store that changed (``StepBatch.table_updates``) and each request's row in the
+store (``StepBatch.table_rows``). A ``BlockTableMirror`` applies them to a
+persistent copy of the store and yields, per group, exactly the block table the
+full mode would have returned.
+
+The copy is in the manager's **ring form**, keyed by table row, not by batch
+index: full-history groups hold logical page ``L`` at column ``L``, sliding
+groups at column ``L % capacity`` (so a sliding step rewrites one cell instead
+of shifting a row). ``block_table`` turns it into the base-relative form the
+full mode hands out (column ``j`` = logical page ``base_pages[r] + j``); a kernel
+that can read the ring directly uses ``store`` with ``table_rows`` and
+``base_pages`` and skips that gather.
+
+The first updates-mode batch of a manager, and the first after any full-mode
+step, is a resync (``TableUpdates.reset``): the mirror clears its store, then
+takes every live cell. A mirror must apply every updates-mode batch, in order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hybridkv.runtime.batch import StepBatch
+
+
+class BlockTableMirror:
+    """Persistent ``[groups, rows, columns]`` copy of a manager's table store."""
+
+    def __init__(self, group_ids: list[str], capacity_pages: list[int], sliding: list[bool]):
+        if not len(group_ids) == len(capacity_pages) == len(sliding):
+            raise ValueError("group_ids, capacity_pages and sliding must have one entry per group")
+        self.group_ids = list(group_ids)
+        self._index = {gid: g for g, gid in enumerate(self.group_ids)}
+        self.capacity_pages = [int(c) for c in capacity_pages]
+        self.sliding = [bool(s) for s in sliding]
+        self.store = np.full((len(self.group_ids), 0, max(self.capacity_pages)), -1, dtype=np.int32)
+        self.table_rows = np.zeros(0, dtype=np.int64)
+        self.base_pages: dict[str, np.ndarray | None] = {}
+        self.widths: tuple[int, ...] = ()
+
+    @classmethod
+    def for_manager(cls, manager: Any) -> BlockTableMirror:
+        tables = [manager.tables[s.group_id] for s in manager.specs]
+        return cls([s.group_id for s in manager.specs], [t.capacity_pages for t in tables],
+                   [t.sliding for t in tables])
+
+    def _ensure_rows(self, rows: int) -> None:
+        have = self.store.shape[1]
+        if rows > have:
+            grown = np.full((self.store.shape[0], max(rows, 2 * have), self.store.shape[2]), -1, np.int32)
+            grown[:, :have] = self.store
+            self.store = grown
+
+    def apply(self, batch: StepBatch) -> None:
+        """Bring the copy up to date with an updates-mode batch and remember its rows."""
+        up = batch.table_updates
+        if up is None or batch.table_rows is None:
+            raise ValueError("apply needs a batch scheduled with block_tables='updates'")
+        need = int(batch.table_rows.max()) + 1 if batch.table_rows.size else 0
+        if up.row.size:
+            need = max(need, int(up.row.max()) + 1)
+        self._ensure_rows(need)
+        if up.reset:
+            self.store.fill(-1)
+        self.store[up.group, up.row, up.column] = up.page
+        self.table_rows = batch.table_rows.astype(np.int64)
+        self.base_pages = {gid: step.base_pages for gid, step in batch.groups.items()}
+        self.widths = tuple(up.widths)
+
+    def block_table(self, group_id: str) -> np.ndarray:
+        """int32 ``[R, width]`` for the last applied batch, as the full mode builds it."""
+        g = self._index[group_id]
+        width, cap = self.widths[g], self.capacity_pages[g]
+        rows = self.table_rows
+        ring = self.store[g, :, :cap]
+        out = np.full((rows.size, width), -1, dtype=np.int32)
+        cols = min(width, cap)
+        if not self.sliding[g]:
+            out[:, :cols] = ring[rows, :cols]
+            return out
+        # Non-live ring cells are -1, so rotating by base needs no mask below the capacity.
+        base = self.base_pages[group_id].astype(np.int64)
+        j = np.arange(cols, dtype=np.int64)
+        out[:, :cols] = ring[rows[:, None], (base[:, None] + j) % cap]
+        return out
+
+    def block_tables(self) -> dict[str, np.ndarray]:
+        return {gid: self.block_table(gid) for gid in self.group_ids}
