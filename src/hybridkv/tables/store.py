@@ -128,12 +128,8 @@ class GroupTable:
 
     def pages_in(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Held page ids of logical pages ``[lo_r, hi_r)`` per row, row-major, in logical order."""
-        counts = np.maximum(hi - lo, 0)
-        if not counts.any():
-            return np.zeros(0, dtype=np.int64)
-        rep = np.repeat(rows, counts)
-        logical = np.repeat(lo, counts) + segment_arange(counts)
-        return self._set.pages[self._cells(rep, logical)].astype(np.int64)
+        span = _span(rows, lo, hi)
+        return self._set.pages[self._cells(*span)].astype(np.int64) if span else np.zeros(0, dtype=np.int64)
 
     def row_pages(self, row: int, lo: int, hi: int) -> list[int]:
         """Held page ids of one row's logical pages ``[lo, hi)`` (slices, no fancy indexing)."""
@@ -158,15 +154,13 @@ class GroupTable:
     # --- mutation -----------------------------------------------------------
     def take(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """``pages_in`` then ``drop`` in one pass: the removed page ids in logical order."""
-        counts = np.maximum(hi - lo, 0)
-        if not counts.any():
+        span = _span(rows, lo, hi)
+        if not span:
             return np.zeros(0, dtype=np.int64)
-        rep = np.repeat(rows, counts)
-        logical = np.repeat(lo, counts) + segment_arange(counts)
-        at = self._cells(rep, logical)
+        at = self._cells(*span)
         pages = self._set.pages[at].astype(np.int64)
         self._set.pages[at] = -1
-        self._note(rep, logical)
+        self._note(*span)
         return pages
 
     def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
@@ -432,3 +426,12 @@ def _region(pages: np.ndarray, geometry: np.ndarray, g: int, start_column: int, 
 def _log2(n: int) -> int:
     """log2 of a power of two, -1 otherwise."""
     return n.bit_length() - 1 if n & (n - 1) == 0 else -1
+
+
+def _span(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """(row, logical page) of every page of ``[lo_r, hi_r)`` per row, row-major, in logical
+    order; None when every span is empty."""
+    counts = np.maximum(hi - lo, 0)
+    if not counts.any():
+        return None
+    return np.repeat(rows, counts), np.repeat(lo, counts) + segment_arange(counts)
