@@ -227,29 +227,7 @@ class CacheManager:
             "max_step_tokens", max_step_tokens if max_step_tokens is not None else self.max_context_tokens
         )
         self.table_widths = dict(table_widths) if table_widths is not None else None
-        self.pools = {
-            s.group_id: PagePool(
-                s.group_id, group_pages[s.group_id],
-                shuffle_seed=None if shuffle_seed is None else shuffle_seed + i,
-                shared_pages=enable_prefix_caching,
-                granted=arena is None,
-                lowest_first=arena is not None,
-            )
-            for i, s in enumerate(self.specs)
-        }
-        # Every pool's free stack, ref counts and flags live in arrays the step kernels
-        # own (the pools see views): a step is one compiled call for every group.
-        self._pool_list = [self.pools[s.group_id] for s in self.specs]
-        self._space = PageSpace(self._pool_list)
-        # With a shared arena the pools start empty and borrow slabs as they need pages.
-        self.arena = Arena(arena, self.pools) if arena is not None else None
-        # On an arena, prefill pages released again at the next step come last (highest ids).
-        self._transient = np.full(len(self.specs), arena is not None, dtype=np.bool_)
-        self._scratch = _Scratch(len(self.specs))
-        self._tableset = TableSet(
-            self.specs, max_context_tokens=self.max_context_tokens, max_step_tokens=self.max_step_tokens,
-            id_offsets=self._space.offsets.tolist(),
-        )
+        self._init_memory(group_pages, shuffle_seed, enable_prefix_caching, arena)
         self._capture_widths = None if self.table_widths is None else tuple(
             self.table_widths[s.group_id] for s in self.specs)
         self.tables = {s.group_id: t for s, t in zip(self.specs, self._tableset.tables)}
@@ -271,6 +249,40 @@ class CacheManager:
         # Per group, the trailing tokens a checkpoint of it stores (0: none).
         windows = self.prefix.checkpoint_windows if self.prefix is not None else {}
         self._checkpoint_windows = tuple(windows.get(gid, 0) for gid in ids)
+        self._init_holds()
+        self.tier_link = tier_link
+        if tier_link is not None:
+            tier_link.attach(self)
+
+    def _init_memory(self, group_pages: dict[str, int], shuffle_seed: int | None, shared_pages: bool,
+                     arena: ArenaGeometry | None) -> None:
+        """The pools, the page space the kernels own, the arena and the table store."""
+        self.pools = {
+            s.group_id: PagePool(
+                s.group_id, group_pages[s.group_id],
+                shuffle_seed=None if shuffle_seed is None else shuffle_seed + i,
+                shared_pages=shared_pages,
+                granted=arena is None,
+                lowest_first=arena is not None,
+            )
+            for i, s in enumerate(self.specs)
+        }
+        # Every pool's free stack, ref counts and flags live in arrays the step kernels
+        # own (the pools see views): a step is one compiled call for every group.
+        self._pool_list = [self.pools[s.group_id] for s in self.specs]
+        self._space = PageSpace(self._pool_list)
+        # With a shared arena the pools start empty and borrow slabs as they need pages.
+        self.arena = Arena(arena, self.pools) if arena is not None else None
+        # On an arena, prefill pages released again at the next step come last (highest ids).
+        self._transient = np.full(len(self.specs), arena is not None, dtype=np.bool_)
+        self._scratch = _Scratch(len(self.specs))
+        self._tableset = TableSet(
+            self.specs, max_context_tokens=self.max_context_tokens, max_step_tokens=self.max_step_tokens,
+            id_offsets=self._space.offsets.tolist(),
+        )
+
+    def _init_holds(self) -> None:
+        """Tier state: requests waiting for a load, and pages held outside any request."""
         # Requests waiting for a tier load (hybridkv.tierlink): admission refuses them.
         self.pending_loads: set[str] = set()
         # Pages held outside any request (an offload's rows being copied): see hold_pages.
@@ -279,9 +291,6 @@ class CacheManager:
         self._held_outside = {s.group_id: self._held_all[off : off + self.pools[s.group_id].num_pages]
                               for s, off in zip(self.specs, self._space.offsets.tolist())}
         self._space_offset = dict(zip((s.group_id for s in self.specs), self._space.offsets.tolist()))
-        self.tier_link = tier_link
-        if tier_link is not None:
-            tier_link.attach(self)
 
     def _init_registry(self) -> None:
         """No requests yet: the id -> record maps, free table rows, per-row counters."""
