@@ -43,6 +43,17 @@ from hybridkv.tables.store import GroupTable
 HASH_ALGOS = ("xxh3_128", "sha256")
 
 
+def _interval_tokens(state_checkpoint_interval: int | None, grain_tokens: int) -> int | None:
+    """``state_checkpoint_interval`` checked: None, or a positive multiple of the grain."""
+    if state_checkpoint_interval is None:
+        return None
+    n = as_int("state_checkpoint_interval", state_checkpoint_interval)
+    if n <= 0 or n % grain_tokens:
+        raise ValueError(
+            f"state_checkpoint_interval must be a positive multiple of the grain {grain_tokens}, got {n}")
+    return n
+
+
 def _hash_fn(algo: str) -> Callable[[bytes], int]:
     if algo == "xxh3_128":
         return xxhash.xxh3_128_intdigest
@@ -193,14 +204,7 @@ class PrefixCache:
         # nothing from before a boundary and is restorable at every one.
         self.state_ids = [gid for gid, n in windows.items() if n > 0]
         g = self.granularity_tokens = _grain(self.specs, windows, granularity_tokens)
-        if state_checkpoint_interval is not None:
-            n = as_int("state_checkpoint_interval", state_checkpoint_interval)
-            if n <= 0 or n % g:
-                raise ValueError(
-                    f"state_checkpoint_interval must be a positive multiple of the grain {g}, got {n}"
-                )
-            state_checkpoint_interval = n
-        self.state_checkpoint_interval = state_checkpoint_interval
+        self.state_checkpoint_interval = _interval_tokens(state_checkpoint_interval, g)
         # Which boundaries keep a speculative checkpoint (hybridkv.prefix.checkpoints).
         self.policy = policy_from_options(checkpoint_policy, prompt_checkpoints, checkpoint_interval_tokens, g)
         self.checkpoint_policy = self.policy.name
@@ -222,12 +226,16 @@ class PrefixCache:
         self._windows = windows
         self.tier_hook = None  # a hybridkv.tierlink.TierLink: told what is published and removed
         self._dropping = False  # unpublishing a superseded checkpoint (not an eviction)
-        # What goes first when a pool must evict (hybridkv.prefix.eviction): units, orphans.
+        self._init_eviction(eviction_policy)
+
+    def _init_eviction(self, eviction_policy: str) -> None:
+        """What goes first when a pool must evict (hybridkv.prefix.eviction: units, orphans,
+        gaps), told of every removal; with "prefill-per-byte", the state pools' order too."""
+        pools = self.pools
         self.eviction = ValueEviction(pools, self.history_ids, self.state_ids, eviction_policy)
         for gid, pool in pools.items():
             pool.on_removed = self._removed_callback(gid)
-        # "prefill-per-byte": the state pools' eviction order, kept incrementally.
-        self._order = None
+        self._order = None  # "prefill-per-byte": the state pools' eviction order, kept incrementally
         if self.values is not None and self.state_ids:
             self._order = CheckpointOrder(self.values, [pools[g] for g in self.state_ids], idle_clock_tick,
                                           self.eviction.beyond_gap)
