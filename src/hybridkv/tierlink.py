@@ -317,13 +317,10 @@ class TierLink:
         held = list(self.store.contains([obj.key for obj, _, _ in made]))
         skipped = held.count(True)
         self._stats.offload_skipped += skipped
+        entries = list(fresh.items())
         if skipped:
             keep = [i for i, h in enumerate(held) if not h]
-            made = [made[i] for i in keep]
-            entries = list(fresh.items())
-            entries = [entries[i] for i in keep]
-        else:
-            entries = list(fresh.items())
+            made, entries = [made[i] for i in keep], [entries[i] for i in keep]
         if not made:
             return _NO_OFFLOADS
         self._stats.offload_objects += len(made)
@@ -530,8 +527,8 @@ class TierLink:
         else:
             first, kind = boundary - self._prefix.granularity_tokens, "block"
         obj = PlannedObject(ObjectKey(kind, gid, key), first, boundary, boundary)
-        nbytes = rows_for_tokens(spec, first, boundary)[1] * self._row_bytes[gid]
-        return obj, GroupPages(first // spec.page_tokens, np.asarray(pages, dtype=np.int64)), nbytes
+        view = GroupPages(first // spec.page_tokens, np.asarray(pages, dtype=np.int64))
+        return obj, view, self.object_payload_bytes(obj)
 
     def _plan_load(self, request_id: str, hashes: Any, prompt_tokens: int, hit_tokens: int,
                    cap_tokens: int | None = None) -> None:
