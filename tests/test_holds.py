@@ -6,7 +6,7 @@ the holds counted in a ``Counter``.
 
 Random programs hold pages a live request holds, cached pages no request holds (keyed, idle in
 the LRU) and repeated ids, free the request in between (so releases leave pages free or idle),
-and release more than is held (refused whole, nothing changes). After every call the two
+release more than is held and hold a free page (both refused whole, nothing changes). After every call the two
 managers agree on ref counts, holds, the free stacks and the LRU order (``free_page_ids``,
 ``evictable_page_ids``).
 """
@@ -70,7 +70,8 @@ def reference_release(m: CacheManager, pages_by_group: dict, holds: Counter) -> 
 
 
 PICKS = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 10_000)), max_size=12)
-OPS = st.lists(st.tuples(st.sampled_from(["hold", "hold", "release", "release", "over", "free"]), PICKS),
+OPS = st.lists(st.tuples(st.sampled_from(["hold", "hold", "release", "release", "over", "hold free", "free"]),
+                         PICKS),
                min_size=1, max_size=12)
 
 
@@ -96,6 +97,17 @@ def test_holding_and_releasing_by_group_follows_the_pools_rules(page_space, ops)
             arrays = {gid: np.asarray(p, dtype=np.int64) for gid, p in chosen.items()}
             m.hold_pages_by_group(arrays)
             reference_hold(ref, arrays, holds)
+        elif op == "hold free":  # a free page among held ones: refused whole
+            gid = gids[picks[0][0] % len(gids)] if picks else gids[-1]
+            free = m.pools[gid].free_page_ids()
+            if not free.size:
+                continue
+            chosen = {g: candidates(m, g)[:2] for g in gids}
+            chosen[gid] = chosen[gid] + [int(free[picks[0][1] % free.size] if picks else free[0])]
+            before = state(m)
+            with pytest.raises(CacheManagerError, match="is free"):
+                m.hold_pages_by_group({g: np.asarray(p, dtype=np.int64) for g, p in chosen.items()})
+            assert state(m) == before
         else:
             held = sorted(key for key, n in holds.items() for _ in range(n))
             chosen = {}
