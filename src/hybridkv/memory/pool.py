@@ -330,14 +330,10 @@ class PagePool:
             self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in reversed(pages) if not low[p]], tick)
 
     def _push_free(self, pages: np.ndarray) -> None:
-        n = pages.size
-        if n and self.lowest_first:
-            # Merged into the sorted stack (top = lowest id): one linear merge, in place.
-            self._top = int(kernels.merge_free(self._stack, self._top, np.sort(pages.astype(np.int32))))
-        elif n:
-            # Push in reverse so the first listed page is on top (reused first).
-            self._stack[self._top : self._top + n] = pages[::-1]
-            self._top += n
+        """Freed ids (logical order) onto the free stack (``kernels.push_run``)."""
+        if pages.size:
+            self._top = int(kernels.push_run(self._stack, self._top, self.lowest_first,
+                                             np.asarray(pages, dtype=np.int64)))
 
     # --- grants (shared arena) ---------------------------------------------
     def grant(self, pages: np.ndarray) -> None:
