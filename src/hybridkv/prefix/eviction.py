@@ -193,16 +193,21 @@ class ValueEviction:
                 self._cut(key)
             others = self.history_ids + self.state_ids
         node[2] -= 1
-        # An eviction takes the rest of the unit as evictions ("unit"); an unpublished
-        # entry (a superseded checkpoint, a cleared cache) takes it unpublished.
+        if self.acts:
+            self._take_unit(gid, key, cause, others)
+        self._forget_if_idle(key)
+
+    def _take_unit(self, gid: str, key: Hashable, cause: str, others: Sequence[str]) -> None:
+        """The rest of ``key``'s unit leaves the groups ``others``: as evictions ("unit")
+        after an eviction, unpublished after an unpublished entry (a superseded
+        checkpoint, a cleared cache)."""
         follow = UNPUBLISHED if cause == UNPUBLISHED else UNIT
-        for other in others if self.acts else ():
+        for other in others:
             pool = self.pools[other]
             if other != gid and pool.lookup(key) is not None:
                 freed = pool.unpublish(key, follow)
                 if follow == UNIT:
                     pool.counters.evicted_pages += freed
-        self._forget_if_idle(key)
 
     def _reason(self, gid: str, node: list | None, cause: str) -> str:
         if cause == REVOKED:
