@@ -26,7 +26,9 @@ produce a hit:
   its support goes at once (the blocks between become orphans) and its entries, and
   any published beyond the gap later, are demoted (reason ``"gap"`` when evicted),
   head first so the deepest go first. A key published before its parent's waits
-  for it and becomes its child when the parent's key is published. When the block is published again, what lies
+  for it and becomes its child when the parent's key is published; unless it is a
+  chain's first block it lies beyond a gap until then (its parent's block is missing).
+  When the block is published again, what lies
   beyond it with every block cached regains its value (support, and the state
   entries demoted for the gap promoted back; ``on_mended`` is told their keys).
   Until then nothing else may promote them (:meth:`ValueEviction.beyond_gap`:
