@@ -108,6 +108,15 @@ def span_cells(geometry, bounds, g, rows, lo, hi, at, view):
 
 
 @njit(cache=True)
+def row_span_pages(geometry, pages, bounds, g, row, lo, hi):
+    """Page ids of logical pages ``[lo, hi)`` of ``row`` in group ``g`` (a new array)."""
+    out = np.empty(max(hi - lo, 0), dtype=np.int64)
+    for logical in range(lo, hi):
+        out[logical - lo] = pages[cell(geometry, bounds, g, row, logical)]
+    return out
+
+
+@njit(cache=True)
 def fit_ring(geometry, pages, bounds, g, row, live_pages):
     """Make ``row`` wide in group ``g`` (it takes the free lane on top) when
     ``live_pages`` exceed its narrow ring, narrow (its lane goes back on top) when

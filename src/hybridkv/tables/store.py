@@ -105,7 +105,7 @@ class GroupTable:
     def _span_cells(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store index and ring-view index of logical pages ``[lo_r, hi_r)`` of each row,
         row-major, in logical order (``kernels.span_cells``)."""
-        rows, lo, hi = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (rows, lo, hi))
+        rows, lo, hi = np.asarray(rows, dtype=np.int64), np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
         total = int(np.maximum(hi - lo, 0).sum())
         at, view = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
         if total:
@@ -117,8 +117,10 @@ class GroupTable:
         return self._set.pages[self._span_cells(rows, lo, hi)[0]].astype(np.int64)
 
     def row_pages(self, row: int, lo: int, hi: int) -> list[int]:
-        """Held page ids of one row's logical pages ``[lo, hi)``."""
-        return self._set.pages[self._span_cells(row, lo, hi)[0]].tolist() if hi > lo else []
+        """Held page ids of one row's logical pages ``[lo, hi)`` (one compiled call: a
+        commit reads a few pages of each group this way)."""
+        ts = self._set
+        return kernels.row_span_pages(ts.geometry, ts.pages, ts.bounds, self._g, row, lo, hi).tolist()
 
     # --- mutation -----------------------------------------------------------
     def take(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
