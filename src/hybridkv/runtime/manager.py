@@ -431,17 +431,7 @@ class CacheManager:
         # A request without token ids counts its declared total as known, so this one
         # test also catches those; the loop below words which reason.
         if rows is None or (self._known.take(rows) + k > self._max_total.take(rows)).any():
-            reqs = [self._get(rid) for rid in rids]
-            if len({r.request_id for r in reqs}) != len(reqs):
-                raise CacheManagerError("a request appears twice")
-            bare = [r.request_id for r in reqs if r.token_ids is None]
-            if bare:
-                raise CacheManagerError(f"request {bare[0]!r} was added without token ids")
-            r = next(r for r in reqs if r.known_tokens + k > r.max_total_tokens)
-            raise CacheManagerError(
-                f"request {r.request_id!r}: {r.known_tokens} + {k} tokens exceeds its declared total "
-                f"of {r.max_total_tokens} (prompt + max_new_tokens)"
-            )
+            self._refuse_append(rids, k)
         reqs = itemgetter(*rids)(self._requests) if len(rids) > 1 else (self._requests[rids[0]],)
         if k == 1:
             # One token each (decode): a scalar store per request, not a slice assignment.
@@ -454,6 +444,21 @@ class CacheManager:
                 req.token_ids[req.known_tokens : req.known_tokens + k] = line
                 req.known_tokens += k
         self._known[rows] += k
+
+    def _refuse_append(self, rids: tuple, k: int) -> None:
+        """Raise the reason ``append_token_ids_many`` refuses ``k`` ids for each of ``rids``:
+        an unknown or repeated request, one added without token ids, or one past its total."""
+        reqs = [self._get(rid) for rid in rids]
+        if len({r.request_id for r in reqs}) != len(reqs):
+            raise CacheManagerError("a request appears twice")
+        bare = [r.request_id for r in reqs if r.token_ids is None]
+        if bare:
+            raise CacheManagerError(f"request {bare[0]!r} was added without token ids")
+        r = next(r for r in reqs if r.known_tokens + k > r.max_total_tokens)
+        raise CacheManagerError(
+            f"request {r.request_id!r}: {r.known_tokens} + {k} tokens exceeds its declared total "
+            f"of {r.max_total_tokens} (prompt + max_new_tokens)"
+        )
 
     def num_computed_tokens(self, request_id: str) -> int:
         return int(self._computed[self._get(request_id).row])
