@@ -6,6 +6,7 @@ whole-window checkpoints, prompt checkpoints off unless a test turns them on).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -237,15 +238,23 @@ def _linked_out_of_order():
     """One history group ``h`` and one state group ``s`` (pools of 8 pages each, every
     page held): block k2 (parent k1) and the checkpoint at its end are published first,
     then block k1 (parent the root), as ``PrefixCache`` reports entries it publishes."""
+    pools, policy = _hand_policy()
+    h, s = pools["h"].allocate(2), pools["s"].allocate(1)
+    for gid, key, parent, boundary, pages in (("h", "k2", "k1", 512, [h[1]]), ("s", "k2", "k1", 512, [s[0]]),
+                                              ("h", "k1", "root", 256, [h[0]])):
+        assert pools[gid].publish(key, pages)
+        policy.stored(gid, key, parent, boundary)
+    return pools, policy, h, s
+
+
+def _hand_policy():
+    """A history group ``h`` and a state group ``s`` of 8 pages each (grain 256), their
+    removals reported to the policy as ``PrefixCache`` reports them."""
     pools = {g: PagePool(g, 8) for g in ("h", "s")}
-    policy = ValueEviction(pools, ["h"], ["s"])
+    policy = ValueEviction(pools, ["h"], ["s"], 256)
     for gid, pool in pools.items():
         pool.on_removed = lambda key, cause, idle, gid=gid: policy.removed(gid, key, cause, idle)
-    h, s = pools["h"].allocate(2), pools["s"].allocate(1)
-    for gid, key, parent, pages in (("h", "k2", "k1", [h[1]]), ("s", "k2", "k1", [s[0]]), ("h", "k1", "root", [h[0]])):
-        assert pools[gid].publish(key, pages)
-        policy.stored(gid, key, parent)
-    return pools, policy, h, s
+    return pools, policy
 
 
 def test_a_block_published_after_the_checkpoint_beyond_it_is_supported_by_it():
@@ -270,3 +279,53 @@ def test_a_block_published_after_the_checkpoint_beyond_it_cuts_it_when_evicted()
     pools["s"].allocate(7)  # 6 clean pages (page 0 is the null page) and the checkpoint's idle one
     assert pools["s"].lookup("k2") is None
     assert policy.report()["s"].evicted_pages["gap"] == 1
+
+
+def test_a_block_published_after_its_parents_node_was_forgotten_is_beyond_a_gap():
+    """Issue 21. k1 (the first block, 256 tokens) is published, goes idle and is evicted;
+    nothing lies below or beyond it, so its node is forgotten. Then a request that had
+    computed k1 itself (its own copy was not published: the key was taken) publishes k2
+    (512 tokens, parent k1) and the checkpoint at 512. No hit can reach them: a match
+    walks k1 first. So both start low priority (not so before the fix: k2 looked like a
+    chain's first block), count as not usable, and an eviction names them "gap". Once
+    k1 is published again, k2 regains its value: the checkpoint is promoted back and
+    supports k1 and k2, and both count as usable."""
+    pools, policy = _hand_policy()
+    h, s = pools["h"], pools["s"]
+    first = h.allocate(1)
+    assert h.publish("k1", first)
+    policy.stored("h", "k1", "root", 256)
+    h.decref(first)
+    h.allocate(7)  # 6 clean pages and k1's idle one: k1 is evicted
+    assert h.lookup("k1") is None and policy.report()["h"].evicted_pages["orphan"] == 1
+    h.decref(np.arange(1, 8))
+    block, ckpt = h.allocate(1), s.allocate(1)
+    assert h.publish("k2", block) and s.publish("k2", ckpt)
+    policy.stored("h", "k2", "k1", 512)
+    policy.stored("s", "k2", "k1", 512)
+    assert h.low_priority[block[0]] and s.low_priority[ckpt[0]]
+    report = policy.report()
+    assert (report["s"].usable_entries, report["h"].usable_entries) == (0, 0)
+    again = h.allocate(1)
+    assert h.publish("k1", again)
+    policy.stored("h", "k1", "root", 256)
+    assert not h.low_priority[block[0]] and not h.low_priority[again[0]] and not s.low_priority[ckpt[0]]
+    report = policy.report()
+    assert (report["s"].usable_entries, report["h"].usable_entries) == (1, 2)
+    h.unpublish("k1", EVICTED)  # and evicted again: k2 is beyond the gap once more
+    assert h.low_priority[block[0]] and s.low_priority[ckpt[0]]
+    s.decref(ckpt)
+    s.allocate(7)
+    assert s.lookup("k2") is None and policy.report()["s"].evicted_pages["gap"] == 1
+
+
+def test_a_first_block_is_no_gap():
+    """A chain's first block (parent the salt root, which is never a node) and the
+    checkpoint at its end are usable, normal priority."""
+    pools, policy = _hand_policy()
+    block, ckpt = pools["h"].allocate(1), pools["s"].allocate(1)
+    for gid, pages in (("h", block), ("s", ckpt)):
+        assert pools[gid].publish("k1", pages)
+        policy.stored(gid, "k1", "root", 256)
+    assert not pools["h"].low_priority[block[0]] and not pools["s"].low_priority[ckpt[0]]
+    assert (policy.report()["s"].usable_entries, policy.report()["h"].usable_entries) == (1, 1)

@@ -6,7 +6,7 @@ import numpy as np
 from hybridkv.runtime import kernels
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.runtime.manager import CacheManager
-from hybridkv.tables.store import NARROW_STEP_TOKENS, TableSet, cdiv, live_pages_bound, segment_arange
+from hybridkv.tables.store import NARROW_STEP_TOKENS, TableSet, cdiv, live_pages_bound
 
 SWA_4_8 = CacheGroupSpec("swa", "sliding_window", 4, 1, sliding_window_tokens=8, family="state")
 C4 = CacheGroupSpec("c4", "full_history", rows_per_page=64, entry_stride_tokens=4)
@@ -40,10 +40,8 @@ def slots_of(ts, rows, positions):
     return slots[0].tolist()
 
 
-def test_cdiv_and_segment_arange():
+def test_cdiv():
     assert cdiv(0, 4) == 0 and cdiv(1, 4) == 1 and cdiv(4, 4) == 1 and cdiv(5, 4) == 2
-    assert segment_arange(np.array([2, 0, 3, 1])).tolist() == [0, 1, 0, 1, 2, 0]
-    assert segment_arange(np.array([0, 0])).size == 0
 
 
 def test_release_point_of_a_chunk_starting_at_12():
@@ -218,3 +216,27 @@ def test_ensure_rows_keeps_a_wide_rows_lane():
     assert ts.wide_rows(0).tolist() == [0]
     assert np.array_equal(ts.ring_view()[0, 0], before)
     assert ts.block_table(0, ROW0, 9).tolist() == [list(range(40, 49))]
+
+
+def test_every_reader_of_a_row_sees_the_same_pages():
+    """``row_pages``, ``pages_in``, the kernels' ``block_table`` and the ring view agree, for a
+    wide sliding row (in its lane), a narrow one that wraps its ring, and a full-history row."""
+    ts, table = store(SWA_4_8, 256, 64, rows=3)
+    table.place(np.array([0, 1]), np.array([3, 5]), np.array([9, 3]), np.arange(40, 52))
+    table.base[[0, 1]], table.hi[[0, 1]] = [3, 5], [12, 8]
+    assert ts.wide_rows(0).tolist() == [0]  # 9 live pages outgrow the narrow ring of 4
+    for row, base, pages in ((0, 3, list(range(40, 49))), (1, 5, [49, 50, 51])):
+        hi = base + len(pages)
+        assert table.row_pages(row, base, hi) == pages
+        assert table.row_pages(row, base + 1, hi - 1) == pages[1:-1]
+        assert table.pages_in(np.array([row]), np.array([base]), np.array([hi])).tolist() == pages
+        assert ts.block_table(0, np.array([row]), len(pages)).tolist() == [pages]
+        view = ts.ring_view()[0, row]
+        assert [int(view[lp % table.capacity_pages]) for lp in range(base, hi)] == pages
+    assert table.pages_in(np.array([1, 0]), np.array([5, 3]), np.array([8, 5])).tolist() == [49, 50, 51, 40, 41]
+    assert table.take(np.array([1]), np.array([5]), np.array([6])).tolist() == [49]
+    full_ts, full = store(C4, 1024, 64, rows=2)
+    full.place(np.array([1]), np.array([0]), np.array([3]), np.array([7, 8, 9]))
+    full.hi[1] = 3
+    assert full.row_pages(1, 0, 3) == [7, 8, 9] and full.row_pages(1, 1, 1) == []
+    assert full.pages_in(np.array([1]), np.array([1]), np.array([3])).tolist() == [8, 9]

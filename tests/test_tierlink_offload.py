@@ -359,62 +359,15 @@ def test_hold_pages_refuses_bad_ids_and_release_refuses_what_was_not_held():
     engine = Engine()
     gid = engine.manager.specs[0].group_id
     with pytest.raises(CacheManagerError, match="page ids"):
-        engine.manager.hold_pages(gid, np.array([0]))
+        engine.manager.hold_pages_by_group({gid: np.array([0])})
+    with pytest.raises(CacheManagerError, match="is free"):
+        engine.manager.hold_pages_by_group({gid: np.array([1])})
     with pytest.raises(CacheManagerError, match="did not hold"):
-        engine.manager.release_held_pages(gid, np.array([1]))
+        engine.manager.release_held_pages_by_group({gid: np.array([1])})
+    with pytest.raises(CacheManagerError, match="no group"):
+        engine.manager.hold_pages_by_group({"nope": np.array([1])})
     with pytest.raises(ValueError, match="max_pinned_pages"):
         TierLink(engine.store, max_pinned_pages=-1)
-
-
-@pytest.mark.parametrize("page_space", ["per-group", "shared"])
-def test_holding_by_group_equals_holding_group_by_group(page_space):
-    """``hold_pages_by_group`` / ``release_held_pages_by_group`` against ``hold_pages`` /
-    ``release_held_pages`` one group at a time on a twin manager: the same ref counts, holds and
-    free/evictable pages after pages a request holds (the one-pass path), a page listed twice and
-    pages no request holds (group by group), and the same refusals."""
-    twins = [Engine(seed=5, write_through=False, page_space=page_space) for _ in range(2)]
-    tokens = np.random.default_rng(2).integers(0, CONFIG.vocab_size, 700)
-    for engine in twins:
-        compute(engine, "p", tokens)
-    by, one = (engine.manager for engine in twins)
-    held = {gid: by.request_pages("p", gid)[1] for gid in by.pools}
-    held = {gid: pages for gid, pages in held.items() if pages.size}
-    assert len(held) >= 2
-    first = next(iter(held))
-    twice = {first: np.concatenate([held[first], held[first][:1]])}
-
-    def state(m):
-        return [(m.pools[g].ref_counts.tolist(), m.held_outside_pages(g), m.pools[g].num_free_pages)
-                for g in m.pools]
-
-    by.hold_pages_by_group(held)
-    by.hold_pages_by_group(twice)
-    for gid, pages in list(held.items()) + list(twice.items()):
-        one.hold_pages(gid, pages)
-    assert state(by) == state(one)
-    for m in (by, one):
-        m.free("p")  # the pages now held by the pins alone
-        m.check_invariants()
-    by.release_held_pages_by_group(twice)
-    one.release_held_pages(first, twice[first])
-    assert state(by) == state(one)
-    over = {gid: pages for gid, pages in held.items() if gid != first}  # the others first, then
-    over[first] = np.concatenate([held[first], held[first]])  # one group released twice over
-    with pytest.raises(CacheManagerError, match="did not hold"):  # ... and none is released
-        by.release_held_pages_by_group(over)
-    assert state(by) == state(one)
-    by.release_held_pages_by_group(held)
-    for gid, pages in held.items():
-        one.release_held_pages(gid, pages)
-    assert state(by) == state(one)
-    assert all(by.held_outside_pages(g) == 0 for g in by.pools)
-    for m in (by, one):
-        m.check_invariants()
-    with pytest.raises(CacheManagerError, match="page ids"):
-        by.hold_pages_by_group({first: np.array([0])})
-    with pytest.raises(CacheManagerError, match="did not hold"):
-        by.release_held_pages_by_group({first: held[first]})
-    assert state(by) == state(one)  # a refusal changes nothing
 
 
 # --- a random program --------------------------------------------------------------------------

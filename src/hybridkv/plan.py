@@ -226,35 +226,8 @@ class Plan:
     def report(self, context_tokens: int | None = None) -> dict[str, Any]:
         """A JSON-ready summary (schema in ``docs/planning.md``)."""
         layout, limits = self.layout, self.limits
-        group_pages, group_bytes = self.group_pages, self.group_bytes
-        widths = self.table_widths
         total_bytes = self.total_bytes
-        need = self.request_pages(context_tokens) if context_tokens is not None else None
-        groups = []
-        for group in layout.groups:
-            spec, gid = group.spec, group.group_id
-            entry: dict[str, Any] = {
-                "group_id": gid,
-                "retention": spec.retention,
-                "family": spec.family,
-                "rows_per_page": spec.rows_per_page,
-                "entry_stride_tokens": spec.entry_stride_tokens,
-                "page_tokens": spec.page_tokens,
-                "sliding_window_tokens": spec.sliding_window_tokens,
-                "layers": list(group.layers),
-                "num_layers": len(group.layers),
-                "layer_plane_bytes": dict(group.plane_bytes),
-                "page_bytes": group.page_bytes,
-                "pages": group_pages[gid],
-                "bytes": group_bytes[gid],
-                "share": group_bytes[gid] / total_bytes,
-                "table_width": widths[gid],
-                "ideal_bytes_per_token": group.ideal_bytes_per_token,
-            }
-            if need is not None:
-                entry["request_pages"] = need[gid]
-                entry["max_requests"] = (group_pages[gid] - 1) // need[gid]
-            groups.append(entry)
+        groups = self._group_reports(context_tokens)
         out: dict[str, Any] = {
             "schema_version": REPORT_SCHEMA_VERSION,
             "model": layout.name,
@@ -285,6 +258,38 @@ class Plan:
                 "limiting_group": limiting,
             }
         return out
+
+    def _group_reports(self, context_tokens: int | None) -> list[dict[str, Any]]:
+        """``report``'s entry per group (with the pages a request of ``context_tokens``
+        needs and how many such requests fit, when given)."""
+        group_pages, group_bytes, widths = self.group_pages, self.group_bytes, self.table_widths
+        need = self.request_pages(context_tokens) if context_tokens is not None else None
+        groups = []
+        for group in self.layout.groups:
+            spec, gid = group.spec, group.group_id
+            entry: dict[str, Any] = {
+                "group_id": gid,
+                "retention": spec.retention,
+                "family": spec.family,
+                "rows_per_page": spec.rows_per_page,
+                "entry_stride_tokens": spec.entry_stride_tokens,
+                "page_tokens": spec.page_tokens,
+                "sliding_window_tokens": spec.sliding_window_tokens,
+                "layers": list(group.layers),
+                "num_layers": len(group.layers),
+                "layer_plane_bytes": dict(group.plane_bytes),
+                "page_bytes": group.page_bytes,
+                "pages": group_pages[gid],
+                "bytes": group_bytes[gid],
+                "share": group_bytes[gid] / self.total_bytes,
+                "table_width": widths[gid],
+                "ideal_bytes_per_token": group.ideal_bytes_per_token,
+            }
+            if need is not None:
+                entry["request_pages"] = need[gid]
+                entry["max_requests"] = (group_pages[gid] - 1) // need[gid]
+            groups.append(entry)
+        return groups
 
 
 def _check_layout_limits(layout: ModelCacheLayout, limits: Limits) -> None:

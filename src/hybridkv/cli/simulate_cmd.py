@@ -38,6 +38,14 @@ def register(subparsers: Any) -> None:
         ),
     )
     add_plan_arguments(parser)
+    _add_workload_arguments(parser)
+    _add_cluster_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.set_defaults(run=run)
+
+
+def _add_workload_arguments(parser: Any) -> None:
+    """The workload, its prefix caching and checkpoints, chunking and the plot."""
     parser.add_argument(
         "--workload", type=a.nonempty("--workload"), default="multiturn", metavar="NAME|PATH",
         help=f"{', '.join(WORKLOAD_NAMES)} or a JSONL trace (docs/workloads.md; - or /dev/stdin "
@@ -81,6 +89,10 @@ def register(subparsers: Any) -> None:
         "--plot", type=a.nonempty("--plot"), metavar="PATH", default=None,
         help="write a plot of the run (.png, .pdf or .svg; no extension: .png)",
     )
+
+
+def _add_cluster_arguments(parser: Any) -> None:
+    """Several instances sharing a KV tier (``hybridkv.cli.simulate_cluster``)."""
     parser.add_argument(
         "--instances", type=a.number("--instances", maximum=MAX_INSTANCES), default=1, metavar="N",
         help="spread the workload round-robin over N instances (each its own manager and --kv-memory) "
@@ -106,8 +118,6 @@ def register(subparsers: Any) -> None:
         "the store) waits up to this many steps, then loads it or computes it (0: never wait; default "
         f"{DEFAULT_IN_FLIGHT_WAIT})",
     )
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-    parser.set_defaults(run=run)
 
 
 def plot_path(text: str) -> str:

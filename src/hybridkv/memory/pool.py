@@ -84,6 +84,23 @@ class PagePool:
         # Lowest free id first (the stack kept sorted, top = lowest): live pages pack
         # into few arena slabs, so whole slabs fall free for other groups.
         self.lowest_first = bool(lowest_first) and self._rng is None
+        self._init_free()
+        self._init_entries()
+        # Set by an arena: whether a long-lived allocation of ``n`` pages whose highest id
+        # would be ``page`` must first reuse idle low-priority pages below it (packing);
+        # None: always.
+        self.must_pack: Callable[[int, int], bool] | None = None
+        # True while a step may skip packing (the arena is roomy): the step kernel then
+        # stops for Python only when the free stack is short, and ``must_pack`` is asked
+        # only on steps that stop anyway (a compiled step stays compiled).
+        self.may_skip_packing: Callable[[], bool] | None = None
+        self.counters = PoolCounters()
+        self.peak_used_pages = 0
+        if granted:
+            self.grant(np.arange(1, self.num_pages, dtype=np.int32))
+
+    def _init_free(self) -> None:
+        """An empty free stack, no idle pages yet."""
         # The free stack is ``_stack[:_top]``, the next id handed out last; ``_top`` and
         # the idle low-priority count live in one-element arrays so that a ``PageSpace``
         # can rebind them to its per-group arrays, which the step kernels own.
@@ -93,35 +110,26 @@ class PagePool:
         self._slot = 0
         self._granted_pages = 0
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self.cached = np.zeros(self.num_pages, dtype=bool)
-        # Keyed pages evicted before all others once idle (speculative prompt checkpoints).
-        self.low_priority = np.zeros(self.num_pages, dtype=bool)
         # Lowest-first pools: idle low-priority page ids (a min-heap, stale ids skipped),
         # reused in id order like free pages so they do not push live pages up.
         self._low_idle: list[int] = []
-        # Set by an arena: whether a long-lived allocation of ``n`` pages whose highest id
-        # would be ``page`` must first reuse idle low-priority pages below it (packing);
-        # None: always.
-        self.must_pack: Callable[[int, int], bool] | None = None
-        # True while a step may skip packing (the arena is roomy): the step kernel then
-        # stops for Python only when the free stack is short, and ``must_pack`` is asked
-        # only on steps that stop anyway (a compiled step stays compiled).
-        self.may_skip_packing: Callable[[], bool] | None = None
+        # Per page: the idle clock's tick when it last became cached-evictable.
+        self.idle_tick = np.zeros(self.num_pages, dtype=np.int64)
+
+    def _init_entries(self) -> None:
+        """No content-keyed entries yet."""
+        self.cached = np.zeros(self.num_pages, dtype=bool)
+        # Keyed pages evicted before all others once idle (speculative prompt checkpoints).
+        self.low_priority = np.zeros(self.num_pages, dtype=bool)
         self._page_key: dict[int, Hashable] = {}
         self._entries: dict[Hashable, tuple[int, ...]] = {}
         # Called with (key, cause, idle pages freed) after an entry is removed; cause is
         # UNPUBLISHED, EVICTED, EVICTED_LOW (a low-priority entry evicted) or REVOKED.
         self.on_removed: Callable[[Hashable, str, int], None] | None = None
-        # Per page: the idle clock's tick when it last became cached-evictable.
-        self.idle_tick = np.zeros(self.num_pages, dtype=np.int64)
         # Set by a "prefill-per-byte" prefix cache on its state pools (a
         # hybridkv.prefix.checkpoints.CheckpointOrder): told which pages go idle, it names the
         # normal-priority victims in place of the LRU order.
         self.ranker = None
-        self.counters = PoolCounters()
-        self.peak_used_pages = 0
-        if granted:
-            self.grant(np.arange(1, self.num_pages, dtype=np.int32))
 
     # --- counts ---------------------------------------------------------
     @property
@@ -330,14 +338,10 @@ class PagePool:
             self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in reversed(pages) if not low[p]], tick)
 
     def _push_free(self, pages: np.ndarray) -> None:
-        n = pages.size
-        if n and self.lowest_first:
-            # Merged into the sorted stack (top = lowest id): one linear merge, in place.
-            self._top = int(kernels.merge_free(self._stack, self._top, np.sort(pages.astype(np.int32))))
-        elif n:
-            # Push in reverse so the first listed page is on top (reused first).
-            self._stack[self._top : self._top + n] = pages[::-1]
-            self._top += n
+        """Freed ids (logical order) onto the free stack (``kernels.push_run``)."""
+        if pages.size:
+            self._top = int(kernels.push_run(self._stack, self._top, self.lowest_first,
+                                             np.asarray(pages, dtype=np.int64)))
 
     # --- grants (shared arena) ---------------------------------------------
     def grant(self, pages: np.ndarray) -> None:

@@ -232,7 +232,8 @@ class PrefixCache:
         """What goes first when a pool must evict (hybridkv.prefix.eviction: units, orphans,
         gaps), told of every removal; with "prefill-per-byte", the state pools' order too."""
         pools = self.pools
-        self.eviction = ValueEviction(pools, self.history_ids, self.state_ids, eviction_policy)
+        self.eviction = ValueEviction(pools, self.history_ids, self.state_ids, self.granularity_tokens,
+                                      eviction_policy)
         for gid, pool in pools.items():
             pool.on_removed = self._removed_callback(gid)
         self._order = None  # "prefill-per-byte": the state pools' eviction order, kept incrementally
@@ -403,7 +404,7 @@ class PrefixCache:
             self.tier_hook.stored(gid, key, boundary, pages, low_priority)
         self._meta[gid][key] = (parent, boundary, len(pages))
         self.stats[gid].stored_entries += 1
-        self.eviction.stored(gid, key, parent)
+        self.eviction.stored(gid, key, parent, boundary)
         self._emit(("stored", gid, key, parent, boundary, len(pages)))
 
     def _supersede(self, req: CommittingRequest, new_own: list) -> None:

@@ -26,7 +26,9 @@ produce a hit:
   its support goes at once (the blocks between become orphans) and its entries, and
   any published beyond the gap later, are demoted (reason ``"gap"`` when evicted),
   head first so the deepest go first. A key published before its parent's waits
-  for it and becomes its child when the parent's key is published. When the block is published again, what lies
+  for it and becomes its child when the parent's key is published; unless it is a
+  chain's first block it lies beyond a gap until then (its parent's block is missing).
+  When the block is published again, what lies
   beyond it with every block cached regains its value (support, and the state
   entries demoted for the gap promoted back; ``on_mended`` is told their keys).
   Until then nothing else may promote them (:meth:`ValueEviction.beyond_gap`:
@@ -85,7 +87,7 @@ class ValueEviction:
     (:meth:`stored`) and every removal its pools report (:meth:`removed`)."""
 
     def __init__(self, pools: Mapping[str, PagePool], history_ids: Sequence[str], state_ids: Sequence[str],
-                 policy: str = "value"):
+                 granularity_tokens: int, policy: str = "value"):
         if policy not in POLICIES:
             raise ValueError(f"eviction_policy must be one of {POLICIES}, got {policy!r}")
         self.policy = policy
@@ -94,11 +96,13 @@ class ValueEviction:
         self.pools = pools
         self.history_ids = list(history_ids)
         self.state_ids = list(state_ids)
+        self.granularity_tokens = int(granularity_tokens)  # a key at this boundary is a chain's first block
         self._state = frozenset(self.state_ids)
         # Orphans exist only where a hit needs both kinds of group.
         self._track = bool(self.history_ids) and bool(self.state_ids)
         # key -> [parent key, support, entries in any group, state groups holding it,
-        #         child keys (a set, or None), cut (a block on its chain is missing)]
+        #         child keys (a set, or None), cut (a block on its chain is missing),
+        #         first (a chain's first block: its parent is the salt root)]
         self._nodes: dict[Hashable, list] = {}
         # parent key -> keys published before it (linked as its children when it is)
         self._unborn: dict[Hashable, set] = {}
@@ -111,11 +115,12 @@ class ValueEviction:
         self.evicted_pages = {gid: dict.fromkeys(REASONS, 0) for gid in pools}
 
     # --- bookkeeping ---------------------------------------------------------------
-    def stored(self, gid: str, key: Hashable, parent: Hashable | None) -> None:
-        """An entry was published under ``key`` in group ``gid``."""
+    def stored(self, gid: str, key: Hashable, parent: Hashable | None, boundary: int) -> None:
+        """An entry was published under ``key`` (the prefix of ``boundary`` tokens, whose
+        first ``boundary - granularity`` tokens are ``parent``'s) in group ``gid``."""
         node = self._nodes.get(key)
         if node is None:
-            node = self._new_node(key, parent)
+            node = self._new_node(key, parent, boundary)
         node[2] += 1
         if gid in self._state:
             node[3] += 1
@@ -126,21 +131,39 @@ class ValueEviction:
         elif self._track:
             if node[1] > 0 and self.acts:
                 self.pools[gid].promote(key)
+            complete = node[2] - node[3] == len(self.history_ids)
             if not node[5]:
-                return
-            up = self._nodes.get(node[0])
-            if node[2] - node[3] == len(self.history_ids) and (up is None or not up[5]):
+                if complete and node[4]:
+                    self._mend_children(key)
+            elif complete and self._whole_above(node):
                 self._mend(key)
             else:
                 self._demote_cut(gid, key)  # beyond a missing block: worth nothing yet
 
-    def _new_node(self, key: Hashable, parent: Hashable | None) -> list:
+    def _whole_above(self, node: list) -> bool:
+        """Whether every block above ``node``'s on its chain is cached: its parent's node
+        is not cut, or it is a chain's first block."""
+        up = self._nodes.get(node[0])
+        return not up[5] if up is not None else node[6]
+
+    def _mend_children(self, key: Hashable) -> None:
+        """The block at ``key`` (not cut) is now in every history group: its children cut
+        because its node was missing when they were published regain their value."""
+        for child in list(self._nodes[key][4]):
+            if self._nodes[child][5]:
+                self._mend(child)
+
+    def _new_node(self, key: Hashable, parent: Hashable | None, boundary: int) -> list:
         """The node of a key first published: a child of its parent's node, or waiting
-        for it (a key published before its parent's); the nodes that waited for this one
-        become its children, their support counts here and, beyond a cut, they are cut."""
+        for it (a key published before its parent's, or after its parent's node was
+        forgotten: with history groups that is beyond a missing block, so it is cut,
+        unless it is a chain's first block); the nodes that waited for this one become
+        its children, their support counts here and, beyond a cut, they are cut."""
         up = self._nodes.get(parent)
+        first = boundary <= self.granularity_tokens
         children = self._unborn.pop(key, None)
-        node = self._nodes[key] = [parent, 0, 0, 0, children, up is not None and up[5]]
+        node = self._nodes[key] = [parent, 0, 0, 0, children, up[5] if up is not None else self._track and not first,
+                                   first]
         if up is None:
             self._unborn.setdefault(parent, set()).add(key)
         elif up[4] is None:
@@ -172,16 +195,21 @@ class ValueEviction:
                 self._cut(key)
             others = self.history_ids + self.state_ids
         node[2] -= 1
-        # An eviction takes the rest of the unit as evictions ("unit"); an unpublished
-        # entry (a superseded checkpoint, a cleared cache) takes it unpublished.
+        if self.acts:
+            self._take_unit(gid, key, cause, others)
+        self._forget_if_idle(key)
+
+    def _take_unit(self, gid: str, key: Hashable, cause: str, others: Sequence[str]) -> None:
+        """The rest of ``key``'s unit leaves the groups ``others``: as evictions ("unit")
+        after an eviction, unpublished after an unpublished entry (a superseded
+        checkpoint, a cleared cache)."""
         follow = UNPUBLISHED if cause == UNPUBLISHED else UNIT
-        for other in others if self.acts else ():
+        for other in others:
             pool = self.pools[other]
             if other != gid and pool.lookup(key) is not None:
                 freed = pool.unpublish(key, follow)
                 if follow == UNIT:
                     pool.counters.evicted_pages += freed
-        self._forget_if_idle(key)
 
     def _reason(self, gid: str, node: list | None, cause: str) -> str:
         if cause == REVOKED:
@@ -348,7 +376,8 @@ class ValueEviction:
             while key not in chain_ok and (node := self._nodes.get(key)) is not None:
                 path.append(key)
                 key = node[0]
-            ok = chain_ok.get(key, True)  # a key without a node: the salt root
+            # A key without a node: the salt root above a first block, else a missing block.
+            ok = chain_ok[key] if key in chain_ok else not path or self._nodes[path[-1]][6]
             for k in reversed(path):
                 ok = ok and all(self.pools[g].lookup(k) is not None for g in self.history_ids)
                 chain_ok[k] = ok

@@ -61,6 +61,40 @@ def _joined(prefix: np.ndarray | None, new: np.ndarray | None, keep: int) -> np.
     return new if prefix is None else np.concatenate([prefix[:keep], new])
 
 
+def _checked(config, token_ids, prefix: DenseTrace | None, prefix_tokens: int) -> tuple[np.ndarray, int]:
+    """(token ids as int64, prefix tokens kept), or ValueError."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if ids.ndim != 1 or ids.size == 0:
+        raise ValueError(f"token_ids must be a non-empty 1-d array, got shape {ids.shape}")
+    if ids.min() < 0 or ids.max() >= config.vocab_size:
+        raise ValueError(f"token ids must lie in [0, {config.vocab_size})")
+    keep = int(prefix_tokens) if prefix is not None else 0
+    if not 0 <= keep < ids.size or (prefix is not None and prefix.hidden.shape[0] < keep):
+        raise ValueError(f"prefix_tokens={prefix_tokens} must lie in [0, {ids.size}) and in the prefix trace")
+    return ids, keep
+
+
+def _compressed(config, codecs, layer, proj, state_rows, index_state_rows, positions, num_tokens):
+    """A compressed layer's entries from its state rows: (entry rows, indexer keys or
+    None, the entries each position reads (-1: none), their keys)."""
+    num_entries = num_tokens // layer.ratio
+    entry_rows = main_entry_rows(codecs, _pool_all_windows(config, layer.compressor, state_rows, num_entries))
+    index_keys = None
+    if layer.indexer is not None:
+        index_keys = index_key_rows(
+            codecs, _pool_all_windows(config, layer.indexer.compressor, index_state_rows, num_entries)
+        )
+        scores = index_scores(proj.index_q, proj.index_weights, index_keys)
+        chosen = select_topk(scores, visible_entries(positions, layer.ratio), config.index_topk)
+    else:
+        chosen = all_visible_entries(positions, layer.ratio)
+    if entry_rows.shape[0]:
+        entry_keys = entry_rows[np.maximum(chosen, 0)]
+    else:
+        entry_keys = np.zeros(chosen.shape + (config.head_dim,), dtype=np.float32)
+    return entry_rows, index_keys, chosen, entry_keys
+
+
 def dense_forward(model: ReferenceModel, token_ids: np.ndarray, prefix: DenseTrace | None = None,
                   prefix_tokens: int = 0) -> DenseTrace:
     """Run every layer of ``model`` over ``token_ids`` (positions ``0..T-1``).
@@ -71,14 +105,7 @@ def dense_forward(model: ReferenceModel, token_ids: np.ndarray, prefix: DenseTra
     ``0..p``. Compressed entries and indexer keys are always pooled afresh from
     the state rows."""
     config = model.config
-    ids = np.asarray(token_ids, dtype=np.int64)
-    if ids.ndim != 1 or ids.size == 0:
-        raise ValueError(f"token_ids must be a non-empty 1-d array, got shape {ids.shape}")
-    if ids.min() < 0 or ids.max() >= config.vocab_size:
-        raise ValueError(f"token ids must lie in [0, {config.vocab_size})")
-    keep = int(prefix_tokens) if prefix is not None else 0
-    if not 0 <= keep < ids.size or (prefix is not None and prefix.hidden.shape[0] < keep):
-        raise ValueError(f"prefix_tokens={prefix_tokens} must lie in [0, {ids.size}) and in the prefix trace")
+    ids, keep = _checked(config, token_ids, prefix, prefix_tokens)
     codecs = LayerCodecs.for_config(config)
     num_tokens = ids.size
     positions = np.arange(keep, num_tokens)
@@ -95,21 +122,10 @@ def dense_forward(model: ReferenceModel, token_ids: np.ndarray, prefix: DenseTra
         chosen = np.zeros((positions.size, 0), dtype=np.int64)
         entry_keys = np.zeros((positions.size, 0, config.head_dim), dtype=np.float32)
         if layer.ratio:
-            num_entries = num_tokens // layer.ratio
-            entry_rows = main_entry_rows(codecs, _pool_all_windows(config, layer.compressor, state_rows, num_entries))
+            entry_rows, index_keys, chosen, entry_keys = _compressed(
+                config, codecs, layer, proj, state_rows, index_state_rows, positions, num_tokens)
             if layer.indexer is not None:
-                index_keys = index_key_rows(
-                    codecs, _pool_all_windows(config, layer.indexer.compressor, index_state_rows, num_entries)
-                )
-                scores = index_scores(proj.index_q, proj.index_weights, index_keys)
-                chosen = select_topk(scores, visible_entries(positions, layer.ratio), config.index_topk)
                 selected = _joined(old and old.selected, chosen, keep)
-            else:
-                chosen = all_visible_entries(positions, layer.ratio)
-            if entry_rows.shape[0]:
-                entry_keys = entry_rows[np.maximum(chosen, 0)]
-            else:
-                entry_keys = np.zeros(chosen.shape + (config.head_dim,), dtype=np.float32)
         o = sparse_attention(
             layer, proj.q, positions, kv_rows[first:], first, config.window_tokens, entry_keys, chosen >= 0
         )

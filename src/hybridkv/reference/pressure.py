@@ -59,32 +59,10 @@ def run_pressure_scenario(
     say = progress or (lambda _msg: None)
     runner = pressure_runner(config, seed)
     rng = np.random.default_rng(seed + 5)
-    vocab = runner.model.config.vocab_size
+    go = _Steps(runner)
     hits: dict[str, int] = {}
-    step = 0
-
-    def go(items, tags):
-        nonlocal step
-        run_step(runner, items, tags, step)
-        step += 1
-
-    p_prompt = rng.integers(0, vocab, 500)
-    runner.add("p", p_prompt, max_new_tokens=100)
-    go([("p", 500)], {"p": {"one-shot prefill"}})
-    for _ in range(11):
-        go([("p", 1)], {"p": {"decode"}})
-    _verify_cycles(runner, "p", 12, step)
-    step += 12
-    go([("p", 40)], {"p": {"chunked prefill"}})
-    p_tokens = runner.tokens("p").copy()
-    runner.free("p")
-    say(f"pressure: p rewound 12 times across 512 and freed ({runner.steps} steps)")
-
-    hits["q"] = runner.add("q", np.concatenate([p_tokens[:512], rng.integers(0, vocab, 30)]), 40).hit_tokens
-    go([("q", 30)], {"q": {"prefix hit at a rewound request's checkpoint"}})
-    for _ in range(6):
-        go([("q", 1)], {"q": {"decode", "prefix hit at a rewound request's checkpoint"}})
-    runner.free("q")
+    p_tokens = _rewound_checkpoint(runner, rng, go, hits)
+    say(f"pressure: p rewound 12 times across 512 and freed, q hit {hits['q']} ({runner.steps} steps)")
 
     before = evicted_pages(runner)
     preempted = _fill_and_preempt(runner, rng, go, hits)
@@ -108,6 +86,42 @@ def run_pressure_scenario(
                     detail=f"t hit {hits['t']} of 540 shared tokens"),
     ])
     return VerifyReport(tuple(checks), tolerance, ())
+
+
+class _Steps:
+    """Runs the scenario's steps in order (``go(items, tags)``), counting them."""
+
+    def __init__(self, runner: ScenarioRunner):
+        self.runner, self.step = runner, 0
+
+    def __call__(self, items: list[tuple[str, int]], tags: dict[str, set[str]]) -> None:
+        run_step(self.runner, items, tags, self.step)
+        self.step += 1
+
+    def verify_cycles(self, rid: str, cycles: int) -> None:
+        _verify_cycles(self.runner, rid, cycles, self.step)
+        self.step += cycles
+
+
+def _rewound_checkpoint(runner: ScenarioRunner, rng, go: _Steps, hits: dict[str, int]) -> np.ndarray:
+    """``p`` (500-token prompt, 11 decodes, 12 verify cycles across 512, 40 more tokens) is
+    freed; ``q`` (``p``'s first 512 tokens + 30) hits the checkpoint rewound tokens wrote.
+    Returns ``p``'s tokens."""
+    vocab = runner.model.config.vocab_size
+    runner.add("p", rng.integers(0, vocab, 500), max_new_tokens=100)
+    go([("p", 500)], {"p": {"one-shot prefill"}})
+    for _ in range(11):
+        go([("p", 1)], {"p": {"decode"}})
+    go.verify_cycles("p", 12)
+    go([("p", 40)], {"p": {"chunked prefill"}})
+    p_tokens = runner.tokens("p").copy()
+    runner.free("p")
+    hits["q"] = runner.add("q", np.concatenate([p_tokens[:512], rng.integers(0, vocab, 30)]), 40).hit_tokens
+    go([("q", 30)], {"q": {"prefix hit at a rewound request's checkpoint"}})
+    for _ in range(6):
+        go([("q", 1)], {"q": {"decode", "prefix hit at a rewound request's checkpoint"}})
+    runner.free("q")
+    return p_tokens
 
 
 def _fill_and_preempt(runner: ScenarioRunner, rng, go, hits) -> int:
@@ -152,21 +166,38 @@ def run_random_scenario(
     prefill of random sizes, decode, verify 3 / accept 1-3, preemption of the newest
     request when a step finds no pages. Coverage is reported as notes."""
     say = progress or (lambda _msg: None)
-    runner = pressure_runner(config, seed)
-    rng = np.random.default_rng(seed + 17)
-    vocab = runner.model.config.vocab_size
-    live: dict[str, list[int]] = {}  # request id -> [prompt tokens left, new tokens left]
-    seen: list[np.ndarray] = []
-    hits, preempted, rewinds, made = [], 0, 0, 0
+    run = _RandomRun(pressure_runner(config, seed), np.random.default_rng(seed + 17))
     for step in range(steps):
-        if len(live) < 3 and (not live or rng.random() < 0.25):
-            rid, made = f"x{made}", made + 1
-            prompt = _new_prompt(rng, vocab, seen)
-            hit = runner.add(rid, prompt, 64).hit_tokens
-            hits.append(hit)
-            live[rid] = [prompt.size - hit, 64]
+        run.step(step)
+        if step % 20 == 19:
+            say(f"random seed {seed}: step {step + 1}/{steps}, {len(run.live)} running, {run.made} admitted")
+    runner = run.runner
+    checks = runner.compare(tolerance)
+    notes = (f"{run.made} requests, {runner.steps} steps ({runner.uniform_steps} benchmarked-path), prefix hits "
+             f"{sorted(h for h in run.hits if h)}, {run.rewinds} rewinds, {run.preempted} preemptions, "
+             f"{evicted_pages(runner)} pages evicted",)
+    return VerifyReport(tuple(checks), tolerance, notes)
+
+
+class _RandomRun:
+    """The random scenario's state: running requests, the sequences seen, what happened."""
+
+    def __init__(self, runner: ScenarioRunner, rng: np.random.Generator):
+        self.runner, self.rng = runner, rng
+        self.vocab = runner.model.config.vocab_size
+        self.live: dict[str, list[int]] = {}  # request id -> [prompt tokens left, new tokens left]
+        self.seen: list[np.ndarray] = []
+        self.hits: list[int] = []
+        self.preempted = self.rewinds = self.made = 0
+
+    def step(self, step: int) -> None:
+        """Maybe admit a request, then one step: prefill chunks, verifies and decodes; the
+        newest request is preempted when the step finds no pages."""
+        rng = self.rng
+        if len(self.live) < 3 and (not self.live or rng.random() < 0.25):
+            self._admit()
         items, verifies = [], []
-        for rid, (left, new_left) in live.items():
+        for rid, (left, new_left) in self.live.items():
             if left > 0:
                 items.append((rid, min(left, int(rng.integers(1, 400)))))
             elif new_left >= 3 and rng.random() < 0.2:
@@ -174,35 +205,41 @@ def run_random_scenario(
                 verifies.append(rid)
             else:
                 items.append((rid, 1))
-        tags = {rid: {"random"} for rid, _ in items}
         try:
-            run_step(runner, items, tags, step)
+            run_step(self.runner, items, {rid: {"random"} for rid, _ in items}, step)
         except CacheManagerError:
-            victim = list(live)[-1]
-            seen.append(runner.tokens(victim)[: runner.manager.num_computed_tokens(victim)].copy())
-            runner.free(victim)
-            del live[victim]
-            preempted += 1
-            continue
+            self._finish(list(self.live)[-1], computed_only=True)
+            self.preempted += 1
+            return
+        self._count(items, verifies)
+
+    def _admit(self) -> None:
+        rid, self.made = f"x{self.made}", self.made + 1
+        prompt = _new_prompt(self.rng, self.vocab, self.seen)
+        hit = self.runner.add(rid, prompt, 64).hit_tokens
+        self.hits.append(hit)
+        self.live[rid] = [prompt.size - hit, 64]
+
+    def _count(self, items: list[tuple[str, int]], verifies: list[str]) -> None:
+        """Book a step's tokens, rewind the verifies (accepting 1-3 of 3), free the finished."""
+        manager = self.runner.manager
         for rid, count in items:
-            state = live[rid]
+            state = self.live[rid]
             if state[0] > 0:
                 state[0] -= count
             else:
                 state[1] -= count
         for rid in verifies:
-            keep = runner.manager.num_computed_tokens(rid) - 2 + int(rng.integers(0, 3))
-            live[rid][1] += runner.manager.num_computed_tokens(rid) - keep
-            runner.rewind(rid, keep)
-            rewinds += 1
-        for rid in [r for r, (left, new_left) in live.items() if left <= 0 and new_left <= 0]:
-            seen.append(runner.tokens(rid).copy())
-            runner.free(rid)
-            del live[rid]
-        if step % 20 == 19:
-            say(f"random seed {seed}: step {step + 1}/{steps}, {len(live)} running, {made} admitted")
-    checks = runner.compare(tolerance)
-    notes = (f"{made} requests, {runner.steps} steps ({runner.uniform_steps} benchmarked-path), prefix hits "
-             f"{sorted(h for h in hits if h)}, {rewinds} rewinds, {preempted} preemptions, "
-             f"{evicted_pages(runner)} pages evicted",)
-    return VerifyReport(tuple(checks), tolerance, notes)
+            keep = manager.num_computed_tokens(rid) - 2 + int(self.rng.integers(0, 3))
+            self.live[rid][1] += manager.num_computed_tokens(rid) - keep
+            self.runner.rewind(rid, keep)
+            self.rewinds += 1
+        for rid in [r for r, (left, new_left) in self.live.items() if left <= 0 and new_left <= 0]:
+            self._finish(rid, computed_only=False)
+
+    def _finish(self, rid: str, *, computed_only: bool) -> None:
+        """Free ``rid``; its tokens (only the computed ones when preempted) join those seen."""
+        tokens = self.runner.tokens(rid)
+        self.seen.append((tokens[: self.runner.manager.num_computed_tokens(rid)] if computed_only else tokens).copy())
+        self.runner.free(rid)
+        del self.live[rid]

@@ -144,19 +144,35 @@ def run_verify_scenario(
     if fault is not None and fault not in FAULTS:
         raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
     runner = build_runner(config, seed=seed)
-    rng = np.random.default_rng(seed)
-    vocab = runner.model.config.vocab_size
+    prompts = _scripted_prompts(np.random.default_rng(seed), runner.model.config.vocab_size)
+    for rid in ("a", "b", "c"):
+        runner.add(rid, prompts[rid], max_new_tokens=400)
+    runner.step([("a", 517), ("b", 1), ("c", 151)],
+                {"a": {"one-shot prefill"}, "b": {"chunked prefill"}, "c": {"one-shot prefill"}})
+    hits: dict[str, int] = {}
+    faulted = _run_plans(runner, prompts, hits, fault, progress)
+    if progress is not None:
+        progress("scripted: comparing with dense")
+    checks = runner.compare(tolerance)
+    checks.extend(_scenario_checks(runner, hits))
+    notes = (f"fault injected after step 150: {faulted}",) if faulted else ()
+    return VerifyReport(tuple(checks), tolerance, notes)
+
+
+def _scripted_prompts(rng: np.random.Generator, vocab: int) -> dict[str, np.ndarray]:
+    """The five prompts: ``d`` and ``e`` share ``b``'s first 512 and 256 tokens."""
     prompts = {"a": rng.integers(0, vocab, 517), "b": rng.integers(0, vocab, 600),
                "c": rng.integers(0, vocab, 151)}
     prompts["d"] = np.concatenate([prompts["b"][:512], rng.integers(0, vocab, 40)])
     prompts["e"] = np.concatenate([prompts["b"][:256], rng.integers(0, vocab, 150)])
-    hits: dict[str, int] = {}
-    checks: list[CheckResult] = []
-    for rid in ("a", "b", "c"):
-        runner.add(rid, prompts[rid], max_new_tokens=400)
+    return prompts
 
-    runner.step([("a", 517), ("b", 1), ("c", 151)],
-                {"a": {"one-shot prefill"}, "b": {"chunked prefill"}, "c": {"one-shot prefill"}})
+
+def _run_plans(runner: ScenarioRunner, prompts: dict[str, np.ndarray], hits: dict[str, int], fault: str | None,
+               progress) -> str:
+    """The scenario's 330 steps after the first: each request follows its plan (``d`` and
+    ``e`` join at step 8, their hits to ``hits``; ``b`` is freed at step 40); with a
+    ``fault``, one cached bit flips after step 150 (what was flipped is returned)."""
     plans = {
         "a": ["verify"] * 4 + [1] * (637 - 521) + ["verify"] * 2 + [1] * 10,
         "b": ["chunk:37", "chunk:218", "chunk:45", "chunk:130", "chunk:169"] + [1] * 34,
@@ -183,9 +199,4 @@ def run_verify_scenario(
             progress(f"scripted: step {step + 1}/330, {runner.manager.num_requests} requests running")
         if fault is not None and step == 150:
             faulted = corrupt_byte(runner, fault, "c")
-    if progress is not None:
-        progress("scripted: comparing with dense")
-    checks.extend(runner.compare(tolerance))
-    checks.extend(_scenario_checks(runner, hits))
-    notes = (f"fault injected after step 150: {faulted}",) if faulted else ()
-    return VerifyReport(tuple(checks), tolerance, notes)
+    return faulted

@@ -95,6 +95,28 @@ def view_cell(geometry, n_rows, g, row, logical):
 
 
 @njit(cache=True)
+def span_cells(geometry, bounds, g, rows, lo, hi, at, view):
+    """``cell`` (to ``at``) and ``view_cell`` (to ``view``) of logical pages ``[lo[r], hi[r])``
+    of each ``rows[r]`` in group ``g``, row after row, in logical order; returns how many."""
+    n, n_rows = 0, bounds.shape[2]
+    for r in range(rows.size):
+        for logical in range(lo[r], hi[r]):
+            at[n] = cell(geometry, bounds, g, rows[r], logical)
+            view[n] = view_cell(geometry, n_rows, g, rows[r], logical)
+            n += 1
+    return n
+
+
+@njit(cache=True)
+def row_span_pages(geometry, pages, bounds, g, row, lo, hi):
+    """Page ids of logical pages ``[lo, hi)`` of ``row`` in group ``g`` (a new array)."""
+    out = np.empty(max(hi - lo, 0), dtype=np.int64)
+    for logical in range(lo, hi):
+        out[logical - lo] = pages[cell(geometry, bounds, g, row, logical)]
+    return out
+
+
+@njit(cache=True)
 def fit_ring(geometry, pages, bounds, g, row, live_pages):
     """Make ``row`` wide in group ``g`` (it takes the free lane on top) when
     ``live_pages`` exceed its narrow ring, narrow (its lane goes back on top) when
@@ -286,13 +308,7 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, top, lowest, rows,
             ref[offset + idle_keyed[i]] = 0
         released[0, g] = n_free
         released[1, g] = n_keyed - keyed_from
-        if lowest[g]:
-            run = np.sort(scratch[:n_free])
-            top[g] = merge_free(stack[offset:], top[g], run)
-        else:
-            for i in range(n_free):
-                stack[offset + top[g] + i] = scratch[n_free - 1 - i]
-            top[g] += n_free
+        top[g] = push_run(stack[offset:], top[g], lowest[g] != 0, scratch[:n_free])
     return n_touched, n_keyed
 
 
@@ -561,21 +577,30 @@ def merge_free(stack, top, run):
 
 
 @njit(cache=True)
+def push_run(stack, top, lowest, run):
+    """Freed local ids ``run`` (in logical order) onto one group's free stack
+    ``stack[:top]``: merged in id order into a ``lowest`` group's sorted stack (the
+    lowest id on top), else pushed so that the first listed is on top (reused first).
+    Returns the new top. Every free stack grows here (``PagePool``, ``release_pages``,
+    ``push_free``)."""
+    if lowest:
+        return merge_free(stack, top, np.sort(run))
+    n = run.size
+    for i in range(n):
+        stack[top + i] = run[n - 1 - i]
+    return top + n
+
+
+@njit(cache=True)
 def push_free(stack, top, offsets, lowest, per_group, freed):
-    """Each group's freed local ids (``freed``, group after group, ``per_group[g]`` of
-    them, in logical order) onto its free stack, as ``PagePool`` pushes them: merged in
-    id order into a ``lowest`` group's sorted stack, else the first listed on top."""
+    """``push_run`` of each group's freed local ids (``freed``, group after group,
+    ``per_group[g]`` of them, in logical order)."""
     start = 0
     for g in range(per_group.size):
         n = per_group[g]
         if n:
-            base, t = offsets[g], top[g]
-            if lowest[g]:
-                top[g] = merge_free(stack[base:], t, np.sort(freed[start : start + n]))
-            else:
-                for i in range(n):
-                    stack[base + t + i] = freed[start + n - 1 - i]
-                top[g] = t + n
+            base = offsets[g]
+            top[g] = push_run(stack[base:], top[g], lowest[g] != 0, freed[start : start + n])
         start += n
 
 

@@ -285,7 +285,7 @@ class CacheManager:
         """Tier state: requests waiting for a load, and pages held outside any request."""
         # Requests waiting for a tier load (hybridkv.tierlink): admission refuses them.
         self.pending_loads: set[str] = set()
-        # Pages held outside any request (an offload's rows being copied): see hold_pages.
+        # Pages held outside any request (an offload's rows being copied): see hold_pages_by_group.
         # One array for every group (views per group, as the page space lays them out).
         self._held_all = np.zeros(self._space.ref_counts.size, dtype=np.int64)
         self._held_outside = {s.group_id: self._held_all[off : off + self.pools[s.group_id].num_pages]
@@ -431,17 +431,7 @@ class CacheManager:
         # A request without token ids counts its declared total as known, so this one
         # test also catches those; the loop below words which reason.
         if rows is None or (self._known.take(rows) + k > self._max_total.take(rows)).any():
-            reqs = [self._get(rid) for rid in rids]
-            if len({r.request_id for r in reqs}) != len(reqs):
-                raise CacheManagerError("a request appears twice")
-            bare = [r.request_id for r in reqs if r.token_ids is None]
-            if bare:
-                raise CacheManagerError(f"request {bare[0]!r} was added without token ids")
-            r = next(r for r in reqs if r.known_tokens + k > r.max_total_tokens)
-            raise CacheManagerError(
-                f"request {r.request_id!r}: {r.known_tokens} + {k} tokens exceeds its declared total "
-                f"of {r.max_total_tokens} (prompt + max_new_tokens)"
-            )
+            self._refuse_append(rids, k)
         reqs = itemgetter(*rids)(self._requests) if len(rids) > 1 else (self._requests[rids[0]],)
         if k == 1:
             # One token each (decode): a scalar store per request, not a slice assignment.
@@ -454,6 +444,21 @@ class CacheManager:
                 req.token_ids[req.known_tokens : req.known_tokens + k] = line
                 req.known_tokens += k
         self._known[rows] += k
+
+    def _refuse_append(self, rids: tuple, k: int) -> None:
+        """Raise the reason ``append_token_ids_many`` refuses ``k`` ids for each of ``rids``:
+        an unknown or repeated request, one added without token ids, or one past its total."""
+        reqs = [self._get(rid) for rid in rids]
+        if len({r.request_id for r in reqs}) != len(reqs):
+            raise CacheManagerError("a request appears twice")
+        bare = [r.request_id for r in reqs if r.token_ids is None]
+        if bare:
+            raise CacheManagerError(f"request {bare[0]!r} was added without token ids")
+        r = next(r for r in reqs if r.known_tokens + k > r.max_total_tokens)
+        raise CacheManagerError(
+            f"request {r.request_id!r}: {r.known_tokens} + {k} tokens exceeds its declared total "
+            f"of {r.max_total_tokens} (prompt + max_new_tokens)"
+        )
 
     def num_computed_tokens(self, request_id: str) -> int:
         return int(self._computed[self._get(request_id).row])
@@ -1177,86 +1182,48 @@ class CacheManager:
         base, hi = int(table.base[req.row]), int(table.hi[req.row])
         return base, np.asarray(table.row_pages(req.row, base, hi), dtype=np.int64)
 
-    def hold_pages(self, group_id: str, pages: np.ndarray) -> None:
-        """Hold ``pages`` (held or cached) outside any request: no allocation reuses them and
-        admission counts them as used until :meth:`release_held_pages`. A tier offload holds an
-        entry's pages so while its rows are copied (``hybridkv.tierlink``). A few small array
-        operations per call (a tier link calls this for every group of every offload plan)."""
-        pages = np.asarray(pages, dtype=np.int64)
-        pool = self.pools[group_id]
-        if not pages.size:
-            return
-        listed = pages.tolist()
-        if min(listed) <= 0 or max(listed) >= pool.num_pages:
-            raise CacheManagerError(f"group {group_id!r}: page ids must lie in [1, {pool.num_pages})")
-        self._version += 1  # invalidates a cached admission
-        ref, held = pool.ref_counts, self._held_outside[group_id]
-        distinct = len(set(listed)) == len(listed)
-        if distinct and ref[pages].min() > 0:
-            ref[pages] += 1  # held by requests already: nothing leaves the free or evictable sets
-        else:
-            pool.incref(pages)
-        if distinct:
-            held[pages] += 1
-        else:
-            np.add.at(held, pages, 1)
-
-    def release_held_pages(self, group_id: str, pages: np.ndarray) -> None:
-        """Drop holds taken by :meth:`hold_pages`; a page no one holds goes free or, still
-        cached, evictable."""
-        pages = np.asarray(pages, dtype=np.int64)
-        held = self._held_outside[group_id]
-        if not pages.size:
-            return
-        listed = pages.tolist()
-        distinct = len(set(listed)) == len(listed)
-        if min(listed) < 0 or max(listed) >= held.size:
-            raise CacheManagerError(f"group {group_id!r}: releasing pages that hold_pages did not hold")
-        counts = None if distinct else np.bincount(pages, minlength=held.size)
-        if held[pages].min() < 1 if distinct else np.any(counts > held):
-            raise CacheManagerError(f"group {group_id!r}: releasing pages that hold_pages did not hold")
-        self._version += 1  # invalidates a cached admission
-        if distinct:
-            held[pages] -= 1
-        else:
-            held -= counts
-        pool = self.pools[group_id]
-        ref = pool.ref_counts
-        if distinct and ref[pages].min() > 1:
-            ref[pages] -= 1  # still held by requests: nothing joins the free or evictable sets
-        else:
-            pool.decref(pages)
-
     def hold_pages_by_group(self, pages_by_group: Mapping[str, np.ndarray]) -> None:
-        """:meth:`hold_pages` of several groups (a tier link's pins of one plan): one pass over
-        them all when every page is held by a request already (an entry a running request just
-        published), else group by group."""
+        """Hold each group's ``pages`` (held or cached; a page listed twice is held twice)
+        outside any request: no allocation reuses them and admission counts them as used
+        until :meth:`release_held_pages_by_group`. A tier offload holds an entry's pages so
+        while its rows are copied (``hybridkv.tierlink``). Refused whole, nothing held, when
+        an id is out of range or a page is free."""
         glob, local, per_group = self._space_pages(pages_by_group, "page ids must lie in [1, {n})", 1)
         if not glob.size:
             return
         ref = self._space.ref_counts
-        if ref[glob].min() > 0:  # nothing leaves the free or evictable sets
-            self._version += 1  # invalidates a cached admission
+        idle = ref[glob] == 0
+        any_idle = bool(idle.any())
+        free = glob[idle & ~self._space.cached[glob]] if any_idle else glob[:0]
+        if free.size:
+            gid = self._group_of(int(free[0]))
+            raise CacheManagerError(f"group {gid!r}: page {int(free[0]) - self._space_offset[gid]} is free; "
+                                    "only held or cached pages can be held")
+        self._version += 1  # invalidates a cached admission
+        np.add.at(self._held_all, glob, 1)
+        if not any_idle:  # nothing leaves the free or evictable sets
             np.add.at(ref, glob, 1)
-            np.add.at(self._held_all, glob, 1)
             return
-        for gid, pages in pages_by_group.items():
-            self.hold_pages(gid, pages)
+        start = 0
+        for pool, n in zip(self._pool_list, per_group):
+            pool.incref(local[start : start + n])  # cached idle pages leave the LRU
+            start += n
 
     def release_held_pages_by_group(self, pages_by_group: Mapping[str, np.ndarray]) -> None:
-        """:meth:`release_held_pages` of several groups in one pass (``PageSpace.release`` when
-        some page's last reference goes); refused whole, nothing released, when any group
-        releases a page more often than it is held."""
+        """Drop holds taken by :meth:`hold_pages_by_group`, in one pass (``PageSpace.release``:
+        a page no one holds goes free or, still cached, joins the LRU, as ``PagePool.decref``
+        would); refused whole, nothing released, when any group releases a page more often
+        than it is held."""
         glob, local, per_group = self._space_pages(
-            pages_by_group, "releasing pages that hold_pages did not hold", 0)
+            pages_by_group, "releasing pages that hold_pages_by_group did not hold", 0)
         if not glob.size:
             return
         held = self._held_all
         counts = np.bincount(glob, minlength=held.size)
         over = np.flatnonzero(counts > held)
         if over.size:
-            gid = self._group_ids[int(np.searchsorted(self._space.offsets, over[0], side="right")) - 1]
-            raise CacheManagerError(f"group {gid!r}: releasing pages that hold_pages did not hold")
+            raise CacheManagerError(f"group {self._group_of(int(over[0]))!r}: "
+                                    "releasing pages that hold_pages_by_group did not hold")
         self._version += 1  # invalidates a cached admission
         held -= counts
         ref = self._space.ref_counts
@@ -1264,6 +1231,10 @@ class CacheManager:
             np.subtract.at(ref, glob, 1)
         else:
             self._space.release(local, per_group)
+
+    def _group_of(self, space_id: int) -> str:
+        """The group whose pages include page-space id ``space_id``."""
+        return self._group_ids[int(np.searchsorted(self._space.offsets, space_id, side="right")) - 1]
 
     def _space_pages(self, pages_by_group: Mapping[str, np.ndarray], error: str, lowest: int
                      ) -> tuple[np.ndarray, np.ndarray, list[int]]:
@@ -1289,7 +1260,8 @@ class CacheManager:
         return np.concatenate(glob), np.concatenate(local), per_group
 
     def held_outside_pages(self, group_id: str) -> int:
-        """Holds taken by :meth:`hold_pages` and not released (a page held twice counts twice)."""
+        """Holds taken by :meth:`hold_pages_by_group` and not released (a page held twice
+        counts twice)."""
         return int(self._held_outside[group_id].sum())
 
     def clear_prefix_cache(self) -> None:

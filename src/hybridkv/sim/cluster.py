@@ -194,23 +194,36 @@ def run_cluster(
     next block another request is computing waits up to that many lockstep rounds
     (:class:`~hybridkv.inflight.InFlightRule`, its clock the round counter; markers expire after
     ``marker_ttl_steps``)."""
-    parts = spread(requests, instances)
-    finished: set[str] = set()
-    sims, links, engines = [], [], []
-    rounds = 0
+    rounds = [0]  # lockstep rounds so far: the in-flight rule's clock
     rule = None
     if wait_steps:
-        rule = InFlightRule(wait=wait_steps, ttl=marker_ttl_steps, clock=lambda: rounds)
-    for part in parts:
+        rule = InFlightRule(wait=wait_steps, ttl=marker_ttl_steps, clock=lambda: rounds[0])
+    sims, links, engines = [], [], []
+    for part in spread(requests, instances):
         link = TierLink(store, write_through=write_through, in_flight=rule) if store is not None else None
-        manager = make_manager(link)
         engine = TierEngine(link) if link is not None else None
-        sims.append(Simulator(manager, part, tier=engine, **(simulator_options or {})))
+        sims.append(Simulator(make_manager(link), part, tier=engine, **(simulator_options or {})))
         links.append(link)
         engines.append(engine)
+    results = _lockstep(sims, rounds, on_round)
+    moved = MovedBytes()
+    for engine in engines:
+        if engine is not None:
+            for f in fields(MovedBytes):
+                setattr(moved, f.name, getattr(moved, f.name) + getattr(engine.moved, f.name))
+    grain = sims[0].manager.prefix.granularity_tokens if sims[0].manager.prefix is not None else 0
+    return ClusterResult(instances, results, [link.stats() for link in links if link is not None], moved, grain)
+
+
+def _lockstep(sims: list[Simulator], rounds: list[int], on_round: Callable[[int], None] | None,
+              ) -> list[SimResult | None]:
+    """Step every simulator once a round until all are done (``rounds[0]`` counts the
+    rounds); their results. ``SimulationError`` when no instance works for
+    ``MAX_IDLE_ROUNDS`` rounds."""
+    finished: set[str] = set()
     steps = [sim.steps(finished_ids=finished) for sim in sims]
-    results: list[SimResult | None] = [None] * instances
-    live, idle = list(range(instances)), 0
+    results: list[SimResult | None] = [None] * len(sims)
+    live, idle = list(range(len(sims))), 0
     while live:
         worked = False
         for i in list(live):
@@ -219,19 +232,13 @@ def run_cluster(
             except StopIteration as done:
                 results[i] = done.value
                 live.remove(i)
-        rounds += 1
+        rounds[0] += 1
         idle = 0 if worked else idle + 1
         if idle > MAX_IDLE_ROUNDS:
             raise SimulationError(f"{len(live)} instances wait for requests that never run")
         if on_round is not None:
             on_round(len(finished))
-    moved = MovedBytes()
-    for engine in engines:
-        if engine is not None:
-            for f in fields(MovedBytes):
-                setattr(moved, f.name, getattr(moved, f.name) + getattr(engine.moved, f.name))
-    grain = sims[0].manager.prefix.granularity_tokens if sims[0].manager.prefix is not None else 0
-    return ClusterResult(instances, results, [link.stats() for link in links if link is not None], moved, grain)
+    return results
 
 
 def naive_bytes_per_token(layout) -> float:

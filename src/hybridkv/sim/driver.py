@@ -90,16 +90,6 @@ class SimResult:
         steps = max(self.steps, 1)
         prompt = int(sum(r.prompt_tokens for r in self.requests))
         first_hits = int(sum(r.first_hit_tokens for r in self.requests))
-        util = {
-            g: {
-                "mean": float(self.used_pages[g].mean() / self.group_total_pages[g]) if self.steps else 0.0,
-                "peak": float(self.used_pages[g].max() / self.group_total_pages[g]) if self.steps else 0.0,
-            }
-            for g in self.group_ids
-        }
-        if self.shared_arena and self.steps:
-            share = sum(self.used_pages[g] / self.group_total_pages[g] for g in self.group_ids)
-            util["arena (all groups)"] = {"mean": float(share.mean()), "peak": float(share.max())}
         return {
             "steps": self.steps,
             "requests_finished": len(self.requests),
@@ -115,8 +105,22 @@ class SimResult:
             "shrunk_chunks": int(self.shrunk_chunks.sum()) if self.shrunk_chunks is not None else 0,
             "manager_us_per_step_p50": float(np.percentile(self.manager_us, 50)) if self.steps else 0.0,
             "manager_us_per_step_p99": float(np.percentile(self.manager_us, 99)) if self.steps else 0.0,
-            "utilization": util,
+            "utilization": self.utilization(),
         }
+
+    def utilization(self) -> dict[str, dict[str, float]]:
+        """Per group (and, on a shared arena, the arena), mean and peak used share."""
+        util = {
+            g: {
+                "mean": float(self.used_pages[g].mean() / self.group_total_pages[g]) if self.steps else 0.0,
+                "peak": float(self.used_pages[g].max() / self.group_total_pages[g]) if self.steps else 0.0,
+            }
+            for g in self.group_ids
+        }
+        if self.shared_arena and self.steps:
+            share = sum(self.used_pages[g] / self.group_total_pages[g] for g in self.group_ids)
+            util["arena (all groups)"] = {"mean": float(share.mean()), "peak": float(share.max())}
+        return util
 
 
 class SimulationError(ValueError):
@@ -256,12 +260,7 @@ class Simulator:
         (instead of skipping ahead or giving up) until its driver stops calling it."""
         run = _Run(self.requests, finished_ids, tuple(s.group_id for s in self.manager.specs))
         while run.has_work():
-            if len(run.series["running"]) >= self.max_steps:
-                raise SimulationError(
-                    f"the run reached max_steps={self.max_steps:,} scheduled steps with "
-                    f"{len(run.records):,} of {len(self.requests):,} requests finished; "
-                    "raise max_steps or run fewer requests"
-                )
+            self._check_max_steps(run)
             self._arrive(run)
             if not (run.waiting or run.running):
                 if self._idle(run):
@@ -273,13 +272,8 @@ class Simulator:
             self._preempt_until_fits(run, work)
             self._start_waiting(run, work)
             if not work.items:
-                if not (run.running or run.waiting or run.blocked or run.pending or run.held):
+                if not self._stalled(run, work):
                     break
-                if not run.running and run.waiting:
-                    raise SimulationError(
-                        f"request {run.waiting[0].rid!r} cannot start even with no request running: "
-                        f"the cache is too small for it ({work.refusal})"
-                    )
                 run.step += 1
                 yield False
                 continue
@@ -290,6 +284,27 @@ class Simulator:
                 on_step(run.step, len(run.records))
             yield True
         return self._result(run)
+
+    def _check_max_steps(self, run: _Run) -> None:
+        if len(run.series["running"]) >= self.max_steps:
+            raise SimulationError(
+                f"the run reached max_steps={self.max_steps:,} scheduled steps with "
+                f"{len(run.records):,} of {len(self.requests):,} requests finished; "
+                "raise max_steps or run fewer requests"
+            )
+
+    @staticmethod
+    def _stalled(run: _Run, work: _StepWork) -> bool:
+        """A step that scheduled nothing: whether requests remain (the run idles a step);
+        a waiting request that cannot start with nothing running is an error."""
+        if not (run.running or run.waiting or run.blocked or run.pending or run.held):
+            return False
+        if not run.running and run.waiting:
+            raise SimulationError(
+                f"request {run.waiting[0].rid!r} cannot start even with no request running: "
+                f"the cache is too small for it ({work.refusal})"
+            )
+        return True
 
     # --- the stages of a step --------------------------------------------------
     def _arrive(self, run: _Run) -> None:

@@ -221,21 +221,34 @@ class _Cache:
         return self.total_bytes <= limit_bytes
 
 
-def _serve(i: int, request: Request, plan: _Plan, cache: _Cache, budget_bytes: int) -> int:
-    """Hit, run and keep request ``i``; returns its hit tokens."""
-    sizes, keys, limit = cache.sizes, plan.keys[i], plan.limit_blocks[i]
+def _hit_blocks(keys: Sequence, limit_blocks: int, cache: _Cache) -> int:
+    """Blocks of the longest cached prefix (every history block below it cached, and a
+    checkpoint at its end), at most ``limit_blocks``."""
     reach = hit = 0
-    while reach < limit and (HISTORY, keys[reach]) in cache.units:
+    while reach < limit_blocks and (HISTORY, keys[reach]) in cache.units:
         reach += 1
         if (CHECKPOINT, keys[reach - 1]) in cache.units:
             hit = reach
-    for k in range(plan.target_blocks[i]):  # request i's uses are spent
+    return hit
+
+
+def _spend_uses(i: int, plan: _Plan, cache: _Cache) -> None:
+    """Request ``i``'s uses of its units are spent: each cached one is ranked by its next use."""
+    keys = plan.keys[i]
+    for k in range(plan.target_blocks[i]):
         for unit in ((HISTORY, keys[k]), (CHECKPOINT, keys[k])):
             queue = plan.uses.get(unit)
             if queue and queue[0] == i:
                 queue.popleft()
                 if unit in cache.units:
                     cache.reprioritise(unit)
+
+
+def _serve(i: int, request: Request, plan: _Plan, cache: _Cache, budget_bytes: int) -> int:
+    """Hit, run and keep request ``i``; returns its hit tokens."""
+    sizes, keys = cache.sizes, plan.keys[i]
+    hit = _hit_blocks(keys, plan.limit_blocks[i], cache)
+    _spend_uses(i, plan, cache)
     own = [(HISTORY, key) for key in keys]
     pinned = {unit for unit in own if unit in cache.units}
     if hit:

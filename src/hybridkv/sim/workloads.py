@@ -373,20 +373,8 @@ def build_workload(
     """
     if num_requests is not None:
         check_int("num_requests", num_requests, minimum=1)
-    if name_or_path == "chat":
-        return chat_workload(num_requests or 256, seed=seed)
-    if name_or_path == "multiturn":
-        if num_requests is None:
-            return multiturn_workload(seed=seed)
-        turns = 4
-        return multiturn_workload(-(-num_requests // turns), turns, seed=seed)[:num_requests]
-    if name_or_path == "longctx":
-        return longctx_workload(num_requests or 8, seed=seed)
-    if name_or_path == "agentic":
-        if num_requests is None:
-            return agentic_workload(seed=seed)
-        # A session has at least 2 requests, so ceil(n / 2) sessions are always enough.
-        return agentic_workload(-(-num_requests // 2), seed=seed)[:num_requests]
+    if name_or_path in WORKLOAD_NAMES:
+        return _named_workload(name_or_path, num_requests, seed)
     path = Path(name_or_path)
     try:
         readable = path.exists() and not path.is_dir()
@@ -400,6 +388,23 @@ def build_workload(
     limits = {} if max_request_tokens is None else {"max_request_tokens": max_request_tokens}
     requests = load_jsonl_trace(path, seed=seed, **limits)
     return requests if num_requests is None else requests[:num_requests]
+
+
+def _named_workload(name: str, num_requests: int | None, seed: int) -> list[Request]:
+    """``build_workload`` of one of ``WORKLOAD_NAMES``."""
+    if name == "chat":
+        return chat_workload(num_requests or 256, seed=seed)
+    if name == "longctx":
+        return longctx_workload(num_requests or 8, seed=seed)
+    if name == "multiturn":
+        if num_requests is None:
+            return multiturn_workload(seed=seed)
+        turns = 4
+        return multiturn_workload(-(-num_requests // turns), turns, seed=seed)[:num_requests]
+    if num_requests is None:
+        return agentic_workload(seed=seed)
+    # A session has at least 2 requests, so ceil(n / 2) sessions are always enough.
+    return agentic_workload(-(-num_requests // 2), seed=seed)[:num_requests]
 
 
 def _common_prefix_tokens(a: np.ndarray, b: np.ndarray) -> int:

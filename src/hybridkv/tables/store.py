@@ -33,16 +33,6 @@ def cdiv(a, b):
     return -(-a // b)
 
 
-def segment_arange(counts: np.ndarray) -> np.ndarray:
-    """``concat(arange(c) for c in counts)`` without a Python loop."""
-    counts = np.asarray(counts, dtype=np.int64)
-    total = int(counts.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    starts = np.cumsum(counts) - counts
-    return np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
-
-
 NARROW_STEP_TOKENS = 1
 """Tokens a row writes in the step its narrow ring is sized for (a decode step; the
 ring is a power of two, so it often fits a few more: V4's c4 state rings fit 6)."""
@@ -112,55 +102,33 @@ class GroupTable:
         ``TableSet.ring_view``."""
         return self._set.ring_view()[self._g, :, : self.capacity_pages]
 
-    def _cols(self, logical: np.ndarray) -> np.ndarray:
-        return logical % self.capacity_pages if self.sliding else logical
-
-    def _cells(self, rows: np.ndarray, logical: np.ndarray) -> np.ndarray:
-        """Index in the store of logical pages ``logical`` of ``rows`` (same shapes)."""
-        geo = self._set.geometry[self._g]
-        ring = (geo[kernels.RING_START] + rows * geo[kernels.ROW_STRIDE]
-                + (logical & geo[kernels.RING_MASK]) * geo[kernels.COLUMN_STRIDE])
-        if not self.has_lanes:
-            return ring
-        lanes = self._set.bounds[kernels.LANE, self._g, rows]
-        lane = geo[kernels.LANE_START] + (lanes - 1) * self.capacity_pages + (logical & (self.capacity_pages - 1))
-        return np.where(lanes > 0, lane, ring)
+    def _span_cells(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Store index and ring-view index of logical pages ``[lo_r, hi_r)`` of each row,
+        row-major, in logical order (``kernels.span_cells``)."""
+        rows, lo, hi = np.asarray(rows, dtype=np.int64), np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
+        total = int(np.maximum(hi - lo, 0).sum())
+        at, view = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
+        if total:
+            kernels.span_cells(self._set.geometry, self._set.bounds, self._g, rows, lo, hi, at, view)
+        return at, view
 
     def pages_in(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Held page ids of logical pages ``[lo_r, hi_r)`` per row, row-major, in logical order."""
-        span = _span(rows, lo, hi)
-        return self._set.pages[self._cells(*span)].astype(np.int64) if span else np.zeros(0, dtype=np.int64)
+        return self._set.pages[self._span_cells(rows, lo, hi)[0]].astype(np.int64)
 
     def row_pages(self, row: int, lo: int, hi: int) -> list[int]:
-        """Held page ids of one row's logical pages ``[lo, hi)`` (slices, no fancy indexing)."""
-        if hi <= lo:
-            return []
+        """Held page ids of one row's logical pages ``[lo, hi)`` (one compiled call: a
+        commit reads a few pages of each group this way)."""
         ts = self._set
-        if not self.sliding:  # column-major: one cell per table row
-            rows, at = ts.rows_capacity, int(ts.geometry[self._g, kernels.RING_START]) + row
-            return ts.pages[at + lo * rows: at + hi * rows: rows].tolist()
-        lane = int(ts.bounds[kernels.LANE, self._g, row])
-        if lane:
-            cols = self.capacity_pages
-            start = int(ts.geometry[self._g, kernels.LANE_START]) + (lane - 1) * cols
-        else:
-            cols = self.ring_pages
-            start = int(ts.geometry[self._g, kernels.RING_START]) + row * cols
-        c0, c1 = lo % cols, hi % cols
-        if c0 < c1:
-            return ts.pages[start + c0: start + c1].tolist()
-        return ts.pages[start + c0: start + cols].tolist() + ts.pages[start: start + c1].tolist()
+        return kernels.row_span_pages(ts.geometry, ts.pages, ts.bounds, self._g, row, lo, hi).tolist()
 
     # --- mutation -----------------------------------------------------------
     def take(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """``pages_in`` then ``drop`` in one pass: the removed page ids in logical order."""
-        span = _span(rows, lo, hi)
-        if not span:
-            return np.zeros(0, dtype=np.int64)
-        at = self._cells(*span)
+        """``pages_in`` then empty those cells, in one pass: the removed page ids in logical order."""
+        at, view = self._span_cells(rows, lo, hi)
         pages = self._set.pages[at].astype(np.int64)
         self._set.pages[at] = -1
-        self._note(*span)
+        self._set.note_cells(view)
         return pages
 
     def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
@@ -174,16 +142,9 @@ class GroupTable:
                 live = max(hi, first + n) - (min(base, first) if hi > base else first)
                 if live > self.ring_pages or self._set.bounds[kernels.LANE, self._g, row]:
                     kernels.fit_ring(self._set.geometry, self._set.pages, self._set.bounds, self._g, row, live)
-        rep = np.repeat(rows, counts)
-        logical = np.repeat(lo, counts) + segment_arange(counts)
-        self._set.pages[self._cells(rep, logical)] = page_ids
-        self._note(rep, logical)
-
-    def _note(self, rows: np.ndarray, logical: np.ndarray) -> None:
-        ts = self._set
-        if ts.log is not None:
-            n_rows, n_cols = ts.bounds.shape[2], ts.view_columns
-            ts.note_cells(((self._g * n_rows + rows) * n_cols + self._cols(logical)).ravel())
+        at, view = self._span_cells(rows, lo, lo + counts)
+        self._set.pages[at] = page_ids
+        self._set.note_cells(view)
 
 
 class TableSet:
@@ -426,12 +387,3 @@ def _region(pages: np.ndarray, geometry: np.ndarray, g: int, start_column: int, 
 def _log2(n: int) -> int:
     """log2 of a power of two, -1 otherwise."""
     return n.bit_length() - 1 if n & (n - 1) == 0 else -1
-
-
-def _span(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """(row, logical page) of every page of ``[lo_r, hi_r)`` per row, row-major, in logical
-    order; None when every span is empty."""
-    counts = np.maximum(hi - lo, 0)
-    if not counts.any():
-        return None
-    return np.repeat(rows, counts), np.repeat(lo, counts) + segment_arange(counts)

@@ -1,0 +1,133 @@
+"""Pages held outside any request (``CacheManager.hold_pages_by_group`` /
+``release_held_pages_by_group``, a tier offload's pins) against a plain reference on a twin
+manager: ``PagePool.incref`` / ``PagePool.decref`` of each group's pages in turn (the pool's own
+rules: a page whose last reference goes is free, or, keyed, joins the LRU in listed order) with
+the holds counted in a ``Counter``.
+
+Random programs hold pages a live request holds, cached pages no request holds (keyed, idle in
+the LRU) and repeated ids, free the request in between (so releases leave pages free or idle),
+release more than is held and hold a free page (both refused whole, nothing changes). After every call the two
+managers agree on ref counts, holds, the free stacks and the LRU order (``free_page_ids``,
+``evictable_page_ids``).
+"""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridkv.models.layout import cache_layout
+from hybridkv.plan import Limits, plan_for_tokens
+from hybridkv.reference.config import ReferenceConfig
+from hybridkv.runtime.manager import CacheManager, CacheManagerError
+
+CONFIG = ReferenceConfig()
+LAYOUT = cache_layout(CONFIG.hf_config(), speculative_tokens=3)
+LIMITS = Limits(max_running_requests=4, max_scheduled_tokens=512, max_context_tokens=1024, speculative_tokens=3)
+
+
+def build(page_space: str) -> CacheManager:
+    """A request "a" computed and freed (its published pages idle in the LRU) and a request
+    "b" sharing its first 512 tokens, computed and still running."""
+    plan = plan_for_tokens(LAYOUT, 2048, LIMITS)
+    m = CacheManager.from_plan(plan, shuffle_seed=3, enable_prefix_caching=True, prefix_granularity=256,
+                               page_space=page_space)
+    rng = np.random.default_rng(4)
+    shared = rng.integers(0, CONFIG.vocab_size, 512)
+    for rid, length in (("a", 700), ("b", 900)):
+        tokens = np.concatenate([shared, rng.integers(0, CONFIG.vocab_size, length - 512)])
+        m.add_request(rid, tokens, max_new_tokens=4)
+        while (done := m.num_computed_tokens(rid)) < length:
+            m.schedule([(rid, min(512, length - done))])
+        if rid == "a":
+            m.free(rid)
+    return m
+
+
+def candidates(m: CacheManager, gid: str) -> list[int]:
+    """Pages of group ``gid`` a hold may name: held by "b" (while it runs) and cached idle ones."""
+    held = m.request_pages("b", gid)[1].tolist() if m.has_request("b") else []
+    return held + m.pools[gid].evictable_page_ids().tolist()
+
+
+def state(m: CacheManager) -> list:
+    return [(p.ref_counts.tolist(), p.free_page_ids().tolist(), p.evictable_page_ids().tolist(),
+             p.counters.released_pages) for p in m.pools.values()]
+
+
+def reference_hold(m: CacheManager, pages_by_group: dict, holds: Counter) -> None:
+    for gid, pages in pages_by_group.items():
+        m.pools[gid].incref(pages)
+        holds.update((gid, p) for p in pages.tolist())
+
+
+def reference_release(m: CacheManager, pages_by_group: dict, holds: Counter) -> None:
+    for gid, pages in pages_by_group.items():
+        holds.subtract((gid, p) for p in pages.tolist())
+        m.pools[gid].decref(pages)
+
+
+PICKS = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 10_000)), max_size=12)
+OPS = st.lists(st.tuples(st.sampled_from(["hold", "hold", "release", "release", "over", "hold free", "free"]),
+                         PICKS),
+               min_size=1, max_size=12)
+
+
+@pytest.mark.parametrize("page_space", ["per-group", "shared"])
+@settings(max_examples=30, deadline=None)
+@given(ops=OPS)
+def test_holding_and_releasing_by_group_follows_the_pools_rules(page_space, ops):
+    m, ref = build(page_space), build(page_space)
+    gids = list(m.pools)
+    holds: Counter = Counter()
+    assert state(m) == state(ref)
+    for op, picks in ops:
+        if op == "free":
+            if m.has_request("b"):
+                m.free("b")
+                ref.free("b")
+        elif op == "hold":
+            chosen: dict[str, list[int]] = {}
+            for g, k in picks:
+                pool = candidates(m, gids[g % len(gids)])
+                if pool:
+                    chosen.setdefault(gids[g % len(gids)], []).append(pool[k % len(pool)])
+            arrays = {gid: np.asarray(p, dtype=np.int64) for gid, p in chosen.items()}
+            m.hold_pages_by_group(arrays)
+            reference_hold(ref, arrays, holds)
+        elif op == "hold free":  # a free page among held ones: refused whole
+            gid = gids[picks[0][0] % len(gids)] if picks else gids[-1]
+            free = m.pools[gid].free_page_ids()
+            if not free.size:
+                continue
+            chosen = {g: candidates(m, g)[:2] for g in gids}
+            chosen[gid] = chosen[gid] + [int(free[picks[0][1] % free.size] if picks else free[0])]
+            before = state(m)
+            with pytest.raises(CacheManagerError, match="is free"):
+                m.hold_pages_by_group({g: np.asarray(p, dtype=np.int64) for g, p in chosen.items()})
+            assert state(m) == before
+        else:
+            held = sorted(key for key, n in holds.items() for _ in range(n))
+            chosen = {}
+            for _, k in picks:
+                if held:
+                    gid, page = held.pop(k % len(held))
+                    chosen.setdefault(gid, []).append(page)
+            if op == "over" and chosen:  # one page more often than it is held: refused whole
+                gid = next(iter(chosen))
+                chosen[gid].extend([chosen[gid][0]] * (holds[(gid, chosen[gid][0])] + 1 - chosen[gid].count(
+                    chosen[gid][0])))
+                before = state(m)
+                with pytest.raises(CacheManagerError, match="did not hold"):
+                    m.release_held_pages_by_group({g: np.asarray(p) for g, p in chosen.items()})
+                assert state(m) == before
+                continue
+            arrays = {gid: np.asarray(p, dtype=np.int64) for gid, p in chosen.items()}
+            m.release_held_pages_by_group(arrays)
+            reference_release(ref, arrays, holds)
+        assert state(m) == state(ref)
+        assert [m.held_outside_pages(g) for g in gids] == [
+            sum(n for (h, _), n in holds.items() if h == g) for g in gids]
+        m.check_invariants()
