@@ -319,6 +319,8 @@ def test_delete_is_one_batch_remove_counting_only_what_it_removed(tmp_path):
             assert reader.get(["del/3"]) == [b"del/3"]  # a read lease on del/3 now
             assert writer.delete(names + ["del/absent", "del/gone"]) == 3
             assert writer.remove_calls == {"batch_remove": 1, "remove": 0}
+            assert writer.delete_each(["del/3", "del/0"]) == [None, False]  # leased still; gone
+            assert writer.remove_calls == {"batch_remove": 2, "remove": 0}
             assert writer.contains(names) == [False, False, False, True]
             assert writer.stats().deleted == 3 and writer.stats().errors == 0
         finally:

@@ -88,27 +88,34 @@ class DiskTier(Tier):
         os.makedirs(self.root, exist_ok=True)
         self._recent: OrderedDict[str, None] = OrderedDict()  # file ids this tier knows, least recent first
         self._mutex = threading.RLock()  # threads of this process; flock orders the processes
-        self._state_fd: int | None = None  # opened at first use (again after close)
+        self._state_fd: int | None = None  # open only within a call (no descriptor held between calls)
         with self._locked():
             self._remove_stale_temps()
             self._scan()
 
     # --- the shared state -----------------------------------------------------------
-    def _state(self) -> int:
-        """The state file's descriptor (opened when needed)."""
-        if self._state_fd is None:
-            self._state_fd = os.open(os.path.join(self.root, STATE_FILE), os.O_RDWR | os.O_CREAT, 0o644)
-        return self._state_fd
-
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _opened(self, lock: bool) -> Iterator[None]:
+        """The state file open for the block (locked when ``lock``), closed after it."""
         with self._mutex:
-            fd = self._state()
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            if self._state_fd is not None:  # re-entered: already open (and locked)
+                yield
+                return
+            self._state_fd = os.open(os.path.join(self.root, STATE_FILE), os.O_RDWR | os.O_CREAT, 0o644)
             try:
+                if lock:
+                    fcntl.flock(self._state_fd, fcntl.LOCK_EX)  # released by the close
                 yield
             finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(self._state_fd)
+                self._state_fd = None
+
+    def _locked(self) -> contextlib.AbstractContextManager[None]:
+        return self._opened(lock=True)
+
+    def _state(self) -> int:
+        assert self._state_fd is not None, "the state file is used only within _opened"
+        return self._state_fd
 
     def _read_state(self) -> tuple[int, int, int]:
         data = os.pread(self._state(), _STATE.size, 0)
@@ -144,8 +151,11 @@ class DiskTier(Tier):
 
     def stats(self) -> TierStats:
         out = super().stats()
-        with self._mutex:
-            out.held_bytes, out.held = self._read_state()[:2]
+        try:
+            with self._opened(lock=False):
+                out.held_bytes, out.held = self._read_state()[:2]
+        except OSError:  # the directory is gone or unreadable: unknown
+            out.held_bytes, out.held = 0, -1
         return out
 
     # --- the files ------------------------------------------------------------------
@@ -158,7 +168,8 @@ class DiskTier(Tier):
             self._recent.move_to_end(file_id)
 
     def _remove(self, file_id: str, what: str) -> int:
-        """Remove an object's file (under the lock): its bytes, or -1 when it was not there."""
+        """Remove an object's file (under the lock): its bytes; -1 when it was not there, -2 when
+        removing it failed (counted)."""
         self._recent.pop(file_id, None)
         path = self._path(file_id)
         try:
@@ -168,7 +179,7 @@ class DiskTier(Tier):
             return -1
         except OSError as exc:
             self._fault(f"disk {what} failed: {exc}")
-            return -1
+            return -2
         self._add_held(-size, -1)
         return size
 
@@ -189,9 +200,16 @@ class DiskTier(Tier):
                 if temp is not None:
                     written.append((i, file_id, temp, len(value)))
         if written:
-            with self._locked():
-                for i, file_id, temp, size in written:
-                    out[i] = self._link(file_id, temp, size)
+            try:
+                with self._locked():
+                    for i, file_id, temp, size in written:
+                        out[i] = self._link(file_id, temp, size)
+            except OSError as exc:  # the state file cannot be opened: nothing more is linked
+                self._fault(f"disk state failed: {exc}")
+                for i, _, temp, _ in written:
+                    with contextlib.suppress(OSError):
+                        os.unlink(temp)
+                self._stats.refused += sum(not out[i] for i, *_ in written)
         return out
 
     def _write_temp(self, file_id: str, value: bytes) -> str | None:
@@ -276,12 +294,16 @@ class DiskTier(Tier):
         return [os.path.exists(self._path(_file_id(name))) for name in names]
 
     def _delete(self, names: list[str]) -> int:
-        with self._locked():
-            return sum(self._remove(_file_id(name), "delete") >= 0 for name in names)
+        return sum(out is True for out in self._delete_each(names))
+
+    def _delete_each(self, names: list[str]) -> list[bool | None]:
+        try:
+            with self._locked():
+                sizes = [self._remove(_file_id(name), "delete") for name in names]
+        except OSError as exc:
+            self._fault(f"disk state failed: {exc}")
+            return [None] * len(names)
+        return [True if size >= 0 else False if size == -1 else None for size in sizes]
 
     def close(self) -> None:
-        """Close the state file (a later call opens it again); the objects stay."""
-        with self._mutex:
-            if self._state_fd is not None:
-                os.close(self._state_fd)
-                self._state_fd = None
+        """Nothing stays open between calls; the objects stay in the directory."""

@@ -34,6 +34,7 @@ from hybridkv.tiers.base import Tier, TierUnavailable
 
 _PRESENT = 1
 RPC_FAIL = -900  # the client's code when the master cannot be reached
+_NOT_FOUND = -704  # remove of a name the store does not hold
 
 
 def load_store_class():
@@ -346,11 +347,15 @@ class MooncakeTier(Tier):
         return [code == _PRESENT for code in codes]
 
     def _delete(self, names: list[str]) -> int:
+        return sum(out is True for out in self._delete_each(names))
+
+    def _delete_each(self, names: list[str]) -> list[bool | None]:
         """One ``batch_remove`` of all ``names``; when the client refuses it (raises, lacks it, or
-        answers other than a code per name), ``remove`` one name at a time. A name the store
-        does not hold (-704) or keeps under a read lease (-706) is not counted."""
+        answers other than a code per name), ``remove`` one name at a time. Per name: removed
+        (0), not held (-704, OBJECT_NOT_FOUND), or held still (None: -706, a read lease, which a
+        ``get`` or a ``contains`` of the name takes; or any fault)."""
         if not names or self._down():
-            return 0
+            return [None] * len(names)
         codes = self._call("batch_remove", names)
         if isinstance(codes, (list, tuple)) and len(codes) == len(names):
             self.remove_calls["batch_remove"] += 1
@@ -363,7 +368,8 @@ class MooncakeTier(Tier):
                 self.remove_calls["remove"] += 1
         if any(int(code) == RPC_FAIL for code in codes):
             self._fault(self._stats.last_error)
-        return sum(int(code) == 0 for code in codes)
+        out: list[bool | None] = [True if int(c) == 0 else False if int(c) == _NOT_FOUND else None for c in codes]
+        return out + [None] * (len(names) - len(out))
 
     def raw_get_into(self, names: list[str], sizes: list[int]) -> list[int]:
         """The store's ``batch_get_into`` the first receive buffer as is (a benchmark floor)."""
