@@ -108,8 +108,8 @@ def test_a_request_waits_for_blocks_another_instance_computes_then_loads_them(st
     prompt, other = prompts(0)
     a, b = Instance(store, clock, 3), Instance(store, clock, 11)
     a.manager.add_request("p", prompt, max_new_tokens=8)  # marks blocks 256, 512, 768
-    names = [a.link.markers.name("computing", k) for k in keys(a.manager, prompt, [256, 512, 768])]
-    assert store.tier.contains(names) == [True, True, True]
+    marked = keys(a.manager, prompt, [256, 512, 768])
+    assert a.link.markers.present("computing", marked) == [True, True, True]
     assert b.manager.add_request("q", other, max_new_tokens=8).hit_tokens == 0
     assert b.link.pending("q") and b.link.waiting("q")
     (answer,) = b.manager.check_admission([("q", 16)])
@@ -117,7 +117,7 @@ def test_a_request_waits_for_blocks_another_instance_computes_then_loads_them(st
     assert b.load("q") == 0 and b.link.waiting("q")  # still marked: still waiting
     out_a = a.compute("p", prompt)
     np.testing.assert_allclose(out_a, dense(a.model, np.concatenate([prompt, [1]])), rtol=0, atol=ATOL)
-    assert store.tier.contains(names) == [False, False, False]  # landed: markers gone
+    assert a.link.markers.present("computing", marked) == [False, False, False]  # landed: markers gone
     # 512 is a low-priority prompt boundary of p's (its own checkpoint is at 768): written
     # through because q asked for it
     assert a.link.stats().wanted_checkpoints == len(a.manager.prefix.state_ids)
@@ -165,11 +165,11 @@ def test_a_dead_peers_markers_expire(store):
     assert b.link.waiting("q")  # not expired yet
     b.manager.free("q")
     clock.now = 100 + TTL
-    name = b.link.markers.name("computing", keys(b.manager, prompt, [256])[0])
-    assert store.tier.contains([name]) == [True]
+    key = keys(b.manager, prompt, [256])[0]
+    assert b.link.markers.present("computing", [key]) == [True]
     b.manager.add_request("q", other, max_new_tokens=8)
-    assert not b.link.pending("q")  # expired: computes at once, and marks the block as its own
-    (mine,) = [decode_marker(v) for v in store.tier.get([name])]
+    assert not b.link.pending("q")  # expired (and deleted): computes at once, and marks the block as its own
+    (mine,) = b.link.markers.read("computing", [key])[0]
     assert (mine.request_id, mine.owner) == ("q", b.link.markers.owner)
     out = b.compute("q", other)
     np.testing.assert_allclose(out, dense(b.model, np.concatenate([other, [1]])), rtol=0, atol=ATOL)
@@ -209,13 +209,15 @@ def test_a_marker_that_does_not_decode_never_blocks(store):
     clock = Clock()
     prompt, other = prompts(5)
     b = Instance(store, clock, 23)
-    names = [b.link.markers.name("computing", k) for k in keys(b.manager, prompt, [256, 512])]
+    marked = keys(b.manager, prompt, [256, 512])
+    names = [b.link.markers.names("computing", k)[0] for k in marked]
     good = encode_marker(Marker("computing", 100, bytes(16), "someone"))
     store.tier.put([(names[0], b"not a marker"), (names[1], good[:-1])])
     b.manager.add_request("q", other, max_new_tokens=8)
     assert not b.link.pending("q")
-    # replaced: q computes these blocks and marks them as its own
+    # deleted: q computes these blocks and marks them as its own (in the slots they left free)
     assert [decode_marker(v).request_id for v in store.tier.get(names)] == ["q", "q"]
+    assert [[m.request_id for m in at] for at in b.link.markers.read("computing", marked)] == [["q"], ["q"]]
 
 
 def test_without_write_through_no_checkpoint_is_written_for_a_waiter(store):
@@ -256,7 +258,7 @@ def test_a_link_refuses_a_rule_of_another_type(store):
         TierLink(store, in_flight={"wait": 1})
     markers = Markers(store.tier, store.namespace, InFlightRule())
     with pytest.raises(ValueError, match="marker kind"):
-        markers.name("other", 1)
+        markers.names("other", 1)
 
 
 def test_take_loads_of_one_request_leaves_the_others_planned(store):

@@ -21,7 +21,8 @@ def new_state(clock=lambda: 0.0):
 
 
 def live(markers, tier, keys):
-    return tier.contains([markers.name("computing", k) for k in keys])
+    """Per key, whether any of its computing marker slots holds an object in the tier."""
+    return [any(tier.contains(markers.names("computing", k))) for k in keys]
 
 
 def test_a_published_block_loses_its_marker_at_the_second_retire():
@@ -49,6 +50,16 @@ def test_forget_drops_only_that_requests_markers():
     state.forget("a")
     assert live(markers, tier, [1, 2, 3]) == [False, False, True]
     assert state.marked_by(3) == "b"
+
+
+def test_forget_leaves_another_links_marker_of_the_same_block():
+    state, markers, tier = new_state()
+    other = Markers(tier, markers.namespace, markers.rule)  # another instance on the same store
+    assert other.put("computing", [5], "x") == [True]
+    assert markers.put("computing", [5], "a") == [True]  # both compute block 5 (a race)
+    state.marked("a", [5])
+    state.forget("a")
+    assert [m.request_id for m in markers.read("computing", [5])[0]] == ["x"]
 
 
 def test_a_wait_keeps_its_start_across_a_resume_and_ends_when_freed():

@@ -86,19 +86,21 @@ def test_disk_tier_persists_across_instances_and_evicts_lru_within_budget(tmp_pa
     assert tier.contains(["a", "b", "c"]) == [True, False, True]
     assert tier.stats().evicted == 1 and tier.stats().held_bytes == 20
     assert tier.put([("huge", b"h" * 26)]) == [False] and tier.stats().refused == 1
-    assert sorted(os.listdir(tmp_path)) == sorted(n for n in os.listdir(tmp_path) if n.endswith(".hkv"))
-    assert len(os.listdir(tmp_path)) == 2
-    (tmp_path / ".x.1.0.tmp").write_bytes(b"half")  # a crash's leftover
+    assert sorted(n for n in os.listdir(tmp_path) if not n.endswith(".hkv")) == [".hkv-state"]
+    assert len(os.listdir(tmp_path)) == 3
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / f".x.{int(dead.stdout)}.0.tmp").write_bytes(b"half")  # a crashed process's leftover
+    (tmp_path / f".y.{os.getpid()}.0.tmp").write_bytes(b"half")  # a running process's write
     again = DiskTier(tmp_path, budget_bytes=25)
     assert again.get(["a", "c", "b"]) == [b"a" * 10, b"c" * 10, None]
-    assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path))
+    assert [n for n in os.listdir(tmp_path) if n.endswith(".tmp")] == [f".y.{os.getpid()}.0.tmp"]
     assert again.delete(["a", "b"]) == 1 and again.stats().held == 1
 
 
 def test_disk_tier_read_fault_is_a_counted_miss(tmp_path):
     tier = DiskTier(tmp_path)
     tier.put([("a", b"x")])
-    for name in os.listdir(tmp_path):
+    for name in [n for n in os.listdir(tmp_path) if n.endswith(".hkv")]:
         os.unlink(tmp_path / name)
         os.mkdir(tmp_path / name)  # now reading it fails with IsADirectoryError
     assert tier.get(["a"]) == [None]
@@ -142,7 +144,7 @@ def test_disk_full_as_a_file_size_limit_is_a_refusal_and_a_counted_error(tmp_pat
         print(tier.put([("small", b"s" * 1000), ("big", b"b" * (100 << 10))]))
         s = tier.stats()
         print(s.refused, s.errors, "File too large" in s.last_error)
-        print(sorted(os.listdir({str(tmp_path)!r})).__len__(), tier.get(["small", "big"])[1])
+        print(sum(n.endswith(".hkv") for n in os.listdir({str(tmp_path)!r})), tier.get(["small", "big"])[1])
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -175,7 +177,7 @@ def test_store_round_trips_objects_and_turns_a_corrupted_one_into_a_counted_miss
     assert store.put(objects) == [True] * 3
     got = store.get([o.key for o in objects])
     assert all(np.array_equal(g.payload, o.payload) for g, o in zip(got, objects))
-    name = os.path.join(tmp_path, sorted(os.listdir(tmp_path))[0])
+    name = os.path.join(tmp_path, sorted(n for n in os.listdir(tmp_path) if n.endswith(".hkv"))[0])
     raw = bytearray(open(name, "rb").read())
     raw[-1] ^= 0x10
     open(name, "wb").write(raw)

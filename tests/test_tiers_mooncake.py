@@ -305,3 +305,49 @@ def test_views_of_the_put_buffer_are_sent_from_it_and_others_are_copied(tier):
     with tier.put_buffer(1 << 40) as huge:
         assert huge is None  # larger than the tier's buffer: build values elsewhere
     tier.delete([name for name, _ in items])
+
+
+def test_delete_is_one_batch_remove_counting_only_what_it_removed(tmp_path):
+    """Six names: three held, one under another client's read lease (refused), two absent. One
+    ``batch_remove`` call; the count is the three the store removed. (A put takes no lease; a
+    get takes one of ``lease_ms``, long here so that it still runs at the delete.)"""
+    with MooncakeMaster(log_path=str(tmp_path / "master.log"), lease_ms=5000) as master:
+        writer, reader = connect(master), connect(master)
+        try:
+            names = [f"del/{i}" for i in range(4)]
+            assert writer.put([(n, n.encode()) for n in names]) == [True] * 4
+            assert reader.get(["del/3"]) == [b"del/3"]  # a read lease on del/3 now
+            assert writer.delete(names + ["del/absent", "del/gone"]) == 3
+            assert writer.remove_calls == {"batch_remove": 1, "remove": 0}
+            assert writer.delete_each(["del/3", "del/0"]) == [None, False]  # leased still; gone
+            assert writer.remove_calls == {"batch_remove": 2, "remove": 0}
+            assert writer.contains(names) == [False, False, False, True]
+            assert writer.stats().deleted == 3 and writer.stats().errors == 0
+        finally:
+            writer.close()
+            reader.close()
+
+
+def test_a_refused_batch_remove_falls_back_to_one_remove_per_name(master, monkeypatch):
+    """A client that refuses ``batch_remove`` (an older wheel lacks it; here it raises): each
+    name is removed on its own, and the count is the same."""
+    import hybridkv.tiers.mooncake as mooncake
+
+    real = load_store_class()
+
+    class Refusing(real):
+        def batch_remove(self, keys, force=False):
+            raise RuntimeError("batch_remove refused")
+
+    monkeypatch.setattr(mooncake, "load_store_class", lambda: Refusing)
+    client = connect(master)
+    try:
+        names = [f"fallback/{i}" for i in range(5)]
+        assert client.put([(n, b"x") for n in names]) == [True] * 5
+        time.sleep(0.1)
+        assert client.delete(names[:3] + ["fallback/absent"]) == 3
+        assert client.remove_calls == {"batch_remove": 0, "remove": 4}
+        assert client.contains(names) == [False, False, False, True, True]
+        assert "batch_remove refused" in client.stats().last_error
+    finally:
+        client.close()

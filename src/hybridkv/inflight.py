@@ -14,10 +14,24 @@ single request would keep: the end of the shared system prompt).
 
 A marker is never trusted for rows: it only delays a request. Every marker
 lives at most ``ttl`` (:class:`InFlightRule`) on each reader's own clock, so
-one left by a dead peer stops mattering; its owner deletes it when the block is
-published, or when the request ends; one that does not decode counts as
-absent. Names: ``hkv1/<namespace>/marker/<computing|wanted>/<key>``, apart
-from the objects'.
+one left by a dead peer stops mattering; the link that publishes the block
+deletes every computing marker of it, a request that ends deletes its own, and
+the link that writes a wanted checkpoint through deletes its wanted markers;
+one that does not decode counts as absent.
+
+**Write-once slots.** A store may not replace an object (Mooncake keeps the
+first value put under a name and refuses a delete while a read lease runs; an
+overwrite of a name being read or replicated is not safe), so no marker name
+is ever put on while it holds one. Each key has ``MARKER_SLOTS`` names,
+``hkv1/<namespace>/marker/<computing|wanted>/<key>/<slot>`` (apart from the
+objects'). A put asks ``contains`` of a key's slots, puts the new marker (a new
+stamp) under a free one and reads it back: another value there means another
+writer put that slot first (a race, counted ``races_lost``), and the next free
+slot is tried, at most ``MARKER_ATTEMPTS`` times; a key whose slots are all
+held stays unmarked (counted ``markers_refused``). Then the request's older
+marker of that key, if any, is deleted. A reader gets every slot (one ``get``)
+and takes a key as marked by another when any slot holds a live marker of
+another request.
 
 Payload (little-endian): ``HKVM``, version u8 (2), kind u8 (1 computing, 2
 wanted), 2 reserved bytes, stamp u64 (random at each put: it tells one put
@@ -79,6 +93,8 @@ BOARD_ATTEMPTS = 3  # reads and appends of one board change before it is given u
 BOARD_KEEP = 8  # generations kept (VersionLog ``keep``)
 DELETE_ATTEMPTS = 8  # tries of a delete the store refuses
 MAX_SIGHTINGS = 1 << 16  # first sightings remembered (the oldest forgotten first)
+MARKER_SLOTS = 4  # names per key and kind: markers of that many requests at once
+MARKER_ATTEMPTS = 3  # slots one put tries per key (the others were put first by racing writers)
 _BOARD_HEADER = struct.Struct("<4sB3xI")
 _BOARD_ENTRY = struct.Struct("<QB")
 
@@ -117,6 +133,8 @@ class Marker:
 class MarkerStats:
     """Counters of one link's markers and board."""
 
+    markers_refused: int = 0  # keys a put left unmarked: every slot held, the tier refused, races lost
+    races_lost: int = 0  # slots another writer put first (the next free slot was tried)
     deletes_failed: int = 0  # deletes the store refused (each try)
     deletes_dropped: int = 0  # refused deletes given up after DELETE_ATTEMPTS
     board_changes_lost: int = 0  # board changes given up after BOARD_ATTEMPTS (or a dead store)
@@ -233,12 +251,15 @@ class Markers:
         self._seen_entries = Sightings(rule.ttl)  # board key -> stamp
         self._log = VersionLog(tier, self.board_name(), keep=BOARD_KEEP)
         self._undeleted: dict[str, int] = {}  # names whose delete was refused -> tries
+        self._own: dict[tuple[str, bytes], dict[str, str]] = {}  # (kind, key) -> {request: its name}
         self._stats = MarkerStats()
 
-    def name(self, kind: str, key: bytes | int) -> str:
+    def names(self, kind: str, key: bytes | int) -> list[str]:
+        """The ``MARKER_SLOTS`` names a ``kind`` marker of ``key`` may have."""
         if kind not in MARKER_KINDS:
             raise ValueError(f"marker kind must be one of {tuple(MARKER_KINDS)}, got {kind!r}")
-        return f"hkv1/{self.namespace.hex}/marker/{kind}/{as_key_bytes(key).hex()}"
+        base = f"hkv1/{self.namespace.hex}/marker/{kind}/{as_key_bytes(key).hex()}"
+        return [f"{base}/{slot}" for slot in range(MARKER_SLOTS)]
 
     def now(self) -> float:
         return float(self.rule.clock())
@@ -249,73 +270,146 @@ class Markers:
         return out
 
     def put(self, kind: str, keys: Sequence[int], request_id: str) -> list[bool]:
-        """Put a ``kind`` marker of ``request_id`` under each key (it lives ``ttl``)."""
+        """Put a new ``kind`` marker of ``request_id`` under each key (it lives ``ttl``), each in
+        a slot that holds nothing; then delete this request's older marker there. Per key,
+        whether it is stored now (not: every slot held, the tier refused, or every race lost)."""
         if not keys:
             return []
-        now = self.now()
         marker = Marker(kind, new_stamp(), self.owner, request_id)
-        names = [self.name(kind, k) for k in keys]
-        for name in names:  # a name still holding another value keeps it (and its sighting)
-            if name not in self._seen:
-                self._seen.first_seen(name, (marker.owner, marker.request_id, marker.stamp), now)
-        return self.tier.put([(name, encode_marker(marker)) for name in names])
+        value = encode_marker(marker)
+        unique = list(dict.fromkeys(as_key_bytes(k) for k in keys))
+        placed = self._place(kind, unique, value)
+        now = self.now()
+        older = []
+        for key, name in placed.items():
+            self._seen.first_seen(name, (marker.owner, marker.request_id, marker.stamp), now)
+            mine = self._own.setdefault((kind, key), {})
+            old = mine.pop(request_id, None)
+            if old is not None and old != name:
+                older.append(old)
+            mine[request_id] = name
+        while len(self._own) > MAX_SIGHTINGS:
+            del self._own[next(iter(self._own))]
+        self._stats.markers_refused += len(unique) - len(placed)
+        if older:
+            self._delete(older)
+        return [as_key_bytes(k) in placed for k in keys]
 
-    def delete(self, kind: str, keys: Sequence[int]) -> int:
-        """Delete the ``kind`` markers of ``keys``; how many were there. A refused delete is
-        counted and tried again at the next call."""
-        names = [self.name(kind, k) for k in keys]
+    def _place(self, kind: str, keys: list[bytes], value: bytes) -> dict[bytes, str]:
+        """Put ``value`` under a free slot of each key: ``{key: its name}`` for those it holds.
+        A slot is free when ``contains`` says so; a put there that reads back another value lost
+        a race with another writer (counted), and the next free slot is tried, at most
+        ``MARKER_ATTEMPTS`` times. No name that holds an object is ever put on knowingly."""
+        slots = {key: self.names(kind, key) for key in keys}
+        lost: set[str] = set()
+        placed: dict[bytes, str] = {}
+        todo = keys
+        for _ in range(MARKER_ATTEMPTS):
+            flat = [name for key in todo for name in slots[key]]
+            held = dict(zip(flat, self.tier.contains(flat)))
+            picks = {}
+            for key in todo:
+                free = [n for n in slots[key] if not held[n] and n not in lost]
+                if free:
+                    picks[key] = free[0]
+            if not picks:
+                break
+            stored = self.tier.put([(name, value) for name in picks.values()])
+            back = self.tier.get([name for name, ok in zip(picks.values(), stored) if ok])
+            backs = iter(back)
+            todo = []
+            for (key, name), ok in zip(picks.items(), stored):
+                if not ok:
+                    continue  # refused (full, or a dead store): not tried again now
+                if next(backs) == value:
+                    placed[key] = name
+                else:
+                    lost.add(name)
+                    self._stats.races_lost += 1
+                    todo.append(key)
+            if not todo:
+                break
+        return placed
+
+    def delete(self, kind: str, keys: Sequence[int], request_id: str | None = None) -> int:
+        """Delete the ``kind`` markers of ``keys``: every one there (``request_id`` None: a delete
+        of every slot), or only this link's of ``request_id``; how many were there. A refused
+        delete is counted and tried again at the next call."""
+        if not keys:
+            return 0
+        if request_id is not None:
+            names = [n for k in keys if (n := self._own.get((kind, as_key_bytes(k)), {}).pop(request_id, None))]
+        else:
+            names = [name for k in keys for name in self.names(kind, k)]
+            for k in keys:
+                self._own.pop((kind, as_key_bytes(k)), None)
         for name in names:
             self._seen.forget(name)
         return self._delete(names)
 
     def _delete(self, names: list[str]) -> int:
+        """Delete ``names`` and those refused before (one ``delete_each``: no ``contains``, which
+        on Mooncake would lease them); the refused ones wait for the next call."""
         again = [n for n in self._undeleted if n not in names]
         names = list(dict.fromkeys(names + again))
         if not names:
             return 0
-        count = self.tier.delete(names)
-        tries = {n: self._undeleted.pop(n, 0) + 1 for n in names}
-        if count < len(names):
-            for name, held in zip(names, self.tier.contains(names)):
-                if not held:
-                    continue
-                self._stats.deletes_failed += 1
-                if tries[name] < DELETE_ATTEMPTS:
-                    self._undeleted[name] = tries[name]
-                else:
-                    self._stats.deletes_dropped += 1
-        return count
+        outcome = self.tier.delete_each(names)
+        for name, done in zip(names, outcome):
+            tries = self._undeleted.pop(name, 0) + 1
+            if done is not None:
+                continue
+            self._stats.deletes_failed += 1
+            if tries < DELETE_ATTEMPTS:
+                self._undeleted[name] = tries
+            else:
+                self._stats.deletes_dropped += 1
+        return sum(done is True for done in outcome)
+
+    def read(self, kind: str, keys: Sequence[int]) -> list[list[Marker]]:
+        """Per key, the ``kind`` markers there that decode, live or not (one ``get``)."""
+        flat = [name for k in keys for name in self.names(kind, k)]
+        values = iter(self.tier.get(flat)) if flat else iter(())
+        out = []
+        for _ in keys:
+            found = [decode_marker(next(values)) for _ in range(MARKER_SLOTS)]
+            out.append([m for m in found if m is not None and m.kind == kind])
+        return out
 
     def others(self, kind: str, keys: Sequence[int], request_id: str) -> list[bool]:
-        """Per key: whether a live ``kind`` marker of another request (of any link) is there.
-        An expired marker, or one that does not decode, is absent (and deleted)."""
+        """Per key: whether a live ``kind`` marker of another request (of any link) is there (one
+        ``get`` of every slot). An expired marker, or one that does not decode, is absent (and
+        deleted)."""
         if not keys:
             return []
         if self._undeleted:
             self._delete([])
-        names = [self.name(kind, k) for k in keys]
-        values = self.tier.get(names)
+        flat = [name for k in keys for name in self.names(kind, k)]
+        values = self.tier.get(flat)
         now = self.now()
-        out, stale = [], []
-        for name, value in zip(names, values):
+        busy, stale = [False] * len(flat), []
+        for i, (name, value) in enumerate(zip(flat, values)):
             marker = decode_marker(value)
             if value is None:
                 self._seen.forget(name)
             elif marker is None or marker.kind != kind or not self._seen.live(
                     name, (marker.owner, marker.request_id, marker.stamp), now):
                 stale.append(name)
-                marker = None
-            out.append(marker is not None and (marker.owner, marker.request_id) != (self.owner, request_id))
+            else:
+                busy[i] = (marker.owner, marker.request_id) != (self.owner, request_id)
         if stale:
             self._delete(stale)
             for name in stale:  # deleted: a value put there later is new (one still there stays expired)
                 if name not in self._undeleted:
                     self._seen.forget(name)
-        return out
+        return [any(busy[i:i + MARKER_SLOTS]) for i in range(0, len(flat), MARKER_SLOTS)]
 
     def present(self, kind: str, keys: Sequence[int]) -> list[bool]:
         """Per key: whether a ``kind`` marker is there (by ``contains``, expiry unread)."""
-        return self.tier.contains([self.name(kind, k) for k in keys]) if keys else []
+        if not keys:
+            return []
+        held = self.tier.contains([name for k in keys for name in self.names(kind, k)])
+        return [any(held[i:i + MARKER_SLOTS]) for i in range(0, len(held), MARKER_SLOTS)]
 
     # --- the wanted board ---------------------------------------------------------
     def board_name(self) -> str:

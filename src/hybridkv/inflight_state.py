@@ -109,4 +109,4 @@ class InFlightState:
         if keys:
             for key in keys:
                 self._marker_of.pop(key, None)
-            self.markers.delete("computing", keys)
+            self.markers.delete("computing", keys, request_id)  # its own: another's at a key stays

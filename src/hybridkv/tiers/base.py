@@ -123,6 +123,18 @@ class Tier(ABC):
         self._stats.deleted += count
         return count
 
+    def delete_each(self, names: Sequence[str]) -> list[bool | None]:
+        """``delete``, told per name: True deleted, False not held, None held still (the store
+        refused: a Mooncake read lease, or a fault). No ``contains`` is needed to tell a refused
+        delete from an absent name (on Mooncake a ``contains`` leases the name it asks about)."""
+        out = self._delete_each([check_name(n) for n in names])
+        self._stats.deleted += sum(o is True for o in out)
+        return out
+
+    def _delete_each(self, names: list[str]) -> list[bool | None]:
+        """One ``_delete`` per name (tiers that cannot refuse a delete)."""
+        return [self._delete([name]) == 1 for name in names]
+
     def stats(self) -> TierStats:
         return replace(self._stats)
 

@@ -1,32 +1,77 @@
-"""Local disk tier: one file per object in a directory, written atomically.
+"""Local disk tier: one file per object in a directory that several processes may share.
 
-A file is written under a temporary name in the same directory and renamed
-into place, so a reader sees a whole object or none (a crash leaves at most a
-``.tmp`` file, removed on the next start). File names are the SHA-256 of the
-object name, so any name maps to a safe path. With ``budget_bytes`` the tier
-evicts its least recently used files to stay within it; without, it fills the
-disk. A full disk (``ENOSPC``, ``EDQUOT``) or any other ``OSError`` refuses the
-put and counts an error; a read error is a miss and an error.
+**The directory is the truth.** ``get``, ``contains`` and ``delete`` look at the
+files themselves, so an object another process (or another ``DiskTier`` on the
+same directory) wrote or deleted a moment ago is seen at once. File names are
+the SHA-256 of the object name (any name maps to a safe path).
+
+**Write-once, whole or absent.** A value is written to a temporary file
+(``.<id>.<pid>.<n>.tmp``) and *linked* to its name: ``link`` fails when the
+name exists, so the first value put under a name is kept (as in the other
+tiers) and a reader sees a whole object or none. A crash leaves at most a
+temporary file; a tier opening the directory removes those of processes that
+are no longer running.
+
+**One byte budget for all.** ``.hkv-state`` (24 bytes: held bytes, held
+files, a change count, u64 little-endian) holds what the directory holds. Every
+change (a link, an eviction, a delete) is made under an exclusive ``flock`` of
+that file and updates it, so every process checks its budget against the
+bytes all of them hold. A tier opening the directory re-counts it from its
+files (a crash between a change and its update is repaired then). With
+``budget_bytes`` a put evicts to stay within it: first the least recently used
+objects this tier knows (put, read or found by a scan here), then, when it
+knows none that are still there, the oldest files of a fresh scan (a read
+touches a file's modification time, so the scan's order is least recently
+used across processes). Without a budget the tier fills the disk.
+
+A full disk (``ENOSPC``, ``EDQUOT``, ``EFBIG``) or any other ``OSError``
+refuses the put and counts an error; a read error is a miss and an error.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import itertools
 import os
+import struct
+import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 
-from hybridkv.tiers.base import Tier
+from hybridkv.tiers.base import Tier, TierStats
 
 _SUFFIX = ".hkv"
+STATE_FILE = ".hkv-state"
+_STATE = struct.Struct("<QQQ")  # held bytes, held files, changes
+_temp_ids = itertools.count()  # one sequence per process: two tiers in it never share a temporary name
 
 
 def _file_id(name: str) -> str:
     return hashlib.sha256(name.encode("utf-8")).hexdigest()
 
 
+def _pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. another user's process: it runs
+        return True
+    return True
+
+
+def _stale_temp(name: str) -> bool:
+    """Whether ``name`` is a temporary file of a process that no longer runs (or not one of ours)."""
+    parts = name.split(".")  # "", id, pid, n, "tmp"
+    if len(parts) != 5 or not parts[2].isdigit():
+        return True
+    return not _pid_running(int(parts[2]))
+
+
 class DiskTier(Tier):
-    """Objects as files under ``root`` (made if missing)."""
+    """Objects as files under ``root`` (made if missing), shared by every tier opened on it."""
 
     name = "disk"
     put_copies = True  # a put writes the value to its file before it returns
@@ -41,124 +86,224 @@ class DiskTier(Tier):
         self.budget_bytes = budget_bytes
         self.fsync = bool(fsync)
         os.makedirs(self.root, exist_ok=True)
-        self._files: OrderedDict[str, int] = OrderedDict()  # file id -> bytes, least recent first
-        self._held_bytes = 0
-        self._temp_ids = itertools.count()
-        self._scan()
+        self._recent: OrderedDict[str, None] = OrderedDict()  # file ids this tier knows, least recent first
+        self._mutex = threading.RLock()  # threads of this process; flock orders the processes
+        self._state_fd: int | None = None  # open only within a call (no descriptor held between calls)
+        with self._locked():
+            self._remove_stale_temps()
+            self._scan()
+
+    # --- the shared state -----------------------------------------------------------
+    @contextlib.contextmanager
+    def _opened(self, lock: bool) -> Iterator[None]:
+        """The state file open for the block (locked when ``lock``), closed after it."""
+        with self._mutex:
+            if self._state_fd is not None:  # re-entered: already open (and locked)
+                yield
+                return
+            self._state_fd = os.open(os.path.join(self.root, STATE_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                if lock:
+                    fcntl.flock(self._state_fd, fcntl.LOCK_EX)  # released by the close
+                yield
+            finally:
+                os.close(self._state_fd)
+                self._state_fd = None
+
+    def _locked(self) -> contextlib.AbstractContextManager[None]:
+        return self._opened(lock=True)
+
+    def _state(self) -> int:
+        assert self._state_fd is not None, "the state file is used only within _opened"
+        return self._state_fd
+
+    def _read_state(self) -> tuple[int, int, int]:
+        data = os.pread(self._state(), _STATE.size, 0)
+        return _STATE.unpack(data) if len(data) == _STATE.size else (0, 0, 0)
+
+    def _add_held(self, nbytes: int, files: int) -> int:
+        """Add to the held bytes and files (under the lock); the held bytes now."""
+        held, count, changes = self._read_state()
+        held, count = max(0, held + nbytes), max(0, count + files)
+        os.pwrite(self._state(), _STATE.pack(held, count, changes + 1), 0)
+        return held
 
     def _scan(self) -> None:
+        """Re-count the directory from its files (under the lock); known objects, oldest first."""
         found = []
         for entry in os.scandir(self.root):
-            if entry.name.endswith(".tmp"):
+            if entry.name.endswith(_SUFFIX) and not entry.name.startswith("."):
                 try:
-                    os.unlink(entry.path)
+                    stat = entry.stat()
                 except OSError:
-                    pass
-            elif entry.name.endswith(_SUFFIX) and entry.is_file():
-                stat = entry.stat()
+                    continue
                 found.append((stat.st_mtime_ns, entry.name[: -len(_SUFFIX)], stat.st_size))
-        for _, file_id, size in sorted(found):
-            self._files[file_id] = size
-            self._held_bytes += size
-        self._sync_held()
+        found.sort()
+        self._recent = OrderedDict((file_id, None) for _, file_id, _ in found)
+        changes = self._read_state()[2]
+        os.pwrite(self._state(), _STATE.pack(sum(size for *_, size in found), len(found), changes + 1), 0)
 
-    def _unlink(self, file_id: str, what: str) -> None:
-        """Remove an object's file; one already gone is fine, any other failure is a counted fault."""
+    def _remove_stale_temps(self) -> None:
+        for entry in os.scandir(self.root):
+            if entry.name.endswith(".tmp") and _stale_temp(entry.name):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+
+    def stats(self) -> TierStats:
+        out = super().stats()
         try:
-            os.unlink(self._path(file_id))
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            self._fault(f"disk {what} failed: {exc}")
+            with self._opened(lock=False):
+                out.held_bytes, out.held = self._read_state()[:2]
+        except OSError:  # the directory is gone or unreadable: unknown
+            out.held_bytes, out.held = 0, -1
+        return out
 
+    # --- the files ------------------------------------------------------------------
     def _path(self, file_id: str) -> str:
         return os.path.join(self.root, file_id + _SUFFIX)
 
-    def _put(self, items: list[tuple[str, bytes]]) -> list[bool]:
-        out = [self._put_one(_file_id(name), value) for name, value in items]
-        self._sync_held()
-        return out
+    def _known(self, file_id: str) -> None:
+        with self._mutex:
+            self._recent[file_id] = None
+            self._recent.move_to_end(file_id)
 
-    def _put_one(self, file_id: str, value: bytes) -> bool:
-        if file_id in self._files:
-            self._files.move_to_end(file_id)
-            return True
-        if self.budget_bytes is not None:
-            if len(value) > self.budget_bytes:
+    def _remove(self, file_id: str, what: str) -> int:
+        """Remove an object's file (under the lock): its bytes; -1 when it was not there, -2 when
+        removing it failed (counted)."""
+        self._recent.pop(file_id, None)
+        path = self._path(file_id)
+        try:
+            size = os.stat(path).st_size
+            os.unlink(path)
+        except FileNotFoundError:
+            return -1
+        except OSError as exc:
+            self._fault(f"disk {what} failed: {exc}")
+            return -2
+        self._add_held(-size, -1)
+        return size
+
+    # --- put ------------------------------------------------------------------------
+    def _put(self, items: list[tuple[str, bytes]]) -> list[bool]:
+        out = [False] * len(items)
+        written = []  # (index, file id, temporary path, bytes)
+        for i, (name, value) in enumerate(items):
+            file_id = _file_id(name)
+            if os.path.exists(self._path(file_id)):
+                out[i] = True  # held already: the first value stays
+                self._known(file_id)
+            elif self.budget_bytes is not None and len(value) > self.budget_bytes:
                 self._stats.refused += 1
                 self._stats.last_error = f"object of {len(value)} B exceeds the disk budget of {self.budget_bytes} B"
-                return False
-            while self._held_bytes + len(value) > self.budget_bytes:
-                self._evict_oldest()
-        temp = os.path.join(self.root, f".{file_id}.{os.getpid()}.{next(self._temp_ids)}.tmp")
+            else:
+                temp = self._write_temp(file_id, value)
+                if temp is not None:
+                    written.append((i, file_id, temp, len(value)))
+        if written:
+            try:
+                with self._locked():
+                    for i, file_id, temp, size in written:
+                        out[i] = self._link(file_id, temp, size)
+            except OSError as exc:  # the state file cannot be opened: nothing more is linked
+                self._fault(f"disk state failed: {exc}")
+                for i, _, temp, _ in written:
+                    with contextlib.suppress(OSError):
+                        os.unlink(temp)
+                self._stats.refused += sum(not out[i] for i, *_ in written)
+        return out
+
+    def _write_temp(self, file_id: str, value: bytes) -> str | None:
+        """``value`` in a new temporary file (its path), or None: refused and counted."""
+        temp = os.path.join(self.root, f".{file_id}.{os.getpid()}.{next(_temp_ids)}.tmp")
         try:
             with open(temp, "xb") as handle:
                 handle.write(value)
                 if self.fsync:
                     handle.flush()
                     os.fsync(handle.fileno())
-            os.replace(temp, self._path(file_id))
         except OSError as exc:
             self._stats.refused += 1
             self._fault(f"disk write failed: {exc}")
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(temp)
-            except OSError:
-                pass
+            return None
+        return temp
+
+    def _link(self, file_id: str, temp: str, size: int) -> bool:
+        """Make room, then give the temporary file its name unless one is there (under the lock)."""
+        try:
+            if self.budget_bytes is not None:
+                self._make_room(size)
+            os.link(temp, self._path(file_id))
+        except FileExistsError:  # another process put it first: its value stays
+            self._known(file_id)
+            return True
+        except OSError as exc:
+            self._stats.refused += 1
+            self._fault(f"disk write failed: {exc}")
             return False
-        self._files[file_id] = len(value)
-        self._held_bytes += len(value)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+        self._add_held(size, 1)
+        self._known(file_id)
         self._stats.stored += 1
-        self._stats.stored_bytes += len(value)
+        self._stats.stored_bytes += size
         return True
 
-    def _evict_oldest(self) -> None:
-        file_id, size = self._files.popitem(last=False)
-        self._held_bytes -= size
-        self._stats.evicted += 1
-        self._stats.evicted_bytes += size
-        self._unlink(file_id, "eviction")
+    def _make_room(self, size: int) -> None:
+        """Evict until ``size`` more bytes fit the budget (under the lock): the least recent objects
+        this tier knows, then, when none of those is left, a fresh scan's oldest."""
+        scanned = False
+        while self._read_state()[0] + size > self.budget_bytes:
+            if not self._recent:
+                if scanned:
+                    return  # nothing left to evict: the held count is the scan's, and it fits
+                self._scan()
+                scanned = True
+                continue
+            file_id = next(iter(self._recent))
+            freed = self._remove(file_id, "eviction")
+            if freed >= 0:
+                self._stats.evicted += 1
+                self._stats.evicted_bytes += freed
 
+    # --- get, contains, delete ----------------------------------------------------------
     def _get(self, names: list[str]) -> list[bytes | None]:
-        out = []
+        out: list[bytes | None] = []
         for name in names:
             file_id = _file_id(name)
-            if file_id not in self._files:
-                out.append(None)
-                continue
             try:
                 with open(self._path(file_id), "rb") as handle:
                     value = handle.read()
-            except FileNotFoundError:  # removed behind our back
-                self._forget(file_id)
+                    with contextlib.suppress(OSError):
+                        os.utime(handle.fileno())  # recently used, for every process's scan
+            except FileNotFoundError:
+                with self._mutex:
+                    self._recent.pop(file_id, None)
                 value = None
             except OSError as exc:
                 self._fault(f"disk read failed: {exc}")
                 value = None
             else:
-                self._files.move_to_end(file_id)
+                self._known(file_id)
             out.append(value)
-        self._sync_held()
         return out
 
     def _contains(self, names: list[str]) -> list[bool]:
-        return [_file_id(name) in self._files for name in names]
+        return [os.path.exists(self._path(_file_id(name))) for name in names]
 
     def _delete(self, names: list[str]) -> int:
-        count = 0
-        for name in names:
-            file_id = _file_id(name)
-            if file_id not in self._files:
-                continue
-            self._forget(file_id)
-            count += 1
-            self._unlink(file_id, "delete")
-        self._sync_held()
-        return count
+        return sum(out is True for out in self._delete_each(names))
 
-    def _forget(self, file_id: str) -> None:
-        self._held_bytes -= self._files.pop(file_id)
+    def _delete_each(self, names: list[str]) -> list[bool | None]:
+        try:
+            with self._locked():
+                sizes = [self._remove(_file_id(name), "delete") for name in names]
+        except OSError as exc:
+            self._fault(f"disk state failed: {exc}")
+            return [None] * len(names)
+        return [True if size >= 0 else False if size == -1 else None for size in sizes]
 
-    def _sync_held(self) -> None:
-        self._stats.held = len(self._files)
-        self._stats.held_bytes = self._held_bytes
+    def close(self) -> None:
+        """Nothing stays open between calls; the objects stay in the directory."""

@@ -34,6 +34,7 @@ from hybridkv.tiers.base import Tier, TierUnavailable
 
 _PRESENT = 1
 RPC_FAIL = -900  # the client's code when the master cannot be reached
+_NOT_FOUND = -704  # remove of a name the store does not hold
 
 
 def load_store_class():
@@ -151,7 +152,10 @@ def _accepts(port: int) -> bool:
 
 
 class MooncakeTier(Tier):
-    """Objects in a Mooncake Store reached through ``master_address``."""
+    """Objects in a Mooncake Store reached through ``master_address``.
+
+    ``remove_calls`` (a debug view) counts the store calls ``delete`` made: ``batch_remove``
+    (one per delete) and ``remove`` (one per name, where the client refused the batch)."""
 
     name = "mooncake"
     put_copies = True  # put_batch copies the values into the store's segments before it returns
@@ -182,6 +186,7 @@ class MooncakeTier(Tier):
         if code != 0:
             raise TierUnavailable(f"Mooncake setup with master {master_address} failed with code {code}")
         self._stats.held = -1  # the store decides what it holds
+        self.remove_calls = {"batch_remove": 0, "remove": 0}
         for _ in range(int(receive_buffers) if receive_bytes > 0 else 0):
             arena = np.empty(int(receive_bytes), dtype=np.uint8)
             if self._store.register_buffer(arena.ctypes.data, arena.nbytes) != 0:
@@ -269,7 +274,7 @@ class MooncakeTier(Tier):
         except Exception as exc:
             self._stats.last_error = f"Mooncake {method} raised {exc!r}"
             return -1
-        coded = ("put_batch", "batch_put_from", "batch_is_exist", "batch_get_into")  # answers: lists of codes
+        coded = ("put_batch", "batch_put_from", "batch_is_exist", "batch_get_into", "batch_remove")  # answers: lists of codes
         codes = [answer] if isinstance(answer, int) else answer if method in coded else []
         if any(int(code) == RPC_FAIL for code in codes):
             self._down_until = time.monotonic() + self.retry_after_s
@@ -342,12 +347,29 @@ class MooncakeTier(Tier):
         return [code == _PRESENT for code in codes]
 
     def _delete(self, names: list[str]) -> int:
-        count = 0
-        for name in names:
-            if self._down():
-                break
-            count += int(self._call("remove", name) == 0)
-        return count
+        return sum(out is True for out in self._delete_each(names))
+
+    def _delete_each(self, names: list[str]) -> list[bool | None]:
+        """One ``batch_remove`` of all ``names``; when the client refuses it (raises, lacks it, or
+        answers other than a code per name), ``remove`` one name at a time. Per name: removed
+        (0), not held (-704, OBJECT_NOT_FOUND), or held still (None: -706, a read lease, which a
+        ``get`` or a ``contains`` of the name takes; or any fault)."""
+        if not names or self._down():
+            return [None] * len(names)
+        codes = self._call("batch_remove", names)
+        if isinstance(codes, (list, tuple)) and len(codes) == len(names):
+            self.remove_calls["batch_remove"] += 1
+        else:
+            codes = []
+            for name in names:
+                if self._down():
+                    break
+                codes.append(self._call("remove", name))
+                self.remove_calls["remove"] += 1
+        if any(int(code) == RPC_FAIL for code in codes):
+            self._fault(self._stats.last_error)
+        out: list[bool | None] = [True if int(c) == 0 else False if int(c) == _NOT_FOUND else None for c in codes]
+        return out + [None] * (len(names) - len(out))
 
     def raw_get_into(self, names: list[str], sizes: list[int]) -> list[int]:
         """The store's ``batch_get_into`` the first receive buffer as is (a benchmark floor)."""

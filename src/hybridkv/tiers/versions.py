@@ -179,11 +179,8 @@ class VersionLog:
         if not targets:
             return
         self._undeleted = []
-        names = [self.name(g) for g in targets]
-        if self.tier.delete(names) == len(names):
-            self._stats.deleted += len(names)
-            return
-        still = [g for g, ok in zip(targets, self.tier.contains(names)) if ok]
+        outcome = self.tier.delete_each([self.name(g) for g in targets])
+        still = [g for g, done in zip(targets, outcome) if done is None]  # refused (no contains: it leases)
         self._stats.deleted += len(targets) - len(still)
         self._stats.deletes_failed += len(still)
         self._undeleted = still[-MAX_RETRIED_DELETES:]
