@@ -38,8 +38,10 @@ Arrays (``G`` groups, ``R`` scheduled rows, ``N`` scheduled tokens):
   ``g``, row, column ``L & COLUMN_MASK`` at index ``(g * table rows + row) *
   VIEW_COLUMNS + column``; the cells a kernel touches are logged in that form.
 * ``computed`` int64 ``[table rows]``: tokens computed per row; ``step`` takes it with
-  the committed and known tokens as ``counters`` ``[3, table rows]``, and ``top``,
-  ``lowest`` and ``low_floor`` as ``per_group`` ``[3, G]``.
+  the committed and known tokens as ``counters`` ``[3, table rows]``.
+* ``per_group`` int64 ``[5, G]``: each group's free stack ``top``, whether it is
+  ``lowest`` first, its ``low_floor`` (``needs_room``), and the pages a step kernel
+  ever released and allocated in it (the pool's counters).
 * ``ref`` int32 ``[P]``, ``keyed`` bool ``[P]``: per page-space id, its holders and
   whether it carries a content key (an idle keyed page goes to the prefix
   cache's LRU, which Python keeps, not to the free stack).
@@ -63,6 +65,7 @@ RING_START, ROW_STRIDE, RING_MASK, LANE_START, VIEW_COLUMNS, COLUMN_STRIDE = ran
 FREE_COUNT = 15  # free lanes of the group (kernels change it)
 GEOMETRY_COLUMNS = 16
 BASE, HI, LANE, FREE_LANES = range(4)  # planes of ``bounds``
+TOP, LOWEST, LOW_FLOOR, RELEASED_PAGES, ALLOCATED_PAGES = range(5)  # rows of ``per_group``
 
 STEP_DONE = 0
 STEP_NEEDS_PAGES = 1  # the releases ran; the caller lends slabs or evicts, then calls finish_step
@@ -384,22 +387,26 @@ def batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, posi
 
 
 @njit(cache=True)
-def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, top, lowest, low_floor,
-             transient, rows, counts, first, settle, after, sums, hold, scratch, idle_keyed, released, touched,
+def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient,
+             rows, counts, first, settle, after, sums, hold, scratch, idle_keyed, released, touched,
              table_rows, scheduled, positions, request_indices, query_start_loc, base_pages, widths, slots):
     """One admitted step as planned by ``prepare_step``: the rows' tokens so far count as
     committed, releases, allocations, then the batch's arrays (``finish_step``). Returns
-    (status, cells logged, idle keyed pages). ``STEP_NEEDS_PAGES``: the releases ran,
+    (status, cells logged, idle keyed pages); the pages released and allocated count
+    in ``per_group``. ``STEP_NEEDS_PAGES``: the releases ran,
     nothing else; the caller lends slabs (``hold``) and makes room (``PagePool.make_room``)
     in the groups whose stack is short or that would first reuse idle low-priority pages
     (``needs_room``), then calls ``finish_step``."""
     for r in range(rows.size):
         committed[rows[r]] = first[r]
+    top, lowest, low_floor = per_group[TOP], per_group[LOWEST], per_group[LOW_FLOOR]
     n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, top, lowest, rows, after,
                                        scratch, idle_keyed, released, touched, 0)
+    for g in range(geometry.shape[0]):
+        per_group[RELEASED_PAGES, g] += released[0, g] + released[1, g]
     if hold or needs_room(geometry, stack, top, lowest, low_floor, low_priority, sums, released, idle_keyed):
         return STEP_NEEDS_PAGES, n_touched, n_keyed
-    n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, top, lowest, transient, rows, counts,
+    n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
                             first, settle, after, sums, touched, n_touched, table_rows, scheduled, positions,
                             request_indices, query_start_loc, base_pages, widths, slots)
     return STEP_DONE, n_touched, n_keyed
@@ -461,21 +468,20 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
     """``prepare_step`` then, when the plan needs nothing from Python first (every
     group's free stack covers it, no row crosses a prefix grain, the scratch buffers
     are large enough), ``run_step``, in one call; ``counters`` packs computed, committed
-    and known tokens, ``per_group`` top, lowest and low_floor, ``plan`` the plan's arrays
+    and known tokens, ``plan`` the plan's arrays
     (``plan_views``). Returns (status, rows in the plan, settling rows, crossing rows,
     clean, cells logged, idle keyed pages); status ``STEP_PLANNED`` (or -1 rows: no plan)
     when only the plan ran."""
     rows, counts, first, after, need, sums, crossing, totals, released = plan_views(plan, geometry.shape[0])
     computed, committed, known = counters[0], counters[1], counters[2]
-    top, lowest, low_floor = per_group[0], per_group[1], per_group[2]
     n, settle, n_cross, clean = prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in,
-                                             counts_in, grain, top, mark, rows, counts, first, after, need, sums,
-                                             crossing, totals)
+                                             counts_in, grain, per_group[TOP], mark, rows, counts, first, after, need,
+                                             sums, crossing, totals)
     if (n < 0 or not clean or n_cross > 0 or totals[0] != positions.size or totals[2] > scratch.size
             or totals[1] > idle_keyed.size or totals[1] + totals[3] > touched.size):
         return STEP_PLANNED, n, settle, n_cross, clean, 0, 0
     status, n_touched, n_keyed = run_step(
-        geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, top, lowest, low_floor,
+        geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group,
         transient, rows[:n], counts[:n], first[:n], settle, after[:, :, :n], sums, False, scratch, idle_keyed,
         released, touched, table_rows, scheduled, positions, request_indices, query_start_loc, base_pages, widths,
         slots)
@@ -483,13 +489,16 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
 
 
 @njit(cache=True)
-def finish_step(geometry, pages, bounds, computed, ref, stack, top, lowest, transient, rows, counts, first, settle,
+def finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts, first, settle,
                 after, sums, touched, n_touched, table_rows, scheduled, positions, request_indices, query_start_loc,
                 base_pages, widths, slots):
-    """The rest of ``run_step`` once the stacks hold enough: allocate, computed tokens
-    move on, the batch's arrays and (when ``slots`` has rows) write slots."""
-    n_touched = allocate_pages(geometry, pages, bounds, ref, stack, top, lowest, transient, rows, first, counts,
-                               after, sums, touched, n_touched)
+    """The rest of ``run_step`` once the stacks hold enough: allocate (counted in
+    ``per_group``), computed tokens move on, the batch's arrays and (when ``slots`` has
+    rows) write slots."""
+    n_touched = allocate_pages(geometry, pages, bounds, ref, stack, per_group[TOP], per_group[LOWEST], transient,
+                               rows, first, counts, after, sums, touched, n_touched)
+    for g in range(geometry.shape[0]):
+        per_group[ALLOCATED_PAGES, g] += sums[1, g]
     for r in range(rows.size):
         computed[rows[r]] = first[r] + counts[r]
     batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, positions, request_indices,

@@ -974,7 +974,7 @@ class CacheManager:
         out = _StepArrays.empty(len(self.specs), rows_in.size, n_tokens, write_slots, self._scratch.widths)
         sc, space, ts = self._scratch, self._space, self._tableset
         plan_arrays = sc.plan_arrays(rows_in.size + self._last_rows.size)
-        status, n, settle, n_crossing, clean, n_touched, _ = kernels.step(
+        status, n, settle, n_crossing, clean, n_touched, n_keyed = kernels.step(
             ts.geometry, ts.pages, ts.bounds, self._counters, space.ref_counts, space.cached, space.low_priority,
             space.stack, space.low_floors(), self._transient, self._last_rows, rows_in, counts_in, self._grain,
             self._in_batch, sc.plan_buffer, sc.pages, sc.idle_keyed, sc.touched, *out)
@@ -992,7 +992,7 @@ class CacheManager:
         plan = self._plan_of(n, settle, n_crossing, clean) if status != kernels.STEP_DONE else None
         if plan is not None:
             plan.grants = []
-        n_touched = self._after_run(plan_arrays[5], plan_arrays[7], status, n_touched, plan, out)
+        n_touched = self._after_run(plan_arrays[5], plan_arrays[7][3], status, n_touched, n_keyed, plan, out)
         rows = plan_arrays[0][settle:n]
         self._last_rows = rows.copy()
         return self._build_batch(rows, rids, out, False, n_touched if updates else -1)
@@ -1007,23 +1007,22 @@ class CacheManager:
         scratch, idle_keyed, released, touched = self._scratch.reserve(most_released, released_pages,
                                                                         allocated_pages)
         space, ts = self._space, self._tableset
-        space.low_floors()
-        status, n_touched, _ = kernels.run_step(
+        status, n_touched, n_keyed = kernels.run_step(
             ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
-            space.low_priority, space.stack, space.tops, space.lowest_first, space.low_floor, self._transient,
-            plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums, bool(plan.grants), scratch,
-            idle_keyed, released, touched, *out)
-        return out, self._after_run(plan.sums, plan.totals, status, n_touched, plan, out)
+            space.low_priority, space.stack, space.low_floors(), self._transient, plan.rows, plan.counts, plan.first,
+            plan.settle, plan.after, plan.sums, bool(plan.grants), scratch, idle_keyed, released, touched, *out)
+        return out, self._after_run(plan.sums, allocated_pages, status, n_touched, n_keyed, plan, out)
 
-    def _after_run(self, sums: np.ndarray, totals, status: int, n_touched: int, plan: _StepPlan | None,
-                   out: _StepArrays) -> int:
-        """Book what the step kernel did: the pages it released (keyed ones join the prefix
-        cache's LRU), and when it stopped after the releases, the arena's slabs move as
-        admission planned, groups make room (``PagePool.make_room``: evict) and
-        ``finish_step`` allocates; then the allocations. Returns the table cells changed."""
+    def _after_run(self, sums: np.ndarray, allocated_pages: int, status: int, n_touched: int, n_keyed: int,
+                   plan: _StepPlan | None, out: _StepArrays) -> int:
+        """Book what the step kernel did (it counted the pages it released and allocated):
+        the keyed pages it left idle join the prefix cache's LRU, and when it stopped after
+        the releases, the arena's slabs move as admission planned, groups make room
+        (``PagePool.make_room``: evict) and ``finish_step`` allocates; then the pools'
+        peaks. Returns the table cells changed."""
         space, ts = self._space, self._tableset
-        if totals[1]:
-            space.released(self._scratch.released, self._scratch.idle_keyed)
+        if n_keyed:
+            space.keyed_idle(self._scratch.released[1].tolist(), self._scratch.idle_keyed)
         if status != kernels.STEP_DONE:
             if plan.grants:
                 self.arena.apply(plan.grants)
@@ -1031,11 +1030,11 @@ class CacheManager:
                 if n:
                     pool.make_room(n, self._transient_pages(plan, k))
             n_touched = kernels.finish_step(
-                ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.tops,
-                space.lowest_first, self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after,
-                plan.sums, self._scratch.touched, n_touched, *out)
-        if totals[3]:
-            space.allocated(sums[1])
+                ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.per_group,
+                self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums,
+                self._scratch.touched, n_touched, *out)
+        if allocated_pages:
+            space.note_peaks(sums[1])
         return n_touched
 
     def _transient_pages(self, plan: _StepPlan, k: int) -> int:
