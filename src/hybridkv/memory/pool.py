@@ -688,8 +688,6 @@ class PageSpace:
     def note_peaks(self, allocated: np.ndarray) -> None:
         """Each pool's peak of used pages, after a step kernel allocated ``allocated[g]``
         pages in group ``g`` (it counted them)."""
-        for g in np.flatnonzero(allocated).tolist():
-            pool = self.pools[g]
-            used = pool._granted_pages - int(self.tops[g]) - len(pool._evictable)  # num_used_pages
-            if used > pool.peak_used_pages:
-                pool.peak_used_pages = used
+        for pool, n, top in zip(self.pools, allocated.tolist(), self.tops.tolist()):
+            if n and pool._granted_pages - top - len(pool._evictable) > pool.peak_used_pages:
+                pool.peak_used_pages = pool._granted_pages - top - len(pool._evictable)  # num_used_pages
