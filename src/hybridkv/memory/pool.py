@@ -638,7 +638,7 @@ class PageSpace:
         self.tops[:] = [p._top for p in self.pools]
         self.lowest_first[:] = [p.lowest_first for p in self.pools]
         self.low_idle = np.asarray([p._low_idle_pages for p in self.pools], dtype=np.int64)
-        self.packing = [g for g, p in enumerate(self.pools) if p.lowest_first]  # pools ``low_floors`` asks
+        self.packing = [(g, p) for g, p in enumerate(self.pools) if p.lowest_first]  # pools ``low_floors`` asks
         for g, pool in enumerate(self.pools):
             pool._tops, pool._lows, pool._slot = self.tops, self.low_idle, g
             pool.counters.tallies = self.per_group[3:, g]
@@ -665,8 +665,7 @@ class PageSpace:
         out = self.low_floor
         out.fill(kernels.NO_PACKING)
         asked, skip = None, False
-        for g in self.packing:
-            pool = self.pools[g]
+        for g, pool in self.packing:
             ask = pool.may_skip_packing
             if ask is not None:
                 if ask != asked:  # the pools of one arena share its answer: asked once

@@ -127,11 +127,12 @@ class _Scratch:
         of ``plan_buffer``): rows, counts, first, after, need, sums, crossing, totals; the
         same arrays while they are large enough (every plan overwrites the previous one's).
         ``released`` is ``release_pages``' count per group."""
-        if kernels.plan_size(n_rows, self.n_groups) > self.plan_buffer.size:
+        if n_rows > self.plan_rows:
             self._grow_plan(2 * n_rows)
         return self.plan
 
     def _grow_plan(self, n_rows: int) -> None:
+        self.plan_rows = n_rows
         self.plan_buffer = np.empty(kernels.plan_size(n_rows, self.n_groups), dtype=np.int64)
         views = kernels.plan_views(self.plan_buffer, self.n_groups)
         self.plan, self.released = views[:8], views[8]
