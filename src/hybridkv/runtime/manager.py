@@ -994,9 +994,8 @@ class CacheManager:
         if plan is not None:
             plan.grants = []
         n_touched = self._after_run(plan_arrays[5], plan_arrays[7][3], status, n_touched, n_keyed, plan, out)
-        rows = plan_arrays[0][settle:n]
-        self._last_rows = rows.copy()
-        return self._build_batch(rows, rids, out, False, n_touched if updates else -1)
+        self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
+        return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1)
 
     def _run(self, plan: _StepPlan, write_slots: bool) -> tuple[_StepArrays, int]:
         """Release, allocate and the batch's arrays in one compiled call
