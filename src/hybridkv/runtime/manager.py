@@ -932,14 +932,16 @@ class CacheManager:
             plan.request_ids = uniform[0] if items is None else tuple(map(itemgetter(0), items))
         return self._commit_and_run(plan, write_slots, updates, fixed_width)
 
-    def _commit_and_run(self, plan: _StepPlan, write_slots: bool, updates: bool, fixed_width: bool) -> StepBatch:
-        """An admitted plan's stages 2-4: commit, run, build the batch."""
+    def _commit_and_run(self, plan: _StepPlan, write_slots: bool, updates: bool, fixed_width: bool,
+                        out: _StepArrays | None = None) -> StepBatch:
+        """An admitted plan's stages 2-4: commit, run, build the batch (in ``out`` when
+        given: fresh arrays of the batch's sizes)."""
         self._version += 1
         if self.prefix is not None:
             for row in plan.crossing.tolist():  # publish what the rows' previous steps completed
                 self._commit_row(row)
         self._tableset.start_log() if updates else self._tableset.stop_log()
-        arrays, n_touched = self._run(plan, write_slots)
+        arrays, n_touched = self._run(plan, write_slots, out)
         rows = plan.rows[plan.settle :]
         self._last_rows = rows.copy()  # the plan's arrays are scratch
         return self._build_batch(rows, plan.request_ids, arrays, fixed_width, n_touched if updates else -1)
@@ -987,7 +989,7 @@ class CacheManager:
             if not clean:
                 return plan
             plan.grants = []  # admitted as is: rows commit first, or the scratch buffers grow
-            return self._commit_and_run(plan, write_slots, updates, False)
+            return self._commit_and_run(plan, write_slots, updates, False, out)
         self._version += 1
         ts.start_log() if updates else ts.stop_log()
         plan = self._plan_of(n, settle, n_crossing, clean) if status != kernels.STEP_DONE else None
@@ -997,13 +999,14 @@ class CacheManager:
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1)
 
-    def _run(self, plan: _StepPlan, write_slots: bool) -> tuple[_StepArrays, int]:
-        """Release, allocate and the batch's arrays in one compiled call
-        (``kernels.run_step``); ``_after_run`` books them. Returns the arrays and how
+    def _run(self, plan: _StepPlan, write_slots: bool, out: _StepArrays | None) -> tuple[_StepArrays, int]:
+        """Release, allocate and the batch's arrays (``out``, or fresh ones) in one compiled
+        call (``kernels.run_step``); ``_after_run`` books them. Returns the arrays and how
         many table cells the step changed (at the start of the touched scratch)."""
         n_tokens, released_pages, most_released, allocated_pages = plan.totals
-        out = _StepArrays.empty(len(self.specs), plan.rows.size - plan.settle, n_tokens, write_slots,
-                               self._scratch.widths)
+        if out is None:
+            out = _StepArrays.empty(len(self.specs), plan.rows.size - plan.settle, n_tokens, write_slots,
+                                   self._scratch.widths)
         scratch, idle_keyed, released, touched = self._scratch.reserve(most_released, released_pages,
                                                                         allocated_pages)
         space, ts = self._space, self._tableset
