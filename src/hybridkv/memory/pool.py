@@ -49,37 +49,21 @@ class PoolExhausted(RuntimeError):
 
 
 class PoolCounters:
-    """A pool's event counts. Pages released and allocated live in ``tallies``, a
-    two-element int64 view a ``PageSpace`` rebinds to its ``per_group`` array, which the
-    step kernels add to."""
+    """A pool's event counts. Pages released and allocated live in ``tallies`` (int64), a
+    view of ``PageSpace.per_group`` once a page space holds the pool: the step kernels add to it."""
 
     __slots__ = ("tallies", "failed_allocations", "evicted_pages")
 
     def __init__(self) -> None:
-        self.tallies = np.zeros(2, dtype=np.int64)  # released, allocated
-        self.failed_allocations = 0
-        self.evicted_pages = 0
+        self.tallies, self.failed_allocations, self.evicted_pages = np.zeros(2, dtype=np.int64), 0, 0
 
-    @property
-    def released_pages(self) -> int:
-        return int(self.tallies[0])
-
-    @released_pages.setter
-    def released_pages(self, value: int) -> None:
-        self.tallies[0] = value
-
-    @property
-    def allocated_pages(self) -> int:
-        return int(self.tallies[1])
-
-    @allocated_pages.setter
-    def allocated_pages(self, value: int) -> None:
-        self.tallies[1] = value
+    released_pages = property(lambda self: int(self.tallies[0]))
+    allocated_pages = property(lambda self: int(self.tallies[1]))
 
     def as_dict(self) -> dict[str, int]:
         """The four counts by name (a snapshot)."""
-        return {"allocated_pages": self.allocated_pages, "released_pages": self.released_pages,
-                "failed_allocations": self.failed_allocations, "evicted_pages": self.evicted_pages}
+        names = ("allocated_pages", "released_pages", "failed_allocations", "evicted_pages")
+        return {name: getattr(self, name) for name in names}
 
 
 class PagePool:
@@ -254,7 +238,7 @@ class PagePool:
 
     def note_allocated(self, count: int) -> None:
         """Count ``count`` pages just taken off the free stack (here or by a step kernel)."""
-        self.counters.allocated_pages += count
+        self.counters.tallies[1] += count
         used = self._granted_pages - self._top - len(self._evictable)  # num_used_pages
         if used > self.peak_used_pages:
             self.peak_used_pages = used
@@ -330,7 +314,7 @@ class PagePool:
     def _released(self, zero: np.ndarray) -> None:
         """Pages whose last reference just went (logical order): keyed ones join the
         LRU, the rest go free."""
-        self.counters.released_pages += int(zero.size)
+        self.counters.tallies[0] += zero.size
         keyed = self.cached[zero]
         if keyed.any():
             self._keyed_idle(zero[keyed].tolist())

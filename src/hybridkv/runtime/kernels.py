@@ -223,23 +223,19 @@ def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_i
         released, allocated = 0, 0
         for r in range(n):
             row = rows[r]
-            base, hi = bounds[0, g, row], bounds[1, g, row]
+            base, hi = bounds[BASE, g, row], bounds[HI, g, row]
             new_base = base
             if window > 0:
                 new_base = max(base, min(divide(max(first[r] - window + 1, 0), tokens, shift), hi))
             held = divide(first[r] + counts[r] + tokens - 1, tokens, shift)
-            after[0, g, r] = new_base
-            after[1, g, r] = max(hi, held)
-            need[g, r] = held
+            after[0, g, r], after[1, g, r], need[g, r] = new_base, max(hi, held), held
             released += new_base - base
             allocated += after[1, g, r] - hi
-        sums[0, g] = released
-        sums[1, g] = allocated
+        sums[0, g], sums[1, g] = released, allocated
         totals[1] += released
         totals[2] = max(totals[2], released)
         totals[3] += allocated
-        if allocated > top[g]:
-            clean = False
+        clean = clean and allocated <= top[g]
     return n, settle, n_cross, clean
 
 
