@@ -240,7 +240,7 @@ def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_i
 
 
 @njit(cache=True)
-def release_pages(geometry, pages, bounds, ref, keyed, stack, top, lowest, rows, after, scratch, idle_keyed,
+def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after, scratch, idle_keyed,
                   released, touched, n_touched):
     """Every row's pages below its new base leave its table; then, per group, one
     reference less on each (rows in plan order, pages in logical order). A page whose
@@ -248,8 +248,9 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, top, lowest, rows,
     if keyed to ``idle_keyed`` (local ids, group after group; the caller's prefix cache
     keeps them). LIFO groups push the first released on top; ``lowest`` groups keep
     their stack sorted, the lowest id on top. ``released[0, g]``, ``released[1, g]``:
-    pages gone free and gone idle keyed. Returns (cells logged, idle keyed pages)."""
-    n_rows = bounds.shape[2]
+    pages gone free and gone idle keyed (counted in ``per_group`` too). Returns (cells
+    logged, idle keyed pages)."""
+    n_rows, top, lowest = bounds.shape[2], per_group[TOP], per_group[LOWEST]
     n_keyed = 0
     for g in range(geometry.shape[0]):
         offset = geometry[g, ID_OFFSET]
@@ -283,8 +284,8 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, top, lowest, rows,
             ref[offset + scratch[i]] = 0
         for i in range(keyed_from, n_keyed):
             ref[offset + idle_keyed[i]] = 0
-        released[0, g] = n_free
-        released[1, g] = n_keyed - keyed_from
+        released[0, g], released[1, g] = n_free, n_keyed - keyed_from
+        per_group[RELEASED_PAGES, g] += n_free + n_keyed - keyed_from
         if lowest[g]:
             run = np.sort(scratch[:n_free])
             top[g] = merge_free(stack[offset:], top[g], run)
@@ -314,7 +315,7 @@ def transient_pages(geometry, bounds, g, rows, first, counts, after, sums):
 
 
 @njit(cache=True)
-def allocate_pages(geometry, pages, bounds, ref, stack, top, lowest, transient, rows, first, counts, after, sums,
+def allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, rows, first, counts, after, sums,
                    touched, n_touched):
     """Every row gets the pages from its hi to its new hi (rows in plan order, pages in
     logical order), popped off its group's free stack, each held once. In a
@@ -322,11 +323,13 @@ def allocate_pages(geometry, pages, bounds, ref, stack, top, lowest, transient, 
     the next step releases again (below the window of the row's new end) come last:
     in a ``lowest`` group they take the stack's bottom (highest) ids, in ascending
     order, so long-lived pages pack low; in a LIFO group the ids popped after the
-    survivors'. The stacks hold enough (the caller made room). Returns cells logged."""
-    n_rows = bounds.shape[2]
+    survivors'. The stacks hold enough (the caller made room). Returns cells logged
+    (the pages count in ``per_group``)."""
+    n_rows, top, lowest = bounds.shape[2], per_group[TOP], per_group[LOWEST]
     for g in range(geometry.shape[0]):
         if sums[1, g] == 0:
             continue
+        per_group[ALLOCATED_PAGES, g] += sums[1, g]
         offset = geometry[g, ID_OFFSET]
         tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
         n_transient = transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0
@@ -395,12 +398,10 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
     (``needs_room``), then calls ``finish_step``."""
     for r in range(rows.size):
         committed[rows[r]] = first[r]
-    top, lowest, low_floor = per_group[TOP], per_group[LOWEST], per_group[LOW_FLOOR]
-    n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, top, lowest, rows, after,
+    n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after,
                                        scratch, idle_keyed, released, touched, 0)
-    for g in range(geometry.shape[0]):
-        per_group[RELEASED_PAGES, g] += released[0, g] + released[1, g]
-    if hold or needs_room(geometry, stack, top, lowest, low_floor, low_priority, sums, released, idle_keyed):
+    if hold or needs_room(geometry, stack, per_group[TOP], per_group[LOWEST], per_group[LOW_FLOOR], low_priority,
+                          sums, released, idle_keyed):
         return STEP_NEEDS_PAGES, n_touched, n_keyed
     n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
                             first, settle, after, sums, touched, n_touched, table_rows, scheduled, positions,
@@ -491,10 +492,8 @@ def finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transi
     """The rest of ``run_step`` once the stacks hold enough: allocate (counted in
     ``per_group``), computed tokens move on, the batch's arrays and (when ``slots`` has
     rows) write slots."""
-    n_touched = allocate_pages(geometry, pages, bounds, ref, stack, per_group[TOP], per_group[LOWEST], transient,
-                               rows, first, counts, after, sums, touched, n_touched)
-    for g in range(geometry.shape[0]):
-        per_group[ALLOCATED_PAGES, g] += sums[1, g]
+    n_touched = allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, rows, first, counts,
+                               after, sums, touched, n_touched)
     for r in range(rows.size):
         computed[rows[r]] = first[r] + counts[r]
     batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, positions, request_indices,
