@@ -43,7 +43,7 @@ def snapshot(m, rids=()):
             p.num_free_pages,
             p.num_clean_free_pages,
             p.num_evictable_pages,
-            dict(vars(p.counters)),
+            p.counters.as_dict(),
             p.peak_used_pages,
         )
         for gid, p in m.pools.items()

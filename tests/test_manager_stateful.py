@@ -64,7 +64,7 @@ class ModelRequest:
 
 
 def snapshot(m):
-    pools = {g: (p.ref_counts.tolist(), p.num_free_pages, dict(vars(p.counters))) for g, p in m.pools.items()}
+    pools = {g: (p.ref_counts.tolist(), p.num_free_pages, p.counters.as_dict()) for g, p in m.pools.items()}
     tables = {g: (t.pages.tolist(), t.base.tolist(), t.hi.tolist()) for g, t in m.tables.items()}
     return pools, tables
 

@@ -15,7 +15,7 @@ def pool_state(pool: PagePool):
         pool.num_clean_free_pages,
         pool.num_evictable_pages,
         pool.num_cached_pages,
-        dict(vars(pool.counters)),
+        pool.counters.as_dict(),
         pool.peak_used_pages,
     )
 
@@ -415,7 +415,7 @@ def test_allocate_highest_takes_the_top_free_ids_in_lowest_first_pools():
 def _pool_state(pool):
     pool.check_invariants()  # merges pending releases, so both sides compare sorted stacks
     return (pool.ref_counts.tolist(), pool.free_page_ids().tolist(), list(pool._evictable),
-            sorted(pool._low_idle), pool.num_low_priority_idle_pages, dict(vars(pool.counters)),
+            sorted(pool._low_idle), pool.num_low_priority_idle_pages, pool.counters.as_dict(),
             pool.peak_used_pages)
 
 

@@ -23,7 +23,6 @@ import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -49,12 +48,22 @@ class PoolExhausted(RuntimeError):
     """An allocation asked for more pages than free plus evictable."""
 
 
-@dataclass
 class PoolCounters:
-    allocated_pages: int = 0
-    released_pages: int = 0
-    failed_allocations: int = 0
-    evicted_pages: int = 0
+    """A pool's event counts. Pages released and allocated live in ``tallies`` (int64), a
+    view of ``PageSpace.per_group`` once a page space holds the pool: the step kernels add to it."""
+
+    __slots__ = ("tallies", "failed_allocations", "evicted_pages")
+
+    def __init__(self) -> None:
+        self.tallies, self.failed_allocations, self.evicted_pages = np.zeros(2, dtype=np.int64), 0, 0
+
+    released_pages = property(lambda self: int(self.tallies[0]))
+    allocated_pages = property(lambda self: int(self.tallies[1]))
+
+    def as_dict(self) -> dict[str, int]:
+        """The four counts by name (a snapshot)."""
+        names = ("allocated_pages", "released_pages", "failed_allocations", "evicted_pages")
+        return {name: getattr(self, name) for name in names}
 
 
 class PagePool:
@@ -237,7 +246,7 @@ class PagePool:
 
     def note_allocated(self, count: int) -> None:
         """Count ``count`` pages just taken off the free stack (here or by a step kernel)."""
-        self.counters.allocated_pages += count
+        self.counters.tallies[1] += count
         used = self._granted_pages - self._top - len(self._evictable)  # num_used_pages
         if used > self.peak_used_pages:
             self.peak_used_pages = used
@@ -313,7 +322,7 @@ class PagePool:
     def _released(self, zero: np.ndarray) -> None:
         """Pages whose last reference just went (logical order): keyed ones join the
         LRU, the rest go free."""
-        self.counters.released_pages += int(zero.size)
+        self.counters.tallies[0] += zero.size
         keyed = self.cached[zero]
         if keyed.any():
             self._keyed_idle(zero[keyed].tolist())
@@ -608,15 +617,19 @@ class PageSpace:
             for pool, start, n in zip(self.pools, starts, sizes):
                 setattr(pool, name, whole[start : start + n])
         # Per group, in one array a step kernel takes whole: the free stack's top, whether
-        # the pool hands out its lowest ids first, and ``low_floors``' answer.
-        self.per_group = np.zeros((3, len(self.pools)), dtype=np.int64)
-        self.tops, self.lowest_first, self.low_floor = self.per_group
+        # the pool hands out its lowest ids first, ``low_floors``' answer, and the pages
+        # ever released and allocated (the pools' counters: ``kernels.TOP`` ... ``ALLOCATED_PAGES``).
+        self.per_group = np.zeros((5, len(self.pools)), dtype=np.int64)
+        self.tops, self.lowest_first, self.low_floor = self.per_group[:3]
+        self.per_group[3:] = [[p.counters.released_pages for p in self.pools],
+                              [p.counters.allocated_pages for p in self.pools]]
         self.tops[:] = [p._top for p in self.pools]
         self.lowest_first[:] = [p.lowest_first for p in self.pools]
         self.low_idle = np.asarray([p._low_idle_pages for p in self.pools], dtype=np.int64)
-        self.packing = [g for g, p in enumerate(self.pools) if p.lowest_first]  # pools ``low_floors`` asks
+        self.packing = [(g, p) for g, p in enumerate(self.pools) if p.lowest_first]  # pools ``low_floors`` asks
         for g, pool in enumerate(self.pools):
             pool._tops, pool._lows, pool._slot = self.tops, self.low_idle, g
+            pool.counters.tallies = self.per_group[3:, g]
 
     def release(self, pages: np.ndarray, per_group: Sequence[int]) -> None:
         """``pools[g].decref`` of each group's slice of ``pages`` (local ids, group-major,
@@ -627,7 +640,8 @@ class PageSpace:
         kernels.drop_holds(self.ref_counts, self.cached, self.offsets, np.asarray(per_group, dtype=np.int64),
                            pages, freed, keyed, counts)
         kernels.push_free(self.stack, self.tops, self.offsets, self.lowest_first, counts[0], freed)
-        self.released(counts, keyed)
+        self.per_group[kernels.RELEASED_PAGES] += counts[0] + counts[1]
+        self.keyed_idle(counts[1].tolist(), keyed)
 
     def low_floors(self) -> np.ndarray:
         """``per_group``, once ``low_floor[g]`` holds: for a lowest-first pool (one that may
@@ -639,8 +653,7 @@ class PageSpace:
         out = self.low_floor
         out.fill(kernels.NO_PACKING)
         asked, skip = None, False
-        for g in self.packing:
-            pool = self.pools[g]
+        for g, pool in self.packing:
             ask = pool.may_skip_packing
             if ask is not None:
                 if ask != asked:  # the pools of one arena share its answer: asked once
@@ -650,21 +663,18 @@ class PageSpace:
             out[g] = pool._low_idle[0] if pool._low_idle and self.low_idle[g] else kernels.NO_LOW_IDLE
         return self.per_group
 
-    def released(self, counts: np.ndarray, keyed: np.ndarray) -> None:
-        """Book pages a release took from requests: ``counts[0, g]`` went free (already
-        on the stacks), ``counts[1, g]`` keyed ones went idle (``keyed``, local ids, group
-        after group), which join their pool's LRU."""
+    def keyed_idle(self, per_group: Sequence[int], keyed: np.ndarray) -> None:
+        """Keyed pages a release left idle (``keyed``, local ids, group after group,
+        ``per_group[g]`` of them) join their pool's LRU."""
         n_keyed = 0
-        for pool, f, k in zip(self.pools, *counts.tolist()):
-            if f + k:
-                pool.counters.released_pages += f + k
+        for pool, k in zip(self.pools, per_group):
             if k:
                 pool._keyed_idle(keyed[n_keyed : n_keyed + k].tolist())
                 n_keyed += k
 
-    def allocated(self, counts: np.ndarray) -> None:
-        """``PagePool.note_allocated`` of ``counts[g]`` pages (a step kernel took them off
-        the stacks) for every pool, in one pass."""
-        for pool, n in zip(self.pools, counts.tolist()):
-            if n:
-                pool.note_allocated(n)
+    def note_peaks(self, allocated: np.ndarray) -> None:
+        """Each pool's peak of used pages, after a step kernel allocated ``allocated[g]``
+        pages in group ``g`` (it counted them)."""
+        for pool, n, top in zip(self.pools, allocated.tolist(), self.tops.tolist()):
+            if n and pool._granted_pages - top - len(pool._evictable) > pool.peak_used_pages:
+                pool.peak_used_pages = pool._granted_pages - top - len(pool._evictable)  # num_used_pages

@@ -38,8 +38,10 @@ Arrays (``G`` groups, ``R`` scheduled rows, ``N`` scheduled tokens):
   ``g``, row, column ``L & COLUMN_MASK`` at index ``(g * table rows + row) *
   VIEW_COLUMNS + column``; the cells a kernel touches are logged in that form.
 * ``computed`` int64 ``[table rows]``: tokens computed per row; ``step`` takes it with
-  the committed and known tokens as ``counters`` ``[3, table rows]``, and ``top``,
-  ``lowest`` and ``low_floor`` as ``per_group`` ``[3, G]``.
+  the committed and known tokens as ``counters`` ``[3, table rows]``.
+* ``per_group`` int64 ``[5, G]``: each group's free stack ``top``, whether it is
+  ``lowest`` first, its ``low_floor`` (``needs_room``), and the pages a step kernel
+  ever released and allocated in it (the pool's counters).
 * ``ref`` int32 ``[P]``, ``keyed`` bool ``[P]``: per page-space id, its holders and
   whether it carries a content key (an idle keyed page goes to the prefix
   cache's LRU, which Python keeps, not to the free stack).
@@ -63,6 +65,7 @@ RING_START, ROW_STRIDE, RING_MASK, LANE_START, VIEW_COLUMNS, COLUMN_STRIDE = ran
 FREE_COUNT = 15  # free lanes of the group (kernels change it)
 GEOMETRY_COLUMNS = 16
 BASE, HI, LANE, FREE_LANES = range(4)  # planes of ``bounds``
+TOP, LOWEST, LOW_FLOOR, RELEASED_PAGES, ALLOCATED_PAGES = range(5)  # rows of ``per_group``
 
 STEP_DONE = 0
 STEP_NEEDS_PAGES = 1  # the releases ran; the caller lends slabs or evicts, then calls finish_step
@@ -242,28 +245,24 @@ def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_i
         released, allocated = 0, 0
         for r in range(n):
             row = rows[r]
-            base, hi = bounds[0, g, row], bounds[1, g, row]
+            base, hi = bounds[BASE, g, row], bounds[HI, g, row]
             new_base = base
             if window > 0:
                 new_base = max(base, min(divide(max(first[r] - window + 1, 0), tokens, shift), hi))
             held = divide(first[r] + counts[r] + tokens - 1, tokens, shift)
-            after[0, g, r] = new_base
-            after[1, g, r] = max(hi, held)
-            need[g, r] = held
+            after[0, g, r], after[1, g, r], need[g, r] = new_base, max(hi, held), held
             released += new_base - base
             allocated += after[1, g, r] - hi
-        sums[0, g] = released
-        sums[1, g] = allocated
+        sums[0, g], sums[1, g] = released, allocated
         totals[1] += released
         totals[2] = max(totals[2], released)
         totals[3] += allocated
-        if allocated > top[g]:
-            clean = False
+        clean = clean and allocated <= top[g]
     return n, settle, n_cross, clean
 
 
 @njit(cache=True)
-def release_pages(geometry, pages, bounds, ref, keyed, stack, top, lowest, rows, after, scratch, idle_keyed,
+def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after, scratch, idle_keyed,
                   released, touched, n_touched):
     """Every row's pages below its new base leave its table; then, per group, one
     reference less on each (rows in plan order, pages in logical order). A page whose
@@ -271,8 +270,9 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, top, lowest, rows,
     if keyed to ``idle_keyed`` (local ids, group after group; the caller's prefix cache
     keeps them). LIFO groups push the first released on top; ``lowest`` groups keep
     their stack sorted, the lowest id on top. ``released[0, g]``, ``released[1, g]``:
-    pages gone free and gone idle keyed. Returns (cells logged, idle keyed pages)."""
-    n_rows = bounds.shape[2]
+    pages gone free and gone idle keyed (counted in ``per_group`` too). Returns (cells
+    logged, idle keyed pages)."""
+    n_rows, top, lowest = bounds.shape[2], per_group[TOP], per_group[LOWEST]
     n_keyed = 0
     for g in range(geometry.shape[0]):
         offset = geometry[g, ID_OFFSET]
@@ -306,8 +306,8 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, top, lowest, rows,
             ref[offset + scratch[i]] = 0
         for i in range(keyed_from, n_keyed):
             ref[offset + idle_keyed[i]] = 0
-        released[0, g] = n_free
-        released[1, g] = n_keyed - keyed_from
+        released[0, g], released[1, g] = n_free, n_keyed - keyed_from
+        per_group[RELEASED_PAGES, g] += n_free + n_keyed - keyed_from
         top[g] = push_run(stack[offset:], top[g], lowest[g] != 0, scratch[:n_free])
     return n_touched, n_keyed
 
@@ -331,7 +331,7 @@ def transient_pages(geometry, bounds, g, rows, first, counts, after, sums):
 
 
 @njit(cache=True)
-def allocate_pages(geometry, pages, bounds, ref, stack, top, lowest, transient, rows, first, counts, after, sums,
+def allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, rows, first, counts, after, sums,
                    touched, n_touched):
     """Every row gets the pages from its hi to its new hi (rows in plan order, pages in
     logical order), popped off its group's free stack, each held once. In a
@@ -339,11 +339,13 @@ def allocate_pages(geometry, pages, bounds, ref, stack, top, lowest, transient, 
     the next step releases again (below the window of the row's new end) come last:
     in a ``lowest`` group they take the stack's bottom (highest) ids, in ascending
     order, so long-lived pages pack low; in a LIFO group the ids popped after the
-    survivors'. The stacks hold enough (the caller made room). Returns cells logged."""
-    n_rows = bounds.shape[2]
+    survivors'. The stacks hold enough (the caller made room). Returns cells logged
+    (the pages count in ``per_group``)."""
+    n_rows, top, lowest = bounds.shape[2], per_group[TOP], per_group[LOWEST]
     for g in range(geometry.shape[0]):
         if sums[1, g] == 0:
             continue
+        per_group[ALLOCATED_PAGES, g] += sums[1, g]
         offset = geometry[g, ID_OFFSET]
         tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
         n_transient = transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0
@@ -400,22 +402,24 @@ def batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, posi
 
 
 @njit(cache=True)
-def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, top, lowest, low_floor,
-             transient, rows, counts, first, settle, after, sums, hold, scratch, idle_keyed, released, touched,
+def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient,
+             rows, counts, first, settle, after, sums, hold, scratch, idle_keyed, released, touched,
              table_rows, scheduled, positions, request_indices, query_start_loc, base_pages, widths, slots):
     """One admitted step as planned by ``prepare_step``: the rows' tokens so far count as
     committed, releases, allocations, then the batch's arrays (``finish_step``). Returns
-    (status, cells logged, idle keyed pages). ``STEP_NEEDS_PAGES``: the releases ran,
+    (status, cells logged, idle keyed pages); the pages released and allocated count
+    in ``per_group``. ``STEP_NEEDS_PAGES``: the releases ran,
     nothing else; the caller lends slabs (``hold``) and makes room (``PagePool.make_room``)
     in the groups whose stack is short or that would first reuse idle low-priority pages
     (``needs_room``), then calls ``finish_step``."""
     for r in range(rows.size):
         committed[rows[r]] = first[r]
-    n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, top, lowest, rows, after,
+    n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after,
                                        scratch, idle_keyed, released, touched, 0)
-    if hold or needs_room(geometry, stack, top, lowest, low_floor, low_priority, sums, released, idle_keyed):
+    if hold or needs_room(geometry, stack, per_group[TOP], per_group[LOWEST], per_group[LOW_FLOOR], low_priority,
+                          sums, released, idle_keyed):
         return STEP_NEEDS_PAGES, n_touched, n_keyed
-    n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, top, lowest, transient, rows, counts,
+    n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
                             first, settle, after, sums, touched, n_touched, table_rows, scheduled, positions,
                             request_indices, query_start_loc, base_pages, widths, slots)
     return STEP_DONE, n_touched, n_keyed
@@ -477,21 +481,20 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
     """``prepare_step`` then, when the plan needs nothing from Python first (every
     group's free stack covers it, no row crosses a prefix grain, the scratch buffers
     are large enough), ``run_step``, in one call; ``counters`` packs computed, committed
-    and known tokens, ``per_group`` top, lowest and low_floor, ``plan`` the plan's arrays
+    and known tokens, ``plan`` the plan's arrays
     (``plan_views``). Returns (status, rows in the plan, settling rows, crossing rows,
     clean, cells logged, idle keyed pages); status ``STEP_PLANNED`` (or -1 rows: no plan)
     when only the plan ran."""
     rows, counts, first, after, need, sums, crossing, totals, released = plan_views(plan, geometry.shape[0])
     computed, committed, known = counters[0], counters[1], counters[2]
-    top, lowest, low_floor = per_group[0], per_group[1], per_group[2]
     n, settle, n_cross, clean = prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in,
-                                             counts_in, grain, top, mark, rows, counts, first, after, need, sums,
-                                             crossing, totals)
+                                             counts_in, grain, per_group[TOP], mark, rows, counts, first, after, need,
+                                             sums, crossing, totals)
     if (n < 0 or not clean or n_cross > 0 or totals[0] != positions.size or totals[2] > scratch.size
             or totals[1] > idle_keyed.size or totals[1] + totals[3] > touched.size):
         return STEP_PLANNED, n, settle, n_cross, clean, 0, 0
     status, n_touched, n_keyed = run_step(
-        geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, top, lowest, low_floor,
+        geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group,
         transient, rows[:n], counts[:n], first[:n], settle, after[:, :, :n], sums, False, scratch, idle_keyed,
         released, touched, table_rows, scheduled, positions, request_indices, query_start_loc, base_pages, widths,
         slots)
@@ -499,12 +502,13 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
 
 
 @njit(cache=True)
-def finish_step(geometry, pages, bounds, computed, ref, stack, top, lowest, transient, rows, counts, first, settle,
+def finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts, first, settle,
                 after, sums, touched, n_touched, table_rows, scheduled, positions, request_indices, query_start_loc,
                 base_pages, widths, slots):
-    """The rest of ``run_step`` once the stacks hold enough: allocate, computed tokens
-    move on, the batch's arrays and (when ``slots`` has rows) write slots."""
-    n_touched = allocate_pages(geometry, pages, bounds, ref, stack, top, lowest, transient, rows, first, counts,
+    """The rest of ``run_step`` once the stacks hold enough: allocate (counted in
+    ``per_group``), computed tokens move on, the batch's arrays and (when ``slots`` has
+    rows) write slots."""
+    n_touched = allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, rows, first, counts,
                                after, sums, touched, n_touched)
     for r in range(rows.size):
         computed[rows[r]] = first[r] + counts[r]

@@ -127,11 +127,12 @@ class _Scratch:
         of ``plan_buffer``): rows, counts, first, after, need, sums, crossing, totals; the
         same arrays while they are large enough (every plan overwrites the previous one's).
         ``released`` is ``release_pages``' count per group."""
-        if kernels.plan_size(n_rows, self.n_groups) > self.plan_buffer.size:
+        if n_rows > self.plan_rows:
             self._grow_plan(2 * n_rows)
         return self.plan
 
     def _grow_plan(self, n_rows: int) -> None:
+        self.plan_rows = n_rows
         self.plan_buffer = np.empty(kernels.plan_size(n_rows, self.n_groups), dtype=np.int64)
         views = kernels.plan_views(self.plan_buffer, self.n_groups)
         self.plan, self.released = views[:8], views[8]
@@ -936,14 +937,16 @@ class CacheManager:
             plan.request_ids = uniform[0] if items is None else tuple(map(itemgetter(0), items))
         return self._commit_and_run(plan, write_slots, updates, fixed_width)
 
-    def _commit_and_run(self, plan: _StepPlan, write_slots: bool, updates: bool, fixed_width: bool) -> StepBatch:
-        """An admitted plan's stages 2-4: commit, run, build the batch."""
+    def _commit_and_run(self, plan: _StepPlan, write_slots: bool, updates: bool, fixed_width: bool,
+                        out: _StepArrays | None = None) -> StepBatch:
+        """An admitted plan's stages 2-4: commit, run, build the batch (in ``out`` when
+        given: fresh arrays of the batch's sizes)."""
         self._version += 1
         if self.prefix is not None:
             for row in plan.crossing.tolist():  # publish what the rows' previous steps completed
                 self._commit_row(row)
         self._tableset.start_log() if updates else self._tableset.stop_log()
-        arrays, n_touched = self._run(plan, write_slots)
+        arrays, n_touched = self._run(plan, write_slots, out)
         rows = plan.rows[plan.settle :]
         self._last_rows = rows.copy()  # the plan's arrays are scratch
         return self._build_batch(rows, plan.request_ids, arrays, fixed_width, n_touched if updates else -1)
@@ -979,7 +982,7 @@ class CacheManager:
         out = _StepArrays.empty(len(self.specs), rows_in.size, n_tokens, write_slots, self._scratch.widths)
         sc, space, ts = self._scratch, self._space, self._tableset
         plan_arrays = sc.plan_arrays(rows_in.size + self._last_rows.size)
-        status, n, settle, n_crossing, clean, n_touched, _ = kernels.step(
+        status, n, settle, n_crossing, clean, n_touched, n_keyed = kernels.step(
             ts.geometry, ts.pages, ts.bounds, self._counters, space.ref_counts, space.cached, space.low_priority,
             space.stack, space.low_floors(), self._transient, self._last_rows, rows_in, counts_in, self._grain,
             self._in_batch, sc.plan_buffer, sc.pages, sc.idle_keyed, sc.touched, *out)
@@ -991,44 +994,43 @@ class CacheManager:
             if not clean:
                 return plan
             plan.grants = []  # admitted as is: rows commit first, or the scratch buffers grow
-            return self._commit_and_run(plan, write_slots, updates, False)
+            return self._commit_and_run(plan, write_slots, updates, False, out)
         self._version += 1
         ts.start_log() if updates else ts.stop_log()
         plan = self._plan_of(n, settle, n_crossing, clean) if status != kernels.STEP_DONE else None
         if plan is not None:
             plan.grants = []
-        n_touched = self._after_run(plan_arrays[5], plan_arrays[7], status, n_touched, plan, out)
-        rows = plan_arrays[0][settle:n]
-        self._last_rows = rows.copy()
-        return self._build_batch(rows, rids, out, False, n_touched if updates else -1)
+        n_touched = self._after_run(plan_arrays[5], plan_arrays[7][3], status, n_touched, n_keyed, plan, out)
+        self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
+        return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1)
 
-    def _run(self, plan: _StepPlan, write_slots: bool) -> tuple[_StepArrays, int]:
-        """Release, allocate and the batch's arrays in one compiled call
-        (``kernels.run_step``); ``_after_run`` books them. Returns the arrays and how
+    def _run(self, plan: _StepPlan, write_slots: bool, out: _StepArrays | None) -> tuple[_StepArrays, int]:
+        """Release, allocate and the batch's arrays (``out``, or fresh ones) in one compiled
+        call (``kernels.run_step``); ``_after_run`` books them. Returns the arrays and how
         many table cells the step changed (at the start of the touched scratch)."""
         n_tokens, released_pages, most_released, allocated_pages = plan.totals
-        out = _StepArrays.empty(len(self.specs), plan.rows.size - plan.settle, n_tokens, write_slots,
-                               self._scratch.widths)
+        if out is None:
+            out = _StepArrays.empty(len(self.specs), plan.rows.size - plan.settle, n_tokens, write_slots,
+                                   self._scratch.widths)
         scratch, idle_keyed, released, touched = self._scratch.reserve(most_released, released_pages,
                                                                         allocated_pages)
         space, ts = self._space, self._tableset
-        space.low_floors()
-        status, n_touched, _ = kernels.run_step(
+        status, n_touched, n_keyed = kernels.run_step(
             ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
-            space.low_priority, space.stack, space.tops, space.lowest_first, space.low_floor, self._transient,
-            plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums, bool(plan.grants), scratch,
-            idle_keyed, released, touched, *out)
-        return out, self._after_run(plan.sums, plan.totals, status, n_touched, plan, out)
+            space.low_priority, space.stack, space.low_floors(), self._transient, plan.rows, plan.counts, plan.first,
+            plan.settle, plan.after, plan.sums, bool(plan.grants), scratch, idle_keyed, released, touched, *out)
+        return out, self._after_run(plan.sums, allocated_pages, status, n_touched, n_keyed, plan, out)
 
-    def _after_run(self, sums: np.ndarray, totals, status: int, n_touched: int, plan: _StepPlan | None,
-                   out: _StepArrays) -> int:
-        """Book what the step kernel did: the pages it released (keyed ones join the prefix
-        cache's LRU), and when it stopped after the releases, the arena's slabs move as
-        admission planned, groups make room (``PagePool.make_room``: evict) and
-        ``finish_step`` allocates; then the allocations. Returns the table cells changed."""
+    def _after_run(self, sums: np.ndarray, allocated_pages: int, status: int, n_touched: int, n_keyed: int,
+                   plan: _StepPlan | None, out: _StepArrays) -> int:
+        """Book what the step kernel did (it counted the pages it released and allocated):
+        the keyed pages it left idle join the prefix cache's LRU, and when it stopped after
+        the releases, the arena's slabs move as admission planned, groups make room
+        (``PagePool.make_room``: evict) and ``finish_step`` allocates; then the pools'
+        peaks. Returns the table cells changed."""
         space, ts = self._space, self._tableset
-        if totals[1]:
-            space.released(self._scratch.released, self._scratch.idle_keyed)
+        if n_keyed:
+            space.keyed_idle(self._scratch.released[1].tolist(), self._scratch.idle_keyed)
         if status != kernels.STEP_DONE:
             if plan.grants:
                 self.arena.apply(plan.grants)
@@ -1036,11 +1038,11 @@ class CacheManager:
                 if n:
                     pool.make_room(n, self._transient_pages(plan, k))
             n_touched = kernels.finish_step(
-                ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.tops,
-                space.lowest_first, self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after,
-                plan.sums, self._scratch.touched, n_touched, *out)
-        if totals[3]:
-            space.allocated(sums[1])
+                ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.per_group,
+                self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums,
+                self._scratch.touched, n_touched, *out)
+        if allocated_pages:
+            space.note_peaks(sums[1])
         return n_touched
 
     def _transient_pages(self, plan: _StepPlan, k: int) -> int:

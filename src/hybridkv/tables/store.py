@@ -317,8 +317,9 @@ class TableSet:
         log.clear()
         cells = np.empty((3, index.size), dtype=np.int64)
         page = np.empty(index.size, dtype=np.int32)
-        kernels.read_cells(self.geometry, self.pages, self.bounds, index, cells[0], cells[1], cells[2], page)
-        return cells[0], cells[1], cells[2], page, reset
+        group, row, column = cells
+        kernels.read_cells(self.geometry, self.pages, self.bounds, index, group, row, column, page)
+        return group, row, column, page, reset
 
     def ensure_rows(self, rows: int) -> None:
         have = self.rows_capacity
