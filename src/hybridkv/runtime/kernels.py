@@ -664,6 +664,29 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
 
 
 @njit(cache=True)
+def held_in_slabs(ref, owner, group, lo, hi, straddle):
+    """(held pages, slabs holding one) of ``group``, counting only the slabs it owns: the
+    inner pages ``lo[s] .. hi[s]-1`` of slab ``s`` and the page straddling boundary
+    ``s + 1`` (``straddle[s + 1] >= 0``, its first byte in slab ``s``) when the group
+    owns slab ``s + 1`` too. Its granted pages lie there only, so this is the count of
+    every page with ``ref > 0`` and of the slabs their first bytes lie in."""
+    n, held_pages, held_slabs = owner.size, 0, 0
+    for s in range(n):
+        if owner[s] != group:
+            continue
+        here = 0
+        for page in range(lo[s], hi[s]):
+            if ref[page] > 0:
+                here += 1
+        if s + 1 < n and owner[s + 1] == group and straddle[s + 1] >= 0 and ref[straddle[s + 1]] > 0:
+            here += 1
+        held_pages += here
+        if here:
+            held_slabs += 1
+    return held_pages, held_slabs
+
+
+@njit(cache=True)
 def read_cells(geometry, pages, bounds, index, group, row, column, page):
     """Group, row, column and page id now (-1: no live page there) of each ring-view
     cell ``index[i]``."""
