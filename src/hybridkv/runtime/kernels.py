@@ -513,21 +513,27 @@ def block_table(geometry, pages, bounds, g, rows, out):
 
 # --- table and page-space helpers outside the step (free, rewind, prefix hits, pools) ------------
 @njit(cache=True)
-def take_pages(geometry, pages, bounds, rows, lo, counts, out, touched):
-    """Empty logical pages ``[lo[g, r], lo[g, r] + counts[g, r])`` of every group and row;
-    their ids go to ``out`` and their ring-view cells to ``touched``, group-major then
-    row order. Returns how many. (The caller moves the bounds.)"""
-    n = 0
-    n_rows = bounds.shape[2]
+def clear_rows(geometry, pages, bounds, rows, out, touched, per_group):
+    """Empty ``rows`` in every group: each row's live pages ``[base, hi)`` leave its
+    table (ids to ``out``, ring-view cells to ``touched``, group-major then row order,
+    ``per_group[g]`` of them), a wide row's lane goes back (``fit_ring``), bounds back
+    to 0. ``out`` and ``touched`` hold every live page of the rows. Returns how many."""
+    n, n_rows = 0, bounds.shape[2]
     for g in range(geometry.shape[0]):
+        start = n
         for r in range(rows.size):
             row = rows[r]
-            for logical in range(lo[g, r], lo[g, r] + counts[g, r]):
+            for logical in range(bounds[BASE, g, row], bounds[HI, g, row]):
                 at = cell(geometry, bounds, g, row, logical)
                 out[n] = pages[at]
                 pages[at] = -1
                 touched[n] = view_cell(geometry, n_rows, g, row, logical)
                 n += 1
+            if bounds[LANE, g, row]:
+                fit_ring(geometry, pages, bounds, g, row, 0)
+            bounds[BASE, g, row] = 0
+            bounds[HI, g, row] = 0
+        per_group[g] = n - start
     return n
 
 
