@@ -308,29 +308,26 @@ class PagePool:
         self.counters.released_pages += int(zero.size)
         keyed = self.cached[zero]
         if keyed.any():
-            self._keyed_idle(zero[keyed])
+            self._keyed_idle(zero[keyed].tolist())
             zero = zero[~keyed]
         self._push_free(zero)
 
-    def _keyed_idle(self, pages: np.ndarray) -> None:
-        """Keyed pages (logical order) whose last reference just went join the LRU, the
-        last listed first, so a chain's tail is evicted before its head; low-priority ones
-        move to its front one by one in that order (the first listed ends frontmost)."""
+    def _keyed_idle(self, pages: list[int]) -> None:
+        """Keyed pages (logical order) whose last reference just went join the LRU,
+        the last listed first, so a chain's tail is evicted before its head."""
         tick = next(_IDLE_CLOCK)
-        self.idle_tick[pages] = tick
-        self._evictable.update(dict.fromkeys(pages[::-1].tolist()))
-        low = self.low_priority[pages]
-        if low.any():
-            lows = pages[low][::-1].tolist()
-            self._low_idle_pages += len(lows)
-            for page in lows:
+        idle_tick = self.idle_tick
+        for page in reversed(pages):
+            idle_tick[page] = tick
+            self._evictable[page] = None
+            if self.low_priority[page]:
+                self._low_idle_pages += 1
                 self._evictable.move_to_end(page, last=False)
-            if self.lowest_first:
-                for page in lows:
+                if self.lowest_first:
                     heapq.heappush(self._low_idle, page)
         if self.ranker is not None:
-            page_key = self._page_key
-            self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in pages[~low][::-1].tolist()], tick)
+            low, page_key = self.low_priority, self._page_key
+            self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in reversed(pages) if not low[p]], tick)
 
     def _push_free(self, pages: np.ndarray) -> None:
         n = pages.size
@@ -658,7 +655,7 @@ class PageSpace:
             if f + k:
                 pool.counters.released_pages += f + k
             if k:
-                pool._keyed_idle(keyed[n_keyed : n_keyed + k])
+                pool._keyed_idle(keyed[n_keyed : n_keyed + k].tolist())
                 n_keyed += k
 
     def allocated(self, counts: np.ndarray) -> None:
