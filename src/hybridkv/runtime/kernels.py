@@ -514,10 +514,8 @@ def block_table(geometry, pages, bounds, g, rows, out):
 # --- table and page-space helpers outside the step (free, rewind, prefix hits, pools) ------------
 @njit(cache=True)
 def clear_rows(geometry, pages, bounds, rows, out, touched, per_group):
-    """Empty ``rows`` in every group: each row's live pages ``[base, hi)`` leave its
-    table (ids to ``out``, ring-view cells to ``touched``, group-major then row order,
-    ``per_group[g]`` of them), a wide row's lane goes back (``fit_ring``), bounds back
-    to 0. ``out`` and ``touched`` hold every live page of the rows. Returns how many."""
+    """Empty ``rows`` in every group: their live pages leave the tables (ids to ``out``, cells
+    to ``touched``, group-major then row order, ``per_group[g]`` each), wide rows' lanes go back."""
     n, n_rows = 0, bounds.shape[2]
     for g in range(geometry.shape[0]):
         start = n
@@ -531,10 +529,8 @@ def clear_rows(geometry, pages, bounds, rows, out, touched, per_group):
                 n += 1
             if bounds[LANE, g, row]:
                 fit_ring(geometry, pages, bounds, g, row, 0)
-            bounds[BASE, g, row] = 0
-            bounds[HI, g, row] = 0
+            bounds[BASE, g, row], bounds[HI, g, row] = 0, 0
         per_group[g] = n - start
-    return n
 
 
 @njit(cache=True)
@@ -671,11 +667,9 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
 
 @njit(cache=True)
 def held_in_slabs(ref, owner, group, lo, hi, straddle):
-    """(held pages, slabs holding one) of ``group``, counting only the slabs it owns: the
-    inner pages ``lo[s] .. hi[s]-1`` of slab ``s`` and the page straddling boundary
-    ``s + 1`` (``straddle[s + 1] >= 0``, its first byte in slab ``s``) when the group
-    owns slab ``s + 1`` too. Its granted pages lie there only, so this is the count of
-    every page with ``ref > 0`` and of the slabs their first bytes lie in."""
+    """(pages with ``ref > 0``, slabs their first bytes lie in) of ``group``, read from the
+    slabs it owns (where its granted pages lie): slab ``s``'s inner pages ``lo[s] .. hi[s]-1``
+    and, when it owns slab ``s + 1`` too, the page straddling their boundary."""
     n, held_pages, held_slabs = owner.size, 0, 0
     for s in range(n):
         if owner[s] != group:

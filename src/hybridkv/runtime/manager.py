@@ -644,8 +644,8 @@ class CacheManager:
                 releases.crossed_grains = int(np.maximum(plan.first // grain - self._committed.take(plan.rows) // grain,
                                                          0).sum())
             freed -= releases.crossed_grains * (-(-window // self.specs[k].page_tokens) + 1)
-        releases.freed_first[k] = max(freed, 0)
-        return releases.freed_first[k]
+        known = releases.freed_first[k] = max(freed, 0)
+        return known
 
     def _fit_with_credit(self, releases: _Releases, fits: np.ndarray, deny: dict[int, str]) -> None:
         """Admission when the allocations alone do not fit: count the pages the step's

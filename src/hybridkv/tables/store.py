@@ -385,9 +385,8 @@ class TableSet:
     def clear_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Empty ``rows`` in every group (bounds back to 0, narrow again): their held
         page ids, group-major, row-major, in logical order, and how many per group."""
-        total = int((self.bounds[kernels.HI][:, rows] - self.bounds[kernels.BASE][:, rows]).sum())
-        pages, touched = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
-        per_group = np.empty(self.geometry.shape[0], dtype=np.int64)
+        pages = np.empty(int((self.bounds[kernels.HI][:, rows] - self.bounds[kernels.BASE][:, rows]).sum()), np.int64)
+        touched, per_group = np.empty_like(pages), np.empty(len(self.tables), np.int64)
         kernels.clear_rows(self.geometry, self.pages, self.bounds, rows, pages, touched, per_group)
         self.note_cells(touched)
         return pages, per_group
