@@ -264,7 +264,7 @@ BREAKDOWN_METHODS = {
     "CacheManager": ["schedule", "schedule_uniform", "_admit", "_fast_validate", "_fast_validate_uniform", "_plan",
                      "_run", "_build_batch", "rewind_many"],
     "GroupTable": ["take"],
-    "TableSet": ["take_flat", "block_table", "drain_updates"],
+    "TableSet": ["clear_rows", "block_table", "drain_updates"],
     "PagePool": ["make_room", "decref", "publish", "unpublish"],
     "PrefixCache": ["commit"],
 }

@@ -2,10 +2,12 @@
 ``page_space="shared"`` mode, and that live pages of different groups never share
 a byte (checked from page ids and page sizes alone, not through the arena)."""
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
-from hybridkv.memory.arena import Arena, anchor_group_for, arena_geometry, shared_arena_for
+from hybridkv.memory.arena import SPREAD_SLABS, Arena, anchor_group_for, arena_geometry, shared_arena_for
 from hybridkv.runtime.manager import CacheManager, CacheManagerError
 from hybridkv.models.layout import cache_layout
 from hybridkv.plan import Limits, plan_for_budget
@@ -463,3 +465,68 @@ def test_only_what_low_priority_pages_cannot_cover_is_evicted_from_valuable_entr
     assert m.add_request("c", np.concatenate([a_ids, [3, 9]]).astype(np.int32)).hit_tokens == 64
     live_byte_ranges_disjoint(m)
     m.check_invariants()
+
+
+def whole_pool_must_pack(arena, gid, page, pages):
+    """The packing rule worked from every page id of the pool (``ArenaGeometry.slab_of``
+    of each held page), the reference for ``PagePool.must_pack``, which counts only the
+    group's own slabs."""
+    if not arena.roomy():
+        return True
+    geometry, pool = arena.geometry, arena.pools[gid]
+    lo, hi = geometry.slab_page_ranges(gid)
+    slab = int(geometry.slab_of(gid, [page])[0])
+    if (pool.ref_counts[lo[slab] : hi[slab]] > 0).any():
+        return False
+    held = np.flatnonzero(pool.ref_counts > 0)
+    spread = np.unique(geometry.slab_of(gid, held)).size + 1
+    per_slab = max(int((hi - lo).min()), 1)
+    return spread > -(-(held.size + pages) // per_slab) + SPREAD_SLABS
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_must_pack_counting_the_groups_slabs_answers_as_the_whole_pool_scan(data):
+    """Random slab grants, allocations (straddling pages included) and releases in two
+    groups of a 12-slab arena, roomy or not: for every free id and allocation size the
+    pool's rule answers as the whole-pool reference."""
+    geometry = small_geometry(12)
+    pools = {gid: PagePool(gid, geometry.view_pages(gid), granted=False, lowest_first=True) for gid in SMALL_BYTES}
+    arena = Arena(geometry, pools)
+    for _ in range(data.draw(st.integers(1, 12))):
+        gid = data.draw(st.sampled_from(sorted(SMALL_BYTES)))
+        pool = pools[gid]
+        arena.apply(arena.plan({gid: data.draw(st.integers(0, 30))}, {}, partial=True))
+        free = pool.num_free_pages
+        if free:
+            pool.allocate(data.draw(st.sampled_from([free, max(free // 2, 1), 1])))
+        held = np.flatnonzero(pool.ref_counts > 0)
+        keep = data.draw(st.integers(0, min(held.size, 8)))  # a few live pages left, anywhere in its slabs
+        order = np.random.default_rng(data.draw(st.integers(0, 2**16))).permutation(held)
+        if data.draw(st.booleans()):  # keep pages straddling two slabs first
+            order = order[np.argsort(~np.isin(order, geometry.boundary_pages(gid)), kind="stable")]
+        pool.decref(order[keep:])
+    arena.check_invariants()
+    for gid, pool in pools.items():
+        for page in pool.free_page_ids().tolist():
+            for pages in (1, 3, 9):
+                assert pool.must_pack(page, pages) == whole_pool_must_pack(arena, gid, page, pages)
+
+
+def test_live_pages_straddling_two_slabs_count_for_the_slab_of_their_first_byte():
+    """swa owns slabs 0-5 of 12 (roomy) and holds only the five pages straddling their
+    boundaries (ids 7, 13, 19, 25, 31: first bytes in slabs 0-4). Live pages then lie in
+    5 slabs though they fill one: any long-lived page in a slab without live inner pages
+    must reuse lower ids first (5 + 1 > ceil(6 / 5) + 2)."""
+    geometry = small_geometry(12)
+    pools = {gid: PagePool(gid, geometry.view_pages(gid), granted=False, lowest_first=True) for gid in SMALL_BYTES}
+    arena, swa = Arena(geometry, pools), pools["swa"]
+    arena.apply(arena.plan({"swa": 30}, {}))
+    straddling = [7, 13, 19, 25, 31]
+    assert geometry.boundary_pages("swa")[1:6].tolist() == straddling
+    pages = swa.allocate(swa.num_free_pages)
+    swa.decref(np.asarray([p for p in pages.tolist() if p not in straddling]))
+    assert arena.roomy() and np.flatnonzero(swa.ref_counts > 0).tolist() == straddling
+    for page in swa.free_page_ids().tolist():
+        assert swa.must_pack(page, 1) and whole_pool_must_pack(arena, "swa", page, 1)
+    assert swa.must_pack(2, 10) and not swa.must_pack(2, 11)  # 6 > ceil(15 / 5) + 2, not ceil(16 / 5) + 2

@@ -193,18 +193,18 @@ class Arena:
         pages below them (evicting those) unless the arena is roomy and the allocation's
         highest page lies in a slab already holding live pages of the group, or the
         group's live pages then lie in at most ``SPREAD_SLABS`` slabs more than they fill."""
-        pool, (lo, hi) = self.pools[gid], self._ranges[gid]
-        per_slab = max(int((hi - lo).min()), 1)
+        pool, (lo, hi), straddle = self.pools[gid], self._ranges[gid], self._straddle[gid]
+        per_slab, gi, g = max(int((hi - lo).min()), 1), self._index[gid], self.geometry
+        page_bytes, head, slab_bytes = g.page_bytes[gid], g.reserved_bytes, g.slab_bytes
 
         def must_pack(page: int, pages: int) -> bool:
             if not self.roomy():
                 return True
-            slab = int(self.geometry.slab_of(gid, np.asarray([page]))[0])
+            slab = (page * page_bytes - head) // slab_bytes  # ArenaGeometry.slab_of
             if (pool.ref_counts[lo[slab] : hi[slab]] > 0).any():
                 return False
-            held = np.flatnonzero(pool.ref_counts > 0)
-            spread = np.unique(self.geometry.slab_of(gid, held)).size + 1
-            return spread > -(-(held.size + pages) // per_slab) + SPREAD_SLABS
+            held_pages, held_slabs = kernels.held_in_slabs(pool.ref_counts, self.owner, gi, lo, hi, straddle)
+            return held_slabs + 1 > -(-(held_pages + pages) // per_slab) + SPREAD_SLABS
 
         return must_pack
 

@@ -132,6 +132,9 @@ class PagePool:
         self.low_priority = np.zeros(self.num_pages, dtype=bool)
         self._page_key: dict[int, Hashable] = {}
         self._entries: dict[Hashable, tuple[int, ...]] = {}
+        # An entry's pages by key, None when it is not published: the dict's own get (a
+        # prefix match or commit asks it once per block and group, without a Python frame).
+        self.lookup: Callable[[Hashable], tuple[int, ...] | None] = self._entries.get
         # Called with (key, cause, idle pages freed) after an entry is removed; cause is
         # UNPUBLISHED, EVICTED, EVICTED_LOW (a low-priority entry evicted) or REVOKED.
         self.on_removed: Callable[[Hashable, str, int], None] | None = None
@@ -453,9 +456,6 @@ class PagePool:
                     heapq.heappush(self._low_idle, page)
         if idle and not was_low:
             self._low_idle_pages += idle
-
-    def lookup(self, key: Hashable) -> tuple[int, ...] | None:
-        return self._entries.get(key)
 
     def unpublish(self, key: Hashable, cause: str = UNPUBLISHED) -> int:
         """Drop an entry; its pages that no request holds go back to the free stack

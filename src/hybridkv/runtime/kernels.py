@@ -533,22 +533,24 @@ def block_table(geometry, pages, bounds, g, rows, out):
 
 # --- table and page-space helpers outside the step (free, rewind, prefix hits, pools) ------------
 @njit(cache=True)
-def take_pages(geometry, pages, bounds, rows, lo, counts, out, touched):
-    """Empty logical pages ``[lo[g, r], lo[g, r] + counts[g, r])`` of every group and row;
-    their ids go to ``out`` and their ring-view cells to ``touched``, group-major then
-    row order. Returns how many. (The caller moves the bounds.)"""
-    n = 0
-    n_rows = bounds.shape[2]
+def clear_rows(geometry, pages, bounds, rows, out, touched, per_group):
+    """Empty ``rows`` in every group: their live pages leave the tables (ids to ``out``, cells
+    to ``touched``, group-major then row order, ``per_group[g]`` each), wide rows' lanes go back."""
+    n, n_rows = 0, bounds.shape[2]
     for g in range(geometry.shape[0]):
+        start = n
         for r in range(rows.size):
             row = rows[r]
-            for logical in range(lo[g, r], lo[g, r] + counts[g, r]):
+            for logical in range(bounds[BASE, g, row], bounds[HI, g, row]):
                 at = cell(geometry, bounds, g, row, logical)
                 out[n] = pages[at]
                 pages[at] = -1
                 touched[n] = view_cell(geometry, n_rows, g, row, logical)
                 n += 1
-    return n
+            if bounds[LANE, g, row]:
+                fit_ring(geometry, pages, bounds, g, row, 0)
+            bounds[BASE, g, row], bounds[HI, g, row] = 0, 0
+        per_group[g] = n - start
 
 
 @njit(cache=True)
@@ -690,6 +692,27 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
         taken[n_taken] = pick
         n_taken += 1
     return n_taken, short_pages
+
+
+@njit(cache=True)
+def held_in_slabs(ref, owner, group, lo, hi, straddle):
+    """(pages with ``ref > 0``, slabs their first bytes lie in) of ``group``, read from the
+    slabs it owns (where its granted pages lie): slab ``s``'s inner pages ``lo[s] .. hi[s]-1``
+    and, when it owns slab ``s + 1`` too, the page straddling their boundary."""
+    n, held_pages, held_slabs = owner.size, 0, 0
+    for s in range(n):
+        if owner[s] != group:
+            continue
+        here = 0
+        for page in range(lo[s], hi[s]):
+            if ref[page] > 0:
+                here += 1
+        if s + 1 < n and owner[s + 1] == group and straddle[s + 1] >= 0 and ref[straddle[s + 1]] > 0:
+            here += 1
+        held_pages += here
+        if here:
+            held_slabs += 1
+    return held_pages, held_slabs
 
 
 @njit(cache=True)

@@ -176,6 +176,7 @@ class _Releases:
         self._tableset, self._space, self._pools, self.plan = tableset, space, pools, plan
         self._found: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self.crossed_grains: int | None = None  # prefix grains the rows' commits complete (``_freed_first``)
+        self.freed_first: dict[int, int] = {}  # ``_freed_first``'s answer per group, once worked out
 
     def of(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Group ``k``: per plan row, the pages below its new base that only it holds (its
@@ -274,8 +275,9 @@ class CacheManager:
         self._space = PageSpace(self._pool_list)
         # With a shared arena the pools start empty and borrow slabs as they need pages.
         self.arena = Arena(arena, self.pools) if arena is not None else None
-        # On an arena, prefill pages released again at the next step come last (highest ids).
-        self._transient = np.full(len(self.specs), arena is not None, dtype=np.bool_)
+        # On an arena, prefill pages released again at the next step come last (highest ids):
+        # only sliding groups release what a step allocates (kernels.transient_pages).
+        self._transient = np.asarray([arena is not None and s.is_sliding for s in self.specs], dtype=np.bool_)
         self._scratch = _Scratch(len(self.specs))
         self._tableset = TableSet(
             self.specs, max_context_tokens=self.max_context_tokens, max_step_tokens=self.max_step_tokens,
@@ -633,7 +635,9 @@ class CacheManager:
     def _freed_first(self, releases: _Releases, k: int) -> int:
         """Pages of group ``k`` the step's releases put on the free stack before it
         allocates (sole references without a key: keyed ones stay cached)."""
-        plan = releases.plan
+        plan, known = releases.plan, releases.freed_first.get(k)
+        if known is not None:
+            return known
         if not plan.sums[0, k]:
             return 0
         freed = releases.of(k)[2].size
@@ -646,7 +650,8 @@ class CacheManager:
                 releases.crossed_grains = int(np.maximum(plan.first // grain - self._committed.take(plan.rows) // grain,
                                                          0).sum())
             freed -= releases.crossed_grains * (-(-window // self.specs[k].page_tokens) + 1)
-        return max(freed, 0)
+        known = releases.freed_first[k] = max(freed, 0)
+        return known
 
     def _fit_with_credit(self, releases: _Releases, fits: np.ndarray, deny: dict[int, str]) -> None:
         """Admission when the allocations alone do not fit: count the pages the step's

@@ -344,26 +344,13 @@ class TableSet:
             self.log[:] = [group * (new * self.view_columns) + cell]
 
     # --- outside the step (free, rewind) and the step's block tables -------------------
-    def take_flat(self, rows: np.ndarray, lo: np.ndarray, *, counts: np.ndarray, total: int) -> np.ndarray:
-        """Forget logical pages ``[lo, lo + counts)`` (``[G, R]`` each, ``total`` pages in
-        all) of every group: their ids, group-major then row-major."""
-        out = np.empty(total, dtype=np.int64)
-        touched = np.empty(total, dtype=np.int64)
-        kernels.take_pages(self.geometry, self.pages, self.bounds, rows, lo, counts, out, touched)
-        self.note_cells(touched)
-        return out
-
     def clear_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Empty ``rows`` in every group (bounds back to 0, narrow again): their held
         page ids, group-major, row-major, in logical order, and how many per group."""
-        lo = self.bounds[kernels.BASE][:, rows]
-        counts = self.bounds[kernels.HI][:, rows] - lo
-        per_group = counts.sum(axis=1)
-        pages = self.take_flat(rows, lo, counts=counts, total=int(per_group.sum()))
-        wide_groups, wide_rows = np.nonzero(self.bounds[kernels.LANE][:, rows])
-        for g, r in zip(wide_groups.tolist(), wide_rows.tolist()):
-            kernels.fit_ring(self.geometry, self.pages, self.bounds, g, int(rows[r]), 0)  # its lane goes back
-        self.bounds[: kernels.LANE, :, rows] = 0
+        pages = np.empty(int((self.bounds[kernels.HI][:, rows] - self.bounds[kernels.BASE][:, rows]).sum()), np.int64)
+        touched, per_group = np.empty_like(pages), np.empty(len(self.tables), np.int64)
+        kernels.clear_rows(self.geometry, self.pages, self.bounds, rows, pages, touched, per_group)
+        self.note_cells(touched)
         return pages, per_group
 
     def block_table(self, g: int, rows: np.ndarray, width: int) -> np.ndarray:
