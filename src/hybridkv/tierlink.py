@@ -221,6 +221,7 @@ class TierLink:
         self._first_history = manager.prefix.history_ids[0] if manager.prefix.history_ids else None
         self._state_ids = frozenset(manager.prefix.state_ids)
         self._specs = {s.group_id: s for s in manager.specs}
+        self._kinds = {s.group_id: "checkpoint" if s.is_sliding else "block" for s in manager.specs}
         self._prefix.tier_hook = self
 
     def stored(self, group_id: str, key: int, boundary_tokens: int, pages: Sequence[int], low_priority: bool) -> None:
@@ -305,29 +306,33 @@ class TierLink:
             self._queue_wanted()
             self._queue_board()
             self._flight.retire()
+        if not self._queue:
+            return _NO_OFFLOADS
         queue, self._queue = self._queue, []
         fresh: dict[tuple[str, int], tuple[int, tuple[int, ...]]] = {}
         offloading = self._offloading
         for gid, key, boundary, pages in queue:  # the first of each entry, none still in flight
-            if (gid, key) not in fresh and (gid, key) not in offloading:
-                fresh[(gid, key)] = (boundary, pages)
+            entry = (gid, key)
+            if entry not in fresh and entry not in offloading:
+                fresh[entry] = (boundary, pages)
         if not fresh:
             return _NO_OFFLOADS
-        made = [self._offload_object(gid, key, boundary, pages) for (gid, key), (boundary, pages) in fresh.items()]
-        held = list(self.store.contains([obj.key for obj, _, _ in made]))
-        skipped = held.count(True)
-        self._stats.offload_skipped += skipped
         entries = list(fresh.items())
+        objects, views, payload_bytes = self._offload_objects(entries)
+        held = self.store.contains([obj.key for obj in objects])
+        skipped = held.count(True)
         if skipped:
+            self._stats.offload_skipped += skipped
             keep = [i for i, h in enumerate(held) if not h]
-            made, entries = [made[i] for i in keep], [entries[i] for i in keep]
-        if not made:
-            return _NO_OFFLOADS
-        self._stats.offload_objects += len(made)
-        self._stats.offload_bytes += sum(nbytes for _, _, nbytes in made)
+            if not keep:
+                return _NO_OFFLOADS
+            objects, views = [objects[i] for i in keep], [views[i] for i in keep]
+            entries, payload_bytes = [entries[i] for i in keep], sum(self._entry_bytes(entries[i]) for i in keep)
+        self._stats.offload_objects += len(objects)
+        self._stats.offload_bytes += payload_bytes
         self._tickets += 1
         pinned = self._pin(self._tickets, entries) if self.pin_offloads else ()
-        return OffloadPlan(tuple(obj for obj, _, _ in made), tuple(view for _, view, _ in made), pinned, self._tickets)
+        return OffloadPlan(tuple(objects), tuple(views), pinned, self._tickets)
 
     def confirm_offloads(self, results: Iterable[tuple[int | None, Sequence[bool | None]]]) -> None:
         """Report offload plans the engine has run: ``(ticket, per object True stored, False
@@ -518,17 +523,31 @@ class TierLink:
         return rows_for_tokens(spec, obj.first_token, obj.end_token)[1] * self._row_bytes[obj.key.group_id]
 
     # --- planning ------------------------------------------------------------------
-    def _offload_object(self, gid: str, key: int, boundary: int, pages: tuple[int, ...]
-                        ) -> tuple[PlannedObject, GroupPages, int]:
-        """The object of a published entry, its pages' view and its payload bytes."""
-        spec = self._specs[gid]
-        if spec.is_sliding:
-            first, kind = max(0, boundary - self._prefix.checkpoint_window_tokens(gid)), "checkpoint"
-        else:
-            first, kind = boundary - self._prefix.granularity_tokens, "block"
-        obj = PlannedObject(ObjectKey(kind, gid, key), first, boundary, boundary)
-        view = GroupPages(first // spec.page_tokens, np.asarray(pages, dtype=np.int64))
-        return obj, view, self.object_payload_bytes(obj)
+    def _first_token(self, gid: str, boundary: int) -> int:
+        """The first token of group ``gid``'s offload object at ``boundary``: a block's ``D - G``,
+        a checkpoint's ``D - W`` (or 0)."""
+        if self._specs[gid].is_sliding:
+            return max(0, boundary - self._prefix.checkpoint_window_tokens(gid))
+        return boundary - self._prefix.granularity_tokens
+
+    def _entry_bytes(self, entry: tuple[tuple[str, int], tuple[int, tuple[int, ...]]]) -> int:
+        """Payload bytes of the offload object of ``((group, key), (boundary, pages))``."""
+        (gid, _), (boundary, _) = entry
+        first = self._first_token(gid, boundary)
+        return rows_for_tokens(self._specs[gid], first, boundary)[1] * self._row_bytes[gid]
+
+    def _offload_objects(self, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]
+                         ) -> tuple[list[PlannedObject], list[GroupPages], int]:
+        """The objects of published entries ``((group, key), (boundary, pages))``, their pages'
+        views, and their payload bytes in all."""
+        objects, views, payload_bytes = [], [], 0
+        specs, kinds, row_bytes = self._specs, self._kinds, self._row_bytes
+        for (gid, key), (boundary, pages) in entries:
+            first = self._first_token(gid, boundary)
+            objects.append(PlannedObject(ObjectKey(kinds[gid], gid, key), first, boundary, boundary))
+            views.append(GroupPages(first // specs[gid].page_tokens, np.asarray(pages, dtype=np.int64)))
+            payload_bytes += rows_for_tokens(specs[gid], first, boundary)[1] * row_bytes[gid]
+        return objects, views, payload_bytes
 
     def _plan_load(self, request_id: str, hashes: Any, prompt_tokens: int, hit_tokens: int,
                    cap_tokens: int | None = None) -> None:
