@@ -20,7 +20,10 @@ Variants (each a fresh manager, link, store and worker; they take turns within e
   evicted rows are gathered on the step thread (their pages are reused by this step), the
   encode and put run on the worker;
 * ``<tier>-through``: write-through with ``pin_offloads``: published entries' pages are held
-  until ``confirm_offloads``; the gather, encode and put all run on the worker.
+  until ``confirm_offloads``; the gather, encode and put all run on the worker;
+* ``<tier>-defer``: write-through with ``defer_offloads``: as ``through`` without holding
+  pages; an entry evicted before the worker copied it is copied at the next plan, on the step
+  thread (``offload_rescues`` counts them).
 
 With ``--no-loads`` the links only offload (``plan_loads=False``): no tier hits, so every variant
 runs exactly the steps and evictions of ``off`` and the difference is the offload path alone.
@@ -75,7 +78,7 @@ from hybridkv.tiers import DiskTier, HostTier, ObjectStore, OffloadWorker, new_g
 
 OUT = Path(__file__).parent / "out" / "tiers_step.json"
 TARGET_RATIO = 1.2
-VARIANTS = ("off", "host-sync", "host-back", "host-through", "disk-back", "disk-through")
+VARIANTS = ("off", "host-sync", "host-back", "host-through", "host-defer", "disk-back", "disk-through", "disk-defer")
 
 
 class StepEngine:
@@ -208,8 +211,8 @@ def run_variant(variant: str, plan, pools, requests, args, tmp: str, index: int)
     if variant != "off":
         kind, mode = variant.split("-")
         store = new_store(kind, plan.layout, tmp, index)
-        link = TierLink(store, write_through=mode == "through", pin_offloads=mode == "through",
-                        plan_loads=not args.no_loads)
+        link = TierLink(store, write_through=mode in ("through", "defer"), pin_offloads=mode == "through",
+                        defer_offloads=mode == "defer", plan_loads=not args.no_loads)
         if mode != "sync":
             worker = OffloadWorker(store, max_queued_objects=args.queue_objects, put_batch_objects=args.put_batch)
     manager = CacheManager.from_plan(plan, enable_prefix_caching=True, tier_link=link)
@@ -242,6 +245,7 @@ def run_variant(variant: str, plan, pools, requests, args, tmp: str, index: int)
     if link is not None:
         st = link.stats()
         out.update(offload_objects=st.offload_objects, offload_pinned=st.offload_pinned,
+                   offload_deferred=st.offload_deferred, offload_rescues=st.offload_rescues,
                    offload_dropped=st.offload_dropped, offload_bytes=st.offload_bytes,
                    confirmed_loads=st.confirmed_loads, pinned_pages_left=st.pinned_pages)
     return out
@@ -352,7 +356,8 @@ def summarize(rounds: list[dict], variants: list[str]) -> dict:
             "tier_cpu_ms_median": statistics.median(r[v]["tier_cpu_us_total"] / 1e3 for r in rounds),
             "load_ms_median": statistics.median(r[v]["load_us_total"] / 1e3 for r in rounds),
             **{k: last[k] for k in ("steps", "evicted_pages", "hit_tokens", "offload_objects", "offload_pinned",
-                                    "offload_dropped", "confirmed_loads") if k in last},
+                                    "offload_deferred", "offload_rescues", "offload_dropped", "confirmed_loads")
+               if k in last},
         }
         out[v]["verdict"] = verdict(out[v]) if v != "off" else ""
     return out
@@ -375,7 +380,7 @@ def print_report(report: dict) -> None:
           f"{'loads on' if report['loads'] else 'no loads'}, {'gated worker, ' if report['gate'] else ''}"
           f"{report['rounds']} rounds, load average {report['load_average_1m']:.1f} on {report['cpus']} CPUs")
     head = ("variant", "steps", "p50 us", "p99 us", "total ms", "tier ms", "tier cpu ms", "x off", "interval", "step-median x off",
-            "wake ms", "x off +wake", "cpu ms", "cpu x off", "objects", "pinned", "dropped", "evicted pg", "loads ms",
+            "wake ms", "x off +wake", "cpu ms", "cpu x off", "objects", "pinned", "deferred", "rescues", "dropped", "evicted pg", "loads ms",
             "1.2x")
     print(" | ".join(head))
     for v, s in report["summary"].items():
@@ -386,7 +391,8 @@ def print_report(report: dict) -> None:
             f"{s['ratio_interval'][0]:.2f}-{s['ratio_interval'][1]:.2f}", "" if smr is None else f"{smr:.3f}",
             f"{s['wake_ms_median']:.0f}", f"{s['with_wake_ratio_median']:.3f}",
             f"{s['cpu_ms_median']:.0f}", f"{s['cpu_ratio_median']:.3f}",
-            s.get("offload_objects", ""), s.get("offload_pinned", ""), s.get("offload_dropped", ""),
+            s.get("offload_objects", ""), s.get("offload_pinned", ""), s.get("offload_deferred", ""),
+            s.get("offload_rescues", ""), s.get("offload_dropped", ""),
             s["evicted_pages"], f"{s['load_ms_median']:.0f}", s["verdict"])))
     coverage = next(iter(report["summary"].values()))["ratio_interval_coverage"]
     print("per-round x off: " + "; ".join(
