@@ -56,10 +56,10 @@ class Engine:
     """A manager with a pinned write-through link (or write-back), byte pools and a fake forward."""
 
     def __init__(self, total_tokens=2048, *, write_through=True, seed=0, max_pinned_pages=None,
-                 page_space="per-group"):
+                 page_space="per-group", defer=False):
         plan = plan_for_tokens(LAYOUT, total_tokens, LIMITS)
         self.store = ObjectStore(HostTier(1 << 30), LAYOUT)
-        self.link = TierLink(self.store, write_through=write_through, pin_offloads=True,
+        self.link = TierLink(self.store, write_through=write_through, pin_offloads=not defer, defer_offloads=defer,
                              max_pinned_pages=max_pinned_pages)
         self.manager = CacheManager.from_plan(plan, shuffle_seed=seed, enable_prefix_caching=True,
                                               prefix_granularity=256, tier_link=self.link, page_space=page_space)
@@ -187,6 +187,55 @@ def test_a_full_pin_budget_leaves_the_entry_for_its_eviction():
     engine.run_jobs()  # the unpinned rows were staged when the plan was taken
     engine.check_store()
     assert engine.link.stats().offload_stored == stats.offload_objects
+
+
+def test_deferred_rows_evicted_before_the_worker_copies_them_are_rescued_at_the_next_plan():
+    engine = Engine(total_tokens=1536, defer=True)
+    rng = np.random.default_rng(5)
+    compute(engine, "p", rng.integers(0, CONFIG.vocab_size, 600))
+    stats = engine.link.stats()
+    assert stats.offload_deferred == stats.offload_objects > 0 and stats.offload_pinned == 0
+    engine.manager.free("p")
+    assert engine.pinned() == 0  # nothing held: p's entries are evictable at once
+    for i in range(5):  # other prompts evict p's entries and write their pages; no job has run
+        rid = f"x{i}"
+        engine.manager.add_request(rid, rng.integers(0, CONFIG.vocab_size, 900), max_new_tokens=4)
+        fit = engine.manager.max_admissible_tokens(rid, 900)
+        engine.step([(rid, fit)])
+        engine.manager.free(rid)
+    assert engine.link.stats().offload_rescues > 0
+    engine.run_jobs()
+    engine.check_store()  # every object, rescued or not, holds its rows of take time
+    stats = engine.link.stats()
+    assert stats.offload_stored == stats.offload_objects and stats.pinned_pages == 0
+    engine.manager.check_invariants()
+
+
+def test_a_rescue_after_the_worker_settled_gathers_nothing_and_before_it_replaces_its_copy():
+    engine = Engine(total_tokens=2048, defer=True)
+    rng = np.random.default_rng(6)
+    engine.manager.add_request("p", rng.integers(0, CONFIG.vocab_size, 600), max_new_tokens=4)
+    engine.step([("p", 512)])
+    engine.run_jobs()
+    engine.manager.schedule([("p", 88)])  # publishes the first 512 tokens' entries
+    plan = engine.link.take_offloads()
+    assert len(plan.objects) >= 2 and plan.copies is not None and all(plan.deferred)
+    truth = gather_objects(engine.pools, list(plan.sources), [(o.key, o.first_token, o.end_token) for o in plan.objects])
+    worker_copy = {0: gather_objects(engine.pools, [plan.sources[0]], [(plan.objects[0].key, 0, 0)])[0]}
+    assert plan.copies.rescue(1, engine.pools) is True  # before the worker: gathered now, on this thread
+    for group in engine.pools.values():  # every page changes after the rescue
+        for plane in group.planes:
+            plane.pool.fill(0)
+    settled = {0: truth[0], 1: worker_copy[0]}
+    plan.copies.settle(settled)
+    np.testing.assert_array_equal(settled[1].payload, truth[1].payload)  # the rescued copy, not the worker's
+    assert settled[0] is truth[0]
+    assert plan.copies.rescue(0, engine.pools) is False  # settled by the worker: nothing to do
+
+
+def test_pinning_and_deferring_exclude_each_other():
+    with pytest.raises(ValueError, match="exclude each other"):
+        TierLink(ObjectStore(HostTier(1 << 20), LAYOUT), pin_offloads=True, defer_offloads=True)
 
 
 def test_write_back_evicted_rows_are_staged_at_take_time():
@@ -380,12 +429,13 @@ SEQUENTIAL = [op for slot in range(4) for op in
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@example(ops=SEQUENTIAL, seed=1, write_through=True, shared=False)
-@example(ops=SEQUENTIAL, seed=2, write_through=False, shared=False)
-@example(ops=SEQUENTIAL, seed=3, write_through=True, shared=True)
-@given(ops=OPS, seed=st.integers(0, 1000), write_through=st.booleans(), shared=st.booleans())
-def test_stored_rows_are_the_rows_at_take_time_whatever_runs_between(ops, seed, write_through, shared):
-    engine = Engine(total_tokens=1024, write_through=write_through, seed=seed,
+@example(ops=SEQUENTIAL, seed=1, write_through=True, shared=False, defer=False)
+@example(ops=SEQUENTIAL, seed=2, write_through=False, shared=False, defer=False)
+@example(ops=SEQUENTIAL, seed=3, write_through=True, shared=True, defer=False)
+@example(ops=SEQUENTIAL, seed=4, write_through=True, shared=False, defer=True)
+@given(ops=OPS, seed=st.integers(0, 1000), write_through=st.booleans(), shared=st.booleans(), defer=st.booleans())
+def test_stored_rows_are_the_rows_at_take_time_whatever_runs_between(ops, seed, write_through, shared, defer):
+    engine = Engine(total_tokens=1024, write_through=write_through, seed=seed, defer=defer,
                     page_space="shared" if shared else "per-group")  # shared: one arena lent in slabs
     rng = np.random.default_rng(seed)
     shared = rng.integers(0, CONFIG.vocab_size, 300)
@@ -421,7 +471,8 @@ def test_stored_rows_are_the_rows_at_take_time_whatever_runs_between(ops, seed, 
 
 
 # --- with the reference layers ----------------------------------------------------------------
-def test_offloads_through_the_worker_serve_another_instance_with_correct_outputs():
+@pytest.mark.parametrize("defer", [False, True])
+def test_offloads_through_the_worker_serve_another_instance_with_correct_outputs(defer):
     limits = Limits(max_running_requests=8, max_scheduled_tokens=1024, max_context_tokens=1024, speculative_tokens=3)
     model = build_model(CONFIG, seed=0)
     store = ObjectStore(HostTier(1 << 30), LAYOUT)
@@ -435,7 +486,7 @@ def test_offloads_through_the_worker_serve_another_instance_with_correct_outputs
         stack = PagedStack(model, mgr.specs, plan.group_pages)
         return mgr, stack, group_pools_from_layers(LAYOUT, stack.pools)
 
-    link_a = TierLink(store, write_through=True, pin_offloads=True)
+    link_a = TierLink(store, write_through=True, pin_offloads=not defer, defer_offloads=defer)
     mgr_a, stack_a, pools_a = instance(link_a, 3, total_tokens=1536)
     with OffloadWorker(store) as worker:
         mgr_a.add_request("p", tokens, max_new_tokens=8)
@@ -447,7 +498,7 @@ def test_offloads_through_the_worker_serve_another_instance_with_correct_outputs
             link_a.take_offloads().submit(worker, pools_a)  # before the forward writes a page
             stack_a.forward(batch, np.asarray(ids))
         mgr_a.free("p")
-        for i in range(4):  # the freed prompt's pages would be reused here, were they not pinned
+        for i in range(4):  # the freed prompt's pages would be reused here, were they not pinned (or rescued)
             rid = f"x{i}"
             mgr_a.add_request(rid, rng.integers(0, CONFIG.vocab_size, 700), max_new_tokens=8)
             fit = mgr_a.max_admissible_tokens(rid, 700)

@@ -82,7 +82,7 @@ from hybridkv.tiers.keys import ObjectKey
 from hybridkv.tiers.pools import layout_parts
 from hybridkv.tiers.rows import GroupPages, rows_for_tokens
 from hybridkv.tiers.store import ObjectStore
-from hybridkv.transfer import LoadPlan, LoadResult, OffloadPlan, PlannedObject, pages_from_manager
+from hybridkv.transfer import DeferredCopies, LoadPlan, LoadResult, OffloadPlan, PlannedObject, pages_from_manager
 
 
 _NO_OFFLOADS = OffloadPlan((), ())
@@ -119,6 +119,8 @@ class TierLinkStats:
     offload_bytes: int = 0  # their payload bytes (rows only)
     offload_skipped: int = 0  # objects the store already held
     offload_pinned: int = 0  # handed out with their pages held for a later copy (pin_offloads)
+    offload_deferred: int = 0  # handed out for a later copy without a hold (defer_offloads)
+    offload_rescues: int = 0  # of those, removed from the cache before confirmed: copied at the next plan if not yet
     offload_stored: int = 0  # confirmed stored by a tier (confirm_offloads)
     offload_refused: int = 0  # confirmed, no tier stored them
     offload_dropped: int = 0  # confirmed dropped or failed (a full worker queue, a fault): never stored
@@ -158,12 +160,15 @@ class TierLink:
     blocks another is computing (None: never wait).
     ``pin_offloads``: hold the pages of entries still published until
     :meth:`confirm_offloads` (their copy may run off the step), at most
-    ``max_pinned_pages`` at once. ``plan_loads=False``: offload only, never load.
+    ``max_pinned_pages`` at once. ``defer_offloads`` (instead of pinning): entries still
+    published are copied later without a hold; one removed from the cache before the worker
+    copied it is copied at the next plan, on the step thread (:class:`~hybridkv.transfer.DeferredCopies`).
+    ``plan_loads=False``: offload only, never load.
     """
 
     def __init__(self, store: ObjectStore, *, write_through: bool = False, offload_low_priority: bool = False,
                  in_flight: InFlightRule | None = None, pin_offloads: bool = False,
-                 max_pinned_pages: int | None = None, plan_loads: bool = True):
+                 max_pinned_pages: int | None = None, plan_loads: bool = True, defer_offloads: bool = False):
         if not isinstance(store, ObjectStore):
             raise TypeError(f"store must be an ObjectStore, got {type(store).__name__}")
         if in_flight is not None and not isinstance(in_flight, InFlightRule):
@@ -171,11 +176,16 @@ class TierLink:
         if max_pinned_pages is not None and (isinstance(max_pinned_pages, bool) or not isinstance(max_pinned_pages, int)
                                              or max_pinned_pages < 0):
             raise ValueError(f"max_pinned_pages must be a non-negative int or None, got {max_pinned_pages!r}")
+        if pin_offloads and defer_offloads:
+            raise ValueError("pin_offloads and defer_offloads exclude each other: choose one")
         self._flight = InFlightState(Markers(store.tier, store.namespace, in_flight) if in_flight else None)
         self.store = store
         self.write_through = bool(write_through)
         self.offload_low_priority = bool(offload_low_priority)
         self.pin_offloads = bool(pin_offloads)
+        self.defer_offloads = bool(defer_offloads)
+        self._deferred: dict[tuple[str, int], tuple[DeferredCopies, int]] = {}  # entry -> its copy, in flight
+        self._rescues: list[tuple[DeferredCopies, int]] = []  # deferred entries removed since the last plan
         self.plan_loads = bool(plan_loads)  # False: offload only (nothing is ever pending)
         self.max_pinned_pages = max_pinned_pages
         self._tickets = 0
@@ -221,6 +231,7 @@ class TierLink:
         self._first_history = manager.prefix.history_ids[0] if manager.prefix.history_ids else None
         self._state_ids = frozenset(manager.prefix.state_ids)
         self._specs = {s.group_id: s for s in manager.specs}
+        self._kinds = {s.group_id: "checkpoint" if s.is_sliding else "block" for s in manager.specs}
         self._prefix.tier_hook = self
 
     def stored(self, group_id: str, key: int, boundary_tokens: int, pages: Sequence[int], low_priority: bool) -> None:
@@ -240,6 +251,10 @@ class TierLink:
         """The prefix cache removed an entry: evicted (``dropped`` False) or superseded/cleared."""
         entry = self._entries.pop((group_id, key), None)
         self._flight.served.discard((group_id, key))
+        deferred = self._deferred.pop((group_id, key), None)
+        if deferred is not None:  # its pages may be written after the next plan: copied then
+            self._rescues.append(deferred)
+            self._stats.offload_rescues += 1
         if (group_id, key) in self._sent:  # written through already: nothing to move at eviction
             self._sent.discard((group_id, key))
             return
@@ -305,29 +320,61 @@ class TierLink:
             self._queue_wanted()
             self._queue_board()
             self._flight.retire()
+        rescues, self._rescues = tuple(self._rescues), []
+        plan = self._take_queue()
+        if rescues:
+            plan = replace(plan, rescues=rescues)
+        return plan
+
+    def _take_queue(self) -> OffloadPlan:
+        """The plan of the queued entries (see :meth:`take_offloads`), without rescues."""
+        if not self._queue:
+            return _NO_OFFLOADS
         queue, self._queue = self._queue, []
         fresh: dict[tuple[str, int], tuple[int, tuple[int, ...]]] = {}
         offloading = self._offloading
         for gid, key, boundary, pages in queue:  # the first of each entry, none still in flight
-            if (gid, key) not in fresh and (gid, key) not in offloading:
-                fresh[(gid, key)] = (boundary, pages)
+            entry = (gid, key)
+            if entry not in fresh and entry not in offloading:
+                fresh[entry] = (boundary, pages)
         if not fresh:
             return _NO_OFFLOADS
-        made = [self._offload_object(gid, key, boundary, pages) for (gid, key), (boundary, pages) in fresh.items()]
-        held = list(self.store.contains([obj.key for obj, _, _ in made]))
-        skipped = held.count(True)
-        self._stats.offload_skipped += skipped
         entries = list(fresh.items())
+        objects, views, payload_bytes = self._offload_objects(entries)
+        held = self.store.contains([obj.key for obj in objects])
+        skipped = held.count(True)
         if skipped:
+            self._stats.offload_skipped += skipped
             keep = [i for i, h in enumerate(held) if not h]
-            made, entries = [made[i] for i in keep], [entries[i] for i in keep]
-        if not made:
-            return _NO_OFFLOADS
-        self._stats.offload_objects += len(made)
-        self._stats.offload_bytes += sum(nbytes for _, _, nbytes in made)
+            if not keep:
+                return _NO_OFFLOADS
+            objects, views = [objects[i] for i in keep], [views[i] for i in keep]
+            entries, payload_bytes = [entries[i] for i in keep], sum(self._entry_bytes(entries[i]) for i in keep)
+        self._stats.offload_objects += len(objects)
+        self._stats.offload_bytes += payload_bytes
         self._tickets += 1
+        if self.defer_offloads:
+            return self._defer(self._tickets, entries, tuple(objects), tuple(views))
         pinned = self._pin(self._tickets, entries) if self.pin_offloads else ()
-        return OffloadPlan(tuple(obj for obj, _, _ in made), tuple(view for _, view, _ in made), pinned, self._tickets)
+        return OffloadPlan(tuple(objects), tuple(views), pinned, self._tickets)
+
+    def _defer(self, ticket: int, entries: list, objects: tuple, views: tuple) -> OffloadPlan:
+        """The plan with every entry still published as it was deferred (copied later, rescued
+        if removed first); recorded under ``ticket`` like a pin without pages."""
+        pools, keys, deferred = self.manager.pools, [], []
+        for (gid, key), (_, pages) in entries:
+            ok = pools[gid].lookup(key) == pages
+            if ok:
+                keys.append((gid, key))
+            deferred.append(ok)
+        indices = [i for i, ok in enumerate(deferred) if ok]
+        copies = DeferredCopies(objects, views, indices) if indices else None
+        for i in indices:
+            self._deferred[entries[i][0]] = (copies, i)
+        self._pins[ticket] = ({}, tuple(keys), tuple(entry for entry, _ in entries))
+        self._offloading.update(keys)
+        self._stats.offload_deferred += len(keys)
+        return OffloadPlan(objects, views, (), ticket, tuple(deferred), copies)
 
     def confirm_offloads(self, results: Iterable[tuple[int | None, Sequence[bool | None]]]) -> None:
         """Report offload plans the engine has run: ``(ticket, per object True stored, False
@@ -352,6 +399,8 @@ class TierLink:
             for gid, pages in by_group.items():
                 released.setdefault(gid, []).append(pages)
             self._offloading.difference_update(keys)
+            for entry in keys:
+                self._deferred.pop(entry, None)
         if released:  # one release for every plan confirmed
             by_group = {gid: np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
                         for gid, arrays in released.items()}
@@ -518,17 +567,31 @@ class TierLink:
         return rows_for_tokens(spec, obj.first_token, obj.end_token)[1] * self._row_bytes[obj.key.group_id]
 
     # --- planning ------------------------------------------------------------------
-    def _offload_object(self, gid: str, key: int, boundary: int, pages: tuple[int, ...]
-                        ) -> tuple[PlannedObject, GroupPages, int]:
-        """The object of a published entry, its pages' view and its payload bytes."""
-        spec = self._specs[gid]
-        if spec.is_sliding:
-            first, kind = max(0, boundary - self._prefix.checkpoint_window_tokens(gid)), "checkpoint"
-        else:
-            first, kind = boundary - self._prefix.granularity_tokens, "block"
-        obj = PlannedObject(ObjectKey(kind, gid, key), first, boundary, boundary)
-        view = GroupPages(first // spec.page_tokens, np.asarray(pages, dtype=np.int64))
-        return obj, view, self.object_payload_bytes(obj)
+    def _first_token(self, gid: str, boundary: int) -> int:
+        """The first token of group ``gid``'s offload object at ``boundary``: a block's ``D - G``,
+        a checkpoint's ``D - W`` (or 0)."""
+        if self._specs[gid].is_sliding:
+            return max(0, boundary - self._prefix.checkpoint_window_tokens(gid))
+        return boundary - self._prefix.granularity_tokens
+
+    def _entry_bytes(self, entry: tuple[tuple[str, int], tuple[int, tuple[int, ...]]]) -> int:
+        """Payload bytes of the offload object of ``((group, key), (boundary, pages))``."""
+        (gid, _), (boundary, _) = entry
+        first = self._first_token(gid, boundary)
+        return rows_for_tokens(self._specs[gid], first, boundary)[1] * self._row_bytes[gid]
+
+    def _offload_objects(self, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]
+                         ) -> tuple[list[PlannedObject], list[GroupPages], int]:
+        """The objects of published entries ``((group, key), (boundary, pages))``, their pages'
+        views, and their payload bytes in all."""
+        objects, views, payload_bytes = [], [], 0
+        specs, kinds, row_bytes = self._specs, self._kinds, self._row_bytes
+        for (gid, key), (boundary, pages) in entries:
+            first = self._first_token(gid, boundary)
+            objects.append(PlannedObject(ObjectKey(kinds[gid], gid, key), first, boundary, boundary))
+            views.append(GroupPages(first // specs[gid].page_tokens, np.asarray(pages, dtype=np.int64)))
+            payload_bytes += rows_for_tokens(specs[gid], first, boundary)[1] * row_bytes[gid]
+        return objects, views, payload_bytes
 
     def _plan_load(self, request_id: str, hashes: Any, prompt_tokens: int, hit_tokens: int,
                    cap_tokens: int | None = None) -> None:

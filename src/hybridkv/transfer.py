@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -214,6 +215,52 @@ def load_objects(
     return LoadResult(boundary, len(chosen), missing)
 
 
+def gather_planned(pools: dict[str, GroupPools], objects: Sequence[PlannedObject], sources: Sequence[GroupPages],
+                   indices: list[int]) -> list[RowsObject]:
+    """The planned objects ``indices`` gathered from their page views, each payload after room
+    for its header (encoded in place)."""
+    if not indices:
+        return []
+    chosen = [objects[i] for i in indices]
+    ranges = [(o.key, o.first_token, o.end_token) for o in chosen]
+    heads = [header_size(o.key, pools[o.key.group_id].parts) for o in chosen]
+    return gather_objects(pools, [sources[i] for i in indices], ranges, room_bytes=heads)
+
+
+class DeferredCopies:
+    """The rows of a plan's *deferred* objects (``TierLink(defer_offloads=True)``): their pages are
+    not held, so the worker gathers them later, and an object whose cache entry is removed
+    before the worker has gathered it is *rescued*: gathered on the step thread at the next plan
+    (:meth:`OffloadPlan.submit` or :meth:`OffloadPlan.run`, before the engine writes a page
+    handed out since), and the worker puts that copy instead of its own. One lock orders the
+    two threads: an object the worker has settled is never rescued, and a rescued one is
+    never taken from the worker's gather (which may have read pages being rewritten)."""
+
+    def __init__(self, objects: Sequence[PlannedObject], sources: Sequence[GroupPages], indices: Sequence[int]):
+        self._objects, self._sources = tuple(objects), tuple(sources)
+        self._lock = threading.Lock()
+        self._pending = set(indices)  # neither settled by the worker nor rescued
+        self._rescued: dict[int, RowsObject] = {}
+
+    def rescue(self, index: int, pools: dict[str, GroupPools]) -> bool:
+        """Gather object ``index`` now (its entry left the cache) unless the worker has settled it;
+        whether it was gathered."""
+        with self._lock:
+            if index not in self._pending:
+                return False
+            self._pending.discard(index)
+            self._rescued[index] = gather_planned(pools, self._objects, self._sources, [index])[0]
+            return True
+
+    def settle(self, gathered: dict[int, RowsObject]) -> None:
+        """On the worker, after gathering: the rescued objects' copies replace its own."""
+        with self._lock:
+            for index in gathered:
+                if index in self._rescued:
+                    gathered[index] = self._rescued.pop(index)
+            self._pending.difference_update(gathered)
+
+
 @dataclass(frozen=True)
 class OffloadPlan:
     """Objects to write to a tier and, per object, the pages its rows sit in now (logical order
@@ -222,51 +269,71 @@ class OffloadPlan:
 
     ``pinned`` (per object; empty: none): the manager holds the object's pages until the engine
     confirms ``ticket`` (``TierLink.confirm_offloads``), so its rows may be copied later, on
-    another thread. Every other object must be copied before the engine writes any page the
-    manager handed out since (:meth:`submit` copies those at once)."""
+    another thread. ``deferred`` (per object; empty: none): the object's entry is still
+    published and its rows are copied later too, without a hold: ``copies`` rescues the rows of
+    an entry removed before that. ``rescues``: earlier plans' deferred objects whose entries were
+    removed since, gathered first by :meth:`submit` and :meth:`run`. Every other object must be
+    copied before the engine writes any page the manager handed out since (:meth:`submit`
+    copies those at once)."""
 
     objects: tuple[PlannedObject, ...]
     sources: tuple[GroupPages, ...]
     pinned: tuple[bool, ...] = ()
     ticket: int | None = None
+    deferred: tuple[bool, ...] = ()
+    copies: DeferredCopies | None = None
+    rescues: tuple[tuple[DeferredCopies, int], ...] = ()
 
     def is_pinned(self, index: int) -> bool:
         return bool(self.pinned) and self.pinned[index]
 
+    def is_later(self, index: int) -> bool:
+        """Whether object ``index``'s rows may be copied after the engine writes new pages
+        (pinned or deferred)."""
+        return self.is_pinned(index) or (bool(self.deferred) and self.deferred[index])
+
+    def rescue(self, pools: Mapping[str, GroupPools]) -> int:
+        """Gather the rows of ``rescues`` the worker has not settled yet; how many were gathered."""
+        pools = dict(pools)
+        return sum(copies.rescue(index, pools) for copies, index in self.rescues)
+
     def submit(self, worker: OffloadWorker, pools: Mapping[str, GroupPools]) -> bool:
-        """Hand the plan to ``worker``: the rows of unpinned objects are gathered now, on this
-        thread (their pages may be written next); the pinned ones are gathered on the worker;
-        the worker puts them all. False: the worker's queue was full and the plan was dropped
-        (its ticket still comes back from ``worker.finished()``). Empty plans are not queued."""
+        """Hand the plan to ``worker``: the rescues and the rows of objects that are neither
+        pinned nor deferred are gathered now, on this thread (their pages may be written next);
+        the others are gathered on the worker; the worker puts them all. False: the worker's
+        queue was full and the plan was dropped (its ticket still comes back from
+        ``worker.finished()``). Empty plans are not queued."""
+        if self.rescues:
+            self.rescue(pools)
         if not self.objects:
             return True
         pools = dict(pools)
-        now = [i for i in range(len(self.objects)) if not self.is_pinned(i)]
-        later = [i for i in range(len(self.objects)) if self.is_pinned(i)]
+        now = [i for i in range(len(self.objects)) if not self.is_later(i)]
+        later = [i for i in range(len(self.objects)) if self.is_later(i)]
         staged = self._gather(pools, now)
+        copies = self.copies
 
-        def make_objects() -> list[RowsObject]:  # on the worker: the pinned objects' headers and rows
-            gathered = dict(zip(now, staged))
-            gathered.update(zip(later, self._gather(pools, later)))
+        def make_objects() -> list[RowsObject]:  # on the worker: the later objects' headers and rows
+            gathered = dict(zip(later, self._gather(pools, later)))
+            if copies is not None:
+                copies.settle(gathered)
+            gathered.update(zip(now, staged))
             return [gathered[i] for i in range(len(self.objects))]
 
         return worker.submit(self.ticket, make_objects, len(self.objects), in_place=True)
 
     def _gather(self, pools: dict[str, GroupPools], indices: list[int]) -> list[RowsObject]:
-        """The objects ``indices``, each payload after room for its header (encoded in place)."""
-        if not indices:
-            return []
-        objects = [self.objects[i] for i in indices]
-        ranges = [(o.key, o.first_token, o.end_token) for o in objects]
-        heads = [header_size(o.key, pools[o.key.group_id].parts) for o in objects]
-        return gather_objects(pools, [self.sources[i] for i in indices], ranges, room_bytes=heads)
+        return gather_planned(pools, self.objects, self.sources, indices)
 
     def run(self, store: ObjectStore, pools: Mapping[str, GroupPools]) -> list[bool]:
         """Copy the rows out and put the objects; per object, whether a tier stored it. The rows of
         all objects that share a page view are copied by one compiled call per (group, layer,
         plane), each payload after room for its header, which is then written in place, into the
         tier's ``put_buffer`` when it lends one (the Mooncake tier then sends from there): no
-        payload is copied again on this side (``gather_objects``, ``encode_object``)."""
+        payload is copied again on this side (``gather_objects``, ``encode_object``). The
+        rescues are gathered first (their jobs put them)."""
+        if self.rescues:
+            self.rescue(pools)
         by_view: dict[tuple[str, int], list[int]] = {}
         for i, (o, view) in enumerate(zip(self.objects, self.sources)):
             by_view.setdefault((o.key.group_id, id(view)), []).append(i)
