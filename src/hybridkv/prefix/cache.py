@@ -335,6 +335,7 @@ class PrefixCache:
         if not self.state_ids:
             return  # no checkpoint to publish, hold or supersede
         row = req.row
+        held = [(table.base.item(row), table.hi.item(row)) for _, _, table, _, _ in self._state_groups]
         speculative, own = self._checkpoint_boundaries(req, first_block, end_block)
         if speculative:
             # Where the policy expects another request to leave this one (a prompt
@@ -344,11 +345,11 @@ class PrefixCache:
             # speculative checkpoints rate low, else ranked by value).
             low = self.values is None or self.values.low_priority(SPECULATIVE)
             for d in speculative:
-                self._publish_checkpoint(row, hashes, d, low, None)
+                self._publish_checkpoint(row, held, hashes, d, low, None)
         new_own = []
         for d, pinned in own:
             checkpoint = OwnCheckpoint(d, pinned)
-            self._publish_checkpoint(row, hashes, d, False, checkpoint)
+            self._publish_checkpoint(row, held, hashes, d, False, checkpoint)
             if checkpoint.entries:
                 new_own.append(checkpoint)
         self._supersede(req, new_own)
@@ -384,17 +385,18 @@ class PrefixCache:
             for i in pool.publish_new(keys, pages, per_block):
                 self._stored(gid, keys[i], parents[i], (first_block + i + 1) * g, pool.lookup(keys[i]), False)
 
-    def _publish_checkpoint(self, row: int, hashes: RequestHashes, boundary: int, low_priority: bool,
-                            own: OwnCheckpoint | None) -> None:
+    def _publish_checkpoint(self, row: int, held: list[tuple[int, int]], hashes: RequestHashes, boundary: int,
+                            low_priority: bool, own: OwnCheckpoint | None) -> None:
         """Publish ``row``'s checkpoint at ``boundary`` (the pages of the window ``[boundary -
-        C, boundary)``) in every state group that lacks it, one group after another; with
-        ``own`` (the request's own checkpoint there), hold it in every state group that has it."""
+        C, boundary)``; ``held``: per state group, the row's logical pages ``[base, hi)``) in
+        every state group that lacks it, one group after another; with ``own`` (the request's
+        own checkpoint there), hold it in every state group that has it."""
         key, parent = hashes.key(boundary), hashes.parent(boundary)
-        for gid, pool, table, page_tokens, window_tokens in self._state_groups:
+        for (gid, pool, table, page_tokens, window_tokens), (base, hi) in zip(self._state_groups, held):
             pages = pool.lookup(key)
             if pages is None:
                 lo, end = max(0, boundary - window_tokens) // page_tokens, boundary // page_tokens
-                if lo < table.base.item(row) or end > table.hi.item(row):
+                if lo < base or end > hi:
                     continue  # rows already slid out (cannot happen when committed each step)
                 pages = pool.publish_one(key, table.row_pages(row, lo, end), low_priority)
                 if pages is None:
