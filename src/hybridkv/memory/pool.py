@@ -389,11 +389,9 @@ class PagePool:
         ``low_priority`` entries are evicted before every other once idle."""
         if key in self._entries:
             return False
-        pages = list(map(int, pages))
-        for page in pages:
-            if 0 <= page < self.num_pages and self.cached.item(page):
-                raise ValueError(f"group {self.group_id!r}: page {page} is not a held, unpublished page")
-        return self.publish_one(key, pages, low_priority) is not None
+        if self.publish_one(key, list(map(int, pages)), low_priority) is None:  # a page carries a key
+            raise ValueError(f"group {self.group_id!r}: a page of {list(pages)} is not a held, unpublished page")
+        return True
 
     def publish_new(self, keys: Sequence[Hashable], pages: Sequence[int], pages_per_entry: int, *,
                     low_priority: bool = False) -> list[int]:
@@ -407,8 +405,7 @@ class PagePool:
         return [i for i, key in enumerate(keys) if add(key, tuple(pages[i * n : (i + 1) * n]), low_priority)]
 
     def publish_one(self, key: Hashable, pages: Sequence[int], low_priority: bool = False) -> tuple[int, ...] | None:
-        """``publish_new`` of one entry: its pages as :meth:`lookup` returns them, or None
-        when it is skipped."""
+        """``publish_new`` of one entry: its pages as :meth:`lookup` gives them, or None if skipped."""
         self._check_held(pages)
         entry = tuple(pages)
         return entry if self._add_entry(key, entry, low_priority) else None
@@ -420,16 +417,10 @@ class PagePool:
                 raise ValueError(f"group {self.group_id!r}: page {page} is not a held, unpublished page")
 
     def _add_entry(self, key: Hashable, entry: tuple[int, ...], low_priority: bool) -> bool:
-        """Publish held pages ``entry`` under ``key`` unless the key exists or a page carries
-        a key already."""
-        if key in self._entries:
+        if key in self._entries or any(map(self.cached.item, entry)):
             return False
-        cached = self.cached
-        for page in entry:
-            if cached.item(page):
-                return False
         self._entries[key] = entry
-        page_key, low = self._page_key, self.low_priority
+        page_key, cached, low = self._page_key, self.cached, self.low_priority
         for page in entry:  # entries are a few pages: item stores beat one fancy store
             page_key[page] = key
             cached[page] = True

@@ -224,9 +224,8 @@ class PrefixCache:
         # the entry is unpublished when none is left. Pinned holds are never dropped.
         self._holders: dict[str, dict[int, int]] = {gid: {} for gid in self.state_ids}
         self._windows = windows
-        # What a commit reads per group: (group, pool, table, pages per block) of the
-        # history groups, (group, pool, table, page tokens, checkpoint window tokens) of
-        # the state groups that store checkpoints.
+        # What a commit reads: (group, pool, table, pages per block) per history group, (group,
+        # pool, table, page tokens, checkpoint window tokens) per state group storing checkpoints.
         self._history_groups = [(gid, pools[gid], tables[gid], g // tables[gid].page_tokens)
                                 for gid in self.history_ids]
         self._state_groups = [(gid, pools[gid], tables[gid], tables[gid].page_tokens, windows[gid])
@@ -337,15 +336,11 @@ class PrefixCache:
         row = req.row
         held = [(table.base.item(row), table.hi.item(row)) for _, _, table, _, _ in self._state_groups]
         speculative, own = self._checkpoint_boundaries(req, first_block, end_block)
-        if speculative:
-            # Where the policy expects another request to leave this one (a prompt
-            # boundary: a shared system prompt, an earlier turn; or every k-th one):
-            # published unheld and low priority, so it lives only while no other
-            # cached entry has to be evicted ("prefill-per-byte": low priority while
-            # speculative checkpoints rate low, else ranked by value).
-            low = self.values is None or self.values.low_priority(SPECULATIVE)
-            for d in speculative:
-                self._publish_checkpoint(row, held, hashes, d, low, None)
+        # Speculative ones (where another request may leave this one: a prompt boundary, every
+        # k-th one) go unheld, low priority ("prefill-per-byte": while that class rates low).
+        low = self.values is None or self.values.low_priority(SPECULATIVE)
+        for d in speculative:
+            self._publish_checkpoint(row, held, hashes, d, low, None)
         new_own = []
         for d, pinned in own:
             checkpoint = OwnCheckpoint(d, pinned)
@@ -361,18 +356,14 @@ class PrefixCache:
         request's own ones, (boundary, pinned): the pinned ones crossed (its junction,
         multiples of ``state_checkpoint_interval``), then the latest."""
         g, interval, keep = self.granularity_tokens, self.state_checkpoint_interval, req.keep_boundaries
-
-        def pinned(d: int) -> bool:
-            return d in keep or (interval is not None and d % interval == 0)
-
         latest = end_block * g
-        crossed = range((first_block + 1) * g, latest, g)
-        own = [(d, True) for d in crossed if pinned(d)]
-        own.append((latest, pinned(latest)))
-        if not crossed or self.checkpoint_policy == "terminal-and-junctions":
+        ends = range((first_block + 1) * g, latest + 1, g)  # the boundaries crossed, then the latest
+        pinned = {d for d in ends if d in keep or (interval is not None and d % interval == 0)}
+        own = [(d, d in pinned) for d in ends if d in pinned or d == latest]
+        if self.checkpoint_policy == "terminal-and-junctions":
             return [], own
         keeps, prompt_tokens = self.policy.speculative, req.prompt_tokens
-        return [d for d in crossed if not pinned(d) and keeps(d, prompt_tokens)], own
+        return [d for d in ends[:-1] if d not in pinned and keeps(d, prompt_tokens)], own
 
     def _publish_history(self, row: int, hashes: RequestHashes, first_block: int, end_block: int) -> None:
         """Every history group's pages of blocks ``[first_block, end_block)``, one entry a
@@ -387,10 +378,9 @@ class PrefixCache:
 
     def _publish_checkpoint(self, row: int, held: list[tuple[int, int]], hashes: RequestHashes, boundary: int,
                             low_priority: bool, own: OwnCheckpoint | None) -> None:
-        """Publish ``row``'s checkpoint at ``boundary`` (the pages of the window ``[boundary -
-        C, boundary)``; ``held``: per state group, the row's logical pages ``[base, hi)``) in
-        every state group that lacks it, one group after another; with ``own`` (the request's
-        own checkpoint there), hold it in every state group that has it."""
+        """Publish ``row``'s checkpoint at ``boundary`` (the window ``[boundary - C, boundary)``;
+        ``held``: per state group, the row's ``[base, hi)``) in every state group lacking it, in
+        turn; with ``own`` (the request's own checkpoint there), hold it wherever it is."""
         key, parent = hashes.key(boundary), hashes.parent(boundary)
         for (gid, pool, table, page_tokens, window_tokens), (base, hi) in zip(self._state_groups, held):
             pages = pool.lookup(key)
@@ -405,9 +395,12 @@ class PrefixCache:
                 if self.values is not None:
                     self.values.published(key, boundary, speculative=own is None)
             if own is not None:
-                own.entries[gid] = (key, pages)
-                holders = self._holders[gid]
-                holders[key] = holders.get(key, 0) + 1
+                self._hold(own, gid, key, pages)
+
+    def _hold(self, own: OwnCheckpoint, gid: str, key: int, pages: tuple[int, ...] | None) -> None:
+        if pages is not None:
+            own.entries[gid] = (key, pages)
+            self._holders[gid][key] = self._holders[gid].get(key, 0) + 1
 
     def _stored(self, gid: str, key: int, parent: int, boundary: int, pages: Sequence[int],
                 low_priority: bool) -> None:
@@ -432,7 +425,7 @@ class PrefixCache:
         """The request's hold on ``prev`` goes, group by group; where it was the last:
         kept by value ("prefill-per-byte"), demoted (a speculative boundary: kept like
         the ones the policy publishes, low priority) or unpublished."""
-        speculative = None  # whether the policy keeps the boundary, asked once
+        speculative = self.values is None and self.policy.speculative(prev.boundary_tokens, req.prompt_tokens)
         for gid, (key, pages) in prev.entries.items():
             pool = self.pools[gid]
             if pool.lookup(key) != pages:
@@ -442,15 +435,11 @@ class PrefixCache:
             if left:
                 holders[key] = left
                 continue
-            if self.values is not None:
-                if self._kept_by_value(key, prev.boundary_tokens, req):
-                    continue  # its priority and place: rank_checkpoints
-            else:
-                if speculative is None:
-                    speculative = self.policy.speculative(prev.boundary_tokens, req.prompt_tokens)
-                if speculative:
-                    pool.demote(key)
-                    continue
+            if self.values is not None and self._kept_by_value(key, prev.boundary_tokens, req):
+                continue  # its priority and place: rank_checkpoints
+            if speculative:
+                pool.demote(key)
+                continue
             self._dropping = True
             pool.unpublish(key)
             self._dropping = False
@@ -462,12 +451,6 @@ class PrefixCache:
         self.values.superseded(key, kept)
         return kept
 
-    def _hold(self, own: OwnCheckpoint, gid: str, key: int) -> None:
-        pages = self.pools[gid].lookup(key)
-        if pages is not None:
-            own.entries[gid] = (key, pages)
-            self._holders[gid][key] = self._holders[gid].get(key, 0) + 1
-
     def hold_hit(self, hashes: RequestHashes, hit_tokens: int) -> list[OwnCheckpoint]:
         """A hit at D keeps the checkpoint at D as the request's own (its terminal so far);
         with ``"prefill-per-byte"`` it counts as a reuse of that checkpoint."""
@@ -476,7 +459,7 @@ class PrefixCache:
         key = hashes.key(hit_tokens)
         own = OwnCheckpoint(hit_tokens)
         for gid in self.state_ids:
-            self._hold(own, gid, key)
+            self._hold(own, gid, key, self.pools[gid].lookup(key))
         if self.values is not None:
             self.values.hit(key)
         return [own] if own.entries else []
