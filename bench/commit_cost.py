@@ -9,7 +9,10 @@ request finishes, one joins with a 512-1,536-token prompt). Each side's
 ``manager.prefix.commit`` is wrapped in a timer; the two sides' steps alternate
 on the same seeded workload. Prints, per phase and size, the commits timed and
 their mean and median cost in µs, and whether both sides emitted the same events
-(kind, group, key, parent, tokens, pages; same order).
+(kind, group, key, parent, tokens, pages; same order). The renamed copy must keep
+the hash roots' byte strings (``b"hybridkv-prefix-root\x00"`` in ``prefix/cache.py``):
+a blanket ``sed s/hybridkv/hybridkv_base/`` renames them too, every key then differs
+and "same events" is False whatever the code does.
 """
 
 from __future__ import annotations

@@ -475,8 +475,10 @@ def test_publish_new_is_publish_one_entry_at_a_time(entries, earlier, low):
     """``publish_new`` over entries of two pages each (keys and pages may repeat across
     entries) against
     the per-entry reference: skip a published key or an entry with a keyed page,
-    else ``publish``. Same entries, flags and returned indices."""
-    pools = [PagePool("g", 12) for _ in range(2)]
+    else ``publish``. Same entries, flags and returned indices; and ``publish_one``
+    entry by entry (what a checkpoint commit calls) the same, returning each entry as
+    ``lookup`` does or None where skipped."""
+    pools = [PagePool("g", 12) for _ in range(3)]
     for pool in pools:
         pool.allocate(11)
         for k in earlier:  # entries already there: keys published on pages 10, 11
@@ -491,7 +493,10 @@ def test_publish_new_is_publish_one_entry_at_a_time(entries, earlier, low):
             assert ref.publish(key, pair, low_priority=low)
             expected.append(i)
     assert done == expected
-    assert _entries_state(pools[0], range(6)) == _entries_state(pools[1], range(6))
+    one = [pools[2].publish_one(key, pair, low) for key, pair in entries]
+    assert [i for i, got in enumerate(one) if got is not None] == expected
+    assert all(got == tuple(entries[i][1]) == pools[2].lookup(entries[i][0]) for i, got in enumerate(one) if got)
+    assert _entries_state(pools[0], range(6)) == _entries_state(pools[1], range(6)) == _entries_state(pools[2], range(6))
     for pool in pools:
         pool.check_invariants()
 

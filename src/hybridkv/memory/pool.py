@@ -405,11 +405,9 @@ class PagePool:
         ``low_priority`` entries are evicted before every other once idle."""
         if key in self._entries:
             return False
-        pages = list(map(int, pages))
-        for page in pages:
-            if 0 <= page < self.num_pages and self.cached.item(page):
-                raise ValueError(f"group {self.group_id!r}: page {page} is not a held, unpublished page")
-        return bool(self.publish_new([key], pages, len(pages), low_priority=low_priority))
+        if self.publish_one(key, list(map(int, pages)), low_priority) is None:  # a page carries a key
+            raise ValueError(f"group {self.group_id!r}: a page of {list(pages)} is not a held, unpublished page")
+        return True
 
     def publish_new(self, keys: Sequence[Hashable], pages: Sequence[int], pages_per_entry: int, *,
                     low_priority: bool = False) -> list[int]:
@@ -418,28 +416,33 @@ class PagePool:
         when its key is already published or one of its pages already carries a key (a
         borrowed page); the indices of the entries published, in order. ValueError, and
         nothing changes, if a listed page is not a held page of this pool."""
+        self._check_held(pages)
+        add, n = self._add_entry, pages_per_entry
+        return [i for i, key in enumerate(keys) if add(key, tuple(pages[i * n : (i + 1) * n]), low_priority)]
+
+    def publish_one(self, key: Hashable, pages: Sequence[int], low_priority: bool = False) -> tuple[int, ...] | None:
+        """``publish_new`` of one entry: its pages as :meth:`lookup` gives them, or None if skipped."""
+        self._check_held(pages)
+        entry = tuple(pages)
+        return entry if self._add_entry(key, entry, low_priority) else None
+
+    def _check_held(self, pages: Sequence[int]) -> None:
         ref, limit = self.ref_counts, self.num_pages
         for page in pages:
             if page <= NULL_PAGE or page >= limit or ref.item(page) <= 0:
                 raise ValueError(f"group {self.group_id!r}: page {page} is not a held, unpublished page")
-        entries, page_key, cached, low = self._entries, self._page_key, self.cached, self.low_priority
-        done = []
-        for i, key in enumerate(keys):
-            entry = tuple(pages[i * pages_per_entry : (i + 1) * pages_per_entry])
-            if key in entries:
-                continue
-            for page in entry:
-                if cached.item(page):
-                    break
-            else:
-                entries[key] = entry
-                for page in entry:  # entries are a few pages: item stores beat one fancy store
-                    page_key[page] = key
-                    cached[page] = True
-                    if low_priority:
-                        low[page] = True
-                done.append(i)
-        return done
+
+    def _add_entry(self, key: Hashable, entry: tuple[int, ...], low_priority: bool) -> bool:
+        if key in self._entries or any(map(self.cached.item, entry)):
+            return False
+        self._entries[key] = entry
+        page_key, cached, low = self._page_key, self.cached, self.low_priority
+        for page in entry:  # entries are a few pages: item stores beat one fancy store
+            page_key[page] = key
+            cached[page] = True
+            if low_priority:
+                low[page] = True
+        return True
 
     def demote(self, key: Hashable) -> None:
         """Make an entry low priority: its idle pages move to the front of the LRU."""

@@ -224,6 +224,12 @@ class PrefixCache:
         # the entry is unpublished when none is left. Pinned holds are never dropped.
         self._holders: dict[str, dict[int, int]] = {gid: {} for gid in self.state_ids}
         self._windows = windows
+        # What a commit reads: (group, pool, table, pages per block) per history group, (group,
+        # pool, table, page tokens, checkpoint window tokens) per state group storing checkpoints.
+        self._history_groups = [(gid, pools[gid], tables[gid], g // tables[gid].page_tokens)
+                                for gid in self.history_ids]
+        self._state_groups = [(gid, pools[gid], tables[gid], tables[gid].page_tokens, windows[gid])
+                              for gid in self.state_ids]
         self.tier_hook = None  # a hybridkv.tierlink.TierLink: told what is published and removed
         self._dropping = False  # unpublishing a superseded checkpoint (not an eviction)
         self._init_eviction(eviction_policy)
@@ -328,76 +334,77 @@ class PrefixCache:
         self._publish_history(req.row, hashes, first_block, end_block)
         if not self.state_ids:
             return  # no checkpoint to publish, hold or supersede
-        windows = self._row_windows(req.row)
-        crossed = range((first_block + 1) * g, end_block * g, g)
-        interval, keep = self.state_checkpoint_interval, req.keep_boundaries
-        pinned = [d for d in crossed if d in keep or (interval is not None and d % interval == 0)]
-        if self.checkpoint_policy != "terminal-and-junctions":
-            # Where the policy expects another request to leave this one (a prompt
-            # boundary: a shared system prompt, an earlier turn; or every k-th one):
-            # publish it, unheld and low priority, so it lives only while no other
-            # cached entry has to be evicted ("prefill-per-byte": low priority while
-            # speculative checkpoints rate low, else ranked by value).
-            speculative = self.policy.speculative
-            low = self.values is None or self.values.low_priority(SPECULATIVE)
-            for d in crossed:
-                if d not in pinned and speculative(d, req.prompt_tokens):
-                    self._publish_checkpoint(windows, hashes, d, low, speculative=True)
+        row = req.row
+        held = [(table.base.item(row), table.hi.item(row)) for _, _, table, _, _ in self._state_groups]
+        speculative, own = self._checkpoint_boundaries(req, first_block, end_block)
+        # Speculative ones (where another request may leave this one: a prompt boundary, every
+        # k-th one) go unheld, low priority ("prefill-per-byte": while that class rates low).
+        low = self.values is None or self.values.low_priority(SPECULATIVE)
+        for d in speculative:
+            self._publish_checkpoint(row, held, hashes, d, low, None)
         new_own = []
-        for d in pinned + [end_block * g]:
-            own = OwnCheckpoint(d, pinned=d in keep or (interval is not None and d % interval == 0))
-            key = self._publish_checkpoint(windows, hashes, d, False, speculative=False)
-            for gid in self.state_ids:
-                self._hold(own, gid, key)
-            if own.entries:
-                new_own.append(own)
+        for d, pinned in own:
+            checkpoint = OwnCheckpoint(d, pinned)
+            self._publish_checkpoint(row, held, hashes, d, False, checkpoint)
+            if checkpoint.entries:
+                new_own.append(checkpoint)
         self._supersede(req, new_own)
+
+    def _checkpoint_boundaries(self, req: CommittingRequest, first_block: int,
+                               end_block: int) -> tuple[list[int], list[tuple[int, bool]]]:
+        """The checkpoints a commit of blocks ``[first_block, end_block)`` publishes: the
+        speculative boundaries (crossed, not pinned, kept by the policy), and the
+        request's own ones, (boundary, pinned): the pinned ones crossed (its junction,
+        multiples of ``state_checkpoint_interval``), then the latest."""
+        g, interval, keep = self.granularity_tokens, self.state_checkpoint_interval, req.keep_boundaries
+        latest = end_block * g
+        ends = range((first_block + 1) * g, latest + 1, g)  # the boundaries crossed, then the latest
+        pinned = {d for d in ends if d in keep or (interval is not None and d % interval == 0)}
+        own = [(d, d in pinned) for d in ends if d in pinned or d == latest]
+        if self.checkpoint_policy == "terminal-and-junctions":
+            return [], own
+        keeps, prompt_tokens = self.policy.speculative, req.prompt_tokens
+        return [d for d in ends[:-1] if d not in pinned and keeps(d, prompt_tokens)], own
 
     def _publish_history(self, row: int, hashes: RequestHashes, first_block: int, end_block: int) -> None:
         """Every history group's pages of blocks ``[first_block, end_block)``, one entry a
         block, in one ``PagePool.publish_new`` call per group."""
         g = self.granularity_tokens
         keys = hashes.hashes[first_block:end_block]
-        parents = [hashes.parent((b + 1) * g) for b in range(first_block, end_block)]
-        for gid in self.history_ids:
-            table = self.tables[gid]
-            per_block = g // table.page_tokens
+        parents = hashes.hashes[first_block - 1:end_block - 1] if first_block else [hashes.root, *keys[:-1]]
+        for gid, pool, table, per_block in self._history_groups:
             pages = table.row_pages(row, first_block * per_block, end_block * per_block)
-            for i in self.pools[gid].publish_new(keys, pages, per_block):
-                entry = pages[i * per_block : (i + 1) * per_block]
-                self._stored(gid, keys[i], parents[i], (first_block + i + 1) * g, entry, False)
+            for i in pool.publish_new(keys, pages, per_block):
+                self._stored(gid, keys[i], parents[i], (first_block + i + 1) * g, pool.lookup(keys[i]), False)
 
-    def _row_windows(self, row: int) -> list[tuple]:
-        """Per state group that stores checkpoints, what publishing one of ``row`` reads:
-        (group, pool, table, row, page tokens, checkpoint window tokens, the row's held
-        logical pages ``[base, hi)``)."""
-        out = []
-        for gid in self.state_ids:
-            table = self.tables[gid]
-            out.append((gid, self.pools[gid], table, row, table.page_tokens, self._windows[gid],
-                        int(table.base[row]), int(table.hi[row])))
-        return out
-
-    def _publish_checkpoint(self, windows: list[tuple], hashes: RequestHashes, boundary: int, low_priority: bool,
-                            speculative: bool) -> int:
-        """Publish the checkpoint at ``boundary`` (the pages of the window ``[boundary - C,
-        boundary)``) in every state group that lacks it, one group after another; its key."""
+    def _publish_checkpoint(self, row: int, held: list[tuple[int, int]], hashes: RequestHashes, boundary: int,
+                            low_priority: bool, own: OwnCheckpoint | None) -> None:
+        """Publish ``row``'s checkpoint at ``boundary`` (the window ``[boundary - C, boundary)``;
+        ``held``: per state group, the row's ``[base, hi)``) in every state group lacking it, in
+        turn; with ``own`` (the request's own checkpoint there), hold it wherever it is."""
         key, parent = hashes.key(boundary), hashes.parent(boundary)
-        for gid, pool, table, row, page_tokens, window_tokens, base, hi in windows:
-            if pool.lookup(key) is not None:
-                continue
-            lo, end = max(0, boundary - window_tokens) // page_tokens, boundary // page_tokens
-            if lo < base or end > hi:
-                continue  # rows already slid out (cannot happen when committed each step)
-            pages = table.row_pages(row, lo, end)
-            if not pool.publish_new([key], pages, len(pages), low_priority=low_priority):
-                continue  # borrowed pages that carry a key
-            self._stored(gid, key, parent, boundary, pages, low_priority)
-            if self.values is not None:
-                self.values.published(key, boundary, speculative=speculative)
-        return key
+        for (gid, pool, table, page_tokens, window_tokens), (base, hi) in zip(self._state_groups, held):
+            pages = pool.lookup(key)
+            if pages is None:
+                lo, end = max(0, boundary - window_tokens) // page_tokens, boundary // page_tokens
+                if lo < base or end > hi:
+                    continue  # rows already slid out (cannot happen when committed each step)
+                pages = pool.publish_one(key, table.row_pages(row, lo, end), low_priority)
+                if pages is None:
+                    continue  # borrowed pages that carry a key
+                self._stored(gid, key, parent, boundary, pages, low_priority)
+                if self.values is not None:
+                    self.values.published(key, boundary, speculative=own is None)
+            if own is not None:
+                self._hold(own, gid, key, pages)
 
-    def _stored(self, gid: str, key: int, parent: int, boundary: int, pages: list[int], low_priority: bool) -> None:
+    def _hold(self, own: OwnCheckpoint, gid: str, key: int, pages: tuple[int, ...] | None) -> None:
+        if pages is not None:
+            own.entries[gid] = (key, pages)
+            self._holders[gid][key] = self._holders[gid].get(key, 0) + 1
+
+    def _stored(self, gid: str, key: int, parent: int, boundary: int, pages: Sequence[int],
+                low_priority: bool) -> None:
         """Book an entry just published: the tier link, metadata, stats, the value
         policy, then its "stored" event."""
         if self.tier_hook is not None:
@@ -419,7 +426,7 @@ class PrefixCache:
         """The request's hold on ``prev`` goes, group by group; where it was the last:
         kept by value ("prefill-per-byte"), demoted (a speculative boundary: kept like
         the ones the policy publishes, low priority) or unpublished."""
-        speculative = None  # whether the policy keeps the boundary, asked once
+        speculative = self.values is None and self.policy.speculative(prev.boundary_tokens, req.prompt_tokens)
         for gid, (key, pages) in prev.entries.items():
             pool = self.pools[gid]
             if pool.lookup(key) != pages:
@@ -429,15 +436,11 @@ class PrefixCache:
             if left:
                 holders[key] = left
                 continue
-            if self.values is not None:
-                if self._kept_by_value(key, prev.boundary_tokens, req):
-                    continue  # its priority and place: rank_checkpoints
-            else:
-                if speculative is None:
-                    speculative = self.policy.speculative(prev.boundary_tokens, req.prompt_tokens)
-                if speculative:
-                    pool.demote(key)
-                    continue
+            if self.values is not None and self._kept_by_value(key, prev.boundary_tokens, req):
+                continue  # its priority and place: rank_checkpoints
+            if speculative:
+                pool.demote(key)
+                continue
             self._dropping = True
             pool.unpublish(key)
             self._dropping = False
@@ -449,12 +452,6 @@ class PrefixCache:
         self.values.superseded(key, kept)
         return kept
 
-    def _hold(self, own: OwnCheckpoint, gid: str, key: int) -> None:
-        pages = self.pools[gid].lookup(key)
-        if pages is not None:
-            own.entries[gid] = (key, pages)
-            self._holders[gid][key] = self._holders[gid].get(key, 0) + 1
-
     def hold_hit(self, hashes: RequestHashes, hit_tokens: int) -> list[OwnCheckpoint]:
         """A hit at D keeps the checkpoint at D as the request's own (its terminal so far);
         with ``"prefill-per-byte"`` it counts as a reuse of that checkpoint."""
@@ -463,7 +460,7 @@ class PrefixCache:
         key = hashes.key(hit_tokens)
         own = OwnCheckpoint(hit_tokens)
         for gid in self.state_ids:
-            self._hold(own, gid, key)
+            self._hold(own, gid, key, self.pools[gid].lookup(key))
         if self.values is not None:
             self.values.hit(key)
         return [own] if own.entries else []
