@@ -409,7 +409,7 @@ class TierLink:
         mgr = self.manager
         self._scheduling = True
         try:
-            mgr.schedule(items, write_slots=False)
+            mgr.schedule(items, write_slots=False, load=True)
         finally:
             self._scheduling = False
         out = []
@@ -429,13 +429,13 @@ class TierLink:
         mgr = self.manager
         items = [(rid, self._plans[rid].boundary_tokens - self._plans[rid].from_tokens) for rid in rids]
         mgr.pending_loads.difference_update(rid for rid, _ in items)
-        if items and all(a.ok for a in mgr.check_admission(items)):
+        if items and all(a.ok for a in mgr.check_admission(items, load=True)):
             return items
         taken: list[tuple[str, int]] = []
         for item in items:
-            if all(a.ok for a in mgr.check_admission(taken + [item])):
+            if all(a.ok for a in mgr.check_admission(taken + [item], load=True)):
                 taken.append(item)
-            elif mgr.check_admission([item])[0].ok:
+            elif mgr.check_admission([item], load=True)[0].ok:
                 mgr.pending_loads.add(item[0])  # for the next call
             else:
                 plan = self._plans.pop(item[0])
@@ -443,7 +443,7 @@ class TierLink:
                 shorter = self._plan_shorter(item[0], plan)
                 if shorter is not None:  # taken now when it fits beside the others, else next call
                     mgr.pending_loads.discard(item[0])
-                    if all(a.ok for a in mgr.check_admission(taken + [shorter])):
+                    if all(a.ok for a in mgr.check_admission(taken + [shorter], load=True)):
                         taken.append(shorter)
                     else:
                         mgr.pending_loads.add(item[0])
@@ -472,7 +472,7 @@ class TierLink:
         grain, lo, hi = self._prefix.granularity_tokens, 0, most
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.manager.check_admission([(request_id, mid * grain)])[0].ok:
+            if self.manager.check_admission([(request_id, mid * grain)], load=True)[0].ok:
                 lo = mid
             else:
                 hi = mid - 1

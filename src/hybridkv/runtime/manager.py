@@ -109,6 +109,7 @@ class _StepArrays(NamedTuple):
 
 
 _NO_SLOTS = np.empty((0, 0), dtype=np.int64)  # ``_StepArrays.slots`` of a step without write slots
+_COMPUTED = np.empty(0, dtype=np.int64)  # ``prepare_step``'s load_tokens of a step that computes
 
 
 class _Scratch:
@@ -249,6 +250,9 @@ class CacheManager:
         # Per group, the trailing tokens a checkpoint of it stores (0: none).
         windows = self.prefix.checkpoint_windows if self.prefix is not None else {}
         self._checkpoint_windows = tuple(windows.get(gid, 0) for gid in ids)
+        # A load step's rows hold, in a sliding group, the pages of its checkpoint window only.
+        self._load_tokens = np.asarray(self._checkpoint_windows, dtype=np.int64)
+        self._planned_load = _COMPUTED  # what ``_plan`` passes ``prepare_step`` as load_tokens
         self._init_holds()
         self.tier_link = tier_link
         if tier_link is not None:
@@ -467,13 +471,14 @@ class CacheManager:
 
     # --- admission -----------------------------------------------------------
     def check_admission(
-        self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False
+        self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False, load: bool = False
     ) -> list[Admission]:
-        """Would each (request, new tokens) fit, taken greedily in order? Never mutates."""
+        """Would each (request, new tokens) fit, taken greedily in order? Never mutates.
+        ``load``: as a load step (``schedule(..., load=True)``)."""
         check_items(items, CacheManagerError)
-        verdict = self._admit(items, fixed_width)
+        verdict = self._admit_load(items, fixed_width) if load else self._admit(items, fixed_width)
         # schedule() right after, with the same items and no mutation between, reuses it.
-        self._admitted = (self._version, list(items), fixed_width, verdict)
+        self._admitted = None if load else (self._version, list(items), fixed_width, verdict)
         answers = list(verdict.answers)  # the verdict keeps None for valid items (schedule's reasons)
         for k, i in enumerate(verdict.ok_idx):
             answers[i] = Admission(True) if verdict.fits[k] else Admission(False, verdict.deny[k])
@@ -558,6 +563,17 @@ class CacheManager:
         off = plan.settle
         return _Verdict(answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items() if k >= off}, plan)
 
+    def _admit_load(self, items, fixed_width) -> _Verdict:
+        """``_admit`` of a load step: in a sliding group each row holds only the pages of the
+        checkpoint at its end (``prepare_step``'s ``load_tokens``)."""
+        if self.prefix is None:
+            raise CacheManagerError("a load step needs prefix caching (it stands for a prefix hit)")
+        self._planned_load = self._load_tokens
+        try:
+            return self._admit(items, fixed_width)
+        finally:
+            self._planned_load = _COMPUTED
+
     def _validated_plan(self, items, fixed_width, uniform) -> tuple[list, Sequence[int], _StepPlan | None]:
         """(answers, valid indices, plan of the valid items; None when none is valid):
         vectorized when every item is valid, else item by item with a reason each."""
@@ -592,7 +608,9 @@ class CacheManager:
 
     def _allocations(self, plan: _StepPlan) -> dict[str, np.ndarray]:
         """Group id -> pages each plan row allocates."""
-        return dict(zip(self._group_ids, plan.after[1] - self._tableset.bounds[1][:, plan.rows]))
+        # From hi, or from the new base where a load row's base passes its hi.
+        return dict(zip(self._group_ids, plan.after[1] - np.maximum(self._tableset.bounds[1][:, plan.rows],
+                                                                    plan.after[0])))
 
     def _deny_past_capture_width(self, plan: _StepPlan, fits: np.ndarray, deny: dict[int, str]) -> None:
         """Deny every request whose table in some group would be wider than its capture width."""
@@ -869,7 +887,7 @@ class CacheManager:
         n, settle, n_crossing, clean = kernels.prepare_step(
             ts.geometry, ts.bounds, self._computed, self._committed, self._known, self._last_rows, rows_in,
             counts_in, self._grain, self._space.tops, self._in_batch, rows, counts, first, after, need, sums, crossing,
-            totals)
+            totals, self._planned_load)
         if n < 0:
             return None  # a row twice, or past its known tokens: the per-item path words it
         return self._plan_of(n, settle, n_crossing, clean)
@@ -883,7 +901,7 @@ class CacheManager:
     # --- the step ------------------------------------------------------------
     def schedule(
         self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False, block_tables: str = "full",
-        write_slots: bool = True,
+        write_slots: bool = True, load: bool = False,
     ) -> StepBatch:
         """Release, allocate and build the kernel arrays for one step (all or nothing).
 
@@ -892,10 +910,13 @@ class CacheManager:
         (``StepBatch.table_updates``, applied by ``hybridkv.tables.mirror.BlockTableMirror``).
         ``write_slots=False`` leaves every ``GroupStep.write_slots`` None, for an
         engine that computes them itself from its mirrored tables and the positions.
+        ``load=True``: a *load step* (a tier load, ``hybridkv.tierlink``): the items' tokens are
+        copied in, not computed, so in a sliding group each request holds only the pages of the
+        checkpoint at its new end, as after a prefix hit there (docs/manager.md, "Load steps").
         """
         check_items(items, CacheManagerError)
         items = items if type(items) is list else list(items)
-        return self._schedule(items, None, fixed_width, block_tables, write_slots)
+        return self._schedule(items, None, fixed_width, block_tables, write_slots, load)
 
     def schedule_uniform(
         self, request_ids: Sequence[str], num_tokens: int, *, fixed_width: bool = False, block_tables: str = "full",
@@ -908,7 +929,8 @@ class CacheManager:
         rids = request_ids if type(request_ids) is tuple else tuple(request_ids)
         return self._schedule(None, (rids, num_tokens), fixed_width, block_tables, write_slots)
 
-    def _schedule(self, items, uniform, fixed_width: bool, block_tables: str, write_slots: bool = True) -> StepBatch:
+    def _schedule(self, items, uniform, fixed_width: bool, block_tables: str, write_slots: bool = True,
+                  load: bool = False) -> StepBatch:
         """``schedule`` of ``items``, or of ``uniform`` = (request ids, one count for all), in
         five stages: admit (validate and plan, pure), commit the previous step's tokens,
         release, allocate, build the batch. Most steps take ``_step``'s one compiled call."""
@@ -917,7 +939,9 @@ class CacheManager:
             self.tier_link.check_schedule()
         updates = block_tables == "updates"
         verdict = self._cached_verdict(items, uniform, fixed_width)
-        if verdict is None and not fixed_width:
+        if load:
+            verdict = self._admit_load(items, fixed_width)
+        elif verdict is None and not fixed_width:
             verdict = self._fast_step(items, uniform, write_slots, updates)
             if isinstance(verdict, StepBatch):
                 return verdict
