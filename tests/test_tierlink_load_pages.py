@@ -160,7 +160,31 @@ def test_a_load_step_needs_prefix_caching():
     limits = Limits(max_running_requests=8, max_scheduled_tokens=1024, max_context_tokens=1024, speculative_tokens=3)
     mgr = CacheManager.from_plan(plan_for_tokens(LAYOUT, 4096, limits))
     mgr.add_request("a", prompt_tokens=300)
-    for call in (lambda: mgr.check_admission([("a", 256)], load=True), lambda: mgr.schedule([("a", 256)], load=True)):
+    for call in (lambda: mgr.check_admission([("a", 256)], load=True),
+                 lambda: mgr.schedule([("a", 256)], write_slots=False, load=True)):
         with pytest.raises(CacheManagerError, match="prefix caching"):
             call()
+    with pytest.raises(CacheManagerError, match="write_slots=False"):
+        mgr.schedule([("a", 256)], load=True)
     assert mgr.num_computed_tokens("a") == 0
+
+
+def test_a_request_rewound_below_its_load_step_is_refused_until_freed():
+    store = ObjectStore(HostTier(1 << 30), LAYOUT)
+    _, _, other, _ = writer(store)
+    b = Instance(store, 13)
+    mgr = b.manager
+    mgr.add_request("q", other, max_new_tokens=8)
+    (load,) = b.take_loads()
+    b.link.confirm_load("q", load.plan.run(store, b.pools, load.targets))
+    assert mgr.num_computed_tokens("q") == 768
+    mgr.rewind("q", 512)  # allowed (512 >= the 0 committed before the load), but its window is gone
+    (answer,) = mgr.check_admission([("q", 4)])
+    assert not answer.ok and "rewound below its load step" in answer.reason
+    with pytest.raises(CacheManagerError, match="free it"):
+        mgr.schedule([("q", 4)])
+    mgr.free("q")
+    mgr.check_invariants()
+    mgr.add_request("q", other, max_new_tokens=8)  # the same id again: a fresh request
+    assert b.load("q") == 768
+    assert mgr.check_admission([("q", 4)])[0].ok

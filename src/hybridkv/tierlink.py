@@ -25,10 +25,12 @@ store serves, the link finds, by ``contains``, the longest grain boundary
 every state group (the device rule: history below, checkpoint at), at most
 ``max_step_tokens`` past ``D0``. The request is then *pending*:
 ``schedule`` and ``check_admission`` refuse it. :meth:`TierLink.take_loads`
-gives it pages for tokens ``[D0, D)`` (a step of ``D - D0`` tokens of that
-request alone, admitted like any other; the engine computes nothing for it; a
-load that does not fit alone is cut to the longest served boundary that does,
-the rest planned after it) and returns a :class:`PendingLoad` per request: a
+gives it pages for tokens ``[D0, D)`` (a *load step* of ``D - D0`` tokens of
+that request alone, ``schedule(..., load=True)``: history groups get pages for
+the whole span, sliding groups only those of the checkpoint at ``D``, as a
+device hit at ``D`` holds; the engine computes nothing for it; a load that does
+not fit alone is cut to the longest served boundary that does, the rest
+planned after it) and returns a :class:`PendingLoad` per request: a
 :class:`~hybridkv.transfer.LoadPlan` and the pages to load into. The engine
 runs the offloads, then the loads, and reports each with
 :meth:`TierLink.confirm_load`:

@@ -289,6 +289,10 @@ class CacheManager:
         """Tier state: requests waiting for a load, and pages held outside any request."""
         # Requests waiting for a tier load (hybridkv.tierlink): admission refuses them.
         self.pending_loads: set[str] = set()
+        # Load steps: each request's last one (tokens before, after), and the requests rewound
+        # below one (their window pages below it are gone: admission refuses them; free them).
+        self._load_spans: dict[str, tuple[int, int]] = {}
+        self._rewound_loads: set[str] = set()
         # Pages held outside any request (an offload's rows being copied): see hold_pages.
         # One array for every group (views per group, as the page space lays them out).
         self._held_all = np.zeros(self._space.ref_counts.size, dtype=np.int64)
@@ -852,6 +856,8 @@ class CacheManager:
         if rid in seen:
             return f"request {rid!r} appears twice in the batch"
         seen.add(rid)
+        if rid in self._rewound_loads:
+            return f"request {rid!r} was rewound below its load step (its window pages are gone): free it"
         if rid in self.pending_loads:
             return f"request {rid!r} waits for its tier load: run TierLink.take_loads() and confirm_load()"
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
@@ -910,11 +916,14 @@ class CacheManager:
         (``StepBatch.table_updates``, applied by ``hybridkv.tables.mirror.BlockTableMirror``).
         ``write_slots=False`` leaves every ``GroupStep.write_slots`` None, for an
         engine that computes them itself from its mirrored tables and the positions.
-        ``load=True``: a *load step* (a tier load, ``hybridkv.tierlink``): the items' tokens are
-        copied in, not computed, so in a sliding group each request holds only the pages of the
-        checkpoint at its new end, as after a prefix hit there (docs/manager.md, "Load steps").
+        ``load=True`` (with ``write_slots=False``): a *load step* (a tier load,
+        ``hybridkv.tierlink``): the items' tokens are copied in, not computed, so in a sliding
+        group each request holds only the pages of the checkpoint at its new end, as after a
+        prefix hit there (docs/manager.md, "Load steps").
         """
         check_items(items, CacheManagerError)
+        if load and write_slots:
+            raise CacheManagerError("a load step computes nothing to write: schedule it with write_slots=False")
         items = items if type(items) is list else list(items)
         return self._schedule(items, None, fixed_width, block_tables, write_slots, load)
 
@@ -953,6 +962,10 @@ class CacheManager:
         plan = verdict.plan
         if plan.request_ids is None:
             plan.request_ids = uniform[0] if items is None else tuple(map(itemgetter(0), items))
+        if load:
+            first = plan.first[plan.settle :].tolist()
+            self._load_spans.update((rid, (f, f + n)) for rid, f, n in zip(
+                plan.request_ids, first, plan.counts[plan.settle :].tolist()))
         return self._commit_and_run(plan, write_slots, updates, fixed_width)
 
     def _commit_and_run(self, plan: _StepPlan, write_slots: bool, updates: bool, fixed_width: bool) -> StepBatch:
@@ -1135,6 +1148,12 @@ class CacheManager:
             keeps.append(num_tokens)
         if not reqs:
             return
+        for req, num_tokens in zip(reqs, keeps):  # below a load step just run: its window is gone
+            span = self._load_spans.get(req.request_id)
+            now = (int(self._committed[req.row]), int(self._computed[req.row]))
+            if span is not None and span == now and num_tokens < span[1]:
+                self._rewound_loads.add(req.request_id)
+                self.pending_loads.add(req.request_id)
         rows = np.asarray([r.row for r in reqs], dtype=np.int64)
         kept = np.asarray(keeps, dtype=np.int64)
         for s in self.specs:
@@ -1156,6 +1175,10 @@ class CacheManager:
         req = self._get(request_id)
         if self.tier_link is not None:
             self.tier_link.on_free(request_id)  # an unconfirmed load is rewound, not committed
+        self._load_spans.pop(request_id, None)
+        if request_id in self._rewound_loads:
+            self._rewound_loads.discard(request_id)
+            self.pending_loads.discard(request_id)
         if self.prefix is not None and self._committed[req.row] < self._computed[req.row]:
             self._commit_row(req.row)
         pages, per_group = self._tableset.clear_rows(np.asarray([req.row], dtype=np.int64))

@@ -393,6 +393,11 @@ class Simulator:
             # for them (as a chunk that does not fit) while others run
             live.hit_tokens, denied, parked = self.tier.load(live.rid)
             t0 = time.perf_counter()
+            if parked and work.items and not all(a.ok for a in mgr.check_admission(work.items)):
+                # its hit (and load) took pages the batch admitted so far counted on: later
+                work.refusal = "a request held for a peer's blocks took pages the batch needs"
+                mgr.free(live.rid)
+                return False
             if parked:
                 live.added = True
                 run.held.append(run.waiting.popleft())
