@@ -15,8 +15,10 @@ each request's pages in logical order), a ``rewind_many`` one release in item
 order; a step allocates once per group, in batch order, evicting before it
 pops the stack; paused requests commit before the batch's; an eviction takes
 idle low-priority entries while it has freed fewer than its need plus 16
-pages; a rewind drops the known ids past ``max(n, prompt)``. Not modelled: the
-shared arena's slabs, the checkpoint interval, salts, events.
+pages; a rewind drops the known ids past ``max(n, prompt)``. A load step
+(``load=True``, docs/manager.md "Load steps") holds a sliding group's pages of
+``[c + n - C, c + n)`` only. Not modelled: the shared arena's slabs, the
+checkpoint interval, salts, events.
 """
 
 from __future__ import annotations
@@ -180,13 +182,17 @@ class ReferenceManager:
         for g, p in self.pools.items():
             for d in crossed:
                 lo = (d - (self.G if p.history else p.C)) // p.T
-                pages = [r["pages"][g][L] for L in range(lo, d // p.T)]
+                # Not held: a boundary a load step crossed (published only by someone else).
+                held = all(L in r["pages"][g] for L in range(lo, d // p.T))
+                pages = [r["pages"][g][L] for L in range(lo, d // p.T)] if held else None
                 if p.history:
                     p.publish(self.key(r, d), pages)
                 elif d == crossed[-1] or d == r["junction"]:
-                    p.publish(self.key(r, d), pages)
-                    p.entries[self.key(r, d)]["owners"].add(id(r))
-                elif self.prompt_cps and d <= r["prompt"]:
+                    if held:
+                        p.publish(self.key(r, d), pages)
+                    if self.key(r, d) in p.entries:  # its own, whoever published it
+                        p.entries[self.key(r, d)]["owners"].add(id(r))
+                elif held and self.prompt_cps and d <= r["prompt"]:
                     p.publish(self.key(r, d), pages, low=True)
         if crossed:
             for d in crossed:
@@ -210,13 +216,20 @@ class ReferenceManager:
                     p.unpublish(self.key(r, d))
 
     # --- a step -------------------------------------------------------------------------
-    def plan(self, rid, n, g):
+    def floor(self, r, p, n, load) -> int:
+        """A sliding group's release point: from the first position written, or for a load
+        step the first page of the checkpoint window at the load's end (may pass hi)."""
+        if load:
+            return max(0, r["c"] + n - p.C) // p.T
+        return min(max(0, r["c"] - p.W + 1) // p.T, self.hi(r, p.gid))
+
+    def plan(self, rid, n, g, load=False):
         """(new base, pages held after, pages allocated, pages whose last holder releases them)."""
         r, p = self.reqs[rid], self.pools[g]
         base, hi = r["base"][g], self.hi(r, g)
-        new_base = max(base, min(max(0, r["c"] - p.W + 1) // p.T, hi)) if p.W else base
+        new_base = max(base, self.floor(r, p, n, load)) if p.W else base
         need = max(cdiv(r["c"] + n, p.T), hi) if n else hi
-        gone = sum(1 for L in range(base, new_base) if p.ref[r["pages"][g][L]] == 1)
+        gone = sum(1 for L in range(base, min(new_base, hi)) if p.ref[r["pages"][g][L]] == 1)
         return new_base, need, need - max(hi, new_base), gone
 
     def settling(self, items):
@@ -224,9 +237,9 @@ class ReferenceManager:
         return [rid for rid in self.last if rid in self.reqs and rid not in names
                 and self.reqs[rid]["c"] > self.reqs[rid]["committed"]]
 
-    def check_admission(self, items, fixed_width=False) -> list[bool]:
+    def check_admission(self, items, fixed_width=False, load=False) -> list[bool]:
         net = {g: -sum(self.plan(rid, 0, g)[3] for rid in self.settling(items)) for g in self.pools}
-        plans = [{g: self.plan(rid, n, g) for g in self.pools} for rid, n in items]
+        plans = [{g: self.plan(rid, n, g, load) for g in self.pools} for rid, n in items]
         ok = [not fixed_width or all(pl[g][1] - pl[g][0] <= self.widths[g] for g in pl) for pl in plans]
         total = {g: net[g] + sum(pl[g][2] - pl[g][3] for pl, k in zip(plans, ok) if k) for g in self.pools}
         if all(total[g] <= p.free() for g, p in self.pools.items()):
@@ -245,15 +258,17 @@ class ReferenceManager:
         cap = min(max_tokens, r["limit"] - r["c"], len(r["ids"]) - r["c"] if r["ids"] is not None else max_tokens)
         return next((k for k in range(cap, 0, -1) if all(self.check_admission(list(batch) + [(rid, k)]))), 0)
 
-    def schedule(self, items, fixed_width=False) -> dict:
-        if not all(self.check_admission(items, fixed_width)):
+    def schedule(self, items, fixed_width=False, load=False) -> dict:
+        if not all(self.check_admission(items, fixed_width, load)):
             raise RefError("denied")
         settle = self.settling(items)
         for rid in settle + [rid for rid, _ in items]:  # paused requests commit first (then the first
             self.commit(self.reqs[rid])  # publisher of a key is the first of them), then the batch's
         gone = {g: [] for g in self.pools}  # one release per group: the first page listed ends on top
-        for rid in settle + [rid for rid, _ in items]:
-            self.release_below(self.reqs[rid], gone)
+        for rid in settle:
+            self.release_below(self.reqs[rid], gone, 0, False)
+        for rid, n in items:
+            self.release_below(self.reqs[rid], gone, n, load)
         for g, p in self.pools.items():
             p.release(gone[g])
         out = {"positions": [], "request_indices": [], "qsl": [0], "groups": {}}
@@ -268,29 +283,29 @@ class ReferenceManager:
             out["request_indices"] += [i] * n
             out["qsl"].append(out["qsl"][-1] + n)
         for g, p in self.pools.items():
-            out["groups"][g] = self.group_step(items, p, fixed_width)
+            out["groups"][g] = self.group_step(items, p, fixed_width, not load)
         for rid, n in items:
             self.reqs[rid]["committed"] = self.reqs[rid]["c"]
             self.reqs[rid]["c"] += n
         self.last = [rid for rid, _ in items]
         return out
 
-    def release_below(self, r, gone) -> None:
-        """A sliding group's pages below the step's release point, from the first position written."""
+    def release_below(self, r, gone, n, load) -> None:
+        """A sliding group's pages below the step's release point (``floor``)."""
         for g, p in self.pools.items():
             if p.W:
-                floor = min(max(0, r["c"] - p.W + 1) // p.T, self.hi(r, g))
-                gone[g] += [r["pages"][g].pop(L) for L in range(r["base"][g], floor)]
+                floor = self.floor(r, p, n, load)
+                gone[g] += [r["pages"][g].pop(L) for L in range(r["base"][g], min(floor, self.hi(r, g)))]
                 r["base"][g] = max(r["base"][g], floor)
 
-    def group_step(self, items, p, fixed_width):
+    def group_step(self, items, p, fixed_width, with_slots=True):
         rows, slots = [], []
         for rid, n in items:
             r = self.reqs[rid]
             cells = r["pages"][p.gid]
             base = r["base"][p.gid]
             rows.append([cells[L] for L in range(base, base + len(cells))])
-            for pos in range(r["c"], r["c"] + n):
+            for pos in range(r["c"], r["c"] + n) if with_slots else ():
                 if (pos + 1) % p.m:
                     slots.append(-1)
                 else:

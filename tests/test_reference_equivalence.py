@@ -118,6 +118,7 @@ class Twin:
         self.shared = shared
         self.mirror = BlockTableMirror.for_manager(self.mgr)
         self.caching = caching
+        self.loaded = set()  # requests whose last step was a load step (rewound only to be freed)
 
     def compare_state(self) -> None:
         for g, pool in self.ref.pools.items():
@@ -241,6 +242,8 @@ def step(twin, data) -> None:
     if not items:
         return
     fixed_width = data.draw(st.booleans()) and data.draw(st.booleans())
+    if twin.caching and data.draw(st.sampled_from([False, False, False, True])):
+        return load_step(twin, data, items, fixed_width)
     answers = twin.mgr.check_admission(items, fixed_width=fixed_width)
     assert [a.ok for a in answers] == twin.ref.check_admission(items, fixed_width), items
     assert all(a.ok or a.reason for a in answers)
@@ -260,12 +263,29 @@ def step(twin, data) -> None:
     log(f"schedule {items} fixed_width={fixed_width} {mode} write_slots={slots}")
     want, batch = both(call, lambda: twin.ref.schedule(items, fixed_width))
     if want is not None:
+        twin.loaded.difference_update(rid for rid, _ in items)
         twin.compare_state()
         twin.compare_batch(items, want, batch, mode, slots)
 
 
+def load_step(twin, data, items, fixed_width) -> None:
+    """A load step (``load=True``): the items' tokens copied in, sliding groups holding only
+    the window at each item's new end."""
+    answers = twin.mgr.check_admission(items, fixed_width=fixed_width, load=True)
+    assert [a.ok for a in answers] == twin.ref.check_admission(items, fixed_width, load=True), items
+    mode = data.draw(st.sampled_from(["full", "updates"]))
+    log(f"schedule {items} fixed_width={fixed_width} {mode} load=True")
+    want, batch = both(lambda: twin.mgr.schedule(items, fixed_width=fixed_width, block_tables=mode,
+                                                 write_slots=False, load=True),
+                       lambda: twin.ref.schedule(items, fixed_width, load=True))
+    if want is not None:
+        twin.loaded.update(rid for rid, _ in items)
+        twin.compare_state()
+        twin.compare_batch(items, want, batch, mode, False)
+
+
 def rewind(twin, data) -> None:
-    open_ = [rid for rid, r in twin.ref.reqs.items() if r["c"] > r["committed"]]
+    open_ = [rid for rid, r in twin.ref.reqs.items() if r["c"] > r["committed"] and rid not in twin.loaded]
     if not open_:
         return
     picked = data.draw(st.lists(st.sampled_from(open_), unique=True, min_size=1, max_size=3))
@@ -286,6 +306,7 @@ def free(twin, data) -> None:
         twin.ref.free(rid)
         twin.mgr.free(rid)
         twin.rows.forget("rows", [rid])
+        twin.loaded.discard(rid)
 
 
 def run_program(data, caching, shared=False):

@@ -29,7 +29,7 @@ def planned(ts, first, count=1):
                          np.zeros(0, dtype=np.int64), ROW0,
                          np.array([count]), 0, np.array([10**6]), np.zeros(computed.size, dtype=np.bool_), *out,
                          after, need, np.empty((2, 1), dtype=np.int64), np.empty(1, dtype=np.int64),
-                         np.empty(4, dtype=np.int64))
+                         np.empty(4, dtype=np.int64), np.zeros(0, dtype=np.int64))
     return int(after[0, 0, 0]), int(need[0, 0])
 
 
@@ -77,7 +77,7 @@ def test_no_plan_for_a_row_listed_twice_or_past_its_known_tokens():
             ts.geometry, ts.bounds, computed, computed.copy(), known, np.zeros(0, dtype=np.int64),
             np.array(rows), np.array(counts), 0, np.array([10**6]), mark, *out, np.empty((2, 1, n), dtype=np.int64),
             np.empty((1, n), dtype=np.int64), np.empty((2, 1), dtype=np.int64), np.empty(n, dtype=np.int64),
-            np.empty(4, dtype=np.int64))[0]
+            np.empty(4, dtype=np.int64), np.zeros(0, dtype=np.int64))[0]
 
     assert plan_rows([0, 1], [1, 4]) == 2  # 5 + 1 <= 6 and 0 + 4 <= 4
     assert plan_rows([0, 1, 0], [1, 1, 1]) == -1  # row 0 twice

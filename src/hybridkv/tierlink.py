@@ -25,10 +25,12 @@ store serves, the link finds, by ``contains``, the longest grain boundary
 every state group (the device rule: history below, checkpoint at), at most
 ``max_step_tokens`` past ``D0``. The request is then *pending*:
 ``schedule`` and ``check_admission`` refuse it. :meth:`TierLink.take_loads`
-gives it pages for tokens ``[D0, D)`` (a step of ``D - D0`` tokens of that
-request alone, admitted like any other; the engine computes nothing for it; a
-load that does not fit alone is cut to the longest served boundary that does,
-the rest planned after it) and returns a :class:`PendingLoad` per request: a
+gives it pages for tokens ``[D0, D)`` (a *load step* of ``D - D0`` tokens of
+that request alone, ``schedule(..., load=True)``: history groups get pages for
+the whole span, sliding groups only those of the checkpoint at ``D``, as a
+device hit at ``D`` holds; the engine computes nothing for it; a load that does
+not fit alone is cut to the longest served boundary that does, the rest
+planned after it) and returns a :class:`PendingLoad` per request: a
 :class:`~hybridkv.transfer.LoadPlan` and the pages to load into. The engine
 runs the offloads, then the loads, and reports each with
 :meth:`TierLink.confirm_load`:
@@ -458,7 +460,7 @@ class TierLink:
         mgr = self.manager
         self._scheduling = True
         try:
-            mgr.schedule(items, write_slots=False)
+            mgr.schedule(items, write_slots=False, load=True)
         finally:
             self._scheduling = False
         out = []
@@ -478,13 +480,13 @@ class TierLink:
         mgr = self.manager
         items = [(rid, self._plans[rid].boundary_tokens - self._plans[rid].from_tokens) for rid in rids]
         mgr.pending_loads.difference_update(rid for rid, _ in items)
-        if items and all(a.ok for a in mgr.check_admission(items)):
+        if items and all(a.ok for a in mgr.check_admission(items, load=True)):
             return items
         taken: list[tuple[str, int]] = []
         for item in items:
-            if all(a.ok for a in mgr.check_admission(taken + [item])):
+            if all(a.ok for a in mgr.check_admission(taken + [item], load=True)):
                 taken.append(item)
-            elif mgr.check_admission([item])[0].ok:
+            elif mgr.check_admission([item], load=True)[0].ok:
                 mgr.pending_loads.add(item[0])  # for the next call
             else:
                 plan = self._plans.pop(item[0])
@@ -492,7 +494,7 @@ class TierLink:
                 shorter = self._plan_shorter(item[0], plan)
                 if shorter is not None:  # taken now when it fits beside the others, else next call
                     mgr.pending_loads.discard(item[0])
-                    if all(a.ok for a in mgr.check_admission(taken + [shorter])):
+                    if all(a.ok for a in mgr.check_admission(taken + [shorter], load=True)):
                         taken.append(shorter)
                     else:
                         mgr.pending_loads.add(item[0])
@@ -521,7 +523,7 @@ class TierLink:
         grain, lo, hi = self._prefix.granularity_tokens, 0, most
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.manager.check_admission([(request_id, mid * grain)])[0].ok:
+            if self.manager.check_admission([(request_id, mid * grain)], load=True)[0].ok:
                 lo = mid
             else:
                 hi = mid - 1

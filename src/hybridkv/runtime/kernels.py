@@ -203,7 +203,7 @@ def settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts):
 
 @njit(cache=True)
 def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in, counts_in, grain, top, mark,
-                 rows, counts, first, after, need, sums, crossing, totals):
+                 rows, counts, first, after, need, sums, crossing, totals, load_tokens):
     """The plan of a step of ``rows_in`` (table rows) writing ``counts_in`` tokens each; pure
     but for ``mark`` (scratch, all False on return). No plan (-1 rows) when a row is
     listed twice or would pass its ``known`` tokens (the caller words why).
@@ -218,7 +218,13 @@ def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_i
     none) than their computed ones, in plan order. ``totals``: tokens scheduled, pages
     released, most pages released in one group, pages allocated. Returns (rows in the
     plan, settling rows, crossing rows, whether every group's free stack covers its
-    allocations)."""
+    allocations).
+
+    ``load_tokens`` (int64 ``[G]``, or empty for a step that computes): a *load* step, whose
+    rows' tokens are copied in, not computed. In a sliding group a load row holds only the
+    pages of its last ``load_tokens[g]`` tokens (what a checkpoint at its end holds); its
+    base may then pass its hi (the pages between are never held): it releases ``[base,
+    min(new base, hi))`` and allocates ``[max(hi, new base), new hi)``."""
     for r in range(rows_in.size):
         if computed[rows_in[r]] + counts_in[r] > known[rows_in[r]]:
             return -1, 0, 0, False
@@ -247,12 +253,14 @@ def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_i
             row = rows[r]
             base, hi = bounds[BASE, g, row], bounds[HI, g, row]
             new_base = base
-            if window > 0:
+            if window > 0 and load_tokens.size and r >= settle:
+                new_base = max(base, divide(max(first[r] + counts[r] - load_tokens[g], 0), tokens, shift))
+            elif window > 0:
                 new_base = max(base, min(divide(max(first[r] - window + 1, 0), tokens, shift), hi))
             held = divide(first[r] + counts[r] + tokens - 1, tokens, shift)
             after[0, g, r], after[1, g, r], need[g, r] = new_base, max(hi, held), held
-            released += new_base - base
-            allocated += after[1, g, r] - hi
+            released += min(new_base, hi) - base
+            allocated += after[1, g, r] - max(hi, new_base)
         sums[0, g], sums[1, g] = released, allocated
         totals[1] += released
         totals[2] = max(totals[2], released)
@@ -279,7 +287,7 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
         n = 0
         for r in range(rows.size):
             row = rows[r]
-            for logical in range(bounds[BASE, g, row], after[0, g, r]):
+            for logical in range(bounds[BASE, g, row], min(after[0, g, r], bounds[HI, g, row])):
                 at = cell(geometry, bounds, g, row, logical)
                 scratch[n] = pages[at]
                 pages[at] = -1
@@ -287,6 +295,7 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
                 n_touched += 1
                 n += 1
             bounds[BASE, g, row] = after[0, g, r]
+            bounds[HI, g, row] = max(bounds[HI, g, row], after[0, g, r])  # a load row's base may pass its hi
             if bounds[LANE, g, row]:
                 fit_ring(geometry, pages, bounds, g, row, bounds[HI, g, row] - after[0, g, r])
         for i in range(n):
@@ -489,7 +498,7 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
     computed, committed, known = counters[0], counters[1], counters[2]
     n, settle, n_cross, clean = prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in,
                                              counts_in, grain, per_group[TOP], mark, rows, counts, first, after, need,
-                                             sums, crossing, totals)
+                                             sums, crossing, totals, counts_in[:0])
     if (n < 0 or not clean or n_cross > 0 or totals[0] != positions.size or totals[2] > scratch.size
             or totals[1] > idle_keyed.size or totals[1] + totals[3] > touched.size):
         return STEP_PLANNED, n, settle, n_cross, clean, 0, 0
@@ -650,7 +659,7 @@ def release_credit(geometry, pages, bounds, ref, g, rows, new_base, credit, sole
     for r in range(rows.size):
         row = rows[r]
         before = n_sole
-        for logical in range(bounds[BASE, g, row], new_base[r]):
+        for logical in range(bounds[BASE, g, row], min(new_base[r], bounds[HI, g, row])):
             page = pages[cell(geometry, bounds, g, row, logical)]
             n_pages += 1
             if ref[offset + page] == 1:

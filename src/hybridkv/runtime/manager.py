@@ -109,6 +109,7 @@ class _StepArrays(NamedTuple):
 
 
 _NO_SLOTS = np.empty((0, 0), dtype=np.int64)  # ``_StepArrays.slots`` of a step without write slots
+_COMPUTED = np.empty(0, dtype=np.int64)  # ``prepare_step``'s load_tokens of a step that computes
 
 
 class _Scratch:
@@ -251,6 +252,9 @@ class CacheManager:
         # Per group, the trailing tokens a checkpoint of it stores (0: none).
         windows = self.prefix.checkpoint_windows if self.prefix is not None else {}
         self._checkpoint_windows = tuple(windows.get(gid, 0) for gid in ids)
+        # A load step's rows hold, in a sliding group, the pages of its checkpoint window only.
+        self._load_tokens = np.asarray(self._checkpoint_windows, dtype=np.int64)
+        self._planned_load = _COMPUTED  # what ``_plan`` passes ``prepare_step`` as load_tokens
         self._init_holds()
         self.tier_link = tier_link
         if tier_link is not None:
@@ -288,6 +292,10 @@ class CacheManager:
         """Tier state: requests waiting for a load, and pages held outside any request."""
         # Requests waiting for a tier load (hybridkv.tierlink): admission refuses them.
         self.pending_loads: set[str] = set()
+        # Load steps: each request's last one (tokens before, after), and the requests rewound
+        # below one (their window pages below it are gone: admission refuses them; free them).
+        self._load_spans: dict[str, tuple[int, int]] = {}
+        self._rewound_loads: set[str] = set()
         # Pages held outside any request (an offload's rows being copied): see hold_pages_by_group.
         # One array for every group (views per group, as the page space lays them out).
         self._held_all = np.zeros(self._space.ref_counts.size, dtype=np.int64)
@@ -475,13 +483,14 @@ class CacheManager:
 
     # --- admission -----------------------------------------------------------
     def check_admission(
-        self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False
+        self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False, load: bool = False
     ) -> list[Admission]:
-        """Would each (request, new tokens) fit, taken greedily in order? Never mutates."""
+        """Would each (request, new tokens) fit, taken greedily in order? Never mutates.
+        ``load``: as a load step (``schedule(..., load=True)``)."""
         check_items(items, CacheManagerError)
-        verdict = self._admit(items, fixed_width)
+        verdict = self._admit_load(items, fixed_width) if load else self._admit(items, fixed_width)
         # schedule() right after, with the same items and no mutation between, reuses it.
-        self._admitted = (self._version, list(items), fixed_width, verdict)
+        self._admitted = None if load else (self._version, list(items), fixed_width, verdict)
         answers = list(verdict.answers)  # the verdict keeps None for valid items (schedule's reasons)
         for k, i in enumerate(verdict.ok_idx):
             answers[i] = Admission(True) if verdict.fits[k] else Admission(False, verdict.deny[k])
@@ -566,6 +575,17 @@ class CacheManager:
         off = plan.settle
         return _Verdict(answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items() if k >= off}, plan)
 
+    def _admit_load(self, items, fixed_width) -> _Verdict:
+        """``_admit`` of a load step: in a sliding group each row holds only the pages of the
+        checkpoint at its end (``prepare_step``'s ``load_tokens``)."""
+        if self.prefix is None:
+            raise CacheManagerError("a load step needs prefix caching (it stands for a prefix hit)")
+        self._planned_load = self._load_tokens
+        try:
+            return self._admit(items, fixed_width)
+        finally:
+            self._planned_load = _COMPUTED
+
     def _validated_plan(self, items, fixed_width, uniform) -> tuple[list, Sequence[int], _StepPlan | None]:
         """(answers, valid indices, plan of the valid items; None when none is valid):
         vectorized when every item is valid, else item by item with a reason each."""
@@ -600,7 +620,9 @@ class CacheManager:
 
     def _allocations(self, plan: _StepPlan) -> dict[str, np.ndarray]:
         """Group id -> pages each plan row allocates."""
-        return dict(zip(self._group_ids, plan.after[1] - self._tableset.bounds[1][:, plan.rows]))
+        # From hi, or from the new base where a load row's base passes its hi.
+        return dict(zip(self._group_ids, plan.after[1] - np.maximum(self._tableset.bounds[1][:, plan.rows],
+                                                                    plan.after[0])))
 
     def _deny_past_capture_width(self, plan: _StepPlan, fits: np.ndarray, deny: dict[int, str]) -> None:
         """Deny every request whose table in some group would be wider than its capture width."""
@@ -845,6 +867,8 @@ class CacheManager:
         if rid in seen:
             return f"request {rid!r} appears twice in the batch"
         seen.add(rid)
+        if rid in self._rewound_loads:
+            return f"request {rid!r} was rewound below its load step (its window pages are gone): free it"
         if rid in self.pending_loads:
             return f"request {rid!r} waits for its tier load: run TierLink.take_loads() and confirm_load()"
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
@@ -880,7 +904,7 @@ class CacheManager:
         n, settle, n_crossing, clean = kernels.prepare_step(
             ts.geometry, ts.bounds, self._computed, self._committed, self._known, self._last_rows, rows_in,
             counts_in, self._grain, self._space.tops, self._in_batch, rows, counts, first, after, need, sums, crossing,
-            totals)
+            totals, self._planned_load)
         if n < 0:
             return None  # a row twice, or past its known tokens: the per-item path words it
         return self._plan_of(n, settle, n_crossing, clean)
@@ -894,7 +918,7 @@ class CacheManager:
     # --- the step ------------------------------------------------------------
     def schedule(
         self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False, block_tables: str = "full",
-        write_slots: bool = True,
+        write_slots: bool = True, load: bool = False,
     ) -> StepBatch:
         """Release, allocate and build the kernel arrays for one step (all or nothing).
 
@@ -903,10 +927,16 @@ class CacheManager:
         (``StepBatch.table_updates``, applied by ``hybridkv.tables.mirror.BlockTableMirror``).
         ``write_slots=False`` leaves every ``GroupStep.write_slots`` None, for an
         engine that computes them itself from its mirrored tables and the positions.
+        ``load=True`` (with ``write_slots=False``): a *load step* (a tier load,
+        ``hybridkv.tierlink``): the items' tokens are copied in, not computed, so in a sliding
+        group each request holds only the pages of the checkpoint at its new end, as after a
+        prefix hit there (docs/manager.md, "Load steps").
         """
         check_items(items, CacheManagerError)
+        if load and write_slots:
+            raise CacheManagerError("a load step computes nothing to write: schedule it with write_slots=False")
         items = items if type(items) is list else list(items)
-        return self._schedule(items, None, fixed_width, block_tables, write_slots)
+        return self._schedule(items, None, fixed_width, block_tables, write_slots, load)
 
     def schedule_uniform(
         self, request_ids: Sequence[str], num_tokens: int, *, fixed_width: bool = False, block_tables: str = "full",
@@ -919,7 +949,8 @@ class CacheManager:
         rids = request_ids if type(request_ids) is tuple else tuple(request_ids)
         return self._schedule(None, (rids, num_tokens), fixed_width, block_tables, write_slots)
 
-    def _schedule(self, items, uniform, fixed_width: bool, block_tables: str, write_slots: bool = True) -> StepBatch:
+    def _schedule(self, items, uniform, fixed_width: bool, block_tables: str, write_slots: bool = True,
+                  load: bool = False) -> StepBatch:
         """``schedule`` of ``items``, or of ``uniform`` = (request ids, one count for all), in
         five stages: admit (validate and plan, pure), commit the previous step's tokens,
         release, allocate, build the batch. Most steps take ``_step``'s one compiled call."""
@@ -928,7 +959,9 @@ class CacheManager:
             self.tier_link.check_schedule()
         updates = block_tables == "updates"
         verdict = self._cached_verdict(items, uniform, fixed_width)
-        if verdict is None and not fixed_width:
+        if load:
+            verdict = self._admit_load(items, fixed_width)
+        elif verdict is None and not fixed_width:
             verdict = self._fast_step(items, uniform, write_slots, updates)
             if isinstance(verdict, StepBatch):
                 return verdict
@@ -940,6 +973,10 @@ class CacheManager:
         plan = verdict.plan
         if plan.request_ids is None:
             plan.request_ids = uniform[0] if items is None else tuple(map(itemgetter(0), items))
+        if load:
+            first = plan.first[plan.settle :].tolist()
+            self._load_spans.update((rid, (f, f + n)) for rid, f, n in zip(
+                plan.request_ids, first, plan.counts[plan.settle :].tolist()))
         return self._commit_and_run(plan, write_slots, updates, fixed_width)
 
     def _commit_and_run(self, plan: _StepPlan, write_slots: bool, updates: bool, fixed_width: bool,
@@ -1123,6 +1160,12 @@ class CacheManager:
             keeps.append(num_tokens)
         if not reqs:
             return
+        for req, num_tokens in zip(reqs, keeps):  # below a load step just run: its window is gone
+            span = self._load_spans.get(req.request_id)
+            now = (int(self._committed[req.row]), int(self._computed[req.row]))
+            if span is not None and span == now and num_tokens < span[1]:
+                self._rewound_loads.add(req.request_id)
+                self.pending_loads.add(req.request_id)
         rows = np.asarray([r.row for r in reqs], dtype=np.int64)
         kept = np.asarray(keeps, dtype=np.int64)
         for s in self.specs:
@@ -1144,6 +1187,10 @@ class CacheManager:
         req = self._get(request_id)
         if self.tier_link is not None:
             self.tier_link.on_free(request_id)  # an unconfirmed load is rewound, not committed
+        self._load_spans.pop(request_id, None)
+        if request_id in self._rewound_loads:
+            self._rewound_loads.discard(request_id)
+            self.pending_loads.discard(request_id)
         if self.prefix is not None and self._committed[req.row] < self._computed[req.row]:
             self._commit_row(req.row)
         pages, per_group = self._tableset.clear_rows(np.asarray([req.row], dtype=np.int64))

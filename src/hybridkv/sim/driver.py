@@ -177,6 +177,7 @@ class _StepWork:
         self.preempted = 0
         self.memory_short = False  # a chunk was shrunk to fit: no room to start others
         self.refusal = "not tried"
+        self.parked = False  # a request started this step was held for a peer's blocks
         self.hit_tokens = 0
         self.prompt_tokens = 0
 
@@ -271,6 +272,8 @@ class Simulator:
             self._batch_running(run, work)
             self._preempt_until_fits(run, work)
             self._start_waiting(run, work)
+            if work.parked:  # a request held for a peer's blocks kept pages: the batch fits again
+                self._preempt_until_fits(run, work)
             if not work.items:
                 if not self._stalled(run, work):
                     break
@@ -409,6 +412,7 @@ class Simulator:
             live.hit_tokens, denied, parked = self.tier.load(live.rid)
             t0 = time.perf_counter()
             if parked:
+                work.parked = True  # it keeps its hit's pages, which the batch may have counted on
                 live.added = True
                 run.held.append(run.waiting.popleft())
                 return None
