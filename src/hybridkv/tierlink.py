@@ -193,7 +193,9 @@ class TierLink:
         self._tickets = 0
         # ticket -> (pinned pages by group, pinned entries, every entry of the plan in order)
         self._pins: dict[int, tuple[dict[str, np.ndarray], tuple, tuple]] = {}
-        self._offloading: set[tuple[str, int]] = set()  # pinned entries not confirmed yet
+        # Entries of plans not confirmed yet (pinned, deferred or copied): not offered again, so an
+        # entry published twice while its first copy is on its way is copied once.
+        self._offloading: set[tuple[str, int]] = set()
         self._sent: set[tuple[str, int]] = set()  # device entries a tier confirmed stored
         self.manager: Any = None
         self._scheduling = False  # take_loads' own step
@@ -374,7 +376,7 @@ class TierLink:
         for i in indices:
             self._deferred[entries[i][0]] = (copies, i)
         self._pins[ticket] = ({}, tuple(keys), tuple(entry for entry, _ in entries))
-        self._offloading.update(keys)
+        self._offloading.update(entry for entry, _ in entries)
         self._stats.offload_deferred += len(keys)
         return OffloadPlan(objects, views, (), ticket, tuple(deferred), copies)
 
@@ -400,7 +402,7 @@ class TierLink:
                 self._sent.update(entry for entry, ok in zip(every, stored) if ok is True and entry in entries)
             for gid, pages in by_group.items():
                 released.setdefault(gid, []).append(pages)
-            self._offloading.difference_update(keys)
+            self._offloading.difference_update(every)
             for entry in keys:
                 self._deferred.pop(entry, None)
         if released:  # one release for every plan confirmed
@@ -431,7 +433,7 @@ class TierLink:
             self._stats.pinned_pages += sum(pages.size for pages in arrays.values())
         # Recorded even with nothing pinned: what a tier stores need not move again at eviction.
         self._pins[ticket] = (arrays, tuple(keys), tuple(entry for entry, _ in entries))
-        self._offloading.update(keys)
+        self._offloading.update(entry for entry, _ in entries)
         self._stats.offload_pinned += len(keys)
         return tuple(pinned)
 
