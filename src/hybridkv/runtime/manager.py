@@ -1132,40 +1132,10 @@ class CacheManager:
     def rewind_many(self, items: Sequence[tuple[str, int]]) -> None:
         """``rewind`` for many requests at once (all validated first; vectorized per group)."""
         self._version += 1  # invalidates a cached admission
-        reqs, keeps, seen = [], [], set()
-        for item in items:
-            try:
-                request_id, num_tokens = item
-            except (TypeError, ValueError):
-                raise CacheManagerError(f"each item must be (request_id, num_tokens), got {item!r}") from None
-            req = self._get(request_id)
-            if request_id in seen:
-                raise CacheManagerError(f"request {request_id!r} appears twice")
-            seen.add(request_id)
-            if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
-                raise CacheManagerError(f"num_tokens must be an int, got {num_tokens!r}")
-            num_tokens = int(num_tokens)
-            computed = int(self._computed[req.row])
-            committed = int(self._committed[req.row])
-            if num_tokens > computed:
-                raise CacheManagerError(
-                    f"request {request_id!r}: cannot rewind forward to {num_tokens} (computed {computed})"
-                )
-            if num_tokens < committed:
-                raise CacheManagerError(
-                    f"request {request_id!r}: cannot rewind to {num_tokens}, below the {committed} "
-                    "tokens committed before the last step"
-                )
-            reqs.append(req)
-            keeps.append(num_tokens)
+        reqs, keeps = self._rewind_items(items)
         if not reqs:
             return
-        for req, num_tokens in zip(reqs, keeps):  # below a load step just run: its window is gone
-            span = self._load_spans.get(req.request_id)
-            now = (int(self._committed[req.row]), int(self._computed[req.row]))
-            if span is not None and span == now and num_tokens < span[1]:
-                self._rewound_loads.add(req.request_id)
-                self.pending_loads.add(req.request_id)
+        self._note_rewound_loads(reqs, keeps)
         rows = np.asarray([r.row for r in reqs], dtype=np.int64)
         kept = np.asarray(keeps, dtype=np.int64)
         for s in self.specs:
@@ -1180,6 +1150,49 @@ class CacheManager:
             if req.token_ids is not None:
                 req.known_tokens = min(req.known_tokens, max(num_tokens, req.prompt_tokens))
                 self._known[req.row] = req.known_tokens
+
+    def _rewind_items(self, items: Sequence[tuple[str, int]]) -> tuple[list[_Request], list[int]]:
+        """The requests and token counts of ``rewind_many``'s items, each checked (nothing changes
+        on a refusal)."""
+        reqs, keeps, seen = [], [], set()
+        for item in items:
+            try:
+                request_id, num_tokens = item
+            except (TypeError, ValueError):
+                raise CacheManagerError(f"each item must be (request_id, num_tokens), got {item!r}") from None
+            req = self._get(request_id)
+            if request_id in seen:
+                raise CacheManagerError(f"request {request_id!r} appears twice")
+            seen.add(request_id)
+            if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+                raise CacheManagerError(f"num_tokens must be an int, got {num_tokens!r}")
+            reqs.append(req)
+            keeps.append(self._checked_rewind(request_id, req.row, int(num_tokens)))
+        return reqs, keeps
+
+    def _checked_rewind(self, request_id: str, row: int, num_tokens: int) -> int:
+        """``num_tokens``, refused when it lies past the computed tokens or below the committed ones."""
+        computed, committed = int(self._computed[row]), int(self._committed[row])
+        if num_tokens > computed:
+            raise CacheManagerError(
+                f"request {request_id!r}: cannot rewind forward to {num_tokens} (computed {computed})"
+            )
+        if num_tokens < committed:
+            raise CacheManagerError(
+                f"request {request_id!r}: cannot rewind to {num_tokens}, below the {committed} "
+                "tokens committed before the last step"
+            )
+        return num_tokens
+
+    def _note_rewound_loads(self, reqs: list[_Request], keeps: list[int]) -> None:
+        """Requests rewound below a load step just run lose its window: admission refuses them
+        until they are freed."""
+        for req, num_tokens in zip(reqs, keeps):
+            span = self._load_spans.get(req.request_id)
+            now = (int(self._committed[req.row]), int(self._computed[req.row]))
+            if span is not None and span == now and num_tokens < span[1]:
+                self._rewound_loads.add(req.request_id)
+                self.pending_loads.add(req.request_id)
 
     def free(self, request_id: str) -> None:
         """End a request: commit its last step to the prefix cache, release every page."""
