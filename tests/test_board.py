@@ -8,33 +8,17 @@ through the same interface. Expiry is judged on each reader's own clock from its
 so two links whose clocks differ by a day agree on it.
 """
 
-import os
 import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.inflight import BOARD_ATTEMPTS, InFlightRule, Markers
-from hybridkv.models.layout import cache_layout
-from hybridkv.tiers import DiskTier, HostTier, Tier, TierUnavailable, layout_namespace
+from hybridkv.inflight import BOARD_ATTEMPTS, InFlightRule
+from hybridkv.tiers import DiskTier, HostTier
+from marker_support import TTL, Clock, MooncakeMaster, WatchedTier, client, close_pair, markers, needs_mooncake, start_master
+
 from hybridkv.tiers.versions import VersionLog
-
-NAMESPACE = layout_namespace(cache_layout("deepseek-v4-flash"))
-TTL = 10.0
-
-
-class Clock:
-    def __init__(self, now=0.0):
-        self.now = now
-
-    def __call__(self):
-        return self.now
-
-
-def markers(tier, clock=None, ttl=TTL):
-    return Markers(tier, NAMESPACE, InFlightRule(wait=1.0, ttl=ttl, clock=clock or Clock()))
-
 
 def key(i):
     return (1000 + i).to_bytes(16, "big")
@@ -117,34 +101,9 @@ def test_two_links_see_each_others_board_changes(local_tier):
     assert a.stats().board_changes_lost == 0 and b.stats().board.conflicts == 0
 
 
-class RacingTier(Tier):
-    """A host tier that runs ``before_put`` once, just before the next board generation is put:
-    another writer's change lands between this writer's read and its put."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-        self.before_put = None
-
-    def _put(self, items):
-        hook, self.before_put = self.before_put, None
-        if hook is not None and any("/marker/board/" in name for name, _ in items):
-            hook()
-        return self.inner.put(items)
-
-    def _get(self, names):
-        return self.inner.get(names)
-
-    def _contains(self, names):
-        return self.inner.contains(names)
-
-    def _delete(self, names):
-        return self.inner.delete(names)
-
-
 def test_two_writers_at_once_lose_nothing_the_loser_tries_again():
     shared = HostTier(1 << 24)
-    racing = RacingTier(shared)
+    racing = WatchedTier(shared, watch="/marker/board/")
     a, b = markers(shared), markers(racing)
     assert b.board() == {}
     racing.before_put = lambda: a.want([1001])  # A writes generation 1 between B's read and put
@@ -155,7 +114,7 @@ def test_two_writers_at_once_lose_nothing_the_loser_tries_again():
 
 def test_a_change_that_keeps_losing_is_given_up_and_counted():
     shared = HostTier(1 << 24)
-    racing = RacingTier(shared)
+    racing = WatchedTier(shared, watch="/marker/board/")
     a, b = markers(shared), markers(racing)
     left = [BOARD_ATTEMPTS]
 
@@ -217,28 +176,9 @@ def test_the_default_clock_is_monotonic():
 
 # --- Mooncake: two clients on a real master ---------------------------------------------------------
 
-try:
-    from hybridkv.tiers.mooncake import MooncakeMaster, MooncakeTier, load_store_class
-
-    load_store_class()
-    MOONCAKE = None
-except TierUnavailable as exc:
-    MOONCAKE = str(exc)
-
-needs_mooncake = pytest.mark.skipif(MOONCAKE is not None and os.environ.get("CI", "").lower() != "true",
-                                    reason=str(MOONCAKE))
-
-
-def client(master, **options):
-    return MooncakeTier(master.master_address, master.metadata_url, segment_bytes=16 << 20, receive_bytes=0,
-                        send_bytes=0, **options)
-
-
 @pytest.fixture(scope="module")
 def master(tmp_path_factory):
-    if MOONCAKE is not None:
-        raise RuntimeError(f"CI must run the Mooncake tests: {MOONCAKE}")
-    with MooncakeMaster(log_path=str(tmp_path_factory.mktemp("board") / "master.log"), lease_ms=500) as m:
+    with start_master(tmp_path_factory.mktemp("board")) as m:
         yield m
 
 
@@ -246,9 +186,7 @@ def master(tmp_path_factory):
 def mooncake_pair(master):
     a, b = client(master), client(master)
     yield a, b
-    a.raw_remove_matching(f"hkv1/{NAMESPACE.hex}/marker/.*")
-    a.close()
-    b.close()
+    close_pair([a, b])
 
 
 @needs_mooncake

@@ -8,7 +8,6 @@ clients over a loopback master (the master started and stopped here). Expiry is 
 reader's own clock from its first sight of a slot's marker.
 """
 
-import os
 import threading
 import time
 
@@ -16,52 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.inflight import MARKER_ATTEMPTS, MARKER_SLOTS, InFlightRule, Markers
-from hybridkv.models.layout import cache_layout
-from hybridkv.tiers import DiskTier, HostTier, Tier, TierUnavailable, layout_namespace
-
-NAMESPACE = layout_namespace(cache_layout("deepseek-v4-flash"))
-TTL = 10.0
-
-
-class Clock:
-    def __init__(self, now=0.0):
-        self.now = now
-
-    def __call__(self):
-        return self.now
-
-
-def markers(tier, clock=None):
-    return Markers(tier, NAMESPACE, InFlightRule(wait=1.0, ttl=TTL, clock=clock or Clock()))
-
-
-class WatchedTier(Tier):
-    """Passes every call to ``inner``; counts the puts on a name ``inner`` holds (``overwrites``),
-    and runs ``before_put`` (once) just before the next marker put: another writer's put lands
-    between this writer's ``contains`` and its put."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-        self.overwrites = 0
-        self.before_put = None
-
-    def _put(self, items):
-        hook, self.before_put = self.before_put, None
-        if hook is not None and any("/marker/" in name for name, _ in items):
-            hook()
-        self.overwrites += sum(self.inner.contains([name for name, _ in items]))
-        return self.inner.put(items)
-
-    def _get(self, names):
-        return self.inner.get(names)
-
-    def _contains(self, names):
-        return self.inner.contains(names)
-
-    def _delete(self, names):
-        return self.inner.delete(names)
+from hybridkv.inflight import MARKER_ATTEMPTS, MARKER_SLOTS
+from hybridkv.tiers import DiskTier, HostTier
+from marker_support import TTL, Clock, WatchedTier, client, close_pair, markers, needs_mooncake, start_master
 
 
 def owners(links, kind, key):
@@ -197,34 +153,17 @@ def test_a_writer_that_keeps_losing_races_gives_up_and_counts_it():
 
 # --- Mooncake: two clients on a real master -----------------------------------------------------------
 
-try:
-    from hybridkv.tiers.mooncake import MooncakeMaster, MooncakeTier, load_store_class
-
-    load_store_class()
-    MOONCAKE = None
-except TierUnavailable as exc:
-    MOONCAKE = str(exc)
-
-needs_mooncake = pytest.mark.skipif(MOONCAKE is not None and os.environ.get("CI", "").lower() != "true",
-                                    reason=str(MOONCAKE))
-
-
 @pytest.fixture(scope="module")
 def master(tmp_path_factory):
-    if MOONCAKE is not None:
-        raise RuntimeError(f"CI must run the Mooncake tests: {MOONCAKE}")
-    with MooncakeMaster(log_path=str(tmp_path_factory.mktemp("markers") / "master.log"), lease_ms=500) as m:
+    with start_master(tmp_path_factory.mktemp("markers")) as m:
         yield m
 
 
 @pytest.fixture
 def mooncake_pair(master):
-    clients = [MooncakeTier(master.master_address, master.metadata_url, segment_bytes=16 << 20, receive_bytes=0,
-                            send_bytes=0) for _ in range(2)]
+    clients = [client(master), client(master)]
     yield clients
-    clients[0].raw_remove_matching(f"hkv1/{NAMESPACE.hex}/marker/.*")
-    for client in clients:
-        client.close()
+    close_pair(clients)
 
 
 @needs_mooncake
