@@ -261,7 +261,7 @@ def profile_decode(plan, prompts, args, caching: bool) -> str:
 
 
 BREAKDOWN_METHODS = {
-    "CacheManager": ["schedule", "schedule_uniform", "_admit", "_fast_validate", "_fast_validate_uniform", "_plan",
+    "CacheManager": ["schedule", "schedule_uniform", "_admit", "_fast_rows", "_step", "_after_run", "_plan",
                      "_run", "_build_batch", "rewind_many"],
     "GroupTable": ["take"],
     "TableSet": ["clear_rows", "block_table", "drain_updates"],
@@ -272,14 +272,16 @@ BREAKDOWN_METHODS = {
 
 def breakdown(plan, prompts, args, caching: bool) -> dict[str, dict[str, float]]:
     """Inclusive wall µs per step of the manager's methods (wrapped with timers here)."""
-    from hybridkv import manager, pool, prefix, tables
+    from hybridkv.memory.pool import PagePool
+    from hybridkv.prefix.cache import PrefixCache
+    from hybridkv.tables.store import GroupTable, TableSet
 
     classes = {
-        "CacheManager": manager.CacheManager,
-        "GroupTable": tables.GroupTable,
-        "TableSet": tables.TableSet,
-        "PagePool": pool.PagePool,
-        "PrefixCache": prefix.PrefixCache,
+        "CacheManager": CacheManager,
+        "GroupTable": GroupTable,
+        "TableSet": TableSet,
+        "PagePool": PagePool,
+        "PrefixCache": PrefixCache,
     }
     spent: dict[str, int] = {}
     originals = []
