@@ -254,7 +254,6 @@ class CacheManager:
         self._checkpoint_windows = tuple(windows.get(gid, 0) for gid in ids)
         # A load step's rows hold, in a sliding group, the pages of its checkpoint window only.
         self._load_tokens = np.asarray(self._checkpoint_windows, dtype=np.int64)
-        self._planned_load = _COMPUTED  # what ``_plan`` passes ``prepare_step`` as load_tokens
         self._init_holds()
         self.tier_link = tier_link
         if tier_link is not None:
@@ -540,11 +539,13 @@ class CacheManager:
             fits(lo)  # leave the answer's admission cached for schedule()
         return lo
 
-    def _admit(self, items, fixed_width, uniform=None, planned: _StepPlan | None = None) -> _Verdict:
+    def _admit(self, items, fixed_width, uniform=None, planned: _StepPlan | None = None,
+               load_tokens: np.ndarray = _COMPUTED) -> _Verdict:
         """Stages 1 and 2 of a step, pure: validate the items, plan every row (the
         settling ones first), and decide which requests fit. ``uniform`` (request ids,
         one count) stands for ``items`` when given; ``planned``: the plan of the items,
-        every one valid, already made (``_step``)."""
+        every one valid, already made (``_step``); ``load_tokens``: ``prepare_step``'s
+        (a load step's checkpoint windows, or empty)."""
         if fixed_width and self.table_widths is None:
             raise CacheManagerError(
                 "fixed_width needs capture widths: build the manager with table_widths (from_plan does)"
@@ -552,7 +553,7 @@ class CacheManager:
         if planned is not None:
             answers, ok_idx, plan = [None] * len(planned.request_ids), range(len(planned.request_ids)), planned
         else:
-            answers, ok_idx, plan = self._validated_plan(items, fixed_width, uniform)
+            answers, ok_idx, plan = self._validated_plan(items, fixed_width, uniform, load_tokens)
         if plan is None:
             return _Verdict(answers, ok_idx, np.zeros(0, dtype=bool), {}, None)
         fits = np.ones(plan.rows.size, dtype=bool)
@@ -580,24 +581,21 @@ class CacheManager:
         checkpoint at its end (``prepare_step``'s ``load_tokens``)."""
         if self.prefix is None:
             raise CacheManagerError("a load step needs prefix caching (it stands for a prefix hit)")
-        self._planned_load = self._load_tokens
-        try:
-            return self._admit(items, fixed_width)
-        finally:
-            self._planned_load = _COMPUTED
+        return self._admit(items, fixed_width, load_tokens=self._load_tokens)
 
-    def _validated_plan(self, items, fixed_width, uniform) -> tuple[list, Sequence[int], _StepPlan | None]:
+    def _validated_plan(self, items, fixed_width, uniform, load_tokens: np.ndarray
+                        ) -> tuple[list, Sequence[int], _StepPlan | None]:
         """(answers, valid indices, plan of the valid items; None when none is valid):
         vectorized when every item is valid, else item by item with a reason each."""
         fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
         if fast is not None and self.pending_loads and not self.pending_loads.isdisjoint(fast[2]):
             fast = None  # a request waits for a tier load: the per-item path words the reason
-        plan = None if fast is None else self._plan(fast[0], fast[1])
+        plan = None if fast is None else self._plan(fast[0], fast[1], load_tokens)
         if plan is not None:  # every item valid (the plan checked rows and known tokens)
             plan.request_ids = fast[2]
             return [None] * fast[0].size, range(fast[0].size), plan
         answers, ok_idx, rows, counts = self._validate(items, fixed_width, uniform)
-        return answers, ok_idx, self._plan(rows, counts) if ok_idx else None
+        return answers, ok_idx, self._plan(rows, counts, load_tokens) if ok_idx else None
 
     def _validate(self, items, fixed_width, uniform):
         """(answers, valid indices, rows, counts) of the valid items, item by item with
@@ -892,19 +890,20 @@ class CacheManager:
             )
         return ""
 
-    def _plan(self, rows_in: np.ndarray, counts_in: np.ndarray) -> _StepPlan | None:
+    def _plan(self, rows_in: np.ndarray, counts_in: np.ndarray, load_tokens: np.ndarray) -> _StepPlan | None:
         """The step of ``rows_in`` writing ``counts_in`` tokens each, planned by
         ``kernels.prepare_step`` (pure): the previous step's rows not in this one settle
         first (their tokens commit, their slid-out pages go back), so their release
         counts as credit for everyone. None when a row is listed twice or passes its
-        known tokens. The plan's arrays are scratch: only the latest plan is valid."""
+        known tokens. ``load_tokens``: a load step's checkpoint windows (empty for a step that
+        computes). The plan's arrays are scratch: only the latest plan is valid."""
         rows, counts, first, after, need, sums, crossing, totals = self._scratch.plan_arrays(
             rows_in.size + self._last_rows.size)
         ts = self._tableset
         n, settle, n_crossing, clean = kernels.prepare_step(
             ts.geometry, ts.bounds, self._computed, self._committed, self._known, self._last_rows, rows_in,
             counts_in, self._grain, self._space.tops, self._in_batch, rows, counts, first, after, need, sums, crossing,
-            totals, self._planned_load)
+            totals, load_tokens)
         if n < 0:
             return None  # a row twice, or past its known tokens: the per-item path words it
         return self._plan_of(n, settle, n_crossing, clean)
