@@ -344,7 +344,7 @@ class TierLink:
         if not fresh:
             return _NO_OFFLOADS
         entries = list(fresh.items())
-        objects, views, payload_bytes = self._offload_objects(entries)
+        objects, views = self._offload_objects(entries)
         held = self.store.contains([obj.key for obj in objects])
         skipped = held.count(True)
         if skipped:
@@ -353,9 +353,9 @@ class TierLink:
             if not keep:
                 return _NO_OFFLOADS
             objects, views = [objects[i] for i in keep], [views[i] for i in keep]
-            entries, payload_bytes = [entries[i] for i in keep], sum(self._entry_bytes(entries[i]) for i in keep)
+            entries = [entries[i] for i in keep]
         self._stats.offload_objects += len(objects)
-        self._stats.offload_bytes += payload_bytes
+        self._stats.offload_bytes += sum(self.object_payload_bytes(obj) for obj in objects)
         self._tickets += 1
         if self.defer_offloads:
             return self._defer(self._tickets, entries, tuple(objects), tuple(views))
@@ -578,24 +578,17 @@ class TierLink:
             return max(0, boundary - self._prefix.checkpoint_window_tokens(gid))
         return boundary - self._prefix.granularity_tokens
 
-    def _entry_bytes(self, entry: tuple[tuple[str, int], tuple[int, tuple[int, ...]]]) -> int:
-        """Payload bytes of the offload object of ``((group, key), (boundary, pages))``."""
-        (gid, _), (boundary, _) = entry
-        first = self._first_token(gid, boundary)
-        return rows_for_tokens(self._specs[gid], first, boundary)[1] * self._row_bytes[gid]
-
     def _offload_objects(self, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]
-                         ) -> tuple[list[PlannedObject], list[GroupPages], int]:
-        """The objects of published entries ``((group, key), (boundary, pages))``, their pages'
-        views, and their payload bytes in all."""
-        objects, views, payload_bytes = [], [], 0
-        specs, kinds, row_bytes = self._specs, self._kinds, self._row_bytes
+                         ) -> tuple[list[PlannedObject], list[GroupPages]]:
+        """The objects of published entries ``((group, key), (boundary, pages))`` and their pages'
+        views."""
+        objects, views = [], []
+        specs, kinds = self._specs, self._kinds
         for (gid, key), (boundary, pages) in entries:
             first = self._first_token(gid, boundary)
             objects.append(PlannedObject(ObjectKey(kinds[gid], gid, key), first, boundary, boundary))
             views.append(GroupPages(first // specs[gid].page_tokens, np.asarray(pages, dtype=np.int64)))
-            payload_bytes += rows_for_tokens(specs[gid], first, boundary)[1] * row_bytes[gid]
-        return objects, views, payload_bytes
+        return objects, views
 
     def _plan_load(self, request_id: str, hashes: Any, prompt_tokens: int, hit_tokens: int,
                    cap_tokens: int | None = None) -> None:
