@@ -194,13 +194,12 @@ class Arena:
         highest page lies in a slab already holding live pages of the group, or the
         group's live pages then lie in at most ``SPREAD_SLABS`` slabs more than they fill."""
         pool, (lo, hi), straddle = self.pools[gid], self._ranges[gid], self._straddle[gid]
-        per_slab, gi, g = max(int((hi - lo).min()), 1), self._index[gid], self.geometry
-        page_bytes, head, slab_bytes = g.page_bytes[gid], g.reserved_bytes, g.slab_bytes
+        per_slab, gi, slab_of = max(int((hi - lo).min()), 1), self._index[gid], self.geometry.slab_of
 
         def must_pack(page: int, pages: int) -> bool:
             if not self.roomy():
                 return True
-            slab = (page * page_bytes - head) // slab_bytes  # ArenaGeometry.slab_of
+            slab = int(slab_of(gid, page))
             if (pool.ref_counts[lo[slab] : hi[slab]] > 0).any():
                 return False
             held_pages, held_slabs = kernels.held_in_slabs(pool.ref_counts, self.owner, gi, lo, hi, straddle)
