@@ -314,22 +314,29 @@ class Markers:
                     picks[key] = free[0]
             if not picks:
                 break
-            stored = self.tier.put([(name, value) for name in picks.values()])
-            back = self.tier.get([name for name, ok in zip(picks.values(), stored) if ok])
-            backs = iter(back)
-            todo = []
-            for (key, name), ok in zip(picks.items(), stored):
-                if not ok:
-                    continue  # refused (full, or a dead store): not tried again now
-                if next(backs) == value:
-                    placed[key] = name
-                else:
-                    lost.add(name)
-                    self._stats.races_lost += 1
-                    todo.append(key)
+            todo = self._put_picks(picks, value, placed, lost)
             if not todo:
                 break
         return placed
+
+    def _put_picks(self, picks: dict[bytes, str], value: bytes, placed: dict[bytes, str], lost: set[str]
+                   ) -> list[bytes]:
+        """Put ``value`` under each key's picked name and read it back: a name that reads back
+        ``value`` is the key's (to ``placed``); one that reads back another writer's value lost
+        a race (to ``lost``, counted). Returns the keys to try again; a refused put is not."""
+        stored = self.tier.put([(name, value) for name in picks.values()])
+        backs = iter(self.tier.get([name for name, ok in zip(picks.values(), stored) if ok]))
+        todo = []
+        for (key, name), ok in zip(picks.items(), stored):
+            if not ok:
+                continue  # refused (full, or a dead store): not tried again now
+            if next(backs) == value:
+                placed[key] = name
+            else:
+                lost.add(name)
+                self._stats.races_lost += 1
+                todo.append(key)
+        return todo
 
     def delete(self, kind: str, keys: Sequence[int], request_id: str | None = None) -> int:
         """Delete the ``kind`` markers of ``keys``: every one there (``request_id`` None: a delete
