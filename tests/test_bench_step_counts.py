@@ -1,11 +1,9 @@
 """bench/step_counts.py's reading of cg_annotate output (valgrind itself is not needed)."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "step_counts.py"
+from bench_support import load_bench_script
 
 # The shape cg_annotate (valgrind 3.19) prints for a cg_diff with four events.
 SAMPLE = """\
@@ -25,10 +23,7 @@ Ir                  ILmr           DLmr            DLmw             file:functio
 
 @pytest.fixture(scope="module")
 def step_counts():
-    spec = importlib.util.spec_from_file_location("step_counts_under_test", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("step_counts.py", "step_counts_under_test")
 
 
 def test_totals_and_functions_are_read_with_signs_and_dots(step_counts):

@@ -1,23 +1,18 @@
 """bench/tiers_step's statistics (the interval around the median round, the step-median ratio,
 the verdict on the 1.2x target) on numbers worked out by hand, and a tiny run's report."""
 
-import importlib.util
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "tiers_step.py"
+from bench_support import load_bench_script
 
 
 @pytest.fixture(scope="module")
 def ts():
-    spec = importlib.util.spec_from_file_location("tiers_step_under_test", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("tiers_step.py", "tiers_step_under_test")
 
 
 def test_nine_rounds_give_the_second_and_eighth_sorted_with_their_coverage(ts):
