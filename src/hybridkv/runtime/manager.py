@@ -1293,7 +1293,7 @@ class CacheManager:
         self._version += 1  # invalidates a cached admission
         held -= counts
         ref = self._space.ref_counts
-        if ref[glob].min() > 1:  # still held by requests: nothing joins the free or evictable sets
+        if (ref[glob] > counts[glob]).all():  # held still after: nothing joins the free or evictable sets
             np.subtract.at(ref, glob, 1)
         else:
             self._space.release(local, per_group)
