@@ -120,6 +120,36 @@ def row_span_pages(geometry, pages, bounds, g, row, lo, hi):
 
 
 @njit(cache=True)
+def commit_pages(geometry, pages, bounds, history, state, row, first_block, end_block, boundaries, out, ok):
+    """Every page a prefix commit of ``row`` publishes, in one pass, into ``out``: per
+    history group ``history[h] = (g, pages per block)`` the pages of blocks ``[first_block,
+    end_block)``; then per boundary ``D`` of ``boundaries``, per state group ``state[s] =
+    (g, window tokens W)``, the pages of ``[max(D - W, 0), D)``, with ``ok[i * S + s]``
+    (``S`` state groups) 1 when they lie in the row's live pages ``[base, hi)`` (else 0,
+    their cells left unread). Returns how many places it filled."""
+    n = 0
+    for h in range(history.shape[0]):
+        g, per_block = history[h, 0], history[h, 1]
+        for logical in range(first_block * per_block, end_block * per_block):
+            out[n] = pages[cell(geometry, bounds, g, row, logical)]
+            n += 1
+    n_state = state.shape[0]
+    for i in range(boundaries.size):
+        d = boundaries[i]
+        for s in range(n_state):
+            g = state[s, 0]
+            t = geometry[g, PAGE_TOKENS]
+            lo, hi = max(d - state[s, 1], 0) // t, d // t
+            good = lo >= bounds[BASE, g, row] and hi <= bounds[HI, g, row]
+            ok[i * n_state + s] = 1 if good else 0
+            for logical in range(lo, hi):
+                if good:
+                    out[n] = pages[cell(geometry, bounds, g, row, logical)]
+                n += 1
+    return n
+
+
+@njit(cache=True)
 def fit_ring(geometry, pages, bounds, g, row, live_pages):
     """Make ``row`` wide in group ``g`` (it takes the free lane on top) when
     ``live_pages`` exceed its narrow ring, narrow (its lane goes back on top) when
