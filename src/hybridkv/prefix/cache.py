@@ -124,10 +124,13 @@ class RequestHashes:
         block = token_ids[have * g : want * g]
         if block.dtype != _INT32_LE or not block.flags.c_contiguous:  # a manager's buffer already is
             block = np.ascontiguousarray(block, dtype=_INT32_LE)
-        data = memoryview(block.tobytes())
-        block_bytes = 4 * g
         parent = self.hashes[-1] if self.hashes else self.root
         out = self.hashes
+        if want == have + 1:  # one block (a decode commit)
+            out.append(self._hash(parent.to_bytes(16, "little") + block.tobytes()))
+            return
+        data = memoryview(block.tobytes())
+        block_bytes = 4 * g
         for i in range(want - have):
             parent = self._hash(parent.to_bytes(16, "little") + data[i * block_bytes : (i + 1) * block_bytes])
             out.append(parent)
@@ -401,10 +404,11 @@ class PrefixCache:
         priority), else the request's own one: returned, holding it wherever it is."""
         b, hh = boundary // self.granularity_tokens, hashes.hashes
         key, parent = hh[b - 1], hh[b - 2] if b >= 2 else hashes.root
-        own = None if pinned is None else OwnCheckpoint(boundary, pinned)
-        # Speculative ones (where another request may leave this one: a prompt boundary, every
-        # k-th one) go unheld, low priority ("prefill-per-byte": while that class rates low).
-        low = own is None and (self.values is None or self.values.low_priority(SPECULATIVE))
+        if pinned is None:  # speculative (where another request may leave this one: a prompt boundary,
+            # every k-th one): unheld, low priority ("prefill-per-byte": while that class rates low)
+            own, low = None, self.values is None or self.values.low_priority(SPECULATIVE)
+        else:
+            own, low = OwnCheckpoint(boundary, pinned), False
         hook, values, booked = self.tier_hook, self.values, []
         for gid, pool, per_entry, meta, holders, stats in self._state_groups:
             entry = pool.lookup(key)
