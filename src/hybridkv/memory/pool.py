@@ -417,30 +417,22 @@ class PagePool:
         borrowed page); the indices of the entries published, in order. ValueError, and
         nothing changes, if a listed page is not a held page of this pool."""
         self._check_held(pages)
-        entries, page_key, cached, n, out = self._entries, self._page_key, self.cached, pages_per_entry, []
-        keyed = cached.item
-        for i, key in enumerate(keys):
-            entry = tuple(pages[i * n : (i + 1) * n])
-            if key in entries or any(map(keyed, entry)):
-                continue  # published already, or a borrowed page
-            entries[key] = entry
-            for page in entry:  # entries are a few pages: item stores beat one fancy store
-                page_key[page] = key
-                cached[page] = True
-                if low_priority:
-                    self.low_priority[page] = True
-            out.append(i)
-        return out
+        put, n = self._put, pages_per_entry
+        return [i for i, key in enumerate(keys) if put(key, tuple(pages[i * n : (i + 1) * n]), low_priority)]
 
     def publish_one(self, key: Hashable, pages: Sequence[int], low_priority: bool = False) -> tuple[int, ...] | None:
         """``publish_new`` of one entry: its pages as :meth:`lookup` gives them, or None if skipped."""
         self._check_held(pages)
-        entry, cached = tuple(pages), self.cached
+        return self._put(key, tuple(pages), low_priority)
+
+    def _put(self, key: Hashable, entry: tuple[int, ...], low_priority: bool) -> tuple[int, ...] | None:
+        """Add a checked entry (None, and nothing changes, if its key is published or a page carries one)."""
+        cached = self.cached
         if key in self._entries or any(map(cached.item, entry)):
             return None
         self._entries[key] = entry
         page_key = self._page_key
-        for page in entry:
+        for page in entry:  # entries are a few pages: item stores beat one fancy store
             page_key[page] = key
             cached[page] = True
             if low_priority:

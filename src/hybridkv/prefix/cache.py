@@ -431,12 +431,6 @@ class PrefixCache:
             self.eviction.stored_checkpoint(booked, key, parent, boundary)
         return own
 
-    def _hold(self, own: OwnCheckpoint, gid: str, key: int, pages: tuple[int, ...] | None) -> None:
-        if pages is not None:
-            own.entries[gid] = (key, pages)
-            holders = self._holders[gid]
-            holders[key] = holders.get(key, 0) + 1
-
     def _supersede(self, req: CommittingRequest, new_own: list) -> None:
         """Drop the request's hold on every earlier own checkpoint that is not pinned
         (unpublished when no hold is left); ``new_own`` become its own checkpoints."""
@@ -487,7 +481,10 @@ class PrefixCache:
         key = hashes.key(hit_tokens)
         own = OwnCheckpoint(hit_tokens)
         for gid in self.state_ids:
-            self._hold(own, gid, key, self.pools[gid].lookup(key))
+            pages = self.pools[gid].lookup(key)
+            if pages is not None:
+                own.entries[gid] = (key, pages)
+                self._holders[gid][key] = self._holders[gid].get(key, 0) + 1
         if self.values is not None:
             self.values.hit(key)
         return [own] if own.entries else []
@@ -576,22 +573,14 @@ class PrefixCache:
             self.stats[gid].removed_entries += 1
             if self.tier_hook is not None:
                 self.tier_hook.removed(gid, key, self._dropping)
-            self._emit(("removed", gid, key, parent, boundary, n))
+            self._emit_many((("removed", gid, key, parent, boundary, n),))
             self.eviction.removed(gid, key, cause, idle_pages)
 
         return removed
 
-    def _emit(self, raw: tuple) -> None:
-        # Buffered events stay raw tuples; the hex keys are formatted when drained.
-        if self.on_event is not None:
-            self.on_event(_event(raw))
-            return
-        if len(self.events) == self.events.maxlen:
-            self.dropped_events += 1
-        self.events.append(raw)
-
-    def _emit_many(self, raws: list[tuple]) -> None:
-        """``_emit`` of each event of ``raws``, in order."""
+    def _emit_many(self, raws: Sequence[tuple]) -> None:
+        """Events (raw tuples), in order: to ``on_event``, or to the buffer (as tuples: the hex
+        keys are formatted when drained), the oldest dropped (and counted) past its bound."""
         if self.on_event is not None:
             for raw in raws:
                 self.on_event(_event(raw))

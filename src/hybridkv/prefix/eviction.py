@@ -141,8 +141,8 @@ class ValueEviction:
                 self._demote_cut(gid, key)  # beyond a missing block: worth nothing yet
 
     def stored_checkpoint(self, gids: Sequence[str], key: Hashable, parent: Hashable | None, boundary: int) -> None:
-        """:meth:`stored` of one checkpoint in the state groups ``gids``, in turn (one
-        commit's publications of a boundary)."""
+        """:meth:`stored` of one checkpoint in each state group of ``gids`` in turn (a
+        commit's publications of a boundary), its node looked up once."""
         node = self._nodes.get(key)
         if node is None:
             node = self._new_node(key, parent, boundary)
