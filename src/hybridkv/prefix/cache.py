@@ -565,12 +565,15 @@ class PrefixCache:
 
     # --- events ---------------------------------------------------------------
     def _removed_callback(self, gid: str) -> Callable[[int], None]:
+        meta, holders, stats = self._meta[gid], self._holders.get(gid), self.stats[gid]
+
         def removed(key: int, cause: str, idle_pages: int) -> None:
-            parent, boundary, n = self._meta[gid].pop(key, (None, 0, 0))
-            self._holders.get(gid, {}).pop(key, None)
-            if self.values is not None and gid in self._holders:
-                self.values.removed(key)
-            self.stats[gid].removed_entries += 1
+            parent, boundary, n = meta.pop(key, (None, 0, 0))
+            if holders is not None:  # a state group storing checkpoints
+                holders.pop(key, None)
+                if self.values is not None:
+                    self.values.removed(key)
+            stats.removed_entries += 1
             if self.tier_hook is not None:
                 self.tier_hook.removed(gid, key, self._dropping)
             self._emit_many((("removed", gid, key, parent, boundary, n),))
