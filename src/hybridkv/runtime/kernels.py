@@ -111,15 +111,6 @@ def span_cells(geometry, bounds, g, rows, lo, hi, at, view):
 
 
 @njit(cache=True)
-def row_span_pages(geometry, pages, bounds, g, row, lo, hi):
-    """Page ids of logical pages ``[lo, hi)`` of ``row`` in group ``g`` (a new array)."""
-    out = np.empty(max(hi - lo, 0), dtype=np.int64)
-    for logical in range(lo, hi):
-        out[logical - lo] = pages[cell(geometry, bounds, g, row, logical)]
-    return out
-
-
-@njit(cache=True)
 def commit_pages(geometry, pages, bounds, history, state, row, first_block, end_block, boundaries, out, ok):
     """Every page a prefix commit of ``row`` publishes, in one pass, into ``out``: per
     history group ``history[h] = (g, pages per block)`` the pages of blocks ``[first_block,

@@ -117,10 +117,8 @@ class GroupTable:
         return self._set.pages[self._span_cells(rows, lo, hi)[0]].astype(np.int64)
 
     def row_pages(self, row: int, lo: int, hi: int) -> list[int]:
-        """Held page ids of one row's logical pages ``[lo, hi)`` (one compiled call: a
-        commit reads a few pages of each group this way)."""
-        ts = self._set
-        return kernels.row_span_pages(ts.geometry, ts.pages, ts.bounds, self._g, row, lo, hi).tolist()
+        """Held page ids of one row's logical pages ``[lo, hi)`` (``pages_in`` of one row)."""
+        return self.pages_in(np.array([row]), np.array([lo]), np.array([hi])).tolist()
 
     # --- mutation -----------------------------------------------------------
     def take(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -375,15 +373,15 @@ class CommitPages:
         self.checkpoint_pages = [cdiv(w, t.page_tokens) for t, w in state]
         self.boundary_pages = sum(self.checkpoint_pages)  # every state group's pages of one checkpoint
         self._sizes = sum(self.block_pages), self.boundary_pages, len(state)
-        self._out = np.empty(64, dtype=np.int64)
-        self._ok = np.empty(8, dtype=np.int8)
-        self._one = np.zeros(1, dtype=np.int64)
+        self._out, self._ok, self._one = np.empty(64, dtype=np.int64), np.empty(8, dtype=np.int8), np.zeros(1, np.int64)
 
     def read(self, row: int, first_block: int, end_block: int, boundaries: list[int]) -> tuple[list[int], list[int]]:
         """The page ids, history group by group, then boundary by boundary, state group by
         state group (a window not live: its place left unread); and per (boundary, state
         group), 1 if its window is live."""
         ts, (per_block, per_boundary, n_state) = self._set, self._sizes
+        if ts is None:
+            return [], []  # no group publishes anything
         size, n_ok = (end_block - first_block) * per_block + len(boundaries) * per_boundary, len(boundaries) * n_state
         if size > self._out.size or n_ok > self._ok.size:
             self._out, self._ok = np.empty(2 * size, dtype=np.int64), np.empty(2 * n_ok, dtype=np.int8)
