@@ -1,11 +1,12 @@
 """Cost of one prefix commit (``PrefixCache.commit``), this version against another.
 
     PYTHONPATH=src:/tmp/commit_base .venv/bin/python bench/commit_cost.py --against hybridkv_base
-        [--sizes 32,1024] [--steps 200] [--phase decode|serving|both] [--clock wall|cpu]
+        [--sizes 32,1024] [--steps 200] [--phase decode|serving|prefill|both] [--clock wall|cpu]
 
 Same workloads as ``bench/step_profile.py`` (V4-Flash, 40 GiB shared arena, prefix
 caching on): decode steps (``N`` requests, one token each) and serving steps (one
-request finishes, one joins with a 512-1,536-token prompt). Each side's
+request finishes, one joins with a 512-1,536-token prompt), and with ``--phase
+prefill`` its 2,048-token prefill chunks of 32,768-token prompts. Each side's
 ``manager.prefix.commit`` is wrapped in a timer; the two sides' steps alternate
 on the same seeded workload. Prints, per phase and size, the commits timed and
 their mean and median cost in µs, and whether both sides emitted the same events
@@ -22,12 +23,12 @@ import gc
 import time
 
 import numpy as np
-from step_profile import Workload, decode_steps, serving_steps
+from step_profile import PHASES
 
 CLOCK = time.perf_counter_ns
 
 
-def timed_commits(work: Workload) -> list[int]:
+def timed_commits(work) -> list[int]:
     """Wrap the workload's ``prefix.commit``; the list its durations (ns) go into."""
     prefix, out = work.manager.prefix, []
     inner = prefix.commit
@@ -42,8 +43,8 @@ def timed_commits(work: Workload) -> list[int]:
 
 
 def measure(n: int, phase: str, steps: int, sides: tuple[str, ...]) -> dict:
-    fn = decode_steps if phase == "decode" else serving_steps
-    works = {side: Workload(n, package=side) for side in sides}
+    work_class, fn = PHASES[phase]
+    works = {side: work_class(n, package=side) for side in sides}
     for work in works.values():
         fn(work, 20)  # warm
         work.manager.prefix.drain_events()
@@ -75,7 +76,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="32,1024")
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--phase", choices=("decode", "serving", "both"), default="both")
+    ap.add_argument("--phase", choices=("decode", "serving", "prefill", "both"), default="both",
+                    help="both: decode and serving")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     ap.add_argument("--against", default=None, help="package of another version (a renamed copy on PYTHONPATH)")
     a = ap.parse_args()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from hybridkv.runtime.manager import CacheManager
@@ -329,3 +329,51 @@ def test_a_first_block_is_no_gap():
         policy.stored(gid, "k1", "root", 256)
     assert not pools["h"].low_priority[block[0]] and not pools["s"].low_priority[ckpt[0]]
     assert (policy.report()["s"].usable_entries, policy.report()["h"].usable_entries) == (1, 1)
+
+
+def _two_state_policy():
+    """A history group ``h`` and two state groups ``s1``, ``s2`` of 64 pages each (grain
+    256), their removals reported to the policy as ``PrefixCache`` reports them."""
+    pools = {g: PagePool(g, 64) for g in ("h", "s1", "s2")}
+    policy = ValueEviction(pools, ["h"], ["s1", "s2"], 256)
+    for gid, pool in pools.items():
+        pool.on_removed = lambda key, cause, idle, gid=gid: policy.removed(gid, key, cause, idle)
+    return pools, policy
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["block", "checkpoint", "evict h", "evict s1", "evict s2"]),
+                          st.integers(1, 3)), max_size=24))
+@example([("block", 1), ("checkpoint", 1), ("evict s1", 1)])  # a supported block becomes an orphan
+@example([("checkpoint", 2), ("block", 2), ("block", 1), ("evict h", 1), ("checkpoint", 1)])  # a gap
+def test_stored_checkpoint_is_stored_in_each_group_in_turn(program):
+    """``ValueEviction.stored_checkpoint`` (one call for a boundary's state entries, as a
+    commit books them) leaves every flag, usable count and evicted count exactly as
+    ``stored`` called for each state group in turn (the reference), over random
+    publications and evictions along one chain of three keys (``k1`` .. ``k3``)."""
+    sides = [_two_state_policy(), _two_state_policy()]
+    for op, i in program:
+        key, parent, boundary = f"k{i}", f"k{i - 1}" if i > 1 else "root", 256 * i
+        for fast, (pools, policy) in enumerate(sides):
+            if op == "block" and pools["h"].lookup(key) is None:
+                assert pools["h"].publish(key, pools["h"].allocate(1))
+                policy.stored("h", key, parent, boundary)
+                pools["h"].decref(pools["h"].lookup(key))  # idle: evictions then free (and count) it
+            elif op == "checkpoint":
+                gids = [g for g in ("s1", "s2") if pools[g].lookup(key) is None]
+                for gid in gids:
+                    assert pools[gid].publish(key, pools[gid].allocate(1))
+                    pools[gid].decref(pools[gid].lookup(key))
+                if fast:
+                    policy.stored_checkpoint(gids, key, parent, boundary) if gids else None
+                else:
+                    for gid in gids:
+                        policy.stored(gid, key, parent, boundary)
+            elif op.startswith("evict") and pools[op[6:]].lookup(key) is not None:
+                pools[op[6:]].unpublish(key, EVICTED)
+        (ref_pools, ref_policy), (pools, policy) = sides
+        for gid, pool in pools.items():
+            assert pool.low_priority.tolist() == ref_pools[gid].low_priority.tolist()
+            assert pool.entry_keys() == ref_pools[gid].entry_keys()
+            assert pool.evictable_page_ids().tolist() == ref_pools[gid].evictable_page_ids().tolist()  # LRU order
+        assert policy.report() == ref_policy.report()

@@ -943,14 +943,17 @@ def test_event_buffer_drops_the_oldest_and_counts_them():
     raws = [("stored", SWA, k, None, 256 * (k + 1), 1) for k in range(7)]
     prefix.events, prefix.dropped_events = deque(maxlen=3), 0
     for raw in raws:
-        prefix._emit(raw)
+        prefix._emit_many([raw])
     assert prefix.dropped_events == 4
+    assert [e.tokens for e in prefix.drain_events()] == [256 * 5, 256 * 6, 256 * 7]
+    prefix._emit_many(raws[:2])
+    prefix._emit_many(raws)  # a commit's batch: 2 + 7 events, 3 kept
+    assert prefix.dropped_events == 4 + 6
     assert [e.tokens for e in prefix.drain_events()] == [256 * 5, 256 * 6, 256 * 7]
     seen = []
     prefix.on_event = seen.append
-    for raw in raws[:2]:
-        prefix._emit(raw)
-    assert [e.tokens for e in seen] == [256, 512] and prefix.dropped_events == 4 and not prefix.events
+    prefix._emit_many(raws[:2])
+    assert [e.tokens for e in seen] == [256, 512] and prefix.dropped_events == 10 and not prefix.events
 
 
 def test_block_hashes_do_not_depend_on_the_token_array_layout():

@@ -2,11 +2,13 @@
 write slots and kernel tables (worked by hand)."""
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridkv.runtime import kernels
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.runtime.manager import CacheManager
-from hybridkv.tables.store import NARROW_STEP_TOKENS, TableSet, cdiv, live_pages_bound
+from hybridkv.tables.store import NARROW_STEP_TOKENS, CommitPages, TableSet, cdiv, live_pages_bound
 
 SWA_4_8 = CacheGroupSpec("swa", "sliding_window", 4, 1, sliding_window_tokens=8, family="state")
 C4 = CacheGroupSpec("c4", "full_history", rows_per_page=64, entry_stride_tokens=4)
@@ -240,3 +242,39 @@ def test_every_reader_of_a_row_sees_the_same_pages():
     full.hi[1] = 3
     assert full.row_pages(1, 0, 3) == [7, 8, 9] and full.row_pages(1, 1, 1) == []
     assert full.pages_in(np.array([1]), np.array([1]), np.array([3])).tolist() == [8, 9]
+
+
+SWA_4_4 = CacheGroupSpec("swa4", "sliding_window", 4, 1, sliding_window_tokens=4, family="state")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2), st.integers(1, 5), st.integers(1, 20), st.data())
+def test_commit_pages_reads_what_row_pages_reads(row, blocks, live_pages, data):
+    """``CommitPages.read`` (one compiled call) gives, for a row of a full-history group
+    and two sliding groups (one wide, in its lane, when its live pages outgrow the narrow
+    ring), the pages ``GroupTable.row_pages`` gives span by span (the reference): the
+    history group's blocks ``[first, end)``, then per boundary each sliding group's
+    window, flagged live exactly when it lies in the row's ``[base, hi)``."""
+    ts = TableSet([C4, SWA_4_8, SWA_4_4], max_context_tokens=2048, max_step_tokens=64, initial_rows=3)
+    c4, swa8, swa4 = ts.tables
+    rows = np.array([row])
+    c4.place(rows, np.array([0]), np.array([blocks]), np.arange(1, blocks + 1))
+    c4.hi[row] = blocks
+    end_pages = blocks * 64  # a 256-token block is 64 four-token pages
+    for g, table in enumerate((swa8, swa4)):
+        base = end_pages - min(live_pages, end_pages)
+        table.place(rows, np.array([base]), np.array([end_pages - base]), np.arange(base, end_pages) + 1000 * (g + 1))
+        table.base[row], table.hi[row] = base, end_pages
+    first = data.draw(st.integers(0, blocks - 1))
+    end = data.draw(st.integers(first + 1, blocks))
+    boundaries = data.draw(st.lists(st.sampled_from([256 * b for b in range(1, blocks + 1)]), max_size=4))
+    reader = CommitPages([(c4, 1)], [(swa8, 8), (swa4, 4)])
+    pages, live = reader.read(row, first, end, boundaries)
+    expected, expected_live = c4.row_pages(row, first, end), []
+    for d in boundaries:
+        for table, window in ((swa8, 8), (swa4, 4)):
+            lo, hi = (d - window) // 4, d // 4
+            expected_live.append(int(lo >= table.base[row] and hi <= table.hi[row]))
+            expected.extend(table.row_pages(row, lo, hi) if expected_live[-1] else [None] * (hi - lo))
+    assert live == expected_live and len(pages) == len(expected)
+    assert [p for p, e in zip(pages, expected) if e is not None] == [e for e in expected if e is not None]

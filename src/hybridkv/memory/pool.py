@@ -417,38 +417,40 @@ class PagePool:
         borrowed page); the indices of the entries published, in order. ValueError, and
         nothing changes, if a listed page is not a held page of this pool."""
         self._check_held(pages)
-        add, n = self._add_entry, pages_per_entry
-        return [i for i, key in enumerate(keys) if add(key, tuple(pages[i * n : (i + 1) * n]), low_priority)]
+        put, n = self._put, pages_per_entry
+        return [i for i, key in enumerate(keys) if put(key, tuple(pages[i * n : (i + 1) * n]), low_priority)]
 
     def publish_one(self, key: Hashable, pages: Sequence[int], low_priority: bool = False) -> tuple[int, ...] | None:
         """``publish_new`` of one entry: its pages as :meth:`lookup` gives them, or None if skipped."""
         self._check_held(pages)
-        entry = tuple(pages)
-        return entry if self._add_entry(key, entry, low_priority) else None
+        return self._put(key, tuple(pages), low_priority)
+
+    def _put(self, key: Hashable, entry: tuple[int, ...], low_priority: bool) -> tuple[int, ...] | None:
+        """Add a checked entry (None, and nothing changes, if its key is published or a page carries one)."""
+        cached = self.cached
+        if key in self._entries or any(map(cached.item, entry)):
+            return None
+        self._entries[key] = entry
+        page_key = self._page_key
+        for page in entry:  # entries are a few pages: item stores beat one fancy store
+            page_key[page] = key
+            cached[page] = True
+            if low_priority:
+                self.low_priority[page] = True
+        return entry
 
     def _check_held(self, pages: Sequence[int]) -> None:
+        """ValueError naming the first listed page that is not a held page of this pool."""
         ref, limit = self.ref_counts, self.num_pages
         for page in pages:
             if page <= NULL_PAGE or page >= limit or ref.item(page) <= 0:
                 raise ValueError(f"group {self.group_id!r}: page {page} is not a held, unpublished page")
 
-    def _add_entry(self, key: Hashable, entry: tuple[int, ...], low_priority: bool) -> bool:
-        if key in self._entries or any(map(self.cached.item, entry)):
-            return False
-        self._entries[key] = entry
-        page_key, cached, low = self._page_key, self.cached, self.low_priority
-        for page in entry:  # entries are a few pages: item stores beat one fancy store
-            page_key[page] = key
-            cached[page] = True
-            if low_priority:
-                low[page] = True
-        return True
-
     def demote(self, key: Hashable) -> None:
         """Make an entry low priority: its idle pages move to the front of the LRU."""
         pages = self._entries[key]
         low, evictable = self.low_priority, self._evictable
-        was_low = bool(low[pages[0]]) if pages else True  # an entry is low as a whole
+        was_low = low.item(pages[0]) if pages else True  # an entry is low as a whole
         idle = 0
         for page in pages:
             low[page] = True  # entries are a few pages: item stores beat one fancy store
@@ -458,7 +460,7 @@ class PagePool:
                 if self.lowest_first:
                     heapq.heappush(self._low_idle, page)
         if idle and not was_low:
-            self._low_idle_pages += idle
+            self._lows[self._slot] += idle  # _low_idle_pages
 
     def unpublish(self, key: Hashable, cause: str = UNPUBLISHED) -> int:
         """Drop an entry; its pages that no request holds go back to the free stack

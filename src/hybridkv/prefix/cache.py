@@ -38,7 +38,7 @@ from hybridkv.prefix.checkpoints import checkpoint_policy as policy_from_options
 from hybridkv.prefix.eviction import GroupValueStats, ValueEviction
 from hybridkv.memory.pool import PagePool, idle_clock_tick
 from hybridkv.spec import CacheGroupSpec
-from hybridkv.tables.store import GroupTable
+from hybridkv.tables.store import CommitPages, GroupTable
 
 HASH_ALGOS = ("xxh3_128", "sha256")
 
@@ -124,10 +124,13 @@ class RequestHashes:
         block = token_ids[have * g : want * g]
         if block.dtype != _INT32_LE or not block.flags.c_contiguous:  # a manager's buffer already is
             block = np.ascontiguousarray(block, dtype=_INT32_LE)
-        data = memoryview(block.tobytes())
-        block_bytes = 4 * g
         parent = self.hashes[-1] if self.hashes else self.root
         out = self.hashes
+        if want == have + 1:  # one block (a decode commit)
+            out.append(self._hash(parent.to_bytes(16, "little") + block.tobytes()))
+            return
+        data = memoryview(block.tobytes())
+        block_bytes = 4 * g
         for i in range(want - have):
             parent = self._hash(parent.to_bytes(16, "little") + data[i * block_bytes : (i + 1) * block_bytes])
             out.append(parent)
@@ -224,12 +227,15 @@ class PrefixCache:
         # the entry is unpublished when none is left. Pinned holds are never dropped.
         self._holders: dict[str, dict[int, int]] = {gid: {} for gid in self.state_ids}
         self._windows = windows
-        # What a commit reads: (group, pool, table, pages per block) per history group, (group,
-        # pool, table, page tokens, checkpoint window tokens) per state group storing checkpoints.
-        self._history_groups = [(gid, pools[gid], tables[gid], g // tables[gid].page_tokens)
-                                for gid in self.history_ids]
-        self._state_groups = [(gid, pools[gid], tables[gid], tables[gid].page_tokens, windows[gid])
-                              for gid in self.state_ids]
+        # What a commit publishes, read in one call (_reader): per history group (group, pool, pages
+        # per block, its metadata, its stats), per state group storing checkpoints (group, pool,
+        # pages per checkpoint, its metadata, its holders, its stats).
+        self._reader = CommitPages([(tables[gid], g // tables[gid].page_tokens) for gid in self.history_ids],
+                                   [(tables[gid], windows[gid]) for gid in self.state_ids])
+        self._history_groups = [(gid, pools[gid], n, self._meta[gid], self.stats[gid])
+                                for gid, n in zip(self.history_ids, self._reader.block_pages)]
+        self._state_groups = [(gid, pools[gid], n, self._meta[gid], self._holders[gid], self.stats[gid])
+                              for gid, n in zip(self.state_ids, self._reader.checkpoint_pages)]
         self.tier_hook = None  # a hybridkv.tierlink.TierLink: told what is published and removed
         self._dropping = False  # unpublishing a superseded checkpoint (not an eviction)
         self._init_eviction(eviction_policy)
@@ -331,24 +337,21 @@ class PrefixCache:
             return
         hashes.extend_to(token_ids, new_tokens)
         first_block, end_block = old_tokens // g, new_tokens // g
-        self._publish_history(req.row, hashes, first_block, end_block)
-        if not self.state_ids:
-            return  # no checkpoint to publish, hold or supersede
-        row = req.row
-        held = [(table.base.item(row), table.hi.item(row)) for _, _, table, _, _ in self._state_groups]
-        speculative, own = self._checkpoint_boundaries(req, first_block, end_block)
-        # Speculative ones (where another request may leave this one: a prompt boundary, every
-        # k-th one) go unheld, low priority ("prefill-per-byte": while that class rates low).
-        low = self.values is None or self.values.low_priority(SPECULATIVE)
-        for d in speculative:
-            self._publish_checkpoint(row, held, hashes, d, low, None)
-        new_own = []
-        for d, pinned in own:
-            checkpoint = OwnCheckpoint(d, pinned)
-            self._publish_checkpoint(row, held, hashes, d, False, checkpoint)
-            if checkpoint.entries:
+        speculative, own = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
+        boundaries = speculative + [d for d, _ in own]
+        pages, live = self._reader.read(req.row, first_block, end_block, boundaries)
+        stored: list[tuple] = []  # the commit's "stored" events, in order
+        at = self._publish_history(hashes, first_block, end_block, pages, stored)
+        new_own, per_boundary, n_state = [], self._reader.boundary_pages, len(self._state_groups)
+        for i, d in enumerate(boundaries):
+            pinned = own[i - len(speculative)][1] if i >= len(speculative) else None
+            checkpoint = self._publish_checkpoint(hashes, d, pinned, pages, at + i * per_boundary, live, i * n_state,
+                                                  stored)
+            if checkpoint is not None and checkpoint.entries:
                 new_own.append(checkpoint)
-        self._supersede(req, new_own)
+        self._emit_many(stored)
+        if self.state_ids:
+            self._supersede(req, new_own)
 
     def _checkpoint_boundaries(self, req: CommittingRequest, first_block: int,
                                end_block: int) -> tuple[list[int], list[tuple[int, bool]]]:
@@ -358,6 +361,8 @@ class PrefixCache:
         multiples of ``state_checkpoint_interval``), then the latest."""
         g, interval, keep = self.granularity_tokens, self.state_checkpoint_interval, req.keep_boundaries
         latest = end_block * g
+        if end_block == first_block + 1 and interval is None and latest not in keep:
+            return [], [(latest, False)]  # one boundary crossed (a decode commit): the latest alone
         ends = range((first_block + 1) * g, latest + 1, g)  # the boundaries crossed, then the latest
         pinned = {d for d in ends if d in keep or (interval is not None and d % interval == 0)}
         own = [(d, d in pinned) for d in ends if d in pinned or d == latest]
@@ -366,84 +371,100 @@ class PrefixCache:
         keeps, prompt_tokens = self.policy.speculative, req.prompt_tokens
         return [d for d in ends[:-1] if d not in pinned and keeps(d, prompt_tokens)], own
 
-    def _publish_history(self, row: int, hashes: RequestHashes, first_block: int, end_block: int) -> None:
-        """Every history group's pages of blocks ``[first_block, end_block)``, one entry a
-        block, in one ``PagePool.publish_new`` call per group."""
-        g = self.granularity_tokens
+    def _publish_history(self, hashes: RequestHashes, first_block: int, end_block: int, pages: list[int],
+                         stored: list[tuple]) -> int:
+        """Every history group's pages of blocks ``[first_block, end_block)`` (``pages``: the
+        commit's, history groups first), one entry a block, in one ``PagePool.publish_new``
+        call per group, each entry booked (tier link, metadata, stats, the value policy;
+        ``stored`` takes its event); how many of ``pages`` were the history groups'."""
+        g, hook, booked = self.granularity_tokens, self.tier_hook, self.eviction.stored
         keys = hashes.hashes[first_block:end_block]
         parents = hashes.hashes[first_block - 1:end_block - 1] if first_block else [hashes.root, *keys[:-1]]
-        for gid, pool, table, per_block in self._history_groups:
-            pages = table.row_pages(row, first_block * per_block, end_block * per_block)
-            for i in pool.publish_new(keys, pages, per_block):
-                self._stored(gid, keys[i], parents[i], (first_block + i + 1) * g, pool.lookup(keys[i]), False)
+        at, n_blocks = 0, end_block - first_block
+        for gid, pool, per_block, meta, stats in self._history_groups:
+            span = pages[at:at + n_blocks * per_block]
+            at += n_blocks * per_block
+            done = pool.publish_new(keys, span, per_block)
+            for i in done:
+                key, parent, boundary = keys[i], parents[i], (first_block + i + 1) * g
+                if hook is not None:
+                    hook.stored(gid, key, boundary, span[i * per_block:(i + 1) * per_block], False)
+                meta[key] = (parent, boundary, per_block)
+                booked(gid, key, parent, boundary)
+                stored.append(("stored", gid, key, parent, boundary, per_block))
+            stats.stored_entries += len(done)
+        return at
 
-    def _publish_checkpoint(self, row: int, held: list[tuple[int, int]], hashes: RequestHashes, boundary: int,
-                            low_priority: bool, own: OwnCheckpoint | None) -> None:
-        """Publish ``row``'s checkpoint at ``boundary`` (the window ``[boundary - C, boundary)``;
-        ``held``: per state group, the row's ``[base, hi)``) in every state group lacking it, in
-        turn; with ``own`` (the request's own checkpoint there), hold it wherever it is."""
-        key, parent = hashes.key(boundary), hashes.parent(boundary)
-        for (gid, pool, table, page_tokens, window_tokens), (base, hi) in zip(self._state_groups, held):
-            pages = pool.lookup(key)
-            if pages is None:
-                lo, end = max(0, boundary - window_tokens) // page_tokens, boundary // page_tokens
-                if lo < base or end > hi:
-                    continue  # rows already slid out (cannot happen when committed each step)
-                pages = pool.publish_one(key, table.row_pages(row, lo, end), low_priority)
-                if pages is None:
-                    continue  # borrowed pages that carry a key
-                self._stored(gid, key, parent, boundary, pages, low_priority)
-                if self.values is not None:
-                    self.values.published(key, boundary, speculative=own is None)
-            if own is not None:
-                self._hold(own, gid, key, pages)
-
-    def _hold(self, own: OwnCheckpoint, gid: str, key: int, pages: tuple[int, ...] | None) -> None:
-        if pages is not None:
-            own.entries[gid] = (key, pages)
-            self._holders[gid][key] = self._holders[gid].get(key, 0) + 1
-
-    def _stored(self, gid: str, key: int, parent: int, boundary: int, pages: Sequence[int],
-                low_priority: bool) -> None:
-        """Book an entry just published: the tier link, metadata, stats, the value
-        policy, then its "stored" event."""
-        if self.tier_hook is not None:
-            self.tier_hook.stored(gid, key, boundary, pages, low_priority)
-        self._meta[gid][key] = (parent, boundary, len(pages))
-        self.stats[gid].stored_entries += 1
-        self.eviction.stored(gid, key, parent, boundary)
-        self._emit(("stored", gid, key, parent, boundary, len(pages)))
+    def _publish_checkpoint(self, hashes: RequestHashes, boundary: int, pinned: bool | None, pages: list[int],
+                            at: int, live: list[int], at_live: int, stored: list[tuple]) -> OwnCheckpoint | None:
+        """Publish the checkpoint at ``boundary`` in every state group lacking it whose
+        window is live (``pages``, ``live``: the commit's, as ``CommitPages.read`` gives
+        them; this boundary's from ``at``, ``at_live``), one ``PagePool.publish_one`` call
+        a group, each entry booked; ``pinned`` None: a speculative one (unheld, low
+        priority), else the request's own one: returned, holding it wherever it is."""
+        b, hh = boundary // self.granularity_tokens, hashes.hashes
+        key, parent = hh[b - 1], hh[b - 2] if b >= 2 else hashes.root
+        if pinned is None:  # speculative (where another request may leave this one: a prompt boundary,
+            # every k-th one): unheld, low priority ("prefill-per-byte": while that class rates low)
+            own, low = None, self.values is None or self.values.low_priority(SPECULATIVE)
+        else:
+            own, low = OwnCheckpoint(boundary, pinned), False
+        hook, values, booked = self.tier_hook, self.values, []
+        for gid, pool, per_entry, meta, holders, stats in self._state_groups:
+            entry = pool.lookup(key)
+            if entry is None and live[at_live]:  # else: slid out (not when committed each step)
+                entry = pool.publish_one(key, pages[at:at + per_entry], low)
+                if entry is not None:  # else: borrowed pages that carry a key
+                    if hook is not None:
+                        hook.stored(gid, key, boundary, entry, low)
+                    meta[key] = (parent, boundary, per_entry)
+                    stats.stored_entries += 1
+                    booked.append(gid)
+                    stored.append(("stored", gid, key, parent, boundary, per_entry))
+                    if values is not None:
+                        values.published(key, boundary, speculative=own is None)
+            at, at_live = at + per_entry, at_live + 1
+            if own is not None and entry is not None:
+                own.entries[gid] = (key, entry)
+                holders[key] = holders.get(key, 0) + 1
+        if booked:
+            self.eviction.stored_checkpoint(booked, key, parent, boundary)
+        return own
 
     def _supersede(self, req: CommittingRequest, new_own: list) -> None:
         """Drop the request's hold on every earlier own checkpoint that is not pinned
         (unpublished when no hold is left); ``new_own`` become its own checkpoints."""
-        for prev in req.own_checkpoints:
+        previous = req.own_checkpoints
+        if not previous:
+            req.own_checkpoints = new_own
+            return
+        for prev in previous:
             if not prev.pinned:
                 self._let_go(prev, req)
-        req.own_checkpoints = [c for c in req.own_checkpoints if c.pinned] + new_own if req.own_checkpoints else new_own
+        req.own_checkpoints = [c for c in previous if c.pinned] + new_own
 
     def _let_go(self, prev: OwnCheckpoint, req: CommittingRequest) -> None:
         """The request's hold on ``prev`` goes, group by group; where it was the last:
         kept by value ("prefill-per-byte"), demoted (a speculative boundary: kept like
         the ones the policy publishes, low priority) or unpublished."""
         speculative = self.values is None and self.policy.speculative(prev.boundary_tokens, req.prompt_tokens)
+        pools, all_holders = self.pools, self._holders
         for gid, (key, pages) in prev.entries.items():
-            pool = self.pools[gid]
+            pool = pools[gid]
             if pool.lookup(key) != pages:
                 continue  # evicted (and maybe re-stored) meanwhile
-            holders = self._holders[gid]
+            holders = all_holders[gid]
             left = holders.pop(key, 1) - 1
             if left:
                 holders[key] = left
-                continue
-            if self.values is not None and self._kept_by_value(key, prev.boundary_tokens, req):
+            elif self.values is not None and self._kept_by_value(key, prev.boundary_tokens, req):
                 continue  # its priority and place: rank_checkpoints
-            if speculative:
+            elif speculative:
                 pool.demote(key)
-                continue
-            self._dropping = True
-            pool.unpublish(key)
-            self._dropping = False
+            else:
+                self._dropping = True
+                pool.unpublish(key)
+                self._dropping = False
 
     def _kept_by_value(self, key: int, boundary_tokens: int, req: CommittingRequest) -> bool:
         """"prefill-per-byte": a superseded checkpoint stays if the policy's placement
@@ -460,7 +481,10 @@ class PrefixCache:
         key = hashes.key(hit_tokens)
         own = OwnCheckpoint(hit_tokens)
         for gid in self.state_ids:
-            self._hold(own, gid, key, self.pools[gid].lookup(key))
+            pages = self.pools[gid].lookup(key)
+            if pages is not None:
+                own.entries[gid] = (key, pages)
+                self._holders[gid][key] = self._holders[gid].get(key, 0) + 1
         if self.values is not None:
             self.values.hit(key)
         return [own] if own.entries else []
@@ -541,27 +565,32 @@ class PrefixCache:
 
     # --- events ---------------------------------------------------------------
     def _removed_callback(self, gid: str) -> Callable[[int], None]:
+        meta, holders, stats = self._meta[gid], self._holders.get(gid), self.stats[gid]
+
         def removed(key: int, cause: str, idle_pages: int) -> None:
-            parent, boundary, n = self._meta[gid].pop(key, (None, 0, 0))
-            self._holders.get(gid, {}).pop(key, None)
-            if self.values is not None and gid in self._holders:
-                self.values.removed(key)
-            self.stats[gid].removed_entries += 1
+            parent, boundary, n = meta.pop(key, (None, 0, 0))
+            if holders is not None:  # a state group storing checkpoints
+                holders.pop(key, None)
+                if self.values is not None:
+                    self.values.removed(key)
+            stats.removed_entries += 1
             if self.tier_hook is not None:
                 self.tier_hook.removed(gid, key, self._dropping)
-            self._emit(("removed", gid, key, parent, boundary, n))
+            self._emit_many((("removed", gid, key, parent, boundary, n),))
             self.eviction.removed(gid, key, cause, idle_pages)
 
         return removed
 
-    def _emit(self, raw: tuple) -> None:
-        # Buffered events stay raw tuples; the hex keys are formatted when drained.
+    def _emit_many(self, raws: Sequence[tuple]) -> None:
+        """Events (raw tuples), in order: to ``on_event``, or to the buffer (as tuples: the hex
+        keys are formatted when drained), the oldest dropped (and counted) past its bound."""
         if self.on_event is not None:
-            self.on_event(_event(raw))
+            for raw in raws:
+                self.on_event(_event(raw))
             return
-        if len(self.events) == self.events.maxlen:
-            self.dropped_events += 1
-        self.events.append(raw)
+        events = self.events
+        self.dropped_events += max(0, len(events) + len(raws) - events.maxlen)
+        events.extend(raws)
 
     def drain_events(self) -> list[CacheEvent]:
         out = [_event(raw) for raw in self.events]

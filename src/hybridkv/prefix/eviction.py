@@ -140,6 +140,21 @@ class ValueEviction:
             else:
                 self._demote_cut(gid, key)  # beyond a missing block: worth nothing yet
 
+    def stored_checkpoint(self, gids: Sequence[str], key: Hashable, parent: Hashable | None, boundary: int) -> None:
+        """:meth:`stored` of one checkpoint in each state group of ``gids`` in turn (a
+        commit's publications of a boundary), its node looked up once."""
+        node = self._nodes.get(key)
+        if node is None:
+            node = self._new_node(key, parent, boundary)
+        whole = len(self.state_ids)
+        for gid in gids:
+            node[2] += 1
+            node[3] += 1
+            if node[5]:
+                self._demote_cut(gid, key)  # beyond a missing block: worth nothing yet
+            elif node[3] == whole and self._track:
+                self._add_support(key)
+
     def _whole_above(self, node: list) -> bool:
         """Whether every block above ``node``'s on its chain is cached: its parent's node
         is not cut, or it is a chain's first block."""

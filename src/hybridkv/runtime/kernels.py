@@ -111,12 +111,33 @@ def span_cells(geometry, bounds, g, rows, lo, hi, at, view):
 
 
 @njit(cache=True)
-def row_span_pages(geometry, pages, bounds, g, row, lo, hi):
-    """Page ids of logical pages ``[lo, hi)`` of ``row`` in group ``g`` (a new array)."""
-    out = np.empty(max(hi - lo, 0), dtype=np.int64)
-    for logical in range(lo, hi):
-        out[logical - lo] = pages[cell(geometry, bounds, g, row, logical)]
-    return out
+def commit_pages(geometry, pages, bounds, history, state, row, first_block, end_block, boundaries, out, ok):
+    """Every page a prefix commit of ``row`` publishes, in one pass, into ``out``: per
+    history group ``history[h] = (g, pages per block)`` the pages of blocks ``[first_block,
+    end_block)``; then per boundary ``D`` of ``boundaries``, per state group ``state[s] =
+    (g, window tokens W)``, the pages of ``[max(D - W, 0), D)``, with ``ok[i * S + s]``
+    (``S`` state groups) 1 when they lie in the row's live pages ``[base, hi)`` (else 0,
+    their cells left unread). Returns how many places it filled."""
+    n = 0
+    for h in range(history.shape[0]):
+        g, per_block = history[h, 0], history[h, 1]
+        for logical in range(first_block * per_block, end_block * per_block):
+            out[n] = pages[cell(geometry, bounds, g, row, logical)]
+            n += 1
+    n_state = state.shape[0]
+    for i in range(boundaries.size):
+        d = boundaries[i]
+        for s in range(n_state):
+            g = state[s, 0]
+            t = geometry[g, PAGE_TOKENS]
+            lo, hi = max(d - state[s, 1], 0) // t, d // t
+            good = lo >= bounds[BASE, g, row] and hi <= bounds[HI, g, row]
+            ok[i * n_state + s] = 1 if good else 0
+            for logical in range(lo, hi):
+                if good:
+                    out[n] = pages[cell(geometry, bounds, g, row, logical)]
+                n += 1
+    return n
 
 
 @njit(cache=True)

@@ -117,10 +117,8 @@ class GroupTable:
         return self._set.pages[self._span_cells(rows, lo, hi)[0]].astype(np.int64)
 
     def row_pages(self, row: int, lo: int, hi: int) -> list[int]:
-        """Held page ids of one row's logical pages ``[lo, hi)`` (one compiled call: a
-        commit reads a few pages of each group this way)."""
-        ts = self._set
-        return kernels.row_span_pages(ts.geometry, ts.pages, ts.bounds, self._g, row, lo, hi).tolist()
+        """Held page ids of one row's logical pages ``[lo, hi)`` (``pages_in`` of one row)."""
+        return self.pages_in(np.array([row]), np.array([lo]), np.array([hi])).tolist()
 
     # --- mutation -----------------------------------------------------------
     def take(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -358,6 +356,42 @@ class TableSet:
         out = np.empty((rows.size, width), dtype=np.int32)
         kernels.block_table(self.geometry, self.pages, self.bounds, g, rows, out)
         return out
+
+
+class CommitPages:
+    """The pages a prefix commit of one row publishes, read in one compiled call
+    (``kernels.commit_pages``): each history group's pages of the new blocks, then per
+    checkpoint boundary ``D`` each state group's window ``[D - W, D)`` (``D`` a multiple
+    of the grain, at least ``W``: ``ceil(W / T)`` pages) with whether it is still live.
+    ``history``: (table, pages per block); ``state``: (table, window tokens)."""
+
+    def __init__(self, history: list[tuple[GroupTable, int]], state: list[tuple[GroupTable, int]]):
+        self._set = (history or state)[0][0]._set if history or state else None
+        self._history = np.asarray([(t._g, n) for t, n in history], dtype=np.int64).reshape(-1, 2)
+        self._state = np.asarray([(t._g, w) for t, w in state], dtype=np.int64).reshape(-1, 2)
+        self.block_pages = [n for _, n in history]
+        self.checkpoint_pages = [cdiv(w, t.page_tokens) for t, w in state]
+        self.boundary_pages = sum(self.checkpoint_pages)  # every state group's pages of one checkpoint
+        self._sizes = sum(self.block_pages), self.boundary_pages, len(state)
+        self._out, self._ok, self._one = np.empty(64, dtype=np.int64), np.empty(8, dtype=np.int8), np.zeros(1, np.int64)
+
+    def read(self, row: int, first_block: int, end_block: int, boundaries: list[int]) -> tuple[list[int], list[int]]:
+        """The page ids, history group by group, then boundary by boundary, state group by
+        state group (a window not live: its place left unread); and per (boundary, state
+        group), 1 if its window is live."""
+        ts, (per_block, per_boundary, n_state) = self._set, self._sizes
+        if ts is None:
+            return [], []  # no group publishes anything
+        size, n_ok = (end_block - first_block) * per_block + len(boundaries) * per_boundary, len(boundaries) * n_state
+        if size > self._out.size or n_ok > self._ok.size:
+            self._out, self._ok = np.empty(2 * size, dtype=np.int64), np.empty(2 * n_ok, dtype=np.int8)
+        if len(boundaries) == 1:  # a decode commit's: set in place, cheaper than a new array
+            self._one[0] = boundaries[0]
+        n = kernels.commit_pages(ts.geometry, ts.pages, ts.bounds, self._history, self._state, row, first_block,
+                                 end_block, self._one if len(boundaries) == 1 else np.asarray(boundaries, dtype=np.int64),
+                                 self._out, self._ok)
+        assert n == size, (n, size)
+        return self._out[:n].tolist(), self._ok[:n_ok].tolist()
 
 
 def _rings_of(pages: np.ndarray, geometry: np.ndarray, g: int, rows: int, table: GroupTable) -> np.ndarray:
