@@ -317,6 +317,7 @@ class CacheManager:
         self._counters = np.zeros((3, 64), dtype=np.int64)
         self._computed, self._committed, self._known = self._counters
         self._max_total = np.zeros(64, dtype=np.int64)
+        self._known_floor = np.zeros(64, dtype=np.int64)  # a rewind keeps known ids above it (prompt, or total)
         self._in_batch = np.zeros(64, dtype=np.bool_)  # prepare_step's scratch, one flag per row
 
     @classmethod
@@ -391,7 +392,7 @@ class CacheManager:
         self._requests[request_id] = self._row_owner[row] = req
         self._row_of[request_id] = row
         self._max_total[row] = total
-        self._known[row] = prompt_len if buf is not None else total
+        self._known[row] = self._known_floor[row] = prompt_len if buf is not None else total
         if self.tier_link is not None and buf is not None:
             self.tier_link.on_add(request_id, req.hashes, buf[:prompt_len], hit.hit_tokens, max_new, cache_salt)
         return hit
@@ -1129,26 +1130,41 @@ class CacheManager:
         self.rewind_many([(request_id, num_tokens)])
 
     def rewind_many(self, items: Sequence[tuple[str, int]]) -> None:
-        """``rewind`` for many requests at once (all validated first; vectorized per group)."""
+        """``rewind`` for many requests at once: all checked first (nothing changes on a
+        refusal), then one compiled call for every group and request (``kernels.rewind_rows``)."""
         self._version += 1  # invalidates a cached admission
-        reqs, keeps = self._rewind_items(items)
-        if not reqs:
+        rids, rows, kept = self._rewind_rows(items)
+        if not rows.size:
             return
-        self._note_rewound_loads(reqs, keeps)
-        rows = np.asarray([r.row for r in reqs], dtype=np.int64)
-        kept = np.asarray(keeps, dtype=np.int64)
-        for s in self.specs:
-            table = self.tables[s.group_id]
-            hi = table.hi[rows]
-            keep = np.minimum(np.maximum(cdiv(kept, table.page_tokens), table.base[rows]), hi)
-            if (keep < hi).any():
-                self.pools[s.group_id].decref(table.take(rows, keep, hi))
-                table.hi[rows] = keep
-        self._computed[rows] = kept
-        for req, num_tokens in zip(reqs, keeps):
-            if req.token_ids is not None:
-                req.known_tokens = min(req.known_tokens, max(num_tokens, req.prompt_tokens))
-                self._known[req.row] = req.known_tokens
+        if self._load_spans:
+            self._note_rewound_loads(rids, rows, kept)
+        ts, space = self._tableset, self._space
+        touched, keyed, keyed_per_group, fell = kernels.rewind_rows(
+            ts.geometry, ts.pages, ts.bounds, self._counters, self._known_floor, space.ref_counts, space.cached,
+            space.stack, space.per_group, rows, kept)
+        ts.note_cells(touched)
+        if keyed.size:
+            space.keyed_idle(keyed_per_group.tolist(), keyed)
+        for row in fell.tolist():  # requests with token ids lose the rejected drafts' ids
+            self._row_owner[row].known_tokens = int(self._known[row])
+
+    def _rewind_rows(self, items: Sequence[tuple[str, int]]) -> tuple[tuple, np.ndarray, np.ndarray]:
+        """The ids, table rows and kept tokens of ``rewind_many``'s items, checked; any item
+        that is not a known, distinct id with an int in range goes through ``_rewind_items``,
+        which words the first item's refusal."""
+        items = items if isinstance(items, (list, tuple)) else list(items)
+        try:
+            pairs = [(rid, n) for rid, n in items]
+            rows = self._distinct_rows_of(tuple([rid for rid, _ in pairs]))
+            if rows is not None and all(type(n) is int for _, n in pairs):
+                kept = np.fromiter([n for _, n in pairs], dtype=np.int64, count=len(pairs))
+                if not ((kept > self._computed[rows]) | (kept < self._committed[rows])).any():
+                    return tuple([rid for rid, _ in pairs]), rows, kept
+        except (TypeError, ValueError, OverflowError):
+            pass
+        reqs, keeps = self._rewind_items(items)
+        rows = np.fromiter([req.row for req in reqs], dtype=np.int64, count=len(reqs))
+        return tuple([req.request_id for req in reqs]), rows, np.asarray(keeps, dtype=np.int64).reshape(-1)
 
     def _rewind_items(self, items: Sequence[tuple[str, int]]) -> tuple[list[_Request], list[int]]:
         """The requests and token counts of ``rewind_many``'s items, each checked (nothing changes
@@ -1183,15 +1199,15 @@ class CacheManager:
             )
         return num_tokens
 
-    def _note_rewound_loads(self, reqs: list[_Request], keeps: list[int]) -> None:
+    def _note_rewound_loads(self, rids: tuple, rows: np.ndarray, kept: np.ndarray) -> None:
         """Requests rewound below a load step just run lose its window: admission refuses them
         until they are freed."""
-        for req, num_tokens in zip(reqs, keeps):
-            span = self._load_spans.get(req.request_id)
-            now = (int(self._committed[req.row]), int(self._computed[req.row]))
+        for rid, row, num_tokens in zip(rids, rows.tolist(), kept.tolist()):
+            span = self._load_spans.get(rid)
+            now = (int(self._committed[row]), int(self._computed[row]))
             if span is not None and span == now and num_tokens < span[1]:
-                self._rewound_loads.add(req.request_id)
-                self.pending_loads.add(req.request_id)
+                self._rewound_loads.add(rid)
+                self.pending_loads.add(rid)
 
     def free(self, request_id: str) -> None:
         """End a request: commit its last step to the prefix cache, release every page."""
@@ -1379,6 +1395,7 @@ class CacheManager:
             self._counters = np.concatenate([self._counters, np.zeros_like(self._counters)], axis=1)
             self._computed, self._committed, self._known = self._counters
             self._max_total = np.concatenate([self._max_total, grow])
+            self._known_floor = np.concatenate([self._known_floor, grow])
             self._in_batch = np.zeros(self._computed.size, dtype=np.bool_)
         self._tableset.ensure_rows(row + 1)
         return row
