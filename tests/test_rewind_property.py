@@ -146,7 +146,8 @@ def run(data, caching: bool, shared: bool) -> None:
     twin = Twin(pages, widths, caching, prompt_checkpoints, shared)
     twin.holds = []
     stems = [data.draw(st.lists(st.integers(0, 2), min_size=9, max_size=40)) for _ in range(2)]
-    ops = {"step": step, "updates": step_updates, "rewind": rewind, "bad": bad_rewind, "hold": hold, "release": release, "free": free}
+    ops = {"step": step, "updates": step_updates, "rewind": rewind, "bad": bad_rewind, "hold": hold,
+           "release": release, "free": free}
     for i in range(data.draw(st.integers(4, 40))):
         op = data.draw(st.sampled_from(["add", "step", "updates", "rewind", "rewind", "bad", "hold", "release",
                                         "free"]))

@@ -571,22 +571,17 @@ def rewind_keep(geometry, bounds, g, row, kept_tokens):
 
 
 @njit(cache=True)
-def rewind_rows(geometry, pages, bounds, counters, known_floor, ref, keyed, stack, per_group, rows, kept):
-    """``CacheManager.rewind_many`` of ``rows`` (distinct, checked) to ``kept`` tokens each, in
-    one call. Per group, each row's pages from ``rewind_keep`` to its hi leave its table
-    (rows in order, pages in logical order) and that list is one release, exactly
-    ``PagePool.decref`` of it (``drop_holds``, ``push_free``; counted in ``per_group``).
-    Computed tokens (``counters[0]``) become ``kept``, known ones (``counters[2]``)
-    ``min(known, max(kept, known_floor))``. Returns (the cells emptied, as ring-view indices;
-    the keyed pages left idle, local ids group after group; how many per group; the rows
-    whose known tokens fell)."""
+def truncate_rows(geometry, pages, bounds, rows, kept):
+    """Every group's logical pages of each row from ``rewind_keep`` (``kept`` tokens) to its
+    hi leave its table, and the hi drops there. Returns their page ids and ring-view cells,
+    group after group, rows in order, pages in logical order, and how many per group."""
     n_groups, n_rows = geometry.shape[0], bounds.shape[2]
     total = 0
     for g in range(n_groups):
         for r in range(rows.size):
             total += bounds[HI, g, rows[r]] - rewind_keep(geometry, bounds, g, rows[r], kept[r])
     taken, touched = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
-    taken_per_group, offsets = np.zeros(n_groups, dtype=np.int64), geometry[:, ID_OFFSET].copy()
+    per_group = np.zeros(n_groups, dtype=np.int64)
     n = 0
     for g in range(n_groups):
         for r in range(rows.size):
@@ -598,12 +593,36 @@ def rewind_rows(geometry, pages, bounds, counters, known_floor, ref, keyed, stac
                 pages[at] = -1
                 touched[n] = view_cell(geometry, n_rows, g, row, logical)
                 n += 1
-                taken_per_group[g] += 1
+            per_group[g] += bounds[HI, g, row] - keep
             bounds[HI, g, row] = keep
-    freed, idle_keyed = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
-    counts = np.zeros((2, n_groups), dtype=np.int64)
+    return taken, touched, per_group
+
+
+@njit(cache=True)
+def rewind_rows(geometry, pages, bounds, counters, known_floor, ref, keyed, stack, per_group, mark, rows, kept):
+    """``CacheManager.rewind_many`` of ``rows`` to ``kept`` tokens each, in one call. Refused,
+    nothing changed, when a row is listed twice (``mark``: scratch, one flag per table row,
+    all False before and after) or a count lies outside [committed, computed]
+    (``counters[1]``, ``counters[0]``). Else ``truncate_rows``, and each group's pages taken
+    are one release, exactly ``PagePool.decref`` of them (``drop_holds``, ``push_free``;
+    counted in ``per_group``); computed tokens (``counters[0]``) become ``kept``, known ones
+    (``counters[2]``) ``min(known, max(kept, known_floor))``. Returns (whether it ran; the
+    cells emptied, as ring-view indices; the keyed pages left idle, local ids group after
+    group; how many per group; the rows whose known tokens fell)."""
+    empty = np.zeros(0, dtype=np.int64)
+    if not distinct_rows(rows, mark):
+        return False, empty, empty, empty, empty
+    for r in range(rows.size):
+        if not counters[1, rows[r]] <= kept[r] <= counters[0, rows[r]]:
+            return False, empty, empty, empty, empty
+    taken, touched, taken_per_group = truncate_rows(geometry, pages, bounds, rows, kept)
+    offsets = geometry[:, ID_OFFSET].copy()
+    freed, idle_keyed = np.empty(taken.size, dtype=np.int64), np.empty(taken.size, dtype=np.int64)
+    counts = np.zeros((2, offsets.size), dtype=np.int64)
     drop_holds(ref, keyed, offsets, taken_per_group, taken, freed, idle_keyed, counts)
     push_free(stack, per_group[TOP], offsets, per_group[LOWEST], counts[0], freed)
+    for g in range(offsets.size):
+        per_group[RELEASED_PAGES, g] += counts[0, g] + counts[1, g]
     fell, n_fell = np.empty(rows.size, dtype=np.int64), 0
     for r in range(rows.size):
         row = rows[r]
@@ -613,9 +632,7 @@ def rewind_rows(geometry, pages, bounds, counters, known_floor, ref, keyed, stac
             counters[2, row] = known
             fell[n_fell] = row
             n_fell += 1
-    for g in range(n_groups):
-        per_group[RELEASED_PAGES, g] += counts[0, g] + counts[1, g]
-    return touched, idle_keyed[: counts[1].sum()], counts[1].copy(), fell[:n_fell]
+    return True, touched, idle_keyed[: counts[1].sum()], counts[1].copy(), fell[:n_fell]
 
 
 @njit(cache=True)

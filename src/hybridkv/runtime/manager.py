@@ -1130,41 +1130,44 @@ class CacheManager:
         self.rewind_many([(request_id, num_tokens)])
 
     def rewind_many(self, items: Sequence[tuple[str, int]]) -> None:
-        """``rewind`` for many requests at once: all checked first (nothing changes on a
-        refusal), then one compiled call for every group and request (``kernels.rewind_rows``)."""
+        """``rewind`` for many requests at once: one compiled call for every group and request
+        (``kernels.rewind_rows``), which checks every item before it changes anything."""
         self._version += 1  # invalidates a cached admission
-        rids, rows, kept = self._rewind_rows(items)
+        items = items if isinstance(items, (list, tuple)) else list(items)
+        rows, kept = self._rewind_rows(items)
         if not rows.size:
             return
-        if self._load_spans:
-            self._note_rewound_loads(rids, rows, kept)
+        before = self._computed[rows] if self._load_spans else None
         ts, space = self._tableset, self._space
-        touched, keyed, keyed_per_group, fell = kernels.rewind_rows(
+        ok, touched, keyed, keyed_per_group, fell = kernels.rewind_rows(
             ts.geometry, ts.pages, ts.bounds, self._counters, self._known_floor, space.ref_counts, space.cached,
-            space.stack, space.per_group, rows, kept)
+            space.stack, space.per_group, self._in_batch, rows, kept)
+        if not ok:  # a row twice, or a count out of range: nothing changed
+            self._rewind_items(items)  # raises, wording the first refused item
         ts.note_cells(touched)
         if keyed.size:
             space.keyed_idle(keyed_per_group.tolist(), keyed)
         for row in fell.tolist():  # requests with token ids lose the rejected drafts' ids
             self._row_owner[row].known_tokens = int(self._known[row])
+        if before is not None:
+            self._note_rewound_loads(rows, before, kept)
 
-    def _rewind_rows(self, items: Sequence[tuple[str, int]]) -> tuple[tuple, np.ndarray, np.ndarray]:
-        """The ids, table rows and kept tokens of ``rewind_many``'s items, checked; any item
-        that is not a known, distinct id with an int in range goes through ``_rewind_items``,
-        which words the first item's refusal."""
-        items = items if isinstance(items, (list, tuple)) else list(items)
+    def _rewind_rows(self, items: list | tuple) -> tuple[np.ndarray, np.ndarray]:
+        """Table rows and kept tokens of ``rewind_many``'s items: known ids with plain int
+        counts in one pass, anything else through ``_rewind_items`` (which words a refusal)."""
         try:
-            pairs = [(rid, n) for rid, n in items]
-            rows = self._distinct_rows_of(tuple([rid for rid, _ in pairs]))
-            if rows is not None and all(type(n) is int for _, n in pairs):
-                kept = np.fromiter([n for _, n in pairs], dtype=np.int64, count=len(pairs))
-                if not ((kept > self._computed[rows]) | (kept < self._committed[rows])).any():
-                    return tuple([rid for rid, _ in pairs]), rows, kept
-        except (TypeError, ValueError, OverflowError):
+            rids, counts = zip(*items, strict=True)
+        except (TypeError, ValueError):
+            rids = counts = ()
+        rows = self._rows_of(rids) if rids and set(map(type, counts)) == {int} else None
+        try:
+            if rows is not None:
+                return rows, np.array(counts, dtype=np.int64)
+        except OverflowError:
             pass
         reqs, keeps = self._rewind_items(items)
         rows = np.fromiter([req.row for req in reqs], dtype=np.int64, count=len(reqs))
-        return tuple([req.request_id for req in reqs]), rows, np.asarray(keeps, dtype=np.int64).reshape(-1)
+        return rows, np.asarray(keeps, dtype=np.int64).reshape(-1)
 
     def _rewind_items(self, items: Sequence[tuple[str, int]]) -> tuple[list[_Request], list[int]]:
         """The requests and token counts of ``rewind_many``'s items, each checked (nothing changes
@@ -1199,13 +1202,13 @@ class CacheManager:
             )
         return num_tokens
 
-    def _note_rewound_loads(self, rids: tuple, rows: np.ndarray, kept: np.ndarray) -> None:
-        """Requests rewound below a load step just run lose its window: admission refuses them
-        until they are freed."""
-        for rid, row, num_tokens in zip(rids, rows.tolist(), kept.tolist()):
+    def _note_rewound_loads(self, rows: np.ndarray, computed: np.ndarray, kept: np.ndarray) -> None:
+        """Requests rewound below a load step just run (``computed``: their tokens before the
+        rewind) lose its window: admission refuses them until they are freed."""
+        for row, was, num_tokens in zip(rows.tolist(), computed.tolist(), kept.tolist()):
+            rid = self._row_owner[row].request_id
             span = self._load_spans.get(rid)
-            now = (int(self._committed[row]), int(self._computed[row]))
-            if span is not None and span == now and num_tokens < span[1]:
+            if span is not None and span == (int(self._committed[row]), was) and num_tokens < span[1]:
                 self._rewound_loads.add(rid)
                 self.pending_loads.add(rid)
 
