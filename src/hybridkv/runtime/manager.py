@@ -1147,8 +1147,9 @@ class CacheManager:
         ts.note_cells(touched)
         if keyed.size:
             space.keyed_idle(keyed_per_group.tolist(), keyed)
-        for row in fell.tolist():  # requests with token ids lose the rejected drafts' ids
-            self._row_owner[row].known_tokens = int(self._known[row])
+        owner = self._row_owner  # requests with token ids lose the rejected drafts' ids
+        for row, known in zip(fell.tolist(), self._known[fell].tolist()):
+            owner[row].known_tokens = known
         if before is not None:
             self._note_rewound_loads(rows, before, kept)
 
