@@ -317,7 +317,7 @@ class CacheManager:
         self._counters = np.zeros((3, 64), dtype=np.int64)
         self._computed, self._committed, self._known = self._counters
         self._max_total = np.zeros(64, dtype=np.int64)
-        self._known_floor = np.zeros(64, dtype=np.int64)  # a rewind keeps known ids above it (prompt, or total)
+        self._known_floor = np.zeros(64, dtype=np.int64)  # rewinds keep known ids up to it: prompt (no ids: total)
         self._in_batch = np.zeros(64, dtype=np.bool_)  # prepare_step's scratch, one flag per row
 
     @classmethod
@@ -1162,13 +1162,13 @@ class CacheManager:
             rids = counts = ()
         rows = self._rows_of(rids) if rids and set(map(type, counts)) == {int} else None
         try:
-            if rows is not None:
-                return rows, np.array(counts, dtype=np.int64)
-        except OverflowError:
-            pass
+            kept = None if rows is None else np.array(counts, dtype=np.int64)
+        except OverflowError:  # past int64: out of range, worded below
+            kept = None
+        if kept is not None:
+            return rows, kept
         reqs, keeps = self._rewind_items(items)
-        rows = np.fromiter([req.row for req in reqs], dtype=np.int64, count=len(reqs))
-        return rows, np.asarray(keeps, dtype=np.int64).reshape(-1)
+        return np.asarray([req.row for req in reqs], dtype=np.int64), np.asarray(keeps, dtype=np.int64)
 
     def _rewind_items(self, items: Sequence[tuple[str, int]]) -> tuple[list[_Request], list[int]]:
         """The requests and token counts of ``rewind_many``'s items, each checked (nothing changes
