@@ -263,7 +263,6 @@ def profile_decode(plan, prompts, args, caching: bool) -> str:
 BREAKDOWN_METHODS = {
     "CacheManager": ["schedule", "schedule_uniform", "_admit", "_fast_rows", "_step", "_after_run", "_plan",
                      "_run", "_build_batch", "rewind_many"],
-    "GroupTable": ["take"],
     "TableSet": ["clear_rows", "block_table", "drain_updates"],
     "PagePool": ["make_room", "decref", "publish", "unpublish"],
     "PrefixCache": ["commit"],
@@ -274,11 +273,10 @@ def breakdown(plan, prompts, args, caching: bool) -> dict[str, dict[str, float]]
     """Inclusive wall µs per step of the manager's methods (wrapped with timers here)."""
     from hybridkv.memory.pool import PagePool
     from hybridkv.prefix.cache import PrefixCache
-    from hybridkv.tables.store import GroupTable, TableSet
+    from hybridkv.tables.store import TableSet
 
     classes = {
         "CacheManager": CacheManager,
-        "GroupTable": GroupTable,
         "TableSet": TableSet,
         "PagePool": PagePool,
         "PrefixCache": PrefixCache,

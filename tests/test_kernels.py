@@ -150,7 +150,7 @@ _PAGE_SPACES = {
 
 @pytest.mark.parametrize("space", sorted(_PAGE_SPACES))
 def test_the_manager_gives_the_same_steps_without_the_jit(space):
-    """A short program (prefill chunks, decode, a rewind, a free, prefix hits) through
+    """A short program (prefill chunks, decode, rewinds, a free, prefix hits) through
     the manager: the batches' arrays are the same compiled and as plain Python."""
     code = (
         "import numpy as np\n"
@@ -172,6 +172,10 @@ def test_the_manager_gives_the_same_steps_without_the_jit(space):
         "    out.append([b.positions.tolist()] + [g.write_slots.tolist() for g in b.groups.values()])\n"
         "    if i == 10:\n"
         "        m.rewind('b', m.num_computed_tokens('b') - 1)\n"
+        "m.append_token_ids_many(['a', 'b'], np.full((2, 8), 7))\n"
+        "m.schedule_uniform(['a', 'b'], 8)\n"
+        "m.rewind_many([('a', m.num_computed_tokens('a') - 8), ('b', m.num_computed_tokens('b') - 5)])\n"
+        "out.append({g: (s.free_pages, m.request_pages('b', g)[1].tolist()) for g, s in m.stats().items()})\n"
         "m.free('a')\n"
         "hit = m.add_request('c', np.arange(300, dtype=np.int32) % 50).hit_tokens\n"
         "out.append({g: s.free_pages for g, s in m.stats().items()})\n"

@@ -127,8 +127,8 @@ def test_sliding_ring_table_columns_start_at_the_base_page():
     # Token 30 is on logical page 7 (page 21), row 2 -> 21*4 + 2.
     # Token 37 is on logical page 9 (page 23), row 1 -> 93.
     assert slots_of(ts, [0, 0, 1], [30, 37, 3]) == [86, 93, 123]
-    # take() returns released ids in logical order and forgets them.
-    assert table.take(np.array([0]), np.array([7]), np.array([9])).tolist() == [21, 22]
+    # pages_in() lists ids in logical order across the ring's wrap; a base past them hides them.
+    assert table.pages_in(np.array([0]), np.array([7]), np.array([9])).tolist() == [21, 22]
     table.base[0] = 9
     assert ts.block_table(0, np.array([0]), 1).tolist() == [[23]]
 
@@ -236,7 +236,6 @@ def test_every_reader_of_a_row_sees_the_same_pages():
         view = ts.ring_view()[0, row]
         assert [int(view[lp % table.capacity_pages]) for lp in range(base, hi)] == pages
     assert table.pages_in(np.array([1, 0]), np.array([5, 3]), np.array([8, 5])).tolist() == [49, 50, 51, 40, 41]
-    assert table.take(np.array([1]), np.array([5]), np.array([6])).tolist() == [49]
     full_ts, full = store(C4, 1024, 64, rows=2)
     full.place(np.array([1]), np.array([0]), np.array([3]), np.array([7, 8, 9]))
     full.hi[1] = 3

@@ -584,6 +584,79 @@ def clear_rows(geometry, pages, bounds, rows, out, touched, per_group):
 
 
 @njit(cache=True)
+def rewind_keep(geometry, bounds, g, row, kept_tokens):
+    """The hi a rewind to ``kept_tokens`` leaves ``row`` in group ``g``: ``ceil(kept / T)``,
+    never below its base nor above its hi."""
+    tokens, shift = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT]
+    return min(max(divide(kept_tokens + tokens - 1, tokens, shift), bounds[BASE, g, row]), bounds[HI, g, row])
+
+
+@njit(cache=True)
+def truncate_rows(geometry, pages, bounds, rows, kept):
+    """Every group's logical pages of each row from ``rewind_keep`` (``kept`` tokens) to its
+    hi leave its table, and the hi drops there. Returns their page ids and ring-view cells,
+    group after group, rows in order, pages in logical order, and how many per group."""
+    n_groups, n_rows = geometry.shape[0], bounds.shape[2]
+    total = 0
+    for g in range(n_groups):
+        for r in range(rows.size):
+            total += bounds[HI, g, rows[r]] - rewind_keep(geometry, bounds, g, rows[r], kept[r])
+    taken, touched = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
+    per_group = np.zeros(n_groups, dtype=np.int64)
+    n = 0
+    for g in range(n_groups):
+        for r in range(rows.size):
+            row = rows[r]
+            keep = rewind_keep(geometry, bounds, g, row, kept[r])
+            for logical in range(keep, bounds[HI, g, row]):
+                at = cell(geometry, bounds, g, row, logical)
+                taken[n] = pages[at]
+                pages[at] = -1
+                touched[n] = view_cell(geometry, n_rows, g, row, logical)
+                n += 1
+            per_group[g] += bounds[HI, g, row] - keep
+            bounds[HI, g, row] = keep
+    return taken, touched, per_group
+
+
+@njit(cache=True)
+def rewind_rows(geometry, pages, bounds, counters, known_floor, ref, keyed, stack, per_group, mark, rows, kept):
+    """``CacheManager.rewind_many`` of ``rows`` to ``kept`` tokens each, in one call. Refused,
+    nothing changed, when a row is listed twice (``mark``: scratch, one flag per table row,
+    all False before and after) or a count lies outside [committed, computed]
+    (``counters[1]``, ``counters[0]``). Else ``truncate_rows``, and each group's pages taken
+    are one release, exactly ``PagePool.decref`` of them (``drop_holds``, ``push_free``;
+    counted in ``per_group``); computed tokens (``counters[0]``) become ``kept``, known ones
+    (``counters[2]``) ``min(known, max(kept, known_floor))``. Returns (whether it ran; the
+    cells emptied, as ring-view indices; the keyed pages left idle, local ids group after
+    group; how many per group; the rows whose known tokens fell)."""
+    empty = np.zeros(0, dtype=np.int64)
+    if not distinct_rows(rows, mark):
+        return False, empty, empty, empty, empty
+    for r in range(rows.size):
+        if not counters[1, rows[r]] <= kept[r] <= counters[0, rows[r]]:
+            return False, empty, empty, empty, empty
+    taken, touched, taken_per_group = truncate_rows(geometry, pages, bounds, rows, kept)
+    offsets = geometry[:, ID_OFFSET].copy()
+    freed, idle_keyed = np.empty(taken.size, dtype=np.int64), np.empty(taken.size, dtype=np.int64)
+    counts = np.zeros((2, offsets.size), dtype=np.int64)
+    drop_holds(ref, keyed, offsets, taken_per_group, taken, freed, idle_keyed, counts)
+    push_free(stack, per_group[TOP], offsets, per_group[LOWEST], counts[0], freed)
+    for g in range(offsets.size):
+        per_group[RELEASED_PAGES, g] += counts[0, g] + counts[1, g]
+    fell, n_fell = np.empty(rows.size, dtype=np.int64), 0
+    for r in range(rows.size):
+        row = rows[r]
+        counters[0, row] = kept[r]
+        known = min(counters[2, row], max(kept[r], known_floor[row]))
+        if known < counters[2, row]:
+            counters[2, row] = known
+            fell[n_fell] = row
+            n_fell += 1
+    return True, touched, idle_keyed[: counts[1].sum()], counts[1].copy(), fell[:n_fell]
+
+
+@njit(cache=True)
 def live_cells(geometry, bounds, index):
     """Ring-view index of every live cell (every group, row and logical page in
     ``[base, hi)``), group-major then row order; returns how many."""

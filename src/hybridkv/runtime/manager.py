@@ -317,6 +317,7 @@ class CacheManager:
         self._counters = np.zeros((3, 64), dtype=np.int64)
         self._computed, self._committed, self._known = self._counters
         self._max_total = np.zeros(64, dtype=np.int64)
+        self._known_floor = np.zeros(64, dtype=np.int64)  # rewinds keep known ids up to it: prompt (no ids: total)
         self._in_batch = np.zeros(64, dtype=np.bool_)  # prepare_step's scratch, one flag per row
 
     @classmethod
@@ -391,7 +392,7 @@ class CacheManager:
         self._requests[request_id] = self._row_owner[row] = req
         self._row_of[request_id] = row
         self._max_total[row] = total
-        self._known[row] = prompt_len if buf is not None else total
+        self._known[row] = self._known_floor[row] = prompt_len if buf is not None else total
         if self.tier_link is not None and buf is not None:
             self.tier_link.on_add(request_id, req.hashes, buf[:prompt_len], hit.hit_tokens, max_new, cache_salt)
         return hit
@@ -1129,26 +1130,45 @@ class CacheManager:
         self.rewind_many([(request_id, num_tokens)])
 
     def rewind_many(self, items: Sequence[tuple[str, int]]) -> None:
-        """``rewind`` for many requests at once (all validated first; vectorized per group)."""
+        """``rewind`` for many requests at once: one compiled call for every group and request
+        (``kernels.rewind_rows``), which checks every item before it changes anything."""
         self._version += 1  # invalidates a cached admission
-        reqs, keeps = self._rewind_items(items)
-        if not reqs:
+        items = items if isinstance(items, (list, tuple)) else list(items)
+        rows, kept = self._rewind_rows(items)
+        if not rows.size:
             return
-        self._note_rewound_loads(reqs, keeps)
-        rows = np.asarray([r.row for r in reqs], dtype=np.int64)
-        kept = np.asarray(keeps, dtype=np.int64)
-        for s in self.specs:
-            table = self.tables[s.group_id]
-            hi = table.hi[rows]
-            keep = np.minimum(np.maximum(cdiv(kept, table.page_tokens), table.base[rows]), hi)
-            if (keep < hi).any():
-                self.pools[s.group_id].decref(table.take(rows, keep, hi))
-                table.hi[rows] = keep
-        self._computed[rows] = kept
-        for req, num_tokens in zip(reqs, keeps):
-            if req.token_ids is not None:
-                req.known_tokens = min(req.known_tokens, max(num_tokens, req.prompt_tokens))
-                self._known[req.row] = req.known_tokens
+        before = self._computed[rows] if self._load_spans else None
+        ts, space = self._tableset, self._space
+        ok, touched, keyed, keyed_per_group, fell = kernels.rewind_rows(
+            ts.geometry, ts.pages, ts.bounds, self._counters, self._known_floor, space.ref_counts, space.cached,
+            space.stack, space.per_group, self._in_batch, rows, kept)
+        if not ok:  # a row twice, or a count out of range: nothing changed
+            self._rewind_items(items)  # raises, wording the first refused item
+        ts.note_cells(touched)
+        if keyed.size:
+            space.keyed_idle(keyed_per_group.tolist(), keyed)
+        owner = self._row_owner  # requests with token ids lose the rejected drafts' ids
+        for row, known in zip(fell.tolist(), self._known[fell].tolist()):
+            owner[row].known_tokens = known
+        if before is not None:
+            self._note_rewound_loads(rows, before, kept)
+
+    def _rewind_rows(self, items: list | tuple) -> tuple[np.ndarray, np.ndarray]:
+        """Table rows and kept tokens of ``rewind_many``'s items: known ids with plain int
+        counts in one pass, anything else through ``_rewind_items`` (which words a refusal)."""
+        try:
+            rids, counts = zip(*items, strict=True)
+        except (TypeError, ValueError):
+            rids = counts = ()
+        rows = self._rows_of(rids) if rids and set(map(type, counts)) == {int} else None
+        try:
+            kept = None if rows is None else np.array(counts, dtype=np.int64)
+        except OverflowError:  # past int64: out of range, worded below
+            kept = None
+        if kept is not None:
+            return rows, kept
+        reqs, keeps = self._rewind_items(items)
+        return np.asarray([req.row for req in reqs], dtype=np.int64), np.asarray(keeps, dtype=np.int64)
 
     def _rewind_items(self, items: Sequence[tuple[str, int]]) -> tuple[list[_Request], list[int]]:
         """The requests and token counts of ``rewind_many``'s items, each checked (nothing changes
@@ -1183,15 +1203,15 @@ class CacheManager:
             )
         return num_tokens
 
-    def _note_rewound_loads(self, reqs: list[_Request], keeps: list[int]) -> None:
-        """Requests rewound below a load step just run lose its window: admission refuses them
-        until they are freed."""
-        for req, num_tokens in zip(reqs, keeps):
-            span = self._load_spans.get(req.request_id)
-            now = (int(self._committed[req.row]), int(self._computed[req.row]))
-            if span is not None and span == now and num_tokens < span[1]:
-                self._rewound_loads.add(req.request_id)
-                self.pending_loads.add(req.request_id)
+    def _note_rewound_loads(self, rows: np.ndarray, computed: np.ndarray, kept: np.ndarray) -> None:
+        """Requests rewound below a load step just run (``computed``: their tokens before the
+        rewind) lose its window: admission refuses them until they are freed."""
+        for row, was, num_tokens in zip(rows.tolist(), computed.tolist(), kept.tolist()):
+            rid = self._row_owner[row].request_id
+            span = self._load_spans.get(rid)
+            if span is not None and span == (int(self._committed[row]), was) and num_tokens < span[1]:
+                self._rewound_loads.add(rid)
+                self.pending_loads.add(rid)
 
     def free(self, request_id: str) -> None:
         """End a request: commit its last step to the prefix cache, release every page."""
@@ -1379,6 +1399,7 @@ class CacheManager:
             self._counters = np.concatenate([self._counters, np.zeros_like(self._counters)], axis=1)
             self._computed, self._committed, self._known = self._counters
             self._max_total = np.concatenate([self._max_total, grow])
+            self._known_floor = np.concatenate([self._known_floor, grow])
             self._in_batch = np.zeros(self._computed.size, dtype=np.bool_)
         self._tableset.ensure_rows(row + 1)
         return row

@@ -4,9 +4,10 @@ Each request owns a row of the store. Full-history groups store logical page
 ``L`` (tokens ``[L*T, (L+1)*T)``) at column ``L``. Sliding groups keep only the
 live pages ``[base, hi)`` in a power-of-two ring (logical page ``L`` at column
 ``L % cap``) and hand kernels a table whose column ``j`` is logical page
-``base + j``. The step's table work runs in ``hybridkv.runtime.kernels``; the
-methods here serve what happens outside a step (prefix hits, publishing,
-rewind, free) and never touch a pool: the manager takes the ids they return.
+``base + j``. The step's table work runs in ``hybridkv.runtime.kernels``, and so
+does a rewind (``kernels.rewind_rows``); the methods here serve what happens
+outside them (prefix hits, publishing, free) and never touch a pool: the manager
+takes the ids they return.
 
 Memory: a sliding row keeps its pages in a *narrow* ring sized for a decode step
 (``NARROW_STEP_TOKENS``; 4 to 32 cells in V4), so a decode step over many rows
@@ -121,14 +122,6 @@ class GroupTable:
         return self.pages_in(np.array([row]), np.array([lo]), np.array([hi])).tolist()
 
     # --- mutation -----------------------------------------------------------
-    def take(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """``pages_in`` then empty those cells, in one pass: the removed page ids in logical order."""
-        at, view = self._span_cells(rows, lo, hi)
-        pages = self._set.pages[at].astype(np.int64)
-        self._set.pages[at] = -1
-        self._set.note_cells(view)
-        return pages
-
     def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
         """Store ``page_ids`` at logical pages ``[lo_r, lo_r + counts_r)``, row-major (a row
         whose live pages then outgrow its narrow ring moves to its lane first)."""
@@ -154,7 +147,7 @@ class TableSet:
     ``[base, hi)`` per row, ``bounds[2][g]`` each row's lane (plus one; 0: narrow)
     and ``bounds[3][g]`` the group's free lanes; each
     ``GroupTable`` in ``tables`` reads and writes the same arrays, so per-group code
-    (prefix publishing, rewind, free) and whole-step code see the same state.
+    (prefix publishing, free) and whole-step code (steps, rewinds) see the same state.
 
     While ``log`` is a list, every cell any mutation touches is logged (as an index
     into the ring view, ``ring_view``); ``drain_updates`` hands out those cells with
@@ -341,7 +334,7 @@ class TableSet:
             group, cell = np.divmod(np.concatenate(self.log), have * self.view_columns)
             self.log[:] = [group * (new * self.view_columns) + cell]
 
-    # --- outside the step (free, rewind) and the step's block tables -------------------
+    # --- outside the step (free) and the step's block tables ---------------------------
     def clear_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Empty ``rows`` in every group (bounds back to 0, narrow again): their held
         page ids, group-major, row-major, in logical order, and how many per group."""
