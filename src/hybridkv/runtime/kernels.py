@@ -150,11 +150,13 @@ def fit_ring(geometry, pages, bounds, g, row, live_pages):
 @njit(cache=True)
 def write_slots(geometry, pages, bounds, rows, first_row, positions, request_indices, slots):
     """``slots[g, i]``: ``page * rows_per_page + entry % rows_per_page`` for token ``i``
-    (entry ``position // stride``), -1 where the token closes no entry."""
+    (entry ``position // stride``), -1 where the token closes no entry. A page is
+    looked up once for the run of tokens of one row that it holds."""
     for g in range(geometry.shape[0]):
         tokens, page_shift = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT]
         per_page, rows_shift = geometry[g, ROWS_PER_PAGE], geometry[g, ROWS_SHIFT]
         stride, stride_shift = geometry[g, STRIDE_TOKENS], geometry[g, STRIDE_SHIFT]
+        row, logical, page = -1, -1, np.int64(0)
         for i in range(positions.size):
             pos = positions[i]
             entry = divide(pos + 1, stride, stride_shift)
@@ -162,11 +164,11 @@ def write_slots(geometry, pages, bounds, rows, first_row, positions, request_ind
                 slots[g, i] = -1
                 continue
             entry -= 1
-            row = rows[first_row + request_indices[i]]
-            page = pages[cell(geometry, bounds, g, row, divide(pos, tokens, page_shift))]
-            slots[g, i] = np.int64(page) * per_page + entry - divide(entry, per_page, rows_shift) * per_page
-
-
+            at_row, at_logical = rows[first_row + request_indices[i]], divide(pos, tokens, page_shift)
+            if at_row != row or at_logical != logical:
+                row, logical = at_row, at_logical
+                page = np.int64(pages[cell(geometry, bounds, g, row, logical)]) * per_page
+            slots[g, i] = page + entry - divide(entry, per_page, rows_shift) * per_page
 
 
 # --- one step: plan (pure), then run (release, allocate, the batch's arrays) -----------------
@@ -729,14 +731,28 @@ def read_cells(geometry, pages, bounds, index, group, row, column, page):
     """Group, row, column and page id now (-1: no live page there) of each ring-view
     cell ``index[i]``."""
     n_rows, n_cols = bounds.shape[2], geometry[0, VIEW_COLUMNS]
+    rows_shift, cols_shift = log2_exact(n_rows), log2_exact(n_cols)
     for i in range(index.size):
         at = index[i]
-        g, r, c = at // (n_cols * n_rows), (at // n_cols) % n_rows, at % n_cols
+        q = divide(at, n_cols, cols_shift)
+        g = divide(q, n_rows, rows_shift)
+        r, c = q - g * n_rows, at - q * n_cols
         group[i], row[i], column[i] = g, r, c
         base, hi, mask = bounds[BASE, g, r], bounds[HI, g, r], geometry[g, COLUMN_MASK]
         # The one logical page of [base, hi) at column c (a live span never exceeds the ring).
         logical = c if mask < 0 else base + ((c - base) & mask)
         page[i] = pages[cell(geometry, bounds, g, r, logical)] if base <= logical < hi else -1
+
+
+@njit(cache=True)
+def log2_exact(value):
+    """``log2(value)`` when ``value`` is a power of two, else -1 (``divide``'s shift)."""
+    if value <= 0 or value & (value - 1):
+        return -1
+    shift = 0
+    while (1 << shift) < value:
+        shift += 1
+    return shift
 
 
 @njit(cache=True)
