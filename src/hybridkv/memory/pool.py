@@ -328,26 +328,32 @@ class PagePool:
         self.counters.tallies[0] += zero.size
         keyed = self.cached[zero]
         if keyed.any():
-            self._keyed_idle(zero[keyed].tolist())
+            self._keyed_idle(zero[keyed])
             zero = zero[~keyed]
         self._push_free(zero)
 
-    def _keyed_idle(self, pages: list[int]) -> None:
-        """Keyed pages (logical order) whose last reference just went join the LRU,
-        the last listed first, so a chain's tail is evicted before its head."""
+    def _keyed_idle(self, pages: np.ndarray) -> None:
+        """Keyed pages (distinct local ids, logical order) whose last reference just went
+        join the LRU, the last listed first, so a chain's tail is evicted before its head;
+        low-priority ones go to its front instead (evicted first), the last listed first."""
         tick = next(_IDLE_CLOCK)
-        idle_tick = self.idle_tick
-        for page in reversed(pages):
-            idle_tick[page] = tick
-            self._evictable[page] = None
-            if self.low_priority[page]:
-                self._low_idle_pages += 1
-                self._evictable.move_to_end(page, last=False)
-                if self.lowest_first:
+        order = pages[::-1]
+        self.idle_tick[order] = tick
+        listed = order.tolist()
+        evictable = self._evictable
+        evictable.update(dict.fromkeys(listed))
+        low = self.low_priority[order]
+        if low.any():
+            low_pages = order[low].tolist()
+            for page in low_pages:  # each to the front: the last one listed ends first
+                evictable.move_to_end(page, last=False)
+            self._low_idle_pages += len(low_pages)
+            if self.lowest_first:
+                for page in low_pages:
                     heapq.heappush(self._low_idle, page)
         if self.ranker is not None:
-            low, page_key = self.low_priority, self._page_key
-            self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in reversed(pages) if not low[p]], tick)
+            page_key = self._page_key
+            self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in order[~low].tolist()], tick)
 
     def _push_free(self, pages: np.ndarray) -> None:
         """Freed ids (logical order) onto the free stack (``kernels.push_run``)."""
@@ -359,12 +365,16 @@ class PagePool:
     def grant(self, pages: np.ndarray) -> None:
         """Make never-granted (or revoked) page ids usable: they go on the free stack,
         the first listed on top (shuffled first with a shuffle seed)."""
-        pages = np.asarray(pages, dtype=np.int32)
-        if pages.size == 0:
-            return
+        self.grant_runs([pages])
+
+    def grant_runs(self, runs: Sequence[np.ndarray]) -> None:
+        """``grant`` of each run of ids in turn, in one push: the last run's first id on top."""
+        runs = [np.asarray(pages, dtype=np.int64) for pages in runs]
         if self._rng is not None:
-            pages = pages.copy()
-            self._rng.shuffle(pages)
+            runs = [pages.copy() for pages in runs]
+            for pages in runs:
+                self._rng.shuffle(pages)
+        pages = runs[0] if len(runs) == 1 else np.concatenate(runs[::-1])
         self._push_free(pages)
         self._granted_pages += int(pages.size)
 
@@ -672,7 +682,7 @@ class PageSpace:
         n_keyed = 0
         for pool, k in zip(self.pools, per_group):
             if k:
-                pool._keyed_idle(keyed[n_keyed : n_keyed + k].tolist())
+                pool._keyed_idle(keyed[n_keyed : n_keyed + k])
                 n_keyed += k
 
     def note_peaks(self, allocated: np.ndarray) -> None:

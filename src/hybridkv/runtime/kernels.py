@@ -342,6 +342,13 @@ def transient_pages(geometry, bounds, g, rows, first, counts, after, sums):
 
 
 @njit(cache=True)
+def transient_counts(geometry, bounds, transient, rows, first, counts, after, sums, out):
+    """``transient_pages`` of every group, ``out[g]`` (0 where ``transient[g]`` is not set)."""
+    for g in range(geometry.shape[0]):
+        out[g] = transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0
+
+
+@njit(cache=True)
 def allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, rows, first, counts, after, sums,
                    touched, n_touched):
     """Every row gets the pages from its hi to its new hi (rows in plan order, pages in
@@ -724,6 +731,19 @@ def held_in_slabs(ref, owner, group, lo, hi, straddle):
         if here:
             held_slabs += 1
     return held_pages, held_slabs
+
+
+@njit(cache=True)
+def must_pack_slabs(ref, owner, group, lo, hi, straddle, slab, pages, per_slab, spread_slabs):
+    """``Arena``'s packing rule once the arena is roomy: False when ``slab`` (where an
+    allocation's highest page lies) holds live pages of ``group`` already, else whether its
+    live pages plus ``pages`` new ones would lie in more than ``spread_slabs`` slabs beyond
+    the ``per_slab``-page slabs they fill (``held_in_slabs``)."""
+    for page in range(lo[slab], hi[slab]):
+        if ref[page] > 0:
+            return False
+    held_pages, held_slabs = held_in_slabs(ref, owner, group, lo, hi, straddle)
+    return held_slabs + 1 > -(-(held_pages + pages) // per_slab) + spread_slabs
 
 
 @njit(cache=True)

@@ -122,6 +122,7 @@ class _Scratch:
         self.idle_keyed = np.empty(0, dtype=np.int64)
         self.touched = np.empty(0, dtype=np.int64)
         self.widths = np.empty(n_groups, dtype=np.int64)
+        self.transient = np.empty(n_groups, dtype=np.int64)  # ``transient_counts``' answer
 
     def plan_arrays(self, n_rows: int) -> tuple:
         """``prepare_step``'s outputs with room for ``n_rows`` rows (``kernels.plan_views``
@@ -1075,9 +1076,12 @@ class CacheManager:
         if status != kernels.STEP_DONE:
             if plan.grants:
                 self.arena.apply(plan.grants)
-            for k, (pool, n) in enumerate(zip(self._pool_list, sums[1].tolist())):
+            highest = self._scratch.transient  # pages each group allocates that the next step releases
+            kernels.transient_counts(ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts,
+                                     plan.after, plan.sums, highest)
+            for pool, n, transient in zip(self._pool_list, sums[1].tolist(), highest.tolist()):
                 if n:
-                    pool.make_room(n, self._transient_pages(plan, k))
+                    pool.make_room(n, transient)
             n_touched = kernels.finish_step(
                 ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.per_group,
                 self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums,
@@ -1085,15 +1089,6 @@ class CacheManager:
         if allocated_pages:
             space.note_peaks(sums[1])
         return n_touched
-
-    def _transient_pages(self, plan: _StepPlan, k: int) -> int:
-        """Pages group ``k`` allocates this step that the next releases again (they take
-        the highest free ids, so packing need not make room for them low)."""
-        if not self._transient[k]:
-            return 0
-        ts = self._tableset
-        return int(kernels.transient_pages(ts.geometry, ts.bounds, k, plan.rows, plan.first, plan.counts,
-                                           plan.after, plan.sums))
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
                      n_touched: int) -> StepBatch:
