@@ -334,17 +334,20 @@ class PagePool:
 
     def _keyed_idle(self, pages: np.ndarray) -> None:
         """Keyed pages (distinct local ids, logical order) whose last reference just went
-        join the LRU, the last listed first, so a chain's tail is evicted before its head;
-        low-priority ones go to its front instead (evicted first), the last listed first."""
+        join the LRU (``_join_lru``)."""
         tick = next(_IDLE_CLOCK)
         order = pages[::-1]
         self.idle_tick[order] = tick
-        listed = order.tolist()
+        self._join_lru(order.tolist(), order[self.low_priority[order]].tolist(), tick)
+
+    def _join_lru(self, listed: list[int], low_pages: list[int], tick: int) -> None:
+        """Idle keyed pages ``listed`` (the last released first, their ``idle_tick`` set to
+        ``tick``), of which ``low_pages`` (in the same order) are low-priority, join the
+        LRU in that order, so a chain's tail is evicted before its head; low-priority ones
+        go to its front instead (evicted first), the last listed first."""
         evictable = self._evictable
         evictable.update(dict.fromkeys(listed))
-        low = self.low_priority[order]
-        if low.any():
-            low_pages = order[low].tolist()
+        if low_pages:
             for page in low_pages:  # each to the front: the last one listed ends first
                 evictable.move_to_end(page, last=False)
             self._low_idle_pages += len(low_pages)
@@ -352,8 +355,8 @@ class PagePool:
                 for page in low_pages:
                     heapq.heappush(self._low_idle, page)
         if self.ranker is not None:
-            page_key = self._page_key
-            self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in order[~low].tolist()], tick)
+            low, page_key = self.low_priority, self._page_key
+            self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in listed if not low[p]], tick)
 
     def _push_free(self, pages: np.ndarray) -> None:
         """Freed ids (logical order) onto the free stack (``kernels.push_run``)."""
@@ -624,7 +627,7 @@ class PageSpace:
             raise ValueError("a page space holds fewer than 2**31 pages")
         self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         starts = self.offsets.tolist()
-        for name in ("ref_counts", "cached", "low_priority", "_stack"):
+        for name in ("ref_counts", "cached", "low_priority", "_stack", "idle_tick"):
             whole = np.concatenate([getattr(p, name) for p in self.pools])
             setattr(self, name.lstrip("_"), whole)
             for pool, start, n in zip(self.pools, starts, sizes):
@@ -639,6 +642,8 @@ class PageSpace:
         self.tops[:] = [p._top for p in self.pools]
         self.lowest_first[:] = [p.lowest_first for p in self.pools]
         self.low_idle = np.asarray([p._low_idle_pages for p in self.pools], dtype=np.int64)
+        self.low_counts = np.zeros(len(self.pools), dtype=np.int64)  # ``keyed_idle``'s scratch
+        self.low_scratch = np.empty(0, dtype=np.int64)
         self.packing = [(g, p) for g, p in enumerate(self.pools) if p.lowest_first]  # pools ``low_floors`` asks
         for g, pool in enumerate(self.pools):
             pool._tops, pool._lows, pool._slot = self.tops, self.low_idle, g
@@ -654,7 +659,7 @@ class PageSpace:
                            pages, freed, keyed, counts)
         kernels.push_free(self.stack, self.tops, self.offsets, self.lowest_first, counts[0], freed)
         self.per_group[kernels.RELEASED_PAGES] += counts[0] + counts[1]
-        self.keyed_idle(counts[1].tolist(), keyed)
+        self.keyed_idle(counts[1], keyed)
 
     def low_floors(self) -> np.ndarray:
         """``per_group``, once ``low_floor[g]`` holds: for a lowest-first pool (one that may
@@ -676,14 +681,26 @@ class PageSpace:
             out[g] = pool._low_idle[0] if pool._low_idle and self.low_idle[g] else kernels.NO_LOW_IDLE
         return self.per_group
 
-    def keyed_idle(self, per_group: Sequence[int], keyed: np.ndarray) -> None:
+    def keyed_idle(self, per_group: np.ndarray, keyed: np.ndarray) -> None:
         """Keyed pages a release left idle (``keyed``, local ids, group after group,
-        ``per_group[g]`` of them) join their pool's LRU."""
-        n_keyed = 0
-        for pool, k in zip(self.pools, per_group):
+        ``per_group[g]`` of them, int64) join their pool's LRU (``PagePool._join_lru``), each
+        pool's with the next tick of the idle clock; their ticks and low-priority flags
+        are read in one compiled pass (``kernels.went_idle``)."""
+        counts = per_group.tolist()
+        total = sum(counts)
+        if not total:
+            return
+        ticks = [next(_IDLE_CLOCK) for k in counts if k]  # consecutive: one per pool, in pool order
+        low = self.low_scratch if self.low_scratch.size >= total else np.empty(2 * total, dtype=np.int64)
+        self.low_scratch = low
+        kernels.went_idle(self.idle_tick, self.low_priority, self.offsets, per_group, keyed, ticks[0], low,
+                          self.low_counts)
+        listed, low_listed = keyed[:total].tolist(), low[: int(self.low_counts.sum())].tolist()
+        start = low_start = i = 0
+        for pool, k, n_low in zip(self.pools, counts, self.low_counts.tolist()):
             if k:
-                pool._keyed_idle(keyed[n_keyed : n_keyed + k])
-                n_keyed += k
+                pool._join_lru(listed[start : start + k][::-1], low_listed[low_start : low_start + n_low], ticks[i])
+                start, low_start, i = start + k, low_start + n_low, i + 1
 
     def note_peaks(self, allocated: np.ndarray) -> None:
         """Each pool's peak of used pages, after a step kernel allocated ``allocated[g]``

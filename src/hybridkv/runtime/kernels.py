@@ -679,6 +679,50 @@ def release_credit(geometry, pages, bounds, ref, g, rows, new_base, credit, sole
 
 
 @njit(cache=True)
+def freed_first(geometry, pages, bounds, ref, keyed, committed, rows, first, new_base, grain, out):
+    """Per group ``g``, ``out[g]``: the pages below each row's ``new_base[g]`` that only
+    that row holds and that carry no key (pure: what its releases put on the free stack);
+    returns the prefix grains (of ``grain`` tokens, 0: none) the rows' commits complete,
+    from ``committed`` up to ``first``."""
+    for g in range(geometry.shape[0]):
+        offset, n = geometry[g, ID_OFFSET], 0
+        for r in range(rows.size):
+            row = rows[r]
+            for logical in range(bounds[BASE, g, row], min(new_base[g, r], bounds[HI, g, row])):
+                page = offset + pages[cell(geometry, bounds, g, row, logical)]
+                if ref[page] == 1 and not keyed[page]:
+                    n += 1
+        out[g] = n
+    crossed = 0
+    if grain > 0:
+        for r in range(rows.size):
+            crossed += max(first[r] // grain - committed[rows[r]] // grain, 0)
+    return crossed
+
+
+@njit(cache=True)
+def went_idle(idle_tick, low_priority, offsets, per_group, keyed, first_tick, low_pages, low_counts):
+    """Keyed pages gone idle (local ids, group after group, ``per_group[g]`` of them):
+    each group's, the last listed first, get the next tick from ``first_tick`` on (one
+    tick per group that has some); its low-priority ones go to ``low_pages`` in that
+    order (groups in order), ``low_counts[g]`` of them."""
+    start, n_low, tick = 0, 0, first_tick
+    for g in range(per_group.size):
+        k, offset = per_group[g], offsets[g]
+        low_counts[g] = 0
+        for i in range(start + k - 1, start - 1, -1):
+            page = offset + keyed[i]
+            idle_tick[page] = tick
+            if low_priority[page]:
+                low_pages[n_low] = keyed[i]
+                n_low += 1
+                low_counts[g] += 1
+        if k:
+            tick += 1
+        start += k
+
+
+@njit(cache=True)
 def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
     """Spare slabs (``owner < 0``) for ``group`` until it is no longer ``short_pages``
     pages short: each time the lowest spare slab next to one it owns, else the lowest

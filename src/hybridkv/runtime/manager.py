@@ -123,6 +123,7 @@ class _Scratch:
         self.touched = np.empty(0, dtype=np.int64)
         self.widths = np.empty(n_groups, dtype=np.int64)
         self.transient = np.empty(n_groups, dtype=np.int64)  # ``transient_counts``' answer
+        self.freed = np.empty(n_groups, dtype=np.int64)  # ``kernels.freed_first``' answer
 
     def plan_arrays(self, n_rows: int) -> tuple:
         """``prepare_step``'s outputs with room for ``n_rows`` rows (``kernels.plan_views``
@@ -177,8 +178,7 @@ class _Releases:
     def __init__(self, tableset: TableSet, space: PageSpace, pools: Sequence[PagePool], plan: _StepPlan):
         self._tableset, self._space, self._pools, self.plan = tableset, space, pools, plan
         self._found: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        self.crossed_grains: int | None = None  # prefix grains the rows' commits complete (``_freed_first``)
-        self.freed_first: dict[int, int] = {}  # ``_freed_first``'s answer per group, once worked out
+        self.freed_first: list[int] | None = None  # ``_freed_first``'s answer per group, once worked out
 
     def of(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Group ``k``: per plan row, the pages below its new base that only it holds (its
@@ -655,24 +655,20 @@ class CacheManager:
 
     def _freed_first(self, releases: _Releases, k: int) -> int:
         """Pages of group ``k`` the step's releases put on the free stack before it
-        allocates (sole references without a key: keyed ones stay cached)."""
-        plan, known = releases.plan, releases.freed_first.get(k)
-        if known is not None:
-            return known
-        if not plan.sums[0, k]:
-            return 0
-        freed = releases.of(k)[2].size
-        window = self._checkpoint_windows[k]
-        if window:
+        allocates (sole references without a key: keyed ones stay cached); every
+        group's worked out in one compiled pass, once per admission."""
+        known = releases.freed_first
+        if known is None:
+            plan, ts, space = releases.plan, self._tableset, self._space
+            freed = self._scratch.freed
+            crossed = kernels.freed_first(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached,
+                                          self._committed, plan.rows, plan.first, plan.after[0], self._grain, freed)
             # The step's commits run first and may publish released pages as checkpoints
             # (then they stay cached): at most a window's pages per boundary crossed.
-            if releases.crossed_grains is None:
-                grain = self.prefix.granularity_tokens
-                releases.crossed_grains = int(np.maximum(plan.first // grain - self._committed.take(plan.rows) // grain,
-                                                         0).sum())
-            freed -= releases.crossed_grains * (-(-window // self.specs[k].page_tokens) + 1)
-        known = releases.freed_first[k] = max(freed, 0)
-        return known
+            known = releases.freed_first = [
+                max(n - crossed * (-(-window // spec.page_tokens) + 1), 0) if window else n
+                for n, window, spec in zip(freed.tolist(), self._checkpoint_windows, self.specs)]
+        return known[k]
 
     def _fit_with_credit(self, releases: _Releases, fits: np.ndarray, deny: dict[int, str]) -> None:
         """Admission when the allocations alone do not fit: count the pages the step's
@@ -1072,7 +1068,7 @@ class CacheManager:
         peaks. Returns the table cells changed."""
         space, ts = self._space, self._tableset
         if n_keyed:
-            space.keyed_idle(self._scratch.released[1].tolist(), self._scratch.idle_keyed)
+            space.keyed_idle(self._scratch.released[1], self._scratch.idle_keyed)
         if status != kernels.STEP_DONE:
             if plan.grants:
                 self.arena.apply(plan.grants)
