@@ -150,25 +150,32 @@ def fit_ring(geometry, pages, bounds, g, row, live_pages):
 @njit(cache=True)
 def write_slots(geometry, pages, bounds, rows, first_row, positions, request_indices, slots):
     """``slots[g, i]``: ``page * rows_per_page + entry % rows_per_page`` for token ``i``
-    (entry ``position // stride``), -1 where the token closes no entry. A page is
-    looked up once for the run of tokens of one row that it holds."""
+    (entry ``position // stride``), -1 where the token closes no entry. Runs of one
+    request's consecutive positions are walked entry by entry (a stride apart), a page
+    looked up once for the entries it holds."""
+    n_tokens = positions.size
     for g in range(geometry.shape[0]):
         tokens, page_shift = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT]
         per_page, rows_shift = geometry[g, ROWS_PER_PAGE], geometry[g, ROWS_SHIFT]
         stride, stride_shift = geometry[g, STRIDE_TOKENS], geometry[g, STRIDE_SHIFT]
-        row, logical, page = -1, -1, np.int64(0)
-        for i in range(positions.size):
-            pos = positions[i]
-            entry = divide(pos + 1, stride, stride_shift)
-            if entry * stride != pos + 1:
-                slots[g, i] = -1
-                continue
-            entry -= 1
-            at_row, at_logical = rows[first_row + request_indices[i]], divide(pos, tokens, page_shift)
-            if at_row != row or at_logical != logical:
-                row, logical = at_row, at_logical
-                page = np.int64(pages[cell(geometry, bounds, g, row, logical)]) * per_page
-            slots[g, i] = page + entry - divide(entry, per_page, rows_shift) * per_page
+        slots[g, :] = -1
+        i = 0
+        while i < n_tokens:
+            k, start = request_indices[i], positions[i]
+            j = i + 1
+            while j < n_tokens and request_indices[j] == k and positions[j] == start + j - i:
+                j += 1
+            row, logical, page = rows[first_row + k], -1, np.int64(0)
+            pos = divide(start + stride, stride, stride_shift) * stride - 1  # the run's first entry end
+            while pos < start + j - i:
+                entry = divide(pos + 1, stride, stride_shift) - 1
+                at_logical = divide(pos, tokens, page_shift)
+                if at_logical != logical:
+                    logical = at_logical
+                    page = np.int64(pages[cell(geometry, bounds, g, row, logical)]) * per_page
+                slots[g, i + pos - start] = page + entry - divide(entry, per_page, rows_shift) * per_page
+                pos += stride
+            i = j
 
 
 # --- one step: plan (pure), then run (release, allocate, the batch's arrays) -----------------
