@@ -715,14 +715,15 @@ class CacheManager:
         pages are all clean free once the step's releases have run and that they do not
         need this step. A cached page goes only when no memory is idle anywhere."""
         own, gained = self.arena.replay(after) if after else (None, {})
-        short, donors = {}, []
+        short, donors, roomy = {}, [], self.arena.roomy()
+        tops = self._space.tops.tolist()  # each pool's clean free pages
         for k, (gid, pool, n) in enumerate(zip(self._group_ids, self._pool_list, sums)):
-            clean = pool.num_clean_free_pages + gained.get(gid, 0)
+            clean = tops[k] + gained.get(gid, 0)
             freed = self._freed_first(releases, k) if n > clean else 0
             # Low-priority cached pages (prompt checkpoints) are meant to go first: a group
-            # holding idle ones evicts them rather than grow. What they cannot cover would
-            # evict valuable entries.
-            low = self._low_room(pool) if n > clean + freed else 0
+            # holding idle ones evicts them rather than grow (``_low_room``). What they
+            # cannot cover would evict valuable entries.
+            low = (0 if roomy else pool.num_low_priority_idle_pages) if n > clean + freed else 0
             if n > clean + freed + low:
                 short[gid] = n - clean - freed - low
             else:
