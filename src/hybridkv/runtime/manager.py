@@ -82,6 +82,7 @@ class _StepPlan:
     totals: tuple[int, int, int, int]  # tokens, pages released, most released in one group, pages allocated
     request_ids: tuple | None = None  # the batch's ids in order, once known
     grants: list | None = None  # arena slabs to move before allocating (shared page space)
+    arrays: _StepArrays | None = None  # the batch's fresh arrays, once made (``_step``)
 
 
 class _StepArrays(NamedTuple):
@@ -985,7 +986,7 @@ class CacheManager:
             for row in plan.crossing.tolist():  # publish what the rows' previous steps completed
                 self._commit_row(row)
         self._tableset.start_log() if updates else self._tableset.stop_log()
-        arrays, n_touched = self._run(plan, write_slots, out)
+        arrays, n_touched = self._run(plan, write_slots, out if out is not None else plan.arrays)
         rows = plan.rows[plan.settle :]
         self._last_rows = rows.copy()  # the plan's arrays are scratch
         return self._build_batch(rows, plan.request_ids, arrays, fixed_width, n_touched if updates else -1)
@@ -1031,6 +1032,7 @@ class CacheManager:
             plan = self._plan_of(n, settle, n_crossing, clean)
             plan.request_ids = rids
             if not clean:
+                plan.arrays = out  # for ``_run``, once admitted
                 return plan
             plan.grants = []  # admitted as is: rows commit first, or the scratch buffers grow
             return self._commit_and_run(plan, write_slots, updates, False, out)
