@@ -698,25 +698,23 @@ def release_credit(geometry, pages, bounds, ref, g, rows, new_base, credit, sole
 
 
 @njit(cache=True)
-def freed_first(geometry, pages, bounds, ref, keyed, committed, rows, first, new_base, grain, out):
-    """Per group ``g``, ``out[g]``: the pages below each row's ``new_base[g]`` that only
-    that row holds and that carry no key (pure: what its releases put on the free stack);
-    returns the prefix grains (of ``grain`` tokens, 0: none) the rows' commits complete,
-    from ``committed`` up to ``first``."""
-    for g in range(geometry.shape[0]):
-        offset, n = geometry[g, ID_OFFSET], 0
-        for r in range(rows.size):
-            row = rows[r]
-            for logical in range(bounds[BASE, g, row], min(new_base[g, r], bounds[HI, g, row])):
-                page = offset + pages[cell(geometry, bounds, g, row, logical)]
-                if ref[page] == 1 and not keyed[page]:
-                    n += 1
-        out[g] = n
+def freed_first(geometry, pages, bounds, ref, keyed, committed, rows, first, new_base, grain, g):
+    """(pages, grains) of group ``g`` (pure): the pages below each row's ``new_base`` that
+    only that row holds and that carry no key (what its releases put on the free stack),
+    and the prefix grains (of ``grain`` tokens, 0: none) the rows' commits complete, from
+    ``committed`` up to ``first``."""
+    offset, n = geometry[g, ID_OFFSET], 0
+    for r in range(rows.size):
+        row = rows[r]
+        for logical in range(bounds[BASE, g, row], min(new_base[r], bounds[HI, g, row])):
+            page = offset + pages[cell(geometry, bounds, g, row, logical)]
+            if ref[page] == 1 and not keyed[page]:
+                n += 1
     crossed = 0
     if grain > 0:
         for r in range(rows.size):
             crossed += max(first[r] // grain - committed[rows[r]] // grain, 0)
-    return crossed
+    return n, crossed
 
 
 @njit(cache=True)

@@ -124,7 +124,6 @@ class _Scratch:
         self.touched = np.empty(0, dtype=np.int64)
         self.widths = np.empty(n_groups, dtype=np.int64)
         self.transient = np.empty(n_groups, dtype=np.int64)  # ``transient_counts``' answer
-        self.freed = np.empty(n_groups, dtype=np.int64)  # ``kernels.freed_first``' answer
 
     def plan_arrays(self, n_rows: int) -> tuple:
         """``prepare_step``'s outputs with room for ``n_rows`` rows (``kernels.plan_views``
@@ -179,7 +178,7 @@ class _Releases:
     def __init__(self, tableset: TableSet, space: PageSpace, pools: Sequence[PagePool], plan: _StepPlan):
         self._tableset, self._space, self._pools, self.plan = tableset, space, pools, plan
         self._found: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        self.freed_first: list[int] | None = None  # ``_freed_first``'s answer per group, once worked out
+        self.freed_first: dict[int, int] = {}  # ``_freed_first``'s answer per group, once worked out
 
     def of(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Group ``k``: per plan row, the pages below its new base that only it holds (its
@@ -656,20 +655,23 @@ class CacheManager:
 
     def _freed_first(self, releases: _Releases, k: int) -> int:
         """Pages of group ``k`` the step's releases put on the free stack before it
-        allocates (sole references without a key: keyed ones stay cached); every
-        group's worked out in one compiled pass, once per admission."""
-        known = releases.freed_first
+        allocates (sole references without a key: keyed ones stay cached); one compiled
+        pass over the group's releases, once per admission."""
+        known = releases.freed_first.get(k)
         if known is None:
             plan, ts, space = releases.plan, self._tableset, self._space
-            freed = self._scratch.freed
-            crossed = kernels.freed_first(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached,
-                                          self._committed, plan.rows, plan.first, plan.after[0], self._grain, freed)
-            # The step's commits run first and may publish released pages as checkpoints
-            # (then they stay cached): at most a window's pages per boundary crossed.
-            known = releases.freed_first = [
-                max(n - crossed * (-(-window // spec.page_tokens) + 1), 0) if window else n
-                for n, window, spec in zip(freed.tolist(), self._checkpoint_windows, self.specs)]
-        return known[k]
+            known, crossed = 0, 0
+            if plan.sums[0, k]:
+                known, crossed = kernels.freed_first(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached,
+                                                     self._committed, plan.rows, plan.first, plan.after[0, k],
+                                                     self._grain, k)
+            window = self._checkpoint_windows[k]
+            if window:
+                # The step's commits run first and may publish released pages as checkpoints
+                # (then they stay cached): at most a window's pages per boundary crossed.
+                known = max(known - crossed * (-(-window // self.specs[k].page_tokens) + 1), 0)
+            releases.freed_first[k] = known
+        return known
 
     def _fit_with_credit(self, releases: _Releases, fits: np.ndarray, deny: dict[int, str]) -> None:
         """Admission when the allocations alone do not fit: count the pages the step's
