@@ -349,8 +349,9 @@ class Arena:
             for gid, slab, donor in grants:
                 self._move(gid, slab, donor)
             return
-        if (self.owner[[slab for _, slab, _ in grants]] >= 0).any():
-            raise AssertionError(f"a slab of {[slab for _, slab, _ in grants]} is not spare")
+        for _, slab, _ in grants:
+            if self.owner[slab] >= 0:
+                raise AssertionError(f"slab {slab} is not spare")
         runs: dict[str, list[np.ndarray]] = {}
         for gid, slab, _ in grants:
             runs.setdefault(gid, []).append(self._pages(gid, slab, self.owner))

@@ -1058,9 +1058,11 @@ class CacheManager:
         scratch, idle_keyed, released, touched = self._scratch.reserve(most_released, released_pages,
                                                                         allocated_pages)
         space, ts = self._space, self._tableset
+        # A step that moves slabs stops after its releases whatever the low floors say.
+        per_group = space.per_group if plan.grants else space.low_floors()
         status, n_touched, n_keyed = kernels.run_step(
             ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
-            space.low_priority, space.stack, space.low_floors(), self._transient, plan.rows, plan.counts, plan.first,
+            space.low_priority, space.stack, per_group, self._transient, plan.rows, plan.counts, plan.first,
             plan.settle, plan.after, plan.sums, bool(plan.grants), scratch, idle_keyed, released, touched, *out)
         return out, self._after_run(plan.sums, allocated_pages, status, n_touched, n_keyed, plan, out)
 
