@@ -613,8 +613,8 @@ class PagePool:
 
 
 class PageSpace:
-    """Every pool's pages in arrays the step kernels own: ref counts, key flags, free
-    stacks (group ``g``'s ids at ``stack[offsets[g] : offsets[g] + tops[g]]``), idle
+    """Every pool's pages in arrays the step kernels own: ref counts, key flags, idle
+    ticks, free stacks (group ``g``'s ids at ``stack[offsets[g] : offsets[g] + tops[g]]``), idle
     low-priority counts and whether a pool hands out its lowest ids first. Each pool
     is rebound to views of them, so pool methods and kernels see the same state.
     ``release`` is exactly ``decref`` of each group's pages in pool order, in one
