@@ -329,25 +329,6 @@ def test_grant_starts_empty_pools_and_shuffles_grants_when_seeded():
     pool.check_invariants()
 
 
-@settings(max_examples=40, deadline=None)
-@given(ids=st.permutations(range(1, 25)), cuts=st.lists(st.integers(0, 24), max_size=4),
-       lowest_first=st.booleans(), seed=st.sampled_from([None, 5]), held=st.integers(0, 3))
-def test_grant_runs_is_grant_of_each_run_in_turn(ids, cuts, lowest_first, seed, held):
-    """One ``grant_runs`` of several runs leaves the free stack (its order too) and the
-    granted count as granting the runs one after the other does."""
-    bounds = sorted({0, *cuts, len(ids)})
-    runs = [np.asarray(ids[a:b], dtype=np.int64) for a, b in zip(bounds, bounds[1:])]
-    pools = [PagePool("g", 25, granted=False, lowest_first=lowest_first, shuffle_seed=seed) for _ in range(2)]
-    for pool in pools:
-        pool.grant(np.asarray(runs[0][:held]))  # some ids granted before
-    pools[0].grant_runs([r[held:] if i == 0 else r for i, r in enumerate(runs)])
-    for i, r in enumerate(runs):
-        pools[1].grant(r[held:] if i == 0 else r)
-    assert pools[0].free_page_ids().tolist() == pools[1].free_page_ids().tolist()
-    assert pools[0].usable_pages == pools[1].usable_pages == len(ids)
-    assert pools[0].allocate(len(ids)).tolist() == pools[1].allocate(len(ids)).tolist()
-
-
 @pytest.mark.parametrize("lowest_first", [False, True])
 def test_an_eviction_takes_idle_low_priority_entries_beyond_its_need(lowest_first):
     """Evicting for an allocation also frees the idle low-priority entries next in the

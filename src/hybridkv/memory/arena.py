@@ -342,37 +342,19 @@ class Arena:
 
     # --- mutation -------------------------------------------------------------
     def apply(self, grants: Sequence[Grant]) -> None:
-        """Move the planned slabs, in order (donor pages revoked, receiver pages granted).
-        Spare slabs only (most grants): each receiving pool takes its slabs' pages in one
-        ``PagePool.grant_runs``, as granting them one slab after the other would."""
-        if any(donor is not None for _, _, donor in grants):
-            for gid, slab, donor in grants:
-                self._move(gid, slab, donor)
-            return
-        for _, slab, _ in grants:
-            if self.owner[slab] >= 0:
+        """Move the planned slabs, in order (donor pages revoked, receiver pages granted)."""
+        for gid, slab, donor in grants:
+            if donor is not None:
+                self.pools[donor].revoke(self._pages(donor, slab, self.owner))
+                self.owner[slab] = -1
+                self.slab_moves += 1
+            elif self.owner[slab] >= 0:
                 raise AssertionError(f"slab {slab} is not spare")
-        runs: dict[str, list[np.ndarray]] = {}
-        for gid, slab, _ in grants:
-            runs.setdefault(gid, []).append(self._pages(gid, slab, self.owner))
+            else:
+                self._spare_count -= 1
+            pages = self._pages(gid, slab, self.owner)
             self.owner[slab] = self._index[gid]
-        self._spare_count -= len(grants)
-        for gid, pages in runs.items():
-            self.pools[gid].grant_runs(pages)
-
-    def _move(self, gid: str, slab: int, donor: str | None) -> None:
-        """One slab to ``gid``: a donor's (its pages revoked first) or a spare one."""
-        if donor is not None:
-            self.pools[donor].revoke(self._pages(donor, slab, self.owner))
-            self.owner[slab] = -1
-            self.slab_moves += 1
-        elif self.owner[slab] >= 0:
-            raise AssertionError(f"slab {slab} is not spare")
-        else:
-            self._spare_count -= 1
-        pages = self._pages(gid, slab, self.owner)
-        self.owner[slab] = self._index[gid]
-        self.pools[gid].grant(pages)
+            self.pools[gid].grant(pages)
 
     def release_idle(self) -> int:
         """Return every slab whose pages are all free (not evictable) to the spare list; the count."""

@@ -368,16 +368,12 @@ class PagePool:
     def grant(self, pages: np.ndarray) -> None:
         """Make never-granted (or revoked) page ids usable: they go on the free stack,
         the first listed on top (shuffled first with a shuffle seed)."""
-        self.grant_runs([pages])
-
-    def grant_runs(self, runs: Sequence[np.ndarray]) -> None:
-        """``grant`` of each run of ids in turn, in one push: the last run's first id on top."""
-        runs = [np.asarray(pages, dtype=np.int64) for pages in runs]
+        pages = np.asarray(pages, dtype=np.int64)
+        if pages.size == 0:
+            return
         if self._rng is not None:
-            runs = [pages.copy() for pages in runs]
-            for pages in runs:
-                self._rng.shuffle(pages)
-        pages = runs[0] if len(runs) == 1 else np.concatenate(runs[::-1])
+            pages = pages.copy()
+            self._rng.shuffle(pages)
         self._push_free(pages)
         self._granted_pages += int(pages.size)
 

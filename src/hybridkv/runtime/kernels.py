@@ -774,10 +774,16 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
 
 
 @njit(cache=True)
-def held_in_slabs(ref, owner, group, lo, hi, straddle):
-    """(pages with ``ref > 0``, slabs their first bytes lie in) of ``group``, read from the
-    slabs it owns (where its granted pages lie): slab ``s``'s inner pages ``lo[s] .. hi[s]-1``
+def must_pack_slabs(ref, owner, group, lo, hi, straddle, slab, pages, per_slab, spread_slabs):
+    """``Arena``'s packing rule once the arena is roomy: False when ``slab`` (where an
+    allocation's highest page lies) holds live pages (``ref > 0``) of ``group`` already,
+    else whether its live pages plus ``pages`` new ones would lie in more than
+    ``spread_slabs`` slabs beyond the ``per_slab``-page slabs they fill. Live pages are
+    read from the slabs the group owns: slab ``s``'s inner pages ``lo[s] .. hi[s]-1``
     and, when it owns slab ``s + 1`` too, the page straddling their boundary."""
+    for page in range(lo[slab], hi[slab]):
+        if ref[page] > 0:
+            return False
     n, held_pages, held_slabs = owner.size, 0, 0
     for s in range(n):
         if owner[s] != group:
@@ -791,19 +797,6 @@ def held_in_slabs(ref, owner, group, lo, hi, straddle):
         held_pages += here
         if here:
             held_slabs += 1
-    return held_pages, held_slabs
-
-
-@njit(cache=True)
-def must_pack_slabs(ref, owner, group, lo, hi, straddle, slab, pages, per_slab, spread_slabs):
-    """``Arena``'s packing rule once the arena is roomy: False when ``slab`` (where an
-    allocation's highest page lies) holds live pages of ``group`` already, else whether its
-    live pages plus ``pages`` new ones would lie in more than ``spread_slabs`` slabs beyond
-    the ``per_slab``-page slabs they fill (``held_in_slabs``)."""
-    for page in range(lo[slab], hi[slab]):
-        if ref[page] > 0:
-            return False
-    held_pages, held_slabs = held_in_slabs(ref, owner, group, lo, hi, straddle)
     return held_slabs + 1 > -(-(held_pages + pages) // per_slab) + spread_slabs
 
 
@@ -828,12 +821,10 @@ def read_cells(geometry, pages, bounds, index, group, row, column, page):
 @njit(cache=True)
 def log2_exact(value):
     """``log2(value)`` when ``value`` is a power of two, else -1 (``divide``'s shift)."""
-    if value <= 0 or value & (value - 1):
-        return -1
     shift = 0
     while (1 << shift) < value:
         shift += 1
-    return shift
+    return shift if (1 << shift) == value else -1
 
 
 @njit(cache=True)
