@@ -194,16 +194,16 @@ class Arena:
         highest page lies in a slab already holding live pages of the group, or the
         group's live pages then lie in at most ``SPREAD_SLABS`` slabs more than they fill."""
         pool, (lo, hi), straddle = self.pools[gid], self._ranges[gid], self._straddle[gid]
-        per_slab, gi, slab_of = max(int((hi - lo).min()), 1), self._index[gid], self.geometry.slab_of
+        per_slab, gi, geometry = max(int((hi - lo).min()), 1), self._index[gid], self.geometry
+        page_bytes, reserved_bytes = int(geometry.page_bytes[gid]), int(geometry.reserved_bytes)
+        slab_bytes = int(geometry.slab_bytes)
 
         def must_pack(page: int, pages: int) -> bool:
             if not self.roomy():
                 return True
-            slab = int(slab_of(gid, page))
-            if (pool.ref_counts[lo[slab] : hi[slab]] > 0).any():
-                return False
-            held_pages, held_slabs = kernels.held_in_slabs(pool.ref_counts, self.owner, gi, lo, hi, straddle)
-            return held_slabs + 1 > -(-(held_pages + pages) // per_slab) + SPREAD_SLABS
+            slab = (page * page_bytes - reserved_bytes) // slab_bytes  # ``slab_of``, in Python ints
+            return kernels.must_pack_slabs(pool.ref_counts, self.owner, gi, lo, hi, straddle, slab, pages, per_slab,
+                                           SPREAD_SLABS)
 
         return must_pack
 
@@ -354,7 +354,7 @@ class Arena:
                 self._spare_count -= 1
             pages = self._pages(gid, slab, self.owner)
             self.owner[slab] = self._index[gid]
-            self.pools[gid].grant(pages.astype(np.int32))
+            self.pools[gid].grant(pages)
 
     def release_idle(self) -> int:
         """Return every slab whose pages are all free (not evictable) to the spare list; the count."""

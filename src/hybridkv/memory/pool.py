@@ -328,26 +328,35 @@ class PagePool:
         self.counters.tallies[0] += zero.size
         keyed = self.cached[zero]
         if keyed.any():
-            self._keyed_idle(zero[keyed].tolist())
+            self._keyed_idle(zero[keyed])
             zero = zero[~keyed]
         self._push_free(zero)
 
-    def _keyed_idle(self, pages: list[int]) -> None:
-        """Keyed pages (logical order) whose last reference just went join the LRU,
-        the last listed first, so a chain's tail is evicted before its head."""
+    def _keyed_idle(self, pages: np.ndarray) -> None:
+        """Keyed pages (distinct local ids, logical order) whose last reference just went
+        join the LRU (``_join_lru``)."""
         tick = next(_IDLE_CLOCK)
-        idle_tick = self.idle_tick
-        for page in reversed(pages):
-            idle_tick[page] = tick
-            self._evictable[page] = None
-            if self.low_priority[page]:
-                self._low_idle_pages += 1
-                self._evictable.move_to_end(page, last=False)
-                if self.lowest_first:
+        order = pages[::-1]
+        self.idle_tick[order] = tick
+        self._join_lru(order.tolist(), order[self.low_priority[order]].tolist(), tick)
+
+    def _join_lru(self, listed: list[int], low_pages: list[int], tick: int) -> None:
+        """Idle keyed pages ``listed`` (the last released first, their ``idle_tick`` set to
+        ``tick``), of which ``low_pages`` (in the same order) are low-priority, join the
+        LRU in that order, so a chain's tail is evicted before its head; low-priority ones
+        go to its front instead (evicted first), the last listed first."""
+        evictable = self._evictable
+        evictable.update(dict.fromkeys(listed))
+        if low_pages:
+            for page in low_pages:  # each to the front: the last one listed ends first
+                evictable.move_to_end(page, last=False)
+            self._low_idle_pages += len(low_pages)
+            if self.lowest_first:
+                for page in low_pages:
                     heapq.heappush(self._low_idle, page)
         if self.ranker is not None:
             low, page_key = self.low_priority, self._page_key
-            self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in reversed(pages) if not low[p]], tick)
+            self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in listed if not low[p]], tick)
 
     def _push_free(self, pages: np.ndarray) -> None:
         """Freed ids (logical order) onto the free stack (``kernels.push_run``)."""
@@ -359,7 +368,7 @@ class PagePool:
     def grant(self, pages: np.ndarray) -> None:
         """Make never-granted (or revoked) page ids usable: they go on the free stack,
         the first listed on top (shuffled first with a shuffle seed)."""
-        pages = np.asarray(pages, dtype=np.int32)
+        pages = np.asarray(pages, dtype=np.int64)
         if pages.size == 0:
             return
         if self._rng is not None:
@@ -602,8 +611,8 @@ class PagePool:
 
 
 class PageSpace:
-    """Every pool's pages in arrays the step kernels own: ref counts, key flags, free
-    stacks (group ``g``'s ids at ``stack[offsets[g] : offsets[g] + tops[g]]``), idle
+    """Every pool's pages in arrays the step kernels own: ref counts, key flags, idle
+    ticks, free stacks (group ``g``'s ids at ``stack[offsets[g] : offsets[g] + tops[g]]``), idle
     low-priority counts and whether a pool hands out its lowest ids first. Each pool
     is rebound to views of them, so pool methods and kernels see the same state.
     ``release`` is exactly ``decref`` of each group's pages in pool order, in one
@@ -616,7 +625,7 @@ class PageSpace:
             raise ValueError("a page space holds fewer than 2**31 pages")
         self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         starts = self.offsets.tolist()
-        for name in ("ref_counts", "cached", "low_priority", "_stack"):
+        for name in ("ref_counts", "cached", "low_priority", "_stack", "idle_tick"):
             whole = np.concatenate([getattr(p, name) for p in self.pools])
             setattr(self, name.lstrip("_"), whole)
             for pool, start, n in zip(self.pools, starts, sizes):
@@ -631,6 +640,8 @@ class PageSpace:
         self.tops[:] = [p._top for p in self.pools]
         self.lowest_first[:] = [p.lowest_first for p in self.pools]
         self.low_idle = np.asarray([p._low_idle_pages for p in self.pools], dtype=np.int64)
+        self.low_counts = np.zeros(len(self.pools), dtype=np.int64)  # ``keyed_idle``'s scratch
+        self.low_scratch = np.empty(0, dtype=np.int64)
         self.packing = [(g, p) for g, p in enumerate(self.pools) if p.lowest_first]  # pools ``low_floors`` asks
         for g, pool in enumerate(self.pools):
             pool._tops, pool._lows, pool._slot = self.tops, self.low_idle, g
@@ -646,7 +657,7 @@ class PageSpace:
                            pages, freed, keyed, counts)
         kernels.push_free(self.stack, self.tops, self.offsets, self.lowest_first, counts[0], freed)
         self.per_group[kernels.RELEASED_PAGES] += counts[0] + counts[1]
-        self.keyed_idle(counts[1].tolist(), keyed)
+        self.keyed_idle(counts[1], keyed)
 
     def low_floors(self) -> np.ndarray:
         """``per_group``, once ``low_floor[g]`` holds: for a lowest-first pool (one that may
@@ -668,14 +679,26 @@ class PageSpace:
             out[g] = pool._low_idle[0] if pool._low_idle and self.low_idle[g] else kernels.NO_LOW_IDLE
         return self.per_group
 
-    def keyed_idle(self, per_group: Sequence[int], keyed: np.ndarray) -> None:
+    def keyed_idle(self, per_group: np.ndarray, keyed: np.ndarray) -> None:
         """Keyed pages a release left idle (``keyed``, local ids, group after group,
-        ``per_group[g]`` of them) join their pool's LRU."""
-        n_keyed = 0
-        for pool, k in zip(self.pools, per_group):
+        ``per_group[g]`` of them, int64) join their pool's LRU (``PagePool._join_lru``), each
+        pool's with the next tick of the idle clock; their ticks and low-priority flags
+        are read in one compiled pass (``kernels.went_idle``)."""
+        counts = per_group.tolist()
+        total = sum(counts)
+        if not total:
+            return
+        ticks = [next(_IDLE_CLOCK) for k in counts if k]  # consecutive: one per pool, in pool order
+        low = self.low_scratch if self.low_scratch.size >= total else np.empty(2 * total, dtype=np.int64)
+        self.low_scratch = low
+        kernels.went_idle(self.idle_tick, self.low_priority, self.offsets, per_group, keyed, ticks[0], low,
+                          self.low_counts)
+        listed, low_listed = keyed[:total].tolist(), low[: int(self.low_counts.sum())].tolist()
+        start = low_start = i = 0
+        for pool, k, n_low in zip(self.pools, counts, self.low_counts.tolist()):
             if k:
-                pool._keyed_idle(keyed[n_keyed : n_keyed + k].tolist())
-                n_keyed += k
+                pool._join_lru(listed[start : start + k][::-1], low_listed[low_start : low_start + n_low], ticks[i])
+                start, low_start, i = start + k, low_start + n_low, i + 1
 
     def note_peaks(self, allocated: np.ndarray) -> None:
         """Each pool's peak of used pages, after a step kernel allocated ``allocated[g]``

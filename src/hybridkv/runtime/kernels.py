@@ -171,23 +171,44 @@ def fit_ring(geometry, pages, bounds, g, row, live_pages):
 @njit(cache=True)
 def write_slots(geometry, pages, bounds, rows, first_row, positions, request_indices, slots):
     """``slots[g, i]``: ``page * rows_per_page + entry % rows_per_page`` for token ``i``
-    (entry ``position // stride``), -1 where the token closes no entry."""
-    for g in range(geometry.shape[0]):
-        tokens, page_shift = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT]
-        per_page, rows_shift = geometry[g, ROWS_PER_PAGE], geometry[g, ROWS_SHIFT]
-        stride, stride_shift = geometry[g, STRIDE_TOKENS], geometry[g, STRIDE_SHIFT]
-        for i in range(positions.size):
-            pos = positions[i]
-            entry = divide(pos + 1, stride, stride_shift)
-            if entry * stride != pos + 1:
-                slots[g, i] = -1
-                continue
-            entry -= 1
-            row = rows[first_row + request_indices[i]]
-            page = pages[cell(geometry, bounds, g, row, divide(pos, tokens, page_shift))]
-            slots[g, i] = np.int64(page) * per_page + entry - divide(entry, per_page, rows_shift) * per_page
+    (entry ``position // stride``), -1 where the token closes no entry. Runs of one
+    request's consecutive positions are walked page by page (``page_slots``)."""
+    n_tokens, n_groups = positions.size, geometry.shape[0]
+    for g in range(n_groups):
+        if geometry[g, STRIDE_TOKENS] > 1:
+            slots[g, :] = -1
+    i = 0
+    while i < n_tokens:
+        k, start = request_indices[i], positions[i]
+        j = i + 1
+        while j < n_tokens and request_indices[j] == k and positions[j] == start + j - i:
+            j += 1
+        for g in range(n_groups):
+            page_slots(geometry, pages, bounds, g, rows[first_row + k], start, start + j - i, slots[g, i:j])
+        i = j
 
 
+@njit(cache=True)
+def page_slots(geometry, pages, bounds, g, row, start, end, out):
+    """``write_slots`` of positions ``[start, end)`` of ``row`` in group ``g`` to ``out``
+    (one per position; those closing no entry are left as they are): one page lookup per
+    page, the entries' rows counted on within it."""
+    tokens, page_shift = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT]
+    per_page, rows_shift = geometry[g, ROWS_PER_PAGE], geometry[g, ROWS_SHIFT]
+    stride, stride_shift = geometry[g, STRIDE_TOKENS], geometry[g, STRIDE_SHIFT]
+    pos = divide(start + stride, stride, stride_shift) * stride - 1  # the first entry's last token
+    while pos < end:
+        logical = divide(pos, tokens, page_shift)
+        page = np.int64(pages[cell(geometry, bounds, g, row, logical)]) * per_page
+        entry = divide(pos + 1, stride, stride_shift) - 1
+        entry_row = entry - divide(entry, per_page, rows_shift) * per_page
+        last = min((logical + 1) * tokens, end)  # past the page's last token (or the run's)
+        while pos < last:
+            out[pos - start] = page + entry_row
+            entry_row += 1
+            if entry_row == per_page:
+                entry_row = 0
+            pos += stride
 
 
 # --- one step: plan (pure), then run (release, allocate, the batch's arrays) -----------------
@@ -358,6 +379,13 @@ def transient_pages(geometry, bounds, g, rows, first, counts, after, sums):
         keep_from = divide(max(first[r] + counts[r] - window + 1, 0), tokens, shift)
         n += min(max(keep_from - hi, 0), after[1, g, r] - hi)
     return 0 if sums[1, g] <= rows_allocating else n
+
+
+@njit(cache=True)
+def transient_counts(geometry, bounds, transient, rows, first, counts, after, sums, out):
+    """``transient_pages`` of every group, ``out[g]`` (0 where ``transient[g]`` is not set)."""
+    for g in range(geometry.shape[0]):
+        out[g] = transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0
 
 
 @njit(cache=True)
@@ -764,6 +792,48 @@ def release_credit(geometry, pages, bounds, ref, g, rows, new_base, credit, sole
 
 
 @njit(cache=True)
+def freed_first(geometry, pages, bounds, ref, keyed, committed, rows, first, new_base, grain, g):
+    """(pages, grains) of group ``g`` (pure): the pages below each row's ``new_base`` that
+    only that row holds and that carry no key (what its releases put on the free stack),
+    and the prefix grains (of ``grain`` tokens, 0: none) the rows' commits complete, from
+    ``committed`` up to ``first``."""
+    offset, n = geometry[g, ID_OFFSET], 0
+    for r in range(rows.size):
+        row = rows[r]
+        for logical in range(bounds[BASE, g, row], min(new_base[r], bounds[HI, g, row])):
+            page = offset + pages[cell(geometry, bounds, g, row, logical)]
+            if ref[page] == 1 and not keyed[page]:
+                n += 1
+    crossed = 0
+    if grain > 0:
+        for r in range(rows.size):
+            crossed += max(first[r] // grain - committed[rows[r]] // grain, 0)
+    return n, crossed
+
+
+@njit(cache=True)
+def went_idle(idle_tick, low_priority, offsets, per_group, keyed, first_tick, low_pages, low_counts):
+    """Keyed pages gone idle (local ids, group after group, ``per_group[g]`` of them):
+    each group's, the last listed first, get the next tick from ``first_tick`` on (one
+    tick per group that has some); its low-priority ones go to ``low_pages`` in that
+    order (groups in order), ``low_counts[g]`` of them."""
+    start, n_low, tick = 0, 0, first_tick
+    for g in range(per_group.size):
+        k, offset = per_group[g], offsets[g]
+        low_counts[g] = 0
+        for i in range(start + k - 1, start - 1, -1):
+            page = offset + keyed[i]
+            idle_tick[page] = tick
+            if low_priority[page]:
+                low_pages[n_low] = keyed[i]
+                n_low += 1
+                low_counts[g] += 1
+        if k:
+            tick += 1
+        start += k
+
+
+@njit(cache=True)
 def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
     """Spare slabs (``owner < 0``) for ``group`` until it is no longer ``short_pages``
     pages short: each time the lowest spare slab next to one it owns, else the lowest
@@ -798,10 +868,16 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
 
 
 @njit(cache=True)
-def held_in_slabs(ref, owner, group, lo, hi, straddle):
-    """(pages with ``ref > 0``, slabs their first bytes lie in) of ``group``, read from the
-    slabs it owns (where its granted pages lie): slab ``s``'s inner pages ``lo[s] .. hi[s]-1``
+def must_pack_slabs(ref, owner, group, lo, hi, straddle, slab, pages, per_slab, spread_slabs):
+    """``Arena``'s packing rule once the arena is roomy: False when ``slab`` (where an
+    allocation's highest page lies) holds live pages (``ref > 0``) of ``group`` already,
+    else whether its live pages plus ``pages`` new ones would lie in more than
+    ``spread_slabs`` slabs beyond the ``per_slab``-page slabs they fill. Live pages are
+    read from the slabs the group owns: slab ``s``'s inner pages ``lo[s] .. hi[s]-1``
     and, when it owns slab ``s + 1`` too, the page straddling their boundary."""
+    for page in range(lo[slab], hi[slab]):
+        if ref[page] > 0:
+            return False
     n, held_pages, held_slabs = owner.size, 0, 0
     for s in range(n):
         if owner[s] != group:
@@ -815,7 +891,7 @@ def held_in_slabs(ref, owner, group, lo, hi, straddle):
         held_pages += here
         if here:
             held_slabs += 1
-    return held_pages, held_slabs
+    return held_slabs + 1 > -(-(held_pages + pages) // per_slab) + spread_slabs
 
 
 @njit(cache=True)
@@ -823,14 +899,26 @@ def read_cells(geometry, pages, bounds, index, group, row, column, page):
     """Group, row, column and page id now (-1: no live page there) of each ring-view
     cell ``index[i]``."""
     n_rows, n_cols = bounds.shape[2], geometry[0, VIEW_COLUMNS]
+    rows_shift, cols_shift = log2_exact(n_rows), log2_exact(n_cols)
     for i in range(index.size):
         at = index[i]
-        g, r, c = at // (n_cols * n_rows), (at // n_cols) % n_rows, at % n_cols
+        q = divide(at, n_cols, cols_shift)
+        g = divide(q, n_rows, rows_shift)
+        r, c = q - g * n_rows, at - q * n_cols
         group[i], row[i], column[i] = g, r, c
         base, hi, mask = bounds[BASE, g, r], bounds[HI, g, r], geometry[g, COLUMN_MASK]
         # The one logical page of [base, hi) at column c (a live span never exceeds the ring).
         logical = c if mask < 0 else base + ((c - base) & mask)
         page[i] = pages[cell(geometry, bounds, g, r, logical)] if base <= logical < hi else -1
+
+
+@njit(cache=True)
+def log2_exact(value):
+    """``log2(value)`` when ``value`` is a power of two, else -1 (``divide``'s shift)."""
+    shift = 0
+    while (1 << shift) < value:
+        shift += 1
+    return shift if (1 << shift) == value else -1
 
 
 @njit(cache=True)

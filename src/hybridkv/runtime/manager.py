@@ -82,6 +82,7 @@ class _StepPlan:
     totals: tuple[int, int, int, int]  # tokens, pages released, most released in one group, pages allocated
     request_ids: tuple | None = None  # the batch's ids in order, once known
     grants: list | None = None  # arena slabs to move before allocating (shared page space)
+    arrays: _StepArrays | None = None  # the batch's fresh arrays, once made (``_step``)
 
 
 class _StepArrays(NamedTuple):
@@ -122,6 +123,7 @@ class _Scratch:
         self.idle_keyed = np.empty(0, dtype=np.int64)
         self.touched = np.empty(0, dtype=np.int64)
         self.widths = np.empty(n_groups, dtype=np.int64)
+        self.transient = np.empty(n_groups, dtype=np.int64)  # ``transient_counts``' answer
 
     def plan_arrays(self, n_rows: int) -> tuple:
         """``prepare_step``'s outputs with room for ``n_rows`` rows (``kernels.plan_views``
@@ -176,7 +178,6 @@ class _Releases:
     def __init__(self, tableset: TableSet, space: PageSpace, pools: Sequence[PagePool], plan: _StepPlan):
         self._tableset, self._space, self._pools, self.plan = tableset, space, pools, plan
         self._found: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        self.crossed_grains: int | None = None  # prefix grains the rows' commits complete (``_freed_first``)
         self.freed_first: dict[int, int] = {}  # ``_freed_first``'s answer per group, once worked out
 
     def of(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -655,23 +656,22 @@ class CacheManager:
 
     def _freed_first(self, releases: _Releases, k: int) -> int:
         """Pages of group ``k`` the step's releases put on the free stack before it
-        allocates (sole references without a key: keyed ones stay cached)."""
-        plan, known = releases.plan, releases.freed_first.get(k)
-        if known is not None:
-            return known
-        if not plan.sums[0, k]:
-            return 0
-        freed = releases.of(k)[2].size
-        window = self._checkpoint_windows[k]
-        if window:
-            # The step's commits run first and may publish released pages as checkpoints
-            # (then they stay cached): at most a window's pages per boundary crossed.
-            if releases.crossed_grains is None:
-                grain = self.prefix.granularity_tokens
-                releases.crossed_grains = int(np.maximum(plan.first // grain - self._committed.take(plan.rows) // grain,
-                                                         0).sum())
-            freed -= releases.crossed_grains * (-(-window // self.specs[k].page_tokens) + 1)
-        known = releases.freed_first[k] = max(freed, 0)
+        allocates (sole references without a key: keyed ones stay cached); one compiled
+        pass over the group's releases, once per admission."""
+        known = releases.freed_first.get(k)
+        if known is None:
+            plan, ts, space = releases.plan, self._tableset, self._space
+            known, crossed = 0, 0
+            if plan.sums[0, k]:
+                known, crossed = kernels.freed_first(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached,
+                                                     self._committed, plan.rows, plan.first, plan.after[0, k],
+                                                     self._grain, k)
+            window = self._checkpoint_windows[k]
+            if window:
+                # The step's commits run first and may publish released pages as checkpoints
+                # (then they stay cached): at most a window's pages per boundary crossed.
+                known = max(known - crossed * (-(-window // self.specs[k].page_tokens) + 1), 0)
+            releases.freed_first[k] = known
         return known
 
     def _fit_with_credit(self, releases: _Releases, fits: np.ndarray, deny: dict[int, str]) -> None:
@@ -719,14 +719,15 @@ class CacheManager:
         pages are all clean free once the step's releases have run and that they do not
         need this step. A cached page goes only when no memory is idle anywhere."""
         own, gained = self.arena.replay(after) if after else (None, {})
-        short, donors = {}, []
+        short, donors, roomy = {}, [], self.arena.roomy()
+        tops = self._space.tops.tolist()  # each pool's clean free pages
         for k, (gid, pool, n) in enumerate(zip(self._group_ids, self._pool_list, sums)):
-            clean = pool.num_clean_free_pages + gained.get(gid, 0)
+            clean = tops[k] + gained.get(gid, 0)
             freed = self._freed_first(releases, k) if n > clean else 0
             # Low-priority cached pages (prompt checkpoints) are meant to go first: a group
-            # holding idle ones evicts them rather than grow. What they cannot cover would
-            # evict valuable entries.
-            low = self._low_room(pool) if n > clean + freed else 0
+            # holding idle ones evicts them rather than grow (``_low_room``). What they
+            # cannot cover would evict valuable entries.
+            low = (0 if roomy else pool.num_low_priority_idle_pages) if n > clean + freed else 0
             if n > clean + freed + low:
                 short[gid] = n - clean - freed - low
             else:
@@ -988,7 +989,7 @@ class CacheManager:
             for row in plan.crossing.tolist():  # publish what the rows' previous steps completed
                 self._commit_row(row)
         self._tableset.start_log() if updates else self._tableset.stop_log()
-        arrays, n_touched = self._run(plan, write_slots, out)
+        arrays, n_touched = self._run(plan, write_slots, out if out is not None else plan.arrays)
         rows = plan.rows[plan.settle :]
         self._last_rows = rows.copy()  # the plan's arrays are scratch
         return self._build_batch(rows, plan.request_ids, arrays, fixed_width, n_touched if updates else -1)
@@ -1034,6 +1035,7 @@ class CacheManager:
             plan = self._plan_of(n, settle, n_crossing, clean)
             plan.request_ids = rids
             if not clean:
+                plan.arrays = out  # for ``_run``, once admitted
                 return plan
             plan.grants = []  # admitted as is: rows commit first, or the scratch buffers grow
             return self._commit_and_run(plan, write_slots, updates, False, out)
@@ -1057,9 +1059,11 @@ class CacheManager:
         scratch, idle_keyed, released, touched = self._scratch.reserve(most_released, released_pages,
                                                                         allocated_pages)
         space, ts = self._space, self._tableset
+        # A step that moves slabs stops after its releases whatever the low floors say.
+        per_group = space.per_group if plan.grants else space.low_floors()
         status, n_touched, n_keyed = kernels.run_step(
             ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
-            space.low_priority, space.stack, space.low_floors(), self._transient, plan.rows, plan.counts, plan.first,
+            space.low_priority, space.stack, per_group, self._transient, plan.rows, plan.counts, plan.first,
             plan.settle, plan.after, plan.sums, bool(plan.grants), scratch, idle_keyed, released, touched, *out)
         return out, self._after_run(plan.sums, allocated_pages, status, n_touched, n_keyed, plan, out)
 
@@ -1072,13 +1076,16 @@ class CacheManager:
         peaks. Returns the table cells changed."""
         space, ts = self._space, self._tableset
         if n_keyed:
-            space.keyed_idle(self._scratch.released[1].tolist(), self._scratch.idle_keyed)
+            space.keyed_idle(self._scratch.released[1], self._scratch.idle_keyed)
         if status != kernels.STEP_DONE:
             if plan.grants:
                 self.arena.apply(plan.grants)
-            for k, (pool, n) in enumerate(zip(self._pool_list, sums[1].tolist())):
+            highest = self._scratch.transient  # pages each group allocates that the next step releases
+            kernels.transient_counts(ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts,
+                                     plan.after, plan.sums, highest)
+            for pool, n, transient in zip(self._pool_list, sums[1].tolist(), highest.tolist()):
                 if n:
-                    pool.make_room(n, self._transient_pages(plan, k))
+                    pool.make_room(n, transient)
             n_touched = kernels.finish_step(
                 ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.per_group,
                 self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums,
@@ -1086,15 +1093,6 @@ class CacheManager:
         if allocated_pages:
             space.note_peaks(sums[1])
         return n_touched
-
-    def _transient_pages(self, plan: _StepPlan, k: int) -> int:
-        """Pages group ``k`` allocates this step that the next releases again (they take
-        the highest free ids, so packing need not make room for them low)."""
-        if not self._transient[k]:
-            return 0
-        ts = self._tableset
-        return int(kernels.transient_pages(ts.geometry, ts.bounds, k, plan.rows, plan.first, plan.counts,
-                                           plan.after, plan.sums))
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
                      n_touched: int) -> StepBatch:
