@@ -273,12 +273,14 @@ class PagePool:
             heapq.heappop(heap)
             freed += self._evict_entry(self._page_key[page])
 
-    def incref(self, pages: np.ndarray | Sequence[int]) -> None:
-        """Take one more reference on held or cached pages (a prefix hit borrowing them)."""
+    def incref(self, pages: np.ndarray | Sequence[int], *, distinct: bool = False) -> None:
+        """Take one more reference on held or cached pages (a prefix hit borrowing them);
+        ``distinct``: the caller knows no page is listed twice (one store, not ``np.add.at``)."""
         pages = np.asarray(pages, dtype=np.int64)
         if pages.size == 0:
             return
-        idle = pages[self.ref_counts[pages] == 0].tolist()
+        before = self.ref_counts[pages]
+        idle = pages[before == 0].tolist()
         for page in idle:
             if page not in self._evictable:
                 raise ValueError(f"group {self.group_id!r}: page {page} is free, cannot be borrowed")
@@ -286,10 +288,14 @@ class PagePool:
         for page in idle:
             if self._evictable.pop(page, 0) is None and low[page]:
                 self._low_idle_pages -= 1
-        np.add.at(self.ref_counts, pages, 1)
-        used = self.num_used_pages
-        if used > self.peak_used_pages:
-            self.peak_used_pages = used
+        if distinct:
+            self.ref_counts[pages] = before + 1
+        else:
+            np.add.at(self.ref_counts, pages, 1)
+        if idle:  # only idle pages borrowed raise the pages in use
+            used = self.num_used_pages
+            if used > self.peak_used_pages:
+                self.peak_used_pages = used
 
     def decref(self, pages: np.ndarray) -> None:
         """Drop one reference per listed page; pages reaching 0 become free or evictable.
