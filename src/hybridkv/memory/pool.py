@@ -145,6 +145,11 @@ class PagePool:
         # hybridkv.prefix.checkpoints.CheckpointOrder): told which pages go idle, it names the
         # normal-priority victims in place of the LRU order.
         self.ranker = None
+        # Set by a prefix cache on a pool whose ``on_removed`` never changes the pool itself
+        # (a state group's: the rest of a unit leaves the other groups): idle low-priority
+        # entries ``make_room`` evicts then go in one batch (``_unpublish_many``), decided
+        # with the free ids they would add, with the same entries, order and calls.
+        self.batch_low_evictions = False
 
     # --- counts ---------------------------------------------------------
     @property
@@ -259,19 +264,46 @@ class PagePool:
 
     def _evict_low_below(self, count: int) -> None:
         """Evict idle low-priority entries holding ids below the ``count`` lowest free
-        ones, so an allocation takes the lowest ids of free and low-priority pages."""
-        heap, evictable, low = self._low_idle, self._evictable, self.low_priority
-        freed = 0
+        ones, so an allocation takes the lowest ids of free and low-priority pages (the
+        ids an eviction frees count as free for the next; ``batch_low_evictions``: one
+        batch, else each entry at once)."""
+        heap, evictable, low, ref = self._low_idle, self._evictable, self.low_priority, self.ref_counts
+        batch = self.batch_low_evictions
+        freed, keys, gone, extra = 0, [], set(), []
         while heap and freed < count:
-            bound = self._stack[self._top - count] if self._top >= count else self.num_pages
             page = heap[0]
-            if page not in evictable or not low[page]:
+            if page not in evictable or not low[page] or page in gone:
                 heapq.heappop(heap)  # stale: borrowed, evicted or promoted meanwhile
                 continue
-            if page >= bound:
+            if page >= self._free_bound(count, extra):
                 break
             heapq.heappop(heap)
-            freed += self._evict_entry(self._page_key[page])
+            key = self._page_key[page]
+            if not batch:
+                freed += self._evict_entry(key)
+                continue
+            pages = self._entries[key]
+            idle = [p for p in pages if ref[p] == 0]
+            keys.append(key)
+            gone.update(pages)
+            extra.extend(idle)
+            freed += len(idle)
+        if keys:
+            self.counters.evicted_pages += freed
+            self._unpublish_many(keys)
+
+    def _free_bound(self, count: int, extra: list[int]) -> int:
+        """The ``count``-th lowest of the free ids and ``extra`` (ids about to be freed;
+        the pool's size if fewer): of the lowest ``count`` free ids, only the top
+        ``len(extra) + 1`` can be it."""
+        top, stack = self._top, self._stack
+        if not extra:
+            return int(stack[top - count]) if top >= count else self.num_pages
+        skip = max(0, count - 1 - len(extra))  # free ids surely below it
+        end = min(count, top)
+        candidates = sorted(stack[top - end : top - skip].tolist() + extra) if end > skip else sorted(extra)
+        k = count - 1 - skip
+        return candidates[k] if k < len(candidates) else self.num_pages
 
     def incref(self, pages: np.ndarray | Sequence[int], *, distinct: bool = False) -> None:
         """Take one more reference on held or cached pages (a prefix hit borrowing them);

@@ -250,6 +250,8 @@ class PrefixCache:
                                       eviction_policy)
         for gid, pool in pools.items():
             pool.on_removed = self._removed_callback(gid)
+            # A state entry's removal takes the rest of its unit from the other groups only.
+            pool.batch_low_evictions = gid in self.state_ids
         self._order = None  # "prefill-per-byte": the state pools' eviction order, kept incrementally
         if self.values is not None and self.state_ids:
             self._order = CheckpointOrder(self.values, [pools[g] for g in self.state_ids], idle_clock_tick,
