@@ -195,6 +195,20 @@ def test_evictable_lru_evicts_a_chain_tail_before_its_head():
     pool.check_invariants()
 
 
+@pytest.mark.parametrize("num_pages", [12, 4096])  # a scan of the flags; a walk of the LRU
+def test_idle_cached_page_ids_are_the_evictable_pages_as_a_set(num_pages):
+    pool = PagePool("g", num_pages)
+    pages = pool.allocate(8).tolist()
+    for i in range(0, 8, 2):
+        pool.publish(i, pages[i : i + 2])
+    pool.decref(np.array(pages[6:] + pages[:4]))  # entries 6, 0, 2 idle; 4 held
+    pool.incref(np.array(pages[:1]))  # a borrow of one page of entry 0
+    expected = sorted(pages[1:4] + pages[6:])
+    assert sorted(pool.evictable_page_ids().tolist()) == expected
+    assert sorted(pool.idle_cached_page_ids().tolist()) == expected
+    pool.check_invariants()
+
+
 def test_clear_cache_keeps_held_pages():
     pool = PagePool("g", 6)
     pages = pool.allocate(2).tolist()
@@ -508,3 +522,56 @@ def test_publish_new_refuses_a_page_not_held_and_changes_nothing():
         with pytest.raises(ValueError, match="not a held, unpublished page"):
             pool.publish_new(["k", "m"], [b] + bad[:1] + bad[1:], 1)
         assert pool.num_cached_pages == 0 and not pool.cached.any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_batched_low_priority_evictions_are_the_one_by_one_evictions(data):
+    """``batch_low_evictions`` (a state pool of a prefix cache) against evicting each idle
+    low-priority entry at once: the same entries leave, in the same order, with the same
+    causes and idle counts, and the pools end alike (free order, LRU, counters)."""
+    n = data.draw(st.integers(24, 60), label="pages")
+    sizes = data.draw(st.lists(st.integers(1, 4), min_size=2, max_size=10), label="entry sizes")
+    kinds = st.sampled_from(["low", "normal", "plain"])  # plain: not published, its released pages go free
+    plan = [(size, data.draw(kinds, label="kind"), data.draw(st.integers(0, 2), label="held pages"))
+            for size in sizes]
+    spare = data.draw(st.integers(0, 6), label="normal pages held")
+    want = data.draw(st.integers(1, n // 2), label="allocation")
+    pools, calls = [], []
+    for batch in (False, True):
+        pool = PagePool("g", n, lowest_first=True, shared_pages=True)
+        pool.batch_low_evictions = batch
+        log = []
+        pool.on_removed = lambda key, cause, idle, log=log: log.append((key, cause, idle))
+        for i, (size, kind, held) in enumerate(plan):
+            if size > pool.num_clean_free_pages:
+                break
+            pages = pool.allocate(size)
+            if kind != "plain":
+                pool.publish(i, pages.tolist(), low_priority=kind == "low")
+            pool.decref(pages[held:].copy())  # the first ``held`` pages stay held
+        pool.allocate(min(spare, pool.num_clean_free_pages))
+        got = pool.allocate(want).tolist() if want <= pool.num_free_pages else None
+        pools.append((got, pool.free_page_ids().tolist(), pool.evictable_page_ids().tolist(),
+                      sorted(pool.entry_keys()), pool.num_low_priority_idle_pages, pool.counters.evicted_pages))
+        calls.append(log)
+        pool.check_invariants()
+    assert pools[0] == pools[1]
+    assert calls[0] == calls[1]
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_ids_a_low_priority_eviction_frees_count_as_free_for_the_next(batch):
+    """Worked by hand: free ids 9, 10, 12-15, idle low-priority entries at 1 ("a") and 11
+    ("b"). Three pages: the third lowest free id is 12, so "a" goes; then 1, 9, 10 are the
+    three lowest, 11 is not below them and "b" stays."""
+    pool = PagePool("g", 16, lowest_first=True)
+    pool.batch_low_evictions = batch
+    a, plain, b = pool.allocate(1), pool.allocate(9), pool.allocate(1)  # 1; 2-10; 11
+    pool.publish("a", a.tolist(), low_priority=True)
+    pool.publish("b", b.tolist(), low_priority=True)
+    pool.decref(np.concatenate([a, b, plain[-2:]]))  # 9, 10 go free
+    assert pool.allocate(3).tolist() == [1, 9, 10]
+    assert pool.lookup("a") is None and pool.lookup("b") == (11,)
+    assert pool.counters.evicted_pages == 1
+    pool.check_invariants()

@@ -277,3 +277,32 @@ def test_commit_pages_reads_what_row_pages_reads(row, blocks, live_pages, data):
             expected.extend(table.row_pages(row, lo, hi) if expected_live[-1] else [None] * (hi - lo))
     assert live == expected_live and len(pages) == len(expected)
     assert [p for p, e in zip(pages, expected) if e is not None] == [e for e in expected if e is not None]
+
+
+def test_place_row_is_place_of_each_group_then_its_live_pages():
+    """``TableSet.place_row`` (a prefix hit, one compiled call) against ``GroupTable.place``
+    group by group with base and hi set after: the same store, bounds, lanes and logged cells,
+    for a wide sliding row (9 pages outgrow the narrow ring of 4), a narrow one and a group
+    that gets no page."""
+    specs = [SWA_4_8, C4, CacheGroupSpec("swa2", "sliding_window", 4, 1, sliding_window_tokens=8, family="state")]
+    cases = [(1, [3, 0, 5], [9, 3, 0]), (0, [1, 0, 2], [2, 5, 1])]
+    for row, lo, counts in cases:
+        sets = [TableSet(specs, max_context_tokens=256, max_step_tokens=64, initial_rows=3) for _ in range(2)]
+        for ts in sets:
+            ts.start_log()
+            ts.drain_updates()  # the resync: only this row's cells are logged from here
+        ids = np.arange(100, 100 + sum(counts), dtype=np.int64)
+        sets[0].place_row(row, np.array(lo), np.array(counts), ids)
+        start = 0
+        for g, table in enumerate(sets[1].tables):
+            table.place(np.array([row]), np.array([lo[g]]), np.array([counts[g]]), ids[start : start + counts[g]])
+            table.base[row], table.hi[row] = lo[g], lo[g] + counts[g]
+            start += counts[g]
+        fast, slow = sets
+        # Lanes never written are address space, not memory: compare what a reader sees.
+        assert np.array_equal(fast.ring_view(), slow.ring_view()) and np.array_equal(fast.bounds, slow.bounds)
+        assert np.array_equal(fast.geometry, slow.geometry)
+        assert [a.tolist() for a in fast.drain_updates()[:4]] == [a.tolist() for a in slow.drain_updates()[:4]]
+        assert fast.tables[0].row_pages(row, lo[0], lo[0] + counts[0]) == list(range(100, 100 + counts[0]))
+        assert fast.wide_rows(0).tolist() == ([row] if counts[0] > 4 else [])
+    assert sets[0].wide_rows(0).tolist() == []  # the second case stays narrow

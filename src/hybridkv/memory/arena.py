@@ -324,7 +324,7 @@ class Arena:
             pool, g = self.pools[gid], self.geometry
             parts = [pool.free_page_ids().astype(np.int64)]
             if not scan.clean:
-                parts.append(pool.evictable_page_ids())
+                parts.append(pool.idle_cached_page_ids())
             elif gid in scan.cheap:
                 parts.append(scan.cheap[gid])
             if scan.releasing is not None and gid in scan.releasing:

@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import reduce
+from itertools import chain
 from math import lcm
 from typing import IO, Protocol
 
@@ -236,6 +237,13 @@ class PrefixCache:
                                 for gid, n in zip(self.history_ids, self._reader.block_pages)]
         self._state_groups = [(gid, pools[gid], n, self._meta[gid], self._holders[gid], self.stats[gid])
                               for gid, n in zip(self.state_ids, self._reader.checkpoint_pages)]
+        # A hit's placement: every group's table in one call (TableSet.place_row, by group index).
+        self._table_set = tables[self.specs[0].group_id].table_set
+        self._group_index = [tables[s.group_id].group_index for s in self.specs]
+        if sorted(self._group_index) != list(range(len(self._table_set.tables))):
+            raise ValueError("the prefix cache's tables must be every table of one TableSet, one per spec")
+        self._hit_lo = np.zeros(len(self.specs), dtype=np.int64)
+        self._hit_counts = np.zeros(len(self.specs), dtype=np.int64)
         self.tier_hook = None  # a hybridkv.tierlink.TierLink: told what is published and removed
         self._dropping = False  # unpublishing a superseded checkpoint (not an eviction)
         self._init_eviction(eviction_policy)
@@ -248,6 +256,8 @@ class PrefixCache:
                                       eviction_policy)
         for gid, pool in pools.items():
             pool.on_removed = self._removed_callback(gid)
+            # A state entry's removal takes the rest of its unit from the other groups only.
+            pool.batch_low_evictions = gid in self.state_ids
         self._order = None  # "prefill-per-byte": the state pools' eviction order, kept incrementally
         if self.values is not None and self.state_ids:
             self._order = CheckpointOrder(self.values, [pools[g] for g in self.state_ids], idle_clock_tick,
@@ -306,26 +316,20 @@ class PrefixCache:
             st.alone_hit_tokens += hit.group_hit_tokens[s.group_id]
         if d == 0:
             return hit
-        rows = np.asarray([row], dtype=np.int64)
-        for s in self.specs:
-            gid = s.group_id
-            pool, table = self.pools[gid], self.tables[gid]
-            t = s.page_tokens
+        lo, counts, parts = self._hit_lo.copy(), self._hit_counts.copy(), [()] * len(self.specs)
+        for s, g in zip(self.specs, self._group_index):
+            gid, t = s.group_id, s.page_tokens
+            pool = self.pools[gid]
             if s.is_sliding:
-                lo = max(0, d - self._windows[gid]) // t
-                pages = (np.asarray(pool.lookup(hashes.key(d)), dtype=np.int64) if gid in self._holders
-                         else np.zeros(0, dtype=np.int64))
+                lo[g] = max(0, d - self._windows[gid]) // t
+                pages = pool.lookup(hashes.key(d)) if gid in self._holders else ()
             else:
-                lo = 0
-                pages = np.concatenate(
-                    [np.asarray(pool.lookup(h), dtype=np.int64) for h in hashes.hashes[: d // self.granularity_tokens]]
-                )
-            count = d // t - lo
-            assert pages.size == count, (gid, pages.size, count)
-            pool.incref(pages)
-            table.place(rows, np.asarray([lo]), np.asarray([count]), pages)
-            table.base[row] = lo
-            table.hi[row] = d // t
+                pages = [p for h in hashes.hashes[: d // self.granularity_tokens] for p in pool.lookup(h)]
+            assert len(pages) == d // t - lo[g], (gid, len(pages), d // t - lo[g])
+            pool.incref(pages, distinct=True)
+            counts[g], parts[g] = len(pages), pages
+        pages = np.fromiter(chain.from_iterable(parts), np.int64, int(counts.sum()))
+        self._table_set.place_row(row, lo, counts, pages)
         return hit
 
     # --- publication -------------------------------------------------------------

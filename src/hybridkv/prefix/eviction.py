@@ -354,7 +354,7 @@ class ValueEviction:
         """Idle tick of the group's least recently used idle entry of normal priority
         (what it would evict after its orphans and prompt checkpoints); None if none."""
         pool = self.pools[gid]
-        ids = pool.evictable_page_ids()
+        ids = pool.idle_cached_page_ids()
         ids = ids[~pool.low_priority[ids]]
         return int(pool.idle_tick[ids].min()) if ids.size else None
 
@@ -362,7 +362,7 @@ class ValueEviction:
         """Idle cached pages of ``gid`` worth less than an entry that went idle at
         ``before_tick``: low priority, or idle since earlier."""
         pool = self.pools[gid]
-        ids = pool.evictable_page_ids()
+        ids = pool.idle_cached_page_ids()
         return ids[pool.low_priority[ids] | (pool.idle_tick[ids] < before_tick)]
 
     # --- diagnostics ------------------------------------------------------------

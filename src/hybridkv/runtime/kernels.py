@@ -169,6 +169,29 @@ def fit_ring(geometry, pages, bounds, g, row, live_pages):
 
 
 @njit(cache=True)
+def place_row(geometry, pages, bounds, row, lo, counts, page_ids, view):
+    """A row's prefix hit in every group: ``page_ids`` (group after group, ``counts[g]``
+    of group ``g``) at logical pages ``[lo[g], lo[g] + counts[g])`` of ``row``, which
+    then holds exactly those live pages (base ``lo[g]``, hi ``lo[g] + counts[g]``). A
+    row whose live pages outgrow its narrow ring moves to its lane first
+    (``fit_ring``). The ring-view index of each cell written goes to ``view``."""
+    n, n_rows = 0, bounds.shape[2]
+    for g in range(lo.size):
+        first, k = lo[g], counts[g]
+        if k > 0:
+            base, hi = bounds[BASE, g, row], bounds[HI, g, row]
+            live = max(hi, first + k) - (min(base, first) if hi > base else first)
+            if geometry[g, LANE_START] >= 0 and (live > geometry[g, RING_MASK] + 1 or bounds[LANE, g, row] > 0):
+                fit_ring(geometry, pages, bounds, g, row, live)
+            for logical in range(first, first + k):
+                pages[cell(geometry, bounds, g, row, logical)] = page_ids[n]
+                view[n] = view_cell(geometry, n_rows, g, row, logical)
+                n += 1
+        bounds[BASE, g, row] = first
+        bounds[HI, g, row] = first + k
+
+
+@njit(cache=True)
 def write_slots(geometry, pages, bounds, rows, first_row, positions, request_indices, slots):
     """``slots[g, i]``: ``page * rows_per_page + entry % rows_per_page`` for token ``i``
     (entry ``position // stride``), -1 where the token closes no entry. Runs of one

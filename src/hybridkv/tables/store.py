@@ -98,6 +98,16 @@ class GroupTable:
         return self._set.bounds[kernels.HI, self._g]
 
     @property
+    def table_set(self) -> TableSet:
+        """The store of every group's tables this one is a view of."""
+        return self._set
+
+    @property
+    def group_index(self) -> int:
+        """This group's index in its ``table_set``."""
+        return self._g
+
+    @property
     def pages(self) -> np.ndarray:
         """Debug view (a copy): int32 ``[rows, capacity_pages]``, this group's part of
         ``TableSet.ring_view``."""
@@ -267,6 +277,17 @@ class TableSet:
         index = np.empty(int((self.hi - self.base).sum()), dtype=np.int64)
         kernels.live_cells(self.geometry, self.bounds, index)
         return index
+
+    def place_row(self, row: int, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
+        """A new row's prefix hit, every group in one compiled call (``kernels.place_row``):
+        group ``g``'s ``counts[g]`` ids of ``page_ids`` (group after group) at its logical
+        pages ``[lo[g], lo[g] + counts[g])``, which become the row's live pages. As
+        ``GroupTable.place`` of each group's pages, then base ``lo[g]`` and hi
+        ``lo[g] + counts[g]``."""
+        view = np.empty(page_ids.size, dtype=np.int64)
+        kernels.place_row(self.geometry, self.pages, self.bounds, row, lo, counts, page_ids, view)
+        if page_ids.size:
+            self.note_cells(view)
 
     # --- touched-cell log (incremental block tables) ------------------------
     def start_log(self) -> None:

@@ -1,0 +1,137 @@
+"""Where a serving step's time goes: ``bench/vs_vllm``'s serving phase, hybridkv side only.
+
+    PYTHONPATH=src:bench .venv/bin/python bench/serving_parts.py [--sizes 32,1024] [--package hybridkv]
+
+The same workload as ``bench/vs_vllm --phases serving`` (``measure_serving``: 5
+rounds of 32 steps, V4-Flash, 40 GiB shared arena, prefix caching and prompt
+checkpoints on; each step frees the requests that finished, adds the joiners and
+schedules every decode and prefill chunk in one ``schedule``). A timer (thread
+CPU time) wraps the manager's public calls and, inside them, its stages; prints
+each stage's µs per timed step and its calls per step. Stages nest (indented
+under the call or stage they run in; ``_commit_row`` runs in ``schedule`` and in
+``free``). The stage names are the code's, so this script follows it: a renamed
+stage is reported missing. ``--package``: a renamed copy of another version
+(``hybridkv_base``, as for ``bench/step_profile.py --against``) on ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import time
+from collections import defaultdict
+
+from vs_vllm import serving as serving_phase
+from vs_vllm.sides import GIB, HybridkvSide
+from vs_vllm.workload import ServingShape
+
+CLOCK = time.thread_time_ns
+# (module under the package, class, method, label); the label's indent is its nesting.
+STAGES = (
+    ("runtime.manager", "CacheManager", "add_request", "add_request"),
+    ("prefix.cache", "PrefixCache", "match_and_borrow", "  match_and_borrow"),
+    ("runtime.manager", "CacheManager", "free", "free"),
+    ("memory.pool", "PageSpace", "release", "  PageSpace.release"),
+    ("runtime.manager", "CacheManager", "schedule", "schedule"),
+    ("runtime.manager", "CacheManager", "_admit", "  _admit"),
+    ("runtime.manager", "CacheManager", "_grow_instead_of_evicting", "    _grow_instead_of_evicting"),
+    ("runtime.manager", "CacheManager", "_commit_row", "  _commit_row (schedule and free)"),
+    ("runtime.manager", "CacheManager", "_run", "  _run"),
+    ("runtime.manager", "CacheManager", "_after_run", "    _after_run"),
+    ("memory.pool", "PagePool", "make_room", "      make_room"),
+    ("memory.pool", "PagePool", "_evict_low_below", "        _evict_low_below"),
+    ("memory.pool", "PagePool", "_evict_lru", "        _evict_lru"),
+    ("runtime.manager", "CacheManager", "_build_batch", "  _build_batch"),
+)
+
+
+class Timers:
+    """Thread CPU time per stage, counted only while a timed step runs."""
+
+    def __init__(self) -> None:
+        self.ns: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.on = False
+        self.steps = 0
+        self.originals: list[tuple[type, str, object]] = []
+
+    def unwrap(self) -> None:
+        for cls, name, inner in reversed(self.originals):
+            setattr(cls, name, inner)
+
+    def wrap(self, cls: type, name: str, label: str) -> None:
+        inner = getattr(cls, name)
+        self.originals.append((cls, name, inner))
+
+        def timed(*args, **kwargs):
+            if not self.on:
+                return inner(*args, **kwargs)
+            start = CLOCK()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.ns[label] += CLOCK() - start
+                self.calls[label] += 1
+
+        setattr(cls, name, timed)
+
+
+def measure(size: int, package: str) -> tuple[Timers, dict]:
+    timers = Timers()
+    for module, cls_name, name, label in STAGES:
+        timers.wrap(getattr(importlib.import_module(f"{package}.{module}"), cls_name), name, label)
+    step = serving_phase.ServingDriver.step
+
+    def timed_step(driver, index):
+        timers.on, timers.steps = True, timers.steps + 1
+        try:
+            return step(driver, index)
+        finally:
+            timers.on = False
+
+    side_class = type("Side", (HybridkvSide,), {"package": package})
+    side = side_class(kv_memory_bytes=40 * GIB, max_model_len=131_072, max_num_batched_tokens=8192,
+                      max_num_seqs=size, page_space="shared", prompt_checkpoints=True)
+    append_many = side.append_many
+
+    def untimed_append(*args):  # the engine's appends are outside the step's time
+        timers.on = False
+        try:
+            return append_many(*args)
+        finally:
+            timers.on = True
+
+    side.append_many = untimed_append
+    serving_phase.ServingDriver.step = timed_step
+    try:
+        out = serving_phase.measure_serving({"hybridkv": side}, running=size, steps=32, rounds=5, step_tokens=8192,
+                                            chunk_tokens=2048, shape=ServingShape(), seed=0)
+    finally:
+        serving_phase.ServingDriver.step = step
+        timers.unwrap()
+    return timers, out["hybridkv"]
+
+
+def report(size: int, package: str, timers: Timers, figures: dict) -> None:
+    n = timers.steps
+    total = sum(timers.ns[label] for label in ("add_request", "free", "schedule"))
+    print(f"{package} at {size} running: {n} timed steps, {total / n / 1e3:.0f} µs a step (thread CPU, the three "
+          f"calls); wall mean {figures['us_per_step_mean']:.0f} µs; hit rate {figures['hit_rate']:.3f}")
+    for _, _, _, label in STAGES:
+        share = 100 * timers.ns[label] / total if total else 0.0
+        print(f"  {label:40s} {timers.ns[label] / n / 1e3:8.0f} µs {share:5.1f}%  "
+              f"{timers.calls[label] / n:5.2f} calls a step")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="32,1024")
+    ap.add_argument("--package", default="hybridkv")
+    a = ap.parse_args()
+    for size in (int(s) for s in a.sizes.split(",")):
+        timers, figures = measure(size, a.package)
+        report(size, a.package, timers, figures)
+
+
+if __name__ == "__main__":
+    main()
