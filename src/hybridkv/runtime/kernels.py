@@ -70,6 +70,7 @@ TOP, LOWEST, LOW_FLOOR, RELEASED_PAGES, ALLOCATED_PAGES = range(5)  # rows of ``
 STEP_DONE = 0
 STEP_NEEDS_PAGES = 1  # the releases ran; the caller lends slabs or evicts, then calls finish_step
 STEP_PLANNED = 2  # ``step`` planned only: Python admits, commits or grows buffers, then runs
+STEP_COVERED = 3  # ``step`` planned only: a free stack is short, but the step's own releases cover it
 NO_PACKING = np.iinfo(np.int64).max  # ``low_floor`` of a group that does not reuse idle low-priority pages
 NO_LOW_IDLE = NO_PACKING - 1  # ``low_floor`` of a packing group without idle low-priority pages
 
@@ -493,7 +494,9 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
     and known tokens, ``plan`` the plan's arrays
     (``plan_views``). Returns (status, rows in the plan, settling rows, crossing rows,
     clean, cells logged, idle keyed pages); status ``STEP_PLANNED`` (or -1 rows: no plan)
-    when only the plan ran."""
+    when only the plan ran, ``STEP_COVERED`` when only the plan ran because some group's
+    free stack is short of its allocations but, no row crossing a grain, the pages its
+    own releases free first cover it (``releases_cover``)."""
     rows, counts, first, after, need, sums, crossing, totals, released = plan_views(plan, geometry.shape[0])
     computed, committed, known = counters[0], counters[1], counters[2]
     n, settle, n_cross, clean = prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in,
@@ -501,6 +504,9 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
                                              sums, crossing, totals, counts_in[:0])
     if (n < 0 or not clean or n_cross > 0 or totals[0] != positions.size or totals[2] > scratch.size
             or totals[1] > idle_keyed.size or totals[1] + totals[3] > touched.size):
+        if n >= 0 and not clean and n_cross == 0 and releases_cover(geometry, pages, bounds, ref, keyed,
+                                                                     per_group[TOP], rows[:n], after, sums):
+            return STEP_COVERED, n, settle, n_cross, clean, 0, 0
         return STEP_PLANNED, n, settle, n_cross, clean, 0, 0
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group,
@@ -508,6 +514,29 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
         released, touched, table_rows, scheduled, positions, request_indices, query_start_loc, base_pages, widths,
         slots)
     return status, n, settle, n_cross, clean, n_touched, n_keyed
+
+
+@njit(cache=True)
+def releases_cover(geometry, pages, bounds, ref, keyed, top, rows, after, sums):
+    """Whether in every group whose free stack ``top[g]`` is short of the ``sums[1, g]``
+    pages it allocates, the pages ``release_pages`` puts on the stack before
+    ``allocate_pages`` runs cover the shortfall: pages below a row's new base
+    (``after[0, g, r]``) that only that row holds and that carry no key (pure; the
+    manager's ``_freed_first`` of a step in which no row crosses a prefix grain)."""
+    for g in range(geometry.shape[0]):
+        short = sums[1, g] - top[g]
+        offset = geometry[g, ID_OFFSET]
+        for r in range(rows.size):
+            if short <= 0:
+                break
+            row = rows[r]
+            for logical in range(bounds[BASE, g, row], min(after[0, g, r], bounds[HI, g, row])):
+                page = offset + pages[cell(geometry, bounds, g, row, logical)]
+                if ref[page] == 1 and not keyed[page]:
+                    short -= 1
+        if short > 0:
+            return False
+    return True
 
 
 @njit(cache=True)

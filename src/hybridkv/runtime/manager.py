@@ -1027,14 +1027,16 @@ class CacheManager:
             ts.geometry, ts.pages, ts.bounds, self._counters, space.ref_counts, space.cached, space.low_priority,
             space.stack, space.low_floors(), self._transient, self._last_rows, rows_in, counts_in, self._grain,
             self._in_batch, sc.plan_buffer, sc.pages, sc.idle_keyed, sc.touched, *out)
-        if status == kernels.STEP_PLANNED:
+        if status >= kernels.STEP_PLANNED:
             if n < 0:
                 return None
             plan = self._plan_of(n, settle, n_crossing, clean)
             plan.request_ids = rids
-            if not clean:
+            if not clean and not (status == kernels.STEP_COVERED and self._evictable_cover(plan.sums[1])):
                 return plan
-            plan.grants = []  # admitted as is: rows commit first, or the scratch buffers grow
+            # Admitted as is: rows commit first, the scratch buffers grow, or the step's own
+            # releases cover a short free stack (``_admit`` would grant nothing either).
+            plan.grants = []
             return self._commit_and_run(plan, write_slots, updates, False, out)
         self._version += 1
         ts.start_log() if updates else ts.stop_log()
@@ -1044,6 +1046,17 @@ class CacheManager:
         n_touched = self._after_run(plan_arrays[5], plan_arrays[7][3], status, n_touched, n_keyed, plan, out)
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1)
+
+    def _evictable_cover(self, allocated: np.ndarray) -> bool:
+        """After ``kernels.releases_cover`` (each short group's releases free enough pages
+        first): whether ``_admit`` would admit the step as is, granting no slab. Without an
+        arena it always does (``_fit_with_credit``'s release credit covers at least those
+        pages); on one, when every group whose free stack is short of its ``allocated``
+        pages has as many free and evictable ones (``_coverage`` then answers True), else
+        the arena may lend a spare slab instead."""
+        return self.arena is None or all(n <= pool.num_free_pages for n, pool in zip(allocated.tolist(),
+                                                                                       self._pool_list)
+                                         if n > pool.num_clean_free_pages)
 
     def _run(self, plan: _StepPlan, write_slots: bool, out: _StepArrays | None) -> tuple[_StepArrays, int]:
         """Release, allocate and the batch's arrays (``out``, or fresh ones) in one compiled
