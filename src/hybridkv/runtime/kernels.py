@@ -486,13 +486,15 @@ def plan_size(cap, n_groups):
 
 @njit(cache=True)
 def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, last_rows,
-         rows_in, counts_in, grain, mark, plan, scratch, idle_keyed, touched, table_rows, scheduled, positions,
-         request_indices, query_start_loc, base_pages, widths, slots):
+         rows_in, counts_in, grain, mark, plan, scratch, idle_keyed, touched, cells, cell_pages, table_rows,
+         scheduled, positions, request_indices, query_start_loc, base_pages, widths, slots):
     """``prepare_step`` then, when the plan needs nothing from Python first (every
     group's free stack covers it, no row crosses a prefix grain, the scratch buffers
     are large enough), ``run_step``, in one call; ``counters`` packs computed, committed
     and known tokens, ``plan`` the plan's arrays
-    (``plan_views``). Returns (status, rows in the plan, settling rows, crossing rows,
+    (``plan_views``); when the step ran and ``cell_pages`` has room for the cells it
+    changed, ``read_cells`` of them to ``cells`` (group, row, column) and ``cell_pages``
+    (what ``TableSet.drain_updates`` would read). Returns (status, rows in the plan, settling rows, crossing rows,
     clean, cells logged, idle keyed pages); status ``STEP_PLANNED`` (or -1 rows: no plan)
     when only the plan ran, ``STEP_COVERED`` when only the plan ran because some group's
     free stack is short of its allocations but, no row crossing a grain, the pages its
@@ -513,6 +515,8 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
         transient, rows[:n], counts[:n], first[:n], settle, after[:, :, :n], sums, False, scratch, idle_keyed,
         released, touched, table_rows, scheduled, positions, request_indices, query_start_loc, base_pages, widths,
         slots)
+    if status == STEP_DONE and n_touched <= cell_pages.size:
+        read_cells(geometry, pages, bounds, touched[:n_touched], cells[0], cells[1], cells[2], cell_pages)
     return status, n, settle, n_cross, clean, n_touched, n_keyed
 
 

@@ -109,6 +109,7 @@ class _StepArrays(NamedTuple):
 
 
 _NO_SLOTS = np.empty((0, 0), dtype=np.int64)  # ``_StepArrays.slots`` of a step without write slots
+_NO_CELLS = np.empty((3, 0), dtype=np.int64), np.empty(0, dtype=np.int32)  # ``kernels.step`` reads no cells
 _COMPUTED = np.empty(0, dtype=np.int64)  # ``prepare_step``'s load_tokens of a step that computes
 
 
@@ -1023,10 +1024,16 @@ class CacheManager:
         out = _StepArrays.empty(len(self.specs), rows_in.size, n_tokens, write_slots, self._scratch.widths)
         sc, space, ts = self._scratch, self._space, self._tableset
         plan_arrays = sc.plan_arrays(rows_in.size + self._last_rows.size)
+        # The kernel reads the cells it changes for ``table_updates`` when nothing else is
+        # logged (room for a decode step's: a page released and one allocated per row and group).
+        cells = _NO_CELLS
+        if updates and ts.drains_touched_only():
+            room = 2 * len(self.specs) * rows_in.size + 16
+            cells = np.empty((3, room), dtype=np.int64), np.empty(room, dtype=np.int32)
         status, n, settle, n_crossing, clean, n_touched, n_keyed = kernels.step(
             ts.geometry, ts.pages, ts.bounds, self._counters, space.ref_counts, space.cached, space.low_priority,
             space.stack, space.low_floors(), self._transient, self._last_rows, rows_in, counts_in, self._grain,
-            self._in_batch, sc.plan_buffer, sc.pages, sc.idle_keyed, sc.touched, *out)
+            self._in_batch, sc.plan_buffer, sc.pages, sc.idle_keyed, sc.touched, *cells, *out)
         if status >= kernels.STEP_PLANNED:
             if n < 0:
                 return None
@@ -1045,7 +1052,8 @@ class CacheManager:
             plan.grants = []
         n_touched = self._after_run(plan_arrays[5], plan_arrays[7][3], status, n_touched, n_keyed, plan, out)
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
-        return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1)
+        read = cells if status == kernels.STEP_DONE and 0 < n_touched <= cells[1].size else None
+        return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, read)
 
     def _evictable_cover(self, allocated: np.ndarray) -> bool:
         """After ``kernels.releases_cover`` (each short group's releases free enough pages
@@ -1109,13 +1117,19 @@ class CacheManager:
                                            plan.after, plan.sums))
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
-                     n_touched: int) -> StepBatch:
+                     n_touched: int, read: tuple | None = None) -> StepBatch:
         """The step's ``StepBatch`` of table ``rows``: block tables, or (``n_touched`` >= 0:
-        the cells the step changed lead the touched scratch) the table cells changed."""
+        the cells the step changed lead the touched scratch) the table cells changed; ``read``:
+        those cells as ``kernels.step`` read them (group, row and column; page), the log
+        holding nothing else."""
         widths = self._capture_widths if fixed_width else tuple(out.widths.tolist())
         ts, table_updates = self._tableset, None
         if n_touched < 0:
             tables = [ts.block_table(k, rows, width) for k, width in enumerate(widths)]
+        elif read is not None:
+            tables = [None] * len(widths)
+            (cells, page), n = read, n_touched
+            table_updates = TableUpdates(cells[0, :n], cells[1, :n], cells[2, :n], page[:n], widths)
         else:
             tables = [None] * len(widths)
             touched = self._scratch.touched[:n_touched] if n_touched else None
