@@ -413,7 +413,7 @@ def batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, posi
 
 @njit(cache=True)
 def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient,
-             rows, counts, first, settle, after, sums, hold, scratch, idle_keyed, released, touched,
+             rows, counts, first, settle, after, sums, hold, scratch, idle_keyed, released, touched, cells, cell_pages,
              table_rows, scheduled, positions, request_indices, query_start_loc, base_pages, widths, slots):
     """One admitted step as planned by ``prepare_step``: the rows' tokens so far count as
     committed, releases, allocations, then the batch's arrays (``finish_step``). Returns
@@ -421,7 +421,9 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
     in ``per_group``. ``STEP_NEEDS_PAGES``: the releases ran,
     nothing else; the caller lends slabs (``hold``) and makes room (``PagePool.make_room``)
     in the groups whose stack is short or that would first reuse idle low-priority pages
-    (``needs_room``), then calls ``finish_step``."""
+    (``needs_room``), then calls ``finish_step``. A step done whose changed cells fit in
+    ``cell_pages`` leaves them read (``read_cells`` of ``touched``: group, row and column
+    to ``cells``, page ids to ``cell_pages``)."""
     for r in range(rows.size):
         committed[rows[r]] = first[r]
     n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after,
@@ -432,6 +434,8 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
     n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
                             first, settle, after, sums, touched, n_touched, table_rows, scheduled, positions,
                             request_indices, query_start_loc, base_pages, widths, slots)
+    if n_touched <= cell_pages.size:
+        read_cells(geometry, pages, bounds, touched[:n_touched], cells[0], cells[1], cells[2], cell_pages)
     return STEP_DONE, n_touched, n_keyed
 
 
@@ -492,9 +496,7 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
     group's free stack covers it, no row crosses a prefix grain, the scratch buffers
     are large enough), ``run_step``, in one call; ``counters`` packs computed, committed
     and known tokens, ``plan`` the plan's arrays
-    (``plan_views``); when the step ran and ``cell_pages`` has room for the cells it
-    changed, ``read_cells`` of them to ``cells`` (group, row, column) and ``cell_pages``
-    (what ``TableSet.drain_updates`` would read). Returns (status, rows in the plan, settling rows, crossing rows,
+    (``plan_views``); ``cells`` and ``cell_pages`` as ``run_step`` takes them. Returns (status, rows in the plan, settling rows, crossing rows,
     clean, cells logged, idle keyed pages); status ``STEP_PLANNED`` (or -1 rows: no plan)
     when only the plan ran, ``STEP_COVERED`` when only the plan ran because some group's
     free stack is short of its allocations but, no row crossing a grain, the pages its
@@ -513,10 +515,8 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group,
         transient, rows[:n], counts[:n], first[:n], settle, after[:, :, :n], sums, False, scratch, idle_keyed,
-        released, touched, table_rows, scheduled, positions, request_indices, query_start_loc, base_pages, widths,
-        slots)
-    if status == STEP_DONE and n_touched <= cell_pages.size:
-        read_cells(geometry, pages, bounds, touched[:n_touched], cells[0], cells[1], cells[2], cell_pages)
+        released, touched, cells, cell_pages, table_rows, scheduled, positions, request_indices, query_start_loc,
+        base_pages, widths, slots)
     return status, n, settle, n_cross, clean, n_touched, n_keyed
 
 
