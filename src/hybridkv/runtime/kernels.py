@@ -495,9 +495,9 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
     """``prepare_step`` then, when the plan needs nothing from Python first (every
     group's free stack covers it, no row crosses a prefix grain, the scratch buffers
     are large enough), ``run_step``, in one call; ``counters`` packs computed, committed
-    and known tokens, ``plan`` the plan's arrays
-    (``plan_views``); ``cells`` and ``cell_pages`` as ``run_step`` takes them. Returns (status, rows in the plan, settling rows, crossing rows,
-    clean, cells logged, idle keyed pages); status ``STEP_PLANNED`` (or -1 rows: no plan)
+    and known tokens, ``plan`` the plan's arrays (``plan_views``); ``cells`` and
+    ``cell_pages`` as ``run_step`` takes them. Returns (status, rows in the plan, settling
+    rows, crossing rows, clean, cells logged, idle keyed pages); status ``STEP_PLANNED`` (or -1 rows: no plan)
     when only the plan ran, ``STEP_COVERED`` when only the plan ran because some group's
     free stack is short of its allocations but, no row crossing a grain, the pages its
     own releases free first cover it (``releases_cover``)."""

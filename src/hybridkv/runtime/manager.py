@@ -1129,7 +1129,7 @@ class CacheManager:
                      n_touched: int, read: tuple | None = None) -> StepBatch:
         """The step's ``StepBatch`` of table ``rows``: block tables, or (``n_touched`` >= 0:
         the cells the step changed lead the touched scratch) the table cells changed; ``read``:
-        those cells as ``kernels.step`` read them (group, row and column; page), the log
+        those cells as ``kernels.run_step`` read them (group, row and column; page), the log
         holding nothing else."""
         widths = self._capture_widths if fixed_width else tuple(out.widths.tolist())
         ts, table_updates = self._tableset, None
