@@ -14,6 +14,7 @@ from hypothesis import event, given, settings
 
 from hybridkv.memory.arena import arena_geometry
 from hybridkv.runtime.manager import CacheManager, CacheManagerError
+from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables.mirror import BlockTableMirror
 from test_arena_stateful import ANCHOR, PAGE_BYTES
 from test_table_updates import CONFIGS
@@ -485,3 +486,40 @@ def test_steps_without_write_slots_change_nothing_else():
     same_cache(*managers)
     with pytest.raises(CacheManagerError, match="write_slots must be True or False"):
         managers[0].schedule_uniform(rids, 1, write_slots=None)
+
+
+# Four-token pages and a nine-token window: a decode step writing token 4k of a row takes
+# its page k and lets go of page k - 3 in the same step, so a pool with no free page left
+# can still take the step, on the pages its own releases free first.
+COVER_SPECS = [
+    CacheGroupSpec("w9", "sliding_window", rows_per_page=4, entry_stride_tokens=1, sliding_window_tokens=9),
+    CacheGroupSpec("f16", "full_history", rows_per_page=16, entry_stride_tokens=1),
+]
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_a_short_free_stack_covered_by_the_steps_releases_matches_admission(caching):
+    """``schedule_uniform`` (the compiled step) against ``check_admission`` then
+    ``schedule`` of the same pairs (the admission path) on two equal managers whose
+    window pool runs out of free pages: a step whose allocations its own releases
+    cover gives the same batch, free counts and refusals on both."""
+    requests = 3
+    managers = [CacheManager(COVER_SPECS, {"w9": 3 * requests + 1, "f16": 64}, max_context_tokens=96,
+                             enable_prefix_caching=caching, prefix_granularity=16) for _ in range(2)]
+    fast, admitted = managers
+    rids = tuple(f"r{i}" for i in range(requests))
+    for k, rid in enumerate(rids):
+        on_both(managers, "add_request", rid, np.arange(8, dtype=np.int32) + 100 * k, max_new_tokens=60)
+        on_both(managers, "schedule", [(rid, 8)])
+    short_steps = 0
+    for step in range(40):
+        on_both(managers, "append_token_ids_many", rids, np.full((requests, 1), step, dtype=np.int32))
+        window = fast.pools["w9"]
+        if fast.num_computed_tokens(rids[0]) % 4 == 0 and window.num_clean_free_pages < requests:
+            short_steps += 1  # every row takes a page the stack does not hold
+        items = [(rid, 1) for rid in rids]
+        assert all(a.ok for a in admitted.check_admission(items))
+        same(fast.schedule_uniform(rids, 1), admitted.schedule(items))
+        assert fast.stats() == admitted.stats()
+        fast.check_invariants()
+    assert short_steps >= 5

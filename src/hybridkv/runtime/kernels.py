@@ -70,6 +70,7 @@ TOP, LOWEST, LOW_FLOOR, RELEASED_PAGES, ALLOCATED_PAGES = range(5)  # rows of ``
 STEP_DONE = 0
 STEP_NEEDS_PAGES = 1  # the releases ran; the caller lends slabs or evicts, then calls finish_step
 STEP_PLANNED = 2  # ``step`` planned only: Python admits, commits or grows buffers, then runs
+STEP_COVERED = 3  # ``step`` planned only: a free stack is short, but the step's own releases cover it
 NO_PACKING = np.iinfo(np.int64).max  # ``low_floor`` of a group that does not reuse idle low-priority pages
 NO_LOW_IDLE = NO_PACKING - 1  # ``low_floor`` of a packing group without idle low-priority pages
 
@@ -484,7 +485,7 @@ def batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, posi
 
 @njit(cache=True)
 def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient,
-             rows, counts, first, settle, after, sums, hold, scratch, idle_keyed, released, touched,
+             rows, counts, first, settle, after, sums, hold, scratch, idle_keyed, released, touched, cells, cell_pages,
              table_rows, scheduled, positions, request_indices, query_start_loc, base_pages, widths, slots):
     """One admitted step as planned by ``prepare_step``: the rows' tokens so far count as
     committed, releases, allocations, then the batch's arrays (``finish_step``). Returns
@@ -492,7 +493,9 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
     in ``per_group``. ``STEP_NEEDS_PAGES``: the releases ran,
     nothing else; the caller lends slabs (``hold``) and makes room (``PagePool.make_room``)
     in the groups whose stack is short or that would first reuse idle low-priority pages
-    (``needs_room``), then calls ``finish_step``."""
+    (``needs_room``), then calls ``finish_step``. A step done whose changed cells fit in
+    ``cell_pages`` leaves them read (``read_cells`` of ``touched``: group, row and column
+    to ``cells``, page ids to ``cell_pages``)."""
     for r in range(rows.size):
         committed[rows[r]] = first[r]
     n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after,
@@ -503,6 +506,8 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
     n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
                             first, settle, after, sums, touched, n_touched, table_rows, scheduled, positions,
                             request_indices, query_start_loc, base_pages, widths, slots)
+    if n_touched <= cell_pages.size:
+        read_cells(geometry, pages, bounds, touched[:n_touched], cells[0], cells[1], cells[2], cell_pages)
     return STEP_DONE, n_touched, n_keyed
 
 
@@ -557,15 +562,17 @@ def plan_size(cap, n_groups):
 
 @njit(cache=True)
 def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, last_rows,
-         rows_in, counts_in, grain, mark, plan, scratch, idle_keyed, touched, table_rows, scheduled, positions,
-         request_indices, query_start_loc, base_pages, widths, slots):
+         rows_in, counts_in, grain, mark, plan, scratch, idle_keyed, touched, cells, cell_pages, table_rows,
+         scheduled, positions, request_indices, query_start_loc, base_pages, widths, slots):
     """``prepare_step`` then, when the plan needs nothing from Python first (every
     group's free stack covers it, no row crosses a prefix grain, the scratch buffers
     are large enough), ``run_step``, in one call; ``counters`` packs computed, committed
-    and known tokens, ``plan`` the plan's arrays
-    (``plan_views``). Returns (status, rows in the plan, settling rows, crossing rows,
-    clean, cells logged, idle keyed pages); status ``STEP_PLANNED`` (or -1 rows: no plan)
-    when only the plan ran."""
+    and known tokens, ``plan`` the plan's arrays (``plan_views``); ``cells`` and
+    ``cell_pages`` as ``run_step`` takes them. Returns (status, rows in the plan, settling
+    rows, crossing rows, clean, cells logged, idle keyed pages); status ``STEP_PLANNED`` (or -1 rows: no plan)
+    when only the plan ran, ``STEP_COVERED`` when only the plan ran because some group's
+    free stack is short of its allocations but, no row crossing a grain, the pages its
+    own releases free first cover it (``releases_cover``)."""
     rows, counts, first, after, need, sums, crossing, totals, released = plan_views(plan, geometry.shape[0])
     computed, committed, known = counters[0], counters[1], counters[2]
     n, settle, n_cross, clean = prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in,
@@ -573,13 +580,39 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
                                              sums, crossing, totals, counts_in[:0])
     if (n < 0 or not clean or n_cross > 0 or totals[0] != positions.size or totals[2] > scratch.size
             or totals[1] > idle_keyed.size or totals[1] + totals[3] > touched.size):
+        if n >= 0 and not clean and n_cross == 0 and releases_cover(geometry, pages, bounds, ref, keyed,
+                                                                     per_group[TOP], rows[:n], after, sums):
+            return STEP_COVERED, n, settle, n_cross, clean, 0, 0
         return STEP_PLANNED, n, settle, n_cross, clean, 0, 0
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group,
         transient, rows[:n], counts[:n], first[:n], settle, after[:, :, :n], sums, False, scratch, idle_keyed,
-        released, touched, table_rows, scheduled, positions, request_indices, query_start_loc, base_pages, widths,
-        slots)
+        released, touched, cells, cell_pages, table_rows, scheduled, positions, request_indices, query_start_loc,
+        base_pages, widths, slots)
     return status, n, settle, n_cross, clean, n_touched, n_keyed
+
+
+@njit(cache=True)
+def releases_cover(geometry, pages, bounds, ref, keyed, top, rows, after, sums):
+    """Whether in every group whose free stack ``top[g]`` is short of the ``sums[1, g]``
+    pages it allocates, the pages ``release_pages`` puts on the stack before
+    ``allocate_pages`` runs cover the shortfall: pages below a row's new base
+    (``after[0, g, r]``) that only that row holds and that carry no key (pure; the
+    manager's ``_freed_first`` of a step in which no row crosses a prefix grain)."""
+    for g in range(geometry.shape[0]):
+        short = sums[1, g] - top[g]
+        offset = geometry[g, ID_OFFSET]
+        for r in range(rows.size):
+            if short <= 0:
+                break
+            row = rows[r]
+            for logical in range(bounds[BASE, g, row], min(after[0, g, r], bounds[HI, g, row])):
+                page = offset + pages[cell(geometry, bounds, g, row, logical)]
+                if ref[page] == 1 and not keyed[page]:
+                    short -= 1
+        if short > 0:
+            return False
+    return True
 
 
 @njit(cache=True)

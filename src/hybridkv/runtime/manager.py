@@ -110,6 +110,7 @@ class _StepArrays(NamedTuple):
 
 
 _NO_SLOTS = np.empty((0, 0), dtype=np.int64)  # ``_StepArrays.slots`` of a step without write slots
+_NO_CELLS = np.empty((3, 0), dtype=np.int64), np.empty(0, dtype=np.int32)  # ``kernels.run_step`` reads no cells
 _COMPUTED = np.empty(0, dtype=np.int64)  # ``prepare_step``'s load_tokens of a step that computes
 
 
@@ -989,10 +990,11 @@ class CacheManager:
             for row in plan.crossing.tolist():  # publish what the rows' previous steps completed
                 self._commit_row(row)
         self._tableset.start_log() if updates else self._tableset.stop_log()
-        arrays, n_touched = self._run(plan, write_slots, out if out is not None else plan.arrays)
+        cells = self._cell_buffers(plan.rows.size) if updates else _NO_CELLS
+        arrays, n_touched, read = self._run(plan, write_slots, out if out is not None else plan.arrays, cells)
         rows = plan.rows[plan.settle :]
         self._last_rows = rows.copy()  # the plan's arrays are scratch
-        return self._build_batch(rows, plan.request_ids, arrays, fixed_width, n_touched if updates else -1)
+        return self._build_batch(rows, plan.request_ids, arrays, fixed_width, n_touched if updates else -1, read)
 
     def _cached_verdict(self, items, uniform, fixed_width: bool) -> _Verdict | None:
         """The last ``check_admission``'s verdict when it checked the same items and
@@ -1025,19 +1027,22 @@ class CacheManager:
         out = _StepArrays.empty(len(self.specs), rows_in.size, n_tokens, write_slots, self._scratch.widths)
         sc, space, ts = self._scratch, self._space, self._tableset
         plan_arrays = sc.plan_arrays(rows_in.size + self._last_rows.size)
+        cells = self._cell_buffers(rows_in.size) if updates else _NO_CELLS
         status, n, settle, n_crossing, clean, n_touched, n_keyed = kernels.step(
             ts.geometry, ts.pages, ts.bounds, self._counters, space.ref_counts, space.cached, space.low_priority,
             space.stack, space.low_floors(), self._transient, self._last_rows, rows_in, counts_in, self._grain,
-            self._in_batch, sc.plan_buffer, sc.pages, sc.idle_keyed, sc.touched, *out)
-        if status == kernels.STEP_PLANNED:
+            self._in_batch, sc.plan_buffer, sc.pages, sc.idle_keyed, sc.touched, *cells, *out)
+        if status >= kernels.STEP_PLANNED:
             if n < 0:
                 return None
             plan = self._plan_of(n, settle, n_crossing, clean)
             plan.request_ids = rids
-            if not clean:
+            if not clean and not (status == kernels.STEP_COVERED and self._evictable_cover(plan.sums[1])):
                 plan.arrays = out  # for ``_run``, once admitted
                 return plan
-            plan.grants = []  # admitted as is: rows commit first, or the scratch buffers grow
+            # Admitted as is: rows commit first, the scratch buffers grow, or the step's own
+            # releases cover a short free stack (``_admit`` would grant nothing either).
+            plan.grants = []
             return self._commit_and_run(plan, write_slots, updates, False, out)
         self._version += 1
         ts.start_log() if updates else ts.stop_log()
@@ -1046,12 +1051,35 @@ class CacheManager:
             plan.grants = []
         n_touched = self._after_run(plan_arrays[5], plan_arrays[7][3], status, n_touched, n_keyed, plan, out)
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
-        return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1)
+        return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1,
+                                 _read_cells(status, n_touched, cells))
 
-    def _run(self, plan: _StepPlan, write_slots: bool, out: _StepArrays | None) -> tuple[_StepArrays, int]:
+    def _cell_buffers(self, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """Fresh arrays for ``run_step`` to read the cells a step of ``n_rows`` rows changes
+        into (``table_updates``), with room for a decode step's (a page released and one
+        allocated per row and group); none while the table log holds other cells."""
+        if not self._tableset.drains_touched_only():
+            return _NO_CELLS
+        room = 2 * len(self.specs) * n_rows + 16
+        return np.empty((3, room), dtype=np.int64), np.empty(room, dtype=np.int32)
+
+    def _evictable_cover(self, allocated: np.ndarray) -> bool:
+        """After ``kernels.releases_cover`` (each short group's releases free enough pages
+        first): whether ``_admit`` would admit the step as is, granting no slab. Without an
+        arena it always does (``_fit_with_credit``'s release credit covers at least those
+        pages); on one, when every group whose free stack is short of its ``allocated``
+        pages has as many free and evictable ones (``_coverage`` then answers True), else
+        the arena may lend a spare slab instead."""
+        return self.arena is None or all(n <= pool.num_free_pages for n, pool in zip(allocated.tolist(),
+                                                                                       self._pool_list)
+                                         if n > pool.num_clean_free_pages)
+
+    def _run(self, plan: _StepPlan, write_slots: bool, out: _StepArrays | None,
+             cells: tuple = _NO_CELLS) -> tuple[_StepArrays, int, tuple | None]:
         """Release, allocate and the batch's arrays (``out``, or fresh ones) in one compiled
-        call (``kernels.run_step``); ``_after_run`` books them. Returns the arrays and how
-        many table cells the step changed (at the start of the touched scratch)."""
+        call (``kernels.run_step``); ``_after_run`` books them. Returns the arrays, how
+        many table cells the step changed (at the start of the touched scratch) and
+        ``cells`` when the kernel read those into them (``_build_batch``'s ``read``)."""
         n_tokens, released_pages, most_released, allocated_pages = plan.totals
         if out is None:
             out = _StepArrays.empty(len(self.specs), plan.rows.size - plan.settle, n_tokens, write_slots,
@@ -1064,8 +1092,10 @@ class CacheManager:
         status, n_touched, n_keyed = kernels.run_step(
             ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
             space.low_priority, space.stack, per_group, self._transient, plan.rows, plan.counts, plan.first,
-            plan.settle, plan.after, plan.sums, bool(plan.grants), scratch, idle_keyed, released, touched, *out)
-        return out, self._after_run(plan.sums, allocated_pages, status, n_touched, n_keyed, plan, out)
+            plan.settle, plan.after, plan.sums, bool(plan.grants), scratch, idle_keyed, released, touched, *cells,
+            *out)
+        n_touched = self._after_run(plan.sums, allocated_pages, status, n_touched, n_keyed, plan, out)
+        return out, n_touched, _read_cells(status, n_touched, cells)
 
     def _after_run(self, sums: np.ndarray, allocated_pages: int, status: int, n_touched: int, n_keyed: int,
                    plan: _StepPlan | None, out: _StepArrays) -> int:
@@ -1095,13 +1125,19 @@ class CacheManager:
         return n_touched
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
-                     n_touched: int) -> StepBatch:
+                     n_touched: int, read: tuple | None = None) -> StepBatch:
         """The step's ``StepBatch`` of table ``rows``: block tables, or (``n_touched`` >= 0:
-        the cells the step changed lead the touched scratch) the table cells changed."""
+        the cells the step changed lead the touched scratch) the table cells changed; ``read``:
+        those cells as ``kernels.run_step`` read them (group, row and column; page), the log
+        holding nothing else."""
         widths = self._capture_widths if fixed_width else tuple(out.widths.tolist())
         ts, table_updates = self._tableset, None
         if n_touched < 0:
             tables = [ts.block_table(k, rows, width) for k, width in enumerate(widths)]
+        elif read is not None:
+            tables = [None] * len(widths)
+            (cells, page), n = read, n_touched
+            table_updates = TableUpdates(cells[0, :n], cells[1, :n], cells[2, :n], page[:n], widths)
         else:
             tables = [None] * len(widths)
             touched = self._scratch.touched[:n_touched] if n_touched else None
@@ -1427,6 +1463,12 @@ def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, i
     if arena is None:
         return None
     return arena.plan({g: want[g] - avail[g] for g in avail}, {g: avail[g] - want[g] for g in avail}, scan)
+
+
+def _read_cells(status: int, n_touched: int, cells: tuple) -> tuple | None:
+    """``cells`` when the step kernel ran the step whole (no ``finish_step`` after it) and read
+    the ``n_touched`` cells it changed into them; else None (``drain_updates`` reads them)."""
+    return cells if status == kernels.STEP_DONE and 0 < n_touched <= cells[1].size else None
 
 
 def _filled(n: int, value: int) -> np.ndarray:

@@ -300,6 +300,11 @@ class TableSet:
         """Stop logging (full-mode steps): mutations cost nothing extra until the next start."""
         self.log = None
 
+    def drains_touched_only(self) -> bool:
+        """Whether the next ``drain_updates(touched)`` reads exactly the cells ``touched``
+        lists: the log is on, holds nothing and no resync is due."""
+        return self.log is not None and not self.log and not self._resync
+
     def note_cells(self, index: np.ndarray) -> None:
         """Log changed cells (ring-view indices) while logging is on."""
         log = self.log
