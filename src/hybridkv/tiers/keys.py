@@ -85,6 +85,21 @@ class ObjectKey:
             raise ValueError(f"group_id must be a non-empty str without '/', got {self.group_id!r}")
         object.__setattr__(self, "key", as_key_bytes(self.key))
 
+    @classmethod
+    def of_checked(cls, kind: ObjectKind, group_id: str, key: int) -> ObjectKey:
+        """A key of a kind and group the caller has checked already (a tier link checks its
+        manager's groups once) and a manager's hash (a non-negative ``int``): as
+        ``ObjectKey(kind, group_id, key)`` without checking the kind and group again (a plan
+        makes hundreds per step)."""
+        out = object.__new__(cls)
+        out.__dict__.update(kind=kind, group_id=group_id, key=as_key_bytes(key))
+        return out
+
     def name(self, namespace: Namespace) -> str:
         """The store name: ``hkv1/<namespace>/<group>/<kind>/<key>`` (ASCII, no rank)."""
-        return f"hkv1/{namespace.hex}/{self.group_id}/{self.kind}/{self.key.hex()}"
+        return f"{name_prefix(namespace, self.group_id, self.kind)}{self.key.hex()}"
+
+
+def name_prefix(namespace: Namespace, group_id: str, kind: str) -> str:
+    """What every store name of ``group_id``'s objects of ``kind`` starts with (before the key's hex)."""
+    return f"hkv1/{namespace.hex}/{group_id}/{kind}/"
