@@ -22,6 +22,7 @@ from hybridkv.tiers.namespace import Namespace
 ObjectKind = Literal["block", "checkpoint"]
 OBJECT_KINDS: tuple[str, ...] = ("block", "checkpoint")
 MAX_KEY_BYTES = 64
+_SIXTEEN_BYTES = 1 << 128
 
 
 def _token_bytes(token_ids: object) -> np.ndarray:
@@ -92,7 +93,9 @@ class ObjectKey:
         ``ObjectKey(kind, group_id, key)`` without checking the kind and group again (a plan
         makes hundreds per step)."""
         out = object.__new__(cls)
-        out.__dict__.update(kind=kind, group_id=group_id, key=as_key_bytes(key))
+        # a 128-bit hash (or less) is 16 bytes big-endian, as as_key_bytes makes it
+        raw = key.to_bytes(16, "big") if type(key) is int and 0 <= key < _SIXTEEN_BYTES else as_key_bytes(key)
+        out.__dict__.update(kind=kind, group_id=group_id, key=raw)
         return out
 
     def name(self, namespace: Namespace) -> str:
