@@ -31,7 +31,8 @@ With ``--gate`` the worker is paused (``OffloadWorker.pause``) from the end of e
 until the next one starts. ``<tier>`` is ``host`` (``HostTier``) or ``disk`` (``DiskTier`` in a temporary directory).
 Timed on the step thread: everything the simulator times (``check_admission``, ``add_request``,
 ``schedule``, ``append_token_ids``, ``free``), plus ``confirm_offloads``, ``take_offloads``, the
-copy before the forward (``submit``, or ``run`` for ``-sync``). Apart: how late the step thread
+copy before the forward (``submit``, or ``run`` for ``-sync``), once a step, after ``schedule``
+(what a step's frees publish goes at the next step's call). Apart: how late the step thread
 wakes from the forward's sleep (the timer's and the OS scheduler's latency in every variant, plus
 any wait for the GIL while the worker thread holds it: what a step thread waiting for its device
 would wait too). Loads of tier hits (a request
@@ -113,21 +114,25 @@ class StepEngine:
         self._forward_done = False
 
     def offload(self) -> None:
+        """The simulator calls this after each step's ``schedule`` and again after the step's
+        frees. The engine's offloads run once a step, before the forward (an engine writes
+        pages only there): what the frees published goes at the next step's call."""
+        if self._forward_done:
+            return
         t0 = time.perf_counter()
         if self.link is not None:
             self._offload()
         self.tier_us += (time.perf_counter() - t0) * 1e6
-        if not self._forward_done:  # the first call of a step follows its schedule: the forward
-            self._forward_done = True
-            if self.worker is not None and self.gate:
-                self.worker.resume()  # the worker runs while the device computes
-            start = time.perf_counter()
-            time.sleep(self.forward_s)
-            if self.worker is not None and self.gate:
-                self.worker.pause()
-            # Waking late is the step's too: the timer's slack, and any wait for the GIL the
-            # worker holds (a step thread waiting for its device is as late as this).
-            self.wake_us += max(0.0, time.perf_counter() - start - self.forward_s) * 1e6
+        self._forward_done = True  # the forward follows
+        if self.worker is not None and self.gate:
+            self.worker.resume()  # the worker runs while the device computes
+        start = time.perf_counter()
+        time.sleep(self.forward_s)
+        if self.worker is not None and self.gate:
+            self.worker.pause()
+        # Waking late is the step's too: the timer's slack, and any wait for the GIL the
+        # worker holds (a step thread waiting for its device is as late as this).
+        self.wake_us += max(0.0, time.perf_counter() - start - self.forward_s) * 1e6
 
     def _offload(self) -> None:
         link, parts = self.link, self.parts_us

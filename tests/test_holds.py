@@ -134,3 +134,19 @@ def test_holding_and_releasing_by_group_follows_the_pools_rules(page_space, ops)
         assert [m.held_outside_pages(g) for g in gids] == [
             sum(n for (h, _), n in holds.items() if h == g) for g in gids]
         m.check_invariants()
+
+
+@pytest.mark.parametrize("page_space", ["shared", "per-group"])
+def test_a_page_out_of_range_names_the_first_group_in_the_manager_s_order_that_has_one(page_space):
+    m = build(page_space)
+    gids = [spec.group_id for spec in m.specs]
+    first, last = gids[0], gids[-1]
+    before = state(m)
+    out_of_range = {last: np.array([1, m.pools[last].num_pages]), first: np.array([1])}
+    with pytest.raises(CacheManagerError, match=f"group {last!r}: page ids must lie in \\[1, {m.pools[last].num_pages}\\)"):
+        m.hold_pages_by_group(out_of_range)
+    with pytest.raises(CacheManagerError, match=f"group {first!r}: page ids"):
+        m.hold_pages_by_group({last: np.array([m.pools[last].num_pages]), first: np.array([0])})
+    with pytest.raises(CacheManagerError, match=f"group {gids[1]!r}: releasing"):
+        m.release_held_pages_by_group({gids[1]: np.array([-1]), last: np.array([m.pools[last].num_pages])})
+    assert state(m) == before  # refused whole

@@ -233,6 +233,30 @@ def test_a_rescue_after_the_worker_settled_gathers_nothing_and_before_it_replace
     assert plan.copies.rescue(0, engine.pools) is False  # settled by the worker: nothing to do
 
 
+def test_a_plan_s_rescues_are_gathered_together_and_each_once():
+    engine = Engine(total_tokens=2048, defer=True)
+    rng = np.random.default_rng(7)
+    engine.manager.add_request("p", rng.integers(0, CONFIG.vocab_size, 600), max_new_tokens=4)
+    engine.step([("p", 512)])
+    engine.run_jobs()
+    engine.manager.schedule([("p", 88)])  # publishes the first 512 tokens' entries
+    plan = engine.link.take_offloads()
+    n = len(plan.objects)
+    assert n >= 2 and plan.copies is not None and all(plan.deferred)
+    truth = gather_objects(engine.pools, list(plan.sources), [(o.key, o.first_token, o.end_token) for o in plan.objects])
+    assert plan.copies.rescue_many([n - 1, 0, n - 1] + list(range(n)), engine.pools) == n  # each once
+    for group in engine.pools.values():  # every page changes after the rescue
+        for plane in group.planes:
+            plane.pool.fill(0)
+    settled = {i: None for i in range(n)}
+    plan.copies.settle(settled)
+    for i in range(n):
+        assert (settled[i].key, settled[i].first_row, settled[i].num_rows) == (truth[i].key, truth[i].first_row,
+                                                                               truth[i].num_rows)
+        np.testing.assert_array_equal(settled[i].payload, truth[i].payload)
+    assert plan.copies.rescue_many(range(n), engine.pools) == 0  # rescued already: nothing to gather
+
+
 def test_pinning_and_deferring_exclude_each_other():
     with pytest.raises(ValueError, match="exclude each other"):
         TierLink(ObjectStore(HostTier(1 << 20), LAYOUT), pin_offloads=True, defer_offloads=True)

@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 
 from hybridkv.models.layout import cache_layout
 from hybridkv.tiers import (
+    HostTier,
     NamespaceMismatch,
+    ObjectStore,
     ObjectError,
     ObjectKey,
     RowsObject,
@@ -80,6 +82,16 @@ def test_object_names_carry_namespace_group_kind_and_key():
         ObjectKey("page", C4, b"k")
     with pytest.raises(ValueError, match="content key"):
         ObjectKey("block", C4, b"")
+
+
+@given(st.sampled_from(["block", "checkpoint"]), st.sampled_from(["v4.swa_kv", C4]),
+       st.one_of(st.integers(0, 2**130), st.sampled_from([0, 2**64, 2**128 - 1, 2**128, 2**200])))
+def test_a_key_made_for_checked_groups_equals_the_checked_one(kind, group, key):
+    fast, checked = ObjectKey.of_checked(kind, group, key), ObjectKey(kind, group, key)
+    assert fast == checked and hash(fast) == hash(checked) and fast.key == checked.key
+    assert ObjectStore(HostTier(1), FLASH).name(fast) == checked.name(NS)
+    with pytest.raises(ValueError, match="content key"):
+        ObjectKey.of_checked(kind, group, -1)
 
 
 # --- the format -----------------------------------------------------------------

@@ -236,6 +236,14 @@ class TierLink:
         self._state_ids = frozenset(manager.prefix.state_ids)
         self._specs = {s.group_id: s for s in manager.specs}
         self._kinds = {s.group_id: "checkpoint" if s.is_sliding else "block" for s in manager.specs}
+        # per group: (object kind, tokens before the boundary an object holds: a block's G, a checkpoint's W,
+        # page tokens, entry stride tokens, row bytes), for _offload_objects
+        self._offload_shapes = {
+            s.group_id: (self._kinds[s.group_id],
+                         self._prefix.checkpoint_window_tokens(s.group_id) if s.is_sliding
+                         else self._prefix.granularity_tokens,
+                         s.page_tokens, s.entry_stride_tokens, self._row_bytes[s.group_id])
+            for s in manager.specs}
         self._prefix.tier_hook = self
 
     def stored(self, group_id: str, key: int, boundary_tokens: int, pages: Sequence[int], low_priority: bool) -> None:
@@ -344,7 +352,7 @@ class TierLink:
         if not fresh:
             return _NO_OFFLOADS
         entries = list(fresh.items())
-        objects, views = self._offload_objects(entries)
+        objects, views, payload_bytes = self._offload_objects(entries)
         held = self.store.contains([obj.key for obj in objects])
         skipped = held.count(True)
         if skipped:
@@ -353,9 +361,9 @@ class TierLink:
             if not keep:
                 return _NO_OFFLOADS
             objects, views = [objects[i] for i in keep], [views[i] for i in keep]
-            entries = [entries[i] for i in keep]
+            entries, payload_bytes = [entries[i] for i in keep], [payload_bytes[i] for i in keep]
         self._stats.offload_objects += len(objects)
-        self._stats.offload_bytes += sum(self.object_payload_bytes(obj) for obj in objects)
+        self._stats.offload_bytes += sum(payload_bytes)
         self._tickets += 1
         if self.defer_offloads:
             return self._defer(self._tickets, entries, tuple(objects), tuple(views))
@@ -571,24 +579,21 @@ class TierLink:
         return rows_for_tokens(spec, obj.first_token, obj.end_token)[1] * self._row_bytes[obj.key.group_id]
 
     # --- planning ------------------------------------------------------------------
-    def _first_token(self, gid: str, boundary: int) -> int:
-        """The first token of group ``gid``'s offload object at ``boundary``: a block's ``D - G``,
-        a checkpoint's ``D - W`` (or 0)."""
-        if self._specs[gid].is_sliding:
-            return max(0, boundary - self._prefix.checkpoint_window_tokens(gid))
-        return boundary - self._prefix.granularity_tokens
-
     def _offload_objects(self, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]
-                         ) -> tuple[list[PlannedObject], list[GroupPages]]:
-        """The objects of published entries ``((group, key), (boundary, pages))`` and their pages'
-        views."""
-        objects, views = [], []
-        specs, kinds = self._specs, self._kinds
+                         ) -> tuple[list[PlannedObject], list[GroupPages], list[int]]:
+        """The objects of published entries ``((group, key), (boundary, pages))``, their pages'
+        views and their payload bytes (as :meth:`object_payload_bytes`). Per entry only what
+        differs is worked out: each group's kind, window, stride and row bytes are looked up once
+        (a plan has hundreds of entries, on the step thread)."""
+        objects, views, payload_bytes = [], [], []
+        of_checked, shapes = ObjectKey.of_checked, self._offload_shapes
         for (gid, key), (boundary, pages) in entries:
-            first = self._first_token(gid, boundary)
-            objects.append(PlannedObject(ObjectKey(kinds[gid], gid, key), first, boundary, boundary))
-            views.append(GroupPages(first // specs[gid].page_tokens, np.asarray(pages, dtype=np.int64)))
-        return objects, views
+            kind, span, page_tokens, stride, row_bytes = shapes[gid]
+            first = max(0, boundary - span)
+            objects.append(PlannedObject(of_checked(kind, gid, key), first, boundary, boundary))
+            views.append(GroupPages(first // page_tokens, np.array(pages, dtype=np.int64)))
+            payload_bytes.append(max(0, boundary // stride - -(-first // stride)) * row_bytes)
+        return objects, views, payload_bytes
 
     def _plan_load(self, request_id: str, hashes: Any, prompt_tokens: int, hit_tokens: int,
                    cap_tokens: int | None = None) -> None:

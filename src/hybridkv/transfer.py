@@ -245,12 +245,18 @@ class DeferredCopies:
     def rescue(self, index: int, pools: dict[str, GroupPools]) -> bool:
         """Gather object ``index`` now (its entry left the cache) unless the worker has settled it;
         whether it was gathered."""
+        return self.rescue_many([index], pools) == 1
+
+    def rescue_many(self, indices: Sequence[int], pools: dict[str, GroupPools]) -> int:
+        """:meth:`rescue` of every object in ``indices``, in one gather (one compiled copy per
+        group, layer and plane); how many were gathered."""
         with self._lock:
-            if index not in self._pending:
-                return False
-            self._pending.discard(index)
-            self._rescued[index] = gather_planned(pools, self._objects, self._sources, [index])[0]
-            return True
+            chosen = [i for i in dict.fromkeys(indices) if i in self._pending]
+            if not chosen:
+                return 0
+            self._pending.difference_update(chosen)
+            self._rescued.update(zip(chosen, gather_planned(pools, self._objects, self._sources, chosen)))
+            return len(chosen)
 
     def settle(self, gathered: dict[int, RowsObject]) -> None:
         """On the worker, after gathering: the rescued objects' copies replace its own."""
@@ -293,9 +299,12 @@ class OffloadPlan:
         return self.is_pinned(index) or (bool(self.deferred) and self.deferred[index])
 
     def rescue(self, pools: Mapping[str, GroupPools]) -> int:
-        """Gather the rows of ``rescues`` the worker has not settled yet; how many were gathered."""
-        pools = dict(pools)
-        return sum(copies.rescue(index, pools) for copies, index in self.rescues)
+        """Gather the rows of ``rescues`` the worker has not settled yet, those of one earlier plan
+        in one gather; how many were gathered."""
+        pools, by_plan = dict(pools), {}
+        for copies, index in self.rescues:
+            by_plan.setdefault(id(copies), (copies, []))[1].append(index)
+        return sum(copies.rescue_many(indices, pools) for copies, indices in by_plan.values())
 
     def submit(self, worker: OffloadWorker, pools: Mapping[str, GroupPools]) -> bool:
         """Hand the plan to ``worker``: the rescues and the rows of objects that are neither

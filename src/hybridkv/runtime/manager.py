@@ -1361,23 +1361,30 @@ class CacheManager:
         """Every group's pages, in the page space's group order: as page-space ids, as each
         group's own ids, and how many per group; checked to lie in ``[lowest, num_pages)``
         (else ``error``)."""
-        glob, local, per_group = [], [], []
+        local, per_group = [], []
         for gid in self._group_ids:
             pages = pages_by_group.get(gid)
-            pages = np.zeros(0, dtype=np.int64) if pages is None else np.asarray(pages, dtype=np.int64)
-            if pages.size:
-                n = self.pools[gid].num_pages
-                if int(pages.min()) < lowest or int(pages.max()) >= n:
-                    raise CacheManagerError(f"group {gid!r}: " + error.format(n=n))
-                glob.append(pages + self._space_offset[gid])
-                local.append(pages)
-            per_group.append(int(pages.size))
+            if pages is None:
+                per_group.append(0)
+                continue
+            pages = np.asarray(pages, dtype=np.int64).ravel()
+            local.append(pages)
+            per_group.append(pages.size)
+        local = np.concatenate(local) if local else np.zeros(0, dtype=np.int64)
+        if local.size:  # every group's bounds checked at once; the first group out of them is named
+            limits = np.repeat([self.pools[gid].num_pages for gid in self._group_ids], per_group)
+            bad = (local < lowest) | (local >= limits)
+            if bad.any():
+                at = int(np.searchsorted(np.cumsum(per_group), int(bad.argmax()), side="right"))
+                gid = self._group_ids[at]
+                raise CacheManagerError(f"group {gid!r}: " + error.format(n=self.pools[gid].num_pages))
         for gid in pages_by_group:
             if gid not in self._space_offset:
                 raise CacheManagerError(f"no group {gid!r}")
-        if not glob:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), per_group
-        return np.concatenate(glob), np.concatenate(local), per_group
+        if not local.size:
+            return local, local, per_group
+        offsets = np.repeat([self._space_offset[gid] for gid in self._group_ids], per_group)
+        return local + offsets, local, per_group
 
     def held_outside_pages(self, group_id: str) -> int:
         """Holds taken by :meth:`hold_pages_by_group` and not released (a page held twice

@@ -1,9 +1,18 @@
 """Local disk tier: one file per object in a directory that several processes may share.
 
-**The directory is the truth.** ``get``, ``contains`` and ``delete`` look at the
-files themselves, so an object another process (or another ``DiskTier`` on the
-same directory) wrote or deleted a moment ago is seen at once. File names are
-the SHA-256 of the object name (any name maps to a safe path).
+**The directory is the truth.** ``get`` and ``delete`` look at the files
+themselves, so an object another process (or another ``DiskTier`` on the same
+directory) wrote or deleted a moment ago is seen at once. ``contains`` (which an
+engine's step thread calls) answers from an *index* of the files this tier
+knows, with no ``stat`` per name, while the index is exact: the shared state's
+change count (below) is the one the index was made at. Every change through any
+``DiskTier`` moves that count, so after another process's put or delete the
+index is stale and ``contains`` looks at each file again, until this tier's next
+put (on an offload worker, off the step thread) lists the directory's names
+under the lock and makes the index exact once more. A file removed by hand, not
+through a ``DiskTier``, may still be answered as held until a ``get`` misses it
+(the get is a miss, never wrong bytes). File names are the SHA-256 of the
+object name (any name maps to a safe path).
 
 **Write-once, whole or absent.** A value is written to a temporary file
 (``.<id>.<pid>.<n>.tmp``) and *linked* to its name: ``link`` fails when the
@@ -87,6 +96,8 @@ class DiskTier(Tier):
         self.fsync = bool(fsync)
         os.makedirs(self.root, exist_ok=True)
         self._recent: OrderedDict[str, None] = OrderedDict()  # file ids this tier knows, least recent first
+        self._index: set[str] = set()  # file ids in the directory, exact at the change count below
+        self._index_changes: int | None = None  # the state's change count the index is exact at (None: stale)
         self._mutex = threading.RLock()  # threads of this process; flock orders the processes
         self._state_fd: int | None = None  # open only within a call (no descriptor held between calls)
         with self._locked():
@@ -122,11 +133,19 @@ class DiskTier(Tier):
         return _STATE.unpack(data) if len(data) == _STATE.size else (0, 0, 0)
 
     def _add_held(self, nbytes: int, files: int) -> int:
-        """Add to the held bytes and files (under the lock); the held bytes now."""
+        """Add to the held bytes and files (under the lock, after the change to the files and to
+        the index); the held bytes now. The index stays exact when it was exact before this change."""
         held, count, changes = self._read_state()
         held, count = max(0, held + nbytes), max(0, count + files)
         os.pwrite(self._state(), _STATE.pack(held, count, changes + 1), 0)
+        self._index_changes = changes + 1 if self._index_changes == changes else None
         return held
+
+    def _list_index(self) -> None:
+        """Make the index exact (under the lock): the directory's object names, no ``stat``."""
+        self._index = {name[: -len(_SUFFIX)] for name in os.listdir(self.root)
+                       if name.endswith(_SUFFIX) and not name.startswith(".")}
+        self._index_changes = self._read_state()[2]
 
     def _scan(self) -> None:
         """Re-count the directory from its files (under the lock); known objects, oldest first."""
@@ -140,8 +159,10 @@ class DiskTier(Tier):
                 found.append((stat.st_mtime_ns, entry.name[: -len(_SUFFIX)], stat.st_size))
         found.sort()
         self._recent = OrderedDict((file_id, None) for _, file_id, _ in found)
+        self._index = {file_id for _, file_id, _ in found}
         changes = self._read_state()[2]
         os.pwrite(self._state(), _STATE.pack(sum(size for *_, size in found), len(found), changes + 1), 0)
+        self._index_changes = changes + 1
 
     def _remove_stale_temps(self) -> None:
         for entry in os.scandir(self.root):
@@ -172,12 +193,14 @@ class DiskTier(Tier):
         removing it failed (counted)."""
         self._recent.pop(file_id, None)
         path = self._path(file_id)
+        self._index.discard(file_id)  # before the change count moves (see _contains)
         try:
             size = os.stat(path).st_size
             os.unlink(path)
         except FileNotFoundError:
             return -1
         except OSError as exc:
+            self._index.add(file_id)  # still there
             self._fault(f"disk {what} failed: {exc}")
             return -2
         self._add_held(-size, -1)
@@ -204,6 +227,8 @@ class DiskTier(Tier):
                 with self._locked():
                     for i, file_id, temp, size in written:
                         out[i] = self._link(file_id, temp, size)
+                    if self._index_changes is None:  # another process changed the directory
+                        self._list_index()
             except OSError as exc:  # the state file cannot be opened: nothing more is linked
                 self._fault(f"disk state failed: {exc}")
                 for i, _, temp, _ in written:
@@ -245,6 +270,7 @@ class DiskTier(Tier):
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(temp)
+        self._index.add(file_id)  # before the change count moves (see _contains)
         self._add_held(size, 1)
         self._known(file_id)
         self._stats.stored += 1
@@ -281,6 +307,7 @@ class DiskTier(Tier):
             except FileNotFoundError:
                 with self._mutex:
                     self._recent.pop(file_id, None)
+                self._index.discard(file_id)  # e.g. removed by hand: not answered as held again
                 value = None
             except OSError as exc:
                 self._fault(f"disk read failed: {exc}")
@@ -291,7 +318,30 @@ class DiskTier(Tier):
         return out
 
     def _contains(self, names: list[str]) -> list[bool]:
-        return [os.path.exists(self._path(_file_id(name))) for name in names]
+        """From the index while it is exact (one read of the state file), else a ``stat`` per name.
+        This tier changes the index before it moves the change count, so an index found exact
+        at the count read is at least as new as that count."""
+        ids = [_file_id(name) for name in names]
+        exact = self._index_changes
+        if exact is not None and self._changes_now() == exact:
+            index = self._index
+            return [file_id in index for file_id in ids]
+        return [os.path.exists(self._path(file_id)) for file_id in ids]
+
+    def _changes_now(self) -> int | None:
+        """The state's change count, read without the lock or the mutex (a put on another thread
+        may hold them); None when it cannot be read."""
+        try:
+            fd = os.open(os.path.join(self.root, STATE_FILE), os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            data = os.pread(fd, _STATE.size, 0)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        return _STATE.unpack(data)[2] if len(data) == _STATE.size else None
 
     def _delete(self, names: list[str]) -> int:
         return sum(out is True for out in self._delete_each(names))

@@ -22,6 +22,7 @@ from hybridkv.tiers.namespace import Namespace
 ObjectKind = Literal["block", "checkpoint"]
 OBJECT_KINDS: tuple[str, ...] = ("block", "checkpoint")
 MAX_KEY_BYTES = 64
+_SIXTEEN_BYTES = 1 << 128
 
 
 def _token_bytes(token_ids: object) -> np.ndarray:
@@ -85,6 +86,23 @@ class ObjectKey:
             raise ValueError(f"group_id must be a non-empty str without '/', got {self.group_id!r}")
         object.__setattr__(self, "key", as_key_bytes(self.key))
 
+    @classmethod
+    def of_checked(cls, kind: ObjectKind, group_id: str, key: int) -> ObjectKey:
+        """A key of a kind and group the caller has checked already (a tier link checks its
+        manager's groups once) and a manager's hash (a non-negative ``int``): as
+        ``ObjectKey(kind, group_id, key)`` without checking the kind and group again (a plan
+        makes hundreds per step)."""
+        out = object.__new__(cls)
+        # a 128-bit hash (or less) is 16 bytes big-endian, as as_key_bytes makes it
+        raw = key.to_bytes(16, "big") if type(key) is int and 0 <= key < _SIXTEEN_BYTES else as_key_bytes(key)
+        out.__dict__.update(kind=kind, group_id=group_id, key=raw)
+        return out
+
     def name(self, namespace: Namespace) -> str:
         """The store name: ``hkv1/<namespace>/<group>/<kind>/<key>`` (ASCII, no rank)."""
-        return f"hkv1/{namespace.hex}/{self.group_id}/{self.kind}/{self.key.hex()}"
+        return f"{name_prefix(namespace, self.group_id, self.kind)}{self.key.hex()}"
+
+
+def name_prefix(namespace: Namespace, group_id: str, kind: str) -> str:
+    """What every store name of ``group_id``'s objects of ``kind`` starts with (before the key's hex)."""
+    return f"hkv1/{namespace.hex}/{group_id}/{kind}/"

@@ -16,7 +16,7 @@ import numpy as np
 
 from hybridkv.models.layout import ModelCacheLayout
 from hybridkv.tiers.base import Tier
-from hybridkv.tiers.keys import ObjectKey
+from hybridkv.tiers.keys import OBJECT_KINDS, ObjectKey, name_prefix
 from hybridkv.tiers.namespace import Namespace, layout_namespace
 from hybridkv.tiers.objects import (
     NamespaceMismatch,
@@ -49,12 +49,16 @@ class ObjectStore:
         self.layout = layout
         self.namespace: Namespace = layout_namespace(layout, model_id)
         self._parts = {g.group_id: layout_parts(layout, g.group_id) for g in layout.groups}
+        self._prefixes = {(g.group_id, kind): name_prefix(self.namespace, g.group_id, kind)
+                          for g in layout.groups for kind in OBJECT_KINDS}
         self._stats = StoreStats()
 
     def name(self, key: ObjectKey) -> str:
-        if key.group_id not in self._parts:
+        """``key.name(self.namespace)``, from a prefix made once per group and kind."""
+        prefix = self._prefixes.get((key.group_id, key.kind))
+        if prefix is None:
             raise ValueError(f"no group {key.group_id!r} in layout {self.layout.name}")
-        return key.name(self.namespace)
+        return prefix + key.key.hex()
 
     def put(self, objects: Sequence[RowsObject], *, in_place: bool = False) -> list[bool]:
         """Encode and put the objects; per object, whether a tier stored it. ``in_place``: each
