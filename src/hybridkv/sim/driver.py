@@ -359,6 +359,8 @@ class Simulator:
             if work.timed(self._shrink_last_chunk, work.batch, work.items):
                 work.memory_short = True
                 return
+            if self._drop_page_waiter(run):
+                continue
             victim = run.running.pop()  # the most recently started
             if not run.running:
                 reason = next(a.reason for a in answers if not a.ok)
@@ -372,6 +374,25 @@ class Simulator:
             run.preempt_count[victim.rid] = run.preempt_count.get(victim.rid, 0) + 1
             victim.incarnation += 1
             run.waiting.appendleft(victim)
+
+    def _keeps_waiting_for_pages(self, rid: str, work: _StepWork) -> bool:
+        """Whether ``rid``, refused, stays added: its load waits for pages and the batch so far
+        still fits beside the pages it holds (else it is freed, as a request that does not fit)."""
+        if self.tier is None or not self.tier.waits_for_pages(rid):
+            return False
+        return all(a.ok for a in self.manager.check_admission(work.items)) if work.items else True
+
+    def _drop_page_waiter(self, run: _Run) -> bool:
+        """Free a request in line kept added while its load waits for pages (its hit's pages go
+        back before a running request is preempted); whether there was one."""
+        if self.tier is None:
+            return False
+        live = next((lv for lv in run.waiting if lv.added and self.tier.waits_for_pages(lv.rid)), None)
+        if live is None:
+            return False
+        self.manager.free(live.rid)
+        live.added = False
+        return True
 
     def _start_waiting(self, run: _Run, work: _StepWork) -> None:
         """Start waiting requests in line while room remains (none after a preemption or a
@@ -408,8 +429,8 @@ class Simulator:
         if self.tier is not None:
             work.us += (time.perf_counter() - t0) * 1e6
             # the device hit and what the store adds; a load that got no pages waits
-            # for them (as a chunk that does not fit) while others run
-            live.hit_tokens, denied, parked = self.tier.load(live.rid)
+            # for them (as a chunk that does not fit) while others run, planned still
+            live.hit_tokens, denied, parked = self.tier.load(live.rid, wait_for_pages=bool(run.running))
             t0 = time.perf_counter()
             if parked:
                 work.parked = True  # it keeps its hit's pages, which the batch may have counted on
@@ -431,7 +452,10 @@ class Simulator:
             n = fit or n
         if not ok:
             work.refusal = answer.reason if not answer.ok else "its tier load got no pages"
-            mgr.free(live.rid)
+            if self._keeps_waiting_for_pages(live.rid, work):
+                live.added = True  # keeps its hit and its load's plan: the next try asks for pages only
+            else:
+                mgr.free(live.rid)
         work.us += (time.perf_counter() - t0) * 1e6
         if ok:
             work.add(live, n)
