@@ -321,6 +321,7 @@ class TierLink:
         With ``pin_offloads``, entries still published keep their pages held (pinned) until
         :meth:`confirm_offloads` reports the plan's ticket, so their copy may run later."""
         if self.markers is not None:
+            self.markers.delete_deferred()
             self._queue_ending()
             self._queue_wanted()
             self._queue_board()
@@ -753,8 +754,8 @@ class TierLink:
                 boundary, pages, _ = self._entries[(gid, key)]
                 self._queue.append((gid, key, boundary, pages))
                 self._stats.wanted_checkpoints += 1
-        if wanted:
-            self.markers.delete("wanted", list(wanted))
+        if wanted:  # read just now (a lease on Mooncake): deleted at the next take_offloads
+            self.markers.defer_delete("wanted", list(wanted))
 
     def _queue_board(self) -> None:
         """Queue (write through) the checkpoints on the wanted board this device holds (one ``get``)."""
