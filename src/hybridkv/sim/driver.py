@@ -375,6 +375,14 @@ class Simulator:
             victim.incarnation += 1
             run.waiting.appendleft(victim)
 
+    def _refuse(self, live: _Live, work: _StepWork, answer) -> None:
+        """``live`` does not start this step: freed, or kept added while its load waits for pages."""
+        work.refusal = answer.reason if not answer.ok else "its tier load got no pages"
+        if self._keeps_waiting_for_pages(live.rid, work):
+            live.added = True  # keeps its hit and its load's plan: the next try asks for pages only
+        else:
+            self.manager.free(live.rid)
+
     def _keeps_waiting_for_pages(self, rid: str, work: _StepWork) -> bool:
         """Whether ``rid``, refused, stays added: its load waits for pages and the batch so far
         still fits beside the pages it holds (else it is freed, as a request that does not fit)."""
@@ -420,7 +428,7 @@ class Simulator:
         None when it waits for blocks another request computes."""
         mgr, seq = self.manager, live.sequence()
         t0, denied = time.perf_counter(), False
-        if not live.added:  # (added: resumed from waiting for another request's blocks)
+        if not live.added:  # (added: resumed from waiting for another request's blocks, or its load for pages)
             remaining = live.request.output_tokens - live.produced
             live.hit_tokens = mgr.add_request(live.rid, seq, max_new_tokens=remaining).hit_tokens
             if self.tier is not None:
@@ -451,11 +459,7 @@ class Simulator:
             ok = work.memory_short = fit > 0
             n = fit or n
         if not ok:
-            work.refusal = answer.reason if not answer.ok else "its tier load got no pages"
-            if self._keeps_waiting_for_pages(live.rid, work):
-                live.added = True  # keeps its hit and its load's plan: the next try asks for pages only
-            else:
-                mgr.free(live.rid)
+            self._refuse(live, work, answer)
         work.us += (time.perf_counter() - t0) * 1e6
         if ok:
             work.add(live, n)
