@@ -73,25 +73,19 @@ class TierEngine:
             self.moved.put_bytes += sum(_encoded_bytes(o) for o in objects)
             self.moved.offloaded_keys = len(self._keys)
 
-    def load(self, request_id: str, limit: int = 64, *, wait_for_pages: bool = False) -> tuple[int, bool, bool]:
+    def load(self, request_id: str, limit: int = 64) -> tuple[int, bool, bool]:
         """Load ``request_id``'s tier hit (rounds and fallbacks included): its computed tokens,
-        whether a load got no pages (denied, the request then holds only what loaded before; or,
-        with ``wait_for_pages``, still planned: :meth:`waits_for_pages`), and whether it waits
-        for blocks another request is computing (then it is not to be scheduled: :meth:`resume`
-        each step moves it on)."""
+        whether a load was denied pages (the request then holds only what loaded before), and
+        whether it waits for blocks another request is computing (then it is not to be scheduled:
+        :meth:`poll` each step moves it on)."""
         denied = self.link.stats().denied_loads
         for _ in range(limit):
             if not self.link.pending(request_id) or self.link.waiting(request_id):
                 break
-            if not self._take_and_confirm(request_id, wait_for_pages):
+            if not self._take_and_confirm(request_id) and not self.link.pending(request_id):
                 break
-        short = self.link.stats().denied_loads > denied or self.waits_for_pages(request_id)
-        return self.link.manager.num_computed_tokens(request_id), short, self.link.waiting(request_id)
-
-    def waits_for_pages(self, request_id: str) -> bool:
-        """Whether ``request_id``'s load is planned and not taken for want of pages (it keeps its
-        hit and its plan; the next :meth:`load` asks admission again, not the store)."""
-        return self.link.pending(request_id) and not self.link.waiting(request_id)
+        waiting = self.link.waiting(request_id)
+        return self.link.manager.num_computed_tokens(request_id), self.link.stats().denied_loads > denied, waiting
 
     def resume(self) -> None:
         """Match again the waiting requests whose wait is over (their loads: :meth:`load`)."""
@@ -107,8 +101,8 @@ class TierEngine:
     def forget(self, request_id: str) -> None:
         self._loaded.pop(request_id, None)
 
-    def _take_and_confirm(self, request_id: str, wait_for_pages: bool = False) -> bool:
-        loads = self.link.take_loads([request_id], wait_for_pages=wait_for_pages)
+    def _take_and_confirm(self, request_id: str) -> bool:
+        loads = self.link.take_loads([request_id])
         self.offload()  # the load's pages may have evicted entries: out before they are written
         for load in loads:
             result = self._fetch(load)
@@ -163,7 +157,7 @@ class ClusterResult:
             "token_hit_rate": hits / prompt if prompt else 0.0,
             "preemptions": sum(int(r.preemptions.sum()) for r in self.results),
             "loads": {"planned": link.planned_loads, "confirmed": link.confirmed_loads, "failed": link.failed_loads,
-                      "denied": link.denied_loads, "page_waits": link.page_waits},
+                      "denied": link.denied_loads},
             "in_flight": {"waits": link.waits, "waited_out": link.waited_out,
                           "checkpoint_waits": link.checkpoint_waits, "wanted_checkpoints": link.wanted_checkpoints},
             "put_objects": self.moved.put_objects,

@@ -43,6 +43,7 @@ class _Live:
     context_tokens: int = 0  # tokens to compute in the current incarnation before decode
     started_step: int = -1
     added: bool = False  # in the manager already: it waited for another request's blocks
+    denied_at: int = -1  # the run's frees when its tier load last got no pages (-1: it did not)
 
     @property
     def rid(self) -> str:
@@ -147,6 +148,7 @@ class _Run:
         self.series: dict[str, list] = {k: [] for k in ("running", "sched", "hit", "prompt", "preempt", "shrunk", "us")}
         self.used: dict[str, list[int]] = {g: [] for g in group_ids}
         self.step = 0
+        self.frees = 0  # requests freed finished or preempted: pages a denied tier load waits for
 
     def has_work(self) -> bool:
         return bool(self.pending or self.waiting or self.running or self.blocked or self.held)
@@ -359,8 +361,6 @@ class Simulator:
             if work.timed(self._shrink_last_chunk, work.batch, work.items):
                 work.memory_short = True
                 return
-            if self._drop_page_waiter(run):
-                continue
             victim = run.running.pop()  # the most recently started
             if not run.running:
                 reason = next(a.reason for a in answers if not a.ok)
@@ -370,37 +370,16 @@ class Simulator:
                 )
             work.drop(victim)
             work.timed(mgr.free, victim.rid)
+            run.frees += 1
             work.preempted += 1
             run.preempt_count[victim.rid] = run.preempt_count.get(victim.rid, 0) + 1
             victim.incarnation += 1
             run.waiting.appendleft(victim)
 
     def _refuse(self, live: _Live, work: _StepWork, answer) -> None:
-        """``live`` does not start this step: freed, or kept added while its load waits for pages."""
+        """``live`` does not start this step: freed again, the reason noted."""
         work.refusal = answer.reason if not answer.ok else "its tier load got no pages"
-        if self._keeps_waiting_for_pages(live.rid, work):
-            live.added = True  # keeps its hit and its load's plan: the next try asks for pages only
-        else:
-            self.manager.free(live.rid)
-
-    def _keeps_waiting_for_pages(self, rid: str, work: _StepWork) -> bool:
-        """Whether ``rid``, refused, stays added: its load waits for pages and the batch so far
-        still fits beside the pages it holds (else it is freed, as a request that does not fit)."""
-        if self.tier is None or not self.tier.waits_for_pages(rid):
-            return False
-        return all(a.ok for a in self.manager.check_admission(work.items)) if work.items else True
-
-    def _drop_page_waiter(self, run: _Run) -> bool:
-        """Free a request in line kept added while its load waits for pages (its hit's pages go
-        back before a running request is preempted); whether there was one."""
-        if self.tier is None:
-            return False
-        live = next((lv for lv in run.waiting if lv.added and self.tier.waits_for_pages(lv.rid)), None)
-        if live is None:
-            return False
         self.manager.free(live.rid)
-        live.added = False
-        return True
 
     def _start_waiting(self, run: _Run, work: _StepWork) -> None:
         """Start waiting requests in line while room remains (none after a preemption or a
@@ -408,6 +387,9 @@ class Simulator:
         while (run.waiting and len(run.running) < self.max_running and work.budget > 0
                and not work.preempted and not work.memory_short):
             live = run.waiting[0]
+            if live.denied_at == run.frees and run.running:
+                work.refusal = "its tier load got no pages, and no request was freed since"
+                return  # asked again (add, store, load) once pages may have come back
             started = self._try_start(run, work, live)
             if started is None:  # held for a peer's blocks: others may start
                 continue
@@ -428,7 +410,7 @@ class Simulator:
         None when it waits for blocks another request computes."""
         mgr, seq = self.manager, live.sequence()
         t0, denied = time.perf_counter(), False
-        if not live.added:  # (added: resumed from waiting for another request's blocks, or its load for pages)
+        if not live.added:  # (added: resumed from waiting for another request's blocks)
             remaining = live.request.output_tokens - live.produced
             live.hit_tokens = mgr.add_request(live.rid, seq, max_new_tokens=remaining).hit_tokens
             if self.tier is not None:
@@ -437,8 +419,9 @@ class Simulator:
         if self.tier is not None:
             work.us += (time.perf_counter() - t0) * 1e6
             # the device hit and what the store adds; a load that got no pages waits
-            # for them (as a chunk that does not fit) while others run, planned still
-            live.hit_tokens, denied, parked = self.tier.load(live.rid, wait_for_pages=bool(run.running))
+            # for them (as a chunk that does not fit) while others run
+            live.hit_tokens, denied, parked = self.tier.load(live.rid)
+            live.denied_at = run.frees if denied else -1
             t0 = time.perf_counter()
             if parked:
                 work.parked = True  # it keeps its hit's pages, which the batch may have counted on
@@ -482,6 +465,7 @@ class Simulator:
             live.produced += 1
             if live.produced >= live.request.output_tokens:
                 work.timed(mgr.free, live.rid)
+                run.frees += 1
                 run.finished_ids.add(live.rid)
                 record = self._record(live, run.step, run.first_hit, run.total_sched, run.preempt_count)
                 record.first_tier_hit_tokens = run.first_tier_hit.get(live.rid, 0)
