@@ -112,7 +112,6 @@ class PendingLoad:
 class TierLinkStats:
     planned_loads: int = 0  # requests found to hit past the device
     denied_loads: int = 0  # no pages for the whole load alone (cut, or dropped)
-    page_waits: int = 0  # take_loads(wait_for_pages=True) calls that left a load planned for pages
     shortened_loads: int = 0  # of those, planned again to the longest boundary that fits (the rest later)
     taken_loads: int = 0
     confirmed_loads: int = 0
@@ -439,8 +438,7 @@ class TierLink:
         self._stats.offload_pinned += len(keys)
         return tuple(pinned)
 
-    def take_loads(self, request_ids: Iterable[str] | None = None, *, wait_for_pages: bool = False
-                   ) -> list[PendingLoad]:
+    def take_loads(self, request_ids: Iterable[str] | None = None) -> list[PendingLoad]:
         """Pages for the planned loads (one step of those requests, nothing computed) and the
         plans. Without ``request_ids``, after resuming the waiting requests whose wait is over
         (:meth:`resume_waits`), every planned load; with them, only theirs (an engine building a
@@ -449,11 +447,8 @@ class TierLink:
         beside those stays planned for the next call; one that does not fit alone is planned
         again to the longest boundary the store serves whose load fits alone (taken now when it
         fits beside the others; the rest of the hit comes in the next rounds); when none does,
-        it is dropped: the request keeps its device hit. ``wait_for_pages`` (an engine whose
-        running requests will give pages back): a load that does not fit alone stays planned
-        instead, as a chunk that does not fit waits (counted in ``page_waits``; the next call
-        asks admission again, not the store). Run :meth:`take_offloads` and its plan first (the
-        step may have evicted pages)."""
+        it is dropped: the request keeps its device hit. Run :meth:`take_offloads` and its plan
+        first (the step may have evicted pages)."""
         if any(p.taken for p in self._plans.values()):
             raise TierLinkError("confirm_load() the loads taken before taking more")
         if request_ids is None:
@@ -462,7 +457,7 @@ class TierLink:
         else:
             wanted = set(request_ids)
             rids = [rid for rid in self._plans if rid in wanted]
-        items = self._admit_loads(rids, wait_for_pages)
+        items = self._admit_loads(rids)
         if not items:
             return []
         mgr = self.manager
@@ -483,9 +478,8 @@ class TierLink:
             out.append(PendingLoad(rid, plan.from_tokens, load, pages_from_manager(mgr, rid)))
         return out
 
-    def _admit_loads(self, rids: Sequence[str], wait_for_pages: bool = False) -> list[tuple[str, int]]:
-        """The loads of ``rids`` admission takes together, in order; the ones that fit alone (or,
-        with ``wait_for_pages``, every one) stay planned."""
+    def _admit_loads(self, rids: Sequence[str]) -> list[tuple[str, int]]:
+        """The loads of ``rids`` admission takes together, in order; the ones that fit alone stay planned."""
         mgr = self.manager
         items = [(rid, self._plans[rid].boundary_tokens - self._plans[rid].from_tokens) for rid in rids]
         mgr.pending_loads.difference_update(rid for rid, _ in items)
@@ -495,9 +489,8 @@ class TierLink:
         for item in items:
             if all(a.ok for a in mgr.check_admission(taken + [item], load=True)):
                 taken.append(item)
-            elif wait_for_pages or mgr.check_admission([item], load=True)[0].ok:
+            elif mgr.check_admission([item], load=True)[0].ok:
                 mgr.pending_loads.add(item[0])  # for the next call
-                self._stats.page_waits += int(wait_for_pages)
             else:
                 plan = self._plans.pop(item[0])
                 self._stats.denied_loads += 1
