@@ -60,11 +60,12 @@ boundary where its prompt leaves the marked (or held) blocks, and
 markers, write-through puts a checkpoint (low-priority prompt boundaries
 included) only when a wanted marker asks for it or as the last one of a
 request that is freed; history blocks still go when committed. A request that
-finds blocks in the store but no checkpoint among them, or whose load does not
-fit alone (cut then to the most grains that fit), asks for the checkpoint it
-needs on the *wanted board* and waits (the same bound); every link reads the
+finds blocks in the store but no checkpoint among them asks for the checkpoint
+it needs on the *wanted board* and waits (the same bound); every link reads the
 board at ``take_offloads`` and writes through the listed checkpoints its
-device holds. Markers only delay a request; rows come from verified objects
+device holds. A load cut for pages asks for nothing (no device holds a
+checkpoint where the free pages ran out): it is dropped when the store serves
+no boundary below the cut. Markers only delay a request; rows come from verified objects
 or the device as always. What the link knows of its markers and waits is kept
 in an :class:`~hybridkv.inflight_state.InFlightState`.
 """

@@ -419,7 +419,7 @@ class Simulator:
         if self.tier is not None:
             work.us += (time.perf_counter() - t0) * 1e6
             # the device hit and what the store adds; a load that got no pages waits
-            # for them (as a chunk that does not fit) while others run
+            # for them (as a chunk that does not fit) while others run: tried again once one is freed
             live.hit_tokens, denied, parked = self.tier.load(live.rid)
             live.denied_at = run.frees if denied else -1
             t0 = time.perf_counter()
