@@ -16,7 +16,7 @@ from hybridkv.plan import Limits, plan_for_tokens
 from hybridkv.reference.config import ReferenceConfig, build_model
 from hybridkv.reference.dense import dense_forward
 from hybridkv.reference.paged import PagedStack
-from hybridkv.tiers import HostTier, ObjectKey, ObjectStore, group_pools_from_layers
+from hybridkv.tiers import HostTier, ObjectKey, ObjectStore, Tier, group_pools_from_layers
 from hybridkv.tierlink import TierLink
 
 CONFIG = ReferenceConfig()
@@ -360,3 +360,61 @@ def test_the_board_round_trips_and_refuses_what_is_not_one():
         assert decode_board(bad) == {}
     with pytest.raises(ValueError, match="at most"):
         encode_board({i.to_bytes(2, "big"): 1 for i in range(1, MAX_BOARD_KEYS + 2)})
+
+
+class LeasedTier(Tier):
+    """A host tier with Mooncake's read lease, worked by hand: a name read (``get`` or
+    ``contains``) refuses its delete until :meth:`expire`."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = HostTier(1 << 30)
+        self.leased: set[str] = set()
+
+    def expire(self):
+        self.leased.clear()
+
+    def _put(self, items):
+        return self.inner.put(items)
+
+    def _get(self, names):
+        self.leased.update(names)
+        return self.inner.get(names)
+
+    def _contains(self, names):
+        self.leased.update(names)
+        return self.inner.contains(names)
+
+    def _delete(self, names):
+        return sum(out is True for out in self._delete_each(names))
+
+    def _delete_each(self, names):
+        return [None if name in self.leased and held else held and self.inner.delete([name]) == 1
+                for name, held in zip(names, self.inner.contains(names))]
+
+
+def test_a_wanted_marker_read_for_its_checkpoint_is_deleted_after_the_lease_not_refused():
+    """A writes through the checkpoint q wants at 512 and takes q's wanted marker away. It read
+    the marker (``contains``) just before: on Mooncake its delete then is refused within the
+    read's lease (it was, once per checkpoint). Now the delete goes at A's next take_offloads."""
+    leased = LeasedTier()
+    store = ObjectStore(leased, LAYOUT)
+    clock = Clock()
+    prompt, other = prompts(11)
+    a, b = Instance(store, clock, 3), Instance(store, clock, 23)
+    a.manager.add_request("p", prompt, max_new_tokens=8)
+    b.manager.add_request("q", other, max_new_tokens=8)
+    assert b.link.waiting("q")
+    (k512,) = keys(a.manager, prompt, [512])
+    wanted = a.link.markers.names("wanted", k512)
+    assert any(leased.inner.contains(wanted))
+    leased.expire()
+    a.step("p", prompt)
+    a.manager.append_token_ids("p", [1])
+    a.step("p", [1])  # commits the prompt: the checkpoint at 512 is written through, the marker read
+    assert a.link.stats().wanted_checkpoints == len(a.manager.prefix.state_ids)
+    assert a.link.markers.stats().deletes_failed == 0
+    leased.expire()
+    a.offload()
+    assert not any(leased.inner.contains(wanted))
+    assert a.link.markers.stats().deletes_failed == 0

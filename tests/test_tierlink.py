@@ -12,6 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from hybridkv.inflight import InFlightRule
 from hybridkv.runtime.manager import CacheManager, CacheManagerError
 from hybridkv.models.layout import cache_layout
 from hybridkv.plan import Limits, plan_for_tokens
@@ -322,6 +323,47 @@ def test_a_load_too_big_alone_is_cut_to_what_fits_and_the_rest_follows():
     loads = b.take_loads()  # the rest of the hit, now that it fits
     assert [(x.from_tokens, x.boundary_tokens) for x in loads] == [(256, 768)]
     assert b.link.confirm_load("q", loads[0].plan.run(store, b.pools, loads[0].targets)) == 768
+    assert b.link.stats().denied_loads == 1
+    np.testing.assert_allclose(b.compute_rest("q", other, tail), dense(b.model, np.concatenate([other, tail]))[768:],
+                               rtol=0, atol=ATOL)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_load_cut_for_pages_asks_for_no_checkpoint_nobody_holds():
+    """The cluster run's expired waits, worked small. The store serves q's prompt to 768 with a
+    checkpoint at 768 only (A checkpoints at its prompt's end); B's fillers leave pages for a
+    256-token load, not a 768-token one. Before: the load was cut to 256, the store had no
+    checkpoint there, and q asked the wanted board for one and waited its whole bound for it:
+    no device holds a checkpoint where B's free pages ran out. Now the cut finds nothing and
+    q keeps its device hit at once; added again once the fillers are gone, it loads all 768."""
+    store = ObjectStore(HostTier(1 << 30), LAYOUT)
+    prompt, other, tail = prompts(2, shared=800, length=900)
+    a = Instance(store, 3, write_through=True)
+    compute_prompt(a, "p", prompt)
+    clock = Clock()
+    rule = InFlightRule(wait=5, ttl=20, clock=clock)
+    b = Instance(store, 13, total_tokens=1024, write_through=True, in_flight=rule)
+    fillers = fill_chunks(b, 39)
+    b.manager.add_request("q", other, max_new_tokens=8)
+    assert b.link.pending("q") and b.take_loads() == []
+    stats = b.link.stats()
+    assert (stats.denied_loads, stats.shortened_loads, stats.checkpoint_waits, stats.waits) == (1, 0, 0, 0)
+    assert not b.link.pending("q") and not b.link.waiting("q") and b.link.markers.board() == {}
+    assert b.manager.num_computed_tokens("q") == 0
+    b.manager.free("q")
+    for rid in fillers:
+        b.manager.free(rid)
+    b.manager.add_request("q", other, max_new_tokens=8)
+    (load,) = b.take_loads()
+    assert (load.from_tokens, load.boundary_tokens) == (0, 768)
+    assert b.link.confirm_load("q", load.plan.run(store, b.pools, load.targets)) == 768
     assert b.link.stats().denied_loads == 1
     np.testing.assert_allclose(b.compute_rest("q", other, tail), dense(b.model, np.concatenate([other, tail]))[768:],
                                rtol=0, atol=ATOL)

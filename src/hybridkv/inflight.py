@@ -65,7 +65,10 @@ u32, then per entry stamp u64, key length u8, the key; at most
 ``MAX_BOARD_KEYS`` entries, the ones first seen longest ago dropped.
 
 Deletes a store refuses (a Mooncake read lease) are counted and tried again at
-the next call (up to ``DELETE_ATTEMPTS`` times), never raised.
+the next call (up to ``DELETE_ATTEMPTS`` times), never raised. A link that deletes
+markers it has just read (the wanted markers of the checkpoints it writes through)
+puts the delete off to its next ``take_offloads`` (``defer_delete``), past the
+read's lease, instead of having it refused once.
 """
 
 from __future__ import annotations
@@ -251,6 +254,7 @@ class Markers:
         self._seen_entries = Sightings(rule.ttl)  # board key -> stamp
         self._log = VersionLog(tier, self.board_name(), keep=BOARD_KEEP)
         self._undeleted: dict[str, int] = {}  # names whose delete was refused -> tries
+        self._later: list[str] = []  # names read by this link just now: deleted at delete_deferred()
         self._own: dict[tuple[str, bytes], dict[str, str]] = {}  # (kind, key) -> {request: its name}
         self._stats = MarkerStats()
 
@@ -353,6 +357,22 @@ class Markers:
         for name in names:
             self._seen.forget(name)
         return self._delete(names)
+
+    def defer_delete(self, kind: str, keys: Sequence[int]) -> None:
+        """Delete every ``kind`` marker of ``keys`` at the next :meth:`delete_deferred`, not now:
+        this link has just read them, and a store with read leases (Mooncake) refuses a delete
+        within the lease of a read."""
+        for key in keys:
+            self._own.pop((kind, as_key_bytes(key)), None)
+            for name in self.names(kind, key):
+                self._seen.forget(name)
+                self._later.append(name)
+
+    def delete_deferred(self) -> int:
+        """Run the deletes :meth:`defer_delete` put off (with any refused before); how many
+        markers were there."""
+        names, self._later = list(dict.fromkeys(self._later)), []
+        return self._delete(names) if names or self._undeleted else 0
 
     def _delete(self, names: list[str]) -> int:
         """Delete ``names`` and those refused before (one ``delete_each``: no ``contains``, which

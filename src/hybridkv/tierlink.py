@@ -60,11 +60,12 @@ boundary where its prompt leaves the marked (or held) blocks, and
 markers, write-through puts a checkpoint (low-priority prompt boundaries
 included) only when a wanted marker asks for it or as the last one of a
 request that is freed; history blocks still go when committed. A request that
-finds blocks in the store but no checkpoint among them, or whose load does not
-fit alone (cut then to the most grains that fit), asks for the checkpoint it
-needs on the *wanted board* and waits (the same bound); every link reads the
+finds blocks in the store but no checkpoint among them asks for the checkpoint
+it needs on the *wanted board* and waits (the same bound); every link reads the
 board at ``take_offloads`` and writes through the listed checkpoints its
-device holds. Markers only delay a request; rows come from verified objects
+device holds. A load cut for pages asks for nothing (no device holds a
+checkpoint where the free pages ran out): it is dropped when the store serves
+no boundary below the cut. Markers only delay a request; rows come from verified objects
 or the device as always. What the link knows of its markers and waits is kept
 in an :class:`~hybridkv.inflight_state.InFlightState`.
 """
@@ -111,7 +112,7 @@ class PendingLoad:
 @dataclass
 class TierLinkStats:
     planned_loads: int = 0  # requests found to hit past the device
-    denied_loads: int = 0  # no pages for the whole load alone
+    denied_loads: int = 0  # no pages for the whole load alone (cut, or dropped)
     shortened_loads: int = 0  # of those, planned again to the longest boundary that fits (the rest later)
     taken_loads: int = 0
     confirmed_loads: int = 0
@@ -328,6 +329,7 @@ class TierLink:
         With ``pin_offloads``, entries still published keep their pages held (pinned) until
         :meth:`confirm_offloads` reports the plan's ticket, so their copy may run later."""
         if self.markers is not None:
+            self.markers.delete_deferred()
             self._queue_ending()
             self._queue_wanted()
             self._queue_board()
@@ -454,8 +456,8 @@ class TierLink:
         beside those stays planned for the next call; one that does not fit alone is planned
         again to the longest boundary the store serves whose load fits alone (taken now when it
         fits beside the others; the rest of the hit comes in the next rounds); when none does,
-        it is dropped: the request keeps its device hit. Run :meth:`take_offloads` and its plan first (the step
-        may have evicted pages)."""
+        it is dropped: the request keeps its device hit. Run :meth:`take_offloads` and its plan
+        first (the step may have evicted pages)."""
         if any(p.taken for p in self._plans.values()):
             raise TierLinkError("confirm_load() the loads taken before taking more")
         if request_ids is None:
@@ -512,8 +514,9 @@ class TierLink:
 
     def _plan_shorter(self, request_id: str, plan: _Plan) -> tuple[str, int] | None:
         """``plan`` does not fit alone: plan the longest load that does (a shorter boundary the
-        store serves; the rest comes in the next rounds), or, with markers, ask for the checkpoint
-        at the boundary that fits and wait for it."""
+        store serves; the rest comes in the next rounds), or None: the request keeps its device
+        hit. It never waits for a checkpoint at the boundary that fits: that boundary is where
+        the free pages ran out, which no request chose, so no device holds a checkpoint there."""
         grain = self._prefix.granularity_tokens
         fit = self._fitting_grains(request_id, (plan.boundary_tokens - plan.from_tokens) // grain - 1)
         if fit == 0:
@@ -524,8 +527,6 @@ class TierLink:
         if request_id in self._plans:
             self._stats.shortened_loads += 1
             return request_id, self._plans[request_id].boundary_tokens - plan.from_tokens
-        if self.markers is not None:
-            self._wait_for_checkpoint(request_id, args.hashes.key(cap))
         return None
 
     def _fitting_grains(self, request_id: str, most: int) -> int:
@@ -599,25 +600,14 @@ class TierLink:
                    cap_tokens: int | None = None) -> None:
         """Find the longest boundary past ``hit_tokens`` (at most ``cap_tokens``) the store serves;
         record it as pending."""
-        grain = self._prefix.granularity_tokens
-        last = (prompt_tokens - 1) // grain * grain
-        last = min(last, hit_tokens + self.manager.max_step_tokens // grain * grain)
-        if request_id in self._below:
-            last = min(last, (self._below[request_id] - 1) // grain * grain)
-        if cap_tokens is not None:
-            last = min(last, cap_tokens)
+        last = self._load_reach(request_id, prompt_tokens, hit_tokens, cap_tokens)
         if last <= hit_tokens:
             return
         hashes.extend_to(self._args[request_id].token_ids, last)
         planned = list(self._load_objects(hashes, hit_tokens, last))
         objects = [obj for obj, _ in planned]
-        present = self.store.contains([o.key for o in objects])
-        # An entry the device still holds (and the store lacks) goes out through the store
-        # first: the engine runs the offloads before the loads.
-        copies = {i: self._entries[(o.key.group_id, key)] for i, (o, key) in enumerate(planned)
-                  if not present[i] and (o.key.group_id, key) in self._entries}
-        present = [ok or i in copies for i, ok in enumerate(present)]
-        boundary = _usable(objects, present, hit_tokens, last, grain)
+        present, copies = self._served(planned)
+        boundary = _usable(objects, present, hit_tokens, last, self._prefix.granularity_tokens)
         if boundary <= hit_tokens:
             return
         chosen = [i for i, o in enumerate(objects) if present[i] and _needed(o, boundary)]
@@ -629,36 +619,69 @@ class TierLink:
         self.manager.pending_loads.add(request_id)
         self._stats.planned_loads += 1
 
+    def _load_reach(self, request_id: str, prompt_tokens: int, hit_tokens: int, cap_tokens: int | None) -> int:
+        """The last boundary a load from ``hit_tokens`` may reach: below the prompt's last token,
+        one step's tokens past the hit, below a failed load's boundary, at most ``cap_tokens``."""
+        grain = self._prefix.granularity_tokens
+        last = min((prompt_tokens - 1) // grain * grain, hit_tokens + self.manager.max_step_tokens // grain * grain)
+        if request_id in self._below:
+            last = min(last, (self._below[request_id] - 1) // grain * grain)
+        return last if cap_tokens is None else min(last, cap_tokens)
+
+    def _served(self, planned: list[tuple[PlannedObject, int]]) -> tuple[list[bool], dict[int, tuple]]:
+        """Per planned object whether the store serves it (one ``contains``), counting an entry
+        the device still holds and the store lacks (``copies``: index -> its entry): it goes out
+        through the store first, since the engine runs the offloads before the loads."""
+        present = self.store.contains([o.key for o, _ in planned])
+        entries = self._entries
+        copies = {i: entries[(o.key.group_id, key)] for i, (o, key) in enumerate(planned)
+                  if not present[i] and (o.key.group_id, key) in entries}
+        return [ok or i in copies for i, ok in enumerate(present)], copies
+
     # --- in flight ------------------------------------------------------------------
     def _mark_or_wait(self, request_id: str, start_tokens: int) -> None:
         """The request computes from ``start_tokens``: wait when its next blocks are another
         request's (marked), else mark the blocks it will compute that nobody holds or marks."""
-        args = self._args[request_id]
-        grain = self._prefix.granularity_tokens
-        last = (args.token_ids.size - 1) // grain * grain
-        if last <= start_tokens:
+        keys = self._block_keys_after(request_id, start_tokens)
+        if not keys:
             return
-        args.hashes.extend_to(args.token_ids, last)
-        ends = range(start_tokens + grain, last + 1, grain)
-        keys = [args.hashes.key(end) for end in ends]
         held = self._blocks_held(keys)
         busy = self.markers.others("computing", keys, request_id)
         run = next((i for i, (h, b) in enumerate(zip(held, busy)) if not (h or b)), len(keys))
-        now = self.markers.now()
-        if any(busy[:run]) and self._flight.waited(request_id, now) < self.markers.rule.wait:
-            first = next(i for i in range(run) if busy[i])
-            self.markers.put("wanted", [keys[run - 1]], request_id)  # the checkpoint where it leaves them
-            self._stats.waits += self._flight.start_wait(request_id, keys[first], now)
-            self.manager.pending_loads.add(request_id)
-            return
-        reach = min(run, self.manager.max_step_tokens // grain)
-        if not any(busy[:run]) and reach and self._wait_for_checkpoint(request_id, keys[reach - 1]):
-            return
+        if any(busy[:run]):
+            if self._wait_for_blocks(request_id, keys, busy.index(True), run):
+                return
+        else:
+            reach = min(run, self.manager.max_step_tokens // self._prefix.granularity_tokens)
+            if reach and self._wait_for_checkpoint(request_id, keys[reach - 1]):
+                return
         new = [k for k, h, b in zip(keys, held, busy) if not (h or b) and self._flight.marked_by(k) != request_id]
         if new:
             self.markers.put("computing", new, request_id)
             self._stats.markers_put += len(new)
             self._flight.marked(request_id, new)
+
+    def _block_keys_after(self, request_id: str, start_tokens: int) -> list[int]:
+        """The keys of the request's whole blocks past ``start_tokens`` (below its last token)."""
+        args = self._args[request_id]
+        grain = self._prefix.granularity_tokens
+        last = (args.token_ids.size - 1) // grain * grain
+        if last <= start_tokens:
+            return []
+        args.hashes.extend_to(args.token_ids, last)
+        return [args.hashes.key(end) for end in range(start_tokens + grain, last + 1, grain)]
+
+    def _wait_for_blocks(self, request_id: str, keys: list[int], first: int, run: int) -> bool:
+        """Block ``keys[first]`` is another request's (marked): wait for it, within the request's
+        bound, with a wanted marker at ``keys[run - 1]`` (the checkpoint where the request leaves
+        the marked or held blocks). Whether it waits."""
+        now = self.markers.now()
+        if self._flight.waited(request_id, now) >= self.markers.rule.wait:
+            return False
+        self.markers.put("wanted", [keys[run - 1]], request_id)
+        self._stats.waits += self._flight.start_wait(request_id, keys[first], now)
+        self.manager.pending_loads.add(request_id)
+        return True
 
     def _wait_for_checkpoint(self, request_id: str, key: int) -> bool:
         """History blocks up to the boundary of ``key`` are held but the store has no checkpoint
@@ -752,8 +775,8 @@ class TierLink:
                 boundary, pages, _ = self._entries[(gid, key)]
                 self._queue.append((gid, key, boundary, pages))
                 self._stats.wanted_checkpoints += 1
-        if wanted:
-            self.markers.delete("wanted", list(wanted))
+        if wanted:  # read just now (a lease on Mooncake): deleted at the next take_offloads
+            self.markers.defer_delete("wanted", list(wanted))
 
     def _queue_board(self) -> None:
         """Queue (write through) the checkpoints on the wanted board this device holds (one ``get``)."""

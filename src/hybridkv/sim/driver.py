@@ -43,6 +43,7 @@ class _Live:
     context_tokens: int = 0  # tokens to compute in the current incarnation before decode
     started_step: int = -1
     added: bool = False  # in the manager already: it waited for another request's blocks
+    denied_at: int = -1  # the run's frees when its tier load last got no pages (-1: it did not)
 
     @property
     def rid(self) -> str:
@@ -147,6 +148,7 @@ class _Run:
         self.series: dict[str, list] = {k: [] for k in ("running", "sched", "hit", "prompt", "preempt", "shrunk", "us")}
         self.used: dict[str, list[int]] = {g: [] for g in group_ids}
         self.step = 0
+        self.frees = 0  # requests freed finished or preempted: pages a denied tier load waits for
 
     def has_work(self) -> bool:
         return bool(self.pending or self.waiting or self.running or self.blocked or self.held)
@@ -368,10 +370,16 @@ class Simulator:
                 )
             work.drop(victim)
             work.timed(mgr.free, victim.rid)
+            run.frees += 1
             work.preempted += 1
             run.preempt_count[victim.rid] = run.preempt_count.get(victim.rid, 0) + 1
             victim.incarnation += 1
             run.waiting.appendleft(victim)
+
+    def _refuse(self, live: _Live, work: _StepWork, answer) -> None:
+        """``live`` does not start this step: freed again, the reason noted."""
+        work.refusal = answer.reason if not answer.ok else "its tier load got no pages"
+        self.manager.free(live.rid)
 
     def _start_waiting(self, run: _Run, work: _StepWork) -> None:
         """Start waiting requests in line while room remains (none after a preemption or a
@@ -379,6 +387,9 @@ class Simulator:
         while (run.waiting and len(run.running) < self.max_running and work.budget > 0
                and not work.preempted and not work.memory_short):
             live = run.waiting[0]
+            if live.denied_at == run.frees and run.running:
+                work.refusal = "its tier load got no pages, and no request was freed since"
+                return  # asked again (add, store, load) once pages may have come back
             started = self._try_start(run, work, live)
             if started is None:  # held for a peer's blocks: others may start
                 continue
@@ -408,8 +419,9 @@ class Simulator:
         if self.tier is not None:
             work.us += (time.perf_counter() - t0) * 1e6
             # the device hit and what the store adds; a load that got no pages waits
-            # for them (as a chunk that does not fit) while others run
+            # for them (as a chunk that does not fit) while others run: tried again once one is freed
             live.hit_tokens, denied, parked = self.tier.load(live.rid)
+            live.denied_at = run.frees if denied else -1
             t0 = time.perf_counter()
             if parked:
                 work.parked = True  # it keeps its hit's pages, which the batch may have counted on
@@ -430,8 +442,7 @@ class Simulator:
             ok = work.memory_short = fit > 0
             n = fit or n
         if not ok:
-            work.refusal = answer.reason if not answer.ok else "its tier load got no pages"
-            mgr.free(live.rid)
+            self._refuse(live, work, answer)
         work.us += (time.perf_counter() - t0) * 1e6
         if ok:
             work.add(live, n)
@@ -454,6 +465,7 @@ class Simulator:
             live.produced += 1
             if live.produced >= live.request.output_tokens:
                 work.timed(mgr.free, live.rid)
+                run.frees += 1
                 run.finished_ids.add(live.rid)
                 record = self._record(live, run.step, run.first_hit, run.total_sched, run.preempt_count)
                 record.first_tier_hit_tokens = run.first_tier_hit.get(live.rid, 0)

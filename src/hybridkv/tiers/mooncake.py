@@ -241,23 +241,29 @@ class MooncakeTier(Tier):
         stored, messages = [False] * len(items), []
         for method, members in (("batch_put_from", [i for i, a in enumerate(at) if a is not None]),
                                 ("put_batch", [i for i, a in enumerate(at) if a is None])):
-            if not members:
-                continue
-            names = [items[i][0] for i in members]
-            if method == "put_batch":
-                codes = self._call(method, names, [items[i][1] for i in members])
-            else:
-                base = self._send.ctypes.data
-                codes = self._call(method, names, [base + at[i] for i in members], [len(items[i][1]) for i in members])
-            if isinstance(codes, int):
-                # one code for the batch: on a failure, ask the store which items it holds
-                done = [True] * len(names) if codes == 0 else [c == _PRESENT for c in self._exists(names)]
-            else:
-                done = [int(c) == 0 for c in codes]
-            for i, ok in zip(members, done):
-                stored[i] = ok
-            messages.append(f"Mooncake {method} returned {codes}")
+            if members:
+                done, message = self._put_members(method, items, at, members)
+                for i, ok in zip(members, done):
+                    stored[i] = ok
+                messages.append(message)
         return "; ".join(messages), stored
+
+    def _put_members(self, method: str, items: list[tuple[str, bytes]], at: list[int | None],
+                     members: list[int]) -> tuple[list[bool], str]:
+        """``items[i]`` for ``i`` in ``members`` in one ``method`` call (``batch_put_from``: from
+        their offsets ``at`` in the send buffer); per member whether it is stored, and the message."""
+        names = [items[i][0] for i in members]
+        if method == "put_batch":
+            codes = self._call(method, names, [items[i][1] for i in members])
+        else:
+            base = self._send.ctypes.data
+            codes = self._call(method, names, [base + at[i] for i in members], [len(items[i][1]) for i in members])
+        if isinstance(codes, int):
+            # one code for the batch: on a failure, ask the store which items it holds
+            done = [True] * len(names) if codes == 0 else [c == _PRESENT for c in self._exists(names)]
+        else:
+            done = [int(c) == 0 for c in codes]
+        return done, f"Mooncake {method} returned {codes}"
 
     def _send_offset(self, value) -> int | None:
         """Where ``value`` starts in the send buffer when it is a view that lies inside it, else ``None``."""
@@ -316,6 +322,16 @@ class MooncakeTier(Tier):
             return super()._fetch(names, sizes)
         if self._down():
             return [None] * len(names)
+        out = self._get_into_arena(names, sizes)
+        again = [i for i, v in enumerate(out) if v is None]
+        if again and not self._paused():
+            for i, value in zip(again, self._get([names[i] for i in again])):
+                out[i] = None if value is None else memoryview(value)
+        return out
+
+    def _get_into_arena(self, names: list[str], sizes: list[int]) -> list[memoryview | None]:
+        """One ``batch_get_into`` of ``names`` into the next receive buffer, back to back; per
+        name a read-only view of its bytes, or None where the answer was not its size."""
         arena = self._arenas[self._turn]
         self._turn = (self._turn + 1) % len(self._arenas)
         starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
@@ -324,15 +340,8 @@ class MooncakeTier(Tier):
         if isinstance(codes, int):
             codes = [codes] * len(names)
         view = memoryview(arena).toreadonly()
-        out: list[memoryview | None] = [
-            view[start : start + size] if int(code) == size else None
-            for start, size, code in zip(starts, sizes, codes)
-        ]
-        again = [i for i, v in enumerate(out) if v is None]
-        if again and not self._paused():
-            for i, value in zip(again, self._get([names[i] for i in again])):
-                out[i] = None if value is None else memoryview(value)
-        return out
+        return [view[start : start + size] if int(code) == size else None
+                for start, size, code in zip(starts, sizes, codes)]
 
     def _exists(self, names: list[str]) -> list[int]:
         codes = self._call("batch_is_exist", names)
