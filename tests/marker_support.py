@@ -67,6 +67,7 @@ class WatchedTier(Tier):
     def __init__(self, inner, watch="/marker/"):
         super().__init__()
         self.inner, self.watch = inner, watch
+        self.reads_lease = inner.reads_lease
         self.overwrites = 0
         self.before_put = None
 

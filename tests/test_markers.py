@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from hybridkv.inflight import MARKER_ATTEMPTS, MARKER_SLOTS
@@ -34,6 +34,10 @@ OPS = st.lists(st.tuples(st.sampled_from(["put", "delete_own", "delete_all", "ot
 
 @settings(max_examples=60, deadline=None)
 @given(OPS)
+# Another link deletes every slot and takes the one this link's record names: a renewal (and a
+# delete of its own) must not delete that other marker.
+@example([("put", 2, "t", 0), ("delete_all", 0, "r", 0), ("put", 0, "r", 0), ("put", 2, "t", 0)])
+@example([("put", 0, "t", 0), ("delete_all", 1, "r", 0), ("put", 0, "r", 0), ("delete_own", 0, "t", 0)])
 def test_markers_agree_with_a_reference_and_no_name_is_put_on_twice(ops):
     """Three links on one host tier, each putting, deleting and asking about markers of three
     requests on four keys (no clock moves: nothing expires). The reference: per key, the set of

@@ -255,7 +255,8 @@ class Markers:
         self._log = VersionLog(tier, self.board_name(), keep=BOARD_KEEP)
         self._undeleted: dict[str, int] = {}  # names whose delete was refused -> tries
         self._later: list[str] = []  # names read by this link just now: deleted at delete_deferred()
-        self._own: dict[tuple[str, bytes], dict[str, str]] = {}  # (kind, key) -> {request: its name}
+        # (kind, key) -> {request: (its name, the value put there)}
+        self._own: dict[tuple[str, bytes], dict[str, tuple[str, bytes]]] = {}
         self._stats = MarkerStats()
 
     def names(self, kind: str, key: bytes | int) -> list[str]:
@@ -289,15 +290,25 @@ class Markers:
             self._seen.first_seen(name, (marker.owner, marker.request_id, marker.stamp), now)
             mine = self._own.setdefault((kind, key), {})
             old = mine.pop(request_id, None)
-            if old is not None and old != name:
+            if old is not None and old[0] != name:
                 older.append(old)
-            mine[request_id] = name
+            mine[request_id] = (name, value)
         while len(self._own) > MAX_SIGHTINGS:
             del self._own[next(iter(self._own))]
         self._stats.markers_refused += len(unique) - len(placed)
         if older:
-            self._delete(older)
+            self._delete_own(older)
         return [as_key_bytes(k) in placed for k in keys]
+
+    def _delete_own(self, owned: list[tuple[str, bytes]]) -> int:
+        """Delete each (name, value) this link put where the name still holds that value (one
+        ``get`` first): another link may have deleted it (every slot, or an expired marker) and
+        put their own marker in the slot since. Not on a store whose reads lease (Mooncake): a
+        delete right after the ``get`` would be refused, so there the names go unchecked."""
+        if not owned or self.tier.reads_lease:
+            return self._delete([name for name, _ in owned])
+        values = self.tier.get([name for name, _ in owned])
+        return self._delete([name for (name, mine), now in zip(owned, values) if now == mine])
 
     def _place(self, kind: str, keys: list[bytes], value: bytes) -> dict[bytes, str]:
         """Put ``value`` under a free slot of each key: ``{key: its name}`` for those it holds.
@@ -344,12 +355,16 @@ class Markers:
 
     def delete(self, kind: str, keys: Sequence[int], request_id: str | None = None) -> int:
         """Delete the ``kind`` markers of ``keys``: every one there (``request_id`` None: a delete
-        of every slot), or only this link's of ``request_id``; how many were there. A refused
-        delete is counted and tried again at the next call."""
+        of every slot), or only this link's of ``request_id`` where it still holds it
+        (``_delete_own``); how many were there. A refused delete is counted and tried again at
+        the next call."""
         if not keys:
             return 0
         if request_id is not None:
-            names = [n for k in keys if (n := self._own.get((kind, as_key_bytes(k)), {}).pop(request_id, None))]
+            owned = [n for k in keys if (n := self._own.get((kind, as_key_bytes(k)), {}).pop(request_id, None))]
+            for name, _ in owned:
+                self._seen.forget(name)
+            return self._delete_own(owned)
         else:
             names = [name for k in keys for name in self.names(kind, k)]
             for k in keys:

@@ -71,6 +71,8 @@ class Tier(ABC):
     # Whether ``put`` copies each value before it returns (then a caller may hand it a view of a
     # buffer it reuses, and no ``bytes`` is made); otherwise values are kept and made ``bytes``.
     put_copies: bool = False
+    # A read pins what it read for a while: a delete right after it is refused (Mooncake).
+    reads_lease: bool = False
 
     def __init__(self) -> None:
         self._stats = TierStats()

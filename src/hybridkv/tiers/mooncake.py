@@ -159,6 +159,7 @@ class MooncakeTier(Tier):
 
     name = "mooncake"
     put_copies = True  # put_batch copies the values into the store's segments before it returns
+    reads_lease = True  # a get or contains pins the object for lease_ms
 
     def __init__(
         self,

@@ -30,6 +30,7 @@ class TierStack(Tier):
         if not tiers or not all(isinstance(t, Tier) for t in tiers):
             raise ValueError("a stack needs at least one Tier")
         self.tiers = tuple(tiers)
+        self.reads_lease = any(t.reads_lease for t in self.tiers)
 
     def _put(self, items: list[tuple[str, bytes]]) -> list[bool]:
         stored = [False] * len(items)
