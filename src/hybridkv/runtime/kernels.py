@@ -196,43 +196,31 @@ def place_row(geometry, pages, bounds, row, lo, counts, page_ids, view):
 def write_slots(geometry, pages, bounds, rows, first_row, positions, request_indices, slots):
     """``slots[g, i]``: ``page * rows_per_page + entry % rows_per_page`` for token ``i``
     (entry ``position // stride``), -1 where the token closes no entry. Runs of one
-    request's consecutive positions are walked page by page (``page_slots``)."""
-    n_tokens, n_groups = positions.size, geometry.shape[0]
-    for g in range(n_groups):
-        if geometry[g, STRIDE_TOKENS] > 1:
-            slots[g, :] = -1
-    i = 0
-    while i < n_tokens:
-        k, start = request_indices[i], positions[i]
-        j = i + 1
-        while j < n_tokens and request_indices[j] == k and positions[j] == start + j - i:
-            j += 1
-        for g in range(n_groups):
-            page_slots(geometry, pages, bounds, g, rows[first_row + k], start, start + j - i, slots[g, i:j])
-        i = j
-
-
-@njit(cache=True)
-def page_slots(geometry, pages, bounds, g, row, start, end, out):
-    """``write_slots`` of positions ``[start, end)`` of ``row`` in group ``g`` to ``out``
-    (one per position; those closing no entry are left as they are): one page lookup per
-    page, the entries' rows counted on within it."""
-    tokens, page_shift = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT]
-    per_page, rows_shift = geometry[g, ROWS_PER_PAGE], geometry[g, ROWS_SHIFT]
-    stride, stride_shift = geometry[g, STRIDE_TOKENS], geometry[g, STRIDE_SHIFT]
-    pos = divide(start + stride, stride, stride_shift) * stride - 1  # the first entry's last token
-    while pos < end:
-        logical = divide(pos, tokens, page_shift)
-        page = np.int64(pages[cell(geometry, bounds, g, row, logical)]) * per_page
-        entry = divide(pos + 1, stride, stride_shift) - 1
-        entry_row = entry - divide(entry, per_page, rows_shift) * per_page
-        last = min((logical + 1) * tokens, end)  # past the page's last token (or the run's)
-        while pos < last:
-            out[pos - start] = page + entry_row
-            entry_row += 1
-            if entry_row == per_page:
-                entry_row = 0
-            pos += stride
+    request's consecutive positions are walked entry by entry (a stride apart), a page
+    looked up once for the entries it holds."""
+    n_tokens = positions.size
+    for g in range(geometry.shape[0]):
+        tokens, page_shift = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT]
+        per_page, rows_shift = geometry[g, ROWS_PER_PAGE], geometry[g, ROWS_SHIFT]
+        stride, stride_shift = geometry[g, STRIDE_TOKENS], geometry[g, STRIDE_SHIFT]
+        slots[g, :] = -1
+        i = 0
+        while i < n_tokens:
+            k, start = request_indices[i], positions[i]
+            j = i + 1
+            while j < n_tokens and request_indices[j] == k and positions[j] == start + j - i:
+                j += 1
+            row, logical, page = rows[first_row + k], -1, np.int64(0)
+            pos = divide(start + stride, stride, stride_shift) * stride - 1  # the run's first entry end
+            while pos < start + j - i:
+                entry = divide(pos + 1, stride, stride_shift) - 1
+                at_logical = divide(pos, tokens, page_shift)
+                if at_logical != logical:
+                    logical = at_logical
+                    page = np.int64(pages[cell(geometry, bounds, g, row, logical)]) * per_page
+                slots[g, i + pos - start] = page + entry - divide(entry, per_page, rows_shift) * per_page
+                pos += stride
+            i = j
 
 
 # --- one step: plan (pure), then run (release, allocate, the batch's arrays) -----------------
