@@ -228,25 +228,34 @@ class PrefixCache:
         # the entry is unpublished when none is left. Pinned holds are never dropped.
         self._holders: dict[str, dict[int, int]] = {gid: {} for gid in self.state_ids}
         self._windows = windows
-        # What a commit publishes, read in one call (_reader): per history group (group, pool, pages
-        # per block, its metadata, its stats), per state group storing checkpoints (group, pool,
-        # pages per checkpoint, its metadata, its holders, its stats).
+        self._init_commit_reader(pools, tables, windows)
+        self._init_hit_placement(tables)
+        self.tier_hook = None  # a hybridkv.tierlink.TierLink: told what is published and removed
+        self._dropping = False  # unpublishing a superseded checkpoint (not an eviction)
+        self._init_eviction(eviction_policy)
+
+    def _init_commit_reader(self, pools: Mapping[str, PagePool], tables: Mapping[str, GroupTable],
+                            windows: Mapping[str, int]) -> None:
+        """What a commit publishes, read in one call (``_reader``): per history group (group,
+        pool, pages per block, its metadata, its stats), per state group storing checkpoints
+        (group, pool, pages per checkpoint, its metadata, its holders, its stats)."""
+        g = self.granularity_tokens
         self._reader = CommitPages([(tables[gid], g // tables[gid].page_tokens) for gid in self.history_ids],
                                    [(tables[gid], windows[gid]) for gid in self.state_ids])
         self._history_groups = [(gid, pools[gid], n, self._meta[gid], self.stats[gid])
                                 for gid, n in zip(self.history_ids, self._reader.block_pages)]
         self._state_groups = [(gid, pools[gid], n, self._meta[gid], self._holders[gid], self.stats[gid])
                               for gid, n in zip(self.state_ids, self._reader.checkpoint_pages)]
-        # A hit's placement: every group's table in one call (TableSet.place_row, by group index).
+
+    def _init_hit_placement(self, tables: Mapping[str, GroupTable]) -> None:
+        """A hit's placement: every group's table in one call (``TableSet.place_row``, by
+        group index)."""
         self._table_set = tables[self.specs[0].group_id].table_set
         self._group_index = [tables[s.group_id].group_index for s in self.specs]
         if sorted(self._group_index) != list(range(len(self._table_set.tables))):
             raise ValueError("the prefix cache's tables must be every table of one TableSet, one per spec")
         self._hit_lo = np.zeros(len(self.specs), dtype=np.int64)
         self._hit_counts = np.zeros(len(self.specs), dtype=np.int64)
-        self.tier_hook = None  # a hybridkv.tierlink.TierLink: told what is published and removed
-        self._dropping = False  # unpublishing a superseded checkpoint (not an eviction)
-        self._init_eviction(eviction_policy)
 
     def _init_eviction(self, eviction_policy: str) -> None:
         """What goes first when a pool must evict (hybridkv.prefix.eviction: units, orphans,
