@@ -31,8 +31,10 @@ CLOCK = time.thread_time_ns
 STAGES = (
     ("runtime.manager", "CacheManager", "add_request", "add_request"),
     ("prefix.cache", "PrefixCache", "match_and_borrow", "  match_and_borrow"),
+    ("memory.pool", "PageSpace", "borrow", "    PageSpace.borrow"),
     ("runtime.manager", "CacheManager", "free", "free"),
     ("memory.pool", "PageSpace", "release", "  PageSpace.release"),
+    ("memory.pool", "PageSpace", "keyed_idle", "  PageSpace.keyed_idle (free and schedule)"),
     ("runtime.manager", "CacheManager", "schedule", "schedule"),
     ("runtime.manager", "CacheManager", "_admit", "  _admit"),
     ("runtime.manager", "CacheManager", "_grow_instead_of_evicting", "    _grow_instead_of_evicting"),
@@ -55,13 +57,17 @@ class Timers:
         self.on = False
         self.steps = 0
         self.originals: list[tuple[type, str, object]] = []
+        self.missing: set[str] = set()  # stages this version does not have
 
     def unwrap(self) -> None:
         for cls, name, inner in reversed(self.originals):
             setattr(cls, name, inner)
 
     def wrap(self, cls: type, name: str, label: str) -> None:
-        inner = getattr(cls, name)
+        inner = getattr(cls, name, None)
+        if inner is None:
+            self.missing.add(label)
+            return
         self.originals.append((cls, name, inner))
 
         def timed(*args, **kwargs):
@@ -122,6 +128,9 @@ def report(size: int, package: str, timers: Timers, figures: dict) -> None:
     print(f"{package} at {size} running: {n} timed steps, {total / n / 1e3:.0f} µs a step (thread CPU, the three "
           f"calls); wall mean {figures['us_per_step_mean']:.0f} µs; hit rate {figures['hit_rate']:.3f}")
     for _, _, _, label in STAGES:
+        if label in timers.missing:
+            print(f"  {label:40s} (missing)")
+            continue
         share = 100 * timers.ns[label] / total if total else 0.0
         print(f"  {label:40s} {timers.ns[label] / n / 1e3:8.0f} µs {share:5.1f}%  "
               f"{timers.calls[label] / n:5.2f} calls a step")

@@ -1180,7 +1180,7 @@ class CacheManager:
             self._rewind_items(items)  # raises, wording the first refused item
         ts.note_cells(touched)
         if keyed.size:
-            space.keyed_idle(keyed_per_group.tolist(), keyed)
+            space.keyed_idle(keyed_per_group, keyed)
         owner = self._row_owner  # requests with token ids lose the rejected drafts' ids
         for row, known in zip(fell.tolist(), self._known[fell].tolist()):
             owner[row].known_tokens = known
@@ -1259,9 +1259,13 @@ class CacheManager:
             self.pending_loads.discard(request_id)
         if self.prefix is not None and self._committed[req.row] < self._computed[req.row]:
             self._commit_row(req.row)
-        pages, per_group = self._tableset.clear_rows(np.asarray([req.row], dtype=np.int64))
-        if pages.size:
-            self._space.release(pages, per_group)
+        ts, space = self._tableset, self._space
+        touched, keyed, keyed_per_group = kernels.free_rows(  # its pages leave the tables, one release
+            ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.stack, space.per_group,
+            np.asarray([req.row], dtype=np.int64))
+        ts.note_cells(touched)
+        if keyed.size:
+            space.keyed_idle(keyed_per_group, keyed)
         if self.prefix is not None:
             self.prefix.forget_request(req)
         self._computed[req.row] = 0
