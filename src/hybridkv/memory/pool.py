@@ -773,9 +773,10 @@ class PageSpace:
         self.low_scratch = low
         kernels.went_idle(self.idle_tick, self.low_priority, self.offsets, per_group, keyed, ticks[0], low,
                           self.low_counts)
-        listed, low_listed = keyed[:total].tolist(), low[: int(self.low_counts.sum())].tolist()
+        low_counts = self.low_counts.tolist()
+        listed, low_listed = keyed[:total].tolist(), low[: sum(low_counts)].tolist()
         start = low_start = i = 0
-        for pool, k, n_low in zip(self.pools, counts, self.low_counts.tolist()):
+        for pool, k, n_low in zip(self.pools, counts, low_counts):
             if k:
                 pool._join_lru(listed[start : start + k][::-1], low_listed[low_start : low_start + n_low], ticks[i])
                 start, low_start, i = start + k, low_start + n_low, i + 1
