@@ -310,7 +310,9 @@ class CacheManager:
         self._admitted: tuple | None = None  # (version, items, fixed_width, _Verdict) of the last check
         self._requests: dict[str, _Request] = {}
         self._row_of: dict[str, int] = {}  # request id -> table row (batch validation reads only this)
-        self._last_rows = np.zeros(0, dtype=np.int64)  # rows scheduled in the previous step
+        # Rows scheduled in the previous step. A row freed since may stay listed (and be reused):
+        # until its next step its committed tokens equal its computed ones, so it never settles.
+        self._last_rows = np.zeros(0, dtype=np.int64)
         self._row_owner: dict[int, _Request] = {}
         self._free_rows: list[int] = []
         self._next_row = 0
@@ -1273,8 +1275,7 @@ class CacheManager:
         del self._requests[request_id]
         del self._row_of[request_id]
         del self._row_owner[req.row]
-        self._last_rows = self._last_rows[self._last_rows != req.row]
-        self._free_rows.append(req.row)
+        self._free_rows.append(req.row)  # it may stay in _last_rows: it never settles (see there)
 
     # --- observability -------------------------------------------------------
     def stats(self) -> dict[str, GroupStats]:
