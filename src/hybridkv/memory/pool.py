@@ -728,12 +728,13 @@ class PageSpace:
         ids, group-major, ``per_group[g]`` of them, none twice in a group), in one compiled
         pass (``kernels.take_holds``): refused whole (ValueError) if a page is free."""
         idle, counts = np.empty(pages.size, dtype=np.int64), self.idle_counts
-        bad = kernels.take_holds(self.ref_counts, self.cached, self.offsets, per_group, pages, idle, counts)
-        if bad >= 0:
+        n_idle = kernels.take_holds(self.ref_counts, self.cached, self.offsets, per_group, pages, idle, counts)
+        if n_idle < 0:
+            bad = -1 - n_idle
             g = int(np.searchsorted(np.cumsum(per_group), bad, side="right"))
             raise ValueError(f"group {self.pools[g].group_id!r}: page {int(pages[bad])} is free, cannot be borrowed")
-        if idle.size and counts.any():
-            listed, start = idle.tolist(), 0
+        if n_idle:
+            listed, start = idle[:n_idle].tolist(), 0
             for pool, k in zip(self.pools, counts.tolist()):
                 if k:
                     pool._borrowed_idle(listed[start : start + k])

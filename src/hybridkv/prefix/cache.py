@@ -255,17 +255,15 @@ class PrefixCache:
         self._group_index = [tables[s.group_id].group_index for s in self.specs]
         if sorted(self._group_index) != list(range(len(self._table_set.tables))):
             raise ValueError("the prefix cache's tables must be every table of one TableSet, one per spec")
-        self._hit_lo = np.zeros(len(self.specs), dtype=np.int64)
-        self._hit_counts = np.zeros(len(self.specs), dtype=np.int64)
         # Borrowing: one compiled call over the page space, whose groups are the tables' in order.
         self._space = self.pools[self.specs[0].group_id].space
         space_pools = self._space.pools if self._space is not None else []
         if len(space_pools) != len(self.specs) or any(
                 space_pools[g] is not self.pools[s.group_id] for s, g in zip(self.specs, self._group_index)):
             raise ValueError("the prefix cache's pools must be the pools of one PageSpace, in its tables' order")
-        # Per group, by table index: (group, table index, page tokens, checkpoint window; None: history).
-        self._placement = sorted(((s.group_id, g, s.page_tokens, self._windows[s.group_id] if s.is_sliding else None)
-                                  for s, g in zip(self.specs, self._group_index)), key=itemgetter(1))
+        # Per group, by table index: (group, page tokens, checkpoint window; None: history).
+        self._placement = [(s.group_id, s.page_tokens, self._windows[s.group_id] if s.is_sliding else None)
+                           for _, s in sorted(zip(self._group_index, self.specs), key=itemgetter(0))]
         self._matched_ids = self.history_ids + self.state_ids  # the groups a match looks up
         self._stats_in_order = [(s.group_id, self.stats[s.group_id]) for s in self.specs]
 
@@ -347,20 +345,21 @@ class PrefixCache:
             st.alone_hit_tokens += hit.group_hit_tokens[gid]
         if d == 0:
             return hit
-        blocks, lo, counts, pages = d // self.granularity_tokens, self._hit_lo.copy(), self._hit_counts.copy(), []
-        for gid, g, page_tokens, window in self._placement:
+        blocks, lo, counts, pages = d // self.granularity_tokens, [], [], []  # per group, by table index
+        for gid, page_tokens, window in self._placement:
             if window is None:  # a history group: every block below the hit
+                lo.append(0)
                 entries = found[gid][:blocks]
             else:  # a sliding group: the window below the hit (a checkpoint), or nothing
-                lo[g] = max(0, d - window) // page_tokens
+                lo.append(max(0, d - window) // page_tokens)
                 entries = found[gid][blocks - 1 : blocks] if gid in self._holders else ()
             before = len(pages)
             pages.extend(chain.from_iterable(entries))
-            counts[g] = len(pages) - before
-            assert counts[g] == d // page_tokens - lo[g], (gid, counts[g], d // page_tokens - lo[g])
-        page_ids = np.array(pages, dtype=np.int64)
+            counts.append(len(pages) - before)
+            assert counts[-1] == d // page_tokens - lo[-1], (gid, counts[-1], d // page_tokens - lo[-1])
+        page_ids, counts = np.array(pages, dtype=np.int64), np.array(counts, dtype=np.int64)
         self._space.borrow(page_ids, counts)
-        self._table_set.place_row(row, lo, counts, page_ids)
+        self._table_set.place_row(row, np.array(lo, dtype=np.int64), counts, page_ids)
         return hit
 
     # --- publication -------------------------------------------------------------

@@ -847,15 +847,15 @@ def drop_holds(ref, keyed, offsets, per_group, pages, freed, keyed_pages, counts
 def take_holds(ref, keyed, offsets, per_group, pages, idle_pages, idle_counts):
     """One reference more on each listed page (local ids, group-major, ``per_group[g]``
     of group ``g``, none listed twice in a group), unless a listed page is free (no
-    holder, no key): then nothing changes and the first such page's index is returned.
-    Else -1; the pages that had no holder (idle keyed ones) go to ``idle_pages``, in the
-    order listed, ``idle_counts[g]`` of group ``g``."""
+    holder, no key): then nothing changes and ``-1 - i`` is returned, ``i`` the first
+    such page's index. Else the pages that had no holder (idle keyed ones) go to
+    ``idle_pages``, in the order listed, ``idle_counts[g]`` of group ``g``; returns how many."""
     start = 0
     for g in range(per_group.size):
         offset = offsets[g]
         for i in range(start, start + per_group[g]):
             if ref[offset + pages[i]] == 0 and not keyed[offset + pages[i]]:
-                return i
+                return -1 - i
         start += per_group[g]
     start, n_idle = 0, 0
     for g in range(per_group.size):
@@ -869,7 +869,7 @@ def take_holds(ref, keyed, offsets, per_group, pages, idle_pages, idle_counts):
                 idle_counts[g] += 1
             ref[page] += 1
         start += per_group[g]
-    return -1
+    return n_idle
 
 
 @njit(cache=True)
