@@ -263,7 +263,7 @@ def profile_decode(plan, prompts, args, caching: bool) -> str:
 BREAKDOWN_METHODS = {
     "CacheManager": ["schedule", "schedule_uniform", "_admit", "_fast_rows", "_step", "_after_run", "_plan",
                      "_run", "_build_batch", "rewind_many"],
-    "TableSet": ["clear_rows", "block_table", "drain_updates"],
+    "TableSet": ["block_table", "drain_updates"],
     "PagePool": ["make_room", "decref", "publish", "unpublish"],
     "PrefixCache": ["commit"],
 }

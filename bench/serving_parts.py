@@ -5,9 +5,10 @@
 The same workload as ``bench/vs_vllm --phases serving`` (``measure_serving``: 5
 rounds of 32 steps, V4-Flash, 40 GiB shared arena, prefix caching and prompt
 checkpoints on; each step frees the requests that finished, adds the joiners and
-schedules every decode and prefill chunk in one ``schedule``). A timer (thread
-CPU time) wraps the manager's public calls and, inside them, its stages; prints
-each stage's µs per timed step and its calls per step. Stages nest (indented
+schedules every decode and prefill chunk in one ``schedule``), after an untimed
+warm-up run that loads the compiled kernels. A timer (thread CPU time) wraps the
+manager's public calls and, inside them, its stages, during the timed steps only;
+prints each stage's µs per timed step and its calls per step. Stages nest (indented
 under the call or stage they run in; ``_commit_row`` runs in ``schedule`` and in
 ``free``). The stage names are the code's, so this script follows it: a renamed
 stage is reported missing. ``--package``: a renamed copy of another version
@@ -30,8 +31,10 @@ CLOCK = time.thread_time_ns
 STAGES = (
     ("runtime.manager", "CacheManager", "add_request", "add_request"),
     ("prefix.cache", "PrefixCache", "match_and_borrow", "  match_and_borrow"),
+    ("memory.pool", "PageSpace", "borrow", "    PageSpace.borrow"),
     ("runtime.manager", "CacheManager", "free", "free"),
     ("memory.pool", "PageSpace", "release", "  PageSpace.release"),
+    ("memory.pool", "PageSpace", "keyed_idle", "  PageSpace.keyed_idle (free and schedule)"),
     ("runtime.manager", "CacheManager", "schedule", "schedule"),
     ("runtime.manager", "CacheManager", "_admit", "  _admit"),
     ("runtime.manager", "CacheManager", "_grow_instead_of_evicting", "    _grow_instead_of_evicting"),
@@ -54,13 +57,17 @@ class Timers:
         self.on = False
         self.steps = 0
         self.originals: list[tuple[type, str, object]] = []
+        self.missing: set[str] = set()  # stages this version does not have
 
     def unwrap(self) -> None:
         for cls, name, inner in reversed(self.originals):
             setattr(cls, name, inner)
 
     def wrap(self, cls: type, name: str, label: str) -> None:
-        inner = getattr(cls, name)
+        inner = getattr(cls, name, None)
+        if inner is None:
+            self.missing.add(label)
+            return
         self.originals.append((cls, name, inner))
 
         def timed(*args, **kwargs):
@@ -95,17 +102,20 @@ def measure(size: int, package: str) -> tuple[Timers, dict]:
     append_many = side.append_many
 
     def untimed_append(*args):  # the engine's appends are outside the step's time
-        timers.on = False
+        was, timers.on = timers.on, False
         try:
             return append_many(*args)
         finally:
-            timers.on = True
+            timers.on = was
 
     side.append_many = untimed_append
+    options = dict(running=size, step_tokens=8192, chunk_tokens=2048, shape=ServingShape(), seed=0)
+    # Untimed warm-up: the first call of each compiled kernel loads (or compiles) it, milliseconds
+    # that would land in whichever stage first calls it (at 32 running, ~8 ms in one ``free``).
+    serving_phase.measure_serving({"hybridkv": side}, steps=4, rounds=1, **options)
     serving_phase.ServingDriver.step = timed_step
     try:
-        out = serving_phase.measure_serving({"hybridkv": side}, running=size, steps=32, rounds=5, step_tokens=8192,
-                                            chunk_tokens=2048, shape=ServingShape(), seed=0)
+        out = serving_phase.measure_serving({"hybridkv": side}, steps=32, rounds=5, **options)
     finally:
         serving_phase.ServingDriver.step = step
         timers.unwrap()
@@ -118,6 +128,9 @@ def report(size: int, package: str, timers: Timers, figures: dict) -> None:
     print(f"{package} at {size} running: {n} timed steps, {total / n / 1e3:.0f} µs a step (thread CPU, the three "
           f"calls); wall mean {figures['us_per_step_mean']:.0f} µs; hit rate {figures['hit_rate']:.3f}")
     for _, _, _, label in STAGES:
+        if label in timers.missing:
+            print(f"  {label:40s} (missing)")
+            continue
         share = 100 * timers.ns[label] / total if total else 0.0
         print(f"  {label:40s} {timers.ns[label] / n / 1e3:8.0f} µs {share:5.1f}%  "
               f"{timers.calls[label] / n:5.2f} calls a step")

@@ -192,6 +192,35 @@ def test_rewind_inside_a_page_keeps_the_page():
     assert held(m, "a", "kv") == (0, [1, 2])
 
 
+def test_a_row_freed_after_a_step_and_reused_by_a_hit_does_not_settle():
+    """A request freed after its step leaves its row listed among the previous step's; a
+    joiner that takes the row (with a prefix hit) and sits out the next step changes
+    nothing there: the same pages, tokens and pools as when it takes a fresh row."""
+    rng = np.random.default_rng(3)
+    shared = rng.integers(0, 1000, 512).tolist()
+    outcomes = []
+    for fresh_row in (False, True):
+        m = manager(v4_specs(), 400, shuffle_seed=5, enable_prefix_caching=True)
+        m.add_request("a", shared + [1, 2, 3], max_new_tokens=8)
+        m.add_request("b", rng.integers(0, 1000, 40).tolist(), max_new_tokens=8)
+        m.schedule([("a", 515), ("b", 40)])
+        m.append_token_ids_many(("a", "b"), np.array([[7], [8]]))
+        m.free("a")  # its last step commits here
+        if fresh_row:
+            m.add_request("filler", prompt_tokens=5)  # takes a's row
+        hit = m.add_request("c", shared + [4, 5], max_new_tokens=4)
+        assert hit.hit_tokens == 512
+        m.schedule([("b", 1)])  # c sits out
+        m.check_invariants()
+        outcomes.append(({rid: (m.num_computed_tokens(rid), {gid: held(m, rid, gid) for gid in m.pools})
+                          for rid in ("b", "c")}, snapshot(m)[0]))
+        m.append_token_ids("b", [9])
+        m.schedule([("c", 2), ("b", 1)])
+        m.check_invariants()
+        outcomes.append((m.num_computed_tokens("c"), {gid: held(m, "c", gid) for gid in m.pools}))
+    assert outcomes[:2] == outcomes[2:]
+
+
 def test_free_returns_every_pool_to_full_and_rows_are_reused_clean():
     m = manager(v4_specs(), 400, shuffle_seed=5)
     for i, n in enumerate([300, 70, 513]):

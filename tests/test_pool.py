@@ -575,3 +575,55 @@ def test_ids_a_low_priority_eviction_frees_count_as_free_for_the_next(batch):
     assert pool.lookup("a") is None and pool.lookup("b") == (11,)
     assert pool.counters.evicted_pages == 1
     pool.check_invariants()
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), lowest_first=st.booleans())
+def test_page_space_borrow_is_incref_pool_by_pool(data, lowest_first):
+    """PageSpace.borrow of every group's pages (held ones, idle keyed ones, some low
+    priority) leaves each pool as its own ``incref(distinct=True)`` would; with a free
+    page listed it is refused whole, nothing changed."""
+    from hybridkv.memory.pool import PageSpace
+
+    sizes = data.draw(st.lists(st.integers(2, 24), min_size=1, max_size=5), label="sizes")
+    sides = []
+    for _ in range(2):
+        pools = [PagePool(f"g{i}", n, lowest_first=lowest_first) for i, n in enumerate(sizes)]
+        sides.append((pools, PageSpace(pools)))
+    script = []
+    for i, n in enumerate(sizes):
+        held = data.draw(st.integers(0, n - 1), label=f"held{i}")
+        keyed = data.draw(st.lists(st.booleans(), min_size=held, max_size=held), label=f"keyed{i}")
+        low = data.draw(st.lists(st.booleans(), min_size=held, max_size=held), label=f"low{i}")
+        idle = data.draw(st.lists(st.booleans(), min_size=held, max_size=held), label=f"idle{i}")
+        script.append((held, keyed, low, idle))
+    for pools, _ in sides:
+        for pool, (held, keyed, low, idle) in zip(pools, script):
+            pages = pool.allocate(held).tolist()
+            for j, page in enumerate(pages):
+                if keyed[j]:
+                    pool.publish(("k", page), [page], low_priority=low[j])
+            pool.decref(np.asarray([p for j, p in enumerate(pages) if idle[j]], dtype=np.int64))
+    (pools_a, space), (pools_b, _) = sides
+    with_free = data.draw(st.booleans(), label="with_free")
+    borrowed = []
+    for i, pool in enumerate(pools_a):
+        usable = [p for p in range(1, sizes[i]) if pool.ref_counts[p] > 0 or pool.cached[p]]
+        if with_free:
+            usable += pool.free_page_ids().tolist()
+        pages = data.draw(st.lists(st.sampled_from(usable), unique=True) if usable else st.just([]), label=f"b{i}")
+        borrowed.append(np.asarray(pages, dtype=np.int64))
+    counts = np.asarray([b.size for b in borrowed], dtype=np.int64)
+    refused = any((pool.ref_counts[b] == 0).any() and not pool.cached[b[pool.ref_counts[b] == 0]].all()
+                  for pool, b in zip(pools_a, borrowed))
+    before = [_pool_state(a) for a in pools_a]
+    if refused:
+        with pytest.raises(ValueError, match="is free, cannot be borrowed"):
+            space.borrow(np.concatenate(borrowed), counts)
+        assert [_pool_state(a) for a in pools_a] == before
+        return
+    space.borrow(np.concatenate(borrowed), counts)
+    for pool, pages in zip(pools_b, borrowed):
+        pool.incref(pages, distinct=True)
+    for a, b in zip(pools_a, pools_b):
+        assert _pool_state(a) == _pool_state(b)

@@ -108,6 +108,7 @@ class PagePool:
         self.may_skip_packing: Callable[[], bool] | None = None
         self.counters = PoolCounters()
         self.peak_used_pages = 0
+        self.space: PageSpace | None = None  # the page space whose arrays this pool views, once in one
         if granted:
             self.grant(np.arange(1, self.num_pages, dtype=np.int32))
 
@@ -316,18 +317,25 @@ class PagePool:
         for page in idle:
             if page not in self._evictable:
                 raise ValueError(f"group {self.group_id!r}: page {page} is free, cannot be borrowed")
-        low = self.low_priority
-        for page in idle:
-            if self._evictable.pop(page, 0) is None and low[page]:
-                self._low_idle_pages -= 1
         if distinct:
             self.ref_counts[pages] = before + 1
         else:
             np.add.at(self.ref_counts, pages, 1)
-        if idle:  # only idle pages borrowed raise the pages in use
-            used = self.num_used_pages
-            if used > self.peak_used_pages:
-                self.peak_used_pages = used
+        if idle:
+            self._borrowed_idle(idle if distinct else list(dict.fromkeys(idle)))
+
+    def _borrowed_idle(self, idle: list[int]) -> None:
+        """Idle keyed pages (distinct) that just got a holder leave the LRU; the pages in
+        use rise."""
+        evictable = self._evictable
+        for page in idle:
+            del evictable[page]
+        if self._low_idle_pages:  # else none of them is low priority
+            low = self.low_priority
+            self._low_idle_pages -= sum(1 for page in idle if low[page])
+        used = self._granted_pages - self._top - len(evictable)  # num_used_pages
+        if used > self.peak_used_pages:
+            self.peak_used_pages = used
 
     def decref(self, pages: np.ndarray) -> None:
         """Drop one reference per listed page; pages reaching 0 become free or evictable.
@@ -697,9 +705,11 @@ class PageSpace:
         self.low_counts = np.zeros(len(self.pools), dtype=np.int64)  # ``keyed_idle``'s scratch
         self.low_scratch = np.empty(0, dtype=np.int64)
         self.packing = [(g, p) for g, p in enumerate(self.pools) if p.lowest_first]  # pools ``low_floors`` asks
+        self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # ``borrow``'s scratch
         for g, pool in enumerate(self.pools):
             pool._tops, pool._lows, pool._slot = self.tops, self.low_idle, g
             pool.counters.tallies = self.per_group[3:, g]
+            pool.space = self
 
     def release(self, pages: np.ndarray, per_group: Sequence[int]) -> None:
         """``pools[g].decref`` of each group's slice of ``pages`` (local ids, group-major,
@@ -712,6 +722,23 @@ class PageSpace:
         kernels.push_free(self.stack, self.tops, self.offsets, self.lowest_first, counts[0], freed)
         self.per_group[kernels.RELEASED_PAGES] += counts[0] + counts[1]
         self.keyed_idle(counts[1], keyed)
+
+    def borrow(self, pages: np.ndarray, per_group: np.ndarray) -> None:
+        """``pools[g].incref(..., distinct=True)`` of each group's slice of ``pages`` (local
+        ids, group-major, ``per_group[g]`` of them, none twice in a group), in one compiled
+        pass (``kernels.take_holds``): refused whole (ValueError) if a page is free."""
+        idle, counts = np.empty(pages.size, dtype=np.int64), self.idle_counts
+        n_idle = kernels.take_holds(self.ref_counts, self.cached, self.offsets, per_group, pages, idle, counts)
+        if n_idle < 0:
+            bad = -1 - n_idle
+            g = int(np.searchsorted(np.cumsum(per_group), bad, side="right"))
+            raise ValueError(f"group {self.pools[g].group_id!r}: page {int(pages[bad])} is free, cannot be borrowed")
+        if n_idle:
+            listed, start = idle[:n_idle].tolist(), 0
+            for pool, k in zip(self.pools, counts.tolist()):
+                if k:
+                    pool._borrowed_idle(listed[start : start + k])
+                    start += k
 
     def low_floors(self) -> np.ndarray:
         """``per_group``, once ``low_floor[g]`` holds: for a lowest-first pool (one that may
@@ -747,9 +774,10 @@ class PageSpace:
         self.low_scratch = low
         kernels.went_idle(self.idle_tick, self.low_priority, self.offsets, per_group, keyed, ticks[0], low,
                           self.low_counts)
-        listed, low_listed = keyed[:total].tolist(), low[: int(self.low_counts.sum())].tolist()
+        low_counts = self.low_counts.tolist()
+        listed, low_listed = keyed[:total].tolist(), low[: sum(low_counts)].tolist()
         start = low_start = i = 0
-        for pool, k, n_low in zip(self.pools, counts, self.low_counts.tolist()):
+        for pool, k, n_low in zip(self.pools, counts, low_counts):
             if k:
                 pool._join_lru(listed[start : start + k][::-1], low_listed[low_start : low_start + n_low], ticks[i])
                 start, low_start, i = start + k, low_start + n_low, i + 1

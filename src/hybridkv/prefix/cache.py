@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from functools import reduce
 from itertools import chain
 from math import lcm
+from operator import itemgetter
 from typing import IO, Protocol
 
 import numpy as np
@@ -248,14 +249,23 @@ class PrefixCache:
                               for gid, n in zip(self.state_ids, self._reader.checkpoint_pages)]
 
     def _init_hit_placement(self, tables: Mapping[str, GroupTable]) -> None:
-        """A hit's placement: every group's table in one call (``TableSet.place_row``, by
-        group index)."""
+        """A hit's placement: every group's pages borrowed in one call (``PageSpace.borrow``)
+        and placed in one (``TableSet.place_row``), by group index."""
         self._table_set = tables[self.specs[0].group_id].table_set
         self._group_index = [tables[s.group_id].group_index for s in self.specs]
         if sorted(self._group_index) != list(range(len(self._table_set.tables))):
             raise ValueError("the prefix cache's tables must be every table of one TableSet, one per spec")
-        self._hit_lo = np.zeros(len(self.specs), dtype=np.int64)
-        self._hit_counts = np.zeros(len(self.specs), dtype=np.int64)
+        # Borrowing: one compiled call over the page space, whose groups are the tables' in order.
+        self._space = self.pools[self.specs[0].group_id].space
+        space_pools = self._space.pools if self._space is not None else []
+        if len(space_pools) != len(self.specs) or any(
+                space_pools[g] is not self.pools[s.group_id] for s, g in zip(self.specs, self._group_index)):
+            raise ValueError("the prefix cache's pools must be the pools of one PageSpace, in its tables' order")
+        # Per group, by table index: (group, page tokens, checkpoint window; None: history).
+        self._placement = [(s.group_id, s.page_tokens, self._windows[s.group_id] if s.is_sliding else None)
+                           for _, s in sorted(zip(self._group_index, self.specs), key=itemgetter(0))]
+        self._matched_ids = self.history_ids + self.state_ids  # the groups a match looks up
+        self._stats_in_order = [(s.group_id, self.stats[s.group_id]) for s in self.specs]
 
     def _init_eviction(self, eviction_policy: str) -> None:
         """What goes first when a pool must evict (hybridkv.prefix.eviction: units, orphans,
@@ -289,56 +299,67 @@ class PrefixCache:
     # --- matching ---------------------------------------------------------------
     def match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> PrefixHit:
         """The hit for a prompt, without borrowing anything."""
+        return self._match(hashes, prompt_ids)[0]
+
+    def _match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> tuple[PrefixHit, dict[str, list]]:
+        """The hit for a prompt, and per history group and state group storing checkpoints
+        its entry (pages, None: not cached) of each prefix of whole blocks the prompt's
+        last token aside: ``found[gid][b - 1]`` for the prefix of ``b`` blocks."""
         g = self.granularity_tokens
         max_blocks = (prompt_ids.size - 1) // g
         hashes.extend_to(prompt_ids, max_blocks * g)
         keys = hashes.hashes[:max_blocks]  # keys[b - 1] names the prefix of b blocks
+        found = {gid: list(map(self.pools[gid].lookup, keys)) for gid in self._matched_ids}
         alone: dict[str, int] = {}
         limit = max_blocks  # blocks every history group holds, from the first
         for gid in self.history_ids:
-            lookup, n = self.pools[gid].lookup, 0
-            while n < max_blocks and lookup(keys[n]) is not None:
-                n += 1
+            entries = found[gid]
+            n = entries.index(None) if None in entries else max_blocks
             alone[gid] = n * g
             limit = min(limit, n)
-        common = None  # boundaries (in blocks) where every state group holds a checkpoint
-        for gid in self.state_ids:
-            lookup = self.pools[gid].lookup
-            have = [b for b, key in enumerate(keys, 1) if lookup(key) is not None]
-            alone[gid] = (have[-1] if have else 0) * g
-            common = set(have) if common is None else common.intersection(have)
-        k = limit if common is None else max((b for b in common if b <= limit), default=0)
+        state = [found[gid] for gid in self.state_ids]
+        for gid, entries in zip(self.state_ids, state):
+            n = max_blocks
+            while n and entries[n - 1] is None:
+                n -= 1
+            alone[gid] = n * g  # its last checkpoint
+        k = limit  # the last boundary within the history where every state group holds a checkpoint
+        if state:
+            cover = list(zip(*(entries[:limit] for entries in state)))  # per boundary, each group's entry
+            while k and None in cover[k - 1]:
+                k -= 1
         for gid, n in self._windows.items():
             if n == 0:
                 alone[gid] = max_blocks * g  # restorable at any boundary
-        return PrefixHit(k * g, {s.group_id: alone[s.group_id] for s in self.specs}, limit * g)
+        return PrefixHit(k * g, {s.group_id: alone[s.group_id] for s in self.specs}, limit * g), found
 
     def match_and_borrow(self, hashes: RequestHashes, prompt_ids: np.ndarray, row: int) -> PrefixHit:
-        """Match, then place the cached pages in ``row``'s tables (ref count +1 each)."""
-        hit = self.match(hashes, prompt_ids)
-        d = hit.hit_tokens
-        for s in self.specs:
-            st = self.stats[s.group_id]
+        """Match, then place the cached pages in ``row``'s tables (ref count +1 each): every
+        group's in one ``PageSpace.borrow`` and one ``TableSet.place_row``."""
+        hit, found = self._match(hashes, prompt_ids)
+        d, queried = hit.hit_tokens, int(prompt_ids.size)
+        for gid, st in self._stats_in_order:
             st.lookups += 1
-            st.queried_tokens += int(prompt_ids.size)
+            st.queried_tokens += queried
             st.hit_tokens += d
-            st.alone_hit_tokens += hit.group_hit_tokens[s.group_id]
+            st.alone_hit_tokens += hit.group_hit_tokens[gid]
         if d == 0:
             return hit
-        lo, counts, parts = self._hit_lo.copy(), self._hit_counts.copy(), [()] * len(self.specs)
-        for s, g in zip(self.specs, self._group_index):
-            gid, t = s.group_id, s.page_tokens
-            pool = self.pools[gid]
-            if s.is_sliding:
-                lo[g] = max(0, d - self._windows[gid]) // t
-                pages = pool.lookup(hashes.key(d)) if gid in self._holders else ()
-            else:
-                pages = [p for h in hashes.hashes[: d // self.granularity_tokens] for p in pool.lookup(h)]
-            assert len(pages) == d // t - lo[g], (gid, len(pages), d // t - lo[g])
-            pool.incref(pages, distinct=True)
-            counts[g], parts[g] = len(pages), pages
-        pages = np.fromiter(chain.from_iterable(parts), np.int64, int(counts.sum()))
-        self._table_set.place_row(row, lo, counts, pages)
+        blocks, lo, counts, pages = d // self.granularity_tokens, [], [], []  # per group, by table index
+        for gid, page_tokens, window in self._placement:
+            if window is None:  # a history group: every block below the hit
+                lo.append(0)
+                entries = found[gid][:blocks]
+            else:  # a sliding group: the window below the hit (a checkpoint), or nothing
+                lo.append(max(0, d - window) // page_tokens)
+                entries = found[gid][blocks - 1 : blocks] if gid in self._holders else ()
+            before = len(pages)
+            pages.extend(chain.from_iterable(entries))
+            counts.append(len(pages) - before)
+            assert counts[-1] == d // page_tokens - lo[-1], (gid, counts[-1], d // page_tokens - lo[-1])
+        page_ids, counts = np.array(pages, dtype=np.int64), np.array(counts, dtype=np.int64)
+        self._space.borrow(page_ids, counts)
+        self._table_set.place_row(row, np.array(lo, dtype=np.int64), counts, page_ids)
         return hit
 
     # --- publication -------------------------------------------------------------

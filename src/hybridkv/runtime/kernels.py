@@ -709,13 +709,7 @@ def rewind_rows(geometry, pages, bounds, counters, known_floor, ref, keyed, stac
         if not counters[1, rows[r]] <= kept[r] <= counters[0, rows[r]]:
             return False, empty, empty, empty, empty
     taken, touched, taken_per_group = truncate_rows(geometry, pages, bounds, rows, kept)
-    offsets = geometry[:, ID_OFFSET].copy()
-    freed, idle_keyed = np.empty(taken.size, dtype=np.int64), np.empty(taken.size, dtype=np.int64)
-    counts = np.zeros((2, offsets.size), dtype=np.int64)
-    drop_holds(ref, keyed, offsets, taken_per_group, taken, freed, idle_keyed, counts)
-    push_free(stack, per_group[TOP], offsets, per_group[LOWEST], counts[0], freed)
-    for g in range(offsets.size):
-        per_group[RELEASED_PAGES, g] += counts[0, g] + counts[1, g]
+    idle_keyed, keyed_per_group = release_taken(geometry, ref, keyed, stack, per_group, taken, taken_per_group)
     fell, n_fell = np.empty(rows.size, dtype=np.int64), 0
     for r in range(rows.size):
         row = rows[r]
@@ -725,7 +719,41 @@ def rewind_rows(geometry, pages, bounds, counters, known_floor, ref, keyed, stac
             counters[2, row] = known
             fell[n_fell] = row
             n_fell += 1
-    return True, touched, idle_keyed[: counts[1].sum()], counts[1].copy(), fell[:n_fell]
+    return True, touched, idle_keyed, keyed_per_group, fell[:n_fell]
+
+
+@njit(cache=True)
+def release_taken(geometry, ref, keyed, stack, per_group, taken, taken_per_group):
+    """Pages taken out of the tables (local ids, group after group, ``taken_per_group[g]``
+    of group ``g``) are one release, exactly ``PagePool.decref`` of each group's
+    (``drop_holds``, ``push_free``; counted in ``per_group``). Returns the keyed pages
+    left idle (local ids, group after group) and how many per group."""
+    offsets = geometry[:, ID_OFFSET].copy()
+    freed, idle_keyed = np.empty(taken.size, dtype=np.int64), np.empty(taken.size, dtype=np.int64)
+    counts = np.zeros((2, offsets.size), dtype=np.int64)
+    drop_holds(ref, keyed, offsets, taken_per_group, taken, freed, idle_keyed, counts)
+    push_free(stack, per_group[TOP], offsets, per_group[LOWEST], counts[0], freed)
+    for g in range(offsets.size):
+        per_group[RELEASED_PAGES, g] += counts[0, g] + counts[1, g]
+    return idle_keyed[: counts[1].sum()], counts[1].copy()
+
+
+@njit(cache=True)
+def free_rows(geometry, pages, bounds, ref, keyed, stack, per_group, rows):
+    """``CacheManager.free`` of ``rows`` (after their last commit), in one call: every
+    group's live pages of each row leave its table (``clear_rows``) and are one release
+    (``release_taken``). Returns (the cells emptied, as ring-view indices; the keyed pages
+    left idle, local ids group after group; how many per group)."""
+    n_groups = geometry.shape[0]
+    total = 0
+    for g in range(n_groups):
+        for r in range(rows.size):
+            total += max(bounds[HI, g, rows[r]] - bounds[BASE, g, rows[r]], 0)
+    taken, touched = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
+    taken_per_group = np.empty(n_groups, dtype=np.int64)
+    clear_rows(geometry, pages, bounds, rows, taken, touched, taken_per_group)
+    idle_keyed, keyed_per_group = release_taken(geometry, ref, keyed, stack, per_group, taken, taken_per_group)
+    return touched, idle_keyed, keyed_per_group
 
 
 @njit(cache=True)
@@ -813,6 +841,35 @@ def drop_holds(ref, keyed, offsets, per_group, pages, freed, keyed_pages, counts
             if ref[offset + pages[i]] == -1:
                 ref[offset + pages[i]] = 0
         start = end
+
+
+@njit(cache=True)
+def take_holds(ref, keyed, offsets, per_group, pages, idle_pages, idle_counts):
+    """One reference more on each listed page (local ids, group-major, ``per_group[g]``
+    of group ``g``, none listed twice in a group), unless a listed page is free (no
+    holder, no key): then nothing changes and ``-1 - i`` is returned, ``i`` the first
+    such page's index. Else the pages that had no holder (idle keyed ones) go to
+    ``idle_pages``, in the order listed, ``idle_counts[g]`` of group ``g``; returns how many."""
+    start = 0
+    for g in range(per_group.size):
+        offset = offsets[g]
+        for i in range(start, start + per_group[g]):
+            if ref[offset + pages[i]] == 0 and not keyed[offset + pages[i]]:
+                return -1 - i
+        start += per_group[g]
+    start, n_idle = 0, 0
+    for g in range(per_group.size):
+        offset = offsets[g]
+        idle_counts[g] = 0
+        for i in range(start, start + per_group[g]):
+            page = offset + pages[i]
+            if ref[page] == 0:
+                idle_pages[n_idle] = pages[i]
+                n_idle += 1
+                idle_counts[g] += 1
+            ref[page] += 1
+        start += per_group[g]
+    return n_idle
 
 
 @njit(cache=True)

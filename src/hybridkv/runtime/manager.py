@@ -310,7 +310,9 @@ class CacheManager:
         self._admitted: tuple | None = None  # (version, items, fixed_width, _Verdict) of the last check
         self._requests: dict[str, _Request] = {}
         self._row_of: dict[str, int] = {}  # request id -> table row (batch validation reads only this)
-        self._last_rows = np.zeros(0, dtype=np.int64)  # rows scheduled in the previous step
+        # Rows scheduled in the previous step. A row freed since may stay listed (and be reused):
+        # until its next step its committed tokens equal its computed ones, so it never settles.
+        self._last_rows = np.zeros(0, dtype=np.int64)
         self._row_owner: dict[int, _Request] = {}
         self._free_rows: list[int] = []
         self._next_row = 0
@@ -1180,7 +1182,7 @@ class CacheManager:
             self._rewind_items(items)  # raises, wording the first refused item
         ts.note_cells(touched)
         if keyed.size:
-            space.keyed_idle(keyed_per_group.tolist(), keyed)
+            space.keyed_idle(keyed_per_group, keyed)
         owner = self._row_owner  # requests with token ids lose the rejected drafts' ids
         for row, known in zip(fell.tolist(), self._known[fell].tolist()):
             owner[row].known_tokens = known
@@ -1259,9 +1261,13 @@ class CacheManager:
             self.pending_loads.discard(request_id)
         if self.prefix is not None and self._committed[req.row] < self._computed[req.row]:
             self._commit_row(req.row)
-        pages, per_group = self._tableset.clear_rows(np.asarray([req.row], dtype=np.int64))
-        if pages.size:
-            self._space.release(pages, per_group)
+        ts, space = self._tableset, self._space
+        touched, keyed, keyed_per_group = kernels.free_rows(  # its pages leave the tables, one release
+            ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.stack, space.per_group,
+            np.asarray([req.row], dtype=np.int64))
+        ts.note_cells(touched)
+        if keyed.size:
+            space.keyed_idle(keyed_per_group, keyed)
         if self.prefix is not None:
             self.prefix.forget_request(req)
         self._computed[req.row] = 0
@@ -1269,8 +1275,7 @@ class CacheManager:
         del self._requests[request_id]
         del self._row_of[request_id]
         del self._row_owner[req.row]
-        self._last_rows = self._last_rows[self._last_rows != req.row]
-        self._free_rows.append(req.row)
+        self._free_rows.append(req.row)  # it may stay in _last_rows: it never settles (see there)
 
     # --- observability -------------------------------------------------------
     def stats(self) -> dict[str, GroupStats]:

@@ -361,15 +361,6 @@ class TableSet:
             self.log[:] = [group * (new * self.view_columns) + cell]
 
     # --- outside the step (free) and the step's block tables ---------------------------
-    def clear_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Empty ``rows`` in every group (bounds back to 0, narrow again): their held
-        page ids, group-major, row-major, in logical order, and how many per group."""
-        pages = np.empty(int((self.bounds[kernels.HI][:, rows] - self.bounds[kernels.BASE][:, rows]).sum()), np.int64)
-        touched, per_group = np.empty_like(pages), np.empty(len(self.tables), np.int64)
-        kernels.clear_rows(self.geometry, self.pages, self.bounds, rows, pages, touched, per_group)
-        self.note_cells(touched)
-        return pages, per_group
-
     def block_table(self, g: int, rows: np.ndarray, width: int) -> np.ndarray:
         """int32 ``[R, width]``: group ``g``'s pages from each row's base, -1 padded."""
         out = np.empty((rows.size, width), dtype=np.int32)
