@@ -36,7 +36,7 @@ import xxhash
 from hybridkv._checks import as_int
 from hybridkv.prefix.checkpoints import OWN, REUSED, SPECULATIVE, CheckpointOrder, CheckpointValues
 from hybridkv.prefix.checkpoints import checkpoint_policy as policy_from_options
-from hybridkv.prefix.eviction import GroupValueStats, ValueEviction
+from hybridkv.prefix.eviction import UNIT, GroupValueStats, ValueEviction
 from hybridkv.memory.pool import PagePool, idle_clock_tick
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables.store import CommitPages, GroupTable
@@ -265,8 +265,8 @@ class PrefixCache:
                                       eviction_policy)
         for gid, pool in pools.items():
             pool.on_removed = self._removed_callback(gid)
-            # A state entry's removal takes the rest of its unit from the other groups only.
-            pool.batch_low_evictions = gid in self.state_ids
+            if gid in self.state_ids:  # its removals take the rest of a unit from the other groups only
+                pool.on_removed_many = self._removed_many_callback(gid)
         self._order = None  # "prefill-per-byte": the state pools' eviction order, kept incrementally
         if self.values is not None and self.state_ids:
             self._order = CheckpointOrder(self.values, [pools[g] for g in self.state_ids], idle_clock_tick,
@@ -577,22 +577,45 @@ class PrefixCache:
         return self.eviction.report()
 
     # --- events ---------------------------------------------------------------
-    def _removed_callback(self, gid: str) -> Callable[[int], None]:
-        meta, holders, stats = self._meta[gid], self._holders.get(gid), self.stats[gid]
-
+    def _removed_callback(self, gid: str) -> Callable[[int, str, int], None]:
         def removed(key: int, cause: str, idle_pages: int) -> None:
-            parent, boundary, n = meta.pop(key, (None, 0, 0))
-            if holders is not None:  # a state group storing checkpoints
-                holders.pop(key, None)
-                if self.values is not None:
-                    self.values.removed(key)
-            stats.removed_entries += 1
-            if self.tier_hook is not None:
-                self.tier_hook.removed(gid, key, self._dropping)
-            self._emit_many((("removed", gid, key, parent, boundary, n),))
+            self._emit_many((self._book_removal(gid, key),))
             self.eviction.removed(gid, key, cause, idle_pages)
 
         return removed
+
+    def _removed_many_callback(self, gid: str) -> Callable[[list], None]:
+        def removed_many(removals: list[tuple[int, str, int]]) -> None:
+            """Entries evicted (or revoked) from state group ``gid`` together: the rest of
+            their units leaves the other state groups first, one batch per group
+            (``ValueEviction.take_units``); then every removal is booked in the order one
+            at a time gives (each entry, then its unit group by group), events in one call."""
+            book, removed, raws = self._book_removal, self.eviction.removed, []
+            rest = self.eviction.take_units(gid, [key for key, _, _ in removals])
+            for key, cause, idle_pages in removals:
+                raws.append(book(gid, key))
+                removed(gid, key, cause, idle_pages)
+                for other, freed in rest:
+                    if key in freed:
+                        raws.append(book(other, key))
+                        removed(other, key, UNIT, freed[key])
+            self._emit_many(raws)
+
+        return removed_many
+
+    def _book_removal(self, gid: str, key: int) -> tuple:
+        """An entry left group ``gid``: forget its metadata and holders, tell the checkpoint
+        values and the tier hook; its "removed" event (raw)."""
+        parent, boundary, n = self._meta[gid].pop(key, (None, 0, 0))
+        holders = self._holders.get(gid)
+        if holders is not None:  # a state group storing checkpoints
+            holders.pop(key, None)
+            if self.values is not None:
+                self.values.removed(key)
+        self.stats[gid].removed_entries += 1
+        if self.tier_hook is not None:
+            self.tier_hook.removed(gid, key, self._dropping)
+        return ("removed", gid, key, parent, boundary, n)
 
     def _emit_many(self, raws: Sequence[tuple]) -> None:
         """Events (raw tuples), in order: to ``on_event``, or to the buffer (as tuples: the hex

@@ -226,6 +226,21 @@ class ValueEviction:
                 if follow == UNIT:
                     pool.counters.evicted_pages += freed
 
+    def take_units(self, gid: str, keys: Sequence[Hashable]) -> list[tuple[str, dict]]:
+        """The batch form of what :meth:`removed` does to the other state groups for
+        entries just evicted (or revoked) from state group ``gid``: the same keys leave
+        each of them now (``UNIT``), one ``PagePool.evict_entries`` per group, in the
+        order :meth:`removed` would take them. Per such group: (group, idle pages freed by
+        key); the caller then tells :meth:`removed` of each (cause ``UNIT``), in order."""
+        out = []
+        for other in self.state_ids if self.acts else ():
+            lookup = self.pools[other].lookup
+            present = [key for key in keys if lookup(key) is not None] if other != gid else None
+            if present:
+                removals = self.pools[other].evict_entries(present, UNIT)
+                out.append((other, {key: idle for key, _, idle in removals}))
+        return out
+
     def _reason(self, gid: str, node: list | None, cause: str) -> str:
         if cause == REVOKED:
             return "slab"

@@ -773,6 +773,34 @@ def push_run(stack, top, lowest, run):
 
 
 @njit(cache=True)
+def drop_entries(pages, lengths, ref, keyed, low_priority, stack, top, lowest, idle, per_entry):
+    """Entries leaving one pool (``PagePool.evict_entries``): ``pages`` lists their local
+    ids, entry after entry, ``lengths[e]`` of entry ``e``. Every page loses its key and
+    low priority; the idle ones (no holder) go to ``idle`` in that order and onto the
+    free stack (``push_run``). Per entry: ``per_entry[0, e]`` its idle pages,
+    ``per_entry[1, e]`` 1 if it was low priority (its first page's flag). Returns the
+    new top, the idle pages and how many of them were low priority."""
+    n_idle, n_low, start = 0, 0, 0
+    for e in range(lengths.size):
+        end = start + lengths[e]
+        per_entry[1, e] = 1 if end > start and low_priority[pages[start]] else 0
+        count = 0
+        for i in range(start, end):
+            page = pages[i]
+            keyed[page] = False
+            if ref[page] == 0:
+                idle[n_idle] = page
+                n_idle += 1
+                count += 1
+                if low_priority[page]:
+                    n_low += 1
+            low_priority[page] = False
+        per_entry[0, e] = count
+        start = end
+    return push_run(stack, top, lowest, idle[:n_idle]), n_idle, n_low
+
+
+@njit(cache=True)
 def push_free(stack, top, offsets, lowest, per_group, freed):
     """``push_run`` of each group's freed local ids (``freed``, group after group,
     ``per_group[g]`` of them, in logical order)."""
