@@ -474,8 +474,8 @@ class PagePool:
             1 for p in evictable.tolist() if p in self._evictable
         ) != pages.size:
             raise ValueError(f"group {self.group_id!r}: only granted pages no request holds can be revoked")
-        # One batch: the entries on the pages are known before any leaves (a removal
-        # changes no other entry of this pool), in the order of their lowest page.
+        # One batch, in the order of their lowest page: what ``on_removed`` does for one
+        # entry takes no other entry of this pool, so they are all known beforehand.
         keys = dict.fromkeys(self._page_key[page] for page in evictable.tolist())
         if keys:
             self._unpublish_many(list(keys), REVOKED)

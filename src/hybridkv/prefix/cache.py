@@ -36,7 +36,7 @@ import xxhash
 from hybridkv._checks import as_int
 from hybridkv.prefix.checkpoints import OWN, REUSED, SPECULATIVE, CheckpointOrder, CheckpointValues
 from hybridkv.prefix.checkpoints import checkpoint_policy as policy_from_options
-from hybridkv.prefix.eviction import UNIT, GroupValueStats, ValueEviction
+from hybridkv.prefix.eviction import GroupValueStats, ValueEviction
 from hybridkv.memory.pool import PagePool, idle_clock_tick
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables.store import CommitPages, GroupTable
@@ -590,15 +590,12 @@ class PrefixCache:
             their units leaves the other state groups first, one batch per group
             (``ValueEviction.take_units``); then every removal is booked in the order one
             at a time gives (each entry, then its unit group by group), events in one call."""
-            book, removed, raws = self._book_removal, self.eviction.removed, []
+            book, raws = self._book_removal, []
             rest = self.eviction.take_units(gid, [key for key, _, _ in removals])
-            for key, cause, idle_pages in removals:
+            for key, _, _ in removals:
                 raws.append(book(gid, key))
-                removed(gid, key, cause, idle_pages)
-                for other, freed in rest:
-                    if key in freed:
-                        raws.append(book(other, key))
-                        removed(other, key, UNIT, freed[key])
+                raws.extend(book(other, key) for other, freed in rest if key in freed)
+            self.eviction.units_removed(gid, removals, rest)
             self._emit_many(raws)
 
         return removed_many
