@@ -551,10 +551,31 @@ class PagePool:
     def unpublish(self, key: Hashable, cause: str = UNPUBLISHED) -> int:
         """Drop an entry; its pages that no request holds go back to the free stack
         (their count is returned)."""
-        removal = self._drop_entries((key,), cause)[0]
+        removal = self._drop_entry(key, cause)
         if self.on_removed is not None:
             self.on_removed(*removal)
         return removal[2]
+
+    def _drop_entry(self, key: Hashable, cause: str) -> tuple[Hashable, str, int]:
+        """:meth:`_drop_entries` of one entry (a few pages: plain loops beat building arrays)."""
+        pages = self._entries.pop(key)
+        free = []
+        flags = self.low_priority
+        low = bool(pages) and flags.item(pages[0])  # an entry is low priority as a whole
+        page_key, cached, ref, evictable = self._page_key, self.cached, self.ref_counts, self._evictable
+        for page in pages:
+            del page_key[page]
+            cached[page] = False
+            if low:
+                flags[page] = False
+            if ref.item(page) == 0:
+                del evictable[page]
+                free.append(page)
+        if low:
+            self._low_idle_pages -= len(free)
+        if free:
+            self._push_free(np.asarray(free, dtype=np.int32))
+        return key, EVICTED_LOW if low and cause == EVICTED else cause, len(free)
 
     def promote(self, key: Hashable) -> None:
         """Undo :meth:`demote`: the entry's idle pages become the most recently used."""
@@ -637,6 +658,8 @@ class PagePool:
         (``kernels.drop_entries``): the free stack ends as after one :meth:`unpublish`
         each, in order (the last entry's pages on top). Per entry, in order: (key, cause:
         ``EVICTED_LOW`` for a low-priority entry evicted, idle pages freed)."""
+        if len(keys) == 1:
+            return [self._drop_entry(keys[0], cause)]
         entries, page_key = self._entries, self._page_key
         every, lengths = [], []
         for key in reversed(keys):  # the last entry's pages on top, as one by one
