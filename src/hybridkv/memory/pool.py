@@ -660,28 +660,26 @@ class PagePool:
         ``EVICTED_LOW`` for a low-priority entry evicted, idle pages freed)."""
         if len(keys) == 1:
             return [self._drop_entry(keys[0], cause)]
-        entries, page_key = self._entries, self._page_key
-        every, lengths = [], []
+        entries, page_key, listed = self._entries, self._page_key, []
         for key in reversed(keys):  # the last entry's pages on top, as one by one
             pages = entries.pop(key)
-            every += pages
-            lengths.append(len(pages))
-        for page in every:
-            del page_key[page]
-        idle = np.empty(len(every), dtype=np.int64)
-        per_entry = np.empty((2, len(lengths)), dtype=np.int64)
-        top, n_idle, n_low = kernels.drop_entries(
-            np.array(every, dtype=np.int64), np.array(lengths, dtype=np.int64), self.ref_counts, self.cached,
-            self.low_priority, self._stack, self._top, self.lowest_first, idle, per_entry)
+            listed.append(len(pages))
+            listed += pages
+            for page in pages:
+                del page_key[page]
+        n = len(keys)
+        out = np.empty(len(listed), dtype=np.int64)
+        top, n_idle, n_low = kernels.drop_entries(np.array(listed, dtype=np.int64), n, self.ref_counts, self.cached,
+                                                  self.low_priority, self._stack, self._top, self.lowest_first, out)
         self._top = top
         if n_low:
             self._low_idle_pages -= n_low
+        told = out[: n + n_idle].tolist()
         evictable = self._evictable
-        for page in idle[:n_idle].tolist():
+        for page in told[n:]:
             del evictable[page]
         low_cause = EVICTED_LOW if cause == EVICTED else cause
-        freed, low = per_entry.tolist()
-        return [(key, low_cause if low[i] else cause, freed[i]) for i, key in enumerate(reversed(keys))][::-1]
+        return [(key, low_cause if v & 1 else cause, v >> 1) for key, v in zip(keys, told)]
 
     def _evict_entry(self, key: Hashable, cause: str = EVICTED) -> int:
         """Unpublish an entry to reclaim its idle pages (counted as evicted); their count."""

@@ -773,31 +773,31 @@ def push_run(stack, top, lowest, run):
 
 
 @njit(cache=True)
-def drop_entries(pages, lengths, ref, keyed, low_priority, stack, top, lowest, idle, per_entry):
-    """Entries leaving one pool (``PagePool.evict_entries``): ``pages`` lists their local
-    ids, entry after entry, ``lengths[e]`` of entry ``e``. Every page loses its key and
-    low priority; the idle ones (no holder) go to ``idle`` in that order and onto the
-    free stack (``push_run``). Per entry: ``per_entry[0, e]`` its idle pages,
-    ``per_entry[1, e]`` 1 if it was low priority (its first page's flag). Returns the
-    new top, the idle pages and how many of them were low priority."""
-    n_idle, n_low, start = 0, 0, 0
-    for e in range(lengths.size):
-        end = start + lengths[e]
-        per_entry[1, e] = 1 if end > start and low_priority[pages[start]] else 0
-        count = 0
-        for i in range(start, end):
-            page = pages[i]
+def drop_entries(listed, n_entries, ref, keyed, low_priority, stack, top, lowest, out):
+    """``n_entries`` entries leaving one pool (``PagePool._drop_entries``), the last one
+    first: ``listed`` holds, entry after entry, its page count then its local ids. Every
+    page loses its key and low priority; the idle ones (no holder) go onto the free
+    stack in that order (``push_run``) and to ``out[n_entries:]``. ``out[n_entries - 1
+    - e]`` (entries in their first order) gets ``2 * idle pages + low``, low 1 if entry
+    ``e`` was low priority (its first page's flag). Returns the new top, the idle pages
+    and how many of them were low priority."""
+    n_idle, n_low, at = 0, 0, 0
+    for e in range(n_entries):
+        count, end = 0, at + 1 + listed[at]
+        low = 1 if end > at + 1 and low_priority[listed[at + 1]] else 0
+        for i in range(at + 1, end):
+            page = listed[i]
             keyed[page] = False
             if ref[page] == 0:
-                idle[n_idle] = page
+                out[n_entries + n_idle] = page
                 n_idle += 1
                 count += 1
                 if low_priority[page]:
                     n_low += 1
             low_priority[page] = False
-        per_entry[0, e] = count
-        start = end
-    return push_run(stack, top, lowest, idle[:n_idle]), n_idle, n_low
+        out[n_entries - 1 - e] = 2 * count + low
+        at = end
+    return push_run(stack, top, lowest, out[n_entries : n_entries + n_idle]), n_idle, n_low
 
 
 @njit(cache=True)
