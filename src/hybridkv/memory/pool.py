@@ -293,18 +293,14 @@ class PagePool:
         if used > self.peak_used_pages:
             self.peak_used_pages = used
 
-    @property
-    def evicts_in_batches(self) -> bool:
-        """Whether telling of a removal never changes this pool (``on_removed_many``)."""
-        return self.on_removed is None or self.on_removed_many is not None
-
     def _evict_low_below(self, count: int) -> None:
         """Evict idle low-priority entries holding ids below the ``count`` lowest free
         ones, so an allocation takes the lowest ids of free and low-priority pages (the
-        ids an eviction frees count as free for the next; ``evicts_in_batches``: one
-        batch, else each entry at once)."""
+        ids an eviction frees count as free for the next): one batch where telling of a
+        removal cannot change this pool (``on_removed_many`` set, or no one to tell),
+        else each entry at once."""
         heap, evictable, low, ref = self._low_idle, self._evictable, self.low_priority, self.ref_counts
-        batch = self.evicts_in_batches
+        batch = self.on_removed is None or self.on_removed_many is not None
         freed, keys, gone = 0, [], set()
         lowest = _LowestFree(self._stack, self._top, count, self.num_pages)
         while heap and freed < count:
@@ -317,7 +313,7 @@ class PagePool:
             heapq.heappop(heap)
             key = self._page_key[page]
             if not batch:
-                freed += self._evict_entry(key)
+                freed += self._unpublish_many([key])
                 lowest = _LowestFree(self._stack, self._top, count, self.num_pages)
                 continue
             pages = self._entries[key]
@@ -635,15 +631,16 @@ class PagePool:
             freed += sum(1 for p in self._entries[key] if ref[p] == 0)
         return freed
 
-    def _unpublish_many(self, keys: Sequence[Hashable], cause: str = EVICTED) -> None:
+    def _unpublish_many(self, keys: Sequence[Hashable], cause: str = EVICTED) -> int:
         """:meth:`evict_entries`, then each removal told to ``on_removed`` (all at once to
-        ``on_removed_many`` where set)."""
+        ``on_removed_many`` where set); the idle pages freed."""
         removals = self.evict_entries(keys, cause)
         if self.on_removed_many is not None:
             self.on_removed_many(removals)
         elif self.on_removed is not None:
             for removal in removals:
                 self.on_removed(*removal)
+        return sum(idle for _, _, idle in removals)
 
     def evict_entries(self, keys: Sequence[Hashable], cause: str = EVICTED) -> list[tuple[Hashable, str, int]]:
         """Unpublish the published entries ``keys`` as evictions (their idle pages counted as
@@ -680,12 +677,6 @@ class PagePool:
             del evictable[page]
         low_cause = EVICTED_LOW if cause == EVICTED else cause
         return [(key, low_cause if v & 1 else cause, v >> 1) for key, v in zip(keys, told)]
-
-    def _evict_entry(self, key: Hashable, cause: str = EVICTED) -> int:
-        """Unpublish an entry to reclaim its idle pages (counted as evicted); their count."""
-        idle = self.unpublish(key, cause)
-        self.counters.evicted_pages += idle
-        return idle
 
     def clear_cache(self) -> None:
         """Unpublish every entry (held pages stay held)."""
