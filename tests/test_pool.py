@@ -601,3 +601,35 @@ def test_revoke_takes_the_entries_on_its_pages_in_page_order(batch):
     assert pool.entry_keys() == [] and sorted(pool.free_page_ids().tolist()) == [7, 9]
     assert pool.usable_pages == 5 and pool.counters.evicted_pages == 4
     pool.check_invariants()
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_evict_entries_leaves_the_pool_as_unpublishing_each_in_turn(data):
+    """``evict_entries`` (one compiled pass over every entry's pages) against ``unpublish``
+    of each entry in the same order (cause ``"evicted"``), in a LIFO or lowest-first
+    pool, entries of 0-3 pages, some low priority, some pages held: the same (key, cause,
+    idle pages) per entry, free stack (order included), LRU, idle low-priority count,
+    and the evicted pages counted."""
+    lowest = data.draw(st.booleans(), label="lowest first")
+    plan = data.draw(st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.integers(0, 3)), min_size=1,
+                              max_size=8), label="entries: pages, low, held")
+    order = data.draw(st.permutations(range(len(plan))), label="eviction order")
+    ends = []
+    for batch in (True, False):
+        pool = PagePool("g", 40, lowest_first=lowest)
+        told = []
+        pool.on_removed = lambda key, cause, idle, told=told: told.append((key, cause, idle))
+        every, at = pool.allocate(sum(size for size, _, _ in plan)).tolist(), 0  # one call: nothing packs
+        for i, (size, low, held) in enumerate(plan):
+            pages, at = every[at : at + size], at + size
+            pool.publish(i, pages, low_priority=low)
+            pool.decref(np.asarray(pages[held:]))  # the first ``held`` pages stay held
+        if batch:
+            told.extend(pool.evict_entries(list(order)))
+        else:
+            pool.counters.evicted_pages += sum(pool.unpublish(i, "evicted") for i in order)
+        ends.append((told, pool.free_page_ids().tolist(), pool.evictable_page_ids().tolist(),
+                     pool.num_low_priority_idle_pages, pool.counters.evicted_pages, pool.entry_keys()))
+        pool.check_invariants()
+    assert ends[0] == ends[1]
