@@ -377,3 +377,37 @@ def test_stored_checkpoint_is_stored_in_each_group_in_turn(program):
             assert pool.entry_keys() == ref_pools[gid].entry_keys()
             assert pool.evictable_page_ids().tolist() == ref_pools[gid].evictable_page_ids().tolist()  # LRU order
         assert policy.report() == ref_policy.report()
+
+
+PAGE_BYTES = {SWA: 37, C4S: 23, C4KV: 50, C128S: 19, C128KV: 7, IDX: 11}  # invented, as test_arena_stateful
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.sampled_from([6000, 8000]), st.sampled_from([1, 2]),
+       st.sampled_from(["prompt-boundaries", "prefill-per-byte"]),
+       st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1400), st.integers(1, 1500), st.integers(0, 300)),
+                min_size=3, max_size=8))
+def test_state_groups_evict_in_batches_as_one_entry_at_a_time(budget, slab_pages, policy, program):
+    """On a shared arena tight enough to pack prompt checkpoints, evict and move slabs:
+    the state pools' batches (``on_removed_many``, each unit taken from the other state
+    groups in one batch per group) against the same managers with it cleared (each entry,
+    then its unit, one at a time): the same events in the same order, the same value
+    report (entries, usable ones, evicted pages by reason), free ids and slab moves."""
+    from hybridkv.memory.arena import arena_geometry
+
+    runs = []
+    for batched in (True, False):
+        geometry = arena_geometry(PAGE_BYTES, budget, anchor_group=C4KV, slab_anchor_pages=slab_pages)
+        mgr = CacheManager(SPECS, None, max_context_tokens=8192, enable_prefix_caching=True, arena=geometry,
+                           prompt_checkpoints=None, checkpoint_policy=policy)
+        if not batched:
+            for g in STATE:
+                mgr.pools[g].on_removed_many = None
+        stems = [ids(150 + s, 1400) for s in range(4)]
+        for i, (stem, shared, fresh, answer) in enumerate(program):
+            prompt = cat(stems[stem][:shared], ids(1000 + i, fresh))[:1500]
+            run_request(mgr, f"q{i}", prompt, ids(2000 + i, answer + 1), chunk_tokens=256)
+        runs.append((mgr.prefix.drain_events(), mgr.prefix.value_report(),
+                     {g: mgr.pools[g].free_page_ids().tolist() for g in ALL}, mgr.arena.slab_moves,
+                     {g: s.evicted_pages for g, s in mgr.stats().items()}))
+    assert runs[0] == runs[1]

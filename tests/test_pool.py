@@ -527,7 +527,7 @@ def test_publish_new_refuses_a_page_not_held_and_changes_nothing():
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_batched_low_priority_evictions_are_the_one_by_one_evictions(data):
-    """``batch_low_evictions`` (a state pool of a prefix cache) against evicting each idle
+    """``on_removed_many`` set (a state pool of a prefix cache) against evicting each idle
     low-priority entry at once: the same entries leave, in the same order, with the same
     causes and idle counts, and the pools end alike (free order, LRU, counters)."""
     n = data.draw(st.integers(24, 60), label="pages")
@@ -540,9 +540,10 @@ def test_batched_low_priority_evictions_are_the_one_by_one_evictions(data):
     pools, calls = [], []
     for batch in (False, True):
         pool = PagePool("g", n, lowest_first=True, shared_pages=True)
-        pool.batch_low_evictions = batch
         log = []
         pool.on_removed = lambda key, cause, idle, log=log: log.append((key, cause, idle))
+        if batch:  # told of a batch's removals at once, in order
+            pool.on_removed_many = log.extend
         for i, (size, kind, held) in enumerate(plan):
             if size > pool.num_clean_free_pages:
                 break
@@ -566,7 +567,9 @@ def test_ids_a_low_priority_eviction_frees_count_as_free_for_the_next(batch):
     ("b"). Three pages: the third lowest free id is 12, so "a" goes; then 1, 9, 10 are the
     three lowest, 11 is not below them and "b" stays."""
     pool = PagePool("g", 16, lowest_first=True)
-    pool.batch_low_evictions = batch
+    pool.on_removed = lambda key, cause, idle: None  # one entry at a time
+    if batch:
+        pool.on_removed_many = lambda removals: None
     a, plain, b = pool.allocate(1), pool.allocate(9), pool.allocate(1)  # 1; 2-10; 11
     pool.publish("a", a.tolist(), low_priority=True)
     pool.publish("b", b.tolist(), low_priority=True)
@@ -627,3 +630,58 @@ def test_page_space_borrow_is_incref_pool_by_pool(data, lowest_first):
         pool.incref(pages, distinct=True)
     for a, b in zip(pools_a, pools_b):
         assert _pool_state(a) == _pool_state(b)
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_revoke_takes_the_entries_on_its_pages_in_page_order(batch):
+    """Entries "c" (pages 5, 6; 6 held), "a" (2, 7) and "b" (3) idle, 4 free: revoking 2-5
+    evicts a (its page 7 goes free), b and c in the order of their lowest revoked page, told one
+    by one or (``on_removed_many``) in one batch; pages 6 (held), 7 and 9 stay granted."""
+    pool = PagePool("g", 10, lowest_first=True)
+    told = []
+    pool.on_removed = lambda key, cause, idle: told.append((key, cause, idle))
+    if batch:
+        pool.on_removed_many = told.extend
+    pages = pool.allocate(8).tolist()  # 1 .. 8
+    assert pages == list(range(1, 9))
+    pool.publish("a", [2, 7])
+    pool.publish("b", [3])
+    pool.publish("c", [5, 6])
+    pool.decref(np.array([2, 3, 4, 5, 7]))
+    pool.revoke(np.array([2, 3, 4, 5]))
+    assert told == [("a", "revoked", 2), ("b", "revoked", 1), ("c", "revoked", 1)]
+    assert pool.entry_keys() == [] and sorted(pool.free_page_ids().tolist()) == [7, 9]
+    assert pool.usable_pages == 5 and pool.counters.evicted_pages == 4
+    pool.check_invariants()
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_evict_entries_leaves_the_pool_as_unpublishing_each_in_turn(data):
+    """``evict_entries`` (one compiled pass over every entry's pages) against ``unpublish``
+    of each entry in the same order (cause ``"evicted"``), in a LIFO or lowest-first
+    pool, entries of 0-3 pages, some low priority, some pages held: the same (key, cause,
+    idle pages) per entry, free stack (order included), LRU, idle low-priority count,
+    and the evicted pages counted."""
+    lowest = data.draw(st.booleans(), label="lowest first")
+    plan = data.draw(st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.integers(0, 3)), min_size=1,
+                              max_size=8), label="entries: pages, low, held")
+    order = data.draw(st.permutations(range(len(plan))), label="eviction order")
+    ends = []
+    for batch in (True, False):
+        pool = PagePool("g", 40, lowest_first=lowest)
+        told = []
+        pool.on_removed = lambda key, cause, idle, told=told: told.append((key, cause, idle))
+        every, at = pool.allocate(sum(size for size, _, _ in plan)).tolist(), 0  # one call: nothing packs
+        for i, (size, low, held) in enumerate(plan):
+            pages, at = every[at : at + size], at + size
+            pool.publish(i, pages, low_priority=low)
+            pool.decref(np.asarray(pages[held:]))  # the first ``held`` pages stay held
+        if batch:
+            told.extend(pool.evict_entries(list(order)))
+        else:
+            pool.counters.evicted_pages += sum(pool.unpublish(i, "evicted") for i in order)
+        ends.append((told, pool.free_page_ids().tolist(), pool.evictable_page_ids().tolist(),
+                     pool.num_low_priority_idle_pages, pool.counters.evicted_pages, pool.entry_keys()))
+        pool.check_invariants()
+    assert ends[0] == ends[1]

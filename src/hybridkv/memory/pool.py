@@ -69,6 +69,34 @@ class PoolCounters:
         return {name: getattr(self, name) for name in names}
 
 
+class _LowestFree:
+    """The ``count``-th lowest of a lowest-first pool's free ids (``stack[:top]``, the
+    lowest on top) and of the ids :meth:`add` adds (``none`` while there are fewer):
+    ``bound``, kept as ids are added (each distinct, none free), in O(log n) each."""
+
+    __slots__ = ("stack", "top", "count", "frees", "added", "bound", "none")
+
+    def __init__(self, stack: np.ndarray, top: int, count: int, none: int):
+        self.stack, self.top, self.count, self.none = stack, top, count, none
+        self.frees = min(count, top)  # the lowest ``frees`` free ids are among the ``count`` lowest
+        self.added: list[int] = []  # the added ids among them (a max-heap: negated)
+        self.bound = int(stack[top - count]) if top >= count else none
+
+    def add(self, page: int) -> None:
+        added = self.added
+        if self.frees + len(added) == self.count:
+            if page > self.bound:
+                return
+            if added and -added[0] == self.bound:
+                heapq.heappop(added)  # the bound leaves the ``count`` lowest
+            else:
+                self.frees -= 1
+        heapq.heappush(added, -page)
+        if self.frees + len(added) == self.count:
+            free = int(self.stack[self.top - self.frees]) if self.frees else -1
+            self.bound = max(free, -added[0])
+
+
 class PagePool:
     """Pages ``1 .. num_pages-1`` of one group (``num_pages`` counts the null page)."""
 
@@ -146,11 +174,14 @@ class PagePool:
         # hybridkv.prefix.checkpoints.CheckpointOrder): told which pages go idle, it names the
         # normal-priority victims in place of the LRU order.
         self.ranker = None
-        # Set by a prefix cache on a pool whose ``on_removed`` never changes the pool itself
-        # (a state group's: the rest of a unit leaves the other groups): idle low-priority
-        # entries ``make_room`` evicts then go in one batch (``_unpublish_many``), decided
-        # with the free ids they would add, with the same entries, order and calls.
-        self.batch_low_evictions = False
+        # Set by a prefix cache on a pool whose removals never change the pool itself (a
+        # state group's: the rest of a unit leaves the other groups): called in place of
+        # ``on_removed`` with every (key, cause, idle pages freed) of entries evicted or
+        # revoked together, in order. Such a pool (and one nothing is told of) evicts in
+        # batches: the idle low-priority entries ``make_room`` evicts go in one
+        # ``evict_entries`` call, decided with the free ids they would add, with the same
+        # entries and order as one by one.
+        self.on_removed_many: Callable[[list[tuple[Hashable, str, int]]], None] | None = None
 
     # --- counts ---------------------------------------------------------
     @property
@@ -266,45 +297,35 @@ class PagePool:
     def _evict_low_below(self, count: int) -> None:
         """Evict idle low-priority entries holding ids below the ``count`` lowest free
         ones, so an allocation takes the lowest ids of free and low-priority pages (the
-        ids an eviction frees count as free for the next; ``batch_low_evictions``: one
-        batch, else each entry at once)."""
+        ids an eviction frees count as free for the next): one batch where telling of a
+        removal cannot change this pool (``on_removed_many`` set, or no one to tell),
+        else each entry at once."""
         heap, evictable, low, ref = self._low_idle, self._evictable, self.low_priority, self.ref_counts
-        batch = self.batch_low_evictions
-        freed, keys, gone, extra = 0, [], set(), []
+        batch = self.on_removed is None or self.on_removed_many is not None
+        freed, keys, gone = 0, [], set()
+        lowest = _LowestFree(self._stack, self._top, count, self.num_pages)
         while heap and freed < count:
             page = heap[0]
             if page not in evictable or not low[page] or page in gone:
                 heapq.heappop(heap)  # stale: borrowed, evicted or promoted meanwhile
                 continue
-            if page >= self._free_bound(count, extra):
+            if page >= lowest.bound:
                 break
             heapq.heappop(heap)
             key = self._page_key[page]
             if not batch:
-                freed += self._evict_entry(key)
+                freed += self._unpublish_many([key])
+                lowest = _LowestFree(self._stack, self._top, count, self.num_pages)
                 continue
             pages = self._entries[key]
-            idle = [p for p in pages if ref[p] == 0]
             keys.append(key)
             gone.update(pages)
-            extra.extend(idle)
-            freed += len(idle)
+            for p in pages:
+                if ref[p] == 0:
+                    lowest.add(p)
+                    freed += 1
         if keys:
-            self.counters.evicted_pages += freed
             self._unpublish_many(keys)
-
-    def _free_bound(self, count: int, extra: list[int]) -> int:
-        """The ``count``-th lowest of the free ids and ``extra`` (ids about to be freed;
-        the pool's size if fewer): of the lowest ``count`` free ids, only the top
-        ``len(extra) + 1`` can be it."""
-        top, stack = self._top, self._stack
-        if not extra:
-            return int(stack[top - count]) if top >= count else self.num_pages
-        skip = max(0, count - 1 - len(extra))  # free ids surely below it
-        end = min(count, top)
-        candidates = sorted(stack[top - end : top - skip].tolist() + extra) if end > skip else sorted(extra)
-        k = count - 1 - skip
-        return candidates[k] if k < len(candidates) else self.num_pages
 
     def incref(self, pages: np.ndarray | Sequence[int], *, distinct: bool = False) -> None:
         """Take one more reference on held or cached pages (a prefix hit borrowing them);
@@ -457,10 +478,11 @@ class PagePool:
             1 for p in evictable.tolist() if p in self._evictable
         ) != pages.size:
             raise ValueError(f"group {self.group_id!r}: only granted pages no request holds can be revoked")
-        for page in evictable.tolist():
-            key = self._page_key.get(page)
-            if key is not None:
-                self._evict_entry(key, REVOKED)
+        # One batch, in the order of their lowest page: what ``on_removed`` does for one
+        # entry takes no other entry of this pool, so they are all known beforehand.
+        keys = dict.fromkeys(self._page_key[page] for page in evictable.tolist())
+        if keys:
+            self._unpublish_many(list(keys), REVOKED)
         free = self._stack[: self._top]
         keep = free[~gone[free]]
         self._stack[: keep.size] = keep
@@ -533,26 +555,31 @@ class PagePool:
     def unpublish(self, key: Hashable, cause: str = UNPUBLISHED) -> int:
         """Drop an entry; its pages that no request holds go back to the free stack
         (their count is returned)."""
+        removal = self._drop_entry(key, cause)
+        if self.on_removed is not None:
+            self.on_removed(*removal)
+        return removal[2]
+
+    def _drop_entry(self, key: Hashable, cause: str) -> tuple[Hashable, str, int]:
+        """:meth:`_drop_entries` of one entry (a few pages: plain loops beat building arrays)."""
         pages = self._entries.pop(key)
         free = []
         flags = self.low_priority
-        low = bool(pages) and bool(flags[pages[0]])  # an entry is low priority as a whole
+        low = bool(pages) and flags.item(pages[0])  # an entry is low priority as a whole
         page_key, cached, ref, evictable = self._page_key, self.cached, self.ref_counts, self._evictable
         for page in pages:
             del page_key[page]
             cached[page] = False
             if low:
                 flags[page] = False
-            if ref[page] == 0:
+            if ref.item(page) == 0:
                 del evictable[page]
                 free.append(page)
         if low:
             self._low_idle_pages -= len(free)
         if free:
             self._push_free(np.asarray(free, dtype=np.int32))
-        if self.on_removed is not None:
-            self.on_removed(key, EVICTED_LOW if low and cause == EVICTED else cause, len(free))
-        return len(free)
+        return key, EVICTED_LOW if low and cause == EVICTED else cause, len(free)
 
     def promote(self, key: Hashable) -> None:
         """Undo :meth:`demote`: the entry's idle pages become the most recently used."""
@@ -597,7 +624,6 @@ class PagePool:
             seen.add(key)
             keys.append(key)
             freed += sum(1 for p in self._entries[key] if ref[p] == 0)
-        self.counters.evicted_pages += freed
         self._unpublish_many(keys)
 
     def _evict_ranked(self, pages_needed: int, freed: int, keys: list, seen: set) -> int:
@@ -613,37 +639,52 @@ class PagePool:
             freed += sum(1 for p in self._entries[key] if ref[p] == 0)
         return freed
 
-    def _unpublish_many(self, keys: Sequence[Hashable]) -> None:
-        """:meth:`unpublish` (as evictions) for several entries, with one pass over their pages."""
-        if len(keys) == 1:
-            self.unpublish(keys[0], EVICTED)
-            return
-        page_key, evictable, ref, low = self._page_key, self._evictable, self.ref_counts, self.low_priority
-        every, causes = [], []
-        for key in reversed(keys):  # the last entry's pages on top, as one by one
-            pages = self._entries.pop(key)
-            every.extend(pages)
-            causes.append((key, EVICTED_LOW if pages and low[pages[0]] else EVICTED,
-                           sum(1 for p in pages if ref[p] == 0)))
-        for page in every:
-            del page_key[page]
-        pages = np.asarray(every, dtype=np.int64)
-        self.cached[pages] = False
-        idle = pages[ref[pages] == 0]
-        self._low_idle_pages -= int(np.count_nonzero(low[idle]))
-        low[pages] = False
-        for page in idle.tolist():
-            del evictable[page]
-        self._push_free(idle.astype(np.int32))
-        if self.on_removed is not None:
-            for key, cause, n in reversed(causes):
-                self.on_removed(key, cause, n)
+    def _unpublish_many(self, keys: Sequence[Hashable], cause: str = EVICTED) -> int:
+        """:meth:`evict_entries`, then each removal told to ``on_removed`` (all at once to
+        ``on_removed_many`` where set); the idle pages freed."""
+        removals = self.evict_entries(keys, cause)
+        if self.on_removed_many is not None:
+            self.on_removed_many(removals)
+        elif self.on_removed is not None:
+            for removal in removals:
+                self.on_removed(*removal)
+        return sum(idle for _, _, idle in removals)
 
-    def _evict_entry(self, key: Hashable, cause: str = EVICTED) -> int:
-        """Unpublish an entry to reclaim its idle pages (counted as evicted); their count."""
-        idle = self.unpublish(key, cause)
-        self.counters.evicted_pages += idle
-        return idle
+    def evict_entries(self, keys: Sequence[Hashable], cause: str = EVICTED) -> list[tuple[Hashable, str, int]]:
+        """Unpublish the published entries ``keys`` as evictions (their idle pages counted as
+        evicted). Tells no one: returns, per entry in order, what :meth:`unpublish` would
+        tell ``on_removed``."""
+        removals = self._drop_entries(keys, cause)
+        self.counters.evicted_pages += sum(idle for _, _, idle in removals)
+        return removals
+
+    def _drop_entries(self, keys: Sequence[Hashable], cause: str) -> list[tuple[Hashable, str, int]]:
+        """Drop published entries in one compiled pass over their pages
+        (``kernels.drop_entries``): the free stack ends as after one :meth:`unpublish`
+        each, in order (the last entry's pages on top). Per entry, in order: (key, cause:
+        ``EVICTED_LOW`` for a low-priority entry evicted, idle pages freed)."""
+        if len(keys) == 1:
+            return [self._drop_entry(keys[0], cause)]
+        entries, page_key, listed = self._entries, self._page_key, []
+        for key in reversed(keys):  # the last entry's pages on top, as one by one
+            pages = entries.pop(key)
+            listed.append(len(pages))
+            listed += pages
+            for page in pages:
+                del page_key[page]
+        n = len(keys)
+        out = np.empty(len(listed), dtype=np.int64)
+        top, n_idle, n_low = kernels.drop_entries(np.array(listed, dtype=np.int64), n, self.ref_counts, self.cached,
+                                                  self.low_priority, self._stack, self._top, self.lowest_first, out)
+        self._top = top
+        if n_low:
+            self._low_idle_pages -= n_low
+        told = out[: n + n_idle].tolist()
+        evictable = self._evictable
+        for page in told[n:]:
+            del evictable[page]
+        low_cause = EVICTED_LOW if cause == EVICTED else cause
+        return [(key, low_cause if v & 1 else cause, v >> 1) for key, v in zip(keys, told)]
 
     def clear_cache(self) -> None:
         """Unpublish every entry (held pages stay held)."""

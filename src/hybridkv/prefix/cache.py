@@ -275,8 +275,8 @@ class PrefixCache:
                                       eviction_policy)
         for gid, pool in pools.items():
             pool.on_removed = self._removed_callback(gid)
-            # A state entry's removal takes the rest of its unit from the other groups only.
-            pool.batch_low_evictions = gid in self.state_ids
+            if gid in self.state_ids:  # its removals take the rest of a unit from the other groups only
+                pool.on_removed_many = self._removed_many_callback(gid)
         self._order = None  # "prefill-per-byte": the state pools' eviction order, kept incrementally
         if self.values is not None and self.state_ids:
             self._order = CheckpointOrder(self.values, [pools[g] for g in self.state_ids], idle_clock_tick,
@@ -598,22 +598,42 @@ class PrefixCache:
         return self.eviction.report()
 
     # --- events ---------------------------------------------------------------
-    def _removed_callback(self, gid: str) -> Callable[[int], None]:
-        meta, holders, stats = self._meta[gid], self._holders.get(gid), self.stats[gid]
-
+    def _removed_callback(self, gid: str) -> Callable[[int, str, int], None]:
         def removed(key: int, cause: str, idle_pages: int) -> None:
-            parent, boundary, n = meta.pop(key, (None, 0, 0))
-            if holders is not None:  # a state group storing checkpoints
-                holders.pop(key, None)
-                if self.values is not None:
-                    self.values.removed(key)
-            stats.removed_entries += 1
-            if self.tier_hook is not None:
-                self.tier_hook.removed(gid, key, self._dropping)
-            self._emit_many((("removed", gid, key, parent, boundary, n),))
+            self._emit_many((self._book_removal(gid, key),))
             self.eviction.removed(gid, key, cause, idle_pages)
 
         return removed
+
+    def _removed_many_callback(self, gid: str) -> Callable[[list], None]:
+        def removed_many(removals: list[tuple[int, str, int]]) -> None:
+            """Entries evicted (or revoked) from state group ``gid`` together: the rest of
+            their units leaves the other state groups first, one batch per group
+            (``ValueEviction.take_units``); then every removal is booked in the order one
+            at a time gives (each entry, then its unit group by group), events in one call."""
+            book, raws = self._book_removal, []
+            rest = self.eviction.take_units(gid, [key for key, _, _ in removals])
+            for key, _, _ in removals:
+                raws.append(book(gid, key))
+                raws.extend(book(other, key) for other, freed in rest if key in freed)
+            self.eviction.units_removed(gid, removals, rest)
+            self._emit_many(raws)
+
+        return removed_many
+
+    def _book_removal(self, gid: str, key: int) -> tuple:
+        """An entry left group ``gid``: forget its metadata and holders, tell the checkpoint
+        values and the tier hook; its "removed" event (raw)."""
+        parent, boundary, n = self._meta[gid].pop(key, (None, 0, 0))
+        holders = self._holders.get(gid)
+        if holders is not None:  # a state group storing checkpoints
+            holders.pop(key, None)
+            if self.values is not None:
+                self.values.removed(key)
+        self.stats[gid].removed_entries += 1
+        if self.tier_hook is not None:
+            self.tier_hook.removed(gid, key, self._dropping)
+        return ("removed", gid, key, parent, boundary, n)
 
     def _emit_many(self, raws: Sequence[tuple]) -> None:
         """Events (raw tuples), in order: to ``on_event``, or to the buffer (as tuples: the hex

@@ -226,6 +226,41 @@ class ValueEviction:
                 if follow == UNIT:
                     pool.counters.evicted_pages += freed
 
+    def take_units(self, gid: str, keys: Sequence[Hashable]) -> list[tuple[str, dict]]:
+        """The batch form of what :meth:`removed` does to the other state groups for
+        entries just evicted (or revoked) from state group ``gid``: the same keys leave
+        each of them now (``UNIT``), one ``PagePool.evict_entries`` per group, in the
+        order :meth:`removed` would take them. Per such group: (group, idle pages freed by
+        key), what the caller then gives :meth:`units_removed`."""
+        out = []
+        for other in self.state_ids if self.acts else ():
+            lookup = self.pools[other].lookup
+            present = [key for key in keys if lookup(key) is not None] if other != gid else None
+            if present:
+                removals = self.pools[other].evict_entries(present, UNIT)
+                out.append((other, {key: idle for key, _, idle in removals}))
+        return out
+
+    def units_removed(self, gid: str, removals: Sequence[tuple], rest: Sequence[tuple[str, dict]]) -> None:
+        """:meth:`removed` of each (key, cause, idle pages) of ``removals`` (entries evicted
+        or revoked from state group ``gid``) and of the rest of its unit (``rest``, from
+        :meth:`take_units`), in the order one at a time gives, each unit's node updated once."""
+        whole, evicted = len(self.state_ids), self.evicted_pages
+        for key, cause, idle_pages in removals:
+            node = self._nodes.get(key)
+            evicted[gid][self._reason(gid, node, cause)] += idle_pages
+            taken = 1
+            for other, freed in rest:
+                if key in freed:
+                    evicted[other]["unit"] += freed[key]
+                    taken += 1
+            if node is not None:
+                if node[3] == whole and self._track and not node[5]:
+                    self._drop_support(key)
+                node[2] -= taken
+                node[3] -= taken
+                self._forget_if_idle(key)
+
     def _reason(self, gid: str, node: list | None, cause: str) -> str:
         if cause == REVOKED:
             return "slab"

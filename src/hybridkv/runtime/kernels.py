@@ -801,6 +801,34 @@ def push_run(stack, top, lowest, run):
 
 
 @njit(cache=True)
+def drop_entries(listed, n_entries, ref, keyed, low_priority, stack, top, lowest, out):
+    """``n_entries`` entries leaving one pool (``PagePool._drop_entries``), the last one
+    first: ``listed`` holds, entry after entry, its page count then its local ids. Every
+    page loses its key and low priority; the idle ones (no holder) go onto the free
+    stack in that order (``push_run``) and to ``out[n_entries:]``. ``out[n_entries - 1
+    - e]`` (entries in their first order) gets ``2 * idle pages + low``, low 1 if entry
+    ``e`` was low priority (its first page's flag). Returns the new top, the idle pages
+    and how many of them were low priority."""
+    n_idle, n_low, at = 0, 0, 0
+    for e in range(n_entries):
+        count, end = 0, at + 1 + listed[at]
+        low = 1 if end > at + 1 and low_priority[listed[at + 1]] else 0
+        for i in range(at + 1, end):
+            page = listed[i]
+            keyed[page] = False
+            if ref[page] == 0:
+                out[n_entries + n_idle] = page
+                n_idle += 1
+                count += 1
+                if low_priority[page]:
+                    n_low += 1
+            low_priority[page] = False
+        out[n_entries - 1 - e] = 2 * count + low
+        at = end
+    return push_run(stack, top, lowest, out[n_entries : n_entries + n_idle]), n_idle, n_low
+
+
+@njit(cache=True)
 def push_free(stack, top, offsets, lowest, per_group, freed):
     """``push_run`` of each group's freed local ids (``freed``, group after group,
     ``per_group[g]`` of them, in logical order)."""
