@@ -75,7 +75,6 @@ def same_cache(a, b):
         assert [pa.lookup(k) for k in pa.entry_keys()] == [pb.lookup(k) for k in pb.entry_keys()], s.group_id
         assert a.prefix.stats[s.group_id] == b.prefix.stats[s.group_id]
     assert a.prefix._holders == b.prefix._holders
-    assert a.prefix._meta == b.prefix._meta
 
 
 def same(a, b, tables=True):

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from hybridkv.memory.pool import NULL_PAGE, PagePool, PoolExhausted
+from hybridkv.memory.pool import NULL_PAGE, PagePool, PageSpace, PoolExhausted
+from hybridkv.runtime import kernels
 
 
 def pool_state(pool: PagePool):
@@ -439,7 +440,6 @@ def test_page_space_release_is_decref_pool_by_pool(data, lowest_first, as_list, 
     """PageSpace.release of every group's pages (some keyed, some low priority, some
     with a second holder, listed twice with ``twice``) leaves each pool as its own
     decref would; the counts as an array or a list."""
-    from hybridkv.memory.pool import PageSpace
 
     sizes = data.draw(st.lists(st.integers(2, 24), min_size=1, max_size=5), label="sizes")
     sides = []
@@ -482,46 +482,69 @@ def _entries_state(pool: PagePool, keys) -> tuple:
             pool.num_cached_pages)
 
 
+def _claim(space: PageSpace, entries: list, want: list[int]) -> tuple[int, list[int]]:
+    """``kernels.claim_entries`` over ``entries`` (group, key, pages) of ``space``'s pools."""
+    geometry = np.zeros((len(space.pools), kernels.GEOMETRY_COLUMNS), dtype=np.int64)
+    geometry[:, kernels.ID_OFFSET] = space.offsets
+    layout, at = [], 0
+    for g, _, pages in entries:
+        layout.append((g, at, len(pages)))
+        at += len(pages)
+    flat = np.asarray([p for _, _, pages in entries for p in pages], dtype=np.int64)
+    status = np.ones(len(entries), dtype=np.int8)  # every entry live
+    limits = np.asarray([p.num_pages for p in space.pools], dtype=np.int64)
+    bad = kernels.claim_entries(geometry, np.asarray(layout, dtype=np.int64).reshape(-1, 3), flat,
+                                np.asarray(want, dtype=np.int8), space.ref_counts, space.cached, space.low_priority,
+                                limits, status)
+    return int(bad), [int(x == 2) for x in status.tolist()]
+
+
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 5), st.lists(st.integers(1, 11), min_size=2, max_size=2, unique=True)), max_size=8),
-       st.lists(st.integers(0, 5), max_size=3), st.booleans())
-def test_publish_new_is_publish_one_entry_at_a_time(entries, earlier, low):
-    """``publish_new`` over entries of two pages each (keys and pages may repeat across
-    entries) against
-    the per-entry reference: skip a published key or an entry with a keyed page,
-    else ``publish``. Same entries, flags and returned indices; and ``publish_one``
-    entry by entry (what a checkpoint commit calls) the same, returning each entry as
-    ``lookup`` does or None where skipped."""
-    pools = [PagePool("g", 12) for _ in range(3)]
-    for pool in pools:
-        pool.allocate(11)
-        for k in earlier:  # entries already there: keys published on pages 10, 11
-            pool.publish(k, [10 + k % 2]) if not pool.cached[10 + k % 2] else None
-    keys = [k for k, _ in entries]
-    pages = [p for _, pair in entries for p in pair]
-    done = pools[0].publish_new(keys, pages, 2, low_priority=low)
-    expected = []
-    for i, (key, pair) in enumerate(entries):
-        ref = pools[1]
-        if ref.lookup(key) is None and not any(ref.cached[p] for p in pair):
-            assert ref.publish(key, pair, low_priority=low)
-            expected.append(i)
-    assert done == expected
-    one = [pools[2].publish_one(key, pair, low) for key, pair in entries]
-    assert [i for i, got in enumerate(one) if got is not None] == expected
-    assert all(got == tuple(entries[i][1]) == pools[2].lookup(entries[i][0]) for i, got in enumerate(one) if got)
-    assert _entries_state(pools[0], range(6)) == _entries_state(pools[1], range(6)) == _entries_state(pools[2], range(6))
-    for pool in pools:
-        pool.check_invariants()
+@given(st.lists(st.tuples(st.integers(0, 1), st.lists(st.integers(1, 11), min_size=2, max_size=2, unique=True),
+                          st.integers(0, 2)), max_size=8),
+       st.lists(st.integers(0, 5), max_size=3))
+def test_claim_then_adopt_is_publish_entry_by_entry(entries, earlier):
+    """A commit's publication (``kernels.claim_entries`` over two pools of a page space,
+    then ``PagePool.adopt`` of the claimed entries) against the reference, ``publish``
+    entry by entry: an entry whose key is new in its group (the commit's ``want`` is 0
+    otherwise) and none of whose pages carries a key is published, low priority when
+    wanted so. Same entries, flags and claimed entries; pages may repeat across entries."""
+    sides = []
+    for _ in range(2):
+        pools = [PagePool(f"g{i}", 12) for i in range(2)]
+        space = PageSpace(pools)
+        for pool in pools:
+            pool.allocate(11)
+            for k in earlier:  # entries already there: keys published on pages 10, 11
+                pool.publish(k, [10 + k % 2]) if not pool.cached[10 + k % 2] else None
+        sides.append((pools, space))
+    listed = [(g, 100 + i, pages) for i, (g, pages, _) in enumerate(entries)]  # keys new to both groups
+    want = [code for _, _, code in entries]
+    (fast, space), (ref, _) = sides
+    bad, claimed = _claim(space, listed, want)
+    assert bad == -1
+    for i, (g, key, pages) in enumerate(listed):
+        if claimed[i]:
+            fast[g].adopt([key], [tuple(pages)])
+    expected = [int(bool(code) and ref[g].publish(key, pages, low_priority=code == 2)
+                    if code and not any(ref[g].cached[p] for p in pages) else 0)
+                for (g, key, pages), code in zip(listed, want)]
+    assert claimed == expected
+    keys = list(range(6)) + [key for _, key, _ in listed]
+    for a, b in zip(fast, ref):
+        assert _entries_state(a, keys) == _entries_state(b, keys)
+        a.check_invariants()
 
 
-def test_publish_new_refuses_a_page_not_held_and_changes_nothing():
-    pool = PagePool("g", 8)
-    a, b = pool.allocate(2).tolist()
-    for bad in ([a, 7], [a, NULL_PAGE], [a, 8]):
-        with pytest.raises(ValueError, match="not a held, unpublished page"):
-            pool.publish_new(["k", "m"], [b] + bad[:1] + bad[1:], 1)
-        assert pool.num_cached_pages == 0 and not pool.cached.any()
+def test_claim_refuses_a_page_not_held_and_changes_nothing():
+    pools = [PagePool("g", 8), PagePool("h", 8)]
+    space = PageSpace(pools)
+    a, b = pools[1].allocate(2).tolist()
+    for bad in (7, NULL_PAGE, 8):
+        listed = [(1, "k", [b]), (1, "m", [a, bad])]
+        assert _claim(space, listed, [1, 2]) == (2, [0, 0])
+        assert not space.cached.any() and not space.low_priority.any()
+    assert _claim(space, [(1, "k", [b]), (1, "m", [a, 7])], [1, 0])[0] == -1  # unwanted pages are not checked
 
 
 @settings(max_examples=60, deadline=None)

@@ -974,3 +974,25 @@ def test_block_hashes_do_not_depend_on_the_token_array_layout():
     assert all(c == chains[0] for c in chains)
     expected = xxhash.xxh3_128_intdigest((7).to_bytes(16, "little") + tokens[:256].astype("<i4").tobytes())
     assert chains[0][0] == expected
+
+
+@pytest.mark.parametrize("policy", ["prompt-boundaries", "prefill-per-byte"])
+def test_every_removal_names_what_its_publication_named(policy):
+    """A commit keeps an entry's parent key and boundary once per key for every group:
+    each "removed" event (superseded, evicted, unit, orphan) carries the parent, tokens
+    and pages of the "stored" event that published that key in that group."""
+    events: list[CacheEvent] = []
+    mgr = make_manager(group_pages={C4KV: 24, C128KV: 24, SWA: 40}, prompt_checkpoints=None,
+                       checkpoint_policy=policy, on_event=events.append)
+    shared = ids(130, 700)
+    for i in range(8):
+        prompt = cat(shared, ids(131 + i, 300 + 97 * i))
+        run_request(mgr, f"r{i}", prompt, ids(150 + i, 40), chunk_tokens=512)
+    published, removed = {}, 0
+    for e in events:
+        if e.kind == "stored":
+            published[(e.group_id, e.block_hash)] = (e.parent_hash, e.tokens, e.num_pages)
+        else:
+            removed += 1
+            assert published.pop((e.group_id, e.block_hash)) == (e.parent_hash, e.tokens, e.num_pages)
+    assert removed and published  # evictions happened, some entries stay

@@ -268,7 +268,9 @@ def test_commit_pages_reads_what_row_pages_reads(row, blocks, live_pages, data):
     end = data.draw(st.integers(first + 1, blocks))
     boundaries = data.draw(st.lists(st.sampled_from([256 * b for b in range(1, blocks + 1)]), max_size=4))
     reader = CommitPages([(c4, 1)], [(swa8, 8), (swa4, 4)])
-    pages, live = reader.read(row, first, end, boundaries)
+    pages, status = reader.read(row, first, end, boundaries)
+    assert status[:end - first] == [1] * (end - first)  # history blocks: always live
+    live = status[end - first:]
     expected, expected_live = c4.row_pages(row, first, end), []
     for d in boundaries:
         for table, window in ((swa8, 8), (swa4, 4)):

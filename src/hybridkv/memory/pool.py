@@ -495,46 +495,26 @@ class PagePool:
         ``low_priority`` entries are evicted before every other once idle."""
         if key in self._entries:
             return False
-        if self.publish_one(key, list(map(int, pages)), low_priority) is None:  # a page carries a key
-            raise ValueError(f"group {self.group_id!r}: a page of {list(pages)} is not a held, unpublished page")
+        entry = tuple(map(int, pages))
+        ids = np.asarray(entry, dtype=np.int64)
+        if any(p <= NULL_PAGE or p >= self.num_pages for p in entry) or not np.all(self.ref_counts[ids] > 0) or (
+                self.cached[ids].any()):
+            raise ValueError(f"group {self.group_id!r}: a page of {list(entry)} is not a held, unpublished page")
+        self.cached[ids] = True
+        if low_priority:
+            self.low_priority[ids] = True
+        self.adopt([key], [entry])
         return True
 
-    def publish_new(self, keys: Sequence[Hashable], pages: Sequence[int], pages_per_entry: int, *,
-                    low_priority: bool = False) -> list[int]:
-        """Publish entries in one call: entry ``i`` is the held pages
-        ``pages[i * n : (i + 1) * n]`` under ``keys[i]`` (``n = pages_per_entry``), skipped
-        when its key is already published or one of its pages already carries a key (a
-        borrowed page); the indices of the entries published, in order. ValueError, and
-        nothing changes, if a listed page is not a held page of this pool."""
-        self._check_held(pages)
-        put, n = self._put, pages_per_entry
-        return [i for i, key in enumerate(keys) if put(key, tuple(pages[i * n : (i + 1) * n]), low_priority)]
-
-    def publish_one(self, key: Hashable, pages: Sequence[int], low_priority: bool = False) -> tuple[int, ...] | None:
-        """``publish_new`` of one entry: its pages as :meth:`lookup` gives them, or None if skipped."""
-        self._check_held(pages)
-        return self._put(key, tuple(pages), low_priority)
-
-    def _put(self, key: Hashable, entry: tuple[int, ...], low_priority: bool) -> tuple[int, ...] | None:
-        """Add a checked entry (None, and nothing changes, if its key is published or a page carries one)."""
-        cached = self.cached
-        if key in self._entries or any(map(cached.item, entry)):
-            return None
-        self._entries[key] = entry
-        page_key = self._page_key
-        for page in entry:  # entries are a few pages: item stores beat one fancy store
-            page_key[page] = key
-            cached[page] = True
-            if low_priority:
-                self.low_priority[page] = True
-        return entry
-
-    def _check_held(self, pages: Sequence[int]) -> None:
-        """ValueError naming the first listed page that is not a held page of this pool."""
-        ref, limit = self.ref_counts, self.num_pages
-        for page in pages:
-            if page <= NULL_PAGE or page >= limit or ref.item(page) <= 0:
-                raise ValueError(f"group {self.group_id!r}: page {page} is not a held, unpublished page")
+    def adopt(self, keys: Sequence[Hashable], entries: Sequence[tuple[int, ...]]) -> None:
+        """Record entries (``entries[i]``, held pages, under ``keys[i]``, none published)
+        whose pages are flagged keyed already, and low priority where they are (by a
+        commit's compiled claim, ``kernels.claim_entries``, or :meth:`publish`)."""
+        published, page_key = self._entries, self._page_key
+        for key, entry in zip(keys, entries):
+            published[key] = entry
+            for page in entry:
+                page_key[page] = key
 
     def demote(self, key: Hashable) -> None:
         """Make an entry low priority: its idle pages move to the front of the LRU."""

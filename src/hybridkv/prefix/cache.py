@@ -38,7 +38,7 @@ from hybridkv._checks import as_int
 from hybridkv.prefix.checkpoints import OWN, REUSED, SPECULATIVE, CheckpointOrder, CheckpointValues
 from hybridkv.prefix.checkpoints import checkpoint_policy as policy_from_options
 from hybridkv.prefix.eviction import GroupValueStats, ValueEviction
-from hybridkv.memory.pool import PagePool, idle_clock_tick
+from hybridkv.memory.pool import PagePool, PageSpace, idle_clock_tick
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables.store import CommitPages, GroupTable
 
@@ -196,6 +196,7 @@ class PrefixCache:
         max_buffered_events: int = 100_000,
         checkpoint_window_tokens: Mapping[str, int] | None = None,
         eviction_policy: str = "value",
+        page_space: PageSpace,
     ):
         self.specs = tuple(specs)
         windows = _checkpoint_windows(self.specs, checkpoint_window_tokens)
@@ -223,30 +224,32 @@ class PrefixCache:
         self.events: deque[tuple] = deque(maxlen=max_buffered_events)
         self.dropped_events = 0
         self.stats = {s.group_id: PrefixGroupStats() for s in self.specs}
-        self._meta: dict[str, dict[int, tuple[int | None, int, int]]] = {s.group_id: {} for s in self.specs}
         # State entries: how many requests keep each one as an own checkpoint (publisher,
         # concurrent computers of the same prefix, hits at it). Superseding drops one hold;
         # the entry is unpublished when none is left. Pinned holds are never dropped.
         self._holders: dict[str, dict[int, int]] = {gid: {} for gid in self.state_ids}
         self._windows = windows
-        self._init_commit_reader(pools, tables, windows)
+        self._init_commit_reader(pools, tables, windows, page_space)
         self._init_hit_placement(tables)
         self.tier_hook = None  # a hybridkv.tierlink.TierLink: told what is published and removed
         self._dropping = False  # unpublishing a superseded checkpoint (not an eviction)
         self._init_eviction(eviction_policy)
 
     def _init_commit_reader(self, pools: Mapping[str, PagePool], tables: Mapping[str, GroupTable],
-                            windows: Mapping[str, int]) -> None:
+                            windows: Mapping[str, int], page_space: PageSpace) -> None:
         """What a commit publishes, read in one call (``_reader``): per history group (group,
-        pool, pages per block, its metadata, its stats), per state group storing checkpoints
-        (group, pool, pages per checkpoint, its metadata, its holders, its stats)."""
+        pool, pages per block, its stats), per state group storing checkpoints (group, pool,
+        pages per checkpoint, its holders, its stats)."""
         g = self.granularity_tokens
         self._reader = CommitPages([(tables[gid], g // tables[gid].page_tokens) for gid in self.history_ids],
-                                   [(tables[gid], windows[gid]) for gid in self.state_ids])
-        self._history_groups = [(gid, pools[gid], n, self._meta[gid], self.stats[gid])
+                                   [(tables[gid], windows[gid]) for gid in self.state_ids], page_space)
+        self._history_lookups = [pools[gid].lookup for gid in self.history_ids]
+        self._state_lookups = [pools[gid].lookup for gid in self.state_ids]
+        self._history_groups = [(gid, pools[gid], n, self.stats[gid])
                                 for gid, n in zip(self.history_ids, self._reader.block_pages)]
-        self._state_groups = [(gid, pools[gid], n, self._meta[gid], self._holders[gid], self.stats[gid])
+        self._state_groups = [(gid, pools[gid], n, self._holders[gid], self.stats[gid])
                               for gid, n in zip(self.state_ids, self._reader.checkpoint_pages)]
+        self._entry_pages = {gid: n for gid, _, n, *_ in self._history_groups + self._state_groups}
 
     def _init_hit_placement(self, tables: Mapping[str, GroupTable]) -> None:
         """A hit's placement: every group's pages borrowed in one call (``PageSpace.borrow``)
@@ -371,98 +374,149 @@ class PrefixCache:
             return
         hashes.extend_to(token_ids, new_tokens)
         first_block, end_block = old_tokens // g, new_tokens // g
-        speculative, own = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
-        boundaries = speculative + [d for d, _ in own]
-        pages, live = self._reader.read(req.row, first_block, end_block, boundaries)
+        boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
+        keys = hashes.hashes[first_block:end_block]
+        want = [1 if lookup(key) is None else 0 for lookup in self._history_lookups for key in keys]
+        checkpoint_keys, parents, found = self._found_checkpoints(hashes, boundaries, pins, want)
+        pages, status = self._reader.read(req.row, first_block, end_block, boundaries, want)
         stored: list[tuple] = []  # the commit's "stored" events, in order
-        at = self._publish_history(hashes, first_block, end_block, pages, stored)
-        new_own, per_boundary, n_state = [], self._reader.boundary_pages, len(self._state_groups)
-        for i, d in enumerate(boundaries):
-            pinned = own[i - len(speculative)][1] if i >= len(speculative) else None
-            checkpoint = self._publish_checkpoint(hashes, d, pinned, pages, at + i * per_boundary, live, i * n_state,
-                                                  stored)
-            if checkpoint is not None and checkpoint.entries:
-                new_own.append(checkpoint)
+        at, n_history = self._publish_history(hashes, first_block, keys, pages, status, stored)
+        entries = self._publish_checkpoints(checkpoint_keys, parents, boundaries, pages, at, status, n_history,
+                                            found, stored)
+        new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status[n_history:])
         self._emit_many(stored)
         if self.state_ids:
             self._supersede(req, new_own)
 
     def _checkpoint_boundaries(self, req: CommittingRequest, first_block: int,
-                               end_block: int) -> tuple[list[int], list[tuple[int, bool]]]:
-        """The checkpoints a commit of blocks ``[first_block, end_block)`` publishes: the
-        speculative boundaries (crossed, not pinned, kept by the policy), and the
-        request's own ones, (boundary, pinned): the pinned ones crossed (its junction,
-        multiples of ``state_checkpoint_interval``), then the latest."""
+                               end_block: int) -> tuple[list[int], list[bool | None]]:
+        """The checkpoints a commit of blocks ``[first_block, end_block)`` publishes, and
+        for each whether the request pins it (None: a speculative one): the speculative
+        boundaries (crossed, not pinned, kept by the policy), then the request's own ones:
+        the pinned ones crossed (its junction, multiples of ``state_checkpoint_interval``),
+        then the latest."""
         g, interval, keep = self.granularity_tokens, self.state_checkpoint_interval, req.keep_boundaries
         latest = end_block * g
         if end_block == first_block + 1 and interval is None and latest not in keep:
-            return [], [(latest, False)]  # one boundary crossed (a decode commit): the latest alone
-        ends = range((first_block + 1) * g, latest + 1, g)  # the boundaries crossed, then the latest
-        pinned = {d for d in ends if d in keep or (interval is not None and d % interval == 0)}
-        own = [(d, d in pinned) for d in ends if d in pinned or d == latest]
-        if self.checkpoint_policy == "terminal-and-junctions":
-            return [], own
-        keeps, prompt_tokens = self.policy.speculative, req.prompt_tokens
-        return [d for d in ends[:-1] if d not in pinned and keeps(d, prompt_tokens)], own
+            return [latest], [False]  # one boundary crossed (a decode commit): the latest alone
+        keeps = None if self.checkpoint_policy == "terminal-and-junctions" else self.policy.speculative
+        speculative, own, pins, prompt_tokens = [], [], [], req.prompt_tokens
+        for d in range((first_block + 1) * g, latest + 1, g):  # the boundaries crossed, then the latest
+            if d in keep or (interval is not None and d % interval == 0):
+                own.append(d), pins.append(True)
+            elif d == latest:
+                own.append(d), pins.append(False)
+            elif keeps is not None and keeps(d, prompt_tokens):
+                speculative.append(d)
+        return speculative + own, [None] * len(speculative) + pins
 
-    def _publish_history(self, hashes: RequestHashes, first_block: int, end_block: int, pages: list[int],
-                         stored: list[tuple]) -> int:
-        """Every history group's pages of blocks ``[first_block, end_block)`` (``pages``: the
-        commit's, history groups first), one entry a block, in one ``PagePool.publish_new``
-        call per group, each entry booked (tier link, metadata, stats, the value policy;
-        ``stored`` takes its event); how many of ``pages`` were the history groups'."""
-        g, hook, booked = self.granularity_tokens, self.tier_hook, self.eviction.stored
-        keys = hashes.hashes[first_block:end_block]
-        parents = hashes.hashes[first_block - 1:end_block - 1] if first_block else [hashes.root, *keys[:-1]]
-        at, n_blocks = 0, end_block - first_block
-        for gid, pool, per_block, meta, stats in self._history_groups:
-            span = pages[at:at + n_blocks * per_block]
-            at += n_blocks * per_block
-            done = pool.publish_new(keys, span, per_block)
-            for i in done:
-                key, parent, boundary = keys[i], parents[i], (first_block + i + 1) * g
-                if hook is not None:
-                    hook.stored(gid, key, boundary, span[i * per_block:(i + 1) * per_block], False)
-                meta[key] = (parent, boundary, per_block)
-                booked(gid, key, parent, boundary)
-                stored.append(("stored", gid, key, parent, boundary, per_block))
-            stats.stored_entries += len(done)
-        return at
+    def _found_checkpoints(self, hashes: RequestHashes, boundaries: list[int], pins: list[bool | None],
+                           want: list[int]) -> tuple[list[int], list[int], list[tuple[int, ...] | None]]:
+        """Each checkpoint's key and parent key, and its entry in each state group (None:
+        not published); onto ``want`` (``CommitPages.read``'s) whether to claim it: where
+        it is missing (and its window live: the claim checks), low priority for a
+        speculative one (``pins`` None: unheld; with ``"prefill-per-byte"`` low while that
+        class rates low)."""
+        low = 2 if None in pins and (self.values is None or self.values.low_priority(SPECULATIVE)) else 1
+        g, hh, root, lookups = self.granularity_tokens, hashes.hashes, hashes.root, self._state_lookups
+        keys, parents, found = [], [], []
+        for d, pinned in zip(boundaries, pins):
+            key, code = hh[d // g - 1], low if pinned is None else 1
+            keys.append(key), parents.append(hh[d // g - 2] if d >= 2 * g else root)
+            for lookup in lookups:
+                entry = lookup(key)
+                found.append(entry)
+                want.append(code if entry is None else 0)
+        return keys, parents, found
 
-    def _publish_checkpoint(self, hashes: RequestHashes, boundary: int, pinned: bool | None, pages: list[int],
-                            at: int, live: list[int], at_live: int, stored: list[tuple]) -> OwnCheckpoint | None:
-        """Publish the checkpoint at ``boundary`` in every state group lacking it whose
-        window is live (``pages``, ``live``: the commit's, as ``CommitPages.read`` gives
-        them; this boundary's from ``at``, ``at_live``), one ``PagePool.publish_one`` call
-        a group, each entry booked; ``pinned`` None: a speculative one (unheld, low
-        priority), else the request's own one: returned, holding it wherever it is."""
-        b, hh = boundary // self.granularity_tokens, hashes.hashes
-        key, parent = hh[b - 1], hh[b - 2] if b >= 2 else hashes.root
-        if pinned is None:  # speculative (where another request may leave this one: a prompt boundary,
-            # every k-th one): unheld, low priority ("prefill-per-byte": while that class rates low)
-            own, low = None, self.values is None or self.values.low_priority(SPECULATIVE)
-        else:
-            own, low = OwnCheckpoint(boundary, pinned), False
-        hook, values, booked = self.tier_hook, self.values, []
-        for gid, pool, per_entry, meta, holders, stats in self._state_groups:
-            entry = pool.lookup(key)
-            if entry is None and live[at_live]:  # else: slid out (not when committed each step)
-                entry = pool.publish_one(key, pages[at:at + per_entry], low)
-                if entry is not None:  # else: borrowed pages that carry a key
-                    if hook is not None:
-                        hook.stored(gid, key, boundary, entry, low)
-                    meta[key] = (parent, boundary, per_entry)
-                    stats.stored_entries += 1
-                    booked.append(gid)
-                    stored.append(("stored", gid, key, parent, boundary, per_entry))
-                    if values is not None:
-                        values.published(key, boundary, speculative=own is None)
-            at, at_live = at + per_entry, at_live + 1
-            if own is not None and entry is not None:
+    def _publish_history(self, hashes: RequestHashes, first_block: int, keys: list[int], pages: list[int],
+                         status: list[int], stored: list[tuple]) -> tuple[int, int]:
+        """Every history group's blocks ``keys`` (from ``first_block``) that the commit
+        claimed (``pages``, ``status``: ``CommitPages.read``'s, history groups first), recorded in
+        one ``PagePool.adopt`` call per group and booked in one ``ValueEviction.stored_blocks``
+        call (tier link, stats; ``stored`` takes their events); how many of
+        ``pages`` and of ``status`` were the history groups'."""
+        g, hook = self.granularity_tokens, self.tier_hook
+        hh, n_blocks = hashes.hashes, len(keys)
+        parents = hh[first_block - 1:first_block - 1 + n_blocks] if first_block else [hashes.root, *keys[:-1]]
+        at, e = 0, 0
+        for gid, pool, per_block, stats in self._history_groups:
+            done_keys, done_parents, boundaries, entries = [], [], [], []
+            for i in range(n_blocks):
+                if status[e + i] == 2:
+                    key, parent, boundary, start = keys[i], parents[i], (first_block + i + 1) * g, at + i * per_block
+                    entry = tuple(pages[start:start + per_block])
+                    done_keys.append(key), done_parents.append(parent), boundaries.append(boundary)
+                    entries.append(entry)
+                    stored.append(("stored", gid, key, parent, boundary, per_block))
+            at, e = at + n_blocks * per_block, e + n_blocks
+            if done_keys:
+                pool.adopt(done_keys, entries)
+                for key, boundary, entry in zip(done_keys, boundaries, entries) if hook is not None else ():
+                    hook.stored(gid, key, boundary, entry, False)
+                self.eviction.stored_blocks(gid, done_keys, done_parents, boundaries)
+                stats.stored_entries += len(done_keys)
+        return at, e
+
+    def _publish_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], pages: list[int],
+                             at: int, status: list[int], e: int, found: list, stored: list[tuple]) -> list:
+        """The checkpoints at ``boundaries`` (``keys``, ``parents``) the commit claimed
+        (``pages`` from ``at``, ``status`` from ``e``: boundary by boundary, state group by
+        state group), recorded group by group (one ``PagePool.adopt`` call,
+        stats); ``stored`` takes their events, boundary by boundary. Each boundary's entry
+        in each state group, new or ``found``, None where missing."""
+        groups, step = self._state_groups, self._reader.boundary_pages
+        n = len(groups)
+        entries, events = list(found), [None] * len(found)
+        for s, (gid, pool, per_entry, _, stats) in enumerate(groups):
+            done_keys, new, start, place = [], [], at, s
+            for key, parent, boundary in zip(keys, parents, boundaries):
+                if status[e + place] == 2:  # else: present, borrowed pages or slid out
+                    entries[place] = entry = tuple(pages[start:start + per_entry])
+                    done_keys.append(key), new.append(entry)
+                    events[place] = ("stored", gid, key, parent, boundary, per_entry)
+                start, place = start + step, place + n
+            at += per_entry
+            if done_keys:
+                pool.adopt(done_keys, new)
+                stats.stored_entries += len(done_keys)
+        for event in events:
+            if event is not None:
+                stored.append(event)
+        return entries
+
+    def _book_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], pins: list[bool | None],
+                          entries: list, status: list[int]) -> list[OwnCheckpoint]:
+        """Book each checkpoint the commit published (``status`` 2; ``entries``: each
+        boundary's pages in each state group, None where missing): tier link, checkpoint
+        values, one ``ValueEviction.stored_checkpoint`` call a boundary; the request's own
+        ones (``pins`` not None) returned, holding each wherever it is."""
+        hook, values, gids = self.tier_hook, self.values, self.state_ids
+        low = self.values is None or self.values.low_priority(SPECULATIVE) if None in pins else False
+        own_checkpoints, n = [], len(gids)
+        for j, (key, parent, boundary, pinned) in enumerate(zip(keys, parents, boundaries, pins)):
+            part, here = status[j * n:(j + 1) * n], entries[j * n:(j + 1) * n]
+            if 2 in part:
+                for gid, new, entry in zip(gids, part, here) if hook is not None else ():
+                    if new == 2:
+                        hook.stored(gid, key, boundary, entry, low and pinned is None)
+                if values is not None:
+                    values.published(key, boundary, speculative=pinned is None)
+                booked = gids if part.count(2) == n else [gid for gid, new in zip(gids, part) if new == 2]
+                self.eviction.stored_checkpoint(booked, key, parent, boundary)
+            if pinned is not None:
+                own = self._hold(OwnCheckpoint(boundary, pinned), key, here)
+                if own.entries:
+                    own_checkpoints.append(own)
+        return own_checkpoints
+
+    def _hold(self, own: OwnCheckpoint, key: int, entries: list) -> OwnCheckpoint:
+        """``own`` holds the checkpoint under ``key`` in each state group that has it
+        (``entries``: its pages there, None where missing)."""
+        for (gid, _, _, holders, _), entry in zip(self._state_groups, entries):
+            if entry is not None:
                 own.entries[gid] = (key, entry)
                 holders[key] = holders.get(key, 0) + 1
-        if booked:
-            self.eviction.stored_checkpoint(booked, key, parent, boundary)
         return own
 
     def _supersede(self, req: CommittingRequest, new_own: list) -> None:
@@ -624,7 +678,8 @@ class PrefixCache:
     def _book_removal(self, gid: str, key: int) -> tuple:
         """An entry left group ``gid``: forget its metadata and holders, tell the checkpoint
         values and the tier hook; its "removed" event (raw)."""
-        parent, boundary, n = self._meta[gid].pop(key, (None, 0, 0))
+        parent, boundary = self.eviction.origin(key)  # one record per key, every group's
+        n = self._entry_pages.get(gid, 0) if boundary else 0
         holders = self._holders.get(gid)
         if holders is not None:  # a state group storing checkpoints
             holders.pop(key, None)

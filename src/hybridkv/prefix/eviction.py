@@ -102,7 +102,8 @@ class ValueEviction:
         self._track = bool(self.history_ids) and bool(self.state_ids)
         # key -> [parent key, support, entries in any group, state groups holding it,
         #         child keys (a set, or None), cut (a block on its chain is missing),
-        #         first (a chain's first block: its parent is the salt root)]
+        #         first (a chain's first block: its parent is the salt root), boundary tokens]:
+        # one record per key for every group (``origin`` reads what its events name)
         self._nodes: dict[Hashable, list] = {}
         # parent key -> keys published before it (linked as its children when it is)
         self._unborn: dict[Hashable, set] = {}
@@ -118,27 +119,39 @@ class ValueEviction:
     def stored(self, gid: str, key: Hashable, parent: Hashable | None, boundary: int) -> None:
         """An entry was published under ``key`` (the prefix of ``boundary`` tokens, whose
         first ``boundary - granularity`` tokens are ``parent``'s) in group ``gid``."""
-        node = self._nodes.get(key)
-        if node is None:
-            node = self._new_node(key, parent, boundary)
-        node[2] += 1
         if gid in self._state:
-            node[3] += 1
-            if node[5]:
-                self._demote_cut(gid, key)  # beyond a missing block: worth nothing yet
-            elif node[3] == len(self.state_ids) and self._track:
-                self._add_support(key)
-        elif self._track:
+            self.stored_checkpoint((gid,), key, parent, boundary)
+        else:
+            self.stored_blocks(gid, (key,), (parent,), (boundary,))
+
+    def stored_blocks(self, gid: str, keys: Sequence[Hashable], parents: Sequence[Hashable | None],
+                      boundaries: Sequence[int]) -> None:
+        """:meth:`stored` of blocks of history group ``gid`` in turn (a commit's
+        publications in that group): ``keys[i]``, with ``parents[i]`` and ``boundaries[i]``."""
+        nodes, track, n_history = self._nodes, self._track, len(self.history_ids)
+        for key, parent, boundary in zip(keys, parents, boundaries):
+            node = nodes.get(key)
+            if node is None:
+                node = self._new_node(key, parent, boundary)
+            node[2] += 1
+            if not track:
+                continue
             if node[1] > 0 and self.acts:
                 self.pools[gid].promote(key)
-            complete = node[2] - node[3] == len(self.history_ids)
+            complete = node[2] - node[3] == n_history
             if not node[5]:
-                if complete and node[4]:
+                if complete and node[4] and any(nodes[child][5] for child in node[4]):
                     self._mend_children(key)
             elif complete and self._whole_above(node):
                 self._mend(key)
             else:
                 self._demote_cut(gid, key)  # beyond a missing block: worth nothing yet
+
+    def origin(self, key: Hashable) -> tuple[Hashable | None, int]:
+        """The parent key and boundary tokens of a key published in some group (as
+        :meth:`stored` was told them; (None, 0) if nothing is published under it)."""
+        node = self._nodes.get(key)
+        return (None, 0) if node is None else (node[0], node[7])
 
     def stored_checkpoint(self, gids: Sequence[str], key: Hashable, parent: Hashable | None, boundary: int) -> None:
         """:meth:`stored` of one checkpoint in each state group of ``gids`` in turn (a
@@ -178,7 +191,7 @@ class ValueEviction:
         first = boundary <= self.granularity_tokens
         children = self._unborn.pop(key, None)
         node = self._nodes[key] = [parent, 0, 0, 0, children, up[5] if up is not None else self._track and not first,
-                                   first]
+                                   first, boundary]
         if up is None:
             self._unborn.setdefault(parent, set()).add(key)
         elif up[4] is None:
@@ -282,8 +295,10 @@ class ValueEviction:
             if node[1] > 1:
                 return
             for gid in self.history_ids if self.acts else ():
-                if self.pools[gid].lookup(key) is not None:
-                    self.pools[gid].promote(key)
+                pool = self.pools[gid]
+                pages = pool.lookup(key)
+                if pages and pool.low_priority[pages[0]]:  # else promote changes nothing
+                    pool.promote(key)
             key = node[0]
 
     def _drop_support(self, key: Hashable) -> None:

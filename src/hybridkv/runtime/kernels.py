@@ -112,33 +112,77 @@ def span_cells(geometry, bounds, g, rows, lo, hi, at, view):
 
 
 @njit(cache=True)
-def commit_pages(geometry, pages, bounds, history, state, row, first_block, end_block, boundaries, out, ok):
-    """Every page a prefix commit of ``row`` publishes, in one pass, into ``out``: per
-    history group ``history[h] = (g, pages per block)`` the pages of blocks ``[first_block,
-    end_block)``; then per boundary ``D`` of ``boundaries``, per state group ``state[s] =
-    (g, window tokens W)``, the pages of ``[max(D - W, 0), D)``, with ``ok[i * S + s]``
-    (``S`` state groups) 1 when they lie in the row's live pages ``[base, hi)`` (else 0,
-    their cells left unread). Returns how many places it filled."""
-    n = 0
+def commit_pages(geometry, pages, bounds, history, state, row, first_block, end_block, boundaries, out, layout,
+                 status, want, ref, keyed, low, limits):
+    """Every page a prefix commit of ``row`` publishes, in one pass, into ``out``, one entry
+    at a time: per history group ``history[h] = (g, pages per block)`` the pages of each
+    block of ``[first_block, end_block)``; then per boundary ``D`` of ``boundaries``, per
+    state group ``state[s] = (g, window tokens W)``, the pages of ``[max(D - W, 0), D)``.
+    Entry ``e``: ``layout[e]`` = (group, first place in ``out``, pages), ``status[e]`` 1
+    when its pages lie in the row's live pages ``[base, hi)`` (always for history
+    blocks; else 0, the cells left unread). Then, unless ``want`` is empty, the live
+    entries are claimed (``claim_entries``: ``status`` 2 where claimed). Returns how many
+    places it filled, or ``-1 - place`` of the first wanted page that is not held (nothing
+    claimed then)."""
+    n, e = 0, 0
     for h in range(history.shape[0]):
         g, per_block = history[h, 0], history[h, 1]
-        for logical in range(first_block * per_block, end_block * per_block):
-            out[n] = pages[cell(geometry, bounds, g, row, logical)]
-            n += 1
-    n_state = state.shape[0]
+        for block in range(first_block, end_block):
+            layout[e, 0], layout[e, 1], layout[e, 2], status[e] = g, n, per_block, 1
+            for logical in range(block * per_block, (block + 1) * per_block):
+                out[n] = pages[cell(geometry, bounds, g, row, logical)]
+                n += 1
+            e += 1
     for i in range(boundaries.size):
         d = boundaries[i]
-        for s in range(n_state):
+        for s in range(state.shape[0]):
             g = state[s, 0]
             t = geometry[g, PAGE_TOKENS]
             lo, hi = max(d - state[s, 1], 0) // t, d // t
             good = lo >= bounds[BASE, g, row] and hi <= bounds[HI, g, row]
-            ok[i * n_state + s] = 1 if good else 0
+            layout[e, 0], layout[e, 1], layout[e, 2], status[e] = g, n, hi - lo, 1 if good else 0
             for logical in range(lo, hi):
                 if good:
                     out[n] = pages[cell(geometry, bounds, g, row, logical)]
                 n += 1
+            e += 1
+    if want.size:
+        bad = claim_entries(geometry, layout[:e], out, want, ref, keyed, low, limits, status)
+        if bad >= 0:
+            return -1 - bad
     return n
+
+
+@njit(cache=True)
+def claim_entries(geometry, layout, pages, want, ref, keyed, low, limits, status):
+    """Key the pages of a commit's entries, in order: entry ``e`` is group ``layout[e, 0]``'s
+    local ids ``pages[layout[e, 1] : layout[e, 1] + layout[e, 2]]``; ``want[e]`` 0 leaves it,
+    1 claims it, 2 claims it low priority, where ``status[e]`` is not 0 (a live entry).
+    A claimed entry none of whose pages is keyed yet gets them keyed (and flagged low)
+    and ``status[e] = 2``. First every page to claim must be a held page of its group
+    (``0 < id < limits[g]``, ref count > 0): else nothing changes and the index in
+    ``pages`` of the first that is not is returned; -1 when all are."""
+    for e in range(layout.shape[0]):
+        if want[e] and status[e]:
+            g, start = layout[e, 0], layout[e, 1]
+            for i in range(start, start + layout[e, 2]):
+                if pages[i] <= 0 or pages[i] >= limits[g] or ref[geometry[g, ID_OFFSET] + pages[i]] <= 0:
+                    return i
+    for e in range(layout.shape[0]):
+        if not (want[e] and status[e]):
+            continue
+        offset, start, end = geometry[layout[e, 0], ID_OFFSET], layout[e, 1], layout[e, 1] + layout[e, 2]
+        free = True
+        for i in range(start, end):
+            free = free and not keyed[offset + pages[i]]
+        if not free:
+            continue  # a page carries a key (borrowed)
+        for i in range(start, end):
+            keyed[offset + pages[i]] = True
+            if want[e] == 2:
+                low[offset + pages[i]] = True
+        status[e] = 2
+    return -1
 
 
 @njit(cache=True)

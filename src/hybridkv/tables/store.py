@@ -372,36 +372,57 @@ class CommitPages:
     """The pages a prefix commit of one row publishes, read in one compiled call
     (``kernels.commit_pages``): each history group's pages of the new blocks, then per
     checkpoint boundary ``D`` each state group's window ``[D - W, D)`` (``D`` a multiple
-    of the grain, at least ``W``: ``ceil(W / T)`` pages) with whether it is still live.
-    ``history``: (table, pages per block); ``state``: (table, window tokens)."""
+    of the grain, at least ``W``: ``ceil(W / T)`` pages) with whether it is still live;
+    it also keys the entries to publish in that call. ``history``: (table, pages per
+    block); ``state``: (table, window tokens); ``space`` (to claim entries): the
+    ``hybridkv.memory.pool.PageSpace`` of the tables' groups."""
 
-    def __init__(self, history: list[tuple[GroupTable, int]], state: list[tuple[GroupTable, int]]):
+    def __init__(self, history: list[tuple[GroupTable, int]], state: list[tuple[GroupTable, int]], space=None):
         self._set = (history or state)[0][0]._set if history or state else None
         self._history = np.asarray([(t._g, n) for t, n in history], dtype=np.int64).reshape(-1, 2)
         self._state = np.asarray([(t._g, w) for t, w in state], dtype=np.int64).reshape(-1, 2)
         self.block_pages = [n for _, n in history]
         self.checkpoint_pages = [cdiv(w, t.page_tokens) for t, w in state]
         self.boundary_pages = sum(self.checkpoint_pages)  # every state group's pages of one checkpoint
-        self._sizes = sum(self.block_pages), self.boundary_pages, len(state)
-        self._out, self._ok, self._one = np.empty(64, dtype=np.int64), np.empty(8, dtype=np.int8), np.zeros(1, np.int64)
+        self._sizes = sum(self.block_pages), self.boundary_pages, len(history), len(state)
+        self._out, self._one = np.empty(64, dtype=np.int64), np.zeros(1, np.int64)
+        self._layout, self._status = np.empty((16, 3), dtype=np.int64), np.empty(16, dtype=np.int8)
+        if space is None:  # read only: nothing to claim in (same types, so the same compiled kernel)
+            self._claim_in = (np.zeros(1, np.int32), np.zeros(1, np.bool_), np.zeros(1, np.bool_),
+                              np.zeros(1, np.int64))
+        else:
+            self._claim_in = (space.ref_counts, space.cached, space.low_priority,
+                              np.asarray([p.num_pages for p in space.pools], dtype=np.int64))
+        self._no_claims = np.zeros(0, dtype=np.int8)
 
-    def read(self, row: int, first_block: int, end_block: int, boundaries: list[int]) -> tuple[list[int], list[int]]:
-        """The page ids, history group by group, then boundary by boundary, state group by
-        state group (a window not live: its place left unread); and per (boundary, state
-        group), 1 if its window is live."""
-        ts, (per_block, per_boundary, n_state) = self._set, self._sizes
+    def read(self, row: int, first_block: int, end_block: int, boundaries: list[int],
+             want: list[int] = ()) -> tuple[list[int], list[int]]:
+        """The page ids, entry by entry: history group by group its blocks, then boundary by
+        boundary each state group's window (one not live: its place left unread); and per
+        entry its status: 1 live, 0 a window not live, 2 claimed: ``want`` (empty: claim
+        nothing) names the entries to key, 1 or 2 (low priority), claimed where live and no
+        page of theirs carries a key. ValueError, and nothing changes, if a page to claim
+        is not held."""
+        want = self._no_claims if not want else np.asarray(want, dtype=np.int8)
+        ts, (per_block, per_boundary, n_history, n_state) = self._set, self._sizes
         if ts is None:
             return [], []  # no group publishes anything
-        size, n_ok = (end_block - first_block) * per_block + len(boundaries) * per_boundary, len(boundaries) * n_state
-        if size > self._out.size or n_ok > self._ok.size:
-            self._out, self._ok = np.empty(2 * size, dtype=np.int64), np.empty(2 * n_ok, dtype=np.int8)
+        n_blocks, n_boundaries = end_block - first_block, len(boundaries)
+        size = n_blocks * per_block + n_boundaries * per_boundary
+        n_entries = n_blocks * n_history + n_boundaries * n_state
+        if size > self._out.size:
+            self._out = np.empty(2 * size, dtype=np.int64)
+        if n_entries > self._status.size:
+            self._layout, self._status = np.empty((2 * n_entries, 3), dtype=np.int64), np.empty(2 * n_entries, np.int8)
         if len(boundaries) == 1:  # a decode commit's: set in place, cheaper than a new array
             self._one[0] = boundaries[0]
         n = kernels.commit_pages(ts.geometry, ts.pages, ts.bounds, self._history, self._state, row, first_block,
                                  end_block, self._one if len(boundaries) == 1 else np.asarray(boundaries, dtype=np.int64),
-                                 self._out, self._ok)
+                                 self._out, self._layout, self._status, want, *self._claim_in)
+        if n < 0:
+            raise ValueError(f"page {int(self._out[-1 - n])} is not a held, unpublished page of its group")
         assert n == size, (n, size)
-        return self._out[:n].tolist(), self._ok[:n_ok].tolist()
+        return self._out[:n].tolist(), self._status[:n_entries].tolist()
 
 
 def _rings_of(pages: np.ndarray, geometry: np.ndarray, g: int, rows: int, table: GroupTable) -> np.ndarray:
