@@ -697,6 +697,9 @@ class PageSpace:
         self.low_counts = np.zeros(len(self.pools), dtype=np.int64)  # ``keyed_idle``'s scratch
         self.low_scratch = np.empty(0, dtype=np.int64)
         self.packing = [(g, p) for g, p in enumerate(self.pools) if p.lowest_first]  # pools ``low_floors`` asks
+        # The one ``may_skip_packing`` every packing pool has (an arena's, set once after this),
+        # False when they differ or some pool has none; None until ``low_floors`` first looks.
+        self.shared_ask: Callable[[], bool] | bool | None = None
         for g, pool in enumerate(self.pools):
             pool._tops, pool._lows, pool._slot = self.tops, self.low_idle, g
             pool.counters.tallies = self.per_group[3:, g]
@@ -722,6 +725,11 @@ class PageSpace:
         Python when such a page lies below the ids it would take, and ``make_room`` decides."""
         out = self.low_floor
         out.fill(kernels.NO_PACKING)
+        if self.shared_ask is None and self.packing:  # once: the arena has set every pool's
+            asks = {pool.may_skip_packing for _, pool in self.packing}
+            self.shared_ask = asks.pop() if len(asks) == 1 and None not in asks else False
+        if self.shared_ask and self.shared_ask():  # every packing pool's answer, asked once
+            return self.per_group
         asked, skip = None, False
         for g, pool in self.packing:
             ask = pool.may_skip_packing

@@ -371,7 +371,8 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
             ref[offset + idle_keyed[i]] = 0
         released[0, g], released[1, g] = n_free, n_keyed - keyed_from
         per_group[RELEASED_PAGES, g] += n_free + n_keyed - keyed_from
-        top[g] = push_run(stack[offset:], top[g], lowest[g] != 0, scratch[:n_free])
+        if n_free:
+            top[g] = push_run(stack[offset:], top[g], lowest[g] != 0, scratch[:n_free])
     return n_touched, n_keyed
 
 
@@ -549,14 +550,16 @@ def plan_size(cap, n_groups):
 
 
 @njit(cache=True)
-def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, last_rows,
-         rows_in, counts_in, grain, mark, plan, scratch, idle_keyed, touched, cells, cell_pages, table_rows,
+def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain,
+         plan, scratch, idle_keyed, touched, last_rows, rows_in, counts_in, cells, cell_pages, table_rows,
          scheduled, positions, request_indices, query_start_loc, base_pages, widths, slots):
     """``prepare_step`` then, when the plan needs nothing from Python first (every
     group's free stack covers it, no row crosses a prefix grain, the scratch buffers
     are large enough), ``run_step``, in one call; ``counters`` packs computed, committed
     and known tokens, ``plan`` the plan's arrays (``plan_views``); ``cells`` and
-    ``cell_pages`` as ``run_step`` takes them. Returns (status, rows in the plan, settling
+    ``cell_pages`` as ``run_step`` takes them. The arguments up to ``grain`` are the
+    manager's state, the four after it its scratch buffers (each group the same arrays
+    from step to step: the manager passes them as two tuples). Returns (status, rows in the plan, settling
     rows, crossing rows, clean, cells logged, idle keyed pages); status ``STEP_PLANNED`` (or -1 rows: no plan)
     when only the plan ran, ``STEP_COVERED`` when only the plan ran because some group's
     free stack is short of its allocations but, no row crossing a grain, the pages its
