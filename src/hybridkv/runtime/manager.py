@@ -103,14 +103,15 @@ class _StepArrays(NamedTuple):
     def empty(n_groups: int, n_requests: int, n_tokens: int, write_slots: bool, widths: np.ndarray) -> _StepArrays:
         """Fresh arrays for what the batch hands out; ``widths`` is the caller's scratch."""
         empty, i32, i64 = np.empty, _INT32, _INT64
-        return _StepArrays(
+        return _new_tuple(_StepArrays, (  # the NamedTuple's ``__new__`` without its Python frame
             empty(n_requests, i32), empty(n_requests, i32), empty(n_tokens, i64), empty(n_tokens, i32),
             empty(n_requests + 1, i32), empty((n_groups, n_requests), i32),
             widths, empty((n_groups, n_tokens), i64) if write_slots else _NO_SLOTS,
-        )
+        ))
 
 
 _INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
+_new_tuple = tuple.__new__
 _NO_SLOTS = np.empty((0, 0), dtype=np.int64)  # ``_StepArrays.slots`` of a step without write slots
 _NO_CELLS = np.empty((3, 0), dtype=np.int64), np.empty(0, dtype=np.int32)  # ``kernels.run_step`` reads no cells
 _COMPUTED = np.empty(0, dtype=np.int64)  # ``prepare_step``'s load_tokens of a step that computes
@@ -856,7 +857,7 @@ class CacheManager:
             found = itemgetter(*rids)(self._row_of) if len(rids) > 1 else [self._row_of[rid] for rid in rids]
         except (KeyError, TypeError):
             return None
-        return np.fromiter(found, dtype=np.int64, count=len(rids))
+        return np.fromiter(found, _INT64, len(rids))  # a dtype object: no conversion per call
 
     def _distinct_rows_of(self, rids: tuple) -> np.ndarray | None:
         """``_rows_of``, and None too when an id is listed twice."""
@@ -1037,7 +1038,7 @@ class CacheManager:
         plan_arrays = sc.plan_arrays(rows_in.size + self._last_rows.size)
         cells = self._cell_buffers(rows_in.size) if updates else _NO_CELLS
         self._space.low_floors()  # in the state's ``per_group``
-        status, n, settle, n_crossing, clean, n_touched, n_keyed = kernels.step(
+        status, n, settle, n_crossing, clean, n_touched, n_keyed, allocated = kernels.step(
             *(self._state or self._kernel_state()), *sc.buffers, self._last_rows, rows_in, counts_in, *cells, *out)
         if status >= kernels.STEP_PLANNED:
             if n < 0:
@@ -1056,10 +1057,13 @@ class CacheManager:
         plan = self._plan_of(n, settle, n_crossing, clean) if status != kernels.STEP_DONE else None
         if plan is not None:
             plan.grants = []
-        n_touched = self._after_run(plan_arrays[5], plan_arrays[7][3], status, n_touched, n_keyed, plan, out)
+        if n_keyed or plan is not None:
+            n_touched = self._after_run(plan_arrays[5], allocated, status, n_touched, n_keyed, plan, out)
+        elif allocated:  # all ``_after_run`` does after a step done whole that left no keyed page idle
+            self._space.note_peaks(plan_arrays[5][1])
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
-        return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1,
-                                 _read_cells(status, n_touched, cells))
+        read = cells if status == kernels.STEP_DONE and 0 < n_touched <= cells[1].size else None  # _read_cells
+        return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, read)
 
     def _kernel_state(self) -> tuple:
         """``kernels.step``'s leading arguments: the table store, the per-row counters, the
@@ -1080,7 +1084,7 @@ class CacheManager:
         if made is not None and made[1].size:
             return made
         room = 2 * len(self.specs) * n_rows + 16
-        return np.empty((3, room), dtype=np.int64), np.empty(room, dtype=np.int32)
+        return np.empty((3, room), _INT64), np.empty(room, _INT32)
 
     def _evictable_cover(self, allocated: np.ndarray) -> bool:
         """After ``kernels.releases_cover`` (each short group's releases free enough pages
@@ -1500,7 +1504,7 @@ def _read_cells(status: int, n_touched: int, cells: tuple) -> tuple | None:
 
 def _filled(n: int, value: int) -> np.ndarray:
     """int64 ``[n]`` of ``value`` (``np.full`` without its Python-level wrapper)."""
-    (out := np.empty(n, dtype=np.int64)).fill(value)
+    (out := np.empty(n, _INT64)).fill(value)
     return out
 
 
