@@ -1062,8 +1062,8 @@ class CacheManager:
         elif allocated:  # all ``_after_run`` does after a step done whole that left no keyed page idle
             self._space.note_peaks(plan_arrays[5][1])
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
-        read = cells if status == kernels.STEP_DONE and 0 < n_touched <= cells[1].size else None  # _read_cells
-        return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, read)
+        return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1,
+                                 _read_cells(status, n_touched, cells))
 
     def _kernel_state(self) -> tuple:
         """``kernels.step``'s leading arguments: the table store, the per-row counters, the
