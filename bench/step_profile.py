@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/step_profile.py [--sizes 32,128,512,1024] [--steps 300]
         [--phase decode|serving|prefill|both] [--profile cprofile|none] [--clock wall|cpu] [--json PATH]
-        [--against PACKAGE]
+        [--against PACKAGE] [--cold MIB]
 
 Manager as ``bench/vs_vllm/sides.py`` builds it: DeepSeek-V4-Flash (FP8 indexer),
 40 GiB shared arena, prefix caching on, 8,192 tokens per step, context 131,072,
@@ -25,6 +25,12 @@ it: on a shared one, compare runs made back to back, or use ``--against``: a
 copy of another version renamed to another package (``hybridkv`` -> e.g.
 ``hybridkv_base`` in every import) on ``PYTHONPATH``, whose steps alternate with
 this version's on the same workload.
+
+``--cold MIB``: before every timed step, walk about ``MIB`` MiB of Python objects
+(small objects with a few attributes, lists and a bytearray, as another component's
+scheduling code walks its own requests and blocks; untimed), so each step starts
+with the L1/L2 caches evicted, as in ``bench/vs_vllm``, where each hybridkv step
+follows a vLLM step. 0 (the default): steps back to back (warm).
 """
 
 from __future__ import annotations
@@ -45,6 +51,38 @@ STEP_TOKENS = 8192
 CONTEXT_TOKENS = 131_072
 MAX_NEW_TOKENS = 4096
 CLOCK = time.perf_counter_ns  # --clock cpu: this thread's CPU time (steadier on a shared machine)
+
+
+class _Block:
+    __slots__ = ("block_id", "ref_cnt", "hash", "prev", "next")
+
+    def __init__(self, block_id: int, prev):
+        self.block_id, self.ref_cnt, self.hash, self.prev, self.next = block_id, 0, None, prev, None
+
+
+class ColdWalk:
+    """About ``mib`` MiB of Python objects (linked blocks with a few attributes, as a
+    block pool's, plus a bytearray) that ``__call__`` walks, touching every object:
+    the CPU's private caches hold none of the manager's data afterwards."""
+
+    def __init__(self, mib: float):
+        n = int(mib * 2**20 * 0.75 / 104)  # a slotted object of 5 fields ~ 72 B, its list slot and an int
+        blocks, prev = [], None
+        for i in range(n):
+            prev = _Block(1_000_000 + i, prev)
+            blocks.append(prev)
+        self.blocks = blocks
+        self.bytes = np.ones(int(mib * 2**20 * 0.25) // 8, dtype=np.int64)
+
+    def __call__(self) -> int:
+        total = 0
+        for block in self.blocks:
+            block.ref_cnt += 1
+            total += block.block_id
+        return total + int(self.bytes.sum())
+
+
+BEFORE_STEP = None  # --cold: a ColdWalk run before every timed step
 
 
 def build_manager(running: int, package: str = "hybridkv"):
@@ -111,6 +149,8 @@ class Workload:
 def decode_steps(work: Workload, steps: int, profiler=None) -> list[int]:
     m, ids, out = work.manager, tuple(work.live), []
     for _ in range(steps):
+        if BEFORE_STEP is not None:
+            BEFORE_STEP()
         if profiler:
             profiler.enable()
         start = CLOCK()
@@ -129,6 +169,8 @@ def serving_steps(work: Workload, steps: int, profiler=None) -> list[int]:
         prompt = work.prompt()
         rid = f"r{work.next_id}"
         work.next_id += 1
+        if BEFORE_STEP is not None:
+            BEFORE_STEP()
         if profiler:
             profiler.enable()
         start = CLOCK()
@@ -173,6 +215,8 @@ def prefill_steps(work: PrefillWork, steps: int, profiler=None) -> list[int]:
     m, out = work.manager, []
     for _ in range(steps):
         items = [(work.next_chunk(), CHUNK_TOKENS)]
+        if BEFORE_STEP is not None:
+            BEFORE_STEP()
         if profiler:
             profiler.enable()
         start = CLOCK()
@@ -232,7 +276,11 @@ def main() -> None:
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     ap.add_argument("--against", default=None,
                     help="package of another version (a renamed copy on PYTHONPATH), steps alternating")
+    ap.add_argument("--cold", type=float, default=0.0, help="MiB of Python objects walked before every timed step")
     a = ap.parse_args()
+    if a.cold > 0:
+        global BEFORE_STEP
+        BEFORE_STEP = ColdWalk(a.cold)
     if a.clock == "cpu":
         global CLOCK
         CLOCK = time.thread_time_ns

@@ -522,3 +522,40 @@ def test_a_short_free_stack_covered_by_the_steps_releases_matches_admission(cach
         assert fast.stats() == admitted.stats()
         fast.check_invariants()
     assert short_steps >= 5
+
+
+def test_steps_that_commit_first_hand_out_their_cells_and_keep_every_batch():
+    """Decode steps in "updates" mode in which rows cross a prefix grain (planned, the
+    rows committed, then run into the cell buffers the planning call made): a mirror of
+    them equals a full-mode twin's block tables step by step, and every batch's arrays
+    stay as handed out while later steps run (each step's arrays are its own)."""
+    specs, pages, ctx, step = CONFIGS["v4"]
+    updates, full = (CacheManager(specs, pages, max_context_tokens=ctx, max_step_tokens=step,
+                                  enable_prefix_caching=True, prefix_granularity=256) for _ in range(2))
+    mirror = BlockTableMirror.for_manager(updates)
+    prompts = {"a": 250, "b": 509, "c": 200}
+    for rid, prompt in prompts.items():
+        for m in (updates, full):
+            m.add_request(rid, np.arange(prompt, dtype=np.int32) % 40, max_new_tokens=200)
+        for start in range(0, prompt, step):
+            n = min(step, prompt - start)
+            mirror.apply(updates.schedule([(rid, n)], block_tables="updates"))
+            full.schedule([(rid, n)])
+    kept = []
+    for _ in range(80):  # every row crosses 256 or 512 tokens on the way
+        for rid in prompts:
+            for m in (updates, full):
+                m.append_token_ids(rid, [5])
+        batch = updates.schedule_uniform(tuple(prompts), 1, block_tables="updates")
+        twin = full.schedule_uniform(tuple(prompts), 1)
+        mirror.apply(batch)
+        same(batch, twin, tables=False)
+        for gid, group in twin.groups.items():
+            assert np.array_equal(mirror.block_table(gid), group.block_table), gid
+        arrays = [batch.positions, batch.query_start_loc, batch.table_rows, batch.table_updates.page,
+                  batch.table_updates.row, *(a for g in batch.groups.values() for a in (g.base_pages, g.write_slots)
+                                             if a is not None)]
+        kept.append((arrays, [a.copy() for a in arrays]))
+    for arrays, copies in kept:
+        assert all(np.array_equal(a, c) for a, c in zip(arrays, copies))
+    assert updates.prefix.stats[specs[0].group_id].stored_entries > 0

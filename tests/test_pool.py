@@ -708,3 +708,30 @@ def test_evict_entries_leaves_the_pool_as_unpublishing_each_in_turn(data):
                      pool.num_low_priority_idle_pages, pool.counters.evicted_pages, pool.entry_keys()))
         pool.check_invariants()
     assert ends[0] == ends[1]
+
+
+def test_low_floors_follow_the_shared_skip_answer_and_each_pools_own():
+    """``PageSpace.low_floors``: every packing pool asking one ``may_skip_packing`` (an
+    arena's) gets ``NO_PACKING`` while it says skip, its own floor (``NO_LOW_IDLE``: no
+    idle low-priority page) while it does not, and ``NO_PACKING`` again once it says
+    skip again; pools asking different functions get each their own answer."""
+    from hybridkv.memory.pool import PageSpace
+    from hybridkv.runtime import kernels
+
+    roomy = [True]
+
+    def ask():
+        return roomy[0]
+
+    pools = [PagePool(f"g{i}", 8, lowest_first=True) for i in range(3)]
+    space = PageSpace(pools)
+    floors = lambda: space.low_floors()[kernels.LOW_FLOOR].tolist()  # noqa: E731
+    for pool in pools:
+        pool.may_skip_packing = ask
+    for answer in (True, False, False, True, True, False):
+        roomy[0] = answer
+        assert floors() == [kernels.NO_PACKING if answer else kernels.NO_LOW_IDLE] * 3, answer
+    mixed = [PagePool(f"h{i}", 8, lowest_first=True) for i in range(3)]
+    space = PageSpace(mixed)
+    mixed[0].may_skip_packing, mixed[1].may_skip_packing = (lambda: True), (lambda: False)
+    assert floors() == [kernels.NO_PACKING, kernels.NO_LOW_IDLE, kernels.NO_LOW_IDLE]

@@ -727,6 +727,10 @@ class PageSpace:
         self.low_scratch = np.empty(0, dtype=np.int64)
         self.packing = [(g, p) for g, p in enumerate(self.pools) if p.lowest_first]  # pools ``low_floors`` asks
         self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # ``borrow``'s scratch
+        # The one ``may_skip_packing`` every packing pool has (an arena's, set once after this),
+        # False when they differ or some pool has none; None until ``low_floors`` first looks.
+        self.shared_ask: Callable[[], bool] | bool | None = None
+        self.floors_unset = False  # every ``low_floor`` is ``kernels.NO_PACKING``
         for g, pool in enumerate(self.pools):
             pool._tops, pool._lows, pool._slot = self.tops, self.low_idle, g
             pool.counters.tallies = self.per_group[3:, g]
@@ -769,7 +773,16 @@ class PageSpace:
         ``may_skip_packing`` says so. What ``kernels.needs_room`` reads: a step stops for
         Python when such a page lies below the ids it would take, and ``make_room`` decides."""
         out = self.low_floor
+        if self.shared_ask is None and self.packing:  # once: the arena has set every pool's
+            asks = {pool.may_skip_packing for _, pool in self.packing}
+            self.shared_ask = asks.pop() if len(asks) == 1 and None not in asks else False
+        if self.shared_ask and self.shared_ask():  # every packing pool's answer, asked once
+            if not self.floors_unset:  # only this method writes them
+                out.fill(kernels.NO_PACKING)
+                self.floors_unset = True
+            return self.per_group
         out.fill(kernels.NO_PACKING)
+        self.floors_unset = False
         asked, skip = None, False
         for g, pool in self.packing:
             ask = pool.may_skip_packing

@@ -415,7 +415,8 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
             ref[offset + idle_keyed[i]] = 0
         released[0, g], released[1, g] = n_free, n_keyed - keyed_from
         per_group[RELEASED_PAGES, g] += n_free + n_keyed - keyed_from
-        top[g] = push_run(stack[offset:], top[g], lowest[g] != 0, scratch[:n_free])
+        if n_free:
+            top[g] = push_run(stack[offset:], top[g], lowest[g] != 0, scratch[:n_free])
     return n_touched, n_keyed
 
 
@@ -593,18 +594,21 @@ def plan_size(cap, n_groups):
 
 
 @njit(cache=True)
-def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, last_rows,
-         rows_in, counts_in, grain, mark, plan, scratch, idle_keyed, touched, cells, cell_pages, table_rows,
+def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain,
+         plan, scratch, idle_keyed, touched, last_rows, rows_in, counts_in, cells, cell_pages, table_rows,
          scheduled, positions, request_indices, query_start_loc, base_pages, widths, slots):
     """``prepare_step`` then, when the plan needs nothing from Python first (every
     group's free stack covers it, no row crosses a prefix grain, the scratch buffers
     are large enough), ``run_step``, in one call; ``counters`` packs computed, committed
     and known tokens, ``plan`` the plan's arrays (``plan_views``); ``cells`` and
-    ``cell_pages`` as ``run_step`` takes them. Returns (status, rows in the plan, settling
-    rows, crossing rows, clean, cells logged, idle keyed pages); status ``STEP_PLANNED`` (or -1 rows: no plan)
-    when only the plan ran, ``STEP_COVERED`` when only the plan ran because some group's
-    free stack is short of its allocations but, no row crossing a grain, the pages its
-    own releases free first cover it (``releases_cover``)."""
+    ``cell_pages`` as ``run_step`` takes them. The arguments up to ``grain`` are the
+    manager's state, the four after it its scratch buffers (the same arrays from step to
+    step: the manager passes them as two tuples). Returns (status, rows in the plan,
+    settling rows, crossing rows, clean, cells logged, idle keyed pages, pages allocated);
+    status ``STEP_PLANNED`` (or -1 rows: no plan) when only the plan ran, ``STEP_COVERED``
+    when only the plan ran because some group's free stack is short of its allocations
+    but, no row crossing a grain, the pages its own releases free first cover it
+    (``releases_cover``)."""
     rows, counts, first, after, need, sums, crossing, totals, released = plan_views(plan, geometry.shape[0])
     computed, committed, known = counters[0], counters[1], counters[2]
     n, settle, n_cross, clean = prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in,
@@ -614,14 +618,14 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
             or totals[1] > idle_keyed.size or totals[1] + totals[3] > touched.size):
         if n >= 0 and not clean and n_cross == 0 and releases_cover(geometry, pages, bounds, ref, keyed,
                                                                      per_group[TOP], rows[:n], after, sums):
-            return STEP_COVERED, n, settle, n_cross, clean, 0, 0
-        return STEP_PLANNED, n, settle, n_cross, clean, 0, 0
+            return STEP_COVERED, n, settle, n_cross, clean, 0, 0, 0
+        return STEP_PLANNED, n, settle, n_cross, clean, 0, 0, 0
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group,
         transient, rows[:n], counts[:n], first[:n], settle, after[:, :, :n], sums, False, scratch, idle_keyed,
         released, touched, cells, cell_pages, table_rows, scheduled, positions, request_indices, query_start_loc,
         base_pages, widths, slots)
-    return status, n, settle, n_cross, clean, n_touched, n_keyed
+    return status, n, settle, n_cross, clean, n_touched, n_keyed, totals[3]
 
 
 @njit(cache=True)

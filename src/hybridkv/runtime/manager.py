@@ -83,6 +83,7 @@ class _StepPlan:
     request_ids: tuple | None = None  # the batch's ids in order, once known
     grants: list | None = None  # arena slabs to move before allocating (shared page space)
     arrays: _StepArrays | None = None  # the batch's fresh arrays, once made (``_step``)
+    cells: tuple | None = None  # ``_cell_buffers`` ``_step`` made for the batch (``run_step``'s cells)
 
 
 class _StepArrays(NamedTuple):
@@ -101,14 +102,16 @@ class _StepArrays(NamedTuple):
     @staticmethod
     def empty(n_groups: int, n_requests: int, n_tokens: int, write_slots: bool, widths: np.ndarray) -> _StepArrays:
         """Fresh arrays for what the batch hands out; ``widths`` is the caller's scratch."""
-        return _StepArrays(
-            np.empty(n_requests, dtype=np.int32), np.empty(n_requests, dtype=np.int32),
-            np.empty(n_tokens, dtype=np.int64), np.empty(n_tokens, dtype=np.int32),
-            np.empty(n_requests + 1, dtype=np.int32), np.empty((n_groups, n_requests), dtype=np.int32),
-            widths, np.empty((n_groups, n_tokens), dtype=np.int64) if write_slots else _NO_SLOTS,
-        )
+        empty, i32, i64 = np.empty, _INT32, _INT64
+        return _new_tuple(_StepArrays, (  # the NamedTuple's ``__new__`` without its Python frame
+            empty(n_requests, i32), empty(n_requests, i32), empty(n_tokens, i64), empty(n_tokens, i32),
+            empty(n_requests + 1, i32), empty((n_groups, n_requests), i32),
+            widths, empty((n_groups, n_tokens), i64) if write_slots else _NO_SLOTS,
+        ))
 
 
+_INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
+_new_tuple = tuple.__new__
 _NO_SLOTS = np.empty((0, 0), dtype=np.int64)  # ``_StepArrays.slots`` of a step without write slots
 _NO_CELLS = np.empty((3, 0), dtype=np.int64), np.empty(0, dtype=np.int32)  # ``kernels.run_step`` reads no cells
 _COMPUTED = np.empty(0, dtype=np.int64)  # ``prepare_step``'s load_tokens of a step that computes
@@ -119,10 +122,10 @@ class _Scratch:
 
     def __init__(self, n_groups: int):
         self.n_groups = n_groups
-        self._grow_plan(0)
         self.pages = np.empty(0, dtype=np.int32)
         self.idle_keyed = np.empty(0, dtype=np.int64)
         self.touched = np.empty(0, dtype=np.int64)
+        self._grow_plan(0)
         self.widths = np.empty(n_groups, dtype=np.int64)
         self.transient = np.empty(n_groups, dtype=np.int64)  # ``transient_counts``' answer
 
@@ -140,6 +143,7 @@ class _Scratch:
         self.plan_buffer = np.empty(kernels.plan_size(n_rows, self.n_groups), dtype=np.int64)
         views = kernels.plan_views(self.plan_buffer, self.n_groups)
         self.plan, self.released = views[:8], views[8]
+        self.buffers = (self.plan_buffer, self.pages, self.idle_keyed, self.touched)  # as ``kernels.step`` takes them
 
     def reserve(self, most_released: int, released_pages: int, allocated_pages: int) -> tuple:
         """(release scratch, idle keyed pages, released counts, touched cells), large enough."""
@@ -149,6 +153,7 @@ class _Scratch:
             self.idle_keyed = np.empty(2 * released_pages, dtype=np.int64)
         if released_pages + allocated_pages > self.touched.size:
             self.touched = np.empty(2 * (released_pages + allocated_pages), dtype=np.int64)
+        self.buffers = (self.plan_buffer, self.pages, self.idle_keyed, self.touched)
         return self.pages, self.idle_keyed, self.released, self.touched
 
 
@@ -313,6 +318,7 @@ class CacheManager:
         # Rows scheduled in the previous step. A row freed since may stay listed (and be reused):
         # until its next step its committed tokens equal its computed ones, so it never settles.
         self._last_rows = np.zeros(0, dtype=np.int64)
+        self._state: tuple | None = None  # ``_kernel_state``, until a new table row grows the arrays
         self._row_owner: dict[int, _Request] = {}
         self._free_rows: list[int] = []
         self._next_row = 0
@@ -853,7 +859,7 @@ class CacheManager:
             found = itemgetter(*rids)(self._row_of) if len(rids) > 1 else [self._row_of[rid] for rid in rids]
         except (KeyError, TypeError):
             return None
-        return np.fromiter(found, dtype=np.int64, count=len(rids))
+        return np.fromiter(found, _INT64, len(rids))  # a dtype object: no conversion per call
 
     def _distinct_rows_of(self, rids: tuple) -> np.ndarray | None:
         """``_rows_of``, and None too when an id is listed twice."""
@@ -949,20 +955,23 @@ class CacheManager:
         """``schedule([(rid, num_tokens) for rid in request_ids])``, for a step in which
         every request gets the same count (decode, or verifying k draft tokens),
         without building the pairs. Same checks, errors and result."""
-        check_request_ids("request_ids", request_ids, CacheManagerError)
-        rids = request_ids if type(request_ids) is tuple else tuple(request_ids)
-        return self._schedule(None, (rids, num_tokens), fixed_width, block_tables, write_slots)
+        if type(request_ids) is not tuple:  # a tuple passes ``check_request_ids``
+            check_request_ids("request_ids", request_ids, CacheManagerError)
+            request_ids = tuple(request_ids)
+        return self._schedule(None, (request_ids, num_tokens), fixed_width, block_tables, write_slots)
 
     def _schedule(self, items, uniform, fixed_width: bool, block_tables: str, write_slots: bool = True,
                   load: bool = False) -> StepBatch:
         """``schedule`` of ``items``, or of ``uniform`` = (request ids, one count for all), in
         five stages: admit (validate and plan, pure), commit the previous step's tokens,
         release, allocate, build the batch. Most steps take ``_step``'s one compiled call."""
-        _check_step_options(items if uniform is None else uniform[0], block_tables, write_slots)
+        ids = items if uniform is None else uniform[0]
+        if not (ids and type(write_slots) is bool and block_tables in _BLOCK_TABLE_MODES):
+            _check_step_options(ids, block_tables, write_slots)  # words the error
         if self.tier_link is not None:
             self.tier_link.check_schedule()
         updates = block_tables == "updates"
-        verdict = self._cached_verdict(items, uniform, fixed_width)
+        verdict = self._cached_verdict(items, uniform, fixed_width) if self._admitted is not None else None
         if load:
             verdict = self._admit_load(items, fixed_width)
         elif verdict is None and not fixed_width:
@@ -992,7 +1001,7 @@ class CacheManager:
             for row in plan.crossing.tolist():  # publish what the rows' previous steps completed
                 self._commit_row(row)
         self._tableset.start_log() if updates else self._tableset.stop_log()
-        cells = self._cell_buffers(plan.rows.size) if updates else _NO_CELLS
+        cells = self._cell_buffers(plan.rows.size, plan.cells) if updates else _NO_CELLS
         arrays, n_touched, read = self._run(plan, write_slots, out if out is not None else plan.arrays, cells)
         rows = plan.rows[plan.settle :]
         self._last_rows = rows.copy()  # the plan's arrays are scratch
@@ -1026,19 +1035,18 @@ class CacheManager:
         the stages after it, or None when there is none (a row twice, or past its known
         tokens)."""
         rows_in, counts_in, rids, n_tokens = fast
-        out = _StepArrays.empty(len(self.specs), rows_in.size, n_tokens, write_slots, self._scratch.widths)
-        sc, space, ts = self._scratch, self._space, self._tableset
+        sc = self._scratch
+        out = _StepArrays.empty(len(self.specs), rows_in.size, n_tokens, write_slots, sc.widths)
         plan_arrays = sc.plan_arrays(rows_in.size + self._last_rows.size)
         cells = self._cell_buffers(rows_in.size) if updates else _NO_CELLS
-        status, n, settle, n_crossing, clean, n_touched, n_keyed = kernels.step(
-            ts.geometry, ts.pages, ts.bounds, self._counters, space.ref_counts, space.cached, space.low_priority,
-            space.stack, space.low_floors(), self._transient, self._last_rows, rows_in, counts_in, self._grain,
-            self._in_batch, sc.plan_buffer, sc.pages, sc.idle_keyed, sc.touched, *cells, *out)
+        self._space.low_floors()  # in the state's ``per_group``
+        status, n, settle, n_crossing, clean, n_touched, n_keyed, allocated = kernels.step(
+            *(self._state or self._kernel_state()), *sc.buffers, self._last_rows, rows_in, counts_in, *cells, *out)
         if status >= kernels.STEP_PLANNED:
             if n < 0:
                 return None
             plan = self._plan_of(n, settle, n_crossing, clean)
-            plan.request_ids = rids
+            plan.request_ids, plan.cells = rids, cells
             if not clean and not (status == kernels.STEP_COVERED and self._evictable_cover(plan.sums[1])):
                 plan.arrays = out  # for ``_run``, once admitted
                 return plan
@@ -1047,23 +1055,38 @@ class CacheManager:
             plan.grants = []
             return self._commit_and_run(plan, write_slots, updates, False, out)
         self._version += 1
-        ts.start_log() if updates else ts.stop_log()
+        self._tableset.start_log() if updates else self._tableset.stop_log()
         plan = self._plan_of(n, settle, n_crossing, clean) if status != kernels.STEP_DONE else None
         if plan is not None:
             plan.grants = []
-        n_touched = self._after_run(plan_arrays[5], plan_arrays[7][3], status, n_touched, n_keyed, plan, out)
+        if n_keyed or plan is not None:
+            n_touched = self._after_run(plan_arrays[5], allocated, status, n_touched, n_keyed, plan, out)
+        elif allocated:  # all ``_after_run`` does after a step done whole that left no keyed page idle
+            self._space.note_peaks(plan_arrays[5][1])
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1,
                                  _read_cells(status, n_touched, cells))
 
-    def _cell_buffers(self, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    def _kernel_state(self) -> tuple:
+        """``kernels.step``'s leading arguments: the table store, the per-row counters, the
+        page space, the transient flags, the batch marks and the prefix grain; the same
+        objects until a new table row grows the arrays (``_take_row`` drops them)."""
+        ts, space = self._tableset, self._space
+        self._state = (ts.geometry, ts.pages, ts.bounds, self._counters, space.ref_counts, space.cached,
+                       space.low_priority, space.stack, space.per_group, self._transient, self._in_batch, self._grain)
+        return self._state
+
+    def _cell_buffers(self, n_rows: int, made: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Fresh arrays for ``run_step`` to read the cells a step of ``n_rows`` rows changes
         into (``table_updates``), with room for a decode step's (a page released and one
-        allocated per row and group); none while the table log holds other cells."""
+        allocated per row and group); none while the table log holds other cells. ``made``:
+        the ones ``_step`` made for the same batch, used when they are not empty."""
         if not self._tableset.drains_touched_only():
             return _NO_CELLS
+        if made is not None and made[1].size:
+            return made
         room = 2 * len(self.specs) * n_rows + 16
-        return np.empty((3, room), dtype=np.int64), np.empty(room, dtype=np.int32)
+        return np.empty((3, room), _INT64), np.empty(room, _INT32)
 
     def _evictable_cover(self, allocated: np.ndarray) -> bool:
         """After ``kernels.releases_cover`` (each short group's releases free enough pages
@@ -1440,6 +1463,7 @@ class CacheManager:
             return self._free_rows.pop()
         row = self._next_row
         self._next_row += 1
+        self._state = None  # the table store and the counters may grow
         if row >= self._computed.size:
             grow = np.zeros(self._computed.size, dtype=np.int64)
             self._counters = np.concatenate([self._counters, np.zeros_like(self._counters)], axis=1)
@@ -1485,7 +1509,7 @@ def _read_cells(status: int, n_touched: int, cells: tuple) -> tuple | None:
 
 def _filled(n: int, value: int) -> np.ndarray:
     """int64 ``[n]`` of ``value`` (``np.full`` without its Python-level wrapper)."""
-    (out := np.empty(n, dtype=np.int64)).fill(value)
+    (out := np.empty(n, _INT64)).fill(value)
     return out
 
 
