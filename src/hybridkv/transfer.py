@@ -318,8 +318,10 @@ class OffloadPlan:
         if not self.objects:
             return True
         pools = dict(pools)
-        now = [i for i in range(len(self.objects)) if not self.is_later(i)]
-        later = [i for i in range(len(self.objects)) if self.is_later(i)]
+        pinned, deferred = self.pinned or (False,) * len(self.objects), self.deferred or (False,) * len(self.objects)
+        later_flags = [p or d for p, d in zip(pinned, deferred)]
+        now = [i for i, flag in enumerate(later_flags) if not flag]
+        later = [i for i, flag in enumerate(later_flags) if flag]
         staged = gather_planned(pools, self.objects, self.sources, now, hold_gil=True)
         copies = self.copies
 
