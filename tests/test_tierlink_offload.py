@@ -376,6 +376,20 @@ def test_a_paused_worker_starts_nothing_until_resumed_and_puts_in_batches():
     assert calls == [2] * (n // 2) + [n % 2] * (n % 2)
     with pytest.raises(ValueError, match="put_batch_objects"):
         OffloadWorker(store, put_batch_objects=0)
+    with pytest.raises(ValueError, match="put_batch_bytes"):
+        OffloadWorker(store, put_batch_bytes=0)
+    sizes = [obj.payload.size for obj in make_objects()]
+    calls.clear()
+    with OffloadWorker(store, put_batch_objects=n, put_batch_bytes=max(sizes)) as worker:  # bytes cut the batches
+        assert worker.submit(ticket, make_objects, n, in_place=in_place)
+        assert worker.drain(30)
+    expected, batch, nbytes = [], 0, 0
+    for size in sizes:
+        if batch and nbytes + size > max(sizes):
+            expected.append(batch)
+            batch, nbytes = 0, 0
+        batch, nbytes = batch + 1, nbytes + size
+    assert calls == expected + [batch] and sum(calls) == n
 
 
 def test_the_worker_gathers_a_new_job_before_the_next_put_of_an_earlier_one():

@@ -55,19 +55,24 @@ _STOP = object()
 
 class OffloadWorker:
     """One thread putting the objects of submitted jobs, at most ``max_queued_objects`` queued,
-    ``put_batch_objects`` to a ``put`` (Mooncake's batch puts plateau near 16)."""
+    ``put_batch_objects`` to a ``put`` (Mooncake's batch puts plateau near 16) and no more
+    payload than ``put_batch_bytes`` (one object at least): a job submitted meanwhile is
+    gathered after at most one such put."""
 
     def __init__(self, store: ObjectStore, *, max_queued_objects: int = 1024, put_batch_objects: int = 16,
-                 name: str = "hybridkv-offload"):
+                 put_batch_bytes: int = 4 << 20, name: str = "hybridkv-offload"):
         if not isinstance(store, ObjectStore):
             raise TypeError(f"store must be an ObjectStore, got {type(store).__name__}")
         if isinstance(max_queued_objects, bool) or not isinstance(max_queued_objects, int) or max_queued_objects < 1:
             raise ValueError(f"max_queued_objects must be a positive int, got {max_queued_objects!r}")
         if isinstance(put_batch_objects, bool) or not isinstance(put_batch_objects, int) or put_batch_objects < 1:
             raise ValueError(f"put_batch_objects must be a positive int, got {put_batch_objects!r}")
+        if isinstance(put_batch_bytes, bool) or not isinstance(put_batch_bytes, int) or put_batch_bytes < 1:
+            raise ValueError(f"put_batch_bytes must be a positive int, got {put_batch_bytes!r}")
         self.store = store
         self.max_queued_objects = max_queued_objects
         self.put_batch_objects = put_batch_objects
+        self.put_batch_bytes = put_batch_bytes
         self._stats = OffloadWorkerStats()
         self._cond = threading.Condition()
         self._jobs: deque = deque()  # submitted, objects not made yet
@@ -193,9 +198,13 @@ class OffloadWorker:
     def _put_next(self, made: list) -> tuple | None:
         """Put the next batch of the oldest made job; the job once all of it is put (or failed)."""
         ticket, num_objects, in_place, objects, stored = made
-        at = len(stored)
+        at = end = len(stored)
+        nbytes, last = 0, min(len(objects), at + self.put_batch_objects)
+        while end < last and (end == at or nbytes + objects[end].payload.size <= self.put_batch_bytes):
+            nbytes += objects[end].payload.size
+            end += 1
         try:
-            stored += self.store.put(objects[at : at + self.put_batch_objects], in_place=in_place)
+            stored += self.store.put(objects[at:end], in_place=in_place)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         else:
