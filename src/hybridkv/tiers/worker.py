@@ -76,7 +76,7 @@ class OffloadWorker:
         self._stats = OffloadWorkerStats()
         self._cond = threading.Condition()
         self._jobs: deque = deque()  # submitted, objects not made yet
-        self._made: deque = deque()  # [ticket, objects, in_place, objects made, stored so far], oldest first
+        self._made: deque = deque()  # [ticket, object count, in_place, objects made, stored so far], oldest first
         self._done: deque = deque()
         self._busy = False
         self._closed = False
@@ -204,7 +204,8 @@ class OffloadWorker:
             nbytes += objects[end].payload.size
             end += 1
         try:
-            stored += self.store.put(objects[at:end], in_place=in_place)
+            if end > at:  # (a job of no objects puts nothing)
+                stored += self.store.put(objects[at:end], in_place=in_place)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         else:
