@@ -376,6 +376,48 @@ def test_a_paused_worker_starts_nothing_until_resumed_and_puts_in_batches():
     assert calls == [2] * (n // 2) + [n % 2] * (n % 2)
     with pytest.raises(ValueError, match="put_batch_objects"):
         OffloadWorker(store, put_batch_objects=0)
+    with pytest.raises(ValueError, match="put_batch_bytes"):
+        OffloadWorker(store, put_batch_bytes=0)
+    sizes = [obj.payload.size for obj in make_objects()]
+    calls.clear()
+    with OffloadWorker(store, put_batch_objects=n, put_batch_bytes=max(sizes)) as worker:  # bytes cut the batches
+        assert worker.submit(ticket, make_objects, n, in_place=in_place)
+        assert worker.drain(30)
+    expected, batch, nbytes = [], 0, 0
+    for size in sizes:
+        if batch and nbytes + size > max(sizes):
+            expected.append(batch)
+            batch, nbytes = 0, 0
+        batch, nbytes = batch + 1, nbytes + size
+    assert calls == expected + [batch] and sum(calls) == n
+
+
+def test_the_worker_gathers_a_new_job_before_the_next_put_of_an_earlier_one():
+    store = ObjectStore(HostTier(1 << 30), LAYOUT)
+    engine = Engine(total_tokens=2048)
+    compute(engine, "p", np.random.default_rng(9).integers(0, CONFIG.vocab_size, 600))
+    (ticket, make_objects, n, in_place), = engine.worker.jobs
+    objects = make_objects()
+    events, first_put, second_job = [], threading.Event(), threading.Event()
+    put = store.put
+
+    def slow_put(batch, **kw):
+        events.append(("put", batch[0].key))
+        if len(events) == 1:  # the first put waits until the second job is submitted
+            first_put.set()
+            second_job.wait(10)
+        return put(batch, **kw)
+
+    store.put = slow_put
+    with OffloadWorker(store, put_batch_objects=1) as worker:
+        assert worker.submit("a", lambda: objects[:2], 2, in_place=in_place)
+        assert first_put.wait(10)
+        assert worker.submit("b", lambda: events.append(("make", "b")) or objects[2:3], 1, in_place=in_place)
+        second_job.set()
+        assert worker.drain(30)
+        done = worker.finished()
+    assert events == [("put", objects[0].key), ("make", "b"), ("put", objects[1].key), ("put", objects[2].key)]
+    assert done == [("a", [True, True]), ("b", [True])]
 
 
 def test_close_runs_what_is_queued_and_the_engine_confirms_it():

@@ -146,10 +146,11 @@ def test_batched_gather_and_scatter_equal_one_object_at_a_time(items, seed):
     for gid, count in pages.items():
         views[gid] = GroupPages(0, rng.permutation(np.arange(1, count)))
     batched = gather_objects(src, views, ranges)
+    held = gather_objects(src, views, ranges, hold_gil=True)  # the step thread's kernel: the same rows
     single = [gather_object(src[k.group_id], views[k.group_id], k, a, b) for k, a, b in ranges]
-    for x, y in zip(batched, single):
+    for x, y, z in zip(batched, single, held):
         assert x.key == y.key and (x.first_row, x.num_rows) == (y.first_row, y.num_rows)
-        assert np.array_equal(x.payload, y.payload)
+        assert np.array_equal(x.payload, y.payload) and np.array_equal(z.payload, y.payload)
     scatter_objects(many, views, batched)
     for obj in single:
         scatter_object(one[obj.key.group_id], views[obj.key.group_id], obj)

@@ -342,18 +342,9 @@ class TierLink:
 
     def _take_queue(self) -> OffloadPlan:
         """The plan of the queued entries (see :meth:`take_offloads`), without rescues."""
-        if not self._queue:
+        entries = self._fresh_entries()
+        if not entries:
             return _NO_OFFLOADS
-        queue, self._queue = self._queue, []
-        fresh: dict[tuple[str, int], tuple[int, tuple[int, ...]]] = {}
-        offloading = self._offloading
-        for gid, key, boundary, pages in queue:  # the first of each entry, none still in flight
-            entry = (gid, key)
-            if entry not in fresh and entry not in offloading:
-                fresh[entry] = (boundary, pages)
-        if not fresh:
-            return _NO_OFFLOADS
-        entries = list(fresh.items())
         objects, views, payload_bytes = self._offload_objects(entries)
         held = self.store.contains([obj.key for obj in objects])
         skipped = held.count(True)
@@ -371,6 +362,18 @@ class TierLink:
             return self._defer(self._tickets, entries, tuple(objects), tuple(views))
         pinned = self._pin(self._tickets, entries) if self.pin_offloads else ()
         return OffloadPlan(tuple(objects), tuple(views), pinned, self._tickets)
+
+    def _fresh_entries(self) -> list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]:
+        """The queue emptied: its entries ``((group, key), (boundary, pages))``, the first of each,
+        less those whose copy is still in flight."""
+        queue, self._queue = self._queue, []
+        fresh: dict[tuple[str, int], tuple[int, tuple[int, ...]]] = {}
+        offloading = self._offloading
+        for gid, key, boundary, pages in queue:
+            entry = (gid, key)
+            if entry not in fresh and entry not in offloading:
+                fresh[entry] = (boundary, pages)
+        return list(fresh.items())
 
     def _defer(self, ticket: int, entries: list, objects: tuple, views: tuple) -> OffloadPlan:
         """The plan with every entry still published as it was deferred (copied later, rescued

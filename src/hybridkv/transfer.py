@@ -216,15 +216,16 @@ def load_objects(
 
 
 def gather_planned(pools: dict[str, GroupPools], objects: Sequence[PlannedObject], sources: Sequence[GroupPages],
-                   indices: list[int]) -> list[RowsObject]:
+                   indices: list[int], *, hold_gil: bool = False) -> list[RowsObject]:
     """The planned objects ``indices`` gathered from their page views, each payload after room
-    for its header (encoded in place)."""
+    for its header (encoded in place); ``hold_gil``: on the engine's step thread (see
+    ``gather_objects``)."""
     if not indices:
         return []
     chosen = [objects[i] for i in indices]
     ranges = [(o.key, o.first_token, o.end_token) for o in chosen]
     heads = [header_size(o.key, pools[o.key.group_id].parts) for o in chosen]
-    return gather_objects(pools, [sources[i] for i in indices], ranges, room_bytes=heads)
+    return gather_objects(pools, [sources[i] for i in indices], ranges, room_bytes=heads, hold_gil=hold_gil)
 
 
 class DeferredCopies:
@@ -255,7 +256,7 @@ class DeferredCopies:
             if not chosen:
                 return 0
             self._pending.difference_update(chosen)
-            self._rescued.update(zip(chosen, gather_planned(pools, self._objects, self._sources, chosen)))
+            self._rescued.update(zip(chosen, gather_planned(pools, self._objects, self._sources, chosen, hold_gil=True)))
             return len(chosen)
 
     def settle(self, gathered: dict[int, RowsObject]) -> None:
@@ -317,22 +318,21 @@ class OffloadPlan:
         if not self.objects:
             return True
         pools = dict(pools)
-        now = [i for i in range(len(self.objects)) if not self.is_later(i)]
-        later = [i for i in range(len(self.objects)) if self.is_later(i)]
-        staged = self._gather(pools, now)
+        pinned, deferred = self.pinned or (False,) * len(self.objects), self.deferred or (False,) * len(self.objects)
+        later_flags = [p or d for p, d in zip(pinned, deferred)]
+        now = [i for i, flag in enumerate(later_flags) if not flag]
+        later = [i for i, flag in enumerate(later_flags) if flag]
+        staged = gather_planned(pools, self.objects, self.sources, now, hold_gil=True)
         copies = self.copies
 
         def make_objects() -> list[RowsObject]:  # on the worker: the later objects' headers and rows
-            gathered = dict(zip(later, self._gather(pools, later)))
+            gathered = dict(zip(later, gather_planned(pools, self.objects, self.sources, later)))
             if copies is not None:
                 copies.settle(gathered)
             gathered.update(zip(now, staged))
             return [gathered[i] for i in range(len(self.objects))]
 
         return worker.submit(self.ticket, make_objects, len(self.objects), in_place=True)
-
-    def _gather(self, pools: dict[str, GroupPools], indices: list[int]) -> list[RowsObject]:
-        return gather_planned(pools, self.objects, self.sources, indices)
 
     def run(self, store: ObjectStore, pools: Mapping[str, GroupPools]) -> list[bool]:
         """Copy the rows out and put the objects; per object, whether a tier stored it. The rows of

@@ -1111,3 +1111,59 @@ def distinct_rows(rows, mark):
     for r in range(rows.size):
         mark[rows[r]] = False
     return distinct
+
+
+@njit(cache=True)
+def space_ids(local, per_group, offsets, limits, lowest, out):
+    """Page-space ids of every group's pages (``local``: group after group, ``per_group[g]``
+    of group ``g``'s) into ``out``: -1, or the index of the first page outside ``[lowest,
+    limits[g])`` (``out`` partly written)."""
+    k = 0
+    for g in range(per_group.size):
+        for _ in range(per_group[g]):
+            if local[k] < lowest or local[k] >= limits[g]:
+                return k
+            out[k] = local[k] + offsets[g]
+            k += 1
+    return -1
+
+
+@njit(cache=True)
+def hold_space_pages(ids, ref, cached, held):
+    """Hold page-space ``ids`` outside any request when every one is referenced: ``ref`` and
+    ``held`` raised, 0. Nothing changed otherwise: ``-1 - i`` for the first free page
+    (``ids[i]``), 1 when some page is idle (cached, unreferenced: the caller takes it out of
+    its pool's LRU)."""
+    idle = False
+    for i in range(ids.size):
+        if ref[ids[i]] == 0:
+            if not cached[ids[i]]:
+                return -1 - i
+            idle = True
+    if idle:
+        return 1
+    for i in range(ids.size):
+        ref[ids[i]] += 1
+        held[ids[i]] += 1
+    return 0
+
+
+@njit(cache=True)
+def release_space_pages(ids, ref, held):
+    """Drop holds of ``hold_space_pages``: -1 (nothing changed) when some page would be released
+    more often than it is held; else ``held`` lowered and 0 when every page stays referenced
+    (``ref`` lowered too) or 1 when some page's last reference goes (``ref`` unchanged: the
+    caller releases the pages through its page space)."""
+    for i in range(ids.size):
+        held[ids[i]] -= 1
+        if held[ids[i]] < 0:
+            for j in range(i + 1):
+                held[ids[j]] += 1
+            return -1
+    for i in range(ids.size):
+        ref[ids[i]] -= 1
+        if ref[ids[i]] <= 0:
+            for j in range(i + 1):
+                ref[ids[j]] += 1
+            return 1
+    return 0

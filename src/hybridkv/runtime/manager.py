@@ -308,6 +308,7 @@ class CacheManager:
         self._held_outside = {s.group_id: self._held_all[off : off + self.pools[s.group_id].num_pages]
                               for s, off in zip(self.specs, self._space.offsets.tolist())}
         self._space_offset = dict(zip((s.group_id for s in self.specs), self._space.offsets.tolist()))
+        self._space_limits = np.array([self.pools[s.group_id].num_pages for s in self.specs], dtype=np.int64)
 
     def _init_registry(self) -> None:
         """No requests yet: the id -> record maps, free table rows, per-row counters."""
@@ -1339,22 +1340,19 @@ class CacheManager:
         glob, local, per_group = self._space_pages(pages_by_group, "page ids must lie in [1, {n})", 1)
         if not glob.size:
             return
-        ref = self._space.ref_counts
-        idle = ref[glob] == 0
-        any_idle = bool(idle.any())
-        free = glob[idle & ~self._space.cached[glob]] if any_idle else glob[:0]
-        if free.size:
-            gid = self._group_of(int(free[0]))
-            raise CacheManagerError(f"group {gid!r}: page {int(free[0]) - self._space_offset[gid]} is free; "
+        found = kernels.hold_space_pages(glob, self._space.ref_counts, self._space.cached, self._held_all)
+        if found < 0:
+            gid = self._group_of(int(glob[-1 - found]))
+            raise CacheManagerError(f"group {gid!r}: page {int(glob[-1 - found]) - self._space_offset[gid]} is free; "
                                     "only held or cached pages can be held")
         self._version += 1  # invalidates a cached admission
-        np.add.at(self._held_all, glob, 1)
-        if not any_idle:  # nothing leaves the free or evictable sets
-            np.add.at(ref, glob, 1)
+        if found == 0:  # every page was referenced: nothing leaves the free or evictable sets
             return
+        np.add.at(self._held_all, glob, 1)
         start = 0
         for pool, n in zip(self._pool_list, per_group):
-            pool.incref(local[start : start + n])  # cached idle pages leave the LRU
+            if n:
+                pool.incref(local[start : start + n])  # cached idle pages leave the LRU
             start += n
 
     def release_held_pages_by_group(self, pages_by_group: Mapping[str, np.ndarray]) -> None:
@@ -1366,18 +1364,13 @@ class CacheManager:
             pages_by_group, "releasing pages that hold_pages_by_group did not hold", 0)
         if not glob.size:
             return
-        held = self._held_all
-        counts = np.bincount(glob, minlength=held.size)
-        over = np.flatnonzero(counts > held)
-        if over.size:
+        released = kernels.release_space_pages(glob, self._space.ref_counts, self._held_all)
+        if released < 0:
+            over = np.flatnonzero(np.bincount(glob, minlength=self._held_all.size) > self._held_all)
             raise CacheManagerError(f"group {self._group_of(int(over[0]))!r}: "
                                     "releasing pages that hold_pages_by_group did not hold")
         self._version += 1  # invalidates a cached admission
-        held -= counts
-        ref = self._space.ref_counts
-        if (ref[glob] > counts[glob]).all():  # held still after: nothing joins the free or evictable sets
-            np.subtract.at(ref, glob, 1)
-        else:
+        if released:  # some page's last reference: it goes free or joins the LRU
             self._space.release(local, per_group)
 
     def _group_of(self, space_id: int) -> str:
@@ -1398,21 +1391,17 @@ class CacheManager:
             pages = np.asarray(pages, dtype=np.int64).ravel()
             local.append(pages)
             per_group.append(pages.size)
-        local = np.concatenate(local) if local else np.zeros(0, dtype=np.int64)
-        if local.size:  # every group's bounds checked at once; the first group out of them is named
-            limits = np.repeat([self.pools[gid].num_pages for gid in self._group_ids], per_group)
-            bad = (local < lowest) | (local >= limits)
-            if bad.any():
-                at = int(np.searchsorted(np.cumsum(per_group), int(bad.argmax()), side="right"))
-                gid = self._group_ids[at]
-                raise CacheManagerError(f"group {gid!r}: " + error.format(n=self.pools[gid].num_pages))
+        local = np.concatenate(local) if len(local) > 1 else local[0] if local else np.zeros(0, dtype=np.int64)
+        glob = np.empty_like(local)
+        bad = kernels.space_ids(local, np.asarray(per_group, dtype=np.int64), self._space.offsets,
+                                self._space_limits, lowest, glob)
+        if bad >= 0:  # the first group out of its bounds is named
+            gid = self._group_ids[int(np.searchsorted(np.cumsum(per_group), bad, side="right"))]
+            raise CacheManagerError(f"group {gid!r}: " + error.format(n=self.pools[gid].num_pages))
         for gid in pages_by_group:
             if gid not in self._space_offset:
                 raise CacheManagerError(f"no group {gid!r}")
-        if not local.size:
-            return local, local, per_group
-        offsets = np.repeat([self._space_offset[gid] for gid in self._group_ids], per_group)
-        return local + offsets, local, per_group
+        return glob, local, per_group
 
     def held_outside_pages(self, group_id: str) -> int:
         """Holds taken by :meth:`hold_pages_by_group` and not released (a page held twice

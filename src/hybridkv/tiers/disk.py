@@ -41,8 +41,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import itertools
+import mmap
 import os
 import struct
 import threading
@@ -57,6 +59,7 @@ _STATE = struct.Struct("<QQQ")  # held bytes, held files, changes
 _temp_ids = itertools.count()  # one sequence per process: two tiers in it never share a temporary name
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _file_id(name: str) -> str:
     return hashlib.sha256(name.encode("utf-8")).hexdigest()
 
@@ -100,6 +103,7 @@ class DiskTier(Tier):
         self._index_changes: int | None = None  # the state's change count the index is exact at (None: stale)
         self._mutex = threading.RLock()  # threads of this process; flock orders the processes
         self._state_fd: int | None = None  # open only within a call (no descriptor held between calls)
+        self._state_map: mmap.mmap | None = None  # the state file mapped read-only, for the change count
         with self._locked():
             self._remove_stale_temps()
             self._scan()
@@ -318,7 +322,7 @@ class DiskTier(Tier):
         return out
 
     def _contains(self, names: list[str]) -> list[bool]:
-        """From the index while it is exact (one read of the state file), else a ``stat`` per name.
+        """From the index while it is exact (the mapped state file's change count), else a ``stat`` per name.
         This tier changes the index before it moves the change count, so an index found exact
         at the count read is at least as new as that count."""
         ids = [_file_id(name) for name in names]
@@ -330,18 +334,25 @@ class DiskTier(Tier):
 
     def _changes_now(self) -> int | None:
         """The state's change count, read without the lock or the mutex (a put on another thread
-        may hold them); None when it cannot be read."""
+        may hold them) from a read-only map of the state file, made at the first call: no system
+        call, so an engine's step thread asking ``contains`` keeps the GIL (an offload worker
+        would take it meanwhile). None when the file cannot be mapped."""
+        view = self._state_map
+        if view is None:
+            try:
+                fd = os.open(os.path.join(self.root, STATE_FILE), os.O_RDONLY)
+            except OSError:
+                return None
+            try:
+                view = self._state_map = mmap.mmap(fd, _STATE.size, access=mmap.ACCESS_READ)
+            except (OSError, ValueError):  # e.g. a file shorter than the state
+                return None
+            finally:
+                os.close(fd)
         try:
-            fd = os.open(os.path.join(self.root, STATE_FILE), os.O_RDONLY)
-        except OSError:
+            return _STATE.unpack_from(view, 0)[2]
+        except ValueError:  # unmapped by close() on another thread
             return None
-        try:
-            data = os.pread(fd, _STATE.size, 0)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-        return _STATE.unpack(data)[2] if len(data) == _STATE.size else None
 
     def _delete(self, names: list[str]) -> int:
         return sum(out is True for out in self._delete_each(names))
@@ -356,4 +367,8 @@ class DiskTier(Tier):
         return [True if size >= 0 else False if size == -1 else None for size in sizes]
 
     def close(self) -> None:
-        """Nothing stays open between calls; the objects stay in the directory."""
+        """Unmap the state file (no descriptor stays open between calls); the objects stay in the
+        directory."""
+        view, self._state_map = self._state_map, None
+        if view is not None:
+            view.close()

@@ -25,6 +25,7 @@ from hybridkv.models.layout import ModelCacheLayout
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tiers.namespace import plane_row_bytes
 from hybridkv.tiers.objects import Part
+from hybridkv.tiers.rowcopy import gather_planes, gather_planes_holding_gil
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,29 @@ class GroupPools:
     @functools.cached_property
     def parts(self) -> tuple[Part, ...]:
         return tuple((p.layer, p.plane, p.codec.row_bytes) for p in self.planes)
+
+    @functools.cached_property
+    def copy_tables(self) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray, np.ndarray]:
+        """What ``rowcopy.gather_planes`` reads, per plane in part order: the pools, their value
+        and scale bytes, and where the part starts in an object's row (bytes of the parts before
+        it). Made once; ``ValueError`` when a pool is not a C-contiguous ``uint8[pages, stride]``
+        (an array's shape, type and layout never change, so once checked they hold)."""
+        rows_per_page, pools = self.spec.rows_per_page, []
+        for plane in self.planes:
+            pool, stride = plane.pool, plane.codec.page_stride_bytes(rows_per_page)
+            if (not isinstance(pool, np.ndarray) or pool.dtype != np.uint8 or pool.ndim != 2 or pool.shape[1] != stride
+                    or not pool.flags.c_contiguous):
+                raise ValueError(f"group {self.spec.group_id} layer {plane.layer} plane {plane.plane}: "
+                                 f"the pool must be a C-contiguous uint8 [pages, {stride}] array")
+            pools.append(pool)
+        sizes = np.array([p.codec.row_bytes for p in self.planes], dtype=np.int64)
+        tables = (tuple(pools), np.array([p.codec.value_bytes for p in self.planes], dtype=np.int64),
+                  np.array([p.codec.scale_bytes for p in self.planes], dtype=np.int64), np.cumsum(sizes) - sizes)
+        none = np.zeros(0, dtype=np.int64)
+        for kernel in (gather_planes, gather_planes_holding_gil):  # compiled (or loaded) for this many planes now,
+            kernel(tables[0], np.zeros(0, dtype=np.uint8), np.zeros((len(pools), 0), dtype=np.int64), none, none,
+                   tables[1], tables[2], rows_per_page)  # not at a step thread's first rescue
+        return tables
 
     @property
     def num_pages(self) -> int:

@@ -12,7 +12,10 @@ from) ``slots[k]``, the slots of every object one after the other. Each part of 
 row is one ``memcpy``. Both kernels check every slot and every byte range first and
 copy nothing when one is out of bounds (they return the index of the first bad
 row, or -1 when all rows were copied), so a bad argument cannot write outside the
-arrays. With ``NUMBA_DISABLE_JIT=1`` they run as plain Python with numpy slices.
+arrays. ``gather_planes`` gathers every (layer, plane) of a group in one call without
+the GIL (an offload worker's one copy per group and plan); ``gather_planes_holding_gil`` keeps
+it (an engine's step thread: a short copy that let go of the GIL would wait for the worker to
+hand it back). With ``NUMBA_DISABLE_JIT=1`` they run as plain Python with numpy slices.
 """
 
 from __future__ import annotations
@@ -107,9 +110,8 @@ def scatter_rows(pool, src, starts, rows, slots, value_bytes, scale_bytes, rows_
     return -1
 
 
-@njit(cache=True, nogil=True)
-def gather_rows(pool, dst, starts, rows, slots, value_bytes, scale_bytes, rows_per_page):
-    """Read ``slots`` into object ``j``'s ``rows[j]`` rows at ``dst[starts[j]:]``; -1, or the first bad row."""
+@njit(cache=True)
+def _gather_plane(pool, dst, starts, rows, slots, value_bytes, scale_bytes, rows_per_page):
     row_bytes = value_bytes + scale_bytes
     bad = _first_bad_row(pool.shape[0] * rows_per_page, dst.size, starts, rows, slots, row_bytes)
     if bad >= 0 or pool.shape[1] < rows_per_page * row_bytes:
@@ -127,4 +129,33 @@ def gather_rows(pool, dst, starts, rows, slots, value_bytes, scale_bytes, rows_p
                 copy_bytes(dst, at + value_bytes, flat, page * stride + scales_at + row * scale_bytes, scale_bytes)
             at += row_bytes
             k += 1
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def gather_rows(pool, dst, starts, rows, slots, value_bytes, scale_bytes, rows_per_page):
+    """Read ``slots`` into object ``j``'s ``rows[j]`` rows at ``dst[starts[j]:]``; -1, or the first bad row."""
+    return _gather_plane(pool, dst, starts, rows, slots, value_bytes, scale_bytes, rows_per_page)
+
+
+@njit(cache=True, nogil=True)
+def gather_planes(pools, dst, starts, rows, slots, value_bytes, scale_bytes, rows_per_page):
+    """``gather_rows`` of every plane of a group in one call, without the GIL: plane ``p``
+    (``pools[p]``, ``value_bytes[p]``, ``scale_bytes[p]``) goes to ``starts[p, j]`` for object
+    ``j``. -1, or ``p * slots.size + row`` for the first bad row (planes before ``p`` copied)."""
+    for p in range(len(pools)):
+        bad = _gather_plane(pools[p], dst, starts[p], rows, slots, value_bytes[p], scale_bytes[p], rows_per_page)
+        if bad >= 0:
+            return p * slots.size + bad
+    return -1
+
+
+@njit(cache=True)
+def gather_planes_holding_gil(pools, dst, starts, rows, slots, value_bytes, scale_bytes, rows_per_page):
+    """``gather_planes`` keeping the GIL: for an engine's step thread, which would otherwise wait
+    for the GIL to come back from its offload worker after a short copy."""
+    for p in range(len(pools)):
+        bad = _gather_plane(pools[p], dst, starts[p], rows, slots, value_bytes[p], scale_bytes[p], rows_per_page)
+        if bad >= 0:
+            return p * slots.size + bad
     return -1

@@ -20,7 +20,7 @@ from hybridkv.spec import CacheGroupSpec
 from hybridkv.tiers.keys import ObjectKey
 from hybridkv.tiers.objects import ObjectError, RowsObject, part_offsets, parts_row_bytes
 from hybridkv.tiers.pools import GroupPools
-from hybridkv.tiers.rowcopy import gather_rows, scatter_rows
+from hybridkv.tiers.rowcopy import gather_planes, gather_planes_holding_gil, scatter_rows
 
 
 class MissingRows(ValueError):
@@ -158,9 +158,11 @@ def gather_objects(
     *,
     room_bytes: list[int] | None = None,
     into: np.ndarray | None = None,
+    hold_gil: bool = False,
 ) -> list[RowsObject]:
-    """``gather_object`` for many ``(key, first_token, end_token)``: one compiled copy per
-    (group, layer, plane); a group's payloads are views of one new buffer, in order.
+    """``gather_object`` for many ``(key, first_token, end_token)``: one compiled copy per group
+    (every layer and plane; it lets go of the GIL unless ``hold_gil``: a step thread's short
+    copy keeps it, see ``rowcopy``); a group's payloads are views of one new buffer, in order.
     ``pages``: each group's page view, or one view per range (an offload's sources).
     ``room_bytes``: per range, bytes left free right before its payload (where
     ``encode_object(..., in_place=True)`` writes the header). ``into``: a writable 1-D ``uint8``
@@ -172,22 +174,25 @@ def gather_objects(
     out: list[RowsObject | None] = [None] * len(ranges)
     used = 0
     per_range = not isinstance(pages, Mapping)
+    kernel = gather_planes_holding_gil if hold_gil else gather_planes
     for gid, members in _by_group(range(len(ranges)), lambda i: ranges[i][0].group_id).items():
         group = pools[gid]
-        _check_pools(group, writable=False)
+        plane_pools, value_bytes, scale_bytes, part_at = group.copy_tables
         shapes = [rows_for_tokens(group.spec, ranges[i][1], ranges[i][2]) for i in members]
         if per_range:
             slots = _slots_per_view(group, [pages[i] for i in members], shapes)
         else:
             slots = _group_slots(group, pages[gid], shapes, unique=False)
         rows = np.array([n for _, n in shapes], dtype=np.int64)
-        row_bytes, offsets = parts_row_bytes(group.parts), part_offsets(group.parts)
+        row_bytes = parts_row_bytes(group.parts)
         before = np.array([room[i] for i in members], dtype=np.int64)
         ends = np.cumsum(before + rows * row_bytes)
         starts = ends - rows * row_bytes
         buffer, used = _payload_buffer(into, used, int(ends[-1]))
-        for plane, offset in zip(group.planes, offsets):
-            _copy_rows(gather_rows, plane, buffer, starts + rows * offset, rows, slots, group.spec.rows_per_page)
+        bad = kernel(plane_pools, buffer, starts + rows * part_at[:, None], rows, slots, value_bytes, scale_bytes,
+                     group.spec.rows_per_page)
+        if bad >= 0:  # the checks above make this unreachable
+            raise ValueError(f"group {gid}: row {bad} of the gather is out of bounds")
         for i, (first, n), start in zip(members, shapes, starts.tolist()):
             key, first_token, end_token = ranges[i]
             payload = buffer[start : start + n * row_bytes]

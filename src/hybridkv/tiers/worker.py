@@ -9,7 +9,9 @@ and counted. Every job submitted, run or dropped, comes back exactly once from
 :meth:`OffloadWorker.finished` with its ticket and, per object, whether a tier
 stored it (``True``), refused it (``False``) or never got it (``None``: the job
 was dropped or failed), so the caller can let go of whatever it kept for the job. A job that raises is counted as failed and stores
-nothing more; the worker goes on.
+nothing more; the worker goes on. The worker runs a job's callable (its gather) as soon as it
+can, before the next put of any earlier job: what it gathers from pages not held for it is
+safe once gathered, while puts only wait for the tier.
 
 The worker touches nothing but the job's callable and the store; the caller
 (the engine's thread) keeps the pages the callable reads unchanged until the
@@ -53,22 +55,28 @@ _STOP = object()
 
 class OffloadWorker:
     """One thread putting the objects of submitted jobs, at most ``max_queued_objects`` queued,
-    ``put_batch_objects`` to a ``put`` (Mooncake's batch puts plateau near 16)."""
+    ``put_batch_objects`` to a ``put`` (Mooncake's batch puts plateau near 16) and no more
+    payload than ``put_batch_bytes`` (one object at least): a job submitted meanwhile is
+    gathered after at most one such put."""
 
     def __init__(self, store: ObjectStore, *, max_queued_objects: int = 1024, put_batch_objects: int = 16,
-                 name: str = "hybridkv-offload"):
+                 put_batch_bytes: int = 4 << 20, name: str = "hybridkv-offload"):
         if not isinstance(store, ObjectStore):
             raise TypeError(f"store must be an ObjectStore, got {type(store).__name__}")
         if isinstance(max_queued_objects, bool) or not isinstance(max_queued_objects, int) or max_queued_objects < 1:
             raise ValueError(f"max_queued_objects must be a positive int, got {max_queued_objects!r}")
         if isinstance(put_batch_objects, bool) or not isinstance(put_batch_objects, int) or put_batch_objects < 1:
             raise ValueError(f"put_batch_objects must be a positive int, got {put_batch_objects!r}")
+        if isinstance(put_batch_bytes, bool) or not isinstance(put_batch_bytes, int) or put_batch_bytes < 1:
+            raise ValueError(f"put_batch_bytes must be a positive int, got {put_batch_bytes!r}")
         self.store = store
         self.max_queued_objects = max_queued_objects
         self.put_batch_objects = put_batch_objects
+        self.put_batch_bytes = put_batch_bytes
         self._stats = OffloadWorkerStats()
         self._cond = threading.Condition()
-        self._jobs: deque = deque()
+        self._jobs: deque = deque()  # submitted, objects not made yet
+        self._made: deque = deque()  # [ticket, object count, in_place, objects made, stored so far], oldest first
         self._done: deque = deque()
         self._busy = False
         self._closed = False
@@ -126,7 +134,7 @@ class OffloadWorker:
         passed first."""
         self._running.set()
         with self._cond:
-            return self._cond.wait_for(lambda: not self._jobs and not self._busy, timeout_s)
+            return self._cond.wait_for(lambda: not self._jobs and not self._made and not self._busy, timeout_s)
 
     def close(self, timeout_s: float | None = None) -> bool:
         """Run what is queued, then stop the thread; False if it did not stop within ``timeout_s``.
@@ -152,37 +160,70 @@ class OffloadWorker:
 
     # --- the worker thread ------------------------------------------------------------
     def _loop(self) -> None:
+        """Gathers first: a submitted job's objects are made before any earlier job's next put
+        (the rows of an entry not held for it may be rewritten once it leaves the cache; a
+        made job waits only for the tier). Puts go in submission order, ``put_batch_objects``
+        at a time, the worker paused (:meth:`pause`) between any two."""
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: bool(self._jobs))
-                job = self._jobs.popleft()
-                if job is _STOP:
+                self._cond.wait_for(lambda: bool(self._jobs or self._made))
+                if self._jobs and self._jobs[0] is not _STOP:
+                    job, make = self._jobs.popleft(), True
+                elif self._made:
+                    job, make = self._made[0], False
+                else:  # stop, once every job made is put
+                    self._jobs.popleft()
                     self._cond.notify_all()
                     return
                 self._busy = True
-            ticket, make_objects, num_objects, in_place = job
             self._running.wait()
-            stored, error = self._run(make_objects, in_place)
+            finished = self._make(job) if make else self._put_next(job)
             with self._cond:
                 self._busy = False
-                self._stats.queued_objects -= num_objects
-                if stored is None:
-                    self._stats.failed_jobs += 1
-                    self._stats.last_error = error
-                    stored = [None] * num_objects
-                else:
-                    self._stats.stored_objects += sum(stored)
-                    self._stats.refused_objects += len(stored) - sum(stored)
-                self._done.append((ticket, stored))
+                if finished is not None:
+                    self._finish(*finished)
                 self._cond.notify_all()
 
-    def _run(self, make_objects: Callable[[], Sequence[RowsObject]], in_place: bool
-             ) -> tuple[list[bool] | None, str | None]:
+    def _make(self, job: tuple) -> tuple | None:
+        """Run a job's callable; the job joins the made ones, or comes back failed."""
+        ticket, make_objects, num_objects, in_place = job
         try:
-            objects, stored = list(make_objects()), []
-            for at in range(0, len(objects), self.put_batch_objects):
-                self._running.wait()  # paused between puts, not within one
-                stored += self.store.put(objects[at : at + self.put_batch_objects], in_place=in_place)
-            return stored, None
+            objects = list(make_objects())
         except Exception as exc:  # a job's fault is counted, never raised into the worker's loop
-            return None, f"{type(exc).__name__}: {exc}"
+            return ticket, num_objects, None, f"{type(exc).__name__}: {exc}"
+        with self._cond:
+            self._made.append([ticket, num_objects, in_place, objects, []])
+        return None
+
+    def _put_next(self, made: list) -> tuple | None:
+        """Put the next batch of the oldest made job; the job once all of it is put (or failed)."""
+        ticket, num_objects, in_place, objects, stored = made
+        at = end = len(stored)
+        nbytes, last = 0, min(len(objects), at + self.put_batch_objects)
+        while end < last and (end == at or nbytes + objects[end].payload.size <= self.put_batch_bytes):
+            nbytes += objects[end].payload.size
+            end += 1
+        try:
+            if end > at:  # (a job of no objects puts nothing)
+                stored += self.store.put(objects[at:end], in_place=in_place)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        else:
+            if len(stored) < len(objects):
+                return None
+            error = None
+        with self._cond:
+            self._made.popleft()
+        return ticket, num_objects, (None if error else stored), error
+
+    def _finish(self, ticket: Hashable, num_objects: int, stored: list[bool] | None, error: str | None) -> None:
+        """A job is done (under the lock): counted, and its ticket reported."""
+        self._stats.queued_objects -= num_objects
+        if stored is None:
+            self._stats.failed_jobs += 1
+            self._stats.last_error = error
+            stored = [None] * num_objects
+        else:
+            self._stats.stored_objects += sum(stored)
+            self._stats.refused_objects += len(stored) - sum(stored)
+        self._done.append((ticket, stored))
