@@ -912,6 +912,70 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
 
 
 @njit(cache=True)
+def idle_slabs(owner, group, lo, hi, straddle, ref, keyed, low_priority, idle_tick, keyed_mode, before_tick,
+               released_slab, inner_idle, edge_idle):
+    """Which of ``group``'s slabs (``owner == group``) hold only idle pages (pure):
+    ``inner_idle[s]`` when every inner page ``lo[s] .. hi[s]-1`` is, ``edge_idle[s]``
+    when the page straddling the boundary left of slab ``s`` (``straddle[s]``, granted
+    while the group owns slabs ``s - 1`` and ``s``) is. A page is idle when no request
+    holds it and it carries no key (free) or a key that counts (``keyed_mode`` 1: every
+    one, 2: low priority or idle since before ``before_tick``, 0: none), or when the
+    step releases it before slabs move (held now): ``released_slab`` lists the slab of
+    each such page, or ``-1 - s`` for the straddler of boundary ``s``. Both outputs
+    start False. Returns how many keyed pages count as idle, over every page the group
+    owns. (The page test is written out twice: a helper taking the arrays is not
+    inlined, and its calls cost tens of ns a page.)"""
+    n, counted = owner.size, 0
+    extra = np.zeros(n, dtype=np.int64)
+    for i in range(released_slab.size):
+        s = released_slab[i]
+        if s >= 0:
+            extra[s] += 1
+        else:
+            edge_idle[-1 - s] = True
+    for s in range(n):
+        if owner[s] != group:
+            continue
+        idle = extra[s]
+        for page in range(lo[s], hi[s]):
+            if ref[page] != 0:
+                continue
+            if keyed[page]:
+                if keyed_mode == 0 or (keyed_mode == 2 and not low_priority[page] and idle_tick[page] >= before_tick):
+                    continue
+                counted += 1
+            idle += 1
+        inner_idle[s] = idle == hi[s] - lo[s]
+        page = straddle[s]
+        if s == 0 or owner[s - 1] != group or page < 0 or ref[page] != 0:
+            continue
+        if keyed[page]:
+            if keyed_mode == 0 or (keyed_mode == 2 and not low_priority[page] and idle_tick[page] >= before_tick):
+                continue
+            counted += 1
+        edge_idle[s] = True
+    return counted
+
+
+@njit(cache=True)
+def oldest_idle_tick(owner, group, lo, hi, straddle, ref, keyed, low_priority, idle_tick):
+    """The least ``idle_tick`` of ``group``'s idle keyed pages of normal priority, read
+    from the slabs it owns (inner pages, and straddlers of two it owns); -1 if none."""
+    oldest = np.iinfo(np.int64).max
+    for s in range(owner.size):
+        if owner[s] != group:
+            continue
+        for page in range(lo[s], hi[s]):
+            if ref[page] == 0 and keyed[page] and not low_priority[page] and idle_tick[page] < oldest:
+                oldest = idle_tick[page]
+        page = straddle[s]
+        if s > 0 and owner[s - 1] == group and page >= 0:
+            if ref[page] == 0 and keyed[page] and not low_priority[page] and idle_tick[page] < oldest:
+                oldest = idle_tick[page]
+    return -1 if oldest == np.iinfo(np.int64).max else oldest
+
+
+@njit(cache=True)
 def must_pack_slabs(ref, owner, group, lo, hi, straddle, slab, pages, per_slab, spread_slabs):
     """``Arena``'s packing rule once the arena is roomy: False when ``slab`` (where an
     allocation's highest page lies) holds live pages (``ref > 0``) of ``group`` already,

@@ -745,8 +745,7 @@ class CacheManager:
                 if self.tables[gid].sliding:
                     freed = scan.releasing[gid] = releases.of(k)[2]
                     spare[gid] += freed.size
-            self._cheap_donor_pages(short, spare, scan)
-        spare = {gid: max(left, 0) for gid, left in spare.items()}
+            scan.before_tick = self._value_tick(short)
         return self.arena.plan(short, spare, scan, partial=True, owner=own)
 
     def _low_room(self, pool: PagePool) -> int:
@@ -769,22 +768,17 @@ class CacheManager:
             need += -(-pages // per_slab)
         return need <= spare
 
-    def _cheap_donor_pages(self, short: dict, spare: dict, scan: IdleScan) -> None:
-        """Value-based slab moves: a donor's idle entries worth less than the least
-        recently used usable entry a short group would evict (orphans, prompt
-        checkpoints, older entries) count as idle in ``scan`` and as spare pages."""
+    def _value_tick(self, short: dict) -> int | None:
+        """Value-based slab moves: the idle-clock tick of the least recently used usable
+        entry a ``short`` group would evict (its oldest idle keyed page of normal
+        priority). A donor's idle entries of less value (low priority: orphans, prompt
+        checkpoints; or idle since before it) count as idle and as spare pages
+        (``IdleScan.before_tick``). None when the policy does not act."""
         policy = self.prefix.eviction if self.prefix is not None else None
-        if policy is None or not policy.acts or not spare:
-            return
-        ticks = [t for t in (policy.oldest_usable_tick(g) for g in short) if t is not None]
-        if not ticks:
-            return
-        before = min(ticks)
-        for gid in spare:
-            cheap = policy.cheap_pages(gid, before)
-            if cheap.size:
-                scan.cheap[gid] = cheap
-                spare[gid] += int(cheap.size)
+        if policy is None or not policy.acts:
+            return None
+        ticks = [t for t in map(self.arena.oldest_idle_tick, short) if t is not None]
+        return min(ticks) if ticks else None
 
     @staticmethod
     def _deny_greedily(alloc, net, avail, fits, deny, arena, scan, plan) -> None:
