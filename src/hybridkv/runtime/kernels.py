@@ -816,43 +816,38 @@ def drop_holds(ref, keyed, offsets, per_group, pages, freed, keyed_pages, counts
 
 
 @njit(cache=True)
-def release_credit(geometry, pages, bounds, ref, g, rows, new_base, credit, sole_pages):
+def release_credit(geometry, pages, bounds, ref, keyed, g, rows, new_base, credit, sole_pages, unkeyed_pages):
     """Group ``g``'s pages below each row's ``new_base`` that only that row holds (pure):
     ``credit[r]`` how many of row ``r``'s, their local ids to ``sole_pages`` (rows in
-    order, pages in logical order). Returns (sole pages, pages below the new bases)."""
+    order, pages in logical order) and, of those, the ones that carry no key (what the
+    releases put on the free stack) to ``unkeyed_pages`` in the same order. Returns
+    (sole pages, unkeyed ones)."""
     offset = geometry[g, ID_OFFSET]
-    n_sole, n_pages = 0, 0
+    n_sole, n_unkeyed = 0, 0
     for r in range(rows.size):
         row = rows[r]
         before = n_sole
         for logical in range(bounds[BASE, g, row], min(new_base[r], bounds[HI, g, row])):
             page = pages[cell(geometry, bounds, g, row, logical)]
-            n_pages += 1
             if ref[offset + page] == 1:
                 sole_pages[n_sole] = page
                 n_sole += 1
+                if not keyed[offset + page]:
+                    unkeyed_pages[n_unkeyed] = page
+                    n_unkeyed += 1
         credit[r] = n_sole - before
-    return n_sole, n_pages
+    return n_sole, n_unkeyed
 
 
 @njit(cache=True)
-def freed_first(geometry, pages, bounds, ref, keyed, committed, rows, first, new_base, grain, g):
-    """(pages, grains) of group ``g`` (pure): the pages below each row's ``new_base`` that
-    only that row holds and that carry no key (what its releases put on the free stack),
-    and the prefix grains (of ``grain`` tokens, 0: none) the rows' commits complete, from
-    ``committed`` up to ``first``."""
-    offset, n = geometry[g, ID_OFFSET], 0
-    for r in range(rows.size):
-        row = rows[r]
-        for logical in range(bounds[BASE, g, row], min(new_base[r], bounds[HI, g, row])):
-            page = offset + pages[cell(geometry, bounds, g, row, logical)]
-            if ref[page] == 1 and not keyed[page]:
-                n += 1
+def grains_crossed(committed, rows, first, grain):
+    """Prefix grains (of ``grain`` tokens, 0: none) the rows' commits complete, from each
+    row's ``committed`` tokens up to ``first``."""
     crossed = 0
     if grain > 0:
         for r in range(rows.size):
             crossed += max(first[r] // grain - committed[rows[r]] // grain, 0)
-    return n, crossed
+    return crossed
 
 
 @njit(cache=True)

@@ -176,27 +176,36 @@ class _Releases:
     """What a planned step's releases free in each group, worked out at most once per
     admission (pure)."""
 
-    def __init__(self, tableset: TableSet, space: PageSpace, pools: Sequence[PagePool], plan: _StepPlan):
-        self._tableset, self._space, self._pools, self.plan = tableset, space, pools, plan
+    def __init__(self, tableset: TableSet, space: PageSpace, plan: _StepPlan):
+        self._tableset, self._space, self.plan = tableset, space, plan
         self._found: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        self.freed_first: dict[int, int] = {}  # ``_freed_first``'s answer per group, once worked out
+        self._crossed: int | None = None
 
     def of(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Group ``k``: per plan row, the pages below its new base that only it holds (its
         release credit); those pages (local ids, rows in order); the ones among them
-        without a key (they go on the free stack, keyed ones stay cached)."""
+        without a key (they go on the free stack, keyed ones stay cached). One compiled
+        ``release_credit`` pass over the group's releases."""
         found = self._found.get(k)
         if found is None:
             plan, ts = self.plan, self._tableset
             credit = np.zeros(plan.rows.size, dtype=np.int64)
-            sole = np.empty(int(plan.sums[0, k]), dtype=np.int64)  # only windowed groups release
-            n_sole = 0
-            if sole.size:
-                n_sole, _ = kernels.release_credit(ts.geometry, ts.pages, ts.bounds, self._space.ref_counts, k,
-                                                   plan.rows, plan.after[0, k], credit, sole)
-            sole = sole[:n_sole]
-            found = self._found[k] = (credit, sole, sole[~self._pools[k].cached[sole]])
+            n_pages = int(plan.sums[0, k])  # only windowed groups release
+            sole, unkeyed = np.empty(n_pages, dtype=np.int64), np.empty(n_pages, dtype=np.int64)
+            n_sole = n_unkeyed = 0
+            if n_pages:
+                n_sole, n_unkeyed = kernels.release_credit(ts.geometry, ts.pages, ts.bounds, self._space.ref_counts,
+                                                           self._space.cached, k, plan.rows, plan.after[0, k],
+                                                           credit, sole, unkeyed)
+            found = self._found[k] = (credit, sole[:n_sole], unkeyed[:n_unkeyed])
         return found
+
+    def grains_crossed(self, committed: np.ndarray, grain: int) -> int:
+        """Prefix grains the step's commits complete (they run before its releases), once."""
+        if self._crossed is None:
+            plan = self.plan
+            self._crossed = int(kernels.grains_crossed(committed, plan.rows, plan.first, grain))
+        return self._crossed
 
 
 class CacheManager:
@@ -567,7 +576,7 @@ class CacheManager:
         if fixed_width:
             self._deny_past_capture_width(plan, fits, deny)
         sums = plan.sums[1].tolist()
-        releases = _Releases(self._tableset, self._space, self._pool_list, plan)
+        releases = _Releases(self._tableset, self._space, plan)
         covered = None if deny else self._coverage(sums, releases)
         if covered is not None:
             # No credit needed. On an arena with spare slabs, a group that would have to
@@ -657,23 +666,15 @@ class CacheManager:
 
     def _freed_first(self, releases: _Releases, k: int) -> int:
         """Pages of group ``k`` the step's releases put on the free stack before it
-        allocates (sole references without a key: keyed ones stay cached); one compiled
-        pass over the group's releases, once per admission."""
-        known = releases.freed_first.get(k)
-        if known is None:
-            plan, ts, space = releases.plan, self._tableset, self._space
-            known, crossed = 0, 0
-            if plan.sums[0, k]:
-                known, crossed = kernels.freed_first(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached,
-                                                     self._committed, plan.rows, plan.first, plan.after[0, k],
-                                                     self._grain, k)
-            window = self._checkpoint_windows[k]
-            if window:
-                # The step's commits run first and may publish released pages as checkpoints
-                # (then they stay cached): at most a window's pages per boundary crossed.
-                known = max(known - crossed * (-(-window // self.specs[k].page_tokens) + 1), 0)
-            releases.freed_first[k] = known
-        return known
+        allocates (sole references without a key: keyed ones stay cached)."""
+        freed = releases.of(k)[2].size
+        window = self._checkpoint_windows[k]
+        if window and freed:
+            # The step's commits run first and may publish released pages as checkpoints
+            # (then they stay cached): at most a window's pages per boundary crossed.
+            crossed = releases.grains_crossed(self._committed, self._grain)
+            freed = max(freed - crossed * (-(-window // self.specs[k].page_tokens) + 1), 0)
+        return freed
 
     def _fit_with_credit(self, releases: _Releases, fits: np.ndarray, deny: dict[int, str]) -> None:
         """Admission when the allocations alone do not fit: count the pages the step's
