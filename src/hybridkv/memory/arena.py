@@ -162,7 +162,8 @@ class IdleScan:
     before_tick: int | None = None
 
     def keyed_mode(self) -> int:
-        """``kernels.idle_kind``'s: 1 every idle keyed page counts, 2 those before ``before_tick``, 0 none."""
+        """``kernels.idle_slabs``' ``keyed_mode``: 1 every idle keyed page counts, 2 those of
+        less value (``before_tick``), 0 none."""
         return 1 if not self.clean else 0 if self.before_tick is None else 2
 
 
@@ -266,10 +267,10 @@ class Arena:
         then slabs of other groups whose pages are all idle (free or evictable, as
         ``scan`` counts them), taken only while the donor keeps ``surplus`` (pages it
         can spare; with ``scan.before_tick``, plus its idle keyed pages of less value)
-        >= 0. ``None`` if they
-        do not suffice (with ``partial``, as many as there are: a group may stay short). Pure; the page
-        counts are exact for :meth:`apply` in order. ``owner``: slab owners to start
-        from (:meth:`replay` of grants planned already, applied before these)."""
+        >= 0. ``None`` if they do not suffice (with ``partial``, as many as there are:
+        a group may stay short). Pure; the page counts are exact for :meth:`apply` in
+        order. ``owner``: slab owners to start from (:meth:`replay` of grants planned
+        already, applied before these)."""
         scan = scan if scan is not None else IdleScan()
         own = (self.owner if owner is None else owner).copy()
         left: dict[str, int] = {}
@@ -303,7 +304,7 @@ class Arena:
             left = spare[1]
             inner_idle, edge_idle, _ = self._idle(donor, scan)
             di = self._index[donor]
-            for slab in np.flatnonzero((own == di) & inner_idle).tolist():
+            for slab in map(int, np.flatnonzero((own == di) & inner_idle)):  # a few taken: no whole list
                 give = self._count(donor, slab, own)
                 if give > left[donor] or not edge_idle[self._edges(donor, slab, own)].all():
                     continue
