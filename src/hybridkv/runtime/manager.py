@@ -680,38 +680,36 @@ class CacheManager:
         """Admission when the allocations alone do not fit: count the pages the step's
         releases free (release credit), lend arena slabs, and if the totals still do
         not fit, admit greedily in batch order. Sets ``plan.grants``."""
-        plan = releases.plan
-        avail = {gid: pool.num_free_pages for gid, pool in zip(self._group_ids, self._pool_list)}
+        plan, ids = releases.plan, self._group_ids
+        avail = {gid: pool.num_free_pages for gid, pool in zip(ids, self._pool_list)}
         arena, scan = self.arena, IdleScan()
-        alloc = self._allocations(plan)
-        all_fit = bool(fits.all())  # no capture-width denial: totals without a mask
-
-        def total(per_row: np.ndarray) -> int:
-            return int(per_row.sum()) if all_fit else int(per_row[fits].sum())
+        # Per-row allocations only to leave out the rows denied already (else the plan's sums).
+        alloc = None if fits.all() else self._allocations(plan)
+        gross = plan.sums[1].tolist() if alloc is None else [int(alloc[g][fits].sum()) for g in ids]
 
         # Releases all happen before allocations, so only the admitted totals matter.
-        def totals_fit(need: dict[str, np.ndarray]) -> bool:
-            plan.grants = _grants_to_fit(arena, {g: total(need[g]) for g in avail}, avail, scan)
+        def totals_fit(want: list[int]) -> bool:
+            plan.grants = _grants_to_fit(arena, dict(zip(ids, want)), avail, scan)
             return plan.grants is not None
 
-        need = alloc
-        if not totals_fit(need) or any(donor is not None for _, _, donor in plan.grants):
+        if not totals_fit(gross) or any(donor is not None for _, _, donor in plan.grants):
             # The step's releases run before slabs move, so a donor slab whose pages are
             # all idle once they are released can be lent too; and a group whose own
             # releases cover it takes no slab from another (which would evict there).
             # Spare slabs evict nothing: a plan of those alone stands.
-            scan = IdleScan(releasing={})
-            need = {g: alloc[g] - releases.of(k)[0] for k, g in enumerate(self._group_ids)}
-            scan.releasing.update((g, releases.of(k)[1]) for k, g in enumerate(self._group_ids)
-                                  if plan.sums[0, k])
-            if not totals_fit(need):
+            scan = IdleScan(releasing={g: releases.of(k)[1] for k, g in enumerate(ids) if plan.sums[0, k]})
+            credit = [releases.of(k)[0] for k in range(len(ids))]
+            net = [n - (releases.of(k)[1].size if alloc is None else int(credit[k][fits].sum()))
+                   for k, n in enumerate(gross)]
+            if not totals_fit(net):
+                alloc = self._allocations(plan) if alloc is None else alloc
+                need = {g: alloc[g] - credit[k] for k, g in enumerate(ids)}
                 self._deny_greedily(alloc, need, avail, fits, deny, arena, scan, plan)
                 return
         if arena is not None:
             # As when no credit is needed: a group that would evict cached pages grows instead.
             # Gross sums: the pages the releases free (not those they leave cached) count there.
-            sums = [total(alloc[g]) for g in self._group_ids]
-            plan.grants = plan.grants + self._grow_instead_of_evicting(sums, releases, after=plan.grants)
+            plan.grants = plan.grants + self._grow_instead_of_evicting(gross, releases, after=plan.grants)
 
     def _grow_instead_of_evicting(self, sums: list[int], releases: _Releases, after: list | None = None) -> list:
         """Slabs for groups that would have to evict cached pages to get ``sums`` pages
