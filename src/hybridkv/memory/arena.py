@@ -303,18 +303,10 @@ class Arena:
                 continue
             left = spare[1]
             inner_idle, edge_idle, _ = self._idle(donor, scan)
-            di = self._index[donor]
-            for slab in map(int, np.flatnonzero((own == di) & inner_idle)):  # a few taken: no whole list
-                give = self._count(donor, slab, own)
-                if give > left[donor] or not edge_idle[self._edges(donor, slab, own)].all():
-                    continue
-                left[donor] -= give
-                own[slab] = -1
-                short -= self._count(gid, slab, own)
-                own[slab] = gi
-                grants.append((gid, slab, donor))
-                if short <= 0:
-                    break
+            n_taken, short, left[donor] = kernels.take_donor_slabs(
+                own, self._index[donor], gi, inner_idle, edge_idle, self._inner[donor], self._straddle[donor],
+                self._inner[gid], self._straddle[gid], left[donor], short, self._taken)
+            grants.extend((gid, slab, donor) for slab in self._taken[:n_taken].tolist())
         return short
 
     def _left(self, donor: str, spare: tuple, scan: IdleScan) -> int:

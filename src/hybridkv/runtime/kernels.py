@@ -907,6 +907,43 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
 
 
 @njit(cache=True)
+def take_donor_slabs(owner, donor, group, inner_idle, edge_idle, donor_inner, donor_straddle, inner_pages, straddle,
+                     left_pages, short_pages, taken):
+    """Slabs of ``donor`` (``owner == donor``) for ``group`` until it is no longer
+    ``short_pages`` pages short, lowest first: a slab whose inner pages are all idle
+    (``inner_idle``) and whose straddling pages the donor would give up with it (those
+    of boundaries with another slab it owns) are too (``edge_idle``), while the pages
+    it gives up (``donor_inner`` plus those straddlers) leave ``left_pages`` >= 0. The
+    group gains the slab's ``inner_pages`` plus the straddler of each boundary with a
+    slab it owns (``straddle[b] >= 0``). ``owner`` is updated, the slabs go to
+    ``taken`` in order; returns (slabs taken, pages still short, pages left)."""
+    n, n_taken = owner.size, 0
+    for s in range(n):
+        if short_pages <= 0:
+            break
+        if owner[s] != donor or not inner_idle[s]:
+            continue
+        give, idle = donor_inner[s], True
+        if s > 0 and owner[s - 1] == donor and donor_straddle[s] >= 0:
+            give, idle = give + 1, idle and edge_idle[s]
+        if s < n - 1 and owner[s + 1] == donor and donor_straddle[s + 1] >= 0:
+            give, idle = give + 1, idle and edge_idle[s + 1]
+        if give > left_pages or not idle:
+            continue
+        left_pages -= give
+        gain = inner_pages[s]
+        if s > 0 and owner[s - 1] == group and straddle[s] >= 0:
+            gain += 1
+        if s < n - 1 and owner[s + 1] == group and straddle[s + 1] >= 0:
+            gain += 1
+        short_pages -= gain
+        owner[s] = group
+        taken[n_taken] = s
+        n_taken += 1
+    return n_taken, short_pages, left_pages
+
+
+@njit(cache=True)
 def idle_slabs(owner, group, lo, hi, straddle, ref, keyed, low_priority, idle_tick, keyed_mode, before_tick,
                released_slab, inner_idle, edge_idle):
     """Which of ``group``'s slabs (``owner == group``) hold only idle pages (pure):
