@@ -816,14 +816,16 @@ def drop_holds(ref, keyed, offsets, per_group, pages, freed, keyed_pages, counts
 
 
 @njit(cache=True)
-def release_credit(geometry, pages, bounds, ref, keyed, g, rows, new_base, credit, sole_pages, unkeyed_pages):
+def release_credit(geometry, pages, bounds, ref, keyed, g, rows, new_base, credit, sole_pages, unkeyed_pages,
+                   committed, first, grain):
     """Group ``g``'s pages below each row's ``new_base`` that only that row holds (pure):
     ``credit[r]`` how many of row ``r``'s, their local ids to ``sole_pages`` (rows in
     order, pages in logical order) and, of those, the ones that carry no key (what the
     releases put on the free stack) to ``unkeyed_pages`` in the same order. Returns
-    (sole pages, unkeyed ones)."""
+    (sole pages, unkeyed ones, prefix grains the rows' commits complete: of ``grain``
+    tokens, 0: none, from each row's ``committed`` tokens up to ``first``)."""
     offset = geometry[g, ID_OFFSET]
-    n_sole, n_unkeyed = 0, 0
+    n_sole, n_unkeyed, crossed = 0, 0, 0
     for r in range(rows.size):
         row = rows[r]
         before = n_sole
@@ -836,18 +838,9 @@ def release_credit(geometry, pages, bounds, ref, keyed, g, rows, new_base, credi
                     unkeyed_pages[n_unkeyed] = page
                     n_unkeyed += 1
         credit[r] = n_sole - before
-    return n_sole, n_unkeyed
-
-
-@njit(cache=True)
-def grains_crossed(committed, rows, first, grain):
-    """Prefix grains (of ``grain`` tokens, 0: none) the rows' commits complete, from each
-    row's ``committed`` tokens up to ``first``."""
-    crossed = 0
-    if grain > 0:
-        for r in range(rows.size):
-            crossed += max(first[r] // grain - committed[rows[r]] // grain, 0)
-    return crossed
+        if grain > 0:
+            crossed += max(first[r] // grain - committed[row] // grain, 0)
+    return n_sole, n_unkeyed, crossed
 
 
 @njit(cache=True)

@@ -176,10 +176,11 @@ class _Releases:
     """What a planned step's releases free in each group, worked out at most once per
     admission (pure)."""
 
-    def __init__(self, tableset: TableSet, space: PageSpace, plan: _StepPlan):
+    def __init__(self, tableset: TableSet, space: PageSpace, plan: _StepPlan, committed: np.ndarray, grain: int):
         self._tableset, self._space, self.plan = tableset, space, plan
+        self._committed, self._grain = committed, grain
         self._found: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        self._crossed: int | None = None
+        self.grains_crossed = 0  # prefix grains the step's commits complete, once a group's releases are known
 
     def of(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Group ``k``: per plan row, the pages below its new base that only it holds (its
@@ -189,23 +190,21 @@ class _Releases:
         found = self._found.get(k)
         if found is None:
             plan, ts = self.plan, self._tableset
-            credit = np.zeros(plan.rows.size, dtype=np.int64)
             n_pages = int(plan.sums[0, k])  # only windowed groups release
-            sole, unkeyed = np.empty(n_pages, dtype=np.int64), np.empty(n_pages, dtype=np.int64)
-            n_sole = n_unkeyed = 0
             if n_pages:
-                n_sole, n_unkeyed = kernels.release_credit(ts.geometry, ts.pages, ts.bounds, self._space.ref_counts,
-                                                           self._space.cached, k, plan.rows, plan.after[0, k],
-                                                           credit, sole, unkeyed)
-            found = self._found[k] = (credit, sole[:n_sole], unkeyed[:n_unkeyed])
+                credit = np.empty(plan.rows.size, dtype=np.int64)
+                sole, unkeyed = np.empty(n_pages, dtype=np.int64), np.empty(n_pages, dtype=np.int64)
+                n_sole, n_unkeyed, self.grains_crossed = kernels.release_credit(
+                    ts.geometry, ts.pages, ts.bounds, self._space.ref_counts, self._space.cached, k, plan.rows,
+                    plan.after[0, k], credit, sole, unkeyed, self._committed, plan.first, self._grain)
+                found = (credit, sole[:n_sole], unkeyed[:n_unkeyed])
+            else:
+                found = (np.zeros(plan.rows.size, dtype=np.int64), _NO_PAGES, _NO_PAGES)
+            self._found[k] = found
         return found
 
-    def grains_crossed(self, committed: np.ndarray, grain: int) -> int:
-        """Prefix grains the step's commits complete (they run before its releases), once."""
-        if self._crossed is None:
-            plan = self.plan
-            self._crossed = int(kernels.grains_crossed(committed, plan.rows, plan.first, grain))
-        return self._crossed
+
+_NO_PAGES = np.empty(0, dtype=np.int64)
 
 
 class CacheManager:
@@ -576,7 +575,7 @@ class CacheManager:
         if fixed_width:
             self._deny_past_capture_width(plan, fits, deny)
         sums = plan.sums[1].tolist()
-        releases = _Releases(self._tableset, self._space, plan)
+        releases = _Releases(self._tableset, self._space, plan, self._committed, self._grain)
         covered = None if deny else self._coverage(sums, releases)
         if covered is not None:
             # No credit needed. On an arena with spare slabs, a group that would have to
@@ -672,8 +671,7 @@ class CacheManager:
         if window and freed:
             # The step's commits run first and may publish released pages as checkpoints
             # (then they stay cached): at most a window's pages per boundary crossed.
-            crossed = releases.grains_crossed(self._committed, self._grain)
-            freed = max(freed - crossed * (-(-window // self.specs[k].page_tokens) + 1), 0)
+            freed = max(freed - releases.grains_crossed * (-(-window // self.specs[k].page_tokens) + 1), 0)
         return freed
 
     def _fit_with_credit(self, releases: _Releases, fits: np.ndarray, deny: dict[int, str]) -> None:
