@@ -530,3 +530,152 @@ def test_live_pages_straddling_two_slabs_count_for_the_slab_of_their_first_byte(
     for page in swa.free_page_ids().tolist():
         assert swa.must_pack(page, 1) and whole_pool_must_pack(arena, "swa", page, 1)
     assert swa.must_pack(2, 10) and not swa.must_pack(2, 11)  # 6 > ceil(15 / 5) + 2, not ceil(16 / 5) + 2
+
+
+def whole_pool_idle_slabs(arena, gid, keyed_mode, before_tick, released):
+    """The reference of ``kernels.idle_slabs``: every idle page id of the pool listed
+    (free stack, idle keyed pages that count, the released ones), then counted per slab."""
+    geometry, pool = arena.geometry, arena.pools[gid]
+    keyed = pool.evictable_page_ids()
+    if keyed_mode == 0:
+        keyed = keyed[:0]
+    elif keyed_mode == 2:
+        keyed = keyed[pool.low_priority[keyed] | (pool.idle_tick[keyed] < before_tick)]
+    idle = np.concatenate([pool.free_page_ids().astype(np.int64), keyed, released])
+    first = geometry.slab_of(gid, idle)
+    last = ((idle + 1) * geometry.page_bytes[gid] - 1 - geometry.reserved_bytes) // geometry.slab_bytes
+    lo, hi = geometry.slab_page_ranges(gid)
+    inner_idle = np.bincount(first[first == last], minlength=geometry.num_slabs) == hi - lo
+    edge_idle = np.zeros(geometry.num_slabs, dtype=bool)
+    edge_idle[last[first != last]] = True
+    return inner_idle, edge_idle, keyed.size
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_idle_slabs_and_the_oldest_idle_tick_answer_as_the_whole_pool_scan(data):
+    """Random slab grants, allocations, published entries (low priority or not) and
+    releases in two groups of a 12-slab arena: for each way of counting idle keyed
+    pages and some pages released by the step, ``kernels.idle_slabs`` over the slabs a
+    group owns finds the same idle slabs, idle straddlers and keyed pages counted as a
+    scan of every idle page of the pool; ``kernels.oldest_idle_tick`` the same oldest
+    normal-priority idle page as the pool's LRU."""
+    from hybridkv.runtime import kernels
+
+    geometry = small_geometry(12)
+    pools = {gid: PagePool(gid, geometry.view_pages(gid), granted=False, lowest_first=True) for gid in SMALL_BYTES}
+    arena = Arena(geometry, pools)
+    for step in range(data.draw(st.integers(1, 12))):
+        gid = data.draw(st.sampled_from(sorted(SMALL_BYTES)))
+        pool = pools[gid]
+        arena.apply(arena.plan({gid: data.draw(st.integers(0, 30))}, {}, partial=True))
+        if pool.num_free_pages:
+            pool.allocate(data.draw(st.integers(1, pool.num_free_pages)))
+        held = np.flatnonzero((pool.ref_counts > 0) & ~pool.cached)
+        rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+        for k, page in enumerate(rng.permutation(held)[: data.draw(st.integers(0, held.size))].tolist()):
+            pool.publish((step, gid, k), [page], low_priority=bool(rng.integers(2)))
+        held = np.flatnonzero(pool.ref_counts > 0)
+        pool.decref(rng.permutation(held)[: data.draw(st.integers(0, held.size))])
+    arena.check_invariants()
+    for gid, pool in pools.items():
+        lo, hi = geometry.slab_page_ranges(gid)
+        straddle, gi = geometry.boundary_pages(gid), arena.group_ids.index(gid)
+        held = np.flatnonzero(pool.ref_counts == 1)
+        released = np.sort(held[: data.draw(st.integers(0, held.size))]).astype(np.int64)
+        first = geometry.slab_of(gid, released)
+        last = ((released + 1) * geometry.page_bytes[gid] - 1 - geometry.reserved_bytes) // geometry.slab_bytes
+        released_slab = np.where(first == last, first, -1 - last)
+        ticks = pool.idle_tick[pool.evictable_page_ids()]
+        for keyed_mode, before_tick in [(0, 0), (1, 0)] + [(2, int(t)) for t in np.unique(ticks)[:3]] + [(2, 2**40)]:
+            inner_idle = np.zeros(geometry.num_slabs, dtype=bool)
+            edge_idle = np.zeros(geometry.num_slabs, dtype=bool)
+            counted = kernels.idle_slabs(arena.owner, gi, lo, hi, straddle, pool.ref_counts, pool.cached,
+                                         pool.low_priority, pool.idle_tick, keyed_mode, before_tick, released_slab,
+                                         inner_idle, edge_idle)
+            want_inner, want_edge, want_counted = whole_pool_idle_slabs(arena, gid, keyed_mode, before_tick, released)
+            assert inner_idle.tolist() == want_inner.tolist()
+            assert counted == want_counted
+            owned = np.flatnonzero((arena.owner[1:] == gi) & (arena.owner[:-1] == gi) & (straddle[1:] >= 0)) + 1
+            released_edges = last[first != last]
+            assert np.flatnonzero(edge_idle).tolist() == np.flatnonzero(want_edge).tolist()
+            assert set(np.flatnonzero(edge_idle).tolist()) <= set(owned.tolist()) | set(released_edges.tolist())
+        normal = pool.evictable_page_ids()
+        normal = normal[~pool.low_priority[normal]]
+        oldest = kernels.oldest_idle_tick(arena.owner, gi, lo, hi, straddle, pool.ref_counts, pool.cached,
+                                          pool.low_priority, pool.idle_tick)
+        assert oldest == (int(pool.idle_tick[normal].min()) if normal.size else -1)
+        assert arena.oldest_idle_tick(gid) == (None if oldest < 0 else oldest)
+
+
+def reference_donor_plan(arena, deficit, surplus, keyed_mode):
+    """Slabs of donors (groups not short) for each short group in group order, lowest
+    first, one at a time, with every count worked out from the geometry: a slab goes when
+    its inner pages and the straddlers the donor gives up with it are idle (the whole-pool
+    scan) and the donor keeps its surplus >= 0. (No spare slab left: only donors lend.)"""
+    geometry, own = arena.geometry, arena.owner.copy()
+    left, grants = dict(surplus), []
+    idle = {gid: whole_pool_idle_slabs(arena, gid, keyed_mode, 0, np.empty(0, dtype=np.int64))
+            for gid in arena.group_ids}
+
+    def edges(gid, slab):
+        gi, st = arena.group_ids.index(gid), geometry.boundary_pages(gid)
+        return [b for b, near in ((slab, slab - 1), (slab + 1, slab + 1))
+                if 0 <= near < geometry.num_slabs and own[near] == gi and st[b] >= 0]
+
+    def count(gid, slab):
+        lo, hi = geometry.slab_page_ranges(gid)
+        return int(hi[slab] - lo[slab]) + len(edges(gid, slab))
+
+    for gid in arena.group_ids:
+        short = deficit.get(gid, 0)
+        for donor in arena.group_ids:
+            if short <= 0 or donor == gid or deficit.get(donor, 0) > 0 or left.get(donor, 0) <= 0:
+                continue
+            inner_idle, edge_idle, _ = idle[donor]
+            for slab in range(geometry.num_slabs):
+                if short <= 0:
+                    break
+                if own[slab] != arena.group_ids.index(donor) or not inner_idle[slab]:
+                    continue
+                give = count(donor, slab)
+                if give > left[donor] or not all(edge_idle[b] for b in edges(donor, slab)):
+                    continue
+                left[donor] -= give
+                own[slab] = -1
+                short -= count(gid, slab)
+                own[slab] = arena.group_ids.index(gid)
+                grants.append((gid, slab, donor))
+    return grants
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_donor_slabs_are_lent_as_the_one_at_a_time_reference(data):
+    """With every slab owned (random grants, allocations, entries and releases as above),
+    a plan's donor slabs, counting free pages only or every idle keyed page too, are the
+    reference's: same slabs, same order, the donors' surplus and straddlers respected."""
+    from hybridkv.memory.arena import IdleScan
+
+    geometry = small_geometry(12)
+    pools = {gid: PagePool(gid, geometry.view_pages(gid), granted=False, lowest_first=True) for gid in SMALL_BYTES}
+    arena = Arena(geometry, pools)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    for step in range(data.draw(st.integers(1, 8))):
+        gid = data.draw(st.sampled_from(sorted(SMALL_BYTES)))
+        pool = pools[gid]
+        arena.apply(arena.plan({gid: data.draw(st.integers(0, 30))}, {}, partial=True))
+        if pool.num_free_pages:
+            pool.allocate(data.draw(st.integers(1, pool.num_free_pages)))
+        held = np.flatnonzero((pool.ref_counts > 0) & ~pool.cached)
+        for k, page in enumerate(rng.permutation(held)[: data.draw(st.integers(0, held.size))].tolist()):
+            pool.publish((step, gid, k), [page])
+        held = np.flatnonzero(pool.ref_counts > 0)
+        pool.decref(rng.permutation(held)[: data.draw(st.integers(0, held.size))])
+    arena.apply(arena.plan({"swa": 10**6}, {}, partial=True))  # no spare slab left
+    gid = data.draw(st.sampled_from(sorted(SMALL_BYTES)))
+    donor = next(g for g in SMALL_BYTES if g != gid)
+    deficit, surplus = {gid: data.draw(st.integers(1, 60))}, {donor: data.draw(st.integers(-5, 60))}
+    for keyed_mode, scan in ((0, IdleScan(clean=True)), (1, IdleScan())):
+        got = arena.plan(deficit, surplus, scan, partial=True)
+        assert got == reference_donor_plan(arena, deficit, surplus, keyed_mode)

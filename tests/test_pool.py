@@ -196,20 +196,6 @@ def test_evictable_lru_evicts_a_chain_tail_before_its_head():
     pool.check_invariants()
 
 
-@pytest.mark.parametrize("num_pages", [12, 4096])  # a scan of the flags; a walk of the LRU
-def test_idle_cached_page_ids_are_the_evictable_pages_as_a_set(num_pages):
-    pool = PagePool("g", num_pages)
-    pages = pool.allocate(8).tolist()
-    for i in range(0, 8, 2):
-        pool.publish(i, pages[i : i + 2])
-    pool.decref(np.array(pages[6:] + pages[:4]))  # entries 6, 0, 2 idle; 4 held
-    pool.incref(np.array(pages[:1]))  # a borrow of one page of entry 0
-    expected = sorted(pages[1:4] + pages[6:])
-    assert sorted(pool.evictable_page_ids().tolist()) == expected
-    assert sorted(pool.idle_cached_page_ids().tolist()) == expected
-    pool.check_invariants()
-
-
 def test_clear_cache_keeps_held_pages():
     pool = PagePool("g", 6)
     pages = pool.allocate(2).tolist()

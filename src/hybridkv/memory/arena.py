@@ -148,15 +148,23 @@ Grant = tuple[str, int, "str | None"]  # (receiving group, slab, donor group or 
 
 @dataclass
 class IdleScan:
-    """Per group, from its idle (free or evictable) pages at one admission decision:
-    slabs whose inner pages are all idle, and boundaries whose straddling page is."""
+    """Which pages count as idle at one admission decision (a slab whose pages all are
+    may be lent, evicting its keyed ones), and per group what :meth:`Arena.plan` found:
+    slabs whose inner pages are all idle, boundaries whose straddling page is, and how
+    many keyed pages counted."""
 
-    idle: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    idle: dict[str, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)
     releasing: dict[str, np.ndarray] | None = None  # pages the step frees before slabs move
-    clean: bool = False  # count only free pages as idle (lending then evicts nothing)
-    # Cached-evictable pages counted as idle even when ``clean``: entries of less value
-    # than what the short group would evict (hybridkv.prefix.eviction.ValueEviction.cheap_pages).
-    cheap: dict[str, np.ndarray] = field(default_factory=dict)
+    clean: bool = False  # keyed pages count only as ``before_tick`` says (lending then evicts nothing else)
+    # With ``clean``: idle keyed pages of less value than what the short group would evict
+    # (low priority, or idle since before this tick of the pools' idle clock) count as idle,
+    # and as pages their group can spare beyond its ``surplus``. None: no keyed page counts.
+    before_tick: int | None = None
+
+    def keyed_mode(self) -> int:
+        """``kernels.idle_slabs``' ``keyed_mode``: 1 every idle keyed page counts, 2 those of
+        less value (``before_tick``), 0 none."""
+        return 1 if not self.clean else 0 if self.before_tick is None else 2
 
 
 class Arena:
@@ -256,14 +264,16 @@ class Arena:
     ) -> list[Grant] | None:
         """Slabs that cover every group's page ``deficit`` (pages short): spare slabs
         first (one next to a slab the group owns if there is one, else the lowest),
-        then slabs of other groups whose pages are all free or evictable, taken only
-        while the donor keeps ``surplus`` (pages it can spare) >= 0. ``None`` if they
-        do not suffice (with ``partial``, as many as there are: a group may stay short). Pure; the page
-        counts are exact for :meth:`apply` in order. ``owner``: slab owners to start
-        from (:meth:`replay` of grants planned already, applied before these)."""
+        then slabs of other groups whose pages are all idle (free or evictable, as
+        ``scan`` counts them), taken only while the donor keeps ``surplus`` (pages it
+        can spare; with ``scan.before_tick``, plus its idle keyed pages of less value)
+        >= 0. ``None`` if they do not suffice (with ``partial``, as many as there are:
+        a group may stay short). Pure; the page counts are exact for :meth:`apply` in
+        order. ``owner``: slab owners to start from (:meth:`replay` of grants planned
+        already, applied before these)."""
         scan = scan if scan is not None else IdleScan()
         own = (self.owner if owner is None else owner).copy()
-        left = {g: int(surplus.get(g, 0)) for g in self.group_ids}
+        left: dict[str, int] = {}
         grants: list[Grant] = []
         for gid in self.group_ids:
             short = int(deficit.get(gid, 0))
@@ -274,36 +284,39 @@ class Arena:
                                                       self._taken)
             grants.extend((gid, slab, None) for slab in self._taken[:n_taken].tolist())
             if short > 0:
-                short = self._take_from_donors(gid, short, own, grants, deficit, left, scan)
+                short = self._take_from_donors(gid, short, own, grants, deficit, (surplus, left), scan)
             if short > 0 and not partial:
                 return None
         return grants
 
     def _take_from_donors(self, gid: str, short: int, own: np.ndarray, grants: list[Grant],
-                          deficit: Mapping[str, int], left: dict[str, int], scan: IdleScan) -> int:
+                          deficit: Mapping[str, int], spare: tuple, scan: IdleScan) -> int:
         """:meth:`plan`'s second source: slabs of groups not short themselves whose pages
-        are all idle, while each keeps ``left`` >= 0 (both updated, like ``own`` and
-        ``grants``); the pages ``gid`` is still short."""
+        are all idle, while each keeps what it can spare >= 0 (``spare``: the plan's
+        surplus, and what is left of it per donor so far; ``own``, ``grants`` and that
+        updated); the pages ``gid`` is still short."""
         gi = self._index[gid]
         for donor in self.group_ids:
             if short <= 0:
                 break
-            if donor == gid or deficit.get(donor, 0) > 0 or left[donor] <= 0:
+            if donor == gid or deficit.get(donor, 0) > 0 or self._left(donor, spare, scan) <= 0:
                 continue
-            inner_idle, edge_idle = self._idle(donor, scan)
-            di = self._index[donor]
-            for slab in np.flatnonzero((own == di) & inner_idle).tolist():
-                give = self._count(donor, slab, own)
-                if give > left[donor] or not edge_idle[self._edges(donor, slab, own)].all():
-                    continue
-                left[donor] -= give
-                own[slab] = -1
-                short -= self._count(gid, slab, own)
-                own[slab] = gi
-                grants.append((gid, slab, donor))
-                if short <= 0:
-                    break
+            left = spare[1]
+            inner_idle, edge_idle, _ = self._idle(donor, scan)
+            n_taken, short, left[donor] = kernels.take_donor_slabs(
+                own, self._index[donor], gi, inner_idle, edge_idle, self._inner[donor], self._straddle[donor],
+                self._inner[gid], self._straddle[gid], left[donor], short, self._taken)
+            grants.extend((gid, slab, donor) for slab in self._taken[:n_taken].tolist())
         return short
+
+    def _left(self, donor: str, spare: tuple, scan: IdleScan) -> int:
+        """What ``donor`` can still spare: at first its ``surplus`` plus, with a
+        ``before_tick``, its keyed pages of less value (worked out when first asked)."""
+        surplus, left = spare
+        if donor not in left:
+            cheap = self._idle(donor, scan)[2] if scan.keyed_mode() == 2 else 0
+            left[donor] = int(surplus.get(donor, 0)) + cheap
+        return left[donor]
 
     def replay(self, grants: Sequence[Grant]) -> tuple[np.ndarray, dict[str, int]]:
         """Slab owners after ``grants`` (pure), and the pages each group gains (a donor's
@@ -317,28 +330,35 @@ class Arena:
             own[slab] = self._index[gid]
         return own, gained
 
-    def _idle(self, gid: str, scan: IdleScan) -> tuple[np.ndarray, np.ndarray]:
-        """(slabs whose inner pages are all idle, boundaries whose straddler is idle)."""
+    def _idle(self, gid: str, scan: IdleScan) -> tuple[np.ndarray, np.ndarray, int]:
+        """(slabs whose inner pages are all idle, boundaries whose straddler is idle, the
+        keyed pages counted idle): one compiled pass over the slabs the group owns."""
         found = scan.idle.get(gid)
         if found is None:
             pool, g = self.pools[gid], self.geometry
-            parts = [pool.free_page_ids().astype(np.int64)]
-            if not scan.clean:
-                parts.append(pool.idle_cached_page_ids())
-            elif gid in scan.cheap:
-                parts.append(scan.cheap[gid])
-            if scan.releasing is not None and gid in scan.releasing:
-                parts.append(scan.releasing[gid].astype(np.int64))
-            idle = np.concatenate(parts)
-            first = g.slab_of(gid, idle)
-            last = ((idle + 1) * g.page_bytes[gid] - 1 - g.reserved_bytes) // g.slab_bytes
-            inner = first == last
+            released = scan.releasing.get(gid) if scan.releasing is not None else None
+            if released is not None and released.size:
+                released = released.astype(np.int64)
+                first = g.slab_of(gid, released)
+                last = ((released + 1) * g.page_bytes[gid] - 1 - g.reserved_bytes) // g.slab_bytes
+                released_slab = np.where(first == last, first, -1 - last)
+            else:
+                released_slab = np.empty(0, dtype=np.int64)
+            inner_idle, edge_idle = np.zeros(g.num_slabs, dtype=bool), np.zeros(g.num_slabs, dtype=bool)
             lo, hi = self._ranges[gid]
-            inner_idle = np.bincount(first[inner], minlength=g.num_slabs) == hi - lo
-            edge_idle = np.zeros(g.num_slabs, dtype=bool)
-            edge_idle[last[~inner]] = True
-            found = scan.idle[gid] = (inner_idle, edge_idle)
+            counted = kernels.idle_slabs(self.owner, self._index[gid], lo, hi, self._straddle[gid], pool.ref_counts,
+                                         pool.cached, pool.low_priority, pool.idle_tick, scan.keyed_mode(),
+                                         scan.before_tick or 0, released_slab, inner_idle, edge_idle)
+            found = scan.idle[gid] = (inner_idle, edge_idle, int(counted))
         return found
+
+    def oldest_idle_tick(self, gid: str) -> int | None:
+        """The idle-clock tick of the group's least recently idle keyed page of normal
+        priority (what it evicts after its low-priority ones); None if it has none."""
+        pool, (lo, hi) = self.pools[gid], self._ranges[gid]
+        tick = kernels.oldest_idle_tick(self.owner, self._index[gid], lo, hi, self._straddle[gid], pool.ref_counts,
+                                        pool.cached, pool.low_priority, pool.idle_tick)
+        return None if tick < 0 else int(tick)
 
     # --- mutation -------------------------------------------------------------
     def apply(self, grants: Sequence[Grant]) -> None:

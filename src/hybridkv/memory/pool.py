@@ -30,9 +30,6 @@ from hybridkv.runtime import kernels
 
 NULL_PAGE = 0
 _LOW_EVICT_PAGES = 16  # idle low-priority pages an eviction frees beyond the allocation's need
-# idle_cached_page_ids scans the flags when the pool has fewer pages than this many per
-# LRU page (measured: a flag costs 0.4-0.7 ns to scan, an LRU page 40-140 ns to walk)
-_SCAN_PAGES_PER_IDLE_PAGE = 128
 # One clock for every pool: when a keyed page last went idle, comparable across groups
 # (a request's pages in all groups go idle at one tick when it is freed).
 _IDLE_CLOCK = itertools.count(1)
@@ -455,15 +452,6 @@ class PagePool:
         """Cached pages no request holds, least recently used first."""
         return np.fromiter(self._evictable, dtype=np.int64, count=len(self._evictable))
 
-    def idle_cached_page_ids(self) -> np.ndarray:
-        """The pages of :meth:`evictable_page_ids` in no particular order, for callers that
-        use them as a set: a scan of the pool's flags when they are a large part of it
-        (cheaper than walking the LRU), else the LRU's order."""
-        n = len(self._evictable)
-        if self.num_pages > _SCAN_PAGES_PER_IDLE_PAGE * n:
-            return np.fromiter(self._evictable, dtype=np.int64, count=n)
-        return np.flatnonzero(self.cached & (self.ref_counts == 0))
-
     def revoke(self, pages: np.ndarray) -> None:
         """Take back page ids that are all free or cached-evictable (their entries are
         unpublished first). All or nothing."""
@@ -681,7 +669,7 @@ class PagePool:
         assert not np.any(self.cached[free]), "free page still keyed"
         for page in self._evictable:
             assert self.ref_counts[page] == 0 and self.cached[page], "bad evictable page"
-        # What idle_cached_page_ids' scan relies on.
+        # What the arena's idle scans (kernels.idle_slabs) rely on.
         idle_keyed = np.flatnonzero(self.cached & (self.ref_counts == 0))
         assert np.array_equal(idle_keyed, np.sort(self.evictable_page_ids())), "idle cached page outside the LRU"
         assert self._low_idle_pages == int(np.count_nonzero(self.low_priority[self.evictable_page_ids()])), (

@@ -35,9 +35,9 @@ produce a hit:
   the ``"prefill-per-byte"`` order asks it).
 * **Slabs** (shared arena, used by the manager): a group that would have to
   evict a usable entry first takes a slab of another group whose idle pages
-  are all of less value (:meth:`cheap_pages`): low priority (prompt
-  checkpoints, orphans) or idle since before the short group's own least
-  recently used usable entry.
+  are all of less value: low priority (prompt checkpoints, orphans) or idle
+  since before the short group's own least recently used usable entry
+  (``IdleScan.before_tick`` in :mod:`hybridkv.memory.arena`).
 
 Eviction order within a pool is then: orphans, entries beyond a gap and prompt
 checkpoints (the most recently demoted first), then usable entries least recently used first
@@ -50,8 +50,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from hybridkv.memory.pool import EVICTED_LOW, REVOKED, UNPUBLISHED, PagePool
 
@@ -398,22 +396,6 @@ class ValueEviction:
                 return
             up[4].discard(key)
             key = node[0]
-
-    # --- value of idle pages (shared arena) -------------------------------------
-    def oldest_usable_tick(self, gid: str) -> int | None:
-        """Idle tick of the group's least recently used idle entry of normal priority
-        (what it would evict after its orphans and prompt checkpoints); None if none."""
-        pool = self.pools[gid]
-        ids = pool.idle_cached_page_ids()
-        ids = ids[~pool.low_priority[ids]]
-        return int(pool.idle_tick[ids].min()) if ids.size else None
-
-    def cheap_pages(self, gid: str, before_tick: int) -> np.ndarray:
-        """Idle cached pages of ``gid`` worth less than an entry that went idle at
-        ``before_tick``: low priority, or idle since earlier."""
-        pool = self.pools[gid]
-        ids = pool.idle_cached_page_ids()
-        return ids[pool.low_priority[ids] | (pool.idle_tick[ids] < before_tick)]
 
     # --- diagnostics ------------------------------------------------------------
     def report(self) -> dict[str, GroupValueStats]:

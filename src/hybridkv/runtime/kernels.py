@@ -949,43 +949,31 @@ def take_holds(ref, keyed, offsets, per_group, pages, idle_pages, idle_counts):
 
 
 @njit(cache=True)
-def release_credit(geometry, pages, bounds, ref, g, rows, new_base, credit, sole_pages):
+def release_credit(geometry, pages, bounds, ref, keyed, g, rows, new_base, credit, sole_pages, unkeyed_pages,
+                   committed, first, grain):
     """Group ``g``'s pages below each row's ``new_base`` that only that row holds (pure):
     ``credit[r]`` how many of row ``r``'s, their local ids to ``sole_pages`` (rows in
-    order, pages in logical order). Returns (sole pages, pages below the new bases)."""
+    order, pages in logical order) and, of those, the ones that carry no key (what the
+    releases put on the free stack) to ``unkeyed_pages`` in the same order. Returns
+    (sole pages, unkeyed ones, prefix grains the rows' commits complete: of ``grain``
+    tokens, 0: none, from each row's ``committed`` tokens up to ``first``)."""
     offset = geometry[g, ID_OFFSET]
-    n_sole, n_pages = 0, 0
+    n_sole, n_unkeyed, crossed = 0, 0, 0
     for r in range(rows.size):
         row = rows[r]
         before = n_sole
         for logical in range(bounds[BASE, g, row], min(new_base[r], bounds[HI, g, row])):
             page = pages[cell(geometry, bounds, g, row, logical)]
-            n_pages += 1
             if ref[offset + page] == 1:
                 sole_pages[n_sole] = page
                 n_sole += 1
+                if not keyed[offset + page]:
+                    unkeyed_pages[n_unkeyed] = page
+                    n_unkeyed += 1
         credit[r] = n_sole - before
-    return n_sole, n_pages
-
-
-@njit(cache=True)
-def freed_first(geometry, pages, bounds, ref, keyed, committed, rows, first, new_base, grain, g):
-    """(pages, grains) of group ``g`` (pure): the pages below each row's ``new_base`` that
-    only that row holds and that carry no key (what its releases put on the free stack),
-    and the prefix grains (of ``grain`` tokens, 0: none) the rows' commits complete, from
-    ``committed`` up to ``first``."""
-    offset, n = geometry[g, ID_OFFSET], 0
-    for r in range(rows.size):
-        row = rows[r]
-        for logical in range(bounds[BASE, g, row], min(new_base[r], bounds[HI, g, row])):
-            page = offset + pages[cell(geometry, bounds, g, row, logical)]
-            if ref[page] == 1 and not keyed[page]:
-                n += 1
-    crossed = 0
-    if grain > 0:
-        for r in range(rows.size):
-            crossed += max(first[r] // grain - committed[rows[r]] // grain, 0)
-    return n, crossed
+        if grain > 0:
+            crossed += max(first[r] // grain - committed[row] // grain, 0)
+    return n_sole, n_unkeyed, crossed
 
 
 @njit(cache=True)
@@ -1042,6 +1030,104 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
         taken[n_taken] = pick
         n_taken += 1
     return n_taken, short_pages
+
+
+@njit(cache=True)
+def take_donor_slabs(owner, donor, group, inner_idle, edge_idle, donor_inner, donor_straddle, inner_pages, straddle,
+                     left_pages, short_pages, taken):
+    """Slabs of ``donor`` (``owner == donor``) for ``group`` until it is no longer
+    ``short_pages`` pages short, lowest first: a slab whose inner pages are all idle
+    (``inner_idle``) and whose straddling pages the donor would give up with it (those
+    of boundaries with another slab it owns) are too (``edge_idle``), while the pages
+    it gives up (``donor_inner`` plus those straddlers) leave ``left_pages`` >= 0. The
+    group gains the slab's ``inner_pages`` plus the straddler of each boundary with a
+    slab it owns (``straddle[b] >= 0``). ``owner`` is updated, the slabs go to
+    ``taken`` in order; returns (slabs taken, pages still short, pages left)."""
+    n, n_taken = owner.size, 0
+    for s in range(n):
+        if short_pages <= 0:
+            break
+        if owner[s] != donor or not inner_idle[s]:
+            continue
+        give, idle = donor_inner[s], True
+        if s > 0 and owner[s - 1] == donor and donor_straddle[s] >= 0:
+            give, idle = give + 1, idle and edge_idle[s]
+        if s < n - 1 and owner[s + 1] == donor and donor_straddle[s + 1] >= 0:
+            give, idle = give + 1, idle and edge_idle[s + 1]
+        if give > left_pages or not idle:
+            continue
+        left_pages -= give
+        gain = inner_pages[s]
+        if s > 0 and owner[s - 1] == group and straddle[s] >= 0:
+            gain += 1
+        if s < n - 1 and owner[s + 1] == group and straddle[s + 1] >= 0:
+            gain += 1
+        short_pages -= gain
+        owner[s] = group
+        taken[n_taken] = s
+        n_taken += 1
+    return n_taken, short_pages, left_pages
+
+
+@njit(cache=True)
+def idle_slabs(owner, group, lo, hi, straddle, ref, keyed, low_priority, idle_tick, keyed_mode, before_tick,
+               released_slab, inner_idle, edge_idle):
+    """Which of ``group``'s slabs (``owner == group``) hold only idle pages (pure):
+    ``inner_idle[s]`` when every inner page ``lo[s] .. hi[s]-1`` is, ``edge_idle[s]``
+    when the page straddling the boundary left of slab ``s`` (``straddle[s]``, granted
+    while the group owns slabs ``s - 1`` and ``s``) is. A page is idle when no request
+    holds it and it carries no key (free) or a key that counts (``keyed_mode`` 1: every
+    one, 2: low priority or idle since before ``before_tick``, 0: none), or when the
+    step releases it before slabs move (held now): ``released_slab`` lists the slab of
+    each such page, or ``-1 - s`` for the straddler of boundary ``s``. Both outputs
+    start False. Returns how many keyed pages count as idle, over every page the group
+    owns. (The page test is written out twice, without branches: a helper taking the
+    arrays is not inlined and costs tens of ns a call, and branches on the flags of a
+    window group's pages, held and idle in no order, mispredict.)"""
+    n, counted = owner.size, 0
+    every, valued = keyed_mode == 1, keyed_mode == 2
+    extra = np.zeros(n, dtype=np.int64)
+    for i in range(released_slab.size):
+        s = released_slab[i]
+        if s >= 0:
+            extra[s] += 1
+        else:
+            edge_idle[-1 - s] = True
+    for s in range(n):
+        if owner[s] != group:
+            continue
+        idle = extra[s]
+        for page in range(lo[s], hi[s]):
+            free, key = ref[page] == 0, keyed[page]
+            counts = every | (valued & (low_priority[page] | (idle_tick[page] < before_tick)))
+            idle += free & (not key or counts)
+            counted += free & key & counts
+        inner_idle[s] = idle == hi[s] - lo[s]
+        page = straddle[s]
+        if s > 0 and owner[s - 1] == group and page >= 0:
+            free, key = ref[page] == 0, keyed[page]
+            counts = every | (valued & (low_priority[page] | (idle_tick[page] < before_tick)))
+            edge_idle[s] |= free & (not key or counts)
+            counted += free & key & counts
+    return counted
+
+
+@njit(cache=True)
+def oldest_idle_tick(owner, group, lo, hi, straddle, ref, keyed, low_priority, idle_tick):
+    """The least ``idle_tick`` of ``group``'s idle keyed pages of normal priority, read
+    from the slabs it owns (inner pages, and straddlers of two it owns); -1 if none."""
+    oldest = np.iinfo(np.int64).max
+    for s in range(owner.size):
+        if owner[s] != group:
+            continue
+        for page in range(lo[s], hi[s]):
+            if ref[page] == 0 and keyed[page] and not low_priority[page] and idle_tick[page] < oldest:
+                oldest = idle_tick[page]
+        page = straddle[s]
+        if s > 0 and owner[s - 1] == group and page >= 0:
+            if ref[page] == 0 and keyed[page] and not low_priority[page] and idle_tick[page] < oldest:
+                oldest = idle_tick[page]
+    return -1 if oldest == np.iinfo(np.int64).max else oldest
 
 
 @njit(cache=True)

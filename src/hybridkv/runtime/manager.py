@@ -181,27 +181,35 @@ class _Releases:
     """What a planned step's releases free in each group, worked out at most once per
     admission (pure)."""
 
-    def __init__(self, tableset: TableSet, space: PageSpace, pools: Sequence[PagePool], plan: _StepPlan):
-        self._tableset, self._space, self._pools, self.plan = tableset, space, pools, plan
+    def __init__(self, tableset: TableSet, space: PageSpace, plan: _StepPlan, committed: np.ndarray, grain: int):
+        self._tableset, self._space, self.plan = tableset, space, plan
+        self._committed, self._grain = committed, grain
         self._found: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        self.freed_first: dict[int, int] = {}  # ``_freed_first``'s answer per group, once worked out
+        self.grains_crossed = 0  # prefix grains the step's commits complete, once a group's releases are known
 
     def of(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Group ``k``: per plan row, the pages below its new base that only it holds (its
         release credit); those pages (local ids, rows in order); the ones among them
-        without a key (they go on the free stack, keyed ones stay cached)."""
+        without a key (they go on the free stack, keyed ones stay cached). One compiled
+        ``release_credit`` pass over the group's releases."""
         found = self._found.get(k)
         if found is None:
             plan, ts = self.plan, self._tableset
-            credit = np.zeros(plan.rows.size, dtype=np.int64)
-            sole = np.empty(int(plan.sums[0, k]), dtype=np.int64)  # only windowed groups release
-            n_sole = 0
-            if sole.size:
-                n_sole, _ = kernels.release_credit(ts.geometry, ts.pages, ts.bounds, self._space.ref_counts, k,
-                                                   plan.rows, plan.after[0, k], credit, sole)
-            sole = sole[:n_sole]
-            found = self._found[k] = (credit, sole, sole[~self._pools[k].cached[sole]])
+            n_pages = int(plan.sums[0, k])  # only windowed groups release
+            if n_pages:
+                credit = np.empty(plan.rows.size, dtype=np.int64)
+                sole, unkeyed = np.empty(n_pages, dtype=np.int64), np.empty(n_pages, dtype=np.int64)
+                n_sole, n_unkeyed, self.grains_crossed = kernels.release_credit(
+                    ts.geometry, ts.pages, ts.bounds, self._space.ref_counts, self._space.cached, k, plan.rows,
+                    plan.after[0, k], credit, sole, unkeyed, self._committed, plan.first, self._grain)
+                found = (credit, sole[:n_sole], unkeyed[:n_unkeyed])
+            else:
+                found = (np.zeros(plan.rows.size, dtype=np.int64), _NO_PAGES, _NO_PAGES)
+            self._found[k] = found
         return found
+
+
+_NO_PAGES = np.empty(0, dtype=np.int64)
 
 
 class CacheManager:
@@ -576,7 +584,7 @@ class CacheManager:
         if fixed_width:
             self._deny_past_capture_width(plan, fits, deny)
         sums = plan.sums[1].tolist()
-        releases = _Releases(self._tableset, self._space, self._pool_list, plan)
+        releases = _Releases(self._tableset, self._space, plan, self._committed, self._grain)
         covered = None if deny else self._coverage(sums, releases)
         if covered is not None:
             # No credit needed. On an arena with spare slabs, a group that would have to
@@ -666,60 +674,49 @@ class CacheManager:
 
     def _freed_first(self, releases: _Releases, k: int) -> int:
         """Pages of group ``k`` the step's releases put on the free stack before it
-        allocates (sole references without a key: keyed ones stay cached); one compiled
-        pass over the group's releases, once per admission."""
-        known = releases.freed_first.get(k)
-        if known is None:
-            plan, ts, space = releases.plan, self._tableset, self._space
-            known, crossed = 0, 0
-            if plan.sums[0, k]:
-                known, crossed = kernels.freed_first(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached,
-                                                     self._committed, plan.rows, plan.first, plan.after[0, k],
-                                                     self._grain, k)
-            window = self._checkpoint_windows[k]
-            if window:
-                # The step's commits run first and may publish released pages as checkpoints
-                # (then they stay cached): at most a window's pages per boundary crossed.
-                known = max(known - crossed * (-(-window // self.specs[k].page_tokens) + 1), 0)
-            releases.freed_first[k] = known
-        return known
+        allocates (sole references without a key: keyed ones stay cached)."""
+        freed = releases.of(k)[2].size
+        window = self._checkpoint_windows[k]
+        if window and freed:
+            # The step's commits run first and may publish released pages as checkpoints
+            # (then they stay cached): at most a window's pages per boundary crossed.
+            freed = max(freed - releases.grains_crossed * (-(-window // self.specs[k].page_tokens) + 1), 0)
+        return freed
 
     def _fit_with_credit(self, releases: _Releases, fits: np.ndarray, deny: dict[int, str]) -> None:
         """Admission when the allocations alone do not fit: count the pages the step's
         releases free (release credit), lend arena slabs, and if the totals still do
         not fit, admit greedily in batch order. Sets ``plan.grants``."""
-        plan = releases.plan
-        avail = {gid: pool.num_free_pages for gid, pool in zip(self._group_ids, self._pool_list)}
+        plan, ids = releases.plan, self._group_ids
+        avail = {gid: pool.num_free_pages for gid, pool in zip(ids, self._pool_list)}
         arena, scan = self.arena, IdleScan()
-        alloc = self._allocations(plan)
-        all_fit = bool(fits.all())  # no capture-width denial: totals without a mask
-
-        def total(per_row: np.ndarray) -> int:
-            return int(per_row.sum()) if all_fit else int(per_row[fits].sum())
+        # Per-row allocations only to leave out the rows denied already (else the plan's sums).
+        alloc = None if fits.all() else self._allocations(plan)
+        gross = plan.sums[1].tolist() if alloc is None else [int(alloc[g][fits].sum()) for g in ids]
 
         # Releases all happen before allocations, so only the admitted totals matter.
-        def totals_fit(need: dict[str, np.ndarray]) -> bool:
-            plan.grants = _grants_to_fit(arena, {g: total(need[g]) for g in avail}, avail, scan)
+        def totals_fit(want: list[int]) -> bool:
+            plan.grants = _grants_to_fit(arena, dict(zip(ids, want)), avail, scan)
             return plan.grants is not None
 
-        need = alloc
-        if not totals_fit(need) or any(donor is not None for _, _, donor in plan.grants):
+        if not totals_fit(gross) or any(donor is not None for _, _, donor in plan.grants):
             # The step's releases run before slabs move, so a donor slab whose pages are
             # all idle once they are released can be lent too; and a group whose own
             # releases cover it takes no slab from another (which would evict there).
             # Spare slabs evict nothing: a plan of those alone stands.
-            scan = IdleScan(releasing={})
-            need = {g: alloc[g] - releases.of(k)[0] for k, g in enumerate(self._group_ids)}
-            scan.releasing.update((g, releases.of(k)[1]) for k, g in enumerate(self._group_ids)
-                                  if plan.sums[0, k])
-            if not totals_fit(need):
+            scan = IdleScan(releasing={g: releases.of(k)[1] for k, g in enumerate(ids) if plan.sums[0, k]})
+            credit = [releases.of(k)[0] for k in range(len(ids))]
+            net = [n - (releases.of(k)[1].size if alloc is None else int(credit[k][fits].sum()))
+                   for k, n in enumerate(gross)]
+            if not totals_fit(net):
+                alloc = self._allocations(plan) if alloc is None else alloc
+                need = {g: alloc[g] - credit[k] for k, g in enumerate(ids)}
                 self._deny_greedily(alloc, need, avail, fits, deny, arena, scan, plan)
                 return
         if arena is not None:
             # As when no credit is needed: a group that would evict cached pages grows instead.
             # Gross sums: the pages the releases free (not those they leave cached) count there.
-            sums = [total(alloc[g]) for g in self._group_ids]
-            plan.grants = plan.grants + self._grow_instead_of_evicting(sums, releases, after=plan.grants)
+            plan.grants = plan.grants + self._grow_instead_of_evicting(gross, releases, after=plan.grants)
 
     def _grow_instead_of_evicting(self, sums: list[int], releases: _Releases, after: list | None = None) -> list:
         """Slabs for groups that would have to evict cached pages to get ``sums`` pages
@@ -754,8 +751,7 @@ class CacheManager:
                 if self.tables[gid].sliding:
                     freed = scan.releasing[gid] = releases.of(k)[2]
                     spare[gid] += freed.size
-            self._cheap_donor_pages(short, spare, scan)
-        spare = {gid: max(left, 0) for gid, left in spare.items()}
+            scan.before_tick = self._value_tick(short)
         return self.arena.plan(short, spare, scan, partial=True, owner=own)
 
     def _low_room(self, pool: PagePool) -> int:
@@ -778,22 +774,17 @@ class CacheManager:
             need += -(-pages // per_slab)
         return need <= spare
 
-    def _cheap_donor_pages(self, short: dict, spare: dict, scan: IdleScan) -> None:
-        """Value-based slab moves: a donor's idle entries worth less than the least
-        recently used usable entry a short group would evict (orphans, prompt
-        checkpoints, older entries) count as idle in ``scan`` and as spare pages."""
+    def _value_tick(self, short: dict) -> int | None:
+        """Value-based slab moves: the idle-clock tick of the least recently used usable
+        entry a ``short`` group would evict (its oldest idle keyed page of normal
+        priority). A donor's idle entries of less value (low priority: orphans, prompt
+        checkpoints; or idle since before it) count as idle and as spare pages
+        (``IdleScan.before_tick``). None when the policy does not act."""
         policy = self.prefix.eviction if self.prefix is not None else None
-        if policy is None or not policy.acts or not spare:
-            return
-        ticks = [t for t in (policy.oldest_usable_tick(g) for g in short) if t is not None]
-        if not ticks:
-            return
-        before = min(ticks)
-        for gid in spare:
-            cheap = policy.cheap_pages(gid, before)
-            if cheap.size:
-                scan.cheap[gid] = cheap
-                spare[gid] += int(cheap.size)
+        if policy is None or not policy.acts:
+            return None
+        ticks = [t for t in map(self.arena.oldest_idle_tick, short) if t is not None]
+        return min(ticks) if ticks else None
 
     @staticmethod
     def _deny_greedily(alloc, net, avail, fits, deny, arena, scan, plan) -> None:
