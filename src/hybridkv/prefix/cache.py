@@ -233,6 +233,7 @@ class PrefixCache:
         self._init_hit_placement(tables)
         self.tier_hook = None  # a hybridkv.tierlink.TierLink: told what is published and removed
         self._dropping = False  # unpublishing a superseded checkpoint (not an eviction)
+        self._muted = False  # the removed callbacks do nothing: _drop_unit books the removals itself
         self._init_eviction(eviction_policy)
 
     def _init_commit_reader(self, pools: Mapping[str, PagePool], tables: Mapping[str, GroupTable],
@@ -550,9 +551,27 @@ class PrefixCache:
             elif speculative:
                 pool.demote(key)
             else:
-                self._dropping = True
-                pool.unpublish(key)
-                self._dropping = False
+                self._drop_unit(gid, key)
+
+    def _drop_unit(self, gid: str, key: int) -> None:
+        """Unpublish a superseded checkpoint from state group ``gid`` and the rest of its unit
+        from the other state groups (as ``ValueEviction.removed`` would take it), booked
+        at once: the same removals, events and order as one at a time."""
+        pools = self.pools
+        gids = [gid]
+        if self.eviction.acts:
+            gids += [o for o in self.state_ids if o != gid and pools[o].lookup(key) is not None]
+        self._muted = True
+        try:
+            for o in gids:
+                pools[o].unpublish(key)
+        finally:
+            self._muted = False
+        self._dropping = True
+        raws = [self._book_removal(o, key) for o in gids]
+        self._dropping = False
+        self.eviction.unit_unpublished(key, len(gids))
+        self._emit_many(raws)
 
     def _kept_by_value(self, key: int, boundary_tokens: int, req: CommittingRequest) -> bool:
         """"prefill-per-byte": a superseded checkpoint stays if the policy's placement
@@ -654,6 +673,8 @@ class PrefixCache:
     # --- events ---------------------------------------------------------------
     def _removed_callback(self, gid: str) -> Callable[[int, str, int], None]:
         def removed(key: int, cause: str, idle_pages: int) -> None:
+            if self._muted:
+                return
             self._emit_many((self._book_removal(gid, key),))
             self.eviction.removed(gid, key, cause, idle_pages)
 

@@ -258,7 +258,7 @@ class ValueEviction:
         """:meth:`removed` of each (key, cause, idle pages) of ``removals`` (entries evicted
         or revoked from state group ``gid``) and of the rest of its unit (``rest``, from
         :meth:`take_units`), in the order one at a time gives, each unit's node updated once."""
-        whole, evicted = len(self.state_ids), self.evicted_pages
+        evicted = self.evicted_pages
         for key, cause, idle_pages in removals:
             node = self._nodes.get(key)
             evicted[gid][self._reason(gid, node, cause)] += idle_pages
@@ -267,12 +267,21 @@ class ValueEviction:
                 if key in freed:
                     evicted[other]["unit"] += freed[key]
                     taken += 1
-            if node is not None:
-                if node[3] == whole and self._track and not node[5]:
-                    self._drop_support(key)
-                node[2] -= taken
-                node[3] -= taken
-                self._forget_if_idle(key)
+            self._unit_left(key, node, taken)
+
+    def unit_unpublished(self, key: Hashable, count: int) -> None:
+        """:meth:`removed` of a checkpoint unpublished from ``count`` state groups at once (a
+        superseded one and the rest of its unit), its node updated once."""
+        self._unit_left(key, self._nodes.get(key), count)
+
+    def _unit_left(self, key: Hashable, node: list | None, count: int) -> None:
+        """A checkpoint left ``count`` state groups: its support goes if it was complete."""
+        if node is not None:
+            if node[3] == len(self.state_ids) and self._track and not node[5]:
+                self._drop_support(key)
+            node[2] -= count
+            node[3] -= count
+            self._forget_if_idle(key)
 
     def _reason(self, gid: str, node: list | None, cause: str) -> str:
         if cause == REVOKED:
