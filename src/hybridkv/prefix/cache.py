@@ -560,7 +560,7 @@ class PrefixCache:
         self._dropping = True
         raws = [self._book_removal(o, key) for o in gids]
         self._dropping = False
-        self.eviction.unit_unpublished(key, len(gids))
+        self.eviction.unit_left(key, len(gids))
         self._emit_many(raws)
 
     def _kept_by_value(self, key: int, boundary_tokens: int, req: CommittingRequest) -> bool:

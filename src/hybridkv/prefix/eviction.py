@@ -267,16 +267,12 @@ class ValueEviction:
                 if key in freed:
                     evicted[other]["unit"] += freed[key]
                     taken += 1
-            self._unit_left(key, node, taken)
+            self.unit_left(key, taken)
 
-    def unit_unpublished(self, key: Hashable, count: int) -> None:
-        """:meth:`removed` of a checkpoint unpublished from ``count`` state groups at once (a
-        superseded one and the rest of its unit), its node updated once."""
-        self._unit_left(key, self._nodes.get(key), count)
-
-    def _unit_left(self, key: Hashable, node: list | None, count: int) -> None:
-        """A checkpoint left ``count`` state groups: its support goes if it was complete."""
-        if node is not None:
+    def unit_left(self, key: Hashable, count: int) -> None:
+        """What :meth:`removed` does to the node of a checkpoint that left ``count`` state groups
+        at once (its unit, evicted or unpublished), done once; evicted pages are not counted."""
+        if (node := self._nodes.get(key)) is not None:
             if node[3] == len(self.state_ids) and self._track and not node[5]:
                 self._drop_support(key)
             node[2] -= count
