@@ -172,6 +172,25 @@ def test_shared_system_prompt_is_borrowed_by_every_later_request():
     assert mgr.prefix.stats[C4KV].alone_hit_tokens == 4 * 1024 + 768
 
 
+def test_superseded_checkpoint_leaves_every_state_group_at_once():
+    """A decode commit unpublishes the checkpoint it supersedes from every state group (one
+    unit): one "removed" event per state group, in the groups' order, after the new one's
+    "stored" events; the same events as "group-lru", where each group lets go of its own."""
+    events = {}
+    for policy in ("value", "group-lru"):
+        mgr = make_manager(eviction_policy=policy)
+        run_request(mgr, "a", ids(30, 300), ids(31, 600))  # committed 899: 256, 512, 768
+        events[policy] = [(e.kind, e.group_id, e.block_hash, e.parent_hash, e.tokens, e.num_pages)
+                          for e in mgr.prefix.drain_events()]
+    assert events["value"] == events["group-lru"]
+    removed = [(e[1], e[4]) for e in events["value"] if e[0] == "removed"]
+    assert removed == [(g, d) for d in (256, 512) for g in mgr.prefix.state_ids]
+    assert sorted(mgr.prefix.state_ids) == sorted(STATE)
+    state_events = [(e[0], e[4]) for e in events["value"] if e[1] in STATE and (e[0], e[4]) != ("stored", 256)]
+    assert state_events == [("stored", 512)] * 4 + [("removed", 256)] * 4 + [("stored", 768)] * 4 + [
+        ("removed", 512)] * 4
+
+
 def test_multi_turn_chat_hits_each_turns_terminal_checkpoint():
     """The worked example of docs/prefix-caching.md."""
     mgr = make_manager()

@@ -35,7 +35,7 @@ import numpy as np
 import xxhash
 
 from hybridkv._checks import as_int
-from hybridkv.prefix.checkpoints import OWN, REUSED, SPECULATIVE, CheckpointOrder, CheckpointValues
+from hybridkv.prefix.checkpoints import OWN, REUSED, SPECULATIVE, CheckpointOrder, CheckpointValues, grain_multiple
 from hybridkv.prefix.checkpoints import checkpoint_policy as policy_from_options
 from hybridkv.prefix.eviction import GroupValueStats, ValueEviction
 from hybridkv.memory.pool import PagePool, PageSpace, idle_clock_tick
@@ -43,17 +43,6 @@ from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables.store import CommitPages, GroupTable
 
 HASH_ALGOS = ("xxh3_128", "sha256")
-
-
-def _interval_tokens(state_checkpoint_interval: int | None, grain_tokens: int) -> int | None:
-    """``state_checkpoint_interval`` checked: None, or a positive multiple of the grain."""
-    if state_checkpoint_interval is None:
-        return None
-    n = as_int("state_checkpoint_interval", state_checkpoint_interval)
-    if n <= 0 or n % grain_tokens:
-        raise ValueError(
-            f"state_checkpoint_interval must be a positive multiple of the grain {grain_tokens}, got {n}")
-    return n
 
 
 def _hash_fn(algo: str) -> Callable[[bytes], int]:
@@ -210,7 +199,8 @@ class PrefixCache:
         # nothing from before a boundary and is restorable at every one.
         self.state_ids = [gid for gid, n in windows.items() if n > 0]
         g = self.granularity_tokens = _grain(self.specs, windows, granularity_tokens)
-        self.state_checkpoint_interval = _interval_tokens(state_checkpoint_interval, g)
+        self.state_checkpoint_interval = None if state_checkpoint_interval is None else grain_multiple(
+            "state_checkpoint_interval", state_checkpoint_interval, g)
         # Which boundaries keep a speculative checkpoint (hybridkv.prefix.checkpoints).
         self.policy = policy_from_options(checkpoint_policy, prompt_checkpoints, checkpoint_interval_tokens, g)
         self.checkpoint_policy = self.policy.name
@@ -233,6 +223,7 @@ class PrefixCache:
         self._init_hit_placement(tables)
         self.tier_hook = None  # a hybridkv.tierlink.TierLink: told what is published and removed
         self._dropping = False  # unpublishing a superseded checkpoint (not an eviction)
+        self._muted = False  # the removed callbacks do nothing: _drop_unit books the removals itself
         self._init_eviction(eviction_policy)
 
     def _init_commit_reader(self, pools: Mapping[str, PagePool], tables: Mapping[str, GroupTable],
@@ -550,9 +541,27 @@ class PrefixCache:
             elif speculative:
                 pool.demote(key)
             else:
-                self._dropping = True
-                pool.unpublish(key)
-                self._dropping = False
+                self._drop_unit(gid, key)
+
+    def _drop_unit(self, gid: str, key: int) -> None:
+        """Unpublish a superseded checkpoint from state group ``gid`` and the rest of its unit
+        from the other state groups (as ``ValueEviction.removed`` would take it), booked
+        at once: the same removals, events and order as one at a time."""
+        pools = self.pools
+        gids = [gid]
+        if self.eviction.acts:
+            gids += [o for o in self.state_ids if o != gid and pools[o].lookup(key) is not None]
+        self._muted = True
+        try:
+            for o in gids:
+                pools[o].unpublish(key)
+        finally:
+            self._muted = False
+        self._dropping = True
+        raws = [self._book_removal(o, key) for o in gids]
+        self._dropping = False
+        self.eviction.unit_left(key, len(gids))
+        self._emit_many(raws)
 
     def _kept_by_value(self, key: int, boundary_tokens: int, req: CommittingRequest) -> bool:
         """"prefill-per-byte": a superseded checkpoint stays if the policy's placement
@@ -567,12 +576,7 @@ class PrefixCache:
         if hit_tokens == 0:
             return []
         key = hashes.key(hit_tokens)
-        own = OwnCheckpoint(hit_tokens)
-        for gid in self.state_ids:
-            pages = self.pools[gid].lookup(key)
-            if pages is not None:
-                own.entries[gid] = (key, pages)
-                self._holders[gid][key] = self._holders[gid].get(key, 0) + 1
+        own = self._hold(OwnCheckpoint(hit_tokens), key, [lookup(key) for lookup in self._state_lookups])
         if self.values is not None:
             self.values.hit(key)
         return [own] if own.entries else []
@@ -654,6 +658,8 @@ class PrefixCache:
     # --- events ---------------------------------------------------------------
     def _removed_callback(self, gid: str) -> Callable[[int, str, int], None]:
         def removed(key: int, cause: str, idle_pages: int) -> None:
+            if self._muted:
+                return
             self._emit_many((self._book_removal(gid, key),))
             self.eviction.removed(gid, key, cause, idle_pages)
 

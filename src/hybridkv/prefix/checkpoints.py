@@ -96,10 +96,15 @@ def checkpoint_policy(
         return CheckpointPolicy(name)
     if interval_tokens is None:
         raise ValueError("checkpoint_policy='interval' needs checkpoint_interval_tokens")
-    n = as_int("checkpoint_interval_tokens", interval_tokens)
+    return CheckpointPolicy(name, grain_multiple("checkpoint_interval_tokens", interval_tokens, grain_tokens))
+
+
+def grain_multiple(name: str, value: int, grain_tokens: int) -> int:
+    """``value`` checked: a positive multiple of the grain (ValueError naming ``name`` otherwise)."""
+    n = as_int(name, value)
     if n <= 0 or n % grain_tokens:
-        raise ValueError(f"checkpoint_interval_tokens must be a positive multiple of the grain {grain_tokens}, got {n}")
-    return CheckpointPolicy(name, n)
+        raise ValueError(f"{name} must be a positive multiple of the grain {grain_tokens}, got {n}")
+    return n
 
 
 def saved_prefill(boundary_tokens: int) -> float:
@@ -149,8 +154,8 @@ class CheckpointValues:
         # Keys published, hit or moved to another class since take_changed() last ran.
         self._changed: dict[Hashable, None] = {}
         self._members: dict[str, dict[Hashable, None]] = {kind: {} for kind in CLASSES}
-        self.successes = dict.fromkeys((SPECULATIVE, OWN, REUSED), 0)
-        self.failures = dict.fromkeys((SPECULATIVE, OWN, REUSED), 0)
+        self.successes = dict.fromkeys(CLASSES, 0)
+        self.failures = dict.fromkeys(CLASSES, 0)
 
     def published(self, key: Hashable, boundary_tokens: int, speculative: bool) -> None:
         if key not in self._records:
@@ -237,11 +242,10 @@ class CheckpointValues:
         speculative or reused class rated below ``REUSE_FLOOR``."""
         return kind != OWN and self.expected_reuse(kind) < REUSE_FLOOR
 
-    def score(self, key: Hashable, reuse: dict[str, float] | None = None) -> float:
-        """The checkpoint's score now (higher: kept longer), with the classes' expected
-        reuse ``reuse`` (default: as learned now); KeyError if not recorded."""
+    def score(self, key: Hashable) -> float:
+        """The checkpoint's score now (higher: kept longer); KeyError if not recorded."""
         boundary, kind, last_use, _, _ = self._records[key]
-        return self.score_of(boundary, last_use, self.expected_reuse(kind) if reuse is None else reuse[kind])
+        return self.score_of(boundary, last_use, self.expected_reuse(kind))
 
     def score_of(self, boundary_tokens: int, last_use: int, expected_reuse: float) -> float:
         """The score now of a checkpoint at ``boundary_tokens`` last used at ``last_use``
@@ -250,11 +254,11 @@ class CheckpointValues:
         value = math.log2(saved_prefill(d) * expected_reuse / (d + self.checkpoint_tokens))
         return value - (self.freed_requests - last_use) / VALUE_HALF_LIFE_REQUESTS
 
-    def order_key(self, key: Hashable, reuse: dict[str, float] | None = None) -> tuple:
+    def order_key(self, key: Hashable) -> tuple:
         """Where the checkpoint stands in :meth:`eviction_order` among its priority:
         (score, boundary, publication number)."""
         record = self._records[key]
-        return self.score(key, reuse), record[0], record[4]
+        return self.score(key), record[0], record[4]
 
     def static_key(self, key: Hashable) -> tuple:
         """The checkpoint's place among its class, which no freed request changes:
@@ -463,5 +467,5 @@ class CheckpointOrder:
 __all__ = [
     "ATTENTION_EQUAL_DEPTH_TOKENS", "CHECKPOINT_HISTORY_TOKENS", "CHECKPOINT_POLICIES", "CLASSES", "CheckpointOrder",
     "CheckpointPolicy", "CheckpointValues", "DEFAULT_CHECKPOINT_POLICY", "OWN", "REUSE_FLOOR", "REUSED", "SPECULATIVE",
-    "VALUE_HALF_LIFE_REQUESTS", "checkpoint_policy", "saved_prefill",
+    "VALUE_HALF_LIFE_REQUESTS", "checkpoint_policy", "grain_multiple", "saved_prefill",
 ]

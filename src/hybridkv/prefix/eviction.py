@@ -256,7 +256,7 @@ class ValueEviction:
         """:meth:`removed` of each (key, cause, idle pages) of ``removals`` (entries evicted
         or revoked from state group ``gid``) and of the rest of its unit (``rest``, from
         :meth:`take_units`), in the order one at a time gives, each unit's node updated once."""
-        whole, evicted = len(self.state_ids), self.evicted_pages
+        evicted = self.evicted_pages
         for key, cause, idle_pages in removals:
             node = self._nodes.get(key)
             evicted[gid][self._reason(gid, node, cause)] += idle_pages
@@ -265,12 +265,17 @@ class ValueEviction:
                 if key in freed:
                     evicted[other]["unit"] += freed[key]
                     taken += 1
-            if node is not None:
-                if node[3] == whole and self._track and not node[5]:
-                    self._drop_support(key)
-                node[2] -= taken
-                node[3] -= taken
-                self._forget_if_idle(key)
+            self.unit_left(key, taken)
+
+    def unit_left(self, key: Hashable, count: int) -> None:
+        """What :meth:`removed` does to the node of a checkpoint that left ``count`` state groups
+        at once (its unit, evicted or unpublished), done once; evicted pages are not counted."""
+        if (node := self._nodes.get(key)) is not None:
+            if node[3] == len(self.state_ids) and self._track and not node[5]:
+                self._drop_support(key)
+            node[2] -= count
+            node[3] -= count
+            self._forget_if_idle(key)
 
     def _reason(self, gid: str, node: list | None, cause: str) -> str:
         if cause == REVOKED:

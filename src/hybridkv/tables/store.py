@@ -237,13 +237,6 @@ class TableSet:
             stack[: new - have] = np.arange(new - 1, have - 1, -1)
             self.geometry[g, kernels.FREE_COUNT] = free + new - have
 
-    def _rings(self, pages: np.ndarray, g: int, rows: int) -> np.ndarray:
-        return _rings_of(pages, self.geometry, g, rows, self.tables[g])
-
-    def _lanes(self, pages: np.ndarray, g: int, rows: int) -> np.ndarray:
-        start, cols = self.geometry[g, kernels.LANE_START], self.tables[g].capacity_pages
-        return pages[start: start + rows * cols].reshape(rows, cols)
-
     def store_bytes(self) -> tuple[int, int]:
         """(bytes allocated for the store, bytes of it in use: the narrow rings and
         the lanes of wide rows)."""
@@ -349,12 +342,12 @@ class TableSet:
         self._add_lanes(have, new)
         self.pages = self._new_store(new)
         for g, t in enumerate(self.tables):
-            self._rings(self.pages, g, new)[:have] = _rings_of(old_pages, old_geometry, g, have, t)
+            _rings_of(self.pages, self.geometry, g, new, t)[:have] = _rings_of(old_pages, old_geometry, g, have, t)
             lanes = self.bounds[kernels.LANE, g, :have]
             used = lanes[lanes > 0] - 1
             if used.size:
-                old = _region(old_pages, old_geometry, g, kernels.LANE_START, have, t.capacity_pages)
-                self._lanes(self.pages, g, new)[used] = old[used]
+                old = _lanes_of(old_pages, old_geometry, g, have, t)
+                _lanes_of(self.pages, self.geometry, g, new, t)[used] = old[used]
         if self.log:
             # Logged ring-view indices move with the wider rows dimension.
             group, cell = np.divmod(np.concatenate(self.log), have * self.view_columns)
@@ -432,8 +425,9 @@ def _rings_of(pages: np.ndarray, geometry: np.ndarray, g: int, rows: int, table:
     return region.reshape(rows, cols) if table.sliding else region.reshape(cols, rows).T
 
 
-def _region(pages: np.ndarray, geometry: np.ndarray, g: int, start_column: int, rows: int, cols: int) -> np.ndarray:
-    start = geometry[g, start_column]
+def _lanes_of(pages: np.ndarray, geometry: np.ndarray, g: int, rows: int, table: GroupTable) -> np.ndarray:
+    """``[rows, capacity pages]`` view of group ``g``'s lanes."""
+    start, cols = geometry[g, kernels.LANE_START], table.capacity_pages
     return pages[start: start + rows * cols].reshape(rows, cols)
 
 
