@@ -430,7 +430,7 @@ def test_allocate_highest_takes_the_top_free_ids_in_lowest_first_pools():
 def _pool_state(pool):
     pool.check_invariants()  # merges pending releases, so both sides compare sorted stacks
     return (pool.ref_counts.tolist(), pool.free_page_ids().tolist(), list(pool._evictable),
-            sorted(pool._low_idle), pool.num_low_priority_idle_pages, pool.counters.as_dict(),
+            pool.num_low_priority_idle_pages, pool.counters.as_dict(),
             pool.peak_used_pages)
 
 
@@ -708,3 +708,71 @@ def test_evict_entries_leaves_the_pool_as_unpublishing_each_in_turn(data):
                      pool.num_low_priority_idle_pages, pool.counters.evicted_pages, pool.entry_keys()))
         pool.check_invariants()
     assert ends[0] == ends[1]
+
+
+def _reference_pack(pool, count):
+    """Packing as first written: while fewer than ``count`` idle pages were freed, the
+    lowest idle low-priority page (keyed, low priority, no holder) goes with its whole
+    entry, one entry at a time (each removal told before the next is chosen), if it lies
+    below the ``count``-th lowest free id (the stack as it is then)."""
+    freed = 0
+    while freed < count:
+        free = sorted(pool.free_page_ids().tolist())
+        bound = free[count - 1] if len(free) >= count else pool.num_pages
+        idle_low = [p for p in range(1, pool.num_pages)
+                    if pool.low_priority[p] and pool.cached[p] and pool.ref_counts[p] == 0]
+        if not idle_low or idle_low[0] >= bound:
+            return
+        key = next(k for k in pool.entry_keys() if idle_low[0] in pool.lookup(k))
+        freed += pool.unpublish(key, "evicted")
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), batch=st.booleans())
+def test_packing_evicts_the_entries_the_one_by_one_reference_evicts(data, batch):
+    """An allocation's packing (idle low-priority entries below the ids it takes evicted,
+    lowest id first) against ``_reference_pack``: the same entries leave in the same
+    order, the allocation gets the same ids and the free order ends alike. Entries are
+    1-3 pages, some partly held, some demoted or promoted once idle; without ``batch`` a
+    removal demotes another entry of the pool (a history pool's cascade), with it told
+    of all removals at once."""
+    n = data.draw(st.integers(12, 48), label="pages")
+    plan = data.draw(st.lists(st.tuples(st.integers(1, 3), st.sampled_from(["low", "normal", "plain"]),
+                                        st.integers(0, 2), st.sampled_from(["", "demote", "promote"])),
+                              min_size=1, max_size=14), label="entries")
+    cascade = data.draw(st.lists(st.integers(0, 13), max_size=6), label="demoted on removal")
+    want = data.draw(st.integers(1, n // 2), label="allocation")
+    sides = []
+    for reference in (False, True):
+        pool = PagePool("g", n, lowest_first=True)
+        log, todo = [], list(cascade)
+
+        def removed(key, cause, idle, pool=pool, log=log, todo=todo):
+            log.append((key, cause, idle))
+            while todo and not batch:
+                other = todo.pop(0)
+                if pool.lookup(other) is not None:
+                    pool.demote(other)
+                    break
+
+        pool.on_removed = removed
+        if batch:
+            pool.on_removed_many = lambda removals, log=log: log.extend(removals)
+        for i, (size, kind, held, later) in enumerate(plan):
+            if size > pool.num_clean_free_pages:
+                break
+            pages = pool.allocate(size)
+            if kind != "plain":
+                pool.publish(i, pages.tolist(), low_priority=kind == "low")
+            pool.decref(pages[held:].copy())
+            if kind != "plain" and later:
+                getattr(pool, later)(i)
+        if want > pool.num_free_pages:
+            return
+        if reference:
+            _reference_pack(pool, want)
+        got = pool.allocate(want).tolist()
+        pool.check_invariants()
+        sides.append((got, log, pool.free_page_ids().tolist(), pool.evictable_page_ids().tolist(),
+                      sorted(pool.entry_keys(), key=str)))
+    assert sides[0] == sides[1]
