@@ -727,21 +727,23 @@ def _reference_pack(pool, count):
         freed += pool.unpublish(key, "evicted")
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(data=st.data(), batch=st.booleans())
 def test_packing_evicts_the_entries_the_one_by_one_reference_evicts(data, batch):
-    """An allocation's packing (idle low-priority entries below the ids it takes evicted,
-    lowest id first) against ``_reference_pack``: the same entries leave in the same
-    order, the allocation gets the same ids and the free order ends alike. Entries are
-    1-3 pages, some partly held, some demoted or promoted once idle; without ``batch`` a
-    removal demotes another entry of the pool (a history pool's cascade), with it told
-    of all removals at once."""
+    """Packing (``make_room``: idle low-priority entries below the ids an allocation takes
+    evicted, lowest id first) against ``_reference_pack``, a few times in a row with
+    entries demoted and allocations made between: the same entries leave in the same
+    order and the free order ends alike (an allocation takes its top). Entries are 1-3
+    pages, some partly held, some demoted or promoted once idle; without ``batch`` each
+    removal may demote another entry of the pool (a history pool's cascade), with it
+    told of all removals at once."""
     n = data.draw(st.integers(12, 48), label="pages")
     plan = data.draw(st.lists(st.tuples(st.integers(1, 3), st.sampled_from(["low", "normal", "plain"]),
                                         st.integers(0, 2), st.sampled_from(["", "demote", "promote"])),
                               min_size=1, max_size=14), label="entries")
-    cascade = data.draw(st.lists(st.integers(0, 13), max_size=6), label="demoted on removal")
-    want = data.draw(st.integers(1, n // 2), label="allocation")
+    cascade = data.draw(st.lists(st.integers(0, 13), max_size=8), label="demoted on removal")
+    rounds = data.draw(st.lists(st.tuples(st.integers(1, n // 2), st.integers(0, 13)), min_size=1, max_size=3),
+                       label="allocations, then an entry demoted")
     sides = []
     for reference in (False, True):
         pool = PagePool("g", n, lowest_first=True)
@@ -767,12 +769,57 @@ def test_packing_evicts_the_entries_the_one_by_one_reference_evicts(data, batch)
             pool.decref(pages[held:].copy())
             if kind != "plain" and later:
                 getattr(pool, later)(i)
-        if want > pool.num_free_pages:
-            return
-        if reference:
-            _reference_pack(pool, want)
-        got = pool.allocate(want).tolist()
-        pool.check_invariants()
-        sides.append((got, log, pool.free_page_ids().tolist(), pool.evictable_page_ids().tolist(),
-                      sorted(pool.entry_keys(), key=str)))
-    assert sides[0] == sides[1]
+        states = []
+        for want, demoted in rounds:
+            if not reference:
+                pool.make_room(want)  # packing, then the LRU if the free stack is still short
+            else:
+                _reference_pack(pool, want)
+            if pool.num_clean_free_pages < want:
+                break  # the LRU's part: not what this test checks
+            pool.check_invariants()
+            states.append((list(log), pool.free_page_ids().tolist(), pool.evictable_page_ids().tolist(),
+                           sorted(pool.entry_keys(), key=str), pool.num_low_priority_idle_pages))
+            pool.allocate(want)
+            if pool.lookup(demoted) is not None:
+                pool.demote(demoted)
+        sides.append(states)
+    assert sides[0][: len(sides[1])] == sides[1]
+
+
+def test_packing_finds_idle_low_priority_pages_a_previous_packing_passed():
+    """Worked by hand: idle low-priority entries "a" (page 1) and "c" (page 10), free
+    ids 5, 6, 11-15. One page: "a" goes (below 5); "c" lies above the free ids then,
+    but three pages later go past it (5, 6, then 10), so that packing evicts "c"."""
+    pool = PagePool("g", 16, lowest_first=True)
+    a, plain, c = pool.allocate(1), pool.allocate(8), pool.allocate(1)  # 1; 2-9; 10
+    pool.publish("a", a.tolist(), low_priority=True)
+    pool.publish("c", c.tolist(), low_priority=True)
+    pool.decref(np.concatenate([a, c, plain[3:5]]))  # 5, 6 go free
+    assert pool.allocate(1).tolist() == [1]
+    assert pool.lookup("a") is None and pool.lookup("c") == (10,)
+    assert pool.allocate(3).tolist() == [5, 6, 10]
+    assert pool.lookup("c") is None
+    pool.check_invariants()
+
+
+def test_packing_one_by_one_sees_entries_a_removal_demoted():
+    """Worked by hand: a pool told of each removal at once (a history pool) whose
+    removal of "x" (low priority, page 3) demotes "y" (idle, page 1). Two pages, free
+    ids from 4: "x" goes, then "y", now low priority and below the second free id."""
+    pool = PagePool("g", 12, lowest_first=True)
+    pages = pool.allocate(3)  # 1, 2, 3
+    pool.publish("y", [1])
+    pool.publish("x", [3], low_priority=True)
+    removed = []
+
+    def on_removed(key, cause, idle):
+        removed.append((key, cause))
+        if key == "x":
+            pool.demote("y")
+
+    pool.on_removed = on_removed
+    pool.decref(np.array([pages[0], pages[2]]))
+    assert pool.allocate(2).tolist() == [1, 3]
+    assert removed == [("x", "evicted_low"), ("y", "evicted_low")]
+    pool.check_invariants()
