@@ -416,7 +416,7 @@ def test_allocate_highest_takes_the_top_free_ids_in_lowest_first_pools():
 def _pool_state(pool):
     pool.check_invariants()  # merges pending releases, so both sides compare sorted stacks
     return (pool.ref_counts.tolist(), pool.free_page_ids().tolist(), list(pool._evictable),
-            sorted(pool._low_idle), pool.num_low_priority_idle_pages, pool.counters.as_dict(),
+            pool.num_low_priority_idle_pages, pool.counters.as_dict(),
             pool.peak_used_pages)
 
 
@@ -721,3 +721,118 @@ def test_low_floors_follow_the_shared_skip_answer_and_each_pools_own():
     space = PageSpace(mixed)
     mixed[0].may_skip_packing, mixed[1].may_skip_packing = (lambda: True), (lambda: False)
     assert floors() == [kernels.NO_PACKING, kernels.NO_LOW_IDLE, kernels.NO_LOW_IDLE]
+
+
+def _reference_pack(pool, count):
+    """Packing as first written: while fewer than ``count`` idle pages were freed, the
+    lowest idle low-priority page (keyed, low priority, no holder) goes with its whole
+    entry, one entry at a time (each removal told before the next is chosen), if it lies
+    below the ``count``-th lowest free id (the stack as it is then)."""
+    freed = 0
+    while freed < count:
+        free = sorted(pool.free_page_ids().tolist())
+        bound = free[count - 1] if len(free) >= count else pool.num_pages
+        idle_low = [p for p in range(1, pool.num_pages)
+                    if pool.low_priority[p] and pool.cached[p] and pool.ref_counts[p] == 0]
+        if not idle_low or idle_low[0] >= bound:
+            return
+        key = next(k for k in pool.entry_keys() if idle_low[0] in pool.lookup(k))
+        freed += pool.unpublish(key, "evicted")
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), batch=st.booleans())
+def test_packing_evicts_the_entries_the_one_by_one_reference_evicts(data, batch):
+    """Packing (``make_room``: idle low-priority entries below the ids an allocation takes
+    evicted, lowest id first) against ``_reference_pack``, a few times in a row with
+    entries demoted and allocations made between: the same entries leave in the same
+    order and the free order ends alike (an allocation takes its top). Entries are 1-3
+    pages, some partly held, some demoted or promoted once idle; without ``batch`` each
+    removal may demote another entry of the pool (a history pool's cascade), with it
+    told of all removals at once."""
+    n = data.draw(st.integers(12, 48), label="pages")
+    plan = data.draw(st.lists(st.tuples(st.integers(1, 3), st.sampled_from(["low", "normal", "plain"]),
+                                        st.integers(0, 2), st.sampled_from(["", "demote", "promote"])),
+                              min_size=1, max_size=14), label="entries")
+    cascade = data.draw(st.lists(st.integers(0, 13), max_size=8), label="demoted on removal")
+    rounds = data.draw(st.lists(st.tuples(st.integers(1, n // 2), st.integers(0, 13)), min_size=1, max_size=3),
+                       label="allocations, then an entry demoted")
+    sides = []
+    for reference in (False, True):
+        pool = PagePool("g", n, lowest_first=True)
+        log, todo = [], list(cascade)
+
+        def removed(key, cause, idle, pool=pool, log=log, todo=todo):
+            log.append((key, cause, idle))
+            while todo and not batch:
+                other = todo.pop(0)
+                if pool.lookup(other) is not None:
+                    pool.demote(other)
+                    break
+
+        pool.on_removed = removed
+        if batch:
+            pool.on_removed_many = lambda removals, log=log: log.extend(removals)
+        for i, (size, kind, held, later) in enumerate(plan):
+            if size > pool.num_clean_free_pages:
+                break
+            pages = pool.allocate(size)
+            if kind != "plain":
+                pool.publish(i, pages.tolist(), low_priority=kind == "low")
+            pool.decref(pages[held:].copy())
+            if kind != "plain" and later:
+                getattr(pool, later)(i)
+        states = []
+        for want, demoted in rounds:
+            if not reference:
+                pool.make_room(want)  # packing, then the LRU if the free stack is still short
+            else:
+                _reference_pack(pool, want)
+            if pool.num_clean_free_pages < want:
+                break  # the LRU's part: not what this test checks
+            pool.check_invariants()
+            states.append((list(log), pool.free_page_ids().tolist(), pool.evictable_page_ids().tolist(),
+                           sorted(pool.entry_keys(), key=str), pool.num_low_priority_idle_pages))
+            pool.allocate(want)
+            if pool.lookup(demoted) is not None:
+                pool.demote(demoted)
+        sides.append(states)
+    assert sides[0][: len(sides[1])] == sides[1]
+
+
+def test_packing_finds_idle_low_priority_pages_a_previous_packing_passed():
+    """Worked by hand: idle low-priority entries "a" (page 1) and "c" (page 10), free
+    ids 5, 6, 11-15. One page: "a" goes (below 5); "c" lies above the free ids then,
+    but three pages later go past it (5, 6, then 10), so that packing evicts "c"."""
+    pool = PagePool("g", 16, lowest_first=True)
+    a, plain, c = pool.allocate(1), pool.allocate(8), pool.allocate(1)  # 1; 2-9; 10
+    pool.publish("a", a.tolist(), low_priority=True)
+    pool.publish("c", c.tolist(), low_priority=True)
+    pool.decref(np.concatenate([a, c, plain[3:5]]))  # 5, 6 go free
+    assert pool.allocate(1).tolist() == [1]
+    assert pool.lookup("a") is None and pool.lookup("c") == (10,)
+    assert pool.allocate(3).tolist() == [5, 6, 10]
+    assert pool.lookup("c") is None
+    pool.check_invariants()
+
+
+def test_packing_one_by_one_sees_entries_a_removal_demoted():
+    """Worked by hand: a pool told of each removal at once (a history pool) whose
+    removal of "x" (low priority, page 3) demotes "y" (idle, page 1). Two pages, free
+    ids from 4: "x" goes, then "y", now low priority and below the second free id."""
+    pool = PagePool("g", 12, lowest_first=True)
+    pages = pool.allocate(3)  # 1, 2, 3
+    pool.publish("y", [1])
+    pool.publish("x", [3], low_priority=True)
+    removed = []
+
+    def on_removed(key, cause, idle):
+        removed.append((key, cause))
+        if key == "x":
+            pool.demote("y")
+
+    pool.on_removed = on_removed
+    pool.decref(np.array([pages[0], pages[2]]))
+    assert pool.allocate(2).tolist() == [1, 3]
+    assert removed == [("x", "evicted_low"), ("y", "evicted_low")]
+    pool.check_invariants()

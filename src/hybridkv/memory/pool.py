@@ -30,6 +30,7 @@ from hybridkv.runtime import kernels
 
 NULL_PAGE = 0
 _LOW_EVICT_PAGES = 16  # idle low-priority pages an eviction frees beyond the allocation's need
+_SCAN_PAGES = 64  # idle low-priority ids one scan of the flags lists for packing
 # One clock for every pool: when a keyed page last went idle, comparable across groups
 # (a request's pages in all groups go idle at one tick when it is freed).
 _IDLE_CLOCK = itertools.count(1)
@@ -148,9 +149,10 @@ class PagePool:
         self._slot = 0
         self._granted_pages = 0
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        # Lowest-first pools: idle low-priority page ids (a min-heap, stale ids skipped),
-        # reused in id order like free pages so they do not push live pages up.
-        self._low_idle: list[int] = []
+        # Lowest-first pools reuse idle low-priority pages in id order like free pages, so
+        # they do not push live pages up: a lower bound of their ids (``num_pages``: none
+        # yet), lowered as pages join them and raised by packing's scan of the flags.
+        self._low_floor = self.num_pages
         # Per page: the idle clock's tick when it last became cached-evictable.
         self.idle_tick = np.zeros(self.num_pages, dtype=np.int64)
 
@@ -277,7 +279,7 @@ class PagePool:
         take the highest free ids), then least recently used entries while the stack is
         short. The one place allocation evicts."""
         long = count - highest
-        if self._low_idle and long > 0:
+        if self._low_idle_pages and self.lowest_first and long > 0:
             if self._top < long or self.must_pack is None or self.must_pack(int(self._stack[self._top - long]),
                                                                              long):
                 self._evict_low_below(long)
@@ -294,35 +296,62 @@ class PagePool:
     def _evict_low_below(self, count: int) -> None:
         """Evict idle low-priority entries holding ids below the ``count`` lowest free
         ones, so an allocation takes the lowest ids of free and low-priority pages (the
-        ids an eviction frees count as free for the next): one batch where telling of a
-        removal cannot change this pool (``on_removed_many`` set, or no one to tell),
-        else each entry at once."""
-        heap, evictable, low, ref = self._low_idle, self._evictable, self.low_priority, self.ref_counts
-        batch = self.on_removed is None or self.on_removed_many is not None
+        ids an eviction frees count as free for the next), lowest id first: one batch
+        where telling of a removal cannot change this pool (``on_removed_many`` set, or
+        no one to tell), else each entry at once (``_evict_low_each``)."""
+        if self.on_removed is not None and self.on_removed_many is None:
+            self._evict_low_each(count)
+            return
+        ref, page_key = self.ref_counts, self._page_key
         freed, keys, gone = 0, [], set()
         lowest = _LowestFree(self._stack, self._top, count, self.num_pages)
-        while heap and freed < count:
-            page = heap[0]
-            if page not in evictable or not low[page] or page in gone:
-                heapq.heappop(heap)  # stale: borrowed, evicted or promoted meanwhile
-                continue
-            if page >= lowest.bound:
+        floor = -1  # the lowest idle low-priority id left, once known
+        candidates = self._low_idle_ids(lowest.bound, _SCAN_PAGES)
+        while candidates:
+            page = candidates.pop()
+            if page in gone:
+                pass
+            elif page >= lowest.bound or freed >= count:
+                floor = page
                 break
-            heapq.heappop(heap)
-            key = self._page_key[page]
-            if not batch:
-                freed += self._unpublish_many([key])
-                lowest = _LowestFree(self._stack, self._top, count, self.num_pages)
-                continue
-            pages = self._entries[key]
-            keys.append(key)
-            gone.update(pages)
-            for p in pages:
-                if ref[p] == 0:
-                    lowest.add(p)
-                    freed += 1
+            else:
+                keys.append(page_key[page])
+                pages = self._entries[keys[-1]]
+                gone.update(pages)
+                for p in pages:
+                    if ref[p] == 0:
+                        lowest.add(p)
+                        freed += 1
+            if not candidates:  # the next ids after ``page``
+                candidates = self._low_idle_ids(lowest.bound, _SCAN_PAGES, page + 1)
+        # None left below the bound the scans stopped at (it only fell meanwhile).
+        self._low_floor = floor if floor >= 0 else max(self._low_floor, lowest.bound)
         if keys:
             self._unpublish_many(keys)
+
+    def _evict_low_each(self, count: int) -> None:
+        """:meth:`_evict_low_below` one entry at a time, the flags scanned again after each
+        removal (what ``on_removed`` does may demote entries of this pool)."""
+        freed = 0
+        while freed < count:
+            bound = _LowestFree(self._stack, self._top, count, self.num_pages).bound
+            first = self._low_idle_ids(bound, 1)
+            if not first:
+                self._low_floor = max(self._low_floor, bound)
+                return
+            self._low_floor = first[0]  # no idle low-priority page below it; its entry goes now
+            freed += self._unpublish_many([self._page_key[first[0]]])
+
+    def _low_idle_ids(self, bound: int, most: int, start: int = -1) -> list[int]:
+        """The first ``most`` idle low-priority page ids from ``start`` (default
+        ``_low_floor``) up to ``bound`` (excluded), the lowest last (popped first): one
+        scan of the flags (``kernels.low_idle_ids``)."""
+        start = self._low_floor if start < 0 else start
+        if start >= bound:
+            return []
+        out = np.empty(most, dtype=np.int64)
+        n = kernels.low_idle_ids(self.low_priority, self.cached, self.ref_counts, start, bound, out)
+        return out[:n][::-1].tolist()
 
     def incref(self, pages: np.ndarray | Sequence[int], *, distinct: bool = False) -> None:
         """Take one more reference on held or cached pages (a prefix hit borrowing them);
@@ -418,9 +447,7 @@ class PagePool:
             for page in low_pages:  # each to the front: the last one listed ends first
                 evictable.move_to_end(page, last=False)
             self._low_idle_pages += len(low_pages)
-            if self.lowest_first:
-                for page in low_pages:
-                    heapq.heappush(self._low_idle, page)
+            self._low_floor = min(self._low_floor, *low_pages)
         if self.ranker is not None:
             low, page_key = self.low_priority, self._page_key
             self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in listed if not low[p]], tick)
@@ -515,8 +542,8 @@ class PagePool:
             if page in evictable:
                 idle += 1
                 evictable.move_to_end(page, last=False)
-                if self.lowest_first:
-                    heapq.heappush(self._low_idle, page)
+                if page < self._low_floor:
+                    self._low_floor = page
         if idle and not was_low:
             self._lows[self._slot] += idle  # _low_idle_pages
 
@@ -756,7 +783,7 @@ class PageSpace:
     def low_floors(self) -> np.ndarray:
         """``per_group``, once ``low_floor[g]`` holds: for a lowest-first pool (one that may
         pack: ``PagePool.make_room``), a lower bound of its idle low-priority pages' ids (the
-        smallest id its heap lists, possibly stale) or ``kernels.NO_LOW_IDLE`` when it has
+        ``_low_floor``) or ``kernels.NO_LOW_IDLE`` when it has
         none; ``kernels.NO_PACKING`` for every other pool and for one whose
         ``may_skip_packing`` says so. What ``kernels.needs_room`` reads: a step stops for
         Python when such a page lies below the ids it would take, and ``make_room`` decides."""
@@ -779,7 +806,7 @@ class PageSpace:
                     asked, skip = ask, ask()
                 if skip:
                     continue
-            out[g] = pool._low_idle[0] if pool._low_idle and self.low_idle[g] else kernels.NO_LOW_IDLE
+            out[g] = pool._low_floor if self.low_idle[g] else kernels.NO_LOW_IDLE
         return self.per_group
 
     def keyed_idle(self, per_group: np.ndarray, keyed: np.ndarray) -> None:

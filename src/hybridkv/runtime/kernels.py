@@ -877,6 +877,21 @@ def drop_entries(listed, n_entries, ref, keyed, low_priority, stack, top, lowest
 
 
 @njit(cache=True)
+def low_idle_ids(low_priority, keyed, ref, start, bound, out):
+    """A pool's idle low-priority pages (keyed, low priority, no holder) with ids in
+    ``[start, bound)``, ascending, into ``out`` until it is full (what packing evicts
+    first: ``PagePool._evict_low_below``). Returns how many."""
+    n = 0
+    for page in range(start, bound):
+        if low_priority[page] and keyed[page] and ref[page] == 0:
+            out[n] = page
+            n += 1
+            if n == out.size:
+                break
+    return n
+
+
+@njit(cache=True)
 def push_free(stack, top, offsets, lowest, per_group, freed):
     """``push_run`` of each group's freed local ids (``freed``, group after group,
     ``per_group[g]`` of them, in logical order)."""
