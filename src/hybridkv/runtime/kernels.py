@@ -1035,16 +1035,23 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
             pick = lowest
         if pick < 0:
             break
-        gain = inner_pages[pick]
-        if pick > 0 and owner[pick - 1] == group and straddle[pick] >= 0:
-            gain += 1
-        if pick < n - 1 and owner[pick + 1] == group and straddle[pick + 1] >= 0:
-            gain += 1
-        short_pages -= gain
+        short_pages -= slab_gain(owner, group, inner_pages, straddle, pick)
         owner[pick] = group
         taken[n_taken] = pick
         n_taken += 1
     return n_taken, short_pages
+
+
+@njit(cache=True)
+def slab_gain(owner, group, inner_pages, straddle, s):
+    """The pages ``group`` gains with slab ``s``: its ``inner_pages`` plus the straddler
+    of each boundary with a slab the group owns (``straddle[b] >= 0``)."""
+    gain = inner_pages[s]
+    if s > 0 and owner[s - 1] == group and straddle[s] >= 0:
+        gain += 1
+    if s < owner.size - 1 and owner[s + 1] == group and straddle[s + 1] >= 0:
+        gain += 1
+    return gain
 
 
 @njit(cache=True)
@@ -1072,12 +1079,7 @@ def take_donor_slabs(owner, donor, group, inner_idle, edge_idle, donor_inner, do
         if give > left_pages or not idle:
             continue
         left_pages -= give
-        gain = inner_pages[s]
-        if s > 0 and owner[s - 1] == group and straddle[s] >= 0:
-            gain += 1
-        if s < n - 1 and owner[s + 1] == group and straddle[s + 1] >= 0:
-            gain += 1
-        short_pages -= gain
+        short_pages -= slab_gain(owner, group, inner_pages, straddle, s)
         owner[s] = group
         taken[n_taken] = s
         n_taken += 1
