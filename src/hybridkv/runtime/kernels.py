@@ -300,6 +300,28 @@ def settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts):
 
 
 @njit(cache=True)
+def plan_group(geometry, bounds, g, rows, counts, first, n, settle, load_tokens, after, need):
+    """``prepare_step``'s plan of group ``g`` for the first ``n`` of ``rows`` (``settle`` of
+    them settling): each row's base and hi after the step (``after[:, g]``) and pages
+    holding its tokens (``need[g]``); returns (pages released, pages allocated)."""
+    tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
+    released, allocated = 0, 0
+    for r in range(n):
+        row = rows[r]
+        base, hi = bounds[BASE, g, row], bounds[HI, g, row]
+        new_base = base
+        if window > 0 and load_tokens.size and r >= settle:
+            new_base = max(base, divide(max(first[r] + counts[r] - load_tokens[g], 0), tokens, shift))
+        elif window > 0:
+            new_base = max(base, min(divide(max(first[r] - window + 1, 0), tokens, shift), hi))
+        held = divide(first[r] + counts[r] + tokens - 1, tokens, shift)
+        after[0, g, r], after[1, g, r], need[g, r] = new_base, max(hi, held), held
+        released += min(new_base, hi) - base
+        allocated += after[1, g, r] - max(hi, new_base)
+    return released, allocated
+
+
+@njit(cache=True)
 def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in, counts_in, grain, top, mark,
                  rows, counts, first, after, need, sums, crossing, totals, load_tokens):
     """The plan of a step of ``rows_in`` (table rows) writing ``counts_in`` tokens each; pure
@@ -345,20 +367,7 @@ def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_i
     for r in range(n):
         totals[0] += counts[r]
     for g in range(geometry.shape[0]):
-        tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
-        released, allocated = 0, 0
-        for r in range(n):
-            row = rows[r]
-            base, hi = bounds[BASE, g, row], bounds[HI, g, row]
-            new_base = base
-            if window > 0 and load_tokens.size and r >= settle:
-                new_base = max(base, divide(max(first[r] + counts[r] - load_tokens[g], 0), tokens, shift))
-            elif window > 0:
-                new_base = max(base, min(divide(max(first[r] - window + 1, 0), tokens, shift), hi))
-            held = divide(first[r] + counts[r] + tokens - 1, tokens, shift)
-            after[0, g, r], after[1, g, r], need[g, r] = new_base, max(hi, held), held
-            released += min(new_base, hi) - base
-            allocated += after[1, g, r] - max(hi, new_base)
+        released, allocated = plan_group(geometry, bounds, g, rows, counts, first, n, settle, load_tokens, after, need)
         sums[0, g], sums[1, g] = released, allocated
         totals[1] += released
         totals[2] = max(totals[2], released)
