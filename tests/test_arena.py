@@ -25,6 +25,25 @@ def small_geometry(slabs=4):
     return arena_geometry(SMALL_BYTES, 60 + 240 * slabs + 17, anchor_group="kv", slab_anchor_pages=8)
 
 
+def packing_arena(slabs=12):
+    """A ``small_geometry`` arena with one lowest-first pool per group, no slab granted:
+    (geometry, pools by group, arena)."""
+    geometry = small_geometry(slabs)
+    pools = {gid: PagePool(gid, geometry.view_pages(gid), granted=False, lowest_first=True) for gid in SMALL_BYTES}
+    return geometry, pools, Arena(geometry, pools)
+
+
+def grant_and_allocate(data, pools, arena):
+    """A drawn group is granted slabs for up to 30 pages (partly, as they fit) and
+    allocates some of its free pages: (group, its pool)."""
+    gid = data.draw(st.sampled_from(sorted(SMALL_BYTES)))
+    pool = pools[gid]
+    arena.apply(arena.plan({gid: data.draw(st.integers(0, 30))}, {}, partial=True))
+    if pool.num_free_pages:
+        pool.allocate(data.draw(st.integers(1, pool.num_free_pages)))
+    return gid, pool
+
+
 def small_manager(slabs=4, **kw):
     return CacheManager([SWA, KV], None, max_context_tokens=256, max_step_tokens=64,
                         arena=small_geometry(slabs), **kw)
@@ -272,9 +291,8 @@ def test_while_roomy_live_pages_spread_over_at_most_two_slabs_more_than_they_fil
     entry, slab 5 free. One more live page fills one slab: in slab 5 it would spread the
     live pages over 3 slabs (allowed: 1 + 2) or 4 (not: the lowest entry, id 3, is evicted
     and its id taken)."""
-    geometry = small_geometry(12)
-    pools = {gid: PagePool(gid, geometry.view_pages(gid), granted=False, lowest_first=True) for gid in SMALL_BYTES}
-    arena, kv = Arena(geometry, pools), pools["kv"]
+    _, pools, arena = packing_arena()
+    kv = pools["kv"]
     arena.apply(arena.plan({"kv": 48}, {}))
     pages = kv.allocate(40)
     assert pages.tolist() == list(range(2, 42)) and arena.roomy()
@@ -490,9 +508,7 @@ def test_must_pack_counting_the_groups_slabs_answers_as_the_whole_pool_scan(data
     """Random slab grants, allocations (straddling pages included) and releases in two
     groups of a 12-slab arena, roomy or not: for every free id and allocation size the
     pool's rule answers as the whole-pool reference."""
-    geometry = small_geometry(12)
-    pools = {gid: PagePool(gid, geometry.view_pages(gid), granted=False, lowest_first=True) for gid in SMALL_BYTES}
-    arena = Arena(geometry, pools)
+    geometry, pools, arena = packing_arena()
     for _ in range(data.draw(st.integers(1, 12))):
         gid = data.draw(st.sampled_from(sorted(SMALL_BYTES)))
         pool = pools[gid]
@@ -518,9 +534,8 @@ def test_live_pages_straddling_two_slabs_count_for_the_slab_of_their_first_byte(
     boundaries (ids 7, 13, 19, 25, 31: first bytes in slabs 0-4). Live pages then lie in
     5 slabs though they fill one: any long-lived page in a slab without live inner pages
     must reuse lower ids first (5 + 1 > ceil(6 / 5) + 2)."""
-    geometry = small_geometry(12)
-    pools = {gid: PagePool(gid, geometry.view_pages(gid), granted=False, lowest_first=True) for gid in SMALL_BYTES}
-    arena, swa = Arena(geometry, pools), pools["swa"]
+    geometry, pools, arena = packing_arena()
+    swa = pools["swa"]
     arena.apply(arena.plan({"swa": 30}, {}))
     straddling = [7, 13, 19, 25, 31]
     assert geometry.boundary_pages("swa")[1:6].tolist() == straddling
@@ -562,15 +577,9 @@ def test_idle_slabs_and_the_oldest_idle_tick_answer_as_the_whole_pool_scan(data)
     normal-priority idle page as the pool's LRU."""
     from hybridkv.runtime import kernels
 
-    geometry = small_geometry(12)
-    pools = {gid: PagePool(gid, geometry.view_pages(gid), granted=False, lowest_first=True) for gid in SMALL_BYTES}
-    arena = Arena(geometry, pools)
+    geometry, pools, arena = packing_arena()
     for step in range(data.draw(st.integers(1, 12))):
-        gid = data.draw(st.sampled_from(sorted(SMALL_BYTES)))
-        pool = pools[gid]
-        arena.apply(arena.plan({gid: data.draw(st.integers(0, 30))}, {}, partial=True))
-        if pool.num_free_pages:
-            pool.allocate(data.draw(st.integers(1, pool.num_free_pages)))
+        gid, pool = grant_and_allocate(data, pools, arena)
         held = np.flatnonzero((pool.ref_counts > 0) & ~pool.cached)
         rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
         for k, page in enumerate(rng.permutation(held)[: data.draw(st.integers(0, held.size))].tolist()):
@@ -657,16 +666,10 @@ def test_donor_slabs_are_lent_as_the_one_at_a_time_reference(data):
     reference's: same slabs, same order, the donors' surplus and straddlers respected."""
     from hybridkv.memory.arena import IdleScan
 
-    geometry = small_geometry(12)
-    pools = {gid: PagePool(gid, geometry.view_pages(gid), granted=False, lowest_first=True) for gid in SMALL_BYTES}
-    arena = Arena(geometry, pools)
+    _, pools, arena = packing_arena()
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
     for step in range(data.draw(st.integers(1, 8))):
-        gid = data.draw(st.sampled_from(sorted(SMALL_BYTES)))
-        pool = pools[gid]
-        arena.apply(arena.plan({gid: data.draw(st.integers(0, 30))}, {}, partial=True))
-        if pool.num_free_pages:
-            pool.allocate(data.draw(st.integers(1, pool.num_free_pages)))
+        gid, pool = grant_and_allocate(data, pools, arena)
         held = np.flatnonzero((pool.ref_counts > 0) & ~pool.cached)
         for k, page in enumerate(rng.permutation(held)[: data.draw(st.integers(0, held.size))].tolist()):
             pool.publish((step, gid, k), [page])
