@@ -689,34 +689,41 @@ class CacheManager:
         not fit, admit greedily in batch order. Sets ``plan.grants``."""
         plan, ids = releases.plan, self._group_ids
         avail = {gid: pool.num_free_pages for gid, pool in zip(ids, self._pool_list)}
-        arena, scan = self.arena, IdleScan()
         # Per-row allocations only to leave out the rows denied already (else the plan's sums).
         alloc = None if fits.all() else self._allocations(plan)
         gross = plan.sums[1].tolist() if alloc is None else [int(alloc[g][fits].sum()) for g in ids]
-
         # Releases all happen before allocations, so only the admitted totals matter.
-        def totals_fit(want: list[int]) -> bool:
-            plan.grants = _grants_to_fit(arena, dict(zip(ids, want)), avail, scan)
-            return plan.grants is not None
-
-        if not totals_fit(gross) or any(donor is not None for _, _, donor in plan.grants):
-            # The step's releases run before slabs move, so a donor slab whose pages are
-            # all idle once they are released can be lent too; and a group whose own
-            # releases cover it takes no slab from another (which would evict there).
-            # Spare slabs evict nothing: a plan of those alone stands.
-            scan = IdleScan(releasing={g: releases.of(k)[1] for k, g in enumerate(ids) if plan.sums[0, k]})
-            credit = [releases.of(k)[0] for k in range(len(ids))]
-            net = [n - (releases.of(k)[1].size if alloc is None else int(credit[k][fits].sum()))
-                   for k, n in enumerate(gross)]
-            if not totals_fit(net):
-                alloc = self._allocations(plan) if alloc is None else alloc
-                need = {g: alloc[g] - credit[k] for k, g in enumerate(ids)}
-                self._deny_greedily(alloc, need, avail, fits, deny, arena, scan, plan)
+        plan.grants = _grants_to_fit(self.arena, dict(zip(ids, gross)), avail, IdleScan())
+        if plan.grants is None or any(donor is not None for _, _, donor in plan.grants):
+            if not self._fit_net(releases, fits, deny, gross, alloc, avail):
                 return
-        if arena is not None:
+        if self.arena is not None:
             # As when no credit is needed: a group that would evict cached pages grows instead.
             # Gross sums: the pages the releases free (not those they leave cached) count there.
             plan.grants = plan.grants + self._grow_instead_of_evicting(gross, releases, after=plan.grants)
+
+    def _fit_net(self, releases: _Releases, fits: np.ndarray, deny: dict[int, str], gross: list[int],
+                 alloc: dict[str, np.ndarray] | None, avail: dict[str, int]) -> bool:
+        """``_fit_with_credit`` when the ``gross`` totals do not fit, or fit only by taking
+        another group's slab: the totals net of the release credit. True when they fit
+        (``plan.grants`` set); else the rows are admitted greedily (``deny``) and False.
+
+        The step's releases run before slabs move, so a donor slab whose pages are all
+        idle once they are released can be lent too; and a group whose own releases
+        cover it takes no slab from another (which would evict there). Spare slabs
+        evict nothing: a plan of those alone stands."""
+        plan, ids, arena = releases.plan, self._group_ids, self.arena
+        scan = IdleScan(releasing={g: releases.of(k)[1] for k, g in enumerate(ids) if plan.sums[0, k]})
+        credit = [releases.of(k)[0] for k in range(len(ids))]
+        net = [n - (releases.of(k)[1].size if alloc is None else int(credit[k][fits].sum()))
+               for k, n in enumerate(gross)]
+        plan.grants = _grants_to_fit(arena, dict(zip(ids, net)), avail, scan)
+        if plan.grants is not None:
+            return True
+        alloc = self._allocations(plan) if alloc is None else alloc
+        need = {g: alloc[g] - credit[k] for k, g in enumerate(ids)}
+        self._deny_greedily(alloc, need, avail, fits, deny, arena, scan, plan)
+        return False
 
     def _grow_instead_of_evicting(self, sums: list[int], releases: _Releases, after: list | None = None) -> list:
         """Slabs for groups that would have to evict cached pages to get ``sums`` pages
@@ -972,6 +979,12 @@ class CacheManager:
                 return verdict
         if verdict is None:
             verdict = self._admit(items, fixed_width, uniform)
+        return self._run_verdict(verdict, items, uniform, write_slots, updates, fixed_width, load)
+
+    def _run_verdict(self, verdict: _Verdict, items, uniform, write_slots: bool, updates: bool, fixed_width: bool,
+                     load: bool) -> StepBatch:
+        """The step ``verdict`` admitted (its refusal raised, else stages 2-4 run); a load
+        step's spans noted first."""
         refusal = verdict.refusal(len(items) if uniform is None else len(uniform[0]))
         if refusal is not None:
             raise CacheManagerError(refusal)
