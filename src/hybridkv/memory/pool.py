@@ -545,7 +545,7 @@ class PagePool:
                 if page < self._low_floor:
                     self._low_floor = page
         if idle and not was_low:
-            self._lows[self._slot] += idle  # _low_idle_pages
+            self._low_idle_pages += idle
 
     def unpublish(self, key: Hashable, cause: str = UNPUBLISHED) -> int:
         """Drop an entry; its pages that no request holds go back to the free stack
