@@ -38,7 +38,7 @@ from hybridkv._checks import as_int
 from hybridkv.prefix.checkpoints import OWN, REUSED, SPECULATIVE, CheckpointOrder, CheckpointValues, grain_multiple
 from hybridkv.prefix.checkpoints import checkpoint_policy as policy_from_options
 from hybridkv.prefix.eviction import GroupValueStats, ValueEviction
-from hybridkv.memory.pool import PagePool, PageSpace, idle_clock_tick
+from hybridkv.memory.pool import PagePool, idle_clock_tick
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables.store import CommitPages, GroupTable
 
@@ -185,7 +185,6 @@ class PrefixCache:
         max_buffered_events: int = 100_000,
         checkpoint_window_tokens: Mapping[str, int] | None = None,
         eviction_policy: str = "value",
-        page_space: PageSpace,
     ):
         self.specs = tuple(specs)
         windows = _checkpoint_windows(self.specs, checkpoint_window_tokens)
@@ -219,21 +218,21 @@ class PrefixCache:
         # the entry is unpublished when none is left. Pinned holds are never dropped.
         self._holders: dict[str, dict[int, int]] = {gid: {} for gid in self.state_ids}
         self._windows = windows
-        self._init_commit_reader(pools, tables, windows, page_space)
-        self._init_hit_placement(tables)
+        self._init_hit_placement(tables)  # finds the pools' page space first
+        self._init_commit_reader(pools, tables, windows)
         self.tier_hook = None  # a hybridkv.tierlink.TierLink: told what is published and removed
         self._dropping = False  # unpublishing a superseded checkpoint (not an eviction)
         self._muted = False  # the removed callbacks do nothing: _drop_unit books the removals itself
         self._init_eviction(eviction_policy)
 
     def _init_commit_reader(self, pools: Mapping[str, PagePool], tables: Mapping[str, GroupTable],
-                            windows: Mapping[str, int], page_space: PageSpace) -> None:
+                            windows: Mapping[str, int]) -> None:
         """What a commit publishes, read in one call (``_reader``): per history group (group,
         pool, pages per block, its stats), per state group storing checkpoints (group, pool,
         pages per checkpoint, its holders, its stats)."""
         g = self.granularity_tokens
         self._reader = CommitPages([(tables[gid], g // tables[gid].page_tokens) for gid in self.history_ids],
-                                   [(tables[gid], windows[gid]) for gid in self.state_ids], page_space)
+                                   [(tables[gid], windows[gid]) for gid in self.state_ids], self._space)
         self._history_lookups = [pools[gid].lookup for gid in self.history_ids]
         self._state_lookups = [pools[gid].lookup for gid in self.state_ids]
         self._history_groups = [(gid, pools[gid], n, self.stats[gid])

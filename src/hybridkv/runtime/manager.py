@@ -261,7 +261,7 @@ class CacheManager:
                 checkpoint_policy=checkpoint_policy, checkpoint_interval_tokens=checkpoint_interval_tokens,
                 on_event=on_event,
                 checkpoint_window_tokens=checkpoint_window_tokens,
-                eviction_policy=eviction_policy, page_space=self._space,
+                eviction_policy=eviction_policy,
             )
         self._grain = self.prefix.granularity_tokens if self.prefix is not None else 0  # tokens per prefix grain
         # Per group, the trailing tokens a checkpoint of it stores (0: none).
