@@ -556,7 +556,7 @@ class PagePool:
         return removal[2]
 
     def _drop_entry(self, key: Hashable, cause: str) -> tuple[Hashable, str, int]:
-        """:meth:`_drop_entries` of one entry (a few pages: plain loops beat building arrays)."""
+        """:meth:`drop_entries` of one entry (a few pages: plain loops beat building arrays)."""
         pages = self._entries.pop(key)
         free = []
         flags = self.low_priority
@@ -649,15 +649,16 @@ class PagePool:
         """Unpublish the published entries ``keys`` as evictions (their idle pages counted as
         evicted). Tells no one: returns, per entry in order, what :meth:`unpublish` would
         tell ``on_removed``."""
-        removals = self._drop_entries(keys, cause)
+        removals = self.drop_entries(keys, cause)
         self.counters.evicted_pages += sum(idle for _, _, idle in removals)
         return removals
 
-    def _drop_entries(self, keys: Sequence[Hashable], cause: str) -> list[tuple[Hashable, str, int]]:
-        """Drop published entries in one compiled pass over their pages
-        (``kernels.drop_entries``): the free stack ends as after one :meth:`unpublish`
-        each, in order (the last entry's pages on top). Per entry, in order: (key, cause:
-        ``EVICTED_LOW`` for a low-priority entry evicted, idle pages freed)."""
+    def drop_entries(self, keys: Sequence[Hashable], cause: str = UNPUBLISHED) -> list[tuple[Hashable, str, int]]:
+        """Unpublish the published entries ``keys`` in one compiled pass over their pages
+        (``kernels.drop_entries``), telling no one and counting no eviction: the free
+        stack ends as after one :meth:`unpublish` each, in order (the last entry's pages
+        on top). Per entry, in order, what :meth:`unpublish` would tell ``on_removed``:
+        (key, cause: ``EVICTED_LOW`` for a low-priority entry evicted, idle pages freed)."""
         if len(keys) == 1:
             return [self._drop_entry(keys[0], cause)]
         entries, page_key, listed = self._entries, self._page_key, []

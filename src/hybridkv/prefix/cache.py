@@ -222,7 +222,6 @@ class PrefixCache:
         self._init_commit_reader(pools, tables, windows)
         self.tier_hook = None  # a hybridkv.tierlink.TierLink: told what is published and removed
         self._dropping = False  # unpublishing a superseded checkpoint (not an eviction)
-        self._muted = False  # the removed callbacks do nothing: _drop_unit books the removals itself
         self._init_eviction(eviction_policy)
 
     def _init_commit_reader(self, pools: Mapping[str, PagePool], tables: Mapping[str, GroupTable],
@@ -550,12 +549,8 @@ class PrefixCache:
         gids = [gid]
         if self.eviction.acts:
             gids += [o for o in self.state_ids if o != gid and pools[o].lookup(key) is not None]
-        self._muted = True
-        try:
-            for o in gids:
-                pools[o].unpublish(key)
-        finally:
-            self._muted = False
+        for o in gids:
+            pools[o].drop_entries([key])  # tells no one: the removals are booked below
         self._dropping = True
         raws = [self._book_removal(o, key) for o in gids]
         self._dropping = False
@@ -657,8 +652,6 @@ class PrefixCache:
     # --- events ---------------------------------------------------------------
     def _removed_callback(self, gid: str) -> Callable[[int, str, int], None]:
         def removed(key: int, cause: str, idle_pages: int) -> None:
-            if self._muted:
-                return
             self._emit_many((self._book_removal(gid, key),))
             self.eviction.removed(gid, key, cause, idle_pages)
 

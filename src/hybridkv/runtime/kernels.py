@@ -859,7 +859,7 @@ def push_run(stack, top, lowest, run):
 
 @njit(cache=True)
 def drop_entries(listed, n_entries, ref, keyed, low_priority, stack, top, lowest, out):
-    """``n_entries`` entries leaving one pool (``PagePool._drop_entries``), the last one
+    """``n_entries`` entries leaving one pool (``PagePool.drop_entries``), the last one
     first: ``listed`` holds, entry after entry, its page count then its local ids. Every
     page loses its key and low priority; the idle ones (no holder) go onto the free
     stack in that order (``push_run``) and to ``out[n_entries:]``. ``out[n_entries - 1
