@@ -138,24 +138,25 @@ def gather_rows(pool, dst, starts, rows, slots, value_bytes, scale_bytes, rows_p
     return _gather_plane(pool, dst, starts, rows, slots, value_bytes, scale_bytes, rows_per_page)
 
 
-@njit(cache=True, nogil=True)
-def gather_planes(pools, dst, starts, rows, slots, value_bytes, scale_bytes, rows_per_page):
-    """``gather_rows`` of every plane of a group in one call, without the GIL: plane ``p``
-    (``pools[p]``, ``value_bytes[p]``, ``scale_bytes[p]``) goes to ``starts[p, j]`` for object
-    ``j``. -1, or ``p * slots.size + row`` for the first bad row (planes before ``p`` copied)."""
+@njit(cache=True)
+def _gather_each_plane(pools, dst, starts, rows, slots, value_bytes, scale_bytes, rows_per_page):
     for p in range(len(pools)):
         bad = _gather_plane(pools[p], dst, starts[p], rows, slots, value_bytes[p], scale_bytes[p], rows_per_page)
         if bad >= 0:
             return p * slots.size + bad
     return -1
+
+
+@njit(cache=True, nogil=True)
+def gather_planes(pools, dst, starts, rows, slots, value_bytes, scale_bytes, rows_per_page):
+    """``gather_rows`` of every plane of a group in one call, without the GIL: plane ``p``
+    (``pools[p]``, ``value_bytes[p]``, ``scale_bytes[p]``) goes to ``starts[p, j]`` for object
+    ``j``. -1, or ``p * slots.size + row`` for the first bad row (planes before ``p`` copied)."""
+    return _gather_each_plane(pools, dst, starts, rows, slots, value_bytes, scale_bytes, rows_per_page)
 
 
 @njit(cache=True)
 def gather_planes_holding_gil(pools, dst, starts, rows, slots, value_bytes, scale_bytes, rows_per_page):
     """``gather_planes`` keeping the GIL: for an engine's step thread, which would otherwise wait
     for the GIL to come back from its offload worker after a short copy."""
-    for p in range(len(pools)):
-        bad = _gather_plane(pools[p], dst, starts[p], rows, slots, value_bytes[p], scale_bytes[p], rows_per_page)
-        if bad >= 0:
-            return p * slots.size + bad
-    return -1
+    return _gather_each_plane(pools, dst, starts, rows, slots, value_bytes, scale_bytes, rows_per_page)
