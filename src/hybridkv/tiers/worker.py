@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 
+from hybridkv._checks import as_int
 from hybridkv.tiers.objects import RowsObject
 from hybridkv.tiers.store import ObjectStore
 
@@ -63,16 +64,10 @@ class OffloadWorker:
                  put_batch_bytes: int = 4 << 20, name: str = "hybridkv-offload"):
         if not isinstance(store, ObjectStore):
             raise TypeError(f"store must be an ObjectStore, got {type(store).__name__}")
-        if isinstance(max_queued_objects, bool) or not isinstance(max_queued_objects, int) or max_queued_objects < 1:
-            raise ValueError(f"max_queued_objects must be a positive int, got {max_queued_objects!r}")
-        if isinstance(put_batch_objects, bool) or not isinstance(put_batch_objects, int) or put_batch_objects < 1:
-            raise ValueError(f"put_batch_objects must be a positive int, got {put_batch_objects!r}")
-        if isinstance(put_batch_bytes, bool) or not isinstance(put_batch_bytes, int) or put_batch_bytes < 1:
-            raise ValueError(f"put_batch_bytes must be a positive int, got {put_batch_bytes!r}")
         self.store = store
-        self.max_queued_objects = max_queued_objects
-        self.put_batch_objects = put_batch_objects
-        self.put_batch_bytes = put_batch_bytes
+        self.max_queued_objects = as_int("max_queued_objects", max_queued_objects, minimum=1)
+        self.put_batch_objects = as_int("put_batch_objects", put_batch_objects, minimum=1)
+        self.put_batch_bytes = as_int("put_batch_bytes", put_batch_bytes, minimum=1)
         self._stats = OffloadWorkerStats()
         self._cond = threading.Condition()
         self._jobs: deque = deque()  # submitted, objects not made yet
