@@ -1015,3 +1015,20 @@ def test_every_removal_names_what_its_publication_named(policy):
             removed += 1
             assert published.pop((e.group_id, e.block_hash)) == (e.parent_hash, e.tokens, e.num_pages)
     assert removed and published  # evictions happened, some entries stay
+
+
+@pytest.mark.parametrize("last_step_tokens, published", [(100, []), (200, [256]), (400, [256, 512])])
+def test_free_publishes_the_blocks_its_last_step_completed(last_step_tokens, published):
+    """A step's tokens are committed at the next schedule or at free: a request freed after
+    a step that completed no block publishes nothing, one freed after a step that completed
+    blocks publishes them (history) and the checkpoint at the latest (state groups)."""
+    mgr = make_manager()
+    mgr.add_request("a", ids(40, 600))
+    mgr.schedule([("a", 120)])
+    mgr.schedule([("a", last_step_tokens)])  # commits the first step: 120 tokens, no block
+    assert mgr.prefix.drain_events() == []
+    mgr.free("a")
+    events = mgr.prefix.drain_events()
+    assert events_of(events, "stored", C4KV) == published
+    assert events_of(events, "stored", SWA) == published[-1:]
+    assert mgr.stats()[C4KV].cached_pages == len(published)

@@ -369,17 +369,18 @@ class PagePool:
         else:
             np.add.at(self.ref_counts, pages, 1)
         if idle:
-            self._borrowed_idle(idle if distinct else list(dict.fromkeys(idle)))
+            idle = idle if distinct else list(dict.fromkeys(idle))
+            if self._low_idle_pages:  # else none of them is low priority
+                low = self.low_priority
+                self._low_idle_pages -= sum(1 for page in idle if low[page])
+            self._borrowed_idle(idle)
 
     def _borrowed_idle(self, idle: list[int]) -> None:
-        """Idle keyed pages (distinct) that just got a holder leave the LRU; the pages in
-        use rise."""
+        """Idle keyed pages (distinct) that just got a holder, already off the idle
+        low-priority count, leave the LRU; the pages in use rise."""
         evictable = self._evictable
         for page in idle:
             del evictable[page]
-        if self._low_idle_pages:  # else none of them is low priority
-            low = self.low_priority
-            self._low_idle_pages -= sum(1 for page in idle if low[page])
         used = self._granted_pages - self._top - len(evictable)  # num_used_pages
         if used > self.peak_used_pages:
             self.peak_used_pages = used
@@ -767,9 +768,11 @@ class PageSpace:
     def borrow(self, pages: np.ndarray, per_group: np.ndarray) -> None:
         """``pools[g].incref(..., distinct=True)`` of each group's slice of ``pages`` (local
         ids, group-major, ``per_group[g]`` of them, none twice in a group), in one compiled
-        pass (``kernels.take_holds``): refused whole (ValueError) if a page is free."""
+        pass (``kernels.take_holds``, which also counts off the idle low-priority pages):
+        refused whole (ValueError) if a page is free."""
         idle, counts = np.empty(pages.size, dtype=np.int64), self.idle_counts
-        n_idle = kernels.take_holds(self.ref_counts, self.cached, self.offsets, per_group, pages, idle, counts)
+        n_idle = kernels.take_holds(self.ref_counts, self.cached, self.low_priority, self.low_idle, self.offsets,
+                                    per_group, pages, idle, counts)
         if n_idle < 0:
             bad = -1 - n_idle
             g = int(np.searchsorted(np.cumsum(per_group), bad, side="right"))

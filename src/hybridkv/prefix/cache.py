@@ -253,11 +253,18 @@ class PrefixCache:
         if len(space_pools) != len(self.specs) or any(
                 space_pools[g] is not self.pools[s.group_id] for s, g in zip(self.specs, self._group_index)):
             raise ValueError("the prefix cache's pools must be the pools of one PageSpace, in its tables' order")
-        # Per group, by table index: (group, page tokens, checkpoint window; None: history).
-        self._placement = [(s.group_id, s.page_tokens, self._windows[s.group_id] if s.is_sliding else None)
+        # The groups a match looks up, history groups first, and where each spec's own reach
+        # lies in ``_match``'s list of reaches (those, then one for the groups restorable anywhere).
+        matched = self.history_ids + self.state_ids
+        self._match_lookups = [self.pools[gid].lookup for gid in matched]
+        self._reach_index = [(s.group_id, matched.index(s.group_id) if s.group_id in matched else len(matched))
+                             for s in self.specs]
+        # Per group, by table index: its page tokens, checkpoint window (None: history) and
+        # entries in ``_match``'s list (None: a sliding group storing no checkpoint).
+        self._placement = [(s.page_tokens, self._windows[s.group_id] if s.is_sliding else None,
+                            matched.index(s.group_id) if s.group_id in matched else None)
                            for _, s in sorted(zip(self._group_index, self.specs), key=itemgetter(0))]
-        self._matched_ids = self.history_ids + self.state_ids  # the groups a match looks up
-        self._stats_in_order = [(s.group_id, self.stats[s.group_id]) for s in self.specs]
+        self._stats_in_order = [self.stats[s.group_id] for s in self.specs]
 
     def _init_eviction(self, eviction_policy: str) -> None:
         """What goes first when a pool must evict (hybridkv.prefix.eviction: units, orphans,
@@ -293,65 +300,61 @@ class PrefixCache:
         """The hit for a prompt, without borrowing anything."""
         return self._match(hashes, prompt_ids)[0]
 
-    def _match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> tuple[PrefixHit, dict[str, list]]:
-        """The hit for a prompt, and per history group and state group storing checkpoints
-        its entry (pages, None: not cached) of each prefix of whole blocks the prompt's
-        last token aside: ``found[gid][b - 1]`` for the prefix of ``b`` blocks."""
+    def _match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> tuple[PrefixHit, list[list]]:
+        """The hit for a prompt, and per history group then state group storing checkpoints
+        (``history_ids + state_ids``) its entry (pages, None: not cached) of each prefix of
+        whole blocks the prompt's last token aside: ``found[i][b - 1]`` for the prefix of ``b`` blocks."""
         g = self.granularity_tokens
         max_blocks = (prompt_ids.size - 1) // g
         hashes.extend_to(prompt_ids, max_blocks * g)
         keys = hashes.hashes[:max_blocks]  # keys[b - 1] names the prefix of b blocks
-        found = {gid: list(map(self.pools[gid].lookup, keys)) for gid in self._matched_ids}
-        alone: dict[str, int] = {}
-        limit = max_blocks  # blocks every history group holds, from the first
-        for gid in self.history_ids:
-            entries = found[gid]
-            n = entries.index(None) if None in entries else max_blocks
-            alone[gid] = n * g
-            limit = min(limit, n)
-        state = [found[gid] for gid in self.state_ids]
-        for gid, entries in zip(self.state_ids, state):
+        found = [list(map(lookup, keys)) for lookup in self._match_lookups]
+        n_history = len(self.history_ids)
+        # Per group alone: a history group reaches its first missing block, a state group its
+        # last checkpoint; a group restorable at every boundary (appended last) reaches them all.
+        reach = [entries.index(None) if None in entries else max_blocks for entries in found[:n_history]]
+        limit = min(reach, default=max_blocks)  # blocks every history group holds, from the first
+        state = found[n_history:]
+        for entries in state:
             n = max_blocks
             while n and entries[n - 1] is None:
                 n -= 1
-            alone[gid] = n * g  # its last checkpoint
+            reach.append(n)
+        reach.append(max_blocks)
         k = limit  # the last boundary within the history where every state group holds a checkpoint
-        if state:
-            cover = list(zip(*(entries[:limit] for entries in state)))  # per boundary, each group's entry
-            while k and None in cover[k - 1]:
-                k -= 1
-        for gid, n in self._windows.items():
-            if n == 0:
-                alone[gid] = max_blocks * g  # restorable at any boundary
-        return PrefixHit(k * g, {s.group_id: alone[s.group_id] for s in self.specs}, limit * g), found
+        while k and None in [entries[k - 1] for entries in state]:
+            k -= 1
+        alone = {gid: reach[i] * g for gid, i in self._reach_index}
+        return PrefixHit(k * g, alone, limit * g), found
 
     def match_and_borrow(self, hashes: RequestHashes, prompt_ids: np.ndarray, row: int) -> PrefixHit:
         """Match, then place the cached pages in ``row``'s tables (ref count +1 each): every
         group's in one ``PageSpace.borrow`` and one ``TableSet.place_row``."""
         hit, found = self._match(hashes, prompt_ids)
         d, queried = hit.hit_tokens, int(prompt_ids.size)
-        for gid, st in self._stats_in_order:
+        for st, alone in zip(self._stats_in_order, hit.group_hit_tokens.values()):
             st.lookups += 1
             st.queried_tokens += queried
             st.hit_tokens += d
-            st.alone_hit_tokens += hit.group_hit_tokens[gid]
+            st.alone_hit_tokens += alone
         if d == 0:
             return hit
-        blocks, lo, counts, pages = d // self.granularity_tokens, [], [], []  # per group, by table index
-        for gid, page_tokens, window in self._placement:
-            if window is None:  # a history group: every block below the hit
+        # Per group, by table index: a history group's every block below the hit, a sliding
+        # group's checkpoint window below it (or nothing when it stores none).
+        blocks, lo, counts, picked = d // self.granularity_tokens, [], [], []
+        for page_tokens, window, i in self._placement:
+            if window is None:
                 lo.append(0)
-                entries = found[gid][:blocks]
-            else:  # a sliding group: the window below the hit (a checkpoint), or nothing
+                picked.append(found[i][:blocks])
+            else:
                 lo.append(max(0, d - window) // page_tokens)
-                entries = found[gid][blocks - 1 : blocks] if gid in self._holders else ()
-            before = len(pages)
-            pages.extend(chain.from_iterable(entries))
-            counts.append(len(pages) - before)
-            assert counts[-1] == d // page_tokens - lo[-1], (gid, counts[-1], d // page_tokens - lo[-1])
-        page_ids, counts = np.array(pages, dtype=np.int64), np.array(counts, dtype=np.int64)
-        self._space.borrow(page_ids, counts)
-        self._table_set.place_row(row, np.array(lo, dtype=np.int64), counts, page_ids)
+                picked.append(found[i][blocks - 1 : blocks] if i is not None else ())
+            counts.append(d // page_tokens - lo[-1])
+        page_ids = np.fromiter(chain.from_iterable(chain.from_iterable(picked)), np.int64)
+        assert page_ids.size == sum(counts), (page_ids.size, counts)
+        spans = np.array([lo, counts], dtype=np.int64)
+        self._space.borrow(page_ids, spans[1])
+        self._table_set.place_row(row, spans[0], spans[1], page_ids)
         return hit
 
     # --- publication -------------------------------------------------------------

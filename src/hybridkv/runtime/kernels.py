@@ -944,12 +944,13 @@ def drop_holds(ref, keyed, offsets, per_group, pages, freed, keyed_pages, counts
 
 
 @njit(cache=True)
-def take_holds(ref, keyed, offsets, per_group, pages, idle_pages, idle_counts):
+def take_holds(ref, keyed, low_priority, low_idle, offsets, per_group, pages, idle_pages, idle_counts):
     """One reference more on each listed page (local ids, group-major, ``per_group[g]``
     of group ``g``, none listed twice in a group), unless a listed page is free (no
     holder, no key): then nothing changes and ``-1 - i`` is returned, ``i`` the first
     such page's index. Else the pages that had no holder (idle keyed ones) go to
-    ``idle_pages``, in the order listed, ``idle_counts[g]`` of group ``g``; returns how many."""
+    ``idle_pages``, in the order listed, ``idle_counts[g]`` of group ``g``, and the
+    low-priority ones among them leave ``low_idle[g]``; returns how many went to ``idle_pages``."""
     start = 0
     for g in range(per_group.size):
         offset = offsets[g]
@@ -967,6 +968,8 @@ def take_holds(ref, keyed, offsets, per_group, pages, idle_pages, idle_counts):
                 idle_pages[n_idle] = pages[i]
                 n_idle += 1
                 idle_counts[g] += 1
+                if low_priority[page]:
+                    low_idle[g] -= 1
             ref[page] += 1
         start += per_group[g]
     return n_idle

@@ -1287,8 +1287,10 @@ class CacheManager:
         if request_id in self._rewound_loads:
             self._rewound_loads.discard(request_id)
             self.pending_loads.discard(request_id)
-        if self.prefix is not None and self._committed[req.row] < self._computed[req.row]:
-            self._commit_row(req.row)
+        if self.prefix is not None:  # its last step publishes only when it completed a grain
+            g = self.prefix.granularity_tokens
+            if self._committed[req.row] // g < self._computed[req.row] // g:
+                self._commit_row(req.row)
         ts, space = self._tableset, self._space
         touched, keyed, keyed_per_group = kernels.free_rows(  # its pages leave the tables, one release
             ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.stack, space.per_group,
