@@ -641,6 +641,39 @@ def test_page_space_borrow_is_incref_pool_by_pool(data, lowest_first):
         assert _pool_state(a) == _pool_state(b)
 
 
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), lowest_first=st.booleans())
+def test_page_space_drop_unit_is_drop_entries_pool_by_pool(data, lowest_first):
+    """``PageSpace.drop_unit`` (one compiled pass over a unit's pages in several groups)
+    against ``drop_entries([key])`` in each of the same pools: entries of 0-3 pages, low
+    priority or not, some pages held; a second entry stays published in each group. The
+    same free stacks (order included), LRU, idle low-priority counts, flags and entries."""
+    sizes = data.draw(st.lists(st.integers(9, 24), min_size=1, max_size=4), label="sizes")
+    picked = data.draw(st.lists(st.sampled_from(range(len(sizes))), unique=True, min_size=1), label="unit groups")
+    script = [data.draw(st.tuples(st.integers(0, 3), st.booleans(), st.integers(0, 3), st.integers(0, 4)),
+                        label=f"g{i}: pages, low, held, free before") for i in range(len(sizes))]
+    sides = []
+    for _ in range(2):
+        pools = [PagePool(f"g{i}", n, lowest_first=lowest_first) for i, n in enumerate(sizes)]
+        space = PageSpace(pools)
+        for pool, (size, low, held, free) in zip(pools, script):
+            pages = pool.allocate(size + 1 + free).tolist()
+            pool.publish("unit", pages[:size], low_priority=low)
+            pool.publish("other", pages[size : size + 1], low_priority=not low)
+            pool.decref(np.asarray(pages[held:size] + pages[size + 1 :], dtype=np.int64))
+        sides.append((pools, space))
+    (pools_a, space), (pools_b, _) = sides
+    space.drop_unit([pools_a[i] for i in picked], "unit")
+    for i in picked:
+        assert pools_b[i].drop_entries(["unit"])[0][0] == "unit"
+    for a, b in zip(pools_a, pools_b):
+        a.check_invariants()
+        assert (a.free_page_ids().tolist(), a.evictable_page_ids().tolist(), a.num_low_priority_idle_pages,
+                a.num_free_pages) == (b.free_page_ids().tolist(), b.evictable_page_ids().tolist(),
+                                      b.num_low_priority_idle_pages, b.num_free_pages)
+        assert _entries_state(a, ["unit", "other"]) == _entries_state(b, ["unit", "other"])
+
+
 @pytest.mark.parametrize("batch", [False, True])
 def test_revoke_takes_the_entries_on_its_pages_in_page_order(batch):
     """Entries "c" (pages 5, 6; 6 held), "a" (2, 7) and "b" (3) idle, 4 free: revoking 2-5

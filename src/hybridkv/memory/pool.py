@@ -443,11 +443,12 @@ class PagePool:
         LRU in that order, so a chain's tail is evicted before its head; low-priority ones
         go to its front instead (evicted first), the last listed first."""
         evictable = self._evictable
-        evictable.update(dict.fromkeys(listed))
+        for page in listed:  # item stores: OrderedDict.update goes through a list of pairs
+            evictable[page] = None
         if low_pages:
             for page in low_pages:  # each to the front: the last one listed ends first
                 evictable.move_to_end(page, last=False)
-            self._low_idle_pages += len(low_pages)
+            self._lows[self._slot] += len(low_pages)  # ``_low_idle_pages``, without the property's two calls
             self._low_floor = min(self._low_floor, *low_pages)
         if self.ranker is not None:
             low, page_key = self.low_priority, self._page_key
@@ -546,7 +547,7 @@ class PagePool:
                 if page < self._low_floor:
                     self._low_floor = page
         if idle and not was_low:
-            self._low_idle_pages += idle
+            self._lows[self._slot] += idle  # ``_low_idle_pages``
 
     def unpublish(self, key: Hashable, cause: str = UNPUBLISHED) -> int:
         """Drop an entry; its pages that no request holds go back to the free stack
@@ -784,6 +785,28 @@ class PageSpace:
                     pool._borrowed_idle(listed[start : start + k])
                     start += k
 
+    def drop_unit(self, pools: Sequence[PagePool], key: Hashable) -> None:
+        """``pool.drop_entries([key])`` in each of ``pools`` (this space's, in order),
+        telling no one: flags, counts and free stacks in one compiled pass
+        (``kernels.drop_unit``), then the entry's idle pages leave each pool's LRU."""
+        listed: list[int] = []
+        for pool in pools:
+            pages = pool._entries.pop(key)
+            page_key = pool._page_key
+            for page in pages:
+                del page_key[page]
+            listed += (pool._slot, len(pages), *pages)
+        n = len(pools)
+        out = np.empty(len(listed), dtype=np.int64)
+        n_idle = kernels.drop_unit(np.array(listed, dtype=np.int64), n, self.ref_counts, self.cached,
+                                   self.low_priority, self.stack, self.offsets, self.per_group, self.low_idle, out)
+        told, at = out[: n + n_idle].tolist(), n
+        for pool, count in zip(pools, told[:n]):
+            evictable = pool._evictable
+            for page in told[at : at + count]:
+                del evictable[page]
+            at += count
+
     def low_floors(self) -> np.ndarray:
         """``per_group``, once ``low_floor[g]`` holds: for a lowest-first pool (one that may
         pack: ``PagePool.make_room``), a lower bound of its idle low-priority pages' ids (the
@@ -825,15 +848,15 @@ class PageSpace:
         ticks = [next(_IDLE_CLOCK) for k in counts if k]  # consecutive: one per pool, in pool order
         low = self.low_scratch if self.low_scratch.size >= total else np.empty(2 * total, dtype=np.int64)
         self.low_scratch = low
-        kernels.went_idle(self.idle_tick, self.low_priority, self.offsets, per_group, keyed, ticks[0], low,
-                          self.low_counts)
-        low_counts = self.low_counts.tolist()
-        listed, low_listed = keyed[:total].tolist(), low[: sum(low_counts)].tolist()
+        n_low = kernels.went_idle(self.idle_tick, self.low_priority, self.offsets, per_group, keyed, ticks[0], low,
+                                  self.low_counts)
+        low_counts = self.low_counts.tolist() if n_low else [0] * len(counts)
+        listed, low_listed = keyed[:total].tolist(), low[:n_low].tolist()
         start = low_start = i = 0
-        for pool, k, n_low in zip(self.pools, counts, low_counts):
+        for pool, k, n in zip(self.pools, counts, low_counts):
             if k:
-                pool._join_lru(listed[start : start + k][::-1], low_listed[low_start : low_start + n_low], ticks[i])
-                start, low_start, i = start + k, low_start + n_low, i + 1
+                pool._join_lru(listed[start : start + k][::-1], low_listed[low_start : low_start + n], ticks[i])
+                start, low_start, i = start + k, low_start + n, i + 1
 
     def note_peaks(self, allocated: np.ndarray) -> None:
         """Each pool's peak of used pages, after a step kernel allocated ``allocated[g]``

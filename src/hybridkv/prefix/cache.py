@@ -546,14 +546,14 @@ class PrefixCache:
 
     def _drop_unit(self, gid: str, key: int) -> None:
         """Unpublish a superseded checkpoint from state group ``gid`` and the rest of its unit
-        from the other state groups (as ``ValueEviction.removed`` would take it), booked
-        at once: the same removals, events and order as one at a time."""
+        from the other state groups (as ``ValueEviction.removed`` would take it), in one
+        ``PageSpace.drop_unit`` call, booked at once: the same removals, events and order
+        as one at a time."""
         pools = self.pools
         gids = [gid]
         if self.eviction.acts:
             gids += [o for o in self.state_ids if o != gid and pools[o].lookup(key) is not None]
-        for o in gids:
-            pools[o].drop_entries([key])  # tells no one: the removals are booked below
+        self._space.drop_unit([pools[o] for o in gids], key)  # tells no one: the removals are booked below
         self._dropping = True
         raws = [self._book_removal(o, key) for o in gids]
         self._dropping = False

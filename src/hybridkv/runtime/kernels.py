@@ -886,6 +886,36 @@ def drop_entries(listed, n_entries, ref, keyed, low_priority, stack, top, lowest
 
 
 @njit(cache=True)
+def drop_unit(listed, n_entries, ref, keyed, low_priority, stack, offsets, per_group, low_idle, out):
+    """One entry leaving each of ``n_entries`` groups of a page space (a checkpoint's
+    unit: ``PageSpace.drop_unit``): ``listed`` holds, entry after entry, its group, its
+    page count and its local ids. Every page loses its key and low priority; the idle
+    ones (no holder) go onto their group's free stack (``push_run``; ``per_group``'s
+    ``TOP`` and ``LOWEST``) and to ``out[n_entries:]`` in that order, entry ``e``'s count
+    to ``out[e]``; a low-priority entry's idle pages leave ``low_idle[g]``. Returns the
+    idle pages."""
+    n_idle, at = 0, 0
+    for e in range(n_entries):
+        g, end, first = listed[at], at + 2 + listed[at + 1], n_entries + n_idle
+        offset = offsets[g]
+        low = end > at + 2 and low_priority[offset + listed[at + 2]]  # an entry is low as a whole
+        for i in range(at + 2, end):
+            page = offset + listed[i]
+            keyed[page] = False
+            low_priority[page] = False
+            if ref[page] == 0:
+                out[n_entries + n_idle] = listed[i]
+                n_idle += 1
+        out[e] = n_entries + n_idle - first
+        if low:
+            low_idle[g] -= out[e]
+        per_group[TOP, g] = push_run(stack[offset:], per_group[TOP, g], per_group[LOWEST, g] != 0,
+                                     out[first : n_entries + n_idle])
+        at = end
+    return n_idle
+
+
+@njit(cache=True)
 def low_idle_ids(low_priority, keyed, ref, start, bound, out):
     """A pool's idle low-priority pages (keyed, low priority, no holder) with ids in
     ``[start, bound)``, ascending, into ``out`` until it is full (what packing evicts
@@ -1008,7 +1038,7 @@ def went_idle(idle_tick, low_priority, offsets, per_group, keyed, first_tick, lo
     """Keyed pages gone idle (local ids, group after group, ``per_group[g]`` of them):
     each group's, the last listed first, get the next tick from ``first_tick`` on (one
     tick per group that has some); its low-priority ones go to ``low_pages`` in that
-    order (groups in order), ``low_counts[g]`` of them."""
+    order (groups in order), ``low_counts[g]`` of them. Returns how many are low priority."""
     start, n_low, tick = 0, 0, first_tick
     for g in range(per_group.size):
         k, offset = per_group[g], offsets[g]
@@ -1023,6 +1053,7 @@ def went_idle(idle_tick, low_priority, offsets, per_group, keyed, first_tick, lo
         if k:
             tick += 1
         start += k
+    return n_low
 
 
 @njit(cache=True)
