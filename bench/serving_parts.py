@@ -111,8 +111,9 @@ def measure(size: int, package: str) -> tuple[Timers, dict]:
     side.append_many = untimed_append
     options = dict(running=size, step_tokens=8192, chunk_tokens=2048, shape=ServingShape(), seed=0)
     # Untimed warm-up: the first call of each compiled kernel loads (or compiles) it, milliseconds
-    # that would land in whichever stage first calls it (at 32 running, ~8 ms in one ``free``).
-    serving_phase.measure_serving({"hybridkv": side}, steps=4, rounds=1, **options)
+    # that would land in whichever stage first calls it (at 32 running, ~8 ms in one ``free``). A
+    # whole round, so that rarer paths (a superseded checkpoint, an eviction) load there too.
+    serving_phase.measure_serving({"hybridkv": side}, steps=32, rounds=1, **options)
     serving_phase.ServingDriver.step = timed_step
     try:
         out = serving_phase.measure_serving({"hybridkv": side}, steps=32, rounds=5, **options)
