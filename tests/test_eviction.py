@@ -392,7 +392,8 @@ def test_state_groups_evict_in_batches_as_one_entry_at_a_time(budget, slab_pages
     the state pools' batches (``on_removed_many``, each unit taken from the other state
     groups in one batch per group) against the same managers with it cleared (each entry,
     then its unit, one at a time): the same events in the same order, the same value
-    report (entries, usable ones, evicted pages by reason), free ids and slab moves."""
+    report (entries, usable ones, evicted pages by reason), free ids, slab moves, removed
+    entries per group and ("prefill-per-byte") checkpoint failures."""
     from hybridkv.memory.arena import arena_geometry
 
     runs = []
@@ -409,5 +410,7 @@ def test_state_groups_evict_in_batches_as_one_entry_at_a_time(budget, slab_pages
             run_request(mgr, f"q{i}", prompt, ids(2000 + i, answer + 1), chunk_tokens=256)
         runs.append((mgr.prefix.drain_events(), mgr.prefix.value_report(),
                      {g: mgr.pools[g].free_page_ids().tolist() for g in ALL}, mgr.arena.slab_moves,
-                     {g: s.evicted_pages for g, s in mgr.stats().items()}))
+                     {g: s.evicted_pages for g, s in mgr.stats().items()},
+                     {g: mgr.prefix.stats[g].removed_entries for g in ALL},
+                     None if mgr.prefix.values is None else dict(mgr.prefix.values.failures)))
     assert runs[0] == runs[1]

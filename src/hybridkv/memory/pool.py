@@ -608,19 +608,21 @@ class PagePool:
         low-priority entries at the head of the LRU go ``_LOW_EVICT_PAGES`` pages beyond
         that in the same pass, so a run of small allocations does not evict once each."""
         keys, freed, seen = [], 0, set()
-        ref, page_key, low = self.ref_counts, self._page_key, self.low_priority
-        for page in self._evictable:
+        page_key, low, entries, evictable, ranker = (self._page_key, self.low_priority, self._entries,
+                                                     self._evictable, self.ranker)
+        for page in evictable:
             key = page_key[page]
             if key in seen:
                 continue
             if freed >= pages_needed and (freed >= pages_needed + _LOW_EVICT_PAGES or not low[page]):
                 break
-            if self.ranker is not None and not low[page]:
+            if ranker is not None and not low[page]:
                 freed = self._evict_ranked(pages_needed, freed, keys, seen)
                 break
             seen.add(key)
             keys.append(key)
-            freed += sum(1 for p in self._entries[key] if ref[p] == 0)
+            pages = entries[key]  # its idle pages are the ones in the LRU
+            freed += 1 if len(pages) == 1 else sum(1 for p in pages if p in evictable)
         self._unpublish_many(keys)
 
     def _evict_ranked(self, pages_needed: int, freed: int, keys: list, seen: set) -> int:

@@ -555,7 +555,7 @@ class PrefixCache:
             gids += [o for o in self.state_ids if o != gid and pools[o].lookup(key) is not None]
         self._space.drop_unit([pools[o] for o in gids], key)  # tells no one: the removals are booked below
         self._dropping = True
-        raws = [self._book_removal(o, key) for o in gids]
+        raws = self._book_removals((key,), (gids,))
         self._dropping = False
         self.eviction.unit_left(key, len(gids))
         self._emit_many(raws)
@@ -655,7 +655,7 @@ class PrefixCache:
     # --- events ---------------------------------------------------------------
     def _removed_callback(self, gid: str) -> Callable[[int, str, int], None]:
         def removed(key: int, cause: str, idle_pages: int) -> None:
-            self._emit_many((self._book_removal(gid, key),))
+            self._emit_many(self._book_removals((key,), ((gid,),)))
             self.eviction.removed(gid, key, cause, idle_pages)
 
         return removed
@@ -666,30 +666,36 @@ class PrefixCache:
             their units leaves the other state groups first, one batch per group
             (``ValueEviction.take_units``); then every removal is booked in the order one
             at a time gives (each entry, then its unit group by group), events in one call."""
-            book, raws = self._book_removal, []
-            rest = self.eviction.take_units(gid, [key for key, _, _ in removals])
-            for key, _, _ in removals:
-                raws.append(book(gid, key))
-                raws.extend(book(other, key) for other, freed in rest if key in freed)
-            self.eviction.units_removed(gid, removals, rest)
+            keys = [key for key, _, _ in removals]
+            left = self.eviction.take_units(gid, keys)
+            raws = self._book_removals(keys, left)
+            self.eviction.units_removed(gid, removals, left)
             self._emit_many(raws)
 
         return removed_many
 
-    def _book_removal(self, gid: str, key: int) -> tuple:
-        """An entry left group ``gid``: forget its metadata and holders, tell the checkpoint
-        values and the tier hook; its "removed" event (raw)."""
-        parent, boundary = self.eviction.origin(key)  # one record per key, every group's
-        n = self._entry_pages.get(gid, 0) if boundary else 0
-        holders = self._holders.get(gid)
-        if holders is not None:  # a state group storing checkpoints
-            holders.pop(key, None)
-            if self.values is not None:
-                self.values.removed(key)
-        self.stats[gid].removed_entries += 1
-        if self.tier_hook is not None:
-            self.tier_hook.removed(gid, key, self._dropping)
-        return ("removed", gid, key, parent, boundary, n)
+    def _book_removals(self, keys: Sequence[int], left: Sequence[Sequence[str]]) -> list[tuple]:
+        """The entries under ``keys[i]`` left the groups ``left[i]`` (one unit's), in that
+        order: forget their metadata and holders, tell the checkpoint values (once a key) and
+        the tier hook; their "removed" events (raw). A key's origin is read once: one
+        record per key, every group's."""
+        origin, all_holders, hook, values = self.eviction.origin, self._holders, self.tier_hook, self.values
+        entry_pages, stats, raws = self._entry_pages, self.stats, []
+        for key, gids in zip(keys, left):
+            parent, boundary = origin(key)
+            told = values is None
+            for gid in gids:
+                holders = all_holders.get(gid)
+                if holders is not None:  # a state group storing checkpoints
+                    holders.pop(key, None)
+                    if not told:  # a key's value record is every state group's: forgotten at the first
+                        values.removed(key)
+                        told = True
+                stats[gid].removed_entries += 1
+                if hook is not None:
+                    hook.removed(gid, key, self._dropping)
+                raws.append(("removed", gid, key, parent, boundary, entry_pages.get(gid, 0) if boundary else 0))
+        return raws
 
     def _emit_many(self, raws: Sequence[tuple]) -> None:
         """Events (raw tuples), in order: to ``on_event``, or to the buffer (as tuples: the hex

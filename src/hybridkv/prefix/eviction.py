@@ -237,35 +237,33 @@ class ValueEviction:
                 if follow == UNIT:
                     pool.counters.evicted_pages += freed
 
-    def take_units(self, gid: str, keys: Sequence[Hashable]) -> list[tuple[str, dict]]:
+    def take_units(self, gid: str, keys: Sequence[Hashable]) -> list[list[str]]:
         """The batch form of what :meth:`removed` does to the other state groups for
         entries just evicted (or revoked) from state group ``gid``: the same keys leave
-        each of them now (``UNIT``), one ``PagePool.evict_entries`` per group, in the
-        order :meth:`removed` would take them. Per such group: (group, idle pages freed by
-        key), what the caller then gives :meth:`units_removed`."""
-        out = []
+        each of them now (``UNIT``, their idle pages counted as such), one
+        ``PagePool.evict_entries`` per group, in the order :meth:`removed` would take
+        them. Per key, in order: the state groups it left, ``gid`` first (what the caller
+        books, then gives :meth:`units_removed`)."""
+        left = [[gid] for _ in keys]
         for other in self.state_ids if self.acts else ():
             lookup = self.pools[other].lookup
-            present = [key for key in keys if lookup(key) is not None] if other != gid else None
+            present = [i for i, key in enumerate(keys) if lookup(key) is not None] if other != gid else None
             if present:
-                removals = self.pools[other].evict_entries(present, UNIT)
-                out.append((other, {key: idle for key, _, idle in removals}))
-        return out
+                removals = self.pools[other].evict_entries([keys[i] for i in present], UNIT)
+                self.evicted_pages[other]["unit"] += sum(idle for _, _, idle in removals)
+                for i in present:
+                    left[i].append(other)
+        return left
 
-    def units_removed(self, gid: str, removals: Sequence[tuple], rest: Sequence[tuple[str, dict]]) -> None:
+    def units_removed(self, gid: str, removals: Sequence[tuple], left: Sequence[Sequence[str]]) -> None:
         """:meth:`removed` of each (key, cause, idle pages) of ``removals`` (entries evicted
-        or revoked from state group ``gid``) and of the rest of its unit (``rest``, from
-        :meth:`take_units`), in the order one at a time gives, each unit's node updated once."""
-        evicted = self.evicted_pages
-        for key, cause, idle_pages in removals:
-            node = self._nodes.get(key)
-            evicted[gid][self._reason(gid, node, cause)] += idle_pages
-            taken = 1
-            for other, freed in rest:
-                if key in freed:
-                    evicted[other]["unit"] += freed[key]
-                    taken += 1
-            self.unit_left(key, taken)
+        or revoked from state group ``gid``) and of the rest of its unit (the groups each
+        left, from :meth:`take_units`), in the order one at a time gives, each unit's node
+        updated once."""
+        counts, reason, unit_left, nodes = self.evicted_pages[gid], self._reason, self.unit_left, self._nodes
+        for (key, cause, idle_pages), groups in zip(removals, left):
+            counts[reason(gid, nodes.get(key), cause)] += idle_pages
+            unit_left(key, len(groups))
 
     def unit_left(self, key: Hashable, count: int) -> None:
         """What :meth:`removed` does to the node of a checkpoint that left ``count`` state groups
