@@ -120,30 +120,48 @@ class ValueEviction:
         if gid in self._state:
             self.stored_checkpoint((gid,), key, parent, boundary)
         else:
-            self.stored_blocks(gid, (key,), (parent,), (boundary,))
+            self.stored_blocks([(gid, (0,))], (key,), (parent,), (boundary,))
 
-    def stored_blocks(self, gid: str, keys: Sequence[Hashable], parents: Sequence[Hashable | None],
-                      boundaries: Sequence[int]) -> None:
-        """:meth:`stored` of blocks of history group ``gid`` in turn (a commit's
-        publications in that group): ``keys[i]``, with ``parents[i]`` and ``boundaries[i]``."""
+    def stored_blocks(self, claims: Sequence[tuple[str, Sequence[int]]], keys: Sequence[Hashable],
+                      parents: Sequence[Hashable | None], boundaries: Sequence[int]) -> None:
+        """:meth:`stored` of the blocks a commit published, history group by history group
+        in turn: per (group, indices) of ``claims``, ``keys[i]`` (with ``parents[i]`` and
+        ``boundaries[i]``) for each index in order; each key's node looked up once."""
         nodes, track, n_history = self._nodes, self._track, len(self.history_ids)
-        for key, parent, boundary in zip(keys, parents, boundaries):
-            node = nodes.get(key)
-            if node is None:
-                node = self._new_node(key, parent, boundary)
-            node[2] += 1
-            if not track:
-                continue
-            if node[1] > 0 and self.acts:
-                self.pools[gid].promote(key)
-            complete = node[2] - node[3] == n_history
-            if not node[5]:
-                if complete and node[4] and any(nodes[child][5] for child in node[4]):
-                    self._mend_children(key)
-            elif complete and self._whole_above(node):
-                self._mend(key)
-            else:
-                self._demote_cut(gid, key)  # beyond a missing block: worth nothing yet
+        got: list = [None] * len(keys)  # each key's node once found (one it stores in can not go)
+        for gid, done in claims:
+            for i in done:
+                node = got[i]
+                if node is None:
+                    node = got[i] = nodes.get(keys[i]) or self._new_node(keys[i], parents[i], boundaries[i])
+                node[2] += 1
+                if not track:
+                    continue
+                if node[1] > 0 and self.acts:
+                    self.pools[gid].promote(keys[i])
+                complete = node[2] - node[3] == n_history
+                if not node[5]:
+                    if complete and node[4] and any(nodes[child][5] for child in node[4]):
+                        self._mend_children(keys[i])
+                elif complete and self._whole_above(node):
+                    self._mend(keys[i])
+                else:
+                    self._demote_cut(gid, keys[i])  # beyond a missing block: worth nothing yet
+
+    def stored_unit(self, key: Hashable, parent: Hashable | None, boundary: int) -> None:
+        """:meth:`stored_blocks` of one block in every history group, then
+        :meth:`stored_checkpoint` of the checkpoint at its end in every state group (a
+        decode commit's entries, all new, of normal priority), done at once for a key no
+        group held, that supports nothing and has no child, on a whole chain."""
+        nodes = self._nodes
+        node = nodes.get(key) or self._new_node(key, parent, boundary)
+        if node[2] or node[1] or node[4] or node[5] or not self._track:
+            self.stored_blocks([(gid, (0,)) for gid in self.history_ids], (key,), (parent,), (boundary,))
+            self.stored_checkpoint(self.state_ids, key, parent, boundary)
+            return
+        node[2], node[3] = len(self.history_ids) + len(self.state_ids), len(self.state_ids)
+        node[1] = 1  # its own checkpoint; its new blocks are of normal priority already
+        self._add_support(node[0])
 
     def origin(self, key: Hashable) -> tuple[Hashable | None, int]:
         """The parent key and boundary tokens of a key published in some group (as
