@@ -488,30 +488,24 @@ class PrefixCache:
         group by state group), recorded with one ``PagePool.adopt`` call per group (stats);
         ``stored`` takes their events, boundary by boundary. Each boundary's entry in each
         state group, new or ``found``, None where missing."""
-        groups, step = self._state_groups, self._reader.boundary_pages
-        n, n_boundaries = len(groups), len(keys)
-        entries, first = found, 0  # ``found`` becomes the entries
+        groups, step, n = self._state_groups, self._reader.boundary_pages, len(self._state_groups)
+        entries, at = found, 0  # ``found`` becomes the entries
         for s, (gid, pool, per_entry, _, stats) in enumerate(groups):
-            part, at = status[s::n], first
-            first += per_entry
-            n_done = part.count(2)
-            if not n_done:
-                continue  # present, borrowed pages or slid out
-            windows = list(zip(*[pages[at + i::step] for i in range(per_entry)]))  # each boundary's pages
-            if n_done == n_boundaries:
-                done, done_keys = range(n_boundaries), keys
-            else:
-                done = [j for j, st in enumerate(part) if st == 2]
-                done_keys, windows = [keys[j] for j in done], [windows[j] for j in done]
-            pool.adopt(done_keys, windows)
-            stats.stored_entries += n_done
-            for j, window in zip(done, windows):
-                entries[j * n + s] = window
+            done_keys, new, start = [], [], at
+            for place in range(s, len(status), n):
+                if status[place] == 2:  # else: present, borrowed pages or slid out
+                    entries[place] = entry = tuple(pages[start:start + per_entry])
+                    done_keys.append(keys[place // n]), new.append(entry)
+                start += step
+            at += per_entry
+            if done_keys:
+                pool.adopt(done_keys, new)
+                stats.stored_entries += len(done_keys)
         events = self._checkpoint_events
-        for j, key in enumerate(keys):
-            for s, (gid, per_entry) in enumerate(events):
-                if status[j * n + s] == 2:
-                    stored.append(("stored", gid, key, parents[j], boundaries[j], per_entry))
+        for place, new in enumerate(status):
+            if new == 2:
+                j, (gid, per_entry) = place // n, events[place % n]
+                stored.append(("stored", gid, keys[j], parents[j], boundaries[j], per_entry))
         return entries
 
     def _book_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], pins: list[bool | None],
