@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import reduce
-from itertools import chain
+from itertools import chain, repeat
 from math import lcm
 from operator import itemgetter
 from typing import IO, Protocol
@@ -240,6 +240,11 @@ class PrefixCache:
                               for gid, n in zip(self.state_ids, self._reader.checkpoint_pages)]
         self._entry_pages = {gid: n for gid, _, n, *_ in self._history_groups + self._state_groups}
         self._checkpoint_events = [(gid, n) for gid, _, n, *_ in self._state_groups]  # what a "stored" event names
+        # Per state group, where its pages of each boundary lie in the state part of what a
+        # commit reads: the i-th page of every window, one slice a page.
+        step, offsets = self._reader.boundary_pages, np.cumsum([0, *self._reader.checkpoint_pages]).tolist()
+        self._window_places = [[slice(at + i, None, step) for i in range(n)]
+                               for at, n in zip(offsets, self._reader.checkpoint_pages)]
         # A one-block commit claiming everything (_publish_unit): every group in order.
         self._unit_groups = self._history_groups + [(gid, pool, n, stats) for gid, pool, n, _, stats in self._state_groups]
 
@@ -466,15 +471,15 @@ class PrefixCache:
                 continue
             entries = list(zip(*[iter(span)] * per_block))  # each block's pages
             if n_done == n_blocks:
-                done, done_keys = range(n_blocks), keys
+                done, done_keys, done_parents, done_boundaries = range(n_blocks), keys, parents, boundaries
             else:
                 done = [i for i, st in enumerate(part) if st == 2]
-                done_keys, entries = [keys[i] for i in done], [entries[i] for i in done]
+                entries = [entries[i] for i in done]
+                done_keys, done_parents, done_boundaries = ([xs[i] for i in done] for xs in (keys, parents, boundaries))
             pool.adopt(done_keys, entries)
-            for i in done:
-                stored.append(("stored", gid, keys[i], parents[i], boundaries[i], per_block))
-            for i, entry in zip(done, entries) if hook is not None else ():
-                hook.stored(gid, keys[i], boundaries[i], entry, False)
+            stored += zip(repeat("stored"), repeat(gid), done_keys, done_parents, done_boundaries, repeat(per_block))
+            for key, boundary, entry in zip(done_keys, done_boundaries, entries) if hook is not None else ():
+                hook.stored(gid, key, boundary, entry, False)
             stats.stored_entries += n_done
             claims.append((gid, done))
         if claims:
@@ -488,23 +493,34 @@ class PrefixCache:
         group by state group), recorded with one ``PagePool.adopt`` call per group (stats);
         ``stored`` takes their events, boundary by boundary. Each boundary's entry in each
         state group, new or ``found``, None where missing."""
-        groups, step, n = self._state_groups, self._reader.boundary_pages, len(self._state_groups)
-        entries, at = found, 0  # ``found`` becomes the entries
+        groups, n, places = self._state_groups, len(self._state_groups), self._window_places
+        entries, events = found, []  # ``found`` becomes the entries
         for s, (gid, pool, per_entry, _, stats) in enumerate(groups):
-            done_keys, new, start = [], [], at
-            for place in range(s, len(status), n):
-                if status[place] == 2:  # else: present, borrowed pages or slid out
-                    entries[place] = entry = tuple(pages[start:start + per_entry])
-                    done_keys.append(keys[place // n]), new.append(entry)
-                start += step
-            at += per_entry
-            if done_keys:
-                pool.adopt(done_keys, new)
-                stats.stored_entries += len(done_keys)
-        events = self._checkpoint_events
+            part = status[s::n]
+            n_done = part.count(2)
+            if not n_done:
+                continue  # present, borrowed pages or slid out
+            windows = list(zip(*map(pages.__getitem__, places[s])))  # each boundary's pages
+            if n_done == len(part):
+                done_keys, done_parents, done_boundaries = keys, parents, boundaries
+                entries[s::n] = windows
+            else:
+                done = [j for j, st in enumerate(part) if st == 2]
+                windows = [windows[j] for j in done]
+                done_keys, done_parents, done_boundaries = ([xs[j] for j in done] for xs in (keys, parents, boundaries))
+                for j, window in zip(done, windows):
+                    entries[j * n + s] = window
+            pool.adopt(done_keys, windows)
+            stats.stored_entries += n_done
+            events.append(zip(repeat("stored"), repeat(gid), done_keys, done_parents, done_boundaries,
+                              repeat(per_entry)))
+        if status.count(2) == len(status):  # every group's events, boundary by boundary
+            for per_boundary in zip(*events):
+                stored += per_boundary
+            return entries
         for place, new in enumerate(status):
             if new == 2:
-                j, (gid, per_entry) = place // n, events[place % n]
+                j, (gid, per_entry) = place // n, self._checkpoint_events[place % n]
                 stored.append(("stored", gid, keys[j], parents[j], boundaries[j], per_entry))
         return entries
 
