@@ -129,8 +129,7 @@ class ValueEviction:
         in turn: per (group, indices) of ``claims``, ``keys[i]`` (with ``parents[i]`` and
         ``boundaries[i]``) for each index in order; each key's node looked up once."""
         nodes, track, n_history = self._nodes, self._track, len(self.history_ids)
-        if len(claims) == n_history and all(len(done) == len(keys) for _, done in claims) and (
-                self._stored_chain(keys, parents, boundaries)):
+        if self._stored_chain(claims, keys, parents, boundaries):
             return
         got: list = [None] * len(keys)  # each key's node once found (one it stores in can not go)
         for gid, done in claims:
@@ -152,18 +151,19 @@ class ValueEviction:
                 else:
                     self._demote_cut(gid, keys[i])  # beyond a missing block: worth nothing yet
 
-    def _stored_chain(self, keys: Sequence[Hashable], parents: Sequence[Hashable | None],
-                      boundaries: Sequence[int]) -> bool:
-        """:meth:`stored_blocks` of a chain of new blocks (``parents[i]`` is ``keys[i - 1]``) in
-        every history group, done at once where it changes nothing but their nodes: no key
-        has a node or a child waiting, and the chain above is whole (their nodes then are
-        not cut and nothing is mended). False, and nothing done, otherwise."""
-        nodes, unborn, g = self._nodes, self._unborn, self.granularity_tokens
+    def _stored_chain(self, claims: Sequence[tuple[str, Sequence[int]]], keys: Sequence[Hashable],
+                      parents: Sequence[Hashable | None], boundaries: Sequence[int]) -> bool:
+        """:meth:`stored_blocks` of a chain of new blocks (``parents[i]`` is ``keys[i - 1]``)
+        that every history group claimed, done at once where it changes nothing but their
+        nodes: no key has a node or a child waiting, and the chain above is whole (their
+        nodes then are not cut and nothing is mended). False, and nothing done, otherwise."""
+        nodes, unborn, g, n_history = self._nodes, self._unborn, self.granularity_tokens, len(self.history_ids)
+        if len(claims) != n_history or any(len(done) != len(keys) for _, done in claims):
+            return False
         up = nodes.get(parents[0])
         if (up[5] if up is not None else self._track and boundaries[0] > g) or any(
                 key in nodes or key in unborn for key in keys):
             return False
-        n_history = len(self.history_ids)
         if up is None:
             unborn.setdefault(parents[0], set()).add(keys[0])
         for key, parent, boundary in zip(keys, parents, boundaries):
