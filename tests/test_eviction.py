@@ -379,6 +379,68 @@ def test_stored_checkpoint_is_stored_in_each_group_in_turn(program):
         assert policy.report() == ref_policy.report()
 
 
+def _two_by_two_policy():
+    """History groups ``h1``, ``h2`` and state groups ``s1``, ``s2`` of 64 pages each
+    (grain 256), their removals reported to the policy as ``PrefixCache`` reports them."""
+    pools = {g: PagePool(g, 64) for g in ("h1", "h2", "s1", "s2")}
+    policy = ValueEviction(pools, ["h1", "h2"], ["s1", "s2"], 256)
+    for gid, pool in pools.items():
+        pool.on_removed = lambda key, cause, idle, gid=gid: policy.removed(gid, key, cause, idle)
+    return pools, policy
+
+
+def _publish_idle(pool, key):
+    assert pool.publish(key, pool.allocate(1))
+    pool.decref(pool.lookup(key))  # idle: evictions then free (and count) it
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["unit", "chain", "block h2", "evict h1", "evict h2", "evict s1"]),
+                          st.integers(1, 4), st.integers(1, 3)), max_size=24))
+@example([("chain", 1, 3), ("unit", 4, 1), ("evict h1", 2, 1), ("chain", 2, 1)])  # a gap, then mended
+@example([("unit", 2, 1), ("chain", 1, 1), ("unit", 3, 1)])  # a key published before its parent
+def test_units_and_chains_are_stored_in_each_group_in_turn(program):
+    """A commit's one-call bookings, ``ValueEviction.stored_unit`` (one new block in every
+    history group and the checkpoint at its end in every state group) and
+    ``ValueEviction.stored_blocks`` of a chain of blocks in every history group (at once
+    where nothing but nodes changes), leave every flag, LRU order and value report exactly
+    as ``stored`` called entry by entry, group by group (the reference), over random
+    publications and evictions along one chain of keys ``k1`` .. ``k6``."""
+    sides = [_two_by_two_policy(), _two_by_two_policy()]
+    for op, i, length in program:
+        chain = [(f"k{j}", f"k{j - 1}" if j > 1 else "root", 256 * j) for j in range(i, i + length)]
+        for fast, (pools, policy) in enumerate(sides):
+            if op == "unit" and all(pools[g].lookup(chain[0][0]) is None for g in pools):
+                for gid in pools:
+                    _publish_idle(pools[gid], chain[0][0])
+                if fast:
+                    policy.stored_unit(*chain[0])
+                else:
+                    for gid in pools:
+                        policy.stored(gid, *chain[0])
+            elif op == "chain" and all(pools[g].lookup(key) is None for g in ("h1", "h2") for key, _, _ in chain):
+                for gid in ("h1", "h2"):
+                    for key, _, _ in chain:
+                        _publish_idle(pools[gid], key)
+                if fast:
+                    policy.stored_blocks([(g, range(length)) for g in ("h1", "h2")], *zip(*chain))
+                else:
+                    for gid in ("h1", "h2"):
+                        for entry in chain:
+                            policy.stored(gid, *entry)
+            elif op == "block h2" and pools["h2"].lookup(chain[0][0]) is None:
+                _publish_idle(pools["h2"], chain[0][0])
+                policy.stored("h2", *chain[0])
+            elif op.startswith("evict") and pools[op[6:]].lookup(chain[0][0]) is not None:
+                pools[op[6:]].unpublish(chain[0][0], EVICTED)
+        (ref_pools, ref_policy), (pools, policy) = sides
+        for gid, pool in pools.items():
+            assert pool.low_priority.tolist() == ref_pools[gid].low_priority.tolist()
+            assert pool.entry_keys() == ref_pools[gid].entry_keys()
+            assert pool.evictable_page_ids().tolist() == ref_pools[gid].evictable_page_ids().tolist()  # LRU order
+        assert policy.report() == ref_policy.report()
+
+
 PAGE_BYTES = {SWA: 37, C4S: 23, C4KV: 50, C128S: 19, C128KV: 7, IDX: 11}  # invented, as test_arena_stateful
 
 

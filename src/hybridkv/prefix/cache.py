@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import reduce
-from itertools import chain
+from itertools import chain, repeat
 from math import lcm
 from operator import itemgetter
 from typing import IO, Protocol
@@ -239,6 +239,14 @@ class PrefixCache:
         self._state_groups = [(gid, pools[gid], n, self._holders[gid], self.stats[gid])
                               for gid, n in zip(self.state_ids, self._reader.checkpoint_pages)]
         self._entry_pages = {gid: n for gid, _, n, *_ in self._history_groups + self._state_groups}
+        self._checkpoint_events = [(gid, n) for gid, _, n, *_ in self._state_groups]  # what a "stored" event names
+        # Per state group, where its pages of each boundary lie in the state part of what a
+        # commit reads: the i-th page of every window, one slice a page.
+        step, offsets = self._reader.boundary_pages, np.cumsum([0, *self._reader.checkpoint_pages]).tolist()
+        self._window_places = [[slice(at + i, None, step) for i in range(n)]
+                               for at, n in zip(offsets, self._reader.checkpoint_pages)]
+        # A one-block commit claiming everything (_publish_unit): every group in order.
+        self._unit_groups = self._history_groups + [(gid, pool, n, stats) for gid, pool, n, _, stats in self._state_groups]
 
     def _init_hit_placement(self, tables: Mapping[str, GroupTable]) -> None:
         """A hit's placement: every group's pages borrowed in one call (``PageSpace.borrow``)
@@ -372,13 +380,38 @@ class PrefixCache:
         checkpoint_keys, parents, found = self._found_checkpoints(hashes, boundaries, pins, want)
         pages, status = self._reader.read(req.row, first_block, end_block, boundaries, want)
         stored: list[tuple] = []  # the commit's "stored" events, in order
-        at, n_history = self._publish_history(hashes, first_block, keys, pages, status, stored)
-        entries = self._publish_checkpoints(checkpoint_keys, parents, boundaries, pages, at, status, n_history,
-                                            found, stored)
-        new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status[n_history:])
+        if len(keys) == 1 == len(checkpoint_keys) and pins[0] is not None and status.count(2) == len(status):
+            new_own = self._publish_unit(keys[0], parents[0], boundaries[0], pins[0], pages, stored)
+        else:
+            at, n_history = self._publish_history(hashes, first_block, keys, pages, status, stored)
+            status = status[n_history:]
+            entries = self._publish_checkpoints(checkpoint_keys, parents, boundaries, pages[at:], status, found, stored)
+            new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status)
         self._emit_many(stored)
         if self.state_ids:
             self._supersede(req, new_own)
+
+    def _publish_unit(self, key: int, parent: int, boundary: int, pinned: bool, pages: list[int],
+                      stored: list[tuple]) -> list[OwnCheckpoint]:
+        """A commit of one block that claimed its entries in every group, the request's own
+        checkpoint at its end too (a decode commit's): the same records, events and bookings
+        as :meth:`_publish_history`, :meth:`_publish_checkpoints` and :meth:`_book_checkpoints`
+        (``pages``: ``CommitPages.read``'s, every group's in order), in one pass over the
+        groups; that own checkpoint, in a list."""
+        at, entries = 0, []
+        for gid, pool, per_entry, stats in self._unit_groups:
+            entries.append(entry := tuple(pages[at:at + per_entry]))
+            at += per_entry
+            pool.adopt((key,), (entry,))
+            stats.stored_entries += 1
+            stored.append(("stored", gid, key, parent, boundary, per_entry))
+        if self.tier_hook is not None:
+            for gid, entry in zip(self.history_ids + self.state_ids, entries):
+                self.tier_hook.stored(gid, key, boundary, entry, False)
+        if self.values is not None:
+            self.values.published(key, boundary, speculative=False)
+        self.eviction.stored_unit(key, parent, boundary)
+        return [self._hold(OwnCheckpoint(boundary, pinned), key, entries[len(self.history_ids):])]
 
     def _checkpoint_boundaries(self, req: CommittingRequest, first_block: int,
                                end_block: int) -> tuple[list[int], list[bool | None]]:
@@ -424,57 +457,74 @@ class PrefixCache:
     def _publish_history(self, hashes: RequestHashes, first_block: int, keys: list[int], pages: list[int],
                          status: list[int], stored: list[tuple]) -> tuple[int, int]:
         """Every history group's blocks ``keys`` (from ``first_block``) that the commit
-        claimed (``pages``, ``status``: ``CommitPages.read``'s, history groups first), recorded in
-        one ``PagePool.adopt`` call per group and booked in one ``ValueEviction.stored_blocks``
-        call (tier link, stats; ``stored`` takes their events); how many of
-        ``pages`` and of ``status`` were the history groups'."""
-        g, hook = self.granularity_tokens, self.tier_hook
-        hh, n_blocks = hashes.hashes, len(keys)
+        claimed (``pages``, ``status``: ``CommitPages.read``'s, history groups first), recorded
+        with one ``PagePool.adopt`` call per group and booked in one
+        ``ValueEviction.stored_blocks`` call for all groups (tier link, stats; ``stored`` takes
+        their events, group by group); how many of ``pages`` and of ``status`` were the
+        history groups'."""
+        g, hook, n_blocks = self.granularity_tokens, self.tier_hook, len(keys)
+        hh = hashes.hashes
         parents = hh[first_block - 1:first_block - 1 + n_blocks] if first_block else [hashes.root, *keys[:-1]]
-        at, e = 0, 0
+        boundaries = range((first_block + 1) * g, (first_block + n_blocks + 1) * g, g)
+        claims, at, e = [], 0, 0
         for gid, pool, per_block, stats in self._history_groups:
-            done_keys, done_parents, boundaries, entries = [], [], [], []
-            for i in range(n_blocks):
-                if status[e + i] == 2:
-                    key, parent, boundary, start = keys[i], parents[i], (first_block + i + 1) * g, at + i * per_block
-                    entry = tuple(pages[start:start + per_block])
-                    done_keys.append(key), done_parents.append(parent), boundaries.append(boundary)
-                    entries.append(entry)
-                    stored.append(("stored", gid, key, parent, boundary, per_block))
-            at, e = at + n_blocks * per_block, e + n_blocks
-            if done_keys:
-                pool.adopt(done_keys, entries)
-                for key, boundary, entry in zip(done_keys, boundaries, entries) if hook is not None else ():
-                    hook.stored(gid, key, boundary, entry, False)
-                self.eviction.stored_blocks(gid, done_keys, done_parents, boundaries)
-                stats.stored_entries += len(done_keys)
+            part, span = status[e:e + n_blocks], pages[at:at + n_blocks * per_block]
+            at, e, n_done = at + n_blocks * per_block, e + n_blocks, part.count(2)
+            if not n_done:
+                continue
+            entries = list(zip(*[iter(span)] * per_block))  # each block's pages
+            if n_done == n_blocks:
+                done, done_keys, done_parents, done_boundaries = range(n_blocks), keys, parents, boundaries
+            else:
+                done = [i for i, st in enumerate(part) if st == 2]
+                entries = [entries[i] for i in done]
+                done_keys, done_parents, done_boundaries = ([xs[i] for i in done] for xs in (keys, parents, boundaries))
+            pool.adopt(done_keys, entries)
+            stored += zip(repeat("stored"), repeat(gid), done_keys, done_parents, done_boundaries, repeat(per_block))
+            for key, boundary, entry in zip(done_keys, done_boundaries, entries) if hook is not None else ():
+                hook.stored(gid, key, boundary, entry, False)
+            stats.stored_entries += n_done
+            claims.append((gid, done))
+        if claims:
+            self.eviction.stored_blocks(claims, keys, parents, boundaries)
         return at, e
 
     def _publish_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], pages: list[int],
-                             at: int, status: list[int], e: int, found: list, stored: list[tuple]) -> list:
+                             status: list[int], found: list, stored: list[tuple]) -> list:
         """The checkpoints at ``boundaries`` (``keys``, ``parents``) the commit claimed
-        (``pages`` from ``at``, ``status`` from ``e``: boundary by boundary, state group by
-        state group), recorded group by group (one ``PagePool.adopt`` call,
-        stats); ``stored`` takes their events, boundary by boundary. Each boundary's entry
-        in each state group, new or ``found``, None where missing."""
-        groups, step = self._state_groups, self._reader.boundary_pages
-        n = len(groups)
-        entries, events = list(found), [None] * len(found)
+        (``pages``, ``status``: ``CommitPages.read``'s state part, boundary by boundary, state
+        group by state group), recorded with one ``PagePool.adopt`` call per group (stats);
+        ``stored`` takes their events, boundary by boundary. Each boundary's entry in each
+        state group, new or ``found``, None where missing."""
+        groups, n, places = self._state_groups, len(self._state_groups), self._window_places
+        entries, events = found, []  # ``found`` becomes the entries
         for s, (gid, pool, per_entry, _, stats) in enumerate(groups):
-            done_keys, new, start, place = [], [], at, s
-            for key, parent, boundary in zip(keys, parents, boundaries):
-                if status[e + place] == 2:  # else: present, borrowed pages or slid out
-                    entries[place] = entry = tuple(pages[start:start + per_entry])
-                    done_keys.append(key), new.append(entry)
-                    events[place] = ("stored", gid, key, parent, boundary, per_entry)
-                start, place = start + step, place + n
-            at += per_entry
-            if done_keys:
-                pool.adopt(done_keys, new)
-                stats.stored_entries += len(done_keys)
-        for event in events:
-            if event is not None:
-                stored.append(event)
+            part = status[s::n]
+            n_done = part.count(2)
+            if not n_done:
+                continue  # present, borrowed pages or slid out
+            windows = list(zip(*map(pages.__getitem__, places[s])))  # each boundary's pages
+            if n_done == len(part):
+                done_keys, done_parents, done_boundaries = keys, parents, boundaries
+                entries[s::n] = windows
+            else:
+                done = [j for j, st in enumerate(part) if st == 2]
+                windows = [windows[j] for j in done]
+                done_keys, done_parents, done_boundaries = ([xs[j] for j in done] for xs in (keys, parents, boundaries))
+                for j, window in zip(done, windows):
+                    entries[j * n + s] = window
+            pool.adopt(done_keys, windows)
+            stats.stored_entries += n_done
+            events.append(zip(repeat("stored"), repeat(gid), done_keys, done_parents, done_boundaries,
+                              repeat(per_entry)))
+        if status.count(2) == len(status):  # every group's events, boundary by boundary
+            for per_boundary in zip(*events):
+                stored += per_boundary
+            return entries
+        for place, new in enumerate(status):
+            if new == 2:
+                j, (gid, per_entry) = place // n, self._checkpoint_events[place % n]
+                stored.append(("stored", gid, keys[j], parents[j], boundaries[j], per_entry))
         return entries
 
     def _book_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], pins: list[bool | None],

@@ -96,6 +96,7 @@ class ValueEviction:
         self.state_ids = list(state_ids)
         self.granularity_tokens = int(granularity_tokens)  # a key at this boundary is a chain's first block
         self._state = frozenset(self.state_ids)
+        self._history_pools = [pools[gid] for gid in self.history_ids]
         # Orphans exist only where a hit needs both kinds of group.
         self._track = bool(self.history_ids) and bool(self.state_ids)
         # key -> [parent key, support, entries in any group, state groups holding it,
@@ -120,30 +121,74 @@ class ValueEviction:
         if gid in self._state:
             self.stored_checkpoint((gid,), key, parent, boundary)
         else:
-            self.stored_blocks(gid, (key,), (parent,), (boundary,))
+            self.stored_blocks([(gid, (0,))], (key,), (parent,), (boundary,))
 
-    def stored_blocks(self, gid: str, keys: Sequence[Hashable], parents: Sequence[Hashable | None],
-                      boundaries: Sequence[int]) -> None:
-        """:meth:`stored` of blocks of history group ``gid`` in turn (a commit's
-        publications in that group): ``keys[i]``, with ``parents[i]`` and ``boundaries[i]``."""
+    def stored_blocks(self, claims: Sequence[tuple[str, Sequence[int]]], keys: Sequence[Hashable],
+                      parents: Sequence[Hashable | None], boundaries: Sequence[int]) -> None:
+        """:meth:`stored` of the blocks a commit published, history group by history group
+        in turn: per (group, indices) of ``claims``, ``keys[i]`` (with ``parents[i]`` and
+        ``boundaries[i]``) for each index in order; each key's node looked up once."""
         nodes, track, n_history = self._nodes, self._track, len(self.history_ids)
+        if self._stored_chain(claims, keys, parents, boundaries):
+            return
+        got: list = [None] * len(keys)  # each key's node once found (one it stores in can not go)
+        for gid, done in claims:
+            for i in done:
+                node = got[i]
+                if node is None:
+                    node = got[i] = nodes.get(keys[i]) or self._new_node(keys[i], parents[i], boundaries[i])
+                node[2] += 1
+                if not track:
+                    continue
+                if node[1] > 0 and self.acts:
+                    self.pools[gid].promote(keys[i])
+                complete = node[2] - node[3] == n_history
+                if not node[5]:
+                    if complete and node[4] and any(nodes[child][5] for child in node[4]):
+                        self._mend_children(keys[i])
+                elif complete and self._whole_above(node):
+                    self._mend(keys[i])
+                else:
+                    self._demote_cut(gid, keys[i])  # beyond a missing block: worth nothing yet
+
+    def _stored_chain(self, claims: Sequence[tuple[str, Sequence[int]]], keys: Sequence[Hashable],
+                      parents: Sequence[Hashable | None], boundaries: Sequence[int]) -> bool:
+        """:meth:`stored_blocks` of a chain of new blocks (``parents[i]`` is ``keys[i - 1]``)
+        that every history group claimed, done at once where it changes nothing but their
+        nodes: no key has a node or a child waiting, and the chain above is whole (their
+        nodes then are not cut and nothing is mended). False, and nothing done, otherwise."""
+        nodes, unborn, g, n_history = self._nodes, self._unborn, self.granularity_tokens, len(self.history_ids)
+        if len(claims) != n_history or any(len(done) != len(keys) for _, done in claims):
+            return False
+        up = nodes.get(parents[0])
+        if (up[5] if up is not None else self._track and boundaries[0] > g) or any(
+                key in nodes or key in unborn for key in keys):
+            return False
+        if up is None:
+            unborn.setdefault(parents[0], set()).add(keys[0])
         for key, parent, boundary in zip(keys, parents, boundaries):
-            node = nodes.get(key)
-            if node is None:
-                node = self._new_node(key, parent, boundary)
-            node[2] += 1
-            if not track:
-                continue
-            if node[1] > 0 and self.acts:
-                self.pools[gid].promote(key)
-            complete = node[2] - node[3] == n_history
-            if not node[5]:
-                if complete and node[4] and any(nodes[child][5] for child in node[4]):
-                    self._mend_children(key)
-            elif complete and self._whole_above(node):
-                self._mend(key)
-            else:
-                self._demote_cut(gid, key)  # beyond a missing block: worth nothing yet
+            if up is not None:
+                if up[4] is None:
+                    up[4] = {key}
+                else:
+                    up[4].add(key)
+            up = nodes[key] = [parent, 0, n_history, 0, None, False, boundary <= g, boundary]
+        return True
+
+    def stored_unit(self, key: Hashable, parent: Hashable | None, boundary: int) -> None:
+        """:meth:`stored_blocks` of one block in every history group, then
+        :meth:`stored_checkpoint` of the checkpoint at its end in every state group (a
+        decode commit's entries, all new, of normal priority), done at once for a key no
+        group held, that supports nothing and has no child, on a whole chain."""
+        nodes = self._nodes
+        node = nodes.get(key) or self._new_node(key, parent, boundary)
+        if node[2] or node[1] or node[4] or node[5] or not self._track:
+            self.stored_blocks([(gid, (0,)) for gid in self.history_ids], (key,), (parent,), (boundary,))
+            self.stored_checkpoint(self.state_ids, key, parent, boundary)
+            return
+        node[2], node[3] = len(self.history_ids) + len(self.state_ids), len(self.state_ids)
+        node[1] = 1  # its own checkpoint; its new blocks are of normal priority already
+        self._add_support(node[0])
 
     def origin(self, key: Hashable) -> tuple[Hashable | None, int]:
         """The parent key and boundary tokens of a key published in some group (as
@@ -157,14 +202,17 @@ class ValueEviction:
         node = self._nodes.get(key)
         if node is None:
             node = self._new_node(key, parent, boundary)
-        whole = len(self.state_ids)
-        for gid in gids:
-            node[2] += 1
-            node[3] += 1
-            if node[5]:
+        if node[5]:
+            for gid in gids:
+                node[2] += 1
+                node[3] += 1
                 self._demote_cut(gid, key)  # beyond a missing block: worth nothing yet
-            elif node[3] == whole and self._track:
-                self._add_support(key)
+            return
+        held = node[3]
+        node[2] += len(gids)
+        node[3] += len(gids)
+        if held < len(self.state_ids) == node[3] and self._track:
+            self._add_support(key)
 
     def _whole_above(self, node: list) -> bool:
         """Whether every block above ``node``'s on its chain is cached: its parent's node
@@ -291,12 +339,12 @@ class ValueEviction:
     def _add_support(self, key: Hashable) -> None:
         """A complete checkpoint at ``key``: +1 there, and up the chain while a block
         goes from unsupported to supported (promoted back if it was an orphan)."""
-        while (node := self._nodes.get(key)) is not None:
+        nodes, pools = self._nodes, self._history_pools if self.acts else ()
+        while (node := nodes.get(key)) is not None:
             node[1] += 1
             if node[1] > 1:
                 return
-            for gid in self.history_ids if self.acts else ():
-                pool = self.pools[gid]
+            for pool in pools:
                 pages = pool.lookup(key)
                 if pages and pool.low_priority[pages[0]]:  # else promote changes nothing
                     pool.promote(key)
