@@ -284,3 +284,23 @@ def test_a_large_view_put_into_the_host_tier_is_copied_and_read_back_whole(stack
     if stacked:
         host.delete(list(expected))
         assert [bytes(value) for value in tier.get(list(expected))] == list(expected.values())
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_views_put_given_are_kept_without_a_copy_and_their_buffer_counted_once(stacked, tmp_path):
+    host = HostTier(1 << 22)
+    tier = TierStack([host, DiskTier(tmp_path / "d")]) if stacked else host
+    buffer = np.random.default_rng(4).integers(0, 256, 3 << 16, dtype=np.uint8)
+    views = [("a", memoryview(buffer)[: 1 << 16]), ("b", memoryview(buffer)[1 << 16 : 3 << 16])]
+    expected = [bytes(view) for _, view in views]
+    assert tier.put(views, given=True) == [True, True]
+    got = host.get(["a", "b"])
+    assert [bytes(value) for value in got] == expected
+    assert all(np.shares_memory(np.frombuffer(value, dtype=np.uint8), buffer) for value in got)  # no copy
+    with pytest.raises(TypeError):  # what the tier answers cannot be written through
+        got[0][0] = 1
+    assert host.stats().held_bytes == buffer.nbytes  # the buffer, once
+    assert host.delete(["a"]) == 1 and host.stats().held_bytes == buffer.nbytes  # b still holds it
+    assert host.delete(["b"]) == 1 and host.stats().held_bytes == 0
+    if stacked:  # the disk tier below wrote its own copy
+        assert [bytes(value) for value in tier.get(["a", "b"])] == expected

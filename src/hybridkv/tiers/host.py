@@ -81,6 +81,8 @@ class HostTier(Tier):
             buffer = given_buffer(value) if given else None
             if buffer is None or buffer.nbytes > self.budget_bytes:
                 buffer, value = None, owned_value(value)
+            else:
+                value = value.toreadonly()  # what ``get`` answers cannot be written through
             while self._held_bytes + self._cost(value, buffer) > self.budget_bytes:
                 old = self._forget(next(iter(self._objects)))
                 self._stats.evicted += 1
