@@ -18,6 +18,7 @@ from hybridkv.reference.dense import dense_forward
 from hybridkv.reference.paged import PagedStack
 from hybridkv.tiers import HostTier, ObjectKey, ObjectStore, Tier, group_pools_from_layers
 from hybridkv.tierlink import TierLink
+from marker_support import needs_mooncake
 
 CONFIG = ReferenceConfig()
 LAYOUT = cache_layout(CONFIG.hf_config(), speculative_tokens=3)
@@ -418,3 +419,44 @@ def test_a_wanted_marker_read_for_its_checkpoint_is_deleted_after_the_lease_not_
     a.offload()
     assert not any(leased.inner.contains(wanted))
     assert a.link.markers.stats().deletes_failed == 0
+
+
+# --- Mooncake: a real master, whose reads lease what they read ------------------------------------
+
+@pytest.fixture
+def mooncake_tiers(tmp_path):
+    from marker_support import client, close_pair, start_master
+
+    with start_master(tmp_path) as master:
+        tiers = [client(master), client(master)]
+        try:
+            yield tiers
+        finally:
+            tiers[0].raw_remove_matching(".*")
+            close_pair(tiers)
+
+
+@needs_mooncake
+def test_on_mooncake_a_waiter_moves_on_once_the_blocks_land_though_its_polls_lease_their_markers(mooncake_tiers):
+    """B's poll of A's computing marker leases it (Mooncake), so A's delete of it once the block
+    is published is refused, and every later poll leases it again: the marker outlives the
+    block's landing. B waits for the block, not the marker's delete: it loads once the block is
+    stored (it used to wait until its bound ran out, every wait on Mooncake)."""
+    clock = Clock()
+    prompt, other = prompts(0)
+    a = Instance(ObjectStore(mooncake_tiers[0], LAYOUT), clock, 3)
+    b = Instance(ObjectStore(mooncake_tiers[1], LAYOUT), clock, 11)
+    a.manager.add_request("p", prompt, max_new_tokens=8)
+    b.manager.add_request("q", other, max_new_tokens=8)
+    assert b.link.waiting("q") and b.load("q") == 0 and b.link.waiting("q")  # marked: waits
+    outs = [a.step("p", prompt)]
+    a.manager.append_token_ids("p", [1])
+    outs.append(a.step("p", [1]))  # commits the prompt: its blocks published and put
+    b.load("q")  # a poll between the put and A's delete of its markers
+    a.offload()  # deletes the markers (refused for any lease B's polls took)
+    assert b.load("q") == 512 and not b.link.pending("q")
+    np.testing.assert_allclose(np.concatenate(outs), dense(a.model, np.concatenate([prompt, [1]])), rtol=0, atol=ATOL)
+    out_b = b.compute("q", other, [2, 3])
+    np.testing.assert_allclose(out_b, dense(b.model, np.concatenate([other, [2, 3]]))[512:], rtol=0, atol=ATOL)
+    stats = b.link.stats()
+    assert (stats.waits, stats.waited_out, stats.confirmed_loads) == (1, 0, 1)

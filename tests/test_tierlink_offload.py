@@ -47,7 +47,8 @@ class DeferredWorker:
     def __init__(self):
         self.jobs = []
 
-    def submit(self, ticket, make_objects, num_objects, *, in_place=False):
+    def submit(self, ticket, make_objects, num_objects, *, in_place=False, given=False):
+        assert given == in_place  # an offload plan hands its new buffers over
         self.jobs.append((ticket, make_objects, num_objects, in_place))
         return True
 

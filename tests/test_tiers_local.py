@@ -62,6 +62,55 @@ def test_host_tier_is_an_lru_within_its_budget(budget, program):
         assert (stats.evicted, stats.refused) == (evicted, refused)
 
 
+given_ops = st.lists(st.tuples(st.sampled_from(["put", "given", "get", "delete"]), st.integers(0, 7), st.integers(0, 2),
+                               st.integers(1, 30)), max_size=60)
+
+
+def _held_bytes(model, buffers):
+    """What the model holds: its own values' bytes, and each buffer with a value in it once, whole."""
+    return (sum(size for where, size in model.values() if where is None)
+            + sum(buffers[b].nbytes for b in {where for where, _ in model.values() if where is not None}))
+
+
+@given(st.integers(0, 120), given_ops)
+def test_host_tier_keeps_given_views_and_counts_their_buffers_whole_within_its_budget(budget, program):
+    """Views put ``given`` are kept, not copied, and each buffer counts once, whole, while any
+    value in it is held: the tier's held bytes are the model's (recounted from scratch), at most
+    the budget, and it evicts least recently used first as with its own values."""
+    buffers = [np.arange(size, dtype=np.uint8) + i for i, size in enumerate((40, 64, 100))]
+    tier, model, values = HostTier(budget), OrderedDict(), {}  # model: name -> (buffer or None, size)
+    for op, n, b, size in program:
+        name = f"k{n}"
+        if op in ("put", "given"):
+            at = n % 5
+            view = memoryview(buffers[b])[at : at + size]
+            where = b if op == "given" and buffers[b].nbytes <= budget else None
+            stored = tier.put([(name, view)], given=op == "given")[0]
+            if name in model:
+                model.move_to_end(name)
+                assert stored
+                continue
+            if len(view) > budget:
+                assert not stored
+                continue
+            while model and _held_bytes({**model, name: (where, len(view))}, buffers) > budget:
+                model.popitem(last=False)
+            model[name], values[name] = (where, len(view)), bytes(view)
+            assert stored
+        elif op == "get":
+            value = tier.get([name])[0]
+            assert (value is not None) == (name in model)
+            if name in model:
+                model.move_to_end(name)
+                assert bytes(value) == values[name]
+                kept = np.frombuffer(value, dtype=np.uint8)
+                assert np.shares_memory(kept, buffers[model[name][0]]) if model[name][0] is not None else True
+        else:
+            assert tier.delete([name]) == int(model.pop(name, None) is not None)
+        stats = tier.stats()
+        assert stats.held == len(model) and stats.held_bytes == _held_bytes(model, buffers) <= budget
+
+
 def test_host_tier_counts_hits_and_misses():
     tier = HostTier(100)
     tier.put([("a", b"1"), ("b", b"22")])
@@ -235,3 +284,23 @@ def test_a_large_view_put_into_the_host_tier_is_copied_and_read_back_whole(stack
     if stacked:
         host.delete(list(expected))
         assert [bytes(value) for value in tier.get(list(expected))] == list(expected.values())
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_views_put_given_are_kept_without_a_copy_and_their_buffer_counted_once(stacked, tmp_path):
+    host = HostTier(1 << 22)
+    tier = TierStack([host, DiskTier(tmp_path / "d")]) if stacked else host
+    buffer = np.random.default_rng(4).integers(0, 256, 3 << 16, dtype=np.uint8)
+    views = [("a", memoryview(buffer)[: 1 << 16]), ("b", memoryview(buffer)[1 << 16 : 3 << 16])]
+    expected = [bytes(view) for _, view in views]
+    assert tier.put(views, given=True) == [True, True]
+    got = host.get(["a", "b"])
+    assert [bytes(value) for value in got] == expected
+    assert all(np.shares_memory(np.frombuffer(value, dtype=np.uint8), buffer) for value in got)  # no copy
+    with pytest.raises(TypeError):  # what the tier answers cannot be written through
+        got[0][0] = 1
+    assert host.stats().held_bytes == buffer.nbytes  # the buffer, once
+    assert host.delete(["a"]) == 1 and host.stats().held_bytes == buffer.nbytes  # b still holds it
+    assert host.delete(["b"]) == 1 and host.stats().held_bytes == 0
+    if stacked:  # the disk tier below wrote its own copy
+        assert [bytes(value) for value in tier.get(["a", "b"])] == expected

@@ -649,7 +649,10 @@ class TierLink:
         if not keys:
             return
         held = self._blocks_held(keys)
-        busy = self.markers.others("computing", keys, request_id)
+        # a held block is done, whatever its marker says (on Mooncake a published block's marker
+        # may outlive its delete: a read lease); only the others are asked (one get that leases)
+        marked = iter(self.markers.others("computing", [k for k, h in zip(keys, held) if not h], request_id))
+        busy = [not h and next(marked) for h in held]
         run = next((i for i, (h, b) in enumerate(zip(held, busy)) if not (h or b)), len(keys))
         if any(busy[:run]):
             if self._wait_for_blocks(request_id, keys, busy.index(True), run):
@@ -707,11 +710,14 @@ class TierLink:
         return all(self.store.contains([ObjectKey("checkpoint", gid, key) for gid in sorted(self._state_ids)]))
 
     def _still_waiting(self, request_id: str) -> bool:
-        """Whether what ``request_id`` waits for is still to come: a block's marker is live, or the
-        checkpoint it wants is not stored (then its board entry is renewed, in case it was lost)."""
+        """Whether what ``request_id`` waits for is still to come: a block that is neither held
+        (device or store) nor free of a live marker, or a checkpoint that is not stored (then its
+        board entry is renewed, in case it was lost). A held block ends the wait though its
+        marker is still there: a delete is not seen at once everywhere (Mooncake refuses one
+        within a read's lease, and every poll of the marker would lease it again)."""
         key = self._flight.waiting[request_id]
         if request_id not in self._flight.checkpoint_waits:
-            return self.markers.others("computing", [key], request_id)[0]
+            return not self._blocks_held([key])[0] and self.markers.others("computing", [key], request_id)[0]
         if self._checkpoint_stored(key):
             return False
         self.markers.want([key])

@@ -332,7 +332,8 @@ class OffloadPlan:
             gathered.update(zip(now, staged))
             return [gathered[i] for i in range(len(self.objects))]
 
-        return worker.submit(self.ticket, make_objects, len(self.objects), in_place=True)
+        # every buffer is new (gathered here, on the worker, or rescued): the tier may keep it
+        return worker.submit(self.ticket, make_objects, len(self.objects), in_place=True, given=True)
 
     def run(self, store: ObjectStore, pools: Mapping[str, GroupPools]) -> list[bool]:
         """Copy the rows out and put the objects; per object, whether a tier stored it. The rows of
@@ -365,7 +366,7 @@ class OffloadPlan:
                 for i, obj in zip(members, gathered):
                     objects[i] = obj
                     used += heads[i] + obj.payload.size
-            return store.put(objects, in_place=True)
+            return store.put(objects, in_place=True, given=staging is None)  # new buffers: the tier's
 
 
 @dataclass(frozen=True)

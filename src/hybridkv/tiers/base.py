@@ -73,13 +73,23 @@ class Tier(ABC):
     put_copies: bool = False
     # A read pins what it read for a while: a delete right after it is refused (Mooncake).
     reads_lease: bool = False
+    # Whether ``put(..., given=True)`` keeps the values' views as they are (``_put_given``).
+    keeps_given: bool = False
 
     def __init__(self) -> None:
         self._stats = TierStats()
 
-    def put(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
-        """Store ``(name, bytes)`` pairs; per item, whether it is stored now."""
-        return self._put(check_items(items, views=self.put_copies))
+    def put(self, items: Sequence[tuple[str, bytes]], *, given: bool = False) -> list[bool]:
+        """Store ``(name, bytes)`` pairs; per item, whether it is stored now. ``given``: the caller
+        hands the tier the buffers its views see and never writes them again (an offload's rows,
+        gathered into new buffers): a tier that keeps values (``keeps_given``) keeps such views
+        without copying them."""
+        items = check_items(items, views=self.put_copies)
+        return self._put_given(items) if given and self.keeps_given else self._put(items)
+
+    def _put_given(self, items: list[tuple[str, bytes]]) -> list[bool]:
+        """``_put`` of values whose buffers are handed over (tiers with ``keeps_given``)."""
+        return self._put(items)
 
     def get(self, names: Sequence[str]) -> list[bytes | None]:
         """Per name, the stored bytes or ``None`` (a miss, or a fault counted in ``errors``)."""

@@ -25,6 +25,15 @@ def owned_value(value: bytes | memoryview) -> bytes | memoryview:
     return memoryview(buffer).toreadonly()
 
 
+def given_buffer(value: bytes | memoryview) -> np.ndarray | None:
+    """The whole numpy buffer a view sees (the array no other array is a view of), or None when
+    ``value`` is not a view of one."""
+    buffer = value.obj if isinstance(value, memoryview) else None
+    while isinstance(buffer, np.ndarray) and isinstance(buffer.base, np.ndarray):
+        buffer = buffer.base
+    return buffer if isinstance(buffer, np.ndarray) and buffer.base is None else None
+
+
 class HostTier(Tier):
     """Objects in process memory, at most ``budget_bytes`` of values in all.
 
@@ -32,11 +41,14 @@ class HostTier(Tier):
     a put of a held name counts as a use); an object larger than the whole
     budget is refused and counted, and evicts nothing. A value put as ``bytes`` is kept as it
     is; one put as a view is copied (a large one into a buffer of its own, without holding the
-    GIL) and ``get`` answers it as a read-only ``memoryview``.
+    GIL) and ``get`` answers it as a read-only ``memoryview``. A view put ``given`` (its buffer
+    handed over: an offload's rows) is kept as it is, no copy; its buffer counts against the
+    budget whole, once, while any value in it is held (``held_bytes`` is the memory held).
     """
 
     name = "host"
     put_copies = True  # views are copied in ``_put`` (``owned_value``), large ones off the GIL
+    keeps_given = True  # ... unless given: then kept, their buffers counted whole
 
     def __init__(self, budget_bytes: int) -> None:
         super().__init__()
@@ -45,8 +57,16 @@ class HostTier(Tier):
         self.budget_bytes = budget_bytes
         self._objects: OrderedDict[str, bytes | memoryview] = OrderedDict()
         self._held_bytes = 0
+        self._buffers: dict[int, list] = {}  # id of a given buffer -> [the buffer, values held in it]
+        self._buffer_of: dict[str, int] = {}  # name of a value kept given -> id of its buffer
 
     def _put(self, items: list[tuple[str, bytes]]) -> list[bool]:
+        return self._put_values(items, given=False)
+
+    def _put_given(self, items: list[tuple[str, bytes]]) -> list[bool]:
+        return self._put_values(items, given=True)
+
+    def _put_values(self, items: list[tuple[str, bytes]], given: bool) -> list[bool]:
         out = []
         for name, value in items:
             if name in self._objects:
@@ -58,18 +78,48 @@ class HostTier(Tier):
                 self._stats.last_error = f"object of {len(value)} B exceeds the host budget of {self.budget_bytes} B"
                 out.append(False)
                 continue
-            while self._held_bytes + len(value) > self.budget_bytes:
-                _, old = self._objects.popitem(last=False)
-                self._held_bytes -= len(old)
+            buffer = given_buffer(value) if given else None
+            if buffer is None or buffer.nbytes > self.budget_bytes:
+                buffer, value = None, owned_value(value)
+            else:
+                value = value.toreadonly()  # what ``get`` answers cannot be written through
+            while self._held_bytes + self._cost(value, buffer) > self.budget_bytes:
+                old = self._forget(next(iter(self._objects)))
                 self._stats.evicted += 1
                 self._stats.evicted_bytes += len(old)
-            self._objects[name] = value = owned_value(value)
-            self._held_bytes += len(value)
+            self._keep(name, value, buffer)
             self._stats.stored += 1
             self._stats.stored_bytes += len(value)
             out.append(True)
         self._sync_held()
         return out
+
+    def _cost(self, value: bytes | memoryview, buffer: np.ndarray | None) -> int:
+        """The bytes keeping ``value`` adds: its own, or its buffer's when none of it is held yet."""
+        if buffer is None:
+            return len(value)
+        return 0 if id(buffer) in self._buffers else buffer.nbytes
+
+    def _keep(self, name: str, value: bytes | memoryview, buffer: np.ndarray | None) -> None:
+        self._held_bytes += self._cost(value, buffer)
+        self._objects[name] = value
+        if buffer is not None:
+            self._buffers.setdefault(id(buffer), [buffer, 0])[1] += 1
+            self._buffer_of[name] = id(buffer)
+
+    def _forget(self, name: str) -> bytes | memoryview:
+        """Drop a held value (its bytes, or its buffer's once no value in it is held); the value."""
+        value = self._objects.pop(name)
+        ident = self._buffer_of.pop(name, None)
+        if ident is None:
+            self._held_bytes -= len(value)
+            return value
+        entry = self._buffers[ident]
+        entry[1] -= 1
+        if not entry[1]:
+            del self._buffers[ident]
+            self._held_bytes -= entry[0].nbytes
+        return value
 
     def _get(self, names: list[str]) -> list[bytes | memoryview | None]:
         out = []
@@ -86,9 +136,8 @@ class HostTier(Tier):
     def _delete(self, names: list[str]) -> int:
         count = 0
         for name in names:
-            value = self._objects.pop(name, None)
-            if value is not None:
-                self._held_bytes -= len(value)
+            if name in self._objects:
+                self._forget(name)
                 count += 1
         self._sync_held()
         return count

@@ -24,6 +24,7 @@ class TierStack(Tier):
 
     name = "stack"
     put_copies = True  # views go down as they are: each tier's own put copies what it keeps
+    keeps_given = True  # ... and go down given when put given (a host tier keeps them)
 
     def __init__(self, tiers: Sequence[Tier]) -> None:
         super().__init__()
@@ -32,12 +33,15 @@ class TierStack(Tier):
         self.tiers = tuple(tiers)
         self.reads_lease = any(t.reads_lease for t in self.tiers)
 
-    def _put(self, items: list[tuple[str, bytes]]) -> list[bool]:
+    def _put(self, items: list[tuple[str, bytes]], given: bool = False) -> list[bool]:
         stored = [False] * len(items)
         for tier in self.tiers:
-            stored = [a or b for a, b in zip(stored, tier.put(items))]
+            stored = [a or b for a, b in zip(stored, tier.put(items, given=given))]
         self._count_puts(items, stored)
         return stored
+
+    def _put_given(self, items: list[tuple[str, bytes]]) -> list[bool]:
+        return self._put(items, given=True)
 
     def _get(self, names: list[str]) -> list[bytes | None]:
         out: list[bytes | None] = [None] * len(names)

@@ -60,16 +60,18 @@ class ObjectStore:
             raise ValueError(f"no group {key.group_id!r} in layout {self.layout.name}")
         return prefix + key.key.hex()
 
-    def put(self, objects: Sequence[RowsObject], *, in_place: bool = False) -> list[bool]:
+    def put(self, objects: Sequence[RowsObject], *, in_place: bool = False, given: bool = False) -> list[bool]:
         """Encode and put the objects; per object, whether a tier stored it. ``in_place``: each
         payload has room for its header right before it (``gather_objects(..., room_bytes=)``),
-        and the header is written there rather than the payload copied (``encode_object``)."""
+        and the header is written there rather than the payload copied (``encode_object``).
+        ``given`` (with ``in_place``): the payloads' buffers are handed to the tier, which may keep
+        them rather than copy (``Tier.put(..., given=True)``: the host tier does)."""
         items = []
         for obj in objects:
             if obj.parts != self._parts.get(obj.key.group_id):
                 raise ValueError(f"object of group {obj.key.group_id} has parts that are not this layout's")
             items.append((self.name(obj.key), encode_object(obj, self.namespace, in_place=in_place)))
-        stored = self.tier.put(items)
+        stored = self.tier.put(items, given=given and in_place)
         self._stats.offered += len(items)
         self._stats.stored += sum(stored)
         return stored

@@ -20,8 +20,8 @@ of the GIL while it moves bytes, or the step thread waits for it: the row
 gather (a compiled kernel), the XXH3 checksum (``xxhash``) and numpy's copies
 release it; a copy into a new ``bytes`` (``bytes(view)``, ``b"".join``) does
 not. Jobs submitted ``in_place`` (an :class:`~hybridkv.transfer.OffloadPlan`'s)
-encode without copying the payload, and the host tier copies views into its
-own buffers with numpy. An engine may still :meth:`OffloadWorker.pause` it
+encode without copying the payload and hand their new buffers to the tier
+(``given``: the host tier keeps them, no copy). An engine may still :meth:`OffloadWorker.pause` it
 while its step thread schedules and :meth:`OffloadWorker.resume` it while the
 device computes (its Python between copies takes the GIL too).
 """
@@ -71,7 +71,7 @@ class OffloadWorker:
         self._stats = OffloadWorkerStats()
         self._cond = threading.Condition()
         self._jobs: deque = deque()  # submitted, objects not made yet
-        self._made: deque = deque()  # [ticket, object count, in_place, objects made, stored so far], oldest first
+        self._made: deque = deque()  # [ticket, object count, (in_place, given), objects made, stored so far], oldest first
         self._done: deque = deque()
         self._busy = False
         self._closed = False
@@ -82,12 +82,14 @@ class OffloadWorker:
 
     # --- the caller's side ----------------------------------------------------------
     def submit(self, ticket: Hashable, make_objects: Callable[[], Sequence[RowsObject]], num_objects: int,
-               *, in_place: bool = False) -> bool:
+               *, in_place: bool = False, given: bool = False) -> bool:
         """Queue a job of ``num_objects`` objects; False when it does not fit (dropped, counted,
         and reported by :meth:`finished` like any other). Never waits for the tier.
         ``in_place``: every object's payload has room for its header right before it
         (``gather_objects(..., room_bytes=)``), so the encode writes the header there and copies
-        no payload (``ObjectStore.put(..., in_place=True)``)."""
+        no payload (``ObjectStore.put(..., in_place=True)``). ``given`` (with ``in_place``): the
+        objects' buffers are new and handed to the tier (``ObjectStore.put(..., given=True)``:
+        the host tier keeps them, no copy)."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("the offload worker is closed")
@@ -99,7 +101,7 @@ class OffloadWorker:
                 self._done.append((ticket, [None] * num_objects))
                 return False
             self._stats.queued_objects += num_objects
-            self._jobs.append((ticket, make_objects, num_objects, in_place))
+            self._jobs.append((ticket, make_objects, num_objects, (in_place, given)))
             if not self._busy:  # a busy worker takes the next job without waiting
                 self._cond.notify_all()
             return True
@@ -181,18 +183,18 @@ class OffloadWorker:
 
     def _make(self, job: tuple) -> tuple | None:
         """Run a job's callable; the job joins the made ones, or comes back failed."""
-        ticket, make_objects, num_objects, in_place = job
+        ticket, make_objects, num_objects, how = job
         try:
             objects = list(make_objects())
         except Exception as exc:  # a job's fault is counted, never raised into the worker's loop
             return ticket, num_objects, None, f"{type(exc).__name__}: {exc}"
         with self._cond:
-            self._made.append([ticket, num_objects, in_place, objects, []])
+            self._made.append([ticket, num_objects, how, objects, []])
         return None
 
     def _put_next(self, made: list) -> tuple | None:
         """Put the next batch of the oldest made job; the job once all of it is put (or failed)."""
-        ticket, num_objects, in_place, objects, stored = made
+        ticket, num_objects, (in_place, given), objects, stored = made
         at = end = len(stored)
         nbytes, last = 0, min(len(objects), at + self.put_batch_objects)
         while end < last and (end == at or nbytes + objects[end].payload.size <= self.put_batch_bytes):
@@ -200,7 +202,7 @@ class OffloadWorker:
             end += 1
         try:
             if end > at:  # (a job of no objects puts nothing)
-                stored += self.store.put(objects[at:end], in_place=in_place)
+                stored += self.store.put(objects[at:end], in_place=in_place, given=given)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         else:
