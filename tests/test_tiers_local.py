@@ -304,3 +304,37 @@ def test_views_put_given_are_kept_without_a_copy_and_their_buffer_counted_once(s
     assert host.delete(["b"]) == 1 and host.stats().held_bytes == 0
     if stacked:  # the disk tier below wrote its own copy
         assert [bytes(value) for value in tier.get(["a", "b"])] == expected
+
+
+def test_host_tier_serves_gets_beside_a_thread_that_puts_and_evicts():
+    """The offload worker puts (and so evicts) while the step thread gets: a get of a name the
+    other thread evicts in between is a miss, never an error; the budget holds throughout."""
+    import threading
+
+    tier = HostTier(8 * 64)
+    names = [f"o{i}" for i in range(64)]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def putter():
+        try:
+            while not stop.is_set():
+                for name in names:
+                    tier.put([(name, bytes(64))])
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=putter)
+    thread.start()
+    try:
+        for _ in range(3000):
+            got = tier.get(names)
+            assert all(value is None or len(value) == 64 for value in got)
+            assert tier.stats().held_bytes <= 8 * 64
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(old)
+    assert not errors

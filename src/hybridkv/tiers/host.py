@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -59,6 +60,7 @@ class HostTier(Tier):
         self._held_bytes = 0
         self._buffers: dict[int, list] = {}  # id of a given buffer -> [the buffer, values held in it]
         self._buffer_of: dict[str, int] = {}  # name of a value kept given -> id of its buffer
+        self._lock = threading.Lock()
 
     def _put(self, items: list[tuple[str, bytes]]) -> list[bool]:
         return self._put_values(items, given=False)
@@ -67,32 +69,44 @@ class HostTier(Tier):
         return self._put_values(items, given=True)
 
     def _put_values(self, items: list[tuple[str, bytes]], given: bool) -> list[bool]:
-        out = []
-        for name, value in items:
-            if name in self._objects:
+        out = [self._put_one(name, value, given) for name, value in items]
+        with self._lock:
+            self._sync_held()
+        return out
+
+    def _put_one(self, name: str, value: bytes | memoryview, given: bool) -> bool:
+        """Keep one value (evicting the least recently used to fit); False when it is refused."""
+        if self._touch(name):
+            return True
+        if len(value) > self.budget_bytes:
+            self._stats.refused += 1
+            self._stats.last_error = f"object of {len(value)} B exceeds the host budget of {self.budget_bytes} B"
+            return False
+        buffer = given_buffer(value) if given else None
+        if buffer is None or buffer.nbytes > self.budget_bytes:
+            buffer, value = None, owned_value(value)  # copied outside the lock
+        else:
+            value = value.toreadonly()  # what ``get`` answers cannot be written through
+        with self._lock:
+            if name in self._objects:  # another thread put it meanwhile
                 self._objects.move_to_end(name)
-                out.append(True)
-                continue
-            if len(value) > self.budget_bytes:
-                self._stats.refused += 1
-                self._stats.last_error = f"object of {len(value)} B exceeds the host budget of {self.budget_bytes} B"
-                out.append(False)
-                continue
-            buffer = given_buffer(value) if given else None
-            if buffer is None or buffer.nbytes > self.budget_bytes:
-                buffer, value = None, owned_value(value)
-            else:
-                value = value.toreadonly()  # what ``get`` answers cannot be written through
+                return True
             while self._held_bytes + self._cost(value, buffer) > self.budget_bytes:
                 old = self._forget(next(iter(self._objects)))
                 self._stats.evicted += 1
                 self._stats.evicted_bytes += len(old)
             self._keep(name, value, buffer)
-            self._stats.stored += 1
-            self._stats.stored_bytes += len(value)
-            out.append(True)
-        self._sync_held()
-        return out
+        self._stats.stored += 1
+        self._stats.stored_bytes += len(value)
+        return True
+
+    def _touch(self, name: str) -> bool:
+        """Whether ``name`` is held (then it becomes the most recently used)."""
+        with self._lock:
+            if name not in self._objects:
+                return False
+            self._objects.move_to_end(name)
+            return True
 
     def _cost(self, value: bytes | memoryview, buffer: np.ndarray | None) -> int:
         """The bytes keeping ``value`` adds: its own, or its buffer's when none of it is held yet."""
@@ -123,23 +137,26 @@ class HostTier(Tier):
 
     def _get(self, names: list[str]) -> list[bytes | memoryview | None]:
         out = []
-        for name in names:
-            value = self._objects.get(name)
-            if value is not None:
-                self._objects.move_to_end(name)
-            out.append(value)
+        with self._lock:
+            for name in names:
+                value = self._objects.get(name)
+                if value is not None:
+                    self._objects.move_to_end(name)
+                out.append(value)
         return out
 
     def _contains(self, names: list[str]) -> list[bool]:
-        return [name in self._objects for name in names]
+        with self._lock:
+            return [name in self._objects for name in names]
 
     def _delete(self, names: list[str]) -> int:
         count = 0
-        for name in names:
-            if name in self._objects:
-                self._forget(name)
-                count += 1
-        self._sync_held()
+        with self._lock:
+            for name in names:
+                if name in self._objects:
+                    self._forget(name)
+                    count += 1
+            self._sync_held()
         return count
 
     def _sync_held(self) -> None:
