@@ -55,3 +55,9 @@ def test_the_light_name_lists_match_the_library():
     assert plan_cmd.BUNDLED_MODELS == BUNDLED_MODELS
     assert plan_cmd.INDEXER_FORMATS == INDEXER_FORMATS
     assert simulate_cmd.WORKLOAD_NAMES == WORKLOAD_NAMES
+
+
+def test_python_dash_m_hybridkv_runs_the_command_line():
+    done = subprocess.run([sys.executable, "-m", "hybridkv", "--version"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().startswith("hybridkv")
