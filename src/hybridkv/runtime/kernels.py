@@ -237,34 +237,36 @@ def place_row(geometry, pages, bounds, row, lo, counts, page_ids, view):
 
 
 @njit(cache=True)
-def write_slots(geometry, pages, bounds, rows, first_row, positions, request_indices, slots):
+def write_slots(geometry, pages, bounds, rows, first, counts, settle, slots):
     """``slots[g, i]``: ``page * rows_per_page + entry % rows_per_page`` for token ``i``
-    (entry ``position // stride``), -1 where the token closes no entry. Runs of one
-    request's consecutive positions are walked entry by entry (a stride apart), a page
-    looked up once for the entries it holds."""
-    n_tokens = positions.size
+    (entry ``position // stride``, plan rows ``[settle, R)`` writing ``counts[r]`` tokens
+    from ``first[r]``, in order), -1 where the token closes no entry. Walked page by
+    page: a page ``T = rows_per_page * stride`` tokens long holds the entries ending in
+    it, so slot = ``page * rows_per_page - logical * rows_per_page + position // stride``
+    with the page looked up once."""
     for g in range(geometry.shape[0]):
         tokens, page_shift = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT]
-        per_page, rows_shift = geometry[g, ROWS_PER_PAGE], geometry[g, ROWS_SHIFT]
+        per_page = geometry[g, ROWS_PER_PAGE]
         stride, stride_shift = geometry[g, STRIDE_TOKENS], geometry[g, STRIDE_SHIFT]
-        slots[g, :] = -1
-        i = 0
-        while i < n_tokens:
-            k, start = request_indices[i], positions[i]
-            j = i + 1
-            while j < n_tokens and request_indices[j] == k and positions[j] == start + j - i:
-                j += 1
-            row, logical, page = rows[first_row + k], -1, np.int64(0)
-            pos = divide(start + stride, stride, stride_shift) * stride - 1  # the run's first entry end
-            while pos < start + j - i:
-                entry = divide(pos + 1, stride, stride_shift) - 1
-                at_logical = divide(pos, tokens, page_shift)
-                if at_logical != logical:
-                    logical = at_logical
-                    page = np.int64(pages[cell(geometry, bounds, g, row, logical)]) * per_page
-                slots[g, i + pos - start] = page + entry - divide(entry, per_page, rows_shift) * per_page
-                pos += stride
-            i = j
+        if stride > 1:
+            slots[g, :] = -1
+        at = 0  # the batch index of the row's first token
+        for r in range(settle, rows.size):
+            start, end = first[r], first[r] + counts[r]
+            pos = divide(start + stride, stride, stride_shift) * stride - 1  # the first entry end
+            while pos < end:
+                logical = divide(pos, tokens, page_shift)
+                page_end = min((logical + 1) * tokens, end)
+                base = (np.int64(pages[cell(geometry, bounds, g, rows[r], logical)]) - logical) * per_page
+                if stride == 1:
+                    for p in range(pos, page_end):
+                        slots[g, at + p - start] = base + p
+                    pos = page_end
+                else:
+                    while pos < page_end:
+                        slots[g, at + pos - start] = base + divide(pos, stride, stride_shift)
+                        pos += stride
+            at += counts[r]
 
 
 # --- one step: plan (pure), then run (release, allocate, the batch's arrays) -----------------
@@ -674,7 +676,7 @@ def finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transi
     batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, positions, request_indices,
                  query_start_loc, base_pages, widths)
     if slots.shape[0]:
-        write_slots(geometry, pages, bounds, rows, settle, positions, request_indices, slots)
+        write_slots(geometry, pages, bounds, rows, first, counts, settle, slots)
     return n_touched
 
 
