@@ -852,7 +852,10 @@ def push_run(stack, top, lowest, run):
     Returns the new top. Every free stack grows here (``PagePool``, ``release_pages``,
     ``push_free``)."""
     if lowest:
-        return merge_free(stack, top, np.sort(run))
+        for i in range(1, run.size):
+            if run[i] < run[i - 1]:
+                return merge_free(stack, top, np.sort(run))
+        return merge_free(stack, top, run)  # ascending already (a prefill's pages, mostly): no sort
     n = run.size
     for i in range(n):
         stack[top + i] = run[n - 1 - i]
