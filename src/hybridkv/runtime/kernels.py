@@ -537,9 +537,8 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
     in ``per_group``. ``STEP_NEEDS_PAGES``: the releases ran,
     nothing else; the caller lends slabs (``hold``) and makes room (``PagePool.make_room``)
     in the groups whose stack is short or that would first reuse idle low-priority pages
-    (``needs_room``), then calls ``finish_step``. A step done whose changed cells fit in
-    ``cell_pages`` leaves them read (``read_cells`` of ``touched``: group, row and column
-    to ``cells``, page ids to ``cell_pages``)."""
+    (``needs_room``), then calls ``finish_step`` (which reads the changed cells into
+    ``cells`` and ``cell_pages`` when they fit)."""
     for r in range(rows.size):
         committed[rows[r]] = first[r]
     n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after,
@@ -548,10 +547,8 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
                           sums, released, idle_keyed):
         return STEP_NEEDS_PAGES, n_touched, n_keyed
     n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
-                            first, settle, after, sums, touched, n_touched, table_rows, scheduled, positions,
-                            request_indices, query_start_loc, base_pages, widths, slots)
-    if n_touched <= cell_pages.size:
-        read_cells(geometry, pages, bounds, touched[:n_touched], cells[0], cells[1], cells[2], cell_pages)
+                            first, settle, after, sums, touched, n_touched, cells, cell_pages, table_rows, scheduled,
+                            positions, request_indices, query_start_loc, base_pages, widths, slots)
     return STEP_DONE, n_touched, n_keyed
 
 
@@ -664,11 +661,13 @@ def releases_cover(geometry, pages, bounds, ref, keyed, top, rows, after, sums):
 
 @njit(cache=True)
 def finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts, first, settle,
-                after, sums, touched, n_touched, table_rows, scheduled, positions, request_indices, query_start_loc,
-                base_pages, widths, slots):
+                after, sums, touched, n_touched, cells, cell_pages, table_rows, scheduled, positions, request_indices,
+                query_start_loc, base_pages, widths, slots):
     """The rest of ``run_step`` once the stacks hold enough: allocate (counted in
     ``per_group``), computed tokens move on, the batch's arrays and (when ``slots`` has
-    rows) write slots."""
+    rows) write slots; then, when the step's changed cells fit in ``cell_pages``, reads
+    them (``read_cells`` of ``touched``: group, row and column to ``cells``, page ids to
+    ``cell_pages``). Returns the cells changed."""
     n_touched = allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, rows, first, counts,
                                after, sums, touched, n_touched)
     for r in range(rows.size):
@@ -677,6 +676,8 @@ def finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transi
                  query_start_loc, base_pages, widths)
     if slots.shape[0]:
         write_slots(geometry, pages, bounds, rows, first, counts, settle, slots)
+    if n_touched <= cell_pages.size:
+        read_cells(geometry, pages, bounds, touched[:n_touched], cells[0], cells[1], cells[2], cell_pages)
     return n_touched
 
 
