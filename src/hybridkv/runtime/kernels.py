@@ -395,7 +395,9 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
         offset = geometry[g, ID_OFFSET]
         n = 0
         for r in range(rows.size):
-            row = rows[r]
+            row, new_base = rows[r], after[0, g, r]
+            if new_base == bounds[BASE, g, row] and new_base <= bounds[HI, g, row] and not bounds[LANE, g, row]:
+                continue  # nothing to release and nothing to change (most rows of a decode step)
             for logical in range(bounds[BASE, g, row], min(after[0, g, r], bounds[HI, g, row])):
                 at = cell(geometry, bounds, g, row, logical)
                 scratch[n] = pages[at]
@@ -480,6 +482,8 @@ def allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, ro
         taken = 0
         for r in range(rows.size):
             row = rows[r]
+            if after[1, g, r] == bounds[HI, g, row]:
+                continue  # no page to allocate and its hi stays
             keep_from = divide(max(first[r] + counts[r] - window + 1, 0), tokens, shift)
             if after[1, g, r] > bounds[HI, g, row]:
                 fit_ring(geometry, pages, bounds, g, row, after[1, g, r] - bounds[BASE, g, row])
