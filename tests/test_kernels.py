@@ -206,6 +206,45 @@ def test_merge_free_keeps_the_stack_descending_with_the_run_merged_in(ids, data)
     assert stack[top:].tolist() == [-7, -7, -7]  # nothing written past the new top
 
 
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 600), st.integers(0, 300), st.integers(0, 2**32 - 1))
+def test_merge_free_moves_long_blocks_as_one_by_one(n_held, n_run, seed):
+    """Long runs of stack ids below a freed id (moved as blocks, by long and short
+    shifts) end where the one-by-one merge puts them: every id, descending."""
+    rng = np.random.default_rng(seed)
+    ids = np.sort(rng.choice(5000, n_held + n_run, replace=False))
+    in_run = np.zeros(ids.size, dtype=bool)
+    if rng.random() < 0.5:
+        in_run[rng.choice(ids.size, n_run, replace=False)] = True  # freed ids among the held ones
+    else:
+        in_run[ids.size - n_run :] = True  # all above: every held id one block below them
+    run = ids[in_run].astype(np.int32)
+    held = ids[~in_run][::-1].astype(np.int32)
+    stack = np.full(ids.size + 3, -7, dtype=np.int32)
+    stack[: held.size] = held
+    top = kernels.merge_free(stack, held.size, run)
+    assert top == ids.size
+    assert stack[:top].tolist() == ids[::-1].tolist()
+    assert stack[top:].tolist() == [-7, -7, -7]
+
+@settings(max_examples=60, deadline=None)
+@given(st.sets(st.integers(1, 300), max_size=50), st.data())
+def test_push_run_merges_ascending_and_unordered_runs_alike(ids, data):
+    """A ``lowest`` stack gets the same sorted merge whether the freed run comes ascending
+    (merged as is) or in any other order (sorted first)."""
+    ids = sorted(ids)
+    in_run = data.draw(st.lists(st.booleans(), min_size=len(ids), max_size=len(ids)))
+    freed = [p for p, r in zip(ids, in_run) if r]
+    held = [p for p, r in zip(ids, in_run) if not r]
+    for run in (freed, data.draw(st.permutations(freed))):
+        stack = np.full(len(ids) + 2, -7, dtype=np.int32)
+        stack[: len(held)] = held[::-1]
+        top = kernels.push_run(stack, len(held), True, np.array(run, dtype=np.int32))
+        assert stack[:top].tolist() == ids[::-1]
+        assert stack[top:].tolist() == [-7, -7]
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 40), st.integers(1, 8))
 def test_plan_views_tile_their_buffer_without_overlap(cap, n_groups):

@@ -279,3 +279,23 @@ def test_apply_needs_an_updates_batch():
     m.add_request("a", prompt_tokens=5)
     with pytest.raises(ValueError, match="updates"):
         BlockTableMirror.for_manager(m).apply(m.schedule([("a", 5)]))
+
+
+def test_updates_of_a_chunk_that_evicts_first_match_the_full_tables():
+    """A prefill chunk whose free stacks are short (cached pages evicted before it allocates:
+    the step kernel stops after its releases and ``finish_step`` ends it) hands out the
+    cells it changed as updates; a mirror applying them holds the full-mode tables."""
+    inc, full = build("v4", True, None)
+    mirror = BlockTableMirror.for_manager(inc)
+    rng = np.random.default_rng(5)
+    for k in range(4):
+        ids = rng.integers(0, 1000, 1024)
+        both([inc.add_request, full.add_request], f"r{k}", ids, max_new_tokens=4)
+        for _ in range(16):
+            (a, b), _ = both([lambda *x, **y: inc.schedule(*x, block_tables="updates", **y), full.schedule],
+                             [(f"r{k}", 64)])
+            assert not a.table_updates.reset or k == 0
+            mirror.apply(a)
+            same_batch(a, b, mirror)
+        both([inc.free, full.free], f"r{k}")
+    assert sum(s.evicted_pages for s in inc.stats().values()) > 0

@@ -37,8 +37,9 @@ def planned(ts, first, count=1):
 
 def slots_of(ts, rows, positions):
     slots = np.empty((1, len(positions)), dtype=np.int64)
-    kernels.write_slots(ts.geometry, ts.pages, ts.bounds, np.asarray(rows, dtype=np.int64), 0, np.asarray(positions),
-                        np.arange(len(positions), dtype=np.int32), slots)
+    # One plan row per token: its row, from its position, one token.
+    kernels.write_slots(ts.geometry, ts.pages, ts.bounds, np.asarray(rows, dtype=np.int64),
+                        np.asarray(positions, dtype=np.int64), np.ones(len(positions), dtype=np.int64), 0, slots)
     return slots[0].tolist()
 
 

@@ -237,34 +237,36 @@ def place_row(geometry, pages, bounds, row, lo, counts, page_ids, view):
 
 
 @njit(cache=True)
-def write_slots(geometry, pages, bounds, rows, first_row, positions, request_indices, slots):
+def write_slots(geometry, pages, bounds, rows, first, counts, settle, slots):
     """``slots[g, i]``: ``page * rows_per_page + entry % rows_per_page`` for token ``i``
-    (entry ``position // stride``), -1 where the token closes no entry. Runs of one
-    request's consecutive positions are walked entry by entry (a stride apart), a page
-    looked up once for the entries it holds."""
-    n_tokens = positions.size
+    (entry ``position // stride``, plan rows ``[settle, R)`` writing ``counts[r]`` tokens
+    from ``first[r]``, in order), -1 where the token closes no entry. Walked page by
+    page: a page ``T = rows_per_page * stride`` tokens long holds the entries ending in
+    it, so slot = ``page * rows_per_page - logical * rows_per_page + position // stride``
+    with the page looked up once."""
     for g in range(geometry.shape[0]):
         tokens, page_shift = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT]
-        per_page, rows_shift = geometry[g, ROWS_PER_PAGE], geometry[g, ROWS_SHIFT]
+        per_page = geometry[g, ROWS_PER_PAGE]
         stride, stride_shift = geometry[g, STRIDE_TOKENS], geometry[g, STRIDE_SHIFT]
-        slots[g, :] = -1
-        i = 0
-        while i < n_tokens:
-            k, start = request_indices[i], positions[i]
-            j = i + 1
-            while j < n_tokens and request_indices[j] == k and positions[j] == start + j - i:
-                j += 1
-            row, logical, page = rows[first_row + k], -1, np.int64(0)
-            pos = divide(start + stride, stride, stride_shift) * stride - 1  # the run's first entry end
-            while pos < start + j - i:
-                entry = divide(pos + 1, stride, stride_shift) - 1
-                at_logical = divide(pos, tokens, page_shift)
-                if at_logical != logical:
-                    logical = at_logical
-                    page = np.int64(pages[cell(geometry, bounds, g, row, logical)]) * per_page
-                slots[g, i + pos - start] = page + entry - divide(entry, per_page, rows_shift) * per_page
-                pos += stride
-            i = j
+        if stride > 1:
+            slots[g, :] = -1
+        at = 0  # the batch index of the row's first token
+        for r in range(settle, rows.size):
+            start, end = first[r], first[r] + counts[r]
+            pos = divide(start + stride, stride, stride_shift) * stride - 1  # the first entry end
+            while pos < end:
+                logical = divide(pos, tokens, page_shift)
+                page_end = min((logical + 1) * tokens, end)
+                base = (np.int64(pages[cell(geometry, bounds, g, rows[r], logical)]) - logical) * per_page
+                if stride == 1:
+                    for p in range(pos, page_end):
+                        slots[g, at + p - start] = base + p
+                    pos = page_end
+                else:
+                    while pos < page_end:
+                        slots[g, at + pos - start] = base + divide(pos, stride, stride_shift)
+                        pos += stride
+            at += counts[r]
 
 
 # --- one step: plan (pure), then run (release, allocate, the batch's arrays) -----------------
@@ -393,7 +395,9 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
         offset = geometry[g, ID_OFFSET]
         n = 0
         for r in range(rows.size):
-            row = rows[r]
+            row, new_base = rows[r], after[0, g, r]
+            if new_base == bounds[BASE, g, row] and new_base <= bounds[HI, g, row] and not bounds[LANE, g, row]:
+                continue  # nothing to release and nothing to change (most rows of a decode step)
             for logical in range(bounds[BASE, g, row], min(after[0, g, r], bounds[HI, g, row])):
                 at = cell(geometry, bounds, g, row, logical)
                 scratch[n] = pages[at]
@@ -478,6 +482,8 @@ def allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, ro
         taken = 0
         for r in range(rows.size):
             row = rows[r]
+            if after[1, g, r] == bounds[HI, g, row]:
+                continue  # no page to allocate and its hi stays
             keep_from = divide(max(first[r] + counts[r] - window + 1, 0), tokens, shift)
             if after[1, g, r] > bounds[HI, g, row]:
                 fit_ring(geometry, pages, bounds, g, row, after[1, g, r] - bounds[BASE, g, row])
@@ -535,9 +541,8 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
     in ``per_group``. ``STEP_NEEDS_PAGES``: the releases ran,
     nothing else; the caller lends slabs (``hold``) and makes room (``PagePool.make_room``)
     in the groups whose stack is short or that would first reuse idle low-priority pages
-    (``needs_room``), then calls ``finish_step``. A step done whose changed cells fit in
-    ``cell_pages`` leaves them read (``read_cells`` of ``touched``: group, row and column
-    to ``cells``, page ids to ``cell_pages``)."""
+    (``needs_room``), then calls ``finish_step`` (which reads the changed cells into
+    ``cells`` and ``cell_pages`` when they fit)."""
     for r in range(rows.size):
         committed[rows[r]] = first[r]
     n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after,
@@ -546,10 +551,8 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
                           sums, released, idle_keyed):
         return STEP_NEEDS_PAGES, n_touched, n_keyed
     n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
-                            first, settle, after, sums, touched, n_touched, table_rows, scheduled, positions,
-                            request_indices, query_start_loc, base_pages, widths, slots)
-    if n_touched <= cell_pages.size:
-        read_cells(geometry, pages, bounds, touched[:n_touched], cells[0], cells[1], cells[2], cell_pages)
+                            first, settle, after, sums, touched, n_touched, cells, cell_pages, table_rows, scheduled,
+                            positions, request_indices, query_start_loc, base_pages, widths, slots)
     return STEP_DONE, n_touched, n_keyed
 
 
@@ -662,11 +665,13 @@ def releases_cover(geometry, pages, bounds, ref, keyed, top, rows, after, sums):
 
 @njit(cache=True)
 def finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts, first, settle,
-                after, sums, touched, n_touched, table_rows, scheduled, positions, request_indices, query_start_loc,
-                base_pages, widths, slots):
+                after, sums, touched, n_touched, cells, cell_pages, table_rows, scheduled, positions, request_indices,
+                query_start_loc, base_pages, widths, slots):
     """The rest of ``run_step`` once the stacks hold enough: allocate (counted in
     ``per_group``), computed tokens move on, the batch's arrays and (when ``slots`` has
-    rows) write slots."""
+    rows) write slots; then, when the step's changed cells fit in ``cell_pages``, reads
+    them (``read_cells`` of ``touched``: group, row and column to ``cells``, page ids to
+    ``cell_pages``). Returns the cells changed."""
     n_touched = allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, rows, first, counts,
                                after, sums, touched, n_touched)
     for r in range(rows.size):
@@ -674,7 +679,9 @@ def finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transi
     batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, positions, request_indices,
                  query_start_loc, base_pages, widths)
     if slots.shape[0]:
-        write_slots(geometry, pages, bounds, rows, settle, positions, request_indices, slots)
+        write_slots(geometry, pages, bounds, rows, first, counts, settle, slots)
+    if n_touched <= cell_pages.size:
+        read_cells(geometry, pages, bounds, touched[:n_touched], cells[0], cells[1], cells[2], cell_pages)
     return n_touched
 
 
@@ -829,17 +836,58 @@ def live_cells(geometry, bounds, index):
 @njit(cache=True)
 def merge_free(stack, top, run):
     """Merge the ascending ids ``run`` into the free stack ``stack[:top]`` (descending:
-    the lowest id on top), in place; returns the new top. Ids are distinct."""
+    the lowest id on top), in place; returns the new top. Ids are distinct. A long
+    block of stack ids below the next run id (freed ids above most free ones, as a
+    chunk's transient pages are) is found by bisection and moved at once."""
     i, j, k = top - 1, 0, top + run.size - 1
     while j < run.size:  # fill from the new top down, lowest first; stack ids left are in place
         if i >= 0 and stack[i] < run[j]:
-            stack[k] = stack[i]
-            i -= 1
+            if i >= MERGE_BLOCK and stack[i - MERGE_BLOCK] < run[j]:
+                lo = first_below(stack, i - MERGE_BLOCK, run[j])
+                move_up(stack, lo, i + 1 - lo, k - i)
+                k -= i + 1 - lo
+                i = lo - 1
+            else:
+                stack[k] = stack[i]
+                i -= 1
+                k -= 1
         else:
             stack[k] = run[j]
             j += 1
-        k -= 1
+            k -= 1
     return top + run.size
+
+
+MERGE_BLOCK = 16  # ``merge_free`` moves stack ids one by one up to this many in a row
+
+
+@njit(cache=True)
+def first_below(stack, at, value):
+    """The lowest index ``lo <= at`` with ``stack[lo : at + 1]`` all below ``value``, given
+    ``stack[at] < value`` and ``stack`` descending."""
+    lo, hi = -1, at  # stack[lo] >= value (or lo = -1), stack[hi] < value
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if stack[mid] < value:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+@njit(cache=True)
+def move_up(stack, lo, n, shift):
+    """``stack[lo : lo + n]`` to ``stack[lo + shift : lo + shift + n]`` (``shift > 0``): in
+    slices that do not overlap when the shift is long, else one by one from the top."""
+    if shift >= 64:
+        end = lo + n
+        while end > lo:
+            start = max(lo, end - shift)
+            stack[start + shift : end + shift] = stack[start:end]
+            end = start
+    else:
+        for t in range(n - 1, -1, -1):
+            stack[lo + shift + t] = stack[lo + t]
 
 
 @njit(cache=True)
@@ -850,7 +898,10 @@ def push_run(stack, top, lowest, run):
     Returns the new top. Every free stack grows here (``PagePool``, ``release_pages``,
     ``push_free``)."""
     if lowest:
-        return merge_free(stack, top, np.sort(run))
+        for i in range(1, run.size):
+            if run[i] < run[i - 1]:
+                return merge_free(stack, top, np.sort(run))
+        return merge_free(stack, top, run)  # ascending already (a prefill's pages, mostly): no sort
     n = run.size
     for i in range(n):
         stack[top + i] = run[n - 1 - i]

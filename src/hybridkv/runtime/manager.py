@@ -83,7 +83,7 @@ class _StepPlan:
     request_ids: tuple | None = None  # the batch's ids in order, once known
     grants: list | None = None  # arena slabs to move before allocating (shared page space)
     arrays: _StepArrays | None = None  # the batch's fresh arrays, once made (``_step``)
-    cells: tuple | None = None  # ``_cell_buffers`` ``_step`` made for the batch (``run_step``'s cells)
+    cells: tuple | None = None  # ``_cell_buffers`` ``_step`` made for the batch (``finish_step``'s cells)
 
 
 class _StepArrays(NamedTuple):
@@ -113,7 +113,7 @@ class _StepArrays(NamedTuple):
 _INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
 _new_tuple = tuple.__new__
 _NO_SLOTS = np.empty((0, 0), dtype=np.int64)  # ``_StepArrays.slots`` of a step without write slots
-_NO_CELLS = np.empty((3, 0), dtype=np.int64), np.empty(0, dtype=np.int32)  # ``kernels.run_step`` reads no cells
+_NO_CELLS = np.empty((3, 0), dtype=np.int64), np.empty(0, dtype=np.int32)  # ``kernels.finish_step`` reads no cells
 _COMPUTED = np.empty(0, dtype=np.int64)  # ``prepare_step``'s load_tokens of a step that computes
 
 
@@ -1006,7 +1006,8 @@ class CacheManager:
             for row in plan.crossing.tolist():  # publish what the rows' previous steps completed
                 self._commit_row(row)
         self._tableset.start_log() if updates else self._tableset.stop_log()
-        cells = self._cell_buffers(plan.rows.size, plan.cells) if updates else _NO_CELLS
+        n_cells = plan.totals[1] + plan.totals[3]  # at most: a cell per page released or allocated
+        cells = self._cell_buffers(plan.rows.size, plan.cells, n_cells) if updates else _NO_CELLS
         arrays, n_touched, read = self._run(plan, write_slots, out if out is not None else plan.arrays, cells)
         rows = plan.rows[plan.settle :]
         self._last_rows = rows.copy()  # the plan's arrays are scratch
@@ -1065,12 +1066,12 @@ class CacheManager:
         if plan is not None:
             plan.grants = []
         if n_keyed or plan is not None:
-            n_touched = self._after_run(plan_arrays[5], allocated, status, n_touched, n_keyed, plan, out)
+            n_touched = self._after_run(plan_arrays[5], allocated, status, n_touched, n_keyed, plan, out, cells)
         elif allocated:  # all ``_after_run`` does after a step done whole that left no keyed page idle
             self._space.note_peaks(plan_arrays[5][1])
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1,
-                                 _read_cells(status, n_touched, cells))
+                                 self._read_cells(n_touched, cells))
 
     def _kernel_state(self) -> tuple:
         """``kernels.step``'s leading arguments: the table store, the per-row counters, the
@@ -1081,17 +1082,23 @@ class CacheManager:
                        space.low_priority, space.stack, space.per_group, self._transient, self._in_batch, self._grain)
         return self._state
 
-    def _cell_buffers(self, n_rows: int, made: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Fresh arrays for ``run_step`` to read the cells a step of ``n_rows`` rows changes
-        into (``table_updates``), with room for a decode step's (a page released and one
-        allocated per row and group); none while the table log holds other cells. ``made``:
-        the ones ``_step`` made for the same batch, used when they are not empty."""
+    def _cell_buffers(self, n_rows: int, made: tuple | None = None, n_cells: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Fresh arrays for ``finish_step`` to read the cells a step of ``n_rows`` rows changes
+        into (``table_updates``), with room for ``n_cells`` (a planned step's pages released
+        and allocated) and at least a decode step's (a page released and one allocated per
+        row and group); none while the table log holds other cells. ``made``: the ones
+        ``_step`` made for the same batch, used when they have the room."""
         if not self._tableset.drains_touched_only():
             return _NO_CELLS
-        if made is not None and made[1].size:
+        if made is not None and made[1].size and made[1].size >= n_cells:
             return made
-        room = 2 * len(self.specs) * n_rows + 16
+        room = max(2 * len(self.specs) * n_rows + 16, n_cells)
         return np.empty((3, room), _INT64), np.empty(room, _INT32)
+
+    def _read_cells(self, n_touched: int, cells: tuple) -> tuple | None:
+        """``cells`` when ``finish_step`` read the ``n_touched`` cells the step changed into
+        them and the table log holds nothing else; else None (``drain_updates`` reads them)."""
+        return cells if 0 < n_touched <= cells[1].size and self._tableset.drains_touched_only() else None
 
     def _evictable_cover(self, allocated: np.ndarray) -> bool:
         """After ``kernels.releases_cover`` (each short group's releases free enough pages
@@ -1124,16 +1131,17 @@ class CacheManager:
             space.low_priority, space.stack, per_group, self._transient, plan.rows, plan.counts, plan.first,
             plan.settle, plan.after, plan.sums, bool(plan.grants), scratch, idle_keyed, released, touched, *cells,
             *out)
-        n_touched = self._after_run(plan.sums, allocated_pages, status, n_touched, n_keyed, plan, out)
-        return out, n_touched, _read_cells(status, n_touched, cells)
+        n_touched = self._after_run(plan.sums, allocated_pages, status, n_touched, n_keyed, plan, out, cells)
+        return out, n_touched, self._read_cells(n_touched, cells)
 
     def _after_run(self, sums: np.ndarray, allocated_pages: int, status: int, n_touched: int, n_keyed: int,
-                   plan: _StepPlan | None, out: _StepArrays) -> int:
+                   plan: _StepPlan | None, out: _StepArrays, cells: tuple = _NO_CELLS) -> int:
         """Book what the step kernel did (it counted the pages it released and allocated):
         the keyed pages it left idle join the prefix cache's LRU, and when it stopped after
         the releases, the arena's slabs move as admission planned, groups make room
-        (``PagePool.make_room``: evict) and ``finish_step`` allocates; then the pools'
-        peaks. Returns the table cells changed."""
+        (``PagePool.make_room``: evict) and ``finish_step`` allocates (and reads the cells
+        it changed into ``cells`` when they fit); then the pools' peaks. Returns the
+        table cells changed."""
         space, ts = self._space, self._tableset
         if n_keyed:
             space.keyed_idle(self._scratch.released[1], self._scratch.idle_keyed)
@@ -1149,7 +1157,7 @@ class CacheManager:
             n_touched = kernels.finish_step(
                 ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.per_group,
                 self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums,
-                self._scratch.touched, n_touched, *out)
+                self._scratch.touched, n_touched, *cells, *out)
         if allocated_pages:
             space.note_peaks(sums[1])
         return n_touched
@@ -1158,7 +1166,7 @@ class CacheManager:
                      n_touched: int, read: tuple | None = None) -> StepBatch:
         """The step's ``StepBatch`` of table ``rows``: block tables, or (``n_touched`` >= 0:
         the cells the step changed lead the touched scratch) the table cells changed; ``read``:
-        those cells as ``kernels.run_step`` read them (group, row and column; page), the log
+        those cells as ``kernels.finish_step`` read them (group, row and column; page), the log
         holding nothing else."""
         widths = self._capture_widths if fixed_width else tuple(out.widths.tolist())
         ts, table_updates = self._tableset, None
@@ -1494,12 +1502,6 @@ def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, i
     if arena is None:
         return None
     return arena.plan({g: want[g] - avail[g] for g in avail}, {g: avail[g] - want[g] for g in avail}, scan)
-
-
-def _read_cells(status: int, n_touched: int, cells: tuple) -> tuple | None:
-    """``cells`` when the step kernel ran the step whole (no ``finish_step`` after it) and read
-    the ``n_touched`` cells it changed into them; else None (``drain_updates`` reads them)."""
-    return cells if status == kernels.STEP_DONE and 0 < n_touched <= cells[1].size else None
 
 
 def _filled(n: int, value: int) -> np.ndarray:
