@@ -75,13 +75,13 @@ NO_PACKING = np.iinfo(np.int64).max  # ``low_floor`` of a group that does not re
 NO_LOW_IDLE = NO_PACKING - 1  # ``low_floor`` of a packing group without idle low-priority pages
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def divide(value, divisor, shift):
     """``value // divisor`` for ``value >= 0``, a shift when ``divisor`` is ``1 << shift``."""
     return value >> shift if shift >= 0 else value // divisor
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def cell(geometry, bounds, g, row, logical):
     """Index in ``pages`` of logical page ``logical`` of ``row`` in group ``g``."""
     lane = bounds[LANE, g, row]
@@ -92,7 +92,7 @@ def cell(geometry, bounds, g, row, logical):
             + (logical & geometry[g, RING_MASK]) * geometry[g, COLUMN_STRIDE])
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def view_cell(geometry, n_rows, g, row, logical):
     """Index of the same cell in the ring view (what the touched-cell log holds)."""
     return (g * n_rows + row) * geometry[g, VIEW_COLUMNS] + (logical & geometry[g, COLUMN_MASK])
