@@ -648,20 +648,32 @@ class TierLink:
         keys = self._block_keys_after(request_id, start_tokens)
         if not keys:
             return
-        held = self._blocks_held(keys)
-        # a held block is done, whatever its marker says (on Mooncake a published block's marker
-        # may outlive its delete: a read lease); only the others are asked (one get that leases)
-        marked = iter(self.markers.others("computing", [k for k, h in zip(keys, held) if not h], request_id))
-        busy = [not h and next(marked) for h in held]
+        held, busy = self._held_and_busy(request_id, keys)
         run = next((i for i, (h, b) in enumerate(zip(held, busy)) if not (h or b)), len(keys))
+        if self._waits(request_id, keys, busy, run):
+            return
+        self._mark_new(request_id, [k for k, h, b in zip(keys, held, busy) if not (h or b)])
+
+    def _held_and_busy(self, request_id: str, keys: list[int]) -> tuple[list[bool], list[bool]]:
+        """Per key, whether a device or the store holds its block, and whether another request
+        marks it. A held block is done, whatever its marker says (on Mooncake a published block's
+        marker may outlive its delete: a read lease); only the others are asked (one get that
+        leases)."""
+        held = self._blocks_held(keys)
+        marked = iter(self.markers.others("computing", [k for k, h in zip(keys, held) if not h], request_id))
+        return held, [not h and next(marked) for h in held]
+
+    def _waits(self, request_id: str, keys: list[int], busy: list[bool], run: int) -> bool:
+        """Whether the request waits: for another's blocks before ``run`` (the first block nobody
+        holds or marks), else for a checkpoint at the last block one step reaches."""
         if any(busy[:run]):
-            if self._wait_for_blocks(request_id, keys, busy.index(True), run):
-                return
-        else:
-            reach = min(run, self.manager.max_step_tokens // self._prefix.granularity_tokens)
-            if reach and self._wait_for_checkpoint(request_id, keys[reach - 1]):
-                return
-        new = [k for k, h, b in zip(keys, held, busy) if not (h or b) and self._flight.marked_by(k) != request_id]
+            return self._wait_for_blocks(request_id, keys, busy.index(True), run)
+        reach = min(run, self.manager.max_step_tokens // self._prefix.granularity_tokens)
+        return bool(reach) and self._wait_for_checkpoint(request_id, keys[reach - 1])
+
+    def _mark_new(self, request_id: str, free_keys: list[int]) -> None:
+        """Mark the blocks nobody holds or marks that the request has not marked already."""
+        new = [k for k in free_keys if self._flight.marked_by(k) != request_id]
         if new:
             self.markers.put("computing", new, request_id)
             self._stats.markers_put += len(new)
