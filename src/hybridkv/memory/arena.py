@@ -154,7 +154,10 @@ class IdleScan:
     many keyed pages counted."""
 
     idle: dict[str, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)
-    releasing: dict[str, np.ndarray] | None = None  # pages the step frees before slabs move
+    # Group index (the arena's order) -> its pages the step frees before slabs move, asked
+    # only for the donors a plan reaches (None: none).
+    releasing: Callable[[int], np.ndarray] | None = None
+    spare_released: bool = False  # those pages also count as pages their group can spare
     clean: bool = False  # keyed pages count only as ``before_tick`` says (lending then evicts nothing else)
     # With ``clean``: idle keyed pages of less value than what the short group would evict
     # (low priority, or idle since before this tick of the pools' idle clock) count as idle,
@@ -184,10 +187,25 @@ class Arena:
         for gid, pool in self.pools.items():
             if pool.num_pages != geometry.view_pages(gid) or pool.usable_pages:
                 raise ValueError(f"group {gid!r}: an arena pool starts empty with {geometry.view_pages(gid)} page ids")
-        self._ranges = {gid: geometry.slab_page_ranges(gid) for gid in self.group_ids}
-        self._straddle = {gid: geometry.boundary_pages(gid) for gid in self.group_ids}
-        self._inner = {gid: hi - lo for gid, (lo, hi) in self._ranges.items()}  # inner pages per slab
+        # Per group (rows in group order) and slab: its inner page ids lo .. hi-1, the page
+        # straddling the slab's left boundary (-1: none) and the inner page count; the
+        # dicts below view their rows.
+        ranges = [geometry.slab_page_ranges(gid) for gid in self.group_ids]
+        self._slab_ids = tuple(np.stack(planes) for planes in zip(*ranges)) + (
+            np.stack([geometry.boundary_pages(gid) for gid in self.group_ids]),)
+        lo, hi, straddle = self._slab_ids
+        inner = hi - lo
+        self._ranges = {gid: (lo[i], hi[i]) for i, gid in enumerate(self.group_ids)}
+        self._straddle = {gid: straddle[i] for i, gid in enumerate(self.group_ids)}
+        self._inner = {gid: inner[i] for i, gid in enumerate(self.group_ids)}  # inner pages per slab
         self._taken = np.empty(geometry.num_slabs, dtype=np.int64)  # plan's scratch: spare slabs taken
+        # ``plan_spare``'s: inner pages and straddlers, the fewest whole pages of each
+        # group a slab holds, and scratch (owners, grants).
+        self._spare_plan = (inner, straddle, np.empty(geometry.num_slabs, dtype=np.int16),
+                            np.empty(geometry.num_slabs, dtype=np.int64), np.empty(geometry.num_slabs, dtype=np.int64))
+        self._slab_pages = np.asarray([geometry.slab_bytes // geometry.page_bytes[gid] - 1 for gid in self.group_ids],
+                                      dtype=np.int64)
+        self._most_slab_pages = int(inner.max()) + 2  # a slab's inner pages and its two straddlers
         self._index = {gid: i for i, gid in enumerate(self.group_ids)}
         self.owner = np.full(geometry.num_slabs, -1, dtype=np.int16)
         self.slab_moves = 0
@@ -195,6 +213,9 @@ class Arena:
         for gid, pool in self.pools.items():
             pool.must_pack = self._packing_rule(gid)
             pool.may_skip_packing = self.roomy
+        # Every pool keeps its free stack sorted: pages granted in one run per pool stack as
+        # they do slab by slab (``apply``).
+        self._sorted_grants = all(pool.lowest_first for pool in self.pools.values())
 
     def _packing_rule(self, gid: str) -> Callable[[int, int], bool]:
         """A group's ``PagePool.must_pack``: its long-lived pages reuse idle low-priority
@@ -289,6 +310,22 @@ class Arena:
                 return None
         return grants
 
+    def plan_spare(self, short: np.ndarray, owner: np.ndarray | None = None) -> list[Grant] | None:
+        """:meth:`plan` of ``short`` pages per group (in group order) when spare slabs
+        alone surely cover every group (a slab holds at least ``slab_bytes //
+        page_bytes - 1`` whole pages of a group), in one compiled call
+        (``kernels.take_spare_for``); None when they might not (donors' slabs may be
+        needed: :meth:`plan` decides). Pure; ``owner`` as for :meth:`plan`."""
+        own = self.owner if owner is None else owner
+        spare = self._spare_count if owner is None else int(np.count_nonzero(owner < 0))
+        inner, straddle, scratch, groups, slabs = self._spare_plan
+        n = kernels.take_spare_for(short, self._slab_pages, spare, own, scratch, inner, straddle, self._taken, groups,
+                                   slabs)
+        if n < 0:
+            return None
+        ids = self.group_ids
+        return [(ids[g], slab, None) for g, slab in zip(groups[:n].tolist(), slabs[:n].tolist())]
+
     def _take_from_donors(self, gid: str, short: int, own: np.ndarray, grants: list[Grant],
                           deficit: Mapping[str, int], spare: tuple, scan: IdleScan) -> int:
         """:meth:`plan`'s second source: slabs of groups not short themselves whose pages
@@ -311,11 +348,13 @@ class Arena:
 
     def _left(self, donor: str, spare: tuple, scan: IdleScan) -> int:
         """What ``donor`` can still spare: at first its ``surplus`` plus, with a
-        ``before_tick``, its keyed pages of less value (worked out when first asked)."""
+        ``before_tick``, its keyed pages of less value and, with ``spare_released``, the
+        pages its releases free (worked out when first asked)."""
         surplus, left = spare
         if donor not in left:
             cheap = self._idle(donor, scan)[2] if scan.keyed_mode() == 2 else 0
-            left[donor] = int(surplus.get(donor, 0)) + cheap
+            freed = scan.releasing(self._index[donor]).size if scan.spare_released else 0
+            left[donor] = int(surplus.get(donor, 0)) + cheap + freed
         return left[donor]
 
     def replay(self, grants: Sequence[Grant]) -> tuple[np.ndarray, dict[str, int]]:
@@ -336,7 +375,7 @@ class Arena:
         found = scan.idle.get(gid)
         if found is None:
             pool, g = self.pools[gid], self.geometry
-            released = scan.releasing.get(gid) if scan.releasing is not None else None
+            released = scan.releasing(self._index[gid]) if scan.releasing is not None else None
             if released is not None and released.size:
                 released = released.astype(np.int64)
                 first = g.slab_of(gid, released)
@@ -363,6 +402,9 @@ class Arena:
     # --- mutation -------------------------------------------------------------
     def apply(self, grants: Sequence[Grant]) -> None:
         """Move the planned slabs, in order (donor pages revoked, receiver pages granted)."""
+        if self._sorted_grants and all(donor is None for _, _, donor in grants):
+            self._grant_spare(grants)
+            return
         for gid, slab, donor in grants:
             if donor is not None:
                 self.pools[donor].revoke(self._pages(donor, slab, self.owner))
@@ -375,6 +417,23 @@ class Arena:
             pages = self._pages(gid, slab, self.owner)
             self.owner[slab] = self._index[gid]
             self.pools[gid].grant(pages)
+
+    def _grant_spare(self, grants: Sequence[Grant]) -> None:
+        """:meth:`apply` of spare slabs only (every pool's free stack sorted): the pages each
+        group gains, worked out in one compiled pass (``kernels.spare_slab_pages``), go
+        to its pool in one grant."""
+        index, n = self._index, len(grants)
+        groups = np.fromiter([index[gid] for gid, _, _ in grants], np.int64, n)
+        slabs = np.fromiter([slab for _, slab, _ in grants], np.int64, n)
+        pages, ends = np.empty(n * self._most_slab_pages, dtype=np.int64), np.empty(len(index), dtype=np.int64)
+        if kernels.spare_slab_pages(self.owner, groups, slabs, *self._slab_ids, pages, ends) < 0:
+            raise AssertionError("a slab granted is not spare")
+        self._spare_count -= n
+        start = 0
+        for gid, end in zip(self.group_ids, ends.tolist()):
+            if end > start:
+                self.pools[gid].grant(pages[start:end])
+            start = end
 
     def release_idle(self) -> int:
         """Return every slab whose pages are all free (not evictable) to the spare list; the count."""
