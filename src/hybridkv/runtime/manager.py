@@ -697,9 +697,10 @@ class CacheManager:
         # Per-row allocations only to leave out the rows denied already (else the plan's sums).
         alloc = None if fits.all() else self._allocations(plan)
         gross = plan.sums[1].tolist() if alloc is None else [int(alloc[g][fits].sum()) for g in ids]
-        # Releases all happen before allocations, so only the admitted totals matter.
-        plan.grants = _grants_to_fit(self.arena, dict(zip(ids, gross)), avail, IdleScan())
-        if plan.grants is None or any(donor is not None for _, _, donor in plan.grants):
+        # Releases all happen before allocations, so only the admitted totals matter. A gross
+        # plan that would take a donor's slab gives way to the net one: spare slabs only.
+        plan.grants = _grants_to_fit(self.arena, dict(zip(ids, gross)), avail, None)
+        if plan.grants is None:
             if not self._fit_net(releases, fits, deny, gross, alloc, avail):
                 return
         if self.arena is not None:
@@ -1463,14 +1464,18 @@ def _pages_per_group(ids: list[str], group_pages: Mapping[str, int] | None,
     return group_pages
 
 
-def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, int], scan: IdleScan) -> list | None:
+def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, int],
+                   scan: IdleScan | None) -> list | None:
     """Slab moves that let each group get ``want`` pages out of ``avail``: ``[]`` when
-    they fit already, ``None`` when they cannot (or there is no arena to lend)."""
+    they fit already, ``None`` when they cannot (or there is no arena to lend). Donors'
+    slabs (idle as ``scan`` counts them) only with a ``scan``: else spare slabs alone
+    (no donor can spare a page, so none is scanned)."""
     if all(want[g] <= avail[g] for g in avail):
         return []
     if arena is None:
         return None
-    return arena.plan({g: want[g] - avail[g] for g in avail}, {g: avail[g] - want[g] for g in avail}, scan)
+    surplus = {g: avail[g] - want[g] for g in avail} if scan is not None else {}
+    return arena.plan({g: want[g] - avail[g] for g in avail}, surplus, scan)
 
 
 def _read_cells(status: int, n_touched: int, cells: tuple) -> tuple | None:
