@@ -143,6 +143,7 @@ def shared_concurrency(plan: Any, context_tokens: int, geometry: ArenaGeometry |
     return fits
 
 
+_NO_SLABS = np.empty(0, dtype=np.int64)
 Grant = tuple[str, int, "str | None"]  # (receiving group, slab, donor group or None for a spare slab)
 
 
@@ -336,25 +337,36 @@ class Arena:
         for donor in self.group_ids:
             if short <= 0:
                 break
-            if donor == gid or deficit.get(donor, 0) > 0 or self._left(donor, spare, scan) <= 0:
+            if donor == gid or deficit.get(donor, 0) > 0 or self._left(donor, spare, scan, deficit) <= 0:
                 continue
-            left = spare[1]
-            inner_idle, edge_idle, _ = self._idle(donor, scan)
-            n_taken, short, left[donor] = kernels.take_donor_slabs(
-                own, self._index[donor], gi, inner_idle, edge_idle, self._inner[donor], self._straddle[donor],
-                self._inner[gid], self._straddle[gid], left[donor], short, self._taken)
+            left, di = spare[1], self._index[donor]
+            if scan.clean and donor not in scan.idle:  # one plan: scan only the slabs it reaches
+                pool, (lo, hi) = self.pools[donor], self._ranges[donor]
+                n_taken, short, left[donor] = kernels.take_idle_donor_slabs(
+                    self.owner, own, di, gi, lo, hi, self._straddle[donor], pool.ref_counts, pool.cached,
+                    pool.low_priority, pool.idle_tick, scan.keyed_mode(), scan.before_tick or 0,
+                    self._released_slabs(donor, scan), self._inner[gid], self._straddle[gid], left[donor], short,
+                    self._taken)
+            else:
+                inner_idle, edge_idle, _ = self._idle(donor, scan)
+                n_taken, short, left[donor] = kernels.take_donor_slabs(
+                    own, di, gi, inner_idle, edge_idle, self._inner[donor], self._straddle[donor],
+                    self._inner[gid], self._straddle[gid], left[donor], short, self._taken)
             grants.extend((gid, slab, donor) for slab in self._taken[:n_taken].tolist())
         return short
 
-    def _left(self, donor: str, spare: tuple, scan: IdleScan) -> int:
+    def _left(self, donor: str, spare: tuple, scan: IdleScan, deficit: Mapping[str, int]) -> int:
         """What ``donor`` can still spare: at first its ``surplus`` plus, with a
         ``before_tick``, its keyed pages of less value and, with ``spare_released``, the
         pages its releases free (worked out when first asked)."""
         surplus, left = spare
         if donor not in left:
-            cheap = self._idle(donor, scan)[2] if scan.keyed_mode() == 2 else 0
             freed = scan.releasing(self._index[donor]).size if scan.spare_released else 0
-            left[donor] = int(surplus.get(donor, 0)) + cheap + freed
+            left[donor] = int(surplus.get(donor, 0)) + freed
+            # The keyed pages of less value count only when what the donor can spare
+            # without them might not cover every slab the plan could take from it.
+            if scan.keyed_mode() == 2 and not (scan.clean and left[donor] >= self._most_given(deficit)):
+                left[donor] += self._idle(donor, scan)[2]
         return left[donor]
 
     def replay(self, grants: Sequence[Grant]) -> tuple[np.ndarray, dict[str, int]]:
@@ -369,20 +381,35 @@ class Arena:
             own[slab] = self._index[gid]
         return own, gained
 
+    def _most_given(self, deficit: Mapping[str, int]) -> int:
+        """More pages than a donor can give up in a plan for ``deficit``: each short
+        group takes at most ``ceil(short / fewest pages of it a slab holds)`` slabs,
+        each costing a donor at most its inner pages and two straddlers."""
+        slabs = 0
+        for gid, short in deficit.items():
+            per_slab = int(self._slab_pages[self._index[gid]])
+            if short > 0:
+                slabs += -(-short // per_slab) if per_slab > 0 else self.geometry.num_slabs
+        return slabs * self._most_slab_pages
+
+    def _released_slabs(self, gid: str, scan: IdleScan) -> np.ndarray:
+        """The slab of each page of ``gid`` the step frees before slabs move (``scan.releasing``),
+        or ``-1 - b`` for the page straddling boundary ``b`` (``kernels.idle_slabs``' form)."""
+        released = scan.releasing(self._index[gid]) if scan.releasing is not None else None
+        if released is None or not released.size:
+            return _NO_SLABS
+        g, released = self.geometry, released.astype(np.int64)
+        first = g.slab_of(gid, released)
+        last = ((released + 1) * g.page_bytes[gid] - 1 - g.reserved_bytes) // g.slab_bytes
+        return np.where(first == last, first, -1 - last)
+
     def _idle(self, gid: str, scan: IdleScan) -> tuple[np.ndarray, np.ndarray, int]:
         """(slabs whose inner pages are all idle, boundaries whose straddler is idle, the
         keyed pages counted idle): one compiled pass over the slabs the group owns."""
         found = scan.idle.get(gid)
         if found is None:
             pool, g = self.pools[gid], self.geometry
-            released = scan.releasing(self._index[gid]) if scan.releasing is not None else None
-            if released is not None and released.size:
-                released = released.astype(np.int64)
-                first = g.slab_of(gid, released)
-                last = ((released + 1) * g.page_bytes[gid] - 1 - g.reserved_bytes) // g.slab_bytes
-                released_slab = np.where(first == last, first, -1 - last)
-            else:
-                released_slab = np.empty(0, dtype=np.int64)
+            released_slab = self._released_slabs(gid, scan)
             inner_idle, edge_idle = np.zeros(g.num_slabs, dtype=bool), np.zeros(g.num_slabs, dtype=bool)
             lo, hi = self._ranges[gid]
             counted = kernels.idle_slabs(self.owner, self._index[gid], lo, hi, self._straddle[gid], pool.ref_counts,
