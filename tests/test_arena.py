@@ -682,3 +682,112 @@ def test_donor_slabs_are_lent_as_the_one_at_a_time_reference(data):
     for keyed_mode, scan in ((0, IdleScan(clean=True)), (1, IdleScan())):
         got = arena.plan(deficit, surplus, scan, partial=True)
         assert got == reference_donor_plan(arena, deficit, surplus, keyed_mode)
+
+
+def slab_by_slab_pages(geometry, owner, index, grants):
+    """Reference for granting spare slabs: each grant's pages from the geometry alone,
+    one slab at a time (inner pages, then the straddler of each boundary with a slab
+    the group owns by then): the sorted ids each group gains."""
+    own, gained = owner.copy(), {gid: [] for gid in index}
+    for gid, slab, _ in grants:
+        lo, hi = geometry.slab_page_ranges(gid)
+        st = geometry.boundary_pages(gid)
+        gained[gid] += range(int(lo[slab]), int(hi[slab]))
+        for boundary, near in ((slab, slab - 1), (slab + 1, slab + 1)):
+            if 0 <= near < geometry.num_slabs and own[near] == index[gid] and st[boundary] >= 0:
+                gained[gid].append(int(st[boundary]))
+        own[slab] = index[gid]
+    return {gid: sorted(pages) for gid, pages in gained.items()}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_a_spare_plan_is_the_plan_whenever_spare_slabs_surely_cover_and_grants_as_slab_by_slab(data):
+    """``plan_spare`` (one compiled pass) answers ``plan``'s grants when spare slabs alone
+    surely cover every short group (a slab holds at least ``slab_bytes // page_bytes - 1``
+    pages of it), else None; applying spare grants (one run per pool) gives each pool
+    the pages the slab-by-slab reference lists, on top of what it had."""
+    geometry, pools, arena = packing_arena(data.draw(st.integers(2, 12)))
+    for _ in range(data.draw(st.integers(0, 4))):
+        grant_and_allocate(data, pools, arena)
+    ids = arena.group_ids
+    short = np.asarray([data.draw(st.integers(-3, 40)) for _ in ids], dtype=np.int64)
+    owner = arena.owner.copy()
+    per_slab = {gid: geometry.slab_bytes // geometry.page_bytes[gid] - 1 for gid in ids}
+    need = sum(-(-int(n) // per_slab[gid]) for gid, n in zip(ids, short.tolist()) if n > 0)
+    got = arena.plan_spare(short)
+    assert np.array_equal(arena.owner, owner)  # pure
+    if need > arena.num_spare_slabs:
+        assert got is None
+        return
+    assert got == arena.plan({gid: int(n) for gid, n in zip(ids, short.tolist())}, {}, partial=True)
+    before = {gid: sorted(pool.free_page_ids().tolist()) for gid, pool in pools.items()}
+    want = slab_by_slab_pages(geometry, owner, {gid: i for i, gid in enumerate(ids)}, got)
+    arena.apply(got)
+    for gid, pool in pools.items():
+        assert sorted(pool.free_page_ids().tolist()) == sorted(before[gid] + want[gid])
+    assert arena.num_spare_slabs == int(np.count_nonzero(owner < 0)) - len(got)
+    arena.check_invariants()
+
+
+def test_granting_a_slab_that_is_not_spare_is_refused_and_changes_nothing():
+    arena, pools = bare_arena()
+    arena.apply([("swa", 1, None)])
+    owner, usable = arena.owner.copy(), pools["kv"].usable_pages
+    with pytest.raises(AssertionError, match="not spare"):
+        arena.apply([("kv", 2, None), ("kv", 1, None)])
+    assert np.array_equal(arena.owner, owner) and pools["kv"].usable_pages == usable
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_a_donor_scanned_slab_by_slab_lends_what_the_whole_scan_lends(data):
+    """``kernels.take_idle_donor_slabs`` (each slab's idleness worked out as the plan
+    reaches it) takes the slabs, and leaves the counts, of ``idle_slabs`` over every slab
+    the donor owns followed by ``take_donor_slabs``: random grants, allocations, entries
+    (low priority or not), releases, pages the step frees, every way of counting keyed
+    pages, and plan owners that already moved some slabs."""
+    from hybridkv.runtime import kernels
+
+    geometry, pools, arena = packing_arena()
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    for step in range(data.draw(st.integers(1, 10))):
+        gid, pool = grant_and_allocate(data, pools, arena)
+        held = np.flatnonzero((pool.ref_counts > 0) & ~pool.cached)
+        for k, page in enumerate(rng.permutation(held)[: data.draw(st.integers(0, held.size))].tolist()):
+            pool.publish((step, gid, k), [page], low_priority=bool(rng.integers(2)))
+        held = np.flatnonzero(pool.ref_counts > 0)
+        pool.decref(rng.permutation(held)[: data.draw(st.integers(0, held.size))])
+    donor = data.draw(st.sampled_from(sorted(SMALL_BYTES)))
+    group = next(g for g in SMALL_BYTES if g != donor)
+    pool, di, gi = pools[donor], arena.group_ids.index(donor), arena.group_ids.index(group)
+    lo, hi = geometry.slab_page_ranges(donor)
+    straddle = geometry.boundary_pages(donor)
+    held = np.flatnonzero(pool.ref_counts == 1)
+    released = np.sort(rng.permutation(held)[: data.draw(st.integers(0, held.size))]).astype(np.int64)
+    first = geometry.slab_of(donor, released)
+    last = ((released + 1) * geometry.page_bytes[donor] - 1 - geometry.reserved_bytes) // geometry.slab_bytes
+    released_slab = np.where(first == last, first, -1 - last)
+    own = arena.owner.copy()
+    for slab in np.flatnonzero(own == di).tolist():  # a plan may have moved some already
+        if rng.integers(4) == 0:
+            own[slab] = gi
+    g_lo, g_hi = geometry.slab_page_ranges(group)
+    g_straddle = geometry.boundary_pages(group)
+    left, short = data.draw(st.integers(-2, 60)), data.draw(st.integers(1, 60))
+    ticks = np.unique(pool.idle_tick[pool.evictable_page_ids()])
+    for keyed_mode, before_tick in [(0, 0), (1, 0), (2, 0), (2, int(ticks[len(ticks) // 2]) if ticks.size else 5)]:
+        inner_idle = np.zeros(geometry.num_slabs, dtype=bool)
+        edge_idle = np.zeros(geometry.num_slabs, dtype=bool)
+        kernels.idle_slabs(arena.owner, di, lo, hi, straddle, pool.ref_counts, pool.cached, pool.low_priority,
+                           pool.idle_tick, keyed_mode, before_tick, released_slab, inner_idle, edge_idle)
+        want_own, want_taken = own.copy(), np.empty(geometry.num_slabs, dtype=np.int64)
+        want = kernels.take_donor_slabs(want_own, di, gi, inner_idle, edge_idle, hi - lo, straddle, g_hi - g_lo,
+                                        g_straddle, left, short, want_taken)
+        got_own, got_taken = own.copy(), np.empty(geometry.num_slabs, dtype=np.int64)
+        got = kernels.take_idle_donor_slabs(arena.owner, got_own, di, gi, lo, hi, straddle, pool.ref_counts,
+                                            pool.cached, pool.low_priority, pool.idle_tick, keyed_mode, before_tick,
+                                            released_slab, g_hi - g_lo, g_straddle, left, short, got_taken)
+        assert got == want
+        assert got_taken[: got[0]].tolist() == want_taken[: want[0]].tolist()
+        assert np.array_equal(got_own, want_own)

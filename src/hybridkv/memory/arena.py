@@ -143,6 +143,7 @@ def shared_concurrency(plan: Any, context_tokens: int, geometry: ArenaGeometry |
     return fits
 
 
+_NO_SLABS = np.empty(0, dtype=np.int64)
 Grant = tuple[str, int, "str | None"]  # (receiving group, slab, donor group or None for a spare slab)
 
 
@@ -154,7 +155,10 @@ class IdleScan:
     many keyed pages counted."""
 
     idle: dict[str, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)
-    releasing: dict[str, np.ndarray] | None = None  # pages the step frees before slabs move
+    # Group index (the arena's order) -> its pages the step frees before slabs move, asked
+    # only for the donors a plan reaches (None: none).
+    releasing: Callable[[int], np.ndarray] | None = None
+    spare_released: bool = False  # those pages also count as pages their group can spare
     clean: bool = False  # keyed pages count only as ``before_tick`` says (lending then evicts nothing else)
     # With ``clean``: idle keyed pages of less value than what the short group would evict
     # (low priority, or idle since before this tick of the pools' idle clock) count as idle,
@@ -184,10 +188,25 @@ class Arena:
         for gid, pool in self.pools.items():
             if pool.num_pages != geometry.view_pages(gid) or pool.usable_pages:
                 raise ValueError(f"group {gid!r}: an arena pool starts empty with {geometry.view_pages(gid)} page ids")
-        self._ranges = {gid: geometry.slab_page_ranges(gid) for gid in self.group_ids}
-        self._straddle = {gid: geometry.boundary_pages(gid) for gid in self.group_ids}
-        self._inner = {gid: hi - lo for gid, (lo, hi) in self._ranges.items()}  # inner pages per slab
+        # Per group (rows in group order) and slab: its inner page ids lo .. hi-1, the page
+        # straddling the slab's left boundary (-1: none) and the inner page count; the
+        # dicts below view their rows.
+        ranges = [geometry.slab_page_ranges(gid) for gid in self.group_ids]
+        self._slab_ids = tuple(np.stack(planes) for planes in zip(*ranges)) + (
+            np.stack([geometry.boundary_pages(gid) for gid in self.group_ids]),)
+        lo, hi, straddle = self._slab_ids
+        inner = hi - lo
+        self._ranges = {gid: (lo[i], hi[i]) for i, gid in enumerate(self.group_ids)}
+        self._straddle = {gid: straddle[i] for i, gid in enumerate(self.group_ids)}
+        self._inner = {gid: inner[i] for i, gid in enumerate(self.group_ids)}  # inner pages per slab
         self._taken = np.empty(geometry.num_slabs, dtype=np.int64)  # plan's scratch: spare slabs taken
+        # ``plan_spare``'s: inner pages and straddlers, the fewest whole pages of each
+        # group a slab holds, and scratch (owners, grants).
+        self._spare_plan = (inner, straddle, np.empty(geometry.num_slabs, dtype=np.int16),
+                            np.empty(geometry.num_slabs, dtype=np.int64), np.empty(geometry.num_slabs, dtype=np.int64))
+        self._slab_pages = np.asarray([geometry.slab_bytes // geometry.page_bytes[gid] - 1 for gid in self.group_ids],
+                                      dtype=np.int64)
+        self._most_slab_pages = int(inner.max()) + 2  # a slab's inner pages and its two straddlers
         self._index = {gid: i for i, gid in enumerate(self.group_ids)}
         self.owner = np.full(geometry.num_slabs, -1, dtype=np.int16)
         self.slab_moves = 0
@@ -195,6 +214,9 @@ class Arena:
         for gid, pool in self.pools.items():
             pool.must_pack = self._packing_rule(gid)
             pool.may_skip_packing = self.roomy
+        # Every pool keeps its free stack sorted: pages granted in one run per pool stack as
+        # they do slab by slab (``apply``).
+        self._sorted_grants = all(pool.lowest_first for pool in self.pools.values())
 
     def _packing_rule(self, gid: str) -> Callable[[int, int], bool]:
         """A group's ``PagePool.must_pack``: its long-lived pages reuse idle low-priority
@@ -289,6 +311,22 @@ class Arena:
                 return None
         return grants
 
+    def plan_spare(self, short: np.ndarray, owner: np.ndarray | None = None) -> list[Grant] | None:
+        """:meth:`plan` of ``short`` pages per group (in group order) when spare slabs
+        alone surely cover every group (a slab holds at least ``slab_bytes //
+        page_bytes - 1`` whole pages of a group), in one compiled call
+        (``kernels.take_spare_for``); None when they might not (donors' slabs may be
+        needed: :meth:`plan` decides). Pure; ``owner`` as for :meth:`plan`."""
+        own = self.owner if owner is None else owner
+        spare = self._spare_count if owner is None else int(np.count_nonzero(owner < 0))
+        inner, straddle, scratch, groups, slabs = self._spare_plan
+        n = kernels.take_spare_for(short, self._slab_pages, spare, own, scratch, inner, straddle, self._taken, groups,
+                                   slabs)
+        if n < 0:
+            return None
+        ids = self.group_ids
+        return [(ids[g], slab, None) for g, slab in zip(groups[:n].tolist(), slabs[:n].tolist())]
+
     def _take_from_donors(self, gid: str, short: int, own: np.ndarray, grants: list[Grant],
                           deficit: Mapping[str, int], spare: tuple, scan: IdleScan) -> int:
         """:meth:`plan`'s second source: slabs of groups not short themselves whose pages
@@ -299,23 +337,36 @@ class Arena:
         for donor in self.group_ids:
             if short <= 0:
                 break
-            if donor == gid or deficit.get(donor, 0) > 0 or self._left(donor, spare, scan) <= 0:
+            if donor == gid or deficit.get(donor, 0) > 0 or self._left(donor, spare, scan, deficit) <= 0:
                 continue
-            left = spare[1]
-            inner_idle, edge_idle, _ = self._idle(donor, scan)
-            n_taken, short, left[donor] = kernels.take_donor_slabs(
-                own, self._index[donor], gi, inner_idle, edge_idle, self._inner[donor], self._straddle[donor],
-                self._inner[gid], self._straddle[gid], left[donor], short, self._taken)
+            left, di = spare[1], self._index[donor]
+            if scan.clean and donor not in scan.idle:  # one plan: scan only the slabs it reaches
+                pool, (lo, hi) = self.pools[donor], self._ranges[donor]
+                n_taken, short, left[donor] = kernels.take_idle_donor_slabs(
+                    self.owner, own, di, gi, lo, hi, self._straddle[donor], pool.ref_counts, pool.cached,
+                    pool.low_priority, pool.idle_tick, scan.keyed_mode(), scan.before_tick or 0,
+                    self._released_slabs(donor, scan), self._inner[gid], self._straddle[gid], left[donor], short,
+                    self._taken)
+            else:
+                inner_idle, edge_idle, _ = self._idle(donor, scan)
+                n_taken, short, left[donor] = kernels.take_donor_slabs(
+                    own, di, gi, inner_idle, edge_idle, self._inner[donor], self._straddle[donor],
+                    self._inner[gid], self._straddle[gid], left[donor], short, self._taken)
             grants.extend((gid, slab, donor) for slab in self._taken[:n_taken].tolist())
         return short
 
-    def _left(self, donor: str, spare: tuple, scan: IdleScan) -> int:
+    def _left(self, donor: str, spare: tuple, scan: IdleScan, deficit: Mapping[str, int]) -> int:
         """What ``donor`` can still spare: at first its ``surplus`` plus, with a
-        ``before_tick``, its keyed pages of less value (worked out when first asked)."""
+        ``before_tick``, its keyed pages of less value and, with ``spare_released``, the
+        pages its releases free (worked out when first asked)."""
         surplus, left = spare
         if donor not in left:
-            cheap = self._idle(donor, scan)[2] if scan.keyed_mode() == 2 else 0
-            left[donor] = int(surplus.get(donor, 0)) + cheap
+            freed = scan.releasing(self._index[donor]).size if scan.spare_released else 0
+            left[donor] = int(surplus.get(donor, 0)) + freed
+            # The keyed pages of less value count only when what the donor can spare
+            # without them might not cover every slab the plan could take from it.
+            if scan.keyed_mode() == 2 and not (scan.clean and left[donor] >= self._most_given(deficit)):
+                left[donor] += self._idle(donor, scan)[2]
         return left[donor]
 
     def replay(self, grants: Sequence[Grant]) -> tuple[np.ndarray, dict[str, int]]:
@@ -330,20 +381,35 @@ class Arena:
             own[slab] = self._index[gid]
         return own, gained
 
+    def _most_given(self, deficit: Mapping[str, int]) -> int:
+        """More pages than a donor can give up in a plan for ``deficit``: each short
+        group takes at most ``ceil(short / fewest pages of it a slab holds)`` slabs,
+        each costing a donor at most its inner pages and two straddlers."""
+        slabs = 0
+        for gid, short in deficit.items():
+            per_slab = int(self._slab_pages[self._index[gid]])
+            if short > 0:
+                slabs += -(-short // per_slab) if per_slab > 0 else self.geometry.num_slabs
+        return slabs * self._most_slab_pages
+
+    def _released_slabs(self, gid: str, scan: IdleScan) -> np.ndarray:
+        """The slab of each page of ``gid`` the step frees before slabs move (``scan.releasing``),
+        or ``-1 - b`` for the page straddling boundary ``b`` (``kernels.idle_slabs``' form)."""
+        released = scan.releasing(self._index[gid]) if scan.releasing is not None else None
+        if released is None or not released.size:
+            return _NO_SLABS
+        g, released = self.geometry, released.astype(np.int64)
+        first = g.slab_of(gid, released)
+        last = ((released + 1) * g.page_bytes[gid] - 1 - g.reserved_bytes) // g.slab_bytes
+        return np.where(first == last, first, -1 - last)
+
     def _idle(self, gid: str, scan: IdleScan) -> tuple[np.ndarray, np.ndarray, int]:
         """(slabs whose inner pages are all idle, boundaries whose straddler is idle, the
         keyed pages counted idle): one compiled pass over the slabs the group owns."""
         found = scan.idle.get(gid)
         if found is None:
             pool, g = self.pools[gid], self.geometry
-            released = scan.releasing.get(gid) if scan.releasing is not None else None
-            if released is not None and released.size:
-                released = released.astype(np.int64)
-                first = g.slab_of(gid, released)
-                last = ((released + 1) * g.page_bytes[gid] - 1 - g.reserved_bytes) // g.slab_bytes
-                released_slab = np.where(first == last, first, -1 - last)
-            else:
-                released_slab = np.empty(0, dtype=np.int64)
+            released_slab = self._released_slabs(gid, scan)
             inner_idle, edge_idle = np.zeros(g.num_slabs, dtype=bool), np.zeros(g.num_slabs, dtype=bool)
             lo, hi = self._ranges[gid]
             counted = kernels.idle_slabs(self.owner, self._index[gid], lo, hi, self._straddle[gid], pool.ref_counts,
@@ -363,6 +429,9 @@ class Arena:
     # --- mutation -------------------------------------------------------------
     def apply(self, grants: Sequence[Grant]) -> None:
         """Move the planned slabs, in order (donor pages revoked, receiver pages granted)."""
+        if self._sorted_grants and all(donor is None for _, _, donor in grants):
+            self._grant_spare(grants)
+            return
         for gid, slab, donor in grants:
             if donor is not None:
                 self.pools[donor].revoke(self._pages(donor, slab, self.owner))
@@ -375,6 +444,23 @@ class Arena:
             pages = self._pages(gid, slab, self.owner)
             self.owner[slab] = self._index[gid]
             self.pools[gid].grant(pages)
+
+    def _grant_spare(self, grants: Sequence[Grant]) -> None:
+        """:meth:`apply` of spare slabs only (every pool's free stack sorted): the pages each
+        group gains, worked out in one compiled pass (``kernels.spare_slab_pages``), go
+        to its pool in one grant."""
+        index, n = self._index, len(grants)
+        groups = np.fromiter([index[gid] for gid, _, _ in grants], np.int64, n)
+        slabs = np.fromiter([slab for _, slab, _ in grants], np.int64, n)
+        pages, ends = np.empty(n * self._most_slab_pages, dtype=np.int64), np.empty(len(index), dtype=np.int64)
+        if kernels.spare_slab_pages(self.owner, groups, slabs, *self._slab_ids, pages, ends) < 0:
+            raise AssertionError("a slab granted is not spare")
+        self._spare_count -= n
+        start = 0
+        for gid, end in zip(self.group_ids, ends.tolist()):
+            if end > start:
+                self.pools[gid].grant(pages[start:end])
+            start = end
 
     def release_idle(self) -> int:
         """Return every slab whose pages are all free (not evictable) to the spare list; the count."""

@@ -645,20 +645,12 @@ def releases_cover(geometry, pages, bounds, ref, keyed, top, rows, after, sums):
     """Whether in every group whose free stack ``top[g]`` is short of the ``sums[1, g]``
     pages it allocates, the pages ``release_pages`` puts on the stack before
     ``allocate_pages`` runs cover the shortfall: pages below a row's new base
-    (``after[0, g, r]``) that only that row holds and that carry no key (pure; the
-    manager's ``_freed_first`` of a step in which no row crosses a prefix grain)."""
+    (``after[0, g, r]``) that only that row holds and that carry no key
+    (``freed_by_releases``; pure: ``short_pages``' count for a step in which no row
+    crosses a prefix grain)."""
     for g in range(geometry.shape[0]):
         short = sums[1, g] - top[g]
-        offset = geometry[g, ID_OFFSET]
-        for r in range(rows.size):
-            if short <= 0:
-                break
-            row = rows[r]
-            for logical in range(bounds[BASE, g, row], min(after[0, g, r], bounds[HI, g, row])):
-                page = offset + pages[cell(geometry, bounds, g, row, logical)]
-                if ref[page] == 1 and not keyed[page]:
-                    short -= 1
-        if short > 0:
+        if short > 0 and freed_by_releases(geometry, pages, bounds, ref, keyed, g, rows, after[0, g], short) < short:
             return False
     return True
 
@@ -1057,16 +1049,14 @@ def take_holds(ref, keyed, low_priority, low_idle, offsets, per_group, pages, id
 
 
 @njit(cache=True)
-def release_credit(geometry, pages, bounds, ref, keyed, g, rows, new_base, credit, sole_pages, unkeyed_pages,
-                   committed, first, grain):
+def release_credit(geometry, pages, bounds, ref, keyed, g, rows, new_base, credit, sole_pages, unkeyed_pages):
     """Group ``g``'s pages below each row's ``new_base`` that only that row holds (pure):
     ``credit[r]`` how many of row ``r``'s, their local ids to ``sole_pages`` (rows in
     order, pages in logical order) and, of those, the ones that carry no key (what the
     releases put on the free stack) to ``unkeyed_pages`` in the same order. Returns
-    (sole pages, unkeyed ones, prefix grains the rows' commits complete: of ``grain``
-    tokens, 0: none, from each row's ``committed`` tokens up to ``first``)."""
+    (sole pages, unkeyed ones)."""
     offset = geometry[g, ID_OFFSET]
-    n_sole, n_unkeyed, crossed = 0, 0, 0
+    n_sole, n_unkeyed = 0, 0
     for r in range(rows.size):
         row = rows[r]
         before = n_sole
@@ -1079,9 +1069,88 @@ def release_credit(geometry, pages, bounds, ref, keyed, g, rows, new_base, credi
                     unkeyed_pages[n_unkeyed] = page
                     n_unkeyed += 1
         credit[r] = n_sole - before
-        if grain > 0:
-            crossed += max(first[r] // grain - committed[row] // grain, 0)
-    return n_sole, n_unkeyed, crossed
+    return n_sole, n_unkeyed
+
+
+@njit(cache=True)
+def freed_by_releases(geometry, pages, bounds, ref, keyed, g, rows, new_base, enough):
+    """Group ``g``'s pages below each row's ``new_base`` that only that row holds and
+    that carry no key: what the step's releases put on its free stack before it
+    allocates (``release_credit``'s unkeyed pages), counted up to ``enough`` (pure)."""
+    offset, n = geometry[g, ID_OFFSET], 0
+    for r in range(rows.size):
+        row = rows[r]
+        for logical in range(bounds[BASE, g, row], min(new_base[r], bounds[HI, g, row])):
+            page = offset + pages[cell(geometry, bounds, g, row, logical)]
+            if ref[page] == 1 and not keyed[page]:
+                n += 1
+                if n >= enough:
+                    return n
+    return n
+
+
+@njit(cache=True)
+def short_pages(geometry, pages, bounds, ref, keyed, rows, new_base, first, committed, grain, window_pages, released,
+                wanted, clean, free, low, short):
+    """Per group, the pages it lacks for its ``wanted`` allocations (``short``, 0 when
+    covered), counting its ``clean`` free pages, then (when it ``released`` any) what
+    the step's releases put on its free stack first, less ``window_pages`` for each
+    prefix grain (of ``grain`` tokens, 0: none) the rows' commits complete (from their
+    ``committed`` tokens up to ``first``: they may publish released pages as
+    checkpoints, which then stay cached), then its ``low`` idle low-priority pages
+    (evicted rather than grow). Returns how many groups are short, or -1 when some
+    group wants more than its ``free`` pages (free and evictable) (pure)."""
+    n_short, crossed = 0, -1
+    for g in range(wanted.size):
+        n, short[g] = wanted[g], 0
+        if n <= clean[g]:
+            continue
+        if n > free[g]:
+            return -1
+        gap = n - clean[g] - low[g]
+        if gap <= 0:
+            continue
+        freed = 0
+        if released[g] > 0:
+            if crossed < 0:
+                crossed = 0
+                for r in range(rows.size if grain > 0 else 0):
+                    crossed += max(first[r] // grain - committed[rows[r]] // grain, 0)
+            extra = crossed * window_pages[g]
+            freed = max(freed_by_releases(geometry, pages, bounds, ref, keyed, g, rows, new_base[g], gap + extra)
+                        - extra, 0)
+        if gap > freed:
+            short[g] = gap - freed
+            n_short += 1
+    return n_short
+
+
+@njit(cache=True)
+def take_spare_for(short, slab_pages, spare_slabs, owner, own, inner_pages, straddle, taken, grant_groups,
+                   grant_slabs):
+    """``Arena.plan`` of ``short`` pages per group from spare slabs alone (pure), when
+    they surely cover every group (a slab holds at least ``slab_pages[g]`` whole pages
+    of group ``g``; ``spare_slabs`` of ``owner`` are spare): ``take_spare_slabs`` for
+    each short group in order, on ``own`` (a copy of ``owner``), the grants' groups
+    and slabs to ``grant_groups`` and ``grant_slabs``. Returns their count, or -1 when
+    spare slabs might not cover (donors' slabs may be needed)."""
+    need = 0
+    for g in range(short.size):
+        if short[g] > 0:
+            if slab_pages[g] <= 0:
+                return -1
+            need += -(-short[g] // slab_pages[g])
+    if need > spare_slabs:
+        return -1
+    own[:] = owner
+    n = 0
+    for g in range(short.size):
+        if short[g] > 0:
+            n_taken, _ = take_spare_slabs(own, g, inner_pages[g], straddle[g], short[g], taken)
+            for i in range(n_taken):
+                grant_groups[n], grant_slabs[n] = g, taken[i]
+                n += 1
+    return n
 
 
 @njit(cache=True)
@@ -1137,6 +1206,40 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
 
 
 @njit(cache=True)
+def spare_slab_pages(owner, groups, slabs, lo, hi, straddle, pages, ends):
+    """Spare slabs granted in order (``groups[i]`` takes ``slabs[i]``; ``owner`` updated):
+    the page ids each group ``g`` gains to ``pages[ends[g - 1] : ends[g]]`` (from 0 for
+    the first), slab after slab its inner pages ``lo[g, s] .. hi[g, s]-1`` and the
+    page straddling each boundary with a slab it owns by then (``straddle[g, b]``, -1:
+    none). A group's gains depend only on its own grants, so groups go one at a time.
+    Returns the pages in all, or -1 when a slab is not spare (nothing changed) or
+    is listed twice."""
+    for i in range(slabs.size):
+        if owner[slabs[i]] >= 0:
+            return -1
+    n, last = 0, owner.size - 1
+    for g in range(lo.shape[0]):
+        for i in range(groups.size):
+            s = slabs[i]
+            if groups[i] != g:
+                continue
+            if owner[s] >= 0:
+                return -1  # listed twice
+            for page in range(lo[g, s], hi[g, s]):
+                pages[n] = page
+                n += 1
+            if s > 0 and owner[s - 1] == g and straddle[g, s] >= 0:
+                pages[n] = straddle[g, s]
+                n += 1
+            if s < last and owner[s + 1] == g and straddle[g, s + 1] >= 0:
+                pages[n] = straddle[g, s + 1]
+                n += 1
+            owner[s] = g
+        ends[g] = n
+    return n
+
+
+@njit(cache=True)
 def slab_gain(owner, group, inner_pages, straddle, s):
     """The pages ``group`` gains with slab ``s``: its ``inner_pages`` plus the straddler
     of each boundary with a slab the group owns (``straddle[b] >= 0``)."""
@@ -1175,6 +1278,66 @@ def take_donor_slabs(owner, donor, group, inner_idle, edge_idle, donor_inner, do
         left_pages -= give
         short_pages -= slab_gain(owner, group, inner_pages, straddle, s)
         owner[s] = group
+        taken[n_taken] = s
+        n_taken += 1
+    return n_taken, short_pages, left_pages
+
+
+@njit(cache=True)
+def page_idle(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, page):
+    """``idle_slabs``' page test: no request holds it, and it carries no key or one that
+    counts (``keyed_mode`` 1: every key, 2: low priority or idle since before ``before_tick``)."""
+    if ref[page] != 0:
+        return False
+    if not keyed[page] or keyed_mode == 1:
+        return True
+    return keyed_mode == 2 and (low_priority[page] or idle_tick[page] < before_tick)
+
+
+@njit(cache=True)
+def take_idle_donor_slabs(owner, own, donor, group, lo, hi, donor_straddle, ref, keyed, low_priority, idle_tick,
+                          keyed_mode, before_tick, released_slab, inner_pages, straddle, left_pages, short_pages, taken):
+    """``take_donor_slabs`` with the donor's ``idle_slabs`` answers (read under the arena's
+    ``owner``, pages as ``page_idle`` tests them, written out in the slab loop, which
+    stops at the first page that settles it; the step's releases ``released_slab``
+    counting as idle) worked out only for the slabs it reaches, not every slab the
+    donor owns; ``own``: the plan's owners, updated. Same returns."""
+    n, n_taken = owner.size, 0
+    extra, edge_released = np.zeros(n, dtype=np.int64), np.zeros(n + 1, dtype=np.bool_)
+    for i in range(released_slab.size):
+        if released_slab[i] >= 0:
+            extra[released_slab[i]] += 1
+        else:
+            edge_released[-1 - released_slab[i]] = True
+    for s in range(n):
+        if short_pages <= 0:
+            break
+        if own[s] != donor or owner[s] != donor:
+            continue
+        busy = 0  # pages not idle; the step's releases (held now) are idle when slabs move
+        for page in range(lo[s], hi[s]):
+            if ref[page] != 0 or (keyed[page] and keyed_mode != 1 and not (
+                    keyed_mode == 2 and (low_priority[page] or idle_tick[page] < before_tick))):
+                busy += 1
+                if busy > extra[s]:
+                    break
+        if busy != extra[s]:
+            continue
+        give, ok = hi[s] - lo[s], True
+        for b in (s, s + 1):  # the boundaries left and right of the slab
+            near = b - 1 if b == s else b
+            if b < 1 or b > n - 1 or own[near] != donor or donor_straddle[b] < 0:
+                continue
+            give += 1
+            page = donor_straddle[b]
+            both = owner[b - 1] == donor and owner[b] == donor
+            ok = ok and (edge_released[b] or (both and page_idle(ref, keyed, low_priority, idle_tick, keyed_mode,
+                                                                  before_tick, page)))
+        if give > left_pages or not ok:
+            continue
+        left_pages -= give
+        short_pages -= slab_gain(own, group, inner_pages, straddle, s)
+        own[s] = group
         taken[n_taken] = s
         n_taken += 1
     return n_taken, short_pages, left_pages

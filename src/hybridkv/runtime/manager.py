@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from operator import itemgetter
 from typing import Any, NamedTuple
 
@@ -179,13 +180,11 @@ class _Verdict:
 
 class _Releases:
     """What a planned step's releases free in each group, worked out at most once per
-    admission (pure)."""
+    admission, for the groups asked (pure)."""
 
-    def __init__(self, tableset: TableSet, space: PageSpace, plan: _StepPlan, committed: np.ndarray, grain: int):
+    def __init__(self, tableset: TableSet, space: PageSpace, plan: _StepPlan):
         self._tableset, self._space, self.plan = tableset, space, plan
-        self._committed, self._grain = committed, grain
         self._found: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        self.grains_crossed = 0  # prefix grains the step's commits complete, once a group's releases are known
 
     def of(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Group ``k``: per plan row, the pages below its new base that only it holds (its
@@ -199,14 +198,22 @@ class _Releases:
             if n_pages:
                 credit = np.empty(plan.rows.size, dtype=np.int64)
                 sole, unkeyed = np.empty(n_pages, dtype=np.int64), np.empty(n_pages, dtype=np.int64)
-                n_sole, n_unkeyed, self.grains_crossed = kernels.release_credit(
+                n_sole, n_unkeyed = kernels.release_credit(
                     ts.geometry, ts.pages, ts.bounds, self._space.ref_counts, self._space.cached, k, plan.rows,
-                    plan.after[0, k], credit, sole, unkeyed, self._committed, plan.first, self._grain)
+                    plan.after[0, k], credit, sole, unkeyed)
                 found = (credit, sole[:n_sole], unkeyed[:n_unkeyed])
             else:
                 found = (np.zeros(plan.rows.size, dtype=np.int64), _NO_PAGES, _NO_PAGES)
             self._found[k] = found
         return found
+
+    def sole_pages(self, k: int) -> np.ndarray:
+        """Group ``k``'s pages that only their row holds, below its new base (``IdleScan.releasing``)."""
+        return self.of(k)[1]
+
+    def freed_pages(self, k: int) -> np.ndarray:
+        """Group ``k``'s pages the releases put on its free stack (``IdleScan.releasing``)."""
+        return self.of(k)[2]
 
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
@@ -269,6 +276,12 @@ class CacheManager:
         self._checkpoint_windows = tuple(windows.get(gid, 0) for gid in ids)
         # A load step's rows hold, in a sliding group, the pages of its checkpoint window only.
         self._load_tokens = np.asarray(self._checkpoint_windows, dtype=np.int64)
+        # Per group, the most pages a checkpoint publishing released pages keeps cached
+        # (``kernels.short_pages``: a window's pages per prefix grain a step's commits complete).
+        self._window_pages = np.asarray([-(-w // s.page_tokens) + 1 if w else 0
+                                         for w, s in zip(self._checkpoint_windows, self.specs)], dtype=np.int64)
+        self._short = np.empty(len(ids), dtype=np.int64)  # ``short_pages``' answer
+        self._no_low = np.zeros(len(ids), dtype=np.int64)  # the low-priority pages a roomy arena keeps
         self._init_holds()
         self.tier_link = tier_link
         if tier_link is not None:
@@ -583,14 +596,14 @@ class CacheManager:
             return _Verdict(answers, ok_idx, fits, deny, plan)
         if fixed_width:
             self._deny_past_capture_width(plan, fits, deny)
-        sums = plan.sums[1].tolist()
-        releases = _Releases(self._tableset, self._space, plan, self._committed, self._grain)
-        covered = None if deny else self._coverage(sums, releases)
-        if covered is not None:
-            # No credit needed. On an arena with spare slabs, a group that would have to
-            # evict valuable cached pages grows instead: they go only when memory is short.
-            grow = covered is False and self.arena is not None
-            plan.grants = self._grow_instead_of_evicting(sums, releases) if grow else []
+        releases = _Releases(self._tableset, self._space, plan)
+        wanted = plan.sums[1]
+        n_short = -1 if deny else self._short_pages(plan, wanted, self._space.tops, self._free_pages())
+        if n_short >= 0:
+            # No credit needed. On an arena, a group that would have to evict valuable
+            # cached pages grows instead: they go only when memory is short.
+            surplus = self._space.tops - wanted if n_short and self.arena is not None else None
+            plan.grants = [] if surplus is None else self._grow_instead_of_evicting(self._short, surplus, releases)
         else:
             self._fit_with_credit(releases, fits, deny)
         off = plan.settle
@@ -655,33 +668,25 @@ class CacheManager:
                     f"capture width {self.table_widths[gid]}"
                 )
 
-    def _coverage(self, sums: list[int], releases: _Releases) -> bool | None:
-        """True: clean pages, the pages the step frees first, or idle low-priority ones
-        (evicted first anyway), cover every group's ``sums`` (most decode steps). False:
-        free and evictable pages cover them, but some group would evict valuable entries.
-        None: some group is short."""
-        covered = True
-        for k, (n, pool) in enumerate(zip(sums, self._pool_list)):
-            clean = pool.num_clean_free_pages
-            if n <= clean:
-                continue
-            if n > pool.num_free_pages:
-                return None
-            low = self._low_room(pool)
-            if n > clean + low and n > clean + self._freed_first(releases, k) + low:
-                covered = False
-        return covered
+    def _free_pages(self) -> np.ndarray:
+        """Each group's free and evictable pages."""
+        return np.fromiter([pool.num_free_pages for pool in self._pool_list], _INT64, len(self._pool_list))
 
-    def _freed_first(self, releases: _Releases, k: int) -> int:
-        """Pages of group ``k`` the step's releases put on the free stack before it
-        allocates (sole references without a key: keyed ones stay cached)."""
-        freed = releases.of(k)[2].size
-        window = self._checkpoint_windows[k]
-        if window and freed:
-            # The step's commits run first and may publish released pages as checkpoints
-            # (then they stay cached): at most a window's pages per boundary crossed.
-            freed = max(freed - releases.grains_crossed * (-(-window // self.specs[k].page_tokens) + 1), 0)
-        return freed
+    def _short_pages(self, plan: _StepPlan, wanted: np.ndarray, clean: np.ndarray, free: np.ndarray) -> int:
+        """Per group, the pages it lacks for its ``wanted`` allocations after its ``clean``
+        free pages, the pages the step's releases put on its free stack first (sole
+        references without a key; keyed ones stay cached, and the step's commits may
+        publish released pages as checkpoints) and its idle low-priority pages (evicted
+        rather than grow, unless the arena is roomy: then they keep spare memory until
+        admission needs it back), to ``self._short``, in one compiled pass
+        (``kernels.short_pages``). Returns how many groups are short, or -1 when some
+        group wants more than its ``free`` pages (release credit must decide)."""
+        ts, space = self._tableset, self._space
+        roomy = self.arena is not None and self.arena.roomy()
+        return kernels.short_pages(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, plan.rows,
+                                   plan.after[0], plan.first, self._committed, self._grain, self._window_pages,
+                                   plan.sums[0], wanted, clean, free, self._no_low if roomy else space.low_idle,
+                                   self._short)
 
     def _fit_with_credit(self, releases: _Releases, fits: np.ndarray, deny: dict[int, str]) -> None:
         """Admission when the allocations alone do not fit: count the pages the step's
@@ -692,15 +697,16 @@ class CacheManager:
         # Per-row allocations only to leave out the rows denied already (else the plan's sums).
         alloc = None if fits.all() else self._allocations(plan)
         gross = plan.sums[1].tolist() if alloc is None else [int(alloc[g][fits].sum()) for g in ids]
-        # Releases all happen before allocations, so only the admitted totals matter.
-        plan.grants = _grants_to_fit(self.arena, dict(zip(ids, gross)), avail, IdleScan())
-        if plan.grants is None or any(donor is not None for _, _, donor in plan.grants):
+        # Releases all happen before allocations, so only the admitted totals matter. A gross
+        # plan that would take a donor's slab gives way to the net one: spare slabs only.
+        plan.grants = _grants_to_fit(self.arena, dict(zip(ids, gross)), avail, None)
+        if plan.grants is None:
             if not self._fit_net(releases, fits, deny, gross, alloc, avail):
                 return
         if self.arena is not None:
             # As when no credit is needed: a group that would evict cached pages grows instead.
             # Gross sums: the pages the releases free (not those they leave cached) count there.
-            plan.grants = plan.grants + self._grow_instead_of_evicting(gross, releases, after=plan.grants)
+            plan.grants = plan.grants + self._grow_after(np.asarray(gross, dtype=np.int64), releases, plan.grants)
 
     def _fit_net(self, releases: _Releases, fits: np.ndarray, deny: dict[int, str], gross: list[int],
                  alloc: dict[str, np.ndarray] | None, avail: dict[str, int]) -> bool:
@@ -713,7 +719,7 @@ class CacheManager:
         cover it takes no slab from another (which would evict there). Spare slabs
         evict nothing: a plan of those alone stands."""
         plan, ids, arena = releases.plan, self._group_ids, self.arena
-        scan = IdleScan(releasing={g: releases.of(k)[1] for k, g in enumerate(ids) if plan.sums[0, k]})
+        scan = IdleScan(releasing=releases.sole_pages)
         credit = [releases.of(k)[0] for k in range(len(ids))]
         net = [n - (releases.of(k)[1].size if alloc is None else int(credit[k][fits].sum()))
                for k, n in enumerate(gross)]
@@ -725,61 +731,35 @@ class CacheManager:
         self._deny_greedily(alloc, need, avail, fits, deny, arena, scan, plan)
         return False
 
-    def _grow_instead_of_evicting(self, sums: list[int], releases: _Releases, after: list | None = None) -> list:
-        """Slabs for groups that would have to evict cached pages to get ``sums`` pages
-        (gross: the step's releases run first, so a sliding group's prefill chunk reuses
-        the previous chunk's pages rather than grow for both), counting what the grants
-        ``after`` already give them: spare slabs first, then slabs of other groups whose
-        pages are all clean free once the step's releases have run and that they do not
-        need this step. A cached page goes only when no memory is idle anywhere."""
+    def _grow_after(self, wanted: np.ndarray, releases: _Releases, after: list) -> list:
+        """``_grow_instead_of_evicting`` for groups that would evict cached pages to get their
+        ``wanted`` pages, counting what the grants ``after`` (planned already, applied
+        first) give them; gross ``wanted``: the step's releases run first, so a sliding
+        group's prefill chunk reuses the previous chunk's pages rather than grow for both."""
         own, gained = self.arena.replay(after) if after else (None, {})
-        short, donors, roomy = {}, [], self.arena.roomy()
-        tops = self._space.tops.tolist()  # each pool's clean free pages
-        for k, (gid, pool, n) in enumerate(zip(self._group_ids, self._pool_list, sums)):
-            clean = tops[k] + gained.get(gid, 0)
-            freed = self._freed_first(releases, k) if n > clean else 0
-            # Low-priority cached pages (prompt checkpoints) are meant to go first: a group
-            # holding idle ones evicts them rather than grow (``_low_room``). What they
-            # cannot cover would evict valuable entries.
-            low = (0 if roomy else pool.num_low_priority_idle_pages) if n > clean + freed else 0
-            if n > clean + freed + low:
-                short[gid] = n - clean - freed - low
-            else:
-                # Not short: it may give what it does not need (its own low-priority pages
-                # first cover its shortfall, so it may start below zero).
-                donors.append((k, gid, clean - n))
-        if not short:
+        clean = self._space.tops + np.fromiter(map(gained.get, self._group_ids, repeat(0)), _INT64, len(self.specs))
+        if not self._short_pages(releases.plan, wanted, clean, wanted):  # free: wanted (credit covered them)
             return []
-        scan = IdleScan(releasing={}, clean=True)
-        spare = {gid: left for _, gid, left in donors}
-        if not self._spare_slabs_cover(short, own):
-            # Donor slabs may be taken: what each donor's releases free counts as idle.
-            for k, gid, _ in donors:
-                if self.tables[gid].sliding:
-                    freed = scan.releasing[gid] = releases.of(k)[2]
-                    spare[gid] += freed.size
-            scan.before_tick = self._value_tick(short)
-        return self.arena.plan(short, spare, scan, partial=True, owner=own)
+        return self._grow_instead_of_evicting(self._short, clean - wanted, releases, own)
 
-    def _low_room(self, pool: PagePool) -> int:
-        """Idle low-priority pages a group evicts rather than grow: all of them unless the
-        arena is roomy (then they keep spare memory until admission needs it back)."""
-        return 0 if self.arena is not None and self.arena.roomy() else pool.num_low_priority_idle_pages
-
-    def _spare_slabs_cover(self, short: dict, owner: np.ndarray | None) -> bool:
-        """True when spare slabs alone surely cover every ``short`` group (a slab holds
-        at least ``slab_bytes // page_bytes - 1`` whole pages of a group): the arena's
-        plan then takes no donor slab, so the donors' values and releases need not be
-        worked out."""
-        geometry = self.arena.geometry
-        spare = self.arena.num_spare_slabs if owner is None else int(np.count_nonzero(owner < 0))
-        need = 0
-        for gid, pages in short.items():
-            per_slab = geometry.slab_bytes // geometry.page_bytes[gid] - 1
-            if per_slab <= 0:
-                return False
-            need += -(-pages // per_slab)
-        return need <= spare
+    def _grow_instead_of_evicting(self, short: np.ndarray, surplus: np.ndarray, releases: _Releases,
+                                  own: np.ndarray | None = None) -> list:
+        """Slabs for the groups ``short`` of pages (``_short_pages``: they would have to
+        evict cached pages): spare slabs first, then slabs of other groups whose pages are
+        all clean free once the step's releases have run and that they do not need this
+        step (``surplus``: each group's clean free pages less its allocations, below zero
+        where its own releases or low-priority pages cover it; a donor's releases count
+        as idle and spare once the plan reaches it). A cached page goes only when no
+        memory is idle anywhere. ``own``: the slab owners after grants planned already."""
+        grants = self.arena.plan_spare(short, own)
+        if grants is not None:
+            return grants  # spare slabs surely cover: no donor's values or releases needed
+        ids, counts = self._group_ids, short.tolist()
+        wanting = {gid: n for gid, n in zip(ids, counts) if n > 0}
+        spare = {gid: left for gid, n, left in zip(ids, counts, surplus.tolist()) if n <= 0}
+        scan = IdleScan(releasing=releases.freed_pages, clean=True, spare_released=True)
+        scan.before_tick = self._value_tick(wanting)
+        return self.arena.plan(wanting, spare, scan, partial=True, owner=own)
 
     def _value_tick(self, short: dict) -> int | None:
         """Value-based slab moves: the idle-clock tick of the least recently used usable
@@ -1105,7 +1085,7 @@ class CacheManager:
         first): whether ``_admit`` would admit the step as is, granting no slab. Without an
         arena it always does (``_fit_with_credit``'s release credit covers at least those
         pages); on one, when every group whose free stack is short of its ``allocated``
-        pages has as many free and evictable ones (``_coverage`` then answers True), else
+        pages has as many free and evictable ones (``_short_pages`` then finds none short), else
         the arena may lend a spare slab instead."""
         return self.arena is None or all(n <= pool.num_free_pages for n, pool in zip(allocated.tolist(),
                                                                                        self._pool_list)
@@ -1494,14 +1474,18 @@ def _pages_per_group(ids: list[str], group_pages: Mapping[str, int] | None,
     return group_pages
 
 
-def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, int], scan: IdleScan) -> list | None:
+def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, int],
+                   scan: IdleScan | None) -> list | None:
     """Slab moves that let each group get ``want`` pages out of ``avail``: ``[]`` when
-    they fit already, ``None`` when they cannot (or there is no arena to lend)."""
+    they fit already, ``None`` when they cannot (or there is no arena to lend). Donors'
+    slabs (idle as ``scan`` counts them) only with a ``scan``: else spare slabs alone
+    (no donor can spare a page, so none is scanned)."""
     if all(want[g] <= avail[g] for g in avail):
         return []
     if arena is None:
         return None
-    return arena.plan({g: want[g] - avail[g] for g in avail}, {g: avail[g] - want[g] for g in avail}, scan)
+    surplus = {g: avail[g] - want[g] for g in avail} if scan is not None else {}
+    return arena.plan({g: want[g] - avail[g] for g in avail}, surplus, scan)
 
 
 def _filled(n: int, value: int) -> np.ndarray:
