@@ -138,18 +138,22 @@ class ValueEviction:
                 if node is None:
                     node = got[i] = nodes.get(keys[i]) or self._new_node(keys[i], parents[i], boundaries[i])
                 node[2] += 1
-                if not track:
-                    continue
-                if node[1] > 0 and self.acts:
-                    self.pools[gid].promote(keys[i])
-                complete = node[2] - node[3] == n_history
-                if not node[5]:
-                    if complete and node[4] and any(nodes[child][5] for child in node[4]):
-                        self._mend_children(keys[i])
-                elif complete and self._whole_above(node):
-                    self._mend(keys[i])
-                else:
-                    self._demote_cut(gid, keys[i])  # beyond a missing block: worth nothing yet
+                if track:
+                    self._place_stored(gid, keys[i], node, node[2] - node[3] == n_history)
+
+    def _place_stored(self, gid: str, key: Hashable, node: list, complete: bool) -> None:
+        """Group ``gid`` stored block ``key`` (``complete``: every history group holds it now):
+        promote it where it was demoted, mend its waiting children or itself when the chain
+        above is whole, else demote it (beyond a missing block: worth nothing yet)."""
+        if node[1] > 0 and self.acts:
+            self.pools[gid].promote(key)
+        if not node[5]:
+            if complete and node[4] and any(self._nodes[child][5] for child in node[4]):
+                self._mend_children(key)
+        elif complete and self._whole_above(node):
+            self._mend(key)
+        else:
+            self._demote_cut(gid, key)
 
     def _stored_chain(self, claims: Sequence[tuple[str, Sequence[int]]], keys: Sequence[Hashable],
                       parents: Sequence[Hashable | None], boundaries: Sequence[int]) -> bool:

@@ -1283,7 +1283,7 @@ def take_donor_slabs(owner, donor, group, inner_idle, edge_idle, donor_inner, do
     return n_taken, short_pages, left_pages
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def page_idle(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, page):
     """``idle_slabs``' page test: no request holds it, and it carries no key or one that
     counts (``keyed_mode`` 1: every key, 2: low priority or idle since before ``before_tick``)."""
@@ -1295,45 +1295,69 @@ def page_idle(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, page
 
 
 @njit(cache=True)
+def released_per_slab(released_slab, n):
+    """The step's releases (``idle_slabs``' ``released_slab``) per slab: how many are its
+    inner pages, and per boundary whether one is its straddler."""
+    inner, edge = np.zeros(n, dtype=np.int64), np.zeros(n + 1, dtype=np.bool_)
+    for i in range(released_slab.size):
+        if released_slab[i] >= 0:
+            inner[released_slab[i]] += 1
+        else:
+            edge[-1 - released_slab[i]] = True
+    return inner, edge
+
+
+@njit(cache=True, inline="always")
+def inner_idle_but(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, lo, hi, released):
+    """Whether pages ``lo .. hi-1`` are idle (``page_idle``) but for the ``released`` of them
+    the step releases (held now); stops at the first page that settles it."""
+    busy = 0
+    for page in range(lo, hi):
+        if not page_idle(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, page):
+            busy += 1
+            if busy > released:
+                return False
+    return busy == released
+
+
+@njit(cache=True, inline="always")
+def donor_edges(owner, own, donor, s, donor_straddle, edge_released, ref, keyed, low_priority, idle_tick,
+                keyed_mode, before_tick):
+    """The straddlers the donor gives up with slab ``s`` (of a boundary with another slab it
+    owns in the plan, ``own``) and whether they are all idle: released by the step, or idle
+    between two slabs the arena's ``owner`` gives the donor. Returns (pages, idle)."""
+    n, pages, idle = owner.size, 0, True
+    for b in (s, s + 1):  # the boundaries left and right of the slab
+        near = b - 1 if b == s else b
+        if b < 1 or b > n - 1 or own[near] != donor or donor_straddle[b] < 0:
+            continue
+        pages += 1
+        both = owner[b - 1] == donor and owner[b] == donor
+        idle = idle and (edge_released[b] or (both and page_idle(ref, keyed, low_priority, idle_tick, keyed_mode,
+                                                                  before_tick, donor_straddle[b])))
+    return pages, idle
+
+
+@njit(cache=True)
 def take_idle_donor_slabs(owner, own, donor, group, lo, hi, donor_straddle, ref, keyed, low_priority, idle_tick,
                           keyed_mode, before_tick, released_slab, inner_pages, straddle, left_pages, short_pages, taken):
     """``take_donor_slabs`` with the donor's ``idle_slabs`` answers (read under the arena's
-    ``owner``, pages as ``page_idle`` tests them, written out in the slab loop, which
-    stops at the first page that settles it; the step's releases ``released_slab``
+    ``owner``, pages as ``page_idle`` tests them, the step's releases ``released_slab``
     counting as idle) worked out only for the slabs it reaches, not every slab the
     donor owns; ``own``: the plan's owners, updated. Same returns."""
-    n, n_taken = owner.size, 0
-    extra, edge_released = np.zeros(n, dtype=np.int64), np.zeros(n + 1, dtype=np.bool_)
-    for i in range(released_slab.size):
-        if released_slab[i] >= 0:
-            extra[released_slab[i]] += 1
-        else:
-            edge_released[-1 - released_slab[i]] = True
-    for s in range(n):
+    n_taken = 0
+    released, edge_released = released_per_slab(released_slab, owner.size)
+    for s in range(owner.size):
         if short_pages <= 0:
             break
         if own[s] != donor or owner[s] != donor:
             continue
-        busy = 0  # pages not idle; the step's releases (held now) are idle when slabs move
-        for page in range(lo[s], hi[s]):
-            if ref[page] != 0 or (keyed[page] and keyed_mode != 1 and not (
-                    keyed_mode == 2 and (low_priority[page] or idle_tick[page] < before_tick))):
-                busy += 1
-                if busy > extra[s]:
-                    break
-        if busy != extra[s]:
+        if not inner_idle_but(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, lo[s], hi[s], released[s]):
             continue
-        give, ok = hi[s] - lo[s], True
-        for b in (s, s + 1):  # the boundaries left and right of the slab
-            near = b - 1 if b == s else b
-            if b < 1 or b > n - 1 or own[near] != donor or donor_straddle[b] < 0:
-                continue
-            give += 1
-            page = donor_straddle[b]
-            both = owner[b - 1] == donor and owner[b] == donor
-            ok = ok and (edge_released[b] or (both and page_idle(ref, keyed, low_priority, idle_tick, keyed_mode,
-                                                                  before_tick, page)))
-        if give > left_pages or not ok:
+        edge_pages, edges_idle = donor_edges(owner, own, donor, s, donor_straddle, edge_released, ref, keyed,
+                                             low_priority, idle_tick, keyed_mode, before_tick)
+        give = hi[s] - lo[s] + edge_pages
+        if give > left_pages or not edges_idle:
             continue
         left_pages -= give
         short_pages -= slab_gain(own, group, inner_pages, straddle, s)
