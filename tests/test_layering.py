@@ -26,7 +26,7 @@ LAYERS = [
     ("hybridkv.tables.mirror", "hybridkv.manager", "hybridkv.batch", "hybridkv.mirror"),
     ("hybridkv.tiers", "hybridkv.transfer", "hybridkv.inflight", "hybridkv.inflight_state", "hybridkv.tierlink"),
     ("hybridkv.reference", "hybridkv.sim", "hybridkv.integrations"),
-    ("hybridkv.cli",),
+    ("hybridkv.cli", "hybridkv.__main__"),
 ]
 CORE = ("hybridkv.memory", "hybridkv.tables", "hybridkv.prefix", "hybridkv.runtime", "hybridkv.manager", "hybridkv.batch",
         "hybridkv.mirror")
