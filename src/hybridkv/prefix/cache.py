@@ -235,6 +235,7 @@ class PrefixCache:
         self._history_lookups = [pools[gid].lookup for gid in self.history_ids]
         self._state_lookups = [pools[gid].lookup for gid in self.state_ids]
         self._commit_lookups = self._history_lookups + self._state_lookups
+        self._claim_every = np.ones(len(self._commit_lookups), dtype=np.int8)  # a one-block commit's ``want``
         self._history_groups = [(gid, pools[gid], n, self.stats[gid])
                                 for gid, n in zip(self.history_ids, self._reader.block_pages)]
         self._state_groups = [(gid, pools[gid], n, self._holders[gid], self.stats[gid])
@@ -401,7 +402,8 @@ class PrefixCache:
                 and boundary not in req.keep_boundaries):
             key = hh[end_block - 1]
             found = [lookup(key) for lookup in self._commit_lookups]  # history groups, then state groups
-            want = [1 if entry is None else 0 for entry in found]
+            # A key new in every group (the usual case) claims every entry: a fixed ``want``.
+            want = self._claim_every if found.count(None) == len(found) else [entry is None for entry in found]
             parents = [hh[end_block - 2] if end_block >= 2 else hashes.root]
             return [key], [boundary], [False], [key], parents, found[len(self.history_ids):], want
         boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])

@@ -389,7 +389,7 @@ class CommitPages:
         self._no_claims = np.zeros(0, dtype=np.int8)
 
     def read(self, row: int, first_block: int, end_block: int, boundaries: list[int],
-             want: list[int] = ()) -> tuple[list[int], list[int]]:
+             want: list[int] | np.ndarray = ()) -> tuple[list[int], list[int]]:
         """The page ids, entry by entry: history group by group its blocks, then boundary by
         boundary each state group's window (one not live: its place left unread); and per
         entry its status: 1 live, 0 a window not live, 2 claimed: ``want`` (empty: claim
@@ -413,7 +413,7 @@ class CommitPages:
             marks = np.asarray(boundaries, dtype=np.int64)
         n = kernels.commit_pages(ts.geometry, ts.pages, ts.bounds, self._history, self._state, row, first_block,
                                  end_block, marks, self._out, self._layout, self._status,
-                                 np.asarray(want, dtype=np.int8) if want else self._no_claims, *self._claim_in)
+                                 np.asarray(want, dtype=np.int8) if len(want) else self._no_claims, *self._claim_in)
         if n < 0:
             raise ValueError(f"page {int(self._out[-1 - n])} is not a held, unpublished page of its group")
         assert n == size, (n, size)
