@@ -9,7 +9,7 @@ schedules every decode and prefill chunk in one ``schedule``), after an untimed
 warm-up run that loads the compiled kernels. A timer (thread CPU time) wraps the
 manager's public calls and, inside them, its stages, during the timed steps only;
 prints each stage's µs per timed step and its calls per step. Stages nest (indented
-under the call or stage they run in; ``_commit_row`` runs in ``schedule`` and in
+under the call or stage they run in; ``_commit_rows`` runs in ``schedule`` and in
 ``free``). The stage names are the code's, so this script follows it: a renamed
 stage is reported missing. ``--package``: a renamed copy of another version
 (``hybridkv_base``, as for ``bench/step_profile.py --against``) on ``PYTHONPATH``.
@@ -38,7 +38,7 @@ STAGES = (
     ("runtime.manager", "CacheManager", "schedule", "schedule"),
     ("runtime.manager", "CacheManager", "_admit", "  _admit"),
     ("runtime.manager", "CacheManager", "_grow_instead_of_evicting", "    _grow_instead_of_evicting"),
-    ("runtime.manager", "CacheManager", "_commit_row", "  _commit_row (schedule and free)"),
+    ("runtime.manager", "CacheManager", "_commit_rows", "  _commit_rows (schedule and free)"),
     ("runtime.manager", "CacheManager", "_run", "  _run"),
     ("runtime.manager", "CacheManager", "_after_run", "    _after_run"),
     ("memory.pool", "PagePool", "make_room", "      make_room"),

@@ -1032,3 +1032,26 @@ def test_free_publishes_the_blocks_its_last_step_completed(last_step_tokens, pub
     assert events_of(events, "stored", C4KV) == published
     assert events_of(events, "stored", SWA) == published[-1:]
     assert mgr.stats()[C4KV].cached_pages == len(published)
+
+
+@pytest.mark.parametrize("chunk_tokens", [256, 2048])
+def test_one_block_commits_publish_what_the_general_path_publishes(chunk_tokens):
+    """A commit of one block whose end is the request's one checkpoint (a decode commit's,
+    looked up in one pass) publishes, supersedes and hits exactly as the general path,
+    taken here by an interval no request ever reaches: same events, same hits, under
+    pool pressure, with shared prefixes (junctions), decode across several blocks, and a
+    request repeated (its decode keys already published)."""
+    runs = []
+    for interval in (None, 256 * 1000):
+        events: list[CacheEvent] = []
+        mgr = make_manager(group_pages={C4KV: 40, C128KV: 40, SWA: 60}, state_checkpoint_interval=interval,
+                           on_event=events.append)
+        shared, hits = ids(170, 600), []
+        for i in [*range(6), 5]:  # the last one again: its decode commits find their keys published
+            prompt = cat(shared, ids(171 + i, 200 + 111 * i))
+            hits.append(run_request(mgr, f"r{len(hits)}", prompt, ids(180 + i, 300 + 150 * (i % 3)),
+                                    chunk_tokens=chunk_tokens))
+        runs.append(([(e.kind, e.group_id, e.block_hash, e.parent_hash, e.tokens, e.num_pages) for e in events],
+                     [h.hit_tokens for h in hits]))
+    assert runs[0] == runs[1]
+    assert any(kind == "removed" for kind, *_ in runs[0][0]) and any(runs[0][1])

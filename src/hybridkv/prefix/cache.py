@@ -234,6 +234,8 @@ class PrefixCache:
                                    [(tables[gid], windows[gid]) for gid in self.state_ids], self._space)
         self._history_lookups = [pools[gid].lookup for gid in self.history_ids]
         self._state_lookups = [pools[gid].lookup for gid in self.state_ids]
+        self._commit_lookups = self._history_lookups + self._state_lookups
+        self._claim_every = np.ones(len(self._commit_lookups), dtype=np.int8)  # a one-block commit's ``want``
         self._history_groups = [(gid, pools[gid], n, self.stats[gid])
                                 for gid, n in zip(self.history_ids, self._reader.block_pages)]
         self._state_groups = [(gid, pools[gid], n, self._holders[gid], self.stats[gid])
@@ -374,10 +376,7 @@ class PrefixCache:
             return
         hashes.extend_to(token_ids, new_tokens)
         first_block, end_block = old_tokens // g, new_tokens // g
-        boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
-        keys = hashes.hashes[first_block:end_block]
-        want = [1 if lookup(key) is None else 0 for lookup in self._history_lookups for key in keys]
-        checkpoint_keys, parents, found = self._found_checkpoints(hashes, boundaries, pins, want)
+        keys, boundaries, pins, checkpoint_keys, parents, found, want = self._plan(req, hashes, first_block, end_block)
         pages, status = self._reader.read(req.row, first_block, end_block, boundaries, want)
         stored: list[tuple] = []  # the commit's "stored" events, in order
         if len(keys) == 1 == len(checkpoint_keys) and pins[0] is not None and status.count(2) == len(status):
@@ -390,6 +389,28 @@ class PrefixCache:
         self._emit_many(stored)
         if self.state_ids:
             self._supersede(req, new_own)
+
+    def _plan(self, req: CommittingRequest, hashes: RequestHashes, first_block: int, end_block: int) -> tuple:
+        """What a commit of blocks ``[first_block, end_block)`` publishes: the blocks' keys,
+        the checkpoint boundaries and pins (:meth:`_checkpoint_boundaries`), the checkpoints'
+        keys, parents and entries (:meth:`_found_checkpoints`), and ``want``
+        (``CommitPages.read``'s). A decode commit's (one block, its end the one checkpoint)
+        looks its one key up in every group in one pass."""
+        g, hh = self.granularity_tokens, hashes.hashes
+        boundary = end_block * g
+        if (end_block == first_block + 1 and self.state_ids and self.state_checkpoint_interval is None
+                and boundary not in req.keep_boundaries):
+            key = hh[end_block - 1]
+            found = [lookup(key) for lookup in self._commit_lookups]  # history groups, then state groups
+            # A key new in every group (the usual case) claims every entry: a fixed ``want``.
+            want = self._claim_every if found.count(None) == len(found) else [entry is None for entry in found]
+            parents = [hh[end_block - 2] if end_block >= 2 else hashes.root]
+            return [key], [boundary], [False], [key], parents, found[len(self.history_ids):], want
+        boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
+        keys = hh[first_block:end_block]
+        want = [1 if lookup(key) is None else 0 for lookup in self._history_lookups for key in keys]
+        checkpoint_keys, parents, found = self._found_checkpoints(hashes, boundaries, pins, want)
+        return keys, boundaries, pins, checkpoint_keys, parents, found, want
 
     def _publish_unit(self, key: int, parent: int, boundary: int, pinned: bool, pages: list[int],
                       stored: list[tuple]) -> list[OwnCheckpoint]:
@@ -422,8 +443,6 @@ class PrefixCache:
         then the latest."""
         g, interval, keep = self.granularity_tokens, self.state_checkpoint_interval, req.keep_boundaries
         latest = end_block * g
-        if end_block == first_block + 1 and interval is None and latest not in keep:
-            return [latest], [False]  # one boundary crossed (a decode commit): the latest alone
         keeps = None if self.checkpoint_policy == "terminal-and-junctions" else self.policy.speculative
         speculative, own, pins, prompt_tokens = [], [], [], req.prompt_tokens
         for d in range((first_block + 1) * g, latest + 1, g):  # the boundaries crossed, then the latest

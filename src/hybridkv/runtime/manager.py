@@ -982,9 +982,8 @@ class CacheManager:
         """An admitted plan's stages 2-4: commit, run, build the batch (in ``out`` when
         given: fresh arrays of the batch's sizes)."""
         self._version += 1
-        if self.prefix is not None:
-            for row in plan.crossing.tolist():  # publish what the rows' previous steps completed
-                self._commit_row(row)
+        if self.prefix is not None and plan.crossing.size:
+            self._commit_rows(plan.crossing)  # publish what the rows' previous steps completed
         self._tableset.start_log() if updates else self._tableset.stop_log()
         n_cells = plan.totals[1] + plan.totals[3]  # at most: a cell per page released or allocated
         cells = self._cell_buffers(plan.rows.size, plan.cells, n_cells) if updates else _NO_CELLS
@@ -1169,12 +1168,16 @@ class CacheManager:
         return StepBatch(request_ids, out.scheduled, out.query_start_loc, out.positions, out.request_indices, groups,
                          out.table_rows, table_updates)
 
-    def _commit_row(self, row: int) -> None:
-        req = self._row_request(row)
-        old, new = int(self._committed[row]), int(self._computed[row])
-        if self.prefix is not None and req.token_ids is not None:
-            self.prefix.commit(req, old, new, req.token_ids[: max(new, 0)])
-        self._committed[row] = new
+    def _commit_rows(self, rows: np.ndarray) -> None:
+        """Publish, row by row, what each row's computed tokens completed since its last
+        commit (``PrefixCache.commit``; it hashes only the first computed tokens of the
+        request's ids)."""
+        commit, owners, committed = self.prefix.commit, self._row_owner, self._committed
+        for row, old, new in zip(rows.tolist(), committed[rows].tolist(), self._computed[rows].tolist()):
+            req = owners[row]
+            if req.token_ids is not None:
+                commit(req, old, new, req.token_ids)
+            committed[row] = new
 
     # --- rewind and free -----------------------------------------------------
     def rewind(self, request_id: str, num_tokens: int) -> None:
@@ -1278,7 +1281,7 @@ class CacheManager:
         if self.prefix is not None:  # its last step publishes only when it completed a grain
             g = self.prefix.granularity_tokens
             if self._committed[req.row] // g < self._computed[req.row] // g:
-                self._commit_row(req.row)
+                self._commit_rows(np.asarray([req.row], dtype=np.int64))
         ts, space = self._tableset, self._space
         touched, keyed, keyed_per_group = kernels.free_rows(  # its pages leave the tables, one release
             ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.stack, space.per_group,
@@ -1437,9 +1440,6 @@ class CacheManager:
             return self._requests[request_id]
         except (KeyError, TypeError):
             raise CacheManagerError(f"unknown request {request_id!r}") from None
-
-    def _row_request(self, row: int) -> _Request:
-        return self._row_owner[row]
 
     def _take_row(self) -> int:
         if self._free_rows:

@@ -389,29 +389,31 @@ class CommitPages:
         self._no_claims = np.zeros(0, dtype=np.int8)
 
     def read(self, row: int, first_block: int, end_block: int, boundaries: list[int],
-             want: list[int] = ()) -> tuple[list[int], list[int]]:
+             want: list[int] | np.ndarray = ()) -> tuple[list[int], list[int]]:
         """The page ids, entry by entry: history group by group its blocks, then boundary by
         boundary each state group's window (one not live: its place left unread); and per
         entry its status: 1 live, 0 a window not live, 2 claimed: ``want`` (empty: claim
         nothing) names the entries to key, 1 or 2 (low priority), claimed where live and no
         page of theirs carries a key. ValueError, and nothing changes, if a page to claim
         is not held."""
-        want = self._no_claims if not want else np.asarray(want, dtype=np.int8)
         ts, (per_block, per_boundary, n_history, n_state) = self._set, self._sizes
         if ts is None:
             return [], []  # no group publishes anything
         n_blocks, n_boundaries = end_block - first_block, len(boundaries)
         size = n_blocks * per_block + n_boundaries * per_boundary
         n_entries = n_blocks * n_history + n_boundaries * n_state
-        if size > self._out.size:
-            self._out = np.empty(2 * size, dtype=np.int64)
-        if n_entries > self._status.size:
-            self._layout, self._status = np.empty((2 * n_entries, 3), dtype=np.int64), np.empty(2 * n_entries, np.int8)
-        if len(boundaries) == 1:  # a decode commit's: set in place, cheaper than a new array
-            self._one[0] = boundaries[0]
+        if size > self._out.size or n_entries > self._status.size:
+            self._out = np.empty(2 * max(size, self._out.size), dtype=np.int64)
+            entries = 2 * max(n_entries, self._status.size)
+            self._layout, self._status = np.empty((entries, 3), dtype=np.int64), np.empty(entries, np.int8)
+        if n_boundaries == 1:  # a decode commit's: set in place, cheaper than a new array
+            marks = self._one
+            marks[0] = boundaries[0]
+        else:
+            marks = np.asarray(boundaries, dtype=np.int64)
         n = kernels.commit_pages(ts.geometry, ts.pages, ts.bounds, self._history, self._state, row, first_block,
-                                 end_block, self._one if len(boundaries) == 1 else np.asarray(boundaries, dtype=np.int64),
-                                 self._out, self._layout, self._status, want, *self._claim_in)
+                                 end_block, marks, self._out, self._layout, self._status,
+                                 np.asarray(want, dtype=np.int8) if len(want) else self._no_claims, *self._claim_in)
         if n < 0:
             raise ValueError(f"page {int(self._out[-1 - n])} is not a held, unpublished page of its group")
         assert n == size, (n, size)
