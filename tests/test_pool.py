@@ -774,15 +774,16 @@ def _reference_pack(pool, count):
 
 
 @settings(max_examples=150, deadline=None)
-@given(data=st.data(), batch=st.booleans())
-def test_packing_evicts_the_entries_the_one_by_one_reference_evicts(data, batch):
+@given(data=st.data(), batch=st.booleans(), ask=st.booleans())
+def test_packing_evicts_the_entries_the_one_by_one_reference_evicts(data, batch, ask):
     """Packing (``make_room``: idle low-priority entries below the ids an allocation takes
     evicted, lowest id first) against ``_reference_pack``, a few times in a row with
     entries demoted and allocations made between: the same entries leave in the same
     order and the free order ends alike (an allocation takes its top). Entries are 1-3
     pages, some partly held, some demoted or promoted once idle; without ``batch`` each
     removal may demote another entry of the pool (a history pool's cascade), with it
-    told of all removals at once."""
+    told of all removals at once; with ``ask``, a ``must_pack`` that always answers True
+    (as none)."""
     n = data.draw(st.integers(12, 48), label="pages")
     plan = data.draw(st.lists(st.tuples(st.integers(1, 3), st.sampled_from(["low", "normal", "plain"]),
                                         st.integers(0, 2), st.sampled_from(["", "demote", "promote"])),
@@ -804,6 +805,7 @@ def test_packing_evicts_the_entries_the_one_by_one_reference_evicts(data, batch)
                     break
 
         pool.on_removed = removed
+        pool.must_pack = (lambda page, pages: True) if ask else None
         if batch:
             pool.on_removed_many = lambda removals, log=log: log.extend(removals)
         for i, (size, kind, held, later) in enumerate(plan):
@@ -846,6 +848,27 @@ def test_packing_finds_idle_low_priority_pages_a_previous_packing_passed():
     assert pool.lookup("a") is None and pool.lookup("c") == (10,)
     assert pool.allocate(3).tolist() == [5, 6, 10]
     assert pool.lookup("c") is None
+    pool.check_invariants()
+
+
+def test_packing_asks_must_pack_only_when_an_idle_low_priority_page_may_lie_below():
+    """Worked by hand: ``must_pack`` (here always True, recording its questions) is not
+    asked while the only idle low-priority page (10) lies above the ids an allocation
+    takes (free 2-9); once one lies below them (page 1, free from 2), it is asked about
+    the highest id taken and its entry goes."""
+    pool = PagePool("g", 16, lowest_first=True)
+    asked = []
+    pool.must_pack = lambda page, pages: asked.append((page, pages)) or True
+    low, plain, high = pool.allocate(1), pool.allocate(8), pool.allocate(1)  # 1; 2-9; 10
+    pool.publish("low", low.tolist(), low_priority=True)
+    pool.publish("high", high.tolist(), low_priority=True)
+    pool.decref(np.concatenate([high, plain]))  # 2-10 idle, "high" among them
+    pool.make_room(3)
+    assert asked == [] and pool.lookup("high") == (10,)
+    pool.decref(low)
+    pool.make_room(3)
+    assert asked == [(4, 3)] and pool.lookup("low") is None and pool.lookup("high") == (10,)
+    assert pool.allocate(3).tolist() == [1, 2, 3]
     pool.check_invariants()
 
 

@@ -277,14 +277,19 @@ class PagePool:
         (packing: long-lived pages stay low, so the slabs above them hold only idle
         pages an arena can lend; the ``highest`` pages, released again at the next step,
         take the highest free ids), then least recently used entries while the stack is
-        short. The one place allocation evicts."""
-        long = count - highest
-        if self._low_idle_pages and self.lowest_first and long > 0:
-            if self._top < long or self.must_pack is None or self.must_pack(int(self._stack[self._top - long]),
-                                                                             long):
+        short. The one place allocation evicts. Packing is skipped without asking
+        ``must_pack`` when no idle low-priority id can lie below those lowest free ones
+        (``_low_floor``, a lower bound of them, is not below the highest): it would find
+        nothing to evict."""
+        long, top = count - highest, int(self._tops[self._slot])
+        if long > 0 and self.lowest_first and self._lows[self._slot]:
+            short = top < long
+            last = 0 if short else int(self._stack[top - long])  # the highest id the long-lived take
+            if short or (self._low_floor < last and (self.must_pack is None or self.must_pack(last, long))):
                 self._evict_low_below(long)
-        if self._top < count:
-            self._evict_lru(count - self._top)
+                top = int(self._tops[self._slot])
+        if top < count:
+            self._evict_lru(count - top)
 
     def note_allocated(self, count: int) -> None:
         """Count ``count`` pages just taken off the free stack (here or by a step kernel)."""
@@ -863,6 +868,9 @@ class PageSpace:
     def note_peaks(self, allocated: np.ndarray) -> None:
         """Each pool's peak of used pages, after a step kernel allocated ``allocated[g]``
         pages in group ``g`` (it counted them)."""
-        for pool, n, top in zip(self.pools, allocated.tolist(), self.tops.tolist()):
-            if n and pool._granted_pages - top - len(pool._evictable) > pool.peak_used_pages:
-                pool.peak_used_pages = pool._granted_pages - top - len(pool._evictable)  # num_used_pages
+        pools, tops = self.pools, self.tops
+        for g in allocated.nonzero()[0].tolist():  # the pools that allocated only
+            pool = pools[g]
+            used = pool._granted_pages - int(tops[g]) - len(pool._evictable)  # num_used_pages
+            if used > pool.peak_used_pages:
+                pool.peak_used_pages = used
