@@ -1324,6 +1324,20 @@ def first_out_of_range(local, per_group, limits, lowest):
 
 
 @njit(cache=True)
+def add_held(local, per_group, offsets, held, delta):
+    """``held`` of every listed page (``local``, as :func:`first_out_of_range` lists them;
+    group ``g``'s ids start at ``offsets[g]``) raised by ``delta`` per listing; whether every
+    count stays at or above 0."""
+    k, ok = 0, True
+    for g in range(per_group.size):
+        for _ in range(per_group[g]):
+            held[offsets[g] + local[k]] += delta
+            ok = ok and held[offsets[g] + local[k]] >= 0
+            k += 1
+    return ok
+
+
+@njit(cache=True)
 def hold_outside(local, per_group, offsets, limits, ref, keyed, low_priority, low_idle, held, idle_pages,
                  idle_counts):
     """Hold every group's pages (``local``, as :func:`first_out_of_range` lists them; a page
@@ -1337,11 +1351,7 @@ def hold_outside(local, per_group, offsets, limits, ref, keyed, low_priority, lo
     n_idle = take_holds(ref, keyed, low_priority, low_idle, offsets, per_group, local, idle_pages, idle_counts)
     if n_idle < 0:
         return n_idle - local.size
-    k = 0
-    for g in range(per_group.size):
-        for _ in range(per_group[g]):
-            held[offsets[g] + local[k]] += 1
-            k += 1
+    add_held(local, per_group, offsets, held, 1)
     return n_idle
 
 
@@ -1354,22 +1364,8 @@ def release_outside(local, per_group, offsets, limits, ref, keyed, held, freed, 
     bad = first_out_of_range(local, per_group, limits, 0)
     if bad >= 0:
         return -1 - bad
-    k = 0
-    for g in range(per_group.size):
-        for _ in range(per_group[g]):
-            held[offsets[g] + local[k]] -= 1
-            k += 1
-    k, over = 0, False
-    for g in range(per_group.size):
-        for _ in range(per_group[g]):
-            over = over or held[offsets[g] + local[k]] < 0
-            k += 1
-    if over:  # undone whole
-        k = 0
-        for g in range(per_group.size):
-            for _ in range(per_group[g]):
-                held[offsets[g] + local[k]] += 1
-                k += 1
+    if not add_held(local, per_group, offsets, held, -1):  # undone whole
+        add_held(local, per_group, offsets, held, 1)
         return -1 - local.size
     drop_holds(ref, keyed, offsets, per_group, local, freed, keyed_pages, counts)
     return 0
