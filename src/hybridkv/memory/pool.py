@@ -760,8 +760,6 @@ class PageSpace:
         """What ``kernels.drop_holds`` let go (``counts``, ``freed``, ``keyed`` as it fills
         them) goes where ``PagePool.decref`` puts it: unkeyed pages onto their pools' free
         stacks (``kernels.push_free``), keyed ones into their LRUs (:meth:`keyed_idle`)."""
-        if not counts.any():
-            return
         kernels.push_free(self.stack, self.tops, self.offsets, self.lowest_first, counts[0], freed)
         self.per_group[kernels.RELEASED_PAGES] += counts[0] + counts[1]
         self.keyed_idle(counts[1], keyed)

@@ -1359,8 +1359,9 @@ def hold_outside(local, per_group, offsets, limits, ref, keyed, low_priority, lo
 def release_outside(local, per_group, offsets, limits, ref, keyed, held, freed, keyed_pages, counts):
     """Drop holds of :func:`hold_outside` (``local`` listed alike): ``held`` lowered and the
     references dropped as :func:`drop_holds` drops them (``freed``, ``keyed_pages``, ``counts``
-    as it fills them); 0. Nothing changed when a page lies outside ``[0, limits[g])`` (``-1 -
-    i``, ``i`` its index) or would be released more often than it is held (``-1 - local.size``)."""
+    as it fills them); how many pages lost their last reference. Nothing changed when a page
+    lies outside ``[0, limits[g])`` (``-1 - i``, ``i`` its index) or would be released more
+    often than it is held (``-1 - local.size``)."""
     bad = first_out_of_range(local, per_group, limits, 0)
     if bad >= 0:
         return -1 - bad
@@ -1368,4 +1369,4 @@ def release_outside(local, per_group, offsets, limits, ref, keyed, held, freed, 
         add_held(local, per_group, offsets, held, 1)
         return -1 - local.size
     drop_holds(ref, keyed, offsets, per_group, local, freed, keyed_pages, counts)
-    return 0
+    return counts.sum()

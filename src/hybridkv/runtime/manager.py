@@ -1367,7 +1367,8 @@ class CacheManager:
         if found < 0:
             self._refuse_range(per_group, -1 - found, error)
         self._version += 1  # invalidates a cached admission
-        space.borrowed_idle(idle, found)  # cached idle pages leave the LRU
+        if found:  # cached idle pages leave the LRU
+            space.borrowed_idle(idle, found)
 
     def release_held_pages_by_group(self, pages_by_group: Mapping[str, np.ndarray]) -> None:
         """Drop holds taken by :meth:`hold_pages_by_group`, in one compiled pass
@@ -1390,7 +1391,8 @@ class CacheManager:
         if found < 0:
             self._refuse_range(per_group, -1 - found, error)
         self._version += 1  # invalidates a cached admission
-        space.released(counts, freed, keyed)
+        if found:  # some page's last reference went: it goes free or joins the LRU
+            space.released(counts, freed, keyed)
 
     def _group_of(self, space_id: int) -> str:
         """The group whose pages include page-space id ``space_id``."""
