@@ -723,8 +723,8 @@ class PageSpace:
     ticks, free stacks (group ``g``'s ids at ``stack[offsets[g] : offsets[g] + tops[g]]``), idle
     low-priority counts and whether a pool hands out its lowest ids first. Each pool
     is rebound to views of them, so pool methods and kernels see the same state.
-    ``release`` is exactly ``decref`` of each group's pages in pool order, in one
-    compiled pass."""
+    ``kernels.drop_holds`` then :meth:`released` is exactly ``decref`` of each group's
+    pages in pool order."""
 
     def __init__(self, pools: Sequence[PagePool]):
         self.pools = list(pools)
@@ -761,14 +761,10 @@ class PageSpace:
             pool.counters.tallies = self.per_group[3:, g]
             pool.space = self
 
-    def release(self, pages: np.ndarray, per_group: Sequence[int]) -> None:
-        """``pools[g].decref`` of each group's slice of ``pages`` (local ids, group-major,
-        ``per_group[g]`` of them), in two compiled passes (``kernels.drop_holds``, ``kernels.push_free``)."""
-        freed = np.empty(pages.size, dtype=np.int64)
-        keyed = np.empty(pages.size, dtype=np.int64)
-        counts = np.zeros((2, len(self.pools)), dtype=np.int64)
-        kernels.drop_holds(self.ref_counts, self.cached, self.offsets, np.asarray(per_group, dtype=np.int64),
-                           pages, freed, keyed, counts)
+    def released(self, counts: np.ndarray, freed: np.ndarray, keyed: np.ndarray) -> None:
+        """What ``kernels.drop_holds`` let go (``counts``, ``freed``, ``keyed`` as it fills
+        them) goes where ``PagePool.decref`` puts it: unkeyed pages onto their pools' free
+        stacks (``kernels.push_free``), keyed ones into their LRUs (:meth:`keyed_idle`)."""
         kernels.push_free(self.stack, self.tops, self.offsets, self.lowest_first, counts[0], freed)
         self.per_group[kernels.RELEASED_PAGES] += counts[0] + counts[1]
         self.keyed_idle(counts[1], keyed)
@@ -785,9 +781,14 @@ class PageSpace:
             bad = -1 - n_idle
             g = int(np.searchsorted(np.cumsum(per_group), bad, side="right"))
             raise ValueError(f"group {self.pools[g].group_id!r}: page {int(pages[bad])} is free, cannot be borrowed")
+        self.borrowed_idle(idle, n_idle)
+
+    def borrowed_idle(self, idle: np.ndarray, n_idle: int) -> None:
+        """The first ``n_idle`` of ``idle`` (local ids, ``idle_counts[g]`` of group ``g``, as
+        ``kernels.take_holds`` lists them) got a holder: they leave their pools' LRUs."""
         if n_idle:
             listed, start = idle[:n_idle].tolist(), 0
-            for pool, k in zip(self.pools, counts.tolist()):
+            for pool, k in zip(self.pools, self.idle_counts.tolist()):
                 if k:
                     pool._borrowed_idle(listed[start : start + k])
                     start += k

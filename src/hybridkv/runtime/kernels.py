@@ -1019,10 +1019,10 @@ def drop_holds(ref, keyed, offsets, per_group, pages, freed, keyed_pages, counts
 @njit(cache=True)
 def take_holds(ref, keyed, low_priority, low_idle, offsets, per_group, pages, idle_pages, idle_counts):
     """One reference more on each listed page (local ids, group-major, ``per_group[g]``
-    of group ``g``, none listed twice in a group), unless a listed page is free (no
+    of group ``g``; one listed twice gets two), unless a listed page is free (no
     holder, no key): then nothing changes and ``-1 - i`` is returned, ``i`` the first
     such page's index. Else the pages that had no holder (idle keyed ones) go to
-    ``idle_pages``, in the order listed, ``idle_counts[g]`` of group ``g``, and the
+    ``idle_pages``, once each in the order first listed, ``idle_counts[g]`` of group ``g``, and the
     low-priority ones among them leave ``low_idle[g]``; returns how many went to ``idle_pages``."""
     start = 0
     for g in range(per_group.size):
@@ -1498,56 +1498,62 @@ def distinct_rows(rows, mark):
 
 
 @njit(cache=True)
-def space_ids(local, per_group, offsets, limits, lowest, out):
-    """Page-space ids of every group's pages (``local``: group after group, ``per_group[g]``
-    of group ``g``'s) into ``out``: -1, or the index of the first page outside ``[lowest,
-    limits[g])`` (``out`` partly written)."""
+def first_out_of_range(local, per_group, limits, lowest):
+    """The index of the first of every group's pages (``local``: group after group,
+    ``per_group[g]`` of group ``g``'s) outside ``[lowest, limits[g])``; -1 when none is."""
     k = 0
     for g in range(per_group.size):
         for _ in range(per_group[g]):
             if local[k] < lowest or local[k] >= limits[g]:
                 return k
-            out[k] = local[k] + offsets[g]
             k += 1
     return -1
 
 
 @njit(cache=True)
-def hold_space_pages(ids, ref, cached, held):
-    """Hold page-space ``ids`` outside any request when every one is referenced: ``ref`` and
-    ``held`` raised, 0. Nothing changed otherwise: ``-1 - i`` for the first free page
-    (``ids[i]``), 1 when some page is idle (cached, unreferenced: the caller takes it out of
-    its pool's LRU)."""
-    idle = False
-    for i in range(ids.size):
-        if ref[ids[i]] == 0:
-            if not cached[ids[i]]:
-                return -1 - i
-            idle = True
-    if idle:
-        return 1
-    for i in range(ids.size):
-        ref[ids[i]] += 1
-        held[ids[i]] += 1
-    return 0
+def add_held(local, per_group, offsets, held, delta):
+    """``held`` of every listed page (``local``, as :func:`first_out_of_range` lists them;
+    group ``g``'s ids start at ``offsets[g]``) raised by ``delta`` per listing; whether every
+    count stays at or above 0."""
+    k, ok = 0, True
+    for g in range(per_group.size):
+        for _ in range(per_group[g]):
+            held[offsets[g] + local[k]] += delta
+            ok = ok and held[offsets[g] + local[k]] >= 0
+            k += 1
+    return ok
 
 
 @njit(cache=True)
-def release_space_pages(ids, ref, held):
-    """Drop holds of ``hold_space_pages``: -1 (nothing changed) when some page would be released
-    more often than it is held; else ``held`` lowered and 0 when every page stays referenced
-    (``ref`` lowered too) or 1 when some page's last reference goes (``ref`` unchanged: the
-    caller releases the pages through its page space)."""
-    for i in range(ids.size):
-        held[ids[i]] -= 1
-        if held[ids[i]] < 0:
-            for j in range(i + 1):
-                held[ids[j]] += 1
-            return -1
-    for i in range(ids.size):
-        ref[ids[i]] -= 1
-        if ref[ids[i]] <= 0:
-            for j in range(i + 1):
-                ref[ids[j]] += 1
-            return 1
-    return 0
+def hold_outside(local, per_group, offsets, limits, ref, keyed, low_priority, low_idle, held, idle_pages,
+                 idle_counts):
+    """Hold every group's pages (``local``, as :func:`first_out_of_range` lists them; a page
+    listed twice is held twice) outside any request: ``ref`` and ``held`` raised, the pages
+    that had no holder listed as :func:`take_holds` lists them; returns how many. Nothing
+    changed when a page lies outside ``[1, limits[g])`` (``-1 - i``, ``i`` its index) or is
+    free (``-1 - local.size - i``)."""
+    bad = first_out_of_range(local, per_group, limits, 1)
+    if bad >= 0:
+        return -1 - bad
+    n_idle = take_holds(ref, keyed, low_priority, low_idle, offsets, per_group, local, idle_pages, idle_counts)
+    if n_idle < 0:
+        return n_idle - local.size
+    add_held(local, per_group, offsets, held, 1)
+    return n_idle
+
+
+@njit(cache=True)
+def release_outside(local, per_group, offsets, limits, ref, keyed, held, freed, keyed_pages, counts):
+    """Drop holds of :func:`hold_outside` (``local`` listed alike): ``held`` lowered and the
+    references dropped as :func:`drop_holds` drops them (``freed``, ``keyed_pages``, ``counts``
+    as it fills them); how many pages lost their last reference. Nothing changed when a page
+    lies outside ``[0, limits[g])`` (``-1 - i``, ``i`` its index) or would be released more
+    often than it is held (``-1 - local.size``)."""
+    bad = first_out_of_range(local, per_group, limits, 0)
+    if bad >= 0:
+        return -1 - bad
+    if not add_held(local, per_group, offsets, held, -1):  # undone whole
+        add_held(local, per_group, offsets, held, 1)
+        return -1 - local.size
+    drop_holds(ref, keyed, offsets, per_group, local, freed, keyed_pages, counts)
+    return counts.sum()

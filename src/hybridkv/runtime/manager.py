@@ -1333,72 +1333,84 @@ class CacheManager:
         outside any request: no allocation reuses them and admission counts them as used
         until :meth:`release_held_pages_by_group`. A tier offload holds an entry's pages so
         while its rows are copied (``hybridkv.tierlink``). Refused whole, nothing held, when
-        an id is out of range or a page is free."""
-        glob, local, per_group = self._space_pages(pages_by_group, "page ids must lie in [1, {n})", 1)
-        if not glob.size:
+        an id is out of range or a page is free. One compiled pass (``kernels.hold_outside``)."""
+        error = "page ids must lie in [1, {n})"
+        local, per_group = self._space_pages(pages_by_group, error, 1)
+        if not local.size:
             return
-        found = kernels.hold_space_pages(glob, self._space.ref_counts, self._space.cached, self._held_all)
-        if found < 0:
-            gid = self._group_of(int(glob[-1 - found]))
-            raise CacheManagerError(f"group {gid!r}: page {int(glob[-1 - found]) - self._space_offset[gid]} is free; "
+        space = self._space
+        idle = np.empty(local.size, dtype=np.int64)
+        found = kernels.hold_outside(local, per_group, space.offsets, self._space_limits, space.ref_counts,
+                                     space.cached, space.low_priority, space.low_idle, self._held_all, idle,
+                                     space.idle_counts)
+        if found < -local.size:  # a free page
+            bad = -1 - local.size - found
+            raise CacheManagerError(f"group {self._group_at(per_group, bad)!r}: page {int(local[bad])} is free; "
                                     "only held or cached pages can be held")
+        if found < 0:
+            self._refuse_range(per_group, -1 - found, error)
         self._version += 1  # invalidates a cached admission
-        if found == 0:  # every page was referenced: nothing leaves the free or evictable sets
-            return
-        np.add.at(self._held_all, glob, 1)
-        start = 0
-        for pool, n in zip(self._pool_list, per_group):
-            if n:
-                pool.incref(local[start : start + n])  # cached idle pages leave the LRU
-            start += n
+        if found:  # cached idle pages leave the LRU
+            space.borrowed_idle(idle, found)
 
     def release_held_pages_by_group(self, pages_by_group: Mapping[str, np.ndarray]) -> None:
-        """Drop holds taken by :meth:`hold_pages_by_group`, in one pass (``PageSpace.release``:
-        a page no one holds goes free or, still cached, joins the LRU, as ``PagePool.decref``
-        would); refused whole, nothing released, when any group releases a page more often
-        than it is held."""
-        glob, local, per_group = self._space_pages(
-            pages_by_group, "releasing pages that hold_pages_by_group did not hold", 0)
-        if not glob.size:
+        """Drop holds taken by :meth:`hold_pages_by_group`, in one compiled pass
+        (``kernels.release_outside``: a page no one holds goes free or, still cached, joins
+        the LRU, as ``PagePool.decref`` would); refused whole, nothing released, when any
+        group releases a page more often than it is held."""
+        error = "releasing pages that hold_pages_by_group did not hold"
+        local, per_group = self._space_pages(pages_by_group, error, 0)
+        if not local.size:
             return
-        released = kernels.release_space_pages(glob, self._space.ref_counts, self._held_all)
-        if released < 0:
+        space = self._space
+        freed, keyed = np.empty(local.size, dtype=np.int64), np.empty(local.size, dtype=np.int64)
+        counts = np.zeros((2, per_group.size), dtype=np.int64)
+        found = kernels.release_outside(local, per_group, space.offsets, self._space_limits, space.ref_counts,
+                                        space.cached, self._held_all, freed, keyed, counts)
+        if found == -1 - local.size:  # some page released more often than held
+            glob = local + np.repeat(space.offsets, per_group)
             over = np.flatnonzero(np.bincount(glob, minlength=self._held_all.size) > self._held_all)
-            raise CacheManagerError(f"group {self._group_of(int(over[0]))!r}: "
-                                    "releasing pages that hold_pages_by_group did not hold")
+            raise CacheManagerError(f"group {self._group_of(int(over[0]))!r}: {error}")
+        if found < 0:
+            self._refuse_range(per_group, -1 - found, error)
         self._version += 1  # invalidates a cached admission
-        if released:  # some page's last reference: it goes free or joins the LRU
-            self._space.release(local, per_group)
+        if found:  # some page's last reference went: it goes free or joins the LRU
+            space.released(counts, freed, keyed)
 
     def _group_of(self, space_id: int) -> str:
         """The group whose pages include page-space id ``space_id``."""
         return self._group_ids[int(np.searchsorted(self._space.offsets, space_id, side="right")) - 1]
 
+    def _group_at(self, per_group: np.ndarray, index: int) -> str:
+        """The group of the ``index``-th page of a group-major list, ``per_group[g]`` of group ``g``."""
+        return self._group_ids[int(np.searchsorted(np.cumsum(per_group), index, side="right"))]
+
+    def _refuse_range(self, per_group: np.ndarray, index: int, error: str) -> None:
+        """Raise ``error`` for the group of the ``index``-th page, one out of its range."""
+        gid = self._group_at(per_group, index)
+        raise CacheManagerError(f"group {gid!r}: " + error.format(n=self.pools[gid].num_pages))
+
     def _space_pages(self, pages_by_group: Mapping[str, np.ndarray], error: str, lowest: int
-                     ) -> tuple[np.ndarray, np.ndarray, list[int]]:
-        """Every group's pages, in the page space's group order: as page-space ids, as each
-        group's own ids, and how many per group; checked to lie in ``[lowest, num_pages)``
-        (else ``error``)."""
-        local, per_group = [], []
-        for gid in self._group_ids:
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """Every group's pages, in the page space's group order, as each group's own ids, and
+        how many per group. A group the manager lacks is refused (after ``error`` for a page
+        outside ``[lowest, num_pages)``, the kernels' range check)."""
+        local, per_group = [], np.zeros(len(self._group_ids), dtype=np.int64)
+        for g, gid in enumerate(self._group_ids):
             pages = pages_by_group.get(gid)
-            if pages is None:
-                per_group.append(0)
-                continue
-            pages = np.asarray(pages, dtype=np.int64).ravel()
-            local.append(pages)
-            per_group.append(pages.size)
-        local = np.concatenate(local) if len(local) > 1 else local[0] if local else np.zeros(0, dtype=np.int64)
-        glob = np.empty_like(local)
-        bad = kernels.space_ids(local, np.asarray(per_group, dtype=np.int64), self._space.offsets,
-                                self._space_limits, lowest, glob)
-        if bad >= 0:  # the first group out of its bounds is named
-            gid = self._group_ids[int(np.searchsorted(np.cumsum(per_group), bad, side="right"))]
-            raise CacheManagerError(f"group {gid!r}: " + error.format(n=self.pools[gid].num_pages))
-        for gid in pages_by_group:
-            if gid not in self._space_offset:
-                raise CacheManagerError(f"no group {gid!r}")
-        return glob, local, per_group
+            if pages is not None:
+                pages = np.asarray(pages, dtype=np.int64).ravel()
+                local.append(pages)
+                per_group[g] = pages.size
+        known = len(local)
+        local = np.concatenate(local) if known > 1 else local[0] if local else np.zeros(0, dtype=np.int64)
+        if known < len(pages_by_group):  # a group the manager lacks
+            bad = kernels.first_out_of_range(local, per_group, self._space_limits, lowest)
+            if bad >= 0:
+                self._refuse_range(per_group, bad, error)
+            gid = next(gid for gid in pages_by_group if gid not in self._space_offset)
+            raise CacheManagerError(f"no group {gid!r}")
+        return local, per_group
 
     def held_outside_pages(self, group_id: str) -> int:
         """Holds taken by :meth:`hold_pages_by_group` and not released (a page held twice
