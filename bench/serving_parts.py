@@ -33,7 +33,6 @@ STAGES = (
     ("prefix.cache", "PrefixCache", "match_and_borrow", "  match_and_borrow"),
     ("memory.pool", "PageSpace", "borrow", "    PageSpace.borrow"),
     ("runtime.manager", "CacheManager", "free", "free"),
-    ("memory.pool", "PageSpace", "release", "  PageSpace.release"),
     ("memory.pool", "PageSpace", "keyed_idle", "  PageSpace.keyed_idle (free and schedule)"),
     ("runtime.manager", "CacheManager", "schedule", "schedule"),
     ("runtime.manager", "CacheManager", "_admit", "  _admit"),
