@@ -44,6 +44,20 @@ def grant_and_allocate(data, pools, arena):
     return gid, pool
 
 
+def grant_publish_release(data, rng, pools, arena, steps, random_priority):
+    """``steps`` times: grant and allocate (``grant_and_allocate``), publish some of the
+    pool's new pages as entries (of random priority when ``random_priority``), release some
+    held pages."""
+    for step in range(steps):
+        gid, pool = grant_and_allocate(data, pools, arena)
+        held = np.flatnonzero((pool.ref_counts > 0) & ~pool.cached)
+        for k, page in enumerate(rng.permutation(held)[: data.draw(st.integers(0, held.size))].tolist()):
+            low = bool(rng.integers(2)) if random_priority else False
+            pool.publish((step, gid, k), [page], low_priority=low)
+        held = np.flatnonzero(pool.ref_counts > 0)
+        pool.decref(rng.permutation(held)[: data.draw(st.integers(0, held.size))])
+
+
 def small_manager(slabs=4, **kw):
     return CacheManager([SWA, KV], None, max_context_tokens=256, max_step_tokens=64,
                         arena=small_geometry(slabs), **kw)
@@ -668,13 +682,7 @@ def test_donor_slabs_are_lent_as_the_one_at_a_time_reference(data):
 
     _, pools, arena = packing_arena()
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
-    for step in range(data.draw(st.integers(1, 8))):
-        gid, pool = grant_and_allocate(data, pools, arena)
-        held = np.flatnonzero((pool.ref_counts > 0) & ~pool.cached)
-        for k, page in enumerate(rng.permutation(held)[: data.draw(st.integers(0, held.size))].tolist()):
-            pool.publish((step, gid, k), [page])
-        held = np.flatnonzero(pool.ref_counts > 0)
-        pool.decref(rng.permutation(held)[: data.draw(st.integers(0, held.size))])
+    grant_publish_release(data, rng, pools, arena, data.draw(st.integers(1, 8)), random_priority=False)
     arena.apply(arena.plan({"swa": 10**6}, {}, partial=True))  # no spare slab left
     gid = data.draw(st.sampled_from(sorted(SMALL_BYTES)))
     donor = next(g for g in SMALL_BYTES if g != gid)
@@ -751,13 +759,7 @@ def test_a_donor_scanned_slab_by_slab_lends_what_the_whole_scan_lends(data):
 
     geometry, pools, arena = packing_arena()
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
-    for step in range(data.draw(st.integers(1, 10))):
-        gid, pool = grant_and_allocate(data, pools, arena)
-        held = np.flatnonzero((pool.ref_counts > 0) & ~pool.cached)
-        for k, page in enumerate(rng.permutation(held)[: data.draw(st.integers(0, held.size))].tolist()):
-            pool.publish((step, gid, k), [page], low_priority=bool(rng.integers(2)))
-        held = np.flatnonzero(pool.ref_counts > 0)
-        pool.decref(rng.permutation(held)[: data.draw(st.integers(0, held.size))])
+    grant_publish_release(data, rng, pools, arena, data.draw(st.integers(1, 10)), random_priority=True)
     donor = data.draw(st.sampled_from(sorted(SMALL_BYTES)))
     group = next(g for g in SMALL_BYTES if g != donor)
     pool, di, gi = pools[donor], arena.group_ids.index(donor), arena.group_ids.index(group)

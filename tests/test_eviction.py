@@ -371,12 +371,7 @@ def test_stored_checkpoint_is_stored_in_each_group_in_turn(program):
                         policy.stored(gid, key, parent, boundary)
             elif op.startswith("evict") and pools[op[6:]].lookup(key) is not None:
                 pools[op[6:]].unpublish(key, EVICTED)
-        (ref_pools, ref_policy), (pools, policy) = sides
-        for gid, pool in pools.items():
-            assert pool.low_priority.tolist() == ref_pools[gid].low_priority.tolist()
-            assert pool.entry_keys() == ref_pools[gid].entry_keys()
-            assert pool.evictable_page_ids().tolist() == ref_pools[gid].evictable_page_ids().tolist()  # LRU order
-        assert policy.report() == ref_policy.report()
+        _assert_same_pools_and_policy(sides)
 
 
 def _two_by_two_policy():
@@ -433,12 +428,7 @@ def test_units_and_chains_are_stored_in_each_group_in_turn(program):
                 policy.stored("h2", *chain[0])
             elif op.startswith("evict") and pools[op[6:]].lookup(chain[0][0]) is not None:
                 pools[op[6:]].unpublish(chain[0][0], EVICTED)
-        (ref_pools, ref_policy), (pools, policy) = sides
-        for gid, pool in pools.items():
-            assert pool.low_priority.tolist() == ref_pools[gid].low_priority.tolist()
-            assert pool.entry_keys() == ref_pools[gid].entry_keys()
-            assert pool.evictable_page_ids().tolist() == ref_pools[gid].evictable_page_ids().tolist()  # LRU order
-        assert policy.report() == ref_policy.report()
+        _assert_same_pools_and_policy(sides)
 
 
 PAGE_BYTES = {SWA: 37, C4S: 23, C4KV: 50, C128S: 19, C128KV: 7, IDX: 11}  # invented, as test_arena_stateful
@@ -476,3 +466,13 @@ def test_state_groups_evict_in_batches_as_one_entry_at_a_time(budget, slab_pages
                      {g: mgr.prefix.stats[g].removed_entries for g in ALL},
                      None if mgr.prefix.values is None else dict(mgr.prefix.values.failures)))
     assert runs[0] == runs[1]
+
+
+def _assert_same_pools_and_policy(sides):
+    """The fast side's pools (flags, entries, LRU order) and value report equal the reference's."""
+    (ref_pools, ref_policy), (pools, policy) = sides
+    for gid, pool in pools.items():
+        assert pool.low_priority.tolist() == ref_pools[gid].low_priority.tolist()
+        assert pool.entry_keys() == ref_pools[gid].entry_keys()
+        assert pool.evictable_page_ids().tolist() == ref_pools[gid].evictable_page_ids().tolist()  # LRU order
+    assert policy.report() == ref_policy.report()
