@@ -270,6 +270,15 @@ class CacheManager:
                 checkpoint_window_tokens=checkpoint_window_tokens,
                 eviction_policy=eviction_policy,
             )
+        self._init_windows(ids)
+        self._init_holds()
+        self.tier_link = tier_link
+        if tier_link is not None:
+            tier_link.attach(self)
+
+    def _init_windows(self, ids: list[str]) -> None:
+        """The prefix grain, and per group the checkpoint window and what a step's admission
+        reads of it (a load step's tokens, the most pages a checkpoint keeps cached)."""
         self._grain = self.prefix.granularity_tokens if self.prefix is not None else 0  # tokens per prefix grain
         # Per group, the trailing tokens a checkpoint of it stores (0: none).
         windows = self.prefix.checkpoint_windows if self.prefix is not None else {}
@@ -282,10 +291,6 @@ class CacheManager:
                                          for w, s in zip(self._checkpoint_windows, self.specs)], dtype=np.int64)
         self._short = np.empty(len(ids), dtype=np.int64)  # ``short_pages``' answer
         self._no_low = np.zeros(len(ids), dtype=np.int64)  # the low-priority pages a roomy arena keeps
-        self._init_holds()
-        self.tier_link = tier_link
-        if tier_link is not None:
-            tier_link.attach(self)
 
     def _init_memory(self, group_pages: dict[str, int], shuffle_seed: int | None, shared_pages: bool,
                      arena: ArenaGeometry | None) -> None:
