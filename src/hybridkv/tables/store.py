@@ -190,7 +190,7 @@ class TableSet:
             offset = 0 if id_offsets is None else id_offsets[g]  # the group's first id in the page space
             self.geometry[g, : kernels.RING_START] = (
                 t.page_tokens, t.window_tokens, mask, t.rows_per_page, t.stride_tokens, offset,
-                _log2(t.page_tokens), _log2(t.rows_per_page), _log2(t.stride_tokens))
+                _log2(t.page_tokens), _log2(t.stride_tokens))
             self.geometry[g, kernels.RING_MASK] = ring_mask
             self.geometry[g, kernels.VIEW_COLUMNS] = self.view_columns
         rows = max(1, int(initial_rows))
