@@ -1384,13 +1384,8 @@ def idle_slabs(owner, group, lo, hi, straddle, ref, keyed, low_priority, idle_ti
     window group's pages, held and idle in no order, mispredict.)"""
     n, counted = owner.size, 0
     every, valued = keyed_mode == 1, keyed_mode == 2
-    extra = np.zeros(n, dtype=np.int64)
-    for i in range(released_slab.size):
-        s = released_slab[i]
-        if s >= 0:
-            extra[s] += 1
-        else:
-            edge_idle[-1 - s] = True
+    extra, released_edge = released_per_slab(released_slab, n)
+    edge_idle |= released_edge[:n]
     for s in range(n):
         if owner[s] != group:
             continue
