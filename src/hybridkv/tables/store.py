@@ -246,12 +246,8 @@ class TableSet:
         rings = sum(rows * t.ring_pages for t in self.tables)
         return self.pages.nbytes + self.bounds.nbytes, (rings + wide) * 4 + self.bounds.nbytes
 
-    def wide_rows(self, g: int) -> np.ndarray:
-        """Debug view: the rows whose group ``g`` pages sit in their lane now."""
-        return np.flatnonzero(self.bounds[kernels.LANE, g])
-
     def lanes(self, g: int) -> np.ndarray:
-        """Debug view: each row's lane in group ``g`` (-1: narrow)."""
+        """Debug view: each row's lane in group ``g`` (-1: narrow; a wide row's pages sit in its lane)."""
         return self.bounds[kernels.LANE, g] - 1
 
     def ring_view(self) -> np.ndarray:
