@@ -179,6 +179,11 @@ def test_live_pages_bound_is_the_plans_widest_row():
                 assert widest <= table.ring_pages
 
 
+def wide_rows(ts) -> np.ndarray:
+    """The rows whose group 0 pages sit in their lane now (the debug view ``lanes``)."""
+    return np.flatnonzero(ts.lanes(0) >= 0)
+
+
 def test_a_long_chunk_moves_a_row_to_its_lane_and_decode_moves_it_back():
     """W 8, T 4, steps up to 64 tokens: rings of 32 pages, narrow rings of 4."""
     m = CacheManager([SWA_4_8], {"swa": 64}, max_context_tokens=256, max_step_tokens=64)
@@ -189,7 +194,7 @@ def test_a_long_chunk_moves_a_row_to_its_lane_and_decode_moves_it_back():
     (_, in_use_before) = ts.store_bytes()
     m.schedule([("b", 3)])
     batch = m.schedule([("a", 40), ("b", 1)])  # a: tokens [0, 40) on 10 pages, all live this step
-    assert ts.wide_rows(0).size == 1  # a's row
+    assert wide_rows(ts).size == 1  # a's row
     assert ts.store_bytes()[1] == in_use_before + 32 * 4
     base, held = m.request_pages("a", "swa")
     assert base == 0 and held.size == 10
@@ -197,15 +202,15 @@ def test_a_long_chunk_moves_a_row_to_its_lane_and_decode_moves_it_back():
     # Position 39's slot is on logical page 9.
     assert batch.groups["swa"].write_slots[39] == held[9] * 4 + 3
     batch = m.schedule([("a", 1), ("b", 1)])  # releases below (40 - 7) // 4 = 8: pages 8, 9, 10 live
-    assert ts.wide_rows(0).size == 0 and ts.store_bytes()[1] == in_use_before
+    assert wide_rows(ts).size == 0 and ts.store_bytes()[1] == in_use_before
     base, now = m.request_pages("a", "swa")
     assert base == 8 and now[:2].tolist() == held[8:].tolist()
     assert batch.groups["swa"].block_table[0].tolist() == now.tolist()
     # b's chunk takes the lane a left (the lowest free one), then a free hands a's back.
     m.schedule([("a", 1), ("b", 30)])
-    assert ts.lanes(0).max() == 0 and ts.wide_rows(0).size == 1
+    assert ts.lanes(0).max() == 0 and wide_rows(ts).size == 1
     m.free("b")
-    assert ts.wide_rows(0).size == 0 and ts.store_bytes()[1] == in_use_before
+    assert wide_rows(ts).size == 0 and ts.store_bytes()[1] == in_use_before
     m.check_invariants()
 
 
@@ -213,10 +218,10 @@ def test_ensure_rows_keeps_a_wide_rows_lane():
     ts, table = store(SWA_4_8, 256, 64, rows=1)
     table.place(ROW0, np.array([3]), np.array([9]), np.arange(40, 49))
     table.base[0], table.hi[0] = 3, 12
-    assert ts.wide_rows(0).tolist() == [0]
+    assert wide_rows(ts).tolist() == [0]
     before = ts.ring_view()[0, 0].copy()
     ts.ensure_rows(5)
-    assert ts.wide_rows(0).tolist() == [0]
+    assert wide_rows(ts).tolist() == [0]
     assert np.array_equal(ts.ring_view()[0, 0], before)
     assert ts.block_table(0, ROW0, 9).tolist() == [list(range(40, 49))]
 
@@ -227,7 +232,7 @@ def test_every_reader_of_a_row_sees_the_same_pages():
     ts, table = store(SWA_4_8, 256, 64, rows=3)
     table.place(np.array([0, 1]), np.array([3, 5]), np.array([9, 3]), np.arange(40, 52))
     table.base[[0, 1]], table.hi[[0, 1]] = [3, 5], [12, 8]
-    assert ts.wide_rows(0).tolist() == [0]  # 9 live pages outgrow the narrow ring of 4
+    assert wide_rows(ts).tolist() == [0]  # 9 live pages outgrow the narrow ring of 4
     for row, base, pages in ((0, 3, list(range(40, 49))), (1, 5, [49, 50, 51])):
         hi = base + len(pages)
         assert table.row_pages(row, base, hi) == pages
@@ -307,5 +312,5 @@ def test_place_row_is_place_of_each_group_then_its_live_pages():
         assert np.array_equal(fast.geometry, slow.geometry)
         assert [a.tolist() for a in fast.drain_updates()[:4]] == [a.tolist() for a in slow.drain_updates()[:4]]
         assert fast.tables[0].row_pages(row, lo[0], lo[0] + counts[0]) == list(range(100, 100 + counts[0]))
-        assert fast.wide_rows(0).tolist() == ([row] if counts[0] > 4 else [])
-    assert sets[0].wide_rows(0).tolist() == []  # the second case stays narrow
+        assert wide_rows(fast).tolist() == ([row] if counts[0] > 4 else [])
+    assert wide_rows(sets[0]).tolist() == []  # the second case stays narrow

@@ -12,11 +12,11 @@ the plan needs nothing from Python in between (most steps).
 
 Arrays (``G`` groups, ``R`` scheduled rows, ``N`` scheduled tokens):
 
-* ``geometry`` int64 ``[G, 16]``: page tokens ``T``, window tokens ``W`` (0: full
+* ``geometry`` int64 ``[G, 15]``: page tokens ``T``, window tokens ``W`` (0: full
   history), ring column mask (``capacity - 1`` for sliding groups, -1 for full
   history), rows per page, entry stride tokens, the group's first id in the page
   space (ids of group ``g`` are ``offset + local id``), then the log2 of page
-  tokens, rows per page and stride (-1 where not a power of two: a division then),
+  tokens and of stride (-1 where not a power of two: a division then),
   then where the group's cells sit in ``pages`` (below), and (the one column the
   kernels change) how many of its lanes are free.
 * ``pages`` int32, flat: every group's table cells (``hybridkv.tables.store.TableSet``
@@ -60,10 +60,10 @@ import numpy as np
 from numba import njit
 
 PAGE_TOKENS, WINDOW_TOKENS, COLUMN_MASK, ROWS_PER_PAGE, STRIDE_TOKENS, ID_OFFSET = range(6)
-PAGE_SHIFT, ROWS_SHIFT, STRIDE_SHIFT = range(6, 9)  # log2 of the three sizes, -1 if not a power of two
-RING_START, ROW_STRIDE, RING_MASK, LANE_START, VIEW_COLUMNS, COLUMN_STRIDE = range(9, 15)  # the store's layout
-FREE_COUNT = 15  # free lanes of the group (kernels change it)
-GEOMETRY_COLUMNS = 16
+PAGE_SHIFT, STRIDE_SHIFT = range(6, 8)  # log2 of the page and stride sizes, -1 if not a power of two
+RING_START, ROW_STRIDE, RING_MASK, LANE_START, VIEW_COLUMNS, COLUMN_STRIDE = range(8, 14)  # the store's layout
+FREE_COUNT = 14  # free lanes of the group (kernels change it)
+GEOMETRY_COLUMNS = 15
 BASE, HI, LANE, FREE_LANES = range(4)  # planes of ``bounds``
 TOP, LOWEST, LOW_FLOOR, RELEASED_PAGES, ALLOCATED_PAGES = range(5)  # rows of ``per_group``
 
@@ -1384,13 +1384,8 @@ def idle_slabs(owner, group, lo, hi, straddle, ref, keyed, low_priority, idle_ti
     window group's pages, held and idle in no order, mispredict.)"""
     n, counted = owner.size, 0
     every, valued = keyed_mode == 1, keyed_mode == 2
-    extra = np.zeros(n, dtype=np.int64)
-    for i in range(released_slab.size):
-        s = released_slab[i]
-        if s >= 0:
-            extra[s] += 1
-        else:
-            edge_idle[-1 - s] = True
+    extra, released_edge = released_per_slab(released_slab, n)
+    edge_idle |= released_edge[:n]
     for s in range(n):
         if owner[s] != group:
             continue

@@ -190,7 +190,7 @@ class TableSet:
             offset = 0 if id_offsets is None else id_offsets[g]  # the group's first id in the page space
             self.geometry[g, : kernels.RING_START] = (
                 t.page_tokens, t.window_tokens, mask, t.rows_per_page, t.stride_tokens, offset,
-                _log2(t.page_tokens), _log2(t.rows_per_page), _log2(t.stride_tokens))
+                _log2(t.page_tokens), _log2(t.stride_tokens))
             self.geometry[g, kernels.RING_MASK] = ring_mask
             self.geometry[g, kernels.VIEW_COLUMNS] = self.view_columns
         rows = max(1, int(initial_rows))
@@ -246,12 +246,8 @@ class TableSet:
         rings = sum(rows * t.ring_pages for t in self.tables)
         return self.pages.nbytes + self.bounds.nbytes, (rings + wide) * 4 + self.bounds.nbytes
 
-    def wide_rows(self, g: int) -> np.ndarray:
-        """Debug view: the rows whose group ``g`` pages sit in their lane now."""
-        return np.flatnonzero(self.bounds[kernels.LANE, g])
-
     def lanes(self, g: int) -> np.ndarray:
-        """Debug view: each row's lane in group ``g`` (-1: narrow)."""
+        """Debug view: each row's lane in group ``g`` (-1: narrow; a wide row's pages sit in its lane)."""
         return self.bounds[kernels.LANE, g] - 1
 
     def ring_view(self) -> np.ndarray:
