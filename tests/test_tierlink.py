@@ -21,6 +21,7 @@ from hybridkv.reference.dense import dense_forward
 from hybridkv.reference.paged import PagedStack
 from hybridkv.tiers import DiskTier, HostTier, ObjectKey, ObjectStore, group_pools_from_layers
 from hybridkv.tierlink import TierLink, TierLinkError
+from hybridkv.transfer import OffloadPlan
 
 CONFIG = ReferenceConfig()
 LAYOUT = cache_layout(CONFIG.hf_config(), speculative_tokens=3)
@@ -412,3 +413,34 @@ def test_a_link_checks_what_it_is_attached_to():
                          tier_link=TierLink(store))
     with pytest.raises(TypeError):
         TierLink(HostTier(1 << 20))
+
+
+def _plan_after_prompt(store, prompt):
+    """A write-through instance's one offload plan after computing ``prompt`` (nothing taken before)."""
+    inst = Instance(store, 3, write_through=True, plan_loads=False)
+    inst.manager.add_request("p", prompt, max_new_tokens=8)
+    inst.manager.schedule([("p", len(prompt))])
+    inst.manager.append_token_ids("p", [1])
+    inst.manager.schedule([("p", 1)])  # commits the prompt's blocks and checkpoints
+    return inst.link, inst.link.take_offloads()
+
+
+def test_a_plan_leaves_out_what_the_store_holds_and_keeps_the_rest_as_planned():
+    shared = ObjectStore(HostTier(1 << 30), LAYOUT)
+    prompt, _, _ = prompts(11)
+    first = Instance(shared, 3, write_through=True)
+    compute_prompt(first, "a", prompt[:300])  # the store holds the first block's objects
+    rng = np.random.default_rng(12)
+    longer = np.concatenate([prompt[:300], rng.integers(0, CONFIG.vocab_size, 500)])
+    link, plan = _plan_after_prompt(shared, longer)
+    _, whole = _plan_after_prompt(ObjectStore(HostTier(1 << 30), LAYOUT), longer)  # the reference: nothing held
+    held = shared.contains([o.key for o in whole.objects])
+    assert 0 < held.count(True) < len(held)
+    kept = [i for i, h in enumerate(held) if not h]
+    assert plan.objects == tuple(whole.objects[i] for i in kept)
+    assert [(v.base_page, v.pages.tolist()) for v in plan.sources] == \
+        [(whole.sources[i].base_page, whole.sources[i].pages.tolist()) for i in kept]
+    stats = link.stats()
+    assert (stats.offload_skipped, stats.offload_objects) == (held.count(True), len(kept))
+    assert stats.offload_bytes == sum(link.object_payload_bytes(o) for o in plan.objects)
+    assert link.take_offloads() == OffloadPlan((), ())  # nothing queued since: an empty plan, no ticket

@@ -238,7 +238,7 @@ class TierLink:
         self._specs = {s.group_id: s for s in manager.specs}
         self._kinds = {s.group_id: "checkpoint" if s.is_sliding else "block" for s in manager.specs}
         # per group: (object kind, tokens before the boundary an object holds: a block's G, a checkpoint's W,
-        # page tokens, entry stride tokens, row bytes), for _offload_objects
+        # page tokens, entry stride tokens, row bytes), for _take_queue and _offload_objects
         self._offload_shapes = {
             s.group_id: (self._kinds[s.group_id],
                          self._prefix.checkpoint_window_tokens(s.group_id) if s.is_sliding
@@ -328,6 +328,8 @@ class TierLink:
         the store holds. Unpinned objects: copy them before writing any page handed out since.
         With ``pin_offloads``, entries still published keep their pages held (pinned) until
         :meth:`confirm_offloads` reports the plan's ticket, so their copy may run later."""
+        if not self._queue and not self._rescues and self._flight.markers is None:
+            return _NO_OFFLOADS  # most steps: nothing queued (no plan, no ticket)
         if self.markers is not None:
             self.markers.delete_deferred()
             self._queue_ending()
@@ -345,16 +347,17 @@ class TierLink:
         entries = self._fresh_entries()
         if not entries:
             return _NO_OFFLOADS
-        objects, views, payload_bytes = self._offload_objects(entries)
-        held = self.store.contains([obj.key for obj in objects])
+        of_checked, shapes = ObjectKey.of_checked, self._offload_shapes
+        keys = [of_checked(shapes[gid][0], gid, key) for (gid, key), _ in entries]
+        held = self.store.contains(keys)
         skipped = held.count(True)
-        if skipped:
+        if skipped:  # what the store holds already is dropped before its object is made
             self._stats.offload_skipped += skipped
             keep = [i for i, h in enumerate(held) if not h]
             if not keep:
                 return _NO_OFFLOADS
-            objects, views = [objects[i] for i in keep], [views[i] for i in keep]
-            entries, payload_bytes = [entries[i] for i in keep], [payload_bytes[i] for i in keep]
+            entries, keys = [entries[i] for i in keep], [keys[i] for i in keep]
+        objects, views, payload_bytes = self._offload_objects(entries, keys)
         self._stats.offload_objects += len(objects)
         self._stats.offload_bytes += sum(payload_bytes)
         self._tickets += 1
@@ -583,18 +586,19 @@ class TierLink:
         return rows_for_tokens(spec, obj.first_token, obj.end_token)[1] * self._row_bytes[obj.key.group_id]
 
     # --- planning ------------------------------------------------------------------
-    def _offload_objects(self, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]
-                         ) -> tuple[list[PlannedObject], list[GroupPages], list[int]]:
-        """The objects of published entries ``((group, key), (boundary, pages))``, their pages'
-        views and their payload bytes (as :meth:`object_payload_bytes`). Per entry only what
-        differs is worked out: each group's kind, window, stride and row bytes are looked up once
-        (a plan has hundreds of entries, on the step thread)."""
+    def _offload_objects(self, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]],
+                         keys: list[ObjectKey]) -> tuple[list[PlannedObject], list[GroupPages], list[int]]:
+        """The objects of published entries ``((group, key), (boundary, pages))`` under their
+        object keys ``keys``, their pages' views and their payload bytes (as
+        :meth:`object_payload_bytes`). Per entry only what differs is worked out: each group's
+        window, stride and row bytes are looked up once (a plan has hundreds of entries, on the
+        step thread)."""
         objects, views, payload_bytes = [], [], []
-        of_checked, shapes = ObjectKey.of_checked, self._offload_shapes
-        for (gid, key), (boundary, pages) in entries:
-            kind, span, page_tokens, stride, row_bytes = shapes[gid]
+        shapes = self._offload_shapes
+        for ((gid, _), (boundary, pages)), object_key in zip(entries, keys):
+            _, span, page_tokens, stride, row_bytes = shapes[gid]
             first = max(0, boundary - span)
-            objects.append(PlannedObject(of_checked(kind, gid, key), first, boundary, boundary))
+            objects.append(PlannedObject(object_key, first, boundary, boundary))
             views.append(GroupPages(first // page_tokens, np.array(pages, dtype=np.int64)))
             payload_bytes.append(max(0, boundary // stride - -(-first // stride)) * row_bytes)
         return objects, views, payload_bytes
