@@ -1198,9 +1198,7 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
             pick = lowest
         if pick < 0:
             break
-        short_pages -= slab_gain(owner, group, inner_pages, straddle, pick)
-        owner[pick] = group
-        taken[n_taken] = pick
+        short_pages -= lend_slab(owner, group, inner_pages, straddle, pick, taken, n_taken)
         n_taken += 1
     return n_taken, short_pages
 
@@ -1251,6 +1249,16 @@ def slab_gain(owner, group, inner_pages, straddle, s):
     return gain
 
 
+@njit(cache=True, inline="always")
+def lend_slab(owner, group, inner_pages, straddle, s, taken, n_taken):
+    """Slab ``s`` goes to ``group`` (``owner`` updated, ``taken[n_taken]`` set); the pages
+    the group gains (``slab_gain``)."""
+    gain = slab_gain(owner, group, inner_pages, straddle, s)
+    owner[s] = group
+    taken[n_taken] = s
+    return gain
+
+
 @njit(cache=True)
 def take_donor_slabs(owner, donor, group, inner_idle, edge_idle, donor_inner, donor_straddle, inner_pages, straddle,
                      left_pages, short_pages, taken):
@@ -1276,9 +1284,7 @@ def take_donor_slabs(owner, donor, group, inner_idle, edge_idle, donor_inner, do
         if give > left_pages or not idle:
             continue
         left_pages -= give
-        short_pages -= slab_gain(owner, group, inner_pages, straddle, s)
-        owner[s] = group
-        taken[n_taken] = s
+        short_pages -= lend_slab(owner, group, inner_pages, straddle, s, taken, n_taken)
         n_taken += 1
     return n_taken, short_pages, left_pages
 
@@ -1360,9 +1366,7 @@ def take_idle_donor_slabs(owner, own, donor, group, lo, hi, donor_straddle, ref,
         if give > left_pages or not edges_idle:
             continue
         left_pages -= give
-        short_pages -= slab_gain(own, group, inner_pages, straddle, s)
-        own[s] = group
-        taken[n_taken] = s
+        short_pages -= lend_slab(own, group, inner_pages, straddle, s, taken, n_taken)
         n_taken += 1
     return n_taken, short_pages, left_pages
 
