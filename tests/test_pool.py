@@ -420,6 +420,26 @@ def _pool_state(pool):
             pool.peak_used_pages)
 
 
+def two_page_spaces(data, lowest_first):
+    """Drawn pool sizes, and two sides of (pools of those sizes, their PageSpace): one for
+    the path under test, one for the pool-by-pool reference."""
+    sizes = data.draw(st.lists(st.integers(2, 24), min_size=1, max_size=5), label="sizes")
+    sides = []
+    for _ in range(2):
+        pools = [PagePool(f"g{i}", n, lowest_first=lowest_first) for i, n in enumerate(sizes)]
+        sides.append((pools, PageSpace(pools)))
+    return sizes, sides
+
+
+def draw_held_pages(data, i, n):
+    """For pool ``i`` of ``n`` pages: how many pages are held, and for each whether it is
+    keyed and whether low priority."""
+    held = data.draw(st.integers(0, n - 1), label=f"held{i}")
+    keyed = data.draw(st.lists(st.booleans(), min_size=held, max_size=held), label=f"keyed{i}")
+    low = data.draw(st.lists(st.booleans(), min_size=held, max_size=held), label=f"low{i}")
+    return held, keyed, low
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), lowest_first=st.booleans(), twice=st.booleans())
 def test_drop_holds_then_released_is_decref_pool_by_pool(data, lowest_first, twice):
@@ -427,17 +447,11 @@ def test_drop_holds_then_released_is_decref_pool_by_pool(data, lowest_first, twi
     with a second holder, listed twice with ``twice``), then ``PageSpace.released``, leaves
     each pool as its own decref would (what a release of held pages runs)."""
 
-    sizes = data.draw(st.lists(st.integers(2, 24), min_size=1, max_size=5), label="sizes")
-    sides = []
-    for _ in range(2):
-        pools = [PagePool(f"g{i}", n, lowest_first=lowest_first) for i, n in enumerate(sizes)]
-        sides.append((pools, PageSpace(pools)))
+    sizes, sides = two_page_spaces(data, lowest_first)
     any_shared = data.draw(st.booleans(), label="any_shared")  # False: the fused path itself
     script = []
     for i, n in enumerate(sizes):
-        held = data.draw(st.integers(0, n - 1), label=f"held{i}")
-        keyed = data.draw(st.lists(st.booleans(), min_size=held, max_size=held), label=f"keyed{i}")
-        low = data.draw(st.lists(st.booleans(), min_size=held, max_size=held), label=f"low{i}")
+        held, keyed, low = draw_held_pages(data, i, n)
         shared = data.draw(st.lists(st.booleans(), min_size=held, max_size=held), label=f"shared{i}")
         shared = [x and any_shared for x in shared]
         order = data.draw(st.permutations(range(held)), label=f"order{i}")
@@ -598,18 +612,11 @@ def test_page_space_borrow_is_incref_pool_by_pool(data, lowest_first):
     """PageSpace.borrow of every group's pages (held ones, idle keyed ones, some low
     priority) leaves each pool as its own ``incref(distinct=True)`` would; with a free
     page listed it is refused whole, nothing changed."""
-    from hybridkv.memory.pool import PageSpace
 
-    sizes = data.draw(st.lists(st.integers(2, 24), min_size=1, max_size=5), label="sizes")
-    sides = []
-    for _ in range(2):
-        pools = [PagePool(f"g{i}", n, lowest_first=lowest_first) for i, n in enumerate(sizes)]
-        sides.append((pools, PageSpace(pools)))
+    sizes, sides = two_page_spaces(data, lowest_first)
     script = []
     for i, n in enumerate(sizes):
-        held = data.draw(st.integers(0, n - 1), label=f"held{i}")
-        keyed = data.draw(st.lists(st.booleans(), min_size=held, max_size=held), label=f"keyed{i}")
-        low = data.draw(st.lists(st.booleans(), min_size=held, max_size=held), label=f"low{i}")
+        held, keyed, low = draw_held_pages(data, i, n)
         idle = data.draw(st.lists(st.booleans(), min_size=held, max_size=held), label=f"idle{i}")
         script.append((held, keyed, low, idle))
     for pools, _ in sides:
