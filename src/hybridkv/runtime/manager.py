@@ -1284,7 +1284,7 @@ class CacheManager:
             self._rewound_loads.discard(request_id)
             self.pending_loads.discard(request_id)
         if self.prefix is not None:  # its last step publishes only when it completed a grain
-            g = self.prefix.granularity_tokens
+            g = self._grain
             if self._committed[req.row] // g < self._computed[req.row] // g:
                 self._commit_rows(np.asarray([req.row], dtype=np.int64))
         ts, space = self._tableset, self._space
