@@ -382,10 +382,10 @@ class PrefixCache:
         if len(keys) == 1 == len(checkpoint_keys) and pins[0] is not None and status.count(2) == len(status):
             new_own = self._publish_unit(keys[0], parents[0], boundaries[0], pins[0], pages, stored)
         else:
-            at, n_history = self._publish_history(hashes, first_block, keys, pages, status, stored)
+            at, n_history, chain = self._publish_history(hashes, first_block, keys, pages, status, stored)
             status = status[n_history:]
             entries = self._publish_checkpoints(checkpoint_keys, parents, boundaries, pages[at:], status, found, stored)
-            new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status)
+            new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status, chain)
         self._emit_many(stored)
         if self.state_ids:
             self._supersede(req, new_own)
@@ -474,13 +474,13 @@ class PrefixCache:
         return keys, parents, found
 
     def _publish_history(self, hashes: RequestHashes, first_block: int, keys: list[int], pages: list[int],
-                         status: list[int], stored: list[tuple]) -> tuple[int, int]:
+                         status: list[int], stored: list[tuple]) -> tuple[int, int, list[int] | None]:
         """Every history group's blocks ``keys`` (from ``first_block``) that the commit
         claimed (``pages``, ``status``: ``CommitPages.read``'s, history groups first), recorded
         with one ``PagePool.adopt`` call per group and booked in one
         ``ValueEviction.stored_blocks`` call for all groups (tier link, stats; ``stored`` takes
         their events, group by group); how many of ``pages`` and of ``status`` were the
-        history groups'."""
+        history groups', and ``keys`` if they were stored as a new chain (else None)."""
         g, hook, n_blocks = self.granularity_tokens, self.tier_hook, len(keys)
         hh = hashes.hashes
         parents = hh[first_block - 1:first_block - 1 + n_blocks] if first_block else [hashes.root, *keys[:-1]]
@@ -504,9 +504,8 @@ class PrefixCache:
                 hook.stored(gid, key, boundary, entry, False)
             stats.stored_entries += n_done
             claims.append((gid, done))
-        if claims:
-            self.eviction.stored_blocks(claims, keys, parents, boundaries)
-        return at, e
+        fresh = bool(claims) and self.eviction.stored_blocks(claims, keys, parents, boundaries)
+        return at, e, keys if fresh else None
 
     def _publish_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], pages: list[int],
                              status: list[int], found: list, stored: list[tuple]) -> list:
@@ -547,14 +546,17 @@ class PrefixCache:
         return entries
 
     def _book_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], pins: list[bool | None],
-                          entries: list, status: list[int]) -> list[OwnCheckpoint]:
+                          entries: list, status: list[int], chain: list[int] | None) -> list[OwnCheckpoint]:
         """Book each checkpoint the commit published (``status`` 2; ``entries``: each
         boundary's pages in each state group, None where missing): tier link, checkpoint
-        values, one ``ValueEviction.stored_checkpoint`` call a boundary; the request's own
-        ones (``pins`` not None) returned, holding each wherever it is."""
+        values, one ``ValueEviction.stored_checkpoint`` call a boundary, or one
+        ``ValueEviction.stored_chain_checkpoints`` call for all when every state group claimed
+        every one on ``chain``, the commit's blocks stored as a new chain (None otherwise);
+        the request's own ones (``pins`` not None) returned, holding each wherever it is."""
         hook, values, gids = self.tier_hook, self.values, self.state_ids
         low = self.values is None or self.values.low_priority(SPECULATIVE) if None in pins else False
         own_checkpoints, n = [], len(gids)
+        at_once = chain is not None and status.count(2) == len(status)
         for j, (key, parent, boundary, pinned) in enumerate(zip(keys, parents, boundaries, pins)):
             part, here = status[j * n:(j + 1) * n], entries[j * n:(j + 1) * n]
             if 2 in part:
@@ -563,12 +565,15 @@ class PrefixCache:
                         hook.stored(gid, key, boundary, entry, low and pinned is None)
                 if values is not None:
                     values.published(key, boundary, speculative=pinned is None)
-                booked = gids if part.count(2) == n else [gid for gid, new in zip(gids, part) if new == 2]
-                self.eviction.stored_checkpoint(booked, key, parent, boundary)
+                if not at_once:
+                    booked = gids if part.count(2) == n else [gid for gid, new in zip(gids, part) if new == 2]
+                    self.eviction.stored_checkpoint(booked, key, parent, boundary)
             if pinned is not None:
                 own = self._hold(OwnCheckpoint(boundary, pinned), key, here)
                 if own.entries:
                     own_checkpoints.append(own)
+        if at_once:
+            self.eviction.stored_chain_checkpoints(chain, keys)
         return own_checkpoints
 
     def _hold(self, own: OwnCheckpoint, key: int, entries: list) -> OwnCheckpoint:

@@ -124,13 +124,15 @@ class ValueEviction:
             self.stored_blocks([(gid, (0,))], (key,), (parent,), (boundary,))
 
     def stored_blocks(self, claims: Sequence[tuple[str, Sequence[int]]], keys: Sequence[Hashable],
-                      parents: Sequence[Hashable | None], boundaries: Sequence[int]) -> None:
+                      parents: Sequence[Hashable | None], boundaries: Sequence[int]) -> bool:
         """:meth:`stored` of the blocks a commit published, history group by history group
         in turn: per (group, indices) of ``claims``, ``keys[i]`` (with ``parents[i]`` and
-        ``boundaries[i]``) for each index in order; each key's node looked up once."""
+        ``boundaries[i]``) for each index in order; each key's node looked up once. True
+        when ``keys`` were a chain of new blocks on a whole chain, every history group's
+        (:meth:`_stored_chain`: what :meth:`stored_chain_checkpoints` books onto)."""
         nodes, track, n_history = self._nodes, self._track, len(self.history_ids)
         if self._stored_chain(claims, keys, parents, boundaries):
-            return
+            return True
         got: list = [None] * len(keys)  # each key's node once found (one it stores in can not go)
         for gid, done in claims:
             for i in done:
@@ -140,6 +142,7 @@ class ValueEviction:
                 node[2] += 1
                 if track:
                     self._place_stored(gid, keys[i], node, node[2] - node[3] == n_history)
+        return False
 
     def _place_stored(self, gid: str, key: Hashable, node: list, complete: bool) -> None:
         """Group ``gid`` stored block ``key`` (``complete``: every history group holds it now):
@@ -178,6 +181,29 @@ class ValueEviction:
                     up[4].add(key)
             up = nodes[key] = [parent, 0, n_history, 0, None, False, boundary <= g, boundary]
         return True
+
+    def stored_chain_checkpoints(self, chain: Sequence[Hashable], keys: Sequence[Hashable]) -> None:
+        """:meth:`stored_checkpoint` of each of ``keys`` (blocks of ``chain``, in any order) in
+        every state group, ``chain`` being blocks :meth:`stored_blocks` just stored as a new
+        chain (it returned True: their nodes support nothing, hold no checkpoint and are not
+        cut; their pages are of normal priority), done at once: each checkpoint's counts set;
+        each block up to the last checkpoint supported by its own checkpoint and by the one
+        beyond it; the chain's parent gains one support (:meth:`_add_support`), as the first
+        checkpoint's walk up the chain would give it."""
+        nodes, n_state = self._nodes, len(self.state_ids)
+        for key in keys:
+            node = nodes[key]
+            node[2] += n_state
+            node[3] = n_state
+        if not keys or not self._track:
+            return
+        marks, beyond = set(keys), 0  # whether a checkpoint lies beyond (walking down the chain)
+        for key in reversed(chain):
+            own = key in marks
+            if own or beyond:
+                nodes[key][1] = own + beyond
+                beyond = 1
+        self._add_support(nodes[chain[0]][0])
 
     def stored_unit(self, key: Hashable, parent: Hashable | None, boundary: int) -> None:
         """:meth:`stored_blocks` of one block in every history group, then
