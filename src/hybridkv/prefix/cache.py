@@ -382,10 +382,10 @@ class PrefixCache:
         if len(keys) == 1 == len(checkpoint_keys) and pins[0] is not None and status.count(2) == len(status):
             new_own = self._publish_unit(keys[0], parents[0], boundaries[0], pins[0], pages, stored)
         else:
-            at, n_history, chain = self._publish_history(hashes, first_block, keys, pages, status, stored)
+            at, n_history, fresh = self._publish_history(hashes, first_block, keys, pages, status, stored)
             status = status[n_history:]
             entries = self._publish_checkpoints(checkpoint_keys, parents, boundaries, pages[at:], status, found, stored)
-            new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status, chain)
+            new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status, fresh)
         self._emit_many(stored)
         if self.state_ids:
             self._supersede(req, new_own)
@@ -546,17 +546,17 @@ class PrefixCache:
         return entries
 
     def _book_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], pins: list[bool | None],
-                          entries: list, status: list[int], chain: list[int] | None) -> list[OwnCheckpoint]:
+                          entries: list, status: list[int], fresh: list[int] | None) -> list[OwnCheckpoint]:
         """Book each checkpoint the commit published (``status`` 2; ``entries``: each
         boundary's pages in each state group, None where missing): tier link, checkpoint
         values, one ``ValueEviction.stored_checkpoint`` call a boundary, or one
         ``ValueEviction.stored_chain_checkpoints`` call for all when every state group claimed
-        every one on ``chain``, the commit's blocks stored as a new chain (None otherwise);
+        every one on ``fresh``, the commit's blocks stored as a new chain (None otherwise);
         the request's own ones (``pins`` not None) returned, holding each wherever it is."""
         hook, values, gids = self.tier_hook, self.values, self.state_ids
         low = self.values is None or self.values.low_priority(SPECULATIVE) if None in pins else False
         own_checkpoints, n = [], len(gids)
-        at_once = chain is not None and status.count(2) == len(status)
+        at_once = fresh is not None and status.count(2) == len(status)
         for j, (key, parent, boundary, pinned) in enumerate(zip(keys, parents, boundaries, pins)):
             part, here = status[j * n:(j + 1) * n], entries[j * n:(j + 1) * n]
             if 2 in part:
@@ -573,7 +573,7 @@ class PrefixCache:
                 if own.entries:
                     own_checkpoints.append(own)
         if at_once:
-            self.eviction.stored_chain_checkpoints(chain, keys)
+            self.eviction.stored_chain_checkpoints(fresh, keys)
         return own_checkpoints
 
     def _hold(self, own: OwnCheckpoint, key: int, entries: list) -> OwnCheckpoint:
