@@ -394,6 +394,7 @@ def _publish_idle(pool, key):
                           st.integers(1, 4), st.integers(1, 3)), max_size=24))
 @example([("chain", 1, 3), ("unit", 4, 1), ("evict h1", 2, 1), ("chain", 2, 1)])  # a gap, then mended
 @example([("unit", 2, 1), ("chain", 1, 1), ("unit", 3, 1)])  # a key published before its parent
+@example([("unit", 1, 1), ("unit", 2, 1), ("evict s1", 2, 1)])  # the parent keeps its own checkpoint's support
 def test_units_and_chains_are_stored_in_each_group_in_turn(program):
     """A commit's one-call bookings, ``ValueEviction.stored_unit`` (one new block in every
     history group and the checkpoint at its end in every state group) and

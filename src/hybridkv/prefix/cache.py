@@ -247,8 +247,10 @@ class PrefixCache:
         step, offsets = self._reader.boundary_pages, np.cumsum([0, *self._reader.checkpoint_pages]).tolist()
         self._window_places = [[slice(at + i, None, step) for i in range(n)]
                                for at, n in zip(offsets, self._reader.checkpoint_pages)]
-        # A one-block commit claiming everything (_publish_unit): every group in order.
-        self._unit_groups = self._history_groups + [(gid, pool, n, stats) for gid, pool, n, _, stats in self._state_groups]
+        # A one-block commit claiming everything (_publish_unit): every group in order, with
+        # its holders (None: a history group).
+        self._unit_groups = [(gid, pool, n, stats, None) for gid, pool, n, stats in self._history_groups] + [
+            (gid, pool, n, stats, holders) for gid, pool, n, holders, stats in self._state_groups]
 
     def _init_hit_placement(self, tables: Mapping[str, GroupTable]) -> None:
         """A hit's placement: every group's pages borrowed in one call (``PageSpace.borrow``)
@@ -400,8 +402,9 @@ class PrefixCache:
         boundary = end_block * g
         if (end_block == first_block + 1 and self.state_ids and self.state_checkpoint_interval is None
                 and boundary not in req.keep_boundaries):
-            key = hh[end_block - 1]
-            found = [lookup(key) for lookup in self._commit_lookups]  # history groups, then state groups
+            key, found = hh[end_block - 1], []
+            for lookup in self._commit_lookups:  # history groups, then state groups (a loop: cheaper cold)
+                found.append(lookup(key))
             # A key new in every group (the usual case) claims every entry: a fixed ``want``.
             want = self._claim_every if found.count(None) == len(found) else [entry is None for entry in found]
             parents = [hh[end_block - 2] if end_block >= 2 else hashes.root]
@@ -418,21 +421,25 @@ class PrefixCache:
         checkpoint at its end too (a decode commit's): the same records, events and bookings
         as :meth:`_publish_history`, :meth:`_publish_checkpoints` and :meth:`_book_checkpoints`
         (``pages``: ``CommitPages.read``'s, every group's in order), in one pass over the
-        groups; that own checkpoint, in a list."""
-        at, entries = 0, []
-        for gid, pool, per_entry, stats in self._unit_groups:
+        groups (holding the state groups' entries as :meth:`_hold` would); that own checkpoint,
+        in a list."""
+        at, entries, own = 0, [], OwnCheckpoint(boundary, pinned)
+        for gid, pool, per_entry, stats, holders in self._unit_groups:
             entries.append(entry := tuple(pages[at:at + per_entry]))
             at += per_entry
             pool.adopt((key,), (entry,))
             stats.stored_entries += 1
             stored.append(("stored", gid, key, parent, boundary, per_entry))
+            if holders is not None:  # a state group: the request's own checkpoint
+                own.entries[gid] = (key, entry)
+                holders[key] = holders.get(key, 0) + 1
         if self.tier_hook is not None:
             for gid, entry in zip(self.history_ids + self.state_ids, entries):
                 self.tier_hook.stored(gid, key, boundary, entry, False)
         if self.values is not None:
             self.values.published(key, boundary, speculative=False)
         self.eviction.stored_unit(key, parent, boundary)
-        return [self._hold(OwnCheckpoint(boundary, pinned), key, entries[len(self.history_ids):])]
+        return [own]
 
     def _checkpoint_boundaries(self, req: CommittingRequest, first_block: int,
                                end_block: int) -> tuple[list[int], list[bool | None]]:
@@ -588,14 +595,13 @@ class PrefixCache:
     def _supersede(self, req: CommittingRequest, new_own: list) -> None:
         """Drop the request's hold on every earlier own checkpoint that is not pinned
         (unpublished when no hold is left); ``new_own`` become its own checkpoints."""
-        previous = req.own_checkpoints
-        if not previous:
-            req.own_checkpoints = new_own
-            return
-        for prev in previous:
-            if not prev.pinned:
+        pinned = []
+        for prev in req.own_checkpoints:
+            if prev.pinned:
+                pinned.append(prev)
+            else:
                 self._let_go(prev, req)
-        req.own_checkpoints = [c for c in previous if c.pinned] + new_own
+        req.own_checkpoints = pinned + new_own if pinned else new_own
 
     def _let_go(self, prev: OwnCheckpoint, req: CommittingRequest) -> None:
         """The request's hold on ``prev`` goes, group by group; where it was the last:
@@ -617,17 +623,20 @@ class PrefixCache:
                 pool.demote(key)
             else:
                 self._drop_unit(gid, key)
-
+                if self.eviction.acts:
+                    return  # the unit left every state group
     def _drop_unit(self, gid: str, key: int) -> None:
         """Unpublish a superseded checkpoint from state group ``gid`` and the rest of its unit
         from the other state groups (as ``ValueEviction.removed`` would take it), in one
         ``PageSpace.drop_unit`` call, booked at once: the same removals, events and order
         as one at a time."""
         pools = self.pools
-        gids = [gid]
-        if self.eviction.acts:
-            gids += [o for o in self.state_ids if o != gid and pools[o].lookup(key) is not None]
-        self._space.drop_unit([pools[o] for o in gids], key)  # tells no one: the removals are booked below
+        gids, unit = [gid], [pools[gid]]
+        for other in self.state_ids if self.eviction.acts else ():
+            pool = pools[other]
+            if other != gid and pool.lookup(key) is not None:
+                gids.append(other), unit.append(pool)
+        self._space.drop_unit(unit, key)  # tells no one: the removals are booked below
         self._dropping = True
         raws = self._book_removals((key,), (gids,))
         self._dropping = False

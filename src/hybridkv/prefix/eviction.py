@@ -209,9 +209,25 @@ class ValueEviction:
         """:meth:`stored_blocks` of one block in every history group, then
         :meth:`stored_checkpoint` of the checkpoint at its end in every state group (a
         decode commit's entries, all new, of normal priority), done at once for a key no
-        group held, that supports nothing and has no child, on a whole chain."""
-        nodes = self._nodes
-        node = nodes.get(key) or self._new_node(key, parent, boundary)
+        group held, that supports nothing and has no child, on a whole chain (a key new to
+        every group, its parent's node uncut, nothing waiting for it: its node made here)."""
+        nodes, n_state = self._nodes, len(self.state_ids)
+        node = nodes.get(key)
+        if node is None:
+            up = nodes.get(parent)
+            if up is not None and not up[5] and self._track and key not in self._unborn:
+                nodes[key] = [parent, 1, len(self.history_ids) + n_state, n_state, None, False,
+                              boundary <= self.granularity_tokens, boundary]
+                if up[4] is None:
+                    up[4] = {key}
+                else:
+                    up[4].add(key)
+                if up[1]:  # supported already: one more, nothing else changes
+                    up[1] += 1
+                else:
+                    self._add_support(parent)
+                return
+            node = self._new_node(key, parent, boundary)
         if node[2] or node[1] or node[4] or node[5] or not self._track:
             self.stored_blocks([(gid, (0,)) for gid in self.history_ids], (key,), (parent,), (boundary,))
             self.stored_checkpoint(self.state_ids, key, parent, boundary)
@@ -348,10 +364,14 @@ class ValueEviction:
         at once (its unit, evicted or unpublished), done once; evicted pages are not counted."""
         if (node := self._nodes.get(key)) is not None:
             if node[3] == len(self.state_ids) and self._track and not node[5]:
-                self._drop_support(key)
+                if node[1] > 1:  # still supported (by a checkpoint beyond): nothing else changes
+                    node[1] -= 1
+                else:
+                    self._drop_support(key)
             node[2] -= count
             node[3] -= count
-            self._forget_if_idle(key)
+            if not node[1] and not node[2] and not node[4]:
+                self._forget_if_idle(key)
 
     def _reason(self, gid: str, node: list | None, cause: str) -> str:
         if cause == REVOKED:
