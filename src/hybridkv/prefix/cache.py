@@ -410,8 +410,10 @@ class PrefixCache:
             parents = [hh[end_block - 2] if end_block >= 2 else hashes.root]
             return [key], [boundary], [False], [key], parents, found[len(self.history_ids):], want
         boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
-        keys = hh[first_block:end_block]
-        want = [1 if lookup(key) is None else 0 for lookup in self._history_lookups for key in keys]
+        keys, want = hh[first_block:end_block], []
+        for lookup in self._history_lookups:
+            for key in keys:
+                want.append(1 if lookup(key) is None else 0)
         checkpoint_keys, parents, found = self._found_checkpoints(hashes, boundaries, pins, want)
         return keys, boundaries, pins, checkpoint_keys, parents, found, want
 
@@ -556,14 +558,12 @@ class PrefixCache:
                           entries: list, status: list[int], fresh: list[int] | None) -> list[OwnCheckpoint]:
         """Book each checkpoint the commit published (``status`` 2; ``entries``: each
         boundary's pages in each state group, None where missing): tier link, checkpoint
-        values, one ``ValueEviction.stored_checkpoint`` call a boundary, or one
-        ``ValueEviction.stored_chain_checkpoints`` call for all when every state group claimed
-        every one on ``fresh``, the commit's blocks stored as a new chain (None otherwise);
-        the request's own ones (``pins`` not None) returned, holding each wherever it is."""
+        values, then one ``ValueEviction.stored_checkpoints`` call for all (``fresh``: the
+        commit's blocks if they were stored as a new chain, else None); the request's own
+        ones (``pins`` not None) returned, holding each wherever it is."""
         hook, values, gids = self.tier_hook, self.values, self.state_ids
         low = self.values is None or self.values.low_priority(SPECULATIVE) if None in pins else False
-        own_checkpoints, n = [], len(gids)
-        at_once = fresh is not None and status.count(2) == len(status)
+        own_checkpoints, n, booked_all = [], len(gids), []
         for j, (key, parent, boundary, pinned) in enumerate(zip(keys, parents, boundaries, pins)):
             part, here = status[j * n:(j + 1) * n], entries[j * n:(j + 1) * n]
             if 2 in part:
@@ -572,15 +572,13 @@ class PrefixCache:
                         hook.stored(gid, key, boundary, entry, low and pinned is None)
                 if values is not None:
                     values.published(key, boundary, speculative=pinned is None)
-                if not at_once:
-                    booked = gids if part.count(2) == n else [gid for gid, new in zip(gids, part) if new == 2]
-                    self.eviction.stored_checkpoint(booked, key, parent, boundary)
+                booked = gids if part.count(2) == n else [gid for gid, new in zip(gids, part) if new == 2]
+                booked_all.append((booked, key, parent, boundary))
             if pinned is not None:
                 own = self._hold(OwnCheckpoint(boundary, pinned), key, here)
                 if own.entries:
                     own_checkpoints.append(own)
-        if at_once:
-            self.eviction.stored_chain_checkpoints(fresh, keys)
+        self.eviction.stored_checkpoints(booked_all, fresh)
         return own_checkpoints
 
     def _hold(self, own: OwnCheckpoint, key: int, entries: list) -> OwnCheckpoint:

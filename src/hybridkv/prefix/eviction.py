@@ -165,12 +165,17 @@ class ValueEviction:
         nodes: no key has a node or a child waiting, and the chain above is whole (their
         nodes then are not cut and nothing is mended). False, and nothing done, otherwise."""
         nodes, unborn, g, n_history = self._nodes, self._unborn, self.granularity_tokens, len(self.history_ids)
-        if len(claims) != n_history or any(len(done) != len(keys) for _, done in claims):
+        if len(claims) != n_history:
             return False
+        for _, done in claims:  # plain loops: cheaper than generators run cold
+            if len(done) != len(keys):
+                return False
         up = nodes.get(parents[0])
-        if (up[5] if up is not None else self._track and boundaries[0] > g) or any(
-                key in nodes or key in unborn for key in keys):
+        if up[5] if up is not None else self._track and boundaries[0] > g:
             return False
+        for key in keys:
+            if key in nodes or key in unborn:
+                return False
         if up is None:
             unborn.setdefault(parents[0], set()).add(keys[0])
         for key, parent, boundary in zip(keys, parents, boundaries):
@@ -181,6 +186,22 @@ class ValueEviction:
                     up[4].add(key)
             up = nodes[key] = [parent, 0, n_history, 0, None, False, boundary <= g, boundary]
         return True
+
+    def stored_checkpoints(self, booked: Sequence[tuple], fresh: Sequence[Hashable] | None) -> None:
+        """:meth:`stored_checkpoint` of each (state groups, key, parent, boundary) of ``booked``
+        (a commit's checkpoints) in turn; at once (:meth:`stored_chain_checkpoints`) where
+        each is in every state group and on ``fresh``, blocks :meth:`stored_blocks` has just
+        stored as a new chain (None: it has not)."""
+        n_state, keys = len(self.state_ids), []
+        for gids, key, _, _ in booked if fresh is not None else ():
+            if len(gids) != n_state:
+                break
+            keys.append(key)
+        if fresh is not None and len(keys) == len(booked):
+            self.stored_chain_checkpoints(fresh, keys)
+            return
+        for gids, key, parent, boundary in booked:
+            self.stored_checkpoint(gids, key, parent, boundary)
 
     def stored_chain_checkpoints(self, chain: Sequence[Hashable], keys: Sequence[Hashable]) -> None:
         """:meth:`stored_checkpoint` of each of ``keys`` (blocks of ``chain``, in any order) in
@@ -203,7 +224,11 @@ class ValueEviction:
             if own or beyond:
                 nodes[key][1] = own + beyond
                 beyond = 1
-        self._add_support(nodes[chain[0]][0])
+        parent = nodes[chain[0]][0]
+        if (up := nodes.get(parent)) is not None and up[1]:  # supported already: one more, nothing else changes
+            up[1] += 1
+        else:
+            self._add_support(parent)
 
     def stored_unit(self, key: Hashable, parent: Hashable | None, boundary: int) -> None:
         """:meth:`stored_blocks` of one block in every history group, then
