@@ -435,14 +435,14 @@ def test_units_and_chains_are_stored_in_each_group_in_turn(program):
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["chain", "unit", "evict h1", "evict s1"]), st.integers(1, 4),
                           st.integers(1, 3), st.sets(st.integers(0, 3))), max_size=16))
-@example([("chain", 1, 3, {0, 2})])  # the block between two checkpoints: supported once
+@example([("chain", 1, 3, {0, 2}), ("evict s1", 3, 1, set())])  # k1 keeps its own support, k2 goes
 @example([("chain", 1, 1, {0}), ("evict h1", 1, 1, set()), ("chain", 2, 2, {1})])  # beyond a gap: one at a time
 @example([("unit", 1, 1, set()), ("chain", 2, 1, {0}), ("evict s1", 1, 1, set())])  # the parent stays supported
 @example([("chain", 1, 1, {0, 3}), ("unit", 2, 1, set()), ("evict s1", 2, 1, set())])  # incomplete: no support
 def test_checkpoints_on_a_new_chain_are_stored_at_once(program):
-    """``ValueEviction.stored_checkpoints`` (a commit's checkpoints, at once by
-    ``stored_chain_checkpoints`` where each is in every state group and the blocks are
-    the ones ``stored_blocks`` just stored as a new chain: it returned True) leaves every
+    """``ValueEviction.stored_checkpoints`` (a commit's checkpoints, at once where each is
+    in every state group and the blocks are the ones ``stored_blocks`` just stored as a
+    new chain: it returned True) leaves every
     flag, LRU order and value report exactly as ``stored_checkpoint`` called boundary by
     boundary (the reference), in any order of the boundaries, over random chains (3 in
     the marks: the first checkpoint in ``s1`` only), units and evictions along keys

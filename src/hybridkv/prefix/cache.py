@@ -388,9 +388,9 @@ class PrefixCache:
             status = status[n_history:]
             entries = self._publish_checkpoints(checkpoint_keys, parents, boundaries, pages[at:], status, found, stored)
             new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status, fresh)
-        self._emit_many(stored)
         if self.state_ids:
-            self._supersede(req, new_own)
+            self._supersede(req, new_own, stored)
+        self._emit_many(stored)  # the "stored" events, then the removals superseding caused
 
     def _plan(self, req: CommittingRequest, hashes: RequestHashes, first_block: int, end_block: int) -> tuple:
         """What a commit of blocks ``[first_block, end_block)`` publishes: the blocks' keys,
@@ -590,18 +590,19 @@ class PrefixCache:
                 holders[key] = holders.get(key, 0) + 1
         return own
 
-    def _supersede(self, req: CommittingRequest, new_own: list) -> None:
+    def _supersede(self, req: CommittingRequest, new_own: list, events: list[tuple]) -> None:
         """Drop the request's hold on every earlier own checkpoint that is not pinned
-        (unpublished when no hold is left); ``new_own`` become its own checkpoints."""
+        (unpublished when no hold is left: ``events`` takes the "removed" events); ``new_own``
+        become its own checkpoints."""
         pinned = []
         for prev in req.own_checkpoints:
             if prev.pinned:
                 pinned.append(prev)
             else:
-                self._let_go(prev, req)
+                self._let_go(prev, req, events)
         req.own_checkpoints = pinned + new_own if pinned else new_own
 
-    def _let_go(self, prev: OwnCheckpoint, req: CommittingRequest) -> None:
+    def _let_go(self, prev: OwnCheckpoint, req: CommittingRequest, events: list[tuple]) -> None:
         """The request's hold on ``prev`` goes, group by group; where it was the last:
         kept by value ("prefill-per-byte"), demoted (a speculative boundary: kept like
         the ones the policy publishes, low priority) or unpublished."""
@@ -620,10 +621,11 @@ class PrefixCache:
             elif speculative:
                 pool.demote(key)
             else:
-                self._drop_unit(gid, key)
+                self._drop_unit(gid, key, events)
                 if self.eviction.acts:
                     return  # the unit left every state group
-    def _drop_unit(self, gid: str, key: int) -> None:
+
+    def _drop_unit(self, gid: str, key: int, events: list[tuple]) -> None:
         """Unpublish a superseded checkpoint from state group ``gid`` and the rest of its unit
         from the other state groups (as ``ValueEviction.removed`` would take it), in one
         ``PageSpace.drop_unit`` call, booked at once: the same removals, events and order
@@ -639,7 +641,7 @@ class PrefixCache:
         raws = self._book_removals((key,), (gids,))
         self._dropping = False
         self.eviction.unit_left(key, len(gids))
-        self._emit_many(raws)
+        events += raws
 
     def _kept_by_value(self, key: int, boundary_tokens: int, req: CommittingRequest) -> bool:
         """"prefill-per-byte": a superseded checkpoint stays if the policy's placement

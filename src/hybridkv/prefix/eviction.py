@@ -129,7 +129,7 @@ class ValueEviction:
         in turn: per (group, indices) of ``claims``, ``keys[i]`` (with ``parents[i]`` and
         ``boundaries[i]``) for each index in order; each key's node looked up once. True
         when ``keys`` were a chain of new blocks on a whole chain, every history group's
-        (:meth:`_stored_chain`: what :meth:`stored_chain_checkpoints` books onto)."""
+        (:meth:`_stored_chain`: what :meth:`stored_checkpoints` books onto at once)."""
         nodes, track, n_history = self._nodes, self._track, len(self.history_ids)
         if self._stored_chain(claims, keys, parents, boundaries):
             return True
@@ -189,46 +189,38 @@ class ValueEviction:
 
     def stored_checkpoints(self, booked: Sequence[tuple], fresh: Sequence[Hashable] | None) -> None:
         """:meth:`stored_checkpoint` of each (state groups, key, parent, boundary) of ``booked``
-        (a commit's checkpoints) in turn; at once (:meth:`stored_chain_checkpoints`) where
-        each is in every state group and on ``fresh``, blocks :meth:`stored_blocks` has just
-        stored as a new chain (None: it has not)."""
-        n_state, keys = len(self.state_ids), []
+        (a commit's checkpoints) in turn; done at once where each is in every state group
+        and ``fresh`` names the blocks :meth:`stored_blocks` has just stored as a new chain
+        (it returned True: their nodes support nothing, hold no checkpoint and are not cut;
+        their pages are of normal priority): each checkpoint's counts set, each block up to
+        the last checkpoint supported by its own checkpoint and by the one beyond it, and
+        the chain's parent one support more (:meth:`_add_support`), as the first
+        checkpoint's walk up the chain would give it. ``fresh`` None: they were not."""
+        nodes, n_state, marks = self._nodes, len(self.state_ids), set()
         for gids, key, _, _ in booked if fresh is not None else ():
             if len(gids) != n_state:
                 break
-            keys.append(key)
-        if fresh is not None and len(keys) == len(booked):
-            self.stored_chain_checkpoints(fresh, keys)
+            marks.add(key)
+        if fresh is None or len(marks) != len(booked):
+            for gids, key, parent, boundary in booked:
+                self.stored_checkpoint(gids, key, parent, boundary)
             return
-        for gids, key, parent, boundary in booked:
-            self.stored_checkpoint(gids, key, parent, boundary)
-
-    def stored_chain_checkpoints(self, chain: Sequence[Hashable], keys: Sequence[Hashable]) -> None:
-        """:meth:`stored_checkpoint` of each of ``keys`` (blocks of ``chain``, in any order) in
-        every state group, ``chain`` being blocks :meth:`stored_blocks` just stored as a new
-        chain (it returned True: their nodes support nothing, hold no checkpoint and are not
-        cut; their pages are of normal priority), done at once: each checkpoint's counts set;
-        each block up to the last checkpoint supported by its own checkpoint and by the one
-        beyond it; the chain's parent gains one support (:meth:`_add_support`), as the first
-        checkpoint's walk up the chain would give it."""
-        nodes, n_state = self._nodes, len(self.state_ids)
-        for key in keys:
-            node = nodes[key]
-            node[2] += n_state
-            node[3] = n_state
-        if not keys or not self._track:
-            return
-        marks, beyond = set(keys), 0  # whether a checkpoint lies beyond (walking down the chain)
-        for key in reversed(chain):
+        track, beyond = self._track, 0  # whether a checkpoint lies beyond (walking down the chain)
+        for key in reversed(fresh):
             own = key in marks
-            if own or beyond:
+            if own:
+                node = nodes[key]
+                node[2] += n_state
+                node[3] = n_state
+            if track and (own or beyond):
                 nodes[key][1] = own + beyond
                 beyond = 1
-        parent = nodes[chain[0]][0]
-        if (up := nodes.get(parent)) is not None and up[1]:  # supported already: one more, nothing else changes
-            up[1] += 1
-        else:
-            self._add_support(parent)
+        parent = nodes[fresh[0]][0] if beyond else None
+        if (up := nodes.get(parent)) is not None:
+            if up[1]:  # supported already: one more, nothing else changes
+                up[1] += 1
+            else:
+                self._add_support(parent)
 
     def stored_unit(self, key: Hashable, parent: Hashable | None, boundary: int) -> None:
         """:meth:`stored_blocks` of one block in every history group, then
