@@ -591,39 +591,33 @@ class PrefixCache:
         return own
 
     def _supersede(self, req: CommittingRequest, new_own: list, events: list[tuple]) -> None:
-        """Drop the request's hold on every earlier own checkpoint that is not pinned
-        (unpublished when no hold is left: ``events`` takes the "removed" events); ``new_own``
-        become its own checkpoints."""
-        pinned = []
+        """Drop the request's hold on every earlier own checkpoint that is not pinned, group
+        by group (``new_own`` become its own checkpoints); where it was the last: kept by
+        value ("prefill-per-byte"), demoted (a speculative boundary: kept like the ones the
+        policy publishes, low priority) or unpublished (``events`` takes the "removed"
+        events). One function, plain loops: cheaper run cold."""
+        pinned, pools, all_holders, values = [], self.pools, self._holders, self.values
         for prev in req.own_checkpoints:
             if prev.pinned:
                 pinned.append(prev)
-            else:
-                self._let_go(prev, req, events)
+                continue
+            for gid, (key, pages) in prev.entries.items():
+                pool = pools[gid]
+                if pool.lookup(key) != pages:
+                    continue  # evicted (and maybe re-stored) meanwhile
+                holders = all_holders[gid]
+                left = holders.pop(key, 1) - 1
+                if left:
+                    holders[key] = left
+                elif values is not None and self._kept_by_value(key, prev.boundary_tokens, req):
+                    continue  # its priority and place: rank_checkpoints
+                elif values is None and self.policy.speculative(prev.boundary_tokens, req.prompt_tokens):
+                    pool.demote(key)
+                else:
+                    self._drop_unit(gid, key, events)
+                    if self.eviction.acts:
+                        break  # the unit left every state group
         req.own_checkpoints = pinned + new_own if pinned else new_own
-
-    def _let_go(self, prev: OwnCheckpoint, req: CommittingRequest, events: list[tuple]) -> None:
-        """The request's hold on ``prev`` goes, group by group; where it was the last:
-        kept by value ("prefill-per-byte"), demoted (a speculative boundary: kept like
-        the ones the policy publishes, low priority) or unpublished."""
-        speculative = self.values is None and self.policy.speculative(prev.boundary_tokens, req.prompt_tokens)
-        pools, all_holders = self.pools, self._holders
-        for gid, (key, pages) in prev.entries.items():
-            pool = pools[gid]
-            if pool.lookup(key) != pages:
-                continue  # evicted (and maybe re-stored) meanwhile
-            holders = all_holders[gid]
-            left = holders.pop(key, 1) - 1
-            if left:
-                holders[key] = left
-            elif self.values is not None and self._kept_by_value(key, prev.boundary_tokens, req):
-                continue  # its priority and place: rank_checkpoints
-            elif speculative:
-                pool.demote(key)
-            else:
-                self._drop_unit(gid, key, events)
-                if self.eviction.acts:
-                    return  # the unit left every state group
 
     def _drop_unit(self, gid: str, key: int, events: list[tuple]) -> None:
         """Unpublish a superseded checkpoint from state group ``gid`` and the rest of its unit
