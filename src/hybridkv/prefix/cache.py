@@ -247,8 +247,10 @@ class PrefixCache:
         step, offsets = self._reader.boundary_pages, np.cumsum([0, *self._reader.checkpoint_pages]).tolist()
         self._window_places = [[slice(at + i, None, step) for i in range(n)]
                                for at, n in zip(offsets, self._reader.checkpoint_pages)]
-        # A one-block commit claiming everything (_publish_unit): every group in order.
-        self._unit_groups = self._history_groups + [(gid, pool, n, stats) for gid, pool, n, _, stats in self._state_groups]
+        # A one-block commit claiming everything (_publish_unit): every group in order, with
+        # its holders (None: a history group).
+        self._unit_groups = [(gid, pool, n, stats, None) for gid, pool, n, stats in self._history_groups] + [
+            (gid, pool, n, stats, holders) for gid, pool, n, holders, stats in self._state_groups]
 
     def _init_hit_placement(self, tables: Mapping[str, GroupTable]) -> None:
         """A hit's placement: every group's pages borrowed in one call (``PageSpace.borrow``)
@@ -382,13 +384,13 @@ class PrefixCache:
         if len(keys) == 1 == len(checkpoint_keys) and pins[0] is not None and status.count(2) == len(status):
             new_own = self._publish_unit(keys[0], parents[0], boundaries[0], pins[0], pages, stored)
         else:
-            at, n_history = self._publish_history(hashes, first_block, keys, pages, status, stored)
+            at, n_history, fresh = self._publish_history(hashes, first_block, keys, pages, status, stored)
             status = status[n_history:]
             entries = self._publish_checkpoints(checkpoint_keys, parents, boundaries, pages[at:], status, found, stored)
-            new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status)
-        self._emit_many(stored)
+            new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status, fresh)
         if self.state_ids:
-            self._supersede(req, new_own)
+            self._supersede(req, new_own, stored)
+        self._emit_many(stored)  # the "stored" events, then the removals superseding caused
 
     def _plan(self, req: CommittingRequest, hashes: RequestHashes, first_block: int, end_block: int) -> tuple:
         """What a commit of blocks ``[first_block, end_block)`` publishes: the blocks' keys,
@@ -400,15 +402,18 @@ class PrefixCache:
         boundary = end_block * g
         if (end_block == first_block + 1 and self.state_ids and self.state_checkpoint_interval is None
                 and boundary not in req.keep_boundaries):
-            key = hh[end_block - 1]
-            found = [lookup(key) for lookup in self._commit_lookups]  # history groups, then state groups
+            key, found = hh[end_block - 1], []
+            for lookup in self._commit_lookups:  # history groups, then state groups (a loop: cheaper cold)
+                found.append(lookup(key))
             # A key new in every group (the usual case) claims every entry: a fixed ``want``.
             want = self._claim_every if found.count(None) == len(found) else [entry is None for entry in found]
             parents = [hh[end_block - 2] if end_block >= 2 else hashes.root]
             return [key], [boundary], [False], [key], parents, found[len(self.history_ids):], want
         boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
-        keys = hh[first_block:end_block]
-        want = [1 if lookup(key) is None else 0 for lookup in self._history_lookups for key in keys]
+        keys, want = hh[first_block:end_block], []
+        for lookup in self._history_lookups:
+            for key in keys:
+                want.append(1 if lookup(key) is None else 0)
         checkpoint_keys, parents, found = self._found_checkpoints(hashes, boundaries, pins, want)
         return keys, boundaries, pins, checkpoint_keys, parents, found, want
 
@@ -418,21 +423,25 @@ class PrefixCache:
         checkpoint at its end too (a decode commit's): the same records, events and bookings
         as :meth:`_publish_history`, :meth:`_publish_checkpoints` and :meth:`_book_checkpoints`
         (``pages``: ``CommitPages.read``'s, every group's in order), in one pass over the
-        groups; that own checkpoint, in a list."""
-        at, entries = 0, []
-        for gid, pool, per_entry, stats in self._unit_groups:
+        groups (holding the state groups' entries as :meth:`_hold` would); that own checkpoint,
+        in a list."""
+        at, entries, own = 0, [], OwnCheckpoint(boundary, pinned)
+        for gid, pool, per_entry, stats, holders in self._unit_groups:
             entries.append(entry := tuple(pages[at:at + per_entry]))
             at += per_entry
             pool.adopt((key,), (entry,))
             stats.stored_entries += 1
             stored.append(("stored", gid, key, parent, boundary, per_entry))
+            if holders is not None:  # a state group: the request's own checkpoint
+                own.entries[gid] = (key, entry)
+                holders[key] = holders.get(key, 0) + 1
         if self.tier_hook is not None:
             for gid, entry in zip(self.history_ids + self.state_ids, entries):
                 self.tier_hook.stored(gid, key, boundary, entry, False)
         if self.values is not None:
             self.values.published(key, boundary, speculative=False)
         self.eviction.stored_unit(key, parent, boundary)
-        return [self._hold(OwnCheckpoint(boundary, pinned), key, entries[len(self.history_ids):])]
+        return [own]
 
     def _checkpoint_boundaries(self, req: CommittingRequest, first_block: int,
                                end_block: int) -> tuple[list[int], list[bool | None]]:
@@ -474,13 +483,13 @@ class PrefixCache:
         return keys, parents, found
 
     def _publish_history(self, hashes: RequestHashes, first_block: int, keys: list[int], pages: list[int],
-                         status: list[int], stored: list[tuple]) -> tuple[int, int]:
+                         status: list[int], stored: list[tuple]) -> tuple[int, int, list[int] | None]:
         """Every history group's blocks ``keys`` (from ``first_block``) that the commit
         claimed (``pages``, ``status``: ``CommitPages.read``'s, history groups first), recorded
         with one ``PagePool.adopt`` call per group and booked in one
         ``ValueEviction.stored_blocks`` call for all groups (tier link, stats; ``stored`` takes
         their events, group by group); how many of ``pages`` and of ``status`` were the
-        history groups'."""
+        history groups', and ``keys`` if they were stored as a new chain (else None)."""
         g, hook, n_blocks = self.granularity_tokens, self.tier_hook, len(keys)
         hh = hashes.hashes
         parents = hh[first_block - 1:first_block - 1 + n_blocks] if first_block else [hashes.root, *keys[:-1]]
@@ -504,9 +513,8 @@ class PrefixCache:
                 hook.stored(gid, key, boundary, entry, False)
             stats.stored_entries += n_done
             claims.append((gid, done))
-        if claims:
-            self.eviction.stored_blocks(claims, keys, parents, boundaries)
-        return at, e
+        fresh = bool(claims) and self.eviction.stored_blocks(claims, keys, parents, boundaries)
+        return at, e, keys if fresh else None
 
     def _publish_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], pages: list[int],
                              status: list[int], found: list, stored: list[tuple]) -> list:
@@ -547,14 +555,15 @@ class PrefixCache:
         return entries
 
     def _book_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], pins: list[bool | None],
-                          entries: list, status: list[int]) -> list[OwnCheckpoint]:
+                          entries: list, status: list[int], fresh: list[int] | None) -> list[OwnCheckpoint]:
         """Book each checkpoint the commit published (``status`` 2; ``entries``: each
         boundary's pages in each state group, None where missing): tier link, checkpoint
-        values, one ``ValueEviction.stored_checkpoint`` call a boundary; the request's own
+        values, then one ``ValueEviction.stored_checkpoints`` call for all (``fresh``: the
+        commit's blocks if they were stored as a new chain, else None); the request's own
         ones (``pins`` not None) returned, holding each wherever it is."""
         hook, values, gids = self.tier_hook, self.values, self.state_ids
         low = self.values is None or self.values.low_priority(SPECULATIVE) if None in pins else False
-        own_checkpoints, n = [], len(gids)
+        own_checkpoints, n, booked_all = [], len(gids), []
         for j, (key, parent, boundary, pinned) in enumerate(zip(keys, parents, boundaries, pins)):
             part, here = status[j * n:(j + 1) * n], entries[j * n:(j + 1) * n]
             if 2 in part:
@@ -564,11 +573,12 @@ class PrefixCache:
                 if values is not None:
                     values.published(key, boundary, speculative=pinned is None)
                 booked = gids if part.count(2) == n else [gid for gid, new in zip(gids, part) if new == 2]
-                self.eviction.stored_checkpoint(booked, key, parent, boundary)
+                booked_all.append((booked, key, parent, boundary))
             if pinned is not None:
                 own = self._hold(OwnCheckpoint(boundary, pinned), key, here)
                 if own.entries:
                     own_checkpoints.append(own)
+        self.eviction.stored_checkpoints(booked_all, fresh)
         return own_checkpoints
 
     def _hold(self, own: OwnCheckpoint, key: int, entries: list) -> OwnCheckpoint:
@@ -580,54 +590,52 @@ class PrefixCache:
                 holders[key] = holders.get(key, 0) + 1
         return own
 
-    def _supersede(self, req: CommittingRequest, new_own: list) -> None:
-        """Drop the request's hold on every earlier own checkpoint that is not pinned
-        (unpublished when no hold is left); ``new_own`` become its own checkpoints."""
-        previous = req.own_checkpoints
-        if not previous:
-            req.own_checkpoints = new_own
-            return
-        for prev in previous:
-            if not prev.pinned:
-                self._let_go(prev, req)
-        req.own_checkpoints = [c for c in previous if c.pinned] + new_own
+    def _supersede(self, req: CommittingRequest, new_own: list, events: list[tuple]) -> None:
+        """Drop the request's hold on every earlier own checkpoint that is not pinned, group
+        by group (``new_own`` become its own checkpoints); where it was the last: kept by
+        value ("prefill-per-byte"), demoted (a speculative boundary: kept like the ones the
+        policy publishes, low priority) or unpublished (``events`` takes the "removed"
+        events). One function, plain loops: cheaper run cold."""
+        pinned, pools, all_holders, values = [], self.pools, self._holders, self.values
+        for prev in req.own_checkpoints:
+            if prev.pinned:
+                pinned.append(prev)
+                continue
+            for gid, (key, pages) in prev.entries.items():
+                pool = pools[gid]
+                if pool.lookup(key) != pages:
+                    continue  # evicted (and maybe re-stored) meanwhile
+                holders = all_holders[gid]
+                left = holders.pop(key, 1) - 1
+                if left:
+                    holders[key] = left
+                elif values is not None and self._kept_by_value(key, prev.boundary_tokens, req):
+                    continue  # its priority and place: rank_checkpoints
+                elif values is None and self.policy.speculative(prev.boundary_tokens, req.prompt_tokens):
+                    pool.demote(key)
+                else:
+                    self._drop_unit(gid, key, events)
+                    if self.eviction.acts:
+                        break  # the unit left every state group
+        req.own_checkpoints = pinned + new_own if pinned else new_own
 
-    def _let_go(self, prev: OwnCheckpoint, req: CommittingRequest) -> None:
-        """The request's hold on ``prev`` goes, group by group; where it was the last:
-        kept by value ("prefill-per-byte"), demoted (a speculative boundary: kept like
-        the ones the policy publishes, low priority) or unpublished."""
-        speculative = self.values is None and self.policy.speculative(prev.boundary_tokens, req.prompt_tokens)
-        pools, all_holders = self.pools, self._holders
-        for gid, (key, pages) in prev.entries.items():
-            pool = pools[gid]
-            if pool.lookup(key) != pages:
-                continue  # evicted (and maybe re-stored) meanwhile
-            holders = all_holders[gid]
-            left = holders.pop(key, 1) - 1
-            if left:
-                holders[key] = left
-            elif self.values is not None and self._kept_by_value(key, prev.boundary_tokens, req):
-                continue  # its priority and place: rank_checkpoints
-            elif speculative:
-                pool.demote(key)
-            else:
-                self._drop_unit(gid, key)
-
-    def _drop_unit(self, gid: str, key: int) -> None:
+    def _drop_unit(self, gid: str, key: int, events: list[tuple]) -> None:
         """Unpublish a superseded checkpoint from state group ``gid`` and the rest of its unit
         from the other state groups (as ``ValueEviction.removed`` would take it), in one
         ``PageSpace.drop_unit`` call, booked at once: the same removals, events and order
         as one at a time."""
         pools = self.pools
-        gids = [gid]
-        if self.eviction.acts:
-            gids += [o for o in self.state_ids if o != gid and pools[o].lookup(key) is not None]
-        self._space.drop_unit([pools[o] for o in gids], key)  # tells no one: the removals are booked below
+        gids, unit = [gid], [pools[gid]]
+        for other in self.state_ids if self.eviction.acts else ():
+            pool = pools[other]
+            if other != gid and pool.lookup(key) is not None:
+                gids.append(other), unit.append(pool)
+        self._space.drop_unit(unit, key)  # tells no one: the removals are booked below
         self._dropping = True
         raws = self._book_removals((key,), (gids,))
         self._dropping = False
         self.eviction.unit_left(key, len(gids))
-        self._emit_many(raws)
+        events += raws
 
     def _kept_by_value(self, key: int, boundary_tokens: int, req: CommittingRequest) -> bool:
         """"prefill-per-byte": a superseded checkpoint stays if the policy's placement

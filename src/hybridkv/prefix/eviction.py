@@ -124,13 +124,15 @@ class ValueEviction:
             self.stored_blocks([(gid, (0,))], (key,), (parent,), (boundary,))
 
     def stored_blocks(self, claims: Sequence[tuple[str, Sequence[int]]], keys: Sequence[Hashable],
-                      parents: Sequence[Hashable | None], boundaries: Sequence[int]) -> None:
+                      parents: Sequence[Hashable | None], boundaries: Sequence[int]) -> bool:
         """:meth:`stored` of the blocks a commit published, history group by history group
         in turn: per (group, indices) of ``claims``, ``keys[i]`` (with ``parents[i]`` and
-        ``boundaries[i]``) for each index in order; each key's node looked up once."""
+        ``boundaries[i]``) for each index in order; each key's node looked up once. True
+        when ``keys`` were a chain of new blocks on a whole chain, every history group's
+        (:meth:`_stored_chain`: what :meth:`stored_checkpoints` books onto at once)."""
         nodes, track, n_history = self._nodes, self._track, len(self.history_ids)
         if self._stored_chain(claims, keys, parents, boundaries):
-            return
+            return True
         got: list = [None] * len(keys)  # each key's node once found (one it stores in can not go)
         for gid, done in claims:
             for i in done:
@@ -140,6 +142,7 @@ class ValueEviction:
                 node[2] += 1
                 if track:
                     self._place_stored(gid, keys[i], node, node[2] - node[3] == n_history)
+        return False
 
     def _place_stored(self, gid: str, key: Hashable, node: list, complete: bool) -> None:
         """Group ``gid`` stored block ``key`` (``complete``: every history group holds it now):
@@ -162,12 +165,17 @@ class ValueEviction:
         nodes: no key has a node or a child waiting, and the chain above is whole (their
         nodes then are not cut and nothing is mended). False, and nothing done, otherwise."""
         nodes, unborn, g, n_history = self._nodes, self._unborn, self.granularity_tokens, len(self.history_ids)
-        if len(claims) != n_history or any(len(done) != len(keys) for _, done in claims):
+        if len(claims) != n_history:
             return False
+        for _, done in claims:  # plain loops: cheaper than generators run cold
+            if len(done) != len(keys):
+                return False
         up = nodes.get(parents[0])
-        if (up[5] if up is not None else self._track and boundaries[0] > g) or any(
-                key in nodes or key in unborn for key in keys):
+        if up[5] if up is not None else self._track and boundaries[0] > g:
             return False
+        for key in keys:
+            if key in nodes or key in unborn:
+                return False
         if up is None:
             unborn.setdefault(parents[0], set()).add(keys[0])
         for key, parent, boundary in zip(keys, parents, boundaries):
@@ -179,13 +187,64 @@ class ValueEviction:
             up = nodes[key] = [parent, 0, n_history, 0, None, False, boundary <= g, boundary]
         return True
 
+    def stored_checkpoints(self, booked: Sequence[tuple], fresh: Sequence[Hashable] | None) -> None:
+        """:meth:`stored_checkpoint` of each (state groups, key, parent, boundary) of ``booked``
+        (a commit's checkpoints) in turn; done at once where each is in every state group
+        and ``fresh`` names the blocks :meth:`stored_blocks` has just stored as a new chain
+        (it returned True: their nodes support nothing, hold no checkpoint and are not cut;
+        their pages are of normal priority): each checkpoint's counts set, each block up to
+        the last checkpoint supported by its own checkpoint and by the one beyond it, and
+        the chain's parent one support more (:meth:`_add_support`), as the first
+        checkpoint's walk up the chain would give it. ``fresh`` None: they were not."""
+        nodes, n_state, marks = self._nodes, len(self.state_ids), set()
+        for gids, key, _, _ in booked if fresh is not None else ():
+            if len(gids) != n_state:
+                break
+            marks.add(key)
+        if fresh is None or len(marks) != len(booked):
+            for gids, key, parent, boundary in booked:
+                self.stored_checkpoint(gids, key, parent, boundary)
+            return
+        track, beyond = self._track, 0  # whether a checkpoint lies beyond (walking down the chain)
+        for key in reversed(fresh):
+            own = key in marks
+            if own:
+                node = nodes[key]
+                node[2] += n_state
+                node[3] = n_state
+            if track and (own or beyond):
+                nodes[key][1] = own + beyond
+                beyond = 1
+        parent = nodes[fresh[0]][0] if beyond else None
+        if (up := nodes.get(parent)) is not None:
+            if up[1]:  # supported already: one more, nothing else changes
+                up[1] += 1
+            else:
+                self._add_support(parent)
+
     def stored_unit(self, key: Hashable, parent: Hashable | None, boundary: int) -> None:
         """:meth:`stored_blocks` of one block in every history group, then
         :meth:`stored_checkpoint` of the checkpoint at its end in every state group (a
         decode commit's entries, all new, of normal priority), done at once for a key no
-        group held, that supports nothing and has no child, on a whole chain."""
-        nodes = self._nodes
-        node = nodes.get(key) or self._new_node(key, parent, boundary)
+        group held, that supports nothing and has no child, on a whole chain (a key new to
+        every group, its parent's node uncut, nothing waiting for it: its node made here)."""
+        nodes, n_state = self._nodes, len(self.state_ids)
+        node = nodes.get(key)
+        if node is None:
+            up = nodes.get(parent)
+            if up is not None and not up[5] and self._track and key not in self._unborn:
+                nodes[key] = [parent, 1, len(self.history_ids) + n_state, n_state, None, False,
+                              boundary <= self.granularity_tokens, boundary]
+                if up[4] is None:
+                    up[4] = {key}
+                else:
+                    up[4].add(key)
+                if up[1]:  # supported already: one more, nothing else changes
+                    up[1] += 1
+                else:
+                    self._add_support(parent)
+                return
+            node = self._new_node(key, parent, boundary)
         if node[2] or node[1] or node[4] or node[5] or not self._track:
             self.stored_blocks([(gid, (0,)) for gid in self.history_ids], (key,), (parent,), (boundary,))
             self.stored_checkpoint(self.state_ids, key, parent, boundary)
@@ -322,10 +381,14 @@ class ValueEviction:
         at once (its unit, evicted or unpublished), done once; evicted pages are not counted."""
         if (node := self._nodes.get(key)) is not None:
             if node[3] == len(self.state_ids) and self._track and not node[5]:
-                self._drop_support(key)
+                if node[1] > 1:  # still supported (by a checkpoint beyond): nothing else changes
+                    node[1] -= 1
+                else:
+                    self._drop_support(key)
             node[2] -= count
             node[3] -= count
-            self._forget_if_idle(key)
+            if not node[1] and not node[2] and not node[4]:
+                self._forget_if_idle(key)
 
     def _reason(self, gid: str, node: list | None, cause: str) -> str:
         if cause == REVOKED:
