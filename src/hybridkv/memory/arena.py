@@ -207,6 +207,7 @@ class Arena:
         self._slab_pages = np.asarray([geometry.slab_bytes // geometry.page_bytes[gid] - 1 for gid in self.group_ids],
                                       dtype=np.int64)
         self._most_slab_pages = int(inner.max()) + 2  # a slab's inner pages and its two straddlers
+        self._slab_scratch = np.empty(2 * self._most_slab_pages, dtype=np.int64)  # ``_moved_pages``'
         self._index = {gid: i for i, gid in enumerate(self.group_ids)}
         self.owner = np.full(geometry.num_slabs, -1, dtype=np.int16)
         self.slab_moves = 0
@@ -252,27 +253,17 @@ class Arena:
         counts = np.bincount(self.owner[self.owner >= 0], minlength=len(self.group_ids))
         return {gid: int(counts[i]) for i, gid in enumerate(self.group_ids)}
 
-    def _edges(self, gid: str, slab: int, own: np.ndarray) -> list[int]:
-        """Boundaries (indexed by the slab on their right) whose straddling page
-        ``slab`` shares with a neighbour ``gid`` owns under ``own``."""
-        gi, st, last = self._index[gid], self._straddle[gid], self.geometry.num_slabs - 1
-        out = []
-        if slab > 0 and own[slab - 1] == gi and st[slab] >= 0:
-            out.append(slab)
-        if slab < last and own[slab + 1] == gi and st[slab + 1] >= 0:
-            out.append(slab + 1)
-        return out
-
     def _count(self, gid: str, slab: int, own: np.ndarray) -> int:
         """Pages ``gid`` gains by taking (or loses by giving) ``slab`` under ``own``."""
-        lo, hi = self._ranges[gid]
-        return int(hi[slab] - lo[slab]) + len(self._edges(gid, slab, own))
+        gi = self._index[gid]
+        return int(kernels.slab_gain(own, gi, self._inner[gid], self._straddle[gid], slab))
 
-    def _pages(self, gid: str, slab: int, own: np.ndarray) -> np.ndarray:
-        lo, hi = self._ranges[gid]
-        inner = np.arange(lo[slab], hi[slab], dtype=np.int64)
-        edges = self._edges(gid, slab, own)
-        return np.concatenate([inner, self._straddle[gid][edges]]) if edges else inner
+    def _moved_pages(self, donor: int, group: int, slab: int) -> tuple[np.ndarray, np.ndarray]:
+        """(the pages group index ``donor`` gives up with ``slab``, those ``group`` gains;
+        -1: none) under the arena's owners (``kernels.slab_move_pages``); views of scratch."""
+        out = self._slab_scratch
+        given, n = kernels.slab_move_pages(self.owner, donor, group, *self._slab_ids, slab, out)
+        return out[:given], out[given:n]
 
     # --- planning ---------------------------------------------------------------
     def plan(
@@ -432,18 +423,19 @@ class Arena:
         if self._sorted_grants and all(donor is None for _, _, donor in grants):
             self._grant_spare(grants)
             return
+        index = self._index
         for gid, slab, donor in grants:
-            if donor is not None:
-                self.pools[donor].revoke(self._pages(donor, slab, self.owner))
-                self.owner[slab] = -1
-                self.slab_moves += 1
-            elif self.owner[slab] >= 0:
+            gi, di = index[gid], -1 if donor is None else index[donor]
+            if di < 0 and self.owner[slab] >= 0:
                 raise AssertionError(f"slab {slab} is not spare")
+            given, gained = self._moved_pages(di, gi, slab)  # the slab's neighbours stay
+            if di >= 0:
+                self.pools[donor].revoke(given)
+                self.slab_moves += 1
             else:
                 self._spare_count -= 1
-            pages = self._pages(gid, slab, self.owner)
-            self.owner[slab] = self._index[gid]
-            self.pools[gid].grant(pages)
+            self.owner[slab] = gi
+            self.pools[gid].grant(gained)
 
     def _grant_spare(self, grants: Sequence[Grant]) -> None:
         """:meth:`apply` of spare slabs only (every pool's free stack sorted): the pages each
@@ -468,7 +460,7 @@ class Arena:
         for gid in self.group_ids:
             pool, gi = self.pools[gid], self._index[gid]
             for slab in np.flatnonzero(self.owner == gi).tolist():
-                pages = self._pages(gid, slab, self.owner)
+                pages = self._moved_pages(gi, -1, slab)[0]
                 if np.any(pool.ref_counts[pages] != 0) or np.any(pool.cached[pages]):
                     continue
                 pool.revoke(pages)

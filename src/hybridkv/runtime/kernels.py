@@ -1203,19 +1203,47 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
     return n_taken, short_pages
 
 
+@njit(cache=True, inline="always")
+def slab_pages(owner, group, lo, hi, straddle, s, pages, n):
+    """The page ids ``group`` holds in slab ``s`` while it owns it (or gains with it), under
+    ``owner``, to ``pages[n:]``: its inner pages ``lo[s] .. hi[s]-1``, then the page
+    straddling each boundary with a neighbour it owns (``straddle[b]``, -1: none), the
+    left one first. Returns the new ``n``."""
+    for page in range(lo[s], hi[s]):
+        pages[n] = page
+        n += 1
+    if s > 0 and owner[s - 1] == group and straddle[s] >= 0:
+        pages[n] = straddle[s]
+        n += 1
+    if s < owner.size - 1 and owner[s + 1] == group and straddle[s + 1] >= 0:
+        pages[n] = straddle[s + 1]
+        n += 1
+    return n
+
+
+@njit(cache=True)
+def slab_move_pages(owner, donor, group, lo, hi, straddle, s, pages):
+    """Slab ``s`` going from ``donor`` (-1: it is spare) to ``group`` (-1: it becomes
+    spare), under ``owner`` (unchanged): the pages the donor gives up to
+    ``pages[:n_given]``, then those the group gains to ``pages[n_given:n]``
+    (``slab_pages`` of each; ``lo``, ``hi`` and ``straddle`` have a row per group).
+    Returns ``(n_given, n)``."""
+    n_given = 0 if donor < 0 else slab_pages(owner, donor, lo[donor], hi[donor], straddle[donor], s, pages, 0)
+    n = n_given if group < 0 else slab_pages(owner, group, lo[group], hi[group], straddle[group], s, pages, n_given)
+    return n_given, n
+
+
 @njit(cache=True)
 def spare_slab_pages(owner, groups, slabs, lo, hi, straddle, pages, ends):
     """Spare slabs granted in order (``groups[i]`` takes ``slabs[i]``; ``owner`` updated):
     the page ids each group ``g`` gains to ``pages[ends[g - 1] : ends[g]]`` (from 0 for
-    the first), slab after slab its inner pages ``lo[g, s] .. hi[g, s]-1`` and the
-    page straddling each boundary with a slab it owns by then (``straddle[g, b]``, -1:
-    none). A group's gains depend only on its own grants, so groups go one at a time.
-    Returns the pages in all, or -1 when a slab is not spare (nothing changed) or
-    is listed twice."""
+    the first), slab after slab (``slab_pages`` under the owners by then). A group's
+    gains depend only on its own grants, so groups go one at a time. Returns the pages
+    in all, or -1 when a slab is not spare (nothing changed) or is listed twice."""
     for i in range(slabs.size):
         if owner[slabs[i]] >= 0:
             return -1
-    n, last = 0, owner.size - 1
+    n = 0
     for g in range(lo.shape[0]):
         for i in range(groups.size):
             s = slabs[i]
@@ -1223,18 +1251,63 @@ def spare_slab_pages(owner, groups, slabs, lo, hi, straddle, pages, ends):
                 continue
             if owner[s] >= 0:
                 return -1  # listed twice
-            for page in range(lo[g, s], hi[g, s]):
-                pages[n] = page
-                n += 1
-            if s > 0 and owner[s - 1] == g and straddle[g, s] >= 0:
-                pages[n] = straddle[g, s]
-                n += 1
-            if s < last and owner[s + 1] == g and straddle[g, s + 1] >= 0:
-                pages[n] = straddle[g, s + 1]
-                n += 1
+            n = slab_pages(owner, g, lo[g], hi[g], straddle[g], s, pages, n)
             owner[s] = g
         ends[g] = n
     return n
+
+
+@njit(cache=True)
+def revoke_ids(ref, keyed, stack, top, pages):
+    """``PagePool.revoke``'s check and first move: when every id in ``pages`` is granted
+    and idle (no holder, and on the free stack ``stack[:top]`` or keyed: an idle keyed
+    page is evictable), those on the stack leave it (``drop_ids``). Returns the new top
+    (-1 when some id is not, and nothing changed), the distinct ids (ascending) and
+    the keyed ones among them (their entries go next)."""
+    ids = np.sort(pages)
+    n = 0
+    for i in range(ids.size):  # distinct (``np.unique`` compiled goes through a list)
+        if n == 0 or ids[i] != ids[n - 1]:
+            ids[n] = ids[i]
+            n += 1
+    ids = ids[:n]
+    n_keyed = 0
+    for i in range(n):
+        if ref[ids[i]] != 0:
+            return -1, ids, ids[:0]
+        n_keyed += keyed[ids[i]]
+    keyed_ids = np.empty(n_keyed, dtype=np.int64)
+    k = 0
+    for i in range(n):
+        if keyed[ids[i]]:
+            keyed_ids[k] = ids[i]
+            k += 1
+    on_stack = 0
+    if n:
+        lowest, highest = ids[0], ids[n - 1]
+        for i in range(top):
+            page = stack[i]
+            if lowest <= page <= highest:
+                on_stack += ids[np.searchsorted(ids, page)] == page
+    if on_stack + n_keyed != n:
+        return -1, ids, keyed_ids
+    return drop_ids(stack, top, ids), ids, keyed_ids
+
+
+@njit(cache=True)
+def drop_ids(stack, top, ids):
+    """Take the ids ``ids`` (ascending, distinct) off the free stack ``stack[:top]``, the
+    others keeping their order; returns the new top."""
+    if ids.size == 0:
+        return top
+    lowest, highest, kept = ids[0], ids[ids.size - 1], 0
+    for i in range(top):
+        page = stack[i]
+        if lowest <= page <= highest and ids[np.searchsorted(ids, page)] == page:
+            continue
+        stack[kept] = page
+        kept += 1
+    return kept
 
 
 @njit(cache=True)
