@@ -143,7 +143,7 @@ def shared_concurrency(plan: Any, context_tokens: int, geometry: ArenaGeometry |
     return fits
 
 
-_NO_SLABS = np.empty(0, dtype=np.int64)
+_NO_PAGES = np.empty(0, dtype=np.int64)
 Grant = tuple[str, int, "str | None"]  # (receiving group, slab, donor group or None for a spare slab)
 
 
@@ -209,6 +209,9 @@ class Arena:
         self._most_slab_pages = int(inner.max()) + 2  # a slab's inner pages and its two straddlers
         self._slab_scratch = np.empty(2 * self._most_slab_pages, dtype=np.int64)  # ``_moved_pages``'
         self._index = {gid: i for i, gid in enumerate(self.group_ids)}
+        # Per group: its page bytes, the reserved bytes and the slab bytes (``kernels.released_per_slab``).
+        self._slab_geometry = {gid: np.asarray([geometry.page_bytes[gid], geometry.reserved_bytes, geometry.slab_bytes],
+                                               dtype=np.int64) for gid in self.group_ids}
         self.owner = np.full(geometry.num_slabs, -1, dtype=np.int16)
         self.slab_moves = 0
         self._spare_count = geometry.num_slabs
@@ -336,8 +339,8 @@ class Arena:
                 n_taken, short, left[donor] = kernels.take_idle_donor_slabs(
                     self.owner, own, di, gi, lo, hi, self._straddle[donor], pool.ref_counts, pool.cached,
                     pool.low_priority, pool.idle_tick, scan.keyed_mode(), scan.before_tick or 0,
-                    self._released_slabs(donor, scan), self._inner[gid], self._straddle[gid], left[donor], short,
-                    self._taken)
+                    self._released(donor, scan), self._slab_geometry[donor], self._inner[gid], self._straddle[gid],
+                    left[donor], short, self._taken)
             else:
                 inner_idle, edge_idle, _ = self._idle(donor, scan)
                 n_taken, short, left[donor] = kernels.take_donor_slabs(
@@ -383,16 +386,10 @@ class Arena:
                 slabs += -(-short // per_slab) if per_slab > 0 else self.geometry.num_slabs
         return slabs * self._most_slab_pages
 
-    def _released_slabs(self, gid: str, scan: IdleScan) -> np.ndarray:
-        """The slab of each page of ``gid`` the step frees before slabs move (``scan.releasing``),
-        or ``-1 - b`` for the page straddling boundary ``b`` (``kernels.idle_slabs``' form)."""
+    def _released(self, gid: str, scan: IdleScan) -> np.ndarray:
+        """The pages of ``gid`` the step frees before slabs move (``scan.releasing``), as int64."""
         released = scan.releasing(self._index[gid]) if scan.releasing is not None else None
-        if released is None or not released.size:
-            return _NO_SLABS
-        g, released = self.geometry, released.astype(np.int64)
-        first = g.slab_of(gid, released)
-        last = ((released + 1) * g.page_bytes[gid] - 1 - g.reserved_bytes) // g.slab_bytes
-        return np.where(first == last, first, -1 - last)
+        return _NO_PAGES if released is None or not released.size else released.astype(np.int64, copy=False)
 
     def _idle(self, gid: str, scan: IdleScan) -> tuple[np.ndarray, np.ndarray, int]:
         """(slabs whose inner pages are all idle, boundaries whose straddler is idle, the
@@ -400,12 +397,12 @@ class Arena:
         found = scan.idle.get(gid)
         if found is None:
             pool, g = self.pools[gid], self.geometry
-            released_slab = self._released_slabs(gid, scan)
             inner_idle, edge_idle = np.zeros(g.num_slabs, dtype=bool), np.zeros(g.num_slabs, dtype=bool)
             lo, hi = self._ranges[gid]
             counted = kernels.idle_slabs(self.owner, self._index[gid], lo, hi, self._straddle[gid], pool.ref_counts,
                                          pool.cached, pool.low_priority, pool.idle_tick, scan.keyed_mode(),
-                                         scan.before_tick or 0, released_slab, inner_idle, edge_idle)
+                                         scan.before_tick or 0, self._released(gid, scan), self._slab_geometry[gid],
+                                         inner_idle, edge_idle)
             found = scan.idle[gid] = (inner_idle, edge_idle, int(counted))
         return found
 

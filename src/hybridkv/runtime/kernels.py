@@ -1374,29 +1374,33 @@ def page_idle(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, page
 
 
 @njit(cache=True)
-def released_per_slab(released_slab, n):
-    """The step's releases (``idle_slabs``' ``released_slab``) per slab: how many are its
-    inner pages, and per boundary whether one is its straddler."""
+def released_per_slab(released, slab_geometry, n):
+    """The pages of one group the step releases before slabs move (``released``, local
+    ids) per slab of ``n``: how many lie wholly inside it, and per boundary whether one
+    straddles it. ``slab_geometry``: the group's page bytes, the arena's reserved bytes
+    and its slab bytes (``ArenaGeometry``)."""
+    page_bytes, reserved_bytes, slab_bytes = slab_geometry[0], slab_geometry[1], slab_geometry[2]
     inner, edge = np.zeros(n, dtype=np.int64), np.zeros(n + 1, dtype=np.bool_)
-    for i in range(released_slab.size):
-        if released_slab[i] >= 0:
-            inner[released_slab[i]] += 1
+    for i in range(released.size):
+        first = (released[i] * page_bytes - reserved_bytes) // slab_bytes
+        last = ((released[i] + 1) * page_bytes - 1 - reserved_bytes) // slab_bytes
+        if first == last:
+            inner[first] += 1
         else:
-            edge[-1 - released_slab[i]] = True
+            edge[last] = True
     return inner, edge
 
 
 @njit(cache=True, inline="always")
-def inner_idle_but(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, lo, hi, released):
-    """Whether pages ``lo .. hi-1`` are idle (``page_idle``) but for the ``released`` of them
-    the step releases (held now); stops at the first page that settles it."""
-    busy = 0
+def inner_busy(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, lo, hi):
+    """How many of pages ``lo .. hi-1`` are not idle (``page_idle``), counted without
+    branches (``idle_slabs``' test: a branch on the flags of pages held and idle in no
+    order mispredicts)."""
+    every, valued, busy = keyed_mode == 1, keyed_mode == 2, 0
     for page in range(lo, hi):
-        if not page_idle(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, page):
-            busy += 1
-            if busy > released:
-                return False
-    return busy == released
+        counts = every | (valued & (low_priority[page] | (idle_tick[page] < before_tick)))
+        busy += (ref[page] != 0) | (keyed[page] & (not counts))
+    return busy
 
 
 @njit(cache=True, inline="always")
@@ -1419,19 +1423,21 @@ def donor_edges(owner, own, donor, s, donor_straddle, edge_released, ref, keyed,
 
 @njit(cache=True)
 def take_idle_donor_slabs(owner, own, donor, group, lo, hi, donor_straddle, ref, keyed, low_priority, idle_tick,
-                          keyed_mode, before_tick, released_slab, inner_pages, straddle, left_pages, short_pages, taken):
+                          keyed_mode, before_tick, released_pages, slab_geometry, inner_pages, straddle, left_pages,
+                          short_pages, taken):
     """``take_donor_slabs`` with the donor's ``idle_slabs`` answers (read under the arena's
-    ``owner``, pages as ``page_idle`` tests them, the step's releases ``released_slab``
+    ``owner``, pages as ``page_idle`` tests them, the step's releases ``released_pages``
     counting as idle) worked out only for the slabs it reaches, not every slab the
     donor owns; ``own``: the plan's owners, updated. Same returns."""
     n_taken = 0
-    released, edge_released = released_per_slab(released_slab, owner.size)
+    released, edge_released = released_per_slab(released_pages, slab_geometry, owner.size)
     for s in range(owner.size):
         if short_pages <= 0:
             break
         if own[s] != donor or owner[s] != donor:
             continue
-        if not inner_idle_but(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, lo[s], hi[s], released[s]):
+        # Idle but for the pages the step releases (held now).
+        if inner_busy(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, lo[s], hi[s]) != released[s]:
             continue
         edge_pages, edges_idle = donor_edges(owner, own, donor, s, donor_straddle, edge_released, ref, keyed,
                                              low_priority, idle_tick, keyed_mode, before_tick)
@@ -1446,22 +1452,22 @@ def take_idle_donor_slabs(owner, own, donor, group, lo, hi, donor_straddle, ref,
 
 @njit(cache=True)
 def idle_slabs(owner, group, lo, hi, straddle, ref, keyed, low_priority, idle_tick, keyed_mode, before_tick,
-               released_slab, inner_idle, edge_idle):
+               released_pages, slab_geometry, inner_idle, edge_idle):
     """Which of ``group``'s slabs (``owner == group``) hold only idle pages (pure):
     ``inner_idle[s]`` when every inner page ``lo[s] .. hi[s]-1`` is, ``edge_idle[s]``
     when the page straddling the boundary left of slab ``s`` (``straddle[s]``, granted
     while the group owns slabs ``s - 1`` and ``s``) is. A page is idle when no request
     holds it and it carries no key (free) or a key that counts (``keyed_mode`` 1: every
     one, 2: low priority or idle since before ``before_tick``, 0: none), or when the
-    step releases it before slabs move (held now): ``released_slab`` lists the slab of
-    each such page, or ``-1 - s`` for the straddler of boundary ``s``. Both outputs
+    step releases it before slabs move (held now: ``released_pages``, placed in slabs by
+    ``slab_geometry`` as ``released_per_slab`` does). Both outputs
     start False. Returns how many keyed pages count as idle, over every page the group
     owns. (The page test is written out twice, without branches: a helper taking the
     arrays is not inlined and costs tens of ns a call, and branches on the flags of a
     window group's pages, held and idle in no order, mispredict.)"""
     n, counted = owner.size, 0
     every, valued = keyed_mode == 1, keyed_mode == 2
-    extra, released_edge = released_per_slab(released_slab, n)
+    extra, released_edge = released_per_slab(released_pages, slab_geometry, n)
     edge_idle |= released_edge[:n]
     for s in range(n):
         if owner[s] != group:
