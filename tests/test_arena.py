@@ -608,14 +608,14 @@ def test_idle_slabs_and_the_oldest_idle_tick_answer_as_the_whole_pool_scan(data)
         released = np.sort(held[: data.draw(st.integers(0, held.size))]).astype(np.int64)
         first = geometry.slab_of(gid, released)
         last = ((released + 1) * geometry.page_bytes[gid] - 1 - geometry.reserved_bytes) // geometry.slab_bytes
-        released_slab = np.where(first == last, first, -1 - last)
+        slab_geometry = np.asarray([geometry.page_bytes[gid], geometry.reserved_bytes, geometry.slab_bytes])
         ticks = pool.idle_tick[pool.evictable_page_ids()]
         for keyed_mode, before_tick in [(0, 0), (1, 0)] + [(2, int(t)) for t in np.unique(ticks)[:3]] + [(2, 2**40)]:
             inner_idle = np.zeros(geometry.num_slabs, dtype=bool)
             edge_idle = np.zeros(geometry.num_slabs, dtype=bool)
             counted = kernels.idle_slabs(arena.owner, gi, lo, hi, straddle, pool.ref_counts, pool.cached,
-                                         pool.low_priority, pool.idle_tick, keyed_mode, before_tick, released_slab,
-                                         inner_idle, edge_idle)
+                                         pool.low_priority, pool.idle_tick, keyed_mode, before_tick, released,
+                                         slab_geometry, inner_idle, edge_idle)
             want_inner, want_edge, want_counted = whole_pool_idle_slabs(arena, gid, keyed_mode, before_tick, released)
             assert inner_idle.tolist() == want_inner.tolist()
             assert counted == want_counted
@@ -767,9 +767,7 @@ def test_a_donor_scanned_slab_by_slab_lends_what_the_whole_scan_lends(data):
     straddle = geometry.boundary_pages(donor)
     held = np.flatnonzero(pool.ref_counts == 1)
     released = np.sort(rng.permutation(held)[: data.draw(st.integers(0, held.size))]).astype(np.int64)
-    first = geometry.slab_of(donor, released)
-    last = ((released + 1) * geometry.page_bytes[donor] - 1 - geometry.reserved_bytes) // geometry.slab_bytes
-    released_slab = np.where(first == last, first, -1 - last)
+    slab_geometry = np.asarray([geometry.page_bytes[donor], geometry.reserved_bytes, geometry.slab_bytes])
     own = arena.owner.copy()
     for slab in np.flatnonzero(own == di).tolist():  # a plan may have moved some already
         if rng.integers(4) == 0:
@@ -782,14 +780,14 @@ def test_a_donor_scanned_slab_by_slab_lends_what_the_whole_scan_lends(data):
         inner_idle = np.zeros(geometry.num_slabs, dtype=bool)
         edge_idle = np.zeros(geometry.num_slabs, dtype=bool)
         kernels.idle_slabs(arena.owner, di, lo, hi, straddle, pool.ref_counts, pool.cached, pool.low_priority,
-                           pool.idle_tick, keyed_mode, before_tick, released_slab, inner_idle, edge_idle)
+                           pool.idle_tick, keyed_mode, before_tick, released, slab_geometry, inner_idle, edge_idle)
         want_own, want_taken = own.copy(), np.empty(geometry.num_slabs, dtype=np.int64)
         want = kernels.take_donor_slabs(want_own, di, gi, inner_idle, edge_idle, hi - lo, straddle, g_hi - g_lo,
                                         g_straddle, left, short, want_taken)
         got_own, got_taken = own.copy(), np.empty(geometry.num_slabs, dtype=np.int64)
         got = kernels.take_idle_donor_slabs(arena.owner, got_own, di, gi, lo, hi, straddle, pool.ref_counts,
                                             pool.cached, pool.low_priority, pool.idle_tick, keyed_mode, before_tick,
-                                            released_slab, g_hi - g_lo, g_straddle, left, short, got_taken)
+                                            released, slab_geometry, g_hi - g_lo, g_straddle, left, short, got_taken)
         assert got == want
         assert got_taken[: got[0]].tolist() == want_taken[: want[0]].tolist()
         assert np.array_equal(got_own, want_own)

@@ -707,6 +707,59 @@ def test_revoke_takes_the_entries_on_its_pages_in_page_order(batch):
     pool.check_invariants()
 
 
+def _revoke_pool(lowest: bool, plan: list, held: set) -> tuple[PagePool, dict]:
+    """A 30-id pool granted ids 1-24 whose first 20 were allocated: entry ``i`` publishes
+    the next ``plan[i][0]`` of them (idle unless ``plan[i][1]``), the rest go free but
+    ``held``. Returns the pool and each entry's pages."""
+    pool = PagePool("g", 30, lowest_first=lowest, granted=False)
+    pool.grant(np.arange(1, 25))
+    every, at, entries = pool.allocate(20).tolist(), 0, {}
+    for i, (size, keep) in enumerate(plan):
+        entries[i] = every[at : at + size]
+        pool.publish(i, entries[i])
+        if not keep:
+            pool.decref(np.asarray(entries[i]))
+        at += size
+    pool.decref(np.asarray([p for p in every[at:] if p not in held], dtype=np.int64))
+    return pool, entries
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_revoke_is_unpublishing_the_entries_then_taking_the_ids_off_the_free_stack(data):
+    """``revoke`` (checked, and its free ids taken off, in compiled passes) against a
+    reference of public calls: refused, changing nothing, when a listed id is held or
+    not granted; else each entry on a listed idle id unpublished (in the order of its
+    lowest listed id), then the listed ids gone from the free stack, whose other ids
+    keep their order (LIFO or lowest-first pool; ids listed in any order, some twice)."""
+    lowest = data.draw(st.booleans(), label="lowest first")
+    plan = data.draw(st.lists(st.tuples(st.integers(1, 3), st.booleans()), max_size=5), label="entries: pages, held")
+    held = data.draw(st.sets(st.integers(1, 20)), label="ids past the entries still held")
+    listed = data.draw(st.lists(st.integers(1, 29), max_size=12), label="ids revoked")
+    pool, entries = _revoke_pool(lowest, plan, held)
+    free, idle = pool.free_page_ids().tolist(), set(pool.evictable_page_ids().tolist())
+    before = (pool_state(pool), free, pool.evictable_page_ids().tolist(), pool.entry_keys())
+    if not all(p in idle or p in free for p in listed):
+        with pytest.raises(ValueError, match="no request holds"):
+            pool.revoke(np.asarray(listed, dtype=np.int64))
+        assert_same_state(before[0], pool_state(pool))
+        assert before[1:] == (pool.free_page_ids().tolist(), pool.evictable_page_ids().tolist(), pool.entry_keys())
+        return
+    told = []
+    pool.on_removed = lambda key, cause, idle_pages: told.append((key, cause))
+    pool.revoke(np.asarray(listed, dtype=np.int64))
+    pool.check_invariants()
+    reference, _ = _revoke_pool(lowest, plan, held)
+    owner = {p: key for key, pages in entries.items() for p in pages}
+    keys = list(dict.fromkeys(owner[p] for p in sorted(set(listed)) if p in idle))
+    for key in keys:
+        reference.unpublish(key, "revoked")
+    stack = [p for p in reference.free_page_ids().tolist() if p not in set(listed)]
+    assert told == [(key, "revoked") for key in keys]
+    assert (pool.free_page_ids().tolist(), pool.entry_keys(), pool.usable_pages) == (
+        stack, reference.entry_keys(), reference.usable_pages - len(set(listed)))
+
+
 @settings(max_examples=80, deadline=None)
 @given(data=st.data())
 def test_evict_entries_leaves_the_pool_as_unpublishing_each_in_turn(data):

@@ -143,7 +143,7 @@ def shared_concurrency(plan: Any, context_tokens: int, geometry: ArenaGeometry |
     return fits
 
 
-_NO_SLABS = np.empty(0, dtype=np.int64)
+_NO_PAGES = np.empty(0, dtype=np.int64)
 Grant = tuple[str, int, "str | None"]  # (receiving group, slab, donor group or None for a spare slab)
 
 
@@ -207,7 +207,11 @@ class Arena:
         self._slab_pages = np.asarray([geometry.slab_bytes // geometry.page_bytes[gid] - 1 for gid in self.group_ids],
                                       dtype=np.int64)
         self._most_slab_pages = int(inner.max()) + 2  # a slab's inner pages and its two straddlers
+        self._slab_scratch = np.empty(2 * self._most_slab_pages, dtype=np.int64)  # ``_moved_pages``'
         self._index = {gid: i for i, gid in enumerate(self.group_ids)}
+        # Per group: its page bytes, the reserved bytes and the slab bytes (``kernels.released_per_slab``).
+        self._slab_geometry = {gid: np.asarray([geometry.page_bytes[gid], geometry.reserved_bytes, geometry.slab_bytes],
+                                               dtype=np.int64) for gid in self.group_ids}
         self.owner = np.full(geometry.num_slabs, -1, dtype=np.int16)
         self.slab_moves = 0
         self._spare_count = geometry.num_slabs
@@ -252,27 +256,17 @@ class Arena:
         counts = np.bincount(self.owner[self.owner >= 0], minlength=len(self.group_ids))
         return {gid: int(counts[i]) for i, gid in enumerate(self.group_ids)}
 
-    def _edges(self, gid: str, slab: int, own: np.ndarray) -> list[int]:
-        """Boundaries (indexed by the slab on their right) whose straddling page
-        ``slab`` shares with a neighbour ``gid`` owns under ``own``."""
-        gi, st, last = self._index[gid], self._straddle[gid], self.geometry.num_slabs - 1
-        out = []
-        if slab > 0 and own[slab - 1] == gi and st[slab] >= 0:
-            out.append(slab)
-        if slab < last and own[slab + 1] == gi and st[slab + 1] >= 0:
-            out.append(slab + 1)
-        return out
-
     def _count(self, gid: str, slab: int, own: np.ndarray) -> int:
         """Pages ``gid`` gains by taking (or loses by giving) ``slab`` under ``own``."""
-        lo, hi = self._ranges[gid]
-        return int(hi[slab] - lo[slab]) + len(self._edges(gid, slab, own))
+        gi = self._index[gid]
+        return int(kernels.slab_gain(own, gi, self._inner[gid], self._straddle[gid], slab))
 
-    def _pages(self, gid: str, slab: int, own: np.ndarray) -> np.ndarray:
-        lo, hi = self._ranges[gid]
-        inner = np.arange(lo[slab], hi[slab], dtype=np.int64)
-        edges = self._edges(gid, slab, own)
-        return np.concatenate([inner, self._straddle[gid][edges]]) if edges else inner
+    def _moved_pages(self, donor: int, group: int, slab: int) -> tuple[np.ndarray, np.ndarray]:
+        """(the pages group index ``donor`` gives up with ``slab``, those ``group`` gains;
+        -1: none) under the arena's owners (``kernels.slab_move_pages``); views of scratch."""
+        out = self._slab_scratch
+        given, n = kernels.slab_move_pages(self.owner, donor, group, *self._slab_ids, slab, out)
+        return out[:given], out[given:n]
 
     # --- planning ---------------------------------------------------------------
     def plan(
@@ -345,8 +339,8 @@ class Arena:
                 n_taken, short, left[donor] = kernels.take_idle_donor_slabs(
                     self.owner, own, di, gi, lo, hi, self._straddle[donor], pool.ref_counts, pool.cached,
                     pool.low_priority, pool.idle_tick, scan.keyed_mode(), scan.before_tick or 0,
-                    self._released_slabs(donor, scan), self._inner[gid], self._straddle[gid], left[donor], short,
-                    self._taken)
+                    self._released(donor, scan), self._slab_geometry[donor], self._inner[gid], self._straddle[gid],
+                    left[donor], short, self._taken)
             else:
                 inner_idle, edge_idle, _ = self._idle(donor, scan)
                 n_taken, short, left[donor] = kernels.take_donor_slabs(
@@ -392,16 +386,10 @@ class Arena:
                 slabs += -(-short // per_slab) if per_slab > 0 else self.geometry.num_slabs
         return slabs * self._most_slab_pages
 
-    def _released_slabs(self, gid: str, scan: IdleScan) -> np.ndarray:
-        """The slab of each page of ``gid`` the step frees before slabs move (``scan.releasing``),
-        or ``-1 - b`` for the page straddling boundary ``b`` (``kernels.idle_slabs``' form)."""
+    def _released(self, gid: str, scan: IdleScan) -> np.ndarray:
+        """The pages of ``gid`` the step frees before slabs move (``scan.releasing``), as int64."""
         released = scan.releasing(self._index[gid]) if scan.releasing is not None else None
-        if released is None or not released.size:
-            return _NO_SLABS
-        g, released = self.geometry, released.astype(np.int64)
-        first = g.slab_of(gid, released)
-        last = ((released + 1) * g.page_bytes[gid] - 1 - g.reserved_bytes) // g.slab_bytes
-        return np.where(first == last, first, -1 - last)
+        return _NO_PAGES if released is None or not released.size else released.astype(np.int64, copy=False)
 
     def _idle(self, gid: str, scan: IdleScan) -> tuple[np.ndarray, np.ndarray, int]:
         """(slabs whose inner pages are all idle, boundaries whose straddler is idle, the
@@ -409,12 +397,12 @@ class Arena:
         found = scan.idle.get(gid)
         if found is None:
             pool, g = self.pools[gid], self.geometry
-            released_slab = self._released_slabs(gid, scan)
             inner_idle, edge_idle = np.zeros(g.num_slabs, dtype=bool), np.zeros(g.num_slabs, dtype=bool)
             lo, hi = self._ranges[gid]
             counted = kernels.idle_slabs(self.owner, self._index[gid], lo, hi, self._straddle[gid], pool.ref_counts,
                                          pool.cached, pool.low_priority, pool.idle_tick, scan.keyed_mode(),
-                                         scan.before_tick or 0, released_slab, inner_idle, edge_idle)
+                                         scan.before_tick or 0, self._released(gid, scan), self._slab_geometry[gid],
+                                         inner_idle, edge_idle)
             found = scan.idle[gid] = (inner_idle, edge_idle, int(counted))
         return found
 
@@ -432,18 +420,19 @@ class Arena:
         if self._sorted_grants and all(donor is None for _, _, donor in grants):
             self._grant_spare(grants)
             return
+        index = self._index
         for gid, slab, donor in grants:
-            if donor is not None:
-                self.pools[donor].revoke(self._pages(donor, slab, self.owner))
-                self.owner[slab] = -1
-                self.slab_moves += 1
-            elif self.owner[slab] >= 0:
+            gi, di = index[gid], -1 if donor is None else index[donor]
+            if di < 0 and self.owner[slab] >= 0:
                 raise AssertionError(f"slab {slab} is not spare")
+            given, gained = self._moved_pages(di, gi, slab)  # the slab's neighbours stay
+            if di >= 0:
+                self.pools[donor].revoke(given)
+                self.slab_moves += 1
             else:
                 self._spare_count -= 1
-            pages = self._pages(gid, slab, self.owner)
-            self.owner[slab] = self._index[gid]
-            self.pools[gid].grant(pages)
+            self.owner[slab] = gi
+            self.pools[gid].grant(gained)
 
     def _grant_spare(self, grants: Sequence[Grant]) -> None:
         """:meth:`apply` of spare slabs only (every pool's free stack sorted): the pages each
@@ -468,7 +457,7 @@ class Arena:
         for gid in self.group_ids:
             pool, gi = self.pools[gid], self._index[gid]
             for slab in np.flatnonzero(self.owner == gi).tolist():
-                pages = self._pages(gid, slab, self.owner)
+                pages = self._moved_pages(gi, -1, slab)[0]
                 if np.any(pool.ref_counts[pages] != 0) or np.any(pool.cached[pages]):
                     continue
                 pool.revoke(pages)

@@ -488,27 +488,19 @@ class PagePool:
 
     def revoke(self, pages: np.ndarray) -> None:
         """Take back page ids that are all free or cached-evictable (their entries are
-        unpublished first). All or nothing."""
-        pages = np.unique(np.asarray(pages, dtype=np.int64))
-        if pages.size == 0:
-            return
-        gone = np.zeros(self.num_pages, dtype=bool)
-        gone[pages] = True
-        evictable = pages[self.cached[pages]]
-        idle = int(np.count_nonzero(gone[self._stack[: self._top]]))
-        if np.any(self.ref_counts[pages] != 0) or idle + sum(
-            1 for p in evictable.tolist() if p in self._evictable
-        ) != pages.size:
+        unpublished first). All or nothing. Checked, and the free ones taken off the
+        free stack, in one compiled pass (``kernels.revoke_ids``)."""
+        top, pages, evictable = kernels.revoke_ids(self.ref_counts, self.cached, self._stack, self._top,
+                                                   np.asarray(pages, dtype=np.int64))
+        if top < 0:
             raise ValueError(f"group {self.group_id!r}: only granted pages no request holds can be revoked")
-        # One batch, in the order of their lowest page: what ``on_removed`` does for one
-        # entry takes no other entry of this pool, so they are all known beforehand.
-        keys = dict.fromkeys(self._page_key[page] for page in evictable.tolist())
-        if keys:
-            self._unpublish_many(list(keys), REVOKED)
-        free = self._stack[: self._top]
-        keep = free[~gone[free]]
-        self._stack[: keep.size] = keep
-        self._top = int(keep.size)
+        self._top = int(top)
+        if evictable.size:
+            # One batch, in the order of their lowest page: what ``on_removed`` does for one
+            # entry takes no other entry of this pool, so they are all known beforehand.
+            # Their idle pages go on the free stack: these leave it again.
+            self._unpublish_many(list(dict.fromkeys(map(self._page_key.__getitem__, evictable.tolist()))), REVOKED)
+            self._top = int(kernels.drop_ids(self._stack, self._top, evictable))
         self._granted_pages -= int(pages.size)
 
     # --- content-keyed entries -------------------------------------------

@@ -1203,19 +1203,47 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
     return n_taken, short_pages
 
 
+@njit(cache=True, inline="always")
+def slab_pages(owner, group, lo, hi, straddle, s, pages, n):
+    """The page ids ``group`` holds in slab ``s`` while it owns it (or gains with it), under
+    ``owner``, to ``pages[n:]``: its inner pages ``lo[s] .. hi[s]-1``, then the page
+    straddling each boundary with a neighbour it owns (``straddle[b]``, -1: none), the
+    left one first. Returns the new ``n``."""
+    for page in range(lo[s], hi[s]):
+        pages[n] = page
+        n += 1
+    if s > 0 and owner[s - 1] == group and straddle[s] >= 0:
+        pages[n] = straddle[s]
+        n += 1
+    if s < owner.size - 1 and owner[s + 1] == group and straddle[s + 1] >= 0:
+        pages[n] = straddle[s + 1]
+        n += 1
+    return n
+
+
+@njit(cache=True)
+def slab_move_pages(owner, donor, group, lo, hi, straddle, s, pages):
+    """Slab ``s`` going from ``donor`` (-1: it is spare) to ``group`` (-1: it becomes
+    spare), under ``owner`` (unchanged): the pages the donor gives up to
+    ``pages[:n_given]``, then those the group gains to ``pages[n_given:n]``
+    (``slab_pages`` of each; ``lo``, ``hi`` and ``straddle`` have a row per group).
+    Returns ``(n_given, n)``."""
+    n_given = 0 if donor < 0 else slab_pages(owner, donor, lo[donor], hi[donor], straddle[donor], s, pages, 0)
+    n = n_given if group < 0 else slab_pages(owner, group, lo[group], hi[group], straddle[group], s, pages, n_given)
+    return n_given, n
+
+
 @njit(cache=True)
 def spare_slab_pages(owner, groups, slabs, lo, hi, straddle, pages, ends):
     """Spare slabs granted in order (``groups[i]`` takes ``slabs[i]``; ``owner`` updated):
     the page ids each group ``g`` gains to ``pages[ends[g - 1] : ends[g]]`` (from 0 for
-    the first), slab after slab its inner pages ``lo[g, s] .. hi[g, s]-1`` and the
-    page straddling each boundary with a slab it owns by then (``straddle[g, b]``, -1:
-    none). A group's gains depend only on its own grants, so groups go one at a time.
-    Returns the pages in all, or -1 when a slab is not spare (nothing changed) or
-    is listed twice."""
+    the first), slab after slab (``slab_pages`` under the owners by then). A group's
+    gains depend only on its own grants, so groups go one at a time. Returns the pages
+    in all, or -1 when a slab is not spare (nothing changed) or is listed twice."""
     for i in range(slabs.size):
         if owner[slabs[i]] >= 0:
             return -1
-    n, last = 0, owner.size - 1
+    n = 0
     for g in range(lo.shape[0]):
         for i in range(groups.size):
             s = slabs[i]
@@ -1223,18 +1251,63 @@ def spare_slab_pages(owner, groups, slabs, lo, hi, straddle, pages, ends):
                 continue
             if owner[s] >= 0:
                 return -1  # listed twice
-            for page in range(lo[g, s], hi[g, s]):
-                pages[n] = page
-                n += 1
-            if s > 0 and owner[s - 1] == g and straddle[g, s] >= 0:
-                pages[n] = straddle[g, s]
-                n += 1
-            if s < last and owner[s + 1] == g and straddle[g, s + 1] >= 0:
-                pages[n] = straddle[g, s + 1]
-                n += 1
+            n = slab_pages(owner, g, lo[g], hi[g], straddle[g], s, pages, n)
             owner[s] = g
         ends[g] = n
     return n
+
+
+@njit(cache=True)
+def revoke_ids(ref, keyed, stack, top, pages):
+    """``PagePool.revoke``'s check and first move: when every id in ``pages`` is granted
+    and idle (no holder, and on the free stack ``stack[:top]`` or keyed: an idle keyed
+    page is evictable), those on the stack leave it (``drop_ids``). Returns the new top
+    (-1 when some id is not, and nothing changed), the distinct ids (ascending) and
+    the keyed ones among them (their entries go next)."""
+    ids = np.sort(pages)
+    n = 0
+    for i in range(ids.size):  # distinct (``np.unique`` compiled goes through a list)
+        if n == 0 or ids[i] != ids[n - 1]:
+            ids[n] = ids[i]
+            n += 1
+    ids = ids[:n]
+    n_keyed = 0
+    for i in range(n):
+        if ref[ids[i]] != 0:
+            return -1, ids, ids[:0]
+        n_keyed += keyed[ids[i]]
+    keyed_ids = np.empty(n_keyed, dtype=np.int64)
+    k = 0
+    for i in range(n):
+        if keyed[ids[i]]:
+            keyed_ids[k] = ids[i]
+            k += 1
+    on_stack = 0
+    if n:
+        lowest, highest = ids[0], ids[n - 1]
+        for i in range(top):
+            page = stack[i]
+            if lowest <= page <= highest:
+                on_stack += ids[np.searchsorted(ids, page)] == page
+    if on_stack + n_keyed != n:
+        return -1, ids, keyed_ids
+    return drop_ids(stack, top, ids), ids, keyed_ids
+
+
+@njit(cache=True)
+def drop_ids(stack, top, ids):
+    """Take the ids ``ids`` (ascending, distinct) off the free stack ``stack[:top]``, the
+    others keeping their order; returns the new top."""
+    if ids.size == 0:
+        return top
+    lowest, highest, kept = ids[0], ids[ids.size - 1], 0
+    for i in range(top):
+        page = stack[i]
+        if lowest <= page <= highest and ids[np.searchsorted(ids, page)] == page:
+            continue
+        stack[kept] = page
+        kept += 1
+    return kept
 
 
 @njit(cache=True)
@@ -1301,29 +1374,33 @@ def page_idle(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, page
 
 
 @njit(cache=True)
-def released_per_slab(released_slab, n):
-    """The step's releases (``idle_slabs``' ``released_slab``) per slab: how many are its
-    inner pages, and per boundary whether one is its straddler."""
+def released_per_slab(released, slab_geometry, n):
+    """The pages of one group the step releases before slabs move (``released``, local
+    ids) per slab of ``n``: how many lie wholly inside it, and per boundary whether one
+    straddles it. ``slab_geometry``: the group's page bytes, the arena's reserved bytes
+    and its slab bytes (``ArenaGeometry``)."""
+    page_bytes, reserved_bytes, slab_bytes = slab_geometry[0], slab_geometry[1], slab_geometry[2]
     inner, edge = np.zeros(n, dtype=np.int64), np.zeros(n + 1, dtype=np.bool_)
-    for i in range(released_slab.size):
-        if released_slab[i] >= 0:
-            inner[released_slab[i]] += 1
+    for i in range(released.size):
+        first = (released[i] * page_bytes - reserved_bytes) // slab_bytes
+        last = ((released[i] + 1) * page_bytes - 1 - reserved_bytes) // slab_bytes
+        if first == last:
+            inner[first] += 1
         else:
-            edge[-1 - released_slab[i]] = True
+            edge[last] = True
     return inner, edge
 
 
 @njit(cache=True, inline="always")
-def inner_idle_but(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, lo, hi, released):
-    """Whether pages ``lo .. hi-1`` are idle (``page_idle``) but for the ``released`` of them
-    the step releases (held now); stops at the first page that settles it."""
-    busy = 0
+def inner_busy(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, lo, hi):
+    """How many of pages ``lo .. hi-1`` are not idle (``page_idle``), counted without
+    branches (``idle_slabs``' test: a branch on the flags of pages held and idle in no
+    order mispredicts)."""
+    every, valued, busy = keyed_mode == 1, keyed_mode == 2, 0
     for page in range(lo, hi):
-        if not page_idle(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, page):
-            busy += 1
-            if busy > released:
-                return False
-    return busy == released
+        counts = every | (valued & (low_priority[page] | (idle_tick[page] < before_tick)))
+        busy += (ref[page] != 0) | (keyed[page] & (not counts))
+    return busy
 
 
 @njit(cache=True, inline="always")
@@ -1346,19 +1423,21 @@ def donor_edges(owner, own, donor, s, donor_straddle, edge_released, ref, keyed,
 
 @njit(cache=True)
 def take_idle_donor_slabs(owner, own, donor, group, lo, hi, donor_straddle, ref, keyed, low_priority, idle_tick,
-                          keyed_mode, before_tick, released_slab, inner_pages, straddle, left_pages, short_pages, taken):
+                          keyed_mode, before_tick, released_pages, slab_geometry, inner_pages, straddle, left_pages,
+                          short_pages, taken):
     """``take_donor_slabs`` with the donor's ``idle_slabs`` answers (read under the arena's
-    ``owner``, pages as ``page_idle`` tests them, the step's releases ``released_slab``
+    ``owner``, pages as ``page_idle`` tests them, the step's releases ``released_pages``
     counting as idle) worked out only for the slabs it reaches, not every slab the
     donor owns; ``own``: the plan's owners, updated. Same returns."""
     n_taken = 0
-    released, edge_released = released_per_slab(released_slab, owner.size)
+    released, edge_released = released_per_slab(released_pages, slab_geometry, owner.size)
     for s in range(owner.size):
         if short_pages <= 0:
             break
         if own[s] != donor or owner[s] != donor:
             continue
-        if not inner_idle_but(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, lo[s], hi[s], released[s]):
+        # Idle but for the pages the step releases (held now).
+        if inner_busy(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, lo[s], hi[s]) != released[s]:
             continue
         edge_pages, edges_idle = donor_edges(owner, own, donor, s, donor_straddle, edge_released, ref, keyed,
                                              low_priority, idle_tick, keyed_mode, before_tick)
@@ -1373,22 +1452,22 @@ def take_idle_donor_slabs(owner, own, donor, group, lo, hi, donor_straddle, ref,
 
 @njit(cache=True)
 def idle_slabs(owner, group, lo, hi, straddle, ref, keyed, low_priority, idle_tick, keyed_mode, before_tick,
-               released_slab, inner_idle, edge_idle):
+               released_pages, slab_geometry, inner_idle, edge_idle):
     """Which of ``group``'s slabs (``owner == group``) hold only idle pages (pure):
     ``inner_idle[s]`` when every inner page ``lo[s] .. hi[s]-1`` is, ``edge_idle[s]``
     when the page straddling the boundary left of slab ``s`` (``straddle[s]``, granted
     while the group owns slabs ``s - 1`` and ``s``) is. A page is idle when no request
     holds it and it carries no key (free) or a key that counts (``keyed_mode`` 1: every
     one, 2: low priority or idle since before ``before_tick``, 0: none), or when the
-    step releases it before slabs move (held now): ``released_slab`` lists the slab of
-    each such page, or ``-1 - s`` for the straddler of boundary ``s``. Both outputs
+    step releases it before slabs move (held now: ``released_pages``, placed in slabs by
+    ``slab_geometry`` as ``released_per_slab`` does). Both outputs
     start False. Returns how many keyed pages count as idle, over every page the group
     owns. (The page test is written out twice, without branches: a helper taking the
     arrays is not inlined and costs tens of ns a call, and branches on the flags of a
     window group's pages, held and idle in no order, mispredict.)"""
     n, counted = owner.size, 0
     every, valued = keyed_mode == 1, keyed_mode == 2
-    extra, released_edge = released_per_slab(released_slab, n)
+    extra, released_edge = released_per_slab(released_pages, slab_geometry, n)
     edge_idle |= released_edge[:n]
     for s in range(n):
         if owner[s] != group:
