@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
+from hybridkv.memory import lru
 from hybridkv.runtime import kernels
 
 NULL_PAGE = 0
@@ -148,7 +148,12 @@ class PagePool:
         self._lows = np.zeros(1, dtype=np.int64)
         self._slot = 0
         self._granted_pages = 0
-        self._evictable: OrderedDict[int, None] = OrderedDict()
+        # The LRU of idle keyed pages: a linked list in two arrays (``hybridkv.memory.lru``:
+        # the null page is its sentinel) and its length, in a one-element array like ``_tops``.
+        self._lru_prev = np.full(self.num_pages, -1, dtype=np.int32)
+        self._lru_next = np.full(self.num_pages, -1, dtype=np.int32)
+        self._lru_prev[NULL_PAGE] = self._lru_next[NULL_PAGE] = NULL_PAGE
+        self._lru_lengths = np.zeros(1, dtype=np.int64)
         # Lowest-first pools reuse idle low-priority pages in id order like free pages, so
         # they do not push live pages up: a lower bound of their ids (``num_pages``: none
         # yet), lowered as pages join them and raised by packing's scan of the flags.
@@ -208,7 +213,7 @@ class PagePool:
     @property
     def num_free_pages(self) -> int:
         """Pages an allocation can get now: free plus cached-evictable."""
-        return self._top + len(self._evictable)
+        return int(self._tops[self._slot] + self._lru_lengths[self._slot])
 
     @property
     def num_clean_free_pages(self) -> int:
@@ -216,7 +221,7 @@ class PagePool:
 
     @property
     def num_evictable_pages(self) -> int:
-        return len(self._evictable)
+        return int(self._lru_lengths[self._slot])
 
     @property
     def num_used_pages(self) -> int:
@@ -294,7 +299,7 @@ class PagePool:
     def note_allocated(self, count: int) -> None:
         """Count ``count`` pages just taken off the free stack (here or by a step kernel)."""
         self.counters.tallies[1] += count
-        used = self._granted_pages - self._top - len(self._evictable)  # num_used_pages
+        used = self._granted_pages - self.num_free_pages  # num_used_pages
         if used > self.peak_used_pages:
             self.peak_used_pages = used
 
@@ -365,10 +370,11 @@ class PagePool:
         if pages.size == 0:
             return
         before = self.ref_counts[pages]
-        idle = pages[before == 0].tolist()
-        for page in idle:
-            if page not in self._evictable:
-                raise ValueError(f"group {self.group_id!r}: page {page} is free, cannot be borrowed")
+        idle = pages[before == 0]
+        unlisted = idle[self._lru_next[idle] < 0]
+        if unlisted.size:
+            raise ValueError(f"group {self.group_id!r}: page {unlisted[0]} is free, cannot be borrowed")
+        idle = idle.tolist()
         if distinct:
             self.ref_counts[pages] = before + 1
         else:
@@ -383,10 +389,9 @@ class PagePool:
     def _borrowed_idle(self, idle: list[int]) -> None:
         """Idle keyed pages (distinct) that just got a holder, already off the idle
         low-priority count, leave the LRU; the pages in use rise."""
-        evictable = self._evictable
-        for page in idle:
-            del evictable[page]
-        used = self._granted_pages - self._top - len(evictable)  # num_used_pages
+        lru.leave_pool(self._lru_prev, self._lru_next, np.array(idle, dtype=np.int64))
+        self._lru_lengths[self._slot] -= len(idle)
+        used = self._granted_pages - self.num_free_pages  # num_used_pages
         if used > self.peak_used_pages:
             self.peak_used_pages = used
 
@@ -436,27 +441,24 @@ class PagePool:
 
     def _keyed_idle(self, pages: np.ndarray) -> None:
         """Keyed pages (distinct local ids, logical order) whose last reference just went
-        join the LRU (``_join_lru``)."""
+        join the LRU, each with the next tick of the idle clock (``lru.join_pool``): the
+        last released first, at the tail, so a chain's tail is evicted before its head;
+        low-priority ones at the head instead (evicted first), the last released last."""
         tick = next(_IDLE_CLOCK)
-        order = pages[::-1]
-        self.idle_tick[order] = tick
-        self._join_lru(order.tolist(), order[self.low_priority[order]].tolist(), tick)
+        n_low, lowest = lru.join_pool(self.idle_tick, self.low_priority, self._lru_prev, self._lru_next, pages, tick)
+        self._lru_lengths[self._slot] += pages.size
+        self._joined(pages, n_low, lowest, tick)
 
-    def _join_lru(self, listed: list[int], low_pages: list[int], tick: int) -> None:
-        """Idle keyed pages ``listed`` (the last released first, their ``idle_tick`` set to
-        ``tick``), of which ``low_pages`` (in the same order) are low-priority, join the
-        LRU in that order, so a chain's tail is evicted before its head; low-priority ones
-        go to its front instead (evicted first), the last listed first."""
-        evictable = self._evictable
-        for page in listed:  # item stores: OrderedDict.update goes through a list of pairs
-            evictable[page] = None
-        if low_pages:
-            for page in low_pages:  # each to the front: the last one listed ends first
-                evictable.move_to_end(page, last=False)
-            self._lows[self._slot] += len(low_pages)  # ``_low_idle_pages``, without the property's two calls
-            self._low_floor = min(self._low_floor, *low_pages)
+    def _joined(self, pages: np.ndarray, n_low: int, lowest: int, tick: int) -> None:
+        """After ``pages`` (logical order) joined the LRU at ``tick``, ``n_low`` of them low
+        priority, the lowest ``lowest``: the idle low-priority count and ``_low_floor``
+        follow, and the ranker (if any) hears of the normal-priority ones."""
+        if n_low:
+            self._lows[self._slot] += n_low  # ``_low_idle_pages``, without the property's two calls
+            self._low_floor = min(self._low_floor, int(lowest))
         if self.ranker is not None:
             low, page_key = self.low_priority, self._page_key
+            listed = pages[::-1].tolist()
             self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in listed if not low[p]], tick)
 
     def _push_free(self, pages: np.ndarray) -> None:
@@ -483,8 +485,9 @@ class PagePool:
         return self._stack[: self._top]
 
     def evictable_page_ids(self) -> np.ndarray:
-        """Cached pages no request holds, least recently used first."""
-        return np.fromiter(self._evictable, dtype=np.int64, count=len(self._evictable))
+        """Cached pages no request holds, least recently used first (the LRU's order)."""
+        out = np.empty(self.num_evictable_pages, dtype=np.int64)
+        return out[: lru.order(self._lru_next, out)]
 
     def revoke(self, pages: np.ndarray) -> None:
         """Take back page ids that are all free or cached-evictable (their entries are
@@ -496,9 +499,8 @@ class PagePool:
         gone[pages] = True
         evictable = pages[self.cached[pages]]
         idle = int(np.count_nonzero(gone[self._stack[: self._top]]))
-        if np.any(self.ref_counts[pages] != 0) or idle + sum(
-            1 for p in evictable.tolist() if p in self._evictable
-        ) != pages.size:
+        listed = int(np.count_nonzero(self._lru_next[evictable] >= 0))
+        if np.any(self.ref_counts[pages] != 0) or idle + listed != pages.size:
             raise ValueError(f"group {self.group_id!r}: only granted pages no request holds can be revoked")
         # One batch, in the order of their lowest page: what ``on_removed`` does for one
         # entry takes no other entry of this pool, so they are all known beforehand.
@@ -539,20 +541,20 @@ class PagePool:
                 page_key[page] = key
 
     def demote(self, key: Hashable) -> None:
-        """Make an entry low priority: its idle pages move to the front of the LRU."""
+        """Make an entry low priority: its idle pages move to the front of the LRU, the
+        last listed first."""
         pages = self._entries[key]
-        low, evictable = self.low_priority, self._evictable
-        was_low = low.item(pages[0]) if pages else True  # an entry is low as a whole
-        idle = 0
-        for page in pages:
-            low[page] = True  # entries are a few pages: item stores beat one fancy store
-            if page in evictable:
-                idle += 1
-                evictable.move_to_end(page, last=False)
-                if page < self._low_floor:
-                    self._low_floor = page
-        if idle and not was_low:
-            self._lows[self._slot] += idle  # ``_low_idle_pages``
+        if not pages:
+            return
+        ids = np.array(pages, dtype=np.int64)
+        low = self.low_priority
+        was_low = low.item(pages[0])  # an entry is low as a whole
+        low[ids] = True
+        idle, lowest = lru.move(self._lru_prev, self._lru_next, ids, True)
+        if idle:
+            self._low_floor = min(self._low_floor, int(lowest))
+            if not was_low:
+                self._lows[self._slot] += idle  # ``_low_idle_pages``
 
     def unpublish(self, key: Hashable, cause: str = UNPUBLISHED) -> int:
         """Drop an entry; its pages that no request holds go back to the free stack
@@ -568,19 +570,20 @@ class PagePool:
         free = []
         flags = self.low_priority
         low = bool(pages) and flags.item(pages[0])  # an entry is low priority as a whole
-        page_key, cached, ref, evictable = self._page_key, self.cached, self.ref_counts, self._evictable
+        page_key, cached, ref = self._page_key, self.cached, self.ref_counts
         for page in pages:
             del page_key[page]
             cached[page] = False
             if low:
                 flags[page] = False
             if ref.item(page) == 0:
-                del evictable[page]
                 free.append(page)
         if low:
             self._low_idle_pages -= len(free)
         if free:
-            self._push_free(np.asarray(free, dtype=np.int32))
+            self._lru_lengths[self._slot] -= len(free)
+            self._top = int(lru.leave_to_free(self._lru_prev, self._lru_next, self._stack, self._top,
+                                              self.lowest_first, np.array(free, dtype=np.int64)))
         return key, EVICTED_LOW if low and cause == EVICTED else cause, len(free)
 
     def promote(self, key: Hashable) -> None:
@@ -589,20 +592,16 @@ class PagePool:
         low = self.low_priority
         if not pages or not low[pages[0]]:
             return
-        for page in pages:
-            low[page] = False
-            if page in self._evictable:
-                self._low_idle_pages -= 1
-                self._evictable.move_to_end(page)
+        ids = np.array(pages, dtype=np.int64)
+        low[ids] = False
+        self._lows[self._slot] -= lru.move(self._lru_prev, self._lru_next, ids, False)[0]  # ``_low_idle_pages``
 
     def touch(self, key: Hashable) -> None:
         """Move a normal-priority entry's idle pages to the back of the LRU (the most
         recently used); a low-priority entry stays where it is."""
-        pages, evictable = self._entries[key], self._evictable
+        pages = self._entries[key]
         if pages and not self.low_priority[pages[0]]:
-            for page in pages:
-                if page in evictable:
-                    evictable.move_to_end(page)
+            lru.move(self._lru_prev, self._lru_next, np.array(pages, dtype=np.int64), False)
 
     def entry_keys(self) -> list[Hashable]:
         return list(self._entries)
@@ -613,21 +612,22 @@ class PagePool:
         low-priority entries at the head of the LRU go ``_LOW_EVICT_PAGES`` pages beyond
         that in the same pass, so a run of small allocations does not evict once each."""
         keys, freed, seen = [], 0, set()
-        page_key, low, entries, evictable, ranker = (self._page_key, self.low_priority, self._entries,
-                                                     self._evictable, self.ranker)
-        for page in evictable:
+        page_key, low, entries, nxt, ranker = (self._page_key, self.low_priority, self._entries,
+                                               self._lru_next, self.ranker)
+        page = nxt.item(NULL_PAGE)  # the head
+        while page != NULL_PAGE:
             key = page_key[page]
-            if key in seen:
-                continue
-            if freed >= pages_needed and (freed >= pages_needed + _LOW_EVICT_PAGES or not low[page]):
-                break
-            if ranker is not None and not low[page]:
-                freed = self._evict_ranked(pages_needed, freed, keys, seen)
-                break
-            seen.add(key)
-            keys.append(key)
-            pages = entries[key]  # its idle pages are the ones in the LRU
-            freed += 1 if len(pages) == 1 else sum(1 for p in pages if p in evictable)
+            if key not in seen:
+                if freed >= pages_needed and (freed >= pages_needed + _LOW_EVICT_PAGES or not low[page]):
+                    break
+                if ranker is not None and not low[page]:
+                    freed = self._evict_ranked(pages_needed, freed, keys, seen)
+                    break
+                seen.add(key)
+                keys.append(key)
+                pages = entries[key]  # its idle pages are the ones in the LRU
+                freed += 1 if len(pages) == 1 else sum(1 for p in pages if nxt.item(p) >= 0)
+            page = nxt.item(page)
         self._unpublish_many(keys)
 
     def _evict_ranked(self, pages_needed: int, freed: int, keys: list, seen: set) -> int:
@@ -664,7 +664,7 @@ class PagePool:
 
     def drop_entries(self, keys: Sequence[Hashable], cause: str = UNPUBLISHED) -> list[tuple[Hashable, str, int]]:
         """Unpublish the published entries ``keys`` in one compiled pass over their pages
-        (``kernels.drop_entries``), telling no one and counting no eviction: the free
+        (``lru.drop_entries``), telling no one and counting no eviction: the free
         stack ends as after one :meth:`unpublish` each, in order (the last entry's pages
         on top). Per entry, in order, what :meth:`unpublish` would tell ``on_removed``:
         (key, cause: ``EVICTED_LOW`` for a low-priority entry evicted, idle pages freed)."""
@@ -679,15 +679,14 @@ class PagePool:
                 del page_key[page]
         n = len(keys)
         out = np.empty(len(listed), dtype=np.int64)
-        top, n_idle, n_low = kernels.drop_entries(np.array(listed, dtype=np.int64), n, self.ref_counts, self.cached,
-                                                  self.low_priority, self._stack, self._top, self.lowest_first, out)
+        top, n_idle, n_low = lru.drop_entries(np.array(listed, dtype=np.int64), n, self.ref_counts, self.cached,
+                                                  self.low_priority, self._lru_prev, self._lru_next, self._stack,
+                                                  self._top, self.lowest_first, out)
         self._top = top
+        self._lru_lengths[self._slot] -= n_idle
         if n_low:
             self._low_idle_pages -= n_low
-        told = out[: n + n_idle].tolist()
-        evictable = self._evictable
-        for page in told[n:]:
-            del evictable[page]
+        told = out[:n].tolist()
         low_cause = EVICTED_LOW if cause == EVICTED else cause
         return [(key, low_cause if v & 1 else cause, v >> 1) for key, v in zip(keys, told)]
 
@@ -704,8 +703,7 @@ class PagePool:
         assert not np.any(free == NULL_PAGE), "null page on the free stack"
         assert np.all(self.ref_counts[free] == 0), "free page with references"
         assert not np.any(self.cached[free]), "free page still keyed"
-        for page in self._evictable:
-            assert self.ref_counts[page] == 0 and self.cached[page], "bad evictable page"
+        self._check_lru()
         # What the arena's idle scans (kernels.idle_slabs) rely on.
         idle_keyed = np.flatnonzero(self.cached & (self.ref_counts == 0))
         assert np.array_equal(idle_keyed, np.sort(self.evictable_page_ids())), "idle cached page outside the LRU"
@@ -715,13 +713,29 @@ class PagePool:
         assert self.ref_counts[NULL_PAGE] == 0
         assert np.all(self.ref_counts >= 0)
         held = int(np.count_nonzero(self.ref_counts > 0))
-        assert held + self._top + len(self._evictable) == self._granted_pages, "page leaked"
+        assert held + self.num_free_pages == self._granted_pages, "page leaked"
+
+    def _check_lru(self) -> None:
+        """The LRU's links: a list from the head of ``num_evictable_pages`` idle keyed pages,
+        each linked back to the one before, every other page unlinked."""
+        listed = np.empty(self.num_pages, dtype=np.int64)
+        listed = listed[: lru.order(self._lru_next, listed)]
+        assert listed.size == self.num_evictable_pages, "LRU length"
+        assert np.all(self.ref_counts[listed] == 0) and np.all(self.cached[listed]), "bad evictable page"
+        before = np.full(self.num_pages, -1, dtype=np.int64)
+        before[listed] = np.concatenate([[NULL_PAGE], listed[:-1]])
+        before[NULL_PAGE] = listed[-1] if listed.size else NULL_PAGE
+        assert np.array_equal(before, self._lru_prev), "LRU back links"
+        unlisted = np.ones(self.num_pages, dtype=bool)
+        unlisted[listed] = unlisted[NULL_PAGE] = False
+        assert np.all(self._lru_next[unlisted] == -1), "LRU link of an unlisted page"
 
 
 class PageSpace:
     """Every pool's pages in arrays the step kernels own: ref counts, key flags, idle
     ticks, free stacks (group ``g``'s ids at ``stack[offsets[g] : offsets[g] + tops[g]]``), idle
-    low-priority counts and whether a pool hands out its lowest ids first. Each pool
+    low-priority counts, whether a pool hands out its lowest ids first, and the LRUs'
+    links (``lru_prev``, ``lru_next``: ``hybridkv.memory.lru``) and lengths. Each pool
     is rebound to views of them, so pool methods and kernels see the same state.
     ``kernels.drop_holds`` then :meth:`released` is exactly ``decref`` of each group's
     pages in pool order."""
@@ -733,7 +747,7 @@ class PageSpace:
             raise ValueError("a page space holds fewer than 2**31 pages")
         self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         starts = self.offsets.tolist()
-        for name in ("ref_counts", "cached", "low_priority", "_stack", "idle_tick"):
+        for name in ("ref_counts", "cached", "low_priority", "_stack", "idle_tick", "_lru_prev", "_lru_next"):
             whole = np.concatenate([getattr(p, name) for p in self.pools])
             setattr(self, name.lstrip("_"), whole)
             for pool, start, n in zip(self.pools, starts, sizes):
@@ -748,8 +762,8 @@ class PageSpace:
         self.tops[:] = [p._top for p in self.pools]
         self.lowest_first[:] = [p.lowest_first for p in self.pools]
         self.low_idle = np.asarray([p._low_idle_pages for p in self.pools], dtype=np.int64)
-        self.low_counts = np.zeros(len(self.pools), dtype=np.int64)  # ``keyed_idle``'s scratch
-        self.low_scratch = np.empty(0, dtype=np.int64)
+        self.lru_lengths = np.asarray([p.num_evictable_pages for p in self.pools], dtype=np.int64)
+        self.lowest_joined = np.zeros(len(self.pools), dtype=np.int64)  # ``keyed_idle``'s scratch
         self.packing = [(g, p) for g, p in enumerate(self.pools) if p.lowest_first]  # pools ``low_floors`` asks
         self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # ``borrow``'s scratch
         # The one ``may_skip_packing`` every packing pool has (an arena's, set once after this),
@@ -757,7 +771,7 @@ class PageSpace:
         self.shared_ask: Callable[[], bool] | bool | None = None
         self.floors_unset = False  # every ``low_floor`` is ``kernels.NO_PACKING``
         for g, pool in enumerate(self.pools):
-            pool._tops, pool._lows, pool._slot = self.tops, self.low_idle, g
+            pool._tops, pool._lows, pool._lru_lengths, pool._slot = self.tops, self.low_idle, self.lru_lengths, g
             pool.counters.tallies = self.per_group[3:, g]
             pool.space = self
 
@@ -787,16 +801,13 @@ class PageSpace:
         """The first ``n_idle`` of ``idle`` (local ids, ``idle_counts[g]`` of group ``g``, as
         ``kernels.take_holds`` lists them) got a holder: they leave their pools' LRUs."""
         if n_idle:
-            listed, start = idle[:n_idle].tolist(), 0
-            for pool, k in zip(self.pools, self.idle_counts.tolist()):
-                if k:
-                    pool._borrowed_idle(listed[start : start + k])
-                    start += k
+            lru.leave(self.lru_prev, self.lru_next, self.lru_lengths, self.offsets, self.idle_counts, idle[:n_idle])
+            self.note_peaks(self.idle_counts)
 
     def drop_unit(self, pools: Sequence[PagePool], key: Hashable) -> None:
         """``pool.drop_entries([key])`` in each of ``pools`` (this space's, in order),
         telling no one: flags, counts and free stacks in one compiled pass
-        (``kernels.drop_unit``), then the entry's idle pages leave each pool's LRU."""
+        (``lru.drop_unit``: the idle pages also leave their LRUs)."""
         listed: list[int] = []
         for pool in pools:
             pages = pool._entries.pop(key)
@@ -804,16 +815,9 @@ class PageSpace:
             for page in pages:
                 del page_key[page]
             listed += (pool._slot, len(pages), *pages)
-        n = len(pools)
-        out = np.empty(len(listed), dtype=np.int64)
-        n_idle = kernels.drop_unit(np.array(listed, dtype=np.int64), n, self.ref_counts, self.cached,
-                                   self.low_priority, self.stack, self.offsets, self.per_group, self.low_idle, out)
-        told, at = out[: n + n_idle].tolist(), n
-        for pool, count in zip(pools, told[:n]):
-            evictable = pool._evictable
-            for page in told[at : at + count]:
-                del evictable[page]
-            at += count
+        lru.drop_unit(np.array(listed, dtype=np.int64), len(pools), self.ref_counts, self.cached,
+                          self.low_priority, self.lru_prev, self.lru_next, self.stack, self.offsets, self.per_group,
+                          self.low_idle, self.lru_lengths)
 
     def low_floors(self) -> np.ndarray:
         """``per_group``, once ``low_floor[g]`` holds: for a lowest-first pool (one that may
@@ -846,25 +850,35 @@ class PageSpace:
 
     def keyed_idle(self, per_group: np.ndarray, keyed: np.ndarray) -> None:
         """Keyed pages a release left idle (``keyed``, local ids, group after group,
-        ``per_group[g]`` of them, int64) join their pool's LRU (``PagePool._join_lru``), each
-        pool's with the next tick of the idle clock; their ticks and low-priority flags
-        are read in one compiled pass (``kernels.went_idle``)."""
-        counts = per_group.tolist()
-        total = sum(counts)
-        if not total:
+        ``per_group[g]`` of them, int64) join their pool's LRU as ``PagePool.decref`` has
+        them join, each pool's with the next tick of the idle clock, in one compiled call
+        (``lru.join``); Python then lowers the ``_low_floor`` of a pool where low-priority
+        pages joined and tells a pool's ranker (if any)."""
+        groups = np.count_nonzero(per_group)
+        if not groups:
             return
-        ticks = [next(_IDLE_CLOCK) for k in counts if k]  # consecutive: one per pool, in pool order
-        low = self.low_scratch if self.low_scratch.size >= total else np.empty(2 * total, dtype=np.int64)
-        self.low_scratch = low
-        n_low = kernels.went_idle(self.idle_tick, self.low_priority, self.offsets, per_group, keyed, ticks[0], low,
-                                  self.low_counts)
-        low_counts = self.low_counts.tolist() if n_low else [0] * len(counts)
-        listed, low_listed = keyed[:total].tolist(), low[:n_low].tolist()
-        start = low_start = i = 0
-        for pool, k, n in zip(self.pools, counts, low_counts):
-            if k:
-                pool._join_lru(listed[start : start + k][::-1], low_listed[low_start : low_start + n], ticks[i])
-                start, low_start, i = start + k, low_start + n, i + 1
+        first_tick = next(_IDLE_CLOCK)  # consecutive: one per pool that has some, in pool order
+        for _ in range(groups - 1):
+            next(_IDLE_CLOCK)
+        n_low = lru.join(self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, self.lru_lengths,
+                         self.low_idle, self.offsets, per_group, keyed, first_tick, self.lowest_joined)
+        if n_low:
+            for g in np.flatnonzero(self.lowest_joined != lru.NO_PAGE).tolist():
+                pool = self.pools[g]
+                pool._low_floor = min(pool._low_floor, int(self.lowest_joined[g]))
+        rankers = [g for g, pool in enumerate(self.pools) if pool.ranker is not None]
+        if rankers:
+            self._tell_rankers(rankers, per_group, keyed, first_tick)
+
+    def _tell_rankers(self, rankers: list[int], per_group: np.ndarray, keyed: np.ndarray, first_tick: int) -> None:
+        """After :meth:`keyed_idle`: each pool of ``rankers`` (groups with a ranker) whose
+        pages joined tells its ranker of them."""
+        counts = per_group.tolist()
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64).tolist()
+        ticks = np.cumsum([1 if k else 0 for k in counts]).tolist()  # the tick each pool's pages got, less one
+        for g in rankers:
+            if counts[g]:
+                self.pools[g]._joined(keyed[starts[g] : starts[g + 1]], 0, lru.NO_PAGE, first_tick + ticks[g] - 1)
 
     def note_peaks(self, allocated: np.ndarray) -> None:
         """Each pool's peak of used pages, after a step kernel allocated ``allocated[g]``
@@ -872,6 +886,6 @@ class PageSpace:
         pools, tops = self.pools, self.tops
         for g in allocated.nonzero()[0].tolist():  # the pools that allocated only
             pool = pools[g]
-            used = pool._granted_pages - int(tops[g]) - len(pool._evictable)  # num_used_pages
+            used = pool._granted_pages - int(tops[g]) - int(self.lru_lengths[g])  # num_used_pages
             if used > pool.peak_used_pages:
                 pool.peak_used_pages = used
