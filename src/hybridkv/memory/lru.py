@@ -132,21 +132,14 @@ def leave_to_free(prev, nxt, stack, top, lowest, pages):
 
 @njit(cache=True)
 def move(prev, nxt, pages, to_front):
-    """Those of ``pages`` (one pool's) that are listed move, in order, to the head
-    (``to_front``: the last one ends first) or the tail. Returns how many moved and the
-    lowest of them (``NO_PAGE`` if none)."""
-    n, lowest = 0, NO_PAGE
+    """Listed ``pages`` (one pool's) move, in order, to the head (``to_front``: the last
+    one ends first) or the tail (``PagePool.touch``, ``promote``, ``demote``)."""
     for i in range(pages.size):
-        page = pages[i]
-        if nxt[page] >= 0:
-            unlink(prev, nxt, 0, page)
-            if to_front:
-                push_front(prev, nxt, 0, page)
-            else:
-                append(prev, nxt, 0, page)
-            n += 1
-            lowest = min(lowest, page)
-    return n, lowest
+        unlink(prev, nxt, 0, pages[i])
+        if to_front:
+            push_front(prev, nxt, 0, pages[i])
+        else:
+            append(prev, nxt, 0, pages[i])
 
 
 @njit(cache=True)

@@ -31,6 +31,7 @@ from hybridkv.runtime import kernels
 NULL_PAGE = 0
 _LOW_EVICT_PAGES = 16  # idle low-priority pages an eviction frees beyond the allocation's need
 _SCAN_PAGES = 64  # idle low-priority ids one scan of the flags lists for packing
+_MOVE_IN_PYTHON_PAGES = 4  # an entry's idle pages moved in the LRU by item stores up to this many, else compiled
 # One clock for every pool: when a keyed page last went idle, comparable across groups
 # (a request's pages in all groups go idle at one tick when it is freed).
 _IDLE_CLOCK = itertools.count(1)
@@ -166,6 +167,8 @@ class PagePool:
         self.cached = np.zeros(self.num_pages, dtype=bool)
         # Keyed pages evicted before all others once idle (speculative prompt checkpoints).
         self.low_priority = np.zeros(self.num_pages, dtype=bool)
+        # Per keyed page, its entry's key. Read only for keyed pages (``cached``), so an
+        # entry's removal leaves its pages' keys behind (overwritten when a page is keyed again).
         self._page_key: dict[int, Hashable] = {}
         self._entries: dict[Hashable, tuple[int, ...]] = {}
         # An entry's pages by key, None when it is not published: the dict's own get (a
@@ -236,7 +239,7 @@ class PagePool:
 
     @property
     def num_cached_pages(self) -> int:
-        return len(self._page_key)
+        return int(np.count_nonzero(self.cached))
 
     # --- allocation -----------------------------------------------------
     def allocate(self, count: int, *, highest: int = 0, set_refs: bool = True) -> np.ndarray:
@@ -546,15 +549,35 @@ class PagePool:
         pages = self._entries[key]
         if not pages:
             return
-        ids = np.array(pages, dtype=np.int64)
         low = self.low_priority
         was_low = low.item(pages[0])  # an entry is low as a whole
-        low[ids] = True
-        idle, lowest = lru.move(self._lru_prev, self._lru_next, ids, True)
+        for page in pages:
+            low[page] = True  # entries are a few pages: item stores beat one fancy store
+        idle = self._move_idle(pages, True)
         if idle:
-            self._low_floor = min(self._low_floor, int(lowest))
+            self._low_floor = min(self._low_floor, *idle)
             if not was_low:
-                self._lows[self._slot] += idle  # ``_low_idle_pages``
+                self._lows[self._slot] += len(idle)  # ``_low_idle_pages``
+
+    def _move_idle(self, pages: tuple[int, ...], to_front: bool) -> list[int]:
+        """Those of an entry's ``pages`` in the LRU move, in order, to its head (``to_front``:
+        the last one ends first) or tail; returns them. A few pages (most entries) in
+        item reads and stores, more in one compiled call (``lru.move``)."""
+        prev, nxt = self._lru_prev, self._lru_next
+        idle = [page for page in pages if nxt.item(page) >= 0]
+        if len(idle) > _MOVE_IN_PYTHON_PAGES:
+            lru.move(prev, nxt, np.array(idle, dtype=np.int64), to_front)
+            return idle
+        for page in idle:  # lru.unlink, then lru.push_front or lru.append
+            before, after = prev.item(page), nxt.item(page)
+            nxt[before], prev[after] = after, before
+            if to_front:
+                head = nxt.item(NULL_PAGE)
+                prev[head], nxt[page], prev[page], nxt[NULL_PAGE] = page, head, NULL_PAGE, page
+            else:
+                tail = prev.item(NULL_PAGE)
+                nxt[tail], prev[page], nxt[page], prev[NULL_PAGE] = page, tail, NULL_PAGE, page
+        return idle
 
     def unpublish(self, key: Hashable, cause: str = UNPUBLISHED) -> int:
         """Drop an entry; its pages that no request holds go back to the free stack
@@ -570,9 +593,8 @@ class PagePool:
         free = []
         flags = self.low_priority
         low = bool(pages) and flags.item(pages[0])  # an entry is low priority as a whole
-        page_key, cached, ref = self._page_key, self.cached, self.ref_counts
+        cached, ref = self.cached, self.ref_counts
         for page in pages:
-            del page_key[page]
             cached[page] = False
             if low:
                 flags[page] = False
@@ -592,16 +614,18 @@ class PagePool:
         low = self.low_priority
         if not pages or not low[pages[0]]:
             return
-        ids = np.array(pages, dtype=np.int64)
-        low[ids] = False
-        self._lows[self._slot] -= lru.move(self._lru_prev, self._lru_next, ids, False)[0]  # ``_low_idle_pages``
+        for page in pages:
+            low[page] = False
+        idle = self._move_idle(pages, False)
+        if idle:
+            self._lows[self._slot] -= len(idle)  # ``_low_idle_pages``
 
     def touch(self, key: Hashable) -> None:
         """Move a normal-priority entry's idle pages to the back of the LRU (the most
         recently used); a low-priority entry stays where it is."""
         pages = self._entries[key]
         if pages and not self.low_priority[pages[0]]:
-            lru.move(self._lru_prev, self._lru_next, np.array(pages, dtype=np.int64), False)
+            self._move_idle(pages, False)
 
     def entry_keys(self) -> list[Hashable]:
         return list(self._entries)
@@ -670,13 +694,11 @@ class PagePool:
         (key, cause: ``EVICTED_LOW`` for a low-priority entry evicted, idle pages freed)."""
         if len(keys) == 1:
             return [self._drop_entry(keys[0], cause)]
-        entries, page_key, listed = self._entries, self._page_key, []
+        entries, listed = self._entries, []
         for key in reversed(keys):  # the last entry's pages on top, as one by one
             pages = entries.pop(key)
             listed.append(len(pages))
             listed += pages
-            for page in pages:
-                del page_key[page]
         n = len(keys)
         out = np.empty(len(listed), dtype=np.int64)
         top, n_idle, n_low = lru.drop_entries(np.array(listed, dtype=np.int64), n, self.ref_counts, self.cached,
@@ -710,6 +732,7 @@ class PagePool:
         assert self._low_idle_pages == int(np.count_nonzero(self.low_priority[self.evictable_page_ids()])), (
             "idle low-priority count"
         )
+        assert self.num_cached_pages == sum(map(len, self._entries.values())), "keyed pages outside the entries"
         assert self.ref_counts[NULL_PAGE] == 0
         assert np.all(self.ref_counts >= 0)
         held = int(np.count_nonzero(self.ref_counts > 0))
@@ -811,9 +834,6 @@ class PageSpace:
         listed: list[int] = []
         for pool in pools:
             pages = pool._entries.pop(key)
-            page_key = pool._page_key
-            for page in pages:
-                del page_key[page]
             listed += (pool._slot, len(pages), *pages)
         lru.drop_unit(np.array(listed, dtype=np.int64), len(pools), self.ref_counts, self.cached,
                           self.low_priority, self.lru_prev, self.lru_next, self.stack, self.offsets, self.per_group,
