@@ -478,6 +478,8 @@ def test_drop_holds_then_released_is_decref_pool_by_pool(data, lowest_first, twi
         pool.decref(pages)
     for a, b in zip(pools_a, pools_b):
         assert _pool_state(a) == _pool_state(b)
+    floors = [side_space.low_floors()[kernels.LOW_FLOOR].tolist() for _, side_space in sides]
+    assert floors[0] == floors[1]  # the packing floors the joining low-priority pages lowered
 
 
 def _entries_state(pool: PagePool, keys) -> tuple:

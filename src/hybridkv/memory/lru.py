@@ -80,25 +80,22 @@ def join_pool(idle_tick, low_priority, prev, nxt, pages, tick):
 
 
 @njit(cache=True)
-def join(idle_tick, low_priority, prev, nxt, lengths, low_idle, offsets, per_group, pages, first_tick, lowest):
+def join(idle_tick, low_priority, prev, nxt, lengths, low_idle, low_floors, offsets, per_group, pages, first_tick):
     """``join_run`` of each group's slice of ``pages`` (group after group, ``per_group[g]``
-    of them), with the next tick from ``first_tick`` per group that has some; each group's
-    list length and idle low-priority count ``low_idle[g]`` grow, ``lowest[g]`` gets the
-    lowest low-priority page that joined (``NO_PAGE`` if none). Returns how many joined
-    low priority (``PageSpace.keyed_idle``)."""
-    start, tick, n_low = 0, first_tick, 0
+    of them), with the next tick from ``first_tick`` per group that has some
+    (``PageSpace.keyed_idle``): each group's list length and idle low-priority count
+    ``low_idle[g]`` grow, and ``low_floors[g]`` (a lower bound of its idle low-priority
+    pages: ``PagePool._low_floor``) falls to the lowest low-priority page that joined."""
+    start, tick = 0, first_tick
     for g in range(per_group.size):
         k = per_group[g]
-        lowest[g] = NO_PAGE
         if k:
             low, least = join_run(idle_tick, low_priority, prev, nxt, offsets[g], pages, start, start + k, tick)
-            lowest[g] = least
             lengths[g] += k
             low_idle[g] += low
-            n_low += low
+            low_floors[g] = min(low_floors[g], least)
             tick += 1
             start += k
-    return n_low
 
 
 @njit(cache=True)

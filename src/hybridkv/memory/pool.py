@@ -158,7 +158,8 @@ class PagePool:
         # Lowest-first pools reuse idle low-priority pages in id order like free pages, so
         # they do not push live pages up: a lower bound of their ids (``num_pages``: none
         # yet), lowered as pages join them and raised by packing's scan of the flags.
-        self._low_floor = self.num_pages
+        # In a one-element array like ``_tops``, so that ``lru.join`` lowers it in a page space.
+        self._floors = np.full(1, self.num_pages, dtype=np.int64)
         # Per page: the idle clock's tick when it last became cached-evictable.
         self.idle_tick = np.zeros(self.num_pages, dtype=np.int64)
 
@@ -180,7 +181,7 @@ class PagePool:
         # Set by a "prefill-per-byte" prefix cache on its state pools (a
         # hybridkv.prefix.checkpoints.CheckpointOrder): told which pages go idle, it names the
         # normal-priority victims in place of the LRU order.
-        self.ranker = None
+        self._ranker = None
         # Set by a prefix cache on a pool whose removals never change the pool itself (a
         # state group's: the rest of a unit leaves the other groups): called in place of
         # ``on_removed`` with every (key, cause, idle pages freed) of entries evicted or
@@ -189,6 +190,16 @@ class PagePool:
         # ``evict_entries`` call, decided with the free ids they would add, with the same
         # entries and order as one by one.
         self.on_removed_many: Callable[[list[tuple[Hashable, str, int]]], None] | None = None
+
+    @property
+    def ranker(self):
+        return self._ranker
+
+    @ranker.setter
+    def ranker(self, ranker) -> None:
+        self._ranker = ranker
+        if self.space is not None:
+            self.space.ranked = [g for g, pool in enumerate(self.space.pools) if pool.ranker is not None]
 
     # --- counts ---------------------------------------------------------
     @property
@@ -207,6 +218,15 @@ class PagePool:
     @_low_idle_pages.setter
     def _low_idle_pages(self, value: int) -> None:
         self._lows[self._slot] = value
+
+    @property
+    def _low_floor(self) -> int:
+        """A lower bound of the idle low-priority pages' ids (``num_pages``: none yet)."""
+        return int(self._floors[self._slot])
+
+    @_low_floor.setter
+    def _low_floor(self, value: int) -> None:
+        self._floors[self._slot] = value
 
     @property
     def usable_pages(self) -> int:
@@ -786,7 +806,8 @@ class PageSpace:
         self.lowest_first[:] = [p.lowest_first for p in self.pools]
         self.low_idle = np.asarray([p._low_idle_pages for p in self.pools], dtype=np.int64)
         self.lru_lengths = np.asarray([p.num_evictable_pages for p in self.pools], dtype=np.int64)
-        self.lowest_joined = np.zeros(len(self.pools), dtype=np.int64)  # ``keyed_idle``'s scratch
+        self.idle_low_floors = np.asarray([p._low_floor for p in self.pools], dtype=np.int64)  # the pools' ``_low_floor``
+        self.ranked: list[int] = []  # the groups whose pool has a ranker (``PagePool.ranker`` keeps it)
         self.packing = [(g, p) for g, p in enumerate(self.pools) if p.lowest_first]  # pools ``low_floors`` asks
         self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # ``borrow``'s scratch
         # The one ``may_skip_packing`` every packing pool has (an arena's, set once after this),
@@ -795,8 +816,10 @@ class PageSpace:
         self.floors_unset = False  # every ``low_floor`` is ``kernels.NO_PACKING``
         for g, pool in enumerate(self.pools):
             pool._tops, pool._lows, pool._lru_lengths, pool._slot = self.tops, self.low_idle, self.lru_lengths, g
+            pool._floors = self.idle_low_floors
             pool.counters.tallies = self.per_group[3:, g]
             pool.space = self
+            pool.ranker = pool.ranker  # into ``ranked``
 
     def released(self, counts: np.ndarray, freed: np.ndarray, keyed: np.ndarray) -> None:
         """What ``kernels.drop_holds`` let go (``counts``, ``freed``, ``keyed`` as it fills
@@ -872,31 +895,26 @@ class PageSpace:
         """Keyed pages a release left idle (``keyed``, local ids, group after group,
         ``per_group[g]`` of them, int64) join their pool's LRU as ``PagePool.decref`` has
         them join, each pool's with the next tick of the idle clock, in one compiled call
-        (``lru.join``); Python then lowers the ``_low_floor`` of a pool where low-priority
-        pages joined and tells a pool's ranker (if any)."""
+        (``lru.join``, which also lowers the ``_low_floor`` of a pool where low-priority
+        pages joined); then a pool's ranker (if any) is told."""
         groups = np.count_nonzero(per_group)
         if not groups:
             return
         first_tick = next(_IDLE_CLOCK)  # consecutive: one per pool that has some, in pool order
         for _ in range(groups - 1):
             next(_IDLE_CLOCK)
-        n_low = lru.join(self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, self.lru_lengths,
-                         self.low_idle, self.offsets, per_group, keyed, first_tick, self.lowest_joined)
-        if n_low:
-            for g in np.flatnonzero(self.lowest_joined != lru.NO_PAGE).tolist():
-                pool = self.pools[g]
-                pool._low_floor = min(pool._low_floor, int(self.lowest_joined[g]))
-        rankers = [g for g, pool in enumerate(self.pools) if pool.ranker is not None]
-        if rankers:
-            self._tell_rankers(rankers, per_group, keyed, first_tick)
+        lru.join(self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, self.lru_lengths, self.low_idle,
+                 self.idle_low_floors, self.offsets, per_group, keyed, first_tick)
+        if self.ranked:
+            self._tell_rankers(per_group, keyed, first_tick)
 
-    def _tell_rankers(self, rankers: list[int], per_group: np.ndarray, keyed: np.ndarray, first_tick: int) -> None:
-        """After :meth:`keyed_idle`: each pool of ``rankers`` (groups with a ranker) whose
-        pages joined tells its ranker of them."""
+    def _tell_rankers(self, per_group: np.ndarray, keyed: np.ndarray, first_tick: int) -> None:
+        """After :meth:`keyed_idle`: each pool with a ranker whose pages joined tells its
+        ranker of them."""
         counts = per_group.tolist()
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64).tolist()
         ticks = np.cumsum([1 if k else 0 for k in counts]).tolist()  # the tick each pool's pages got, less one
-        for g in rankers:
+        for g in self.ranked:
             if counts[g]:
                 self.pools[g]._joined(keyed[starts[g] : starts[g + 1]], 0, lru.NO_PAGE, first_tick + ticks[g] - 1)
 
