@@ -80,21 +80,21 @@ def join_pool(idle_tick, low_priority, prev, nxt, pages, tick):
 
 
 @njit(cache=True)
-def join(idle_tick, low_priority, prev, nxt, lengths, low_idle, low_floors, offsets, per_group, pages, first_tick):
+def join(idle_tick, low_priority, prev, nxt, lengths, low_idle, low_floors, offsets, per_group, pages, clock):
     """``join_run`` of each group's slice of ``pages`` (group after group, ``per_group[g]``
-    of them), with the next tick from ``first_tick`` per group that has some
-    (``PageSpace.keyed_idle``): each group's list length and idle low-priority count
+    of them), with the next tick of the idle clock (``clock[0]``, the last tick given)
+    per group that has some, in group order (``PageSpace.keyed_idle``): each group's list length and idle low-priority count
     ``low_idle[g]`` grow, and ``low_floors[g]`` (a lower bound of its idle low-priority
     pages: ``PagePool._low_floor``) falls to the lowest low-priority page that joined."""
-    start, tick = 0, first_tick
+    start = 0
     for g in range(per_group.size):
         k = per_group[g]
         if k:
-            low, least = join_run(idle_tick, low_priority, prev, nxt, offsets[g], pages, start, start + k, tick)
+            clock[0] += 1
+            low, least = join_run(idle_tick, low_priority, prev, nxt, offsets[g], pages, start, start + k, clock[0])
             lengths[g] += k
             low_idle[g] += low
             low_floors[g] = min(low_floors[g], least)
-            tick += 1
             start += k
 
 

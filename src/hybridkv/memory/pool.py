@@ -20,7 +20,6 @@ of the states above.
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
@@ -34,12 +33,14 @@ _SCAN_PAGES = 64  # idle low-priority ids one scan of the flags lists for packin
 _MOVE_IN_PYTHON_PAGES = 4  # an entry's idle pages moved in the LRU by item stores up to this many, else compiled
 # One clock for every pool: when a keyed page last went idle, comparable across groups
 # (a request's pages in all groups go idle at one tick when it is freed).
-_IDLE_CLOCK = itertools.count(1)
+# The last tick given, in an array so that ``lru.join`` draws a page space's ticks itself.
+_IDLE_CLOCK = np.zeros(1, dtype=np.int64)
 
 
 def idle_clock_tick() -> int:
     """A tick of the pools' shared idle clock later than every ``idle_tick`` so far."""
-    return next(_IDLE_CLOCK)
+    _IDLE_CLOCK[0] += 1
+    return int(_IDLE_CLOCK[0])
 
 
 # Why an entry left a pool (the second argument of ``on_removed``).
@@ -467,7 +468,7 @@ class PagePool:
         join the LRU, each with the next tick of the idle clock (``lru.join_pool``): the
         last released first, at the tail, so a chain's tail is evicted before its head;
         low-priority ones at the head instead (evicted first), the last released last."""
-        tick = next(_IDLE_CLOCK)
+        tick = idle_clock_tick()
         n_low, lowest = lru.join_pool(self.idle_tick, self.low_priority, self._lru_prev, self._lru_next, pages, tick)
         self._lru_lengths[self._slot] += pages.size
         self._joined(pages, n_low, lowest, tick)
@@ -897,14 +898,9 @@ class PageSpace:
         them join, each pool's with the next tick of the idle clock, in one compiled call
         (``lru.join``, which also lowers the ``_low_floor`` of a pool where low-priority
         pages joined); then a pool's ranker (if any) is told."""
-        groups = np.count_nonzero(per_group)
-        if not groups:
-            return
-        first_tick = next(_IDLE_CLOCK)  # consecutive: one per pool that has some, in pool order
-        for _ in range(groups - 1):
-            next(_IDLE_CLOCK)
+        first_tick = int(_IDLE_CLOCK[0]) + 1 if self.ranked else 0
         lru.join(self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, self.lru_lengths, self.low_idle,
-                 self.idle_low_floors, self.offsets, per_group, keyed, first_tick)
+                 self.idle_low_floors, self.offsets, per_group, keyed, _IDLE_CLOCK)
         if self.ranked:
             self._tell_rankers(per_group, keyed, first_tick)
 
