@@ -21,8 +21,6 @@ from numba import njit
 
 from hybridkv.runtime.kernels import LOWEST, TOP, push_run
 
-NO_PAGE = np.iinfo(np.int64).max  # ``join``'s lowest low-priority page of a group that had none
-
 
 @njit(cache=True, inline="always")
 def append(prev, nxt, off, page):
@@ -54,54 +52,38 @@ def unlink(prev, nxt, off, page):
     nxt[off + page] = -1
 
 
-@njit(cache=True, inline="always")
-def join_run(idle_tick, low_priority, prev, nxt, off, pages, start, end, tick):
-    """``pages[start:end]`` (local ids of one list, not listed) went idle, the last listed
-    first: each gets ``idle_tick`` ``tick`` and joins the tail, a low-priority one the head
-    instead (so of those the last listed ends first). Returns how many were low priority
-    and the lowest of them (``NO_PAGE`` if none)."""
-    n_low, lowest = 0, NO_PAGE
-    for i in range(end - 1, start - 1, -1):
-        page = pages[i]
-        idle_tick[off + page] = tick
-        if low_priority[off + page]:
-            push_front(prev, nxt, off, page)
-            n_low += 1
-            lowest = min(lowest, page)
-        else:
-            append(prev, nxt, off, page)
-    return n_low, lowest
-
-
-@njit(cache=True)
-def join_pool(idle_tick, low_priority, prev, nxt, pages, tick):
-    """``join_run`` of all of ``pages`` into one pool's list (``PagePool.decref``)."""
-    return join_run(idle_tick, low_priority, prev, nxt, 0, pages, 0, pages.size, tick)
-
-
 @njit(cache=True)
 def join(idle_tick, low_priority, prev, nxt, lengths, low_idle, low_floors, offsets, per_group, pages, clock):
-    """``join_run`` of each group's slice of ``pages`` (group after group, ``per_group[g]``
-    of them), with the next tick of the idle clock (``clock[0]``, the last tick given)
-    per group that has some, in group order (``PageSpace.keyed_idle``): each group's list length and idle low-priority count
-    ``low_idle[g]`` grow, and ``low_floors[g]`` (a lower bound of its idle low-priority
-    pages: ``PagePool._low_floor``) falls to the lowest low-priority page that joined."""
+    """Idle keyed pages join their group's list (``PageSpace.keyed_idle``; a pool's own
+    ``decref`` as group 0): ``pages`` (local ids, group after group, ``per_group[g]`` of
+    them, not listed), each group's the last listed first, get the next tick of the idle
+    clock (``clock[0]``, the last tick given) per group that has some, in group order,
+    and join the tail, a low-priority one the head instead (so of those the last listed
+    ends first). Each group's list length and idle low-priority count ``low_idle[g]``
+    grow, and ``low_floors[g]`` (a lower bound of its idle low-priority pages:
+    ``PagePool._low_floor``) falls to the lowest low-priority page that joined."""
     start = 0
     for g in range(per_group.size):
-        k = per_group[g]
+        k, off = per_group[g], offsets[g]
         if k:
             clock[0] += 1
-            low, least = join_run(idle_tick, low_priority, prev, nxt, offsets[g], pages, start, start + k, clock[0])
+            for i in range(start + k - 1, start - 1, -1):
+                page = pages[i]
+                idle_tick[off + page] = clock[0]
+                if low_priority[off + page]:
+                    push_front(prev, nxt, off, page)
+                    low_idle[g] += 1
+                    low_floors[g] = min(low_floors[g], page)
+                else:
+                    append(prev, nxt, off, page)
             lengths[g] += k
-            low_idle[g] += low
-            low_floors[g] = min(low_floors[g], least)
             start += k
 
 
 @njit(cache=True)
 def leave(prev, nxt, lengths, offsets, per_group, pages):
     """Listed pages (local ids, group after group, ``per_group[g]`` of them) leave their
-    group's list (borrowed: ``PageSpace.borrowed_idle``)."""
+    group's list (borrowed: ``PageSpace.borrowed_idle``; a pool's own ``incref`` as group 0)."""
     start = 0
     for g in range(per_group.size):
         k, off = per_group[g], offsets[g]
@@ -109,13 +91,6 @@ def leave(prev, nxt, lengths, offsets, per_group, pages):
             unlink(prev, nxt, off, pages[i])
         lengths[g] -= k
         start += k
-
-
-@njit(cache=True)
-def leave_pool(prev, nxt, pages):
-    """Listed pages leave one pool's list."""
-    for i in range(pages.size):
-        unlink(prev, nxt, 0, pages[i])
 
 
 @njit(cache=True)

@@ -30,6 +30,7 @@ from hybridkv.runtime import kernels
 NULL_PAGE = 0
 _LOW_EVICT_PAGES = 16  # idle low-priority pages an eviction frees beyond the allocation's need
 _SCAN_PAGES = 64  # idle low-priority ids one scan of the flags lists for packing
+_NO_OFFSET = np.zeros(1, dtype=np.int64)  # a pool's own arrays given to a page space's kernels: group 0 at 0
 _MOVE_IN_PYTHON_PAGES = 4  # an entry's idle pages moved in the LRU by item stores up to this many, else compiled
 # One clock for every pool: when a keyed page last went idle, comparable across groups
 # (a request's pages in all groups go idle at one tick when it is freed).
@@ -413,8 +414,9 @@ class PagePool:
     def _borrowed_idle(self, idle: list[int]) -> None:
         """Idle keyed pages (distinct) that just got a holder, already off the idle
         low-priority count, leave the LRU; the pages in use rise."""
-        lru.leave_pool(self._lru_prev, self._lru_next, np.array(idle, dtype=np.int64))
-        self._lru_lengths[self._slot] -= len(idle)
+        g = self._slot
+        lru.leave(self._lru_prev, self._lru_next, self._lru_lengths[g : g + 1], _NO_OFFSET, np.array([len(idle)]),
+                  np.array(idle, dtype=np.int64))
         used = self._granted_pages - self.num_free_pages  # num_used_pages
         if used > self.peak_used_pages:
             self.peak_used_pages = used
@@ -465,25 +467,22 @@ class PagePool:
 
     def _keyed_idle(self, pages: np.ndarray) -> None:
         """Keyed pages (distinct local ids, logical order) whose last reference just went
-        join the LRU, each with the next tick of the idle clock (``lru.join_pool``): the
+        join the LRU, each with the next tick of the idle clock (``lru.join``): the
         last released first, at the tail, so a chain's tail is evicted before its head;
         low-priority ones at the head instead (evicted first), the last released last."""
-        tick = idle_clock_tick()
-        n_low, lowest = lru.join_pool(self.idle_tick, self.low_priority, self._lru_prev, self._lru_next, pages, tick)
-        self._lru_lengths[self._slot] += pages.size
-        self._joined(pages, n_low, lowest, tick)
-
-    def _joined(self, pages: np.ndarray, n_low: int, lowest: int, tick: int) -> None:
-        """After ``pages`` (logical order) joined the LRU at ``tick``, ``n_low`` of them low
-        priority, the lowest ``lowest``: the idle low-priority count and ``_low_floor``
-        follow, and the ranker (if any) hears of the normal-priority ones."""
-        if n_low:
-            self._lows[self._slot] += n_low  # ``_low_idle_pages``, without the property's two calls
-            self._low_floor = min(self._low_floor, int(lowest))
+        g = self._slot
+        tick = int(_IDLE_CLOCK[0]) + 1
+        lru.join(self.idle_tick, self.low_priority, self._lru_prev, self._lru_next, self._lru_lengths[g : g + 1],
+                 self._lows[g : g + 1], self._floors[g : g + 1], _NO_OFFSET, np.array([pages.size]), pages, _IDLE_CLOCK)
         if self.ranker is not None:
-            low, page_key = self.low_priority, self._page_key
-            listed = pages[::-1].tolist()
-            self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in listed if not low[p]], tick)
+            self._tell_ranker(pages, tick)
+
+    def _tell_ranker(self, pages: np.ndarray, tick: int) -> None:
+        """``pages`` (logical order) joined the LRU at ``tick``: the ranker hears of the
+        normal-priority ones."""
+        low, page_key = self.low_priority, self._page_key
+        listed = pages[::-1].tolist()
+        self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in listed if not low[p]], tick)
 
     def _push_free(self, pages: np.ndarray) -> None:
         """Freed ids (logical order) onto the free stack (``kernels.push_run``)."""
@@ -912,7 +911,7 @@ class PageSpace:
         ticks = np.cumsum([1 if k else 0 for k in counts]).tolist()  # the tick each pool's pages got, less one
         for g in self.ranked:
             if counts[g]:
-                self.pools[g]._joined(keyed[starts[g] : starts[g + 1]], 0, lru.NO_PAGE, first_tick + ticks[g] - 1)
+                self.pools[g]._tell_ranker(keyed[starts[g] : starts[g + 1]], first_tick + ticks[g] - 1)
 
     def note_peaks(self, allocated: np.ndarray) -> None:
         """Each pool's peak of used pages, after a step kernel allocated ``allocated[g]``
