@@ -31,7 +31,7 @@ NULL_PAGE = 0
 _LOW_EVICT_PAGES = 16  # idle low-priority pages an eviction frees beyond the allocation's need
 _SCAN_PAGES = 64  # idle low-priority ids one scan of the flags lists for packing
 _NO_OFFSET = np.zeros(1, dtype=np.int64)  # a pool's own arrays given to a page space's kernels: group 0 at 0
-_MOVE_IN_PYTHON_PAGES = 4  # an entry's idle pages moved in the LRU by item stores up to this many, else compiled
+_MOVE_IN_PYTHON_PAGES = 4  # an entry of up to this many pages has its idle ones moved in the LRU by item stores
 # One clock for every pool: when a keyed page last went idle, comparable across groups
 # (a request's pages in all groups go idle at one tick when it is freed).
 # The last tick given, in an array so that ``lru.join`` draws a page space's ticks itself.
@@ -157,6 +157,7 @@ class PagePool:
         self._lru_next = np.full(self.num_pages, -1, dtype=np.int32)
         self._lru_prev[NULL_PAGE] = self._lru_next[NULL_PAGE] = NULL_PAGE
         self._lru_lengths = np.zeros(1, dtype=np.int64)
+        self._view_lru()
         # Lowest-first pools reuse idle low-priority pages in id order like free pages, so
         # they do not push live pages up: a lower bound of their ids (``num_pages``: none
         # yet), lowered as pages join them and raised by packing's scan of the flags.
@@ -220,6 +221,11 @@ class PagePool:
     @_low_idle_pages.setter
     def _low_idle_pages(self, value: int) -> None:
         self._lows[self._slot] = value
+
+    def _view_lru(self) -> None:
+        """Memoryviews of the LRU's links, for Python's item reads and stores (faster than
+        the arrays' own); made again whenever a page space rebinds the arrays."""
+        self._lru_views = (memoryview(self._lru_prev), memoryview(self._lru_next))
 
     @property
     def _low_floor(self) -> int:
@@ -575,27 +581,34 @@ class PagePool:
             low[page] = True  # entries are a few pages: item stores beat one fancy store
         idle = self._move_idle(pages, True)
         if idle:
-            self._low_floor = min(self._low_floor, *idle)
+            g, lowest = self._slot, min(idle)
+            if lowest < self._floors[g]:
+                self._floors[g] = lowest  # ``_low_floor``
             if not was_low:
-                self._lows[self._slot] += len(idle)  # ``_low_idle_pages``
+                self._lows[g] += len(idle)  # ``_low_idle_pages``
 
     def _move_idle(self, pages: tuple[int, ...], to_front: bool) -> list[int]:
         """Those of an entry's ``pages`` in the LRU move, in order, to its head (``to_front``:
         the last one ends first) or tail; returns them. A few pages (most entries) in
         item reads and stores, more in one compiled call (``lru.move``)."""
-        prev, nxt = self._lru_prev, self._lru_next
-        idle = [page for page in pages if nxt.item(page) >= 0]
-        if len(idle) > _MOVE_IN_PYTHON_PAGES:
-            lru.move(prev, nxt, np.array(idle, dtype=np.int64), to_front)
+        prev, nxt = self._lru_views
+        if len(pages) > _MOVE_IN_PYTHON_PAGES:
+            idle = [page for page in pages if nxt[page] >= 0]
+            lru.move(self._lru_prev, self._lru_next, np.array(idle, dtype=np.int64), to_front)
             return idle
-        for page in idle:  # lru.unlink, then lru.push_front or lru.append
-            before, after = prev.item(page), nxt.item(page)
+        idle = []
+        for page in pages:  # lru.unlink, then lru.push_front or lru.append
+            before = prev[page]
+            if before < 0:
+                continue
+            idle.append(page)
+            after = nxt[page]
             nxt[before], prev[after] = after, before
             if to_front:
-                head = nxt.item(NULL_PAGE)
+                head = nxt[NULL_PAGE]
                 prev[head], nxt[page], prev[page], nxt[NULL_PAGE] = page, head, NULL_PAGE, page
             else:
-                tail = prev.item(NULL_PAGE)
+                tail = prev[NULL_PAGE]
                 nxt[tail], prev[page], nxt[page], prev[NULL_PAGE] = page, tail, NULL_PAGE, page
         return idle
 
@@ -817,6 +830,7 @@ class PageSpace:
         for g, pool in enumerate(self.pools):
             pool._tops, pool._lows, pool._lru_lengths, pool._slot = self.tops, self.low_idle, self.lru_lengths, g
             pool._floors = self.idle_low_floors
+            pool._view_lru()
             pool.counters.tallies = self.per_group[3:, g]
             pool.space = self
             pool.ranker = pool.ranker  # into ``ranked``
