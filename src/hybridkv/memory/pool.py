@@ -670,8 +670,8 @@ class PagePool:
         that in the same pass, so a run of small allocations does not evict once each."""
         keys, freed, seen = [], 0, set()
         page_key, low, entries, nxt, ranker = (self._page_key, self.low_priority, self._entries,
-                                               self._lru_next, self.ranker)
-        page = nxt.item(NULL_PAGE)  # the head
+                                               self._lru_views[1], self.ranker)
+        page = nxt[NULL_PAGE]  # the head
         while page != NULL_PAGE:
             key = page_key[page]
             if key not in seen:
@@ -683,8 +683,8 @@ class PagePool:
                 seen.add(key)
                 keys.append(key)
                 pages = entries[key]  # its idle pages are the ones in the LRU
-                freed += 1 if len(pages) == 1 else sum(1 for p in pages if nxt.item(p) >= 0)
-            page = nxt.item(page)
+                freed += 1 if len(pages) == 1 else sum(1 for p in pages if nxt[p] >= 0)
+            page = nxt[page]
         self._unpublish_many(keys)
 
     def _evict_ranked(self, pages_needed: int, freed: int, keys: list, seen: set) -> int:
