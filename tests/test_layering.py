@@ -18,7 +18,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "hybridkv"
 LAYERS = [
     ("hybridkv._checks", "hybridkv.units", "hybridkv.spec", "hybridkv"),
     ("hybridkv.models", "hybridkv.codecs", "hybridkv.plan"),
-    ("hybridkv.memory.pool", "hybridkv.tables.store", "hybridkv.runtime.kernels"),
+    ("hybridkv.memory.pool", "hybridkv.memory.lru", "hybridkv.tables.store", "hybridkv.runtime.kernels"),
     ("hybridkv.memory.arena", "hybridkv.prefix.eviction", "hybridkv.prefix.checkpoints", "hybridkv.prefix.cache"),
     ("hybridkv.sizing", "hybridkv.compare_vllm"),
     ("hybridkv.runtime.batch",),

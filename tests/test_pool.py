@@ -415,7 +415,7 @@ def test_allocate_highest_takes_the_top_free_ids_in_lowest_first_pools():
 
 def _pool_state(pool):
     pool.check_invariants()  # merges pending releases, so both sides compare sorted stacks
-    return (pool.ref_counts.tolist(), pool.free_page_ids().tolist(), list(pool._evictable),
+    return (pool.ref_counts.tolist(), pool.free_page_ids().tolist(), pool.evictable_page_ids().tolist(),
             pool.num_low_priority_idle_pages, pool.counters.as_dict(),
             pool.peak_used_pages)
 
@@ -478,6 +478,8 @@ def test_drop_holds_then_released_is_decref_pool_by_pool(data, lowest_first, twi
         pool.decref(pages)
     for a, b in zip(pools_a, pools_b):
         assert _pool_state(a) == _pool_state(b)
+    floors = [side_space.low_floors()[kernels.LOW_FLOOR].tolist() for _, side_space in sides]
+    assert floors[0] == floors[1]  # the packing floors the joining low-priority pages lowered
 
 
 def _entries_state(pool: PagePool, keys) -> tuple:
@@ -955,3 +957,76 @@ def test_packing_one_by_one_sees_entries_a_removal_demoted():
     assert pool.allocate(2).tolist() == [1, 3]
     assert removed == [("x", "evicted_low"), ("y", "evicted_low")]
     pool.check_invariants()
+
+
+class LruReference:
+    """The LRU as an ``OrderedDict`` of pages (least recently used first), changed as the
+    pool documents: released pages join at the tail (the last released first), low-priority
+    ones at the head instead; borrowed or unpublished pages leave; ``touch`` and
+    ``promote`` move an entry's idle pages to the tail, ``demote`` to the head."""
+
+    def __init__(self):
+        from collections import OrderedDict
+
+        self.order, self.low = OrderedDict(), {}
+
+    def joined(self, pages, low):
+        for page in reversed(pages):
+            self.order[page] = None
+            if low:
+                self.order.move_to_end(page, last=False)
+
+    def left(self, pages):
+        for page in pages:
+            self.order.pop(page, None)
+
+    def moved(self, pages, to_front):
+        for page in pages:
+            if page in self.order:
+                self.order.move_to_end(page, last=not to_front)
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), lowest_first=st.booleans())
+def test_the_lru_keeps_an_ordered_dicts_order_through_every_change(data, lowest_first):
+    """Random publishes, releases, borrows, touches, promotions, demotions and removals
+    (one entry or several at once; entries of 1-7 pages) against an ``OrderedDict`` reference: the pool's LRU
+    order (``evictable_page_ids``) and its length match after each."""
+    pool, ref = PagePool("g", 24, lowest_first=lowest_first), LruReference()
+    entries, held = {}, {}  # key -> pages; key -> whether its pages are held (once)
+    for step in range(data.draw(st.integers(1, 40), label="steps")):
+        ops = ["publish"] if pool.num_clean_free_pages >= 7 else []
+        ops += ["release", "borrow", "touch", "promote", "demote", "unpublish", "drop"] if entries else []
+        op = data.draw(st.sampled_from(ops or ["publish_none"]), label=f"op{step}")
+        key = data.draw(st.sampled_from(sorted(entries)), label=f"key{step}") if entries else None
+        if op == "publish":
+            pages = pool.allocate(data.draw(st.integers(1, 7), label=f"n{step}")).tolist()  # moved in Python up to 4
+            for k in [k for k in entries if pool.lookup(k) is None]:  # packed away (lowest first)
+                ref.left(entries.pop(k))
+                del held[k]
+            low = data.draw(st.booleans(), label=f"low{step}")
+            assert pool.publish(step, pages, low_priority=low)
+            entries[step], held[step], ref.low[step] = pages, True, low
+        elif op == "release" and held[key]:
+            pool.decref(np.array(entries[key]))
+            ref.joined(entries[key], ref.low[key])
+            held[key] = False
+        elif op == "borrow" and not held[key]:
+            pool.incref(entries[key])
+            ref.left(entries[key])
+            held[key] = True
+        elif op in ("touch", "promote", "demote"):
+            getattr(pool, op)(key)
+            if op == "demote" or ref.low[key] != (op == "touch"):
+                ref.moved(entries[key], op == "demote")
+                ref.low[key] = op == "demote"
+        elif op in ("unpublish", "drop"):
+            keys = [key] if op == "unpublish" else sorted(entries)[: data.draw(st.integers(1, 3), label=f"k{step}")]
+            pool.unpublish(keys[0]) if op == "unpublish" else pool.drop_entries(keys)
+            for k in keys:
+                if held.pop(k):
+                    pool.decref(np.array(entries[k]))  # unkeyed now: straight to the free stack
+                ref.left(entries.pop(k))
+        pool.check_invariants()
+        assert pool.evictable_page_ids().tolist() == list(ref.order)
+        assert pool.num_evictable_pages == len(ref.order)

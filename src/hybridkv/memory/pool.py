@@ -20,25 +20,28 @@ of the states above.
 from __future__ import annotations
 
 import heapq
-import itertools
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
+from hybridkv.memory import lru
 from hybridkv.runtime import kernels
 
 NULL_PAGE = 0
 _LOW_EVICT_PAGES = 16  # idle low-priority pages an eviction frees beyond the allocation's need
 _SCAN_PAGES = 64  # idle low-priority ids one scan of the flags lists for packing
+_NO_OFFSET = np.zeros(1, dtype=np.int64)  # a pool's own arrays given to a page space's kernels: group 0 at 0
+_MOVE_IN_PYTHON_PAGES = 4  # an entry of up to this many pages has its idle ones moved in the LRU by item stores
 # One clock for every pool: when a keyed page last went idle, comparable across groups
 # (a request's pages in all groups go idle at one tick when it is freed).
-_IDLE_CLOCK = itertools.count(1)
+# The last tick given, in an array so that ``lru.join`` draws a page space's ticks itself.
+_IDLE_CLOCK = np.zeros(1, dtype=np.int64)
 
 
 def idle_clock_tick() -> int:
     """A tick of the pools' shared idle clock later than every ``idle_tick`` so far."""
-    return next(_IDLE_CLOCK)
+    _IDLE_CLOCK[0] += 1
+    return int(_IDLE_CLOCK[0])
 
 
 # Why an entry left a pool (the second argument of ``on_removed``).
@@ -148,11 +151,18 @@ class PagePool:
         self._lows = np.zeros(1, dtype=np.int64)
         self._slot = 0
         self._granted_pages = 0
-        self._evictable: OrderedDict[int, None] = OrderedDict()
+        # The LRU of idle keyed pages: a linked list in two arrays (``hybridkv.memory.lru``:
+        # the null page is its sentinel) and its length, in a one-element array like ``_tops``.
+        self._lru_prev = np.full(self.num_pages, -1, dtype=np.int32)
+        self._lru_next = np.full(self.num_pages, -1, dtype=np.int32)
+        self._lru_prev[NULL_PAGE] = self._lru_next[NULL_PAGE] = NULL_PAGE
+        self._lru_lengths = np.zeros(1, dtype=np.int64)
+        self._view_lru()
         # Lowest-first pools reuse idle low-priority pages in id order like free pages, so
         # they do not push live pages up: a lower bound of their ids (``num_pages``: none
         # yet), lowered as pages join them and raised by packing's scan of the flags.
-        self._low_floor = self.num_pages
+        # In a one-element array like ``_tops``, so that ``lru.join`` lowers it in a page space.
+        self._floors = np.full(1, self.num_pages, dtype=np.int64)
         # Per page: the idle clock's tick when it last became cached-evictable.
         self.idle_tick = np.zeros(self.num_pages, dtype=np.int64)
 
@@ -161,6 +171,8 @@ class PagePool:
         self.cached = np.zeros(self.num_pages, dtype=bool)
         # Keyed pages evicted before all others once idle (speculative prompt checkpoints).
         self.low_priority = np.zeros(self.num_pages, dtype=bool)
+        # Per keyed page, its entry's key. Read only for keyed pages (``cached``), so an
+        # entry's removal leaves its pages' keys behind (overwritten when a page is keyed again).
         self._page_key: dict[int, Hashable] = {}
         self._entries: dict[Hashable, tuple[int, ...]] = {}
         # An entry's pages by key, None when it is not published: the dict's own get (a
@@ -172,7 +184,7 @@ class PagePool:
         # Set by a "prefill-per-byte" prefix cache on its state pools (a
         # hybridkv.prefix.checkpoints.CheckpointOrder): told which pages go idle, it names the
         # normal-priority victims in place of the LRU order.
-        self.ranker = None
+        self._ranker = None
         # Set by a prefix cache on a pool whose removals never change the pool itself (a
         # state group's: the rest of a unit leaves the other groups): called in place of
         # ``on_removed`` with every (key, cause, idle pages freed) of entries evicted or
@@ -181,6 +193,16 @@ class PagePool:
         # ``evict_entries`` call, decided with the free ids they would add, with the same
         # entries and order as one by one.
         self.on_removed_many: Callable[[list[tuple[Hashable, str, int]]], None] | None = None
+
+    @property
+    def ranker(self):
+        return self._ranker
+
+    @ranker.setter
+    def ranker(self, ranker) -> None:
+        self._ranker = ranker
+        if self.space is not None:
+            self.space.ranked = [g for g, pool in enumerate(self.space.pools) if pool.ranker is not None]
 
     # --- counts ---------------------------------------------------------
     @property
@@ -200,6 +222,20 @@ class PagePool:
     def _low_idle_pages(self, value: int) -> None:
         self._lows[self._slot] = value
 
+    def _view_lru(self) -> None:
+        """Memoryviews of the LRU's links, for Python's item reads and stores (faster than
+        the arrays' own); made again whenever a page space rebinds the arrays."""
+        self._lru_views = (memoryview(self._lru_prev), memoryview(self._lru_next))
+
+    @property
+    def _low_floor(self) -> int:
+        """A lower bound of the idle low-priority pages' ids (``num_pages``: none yet)."""
+        return int(self._floors[self._slot])
+
+    @_low_floor.setter
+    def _low_floor(self, value: int) -> None:
+        self._floors[self._slot] = value
+
     @property
     def usable_pages(self) -> int:
         """Pages granted to this pool (all but the null page unless an arena manages it)."""
@@ -208,7 +244,7 @@ class PagePool:
     @property
     def num_free_pages(self) -> int:
         """Pages an allocation can get now: free plus cached-evictable."""
-        return self._top + len(self._evictable)
+        return int(self._tops[self._slot] + self._lru_lengths[self._slot])
 
     @property
     def num_clean_free_pages(self) -> int:
@@ -216,7 +252,7 @@ class PagePool:
 
     @property
     def num_evictable_pages(self) -> int:
-        return len(self._evictable)
+        return int(self._lru_lengths[self._slot])
 
     @property
     def num_used_pages(self) -> int:
@@ -231,7 +267,7 @@ class PagePool:
 
     @property
     def num_cached_pages(self) -> int:
-        return len(self._page_key)
+        return int(np.count_nonzero(self.cached))
 
     # --- allocation -----------------------------------------------------
     def allocate(self, count: int, *, highest: int = 0, set_refs: bool = True) -> np.ndarray:
@@ -294,7 +330,7 @@ class PagePool:
     def note_allocated(self, count: int) -> None:
         """Count ``count`` pages just taken off the free stack (here or by a step kernel)."""
         self.counters.tallies[1] += count
-        used = self._granted_pages - self._top - len(self._evictable)  # num_used_pages
+        used = self._granted_pages - self.num_free_pages  # num_used_pages
         if used > self.peak_used_pages:
             self.peak_used_pages = used
 
@@ -365,10 +401,11 @@ class PagePool:
         if pages.size == 0:
             return
         before = self.ref_counts[pages]
-        idle = pages[before == 0].tolist()
-        for page in idle:
-            if page not in self._evictable:
-                raise ValueError(f"group {self.group_id!r}: page {page} is free, cannot be borrowed")
+        idle = pages[before == 0]
+        unlisted = idle[self._lru_next[idle] < 0]
+        if unlisted.size:
+            raise ValueError(f"group {self.group_id!r}: page {unlisted[0]} is free, cannot be borrowed")
+        idle = idle.tolist()
         if distinct:
             self.ref_counts[pages] = before + 1
         else:
@@ -383,10 +420,10 @@ class PagePool:
     def _borrowed_idle(self, idle: list[int]) -> None:
         """Idle keyed pages (distinct) that just got a holder, already off the idle
         low-priority count, leave the LRU; the pages in use rise."""
-        evictable = self._evictable
-        for page in idle:
-            del evictable[page]
-        used = self._granted_pages - self._top - len(evictable)  # num_used_pages
+        g = self._slot
+        lru.leave(self._lru_prev, self._lru_next, self._lru_lengths[g : g + 1], _NO_OFFSET, np.array([len(idle)]),
+                  np.array(idle, dtype=np.int64))
+        used = self._granted_pages - self.num_free_pages  # num_used_pages
         if used > self.peak_used_pages:
             self.peak_used_pages = used
 
@@ -436,28 +473,22 @@ class PagePool:
 
     def _keyed_idle(self, pages: np.ndarray) -> None:
         """Keyed pages (distinct local ids, logical order) whose last reference just went
-        join the LRU (``_join_lru``)."""
-        tick = next(_IDLE_CLOCK)
-        order = pages[::-1]
-        self.idle_tick[order] = tick
-        self._join_lru(order.tolist(), order[self.low_priority[order]].tolist(), tick)
-
-    def _join_lru(self, listed: list[int], low_pages: list[int], tick: int) -> None:
-        """Idle keyed pages ``listed`` (the last released first, their ``idle_tick`` set to
-        ``tick``), of which ``low_pages`` (in the same order) are low-priority, join the
-        LRU in that order, so a chain's tail is evicted before its head; low-priority ones
-        go to its front instead (evicted first), the last listed first."""
-        evictable = self._evictable
-        for page in listed:  # item stores: OrderedDict.update goes through a list of pairs
-            evictable[page] = None
-        if low_pages:
-            for page in low_pages:  # each to the front: the last one listed ends first
-                evictable.move_to_end(page, last=False)
-            self._lows[self._slot] += len(low_pages)  # ``_low_idle_pages``, without the property's two calls
-            self._low_floor = min(self._low_floor, *low_pages)
+        join the LRU, each with the next tick of the idle clock (``lru.join``): the
+        last released first, at the tail, so a chain's tail is evicted before its head;
+        low-priority ones at the head instead (evicted first), the last released last."""
+        g = self._slot
+        tick = int(_IDLE_CLOCK[0]) + 1
+        lru.join(self.idle_tick, self.low_priority, self._lru_prev, self._lru_next, self._lru_lengths[g : g + 1],
+                 self._lows[g : g + 1], self._floors[g : g + 1], _NO_OFFSET, np.array([pages.size]), pages, _IDLE_CLOCK)
         if self.ranker is not None:
-            low, page_key = self.low_priority, self._page_key
-            self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in listed if not low[p]], tick)
+            self._tell_ranker(pages, tick)
+
+    def _tell_ranker(self, pages: np.ndarray, tick: int) -> None:
+        """``pages`` (logical order) joined the LRU at ``tick``: the ranker hears of the
+        normal-priority ones."""
+        low, page_key = self.low_priority, self._page_key
+        listed = pages[::-1].tolist()
+        self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in listed if not low[p]], tick)
 
     def _push_free(self, pages: np.ndarray) -> None:
         """Freed ids (logical order) onto the free stack (``kernels.push_run``)."""
@@ -483,8 +514,9 @@ class PagePool:
         return self._stack[: self._top]
 
     def evictable_page_ids(self) -> np.ndarray:
-        """Cached pages no request holds, least recently used first."""
-        return np.fromiter(self._evictable, dtype=np.int64, count=len(self._evictable))
+        """Cached pages no request holds, least recently used first (the LRU's order)."""
+        out = np.empty(self.num_evictable_pages, dtype=np.int64)
+        return out[: lru.order(self._lru_next, out)]
 
     def revoke(self, pages: np.ndarray) -> None:
         """Take back page ids that are all free or cached-evictable (their entries are
@@ -531,20 +563,47 @@ class PagePool:
                 page_key[page] = key
 
     def demote(self, key: Hashable) -> None:
-        """Make an entry low priority: its idle pages move to the front of the LRU."""
+        """Make an entry low priority: its idle pages move to the front of the LRU, the
+        last listed first."""
         pages = self._entries[key]
-        low, evictable = self.low_priority, self._evictable
-        was_low = low.item(pages[0]) if pages else True  # an entry is low as a whole
-        idle = 0
+        if not pages:
+            return
+        low = self.low_priority
+        was_low = low.item(pages[0])  # an entry is low as a whole
         for page in pages:
             low[page] = True  # entries are a few pages: item stores beat one fancy store
-            if page in evictable:
-                idle += 1
-                evictable.move_to_end(page, last=False)
-                if page < self._low_floor:
-                    self._low_floor = page
-        if idle and not was_low:
-            self._lows[self._slot] += idle  # ``_low_idle_pages``
+        idle = self._move_idle(pages, True)
+        if idle:
+            g, lowest = self._slot, min(idle)
+            if lowest < self._floors[g]:
+                self._floors[g] = lowest  # ``_low_floor``
+            if not was_low:
+                self._lows[g] += len(idle)  # ``_low_idle_pages``
+
+    def _move_idle(self, pages: tuple[int, ...], to_front: bool) -> list[int]:
+        """Those of an entry's ``pages`` in the LRU move, in order, to its head (``to_front``:
+        the last one ends first) or tail; returns them. A few pages (most entries) in
+        item reads and stores, more in one compiled call (``lru.move``)."""
+        prev, nxt = self._lru_views
+        if len(pages) > _MOVE_IN_PYTHON_PAGES:
+            idle = [page for page in pages if nxt[page] >= 0]
+            lru.move(self._lru_prev, self._lru_next, np.array(idle, dtype=np.int64), to_front)
+            return idle
+        idle = []
+        for page in pages:  # lru.unlink, then lru.push_front or lru.append
+            before = prev[page]
+            if before < 0:
+                continue
+            idle.append(page)
+            after = nxt[page]
+            nxt[before], prev[after] = after, before
+            if to_front:
+                head = nxt[NULL_PAGE]
+                prev[head], nxt[page], prev[page], nxt[NULL_PAGE] = page, head, NULL_PAGE, page
+            else:
+                tail = prev[NULL_PAGE]
+                nxt[tail], prev[page], nxt[page], prev[NULL_PAGE] = page, tail, NULL_PAGE, page
+        return idle
 
     def unpublish(self, key: Hashable, cause: str = UNPUBLISHED) -> int:
         """Drop an entry; its pages that no request holds go back to the free stack
@@ -560,19 +619,19 @@ class PagePool:
         free = []
         flags = self.low_priority
         low = bool(pages) and flags.item(pages[0])  # an entry is low priority as a whole
-        page_key, cached, ref, evictable = self._page_key, self.cached, self.ref_counts, self._evictable
+        cached, ref = self.cached, self.ref_counts
         for page in pages:
-            del page_key[page]
             cached[page] = False
             if low:
                 flags[page] = False
             if ref.item(page) == 0:
-                del evictable[page]
                 free.append(page)
         if low:
             self._low_idle_pages -= len(free)
         if free:
-            self._push_free(np.asarray(free, dtype=np.int32))
+            self._lru_lengths[self._slot] -= len(free)
+            self._top = int(lru.leave_to_free(self._lru_prev, self._lru_next, self._stack, self._top,
+                                              self.lowest_first, np.array(free, dtype=np.int64)))
         return key, EVICTED_LOW if low and cause == EVICTED else cause, len(free)
 
     def promote(self, key: Hashable) -> None:
@@ -583,18 +642,16 @@ class PagePool:
             return
         for page in pages:
             low[page] = False
-            if page in self._evictable:
-                self._low_idle_pages -= 1
-                self._evictable.move_to_end(page)
+        idle = self._move_idle(pages, False)
+        if idle:
+            self._lows[self._slot] -= len(idle)  # ``_low_idle_pages``
 
     def touch(self, key: Hashable) -> None:
         """Move a normal-priority entry's idle pages to the back of the LRU (the most
         recently used); a low-priority entry stays where it is."""
-        pages, evictable = self._entries[key], self._evictable
+        pages = self._entries[key]
         if pages and not self.low_priority[pages[0]]:
-            for page in pages:
-                if page in evictable:
-                    evictable.move_to_end(page)
+            self._move_idle(pages, False)
 
     def entry_keys(self) -> list[Hashable]:
         return list(self._entries)
@@ -605,21 +662,22 @@ class PagePool:
         low-priority entries at the head of the LRU go ``_LOW_EVICT_PAGES`` pages beyond
         that in the same pass, so a run of small allocations does not evict once each."""
         keys, freed, seen = [], 0, set()
-        page_key, low, entries, evictable, ranker = (self._page_key, self.low_priority, self._entries,
-                                                     self._evictable, self.ranker)
-        for page in evictable:
+        page_key, low, entries, nxt, ranker = (self._page_key, self.low_priority, self._entries,
+                                               self._lru_views[1], self.ranker)
+        page = nxt[NULL_PAGE]  # the head
+        while page != NULL_PAGE:
             key = page_key[page]
-            if key in seen:
-                continue
-            if freed >= pages_needed and (freed >= pages_needed + _LOW_EVICT_PAGES or not low[page]):
-                break
-            if ranker is not None and not low[page]:
-                freed = self._evict_ranked(pages_needed, freed, keys, seen)
-                break
-            seen.add(key)
-            keys.append(key)
-            pages = entries[key]  # its idle pages are the ones in the LRU
-            freed += 1 if len(pages) == 1 else sum(1 for p in pages if p in evictable)
+            if key not in seen:
+                if freed >= pages_needed and (freed >= pages_needed + _LOW_EVICT_PAGES or not low[page]):
+                    break
+                if ranker is not None and not low[page]:
+                    freed = self._evict_ranked(pages_needed, freed, keys, seen)
+                    break
+                seen.add(key)
+                keys.append(key)
+                pages = entries[key]  # its idle pages are the ones in the LRU
+                freed += 1 if len(pages) == 1 else sum(1 for p in pages if nxt[p] >= 0)
+            page = nxt[page]
         self._unpublish_many(keys)
 
     def _evict_ranked(self, pages_needed: int, freed: int, keys: list, seen: set) -> int:
@@ -656,30 +714,27 @@ class PagePool:
 
     def drop_entries(self, keys: Sequence[Hashable], cause: str = UNPUBLISHED) -> list[tuple[Hashable, str, int]]:
         """Unpublish the published entries ``keys`` in one compiled pass over their pages
-        (``kernels.drop_entries``), telling no one and counting no eviction: the free
+        (``lru.drop_entries``), telling no one and counting no eviction: the free
         stack ends as after one :meth:`unpublish` each, in order (the last entry's pages
         on top). Per entry, in order, what :meth:`unpublish` would tell ``on_removed``:
         (key, cause: ``EVICTED_LOW`` for a low-priority entry evicted, idle pages freed)."""
         if len(keys) == 1:
             return [self._drop_entry(keys[0], cause)]
-        entries, page_key, listed = self._entries, self._page_key, []
+        entries, listed = self._entries, []
         for key in reversed(keys):  # the last entry's pages on top, as one by one
             pages = entries.pop(key)
             listed.append(len(pages))
             listed += pages
-            for page in pages:
-                del page_key[page]
         n = len(keys)
         out = np.empty(len(listed), dtype=np.int64)
-        top, n_idle, n_low = kernels.drop_entries(np.array(listed, dtype=np.int64), n, self.ref_counts, self.cached,
-                                                  self.low_priority, self._stack, self._top, self.lowest_first, out)
+        top, n_idle, n_low = lru.drop_entries(np.array(listed, dtype=np.int64), n, self.ref_counts, self.cached,
+                                                  self.low_priority, self._lru_prev, self._lru_next, self._stack,
+                                                  self._top, self.lowest_first, out)
         self._top = top
+        self._lru_lengths[self._slot] -= n_idle
         if n_low:
             self._low_idle_pages -= n_low
-        told = out[: n + n_idle].tolist()
-        evictable = self._evictable
-        for page in told[n:]:
-            del evictable[page]
+        told = out[:n].tolist()
         low_cause = EVICTED_LOW if cause == EVICTED else cause
         return [(key, low_cause if v & 1 else cause, v >> 1) for key, v in zip(keys, told)]
 
@@ -696,24 +751,40 @@ class PagePool:
         assert not np.any(free == NULL_PAGE), "null page on the free stack"
         assert np.all(self.ref_counts[free] == 0), "free page with references"
         assert not np.any(self.cached[free]), "free page still keyed"
-        for page in self._evictable:
-            assert self.ref_counts[page] == 0 and self.cached[page], "bad evictable page"
+        self._check_lru()
         # What the arena's idle scans (kernels.idle_slabs) rely on.
         idle_keyed = np.flatnonzero(self.cached & (self.ref_counts == 0))
         assert np.array_equal(idle_keyed, np.sort(self.evictable_page_ids())), "idle cached page outside the LRU"
         assert self._low_idle_pages == int(np.count_nonzero(self.low_priority[self.evictable_page_ids()])), (
             "idle low-priority count"
         )
+        assert self.num_cached_pages == sum(map(len, self._entries.values())), "keyed pages outside the entries"
         assert self.ref_counts[NULL_PAGE] == 0
         assert np.all(self.ref_counts >= 0)
         held = int(np.count_nonzero(self.ref_counts > 0))
-        assert held + self._top + len(self._evictable) == self._granted_pages, "page leaked"
+        assert held + self.num_free_pages == self._granted_pages, "page leaked"
+
+    def _check_lru(self) -> None:
+        """The LRU's links: a list from the head of ``num_evictable_pages`` idle keyed pages,
+        each linked back to the one before, every other page unlinked."""
+        listed = np.empty(self.num_pages, dtype=np.int64)
+        listed = listed[: lru.order(self._lru_next, listed)]
+        assert listed.size == self.num_evictable_pages, "LRU length"
+        assert np.all(self.ref_counts[listed] == 0) and np.all(self.cached[listed]), "bad evictable page"
+        before = np.full(self.num_pages, -1, dtype=np.int64)
+        before[listed] = np.concatenate([[NULL_PAGE], listed[:-1]])
+        before[NULL_PAGE] = listed[-1] if listed.size else NULL_PAGE
+        assert np.array_equal(before, self._lru_prev), "LRU back links"
+        unlisted = np.ones(self.num_pages, dtype=bool)
+        unlisted[listed] = unlisted[NULL_PAGE] = False
+        assert np.all(self._lru_next[unlisted] == -1), "LRU link of an unlisted page"
 
 
 class PageSpace:
     """Every pool's pages in arrays the step kernels own: ref counts, key flags, idle
     ticks, free stacks (group ``g``'s ids at ``stack[offsets[g] : offsets[g] + tops[g]]``), idle
-    low-priority counts and whether a pool hands out its lowest ids first. Each pool
+    low-priority counts, whether a pool hands out its lowest ids first, and the LRUs'
+    links (``lru_prev``, ``lru_next``: ``hybridkv.memory.lru``) and lengths. Each pool
     is rebound to views of them, so pool methods and kernels see the same state.
     ``kernels.drop_holds`` then :meth:`released` is exactly ``decref`` of each group's
     pages in pool order."""
@@ -725,7 +796,7 @@ class PageSpace:
             raise ValueError("a page space holds fewer than 2**31 pages")
         self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         starts = self.offsets.tolist()
-        for name in ("ref_counts", "cached", "low_priority", "_stack", "idle_tick"):
+        for name in ("ref_counts", "cached", "low_priority", "_stack", "idle_tick", "_lru_prev", "_lru_next"):
             whole = np.concatenate([getattr(p, name) for p in self.pools])
             setattr(self, name.lstrip("_"), whole)
             for pool, start, n in zip(self.pools, starts, sizes):
@@ -740,8 +811,9 @@ class PageSpace:
         self.tops[:] = [p._top for p in self.pools]
         self.lowest_first[:] = [p.lowest_first for p in self.pools]
         self.low_idle = np.asarray([p._low_idle_pages for p in self.pools], dtype=np.int64)
-        self.low_counts = np.zeros(len(self.pools), dtype=np.int64)  # ``keyed_idle``'s scratch
-        self.low_scratch = np.empty(0, dtype=np.int64)
+        self.lru_lengths = np.asarray([p.num_evictable_pages for p in self.pools], dtype=np.int64)
+        self.idle_low_floors = np.asarray([p._low_floor for p in self.pools], dtype=np.int64)  # the pools' ``_low_floor``
+        self.ranked: list[int] = []  # the groups whose pool has a ranker (``PagePool.ranker`` keeps it)
         self.packing = [(g, p) for g, p in enumerate(self.pools) if p.lowest_first]  # pools ``low_floors`` asks
         self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # ``borrow``'s scratch
         # The one ``may_skip_packing`` every packing pool has (an arena's, set once after this),
@@ -749,9 +821,12 @@ class PageSpace:
         self.shared_ask: Callable[[], bool] | bool | None = None
         self.floors_unset = False  # every ``low_floor`` is ``kernels.NO_PACKING``
         for g, pool in enumerate(self.pools):
-            pool._tops, pool._lows, pool._slot = self.tops, self.low_idle, g
+            pool._tops, pool._lows, pool._lru_lengths, pool._slot = self.tops, self.low_idle, self.lru_lengths, g
+            pool._floors = self.idle_low_floors
+            pool._view_lru()
             pool.counters.tallies = self.per_group[3:, g]
             pool.space = self
+            pool.ranker = pool.ranker  # into ``ranked``
 
     def released(self, counts: np.ndarray, freed: np.ndarray, keyed: np.ndarray) -> None:
         """What ``kernels.drop_holds`` let go (``counts``, ``freed``, ``keyed`` as it fills
@@ -779,33 +854,20 @@ class PageSpace:
         """The first ``n_idle`` of ``idle`` (local ids, ``idle_counts[g]`` of group ``g``, as
         ``kernels.take_holds`` lists them) got a holder: they leave their pools' LRUs."""
         if n_idle:
-            listed, start = idle[:n_idle].tolist(), 0
-            for pool, k in zip(self.pools, self.idle_counts.tolist()):
-                if k:
-                    pool._borrowed_idle(listed[start : start + k])
-                    start += k
+            lru.leave(self.lru_prev, self.lru_next, self.lru_lengths, self.offsets, self.idle_counts, idle[:n_idle])
+            self.note_peaks(self.idle_counts)
 
     def drop_unit(self, pools: Sequence[PagePool], key: Hashable) -> None:
         """``pool.drop_entries([key])`` in each of ``pools`` (this space's, in order),
         telling no one: flags, counts and free stacks in one compiled pass
-        (``kernels.drop_unit``), then the entry's idle pages leave each pool's LRU."""
+        (``lru.drop_unit``: the idle pages also leave their LRUs)."""
         listed: list[int] = []
         for pool in pools:
             pages = pool._entries.pop(key)
-            page_key = pool._page_key
-            for page in pages:
-                del page_key[page]
             listed += (pool._slot, len(pages), *pages)
-        n = len(pools)
-        out = np.empty(len(listed), dtype=np.int64)
-        n_idle = kernels.drop_unit(np.array(listed, dtype=np.int64), n, self.ref_counts, self.cached,
-                                   self.low_priority, self.stack, self.offsets, self.per_group, self.low_idle, out)
-        told, at = out[: n + n_idle].tolist(), n
-        for pool, count in zip(pools, told[:n]):
-            evictable = pool._evictable
-            for page in told[at : at + count]:
-                del evictable[page]
-            at += count
+        lru.drop_unit(np.array(listed, dtype=np.int64), len(pools), self.ref_counts, self.cached,
+                          self.low_priority, self.lru_prev, self.lru_next, self.stack, self.offsets, self.per_group,
+                          self.low_idle, self.lru_lengths)
 
     def low_floors(self) -> np.ndarray:
         """``per_group``, once ``low_floor[g]`` holds: for a lowest-first pool (one that may
@@ -838,25 +900,25 @@ class PageSpace:
 
     def keyed_idle(self, per_group: np.ndarray, keyed: np.ndarray) -> None:
         """Keyed pages a release left idle (``keyed``, local ids, group after group,
-        ``per_group[g]`` of them, int64) join their pool's LRU (``PagePool._join_lru``), each
-        pool's with the next tick of the idle clock; their ticks and low-priority flags
-        are read in one compiled pass (``kernels.went_idle``)."""
+        ``per_group[g]`` of them, int64) join their pool's LRU as ``PagePool.decref`` has
+        them join, each pool's with the next tick of the idle clock, in one compiled call
+        (``lru.join``, which also lowers the ``_low_floor`` of a pool where low-priority
+        pages joined); then a pool's ranker (if any) is told."""
+        first_tick = int(_IDLE_CLOCK[0]) + 1 if self.ranked else 0
+        lru.join(self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, self.lru_lengths, self.low_idle,
+                 self.idle_low_floors, self.offsets, per_group, keyed, _IDLE_CLOCK)
+        if self.ranked:
+            self._tell_rankers(per_group, keyed, first_tick)
+
+    def _tell_rankers(self, per_group: np.ndarray, keyed: np.ndarray, first_tick: int) -> None:
+        """After :meth:`keyed_idle`: each pool with a ranker whose pages joined tells its
+        ranker of them."""
         counts = per_group.tolist()
-        total = sum(counts)
-        if not total:
-            return
-        ticks = [next(_IDLE_CLOCK) for k in counts if k]  # consecutive: one per pool, in pool order
-        low = self.low_scratch if self.low_scratch.size >= total else np.empty(2 * total, dtype=np.int64)
-        self.low_scratch = low
-        n_low = kernels.went_idle(self.idle_tick, self.low_priority, self.offsets, per_group, keyed, ticks[0], low,
-                                  self.low_counts)
-        low_counts = self.low_counts.tolist() if n_low else [0] * len(counts)
-        listed, low_listed = keyed[:total].tolist(), low[:n_low].tolist()
-        start = low_start = i = 0
-        for pool, k, n in zip(self.pools, counts, low_counts):
-            if k:
-                pool._join_lru(listed[start : start + k][::-1], low_listed[low_start : low_start + n], ticks[i])
-                start, low_start, i = start + k, low_start + n, i + 1
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64).tolist()
+        ticks = np.cumsum([1 if k else 0 for k in counts]).tolist()  # the tick each pool's pages got, less one
+        for g in self.ranked:
+            if counts[g]:
+                self.pools[g]._tell_ranker(keyed[starts[g] : starts[g + 1]], first_tick + ticks[g] - 1)
 
     def note_peaks(self, allocated: np.ndarray) -> None:
         """Each pool's peak of used pages, after a step kernel allocated ``allocated[g]``
@@ -864,6 +926,6 @@ class PageSpace:
         pools, tops = self.pools, self.tops
         for g in allocated.nonzero()[0].tolist():  # the pools that allocated only
             pool = pools[g]
-            used = pool._granted_pages - int(tops[g]) - len(pool._evictable)  # num_used_pages
+            used = pool._granted_pages - int(tops[g]) - int(self.lru_lengths[g])  # num_used_pages
             if used > pool.peak_used_pages:
                 pool.peak_used_pages = used

@@ -44,7 +44,7 @@ Arrays (``G`` groups, ``R`` scheduled rows, ``N`` scheduled tokens):
   ever released and allocated in it (the pool's counters).
 * ``ref`` int32 ``[P]``, ``keyed`` bool ``[P]``: per page-space id, its holders and
   whether it carries a content key (an idle keyed page goes to the prefix
-  cache's LRU, which Python keeps, not to the free stack).
+  cache's LRU, ``hybridkv.memory.lru``'s lists, not to the free stack).
 * ``stack`` int32 ``[P]`` and ``top`` int64 ``[G]``: group ``g``'s free local ids at
   ``stack[offset_g : offset_g + top[g]]``, the next one handed out last (LIFO);
   a ``lowest`` group keeps its stack sorted, the lowest id on top.
@@ -901,64 +901,6 @@ def push_run(stack, top, lowest, run):
 
 
 @njit(cache=True)
-def drop_entries(listed, n_entries, ref, keyed, low_priority, stack, top, lowest, out):
-    """``n_entries`` entries leaving one pool (``PagePool.drop_entries``), the last one
-    first: ``listed`` holds, entry after entry, its page count then its local ids. Every
-    page loses its key and low priority; the idle ones (no holder) go onto the free
-    stack in that order (``push_run``) and to ``out[n_entries:]``. ``out[n_entries - 1
-    - e]`` (entries in their first order) gets ``2 * idle pages + low``, low 1 if entry
-    ``e`` was low priority (its first page's flag). Returns the new top, the idle pages
-    and how many of them were low priority."""
-    n_idle, n_low, at = 0, 0, 0
-    for e in range(n_entries):
-        count, end = 0, at + 1 + listed[at]
-        low = 1 if end > at + 1 and low_priority[listed[at + 1]] else 0
-        for i in range(at + 1, end):
-            page = listed[i]
-            keyed[page] = False
-            if ref[page] == 0:
-                out[n_entries + n_idle] = page
-                n_idle += 1
-                count += 1
-                if low_priority[page]:
-                    n_low += 1
-            low_priority[page] = False
-        out[n_entries - 1 - e] = 2 * count + low
-        at = end
-    return push_run(stack, top, lowest, out[n_entries : n_entries + n_idle]), n_idle, n_low
-
-
-@njit(cache=True)
-def drop_unit(listed, n_entries, ref, keyed, low_priority, stack, offsets, per_group, low_idle, out):
-    """One entry leaving each of ``n_entries`` groups of a page space (a checkpoint's
-    unit: ``PageSpace.drop_unit``): ``listed`` holds, entry after entry, its group, its
-    page count and its local ids. Every page loses its key and low priority; the idle
-    ones (no holder) go onto their group's free stack (``push_run``; ``per_group``'s
-    ``TOP`` and ``LOWEST``) and to ``out[n_entries:]`` in that order, entry ``e``'s count
-    to ``out[e]``; a low-priority entry's idle pages leave ``low_idle[g]``. Returns the
-    idle pages."""
-    n_idle, at = 0, 0
-    for e in range(n_entries):
-        g, end, first = listed[at], at + 2 + listed[at + 1], n_entries + n_idle
-        offset = offsets[g]
-        low = end > at + 2 and low_priority[offset + listed[at + 2]]  # an entry is low as a whole
-        for i in range(at + 2, end):
-            page = offset + listed[i]
-            keyed[page] = False
-            low_priority[page] = False
-            if ref[page] == 0:
-                out[n_entries + n_idle] = listed[i]
-                n_idle += 1
-        out[e] = n_entries + n_idle - first
-        if low:
-            low_idle[g] -= out[e]
-        per_group[TOP, g] = push_run(stack[offset:], per_group[TOP, g], per_group[LOWEST, g] != 0,
-                                     out[first : n_entries + n_idle])
-        at = end
-    return n_idle
-
-
-@njit(cache=True)
 def low_idle_ids(low_priority, keyed, ref, start, bound, out):
     """A pool's idle low-priority pages (keyed, low priority, no holder) with ids in
     ``[start, bound)``, ascending, into ``out`` until it is full (what packing evicts
@@ -1151,29 +1093,6 @@ def take_spare_for(short, slab_pages, spare_slabs, owner, own, inner_pages, stra
                 grant_groups[n], grant_slabs[n] = g, taken[i]
                 n += 1
     return n
-
-
-@njit(cache=True)
-def went_idle(idle_tick, low_priority, offsets, per_group, keyed, first_tick, low_pages, low_counts):
-    """Keyed pages gone idle (local ids, group after group, ``per_group[g]`` of them):
-    each group's, the last listed first, get the next tick from ``first_tick`` on (one
-    tick per group that has some); its low-priority ones go to ``low_pages`` in that
-    order (groups in order), ``low_counts[g]`` of them. Returns how many are low priority."""
-    start, n_low, tick = 0, 0, first_tick
-    for g in range(per_group.size):
-        k, offset = per_group[g], offsets[g]
-        low_counts[g] = 0
-        for i in range(start + k - 1, start - 1, -1):
-            page = offset + keyed[i]
-            idle_tick[page] = tick
-            if low_priority[page]:
-                low_pages[n_low] = keyed[i]
-                n_low += 1
-                low_counts[g] += 1
-        if k:
-            tick += 1
-        start += k
-    return n_low
 
 
 @njit(cache=True)

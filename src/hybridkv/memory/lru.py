@@ -1,0 +1,186 @@
+"""The pools' LRUs of idle keyed pages: intrusive doubly linked lists in int arrays,
+changed by compiled kernels (numba ``@njit(cache=True)``; plain Python with
+``NUMBA_DISABLE_JIT=1``), so a release, a borrow or a removal of many pages is one call.
+
+A pool's list lives in ``prev`` and ``nxt`` (int32, one cell per local page id):
+``nxt[page]`` is the page after ``page`` (nearer the tail: more recently used),
+``prev[page]`` the one before, both -1 for a page outside the list. Local id 0, the
+null page, is never listed and is the list's sentinel: ``nxt[0]`` is the head (least
+recently used, evicted first), ``prev[0]`` the tail, both 0 when the list is empty. In
+a page space (``hybridkv.memory.pool.PageSpace``) every pool's two arrays sit end to end
+in one pair; links stay local ids and each kernel adds the group's offset. The order is
+exactly an ``OrderedDict``'s: ``append`` is an item store of a new key, ``push_front``
+``move_to_end(last=False)`` of a new key, ``unlink`` a ``del``, a move to either end an
+``unlink`` then ``append`` or ``push_front``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from hybridkv.runtime.kernels import LOWEST, TOP, push_run
+
+
+@njit(cache=True, inline="always")
+def append(prev, nxt, off, page):
+    """``page`` (not listed) becomes the tail of the list at ``off``."""
+    tail = prev[off]
+    nxt[off + tail] = page
+    prev[off + page] = tail
+    nxt[off + page] = 0
+    prev[off] = page
+
+
+@njit(cache=True, inline="always")
+def push_front(prev, nxt, off, page):
+    """``page`` (not listed) becomes the head of the list at ``off``."""
+    head = nxt[off]
+    prev[off + head] = page
+    nxt[off + page] = head
+    prev[off + page] = 0
+    nxt[off] = page
+
+
+@njit(cache=True, inline="always")
+def unlink(prev, nxt, off, page):
+    """``page`` (listed) leaves the list at ``off``."""
+    before, after = prev[off + page], nxt[off + page]
+    nxt[off + before] = after
+    prev[off + after] = before
+    prev[off + page] = -1
+    nxt[off + page] = -1
+
+
+@njit(cache=True)
+def join(idle_tick, low_priority, prev, nxt, lengths, low_idle, low_floors, offsets, per_group, pages, clock):
+    """Idle keyed pages join their group's list (``PageSpace.keyed_idle``; a pool's own
+    ``decref`` as group 0): ``pages`` (local ids, group after group, ``per_group[g]`` of
+    them, not listed), each group's the last listed first, get the next tick of the idle
+    clock (``clock[0]``, the last tick given) per group that has some, in group order,
+    and join the tail, a low-priority one the head instead (so of those the last listed
+    ends first). Each group's list length and idle low-priority count ``low_idle[g]``
+    grow, and ``low_floors[g]`` (a lower bound of its idle low-priority pages:
+    ``PagePool._low_floor``) falls to the lowest low-priority page that joined."""
+    start = 0
+    for g in range(per_group.size):
+        k, off = per_group[g], offsets[g]
+        if k:
+            clock[0] += 1
+            for i in range(start + k - 1, start - 1, -1):
+                page = pages[i]
+                idle_tick[off + page] = clock[0]
+                if low_priority[off + page]:
+                    push_front(prev, nxt, off, page)
+                    low_idle[g] += 1
+                    low_floors[g] = min(low_floors[g], page)
+                else:
+                    append(prev, nxt, off, page)
+            lengths[g] += k
+            start += k
+
+
+@njit(cache=True)
+def leave(prev, nxt, lengths, offsets, per_group, pages):
+    """Listed pages (local ids, group after group, ``per_group[g]`` of them) leave their
+    group's list (borrowed: ``PageSpace.borrowed_idle``; a pool's own ``incref`` as group 0)."""
+    start = 0
+    for g in range(per_group.size):
+        k, off = per_group[g], offsets[g]
+        for i in range(start, start + k):
+            unlink(prev, nxt, off, pages[i])
+        lengths[g] -= k
+        start += k
+
+
+@njit(cache=True)
+def leave_to_free(prev, nxt, stack, top, lowest, pages):
+    """Listed pages leave one pool's list and go onto its free stack (``push_run``);
+    the new top."""
+    for i in range(pages.size):
+        unlink(prev, nxt, 0, pages[i])
+    return push_run(stack, top, lowest, pages)
+
+
+@njit(cache=True)
+def move(prev, nxt, pages, to_front):
+    """Listed ``pages`` (one pool's) move, in order, to the head (``to_front``: the last
+    one ends first) or the tail (``PagePool.touch``, ``promote``, ``demote``)."""
+    for i in range(pages.size):
+        unlink(prev, nxt, 0, pages[i])
+        if to_front:
+            push_front(prev, nxt, 0, pages[i])
+        else:
+            append(prev, nxt, 0, pages[i])
+
+
+@njit(cache=True)
+def order(nxt, out):
+    """One pool's listed pages, head first, into ``out``; how many (at most ``out.size``)."""
+    n, page = 0, nxt[0]
+    while page and n < out.size:
+        out[n] = page
+        n += 1
+        page = nxt[page]
+    return n
+
+
+@njit(cache=True)
+def drop_entries(listed, n_entries, ref, keyed, low_priority, lru_prev, lru_next, stack, top, lowest, out):
+    """``n_entries`` entries leaving one pool (``PagePool.drop_entries``), the last one
+    first: ``listed`` holds, entry after entry, its page count then its local ids. Every
+    page loses its key and low priority; the idle ones (no holder) leave the pool's LRU
+    (``hybridkv.memory.lru``'s list in ``lru_prev`` and ``lru_next``) and go onto the free
+    stack in that order (``push_run``) and to ``out[n_entries:]``. ``out[n_entries - 1
+    - e]`` (entries in their first order) gets ``2 * idle pages + low``, low 1 if entry
+    ``e`` was low priority (its first page's flag). Returns the new top, the idle pages
+    and how many of them were low priority."""
+    n_idle, n_low, at = 0, 0, 0
+    for e in range(n_entries):
+        count, end = 0, at + 1 + listed[at]
+        low = 1 if end > at + 1 and low_priority[listed[at + 1]] else 0
+        for i in range(at + 1, end):
+            page = listed[i]
+            keyed[page] = False
+            if ref[page] == 0:
+                unlink(lru_prev, lru_next, 0, page)
+                out[n_entries + n_idle] = page
+                n_idle += 1
+                count += 1
+                if low_priority[page]:
+                    n_low += 1
+            low_priority[page] = False
+        out[n_entries - 1 - e] = 2 * count + low
+        at = end
+    return push_run(stack, top, lowest, out[n_entries : n_entries + n_idle]), n_idle, n_low
+
+
+@njit(cache=True)
+def drop_unit(listed, n_entries, ref, keyed, low_priority, lru_prev, lru_next, stack, offsets, per_group, low_idle,
+              lru_lengths):
+    """One entry leaving each of ``n_entries`` groups of a page space (a checkpoint's
+    unit: ``PageSpace.drop_unit``): ``listed`` holds, entry after entry, its group, its
+    page count and its local ids. Every page loses its key and low priority; the idle
+    ones (no holder) leave their group's LRU (``hybridkv.memory.lru``; ``lru_lengths[g]``
+    counts them off) and go onto its free stack in that order (``push_run``;
+    ``per_group``'s ``TOP`` and ``LOWEST``); a low-priority entry's idle pages leave
+    ``low_idle[g]``."""
+    at = 0
+    idle = np.empty(listed.size, dtype=np.int64)
+    for _ in range(n_entries):
+        g, end, n_idle = listed[at], at + 2 + listed[at + 1], 0
+        offset = offsets[g]
+        low = end > at + 2 and low_priority[offset + listed[at + 2]]  # an entry is low as a whole
+        for i in range(at + 2, end):
+            page = offset + listed[i]
+            keyed[page] = False
+            low_priority[page] = False
+            if ref[page] == 0:
+                unlink(lru_prev, lru_next, offset, listed[i])
+                idle[n_idle] = listed[i]
+                n_idle += 1
+        lru_lengths[g] -= n_idle
+        if low:
+            low_idle[g] -= n_idle
+        per_group[TOP, g] = push_run(stack[offset:], per_group[TOP, g], per_group[LOWEST, g] != 0, idle[:n_idle])
+        at = end
