@@ -347,16 +347,21 @@ class PrefixCache:
         alone = {gid: reach[i] * g for gid, i in self._reach_index}
         return PrefixHit(k * g, alone, limit * g), history, at_hit if k else []
 
-    def match_and_borrow(self, hashes: RequestHashes, prompt_ids: np.ndarray, row: int) -> PrefixHit:
-        """Match, then place the cached pages in ``row``'s tables (ref count +1 each): every
-        group's in one ``PageSpace.borrow`` and one ``TableSet.place_row``."""
-        hit, history, at_hit = self._match(hashes, prompt_ids)
+    def match_and_borrow(self, req: CommittingRequest, prompt_ids: np.ndarray) -> PrefixHit:
+        """Match a new request's prompt, then place the cached pages in its tables (ref count
+        +1 each): every group's in one ``PageSpace.borrow`` and one ``TableSet.place_row``.
+        The checkpoint at the hit becomes the request's own (its terminal so far; with
+        ``"prefill-per-byte"`` a reuse of it), and its junction, if any, is pinned when the
+        request crosses it."""
+        hit, history, at_hit = self._match(req.hashes, prompt_ids)
         d, queried = hit.hit_tokens, int(prompt_ids.size)
         for st, alone in zip(self._stats_in_order, hit.group_hit_tokens.values()):
             st.lookups += 1
             st.queried_tokens += queried
             st.hit_tokens += d
             st.alone_hit_tokens += alone
+        if hit.junction_tokens:
+            req.keep_boundaries = frozenset([hit.junction_tokens])
         if d == 0:
             return hit
         # By table index, each group storing entries: a history group's every block below the
@@ -367,7 +372,8 @@ class PrefixCache:
         first_pages, counts, total = self._hit_spans(d)
         assert page_ids.size == total, (page_ids.size, counts)
         self._space.borrow(page_ids, counts)
-        self._table_set.place_row(row, first_pages, counts, page_ids)
+        self._table_set.place_row(req.row, first_pages, counts, page_ids)
+        req.own_checkpoints = self._hold_hit(req.hashes.key(d), d, at_hit)
         return hit
 
     def _hit_spans(self, hit_tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -654,13 +660,11 @@ class PrefixCache:
         self.values.superseded(key, kept)
         return kept
 
-    def hold_hit(self, hashes: RequestHashes, hit_tokens: int) -> list[OwnCheckpoint]:
-        """A hit at D keeps the checkpoint at D as the request's own (its terminal so far);
-        with ``"prefill-per-byte"`` it counts as a reuse of that checkpoint."""
-        if hit_tokens == 0:
-            return []
-        key = hashes.key(hit_tokens)
-        own = self._hold(OwnCheckpoint(hit_tokens), key, [lookup(key) for lookup in self._state_lookups])
+    def _hold_hit(self, key: int, hit_tokens: int, entries: list) -> list[OwnCheckpoint]:
+        """A hit at D keeps the checkpoint at D (``key``; ``entries``: its pages in each state
+        group, in ``state_ids`` order) as the request's own (its terminal so far); with
+        ``"prefill-per-byte"`` it counts as a reuse of that checkpoint."""
+        own = self._hold(OwnCheckpoint(hit_tokens), key, entries)
         if self.values is not None:
             self.values.hit(key)
         return [own] if own.entries else []
