@@ -30,6 +30,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hybridkv.runtime.manager import CacheManager, CacheManagerError
 from hybridkv.models.deepseek_v4 import build_v4_cache_specs
@@ -302,6 +304,23 @@ def test_one_evicted_state_group_cuts_the_hit_and_is_named():
     assert hit.hit_tokens == 0
     assert hit.group_hit_tokens == {SWA: 1024, C4S: 1024, C4KV: 1024, C128S: 0, C128KV: 1024, IDX: 1024}
     assert hit.limiting_groups == [C128S]
+
+
+def test_hit_lies_below_where_the_state_groups_reach_when_they_disagree():
+    """State groups that lost different checkpoints: the hit is the last boundary where
+    every one holds a checkpoint, below the smallest reach (the match looks a state group
+    up from its last block down, then tries boundaries from the smallest reach down)."""
+    mgr = make_manager(prompt_checkpoints=True, eviction_policy="group-lru")
+    a = ids(60, 1100)
+    run_request(mgr, "a", a)  # prompt checkpoints at 256, 512, 768 and 1,024
+    events = mgr.prefix.drain_events()
+    mgr.pools[SWA].unpublish(stored_key(events, SWA, 1024))
+    mgr.pools[C4S].unpublish(stored_key(events, C4S, 768))
+    hit = mgr.add_request("b", cat(a, ids(61, 10)))
+    assert hit.hit_tokens == 512  # swa reaches 768, the ratio-4 state 1,024 but not 768
+    assert hit.group_hit_tokens == {SWA: 768, C4S: 1024, C4KV: 1024, C128S: 1024, C128KV: 1024, IDX: 1024}
+    assert hit.limiting_groups == [] and hit.junction_tokens == 1024  # no group alone stops at 512
+    assert mgr.request_pages("b", C4KV)[1].size == 2 and mgr.request_pages("b", SWA)[0] == (512 - 128) // 64
 
 
 def test_value_policy_evicts_the_whole_checkpoint_and_demotes_its_history():
@@ -1055,3 +1074,81 @@ def test_one_block_commits_publish_what_the_general_path_publishes(chunk_tokens)
                      [h.hit_tokens for h in hits]))
     assert runs[0] == runs[1]
     assert any(kind == "removed" for kind, *_ in runs[0][0]) and any(runs[0][1])
+
+
+def reference_match(mgr: CacheManager, prompt: np.ndarray) -> tuple[tuple, dict[str, tuple]]:
+    """The hit by the rules above, from each pool's entries (``PagePool.lookup``) and keys
+    chained by the documented formula (no salt): (hit, each group's own reach, the
+    history's reach), and per group the pages a request that hits places (first logical
+    page, page ids)."""
+    g = mgr.prefix.granularity_tokens
+    blocks = (len(prompt) - 1) // g
+    keys, parent = [], xxhash.xxh3_128_intdigest(b"hybridkv-prefix-root\x00")
+    for b in range(blocks):
+        parent = xxhash.xxh3_128_intdigest(parent.to_bytes(16, "little") + prompt[b * g : (b + 1) * g].astype("<i4").tobytes())
+        keys.append(parent)
+    windows = mgr.prefix.checkpoint_windows
+    found = {s.group_id: [mgr.pools[s.group_id].lookup(k) for k in keys] for s in mgr.specs}
+    reach = {}
+    for s in mgr.specs:
+        entries = found[s.group_id]
+        if not s.is_sliding:
+            reach[s.group_id] = entries.index(None) if None in entries else blocks
+        elif s.group_id in windows:
+            reach[s.group_id] = max((b + 1 for b in range(blocks) if entries[b] is not None), default=0)
+        else:
+            reach[s.group_id] = blocks  # restorable at every boundary
+    limit = min(reach[s.group_id] for s in mgr.specs if not s.is_sliding)
+    hit = max((b for b in range(1, limit + 1) if all(found[gid][b - 1] is not None for gid in windows)), default=0)
+    d, placed = hit * g, {}
+    for s in mgr.specs:
+        if not s.is_sliding:
+            placed[s.group_id] = (0, [p for entry in found[s.group_id][:hit] for p in entry])
+        elif s.group_id in windows and hit:
+            placed[s.group_id] = (max(0, d - windows[s.group_id]) // s.page_tokens, list(found[s.group_id][hit - 1]))
+        else:
+            placed[s.group_id] = (d // s.page_tokens, [])
+    return (d, {gid: n * g for gid, n in reach.items()}, limit * g), placed
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_match_agrees_with_the_rules_over_random_caches(data):
+    """Over caches that random shared-prefix requests filled and evicted (either eviction
+    policy, with and without prompt checkpoints), every request's match
+    (``PrefixCache.match`` before it is added, and the hit ``add_request`` returns) is
+    what the rules give from each group's entries, and the request's tables then hold
+    exactly the pages the rules place. Under "group-lru" each state group also loses a
+    random half of its checkpoints alone between requests, so state groups disagree."""
+    policy = data.draw(st.sampled_from(["value", "group-lru"]), label="eviction policy")
+    state_pages = data.draw(st.sampled_from([90, 1200]), label="ratio-4 state pages")  # few: they evict alone
+    mgr = make_manager(prompt_checkpoints=data.draw(st.booleans(), label="prompt checkpoints"),
+                       eviction_policy=policy,
+                       group_pages={C4KV: 24, C128KV: 24, SWA: 40, C4S: state_pages, IDX: state_pages})
+    seen = [ids(seed, 2000) for seed in range(2)]  # shared documents, then every request's tokens
+    for i in range(data.draw(st.integers(1, 10), label="requests")):
+        earlier = seen[data.draw(st.integers(0, len(seen) - 1), label=f"request {i} shares with")]
+        shared = data.draw(st.integers(0, min(len(earlier), 2000)), label=f"request {i} shared tokens")
+        tail = data.draw(st.integers(1, 400), label=f"request {i} tail tokens")
+        prompt = cat(earlier[:shared], ids(1000 + i, tail))
+        expected, placed = reference_match(mgr, prompt)
+        got = mgr.prefix.match(mgr.prefix.new_request_hashes(None), prompt)
+        assert (got.hit_tokens, got.group_hit_tokens, got.history_hit_tokens) == expected
+        hit = mgr.add_request(f"r{i}", prompt, max_new_tokens=300)
+        assert (hit.hit_tokens, hit.group_hit_tokens, hit.history_hit_tokens) == expected
+        for gid, (first_page, pages) in placed.items():
+            base_page, table = mgr.request_pages(f"r{i}", gid)
+            assert (base_page, table.tolist()) == (first_page, pages), gid
+        prefill(mgr, f"r{i}", len(prompt), chunk_tokens=256)
+        output = ids(i, data.draw(st.integers(1, 300), label=f"request {i} output"))
+        decode(mgr, f"r{i}", output)
+        seen.append(cat(prompt, output[:-1]))
+        mgr.free(f"r{i}")
+        if policy == "group-lru":  # state groups lose checkpoints alone: the hit may sit below every reach
+            rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label=f"request {i} drop seed"))
+            for gid in mgr.prefix.checkpoint_windows:
+                pool = mgr.pools[gid]
+                for key in pool.entry_keys():
+                    if rng.random() < 0.5:
+                        pool.unpublish(key)
+        mgr.check_invariants()

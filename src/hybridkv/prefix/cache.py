@@ -120,11 +120,11 @@ class RequestHashes:
         if want == have + 1:  # one block (a decode commit)
             out.append(self._hash(parent.to_bytes(16, "little") + block.tobytes()))
             return
-        data = memoryview(block.tobytes())
-        block_bytes = 4 * g
-        for i in range(want - have):
-            parent = self._hash(parent.to_bytes(16, "little") + data[i * block_bytes : (i + 1) * block_bytes])
-            out.append(parent)
+        data, block_bytes = memoryview(block.tobytes()), 4 * g
+        hash_fn, append = self._hash, out.append
+        for start in range(0, len(data), block_bytes):  # one hash call a block, nothing else per block
+            parent = hash_fn(parent.to_bytes(16, "little") + data[start : start + block_bytes])
+            append(parent)
 
     def key(self, boundary_tokens: int) -> int:
         """Key of the prefix ``[0, boundary)`` (boundary a positive multiple of the grain)."""
@@ -268,14 +268,19 @@ class PrefixCache:
         # The groups a match looks up, history groups first, and where each spec's own reach
         # lies in ``_match``'s list of reaches (those, then one for the groups restorable anywhere).
         matched = self.history_ids + self.state_ids
-        self._match_lookups = [self.pools[gid].lookup for gid in matched]
         self._reach_index = [(s.group_id, matched.index(s.group_id) if s.group_id in matched else len(matched))
                              for s in self.specs]
-        # Per group, by table index: its page tokens, checkpoint window (None: history) and
-        # entries in ``_match``'s list (None: a sliding group storing no checkpoint).
-        self._placement = [(s.page_tokens, self._windows[s.group_id] if s.is_sliding else None,
-                            matched.index(s.group_id) if s.group_id in matched else None)
-                           for _, s in sorted(zip(self._group_index, self.specs), key=itemgetter(0))]
+        in_table_order = [s for _, s in sorted(zip(self._group_index, self.specs), key=itemgetter(0))]
+        # Per group, by table index: its page tokens and checkpoint window (None: history).
+        self._placement = [(s.page_tokens, self._windows[s.group_id] if s.is_sliding else None)
+                           for s in in_table_order]
+        # The groups whose entries a hit places, by table index: whether it places every
+        # block (a history group) or the checkpoint at the hit, and the group's index in
+        # ``history_ids`` or ``state_ids``.
+        self._picks = [(True, self.history_ids.index(s.group_id)) if not s.is_sliding
+                       else (False, self.state_ids.index(s.group_id))
+                       for s in in_table_order if s.group_id in matched]
+        self._spans_at: dict[int, tuple] = {}  # hit tokens -> what _hit_spans returns (set by the geometry alone)
         self._stats_in_order = [self.stats[s.group_id] for s in self.specs]
 
     def _init_eviction(self, eviction_policy: str) -> None:
@@ -312,62 +317,81 @@ class PrefixCache:
         """The hit for a prompt, without borrowing anything."""
         return self._match(hashes, prompt_ids)[0]
 
-    def _match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> tuple[PrefixHit, list[list]]:
-        """The hit for a prompt, and per history group then state group storing checkpoints
-        (``history_ids + state_ids``) its entry (pages, None: not cached) of each prefix of
-        whole blocks the prompt's last token aside: ``found[i][b - 1]`` for the prefix of ``b`` blocks."""
+    def _match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> tuple[PrefixHit, list[list], list]:
+        """The hit for a prompt (over each prefix of whole blocks, the prompt's last token
+        aside), per history group its entry (pages, None: not cached) of each such prefix
+        (``history[i][b - 1]`` for the prefix of ``b`` blocks), and per state group storing
+        checkpoints its entry at the hit (in ``state_ids`` order; [] without a hit)."""
         g = self.granularity_tokens
         max_blocks = (prompt_ids.size - 1) // g
         hashes.extend_to(prompt_ids, max_blocks * g)
         keys = hashes.hashes[:max_blocks]  # keys[b - 1] names the prefix of b blocks
-        found = [list(map(lookup, keys)) for lookup in self._match_lookups]
-        n_history = len(self.history_ids)
+        history = [list(map(lookup, keys)) for lookup in self._history_lookups]
         # Per group alone: a history group reaches its first missing block, a state group its
-        # last checkpoint; a group restorable at every boundary (appended last) reaches them all.
-        reach = [entries.index(None) if None in entries else max_blocks for entries in found[:n_history]]
+        # last checkpoint (looked up from the last block down); a group restorable at every
+        # boundary (appended last) reaches them all.
+        reach = [entries.index(None) if None in entries else max_blocks for entries in history]
         limit = min(reach, default=max_blocks)  # blocks every history group holds, from the first
-        state = found[n_history:]
-        for entries in state:
+        for lookup in self._state_lookups:
             n = max_blocks
-            while n and entries[n - 1] is None:
+            while n and lookup(keys[n - 1]) is None:
                 n -= 1
             reach.append(n)
         reach.append(max_blocks)
-        k = limit  # the last boundary within the history where every state group holds a checkpoint
-        while k and None in [entries[k - 1] for entries in state]:
+        # The hit: the last boundary within the history where every state group holds a
+        # checkpoint (none lies beyond a state group's last one).
+        k, at_hit = min(reach), []
+        while k:
+            at_hit = [lookup(keys[k - 1]) for lookup in self._state_lookups]
+            if None not in at_hit:
+                break
             k -= 1
         alone = {gid: reach[i] * g for gid, i in self._reach_index}
-        return PrefixHit(k * g, alone, limit * g), found
+        return PrefixHit(k * g, alone, limit * g), history, at_hit if k else []
 
-    def match_and_borrow(self, hashes: RequestHashes, prompt_ids: np.ndarray, row: int) -> PrefixHit:
-        """Match, then place the cached pages in ``row``'s tables (ref count +1 each): every
-        group's in one ``PageSpace.borrow`` and one ``TableSet.place_row``."""
-        hit, found = self._match(hashes, prompt_ids)
+    def match_and_borrow(self, req: CommittingRequest, prompt_ids: np.ndarray) -> PrefixHit:
+        """Match a new request's prompt, then place the cached pages in its tables (ref count
+        +1 each): every group's in one ``PageSpace.borrow`` and one ``TableSet.place_row``.
+        The checkpoint at the hit becomes the request's own (its terminal so far; with
+        ``"prefill-per-byte"`` a reuse of it), and its junction, if any, is pinned when the
+        request crosses it."""
+        hit, history, at_hit = self._match(req.hashes, prompt_ids)
         d, queried = hit.hit_tokens, int(prompt_ids.size)
         for st, alone in zip(self._stats_in_order, hit.group_hit_tokens.values()):
             st.lookups += 1
             st.queried_tokens += queried
             st.hit_tokens += d
             st.alone_hit_tokens += alone
+        if hit.junction_tokens:
+            req.keep_boundaries = frozenset([hit.junction_tokens])
         if d == 0:
             return hit
-        # Per group, by table index: a history group's every block below the hit, a sliding
-        # group's checkpoint window below it (or nothing when it stores none).
-        blocks, lo, counts, picked = d // self.granularity_tokens, [], [], []
-        for page_tokens, window, i in self._placement:
-            if window is None:
-                lo.append(0)
-                picked.append(found[i][:blocks])
-            else:
-                lo.append(max(0, d - window) // page_tokens)
-                picked.append(found[i][blocks - 1 : blocks] if i is not None else ())
-            counts.append(d // page_tokens - lo[-1])
+        # By table index, each group storing entries: a history group's every block below the
+        # hit, a state group's checkpoint at it.
+        blocks = d // self.granularity_tokens
+        picked = [history[i][:blocks] if whole else (at_hit[i],) for whole, i in self._picks]
         page_ids = np.fromiter(chain.from_iterable(chain.from_iterable(picked)), np.int64)
-        assert page_ids.size == sum(counts), (page_ids.size, counts)
-        spans = np.array([lo, counts], dtype=np.int64)
-        self._space.borrow(page_ids, spans[1])
-        self._table_set.place_row(row, spans[0], spans[1], page_ids)
+        first_pages, counts, total = self._hit_spans(d)
+        assert page_ids.size == total, (page_ids.size, counts)
+        self._space.borrow(page_ids, counts)
+        self._table_set.place_row(req.row, first_pages, counts, page_ids)
+        req.own_checkpoints = self._hold_hit(req.hashes.key(d), d, at_hit)
         return hit
+
+    def _hit_spans(self, hit_tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Per group, by table index, the logical pages a hit at ``hit_tokens`` places: the
+        first one and how many (a history group's every page below the hit, a sliding group's
+        checkpoint window below it, or none when it stores none), and their total. Computed
+        once per hit length (read-only arrays)."""
+        spans = self._spans_at.get(hit_tokens)
+        if spans is None:
+            first = [0 if window is None else max(0, hit_tokens - window) // page_tokens
+                     for page_tokens, window in self._placement]
+            counts = [hit_tokens // page_tokens - lo for (page_tokens, _), lo in zip(self._placement, first)]
+            arrays = np.array([first, counts], dtype=np.int64)
+            arrays.flags.writeable = False
+            spans = self._spans_at[hit_tokens] = (arrays[0], arrays[1], sum(counts))
+        return spans
 
     # --- publication -------------------------------------------------------------
     def commit(self, req: CommittingRequest, old_tokens: int, new_tokens: int, token_ids: np.ndarray) -> None:
@@ -644,13 +668,11 @@ class PrefixCache:
         self.values.superseded(key, kept)
         return kept
 
-    def hold_hit(self, hashes: RequestHashes, hit_tokens: int) -> list[OwnCheckpoint]:
-        """A hit at D keeps the checkpoint at D as the request's own (its terminal so far);
-        with ``"prefill-per-byte"`` it counts as a reuse of that checkpoint."""
-        if hit_tokens == 0:
-            return []
-        key = hashes.key(hit_tokens)
-        own = self._hold(OwnCheckpoint(hit_tokens), key, [lookup(key) for lookup in self._state_lookups])
+    def _hold_hit(self, key: int, hit_tokens: int, entries: list) -> list[OwnCheckpoint]:
+        """A hit at D keeps the checkpoint at D (``key``; ``entries``: its pages in each state
+        group, in ``state_ids`` order) as the request's own (its terminal so far); with
+        ``"prefill-per-byte"`` it counts as a reuse of that checkpoint."""
+        own = self._hold(OwnCheckpoint(hit_tokens), key, entries)
         if self.values is not None:
             self.values.hit(key)
         return [own] if own.entries else []

@@ -419,12 +419,9 @@ class CacheManager:
             buf = np.empty(max(total, 1), dtype=np.int32)
             buf[: ids.size] = ids
         req = _Request(request_id, row, prompt_len, total, buf, prompt_len, hashes)
-        hit = (PrefixHit.none(self.specs) if hashes is None
-               else self.prefix.match_and_borrow(hashes, buf[:prompt_len], row))
-        if hit.junction_tokens:
-            req.keep_boundaries = frozenset([hit.junction_tokens])  # pinned when it crosses them
-        if hashes is not None:
-            req.own_checkpoints = self.prefix.hold_hit(hashes, hit.hit_tokens)
+        # The hit's pages go into the row's tables, its checkpoint becomes the request's own
+        # and its junction is pinned when the request crosses it.
+        hit = PrefixHit.none(self.specs) if hashes is None else self.prefix.match_and_borrow(req, buf[:prompt_len])
         self._computed[row] = self._committed[row] = hit.hit_tokens
         self._requests[request_id] = self._row_owner[row] = req
         self._row_of[request_id] = row
