@@ -532,9 +532,28 @@ def batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, posi
 
 
 @njit(cache=True)
+def batch_views(small, wide, n_groups, n_requests):
+    """The batch's arrays for ``n_requests`` requests as views of its two buffers
+    (``batch_size`` lays them out): ``small`` int32 holds table rows, scheduled tokens,
+    query start locations, request indices and base pages ``[G, R]``; ``wide`` int64 the
+    positions, then (when it is longer) write slots ``[G, N]`` (else ``[0, N]``)."""
+    r = n_requests
+    n_tokens = small.size - (3 + n_groups) * r - 1
+    at = 3 * r + 1 + n_tokens
+    n_slot_groups = n_groups if wide.size > n_tokens else 0
+    return (small[:r], small[r : 2 * r], wide[:n_tokens], small[3 * r + 1 : at], small[2 * r : 3 * r + 1],
+            small[at:].reshape((n_groups, r)), wide[n_tokens:].reshape((n_slot_groups, n_tokens)))
+
+
+def batch_size(n_groups, n_requests, n_tokens, write_slots):
+    """Sizes of ``batch_views``' int32 and int64 buffers."""
+    return (3 + n_groups) * n_requests + 1 + n_tokens, n_tokens * (1 + n_groups if write_slots else 1)
+
+
+@njit(cache=True)
 def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient,
              rows, counts, first, settle, after, sums, hold, scratch, idle_keyed, released, touched, cells, cell_pages,
-             table_rows, scheduled, positions, request_indices, query_start_loc, base_pages, widths, slots):
+             small, wide, widths):
     """One admitted step as planned by ``prepare_step``: the rows' tokens so far count as
     committed, releases, allocations, then the batch's arrays (``finish_step``). Returns
     (status, cells logged, idle keyed pages); the pages released and allocated count
@@ -551,8 +570,7 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
                           sums, released, idle_keyed):
         return STEP_NEEDS_PAGES, n_touched, n_keyed
     n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
-                            first, settle, after, sums, touched, n_touched, cells, cell_pages, table_rows, scheduled,
-                            positions, request_indices, query_start_loc, base_pages, widths, slots)
+                            first, settle, after, sums, touched, n_touched, cells, cell_pages, small, wide, widths)
     return STEP_DONE, n_touched, n_keyed
 
 
@@ -589,31 +607,33 @@ def plan_views(plan, n_groups):
     """The plan's arrays, views of one flat int64 buffer ``plan`` (room for ``cap`` rows):
     rows, counts, first, after ``[2, G, cap]``, need ``[G, cap]``, sums ``[2, G]``,
     crossing, totals ``[4]`` (``prepare_step``'s outputs, in its order), then released
-    ``[2, G]`` (``release_pages``'). ``plan_size(cap, G)`` is the buffer's size."""
-    cap = (plan.size - 4 - 4 * n_groups) // (4 + 3 * n_groups)
+    ``[2, G]`` (``release_pages``') and widths ``[G]`` (``batch_arrays``'). ``plan_size(cap, G)``
+    is the buffer's size."""
+    cap = (plan.size - 4 - 5 * n_groups) // (4 + 3 * n_groups)
     grid = 4 * cap + 2 * n_groups * cap
     tail = grid + n_groups * cap
     return (plan[:cap], plan[cap : 2 * cap], plan[2 * cap : 3 * cap],
             plan[4 * cap : grid].reshape((2, n_groups, cap)), plan[grid:tail].reshape((n_groups, cap)),
             plan[tail : tail + 2 * n_groups].reshape((2, n_groups)), plan[3 * cap : 4 * cap],
             plan[tail + 4 * n_groups : tail + 4 * n_groups + 4],
-            plan[tail + 2 * n_groups : tail + 4 * n_groups].reshape((2, n_groups)))
+            plan[tail + 2 * n_groups : tail + 4 * n_groups].reshape((2, n_groups)),
+            plan[tail + 4 * n_groups + 4 : tail + 5 * n_groups + 4])
 
 
 def plan_size(cap, n_groups):
     """Size of a ``plan_views`` buffer with room for ``cap`` rows."""
-    return (4 + 3 * n_groups) * cap + 4 * n_groups + 4
+    return (4 + 3 * n_groups) * cap + 5 * n_groups + 4
 
 
 @njit(cache=True)
 def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain,
-         plan, scratch, idle_keyed, touched, last_rows, rows_in, counts_in, cells, cell_pages, table_rows,
-         scheduled, positions, request_indices, query_start_loc, base_pages, widths, slots):
+         plan, scratch, idle_keyed, touched, last_rows, rows_in, counts_in, cells, cell_pages, small, wide):
     """``prepare_step`` then, when the plan needs nothing from Python first (every
     group's free stack covers it, no row crosses a prefix grain, the scratch buffers
     are large enough), ``run_step``, in one call; ``counters`` packs computed, committed
     and known tokens, ``plan`` the plan's arrays (``plan_views``); ``cells`` and
-    ``cell_pages`` as ``run_step`` takes them. The arguments up to ``grain`` are the
+    ``cell_pages`` as ``run_step`` takes them, ``small`` and ``wide`` the batch's arrays
+    (``batch_views``). The arguments up to ``grain`` are the
     manager's state, the four after it its scratch buffers (the same arrays from step to
     step: the manager passes them as two tuples). Returns (status, rows in the plan,
     settling rows, crossing rows, clean, cells logged, idle keyed pages, pages allocated);
@@ -621,12 +641,13 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
     when only the plan ran because some group's free stack is short of its allocations
     but, no row crossing a grain, the pages its own releases free first cover it
     (``releases_cover``)."""
-    rows, counts, first, after, need, sums, crossing, totals, released = plan_views(plan, geometry.shape[0])
+    rows, counts, first, after, need, sums, crossing, totals, released, widths = plan_views(plan, geometry.shape[0])
     computed, committed, known = counters[0], counters[1], counters[2]
     n, settle, n_cross, clean = prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in,
                                              counts_in, grain, per_group[TOP], mark, rows, counts, first, after, need,
                                              sums, crossing, totals, counts_in[:0])
-    if (n < 0 or not clean or n_cross > 0 or totals[0] != positions.size or totals[2] > scratch.size
+    n_tokens = small.size - (3 + geometry.shape[0]) * rows_in.size - 1  # the batch's (``batch_views``)
+    if (n < 0 or not clean or n_cross > 0 or totals[0] != n_tokens or totals[2] > scratch.size
             or totals[1] > idle_keyed.size or totals[1] + totals[3] > touched.size):
         if n >= 0 and not clean and n_cross == 0 and releases_cover(geometry, pages, bounds, ref, keyed,
                                                                      per_group[TOP], rows[:n], after, sums):
@@ -635,8 +656,7 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group,
         transient, rows[:n], counts[:n], first[:n], settle, after[:, :, :n], sums, False, scratch, idle_keyed,
-        released, touched, cells, cell_pages, table_rows, scheduled, positions, request_indices, query_start_loc,
-        base_pages, widths, slots)
+        released, touched, cells, cell_pages, small, wide, widths)
     return status, n, settle, n_cross, clean, n_touched, n_keyed, totals[3]
 
 
@@ -657,8 +677,7 @@ def releases_cover(geometry, pages, bounds, ref, keyed, top, rows, after, sums):
 
 @njit(cache=True)
 def finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts, first, settle,
-                after, sums, touched, n_touched, cells, cell_pages, table_rows, scheduled, positions, request_indices,
-                query_start_loc, base_pages, widths, slots):
+                after, sums, touched, n_touched, cells, cell_pages, small, wide, widths):
     """The rest of ``run_step`` once the stacks hold enough: allocate (counted in
     ``per_group``), computed tokens move on, the batch's arrays and (when ``slots`` has
     rows) write slots; then, when the step's changed cells fit in ``cell_pages``, reads
@@ -668,6 +687,8 @@ def finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transi
                                after, sums, touched, n_touched)
     for r in range(rows.size):
         computed[rows[r]] = first[r] + counts[r]
+    table_rows, scheduled, positions, request_indices, query_start_loc, base_pages, slots = batch_views(
+        small, wide, geometry.shape[0], rows.size - settle)
     batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, positions, request_indices,
                  query_start_loc, base_pages, widths)
     if slots.shape[0]:

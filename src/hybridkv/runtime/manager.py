@@ -88,32 +88,24 @@ class _StepPlan:
 
 
 class _StepArrays(NamedTuple):
-    """What ``kernels.run_step`` writes for the batch's ``R`` requests and ``N`` tokens, in
-    its argument order."""
+    """What ``kernels.run_step`` writes for the batch's ``R`` requests and ``N`` tokens: two
+    fresh buffers the batch's arrays view (``kernels.batch_views`` lays them out; two
+    kernel arguments, where one per array would each be unboxed)."""
 
-    table_rows: np.ndarray  # int32 [R]
-    scheduled: np.ndarray  # int32 [R]
-    positions: np.ndarray  # int64 [N]
-    request_indices: np.ndarray  # int32 [N]
-    query_start_loc: np.ndarray  # int32 [R + 1]
-    base_pages: np.ndarray  # int32 [G, R]
-    widths: np.ndarray  # int64 [G] the widest request's live pages (scratch: not handed out)
-    slots: np.ndarray  # int64 [G, N] write slots ([0, 0] when not asked for)
+    small: np.ndarray  # int32: table rows [R], scheduled [R], query start locations [R + 1], request indices [N],
+    # base pages [G, R]
+    wide: np.ndarray  # int64: positions [N], then write slots [G, N] when asked for
 
-    @staticmethod
-    def empty(n_groups: int, n_requests: int, n_tokens: int, write_slots: bool, widths: np.ndarray) -> _StepArrays:
-        """Fresh arrays for what the batch hands out; ``widths`` is the caller's scratch."""
-        empty, i32, i64 = np.empty, _INT32, _INT64
-        return _new_tuple(_StepArrays, (  # the NamedTuple's ``__new__`` without its Python frame
-            empty(n_requests, i32), empty(n_requests, i32), empty(n_tokens, i64), empty(n_tokens, i32),
-            empty(n_requests + 1, i32), empty((n_groups, n_requests), i32),
-            widths, empty((n_groups, n_tokens), i64) if write_slots else _NO_SLOTS,
-        ))
+
+def _step_arrays(n_groups: int, n_requests: int, n_tokens: int, write_slots: bool) -> _StepArrays:
+    """Fresh buffers for what a batch hands out (``kernels.batch_size``)."""
+    return _new_tuple(_StepArrays, (  # the NamedTuple's ``__new__`` without its Python frame
+        np.empty((3 + n_groups) * n_requests + 1 + n_tokens, _INT32),
+        np.empty(n_tokens + n_groups * n_tokens if write_slots else n_tokens, _INT64)))
 
 
 _INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
 _new_tuple = tuple.__new__
-_NO_SLOTS = np.empty((0, 0), dtype=np.int64)  # ``_StepArrays.slots`` of a step without write slots
 _NO_CELLS = np.empty((3, 0), dtype=np.int64), np.empty(0, dtype=np.int32)  # ``kernels.finish_step`` reads no cells
 _COMPUTED = np.empty(0, dtype=np.int64)  # ``prepare_step``'s load_tokens of a step that computes
 
@@ -127,7 +119,6 @@ class _Scratch:
         self.idle_keyed = np.empty(0, dtype=np.int64)
         self.touched = np.empty(0, dtype=np.int64)
         self._grow_plan(0)
-        self.widths = np.empty(n_groups, dtype=np.int64)
         self.transient = np.empty(n_groups, dtype=np.int64)  # ``transient_counts``' answer
 
     def plan_arrays(self, n_rows: int) -> tuple:
@@ -143,7 +134,7 @@ class _Scratch:
         self.plan_rows = n_rows
         self.plan_buffer = np.empty(kernels.plan_size(n_rows, self.n_groups), dtype=np.int64)
         views = kernels.plan_views(self.plan_buffer, self.n_groups)
-        self.plan, self.released = views[:8], views[8]
+        self.plan, self.released, self.widths = views[:8], views[8], views[9]  # widths: ``batch_arrays``' 
         self.buffers = (self.plan_buffer, self.pages, self.idle_keyed, self.touched)  # as ``kernels.step`` takes them
 
     def reserve(self, most_released: int, released_pages: int, allocated_pages: int) -> tuple:
@@ -1026,7 +1017,7 @@ class CacheManager:
         tokens)."""
         rows_in, counts_in, rids, n_tokens = fast
         sc = self._scratch
-        out = _StepArrays.empty(len(self.specs), rows_in.size, n_tokens, write_slots, sc.widths)
+        out = _step_arrays(len(self.specs), rows_in.size, n_tokens, write_slots)
         plan_arrays = sc.plan_arrays(rows_in.size + self._last_rows.size)
         cells = self._cell_buffers(rows_in.size) if updates else _NO_CELLS
         self._space.low_floors()  # in the state's ``per_group``
@@ -1103,8 +1094,7 @@ class CacheManager:
         ``cells`` when the kernel read those into them (``_build_batch``'s ``read``)."""
         n_tokens, released_pages, most_released, allocated_pages = plan.totals
         if out is None:
-            out = _StepArrays.empty(len(self.specs), plan.rows.size - plan.settle, n_tokens, write_slots,
-                                   self._scratch.widths)
+            out = _step_arrays(len(self.specs), plan.rows.size - plan.settle, n_tokens, write_slots)
         scratch, idle_keyed, released, touched = self._scratch.reserve(most_released, released_pages,
                                                                         allocated_pages)
         space, ts = self._space, self._tableset
@@ -1114,7 +1104,7 @@ class CacheManager:
             ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
             space.low_priority, space.stack, per_group, self._transient, plan.rows, plan.counts, plan.first,
             plan.settle, plan.after, plan.sums, bool(plan.grants), scratch, idle_keyed, released, touched, *cells,
-            *out)
+            *out, self._scratch.widths)
         n_touched = self._after_run(plan.sums, allocated_pages, status, n_touched, n_keyed, plan, out, cells)
         return out, n_touched, self._read_cells(n_touched, cells)
 
@@ -1141,7 +1131,7 @@ class CacheManager:
             n_touched = kernels.finish_step(
                 ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.per_group,
                 self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums,
-                self._scratch.touched, n_touched, *cells, *out)
+                self._scratch.touched, n_touched, *cells, *out, self._scratch.widths)
         if allocated_pages:
             space.note_peaks(sums[1])
         return n_touched
@@ -1152,7 +1142,7 @@ class CacheManager:
         the cells the step changed lead the touched scratch) the table cells changed; ``read``:
         those cells as ``kernels.finish_step`` read them (group, row and column; page), the log
         holding nothing else."""
-        widths = self._capture_widths if fixed_width else tuple(out.widths.tolist())
+        widths = self._capture_widths if fixed_width else tuple(self._scratch.widths.tolist())
         ts, table_updates = self._tableset, None
         if n_touched < 0:
             tables = [ts.block_table(k, rows, width) for k, width in enumerate(widths)]
@@ -1165,13 +1155,17 @@ class CacheManager:
             touched = self._scratch.touched[:n_touched] if n_touched else None
             group, row, column, page, reset = ts.drain_updates(touched)
             table_updates = TableUpdates(group, row, column, page, widths, reset)
-        slots = out.slots if out.slots.shape[0] else [None] * len(widths)
-        groups = {  # iterating a 2-D array yields its rows
-            gid: GroupStep(table, base if sliding else None, slot)
-            for (gid, sliding), table, base, slot in zip(self._group_sliding, tables, out.base_pages, slots)
-        }
-        return StepBatch(request_ids, out.scheduled, out.query_start_loc, out.positions, out.request_indices, groups,
-                         out.table_rows, table_updates)
+        small, wide = out  # ``kernels.batch_views``' layout
+        r = rows.size
+        n = small.size - (3 + len(widths)) * r - 1  # tokens
+        at = 3 * r + 1 + n  # group 0's base pages
+        slotted = wide.size > n
+        groups = {}
+        for k, (gid, sliding) in enumerate(self._group_sliding):
+            groups[gid] = GroupStep(tables[k], small[at + k * r : at + k * r + r] if sliding else None,
+                                    wide[n + k * n : n + k * n + n] if slotted else None)
+        return StepBatch(request_ids, small[r : 2 * r], small[2 * r : 3 * r + 1], wide[:n], small[3 * r + 1 : at],
+                         groups, small[:r], table_updates)
 
     def _commit_rows(self, rows: np.ndarray) -> None:
         """Publish, row by row, what each row's computed tokens completed since its last
