@@ -326,8 +326,9 @@ def plan_group(geometry, bounds, g, rows, counts, first, n, settle, load_tokens,
 @njit(cache=True)
 def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in, counts_in, grain, top, mark,
                  rows, counts, first, after, need, sums, crossing, totals, load_tokens):
-    """The plan of a step of ``rows_in`` (table rows) writing ``counts_in`` tokens each; pure
-    but for ``mark`` (scratch, all False on return). No plan (-1 rows) when a row is
+    """The plan of a step of ``rows_in`` (table rows) writing ``counts_in`` tokens each (one
+    count for every row when ``counts_in`` holds one); pure but for ``mark`` (scratch, all
+    False on return). No plan (-1 rows) when a row is
     listed twice or would pass its ``known`` tokens (the caller words why).
 
     ``rows``, ``counts``, ``first``: the rows the step touches, the settling ones first
@@ -347,8 +348,9 @@ def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_i
     pages of its last ``load_tokens[g]`` tokens (what a checkpoint at its end holds); its
     base may then pass its hi (the pages between are never held): it releases ``[base,
     min(new base, hi))`` and allocates ``[max(hi, new base), new hi)``."""
+    each = 0 if counts_in.size == 1 else 1  # ``counts_in[r * each]``: row r's count
     for r in range(rows_in.size):
-        if computed[rows_in[r]] + counts_in[r] > known[rows_in[r]]:
+        if computed[rows_in[r]] + counts_in[r * each] > known[rows_in[r]]:
             return -1, 0, 0, False
     settle = settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts)
     if settle < 0:
@@ -358,7 +360,7 @@ def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_i
     for r in range(n):
         if r >= settle:
             rows[r] = rows_in[r - settle]
-            counts[r] = counts_in[r - settle]
+            counts[r] = counts_in[(r - settle) * each]
         row = rows[r]
         first[r] = computed[row]
         if grain > 0 and committed[row] // grain < first[r] // grain:

@@ -347,6 +347,7 @@ class CacheManager:
         self._max_total = np.zeros(64, dtype=np.int64)
         self._known_floor = np.zeros(64, dtype=np.int64)  # rewinds keep known ids up to it: prompt (no ids: total)
         self._in_batch = np.zeros(64, dtype=np.bool_)  # prepare_step's scratch, one flag per row
+        self._one_count = np.zeros(1, dtype=np.int64)  # a uniform step's count, for every row (no array made)
 
     @classmethod
     def from_plan(
@@ -809,7 +810,8 @@ class CacheManager:
             # which equals 1): one scalar check.
             if not 1 <= counts[0] <= self.max_step_tokens:
                 return None
-            return rows, _filled(n, counts[0]), rids, n * counts[0]
+            self._one_count[0] = counts[0]  # ``prepare_step`` reads one count as every row's
+            return rows, self._one_count, rids, n * counts[0]
         kinds = set(map(type, counts))
         if bool in kinds or not all(k is int or issubclass(k, np.integer) for k in kinds):
             return None  # bool is an int subclass but not a token count
@@ -825,7 +827,8 @@ class CacheManager:
         rows = self._rows_of(rids)
         if rows is None:
             return None
-        return rows, _filled(rows.size, count), rids, rows.size * count
+        self._one_count[0] = count  # ``prepare_step`` reads one count as every row's
+        return rows, self._one_count, rids, rows.size * count
 
     def _rows_of(self, rids: tuple) -> np.ndarray | None:
         """Table rows of known request ids; None if an id is unknown or unhashable."""
@@ -1497,12 +1500,6 @@ def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, i
         return None
     surplus = {g: avail[g] - want[g] for g in avail} if scan is not None else {}
     return arena.plan({g: want[g] - avail[g] for g in avail}, surplus, scan)
-
-
-def _filled(n: int, value: int) -> np.ndarray:
-    """int64 ``[n]`` of ``value`` (``np.full`` without its Python-level wrapper)."""
-    (out := np.empty(n, _INT64)).fill(value)
-    return out
 
 
 def _check_step_options(ids: Sequence, block_tables: str, write_slots: bool) -> None:
