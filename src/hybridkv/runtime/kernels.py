@@ -605,45 +605,52 @@ def needs_room(geometry, stack, top, lowest, low_floor, low_priority, sums, rele
 
 
 @njit(cache=True)
-def plan_views(plan, n_groups):
-    """The plan's arrays, views of one flat int64 buffer ``plan`` (room for ``cap`` rows):
-    rows, counts, first, after ``[2, G, cap]``, need ``[G, cap]``, sums ``[2, G]``,
-    crossing, totals ``[4]`` (``prepare_step``'s outputs, in its order), then released
-    ``[2, G]`` (``release_pages``') and widths ``[G]`` (``batch_arrays``'). ``plan_size(cap, G)``
-    is the buffer's size."""
-    cap = (plan.size - 4 - 5 * n_groups) // (4 + 3 * n_groups)
+def plan_views(buffer, n_groups):
+    """The step's scratch arrays, views of one flat int64 ``buffer`` whose first four
+    values are the room they have: ``cap`` rows, ``n_pages`` released pages in one group,
+    ``n_keyed`` idle keyed pages, ``n_touched`` cells. The plan's arrays: rows, counts,
+    first, after ``[2, G, cap]``, need ``[G, cap]``, sums ``[2, G]``, crossing, totals ``[4]``
+    (``prepare_step``'s outputs, in its order); then released ``[2, G]`` and widths ``[G]``
+    (``release_pages``' and ``batch_arrays``'), and ``release_pages``' scratch, idle
+    keyed pages and touched cells. ``plan_size`` is the buffer's size."""
+    cap, n_pages, n_keyed, n_touched = buffer[0], buffer[1], buffer[2], buffer[3]
+    plan = buffer[4:]
     grid = 4 * cap + 2 * n_groups * cap
     tail = grid + n_groups * cap
+    end = tail + 5 * n_groups + 4
     return (plan[:cap], plan[cap : 2 * cap], plan[2 * cap : 3 * cap],
             plan[4 * cap : grid].reshape((2, n_groups, cap)), plan[grid:tail].reshape((n_groups, cap)),
             plan[tail : tail + 2 * n_groups].reshape((2, n_groups)), plan[3 * cap : 4 * cap],
             plan[tail + 4 * n_groups : tail + 4 * n_groups + 4],
             plan[tail + 2 * n_groups : tail + 4 * n_groups].reshape((2, n_groups)),
-            plan[tail + 4 * n_groups + 4 : tail + 5 * n_groups + 4])
+            plan[tail + 4 * n_groups + 4 : tail + 5 * n_groups + 4],
+            plan[end : end + n_pages], plan[end + n_pages : end + n_pages + n_keyed],
+            plan[end + n_pages + n_keyed : end + n_pages + n_keyed + n_touched])
 
 
-def plan_size(cap, n_groups):
-    """Size of a ``plan_views`` buffer with room for ``cap`` rows."""
-    return (4 + 3 * n_groups) * cap + 5 * n_groups + 4
+def plan_size(cap, n_groups, n_pages, n_keyed, n_touched):
+    """Size of a ``plan_views`` buffer with room for ``cap`` rows, ``n_pages`` released pages
+    in one group, ``n_keyed`` idle keyed pages and ``n_touched`` cells."""
+    return 4 + (4 + 3 * n_groups) * cap + 5 * n_groups + 4 + n_pages + n_keyed + n_touched
 
 
 @njit(cache=True)
 def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain,
-         plan, scratch, idle_keyed, touched, last_rows, rows_in, counts_in, cells, cell_pages, small, wide):
+         plan, last_rows, rows_in, counts_in, cells, cell_pages, small, wide):
     """``prepare_step`` then, when the plan needs nothing from Python first (every
     group's free stack covers it, no row crosses a prefix grain, the scratch buffers
     are large enough), ``run_step``, in one call; ``counters`` packs computed, committed
-    and known tokens, ``plan`` the plan's arrays (``plan_views``); ``cells`` and
-    ``cell_pages`` as ``run_step`` takes them, ``small`` and ``wide`` the batch's arrays
-    (``batch_views``). The arguments up to ``grain`` are the
-    manager's state, the four after it its scratch buffers (the same arrays from step to
-    step: the manager passes them as two tuples). Returns (status, rows in the plan,
+    and known tokens, ``plan`` the plan's arrays and ``run_step``'s scratch (``plan_views``);
+    ``cells`` and ``cell_pages`` as ``run_step`` takes them, ``small`` and ``wide`` the
+    batch's arrays (``batch_views``). The arguments up to ``grain`` are the manager's
+    state (the same arrays from step to step: the manager passes them as a tuple). Returns (status, rows in the plan,
     settling rows, crossing rows, clean, cells logged, idle keyed pages, pages allocated);
     status ``STEP_PLANNED`` (or -1 rows: no plan) when only the plan ran, ``STEP_COVERED``
     when only the plan ran because some group's free stack is short of its allocations
     but, no row crossing a grain, the pages its own releases free first cover it
     (``releases_cover``)."""
-    rows, counts, first, after, need, sums, crossing, totals, released, widths = plan_views(plan, geometry.shape[0])
+    rows, counts, first, after, need, sums, crossing, totals, released, widths, scratch, idle_keyed, touched = (
+        plan_views(plan, geometry.shape[0]))
     computed, committed, known = counters[0], counters[1], counters[2]
     n, settle, n_cross, clean = prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in,
                                              counts_in, grain, per_group[TOP], mark, rows, counts, first, after, need,

@@ -115,37 +115,35 @@ class _Scratch:
 
     def __init__(self, n_groups: int):
         self.n_groups = n_groups
-        self.pages = np.empty(0, dtype=np.int32)
-        self.idle_keyed = np.empty(0, dtype=np.int64)
-        self.touched = np.empty(0, dtype=np.int64)
-        self._grow_plan(0)
+        self._grow(0, 0, 0, 0)
         self.transient = np.empty(n_groups, dtype=np.int64)  # ``transient_counts``' answer
 
     def plan_arrays(self, n_rows: int) -> tuple:
         """``prepare_step``'s outputs with room for ``n_rows`` rows (``kernels.plan_views``
-        of ``plan_buffer``): rows, counts, first, after, need, sums, crossing, totals; the
+        of ``buffer``): rows, counts, first, after, need, sums, crossing, totals; the
         same arrays while they are large enough (every plan overwrites the previous one's).
-        ``released`` is ``release_pages``' count per group."""
+        ``released`` is ``release_pages``' count per group, ``widths`` ``batch_arrays``'."""
         if n_rows > self.plan_rows:
-            self._grow_plan(2 * n_rows)
+            self._grow(2 * n_rows, self.pages.size, self.idle_keyed.size, self.touched.size)
         return self.plan
 
-    def _grow_plan(self, n_rows: int) -> None:
+    def _grow(self, n_rows: int, n_pages: int, n_keyed: int, n_touched: int) -> None:
+        """A new buffer (``kernels.plan_views``; ``kernels.step`` takes it whole) with that much
+        room; views made before stay valid (a plan made before a ``reserve``)."""
         self.plan_rows = n_rows
-        self.plan_buffer = np.empty(kernels.plan_size(n_rows, self.n_groups), dtype=np.int64)
-        views = kernels.plan_views(self.plan_buffer, self.n_groups)
-        self.plan, self.released, self.widths = views[:8], views[8], views[9]  # widths: ``batch_arrays``' 
-        self.buffers = (self.plan_buffer, self.pages, self.idle_keyed, self.touched)  # as ``kernels.step`` takes them
+        sizes = (n_rows, n_pages, n_keyed, n_touched)
+        self.buffer = np.empty(kernels.plan_size(n_rows, self.n_groups, n_pages, n_keyed, n_touched), dtype=np.int64)
+        self.buffer[:4] = sizes
+        views = kernels.plan_views(self.buffer, self.n_groups)
+        self.plan, (self.released, self.widths, self.pages, self.idle_keyed, self.touched) = views[:8], views[8:]
+        self.allocated = self.plan[5][1]  # the plan's pages allocated per group (``sums[1]``)
 
     def reserve(self, most_released: int, released_pages: int, allocated_pages: int) -> tuple:
         """(release scratch, idle keyed pages, released counts, touched cells), large enough."""
-        if most_released > self.pages.size:
-            self.pages = np.empty(2 * most_released, dtype=np.int32)
-        if released_pages > self.idle_keyed.size:
-            self.idle_keyed = np.empty(2 * released_pages, dtype=np.int64)
-        if released_pages + allocated_pages > self.touched.size:
-            self.touched = np.empty(2 * (released_pages + allocated_pages), dtype=np.int64)
-        self.buffers = (self.plan_buffer, self.pages, self.idle_keyed, self.touched)
+        sizes = (self.pages.size, self.idle_keyed.size, self.touched.size)
+        wanted = (most_released, released_pages, released_pages + allocated_pages)
+        if any(w > n for w, n in zip(wanted, sizes)):
+            self._grow(self.plan_rows, *(2 * w if w > n else n for w, n in zip(wanted, sizes)))
         return self.pages, self.idle_keyed, self.released, self.touched
 
 
@@ -1025,7 +1023,7 @@ class CacheManager:
         cells = self._cell_buffers(rows_in.size) if updates else _NO_CELLS
         self._space.low_floors()  # in the state's ``per_group``
         status, n, settle, n_crossing, clean, n_touched, n_keyed, allocated = kernels.step(
-            *(self._state or self._kernel_state()), *sc.buffers, self._last_rows, rows_in, counts_in, *cells, *out)
+            *(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, *cells, *out)
         if status >= kernels.STEP_PLANNED:
             if n < 0:
                 return None
@@ -1046,7 +1044,7 @@ class CacheManager:
         if n_keyed or plan is not None:
             n_touched = self._after_run(plan_arrays[5], allocated, status, n_touched, n_keyed, plan, out, cells)
         elif allocated:  # all ``_after_run`` does after a step done whole that left no keyed page idle
-            self._space.note_peaks(plan_arrays[5][1])
+            self._space.note_peaks(sc.allocated)
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1,
                                  self._read_cells(n_touched, cells))
