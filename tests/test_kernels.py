@@ -249,8 +249,8 @@ def test_push_run_merges_ascending_and_unordered_runs_alike(ids, data):
 @given(st.integers(1, 40), st.integers(1, 8), st.integers(1, 5), st.booleans())
 def test_batch_views_tile_their_buffers_without_overlap(n_requests, n_groups, tokens_each, write_slots):
     n_tokens = n_requests * tokens_each
-    n_small, n_wide = kernels.batch_size(n_groups, n_requests, n_tokens, write_slots)
-    small, wide = np.full(n_small, -1, dtype=np.int32), np.full(n_wide, -1, dtype=np.int64)
+    small, wide = kernels.batch_buffers(n_groups, n_requests, n_tokens, write_slots)
+    small[:], wide[:] = -1, -1
     views = kernels.batch_views(small, wide, n_groups, n_requests)
     r, n = n_requests, n_tokens
     shapes = [(r,), (r,), (n,), (n,), (r + 1,), (n_groups, r), (n_groups if write_slots else 0, n)]

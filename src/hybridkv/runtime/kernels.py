@@ -536,7 +536,7 @@ def batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, posi
 @njit(cache=True)
 def batch_views(small, wide, n_groups, n_requests):
     """The batch's arrays for ``n_requests`` requests as views of its two buffers
-    (``batch_size`` lays them out): ``small`` int32 holds table rows, scheduled tokens,
+    (``batch_buffers``): ``small`` int32 holds table rows, scheduled tokens,
     query start locations, request indices and base pages ``[G, R]``; ``wide`` int64 the
     positions, then (when it is longer) write slots ``[G, N]`` (else ``[0, N]``)."""
     r = n_requests
@@ -547,9 +547,10 @@ def batch_views(small, wide, n_groups, n_requests):
             small[at:].reshape((n_groups, r)), wide[n_tokens:].reshape((n_slot_groups, n_tokens)))
 
 
-def batch_size(n_groups, n_requests, n_tokens, write_slots):
-    """Sizes of ``batch_views``' int32 and int64 buffers."""
-    return (3 + n_groups) * n_requests + 1 + n_tokens, n_tokens * (1 + n_groups if write_slots else 1)
+def batch_buffers(n_groups, n_requests, n_tokens, write_slots):
+    """Fresh int32 and int64 buffers for ``batch_views``, sized for the batch."""
+    return (np.empty((3 + n_groups) * n_requests + 1 + n_tokens, np.int32),
+            np.empty(n_tokens + n_groups * n_tokens if write_slots else n_tokens, np.int64))
 
 
 @njit(cache=True)

@@ -97,13 +97,6 @@ class _StepArrays(NamedTuple):
     wide: np.ndarray  # int64: positions [N], then write slots [G, N] when asked for
 
 
-def _step_arrays(n_groups: int, n_requests: int, n_tokens: int, write_slots: bool) -> _StepArrays:
-    """Fresh buffers for what a batch hands out (``kernels.batch_size``)."""
-    return _new_tuple(_StepArrays, (  # the NamedTuple's ``__new__`` without its Python frame
-        np.empty((3 + n_groups) * n_requests + 1 + n_tokens, _INT32),
-        np.empty(n_tokens + n_groups * n_tokens if write_slots else n_tokens, _INT64)))
-
-
 _INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
 _new_tuple = tuple.__new__
 _NO_CELLS = np.empty((3, 0), dtype=np.int64), np.empty(0, dtype=np.int32)  # ``kernels.finish_step`` reads no cells
@@ -1018,7 +1011,7 @@ class CacheManager:
         tokens)."""
         rows_in, counts_in, rids, n_tokens = fast
         sc = self._scratch
-        out = _step_arrays(len(self.specs), rows_in.size, n_tokens, write_slots)
+        out = _new_tuple(_StepArrays, kernels.batch_buffers(len(self.specs), rows_in.size, n_tokens, write_slots))
         plan_arrays = sc.plan_arrays(rows_in.size + self._last_rows.size)
         cells = self._cell_buffers(rows_in.size) if updates else _NO_CELLS
         self._space.low_floors()  # in the state's ``per_group``
@@ -1095,7 +1088,8 @@ class CacheManager:
         ``cells`` when the kernel read those into them (``_build_batch``'s ``read``)."""
         n_tokens, released_pages, most_released, allocated_pages = plan.totals
         if out is None:
-            out = _step_arrays(len(self.specs), plan.rows.size - plan.settle, n_tokens, write_slots)
+            out = _new_tuple(_StepArrays, kernels.batch_buffers(len(self.specs), plan.rows.size - plan.settle,
+                                                                n_tokens, write_slots))
         scratch, idle_keyed, released, touched = self._scratch.reserve(most_released, released_pages,
                                                                         allocated_pages)
         space, ts = self._space, self._tableset
