@@ -246,25 +246,6 @@ def test_push_run_merges_ascending_and_unordered_runs_alike(ids, data):
         assert stack[top:].tolist() == [-7, -7]
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 40), st.integers(1, 8), st.integers(1, 5), st.booleans())
-def test_batch_views_tile_their_buffers_without_overlap(n_requests, n_groups, tokens_each, write_slots):
-    n_tokens = n_requests * tokens_each
-    small, wide = kernels.batch_buffers(n_groups, n_requests, n_tokens, write_slots)
-    small[:], wide[:] = -1, -1
-    views = kernels.batch_views(small, wide, n_groups, n_requests)
-    r, n = n_requests, n_tokens
-    shapes = [(r,), (r,), (n,), (n,), (r + 1,), (n_groups, r), (n_groups if write_slots else 0, n)]
-    # table rows, scheduled, positions, request indices, query start locations, base pages, slots
-    assert [v.shape for v in views] == shapes
-    assert [v.dtype for v in views] == [np.int32, np.int32, np.int64, np.int32, np.int32, np.int32, np.int64]
-    for k, view in enumerate(views):
-        view[...] = k  # every element of the two buffers is written by exactly one view
-    for buffer in (small, wide):
-        assert (buffer >= 0).all()
-    assert sum(np.bincount(small).tolist()) + sum(np.bincount(wide).tolist()) == sum(v.size for v in views)
-
-
-@settings(max_examples=40, deadline=None)
 @given(st.integers(0, 40), st.integers(1, 8), st.lists(st.integers(0, 30), min_size=3, max_size=3))
 def test_plan_views_tile_their_buffer_without_overlap(cap, n_groups, room):
     plan = np.full(kernels.plan_size(cap, n_groups, *room), -1, dtype=np.int64)

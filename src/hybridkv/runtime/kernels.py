@@ -533,30 +533,20 @@ def batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, posi
         widths[g] = widest
 
 
-@njit(cache=True)
-def batch_views(small, wide, n_groups, n_requests):
-    """The batch's arrays for ``n_requests`` requests as views of its two buffers
-    (``batch_buffers``): ``small`` int32 holds table rows, scheduled tokens,
-    query start locations, request indices and base pages ``[G, R]``; ``wide`` int64 the
-    positions, then (when it is longer) write slots ``[G, N]`` (else ``[0, N]``)."""
-    r = n_requests
-    n_tokens = small.size - (3 + n_groups) * r - 1
-    at = 3 * r + 1 + n_tokens
-    n_slot_groups = n_groups if wide.size > n_tokens else 0
-    return (small[:r], small[r : 2 * r], wide[:n_tokens], small[3 * r + 1 : at], small[2 * r : 3 * r + 1],
-            small[at:].reshape((n_groups, r)), wide[n_tokens:].reshape((n_slot_groups, n_tokens)))
-
-
-def batch_buffers(n_groups, n_requests, n_tokens, write_slots):
-    """Fresh int32 and int64 buffers for ``batch_views``, sized for the batch."""
-    return (np.empty((3 + n_groups) * n_requests + 1 + n_tokens, np.int32),
-            np.empty(n_tokens + n_groups * n_tokens if write_slots else n_tokens, np.int64))
+def batch_arrays_for(n_groups, n_requests, n_tokens, write_slots):
+    """Fresh arrays for what ``run_step`` writes for a batch (four kernel arguments, where one
+    per handed-out array would each be unboxed): ``per_request`` int32 ``[2 + G, R]`` (table
+    rows, scheduled tokens, then each group's base pages), ``query_start_loc`` int32 ``[R + 1]``,
+    ``request_indices`` int32 ``[N]``, ``per_token`` int64 ``[1 + G, N]`` (positions, then
+    each group's write slots; ``[1, N]`` without them)."""
+    return (np.empty((2 + n_groups, n_requests), np.int32), np.empty(n_requests + 1, np.int32),
+            np.empty(n_tokens, np.int32), np.empty((1 + n_groups if write_slots else 1, n_tokens), np.int64))
 
 
 @njit(cache=True)
 def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient,
              rows, counts, first, settle, after, sums, hold, scratch, idle_keyed, released, touched, cells, cell_pages,
-             small, wide, widths):
+             per_request, query_start_loc, request_indices, per_token, widths):
     """One admitted step as planned by ``prepare_step``: the rows' tokens so far count as
     committed, releases, allocations, then the batch's arrays (``finish_step``). Returns
     (status, cells logged, idle keyed pages); the pages released and allocated count
@@ -573,7 +563,8 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
                           sums, released, idle_keyed):
         return STEP_NEEDS_PAGES, n_touched, n_keyed
     n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
-                            first, settle, after, sums, touched, n_touched, cells, cell_pages, small, wide, widths)
+                            first, settle, after, sums, touched, n_touched, cells, cell_pages, per_request,
+                            query_start_loc, request_indices, per_token, widths)
     return STEP_DONE, n_touched, n_keyed
 
 
@@ -637,13 +628,14 @@ def plan_size(cap, n_groups, n_pages, n_keyed, n_touched):
 
 @njit(cache=True)
 def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain,
-         plan, last_rows, rows_in, counts_in, cells, cell_pages, small, wide):
+         plan, last_rows, rows_in, counts_in, cells, cell_pages, per_request, query_start_loc, request_indices,
+         per_token):
     """``prepare_step`` then, when the plan needs nothing from Python first (every
     group's free stack covers it, no row crosses a prefix grain, the scratch buffers
     are large enough), ``run_step``, in one call; ``counters`` packs computed, committed
     and known tokens, ``plan`` the plan's arrays and ``run_step``'s scratch (``plan_views``);
-    ``cells`` and ``cell_pages`` as ``run_step`` takes them, ``small`` and ``wide`` the
-    batch's arrays (``batch_views``). The arguments up to ``grain`` are the manager's
+    ``cells`` and ``cell_pages`` as ``run_step`` takes them, then the batch's arrays
+    (``batch_arrays_for``). The arguments up to ``grain`` are the manager's
     state (the same arrays from step to step: the manager passes them as a tuple). Returns (status, rows in the plan,
     settling rows, crossing rows, clean, cells logged, idle keyed pages, pages allocated);
     status ``STEP_PLANNED`` (or -1 rows: no plan) when only the plan ran, ``STEP_COVERED``
@@ -656,8 +648,7 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
     n, settle, n_cross, clean = prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in,
                                              counts_in, grain, per_group[TOP], mark, rows, counts, first, after, need,
                                              sums, crossing, totals, counts_in[:0])
-    n_tokens = small.size - (3 + geometry.shape[0]) * rows_in.size - 1  # the batch's (``batch_views``)
-    if (n < 0 or not clean or n_cross > 0 or totals[0] != n_tokens or totals[2] > scratch.size
+    if (n < 0 or not clean or n_cross > 0 or totals[0] != per_token.shape[1] or totals[2] > scratch.size
             or totals[1] > idle_keyed.size or totals[1] + totals[3] > touched.size):
         if n >= 0 and not clean and n_cross == 0 and releases_cover(geometry, pages, bounds, ref, keyed,
                                                                      per_group[TOP], rows[:n], after, sums):
@@ -666,7 +657,7 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group,
         transient, rows[:n], counts[:n], first[:n], settle, after[:, :, :n], sums, False, scratch, idle_keyed,
-        released, touched, cells, cell_pages, small, wide, widths)
+        released, touched, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths)
     return status, n, settle, n_cross, clean, n_touched, n_keyed, totals[3]
 
 
@@ -687,7 +678,8 @@ def releases_cover(geometry, pages, bounds, ref, keyed, top, rows, after, sums):
 
 @njit(cache=True)
 def finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts, first, settle,
-                after, sums, touched, n_touched, cells, cell_pages, small, wide, widths):
+                after, sums, touched, n_touched, cells, cell_pages, per_request, query_start_loc, request_indices,
+                per_token, widths):
     """The rest of ``run_step`` once the stacks hold enough: allocate (counted in
     ``per_group``), computed tokens move on, the batch's arrays and (when ``slots`` has
     rows) write slots; then, when the step's changed cells fit in ``cell_pages``, reads
@@ -697,12 +689,10 @@ def finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transi
                                after, sums, touched, n_touched)
     for r in range(rows.size):
         computed[rows[r]] = first[r] + counts[r]
-    table_rows, scheduled, positions, request_indices, query_start_loc, base_pages, slots = batch_views(
-        small, wide, geometry.shape[0], rows.size - settle)
-    batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, positions, request_indices,
-                 query_start_loc, base_pages, widths)
-    if slots.shape[0]:
-        write_slots(geometry, pages, bounds, rows, first, counts, settle, slots)
+    batch_arrays(rows, first, counts, after, settle, per_request[0], per_request[1], per_token[0], request_indices,
+                 query_start_loc, per_request[2:], widths)
+    if per_token.shape[0] > 1:
+        write_slots(geometry, pages, bounds, rows, first, counts, settle, per_token[1:])
     if n_touched <= cell_pages.size:
         read_cells(geometry, pages, bounds, touched[:n_touched], cells[0], cells[1], cells[2], cell_pages)
     return n_touched

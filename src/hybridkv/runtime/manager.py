@@ -88,13 +88,13 @@ class _StepPlan:
 
 
 class _StepArrays(NamedTuple):
-    """What ``kernels.run_step`` writes for the batch's ``R`` requests and ``N`` tokens: two
-    fresh buffers the batch's arrays view (``kernels.batch_views`` lays them out; two
-    kernel arguments, where one per array would each be unboxed)."""
+    """What ``kernels.run_step`` writes for the batch's ``R`` requests and ``N`` tokens, in
+    its argument order (``kernels.batch_arrays_for``; the batch hands out their rows)."""
 
-    small: np.ndarray  # int32: table rows [R], scheduled [R], query start locations [R + 1], request indices [N],
-    # base pages [G, R]
-    wide: np.ndarray  # int64: positions [N], then write slots [G, N] when asked for
+    per_request: np.ndarray  # int32 [2 + G, R]: table rows, scheduled tokens, each group's base pages
+    query_start_loc: np.ndarray  # int32 [R + 1]
+    request_indices: np.ndarray  # int32 [N]
+    per_token: np.ndarray  # int64 [1 + G, N]: positions, each group's write slots ([1, N] without them)
 
 
 _INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
@@ -1011,7 +1011,7 @@ class CacheManager:
         tokens)."""
         rows_in, counts_in, rids, n_tokens = fast
         sc = self._scratch
-        out = _new_tuple(_StepArrays, kernels.batch_buffers(len(self.specs), rows_in.size, n_tokens, write_slots))
+        out = _new_tuple(_StepArrays, kernels.batch_arrays_for(len(self.specs), rows_in.size, n_tokens, write_slots))
         plan_arrays = sc.plan_arrays(rows_in.size + self._last_rows.size)
         cells = self._cell_buffers(rows_in.size) if updates else _NO_CELLS
         self._space.low_floors()  # in the state's ``per_group``
@@ -1088,8 +1088,8 @@ class CacheManager:
         ``cells`` when the kernel read those into them (``_build_batch``'s ``read``)."""
         n_tokens, released_pages, most_released, allocated_pages = plan.totals
         if out is None:
-            out = _new_tuple(_StepArrays, kernels.batch_buffers(len(self.specs), plan.rows.size - plan.settle,
-                                                                n_tokens, write_slots))
+            out = _new_tuple(_StepArrays, kernels.batch_arrays_for(len(self.specs), plan.rows.size - plan.settle,
+                                                                    n_tokens, write_slots))
         scratch, idle_keyed, released, touched = self._scratch.reserve(most_released, released_pages,
                                                                         allocated_pages)
         space, ts = self._space, self._tableset
@@ -1150,17 +1150,14 @@ class CacheManager:
             touched = self._scratch.touched[:n_touched] if n_touched else None
             group, row, column, page, reset = ts.drain_updates(touched)
             table_updates = TableUpdates(group, row, column, page, widths, reset)
-        small, wide = out  # ``kernels.batch_views``' layout
-        r = rows.size
-        n = small.size - (3 + len(widths)) * r - 1  # tokens
-        at = 3 * r + 1 + n  # group 0's base pages
-        slotted = wide.size > n
-        groups = {}
-        for k, (gid, sliding) in enumerate(self._group_sliding):
-            groups[gid] = GroupStep(tables[k], small[at + k * r : at + k * r + r] if sliding else None,
-                                    wide[n + k * n : n + k * n + n] if slotted else None)
-        return StepBatch(request_ids, small[r : 2 * r], small[2 * r : 3 * r + 1], wide[:n], small[3 * r + 1 : at],
-                         groups, small[:r], table_updates)
+        per_request, per_token = out.per_request, out.per_token
+        slots = per_token[1:] if per_token.shape[0] > 1 else [None] * len(widths)
+        groups = {  # iterating a 2-D array yields its rows
+            gid: GroupStep(table, base if sliding else None, slot)
+            for (gid, sliding), table, base, slot in zip(self._group_sliding, tables, per_request[2:], slots)
+        }
+        return StepBatch(request_ids, per_request[1], out.query_start_loc, per_token[0], out.request_indices, groups,
+                         per_request[0], table_updates)
 
     def _commit_rows(self, rows: np.ndarray) -> None:
         """Publish, row by row, what each row's computed tokens completed since its last
