@@ -246,18 +246,21 @@ def test_push_run_merges_ascending_and_unordered_runs_alike(ids, data):
         assert stack[top:].tolist() == [-7, -7]
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(0, 40), st.integers(1, 8))
-def test_plan_views_tile_their_buffer_without_overlap(cap, n_groups):
-    plan = np.full(kernels.plan_size(cap, n_groups), -1, dtype=np.int64)
+@given(st.integers(0, 40), st.integers(1, 8), st.lists(st.integers(0, 30), min_size=3, max_size=3))
+def test_plan_views_tile_their_buffer_without_overlap(cap, n_groups, room):
+    plan = np.full(kernels.plan_size(cap, n_groups, *room), -1, dtype=np.int64)
+    plan[:4] = (cap, *room)
     views = kernels.plan_views(plan, n_groups)
     shapes = [(cap,), (cap,), (cap,), (2, n_groups, cap), (n_groups, cap), (2, n_groups), (cap,), (4,),
-              (2, n_groups)]
-    assert [v.shape for v in views] == shapes  # rows, counts, first, after, need, sums, crossing, totals, released
+              (2, n_groups), (n_groups,), (room[0],), (room[1],), (room[2],)]
+    # rows, counts, first, after, need, sums, crossing, totals, released, widths, scratch, idle keyed, touched
+    assert [v.shape for v in views] == shapes
+    plan[:4] = -1  # the header: the room each view has
     for k, view in enumerate(views):
         assert np.shares_memory(view, plan) or view.size == 0
-        view[...] = k  # every element of the buffer is written by exactly one view
-    assert sorted(np.bincount(plan, minlength=len(views)).tolist()) == sorted(v.size for v in views)
-    assert (plan >= 0).all()
+        view[...] = k  # every element past the header is written by exactly one view
+    assert sorted(np.bincount(plan[4:], minlength=len(views)).tolist()) == sorted(v.size for v in views)
+    assert (plan[4:] >= 0).all()
 
 
 @settings(max_examples=60, deadline=None)

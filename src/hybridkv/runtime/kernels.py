@@ -326,8 +326,9 @@ def plan_group(geometry, bounds, g, rows, counts, first, n, settle, load_tokens,
 @njit(cache=True)
 def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in, counts_in, grain, top, mark,
                  rows, counts, first, after, need, sums, crossing, totals, load_tokens):
-    """The plan of a step of ``rows_in`` (table rows) writing ``counts_in`` tokens each; pure
-    but for ``mark`` (scratch, all False on return). No plan (-1 rows) when a row is
+    """The plan of a step of ``rows_in`` (table rows) writing ``counts_in`` tokens each (one
+    count for every row when ``counts_in`` holds one); pure but for ``mark`` (scratch, all
+    False on return). No plan (-1 rows) when a row is
     listed twice or would pass its ``known`` tokens (the caller words why).
 
     ``rows``, ``counts``, ``first``: the rows the step touches, the settling ones first
@@ -347,8 +348,9 @@ def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_i
     pages of its last ``load_tokens[g]`` tokens (what a checkpoint at its end holds); its
     base may then pass its hi (the pages between are never held): it releases ``[base,
     min(new base, hi))`` and allocates ``[max(hi, new base), new hi)``."""
+    each = 0 if counts_in.size == 1 else 1  # ``counts_in[r * each]``: row r's count
     for r in range(rows_in.size):
-        if computed[rows_in[r]] + counts_in[r] > known[rows_in[r]]:
+        if computed[rows_in[r]] + counts_in[r * each] > known[rows_in[r]]:
             return -1, 0, 0, False
     settle = settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts)
     if settle < 0:
@@ -358,7 +360,7 @@ def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_i
     for r in range(n):
         if r >= settle:
             rows[r] = rows_in[r - settle]
-            counts[r] = counts_in[r - settle]
+            counts[r] = counts_in[(r - settle) * each]
         row = rows[r]
         first[r] = computed[row]
         if grain > 0 and committed[row] // grain < first[r] // grain:
@@ -531,10 +533,20 @@ def batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, posi
         widths[g] = widest
 
 
+def batch_arrays_for(n_groups, n_requests, n_tokens, write_slots):
+    """Fresh arrays for what ``run_step`` writes for a batch (four kernel arguments, where one
+    per handed-out array would each be unboxed): ``per_request`` int32 ``[2 + G, R]`` (table
+    rows, scheduled tokens, then each group's base pages), ``query_start_loc`` int32 ``[R + 1]``,
+    ``request_indices`` int32 ``[N]``, ``per_token`` int64 ``[1 + G, N]`` (positions, then
+    each group's write slots; ``[1, N]`` without them)."""
+    return (np.empty((2 + n_groups, n_requests), np.int32), np.empty(n_requests + 1, np.int32),
+            np.empty(n_tokens, np.int32), np.empty((1 + n_groups if write_slots else 1, n_tokens), np.int64))
+
+
 @njit(cache=True)
 def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient,
              rows, counts, first, settle, after, sums, hold, scratch, idle_keyed, released, touched, cells, cell_pages,
-             table_rows, scheduled, positions, request_indices, query_start_loc, base_pages, widths, slots):
+             per_request, query_start_loc, request_indices, per_token, widths):
     """One admitted step as planned by ``prepare_step``: the rows' tokens so far count as
     committed, releases, allocations, then the batch's arrays (``finish_step``). Returns
     (status, cells logged, idle keyed pages); the pages released and allocated count
@@ -551,8 +563,8 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
                           sums, released, idle_keyed):
         return STEP_NEEDS_PAGES, n_touched, n_keyed
     n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
-                            first, settle, after, sums, touched, n_touched, cells, cell_pages, table_rows, scheduled,
-                            positions, request_indices, query_start_loc, base_pages, widths, slots)
+                            first, settle, after, sums, touched, n_touched, cells, cell_pages, per_request,
+                            query_start_loc, request_indices, per_token, widths)
     return STEP_DONE, n_touched, n_keyed
 
 
@@ -585,48 +597,58 @@ def needs_room(geometry, stack, top, lowest, low_floor, low_priority, sums, rele
 
 
 @njit(cache=True)
-def plan_views(plan, n_groups):
-    """The plan's arrays, views of one flat int64 buffer ``plan`` (room for ``cap`` rows):
-    rows, counts, first, after ``[2, G, cap]``, need ``[G, cap]``, sums ``[2, G]``,
-    crossing, totals ``[4]`` (``prepare_step``'s outputs, in its order), then released
-    ``[2, G]`` (``release_pages``'). ``plan_size(cap, G)`` is the buffer's size."""
-    cap = (plan.size - 4 - 4 * n_groups) // (4 + 3 * n_groups)
+def plan_views(buffer, n_groups):
+    """The step's scratch arrays, views of one flat int64 ``buffer`` whose first four
+    values are the room they have: ``cap`` rows, ``n_pages`` released pages in one group,
+    ``n_keyed`` idle keyed pages, ``n_touched`` cells. The plan's arrays: rows, counts,
+    first, after ``[2, G, cap]``, need ``[G, cap]``, sums ``[2, G]``, crossing, totals ``[4]``
+    (``prepare_step``'s outputs, in its order); then released ``[2, G]`` and widths ``[G]``
+    (``release_pages``' and ``batch_arrays``'), and ``release_pages``' scratch, idle
+    keyed pages and touched cells. ``plan_size`` is the buffer's size."""
+    cap, n_pages, n_keyed, n_touched = buffer[0], buffer[1], buffer[2], buffer[3]
+    plan = buffer[4:]
     grid = 4 * cap + 2 * n_groups * cap
     tail = grid + n_groups * cap
+    end = tail + 5 * n_groups + 4
     return (plan[:cap], plan[cap : 2 * cap], plan[2 * cap : 3 * cap],
             plan[4 * cap : grid].reshape((2, n_groups, cap)), plan[grid:tail].reshape((n_groups, cap)),
             plan[tail : tail + 2 * n_groups].reshape((2, n_groups)), plan[3 * cap : 4 * cap],
             plan[tail + 4 * n_groups : tail + 4 * n_groups + 4],
-            plan[tail + 2 * n_groups : tail + 4 * n_groups].reshape((2, n_groups)))
+            plan[tail + 2 * n_groups : tail + 4 * n_groups].reshape((2, n_groups)),
+            plan[tail + 4 * n_groups + 4 : tail + 5 * n_groups + 4],
+            plan[end : end + n_pages], plan[end + n_pages : end + n_pages + n_keyed],
+            plan[end + n_pages + n_keyed : end + n_pages + n_keyed + n_touched])
 
 
-def plan_size(cap, n_groups):
-    """Size of a ``plan_views`` buffer with room for ``cap`` rows."""
-    return (4 + 3 * n_groups) * cap + 4 * n_groups + 4
+def plan_size(cap, n_groups, n_pages, n_keyed, n_touched):
+    """Size of a ``plan_views`` buffer with room for ``cap`` rows, ``n_pages`` released pages
+    in one group, ``n_keyed`` idle keyed pages and ``n_touched`` cells."""
+    return 4 + (4 + 3 * n_groups) * cap + 5 * n_groups + 4 + n_pages + n_keyed + n_touched
 
 
 @njit(cache=True)
 def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain,
-         plan, scratch, idle_keyed, touched, last_rows, rows_in, counts_in, cells, cell_pages, table_rows,
-         scheduled, positions, request_indices, query_start_loc, base_pages, widths, slots):
+         plan, last_rows, rows_in, counts_in, cells, cell_pages, per_request, query_start_loc, request_indices,
+         per_token):
     """``prepare_step`` then, when the plan needs nothing from Python first (every
     group's free stack covers it, no row crosses a prefix grain, the scratch buffers
     are large enough), ``run_step``, in one call; ``counters`` packs computed, committed
-    and known tokens, ``plan`` the plan's arrays (``plan_views``); ``cells`` and
-    ``cell_pages`` as ``run_step`` takes them. The arguments up to ``grain`` are the
-    manager's state, the four after it its scratch buffers (the same arrays from step to
-    step: the manager passes them as two tuples). Returns (status, rows in the plan,
+    and known tokens, ``plan`` the plan's arrays and ``run_step``'s scratch (``plan_views``);
+    ``cells`` and ``cell_pages`` as ``run_step`` takes them, then the batch's arrays
+    (``batch_arrays_for``). The arguments up to ``grain`` are the manager's
+    state (the same arrays from step to step: the manager passes them as a tuple). Returns (status, rows in the plan,
     settling rows, crossing rows, clean, cells logged, idle keyed pages, pages allocated);
     status ``STEP_PLANNED`` (or -1 rows: no plan) when only the plan ran, ``STEP_COVERED``
     when only the plan ran because some group's free stack is short of its allocations
     but, no row crossing a grain, the pages its own releases free first cover it
     (``releases_cover``)."""
-    rows, counts, first, after, need, sums, crossing, totals, released = plan_views(plan, geometry.shape[0])
+    rows, counts, first, after, need, sums, crossing, totals, released, widths, scratch, idle_keyed, touched = (
+        plan_views(plan, geometry.shape[0]))
     computed, committed, known = counters[0], counters[1], counters[2]
     n, settle, n_cross, clean = prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in,
                                              counts_in, grain, per_group[TOP], mark, rows, counts, first, after, need,
                                              sums, crossing, totals, counts_in[:0])
-    if (n < 0 or not clean or n_cross > 0 or totals[0] != positions.size or totals[2] > scratch.size
+    if (n < 0 or not clean or n_cross > 0 or totals[0] != per_token.shape[1] or totals[2] > scratch.size
             or totals[1] > idle_keyed.size or totals[1] + totals[3] > touched.size):
         if n >= 0 and not clean and n_cross == 0 and releases_cover(geometry, pages, bounds, ref, keyed,
                                                                      per_group[TOP], rows[:n], after, sums):
@@ -635,8 +657,7 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group,
         transient, rows[:n], counts[:n], first[:n], settle, after[:, :, :n], sums, False, scratch, idle_keyed,
-        released, touched, cells, cell_pages, table_rows, scheduled, positions, request_indices, query_start_loc,
-        base_pages, widths, slots)
+        released, touched, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths)
     return status, n, settle, n_cross, clean, n_touched, n_keyed, totals[3]
 
 
@@ -657,8 +678,8 @@ def releases_cover(geometry, pages, bounds, ref, keyed, top, rows, after, sums):
 
 @njit(cache=True)
 def finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts, first, settle,
-                after, sums, touched, n_touched, cells, cell_pages, table_rows, scheduled, positions, request_indices,
-                query_start_loc, base_pages, widths, slots):
+                after, sums, touched, n_touched, cells, cell_pages, per_request, query_start_loc, request_indices,
+                per_token, widths):
     """The rest of ``run_step`` once the stacks hold enough: allocate (counted in
     ``per_group``), computed tokens move on, the batch's arrays and (when ``slots`` has
     rows) write slots; then, when the step's changed cells fit in ``cell_pages``, reads
@@ -668,10 +689,10 @@ def finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transi
                                after, sums, touched, n_touched)
     for r in range(rows.size):
         computed[rows[r]] = first[r] + counts[r]
-    batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, positions, request_indices,
-                 query_start_loc, base_pages, widths)
-    if slots.shape[0]:
-        write_slots(geometry, pages, bounds, rows, first, counts, settle, slots)
+    batch_arrays(rows, first, counts, after, settle, per_request[0], per_request[1], per_token[0], request_indices,
+                 query_start_loc, per_request[2:], widths)
+    if per_token.shape[0] > 1:
+        write_slots(geometry, pages, bounds, rows, first, counts, settle, per_token[1:])
     if n_touched <= cell_pages.size:
         read_cells(geometry, pages, bounds, touched[:n_touched], cells[0], cells[1], cells[2], cell_pages)
     return n_touched

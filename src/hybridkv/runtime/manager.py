@@ -89,31 +89,16 @@ class _StepPlan:
 
 class _StepArrays(NamedTuple):
     """What ``kernels.run_step`` writes for the batch's ``R`` requests and ``N`` tokens, in
-    its argument order."""
+    its argument order (``kernels.batch_arrays_for``; the batch hands out their rows)."""
 
-    table_rows: np.ndarray  # int32 [R]
-    scheduled: np.ndarray  # int32 [R]
-    positions: np.ndarray  # int64 [N]
-    request_indices: np.ndarray  # int32 [N]
+    per_request: np.ndarray  # int32 [2 + G, R]: table rows, scheduled tokens, each group's base pages
     query_start_loc: np.ndarray  # int32 [R + 1]
-    base_pages: np.ndarray  # int32 [G, R]
-    widths: np.ndarray  # int64 [G] the widest request's live pages (scratch: not handed out)
-    slots: np.ndarray  # int64 [G, N] write slots ([0, 0] when not asked for)
-
-    @staticmethod
-    def empty(n_groups: int, n_requests: int, n_tokens: int, write_slots: bool, widths: np.ndarray) -> _StepArrays:
-        """Fresh arrays for what the batch hands out; ``widths`` is the caller's scratch."""
-        empty, i32, i64 = np.empty, _INT32, _INT64
-        return _new_tuple(_StepArrays, (  # the NamedTuple's ``__new__`` without its Python frame
-            empty(n_requests, i32), empty(n_requests, i32), empty(n_tokens, i64), empty(n_tokens, i32),
-            empty(n_requests + 1, i32), empty((n_groups, n_requests), i32),
-            widths, empty((n_groups, n_tokens), i64) if write_slots else _NO_SLOTS,
-        ))
+    request_indices: np.ndarray  # int32 [N]
+    per_token: np.ndarray  # int64 [1 + G, N]: positions, each group's write slots ([1, N] without them)
 
 
 _INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
 _new_tuple = tuple.__new__
-_NO_SLOTS = np.empty((0, 0), dtype=np.int64)  # ``_StepArrays.slots`` of a step without write slots
 _NO_CELLS = np.empty((3, 0), dtype=np.int64), np.empty(0, dtype=np.int32)  # ``kernels.finish_step`` reads no cells
 _COMPUTED = np.empty(0, dtype=np.int64)  # ``prepare_step``'s load_tokens of a step that computes
 
@@ -123,38 +108,35 @@ class _Scratch:
 
     def __init__(self, n_groups: int):
         self.n_groups = n_groups
-        self.pages = np.empty(0, dtype=np.int32)
-        self.idle_keyed = np.empty(0, dtype=np.int64)
-        self.touched = np.empty(0, dtype=np.int64)
-        self._grow_plan(0)
-        self.widths = np.empty(n_groups, dtype=np.int64)
+        self._grow(0, 0, 0, 0)
         self.transient = np.empty(n_groups, dtype=np.int64)  # ``transient_counts``' answer
 
     def plan_arrays(self, n_rows: int) -> tuple:
         """``prepare_step``'s outputs with room for ``n_rows`` rows (``kernels.plan_views``
-        of ``plan_buffer``): rows, counts, first, after, need, sums, crossing, totals; the
+        of ``buffer``): rows, counts, first, after, need, sums, crossing, totals; the
         same arrays while they are large enough (every plan overwrites the previous one's).
-        ``released`` is ``release_pages``' count per group."""
+        ``released`` is ``release_pages``' count per group, ``widths`` ``batch_arrays``'."""
         if n_rows > self.plan_rows:
-            self._grow_plan(2 * n_rows)
+            self._grow(2 * n_rows, self.pages.size, self.idle_keyed.size, self.touched.size)
         return self.plan
 
-    def _grow_plan(self, n_rows: int) -> None:
+    def _grow(self, n_rows: int, n_pages: int, n_keyed: int, n_touched: int) -> None:
+        """A new buffer (``kernels.plan_views``; ``kernels.step`` takes it whole) with that much
+        room; views made before stay valid (a plan made before a ``reserve``)."""
         self.plan_rows = n_rows
-        self.plan_buffer = np.empty(kernels.plan_size(n_rows, self.n_groups), dtype=np.int64)
-        views = kernels.plan_views(self.plan_buffer, self.n_groups)
-        self.plan, self.released = views[:8], views[8]
-        self.buffers = (self.plan_buffer, self.pages, self.idle_keyed, self.touched)  # as ``kernels.step`` takes them
+        sizes = (n_rows, n_pages, n_keyed, n_touched)
+        self.buffer = np.empty(kernels.plan_size(n_rows, self.n_groups, n_pages, n_keyed, n_touched), dtype=np.int64)
+        self.buffer[:4] = sizes
+        views = kernels.plan_views(self.buffer, self.n_groups)
+        self.plan, (self.released, self.widths, self.pages, self.idle_keyed, self.touched) = views[:8], views[8:]
+        self.allocated = self.plan[5][1]  # the plan's pages allocated per group (``sums[1]``)
 
     def reserve(self, most_released: int, released_pages: int, allocated_pages: int) -> tuple:
         """(release scratch, idle keyed pages, released counts, touched cells), large enough."""
-        if most_released > self.pages.size:
-            self.pages = np.empty(2 * most_released, dtype=np.int32)
-        if released_pages > self.idle_keyed.size:
-            self.idle_keyed = np.empty(2 * released_pages, dtype=np.int64)
-        if released_pages + allocated_pages > self.touched.size:
-            self.touched = np.empty(2 * (released_pages + allocated_pages), dtype=np.int64)
-        self.buffers = (self.plan_buffer, self.pages, self.idle_keyed, self.touched)
+        sizes = (self.pages.size, self.idle_keyed.size, self.touched.size)
+        wanted = (most_released, released_pages, released_pages + allocated_pages)
+        if any(w > n for w, n in zip(wanted, sizes)):
+            self._grow(self.plan_rows, *(2 * w if w > n else n for w, n in zip(wanted, sizes)))
         return self.pages, self.idle_keyed, self.released, self.touched
 
 
@@ -356,6 +338,7 @@ class CacheManager:
         self._max_total = np.zeros(64, dtype=np.int64)
         self._known_floor = np.zeros(64, dtype=np.int64)  # rewinds keep known ids up to it: prompt (no ids: total)
         self._in_batch = np.zeros(64, dtype=np.bool_)  # prepare_step's scratch, one flag per row
+        self._one_count = np.zeros(1, dtype=np.int64)  # a uniform step's count, for every row (no array made)
 
     @classmethod
     def from_plan(
@@ -815,7 +798,8 @@ class CacheManager:
             # which equals 1): one scalar check.
             if not 1 <= counts[0] <= self.max_step_tokens:
                 return None
-            return rows, _filled(n, counts[0]), rids, n * counts[0]
+            self._one_count[0] = counts[0]  # ``prepare_step`` reads one count as every row's
+            return rows, self._one_count, rids, n * counts[0]
         kinds = set(map(type, counts))
         if bool in kinds or not all(k is int or issubclass(k, np.integer) for k in kinds):
             return None  # bool is an int subclass but not a token count
@@ -831,7 +815,8 @@ class CacheManager:
         rows = self._rows_of(rids)
         if rows is None:
             return None
-        return rows, _filled(rows.size, count), rids, rows.size * count
+        self._one_count[0] = count  # ``prepare_step`` reads one count as every row's
+        return rows, self._one_count, rids, rows.size * count
 
     def _rows_of(self, rids: tuple) -> np.ndarray | None:
         """Table rows of known request ids; None if an id is unknown or unhashable."""
@@ -1023,12 +1008,12 @@ class CacheManager:
         tokens)."""
         rows_in, counts_in, rids, n_tokens = fast
         sc = self._scratch
-        out = _StepArrays.empty(len(self.specs), rows_in.size, n_tokens, write_slots, sc.widths)
+        out = _new_tuple(_StepArrays, kernels.batch_arrays_for(len(self.specs), rows_in.size, n_tokens, write_slots))
         plan_arrays = sc.plan_arrays(rows_in.size + self._last_rows.size)
         cells = self._cell_buffers(rows_in.size) if updates else _NO_CELLS
         self._space.low_floors()  # in the state's ``per_group``
         status, n, settle, n_crossing, clean, n_touched, n_keyed, allocated = kernels.step(
-            *(self._state or self._kernel_state()), *sc.buffers, self._last_rows, rows_in, counts_in, *cells, *out)
+            *(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, *cells, *out)
         if status >= kernels.STEP_PLANNED:
             if n < 0:
                 return None
@@ -1049,7 +1034,7 @@ class CacheManager:
         if n_keyed or plan is not None:
             n_touched = self._after_run(plan_arrays[5], allocated, status, n_touched, n_keyed, plan, out, cells)
         elif allocated:  # all ``_after_run`` does after a step done whole that left no keyed page idle
-            self._space.note_peaks(plan_arrays[5][1])
+            self._space.note_peaks(sc.allocated)
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1,
                                  self._read_cells(n_touched, cells))
@@ -1100,8 +1085,8 @@ class CacheManager:
         ``cells`` when the kernel read those into them (``_build_batch``'s ``read``)."""
         n_tokens, released_pages, most_released, allocated_pages = plan.totals
         if out is None:
-            out = _StepArrays.empty(len(self.specs), plan.rows.size - plan.settle, n_tokens, write_slots,
-                                   self._scratch.widths)
+            out = _new_tuple(_StepArrays, kernels.batch_arrays_for(len(self.specs), plan.rows.size - plan.settle,
+                                                                    n_tokens, write_slots))
         scratch, idle_keyed, released, touched = self._scratch.reserve(most_released, released_pages,
                                                                         allocated_pages)
         space, ts = self._space, self._tableset
@@ -1111,7 +1096,7 @@ class CacheManager:
             ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
             space.low_priority, space.stack, per_group, self._transient, plan.rows, plan.counts, plan.first,
             plan.settle, plan.after, plan.sums, bool(plan.grants), scratch, idle_keyed, released, touched, *cells,
-            *out)
+            *out, self._scratch.widths)
         n_touched = self._after_run(plan.sums, allocated_pages, status, n_touched, n_keyed, plan, out, cells)
         return out, n_touched, self._read_cells(n_touched, cells)
 
@@ -1138,7 +1123,7 @@ class CacheManager:
             n_touched = kernels.finish_step(
                 ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.per_group,
                 self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums,
-                self._scratch.touched, n_touched, *cells, *out)
+                self._scratch.touched, n_touched, *cells, *out, self._scratch.widths)
         if allocated_pages:
             space.note_peaks(sums[1])
         return n_touched
@@ -1149,7 +1134,7 @@ class CacheManager:
         the cells the step changed lead the touched scratch) the table cells changed; ``read``:
         those cells as ``kernels.finish_step`` read them (group, row and column; page), the log
         holding nothing else."""
-        widths = self._capture_widths if fixed_width else tuple(out.widths.tolist())
+        widths = self._capture_widths if fixed_width else tuple(self._scratch.widths.tolist())
         ts, table_updates = self._tableset, None
         if n_touched < 0:
             tables = [ts.block_table(k, rows, width) for k, width in enumerate(widths)]
@@ -1162,13 +1147,14 @@ class CacheManager:
             touched = self._scratch.touched[:n_touched] if n_touched else None
             group, row, column, page, reset = ts.drain_updates(touched)
             table_updates = TableUpdates(group, row, column, page, widths, reset)
-        slots = out.slots if out.slots.shape[0] else [None] * len(widths)
+        per_request, per_token = out.per_request, out.per_token
+        slots = per_token[1:] if per_token.shape[0] > 1 else [None] * len(widths)
         groups = {  # iterating a 2-D array yields its rows
             gid: GroupStep(table, base if sliding else None, slot)
-            for (gid, sliding), table, base, slot in zip(self._group_sliding, tables, out.base_pages, slots)
+            for (gid, sliding), table, base, slot in zip(self._group_sliding, tables, per_request[2:], slots)
         }
-        return StepBatch(request_ids, out.scheduled, out.query_start_loc, out.positions, out.request_indices, groups,
-                         out.table_rows, table_updates)
+        return StepBatch(request_ids, per_request[1], out.query_start_loc, per_token[0], out.request_indices, groups,
+                         per_request[0], table_updates)
 
     def _commit_rows(self, rows: np.ndarray) -> None:
         """Publish, row by row, what each row's computed tokens completed since its last
@@ -1500,12 +1486,6 @@ def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, i
         return None
     surplus = {g: avail[g] - want[g] for g in avail} if scan is not None else {}
     return arena.plan({g: want[g] - avail[g] for g in avail}, surplus, scan)
-
-
-def _filled(n: int, value: int) -> np.ndarray:
-    """int64 ``[n]`` of ``value`` (``np.full`` without its Python-level wrapper)."""
-    (out := np.empty(n, _INT64)).fill(value)
-    return out
 
 
 def _check_step_options(ids: Sequence, block_tables: str, write_slots: bool) -> None:
