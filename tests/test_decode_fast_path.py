@@ -74,7 +74,12 @@ def same_cache(a, b):
         assert pa.entry_keys() == pb.entry_keys(), s.group_id
         assert [pa.lookup(k) for k in pa.entry_keys()] == [pb.lookup(k) for k in pb.entry_keys()], s.group_id
         assert a.prefix.stats[s.group_id] == b.prefix.stats[s.group_id]
-    assert a.prefix._holders == b.prefix._holders
+        assert np.array_equal(pa.ref_counts, pb.ref_counts), s.group_id  # holds included
+
+
+def table_ends(m, rids, gid):
+    """Each request's end of its table (base logical page + pages held) in group ``gid``."""
+    return np.array([base + pages.size for base, pages in (m.request_pages(r, gid) for r in rids)])
 
 
 def same(a, b, tables=True):
@@ -144,15 +149,14 @@ def test_fast_path_equals_general_path(config, caching, seed, data):
         for rid, n in items:
             ids = rng.integers(0, 30, n).astype(np.int32)
             on_both(managers, "append_token_ids", rid, ids)
-        before = [{s.group_id: m.tables[s.group_id].hi[[m._requests[r].row for r in rids]].copy() for s in specs}
-                  for m in managers[:1]][0]
+        before = {s.group_id: table_ends(managers[0], rids, s.group_id) for s in specs}
         batches, err = on_both(managers, "schedule", items)
         if err is not None:
             event("step refused (same reason on both)")
             break
         same(*batches)
         for s in specs:
-            if (managers[0].tables[s.group_id].hi[[managers[0]._requests[r].row for r in rids]] > before[s.group_id]).any():
+            if (table_ends(managers[0], rids, s.group_id) > before[s.group_id]).any():
                 crossed.add(s.group_id)
         if kind in ("verify", "undo"):  # undo: a decode step's token rejected (pages it took go back)
             keep = [(rid, managers[0].num_computed_tokens(rid) - data.draw(st.integers(0, k), label="rej"))
@@ -332,7 +336,7 @@ def test_decode_after_the_table_store_grows_matches():
         while managers[0].num_computed_tokens(f"r{i}") < prompt:
             n = min(64, prompt - managers[0].num_computed_tokens(f"r{i}"))
             same(*on_both(managers, "schedule", [(f"r{i}", n)])[0])
-    rows_before = managers[0]._tableset.rows_capacity
+    rows_before = next(iter(managers[0].tables.values())).table_set.rows_capacity
     for step in range(40):
         if step == 20:  # idle requests take rows 2..71: the store grows past 64 rows
             for k in range(70):
@@ -340,7 +344,7 @@ def test_decode_after_the_table_store_grows_matches():
         for rid in ("r0", "r1"):
             on_both(managers, "append_token_ids", rid, [7])
         same(*on_both(managers, "schedule_uniform", ("r0", "r1"), 1, block_tables="updates")[0])
-    assert managers[0]._tableset.rows_capacity > rows_before == 64
+    assert next(iter(managers[0].tables.values())).table_set.rows_capacity > rows_before == 64
     for m in managers:
         m.check_invariants()
     same_cache(*managers)

@@ -602,15 +602,13 @@ def test_append_token_ids_many_equals_appending_one_by_one():
     one.append_token_ids("b", [7, 6])
     many.append_token_ids_many(["a", "b"], np.array([[9, 8], [7, 6]]))
     for rid in "ab":
-        known = one._requests[rid].known_tokens
-        assert known == many._requests[rid].known_tokens
-        assert np.array_equal(one._requests[rid].token_ids[:known], many._requests[rid].token_ids[:known])
-    assert many._requests["a"].token_ids[:7].tolist() == [0, 1, 2, 3, 4, 9, 8]
+        assert np.array_equal(one.known_token_ids(rid), many.known_token_ids(rid))
+    assert many.known_token_ids("a").tolist() == [0, 1, 2, 3, 4, 9, 8]
     # b declared 7 + 2 tokens: it now knows 9, and one more token is refused for the batch.
     before = snapshot(many, "ab")
     with pytest.raises(CacheManagerError, match="'b': 9 \\+ 1 tokens exceeds"):
         many.append_token_ids_many(["a", "b"], np.array([[1], [2]]))
-    assert snapshot(many, "ab") == before and many._requests["a"].known_tokens == 7
+    assert snapshot(many, "ab") == before and many.known_token_ids("a").size == 7
 
 
 @pytest.mark.parametrize(
@@ -631,11 +629,22 @@ def test_append_token_ids_many_rejects_bad_input(rids, ids, match):
     m.add_request("n", prompt_tokens=5, max_new_tokens=4)
     with pytest.raises(CacheManagerError, match=match):
         m.append_token_ids_many(rids, ids)
-    assert m._requests["a"].known_tokens == 5
+    assert m.known_token_ids("a").size == 5
 
 
 def _known(m, rids):
-    return {rid: m._requests[rid].token_ids[: m._requests[rid].known_tokens].tolist() for rid in rids}
+    return {rid: m.known_token_ids(rid).tolist() for rid in rids}
+
+
+def schedulable_up_to(m, counts):
+    """Each request admits exactly its known tokens not yet computed (the step kernel's
+    own count of known ids: one more is refused for lack of ids, or past the declared total
+    where every declared id is known)."""
+    for rid, known in counts.items():
+        todo = known - m.num_computed_tokens(rid)
+        assert todo == 0 or m.check_admission([(rid, todo)])[0].ok
+        reason = m.check_admission([(rid, todo + 1)])[0].reason
+        assert f"exceeds the {known} known token ids" in reason or f"declared total of {known} " in reason
 
 
 def test_one_token_appends_in_every_form_equal_the_general_path():
@@ -660,7 +669,7 @@ def test_one_token_appends_in_every_form_equal_the_general_path():
     want = {"a": [0, 1, 2, 3, 4, 11, 13], "b": [0, 1, 2, 12, 14, 15]}
     for m in ms:
         assert _known(m, "ab") == want
-        assert m._known[[m._requests[r].row for r in "ab"]].tolist() == [7, 6]
+        schedulable_up_to(m, {"a": 7, "b": 6})
 
 
 @pytest.mark.parametrize("ids, match", [
@@ -693,7 +702,7 @@ def test_batched_append_refusals_for_a_scheduled_batch_change_nothing():
     with pytest.raises(CacheManagerError, match="'n' was added without token ids"):
         m.append_token_ids_many(("a", "n"), [[1], [2]])
     assert _known(m, "ab") == before
-    assert m._known[[m._requests[r].row for r in "ab"]].tolist() == [5, 8]
+    schedulable_up_to(m, {"a": 5, "b": 8})
 
 
 # --- shrinking a chunk to the memory left -------------------------------------------------

@@ -913,7 +913,8 @@ def test_v4_checkpoint_windows_follow_what_a_resumed_request_reads():
     assert {s.group_id: s.sliding_window_tokens for s in wide if s.is_sliding}[C4S] == 10
     assert v4_checkpoint_window_tokens(wide)[C4S] == 4
     assert CacheManager(SPECS, {s.group_id: 64 for s in SPECS}, max_context_tokens=4096,
-                        enable_prefix_caching=True).prefix._windows == V4_WINDOWS
+                        enable_prefix_caching=True).prefix.checkpoint_windows == {
+        gid: tokens for gid, tokens in V4_WINDOWS.items() if tokens}  # a group storing no rows stores no checkpoint
 
 
 def test_v4_checkpoints_store_only_what_a_resume_reads_and_hit_the_same():
@@ -973,25 +974,29 @@ def test_bad_checkpoint_windows_are_refused(windows, message):
 
 def test_event_buffer_drops_the_oldest_and_counts_them():
     """A full buffer keeps the newest events; every dropped one is counted; with a
-    callback, events go to it and nothing is buffered."""
+    callback, events go to it and nothing is buffered. Three managers run the same
+    requests: one with the default buffer (every event), one with room for 3, one
+    with a callback."""
     from collections import deque
 
-    mgr = make_manager()
-    prefix = mgr.prefix
-    raws = [("stored", SWA, k, None, 256 * (k + 1), 1) for k in range(7)]
-    prefix.events, prefix.dropped_events = deque(maxlen=3), 0
-    for raw in raws:
-        prefix._emit_many([raw])
-    assert prefix.dropped_events == 4
-    assert [e.tokens for e in prefix.drain_events()] == [256 * 5, 256 * 6, 256 * 7]
-    prefix._emit_many(raws[:2])
-    prefix._emit_many(raws)  # a commit's batch: 2 + 7 events, 3 kept
-    assert prefix.dropped_events == 4 + 6
-    assert [e.tokens for e in prefix.drain_events()] == [256 * 5, 256 * 6, 256 * 7]
+    def run(mgr):
+        for i in range(2):  # each: a 700-token prompt in 3 chunks, then freed (commits, frees)
+            mgr.add_request(f"r{i}", ids(i, 700), max_new_tokens=4)
+            for n in (256, 256, 188):
+                mgr.schedule([(f"r{i}", n)])
+            mgr.free(f"r{i}")
+
+    whole, small, told = make_manager(), make_manager(), make_manager()
+    small.prefix.events = deque(maxlen=3)
     seen = []
-    prefix.on_event = seen.append
-    prefix._emit_many(raws[:2])
-    assert [e.tokens for e in seen] == [256, 512] and prefix.dropped_events == 10 and not prefix.events
+    told.prefix.on_event = seen.append
+    for mgr in (whole, small, told):
+        run(mgr)
+    every = whole.prefix.drain_events()
+    assert len(every) > 3 and whole.prefix.dropped_events == 0
+    assert small.prefix.drain_events() == every[-3:]
+    assert small.prefix.dropped_events == len(every) - 3
+    assert seen == every and not told.prefix.drain_events() and told.prefix.dropped_events == 0
 
 
 def test_block_hashes_do_not_depend_on_the_token_array_layout():

@@ -187,7 +187,8 @@ def wide_rows(ts) -> np.ndarray:
 def test_a_long_chunk_moves_a_row_to_its_lane_and_decode_moves_it_back():
     """W 8, T 4, steps up to 64 tokens: rings of 32 pages, narrow rings of 4."""
     m = CacheManager([SWA_4_8], {"swa": 64}, max_context_tokens=256, max_step_tokens=64)
-    ts, table = m._tableset, m.tables["swa"]
+    table = m.tables["swa"]
+    ts = table.table_set
     assert (table.capacity_pages, table.ring_pages) == (32, 4)
     m.add_request("a", prompt_tokens=100, max_new_tokens=8)
     m.add_request("b", prompt_tokens=40, max_new_tokens=8)

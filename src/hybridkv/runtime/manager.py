@@ -491,6 +491,12 @@ class CacheManager:
     def num_computed_tokens(self, request_id: str) -> int:
         return int(self._computed[self._get(request_id).row])
 
+    def known_token_ids(self, request_id: str) -> np.ndarray:
+        """Debug view: a copy of the token ids known for ``request_id`` (its prompt and
+        every appended id, computed or not); empty for a request added without ids."""
+        req = self._get(request_id)
+        return np.empty(0, np.int32) if req.token_ids is None else req.token_ids[: req.known_tokens].copy()
+
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
