@@ -1361,7 +1361,7 @@ class CacheManager:
     def release_held_pages_by_group(self, pages_by_group: Mapping[str, np.ndarray]) -> None:
         """Drop holds taken by :meth:`hold_pages_by_group`, in one compiled pass
         (``kernels.release_outside``: a page no one holds goes free or, still cached, joins
-        the LRU, as ``PagePool.decref`` would); refused whole, nothing released, when any
+        the LRU, as a step's release does); refused whole, nothing released, when any
         group releases a page more often than it is held."""
         error = "releasing pages that hold_pages_by_group did not hold"
         local, per_group = self._space_pages(pages_by_group, error, 0)
