@@ -15,6 +15,13 @@ from hybridkv.memory.pool import PagePool
 from hybridkv.spec import CacheGroupSpec
 from pool_ops import allocate, decref, publish
 
+def slab_of(geometry, group_id, pages):
+    """Slab index of the first byte of each (non-null) page id of a group (a reference
+    worked from the arena's geometry)."""
+    return (np.asarray(pages, dtype=np.int64) * geometry.page_bytes[group_id] - geometry.reserved_bytes) // (
+        geometry.slab_bytes)
+
+
 SWA = CacheGroupSpec("swa", "sliding_window", 4, 1, sliding_window_tokens=8, family="state")
 KV = CacheGroupSpec("kv", "full_history", rows_per_page=16, entry_stride_tokens=1)
 # swa pages 40 B, kv pages 30 B (anchor). Head: ceil(40/30) = 2 kv pages = 60 B; slab
@@ -91,7 +98,7 @@ def test_geometry_worked_by_hand():
     assert lo.tolist() == [2, 8, 14, 20] and hi.tolist() == [7, 13, 19, 25]
     lo, hi = g.slab_page_ranges("kv")
     assert lo.tolist() == [2, 10, 18, 26] and hi.tolist() == [10, 18, 26, 34]
-    assert g.slab_of("swa", [2, 6, 8, 24]).tolist() == [0, 0, 1, 3]
+    assert slab_of(g, "swa", [2, 6, 8, 24]).tolist() == [0, 0, 1, 3]
     # Boundaries at 300, 540, 780 cut swa pages 7, 13, 19; kv pages tile the slabs.
     assert g.boundary_pages("swa").tolist() == [-1, 7, 13, 19]
     assert g.boundary_pages("kv").tolist() == [-1, -1, -1, -1]
@@ -501,18 +508,18 @@ def test_only_what_low_priority_pages_cannot_cover_is_evicted_from_valuable_entr
 
 
 def whole_pool_must_pack(arena, gid, page, pages):
-    """The packing rule worked from every page id of the pool (``ArenaGeometry.slab_of``
+    """The packing rule worked from every page id of the pool (``slab_of``
     of each held page), the reference for ``PagePool.must_pack``, which counts only the
     group's own slabs."""
     if not arena.roomy():
         return True
     geometry, pool = arena.geometry, arena.pools[gid]
     lo, hi = geometry.slab_page_ranges(gid)
-    slab = int(geometry.slab_of(gid, [page])[0])
+    slab = int(slab_of(geometry, gid, [page])[0])
     if (pool.ref_counts[lo[slab] : hi[slab]] > 0).any():
         return False
     held = np.flatnonzero(pool.ref_counts > 0)
-    spread = np.unique(geometry.slab_of(gid, held)).size + 1
+    spread = np.unique(slab_of(geometry, gid, held)).size + 1
     per_slab = max(int((hi - lo).min()), 1)
     return spread > -(-(held.size + pages) // per_slab) + SPREAD_SLABS
 
@@ -572,7 +579,7 @@ def whole_pool_idle_slabs(arena, gid, keyed_mode, before_tick, released):
     elif keyed_mode == 2:
         keyed = keyed[pool.low_priority[keyed] | (pool.idle_tick[keyed] < before_tick)]
     idle = np.concatenate([pool.free_page_ids().astype(np.int64), keyed, released])
-    first = geometry.slab_of(gid, idle)
+    first = slab_of(geometry, gid, idle)
     last = ((idle + 1) * geometry.page_bytes[gid] - 1 - geometry.reserved_bytes) // geometry.slab_bytes
     lo, hi = geometry.slab_page_ranges(gid)
     inner_idle = np.bincount(first[first == last], minlength=geometry.num_slabs) == hi - lo
@@ -607,7 +614,7 @@ def test_idle_slabs_and_the_oldest_idle_tick_answer_as_the_whole_pool_scan(data)
         straddle, gi = geometry.boundary_pages(gid), arena.group_ids.index(gid)
         held = np.flatnonzero(pool.ref_counts == 1)
         released = np.sort(held[: data.draw(st.integers(0, held.size))]).astype(np.int64)
-        first = geometry.slab_of(gid, released)
+        first = slab_of(geometry, gid, released)
         last = ((released + 1) * geometry.page_bytes[gid] - 1 - geometry.reserved_bytes) // geometry.slab_bytes
         slab_geometry = np.asarray([geometry.page_bytes[gid], geometry.reserved_bytes, geometry.slab_bytes])
         ticks = pool.idle_tick[pool.evictable_page_ids()]
