@@ -358,7 +358,7 @@ def test_an_eviction_takes_idle_low_priority_entries_beyond_its_need(lowest_firs
 
 
 def test_lowest_first_reuses_idle_low_priority_pages_in_id_order():
-    pool = PagePool("g", 10, lowest_first=True, shared_pages=True)
+    pool = PagePool("g", 10, lowest_first=True)
     low, normal = allocate(pool, 2), allocate(pool, 2)  # 1, 2 and 3, 4
     assert publish(pool, "low", low, low_priority=True) and publish(pool, "normal", normal)
     decref(pool, low)
@@ -566,7 +566,7 @@ def test_batched_low_priority_evictions_are_the_one_by_one_evictions(data):
     want = data.draw(st.integers(1, n // 2), label="allocation")
     pools, calls = [], []
     for batch in (False, True):
-        pool = PagePool("g", n, lowest_first=True, shared_pages=True)
+        pool = PagePool("g", n, lowest_first=True)
         log = []
         pool.on_removed = lambda key, cause, idle, log=log: log.append((key, cause, idle))
         if batch:  # told of a batch's removals at once, in order

@@ -841,7 +841,7 @@ def test_prompt_checkpoints_of_one_step_hold_each_boundarys_window_pages():
 
 
 def test_low_priority_entries_are_evicted_before_older_ones():
-    pool = PagePool("g", 8, shared_pages=True)
+    pool = PagePool("g", 8)
     old = allocate(pool, 2)
     new = allocate(pool, 2)
     assert publish(pool, "old", old) and publish(pool, "new", new, low_priority=True)
@@ -850,7 +850,7 @@ def test_low_priority_entries_are_evicted_before_older_ones():
     allocate(pool, 5)  # 3 clean + 2 evicted
     assert pool.lookup("new") is None and pool.lookup("old") == tuple(old.tolist())
     # demote moves an entry that is already idle to the front as well
-    pool2 = PagePool("g", 8, shared_pages=True)
+    pool2 = PagePool("g", 8)
     a, b = allocate(pool2, 2), allocate(pool2, 2)
     publish(pool2, "a", a), publish(pool2, "b", b)
     decref(pool2, a), decref(pool2, b)

@@ -103,7 +103,6 @@ class PagePool:
         num_pages: int,
         *,
         shuffle_seed: int | None = None,
-        shared_pages: bool = True,
         granted: bool = True,
         lowest_first: bool = False,
     ):
@@ -112,7 +111,6 @@ class PagePool:
                 f"group {group_id!r}: a pool needs at least 2 pages (null page + 1), got {num_pages!r}"
             )
         self.group_id = group_id
-        self.shared_pages = shared_pages  # whether a page may have several holders
         self.num_pages = int(num_pages)
         self.ref_counts = np.zeros(self.num_pages, dtype=np.int32)
         self._rng = None if shuffle_seed is None else np.random.default_rng(shuffle_seed)
