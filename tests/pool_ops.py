@@ -47,7 +47,10 @@ def allocate(pool: PagePool, count: int, *, highest: int = 0) -> np.ndarray:
         stack[: top - low - highest] = stack[highest : top - low].copy()
     space.tops[g] = top - count
     space.ref_counts[offset + out] = 1
-    pool.note_allocated(count)
+    allocated = np.zeros(len(space.pools), dtype=np.int64)
+    allocated[g] = count
+    space.per_group[kernels.ALLOCATED_PAGES] += allocated  # counted as a step's kernel counts
+    space.note_peaks(allocated)
     return out
 
 

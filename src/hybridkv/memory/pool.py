@@ -282,13 +282,6 @@ class PagePool:
         if top < count:
             self._evict_lru(count - top)
 
-    def note_allocated(self, count: int) -> None:
-        """Count ``count`` pages just taken off the free stack (here or by a step kernel)."""
-        self.counters.tallies[1] += count
-        used = self._granted_pages - self.num_free_pages  # num_used_pages
-        if used > self.peak_used_pages:
-            self.peak_used_pages = used
-
     def _evict_low_below(self, count: int) -> None:
         """Evict idle low-priority entries holding ids below the ``count`` lowest free
         ones, so an allocation takes the lowest ids of free and low-priority pages (the
