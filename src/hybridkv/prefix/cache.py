@@ -308,10 +308,6 @@ class PrefixCache:
         return RequestHashes(root, self.granularity_tokens, self._hash)
 
     # --- matching ---------------------------------------------------------------
-    def match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> PrefixHit:
-        """The hit for a prompt, without borrowing anything."""
-        return self._match(hashes, prompt_ids)[0]
-
     def _match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> tuple[PrefixHit, list[list]]:
         """The hit for a prompt, and per history group then state group storing checkpoints
         (``history_ids + state_ids``) its entry (pages, None: not cached) of each prefix of
