@@ -264,7 +264,7 @@ BREAKDOWN_METHODS = {
     "CacheManager": ["schedule", "schedule_uniform", "_admit", "_fast_rows", "_step", "_after_run", "_plan",
                      "_run", "_build_batch", "rewind_many"],
     "TableSet": ["block_table", "drain_updates"],
-    "PagePool": ["make_room", "decref", "publish", "unpublish"],
+    "PagePool": ["make_room", "adopt", "unpublish"],
     "PrefixCache": ["commit"],
 }
 

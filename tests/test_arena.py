@@ -13,6 +13,14 @@ from hybridkv.models.layout import cache_layout
 from hybridkv.plan import Limits, plan_for_budget
 from hybridkv.memory.pool import PagePool
 from hybridkv.spec import CacheGroupSpec
+from pool_ops import allocate, decref, publish
+
+def slab_of(geometry, group_id, pages):
+    """Slab index of the first byte of each (non-null) page id of a group (a reference
+    worked from the arena's geometry)."""
+    return (np.asarray(pages, dtype=np.int64) * geometry.page_bytes[group_id] - geometry.reserved_bytes) // (
+        geometry.slab_bytes)
+
 
 SWA = CacheGroupSpec("swa", "sliding_window", 4, 1, sliding_window_tokens=8, family="state")
 KV = CacheGroupSpec("kv", "full_history", rows_per_page=16, entry_stride_tokens=1)
@@ -40,7 +48,7 @@ def grant_and_allocate(data, pools, arena):
     pool = pools[gid]
     arena.apply(arena.plan({gid: data.draw(st.integers(0, 30))}, {}, partial=True))
     if pool.num_free_pages:
-        pool.allocate(data.draw(st.integers(1, pool.num_free_pages)))
+        allocate(pool, data.draw(st.integers(1, pool.num_free_pages)))
     return gid, pool
 
 
@@ -53,9 +61,9 @@ def grant_publish_release(data, rng, pools, arena, steps, random_priority):
         held = np.flatnonzero((pool.ref_counts > 0) & ~pool.cached)
         for k, page in enumerate(rng.permutation(held)[: data.draw(st.integers(0, held.size))].tolist()):
             low = bool(rng.integers(2)) if random_priority else False
-            pool.publish((step, gid, k), [page], low_priority=low)
+            publish(pool, (step, gid, k), [page], low_priority=low)
         held = np.flatnonzero(pool.ref_counts > 0)
-        pool.decref(rng.permutation(held)[: data.draw(st.integers(0, held.size))])
+        decref(pool, rng.permutation(held)[: data.draw(st.integers(0, held.size))])
 
 
 def small_manager(slabs=4, **kw):
@@ -90,7 +98,7 @@ def test_geometry_worked_by_hand():
     assert lo.tolist() == [2, 8, 14, 20] and hi.tolist() == [7, 13, 19, 25]
     lo, hi = g.slab_page_ranges("kv")
     assert lo.tolist() == [2, 10, 18, 26] and hi.tolist() == [10, 18, 26, 34]
-    assert g.slab_of("swa", [2, 6, 8, 24]).tolist() == [0, 0, 1, 3]
+    assert slab_of(g, "swa", [2, 6, 8, 24]).tolist() == [0, 0, 1, 3]
     # Boundaries at 300, 540, 780 cut swa pages 7, 13, 19; kv pages tile the slabs.
     assert g.boundary_pages("swa").tolist() == [-1, 7, 13, 19]
     assert g.boundary_pages("kv").tolist() == [-1, -1, -1, -1]
@@ -143,8 +151,8 @@ def test_spare_slabs_go_out_lowest_first_and_pools_start_empty():
     arena.apply(grants)
     # swa owns slabs 0 and 1, so page 7 straddling their boundary is its too: 5 + 5 + 1.
     assert pools["swa"].usable_pages == 11 and pools["kv"].usable_pages == 8
-    assert pools["swa"].allocate(3).tolist() == [2, 3, 4]
-    assert pools["kv"].allocate(2).tolist() == [18, 19]
+    assert allocate(pools["swa"], 3).tolist() == [2, 3, 4]
+    assert allocate(pools["kv"], 2).tolist() == [18, 19]
     assert arena.num_spare_slabs == 1
     arena.check_invariants()
 
@@ -153,7 +161,7 @@ def test_reclaim_takes_only_wholly_idle_slabs_and_respects_the_donors_surplus():
     arena, pools = bare_arena()
     arena.apply(arena.plan({"swa": 20}, {}))  # every slab to swa: 4 x 5 inner + 3 straddlers
     assert pools["swa"].usable_pages == 23
-    held = pools["swa"].allocate(6)  # lowest first: 2..6 in slab 0 and straddler 7 (slabs 0/1)
+    held = allocate(pools["swa"], 6)  # lowest first: 2..6 in slab 0 and straddler 7 (slabs 0/1)
     assert held.tolist() == [2, 3, 4, 5, 6, 7]
     # Slab 1 is pinned by page 7. Slab 2 gives its 5 inner pages and both straddlers (13, 19).
     assert arena.plan({"kv": 1}, {"swa": 100}) == [("kv", 2, "swa")]
@@ -166,7 +174,7 @@ def test_reclaim_takes_only_wholly_idle_slabs_and_respects_the_donors_surplus():
     assert pools["swa"].usable_pages == 11 and pools["kv"].usable_pages == 16
     assert sorted(pools["swa"].free_page_ids().tolist()) == [8, 9, 10, 11, 12]
     arena.check_invariants()
-    pools["swa"].decref(held)
+    decref(pools["swa"], held)
     assert arena.release_idle() == 4 and arena.num_spare_slabs == 4
     assert all(p.usable_pages == 0 for p in pools.values())
     arena.check_invariants()
@@ -187,11 +195,11 @@ def test_a_spare_slab_next_to_the_groups_own_is_preferred():
 def test_revoke_refuses_held_pages_and_changes_nothing():
     arena, pools = bare_arena()
     arena.apply(arena.plan({"swa": 1}, {}))
-    page = pools["swa"].allocate(1)
+    page = allocate(pools["swa"], 1)
     with pytest.raises(ValueError, match="no request holds"):
         pools["swa"].revoke(np.arange(2, 7))
     assert pools["swa"].usable_pages == 5 and pools["swa"].num_free_pages == 4
-    pools["swa"].decref(page)
+    decref(pools["swa"], page)
     arena.check_invariants()
 
 
@@ -253,9 +261,9 @@ def test_reclaim_evicts_cached_pages_of_the_donor_slab():
     removed = []
     pools["kv"].on_removed = lambda key, cause, idle: removed.append((key, cause, idle))
     arena.apply(arena.plan({"kv": 32}, {}))  # all 4 slabs to kv
-    pages = pools["kv"].allocate(3)  # 2, 3, 4 in slab 0
-    assert pools["kv"].publish("block", pages)
-    pools["kv"].decref(pages)
+    pages = allocate(pools["kv"], 3)  # 2, 3, 4 in slab 0
+    assert publish(pools["kv"], "block", pages)
+    decref(pools["kv"], pages)
     assert pools["kv"].num_evictable_pages == 3
     grants = arena.plan({"swa": 1}, {"kv": 8})
     assert grants == [("swa", 0, "kv")]  # slab 0: 3 evictable + 5 free pages
@@ -285,15 +293,15 @@ def test_low_priority_pages_are_packed_under_long_lived_pages_once_the_arena_is_
     arena, pools = bare_arena()
     kv = pools["kv"]
     arena.apply(arena.plan({"kv": 8}, {}))  # slab 0; three slabs spare
-    low = kv.allocate(2)
-    assert low.tolist() == [2, 3] and kv.publish("low", low, low_priority=True)
-    kv.decref(low)
-    assert kv.allocate(1, highest=1).tolist() == [9]  # transient: the highest id, entry kept
-    assert arena.roomy() and kv.allocate(1).tolist() == [4]  # slab 0 holds a live page: kept
+    low = allocate(kv, 2)
+    assert low.tolist() == [2, 3] and publish(kv, "low", low, low_priority=True)
+    decref(kv, low)
+    assert allocate(kv, 1, highest=1).tolist() == [9]  # transient: the highest id, entry kept
+    assert arena.roomy() and allocate(kv, 1).tolist() == [4]  # slab 0 holds a live page: kept
     assert kv.lookup("low") == (2, 3)
     arena.apply(arena.plan({"swa": 15}, {}))  # the other three slabs: nothing spare
     assert not arena.roomy()
-    assert kv.allocate(1).tolist() == [2]  # ids 2, 3 are reused in order
+    assert allocate(kv, 1).tolist() == [2]  # ids 2, 3 are reused in order
     assert kv.lookup("low") is None and kv.counters.evicted_pages == 2
     arena.check_invariants()
 
@@ -308,14 +316,14 @@ def test_while_roomy_live_pages_spread_over_at_most_two_slabs_more_than_they_fil
     _, pools, arena = packing_arena()
     kv = pools["kv"]
     arena.apply(arena.plan({"kv": 48}, {}))
-    pages = kv.allocate(40)
+    pages = allocate(kv, 40)
     assert pages.tolist() == list(range(2, 42)) and arena.roomy()
     live = [2 + 8 * k for k in range(live_slabs)]
     for page in pages.tolist():
         if page not in live:
-            assert kv.publish(("e", page), [page], low_priority=True)
-    kv.decref(np.asarray([p for p in pages.tolist() if p not in live]))
-    got = kv.allocate(1).tolist()
+            assert publish(kv, ("e", page), [page], low_priority=True)
+    decref(kv, np.asarray([p for p in pages.tolist() if p not in live]))
+    got = allocate(kv, 1).tolist()
     assert got == ([42] if live_slabs == 2 else [3])
     assert kv.counters.evicted_pages == (0 if live_slabs == 2 else 1)
     arena.check_invariants()
@@ -461,7 +469,7 @@ def test_a_donor_of_planned_grants_is_not_asked_for_its_lent_pages_again():
     """A step that borrows slabs (planned first) and then grows instead of evicting
     (planned after) counts what the first grants took from each donor. Counting a
     donor's lent pages as still its clean pages, the second plan lends them twice and
-    the step's allocation fails (PoolExhausted in this run without the donor losses
+    the step's allocation fails (it ran out of pages in this run without the donor losses
     of ``Arena.replay``)."""
     from hybridkv.sim.driver import Simulator
     from hybridkv.sim.workloads import multiturn_workload
@@ -500,18 +508,18 @@ def test_only_what_low_priority_pages_cannot_cover_is_evicted_from_valuable_entr
 
 
 def whole_pool_must_pack(arena, gid, page, pages):
-    """The packing rule worked from every page id of the pool (``ArenaGeometry.slab_of``
+    """The packing rule worked from every page id of the pool (``slab_of``
     of each held page), the reference for ``PagePool.must_pack``, which counts only the
     group's own slabs."""
     if not arena.roomy():
         return True
     geometry, pool = arena.geometry, arena.pools[gid]
     lo, hi = geometry.slab_page_ranges(gid)
-    slab = int(geometry.slab_of(gid, [page])[0])
+    slab = int(slab_of(geometry, gid, [page])[0])
     if (pool.ref_counts[lo[slab] : hi[slab]] > 0).any():
         return False
     held = np.flatnonzero(pool.ref_counts > 0)
-    spread = np.unique(geometry.slab_of(gid, held)).size + 1
+    spread = np.unique(slab_of(geometry, gid, held)).size + 1
     per_slab = max(int((hi - lo).min()), 1)
     return spread > -(-(held.size + pages) // per_slab) + SPREAD_SLABS
 
@@ -529,13 +537,13 @@ def test_must_pack_counting_the_groups_slabs_answers_as_the_whole_pool_scan(data
         arena.apply(arena.plan({gid: data.draw(st.integers(0, 30))}, {}, partial=True))
         free = pool.num_free_pages
         if free:
-            pool.allocate(data.draw(st.sampled_from([free, max(free // 2, 1), 1])))
+            allocate(pool, data.draw(st.sampled_from([free, max(free // 2, 1), 1])))
         held = np.flatnonzero(pool.ref_counts > 0)
         keep = data.draw(st.integers(0, min(held.size, 8)))  # a few live pages left, anywhere in its slabs
         order = np.random.default_rng(data.draw(st.integers(0, 2**16))).permutation(held)
         if data.draw(st.booleans()):  # keep pages straddling two slabs first
             order = order[np.argsort(~np.isin(order, geometry.boundary_pages(gid)), kind="stable")]
-        pool.decref(order[keep:])
+        decref(pool, order[keep:])
     arena.check_invariants()
     for gid, pool in pools.items():
         for page in pool.free_page_ids().tolist():
@@ -553,8 +561,8 @@ def test_live_pages_straddling_two_slabs_count_for_the_slab_of_their_first_byte(
     arena.apply(arena.plan({"swa": 30}, {}))
     straddling = [7, 13, 19, 25, 31]
     assert geometry.boundary_pages("swa")[1:6].tolist() == straddling
-    pages = swa.allocate(swa.num_free_pages)
-    swa.decref(np.asarray([p for p in pages.tolist() if p not in straddling]))
+    pages = allocate(swa, swa.num_free_pages)
+    decref(swa, np.asarray([p for p in pages.tolist() if p not in straddling]))
     assert arena.roomy() and np.flatnonzero(swa.ref_counts > 0).tolist() == straddling
     for page in swa.free_page_ids().tolist():
         assert swa.must_pack(page, 1) and whole_pool_must_pack(arena, "swa", page, 1)
@@ -571,7 +579,7 @@ def whole_pool_idle_slabs(arena, gid, keyed_mode, before_tick, released):
     elif keyed_mode == 2:
         keyed = keyed[pool.low_priority[keyed] | (pool.idle_tick[keyed] < before_tick)]
     idle = np.concatenate([pool.free_page_ids().astype(np.int64), keyed, released])
-    first = geometry.slab_of(gid, idle)
+    first = slab_of(geometry, gid, idle)
     last = ((idle + 1) * geometry.page_bytes[gid] - 1 - geometry.reserved_bytes) // geometry.slab_bytes
     lo, hi = geometry.slab_page_ranges(gid)
     inner_idle = np.bincount(first[first == last], minlength=geometry.num_slabs) == hi - lo
@@ -597,16 +605,16 @@ def test_idle_slabs_and_the_oldest_idle_tick_answer_as_the_whole_pool_scan(data)
         held = np.flatnonzero((pool.ref_counts > 0) & ~pool.cached)
         rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
         for k, page in enumerate(rng.permutation(held)[: data.draw(st.integers(0, held.size))].tolist()):
-            pool.publish((step, gid, k), [page], low_priority=bool(rng.integers(2)))
+            publish(pool, (step, gid, k), [page], low_priority=bool(rng.integers(2)))
         held = np.flatnonzero(pool.ref_counts > 0)
-        pool.decref(rng.permutation(held)[: data.draw(st.integers(0, held.size))])
+        decref(pool, rng.permutation(held)[: data.draw(st.integers(0, held.size))])
     arena.check_invariants()
     for gid, pool in pools.items():
         lo, hi = geometry.slab_page_ranges(gid)
         straddle, gi = geometry.boundary_pages(gid), arena.group_ids.index(gid)
         held = np.flatnonzero(pool.ref_counts == 1)
         released = np.sort(held[: data.draw(st.integers(0, held.size))]).astype(np.int64)
-        first = geometry.slab_of(gid, released)
+        first = slab_of(geometry, gid, released)
         last = ((released + 1) * geometry.page_bytes[gid] - 1 - geometry.reserved_bytes) // geometry.slab_bytes
         slab_geometry = np.asarray([geometry.page_bytes[gid], geometry.reserved_bytes, geometry.slab_bytes])
         ticks = pool.idle_tick[pool.evictable_page_ids()]

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hybridkv.runtime.manager import CacheManager
 from hybridkv.prefix.eviction import ValueEviction
 from hybridkv.memory.pool import EVICTED, PagePool
+from pool_ops import allocate, decref, publish
 from test_prefix import ALL, C4KV, C128KV, C128S, C4S, HISTORY, IDX, SPECS, STATE, SWA, cat, events_of, ids, \
     make_manager, run_request
 
@@ -239,10 +240,10 @@ def _linked_out_of_order():
     page held): block k2 (parent k1) and the checkpoint at its end are published first,
     then block k1 (parent the root), as ``PrefixCache`` reports entries it publishes."""
     pools, policy = _hand_policy()
-    h, s = pools["h"].allocate(2), pools["s"].allocate(1)
+    h, s = allocate(pools["h"], 2), allocate(pools["s"], 1)
     for gid, key, parent, boundary, pages in (("h", "k2", "k1", 512, [h[1]]), ("s", "k2", "k1", 512, [s[0]]),
                                               ("h", "k1", "root", 256, [h[0]])):
-        assert pools[gid].publish(key, pages)
+        assert publish(pools[gid], key, pages)
         policy.stored(gid, key, parent, boundary)
     return pools, policy, h, s
 
@@ -275,8 +276,8 @@ def test_a_block_published_after_the_checkpoint_beyond_it_cuts_it_when_evicted()
     pools, policy, h, s = _linked_out_of_order()
     pools["h"].unpublish("k1", EVICTED)
     assert pools["s"].low_priority[s[0]] and pools["h"].low_priority[h[1]]  # neither before the fix
-    pools["s"].decref(s)
-    pools["s"].allocate(7)  # 6 clean pages (page 0 is the null page) and the checkpoint's idle one
+    decref(pools["s"], s)
+    allocate(pools["s"], 7)  # 6 clean pages (page 0 is the null page) and the checkpoint's idle one
     assert pools["s"].lookup("k2") is None
     assert policy.report()["s"].evicted_pages["gap"] == 1
 
@@ -292,30 +293,30 @@ def test_a_block_published_after_its_parents_node_was_forgotten_is_beyond_a_gap(
     supports k1 and k2, and both count as usable."""
     pools, policy = _hand_policy()
     h, s = pools["h"], pools["s"]
-    first = h.allocate(1)
-    assert h.publish("k1", first)
+    first = allocate(h, 1)
+    assert publish(h, "k1", first)
     policy.stored("h", "k1", "root", 256)
-    h.decref(first)
-    h.allocate(7)  # 6 clean pages and k1's idle one: k1 is evicted
+    decref(h, first)
+    allocate(h, 7)  # 6 clean pages and k1's idle one: k1 is evicted
     assert h.lookup("k1") is None and policy.report()["h"].evicted_pages["orphan"] == 1
-    h.decref(np.arange(1, 8))
-    block, ckpt = h.allocate(1), s.allocate(1)
-    assert h.publish("k2", block) and s.publish("k2", ckpt)
+    decref(h, np.arange(1, 8))
+    block, ckpt = allocate(h, 1), allocate(s, 1)
+    assert publish(h, "k2", block) and publish(s, "k2", ckpt)
     policy.stored("h", "k2", "k1", 512)
     policy.stored("s", "k2", "k1", 512)
     assert h.low_priority[block[0]] and s.low_priority[ckpt[0]]
     report = policy.report()
     assert (report["s"].usable_entries, report["h"].usable_entries) == (0, 0)
-    again = h.allocate(1)
-    assert h.publish("k1", again)
+    again = allocate(h, 1)
+    assert publish(h, "k1", again)
     policy.stored("h", "k1", "root", 256)
     assert not h.low_priority[block[0]] and not h.low_priority[again[0]] and not s.low_priority[ckpt[0]]
     report = policy.report()
     assert (report["s"].usable_entries, report["h"].usable_entries) == (1, 2)
     h.unpublish("k1", EVICTED)  # and evicted again: k2 is beyond the gap once more
     assert h.low_priority[block[0]] and s.low_priority[ckpt[0]]
-    s.decref(ckpt)
-    s.allocate(7)
+    decref(s, ckpt)
+    allocate(s, 7)
     assert s.lookup("k2") is None and policy.report()["s"].evicted_pages["gap"] == 1
 
 
@@ -323,9 +324,9 @@ def test_a_first_block_is_no_gap():
     """A chain's first block (parent the salt root, which is never a node) and the
     checkpoint at its end are usable, normal priority."""
     pools, policy = _hand_policy()
-    block, ckpt = pools["h"].allocate(1), pools["s"].allocate(1)
+    block, ckpt = allocate(pools["h"], 1), allocate(pools["s"], 1)
     for gid, pages in (("h", block), ("s", ckpt)):
-        assert pools[gid].publish("k1", pages)
+        assert publish(pools[gid], "k1", pages)
         policy.stored(gid, "k1", "root", 256)
     assert not pools["h"].low_priority[block[0]] and not pools["s"].low_priority[ckpt[0]]
     assert (policy.report()["s"].usable_entries, policy.report()["h"].usable_entries) == (1, 1)
@@ -356,14 +357,14 @@ def test_stored_checkpoint_is_stored_in_each_group_in_turn(program):
         key, parent, boundary = f"k{i}", f"k{i - 1}" if i > 1 else "root", 256 * i
         for fast, (pools, policy) in enumerate(sides):
             if op == "block" and pools["h"].lookup(key) is None:
-                assert pools["h"].publish(key, pools["h"].allocate(1))
+                assert publish(pools["h"], key, allocate(pools["h"], 1))
                 policy.stored("h", key, parent, boundary)
-                pools["h"].decref(pools["h"].lookup(key))  # idle: evictions then free (and count) it
+                decref(pools["h"], pools["h"].lookup(key))  # idle: evictions then free (and count) it
             elif op == "checkpoint":
                 gids = [g for g in ("s1", "s2") if pools[g].lookup(key) is None]
                 for gid in gids:
-                    assert pools[gid].publish(key, pools[gid].allocate(1))
-                    pools[gid].decref(pools[gid].lookup(key))
+                    assert publish(pools[gid], key, allocate(pools[gid], 1))
+                    decref(pools[gid], pools[gid].lookup(key))
                 if fast:
                     policy.stored_checkpoint(gids, key, parent, boundary) if gids else None
                 else:
@@ -385,8 +386,8 @@ def _two_by_two_policy():
 
 
 def _publish_idle(pool, key):
-    assert pool.publish(key, pool.allocate(1))
-    pool.decref(pool.lookup(key))  # idle: evictions then free (and count) it
+    assert publish(pool, key, allocate(pool, 1))
+    decref(pool, pool.lookup(key))  # idle: evictions then free (and count) it
 
 
 @settings(max_examples=60, deadline=None)

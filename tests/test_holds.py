@@ -22,6 +22,7 @@ from hybridkv.models.layout import cache_layout
 from hybridkv.plan import Limits, plan_for_tokens
 from hybridkv.reference.config import ReferenceConfig
 from hybridkv.runtime.manager import CacheManager, CacheManagerError
+from pool_ops import decref, incref
 
 CONFIG = ReferenceConfig()
 LAYOUT = cache_layout(CONFIG.hf_config(), speculative_tokens=3)
@@ -59,14 +60,14 @@ def state(m: CacheManager) -> list:
 
 def reference_hold(m: CacheManager, pages_by_group: dict, holds: Counter) -> None:
     for gid, pages in pages_by_group.items():
-        m.pools[gid].incref(pages)
+        incref(m.pools[gid], pages)
         holds.update((gid, p) for p in pages.tolist())
 
 
 def reference_release(m: CacheManager, pages_by_group: dict, holds: Counter) -> None:
     for gid, pages in pages_by_group.items():
         holds.subtract((gid, p) for p in pages.tolist())
-        m.pools[gid].decref(pages)
+        decref(m.pools[gid], pages)
 
 
 PICKS = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 10_000)), max_size=12)

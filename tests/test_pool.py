@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from hybridkv.memory.pool import NULL_PAGE, PagePool, PageSpace, PoolExhausted
+from hybridkv.memory.pool import NULL_PAGE, PagePool, PageSpace
 from hybridkv.runtime import kernels
+from pool_ops import PoolExhausted, allocate, decref, incref, publish
 
 
 def pool_state(pool: PagePool):
@@ -30,7 +31,7 @@ def assert_same_state(before, after):
 def test_every_page_but_the_null_page_is_handed_out_once(shuffle_seed):
     pool = PagePool("g", 8, shuffle_seed=shuffle_seed)
     assert pool.usable_pages == 7 and pool.num_free_pages == 7
-    pages = np.concatenate([pool.allocate(3), pool.allocate(4)])
+    pages = np.concatenate([allocate(pool, 3), allocate(pool, 4)])
     assert sorted(pages.tolist()) == [1, 2, 3, 4, 5, 6, 7]
     assert NULL_PAGE not in pages.tolist()
     assert pool.ref_counts.tolist() == [0, 1, 1, 1, 1, 1, 1, 1]
@@ -40,30 +41,27 @@ def test_every_page_but_the_null_page_is_handed_out_once(shuffle_seed):
 
 def test_fresh_pool_hands_out_ascending_ids():
     pool = PagePool("g", 8)
-    assert pool.allocate(3).tolist() == [1, 2, 3]
-    assert pool.allocate(2).tolist() == [4, 5]
+    assert allocate(pool, 3).tolist() == [1, 2, 3]
+    assert allocate(pool, 2).tolist() == [4, 5]
 
 
 def test_allocation_is_all_or_nothing():
     pool = PagePool("g", 8)
-    pool.allocate(5)
+    allocate(pool, 5)
     before = pool_state(pool)
     with pytest.raises(PoolExhausted, match="need 3 pages, 2 free"):
-        pool.allocate(3)
-    after = pool_state(pool)
-    assert after[5]["failed_allocations"] == 1
-    before[5]["failed_allocations"] = 1  # the only thing a failed allocation changes
-    assert_same_state(before, after)
-    assert pool.allocate(2).tolist() == [6, 7]
+        allocate(pool, 3)
+    assert_same_state(before, pool_state(pool))  # a refused allocation changes nothing
+    assert allocate(pool, 2).tolist() == [6, 7]
     assert pool.counters.allocated_pages == 7
     pool.check_invariants()
 
 
 def test_allocate_zero_and_negative():
     pool = PagePool("g", 4)
-    assert pool.allocate(0).size == 0
+    assert allocate(pool, 0).size == 0
     with pytest.raises(ValueError, match="negative"):
-        pool.allocate(-1)
+        allocate(pool, -1)
     assert pool.num_free_pages == 3 and pool.counters.failed_allocations == 0
 
 
@@ -75,58 +73,58 @@ def test_pool_size_is_validated(num_pages):
 
 def test_freed_pages_are_reused_first_lifo():
     pool = PagePool("g", 10)
-    assert pool.allocate(3).tolist() == [1, 2, 3]
-    pool.decref(np.array([2]))
-    assert pool.allocate(1).tolist() == [2]  # freed page before never-used page 4
+    assert allocate(pool, 3).tolist() == [1, 2, 3]
+    decref(pool, np.array([2]))
+    assert allocate(pool, 1).tolist() == [2]  # freed page before never-used page 4
     # Freed in logical order [1, 3]: the first listed is on top, so reused first.
-    pool.decref(np.array([1, 3]))
-    assert pool.allocate(2).tolist() == [1, 3]
-    assert pool.allocate(1).tolist() == [4]
-    pool.decref(np.array([4]))
-    pool.decref(np.array([2]))
-    assert pool.allocate(2).tolist() == [2, 4]  # last freed first
+    decref(pool, np.array([1, 3]))
+    assert allocate(pool, 2).tolist() == [1, 3]
+    assert allocate(pool, 1).tolist() == [4]
+    decref(pool, np.array([4]))
+    decref(pool, np.array([2]))
+    assert allocate(pool, 2).tolist() == [2, 4]  # last freed first
     assert pool.counters.released_pages == 5
     pool.check_invariants()
 
 
 def test_shuffled_pool_is_deterministic_and_non_contiguous():
-    a = PagePool("g", 65, shuffle_seed=7).allocate(64)
-    b = PagePool("g", 65, shuffle_seed=7).allocate(64)
-    c = PagePool("g", 65, shuffle_seed=8).allocate(64)
+    a = allocate(PagePool("g", 65, shuffle_seed=7), 64)
+    b = allocate(PagePool("g", 65, shuffle_seed=7), 64)
+    c = allocate(PagePool("g", 65, shuffle_seed=8), 64)
     assert a.tolist() == b.tolist()
     assert a.tolist() != c.tolist()
     assert sorted(a.tolist()) == list(range(1, 65))
     assert np.any(np.diff(a) != 1)  # not handed out as a contiguous run
 
 
-def test_incref_decref():
+def test_borrow_and_release():
     pool = PagePool("g", 6)
-    p, q = pool.allocate(2).tolist()
-    pool.incref([p])
+    p, q = allocate(pool, 2).tolist()
+    incref(pool, [p])
     assert pool.ref_counts[p] == 2
-    pool.decref(np.array([p]))
+    decref(pool, np.array([p]))
     assert pool.ref_counts[p] == 1 and pool.num_free_pages == 3
     assert pool.counters.released_pages == 0
-    pool.decref(np.array([p, q]))
+    decref(pool, np.array([p, q]))
     assert pool.ref_counts[[p, q]].tolist() == [0, 0]
     assert pool.num_free_pages == 5 and pool.num_used_pages == 0
     assert pool.counters.released_pages == 2
     pool.check_invariants()
 
 
-def test_incref_of_a_free_page_raises():
+def test_borrowing_a_free_page_raises():
     pool = PagePool("g", 4)
     with pytest.raises(ValueError, match="free"):
-        pool.incref([2])
+        incref(pool, [2])
     assert pool.ref_counts.tolist() == [0, 0, 0, 0]
     pool.check_invariants()
 
 
 def test_peak_used_pages():
     pool = PagePool("g", 10)
-    pages = pool.allocate(6)
-    pool.decref(pages[:4])
-    pool.allocate(1)
+    pages = allocate(pool, 6)
+    decref(pool, pages[:4])
+    allocate(pool, 1)
     assert pool.num_used_pages == 3 and pool.peak_used_pages == 6
 
 
@@ -134,25 +132,25 @@ def test_publish_lookup_unpublish():
     pool = PagePool("g", 8)
     removed = []
     pool.on_removed = lambda key, cause, idle: removed.append(key)
-    a, b, c = pool.allocate(3).tolist()
-    assert pool.publish("k", [a, b]) is True
+    a, b, c = allocate(pool, 3).tolist()
+    assert publish(pool, "k", [a, b]) is True
     assert pool.lookup("k") == (a, b)
     assert pool.lookup("other") is None
-    assert pool.publish("k", [c]) is False  # key exists: nothing changes
+    assert publish(pool, "k", [c]) is False  # key exists: nothing changes
     assert not pool.cached[c]
     with pytest.raises(ValueError, match="not a held, unpublished page"):
-        pool.publish("k2", [a])  # already keyed
+        publish(pool, "k2", [a])  # already keyed
     with pytest.raises(ValueError, match="not a held, unpublished page"):
-        pool.publish("k3", [5])  # free page
+        publish(pool, "k3", [5])  # free page
     with pytest.raises(ValueError, match="not a held, unpublished page"):
-        pool.publish("k4", [NULL_PAGE])
+        publish(pool, "k4", [NULL_PAGE])
     assert pool.num_cached_pages == 2
     # Released while keyed: evictable, still counted as available.
-    pool.decref(np.array([a, b]))
+    decref(pool, np.array([a, b]))
     assert pool.num_evictable_pages == 2 and pool.num_clean_free_pages == 4
     assert pool.num_free_pages == 6 and pool.num_used_pages == 1
     # A hit borrows one of them back.
-    pool.incref([a])
+    incref(pool, [a])
     assert pool.ref_counts[a] == 1 and pool.num_evictable_pages == 1
     pool.check_invariants()
     pool.unpublish("k")
@@ -160,18 +158,18 @@ def test_publish_lookup_unpublish():
     assert pool.lookup("k") is None and pool.num_cached_pages == 0
     assert pool.ref_counts[a] == 1  # still held, just no longer keyed
     assert pool.num_evictable_pages == 0 and pool.num_clean_free_pages == 5
-    assert pool.allocate(1).tolist() == [b]  # the unheld page went to the free stack top
+    assert allocate(pool, 1).tolist() == [b]  # the unheld page went to the free stack top
     pool.check_invariants()
 
 
 def test_cached_pages_are_evicted_only_when_the_free_stack_is_empty():
     pool = PagePool("g", 6)
-    pages = pool.allocate(2)
-    pool.publish("k", pages.tolist())
-    pool.decref(pages)
-    assert pool.allocate(3).tolist() == [3, 4, 5]
+    pages = allocate(pool, 2)
+    publish(pool, "k", pages.tolist())
+    decref(pool, pages)
+    assert allocate(pool, 3).tolist() == [3, 4, 5]
     assert pool.lookup("k") is not None and pool.counters.evicted_pages == 0
-    assert pool.allocate(1).tolist() == [pages[0]]  # the whole entry is unpublished
+    assert allocate(pool, 1).tolist() == [pages[0]]  # the whole entry is unpublished
     assert pool.lookup("k") is None
     assert pool.counters.evicted_pages == 2
     assert pool.num_clean_free_pages == 1
@@ -180,17 +178,17 @@ def test_cached_pages_are_evicted_only_when_the_free_stack_is_empty():
 
 def test_evictable_lru_evicts_a_chain_tail_before_its_head():
     pool = PagePool("g", 9)
-    chain = pool.allocate(3).tolist()  # blocks 0, 1, 2 of one prefix, one key each
-    other = pool.allocate(2).tolist()
+    chain = allocate(pool, 3).tolist()  # blocks 0, 1, 2 of one prefix, one key each
+    other = allocate(pool, 2).tolist()
     for i, page in enumerate(chain):
-        pool.publish(("chain", i), [page])
+        publish(pool, ("chain", i), [page])
     for i, page in enumerate(other):
-        pool.publish(("other", i), [page])
-    pool.decref(np.array(other))  # released earlier: least recently used
-    pool.decref(np.array(chain))  # released in logical order
+        publish(pool, ("other", i), [page])
+    decref(pool, np.array(other))  # released earlier: least recently used
+    decref(pool, np.array(chain))  # released in logical order
     assert pool.num_evictable_pages == 5
-    assert pool.allocate(3).tolist() == [6, 7, 8]  # clean pages first
-    order = [pool.allocate(1)[0] for _ in range(5)]
+    assert allocate(pool, 3).tolist() == [6, 7, 8]  # clean pages first
+    order = [allocate(pool, 1)[0] for _ in range(5)]
     assert order == [other[1], other[0], chain[2], chain[1], chain[0]]
     assert pool.counters.evicted_pages == 5
     pool.check_invariants()
@@ -198,10 +196,10 @@ def test_evictable_lru_evicts_a_chain_tail_before_its_head():
 
 def test_clear_cache_keeps_held_pages():
     pool = PagePool("g", 6)
-    pages = pool.allocate(2).tolist()
-    pool.publish("a", [pages[0]])
-    pool.publish("b", [pages[1]])
-    pool.decref(np.array([pages[0]]))
+    pages = allocate(pool, 2).tolist()
+    publish(pool, "a", [pages[0]])
+    publish(pool, "b", [pages[1]])
+    decref(pool, np.array([pages[0]]))
     pool.clear_cache()
     assert pool.num_cached_pages == 0 and pool.num_evictable_pages == 0
     assert pool.ref_counts[pages[1]] == 1 and pool.num_clean_free_pages == 4
@@ -210,7 +208,7 @@ def test_clear_cache_keeps_held_pages():
 
 def test_check_invariants_catches_corruption():
     pool = PagePool("g", 6)
-    pool.allocate(2)
+    allocate(pool, 2)
     pool.check_invariants()
     pool.ref_counts[5] = 1  # a free page with a reference
     with pytest.raises(AssertionError):
@@ -221,14 +219,14 @@ def test_check_invariants_catches_corruption():
         pool.check_invariants()
 
 
-def test_failed_incref_changes_nothing():
+def test_refused_borrow_changes_nothing():
     pool = PagePool("g", 6)
-    a, b = pool.allocate(2).tolist()
-    pool.publish("k", [a])
-    pool.decref(np.array([a, b]))  # a: evictable, b: free
+    a, b = allocate(pool, 2).tolist()
+    publish(pool, "k", [a])
+    decref(pool, np.array([a, b]))  # a: evictable, b: free
     before = pool_state(pool)
     with pytest.raises(ValueError, match="free"):
-        pool.incref([a, b])
+        incref(pool, [a, b])
     assert_same_state(before, pool_state(pool))
     pool.check_invariants()
 
@@ -236,27 +234,27 @@ def test_failed_incref_changes_nothing():
 # --- lowest-first pools (shared arena) --------------------------------------------------
 def test_lowest_first_hands_out_the_lowest_free_ids_whatever_the_release_order():
     pool = PagePool("g", 10, lowest_first=True)
-    a = pool.allocate(6)
+    a = allocate(pool, 6)
     assert a.tolist() == [1, 2, 3, 4, 5, 6]
-    pool.decref(np.array([5, 2]))
-    pool.decref(np.array([6]))
+    decref(pool, np.array([5, 2]))
+    decref(pool, np.array([6]))
     assert pool.num_free_pages == 6 and pool.num_clean_free_pages == 6  # pending releases count
     # A LIFO pool would hand out 6 first; lowest-first gives 2, 5, 6, then 7.
-    assert pool.allocate(4).tolist() == [2, 5, 6, 7]
+    assert allocate(pool, 4).tolist() == [2, 5, 6, 7]
     pool.check_invariants()
 
 
 def test_lowest_first_released_pages_merge_into_the_free_order():
     """Released pages are reused in id order with the free stack's, whenever they were released."""
     pool = PagePool("g", 64, lowest_first=True)
-    pool.allocate(40)  # 1..40 held, 41.. on the stack
-    pool.decref(np.array([1, 2, 3]))
-    assert pool.allocate(1).tolist() == [1]
-    pool.decref(np.array([30]))
-    assert pool.allocate(1).tolist() == [2]
+    allocate(pool, 40)  # 1..40 held, 41.. on the stack
+    decref(pool, np.array([1, 2, 3]))
+    assert allocate(pool, 1).tolist() == [1]
+    decref(pool, np.array([30]))
+    assert allocate(pool, 1).tolist() == [2]
     assert pool.free_page_ids()[-2:].tolist() == [30, 3]  # top of the stack: the lowest id
-    assert pool.allocate(2).tolist() == [3, 30]
-    assert pool.allocate(2).tolist() == [41, 42]
+    assert allocate(pool, 2).tolist() == [3, 30]
+    assert allocate(pool, 2).tolist() == [41, 42]
     pool.check_invariants()
 
 
@@ -274,7 +272,7 @@ def test_lowest_first_matches_a_sorted_set_model(ops, highest):
             n = min(n, len(free))
             if n == 0:
                 continue
-            out = pool.allocate(n)
+            out = allocate(pool, n)
             assert out.tolist() == sorted(free)[:n]
             free.difference_update(out.tolist())
             held.extend(out.tolist())
@@ -283,7 +281,7 @@ def test_lowest_first_matches_a_sorted_set_model(ops, highest):
             if n == 0:
                 continue
             h = min(highest, n)
-            out = pool.allocate(n, highest=h).tolist()
+            out = allocate(pool, n, highest=h).tolist()
             ordered = sorted(free)
             assert out == ordered[: n - h] + (ordered[len(ordered) - h :] if h else [])
             free.difference_update(out)
@@ -292,7 +290,7 @@ def test_lowest_first_matches_a_sorted_set_model(ops, highest):
             rng = np.random.default_rng(seed)
             rng.shuffle(held)
             gone, held = held[:n], held[n:]
-            pool.decref(np.array(gone))
+            decref(pool, np.array(gone))
             free.update(gone)
         assert pool.num_free_pages == len(free)
     pool.check_invariants()
@@ -301,14 +299,14 @@ def test_lowest_first_matches_a_sorted_set_model(ops, highest):
 
 def test_lowest_first_eviction_and_revoke_see_pending_releases():
     pool = PagePool("g", 6, lowest_first=True)
-    pages = pool.allocate(5)
-    assert pool.publish("k", pages[:2])
-    pool.decref(pages)  # 1, 2 evictable; 3, 4, 5 pending free
+    pages = allocate(pool, 5)
+    assert publish(pool, "k", pages[:2])
+    decref(pool, pages)  # 1, 2 evictable; 3, 4, 5 pending free
     assert pool.num_free_pages == 5 and pool.num_evictable_pages == 2
     # 5 pages: the 3 free ones are not enough alone, so the cached entry is evicted.
-    assert pool.allocate(5).tolist() == [1, 2, 3, 4, 5]
+    assert allocate(pool, 5).tolist() == [1, 2, 3, 4, 5]
     assert pool.counters.evicted_pages == 2 and pool.num_cached_pages == 0
-    pool.decref(np.array([4, 5]))
+    decref(pool, np.array([4, 5]))
     pool.revoke(np.array([4, 5]))  # pending releases can be revoked
     assert pool.usable_pages == 3 and sorted(pool.free_page_ids().tolist()) == []
     pool.check_invariants()
@@ -320,12 +318,12 @@ def test_grant_starts_empty_pools_and_shuffles_grants_when_seeded():
     pool = PagePool("g", 9, granted=False)
     assert pool.usable_pages == 0 and pool.num_free_pages == 0
     with pytest.raises(PoolExhausted):
-        pool.allocate(1)
+        allocate(pool, 1)
     pool.grant(np.array([4, 5, 6]))
-    assert pool.allocate(3).tolist() == [4, 5, 6]  # first listed on top
+    assert allocate(pool, 3).tolist() == [4, 5, 6]  # first listed on top
     shuffled = PagePool("g", 9, granted=False, shuffle_seed=3)
     shuffled.grant(np.arange(1, 9))
-    out = shuffled.allocate(8).tolist()
+    out = allocate(shuffled, 8).tolist()
     assert sorted(out) == list(range(1, 9)) and out != list(range(1, 9))
     pool.check_invariants()
 
@@ -337,38 +335,38 @@ def test_an_eviction_takes_idle_low_priority_entries_beyond_its_need(lowest_firs
     once each), but never a normal entry the allocation does not need."""
     pool = PagePool("g", 1 + 22 + 4, lowest_first=lowest_first)
     for i in range(11):  # 11 low-priority entries of 2 pages (highest ids: no packing)
-        pages = pool.allocate(2, highest=2)
-        assert pool.publish(("low", i), pages.tolist(), low_priority=True)
-        pool.decref(pages)
-    normal = pool.allocate(4, highest=4)
-    assert pool.publish("normal", normal[:2].tolist()) and pool.publish("normal2", normal[2:].tolist())
-    pool.decref(normal)
+        pages = allocate(pool, 2, highest=2)
+        assert publish(pool, ("low", i), pages.tolist(), low_priority=True)
+        decref(pool, pages)
+    normal = allocate(pool, 4, highest=4)
+    assert publish(pool, "normal", normal[:2].tolist()) and publish(pool, "normal2", normal[2:].tolist())
+    decref(pool, normal)
     assert pool.num_clean_free_pages == 0 and pool.num_low_priority_idle_pages == 22
     # Needs 2 pages; low entries go until 2 + 16 pages are free (both pages released again
     # at the next step: a lowest-first pool does not pack for them, see the arena tests).
-    held = pool.allocate(2, highest=2)
+    held = allocate(pool, 2, highest=2)
     assert pool.counters.evicted_pages == 18 and pool.num_low_priority_idle_pages == 4
     assert pool.num_clean_free_pages == 16
     assert pool.lookup("normal") is not None and pool.lookup("normal2") is not None
     # 5 pages beyond the clean ones: the last 2 low entries, then one normal entry (the
     # tail of the two, released last, goes first); the extra stops at a normal one.
-    more = pool.allocate(16 + 5)
+    more = allocate(pool, 16 + 5)
     assert pool.counters.evicted_pages == 18 + 4 + 2 and pool.num_low_priority_idle_pages == 0
     assert pool.lookup("normal2") is None and pool.lookup("normal") is not None
-    pool.decref(np.concatenate([held, more]))
+    decref(pool, np.concatenate([held, more]))
     pool.check_invariants()
 
 
 def test_lowest_first_reuses_idle_low_priority_pages_in_id_order():
-    pool = PagePool("g", 10, lowest_first=True, shared_pages=True)
-    low, normal = pool.allocate(2), pool.allocate(2)  # 1, 2 and 3, 4
-    assert pool.publish("low", low, low_priority=True) and pool.publish("normal", normal)
-    pool.decref(low)
-    pool.decref(normal)
+    pool = PagePool("g", 10, lowest_first=True)
+    low, normal = allocate(pool, 2), allocate(pool, 2)  # 1, 2 and 3, 4
+    assert publish(pool, "low", low, low_priority=True) and publish(pool, "normal", normal)
+    decref(pool, low)
+    decref(pool, normal)
     # Free ids are 5..9. Ids 1, 2 are idle, low priority and lower, so their entry is
     # evicted and they are reused first; the normal entry (3, 4) stays cached even though
     # its ids are lower than 5: only low-priority pages count as free for the order.
-    assert pool.allocate(3).tolist() == [1, 2, 5]
+    assert allocate(pool, 3).tolist() == [1, 2, 5]
     assert pool.lookup("low") is None and pool.lookup("normal") == (3, 4)
     assert pool.counters.evicted_pages == 2
     pool.check_invariants()
@@ -385,32 +383,32 @@ def test_an_allocation_evicting_several_entries_frees_them_as_one_by_one(lowest_
     pool = PagePool("g", 16, lowest_first=lowest_first)
     removed = []
     pool.on_removed = lambda key, cause, idle: removed.append(key)
-    held = pool.allocate(15)
+    held = allocate(pool, 15)
     for i in range(5):
-        pool.publish(("e", i), held[3 * i : 3 * i + 3].tolist())  # e0 = (1, 2, 3), ...
-    pool.decref(held[::-1].copy())  # all idle; listed last = LRU front: e0 first
+        publish(pool, ("e", i), held[3 * i : 3 * i + 3].tolist())  # e0 = (1, 2, 3), ...
+    decref(pool, held[::-1].copy())  # all idle; listed last = LRU front: e0 first
     # 7 pages: e0, e1, e2 go (9 pages). LIFO: e2's pages on top, then e1's, then e0's.
     expected = [7, 8, 9, 4, 5, 6, 1] if not lowest_first else [1, 2, 3, 4, 5, 6, 7]
-    assert pool.allocate(7).tolist() == expected
+    assert allocate(pool, 7).tolist() == expected
     assert removed == [("e", 0), ("e", 1), ("e", 2)]
     assert pool.counters.evicted_pages == 9
-    assert pool.allocate(2).tolist() == ([2, 3] if not lowest_first else [8, 9])
+    assert allocate(pool, 2).tolist() == ([2, 3] if not lowest_first else [8, 9])
     assert pool.lookup(("e", 3)) == (10, 11, 12) and pool.num_evictable_pages == 6
     pool.check_invariants()
 
 
 def test_allocate_highest_takes_the_top_free_ids_in_lowest_first_pools():
     pool = PagePool("g", 12, lowest_first=True)  # ids 1..11 free
-    assert pool.allocate(5, highest=3).tolist() == [1, 2, 9, 10, 11]
-    assert pool.allocate(2).tolist() == [3, 4]
-    pool.decref(np.array([10, 1]))  # pending releases are merged first
-    assert pool.allocate(3, highest=1).tolist() == [1, 5, 10]
+    assert allocate(pool, 5, highest=3).tolist() == [1, 2, 9, 10, 11]
+    assert allocate(pool, 2).tolist() == [3, 4]
+    decref(pool, np.array([10, 1]))  # pending releases are merged first
+    assert allocate(pool, 3, highest=1).tolist() == [1, 5, 10]
     assert pool.free_page_ids().tolist()[::-1] == [6, 7, 8]
     with pytest.raises(ValueError, match="highest must lie in"):
-        pool.allocate(1, highest=2)
+        allocate(pool, 1, highest=2)
     pool.check_invariants()
     lifo = PagePool("g", 6)  # LIFO pools have no order to choose: highest is ignored
-    assert lifo.allocate(3, highest=2).tolist() == [1, 2, 3]
+    assert allocate(lifo, 3, highest=2).tolist() == [1, 2, 3]
 
 
 def _pool_state(pool):
@@ -442,10 +440,11 @@ def draw_held_pages(data, i, n):
 
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), lowest_first=st.booleans(), twice=st.booleans())
-def test_drop_holds_then_released_is_decref_pool_by_pool(data, lowest_first, twice):
+def test_drop_holds_then_released_is_a_release_pool_by_pool(data, lowest_first, twice):
     """``kernels.drop_holds`` of every group's pages (some keyed, some low priority, some
-    with a second holder, listed twice with ``twice``), then ``PageSpace.released``, leaves
-    each pool as its own decref would (what a release of held pages runs)."""
+    with a second holder, listed twice with ``twice``), then ``PageSpace.released``, in one
+    call leaves each pool as releasing its own pages alone would (what a release of held
+    pages runs)."""
 
     sizes, sides = two_page_spaces(data, lowest_first)
     any_shared = data.draw(st.booleans(), label="any_shared")  # False: the fused path itself
@@ -458,12 +457,12 @@ def test_drop_holds_then_released_is_decref_pool_by_pool(data, lowest_first, twi
         script.append((held, keyed, low, shared, order))
     for pools, _ in sides:
         for pool, (held, keyed, low, shared, _order) in zip(pools, script):
-            pages = pool.allocate(held).tolist()
+            pages = allocate(pool, held).tolist()
             for j, page in enumerate(pages):
                 if keyed[j]:
-                    pool.publish(("k", page), [page], low_priority=low[j])
+                    publish(pool, ("k", page), [page], low_priority=low[j])
                 if shared[j]:
-                    pool.incref([page])
+                    incref(pool, [page])
     (pools_a, space), (pools_b, _) = sides
     released = [np.asarray([p for p in range(1, n) if pools_a[i].ref_counts[p] > 0], dtype=np.int64)[
         list(script[i][4])] for i, n in enumerate(sizes)]
@@ -475,7 +474,7 @@ def test_drop_holds_then_released_is_decref_pool_by_pool(data, lowest_first, twi
     kernels.drop_holds(space.ref_counts, space.cached, space.offsets, np.array(counts), pages, freed, keyed, tally)
     space.released(tally, freed, keyed)
     for pool, pages in zip(pools_b, released):
-        pool.decref(pages)
+        decref(pool, pages)
     for a, b in zip(pools_a, pools_b):
         assert _pool_state(a) == _pool_state(b)
     floors = [side_space.low_floors()[kernels.LOW_FLOOR].tolist() for _, side_space in sides]
@@ -519,9 +518,9 @@ def test_claim_then_adopt_is_publish_entry_by_entry(entries, earlier):
         pools = [PagePool(f"g{i}", 12) for i in range(2)]
         space = PageSpace(pools)
         for pool in pools:
-            pool.allocate(11)
+            allocate(pool, 11)
             for k in earlier:  # entries already there: keys published on pages 10, 11
-                pool.publish(k, [10 + k % 2]) if not pool.cached[10 + k % 2] else None
+                publish(pool, k, [10 + k % 2]) if not pool.cached[10 + k % 2] else None
         sides.append((pools, space))
     listed = [(g, 100 + i, pages) for i, (g, pages, _) in enumerate(entries)]  # keys new to both groups
     want = [code for _, _, code in entries]
@@ -531,7 +530,7 @@ def test_claim_then_adopt_is_publish_entry_by_entry(entries, earlier):
     for i, (g, key, pages) in enumerate(listed):
         if claimed[i]:
             fast[g].adopt([key], [tuple(pages)])
-    expected = [int(bool(code) and ref[g].publish(key, pages, low_priority=code == 2)
+    expected = [int(bool(code) and publish(ref[g], key, pages, low_priority=code == 2)
                     if code and not any(ref[g].cached[p] for p in pages) else 0)
                 for (g, key, pages), code in zip(listed, want)]
     assert claimed == expected
@@ -544,7 +543,7 @@ def test_claim_then_adopt_is_publish_entry_by_entry(entries, earlier):
 def test_claim_refuses_a_page_not_held_and_changes_nothing():
     pools = [PagePool("g", 8), PagePool("h", 8)]
     space = PageSpace(pools)
-    a, b = pools[1].allocate(2).tolist()
+    a, b = allocate(pools[1], 2).tolist()
     for bad in (7, NULL_PAGE, 8):
         listed = [(1, "k", [b]), (1, "m", [a, bad])]
         assert _claim(space, listed, [1, 2]) == (2, [0, 0])
@@ -567,7 +566,7 @@ def test_batched_low_priority_evictions_are_the_one_by_one_evictions(data):
     want = data.draw(st.integers(1, n // 2), label="allocation")
     pools, calls = [], []
     for batch in (False, True):
-        pool = PagePool("g", n, lowest_first=True, shared_pages=True)
+        pool = PagePool("g", n, lowest_first=True)
         log = []
         pool.on_removed = lambda key, cause, idle, log=log: log.append((key, cause, idle))
         if batch:  # told of a batch's removals at once, in order
@@ -575,12 +574,12 @@ def test_batched_low_priority_evictions_are_the_one_by_one_evictions(data):
         for i, (size, kind, held) in enumerate(plan):
             if size > pool.num_clean_free_pages:
                 break
-            pages = pool.allocate(size)
+            pages = allocate(pool, size)
             if kind != "plain":
-                pool.publish(i, pages.tolist(), low_priority=kind == "low")
-            pool.decref(pages[held:].copy())  # the first ``held`` pages stay held
-        pool.allocate(min(spare, pool.num_clean_free_pages))
-        got = pool.allocate(want).tolist() if want <= pool.num_free_pages else None
+                publish(pool, i, pages.tolist(), low_priority=kind == "low")
+            decref(pool, pages[held:].copy())  # the first ``held`` pages stay held
+        allocate(pool, min(spare, pool.num_clean_free_pages))
+        got = allocate(pool, want).tolist() if want <= pool.num_free_pages else None
         pools.append((got, pool.free_page_ids().tolist(), pool.evictable_page_ids().tolist(),
                       sorted(pool.entry_keys()), pool.num_low_priority_idle_pages, pool.counters.evicted_pages))
         calls.append(log)
@@ -598,11 +597,11 @@ def test_ids_a_low_priority_eviction_frees_count_as_free_for_the_next(batch):
     pool.on_removed = lambda key, cause, idle: None  # one entry at a time
     if batch:
         pool.on_removed_many = lambda removals: None
-    a, plain, b = pool.allocate(1), pool.allocate(9), pool.allocate(1)  # 1; 2-10; 11
-    pool.publish("a", a.tolist(), low_priority=True)
-    pool.publish("b", b.tolist(), low_priority=True)
-    pool.decref(np.concatenate([a, b, plain[-2:]]))  # 9, 10 go free
-    assert pool.allocate(3).tolist() == [1, 9, 10]
+    a, plain, b = allocate(pool, 1), allocate(pool, 9), allocate(pool, 1)  # 1; 2-10; 11
+    publish(pool, "a", a.tolist(), low_priority=True)
+    publish(pool, "b", b.tolist(), low_priority=True)
+    decref(pool, np.concatenate([a, b, plain[-2:]]))  # 9, 10 go free
+    assert allocate(pool, 3).tolist() == [1, 9, 10]
     assert pool.lookup("a") is None and pool.lookup("b") == (11,)
     assert pool.counters.evicted_pages == 1
     pool.check_invariants()
@@ -610,9 +609,9 @@ def test_ids_a_low_priority_eviction_frees_count_as_free_for_the_next(batch):
 
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), lowest_first=st.booleans())
-def test_page_space_borrow_is_incref_pool_by_pool(data, lowest_first):
+def test_page_space_borrow_is_borrow_pool_by_pool(data, lowest_first):
     """PageSpace.borrow of every group's pages (held ones, idle keyed ones, some low
-    priority) leaves each pool as its own ``incref(distinct=True)`` would; with a free
+    priority) in one call leaves each pool as borrowing its own pages alone would; with a free
     page listed it is refused whole, nothing changed."""
 
     sizes, sides = two_page_spaces(data, lowest_first)
@@ -623,11 +622,11 @@ def test_page_space_borrow_is_incref_pool_by_pool(data, lowest_first):
         script.append((held, keyed, low, idle))
     for pools, _ in sides:
         for pool, (held, keyed, low, idle) in zip(pools, script):
-            pages = pool.allocate(held).tolist()
+            pages = allocate(pool, held).tolist()
             for j, page in enumerate(pages):
                 if keyed[j]:
-                    pool.publish(("k", page), [page], low_priority=low[j])
-            pool.decref(np.asarray([p for j, p in enumerate(pages) if idle[j]], dtype=np.int64))
+                    publish(pool, ("k", page), [page], low_priority=low[j])
+            decref(pool, np.asarray([p for j, p in enumerate(pages) if idle[j]], dtype=np.int64))
     (pools_a, space), (pools_b, _) = sides
     with_free = data.draw(st.booleans(), label="with_free")
     borrowed = []
@@ -648,7 +647,7 @@ def test_page_space_borrow_is_incref_pool_by_pool(data, lowest_first):
         return
     space.borrow(np.concatenate(borrowed), counts)
     for pool, pages in zip(pools_b, borrowed):
-        pool.incref(pages, distinct=True)
+        incref(pool, pages)
     for a, b in zip(pools_a, pools_b):
         assert _pool_state(a) == _pool_state(b)
 
@@ -669,10 +668,10 @@ def test_page_space_drop_unit_is_drop_entries_pool_by_pool(data, lowest_first):
         pools = [PagePool(f"g{i}", n, lowest_first=lowest_first) for i, n in enumerate(sizes)]
         space = PageSpace(pools)
         for pool, (size, low, held, free) in zip(pools, script):
-            pages = pool.allocate(size + 1 + free).tolist()
-            pool.publish("unit", pages[:size], low_priority=low)
-            pool.publish("other", pages[size : size + 1], low_priority=not low)
-            pool.decref(np.asarray(pages[held:size] + pages[size + 1 :], dtype=np.int64))
+            pages = allocate(pool, size + 1 + free).tolist()
+            publish(pool, "unit", pages[:size], low_priority=low)
+            publish(pool, "other", pages[size : size + 1], low_priority=not low)
+            decref(pool, np.asarray(pages[held:size] + pages[size + 1 :], dtype=np.int64))
         sides.append((pools, space))
     (pools_a, space), (pools_b, _) = sides
     space.drop_unit([pools_a[i] for i in picked], "unit")
@@ -696,12 +695,12 @@ def test_revoke_takes_the_entries_on_its_pages_in_page_order(batch):
     pool.on_removed = lambda key, cause, idle: told.append((key, cause, idle))
     if batch:
         pool.on_removed_many = told.extend
-    pages = pool.allocate(8).tolist()  # 1 .. 8
+    pages = allocate(pool, 8).tolist()  # 1 .. 8
     assert pages == list(range(1, 9))
-    pool.publish("a", [2, 7])
-    pool.publish("b", [3])
-    pool.publish("c", [5, 6])
-    pool.decref(np.array([2, 3, 4, 5, 7]))
+    publish(pool, "a", [2, 7])
+    publish(pool, "b", [3])
+    publish(pool, "c", [5, 6])
+    decref(pool, np.array([2, 3, 4, 5, 7]))
     pool.revoke(np.array([2, 3, 4, 5]))
     assert told == [("a", "revoked", 2), ("b", "revoked", 1), ("c", "revoked", 1)]
     assert pool.entry_keys() == [] and sorted(pool.free_page_ids().tolist()) == [7, 9]
@@ -715,14 +714,14 @@ def _revoke_pool(lowest: bool, plan: list, held: set) -> tuple[PagePool, dict]:
     ``held``. Returns the pool and each entry's pages."""
     pool = PagePool("g", 30, lowest_first=lowest, granted=False)
     pool.grant(np.arange(1, 25))
-    every, at, entries = pool.allocate(20).tolist(), 0, {}
+    every, at, entries = allocate(pool, 20).tolist(), 0, {}
     for i, (size, keep) in enumerate(plan):
         entries[i] = every[at : at + size]
-        pool.publish(i, entries[i])
+        publish(pool, i, entries[i])
         if not keep:
-            pool.decref(np.asarray(entries[i]))
+            decref(pool, np.asarray(entries[i]))
         at += size
-    pool.decref(np.asarray([p for p in every[at:] if p not in held], dtype=np.int64))
+    decref(pool, np.asarray([p for p in every[at:] if p not in held], dtype=np.int64))
     return pool, entries
 
 
@@ -779,11 +778,11 @@ def test_evict_entries_leaves_the_pool_as_unpublishing_each_in_turn(data):
         pool = PagePool("g", 40, lowest_first=lowest)
         told = []
         pool.on_removed = lambda key, cause, idle, told=told: told.append((key, cause, idle))
-        every, at = pool.allocate(sum(size for size, _, _ in plan)).tolist(), 0  # one call: nothing packs
+        every, at = allocate(pool, sum(size for size, _, _ in plan)).tolist(), 0  # one call: nothing packs
         for i, (size, low, held) in enumerate(plan):
             pages, at = every[at : at + size], at + size
-            pool.publish(i, pages, low_priority=low)
-            pool.decref(np.asarray(pages[held:]))  # the first ``held`` pages stay held
+            publish(pool, i, pages, low_priority=low)
+            decref(pool, np.asarray(pages[held:]))  # the first ``held`` pages stay held
         if batch:
             told.extend(pool.evict_entries(list(order)))
         else:
@@ -876,10 +875,10 @@ def test_packing_evicts_the_entries_the_one_by_one_reference_evicts(data, batch,
         for i, (size, kind, held, later) in enumerate(plan):
             if size > pool.num_clean_free_pages:
                 break
-            pages = pool.allocate(size)
+            pages = allocate(pool, size)
             if kind != "plain":
-                pool.publish(i, pages.tolist(), low_priority=kind == "low")
-            pool.decref(pages[held:].copy())
+                publish(pool, i, pages.tolist(), low_priority=kind == "low")
+            decref(pool, pages[held:].copy())
             if kind != "plain" and later:
                 getattr(pool, later)(i)
         states = []
@@ -893,7 +892,7 @@ def test_packing_evicts_the_entries_the_one_by_one_reference_evicts(data, batch,
             pool.check_invariants()
             states.append((list(log), pool.free_page_ids().tolist(), pool.evictable_page_ids().tolist(),
                            sorted(pool.entry_keys(), key=str), pool.num_low_priority_idle_pages))
-            pool.allocate(want)
+            allocate(pool, want)
             if pool.lookup(demoted) is not None:
                 pool.demote(demoted)
         sides.append(states)
@@ -905,13 +904,13 @@ def test_packing_finds_idle_low_priority_pages_a_previous_packing_passed():
     ids 5, 6, 11-15. One page: "a" goes (below 5); "c" lies above the free ids then,
     but three pages later go past it (5, 6, then 10), so that packing evicts "c"."""
     pool = PagePool("g", 16, lowest_first=True)
-    a, plain, c = pool.allocate(1), pool.allocate(8), pool.allocate(1)  # 1; 2-9; 10
-    pool.publish("a", a.tolist(), low_priority=True)
-    pool.publish("c", c.tolist(), low_priority=True)
-    pool.decref(np.concatenate([a, c, plain[3:5]]))  # 5, 6 go free
-    assert pool.allocate(1).tolist() == [1]
+    a, plain, c = allocate(pool, 1), allocate(pool, 8), allocate(pool, 1)  # 1; 2-9; 10
+    publish(pool, "a", a.tolist(), low_priority=True)
+    publish(pool, "c", c.tolist(), low_priority=True)
+    decref(pool, np.concatenate([a, c, plain[3:5]]))  # 5, 6 go free
+    assert allocate(pool, 1).tolist() == [1]
     assert pool.lookup("a") is None and pool.lookup("c") == (10,)
-    assert pool.allocate(3).tolist() == [5, 6, 10]
+    assert allocate(pool, 3).tolist() == [5, 6, 10]
     assert pool.lookup("c") is None
     pool.check_invariants()
 
@@ -924,16 +923,16 @@ def test_packing_asks_must_pack_only_when_an_idle_low_priority_page_may_lie_belo
     pool = PagePool("g", 16, lowest_first=True)
     asked = []
     pool.must_pack = lambda page, pages: asked.append((page, pages)) or True
-    low, plain, high = pool.allocate(1), pool.allocate(8), pool.allocate(1)  # 1; 2-9; 10
-    pool.publish("low", low.tolist(), low_priority=True)
-    pool.publish("high", high.tolist(), low_priority=True)
-    pool.decref(np.concatenate([high, plain]))  # 2-10 idle, "high" among them
+    low, plain, high = allocate(pool, 1), allocate(pool, 8), allocate(pool, 1)  # 1; 2-9; 10
+    publish(pool, "low", low.tolist(), low_priority=True)
+    publish(pool, "high", high.tolist(), low_priority=True)
+    decref(pool, np.concatenate([high, plain]))  # 2-10 idle, "high" among them
     pool.make_room(3)
     assert asked == [] and pool.lookup("high") == (10,)
-    pool.decref(low)
+    decref(pool, low)
     pool.make_room(3)
     assert asked == [(4, 3)] and pool.lookup("low") is None and pool.lookup("high") == (10,)
-    assert pool.allocate(3).tolist() == [1, 2, 3]
+    assert allocate(pool, 3).tolist() == [1, 2, 3]
     pool.check_invariants()
 
 
@@ -942,9 +941,9 @@ def test_packing_one_by_one_sees_entries_a_removal_demoted():
     removal of "x" (low priority, page 3) demotes "y" (idle, page 1). Two pages, free
     ids from 4: "x" goes, then "y", now low priority and below the second free id."""
     pool = PagePool("g", 12, lowest_first=True)
-    pages = pool.allocate(3)  # 1, 2, 3
-    pool.publish("y", [1])
-    pool.publish("x", [3], low_priority=True)
+    pages = allocate(pool, 3)  # 1, 2, 3
+    publish(pool, "y", [1])
+    publish(pool, "x", [3], low_priority=True)
     removed = []
 
     def on_removed(key, cause, idle):
@@ -953,8 +952,8 @@ def test_packing_one_by_one_sees_entries_a_removal_demoted():
             pool.demote("y")
 
     pool.on_removed = on_removed
-    pool.decref(np.array([pages[0], pages[2]]))
-    assert pool.allocate(2).tolist() == [1, 3]
+    decref(pool, np.array([pages[0], pages[2]]))
+    assert allocate(pool, 2).tolist() == [1, 3]
     assert removed == [("x", "evicted_low"), ("y", "evicted_low")]
     pool.check_invariants()
 
@@ -1000,19 +999,19 @@ def test_the_lru_keeps_an_ordered_dicts_order_through_every_change(data, lowest_
         op = data.draw(st.sampled_from(ops or ["publish_none"]), label=f"op{step}")
         key = data.draw(st.sampled_from(sorted(entries)), label=f"key{step}") if entries else None
         if op == "publish":
-            pages = pool.allocate(data.draw(st.integers(1, 7), label=f"n{step}")).tolist()  # moved in Python up to 4
+            pages = allocate(pool, data.draw(st.integers(1, 7), label=f"n{step}")).tolist()  # moved in Python up to 4
             for k in [k for k in entries if pool.lookup(k) is None]:  # packed away (lowest first)
                 ref.left(entries.pop(k))
                 del held[k]
             low = data.draw(st.booleans(), label=f"low{step}")
-            assert pool.publish(step, pages, low_priority=low)
+            assert publish(pool, step, pages, low_priority=low)
             entries[step], held[step], ref.low[step] = pages, True, low
         elif op == "release" and held[key]:
-            pool.decref(np.array(entries[key]))
+            decref(pool, np.array(entries[key]))
             ref.joined(entries[key], ref.low[key])
             held[key] = False
         elif op == "borrow" and not held[key]:
-            pool.incref(entries[key])
+            incref(pool, entries[key])
             ref.left(entries[key])
             held[key] = True
         elif op in ("touch", "promote", "demote"):
@@ -1025,7 +1024,7 @@ def test_the_lru_keeps_an_ordered_dicts_order_through_every_change(data, lowest_
             pool.unpublish(keys[0]) if op == "unpublish" else pool.drop_entries(keys)
             for k in keys:
                 if held.pop(k):
-                    pool.decref(np.array(entries[k]))  # unkeyed now: straight to the free stack
+                    decref(pool, np.array(entries[k]))  # unkeyed now: straight to the free stack
                 ref.left(entries.pop(k))
         pool.check_invariants()
         assert pool.evictable_page_ids().tolist() == list(ref.order)

@@ -38,6 +38,7 @@ from hybridkv.models.deepseek_v4 import build_v4_cache_specs
 from hybridkv.models.layout import cache_layout
 from hybridkv.prefix.cache import CacheEvent, PrefixHit
 from hybridkv.memory.pool import PagePool
+from pool_ops import allocate, decref, publish
 
 SPECS = tuple(build_v4_cache_specs(SimpleNamespace(sliding_window=128), layer_ratio=[0, 4, 128]))
 SWA = "v4.swa_kv"
@@ -859,21 +860,21 @@ def test_prompt_checkpoints_of_one_step_hold_each_boundarys_window_pages():
 
 
 def test_low_priority_entries_are_evicted_before_older_ones():
-    pool = PagePool("g", 8, shared_pages=True)
-    old = pool.allocate(2)
-    new = pool.allocate(2)
-    assert pool.publish("old", old) and pool.publish("new", new, low_priority=True)
-    pool.decref(old)
-    pool.decref(new)  # LRU order would evict "old" first; low priority goes ahead of it
-    pool.allocate(5)  # 3 clean + 2 evicted
+    pool = PagePool("g", 8)
+    old = allocate(pool, 2)
+    new = allocate(pool, 2)
+    assert publish(pool, "old", old) and publish(pool, "new", new, low_priority=True)
+    decref(pool, old)
+    decref(pool, new)  # LRU order would evict "old" first; low priority goes ahead of it
+    allocate(pool, 5)  # 3 clean + 2 evicted
     assert pool.lookup("new") is None and pool.lookup("old") == tuple(old.tolist())
     # demote moves an entry that is already idle to the front as well
-    pool2 = PagePool("g", 8, shared_pages=True)
-    a, b = pool2.allocate(2), pool2.allocate(2)
-    pool2.publish("a", a), pool2.publish("b", b)
-    pool2.decref(a), pool2.decref(b)
+    pool2 = PagePool("g", 8)
+    a, b = allocate(pool2, 2), allocate(pool2, 2)
+    publish(pool2, "a", a), publish(pool2, "b", b)
+    decref(pool2, a), decref(pool2, b)
     pool2.demote("b")
-    pool2.allocate(5)
+    allocate(pool2, 5)
     assert pool2.lookup("b") is None and pool2.lookup("a") is not None
     pool.check_invariants(), pool2.check_invariants()
 

@@ -64,10 +64,6 @@ class ArenaGeometry:
         out[0] = -1
         return out
 
-    def slab_of(self, group_id: str, pages: np.ndarray) -> np.ndarray:
-        """Slab index of the first byte of each (non-null) page id of a group."""
-        return (np.asarray(pages, dtype=np.int64) * self.page_bytes[group_id] - self.reserved_bytes) // self.slab_bytes
-
 
 def arena_geometry(
     page_bytes: Mapping[str, int],
@@ -235,7 +231,7 @@ class Arena:
         def must_pack(page: int, pages: int) -> bool:
             if not self.roomy():
                 return True
-            slab = (page * page_bytes - reserved_bytes) // slab_bytes  # ``slab_of``, in Python ints
+            slab = (page * page_bytes - reserved_bytes) // slab_bytes  # the slab of its first byte
             return kernels.must_pack_slabs(pool.ref_counts, self.owner, gi, lo, hi, straddle, slab, pages, per_slab,
                                            SPREAD_SLABS)
 

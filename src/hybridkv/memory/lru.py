@@ -54,8 +54,7 @@ def unlink(prev, nxt, off, page):
 
 @njit(cache=True)
 def join(idle_tick, low_priority, prev, nxt, lengths, low_idle, low_floors, offsets, per_group, pages, clock):
-    """Idle keyed pages join their group's list (``PageSpace.keyed_idle``; a pool's own
-    ``decref`` as group 0): ``pages`` (local ids, group after group, ``per_group[g]`` of
+    """Idle keyed pages join their group's list (``PageSpace.keyed_idle``): ``pages`` (local ids, group after group, ``per_group[g]`` of
     them, not listed), each group's the last listed first, get the next tick of the idle
     clock (``clock[0]``, the last tick given) per group that has some, in group order,
     and join the tail, a low-priority one the head instead (so of those the last listed
@@ -83,7 +82,7 @@ def join(idle_tick, low_priority, prev, nxt, lengths, low_idle, low_floors, offs
 @njit(cache=True)
 def leave(prev, nxt, lengths, offsets, per_group, pages):
     """Listed pages (local ids, group after group, ``per_group[g]`` of them) leave their
-    group's list (borrowed: ``PageSpace.borrowed_idle``; a pool's own ``incref`` as group 0)."""
+    group's list (borrowed: ``PageSpace.borrowed_idle``)."""
     start = 0
     for g in range(per_group.size):
         k, off = per_group[g], offsets[g]

@@ -48,10 +48,6 @@ def idle_clock_tick() -> int:
 UNPUBLISHED, EVICTED, EVICTED_LOW, REVOKED = "unpublished", "evicted", "evicted_low", "revoked"
 
 
-class PoolExhausted(RuntimeError):
-    """An allocation asked for more pages than free plus evictable."""
-
-
 class PoolCounters:
     """A pool's event counts. Pages released and allocated live in ``tallies`` (int64), a
     view of ``PageSpace.per_group`` once a page space holds the pool: the step kernels add to it."""
@@ -107,7 +103,6 @@ class PagePool:
         num_pages: int,
         *,
         shuffle_seed: int | None = None,
-        shared_pages: bool = True,
         granted: bool = True,
         lowest_first: bool = False,
     ):
@@ -116,9 +111,6 @@ class PagePool:
                 f"group {group_id!r}: a pool needs at least 2 pages (null page + 1), got {num_pages!r}"
             )
         self.group_id = group_id
-        # Without sharing a page has at most one holder, so one decref call never
-        # lists a page twice and plain fancy indexing is exact (and faster).
-        self.shared_pages = shared_pages
         self.num_pages = int(num_pages)
         self.ref_counts = np.zeros(self.num_pages, dtype=np.int32)
         self._rng = None if shuffle_seed is None else np.random.default_rng(shuffle_seed)
@@ -269,43 +261,6 @@ class PagePool:
     def num_cached_pages(self) -> int:
         return int(np.count_nonzero(self.cached))
 
-    # --- allocation -----------------------------------------------------
-    def allocate(self, count: int, *, highest: int = 0, set_refs: bool = True) -> np.ndarray:
-        """``count`` pages with ref count 1, all or nothing; evicts LRU cached pages if needed.
-
-        A lowest-first pool returns its lowest free ids, ascending, except that the
-        last ``highest`` of them are its highest free ids instead (for pages released
-        again at the next step, so they do not sit among long-lived ones).
-
-        ``set_refs=False`` leaves the ref counts to the caller, which must set them to
-        1 before anything else touches the pool (a ``PageSpace`` user storing several
-        pools' counts in one call).
-        """
-        count = int(count)
-        highest = int(highest) if self.lowest_first else 0
-        if not 0 <= highest <= max(count, 0):
-            raise ValueError(f"highest must lie in [0, {count}], got {highest}")
-        if count < 0:
-            raise ValueError(f"cannot allocate a negative number of pages ({count})")
-        if count > self.num_free_pages:
-            self.counters.failed_allocations += 1
-            raise PoolExhausted(
-                f"group {self.group_id!r}: need {count} pages, {self.num_free_pages} free or evictable"
-            )
-        self.make_room(count, highest)
-        low = count - highest
-        out = self._stack[self._top - low : self._top][::-1].copy()
-        self._top -= low
-        if highest:
-            # The stack is sorted with the lowest id on top: the highest are at its bottom.
-            out = np.concatenate([out, self._stack[:highest][::-1]])
-            self._stack[: self._top - highest] = self._stack[highest : self._top].copy()
-            self._top -= highest
-        if set_refs:
-            self.ref_counts[out] = 1
-        self.note_allocated(count)
-        return out
-
     def make_room(self, count: int, highest: int = 0) -> None:
         """Evict cached entries so that the free stack's top ``count`` ids are the ones
         an allocation of ``count`` pages takes: in a lowest-first pool, idle
@@ -326,13 +281,6 @@ class PagePool:
                 top = int(self._tops[self._slot])
         if top < count:
             self._evict_lru(count - top)
-
-    def note_allocated(self, count: int) -> None:
-        """Count ``count`` pages just taken off the free stack (here or by a step kernel)."""
-        self.counters.tallies[1] += count
-        used = self._granted_pages - self.num_free_pages  # num_used_pages
-        if used > self.peak_used_pages:
-            self.peak_used_pages = used
 
     def _evict_low_below(self, count: int) -> None:
         """Evict idle low-priority entries holding ids below the ``count`` lowest free
@@ -394,95 +342,6 @@ class PagePool:
         n = kernels.low_idle_ids(self.low_priority, self.cached, self.ref_counts, start, bound, out)
         return out[:n][::-1].tolist()
 
-    def incref(self, pages: np.ndarray | Sequence[int], *, distinct: bool = False) -> None:
-        """Take one more reference on held or cached pages (a prefix hit borrowing them);
-        ``distinct``: the caller knows no page is listed twice (one store, not ``np.add.at``)."""
-        pages = np.asarray(pages, dtype=np.int64)
-        if pages.size == 0:
-            return
-        before = self.ref_counts[pages]
-        idle = pages[before == 0]
-        unlisted = idle[self._lru_next[idle] < 0]
-        if unlisted.size:
-            raise ValueError(f"group {self.group_id!r}: page {unlisted[0]} is free, cannot be borrowed")
-        idle = idle.tolist()
-        if distinct:
-            self.ref_counts[pages] = before + 1
-        else:
-            np.add.at(self.ref_counts, pages, 1)
-        if idle:
-            idle = idle if distinct else list(dict.fromkeys(idle))
-            if self._low_idle_pages:  # else none of them is low priority
-                low = self.low_priority
-                self._low_idle_pages -= sum(1 for page in idle if low[page])
-            self._borrowed_idle(idle)
-
-    def _borrowed_idle(self, idle: list[int]) -> None:
-        """Idle keyed pages (distinct) that just got a holder, already off the idle
-        low-priority count, leave the LRU; the pages in use rise."""
-        g = self._slot
-        lru.leave(self._lru_prev, self._lru_next, self._lru_lengths[g : g + 1], _NO_OFFSET, np.array([len(idle)]),
-                  np.array(idle, dtype=np.int64))
-        used = self._granted_pages - self.num_free_pages  # num_used_pages
-        if used > self.peak_used_pages:
-            self.peak_used_pages = used
-
-    def decref(self, pages: np.ndarray) -> None:
-        """Drop one reference per listed page; pages reaching 0 become free or evictable.
-
-        Listed in logical order; pages that become evictable enter the LRU tail
-        first, so a chain's tail is evicted before its head.
-        """
-        pages = np.asarray(pages, dtype=np.int64)
-        if pages.size == 0:
-            return
-        ref = self.ref_counts
-        before = ref[pages]
-        if before.max() == 1 == before.min():
-            # Every page had one holder (a decode step's releases): all go idle.
-            ref[pages] = 0
-            self._released(pages)
-            return
-        repeated = False
-        if self.shared_pages and pages.size > 1 and (before > 1).any():
-            # A page listed twice has two references, so only then can the list repeat.
-            ordered = np.sort(pages)
-            repeated = bool((ordered[1:] == ordered[:-1]).any())
-        if repeated:
-            np.subtract.at(ref, pages, 1)
-            zero = pages[ref[pages] == 0]
-        else:
-            before -= 1
-            ref[pages] = before
-            zero = pages[before == 0]
-        if zero.size == 0:
-            return
-        if repeated and zero.size > 1:
-            zero = zero[np.sort(np.unique(zero, return_index=True)[1])]
-        self._released(zero)
-
-    def _released(self, zero: np.ndarray) -> None:
-        """Pages whose last reference just went (logical order): keyed ones join the
-        LRU, the rest go free."""
-        self.counters.tallies[0] += zero.size
-        keyed = self.cached[zero]
-        if keyed.any():
-            self._keyed_idle(zero[keyed])
-            zero = zero[~keyed]
-        self._push_free(zero)
-
-    def _keyed_idle(self, pages: np.ndarray) -> None:
-        """Keyed pages (distinct local ids, logical order) whose last reference just went
-        join the LRU, each with the next tick of the idle clock (``lru.join``): the
-        last released first, at the tail, so a chain's tail is evicted before its head;
-        low-priority ones at the head instead (evicted first), the last released last."""
-        g = self._slot
-        tick = int(_IDLE_CLOCK[0]) + 1
-        lru.join(self.idle_tick, self.low_priority, self._lru_prev, self._lru_next, self._lru_lengths[g : g + 1],
-                 self._lows[g : g + 1], self._floors[g : g + 1], _NO_OFFSET, np.array([pages.size]), pages, _IDLE_CLOCK)
-        if self.ranker is not None:
-            self._tell_ranker(pages, tick)
-
     def _tell_ranker(self, pages: np.ndarray, tick: int) -> None:
         """``pages`` (logical order) joined the LRU at ``tick``: the ranker hears of the
         normal-priority ones."""
@@ -536,26 +395,10 @@ class PagePool:
         self._granted_pages -= int(pages.size)
 
     # --- content-keyed entries -------------------------------------------
-    def publish(self, key: Hashable, pages: Sequence[int], *, low_priority: bool = False) -> bool:
-        """Publish held pages under ``key``; False (and nothing changes) if the key exists.
-        ``low_priority`` entries are evicted before every other once idle."""
-        if key in self._entries:
-            return False
-        entry = tuple(map(int, pages))
-        ids = np.asarray(entry, dtype=np.int64)
-        if any(p <= NULL_PAGE or p >= self.num_pages for p in entry) or not np.all(self.ref_counts[ids] > 0) or (
-                self.cached[ids].any()):
-            raise ValueError(f"group {self.group_id!r}: a page of {list(entry)} is not a held, unpublished page")
-        self.cached[ids] = True
-        if low_priority:
-            self.low_priority[ids] = True
-        self.adopt([key], [entry])
-        return True
-
     def adopt(self, keys: Sequence[Hashable], entries: Sequence[tuple[int, ...]]) -> None:
         """Record entries (``entries[i]``, held pages, under ``keys[i]``, none published)
         whose pages are flagged keyed already, and low priority where they are (by a
-        commit's compiled claim, ``kernels.claim_entries``, or :meth:`publish`)."""
+        commit's compiled claim, ``kernels.claim_entries``)."""
         published, page_key = self._entries, self._page_key
         for key, entry in zip(keys, entries):
             published[key] = entry
@@ -786,8 +629,7 @@ class PageSpace:
     low-priority counts, whether a pool hands out its lowest ids first, and the LRUs'
     links (``lru_prev``, ``lru_next``: ``hybridkv.memory.lru``) and lengths. Each pool
     is rebound to views of them, so pool methods and kernels see the same state.
-    ``kernels.drop_holds`` then :meth:`released` is exactly ``decref`` of each group's
-    pages in pool order."""
+    A release is ``kernels.drop_holds`` then :meth:`released`; a borrow, :meth:`borrow`."""
 
     def __init__(self, pools: Sequence[PagePool]):
         self.pools = list(pools)
@@ -830,14 +672,14 @@ class PageSpace:
 
     def released(self, counts: np.ndarray, freed: np.ndarray, keyed: np.ndarray) -> None:
         """What ``kernels.drop_holds`` let go (``counts``, ``freed``, ``keyed`` as it fills
-        them) goes where ``PagePool.decref`` puts it: unkeyed pages onto their pools' free
+        them) goes where a release puts it: unkeyed pages onto their pools' free
         stacks (``kernels.push_free``), keyed ones into their LRUs (:meth:`keyed_idle`)."""
         kernels.push_free(self.stack, self.tops, self.offsets, self.lowest_first, counts[0], freed)
         self.per_group[kernels.RELEASED_PAGES] += counts[0] + counts[1]
         self.keyed_idle(counts[1], keyed)
 
     def borrow(self, pages: np.ndarray, per_group: np.ndarray) -> None:
-        """``pools[g].incref(..., distinct=True)`` of each group's slice of ``pages`` (local
+        """One more holder on each of group ``g``'s slice of ``pages`` (local
         ids, group-major, ``per_group[g]`` of them, none twice in a group), in one compiled
         pass (``kernels.take_holds``, which also counts off the idle low-priority pages):
         refused whole (ValueError) if a page is free."""
@@ -900,10 +742,10 @@ class PageSpace:
 
     def keyed_idle(self, per_group: np.ndarray, keyed: np.ndarray) -> None:
         """Keyed pages a release left idle (``keyed``, local ids, group after group,
-        ``per_group[g]`` of them, int64) join their pool's LRU as ``PagePool.decref`` has
-        them join, each pool's with the next tick of the idle clock, in one compiled call
-        (``lru.join``, which also lowers the ``_low_floor`` of a pool where low-priority
-        pages joined); then a pool's ranker (if any) is told."""
+        ``per_group[g]`` of them, int64) join their pool's LRU, each pool's with the next
+        tick of the idle clock, in one compiled call (``lru.join``, which also lowers the
+        ``_low_floor`` of a pool where low-priority pages joined); then a pool's ranker
+        (if any) is told."""
         first_tick = int(_IDLE_CLOCK[0]) + 1 if self.ranked else 0
         lru.join(self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, self.lru_lengths, self.low_idle,
                  self.idle_low_floors, self.offsets, per_group, keyed, _IDLE_CLOCK)

@@ -774,7 +774,7 @@ def rewind_rows(geometry, pages, bounds, counters, known_floor, ref, keyed, stac
     nothing changed, when a row is listed twice (``mark``: scratch, one flag per table row,
     all False before and after) or a count lies outside [committed, computed]
     (``counters[1]``, ``counters[0]``). Else ``truncate_rows``, and each group's pages taken
-    are one release, exactly ``PagePool.decref`` of them (``drop_holds``, ``push_free``;
+    are one release, in the order listed (``drop_holds``, ``push_free``;
     counted in ``per_group``); computed tokens (``counters[0]``) become ``kept``, known ones
     (``counters[2]``) ``min(known, max(kept, known_floor))``. Returns (whether it ran; the
     cells emptied, as ring-view indices; the keyed pages left idle, local ids group after
@@ -802,7 +802,7 @@ def rewind_rows(geometry, pages, bounds, counters, known_floor, ref, keyed, stac
 @njit(cache=True)
 def release_taken(geometry, ref, keyed, stack, per_group, taken, taken_per_group):
     """Pages taken out of the tables (local ids, group after group, ``taken_per_group[g]``
-    of group ``g``) are one release, exactly ``PagePool.decref`` of each group's
+    of group ``g``) are one release of each group's, in the order listed
     (``drop_holds``, ``push_free``; counted in ``per_group``). Returns the keyed pages
     left idle (local ids, group after group) and how many per group."""
     offsets = geometry[:, ID_OFFSET].copy()

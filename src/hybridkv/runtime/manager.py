@@ -234,7 +234,7 @@ class CacheManager:
             "max_step_tokens", max_step_tokens if max_step_tokens is not None else self.max_context_tokens
         )
         self.table_widths = dict(table_widths) if table_widths is not None else None
-        self._init_memory(group_pages, shuffle_seed, enable_prefix_caching, arena)
+        self._init_memory(group_pages, shuffle_seed, arena)
         self._capture_widths = None if self.table_widths is None else tuple(
             self.table_widths[s.group_id] for s in self.specs)
         self.tables = {s.group_id: t for s, t in zip(self.specs, self._tableset.tables)}
@@ -274,14 +274,13 @@ class CacheManager:
         self._short = np.empty(len(ids), dtype=np.int64)  # ``short_pages``' answer
         self._no_low = np.zeros(len(ids), dtype=np.int64)  # the low-priority pages a roomy arena keeps
 
-    def _init_memory(self, group_pages: dict[str, int], shuffle_seed: int | None, shared_pages: bool,
+    def _init_memory(self, group_pages: dict[str, int], shuffle_seed: int | None,
                      arena: ArenaGeometry | None) -> None:
         """The pools, the page space the kernels own, the arena and the table store."""
         self.pools = {
             s.group_id: PagePool(
                 s.group_id, group_pages[s.group_id],
                 shuffle_seed=None if shuffle_seed is None else shuffle_seed + i,
-                shared_pages=shared_pages,
                 granted=arena is None,
                 lowest_first=arena is not None,
             )
@@ -1350,7 +1349,7 @@ class CacheManager:
     def release_held_pages_by_group(self, pages_by_group: Mapping[str, np.ndarray]) -> None:
         """Drop holds taken by :meth:`hold_pages_by_group`, in one compiled pass
         (``kernels.release_outside``: a page no one holds goes free or, still cached, joins
-        the LRU, as ``PagePool.decref`` would); refused whole, nothing released, when any
+        the LRU, as a step's release does); refused whole, nothing released, when any
         group releases a page more often than it is held."""
         error = "releasing pages that hold_pages_by_group did not hold"
         local, per_group = self._space_pages(pages_by_group, error, 0)

@@ -1,0 +1,94 @@
+"""Single-pool page operations for the pool tests, through the path the runtime uses:
+a ``PageSpace`` (made for a pool not in one yet), ``PagePool.make_room`` then the free
+stack's top (what ``kernels.allocate_pages`` pops), ``kernels.drop_holds`` then
+``PageSpace.released`` (a release), ``PageSpace.borrow`` (a prefix hit) and the key
+flags then ``PagePool.adopt`` (what a commit's ``kernels.claim_entries`` does)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+from hybridkv.memory.pool import NULL_PAGE, PagePool, PageSpace
+from hybridkv.runtime import kernels
+
+
+class PoolExhausted(RuntimeError):
+    """An allocation asked for more pages than free plus evictable."""
+
+
+def space_of(pool: PagePool) -> tuple[PageSpace, int]:
+    """The pool's page space (a new one of its own if it has none) and its group there."""
+    if pool.space is None:
+        PageSpace([pool])
+    return pool.space, pool.space.pools.index(pool)
+
+
+def allocate(pool: PagePool, count: int, *, highest: int = 0) -> np.ndarray:
+    """``count`` pages held once, all or nothing, evicting as a step does (``make_room``):
+    a lowest-first pool's lowest free ids ascending, except that the last ``highest`` are
+    its highest free ids (ascending), as ``kernels.allocate_pages`` places transient pages."""
+    count = int(count)
+    highest = int(highest) if pool.lowest_first else 0
+    if not 0 <= highest <= max(count, 0):
+        raise ValueError(f"highest must lie in [0, {count}], got {highest}")
+    if count < 0:
+        raise ValueError(f"cannot allocate a negative number of pages ({count})")
+    if count > pool.num_free_pages:
+        raise PoolExhausted(f"group {pool.group_id!r}: need {count} pages, {pool.num_free_pages} free or evictable")
+    pool.make_room(count, highest)
+    space, g = space_of(pool)
+    offset, top, low = int(space.offsets[g]), int(space.tops[g]), count - highest
+    stack = space.stack[offset : offset + top]
+    out = stack[top - low :][::-1].astype(np.int64)
+    if highest:
+        out = np.concatenate([out, stack[:highest][::-1].astype(np.int64)])
+        stack[: top - low - highest] = stack[highest : top - low].copy()
+    space.tops[g] = top - count
+    space.ref_counts[offset + out] = 1
+    allocated = np.zeros(len(space.pools), dtype=np.int64)
+    allocated[g] = count
+    space.per_group[kernels.ALLOCATED_PAGES] += allocated  # counted as a step's kernel counts
+    space.note_peaks(allocated)
+    return out
+
+
+def decref(pool: PagePool, pages: Sequence[int] | np.ndarray) -> None:
+    """One reference less on each listed page (logical order, a page may repeat): one
+    release, as a step's (``kernels.drop_holds``, ``PageSpace.released``)."""
+    space, g = space_of(pool)
+    pages = np.asarray(pages, dtype=np.int64)
+    per_group = np.zeros(len(space.pools), dtype=np.int64)
+    per_group[g] = pages.size
+    freed, keyed = np.empty(pages.size, dtype=np.int64), np.empty(pages.size, dtype=np.int64)
+    counts = np.zeros((2, len(space.pools)), dtype=np.int64)
+    kernels.drop_holds(space.ref_counts, space.cached, space.offsets, per_group, pages, freed, keyed, counts)
+    space.released(counts, freed[: counts[0].sum()], keyed[: counts[1].sum()])
+
+
+def incref(pool: PagePool, pages: Sequence[int] | np.ndarray) -> None:
+    """One more reference on each listed held or cached page (distinct): a prefix hit
+    borrowing them (``PageSpace.borrow``)."""
+    space, g = space_of(pool)
+    pages = np.asarray(pages, dtype=np.int64)
+    per_group = np.zeros(len(space.pools), dtype=np.int64)
+    per_group[g] = pages.size
+    space.borrow(pages, per_group)
+
+
+def publish(pool: PagePool, key: Hashable, pages: Sequence[int], *, low_priority: bool = False) -> bool:
+    """Key held, unkeyed pages under ``key`` (low priority: evicted before every other
+    once idle); False, nothing changed, if the key is published already."""
+    if pool.lookup(key) is not None:
+        return False
+    entry = tuple(map(int, pages))
+    ids = np.asarray(entry, dtype=np.int64)
+    if any(p <= NULL_PAGE or p >= pool.num_pages for p in entry) or not np.all(pool.ref_counts[ids] > 0) or (
+            pool.cached[ids].any()):
+        raise ValueError(f"group {pool.group_id!r}: a page of {list(entry)} is not a held, unpublished page")
+    pool.cached[ids] = True
+    if low_priority:
+        pool.low_priority[ids] = True
+    pool.adopt([key], [entry])
+    return True
