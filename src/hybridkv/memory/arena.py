@@ -184,17 +184,7 @@ class Arena:
         for gid, pool in self.pools.items():
             if pool.num_pages != geometry.view_pages(gid) or pool.usable_pages:
                 raise ValueError(f"group {gid!r}: an arena pool starts empty with {geometry.view_pages(gid)} page ids")
-        # Per group (rows in group order) and slab: its inner page ids lo .. hi-1, the page
-        # straddling the slab's left boundary (-1: none) and the inner page count; the
-        # dicts below view their rows.
-        ranges = [geometry.slab_page_ranges(gid) for gid in self.group_ids]
-        self._slab_ids = tuple(np.stack(planes) for planes in zip(*ranges)) + (
-            np.stack([geometry.boundary_pages(gid) for gid in self.group_ids]),)
-        lo, hi, straddle = self._slab_ids
-        inner = hi - lo
-        self._ranges = {gid: (lo[i], hi[i]) for i, gid in enumerate(self.group_ids)}
-        self._straddle = {gid: straddle[i] for i, gid in enumerate(self.group_ids)}
-        self._inner = {gid: inner[i] for i, gid in enumerate(self.group_ids)}  # inner pages per slab
+        inner, straddle = self._init_slab_ids()
         self._taken = np.empty(geometry.num_slabs, dtype=np.int64)  # plan's scratch: spare slabs taken
         # ``plan_spare``'s: inner pages and straddlers, the fewest whole pages of each
         # group a slab holds, and scratch (owners, grants).
@@ -217,6 +207,21 @@ class Arena:
         # Every pool keeps its free stack sorted: pages granted in one run per pool stack as
         # they do slab by slab (``apply``).
         self._sorted_grants = all(pool.lowest_first for pool in self.pools.values())
+
+    def _init_slab_ids(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per group (rows in group order) and slab: its inner page ids lo .. hi-1, the page
+        straddling the slab's left boundary (-1: none) and the inner page count, with
+        dicts viewing their rows; returns (inner counts, straddlers)."""
+        geometry, gids = self.geometry, self.group_ids
+        ranges = [geometry.slab_page_ranges(gid) for gid in gids]
+        self._slab_ids = tuple(np.stack(planes) for planes in zip(*ranges)) + (
+            np.stack([geometry.boundary_pages(gid) for gid in gids]),)
+        lo, hi, straddle = self._slab_ids
+        inner = hi - lo
+        self._ranges = {gid: (lo[i], hi[i]) for i, gid in enumerate(gids)}
+        self._straddle = {gid: straddle[i] for i, gid in enumerate(gids)}
+        self._inner = {gid: inner[i] for i, gid in enumerate(gids)}  # inner pages per slab
+        return inner, straddle
 
     def _packing_rule(self, gid: str) -> Callable[[int, int], bool]:
         """A group's ``PagePool.must_pack``: its long-lived pages reuse idle low-priority

@@ -637,12 +637,7 @@ class PageSpace:
         if sum(sizes) >= 2**31:
             raise ValueError("a page space holds fewer than 2**31 pages")
         self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        starts = self.offsets.tolist()
-        for name in ("ref_counts", "cached", "low_priority", "_stack", "idle_tick", "_lru_prev", "_lru_next"):
-            whole = np.concatenate([getattr(p, name) for p in self.pools])
-            setattr(self, name.lstrip("_"), whole)
-            for pool, start, n in zip(self.pools, starts, sizes):
-                setattr(pool, name, whole[start : start + n])
+        self._join_page_arrays(sizes)
         # Per group, in one array a step kernel takes whole: the free stack's top, whether
         # the pool hands out its lowest ids first, ``low_floors``' answer, and the pages
         # ever released and allocated (the pools' counters: ``kernels.TOP`` ... ``ALLOCATED_PAGES``).
@@ -662,6 +657,20 @@ class PageSpace:
         # False when they differ or some pool has none; None until ``low_floors`` first looks.
         self.shared_ask: Callable[[], bool] | bool | None = None
         self.floors_unset = False  # every ``low_floor`` is ``kernels.NO_PACKING``
+        self._bind_pools()
+
+    def _join_page_arrays(self, sizes: list[int]) -> None:
+        """Each per-page array of the pools, concatenated in group order; every pool then
+        views its own slice of it."""
+        starts = self.offsets.tolist()
+        for name in ("ref_counts", "cached", "low_priority", "_stack", "idle_tick", "_lru_prev", "_lru_next"):
+            whole = np.concatenate([getattr(p, name) for p in self.pools])
+            setattr(self, name.lstrip("_"), whole)
+            for pool, start, n in zip(self.pools, starts, sizes):
+                setattr(pool, name, whole[start : start + n])
+
+    def _bind_pools(self) -> None:
+        """Every pool's counts become views of this space's per-group arrays."""
         for g, pool in enumerate(self.pools):
             pool._tops, pool._lows, pool._lru_lengths, pool._slot = self.tops, self.low_idle, self.lru_lengths, g
             pool._floors = self.idle_low_floors

@@ -257,14 +257,9 @@ class PrefixCache:
         and placed in one (``TableSet.place_row``), by group index."""
         self._table_set = tables[self.specs[0].group_id].table_set
         self._group_index = [tables[s.group_id].group_index for s in self.specs]
-        if sorted(self._group_index) != list(range(len(self._table_set.tables))):
-            raise ValueError("the prefix cache's tables must be every table of one TableSet, one per spec")
         # Borrowing: one compiled call over the page space, whose groups are the tables' in order.
         self._space = self.pools[self.specs[0].group_id].space
-        space_pools = self._space.pools if self._space is not None else []
-        if len(space_pools) != len(self.specs) or any(
-                space_pools[g] is not self.pools[s.group_id] for s, g in zip(self.specs, self._group_index)):
-            raise ValueError("the prefix cache's pools must be the pools of one PageSpace, in its tables' order")
+        self._check_one_space()
         # The groups a match looks up, history groups first, and where each spec's own reach
         # lies in ``_match``'s list of reaches (those, then one for the groups restorable anywhere).
         matched = self.history_ids + self.state_ids
@@ -282,6 +277,16 @@ class PrefixCache:
                        for s in in_table_order if s.group_id in matched]
         self._spans_at: dict[int, tuple] = {}  # hit tokens -> what _hit_spans returns (set by the geometry alone)
         self._stats_in_order = [self.stats[s.group_id] for s in self.specs]
+
+    def _check_one_space(self) -> None:
+        """The tables are every table of one ``TableSet`` and the pools the pools of one
+        ``PageSpace``, both in the same group order (what one compiled call per hit needs)."""
+        if sorted(self._group_index) != list(range(len(self._table_set.tables))):
+            raise ValueError("the prefix cache's tables must be every table of one TableSet, one per spec")
+        space_pools = self._space.pools if self._space is not None else []
+        if len(space_pools) != len(self.specs) or any(
+                space_pools[g] is not self.pools[s.group_id] for s, g in zip(self.specs, self._group_index)):
+            raise ValueError("the prefix cache's pools must be the pools of one PageSpace, in its tables' order")
 
     def _init_eviction(self, eviction_policy: str) -> None:
         """What goes first when a pool must evict (hybridkv.prefix.eviction: units, orphans,
