@@ -73,6 +73,7 @@ in an :class:`~hybridkv.inflight_state.InFlightState`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import chain
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -350,21 +351,18 @@ class TierLink:
         of_checked, shapes = ObjectKey.of_checked, self._offload_shapes
         keys = [of_checked(shapes[gid][0], gid, key) for (gid, key), _ in entries]
         held = self.store.contains(keys)
-        skipped = held.count(True)
-        if skipped:  # what the store holds already is dropped before its object is made
-            self._stats.offload_skipped += skipped
+        if True in held:  # what the store holds already is dropped before its object is made
             keep = [i for i, h in enumerate(held) if not h]
+            self._stats.offload_skipped += len(held) - len(keep)
             if not keep:
                 return _NO_OFFLOADS
             entries, keys = [entries[i] for i in keep], [keys[i] for i in keep]
-        objects, views, payload_bytes = self._offload_objects(entries, keys)
-        self._stats.offload_objects += len(objects)
-        self._stats.offload_bytes += sum(payload_bytes)
+        objects, views = self._offload_objects(entries, keys)
         self._tickets += 1
         if self.defer_offloads:
-            return self._defer(self._tickets, entries, tuple(objects), tuple(views))
+            return self._defer(self._tickets, entries, objects, views)
         pinned = self._pin(self._tickets, entries) if self.pin_offloads else ()
-        return OffloadPlan(tuple(objects), tuple(views), pinned, self._tickets)
+        return OffloadPlan(objects, views, pinned, self._tickets)
 
     def _fresh_entries(self) -> list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]:
         """The queue emptied: its entries ``((group, key), (boundary, pages))``, the first of each,
@@ -401,6 +399,8 @@ class TierLink:
         refused by the tier, None dropped or failed)`` each, as ``OffloadWorker.finished()`` gives
         them. The pages pinned for a plan are released (those no request holds go back to the
         pool); an unknown ticket (a plan with nothing pinned) only counts."""
+        if isinstance(results, list) and not results:
+            return  # most steps: no plan finished
         released: dict[str, list[np.ndarray]] = {}
         stats = self._stats
         for ticket, stored in results:
@@ -587,21 +587,26 @@ class TierLink:
 
     # --- planning ------------------------------------------------------------------
     def _offload_objects(self, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]],
-                         keys: list[ObjectKey]) -> tuple[list[PlannedObject], list[GroupPages], list[int]]:
+                         keys: list[ObjectKey]) -> tuple[tuple[PlannedObject, ...], tuple[GroupPages, ...]]:
         """The objects of published entries ``((group, key), (boundary, pages))`` under their
-        object keys ``keys``, their pages' views and their payload bytes (as
-        :meth:`object_payload_bytes`). Per entry only what differs is worked out: each group's
-        window, stride and row bytes are looked up once (a plan has hundreds of entries, on the
-        step thread)."""
-        objects, views, payload_bytes = [], [], []
-        shapes = self._offload_shapes
+        object keys ``keys`` and their pages' views (slices of one array), counted in the stats
+        (``offload_objects``, ``offload_bytes`` as :meth:`object_payload_bytes`). Per entry only
+        what differs is worked out: each group's window, stride and row bytes are looked up once
+        (a plan has hundreds of entries, on the step thread)."""
+        objects, views, payload_bytes = [], [], 0
+        shapes, planned, viewed = self._offload_shapes, PlannedObject.of_fields, GroupPages.of_fields
+        flat = np.fromiter(chain.from_iterable(pages for _, (_, pages) in entries), dtype=np.int64)
+        end = 0
         for ((gid, _), (boundary, pages)), object_key in zip(entries, keys):
             _, span, page_tokens, stride, row_bytes = shapes[gid]
             first = max(0, boundary - span)
-            objects.append(PlannedObject(object_key, first, boundary, boundary))
-            views.append(GroupPages(first // page_tokens, np.array(pages, dtype=np.int64)))
-            payload_bytes.append(max(0, boundary // stride - -(-first // stride)) * row_bytes)
-        return objects, views, payload_bytes
+            objects.append(planned(object_key, first, boundary, boundary))
+            start, end = end, end + len(pages)
+            views.append(viewed(first // page_tokens, flat[start:end]))
+            payload_bytes += max(0, boundary // stride - -(-first // stride)) * row_bytes
+        self._stats.offload_objects += len(objects)
+        self._stats.offload_bytes += payload_bytes
+        return tuple(objects), tuple(views)
 
     def _plan_load(self, request_id: str, hashes: Any, prompt_tokens: int, hit_tokens: int,
                    cap_tokens: int | None = None) -> None:

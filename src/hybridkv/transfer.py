@@ -49,6 +49,14 @@ class PlannedObject:
     end_token: int
     boundary_tokens: int  # the boundary this object serves (a block: its end; a checkpoint: D)
 
+    @classmethod
+    def of_fields(cls, key: ObjectKey, first_token: int, end_token: int, boundary_tokens: int) -> PlannedObject:
+        """``PlannedObject(key, first_token, end_token, boundary_tokens)`` without the frozen
+        dataclass's setattr per field (a tier link makes one per offload, on the step thread)."""
+        out = object.__new__(cls)
+        out.__dict__.update(key=key, first_token=first_token, end_token=end_token, boundary_tokens=boundary_tokens)
+        return out
+
 
 @dataclass(frozen=True)
 class HandoffPlan:
@@ -318,11 +326,15 @@ class OffloadPlan:
         if not self.objects:
             return True
         pools = dict(pools)
-        pinned, deferred = self.pinned or (False,) * len(self.objects), self.deferred or (False,) * len(self.objects)
-        later_flags = [p or d for p, d in zip(pinned, deferred)]
-        now = [i for i, flag in enumerate(later_flags) if not flag]
-        later = [i for i, flag in enumerate(later_flags) if flag]
-        staged = gather_planned(pools, self.objects, self.sources, now, hold_gil=True)
+        later_flags = self.pinned if not self.deferred else self.deferred if not self.pinned else \
+            tuple(p or d for p, d in zip(self.pinned, self.deferred))
+        if later_flags and all(later_flags):  # write-through: every copy runs on the worker
+            now, later, staged = [], list(range(len(self.objects))), []
+        else:
+            later_flags = later_flags or (False,) * len(self.objects)
+            now = [i for i, flag in enumerate(later_flags) if not flag]
+            later = [i for i, flag in enumerate(later_flags) if flag]
+            staged = gather_planned(pools, self.objects, self.sources, now, hold_gil=True)
         copies = self.copies
 
         def make_objects() -> list[RowsObject]:  # on the worker: the later objects' headers and rows
