@@ -85,6 +85,8 @@ class OffloadWorker:
                *, in_place: bool = False, given: bool = False) -> bool:
         """Queue a job of ``num_objects`` objects; False when it does not fit (dropped, counted,
         and reported by :meth:`finished` like any other). Never waits for the tier.
+        ``make_objects`` may answer ``None`` for an object the store holds already: it is not
+        put and comes back stored (``True``).
         ``in_place``: every object's payload has room for its header right before it
         (``gather_objects(..., room_bytes=)``), so the encode writes the header there and copies
         no payload (``ObjectStore.put(..., in_place=True)``). ``given`` (with ``in_place``): the
@@ -197,12 +199,12 @@ class OffloadWorker:
         ticket, num_objects, (in_place, given), objects, stored = made
         at = end = len(stored)
         nbytes, last = 0, min(len(objects), at + self.put_batch_objects)
-        while end < last and (end == at or nbytes + objects[end].payload.size <= self.put_batch_bytes):
-            nbytes += objects[end].payload.size
+        while end < last and (end == at or nbytes + _payload_bytes(objects[end]) <= self.put_batch_bytes):
+            nbytes += _payload_bytes(objects[end])
             end += 1
         try:
             if end > at:  # (a job of no objects puts nothing)
-                stored += self.store.put(objects[at:end], in_place=in_place, given=given)
+                stored += self._put(objects[at:end], in_place, given)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         else:
@@ -212,6 +214,14 @@ class OffloadWorker:
         with self._cond:
             self._made.popleft()
         return ticket, num_objects, (None if error else stored), error
+
+    def _put(self, objects: list[RowsObject | None], in_place: bool, given: bool) -> list[bool]:
+        """Put the objects; ``None`` (held by the store already) is not put and counts as stored."""
+        if all(obj is not None for obj in objects):
+            return self.store.put(objects, in_place=in_place, given=given)
+        rest = [obj for obj in objects if obj is not None]
+        put = iter(self.store.put(rest, in_place=in_place, given=given) if rest else ())
+        return [True if obj is None else next(put) for obj in objects]
 
     def _finish(self, ticket: Hashable, num_objects: int, stored: list[bool] | None, error: str | None) -> None:
         """A job is done (under the lock): counted, and its ticket reported."""
@@ -224,3 +234,7 @@ class OffloadWorker:
             self._stats.stored_objects += sum(stored)
             self._stats.refused_objects += len(stored) - sum(stored)
         self._done.append((ticket, stored))
+
+
+def _payload_bytes(obj: RowsObject | None) -> int:
+    return 0 if obj is None else obj.payload.size
