@@ -15,7 +15,9 @@ tokens ``[D - W, D)``, ``W`` the group's checkpoint window). With
 (superseded by the request's next one, or the cache cleared) is not
 offloaded. :meth:`TierLink.take_offloads` hands the engine one
 :class:`~hybridkv.transfer.OffloadPlan` for everything gathered since the last
-call, less the objects the store already holds (one ``contains``). The engine
+call, less the objects the store already holds (one ``contains``; with
+``pin_offloads`` or ``defer_offloads``, a plan whose every copy runs later asks
+when it runs instead, on the offload worker). The engine
 runs it **before it writes any page** the manager handed out since (a step's,
 or a load's): until then the evicted pages still hold their rows.
 
