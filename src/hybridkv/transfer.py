@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -400,30 +401,38 @@ class OffloadPlan:
             self.rescue(pools)
         if not self.objects:
             return True
-        pools = dict(pools)
-        later_flags = self.pinned if not self.deferred else self.deferred if not self.pinned else \
-            tuple(p or d for p, d in zip(self.pinned, self.deferred))
-        count, copies, check = len(self.objects), self.copies, self.store_check
-        if later_flags and all(later_flags):  # write-through: every copy runs on the worker
-            now, later, staged = [], list(range(count)), []
+        pools, flags = dict(pools), self._later_flags()
+        if all(flags):  # write-through: every copy runs on the worker
+            now, later, staged = [], list(range(len(flags))), []
         else:
-            later_flags = later_flags or (False,) * count
-            now = [i for i, flag in enumerate(later_flags) if not flag]
-            later = [i for i, flag in enumerate(later_flags) if flag]
+            now = [i for i, flag in enumerate(flags) if not flag]
+            later = [i for i, flag in enumerate(flags) if flag]
             staged = gather_planned(pools, self.objects, self.sources, now, hold_gil=True)
-
-        def make_objects() -> list[RowsObject | None]:  # on the worker: the later objects' headers and rows
-            objects, sources = tuple(self.objects), tuple(self.sources)
-            held = set(check.ask(objects)) if check is not None else ()
-            todo = [i for i in later if i not in held] if held else later
-            gathered = dict(zip(todo, gather_planned(pools, objects, sources, todo)))
-            if copies is not None:
-                copies.settle(gathered, sorted(held))
-            gathered.update(zip(now, staged))
-            return [gathered.get(i) for i in range(count)]  # None: held by the store, not put
-
         # every buffer is new (gathered here, on the worker, or rescued): the tier may keep it
-        return worker.submit(self.ticket, make_objects, count, in_place=True, given=True)
+        return worker.submit(self.ticket, partial(self._make_on_worker, pools, later, dict(zip(now, staged))),
+                             len(flags), in_place=True, given=True)
+
+    def _later_flags(self) -> tuple[bool, ...]:
+        """Per object, :meth:`is_later`."""
+        if not self.deferred:
+            return self.pinned or (False,) * len(self.objects)
+        if not self.pinned:
+            return self.deferred
+        return tuple(p or d for p, d in zip(self.pinned, self.deferred))
+
+    def _make_on_worker(self, pools: dict[str, GroupPools], later: list[int], staged: dict[int, RowsObject]
+                        ) -> list[RowsObject | None]:
+        """A submitted job's objects, on the worker: ask the store (``store_check``), gather the
+        later objects it lacks, take the rescued copies and the ``staged`` ones; ``None`` for
+        what the store holds (not put)."""
+        objects, sources, check = tuple(self.objects), tuple(self.sources), self.store_check
+        held = set(check.ask(objects)) if check is not None else ()
+        todo = [i for i in later if i not in held] if held else later
+        gathered = dict(zip(todo, gather_planned(pools, objects, sources, todo)))
+        if self.copies is not None:
+            self.copies.settle(gathered, sorted(held))
+        gathered.update(staged)
+        return [gathered.get(i) for i in range(len(objects))]
 
     def run(self, store: ObjectStore, pools: Mapping[str, GroupPools]) -> list[bool]:
         """Copy the rows out and put the objects; per object, whether a tier stored it. The rows of
