@@ -471,13 +471,17 @@ class TierLink:
         store check found held are counted as skipped, as a take that asked would have."""
         stats, held = self._stats, pins[3].held if pins is not None and pins[3] is not None else ()
         n_stored, n_refused = stored.count(True), stored.count(False)
-        stats.offload_stored += n_stored - sum(stored[i] is True for i in held)
-        stats.offload_refused += n_refused - sum(stored[i] is False for i in held)
-        stats.offload_dropped += len(stored) - n_stored - n_refused - sum(stored[i] is None for i in held)
-        if held:
+        counted = (n_stored, n_refused, len(stored) - n_stored - n_refused)
+        if held:  # what the store held when the plan ran: skipped, not handed out
+            skipped = [stored[i] for i in held]
+            counted = (counted[0] - skipped.count(True), counted[1] - skipped.count(False),
+                       counted[2] - skipped.count(None))
             stats.offload_skipped += len(held)
             stats.offload_objects -= len(held)
             stats.offload_bytes -= sum(pins[4][i] for i in held)
+        stats.offload_stored += counted[0]
+        stats.offload_refused += counted[1]
+        stats.offload_dropped += counted[2]
         return n_stored
 
     def take_loads(self, request_ids: Iterable[str] | None = None) -> list[PendingLoad]:

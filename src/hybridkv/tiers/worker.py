@@ -119,11 +119,12 @@ class OffloadWorker:
         """Jobs done (or dropped) since the last call: ``(ticket, per object True stored,
         False refused by the tier, None dropped or failed)``. Takes no lock."""
         out, outbox = [], self._outbox
-        while True:
+        while not outbox.empty():  # (most steps: empty, and no exception raised to say so)
             try:
                 out.append(outbox.get_nowait())
-            except queue.Empty:
-                return out
+            except queue.Empty:  # another caller took it
+                break
+        return out
 
     def pause(self) -> None:
         """Hold the worker at its next job or put (what it is doing finishes): the step thread
