@@ -257,25 +257,31 @@ class TierLink:
         """The prefix cache published ``pages`` under ``key`` (a block ending at, or a checkpoint at, the boundary)."""
         pages = tuple(pages)
         self._entries[(group_id, key)] = (boundary_tokens, pages, low_priority)
+        flight = self._flight
+        if flight.markers is None:  # (most links: no in-flight rule)
+            if self.write_through and not low_priority:
+                self._queue.append((group_id, key, boundary_tokens, pages))
+            return
         # with markers, a written-through checkpoint goes when wanted or as its request's last
-        deferred = self.markers is not None and self.write_through and group_id in self._state_ids
-        if deferred:
-            self._flight.fresh.append((group_id, key))
+        if self.write_through and group_id in self._state_ids:
+            flight.fresh.append((group_id, key))
         elif self.write_through and not low_priority:
             self._queue.append((group_id, key, boundary_tokens, pages))
-        if self._flight.on and group_id == self._first_history:
-            self._flight.published(key)
+        if group_id == self._first_history:
+            flight.published(key)
 
     def removed(self, group_id: str, key: int, dropped: bool) -> None:
         """The prefix cache removed an entry: evicted (``dropped`` False) or superseded/cleared."""
-        entry = self._entries.pop((group_id, key), None)
-        self._flight.served.discard((group_id, key))
-        deferred = self._deferred.pop((group_id, key), None)
-        if deferred is not None:  # its pages may be written after the next plan: copied then
-            self._rescues.append(deferred)
-            self._stats.offload_rescues += 1
-        if (group_id, key) in self._sent:  # written through already: nothing to move at eviction
-            self._sent.discard((group_id, key))
+        name = (group_id, key)
+        entry = self._entries.pop(name, None)
+        self._flight.served.discard(name)
+        if self._deferred:
+            deferred = self._deferred.pop(name, None)
+            if deferred is not None:  # its pages may be written after the next plan: copied then
+                self._rescues.append(deferred)
+                self._stats.offload_rescues += 1
+        if name in self._sent:  # written through already: nothing to move at eviction
+            self._sent.discard(name)
             return
         if entry is None or dropped:
             return
