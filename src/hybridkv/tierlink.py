@@ -75,9 +75,9 @@ in an :class:`~hybridkv.inflight_state.InFlightState`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from itertools import chain
 from dataclasses import dataclass, replace
 from functools import partial
+from itertools import chain
 from typing import Any
 
 import numpy as np
