@@ -366,8 +366,8 @@ class OffloadPlan:
     for :meth:`submit`), and the objects it held then are neither copied nor put and come back
     stored; ``store_check.held`` lists them."""
 
-    objects: tuple[PlannedObject, ...]
-    sources: tuple[GroupPages, ...]
+    objects: Sequence[PlannedObject]  # a tuple, or a PlanParts' (made on first use)
+    sources: Sequence[GroupPages]
     pinned: tuple[bool, ...] = ()
     ticket: int | None = None
     deferred: tuple[bool, ...] = ()
