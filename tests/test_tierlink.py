@@ -451,12 +451,12 @@ def test_a_plan_leaves_out_what_the_store_holds_and_keeps_the_rest_as_planned():
     assert link.take_offloads() == OffloadPlan((), ())  # nothing queued since: an empty plan, no ticket
 
 
-@pytest.mark.parametrize("option", ["pin_offloads", "defer_offloads"])
 @pytest.mark.parametrize("through_worker", [True, False])
-def test_a_plan_copied_later_asks_the_store_when_it_runs_and_counts_as_one_that_asked_at_take(option, through_worker):
-    """Every entry still published: the store is asked when the plan runs (on the worker), not
-    at take; what it held then is neither copied nor put, comes back stored, and the link counts
-    it as skipped, as a take that asked would have (the stats equal the asking link's)."""
+def test_a_deferred_plan_asks_the_store_when_it_runs_and_counts_as_one_that_asked_at_take(through_worker):
+    """Every entry deferred: the store is asked when the plan runs (on the worker), not at take;
+    what it held then is neither copied nor put, comes back stored, and the link counts it as
+    skipped, as a take that asked would have (the stats equal the asking link's). A pinned plan
+    asks at take (a pin on what the store holds would change what the manager evicts)."""
     shared = ObjectStore(HostTier(1 << 30), LAYOUT)
     prompt, _, _ = prompts(11)
     first = Instance(shared, 3, write_through=True)
@@ -464,7 +464,10 @@ def test_a_plan_copied_later_asks_the_store_when_it_runs_and_counts_as_one_that_
     rng = np.random.default_rng(12)
     longer = np.concatenate([prompt[:300], rng.integers(0, CONFIG.vocab_size, 500)])
     asking, kept = _plan_after_prompt(shared, longer)  # asks at take: the reference (not run)
-    link, plan, inst = _instance_plan_after_prompt(shared, longer, **{option: True})
+    pinning, pinned = _plan_after_prompt(shared, longer, pin_offloads=True)
+    assert pinned.store_check is None and pinned.objects == kept.objects and all(pinned.pinned)
+    assert pinning.stats().offload_skipped == asking.stats().offload_skipped > 0
+    link, plan, inst = _instance_plan_after_prompt(shared, longer, defer_offloads=True)
     _, whole = _plan_after_prompt(ObjectStore(HostTier(1 << 30), LAYOUT), longer)  # nothing held
     assert plan.store_check is not None and plan.store_check.held == []  # not asked yet
     assert len(plan.objects) == len(whole.objects) and plan.objects == whole.objects
@@ -486,5 +489,5 @@ def test_a_plan_copied_later_asks_the_store_when_it_runs_and_counts_as_one_that_
     got, want = link.stats(), asking.stats()
     for name in ("offload_objects", "offload_bytes", "offload_skipped"):
         assert getattr(got, name) == getattr(want, name), name
-    assert got.offload_stored == got.offload_objects == len(kept.objects) and got.pinned_pages == 0
+    assert got.offload_stored == got.offload_objects == len(kept.objects)
     assert all(shared.contains([o.key for o in whole.objects]))

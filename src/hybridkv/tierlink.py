@@ -16,8 +16,8 @@ tokens ``[D - W, D)``, ``W`` the group's checkpoint window). With
 offloaded. :meth:`TierLink.take_offloads` hands the engine one
 :class:`~hybridkv.transfer.OffloadPlan` for everything gathered since the last
 call, less the objects the store already holds (one ``contains``; with
-``pin_offloads`` or ``defer_offloads``, a plan whose every copy runs later asks
-when it runs instead, on the offload worker). The engine
+``defer_offloads``, a plan whose every entry is deferred asks when it runs
+instead, on the offload worker). The engine
 runs it **before it writes any page** the manager handed out since (a step's,
 or a load's): until then the evicted pages still hold their rows.
 
@@ -355,32 +355,38 @@ class TierLink:
         return plan
 
     def _take_queue(self) -> OffloadPlan:
-        """The plan of the queued entries (see :meth:`take_offloads`), without rescues. With
-        ``pin_offloads`` or ``defer_offloads``, a plan whose every copy runs later asks the store
-        when it runs (on the worker) instead, and its objects are made there too."""
+        """The plan of the queued entries (see :meth:`take_offloads`), without rescues; its objects
+        and page views are made on first use (``PlanParts``: on the worker, for a plan copied
+        later). With ``defer_offloads``, a plan whose every entry is deferred asks the store when
+        it runs (on the worker) instead of now: it holds no page meanwhile. (A pinned plan asks
+        now: a pin on what the store holds would change what the manager evicts.)"""
         entries = self._fresh_entries()
         if not entries:
             return _NO_OFFLOADS
-        later = self._later(entries) if self.pin_offloads or self.defer_offloads else None
-        if later is not None and all(later):
-            parts = PlanParts(len(entries), partial(_offload_parts, self._offload_shapes, entries))
-            return self._hand_out(entries, later, parts.objects, parts.sources, StoreCheck(self.store))
-        of_checked, shapes = ObjectKey.of_checked, self._offload_shapes
-        keys = [of_checked(shapes[gid][0], gid, key) for (gid, key), _ in entries]
-        held = self.store.contains(keys)
-        if True in held:  # what the store holds already is dropped before its object is made
-            keep = [i for i, h in enumerate(held) if not h]
-            self._stats.offload_skipped += len(held) - len(keep)
-            if not keep:
+        later = self._later(entries) if self.defer_offloads else None
+        check = StoreCheck(self.store) if later is not None and all(later) else None
+        if check is None:
+            entries = self._not_stored(entries)
+            if not entries:
                 return _NO_OFFLOADS
-            entries = [entries[i] for i in keep]
-            later = later if later is None else self._later(entries)  # the pin budget, for what is kept
-        objects, views = _offload_parts(shapes, entries)
+            later = self._later(entries) if self.pin_offloads or self.defer_offloads else None
+        parts = PlanParts(len(entries), partial(_offload_parts, self._offload_shapes, entries))
         if later is not None:
-            return self._hand_out(entries, later, objects, views, None)
+            return self._hand_out(entries, later, parts.objects, parts.sources, check)
         self._count_offloads(entries)
         self._tickets += 1
-        return OffloadPlan(objects, views, (), self._tickets)
+        return OffloadPlan(parts.objects, parts.sources, (), self._tickets)
+
+    def _not_stored(self, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]
+                    ) -> list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]:
+        """``entries`` less those whose objects the store holds (one ``contains``, counted as skipped)."""
+        of_checked, shapes = ObjectKey.of_checked, self._offload_shapes
+        held = self.store.contains([of_checked(shapes[gid][0], gid, key) for (gid, key), _ in entries])
+        if True not in held:
+            return entries
+        keep = [entry for entry, h in zip(entries, held) if not h]
+        self._stats.offload_skipped += len(entries) - len(keep)
+        return keep
 
     def _fresh_entries(self) -> list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]:
         """The queue emptied: its entries ``((group, key), (boundary, pages))``, the first of each,
