@@ -19,7 +19,7 @@ from hybridkv.plan import Limits, plan_for_tokens
 from hybridkv.reference.config import ReferenceConfig, build_model
 from hybridkv.reference.dense import dense_forward
 from hybridkv.reference.paged import PagedStack
-from hybridkv.tiers import DiskTier, HostTier, ObjectKey, ObjectStore, group_pools_from_layers
+from hybridkv.tiers import DiskTier, HostTier, ObjectKey, ObjectStore, OffloadWorker, group_pools_from_layers
 from hybridkv.tierlink import TierLink, TierLinkError
 from hybridkv.transfer import OffloadPlan
 
@@ -415,14 +415,19 @@ def test_a_link_checks_what_it_is_attached_to():
         TierLink(HostTier(1 << 20))
 
 
-def _plan_after_prompt(store, prompt):
+def _plan_after_prompt(store, prompt, **link_options):
     """A write-through instance's one offload plan after computing ``prompt`` (nothing taken before)."""
-    inst = Instance(store, 3, write_through=True, plan_loads=False)
+    link, plan, _ = _instance_plan_after_prompt(store, prompt, **link_options)
+    return link, plan
+
+
+def _instance_plan_after_prompt(store, prompt, **link_options):
+    inst = Instance(store, 3, write_through=True, plan_loads=False, **link_options)
     inst.manager.add_request("p", prompt, max_new_tokens=8)
     inst.manager.schedule([("p", len(prompt))])
     inst.manager.append_token_ids("p", [1])
     inst.manager.schedule([("p", 1)])  # commits the prompt's blocks and checkpoints
-    return inst.link, inst.link.take_offloads()
+    return inst.link, inst.link.take_offloads(), inst
 
 
 def test_a_plan_leaves_out_what_the_store_holds_and_keeps_the_rest_as_planned():
@@ -444,3 +449,45 @@ def test_a_plan_leaves_out_what_the_store_holds_and_keeps_the_rest_as_planned():
     assert (stats.offload_skipped, stats.offload_objects) == (held.count(True), len(kept))
     assert stats.offload_bytes == sum(link.object_payload_bytes(o) for o in plan.objects)
     assert link.take_offloads() == OffloadPlan((), ())  # nothing queued since: an empty plan, no ticket
+
+
+@pytest.mark.parametrize("through_worker", [True, False])
+def test_a_deferred_plan_asks_the_store_when_it_runs_and_counts_as_one_that_asked_at_take(through_worker):
+    """Every entry deferred: the store is asked when the plan runs (on the worker), not at take;
+    what it held then is neither copied nor put, comes back stored, and the link counts it as
+    skipped, as a take that asked would have (the stats equal the asking link's). A pinned plan
+    asks at take (a pin on what the store holds would change what the manager evicts)."""
+    shared = ObjectStore(HostTier(1 << 30), LAYOUT)
+    prompt, _, _ = prompts(11)
+    first = Instance(shared, 3, write_through=True)
+    compute_prompt(first, "a", prompt[:300])  # the store holds the first block's objects
+    rng = np.random.default_rng(12)
+    longer = np.concatenate([prompt[:300], rng.integers(0, CONFIG.vocab_size, 500)])
+    asking, kept = _plan_after_prompt(shared, longer)  # asks at take: the reference (not run)
+    pinning, pinned = _plan_after_prompt(shared, longer, pin_offloads=True)
+    assert pinned.store_check is None and pinned.objects == kept.objects and all(pinned.pinned)
+    assert pinning.stats().offload_skipped == asking.stats().offload_skipped > 0
+    link, plan, inst = _instance_plan_after_prompt(shared, longer, defer_offloads=True)
+    _, whole = _plan_after_prompt(ObjectStore(HostTier(1 << 30), LAYOUT), longer)  # nothing held
+    assert plan.store_check is not None and plan.store_check.held == []  # not asked yet
+    assert len(plan.objects) == len(whole.objects) and plan.objects == whole.objects
+    assert [(v.base_page, v.pages.tolist()) for v in plan.sources] == \
+        [(v.base_page, v.pages.tolist()) for v in whole.sources]
+    held = shared.contains([o.key for o in whole.objects])
+    assert 0 < held.count(True) < len(held)
+    offered = shared.stats().offered
+    if through_worker:
+        with OffloadWorker(shared) as worker:
+            assert plan.submit(worker, inst.pools)
+        results = worker.finished()
+    else:
+        results = [(plan.ticket, plan.run(shared, inst.pools))]
+    assert results == [(plan.ticket, [True] * len(held))]
+    assert plan.store_check.held == [i for i, h in enumerate(held) if h]
+    assert shared.stats().offered - offered == held.count(False)  # only what it lacked was put
+    link.confirm_offloads(results)
+    got, want = link.stats(), asking.stats()
+    for name in ("offload_objects", "offload_bytes", "offload_skipped"):
+        assert getattr(got, name) == getattr(want, name), name
+    assert got.offload_stored == got.offload_objects == len(kept.objects)
+    assert all(shared.contains([o.key for o in whole.objects]))

@@ -105,9 +105,15 @@ class Engine:
         """Run (or drop) every queued job and confirm it; the objects now in the store."""
         results = []
         for ticket, make_objects, num_objects, in_place in self.worker.jobs:
-            results.append((ticket, [None] * num_objects if drop else self.store.put(make_objects(), in_place=in_place)))
+            results.append((ticket, [None] * num_objects if drop else self.put(make_objects(), in_place)))
         self.worker.jobs.clear()
         self.link.confirm_offloads(results)
+
+    def put(self, objects, in_place):
+        """As the worker puts a job's objects: ``None`` (the store held it when the job ran) is
+        not put and comes back stored."""
+        put = iter(self.store.put([obj for obj in objects if obj is not None], in_place=in_place))
+        return [True if obj is None else next(put) for obj in objects]
 
     def check_store(self):
         """Every stored object holds exactly the rows snapshot when its plan was taken."""
@@ -352,6 +358,26 @@ def test_the_worker_drops_what_does_not_fit_its_queue_and_counts_failures():
         OffloadWorker(store, max_queued_objects=0)
     with pytest.raises(TypeError):
         OffloadWorker(HostTier(1 << 20))
+
+
+def test_the_worker_puts_only_what_a_job_made_and_reports_the_rest_stored():
+    store = ObjectStore(HostTier(1 << 30), LAYOUT)
+    engine = Engine(total_tokens=2048)
+    compute(engine, "p", np.random.default_rng(8).integers(0, CONFIG.vocab_size, 600))
+    (ticket, make_objects, n, in_place), = engine.worker.jobs
+    made = make_objects()
+    assert n >= 3 and all(obj is not None for obj in made)  # the engine's store holds none of them
+    held = [made[i] if i % 2 else None for i in range(n)]  # None: the store held it when the job ran
+    calls = []
+    put = store.put
+    store.put = lambda objects, **kw: calls.append([obj.key for obj in objects]) or put(objects, **kw)
+    with OffloadWorker(store, put_batch_objects=2) as worker:
+        assert worker.submit(ticket, lambda: held, n, in_place=in_place)
+        assert worker.submit("all held", lambda: [None, None], 2)
+        assert worker.drain(30)
+        assert worker.finished() == [(ticket, [True] * n), ("all held", [True, True])]
+    assert [key for keys in calls for key in keys] == [obj.key for obj in held if obj is not None]
+    assert store.contains([obj.key for obj in made]) == [obj is not None for obj in held]
 
 
 def test_a_paused_worker_starts_nothing_until_resumed_and_puts_in_batches():

@@ -15,7 +15,9 @@ tokens ``[D - W, D)``, ``W`` the group's checkpoint window). With
 (superseded by the request's next one, or the cache cleared) is not
 offloaded. :meth:`TierLink.take_offloads` hands the engine one
 :class:`~hybridkv.transfer.OffloadPlan` for everything gathered since the last
-call, less the objects the store already holds (one ``contains``). The engine
+call, less the objects the store already holds (one ``contains``; with
+``defer_offloads``, a plan whose every entry is deferred asks when it runs
+instead, on the offload worker). The engine
 runs it **before it writes any page** the manager handed out since (a step's,
 or a load's): until then the evicted pages still hold their rows.
 
@@ -74,6 +76,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -85,7 +89,8 @@ from hybridkv.tiers.keys import ObjectKey
 from hybridkv.tiers.pools import layout_parts
 from hybridkv.tiers.rows import GroupPages, rows_for_tokens
 from hybridkv.tiers.store import ObjectStore
-from hybridkv.transfer import DeferredCopies, LoadPlan, LoadResult, OffloadPlan, PlannedObject, pages_from_manager
+from hybridkv.transfer import (DeferredCopies, LoadPlan, LoadResult, OffloadPlan, PlannedObject, PlanParts,
+                               StoreCheck, pages_from_manager)
 
 
 _NO_OFFLOADS = OffloadPlan((), ())
@@ -192,8 +197,9 @@ class TierLink:
         self.plan_loads = bool(plan_loads)  # False: offload only (nothing is ever pending)
         self.max_pinned_pages = max_pinned_pages
         self._tickets = 0
-        # ticket -> (pinned pages by group, pinned entries, every entry of the plan in order)
-        self._pins: dict[int, tuple[dict[str, np.ndarray], tuple, tuple]] = {}
+        # ticket -> (pinned pages by group, pinned or deferred entries, every entry of the plan in
+        # order, its StoreCheck or None, each entry's payload bytes)
+        self._pins: dict[int, tuple[dict[str, np.ndarray], tuple, tuple, StoreCheck | None, list[int]]] = {}
         # Entries of plans not confirmed yet (pinned, deferred or copied): not offered again, so an
         # entry published twice while its first copy is on its way is copied once.
         self._offloading: set[tuple[str, int]] = set()
@@ -251,25 +257,31 @@ class TierLink:
         """The prefix cache published ``pages`` under ``key`` (a block ending at, or a checkpoint at, the boundary)."""
         pages = tuple(pages)
         self._entries[(group_id, key)] = (boundary_tokens, pages, low_priority)
+        flight = self._flight
+        if flight.markers is None:  # (most links: no in-flight rule)
+            if self.write_through and not low_priority:
+                self._queue.append((group_id, key, boundary_tokens, pages))
+            return
         # with markers, a written-through checkpoint goes when wanted or as its request's last
-        deferred = self.markers is not None and self.write_through and group_id in self._state_ids
-        if deferred:
-            self._flight.fresh.append((group_id, key))
+        if self.write_through and group_id in self._state_ids:
+            flight.fresh.append((group_id, key))
         elif self.write_through and not low_priority:
             self._queue.append((group_id, key, boundary_tokens, pages))
-        if self._flight.on and group_id == self._first_history:
-            self._flight.published(key)
+        if group_id == self._first_history:
+            flight.published(key)
 
     def removed(self, group_id: str, key: int, dropped: bool) -> None:
         """The prefix cache removed an entry: evicted (``dropped`` False) or superseded/cleared."""
-        entry = self._entries.pop((group_id, key), None)
-        self._flight.served.discard((group_id, key))
-        deferred = self._deferred.pop((group_id, key), None)
-        if deferred is not None:  # its pages may be written after the next plan: copied then
-            self._rescues.append(deferred)
-            self._stats.offload_rescues += 1
-        if (group_id, key) in self._sent:  # written through already: nothing to move at eviction
-            self._sent.discard((group_id, key))
+        name = (group_id, key)
+        entry = self._entries.pop(name, None)
+        self._flight.served.discard(name)
+        if self._deferred:
+            deferred = self._deferred.pop(name, None)
+            if deferred is not None:  # its pages may be written after the next plan: copied then
+                self._rescues.append(deferred)
+                self._stats.offload_rescues += 1
+        if name in self._sent:  # written through already: nothing to move at eviction
+            self._sent.discard(name)
             return
         if entry is None or dropped:
             return
@@ -343,28 +355,38 @@ class TierLink:
         return plan
 
     def _take_queue(self) -> OffloadPlan:
-        """The plan of the queued entries (see :meth:`take_offloads`), without rescues."""
+        """The plan of the queued entries (see :meth:`take_offloads`), without rescues; its objects
+        and page views are made on first use (``PlanParts``: on the worker, for a plan copied
+        later). With ``defer_offloads``, a plan whose every entry is deferred asks the store when
+        it runs (on the worker) instead of now: it holds no page meanwhile. (A pinned plan asks
+        now: a pin on what the store holds would change what the manager evicts.)"""
         entries = self._fresh_entries()
         if not entries:
             return _NO_OFFLOADS
-        of_checked, shapes = ObjectKey.of_checked, self._offload_shapes
-        keys = [of_checked(shapes[gid][0], gid, key) for (gid, key), _ in entries]
-        held = self.store.contains(keys)
-        skipped = held.count(True)
-        if skipped:  # what the store holds already is dropped before its object is made
-            self._stats.offload_skipped += skipped
-            keep = [i for i, h in enumerate(held) if not h]
-            if not keep:
+        later = self._later(entries) if self.defer_offloads else None
+        check = StoreCheck(self.store) if later is not None and all(later) else None
+        if check is None:
+            entries = self._not_stored(entries)
+            if not entries:
                 return _NO_OFFLOADS
-            entries, keys = [entries[i] for i in keep], [keys[i] for i in keep]
-        objects, views, payload_bytes = self._offload_objects(entries, keys)
-        self._stats.offload_objects += len(objects)
-        self._stats.offload_bytes += sum(payload_bytes)
+            later = self._later(entries) if self.pin_offloads or self.defer_offloads else None
+        parts = PlanParts(len(entries), partial(_offload_parts, self._offload_shapes, entries))
+        if later is not None:
+            return self._hand_out(entries, later, parts.objects, parts.sources, check)
+        self._count_offloads(entries)
         self._tickets += 1
-        if self.defer_offloads:
-            return self._defer(self._tickets, entries, tuple(objects), tuple(views))
-        pinned = self._pin(self._tickets, entries) if self.pin_offloads else ()
-        return OffloadPlan(tuple(objects), tuple(views), pinned, self._tickets)
+        return OffloadPlan(parts.objects, parts.sources, (), self._tickets)
+
+    def _not_stored(self, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]
+                    ) -> list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]:
+        """``entries`` less those whose objects the store holds (one ``contains``, counted as skipped)."""
+        of_checked, shapes = ObjectKey.of_checked, self._offload_shapes
+        held = self.store.contains([of_checked(shapes[gid][0], gid, key) for (gid, key), _ in entries])
+        if True not in held:
+            return entries
+        keep = [entry for entry, h in zip(entries, held) if not h]
+        self._stats.offload_skipped += len(entries) - len(keep)
+        return keep
 
     def _fresh_entries(self) -> list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]:
         """The queue emptied: its entries ``((group, key), (boundary, pages))``, the first of each,
@@ -378,41 +400,70 @@ class TierLink:
                 fresh[entry] = (boundary, pages)
         return list(fresh.items())
 
-    def _defer(self, ticket: int, entries: list, objects: tuple, views: tuple) -> OffloadPlan:
-        """The plan with every entry still published as it was deferred (copied later, rescued
-        if removed first); recorded under ``ticket`` like a pin without pages."""
-        pools, keys, deferred = self.manager.pools, [], []
+    def _later(self, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]) -> list[bool]:
+        """Per entry ``((group, key), (boundary, pages))``, whether its copy may run later: it is
+        still published with the pages it was queued with (an evicted entry's pages may be reused
+        already) and, pinned, within ``max_pinned_pages``."""
+        pools = self.manager.pools
+        if not self.pin_offloads or self.max_pinned_pages is None:
+            return [pools[gid].lookup(key) == pages for (gid, key), (_, pages) in entries]
+        room, later = self.max_pinned_pages - self._stats.pinned_pages, []
         for (gid, key), (_, pages) in entries:
-            ok = pools[gid].lookup(key) == pages
+            ok = pools[gid].lookup(key) == pages and len(pages) <= room
             if ok:
-                keys.append((gid, key))
-            deferred.append(ok)
-        indices = [i for i, ok in enumerate(deferred) if ok]
-        copies = DeferredCopies(objects, views, indices) if indices else None
-        for i in indices:
-            self._deferred[entries[i][0]] = (copies, i)
-        self._pins[ticket] = ({}, tuple(keys), tuple(entry for entry, _ in entries))
-        self._offloading.update(entry for entry, _ in entries)
-        self._stats.offload_deferred += len(keys)
-        return OffloadPlan(objects, views, (), ticket, tuple(deferred), copies)
+                room -= len(pages)
+            later.append(ok)
+        return later
+
+    def _hand_out(self, entries: list, later: list[bool], objects: Sequence[PlannedObject],
+                  views: Sequence[GroupPages], check: StoreCheck | None) -> OffloadPlan:
+        """The plan of ``entries`` under a new ticket, recorded until confirmed; the ``later``
+        ones pinned (their pages held) or deferred (copied later without a hold, rescued if
+        removed first). Recorded even with nothing later: what a tier stores need not move
+        again at eviction."""
+        self._tickets += 1
+        ticket, stats = self._tickets, self._stats
+        keys = tuple(entry for (entry, _), ok in zip(entries, later) if ok)
+        every = tuple(entry for entry, _ in entries)
+        arrays: dict[str, np.ndarray] = {}
+        if self.pin_offloads:
+            by_group: dict[str, list[int]] = {}
+            for ((gid, _), (_, pages)), ok in zip(entries, later):
+                if ok:
+                    by_group.setdefault(gid, []).extend(pages)
+            arrays = {gid: np.asarray(pages, dtype=np.int64) for gid, pages in by_group.items()}
+            if arrays:
+                self.manager.hold_pages_by_group(arrays)
+                stats.pinned_pages += sum(pages.size for pages in arrays.values())
+            stats.offload_pinned += len(keys)
+            plan = OffloadPlan(objects, views, tuple(later), ticket, store_check=check)
+        else:
+            indices = [i for i, ok in enumerate(later) if ok]
+            copies = DeferredCopies(objects, views, indices) if indices else None
+            for i in indices:
+                self._deferred[every[i]] = (copies, i)
+            stats.offload_deferred += len(keys)
+            plan = OffloadPlan(objects, views, (), ticket, tuple(later), copies, store_check=check)
+        self._pins[ticket] = (arrays, keys, every, check, self._count_offloads(entries))
+        self._offloading.update(every)
+        return plan
 
     def confirm_offloads(self, results: Iterable[tuple[int | None, Sequence[bool | None]]]) -> None:
         """Report offload plans the engine has run: ``(ticket, per object True stored, False
         refused by the tier, None dropped or failed)`` each, as ``OffloadWorker.finished()`` gives
         them. The pages pinned for a plan are released (those no request holds go back to the
         pool); an unknown ticket (a plan with nothing pinned) only counts."""
+        if isinstance(results, list) and not results:
+            return  # most steps: no plan finished
         released: dict[str, list[np.ndarray]] = {}
         stats = self._stats
         for ticket, stored in results:
             stored = list(stored)
-            n_stored, n_refused = stored.count(True), stored.count(False)
-            stats.offload_stored += n_stored
-            stats.offload_refused += n_refused
-            stats.offload_dropped += len(stored) - n_stored - n_refused
             pins = self._pins.pop(ticket, None) if ticket is not None else None
+            n_stored = self._count_results(stored, pins)
             if pins is None:
                 continue
-            by_group, keys, every = pins
+            by_group, keys, every, _, _ = pins
             if n_stored:
                 entries = self._entries
                 self._sent.update(entry for entry, ok in zip(every, stored) if ok is True and entry in entries)
@@ -427,31 +478,23 @@ class TierLink:
             self.manager.release_held_pages_by_group(by_group)
             stats.pinned_pages -= sum(pages.size for pages in by_group.values())
 
-    def _pin(self, ticket: int, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]
-             ) -> tuple[bool, ...]:
-        """Hold the pages of every entry (``((group, key), (boundary, pages))``) still published as
-        it was (within ``max_pinned_pages``); per entry, whether it is pinned. An evicted entry's
-        pages may be reused already."""
-        pools, budget = self.manager.pools, self.max_pinned_pages
-        room = None if budget is None else budget - self._stats.pinned_pages
-        pinned, by_group, keys = [], {}, []
-        for (gid, key), (_, pages) in entries:
-            ok = pools[gid].lookup(key) == pages and (room is None or len(pages) <= room)
-            if ok:
-                if room is not None:
-                    room -= len(pages)
-                by_group.setdefault(gid, []).extend(pages)
-                keys.append((gid, key))
-            pinned.append(ok)
-        arrays = {gid: np.asarray(pages, dtype=np.int64) for gid, pages in by_group.items()}
-        if arrays:
-            self.manager.hold_pages_by_group(arrays)
-            self._stats.pinned_pages += sum(pages.size for pages in arrays.values())
-        # Recorded even with nothing pinned: what a tier stores need not move again at eviction.
-        self._pins[ticket] = (arrays, tuple(keys), tuple(entry for entry, _ in entries))
-        self._offloading.update(entry for entry, _ in entries)
-        self._stats.offload_pinned += len(keys)
-        return tuple(pinned)
+    def _count_results(self, stored: list[bool | None], pins: tuple | None) -> int:
+        """Count a confirmed plan's results; how many objects a tier holds now. Objects its
+        store check found held are counted as skipped, as a take that asked would have."""
+        stats, held = self._stats, pins[3].held if pins is not None and pins[3] is not None else ()
+        n_stored, n_refused = stored.count(True), stored.count(False)
+        counted = (n_stored, n_refused, len(stored) - n_stored - n_refused)
+        if held:  # what the store held when the plan ran: skipped, not handed out
+            skipped = [stored[i] for i in held]
+            counted = (counted[0] - skipped.count(True), counted[1] - skipped.count(False),
+                       counted[2] - skipped.count(None))
+            stats.offload_skipped += len(held)
+            stats.offload_objects -= len(held)
+            stats.offload_bytes -= sum(pins[4][i] for i in held)
+        stats.offload_stored += counted[0]
+        stats.offload_refused += counted[1]
+        stats.offload_dropped += counted[2]
+        return n_stored
 
     def take_loads(self, request_ids: Iterable[str] | None = None) -> list[PendingLoad]:
         """Pages for the planned loads (one step of those requests, nothing computed) and the
@@ -586,22 +629,16 @@ class TierLink:
         return rows_for_tokens(spec, obj.first_token, obj.end_token)[1] * self._row_bytes[obj.key.group_id]
 
     # --- planning ------------------------------------------------------------------
-    def _offload_objects(self, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]],
-                         keys: list[ObjectKey]) -> tuple[list[PlannedObject], list[GroupPages], list[int]]:
-        """The objects of published entries ``((group, key), (boundary, pages))`` under their
-        object keys ``keys``, their pages' views and their payload bytes (as
-        :meth:`object_payload_bytes`). Per entry only what differs is worked out: each group's
-        window, stride and row bytes are looked up once (a plan has hundreds of entries, on the
-        step thread)."""
-        objects, views, payload_bytes = [], [], []
-        shapes = self._offload_shapes
-        for ((gid, _), (boundary, pages)), object_key in zip(entries, keys):
-            _, span, page_tokens, stride, row_bytes = shapes[gid]
-            first = max(0, boundary - span)
-            objects.append(PlannedObject(object_key, first, boundary, boundary))
-            views.append(GroupPages(first // page_tokens, np.array(pages, dtype=np.int64)))
-            payload_bytes.append(max(0, boundary // stride - -(-first // stride)) * row_bytes)
-        return objects, views, payload_bytes
+    def _count_offloads(self, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]) -> list[int]:
+        """Count the objects of ``entries`` handed out (``offload_objects``, ``offload_bytes``);
+        per entry its payload bytes (as :meth:`object_payload_bytes`)."""
+        shapes, payload_bytes = self._offload_shapes, []
+        for (gid, _), (boundary, _) in entries:
+            _, span, _, stride, row_bytes = shapes[gid]
+            payload_bytes.append(max(0, boundary // stride - -(-max(0, boundary - span) // stride)) * row_bytes)
+        self._stats.offload_objects += len(entries)
+        self._stats.offload_bytes += sum(payload_bytes)
+        return payload_bytes
 
     def _plan_load(self, request_id: str, hashes: Any, prompt_tokens: int, hit_tokens: int,
                    cap_tokens: int | None = None) -> None:
@@ -829,6 +866,25 @@ class TierLink:
             for end in ends:
                 key = hashes.key(end)
                 yield PlannedObject(ObjectKey("checkpoint", gid, key), max(0, end - window), end, end), key
+
+
+def _offload_parts(shapes: dict[str, tuple], entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]
+                   ) -> tuple[tuple[PlannedObject, ...], tuple[GroupPages, ...]]:
+    """The objects of published entries ``((group, key), (boundary, pages))`` and their pages'
+    views (slices of one array); ``shapes``: per group (object kind, tokens before the boundary
+    an object holds, page tokens, ...), as ``TierLink.attach`` makes them. Pure: a plan's
+    objects may be made on the offload worker (``PlanParts``)."""
+    objects, views = [], []
+    of_checked, planned, viewed = ObjectKey.of_checked, PlannedObject.of_fields, GroupPages.of_fields
+    flat = np.fromiter(chain.from_iterable(pages for _, (_, pages) in entries), dtype=np.int64)
+    end = 0
+    for (gid, key), (boundary, pages) in entries:
+        kind, span, page_tokens = shapes[gid][:3]
+        first = max(0, boundary - span)
+        objects.append(planned(of_checked(kind, gid, key), first, boundary, boundary))
+        start, end = end, end + len(pages)
+        views.append(viewed(first // page_tokens, flat[start:end]))
+    return tuple(objects), tuple(views)
 
 
 def _needed(obj: PlannedObject, boundary: int) -> bool:

@@ -23,9 +23,10 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -48,6 +49,14 @@ class PlannedObject:
     first_token: int
     end_token: int
     boundary_tokens: int  # the boundary this object serves (a block: its end; a checkpoint: D)
+
+    @classmethod
+    def of_fields(cls, key: ObjectKey, first_token: int, end_token: int, boundary_tokens: int) -> PlannedObject:
+        """``PlannedObject(key, first_token, end_token, boundary_tokens)`` without the frozen
+        dataclass's setattr per field (a tier link makes one per offload, on the step thread)."""
+        out = object.__new__(cls)
+        out.__dict__.update(key=key, first_token=first_token, end_token=end_token, boundary_tokens=boundary_tokens)
+        return out
 
 
 @dataclass(frozen=True)
@@ -238,7 +247,7 @@ class DeferredCopies:
     never taken from the worker's gather (which may have read pages being rewritten)."""
 
     def __init__(self, objects: Sequence[PlannedObject], sources: Sequence[GroupPages], indices: Sequence[int]):
-        self._objects, self._sources = tuple(objects), tuple(sources)
+        self._objects, self._sources = objects, sources  # a plan's, made on first use (PlanParts)
         self._lock = threading.Lock()
         self._pending = set(indices)  # neither settled by the worker nor rescued
         self._rescued: dict[int, RowsObject] = {}
@@ -259,13 +268,84 @@ class DeferredCopies:
             self._rescued.update(zip(chosen, gather_planned(pools, self._objects, self._sources, chosen, hold_gil=True)))
             return len(chosen)
 
-    def settle(self, gathered: dict[int, RowsObject]) -> None:
-        """On the worker, after gathering: the rescued objects' copies replace its own."""
+    def settle(self, gathered: dict[int, RowsObject], held: Sequence[int] = ()) -> None:
+        """On the worker, after gathering: the rescued objects' copies replace its own; ``held``
+        (objects the store held already, not gathered) need no copy either."""
         with self._lock:
             for index in gathered:
                 if index in self._rescued:
                     gathered[index] = self._rescued.pop(index)
             self._pending.difference_update(gathered)
+            self._pending.difference_update(held)
+            for index in held:
+                self._rescued.pop(index, None)
+
+
+class PlanParts:
+    """A plan's objects and page views, made together on first use by ``make`` (one call, on
+    whichever thread asks first): a tier link takes a plan on the engine's step thread and the
+    offload worker makes its objects. ``objects`` and ``sources`` read as tuples."""
+
+    def __init__(self, count: int, make: Callable[[], tuple[tuple[PlannedObject, ...], tuple[GroupPages, ...]]]):
+        self.count = count
+        self._make: Callable | None = make
+        self._made: tuple[tuple, tuple] | None = None
+        self._lock = threading.Lock()
+        self.objects: Sequence[PlannedObject] = MadeTuple(self, 0)
+        self.sources: Sequence[GroupPages] = MadeTuple(self, 1)
+
+    def made(self) -> tuple[tuple[PlannedObject, ...], tuple[GroupPages, ...]]:
+        made = self._made
+        if made is None:
+            with self._lock:
+                if self._made is None:
+                    self._made, self._make = self._make(), None
+                made = self._made
+        return made
+
+
+class MadeTuple(Sequence):
+    """One of :class:`PlanParts`' tuples (0: objects, 1: page views), made on first use; its
+    length is known before."""
+
+    def __init__(self, parts: PlanParts, which: int):
+        self._parts, self._which = parts, which
+
+    def __len__(self) -> int:
+        return self._parts.count
+
+    def __getitem__(self, index):
+        return self._parts.made()[self._which][index]
+
+    def __iter__(self) -> Iterator:
+        return iter(self._parts.made()[self._which])
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (tuple, MadeTuple)):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+
+class StoreCheck:
+    """What a plan taken without asking the store (a tier link's plan whose every copy runs
+    later) asks when it runs, on the thread that runs it: ``contains`` of its objects. ``held``:
+    the indices of the objects the store held then; they are neither copied nor put, and come
+    back stored (True)."""
+
+    def __init__(self, store: ObjectStore):
+        self.store = store
+        self.held: list[int] = []
+
+    def ask(self, objects: Sequence[PlannedObject]) -> list[int]:
+        found = self.store.contains([o.key for o in objects])
+        self.held = [i for i, h in enumerate(found) if h]
+        return self.held
 
 
 @dataclass(frozen=True)
@@ -281,15 +361,19 @@ class OffloadPlan:
     an entry removed before that. ``rescues``: earlier plans' deferred objects whose entries were
     removed since, gathered first by :meth:`submit` and :meth:`run`. Every other object must be
     copied before the engine writes any page the manager handed out since (:meth:`submit`
-    copies those at once)."""
+    copies those at once). ``store_check`` (None: the store was asked when the plan was taken,
+    and the objects it held left out): the store is asked when the plan runs (on the worker,
+    for :meth:`submit`), and the objects it held then are neither copied nor put and come back
+    stored; ``store_check.held`` lists them."""
 
-    objects: tuple[PlannedObject, ...]
-    sources: tuple[GroupPages, ...]
+    objects: Sequence[PlannedObject]  # a tuple, or a PlanParts' (made on first use)
+    sources: Sequence[GroupPages]
     pinned: tuple[bool, ...] = ()
     ticket: int | None = None
     deferred: tuple[bool, ...] = ()
     copies: DeferredCopies | None = None
     rescues: tuple[tuple[DeferredCopies, int], ...] = ()
+    store_check: StoreCheck | None = field(default=None, compare=False)
 
     def is_pinned(self, index: int) -> bool:
         return bool(self.pinned) and self.pinned[index]
@@ -317,23 +401,38 @@ class OffloadPlan:
             self.rescue(pools)
         if not self.objects:
             return True
-        pools = dict(pools)
-        pinned, deferred = self.pinned or (False,) * len(self.objects), self.deferred or (False,) * len(self.objects)
-        later_flags = [p or d for p, d in zip(pinned, deferred)]
-        now = [i for i, flag in enumerate(later_flags) if not flag]
-        later = [i for i, flag in enumerate(later_flags) if flag]
-        staged = gather_planned(pools, self.objects, self.sources, now, hold_gil=True)
-        copies = self.copies
-
-        def make_objects() -> list[RowsObject]:  # on the worker: the later objects' headers and rows
-            gathered = dict(zip(later, gather_planned(pools, self.objects, self.sources, later)))
-            if copies is not None:
-                copies.settle(gathered)
-            gathered.update(zip(now, staged))
-            return [gathered[i] for i in range(len(self.objects))]
-
+        pools, flags = dict(pools), self._later_flags()
+        if all(flags):  # write-through: every copy runs on the worker
+            now, later, staged = [], list(range(len(flags))), []
+        else:
+            now = [i for i, flag in enumerate(flags) if not flag]
+            later = [i for i, flag in enumerate(flags) if flag]
+            staged = gather_planned(pools, self.objects, self.sources, now, hold_gil=True)
         # every buffer is new (gathered here, on the worker, or rescued): the tier may keep it
-        return worker.submit(self.ticket, make_objects, len(self.objects), in_place=True, given=True)
+        return worker.submit(self.ticket, partial(self._make_on_worker, pools, later, dict(zip(now, staged))),
+                             len(flags), in_place=True, given=True)
+
+    def _later_flags(self) -> tuple[bool, ...]:
+        """Per object, :meth:`is_later`."""
+        if not self.deferred:
+            return self.pinned or (False,) * len(self.objects)
+        if not self.pinned:
+            return self.deferred
+        return tuple(p or d for p, d in zip(self.pinned, self.deferred))
+
+    def _make_on_worker(self, pools: dict[str, GroupPools], later: list[int], staged: dict[int, RowsObject]
+                        ) -> list[RowsObject | None]:
+        """A submitted job's objects, on the worker: ask the store (``store_check``), gather the
+        later objects it lacks, take the rescued copies and the ``staged`` ones; ``None`` for
+        what the store holds (not put)."""
+        objects, sources, check = tuple(self.objects), tuple(self.sources), self.store_check
+        held = set(check.ask(objects)) if check is not None else ()
+        todo = [i for i in later if i not in held] if held else later
+        gathered = dict(zip(todo, gather_planned(pools, objects, sources, todo)))
+        if self.copies is not None:
+            self.copies.settle(gathered, sorted(held))
+        gathered.update(staged)
+        return [gathered.get(i) for i in range(len(objects))]
 
     def run(self, store: ObjectStore, pools: Mapping[str, GroupPools]) -> list[bool]:
         """Copy the rows out and put the objects; per object, whether a tier stored it. The rows of
@@ -344,6 +443,8 @@ class OffloadPlan:
         rescues are gathered first (their jobs put them)."""
         if self.rescues:
             self.rescue(pools)
+        if self.store_check is not None:
+            return self._run_unheld(store, pools)
         by_view: dict[tuple[str, int], list[int]] = {}
         for i, (o, view) in enumerate(zip(self.objects, self.sources)):
             by_view.setdefault((o.key.group_id, id(view)), []).append(i)
@@ -367,6 +468,15 @@ class OffloadPlan:
                     objects[i] = obj
                     used += heads[i] + obj.payload.size
             return store.put(objects, in_place=True, given=staging is None)  # new buffers: the tier's
+
+    def _run_unheld(self, store: ObjectStore, pools: Mapping[str, GroupPools]) -> list[bool]:
+        """:meth:`run` of a plan that asks the store when it runs: the objects it holds come
+        back stored, the others are copied and put."""
+        held = set(self.store_check.ask(self.objects))
+        todo = [i for i in range(len(self.objects)) if i not in held]
+        rest = OffloadPlan(tuple(self.objects[i] for i in todo), tuple(self.sources[i] for i in todo))
+        stored = dict(zip(todo, rest.run(store, pools) if todo else ()))
+        return [stored.get(i, True) for i in range(len(self.objects))]
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,14 @@ class GroupPages:
     base_page: int
     pages: np.ndarray  # int, -1 where no page is held
 
+    @classmethod
+    def of_fields(cls, base_page: int, pages: np.ndarray) -> GroupPages:
+        """``GroupPages(base_page, pages)`` without the frozen dataclass's setattr per field (a
+        tier link makes one per offload, on the step thread)."""
+        out = object.__new__(cls)
+        out.__dict__.update(base_page=base_page, pages=pages)
+        return out
+
     def slots(self, spec: CacheGroupSpec, first_row: int, num_rows: int) -> np.ndarray:
         """int64 slots of cache rows ``[first_row, first_row + num_rows)``; ``MissingRows`` if any lacks a page."""
         return self.slots_of_rows(spec, np.arange(first_row, first_row + num_rows, dtype=np.int64))

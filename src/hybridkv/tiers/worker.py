@@ -28,6 +28,7 @@ device computes (its Python between copies takes the GIL too).
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
@@ -68,12 +69,17 @@ class OffloadWorker:
         self.max_queued_objects = as_int("max_queued_objects", max_queued_objects, minimum=1)
         self.put_batch_objects = as_int("put_batch_objects", put_batch_objects, minimum=1)
         self.put_batch_bytes = as_int("put_batch_bytes", put_batch_bytes, minimum=1)
-        self._stats = OffloadWorkerStats()
-        self._cond = threading.Condition()
-        self._jobs: deque = deque()  # submitted, objects not made yet
-        self._made: deque = deque()  # [ticket, object count, (in_place, given), objects made, stored so far], oldest first
-        self._done: deque = deque()
-        self._busy = False
+        self._stats = OffloadWorkerStats()  # the callers' fields under _caller_lock, the worker's by the worker
+        # The caller's side takes no lock the worker holds: a caller blocked on one would wait for
+        # the worker to hand back the GIL (up to a switch interval). Jobs and results go through
+        # SimpleQueues (their put never waits for the other thread); counts have one writer each.
+        self._caller_lock = threading.Lock()  # callers only (submit, close)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # submitted jobs, objects not made yet
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # (ticket, results) of jobs done or dropped
+        self._made: deque = deque()  # the worker's: [ticket, object count, (in_place, given), objects, stored so far]
+        self._accepted = [0, 0]  # jobs and objects queued by submit (callers write)
+        self._settled = [0, 0]  # of those, jobs and objects done (the worker writes)
+        self._cond = threading.Condition()  # drain and close wait on it; the worker notifies it
         self._closed = False
         self._running = threading.Event()  # cleared by pause(): the worker waits between puts
         self._running.set()
@@ -81,39 +87,43 @@ class OffloadWorker:
         self._thread.start()
 
     # --- the caller's side ----------------------------------------------------------
-    def submit(self, ticket: Hashable, make_objects: Callable[[], Sequence[RowsObject]], num_objects: int,
+    def submit(self, ticket: Hashable, make_objects: Callable[[], Sequence[RowsObject | None]], num_objects: int,
                *, in_place: bool = False, given: bool = False) -> bool:
         """Queue a job of ``num_objects`` objects; False when it does not fit (dropped, counted,
-        and reported by :meth:`finished` like any other). Never waits for the tier.
+        and reported by :meth:`finished` like any other). Never waits for the tier, nor for a
+        lock the worker takes.
+        ``make_objects`` may answer ``None`` for an object the store holds already: it is not
+        put and comes back stored (``True``).
         ``in_place``: every object's payload has room for its header right before it
         (``gather_objects(..., room_bytes=)``), so the encode writes the header there and copies
         no payload (``ObjectStore.put(..., in_place=True)``). ``given`` (with ``in_place``): the
         objects' buffers are new and handed to the tier (``ObjectStore.put(..., given=True)``:
         the host tier keeps them, no copy)."""
-        with self._cond:
+        with self._caller_lock:
             if self._closed:
                 raise RuntimeError("the offload worker is closed")
-            self._stats.submitted_jobs += 1
-            self._stats.submitted_objects += num_objects
-            if self._stats.queued_objects + num_objects > self.max_queued_objects:
-                self._stats.dropped_jobs += 1
-                self._stats.dropped_objects += num_objects
-                self._done.append((ticket, [None] * num_objects))
+            stats = self._stats
+            stats.submitted_jobs += 1
+            stats.submitted_objects += num_objects
+            if self._accepted[1] - self._settled[1] + num_objects > self.max_queued_objects:
+                stats.dropped_jobs += 1
+                stats.dropped_objects += num_objects
+                self._outbox.put((ticket, [None] * num_objects))
                 return False
-            self._stats.queued_objects += num_objects
-            self._jobs.append((ticket, make_objects, num_objects, (in_place, given)))
-            if not self._busy:  # a busy worker takes the next job without waiting
-                self._cond.notify_all()
+            self._accepted[0] += 1
+            self._accepted[1] += num_objects
+            self._inbox.put((ticket, make_objects, num_objects, (in_place, given)))
             return True
 
     def finished(self) -> list[tuple[Hashable, list[bool | None]]]:
         """Jobs done (or dropped) since the last call: ``(ticket, per object True stored,
-        False refused by the tier, None dropped or failed)``."""
-        if not self._done:  # nothing finished: no lock taken (the step thread calls this every step)
-            return []
-        with self._cond:
-            out = list(self._done)
-            self._done.clear()
+        False refused by the tier, None dropped or failed)``. Takes no lock."""
+        out, outbox = [], self._outbox
+        while not outbox.empty():  # (most steps: empty, and no exception raised to say so)
+            try:
+                out.append(outbox.get_nowait())
+            except queue.Empty:  # another caller took it
+                break
         return out
 
     def pause(self) -> None:
@@ -130,24 +140,23 @@ class OffloadWorker:
         """Resume the worker and wait until every queued job has run; False if ``timeout_s``
         passed first."""
         self._running.set()
+        accepted = self._accepted[0]
         with self._cond:
-            return self._cond.wait_for(lambda: not self._jobs and not self._made and not self._busy, timeout_s)
+            return self._cond.wait_for(lambda: self._settled[0] >= accepted, timeout_s)
 
     def close(self, timeout_s: float | None = None) -> bool:
         """Run what is queued, then stop the thread; False if it did not stop within ``timeout_s``.
         Call :meth:`finished` afterwards for the last tickets."""
         self._running.set()
-        with self._cond:
+        with self._caller_lock:
             if not self._closed:
                 self._closed = True
-                self._jobs.append(_STOP)
-                self._cond.notify_all()
+                self._inbox.put(_STOP)
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
     def stats(self) -> OffloadWorkerStats:
-        with self._cond:
-            return replace(self._stats)
+        return replace(self._stats, queued_objects=self._accepted[1] - self._settled[1])
 
     def __enter__(self) -> OffloadWorker:
         return self
@@ -160,26 +169,26 @@ class OffloadWorker:
         """Gathers first: a submitted job's objects are made before any earlier job's next put
         (the rows of an entry not held for it may be rewritten once it leaves the cache; a
         made job waits only for the tier). Puts go in submission order, ``put_batch_objects``
-        at a time, the worker paused (:meth:`pause`) between any two."""
+        at a time, the worker paused (:meth:`pause`) between any two. Stops at the stop mark
+        once every job made is put."""
+        stopping = False
         while True:
-            with self._cond:
-                self._cond.wait_for(lambda: bool(self._jobs or self._made))
-                if self._jobs and self._jobs[0] is not _STOP:
-                    job, make = self._jobs.popleft(), True
-                elif self._made:
-                    job, make = self._made[0], False
-                else:  # stop, once every job made is put
-                    self._jobs.popleft()
-                    self._cond.notify_all()
+            job = None
+            if not stopping:
+                try:
+                    job = self._inbox.get(block=not self._made)
+                except queue.Empty:
+                    pass
+                if job is _STOP:
+                    stopping, job = True, None
+            if job is None and not self._made:
+                if stopping:
                     return
-                self._busy = True
+                continue
             self._running.wait()
-            finished = self._make(job) if make else self._put_next(job)
-            with self._cond:
-                self._busy = False
-                if finished is not None:
-                    self._finish(*finished)
-                self._cond.notify_all()
+            finished = self._make(job) if job is not None else self._put_next(self._made[0])
+            if finished is not None:
+                self._finish(*finished)
 
     def _make(self, job: tuple) -> tuple | None:
         """Run a job's callable; the job joins the made ones, or comes back failed."""
@@ -188,8 +197,7 @@ class OffloadWorker:
             objects = list(make_objects())
         except Exception as exc:  # a job's fault is counted, never raised into the worker's loop
             return ticket, num_objects, None, f"{type(exc).__name__}: {exc}"
-        with self._cond:
-            self._made.append([ticket, num_objects, how, objects, []])
+        self._made.append([ticket, num_objects, how, objects, []])
         return None
 
     def _put_next(self, made: list) -> tuple | None:
@@ -197,30 +205,44 @@ class OffloadWorker:
         ticket, num_objects, (in_place, given), objects, stored = made
         at = end = len(stored)
         nbytes, last = 0, min(len(objects), at + self.put_batch_objects)
-        while end < last and (end == at or nbytes + objects[end].payload.size <= self.put_batch_bytes):
-            nbytes += objects[end].payload.size
+        while end < last and (end == at or nbytes + _payload_bytes(objects[end]) <= self.put_batch_bytes):
+            nbytes += _payload_bytes(objects[end])
             end += 1
         try:
             if end > at:  # (a job of no objects puts nothing)
-                stored += self.store.put(objects[at:end], in_place=in_place, given=given)
+                stored += self._put(objects[at:end], in_place, given)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         else:
             if len(stored) < len(objects):
                 return None
             error = None
-        with self._cond:
-            self._made.popleft()
+        self._made.popleft()
         return ticket, num_objects, (None if error else stored), error
 
+    def _put(self, objects: list[RowsObject | None], in_place: bool, given: bool) -> list[bool]:
+        """Put the objects; ``None`` (held by the store already) is not put and counts as stored."""
+        if all(obj is not None for obj in objects):
+            return self.store.put(objects, in_place=in_place, given=given)
+        rest = [obj for obj in objects if obj is not None]
+        put = iter(self.store.put(rest, in_place=in_place, given=given) if rest else ())
+        return [True if obj is None else next(put) for obj in objects]
+
     def _finish(self, ticket: Hashable, num_objects: int, stored: list[bool] | None, error: str | None) -> None:
-        """A job is done (under the lock): counted, and its ticket reported."""
-        self._stats.queued_objects -= num_objects
+        """A job is done: counted, its ticket reported, drain and close told."""
+        stats = self._stats
         if stored is None:
-            self._stats.failed_jobs += 1
-            self._stats.last_error = error
+            stats.failed_jobs += 1
+            stats.last_error = error
             stored = [None] * num_objects
         else:
-            self._stats.stored_objects += sum(stored)
-            self._stats.refused_objects += len(stored) - sum(stored)
-        self._done.append((ticket, stored))
+            stats.stored_objects += sum(stored)
+            stats.refused_objects += len(stored) - sum(stored)
+        self._outbox.put((ticket, stored))
+        self._settled[1] += num_objects
+        with self._cond:
+            self._settled[0] += 1
+            self._cond.notify_all()
+
+def _payload_bytes(obj: RowsObject | None) -> int:
+    return 0 if obj is None else obj.payload.size
