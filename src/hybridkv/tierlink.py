@@ -461,22 +461,27 @@ class TierLink:
             stored = list(stored)
             pins = self._pins.pop(ticket, None) if ticket is not None else None
             n_stored = self._count_results(stored, pins)
-            if pins is None:
-                continue
-            by_group, keys, every, _, _ = pins
-            if n_stored:
-                entries = self._entries
-                self._sent.update(entry for entry, ok in zip(every, stored) if ok is True and entry in entries)
-            for gid, pages in by_group.items():
-                released.setdefault(gid, []).append(pages)
-            self._offloading.difference_update(every)
-            for entry in keys:
-                self._deferred.pop(entry, None)
+            if pins is not None:
+                self._settle_plan(pins, stored, n_stored, released)
         if released:  # one release for every plan confirmed
             by_group = {gid: np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
                         for gid, arrays in released.items()}
             self.manager.release_held_pages_by_group(by_group)
             stats.pinned_pages -= sum(pages.size for pages in by_group.values())
+
+    def _settle_plan(self, pins: tuple, stored: list[bool | None], n_stored: int,
+                     released: dict[str, list[np.ndarray]]) -> None:
+        """A confirmed plan's entries: the stored ones sent, none offloading or deferred any
+        more; its pinned pages added to ``released`` by group."""
+        by_group, keys, every, _, _ = pins
+        if n_stored:
+            entries = self._entries
+            self._sent.update(entry for entry, ok in zip(every, stored) if ok is True and entry in entries)
+        for gid, pages in by_group.items():
+            released.setdefault(gid, []).append(pages)
+        self._offloading.difference_update(every)
+        for entry in keys:
+            self._deferred.pop(entry, None)
 
     def _count_results(self, stored: list[bool | None], pins: tuple | None) -> int:
         """Count a confirmed plan's results; how many objects a tier holds now. Objects its
