@@ -174,6 +174,19 @@ def test_the_cli_runs_on_mooncake(capsys):
     assert summary["store"]["corrupt"] == 0 and np.isfinite(summary["bytes_moved_per_tier_hit_token"])
 
 
+def test_puts_a_tier_cannot_hold_are_counted_as_refused(capsys):
+    """A host tier of 1 MiB holds no 3 MB checkpoint object: those puts are refused and
+    counted, nothing is corrupt, and every request still finishes."""
+    argv = ["simulate", "--workload", "multiturn", "--requests", "6", "--kv-memory", "4GiB", "--tier", "host",
+            "--tier-memory", "1MiB", "--json"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    store = summary["store"]
+    assert store["tier_refused"] > 0 and store["corrupt"] == 0 and store["tier_errors"] == 0
+    assert summary["with_store"]["put_objects"] >= store["tier_refused"]
+    assert summary["with_store"]["requests_finished"] == 6
+
+
 def test_one_instance_with_a_write_back_store(capsys):
     argv = ["simulate", "--workload", "multiturn", "--requests", "8", "--kv-memory", "4GiB", "--tier", "host",
             "--no-write-through", "--json"]

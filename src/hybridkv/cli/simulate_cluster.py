@@ -115,7 +115,7 @@ def run_cluster_command(args: argparse.Namespace, plan, requests, build_plan) ->
         "naive_bytes_per_token": naive,
         "store": {"stored": store_stats.stored, "loaded": store_stats.loaded, "missing": store_stats.missing,
                   "corrupt": store_stats.corrupt, "tier_errors": tier_stats.errors,
-                  "tier_evicted": tier_stats.evicted},
+                  "tier_refused": tier_stats.refused, "tier_evicted": tier_stats.evicted},
     }
 
 
@@ -147,7 +147,8 @@ def print_cluster_summary(summary: dict, console) -> None:
         f"loads confirmed {shared['loads']['confirmed']:,}, failed {shared['loads']['failed']:,}, "
         f"denied {shared['loads']['denied']:,}\n"
         f"through the store: put {shared['put_objects']:,} objects ({format_bytes(shared['put_bytes'])}), "
-        f"fetched {shared['fetched_objects']:,} ({format_bytes(shared['fetched_bytes'])})\n"
+        f"fetched {shared['fetched_objects']:,} ({format_bytes(shared['fetched_bytes'])}); "
+        f"refused by the tier {summary['store']['tier_refused']:,}, tier errors {summary['store']['tier_errors']:,}\n"
         f"bytes moved per token served by the store: {summary['bytes_moved_per_tier_hit_token']:,.0f} "
         f"(naive full pages: {summary['naive_bytes_moved_per_tier_hit_token']:,.0f})"
     )
