@@ -430,13 +430,19 @@ def _instance_plan_after_prompt(store, prompt, **link_options):
     return inst.link, inst.link.take_offloads(), inst
 
 
-def test_a_plan_leaves_out_what_the_store_holds_and_keeps_the_rest_as_planned():
+def _store_holding_a_first_block():
+    """A store that holds a 300-token prompt's objects (written through by another
+    instance), and a longer prompt that starts with it."""
     shared = ObjectStore(HostTier(1 << 30), LAYOUT)
     prompt, _, _ = prompts(11)
     first = Instance(shared, 3, write_through=True)
     compute_prompt(first, "a", prompt[:300])  # the store holds the first block's objects
     rng = np.random.default_rng(12)
-    longer = np.concatenate([prompt[:300], rng.integers(0, CONFIG.vocab_size, 500)])
+    return shared, np.concatenate([prompt[:300], rng.integers(0, CONFIG.vocab_size, 500)])
+
+
+def test_a_plan_leaves_out_what_the_store_holds_and_keeps_the_rest_as_planned():
+    shared, longer = _store_holding_a_first_block()
     link, plan = _plan_after_prompt(shared, longer)
     _, whole = _plan_after_prompt(ObjectStore(HostTier(1 << 30), LAYOUT), longer)  # the reference: nothing held
     held = shared.contains([o.key for o in whole.objects])
@@ -457,12 +463,7 @@ def test_a_deferred_plan_asks_the_store_when_it_runs_and_counts_as_one_that_aske
     what it held then is neither copied nor put, comes back stored, and the link counts it as
     skipped, as a take that asked would have (the stats equal the asking link's). A pinned plan
     asks at take (a pin on what the store holds would change what the manager evicts)."""
-    shared = ObjectStore(HostTier(1 << 30), LAYOUT)
-    prompt, _, _ = prompts(11)
-    first = Instance(shared, 3, write_through=True)
-    compute_prompt(first, "a", prompt[:300])  # the store holds the first block's objects
-    rng = np.random.default_rng(12)
-    longer = np.concatenate([prompt[:300], rng.integers(0, CONFIG.vocab_size, 500)])
+    shared, longer = _store_holding_a_first_block()
     asking, kept = _plan_after_prompt(shared, longer)  # asks at take: the reference (not run)
     pinning, pinned = _plan_after_prompt(shared, longer, pin_offloads=True)
     assert pinned.store_check is None and pinned.objects == kept.objects and all(pinned.pinned)

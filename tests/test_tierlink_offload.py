@@ -360,11 +360,17 @@ def test_the_worker_drops_what_does_not_fit_its_queue_and_counts_failures():
         OffloadWorker(HostTier(1 << 20))
 
 
-def test_the_worker_puts_only_what_a_job_made_and_reports_the_rest_stored():
-    store = ObjectStore(HostTier(1 << 30), LAYOUT)
+def _store_and_one_job(seed: int):
+    """An empty store, and the one offload job (ticket, make_objects, objects, in_place) an
+    engine's 600-token prompt of seed ``seed`` queued on its worker."""
     engine = Engine(total_tokens=2048)
-    compute(engine, "p", np.random.default_rng(8).integers(0, CONFIG.vocab_size, 600))
-    (ticket, make_objects, n, in_place), = engine.worker.jobs
+    compute(engine, "p", np.random.default_rng(seed).integers(0, CONFIG.vocab_size, 600))
+    (job,) = engine.worker.jobs
+    return ObjectStore(HostTier(1 << 30), LAYOUT), job
+
+
+def test_the_worker_puts_only_what_a_job_made_and_reports_the_rest_stored():
+    store, (ticket, make_objects, n, in_place) = _store_and_one_job(8)
     made = make_objects()
     assert n >= 3 and all(obj is not None for obj in made)  # the engine's store holds none of them
     held = [made[i] if i % 2 else None for i in range(n)]  # None: the store held it when the job ran
@@ -381,10 +387,7 @@ def test_the_worker_puts_only_what_a_job_made_and_reports_the_rest_stored():
 
 
 def test_a_paused_worker_starts_nothing_until_resumed_and_puts_in_batches():
-    store = ObjectStore(HostTier(1 << 30), LAYOUT)
-    engine = Engine(total_tokens=2048)
-    compute(engine, "p", np.random.default_rng(8).integers(0, CONFIG.vocab_size, 600))
-    (ticket, make_objects, n, in_place), = engine.worker.jobs
+    store, (ticket, make_objects, n, in_place) = _store_and_one_job(8)
     assert in_place  # an offload plan's payloads have room for their headers
     assert n >= 3
     calls = []
@@ -420,10 +423,7 @@ def test_a_paused_worker_starts_nothing_until_resumed_and_puts_in_batches():
 
 
 def test_the_worker_gathers_a_new_job_before_the_next_put_of_an_earlier_one():
-    store = ObjectStore(HostTier(1 << 30), LAYOUT)
-    engine = Engine(total_tokens=2048)
-    compute(engine, "p", np.random.default_rng(9).integers(0, CONFIG.vocab_size, 600))
-    (ticket, make_objects, n, in_place), = engine.worker.jobs
+    store, (ticket, make_objects, n, in_place) = _store_and_one_job(9)
     objects = make_objects()
     events, first_put, second_job = [], threading.Event(), threading.Event()
     put = store.put
