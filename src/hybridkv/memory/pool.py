@@ -30,7 +30,6 @@ from hybridkv.runtime import kernels
 NULL_PAGE = 0
 _LOW_EVICT_PAGES = 16  # idle low-priority pages an eviction frees beyond the allocation's need
 _SCAN_PAGES = 64  # idle low-priority ids one scan of the flags lists for packing
-_NO_OFFSET = np.zeros(1, dtype=np.int64)  # a pool's own arrays given to a page space's kernels: group 0 at 0
 _MOVE_IN_PYTHON_PAGES = 4  # an entry of up to this many pages has its idle ones moved in the LRU by item stores
 # One clock for every pool: when a keyed page last went idle, comparable across groups
 # (a request's pages in all groups go idle at one tick when it is freed).
