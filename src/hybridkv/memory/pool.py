@@ -51,17 +51,17 @@ class PoolCounters:
     """A pool's event counts. Pages released and allocated live in ``tallies`` (int64), a
     view of ``PageSpace.per_group`` once a page space holds the pool: the step kernels add to it."""
 
-    __slots__ = ("tallies", "failed_allocations", "evicted_pages")
+    __slots__ = ("tallies", "evicted_pages")
 
     def __init__(self) -> None:
-        self.tallies, self.failed_allocations, self.evicted_pages = np.zeros(2, dtype=np.int64), 0, 0
+        self.tallies, self.evicted_pages = np.zeros(2, dtype=np.int64), 0
 
     released_pages = property(lambda self: int(self.tallies[0]))
     allocated_pages = property(lambda self: int(self.tallies[1]))
 
     def as_dict(self) -> dict[str, int]:
-        """The four counts by name (a snapshot)."""
-        names = ("allocated_pages", "released_pages", "failed_allocations", "evicted_pages")
+        """The three counts by name (a snapshot)."""
+        names = ("allocated_pages", "released_pages", "evicted_pages")
         return {name: getattr(self, name) for name in names}
 
 
