@@ -7,19 +7,8 @@ live pages ``[base, hi)`` in a power-of-two ring (logical page ``L`` at column
 ``base + j``. The step's table work runs in ``hybridkv.runtime.kernels``, and so
 does a rewind (``kernels.rewind_rows``); the methods here serve what happens
 outside them (prefix hits, publishing, free) and never touch a pool: the manager
-takes the ids they return.
-
-Memory: a sliding row keeps its pages in a *narrow* ring sized for a decode step
-(``NARROW_STEP_TOKENS``; 4 to 32 cells in V4), so a decode step over many rows
-touches one or two cache lines per row and group, in a store of a few MB. A row
-whose step holds more pages (a prefill chunk: up to a whole step's pages) takes a
-*lane*, a ring of ``capacity_pages`` cells, for as long as its live pages do not
-fit the narrow ring. There is a lane per row, but a row takes the lowest free
-one and gives it back when it narrows, so only as many lanes are ever written
-as rows were wide at once: the rest cost address space, not memory. Full-history
-tables are column-major (rows at one logical page share lines). The engine sees
-neither: the ring view (``capacity_pages`` columns a group, ``ring_view``,
-``drain_updates``, ``BlockTableMirror``) is the same whichever ring holds a row.
+takes the ids they return. The store's layout (narrow rings, lanes, column-major
+full history): docs/manager.md, "The table store's layout".
 """
 
 from __future__ import annotations
@@ -190,7 +179,7 @@ class TableSet:
             offset = 0 if id_offsets is None else id_offsets[g]  # the group's first id in the page space
             self.geometry[g, : kernels.RING_START] = (
                 t.page_tokens, t.window_tokens, mask, t.rows_per_page, t.stride_tokens, offset,
-                _log2(t.page_tokens), _log2(t.stride_tokens))
+                kernels.log2_exact(t.page_tokens), kernels.log2_exact(t.stride_tokens))
             self.geometry[g, kernels.RING_MASK] = ring_mask
             self.geometry[g, kernels.VIEW_COLUMNS] = self.view_columns
         rows = max(1, int(initial_rows))
@@ -428,7 +417,3 @@ def _lanes_of(pages: np.ndarray, geometry: np.ndarray, g: int, rows: int, table:
     start, cols = geometry[g, kernels.LANE_START], table.capacity_pages
     return pages[start: start + rows * cols].reshape(rows, cols)
 
-
-def _log2(n: int) -> int:
-    """log2 of a power of two, -1 otherwise."""
-    return n.bit_length() - 1 if n & (n - 1) == 0 else -1
