@@ -102,39 +102,18 @@ class GroupTable:
         ``TableSet.ring_view``."""
         return self._set.ring_view()[self._g, :, : self.capacity_pages]
 
-    def _span_cells(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Store index and ring-view index of logical pages ``[lo_r, hi_r)`` of each row,
-        row-major, in logical order (``kernels.span_cells``)."""
-        rows, lo, hi = np.asarray(rows, dtype=np.int64), np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
-        total = int(np.maximum(hi - lo, 0).sum())
-        at, view = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
-        if total:
-            kernels.span_cells(self._set.geometry, self._set.bounds, self._g, rows, lo, hi, at, view)
-        return at, view
-
     def pages_in(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """Held page ids of logical pages ``[lo_r, hi_r)`` per row, row-major, in logical order."""
-        return self._set.pages[self._span_cells(rows, lo, hi)[0]].astype(np.int64)
+        """Held page ids of logical pages ``[lo_r, hi_r)`` per row, row-major, in logical order
+        (``kernels.span_cells``)."""
+        rows, lo, hi = (np.asarray(a, dtype=np.int64) for a in (rows, lo, hi))
+        at = np.empty(int(np.maximum(hi - lo, 0).sum()), dtype=np.int64)
+        if at.size:
+            kernels.span_cells(self._set.geometry, self._set.bounds, self._g, rows, lo, hi, at, np.empty_like(at))
+        return self._set.pages[at].astype(np.int64)
 
     def row_pages(self, row: int, lo: int, hi: int) -> list[int]:
         """Held page ids of one row's logical pages ``[lo, hi)`` (``pages_in`` of one row)."""
         return self.pages_in(np.array([row]), np.array([lo]), np.array([hi])).tolist()
-
-    # --- mutation -----------------------------------------------------------
-    def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
-        """Store ``page_ids`` at logical pages ``[lo_r, lo_r + counts_r)``, row-major (a row
-        whose live pages then outgrow its narrow ring moves to its lane first)."""
-        if not page_ids.size:
-            return
-        if self.has_lanes:
-            for row, first, n in zip(rows.tolist(), lo.tolist(), counts.tolist()):
-                base, hi = int(self.base[row]), int(self.hi[row])
-                live = max(hi, first + n) - (min(base, first) if hi > base else first)
-                if live > self.ring_pages or self._set.bounds[kernels.LANE, self._g, row]:
-                    kernels.fit_ring(self._set.geometry, self._set.pages, self._set.bounds, self._g, row, live)
-        at, view = self._span_cells(rows, lo, lo + counts)
-        self._set.pages[at] = page_ids
-        self._set.note_cells(view)
 
 
 class TableSet:
@@ -259,9 +238,8 @@ class TableSet:
     def place_row(self, row: int, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
         """A new row's prefix hit, every group in one compiled call (``kernels.place_row``):
         group ``g``'s ``counts[g]`` ids of ``page_ids`` (group after group) at its logical
-        pages ``[lo[g], lo[g] + counts[g])``, which become the row's live pages. As
-        ``GroupTable.place`` of each group's pages, then base ``lo[g]`` and hi
-        ``lo[g] + counts[g]``."""
+        pages ``[lo[g], lo[g] + counts[g])``, which become the row's live pages (a row whose
+        live pages then outgrow its narrow ring moves to its lane first)."""
         view = np.empty(page_ids.size, dtype=np.int64)
         kernels.place_row(self.geometry, self.pages, self.bounds, row, lo, counts, page_ids, view)
         if page_ids.size:
