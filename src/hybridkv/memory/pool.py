@@ -177,12 +177,9 @@ class PagePool:
         # normal-priority victims in place of the LRU order.
         self._ranker = None
         # Set by a prefix cache on a pool whose removals never change the pool itself (a
-        # state group's: the rest of a unit leaves the other groups): called in place of
-        # ``on_removed`` with every (key, cause, idle pages freed) of entries evicted or
-        # revoked together, in order. Such a pool (and one nothing is told of) evicts in
-        # batches: the idle low-priority entries ``make_room`` evicts go in one
-        # ``evict_entries`` call, decided with the free ids they would add, with the same
-        # entries and order as one by one.
+        # state group's): told in place of ``on_removed`` of every (key, cause, idle pages
+        # freed) evicted or revoked together, in order, so such a pool evicts in batches
+        # (docs/prefix-caching.md, "Evicting in batches").
         self.on_removed_many: Callable[[list[tuple[Hashable, str, int]]], None] | None = None
 
     @property
