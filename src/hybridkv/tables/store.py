@@ -120,12 +120,9 @@ class TableSet:
     """The tables of every group of a manager in one store; the step's table work runs
     in the compiled kernels of ``hybridkv.runtime.kernels``.
 
-    ``pages`` is the flat store of cells (layout: the kernels' docstring and
-    ``geometry``), ``bounds[0][g]``, ``bounds[1][g]`` group ``g``'s live pages
-    ``[base, hi)`` per row, ``bounds[2][g]`` each row's lane (plus one; 0: narrow)
-    and ``bounds[3][g]`` the group's free lanes; each
-    ``GroupTable`` in ``tables`` reads and writes the same arrays, so per-group code
-    (prefix publishing, free) and whole-step code (steps, rewinds) see the same state.
+    ``pages`` (the flat store of cells), ``bounds`` and ``geometry`` are laid out as the
+    kernels' docstring says; each ``GroupTable`` in ``tables`` reads and writes the same
+    arrays, so per-group code and whole-step code see the same state.
 
     While ``log`` is a list, every cell any mutation touches is logged (as an index
     into the ring view, ``ring_view``); ``drain_updates`` hands out those cells with
