@@ -247,6 +247,30 @@ def test_ensure_rows_keeps_a_wide_rows_lane():
     assert ts.block_table(0, ROW0, 9).tolist() == [list(range(40, 49))]
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 12)), min_size=3, max_size=3), st.integers(4, 40))
+def test_ensure_rows_keeps_every_live_cell(spans, rows_after):
+    """Growing the store keeps every row's live pages where every reader finds them (ring view,
+    block tables, ``row_pages``, lanes): a full-history group, and sliding rows narrow, wrapped
+    around their ring or wide (in a lane)."""
+    ts = TableSet([C4, SWA_4_8, SWA_4_4], max_context_tokens=2048, max_step_tokens=64, initial_rows=3)
+    start = 1
+    for row, (first, n) in enumerate(spans):
+        lo, counts = np.array([0, first, first]), np.array([min(n, 8), n, n])
+        ts.place_row(row, lo, counts, np.arange(start, start + counts.sum()))
+        start += counts.sum()
+    rows = np.arange(3)
+    before = ts.ring_view(), [ts.block_table(g, rows, 16) for g in range(3)], [ts.lanes(g) for g in range(3)]
+    ts.ensure_rows(rows_after)
+    assert ts.rows_capacity >= rows_after
+    assert np.array_equal(ts.ring_view()[:, :3], before[0]) and np.all(ts.ring_view()[:, 3:] == -1)
+    for g, table in enumerate(ts.tables):
+        assert np.array_equal(ts.block_table(g, rows, 16), before[1][g])
+        assert np.array_equal(ts.lanes(g)[:3], before[2][g])
+        for row, held in enumerate(before[1][g]):
+            assert table.row_pages(row, table.base[row], table.hi[row]) == held[held >= 0].tolist()
+
+
 def test_every_reader_of_a_row_sees_the_same_pages():
     """``row_pages``, ``pages_in``, the kernels' ``block_table`` and the ring view agree, for a
     wide sliding row (in its lane), a narrow one that wraps its ring, and a full-history row."""

@@ -106,10 +106,7 @@ class GroupTable:
         """Held page ids of logical pages ``[lo_r, hi_r)`` per row, row-major, in logical order
         (``kernels.span_cells``)."""
         rows, lo, hi = (np.asarray(a, dtype=np.int64) for a in (rows, lo, hi))
-        at = np.empty(int(np.maximum(hi - lo, 0).sum()), dtype=np.int64)
-        if at.size:
-            kernels.span_cells(self._set.geometry, self._set.bounds, self._g, rows, lo, hi, at, np.empty_like(at))
-        return self._set.pages[at].astype(np.int64)
+        return self._set.pages[_cells(self._set.geometry, self._set.bounds, self._g, rows, lo, hi)].astype(np.int64)
 
     def row_pages(self, row: int, lo: int, hi: int) -> list[int]:
         """Held page ids of one row's logical pages ``[lo, hi)`` (``pages_in`` of one row)."""
@@ -296,18 +293,16 @@ class TableSet:
         if rows <= have:
             return
         new = max(rows, 2 * have)
-        old_pages, old_geometry = self.pages, self.geometry.copy()
+        old_pages, old_geometry, old_bounds = self.pages, self.geometry.copy(), self.bounds
         self.bounds = np.concatenate([self.bounds, np.zeros((4, len(self.tables), new - have), np.int64)], axis=2)
         self.base, self.hi = self.bounds[kernels.BASE], self.bounds[kernels.HI]
         self._add_lanes(have, new)
         self.pages = self._new_store(new)
-        for g, t in enumerate(self.tables):
-            _rings_of(self.pages, self.geometry, g, new, t)[:have] = _rings_of(old_pages, old_geometry, g, have, t)
-            lanes = self.bounds[kernels.LANE, g, :have]
-            used = lanes[lanes > 0] - 1
-            if used.size:
-                old = _lanes_of(old_pages, old_geometry, g, have, t)
-                _lanes_of(self.pages, self.geometry, g, new, t)[used] = old[used]
+        for g in range(len(self.tables)):  # every live cell to its place in the new layout
+            rows = np.flatnonzero(old_bounds[kernels.HI, g] > old_bounds[kernels.BASE, g])
+            lo, hi = old_bounds[kernels.BASE, g, rows], old_bounds[kernels.HI, g, rows]
+            self.pages[_cells(self.geometry, self.bounds, g, rows, lo, hi)] = \
+                old_pages[_cells(old_geometry, old_bounds, g, rows, lo, hi)]
         if self.log:
             # Logged ring-view indices move with the wider rows dimension.
             group, cell = np.divmod(np.concatenate(self.log), have * self.view_columns)
@@ -380,15 +375,11 @@ class CommitPages:
         return self._out[:n].tolist(), self._status[:n_entries].tolist()
 
 
-def _rings_of(pages: np.ndarray, geometry: np.ndarray, g: int, rows: int, table: GroupTable) -> np.ndarray:
-    """``[rows, ring pages]`` view of group ``g``'s rings (a transposed view for full history)."""
-    start, cols = geometry[g, kernels.RING_START], table.ring_pages
-    region = pages[start: start + rows * cols]
-    return region.reshape(rows, cols) if table.sliding else region.reshape(cols, rows).T
-
-
-def _lanes_of(pages: np.ndarray, geometry: np.ndarray, g: int, rows: int, table: GroupTable) -> np.ndarray:
-    """``[rows, capacity pages]`` view of group ``g``'s lanes."""
-    start, cols = geometry[g, kernels.LANE_START], table.capacity_pages
-    return pages[start: start + rows * cols].reshape(rows, cols)
-
+def _cells(geometry: np.ndarray, bounds: np.ndarray, g: int, rows: np.ndarray, lo: np.ndarray,
+           hi: np.ndarray) -> np.ndarray:
+    """Store index of logical pages ``[lo_r, hi_r)`` of each of ``rows`` in group ``g``,
+    row-major, in logical order (``kernels.span_cells``)."""
+    at = np.empty(int(np.maximum(hi - lo, 0).sum()), dtype=np.int64)
+    if at.size:
+        kernels.span_cells(geometry, bounds, g, rows, lo, hi, at, np.empty_like(at))
+    return at
