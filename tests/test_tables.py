@@ -21,6 +21,26 @@ def store(spec, max_context_tokens, max_step_tokens, rows=2):
     return ts, ts.tables[0]
 
 
+def place(ts, g, rows, lo, counts, page_ids):
+    """The reference for ``TableSet.place_row``, in plain steps: group ``g``'s ``page_ids``
+    at logical pages ``[lo_r, lo_r + counts_r)`` of each of ``rows``, row-major (a row whose
+    live pages then outgrow its narrow ring moves to its lane first: ``kernels.fit_ring``),
+    the cells written logged; bounds unchanged."""
+    if not len(page_ids):
+        return
+    table = ts.tables[g]
+    for row, first, n in zip(rows.tolist(), lo.tolist(), counts.tolist()):
+        base, hi = int(table.base[row]), int(table.hi[row])
+        live = max(hi, first + n) - (min(base, first) if hi > base else first)
+        if live > table.ring_pages or ts.bounds[kernels.LANE, g, row]:
+            kernels.fit_ring(ts.geometry, ts.pages, ts.bounds, g, row, live)
+    at = np.empty(int(counts.sum()), dtype=np.int64)
+    view = np.empty_like(at)
+    kernels.span_cells(ts.geometry, ts.bounds, g, rows, lo, lo + counts, at, view)
+    ts.pages[at] = page_ids
+    ts.note_cells(view)
+
+
 def planned(ts, first, count=1):
     """(base after, pages needed) of row 0 writing ``count`` tokens from ``first`` (``prepare_step``)."""
     computed = np.zeros(ts.rows_capacity, dtype=np.int64)
@@ -97,7 +117,7 @@ def test_compressed_pages_needed_for_1_256_257_tokens():
 
 def test_compressed_write_slots_with_table_10_11():
     ts, table = store(C4, 4096, 256)
-    table.place(ROW0, np.array([0]), np.array([2]), np.array([10, 11]))
+    place(ts, 0, ROW0, np.array([0]), np.array([2]), np.array([10, 11]))
     table.hi[0] = 2
     # 3 -> row 0 -> 10*64; 7 -> row 1; 127 -> row 31; 4 closes no window;
     # 259 -> row 64 = page 1 row 0 -> 11*64; 511 -> row 127 -> 11*64 + 63.
@@ -108,7 +128,7 @@ def test_int64_slots_do_not_overflow():
     spec = CacheGroupSpec("kv", "full_history", rows_per_page=64, entry_stride_tokens=1)
     ts, table = store(spec, 128, 64)
     big = 40_000_000  # big * 64 > 2**31
-    table.place(ROW0, np.array([0]), np.array([1]), np.array([big]))
+    place(ts, 0, ROW0, np.array([0]), np.array([1]), np.array([big]))
     table.hi[0] = 1
     assert slots_of(ts, [0], [5]) == [big * 64 + 5]
 
@@ -119,7 +139,7 @@ def test_sliding_ring_table_columns_start_at_the_base_page():
     assert table.capacity_pages == 8
     rows = np.array([0, 1])
     # Row 0 holds logical pages 7..9 (the ring wraps at 8), row 1 holds logical page 0.
-    table.place(rows, np.array([7, 0]), np.array([3, 1]), np.array([21, 22, 23, 30]))
+    place(ts, 0, rows, np.array([7, 0]), np.array([3, 1]), np.array([21, 22, 23, 30]))
     table.base[:2] = [7, 0]
     table.hi[:2] = [10, 1]
     assert ts.ring_view()[0, 0, [7, 0, 1]].tolist() == [21, 22, 23]
@@ -138,7 +158,7 @@ def test_full_history_fixed_width_wider_than_capacity_is_padded():
     spec = CacheGroupSpec("kv", "full_history", rows_per_page=4, entry_stride_tokens=1)
     ts, table = store(spec, 8, 8)
     assert table.capacity_pages == 2
-    table.place(ROW0, np.array([0]), np.array([2]), np.array([7, 9]))
+    place(ts, 0, ROW0, np.array([0]), np.array([2]), np.array([7, 9]))
     table.hi[0] = 2
     assert ts.block_table(0, ROW0, 4).tolist() == [[7, 9, -1, -1]]
     assert ts.block_table(0, ROW0, 2).tolist() == [[7, 9]]
@@ -146,7 +166,7 @@ def test_full_history_fixed_width_wider_than_capacity_is_padded():
 
 def test_ensure_rows_keeps_existing_rows():
     ts, table = store(SWA_4_8, 64, 8, rows=1)
-    table.place(ROW0, np.array([0]), np.array([1]), np.array([5]))
+    place(ts, 0, ROW0, np.array([0]), np.array([1]), np.array([5]))
     table.hi[0] = 1
     ts.ensure_rows(3)
     table = ts.tables[0]
@@ -217,7 +237,7 @@ def test_a_long_chunk_moves_a_row_to_its_lane_and_decode_moves_it_back():
 
 def test_ensure_rows_keeps_a_wide_rows_lane():
     ts, table = store(SWA_4_8, 256, 64, rows=1)
-    table.place(ROW0, np.array([3]), np.array([9]), np.arange(40, 49))
+    place(ts, 0, ROW0, np.array([3]), np.array([9]), np.arange(40, 49))
     table.base[0], table.hi[0] = 3, 12
     assert wide_rows(ts).tolist() == [0]
     before = ts.ring_view()[0, 0].copy()
@@ -227,11 +247,35 @@ def test_ensure_rows_keeps_a_wide_rows_lane():
     assert ts.block_table(0, ROW0, 9).tolist() == [list(range(40, 49))]
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 12)), min_size=3, max_size=3), st.integers(4, 40))
+def test_ensure_rows_keeps_every_live_cell(spans, rows_after):
+    """Growing the store keeps every row's live pages where every reader finds them (ring view,
+    block tables, ``row_pages``, lanes): a full-history group, and sliding rows narrow, wrapped
+    around their ring or wide (in a lane)."""
+    ts = TableSet([C4, SWA_4_8, SWA_4_4], max_context_tokens=2048, max_step_tokens=64, initial_rows=3)
+    start = 1
+    for row, (first, n) in enumerate(spans):
+        lo, counts = np.array([0, first, first]), np.array([min(n, 8), n, n])
+        ts.place_row(row, lo, counts, np.arange(start, start + counts.sum()))
+        start += counts.sum()
+    rows = np.arange(3)
+    before = ts.ring_view(), [ts.block_table(g, rows, 16) for g in range(3)], [ts.lanes(g) for g in range(3)]
+    ts.ensure_rows(rows_after)
+    assert ts.rows_capacity >= rows_after
+    assert np.array_equal(ts.ring_view()[:, :3], before[0]) and np.all(ts.ring_view()[:, 3:] == -1)
+    for g, table in enumerate(ts.tables):
+        assert np.array_equal(ts.block_table(g, rows, 16), before[1][g])
+        assert np.array_equal(ts.lanes(g)[:3], before[2][g])
+        for row, held in enumerate(before[1][g]):
+            assert table.row_pages(row, table.base[row], table.hi[row]) == held[held >= 0].tolist()
+
+
 def test_every_reader_of_a_row_sees_the_same_pages():
     """``row_pages``, ``pages_in``, the kernels' ``block_table`` and the ring view agree, for a
     wide sliding row (in its lane), a narrow one that wraps its ring, and a full-history row."""
     ts, table = store(SWA_4_8, 256, 64, rows=3)
-    table.place(np.array([0, 1]), np.array([3, 5]), np.array([9, 3]), np.arange(40, 52))
+    place(ts, 0, np.array([0, 1]), np.array([3, 5]), np.array([9, 3]), np.arange(40, 52))
     table.base[[0, 1]], table.hi[[0, 1]] = [3, 5], [12, 8]
     assert wide_rows(ts).tolist() == [0]  # 9 live pages outgrow the narrow ring of 4
     for row, base, pages in ((0, 3, list(range(40, 49))), (1, 5, [49, 50, 51])):
@@ -244,7 +288,7 @@ def test_every_reader_of_a_row_sees_the_same_pages():
         assert [int(view[lp % table.capacity_pages]) for lp in range(base, hi)] == pages
     assert table.pages_in(np.array([1, 0]), np.array([5, 3]), np.array([8, 5])).tolist() == [49, 50, 51, 40, 41]
     full_ts, full = store(C4, 1024, 64, rows=2)
-    full.place(np.array([1]), np.array([0]), np.array([3]), np.array([7, 8, 9]))
+    place(full_ts, 0, np.array([1]), np.array([0]), np.array([3]), np.array([7, 8, 9]))
     full.hi[1] = 3
     assert full.row_pages(1, 0, 3) == [7, 8, 9] and full.row_pages(1, 1, 1) == []
     assert full.pages_in(np.array([1]), np.array([1]), np.array([3])).tolist() == [8, 9]
@@ -264,12 +308,12 @@ def test_commit_pages_reads_what_row_pages_reads(row, blocks, live_pages, data):
     ts = TableSet([C4, SWA_4_8, SWA_4_4], max_context_tokens=2048, max_step_tokens=64, initial_rows=3)
     c4, swa8, swa4 = ts.tables
     rows = np.array([row])
-    c4.place(rows, np.array([0]), np.array([blocks]), np.arange(1, blocks + 1))
+    place(ts, 0, rows, np.array([0]), np.array([blocks]), np.arange(1, blocks + 1))
     c4.hi[row] = blocks
     end_pages = blocks * 64  # a 256-token block is 64 four-token pages
     for g, table in enumerate((swa8, swa4)):
         base = end_pages - min(live_pages, end_pages)
-        table.place(rows, np.array([base]), np.array([end_pages - base]), np.arange(base, end_pages) + 1000 * (g + 1))
+        place(ts, g + 1, rows, np.array([base]), np.array([end_pages - base]), np.arange(base, end_pages) + 1000 * (g + 1))
         table.base[row], table.hi[row] = base, end_pages
     first = data.draw(st.integers(0, blocks - 1))
     end = data.draw(st.integers(first + 1, blocks))
@@ -289,7 +333,7 @@ def test_commit_pages_reads_what_row_pages_reads(row, blocks, live_pages, data):
 
 
 def test_place_row_is_place_of_each_group_then_its_live_pages():
-    """``TableSet.place_row`` (a prefix hit, one compiled call) against ``GroupTable.place``
+    """``TableSet.place_row`` (a prefix hit, one compiled call) against ``place`` (above)
     group by group with base and hi set after: the same store, bounds, lanes and logged cells,
     for a wide sliding row (9 pages outgrow the narrow ring of 4), a narrow one and a group
     that gets no page."""
@@ -304,7 +348,7 @@ def test_place_row_is_place_of_each_group_then_its_live_pages():
         sets[0].place_row(row, np.array(lo), np.array(counts), ids)
         start = 0
         for g, table in enumerate(sets[1].tables):
-            table.place(np.array([row]), np.array([lo[g]]), np.array([counts[g]]), ids[start : start + counts[g]])
+            place(sets[1], g, np.array([row]), np.array([lo[g]]), np.array([counts[g]]), ids[start : start + counts[g]])
             table.base[row], table.hi[row] = lo[g], lo[g] + counts[g]
             start += counts[g]
         fast, slow = sets

@@ -51,17 +51,17 @@ class PoolCounters:
     """A pool's event counts. Pages released and allocated live in ``tallies`` (int64), a
     view of ``PageSpace.per_group`` once a page space holds the pool: the step kernels add to it."""
 
-    __slots__ = ("tallies", "failed_allocations", "evicted_pages")
+    __slots__ = ("tallies", "evicted_pages")
 
     def __init__(self) -> None:
-        self.tallies, self.failed_allocations, self.evicted_pages = np.zeros(2, dtype=np.int64), 0, 0
+        self.tallies, self.evicted_pages = np.zeros(2, dtype=np.int64), 0
 
     released_pages = property(lambda self: int(self.tallies[0]))
     allocated_pages = property(lambda self: int(self.tallies[1]))
 
     def as_dict(self) -> dict[str, int]:
-        """The four counts by name (a snapshot)."""
-        names = ("allocated_pages", "released_pages", "failed_allocations", "evicted_pages")
+        """The three counts by name (a snapshot)."""
+        names = ("allocated_pages", "released_pages", "evicted_pages")
         return {name: getattr(self, name) for name in names}
 
 
@@ -177,12 +177,9 @@ class PagePool:
         # normal-priority victims in place of the LRU order.
         self._ranker = None
         # Set by a prefix cache on a pool whose removals never change the pool itself (a
-        # state group's: the rest of a unit leaves the other groups): called in place of
-        # ``on_removed`` with every (key, cause, idle pages freed) of entries evicted or
-        # revoked together, in order. Such a pool (and one nothing is told of) evicts in
-        # batches: the idle low-priority entries ``make_room`` evicts go in one
-        # ``evict_entries`` call, decided with the free ids they would add, with the same
-        # entries and order as one by one.
+        # state group's): told in place of ``on_removed`` of every (key, cause, idle pages
+        # freed) evicted or revoked together, in order, so such a pool evicts in batches
+        # (docs/prefix-caching.md, "Evicting in batches").
         self.on_removed_many: Callable[[list[tuple[Hashable, str, int]]], None] | None = None
 
     @property

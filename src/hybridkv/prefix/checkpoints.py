@@ -1,24 +1,11 @@
 """Checkpoint policies: which boundaries keep a state checkpoint, and which goes first.
 
-A hit at boundary ``D`` needs a state checkpoint at exactly ``D``
-(docs/prefix-caching.md). Every policy keeps a request's **latest** checkpoint
-(held: its terminal once it is freed) and its **junction** (pinned); they differ
-in the *speculative* checkpoints, published unheld and low priority (evicted
-before anything usable) at other boundaries the request crosses:
-
-* ``"prompt-boundaries"`` (default): every boundary inside the prompt;
-* ``"terminal-and-junctions"``: none (vLLM's retention interval 0);
-* ``"interval"``: every multiple of ``checkpoint_interval_tokens``, in the prompt
-  or while decoding (vLLM's positive retention interval, but low priority);
-* ``"prefill-per-byte"``: the prompt boundaries, as the default, and every cached
-  checkpoint ranked by the prefill it saves per byte it pins, times its expected
-  reuse (learned online per class), blended with recency (in the spirit of
-  Marconi, MLSys 2025): speculative and reused checkpoints of a class rated
-  below ``REUSE_FLOOR`` are low priority (speculative ones are published so),
-  the rest are evicted in the order of :meth:`CheckpointValues.score`, the
-  lowest first, an order :class:`CheckpointOrder` keeps incrementally.
-
-``state_checkpoint_interval`` (pinned, normal priority checkpoints) adds to any policy.
+Every policy keeps a request's latest checkpoint and its junction; they differ in the
+*speculative* checkpoints, published unheld and low priority at other boundaries the
+request crosses (:meth:`CheckpointPolicy.speculative`). ``"prefill-per-byte"`` also
+ranks the cached checkpoints by value (:class:`CheckpointValues`), an order
+:class:`CheckpointOrder` keeps incrementally. The policies, the score and its
+constants: docs/prefix-caching.md, "Checkpoint policies".
 """
 
 from __future__ import annotations
@@ -33,22 +20,10 @@ from hybridkv._checks import as_int
 
 CHECKPOINT_POLICIES = ("prompt-boundaries", "terminal-and-junctions", "interval", "prefill-per-byte")
 DEFAULT_CHECKPOINT_POLICY = "prompt-boundaries"
-# Depth (tokens) at which a token's depth-dependent prefill work equals its fixed work:
-# on V4-Flash a token at depth t scores t/4 indexer keys (21 layers x 64 heads x 128 dims)
-# and reads t/128 ratio-128 entries (20 layers x 64 heads x 512 dims), ~1.3e5 x t FLOP,
-# against ~1e10 FLOP per token of projections and experts: the order of 1e5 tokens.
-ATTENTION_EQUAL_DEPTH_TOKENS = 131_072
-# A checkpoint's bytes in tokens of history: on V4-Flash (FP8 indexer) one checkpoint is
-# 4,080,000 B and the history of 256 tokens 998,208 B, so a checkpoint weighs as much as
-# the history of 1,046 tokens. A hit at D pins the checkpoint and the history below D.
-CHECKPOINT_HISTORY_TOKENS = 1_046
-# Recency: a checkpoint's value halves (its score, a log2, drops by 1) for every this many
-# requests freed since its last use.
-VALUE_HALF_LIFE_REQUESTS = 64
-# "prefill-per-byte": a class of checkpoints whose expected reuse (hits per checkpoint, as
-# learned) is below this is low priority, evicted before anything usable (and cheap for
-# slab moves).
-REUSE_FLOOR = 0.25
+ATTENTION_EQUAL_DEPTH_TOKENS = 131_072  # depth where a V4-Flash token's attention work equals its fixed work
+CHECKPOINT_HISTORY_TOKENS = 1_046  # a V4-Flash checkpoint's bytes, in tokens of history
+VALUE_HALF_LIFE_REQUESTS = 64  # a checkpoint's score drops by 1 (log2) per this many requests freed
+REUSE_FLOOR = 0.25  # a speculative or reused class rated below this is low priority
 
 
 @dataclass(frozen=True)
@@ -121,29 +96,12 @@ CLASSES = (SPECULATIVE, OWN, REUSED)
 
 class CheckpointValues:
     """Saved prefill per byte, blended with recency, of the checkpoints a
-    ``"prefill-per-byte"`` prefix cache publishes (one record per key).
-
-    ``score = log2(saved_prefill(D) * expected_reuse / pinned(D)) - age / H``:
-    ``pinned(D) = D + checkpoint_tokens`` is what a hit at ``D`` needs cached (the
-    history below ``D`` and the checkpoint, in tokens of history bytes; default
-    ``CHECKPOINT_HISTORY_TOKENS``); age counts requests freed since the
-    checkpoint's last use (publication or hit); ``H`` = ``VALUE_HALF_LIFE_REQUESTS``.
-
-    Expected reuse is learned online per class, from outcomes. A checkpoint is
-    published ``"speculative"`` (a boundary the policy guessed) or ``"own"`` (a
-    request's latest, junction or interval checkpoint); a speculative one becomes
-    ``"reused"`` at its first hit (a hit at an ``own`` one, a terminal, is a
-    conversation continuing: it stays ``own``). A hit is a success of the class
-    the checkpoint is in; leaving the cache without a hit in its class, a failure
-    (an ``own`` one its request moves past counts as neither: it was no terminal;
-    kept, it becomes speculative). A class's expected reuse is
-    ``(successes + 1) / (successes + failures + 2)``. A speculative or reused
-    class rated below ``REUSE_FLOOR`` is low priority; own checkpoints stay
-    normal, lowest score first (a terminal keeps the history below it from
-    being an orphan). So on a multi-turn workload, where each turn hits the
-    previous turn's terminal, ``own`` rates high and ``speculative`` low; on
-    documents shared by many questions, ``reused`` rates high and terminals,
-    never hit, low."""
+    ``"prefill-per-byte"`` prefix cache publishes (one record per key):
+    ``score = log2(saved_prefill(D) * expected_reuse / (D + checkpoint_tokens)) - age / H``,
+    age in requests freed since the checkpoint's publication or last hit. Expected
+    reuse is learned per class (``SPECULATIVE``, ``OWN``, ``REUSED``) from hits
+    (successes) and removals without a hit (failures): ``(s + 1) / (s + f + 2)``
+    (docs/prefix-caching.md, "Checkpoint policies")."""
 
     def __init__(self, checkpoint_tokens: int = CHECKPOINT_HISTORY_TOKENS):
         self.checkpoint_tokens = as_int("checkpoint_tokens", checkpoint_tokens, minimum=1)
@@ -281,28 +239,15 @@ class CheckpointValues:
 
 class CheckpointOrder:
     """The ``"prefill-per-byte"`` eviction order of the checkpoints in the state pools,
-    kept incrementally: the same decisions as re-sorting every cached checkpoint by
-    :meth:`CheckpointValues.eviction_order` at each freed request and laying each
-    state pool's LRU out in that order (the reference,
-    :meth:`hybridkv.prefix.cache.PrefixCache.use_full_sort_ranking`), at O(log n) a change.
-
-    Within a class the order is :meth:`CheckpointValues.static_key`, which no freed
-    request moves (the clock shifts every score alike): one heap per pool and class
-    (lazy deletion: an entry stands while its key's version is current and the key
-    has a page idle since before the last freed request). Across classes only
-    ``log2(expected_reuse)`` differs, so a victim is the lowest of the class heads,
-    scored with the rates as they were at the last freed request and with the class
-    and last use each entry was filed with (a checkpoint superseded into another
-    class keeps its rank until the next freed request, as in the reference). At each freed
-    request (:meth:`request_freed`) only what changed is filed again: checkpoints
-    published, hit or moved to another class since, those that went idle since, and
-    every member of a class that crossed ``REUSE_FLOOR`` (demoted to low priority,
-    the lowest score at the front of the LRU, or promoted back). Between two freed
-    requests a checkpoint that goes idle sits behind all of them, in the order it
-    went idle, as in the reference's LRU. A checkpoint beyond a gap (``beyond_gap``,
-    :meth:`hybridkv.prefix.eviction.ValueEviction.beyond_gap`) is never promoted here; when
-    the gap is mended (:meth:`mended`) it ranks as gone idle then, until the next
-    freed request files it again.
+    kept incrementally, at O(log n) a change: the same decisions as the full sort
+    (:meth:`CheckpointValues.eviction_order` at each freed request,
+    :meth:`hybridkv.prefix.cache.PrefixCache.use_full_sort_ranking`). One heap per pool
+    and class, ordered by :meth:`CheckpointValues.static_key` (lazy deletion by key
+    version); a victim is the lowest of the class heads, then the checkpoints gone idle
+    (or mended, :meth:`mended`) since the last freed request, in that order. At each
+    freed request (:meth:`request_freed`) only what changed is filed again. A checkpoint
+    beyond a gap (``beyond_gap``) is never promoted here. How and why:
+    docs/prefix-caching.md, "Checkpoint policies".
 
     A pool with ``ranker`` set to this object reports the pages that go idle
     (:meth:`went_idle`) and takes its normal-priority victims from :meth:`victim`."""

@@ -1,49 +1,14 @@
 """Which cached entries go first when memory is short: one notion of value across groups.
 
 A hybrid model's cached prefix is usable at a boundary ``D`` only with every
-history block below ``D`` and a checkpoint at ``D`` in every state group
-(docs/prefix-caching.md). Each pool evicts its own idle entries, front of its
-LRU first (:mod:`hybridkv.memory.pool`); :class:`ValueEviction` keeps what the
-pools hold consistent with that rule, so memory goes to entries that can still
-produce a hit:
-
-* **Units.** The entries published under one key form a unit. When a
-  checkpoint entry leaves one state group (evicted, revoked for a slab,
-  superseded), the checkpoint leaves every state group; when a history block
-  leaves one history group, the block leaves every history group and the
-  checkpoint at its end leaves every state group (reason ``"unit"`` when the
-  first entry was evicted; a superseded or cleared one takes the rest along
-  unpublished, not counted as evicted).
-* **Orphans.** A history block is *supported* while a complete checkpoint sits
-  at its end or deeper along its chain (a count per key: its own checkpoint
-  plus its supported children). When the last support goes, the block is
-  demoted: low priority, at the front of its pool's LRU, evicted before any
-  usable entry (reason ``"orphan"``). A checkpoint published above it
-  promotes it back. So when a conversation's terminal checkpoint goes, its
-  history back to its previous surviving checkpoint goes next, tail first.
-* **Gaps.** When a block leaves the history groups, every checkpoint beyond it on
-  its chain (a tree of keys: each node knows its children) can no longer be reached:
-  its support goes at once (the blocks between become orphans) and its entries, and
-  any published beyond the gap later, are demoted (reason ``"gap"`` when evicted),
-  head first so the deepest go first. A key published before its parent's waits
-  for it and becomes its child when the parent's key is published; unless it is a
-  chain's first block it lies beyond a gap until then (its parent's block is missing).
-  When the block is published again, what lies
-  beyond it with every block cached regains its value (support, and the state
-  entries demoted for the gap promoted back; ``on_mended`` is told their keys).
-  Until then nothing else may promote them (:meth:`ValueEviction.beyond_gap`:
-  the ``"prefill-per-byte"`` order asks it).
-* **Slabs** (shared arena, used by the manager): a group that would have to
-  evict a usable entry first takes a slab of another group whose idle pages
-  are all of less value: low priority (prompt checkpoints, orphans) or idle
-  since before the short group's own least recently used usable entry
-  (``IdleScan.before_tick`` in :mod:`hybridkv.memory.arena`).
-
-Eviction order within a pool is then: orphans, entries beyond a gap and prompt
-checkpoints (the most recently demoted first), then usable entries least recently used first
-(reason ``"lru"``). A request's pages in every group go idle at one tick of
-the pools' shared idle clock, so "least recently used" means the same thing in
-every group and a unit's entries age together.
+history block below ``D`` and a checkpoint at ``D`` in every state group. Each pool
+evicts its own idle entries, front of its LRU first (:mod:`hybridkv.memory.pool`);
+:class:`ValueEviction` keeps what the pools hold consistent with that rule: the
+entries under one key leave together (*units*), a history block below no complete
+checkpoint is demoted (an *orphan*), and what lies beyond a missing block (a *gap*)
+is demoted until the block is published again (then mended). Eviction order within
+a pool: orphans, entries beyond a gap and prompt checkpoints, then usable entries
+least recently used first (docs/prefix-caching.md, "Eviction by value").
 """
 
 from __future__ import annotations
@@ -60,16 +25,9 @@ POLICIES = ("value", "group-lru")
 
 @dataclass(frozen=True)
 class GroupValueStats:
-    """One group's cached entries by value, and its evicted pages by reason.
-
-    ``usable_entries``: in a state group, checkpoints a hit could use now
-    (complete in every state group, every history block below them cached); in a
-    history group, blocks below such a checkpoint. ``evicted_pages``: idle pages
-    freed by eviction, per reason: ``prompt`` (a low-priority prompt checkpoint),
-    ``orphan`` (a history block below no checkpoint), ``gap`` (an entry beyond a
-    missing history block), ``lru`` (a usable entry,
-    least recently used), ``unit`` (the rest of its unit went), ``slab`` (its slab
-    moved to another group)."""
+    """One group's cached entries by value, and its evicted pages by reason (``REASONS``;
+    docs/prefix-caching.md, "Diagnostics"). ``usable_entries``: in a state group,
+    checkpoints a hit could use now; in a history group, blocks below such a checkpoint."""
 
     group_id: str
     cached_pages: int

@@ -89,5 +89,4 @@ class GroupStats:
     evictable_pages: int
     allocated_pages: int
     released_pages: int
-    failed_allocations: int
     evicted_pages: int

@@ -1307,7 +1307,6 @@ class CacheManager:
                 evictable_pages=pool.num_evictable_pages,
                 allocated_pages=c.allocated_pages,
                 released_pages=c.released_pages,
-                failed_allocations=c.failed_allocations,
                 evicted_pages=c.evicted_pages,
             )
         return out

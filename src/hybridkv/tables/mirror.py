@@ -1,23 +1,10 @@
 """An engine-side copy of the manager's page tables, kept current from step updates.
 
-With ``schedule(..., block_tables="updates")`` the manager does not build a
-``[R, width]`` table per group every step; it hands out the cells of its table
-store that changed (``StepBatch.table_updates``) and each request's row in the
-store (``StepBatch.table_rows``). A ``BlockTableMirror`` applies them to a
-persistent copy of the store and yields, per group, exactly the block table the
-full mode would have returned.
-
-The copy is in the manager's **ring form**, keyed by table row, not by batch
-index: full-history groups hold logical page ``L`` at column ``L``, sliding
-groups at column ``L % capacity`` (so a sliding step rewrites one cell instead
-of shifting a row). ``block_table`` turns it into the base-relative form the
-full mode hands out (column ``j`` = logical page ``base_pages[r] + j``); a kernel
-that can read the ring directly uses ``store`` with ``table_rows`` and
-``base_pages`` and skips that gather.
-
-The first updates-mode batch of a manager, and the first after any full-mode
-step, is a resync (``TableUpdates.reset``): the mirror clears its store, then
-takes every live cell. A mirror must apply every updates-mode batch, in order.
+With ``schedule(..., block_tables="updates")`` a batch carries the store cells that
+changed (``StepBatch.table_updates``, in ring form keyed by table row) and each
+request's row (``StepBatch.table_rows``); a ``BlockTableMirror`` applies them to its
+copy (``store``) and yields, per group, exactly the block table the full mode would
+have returned. It must apply every updates-mode batch, in order (docs/manager.md).
 """
 
 from __future__ import annotations

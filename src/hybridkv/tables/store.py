@@ -7,19 +7,8 @@ live pages ``[base, hi)`` in a power-of-two ring (logical page ``L`` at column
 ``base + j``. The step's table work runs in ``hybridkv.runtime.kernels``, and so
 does a rewind (``kernels.rewind_rows``); the methods here serve what happens
 outside them (prefix hits, publishing, free) and never touch a pool: the manager
-takes the ids they return.
-
-Memory: a sliding row keeps its pages in a *narrow* ring sized for a decode step
-(``NARROW_STEP_TOKENS``; 4 to 32 cells in V4), so a decode step over many rows
-touches one or two cache lines per row and group, in a store of a few MB. A row
-whose step holds more pages (a prefill chunk: up to a whole step's pages) takes a
-*lane*, a ring of ``capacity_pages`` cells, for as long as its live pages do not
-fit the narrow ring. There is a lane per row, but a row takes the lowest free
-one and gives it back when it narrows, so only as many lanes are ever written
-as rows were wide at once: the rest cost address space, not memory. Full-history
-tables are column-major (rows at one logical page share lines). The engine sees
-neither: the ring view (``capacity_pages`` columns a group, ``ring_view``,
-``drain_updates``, ``BlockTableMirror``) is the same whichever ring holds a row.
+takes the ids they return. The store's layout (narrow rings, lanes, column-major
+full history): docs/manager.md, "The table store's layout".
 """
 
 from __future__ import annotations
@@ -113,51 +102,24 @@ class GroupTable:
         ``TableSet.ring_view``."""
         return self._set.ring_view()[self._g, :, : self.capacity_pages]
 
-    def _span_cells(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Store index and ring-view index of logical pages ``[lo_r, hi_r)`` of each row,
-        row-major, in logical order (``kernels.span_cells``)."""
-        rows, lo, hi = np.asarray(rows, dtype=np.int64), np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
-        total = int(np.maximum(hi - lo, 0).sum())
-        at, view = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
-        if total:
-            kernels.span_cells(self._set.geometry, self._set.bounds, self._g, rows, lo, hi, at, view)
-        return at, view
-
     def pages_in(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """Held page ids of logical pages ``[lo_r, hi_r)`` per row, row-major, in logical order."""
-        return self._set.pages[self._span_cells(rows, lo, hi)[0]].astype(np.int64)
+        """Held page ids of logical pages ``[lo_r, hi_r)`` per row, row-major, in logical order
+        (``kernels.span_cells``)."""
+        rows, lo, hi = (np.asarray(a, dtype=np.int64) for a in (rows, lo, hi))
+        return self._set.pages[_cells(self._set.geometry, self._set.bounds, self._g, rows, lo, hi)].astype(np.int64)
 
     def row_pages(self, row: int, lo: int, hi: int) -> list[int]:
         """Held page ids of one row's logical pages ``[lo, hi)`` (``pages_in`` of one row)."""
         return self.pages_in(np.array([row]), np.array([lo]), np.array([hi])).tolist()
-
-    # --- mutation -----------------------------------------------------------
-    def place(self, rows: np.ndarray, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
-        """Store ``page_ids`` at logical pages ``[lo_r, lo_r + counts_r)``, row-major (a row
-        whose live pages then outgrow its narrow ring moves to its lane first)."""
-        if not page_ids.size:
-            return
-        if self.has_lanes:
-            for row, first, n in zip(rows.tolist(), lo.tolist(), counts.tolist()):
-                base, hi = int(self.base[row]), int(self.hi[row])
-                live = max(hi, first + n) - (min(base, first) if hi > base else first)
-                if live > self.ring_pages or self._set.bounds[kernels.LANE, self._g, row]:
-                    kernels.fit_ring(self._set.geometry, self._set.pages, self._set.bounds, self._g, row, live)
-        at, view = self._span_cells(rows, lo, lo + counts)
-        self._set.pages[at] = page_ids
-        self._set.note_cells(view)
 
 
 class TableSet:
     """The tables of every group of a manager in one store; the step's table work runs
     in the compiled kernels of ``hybridkv.runtime.kernels``.
 
-    ``pages`` is the flat store of cells (layout: the kernels' docstring and
-    ``geometry``), ``bounds[0][g]``, ``bounds[1][g]`` group ``g``'s live pages
-    ``[base, hi)`` per row, ``bounds[2][g]`` each row's lane (plus one; 0: narrow)
-    and ``bounds[3][g]`` the group's free lanes; each
-    ``GroupTable`` in ``tables`` reads and writes the same arrays, so per-group code
-    (prefix publishing, free) and whole-step code (steps, rewinds) see the same state.
+    ``pages`` (the flat store of cells), ``bounds`` and ``geometry`` are laid out as the
+    kernels' docstring says; each ``GroupTable`` in ``tables`` reads and writes the same
+    arrays, so per-group code and whole-step code see the same state.
 
     While ``log`` is a list, every cell any mutation touches is logged (as an index
     into the ring view, ``ring_view``); ``drain_updates`` hands out those cells with
@@ -190,7 +152,7 @@ class TableSet:
             offset = 0 if id_offsets is None else id_offsets[g]  # the group's first id in the page space
             self.geometry[g, : kernels.RING_START] = (
                 t.page_tokens, t.window_tokens, mask, t.rows_per_page, t.stride_tokens, offset,
-                _log2(t.page_tokens), _log2(t.stride_tokens))
+                kernels.log2_exact(t.page_tokens), kernels.log2_exact(t.stride_tokens))
             self.geometry[g, kernels.RING_MASK] = ring_mask
             self.geometry[g, kernels.VIEW_COLUMNS] = self.view_columns
         rows = max(1, int(initial_rows))
@@ -270,9 +232,8 @@ class TableSet:
     def place_row(self, row: int, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
         """A new row's prefix hit, every group in one compiled call (``kernels.place_row``):
         group ``g``'s ``counts[g]`` ids of ``page_ids`` (group after group) at its logical
-        pages ``[lo[g], lo[g] + counts[g])``, which become the row's live pages. As
-        ``GroupTable.place`` of each group's pages, then base ``lo[g]`` and hi
-        ``lo[g] + counts[g]``."""
+        pages ``[lo[g], lo[g] + counts[g])``, which become the row's live pages (a row whose
+        live pages then outgrow its narrow ring moves to its lane first)."""
         view = np.empty(page_ids.size, dtype=np.int64)
         kernels.place_row(self.geometry, self.pages, self.bounds, row, lo, counts, page_ids, view)
         if page_ids.size:
@@ -332,18 +293,16 @@ class TableSet:
         if rows <= have:
             return
         new = max(rows, 2 * have)
-        old_pages, old_geometry = self.pages, self.geometry.copy()
+        old_pages, old_geometry, old_bounds = self.pages, self.geometry.copy(), self.bounds
         self.bounds = np.concatenate([self.bounds, np.zeros((4, len(self.tables), new - have), np.int64)], axis=2)
         self.base, self.hi = self.bounds[kernels.BASE], self.bounds[kernels.HI]
         self._add_lanes(have, new)
         self.pages = self._new_store(new)
-        for g, t in enumerate(self.tables):
-            _rings_of(self.pages, self.geometry, g, new, t)[:have] = _rings_of(old_pages, old_geometry, g, have, t)
-            lanes = self.bounds[kernels.LANE, g, :have]
-            used = lanes[lanes > 0] - 1
-            if used.size:
-                old = _lanes_of(old_pages, old_geometry, g, have, t)
-                _lanes_of(self.pages, self.geometry, g, new, t)[used] = old[used]
+        for g in range(len(self.tables)):  # every live cell to its place in the new layout
+            rows = np.flatnonzero(old_bounds[kernels.HI, g] > old_bounds[kernels.BASE, g])
+            lo, hi = old_bounds[kernels.BASE, g, rows], old_bounds[kernels.HI, g, rows]
+            self.pages[_cells(self.geometry, self.bounds, g, rows, lo, hi)] = \
+                old_pages[_cells(old_geometry, old_bounds, g, rows, lo, hi)]
         if self.log:
             # Logged ring-view indices move with the wider rows dimension.
             group, cell = np.divmod(np.concatenate(self.log), have * self.view_columns)
@@ -416,19 +375,11 @@ class CommitPages:
         return self._out[:n].tolist(), self._status[:n_entries].tolist()
 
 
-def _rings_of(pages: np.ndarray, geometry: np.ndarray, g: int, rows: int, table: GroupTable) -> np.ndarray:
-    """``[rows, ring pages]`` view of group ``g``'s rings (a transposed view for full history)."""
-    start, cols = geometry[g, kernels.RING_START], table.ring_pages
-    region = pages[start: start + rows * cols]
-    return region.reshape(rows, cols) if table.sliding else region.reshape(cols, rows).T
-
-
-def _lanes_of(pages: np.ndarray, geometry: np.ndarray, g: int, rows: int, table: GroupTable) -> np.ndarray:
-    """``[rows, capacity pages]`` view of group ``g``'s lanes."""
-    start, cols = geometry[g, kernels.LANE_START], table.capacity_pages
-    return pages[start: start + rows * cols].reshape(rows, cols)
-
-
-def _log2(n: int) -> int:
-    """log2 of a power of two, -1 otherwise."""
-    return n.bit_length() - 1 if n & (n - 1) == 0 else -1
+def _cells(geometry: np.ndarray, bounds: np.ndarray, g: int, rows: np.ndarray, lo: np.ndarray,
+           hi: np.ndarray) -> np.ndarray:
+    """Store index of logical pages ``[lo_r, hi_r)`` of each of ``rows`` in group ``g``,
+    row-major, in logical order (``kernels.span_cells``)."""
+    at = np.empty(int(np.maximum(hi - lo, 0).sum()), dtype=np.int64)
+    if at.size:
+        kernels.span_cells(geometry, bounds, g, rows, lo, hi, at, np.empty_like(at))
+    return at
