@@ -223,6 +223,7 @@ class PrefixCache:
         self.tier_hook = None  # a hybridkv.tierlink.TierLink: told what is published and removed
         self._dropping = False  # unpublishing a superseded checkpoint (not an eviction)
         self._init_eviction(eviction_policy)
+        self._knows = self.eviction.knows  # whether some group may publish a key (False: none does)
 
     def _init_commit_reader(self, pools: Mapping[str, PagePool], tables: Mapping[str, GroupTable],
                             windows: Mapping[str, int]) -> None:
@@ -412,6 +413,9 @@ class PrefixCache:
         stored: list[tuple] = []  # the commit's "stored" events, in order
         if len(keys) == 1 == len(checkpoint_keys) and pins[0] is not None and status.count(2) == len(status):
             new_own = self._publish_unit(keys[0], parents[0], boundaries[0], pins[0], pages, stored)
+        elif status.count(2) == len(status):
+            new_own = self._publish_all(hashes, first_block, keys, checkpoint_keys, parents, boundaries, pins,
+                                        pages, stored)
         else:
             at, n_history, fresh = self._publish_history(hashes, first_block, keys, pages, status, stored)
             status = status[n_history:]
@@ -431,19 +435,22 @@ class PrefixCache:
         boundary = end_block * g
         if (end_block == first_block + 1 and self.state_ids and self.state_checkpoint_interval is None
                 and boundary not in req.keep_boundaries):
-            key, found = hh[end_block - 1], []
-            for lookup in self._commit_lookups:  # history groups, then state groups (a loop: cheaper cold)
-                found.append(lookup(key))
-            # A key new in every group (the usual case) claims every entry: a fixed ``want``.
-            want = self._claim_every if found.count(None) == len(found) else [entry is None for entry in found]
+            key = hh[end_block - 1]
+            if not self._knows(key):  # new in every group (the usual case): every entry claimed
+                found, want = [None] * len(self._commit_lookups), self._claim_every
+            else:
+                found = [lookup(key) for lookup in self._commit_lookups]  # history groups, then state groups
+                want = [entry is None for entry in found]
             parents = [hh[end_block - 2] if end_block >= 2 else hashes.root]
             return [key], [boundary], [False], [key], parents, found[len(self.history_ids):], want
         boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
-        keys, want = hh[first_block:end_block], []
-        for lookup in self._history_lookups:
-            for key in keys:
-                want.append(1 if lookup(key) is None else 0)
-        checkpoint_keys, parents, found = self._found_checkpoints(hashes, boundaries, pins, want)
+        keys = hh[first_block:end_block]
+        known = any(map(self._knows, keys))  # False: no group has any of them (the checkpoints' keys are among them)
+        if known:
+            want = [lookup(key) is None for lookup in self._history_lookups for key in keys]
+        else:
+            want = [1] * (len(keys) * len(self._history_lookups))
+        checkpoint_keys, parents, found = self._found_checkpoints(hashes, boundaries, pins, want, known)
         return keys, boundaries, pins, checkpoint_keys, parents, found, want
 
     def _publish_unit(self, key: int, parent: int, boundary: int, pinned: bool, pages: list[int],
@@ -472,6 +479,52 @@ class PrefixCache:
         self.eviction.stored_unit(key, parent, boundary)
         return [own]
 
+    def _publish_all(self, hashes: RequestHashes, first_block: int, keys: list[int], checkpoint_keys: list[int],
+                     checkpoint_parents: list[int], boundaries: list[int], pins: list[bool | None],
+                     pages: list[int], stored: list[tuple]) -> list[OwnCheckpoint]:
+        """A commit that claimed every entry (``pages``: ``CommitPages.read``'s): the same
+        records, events and bookings as :meth:`_publish_history`, :meth:`_publish_checkpoints`
+        and :meth:`_book_checkpoints` in one function (run cold, each frame costs); the
+        request's own checkpoints, holding each in every state group."""
+        g, hook, values, n_blocks, hh = self.granularity_tokens, self.tier_hook, self.values, len(keys), hashes.hashes
+        parents = hh[first_block - 1:first_block - 1 + n_blocks] if first_block else [hashes.root, *keys[:-1]]
+        ends = range((first_block + 1) * g, (first_block + n_blocks + 1) * g, g)
+        at, claims, every = 0, [], range(n_blocks)
+        for gid, pool, per_block, stats in self._history_groups:
+            entries = list(zip(*[iter(pages[at:at + n_blocks * per_block])] * per_block))  # each block's pages
+            at += n_blocks * per_block
+            pool.adopt(keys, entries)
+            stored += zip(repeat("stored"), repeat(gid), keys, parents, ends, repeat(per_block))
+            for key, boundary, entry in zip(keys, ends, entries) if hook is not None else ():
+                hook.stored(gid, key, boundary, entry, False)
+            stats.stored_entries += n_blocks
+            claims.append((gid, every))
+        fresh = keys if claims and self.eviction.stored_blocks(claims, keys, parents, ends) else None
+        state, columns, events, n_new = pages[at:], [], [], len(checkpoint_keys)
+        for (gid, pool, per_entry, _, stats), places in zip(self._state_groups, self._window_places):
+            columns.append(windows := list(zip(*[state[place] for place in places])))  # each boundary's pages
+            pool.adopt(checkpoint_keys, windows)
+            stats.stored_entries += n_new
+            events.append(zip(repeat("stored"), repeat(gid), checkpoint_keys, checkpoint_parents, boundaries,
+                              repeat(per_entry)))
+        stored += chain.from_iterable(zip(*events))  # boundary by boundary, group by group
+        low = values is None or values.low_priority(SPECULATIVE) if None in pins else False
+        own_checkpoints, booked, gids, holders = [], [], self.state_ids, [h for _, _, _, h, _ in self._state_groups]
+        for key, parent, boundary, pinned, here in zip(checkpoint_keys, checkpoint_parents, boundaries, pins,
+                                                        zip(*columns)):
+            for gid, entry in zip(gids, here) if hook is not None else ():
+                hook.stored(gid, key, boundary, entry, low and pinned is None)
+            if values is not None:
+                values.published(key, boundary, speculative=pinned is None)
+            booked.append((gids, key, parent, boundary))
+            if pinned is not None:
+                own_checkpoints.append(own := OwnCheckpoint(boundary, pinned))
+                for gid, entry, held in zip(gids, here, holders):
+                    own.entries[gid] = (key, entry)
+                    held[key] = held.get(key, 0) + 1
+        self.eviction.stored_checkpoints(booked, fresh)
+        return own_checkpoints
+
     def _checkpoint_boundaries(self, req: CommittingRequest, first_block: int,
                                end_block: int) -> tuple[list[int], list[bool | None]]:
         """The checkpoints a commit of blocks ``[first_block, end_block)`` publishes, and
@@ -493,23 +546,26 @@ class PrefixCache:
         return speculative + own, [None] * len(speculative) + pins
 
     def _found_checkpoints(self, hashes: RequestHashes, boundaries: list[int], pins: list[bool | None],
-                           want: list[int]) -> tuple[list[int], list[int], list[tuple[int, ...] | None]]:
+                           want: list[int], known: bool) -> tuple[list[int], list[int], list[tuple[int, ...] | None]]:
         """Each checkpoint's key and parent key, and its entry in each state group (None:
-        not published); onto ``want`` (``CommitPages.read``'s) whether to claim it: where
-        it is missing (and its window live: the claim checks), low priority for a
-        speculative one (``pins`` None: unheld; with ``"prefill-per-byte"`` low while that
-        class rates low)."""
+        not published; ``known`` False: no group has any of the keys); onto ``want``
+        (``CommitPages.read``'s) whether to claim it: where it is missing (and its window
+        live: the claim checks), low priority for a speculative one (``pins`` None: unheld;
+        with ``"prefill-per-byte"`` low while that class rates low)."""
         low = 2 if None in pins and (self.values is None or self.values.low_priority(SPECULATIVE)) else 1
         g, hh, root, lookups = self.granularity_tokens, hashes.hashes, hashes.root, self._state_lookups
-        keys, parents, found = [], [], []
+        keys, parents, found, n = [], [], [], len(lookups)
         for d, pinned in zip(boundaries, pins):
             key, code = hh[d // g - 1], low if pinned is None else 1
             keys.append(key), parents.append(hh[d // g - 2] if d >= 2 * g else root)
+            if not known:
+                want += [code] * n
+                continue
             for lookup in lookups:
                 entry = lookup(key)
                 found.append(entry)
                 want.append(code if entry is None else 0)
-        return keys, parents, found
+        return keys, parents, found if known else [None] * (n * len(keys))
 
     def _publish_history(self, hashes: RequestHashes, first_block: int, keys: list[int], pages: list[int],
                          status: list[int], stored: list[tuple]) -> tuple[int, int, list[int] | None]:

@@ -104,6 +104,9 @@ class ValueEviction:
         #         first (a chain's first block: its parent is the salt root), boundary tokens]:
         # one record per key for every group (``origin`` reads what its events name)
         self._nodes: dict[Hashable, list] = {}
+        # Whether a key has a node: False means no group publishes an entry under it (a
+        # commit asks it once per key instead of asking each group's pool).
+        self.knows: Callable[[Hashable], bool] = self._nodes.__contains__
         # parent key -> keys published before it (linked as its children when it is)
         self._unborn: dict[Hashable, set] = {}
         # (group, key) of state entries demoted because a block below them went (promoted
