@@ -428,8 +428,8 @@ class PrefixCache:
     def _plan(self, req: CommittingRequest, hashes: RequestHashes, first_block: int, end_block: int) -> tuple:
         """What a commit of blocks ``[first_block, end_block)`` publishes: the blocks' keys,
         the checkpoint boundaries and pins (:meth:`_checkpoint_boundaries`), the checkpoints'
-        keys, parents and entries (:meth:`_found_checkpoints`), and ``want``
-        (``CommitPages.read``'s). A decode commit's (one block, its end the one checkpoint)
+        keys, parents and entries in each state group (None: not published; boundary by
+        boundary), and ``want`` (``CommitPages.read``'s). A decode commit's (one block, its end the one checkpoint)
         looks its one key up in every group in one pass."""
         g, hh = self.granularity_tokens, hashes.hashes
         boundary = end_block * g
@@ -444,13 +444,22 @@ class PrefixCache:
             parents = [hh[end_block - 2] if end_block >= 2 else hashes.root]
             return [key], [boundary], [False], [key], parents, found[len(self.history_ids):], want
         boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
-        keys = hh[first_block:end_block]
-        known = any(map(self._knows, keys))  # False: no group has any of them (the checkpoints' keys are among them)
-        if known:
-            want = [lookup(key) is None for lookup in self._history_lookups for key in keys]
-        else:
-            want = [1] * (len(keys) * len(self._history_lookups))
-        checkpoint_keys, parents, found = self._found_checkpoints(hashes, boundaries, pins, want, known)
+        keys, root, lookups = hh[first_block:end_block], hashes.root, self._state_lookups
+        # The checkpoints' keys are among the blocks': when no group has any (False), none is asked.
+        known = any(map(self._knows, keys))
+        want = ([lookup(key) is None for lookup in self._history_lookups for key in keys] if known
+                else [1] * (len(keys) * len(self._history_lookups)))
+        checkpoint_keys = [hh[d // g - 1] for d in boundaries]
+        parents = [hh[d // g - 2] if d >= 2 * g else root for d in boundaries]
+        # Claim each missing checkpoint (its window live: the claim checks), low priority for a
+        # speculative one (``pins`` None: unheld; with "prefill-per-byte" low while that class rates low).
+        low = 2 if None in pins and (self.values is None or self.values.low_priority(SPECULATIVE)) else 1
+        codes = [low if pinned is None else 1 for pinned in pins]
+        if not known:
+            want += [code for code in codes for _ in lookups]
+            return keys, boundaries, pins, checkpoint_keys, parents, [None] * (len(codes) * len(lookups)), want
+        found = [lookup(key) for key in checkpoint_keys for lookup in lookups]  # boundary by boundary
+        want += [code if entry is None else 0 for code, entry in zip([c for c in codes for _ in lookups], found)]
         return keys, boundaries, pins, checkpoint_keys, parents, found, want
 
     def _publish_unit(self, key: int, parent: int, boundary: int, pinned: bool, pages: list[int],
@@ -536,6 +545,10 @@ class PrefixCache:
         latest = end_block * g
         keeps = None if self.checkpoint_policy == "terminal-and-junctions" else self.policy.speculative
         speculative, own, pins, prompt_tokens = [], [], [], req.prompt_tokens
+        if interval is None and not keep:  # nothing pinned: the speculative boundaries, then the latest
+            if keeps is not None:
+                speculative = [d for d in range((first_block + 1) * g, latest, g) if keeps(d, prompt_tokens)]
+            return [*speculative, latest], [None] * len(speculative) + [False]
         for d in range((first_block + 1) * g, latest + 1, g):  # the boundaries crossed, then the latest
             if d in keep or (interval is not None and d % interval == 0):
                 own.append(d), pins.append(True)
@@ -544,28 +557,6 @@ class PrefixCache:
             elif keeps is not None and keeps(d, prompt_tokens):
                 speculative.append(d)
         return speculative + own, [None] * len(speculative) + pins
-
-    def _found_checkpoints(self, hashes: RequestHashes, boundaries: list[int], pins: list[bool | None],
-                           want: list[int], known: bool) -> tuple[list[int], list[int], list[tuple[int, ...] | None]]:
-        """Each checkpoint's key and parent key, and its entry in each state group (None:
-        not published; ``known`` False: no group has any of the keys); onto ``want``
-        (``CommitPages.read``'s) whether to claim it: where it is missing (and its window
-        live: the claim checks), low priority for a speculative one (``pins`` None: unheld;
-        with ``"prefill-per-byte"`` low while that class rates low)."""
-        low = 2 if None in pins and (self.values is None or self.values.low_priority(SPECULATIVE)) else 1
-        g, hh, root, lookups = self.granularity_tokens, hashes.hashes, hashes.root, self._state_lookups
-        keys, parents, found, n = [], [], [], len(lookups)
-        for d, pinned in zip(boundaries, pins):
-            key, code = hh[d // g - 1], low if pinned is None else 1
-            keys.append(key), parents.append(hh[d // g - 2] if d >= 2 * g else root)
-            if not known:
-                want += [code] * n
-                continue
-            for lookup in lookups:
-                entry = lookup(key)
-                found.append(entry)
-                want.append(code if entry is None else 0)
-        return keys, parents, found if known else [None] * (n * len(keys))
 
     def _publish_history(self, hashes: RequestHashes, first_block: int, keys: list[int], pages: list[int],
                          status: list[int], stored: list[tuple]) -> tuple[int, int, list[int] | None]:
