@@ -242,6 +242,7 @@ class PrefixCache:
         self._state_groups = [(gid, pools[gid], n, self._holders[gid], self.stats[gid])
                               for gid, n in zip(self.state_ids, self._reader.checkpoint_pages)]
         self._entry_pages = {gid: n for gid, _, n, *_ in self._history_groups + self._state_groups}
+        self._state_holders = [holders for _, _, _, holders, _ in self._state_groups]
         self._checkpoint_events = [(gid, n) for gid, _, n, *_ in self._state_groups]  # what a "stored" event names
         # Per state group, where its pages of each boundary lie in the state part of what a
         # commit reads: the i-th page of every window, one slice a page.
@@ -446,21 +447,28 @@ class PrefixCache:
         boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
         keys, root, lookups = hh[first_block:end_block], hashes.root, self._state_lookups
         # The checkpoints' keys are among the blocks': when no group has any (False), none is asked.
-        known = any(map(self._knows, keys))
-        want = ([lookup(key) is None for lookup in self._history_lookups for key in keys] if known
-                else [1] * (len(keys) * len(self._history_lookups)))
-        checkpoint_keys = [hh[d // g - 1] for d in boundaries]
-        parents = [hh[d // g - 2] if d >= 2 * g else root for d in boundaries]
+        # Plain loops, no comprehension: each is a frame, costly run cold.
+        known, want, found = any(map(self._knows, keys)), [], []
+        for lookup in self._history_lookups if known else ():
+            for key in keys:
+                want.append(lookup(key) is None)
+        if not known:
+            want = [1] * (len(keys) * len(self._history_lookups))
         # Claim each missing checkpoint (its window live: the claim checks), low priority for a
         # speculative one (``pins`` None: unheld; with "prefill-per-byte" low while that class rates low).
         low = 2 if None in pins and (self.values is None or self.values.low_priority(SPECULATIVE)) else 1
-        codes = [low if pinned is None else 1 for pinned in pins]
-        if not known:
-            want += [code for code in codes for _ in lookups]
-            return keys, boundaries, pins, checkpoint_keys, parents, [None] * (len(codes) * len(lookups)), want
-        found = [lookup(key) for key in checkpoint_keys for lookup in lookups]  # boundary by boundary
-        want += [code if entry is None else 0 for code, entry in zip([c for c in codes for _ in lookups], found)]
-        return keys, boundaries, pins, checkpoint_keys, parents, found, want
+        checkpoint_keys, parents, n = [], [], len(lookups)
+        for d, pinned in zip(boundaries, pins):
+            key, code = hh[d // g - 1], low if pinned is None else 1
+            checkpoint_keys.append(key), parents.append(hh[d // g - 2] if d >= 2 * g else root)
+            if not known:
+                want += [code] * n
+                continue
+            for lookup in lookups:  # boundary by boundary, state group by state group
+                entry = lookup(key)
+                found.append(entry)
+                want.append(code if entry is None else 0)
+        return keys, boundaries, pins, checkpoint_keys, parents, found if known else [None] * (n * len(boundaries)), want
 
     def _publish_unit(self, key: int, parent: int, boundary: int, pinned: bool, pages: list[int],
                       stored: list[tuple]) -> list[OwnCheckpoint]:
@@ -511,14 +519,14 @@ class PrefixCache:
         fresh = keys if claims and self.eviction.stored_blocks(claims, keys, parents, ends) else None
         state, columns, events, n_new = pages[at:], [], [], len(checkpoint_keys)
         for (gid, pool, per_entry, _, stats), places in zip(self._state_groups, self._window_places):
-            columns.append(windows := list(zip(*[state[place] for place in places])))  # each boundary's pages
+            columns.append(windows := list(zip(*map(state.__getitem__, places))))  # each boundary's pages
             pool.adopt(checkpoint_keys, windows)
             stats.stored_entries += n_new
             events.append(zip(repeat("stored"), repeat(gid), checkpoint_keys, checkpoint_parents, boundaries,
                               repeat(per_entry)))
         stored += chain.from_iterable(zip(*events))  # boundary by boundary, group by group
         low = values is None or values.low_priority(SPECULATIVE) if None in pins else False
-        own_checkpoints, booked, gids, holders = [], [], self.state_ids, [h for _, _, _, h, _ in self._state_groups]
+        own_checkpoints, booked, gids, holders = [], [], self.state_ids, self._state_holders
         for key, parent, boundary, pinned, here in zip(checkpoint_keys, checkpoint_parents, boundaries, pins,
                                                         zip(*columns)):
             for gid, entry in zip(gids, here) if hook is not None else ():
@@ -547,7 +555,7 @@ class PrefixCache:
         speculative, own, pins, prompt_tokens = [], [], [], req.prompt_tokens
         if interval is None and not keep:  # nothing pinned: the speculative boundaries, then the latest
             if keeps is not None:
-                speculative = [d for d in range((first_block + 1) * g, latest, g) if keeps(d, prompt_tokens)]
+                speculative = list(self.policy.speculative_between((first_block + 1) * g, latest, g, prompt_tokens))
             return [*speculative, latest], [None] * len(speculative) + [False]
         for d in range((first_block + 1) * g, latest + 1, g):  # the boundaries crossed, then the latest
             if d in keep or (interval is not None and d % interval == 0):
