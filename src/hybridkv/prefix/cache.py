@@ -506,7 +506,7 @@ class PrefixCache:
         g, hook, values, n_blocks, hh = self.granularity_tokens, self.tier_hook, self.values, len(keys), hashes.hashes
         parents = hh[first_block - 1:first_block - 1 + n_blocks] if first_block else [hashes.root, *keys[:-1]]
         ends = range((first_block + 1) * g, (first_block + n_blocks + 1) * g, g)
-        at, claims, every = 0, [], range(n_blocks)
+        at = 0
         for gid, pool, per_block, stats in self._history_groups:
             entries = list(zip(*[iter(pages[at:at + n_blocks * per_block])] * per_block))  # each block's pages
             at += n_blocks * per_block
@@ -515,8 +515,9 @@ class PrefixCache:
             for key, boundary, entry in zip(keys, ends, entries) if hook is not None else ():
                 hook.stored(gid, key, boundary, entry, False)
             stats.stored_entries += n_blocks
-            claims.append((gid, every))
-        fresh = keys if claims and self.eviction.stored_blocks(claims, keys, parents, ends) else None
+        fresh = keys if self.history_ids and self.eviction.stored_chain(keys, parents, ends) else None
+        if self.history_ids and fresh is None:  # (stored_chain did nothing)
+            self.eviction.stored_blocks([(gid, range(n_blocks)) for gid in self.history_ids], keys, parents, ends)
         state, columns, events, n_new = pages[at:], [], [], len(checkpoint_keys)
         for (gid, pool, per_entry, _, stats), places in zip(self._state_groups, self._window_places):
             columns.append(windows := list(zip(*map(state.__getitem__, places))))  # each boundary's pages
