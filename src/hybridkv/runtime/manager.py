@@ -1436,6 +1436,8 @@ class CacheManager:
             for name in ("ref_counts", "cached", "low_priority"):  # still the page space's views
                 assert np.shares_memory(getattr(pool, name), getattr(self._space, name)), f"{gid}: {name} rebound"
             pool.check_invariants()
+            if self.prefix is not None:  # a commit asks no group for a key the eviction policy does not know
+                assert all(map(self.prefix.eviction.knows, pool.entry_keys())), f"{gid}: a key without a node"
         if self.arena is not None:
             self.arena.check_invariants()
 
