@@ -1163,7 +1163,7 @@ def test_match_agrees_with_the_rules_over_random_caches(data):
 @pytest.mark.parametrize("policy", ["prompt-boundaries", "terminal-and-junctions", "prefill-per-byte"])
 def test_multi_block_commits_emit_the_documented_stored_events_in_order(policy):
     """Prefill chunks of several blocks (each commit of a new prompt claims every entry,
-    the one-function path) emit, per commit, the "stored" events written out here from
+    _publish_all) emit, per commit, the "stored" events written out here from
     the documented order: each history group's new blocks in order, then boundary by
     boundary (the speculative ones the policy keeps, then the latest) each state group;
     every field by the key formula. A second request sharing part of the prompt (its

@@ -429,8 +429,8 @@ class PrefixCache:
     def _plan(self, req: CommittingRequest, hashes: RequestHashes, first_block: int, end_block: int) -> tuple:
         """What a commit of blocks ``[first_block, end_block)`` publishes: the blocks' keys,
         the checkpoint boundaries and pins (:meth:`_checkpoint_boundaries`), the checkpoints'
-        keys, parents and entries in each state group (None: not published; boundary by
-        boundary), and ``want`` (``CommitPages.read``'s). A decode commit's (one block, its end the one checkpoint)
+        keys, parents and entries (:meth:`_found_checkpoints`), and ``want``
+        (``CommitPages.read``'s). A decode commit's (one block, its end the one checkpoint)
         looks its one key up in every group in one pass."""
         g, hh = self.granularity_tokens, hashes.hashes
         boundary = end_block * g
@@ -445,30 +445,39 @@ class PrefixCache:
             parents = [hh[end_block - 2] if end_block >= 2 else hashes.root]
             return [key], [boundary], [False], [key], parents, found[len(self.history_ids):], want
         boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
-        keys, root, lookups = hh[first_block:end_block], hashes.root, self._state_lookups
+        keys = hh[first_block:end_block]
         # The checkpoints' keys are among the blocks': when no group has any (False), none is asked.
         # Plain loops, no comprehension: each is a frame, costly run cold.
-        known, want, found = any(map(self._knows, keys)), [], []
+        known, want = any(map(self._knows, keys)), []
         for lookup in self._history_lookups if known else ():
             for key in keys:
                 want.append(lookup(key) is None)
         if not known:
             want = [1] * (len(keys) * len(self._history_lookups))
-        # Claim each missing checkpoint (its window live: the claim checks), low priority for a
-        # speculative one (``pins`` None: unheld; with "prefill-per-byte" low while that class rates low).
+        checkpoint_keys, parents, found = self._found_checkpoints(hashes, boundaries, pins, want, known)
+        return keys, boundaries, pins, checkpoint_keys, parents, found, want
+
+    def _found_checkpoints(self, hashes: RequestHashes, boundaries: list[int], pins: list[bool | None],
+                           want: list, known: bool) -> tuple[list[int], list[int], list[tuple[int, ...] | None]]:
+        """Each checkpoint's key and parent key, and its entry in each state group (None: not
+        published; ``known`` False: no group has any of the keys, none is asked), boundary by
+        boundary; onto ``want`` (``CommitPages.read``'s) whether to claim it: where it is
+        missing (and its window live: the claim checks), low priority for a speculative one
+        (``pins`` None: unheld; with ``"prefill-per-byte"`` low while that class rates low)."""
         low = 2 if None in pins and (self.values is None or self.values.low_priority(SPECULATIVE)) else 1
-        checkpoint_keys, parents, n = [], [], len(lookups)
-        for d, pinned in zip(boundaries, pins):
+        g, hh, root, lookups = self.granularity_tokens, hashes.hashes, hashes.root, self._state_lookups
+        keys, parents, found, n = [], [], [], len(lookups)
+        for d, pinned in zip(boundaries, pins):  # plain loops, no comprehension: each is a frame, costly cold
             key, code = hh[d // g - 1], low if pinned is None else 1
-            checkpoint_keys.append(key), parents.append(hh[d // g - 2] if d >= 2 * g else root)
+            keys.append(key), parents.append(hh[d // g - 2] if d >= 2 * g else root)
             if not known:
                 want += [code] * n
                 continue
-            for lookup in lookups:  # boundary by boundary, state group by state group
+            for lookup in lookups:
                 entry = lookup(key)
                 found.append(entry)
                 want.append(code if entry is None else 0)
-        return keys, boundaries, pins, checkpoint_keys, parents, found if known else [None] * (n * len(boundaries)), want
+        return keys, parents, found if known else [None] * (n * len(boundaries))
 
     def _publish_unit(self, key: int, parent: int, boundary: int, pinned: bool, pages: list[int],
                       stored: list[tuple]) -> list[OwnCheckpoint]:
@@ -501,9 +510,10 @@ class PrefixCache:
                      pages: list[int], stored: list[tuple]) -> list[OwnCheckpoint]:
         """A commit that claimed every entry (``pages``: ``CommitPages.read``'s): the same
         records, events and bookings as :meth:`_publish_history`, :meth:`_publish_checkpoints`
-        and :meth:`_book_checkpoints` in one function (run cold, each frame costs); the
-        request's own checkpoints, holding each in every state group."""
-        g, hook, values, n_blocks, hh = self.granularity_tokens, self.tier_hook, self.values, len(keys), hashes.hashes
+        and :meth:`_book_checkpoints` in two functions (run cold, each frame costs): the
+        blocks here, then :meth:`_publish_all_checkpoints`; the request's own checkpoints,
+        holding each in every state group."""
+        g, hook, n_blocks, hh = self.granularity_tokens, self.tier_hook, len(keys), hashes.hashes
         parents = hh[first_block - 1:first_block - 1 + n_blocks] if first_block else [hashes.root, *keys[:-1]]
         ends = range((first_block + 1) * g, (first_block + n_blocks + 1) * g, g)
         at = 0
@@ -518,18 +528,26 @@ class PrefixCache:
         fresh = keys if self.history_ids and self.eviction.stored_chain(keys, parents, ends) else None
         if self.history_ids and fresh is None:  # (stored_chain did nothing)
             self.eviction.stored_blocks([(gid, range(n_blocks)) for gid in self.history_ids], keys, parents, ends)
-        state, columns, events, n_new = pages[at:], [], [], len(checkpoint_keys)
+        return self._publish_all_checkpoints(checkpoint_keys, checkpoint_parents, boundaries, pins, pages[at:], fresh,
+                                             stored)
+
+    def _publish_all_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int],
+                                 pins: list[bool | None], state: list[int], fresh: list[int] | None,
+                                 stored: list[tuple]) -> list[OwnCheckpoint]:
+        """:meth:`_publish_all`'s checkpoints, every one claimed in every state group
+        (``state``: their pages, boundary by boundary, group by group): each group's entries
+        adopted, their events zipped boundary by boundary, tier link and checkpoint values
+        told, the request's own ones held, then one ``ValueEviction.stored_checkpoints``."""
+        hook, values, columns, events, n_new = self.tier_hook, self.values, [], [], len(keys)
         for (gid, pool, per_entry, _, stats), places in zip(self._state_groups, self._window_places):
             columns.append(windows := list(zip(*map(state.__getitem__, places))))  # each boundary's pages
-            pool.adopt(checkpoint_keys, windows)
+            pool.adopt(keys, windows)
             stats.stored_entries += n_new
-            events.append(zip(repeat("stored"), repeat(gid), checkpoint_keys, checkpoint_parents, boundaries,
-                              repeat(per_entry)))
+            events.append(zip(repeat("stored"), repeat(gid), keys, parents, boundaries, repeat(per_entry)))
         stored += chain.from_iterable(zip(*events))  # boundary by boundary, group by group
         low = values is None or values.low_priority(SPECULATIVE) if None in pins else False
         own_checkpoints, booked, gids, holders = [], [], self.state_ids, self._state_holders
-        for key, parent, boundary, pinned, here in zip(checkpoint_keys, checkpoint_parents, boundaries, pins,
-                                                        zip(*columns)):
+        for key, parent, boundary, pinned, here in zip(keys, parents, boundaries, pins, zip(*columns)):
             for gid, entry in zip(gids, here) if hook is not None else ():
                 hook.stored(gid, key, boundary, entry, low and pinned is None)
             if values is not None:
