@@ -1,7 +1,7 @@
 """Cost of one prefix commit (``PrefixCache.commit``), this version against another.
 
     PYTHONPATH=src:/tmp/commit_base .venv/bin/python bench/commit_cost.py --against hybridkv_base
-        [--sizes 32,1024] [--steps 200] [--phase decode|serving|prefill|both] [--clock wall|cpu]
+        [--sizes 32,1024] [--steps 200] [--phase decode|serving|prefill|both] [--clock wall|cpu] [--cold MIB]
 
 Same workloads as ``bench/step_profile.py`` (V4-Flash, 40 GiB shared arena, prefix
 caching on): decode steps (``N`` requests, one token each) and serving steps (one
@@ -10,7 +10,8 @@ prefill`` its 2,048-token prefill chunks of 32,768-token prompts. Each side's
 ``manager.prefix.commit`` is wrapped in a timer; the two sides' steps alternate
 on the same seeded workload. Prints, per phase and size, the commits timed and
 their mean and median cost in µs, and whether both sides emitted the same events
-(kind, group, key, parent, tokens, pages; same order). The renamed copy must keep
+(kind, group, key, parent, tokens, pages; same order). ``--cold MIB``: as
+``bench/step_profile.py``'s, the caches evicted before every step (so before its commits). The renamed copy must keep
 the hash roots' byte strings (``b"hybridkv-prefix-root\x00"`` in ``prefix/cache.py``):
 a blanket ``sed s/hybridkv/hybridkv_base/`` renames them too, every key then differs
 and "same events" is False whatever the code does.
@@ -23,7 +24,8 @@ import gc
 import time
 
 import numpy as np
-from step_profile import PHASES
+import step_profile
+from step_profile import PHASES, ColdWalk
 
 CLOCK = time.perf_counter_ns
 
@@ -80,7 +82,10 @@ def main() -> None:
                     help="both: decode and serving")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     ap.add_argument("--against", default=None, help="package of another version (a renamed copy on PYTHONPATH)")
+    ap.add_argument("--cold", type=float, default=0.0, help="MiB of Python objects walked before every step")
     a = ap.parse_args()
+    if a.cold > 0:
+        step_profile.BEFORE_STEP = ColdWalk(a.cold)
     if a.clock == "cpu":
         global CLOCK
         CLOCK = time.thread_time_ns

@@ -288,3 +288,16 @@ def test_hit_sweep_names_the_policy(capsys):
             hit_sweep.main(argv)
         assert exit_.value.code == 2
         assert message in capsys.readouterr().err
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(CHECKPOINT_POLICIES), st.integers(1, 8), st.integers(0, 40), st.integers(0, 40),
+       st.integers(0, 12_000))
+def test_speculative_between_is_speculative_boundary_by_boundary(name, interval_grains, first, count, prompt):
+    """``speculative_between`` (one range, what a commit asks) keeps exactly the crossed
+    boundaries ``speculative`` keeps one by one (the reference), for every policy."""
+    g = 256
+    policy = policy_from_options(name, None, interval_grains * g if name == "interval" else None, g)
+    lo, hi = (first + 1) * g, (first + 1 + count) * g
+    assert list(policy.speculative_between(lo, hi, g, prompt)) == [
+        d for d in range(lo, hi, g) if policy.speculative(d, prompt)]

@@ -1158,3 +1158,52 @@ def test_match_agrees_with_the_rules_over_random_caches(data):
                     if rng.random() < 0.5:
                         pool.unpublish(key)
         mgr.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["prompt-boundaries", "terminal-and-junctions", "prefill-per-byte"])
+def test_multi_block_commits_emit_the_documented_stored_events_in_order(policy):
+    """Prefill chunks of several blocks (each commit of a new prompt claims every entry,
+    _publish_all) emit, per commit, the "stored" events written out here from
+    the documented order: each history group's new blocks in order, then boundary by
+    boundary (the speculative ones the policy keeps, then the latest) each state group;
+    every field by the key formula. A second request sharing part of the prompt (its
+    commits find some keys published: the general path) stores only what is new."""
+    events: list[CacheEvent] = []
+    mgr = make_manager(checkpoint_window_tokens=None)
+    windows, page_tokens = mgr.prefix.checkpoint_windows, {s.group_id: s.page_tokens for s in SPECS}
+    history = [s.group_id for s in SPECS if not s.is_sliding]
+    state = [s.group_id for s in SPECS if s.group_id in windows]
+    prompt = ids(200, 2900)
+    keys = [int(k, 16) for k in _expected_keys("xxh3_128", b"", prompt, len(prompt) // 256)]
+    root = xxhash.xxh3_128_intdigest(b"hybridkv-prefix-root\x00")
+
+    def stored(gid, b):  # block b's entry (the prefix of b + 1 blocks)
+        pages = 1 if gid in history else -(-windows[gid] // page_tokens[gid])
+        return ("stored", gid, keys[b], keys[b - 1] if b else root, (b + 1) * 256, pages)
+
+    def stored_events():
+        out = [(e.kind, e.group_id, int(e.block_hash, 16), e.parent_hash and int(e.parent_hash, 16), e.tokens,
+                e.num_pages) for e in events if e.kind == "stored"]
+        events.clear()
+        return out
+
+    for chunks in ((700,), (700, 1300), (700, 1300, 900)):  # the last chunk's commit (2, 6, 3 blocks)
+        mgr = make_manager(prompt_checkpoints=None, checkpoint_policy=policy, checkpoint_window_tokens=None,
+                           on_event=events.append)
+        mgr.add_request("a", prompt, max_new_tokens=1)
+        for chunk in chunks:
+            mgr.schedule([("a", chunk)])
+        events.clear()
+        mgr.free("a")  # commits the last chunk
+        first, end = (sum(chunks) - chunks[-1]) // 256, sum(chunks) // 256
+        crossed = range(first, end)
+        speculative = [b for b in crossed[:-1] if policy != "terminal-and-junctions"]
+        assert stored_events() == ([stored(gid, b) for gid in history for b in crossed]
+                                   + [stored(gid, b) for b in [*speculative, end - 1] for gid in state]), chunks
+    published = {(gid, keys[b]) for gid in history for b in range(len(keys))}
+    hit = mgr.add_request("b", cat(prompt[:2600], ids(201, 1500)), max_new_tokens=1)
+    prefill(mgr, "b", 4100)
+    mgr.free("b")
+    again = [(gid, key) for _, gid, key, *_ in stored_events() if (gid, key) in published]
+    assert not again and hit.hit_tokens == (0 if policy == "terminal-and-junctions" else 2560)
+    mgr.check_invariants()

@@ -164,7 +164,9 @@ class PagePool:
         self.low_priority = np.zeros(self.num_pages, dtype=bool)
         # Per keyed page, its entry's key. Read only for keyed pages (``cached``), so an
         # entry's removal leaves its pages' keys behind (overwritten when a page is keyed again).
-        self._page_key: dict[int, Hashable] = {}
+        # A list by page id, not a dict: a commit stores one key a page, and a list's slots of
+        # an entry's (mostly adjacent) pages share cache lines where a dict's are scattered.
+        self._page_key: list[Hashable | None] = [None] * self.num_pages
         self._entries: dict[Hashable, tuple[int, ...]] = {}
         # An entry's pages by key, None when it is not published: the dict's own get (a
         # prefix match or commit asks it once per block and group, without a Python frame).

@@ -223,6 +223,7 @@ class PrefixCache:
         self.tier_hook = None  # a hybridkv.tierlink.TierLink: told what is published and removed
         self._dropping = False  # unpublishing a superseded checkpoint (not an eviction)
         self._init_eviction(eviction_policy)
+        self._knows = self.eviction.knows  # whether some group may publish a key (False: none does)
 
     def _init_commit_reader(self, pools: Mapping[str, PagePool], tables: Mapping[str, GroupTable],
                             windows: Mapping[str, int]) -> None:
@@ -241,6 +242,7 @@ class PrefixCache:
         self._state_groups = [(gid, pools[gid], n, self._holders[gid], self.stats[gid])
                               for gid, n in zip(self.state_ids, self._reader.checkpoint_pages)]
         self._entry_pages = {gid: n for gid, _, n, *_ in self._history_groups + self._state_groups}
+        self._state_holders = [holders for _, _, _, holders, _ in self._state_groups]
         self._checkpoint_events = [(gid, n) for gid, _, n, *_ in self._state_groups]  # what a "stored" event names
         # Per state group, where its pages of each boundary lie in the state part of what a
         # commit reads: the i-th page of every window, one slice a page.
@@ -412,6 +414,9 @@ class PrefixCache:
         stored: list[tuple] = []  # the commit's "stored" events, in order
         if len(keys) == 1 == len(checkpoint_keys) and pins[0] is not None and status.count(2) == len(status):
             new_own = self._publish_unit(keys[0], parents[0], boundaries[0], pins[0], pages, stored)
+        elif status.count(2) == len(status):
+            new_own = self._publish_all(hashes, first_block, keys, checkpoint_keys, parents, boundaries, pins,
+                                        pages, stored)
         else:
             at, n_history, fresh = self._publish_history(hashes, first_block, keys, pages, status, stored)
             status = status[n_history:]
@@ -431,20 +436,48 @@ class PrefixCache:
         boundary = end_block * g
         if (end_block == first_block + 1 and self.state_ids and self.state_checkpoint_interval is None
                 and boundary not in req.keep_boundaries):
-            key, found = hh[end_block - 1], []
-            for lookup in self._commit_lookups:  # history groups, then state groups (a loop: cheaper cold)
-                found.append(lookup(key))
-            # A key new in every group (the usual case) claims every entry: a fixed ``want``.
-            want = self._claim_every if found.count(None) == len(found) else [entry is None for entry in found]
+            key = hh[end_block - 1]
+            if not self._knows(key):  # new in every group (the usual case): every entry claimed
+                found, want = [None] * len(self._commit_lookups), self._claim_every
+            else:
+                found = [lookup(key) for lookup in self._commit_lookups]  # history groups, then state groups
+                want = [entry is None for entry in found]
             parents = [hh[end_block - 2] if end_block >= 2 else hashes.root]
             return [key], [boundary], [False], [key], parents, found[len(self.history_ids):], want
         boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
-        keys, want = hh[first_block:end_block], []
-        for lookup in self._history_lookups:
+        keys = hh[first_block:end_block]
+        # The checkpoints' keys are among the blocks': when no group has any (False), none is asked.
+        # Plain loops, no comprehension: each is a frame, costly run cold.
+        known, want = any(map(self._knows, keys)), []
+        for lookup in self._history_lookups if known else ():
             for key in keys:
-                want.append(1 if lookup(key) is None else 0)
-        checkpoint_keys, parents, found = self._found_checkpoints(hashes, boundaries, pins, want)
+                want.append(lookup(key) is None)
+        if not known:
+            want = [1] * (len(keys) * len(self._history_lookups))
+        checkpoint_keys, parents, found = self._found_checkpoints(hashes, boundaries, pins, want, known)
         return keys, boundaries, pins, checkpoint_keys, parents, found, want
+
+    def _found_checkpoints(self, hashes: RequestHashes, boundaries: list[int], pins: list[bool | None],
+                           want: list, known: bool) -> tuple[list[int], list[int], list[tuple[int, ...] | None]]:
+        """Each checkpoint's key and parent key, and its entry in each state group (None: not
+        published; ``known`` False: no group has any of the keys, none is asked), boundary by
+        boundary; onto ``want`` (``CommitPages.read``'s) whether to claim it: where it is
+        missing (and its window live: the claim checks), low priority for a speculative one
+        (``pins`` None: unheld; with ``"prefill-per-byte"`` low while that class rates low)."""
+        low = 2 if None in pins and (self.values is None or self.values.low_priority(SPECULATIVE)) else 1
+        g, hh, root, lookups = self.granularity_tokens, hashes.hashes, hashes.root, self._state_lookups
+        keys, parents, found, n = [], [], [], len(lookups)
+        for d, pinned in zip(boundaries, pins):  # plain loops, no comprehension: each is a frame, costly cold
+            key, code = hh[d // g - 1], low if pinned is None else 1
+            keys.append(key), parents.append(hh[d // g - 2] if d >= 2 * g else root)
+            if not known:
+                want += [code] * n
+                continue
+            for lookup in lookups:
+                entry = lookup(key)
+                found.append(entry)
+                want.append(code if entry is None else 0)
+        return keys, parents, found if known else [None] * (n * len(boundaries))
 
     def _publish_unit(self, key: int, parent: int, boundary: int, pinned: bool, pages: list[int],
                       stored: list[tuple]) -> list[OwnCheckpoint]:
@@ -472,6 +505,62 @@ class PrefixCache:
         self.eviction.stored_unit(key, parent, boundary)
         return [own]
 
+    def _publish_all(self, hashes: RequestHashes, first_block: int, keys: list[int], checkpoint_keys: list[int],
+                     checkpoint_parents: list[int], boundaries: list[int], pins: list[bool | None],
+                     pages: list[int], stored: list[tuple]) -> list[OwnCheckpoint]:
+        """A commit that claimed every entry (``pages``: ``CommitPages.read``'s): the same
+        records, events and bookings as :meth:`_publish_history`, :meth:`_publish_checkpoints`
+        and :meth:`_book_checkpoints` in two functions (run cold, each frame costs): the
+        blocks here, then :meth:`_publish_all_checkpoints`; the request's own checkpoints,
+        holding each in every state group."""
+        g, hook, n_blocks, hh = self.granularity_tokens, self.tier_hook, len(keys), hashes.hashes
+        parents = hh[first_block - 1:first_block - 1 + n_blocks] if first_block else [hashes.root, *keys[:-1]]
+        ends = range((first_block + 1) * g, (first_block + n_blocks + 1) * g, g)
+        at = 0
+        for gid, pool, per_block, stats in self._history_groups:
+            entries = list(zip(*[iter(pages[at:at + n_blocks * per_block])] * per_block))  # each block's pages
+            at += n_blocks * per_block
+            pool.adopt(keys, entries)
+            stored += zip(repeat("stored"), repeat(gid), keys, parents, ends, repeat(per_block))
+            for key, boundary, entry in zip(keys, ends, entries) if hook is not None else ():
+                hook.stored(gid, key, boundary, entry, False)
+            stats.stored_entries += n_blocks
+        fresh = keys if self.history_ids and self.eviction.stored_chain(keys, parents, ends) else None
+        if self.history_ids and fresh is None:  # (stored_chain did nothing)
+            self.eviction.stored_blocks([(gid, range(n_blocks)) for gid in self.history_ids], keys, parents, ends)
+        return self._publish_all_checkpoints(checkpoint_keys, checkpoint_parents, boundaries, pins, pages[at:], fresh,
+                                             stored)
+
+    def _publish_all_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int],
+                                 pins: list[bool | None], state: list[int], fresh: list[int] | None,
+                                 stored: list[tuple]) -> list[OwnCheckpoint]:
+        """:meth:`_publish_all`'s checkpoints, every one claimed in every state group
+        (``state``: their pages, boundary by boundary, group by group): each group's entries
+        adopted, their events zipped boundary by boundary, tier link and checkpoint values
+        told, the request's own ones held, then one ``ValueEviction.stored_checkpoints``."""
+        hook, values, columns, events, n_new = self.tier_hook, self.values, [], [], len(keys)
+        for (gid, pool, per_entry, _, stats), places in zip(self._state_groups, self._window_places):
+            columns.append(windows := list(zip(*map(state.__getitem__, places))))  # each boundary's pages
+            pool.adopt(keys, windows)
+            stats.stored_entries += n_new
+            events.append(zip(repeat("stored"), repeat(gid), keys, parents, boundaries, repeat(per_entry)))
+        stored += chain.from_iterable(zip(*events))  # boundary by boundary, group by group
+        low = values is None or values.low_priority(SPECULATIVE) if None in pins else False
+        own_checkpoints, booked, gids, holders = [], [], self.state_ids, self._state_holders
+        for key, parent, boundary, pinned, here in zip(keys, parents, boundaries, pins, zip(*columns)):
+            for gid, entry in zip(gids, here) if hook is not None else ():
+                hook.stored(gid, key, boundary, entry, low and pinned is None)
+            if values is not None:
+                values.published(key, boundary, speculative=pinned is None)
+            booked.append((gids, key, parent, boundary))
+            if pinned is not None:
+                own_checkpoints.append(own := OwnCheckpoint(boundary, pinned))
+                for gid, entry, held in zip(gids, here, holders):
+                    own.entries[gid] = (key, entry)
+                    held[key] = held.get(key, 0) + 1
+        self.eviction.stored_checkpoints(booked, fresh)
+        return own_checkpoints
+
     def _checkpoint_boundaries(self, req: CommittingRequest, first_block: int,
                                end_block: int) -> tuple[list[int], list[bool | None]]:
         """The checkpoints a commit of blocks ``[first_block, end_block)`` publishes, and
@@ -483,6 +572,10 @@ class PrefixCache:
         latest = end_block * g
         keeps = None if self.checkpoint_policy == "terminal-and-junctions" else self.policy.speculative
         speculative, own, pins, prompt_tokens = [], [], [], req.prompt_tokens
+        if interval is None and not keep:  # nothing pinned: the speculative boundaries, then the latest
+            if keeps is not None:
+                speculative = list(self.policy.speculative_between((first_block + 1) * g, latest, g, prompt_tokens))
+            return [*speculative, latest], [None] * len(speculative) + [False]
         for d in range((first_block + 1) * g, latest + 1, g):  # the boundaries crossed, then the latest
             if d in keep or (interval is not None and d % interval == 0):
                 own.append(d), pins.append(True)
@@ -491,25 +584,6 @@ class PrefixCache:
             elif keeps is not None and keeps(d, prompt_tokens):
                 speculative.append(d)
         return speculative + own, [None] * len(speculative) + pins
-
-    def _found_checkpoints(self, hashes: RequestHashes, boundaries: list[int], pins: list[bool | None],
-                           want: list[int]) -> tuple[list[int], list[int], list[tuple[int, ...] | None]]:
-        """Each checkpoint's key and parent key, and its entry in each state group (None:
-        not published); onto ``want`` (``CommitPages.read``'s) whether to claim it: where
-        it is missing (and its window live: the claim checks), low priority for a
-        speculative one (``pins`` None: unheld; with ``"prefill-per-byte"`` low while that
-        class rates low)."""
-        low = 2 if None in pins and (self.values is None or self.values.low_priority(SPECULATIVE)) else 1
-        g, hh, root, lookups = self.granularity_tokens, hashes.hashes, hashes.root, self._state_lookups
-        keys, parents, found = [], [], []
-        for d, pinned in zip(boundaries, pins):
-            key, code = hh[d // g - 1], low if pinned is None else 1
-            keys.append(key), parents.append(hh[d // g - 2] if d >= 2 * g else root)
-            for lookup in lookups:
-                entry = lookup(key)
-                found.append(entry)
-                want.append(code if entry is None else 0)
-        return keys, parents, found
 
     def _publish_history(self, hashes: RequestHashes, first_block: int, keys: list[int], pages: list[int],
                          status: list[int], stored: list[tuple]) -> tuple[int, int, list[int] | None]:

@@ -43,6 +43,16 @@ class CheckpointPolicy:
             return boundary_tokens <= prompt_tokens
         return False
 
+    def speculative_between(self, first_tokens: int, end_tokens: int, grain_tokens: int, prompt_tokens: int) -> range:
+        """The boundaries ``first, first + grain, ...`` below ``end`` (multiples of the grain,
+        as ``interval_tokens`` is) that :meth:`speculative` keeps, as one range."""
+        if self.name == "interval":
+            k = self.interval_tokens
+            return range(-(-first_tokens // k) * k, end_tokens, k)
+        if self.name in ("prompt-boundaries", "prefill-per-byte"):
+            return range(first_tokens, min(end_tokens, prompt_tokens + 1), grain_tokens)
+        return range(0)
+
     @property
     def ranks_by_value(self) -> bool:
         return self.name == "prefill-per-byte"

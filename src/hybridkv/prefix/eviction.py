@@ -62,6 +62,9 @@ class ValueEviction:
         #         first (a chain's first block: its parent is the salt root), boundary tokens]:
         # one record per key for every group (``origin`` reads what its events name)
         self._nodes: dict[Hashable, list] = {}
+        # Whether a key has a node: False means no group publishes an entry under it (a
+        # commit asks it once per key instead of asking each group's pool).
+        self.knows: Callable[[Hashable], bool] = self._nodes.__contains__
         # parent key -> keys published before it (linked as its children when it is)
         self._unborn: dict[Hashable, set] = {}
         # (group, key) of state entries demoted because a block below them went (promoted
@@ -87,9 +90,12 @@ class ValueEviction:
         in turn: per (group, indices) of ``claims``, ``keys[i]`` (with ``parents[i]`` and
         ``boundaries[i]``) for each index in order; each key's node looked up once. True
         when ``keys`` were a chain of new blocks on a whole chain, every history group's
-        (:meth:`_stored_chain`: what :meth:`stored_checkpoints` books onto at once)."""
+        (:meth:`stored_chain`: what :meth:`stored_checkpoints` books onto at once)."""
         nodes, track, n_history = self._nodes, self._track, len(self.history_ids)
-        if self._stored_chain(claims, keys, parents, boundaries):
+        whole = len(claims) == n_history
+        for _, done in claims:  # plain loops: cheaper than generators run cold
+            whole = whole and len(done) == len(keys)
+        if whole and self.stored_chain(keys, parents, boundaries):
             return True
         got: list = [None] * len(keys)  # each key's node once found (one it stores in can not go)
         for gid, done in claims:
@@ -116,24 +122,18 @@ class ValueEviction:
         else:
             self._demote_cut(gid, key)
 
-    def _stored_chain(self, claims: Sequence[tuple[str, Sequence[int]]], keys: Sequence[Hashable],
-                      parents: Sequence[Hashable | None], boundaries: Sequence[int]) -> bool:
+    def stored_chain(self, keys: Sequence[Hashable], parents: Sequence[Hashable | None],
+                     boundaries: Sequence[int]) -> bool:
         """:meth:`stored_blocks` of a chain of new blocks (``parents[i]`` is ``keys[i - 1]``)
         that every history group claimed, done at once where it changes nothing but their
         nodes: no key has a node or a child waiting, and the chain above is whole (their
         nodes then are not cut and nothing is mended). False, and nothing done, otherwise."""
         nodes, unborn, g, n_history = self._nodes, self._unborn, self.granularity_tokens, len(self.history_ids)
-        if len(claims) != n_history:
-            return False
-        for _, done in claims:  # plain loops: cheaper than generators run cold
-            if len(done) != len(keys):
-                return False
         up = nodes.get(parents[0])
         if up[5] if up is not None else self._track and boundaries[0] > g:
             return False
-        for key in keys:
-            if key in nodes or key in unborn:
-                return False
+        if not nodes.keys().isdisjoint(keys) or not unborn.keys().isdisjoint(keys):
+            return False
         if up is None:
             unborn.setdefault(parents[0], set()).add(keys[0])
         for key, parent, boundary in zip(keys, parents, boundaries):
