@@ -853,3 +853,28 @@ def test_prompt_ids_of_every_integer_dtype_are_checked_against_the_int32_range(d
             with pytest.raises(CacheManagerError, match=r"token ids must be in \[0, 2\*\*31\)"):
                 m.add_request("a", prompt, max_new_tokens=1)
             assert not m.has_request("a")
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_free_of_a_request_holding_more_pages_than_the_free_buffers_is_one_release(caching):
+    """``free`` of a request holding 500 pages of one group (more than the 256 the page
+    space's free buffers start with, so they grow on this call): every page goes back in
+    one release (the first page on top of the free stack: the next request gets 1, 2, ...),
+    or, with prefix caching, its published blocks stay cached and idle and a request with
+    the same prompt borrows them back."""
+    m = manager([SWA, KV], {"swa": 300, "kv": 600}, enable_prefix_caching=caching, prefix_granularity=8)
+    prompt = np.arange(2001, dtype=np.int32) % 97
+    m.add_request("big", prompt)
+    while m.num_computed_tokens("big") < 2001:
+        m.schedule([("big", min(512, 2001 - m.num_computed_tokens("big")))])
+    assert len(held(m, "big", "kv")[1]) == 501
+    m.free("big")
+    m.check_invariants()
+    kv = m.stats()["kv"]
+    assert kv.free_pages == 599 and kv.used_pages == 0
+    assert kv.evictable_pages == (500 if caching else 0)  # blocks below 2000 published, the last one not
+    hit = m.add_request("again", prompt)
+    assert hit.hit_tokens == (2000 if caching else 0)
+    m.schedule([("again", 1 if caching else 8)])
+    assert held(m, "again", "kv")[1][:500 if caching else 2] == list(range(1, 501 if caching else 3))
+    m.check_invariants()

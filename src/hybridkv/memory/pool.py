@@ -652,6 +652,9 @@ class PageSpace:
         self.ranked: list[int] = []  # the groups whose pool has a ranker (``PagePool.ranker`` keeps it)
         self.packing = [(g, p) for g, p in enumerate(self.pools) if p.lowest_first]  # pools ``low_floors`` asks
         self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # ``borrow``'s scratch
+        # ``free_rows``' buffers: the cells emptied and the keyed pages left idle, and how many
+        # of those per group.
+        self.freed, self.freed_counts = np.empty((2, 256), dtype=np.int64), np.zeros(len(self.pools), dtype=np.int64)
         # The one ``may_skip_packing`` every packing pool has (an arena's, set once after this),
         # False when they differ or some pool has none; None until ``low_floors`` first looks.
         self.shared_ask: Callable[[], bool] | bool | None = None
@@ -759,6 +762,26 @@ class PageSpace:
                  self.idle_low_floors, self.offsets, per_group, keyed, _IDLE_CLOCK)
         if self.ranked:
             self._tell_rankers(per_group, keyed, first_tick)
+
+    def free_rows(self, tables, rows: np.ndarray) -> np.ndarray:
+        """``CacheManager.free``'s release: ``rows``' pages leave ``tables`` (a ``TableSet`` over
+        this space) and lose a holder (``kernels.free_rows``), the keyed ones left idle joining
+        their LRUs as :meth:`keyed_idle` puts them, in one compiled call
+        (``lru.free_rows_listed``, into this space's buffers, grown when short); returns the
+        cells emptied (ring-view indices)."""
+        first_tick = int(_IDLE_CLOCK[0]) + 1 if self.ranked else 0
+        while True:
+            touched, keyed = self.freed
+            n = lru.free_rows_listed(
+                tables.geometry, tables.pages, tables.bounds, self.ref_counts, self.cached, self.stack,
+                self.per_group, self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, self.lru_lengths,
+                self.low_idle, self.idle_low_floors, _IDLE_CLOCK, rows, touched, keyed, self.freed_counts)
+            if n >= 0:
+                break
+            self.freed = np.empty((2, -2 * n), dtype=np.int64)
+        if self.ranked:
+            self._tell_rankers(self.freed_counts, keyed, first_tick)
+        return touched[:n].copy()
 
     def _tell_rankers(self, per_group: np.ndarray, keyed: np.ndarray, first_tick: int) -> None:
         """After :meth:`keyed_idle`: each pool with a ranker whose pages joined tells its

@@ -1275,13 +1275,8 @@ class CacheManager:
             g = self._grain
             if self._committed[req.row] // g < self._computed[req.row] // g:
                 self._commit_rows(np.asarray([req.row], dtype=np.int64))
-        ts, space = self._tableset, self._space
-        touched, keyed, keyed_per_group = kernels.free_rows(  # its pages leave the tables, one release
-            ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.stack, space.per_group,
-            np.asarray([req.row], dtype=np.int64))
-        ts.note_cells(touched)
-        if keyed.size:
-            space.keyed_idle(keyed_per_group, keyed)
+        ts = self._tableset  # its pages leave the tables, one release
+        ts.note_cells(self._space.free_rows(ts, np.asarray([req.row], dtype=np.int64)))
         if self.prefix is not None:
             self.prefix.forget_request(req)
         self._computed[req.row] = 0
