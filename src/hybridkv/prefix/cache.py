@@ -25,10 +25,10 @@ import json
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from functools import partial, reduce
-from itertools import chain, compress, count, repeat, takewhile
+from functools import reduce
+from itertools import repeat
 from math import lcm
-from operator import call, is_not, itemgetter
+from operator import itemgetter
 from typing import IO, Protocol
 
 import numpy as np
@@ -96,7 +96,6 @@ class CacheEvent:
 
 
 _INT32_LE = np.dtype("<i4")  # the byte order blocks are hashed in
-_is_entry = partial(is_not, None)  # a lookup that found an entry
 
 
 class RequestHashes:
@@ -329,7 +328,8 @@ class PrefixCache:
         aside), per history group its entries (pages) of the prefixes it holds from the first
         block on (``history[i][b - 1]`` for the prefix of ``b`` blocks), and per state group
         storing checkpoints its entry at the hit (in ``state_ids`` order; [] without a hit).
-        The lookups run in C (``map``), each stopping where its group's reach is decided."""
+        Plain loops, each group's lookups stopping where its reach is decided (no comprehension
+        frames or iterator objects: cheaper run cold, as a request joins)."""
         g = self.granularity_tokens
         max_blocks = (prompt_ids.size - 1) // g
         hashes.extend_to(prompt_ids, max_blocks * g)
@@ -339,23 +339,34 @@ class PrefixCache:
         # boundary (appended last) reaches them all.
         history, reach = [], []
         for lookup in self._history_lookups:
-            entries = list(takewhile(_is_entry, map(lookup, keys)))
+            entries = []
+            for key in keys:
+                entry = lookup(key)
+                if entry is None:
+                    break
+                entries.append(entry)
             history.append(entries)
             reach.append(len(entries))
         limit = min(reach, default=max_blocks)  # blocks every history group holds, from the first
-        backwards = keys[::-1]
         for lookup in self._state_lookups:
-            reach.append(max_blocks - next(compress(count(), map(_is_entry, map(lookup, backwards))), max_blocks))
+            n = max_blocks
+            while n and lookup(keys[n - 1]) is None:
+                n -= 1
+            reach.append(n)
         reach.append(max_blocks)
         # The hit: the last boundary within the history where every state group holds a
         # checkpoint (none lies beyond a state group's last one).
         k, at_hit = min(reach), []
         while k:
-            at_hit = list(map(call, self._state_lookups, repeat(keys[k - 1])))
+            key, at_hit = keys[k - 1], []
+            for lookup in self._state_lookups:
+                at_hit.append(lookup(key))
             if None not in at_hit:
                 break
             k -= 1
-        alone = dict(zip(self._spec_ids, map(g.__mul__, map(reach.__getitem__, self._reach_index))))
+        alone = {}
+        for gid, i in zip(self._spec_ids, self._reach_index):
+            alone[gid] = reach[i] * g
         return PrefixHit(k * g, alone, limit * g), history, at_hit if k else []
 
     def match_and_borrow(self, req: CommittingRequest, prompt_ids: np.ndarray) -> PrefixHit:
@@ -378,11 +389,16 @@ class PrefixCache:
         # By table index, each group storing entries: a history group's every block below the
         # hit, a state group's checkpoint at it.
         blocks = d // self.granularity_tokens
-        picked = []
+        listed = []
         for whole, i in self._picks:
-            picked += history[i][:blocks] if whole else (at_hit[i],)
+            if whole:
+                for entry in history[i][:blocks]:
+                    listed += entry
+            else:
+                listed += at_hit[i]
         first_pages, counts, total = self._hit_spans(d)
-        page_ids = np.fromiter(chain.from_iterable(picked), np.int64, total)
+        page_ids = np.array(listed, dtype=np.int64)
+        assert page_ids.size == total, (page_ids.size, counts)  # what the compiled call reads
         space, tables, view = self._space, self._table_set, np.empty(total, dtype=np.int64)
         n_idle = lru.borrow_row(tables.geometry, tables.pages, tables.bounds, space.ref_counts, space.cached,
                                 space.low_priority, space.low_idle, space.lru_prev, space.lru_next,

@@ -376,16 +376,13 @@ class CacheManager:
         cache_salt: str | bytes | None = None,
     ) -> PrefixHit:
         """Register a request; with prefix caching, borrow its cached prefix. Returns the hit."""
-        check_cache_salt(cache_salt, CacheManagerError)
-        if prompt_token_ids is not None:
-            check_token_ids("prompt_token_ids", prompt_token_ids, CacheManagerError)
+        ids = prompt_token_ids
+        if _plain_request(request_id, ids, prompt_tokens, max_new_tokens, cache_salt) and (
+                request_id not in self._requests):
+            prompt_len, max_new = ids.size, max_new_tokens
+        else:
+            ids, prompt_len, max_new = self._checked_request(request_id, ids, prompt_tokens, max_new_tokens, cache_salt)
         self._version += 1  # invalidates a cached admission
-        if not isinstance(request_id, str) or not request_id:
-            raise CacheManagerError(f"request id must be a non-empty str, got {request_id!r}")
-        if request_id in self._requests:
-            raise CacheManagerError(f"request {request_id!r} already exists")
-        ids, prompt_len = _checked_prompt(request_id, prompt_token_ids, prompt_tokens)
-        max_new = _nonneg_int("max_new_tokens", max_new_tokens)
         total = prompt_len + max_new
         if total > self.max_context_tokens:
             raise CacheManagerError(
@@ -412,6 +409,21 @@ class CacheManager:
         if self.tier_link is not None and buf is not None:
             self.tier_link.on_add(request_id, req.hashes, buf[:prompt_len], hit.hit_tokens, max_new, cache_salt)
         return hit
+
+    def _checked_request(self, request_id: Any, prompt_token_ids: Any, prompt_tokens: Any, max_new_tokens: Any,
+                         cache_salt: Any) -> tuple[np.ndarray | None, int, int]:
+        """``add_request``'s arguments checked in order (salt, ids, request id, prompt, max new
+        tokens; the first wrong one raises): the prompt's int32 ids (None when only its length
+        is given), its length and ``max_new_tokens``."""
+        check_cache_salt(cache_salt, CacheManagerError)
+        if prompt_token_ids is not None:
+            check_token_ids("prompt_token_ids", prompt_token_ids, CacheManagerError)
+        if not isinstance(request_id, str) or not request_id:
+            raise CacheManagerError(f"request id must be a non-empty str, got {request_id!r}")
+        if request_id in self._requests:
+            raise CacheManagerError(f"request {request_id!r} already exists")
+        ids, prompt_len = _checked_prompt(request_id, prompt_token_ids, prompt_tokens)
+        return ids, prompt_len, _nonneg_int("max_new_tokens", max_new_tokens)
 
     def append_token_ids(self, request_id: str, token_ids: Iterable[int] | np.ndarray) -> None:
         """Extend a request's known tokens (sampled outputs, draft tokens)."""
@@ -1519,6 +1531,15 @@ def _small_token_list(token_ids: Any) -> list[int] | None:
         if type(t) is not int or not 0 <= t <= _MAX_TOKEN_ID:
             return None  # the array path words the error
     return list(token_ids)
+
+
+def _plain_request(request_id: Any, ids: Any, prompt_tokens: Any, max_new_tokens: Any, cache_salt: Any) -> bool:
+    """``add_request``'s common case, which passes every check of ``_checked_request`` but
+    the one for a request id in use: a non-empty str id, a non-empty 1-D int32 array of
+    ids >= 0, an int ``max_new_tokens`` >= 0, no ``prompt_tokens``, no salt."""
+    return bool(type(request_id) is str and request_id and type(ids) is np.ndarray and ids.ndim == 1
+                and ids.dtype == _INT32 and ids.size and prompt_tokens is None and cache_salt is None
+                and type(max_new_tokens) is int and max_new_tokens >= 0 and ids.min() >= 0)
 
 
 def _checked_prompt(request_id: str, prompt_token_ids: Any, prompt_tokens: Any) -> tuple[np.ndarray | None, int]:
