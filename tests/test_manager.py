@@ -878,3 +878,32 @@ def test_free_of_a_request_holding_more_pages_than_the_free_buffers_is_one_relea
     m.schedule([("again", 1 if caching else 8)])
     assert held(m, "again", "kv")[1][:500 if caching else 2] == list(range(1, 501 if caching else 3))
     m.check_invariants()
+
+
+def test_an_int32_prompt_array_is_added_as_the_same_list_and_refused_alike():
+    """``add_request``'s common case (a 1-D int32 array, no salt) skips the checks' calls:
+    it registers what the same prompt as a list registers (hit, pages), and what the
+    checks refuse it refuses with the same error, nothing registered."""
+    prompt = (np.arange(40, dtype=np.int32) * 7) % 13
+    managers = [manager([SWA, KV], 64, enable_prefix_caching=True, prefix_granularity=8) for _ in range(2)]
+    for m, as_given in zip(managers, (prompt.tolist(), prompt)):
+        m.add_request("first", prompt.tolist(), max_new_tokens=2)
+        m.schedule([("first", 40)])
+        m.free("first")
+        hit = m.add_request("again", as_given, max_new_tokens=3)
+        assert hit.hit_tokens == 32
+    assert snapshot(managers[0], ["again"]) == snapshot(managers[1], ["again"])
+    m = managers[1]
+    before = snapshot(m, ["again"])
+    for args, kwargs, error in [
+        (("again", prompt), {}, "already exists"),
+        (("neg", np.array([3, -1], dtype=np.int32)), {}, r"in \[0, 2\*\*31\)"),
+        (("empty", np.zeros(0, dtype=np.int32)), {}, "at least one token"),
+        (("flag", prompt), {"max_new_tokens": True}, "max_new_tokens must be an integer"),
+        (("neg_new", prompt), {"max_new_tokens": -1}, "max_new_tokens must be non-negative"),
+        (("", prompt), {}, "non-empty str"),
+        (("salt", prompt), {"cache_salt": 5}, "cache_salt"),
+    ]:
+        with pytest.raises(CacheManagerError, match=error):
+            m.add_request(*args, **kwargs)
+        assert snapshot(m, ["again"]) == before
