@@ -254,8 +254,8 @@ class PrefixCache:
             (gid, pool, n, stats, holders) for gid, pool, n, holders, stats in self._state_groups]
 
     def _init_hit_placement(self, tables: Mapping[str, GroupTable]) -> None:
-        """A hit's placement: every group's pages borrowed in one call (``PageSpace.borrow``)
-        and placed in one (``TableSet.place_row``), by group index."""
+        """A hit's placement: every group's pages borrowed and placed in one compiled call
+        (``lru.borrow_row``), by group index."""
         self._table_set = tables[self.specs[0].group_id].table_set
         self._group_index = [tables[s.group_id].group_index for s in self.specs]
         # Borrowing: one compiled call over the page space, whose groups are the tables' in order.
