@@ -881,9 +881,10 @@ def test_free_of_a_request_holding_more_pages_than_the_free_buffers_is_one_relea
 
 
 def test_an_int32_prompt_array_is_added_as_the_same_list_and_refused_alike():
-    """``add_request``'s common case (a 1-D int32 array, no salt) skips the checks' calls:
-    it registers what the same prompt as a list registers (hit, pages), and what the
-    checks refuse it refuses with the same error, nothing registered."""
+    """``add_request``'s common case (a 1-D int32 array, no salt) skips the checks' calls
+    and copies the ids in one compiled call that checks them: it registers what the same
+    prompt as a list registers (hit, pages, token ids), and what the checks refuse it
+    refuses with the same error, nothing registered."""
     prompt = (np.arange(40, dtype=np.int32) * 7) % 13
     managers = [manager([SWA, KV], 64, enable_prefix_caching=True, prefix_granularity=8) for _ in range(2)]
     for m, as_given in zip(managers, (prompt.tolist(), prompt)):
@@ -893,6 +894,7 @@ def test_an_int32_prompt_array_is_added_as_the_same_list_and_refused_alike():
         hit = m.add_request("again", as_given, max_new_tokens=3)
         assert hit.hit_tokens == 32
     assert snapshot(managers[0], ["again"]) == snapshot(managers[1], ["again"])
+    assert [m.known_token_ids("again").tolist() for m in managers] == [prompt.tolist()] * 2
     m = managers[1]
     before = snapshot(m, ["again"])
     for args, kwargs, error in [
@@ -903,6 +905,7 @@ def test_an_int32_prompt_array_is_added_as_the_same_list_and_refused_alike():
         (("neg_new", prompt), {"max_new_tokens": -1}, "max_new_tokens must be non-negative"),
         (("", prompt), {}, "non-empty str"),
         (("salt", prompt), {"cache_salt": 5}, "cache_salt"),
+        (("long", prompt), {"max_new_tokens": 4096 - 39}, "exceeds the plan's max context"),
     ]:
         with pytest.raises(CacheManagerError, match=error):
             m.add_request(*args, **kwargs)

@@ -816,6 +816,17 @@ def release_taken(geometry, ref, keyed, stack, per_group, taken, taken_per_group
 
 
 @njit(cache=True)
+def copy_token_ids(ids, out):
+    """``out[: ids.size] = ids`` (``CacheManager.add_request``), checking as it copies that
+    no id is negative: False at the first one (``out`` then partly written)."""
+    for i in range(ids.size):
+        if ids[i] < 0:
+            return False
+        out[i] = ids[i]
+    return True
+
+
+@njit(cache=True)
 def free_rows(geometry, pages, bounds, ref, keyed, stack, per_group, rows, touched, idle_keyed, keyed_per_group):
     """``CacheManager.free`` of ``rows`` (after their last commit), in one call: every
     group's live pages of each row leave its table (``clear_rows``: the cells emptied to

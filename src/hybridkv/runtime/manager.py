@@ -376,27 +376,17 @@ class CacheManager:
         cache_salt: str | bytes | None = None,
     ) -> PrefixHit:
         """Register a request; with prefix caching, borrow its cached prefix. Returns the hit."""
-        ids = prompt_token_ids
-        if _plain_request(request_id, ids, prompt_tokens, max_new_tokens, cache_salt) and (
-                request_id not in self._requests):
-            prompt_len, max_new = ids.size, max_new_tokens
+        buf = self._plain_prompt(request_id, prompt_token_ids, prompt_tokens, max_new_tokens, cache_salt)
+        if buf is not None:
+            prompt_len, total = prompt_token_ids.size, buf.size
         else:
-            ids, prompt_len, max_new = self._checked_request(request_id, ids, prompt_tokens, max_new_tokens, cache_salt)
+            buf, prompt_len, total = self._new_prompt(request_id, prompt_token_ids, prompt_tokens, max_new_tokens,
+                                                      cache_salt)
         self._version += 1  # invalidates a cached admission
-        total = prompt_len + max_new
-        if total > self.max_context_tokens:
-            raise CacheManagerError(
-                f"request {request_id!r}: prompt {prompt_len} + max_new_tokens {max_new} = {total} tokens "
-                f"exceeds the plan's max context of {self.max_context_tokens} tokens"
-            )
         hashes = None
-        if self.prefix is not None and ids is not None:
+        if self.prefix is not None and buf is not None:
             hashes = self.prefix.new_request_hashes(cache_salt)
         row = self._take_row()
-        buf = None
-        if ids is not None:
-            buf = np.empty(max(total, 1), dtype=np.int32)
-            buf[: ids.size] = ids
         req = _Request(request_id, row, prompt_len, total, buf, prompt_len, hashes)
         # The hit's pages go into the row's tables, its checkpoint becomes the request's own
         # and its junction is pinned when the request crosses it.
@@ -407,14 +397,31 @@ class CacheManager:
         self._max_total[row] = total
         self._known[row] = self._known_floor[row] = prompt_len if buf is not None else total
         if self.tier_link is not None and buf is not None:
-            self.tier_link.on_add(request_id, req.hashes, buf[:prompt_len], hit.hit_tokens, max_new, cache_salt)
+            self.tier_link.on_add(request_id, req.hashes, buf[:prompt_len], hit.hit_tokens, total - prompt_len,
+                                  cache_salt)
         return hit
 
-    def _checked_request(self, request_id: Any, prompt_token_ids: Any, prompt_tokens: Any, max_new_tokens: Any,
-                         cache_salt: Any) -> tuple[np.ndarray | None, int, int]:
+    def _plain_prompt(self, request_id: Any, ids: Any, prompt_tokens: Any, max_new_tokens: Any,
+                      cache_salt: Any) -> np.ndarray | None:
+        """``add_request``'s common case (a new non-empty str id, a non-empty 1-D int32 array of
+        ids, an int ``max_new_tokens`` >= 0 within the max context, no ``prompt_tokens``, no
+        salt): the request's token buffer with the prompt copied in by one compiled call that
+        checks as it copies that no id is negative (``kernels.copy_token_ids``). None when the
+        case does not apply or a check fails: ``_new_prompt`` then checks in order and raises."""
+        if not (type(request_id) is str and request_id and type(ids) is np.ndarray and ids.ndim == 1
+                and ids.dtype == _INT32 and prompt_tokens is None and cache_salt is None
+                and type(max_new_tokens) is int and 0 <= max_new_tokens
+                and 0 < ids.size <= self.max_context_tokens - max_new_tokens and request_id not in self._requests):
+            return None
+        buf = np.empty(ids.size + max_new_tokens, dtype=np.int32)
+        return buf if kernels.copy_token_ids(ids, buf) else None
+
+    def _new_prompt(self, request_id: Any, prompt_token_ids: Any, prompt_tokens: Any, max_new_tokens: Any,
+                    cache_salt: Any) -> tuple[np.ndarray | None, int, int]:
         """``add_request``'s arguments checked in order (salt, ids, request id, prompt, max new
-        tokens; the first wrong one raises): the prompt's int32 ids (None when only its length
-        is given), its length and ``max_new_tokens``."""
+        tokens, max context; the first wrong one raises): the request's token buffer with the
+        prompt copied in (None when only its length is given), the prompt's length and the
+        request's total tokens."""
         check_cache_salt(cache_salt, CacheManagerError)
         if prompt_token_ids is not None:
             check_token_ids("prompt_token_ids", prompt_token_ids, CacheManagerError)
@@ -423,7 +430,18 @@ class CacheManager:
         if request_id in self._requests:
             raise CacheManagerError(f"request {request_id!r} already exists")
         ids, prompt_len = _checked_prompt(request_id, prompt_token_ids, prompt_tokens)
-        return ids, prompt_len, _nonneg_int("max_new_tokens", max_new_tokens)
+        max_new = _nonneg_int("max_new_tokens", max_new_tokens)
+        total = prompt_len + max_new
+        if total > self.max_context_tokens:
+            raise CacheManagerError(
+                f"request {request_id!r}: prompt {prompt_len} + max_new_tokens {max_new} = {total} tokens "
+                f"exceeds the plan's max context of {self.max_context_tokens} tokens"
+            )
+        buf = None
+        if ids is not None:
+            buf = np.empty(max(total, 1), dtype=np.int32)
+            buf[: ids.size] = ids
+        return buf, prompt_len, total
 
     def append_token_ids(self, request_id: str, token_ids: Iterable[int] | np.ndarray) -> None:
         """Extend a request's known tokens (sampled outputs, draft tokens)."""
@@ -1531,15 +1549,6 @@ def _small_token_list(token_ids: Any) -> list[int] | None:
         if type(t) is not int or not 0 <= t <= _MAX_TOKEN_ID:
             return None  # the array path words the error
     return list(token_ids)
-
-
-def _plain_request(request_id: Any, ids: Any, prompt_tokens: Any, max_new_tokens: Any, cache_salt: Any) -> bool:
-    """``add_request``'s common case, which passes every check of ``_checked_request`` but
-    the one for a request id in use: a non-empty str id, a non-empty 1-D int32 array of
-    ids >= 0, an int ``max_new_tokens`` >= 0, no ``prompt_tokens``, no salt."""
-    return bool(type(request_id) is str and request_id and type(ids) is np.ndarray and ids.ndim == 1
-                and ids.dtype == _INT32 and ids.size and prompt_tokens is None and cache_salt is None
-                and type(max_new_tokens) is int and max_new_tokens >= 0 and ids.min() >= 0)
 
 
 def _checked_prompt(request_id: str, prompt_token_ids: Any, prompt_tokens: Any) -> tuple[np.ndarray | None, int]:
