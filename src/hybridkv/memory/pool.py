@@ -628,7 +628,8 @@ class PageSpace:
     low-priority counts, whether a pool hands out its lowest ids first, and the LRUs'
     links (``lru_prev``, ``lru_next``: ``hybridkv.memory.lru``) and lengths. Each pool
     is rebound to views of them, so pool methods and kernels see the same state.
-    A release is ``kernels.drop_holds`` then :meth:`released`; a borrow, :meth:`borrow`."""
+    A release is ``kernels.drop_holds`` then :meth:`released`; a borrow (a prefix hit),
+    ``lru.borrow_row``."""
 
     def __init__(self, pools: Sequence[PagePool]):
         self.pools = list(pools)
@@ -651,7 +652,7 @@ class PageSpace:
         self.idle_low_floors = np.asarray([p._low_floor for p in self.pools], dtype=np.int64)  # the pools' ``_low_floor``
         self.ranked: list[int] = []  # the groups whose pool has a ranker (``PagePool.ranker`` keeps it)
         self.packing = [(g, p) for g, p in enumerate(self.pools) if p.lowest_first]  # pools ``low_floors`` asks
-        self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # ``borrow``'s scratch
+        self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # ``lru.borrow_row``'s scratch
         # ``free_rows``' buffers: the cells emptied and the keyed pages left idle, and how many
         # of those per group.
         self.freed, self.freed_counts = np.empty((2, 256), dtype=np.int64), np.zeros(len(self.pools), dtype=np.int64)
@@ -689,23 +690,10 @@ class PageSpace:
         self.per_group[kernels.RELEASED_PAGES] += counts[0] + counts[1]
         self.keyed_idle(counts[1], keyed)
 
-    def borrow(self, pages: np.ndarray, per_group: np.ndarray) -> None:
-        """One more holder on each of group ``g``'s slice of ``pages`` (local
-        ids, group-major, ``per_group[g]`` of them, none twice in a group), in one compiled
-        pass (``kernels.take_holds``, which also counts off the idle low-priority pages):
-        refused whole (ValueError) if a page is free."""
-        idle, counts = np.empty(pages.size, dtype=np.int64), self.idle_counts
-        n_idle = kernels.take_holds(self.ref_counts, self.cached, self.low_priority, self.low_idle, self.offsets,
-                                    per_group, pages, idle, counts)
-        if n_idle < 0:
-            bad = -1 - n_idle
-            g = int(np.searchsorted(np.cumsum(per_group), bad, side="right"))
-            raise ValueError(f"group {self.pools[g].group_id!r}: page {int(pages[bad])} is free, cannot be borrowed")
-        self.borrowed_idle(idle, n_idle)
-
     def borrowed_idle(self, idle: np.ndarray, n_idle: int) -> None:
         """The first ``n_idle`` of ``idle`` (local ids, ``idle_counts[g]`` of group ``g``, as
-        ``kernels.take_holds`` lists them) got a holder: they leave their pools' LRUs."""
+        ``kernels.take_holds`` lists them) got a holder: they leave their pools' LRUs (a hold
+        outside any request; a prefix hit's leave theirs in ``lru.borrow_row``)."""
         if n_idle:
             lru.leave(self.lru_prev, self.lru_next, self.lru_lengths, self.offsets, self.idle_counts, idle[:n_idle])
             self.note_peaks(self.idle_counts)
