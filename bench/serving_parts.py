@@ -31,8 +31,9 @@ CLOCK = time.thread_time_ns
 STAGES = (
     ("runtime.manager", "CacheManager", "add_request", "add_request"),
     ("prefix.cache", "PrefixCache", "match_and_borrow", "  match_and_borrow"),
-    ("memory.pool", "PageSpace", "borrow", "    PageSpace.borrow"),
+    ("prefix.cache", "PrefixCache", "_match", "    _match"),
     ("runtime.manager", "CacheManager", "free", "free"),
+    ("memory.pool", "PageSpace", "free_rows", "  PageSpace.free_rows"),
     ("memory.pool", "PageSpace", "keyed_idle", "  PageSpace.keyed_idle (free and schedule)"),
     ("runtime.manager", "CacheManager", "schedule", "schedule"),
     ("runtime.manager", "CacheManager", "_admit", "  _admit"),

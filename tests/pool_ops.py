@@ -1,7 +1,8 @@
 """Single-pool page operations for the pool tests, through the path the runtime uses:
 a ``PageSpace`` (made for a pool not in one yet), ``PagePool.make_room`` then the free
 stack's top (what ``kernels.allocate_pages`` pops), ``kernels.drop_holds`` then
-``PageSpace.released`` (a release), ``PageSpace.borrow`` (a prefix hit) and the key
+``PageSpace.released`` (a release), ``borrow`` (a prefix hit's holds as ``lru.borrow_row``
+takes them: ``kernels.take_holds``, then ``PageSpace.borrowed_idle``) and the key
 flags then ``PagePool.adopt`` (what a commit's ``kernels.claim_entries`` does)."""
 
 from __future__ import annotations
@@ -67,14 +68,27 @@ def decref(pool: PagePool, pages: Sequence[int] | np.ndarray) -> None:
     space.released(counts, freed[: counts[0].sum()], keyed[: counts[1].sum()])
 
 
+def borrow(space: PageSpace, pages: np.ndarray, per_group: np.ndarray) -> None:
+    """One more holder on each of group ``g``'s slice of ``pages`` (local ids, group-major,
+    ``per_group[g]`` of them, none twice in a group), the idle ones leaving their LRUs, as a
+    prefix hit takes them (``lru.borrow_row``, its placement aside): refused whole
+    (ValueError) if a page is free."""
+    idle = np.empty(pages.size, dtype=np.int64)
+    n_idle = kernels.take_holds(space.ref_counts, space.cached, space.low_priority, space.low_idle, space.offsets,
+                                per_group, pages, idle, space.idle_counts)
+    if n_idle < 0:
+        raise ValueError(f"page {int(pages[-1 - n_idle])} is free, cannot be borrowed")
+    space.borrowed_idle(idle, n_idle)
+
+
 def incref(pool: PagePool, pages: Sequence[int] | np.ndarray) -> None:
     """One more reference on each listed held or cached page (distinct): a prefix hit
-    borrowing them (``PageSpace.borrow``)."""
+    borrowing them (``borrow``)."""
     space, g = space_of(pool)
     pages = np.asarray(pages, dtype=np.int64)
     per_group = np.zeros(len(space.pools), dtype=np.int64)
     per_group[g] = pages.size
-    space.borrow(pages, per_group)
+    borrow(space, pages, per_group)
 
 
 def publish(pool: PagePool, key: Hashable, pages: Sequence[int], *, low_priority: bool = False) -> bool:

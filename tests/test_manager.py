@@ -852,3 +852,60 @@ def test_prompt_ids_of_every_integer_dtype_are_checked_against_the_int32_range(d
             with pytest.raises(CacheManagerError, match=r"token ids must be in \[0, 2\*\*31\)"):
                 m.add_request("a", prompt, max_new_tokens=1)
             assert not m.has_request("a")
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_free_of_a_request_holding_more_pages_than_the_free_buffers_is_one_release(caching):
+    """``free`` of a request holding 500 pages of one group (more than the 256 the page
+    space's free buffers start with, so they grow on this call): every page goes back in
+    one release (the first page on top of the free stack: the next request gets 1, 2, ...),
+    or, with prefix caching, its published blocks stay cached and idle and a request with
+    the same prompt borrows them back."""
+    m = manager([SWA, KV], {"swa": 300, "kv": 600}, enable_prefix_caching=caching, prefix_granularity=8)
+    prompt = np.arange(2001, dtype=np.int32) % 97
+    m.add_request("big", prompt)
+    while m.num_computed_tokens("big") < 2001:
+        m.schedule([("big", min(512, 2001 - m.num_computed_tokens("big")))])
+    assert len(held(m, "big", "kv")[1]) == 501
+    m.free("big")
+    m.check_invariants()
+    kv = m.stats()["kv"]
+    assert kv.free_pages == 599 and kv.used_pages == 0
+    assert kv.evictable_pages == (500 if caching else 0)  # blocks below 2000 published, the last one not
+    hit = m.add_request("again", prompt)
+    assert hit.hit_tokens == (2000 if caching else 0)
+    m.schedule([("again", 1 if caching else 8)])
+    assert held(m, "again", "kv")[1][:500 if caching else 2] == list(range(1, 501 if caching else 3))
+    m.check_invariants()
+
+
+def test_an_int32_prompt_array_is_added_as_the_same_list_and_refused_alike():
+    """``add_request``'s common case (a 1-D int32 array, no salt) skips the checks' calls
+    and copies the ids in one compiled call that checks them: it registers what the same
+    prompt as a list registers (hit, pages, token ids), and what the checks refuse it
+    refuses with the same error, nothing registered."""
+    prompt = (np.arange(40, dtype=np.int32) * 7) % 13
+    managers = [manager([SWA, KV], 64, enable_prefix_caching=True, prefix_granularity=8) for _ in range(2)]
+    for m, as_given in zip(managers, (prompt.tolist(), prompt)):
+        m.add_request("first", prompt.tolist(), max_new_tokens=2)
+        m.schedule([("first", 40)])
+        m.free("first")
+        hit = m.add_request("again", as_given, max_new_tokens=3)
+        assert hit.hit_tokens == 32
+    assert snapshot(managers[0], ["again"]) == snapshot(managers[1], ["again"])
+    assert [m.known_token_ids("again").tolist() for m in managers] == [prompt.tolist()] * 2
+    m = managers[1]
+    before = snapshot(m, ["again"])
+    for args, kwargs, error in [
+        (("again", prompt), {}, "already exists"),
+        (("neg", np.array([3, -1], dtype=np.int32)), {}, r"in \[0, 2\*\*31\)"),
+        (("empty", np.zeros(0, dtype=np.int32)), {}, "at least one token"),
+        (("flag", prompt), {"max_new_tokens": True}, "max_new_tokens must be an integer"),
+        (("neg_new", prompt), {"max_new_tokens": -1}, "max_new_tokens must be non-negative"),
+        (("", prompt), {}, "non-empty str"),
+        (("salt", prompt), {"cache_salt": 5}, "cache_salt"),
+        (("long", prompt), {"max_new_tokens": 4096 - 39}, "exceeds the plan's max context"),
+    ]:
+        with pytest.raises(CacheManagerError, match=error):
+            m.add_request(*args, **kwargs)
+        assert snapshot(m, ["again"]) == before

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 
 from hybridkv.memory.pool import NULL_PAGE, PagePool, PageSpace
 from hybridkv.runtime import kernels
-from pool_ops import PoolExhausted, allocate, decref, incref, publish
+from pool_ops import PoolExhausted, allocate, borrow, decref, incref, publish
 
 
 def pool_state(pool: PagePool):
@@ -609,10 +609,11 @@ def test_ids_a_low_priority_eviction_frees_count_as_free_for_the_next(batch):
 
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), lowest_first=st.booleans())
-def test_page_space_borrow_is_borrow_pool_by_pool(data, lowest_first):
-    """PageSpace.borrow of every group's pages (held ones, idle keyed ones, some low
-    priority) in one call leaves each pool as borrowing its own pages alone would; with a free
-    page listed it is refused whole, nothing changed."""
+def test_a_hits_holds_in_one_call_are_borrowing_pool_by_pool(data, lowest_first):
+    """A prefix hit's holds (``borrow``: ``kernels.take_holds`` then ``PageSpace.borrowed_idle``,
+    as ``lru.borrow_row`` takes them) of every group's pages (held ones, idle keyed ones, some
+    low priority) in one call leave each pool as borrowing its own pages alone would; with a
+    free page listed they are refused whole, nothing changed."""
 
     sizes, sides = two_page_spaces(data, lowest_first)
     script = []
@@ -642,10 +643,10 @@ def test_page_space_borrow_is_borrow_pool_by_pool(data, lowest_first):
     before = [_pool_state(a) for a in pools_a]
     if refused:
         with pytest.raises(ValueError, match="is free, cannot be borrowed"):
-            space.borrow(np.concatenate(borrowed), counts)
+            borrow(space, np.concatenate(borrowed), counts)
         assert [_pool_state(a) for a in pools_a] == before
         return
-    space.borrow(np.concatenate(borrowed), counts)
+    borrow(space, np.concatenate(borrowed), counts)
     for pool, pages in zip(pools_b, borrowed):
         incref(pool, pages)
     for a, b in zip(pools_a, pools_b):

@@ -1207,3 +1207,38 @@ def test_multi_block_commits_emit_the_documented_stored_events_in_order(policy):
     again = [(gid, key) for _, gid, key, *_ in stored_events() if (gid, key) in published]
     assert not again and hit.hit_tokens == (0 if policy == "terminal-and-junctions" else 2560)
     mgr.check_invariants()
+
+
+def test_a_hits_borrow_with_a_free_page_is_refused_whole():
+    """``lru.borrow_row`` (a hit's holds, LRU leave and placement, one compiled call) is
+    refused whole when a listed page is free: it names the page and changes no reference
+    count, LRU link or table cell; with the cached pages alone it holds them once each and
+    takes them out of the LRU."""
+    from hybridkv.memory import lru
+
+    mgr = make_manager()
+    prompt = ids(3, 1100)
+    mgr.add_request("a", prompt)
+    prefill(mgr, "a", 1100)
+    mgr.free("a")  # row 0 is free again; its history blocks are cached, idle
+    pool, ts = mgr.pools[C4KV], mgr.tables[C4KV].table_set
+    space, g = pool.space, mgr.tables[C4KV].group_index
+    cached, free = pool.evictable_page_ids()[:2], pool.free_page_ids()[:1]
+    counts, lo = np.zeros(len(ts.tables), dtype=np.int64), np.zeros(len(ts.tables), dtype=np.int64)
+
+    def borrow(pages):
+        counts[g] = pages.size
+        return lru.borrow_row(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.low_priority,
+                              space.low_idle, space.lru_prev, space.lru_next, space.lru_lengths, 0, lo, counts,
+                              pages.astype(np.int64), np.empty(pages.size, dtype=np.int64), space.idle_counts)
+
+    def state():
+        return [a.tolist() for a in (space.ref_counts, space.lru_prev, space.lru_next, space.lru_lengths,
+                                     ts.pages, ts.bounds)]
+
+    before = state()
+    assert borrow(np.concatenate([cached, free])) == -1 - 2  # the free page, third listed
+    assert state() == before
+    assert borrow(cached) == 2
+    assert pool.ref_counts[cached].tolist() == [1, 1] and not set(cached) & set(pool.evictable_page_ids())
+    assert mgr.tables[C4KV].row_pages(0, 0, 2) == cached.tolist()

@@ -333,7 +333,7 @@ def test_commit_pages_reads_what_row_pages_reads(row, blocks, live_pages, data):
 
 
 def test_place_row_is_place_of_each_group_then_its_live_pages():
-    """``TableSet.place_row`` (a prefix hit, one compiled call) against ``place`` (above)
+    """``kernels.place_row`` (a prefix hit's placement, which ``lru.borrow_row`` runs) against ``place`` (above)
     group by group with base and hi set after: the same store, bounds, lanes and logged cells,
     for a wide sliding row (9 pages outgrow the narrow ring of 4), a narrow one and a group
     that gets no page."""
@@ -345,7 +345,10 @@ def test_place_row_is_place_of_each_group_then_its_live_pages():
             ts.start_log()
             ts.drain_updates()  # the resync: only this row's cells are logged from here
         ids = np.arange(100, 100 + sum(counts), dtype=np.int64)
-        sets[0].place_row(row, np.array(lo), np.array(counts), ids)
+        view = np.empty(ids.size, dtype=np.int64)
+        kernels.place_row(sets[0].geometry, sets[0].pages, sets[0].bounds, row, np.array(lo), np.array(counts), ids,
+                          view)
+        sets[0].note_cells(view)
         start = 0
         for g, table in enumerate(sets[1].tables):
             place(sets[1], g, np.array([row]), np.array([lo[g]]), np.array([counts[g]]), ids[start : start + counts[g]])

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from hybridkv.runtime.kernels import LOWEST, TOP, push_run
+from hybridkv.runtime.kernels import ID_OFFSET, LOWEST, TOP, free_rows, place_row, push_run, take_holds
 
 
 @njit(cache=True, inline="always")
@@ -183,3 +183,33 @@ def drop_unit(listed, n_entries, ref, keyed, low_priority, lru_prev, lru_next, s
             low_idle[g] -= n_idle
         per_group[TOP, g] = push_run(stack[offset:], per_group[TOP, g], per_group[LOWEST, g] != 0, idle[:n_idle])
         at = end
+
+
+@njit(cache=True)
+def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, low_idle, prev, nxt, lengths, row, lo, counts,
+               page_ids, view, idle_counts):
+    """A new row's prefix hit in one call (``PrefixCache.match_and_borrow``): one more
+    holder on each of ``page_ids`` (``kernels.take_holds``, ``idle_counts`` as it fills
+    it), the idle ones leaving their group's list (:func:`leave`), then the pages placed
+    in ``row``'s tables (``kernels.place_row``, ``view`` as it fills it). Returns how many
+    were idle; nothing changes if a page is free (``-1 - i``, ``i`` its index)."""
+    offsets = geometry[:, ID_OFFSET].copy()
+    idle = np.empty(page_ids.size, dtype=np.int64)
+    n_idle = take_holds(ref, keyed, low_priority, low_idle, offsets, counts, page_ids, idle, idle_counts)
+    if n_idle >= 0:
+        leave(prev, nxt, lengths, offsets, idle_counts, idle[:n_idle])
+        place_row(geometry, pages, bounds, row, lo, counts, page_ids, view)
+    return n_idle
+
+
+@njit(cache=True)
+def free_rows_listed(geometry, pages, bounds, ref, keyed, stack, per_group, idle_tick, low_priority, prev, nxt,
+                     lengths, low_idle, low_floors, clock, rows, touched, idle_keyed, keyed_per_group):
+    """``kernels.free_rows`` of ``rows``, then the keyed pages it left idle join their
+    group's list as :func:`join` puts them (``PageSpace.free_rows``), in one call; returns
+    what ``free_rows`` returns."""
+    n = free_rows(geometry, pages, bounds, ref, keyed, stack, per_group, rows, touched, idle_keyed, keyed_per_group)
+    if n > 0:
+        join(idle_tick, low_priority, prev, nxt, lengths, low_idle, low_floors, geometry[:, ID_OFFSET].copy(),
+             keyed_per_group, idle_keyed, clock)
+    return n

@@ -627,7 +627,8 @@ class PageSpace:
     low-priority counts, whether a pool hands out its lowest ids first, and the LRUs'
     links (``lru_prev``, ``lru_next``: ``hybridkv.memory.lru``) and lengths. Each pool
     is rebound to views of them, so pool methods and kernels see the same state.
-    A release is ``kernels.drop_holds`` then :meth:`released`; a borrow, :meth:`borrow`."""
+    A release is ``kernels.drop_holds`` then :meth:`released`; a borrow (a prefix hit),
+    ``lru.borrow_row``."""
 
     def __init__(self, pools: Sequence[PagePool]):
         self.pools = list(pools)
@@ -650,7 +651,10 @@ class PageSpace:
         self.idle_low_floors = np.asarray([p._low_floor for p in self.pools], dtype=np.int64)  # the pools' ``_low_floor``
         self.ranked: list[int] = []  # the groups whose pool has a ranker (``PagePool.ranker`` keeps it)
         self.packing = [(g, p) for g, p in enumerate(self.pools) if p.lowest_first]  # pools ``low_floors`` asks
-        self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # ``borrow``'s scratch
+        self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # ``lru.borrow_row``'s scratch
+        # ``free_rows``' buffers: the cells emptied and the keyed pages left idle, and how many
+        # of those per group.
+        self.freed, self.freed_counts = np.empty((2, 256), dtype=np.int64), np.zeros(len(self.pools), dtype=np.int64)
         # The one ``may_skip_packing`` every packing pool has (an arena's, set once after this),
         # False when they differ or some pool has none; None until ``low_floors`` first looks.
         self.shared_ask: Callable[[], bool] | bool | None = None
@@ -685,23 +689,10 @@ class PageSpace:
         self.per_group[kernels.RELEASED_PAGES] += counts[0] + counts[1]
         self.keyed_idle(counts[1], keyed)
 
-    def borrow(self, pages: np.ndarray, per_group: np.ndarray) -> None:
-        """One more holder on each of group ``g``'s slice of ``pages`` (local
-        ids, group-major, ``per_group[g]`` of them, none twice in a group), in one compiled
-        pass (``kernels.take_holds``, which also counts off the idle low-priority pages):
-        refused whole (ValueError) if a page is free."""
-        idle, counts = np.empty(pages.size, dtype=np.int64), self.idle_counts
-        n_idle = kernels.take_holds(self.ref_counts, self.cached, self.low_priority, self.low_idle, self.offsets,
-                                    per_group, pages, idle, counts)
-        if n_idle < 0:
-            bad = -1 - n_idle
-            g = int(np.searchsorted(np.cumsum(per_group), bad, side="right"))
-            raise ValueError(f"group {self.pools[g].group_id!r}: page {int(pages[bad])} is free, cannot be borrowed")
-        self.borrowed_idle(idle, n_idle)
-
     def borrowed_idle(self, idle: np.ndarray, n_idle: int) -> None:
         """The first ``n_idle`` of ``idle`` (local ids, ``idle_counts[g]`` of group ``g``, as
-        ``kernels.take_holds`` lists them) got a holder: they leave their pools' LRUs."""
+        ``kernels.take_holds`` lists them) got a holder: they leave their pools' LRUs (a hold
+        outside any request; a prefix hit's leave theirs in ``lru.borrow_row``)."""
         if n_idle:
             lru.leave(self.lru_prev, self.lru_next, self.lru_lengths, self.offsets, self.idle_counts, idle[:n_idle])
             self.note_peaks(self.idle_counts)
@@ -758,6 +749,26 @@ class PageSpace:
                  self.idle_low_floors, self.offsets, per_group, keyed, _IDLE_CLOCK)
         if self.ranked:
             self._tell_rankers(per_group, keyed, first_tick)
+
+    def free_rows(self, tables, rows: np.ndarray) -> np.ndarray:
+        """``CacheManager.free``'s release: ``rows``' pages leave ``tables`` (a ``TableSet`` over
+        this space) and lose a holder (``kernels.free_rows``), the keyed ones left idle joining
+        their LRUs as :meth:`keyed_idle` puts them, in one compiled call
+        (``lru.free_rows_listed``, into this space's buffers, grown when short); returns the
+        cells emptied (ring-view indices)."""
+        first_tick = int(_IDLE_CLOCK[0]) + 1 if self.ranked else 0
+        while True:
+            touched, keyed = self.freed
+            n = lru.free_rows_listed(
+                tables.geometry, tables.pages, tables.bounds, self.ref_counts, self.cached, self.stack,
+                self.per_group, self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, self.lru_lengths,
+                self.low_idle, self.idle_low_floors, _IDLE_CLOCK, rows, touched, keyed, self.freed_counts)
+            if n >= 0:
+                break
+            self.freed = np.empty((2, -2 * n), dtype=np.int64)
+        if self.ranked:
+            self._tell_rankers(self.freed_counts, keyed, first_tick)
+        return touched[:n].copy()
 
     def _tell_rankers(self, per_group: np.ndarray, keyed: np.ndarray, first_tick: int) -> None:
         """After :meth:`keyed_idle`: each pool with a ranker whose pages joined tells its

@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import reduce
-from itertools import chain, repeat
+from itertools import repeat
 from math import lcm
 from operator import itemgetter
 from typing import IO, Protocol
@@ -38,6 +38,7 @@ from hybridkv._checks import as_int
 from hybridkv.prefix.checkpoints import OWN, REUSED, SPECULATIVE, CheckpointOrder, CheckpointValues, grain_multiple
 from hybridkv.prefix.checkpoints import checkpoint_policy as policy_from_options
 from hybridkv.prefix.eviction import GroupValueStats, ValueEviction
+from hybridkv.memory import lru
 from hybridkv.memory.pool import PagePool, idle_clock_tick
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables.store import CommitPages, GroupTable
@@ -120,9 +121,9 @@ class RequestHashes:
         if want == have + 1:  # one block (a decode commit)
             out.append(self._hash(parent.to_bytes(16, "little") + block.tobytes()))
             return
-        data, block_bytes = memoryview(block.tobytes()), 4 * g
+        data, block_bytes = block.tobytes(), 4 * g
         hash_fn, append = self._hash, out.append
-        for start in range(0, len(data), block_bytes):  # one hash call a block, nothing else per block
+        for start in range(0, len(data), block_bytes):  # bytes slices: faster than a memoryview's here
             parent = hash_fn(parent.to_bytes(16, "little") + data[start : start + block_bytes])
             append(parent)
 
@@ -255,8 +256,8 @@ class PrefixCache:
             (gid, pool, n, stats, holders) for gid, pool, n, holders, stats in self._state_groups]
 
     def _init_hit_placement(self, tables: Mapping[str, GroupTable]) -> None:
-        """A hit's placement: every group's pages borrowed in one call (``PageSpace.borrow``)
-        and placed in one (``TableSet.place_row``), by group index."""
+        """A hit's placement: every group's pages borrowed and placed in one compiled call
+        (``lru.borrow_row``), by group index."""
         self._table_set = tables[self.specs[0].group_id].table_set
         self._group_index = [tables[s.group_id].group_index for s in self.specs]
         # Borrowing: one compiled call over the page space, whose groups are the tables' in order.
@@ -265,8 +266,8 @@ class PrefixCache:
         # The groups a match looks up, history groups first, and where each spec's own reach
         # lies in ``_match``'s list of reaches (those, then one for the groups restorable anywhere).
         matched = self.history_ids + self.state_ids
-        self._reach_index = [(s.group_id, matched.index(s.group_id) if s.group_id in matched else len(matched))
-                             for s in self.specs]
+        self._spec_ids = [s.group_id for s in self.specs]
+        self._reach_index = [matched.index(gid) if gid in matched else len(matched) for gid in self._spec_ids]
         in_table_order = [s for _, s in sorted(zip(self._group_index, self.specs), key=itemgetter(0))]
         # Per group, by table index: its page tokens and checkpoint window (None: history).
         self._placement = [(s.page_tokens, self._windows[s.group_id] if s.is_sliding else None)
@@ -326,18 +327,28 @@ class PrefixCache:
 
     def _match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> tuple[PrefixHit, list[list], list]:
         """The hit for a prompt (over each prefix of whole blocks, the prompt's last token
-        aside), per history group its entry (pages, None: not cached) of each such prefix
-        (``history[i][b - 1]`` for the prefix of ``b`` blocks), and per state group storing
-        checkpoints its entry at the hit (in ``state_ids`` order; [] without a hit)."""
+        aside), per history group its entries (pages) of the prefixes it holds from the first
+        block on (``history[i][b - 1]`` for the prefix of ``b`` blocks), and per state group
+        storing checkpoints its entry at the hit (in ``state_ids`` order; [] without a hit).
+        Plain loops, each group's lookups stopping where its reach is decided (no comprehension
+        frames or iterator objects: cheaper run cold, as a request joins)."""
         g = self.granularity_tokens
         max_blocks = (prompt_ids.size - 1) // g
         hashes.extend_to(prompt_ids, max_blocks * g)
         keys = hashes.hashes[:max_blocks]  # keys[b - 1] names the prefix of b blocks
-        history = [list(map(lookup, keys)) for lookup in self._history_lookups]
         # Per group alone: a history group reaches its first missing block, a state group its
         # last checkpoint (looked up from the last block down); a group restorable at every
         # boundary (appended last) reaches them all.
-        reach = [entries.index(None) if None in entries else max_blocks for entries in history]
+        history, reach = [], []
+        for lookup in self._history_lookups:
+            entries = []
+            for key in keys:
+                entry = lookup(key)
+                if entry is None:
+                    break
+                entries.append(entry)
+            history.append(entries)
+            reach.append(len(entries))
         limit = min(reach, default=max_blocks)  # blocks every history group holds, from the first
         for lookup in self._state_lookups:
             n = max_blocks
@@ -349,19 +360,23 @@ class PrefixCache:
         # checkpoint (none lies beyond a state group's last one).
         k, at_hit = min(reach), []
         while k:
-            at_hit = [lookup(keys[k - 1]) for lookup in self._state_lookups]
+            key, at_hit = keys[k - 1], []
+            for lookup in self._state_lookups:
+                at_hit.append(lookup(key))
             if None not in at_hit:
                 break
             k -= 1
-        alone = {gid: reach[i] * g for gid, i in self._reach_index}
+        alone = {}
+        for gid, i in zip(self._spec_ids, self._reach_index):
+            alone[gid] = reach[i] * g
         return PrefixHit(k * g, alone, limit * g), history, at_hit if k else []
 
     def match_and_borrow(self, req: CommittingRequest, prompt_ids: np.ndarray) -> PrefixHit:
         """Match a new request's prompt, then place the cached pages in its tables (ref count
-        +1 each): every group's in one ``PageSpace.borrow`` and one ``TableSet.place_row``.
-        The checkpoint at the hit becomes the request's own (its terminal so far; with
-        ``"prefill-per-byte"`` a reuse of it), and its junction, if any, is pinned when the
-        request crosses it."""
+        +1 each, the idle ones leaving their LRUs): every group's in one compiled call
+        (``lru.borrow_row``). The checkpoint at the hit becomes the request's own (its
+        terminal so far; with ``"prefill-per-byte"`` a reuse of it), and its junction, if
+        any, is pinned when the request crosses it."""
         hit, history, at_hit = self._match(req.hashes, prompt_ids)
         d, queried = hit.hit_tokens, int(prompt_ids.size)
         for st, alone in zip(self._stats_in_order, hit.group_hit_tokens.values()):
@@ -369,20 +384,40 @@ class PrefixCache:
             st.queried_tokens += queried
             st.hit_tokens += d
             st.alone_hit_tokens += alone
-        if hit.junction_tokens:
-            req.keep_boundaries = frozenset([hit.junction_tokens])
+        if hit.history_hit_tokens > d:
+            req.keep_boundaries = frozenset([hit.history_hit_tokens])  # its junction
         if d == 0:
             return hit
         # By table index, each group storing entries: a history group's every block below the
         # hit, a state group's checkpoint at it.
         blocks = d // self.granularity_tokens
-        picked = [history[i][:blocks] if whole else (at_hit[i],) for whole, i in self._picks]
-        page_ids = np.fromiter(chain.from_iterable(chain.from_iterable(picked)), np.int64)
+        listed = []
+        for whole, i in self._picks:
+            if whole:
+                for entry in history[i][:blocks]:
+                    listed += entry
+            else:
+                listed += at_hit[i]
         first_pages, counts, total = self._hit_spans(d)
-        assert page_ids.size == total, (page_ids.size, counts)
-        self._space.borrow(page_ids, counts)
-        self._table_set.place_row(req.row, first_pages, counts, page_ids)
-        req.own_checkpoints = self._hold_hit(req.hashes.key(d), d, at_hit)
+        page_ids = np.array(listed, dtype=np.int64)
+        assert page_ids.size == total, (page_ids.size, counts)  # what the compiled call reads
+        space, tables, view = self._space, self._table_set, np.empty(total, dtype=np.int64)
+        n_idle = lru.borrow_row(tables.geometry, tables.pages, tables.bounds, space.ref_counts, space.cached,
+                                space.low_priority, space.low_idle, space.lru_prev, space.lru_next,
+                                space.lru_lengths, req.row, first_pages, counts, page_ids, view, space.idle_counts)
+        if n_idle < 0:
+            raise ValueError(f"page {int(page_ids[-1 - n_idle])} is free, cannot be borrowed")
+        if n_idle:
+            space.note_peaks(space.idle_counts)
+        tables.note_cells(view)
+        # The checkpoint at the hit becomes the request's own (every state group holds it).
+        key, own = req.hashes.hashes[blocks - 1], OwnCheckpoint(d)
+        for (gid, _, _, holders, _), entry in zip(self._state_groups, at_hit):
+            own.entries[gid] = (key, entry)
+            holders[key] = holders.get(key, 0) + 1
+        if self.values is not None:
+            self.values.hit(key)
+        req.own_checkpoints = [own] if at_hit else []
         return hit
 
     def _hit_spans(self, hit_tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -746,15 +781,6 @@ class PrefixCache:
         kept = self.policy.speculative(boundary_tokens, req.prompt_tokens) or self.values.kind(key) == REUSED
         self.values.superseded(key, kept)
         return kept
-
-    def _hold_hit(self, key: int, hit_tokens: int, entries: list) -> list[OwnCheckpoint]:
-        """A hit at D keeps the checkpoint at D (``key``; ``entries``: its pages in each state
-        group, in ``state_ids`` order) as the request's own (its terminal so far); with
-        ``"prefill-per-byte"`` it counts as a reuse of that checkpoint."""
-        own = self._hold(OwnCheckpoint(hit_tokens), key, entries)
-        if self.values is not None:
-            self.values.hit(key)
-        return [own] if own.entries else []
 
     def forget_request(self, req: CommittingRequest) -> None:
         """A freed request's checkpoints stay cached (its last one is its terminal).

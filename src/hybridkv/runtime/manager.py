@@ -376,10 +376,55 @@ class CacheManager:
         cache_salt: str | bytes | None = None,
     ) -> PrefixHit:
         """Register a request; with prefix caching, borrow its cached prefix. Returns the hit."""
+        buf = self._plain_prompt(request_id, prompt_token_ids, prompt_tokens, max_new_tokens, cache_salt)
+        if buf is not None:
+            prompt_len, total = prompt_token_ids.size, buf.size
+        else:
+            buf, prompt_len, total = self._new_prompt(request_id, prompt_token_ids, prompt_tokens, max_new_tokens,
+                                                      cache_salt)
+        self._version += 1  # invalidates a cached admission
+        hashes = None
+        if self.prefix is not None and buf is not None:
+            hashes = self.prefix.new_request_hashes(cache_salt)
+        row = self._take_row()
+        req = _Request(request_id, row, prompt_len, total, buf, prompt_len, hashes)
+        # The hit's pages go into the row's tables, its checkpoint becomes the request's own
+        # and its junction is pinned when the request crosses it.
+        hit = PrefixHit.none(self.specs) if hashes is None else self.prefix.match_and_borrow(req, buf[:prompt_len])
+        self._computed[row] = self._committed[row] = hit.hit_tokens
+        self._requests[request_id] = self._row_owner[row] = req
+        self._row_of[request_id] = row
+        self._max_total[row] = total
+        self._known[row] = self._known_floor[row] = prompt_len if buf is not None else total
+        if self.tier_link is not None and buf is not None:
+            self.tier_link.on_add(request_id, req.hashes, buf[:prompt_len], hit.hit_tokens, total - prompt_len,
+                                  cache_salt)
+        return hit
+
+    def _plain_prompt(self, request_id: Any, ids: Any, prompt_tokens: Any, max_new_tokens: Any,
+                      cache_salt: Any) -> np.ndarray | None:
+        """``add_request``'s common case (a new non-empty str id, a non-empty 1-D int32 array of
+        ids, an int ``max_new_tokens`` >= 0 within the max context, no ``prompt_tokens``, no
+        salt): the request's token buffer with the prompt copied in by one compiled call that
+        checks as it copies that no id is negative (``kernels.copy_token_ids``). None when the
+        case does not apply or a check fails: ``_new_prompt`` then checks in order and raises."""
+        if not (type(request_id) is str and request_id and type(ids) is np.ndarray and ids.ndim == 1
+                and ids.dtype == _INT32 and prompt_tokens is None and cache_salt is None
+                and type(max_new_tokens) is int and 0 <= max_new_tokens
+                and 0 < ids.size <= self.max_context_tokens - max_new_tokens and request_id not in self._requests):
+            return None
+        buf = np.empty(ids.size + max_new_tokens, dtype=np.int32)
+        return buf if kernels.copy_token_ids(ids, buf) else None
+
+    def _new_prompt(self, request_id: Any, prompt_token_ids: Any, prompt_tokens: Any, max_new_tokens: Any,
+                    cache_salt: Any) -> tuple[np.ndarray | None, int, int]:
+        """``add_request``'s arguments checked in order (salt, ids, request id, prompt, max new
+        tokens, max context; the first wrong one raises): the request's token buffer with the
+        prompt copied in (None when only its length is given), the prompt's length and the
+        request's total tokens."""
         check_cache_salt(cache_salt, CacheManagerError)
         if prompt_token_ids is not None:
             check_token_ids("prompt_token_ids", prompt_token_ids, CacheManagerError)
-        self._version += 1  # invalidates a cached admission
         if not isinstance(request_id, str) or not request_id:
             raise CacheManagerError(f"request id must be a non-empty str, got {request_id!r}")
         if request_id in self._requests:
@@ -392,26 +437,11 @@ class CacheManager:
                 f"request {request_id!r}: prompt {prompt_len} + max_new_tokens {max_new} = {total} tokens "
                 f"exceeds the plan's max context of {self.max_context_tokens} tokens"
             )
-        hashes = None
-        if self.prefix is not None and ids is not None:
-            hashes = self.prefix.new_request_hashes(cache_salt)
-        row = self._take_row()
         buf = None
         if ids is not None:
             buf = np.empty(max(total, 1), dtype=np.int32)
             buf[: ids.size] = ids
-        req = _Request(request_id, row, prompt_len, total, buf, prompt_len, hashes)
-        # The hit's pages go into the row's tables, its checkpoint becomes the request's own
-        # and its junction is pinned when the request crosses it.
-        hit = PrefixHit.none(self.specs) if hashes is None else self.prefix.match_and_borrow(req, buf[:prompt_len])
-        self._computed[row] = self._committed[row] = hit.hit_tokens
-        self._requests[request_id] = self._row_owner[row] = req
-        self._row_of[request_id] = row
-        self._max_total[row] = total
-        self._known[row] = self._known_floor[row] = prompt_len if buf is not None else total
-        if self.tier_link is not None and buf is not None:
-            self.tier_link.on_add(request_id, req.hashes, buf[:prompt_len], hit.hit_tokens, max_new, cache_salt)
-        return hit
+        return buf, prompt_len, total
 
     def append_token_ids(self, request_id: str, token_ids: Iterable[int] | np.ndarray) -> None:
         """Extend a request's known tokens (sampled outputs, draft tokens)."""
@@ -1275,13 +1305,8 @@ class CacheManager:
             g = self._grain
             if self._committed[req.row] // g < self._computed[req.row] // g:
                 self._commit_rows(np.asarray([req.row], dtype=np.int64))
-        ts, space = self._tableset, self._space
-        touched, keyed, keyed_per_group = kernels.free_rows(  # its pages leave the tables, one release
-            ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.stack, space.per_group,
-            np.asarray([req.row], dtype=np.int64))
-        ts.note_cells(touched)
-        if keyed.size:
-            space.keyed_idle(keyed_per_group, keyed)
+        ts = self._tableset  # its pages leave the tables, one release
+        ts.note_cells(self._space.free_rows(ts, np.asarray([req.row], dtype=np.int64)))
         if self.prefix is not None:
             self.prefix.forget_request(req)
         self._computed[req.row] = 0

@@ -229,16 +229,6 @@ class TableSet:
         kernels.live_cells(self.geometry, self.bounds, index)
         return index
 
-    def place_row(self, row: int, lo: np.ndarray, counts: np.ndarray, page_ids: np.ndarray) -> None:
-        """A new row's prefix hit, every group in one compiled call (``kernels.place_row``):
-        group ``g``'s ``counts[g]`` ids of ``page_ids`` (group after group) at its logical
-        pages ``[lo[g], lo[g] + counts[g])``, which become the row's live pages (a row whose
-        live pages then outgrow its narrow ring moves to its lane first)."""
-        view = np.empty(page_ids.size, dtype=np.int64)
-        kernels.place_row(self.geometry, self.pages, self.bounds, row, lo, counts, page_ids, view)
-        if page_ids.size:
-            self.note_cells(view)
-
     # --- touched-cell log (incremental block tables) ------------------------
     def start_log(self) -> None:
         """Log touched cells from now on (the next drain is a resync)."""
