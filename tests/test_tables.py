@@ -21,8 +21,16 @@ def store(spec, max_context_tokens, max_step_tokens, rows=2):
     return ts, ts.tables[0]
 
 
+def place_row(ts, row, lo, counts, page_ids):
+    """A prefix hit's placement as ``lru.borrow_row`` runs it: ``kernels.place_row``, every
+    group in one call, then the cells it wrote logged."""
+    view = np.empty(page_ids.size, dtype=np.int64)
+    kernels.place_row(ts.geometry, ts.pages, ts.bounds, row, lo, counts, page_ids, view)
+    ts.note_cells(view)
+
+
 def place(ts, g, rows, lo, counts, page_ids):
-    """The reference for ``TableSet.place_row``, in plain steps: group ``g``'s ``page_ids``
+    """The reference for ``kernels.place_row``, in plain steps: group ``g``'s ``page_ids``
     at logical pages ``[lo_r, lo_r + counts_r)`` of each of ``rows``, row-major (a row whose
     live pages then outgrow its narrow ring moves to its lane first: ``kernels.fit_ring``),
     the cells written logged; bounds unchanged."""
@@ -257,7 +265,7 @@ def test_ensure_rows_keeps_every_live_cell(spans, rows_after):
     start = 1
     for row, (first, n) in enumerate(spans):
         lo, counts = np.array([0, first, first]), np.array([min(n, 8), n, n])
-        ts.place_row(row, lo, counts, np.arange(start, start + counts.sum()))
+        place_row(ts, row, lo, counts, np.arange(start, start + counts.sum()))
         start += counts.sum()
     rows = np.arange(3)
     before = ts.ring_view(), [ts.block_table(g, rows, 16) for g in range(3)], [ts.lanes(g) for g in range(3)]
@@ -345,10 +353,7 @@ def test_place_row_is_place_of_each_group_then_its_live_pages():
             ts.start_log()
             ts.drain_updates()  # the resync: only this row's cells are logged from here
         ids = np.arange(100, 100 + sum(counts), dtype=np.int64)
-        view = np.empty(ids.size, dtype=np.int64)
-        kernels.place_row(sets[0].geometry, sets[0].pages, sets[0].bounds, row, np.array(lo), np.array(counts), ids,
-                          view)
-        sets[0].note_cells(view)
+        place_row(sets[0], row, np.array(lo), np.array(counts), ids)
         start = 0
         for g, table in enumerate(sets[1].tables):
             place(sets[1], g, np.array([row]), np.array([lo[g]]), np.array([counts[g]]), ids[start : start + counts[g]])

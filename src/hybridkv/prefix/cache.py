@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import reduce
-from itertools import repeat
+from itertools import chain, repeat
 from math import lcm
 from operator import itemgetter
 from typing import IO, Protocol
