@@ -109,7 +109,7 @@ class _Scratch:
     def __init__(self, n_groups: int):
         self.n_groups = n_groups
         self._grow(0, 0, 0, 0)
-        self.transient = np.empty(n_groups, dtype=np.int64)  # ``transient_counts``' answer
+        self.transient = np.empty(n_groups, dtype=np.int64)  # ``room_groups``' answer
 
     def plan_arrays(self, n_rows: int) -> tuple:
         """``prepare_step``'s outputs with room for ``n_rows`` rows (``kernels.plan_views``
@@ -1120,11 +1120,12 @@ class CacheManager:
             if plan.grants:
                 self.arena.apply(plan.grants)
             highest = self._scratch.transient  # pages each group allocates that the next step releases
-            kernels.transient_counts(ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts,
-                                     plan.after, plan.sums, highest)
-            for pool, n, transient in zip(self._pool_list, sums[1].tolist(), highest.tolist()):
-                if n:
-                    pool.make_room(n, transient)
+            if kernels.room_groups(ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts,
+                                   plan.after, plan.sums, space.stack, space.offsets, space.per_group, space.low_idle,
+                                   space.idle_low_floors, highest):
+                for pool, n, transient in zip(self._pool_list, sums[1].tolist(), highest.tolist()):
+                    if transient >= 0:
+                        pool.make_room(n, transient)
             n_touched = kernels.finish_step(
                 ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.per_group,
                 self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums,
