@@ -660,7 +660,7 @@ class CacheManager:
 
     def _free_pages(self) -> np.ndarray:
         """Each group's free and evictable pages."""
-        return np.fromiter([pool.num_free_pages for pool in self._pool_list], _INT64, len(self._pool_list))
+        return self._space.tops + self._space.lru_lengths  # every pool's ``num_free_pages``, at once
 
     def _short_pages(self, plan: _StepPlan, wanted: np.ndarray, clean: np.ndarray, free: np.ndarray) -> int:
         """Per group, the pages it lacks for its ``wanted`` allocations after its ``clean``
@@ -683,7 +683,7 @@ class CacheManager:
         releases free (release credit), lend arena slabs, and if the totals still do
         not fit, admit greedily in batch order. Sets ``plan.grants``."""
         plan, ids = releases.plan, self._group_ids
-        avail = {gid: pool.num_free_pages for gid, pool in zip(ids, self._pool_list)}
+        avail = dict(zip(ids, self._free_pages().tolist()))
         # Per-row allocations only to leave out the rows denied already (else the plan's sums).
         alloc = None if fits.all() else self._allocations(plan)
         gross = plan.sums[1].tolist() if alloc is None else [int(alloc[g][fits].sum()) for g in ids]
