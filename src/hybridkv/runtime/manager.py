@@ -109,7 +109,7 @@ class _Scratch:
     def __init__(self, n_groups: int):
         self.n_groups = n_groups
         self._grow(0, 0, 0, 0)
-        self.transient = np.empty(n_groups, dtype=np.int64)  # ``room_groups``' answer
+        self.transient = np.empty(n_groups, dtype=np.int64)  # ``room_groups``' marks
 
     def plan_arrays(self, n_rows: int) -> tuple:
         """``prepare_step``'s outputs with room for ``n_rows`` rows (``kernels.plan_views``
@@ -1119,13 +1119,11 @@ class CacheManager:
         if status != kernels.STEP_DONE:
             if plan.grants:
                 self.arena.apply(plan.grants)
-            highest = self._scratch.transient  # pages each group allocates that the next step releases
+            marks = self._scratch.transient  # ``room_groups``': the groups to ask, the transient pages
             if kernels.room_groups(ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts,
                                    plan.after, plan.sums, space.stack, space.offsets, space.per_group, space.low_idle,
-                                   space.idle_low_floors, highest):
-                for pool, n, transient in zip(self._pool_list, sums[1].tolist(), highest.tolist()):
-                    if transient >= 0:
-                        pool.make_room(n, transient)
+                                   space.idle_low_floors, marks):
+                self._make_room(sums[1].tolist(), marks.tolist())
             n_touched = kernels.finish_step(
                 ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.per_group,
                 self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums,
@@ -1133,6 +1131,18 @@ class CacheManager:
         if allocated_pages:
             space.note_peaks(sums[1])
         return n_touched
+
+    def _make_room(self, allocated: list[int], marks: list[int]) -> None:
+        """``PagePool.make_room`` of each group's ``allocated`` pages where ``room_groups``
+        named it (``marks[g] >= 0``, its transient pages; else ``-1 - transient``) and, once
+        one has evicted (telling of a removal may drop or demote entries of later groups,
+        which then may have to pack), in every later group that allocates."""
+        evicted = False
+        for pool, n, mark in zip(self._pool_list, allocated, marks):
+            if mark >= 0 or (evicted and n):
+                before = pool.counters.evicted_pages
+                pool.make_room(n, mark if mark >= 0 else -1 - mark)
+                evicted = evicted or pool.counters.evicted_pages != before
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
                      n_touched: int, read: tuple | None = None) -> StepBatch:
