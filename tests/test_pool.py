@@ -7,7 +7,7 @@ from hypothesis import given, settings
 
 from hybridkv.memory.pool import NULL_PAGE, PagePool, PageSpace
 from hybridkv.runtime import kernels
-from pool_ops import PoolExhausted, allocate, borrow, decref, incref, publish
+from pool_ops import PoolExhausted, allocate, borrow, decref, incref, publish, space_of
 
 
 def pool_state(pool: PagePool):
@@ -1030,3 +1030,32 @@ def test_the_lru_keeps_an_ordered_dicts_order_through_every_change(data, lowest_
         pool.check_invariants()
         assert pool.evictable_page_ids().tolist() == list(ref.order)
         assert pool.num_evictable_pages == len(ref.order)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_room_groups_leaves_out_only_pools_whose_make_room_evicts_nothing(data):
+    """``kernels.room_groups`` (the step asks ``make_room`` only of the groups it names):
+    for a lowest-first pool with random held, free and idle entries of either priority,
+    a group it leaves out (-1) is one whose ``make_room`` of the allocation changes
+    nothing: no entry evicted, the free stack as it was."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    pool = PagePool("g", 48, lowest_first=True)
+    held = allocate(pool, data.draw(st.integers(1, 40)))
+    for k, page in enumerate(held[: data.draw(st.integers(0, held.size))].tolist()):
+        publish(pool, ("e", k), [page], low_priority=bool(rng.integers(2)))
+    decref(pool, rng.permutation(held)[: data.draw(st.integers(0, held.size))])
+    count = data.draw(st.integers(0, pool.num_free_pages))
+    space, g = space_of(pool)
+    sums = np.zeros((2, 1), dtype=np.int64)
+    sums[1, 0] = count
+    out, none = np.empty(1, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    asked = kernels.room_groups(np.zeros((1, 8), dtype=np.int64), np.zeros((3, 1, 0), dtype=np.int64),
+                                np.zeros(1, dtype=np.bool_), none, none, none, np.zeros((2, 1, 0), dtype=np.int64),
+                                sums, space.stack, space.offsets, space.per_group, space.low_idle,
+                                space.idle_low_floors, out)
+    assert asked == int(out[0] >= 0) and (out[0] in (-1, 0))
+    if out[0] < 0:
+        before, evicted = pool.free_page_ids().tolist(), pool.counters.evicted_pages
+        pool.make_room(count, 0)
+        assert pool.free_page_ids().tolist() == before and pool.counters.evicted_pages == evicted

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from hybridkv._checks import as_int
-from hybridkv.memory.pool import PagePool
+from hybridkv.memory.pool import PagePool, PageSpace
 from hybridkv.runtime import kernels
 
 DEFAULT_SLAB_ANCHOR_PAGES = 16
@@ -167,6 +167,17 @@ class IdleScan:
         return 1 if not self.clean else 0 if self.before_tick is None else 2
 
 
+def _page_space_of(pools: list[PagePool]) -> PageSpace:
+    """The page space holding ``pools`` in this order (made here when none holds them yet),
+    whose arrays the arena's compiled grants write."""
+    space = pools[0].space
+    if space is None and all(pool.space is None for pool in pools):
+        return PageSpace(pools)
+    if space is None or len(space.pools) != len(pools) or any(a is not b for a, b in zip(space.pools, pools)):
+        raise ValueError("an arena's pools lie in one page space, in the arena's group order")
+    return space
+
+
 class Arena:
     """Slab ownership for the pools of one manager; pools start with no pages.
 
@@ -184,6 +195,7 @@ class Arena:
         for gid, pool in self.pools.items():
             if pool.num_pages != geometry.view_pages(gid) or pool.usable_pages:
                 raise ValueError(f"group {gid!r}: an arena pool starts empty with {geometry.view_pages(gid)} page ids")
+        self._space = _page_space_of(list(self.pools.values()))
         inner, straddle = self._init_slab_ids()
         self._taken = np.empty(geometry.num_slabs, dtype=np.int64)  # plan's scratch: spare slabs taken
         # ``plan_spare``'s: inner pages and straddlers, the fewest whole pages of each
@@ -437,20 +449,16 @@ class Arena:
 
     def _grant_spare(self, grants: Sequence[Grant]) -> None:
         """:meth:`apply` of spare slabs only (every pool's free stack sorted): the pages each
-        group gains, worked out in one compiled pass (``kernels.spare_slab_pages``), go
-        to its pool in one grant."""
-        index, n = self._index, len(grants)
+        group gains go onto its free stack in one run per pool, all in one compiled call
+        (``kernels.grant_spare_slabs`` on the pools' page space)."""
+        index, n, space = self._index, len(grants), self._space
         groups = np.fromiter([index[gid] for gid, _, _ in grants], np.int64, n)
         slabs = np.fromiter([slab for _, slab, _ in grants], np.int64, n)
         pages, ends = np.empty(n * self._most_slab_pages, dtype=np.int64), np.empty(len(index), dtype=np.int64)
-        if kernels.spare_slab_pages(self.owner, groups, slabs, *self._slab_ids, pages, ends) < 0:
+        if kernels.grant_spare_slabs(self.owner, groups, slabs, *self._slab_ids, pages, ends, space.stack,
+                                     space.tops, space.offsets, space.lowest_first, space.granted) < 0:
             raise AssertionError("a slab granted is not spare")
         self._spare_count -= n
-        start = 0
-        for gid, end in zip(self.group_ids, ends.tolist()):
-            if end > start:
-                self.pools[gid].grant(pages[start:end])
-            start = end
 
     def release_idle(self) -> int:
         """Return every slab whose pages are all free (not evictable) to the spare list; the count."""

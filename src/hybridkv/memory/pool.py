@@ -141,7 +141,7 @@ class PagePool:
         self._tops = np.zeros(1, dtype=np.int64)
         self._lows = np.zeros(1, dtype=np.int64)
         self._slot = 0
-        self._granted_pages = 0
+        self._granted = np.zeros(1, dtype=np.int64)  # pages granted (``usable_pages``), like ``_tops``
         # The LRU of idle keyed pages: a linked list in two arrays (``hybridkv.memory.lru``:
         # the null page is its sentinel) and its length, in a one-element array like ``_tops``.
         self._lru_prev = np.full(self.num_pages, -1, dtype=np.int32)
@@ -225,6 +225,14 @@ class PagePool:
     @_low_floor.setter
     def _low_floor(self, value: int) -> None:
         self._floors[self._slot] = value
+
+    @property
+    def _granted_pages(self) -> int:
+        return int(self._granted[self._slot])
+
+    @_granted_pages.setter
+    def _granted_pages(self, value: int) -> None:
+        self._granted[self._slot] = value
 
     @property
     def usable_pages(self) -> int:
@@ -647,6 +655,7 @@ class PageSpace:
         self.tops[:] = [p._top for p in self.pools]
         self.lowest_first[:] = [p.lowest_first for p in self.pools]
         self.low_idle = np.asarray([p._low_idle_pages for p in self.pools], dtype=np.int64)
+        self.granted = np.asarray([p._granted_pages for p in self.pools], dtype=np.int64)  # ``usable_pages``
         self.lru_lengths = np.asarray([p.num_evictable_pages for p in self.pools], dtype=np.int64)
         self.idle_low_floors = np.asarray([p._low_floor for p in self.pools], dtype=np.int64)  # the pools' ``_low_floor``
         self.ranked: list[int] = []  # the groups whose pool has a ranker (``PagePool.ranker`` keeps it)
@@ -675,7 +684,7 @@ class PageSpace:
         """Every pool's counts become views of this space's per-group arrays."""
         for g, pool in enumerate(self.pools):
             pool._tops, pool._lows, pool._lru_lengths, pool._slot = self.tops, self.low_idle, self.lru_lengths, g
-            pool._floors = self.idle_low_floors
+            pool._floors, pool._granted = self.idle_low_floors, self.granted
             pool._view_lru()
             pool.counters.tallies = self.per_group[3:, g]
             pool.space = self
@@ -786,6 +795,6 @@ class PageSpace:
         pools, tops = self.pools, self.tops
         for g in allocated.nonzero()[0].tolist():  # the pools that allocated only
             pool = pools[g]
-            used = pool._granted_pages - int(tops[g]) - int(self.lru_lengths[g])  # num_used_pages
+            used = int(self.granted[g]) - int(tops[g]) - int(self.lru_lengths[g])  # num_used_pages
             if used > pool.peak_used_pages:
                 pool.peak_used_pages = used

@@ -454,10 +454,29 @@ def transient_pages(geometry, bounds, g, rows, first, counts, after, sums):
 
 
 @njit(cache=True)
-def transient_counts(geometry, bounds, transient, rows, first, counts, after, sums, out):
-    """``transient_pages`` of every group, ``out[g]`` (0 where ``transient[g]`` is not set)."""
+def room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, per_group, low_idle,
+                idle_low_floors, out):
+    """Before ``finish_step`` of a step that stopped for Python: per group, the pages it
+    allocates that the next step releases again (``transient_pages``; 0 where
+    ``transient[g]`` is not set): ``out[g]`` = that count when ``PagePool.make_room`` of
+    its ``sums[1, g]`` pages may have something to do now, else ``-1 - count`` (it
+    would evict nothing: the group allocates nothing, or its free stack covers the
+    allocation and, in a lowest-first group with idle low-priority pages, none can lie
+    below the ids its long-lived pages take, ``idle_low_floors[g]`` being a lower bound
+    of theirs). Returns the groups to ask."""
+    n_asked = 0
     for g in range(geometry.shape[0]):
-        out[g] = transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0
+        count, top = sums[1, g], per_group[TOP, g]
+        highest = transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0
+        long = count - highest
+        packs = long > 0 and per_group[LOWEST, g] != 0 and low_idle[g] > 0 and (
+            top < long or idle_low_floors[g] < stack[offsets[g] + top - long])
+        if count > 0 and (top < count or packs):
+            out[g] = highest
+            n_asked += 1
+        else:
+            out[g] = -1 - highest
+    return n_asked
 
 
 @njit(cache=True)
@@ -1210,6 +1229,26 @@ def spare_slab_pages(owner, groups, slabs, lo, hi, straddle, pages, ends):
             n = slab_pages(owner, g, lo[g], hi[g], straddle[g], s, pages, n)
             owner[s] = g
         ends[g] = n
+    return n
+
+
+@njit(cache=True)
+def grant_spare_slabs(owner, groups, slabs, lo, hi, straddle, pages, ends, stack, top, offsets, lowest, granted):
+    """Spare slabs granted in order (``spare_slab_pages``: ``owner`` updated) and the
+    pages each group gains pushed onto its free stack in one run (``push_run`` at
+    ``offsets[g]``, ``top[g]`` moved on) and counted in ``granted[g]``: a page
+    space's whole grant in one call. Returns the pages in all, or -1 (nothing changed)
+    when a slab is not spare or is listed twice."""
+    n = spare_slab_pages(owner, groups, slabs, lo, hi, straddle, pages, ends)
+    if n < 0:
+        return n
+    start = 0
+    for g in range(ends.size):
+        end = ends[g]
+        if end > start:
+            top[g] = push_run(stack[offsets[g]:], top[g], lowest[g] != 0, pages[start:end])
+            granted[g] += end - start
+        start = end
     return n
 
 

@@ -109,7 +109,7 @@ class _Scratch:
     def __init__(self, n_groups: int):
         self.n_groups = n_groups
         self._grow(0, 0, 0, 0)
-        self.transient = np.empty(n_groups, dtype=np.int64)  # ``transient_counts``' answer
+        self.transient = np.empty(n_groups, dtype=np.int64)  # ``room_groups``' marks
 
     def plan_arrays(self, n_rows: int) -> tuple:
         """``prepare_step``'s outputs with room for ``n_rows`` rows (``kernels.plan_views``
@@ -690,7 +690,7 @@ class CacheManager:
 
     def _free_pages(self) -> np.ndarray:
         """Each group's free and evictable pages."""
-        return np.fromiter([pool.num_free_pages for pool in self._pool_list], _INT64, len(self._pool_list))
+        return self._space.tops + self._space.lru_lengths  # every pool's ``num_free_pages``, at once
 
     def _short_pages(self, plan: _StepPlan, wanted: np.ndarray, clean: np.ndarray, free: np.ndarray) -> int:
         """Per group, the pages it lacks for its ``wanted`` allocations after its ``clean``
@@ -713,7 +713,7 @@ class CacheManager:
         releases free (release credit), lend arena slabs, and if the totals still do
         not fit, admit greedily in batch order. Sets ``plan.grants``."""
         plan, ids = releases.plan, self._group_ids
-        avail = {gid: pool.num_free_pages for gid, pool in zip(ids, self._pool_list)}
+        avail = dict(zip(ids, self._free_pages().tolist()))
         # Per-row allocations only to leave out the rows denied already (else the plan's sums).
         alloc = None if fits.all() else self._allocations(plan)
         gross = plan.sums[1].tolist() if alloc is None else [int(alloc[g][fits].sum()) for g in ids]
@@ -1149,12 +1149,11 @@ class CacheManager:
         if status != kernels.STEP_DONE:
             if plan.grants:
                 self.arena.apply(plan.grants)
-            highest = self._scratch.transient  # pages each group allocates that the next step releases
-            kernels.transient_counts(ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts,
-                                     plan.after, plan.sums, highest)
-            for pool, n, transient in zip(self._pool_list, sums[1].tolist(), highest.tolist()):
-                if n:
-                    pool.make_room(n, transient)
+            marks = self._scratch.transient  # ``room_groups``': the groups to ask, the transient pages
+            if kernels.room_groups(ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts,
+                                   plan.after, plan.sums, space.stack, space.offsets, space.per_group, space.low_idle,
+                                   space.idle_low_floors, marks):
+                self._make_room(sums[1].tolist(), marks.tolist())
             n_touched = kernels.finish_step(
                 ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.per_group,
                 self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums,
@@ -1162,6 +1161,18 @@ class CacheManager:
         if allocated_pages:
             space.note_peaks(sums[1])
         return n_touched
+
+    def _make_room(self, allocated: list[int], marks: list[int]) -> None:
+        """``PagePool.make_room`` of each group's ``allocated`` pages where ``room_groups``
+        named it (``marks[g] >= 0``, its transient pages; else ``-1 - transient``) and, once
+        one has evicted (telling of a removal may drop or demote entries of later groups,
+        which then may have to pack), in every later group that allocates."""
+        evicted = False
+        for pool, n, mark in zip(self._pool_list, allocated, marks):
+            if mark >= 0 or (evicted and n):
+                before = pool.counters.evicted_pages
+                pool.make_room(n, mark if mark >= 0 else -1 - mark)
+                evicted = evicted or pool.counters.evicted_pages != before
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
                      n_touched: int, read: tuple | None = None) -> StepBatch:
