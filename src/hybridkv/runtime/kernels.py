@@ -65,7 +65,8 @@ RING_START, ROW_STRIDE, RING_MASK, LANE_START, VIEW_COLUMNS, COLUMN_STRIDE = ran
 FREE_COUNT = 14  # free lanes of the group (kernels change it)
 GEOMETRY_COLUMNS = 15
 BASE, HI, LANE, FREE_LANES = range(4)  # planes of ``bounds``
-TOP, LOWEST, LOW_FLOOR, RELEASED_PAGES, ALLOCATED_PAGES = range(5)  # rows of ``per_group``
+TOP, LOWEST, LOW_FLOOR, RELEASED_PAGES, ALLOCATED_PAGES, LRU_PAGES, GRANTED_PAGES, PEAK_USED_PAGES = range(8)
+PER_GROUP_ROWS = 8  # rows of ``per_group`` (``PageSpace.per_group``)
 
 STEP_DONE = 0
 STEP_NEEDS_PAGES = 1  # the releases ran; the caller lends slabs or evicts, then calls finish_step
@@ -597,6 +598,19 @@ def needs_room(geometry, stack, top, lowest, low_floor, low_priority, sums, rele
 
 
 @njit(cache=True)
+def note_peaks(per_group, allocated, not_joined):
+    """Each pool's peak of used pages (``PagePool.peak_used_pages``) after a step or a borrow
+    took ``allocated[g]`` pages of group ``g``: granted less free (the stack) less idle ones
+    (the LRU's, and ``not_joined[g]``: keyed pages gone idle that join it next; empty: none)."""
+    for g in range(allocated.size):
+        if allocated[g]:
+            used = per_group[GRANTED_PAGES, g] - per_group[TOP, g] - per_group[LRU_PAGES, g]
+            if not_joined.size:
+                used -= not_joined[g]
+            per_group[PEAK_USED_PAGES, g] = max(per_group[PEAK_USED_PAGES, g], used)
+
+
+@njit(cache=True)
 def plan_views(buffer, n_groups):
     """The step's scratch arrays, views of one flat int64 ``buffer`` whose first four
     values are the room they have: ``cap`` rows, ``n_pages`` released pages in one group,
@@ -632,7 +646,8 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
          per_token):
     """``prepare_step`` then, when the plan needs nothing from Python first (every
     group's free stack covers it, no row crosses a prefix grain, the scratch buffers
-    are large enough), ``run_step``, in one call; ``counters`` packs computed, committed
+    are large enough), ``run_step``, in one call (a step done whole notes the pools'
+    peaks, ``note_peaks``); ``counters`` packs computed, committed
     and known tokens, ``plan`` the plan's arrays and ``run_step``'s scratch (``plan_views``);
     ``cells`` and ``cell_pages`` as ``run_step`` takes them, then the batch's arrays
     (``batch_arrays_for``). The arguments up to ``grain`` are the manager's
@@ -658,6 +673,8 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
         geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group,
         transient, rows[:n], counts[:n], first[:n], settle, after[:, :, :n], sums, False, scratch, idle_keyed,
         released, touched, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths)
+    if status == STEP_DONE:
+        note_peaks(per_group, sums[1], released[1])  # the keyed pages gone idle join the LRU next
     return status, n, settle, n_cross, clean, n_touched, n_keyed, totals[3]
 
 

@@ -129,7 +129,6 @@ class _Scratch:
         self.buffer[:4] = sizes
         views = kernels.plan_views(self.buffer, self.n_groups)
         self.plan, (self.released, self.widths, self.pages, self.idle_keyed, self.touched) = views[:8], views[8:]
-        self.allocated = self.plan[5][1]  # the plan's pages allocated per group (``sums[1]``)
 
     def reserve(self, most_released: int, released_pages: int, allocated_pages: int) -> tuple:
         """(release scratch, idle keyed pages, released counts, touched cells), large enough."""
@@ -239,7 +238,7 @@ class CacheManager:
             self.table_widths[s.group_id] for s in self.specs)
         self.tables = {s.group_id: t for s, t in zip(self.specs, self._tableset.tables)}
         self._group_ids = ids
-        self._group_sliding = tuple((s.group_id, s.is_sliding) for s in self.specs)
+        self._full_groups = tuple(k for k, s in enumerate(self.specs) if not s.is_sliding)  # no base pages
         self._init_registry()
         self.prefix: PrefixCache | None = None
         if enable_prefix_caching:
@@ -817,11 +816,13 @@ class CacheManager:
         """``_fast_rows`` of ``(rid, count)`` for every id: one scalar count check."""
         if type(count) is not int or not 1 <= count <= self.max_step_tokens:
             return None  # the per-item path words it (numpy ints included)
-        rows = self._rows_of(rids)
-        if rows is None:
+        n = len(rids)
+        try:  # ``_rows_of``, inline: the decode step's one call less
+            found = itemgetter(*rids)(self._row_of) if n > 1 else (self._row_of[rids[0]],)
+        except (KeyError, TypeError):
             return None
         self._one_count[0] = count  # ``prepare_step`` reads one count as every row's
-        return rows, self._one_count, rids, rows.size * count
+        return np.fromiter(found, _INT64, n), self._one_count, rids, n * count
 
     def _rows_of(self, rids: tuple) -> np.ndarray | None:
         """Table rows of known request ids; None if an id is unknown or unhashable."""
@@ -946,9 +947,15 @@ class CacheManager:
         if load:
             verdict = self._admit_load(items, fixed_width)
         elif verdict is None and not fixed_width:
-            verdict = self._fast_step(items, uniform, write_slots, updates)
-            if isinstance(verdict, StepBatch):
-                return verdict
+            # Valid pairs (none waiting for a tier load) take ``_step``'s one compiled call:
+            # its batch, or the plan it made for ``_admit``; None (an invalid item) goes to ``_admit``.
+            fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
+            if fast is not None and not (self.pending_loads and not self.pending_loads.isdisjoint(fast[2])):
+                done = self._step(fast, write_slots, updates)
+                if type(done) is StepBatch:
+                    return done
+                if done is not None:
+                    verdict = self._admit(items, False, uniform, planned=done)
         if verdict is None:
             verdict = self._admit(items, fixed_width, uniform)
         return self._run_verdict(verdict, items, uniform, write_slots, updates, fixed_width, load)
@@ -993,17 +1000,6 @@ class CacheManager:
             return cached[3]
         return None
 
-    def _fast_step(self, items, uniform, write_slots: bool, updates: bool) -> StepBatch | _Verdict | None:
-        """The step of valid pairs through ``_step``: its batch, or the verdict on the
-        plan it made; None when some item is invalid (``_admit`` words why)."""
-        fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
-        if fast is None or (self.pending_loads and not self.pending_loads.isdisjoint(fast[2])):
-            return None
-        done = self._step(fast, write_slots, updates)
-        if done is None or isinstance(done, StepBatch):
-            return done
-        return self._admit(items, False, uniform, planned=done)
-
     def _step(self, fast: tuple, write_slots: bool, updates: bool) -> StepBatch | _StepPlan | None:
         """A step of valid items (``fast``: rows, counts, request ids) in one compiled call
         (``kernels.step``): plan, and when every group's free stack covers the plan (it is
@@ -1012,10 +1008,15 @@ class CacheManager:
         the stages after it, or None when there is none (a row twice, or past its known
         tokens)."""
         rows_in, counts_in, rids, n_tokens = fast
-        sc = self._scratch
-        out = _new_tuple(_StepArrays, kernels.batch_arrays_for(len(self.specs), rows_in.size, n_tokens, write_slots))
-        plan_arrays = sc.plan_arrays(rows_in.size + self._last_rows.size)
-        cells = self._cell_buffers(rows_in.size) if updates else _NO_CELLS
+        sc, ts, n_rows = self._scratch, self._tableset, rows_in.size
+        n_groups = len(self._pool_list)
+        out = _new_tuple(_StepArrays, kernels.batch_arrays_for(n_groups, n_rows, n_tokens, write_slots))
+        if n_rows + self._last_rows.size > sc.plan_rows:
+            sc.plan_arrays(n_rows + self._last_rows.size)
+        cells = _NO_CELLS
+        if updates:  # ``_cell_buffers``' room for a decode step; handed out only if the log holds nothing else
+            room = 2 * n_groups * n_rows + 16
+            cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
         self._space.low_floors()  # in the state's ``per_group``
         status, n, settle, n_crossing, clean, n_touched, n_keyed, allocated = kernels.step(
             *(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, *cells, *out)
@@ -1032,17 +1033,17 @@ class CacheManager:
             plan.grants = []
             return self._commit_and_run(plan, write_slots, updates, False, out)
         self._version += 1
-        self._tableset.start_log() if updates else self._tableset.stop_log()
+        if (ts.log is None) == updates:  # the log's state changes: on for "updates", off for "full"
+            ts.start_log() if updates else ts.stop_log()
         plan = self._plan_of(n, settle, n_crossing, clean) if status != kernels.STEP_DONE else None
         if plan is not None:
             plan.grants = []
-        if n_keyed or plan is not None:
-            n_touched = self._after_run(plan_arrays[5], allocated, status, n_touched, n_keyed, plan, out, cells)
-        elif allocated:  # all ``_after_run`` does after a step done whole that left no keyed page idle
-            self._space.note_peaks(sc.allocated)
+        if n_keyed or plan is not None:  # (a step done whole noted the pools' peaks)
+            n_touched = self._after_run(sc.plan[5], 0 if plan is None else allocated, status, n_touched, n_keyed,
+                                        plan, out, cells)
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
-        return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1,
-                                 self._read_cells(n_touched, cells))
+        read = cells if 0 < n_touched <= cells[1].size and ts.drains_touched_only() else None  # ``_read_cells``
+        return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, read)
 
     def _kernel_state(self) -> tuple:
         """``kernels.step``'s leading arguments: the table store, the per-row counters, the
@@ -1140,24 +1141,24 @@ class CacheManager:
         those cells as ``kernels.finish_step`` read them (group, row and column; page), the log
         holding nothing else."""
         widths = self._capture_widths if fixed_width else tuple(self._scratch.widths.tolist())
-        ts, table_updates = self._tableset, None
+        ts, table_updates, n_groups = self._tableset, None, len(widths)
         if n_touched < 0:
             tables = [ts.block_table(k, rows, width) for k, width in enumerate(widths)]
         elif read is not None:
-            tables = [None] * len(widths)
+            tables = (None,) * n_groups
             (cells, page), n = read, n_touched
-            table_updates = TableUpdates(cells[0, :n], cells[1, :n], cells[2, :n], page[:n], widths)
+            table_updates = TableUpdates(*cells[:, :n], page[:n], widths)
         else:
-            tables = [None] * len(widths)
+            tables = (None,) * n_groups
             touched = self._scratch.touched[:n_touched] if n_touched else None
             group, row, column, page, reset = ts.drain_updates(touched)
             table_updates = TableUpdates(group, row, column, page, widths, reset)
         per_request, per_token = out.per_request, out.per_token
-        slots = per_token[1:] if per_token.shape[0] > 1 else [None] * len(widths)
-        groups = {  # iterating a 2-D array yields its rows
-            gid: GroupStep(table, base if sliding else None, slot)
-            for (gid, sliding), table, base, slot in zip(self._group_sliding, tables, per_request[2:], slots)
-        }
+        slots = per_token[1:] if per_token.shape[0] > 1 else (None,) * n_groups
+        bases = [*per_request[2:]]  # iterating a 2-D array yields its rows
+        for k in self._full_groups:
+            bases[k] = None  # full-history groups have no base page
+        groups = dict(zip(self._group_ids, map(GroupStep, tables, bases, slots)))
         return StepBatch(request_ids, per_request[1], out.query_start_loc, per_token[0], out.request_indices, groups,
                          per_request[0], table_updates)
 
