@@ -551,7 +551,7 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
     """One admitted step as planned by ``prepare_step``: the rows' tokens so far count as
     committed, releases, allocations, then the batch's arrays (``finish_step``). Returns
     (status, cells logged, idle keyed pages); the pages released and allocated count
-    in ``per_group``. ``STEP_NEEDS_PAGES``: the releases ran,
+    in ``per_group``, and a step done whole notes the pools' peaks (``note_peaks``). ``STEP_NEEDS_PAGES``: the releases ran,
     nothing else; the caller lends slabs (``hold``) and makes room (``PagePool.make_room``)
     in the groups whose stack is short or that would first reuse idle low-priority pages
     (``needs_room``), then calls ``finish_step`` (which reads the changed cells into
@@ -566,6 +566,7 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
     n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
                             first, settle, after, sums, touched, n_touched, cells, cell_pages, per_request,
                             query_start_loc, request_indices, per_token, widths)
+    note_peaks(per_group, sums[1], released[1])  # the keyed pages gone idle join the LRU next
     return STEP_DONE, n_touched, n_keyed
 
 
@@ -646,8 +647,7 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
          per_token):
     """``prepare_step`` then, when the plan needs nothing from Python first (every
     group's free stack covers it, no row crosses a prefix grain, the scratch buffers
-    are large enough), ``run_step``, in one call (a step done whole notes the pools'
-    peaks, ``note_peaks``); ``counters`` packs computed, committed
+    are large enough), ``run_step``, in one call; ``counters`` packs computed, committed
     and known tokens, ``plan`` the plan's arrays and ``run_step``'s scratch (``plan_views``);
     ``cells`` and ``cell_pages`` as ``run_step`` takes them, then the batch's arrays
     (``batch_arrays_for``). The arguments up to ``grain`` are the manager's
@@ -673,8 +673,6 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
         geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group,
         transient, rows[:n], counts[:n], first[:n], settle, after[:, :, :n], sums, False, scratch, idle_keyed,
         released, touched, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths)
-    if status == STEP_DONE:
-        note_peaks(per_group, sums[1], released[1])  # the keyed pages gone idle join the LRU next
     return status, n, settle, n_cross, clean, n_touched, n_keyed, totals[3]
 
 

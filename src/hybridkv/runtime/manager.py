@@ -133,8 +133,8 @@ class _Scratch:
     def reserve(self, most_released: int, released_pages: int, allocated_pages: int) -> tuple:
         """(release scratch, idle keyed pages, released counts, touched cells), large enough."""
         sizes = (self.pages.size, self.idle_keyed.size, self.touched.size)
-        wanted = (most_released, released_pages, released_pages + allocated_pages)
-        if any(w > n for w, n in zip(wanted, sizes)):
+        if most_released > sizes[0] or released_pages > sizes[1] or released_pages + allocated_pages > sizes[2]:
+            wanted = (most_released, released_pages, released_pages + allocated_pages)
             self._grow(self.plan_rows, *(2 * w if w > n else n for w, n in zip(wanted, sizes)))
         return self.pages, self.idle_keyed, self.released, self.touched
 
@@ -983,7 +983,9 @@ class CacheManager:
         self._version += 1
         if self.prefix is not None and plan.crossing.size:
             self._commit_rows(plan.crossing)  # publish what the rows' previous steps completed
-        self._tableset.start_log() if updates else self._tableset.stop_log()
+        ts = self._tableset
+        if (ts.log is None) == updates:  # the log's state changes: on for "updates", off for "full"
+            ts.start_log() if updates else ts.stop_log()
         n_cells = plan.totals[1] + plan.totals[3]  # at most: a cell per page released or allocated
         cells = self._cell_buffers(plan.rows.size, plan.cells, n_cells) if updates else _NO_CELLS
         arrays, n_touched, read = self._run(plan, write_slots, out if out is not None else plan.arrays, cells)
@@ -1010,7 +1012,9 @@ class CacheManager:
         rows_in, counts_in, rids, n_tokens = fast
         sc, ts, n_rows = self._scratch, self._tableset, rows_in.size
         n_groups = len(self._pool_list)
-        out = _new_tuple(_StepArrays, kernels.batch_arrays_for(n_groups, n_rows, n_tokens, write_slots))
+        out = _new_tuple(_StepArrays, (  # ``kernels.batch_arrays_for``, inline (a call less a step)
+            np.empty((2 + n_groups, n_rows), _INT32), np.empty(n_rows + 1, _INT32), np.empty(n_tokens, _INT32),
+            np.empty((1 + n_groups if write_slots else 1, n_tokens), _INT64)))
         if n_rows + self._last_rows.size > sc.plan_rows:
             sc.plan_arrays(n_rows + self._last_rows.size)
         cells = _NO_CELLS
@@ -1042,7 +1046,7 @@ class CacheManager:
             n_touched = self._after_run(sc.plan[5], 0 if plan is None else allocated, status, n_touched, n_keyed,
                                         plan, out, cells)
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
-        read = cells if 0 < n_touched <= cells[1].size and ts.drains_touched_only() else None  # ``_read_cells``
+        read = cells if 0 < n_touched <= cells[1].size and ts.drains_touched_only() else None  # as ``_run``
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, read)
 
     def _kernel_state(self) -> tuple:
@@ -1067,11 +1071,6 @@ class CacheManager:
         room = max(2 * len(self.specs) * n_rows + 16, n_cells)
         return np.empty((3, room), _INT64), np.empty(room, _INT32)
 
-    def _read_cells(self, n_touched: int, cells: tuple) -> tuple | None:
-        """``cells`` when ``finish_step`` read the ``n_touched`` cells the step changed into
-        them and the table log holds nothing else; else None (``drain_updates`` reads them)."""
-        return cells if 0 < n_touched <= cells[1].size and self._tableset.drains_touched_only() else None
-
     def _evictable_cover(self, allocated: np.ndarray) -> bool:
         """After ``kernels.releases_cover`` (each short group's releases free enough pages
         first): whether ``_admit`` would admit the step as is, granting no slab. Without an
@@ -1086,7 +1085,7 @@ class CacheManager:
     def _run(self, plan: _StepPlan, write_slots: bool, out: _StepArrays | None,
              cells: tuple = _NO_CELLS) -> tuple[_StepArrays, int, tuple | None]:
         """Release, allocate and the batch's arrays (``out``, or fresh ones) in one compiled
-        call (``kernels.run_step``); ``_after_run`` books them. Returns the arrays, how
+        call (``kernels.run_step``); ``_after_run`` books what Python must. Returns the arrays, how
         many table cells the step changed (at the start of the touched scratch) and
         ``cells`` when the kernel read those into them (``_build_batch``'s ``read``)."""
         n_tokens, released_pages, most_released, allocated_pages = plan.totals
@@ -1103,8 +1102,10 @@ class CacheManager:
             space.low_priority, space.stack, per_group, self._transient, plan.rows, plan.counts, plan.first,
             plan.settle, plan.after, plan.sums, bool(plan.grants), scratch, idle_keyed, released, touched, *cells,
             *out, self._scratch.widths)
-        n_touched = self._after_run(plan.sums, allocated_pages, status, n_touched, n_keyed, plan, out, cells)
-        return out, n_touched, self._read_cells(n_touched, cells)
+        if n_keyed or status != kernels.STEP_DONE:  # (a step done whole noted the pools' peaks)
+            n_touched = self._after_run(plan.sums, 0 if status == kernels.STEP_DONE else allocated_pages, status,
+                                        n_touched, n_keyed, plan, out, cells)
+        return out, n_touched, cells if 0 < n_touched <= cells[1].size and ts.drains_touched_only() else None
 
     def _after_run(self, sums: np.ndarray, allocated_pages: int, status: int, n_touched: int, n_keyed: int,
                    plan: _StepPlan | None, out: _StepArrays, cells: tuple = _NO_CELLS) -> int:
