@@ -357,14 +357,14 @@ def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_i
     if settle < 0:
         return -1, 0, 0, False
     n = settle + rows_in.size
-    n_cross = 0
+    n_cross, grain_shift = 0, log2_exact(grain)  # a shift per row, not two divisions, for a power of two
     for r in range(n):
         if r >= settle:
             rows[r] = rows_in[r - settle]
             counts[r] = counts_in[(r - settle) * each]
         row = rows[r]
         first[r] = computed[row]
-        if grain > 0 and committed[row] // grain < first[r] // grain:
+        if grain > 0 and divide(committed[row], grain, grain_shift) < divide(first[r], grain, grain_shift):
             crossing[n_cross] = row
             n_cross += 1
     clean = True
