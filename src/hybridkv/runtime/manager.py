@@ -610,8 +610,6 @@ class CacheManager:
         """(answers, valid indices, plan of the valid items; None when none is valid):
         vectorized when every item is valid, else item by item with a reason each."""
         fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
-        if fast is not None and self.pending_loads and not self.pending_loads.isdisjoint(fast[2]):
-            fast = None  # a request waits for a tier load: the per-item path words the reason
         plan = None if fast is None else self._plan(fast[0], fast[1], load_tokens)
         if plan is not None:  # every item valid (the plan checked rows and known tokens)
             plan.request_ids = fast[2]
@@ -788,13 +786,14 @@ class CacheManager:
     def _fast_rows(self, items) -> tuple[np.ndarray, np.ndarray, tuple, int] | None:
         """Rows, counts, request ids and tokens in all of pairs of known ids and plain
         counts in range (vectorized); None sends the batch down the per-item path that
-        words each reason. The plan checks the rest (distinct rows, known tokens)."""
+        words each reason (also when a request waits for a tier load). The plan checks the
+        rest (distinct rows, known tokens)."""
         try:
             rids, counts = zip(*items)
         except (TypeError, ValueError):
             return None  # not all pairs
         rows = self._rows_of(rids)
-        if rows is None:
+        if rows is None or (self.pending_loads and not self.pending_loads.isdisjoint(rids)):
             return None
         n = len(counts)
         if counts.count(counts[0]) == n and tuple(map(type, counts)).count(int) == n:
@@ -816,6 +815,8 @@ class CacheManager:
         """``_fast_rows`` of ``(rid, count)`` for every id: one scalar count check."""
         if type(count) is not int or not 1 <= count <= self.max_step_tokens:
             return None  # the per-item path words it (numpy ints included)
+        if self.pending_loads and not self.pending_loads.isdisjoint(rids):
+            return None
         n = len(rids)
         try:  # ``_rows_of``, inline: the decode step's one call less
             found = itemgetter(*rids)(self._row_of) if n > 1 else (self._row_of[rids[0]],)
@@ -947,10 +948,10 @@ class CacheManager:
         if load:
             verdict = self._admit_load(items, fixed_width)
         elif verdict is None and not fixed_width:
-            # Valid pairs (none waiting for a tier load) take ``_step``'s one compiled call:
+            # Valid pairs (none waiting for a tier load: ``_fast_rows``) take ``_step``'s one compiled call:
             # its batch, or the plan it made for ``_admit``; None (an invalid item) goes to ``_admit``.
             fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
-            if fast is not None and not (self.pending_loads and not self.pending_loads.isdisjoint(fast[2])):
+            if fast is not None:
                 done = self._step(fast, write_slots, updates)
                 if type(done) is StepBatch:
                     return done
@@ -1025,29 +1026,36 @@ class CacheManager:
         status, n, settle, n_crossing, clean, n_touched, n_keyed, allocated = kernels.step(
             *(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, *cells, *out)
         if status >= kernels.STEP_PLANNED:
-            if n < 0:
-                return None
-            plan = self._plan_of(n, settle, n_crossing, clean)
-            plan.request_ids, plan.cells = rids, cells
-            if not clean and not (status == kernels.STEP_COVERED and self._evictable_cover(plan.sums[1])):
-                plan.arrays = out  # for ``_run``, once admitted
-                return plan
-            # Admitted as is: rows commit first, the scratch buffers grow, or the step's own
-            # releases cover a short free stack (``_admit`` would grant nothing either).
-            plan.grants = []
-            return self._commit_and_run(plan, write_slots, updates, False, out)
+            return self._planned_step(status, (n, settle, n_crossing, clean), rids, cells, out, write_slots, updates)
         self._version += 1
         if (ts.log is None) == updates:  # the log's state changes: on for "updates", off for "full"
             ts.start_log() if updates else ts.stop_log()
-        plan = self._plan_of(n, settle, n_crossing, clean) if status != kernels.STEP_DONE else None
-        if plan is not None:
+        plan = None
+        if status != kernels.STEP_DONE:
+            plan = self._plan_of(n, settle, n_crossing, clean)
             plan.grants = []
-        if n_keyed or plan is not None:  # (a step done whole noted the pools' peaks)
-            n_touched = self._after_run(sc.plan[5], 0 if plan is None else allocated, status, n_touched, n_keyed,
-                                        plan, out, cells)
+        if n_keyed or plan is not None:  # (a step done whole noted the pools' peaks: noting them again is moot)
+            n_touched = self._after_run(sc.plan[5], allocated, status, n_touched, n_keyed, plan, out, cells)
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
         read = cells if 0 < n_touched <= cells[1].size and ts.drains_touched_only() else None  # as ``_run``
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, read)
+
+    def _planned_step(self, status: int, planned: tuple, rids: tuple, cells: tuple, out: _StepArrays,
+                      write_slots: bool, updates: bool) -> StepBatch | _StepPlan | None:
+        """``_step`` once ``kernels.step`` only planned (``planned``: rows in the plan, settling
+        rows, crossing rows, clean; nothing changed): None without a plan; the batch when
+        the plan is admitted as is (rows commit first, the scratch buffers grow, or the step's
+        own releases cover a short free stack and ``_admit`` would grant nothing either);
+        else the plan, for ``_admit``, holding the batch's arrays and cell buffers."""
+        if planned[0] < 0:
+            return None
+        plan = self._plan_of(*planned)
+        plan.request_ids, plan.cells = rids, cells
+        if not plan.clean and not (status == kernels.STEP_COVERED and self._evictable_cover(plan.sums[1])):
+            plan.arrays = out  # for ``_run``, once admitted
+            return plan
+        plan.grants = []
+        return self._commit_and_run(plan, write_slots, updates, False, out)
 
     def _kernel_state(self) -> tuple:
         """``kernels.step``'s leading arguments: the table store, the per-row counters, the
@@ -1103,8 +1111,7 @@ class CacheManager:
             plan.settle, plan.after, plan.sums, bool(plan.grants), scratch, idle_keyed, released, touched, *cells,
             *out, self._scratch.widths)
         if n_keyed or status != kernels.STEP_DONE:  # (a step done whole noted the pools' peaks)
-            n_touched = self._after_run(plan.sums, 0 if status == kernels.STEP_DONE else allocated_pages, status,
-                                        n_touched, n_keyed, plan, out, cells)
+            n_touched = self._after_run(plan.sums, allocated_pages, status, n_touched, n_keyed, plan, out, cells)
         return out, n_touched, cells if 0 < n_touched <= cells[1].size and ts.drains_touched_only() else None
 
     def _after_run(self, sums: np.ndarray, allocated_pages: int, status: int, n_touched: int, n_keyed: int,
@@ -1154,14 +1161,13 @@ class CacheManager:
             touched = self._scratch.touched[:n_touched] if n_touched else None
             group, row, column, page, reset = ts.drain_updates(touched)
             table_updates = TableUpdates(group, row, column, page, widths, reset)
-        per_request, per_token = out.per_request, out.per_token
-        slots = per_token[1:] if per_token.shape[0] > 1 else (None,) * n_groups
-        bases = [*per_request[2:]]  # iterating a 2-D array yields its rows
+        table_rows, scheduled, *bases = out.per_request  # unpacking a 2-D array yields its rows
+        positions, *slots = out.per_token
         for k in self._full_groups:
             bases[k] = None  # full-history groups have no base page
-        groups = dict(zip(self._group_ids, map(GroupStep, tables, bases, slots)))
-        return StepBatch(request_ids, per_request[1], out.query_start_loc, per_token[0], out.request_indices, groups,
-                         per_request[0], table_updates)
+        groups = dict(zip(self._group_ids, map(GroupStep, tables, bases, slots or (None,) * n_groups)))
+        return StepBatch(request_ids, scheduled, out.query_start_loc, positions, out.request_indices, groups,
+                         table_rows, table_updates)
 
     def _commit_rows(self, rows: np.ndarray) -> None:
         """Publish, row by row, what each row's computed tokens completed since its last
