@@ -1030,12 +1030,12 @@ class CacheManager:
         self._version += 1
         if (ts.log is None) == updates:  # the log's state changes: on for "updates", off for "full"
             ts.start_log() if updates else ts.stop_log()
-        plan = None
         if status != kernels.STEP_DONE:
             plan = self._plan_of(n, settle, n_crossing, clean)
             plan.grants = []
-        if n_keyed or plan is not None:  # (a step done whole noted the pools' peaks: noting them again is moot)
             n_touched = self._after_run(sc.plan[5], allocated, status, n_touched, n_keyed, plan, out, cells)
+        elif n_keyed:  # all ``_after_run`` does after a step done whole (the kernel noted the peaks)
+            self._space.keyed_idle(sc.released[1], sc.idle_keyed)
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
         read = cells if 0 < n_touched <= cells[1].size and ts.drains_touched_only() else None  # as ``_run``
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, read)
@@ -1110,8 +1110,10 @@ class CacheManager:
             space.low_priority, space.stack, per_group, self._transient, plan.rows, plan.counts, plan.first,
             plan.settle, plan.after, plan.sums, bool(plan.grants), scratch, idle_keyed, released, touched, *cells,
             *out, self._scratch.widths)
-        if n_keyed or status != kernels.STEP_DONE:  # (a step done whole noted the pools' peaks)
+        if status != kernels.STEP_DONE:
             n_touched = self._after_run(plan.sums, allocated_pages, status, n_touched, n_keyed, plan, out, cells)
+        elif n_keyed:  # all ``_after_run`` does after a step done whole (the kernel noted the peaks)
+            space.keyed_idle(released[1], idle_keyed)
         return out, n_touched, cells if 0 < n_touched <= cells[1].size and ts.drains_touched_only() else None
 
     def _after_run(self, sums: np.ndarray, allocated_pages: int, status: int, n_touched: int, n_keyed: int,
