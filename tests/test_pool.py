@@ -1029,3 +1029,14 @@ def test_the_lru_keeps_an_ordered_dicts_order_through_every_change(data, lowest_
         pool.check_invariants()
         assert pool.evictable_page_ids().tolist() == list(ref.order)
         assert pool.num_evictable_pages == len(ref.order)
+
+
+def test_peak_used_pages_can_be_reset_and_rises_again():
+    """``peak_used_pages`` stays a settable attribute (it reads and writes the pool's slot
+    of its page space's counts): set back, the next allocation raises it again."""
+    pool = PagePool("g", 10)
+    allocate(pool, 6)
+    pool.peak_used_pages = 0
+    assert pool.peak_used_pages == 0
+    allocate(pool, 1)
+    assert pool.peak_used_pages == 7

@@ -241,6 +241,10 @@ class PagePool:
         (``PageSpace.note_peaks``, ``kernels.note_peaks``)."""
         return int(self._peaks[self._slot])
 
+    @peak_used_pages.setter
+    def peak_used_pages(self, value: int) -> None:
+        self._peaks[self._slot] = value
+
     @property
     def usable_pages(self) -> int:
         """Pages granted to this pool (all but the null page unless an arena manages it)."""
