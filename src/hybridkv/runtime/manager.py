@@ -238,7 +238,7 @@ class CacheManager:
             self.table_widths[s.group_id] for s in self.specs)
         self.tables = {s.group_id: t for s, t in zip(self.specs, self._tableset.tables)}
         self._group_ids = ids
-        self._full_groups = tuple(k for k, s in enumerate(self.specs) if not s.is_sliding)  # no base pages
+        self._group_sliding = tuple((s.group_id, s.is_sliding) for s in self.specs)
         self._init_registry()
         self.prefix: PrefixCache | None = None
         if enable_prefix_caching:
@@ -1151,25 +1151,26 @@ class CacheManager:
         those cells as ``kernels.finish_step`` read them (group, row and column; page), the log
         holding nothing else."""
         widths = self._capture_widths if fixed_width else tuple(self._scratch.widths.tolist())
-        ts, table_updates, n_groups = self._tableset, None, len(widths)
+        ts, table_updates = self._tableset, None
         if n_touched < 0:
             tables = [ts.block_table(k, rows, width) for k, width in enumerate(widths)]
         elif read is not None:
-            tables = (None,) * n_groups
+            tables = [None] * len(widths)
             (cells, page), n = read, n_touched
-            table_updates = TableUpdates(*cells[:, :n], page[:n], widths)
+            table_updates = TableUpdates(cells[0, :n], cells[1, :n], cells[2, :n], page[:n], widths)
         else:
-            tables = (None,) * n_groups
+            tables = [None] * len(widths)
             touched = self._scratch.touched[:n_touched] if n_touched else None
             group, row, column, page, reset = ts.drain_updates(touched)
             table_updates = TableUpdates(group, row, column, page, widths, reset)
-        table_rows, scheduled, *bases = out.per_request  # unpacking a 2-D array yields its rows
-        positions, *slots = out.per_token
-        for k in self._full_groups:
-            bases[k] = None  # full-history groups have no base page
-        groups = dict(zip(self._group_ids, map(GroupStep, tables, bases, slots or (None,) * n_groups)))
-        return StepBatch(request_ids, scheduled, out.query_start_loc, positions, out.request_indices, groups,
-                         table_rows, table_updates)
+        per_request, per_token = out.per_request, out.per_token
+        slots = per_token[1:] if per_token.shape[0] > 1 else [None] * len(widths)
+        groups = {  # iterating a 2-D array yields its rows
+            gid: GroupStep(table, base if sliding else None, slot)
+            for (gid, sliding), table, base, slot in zip(self._group_sliding, tables, per_request[2:], slots)
+        }
+        return StepBatch(request_ids, per_request[1], out.query_start_loc, per_token[0], out.request_indices, groups,
+                         per_request[0], table_updates)
 
     def _commit_rows(self, rows: np.ndarray) -> None:
         """Publish, row by row, what each row's computed tokens completed since its last
