@@ -563,3 +563,38 @@ def test_steps_that_commit_first_hand_out_their_cells_and_keep_every_batch():
     for arrays, copies in kept:
         assert all(np.array_equal(a, c) for a, c in zip(arrays, copies))
     assert updates.prefix.stats[specs[0].group_id].stored_entries > 0
+
+
+@pytest.mark.parametrize("arena", [False, True])
+def test_each_pools_peak_is_the_most_pages_it_held_after_any_call(arena):
+    """``peak_used_pages`` (noted by the step kernel on a step it runs whole, by Python on
+    the others and on a prefix hit's borrow) is the most used pages seen after any call:
+    decode steps whose releases leave keyed pages idle, requests joining with prefix hits,
+    requests sitting out and leaving."""
+    m = pair("v4", True, None, arena)[0]
+    peaks = {gid: 0 for gid in m.pools}
+
+    def look():
+        for gid, s in m.stats().items():
+            peaks[gid] = max(peaks[gid], s.used_pages)
+            assert s.peak_used_pages == peaks[gid], gid
+
+    live = []
+    for step in range(400):
+        if step % 60 == 0:  # a joiner sharing the first one's prompt (a prefix hit once it is cached)
+            rid = f"r{step}"
+            m.add_request(rid, np.arange(300 + step % 7, dtype=np.int32) % 40, max_new_tokens=200)
+            look()
+            while m.num_computed_tokens(rid) < 300 + step % 7:
+                m.schedule([(rid, min(64, 300 + step % 7 - m.num_computed_tokens(rid)))])
+                look()
+            live.append(rid)
+        if step % 90 == 89:
+            m.free(live.pop(0))
+            look()
+        batch = tuple(live[1:]) if step % 11 == 0 and len(live) > 1 else tuple(live)  # the first sits out at times
+        m.append_token_ids_many(batch, np.full((len(batch), 1), step % 40))
+        m.schedule_uniform(batch, 1, block_tables="updates" if step % 2 else "full")
+        look()
+    assert all(peaks.values())
+    m.check_invariants()

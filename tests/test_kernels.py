@@ -317,3 +317,26 @@ def test_take_spare_slabs_matches_the_one_slab_at_a_time_rule(owner, group, shor
     n_taken, left = kernels.take_spare_slabs(own, group, np.array(inner, dtype=np.int64),
                                              np.array(straddle, dtype=np.int64), short, taken)
     assert (taken[:n_taken].tolist(), left, own.tolist()) == (want_taken, want_short, want_owner)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 20), st.integers(0, 20), st.integers(0, 60),
+                          st.integers(0, 5), st.integers(0, 5)), min_size=1, max_size=5), st.booleans())
+def test_note_peaks_raises_each_allocating_groups_peak_to_its_used_pages(groups, joined):
+    """Per group (granted, top, LRU length, peak, pages allocated, keyed pages gone idle
+    that join the LRU next): where it allocated, its peak becomes the larger of the old
+    one and granted - top - LRU - not joined (not joined: 0 when none are passed); the
+    other groups and rows stay."""
+    per_group = np.zeros((kernels.PER_GROUP_ROWS, len(groups)), dtype=np.int64)
+    for g, (granted, top, lru, peak, _, _) in enumerate(groups):
+        per_group[[kernels.GRANTED_PAGES, kernels.TOP, kernels.LRU_PAGES, kernels.PEAK_USED_PAGES], g] = (
+            granted, top, lru, peak)
+    allocated = np.array([a for *_, a, _ in groups], dtype=np.int64)
+    not_joined = np.array([k for *_, k in groups], dtype=np.int64) if joined else allocated[:0]
+    before = per_group.copy()
+    kernels.note_peaks(per_group, allocated, not_joined)
+    for g, (granted, top, lru, peak, a, k) in enumerate(groups):
+        used = granted - top - lru - (k if joined else 0)
+        assert per_group[kernels.PEAK_USED_PAGES, g] == (max(peak, used) if a else peak)
+    per_group[kernels.PEAK_USED_PAGES] = before[kernels.PEAK_USED_PAGES]
+    assert np.array_equal(per_group, before)

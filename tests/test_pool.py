@@ -1059,3 +1059,14 @@ def test_room_groups_leaves_out_only_pools_whose_make_room_evicts_nothing(data):
         before, evicted = pool.free_page_ids().tolist(), pool.counters.evicted_pages
         pool.make_room(count, 0)
         assert pool.free_page_ids().tolist() == before and pool.counters.evicted_pages == evicted
+
+
+def test_peak_used_pages_can_be_reset_and_rises_again():
+    """``peak_used_pages`` stays a settable attribute (it reads and writes the pool's slot
+    of its page space's counts): set back, the next allocation raises it again."""
+    pool = PagePool("g", 10)
+    allocate(pool, 6)
+    pool.peak_used_pages = 0
+    assert pool.peak_used_pages == 0
+    allocate(pool, 1)
+    assert pool.peak_used_pages == 7

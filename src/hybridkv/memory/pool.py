@@ -127,7 +127,6 @@ class PagePool:
         # only on steps that stop anyway (a compiled step stays compiled).
         self.may_skip_packing: Callable[[], bool] | None = None
         self.counters = PoolCounters()
-        self.peak_used_pages = 0
         self.space: PageSpace | None = None  # the page space whose arrays this pool views, once in one
         if granted:
             self.grant(np.arange(1, self.num_pages, dtype=np.int32))
@@ -141,7 +140,8 @@ class PagePool:
         self._tops = np.zeros(1, dtype=np.int64)
         self._lows = np.zeros(1, dtype=np.int64)
         self._slot = 0
-        self._granted = np.zeros(1, dtype=np.int64)  # pages granted (``usable_pages``), like ``_tops``
+        self._granted = np.zeros(1, dtype=np.int64)  # pages granted, viewed like ``_tops``
+        self._peaks = np.zeros(1, dtype=np.int64)  # the peak of used pages, viewed like ``_tops``
         # The LRU of idle keyed pages: a linked list in two arrays (``hybridkv.memory.lru``:
         # the null page is its sentinel) and its length, in a one-element array like ``_tops``.
         self._lru_prev = np.full(self.num_pages, -1, dtype=np.int32)
@@ -233,6 +233,16 @@ class PagePool:
     @_granted_pages.setter
     def _granted_pages(self, value: int) -> None:
         self._granted[self._slot] = value
+
+    @property
+    def peak_used_pages(self) -> int:
+        """The most pages held at once, as a page space's steps and borrows saw it
+        (``PageSpace.note_peaks``, ``kernels.note_peaks``)."""
+        return int(self._peaks[self._slot])
+
+    @peak_used_pages.setter
+    def peak_used_pages(self, value: int) -> None:
+        self._peaks[self._slot] = value
 
     @property
     def usable_pages(self) -> int:
@@ -646,17 +656,20 @@ class PageSpace:
         self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         self._join_page_arrays(sizes)
         # Per group, in one array a step kernel takes whole: the free stack's top, whether
-        # the pool hands out its lowest ids first, ``low_floors``' answer, and the pages
-        # ever released and allocated (the pools' counters: ``kernels.TOP`` ... ``ALLOCATED_PAGES``).
-        self.per_group = np.zeros((5, len(self.pools)), dtype=np.int64)
+        # the pool hands out its lowest ids first, ``low_floors``' answer, the pages ever
+        # released and allocated (the pools' counters), the LRU's length, the pages
+        # granted and the peak of used pages (``kernels.TOP`` ... ``PEAK_USED_PAGES``).
+        self.per_group = np.zeros((kernels.PER_GROUP_ROWS, len(self.pools)), dtype=np.int64)
         self.tops, self.lowest_first, self.low_floor = self.per_group[:3]
+        self.lru_lengths, self.granted = self.per_group[kernels.LRU_PAGES], self.per_group[kernels.GRANTED_PAGES]
         self.per_group[3:] = [[p.counters.released_pages for p in self.pools],
-                              [p.counters.allocated_pages for p in self.pools]]
+                              [p.counters.allocated_pages for p in self.pools],
+                              [p.num_evictable_pages for p in self.pools],
+                              [p.usable_pages for p in self.pools],
+                              [p.peak_used_pages for p in self.pools]]
         self.tops[:] = [p._top for p in self.pools]
         self.lowest_first[:] = [p.lowest_first for p in self.pools]
         self.low_idle = np.asarray([p._low_idle_pages for p in self.pools], dtype=np.int64)
-        self.granted = np.asarray([p._granted_pages for p in self.pools], dtype=np.int64)  # ``usable_pages``
-        self.lru_lengths = np.asarray([p.num_evictable_pages for p in self.pools], dtype=np.int64)
         self.idle_low_floors = np.asarray([p._low_floor for p in self.pools], dtype=np.int64)  # the pools' ``_low_floor``
         self.ranked: list[int] = []  # the groups whose pool has a ranker (``PagePool.ranker`` keeps it)
         self.packing = [(g, p) for g, p in enumerate(self.pools) if p.lowest_first]  # pools ``low_floors`` asks
@@ -684,9 +697,10 @@ class PageSpace:
         """Every pool's counts become views of this space's per-group arrays."""
         for g, pool in enumerate(self.pools):
             pool._tops, pool._lows, pool._lru_lengths, pool._slot = self.tops, self.low_idle, self.lru_lengths, g
-            pool._floors, pool._granted = self.idle_low_floors, self.granted
+            pool._floors = self.idle_low_floors
+            pool._granted, pool._peaks = self.per_group[kernels.GRANTED_PAGES], self.per_group[kernels.PEAK_USED_PAGES]
             pool._view_lru()
-            pool.counters.tallies = self.per_group[3:, g]
+            pool.counters.tallies = self.per_group[kernels.RELEASED_PAGES : kernels.LRU_PAGES, g]
             pool.space = self
             pool.ranker = pool.ranker  # into ``ranked``
 
@@ -791,10 +805,5 @@ class PageSpace:
 
     def note_peaks(self, allocated: np.ndarray) -> None:
         """Each pool's peak of used pages, after a step kernel allocated ``allocated[g]``
-        pages in group ``g`` (it counted them)."""
-        pools, tops = self.pools, self.tops
-        for g in allocated.nonzero()[0].tolist():  # the pools that allocated only
-            pool = pools[g]
-            used = int(self.granted[g]) - int(tops[g]) - int(self.lru_lengths[g])  # num_used_pages
-            if used > pool.peak_used_pages:
-                pool.peak_used_pages = used
+        pages in group ``g`` (it counted them): ``kernels.note_peaks``."""
+        kernels.note_peaks(self.per_group, allocated, allocated[:0])

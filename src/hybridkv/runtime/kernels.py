@@ -65,7 +65,8 @@ RING_START, ROW_STRIDE, RING_MASK, LANE_START, VIEW_COLUMNS, COLUMN_STRIDE = ran
 FREE_COUNT = 14  # free lanes of the group (kernels change it)
 GEOMETRY_COLUMNS = 15
 BASE, HI, LANE, FREE_LANES = range(4)  # planes of ``bounds``
-TOP, LOWEST, LOW_FLOOR, RELEASED_PAGES, ALLOCATED_PAGES = range(5)  # rows of ``per_group``
+TOP, LOWEST, LOW_FLOOR, RELEASED_PAGES, ALLOCATED_PAGES, LRU_PAGES, GRANTED_PAGES, PEAK_USED_PAGES = range(8)
+PER_GROUP_ROWS = 8  # rows of ``per_group`` (``PageSpace.per_group``)
 
 STEP_DONE = 0
 STEP_NEEDS_PAGES = 1  # the releases ran; the caller lends slabs or evicts, then calls finish_step
@@ -356,14 +357,14 @@ def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_i
     if settle < 0:
         return -1, 0, 0, False
     n = settle + rows_in.size
-    n_cross = 0
+    n_cross, grain_shift = 0, log2_exact(grain)  # a shift per row, not two divisions, for a power of two
     for r in range(n):
         if r >= settle:
             rows[r] = rows_in[r - settle]
             counts[r] = counts_in[(r - settle) * each]
         row = rows[r]
         first[r] = computed[row]
-        if grain > 0 and committed[row] // grain < first[r] // grain:
+        if grain > 0 and divide(committed[row], grain, grain_shift) < divide(first[r], grain, grain_shift):
             crossing[n_cross] = row
             n_cross += 1
     clean = True
@@ -569,7 +570,7 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
     """One admitted step as planned by ``prepare_step``: the rows' tokens so far count as
     committed, releases, allocations, then the batch's arrays (``finish_step``). Returns
     (status, cells logged, idle keyed pages); the pages released and allocated count
-    in ``per_group``. ``STEP_NEEDS_PAGES``: the releases ran,
+    in ``per_group``, and a step done whole notes the pools' peaks (``note_peaks``). ``STEP_NEEDS_PAGES``: the releases ran,
     nothing else; the caller lends slabs (``hold``) and makes room (``PagePool.make_room``)
     in the groups whose stack is short or that would first reuse idle low-priority pages
     (``needs_room``), then calls ``finish_step`` (which reads the changed cells into
@@ -584,6 +585,7 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
     n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
                             first, settle, after, sums, touched, n_touched, cells, cell_pages, per_request,
                             query_start_loc, request_indices, per_token, widths)
+    note_peaks(per_group, sums[1], released[1])  # the keyed pages gone idle join the LRU next
     return STEP_DONE, n_touched, n_keyed
 
 
@@ -613,6 +615,19 @@ def needs_room(geometry, stack, top, lowest, low_floor, low_priority, sums, rele
             if idle_keyed[i] < bound and low_priority[offset + idle_keyed[i]]:
                 return True
     return False
+
+
+@njit(cache=True)
+def note_peaks(per_group, allocated, not_joined):
+    """Each pool's peak of used pages (``PagePool.peak_used_pages``) after a step or a borrow
+    took ``allocated[g]`` pages of group ``g``: granted less free (the stack) less idle ones
+    (the LRU's, and ``not_joined[g]``: keyed pages gone idle that join it next; empty: none)."""
+    for g in range(allocated.size):
+        if allocated[g]:
+            used = per_group[GRANTED_PAGES, g] - per_group[TOP, g] - per_group[LRU_PAGES, g]
+            if not_joined.size:
+                used -= not_joined[g]
+            per_group[PEAK_USED_PAGES, g] = max(per_group[PEAK_USED_PAGES, g], used)
 
 
 @njit(cache=True)

@@ -129,13 +129,12 @@ class _Scratch:
         self.buffer[:4] = sizes
         views = kernels.plan_views(self.buffer, self.n_groups)
         self.plan, (self.released, self.widths, self.pages, self.idle_keyed, self.touched) = views[:8], views[8:]
-        self.allocated = self.plan[5][1]  # the plan's pages allocated per group (``sums[1]``)
 
     def reserve(self, most_released: int, released_pages: int, allocated_pages: int) -> tuple:
         """(release scratch, idle keyed pages, released counts, touched cells), large enough."""
         sizes = (self.pages.size, self.idle_keyed.size, self.touched.size)
-        wanted = (most_released, released_pages, released_pages + allocated_pages)
-        if any(w > n for w, n in zip(wanted, sizes)):
+        if most_released > sizes[0] or released_pages > sizes[1] or released_pages + allocated_pages > sizes[2]:
+            wanted = (most_released, released_pages, released_pages + allocated_pages)
             self._grow(self.plan_rows, *(2 * w if w > n else n for w, n in zip(wanted, sizes)))
         return self.pages, self.idle_keyed, self.released, self.touched
 
@@ -641,8 +640,6 @@ class CacheManager:
         """(answers, valid indices, plan of the valid items; None when none is valid):
         vectorized when every item is valid, else item by item with a reason each."""
         fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
-        if fast is not None and self.pending_loads and not self.pending_loads.isdisjoint(fast[2]):
-            fast = None  # a request waits for a tier load: the per-item path words the reason
         plan = None if fast is None else self._plan(fast[0], fast[1], load_tokens)
         if plan is not None:  # every item valid (the plan checked rows and known tokens)
             plan.request_ids = fast[2]
@@ -819,13 +816,14 @@ class CacheManager:
     def _fast_rows(self, items) -> tuple[np.ndarray, np.ndarray, tuple, int] | None:
         """Rows, counts, request ids and tokens in all of pairs of known ids and plain
         counts in range (vectorized); None sends the batch down the per-item path that
-        words each reason. The plan checks the rest (distinct rows, known tokens)."""
+        words each reason (also when a request waits for a tier load). The plan checks the
+        rest (distinct rows, known tokens)."""
         try:
             rids, counts = zip(*items)
         except (TypeError, ValueError):
             return None  # not all pairs
         rows = self._rows_of(rids)
-        if rows is None:
+        if rows is None or (self.pending_loads and not self.pending_loads.isdisjoint(rids)):
             return None
         n = len(counts)
         if counts.count(counts[0]) == n and tuple(map(type, counts)).count(int) == n:
@@ -847,11 +845,15 @@ class CacheManager:
         """``_fast_rows`` of ``(rid, count)`` for every id: one scalar count check."""
         if type(count) is not int or not 1 <= count <= self.max_step_tokens:
             return None  # the per-item path words it (numpy ints included)
-        rows = self._rows_of(rids)
-        if rows is None:
+        if self.pending_loads and not self.pending_loads.isdisjoint(rids):
+            return None
+        n = len(rids)
+        try:  # ``_rows_of``, inline: the decode step's one call less
+            found = itemgetter(*rids)(self._row_of) if n > 1 else (self._row_of[rids[0]],)
+        except (KeyError, TypeError):
             return None
         self._one_count[0] = count  # ``prepare_step`` reads one count as every row's
-        return rows, self._one_count, rids, rows.size * count
+        return np.fromiter(found, _INT64, n), self._one_count, rids, n * count
 
     def _rows_of(self, rids: tuple) -> np.ndarray | None:
         """Table rows of known request ids; None if an id is unknown or unhashable."""
@@ -976,9 +978,15 @@ class CacheManager:
         if load:
             verdict = self._admit_load(items, fixed_width)
         elif verdict is None and not fixed_width:
-            verdict = self._fast_step(items, uniform, write_slots, updates)
-            if isinstance(verdict, StepBatch):
-                return verdict
+            # Valid pairs (none waiting for a tier load: ``_fast_rows``) take ``_step``'s one compiled call:
+            # its batch, or the plan it made for ``_admit``; None (an invalid item) goes to ``_admit``.
+            fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
+            if fast is not None:
+                done = self._step(fast, write_slots, updates)
+                if type(done) is StepBatch:
+                    return done
+                if done is not None:
+                    verdict = self._admit(items, False, uniform, planned=done)
         if verdict is None:
             verdict = self._admit(items, fixed_width, uniform)
         return self._run_verdict(verdict, items, uniform, write_slots, updates, fixed_width, load)
@@ -1006,7 +1014,9 @@ class CacheManager:
         self._version += 1
         if self.prefix is not None and plan.crossing.size:
             self._commit_rows(plan.crossing)  # publish what the rows' previous steps completed
-        self._tableset.start_log() if updates else self._tableset.stop_log()
+        ts = self._tableset
+        if (ts.log is None) == updates:  # the log's state changes: on for "updates", off for "full"
+            ts.start_log() if updates else ts.stop_log()
         n_cells = plan.totals[1] + plan.totals[3]  # at most: a cell per page released or allocated
         cells = self._cell_buffers(plan.rows.size, plan.cells, n_cells) if updates else _NO_CELLS
         arrays, n_touched, read = self._run(plan, write_slots, out if out is not None else plan.arrays, cells)
@@ -1023,17 +1033,6 @@ class CacheManager:
             return cached[3]
         return None
 
-    def _fast_step(self, items, uniform, write_slots: bool, updates: bool) -> StepBatch | _Verdict | None:
-        """The step of valid pairs through ``_step``: its batch, or the verdict on the
-        plan it made; None when some item is invalid (``_admit`` words why)."""
-        fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
-        if fast is None or (self.pending_loads and not self.pending_loads.isdisjoint(fast[2])):
-            return None
-        done = self._step(fast, write_slots, updates)
-        if done is None or isinstance(done, StepBatch):
-            return done
-        return self._admit(items, False, uniform, planned=done)
-
     def _step(self, fast: tuple, write_slots: bool, updates: bool) -> StepBatch | _StepPlan | None:
         """A step of valid items (``fast``: rows, counts, request ids) in one compiled call
         (``kernels.step``): plan, and when every group's free stack covers the plan (it is
@@ -1042,37 +1041,51 @@ class CacheManager:
         the stages after it, or None when there is none (a row twice, or past its known
         tokens)."""
         rows_in, counts_in, rids, n_tokens = fast
-        sc = self._scratch
-        out = _new_tuple(_StepArrays, kernels.batch_arrays_for(len(self.specs), rows_in.size, n_tokens, write_slots))
-        plan_arrays = sc.plan_arrays(rows_in.size + self._last_rows.size)
-        cells = self._cell_buffers(rows_in.size) if updates else _NO_CELLS
+        sc, ts, n_rows = self._scratch, self._tableset, rows_in.size
+        n_groups = len(self._pool_list)
+        out = _new_tuple(_StepArrays, (  # ``kernels.batch_arrays_for``, inline (a call less a step)
+            np.empty((2 + n_groups, n_rows), _INT32), np.empty(n_rows + 1, _INT32), np.empty(n_tokens, _INT32),
+            np.empty((1 + n_groups if write_slots else 1, n_tokens), _INT64)))
+        if n_rows + self._last_rows.size > sc.plan_rows:
+            sc.plan_arrays(n_rows + self._last_rows.size)
+        cells = _NO_CELLS
+        if updates:  # ``_cell_buffers``' room for a decode step; handed out only if the log holds nothing else
+            room = 2 * n_groups * n_rows + 16
+            cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
         self._space.low_floors()  # in the state's ``per_group``
         status, n, settle, n_crossing, clean, n_touched, n_keyed, allocated = kernels.step(
             *(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, *cells, *out)
         if status >= kernels.STEP_PLANNED:
-            if n < 0:
-                return None
-            plan = self._plan_of(n, settle, n_crossing, clean)
-            plan.request_ids, plan.cells = rids, cells
-            if not clean and not (status == kernels.STEP_COVERED and self._evictable_cover(plan.sums[1])):
-                plan.arrays = out  # for ``_run``, once admitted
-                return plan
-            # Admitted as is: rows commit first, the scratch buffers grow, or the step's own
-            # releases cover a short free stack (``_admit`` would grant nothing either).
-            plan.grants = []
-            return self._commit_and_run(plan, write_slots, updates, False, out)
+            return self._planned_step(status, (n, settle, n_crossing, clean), rids, cells, out, write_slots, updates)
         self._version += 1
-        self._tableset.start_log() if updates else self._tableset.stop_log()
-        plan = self._plan_of(n, settle, n_crossing, clean) if status != kernels.STEP_DONE else None
-        if plan is not None:
+        if (ts.log is None) == updates:  # the log's state changes: on for "updates", off for "full"
+            ts.start_log() if updates else ts.stop_log()
+        if status != kernels.STEP_DONE:
+            plan = self._plan_of(n, settle, n_crossing, clean)
             plan.grants = []
-        if n_keyed or plan is not None:
-            n_touched = self._after_run(plan_arrays[5], allocated, status, n_touched, n_keyed, plan, out, cells)
-        elif allocated:  # all ``_after_run`` does after a step done whole that left no keyed page idle
-            self._space.note_peaks(sc.allocated)
+            n_touched = self._after_run(sc.plan[5], allocated, status, n_touched, n_keyed, plan, out, cells)
+        elif n_keyed:  # all ``_after_run`` does after a step done whole (the kernel noted the peaks)
+            self._space.keyed_idle(sc.released[1], sc.idle_keyed)
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
-        return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1,
-                                 self._read_cells(n_touched, cells))
+        read = cells if 0 < n_touched <= cells[1].size and ts.drains_touched_only() else None  # as ``_run``
+        return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, read)
+
+    def _planned_step(self, status: int, planned: tuple, rids: tuple, cells: tuple, out: _StepArrays,
+                      write_slots: bool, updates: bool) -> StepBatch | _StepPlan | None:
+        """``_step`` once ``kernels.step`` only planned (``planned``: rows in the plan, settling
+        rows, crossing rows, clean; nothing changed): None without a plan; the batch when
+        the plan is admitted as is (rows commit first, the scratch buffers grow, or the step's
+        own releases cover a short free stack and ``_admit`` would grant nothing either);
+        else the plan, for ``_admit``, holding the batch's arrays and cell buffers."""
+        if planned[0] < 0:
+            return None
+        plan = self._plan_of(*planned)
+        plan.request_ids, plan.cells = rids, cells
+        if not plan.clean and not (status == kernels.STEP_COVERED and self._evictable_cover(plan.sums[1])):
+            plan.arrays = out  # for ``_run``, once admitted
+            return plan
+        plan.grants = []
+        return self._commit_and_run(plan, write_slots, updates, False, out)
 
     def _kernel_state(self) -> tuple:
         """``kernels.step``'s leading arguments: the table store, the per-row counters, the
@@ -1096,11 +1109,6 @@ class CacheManager:
         room = max(2 * len(self.specs) * n_rows + 16, n_cells)
         return np.empty((3, room), _INT64), np.empty(room, _INT32)
 
-    def _read_cells(self, n_touched: int, cells: tuple) -> tuple | None:
-        """``cells`` when ``finish_step`` read the ``n_touched`` cells the step changed into
-        them and the table log holds nothing else; else None (``drain_updates`` reads them)."""
-        return cells if 0 < n_touched <= cells[1].size and self._tableset.drains_touched_only() else None
-
     def _evictable_cover(self, allocated: np.ndarray) -> bool:
         """After ``kernels.releases_cover`` (each short group's releases free enough pages
         first): whether ``_admit`` would admit the step as is, granting no slab. Without an
@@ -1115,7 +1123,7 @@ class CacheManager:
     def _run(self, plan: _StepPlan, write_slots: bool, out: _StepArrays | None,
              cells: tuple = _NO_CELLS) -> tuple[_StepArrays, int, tuple | None]:
         """Release, allocate and the batch's arrays (``out``, or fresh ones) in one compiled
-        call (``kernels.run_step``); ``_after_run`` books them. Returns the arrays, how
+        call (``kernels.run_step``); ``_after_run`` books what Python must. Returns the arrays, how
         many table cells the step changed (at the start of the touched scratch) and
         ``cells`` when the kernel read those into them (``_build_batch``'s ``read``)."""
         n_tokens, released_pages, most_released, allocated_pages = plan.totals
@@ -1132,8 +1140,11 @@ class CacheManager:
             space.low_priority, space.stack, per_group, self._transient, plan.rows, plan.counts, plan.first,
             plan.settle, plan.after, plan.sums, bool(plan.grants), scratch, idle_keyed, released, touched, *cells,
             *out, self._scratch.widths)
-        n_touched = self._after_run(plan.sums, allocated_pages, status, n_touched, n_keyed, plan, out, cells)
-        return out, n_touched, self._read_cells(n_touched, cells)
+        if status != kernels.STEP_DONE:
+            n_touched = self._after_run(plan.sums, allocated_pages, status, n_touched, n_keyed, plan, out, cells)
+        elif n_keyed:  # all ``_after_run`` does after a step done whole (the kernel noted the peaks)
+            space.keyed_idle(released[1], idle_keyed)
+        return out, n_touched, cells if 0 < n_touched <= cells[1].size and ts.drains_touched_only() else None
 
     def _after_run(self, sums: np.ndarray, allocated_pages: int, status: int, n_touched: int, n_keyed: int,
                    plan: _StepPlan | None, out: _StepArrays, cells: tuple = _NO_CELLS) -> int:
