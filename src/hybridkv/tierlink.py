@@ -85,7 +85,7 @@ import numpy as np
 from hybridkv.inflight import InFlightRule, Markers
 from hybridkv.inflight_state import InFlightState
 from hybridkv.runtime.manager import CacheManagerError
-from hybridkv.tiers.keys import ObjectKey, as_key_bytes, name_prefix
+from hybridkv.tiers.keys import ObjectKey
 from hybridkv.tiers.pools import layout_parts
 from hybridkv.tiers.rows import GroupPages, rows_for_tokens
 from hybridkv.tiers.store import ObjectStore
@@ -94,7 +94,6 @@ from hybridkv.transfer import (DeferredCopies, LoadPlan, LoadResult, OffloadPlan
 
 
 _NO_OFFLOADS = OffloadPlan((), ())
-_SIXTEEN_BYTES = 1 << 128  # a manager hash below it is 16 bytes big-endian in a key
 
 
 class TierLinkError(CacheManagerError):
@@ -252,7 +251,6 @@ class TierLink:
                          else self._prefix.granularity_tokens,
                          s.page_tokens, s.entry_stride_tokens, self._row_bytes[s.group_id])
             for s in manager.specs}
-        self._name_prefixes = {gid: name_prefix(self.store.namespace, gid, kind) for gid, kind in self._kinds.items()}
         self._prefix.tier_hook = self
 
     def stored(self, group_id: str, key: int, boundary_tokens: int, pages: Sequence[int], low_priority: bool) -> None:
@@ -381,10 +379,9 @@ class TierLink:
 
     def _not_stored(self, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]
                     ) -> list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]:
-        """``entries`` less those whose objects the store holds (one ``contains`` of their store
-        names, made from each group's name prefix, counted as skipped)."""
-        prefixes = self._name_prefixes
-        held = self.store.tier.contains([prefixes[gid] + _key_hex(key) for (gid, key), _ in entries])
+        """``entries`` less those whose objects the store holds (one ``contains``, counted as skipped)."""
+        of_checked, shapes = ObjectKey.of_checked, self._offload_shapes
+        held = self.store.contains([of_checked(shapes[gid][0], gid, key) for (gid, key), _ in entries])
         if True not in held:
             return entries
         keep = [entry for entry, h in zip(entries, held) if not h]
@@ -893,11 +890,6 @@ def _offload_parts(shapes: dict[str, tuple], entries: list[tuple[tuple[str, int]
         start, end = end, end + len(pages)
         views.append(viewed(first // page_tokens, flat[start:end]))
     return tuple(objects), tuple(views)
-
-
-def _key_hex(key: int) -> str:
-    """A manager hash's hex in a store name, as ``ObjectKey.of_checked(...).key.hex()`` makes it."""
-    return f"{key:032x}" if type(key) is int and 0 <= key < _SIXTEEN_BYTES else as_key_bytes(key).hex()
 
 
 def _needed(obj: PlannedObject, boundary: int) -> bool:
