@@ -159,6 +159,47 @@ def test_batched_gather_and_scatter_equal_one_object_at_a_time(items, seed):
             assert np.array_equal(a.pool, b.pool)
 
 
+def _first_missing_row(spec, views, ranges):
+    """Row by row, object after object: the first row whose view holds no page for it (None: none)."""
+    for view, (_, first_token, end_token) in zip(views, ranges):
+        first_row, num_rows = rows_for_tokens(spec, first_token, end_token)
+        for row in range(first_row, first_row + num_rows):
+            logical = row // spec.rows_per_page - view.base_page
+            if not 0 <= logical < len(view.pages) or view.pages[logical] < 0:
+                return row
+    return None
+
+
+@settings(max_examples=30)
+@given(st.sampled_from(GROUPS), st.lists(st.tuples(st.integers(0, 600), st.integers(0, 200), st.integers(0, 9)),
+                                         min_size=1, max_size=6), st.integers(0, 2**31), st.booleans())
+def test_gather_through_a_view_per_object_equals_one_object_at_a_time(gid, items, seed, hold_gil):
+    """An offload's sources: each object read through its own page view (the compiled slot pass),
+    against one object at a time; a view lacking a page refuses the first row on it, in order."""
+    rng, src = np.random.default_rng(seed), random_pools(seed, only=gid)
+    spec = src[gid].spec
+    views, ranges = [], []
+    for i, (first, span, hole) in enumerate(items):
+        view = random_view(rng, spec, first, first + span)
+        if hole == 0 and view.pages.size:  # a released page
+            view = GroupPages(view.base_page, np.where(np.arange(view.pages.size) == rng.integers(view.pages.size),
+                                                       -1, view.pages))
+        elif hole == 1:  # a view starting above the object's first rows
+            view = GroupPages(view.base_page + 1, view.pages[1:])
+        views.append(view)
+        ranges.append((ObjectKey("block", gid, bytes([i + 1])), first, first + span))
+    missing = _first_missing_row(spec, views, ranges)
+    if missing is not None:
+        with pytest.raises(MissingRows, match=f"cache row {missing} "):
+            gather_objects(src, views, ranges, hold_gil=hold_gil)
+        return
+    gathered = gather_objects(src, views, ranges, hold_gil=hold_gil)
+    for obj, view, (_, first, end) in zip(gathered, views, ranges):
+        first_row, num_rows = rows_for_tokens(spec, first, end)
+        assert (obj.first_row, obj.num_rows) == (first_row, num_rows)
+        assert np.array_equal(obj.payload, reference_rows(src[gid], view, first_row, num_rows))
+
+
 # --- the compiled batched copies: sources, refusals, bounds -----------------------------
 
 def _encoded_blob(objects):

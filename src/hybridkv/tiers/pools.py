@@ -48,6 +48,12 @@ class GroupPools:
         return tuple((p.layer, p.plane, p.codec.row_bytes) for p in self.planes)
 
     @functools.cached_property
+    def capacity_slots(self) -> int:
+        """Rows every pool of the group has room for (pages of the smallest pool, times rows a
+        page): a slot at or past it lies outside some pool. (A pool's shape never changes.)"""
+        return min((p.pool.shape[0] for p in self.planes), default=0) * self.spec.rows_per_page
+
+    @functools.cached_property
     def copy_tables(self) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray, np.ndarray]:
         """What ``rowcopy.gather_planes`` reads, per plane in part order: the pools, their value
         and scale bytes, and where the part starts in an object's row (bytes of the parts before

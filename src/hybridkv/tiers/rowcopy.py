@@ -160,3 +160,35 @@ def gather_planes_holding_gil(pools, dst, starts, rows, slots, value_bytes, scal
     """``gather_planes`` keeping the GIL: for an engine's step thread, which would otherwise wait
     for the GIL to come back from its offload worker after a short copy."""
     return _gather_each_plane(pools, dst, starts, rows, slots, value_bytes, scale_bytes, rows_per_page)
+
+
+
+@njit(cache=True)
+def _slots_through_views(flat_pages, page_starts, page_counts, base_pages, first_rows, row_counts, rows_per_page, out):
+    k = 0
+    for j in range(first_rows.size):
+        for row in range(first_rows[j], first_rows[j] + row_counts[j]):
+            logical = row // rows_per_page - base_pages[j]
+            if logical < 0 or logical >= page_counts[j] or flat_pages[page_starts[j] + logical] < 0:
+                return k
+            out[k] = flat_pages[page_starts[j] + logical] * rows_per_page + row % rows_per_page
+            k += 1
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def slots_through_views(flat_pages, page_starts, page_counts, base_pages, first_rows, row_counts, rows_per_page, out):
+    """The slots of object ``j``'s rows ``[first_rows[j], + row_counts[j])``, each read through
+    its own page view (logical page ``base_pages[j] + i`` is ``flat_pages[page_starts[j] + i]``
+    for ``i < page_counts[j]``; -1: not held), one object after the other, into ``out``,
+    without the GIL. -1, or the index of the first row on no held page (``out`` written up to it)."""
+    return _slots_through_views(flat_pages, page_starts, page_counts, base_pages, first_rows, row_counts,
+                                rows_per_page, out)
+
+
+@njit(cache=True)
+def slots_through_views_holding_gil(flat_pages, page_starts, page_counts, base_pages, first_rows, row_counts,
+                                    rows_per_page, out):
+    """``slots_through_views`` keeping the GIL (an engine's step thread, as ``gather_planes_holding_gil``)."""
+    return _slots_through_views(flat_pages, page_starts, page_counts, base_pages, first_rows, row_counts,
+                                rows_per_page, out)

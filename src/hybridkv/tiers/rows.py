@@ -20,7 +20,8 @@ from hybridkv.spec import CacheGroupSpec
 from hybridkv.tiers.keys import ObjectKey
 from hybridkv.tiers.objects import ObjectError, RowsObject, part_offsets, parts_row_bytes
 from hybridkv.tiers.pools import GroupPools
-from hybridkv.tiers.rowcopy import gather_planes, gather_planes_holding_gil, scatter_rows
+from hybridkv.tiers.rowcopy import (gather_planes, gather_planes_holding_gil, scatter_rows, slots_through_views,
+                                   slots_through_views_holding_gil)
 
 
 class MissingRows(ValueError):
@@ -188,7 +189,7 @@ def gather_objects(
         plane_pools, value_bytes, scale_bytes, part_at = group.copy_tables
         shapes = [rows_for_tokens(group.spec, ranges[i][1], ranges[i][2]) for i in members]
         if per_range:
-            slots = _slots_per_view(group, [pages[i] for i in members], shapes)
+            slots = _slots_per_view(group, [pages[i] for i in members], shapes, hold_gil=hold_gil)
         else:
             slots = _group_slots(group, pages[gid], shapes, unique=False)
         rows = np.array([n for _, n in shapes], dtype=np.int64)
@@ -256,36 +257,35 @@ def _group_slots(group: GroupPools, pages: GroupPages, shapes, *, unique: bool) 
         return np.zeros(0, dtype=np.int64)
     rows = np.concatenate([np.arange(first, first + n, dtype=np.int64) for first, n in shapes])
     slots = pages.slots_of_rows(group.spec, rows)
-    capacity = min((p.pool.shape[0] for p in group.planes), default=0) * group.spec.rows_per_page
-    if int(slots.max()) >= capacity:
-        raise ValueError(f"group {group.spec.group_id}: slot {int(slots.max())} lies beyond the pools' {capacity} rows")
+    if int(slots.max()) >= group.capacity_slots:
+        raise ValueError(f"group {group.spec.group_id}: slot {int(slots.max())} lies beyond the pools' "
+                         f"{group.capacity_slots} rows")
     if unique and np.unique(slots).size != slots.size:
         raise ValueError(f"group {group.spec.group_id}: two objects write the same cache row")
     return slots
 
 
-def _slots_per_view(group: GroupPools, views: Sequence[GroupPages], shapes) -> np.ndarray:
+def _slots_per_view(group: GroupPools, views: Sequence[GroupPages], shapes, *, hold_gil: bool = False) -> np.ndarray:
     """Slots of the rows ``shapes`` (``(first_row, num_rows)`` each), each read through its own
-    page view, one object after the other; ``MissingRows``/``ValueError`` as ``_group_slots``."""
-    counts = np.array([n for _, n in shapes], dtype=np.int64)
-    total = int(counts.sum())
-    if not total:
-        return np.zeros(0, dtype=np.int64)
-    spec, rpp = group.spec, group.spec.rows_per_page
-    owner = np.repeat(np.arange(counts.size), counts)
-    starts = np.cumsum(counts) - counts
-    rows = np.arange(total, dtype=np.int64) - starts[owner] + np.array([f for f, _ in shapes], dtype=np.int64)[owner]
-    sizes = np.array([np.asarray(v.pages).size for v in views], dtype=np.int64)
-    flat = np.concatenate([np.asarray(v.pages, dtype=np.int64) for v in views] + [np.full(1, -1, dtype=np.int64)])
-    logical = rows // rpp - np.array([v.base_page for v in views], dtype=np.int64)[owner]
-    inside = (logical >= 0) & (logical < sizes[owner])
-    page = np.where(inside, flat[np.where(inside, (np.cumsum(sizes) - sizes)[owner] + logical, flat.size - 1)], -1)
-    if (page < 0).any():
-        raise MissingRows(f"group {spec.group_id}: cache row {int(rows[np.argmax(page < 0)])} lies on no held page")
-    slots = page * rpp + rows % rpp
-    capacity = min((p.pool.shape[0] for p in group.planes), default=0) * rpp
-    if int(slots.max()) >= capacity:
-        raise ValueError(f"group {spec.group_id}: slot {int(slots.max())} lies beyond the pools' {capacity} rows")
+    page view, one object after the other (one compiled pass, ``rowcopy.slots_through_views``;
+    ``hold_gil`` on an engine's step thread); ``MissingRows``/``ValueError`` as ``_group_slots``."""
+    pages = [np.asarray(view.pages, dtype=np.int64) for view in views]
+    table = np.array([(first, n, view.base_page, p.size) for (first, n), view, p in zip(shapes, views, pages)],
+                     dtype=np.int64).reshape(-1, 4).T.copy()  # first rows, row counts, base pages, page counts
+    slots = np.empty(int(table[1].sum()), dtype=np.int64)
+    if not slots.size:
+        return slots
+    kernel = slots_through_views_holding_gil if hold_gil else slots_through_views
+    missing = kernel(np.concatenate(pages), np.cumsum(table[3]) - table[3], table[3], table[2], table[0], table[1],
+                     group.spec.rows_per_page, slots)
+    if missing >= 0:
+        ends = np.cumsum(table[1])
+        j = int(np.searchsorted(ends, missing, side="right"))
+        row = int(table[0, j] + missing - (ends[j] - table[1, j]))
+        raise MissingRows(f"group {group.spec.group_id}: cache row {row} lies on no held page")
+    if int(slots.max()) >= group.capacity_slots:
+        raise ValueError(f"group {group.spec.group_id}: slot {int(slots.max())} lies beyond the pools' "
+                         f"{group.capacity_slots} rows")
     return slots
 
 

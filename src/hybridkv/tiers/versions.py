@@ -14,8 +14,9 @@ first, the read-back shows the other value; when more than ``keep`` others
 were written between the read and the put, ``h + 1`` had been deleted and this
 put made it again, and newer ones are there. Either way
 :meth:`VersionLog.append` answers False (counted ``conflicts``) and the caller
-reads again and retries. (A generation made again so stays until the store
-evicts it: a few bytes, and never taken for the newest.) A put the tier
+reads again and retries. A generation made again so is deleted at once when
+the newest generation found says it is out of the kept set: left there, it
+could fill a hole below the newest and stop a reader's scan short of it. A put the tier
 refuses, or a read-back that misses, is a failed append (counted), never an
 exception.
 
@@ -165,10 +166,28 @@ class VersionLog:
             # another writer's value, or newer generations (this one was made again after its
             # delete, by a writer that read long ago): not the newest
             self._stats.conflicts += 1
+            self._delete_if_expired(generation)
             return False
         self._stats.appended += 1
         self._delete_expired(generation)
         return True
+
+    def _delete_if_expired(self, generation: int) -> None:
+        """After a conflict: ``generation`` may have been made again by a writer that read long
+        ago (this one, or another), after the writer that pushed it out of the kept set deleted
+        it. Left there it would fill a hole that a reader's scan takes for the end of the kept
+        run, and the reader would stop below the newest; so it is deleted when the newest
+        generation found says it is out of the kept set (a newest found is never above the true
+        one, so a kept generation is never deleted). What this writer knows stays as it was."""
+        known = self.known
+        newest, self.known = self.newest(), known
+        if newest - generation < self.keep * (generation & -generation):
+            return  # still kept (or nothing newer found)
+        if self.tier.delete_each([self.name(generation)])[0] is None:  # refused: tried again later
+            self._stats.deletes_failed += 1
+            self._undeleted = (self._undeleted + [generation])[-MAX_RETRIED_DELETES:]
+        else:
+            self._stats.deleted += 1
 
     def _delete_expired(self, generation: int) -> None:
         """Delete the generation that ``generation`` pushes out of the kept set, and any whose
