@@ -657,9 +657,10 @@ def test_a_hits_holds_in_one_call_are_borrowing_pool_by_pool(data, lowest_first)
 @given(data=st.data(), lowest_first=st.booleans())
 def test_page_space_drop_unit_is_drop_entries_pool_by_pool(data, lowest_first):
     """``PageSpace.drop_unit`` (one compiled pass over a unit's pages in several groups)
-    against ``drop_entries([key])`` in each of the same pools: entries of 0-3 pages, low
-    priority or not, some pages held; a second entry stays published in each group. The
-    same free stacks (order included), LRU, idle low-priority counts, flags and entries."""
+    against ``drop_entries([key])`` in each of the pools that publish the key: entries of
+    0-3 pages, low priority or not, some pages held; a second entry stays published in each
+    group. It names the groups it left, in order; the same free stacks (order included),
+    LRU, idle low-priority counts, flags and entries."""
     sizes = data.draw(st.lists(st.integers(9, 24), min_size=1, max_size=4), label="sizes")
     picked = data.draw(st.lists(st.sampled_from(range(len(sizes))), unique=True, min_size=1), label="unit groups")
     script = [data.draw(st.tuples(st.integers(0, 3), st.booleans(), st.integers(0, 3), st.integers(0, 4)),
@@ -668,14 +669,15 @@ def test_page_space_drop_unit_is_drop_entries_pool_by_pool(data, lowest_first):
     for _ in range(2):
         pools = [PagePool(f"g{i}", n, lowest_first=lowest_first) for i, n in enumerate(sizes)]
         space = PageSpace(pools)
-        for pool, (size, low, held, free) in zip(pools, script):
+        for i, (pool, (size, low, held, free)) in enumerate(zip(pools, script)):
             pages = allocate(pool, size + 1 + free).tolist()
-            publish(pool, "unit", pages[:size], low_priority=low)
+            if i in picked:
+                publish(pool, "unit", pages[:size], low_priority=low)
             publish(pool, "other", pages[size : size + 1], low_priority=not low)
             decref(pool, np.asarray(pages[held:size] + pages[size + 1 :], dtype=np.int64))
         sides.append((pools, space))
     (pools_a, space), (pools_b, _) = sides
-    space.drop_unit([pools_a[i] for i in picked], "unit")
+    assert space.drop_unit(pools_a, "unit") == [f"g{i}" for i in sorted(picked)]
     for i in picked:
         assert pools_b[i].drop_entries(["unit"])[0][0] == "unit"
     for a, b in zip(pools_a, pools_b):

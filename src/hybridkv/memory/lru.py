@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from hybridkv.runtime.kernels import ID_OFFSET, LOWEST, TOP, free_rows, place_row, push_run, take_holds
+from hybridkv.runtime.kernels import ID_OFFSET, LOWEST, LRU_PAGES, TOP, free_rows, place_row, push_run, take_holds
 
 
 @njit(cache=True, inline="always")
@@ -155,13 +155,12 @@ def drop_entries(listed, n_entries, ref, keyed, low_priority, lru_prev, lru_next
 
 
 @njit(cache=True)
-def drop_unit(listed, n_entries, ref, keyed, low_priority, lru_prev, lru_next, stack, offsets, per_group, low_idle,
-              lru_lengths):
+def drop_unit(listed, n_entries, ref, keyed, low_priority, lru_prev, lru_next, stack, offsets, per_group, low_idle):
     """One entry leaving each of ``n_entries`` groups of a page space (a checkpoint's
     unit: ``PageSpace.drop_unit``): ``listed`` holds, entry after entry, its group, its
     page count and its local ids. Every page loses its key and low priority; the idle
-    ones (no holder) leave their group's LRU (``hybridkv.memory.lru``; ``lru_lengths[g]``
-    counts them off) and go onto its free stack in that order (``push_run``;
+    ones (no holder) leave their group's LRU (``hybridkv.memory.lru``; ``per_group``'s
+    ``LRU_PAGES`` counts them off) and go onto its free stack in that order (``push_run``;
     ``per_group``'s ``TOP`` and ``LOWEST``); a low-priority entry's idle pages leave
     ``low_idle[g]``."""
     at = 0
@@ -178,7 +177,7 @@ def drop_unit(listed, n_entries, ref, keyed, low_priority, lru_prev, lru_next, s
                 unlink(lru_prev, lru_next, offset, listed[i])
                 idle[n_idle] = listed[i]
                 n_idle += 1
-        lru_lengths[g] -= n_idle
+        per_group[LRU_PAGES, g] -= n_idle
         if low:
             low_idle[g] -= n_idle
         per_group[TOP, g] = push_run(stack[offset:], per_group[TOP, g], per_group[LOWEST, g] != 0, idle[:n_idle])

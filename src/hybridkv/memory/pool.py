@@ -720,17 +720,21 @@ class PageSpace:
             lru.leave(self.lru_prev, self.lru_next, self.lru_lengths, self.offsets, self.idle_counts, idle[:n_idle])
             self.note_peaks(self.idle_counts)
 
-    def drop_unit(self, pools: Sequence[PagePool], key: Hashable) -> None:
-        """``pool.drop_entries([key])`` in each of ``pools`` (this space's, in order),
-        telling no one: flags, counts and free stacks in one compiled pass
-        (``lru.drop_unit``: the idle pages also leave their LRUs)."""
+    def drop_unit(self, pools: Sequence[PagePool], key: Hashable) -> list[str]:
+        """``pool.drop_entries([key])`` in each of ``pools`` (this space's, in order) that
+        publishes ``key``, telling no one: flags, counts and free stacks in one compiled
+        pass (``lru.drop_unit``: the idle pages also leave their LRUs). Returns the group
+        ids of the pools it left, in order."""
         listed: list[int] = []
+        left: list[str] = []
         for pool in pools:
-            pages = pool._entries.pop(key)
-            listed += (pool._slot, len(pages), *pages)
-        lru.drop_unit(np.array(listed, dtype=np.int64), len(pools), self.ref_counts, self.cached,
-                          self.low_priority, self.lru_prev, self.lru_next, self.stack, self.offsets, self.per_group,
-                          self.low_idle, self.lru_lengths)
+            pages = pool._entries.pop(key, None)
+            if pages is not None:
+                listed += (pool._slot, len(pages), *pages)
+                left.append(pool.group_id)
+        lru.drop_unit(np.array(listed, dtype=np.int64), len(left), self.ref_counts, self.cached, self.low_priority,
+                      self.lru_prev, self.lru_next, self.stack, self.offsets, self.per_group, self.low_idle)
+        return left
 
     def low_floors(self) -> np.ndarray:
         """``per_group``, once ``low_floor[g]`` holds: for a lowest-first pool (one that may

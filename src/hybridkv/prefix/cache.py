@@ -301,6 +301,10 @@ class PrefixCache:
             pool.on_removed = self._removed_callback(gid)
             if gid in self.state_ids:  # its removals take the rest of a unit from the other groups only
                 pool.on_removed_many = self._removed_many_callback(gid)
+        # Per state group, the pools a superseded checkpoint there leaves (``_supersede``): its
+        # own, then (the value policy drops whole units) every other state group's, in order.
+        self._unit_pools = {gid: [pools[gid]] + [pools[o] for o in self.state_ids if o != gid and self.eviction.acts]
+                            for gid in self.state_ids}
         self._order = None  # "prefill-per-byte": the state pools' eviction order, kept incrementally
         if self.values is not None and self.state_ids:
             self._order = CheckpointOrder(self.values, [pools[g] for g in self.state_ids], idle_clock_tick,
@@ -732,8 +736,10 @@ class PrefixCache:
         """Drop the request's hold on every earlier own checkpoint that is not pinned, group
         by group (``new_own`` become its own checkpoints); where it was the last: kept by
         value ("prefill-per-byte"), demoted (a speculative boundary: kept like the ones the
-        policy publishes, low priority) or unpublished (``events`` takes the "removed"
-        events). One function, plain loops: cheaper run cold."""
+        policy publishes, low priority) or unpublished with the rest of its unit from the
+        other state groups (as ``ValueEviction.removed`` would take it) in one
+        ``PageSpace.drop_unit`` call, booked at once: the same removals, events (onto
+        ``events``) and order as one at a time. One function, plain loops: cheaper run cold."""
         pinned, pools, all_holders, values = [], self.pools, self._holders, self.values
         for prev in req.own_checkpoints:
             if prev.pinned:
@@ -752,28 +758,14 @@ class PrefixCache:
                 elif values is None and self.policy.speculative(prev.boundary_tokens, req.prompt_tokens):
                     pool.demote(key)
                 else:
-                    self._drop_unit(gid, key, events)
+                    gids = self._space.drop_unit(self._unit_pools[gid], key)  # tells no one: booked here
+                    self._dropping = True
+                    events += self._book_removals((key,), (gids,))
+                    self._dropping = False
+                    self.eviction.unit_left(key, len(gids))
                     if self.eviction.acts:
                         break  # the unit left every state group
         req.own_checkpoints = pinned + new_own if pinned else new_own
-
-    def _drop_unit(self, gid: str, key: int, events: list[tuple]) -> None:
-        """Unpublish a superseded checkpoint from state group ``gid`` and the rest of its unit
-        from the other state groups (as ``ValueEviction.removed`` would take it), in one
-        ``PageSpace.drop_unit`` call, booked at once: the same removals, events and order
-        as one at a time."""
-        pools = self.pools
-        gids, unit = [gid], [pools[gid]]
-        for other in self.state_ids if self.eviction.acts else ():
-            pool = pools[other]
-            if other != gid and pool.lookup(key) is not None:
-                gids.append(other), unit.append(pool)
-        self._space.drop_unit(unit, key)  # tells no one: the removals are booked below
-        self._dropping = True
-        raws = self._book_removals((key,), (gids,))
-        self._dropping = False
-        self.eviction.unit_left(key, len(gids))
-        events += raws
 
     def _kept_by_value(self, key: int, boundary_tokens: int, req: CommittingRequest) -> bool:
         """"prefill-per-byte": a superseded checkpoint stays if the policy's placement
