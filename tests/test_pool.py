@@ -1045,8 +1045,7 @@ def test_room_groups_leaves_out_only_pools_whose_make_room_evicts_nothing(data):
     out, none = np.empty(1, dtype=np.int64), np.zeros(0, dtype=np.int64)
     asked = kernels.room_groups(np.zeros((1, 8), dtype=np.int64), np.zeros((3, 1, 0), dtype=np.int64),
                                 np.zeros(1, dtype=np.bool_), none, none, none, np.zeros((2, 1, 0), dtype=np.int64),
-                                sums, space.stack, space.offsets, space.per_group, space.low_idle,
-                                space.idle_low_floors, out)
+                                sums, space.stack, space.offsets, space.per_group, out)
     assert asked == int(out[0] >= 0) and (out[0] in (-1, 0))
     if out[0] < 0:
         before, evicted = pool.free_page_ids().tolist(), pool.counters.evicted_pages

@@ -458,23 +458,22 @@ def transient_pages(geometry, bounds, g, rows, first, counts, after, sums):
 
 
 @njit(cache=True)
-def room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, per_group, low_idle,
-                idle_low_floors, out):
+def room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, per_group, out):
     """Before ``finish_step`` of a step that stopped for Python: per group, the pages it
     allocates that the next step releases again (``transient_pages``; 0 where
     ``transient[g]`` is not set): ``out[g]`` = that count when ``PagePool.make_room`` of
     its ``sums[1, g]`` pages may have something to do now, else ``-1 - count`` (it
     would evict nothing: the group allocates nothing, or its free stack covers the
     allocation and, in a lowest-first group with idle low-priority pages, none can lie
-    below the ids its long-lived pages take, ``idle_low_floors[g]`` being a lower bound
-    of theirs). Returns the groups to ask."""
+    below the ids its long-lived pages take, ``per_group[LOW_FLOOR, g]`` being a lower
+    bound of theirs). Returns the groups to ask."""
     n_asked = 0
     for g in range(geometry.shape[0]):
         count, top = sums[1, g], per_group[TOP, g]
         highest = transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0
         long = count - highest
-        packs = long > 0 and per_group[LOWEST, g] != 0 and low_idle[g] > 0 and (
-            top < long or idle_low_floors[g] < stack[offsets[g] + top - long])
+        packs = long > 0 and per_group[LOWEST, g] != 0 and per_group[LOW_IDLE_PAGES, g] > 0 and (
+            top < long or per_group[LOW_FLOOR, g] < stack[offsets[g] + top - long])
         if count > 0 and (top < count or packs):
             out[g] = highest
             n_asked += 1

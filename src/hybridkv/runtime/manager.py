@@ -1159,8 +1159,7 @@ class CacheManager:
                 self.arena.apply(plan.grants)
             marks = self._scratch.transient  # ``room_groups``': the groups to ask, the transient pages
             if kernels.room_groups(ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts,
-                                   plan.after, plan.sums, space.stack, space.offsets, space.per_group, space.low_idle,
-                                   space.idle_low_floors, marks):
+                                   plan.after, plan.sums, space.stack, space.offsets, space.per_group, marks):
                 self._make_room(sums[1].tolist(), marks.tolist())
             n_touched = kernels.finish_step(
                 ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.per_group,
