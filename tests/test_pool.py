@@ -477,7 +477,7 @@ def test_drop_holds_then_released_is_a_release_pool_by_pool(data, lowest_first, 
         decref(pool, pages)
     for a, b in zip(pools_a, pools_b):
         assert _pool_state(a) == _pool_state(b)
-    floors = [side_space.low_floors()[kernels.LOW_FLOOR].tolist() for _, side_space in sides]
+    floors = [[kernels.packing_floor(side_space.per_group, g) for g in range(len(sizes))] for _, side_space in sides]
     assert floors[0] == floors[1]  # the packing floors the joining low-priority pages lowered
 
 
@@ -796,31 +796,24 @@ def test_evict_entries_leaves_the_pool_as_unpublishing_each_in_turn(data):
     assert ends[0] == ends[1]
 
 
-def test_low_floors_follow_the_shared_skip_answer_and_each_pools_own():
-    """``PageSpace.low_floors``: every packing pool asking one ``may_skip_packing`` (an
-    arena's) gets ``NO_PACKING`` while it says skip, its own floor (``NO_LOW_IDLE``: no
-    idle low-priority page) while it does not, and ``NO_PACKING`` again once it says
-    skip again; pools asking different functions get each their own answer."""
-    from hybridkv.memory.pool import PageSpace
-    from hybridkv.runtime import kernels
-
-    roomy = [True]
-
-    def ask():
-        return roomy[0]
-
-    pools = [PagePool(f"g{i}", 8, lowest_first=True) for i in range(3)]
+def test_packing_floor_follows_the_skip_flag_and_each_pools_idle_low_priority_pages():
+    """``kernels.packing_floor`` (what the step kernel reads): ``NO_PACKING`` for a pool that
+    does not hand out its lowest ids first and, for every pool, while its
+    ``PageSpace.skip_packing`` is set (its arena is roomy); else ``NO_LOW_IDLE`` without
+    idle low-priority pages, and a lower bound of their ids with some."""
+    pools = [PagePool(f"g{i}", 8, lowest_first=i < 2) for i in range(3)]
     space = PageSpace(pools)
-    floors = lambda: space.low_floors()[kernels.LOW_FLOOR].tolist()  # noqa: E731
-    for pool in pools:
-        pool.may_skip_packing = ask
-    for answer in (True, False, False, True, True, False):
-        roomy[0] = answer
-        assert floors() == [kernels.NO_PACKING if answer else kernels.NO_LOW_IDLE] * 3, answer
-    mixed = [PagePool(f"h{i}", 8, lowest_first=True) for i in range(3)]
-    space = PageSpace(mixed)
-    mixed[0].may_skip_packing, mixed[1].may_skip_packing = (lambda: True), (lambda: False)
-    assert floors() == [kernels.NO_PACKING, kernels.NO_LOW_IDLE, kernels.NO_LOW_IDLE]
+    floors = lambda: [kernels.packing_floor(space.per_group, g) for g in range(3)]  # noqa: E731
+    assert floors() == [kernels.NO_LOW_IDLE, kernels.NO_LOW_IDLE, kernels.NO_PACKING]
+    allocate(pools[1], 2)
+    low = allocate(pools[1], 2)
+    publish(pools[1], "low", low, low_priority=True)
+    decref(pools[1], low)
+    assert floors()[1] <= int(low.min()) and floors()[0] == kernels.NO_LOW_IDLE
+    space.skip_packing[:] = 1
+    assert floors() == [kernels.NO_PACKING] * 3
+    space.skip_packing[:] = 0
+    assert floors()[1] <= int(low.min())
 
 
 def _reference_pack(pool, count):
@@ -1054,8 +1047,7 @@ def test_room_groups_leaves_out_only_pools_whose_make_room_evicts_nothing(data):
     out, none = np.empty(1, dtype=np.int64), np.zeros(0, dtype=np.int64)
     asked = kernels.room_groups(np.zeros((1, 8), dtype=np.int64), np.zeros((3, 1, 0), dtype=np.int64),
                                 np.zeros(1, dtype=np.bool_), none, none, none, np.zeros((2, 1, 0), dtype=np.int64),
-                                sums, space.stack, space.offsets, space.per_group, space.low_idle,
-                                space.idle_low_floors, out)
+                                sums, space.stack, space.offsets, space.per_group, out)
     assert asked == int(out[0] >= 0) and (out[0] in (-1, 0))
     if out[0] < 0:
         before, evicted = pool.free_page_ids().tolist(), pool.counters.evicted_pages

@@ -212,10 +212,10 @@ class Arena:
                                                dtype=np.int64) for gid in self.group_ids}
         self.owner = np.full(geometry.num_slabs, -1, dtype=np.int16)
         self.slab_moves = 0
-        self._spare_count = geometry.num_slabs
+        self._spare_count = 0
+        self._spare_changed(geometry.num_slabs)
         for gid, pool in self.pools.items():
             pool.must_pack = self._packing_rule(gid)
-            pool.may_skip_packing = self.roomy
         # Every pool keeps its free stack sorted: pages granted in one run per pool stack as
         # they do slab by slab (``apply``).
         self._sorted_grants = all(pool.lowest_first for pool in self.pools.values())
@@ -264,6 +264,12 @@ class Arena:
         entries may keep spare memory (admission takes it back), and live pages may
         spread a little (``PagePool.must_pack``)."""
         return self._spare_count >= ROOMY_SPARE_FRACTION * self.geometry.num_slabs
+
+    def _spare_changed(self, by: int) -> None:
+        """``by`` slabs more are spare; the pools' ``PageSpace.skip_packing`` follows
+        :meth:`roomy`, so the step kernel reads it (``kernels.packing_floor``)."""
+        self._spare_count += by
+        self._space.skip_packing.fill(self.roomy())
 
     def slabs_owned(self) -> dict[str, int]:
         counts = np.bincount(self.owner[self.owner >= 0], minlength=len(self.group_ids))
@@ -443,7 +449,7 @@ class Arena:
                 self.pools[donor].revoke(given)
                 self.slab_moves += 1
             else:
-                self._spare_count -= 1
+                self._spare_changed(-1)
             self.owner[slab] = gi
             self.pools[gid].grant(gained)
 
@@ -458,7 +464,7 @@ class Arena:
         if kernels.grant_spare_slabs(self.owner, groups, slabs, *self._slab_ids, pages, ends, space.stack,
                                      space.tops, space.offsets, space.lowest_first, space.granted) < 0:
             raise AssertionError("a slab granted is not spare")
-        self._spare_count -= n
+        self._spare_changed(-n)
 
     def release_idle(self) -> int:
         """Return every slab whose pages are all free (not evictable) to the spare list; the count."""
@@ -471,7 +477,7 @@ class Arena:
                     continue
                 pool.revoke(pages)
                 self.owner[slab] = -1
-                self._spare_count += 1
+                self._spare_changed(1)
                 moved += 1
         return moved
 
@@ -481,6 +487,7 @@ class Arena:
         straddling page whose two slabs it owns), and all such pages are granted:
         so live pages of different groups never share a byte."""
         assert self._spare_count == int(np.count_nonzero(self.owner < 0)), "spare count drifted"
+        assert (self._space.skip_packing == self.roomy()).all(), "skip_packing differs from roomy"
         for gid in self.group_ids:
             pool, gi = self.pools[gid], self._index[gid]
             lo, hi = self._ranges[gid]

@@ -121,11 +121,10 @@ class PagePool:
         # Set by an arena: whether a long-lived allocation of ``n`` pages whose highest id
         # would be ``page`` must first reuse idle low-priority pages below it (packing);
         # None: always.
+        # While the arena is roomy it sets the pool's ``PageSpace.skip_packing``: the step
+        # kernel then stops for Python only when the free stack is short, and ``must_pack``
+        # is asked only on steps that stop anyway (a compiled step stays compiled).
         self.must_pack: Callable[[int, int], bool] | None = None
-        # True while a step may skip packing (the arena is roomy): the step kernel then
-        # stops for Python only when the free stack is short, and ``must_pack`` is asked
-        # only on steps that stop anyway (a compiled step stays compiled).
-        self.may_skip_packing: Callable[[], bool] | None = None
         self.counters = PoolCounters()
         self.space: PageSpace | None = None  # the page space whose arrays this pool views, once in one
         if granted:
@@ -656,31 +655,29 @@ class PageSpace:
         self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         self._join_page_arrays(sizes)
         # Per group, in one array a step kernel takes whole: the free stack's top, whether
-        # the pool hands out its lowest ids first, ``low_floors``' answer, the pages ever
-        # released and allocated (the pools' counters), the LRU's length, the pages
-        # granted and the peak of used pages (``kernels.TOP`` ... ``PEAK_USED_PAGES``).
+        # the pool hands out its lowest ids first, the lower bound of its idle low-priority
+        # ids (the pool's ``_low_floor``), the pages ever released and allocated (the pools'
+        # counters), the LRU's length, the pages granted, the peak of used pages, the idle
+        # low-priority pages and whether the pool may skip packing (its arena, while roomy,
+        # sets it): ``kernels.TOP`` ... ``SKIP_PACKING``, what ``kernels.packing_floor`` reads.
         self.per_group = np.zeros((kernels.PER_GROUP_ROWS, len(self.pools)), dtype=np.int64)
-        self.tops, self.lowest_first, self.low_floor = self.per_group[:3]
+        self.tops, self.lowest_first, self.idle_low_floors = self.per_group[:3]
         self.lru_lengths, self.granted = self.per_group[kernels.LRU_PAGES], self.per_group[kernels.GRANTED_PAGES]
-        self.per_group[3:] = [[p.counters.released_pages for p in self.pools],
-                              [p.counters.allocated_pages for p in self.pools],
-                              [p.num_evictable_pages for p in self.pools],
-                              [p.usable_pages for p in self.pools],
-                              [p.peak_used_pages for p in self.pools]]
+        self.low_idle, self.skip_packing = self.per_group[kernels.LOW_IDLE_PAGES], self.per_group[kernels.SKIP_PACKING]
+        self.per_group[3 : kernels.LOW_IDLE_PAGES] = [[p.counters.released_pages for p in self.pools],
+                                                      [p.counters.allocated_pages for p in self.pools],
+                                                      [p.num_evictable_pages for p in self.pools],
+                                                      [p.usable_pages for p in self.pools],
+                                                      [p.peak_used_pages for p in self.pools]]
         self.tops[:] = [p._top for p in self.pools]
         self.lowest_first[:] = [p.lowest_first for p in self.pools]
-        self.low_idle = np.asarray([p._low_idle_pages for p in self.pools], dtype=np.int64)
-        self.idle_low_floors = np.asarray([p._low_floor for p in self.pools], dtype=np.int64)  # the pools' ``_low_floor``
+        self.low_idle[:] = [p._low_idle_pages for p in self.pools]
+        self.idle_low_floors[:] = [p._low_floor for p in self.pools]  # the pools' ``_low_floor``
         self.ranked: list[int] = []  # the groups whose pool has a ranker (``PagePool.ranker`` keeps it)
-        self.packing = [(g, p) for g, p in enumerate(self.pools) if p.lowest_first]  # pools ``low_floors`` asks
         self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # ``lru.borrow_row``'s scratch
         # ``free_rows``' buffers: the cells emptied and the keyed pages left idle, and how many
         # of those per group.
         self.freed, self.freed_counts = np.empty((2, 256), dtype=np.int64), np.zeros(len(self.pools), dtype=np.int64)
-        # The one ``may_skip_packing`` every packing pool has (an arena's, set once after this),
-        # False when they differ or some pool has none; None until ``low_floors`` first looks.
-        self.shared_ask: Callable[[], bool] | bool | None = None
-        self.floors_unset = False  # every ``low_floor`` is ``kernels.NO_PACKING``
         self._bind_pools()
 
     def _join_page_arrays(self, sizes: list[int]) -> None:
@@ -735,35 +732,6 @@ class PageSpace:
         lru.drop_unit(np.array(listed, dtype=np.int64), len(left), self.ref_counts, self.cached, self.low_priority,
                       self.lru_prev, self.lru_next, self.stack, self.offsets, self.per_group, self.low_idle)
         return left
-
-    def low_floors(self) -> np.ndarray:
-        """``per_group``, once ``low_floor[g]`` holds: for a lowest-first pool (one that may
-        pack: ``PagePool.make_room``), a lower bound of its idle low-priority pages' ids (the
-        ``_low_floor``) or ``kernels.NO_LOW_IDLE`` when it has
-        none; ``kernels.NO_PACKING`` for every other pool and for one whose
-        ``may_skip_packing`` says so. What ``kernels.needs_room`` reads: a step stops for
-        Python when such a page lies below the ids it would take, and ``make_room`` decides."""
-        out = self.low_floor
-        if self.shared_ask is None and self.packing:  # once: the arena has set every pool's
-            asks = {pool.may_skip_packing for _, pool in self.packing}
-            self.shared_ask = asks.pop() if len(asks) == 1 and None not in asks else False
-        if self.shared_ask and self.shared_ask():  # every packing pool's answer, asked once
-            if not self.floors_unset:  # only this method writes them
-                out.fill(kernels.NO_PACKING)
-                self.floors_unset = True
-            return self.per_group
-        out.fill(kernels.NO_PACKING)
-        self.floors_unset = False
-        asked, skip = None, False
-        for g, pool in self.packing:
-            ask = pool.may_skip_packing
-            if ask is not None:
-                if ask != asked:  # the pools of one arena share its answer: asked once
-                    asked, skip = ask, ask()
-                if skip:
-                    continue
-            out[g] = pool._low_floor if self.low_idle[g] else kernels.NO_LOW_IDLE
-        return self.per_group
 
     def keyed_idle(self, per_group: np.ndarray, keyed: np.ndarray) -> None:
         """Keyed pages a release left idle (``keyed``, local ids, group after group,

@@ -39,9 +39,11 @@ Arrays (``G`` groups, ``R`` scheduled rows, ``N`` scheduled tokens):
   VIEW_COLUMNS + column``; the cells a kernel touches are logged in that form.
 * ``computed`` int64 ``[table rows]``: tokens computed per row; ``step`` takes it with
   the committed and known tokens as ``counters`` ``[3, table rows]``.
-* ``per_group`` int64 ``[5, G]``: each group's free stack ``top``, whether it is
-  ``lowest`` first, its ``low_floor`` (``needs_room``), and the pages a step kernel
-  ever released and allocated in it (the pool's counters).
+* ``per_group`` int64 ``[PER_GROUP_ROWS, G]``: each group's free stack ``top``, whether it
+  is ``lowest`` first, the lower bound of its idle low-priority ids, the pages a step
+  kernel ever released and allocated in it (the pool's counters), its LRU's length, the
+  pages granted, the peak of used pages, its idle low-priority pages and whether it may
+  skip packing (its arena is roomy): what ``packing_floor`` reads.
 * ``ref`` int32 ``[P]``, ``keyed`` bool ``[P]``: per page-space id, its holders and
   whether it carries a content key (an idle keyed page goes to the prefix
   cache's LRU, ``hybridkv.memory.lru``'s lists, not to the free stack).
@@ -66,14 +68,15 @@ FREE_COUNT = 14  # free lanes of the group (kernels change it)
 GEOMETRY_COLUMNS = 15
 BASE, HI, LANE, FREE_LANES = range(4)  # planes of ``bounds``
 TOP, LOWEST, LOW_FLOOR, RELEASED_PAGES, ALLOCATED_PAGES, LRU_PAGES, GRANTED_PAGES, PEAK_USED_PAGES = range(8)
-PER_GROUP_ROWS = 8  # rows of ``per_group`` (``PageSpace.per_group``)
+LOW_IDLE_PAGES, SKIP_PACKING = range(8, 10)
+PER_GROUP_ROWS = 10  # rows of ``per_group`` (``PageSpace.per_group``)
 
 STEP_DONE = 0
 STEP_NEEDS_PAGES = 1  # the releases ran; the caller lends slabs or evicts, then calls finish_step
 STEP_PLANNED = 2  # ``step`` planned only: Python admits, commits or grows buffers, then runs
 STEP_COVERED = 3  # ``step`` planned only: a free stack is short, but the step's own releases cover it
-NO_PACKING = np.iinfo(np.int64).max  # ``low_floor`` of a group that does not reuse idle low-priority pages
-NO_LOW_IDLE = NO_PACKING - 1  # ``low_floor`` of a packing group without idle low-priority pages
+NO_PACKING = np.iinfo(np.int64).max  # ``packing_floor`` of a group that does not reuse idle low-priority pages
+NO_LOW_IDLE = NO_PACKING - 1  # ``packing_floor`` of a packing group without idle low-priority pages
 
 
 @njit(cache=True, inline="always")
@@ -455,23 +458,22 @@ def transient_pages(geometry, bounds, g, rows, first, counts, after, sums):
 
 
 @njit(cache=True)
-def room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, per_group, low_idle,
-                idle_low_floors, out):
+def room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, per_group, out):
     """Before ``finish_step`` of a step that stopped for Python: per group, the pages it
     allocates that the next step releases again (``transient_pages``; 0 where
     ``transient[g]`` is not set): ``out[g]`` = that count when ``PagePool.make_room`` of
     its ``sums[1, g]`` pages may have something to do now, else ``-1 - count`` (it
     would evict nothing: the group allocates nothing, or its free stack covers the
     allocation and, in a lowest-first group with idle low-priority pages, none can lie
-    below the ids its long-lived pages take, ``idle_low_floors[g]`` being a lower bound
-    of theirs). Returns the groups to ask."""
+    below the ids its long-lived pages take, ``per_group[LOW_FLOOR, g]`` being a lower
+    bound of theirs). Returns the groups to ask."""
     n_asked = 0
     for g in range(geometry.shape[0]):
         count, top = sums[1, g], per_group[TOP, g]
         highest = transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0
         long = count - highest
-        packs = long > 0 and per_group[LOWEST, g] != 0 and low_idle[g] > 0 and (
-            top < long or idle_low_floors[g] < stack[offsets[g] + top - long])
+        packs = long > 0 and per_group[LOWEST, g] != 0 and per_group[LOW_IDLE_PAGES, g] > 0 and (
+            top < long or per_group[LOW_FLOOR, g] < stack[offsets[g] + top - long])
         if count > 0 and (top < count or packs):
             out[g] = highest
             n_asked += 1
@@ -579,8 +581,7 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
         committed[rows[r]] = first[r]
     n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after,
                                        scratch, idle_keyed, released, touched, 0)
-    if hold or needs_room(geometry, stack, per_group[TOP], per_group[LOWEST], per_group[LOW_FLOOR], low_priority,
-                          sums, released, idle_keyed):
+    if hold or needs_room(geometry, stack, per_group, low_priority, sums, released, idle_keyed):
         return STEP_NEEDS_PAGES, n_touched, n_keyed
     n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
                             first, settle, after, sums, touched, n_touched, cells, cell_pages, per_request,
@@ -589,14 +590,25 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
     return STEP_DONE, n_touched, n_keyed
 
 
+@njit(cache=True, inline="always")
+def packing_floor(per_group, g):
+    """Below which id group ``g``'s idle low-priority pages lie (``needs_room``): the pool's
+    ``LOW_FLOOR`` (a lower bound of their ids) while it has some (``LOW_IDLE_PAGES``),
+    ``NO_LOW_IDLE`` while it has none, and ``NO_PACKING`` when it does not hand out its
+    lowest ids first or may skip packing (``SKIP_PACKING``: its arena is roomy)."""
+    if per_group[LOWEST, g] == 0 or per_group[SKIP_PACKING, g] != 0:
+        return NO_PACKING
+    return per_group[LOW_FLOOR, g] if per_group[LOW_IDLE_PAGES, g] > 0 else NO_LOW_IDLE
+
+
 @njit(cache=True)
-def needs_room(geometry, stack, top, lowest, low_floor, low_priority, sums, released, idle_keyed):
+def needs_room(geometry, stack, per_group, low_priority, sums, released, idle_keyed):
     """Whether some group allocating this step must make room first: its free stack is
-    short, or (a ``lowest`` group whose idle low-priority pages are reused in id order,
-    ``low_floor[g]``: a lower bound of their ids, past every id when not packing) one of
-    them, or a low-priority page its releases just left idle (``idle_keyed``, group
-    after group, ``released[1, g]`` each), lies below the highest id the allocation takes."""
-    keyed_from = 0
+    short, or (a ``lowest`` group whose idle low-priority pages are reused in id order
+    unless it may skip packing: ``packing_floor``) one of them, or a low-priority page
+    its releases just left idle (``idle_keyed``, group after group, ``released[1, g]``
+    each), lies below the highest id the allocation takes."""
+    keyed_from, top = 0, per_group[TOP]
     for g in range(geometry.shape[0]):
         n, offset, n_keyed = sums[1, g], geometry[g, ID_OFFSET], released[1, g]
         keyed_from += n_keyed
@@ -604,13 +616,12 @@ def needs_room(geometry, stack, top, lowest, low_floor, low_priority, sums, rele
             continue
         if n > top[g]:
             return True
-        if not lowest[g]:
+        floor = packing_floor(per_group, g)
+        if floor == NO_PACKING:
             continue
         bound = stack[offset + top[g] - n]  # the highest of the n lowest free ids
-        if low_floor[g] < bound:
+        if floor < bound:
             return True
-        if low_floor[g] == NO_PACKING:
-            continue
         for i in range(keyed_from - n_keyed, keyed_from):
             if idle_keyed[i] < bound and low_priority[offset + idle_keyed[i]]:
                 return True

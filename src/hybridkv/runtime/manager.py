@@ -699,7 +699,7 @@ class CacheManager:
         (``kernels.short_pages``). Returns how many groups are short, or -1 when some
         group wants more than its ``free`` pages (release credit must decide)."""
         ts, space = self._tableset, self._space
-        roomy = self.arena is not None and self.arena.roomy()
+        roomy = space.skip_packing[0]  # the arena's ``roomy`` (never set without an arena)
         return kernels.short_pages(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, plan.rows,
                                    plan.after[0], plan.first, self._committed, self._grain, self._window_pages,
                                    plan.sums[0], wanted, clean, free, self._no_low if roomy else space.low_idle,
@@ -1052,7 +1052,6 @@ class CacheManager:
         if updates:  # ``_cell_buffers``' room for a decode step; handed out only if the log holds nothing else
             room = 2 * n_groups * n_rows + 16
             cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
-        self._space.low_floors()  # in the state's ``per_group``
         status, n, settle, n_crossing, clean, n_touched, n_keyed, allocated = kernels.step(
             *(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, *cells, *out)
         if status >= kernels.STEP_PLANNED:
@@ -1133,11 +1132,9 @@ class CacheManager:
         scratch, idle_keyed, released, touched = self._scratch.reserve(most_released, released_pages,
                                                                         allocated_pages)
         space, ts = self._space, self._tableset
-        # A step that moves slabs stops after its releases whatever the low floors say.
-        per_group = space.per_group if plan.grants else space.low_floors()
         status, n_touched, n_keyed = kernels.run_step(
             ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
-            space.low_priority, space.stack, per_group, self._transient, plan.rows, plan.counts, plan.first,
+            space.low_priority, space.stack, space.per_group, self._transient, plan.rows, plan.counts, plan.first,
             plan.settle, plan.after, plan.sums, bool(plan.grants), scratch, idle_keyed, released, touched, *cells,
             *out, self._scratch.widths)
         if status != kernels.STEP_DONE:
@@ -1162,8 +1159,7 @@ class CacheManager:
                 self.arena.apply(plan.grants)
             marks = self._scratch.transient  # ``room_groups``': the groups to ask, the transient pages
             if kernels.room_groups(ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts,
-                                   plan.after, plan.sums, space.stack, space.offsets, space.per_group, space.low_idle,
-                                   space.idle_low_floors, marks):
+                                   plan.after, plan.sums, space.stack, space.offsets, space.per_group, marks):
                 self._make_room(sums[1].tolist(), marks.tolist())
             n_touched = kernels.finish_step(
                 ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.per_group,
