@@ -174,17 +174,20 @@ def test_the_cli_runs_on_mooncake(capsys):
     assert summary["store"]["corrupt"] == 0 and np.isfinite(summary["bytes_moved_per_tier_hit_token"])
 
 
-def test_puts_a_tier_cannot_hold_are_counted_as_refused(capsys):
+@pytest.mark.parametrize("instances", [1, 2])
+def test_puts_a_tier_cannot_hold_are_counted_as_refused(capsys, instances):
     """A host tier of 1 MiB holds no 3 MB checkpoint object: those puts are refused and
-    counted, nothing is corrupt, and every request still finishes."""
+    counted, in the shared store and in the one instance's own store alike (the same
+    store when there is one instance), nothing is corrupt, and every request still finishes."""
     argv = ["simulate", "--workload", "multiturn", "--requests", "6", "--kv-memory", "4GiB", "--tier", "host",
-            "--tier-memory", "1MiB", "--json"]
+            "--tier-memory", "1MiB", "--instances", str(instances), "--json"]
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out)
-    store = summary["store"]
-    assert store["tier_refused"] > 0 and store["corrupt"] == 0 and store["tier_errors"] == 0
-    assert summary["with_store"]["put_objects"] >= store["tier_refused"]
-    assert summary["with_store"]["requests_finished"] == 6
+    store, own = summary["store"], summary["one_instance"]["store"]
+    for counts, run in ((store, summary["with_store"]), (own, summary["one_instance"])):
+        assert counts["tier_refused"] > 0 and counts["corrupt"] == 0 and counts["tier_errors"] == 0
+        assert run["put_objects"] >= counts["tier_refused"] and run["requests_finished"] == 6
+    assert (own == store) == (instances == 1)
 
 
 def test_one_instance_with_a_write_back_store(capsys):

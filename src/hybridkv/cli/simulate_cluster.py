@@ -60,14 +60,25 @@ def _simulator_options(plan, args: argparse.Namespace) -> dict:
             "min_chunk_tokens": args.min_chunk_tokens}
 
 
+def _store_counts(store) -> dict:
+    """What a run's store counted: objects stored, loaded, missing, corrupt; its tier's errors,
+    refused puts and evictions."""
+    store_stats, tier_stats = store.stats(), store.tier.stats()
+    return {"stored": store_stats.stored, "loaded": store_stats.loaded, "missing": store_stats.missing,
+            "corrupt": store_stats.corrupt, "tier_errors": tier_stats.errors,
+            "tier_refused": tier_stats.refused, "tier_evicted": tier_stats.evicted}
+
+
 def _one_instance(args: argparse.Namespace, big, requests) -> dict:
-    """One instance of ``big`` (the instances' memory together) with a store of its own."""
+    """One instance of ``big`` (the instances' memory together) with a store of its own; its
+    store's counts under ``"store"``."""
     from hybridkv.sim.cluster import run_cluster
 
     with ExitStack() as stack:
         own = open_store(args.tier, args.tier_memory, big.layout, stack)
-        return run_cluster(_manager_factory(big, args), requests, 1, store=own, write_through=args.write_through,
-                           simulator_options=_simulator_options(big, args), wait_steps=args.in_flight_wait).summary()
+        run = run_cluster(_manager_factory(big, args), requests, 1, store=own, write_through=args.write_through,
+                          simulator_options=_simulator_options(big, args), wait_steps=args.in_flight_wait).summary()
+        return {**run, "store": _store_counts(own)}
 
 
 def run_cluster_command(args: argparse.Namespace, plan, requests, build_plan) -> dict:
@@ -79,12 +90,9 @@ def run_cluster_command(args: argparse.Namespace, plan, requests, build_plan) ->
     runs = {}
     with ExitStack() as stack:
         store = open_store(args.tier, args.tier_memory, plan.layout, stack)
-        runs["with_store"] = run_cluster(_manager_factory(plan, args), requests, n, store=store,
-                                         write_through=args.write_through,
-                                         simulator_options=_simulator_options(plan, args),
-                                         wait_steps=args.in_flight_wait).summary()
-        store_stats = store.stats()
-        tier_stats = store.tier.stats()
+        run = run_cluster(_manager_factory(plan, args), requests, n, store=store, write_through=args.write_through,
+                          simulator_options=_simulator_options(plan, args), wait_steps=args.in_flight_wait).summary()
+        runs["with_store"] = {**run, "store": _store_counts(store)}
     runs["without_store"] = run_cluster(_manager_factory(plan, args), requests, n,
                                         simulator_options=_simulator_options(plan, args)).summary()
     whole = copy.copy(args)
@@ -113,9 +121,7 @@ def run_cluster_command(args: argparse.Namespace, plan, requests, build_plan) ->
         "naive_bytes_moved_per_tier_hit_token": (naive * (shared["offloaded_prefix_tokens"] + served) / served
                                                  if served else 0.0),
         "naive_bytes_per_token": naive,
-        "store": {"stored": store_stats.stored, "loaded": store_stats.loaded, "missing": store_stats.missing,
-                  "corrupt": store_stats.corrupt, "tier_errors": tier_stats.errors,
-                  "tier_refused": tier_stats.refused, "tier_evicted": tier_stats.evicted},
+        "store": shared["store"],
     }
 
 
@@ -140,7 +146,7 @@ def print_cluster_summary(summary: dict, console) -> None:
         table.add_row(name, f"{run['token_hit_rate']:.1%}", f"{share:.1%}", f"{run['preemptions']:,}",
                       f"{run['steps']:,}")
     console.print(table)
-    shared = summary["with_store"]
+    shared, own = summary["with_store"], summary["one_instance"]["store"]
     console.print(
         f"hit rate vs one instance: {summary['hit_rate_vs_one_instance']:.1%} "
         f"(unbounded-cache ideal: {summary['ideal_hit_rate']:.1%}); "
@@ -148,7 +154,8 @@ def print_cluster_summary(summary: dict, console) -> None:
         f"denied {shared['loads']['denied']:,}\n"
         f"through the store: put {shared['put_objects']:,} objects ({format_bytes(shared['put_bytes'])}), "
         f"fetched {shared['fetched_objects']:,} ({format_bytes(shared['fetched_bytes'])}); "
-        f"refused by the tier {summary['store']['tier_refused']:,}, tier errors {summary['store']['tier_errors']:,}\n"
+        f"refused by the tier {summary['store']['tier_refused']:,}, tier errors {summary['store']['tier_errors']:,} "
+        f"(one instance's own store: {own['tier_refused']:,} and {own['tier_errors']:,})\n"
         f"bytes moved per token served by the store: {summary['bytes_moved_per_tier_hit_token']:,.0f} "
         f"(naive full pages: {summary['naive_bytes_moved_per_tier_hit_token']:,.0f})"
     )
