@@ -34,12 +34,9 @@ def append(prev, nxt, off, page):
 
 @njit(cache=True, inline="always")
 def push_front(prev, nxt, off, page):
-    """``page`` (not listed) becomes the head of the list at ``off``."""
-    head = nxt[off]
-    prev[off + head] = page
-    nxt[off + page] = head
-    prev[off + page] = 0
-    nxt[off] = page
+    """``page`` (not listed) becomes the head of the list at ``off``: the tail of the same
+    list read backwards."""
+    append(nxt, prev, off, page)
 
 
 @njit(cache=True, inline="always")
