@@ -595,8 +595,8 @@ def test_idle_slabs_and_the_oldest_idle_tick_answer_as_the_whole_pool_scan(data)
     releases in two groups of a 12-slab arena: for each way of counting idle keyed
     pages and some pages released by the step, ``kernels.idle_slabs`` over the slabs a
     group owns finds the same idle slabs, idle straddlers and keyed pages counted as a
-    scan of every idle page of the pool; ``kernels.oldest_idle_tick`` the same oldest
-    normal-priority idle page as the pool's LRU."""
+    scan of every idle page of the pool; ``Arena.oldest_idle_tick`` (a walk of the pool's
+    LRU) the same oldest normal-priority idle page as the pool's flags."""
     from hybridkv.runtime import kernels
 
     geometry, pools, arena = packing_arena()
@@ -631,12 +631,8 @@ def test_idle_slabs_and_the_oldest_idle_tick_answer_as_the_whole_pool_scan(data)
             released_edges = last[first != last]
             assert np.flatnonzero(edge_idle).tolist() == np.flatnonzero(want_edge).tolist()
             assert set(np.flatnonzero(edge_idle).tolist()) <= set(owned.tolist()) | set(released_edges.tolist())
-        normal = pool.evictable_page_ids()
-        normal = normal[~pool.low_priority[normal]]
-        oldest = kernels.oldest_idle_tick(arena.owner, gi, lo, hi, straddle, pool.ref_counts, pool.cached,
-                                          pool.low_priority, pool.idle_tick)
-        assert oldest == (int(pool.idle_tick[normal].min()) if normal.size else -1)
-        assert arena.oldest_idle_tick(gid) == (None if oldest < 0 else oldest)
+        normal = np.flatnonzero(pool.cached & (pool.ref_counts == 0) & ~pool.low_priority)  # from the flags
+        assert arena.oldest_idle_tick(gid) == (int(pool.idle_tick[normal].min()) if normal.size else None)
 
 
 def reference_donor_plan(arena, deficit, surplus, keyed_mode):

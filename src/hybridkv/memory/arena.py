@@ -442,11 +442,10 @@ class Arena:
 
     def oldest_idle_tick(self, gid: str) -> int | None:
         """The idle-clock tick of the group's least recently idle keyed page of normal
-        priority (what it evicts after its low-priority ones); None if it has none."""
-        pool, (lo, hi) = self.pools[gid], self._ranges[gid]
-        tick = kernels.oldest_idle_tick(self.owner, self._index[gid], lo, hi, self._straddle[gid], pool.ref_counts,
-                                        pool.cached, pool.low_priority, pool.idle_tick)
-        return None if tick < 0 else int(tick)
+        priority (what it evicts after its low-priority ones); None if it has none. Its
+        pool's LRU lists exactly those pages, all in slabs the group owns
+        (``PagePool.oldest_idle_tick``: a walk of the list, not a scan of every slab)."""
+        return self.pools[gid].oldest_idle_tick()
 
     # --- mutation -------------------------------------------------------------
     def apply(self, grants: Sequence[Grant]) -> None:

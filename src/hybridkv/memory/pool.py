@@ -393,6 +393,13 @@ class PagePool:
         out = np.empty(self.num_evictable_pages, dtype=np.int64)
         return out[: lru.order(self._lru_next, out)]
 
+    def oldest_idle_tick(self) -> int | None:
+        """The idle-clock tick of the least recently idle keyed page of normal priority (what
+        it evicts after its low-priority ones): a walk of the LRU, which lists exactly the
+        idle keyed pages (``lru.oldest_normal_tick``); None if it has none."""
+        tick = lru.oldest_normal_tick(self._lru_next, self.low_priority, self.idle_tick)
+        return None if tick < 0 else int(tick)
+
     def revoke(self, pages: np.ndarray) -> None:
         """Take back page ids that are all free or cached-evictable (their entries are
         unpublished first). All or nothing. Checked, and the free ones taken off the
