@@ -2,6 +2,10 @@
 ``page_space="shared"`` mode, and that live pages of different groups never share
 a byte (checked from page ids and page sizes alone, not through the arena)."""
 
+import os
+import subprocess
+import sys
+
 import hypothesis.strategies as st
 import numpy as np
 import pytest
@@ -861,10 +865,6 @@ def test_a_donor_slab_move_loads_no_kernel_the_arena_did_not_load_when_built():
     """A step that lends a donor's slab (``test_history_grows_into_memory_the_window_group_gave_back``)
     runs kernels loaded already (``Arena._load_kernels``), with the types it calls them with:
     in a fresh process, none gets a new compiled signature then."""
-    import os
-    import subprocess
-    import sys
-
     if os.environ.get("NUMBA_DISABLE_JIT") == "1":
         pytest.skip("kernels run as plain Python")
     done = subprocess.run([sys.executable, "-c", _LOADS_AFTER_A_DONOR_MOVE], capture_output=True, text=True,
