@@ -2,6 +2,10 @@
 ``page_space="shared"`` mode, and that live pages of different groups never share
 a byte (checked from page ids and page sizes alone, not through the arena)."""
 
+import os
+import subprocess
+import sys
+
 import hypothesis.strategies as st
 import numpy as np
 import pytest
@@ -595,8 +599,8 @@ def test_idle_slabs_and_the_oldest_idle_tick_answer_as_the_whole_pool_scan(data)
     releases in two groups of a 12-slab arena: for each way of counting idle keyed
     pages and some pages released by the step, ``kernels.idle_slabs`` over the slabs a
     group owns finds the same idle slabs, idle straddlers and keyed pages counted as a
-    scan of every idle page of the pool; ``kernels.oldest_idle_tick`` the same oldest
-    normal-priority idle page as the pool's LRU."""
+    scan of every idle page of the pool; ``Arena.oldest_idle_tick`` (a walk of the pool's
+    LRU) the same oldest normal-priority idle page as the pool's flags."""
     from hybridkv.runtime import kernels
 
     geometry, pools, arena = packing_arena()
@@ -631,12 +635,8 @@ def test_idle_slabs_and_the_oldest_idle_tick_answer_as_the_whole_pool_scan(data)
             released_edges = last[first != last]
             assert np.flatnonzero(edge_idle).tolist() == np.flatnonzero(want_edge).tolist()
             assert set(np.flatnonzero(edge_idle).tolist()) <= set(owned.tolist()) | set(released_edges.tolist())
-        normal = pool.evictable_page_ids()
-        normal = normal[~pool.low_priority[normal]]
-        oldest = kernels.oldest_idle_tick(arena.owner, gi, lo, hi, straddle, pool.ref_counts, pool.cached,
-                                          pool.low_priority, pool.idle_tick)
-        assert oldest == (int(pool.idle_tick[normal].min()) if normal.size else -1)
-        assert arena.oldest_idle_tick(gid) == (None if oldest < 0 else oldest)
+        normal = np.flatnonzero(pool.cached & (pool.ref_counts == 0) & ~pool.low_priority)  # from the flags
+        assert arena.oldest_idle_tick(gid) == (int(pool.idle_tick[normal].min()) if normal.size else None)
 
 
 def reference_donor_plan(arena, deficit, surplus, keyed_mode):
@@ -831,3 +831,43 @@ def test_a_step_asks_make_room_of_the_same_groups_as_asking_every_allocating_gro
         hits = sweep.serve_in_order(side, in_waves(multiturn_workload(120, 6, seed=0), 40))
         runs.append((hits.tolist(), sweep.group_diagnostics(side)))
     assert runs[0] == runs[1]
+
+
+_LOADS_AFTER_A_DONOR_MOVE = """
+from hybridkv.runtime import kernels
+from hybridkv.runtime.manager import CacheManager
+from hybridkv.spec import CacheGroupSpec
+from hybridkv.memory.arena import arena_geometry
+
+def loaded():
+    return {name: len(f.signatures) for name, f in vars(kernels).items() if hasattr(f, "signatures")}
+
+specs = [CacheGroupSpec("swa", "sliding_window", 4, 1, sliding_window_tokens=8, family="state"),
+         CacheGroupSpec("kv", "full_history", rows_per_page=16, entry_stride_tokens=1)]
+m = CacheManager(specs, None, max_context_tokens=256, max_step_tokens=64,
+                 arena=arena_geometry({"swa": 40, "kv": 30}, 60 + 240 * 4 + 17, anchor_group="kv", slab_anchor_pages=8))
+for i in range(3):
+    m.add_request(f"s{i}", prompt_tokens=20)
+m.schedule([(f"s{i}", 20) for i in range(3)])
+for i in range(3):
+    m.free(f"s{i}")
+m.add_request("long", prompt_tokens=200)
+m.schedule([("long", 8)])
+before = loaded()
+for _ in range(24):
+    m.schedule([("long", 8)])
+assert m.arena.slab_moves == 1, m.arena.slab_moves
+print(sorted(name for name, n in loaded().items() if n != before[name]))
+"""
+
+
+def test_a_donor_slab_move_loads_no_kernel_the_arena_did_not_load_when_built():
+    """A step that lends a donor's slab (``test_history_grows_into_memory_the_window_group_gave_back``)
+    runs kernels loaded already (``Arena._load_kernels``), with the types it calls them with:
+    in a fresh process, none gets a new compiled signature then."""
+    if os.environ.get("NUMBA_DISABLE_JIT") == "1":
+        pytest.skip("kernels run as plain Python")
+    done = subprocess.run([sys.executable, "-c", _LOADS_AFTER_A_DONOR_MOVE], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -219,6 +219,21 @@ class Arena:
         # Every pool keeps its free stack sorted: pages granted in one run per pool stack as
         # they do slab by slab (``apply``).
         self._sorted_grants = all(pool.lowest_first for pool in self.pools.values())
+        self._load_kernels()
+
+    def _load_kernels(self) -> None:
+        """Load (or compile) now the kernels of a donor's slab move, each with the argument
+        types of its step-time calls, changing nothing: else the first step that lends a
+        donor's slab (late in a run, often) stalls for them, tens of milliseconds. Pure:
+        plans from the owners as they are, an empty revoke and grant (``PagePool.load_kernels``)."""
+        self.oldest_idle_tick(self.group_ids[0])
+        self._moved_pages(-1, 0, 0)
+        for pool in self.pools.values():
+            pool.load_kernels()
+        gid, donors = self.group_ids[0], self.group_ids[1:]
+        many = self.geometry.num_slabs * self._most_slab_pages  # more than any donor can give
+        for scan in (IdleScan(clean=True, before_tick=0), IdleScan()):  # a scan slab by slab, then one whole
+            self._take_from_donors(gid, 1, self.owner.copy(), [], {gid: 1}, (dict.fromkeys(donors, many), {}), scan)
 
     def _init_slab_ids(self) -> tuple[np.ndarray, np.ndarray]:
         """Per group (rows in group order) and slab: its inner page ids lo .. hi-1, the page
@@ -427,11 +442,10 @@ class Arena:
 
     def oldest_idle_tick(self, gid: str) -> int | None:
         """The idle-clock tick of the group's least recently idle keyed page of normal
-        priority (what it evicts after its low-priority ones); None if it has none."""
-        pool, (lo, hi) = self.pools[gid], self._ranges[gid]
-        tick = kernels.oldest_idle_tick(self.owner, self._index[gid], lo, hi, self._straddle[gid], pool.ref_counts,
-                                        pool.cached, pool.low_priority, pool.idle_tick)
-        return None if tick < 0 else int(tick)
+        priority (what it evicts after its low-priority ones); None if it has none. Its
+        pool's LRU lists exactly those pages, all in slabs the group owns
+        (``PagePool.oldest_idle_tick``: a walk of the list, not a scan of every slab)."""
+        return self.pools[gid].oldest_idle_tick()
 
     # --- mutation -------------------------------------------------------------
     def apply(self, grants: Sequence[Grant]) -> None:

@@ -122,6 +122,19 @@ def order(nxt, out):
 
 
 @njit(cache=True)
+def oldest_normal_tick(nxt, low_priority, idle_tick):
+    """The least ``idle_tick`` of one pool's listed pages of normal priority (not
+    ``low_priority``), -1 when it lists none: one walk of its list."""
+    none = np.iinfo(np.int64).max
+    oldest, page = none, nxt[0]
+    while page:
+        if not low_priority[page] and idle_tick[page] < oldest:
+            oldest = idle_tick[page]
+        page = nxt[page]
+    return -1 if oldest == none else oldest
+
+
+@njit(cache=True)
 def drop_entries(listed, n_entries, ref, keyed, low_priority, lru_prev, lru_next, stack, top, lowest, out):
     """``n_entries`` entries leaving one pool (``PagePool.drop_entries``), the last one
     first: ``listed`` holds, entry after entry, its page count then its local ids. Every

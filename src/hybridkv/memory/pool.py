@@ -35,6 +35,7 @@ _MOVE_IN_PYTHON_PAGES = 4  # an entry of up to this many pages has its idle ones
 # (a request's pages in all groups go idle at one tick when it is freed).
 # The last tick given, in an array so that ``lru.join`` draws a page space's ticks itself.
 _IDLE_CLOCK = np.zeros(1, dtype=np.int64)
+_NO_PAGES = np.empty(0, dtype=np.int64)
 
 
 def idle_clock_tick() -> int:
@@ -392,6 +393,13 @@ class PagePool:
         out = np.empty(self.num_evictable_pages, dtype=np.int64)
         return out[: lru.order(self._lru_next, out)]
 
+    def oldest_idle_tick(self) -> int | None:
+        """The idle-clock tick of the least recently idle keyed page of normal priority (what
+        it evicts after its low-priority ones): a walk of the LRU, which lists exactly the
+        idle keyed pages (``lru.oldest_normal_tick``); None if it has none."""
+        tick = lru.oldest_normal_tick(self._lru_next, self.low_priority, self.idle_tick)
+        return None if tick < 0 else int(tick)
+
     def revoke(self, pages: np.ndarray) -> None:
         """Take back page ids that are all free or cached-evictable (their entries are
         unpublished first). All or nothing. Checked, and the free ones taken off the
@@ -408,6 +416,14 @@ class PagePool:
             self._unpublish_many(list(dict.fromkeys(map(self._page_key.__getitem__, evictable.tolist()))), REVOKED)
             self._top = int(kernels.drop_ids(self._stack, self._top, evictable))
         self._granted_pages -= int(pages.size)
+
+    def load_kernels(self) -> None:
+        """Load (or compile) now the kernels of :meth:`revoke` and of :meth:`grant` one by one
+        (an arena's donor slab moves), with the argument types of their calls, changing
+        nothing (no pages)."""
+        self.revoke(_NO_PAGES)
+        kernels.drop_ids(self._stack, self._top, _NO_PAGES)
+        kernels.push_run(self._stack, self._top, self.lowest_first, _NO_PAGES)
 
     # --- content-keyed entries -------------------------------------------
     def adopt(self, keys: Sequence[Hashable], entries: Sequence[tuple[int, ...]]) -> None:

@@ -1510,24 +1510,6 @@ def idle_slabs(owner, group, lo, hi, straddle, ref, keyed, low_priority, idle_ti
 
 
 @njit(cache=True)
-def oldest_idle_tick(owner, group, lo, hi, straddle, ref, keyed, low_priority, idle_tick):
-    """The least ``idle_tick`` of ``group``'s idle keyed pages of normal priority, read
-    from the slabs it owns (inner pages, and straddlers of two it owns); -1 if none."""
-    oldest = np.iinfo(np.int64).max
-    for s in range(owner.size):
-        if owner[s] != group:
-            continue
-        for page in range(lo[s], hi[s]):
-            if ref[page] == 0 and keyed[page] and not low_priority[page] and idle_tick[page] < oldest:
-                oldest = idle_tick[page]
-        page = straddle[s]
-        if s > 0 and owner[s - 1] == group and page >= 0:
-            if ref[page] == 0 and keyed[page] and not low_priority[page] and idle_tick[page] < oldest:
-                oldest = idle_tick[page]
-    return -1 if oldest == np.iinfo(np.int64).max else oldest
-
-
-@njit(cache=True)
 def must_pack_slabs(ref, owner, group, lo, hi, straddle, slab, pages, per_slab, spread_slabs):
     """``Arena``'s packing rule once the arena is roomy: False when ``slab`` (where an
     allocation's highest page lies) holds live pages (``ref > 0``) of ``group`` already,

@@ -188,6 +188,15 @@ class _Releases:
             self._found[k] = found
         return found
 
+    @staticmethod
+    def load_kernel(tableset: TableSet, space: PageSpace, plan_arrays: tuple) -> None:
+        """Load (or compile) ``kernels.release_credit`` now, with the argument types of
+        :meth:`of` (``plan_arrays``: ``_Scratch.plan``), over no rows (nothing changes):
+        else the first admission that counts release credit (late in a run, often) stalls for it."""
+        rows, after, none = plan_arrays[0], plan_arrays[3], _NO_PAGES
+        kernels.release_credit(tableset.geometry, tableset.pages, tableset.bounds, space.ref_counts, space.cached, 0,
+                               rows[:0], after[0, 0, :0], none, none, none)
+
     def sole_pages(self, k: int) -> np.ndarray:
         """Group ``k``'s pages that only their row holds, below its new base (``IdleScan.releasing``)."""
         return self.of(k)[1]
@@ -299,6 +308,7 @@ class CacheManager:
             self.specs, max_context_tokens=self.max_context_tokens, max_step_tokens=self.max_step_tokens,
             id_offsets=self._space.offsets.tolist(),
         )
+        _Releases.load_kernel(self._tableset, self._space, self._scratch.plan)
 
     def _init_holds(self) -> None:
         """Tier state: requests waiting for a load, and pages held outside any request."""
