@@ -19,7 +19,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from hybridkv.runtime.kernels import ID_OFFSET, LOWEST, LRU_PAGES, TOP, free_rows, place_row, push_run, take_holds
+from hybridkv.runtime.kernels import (ID_OFFSET, LOW_FLOOR, LOW_IDLE_PAGES, LOWEST, LRU_PAGES, TOP, free_rows, place_row,
+                                     push_run, take_holds)
 
 
 @njit(cache=True, inline="always")
@@ -200,12 +201,12 @@ def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, low_idle, prev
 
 @njit(cache=True)
 def free_rows_listed(geometry, pages, bounds, ref, keyed, stack, per_group, idle_tick, low_priority, prev, nxt,
-                     lengths, low_idle, low_floors, clock, rows, touched, idle_keyed, keyed_per_group):
+                     clock, rows):
     """``kernels.free_rows`` of ``rows``, then the keyed pages it left idle join their
-    group's list as :func:`join` puts them (``PageSpace.free_rows``), in one call; returns
-    what ``free_rows`` returns."""
-    n = free_rows(geometry, pages, bounds, ref, keyed, stack, per_group, rows, touched, idle_keyed, keyed_per_group)
-    if n > 0:
-        join(idle_tick, low_priority, prev, nxt, lengths, low_idle, low_floors, geometry[:, ID_OFFSET].copy(),
-             keyed_per_group, idle_keyed, clock)
-    return n
+    group's list as :func:`join` puts them (``PageSpace.free_rows``; the lists' lengths, idle
+    low-priority counts and floors are ``per_group``'s rows), in one call; returns what
+    ``free_rows`` returns."""
+    touched, idle_keyed, keyed_per_group = free_rows(geometry, pages, bounds, ref, keyed, stack, per_group, rows)
+    join(idle_tick, low_priority, prev, nxt, per_group[LRU_PAGES], per_group[LOW_IDLE_PAGES], per_group[LOW_FLOOR],
+         geometry[:, ID_OFFSET].copy(), keyed_per_group, idle_keyed, clock)
+    return touched, idle_keyed, keyed_per_group

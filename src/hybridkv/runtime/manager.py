@@ -1319,20 +1319,22 @@ class CacheManager:
         if request_id in self._rewound_loads:
             self._rewound_loads.discard(request_id)
             self.pending_loads.discard(request_id)
+        row = req.row
+        rows = np.array([row], dtype=np.int64)
         if self.prefix is not None:  # its last step publishes only when it completed a grain
             g = self._grain
-            if self._committed[req.row] // g < self._computed[req.row] // g:
-                self._commit_rows(np.asarray([req.row], dtype=np.int64))
+            if self._committed[row] // g < self._computed[row] // g:
+                self._commit_rows(rows)
         ts = self._tableset  # its pages leave the tables, one release
-        ts.note_cells(self._space.free_rows(ts, np.asarray([req.row], dtype=np.int64)))
+        ts.note_cells(self._space.free_rows(ts, rows))
         if self.prefix is not None:
             self.prefix.forget_request(req)
-        self._computed[req.row] = 0
-        self._committed[req.row] = 0
+        self._computed[row] = 0
+        self._committed[row] = 0
         del self._requests[request_id]
         del self._row_of[request_id]
-        del self._row_owner[req.row]
-        self._free_rows.append(req.row)  # it may stay in _last_rows: it never settles (see there)
+        del self._row_owner[row]
+        self._free_rows.append(row)  # it may stay in _last_rows: it never settles (see there)
 
     # --- observability -------------------------------------------------------
     def stats(self) -> dict[str, GroupStats]:
