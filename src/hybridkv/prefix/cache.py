@@ -402,17 +402,15 @@ class PrefixCache:
                     listed += entry
             else:
                 listed += at_hit[i]
-        first_pages, counts, total = self._hit_spans(d)
+        first_pages, counts, total = self._spans_at.get(d) or self._hit_spans(d)
         page_ids = np.array(listed, dtype=np.int64)
         assert page_ids.size == total, (page_ids.size, counts)  # what the compiled call reads
-        space, tables, view = self._space, self._table_set, np.empty(total, dtype=np.int64)
-        n_idle = lru.borrow_row(tables.geometry, tables.pages, tables.bounds, space.ref_counts, space.cached,
-                                space.low_priority, space.low_idle, space.lru_prev, space.lru_next,
-                                space.lru_lengths, req.row, first_pages, counts, page_ids, view, space.idle_counts)
+        space, tables = self._space, self._table_set
+        n_idle, view = lru.borrow_row(tables.geometry, tables.pages, tables.bounds, space.ref_counts, space.cached,
+                                      space.low_priority, space.lru_prev, space.lru_next, space.per_group, req.row,
+                                      first_pages, counts, page_ids)
         if n_idle < 0:
             raise ValueError(f"page {int(page_ids[-1 - n_idle])} is free, cannot be borrowed")
-        if n_idle:
-            space.note_peaks(space.idle_counts)
         tables.note_cells(view)
         # The checkpoint at the hit becomes the request's own (every state group holds it).
         key, own = req.hashes.hashes[blocks - 1], OwnCheckpoint(d)

@@ -385,7 +385,7 @@ class CacheManager:
         hashes = None
         if self.prefix is not None and buf is not None:
             hashes = self.prefix.new_request_hashes(cache_salt)
-        row = self._take_row()
+        row = self._free_rows.pop() if self._free_rows else self._take_row()
         req = _Request(request_id, row, prompt_len, total, buf, prompt_len, hashes)
         # The hit's pages go into the row's tables, its checkpoint becomes the request's own
         # and its junction is pinned when the request crosses it.
