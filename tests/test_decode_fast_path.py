@@ -568,7 +568,7 @@ def test_steps_that_commit_first_hand_out_their_cells_and_keep_every_batch():
 @pytest.mark.parametrize("arena", [False, True])
 def test_each_pools_peak_is_the_most_pages_it_held_after_any_call(arena):
     """``peak_used_pages`` (noted by the step kernel on a step it runs whole, by Python on
-    the others and on a prefix hit's borrow) is the most used pages seen after any call:
+    the others, by ``lru.borrow_row`` on a prefix hit's borrow) is the most used pages seen after any call:
     decode steps whose releases leave keyed pages idle, requests joining with prefix hits,
     requests sitting out and leaving."""
     m = pair("v4", True, None, arena)[0]

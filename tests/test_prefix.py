@@ -1229,8 +1229,8 @@ def test_a_hits_borrow_with_a_free_page_is_refused_whole():
     def borrow(pages):
         counts[g] = pages.size
         return lru.borrow_row(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.low_priority,
-                              space.low_idle, space.lru_prev, space.lru_next, space.lru_lengths, 0, lo, counts,
-                              pages.astype(np.int64), np.empty(pages.size, dtype=np.int64), space.idle_counts)
+                              space.lru_prev, space.lru_next, space.per_group, 0, lo, counts,
+                              pages.astype(np.int64))[0]
 
     def state():
         return [a.tolist() for a in (space.ref_counts, space.lru_prev, space.lru_next, space.lru_lengths,

@@ -19,7 +19,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from hybridkv.runtime.kernels import ID_OFFSET, LOWEST, LRU_PAGES, TOP, free_rows, place_row, push_run, take_holds
+from hybridkv.runtime.kernels import (ID_OFFSET, LOW_FLOOR, LOW_IDLE_PAGES, LOWEST, LRU_PAGES, TOP, free_rows, note_peaks,
+                                     place_row, push_run, take_holds)
 
 
 @njit(cache=True, inline="always")
@@ -195,30 +196,35 @@ def drop_unit(listed, n_entries, ref, keyed, low_priority, lru_prev, lru_next, s
 
 
 @njit(cache=True)
-def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, low_idle, prev, nxt, lengths, row, lo, counts,
-               page_ids, view, idle_counts):
+def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, prev, nxt, per_group, row, lo, counts, page_ids):
     """A new row's prefix hit in one call (``PrefixCache.match_and_borrow``): one more
-    holder on each of ``page_ids`` (``kernels.take_holds``, ``idle_counts`` as it fills
-    it), the idle ones leaving their group's list (:func:`leave`), then the pages placed
-    in ``row``'s tables (``kernels.place_row``, ``view`` as it fills it). Returns how many
-    were idle; nothing changes if a page is free (``-1 - i``, ``i`` its index)."""
+    holder on each of ``page_ids`` (``kernels.take_holds``), the idle ones leaving their
+    group's list (:func:`leave`; ``per_group``'s LRU lengths and idle low-priority counts
+    fall) and the used pages' peaks rising (``kernels.note_peaks``), then the pages placed
+    in ``row``'s tables (``kernels.place_row``). Returns how many were idle and the
+    ring-view index of each cell written; nothing changes if a page is free (``-1 - i``,
+    ``i`` its index)."""
     offsets = geometry[:, ID_OFFSET].copy()
-    idle = np.empty(page_ids.size, dtype=np.int64)
-    n_idle = take_holds(ref, keyed, low_priority, low_idle, offsets, counts, page_ids, idle, idle_counts)
+    idle, view = np.empty(page_ids.size, dtype=np.int64), np.empty(page_ids.size, dtype=np.int64)
+    idle_counts = np.zeros(offsets.size, dtype=np.int64)
+    n_idle = take_holds(ref, keyed, low_priority, per_group[LOW_IDLE_PAGES], offsets, counts, page_ids, idle,
+                        idle_counts)
     if n_idle >= 0:
-        leave(prev, nxt, lengths, offsets, idle_counts, idle[:n_idle])
+        leave(prev, nxt, per_group[LRU_PAGES], offsets, idle_counts, idle[:n_idle])
+        if n_idle:
+            note_peaks(per_group, idle_counts, idle_counts[:0])
         place_row(geometry, pages, bounds, row, lo, counts, page_ids, view)
-    return n_idle
+    return n_idle, view
 
 
 @njit(cache=True)
 def free_rows_listed(geometry, pages, bounds, ref, keyed, stack, per_group, idle_tick, low_priority, prev, nxt,
-                     lengths, low_idle, low_floors, clock, rows, touched, idle_keyed, keyed_per_group):
+                     clock, rows):
     """``kernels.free_rows`` of ``rows``, then the keyed pages it left idle join their
-    group's list as :func:`join` puts them (``PageSpace.free_rows``), in one call; returns
-    what ``free_rows`` returns."""
-    n = free_rows(geometry, pages, bounds, ref, keyed, stack, per_group, rows, touched, idle_keyed, keyed_per_group)
-    if n > 0:
-        join(idle_tick, low_priority, prev, nxt, lengths, low_idle, low_floors, geometry[:, ID_OFFSET].copy(),
-             keyed_per_group, idle_keyed, clock)
-    return n
+    group's list as :func:`join` puts them (``PageSpace.free_rows``; the lists' lengths, idle
+    low-priority counts and floors are ``per_group``'s rows), in one call; returns what
+    ``free_rows`` returns."""
+    touched, idle_keyed, keyed_per_group = free_rows(geometry, pages, bounds, ref, keyed, stack, per_group, rows)
+    join(idle_tick, low_priority, prev, nxt, per_group[LRU_PAGES], per_group[LOW_IDLE_PAGES], per_group[LOW_FLOOR],
+         geometry[:, ID_OFFSET].copy(), keyed_per_group, idle_keyed, clock)
+    return touched, idle_keyed, keyed_per_group

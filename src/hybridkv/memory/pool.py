@@ -690,10 +690,7 @@ class PageSpace:
         self.low_idle[:] = [p._low_idle_pages for p in self.pools]
         self.idle_low_floors[:] = [p._low_floor for p in self.pools]  # the pools' ``_low_floor``
         self.ranked: list[int] = []  # the groups whose pool has a ranker (``PagePool.ranker`` keeps it)
-        self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # ``lru.borrow_row``'s scratch
-        # ``free_rows``' buffers: the cells emptied and the keyed pages left idle, and how many
-        # of those per group.
-        self.freed, self.freed_counts = np.empty((2, 256), dtype=np.int64), np.zeros(len(self.pools), dtype=np.int64)
+        self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # a hold's scratch (``borrowed_idle``)
         self._bind_pools()
 
     def _join_page_arrays(self, sizes: list[int]) -> None:
@@ -765,21 +762,14 @@ class PageSpace:
         """``CacheManager.free``'s release: ``rows``' pages leave ``tables`` (a ``TableSet`` over
         this space) and lose a holder (``kernels.free_rows``), the keyed ones left idle joining
         their LRUs as :meth:`keyed_idle` puts them, in one compiled call
-        (``lru.free_rows_listed``, into this space's buffers, grown when short); returns the
-        cells emptied (ring-view indices)."""
+        (``lru.free_rows_listed``); returns the cells emptied (ring-view indices)."""
         first_tick = int(_IDLE_CLOCK[0]) + 1 if self.ranked else 0
-        while True:
-            touched, keyed = self.freed
-            n = lru.free_rows_listed(
-                tables.geometry, tables.pages, tables.bounds, self.ref_counts, self.cached, self.stack,
-                self.per_group, self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, self.lru_lengths,
-                self.low_idle, self.idle_low_floors, _IDLE_CLOCK, rows, touched, keyed, self.freed_counts)
-            if n >= 0:
-                break
-            self.freed = np.empty((2, -2 * n), dtype=np.int64)
+        touched, keyed, per_group = lru.free_rows_listed(
+            tables.geometry, tables.pages, tables.bounds, self.ref_counts, self.cached, self.stack, self.per_group,
+            self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, _IDLE_CLOCK, rows)
         if self.ranked:
-            self._tell_rankers(self.freed_counts, keyed, first_tick)
-        return touched[:n].copy()
+            self._tell_rankers(per_group, keyed, first_tick)
+        return touched
 
     def _tell_rankers(self, per_group: np.ndarray, keyed: np.ndarray, first_tick: int) -> None:
         """After :meth:`keyed_idle`: each pool with a ranker whose pages joined tells its

@@ -136,7 +136,7 @@ class RequestHashes:
         return self.hashes[b - 2] if b >= 2 else self.root
 
 
-@dataclass
+@dataclass(slots=True)  # compact: every group's is updated as a request joins
 class PrefixGroupStats:
     lookups: int = 0
     queried_tokens: int = 0
@@ -150,7 +150,7 @@ class PrefixGroupStats:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
-@dataclass
+@dataclass(slots=True)
 class OwnCheckpoint:
     boundary_tokens: int
     pinned: bool = False  # an interval or junction checkpoint: never superseded
@@ -354,33 +354,45 @@ class PrefixCache:
             history.append(entries)
             reach.append(len(entries))
         limit = min(reach, default=max_blocks)  # blocks every history group holds, from the first
+        found = []  # each state group's entry at its reach
         for lookup in self._state_lookups:
-            n = max_blocks
-            while n and lookup(keys[n - 1]) is None:
+            n, entry = max_blocks, None
+            while n:
+                entry = lookup(keys[n - 1])
+                if entry is not None:
+                    break
                 n -= 1
             reach.append(n)
+            found.append(entry)
         reach.append(max_blocks)
         # The hit: the last boundary within the history where every state group holds a
-        # checkpoint (none lies beyond a state group's last one).
-        k, at_hit = min(reach), []
-        while k:
-            key, at_hit = keys[k - 1], []
-            for lookup in self._state_lookups:
-                at_hit.append(lookup(key))
-            if None not in at_hit:
-                break
-            k -= 1
+        # checkpoint (none lies beyond a state group's last one); when every state group's
+        # reach is that boundary, the entries found there.
+        k, at_hit = min(reach), found
+        state_reach = reach[len(self._history_lookups) : -1]
+        if not (k and state_reach and min(state_reach) == k == max(state_reach)):
+            while k:
+                key, at_hit = keys[k - 1], []
+                for lookup in self._state_lookups:
+                    at_hit.append(lookup(key))
+                if None not in at_hit:
+                    break
+                k -= 1
         alone = {}
         for gid, i in zip(self._spec_ids, self._reach_index):
             alone[gid] = reach[i] * g
         return PrefixHit(k * g, alone, limit * g), history, at_hit if k else []
 
-    def match_and_borrow(self, req: CommittingRequest, prompt_ids: np.ndarray) -> PrefixHit:
-        """Match a new request's prompt, then place the cached pages in its tables (ref count
-        +1 each, the idle ones leaving their LRUs): every group's in one compiled call
+    def match_and_borrow(self, req: CommittingRequest, prompt_ids: np.ndarray,
+                         cache_salt: str | bytes | None = None) -> PrefixHit:
+        """Start a new request's block keys (``req.hashes``, :meth:`new_request_hashes` of
+        ``cache_salt``), match its prompt, then place the cached pages in its tables (ref
+        count +1 each, the idle ones leaving their LRUs): every group's in one compiled call
         (``lru.borrow_row``). The checkpoint at the hit becomes the request's own (its
         terminal so far; with ``"prefill-per-byte"`` a reuse of it), and its junction, if
         any, is pinned when the request crosses it."""
+        req.hashes = (RequestHashes(self._unsalted_root, self.granularity_tokens, self._hash) if cache_salt is None
+                      else self.new_request_hashes(cache_salt))
         hit, history, at_hit = self._match(req.hashes, prompt_ids)
         d, queried = hit.hit_tokens, int(prompt_ids.size)
         for st, alone in zip(self._stats_in_order, hit.group_hit_tokens.values()):
@@ -402,17 +414,15 @@ class PrefixCache:
                     listed += entry
             else:
                 listed += at_hit[i]
-        first_pages, counts, total = self._hit_spans(d)
+        first_pages, counts, total = self._spans_at.get(d) or self._hit_spans(d)
         page_ids = np.array(listed, dtype=np.int64)
         assert page_ids.size == total, (page_ids.size, counts)  # what the compiled call reads
-        space, tables, view = self._space, self._table_set, np.empty(total, dtype=np.int64)
-        n_idle = lru.borrow_row(tables.geometry, tables.pages, tables.bounds, space.ref_counts, space.cached,
-                                space.low_priority, space.low_idle, space.lru_prev, space.lru_next,
-                                space.lru_lengths, req.row, first_pages, counts, page_ids, view, space.idle_counts)
+        space, tables = self._space, self._table_set
+        n_idle, view = lru.borrow_row(tables.geometry, tables.pages, tables.bounds, space.ref_counts, space.cached,
+                                      space.low_priority, space.lru_prev, space.lru_next, space.per_group, req.row,
+                                      first_pages, counts, page_ids)
         if n_idle < 0:
             raise ValueError(f"page {int(page_ids[-1 - n_idle])} is free, cannot be borrowed")
-        if n_idle:
-            space.note_peaks(space.idle_counts)
         tables.note_cells(view)
         # The checkpoint at the hit becomes the request's own (every state group holds it).
         key, own = req.hashes.hashes[blocks - 1], OwnCheckpoint(d)

@@ -872,26 +872,21 @@ def copy_token_ids(ids, out):
 
 
 @njit(cache=True)
-def free_rows(geometry, pages, bounds, ref, keyed, stack, per_group, rows, touched, idle_keyed, keyed_per_group):
+def free_rows(geometry, pages, bounds, ref, keyed, stack, per_group, rows):
     """``CacheManager.free`` of ``rows`` (after their last commit), in one call: every
-    group's live pages of each row leave its table (``clear_rows``: the cells emptied to
-    ``touched``, as ring-view indices) and are one release (``release_taken``: the keyed
-    pages left idle to ``idle_keyed``, local ids group after group, ``keyed_per_group[g]``
-    of group ``g``). Returns how many cells; nothing changes when ``touched`` or
-    ``idle_keyed`` is shorter than that (``-n``)."""
+    group's live pages of each row leave its table (``clear_rows``) and are one release
+    (``release_taken``). Returns the cells emptied (ring-view indices), the keyed pages
+    left idle (local ids, group after group) and how many of those per group."""
     n_groups = geometry.shape[0]
     total = 0
     for g in range(n_groups):
         for r in range(rows.size):
             total += max(bounds[HI, g, rows[r]] - bounds[BASE, g, rows[r]], 0)
-    if total > min(touched.size, idle_keyed.size):
-        return -total
-    taken, taken_per_group = np.empty(total, dtype=np.int64), np.empty(n_groups, dtype=np.int64)
+    taken, touched = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
+    taken_per_group = np.empty(n_groups, dtype=np.int64)
     clear_rows(geometry, pages, bounds, rows, taken, touched, taken_per_group)
-    keyed_pages, keyed_counts = release_taken(geometry, ref, keyed, stack, per_group, taken, taken_per_group)
-    idle_keyed[: keyed_pages.size] = keyed_pages
-    keyed_per_group[:] = keyed_counts
-    return total
+    idle_keyed, keyed_per_group = release_taken(geometry, ref, keyed, stack, per_group, taken, taken_per_group)
+    return touched, idle_keyed, keyed_per_group
 
 
 @njit(cache=True)

@@ -53,7 +53,7 @@ class CacheManagerError(ValueError):
     """A misuse of the manager (unknown id, inadmissible step, bad count...). State is unchanged."""
 
 
-@dataclass
+@dataclass(slots=True)  # compact: a request's fields are read cold, as it joins and finishes
 class _Request:
     request_id: str
     row: int
@@ -392,14 +392,14 @@ class CacheManager:
             buf, prompt_len, total = self._new_prompt(request_id, prompt_token_ids, prompt_tokens, max_new_tokens,
                                                       cache_salt)
         self._version += 1  # invalidates a cached admission
-        hashes = None
+        row = self._free_rows.pop() if self._free_rows else self._take_row()
+        req = _Request(request_id, row, prompt_len, total, buf, prompt_len)
+        # With a prompt, the request's block keys start; the hit's pages go into the row's tables,
+        # its checkpoint becomes the request's own and its junction is pinned when the request crosses it.
         if self.prefix is not None and buf is not None:
-            hashes = self.prefix.new_request_hashes(cache_salt)
-        row = self._take_row()
-        req = _Request(request_id, row, prompt_len, total, buf, prompt_len, hashes)
-        # The hit's pages go into the row's tables, its checkpoint becomes the request's own
-        # and its junction is pinned when the request crosses it.
-        hit = PrefixHit.none(self.specs) if hashes is None else self.prefix.match_and_borrow(req, buf[:prompt_len])
+            hit = self.prefix.match_and_borrow(req, buf[:prompt_len], cache_salt)
+        else:
+            hit = PrefixHit.none(self.specs)
         self._computed[row] = self._committed[row] = hit.hit_tokens
         self._requests[request_id] = self._row_owner[row] = req
         self._row_of[request_id] = row
@@ -1322,27 +1322,31 @@ class CacheManager:
     def free(self, request_id: str) -> None:
         """End a request: commit its last step to the prefix cache, release every page."""
         self._version += 1  # invalidates a cached admission
-        req = self._get(request_id)
+        req = self._requests.get(request_id) if type(request_id) is str else None
+        if req is None:
+            req = self._get(request_id)  # raises
         if self.tier_link is not None:
             self.tier_link.on_free(request_id)  # an unconfirmed load is rewound, not committed
         self._load_spans.pop(request_id, None)
         if request_id in self._rewound_loads:
             self._rewound_loads.discard(request_id)
             self.pending_loads.discard(request_id)
+        row = req.row
+        rows = np.array([row], dtype=np.int64)
         if self.prefix is not None:  # its last step publishes only when it completed a grain
             g = self._grain
-            if self._committed[req.row] // g < self._computed[req.row] // g:
-                self._commit_rows(np.asarray([req.row], dtype=np.int64))
+            if self._committed[row] // g < self._computed[row] // g:
+                self._commit_rows(rows)
         ts = self._tableset  # its pages leave the tables, one release
-        ts.note_cells(self._space.free_rows(ts, np.asarray([req.row], dtype=np.int64)))
+        ts.note_cells(self._space.free_rows(ts, rows))
         if self.prefix is not None:
             self.prefix.forget_request(req)
-        self._computed[req.row] = 0
-        self._committed[req.row] = 0
+        self._computed[row] = 0
+        self._committed[row] = 0
         del self._requests[request_id]
         del self._row_of[request_id]
-        del self._row_owner[req.row]
-        self._free_rows.append(req.row)  # it may stay in _last_rows: it never settles (see there)
+        del self._row_owner[row]
+        self._free_rows.append(row)  # it may stay in _last_rows: it never settles (see there)
 
     # --- observability -------------------------------------------------------
     def stats(self) -> dict[str, GroupStats]:
