@@ -85,6 +85,7 @@ class _StepPlan:
     grants: list | None = None  # arena slabs to move before allocating (shared page space)
     arrays: _StepArrays | None = None  # the batch's fresh arrays, once made (``_step``)
     cells: tuple | None = None  # ``_cell_buffers`` ``_step`` made for the batch (``finish_step``'s cells)
+    spare_slabs: np.ndarray | None = None  # spare slabs ``_run`` grants in its kernel (groups; slabs), grants then []
 
 
 class _StepArrays(NamedTuple):
@@ -1080,11 +1081,33 @@ class CacheManager:
             return None
         plan = self._plan_of(*planned)
         plan.request_ids, plan.cells = rids, cells
-        if not plan.clean and not (status == kernels.STEP_COVERED and self._evictable_cover(plan.sums[1])):
+        if plan.clean or (status == kernels.STEP_COVERED and self._evictable_cover(plan.sums[1])):
+            plan.grants = []
+        elif not self._admit_spare(plan):
             plan.arrays = out  # for ``_run``, once admitted
             return plan
-        plan.grants = []
         return self._commit_and_run(plan, write_slots, updates, False, out)
+
+    def _admit_spare(self, plan: _StepPlan) -> bool:
+        """``_admit`` of the plan ``kernels.step`` just made (every item valid, not clean)
+        on an arena, in one compiled call (``kernels.admit_spare``) when its answer is spare
+        slabs alone, or no slab: ``plan.grants`` set and True. False when admission needs
+        more (another group's slab, or a denial): ``_admit`` decides."""
+        arena = self.arena
+        if arena is None:
+            return False
+        ts, space = self._tableset, self._space
+        n = kernels.admit_spare(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.per_group,
+                                self._committed, self._grain, self._window_pages, self._scratch.buffer,
+                                plan.rows.size, self._short, *arena.spare_args)
+        if n < 0:
+            return False
+        grants = arena.spare_grants(n) if n else []
+        if type(grants) is np.ndarray:
+            plan.grants, plan.spare_slabs = [], grants
+        else:
+            plan.grants = grants
+        return True
 
     def _kernel_state(self) -> tuple:
         """``kernels.step``'s leading arguments: the table store, the per-row counters, the
@@ -1132,11 +1155,19 @@ class CacheManager:
         scratch, idle_keyed, released, touched = self._scratch.reserve(most_released, released_pages,
                                                                         allocated_pages)
         space, ts = self._space, self._tableset
-        status, n_touched, n_keyed = kernels.run_step(
-            ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
-            space.low_priority, space.stack, space.per_group, self._transient, plan.rows, plan.counts, plan.first,
-            plan.settle, plan.after, plan.sums, bool(plan.grants), scratch, idle_keyed, released, touched, *cells,
-            *out, self._scratch.widths)
+        state = (ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
+                 space.low_priority, space.stack, space.per_group, self._transient, plan.rows, plan.counts, plan.first,
+                 plan.settle, plan.after, plan.sums)
+        if plan.spare_slabs is None:
+            status, n_touched, n_keyed = kernels.run_step(*state, bool(plan.grants), scratch, idle_keyed, released,
+                                                          touched, *cells, *out, self._scratch.widths)
+        else:  # spare slabs granted in the kernel, after the releases (``_after_run`` would apply them there)
+            status, n_touched, n_keyed = kernels.grant_step(plan.spare_slabs, self.arena.grant_args, *state, scratch,
+                                                            idle_keyed, released, touched, *cells, *out,
+                                                            self._scratch.widths)
+            if status < 0:
+                raise AssertionError("a slab granted is not spare")
+            self.arena.granted(plan.spare_slabs.shape[1])
         if status != kernels.STEP_DONE:
             n_touched = self._after_run(plan.sums, allocated_pages, status, n_touched, n_keyed, plan, out, cells)
         elif n_keyed:  # all ``_after_run`` does after a step done whole (the kernel noted the peaks)
