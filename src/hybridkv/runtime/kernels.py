@@ -707,6 +707,17 @@ def plan_size(cap, n_groups, n_pages, n_keyed, n_touched):
     return 4 + (4 + 3 * n_groups) * cap + 5 * n_groups + 4 + n_pages + n_keyed + n_touched
 
 
+def entry_point(kernel, args):
+    """``kernel``'s compiled code for the types of ``args`` (compiled, or loaded from the
+    cache, now if need be): called with arguments of exactly those types (dtypes, ranks,
+    layouts, writability) it runs as the kernel does, without the dispatcher's type
+    dispatch (a few µs a call with cold caches). Only for a call whose argument types never
+    change; a mismatch is not checked. ``kernel`` itself without the JIT
+    (``NUMBA_DISABLE_JIT=1``) or when it is not a dispatcher."""
+    typeof = getattr(kernel, "typeof_pyval", None)
+    return kernel if typeof is None else kernel.compile(tuple(map(typeof, args)))
+
+
 @njit(cache=True)
 def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain,
          plan, last_rows, rows_in, counts_in, cells, cell_pages, per_request, query_start_loc, request_indices,

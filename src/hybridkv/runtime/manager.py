@@ -327,6 +327,7 @@ class CacheManager:
         # until its next step its committed tokens equal its computed ones, so it never settles.
         self._last_rows = np.zeros(0, dtype=np.int64)
         self._state: tuple | None = None  # ``_kernel_state``, until a new table row grows the arrays
+        self._step_entry = None  # ``kernels.step``'s compiled code for ``_step``'s argument types (``entry_point``)
         self._row_owner: dict[int, _Request] = {}
         self._free_rows: list[int] = []
         self._next_row = 0
@@ -1053,8 +1054,10 @@ class CacheManager:
         if updates:  # ``_cell_buffers``' room for a decode step; handed out only if the log holds nothing else
             room = 2 * n_groups * n_rows + 16
             cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
-        status, n, settle, n_crossing, clean, n_touched, n_keyed, allocated = kernels.step(
-            *(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, *cells, *out)
+        args = (*(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, *cells, *out)
+        if self._step_entry is None:  # every argument's type is fixed by how the manager makes it
+            self._step_entry = kernels.entry_point(kernels.step, args)
+        status, n, settle, n_crossing, clean, n_touched, n_keyed, allocated = self._step_entry(*args)
         if status >= kernels.STEP_PLANNED:
             return self._planned_step(status, (n, settle, n_crossing, clean), rids, cells, out, write_slots, updates)
         self._version += 1
