@@ -567,8 +567,8 @@ def batch_arrays_for(n_groups, n_requests, n_tokens, write_slots):
 
 @njit(cache=True)
 def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient,
-             rows, counts, first, settle, after, sums, hold, scratch, idle_keyed, released, touched, cells, cell_pages,
-             per_request, query_start_loc, request_indices, per_token, widths):
+             rows, counts, first, settle, after, sums, hold, scratch, idle_keyed, released, touched, n_logged, cells,
+             cell_pages, per_request, query_start_loc, request_indices, per_token, widths):
     """One admitted step as planned by ``prepare_step``: the rows' tokens so far count as
     committed, releases, allocations, then the batch's arrays (``finish_step``). Returns
     (status, cells logged, idle keyed pages); the pages released and allocated count
@@ -576,11 +576,12 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
     nothing else; the caller lends slabs (``hold``) and makes room (``PagePool.make_room``)
     in the groups whose stack is short or that would first reuse idle low-priority pages
     (``needs_room``), then calls ``finish_step`` (which reads the changed cells into
-    ``cells`` and ``cell_pages`` when they fit)."""
+    ``cells`` and ``cell_pages`` when they fit). ``touched`` starts with ``n_logged`` cells
+    changed before the step (``TableSet.take_log``): they count as the step's."""
     for r in range(rows.size):
         committed[rows[r]] = first[r]
     n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after,
-                                       scratch, idle_keyed, released, touched, 0)
+                                       scratch, idle_keyed, released, touched, n_logged)
     if hold or needs_room(geometry, stack, per_group, low_priority, sums, released, idle_keyed):
         return STEP_NEEDS_PAGES, n_touched, n_keyed
     n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
@@ -593,7 +594,7 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
 @njit(cache=True)
 def grant_step(grants, arena, geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack,
                per_group, transient, rows, counts, first, settle, after, sums, scratch, idle_keyed, released, touched,
-               cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths):
+               n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths):
     """``run_step`` of a step admitted with spare slabs alone (``admit_spare``; ``grants``
     ``[2, n]``: their groups and slabs), every pool's free stack sorted: the releases, then
     the slabs granted (``grant_spare_slabs``; ``arena``: owners, ``lo``, ``hi`` and straddlers
@@ -605,8 +606,8 @@ def grant_step(grants, arena, geometry, pages, bounds, computed, committed, ref,
     releases, nothing granted) when a slab is not spare."""
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient, rows,
-        counts, first, settle, after, sums, True, scratch, idle_keyed, released, touched, cells, cell_pages,
-        per_request, query_start_loc, request_indices, per_token, widths)
+        counts, first, settle, after, sums, True, scratch, idle_keyed, released, touched, n_logged, cells,
+        cell_pages, per_request, query_start_loc, request_indices, per_token, widths)
     owner, lo, hi, straddle, offsets, most_slab_pages, roomy_spare = arena
     granted = np.empty(grants.shape[1] * most_slab_pages, np.int64)
     if grant_spare_slabs(owner, grants[0], grants[1], lo, hi, straddle, granted, np.empty(geometry.shape[0], np.int64),
@@ -749,7 +750,7 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group,
         transient, rows[:n], counts[:n], first[:n], settle, after[:, :, :n], sums, False, scratch, idle_keyed,
-        released, touched, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths)
+        released, touched, 0, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths)
     return status, n, settle, n_cross, clean, n_touched, n_keyed, totals[3]
 
 

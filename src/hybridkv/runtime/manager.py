@@ -1019,9 +1019,12 @@ class CacheManager:
         ts = self._tableset
         if (ts.log is None) == updates:  # the log's state changes: on for "updates", off for "full"
             ts.start_log() if updates else ts.stop_log()
-        n_cells = plan.totals[1] + plan.totals[3]  # at most: a cell per page released or allocated
-        cells = self._cell_buffers(plan.rows.size, plan.cells, n_cells) if updates else _NO_CELLS
-        arrays, n_touched, read = self._run(plan, write_slots, out if out is not None else plan.arrays, cells)
+        # At most a cell per page released or allocated, after the cells logged since the last step.
+        n_logged = ts.logged_cells() if updates else -1
+        cells = _NO_CELLS if n_logged < 0 else self._cell_buffers(plan.rows.size, plan.cells,
+                                                                  n_logged + plan.totals[1] + plan.totals[3])
+        arrays, n_touched, read = self._run(plan, write_slots, out if out is not None else plan.arrays, cells,
+                                            max(n_logged, 0))
         rows = plan.rows[plan.settle :]
         self._last_rows = rows.copy()  # the plan's arrays are scratch
         return self._build_batch(rows, plan.request_ids, arrays, fixed_width, n_touched if updates else -1, read)
@@ -1123,12 +1126,10 @@ class CacheManager:
 
     def _cell_buffers(self, n_rows: int, made: tuple | None = None, n_cells: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Fresh arrays for ``finish_step`` to read the cells a step of ``n_rows`` rows changes
-        into (``table_updates``), with room for ``n_cells`` (a planned step's pages released
-        and allocated) and at least a decode step's (a page released and one allocated per
-        row and group); none while the table log holds other cells. ``made``: the ones
-        ``_step`` made for the same batch, used when they have the room."""
-        if not self._tableset.drains_touched_only():
-            return _NO_CELLS
+        into (``table_updates``), with room for ``n_cells`` (the cells logged before a planned
+        step, and its pages released and allocated) and at least a decode step's (a page
+        released and one allocated per row and group). ``made``: the ones ``_step`` made for
+        the same batch, used when they have the room."""
         if made is not None and made[1].size and made[1].size >= n_cells:
             return made
         room = max(2 * len(self.specs) * n_rows + 16, n_cells)
@@ -1145,28 +1146,30 @@ class CacheManager:
                                                                                        self._pool_list)
                                          if n > pool.num_clean_free_pages)
 
-    def _run(self, plan: _StepPlan, write_slots: bool, out: _StepArrays | None,
-             cells: tuple = _NO_CELLS) -> tuple[_StepArrays, int, tuple | None]:
+    def _run(self, plan: _StepPlan, write_slots: bool, out: _StepArrays | None, cells: tuple = _NO_CELLS,
+             n_logged: int = 0) -> tuple[_StepArrays, int, tuple | None]:
         """Release, allocate and the batch's arrays (``out``, or fresh ones) in one compiled
-        call (``kernels.run_step``); ``_after_run`` books what Python must. Returns the arrays, how
-        many table cells the step changed (at the start of the touched scratch) and
-        ``cells`` when the kernel read those into them (``_build_batch``'s ``read``)."""
+        call (``kernels.run_step``); ``_after_run`` books what Python must. With ``cells``, the
+        ``n_logged`` cells the table log holds lead the touched scratch (``TableSet.take_log``).
+        Returns the arrays, how many table cells changed (at the start of the touched scratch)
+        and ``cells`` when the kernel read those into them (``_build_batch``'s ``read``)."""
         n_tokens, released_pages, most_released, allocated_pages = plan.totals
         if out is None:
             out = _new_tuple(_StepArrays, kernels.batch_arrays_for(len(self.specs), plan.rows.size - plan.settle,
                                                                     n_tokens, write_slots))
         scratch, idle_keyed, released, touched = self._scratch.reserve(most_released, released_pages,
-                                                                        allocated_pages)
+                                                                        allocated_pages + n_logged)
         space, ts = self._space, self._tableset
+        n_logged = ts.take_log(touched) if n_logged and cells[1].size else 0
         state = (ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
                  space.low_priority, space.stack, space.per_group, self._transient, plan.rows, plan.counts, plan.first,
                  plan.settle, plan.after, plan.sums)
         if plan.spare_slabs is None:
             status, n_touched, n_keyed = kernels.run_step(*state, bool(plan.grants), scratch, idle_keyed, released,
-                                                          touched, *cells, *out, self._scratch.widths)
+                                                          touched, n_logged, *cells, *out, self._scratch.widths)
         else:  # spare slabs granted in the kernel, after the releases (``_after_run`` would apply them there)
             status, n_touched, n_keyed = kernels.grant_step(plan.spare_slabs, self.arena.grant_args, *state, scratch,
-                                                            idle_keyed, released, touched, *cells, *out,
+                                                            idle_keyed, released, touched, n_logged, *cells, *out,
                                                             self._scratch.widths)
             if status < 0:
                 raise AssertionError("a slab granted is not spare")
