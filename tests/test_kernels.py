@@ -340,3 +340,20 @@ def test_note_peaks_raises_each_allocating_groups_peak_to_its_used_pages(groups,
         assert per_group[kernels.PEAK_USED_PAGES, g] == (max(peak, used) if a else peak)
     per_group[kernels.PEAK_USED_PAGES] = before[kernels.PEAK_USED_PAGES]
     assert np.array_equal(per_group, before)
+
+
+def test_a_kernels_entry_point_answers_as_the_kernel_for_the_same_argument_types():
+    """``kernels.entry_point``: the compiled code for the argument types given runs as the
+    dispatcher does (``slab_gain`` on random owners); a plain function (no JIT) is its own."""
+    rng = np.random.default_rng(0)
+    owner = rng.integers(-1, 3, 40).astype(np.int16)
+    inner, straddle = rng.integers(1, 9, 40), rng.integers(-1, 50, 40)
+    args = (owner, 1, inner, straddle, 0)
+    run = kernels.entry_point(kernels.slab_gain, args)
+    for s in range(40):
+        assert run(owner, 1, inner, straddle, s) == kernels.slab_gain(owner, 1, inner, straddle, s)
+
+    def plain(*args):
+        return len(args)
+
+    assert kernels.entry_point(plain, args) is plain

@@ -300,3 +300,32 @@ def test_updates_of_a_chunk_that_evicts_first_match_the_full_tables():
             same_batch(a, b, mirror)
         both([inc.free, full.free], f"r{k}")
     assert sum(s.evicted_pages for s in inc.stats().values()) > 0
+
+
+def test_cells_a_free_and_a_prefix_hit_change_before_a_committing_step_come_with_its_updates():
+    """Serving-like steps: before each step a request leaves and one joins with a prompt
+    that shares a prefix (its hit places cached pages in its table), and rows cross prefix
+    grains (the step commits first, so it runs after admission with those cells logged):
+    they come in its updates with its own, and a mirror applying them holds the full-mode tables."""
+    inc, full = build("odd", True, None)  # 60-token prefix grains, 12-token steps
+    mirror = BlockTableMirror.for_manager(inc)
+    shared = np.arange(40, dtype=np.int32) % 7
+    prompts = {}
+    for k in range(60):
+        if len(prompts) > 3 or (k % 3 and prompts):
+            gone = next(iter(prompts))
+            del prompts[gone]
+            both([inc.free, full.free], gone)
+        rid = f"r{k}"
+        prompts[rid] = np.concatenate([shared, np.full(k % 5 + 1, k, dtype=np.int32)])
+        both([inc.add_request, full.add_request], rid, prompts[rid], max_new_tokens=40)
+        items = []
+        for r, prompt in prompts.items():
+            left = prompt.size - inc.num_computed_tokens(r)
+            if left <= 0:
+                both([inc.append_token_ids, full.append_token_ids], r, [k % 7])
+            items.append((r, min(12, left) if left > 0 else 1))
+        (a, b), error = both([lambda *x, **y: inc.schedule(*x, block_tables="updates", **y), full.schedule], items)
+        assert error is None
+        mirror.apply(a)
+        same_batch(a, b, mirror)

@@ -15,6 +15,7 @@ edges; other groups lose less than one page per slab they hold.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -200,8 +201,8 @@ class Arena:
         self._taken = np.empty(geometry.num_slabs, dtype=np.int64)  # plan's scratch: spare slabs taken
         # ``plan_spare``'s: inner pages and straddlers, the fewest whole pages of each
         # group a slab holds, and scratch (owners, grants).
-        self._spare_plan = (inner, straddle, np.empty(geometry.num_slabs, dtype=np.int16),
-                            np.empty(geometry.num_slabs, dtype=np.int64), np.empty(geometry.num_slabs, dtype=np.int64))
+        self._spare_grants = np.empty((2, geometry.num_slabs), dtype=np.int64)  # groups; slabs
+        self._spare_plan = (inner, straddle, np.empty(geometry.num_slabs, dtype=np.int16), *self._spare_grants)
         self._slab_pages = np.asarray([geometry.slab_bytes // geometry.page_bytes[gid] - 1 for gid in self.group_ids],
                                       dtype=np.int64)
         self._most_slab_pages = int(inner.max()) + 2  # a slab's inner pages and its two straddlers
@@ -211,6 +212,14 @@ class Arena:
         self._slab_geometry = {gid: np.asarray([geometry.page_bytes[gid], geometry.reserved_bytes, geometry.slab_bytes],
                                                dtype=np.int64) for gid in self.group_ids}
         self.owner = np.full(geometry.num_slabs, -1, dtype=np.int16)
+        # ``kernels.admit_spare``'s arena arguments: owners, the fewest whole pages of each group a
+        # slab holds, inner pages and straddlers, then scratch (owners, taken slabs, grants).
+        self.spare_args = (self.owner, self._slab_pages, inner, straddle, self._spare_plan[2], self._taken,
+                           *self._spare_plan[3:])
+        # ``kernels.grant_step``'s: owners, slab page ranges and straddlers, the page space's
+        # offsets, the most pages a slab gives a group, the fewest spare slabs of a roomy arena.
+        self.grant_args = (self.owner, *self._slab_ids, self._space.offsets, self._most_slab_pages,
+                           math.ceil(ROOMY_SPARE_FRACTION * geometry.num_slabs))
         self.slab_moves = 0
         self._spare_count = 0
         self._spare_changed(geometry.num_slabs)
@@ -354,6 +363,19 @@ class Arena:
             return None
         ids = self.group_ids
         return [(ids[g], slab, None) for g, slab in zip(groups[:n].tolist(), slabs[:n].tolist())]
+
+    def spare_grants(self, n: int) -> list[Grant] | np.ndarray:
+        """The ``n`` grants ``kernels.admit_spare`` just wrote to its scratch (``spare_args``):
+        a copy of their groups and slabs (``[2, n]``, for ``kernels.grant_step``, then
+        :meth:`granted`) when every pool's free stack is sorted, else as :meth:`apply` takes them."""
+        if self._sorted_grants:
+            return self._spare_grants[:, :n].copy()
+        ids, (groups, slabs) = self.group_ids, self._spare_grants[:, :n].tolist()
+        return [(ids[g], slab, None) for g, slab in zip(groups, slabs)]
+
+    def granted(self, n: int) -> None:
+        """``kernels.grant_step`` granted ``n`` spare slabs (it set the pools' ``skip_packing``)."""
+        self._spare_changed(-n)
 
     def _take_from_donors(self, gid: str, short: int, own: np.ndarray, grants: list[Grant],
                           deficit: Mapping[str, int], spare: tuple, scan: IdleScan) -> int:

@@ -567,8 +567,8 @@ def batch_arrays_for(n_groups, n_requests, n_tokens, write_slots):
 
 @njit(cache=True)
 def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient,
-             rows, counts, first, settle, after, sums, hold, scratch, idle_keyed, released, touched, cells, cell_pages,
-             per_request, query_start_loc, request_indices, per_token, widths):
+             rows, counts, first, settle, after, sums, hold, scratch, idle_keyed, released, touched, n_logged, cells,
+             cell_pages, per_request, query_start_loc, request_indices, per_token, widths):
     """One admitted step as planned by ``prepare_step``: the rows' tokens so far count as
     committed, releases, allocations, then the batch's arrays (``finish_step``). Returns
     (status, cells logged, idle keyed pages); the pages released and allocated count
@@ -576,17 +576,54 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
     nothing else; the caller lends slabs (``hold``) and makes room (``PagePool.make_room``)
     in the groups whose stack is short or that would first reuse idle low-priority pages
     (``needs_room``), then calls ``finish_step`` (which reads the changed cells into
-    ``cells`` and ``cell_pages`` when they fit)."""
+    ``cells`` and ``cell_pages`` when they fit). ``touched`` starts with ``n_logged`` cells
+    changed before the step (``TableSet.take_log``): they count as the step's."""
     for r in range(rows.size):
         committed[rows[r]] = first[r]
     n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after,
-                                       scratch, idle_keyed, released, touched, 0)
+                                       scratch, idle_keyed, released, touched, n_logged)
     if hold or needs_room(geometry, stack, per_group, low_priority, sums, released, idle_keyed):
         return STEP_NEEDS_PAGES, n_touched, n_keyed
     n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
                             first, settle, after, sums, touched, n_touched, cells, cell_pages, per_request,
                             query_start_loc, request_indices, per_token, widths)
     note_peaks(per_group, sums[1], released[1])  # the keyed pages gone idle join the LRU next
+    return STEP_DONE, n_touched, n_keyed
+
+
+@njit(cache=True)
+def grant_step(grants, arena, geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack,
+               per_group, transient, rows, counts, first, settle, after, sums, scratch, idle_keyed, released, touched,
+               n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths):
+    """``run_step`` of a step admitted with spare slabs alone (``admit_spare``; ``grants``
+    ``[2, n]``: their groups and slabs), every pool's free stack sorted: the releases, then
+    the slabs granted (``grant_spare_slabs``; ``arena``: owners, ``lo``, ``hi`` and straddlers
+    per group and slab, the page space's offsets, the most pages a slab gives a group, and
+    the fewest spare slabs of a roomy arena, whose ``SKIP_PACKING`` every group then
+    follows), then the rest as ``run_step`` when no keyed page went idle and no group has room
+    to make (``room_groups``: what ``CacheManager._after_run`` would ask after granting), else
+    ``STEP_NEEDS_PAGES`` (the slabs granted). Returns as ``run_step``; status -1 (after the
+    releases, nothing granted) when a slab is not spare."""
+    status, n_touched, n_keyed = run_step(
+        geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient, rows,
+        counts, first, settle, after, sums, True, scratch, idle_keyed, released, touched, n_logged, cells,
+        cell_pages, per_request, query_start_loc, request_indices, per_token, widths)
+    owner, lo, hi, straddle, offsets, most_slab_pages, roomy_spare = arena
+    granted = np.empty(grants.shape[1] * most_slab_pages, np.int64)
+    if grant_spare_slabs(owner, grants[0], grants[1], lo, hi, straddle, granted, np.empty(geometry.shape[0], np.int64),
+                         stack, per_group[TOP], offsets, per_group[LOWEST], per_group[GRANTED_PAGES]) < 0:
+        return -1, n_touched, n_keyed
+    spare = 0
+    for s in range(owner.size):
+        spare += owner[s] < 0
+    per_group[SKIP_PACKING, :] = 1 if spare >= roomy_spare else 0
+    if n_keyed or room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, per_group,
+                              np.empty(geometry.shape[0], np.int64)):
+        return STEP_NEEDS_PAGES, n_touched, n_keyed  # keyed pages join their LRU first, or a group makes room
+    n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
+                            first, settle, after, sums, touched, n_touched, cells, cell_pages, per_request,
+                            query_start_loc, request_indices, per_token, widths)
+    note_peaks(per_group, sums[1], released[1])
     return STEP_DONE, n_touched, n_keyed
 
 
@@ -671,6 +708,17 @@ def plan_size(cap, n_groups, n_pages, n_keyed, n_touched):
     return 4 + (4 + 3 * n_groups) * cap + 5 * n_groups + 4 + n_pages + n_keyed + n_touched
 
 
+def entry_point(kernel, args):
+    """``kernel``'s compiled code for the types of ``args`` (compiled, or loaded from the
+    cache, now if need be): called with arguments of exactly those types (dtypes, ranks,
+    layouts, writability) it runs as the kernel does, without the dispatcher's type
+    dispatch (a few µs a call with cold caches). Only for a call whose argument types never
+    change; a mismatch is not checked. ``kernel`` itself without the JIT
+    (``NUMBA_DISABLE_JIT=1``) or when it is not a dispatcher."""
+    typeof = getattr(kernel, "typeof_pyval", None)
+    return kernel if typeof is None else kernel.compile(tuple(map(typeof, args)))
+
+
 @njit(cache=True)
 def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain,
          plan, last_rows, rows_in, counts_in, cells, cell_pages, per_request, query_start_loc, request_indices,
@@ -702,7 +750,7 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group,
         transient, rows[:n], counts[:n], first[:n], settle, after[:, :, :n], sums, False, scratch, idle_keyed,
-        released, touched, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths)
+        released, touched, 0, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths)
     return status, n, settle, n_cross, clean, n_touched, n_keyed, totals[3]
 
 
@@ -1170,6 +1218,51 @@ def take_spare_for(short, slab_pages, spare_slabs, owner, own, inner_pages, stra
                 grant_groups[n], grant_slabs[n] = g, taken[i]
                 n += 1
     return n
+
+
+@njit(cache=True)
+def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain, window_pages, plan, n, short,
+                owner, slab_pages, inner_pages, straddle, own, taken, grant_groups, grant_slabs):
+    """The manager's admission (``CacheManager._admit``) of the step ``plan`` holds
+    (``plan_views``; its first ``n`` rows) on a shared arena, in one pass when its answer
+    is spare slabs alone (pure): ``short_pages`` of the step against every group's clean
+    free pages; a group short of pages it could evict grows into spare slabs instead
+    (``take_spare_for``); a group wanting more than its free and evictable pages takes
+    spare slabs for the difference (``take_spare_slabs``, groups in order), then spare
+    slabs for what it would still evict. Returns how many slabs go (the grants' groups and
+    slabs to ``grant_groups`` and ``grant_slabs``; 0: admitted as is), or -1 when
+    admission needs more (another group's slab, or a denial): Python decides."""
+    rows, _, first, after, _, sums = plan_views(plan, geometry.shape[0])[:6]
+    rows, first, new_base, wanted = rows[:n], first[:n], after[0, :, :n], sums[1]
+    top, n_groups = per_group[TOP], geometry.shape[0]
+    low = np.zeros(n_groups, np.int64) if per_group[SKIP_PACKING, 0] != 0 else per_group[LOW_IDLE_PAGES]
+    free = top + per_group[LRU_PAGES]
+    n_short = short_pages(geometry, pages, bounds, ref, keyed, rows, new_base, first, committed, grain,
+                          window_pages, sums[0], wanted, top, free, low, short)
+    spare = 0
+    for s in range(owner.size):
+        spare += owner[s] < 0
+    if n_short >= 0:
+        return 0 if n_short == 0 else take_spare_for(short, slab_pages, spare, owner, own, inner_pages, straddle,
+                                                     taken, grant_groups, grant_slabs)
+    own[:] = owner
+    n_grants, clean = 0, top.copy()
+    for g in range(n_groups):
+        deficit = wanted[g] - free[g]
+        if deficit > 0:
+            n_taken, left = take_spare_slabs(own, g, inner_pages[g], straddle[g], deficit, taken)
+            if left > 0:
+                return -1
+            for i in range(n_taken):
+                grant_groups[n_grants], grant_slabs[n_grants] = g, taken[i]
+                n_grants += 1
+            clean[g] += deficit - left
+    if short_pages(geometry, pages, bounds, ref, keyed, rows, new_base, first, committed, grain, window_pages,
+                   sums[0], wanted, clean, wanted, low, short) == 0:
+        return n_grants
+    more = take_spare_for(short, slab_pages, spare - n_grants, own, own, inner_pages, straddle, taken,
+                          grant_groups[n_grants:], grant_slabs[n_grants:])
+    return -1 if more < 0 else n_grants + more
 
 
 @njit(cache=True)

@@ -85,6 +85,7 @@ class _StepPlan:
     grants: list | None = None  # arena slabs to move before allocating (shared page space)
     arrays: _StepArrays | None = None  # the batch's fresh arrays, once made (``_step``)
     cells: tuple | None = None  # ``_cell_buffers`` ``_step`` made for the batch (``finish_step``'s cells)
+    spare_slabs: np.ndarray | None = None  # spare slabs ``_run`` grants in its kernel (groups; slabs), grants then []
 
 
 class _StepArrays(NamedTuple):
@@ -336,6 +337,7 @@ class CacheManager:
         # until its next step its committed tokens equal its computed ones, so it never settles.
         self._last_rows = np.zeros(0, dtype=np.int64)
         self._state: tuple | None = None  # ``_kernel_state``, until a new table row grows the arrays
+        self._step_entry = None  # ``kernels.step``'s compiled code for ``_step``'s argument types (``entry_point``)
         self._row_owner: dict[int, _Request] = {}
         self._free_rows: list[int] = []
         self._next_row = 0
@@ -1027,9 +1029,12 @@ class CacheManager:
         ts = self._tableset
         if (ts.log is None) == updates:  # the log's state changes: on for "updates", off for "full"
             ts.start_log() if updates else ts.stop_log()
-        n_cells = plan.totals[1] + plan.totals[3]  # at most: a cell per page released or allocated
-        cells = self._cell_buffers(plan.rows.size, plan.cells, n_cells) if updates else _NO_CELLS
-        arrays, n_touched, read = self._run(plan, write_slots, out if out is not None else plan.arrays, cells)
+        # At most a cell per page released or allocated, after the cells logged since the last step.
+        n_logged = ts.logged_cells() if updates else -1
+        cells = _NO_CELLS if n_logged < 0 else self._cell_buffers(plan.rows.size, plan.cells,
+                                                                  n_logged + plan.totals[1] + plan.totals[3])
+        arrays, n_touched, read = self._run(plan, write_slots, out if out is not None else plan.arrays, cells,
+                                            max(n_logged, 0))
         rows = plan.rows[plan.settle :]
         self._last_rows = rows.copy()  # the plan's arrays are scratch
         return self._build_batch(rows, plan.request_ids, arrays, fixed_width, n_touched if updates else -1, read)
@@ -1062,8 +1067,10 @@ class CacheManager:
         if updates:  # ``_cell_buffers``' room for a decode step; handed out only if the log holds nothing else
             room = 2 * n_groups * n_rows + 16
             cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
-        status, n, settle, n_crossing, clean, n_touched, n_keyed, allocated = kernels.step(
-            *(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, *cells, *out)
+        args = (*(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, *cells, *out)
+        if self._step_entry is None:  # every argument's type is fixed by how the manager makes it
+            self._step_entry = kernels.entry_point(kernels.step, args)
+        status, n, settle, n_crossing, clean, n_touched, n_keyed, allocated = self._step_entry(*args)
         if status >= kernels.STEP_PLANNED:
             return self._planned_step(status, (n, settle, n_crossing, clean), rids, cells, out, write_slots, updates)
         self._version += 1
@@ -1090,11 +1097,33 @@ class CacheManager:
             return None
         plan = self._plan_of(*planned)
         plan.request_ids, plan.cells = rids, cells
-        if not plan.clean and not (status == kernels.STEP_COVERED and self._evictable_cover(plan.sums[1])):
+        if plan.clean or (status == kernels.STEP_COVERED and self._evictable_cover(plan.sums[1])):
+            plan.grants = []
+        elif not self._admit_spare(plan):
             plan.arrays = out  # for ``_run``, once admitted
             return plan
-        plan.grants = []
         return self._commit_and_run(plan, write_slots, updates, False, out)
+
+    def _admit_spare(self, plan: _StepPlan) -> bool:
+        """``_admit`` of the plan ``kernels.step`` just made (every item valid, not clean)
+        on an arena, in one compiled call (``kernels.admit_spare``) when its answer is spare
+        slabs alone, or no slab: ``plan.grants`` set and True. False when admission needs
+        more (another group's slab, or a denial): ``_admit`` decides."""
+        arena = self.arena
+        if arena is None:
+            return False
+        ts, space = self._tableset, self._space
+        n = kernels.admit_spare(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.per_group,
+                                self._committed, self._grain, self._window_pages, self._scratch.buffer,
+                                plan.rows.size, self._short, *arena.spare_args)
+        if n < 0:
+            return False
+        grants = arena.spare_grants(n) if n else []
+        if type(grants) is np.ndarray:
+            plan.grants, plan.spare_slabs = [], grants
+        else:
+            plan.grants = grants
+        return True
 
     def _kernel_state(self) -> tuple:
         """``kernels.step``'s leading arguments: the table store, the per-row counters, the
@@ -1107,12 +1136,10 @@ class CacheManager:
 
     def _cell_buffers(self, n_rows: int, made: tuple | None = None, n_cells: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Fresh arrays for ``finish_step`` to read the cells a step of ``n_rows`` rows changes
-        into (``table_updates``), with room for ``n_cells`` (a planned step's pages released
-        and allocated) and at least a decode step's (a page released and one allocated per
-        row and group); none while the table log holds other cells. ``made``: the ones
-        ``_step`` made for the same batch, used when they have the room."""
-        if not self._tableset.drains_touched_only():
-            return _NO_CELLS
+        into (``table_updates``), with room for ``n_cells`` (the cells logged before a planned
+        step, and its pages released and allocated) and at least a decode step's (a page
+        released and one allocated per row and group). ``made``: the ones ``_step`` made for
+        the same batch, used when they have the room."""
         if made is not None and made[1].size and made[1].size >= n_cells:
             return made
         room = max(2 * len(self.specs) * n_rows + 16, n_cells)
@@ -1129,24 +1156,34 @@ class CacheManager:
                                                                                        self._pool_list)
                                          if n > pool.num_clean_free_pages)
 
-    def _run(self, plan: _StepPlan, write_slots: bool, out: _StepArrays | None,
-             cells: tuple = _NO_CELLS) -> tuple[_StepArrays, int, tuple | None]:
+    def _run(self, plan: _StepPlan, write_slots: bool, out: _StepArrays | None, cells: tuple = _NO_CELLS,
+             n_logged: int = 0) -> tuple[_StepArrays, int, tuple | None]:
         """Release, allocate and the batch's arrays (``out``, or fresh ones) in one compiled
-        call (``kernels.run_step``); ``_after_run`` books what Python must. Returns the arrays, how
-        many table cells the step changed (at the start of the touched scratch) and
-        ``cells`` when the kernel read those into them (``_build_batch``'s ``read``)."""
+        call (``kernels.run_step``); ``_after_run`` books what Python must. With ``cells``, the
+        ``n_logged`` cells the table log holds lead the touched scratch (``TableSet.take_log``).
+        Returns the arrays, how many table cells changed (at the start of the touched scratch)
+        and ``cells`` when the kernel read those into them (``_build_batch``'s ``read``)."""
         n_tokens, released_pages, most_released, allocated_pages = plan.totals
         if out is None:
             out = _new_tuple(_StepArrays, kernels.batch_arrays_for(len(self.specs), plan.rows.size - plan.settle,
                                                                     n_tokens, write_slots))
         scratch, idle_keyed, released, touched = self._scratch.reserve(most_released, released_pages,
-                                                                        allocated_pages)
+                                                                        allocated_pages + n_logged)
         space, ts = self._space, self._tableset
-        status, n_touched, n_keyed = kernels.run_step(
-            ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
-            space.low_priority, space.stack, space.per_group, self._transient, plan.rows, plan.counts, plan.first,
-            plan.settle, plan.after, plan.sums, bool(plan.grants), scratch, idle_keyed, released, touched, *cells,
-            *out, self._scratch.widths)
+        n_logged = ts.take_log(touched) if n_logged and cells[1].size else 0
+        state = (ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
+                 space.low_priority, space.stack, space.per_group, self._transient, plan.rows, plan.counts, plan.first,
+                 plan.settle, plan.after, plan.sums)
+        if plan.spare_slabs is None:
+            status, n_touched, n_keyed = kernels.run_step(*state, bool(plan.grants), scratch, idle_keyed, released,
+                                                          touched, n_logged, *cells, *out, self._scratch.widths)
+        else:  # spare slabs granted in the kernel, after the releases (``_after_run`` would apply them there)
+            status, n_touched, n_keyed = kernels.grant_step(plan.spare_slabs, self.arena.grant_args, *state, scratch,
+                                                            idle_keyed, released, touched, n_logged, *cells, *out,
+                                                            self._scratch.widths)
+            if status < 0:
+                raise AssertionError("a slab granted is not spare")
+            self.arena.granted(plan.spare_slabs.shape[1])
         if status != kernels.STEP_DONE:
             n_touched = self._after_run(plan.sums, allocated_pages, status, n_touched, n_keyed, plan, out, cells)
         elif n_keyed:  # all ``_after_run`` does after a step done whole (the kernel noted the peaks)

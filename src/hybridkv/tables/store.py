@@ -245,6 +245,25 @@ class TableSet:
         lists: the log is on, holds nothing and no resync is due."""
         return self.log is not None and not self.log and not self._resync
 
+    def logged_cells(self) -> int:
+        """How many cells the log holds (listed twice counts twice), or -1 when the next drain
+        is not of the log and the touched cells (logging off, or a resync due)."""
+        log = self.log
+        if log is None or self._resync:
+            return -1
+        return sum(map(len, log)) if log else 0
+
+    def take_log(self, into: np.ndarray) -> int:
+        """Move the logged cells to the front of ``into`` (room for ``logged_cells``), clearing the
+        log, so that a step reads them with the ones it touches after them; their count."""
+        log = self.log
+        if not log:
+            return 0
+        n = sum(map(len, log))
+        np.concatenate(log, out=into[:n])
+        log.clear()
+        return n
+
     def note_cells(self, index: np.ndarray) -> None:
         """Log changed cells (ring-view indices) while logging is on."""
         log = self.log

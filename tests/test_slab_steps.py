@@ -1,0 +1,119 @@
+"""Steps on a shared arena that need slabs: the step's own admission of spare slabs
+(``kernels.admit_spare``, then ``kernels.grant_step``) decides as the general admission.
+
+The same program (requests join with prompts of a small vocabulary, so prefixes are
+shared, prefill in chunks, decode, leave) runs twice: as the manager runs it, and with
+``admit_spare`` answering -1 every time (the reference: every step that is not clean goes
+through ``CacheManager``'s general admission and its Python slab grants). Every batch,
+table update, error, event, pool count and slab owner must match after every call.
+"""
+
+from unittest import mock
+
+import hypothesis.strategies as st
+import numpy as np
+from hypothesis import given, settings
+
+from hybridkv.memory.arena import arena_geometry
+from hybridkv.runtime import kernels
+from hybridkv.runtime.manager import CacheManager, CacheManagerError
+from test_arena_stateful import ANCHOR, PAGE_BYTES
+from test_table_updates import CONFIGS
+
+
+def build(config, caching, budget_share, slab_pages):
+    specs, pages, ctx, step = CONFIGS[config]
+    budget = int(budget_share * sum(n * PAGE_BYTES[config][g] for g, n in pages.items()) / 2)
+    geometry = arena_geometry(PAGE_BYTES[config], budget, anchor_group=ANCHOR[config], slab_anchor_pages=slab_pages)
+    return CacheManager(specs, None, max_context_tokens=ctx, max_step_tokens=step, enable_prefix_caching=caching,
+                        arena=geometry, prefix_granularity=256 if config == "v4" else 60)
+
+
+def record(m, batch, error, updates):
+    """What a call left: its error or its batch's arrays, then the pools' counts, the
+    arena's slabs and the prefix cache's events."""
+    if error is not None:
+        out = [error]
+    else:
+        out = [batch.request_ids] + [getattr(batch, name).tolist() for name in (
+            "num_scheduled_tokens", "query_start_loc", "positions", "request_indices", "table_rows")]
+        for gid, group in batch.groups.items():
+            out.append([gid] + [None if x is None else x.tolist() for x in (
+                None if updates else group.block_table, group.base_pages, group.write_slots)])
+        if updates:
+            u = batch.table_updates
+            out.append(sorted(zip(u.group.tolist(), u.row.tolist(), u.column.tolist(), u.page.tolist())))
+    return out + [m.stats(), m.arena.report(), m.prefix.drain_events() if m.prefix is not None else None]
+
+
+def serve(m, program, seed):
+    """Run ``program`` (("join", prompt length), ("leave", pick), ("step", block-table updates)) on
+    ``m``; one record per step."""
+    ctx, step = m.max_context_tokens, m.max_step_tokens
+    rng, live, joined, records = np.random.default_rng(seed), {}, 0, []
+    for kind, arg in program:
+        if kind == "join" and len(live) < 5:
+            rid, joined = f"r{joined}", joined + 1
+            prompt = rng.integers(0, 3, arg) if rng.random() < 0.5 else np.zeros(arg, dtype=np.int64)
+            m.add_request(rid, prompt.astype(np.int32), max_new_tokens=ctx // 3)
+            live[rid] = arg
+        elif kind == "leave" and live:
+            rid = sorted(live)[arg % len(live)]
+            del live[rid]
+            m.free(rid)
+        elif kind == "step" and live:
+            items = []
+            for rid, prompt in live.items():
+                done = m.num_computed_tokens(rid)
+                if done < prompt:
+                    items.append((rid, min(prompt - done, step // 2)))
+                    continue
+                known = m.known_token_ids(rid).size  # a refused step leaves its token appended
+                if known == done and known < prompt + ctx // 3:
+                    m.append_token_ids(rid, np.asarray([int(rng.integers(0, 3))]))
+                    known += 1
+                if known > done:
+                    items.append((rid, 1))
+            batch, error = None, None
+            try:
+                batch = m.schedule(items, block_tables="updates" if arg else "full")
+            except CacheManagerError as exc:
+                error = str(exc)
+            records.append(record(m, batch, error, arg))
+    m.check_invariants()
+    return records
+
+
+@settings(max_examples=60, deadline=None)
+@given(config=st.sampled_from(sorted(CONFIGS)), caching=st.booleans(), slab_pages=st.sampled_from([1, 2, 3]),
+       budget_share=st.sampled_from([1.0, 1.5, 3.0]), seed=st.integers(0, 999), data=st.data())
+def test_steps_admitted_with_spare_slabs_match_the_general_admission(config, caching, slab_pages, budget_share, seed,
+                                                                     data):
+    ctx = CONFIGS[config][2]
+    op = st.one_of(st.tuples(st.just("join"), st.integers(1, ctx // 3)), st.tuples(st.just("leave"), st.integers(0, 4)),
+                   st.tuples(st.just("step"), st.booleans()), st.tuples(st.just("step"), st.booleans()))
+    program = data.draw(st.lists(op, min_size=20, max_size=150), label="program")
+    fast = serve(build(config, caching, budget_share, slab_pages), program, seed)
+    with mock.patch.object(kernels, "admit_spare", lambda *args: -1):
+        general = serve(build(config, caching, budget_share, slab_pages), program, seed)
+    assert len(fast) == len(general)
+    for k, (a, b) in enumerate(zip(fast, general)):
+        assert a == b, k
+
+
+def test_served_conversations_take_the_same_slabs_as_with_the_general_admission():
+    """120 six-turn conversations served one request at a time on a 2 GiB shared arena
+    (bench/hit_sweep.py's multiturn line: slabs granted while the arena fills, then
+    evictions and packing): the same hits and per-group counts (evictions by reason,
+    cached pages, slabs) with the step's own spare-slab admission as without it."""
+    from bench_support import load_bench_script
+    from hybridkv.sim.workloads import in_waves, multiturn_workload
+
+    sweep = load_bench_script("hit_sweep.py", "hit_sweep_for_slabs")
+    runs = []
+    for admit in (kernels.admit_spare, lambda *args: -1):
+        with mock.patch.object(kernels, "admit_spare", admit):
+            side = sweep.make_side("hybridkv shared", 2 * 2**30, 131_072, None)
+            hits = sweep.serve_in_order(side, in_waves(multiturn_workload(120, 6, seed=0), 40))
+            runs.append((hits.tolist(), sweep.group_diagnostics(side)))
+    assert runs[0] == runs[1]
