@@ -717,6 +717,38 @@ class PageSpace:
             lru.leave(self.lru_prev, self.lru_next, self.lru_lengths, self.offsets, self.idle_counts, idle[:n_idle])
             self.note_peaks(self.idle_counts)
 
+    def adopt(self, pools: Sequence[PagePool], keys: Sequence[Sequence[Hashable]],
+              entries: Sequence[Sequence[tuple[int, ...]]]) -> None:
+        """``pools[i].adopt(keys[i], entries[i])`` for each of ``pools`` (this space's), in
+        one call: a commit's entries of every group, a frame fewer a group."""
+        for pool, group_keys, group_entries in zip(pools, keys, entries):
+            published, page_key = pool._entries, pool._page_key
+            for key, entry in zip(group_keys, group_entries):
+                published[key] = entry
+                for page in entry:
+                    page_key[page] = key
+
+    def demote(self, pools: Sequence[PagePool], key: Hashable) -> None:
+        """``pool.demote(key)`` in each of ``pools`` (this space's, each publishing ``key``),
+        in one call (a superseded checkpoint's unit kept low): an entry none of whose pages
+        is idle (one its request still reads) only flagged low, item stores; the others in one
+        compiled call (``lru.demote_unit``: their idle pages move to the front of the LRU)."""
+        listed: list[int] = []
+        n_listed = 0
+        for pool in pools:
+            pages, prev, low = pool._entries[key], pool._lru_views[0], pool.low_priority
+            for page in pages:
+                if prev[page] >= 0:  # idle: in the LRU
+                    listed += (pool._slot, len(pages), *pages)
+                    n_listed += 1
+                    break
+            else:
+                for page in pages:
+                    low[page] = True
+        if listed:
+            lru.demote_unit(np.array(listed, dtype=np.int64), n_listed, self.low_priority, self.lru_prev,
+                            self.lru_next, self.offsets, self.idle_low_floors, self.low_idle)
+
     def drop_unit(self, pools: Sequence[PagePool], key: Hashable) -> list[str]:
         """``pool.drop_entries([key])`` in each of ``pools`` (this space's, in order) that
         publishes ``key``, telling no one: flags, counts and free stacks in one compiled
