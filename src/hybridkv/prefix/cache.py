@@ -256,8 +256,6 @@ class PrefixCache:
         self._unit_groups = [(gid, pool, n, stats, None) for gid, pool, n, stats in self._history_groups] + [
             (gid, pool, n, stats, holders) for gid, pool, n, holders, stats in self._state_groups]
         self._unit_pools_in_order = [pool for _, pool, *_ in self._unit_groups]  # one ``PageSpace.adopt`` call's
-        self._history_pools = self._unit_pools_in_order[:len(self.history_ids)]
-        self._state_pools = self._unit_pools_in_order[len(self.history_ids):]
 
     def _init_hit_placement(self, tables: Mapping[str, GroupTable]) -> None:
         """A hit's placement: every group's pages borrowed and placed in one compiled call
@@ -517,10 +515,11 @@ class PrefixCache:
             checkpoint_keys, parents = [], []
             for d in boundaries:  # plain loops, no comprehension: each is a frame, costly cold
                 checkpoint_keys.append(hh[d // g - 1]), parents.append(hh[d // g - 2] if d >= 2 * g else root)
-        if not known:
-            n_own = len(pins) - n_speculative
-            return checkpoint_keys, parents, [None] * (len(lookups) * len(boundaries)), self._claims(
-                len(keys), n_speculative, n_own, low)
+        if not known:  # :meth:`_claims`, asked only for a shape not seen yet
+            shape = (len(keys), n_speculative, len(pins) - n_speculative, low)
+            want = self._claims_by_shape.get(shape)
+            return checkpoint_keys, parents, [None] * (len(lookups) * len(boundaries)), (
+                self._claims(shape) if want is None else want)
         found = []
         for key, pinned in zip(checkpoint_keys, pins):
             code = low if pinned is None else 1
@@ -530,19 +529,18 @@ class PrefixCache:
                 want.append(code if entry is None else 0)
         return checkpoint_keys, parents, found, want
 
-    def _claims(self, n_blocks: int, n_speculative: int, n_own: int, low: int) -> np.ndarray:
-        """``want`` of a commit none of whose keys any group has: each block in every history
-        group (1), then each speculative checkpoint (``low``) and each own one (1) in every
-        state group; one array per shape, built once (not to be written)."""
-        shape = (n_blocks, n_speculative, n_own, low)
-        want = self._claims_by_shape.get(shape)
-        if want is None:
-            if len(self._claims_by_shape) >= 256:
-                self._claims_by_shape.clear()
-            n_state = len(self.state_ids)
-            want = self._claims_by_shape[shape] = np.array(
-                [1] * (n_blocks * len(self.history_ids)) + [low] * (n_speculative * n_state) + [1] * (n_own * n_state),
-                dtype=np.int8)
+    def _claims(self, shape: tuple[int, int, int, int]) -> np.ndarray:
+        """``want`` of a commit none of whose keys any group has, by its ``shape`` (blocks,
+        speculative checkpoints, own checkpoints, ``low``): each block in every history group
+        (1), then each speculative checkpoint (``low``) and each own one (1) in every state
+        group; one array per shape, kept (not to be written)."""
+        n_blocks, n_speculative, n_own, low = shape
+        if len(self._claims_by_shape) >= 256:
+            self._claims_by_shape.clear()
+        n_state = len(self.state_ids)
+        want = self._claims_by_shape[shape] = np.array(
+            [1] * (n_blocks * len(self.history_ids)) + [low] * (n_speculative * n_state) + [1] * (n_own * n_state),
+            dtype=np.int8)
         return want
 
     def _publish_unit(self, key: int, parent: int, boundary: int, pinned: bool, pages: list[int],
