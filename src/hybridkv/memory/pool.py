@@ -410,16 +410,6 @@ class PagePool:
         self._granted_pages -= int(pages.size)
 
     # --- content-keyed entries -------------------------------------------
-    def adopt(self, keys: Sequence[Hashable], entries: Sequence[tuple[int, ...]]) -> None:
-        """Record entries (``entries[i]``, held pages, under ``keys[i]``, none published)
-        whose pages are flagged keyed already, and low priority where they are (by a
-        commit's compiled claim, ``kernels.claim_entries``)."""
-        published, page_key = self._entries, self._page_key
-        for key, entry in zip(keys, entries):
-            published[key] = entry
-            for page in entry:
-                page_key[page] = key
-
     def demote(self, key: Hashable) -> None:
         """Make an entry low priority: its idle pages move to the front of the LRU, the
         last listed first."""
@@ -719,8 +709,10 @@ class PageSpace:
 
     def adopt(self, pools: Sequence[PagePool], keys: Sequence[Sequence[Hashable]],
               entries: Sequence[Sequence[tuple[int, ...]]]) -> None:
-        """``pools[i].adopt(keys[i], entries[i])`` for each of ``pools`` (this space's), in
-        one call: a commit's entries of every group, a frame fewer a group."""
+        """Record the entries ``entries[i][j]`` (held pages, none published) under
+        ``keys[i][j]`` in ``pools[i]`` (this space's), whose pages are flagged keyed already,
+        and low priority where they are (by a commit's compiled claim,
+        ``kernels.claim_entries``): a commit's entries of every group in one call."""
         for pool, group_keys, group_entries in zip(pools, keys, entries):
             published, page_key = pool._entries, pool._page_key
             for key, entry in zip(group_keys, group_entries):
