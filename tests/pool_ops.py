@@ -3,7 +3,7 @@ a ``PageSpace`` (made for a pool not in one yet), ``PagePool.make_room`` then th
 stack's top (what ``kernels.allocate_pages`` pops), ``kernels.drop_holds`` then
 ``PageSpace.released`` (a release), ``borrow`` (a prefix hit's holds as ``lru.borrow_row``
 takes them: ``kernels.take_holds``, then ``PageSpace.borrowed_idle``) and the key
-flags then ``PagePool.adopt`` (what a commit's ``kernels.claim_entries`` does)."""
+flags then ``PageSpace.adopt`` (what a commit's ``kernels.claim_entries`` does)."""
 
 from __future__ import annotations
 
@@ -104,5 +104,5 @@ def publish(pool: PagePool, key: Hashable, pages: Sequence[int], *, low_priority
     pool.cached[ids] = True
     if low_priority:
         pool.low_priority[ids] = True
-    pool.adopt([key], [entry])
+    space_of(pool)[0].adopt([pool], [[key]], [[entry]])
     return True

@@ -509,7 +509,7 @@ def _claim(space: PageSpace, entries: list, want: list[int]) -> tuple[int, list[
        st.lists(st.integers(0, 5), max_size=3))
 def test_claim_then_adopt_is_publish_entry_by_entry(entries, earlier):
     """A commit's publication (``kernels.claim_entries`` over two pools of a page space,
-    then ``PagePool.adopt`` of the claimed entries) against the reference, ``publish``
+    then ``PageSpace.adopt`` of the claimed entries) against the reference, ``publish``
     entry by entry: an entry whose key is new in its group (the commit's ``want`` is 0
     otherwise) and none of whose pages carries a key is published, low priority when
     wanted so. Same entries, flags and claimed entries; pages may repeat across entries."""
@@ -527,9 +527,11 @@ def test_claim_then_adopt_is_publish_entry_by_entry(entries, earlier):
     (fast, space), (ref, _) = sides
     bad, claimed = _claim(space, listed, want)
     assert bad == -1
+    by_group = [([], []) for _ in fast]  # the claimed entries, in one ``PageSpace.adopt`` call
     for i, (g, key, pages) in enumerate(listed):
         if claimed[i]:
-            fast[g].adopt([key], [tuple(pages)])
+            by_group[g][0].append(key), by_group[g][1].append(tuple(pages))
+    space.adopt(fast, [keys for keys, _ in by_group], [pages for _, pages in by_group])
     expected = [int(bool(code) and publish(ref[g], key, pages, low_priority=code == 2)
                     if code and not any(ref[g].cached[p] for p in pages) else 0)
                 for (g, key, pages), code in zip(listed, want)]
@@ -686,6 +688,42 @@ def test_page_space_drop_unit_is_drop_entries_pool_by_pool(data, lowest_first):
                 a.num_free_pages) == (b.free_page_ids().tolist(), b.evictable_page_ids().tolist(),
                                       b.num_low_priority_idle_pages, b.num_free_pages)
         assert _entries_state(a, ["unit", "other"]) == _entries_state(b, ["unit", "other"])
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), lowest_first=st.booleans())
+def test_page_space_demote_is_demote_pool_by_pool(data, lowest_first):
+    """``PageSpace.demote`` (one compiled pass over a unit's pages in several groups)
+    against ``demote(key)`` in each of the pools that publish the key: entries of 0-3
+    pages, low priority or not, some pages held (so some idle pages move to the front of
+    the LRU), among other idle entries. The same LRU order, idle low-priority counts,
+    packing floors, flags and entries."""
+    sizes = data.draw(st.lists(st.integers(12, 24), min_size=1, max_size=4), label="sizes")
+    picked = data.draw(st.lists(st.sampled_from(range(len(sizes))), unique=True, min_size=1), label="unit groups")
+    script = [data.draw(st.tuples(st.integers(0, 3), st.booleans(), st.integers(0, 3), st.booleans()),
+                        label=f"g{i}: pages, low, held, other low") for i in range(len(sizes))]
+    sides = []
+    for _ in range(2):
+        pools = [PagePool(f"g{i}", n, lowest_first=lowest_first) for i, n in enumerate(sizes)]
+        space = PageSpace(pools)
+        for i, (pool, (size, low, held, other_low)) in enumerate(zip(pools, script)):
+            pages = allocate(pool, size + 2).tolist()
+            if i in picked:
+                publish(pool, "unit", pages[:size], low_priority=low)
+            publish(pool, "other", pages[size:size + 1], low_priority=other_low)
+            publish(pool, "more", pages[size + 1:], low_priority=False)
+            decref(pool, np.asarray(pages[size + 1:] + pages[held:size] + pages[size:size + 1], dtype=np.int64))
+        sides.append((pools, space))
+    (pools_a, space_a), (pools_b, space_b) = sides
+    space_a.demote([pools_a[i] for i in sorted(picked)], "unit")
+    for i in sorted(picked):
+        pools_b[i].demote("unit")
+    for g, (a, b) in enumerate(zip(pools_a, pools_b)):
+        a.check_invariants()
+        assert (a.evictable_page_ids().tolist(), a.num_low_priority_idle_pages) == (
+            b.evictable_page_ids().tolist(), b.num_low_priority_idle_pages)
+        assert kernels.packing_floor(space_a.per_group, g) == kernels.packing_floor(space_b.per_group, g)
+        assert _entries_state(a, ["unit", "other", "more"]) == _entries_state(b, ["unit", "other", "more"])
 
 
 @pytest.mark.parametrize("batch", [False, True])

@@ -112,6 +112,32 @@ def move(prev, nxt, pages, to_front):
 
 
 @njit(cache=True)
+def demote_unit(listed, n_entries, low_priority, prev, nxt, offsets, low_floors, low_idle):
+    """One entry of each of ``n_entries`` groups of a page space made low priority (a
+    superseded checkpoint's unit kept low: ``PageSpace.demote``), as ``PagePool.demote``
+    makes each: ``listed`` holds, entry after entry, its group, its page count and its
+    local ids. Every page is flagged low; the listed ones (idle) move, in order, to the
+    head of their group's list (the last one ends first); ``low_floors[g]`` falls to the
+    lowest of them and, unless the entry was low already, ``low_idle[g]`` counts them."""
+    at = 0
+    for _ in range(n_entries):
+        g, end, n_idle = listed[at], at + 2 + listed[at + 1], 0
+        off = offsets[g]
+        was_low = end > at + 2 and low_priority[off + listed[at + 2]]  # an entry is low as a whole
+        for i in range(at + 2, end):
+            page = listed[i]
+            low_priority[off + page] = True
+            if prev[off + page] >= 0:
+                unlink(prev, nxt, off, page)
+                push_front(prev, nxt, off, page)
+                n_idle += 1
+                low_floors[g] = min(low_floors[g], page)
+        if n_idle and not was_low:
+            low_idle[g] += n_idle
+        at = end
+
+
+@njit(cache=True)
 def order(nxt, out):
     """One pool's listed pages, head first, into ``out``; how many (at most ``out.size``)."""
     n, page = 0, nxt[0]

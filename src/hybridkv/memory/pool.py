@@ -426,16 +426,6 @@ class PagePool:
         kernels.push_run(self._stack, self._top, self.lowest_first, _NO_PAGES)
 
     # --- content-keyed entries -------------------------------------------
-    def adopt(self, keys: Sequence[Hashable], entries: Sequence[tuple[int, ...]]) -> None:
-        """Record entries (``entries[i]``, held pages, under ``keys[i]``, none published)
-        whose pages are flagged keyed already, and low priority where they are (by a
-        commit's compiled claim, ``kernels.claim_entries``)."""
-        published, page_key = self._entries, self._page_key
-        for key, entry in zip(keys, entries):
-            published[key] = entry
-            for page in entry:
-                page_key[page] = key
-
     def demote(self, key: Hashable) -> None:
         """Make an entry low priority: its idle pages move to the front of the LRU, the
         last listed first."""
@@ -729,6 +719,40 @@ class PageSpace:
         if n_idle:
             lru.leave(self.lru_prev, self.lru_next, self.lru_lengths, self.offsets, self.idle_counts, idle[:n_idle])
             self.note_peaks(self.idle_counts)
+
+    def adopt(self, pools: Sequence[PagePool], keys: Sequence[Sequence[Hashable]],
+              entries: Sequence[Sequence[tuple[int, ...]]]) -> None:
+        """Record the entries ``entries[i][j]`` (held pages, none published) under
+        ``keys[i][j]`` in ``pools[i]`` (this space's), whose pages are flagged keyed already,
+        and low priority where they are (by a commit's compiled claim,
+        ``kernels.claim_entries``): a commit's entries of every group in one call."""
+        for pool, group_keys, group_entries in zip(pools, keys, entries):
+            published, page_key = pool._entries, pool._page_key
+            for key, entry in zip(group_keys, group_entries):
+                published[key] = entry
+                for page in entry:
+                    page_key[page] = key
+
+    def demote(self, pools: Sequence[PagePool], key: Hashable) -> None:
+        """``pool.demote(key)`` in each of ``pools`` (this space's, each publishing ``key``),
+        in one call (a superseded checkpoint's unit kept low): an entry none of whose pages
+        is idle (one its request still reads) only flagged low, item stores; the others in one
+        compiled call (``lru.demote_unit``: their idle pages move to the front of the LRU)."""
+        listed: list[int] = []
+        n_listed = 0
+        for pool in pools:
+            pages, prev, low = pool._entries[key], pool._lru_views[0], pool.low_priority
+            for page in pages:
+                if prev[page] >= 0:  # idle: in the LRU
+                    listed += (pool._slot, len(pages), *pages)
+                    n_listed += 1
+                    break
+            else:
+                for page in pages:
+                    low[page] = True
+        if listed:
+            lru.demote_unit(np.array(listed, dtype=np.int64), n_listed, self.low_priority, self.lru_prev,
+                            self.lru_next, self.offsets, self.idle_low_floors, self.low_idle)
 
     def drop_unit(self, pools: Sequence[PagePool], key: Hashable) -> list[str]:
         """``pool.drop_entries([key])`` in each of ``pools`` (this space's, in order) that

@@ -238,6 +238,7 @@ class PrefixCache:
         self._state_lookups = [pools[gid].lookup for gid in self.state_ids]
         self._commit_lookups = self._history_lookups + self._state_lookups
         self._claim_every = np.ones(len(self._commit_lookups), dtype=np.int8)  # a one-block commit's ``want``
+        self._claims_by_shape: dict[tuple, np.ndarray] = {}  # _claims' arrays by commit shape
         self._history_groups = [(gid, pools[gid], n, self.stats[gid])
                                 for gid, n in zip(self.history_ids, self._reader.block_pages)]
         self._state_groups = [(gid, pools[gid], n, self._holders[gid], self.stats[gid])
@@ -254,6 +255,7 @@ class PrefixCache:
         # its holders (None: a history group).
         self._unit_groups = [(gid, pool, n, stats, None) for gid, pool, n, stats in self._history_groups] + [
             (gid, pool, n, stats, holders) for gid, pool, n, holders, stats in self._state_groups]
+        self._unit_pools_in_order = [pool for _, pool, *_ in self._unit_groups]  # one ``PageSpace.adopt`` call's
 
     def _init_hit_placement(self, tables: Mapping[str, GroupTable]) -> None:
         """A hit's placement: every group's pages borrowed and placed in one compiled call
@@ -461,16 +463,15 @@ class PrefixCache:
         keys, boundaries, pins, checkpoint_keys, parents, found, want = self._plan(req, hashes, first_block, end_block)
         pages, status = self._reader.read(req.row, first_block, end_block, boundaries, want)
         stored: list[tuple] = []  # the commit's "stored" events, in order
-        if len(keys) == 1 == len(checkpoint_keys) and pins[0] is not None and status.count(2) == len(status):
+        every = status.count(2) == len(status)  # it claimed every entry (a new prompt's chunk, a decode commit)
+        if every and len(keys) == 1 == len(checkpoint_keys) and pins[0] is not None:
             new_own = self._publish_unit(keys[0], parents[0], boundaries[0], pins[0], pages, stored)
-        elif status.count(2) == len(status):
-            new_own = self._publish_all(hashes, first_block, keys, checkpoint_keys, parents, boundaries, pins,
-                                        pages, stored)
         else:
-            at, n_history, fresh = self._publish_history(hashes, first_block, keys, pages, status, stored)
-            status = status[n_history:]
-            entries = self._publish_checkpoints(checkpoint_keys, parents, boundaries, pages[at:], status, found, stored)
-            new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status, fresh)
+            at, fresh = self._publish_blocks(hashes, first_block, keys, pages, status, every, stored)
+            status = status[len(keys) * len(self.history_ids):]
+            entries = self._publish_checkpoints(checkpoint_keys, parents, boundaries, pages[at:], status, found, every,
+                                                stored)
+            new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status, every, fresh)
         if self.state_ids:
             self._supersede(req, new_own, stored)
         self._emit_many(stored)  # the "stored" events, then the removals superseding caused
@@ -501,114 +502,82 @@ class PrefixCache:
         for lookup in self._history_lookups if known else ():
             for key in keys:
                 want.append(lookup(key) is None)
-        if not known:
-            want = [1] * (len(keys) * len(self._history_lookups))
-        checkpoint_keys, parents, found = self._found_checkpoints(hashes, boundaries, pins, want, known)
+        checkpoint_keys, parents, found, want = self._found_checkpoints(hashes, first_block, keys, boundaries, pins,
+                                                                        want, known)
         return keys, boundaries, pins, checkpoint_keys, parents, found, want
 
-    def _found_checkpoints(self, hashes: RequestHashes, boundaries: list[int], pins: list[bool | None],
-                           want: list, known: bool) -> tuple[list[int], list[int], list[tuple[int, ...] | None]]:
-        """Each checkpoint's key and parent key, and its entry in each state group (None: not
-        published; ``known`` False: no group has any of the keys, none is asked), boundary by
-        boundary; onto ``want`` (``CommitPages.read``'s) whether to claim it: where it is
-        missing (and its window live: the claim checks), low priority for a speculative one
-        (``pins`` None: unheld; with ``"prefill-per-byte"`` low while that class rates low)."""
-        low = 2 if None in pins and (self.values is None or self.values.low_priority(SPECULATIVE)) else 1
+    def _found_checkpoints(self, hashes: RequestHashes, first_block: int, keys: list[int], boundaries: list[int],
+                           pins: list[bool | None], want: list, known: bool) -> tuple[list, list, list, list]:
+        """Each checkpoint's key and parent key (where a checkpoint ends each of the blocks
+        ``keys`` from ``first_block``, the speculative ones then the latest, the blocks' own),
+        its entry in each state group (None: not published; ``known`` False: no group has
+        any of the keys, none is asked), boundary by boundary, and ``want``
+        (``CommitPages.read``'s) with whether to claim each: where it is missing (and its
+        window live: the claim checks), low priority for a speculative one (``pins`` None:
+        unheld; with ``"prefill-per-byte"`` low while that class rates low). ``known``: onto
+        ``want``, the blocks' part; else :meth:`_claims` of the commit's shape."""
+        n_speculative = pins.count(None)
+        low = 2 if n_speculative and (self.values is None or self.values.low_priority(SPECULATIVE)) else 1
         g, hh, root, lookups = self.granularity_tokens, hashes.hashes, hashes.root, self._state_lookups
-        keys, parents, found, n = [], [], [], len(lookups)
-        for d, pinned in zip(boundaries, pins):  # plain loops, no comprehension: each is a frame, costly cold
-            key, code = hh[d // g - 1], low if pinned is None else 1
-            keys.append(key), parents.append(hh[d // g - 2] if d >= 2 * g else root)
-            if not known:
-                want += [code] * n
-                continue
+        if len(boundaries) == len(keys) and n_speculative == len(pins) - 1:  # every block's end, in order
+            checkpoint_keys, parents = keys, [hh[first_block - 1] if first_block else root, *keys[:-1]]
+        else:
+            checkpoint_keys, parents = [], []
+            for d in boundaries:  # plain loops, no comprehension: each is a frame, costly cold
+                checkpoint_keys.append(hh[d // g - 1]), parents.append(hh[d // g - 2] if d >= 2 * g else root)
+        if not known:  # :meth:`_claims`, asked only for a shape not seen yet
+            shape = (len(keys), n_speculative, len(pins) - n_speculative, low)
+            want = self._claims_by_shape.get(shape)
+            return checkpoint_keys, parents, [None] * (len(lookups) * len(boundaries)), (
+                self._claims(shape) if want is None else want)
+        found = []
+        for key, pinned in zip(checkpoint_keys, pins):
+            code = low if pinned is None else 1
             for lookup in lookups:
                 entry = lookup(key)
                 found.append(entry)
                 want.append(code if entry is None else 0)
-        return keys, parents, found if known else [None] * (n * len(boundaries))
+        return checkpoint_keys, parents, found, want
+
+    def _claims(self, shape: tuple[int, int, int, int]) -> np.ndarray:
+        """``want`` of a commit none of whose keys any group has, by its ``shape`` (blocks,
+        speculative checkpoints, own checkpoints, ``low``): each block in every history group
+        (1), then each speculative checkpoint (``low``) and each own one (1) in every state
+        group; one array per shape, kept (not to be written)."""
+        n_blocks, n_speculative, n_own, low = shape
+        if len(self._claims_by_shape) >= 256:
+            self._claims_by_shape.clear()
+        n_state = len(self.state_ids)
+        want = self._claims_by_shape[shape] = np.array(
+            [1] * (n_blocks * len(self.history_ids)) + [low] * (n_speculative * n_state) + [1] * (n_own * n_state),
+            dtype=np.int8)
+        return want
 
     def _publish_unit(self, key: int, parent: int, boundary: int, pinned: bool, pages: list[int],
                       stored: list[tuple]) -> list[OwnCheckpoint]:
         """A commit of one block that claimed its entries in every group, the request's own
         checkpoint at its end too (a decode commit's): the same records, events and bookings
-        as :meth:`_publish_history`, :meth:`_publish_checkpoints` and :meth:`_book_checkpoints`
+        as :meth:`_publish_blocks`, :meth:`_publish_checkpoints` and :meth:`_book_checkpoints`
         (``pages``: ``CommitPages.read``'s, every group's in order), in one pass over the
-        groups (holding the state groups' entries as :meth:`_hold` would); that own checkpoint,
+        groups (holding the state groups' entries as :meth:`_book_checkpoints` would); that own checkpoint,
         in a list."""
         at, entries, own = 0, [], OwnCheckpoint(boundary, pinned)
-        for gid, pool, per_entry, stats, holders in self._unit_groups:
-            entries.append(entry := tuple(pages[at:at + per_entry]))
+        for gid, _, per_entry, stats, holders in self._unit_groups:
+            entries.append((entry := tuple(pages[at:at + per_entry]),))
             at += per_entry
-            pool.adopt((key,), (entry,))
             stats.stored_entries += 1
             stored.append(("stored", gid, key, parent, boundary, per_entry))
             if holders is not None:  # a state group: the request's own checkpoint
                 own.entries[gid] = (key, entry)
                 holders[key] = holders.get(key, 0) + 1
+        self._space.adopt(self._unit_pools_in_order, repeat((key,)), entries)
         if self.tier_hook is not None:
-            for gid, entry in zip(self.history_ids + self.state_ids, entries):
+            for gid, (entry,) in zip(self.history_ids + self.state_ids, entries):
                 self.tier_hook.stored(gid, key, boundary, entry, False)
         if self.values is not None:
             self.values.published(key, boundary, speculative=False)
         self.eviction.stored_unit(key, parent, boundary)
         return [own]
-
-    def _publish_all(self, hashes: RequestHashes, first_block: int, keys: list[int], checkpoint_keys: list[int],
-                     checkpoint_parents: list[int], boundaries: list[int], pins: list[bool | None],
-                     pages: list[int], stored: list[tuple]) -> list[OwnCheckpoint]:
-        """A commit that claimed every entry (``pages``: ``CommitPages.read``'s): the same
-        records, events and bookings as :meth:`_publish_history`, :meth:`_publish_checkpoints`
-        and :meth:`_book_checkpoints` in two functions (run cold, each frame costs): the
-        blocks here, then :meth:`_publish_all_checkpoints`; the request's own checkpoints,
-        holding each in every state group."""
-        g, hook, n_blocks, hh = self.granularity_tokens, self.tier_hook, len(keys), hashes.hashes
-        parents = hh[first_block - 1:first_block - 1 + n_blocks] if first_block else [hashes.root, *keys[:-1]]
-        ends = range((first_block + 1) * g, (first_block + n_blocks + 1) * g, g)
-        at = 0
-        for gid, pool, per_block, stats in self._history_groups:
-            entries = list(zip(*[iter(pages[at:at + n_blocks * per_block])] * per_block))  # each block's pages
-            at += n_blocks * per_block
-            pool.adopt(keys, entries)
-            stored += zip(repeat("stored"), repeat(gid), keys, parents, ends, repeat(per_block))
-            for key, boundary, entry in zip(keys, ends, entries) if hook is not None else ():
-                hook.stored(gid, key, boundary, entry, False)
-            stats.stored_entries += n_blocks
-        fresh = keys if self.history_ids and self.eviction.stored_chain(keys, parents, ends) else None
-        if self.history_ids and fresh is None:  # (stored_chain did nothing)
-            self.eviction.stored_blocks([(gid, range(n_blocks)) for gid in self.history_ids], keys, parents, ends)
-        return self._publish_all_checkpoints(checkpoint_keys, checkpoint_parents, boundaries, pins, pages[at:], fresh,
-                                             stored)
-
-    def _publish_all_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int],
-                                 pins: list[bool | None], state: list[int], fresh: list[int] | None,
-                                 stored: list[tuple]) -> list[OwnCheckpoint]:
-        """:meth:`_publish_all`'s checkpoints, every one claimed in every state group
-        (``state``: their pages, boundary by boundary, group by group): each group's entries
-        adopted, their events zipped boundary by boundary, tier link and checkpoint values
-        told, the request's own ones held, then one ``ValueEviction.stored_checkpoints``."""
-        hook, values, columns, events, n_new = self.tier_hook, self.values, [], [], len(keys)
-        for (gid, pool, per_entry, _, stats), places in zip(self._state_groups, self._window_places):
-            columns.append(windows := list(zip(*map(state.__getitem__, places))))  # each boundary's pages
-            pool.adopt(keys, windows)
-            stats.stored_entries += n_new
-            events.append(zip(repeat("stored"), repeat(gid), keys, parents, boundaries, repeat(per_entry)))
-        stored += chain.from_iterable(zip(*events))  # boundary by boundary, group by group
-        low = values is None or values.low_priority(SPECULATIVE) if None in pins else False
-        own_checkpoints, booked, gids, holders = [], [], self.state_ids, self._state_holders
-        for key, parent, boundary, pinned, here in zip(keys, parents, boundaries, pins, zip(*columns)):
-            for gid, entry in zip(gids, here) if hook is not None else ():
-                hook.stored(gid, key, boundary, entry, low and pinned is None)
-            if values is not None:
-                values.published(key, boundary, speculative=pinned is None)
-            booked.append((gids, key, parent, boundary))
-            if pinned is not None:
-                own_checkpoints.append(own := OwnCheckpoint(boundary, pinned))
-                for gid, entry, held in zip(gids, here, holders):
-                    own.entries[gid] = (key, entry)
-                    held[key] = held.get(key, 0) + 1
-        self.eviction.stored_checkpoints(booked, fresh)
-        return own_checkpoints
 
     def _checkpoint_boundaries(self, req: CommittingRequest, first_block: int,
                                end_block: int) -> tuple[list[int], list[bool | None]]:
@@ -634,71 +603,71 @@ class PrefixCache:
                 speculative.append(d)
         return speculative + own, [None] * len(speculative) + pins
 
-    def _publish_history(self, hashes: RequestHashes, first_block: int, keys: list[int], pages: list[int],
-                         status: list[int], stored: list[tuple]) -> tuple[int, int, list[int] | None]:
-        """Every history group's blocks ``keys`` (from ``first_block``) that the commit
-        claimed (``pages``, ``status``: ``CommitPages.read``'s, history groups first), recorded
-        with one ``PagePool.adopt`` call per group and booked in one
-        ``ValueEviction.stored_blocks`` call for all groups (tier link, stats; ``stored`` takes
-        their events, group by group); how many of ``pages`` and of ``status`` were the
-        history groups', and ``keys`` if they were stored as a new chain (else None)."""
-        g, hook, n_blocks = self.granularity_tokens, self.tier_hook, len(keys)
-        hh = hashes.hashes
+    def _publish_blocks(self, hashes: RequestHashes, first_block: int, keys: list[int], pages: list[int],
+                        status: list[int], every: bool, stored: list[tuple]) -> tuple[int, list[int] | None]:
+        """Every history group's blocks ``keys`` (from ``first_block``) that the commit claimed
+        (``pages``, ``status``: ``CommitPages.read``'s, history groups first; ``every``: it
+        claimed every entry), recorded with one ``PageSpace.adopt`` call and booked in one
+        ``ValueEviction.stored_blocks`` call for all groups (tier link, stats; ``stored``
+        takes their events, group by group, zipped in C from the keys); how many of ``pages``
+        were the history groups', and ``keys`` if they were stored as a new chain (else None)."""
+        g, hook, n_blocks, hh = self.granularity_tokens, self.tier_hook, len(keys), hashes.hashes
         parents = hh[first_block - 1:first_block - 1 + n_blocks] if first_block else [hashes.root, *keys[:-1]]
-        boundaries = range((first_block + 1) * g, (first_block + n_blocks + 1) * g, g)
-        claims, at, e = [], 0, 0
+        ends = range((first_block + 1) * g, (first_block + n_blocks + 1) * g, g)
+        claims, at, e, every_block, adopted = [], 0, 0, range(n_blocks), ([], [], [])  # (pools, keys, entries)
         for gid, pool, per_block, stats in self._history_groups:
-            part, span = status[e:e + n_blocks], pages[at:at + n_blocks * per_block]
-            at, e, n_done = at + n_blocks * per_block, e + n_blocks, part.count(2)
-            if not n_done:
-                continue
-            entries = list(zip(*[iter(span)] * per_block))  # each block's pages
-            if n_done == n_blocks:
-                done, done_keys, done_parents, done_boundaries = range(n_blocks), keys, parents, boundaries
-            else:
-                done = [i for i, st in enumerate(part) if st == 2]
-                entries = [entries[i] for i in done]
-                done_keys, done_parents, done_boundaries = ([xs[i] for i in done] for xs in (keys, parents, boundaries))
-            pool.adopt(done_keys, entries)
-            stored += zip(repeat("stored"), repeat(gid), done_keys, done_parents, done_boundaries, repeat(per_block))
-            for key, boundary, entry in zip(done_keys, done_boundaries, entries) if hook is not None else ():
+            entries = list(zip(*[iter(pages[at:at + n_blocks * per_block])] * per_block))  # each block's pages
+            at, e = at + n_blocks * per_block, e + n_blocks
+            done, done_keys, done_parents, done_ends = every_block, keys, parents, ends
+            if not every:
+                done = [i for i, st in enumerate(status[e - n_blocks:e]) if st == 2]
+                if not done:
+                    continue
+                if len(done) < n_blocks:
+                    entries = [entries[i] for i in done]
+                    done_keys, done_parents, done_ends = ([xs[i] for i in done] for xs in (keys, parents, ends))
+            adopted[0].append(pool), adopted[1].append(done_keys), adopted[2].append(entries)
+            stored += zip(repeat("stored"), repeat(gid), done_keys, done_parents, done_ends, repeat(per_block))
+            for key, boundary, entry in zip(done_keys, done_ends, entries) if hook is not None else ():
                 hook.stored(gid, key, boundary, entry, False)
-            stats.stored_entries += n_done
+            stats.stored_entries += len(done)
             claims.append((gid, done))
-        fresh = bool(claims) and self.eviction.stored_blocks(claims, keys, parents, boundaries)
-        return at, e, keys if fresh else None
+        self._space.adopt(*adopted)
+        eviction = self.eviction  # a new chain on a whole chain claimed everywhere: its nodes at once
+        fresh = (every and bool(claims) and eviction.stored_chain(keys, parents, ends)
+                 or bool(claims) and eviction.stored_blocks(claims, keys, parents, ends))
+        return at, keys if fresh else None
 
-    def _publish_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], pages: list[int],
-                             status: list[int], found: list, stored: list[tuple]) -> list:
+    def _publish_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], state: list[int],
+                             status: list[int], found: list, every: bool, stored: list[tuple]) -> list:
         """The checkpoints at ``boundaries`` (``keys``, ``parents``) the commit claimed
-        (``pages``, ``status``: ``CommitPages.read``'s state part, boundary by boundary, state
-        group by state group), recorded with one ``PagePool.adopt`` call per group (stats);
-        ``stored`` takes their events, boundary by boundary. Each boundary's entry in each
-        state group, new or ``found``, None where missing."""
-        groups, n, places = self._state_groups, len(self._state_groups), self._window_places
-        entries, events = found, []  # ``found`` becomes the entries
-        for s, (gid, pool, per_entry, _, stats) in enumerate(groups):
-            part = status[s::n]
-            n_done = part.count(2)
-            if not n_done:
-                continue  # present, borrowed pages or slid out
-            windows = list(zip(*map(pages.__getitem__, places[s])))  # each boundary's pages
-            if n_done == len(part):
-                done_keys, done_parents, done_boundaries = keys, parents, boundaries
+        (``state``, ``status``: ``CommitPages.read``'s state part, boundary by boundary, state
+        group by state group; ``every``: it claimed every entry), recorded with one
+        ``PageSpace.adopt`` call for all groups (stats); ``stored`` takes their events, boundary by
+        boundary, group by group. Each boundary's entry in each state group, new or ``found``
+        (None where missing), in that order."""
+        n, places, entries, events = len(self.state_ids), self._window_places, found, []  # ``found`` becomes them
+        adopted = ([], [], [])  # one ``PageSpace.adopt`` call's pools, keys and entries
+        for s, (gid, pool, per_entry, _, stats) in enumerate(self._state_groups):
+            windows = list(zip(*map(state.__getitem__, places[s])))  # each boundary's pages
+            done_keys, done_parents, done_boundaries = keys, parents, boundaries
+            if every:
                 entries[s::n] = windows
             else:
-                done = [j for j, st in enumerate(part) if st == 2]
+                done = [j for j, st in enumerate(status[s::n]) if st == 2]
+                if not done:
+                    continue  # present, borrowed pages or slid out
                 windows = [windows[j] for j in done]
                 done_keys, done_parents, done_boundaries = ([xs[j] for j in done] for xs in (keys, parents, boundaries))
                 for j, window in zip(done, windows):
                     entries[j * n + s] = window
-            pool.adopt(done_keys, windows)
-            stats.stored_entries += n_done
+            adopted[0].append(pool), adopted[1].append(done_keys), adopted[2].append(windows)
+            stats.stored_entries += len(windows)
             events.append(zip(repeat("stored"), repeat(gid), done_keys, done_parents, done_boundaries,
                               repeat(per_entry)))
-        if status.count(2) == len(status):  # every group's events, boundary by boundary
-            for per_boundary in zip(*events):
-                stored += per_boundary
+        self._space.adopt(*adopted)
+        if every:  # every group's events, zipped boundary by boundary
+            stored += chain.from_iterable(zip(*events))
             return entries
         for place, new in enumerate(status):
             if new == 2:
@@ -707,40 +676,52 @@ class PrefixCache:
         return entries
 
     def _book_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], pins: list[bool | None],
-                          entries: list, status: list[int], fresh: list[int] | None) -> list[OwnCheckpoint]:
-        """Book each checkpoint the commit published (``status`` 2; ``entries``: each
-        boundary's pages in each state group, None where missing): tier link, checkpoint
-        values, then one ``ValueEviction.stored_checkpoints`` call for all (``fresh``: the
-        commit's blocks if they were stored as a new chain, else None); the request's own
-        ones (``pins`` not None) returned, holding each wherever it is."""
-        hook, values, gids = self.tier_hook, self.values, self.state_ids
-        low = self.values is None or self.values.low_priority(SPECULATIVE) if None in pins else False
-        own_checkpoints, n, booked_all = [], len(gids), []
-        for j, (key, parent, boundary, pinned) in enumerate(zip(keys, parents, boundaries, pins)):
-            part, here = status[j * n:(j + 1) * n], entries[j * n:(j + 1) * n]
-            if 2 in part:
-                for gid, new, entry in zip(gids, part, here) if hook is not None else ():
-                    if new == 2:
-                        hook.stored(gid, key, boundary, entry, low and pinned is None)
-                if values is not None:
-                    values.published(key, boundary, speculative=pinned is None)
-                booked = gids if part.count(2) == n else [gid for gid, new in zip(gids, part) if new == 2]
-                booked_all.append((booked, key, parent, boundary))
-            if pinned is not None:
-                own = self._hold(OwnCheckpoint(boundary, pinned), key, here)
-                if own.entries:
-                    own_checkpoints.append(own)
-        self.eviction.stored_checkpoints(booked_all, fresh)
+                          entries: list, status: list[int], every: bool,
+                          fresh: list[int] | None) -> list[OwnCheckpoint]:
+        """Book each checkpoint the commit published (``status`` 2; ``every``: all of them;
+        ``entries``: each boundary's pages in each state group, None where missing): tier link
+        and checkpoint values (:meth:`_tell_checkpoints`), then one
+        ``ValueEviction.stored_checkpoints`` call for all (``fresh``: the commit's blocks if
+        they were stored as a new chain, else None); the request's own ones (``pins`` not
+        None, after the speculative ones) returned, each held in every state group that has it."""
+        gids, holders, n = self.state_ids, self._state_holders, len(self.state_ids)
+        if every:  # each boundary in every state group, zipped in C
+            booked = list(zip(repeat(gids), keys, parents, boundaries))
+        else:
+            booked = []
+            for j, (key, parent, boundary) in enumerate(zip(keys, parents, boundaries)):
+                part = status[j * n:(j + 1) * n]
+                if 2 in part:
+                    claimed = gids if part.count(2) == n else [gid for gid, new in zip(gids, part) if new == 2]
+                    booked.append((claimed, key, parent, boundary))
+        if self.tier_hook is not None or self.values is not None:
+            self._tell_checkpoints(keys, boundaries, pins, entries, status)
+        own_checkpoints = []
+        for j in range(pins.count(None), len(pins)):  # the request's own ones (the speculative ones first)
+            key, own = keys[j], OwnCheckpoint(boundaries[j], pins[j])
+            for gid, entry, held in zip(gids, entries[j * n:(j + 1) * n], holders):
+                if entry is not None:
+                    own.entries[gid] = (key, entry)
+                    held[key] = held.get(key, 0) + 1
+            if own.entries:
+                own_checkpoints.append(own)
+        self.eviction.stored_checkpoints(booked, fresh)
         return own_checkpoints
 
-    def _hold(self, own: OwnCheckpoint, key: int, entries: list) -> OwnCheckpoint:
-        """``own`` holds the checkpoint under ``key`` in each state group that has it
-        (``entries``: its pages there, None where missing)."""
-        for (gid, _, _, holders, _), entry in zip(self._state_groups, entries):
-            if entry is not None:
-                own.entries[gid] = (key, entry)
-                holders[key] = holders.get(key, 0) + 1
-        return own
+    def _tell_checkpoints(self, keys: list[int], boundaries: list[int], pins: list[bool | None], entries: list,
+                          status: list[int]) -> None:
+        """The tier link of each checkpoint entry the commit published (``status`` 2), boundary
+        by boundary, state group by state group (a speculative one's low priority as claimed),
+        then the checkpoint values of each boundary it published anywhere."""
+        hook, values, gids, n = self.tier_hook, self.values, self.state_ids, len(self.state_ids)
+        low = values is None or values.low_priority(SPECULATIVE) if None in pins else False
+        for place, new in enumerate(status) if hook is not None else ():
+            if new == 2:
+                j = place // n
+                hook.stored(gids[place % n], keys[j], boundaries[j], entries[place], low and pins[j] is None)
+        for j, (key, boundary, pinned) in enumerate(zip(keys, boundaries, pins)) if values is not None else ():
+            if 2 in status[j * n:(j + 1) * n]:
+                values.published(key, boundary, speculative=pinned is None)
 
     def _supersede(self, req: CommittingRequest, new_own: list, events: list[tuple]) -> None:
         """Drop the request's hold on every earlier own checkpoint that is not pinned, group
@@ -755,6 +736,8 @@ class PrefixCache:
             if prev.pinned:
                 pinned.append(prev)
                 continue
+            # Kept low where its last hold goes: a boundary the policy keeps (asked once, not a group).
+            demote, demoted = values is None and self.policy.speculative(prev.boundary_tokens, req.prompt_tokens), []
             for gid, (key, pages) in prev.entries.items():
                 pool = pools[gid]
                 if pool.lookup(key) != pages:
@@ -765,8 +748,8 @@ class PrefixCache:
                     holders[key] = left
                 elif values is not None and self._kept_by_value(key, prev.boundary_tokens, req):
                     continue  # its priority and place: rank_checkpoints
-                elif values is None and self.policy.speculative(prev.boundary_tokens, req.prompt_tokens):
-                    pool.demote(key)
+                elif demote:
+                    demoted.append(pool)
                 else:
                     gids = self._space.drop_unit(self._unit_pools[gid], key)  # tells no one: booked here
                     self._dropping = True
@@ -775,6 +758,8 @@ class PrefixCache:
                     self.eviction.unit_left(key, len(gids))
                     if self.eviction.acts:
                         break  # the unit left every state group
+            if demoted:  # every group's at once (``PageSpace.demote``)
+                self._space.demote(demoted, key)
         req.own_checkpoints = pinned + new_own if pinned else new_own
 
     def _kept_by_value(self, key: int, boundary_tokens: int, req: CommittingRequest) -> bool:
