@@ -291,8 +291,11 @@ class PlanParts:
         self._make: Callable | None = make
         self._made: tuple[tuple, tuple] | None = None
         self._lock = threading.Lock()
-        self.objects: Sequence[PlannedObject] = MadeTuple(self, 0)
-        self.sources: Sequence[GroupPages] = MadeTuple(self, 1)
+        # MadeTuple(self, 0) and MadeTuple(self, 1) without their __init__ calls (a plan a step)
+        self.objects: Sequence[PlannedObject] = object.__new__(MadeTuple)
+        self.sources: Sequence[GroupPages] = object.__new__(MadeTuple)
+        self.objects.__dict__.update(_parts=self, _which=0)
+        self.sources.__dict__.update(_parts=self, _which=1)
 
     def made(self) -> tuple[tuple[PlannedObject, ...], tuple[GroupPages, ...]]:
         made = self._made
@@ -399,9 +402,12 @@ class OffloadPlan:
         ``worker.finished()``). Empty plans are not queued."""
         if self.rescues:
             self.rescue(pools)
-        if not self.objects:
-            return True
-        pools, flags = dict(pools), self._later_flags()
+        flags = self.pinned if not self.deferred else self._later_flags()
+        if not flags:
+            if not self.objects:
+                return True
+            flags = (False,) * len(self.objects)
+        pools = dict(pools)
         if all(flags):  # write-through: every copy runs on the worker
             now, later, staged = [], list(range(len(flags))), []
         else:
