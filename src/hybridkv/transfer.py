@@ -291,11 +291,8 @@ class PlanParts:
         self._make: Callable | None = make
         self._made: tuple[tuple, tuple] | None = None
         self._lock = threading.Lock()
-        # MadeTuple(self, 0) and MadeTuple(self, 1) without their __init__ calls (a plan a step)
-        self.objects: Sequence[PlannedObject] = object.__new__(MadeTuple)
-        self.sources: Sequence[GroupPages] = object.__new__(MadeTuple)
-        self.objects.__dict__.update(_parts=self, _which=0)
-        self.sources.__dict__.update(_parts=self, _which=1)
+        self.objects: Sequence[PlannedObject] = MadeTuple(self, 0)
+        self.sources: Sequence[GroupPages] = MadeTuple(self, 1)
 
     def made(self) -> tuple[tuple[PlannedObject, ...], tuple[GroupPages, ...]]:
         made = self._made
