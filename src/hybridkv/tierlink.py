@@ -362,16 +362,16 @@ class TierLink:
         later). With ``defer_offloads``, a plan whose every entry is deferred asks the store when
         it runs (on the worker) instead of now: it holds no page meanwhile. (A pinned plan asks
         now: a pin on what the store holds would change what the manager evicts.)"""
-        entries = self._fresh_entries()
+        entries, later = self._fresh_entries(self.pin_offloads or self.defer_offloads)
         if not entries:
             return _NO_OFFLOADS
-        later = self._later(entries) if self.defer_offloads else None
-        check = StoreCheck(self.store) if later is not None and all(later) else None
+        check = StoreCheck(self.store) if self.defer_offloads and all(later) else None
         if check is None:
-            entries = self._not_stored(entries)
+            entries, later = self._not_stored(entries, later)
             if not entries:
                 return _NO_OFFLOADS
-            later = self._later(entries) if self.pin_offloads or self.defer_offloads else None
+            if self.pin_offloads and self.max_pinned_pages is not None:
+                later = self._within_room(entries, later)
         parts = PlanParts(len(entries), partial(_offload_parts, self._offload_shapes, entries))
         if later is not None:
             return self._hand_out(entries, later, parts.objects, parts.sources, check)
@@ -379,60 +379,68 @@ class TierLink:
         self._tickets += 1
         return OffloadPlan(parts.objects, parts.sources, (), self._tickets)
 
-    def _not_stored(self, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]
-                    ) -> list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]:
-        """``entries`` less those whose objects the store holds (one ``contains`` of the tier, by
-        the names ``ObjectStore.name`` gives their keys; counted as skipped)."""
+    def _not_stored(self, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]], later: list[bool] | None
+                    ) -> tuple[list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]], list[bool] | None]:
+        """``entries`` (and their ``later`` flags) less those whose objects the store holds (one
+        ``contains`` of the tier, by the names ``ObjectStore.name`` gives their keys; counted as
+        skipped)."""
         held = self.store.tier.contains(store_names(self._name_prefixes, [entry for entry, _ in entries]))
         if True not in held:
-            return entries
+            return entries, later
         keep = [entry for entry, h in zip(entries, held) if not h]
         self._stats.offload_skipped += len(entries) - len(keep)
-        return keep
+        return keep, None if later is None else [ok for ok, h in zip(later, held) if not h]
 
-    def _fresh_entries(self) -> list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]:
+    def _fresh_entries(self, published: bool) -> tuple[list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]],
+                                                       list[bool] | None]:
         """The queue emptied: its entries ``((group, key), (boundary, pages))``, the first of each,
-        less those whose copy is still in flight."""
+        less those whose copy is still in flight; with ``published``, per entry whether its copy
+        may run later: it is still published with the pages it was queued with (an evicted
+        entry's pages may be reused already). One pass."""
         queue, self._queue = self._queue, []
         fresh: dict[tuple[str, int], tuple[int, tuple[int, ...]]] = {}
-        offloading = self._offloading
+        offloading, pools = self._offloading, self.manager.pools
+        later: list[bool] | None = [] if published else None
         for gid, key, boundary, pages in queue:
             entry = (gid, key)
             if entry not in fresh and entry not in offloading:
                 fresh[entry] = (boundary, pages)
-        return list(fresh.items())
+                if published:
+                    later.append(pools[gid].lookup(key) == pages)
+        return list(fresh.items()), later
 
-    def _later(self, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]) -> list[bool]:
-        """Per entry ``((group, key), (boundary, pages))``, whether its copy may run later: it is
-        still published with the pages it was queued with (an evicted entry's pages may be reused
-        already) and, pinned, within ``max_pinned_pages``."""
-        pools = self.manager.pools
-        if not self.pin_offloads or self.max_pinned_pages is None:
-            return [pools[gid].lookup(key) == pages for (gid, key), (_, pages) in entries]
-        room, later = self.max_pinned_pages - self._stats.pinned_pages, []
-        for (gid, key), (_, pages) in entries:
-            ok = pools[gid].lookup(key) == pages and len(pages) <= room
+    def _within_room(self, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]], later: list[bool]
+                     ) -> list[bool]:
+        """``later`` less the pins past ``max_pinned_pages``, in order."""
+        room, out = self.max_pinned_pages - self._stats.pinned_pages, []
+        for (_, (_, pages)), ok in zip(entries, later):
+            ok = ok and len(pages) <= room
             if ok:
                 room -= len(pages)
-            later.append(ok)
-        return later
+            out.append(ok)
+        return out
 
     def _hand_out(self, entries: list, later: list[bool], objects: Sequence[PlannedObject],
                   views: Sequence[GroupPages], check: StoreCheck | None) -> OffloadPlan:
-        """The plan of ``entries`` under a new ticket, recorded until confirmed; the ``later``
-        ones pinned (their pages held, in one ``hold_pages_by_group``) or deferred (copied later
-        without a hold, rescued if removed first). Recorded even with nothing later: what a tier
-        stores need not move again at eviction."""
+        """The plan of ``entries`` under a new ticket, recorded until confirmed (and counted, as
+        :meth:`_count_offloads` counts); the ``later`` ones pinned (their pages held, in one
+        ``hold_pages_by_group``) or deferred (copied later without a hold, rescued if removed
+        first). Recorded even with nothing later: what a tier stores need not move again at
+        eviction. One pass over the entries."""
         self._tickets += 1
-        ticket, stats, pin = self._tickets, self._stats, self.pin_offloads
-        every, keys, by_group, pinned_pages = [], [], {}, 0
-        for (entry, (_, pages)), ok in zip(entries, later):
+        ticket, stats, pin, shapes = self._tickets, self._stats, self.pin_offloads, self._offload_shapes
+        every, keys, by_group, pinned_pages, payload_bytes = [], [], {}, 0, []
+        for (entry, (boundary, pages)), ok in zip(entries, later):
             every.append(entry)
+            _, span, _, stride, row_bytes = shapes[entry[0]]
+            payload_bytes.append(max(0, boundary // stride - -(-max(0, boundary - span) // stride)) * row_bytes)
             if ok:
                 keys.append(entry)
                 if pin:
                     by_group.setdefault(entry[0], []).extend(pages)
                     pinned_pages += len(pages)
+        stats.offload_objects += len(entries)
+        stats.offload_bytes += sum(payload_bytes)
         arrays = {gid: np.array(pages, dtype=np.int64) for gid, pages in by_group.items()} if by_group else {}
         if pin:
             if arrays:
@@ -448,7 +456,7 @@ class TierLink:
                 deferred[every[i]] = (copies, i)
             stats.offload_deferred += len(keys)
             plan = OffloadPlan(objects, views, (), ticket, tuple(later), copies, store_check=check)
-        self._pins[ticket] = (arrays, keys, every, check, self._count_offloads(entries))
+        self._pins[ticket] = (arrays, keys, every, check, payload_bytes)
         self._offloading.update(every)
         return plan
 
