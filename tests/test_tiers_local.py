@@ -121,6 +121,10 @@ def test_host_tier_counts_hits_and_misses():
     assert (s.lookups, s.hits, s.misses, s.stored, s.stored_bytes) == (5, 3, 2, 2, 3)
     with pytest.raises(ValueError, match="non-empty str"):
         tier.get([""])
+    for bad in ("", 5, None):  # contains checks its names too (inline)
+        with pytest.raises(ValueError, match="non-empty str"):
+            tier.contains(["a", bad])
+    assert tier.contains(name for name in ("b", "z")) == [True, False]  # any iterable of names
     with pytest.raises(ValueError, match="bytes"):
         tier.put([("x", "text")])
 

@@ -22,7 +22,7 @@ from hybridkv.tiers import (
     layout_namespace,
     layout_parts,
 )
-from hybridkv.tiers.keys import boundary_key, chained_keys
+from hybridkv.tiers.keys import boundary_key, chained_keys, name_prefix, store_names
 
 FLASH = cache_layout("deepseek-v4-flash")
 NS = layout_namespace(FLASH)
@@ -92,6 +92,22 @@ def test_a_key_made_for_checked_groups_equals_the_checked_one(kind, group, key):
     assert ObjectStore(HostTier(1), FLASH).name(fast) == checked.name(NS)
     with pytest.raises(ValueError, match="content key"):
         ObjectKey.of_checked(kind, group, -1)
+
+
+
+@given(st.lists(st.tuples(st.sampled_from(["block", "checkpoint"]), st.sampled_from(["v4.swa_kv", C4]),
+                          st.one_of(st.integers(0, 2**130), st.sampled_from([0, 2**128 - 1, 2**128, 2**200]))),
+                max_size=6))
+def test_store_names_are_the_names_the_store_gives_the_keys(entries):
+    """A tier link asks the tier by ``store_names`` (no ``ObjectKey`` made): the same names as
+    ``ObjectStore.name`` of each key, in order."""
+    store = ObjectStore(HostTier(1), FLASH)
+    kinds = {group: kind for kind, group, _ in entries}  # a link's group has one kind
+    prefixes = {group: name_prefix(NS, group, kind) for group, kind in kinds.items()}
+    names = store_names(prefixes, [(group, key) for _, group, key in entries])
+    assert names == [store.name(ObjectKey(kinds[group], group, key)) for _, group, key in entries]
+    with pytest.raises(ValueError, match="content key"):
+        store_names(prefixes or {C4: ""}, [(next(iter(prefixes or {C4: ""})), -1)])
 
 
 # --- the format -----------------------------------------------------------------

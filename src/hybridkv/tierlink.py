@@ -85,7 +85,7 @@ import numpy as np
 from hybridkv.inflight import InFlightRule, Markers
 from hybridkv.inflight_state import InFlightState
 from hybridkv.runtime.manager import CacheManagerError
-from hybridkv.tiers.keys import ObjectKey
+from hybridkv.tiers.keys import ObjectKey, name_prefix, store_names
 from hybridkv.tiers.pools import layout_parts
 from hybridkv.tiers.rows import GroupPages, rows_for_tokens
 from hybridkv.tiers.store import ObjectStore
@@ -251,6 +251,8 @@ class TierLink:
                          else self._prefix.granularity_tokens,
                          s.page_tokens, s.entry_stride_tokens, self._row_bytes[s.group_id])
             for s in manager.specs}
+        # per group: what its objects' store names start with (``ObjectStore.name`` less the key's hex)
+        self._name_prefixes = {gid: name_prefix(self.store.namespace, gid, kind) for gid, kind in self._kinds.items()}
         self._prefix.tier_hook = self
 
     def stored(self, group_id: str, key: int, boundary_tokens: int, pages: Sequence[int], low_priority: bool) -> None:
@@ -360,16 +362,16 @@ class TierLink:
         later). With ``defer_offloads``, a plan whose every entry is deferred asks the store when
         it runs (on the worker) instead of now: it holds no page meanwhile. (A pinned plan asks
         now: a pin on what the store holds would change what the manager evicts.)"""
-        entries = self._fresh_entries()
+        entries, later = self._fresh_entries(self.pin_offloads or self.defer_offloads)
         if not entries:
             return _NO_OFFLOADS
-        later = self._later(entries) if self.defer_offloads else None
-        check = StoreCheck(self.store) if later is not None and all(later) else None
+        check = StoreCheck(self.store) if self.defer_offloads and all(later) else None
         if check is None:
-            entries = self._not_stored(entries)
+            entries, later = self._not_stored(entries, later)
             if not entries:
                 return _NO_OFFLOADS
-            later = self._later(entries) if self.pin_offloads or self.defer_offloads else None
+            if self.pin_offloads and self.max_pinned_pages is not None:
+                later = self._within_room(entries, later)
         parts = PlanParts(len(entries), partial(_offload_parts, self._offload_shapes, entries))
         if later is not None:
             return self._hand_out(entries, later, parts.objects, parts.sources, check)
@@ -377,74 +379,84 @@ class TierLink:
         self._tickets += 1
         return OffloadPlan(parts.objects, parts.sources, (), self._tickets)
 
-    def _not_stored(self, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]
-                    ) -> list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]:
-        """``entries`` less those whose objects the store holds (one ``contains``, counted as skipped)."""
-        of_checked, shapes = ObjectKey.of_checked, self._offload_shapes
-        held = self.store.contains([of_checked(shapes[gid][0], gid, key) for (gid, key), _ in entries])
+    def _not_stored(self, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]], later: list[bool] | None
+                    ) -> tuple[list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]], list[bool] | None]:
+        """``entries`` (and their ``later`` flags) less those whose objects the store holds (one
+        ``contains`` of the tier, by the names ``ObjectStore.name`` gives their keys; counted as
+        skipped)."""
+        held = self.store.tier.contains(store_names(self._name_prefixes, [entry for entry, _ in entries]))
         if True not in held:
-            return entries
+            return entries, later
         keep = [entry for entry, h in zip(entries, held) if not h]
         self._stats.offload_skipped += len(entries) - len(keep)
-        return keep
+        return keep, None if later is None else [ok for ok, h in zip(later, held) if not h]
 
-    def _fresh_entries(self) -> list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]:
+    def _fresh_entries(self, published: bool) -> tuple[list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]],
+                                                       list[bool] | None]:
         """The queue emptied: its entries ``((group, key), (boundary, pages))``, the first of each,
-        less those whose copy is still in flight."""
+        less those whose copy is still in flight; with ``published``, per entry whether its copy
+        may run later: it is still published with the pages it was queued with (an evicted
+        entry's pages may be reused already). One pass."""
         queue, self._queue = self._queue, []
         fresh: dict[tuple[str, int], tuple[int, tuple[int, ...]]] = {}
-        offloading = self._offloading
+        offloading, pools = self._offloading, self.manager.pools
+        later: list[bool] | None = [] if published else None
         for gid, key, boundary, pages in queue:
             entry = (gid, key)
             if entry not in fresh and entry not in offloading:
                 fresh[entry] = (boundary, pages)
-        return list(fresh.items())
+                if published:
+                    later.append(pools[gid].lookup(key) == pages)
+        return list(fresh.items()), later
 
-    def _later(self, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]]) -> list[bool]:
-        """Per entry ``((group, key), (boundary, pages))``, whether its copy may run later: it is
-        still published with the pages it was queued with (an evicted entry's pages may be reused
-        already) and, pinned, within ``max_pinned_pages``."""
-        pools = self.manager.pools
-        if not self.pin_offloads or self.max_pinned_pages is None:
-            return [pools[gid].lookup(key) == pages for (gid, key), (_, pages) in entries]
-        room, later = self.max_pinned_pages - self._stats.pinned_pages, []
-        for (gid, key), (_, pages) in entries:
-            ok = pools[gid].lookup(key) == pages and len(pages) <= room
+    def _within_room(self, entries: list[tuple[tuple[str, int], tuple[int, tuple[int, ...]]]], later: list[bool]
+                     ) -> list[bool]:
+        """``later`` less the pins past ``max_pinned_pages``, in order."""
+        room, out = self.max_pinned_pages - self._stats.pinned_pages, []
+        for (_, (_, pages)), ok in zip(entries, later):
+            ok = ok and len(pages) <= room
             if ok:
                 room -= len(pages)
-            later.append(ok)
-        return later
+            out.append(ok)
+        return out
 
     def _hand_out(self, entries: list, later: list[bool], objects: Sequence[PlannedObject],
                   views: Sequence[GroupPages], check: StoreCheck | None) -> OffloadPlan:
-        """The plan of ``entries`` under a new ticket, recorded until confirmed; the ``later``
-        ones pinned (their pages held) or deferred (copied later without a hold, rescued if
-        removed first). Recorded even with nothing later: what a tier stores need not move
-        again at eviction."""
+        """The plan of ``entries`` under a new ticket, recorded until confirmed (and counted, as
+        :meth:`_count_offloads` counts); the ``later`` ones pinned (their pages held, in one
+        ``hold_pages_by_group``) or deferred (copied later without a hold, rescued if removed
+        first). Recorded even with nothing later: what a tier stores need not move again at
+        eviction. One pass over the entries."""
         self._tickets += 1
-        ticket, stats = self._tickets, self._stats
-        keys = tuple(entry for (entry, _), ok in zip(entries, later) if ok)
-        every = tuple(entry for entry, _ in entries)
-        arrays: dict[str, np.ndarray] = {}
-        if self.pin_offloads:
-            by_group: dict[str, list[int]] = {}
-            for ((gid, _), (_, pages)), ok in zip(entries, later):
-                if ok:
-                    by_group.setdefault(gid, []).extend(pages)
-            arrays = {gid: np.asarray(pages, dtype=np.int64) for gid, pages in by_group.items()}
+        ticket, stats, pin, shapes = self._tickets, self._stats, self.pin_offloads, self._offload_shapes
+        every, keys, by_group, pinned_pages, payload_bytes = [], [], {}, 0, []
+        for (entry, (boundary, pages)), ok in zip(entries, later):
+            every.append(entry)
+            _, span, _, stride, row_bytes = shapes[entry[0]]
+            payload_bytes.append(max(0, boundary // stride - -(-max(0, boundary - span) // stride)) * row_bytes)
+            if ok:
+                keys.append(entry)
+                if pin:
+                    by_group.setdefault(entry[0], []).extend(pages)
+                    pinned_pages += len(pages)
+        stats.offload_objects += len(entries)
+        stats.offload_bytes += sum(payload_bytes)
+        arrays = {gid: np.array(pages, dtype=np.int64) for gid, pages in by_group.items()} if by_group else {}
+        if pin:
             if arrays:
                 self.manager.hold_pages_by_group(arrays)
-                stats.pinned_pages += sum(pages.size for pages in arrays.values())
+                stats.pinned_pages += pinned_pages
             stats.offload_pinned += len(keys)
             plan = OffloadPlan(objects, views, tuple(later), ticket, store_check=check)
         else:
             indices = [i for i, ok in enumerate(later) if ok]
             copies = DeferredCopies(objects, views, indices) if indices else None
+            deferred = self._deferred
             for i in indices:
-                self._deferred[every[i]] = (copies, i)
+                deferred[every[i]] = (copies, i)
             stats.offload_deferred += len(keys)
             plan = OffloadPlan(objects, views, (), ticket, tuple(later), copies, store_check=check)
-        self._pins[ticket] = (arrays, keys, every, check, self._count_offloads(entries))
+        self._pins[ticket] = (arrays, keys, every, check, payload_bytes)
         self._offloading.update(every)
         return plan
 
@@ -452,54 +464,58 @@ class TierLink:
         """Report offload plans the engine has run: ``(ticket, per object True stored, False
         refused by the tier, None dropped or failed)`` each, as ``OffloadWorker.finished()`` gives
         them. The pages pinned for a plan are released (those no request holds go back to the
-        pool); an unknown ticket (a plan with nothing pinned) only counts."""
+        pool), those of every plan reported in one ``release_held_pages_by_group``; an unknown
+        ticket (a plan with nothing pinned) only counts."""
         if isinstance(results, list) and not results:
             return  # most steps: no plan finished
         released: dict[str, list[np.ndarray]] = {}
-        stats = self._stats
         for ticket, stored in results:
-            stored = list(stored)
-            pins = self._pins.pop(ticket, None) if ticket is not None else None
-            n_stored = self._count_results(stored, pins)
-            if pins is not None:
-                self._settle_plan(pins, stored, n_stored, released)
+            self._confirm_plan(ticket, list(stored), released)
         if released:  # one release for every plan confirmed
             by_group = {gid: np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
                         for gid, arrays in released.items()}
             self.manager.release_held_pages_by_group(by_group)
-            stats.pinned_pages -= sum(pages.size for pages in by_group.values())
+            self._stats.pinned_pages -= sum([pages.size for pages in by_group.values()])
 
-    def _settle_plan(self, pins: tuple, stored: list[bool | None], n_stored: int,
-                     released: dict[str, list[np.ndarray]]) -> None:
-        """A confirmed plan's entries: the stored ones sent, none offloading or deferred any
-        more; its pinned pages added to ``released`` by group."""
+    def _confirm_plan(self, ticket: int | None, stored: list[bool | None], released: dict[str, list[np.ndarray]]
+                      ) -> None:
+        """Count a confirmed plan's results; settle its entries (the stored ones sent, none
+        offloading or deferred any more) and add its pinned pages to ``released`` by group."""
+        stats = self._stats
+        pins = self._pins.pop(ticket, None) if ticket is not None else None
+        n_stored, n_refused = stored.count(True), stored.count(False)
+        counted = (n_stored, n_refused, len(stored) - n_stored - n_refused)
+        if pins is not None and pins[3] is not None and pins[3].held:
+            counted = self._uncount_held(stored, pins, counted)
+        stats.offload_stored += counted[0]
+        stats.offload_refused += counted[1]
+        stats.offload_dropped += counted[2]
+        if pins is None:
+            return
         by_group, keys, every, _, _ = pins
-        if n_stored:
+        if n_stored == len(every):  # (most plans: every object stored)
+            self._sent.update(self._entries.keys() & every)
+        elif n_stored:
             entries = self._entries
             self._sent.update(entry for entry, ok in zip(every, stored) if ok is True and entry in entries)
         for gid, pages in by_group.items():
             released.setdefault(gid, []).append(pages)
         self._offloading.difference_update(every)
-        for entry in keys:
-            self._deferred.pop(entry, None)
+        if self._deferred:
+            for entry in keys:
+                self._deferred.pop(entry, None)
 
-    def _count_results(self, stored: list[bool | None], pins: tuple | None) -> int:
-        """Count a confirmed plan's results; how many objects a tier holds now. Objects its
-        store check found held are counted as skipped, as a take that asked would have."""
-        stats, held = self._stats, pins[3].held if pins is not None and pins[3] is not None else ()
-        n_stored, n_refused = stored.count(True), stored.count(False)
-        counted = (n_stored, n_refused, len(stored) - n_stored - n_refused)
-        if held:  # what the store held when the plan ran: skipped, not handed out
-            skipped = [stored[i] for i in held]
-            counted = (counted[0] - skipped.count(True), counted[1] - skipped.count(False),
-                       counted[2] - skipped.count(None))
-            stats.offload_skipped += len(held)
-            stats.offload_objects -= len(held)
-            stats.offload_bytes -= sum(pins[4][i] for i in held)
-        stats.offload_stored += counted[0]
-        stats.offload_refused += counted[1]
-        stats.offload_dropped += counted[2]
-        return n_stored
+    def _uncount_held(self, stored: list[bool | None], pins: tuple, counted: tuple[int, int, int]
+                      ) -> tuple[int, int, int]:
+        """A plan's ``counted`` results less the objects its store check found held: those are
+        counted as skipped, as a take that asked would have, not as handed out."""
+        stats, held = self._stats, pins[3].held
+        skipped = [stored[i] for i in held]
+        stats.offload_skipped += len(held)
+        stats.offload_objects -= len(held)
+        stats.offload_bytes -= sum(pins[4][i] for i in held)
+        return (counted[0] - skipped.count(True), counted[1] - skipped.count(False),
+                counted[2] - skipped.count(None))
 
     def take_loads(self, request_ids: Iterable[str] | None = None) -> list[PendingLoad]:
         """Pages for the planned loads (one step of those requests, nothing computed) and the

@@ -399,9 +399,12 @@ class OffloadPlan:
         ``worker.finished()``). Empty plans are not queued."""
         if self.rescues:
             self.rescue(pools)
-        if not self.objects:
-            return True
-        pools, flags = dict(pools), self._later_flags()
+        flags = self.pinned if not self.deferred else self._later_flags()
+        if not flags:
+            if not self.objects:
+                return True
+            flags = (False,) * len(self.objects)
+        pools = dict(pools)
         if all(flags):  # write-through: every copy runs on the worker
             now, later, staged = [], list(range(len(flags))), []
         else:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from hybridkv.runtime.kernels import (ID_OFFSET, LOW_FLOOR, LOW_IDLE_PAGES, LOWEST, LRU_PAGES, TOP, free_rows, note_peaks,
-                                     place_row, push_run, take_holds)
+from hybridkv.runtime.kernels import (ID_OFFSET, LOW_FLOOR, LOW_IDLE_PAGES, LOWEST, LRU_PAGES, RELEASED_PAGES, TOP,
+                                      free_rows, note_peaks, place_row, push_free, push_run, take_holds)
 
 
 @njit(cache=True, inline="always")
@@ -88,6 +88,28 @@ def leave(prev, nxt, lengths, offsets, per_group, pages):
             unlink(prev, nxt, off, pages[i])
         lengths[g] -= k
         start += k
+
+
+@njit(cache=True)
+def leave_borrowed(prev, nxt, offsets, space_counts, per_group, pages):
+    """Pages that got a holder outside any request leave their group's list (:func:`leave`)
+    and the pools' peaks follow (``kernels.note_peaks``): ``PageSpace.borrowed_idle`` in one
+    call; ``space_counts``: ``PageSpace.per_group``."""
+    leave(prev, nxt, space_counts[LRU_PAGES], offsets, per_group, pages)
+    note_peaks(space_counts, per_group, per_group[:0])
+
+
+@njit(cache=True)
+def place_released(stack, offsets, space_counts, counts, freed, keyed, idle_tick, low_priority, prev, nxt, clock):
+    """What ``kernels.drop_holds`` let go (``counts``, ``freed``, ``keyed`` as it fills them)
+    goes where a release puts it: unkeyed pages onto their free stacks (``push_free``), the
+    release counted, keyed ones into their lists (:func:`join`): ``PageSpace.released`` in
+    one call; ``space_counts``: ``PageSpace.per_group``."""
+    push_free(stack, space_counts[TOP], offsets, space_counts[LOWEST], counts[0], freed)
+    for g in range(counts.shape[1]):
+        space_counts[RELEASED_PAGES, g] += counts[0, g] + counts[1, g]
+    join(idle_tick, low_priority, prev, nxt, space_counts[LRU_PAGES], space_counts[LOW_IDLE_PAGES],
+         space_counts[LOW_FLOOR], offsets, counts[1], keyed, clock)
 
 
 @njit(cache=True)

@@ -1481,14 +1481,16 @@ class CacheManager:
         """Every group's pages, in the page space's group order, as each group's own ids, and
         how many per group. A group the manager lacks is refused (after ``error`` for a page
         outside ``[lowest, num_pages)``, the kernels' range check)."""
-        local, per_group = [], np.zeros(len(self._group_ids), dtype=np.int64)
-        for g, gid in enumerate(self._group_ids):
+        local, sizes = [], []
+        for gid in self._group_ids:
             pages = pages_by_group.get(gid)
-            if pages is not None:
+            if pages is None:
+                sizes.append(0)
+            else:
                 pages = np.asarray(pages, dtype=np.int64).ravel()
                 local.append(pages)
-                per_group[g] = pages.size
-        known = len(local)
+                sizes.append(pages.size)
+        per_group, known = np.array(sizes, dtype=np.int64), len(local)
         local = np.concatenate(local) if known > 1 else local[0] if local else np.zeros(0, dtype=np.int64)
         if known < len(pages_by_group):  # a group the manager lacks
             bad = kernels.first_out_of_range(local, per_group, self._space_limits, lowest)

@@ -11,6 +11,7 @@ and hand its keys over as bytes.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -101,6 +102,17 @@ class ObjectKey:
     def name(self, namespace: Namespace) -> str:
         """The store name: ``hkv1/<namespace>/<group>/<kind>/<key>`` (ASCII, no rank)."""
         return f"{name_prefix(namespace, self.group_id, self.kind)}{self.key.hex()}"
+
+
+def store_names(prefixes: Mapping[str, str], entries: Iterable[tuple[str, int]]) -> list[str]:
+    """The store names of ``(group, key)`` entries, a manager hash ``key`` each:
+    ``prefixes[group]`` (the group's :func:`name_prefix`) and the hex of ``ObjectKey.of_checked``'s
+    key bytes, as ``ObjectStore.name`` names their ``ObjectKey``s (one loop, no key made)."""
+    out = []
+    for gid, key in entries:
+        raw = key.to_bytes(16, "big") if type(key) is int and 0 <= key < _SIXTEEN_BYTES else as_key_bytes(key)
+        out.append(prefixes[gid] + raw.hex())
+    return out
 
 
 def name_prefix(namespace: Namespace, group_id: str, kind: str) -> str:
