@@ -52,7 +52,10 @@ step-median ratio: each step's median cost over the rounds, summed, against ``of
 typical cost). Also the same ratio with the wake-up delays added (``x off +wake``; on a busy
 machine the scheduler's latency dominates them); the step thread's CPU time
 (``time.thread_time``: everything the thread ran per step, the simulator's own bookkeeping
-included, loads apart; neither waits for a core nor for the GIL count) and its ratio; offload
+included, loads apart; neither waits for a core nor for the GIL count) and its ratio; from the
+kernel's per-thread ``schedstat``, the step thread's time blocked beyond its sleeps (``blocked ms``:
+its waits for the GIL the worker holds, plus the timer's slack that ``off`` has too) and its waits
+for a core (``queued ms``), and the worker thread's CPU time (``worker cpu ms``); offload
 objects, pinned, dropped, and the load time. Writes a table and JSON (default
 bench/out/tiers_step.json).
 """
@@ -67,6 +70,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -111,6 +115,7 @@ class StepEngine:
         self.parts_cpu = parts_cpu  # read the CPU clock around each call (else parts_cpu_us stay 0)
         self.tier_cpu_us = 0.0  # the run's tier work on the step thread, CPU time
         self.loaded: dict[str, int] = {}  # tokens each request gained from confirmed loads
+        self.slept_s = 0.0  # the forwards' sleeps asked for
 
     def end_step(self, *_: object) -> None:
         self.steps_tier_us.append(self.tier_us)
@@ -141,6 +146,7 @@ class StepEngine:
         if self.worker is not None and self.gate:
             self.worker.resume()  # the worker runs while the device computes
         start = time.perf_counter()
+        self.slept_s += self.forward_s
         time.sleep(self.forward_s)
         if self.worker is not None and self.gate:
             self.worker.pause()
@@ -207,10 +213,33 @@ class StepEngine:
         if self.link is not None:
             self.link.resume_waits()
 
+    def worker_sched(self) -> tuple[float, float]:
+        """The worker thread's ``(CPU, run-queue wait)`` in ms so far (after a drain: its whole run),
+        from ``/proc``; zeros without a worker."""
+        if self.worker is None:
+            return 0.0, 0.0
+        self.worker.drain()
+        threads = [t for t in threading.enumerate() if t.name == "hybridkv-offload" and t.is_alive()]
+        return thread_sched(threads[-1].native_id) if len(threads) == 1 else (math.nan, math.nan)
+
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()
             self.link.confirm_offloads(self.worker.finished())
+
+
+def thread_sched(native_id: int | None = None) -> tuple[float, float]:
+    """A thread's (this one's by default) ``(CPU, run-queue wait)`` in ms since it started, from
+    ``/proc/self/task/<id>/schedstat``: the time it ran, and the time it was ready to run but
+    waited for a core. What a thread neither ran nor waited a core for, it was blocked: in its
+    sleeps, or waiting for the GIL (or a lock)."""
+    tid = threading.get_native_id() if native_id is None else native_id
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            ran_ns, queued_ns = (int(x) for x in f.read().split()[:2])
+    except (OSError, ValueError):
+        return math.nan, math.nan
+    return ran_ns / 1e6, queued_ns / 1e6
 
 
 def workload(args) -> list:
@@ -244,10 +273,13 @@ def run_variant(variant: str, plan, pools, requests, args, tmp: str, index: int)
                     step_token_budget=plan.limits.max_scheduled_tokens, tier=engine)
     gc.collect()
     gc.disable()  # a collection's pause lands on whichever step it hits
+    (ran0, queued0), wall0 = thread_sched(), time.perf_counter()
     try:
         result = sim.run(on_step=engine.end_step)
     finally:
         gc.enable()
+    (ran1, queued1), wall1 = thread_sched(), time.perf_counter()
+    worker_ran, worker_queued = engine.worker_sched()
     engine.close()
     manager.check_invariants()
     steps = np.asarray(result.manager_us) + np.asarray(engine.steps_tier_us)
@@ -265,6 +297,12 @@ def run_variant(variant: str, plan, pools, requests, args, tmp: str, index: int)
         "hit_tokens": int(result.hit_tokens.sum()),
         "scheduled_tokens": int(result.scheduled_tokens.sum()),
         "evicted_pages": int(sum(s.evicted_pages for s in manager.stats().values())),
+        # the step thread's run: blocked beyond its sleeps (GIL waits and the timer's slack), and
+        # waiting for a core; the worker thread's CPU and its wait for a core
+        "blocked_ms": (wall1 - wall0) * 1e3 - (ran1 - ran0) - (queued1 - queued0) - engine.slept_s * 1e3,
+        "queued_ms": queued1 - queued0,
+        "worker_cpu_ms": worker_ran,
+        "worker_queued_ms": worker_queued,
     }
     if link is not None:
         st = link.stats()
@@ -383,6 +421,8 @@ def summarize(rounds: list[dict], variants: list[str]) -> dict:
             "tier_parts_cpu_ms_median": {part: statistics.median(r[v]["tier_parts_cpu_us"][part] / 1e3 for r in rounds)
                                          for part in ("confirm", "take", "copy")},
             "load_ms_median": statistics.median(r[v]["load_us_total"] / 1e3 for r in rounds),
+            **{f"{k}_median": statistics.median(r[v][k] for r in rounds)
+               for k in ("blocked_ms", "queued_ms", "worker_cpu_ms", "worker_queued_ms")},
             **{k: last[k] for k in ("steps", "evicted_pages", "hit_tokens", "offload_objects", "offload_pinned",
                                     "offload_deferred", "offload_rescues", "offload_dropped", "confirmed_loads")
                if k in last},
@@ -408,7 +448,7 @@ def print_report(report: dict) -> None:
           f"{'loads on' if report['loads'] else 'no loads'}, {'gated worker, ' if report['gate'] else ''}"
           f"{report['rounds']} rounds, load average {report['load_average_1m']:.1f} on {report['cpus']} CPUs")
     head = ("variant", "steps", "p50 us", "p99 us", "total ms", "tier ms", "tier cpu ms", "x off", "interval", "step-median x off",
-            "wake ms", "x off +wake", "cpu ms", "cpu x off", "objects", "pinned", "deferred", "rescues", "dropped", "evicted pg", "loads ms",
+            "wake ms", "x off +wake", "cpu ms", "cpu x off", "blocked ms", "queued ms", "worker cpu ms", "objects", "pinned", "deferred", "rescues", "dropped", "evicted pg", "loads ms",
             "1.2x")
     print(" | ".join(head))
     for v, s in report["summary"].items():
@@ -419,6 +459,7 @@ def print_report(report: dict) -> None:
             f"{s['ratio_interval'][0]:.2f}-{s['ratio_interval'][1]:.2f}", "" if smr is None else f"{smr:.3f}",
             f"{s['wake_ms_median']:.0f}", f"{s['with_wake_ratio_median']:.3f}",
             f"{s['cpu_ms_median']:.0f}", f"{s['cpu_ratio_median']:.3f}",
+            f"{s['blocked_ms_median']:.0f}", f"{s['queued_ms_median']:.0f}", f"{s['worker_cpu_ms_median']:.0f}",
             s.get("offload_objects", ""), s.get("offload_pinned", ""), s.get("offload_deferred", ""),
             s.get("offload_rescues", ""), s.get("offload_dropped", ""),
             s["evicted_pages"], f"{s['load_ms_median']:.0f}", s["verdict"])))
@@ -426,6 +467,9 @@ def print_report(report: dict) -> None:
         f"{v} " + ", ".join(f"{part} {s['tier_parts_ms_median'][part]:.1f}/{s['tier_parts_cpu_ms_median'][part]:.1f}"
                             for part in ("confirm", "take", "copy"))
         for v, s in report["summary"].items() if v != "off"))
+    print("blocked ms: the step thread's run less its CPU, its waits for a core (queued ms) and its forwards' "
+          "sleeps: its waits for the GIL the worker holds, and the timer's slack (off has the slack alone); "
+          "worker cpu ms: the offload worker thread's CPU time (all of it, with the GIL held or not)")
     coverage = next(iter(report["summary"].values()))["ratio_interval_coverage"]
     print("per-round x off: " + "; ".join(
         f"{v} " + " ".join(f"{x:.2f}" for x in s["ratios"]) for v, s in report["summary"].items() if v != "off"))

@@ -291,11 +291,16 @@ def test_check_scatter_answers_each_range_s_slots_and_scatter_takes_them():
         scatter_objects(by_slots, views, objects[:1], slots=[slots[0][:-1]])  # one slot short
 
 
-def test_gather_into_a_given_buffer_leaves_the_room_asked_for_before_each_payload():
+@pytest.mark.parametrize("per_range", [False, True])
+def test_gather_into_a_given_buffer_leaves_the_room_asked_for_before_each_payload(per_range):
+    """Through one view per group, or one per range (an offload's sources: the compiled pass that
+    finds each range's slots through its own view and copies in the same call)."""
     src = random_pools(9)
     rng = np.random.default_rng(9)
     ranges = [(ObjectKey("block", gid, bytes([i + 1])), 256 * i, 256 * (i + 1)) for gid in GROUPS[:3] for i in range(2)]
     views = {gid: random_view(rng, src[gid].spec, 0, 512) for gid in GROUPS}
+    if per_range:
+        views = [views[key.group_id] for key, _, _ in ranges]
     room = [int(n) for n in rng.integers(0, 50, len(ranges))]
     fresh = gather_objects(src, views, ranges)
     need = sum(room) + sum(o.payload.size for o in fresh)
@@ -309,6 +314,27 @@ def test_gather_into_a_given_buffer_leaves_the_room_asked_for_before_each_payloa
     assert np.all(into[need:] == 0xEE)
     with pytest.raises(ValueError, match="into holds"):
         gather_objects(src, views, ranges, room_bytes=room, into=into[: need - 1])
+
+
+@pytest.mark.parametrize("hold_gil", [False, True])
+def test_gather_through_views_refuses_a_page_outside_the_pools_before_writing(hold_gil):
+    """A view naming a page past the pools' pages: ``ValueError`` naming the row, and the buffer
+    given is left as it was (the slots are all checked before the first row is copied)."""
+    src = random_pools(4)
+    gid = GROUPS[0]
+    rng = np.random.default_rng(4)
+    ranges = [(ObjectKey("block", gid, bytes([i + 1])), 256 * i, 256 * (i + 1)) for i in range(3)]
+    views = [random_view(rng, src[gid].spec, a, b) for _, a, b in ranges]
+    fresh = gather_objects(src, views, ranges, hold_gil=hold_gil)
+    bad = GroupPages(views[2].base_page, np.where(np.arange(views[2].pages.size) == views[2].pages.size - 1,
+                                                  PAGES + 3, views[2].pages))
+    into = np.full(sum(o.payload.size for o in fresh), 0xEE, dtype=np.uint8)
+    first_row, num_rows = rows_for_tokens(src[gid].spec, 512, 768)
+    outside = [r for r in range(first_row, first_row + num_rows)
+               if r // src[gid].spec.rows_per_page - bad.base_page == bad.pages.size - 1][0]
+    with pytest.raises(ValueError, match=f"cache row {outside} lies beyond"):
+        gather_objects(src, views[:2] + [bad], ranges, into=into, hold_gil=hold_gil)
+    assert np.all(into == 0xEE)
 
 
 def test_batched_scatter_refuses_a_read_only_pool_before_writing():

@@ -15,7 +15,9 @@ row, or -1 when all rows were copied), so a bad argument cannot write outside th
 arrays. ``gather_planes`` gathers every (layer, plane) of a group in one call without
 the GIL (an offload worker's one copy per group and plan); ``gather_planes_holding_gil`` keeps
 it (an engine's step thread: a short copy that let go of the GIL would wait for the worker to
-hand it back). With ``NUMBA_DISABLE_JIT=1`` they run as plain Python with numpy slices.
+hand it back). ``gather_views`` gathers objects that are each read through their own page
+view (an offload plan's sources), finding and checking the slots and copying every plane in
+the same call. With ``NUMBA_DISABLE_JIT=1`` they run as plain Python with numpy slices.
 """
 
 from __future__ import annotations
@@ -164,31 +166,81 @@ def gather_planes_holding_gil(pools, dst, starts, rows, slots, value_bytes, scal
 
 
 @njit(cache=True)
-def _slots_through_views(flat_pages, page_starts, page_counts, base_pages, first_rows, row_counts, rows_per_page, out):
-    k = 0
-    for j in range(first_rows.size):
-        for row in range(first_rows[j], first_rows[j] + row_counts[j]):
-            logical = row // rows_per_page - base_pages[j]
-            if logical < 0 or logical >= page_counts[j] or flat_pages[page_starts[j] + logical] < 0:
+def _view_slots(flat_pages, table, rows_per_page, capacity_slots, slots):
+    """Pass one of ``gather_views``: every object's slots into ``slots``; -1, ``k`` for row ``k``
+    on no held page, or ``-2 - k`` for row ``k`` at or past ``capacity_slots``."""
+    k = page_at = 0
+    for j in range(table.shape[0]):
+        first, count, base, held = table[j, 0], table[j, 1], table[j, 2], table[j, 3]
+        for row in range(first, first + count):
+            logical = row // rows_per_page - base
+            if logical < 0 or logical >= held or flat_pages[page_at + logical] < 0:
                 return k
-            out[k] = flat_pages[page_starts[j] + logical] * rows_per_page + row % rows_per_page
+            slot = flat_pages[page_at + logical] * rows_per_page + row % rows_per_page
+            if slot >= capacity_slots:
+                return -2 - k
+            slots[k] = slot
             k += 1
+        page_at += held
+    return -1
+
+
+@njit(cache=True)
+def _gather_views(pools, dst, flat_pages, table, part_at, value_bytes, scale_bytes, rows_per_page, capacity_slots,
+                  payload_starts):
+    row_bytes = 0
+    for p in range(len(pools)):
+        row_bytes += value_bytes[p] + scale_bytes[p]
+        if pools[p].shape[1] < rows_per_page * (value_bytes[p] + scale_bytes[p]):
+            return -2  # (a pool narrower than its rows)
+    at = total_rows = 0
+    for j in range(table.shape[0]):
+        at += table[j, 4]
+        payload_starts[j] = at
+        at += table[j, 1] * row_bytes
+        total_rows += table[j, 1]
+    if at > dst.size:
+        return -2
+    slots = np.empty(total_rows, dtype=np.int64)
+    bad = _view_slots(flat_pages, table, rows_per_page, capacity_slots, slots)
+    if bad != -1:
+        return bad
+    for p in range(len(pools)):
+        flat, stride = pools[p].reshape(-1), pools[p].shape[1]
+        values, scales = value_bytes[p], scale_bytes[p]
+        scales_at, k = rows_per_page * values, 0
+        for j in range(table.shape[0]):
+            at = payload_starts[j] + table[j, 1] * part_at[p]
+            for _ in range(table[j, 1]):
+                page = slots[k] // rows_per_page
+                row = slots[k] - page * rows_per_page
+                copy_bytes(dst, at, flat, page * stride + row * values, values)
+                if scales:
+                    copy_bytes(dst, at + values, flat, page * stride + scales_at + row * scales, scales)
+                at += values + scales
+                k += 1
     return -1
 
 
 @njit(cache=True, nogil=True)
-def slots_through_views(flat_pages, page_starts, page_counts, base_pages, first_rows, row_counts, rows_per_page, out):
-    """The slots of object ``j``'s rows ``[first_rows[j], + row_counts[j])``, each read through
-    its own page view (logical page ``base_pages[j] + i`` is ``flat_pages[page_starts[j] + i]``
-    for ``i < page_counts[j]``; -1: not held), one object after the other, into ``out``,
-    without the GIL. -1, or the index of the first row on no held page (``out`` written up to it)."""
-    return _slots_through_views(flat_pages, page_starts, page_counts, base_pages, first_rows, row_counts,
-                                rows_per_page, out)
+def gather_views(pools, dst, flat_pages, table, part_at, value_bytes, scale_bytes, rows_per_page, capacity_slots,
+                 payload_starts):
+    """Gather many objects of one group, each read through its own page view, in one call
+    without the GIL: their slots found and checked first (nothing is copied when one row lies on
+    no held page or outside the pools), then every plane's rows copied. Object ``j`` is row
+    ``table[j]``: first cache row, rows, base page, held pages (its view: the next ``held`` of
+    ``flat_pages``, -1 where none is held), bytes left free before its payload. Its payload is
+    written at ``payload_starts[j]`` (set here: after the room, one object after the other),
+    plane ``p``'s part at ``+ rows * part_at[p]``, rows as ``gather_rows`` lays them. -1, ``k``
+    for the ``k``-th row (over all objects) on no held page, or ``-2 - k`` for one outside the
+    pools (``-2``: a buffer or pool too small for them all)."""
+    return _gather_views(pools, dst, flat_pages, table, part_at, value_bytes, scale_bytes, rows_per_page,
+                         capacity_slots, payload_starts)
 
 
 @njit(cache=True)
-def slots_through_views_holding_gil(flat_pages, page_starts, page_counts, base_pages, first_rows, row_counts,
-                                    rows_per_page, out):
-    """``slots_through_views`` keeping the GIL (an engine's step thread, as ``gather_planes_holding_gil``)."""
-    return _slots_through_views(flat_pages, page_starts, page_counts, base_pages, first_rows, row_counts,
-                                rows_per_page, out)
+def gather_views_holding_gil(pools, dst, flat_pages, table, part_at, value_bytes, scale_bytes, rows_per_page,
+                             capacity_slots, payload_starts):
+    """``gather_views`` keeping the GIL (an engine's step thread, as ``gather_planes_holding_gil``)."""
+    return _gather_views(pools, dst, flat_pages, table, part_at, value_bytes, scale_bytes, rows_per_page,
+                         capacity_slots, payload_starts)

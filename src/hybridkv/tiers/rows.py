@@ -20,8 +20,8 @@ from hybridkv.spec import CacheGroupSpec
 from hybridkv.tiers.keys import ObjectKey
 from hybridkv.tiers.objects import ObjectError, RowsObject, part_offsets, parts_row_bytes
 from hybridkv.tiers.pools import GroupPools
-from hybridkv.tiers.rowcopy import (gather_planes, gather_planes_holding_gil, scatter_rows, slots_through_views,
-                                   slots_through_views_holding_gil)
+from hybridkv.tiers.rowcopy import (gather_planes, gather_planes_holding_gil, gather_views, gather_views_holding_gil,
+                                   scatter_rows)
 
 
 class MissingRows(ValueError):
@@ -183,30 +183,66 @@ def gather_objects(
     out: list[RowsObject | None] = [None] * len(ranges)
     used = 0
     per_range = not isinstance(pages, Mapping)
-    kernel = gather_planes_holding_gil if hold_gil else gather_planes
     for gid, members in _by_group(range(len(ranges)), lambda i: ranges[i][0].group_id).items():
         group = pools[gid]
-        plane_pools, value_bytes, scale_bytes, part_at = group.copy_tables
         shapes = [rows_for_tokens(group.spec, ranges[i][1], ranges[i][2]) for i in members]
-        if per_range:
-            slots = _slots_per_view(group, [pages[i] for i in members], shapes, hold_gil=hold_gil)
-        else:
-            slots = _group_slots(group, pages[gid], shapes, unique=False)
-        rows = np.array([n for _, n in shapes], dtype=np.int64)
         row_bytes = parts_row_bytes(group.parts)
-        before = np.array([room[i] for i in members], dtype=np.int64)
-        ends = np.cumsum(before + rows * row_bytes)
-        starts = ends - rows * row_bytes
-        buffer, used = _payload_buffer(into, used, int(ends[-1]))
-        bad = kernel(plane_pools, buffer, starts + rows * part_at[:, None], rows, slots, value_bytes, scale_bytes,
-                     group.spec.rows_per_page)
-        if bad >= 0:  # the checks above make this unreachable
-            raise ValueError(f"group {gid}: row {bad} of the gather is out of bounds")
-        for i, (first, n), start in zip(members, shapes, starts.tolist()):
+        before = [room[i] for i in members]
+        buffer, used = _payload_buffer(into, used, sum(before) + sum(n for _, n in shapes) * row_bytes)
+        if per_range:
+            starts = _gather_views_of(group, [pages[i] for i in members], shapes, before, buffer, hold_gil=hold_gil)
+        else:
+            starts = _gather_one_view(group, pages[gid], shapes, before, buffer, hold_gil=hold_gil)
+        for i, (first, n), start in zip(members, shapes, starts):
             key, first_token, end_token = ranges[i]
             payload = buffer[start : start + n * row_bytes]
             out[i] = RowsObject(key, first_token, end_token - first_token, first, n, group.parts, payload)
     return out
+
+
+def _gather_one_view(group: GroupPools, view: GroupPages, shapes, before: list[int], buffer: np.ndarray, *,
+                     hold_gil: bool) -> list[int]:
+    """Gather the rows ``shapes`` of a group through one page view into ``buffer``, each payload
+    after its ``before`` bytes; the payloads' starts."""
+    plane_pools, value_bytes, scale_bytes, part_at = group.copy_tables
+    slots = _group_slots(group, view, shapes, unique=False)
+    rows = np.array([n for _, n in shapes], dtype=np.int64)
+    ends = np.cumsum(np.array(before, dtype=np.int64) + rows * parts_row_bytes(group.parts))
+    starts = ends - rows * parts_row_bytes(group.parts)
+    kernel = gather_planes_holding_gil if hold_gil else gather_planes
+    bad = kernel(plane_pools, buffer, starts + rows * part_at[:, None], rows, slots, value_bytes, scale_bytes,
+                 group.spec.rows_per_page)
+    if bad >= 0:  # the checks above make this unreachable
+        raise ValueError(f"group {group.spec.group_id}: row {bad} of the gather is out of bounds")
+    return starts.tolist()
+
+
+def _gather_views_of(group: GroupPools, views: Sequence[GroupPages], shapes, before: list[int], buffer: np.ndarray,
+                     *, hold_gil: bool) -> list[int]:
+    """Gather the rows ``shapes`` (``(first_row, num_rows)`` each), each read through its own page
+    view, into ``buffer``, each payload after its ``before`` bytes, in one compiled call
+    (``rowcopy.gather_views``: it finds and checks the slots first, and copies nothing when a row
+    lies on no held page or outside the pools); the payloads' starts. ``MissingRows`` /
+    ``ValueError`` as ``_group_slots``."""
+    plane_pools, value_bytes, scale_bytes, part_at = group.copy_tables
+    pages = [np.asarray(view.pages, dtype=np.int64) for view in views]
+    table = np.array([(first, n, view.base_page, p.size, room)
+                      for (first, n), view, p, room in zip(shapes, views, pages, before)], dtype=np.int64)
+    starts = np.empty(len(views), dtype=np.int64)
+    kernel = gather_views_holding_gil if hold_gil else gather_views
+    bad = kernel(plane_pools, buffer, np.concatenate(pages) if pages else np.zeros(0, np.int64),
+                 table.reshape(-1, 5), part_at, value_bytes, scale_bytes, group.spec.rows_per_page,
+                 group.capacity_slots, starts)
+    if bad == -1:
+        return starts.tolist()
+    k = bad if bad >= 0 else -2 - bad
+    ends = np.cumsum(table.reshape(-1, 5)[:, 1])
+    j = min(int(np.searchsorted(ends, k, side="right")), len(shapes) - 1)
+    row = int(shapes[j][0] + k - (ends[j] - shapes[j][1]))
+    if bad >= 0:
+        raise MissingRows(f"group {group.spec.group_id}: cache row {row} lies on no held page")
+    raise ValueError(f"group {group.spec.group_id}: cache row {row} lies beyond the pools' "
+                     f"{group.capacity_slots} rows")
 
 
 def _payload_buffer(into: np.ndarray | None, used: int, nbytes: int) -> tuple[np.ndarray, int]:
@@ -262,30 +298,6 @@ def _group_slots(group: GroupPools, pages: GroupPages, shapes, *, unique: bool) 
                          f"{group.capacity_slots} rows")
     if unique and np.unique(slots).size != slots.size:
         raise ValueError(f"group {group.spec.group_id}: two objects write the same cache row")
-    return slots
-
-
-def _slots_per_view(group: GroupPools, views: Sequence[GroupPages], shapes, *, hold_gil: bool = False) -> np.ndarray:
-    """Slots of the rows ``shapes`` (``(first_row, num_rows)`` each), each read through its own
-    page view, one object after the other (one compiled pass, ``rowcopy.slots_through_views``;
-    ``hold_gil`` on an engine's step thread); ``MissingRows``/``ValueError`` as ``_group_slots``."""
-    pages = [np.asarray(view.pages, dtype=np.int64) for view in views]
-    table = np.array([(first, n, view.base_page, p.size) for (first, n), view, p in zip(shapes, views, pages)],
-                     dtype=np.int64).reshape(-1, 4).T.copy()  # first rows, row counts, base pages, page counts
-    slots = np.empty(int(table[1].sum()), dtype=np.int64)
-    if not slots.size:
-        return slots
-    kernel = slots_through_views_holding_gil if hold_gil else slots_through_views
-    missing = kernel(np.concatenate(pages), np.cumsum(table[3]) - table[3], table[3], table[2], table[0], table[1],
-                     group.spec.rows_per_page, slots)
-    if missing >= 0:
-        ends = np.cumsum(table[1])
-        j = int(np.searchsorted(ends, missing, side="right"))
-        row = int(table[0, j] + missing - (ends[j] - table[1, j]))
-        raise MissingRows(f"group {group.spec.group_id}: cache row {row} lies on no held page")
-    if int(slots.max()) >= group.capacity_slots:
-        raise ValueError(f"group {group.spec.group_id}: slot {int(slots.max())} lies beyond the pools' "
-                         f"{group.capacity_slots} rows")
     return slots
 
 
