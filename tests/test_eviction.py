@@ -332,6 +332,61 @@ def test_a_first_block_is_no_gap():
     assert (policy.report()["s"].usable_entries, policy.report()["h"].usable_entries) == (1, 1)
 
 
+def _lru_keys(pool, keys):
+    """The keys of ``pool``'s idle entries (one page each) in LRU order, front first."""
+    by_page = {int(pool.lookup(key)[0]): key for key in keys if pool.lookup(key) is not None}
+    return [by_page[int(page)] for page in pool.evictable_page_ids()]
+
+
+def test_a_cut_demotes_the_children_of_a_node_in_the_order_they_were_published():
+    """Block 1 (the first, 256 tokens) has three children published in the order 30, 20,
+    10 (three continuations, 512 tokens), and 20 a child 5 (768 tokens); all idle, normal
+    priority. Block 1 is evicted: everything beyond it is cut and demoted, walked depth
+    first with the children taken from the last published (a stack: 1, 10, 20, 5, 30),
+    each demoted to the LRU's front, so the front ends 30, 5, 20, 10. Integer keys make
+    hash order (10, 20, 30) differ from publication order: a set of children would give
+    10, 5, 20, 30. (Insertion order is what compiled entry records, children in a linked
+    list, can reproduce: issue 19.)"""
+    pools, policy = _hand_policy()
+    h = pools["h"]
+    for key, parent, boundary in ((1, 0, 256), (30, 1, 512), (20, 1, 512), (10, 1, 512), (5, 20, 768)):
+        pages = allocate(h, 1)
+        assert publish(h, key, pages)
+        policy.stored("h", key, parent, boundary)
+        if key != 1:
+            decref(h, pages)
+    assert _lru_keys(h, (30, 20, 10, 5)) == [30, 20, 10, 5]
+    h.unpublish(1, EVICTED)
+    assert _lru_keys(h, (30, 20, 10, 5)) == [30, 5, 20, 10]
+    assert h.num_low_priority_idle_pages == 4
+    h.check_invariants()
+
+
+def test_a_parent_published_last_mends_its_waiting_children_in_the_order_they_were_published():
+    """Blocks 30, 20, 10 (512 tokens, parent 1) and their checkpoints are published, in
+    that order, before block 1: beyond a missing block, so each is demoted (front of the
+    LRU: 10, 20, 30). Block 1 then comes: the keys that waited for it become its children
+    and are mended in the order they were published, each checkpoint promoted to the
+    LRU's tail, so both pools end 30, 20, 10 (a set of waiting keys: 10, 20, 30)."""
+    pools, policy = _hand_policy()
+    h, s = pools["h"], pools["s"]
+    for key in (30, 20, 10):
+        for gid in ("h", "s"):
+            pages = allocate(pools[gid], 1)
+            assert publish(pools[gid], key, pages)
+            policy.stored(gid, key, 1, 512)
+            decref(pools[gid], pages)
+    assert _lru_keys(h, (30, 20, 10)) == _lru_keys(s, (30, 20, 10)) == [10, 20, 30]
+    assert h.num_low_priority_idle_pages == s.num_low_priority_idle_pages == 3
+    assert publish(h, 1, allocate(h, 1))
+    policy.stored("h", 1, 0, 256)
+    assert _lru_keys(h, (30, 20, 10)) == _lru_keys(s, (30, 20, 10)) == [30, 20, 10]
+    assert h.num_low_priority_idle_pages == s.num_low_priority_idle_pages == 0
+    assert policy.report()["s"].usable_entries == 3
+    h.check_invariants()
+    s.check_invariants()
+
+
 def _two_state_policy():
     """A history group ``h`` and two state groups ``s1``, ``s2`` of 64 pages each (grain
     256), their removals reported to the policy as ``PrefixCache`` reports them."""

@@ -58,15 +58,19 @@ class ValueEviction:
         # Orphans exist only where a hit needs both kinds of group.
         self._track = bool(self.history_ids) and bool(self.state_ids)
         # key -> [parent key, support, entries in any group, state groups holding it,
-        #         child keys (a set, or None), cut (a block on its chain is missing),
-        #         first (a chain's first block: its parent is the salt root), boundary tokens]:
+        #         child keys (an insertion-ordered set, below, or None), cut (a block on its
+        #         chain is missing), first (a chain's first block: its parent is the salt
+        #         root), boundary tokens]:
         # one record per key for every group (``origin`` reads what its events name)
         self._nodes: dict[Hashable, list] = {}
         # Whether a key has a node: False means no group publishes an entry under it (a
         # commit asks it once per key instead of asking each group's pool).
         self.knows: Callable[[Hashable], bool] = self._nodes.__contains__
-        # parent key -> keys published before it (linked as its children when it is)
-        self._unborn: dict[Hashable, set] = {}
+        # parent key -> keys published before it (linked as its children when it is), in
+        # the order they were; children and waiting keys are dicts (values None) used as
+        # insertion-ordered sets, so every walk over them (cut, mend, adoption) goes in
+        # publication order, never in hash order
+        self._unborn: dict[Hashable, dict] = {}
         # (group, key) of state entries demoted because a block below them went (promoted
         # back when it is published again); prompt checkpoints were low priority already.
         self._cut_demoted: set[tuple[str, Hashable]] = set()
@@ -135,13 +139,13 @@ class ValueEviction:
         if not nodes.keys().isdisjoint(keys) or not unborn.keys().isdisjoint(keys):
             return False
         if up is None:
-            unborn.setdefault(parents[0], set()).add(keys[0])
+            unborn.setdefault(parents[0], {})[keys[0]] = None
         for key, parent, boundary in zip(keys, parents, boundaries):
             if up is not None:
                 if up[4] is None:
-                    up[4] = {key}
+                    up[4] = {key: None}
                 else:
-                    up[4].add(key)
+                    up[4][key] = None
             up = nodes[key] = [parent, 0, n_history, 0, None, False, boundary <= g, boundary]
         return True
 
@@ -194,9 +198,9 @@ class ValueEviction:
                 nodes[key] = [parent, 1, len(self.history_ids) + n_state, n_state, None, False,
                               boundary <= self.granularity_tokens, boundary]
                 if up[4] is None:
-                    up[4] = {key}
+                    up[4] = {key: None}
                 else:
-                    up[4].add(key)
+                    up[4][key] = None
                 if up[1]:  # supported already: one more, nothing else changes
                     up[1] += 1
                 else:
@@ -260,11 +264,11 @@ class ValueEviction:
         node = self._nodes[key] = [parent, 0, 0, 0, children, up[5] if up is not None else self._track and not first,
                                    first, boundary]
         if up is None:
-            self._unborn.setdefault(parent, set()).add(key)
+            self._unborn.setdefault(parent, {})[key] = None
         elif up[4] is None:
-            up[4] = {key}
+            up[4] = {key: None}
         else:
-            up[4].add(key)
+            up[4][key] = None
         for child in children or ():
             if node[5] and not self._nodes[child][5]:
                 self._cut(child, demote_first=True)
@@ -466,11 +470,11 @@ class ValueEviction:
             up = self._nodes.get(node[0])
             if up is None:  # its parent's key was never published, or not since
                 waiting = self._unborn[node[0]]
-                waiting.discard(key)
+                waiting.pop(key, None)
                 if not waiting:
                     del self._unborn[node[0]]
                 return
-            up[4].discard(key)
+            up[4].pop(key, None)
             key = node[0]
 
     # --- diagnostics ------------------------------------------------------------
