@@ -440,6 +440,39 @@ def test_terminal_survives_when_the_borrowed_checkpoint_is_superseded():
     assert hit.hit_tokens == 512  # (550 + 40 - 1) // 256 * 256
 
 
+def test_the_last_hold_let_go_unpublishes_a_borrowed_checkpoint():
+    # "y" hits "x"'s own checkpoint at 512 while "x" runs: both hold it. "x" crossing 768
+    # leaves it to "y"; "y" crossing 768 lets go of the last hold and it is unpublished.
+    mgr = make_manager()
+    x = ids(103, 600)
+    mgr.add_request("x", x, max_new_tokens=300)
+    prefill(mgr, "x", 600)
+    decode(mgr, "x", ids(104, 2))  # commits the prefill: checkpoint at 512, x's own
+    assert mgr.add_request("y", cat(x[:540], ids(105, 10)), max_new_tokens=300).hit_tokens == 512
+    prefill(mgr, "y", 550)
+    mgr.prefix.drain_events()
+    decode(mgr, "x", ids(106, 200))  # x: 800 computed, crosses 768
+    assert events_of(mgr.prefix.drain_events(), "removed", SWA) == []
+    decode(mgr, "y", ids(107, 230))  # y: 779 computed, crosses 768
+    assert events_of(mgr.prefix.drain_events(), "removed", SWA) == [512]
+    mgr.check_invariants()
+
+
+def test_the_last_hold_let_go_unpublishes_a_concurrently_computed_checkpoint():
+    # Two samples of one prompt: "c" publishes the checkpoint at 512, "a" finds it there and
+    # holds it too. It is unpublished once both have crossed 768, not before.
+    mgr = make_manager()
+    prompt = ids(108, 600)
+    mgr.add_request("c", prompt, max_new_tokens=300)
+    mgr.add_request("a", prompt, max_new_tokens=300)
+    mgr.schedule([("c", 600), ("a", 600)])
+    decode(mgr, "c", ids(109, 200))  # c: 799 computed, crosses 768 (and commits a's 600 tokens)
+    assert events_of(mgr.prefix.drain_events(), "removed", SWA) == []
+    decode(mgr, "a", ids(110, 200))
+    assert events_of(mgr.prefix.drain_events(), "removed", SWA) == [512]
+    mgr.check_invariants()
+
+
 # Two groups whose checkpoint (one 4-token page) goes idle before its owner's next commit,
 # as a V4 window of 128 tokens does inside a 256-token grain.
 SMALL_SPECS = (
