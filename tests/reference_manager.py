@@ -206,8 +206,8 @@ class ReferenceManager:
     def let_go(self, r, d) -> None:
         for p in self.pools.values():
             e = p.entries.get(self.key(r, d))
-            if p.history or e is None:
-                continue
+            if p.history or e is None or id(r) not in e["owners"]:
+                continue  # not (or no longer: evicted, maybe published again since) its own
             e["owners"].discard(id(r))
             if not e["owners"]:
                 if self.prompt_cps and d <= r["prompt"]:

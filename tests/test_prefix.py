@@ -37,6 +37,8 @@ from hybridkv.runtime.manager import CacheManager, CacheManagerError
 from hybridkv.models.deepseek_v4 import build_v4_cache_specs
 from hybridkv.models.layout import cache_layout
 from hybridkv.prefix.cache import CacheEvent, PrefixHit
+from hybridkv.spec import CacheGroupSpec
+from hybridkv.memory.arena import arena_geometry
 from hybridkv.memory.pool import PagePool
 from pool_ops import allocate, decref, publish
 
@@ -438,6 +440,99 @@ def test_terminal_survives_when_the_borrowed_checkpoint_is_superseded():
     assert hit.hit_tokens == 512  # (550 + 40 - 1) // 256 * 256
 
 
+def test_the_last_hold_let_go_unpublishes_a_borrowed_checkpoint():
+    # "y" hits "x"'s own checkpoint at 512 while "x" runs: both hold it. "x" crossing 768
+    # leaves it to "y"; "y" crossing 768 lets go of the last hold and it is unpublished.
+    mgr = make_manager()
+    x = ids(103, 600)
+    mgr.add_request("x", x, max_new_tokens=300)
+    prefill(mgr, "x", 600)
+    decode(mgr, "x", ids(104, 2))  # commits the prefill: checkpoint at 512, x's own
+    assert mgr.add_request("y", cat(x[:540], ids(105, 10)), max_new_tokens=300).hit_tokens == 512
+    prefill(mgr, "y", 550)
+    mgr.prefix.drain_events()
+    decode(mgr, "x", ids(106, 200))  # x: 800 computed, crosses 768
+    assert events_of(mgr.prefix.drain_events(), "removed", SWA) == []
+    decode(mgr, "y", ids(107, 230))  # y: 779 computed, crosses 768
+    assert events_of(mgr.prefix.drain_events(), "removed", SWA) == [512]
+    mgr.check_invariants()
+
+
+def test_the_last_hold_let_go_unpublishes_a_concurrently_computed_checkpoint():
+    # Two samples of one prompt: "c" publishes the checkpoint at 512, "a" finds it there and
+    # holds it too. It is unpublished once both have crossed 768, not before.
+    mgr = make_manager()
+    prompt = ids(108, 600)
+    mgr.add_request("c", prompt, max_new_tokens=300)
+    mgr.add_request("a", prompt, max_new_tokens=300)
+    mgr.schedule([("c", 600), ("a", 600)])
+    decode(mgr, "c", ids(109, 200))  # c: 799 computed, crosses 768 (and commits a's 600 tokens)
+    assert events_of(mgr.prefix.drain_events(), "removed", SWA) == []
+    decode(mgr, "a", ids(110, 200))
+    assert events_of(mgr.prefix.drain_events(), "removed", SWA) == [512]
+    mgr.check_invariants()
+
+
+# Two groups whose checkpoint (one 4-token page) goes idle before its owner's next commit,
+# as a V4 window of 128 tokens does inside a 256-token grain.
+SMALL_SPECS = (
+    CacheGroupSpec("kv", "full_history", 4, 1),
+    CacheGroupSpec("swa", "sliding_window", 4, 1, sliding_window_tokens=4, family="state"),
+)
+
+
+def _small_manager(shared: bool, policy: str) -> CacheManager:
+    options = dict(max_context_tokens=64, enable_prefix_caching=True, prefix_granularity=8,
+                   prompt_checkpoints=False, eviction_policy=policy)
+    if not shared:
+        return CacheManager(SMALL_SPECS, {"kv": 200, "swa": 12}, **options)
+    # kv pages are small: the arena runs out of slabs while kv has room and swa must evict.
+    arena = arena_geometry({"kv": 8, "swa": 64}, 64 + 6 * 128, anchor_group="swa", slab_anchor_pages=2)
+    return CacheManager(SMALL_SPECS, None, arena=arena, **options)
+
+
+def _swa_events(mgr: CacheManager) -> list[tuple[str, int]]:
+    return [(e.kind, e.tokens) for e in mgr.prefix.drain_events() if e.group_id == "swa"]
+
+
+@pytest.mark.parametrize("policy", ["value", "group-lru"])
+@pytest.mark.parametrize("shared", [False, True], ids=["pools", "arena"])
+def test_a_lost_hold_is_not_dropped_from_a_republished_checkpoint(shared, policy):
+    # "a" publishes its own checkpoint at 8 on page x, slides past it (x idle) and loses it to an
+    # eviction; "b" computes the same prefix (its junction: the history reaches 8) and republishes
+    # the key on the same page x. When "a" crosses 16 it must not let go of "b"'s checkpoint.
+    mgr = _small_manager(shared, policy)
+    a = ids(110, 40)
+    mgr.add_request("a", a[:10], max_new_tokens=30)
+    mgr.schedule([("a", 10)])
+    x = int(mgr.request_pages("a", "swa")[1][1])  # "a"'s page of tokens [4, 8)
+    for t in range(10, 13):  # commits the checkpoint at 8; by 12 "a" no longer holds x
+        mgr.append_token_ids("a", a[t:t + 1])
+        mgr.schedule([("a", 1)])
+    assert ("stored", 8) in _swa_events(mgr)
+    fillers = []  # one page each until the checkpoint at 8 is evicted (x goes to the last filler)
+    while not _swa_events(mgr):
+        fillers.append(f"f{len(fillers)}")
+        mgr.add_request(fillers[-1], ids(120 + len(fillers), 4), max_new_tokens=1)
+        mgr.schedule([(fillers[-1], 4)])
+    assert mgr.add_request("b", cat(a[:8], ids(111, 2)), max_new_tokens=10).hit_tokens == 0
+    mgr.free(fillers[0])
+    mgr.schedule([("b", 4)])
+    mgr.free(fillers[-1])  # x, the one free page: "b"'s page of tokens [4, 8)
+    mgr.schedule([("b", 4)])
+    assert int(mgr.request_pages("b", "swa")[1][1]) == x
+    mgr.free(fillers[1])
+    mgr.schedule([("b", 1)])
+    assert _swa_events(mgr) == [("stored", 8)]  # "b"'s, on page x
+    for t in range(13, 17):
+        mgr.append_token_ids("a", a[t:t + 1])
+        mgr.schedule([("a", 1)])
+    assert _swa_events(mgr) == [("stored", 16)]  # and no removal of "b"'s checkpoint
+    mgr.check_invariants()
+    mgr.free("b")
+    assert mgr.add_request("c", cat(a[:8], ids(112, 3))).hit_tokens == 8
+
+
 # --------------------------------------------------------------------------- the last token
 
 
@@ -713,8 +808,6 @@ def test_invalid_prefix_config_raises(options, message):
 def test_grain_smaller_than_a_window_raises():
     # A 64-token-page group set with a 128-token window: grain 64 divides every page but
     # checkpoints at 64-token boundaries would overlap.
-    from hybridkv.spec import CacheGroupSpec
-
     specs = (
         CacheGroupSpec("kv", "full_history", 64, 1),
         CacheGroupSpec("win", "sliding_window", 64, 1, sliding_window_tokens=128, family="state"),

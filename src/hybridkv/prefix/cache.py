@@ -154,7 +154,10 @@ class PrefixGroupStats:
 class OwnCheckpoint:
     boundary_tokens: int
     pinned: bool = False  # an interval or junction checkpoint: never superseded
-    entries: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # gid -> (key, pages)
+    # gid -> (key, pages): the very tuple the pool published (``PagePool.lookup``), so that
+    # ``_supersede`` knows the hold by identity: a republication after an eviction (the hold
+    # gone with it) is another tuple, even on the same page ids.
+    entries: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
 
 
 class CommittingRequest(Protocol):
@@ -740,8 +743,8 @@ class PrefixCache:
             demote, demoted = values is None and self.policy.speculative(prev.boundary_tokens, req.prompt_tokens), []
             for gid, (key, pages) in prev.entries.items():
                 pool = pools[gid]
-                if pool.lookup(key) != pages:
-                    continue  # evicted (and maybe re-stored) meanwhile
+                if pool.lookup(key) is not pages:
+                    continue  # evicted meanwhile, its hold gone (re-stored: another tuple, maybe equal)
                 holders = all_holders[gid]
                 left = holders.pop(key, 1) - 1
                 if left:
