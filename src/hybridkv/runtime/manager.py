@@ -113,12 +113,14 @@ class _Scratch:
         self.transient = np.empty(n_groups, dtype=np.int64)  # ``room_groups``' marks
 
     def plan_arrays(self, n_rows: int) -> tuple:
-        """``prepare_step``'s outputs with room for ``n_rows`` rows (``kernels.plan_views``
+        """``prepare_step``'s outputs with room for more than ``n_rows`` rows (``kernels.plan_views``
         of ``buffer``): rows, counts, first, after, need, sums, crossing, totals; the
         same arrays while they are large enough (every plan overwrites the previous one's).
-        ``released`` is ``release_pages``' count per group, ``widths`` ``batch_arrays``'."""
-        if n_rows > self.plan_rows:
-            self._grow(2 * n_rows, self.pages.size, self.idle_keyed.size, self.touched.size)
+        ``released`` is ``release_pages``' count per group, ``widths`` ``batch_arrays``'.
+        A plan's ``after[:, :, :n]`` is thus never the whole (contiguous) grid: the kernels
+        taking it see one argument type (``CacheManager._load_kernels`` loads that one)."""
+        if n_rows >= self.plan_rows:
+            self._grow(2 * n_rows + 1, self.pages.size, self.idle_keyed.size, self.touched.size)
         return self.plan
 
     def _grow(self, n_rows: int, n_pages: int, n_keyed: int, n_touched: int) -> None:
@@ -1062,7 +1064,7 @@ class CacheManager:
         out = _new_tuple(_StepArrays, (  # ``kernels.batch_arrays_for``, inline (a call less a step)
             np.empty((2 + n_groups, n_rows), _INT32), np.empty(n_rows + 1, _INT32), np.empty(n_tokens, _INT32),
             np.empty((1 + n_groups if write_slots else 1, n_tokens), _INT64)))
-        if n_rows + self._last_rows.size > sc.plan_rows:
+        if n_rows + self._last_rows.size >= sc.plan_rows:
             sc.plan_arrays(n_rows + self._last_rows.size)
         cells = _NO_CELLS
         if updates:  # ``_cell_buffers``' room for a decode step; handed out only if the log holds nothing else
@@ -1199,7 +1201,7 @@ class CacheManager:
         step that needs it (a donor's slab move, late in a run, often) stalls for them."""
         rows, counts, first, after, need, _, crossing, _ = self._scratch.plan_arrays(1)
         none = np.zeros((2, len(self.specs)), dtype=np.int64)  # no page released or allocated
-        # ``after`` as a step's plan views it: its first columns of more (not contiguous).
+        # ``after`` as a step's plan views it: its first columns of more (``plan_arrays``: not contiguous).
         plan = _StepPlan(rows[:0], counts[:0], first[:0], after[:, :, :1], need[:, :0], none, crossing[:0], 0, True,
                          (0, 0, 0, 0), grants=[])
         self._short_pages(plan, none[1], none[1], none[1])
