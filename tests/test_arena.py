@@ -863,7 +863,9 @@ print(sorted(name for name, n in loaded().items() if n != before[name]))
 
 def test_a_donor_slab_move_loads_no_kernel_the_arena_did_not_load_when_built():
     """A step that lends a donor's slab (``test_history_grows_into_memory_the_window_group_gave_back``)
-    runs kernels loaded already (``Arena._load_kernels``), with the types it calls them with:
+    runs kernels loaded already (``Arena._load_kernels``; those of ``_admit`` and ``_run``'s
+    Python path, which earlier steps admitted in compiled calls skip: ``CacheManager._load_kernels``),
+    with the types it calls them with:
     in a fresh process, none gets a new compiled signature then."""
     if os.environ.get("NUMBA_DISABLE_JIT") == "1":
         pytest.skip("kernels run as plain Python")

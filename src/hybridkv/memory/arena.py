@@ -234,12 +234,18 @@ class Arena:
         """Load (or compile) now the kernels of a donor's slab move, each with the argument
         types of its step-time calls, changing nothing: else the first step that lends a
         donor's slab (late in a run, often) stalls for them, tens of milliseconds. Pure:
-        plans from the owners as they are, an empty revoke and grant (``PagePool.load_kernels``)."""
-        self.oldest_idle_tick(self.group_ids[0])
+        plans from the owners as they are, an empty revoke and grant (``PagePool.load_kernels``).
+        Also :meth:`plan`'s and :meth:`plan_spare`'s spare slabs and :meth:`replay`'s counts (no
+        page short, a count): a step admitted with spare slabs alone plans them in its kernel
+        (``kernels.admit_spare``), so the first step admitted in Python may come late."""
+        gid, donors = self.group_ids[0], self.group_ids[1:]
+        self.oldest_idle_tick(gid)
         self._moved_pages(-1, 0, 0)
+        kernels.take_spare_slabs(self.owner.copy(), 0, self._inner[gid], self._straddle[gid], 0, self._taken)
+        self.plan_spare(np.zeros(len(self.group_ids), dtype=np.int64))
+        self._count(gid, 0, self.owner)
         for pool in self.pools.values():
             pool.load_kernels()
-        gid, donors = self.group_ids[0], self.group_ids[1:]
         many = self.geometry.num_slabs * self._most_slab_pages  # more than any donor can give
         for scan in (IdleScan(clean=True, before_tick=0), IdleScan()):  # a scan slab by slab, then one whole
             self._take_from_donors(gid, 1, self.owner.copy(), [], {gid: 1}, (dict.fromkeys(donors, many), {}), scan)

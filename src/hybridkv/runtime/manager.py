@@ -113,12 +113,14 @@ class _Scratch:
         self.transient = np.empty(n_groups, dtype=np.int64)  # ``room_groups``' marks
 
     def plan_arrays(self, n_rows: int) -> tuple:
-        """``prepare_step``'s outputs with room for ``n_rows`` rows (``kernels.plan_views``
+        """``prepare_step``'s outputs with room for more than ``n_rows`` rows (``kernels.plan_views``
         of ``buffer``): rows, counts, first, after, need, sums, crossing, totals; the
         same arrays while they are large enough (every plan overwrites the previous one's).
-        ``released`` is ``release_pages``' count per group, ``widths`` ``batch_arrays``'."""
-        if n_rows > self.plan_rows:
-            self._grow(2 * n_rows, self.pages.size, self.idle_keyed.size, self.touched.size)
+        ``released`` is ``release_pages``' count per group, ``widths`` ``batch_arrays``'.
+        A plan's ``after[:, :, :n]`` is thus never the whole (contiguous) grid: the kernels
+        taking it see one argument type (``CacheManager._load_kernels`` loads that one)."""
+        if n_rows >= self.plan_rows:
+            self._grow(2 * n_rows + 1, self.pages.size, self.idle_keyed.size, self.touched.size)
         return self.plan
 
     def _grow(self, n_rows: int, n_pages: int, n_keyed: int, n_touched: int) -> None:
@@ -263,6 +265,7 @@ class CacheManager:
             )
         self._init_windows(ids)
         self._init_holds()
+        self._load_kernels()
         self.tier_link = tier_link
         if tier_link is not None:
             tier_link.attach(self)
@@ -1061,7 +1064,7 @@ class CacheManager:
         out = _new_tuple(_StepArrays, (  # ``kernels.batch_arrays_for``, inline (a call less a step)
             np.empty((2 + n_groups, n_rows), _INT32), np.empty(n_rows + 1, _INT32), np.empty(n_tokens, _INT32),
             np.empty((1 + n_groups if write_slots else 1, n_tokens), _INT64)))
-        if n_rows + self._last_rows.size > sc.plan_rows:
+        if n_rows + self._last_rows.size >= sc.plan_rows:
             sc.plan_arrays(n_rows + self._last_rows.size)
         cells = _NO_CELLS
         if updates:  # ``_cell_buffers``' room for a decode step; handed out only if the log holds nothing else
@@ -1189,6 +1192,22 @@ class CacheManager:
         elif n_keyed:  # all ``_after_run`` does after a step done whole (the kernel noted the peaks)
             space.keyed_idle(released[1], idle_keyed)
         return out, n_touched, cells if 0 < n_touched <= cells[1].size and ts.drains_touched_only() else None
+
+    def _load_kernels(self) -> None:
+        """Load (or compile) now the kernels of a step that ``_admit`` and ``_run`` take in
+        Python (``short_pages``, ``run_step``, ``room_groups``, ``finish_step``, ``note_peaks``),
+        with the argument types of their step-time calls, by taking that path over a plan of
+        no rows (nothing changes): steps admitted in compiled calls skip it, so else the first
+        step that needs it (a donor's slab move, late in a run, often) stalls for them."""
+        rows, counts, first, after, need, _, crossing, _ = self._scratch.plan_arrays(1)
+        none = np.zeros((2, len(self.specs)), dtype=np.int64)  # no page released or allocated
+        # ``after`` as a step's plan views it: its first columns of more (``plan_arrays``: not contiguous).
+        plan = _StepPlan(rows[:0], counts[:0], first[:0], after[:, :, :1], need[:, :0], none, crossing[:0], 0, True,
+                         (0, 0, 0, 0), grants=[])
+        self._short_pages(plan, none[1], none[1], none[1])
+        out = self._run(plan, True, None)[0]
+        self._after_run(none, 0, kernels.STEP_NEEDS_PAGES, 0, 0, plan, out)
+        self._space.note_peaks(none[1])
 
     def _after_run(self, sums: np.ndarray, allocated_pages: int, status: int, n_touched: int, n_keyed: int,
                    plan: _StepPlan | None, out: _StepArrays, cells: tuple = _NO_CELLS) -> int:
