@@ -623,12 +623,10 @@ class PrefixCache:
             at, e = at + n_blocks * per_block, e + n_blocks
             done, done_keys, done_parents, done_ends = every_block, keys, parents, ends
             if not every:
-                done = [i for i, st in enumerate(status[e - n_blocks:e]) if st == 2]
+                done, (entries, done_keys, done_parents, done_ends) = _claimed(
+                    status[e - n_blocks:e], (entries, keys, parents, ends))
                 if not done:
                     continue
-                if len(done) < n_blocks:
-                    entries = [entries[i] for i in done]
-                    done_keys, done_parents, done_ends = ([xs[i] for i in done] for xs in (keys, parents, ends))
             adopted[0].append(pool), adopted[1].append(done_keys), adopted[2].append(entries)
             stored += zip(repeat("stored"), repeat(gid), done_keys, done_parents, done_ends, repeat(per_block))
             for key, boundary, entry in zip(done_keys, done_ends, entries) if hook is not None else ():
@@ -956,6 +954,15 @@ def _grain(specs: Sequence[CacheGroupSpec], windows: Mapping[str, int], granular
                 f"({windows[s.group_id]} tokens): checkpoints would overlap"
             )
     return g
+
+
+def _claimed(status: Sequence[int], columns: tuple) -> tuple[list[int], tuple]:
+    """The blocks a commit claimed (``status`` 2: ``CommitPages.read``'s) and ``columns``
+    (lists, one item a block) cut to them; the columns as they are when it claimed all."""
+    done = [i for i, st in enumerate(status) if st == 2]
+    if len(done) == len(status):
+        return done, columns
+    return done, tuple([xs[i] for i in done] for xs in columns)
 
 
 def _event(raw: tuple) -> CacheEvent:
