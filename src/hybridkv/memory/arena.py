@@ -15,7 +15,6 @@ edges; other groups lose less than one page per slab they hold.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -217,9 +216,8 @@ class Arena:
         self.spare_args = (self.owner, self._slab_pages, inner, straddle, self._spare_plan[2], self._taken,
                            *self._spare_plan[3:])
         # ``kernels.grant_step``'s: owners, slab page ranges and straddlers, the page space's
-        # offsets, the most pages a slab gives a group, the fewest spare slabs of a roomy arena.
-        self.grant_args = (self.owner, *self._slab_ids, self._space.offsets, self._most_slab_pages,
-                           math.ceil(ROOMY_SPARE_FRACTION * geometry.num_slabs))
+        # offsets, the most pages a slab gives a group.
+        self.grant_args = (self.owner, *self._slab_ids, self._space.offsets, self._most_slab_pages)
         self.slab_moves = 0
         self._spare_count = 0
         self._spare_changed(geometry.num_slabs)
@@ -380,7 +378,8 @@ class Arena:
         return [(ids[g], slab, None) for g, slab in zip(groups, slabs)]
 
     def granted(self, n: int) -> None:
-        """``kernels.grant_step`` granted ``n`` spare slabs (it set the pools' ``skip_packing``)."""
+        """``kernels.grant_step`` granted ``n`` spare slabs: the spare count, and the pools'
+        ``skip_packing`` with it (before anything reads it: ``_after_run``, the next step)."""
         self._spare_changed(-n)
 
     def _take_from_donors(self, gid: str, short: int, own: np.ndarray, grants: list[Grant],

@@ -598,9 +598,9 @@ def grant_step(grants, arena, geometry, pages, bounds, computed, committed, ref,
     """``run_step`` of a step admitted with spare slabs alone (``admit_spare``; ``grants``
     ``[2, n]``: their groups and slabs), every pool's free stack sorted: the releases, then
     the slabs granted (``grant_spare_slabs``; ``arena``: owners, ``lo``, ``hi`` and straddlers
-    per group and slab, the page space's offsets, the most pages a slab gives a group, and
-    the fewest spare slabs of a roomy arena, whose ``SKIP_PACKING`` every group then
-    follows), then the rest as ``run_step`` when no keyed page went idle and no group has room
+    per group and slab, the page space's offsets and the most pages a slab gives a group;
+    ``SKIP_PACKING`` is the arena's to set after the call, ``Arena.granted``: nothing here
+    reads it), then the rest as ``run_step`` when no keyed page went idle and no group has room
     to make (``room_groups``: what ``CacheManager._after_run`` would ask after granting), else
     ``STEP_NEEDS_PAGES`` (the slabs granted). Returns as ``run_step``; status -1 (after the
     releases, nothing granted) when a slab is not spare."""
@@ -608,15 +608,11 @@ def grant_step(grants, arena, geometry, pages, bounds, computed, committed, ref,
         geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient, rows,
         counts, first, settle, after, sums, True, scratch, idle_keyed, released, touched, n_logged, cells,
         cell_pages, per_request, query_start_loc, request_indices, per_token, widths)
-    owner, lo, hi, straddle, offsets, most_slab_pages, roomy_spare = arena
+    owner, lo, hi, straddle, offsets, most_slab_pages = arena
     granted = np.empty(grants.shape[1] * most_slab_pages, np.int64)
     if grant_spare_slabs(owner, grants[0], grants[1], lo, hi, straddle, granted, np.empty(geometry.shape[0], np.int64),
                          stack, per_group[TOP], offsets, per_group[LOWEST], per_group[GRANTED_PAGES]) < 0:
         return -1, n_touched, n_keyed
-    spare = 0
-    for s in range(owner.size):
-        spare += owner[s] < 0
-    per_group[SKIP_PACKING, :] = 1 if spare >= roomy_spare else 0
     if n_keyed or room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, per_group,
                               np.empty(geometry.shape[0], np.int64)):
         return STEP_NEEDS_PAGES, n_touched, n_keyed  # keyed pages join their LRU first, or a group makes room
