@@ -422,25 +422,22 @@ class TierLink:
 
     def _hand_out(self, entries: list, later: list[bool], objects: Sequence[PlannedObject],
                   views: Sequence[GroupPages], check: StoreCheck | None) -> OffloadPlan:
-        """The plan of ``entries`` under a new ticket, recorded until confirmed (and counted, as
-        :meth:`_count_offloads` counts); the ``later`` ones pinned (their pages held, in one
+        """The plan of ``entries`` under a new ticket, recorded until confirmed (and counted:
+        :meth:`_count_offloads`); the ``later`` ones pinned (their pages held, in one
         ``hold_pages_by_group``) or deferred (copied later without a hold, rescued if removed
         first). Recorded even with nothing later: what a tier stores need not move again at
-        eviction. One pass over the entries."""
+        eviction."""
         self._tickets += 1
-        ticket, stats, pin, shapes = self._tickets, self._stats, self.pin_offloads, self._offload_shapes
-        every, keys, by_group, pinned_pages, payload_bytes = [], [], {}, 0, []
-        for (entry, (boundary, pages)), ok in zip(entries, later):
+        ticket, stats, pin = self._tickets, self._stats, self.pin_offloads
+        payload_bytes = self._count_offloads(entries)
+        every, keys, by_group, pinned_pages = [], [], {}, 0
+        for (entry, (_, pages)), ok in zip(entries, later):
             every.append(entry)
-            _, span, _, stride, row_bytes = shapes[entry[0]]
-            payload_bytes.append(max(0, boundary // stride - -(-max(0, boundary - span) // stride)) * row_bytes)
             if ok:
                 keys.append(entry)
                 if pin:
                     by_group.setdefault(entry[0], []).extend(pages)
                     pinned_pages += len(pages)
-        stats.offload_objects += len(entries)
-        stats.offload_bytes += sum(payload_bytes)
         arrays = {gid: np.array(pages, dtype=np.int64) for gid, pages in by_group.items()} if by_group else {}
         if pin:
             if arrays:
