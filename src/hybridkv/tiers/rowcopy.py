@@ -205,20 +205,13 @@ def _gather_views(pools, dst, flat_pages, table, part_at, value_bytes, scale_byt
     bad = _view_slots(flat_pages, table, rows_per_page, capacity_slots, slots)
     if bad != -1:
         return bad
-    for p in range(len(pools)):
-        flat, stride = pools[p].reshape(-1), pools[p].shape[1]
-        values, scales = value_bytes[p], scale_bytes[p]
-        scales_at, k = rows_per_page * values, 0
+    rows, starts = table[:, 1].copy(), np.empty(table.shape[0], dtype=np.int64)
+    for p in range(len(pools)):  # each plane as ``gather_rows`` copies one, at its part of every payload
         for j in range(table.shape[0]):
-            at = payload_starts[j] + table[j, 1] * part_at[p]
-            for _ in range(table[j, 1]):
-                page = slots[k] // rows_per_page
-                row = slots[k] - page * rows_per_page
-                copy_bytes(dst, at, flat, page * stride + row * values, values)
-                if scales:
-                    copy_bytes(dst, at + values, flat, page * stride + scales_at + row * scales, scales)
-                at += values + scales
-                k += 1
+            starts[j] = payload_starts[j] + rows[j] * part_at[p]
+        bad = _gather_plane(pools[p], dst, starts, rows, slots, value_bytes[p], scale_bytes[p], rows_per_page)
+        if bad >= 0:
+            return -2 - bad  # a row outside this plane's pool
     return -1
 
 
