@@ -215,8 +215,8 @@ class Arena:
         # slab holds, inner pages and straddlers, then scratch (owners, taken slabs, grants).
         self.spare_args = (self.owner, self._slab_pages, inner, straddle, self._spare_plan[2], self._taken,
                            *self._spare_plan[3:])
-        # ``kernels.grant_step``'s: owners, slab page ranges and straddlers, the page space's
-        # offsets, the most pages a slab gives a group.
+        # ``kernels.run_step``'s ``arena`` (a step granting spare slabs): owners, slab page ranges
+        # and straddlers, the page space's offsets, the most pages a slab gives a group.
         self.grant_args = (self.owner, *self._slab_ids, self._space.offsets, self._most_slab_pages)
         self.slab_moves = 0
         self._spare_count = 0
@@ -370,7 +370,7 @@ class Arena:
 
     def spare_grants(self, n: int) -> list[Grant] | np.ndarray:
         """The ``n`` grants ``kernels.admit_spare`` just wrote to its scratch (``spare_args``):
-        a copy of their groups and slabs (``[2, n]``, for ``kernels.grant_step``, then
+        a copy of their groups and slabs (``[2, n]``, for ``kernels.run_step``, then
         :meth:`granted`) when every pool's free stack is sorted, else as :meth:`apply` takes them."""
         if self._sorted_grants:
             return self._spare_grants[:, :n].copy()
@@ -378,7 +378,7 @@ class Arena:
         return [(ids[g], slab, None) for g, slab in zip(groups, slabs)]
 
     def granted(self, n: int) -> None:
-        """``kernels.grant_step`` granted ``n`` spare slabs: the spare count, and the pools'
+        """``kernels.run_step`` granted ``n`` spare slabs: the spare count, and the pools'
         ``skip_packing`` with it (before anything reads it: ``_after_run``, the next step)."""
         self._spare_changed(-n)
 

@@ -237,7 +237,7 @@ class PagePool:
     @property
     def peak_used_pages(self) -> int:
         """The most pages held at once, as a page space's steps and borrows saw it
-        (``PageSpace.note_peaks``, ``kernels.note_peaks``)."""
+        (``kernels.note_peaks``)."""
         return int(self._peaks[self._slot])
 
     @peak_used_pages.setter
@@ -808,8 +808,3 @@ class PageSpace:
         for g in self.ranked:
             if counts[g]:
                 self.pools[g]._tell_ranker(keyed[starts[g] : starts[g + 1]], first_tick + ticks[g] - 1)
-
-    def note_peaks(self, allocated: np.ndarray) -> None:
-        """Each pool's peak of used pages, after a step kernel allocated ``allocated[g]``
-        pages in group ``g`` (it counted them): ``kernels.note_peaks``."""
-        kernels.note_peaks(self.per_group, allocated, allocated[:0])

@@ -567,8 +567,8 @@ def batch_arrays_for(n_groups, n_requests, n_tokens, write_slots):
 
 @njit(cache=True)
 def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient,
-             rows, counts, first, settle, after, sums, hold, scratch, idle_keyed, released, touched, n_logged, cells,
-             cell_pages, per_request, query_start_loc, request_indices, per_token, widths):
+             rows, counts, first, settle, after, sums, hold, grants, arena, scratch, idle_keyed, released, touched,
+             n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths):
     """One admitted step as planned by ``prepare_step``: the rows' tokens so far count as
     committed, releases, allocations, then the batch's arrays (``finish_step``). Returns
     (status, cells logged, idle keyed pages); the pages released and allocated count
@@ -577,50 +577,41 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
     in the groups whose stack is short or that would first reuse idle low-priority pages
     (``needs_room``), then calls ``finish_step`` (which reads the changed cells into
     ``cells`` and ``cell_pages`` when they fit). ``touched`` starts with ``n_logged`` cells
-    changed before the step (``TableSet.take_log``): they count as the step's."""
+    changed before the step (``TableSet.take_log``): they count as the step's.
+    ``grants`` ``[2, n]`` (n > 0: a step admitted with spare slabs alone, ``admit_spare``):
+    their groups and slabs, granted after the releases (``grant_spare_slabs``; ``arena``:
+    ``Arena.grant_args``; ``SKIP_PACKING`` is the arena's to set after the call,
+    ``Arena.granted``); the step then stops only when a keyed page went idle or
+    ``room_groups`` asks some group to make room (what ``CacheManager._after_run`` would
+    ask). Status -1 (after the releases, nothing granted) when a slab is not spare."""
     for r in range(rows.size):
         committed[rows[r]] = first[r]
     n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after,
                                        scratch, idle_keyed, released, touched, n_logged)
-    if hold or needs_room(geometry, stack, per_group, low_priority, sums, released, idle_keyed):
+    if grants.shape[1]:
+        owner, lo, hi, straddle, offsets, most_slab_pages = arena
+        if grant_spare_slabs(owner, grants[0], grants[1], lo, hi, straddle,
+                             np.empty(grants.shape[1] * most_slab_pages, np.int64),
+                             np.empty(geometry.shape[0], np.int64), stack, per_group[TOP], offsets, per_group[LOWEST],
+                             per_group[GRANTED_PAGES]) < 0:
+            return -1, n_touched, n_keyed
+        hold = n_keyed > 0 or room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack,
+                                          offsets, per_group, np.empty(geometry.shape[0], np.int64)) > 0
+    elif not hold:
+        hold = needs_room(geometry, stack, per_group, low_priority, sums, released, idle_keyed)
+    if hold:
         return STEP_NEEDS_PAGES, n_touched, n_keyed
     n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
                             first, settle, after, sums, touched, n_touched, cells, cell_pages, per_request,
-                            query_start_loc, request_indices, per_token, widths)
-    note_peaks(per_group, sums[1], released[1])  # the keyed pages gone idle join the LRU next
+                            query_start_loc, request_indices, per_token, widths, released[1])
     return STEP_DONE, n_touched, n_keyed
 
 
 @njit(cache=True)
-def grant_step(grants, arena, geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack,
-               per_group, transient, rows, counts, first, settle, after, sums, scratch, idle_keyed, released, touched,
-               n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths):
-    """``run_step`` of a step admitted with spare slabs alone (``admit_spare``; ``grants``
-    ``[2, n]``: their groups and slabs), every pool's free stack sorted: the releases, then
-    the slabs granted (``grant_spare_slabs``; ``arena``: owners, ``lo``, ``hi`` and straddlers
-    per group and slab, the page space's offsets and the most pages a slab gives a group;
-    ``SKIP_PACKING`` is the arena's to set after the call, ``Arena.granted``: nothing here
-    reads it), then the rest as ``run_step`` when no keyed page went idle and no group has room
-    to make (``room_groups``: what ``CacheManager._after_run`` would ask after granting), else
-    ``STEP_NEEDS_PAGES`` (the slabs granted). Returns as ``run_step``; status -1 (after the
-    releases, nothing granted) when a slab is not spare."""
-    status, n_touched, n_keyed = run_step(
-        geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient, rows,
-        counts, first, settle, after, sums, True, scratch, idle_keyed, released, touched, n_logged, cells,
-        cell_pages, per_request, query_start_loc, request_indices, per_token, widths)
-    owner, lo, hi, straddle, offsets, most_slab_pages = arena
-    granted = np.empty(grants.shape[1] * most_slab_pages, np.int64)
-    if grant_spare_slabs(owner, grants[0], grants[1], lo, hi, straddle, granted, np.empty(geometry.shape[0], np.int64),
-                         stack, per_group[TOP], offsets, per_group[LOWEST], per_group[GRANTED_PAGES]) < 0:
-        return -1, n_touched, n_keyed
-    if n_keyed or room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, per_group,
-                              np.empty(geometry.shape[0], np.int64)):
-        return STEP_NEEDS_PAGES, n_touched, n_keyed  # keyed pages join their LRU first, or a group makes room
-    n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
-                            first, settle, after, sums, touched, n_touched, cells, cell_pages, per_request,
-                            query_start_loc, request_indices, per_token, widths)
-    note_peaks(per_group, sums[1], released[1])
-    return STEP_DONE, n_touched, n_keyed
+def no_arena():
+    """``run_step``'s ``arena`` argument where no slab is granted, of ``Arena.grant_args``' types."""
+    none = np.empty((0, 0), np.int64)
+    return np.empty(0, np.int16), none, none, none, np.empty(0, np.int64), 0
 
 
 @njit(cache=True, inline="always")
@@ -726,7 +717,7 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
     ``cells`` and ``cell_pages`` as ``run_step`` takes them, then the batch's arrays
     (``batch_arrays_for``). The arguments up to ``grain`` are the manager's
     state (the same arrays from step to step: the manager passes them as a tuple). Returns (status, rows in the plan,
-    settling rows, crossing rows, clean, cells logged, idle keyed pages, pages allocated);
+    settling rows, crossing rows, clean, cells logged, idle keyed pages);
     status ``STEP_PLANNED`` (or -1 rows: no plan) when only the plan ran, ``STEP_COVERED``
     when only the plan ran because some group's free stack is short of its allocations
     but, no row crossing a grain, the pages its own releases free first cover it
@@ -741,13 +732,14 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
             or totals[1] > idle_keyed.size or totals[1] + totals[3] > touched.size):
         if n >= 0 and not clean and n_cross == 0 and releases_cover(geometry, pages, bounds, ref, keyed,
                                                                      per_group[TOP], rows[:n], after, sums):
-            return STEP_COVERED, n, settle, n_cross, clean, 0, 0, 0
-        return STEP_PLANNED, n, settle, n_cross, clean, 0, 0, 0
+            return STEP_COVERED, n, settle, n_cross, clean, 0, 0
+        return STEP_PLANNED, n, settle, n_cross, clean, 0, 0
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group,
-        transient, rows[:n], counts[:n], first[:n], settle, after[:, :, :n], sums, False, scratch, idle_keyed,
-        released, touched, 0, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths)
-    return status, n, settle, n_cross, clean, n_touched, n_keyed, totals[3]
+        transient, rows[:n], counts[:n], first[:n], settle, after[:, :, :n], sums, False, sums[:, :0], no_arena(),
+        scratch, idle_keyed, released, touched, 0, cells, cell_pages, per_request, query_start_loc, request_indices,
+        per_token, widths)
+    return status, n, settle, n_cross, clean, n_touched, n_keyed
 
 
 @njit(cache=True)
@@ -768,12 +760,13 @@ def releases_cover(geometry, pages, bounds, ref, keyed, top, rows, after, sums):
 @njit(cache=True)
 def finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts, first, settle,
                 after, sums, touched, n_touched, cells, cell_pages, per_request, query_start_loc, request_indices,
-                per_token, widths):
+                per_token, widths, not_joined):
     """The rest of ``run_step`` once the stacks hold enough: allocate (counted in
     ``per_group``), computed tokens move on, the batch's arrays and (when ``slots`` has
     rows) write slots; then, when the step's changed cells fit in ``cell_pages``, reads
     them (``read_cells`` of ``touched``: group, row and column to ``cells``, page ids to
-    ``cell_pages``). Returns the cells changed."""
+    ``cell_pages``); last the pools' peaks (``note_peaks``; ``not_joined``: keyed pages
+    gone idle that join their LRU next, empty: none). Returns the cells changed."""
     n_touched = allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, rows, first, counts,
                                after, sums, touched, n_touched)
     for r in range(rows.size):
@@ -784,6 +777,7 @@ def finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transi
         write_slots(geometry, pages, bounds, rows, first, counts, settle, per_token[1:])
     if n_touched <= cell_pages.size:
         read_cells(geometry, pages, bounds, touched[:n_touched], cells[0], cells[1], cells[2], cell_pages)
+    note_peaks(per_group, sums[1], not_joined)
     return n_touched
 
 

@@ -102,6 +102,7 @@ _INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
 _new_tuple = tuple.__new__
 _NO_CELLS = np.empty((3, 0), dtype=np.int64), np.empty(0, dtype=np.int32)  # ``kernels.finish_step`` reads no cells
 _COMPUTED = np.empty(0, dtype=np.int64)  # ``prepare_step``'s load_tokens of a step that computes
+_NO_GRANTS, _NO_ARENA = np.empty((2, 0), dtype=np.int64), kernels.no_arena()  # ``run_step`` granting no slab
 
 
 class _Scratch:
@@ -1036,11 +1037,11 @@ class CacheManager:
         n_logged = ts.logged_cells() if updates else -1
         cells = _NO_CELLS if n_logged < 0 else self._cell_buffers(plan.rows.size, plan.cells,
                                                                   n_logged + plan.totals[1] + plan.totals[3])
-        arrays, n_touched, read = self._run(plan, write_slots, out if out is not None else plan.arrays, cells,
-                                            max(n_logged, 0))
+        arrays, n_touched = self._run(plan, write_slots, out if out is not None else plan.arrays, cells,
+                                      max(n_logged, 0))
         rows = plan.rows[plan.settle :]
         self._last_rows = rows.copy()  # the plan's arrays are scratch
-        return self._build_batch(rows, plan.request_ids, arrays, fixed_width, n_touched if updates else -1, read)
+        return self._build_batch(rows, plan.request_ids, arrays, fixed_width, n_touched if updates else -1, cells)
 
     def _cached_verdict(self, items, uniform, fixed_width: bool) -> _Verdict | None:
         """The last ``check_admission``'s verdict when it checked the same items and
@@ -1073,7 +1074,7 @@ class CacheManager:
         args = (*(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, *cells, *out)
         if self._step_entry is None:  # every argument's type is fixed by how the manager makes it
             self._step_entry = kernels.entry_point(kernels.step, args)
-        status, n, settle, n_crossing, clean, n_touched, n_keyed, allocated = self._step_entry(*args)
+        status, n, settle, n_crossing, clean, n_touched, n_keyed = self._step_entry(*args)
         if status >= kernels.STEP_PLANNED:
             return self._planned_step(status, (n, settle, n_crossing, clean), rids, cells, out, write_slots, updates)
         self._version += 1
@@ -1082,12 +1083,11 @@ class CacheManager:
         if status != kernels.STEP_DONE:
             plan = self._plan_of(n, settle, n_crossing, clean)
             plan.grants = []
-            n_touched = self._after_run(sc.plan[5], allocated, status, n_touched, n_keyed, plan, out, cells)
+            n_touched = self._after_run(n_touched, n_keyed, plan, out, cells)
         elif n_keyed:  # all ``_after_run`` does after a step done whole (the kernel noted the peaks)
             self._space.keyed_idle(sc.released[1], sc.idle_keyed)
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
-        read = cells if 0 < n_touched <= cells[1].size and ts.drains_touched_only() else None  # as ``_run``
-        return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, read)
+        return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
 
     def _planned_step(self, status: int, planned: tuple, rids: tuple, cells: tuple, out: _StepArrays,
                       write_slots: bool, updates: bool) -> StepBatch | _StepPlan | None:
@@ -1160,12 +1160,11 @@ class CacheManager:
                                          if n > pool.num_clean_free_pages)
 
     def _run(self, plan: _StepPlan, write_slots: bool, out: _StepArrays | None, cells: tuple = _NO_CELLS,
-             n_logged: int = 0) -> tuple[_StepArrays, int, tuple | None]:
+             n_logged: int = 0) -> tuple[_StepArrays, int]:
         """Release, allocate and the batch's arrays (``out``, or fresh ones) in one compiled
         call (``kernels.run_step``); ``_after_run`` books what Python must. With ``cells``, the
         ``n_logged`` cells the table log holds lead the touched scratch (``TableSet.take_log``).
-        Returns the arrays, how many table cells changed (at the start of the touched scratch)
-        and ``cells`` when the kernel read those into them (``_build_batch``'s ``read``)."""
+        Returns the arrays and how many table cells changed (at the start of the touched scratch)."""
         n_tokens, released_pages, most_released, allocated_pages = plan.totals
         if out is None:
             out = _new_tuple(_StepArrays, kernels.batch_arrays_for(len(self.specs), plan.rows.size - plan.settle,
@@ -1177,21 +1176,20 @@ class CacheManager:
         state = (ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
                  space.low_priority, space.stack, space.per_group, self._transient, plan.rows, plan.counts, plan.first,
                  plan.settle, plan.after, plan.sums)
-        if plan.spare_slabs is None:
-            status, n_touched, n_keyed = kernels.run_step(*state, bool(plan.grants), scratch, idle_keyed, released,
-                                                          touched, n_logged, *cells, *out, self._scratch.widths)
-        else:  # spare slabs granted in the kernel, after the releases (``_after_run`` would apply them there)
-            status, n_touched, n_keyed = kernels.grant_step(plan.spare_slabs, self.arena.grant_args, *state, scratch,
-                                                            idle_keyed, released, touched, n_logged, *cells, *out,
-                                                            self._scratch.widths)
+        # Spare slabs are granted in the kernel, after the releases (``_after_run`` would apply them there).
+        grants, arena = (_NO_GRANTS, _NO_ARENA) if plan.spare_slabs is None else (plan.spare_slabs,
+                                                                                   self.arena.grant_args)
+        status, n_touched, n_keyed = kernels.run_step(*state, bool(plan.grants), grants, arena, scratch, idle_keyed,
+                                                      released, touched, n_logged, *cells, *out, self._scratch.widths)
+        if grants.shape[1]:
             if status < 0:
                 raise AssertionError("a slab granted is not spare")
-            self.arena.granted(plan.spare_slabs.shape[1])
+            self.arena.granted(grants.shape[1])
         if status != kernels.STEP_DONE:
-            n_touched = self._after_run(plan.sums, allocated_pages, status, n_touched, n_keyed, plan, out, cells)
+            n_touched = self._after_run(n_touched, n_keyed, plan, out, cells)
         elif n_keyed:  # all ``_after_run`` does after a step done whole (the kernel noted the peaks)
             space.keyed_idle(released[1], idle_keyed)
-        return out, n_touched, cells if 0 < n_touched <= cells[1].size and ts.drains_touched_only() else None
+        return out, n_touched
 
     def _load_kernels(self) -> None:
         """Load (or compile) now the kernels of a step that ``_admit`` and ``_run`` take in
@@ -1206,34 +1204,28 @@ class CacheManager:
                          (0, 0, 0, 0), grants=[])
         self._short_pages(plan, none[1], none[1], none[1])
         out = self._run(plan, True, None)[0]
-        self._after_run(none, 0, kernels.STEP_NEEDS_PAGES, 0, 0, plan, out)
-        self._space.note_peaks(none[1])
+        self._after_run(0, 0, plan, out)
 
-    def _after_run(self, sums: np.ndarray, allocated_pages: int, status: int, n_touched: int, n_keyed: int,
-                   plan: _StepPlan | None, out: _StepArrays, cells: tuple = _NO_CELLS) -> int:
-        """Book what the step kernel did (it counted the pages it released and allocated):
-        the keyed pages it left idle join the prefix cache's LRU, and when it stopped after
-        the releases, the arena's slabs move as admission planned, groups make room
-        (``PagePool.make_room``: evict) and ``finish_step`` allocates (and reads the cells
-        it changed into ``cells`` when they fit); then the pools' peaks. Returns the
-        table cells changed."""
+    def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan, out: _StepArrays,
+                   cells: tuple = _NO_CELLS) -> int:
+        """Book what the step kernel did when it stopped after the releases (it counted the
+        pages it released): the keyed pages it left idle join the prefix cache's LRU, the
+        arena's slabs move as admission planned, groups make room (``PagePool.make_room``:
+        evict) and ``finish_step`` allocates (and reads the cells it changed into ``cells``
+        when they fit) and notes the pools' peaks. Returns the table cells changed."""
         space, ts = self._space, self._tableset
         if n_keyed:
             space.keyed_idle(self._scratch.released[1], self._scratch.idle_keyed)
-        if status != kernels.STEP_DONE:
-            if plan.grants:
-                self.arena.apply(plan.grants)
-            marks = self._scratch.transient  # ``room_groups``': the groups to ask, the transient pages
-            if kernels.room_groups(ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts,
-                                   plan.after, plan.sums, space.stack, space.offsets, space.per_group, marks):
-                self._make_room(sums[1].tolist(), marks.tolist())
-            n_touched = kernels.finish_step(
-                ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.per_group,
-                self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums,
-                self._scratch.touched, n_touched, *cells, *out, self._scratch.widths)
-        if allocated_pages:
-            space.note_peaks(sums[1])
-        return n_touched
+        if plan.grants:
+            self.arena.apply(plan.grants)
+        marks = self._scratch.transient  # ``room_groups``': the groups to ask, the transient pages
+        if kernels.room_groups(ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts,
+                               plan.after, plan.sums, space.stack, space.offsets, space.per_group, marks):
+            self._make_room(plan.sums[1].tolist(), marks.tolist())
+        return kernels.finish_step(
+            ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.per_group,
+            self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums,
+            self._scratch.touched, n_touched, *cells, *out, self._scratch.widths, _NO_PAGES)
 
     def _make_room(self, allocated: list[int], marks: list[int]) -> None:
         """``PagePool.make_room`` of each group's ``allocated`` pages where ``room_groups``
@@ -1248,18 +1240,18 @@ class CacheManager:
                 evicted = evicted or pool.counters.evicted_pages != before
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
-                     n_touched: int, read: tuple | None = None) -> StepBatch:
+                     n_touched: int, cells: tuple = _NO_CELLS) -> StepBatch:
         """The step's ``StepBatch`` of table ``rows``: block tables, or (``n_touched`` >= 0:
-        the cells the step changed lead the touched scratch) the table cells changed; ``read``:
-        those cells as ``kernels.finish_step`` read them (group, row and column; page), the log
-        holding nothing else."""
+        the cells the step changed lead the touched scratch) the table cells changed, from
+        ``cells`` when ``kernels.finish_step`` read them there (group, row and column; page:
+        they fit) and the log holds nothing else."""
         widths = self._capture_widths if fixed_width else tuple(self._scratch.widths.tolist())
         ts, table_updates = self._tableset, None
         if n_touched < 0:
             tables = [ts.block_table(k, rows, width) for k, width in enumerate(widths)]
-        elif read is not None:
+        elif 0 < n_touched <= cells[1].size and ts.drains_touched_only():
             tables = [None] * len(widths)
-            (cells, page), n = read, n_touched
+            (cells, page), n = cells, n_touched
             table_updates = TableUpdates(cells[0, :n], cells[1, :n], cells[2, :n], page[:n], widths)
         else:
             tables = [None] * len(widths)
