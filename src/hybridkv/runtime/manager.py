@@ -99,7 +99,7 @@ class _StepArrays(NamedTuple):
 
 
 _INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
-_new_tuple = tuple.__new__
+_new_tuple, _new_object = tuple.__new__, object.__new__
 _NO_CELLS = np.empty((3, 0), dtype=np.int64), np.empty(0, dtype=np.int32)  # ``kernels.finish_step`` reads no cells
 _COMPUTED = np.empty(0, dtype=np.int64)  # ``prepare_step``'s load_tokens of a step that computes
 _NO_GRANTS, _NO_ARENA = np.empty((2, 0), dtype=np.int64), kernels.no_arena()  # ``run_step`` granting no slab
@@ -1246,26 +1246,35 @@ class CacheManager:
         ``cells`` when ``kernels.finish_step`` read them there (group, row and column; page:
         they fit) and the log holds nothing else."""
         widths = self._capture_widths if fixed_width else tuple(self._scratch.widths.tolist())
-        ts, table_updates = self._tableset, None
+        ts = self._tableset
+        # The batch's frozen dataclasses get their fields stored directly (no ``__init__`` frame each).
         if n_touched < 0:
-            tables = [ts.block_table(k, rows, width) for k, width in enumerate(widths)]
-        elif 0 < n_touched <= cells[1].size and ts.drains_touched_only():
-            tables = [None] * len(widths)
-            (cells, page), n = cells, n_touched
-            table_updates = TableUpdates(cells[0, :n], cells[1, :n], cells[2, :n], page[:n], widths)
+            tables, table_updates = [ts.block_table(k, rows, width) for k, width in enumerate(widths)], None
         else:
-            tables = [None] * len(widths)
-            touched = self._scratch.touched[:n_touched] if n_touched else None
-            group, row, column, page, reset = ts.drain_updates(touched)
-            table_updates = TableUpdates(group, row, column, page, widths, reset)
+            tables, table_updates = [None] * len(widths), _new_object(TableUpdates)
+            if 0 < n_touched <= cells[1].size and ts.drains_touched_only():
+                (cells, page), n = cells, n_touched
+                found = cells[0, :n], cells[1, :n], cells[2, :n], page[:n], False
+            else:
+                found = ts.drain_updates(self._scratch.touched[:n_touched] if n_touched else None)
+            group, row, column, page, reset = found
+            fields = table_updates.__dict__
+            fields["group"], fields["row"], fields["column"], fields["page"] = group, row, column, page
+            fields["widths"], fields["reset"] = widths, reset
         per_request, per_token = out.per_request, out.per_token
         slots = per_token[1:] if per_token.shape[0] > 1 else [None] * len(widths)
-        groups = {  # iterating a 2-D array yields its rows
-            gid: GroupStep(table, base if sliding else None, slot)
-            for (gid, sliding), table, base, slot in zip(self._group_sliding, tables, per_request[2:], slots)
-        }
-        return StepBatch(request_ids, per_request[1], out.query_start_loc, per_token[0], out.request_indices, groups,
-                         per_request[0], table_updates)
+        groups = {}
+        for (gid, sliding), table, base, slot in zip(self._group_sliding, tables, per_request[2:], slots):
+            groups[gid] = step = _new_object(GroupStep)  # iterating a 2-D array yields its rows
+            fields = step.__dict__
+            fields["block_table"], fields["base_pages"], fields["write_slots"] = table, base if sliding else None, slot
+        batch = _new_object(StepBatch)
+        fields = batch.__dict__
+        fields["request_ids"], fields["num_scheduled_tokens"] = request_ids, per_request[1]
+        fields["query_start_loc"], fields["positions"] = out.query_start_loc, per_token[0]
+        fields["request_indices"], fields["groups"] = out.request_indices, groups
+        fields["table_rows"], fields["table_updates"] = per_request[0], table_updates
+        return batch
 
     def _commit_rows(self, rows: np.ndarray) -> None:
         """Publish, row by row, what each row's computed tokens completed since its last
