@@ -569,21 +569,13 @@ def batch_arrays_for(n_groups, n_requests, n_tokens, write_slots):
 def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient,
              rows, counts, first, settle, after, sums, hold, grants, arena, scratch, idle_keyed, released, touched,
              n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths):
-    """One admitted step as planned by ``prepare_step``: the rows' tokens so far count as
-    committed, releases, allocations, then the batch's arrays (``finish_step``). Returns
-    (status, cells logged, idle keyed pages); the pages released and allocated count
-    in ``per_group``, and a step done whole notes the pools' peaks (``note_peaks``). ``STEP_NEEDS_PAGES``: the releases ran,
-    nothing else; the caller lends slabs (``hold``) and makes room (``PagePool.make_room``)
-    in the groups whose stack is short or that would first reuse idle low-priority pages
-    (``needs_room``), then calls ``finish_step`` (which reads the changed cells into
-    ``cells`` and ``cell_pages`` when they fit). ``touched`` starts with ``n_logged`` cells
-    changed before the step (``TableSet.take_log``): they count as the step's.
-    ``grants`` ``[2, n]`` (n > 0: a step admitted with spare slabs alone, ``admit_spare``):
-    their groups and slabs, granted after the releases (``grant_spare_slabs``; ``arena``:
-    ``Arena.grant_args``; ``SKIP_PACKING`` is the arena's to set after the call,
-    ``Arena.granted``); the step then stops only when a keyed page went idle or
-    ``room_groups`` asks some group to make room (what ``CacheManager._after_run`` would
-    ask). Status -1 (after the releases, nothing granted) when a slab is not spare."""
+    """One admitted step as ``prepare_step`` planned it (docs/manager.md, stage 3): the rows' tokens so far
+    count as committed, releases, then (``finish_step``) allocations and the batch's arrays. ``touched``
+    starts with ``n_logged`` cells changed before the step (``TableSet.take_log``). ``grants`` ``[2, n]``
+    (n > 0: spare slabs ``admit_spare`` admitted alone; ``arena``: ``Arena.grant_args``) are granted after
+    the releases. Returns (status, cells logged, idle keyed pages): ``STEP_NEEDS_PAGES`` when it stopped
+    after the releases for Python (``hold``: slabs to move; ``needs_room``; with grants, a keyed page gone
+    idle or ``room_groups``), -1 when a granted slab is not spare (nothing granted)."""
     for r in range(rows.size):
         committed[rows[r]] = first[r]
     n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after,
@@ -761,12 +753,10 @@ def releases_cover(geometry, pages, bounds, ref, keyed, top, rows, after, sums):
 def finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts, first, settle,
                 after, sums, touched, n_touched, cells, cell_pages, per_request, query_start_loc, request_indices,
                 per_token, widths, not_joined):
-    """The rest of ``run_step`` once the stacks hold enough: allocate (counted in
-    ``per_group``), computed tokens move on, the batch's arrays and (when ``slots`` has
-    rows) write slots; then, when the step's changed cells fit in ``cell_pages``, reads
-    them (``read_cells`` of ``touched``: group, row and column to ``cells``, page ids to
-    ``cell_pages``); last the pools' peaks (``note_peaks``; ``not_joined``: keyed pages
-    gone idle that join their LRU next, empty: none). Returns the cells changed."""
+    """The rest of ``run_step`` once the stacks hold enough: allocate, computed tokens move on, the
+    batch's arrays and write slots; the changed cells read into ``cells`` and ``cell_pages`` when they
+    fit; the pools' peaks (``not_joined``: keyed pages gone idle that join their LRU next). Returns the
+    cells changed."""
     n_touched = allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, rows, first, counts,
                                after, sums, touched, n_touched)
     for r in range(rows.size):

@@ -1023,10 +1023,8 @@ class CacheManager:
                 plan.request_ids, first, plan.counts[plan.settle :].tolist()))
         return self._commit_and_run(plan, write_slots, updates, fixed_width)
 
-    def _commit_and_run(self, plan: _StepPlan, write_slots: bool, updates: bool, fixed_width: bool,
-                        out: _StepArrays | None = None) -> StepBatch:
-        """An admitted plan's stages 2-4: commit, run, build the batch (in ``out`` when
-        given: fresh arrays of the batch's sizes)."""
+    def _commit_and_run(self, plan: _StepPlan, write_slots: bool, updates: bool, fixed_width: bool) -> StepBatch:
+        """An admitted plan's stages 2-4: commit, run, build the batch (docs/manager.md, "One step, in four stages")."""
         self._version += 1
         if self.prefix is not None and plan.crossing.size:
             self._commit_rows(plan.crossing)  # publish what the rows' previous steps completed
@@ -1037,8 +1035,7 @@ class CacheManager:
         n_logged = ts.logged_cells() if updates else -1
         cells = _NO_CELLS if n_logged < 0 else self._cell_buffers(plan.rows.size, plan.cells,
                                                                   n_logged + plan.totals[1] + plan.totals[3])
-        arrays, n_touched = self._run(plan, write_slots, out if out is not None else plan.arrays, cells,
-                                      max(n_logged, 0))
+        arrays, n_touched = self._run(plan, write_slots, cells, max(n_logged, 0))
         rows = plan.rows[plan.settle :]
         self._last_rows = rows.copy()  # the plan's arrays are scratch
         return self._build_batch(rows, plan.request_ids, arrays, fixed_width, n_touched if updates else -1, cells)
@@ -1053,12 +1050,9 @@ class CacheManager:
         return None
 
     def _step(self, fast: tuple, write_slots: bool, updates: bool) -> StepBatch | _StepPlan | None:
-        """A step of valid items (``fast``: rows, counts, request ids) in one compiled call
-        (``kernels.step``): plan, and when every group's free stack covers the plan (it is
-        admitted as is) and no row must commit first, run it; the batch (a second call
-        runs it after the commits). Else (nothing changed) the plan, for ``_admit`` and
-        the stages after it, or None when there is none (a row twice, or past its known
-        tokens)."""
+        """A step of valid items (``fast``: rows, counts, request ids, tokens) in one compiled call
+        (``kernels.step``; docs/manager.md, "One step, in four stages"): the batch; else (nothing
+        changed) the plan for ``_admit``, or None (a row twice, or past its known tokens)."""
         rows_in, counts_in, rids, n_tokens = fast
         sc, ts, n_rows = self._scratch, self._tableset, rows_in.size
         n_groups = len(self._pool_list)
@@ -1091,27 +1085,22 @@ class CacheManager:
 
     def _planned_step(self, status: int, planned: tuple, rids: tuple, cells: tuple, out: _StepArrays,
                       write_slots: bool, updates: bool) -> StepBatch | _StepPlan | None:
-        """``_step`` once ``kernels.step`` only planned (``planned``: rows in the plan, settling
-        rows, crossing rows, clean; nothing changed): None without a plan; the batch when
-        the plan is admitted as is (rows commit first, the scratch buffers grow, or the step's
-        own releases cover a short free stack and ``_admit`` would grant nothing either);
-        else the plan, for ``_admit``, holding the batch's arrays and cell buffers."""
+        """``_step`` once ``kernels.step`` only planned (``planned``: its rows, settling rows, crossing
+        rows, clean): the batch when the plan is admitted as is, else the plan (None: no plan)."""
         if planned[0] < 0:
             return None
         plan = self._plan_of(*planned)
         plan.request_ids, plan.cells = rids, cells
+        plan.arrays = out  # for ``_run``, once admitted
         if plan.clean or (status == kernels.STEP_COVERED and self._evictable_cover(plan.sums[1])):
             plan.grants = []
         elif not self._admit_spare(plan):
-            plan.arrays = out  # for ``_run``, once admitted
             return plan
-        return self._commit_and_run(plan, write_slots, updates, False, out)
+        return self._commit_and_run(plan, write_slots, updates, False)
 
     def _admit_spare(self, plan: _StepPlan) -> bool:
-        """``_admit`` of the plan ``kernels.step`` just made (every item valid, not clean)
-        on an arena, in one compiled call (``kernels.admit_spare``) when its answer is spare
-        slabs alone, or no slab: ``plan.grants`` set and True. False when admission needs
-        more (another group's slab, or a denial): ``_admit`` decides."""
+        """``_admit`` of a plan ``kernels.step`` made, on an arena, in one compiled call (``kernels.admit_spare``):
+        True (``plan.grants`` set) when its answer is spare slabs alone or none; False: ``_admit`` decides."""
         arena = self.arena
         if arena is None:
             return False
@@ -1129,43 +1118,33 @@ class CacheManager:
         return True
 
     def _kernel_state(self) -> tuple:
-        """``kernels.step``'s leading arguments: the table store, the per-row counters, the
-        page space, the transient flags, the batch marks and the prefix grain; the same
-        objects until a new table row grows the arrays (``_take_row`` drops them)."""
+        """``kernels.step``'s leading arguments: the same objects until ``_take_row`` grows the arrays."""
         ts, space = self._tableset, self._space
         self._state = (ts.geometry, ts.pages, ts.bounds, self._counters, space.ref_counts, space.cached,
                        space.low_priority, space.stack, space.per_group, self._transient, self._in_batch, self._grain)
         return self._state
 
     def _cell_buffers(self, n_rows: int, made: tuple | None = None, n_cells: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """Fresh arrays for ``finish_step`` to read the cells a step of ``n_rows`` rows changes
-        into (``table_updates``), with room for ``n_cells`` (the cells logged before a planned
-        step, and its pages released and allocated) and at least a decode step's (a page
-        released and one allocated per row and group). ``made``: the ones ``_step`` made for
-        the same batch, used when they have the room."""
+        """Fresh arrays for ``finish_step`` to read a step's changed cells into, with room for ``n_cells``
+        and at least a decode step's; ``made`` (``_step``'s for the same batch) when large enough."""
         if made is not None and made[1].size and made[1].size >= n_cells:
             return made
         room = max(2 * len(self.specs) * n_rows + 16, n_cells)
         return np.empty((3, room), _INT64), np.empty(room, _INT32)
 
     def _evictable_cover(self, allocated: np.ndarray) -> bool:
-        """After ``kernels.releases_cover`` (each short group's releases free enough pages
-        first): whether ``_admit`` would admit the step as is, granting no slab. Without an
-        arena it always does (``_fit_with_credit``'s release credit covers at least those
-        pages); on one, when every group whose free stack is short of its ``allocated``
-        pages has as many free and evictable ones (``_short_pages`` then finds none short), else
-        the arena may lend a spare slab instead."""
+        """After ``kernels.releases_cover``: whether ``_admit`` would admit the step as is, granting
+        no slab (no arena, or every group short of clean pages has as many free and evictable)."""
         return self.arena is None or all(n <= pool.num_free_pages for n, pool in zip(allocated.tolist(),
                                                                                        self._pool_list)
                                          if n > pool.num_clean_free_pages)
 
-    def _run(self, plan: _StepPlan, write_slots: bool, out: _StepArrays | None, cells: tuple = _NO_CELLS,
+    def _run(self, plan: _StepPlan, write_slots: bool, cells: tuple = _NO_CELLS,
              n_logged: int = 0) -> tuple[_StepArrays, int]:
-        """Release, allocate and the batch's arrays (``out``, or fresh ones) in one compiled
-        call (``kernels.run_step``); ``_after_run`` books what Python must. With ``cells``, the
-        ``n_logged`` cells the table log holds lead the touched scratch (``TableSet.take_log``).
-        Returns the arrays and how many table cells changed (at the start of the touched scratch)."""
+        """Stage 3, release, allocate and the batch's arrays (``plan.arrays``, or fresh ones), in one compiled
+        call (``kernels.run_step``; docs/manager.md, "One step, in four stages"); the arrays and the cells changed."""
         n_tokens, released_pages, most_released, allocated_pages = plan.totals
+        out = plan.arrays
         if out is None:
             out = _new_tuple(_StepArrays, kernels.batch_arrays_for(len(self.specs), plan.rows.size - plan.settle,
                                                                     n_tokens, write_slots))
@@ -1192,27 +1171,21 @@ class CacheManager:
         return out, n_touched
 
     def _load_kernels(self) -> None:
-        """Load (or compile) now the kernels of a step that ``_admit`` and ``_run`` take in
-        Python (``short_pages``, ``run_step``, ``room_groups``, ``finish_step``, ``note_peaks``),
-        with the argument types of their step-time calls, by taking that path over a plan of
-        no rows (nothing changes): steps admitted in compiled calls skip it, so else the first
-        step that needs it (a donor's slab move, late in a run, often) stalls for them."""
+        """Load (or compile) now the kernels of a step admitted and run in Python, over a plan of no
+        rows: else the first such step (late in a run, often) stalls for them."""
         rows, counts, first, after, need, _, crossing, _ = self._scratch.plan_arrays(1)
         none = np.zeros((2, len(self.specs)), dtype=np.int64)  # no page released or allocated
         # ``after`` as a step's plan views it: its first columns of more (``plan_arrays``: not contiguous).
         plan = _StepPlan(rows[:0], counts[:0], first[:0], after[:, :, :1], need[:, :0], none, crossing[:0], 0, True,
                          (0, 0, 0, 0), grants=[])
         self._short_pages(plan, none[1], none[1], none[1])
-        out = self._run(plan, True, None)[0]
+        out = self._run(plan, True)[0]
         self._after_run(0, 0, plan, out)
 
     def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan, out: _StepArrays,
                    cells: tuple = _NO_CELLS) -> int:
-        """Book what the step kernel did when it stopped after the releases (it counted the
-        pages it released): the keyed pages it left idle join the prefix cache's LRU, the
-        arena's slabs move as admission planned, groups make room (``PagePool.make_room``:
-        evict) and ``finish_step`` allocates (and reads the cells it changed into ``cells``
-        when they fit) and notes the pools' peaks. Returns the table cells changed."""
+        """Stage 3 in Python once the step kernel stopped after its releases (docs/manager.md, "One
+        step, in four stages"): keyed pages join the LRU, slabs move, groups make room, ``finish_step``."""
         space, ts = self._space, self._tableset
         if n_keyed:
             space.keyed_idle(self._scratch.released[1], self._scratch.idle_keyed)
@@ -1241,10 +1214,8 @@ class CacheManager:
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
                      n_touched: int, cells: tuple = _NO_CELLS) -> StepBatch:
-        """The step's ``StepBatch`` of table ``rows``: block tables, or (``n_touched`` >= 0:
-        the cells the step changed lead the touched scratch) the table cells changed, from
-        ``cells`` when ``kernels.finish_step`` read them there (group, row and column; page:
-        they fit) and the log holds nothing else."""
+        """Stage 4, the ``StepBatch`` of table ``rows``: block tables, or (``n_touched`` >= 0) the table
+        cells changed, from ``cells`` when ``finish_step`` read them there (docs/manager.md, stage 4)."""
         widths = self._capture_widths if fixed_width else tuple(self._scratch.widths.tolist())
         ts = self._tableset
         # The batch's frozen dataclasses get their fields stored directly (no ``__init__`` frame each).
