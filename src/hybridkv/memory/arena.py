@@ -1,17 +1,6 @@
-"""One byte arena shared by every cache group, lent out in slabs.
-
-Each group still sees its own kernel tensor, ``uint8[view_pages, page_bytes]``,
-but all of them are views of the same arena starting at byte 0: page ``p`` of
-a group with ``S``-byte pages is bytes ``[p*S, (p+1)*S)``. The arena is cut into
-equal slabs after a reserved head (where every group's null page 0 lies). A
-slab belongs to at most one group at a time; that group may use the page ids
-lying wholly inside it. So window and compressor-state memory is taken only
-while requests need it, and history groups grow into what others give back.
-
-The slab size is a whole number of pages of one *anchor* group (the history
-group with the most bytes per token), so that group loses nothing at slab
-edges; other groups lose less than one page per slab they hold.
-"""
+"""One byte arena shared by every cache group, lent out in slabs (docs/architecture.md, "Page
+space: per-group pools or one shared arena"): each group's kernel tensor is a view of the same
+bytes from offset 0; a slab belongs to at most one group at a time."""
 
 from __future__ import annotations
 
@@ -179,12 +168,8 @@ def _page_space_of(pools: list[PagePool]) -> PageSpace:
 
 
 class Arena:
-    """Slab ownership for the pools of one manager; pools start with no pages.
-
-    A group may use the pages wholly inside the slabs it owns, plus the page
-    straddling the boundary of two adjacent slabs it both owns, so a run of
-    adjacent slabs loses bytes only at its two ends.
-    """
+    """Slab ownership for the pools of one manager; pools start with no pages (docs/architecture.md,
+    "Page space": a group uses the pages inside its slabs and those straddling two adjacent ones)."""
 
     def __init__(self, geometry: ArenaGeometry, pools: Mapping[str, PagePool]):
         if set(pools) != set(geometry.page_bytes):
@@ -229,13 +214,8 @@ class Arena:
         self._load_kernels()
 
     def _load_kernels(self) -> None:
-        """Load (or compile) now the kernels of a donor's slab move, each with the argument
-        types of its step-time calls, changing nothing: else the first step that lends a
-        donor's slab (late in a run, often) stalls for them, tens of milliseconds. Pure:
-        plans from the owners as they are, an empty revoke and grant (``PagePool.load_kernels``).
-        Also :meth:`plan`'s and :meth:`plan_spare`'s spare slabs and :meth:`replay`'s counts (no
-        page short, a count): a step admitted with spare slabs alone plans them in its kernel
-        (``kernels.admit_spare``), so the first step admitted in Python may come late."""
+        """Load (or compile) now, changing nothing, the kernels of a donor's slab move and of
+        :meth:`plan`, :meth:`plan_spare` and :meth:`replay`: else the first step that needs them stalls."""
         gid, donors = self.group_ids[0], self.group_ids[1:]
         self.oldest_idle_tick(gid)
         self._moved_pages(-1, 0, 0)
@@ -325,15 +305,10 @@ class Arena:
         partial: bool = False,
         owner: np.ndarray | None = None,
     ) -> list[Grant] | None:
-        """Slabs that cover every group's page ``deficit`` (pages short): spare slabs
-        first (one next to a slab the group owns if there is one, else the lowest),
-        then slabs of other groups whose pages are all idle (free or evictable, as
-        ``scan`` counts them), taken only while the donor keeps ``surplus`` (pages it
-        can spare; with ``scan.before_tick``, plus its idle keyed pages of less value)
-        >= 0. ``None`` if they do not suffice (with ``partial``, as many as there are:
-        a group may stay short). Pure; the page counts are exact for :meth:`apply` in
-        order. ``owner``: slab owners to start from (:meth:`replay` of grants planned
-        already, applied before these)."""
+        """Slabs that cover every group's page ``deficit``: spare slabs first, then idle slabs of donors
+        while each keeps its ``surplus`` (as ``scan`` counts; docs/manager.md, stage 1). None if they do not
+        suffice (with ``partial``, as many as there are). Pure, exact for :meth:`apply` in order; ``owner``:
+        slab owners to start from (:meth:`replay` of grants planned already)."""
         scan = scan if scan is not None else IdleScan()
         own = (self.owner if owner is None else owner).copy()
         left: dict[str, int] = {}

@@ -702,18 +702,12 @@ def entry_point(kernel, args):
 def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain,
          plan, last_rows, rows_in, counts_in, cells, cell_pages, per_request, query_start_loc, request_indices,
          per_token):
-    """``prepare_step`` then, when the plan needs nothing from Python first (every
-    group's free stack covers it, no row crosses a prefix grain, the scratch buffers
-    are large enough), ``run_step``, in one call; ``counters`` packs computed, committed
-    and known tokens, ``plan`` the plan's arrays and ``run_step``'s scratch (``plan_views``);
-    ``cells`` and ``cell_pages`` as ``run_step`` takes them, then the batch's arrays
-    (``batch_arrays_for``). The arguments up to ``grain`` are the manager's
-    state (the same arrays from step to step: the manager passes them as a tuple). Returns (status, rows in the plan,
-    settling rows, crossing rows, clean, cells logged, idle keyed pages);
-    status ``STEP_PLANNED`` (or -1 rows: no plan) when only the plan ran, ``STEP_COVERED``
-    when only the plan ran because some group's free stack is short of its allocations
-    but, no row crossing a grain, the pages its own releases free first cover it
-    (``releases_cover``)."""
+    """``prepare_step`` then, when the plan needs nothing from Python first, ``run_step``, in one call
+    (docs/manager.md, "One step, in four stages"). ``counters``: computed, committed and known tokens;
+    ``plan``: the plan's arrays and ``run_step``'s scratch (``plan_views``); then ``run_step``'s cells and the
+    batch's arrays. Returns (status, rows in the plan, settling rows, crossing rows, clean, cells logged, idle
+    keyed pages); ``STEP_PLANNED`` (-1 rows: no plan) or ``STEP_COVERED`` (``releases_cover``) when only the
+    plan ran."""
     rows, counts, first, after, need, sums, crossing, totals, released, widths, scratch, idle_keyed, touched = (
         plan_views(plan, geometry.shape[0]))
     computed, committed, known = counters[0], counters[1], counters[2]

@@ -1,15 +1,6 @@
-"""Per-request page tables of every cache group, in one store the step kernels own.
-
-Each request owns a row of the store. Full-history groups store logical page
-``L`` (tokens ``[L*T, (L+1)*T)``) at column ``L``. Sliding groups keep only the
-live pages ``[base, hi)`` in a power-of-two ring (logical page ``L`` at column
-``L % cap``) and hand kernels a table whose column ``j`` is logical page
-``base + j``. The step's table work runs in ``hybridkv.runtime.kernels``, and so
-does a rewind (``kernels.rewind_rows``); the methods here serve what happens
-outside them (prefix hits, publishing, free) and never touch a pool: the manager
-takes the ids they return. The store's layout (narrow rings, lanes, column-major
-full history): docs/manager.md, "The table store's layout".
-"""
+"""Per-request page tables of every cache group, in one store the step kernels own (its layout:
+docs/manager.md, "The table store's layout"). The methods here serve what happens outside the
+step kernels (prefix hits, publishing, free) and never touch a pool."""
 
 from __future__ import annotations
 
