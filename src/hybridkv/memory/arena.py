@@ -343,14 +343,18 @@ class Arena:
         ids = self.group_ids
         return [(ids[g], slab, None) for g, slab in zip(groups[:n].tolist(), slabs[:n].tolist())]
 
-    def spare_grants(self, n: int) -> list[Grant] | np.ndarray:
-        """The ``n`` grants ``kernels.admit_spare`` just wrote to its scratch (``spare_args``):
-        a copy of their groups and slabs (``[2, n]``, for ``kernels.run_step``, then
-        :meth:`granted`) when every pool's free stack is sorted, else as :meth:`apply` takes them."""
-        if self._sorted_grants:
-            return self._spare_grants[:, :n].copy()
+    def spare_grants(self, n: int) -> list[Grant]:
+        """The ``n`` grants ``kernels.admit_spare`` just wrote to its scratch (``spare_args``)."""
         ids, (groups, slabs) = self.group_ids, self._spare_grants[:, :n].tolist()
         return [(ids[g], slab, None) for g, slab in zip(groups, slabs)]
+
+    def kernel_grants(self, grants: Sequence[Grant]) -> np.ndarray | None:
+        """``grants`` as ``kernels.run_step`` grants them (``[2, n]``: groups, slabs; then :meth:`granted`)
+        when they are spare slabs alone and every pool's free stack is sorted; else None (:meth:`apply`)."""
+        if not (self._sorted_grants and all(donor is None for _, _, donor in grants)):
+            return None
+        index = self._index
+        return np.array([[index[gid] for gid, _, _ in grants], [slab for _, slab, _ in grants]], dtype=np.int64)
 
     def granted(self, n: int) -> None:
         """``kernels.run_step`` granted ``n`` spare slabs: the spare count, and the pools'
@@ -451,15 +455,14 @@ class Arena:
 
     # --- mutation -------------------------------------------------------------
     def apply(self, grants: Sequence[Grant]) -> None:
-        """Move the planned slabs, in order (donor pages revoked, receiver pages granted)."""
-        if self._sorted_grants and all(donor is None for _, _, donor in grants):
-            self._grant_spare(grants)
-            return
+        """Move the planned slabs, in order (donor pages revoked, receiver pages granted); nothing
+        moves when a slab granted as spare is not (or is listed twice)."""
+        spare = [slab for _, slab, donor in grants if donor is None]
+        if len(set(spare)) < len(spare) or (self.owner[spare] >= 0).any():
+            raise AssertionError("a slab granted is not spare")
         index = self._index
         for gid, slab, donor in grants:
             gi, di = index[gid], -1 if donor is None else index[donor]
-            if di < 0 and self.owner[slab] >= 0:
-                raise AssertionError(f"slab {slab} is not spare")
             given, gained = self._moved_pages(di, gi, slab)  # the slab's neighbours stay
             if di >= 0:
                 self.pools[donor].revoke(given)
@@ -468,19 +471,6 @@ class Arena:
                 self._spare_changed(-1)
             self.owner[slab] = gi
             self.pools[gid].grant(gained)
-
-    def _grant_spare(self, grants: Sequence[Grant]) -> None:
-        """:meth:`apply` of spare slabs only (every pool's free stack sorted): the pages each
-        group gains go onto its free stack in one run per pool, all in one compiled call
-        (``kernels.grant_spare_slabs`` on the pools' page space)."""
-        index, n, space = self._index, len(grants), self._space
-        groups = np.fromiter([index[gid] for gid, _, _ in grants], np.int64, n)
-        slabs = np.fromiter([slab for _, slab, _ in grants], np.int64, n)
-        pages, ends = np.empty(n * self._most_slab_pages, dtype=np.int64), np.empty(len(index), dtype=np.int64)
-        if kernels.grant_spare_slabs(self.owner, groups, slabs, *self._slab_ids, pages, ends, space.stack,
-                                     space.tops, space.offsets, space.lowest_first, space.granted) < 0:
-            raise AssertionError("a slab granted is not spare")
-        self._spare_changed(-n)
 
     def release_idle(self) -> int:
         """Return every slab whose pages are all free (not evictable) to the spare list; the count."""

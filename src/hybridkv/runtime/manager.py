@@ -85,7 +85,6 @@ class _StepPlan:
     grants: list | None = None  # arena slabs to move before allocating (shared page space)
     arrays: _StepArrays | None = None  # the batch's fresh arrays, once made (``_step``)
     cells: tuple | None = None  # ``_cell_buffers`` ``_step`` made for the batch (``finish_step``'s cells)
-    spare_slabs: np.ndarray | None = None  # spare slabs ``_run`` grants in its kernel (groups; slabs), grants then []
 
 
 class _StepArrays(NamedTuple):
@@ -1110,11 +1109,7 @@ class CacheManager:
                                 plan.rows.size, self._short, *arena.spare_args)
         if n < 0:
             return False
-        grants = arena.spare_grants(n) if n else []
-        if type(grants) is np.ndarray:
-            plan.grants, plan.spare_slabs = [], grants
-        else:
-            plan.grants = grants
+        plan.grants = arena.spare_grants(n) if n else []
         return True
 
     def _kernel_state(self) -> tuple:
@@ -1155,9 +1150,11 @@ class CacheManager:
         state = (ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
                  space.low_priority, space.stack, space.per_group, self._transient, plan.rows, plan.counts, plan.first,
                  plan.settle, plan.after, plan.sums)
-        # Spare slabs are granted in the kernel, after the releases (``_after_run`` would apply them there).
-        grants, arena = (_NO_GRANTS, _NO_ARENA) if plan.spare_slabs is None else (plan.spare_slabs,
-                                                                                   self.arena.grant_args)
+        grants = self.arena.kernel_grants(plan.grants) if plan.grants else None
+        if grants is None:
+            grants, arena = _NO_GRANTS, _NO_ARENA
+        else:  # spare slabs alone: granted in the kernel, after the releases (``_after_run`` would apply them there)
+            plan.grants, arena = [], self.arena.grant_args
         status, n_touched, n_keyed = kernels.run_step(*state, bool(plan.grants), grants, arena, scratch, idle_keyed,
                                                       released, touched, n_logged, *cells, *out, self._scratch.widths)
         if grants.shape[1]:
