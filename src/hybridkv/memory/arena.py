@@ -196,15 +196,15 @@ class Arena:
         self._slab_geometry = {gid: np.asarray([geometry.page_bytes[gid], geometry.reserved_bytes, geometry.slab_bytes],
                                                dtype=np.int64) for gid in self.group_ids}
         self.owner = np.full(geometry.num_slabs, -1, dtype=np.int16)
-        # ``kernels.admit_spare``'s arena arguments: owners, the fewest whole pages of each group a
-        # slab holds, inner pages and straddlers, then scratch (owners, taken slabs, grants).
-        self.spare_args = (self.owner, self._slab_pages, inner, straddle, self._spare_plan[2], self._taken,
-                           *self._spare_plan[3:])
+        self._spare = np.zeros(1, dtype=np.int64)  # spare slabs, in an array ``admit_spare`` reads
+        # ``kernels.admit_spare``'s arena arguments: owners, spare slabs, the fewest whole pages of each
+        # group a slab holds, inner pages and straddlers, then scratch (owners, taken slabs, grants).
+        self.spare_args = (self.owner, self._spare, self._slab_pages, inner, straddle, self._spare_plan[2],
+                           self._taken, *self._spare_plan[3:])
         # ``kernels.run_step``'s ``arena`` (a step granting spare slabs): owners, slab page ranges
         # and straddlers, the page space's offsets, the most pages a slab gives a group.
         self.grant_args = (self.owner, *self._slab_ids, self._space.offsets, self._most_slab_pages)
         self.slab_moves = 0
-        self._spare_count = 0
         self._spare_changed(geometry.num_slabs)
         for gid, pool in self.pools.items():
             pool.must_pack = self._packing_rule(gid)
@@ -265,18 +265,18 @@ class Arena:
     # --- counts ---------------------------------------------------------------
     @property
     def num_spare_slabs(self) -> int:
-        return self._spare_count
+        return int(self._spare[0])
 
     def roomy(self) -> bool:
         """At least ``ROOMY_SPARE_FRACTION`` of the slabs are spare: idle low-priority
         entries may keep spare memory (admission takes it back), and live pages may
         spread a little (``PagePool.must_pack``)."""
-        return self._spare_count >= ROOMY_SPARE_FRACTION * self.geometry.num_slabs
+        return bool(self._spare[0] >= ROOMY_SPARE_FRACTION * self.geometry.num_slabs)
 
     def _spare_changed(self, by: int) -> None:
         """``by`` slabs more are spare; the pools' ``PageSpace.skip_packing`` follows
         :meth:`roomy`, so the step kernel reads it (``kernels.packing_floor``)."""
-        self._spare_count += by
+        self._spare[0] += by
         self._space.skip_packing.fill(self.roomy())
 
     def slabs_owned(self) -> dict[str, int]:
@@ -334,7 +334,7 @@ class Arena:
         (``kernels.take_spare_for``); None when they might not (donors' slabs may be
         needed: :meth:`plan` decides). Pure; ``owner`` as for :meth:`plan`."""
         own = self.owner if owner is None else owner
-        spare = self._spare_count if owner is None else int(np.count_nonzero(owner < 0))
+        spare = self.num_spare_slabs if owner is None else int(np.count_nonzero(owner < 0))
         inner, straddle, scratch, groups, slabs = self._spare_plan
         n = kernels.take_spare_for(short, self._slab_pages, spare, own, scratch, inner, straddle, self._taken, groups,
                                    slabs)
@@ -492,7 +492,7 @@ class Arena:
         """Every granted page id lies in slabs its group owns (inner pages, or a
         straddling page whose two slabs it owns), and all such pages are granted:
         so live pages of different groups never share a byte."""
-        assert self._spare_count == int(np.count_nonzero(self.owner < 0)), "spare count drifted"
+        assert self.num_spare_slabs == int(np.count_nonzero(self.owner < 0)), "spare count drifted"
         assert (self._space.skip_packing == self.roomy()).all(), "skip_packing differs from roomy"
         for gid in self.group_ids:
             pool, gi = self.pools[gid], self._index[gid]

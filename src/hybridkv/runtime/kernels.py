@@ -1196,7 +1196,7 @@ def take_spare_for(short, slab_pages, spare_slabs, owner, own, inner_pages, stra
 
 @njit(cache=True)
 def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain, window_pages, plan, n, short,
-                owner, slab_pages, inner_pages, straddle, own, taken, grant_groups, grant_slabs):
+                owner, spare_slabs, slab_pages, inner_pages, straddle, own, taken, grant_groups, grant_slabs):
     """The manager's admission (``CacheManager._admit``) of the step ``plan`` holds
     (``plan_views``; its first ``n`` rows) on a shared arena, in one pass when its answer
     is spare slabs alone (pure): ``short_pages`` of the step against every group's clean
@@ -1213,9 +1213,7 @@ def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain
     free = top + per_group[LRU_PAGES]
     n_short = short_pages(geometry, pages, bounds, ref, keyed, rows, new_base, first, committed, grain,
                           window_pages, sums[0], wanted, top, free, low, short)
-    spare = 0
-    for s in range(owner.size):
-        spare += owner[s] < 0
+    spare = spare_slabs[0]  # ``owner``'s spare slabs
     if n_short >= 0:
         return 0 if n_short == 0 else take_spare_for(short, slab_pages, spare, owner, own, inner_pages, straddle,
                                                      taken, grant_groups, grant_slabs)
