@@ -113,12 +113,9 @@ class _Scratch:
         self.transient = np.empty(n_groups, dtype=np.int64)  # ``room_groups``' marks
 
     def plan_arrays(self, n_rows: int) -> tuple:
-        """``prepare_step``'s outputs with room for more than ``n_rows`` rows (``kernels.plan_views``
-        of ``buffer``): rows, counts, first, after, need, sums, crossing, totals; the
-        same arrays while they are large enough (every plan overwrites the previous one's).
-        ``released`` is ``release_pages``' count per group, ``widths`` ``batch_arrays``'.
-        A plan's ``after[:, :, :n]`` is thus never the whole (contiguous) grid: the kernels
-        taking it see one argument type (``CacheManager._load_kernels`` loads that one)."""
+        """``prepare_step``'s outputs (``kernels.plan_views`` of ``buffer``) with room for more than ``n_rows``
+        rows; the same arrays while large enough (each plan overwrites the last). A plan's ``after[:, :, :n]``
+        is thus never contiguous: the kernels see one argument type (``CacheManager._load_kernels``)."""
         if n_rows >= self.plan_rows:
             self._grow(2 * n_rows + 1, self.pages.size, self.idle_keyed.size, self.touched.size)
         return self.plan
