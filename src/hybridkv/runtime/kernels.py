@@ -556,11 +556,9 @@ def batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, posi
 
 
 def batch_arrays_for(n_groups, n_requests, n_tokens, write_slots):
-    """Fresh arrays for what ``run_step`` writes for a batch (four kernel arguments, where one
-    per handed-out array would each be unboxed): ``per_request`` int32 ``[2 + G, R]`` (table
-    rows, scheduled tokens, then each group's base pages), ``query_start_loc`` int32 ``[R + 1]``,
-    ``request_indices`` int32 ``[N]``, ``per_token`` int64 ``[1 + G, N]`` (positions, then
-    each group's write slots; ``[1, N]`` without them)."""
+    """Fresh arrays for what ``run_step`` writes for a batch, in its argument order: ``per_request``
+    int32 ``[2 + G, R]``, ``query_start_loc`` int32 ``[R + 1]``, ``request_indices`` int32 ``[N]``,
+    ``per_token`` int64 ``[1 + G, N]`` (``[1, N]`` without write slots)."""
     return (np.empty((2 + n_groups, n_requests), np.int32), np.empty(n_requests + 1, np.int32),
             np.empty(n_tokens, np.int32), np.empty((1 + n_groups if write_slots else 1, n_tokens), np.int64))
 
