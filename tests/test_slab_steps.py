@@ -1,5 +1,5 @@
 """Steps on a shared arena that need slabs: the step's own admission of spare slabs
-(``kernels.admit_spare``, then ``kernels.run_step`` granting them) decides as the general admission.
+(``kernels.admit_spare``, then ``kernels.grant_step``) decides as the general admission.
 
 The same program (requests join with prompts of a small vocabulary, so prefixes are
 shared, prefill in chunks, decode, leave) runs twice: as the manager runs it, and with

@@ -201,7 +201,7 @@ class Arena:
         # group a slab holds, inner pages and straddlers, then scratch (owners, taken slabs, grants).
         self.spare_args = (self.owner, self._spare, self._slab_pages, inner, straddle, self._spare_plan[2],
                            self._taken, *self._spare_plan[3:])
-        # ``kernels.run_step``'s ``arena`` (a step granting spare slabs): owners, slab page ranges
+        # ``kernels.grant_step``'s ``arena``: owners, slab page ranges
         # and straddlers, the page space's offsets, the most pages a slab gives a group.
         self.grant_args = (self.owner, *self._slab_ids, self._space.offsets, self._most_slab_pages)
         self.slab_moves = 0
@@ -349,7 +349,7 @@ class Arena:
         return [(ids[g], slab, None) for g, slab in zip(groups, slabs)]
 
     def kernel_grants(self, grants: Sequence[Grant]) -> np.ndarray | None:
-        """``grants`` as ``kernels.run_step`` grants them (``[2, n]``: groups, slabs; then :meth:`granted`)
+        """``grants`` as ``kernels.grant_step`` grants them (``[2, n]``: groups, slabs; then :meth:`granted`)
         when they are spare slabs alone and every pool's free stack is sorted; else None (:meth:`apply`)."""
         if not (self._sorted_grants and all(donor is None for _, _, donor in grants)):
             return None
@@ -357,7 +357,7 @@ class Arena:
         return np.array([[index[gid] for gid, _, _ in grants], [slab for _, slab, _ in grants]], dtype=np.int64)
 
     def granted(self, n: int) -> None:
-        """``kernels.run_step`` granted ``n`` spare slabs: the spare count, and the pools'
+        """``kernels.grant_step`` granted ``n`` spare slabs: the spare count, and the pools'
         ``skip_packing`` with it (before anything reads it: ``_after_run``, the next step)."""
         self._spare_changed(-n)
 

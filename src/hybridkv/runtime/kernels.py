@@ -565,31 +565,18 @@ def batch_arrays_for(n_groups, n_requests, n_tokens, write_slots):
 
 @njit(cache=True)
 def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient,
-             rows, counts, first, settle, after, sums, hold, grants, arena, scratch, idle_keyed, released, touched,
-             n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths):
+             rows, counts, first, settle, after, sums, hold, scratch, idle_keyed, released, touched, n_logged, cells,
+             cell_pages, per_request, query_start_loc, request_indices, per_token, widths):
     """One admitted step as ``prepare_step`` planned it (docs/manager.md, stage 3): the rows' tokens so far
     count as committed, releases, then (``finish_step``) allocations and the batch's arrays. ``touched``
-    starts with ``n_logged`` cells changed before the step (``TableSet.take_log``). ``grants`` ``[2, n]``
-    (n > 0: spare slabs ``admit_spare`` admitted alone; ``arena``: ``Arena.grant_args``) are granted after
-    the releases. Returns (status, cells logged, idle keyed pages): ``STEP_NEEDS_PAGES`` when it stopped
-    after the releases for Python (``hold``: slabs to move; ``needs_room``; with grants, a keyed page gone
-    idle or ``room_groups``), -1 when a granted slab is not spare (nothing granted)."""
+    starts with ``n_logged`` cells changed before the step (``TableSet.take_log``). Returns (status, cells
+    logged, idle keyed pages): ``STEP_NEEDS_PAGES`` when it stopped after the releases for Python (``hold``:
+    slabs to move; ``needs_room``)."""
     for r in range(rows.size):
         committed[rows[r]] = first[r]
     n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after,
                                        scratch, idle_keyed, released, touched, n_logged)
-    if grants.shape[1]:
-        owner, lo, hi, straddle, offsets, most_slab_pages = arena
-        if grant_spare_slabs(owner, grants[0], grants[1], lo, hi, straddle,
-                             np.empty(grants.shape[1] * most_slab_pages, np.int64),
-                             np.empty(geometry.shape[0], np.int64), stack, per_group[TOP], offsets, per_group[LOWEST],
-                             per_group[GRANTED_PAGES]) < 0:
-            return -1, n_touched, n_keyed
-        hold = n_keyed > 0 or room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack,
-                                          offsets, per_group, np.empty(geometry.shape[0], np.int64)) > 0
-    elif not hold:
-        hold = needs_room(geometry, stack, per_group, low_priority, sums, released, idle_keyed)
-    if hold:
+    if hold or needs_room(geometry, stack, per_group, low_priority, sums, released, idle_keyed):
         return STEP_NEEDS_PAGES, n_touched, n_keyed
     n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
                             first, settle, after, sums, touched, n_touched, cells, cell_pages, per_request,
@@ -598,10 +585,28 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
 
 
 @njit(cache=True)
-def no_arena():
-    """``run_step``'s ``arena`` argument where no slab is granted, of ``Arena.grant_args``' types."""
-    none = np.empty((0, 0), np.int64)
-    return np.empty(0, np.int16), none, none, none, np.empty(0, np.int64), 0
+def grant_step(grants, arena, geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack,
+               per_group, transient, rows, counts, first, settle, after, sums, scratch, idle_keyed, released, touched,
+               n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths):
+    """``run_step`` of a step granting spare slabs alone (``grants`` ``[2, n]``: groups, slabs; ``arena``:
+    ``Arena.grant_args``) after its releases (``grant_spare_slabs``); it stops for Python only when a keyed
+    page went idle or ``room_groups`` asks a group to make room. Status -1 (nothing granted) when a slab is
+    not spare. A kernel of its own: in ``run_step`` the grant makes ``step``'s compiled loops slower."""
+    status, n_touched, n_keyed = run_step(
+        geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient, rows,
+        counts, first, settle, after, sums, True, scratch, idle_keyed, released, touched, n_logged, cells,
+        cell_pages, per_request, query_start_loc, request_indices, per_token, widths)
+    owner, lo, hi, straddle, offsets, most_slab_pages = arena
+    granted = np.empty(grants.shape[1] * most_slab_pages, np.int64)
+    if grant_spare_slabs(owner, grants[0], grants[1], lo, hi, straddle, granted, np.empty(geometry.shape[0], np.int64),
+                         stack, per_group[TOP], offsets, per_group[LOWEST], per_group[GRANTED_PAGES]) < 0:
+        return -1, n_touched, n_keyed
+    if n_keyed or room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, per_group,
+                              np.empty(geometry.shape[0], np.int64)):
+        return STEP_NEEDS_PAGES, n_touched, n_keyed  # keyed pages join their LRU first, or a group makes room
+    return STEP_DONE, finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
+                                  first, settle, after, sums, touched, n_touched, cells, cell_pages, per_request,
+                                  query_start_loc, request_indices, per_token, widths, released[1]), n_keyed
 
 
 @njit(cache=True, inline="always")
@@ -720,9 +725,8 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
         return STEP_PLANNED, n, settle, n_cross, clean, 0, 0
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group,
-        transient, rows[:n], counts[:n], first[:n], settle, after[:, :, :n], sums, False, sums[:, :0], no_arena(),
-        scratch, idle_keyed, released, touched, 0, cells, cell_pages, per_request, query_start_loc, request_indices,
-        per_token, widths)
+        transient, rows[:n], counts[:n], first[:n], settle, after[:, :, :n], sums, False, scratch, idle_keyed,
+        released, touched, 0, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths)
     return status, n, settle, n_cross, clean, n_touched, n_keyed
 
 

@@ -101,7 +101,6 @@ _INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
 _new_tuple, _new_object = tuple.__new__, object.__new__
 _NO_CELLS = np.empty((3, 0), dtype=np.int64), np.empty(0, dtype=np.int32)  # ``kernels.finish_step`` reads no cells
 _COMPUTED = np.empty(0, dtype=np.int64)  # ``prepare_step``'s load_tokens of a step that computes
-_NO_GRANTS, _NO_ARENA = np.empty((2, 0), dtype=np.int64), kernels.no_arena()  # ``run_step`` granting no slab
 
 
 class _Scratch:
@@ -1149,12 +1148,13 @@ class CacheManager:
                  plan.settle, plan.after, plan.sums)
         grants = self.arena.kernel_grants(plan.grants) if plan.grants else None
         if grants is None:
-            grants, arena = _NO_GRANTS, _NO_ARENA
+            status, n_touched, n_keyed = kernels.run_step(*state, bool(plan.grants), scratch, idle_keyed, released,
+                                                          touched, n_logged, *cells, *out, self._scratch.widths)
         else:  # spare slabs alone: granted in the kernel, after the releases (``_after_run`` would apply them there)
-            plan.grants, arena = [], self.arena.grant_args
-        status, n_touched, n_keyed = kernels.run_step(*state, bool(plan.grants), grants, arena, scratch, idle_keyed,
-                                                      released, touched, n_logged, *cells, *out, self._scratch.widths)
-        if grants.shape[1]:
+            plan.grants = []
+            status, n_touched, n_keyed = kernels.grant_step(grants, self.arena.grant_args, *state, scratch, idle_keyed,
+                                                            released, touched, n_logged, *cells, *out,
+                                                            self._scratch.widths)
             if status < 0:
                 raise AssertionError("a slab granted is not spare")
             self.arena.granted(grants.shape[1])
