@@ -988,9 +988,10 @@ class CacheManager:
         verdict = self._cached_verdict(items, uniform, fixed_width) if self._admitted is not None else None
         if load:
             verdict = self._admit_load(items, fixed_width)
-        elif verdict is None and not fixed_width:
-            # Valid pairs (none waiting for a tier load: ``_fast_rows``) take ``_step``'s one compiled call:
-            # its batch, or the plan it made for ``_admit``; None (an invalid item) goes to ``_admit``.
+        elif verdict is None and not fixed_width and (self._tableset.log is None) != updates:
+            # Valid pairs (none waiting for a tier load: ``_fast_rows``) in the previous step's block-table
+            # mode take ``_step``'s one compiled call: its batch, or the plan it made for ``_admit``; None (an
+            # invalid item) goes to ``_admit``, a step switching modes to ``_commit_and_run`` (the log follows).
             fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
             if fast is not None:
                 done = self._step(fast, write_slots, updates)
@@ -1049,7 +1050,7 @@ class CacheManager:
         (``kernels.step``; docs/manager.md, "One step, in four stages"): the batch; else (nothing
         changed) the plan for ``_admit``, or None (a row twice, or past its known tokens)."""
         rows_in, counts_in, rids, n_tokens = fast
-        sc, ts, n_rows = self._scratch, self._tableset, rows_in.size
+        sc, n_rows = self._scratch, rows_in.size
         n_groups = len(self._pool_list)
         out = _new_tuple(_StepArrays, (  # ``kernels.batch_arrays_for``, inline (a call less a step)
             np.empty((2 + n_groups, n_rows), _INT32), np.empty(n_rows + 1, _INT32), np.empty(n_tokens, _INT32),
@@ -1067,8 +1068,6 @@ class CacheManager:
         if status >= kernels.STEP_PLANNED:
             return self._planned_step(status, (n, settle, n_crossing, clean), rids, cells, out, write_slots, updates)
         self._version += 1
-        if (ts.log is None) == updates:  # the log's state changes: on for "updates", off for "full"
-            ts.start_log() if updates else ts.stop_log()
         if status != kernels.STEP_DONE:
             plan = self._plan_of(n, settle, n_crossing, clean)
             plan.grants = []
