@@ -51,7 +51,7 @@ def allocate(pool: PagePool, count: int, *, highest: int = 0) -> np.ndarray:
     allocated = np.zeros(len(space.pools), dtype=np.int64)
     allocated[g] = count
     space.per_group[kernels.ALLOCATED_PAGES] += allocated  # counted as a step's kernel counts
-    space.note_peaks(allocated)
+    kernels.note_peaks(space.per_group, allocated, allocated[:0])  # the pools' peaks, as a step's kernel notes them
     return out
 
 

@@ -1,5 +1,6 @@
-"""The step's result classes (``hybridkv.runtime.batch``): frozen dataclasses whose ``__init__``
-stores the fields directly must still behave as the dataclasses they declare."""
+"""The step's result classes (``hybridkv.runtime.batch``): frozen dataclasses, which the manager
+makes without their ``__init__`` (storing the fields directly), must behave as the dataclasses
+they declare, whichever way they were made."""
 
 import dataclasses
 
@@ -7,6 +8,8 @@ import numpy as np
 import pytest
 
 from hybridkv.runtime.batch import GroupStep, StepBatch, TableUpdates
+from hybridkv.runtime.manager import CacheManager
+from test_table_updates import CONFIGS
 
 
 def test_positional_and_keyword_construction_agree_with_the_declared_fields():
@@ -33,3 +36,20 @@ def test_defaults_replace_and_frozenness():
         updates.reset = True
     with pytest.raises(TypeError):
         GroupStep(None, None)  # a missing field is still an error
+
+
+@pytest.mark.parametrize("mode", ["full", "updates"])
+def test_a_managers_batch_holds_every_field_as_its_constructor_would(mode):
+    specs, pages, ctx, step = CONFIGS["v4"]
+    m = CacheManager(specs, pages, max_context_tokens=ctx, max_step_tokens=step)
+    m.add_request("a", prompt_tokens=100, max_new_tokens=10)
+    for count in (64, 36, 1):  # a fresh row, a step the kernel reads the cells of, a decode
+        batch = m.schedule([("a", count)], block_tables=mode)
+        made = [batch, *batch.groups.values()] + ([batch.table_updates] if mode == "updates" else [])
+        for obj in made:
+            rebuilt = type(obj)(**vars(obj))  # through the generated ``__init__``
+            assert list(vars(obj)) == [f.name for f in dataclasses.fields(obj)] == list(vars(rebuilt))
+            assert repr(obj) == repr(rebuilt)
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                setattr(obj, dataclasses.fields(obj)[0].name, None)
+        assert (batch.table_updates is None) == (mode == "full")

@@ -1,17 +1,6 @@
-"""One byte arena shared by every cache group, lent out in slabs.
-
-Each group still sees its own kernel tensor, ``uint8[view_pages, page_bytes]``,
-but all of them are views of the same arena starting at byte 0: page ``p`` of
-a group with ``S``-byte pages is bytes ``[p*S, (p+1)*S)``. The arena is cut into
-equal slabs after a reserved head (where every group's null page 0 lies). A
-slab belongs to at most one group at a time; that group may use the page ids
-lying wholly inside it. So window and compressor-state memory is taken only
-while requests need it, and history groups grow into what others give back.
-
-The slab size is a whole number of pages of one *anchor* group (the history
-group with the most bytes per token), so that group loses nothing at slab
-edges; other groups lose less than one page per slab they hold.
-"""
+"""One byte arena shared by every cache group, lent out in slabs (docs/architecture.md, "Page
+space: per-group pools or one shared arena"): each group's kernel tensor is a view of the same
+bytes from offset 0; a slab belongs to at most one group at a time."""
 
 from __future__ import annotations
 
@@ -179,12 +168,8 @@ def _page_space_of(pools: list[PagePool]) -> PageSpace:
 
 
 class Arena:
-    """Slab ownership for the pools of one manager; pools start with no pages.
-
-    A group may use the pages wholly inside the slabs it owns, plus the page
-    straddling the boundary of two adjacent slabs it both owns, so a run of
-    adjacent slabs loses bytes only at its two ends.
-    """
+    """Slab ownership for the pools of one manager; pools start with no pages (docs/architecture.md,
+    "Page space": a group uses the pages inside its slabs and those straddling two adjacent ones)."""
 
     def __init__(self, geometry: ArenaGeometry, pools: Mapping[str, PagePool]):
         if set(pools) != set(geometry.page_bytes):
@@ -211,15 +196,15 @@ class Arena:
         self._slab_geometry = {gid: np.asarray([geometry.page_bytes[gid], geometry.reserved_bytes, geometry.slab_bytes],
                                                dtype=np.int64) for gid in self.group_ids}
         self.owner = np.full(geometry.num_slabs, -1, dtype=np.int16)
-        # ``kernels.admit_spare``'s arena arguments: owners, the fewest whole pages of each group a
-        # slab holds, inner pages and straddlers, then scratch (owners, taken slabs, grants).
-        self.spare_args = (self.owner, self._slab_pages, inner, straddle, self._spare_plan[2], self._taken,
-                           *self._spare_plan[3:])
-        # ``kernels.grant_step``'s: owners, slab page ranges and straddlers, the page space's
-        # offsets, the most pages a slab gives a group.
+        self._spare = np.zeros(1, dtype=np.int64)  # spare slabs, in an array ``admit_spare`` reads
+        # ``kernels.admit_spare``'s arena arguments: owners, spare slabs, the fewest whole pages of each
+        # group a slab holds, inner pages and straddlers, then scratch (owners, taken slabs, grants).
+        self.spare_args = (self.owner, self._spare, self._slab_pages, inner, straddle, self._spare_plan[2],
+                           self._taken, *self._spare_plan[3:])
+        # ``kernels.grant_step``'s ``arena``: owners, slab page ranges
+        # and straddlers, the page space's offsets, the most pages a slab gives a group.
         self.grant_args = (self.owner, *self._slab_ids, self._space.offsets, self._most_slab_pages)
         self.slab_moves = 0
-        self._spare_count = 0
         self._spare_changed(geometry.num_slabs)
         for gid, pool in self.pools.items():
             pool.must_pack = self._packing_rule(gid)
@@ -229,13 +214,8 @@ class Arena:
         self._load_kernels()
 
     def _load_kernels(self) -> None:
-        """Load (or compile) now the kernels of a donor's slab move, each with the argument
-        types of its step-time calls, changing nothing: else the first step that lends a
-        donor's slab (late in a run, often) stalls for them, tens of milliseconds. Pure:
-        plans from the owners as they are, an empty revoke and grant (``PagePool.load_kernels``).
-        Also :meth:`plan`'s and :meth:`plan_spare`'s spare slabs and :meth:`replay`'s counts (no
-        page short, a count): a step admitted with spare slabs alone plans them in its kernel
-        (``kernels.admit_spare``), so the first step admitted in Python may come late."""
+        """Load (or compile) now, changing nothing, the kernels of a donor's slab move and of
+        :meth:`plan`, :meth:`plan_spare` and :meth:`replay`: else the first step that needs them stalls."""
         gid, donors = self.group_ids[0], self.group_ids[1:]
         self.oldest_idle_tick(gid)
         self._moved_pages(-1, 0, 0)
@@ -285,18 +265,18 @@ class Arena:
     # --- counts ---------------------------------------------------------------
     @property
     def num_spare_slabs(self) -> int:
-        return self._spare_count
+        return int(self._spare[0])
 
     def roomy(self) -> bool:
         """At least ``ROOMY_SPARE_FRACTION`` of the slabs are spare: idle low-priority
         entries may keep spare memory (admission takes it back), and live pages may
         spread a little (``PagePool.must_pack``)."""
-        return self._spare_count >= ROOMY_SPARE_FRACTION * self.geometry.num_slabs
+        return bool(self._spare[0] >= ROOMY_SPARE_FRACTION * self.geometry.num_slabs)
 
     def _spare_changed(self, by: int) -> None:
         """``by`` slabs more are spare; the pools' ``PageSpace.skip_packing`` follows
         :meth:`roomy`, so the step kernel reads it (``kernels.packing_floor``)."""
-        self._spare_count += by
+        self._spare[0] += by
         self._space.skip_packing.fill(self.roomy())
 
     def slabs_owned(self) -> dict[str, int]:
@@ -325,15 +305,10 @@ class Arena:
         partial: bool = False,
         owner: np.ndarray | None = None,
     ) -> list[Grant] | None:
-        """Slabs that cover every group's page ``deficit`` (pages short): spare slabs
-        first (one next to a slab the group owns if there is one, else the lowest),
-        then slabs of other groups whose pages are all idle (free or evictable, as
-        ``scan`` counts them), taken only while the donor keeps ``surplus`` (pages it
-        can spare; with ``scan.before_tick``, plus its idle keyed pages of less value)
-        >= 0. ``None`` if they do not suffice (with ``partial``, as many as there are:
-        a group may stay short). Pure; the page counts are exact for :meth:`apply` in
-        order. ``owner``: slab owners to start from (:meth:`replay` of grants planned
-        already, applied before these)."""
+        """Slabs that cover every group's page ``deficit``: spare slabs first, then idle slabs of donors
+        while each keeps its ``surplus`` (as ``scan`` counts; docs/manager.md, stage 1). None if they do not
+        suffice (with ``partial``, as many as there are). Pure, exact for :meth:`apply` in order; ``owner``:
+        slab owners to start from (:meth:`replay` of grants planned already)."""
         scan = scan if scan is not None else IdleScan()
         own = (self.owner if owner is None else owner).copy()
         left: dict[str, int] = {}
@@ -359,7 +334,7 @@ class Arena:
         (``kernels.take_spare_for``); None when they might not (donors' slabs may be
         needed: :meth:`plan` decides). Pure; ``owner`` as for :meth:`plan`."""
         own = self.owner if owner is None else owner
-        spare = self._spare_count if owner is None else int(np.count_nonzero(owner < 0))
+        spare = self.num_spare_slabs if owner is None else int(np.count_nonzero(owner < 0))
         inner, straddle, scratch, groups, slabs = self._spare_plan
         n = kernels.take_spare_for(short, self._slab_pages, spare, own, scratch, inner, straddle, self._taken, groups,
                                    slabs)
@@ -368,14 +343,18 @@ class Arena:
         ids = self.group_ids
         return [(ids[g], slab, None) for g, slab in zip(groups[:n].tolist(), slabs[:n].tolist())]
 
-    def spare_grants(self, n: int) -> list[Grant] | np.ndarray:
-        """The ``n`` grants ``kernels.admit_spare`` just wrote to its scratch (``spare_args``):
-        a copy of their groups and slabs (``[2, n]``, for ``kernels.grant_step``, then
-        :meth:`granted`) when every pool's free stack is sorted, else as :meth:`apply` takes them."""
-        if self._sorted_grants:
-            return self._spare_grants[:, :n].copy()
+    def spare_grants(self, n: int) -> list[Grant]:
+        """The ``n`` grants ``kernels.admit_spare`` just wrote to its scratch (``spare_args``)."""
         ids, (groups, slabs) = self.group_ids, self._spare_grants[:, :n].tolist()
         return [(ids[g], slab, None) for g, slab in zip(groups, slabs)]
+
+    def kernel_grants(self, grants: Sequence[Grant]) -> np.ndarray | None:
+        """``grants`` as ``kernels.grant_step`` grants them (``[2, n]``: groups, slabs; then :meth:`granted`)
+        when they are spare slabs alone and every pool's free stack is sorted; else None (:meth:`apply`)."""
+        if not (self._sorted_grants and all(donor is None for _, _, donor in grants)):
+            return None
+        index = self._index
+        return np.array([[index[gid] for gid, _, _ in grants], [slab for _, slab, _ in grants]], dtype=np.int64)
 
     def granted(self, n: int) -> None:
         """``kernels.grant_step`` granted ``n`` spare slabs: the spare count, and the pools'
@@ -476,15 +455,14 @@ class Arena:
 
     # --- mutation -------------------------------------------------------------
     def apply(self, grants: Sequence[Grant]) -> None:
-        """Move the planned slabs, in order (donor pages revoked, receiver pages granted)."""
-        if self._sorted_grants and all(donor is None for _, _, donor in grants):
-            self._grant_spare(grants)
-            return
+        """Move the planned slabs, in order (donor pages revoked, receiver pages granted); nothing
+        moves when a slab granted as spare is not (or is listed twice)."""
+        spare = [slab for _, slab, donor in grants if donor is None]
+        if len(set(spare)) < len(spare) or (self.owner[spare] >= 0).any():
+            raise AssertionError("a slab granted is not spare")
         index = self._index
         for gid, slab, donor in grants:
             gi, di = index[gid], -1 if donor is None else index[donor]
-            if di < 0 and self.owner[slab] >= 0:
-                raise AssertionError(f"slab {slab} is not spare")
             given, gained = self._moved_pages(di, gi, slab)  # the slab's neighbours stay
             if di >= 0:
                 self.pools[donor].revoke(given)
@@ -493,19 +471,6 @@ class Arena:
                 self._spare_changed(-1)
             self.owner[slab] = gi
             self.pools[gid].grant(gained)
-
-    def _grant_spare(self, grants: Sequence[Grant]) -> None:
-        """:meth:`apply` of spare slabs only (every pool's free stack sorted): the pages each
-        group gains go onto its free stack in one run per pool, all in one compiled call
-        (``kernels.grant_spare_slabs`` on the pools' page space)."""
-        index, n, space = self._index, len(grants), self._space
-        groups = np.fromiter([index[gid] for gid, _, _ in grants], np.int64, n)
-        slabs = np.fromiter([slab for _, slab, _ in grants], np.int64, n)
-        pages, ends = np.empty(n * self._most_slab_pages, dtype=np.int64), np.empty(len(index), dtype=np.int64)
-        if kernels.grant_spare_slabs(self.owner, groups, slabs, *self._slab_ids, pages, ends, space.stack,
-                                     space.tops, space.offsets, space.lowest_first, space.granted) < 0:
-            raise AssertionError("a slab granted is not spare")
-        self._spare_changed(-n)
 
     def release_idle(self) -> int:
         """Return every slab whose pages are all free (not evictable) to the spare list; the count."""
@@ -527,7 +492,7 @@ class Arena:
         """Every granted page id lies in slabs its group owns (inner pages, or a
         straddling page whose two slabs it owns), and all such pages are granted:
         so live pages of different groups never share a byte."""
-        assert self._spare_count == int(np.count_nonzero(self.owner < 0)), "spare count drifted"
+        assert self.num_spare_slabs == int(np.count_nonzero(self.owner < 0)), "spare count drifted"
         assert (self._space.skip_packing == self.roomy()).all(), "skip_packing differs from roomy"
         for gid in self.group_ids:
             pool, gi = self.pools[gid], self._index[gid]

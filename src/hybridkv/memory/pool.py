@@ -94,6 +94,18 @@ class _LowestFree:
             self.bound = max(free, -added[0])
 
 
+def _count(row: int, doc: str | None = None) -> property:
+    """A ``PagePool`` count: row ``row`` of its ``per_group``, in its column (``_slot``)."""
+
+    def get(pool: PagePool) -> int:
+        return int(pool._per_group[row, pool._slot])
+
+    def put(pool: PagePool, value: int) -> None:
+        pool._per_group[row, pool._slot] = value
+
+    return property(get, put, doc=doc)
+
+
 class PagePool:
     """Pages ``1 .. num_pages-1`` of one group (``num_pages`` counts the null page)."""
 
@@ -117,6 +129,7 @@ class PagePool:
         # Lowest free id first (the stack kept sorted, top = lowest): live pages pack
         # into few arena slabs, so whole slabs fall free for other groups.
         self.lowest_first = bool(lowest_first) and self._rng is None
+        self.counters = PoolCounters()
         self._init_free()
         self._init_entries()
         # Set by an arena: whether a long-lived allocation of ``n`` pages whose highest id
@@ -126,34 +139,28 @@ class PagePool:
         # kernel then stops for Python only when the free stack is short, and ``must_pack``
         # is asked only on steps that stop anyway (a compiled step stays compiled).
         self.must_pack: Callable[[int, int], bool] | None = None
-        self.counters = PoolCounters()
         self.space: PageSpace | None = None  # the page space whose arrays this pool views, once in one
         if granted:
             self.grant(np.arange(1, self.num_pages, dtype=np.int32))
 
     def _init_free(self) -> None:
         """An empty free stack, no idle pages yet."""
-        # The free stack is ``_stack[:_top]``, the next id handed out last; ``_top`` and
-        # the idle low-priority count live in one-element arrays so that a ``PageSpace``
-        # can rebind them to its per-group arrays, which the step kernels own.
+        # The free stack is ``_stack[:_top]``, the next id handed out last. The pool's counts
+        # (``kernels.TOP`` ... ``SKIP_PACKING``) are its column of a ``per_group`` array, its own
+        # until a ``PageSpace`` rebinds it to its column of the page space's, which the step kernels own.
         self._stack = np.empty(self.num_pages, dtype=np.int32)
-        self._tops = np.zeros(1, dtype=np.int64)
-        self._lows = np.zeros(1, dtype=np.int64)
-        self._slot = 0
-        self._granted = np.zeros(1, dtype=np.int64)  # pages granted, viewed like ``_tops``
-        self._peaks = np.zeros(1, dtype=np.int64)  # the peak of used pages, viewed like ``_tops``
-        # The LRU of idle keyed pages: a linked list in two arrays (``hybridkv.memory.lru``:
-        # the null page is its sentinel) and its length, in a one-element array like ``_tops``.
-        self._lru_prev = np.full(self.num_pages, -1, dtype=np.int32)
-        self._lru_next = np.full(self.num_pages, -1, dtype=np.int32)
-        self._lru_prev[NULL_PAGE] = self._lru_next[NULL_PAGE] = NULL_PAGE
-        self._lru_lengths = np.zeros(1, dtype=np.int64)
-        self._view_lru()
+        self._bind(np.zeros((kernels.PER_GROUP_ROWS, 1), dtype=np.int64), 0)
+        self._per_group[kernels.LOWEST] = self.lowest_first
         # Lowest-first pools reuse idle low-priority pages in id order like free pages, so
         # they do not push live pages up: a lower bound of their ids (``num_pages``: none
         # yet), lowered as pages join them and raised by packing's scan of the flags.
-        # In a one-element array like ``_tops``, so that ``lru.join`` lowers it in a page space.
-        self._floors = np.full(1, self.num_pages, dtype=np.int64)
+        self._floors[0] = self.num_pages
+        # The LRU of idle keyed pages: a linked list in two arrays (``hybridkv.memory.lru``:
+        # the null page is its sentinel); its length is ``_lru_lengths[_slot]``.
+        self._lru_prev = np.full(self.num_pages, -1, dtype=np.int32)
+        self._lru_next = np.full(self.num_pages, -1, dtype=np.int32)
+        self._lru_prev[NULL_PAGE] = self._lru_next[NULL_PAGE] = NULL_PAGE
+        self._view_lru()
         # Per page: the idle clock's tick when it last became cached-evictable.
         self.idle_tick = np.zeros(self.num_pages, dtype=np.int64)
 
@@ -195,54 +202,24 @@ class PagePool:
             self.space.ranked = [g for g, pool in enumerate(self.space.pools) if pool.ranker is not None]
 
     # --- counts ---------------------------------------------------------
-    @property
-    def _top(self) -> int:
-        return int(self._tops[self._slot])
+    def _bind(self, per_group: np.ndarray, slot: int) -> None:
+        """The pool's counts become views of ``per_group``'s rows (its column ``slot``)."""
+        self._per_group, self._slot = per_group, slot
+        self._tops, self._lows = per_group[kernels.TOP], per_group[kernels.LOW_IDLE_PAGES]
+        self._floors, self._lru_lengths = per_group[kernels.LOW_FLOOR], per_group[kernels.LRU_PAGES]
+        self.counters.tallies = per_group[kernels.RELEASED_PAGES : kernels.LRU_PAGES, slot]
 
-    @_top.setter
-    def _top(self, value: int) -> None:
-        self._tops[self._slot] = value
-
-    @property
-    def _low_idle_pages(self) -> int:
-        """Exact count of idle low-priority pages."""
-        return int(self._lows[self._slot])
-
-    @_low_idle_pages.setter
-    def _low_idle_pages(self, value: int) -> None:
-        self._lows[self._slot] = value
+    _top = _count(kernels.TOP)
+    _low_idle_pages = _count(kernels.LOW_IDLE_PAGES, "Exact count of idle low-priority pages.")
+    _low_floor = _count(kernels.LOW_FLOOR, "A lower bound of the idle low-priority pages' ids (``num_pages``: none).")
+    _granted_pages = _count(kernels.GRANTED_PAGES)
+    peak_used_pages = _count(kernels.PEAK_USED_PAGES, """The most pages held at once, as a page space's steps and
+        borrows saw it (``kernels.note_peaks``).""")
 
     def _view_lru(self) -> None:
         """Memoryviews of the LRU's links, for Python's item reads and stores (faster than
         the arrays' own); made again whenever a page space rebinds the arrays."""
         self._lru_views = (memoryview(self._lru_prev), memoryview(self._lru_next))
-
-    @property
-    def _low_floor(self) -> int:
-        """A lower bound of the idle low-priority pages' ids (``num_pages``: none yet)."""
-        return int(self._floors[self._slot])
-
-    @_low_floor.setter
-    def _low_floor(self, value: int) -> None:
-        self._floors[self._slot] = value
-
-    @property
-    def _granted_pages(self) -> int:
-        return int(self._granted[self._slot])
-
-    @_granted_pages.setter
-    def _granted_pages(self, value: int) -> None:
-        self._granted[self._slot] = value
-
-    @property
-    def peak_used_pages(self) -> int:
-        """The most pages held at once, as a page space's steps and borrows saw it
-        (``PageSpace.note_peaks``, ``kernels.note_peaks``)."""
-        return int(self._peaks[self._slot])
-
-    @peak_used_pages.setter
-    def peak_used_pages(self, value: int) -> None:
-        self._peaks[self._slot] = value
 
     @property
     def usable_pages(self) -> int:
@@ -666,19 +643,10 @@ class PageSpace:
         # counters), the LRU's length, the pages granted, the peak of used pages, the idle
         # low-priority pages and whether the pool may skip packing (its arena, while roomy,
         # sets it): ``kernels.TOP`` ... ``SKIP_PACKING``, what ``kernels.packing_floor`` reads.
-        self.per_group = np.zeros((kernels.PER_GROUP_ROWS, len(self.pools)), dtype=np.int64)
+        self.per_group = np.stack([p._per_group[:, p._slot] for p in self.pools], axis=1)  # the pools' counts
         self.tops, self.lowest_first, self.idle_low_floors = self.per_group[:3]
         self.lru_lengths, self.granted = self.per_group[kernels.LRU_PAGES], self.per_group[kernels.GRANTED_PAGES]
         self.low_idle, self.skip_packing = self.per_group[kernels.LOW_IDLE_PAGES], self.per_group[kernels.SKIP_PACKING]
-        self.per_group[3 : kernels.LOW_IDLE_PAGES] = [[p.counters.released_pages for p in self.pools],
-                                                      [p.counters.allocated_pages for p in self.pools],
-                                                      [p.num_evictable_pages for p in self.pools],
-                                                      [p.usable_pages for p in self.pools],
-                                                      [p.peak_used_pages for p in self.pools]]
-        self.tops[:] = [p._top for p in self.pools]
-        self.lowest_first[:] = [p.lowest_first for p in self.pools]
-        self.low_idle[:] = [p._low_idle_pages for p in self.pools]
-        self.idle_low_floors[:] = [p._low_floor for p in self.pools]  # the pools' ``_low_floor``
         self.ranked: list[int] = []  # the groups whose pool has a ranker (``PagePool.ranker`` keeps it)
         self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # a hold's scratch (``borrowed_idle``)
         self._bind_pools()
@@ -696,11 +664,8 @@ class PageSpace:
     def _bind_pools(self) -> None:
         """Every pool's counts become views of this space's per-group arrays."""
         for g, pool in enumerate(self.pools):
-            pool._tops, pool._lows, pool._lru_lengths, pool._slot = self.tops, self.low_idle, self.lru_lengths, g
-            pool._floors = self.idle_low_floors
-            pool._granted, pool._peaks = self.per_group[kernels.GRANTED_PAGES], self.per_group[kernels.PEAK_USED_PAGES]
+            pool._bind(self.per_group, g)
             pool._view_lru()
-            pool.counters.tallies = self.per_group[kernels.RELEASED_PAGES : kernels.LRU_PAGES, g]
             pool.space = self
             pool.ranker = pool.ranker  # into ``ranked``
 
@@ -808,8 +773,3 @@ class PageSpace:
         for g in self.ranked:
             if counts[g]:
                 self.pools[g]._tell_ranker(keyed[starts[g] : starts[g + 1]], first_tick + ticks[g] - 1)
-
-    def note_peaks(self, allocated: np.ndarray) -> None:
-        """Each pool's peak of used pages, after a step kernel allocated ``allocated[g]``
-        pages in group ``g`` (it counted them): ``kernels.note_peaks``."""
-        kernels.note_peaks(self.per_group, allocated, allocated[:0])

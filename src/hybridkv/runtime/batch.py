@@ -1,8 +1,8 @@
 """What the manager hands out: the arrays of a step, admission answers, pool stats.
 
 Plain data; every array is numpy, fresh for each step, and can be copied to a
-device as is. The step's frozen dataclasses store their fields directly in ``__init__``
-(the generated one calls ``object.__setattr__`` per field: slow for eight objects a step).
+device as is. The manager makes the step's frozen dataclasses without their ``__init__``
+(it stores the fields directly: ``CacheManager._build_batch``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ class Admission:
     reason: str = ""
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class GroupStep:
     """What the kernels of one group need for a step."""
 
@@ -26,12 +26,8 @@ class GroupStep:
     base_pages: np.ndarray | None  # int32 [R] logical page of column 0 (sliding groups)
     write_slots: np.ndarray | None  # int64 [N], -1 where a token writes no row; None with write_slots=False
 
-    def __init__(self, block_table, base_pages, write_slots):
-        fields = self.__dict__
-        fields["block_table"], fields["base_pages"], fields["write_slots"] = block_table, base_pages, write_slots
 
-
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class TableUpdates:
     """How the manager's table store changed since the previous ``block_tables="updates"`` step.
 
@@ -51,13 +47,8 @@ class TableUpdates:
     widths: tuple[int, ...]  # per group, the width the full-mode block table has this step
     reset: bool = False  # a resync: the first updates step, or the first after full-mode steps
 
-    def __init__(self, group, row, column, page, widths, reset=False):
-        fields = self.__dict__
-        fields["group"], fields["row"], fields["column"], fields["page"] = group, row, column, page
-        fields["widths"], fields["reset"] = widths, reset
 
-
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class StepBatch:
     request_ids: tuple[str, ...]
     num_scheduled_tokens: np.ndarray  # int32 [R]
@@ -67,14 +58,6 @@ class StepBatch:
     groups: dict[str, GroupStep]
     table_rows: np.ndarray | None = None  # int32 [R] each request's row in the table store
     table_updates: TableUpdates | None = None  # with block_tables="updates"
-
-    def __init__(self, request_ids, num_scheduled_tokens, query_start_loc, positions, request_indices, groups,
-                 table_rows=None, table_updates=None):
-        fields = self.__dict__
-        fields["request_ids"], fields["num_scheduled_tokens"] = request_ids, num_scheduled_tokens
-        fields["query_start_loc"], fields["positions"] = query_start_loc, positions
-        fields["request_indices"], fields["groups"] = request_indices, groups
-        fields["table_rows"], fields["table_updates"] = table_rows, table_updates
 
 
 @dataclass(frozen=True)

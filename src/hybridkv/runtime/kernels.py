@@ -556,11 +556,9 @@ def batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, posi
 
 
 def batch_arrays_for(n_groups, n_requests, n_tokens, write_slots):
-    """Fresh arrays for what ``run_step`` writes for a batch (four kernel arguments, where one
-    per handed-out array would each be unboxed): ``per_request`` int32 ``[2 + G, R]`` (table
-    rows, scheduled tokens, then each group's base pages), ``query_start_loc`` int32 ``[R + 1]``,
-    ``request_indices`` int32 ``[N]``, ``per_token`` int64 ``[1 + G, N]`` (positions, then
-    each group's write slots; ``[1, N]`` without them)."""
+    """Fresh arrays for what ``run_step`` writes for a batch, in its argument order: ``per_request``
+    int32 ``[2 + G, R]``, ``query_start_loc`` int32 ``[R + 1]``, ``request_indices`` int32 ``[N]``,
+    ``per_token`` int64 ``[1 + G, N]`` (``[1, N]`` without write slots)."""
     return (np.empty((2 + n_groups, n_requests), np.int32), np.empty(n_requests + 1, np.int32),
             np.empty(n_tokens, np.int32), np.empty((1 + n_groups if write_slots else 1, n_tokens), np.int64))
 
@@ -569,15 +567,11 @@ def batch_arrays_for(n_groups, n_requests, n_tokens, write_slots):
 def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient,
              rows, counts, first, settle, after, sums, hold, scratch, idle_keyed, released, touched, n_logged, cells,
              cell_pages, per_request, query_start_loc, request_indices, per_token, widths):
-    """One admitted step as planned by ``prepare_step``: the rows' tokens so far count as
-    committed, releases, allocations, then the batch's arrays (``finish_step``). Returns
-    (status, cells logged, idle keyed pages); the pages released and allocated count
-    in ``per_group``, and a step done whole notes the pools' peaks (``note_peaks``). ``STEP_NEEDS_PAGES``: the releases ran,
-    nothing else; the caller lends slabs (``hold``) and makes room (``PagePool.make_room``)
-    in the groups whose stack is short or that would first reuse idle low-priority pages
-    (``needs_room``), then calls ``finish_step`` (which reads the changed cells into
-    ``cells`` and ``cell_pages`` when they fit). ``touched`` starts with ``n_logged`` cells
-    changed before the step (``TableSet.take_log``): they count as the step's."""
+    """One admitted step as ``prepare_step`` planned it (docs/manager.md, stage 3): the rows' tokens so far
+    count as committed, releases, then (``finish_step``) allocations and the batch's arrays. ``touched``
+    starts with ``n_logged`` cells changed before the step (``TableSet.take_log``). Returns (status, cells
+    logged, idle keyed pages): ``STEP_NEEDS_PAGES`` when it stopped after the releases for Python (``hold``:
+    slabs to move; ``needs_room``)."""
     for r in range(rows.size):
         committed[rows[r]] = first[r]
     n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after,
@@ -586,8 +580,7 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
         return STEP_NEEDS_PAGES, n_touched, n_keyed
     n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
                             first, settle, after, sums, touched, n_touched, cells, cell_pages, per_request,
-                            query_start_loc, request_indices, per_token, widths)
-    note_peaks(per_group, sums[1], released[1])  # the keyed pages gone idle join the LRU next
+                            query_start_loc, request_indices, per_token, widths, released[1])
     return STEP_DONE, n_touched, n_keyed
 
 
@@ -595,15 +588,10 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
 def grant_step(grants, arena, geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack,
                per_group, transient, rows, counts, first, settle, after, sums, scratch, idle_keyed, released, touched,
                n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths):
-    """``run_step`` of a step admitted with spare slabs alone (``admit_spare``; ``grants``
-    ``[2, n]``: their groups and slabs), every pool's free stack sorted: the releases, then
-    the slabs granted (``grant_spare_slabs``; ``arena``: owners, ``lo``, ``hi`` and straddlers
-    per group and slab, the page space's offsets and the most pages a slab gives a group;
-    ``SKIP_PACKING`` is the arena's to set after the call, ``Arena.granted``: nothing here
-    reads it), then the rest as ``run_step`` when no keyed page went idle and no group has room
-    to make (``room_groups``: what ``CacheManager._after_run`` would ask after granting), else
-    ``STEP_NEEDS_PAGES`` (the slabs granted). Returns as ``run_step``; status -1 (after the
-    releases, nothing granted) when a slab is not spare."""
+    """``run_step`` of a step granting spare slabs alone (``grants`` ``[2, n]``: groups, slabs; ``arena``:
+    ``Arena.grant_args``) after its releases (``grant_spare_slabs``); it stops for Python only when a keyed
+    page went idle or ``room_groups`` asks a group to make room. Status -1 (nothing granted) when a slab is
+    not spare. A kernel of its own: in ``run_step`` the grant makes ``step``'s compiled loops slower."""
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient, rows,
         counts, first, settle, after, sums, True, scratch, idle_keyed, released, touched, n_logged, cells,
@@ -616,11 +604,9 @@ def grant_step(grants, arena, geometry, pages, bounds, computed, committed, ref,
     if n_keyed or room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, per_group,
                               np.empty(geometry.shape[0], np.int64)):
         return STEP_NEEDS_PAGES, n_touched, n_keyed  # keyed pages join their LRU first, or a group makes room
-    n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
-                            first, settle, after, sums, touched, n_touched, cells, cell_pages, per_request,
-                            query_start_loc, request_indices, per_token, widths)
-    note_peaks(per_group, sums[1], released[1])
-    return STEP_DONE, n_touched, n_keyed
+    return STEP_DONE, finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
+                                  first, settle, after, sums, touched, n_touched, cells, cell_pages, per_request,
+                                  query_start_loc, request_indices, per_token, widths, released[1]), n_keyed
 
 
 @njit(cache=True, inline="always")
@@ -719,18 +705,12 @@ def entry_point(kernel, args):
 def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain,
          plan, last_rows, rows_in, counts_in, cells, cell_pages, per_request, query_start_loc, request_indices,
          per_token):
-    """``prepare_step`` then, when the plan needs nothing from Python first (every
-    group's free stack covers it, no row crosses a prefix grain, the scratch buffers
-    are large enough), ``run_step``, in one call; ``counters`` packs computed, committed
-    and known tokens, ``plan`` the plan's arrays and ``run_step``'s scratch (``plan_views``);
-    ``cells`` and ``cell_pages`` as ``run_step`` takes them, then the batch's arrays
-    (``batch_arrays_for``). The arguments up to ``grain`` are the manager's
-    state (the same arrays from step to step: the manager passes them as a tuple). Returns (status, rows in the plan,
-    settling rows, crossing rows, clean, cells logged, idle keyed pages, pages allocated);
-    status ``STEP_PLANNED`` (or -1 rows: no plan) when only the plan ran, ``STEP_COVERED``
-    when only the plan ran because some group's free stack is short of its allocations
-    but, no row crossing a grain, the pages its own releases free first cover it
-    (``releases_cover``)."""
+    """``prepare_step`` then, when the plan needs nothing from Python first, ``run_step``, in one call
+    (docs/manager.md, "One step, in four stages"). ``counters``: computed, committed and known tokens;
+    ``plan``: the plan's arrays and ``run_step``'s scratch (``plan_views``); then ``run_step``'s cells and the
+    batch's arrays. Returns (status, rows in the plan, settling rows, crossing rows, clean, cells logged, idle
+    keyed pages); ``STEP_PLANNED`` (-1 rows: no plan) or ``STEP_COVERED`` (``releases_cover``) when only the
+    plan ran."""
     rows, counts, first, after, need, sums, crossing, totals, released, widths, scratch, idle_keyed, touched = (
         plan_views(plan, geometry.shape[0]))
     computed, committed, known = counters[0], counters[1], counters[2]
@@ -741,13 +721,13 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
             or totals[1] > idle_keyed.size or totals[1] + totals[3] > touched.size):
         if n >= 0 and not clean and n_cross == 0 and releases_cover(geometry, pages, bounds, ref, keyed,
                                                                      per_group[TOP], rows[:n], after, sums):
-            return STEP_COVERED, n, settle, n_cross, clean, 0, 0, 0
-        return STEP_PLANNED, n, settle, n_cross, clean, 0, 0, 0
+            return STEP_COVERED, n, settle, n_cross, clean, 0, 0
+        return STEP_PLANNED, n, settle, n_cross, clean, 0, 0
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group,
         transient, rows[:n], counts[:n], first[:n], settle, after[:, :, :n], sums, False, scratch, idle_keyed,
         released, touched, 0, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths)
-    return status, n, settle, n_cross, clean, n_touched, n_keyed, totals[3]
+    return status, n, settle, n_cross, clean, n_touched, n_keyed
 
 
 @njit(cache=True)
@@ -768,12 +748,11 @@ def releases_cover(geometry, pages, bounds, ref, keyed, top, rows, after, sums):
 @njit(cache=True)
 def finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts, first, settle,
                 after, sums, touched, n_touched, cells, cell_pages, per_request, query_start_loc, request_indices,
-                per_token, widths):
-    """The rest of ``run_step`` once the stacks hold enough: allocate (counted in
-    ``per_group``), computed tokens move on, the batch's arrays and (when ``slots`` has
-    rows) write slots; then, when the step's changed cells fit in ``cell_pages``, reads
-    them (``read_cells`` of ``touched``: group, row and column to ``cells``, page ids to
-    ``cell_pages``). Returns the cells changed."""
+                per_token, widths, not_joined):
+    """The rest of ``run_step`` once the stacks hold enough: allocate, computed tokens move on, the
+    batch's arrays and write slots; the changed cells read into ``cells`` and ``cell_pages`` when they
+    fit; the pools' peaks (``not_joined``: keyed pages gone idle that join their LRU next). Returns the
+    cells changed."""
     n_touched = allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, rows, first, counts,
                                after, sums, touched, n_touched)
     for r in range(rows.size):
@@ -784,6 +763,7 @@ def finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transi
         write_slots(geometry, pages, bounds, rows, first, counts, settle, per_token[1:])
     if n_touched <= cell_pages.size:
         read_cells(geometry, pages, bounds, touched[:n_touched], cells[0], cells[1], cells[2], cell_pages)
+    note_peaks(per_group, sums[1], not_joined)
     return n_touched
 
 
@@ -1218,7 +1198,7 @@ def take_spare_for(short, slab_pages, spare_slabs, owner, own, inner_pages, stra
 
 @njit(cache=True)
 def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain, window_pages, plan, n, short,
-                owner, slab_pages, inner_pages, straddle, own, taken, grant_groups, grant_slabs):
+                owner, spare_slabs, slab_pages, inner_pages, straddle, own, taken, grant_groups, grant_slabs):
     """The manager's admission (``CacheManager._admit``) of the step ``plan`` holds
     (``plan_views``; its first ``n`` rows) on a shared arena, in one pass when its answer
     is spare slabs alone (pure): ``short_pages`` of the step against every group's clean
@@ -1235,9 +1215,7 @@ def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain
     free = top + per_group[LRU_PAGES]
     n_short = short_pages(geometry, pages, bounds, ref, keyed, rows, new_base, first, committed, grain,
                           window_pages, sums[0], wanted, top, free, low, short)
-    spare = 0
-    for s in range(owner.size):
-        spare += owner[s] < 0
+    spare = spare_slabs[0]  # ``owner``'s spare slabs
     if n_short >= 0:
         return 0 if n_short == 0 else take_spare_for(short, slab_pages, spare, owner, own, inner_pages, straddle,
                                                      taken, grant_groups, grant_slabs)

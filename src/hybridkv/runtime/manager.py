@@ -85,7 +85,6 @@ class _StepPlan:
     grants: list | None = None  # arena slabs to move before allocating (shared page space)
     arrays: _StepArrays | None = None  # the batch's fresh arrays, once made (``_step``)
     cells: tuple | None = None  # ``_cell_buffers`` ``_step`` made for the batch (``finish_step``'s cells)
-    spare_slabs: np.ndarray | None = None  # spare slabs ``_run`` grants in its kernel (groups; slabs), grants then []
 
 
 class _StepArrays(NamedTuple):
@@ -99,7 +98,7 @@ class _StepArrays(NamedTuple):
 
 
 _INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
-_new_tuple = tuple.__new__
+_new_tuple, _new_object = tuple.__new__, object.__new__
 _NO_CELLS = np.empty((3, 0), dtype=np.int64), np.empty(0, dtype=np.int32)  # ``kernels.finish_step`` reads no cells
 _COMPUTED = np.empty(0, dtype=np.int64)  # ``prepare_step``'s load_tokens of a step that computes
 
@@ -113,12 +112,9 @@ class _Scratch:
         self.transient = np.empty(n_groups, dtype=np.int64)  # ``room_groups``' marks
 
     def plan_arrays(self, n_rows: int) -> tuple:
-        """``prepare_step``'s outputs with room for more than ``n_rows`` rows (``kernels.plan_views``
-        of ``buffer``): rows, counts, first, after, need, sums, crossing, totals; the
-        same arrays while they are large enough (every plan overwrites the previous one's).
-        ``released`` is ``release_pages``' count per group, ``widths`` ``batch_arrays``'.
-        A plan's ``after[:, :, :n]`` is thus never the whole (contiguous) grid: the kernels
-        taking it see one argument type (``CacheManager._load_kernels`` loads that one)."""
+        """``prepare_step``'s outputs (``kernels.plan_views`` of ``buffer``) with room for more than ``n_rows``
+        rows; the same arrays while large enough (each plan overwrites the last). A plan's ``after[:, :, :n]``
+        is thus never contiguous: the kernels see one argument type (``CacheManager._load_kernels``)."""
         if n_rows >= self.plan_rows:
             self._grow(2 * n_rows + 1, self.pages.size, self.idle_keyed.size, self.touched.size)
         return self.plan
@@ -992,9 +988,10 @@ class CacheManager:
         verdict = self._cached_verdict(items, uniform, fixed_width) if self._admitted is not None else None
         if load:
             verdict = self._admit_load(items, fixed_width)
-        elif verdict is None and not fixed_width:
-            # Valid pairs (none waiting for a tier load: ``_fast_rows``) take ``_step``'s one compiled call:
-            # its batch, or the plan it made for ``_admit``; None (an invalid item) goes to ``_admit``.
+        elif verdict is None and not fixed_width and (self._tableset.log is None) != updates:
+            # Valid pairs (none waiting for a tier load: ``_fast_rows``) in the previous step's block-table
+            # mode take ``_step``'s one compiled call: its batch, or the plan it made for ``_admit``; None (an
+            # invalid item) goes to ``_admit``, a step switching modes to ``_commit_and_run`` (the log follows).
             fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
             if fast is not None:
                 done = self._step(fast, write_slots, updates)
@@ -1022,10 +1019,8 @@ class CacheManager:
                 plan.request_ids, first, plan.counts[plan.settle :].tolist()))
         return self._commit_and_run(plan, write_slots, updates, fixed_width)
 
-    def _commit_and_run(self, plan: _StepPlan, write_slots: bool, updates: bool, fixed_width: bool,
-                        out: _StepArrays | None = None) -> StepBatch:
-        """An admitted plan's stages 2-4: commit, run, build the batch (in ``out`` when
-        given: fresh arrays of the batch's sizes)."""
+    def _commit_and_run(self, plan: _StepPlan, write_slots: bool, updates: bool, fixed_width: bool) -> StepBatch:
+        """An admitted plan's stages 2-4: commit, run, build the batch (docs/manager.md, "One step, in four stages")."""
         self._version += 1
         if self.prefix is not None and plan.crossing.size:
             self._commit_rows(plan.crossing)  # publish what the rows' previous steps completed
@@ -1036,11 +1031,10 @@ class CacheManager:
         n_logged = ts.logged_cells() if updates else -1
         cells = _NO_CELLS if n_logged < 0 else self._cell_buffers(plan.rows.size, plan.cells,
                                                                   n_logged + plan.totals[1] + plan.totals[3])
-        arrays, n_touched, read = self._run(plan, write_slots, out if out is not None else plan.arrays, cells,
-                                            max(n_logged, 0))
+        arrays, n_touched = self._run(plan, write_slots, cells, max(n_logged, 0))
         rows = plan.rows[plan.settle :]
         self._last_rows = rows.copy()  # the plan's arrays are scratch
-        return self._build_batch(rows, plan.request_ids, arrays, fixed_width, n_touched if updates else -1, read)
+        return self._build_batch(rows, plan.request_ids, arrays, fixed_width, n_touched if updates else -1, cells)
 
     def _cached_verdict(self, items, uniform, fixed_width: bool) -> _Verdict | None:
         """The last ``check_admission``'s verdict when it checked the same items and
@@ -1052,14 +1046,11 @@ class CacheManager:
         return None
 
     def _step(self, fast: tuple, write_slots: bool, updates: bool) -> StepBatch | _StepPlan | None:
-        """A step of valid items (``fast``: rows, counts, request ids) in one compiled call
-        (``kernels.step``): plan, and when every group's free stack covers the plan (it is
-        admitted as is) and no row must commit first, run it; the batch (a second call
-        runs it after the commits). Else (nothing changed) the plan, for ``_admit`` and
-        the stages after it, or None when there is none (a row twice, or past its known
-        tokens)."""
+        """A step of valid items (``fast``: rows, counts, request ids, tokens) in one compiled call
+        (``kernels.step``; docs/manager.md, "One step, in four stages"): the batch; else (nothing
+        changed) the plan for ``_admit``, or None (a row twice, or past its known tokens)."""
         rows_in, counts_in, rids, n_tokens = fast
-        sc, ts, n_rows = self._scratch, self._tableset, rows_in.size
+        sc, n_rows = self._scratch, rows_in.size
         n_groups = len(self._pool_list)
         out = _new_tuple(_StepArrays, (  # ``kernels.batch_arrays_for``, inline (a call less a step)
             np.empty((2 + n_groups, n_rows), _INT32), np.empty(n_rows + 1, _INT32), np.empty(n_tokens, _INT32),
@@ -1073,45 +1064,37 @@ class CacheManager:
         args = (*(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, *cells, *out)
         if self._step_entry is None:  # every argument's type is fixed by how the manager makes it
             self._step_entry = kernels.entry_point(kernels.step, args)
-        status, n, settle, n_crossing, clean, n_touched, n_keyed, allocated = self._step_entry(*args)
+        status, n, settle, n_crossing, clean, n_touched, n_keyed = self._step_entry(*args)
         if status >= kernels.STEP_PLANNED:
             return self._planned_step(status, (n, settle, n_crossing, clean), rids, cells, out, write_slots, updates)
         self._version += 1
-        if (ts.log is None) == updates:  # the log's state changes: on for "updates", off for "full"
-            ts.start_log() if updates else ts.stop_log()
         if status != kernels.STEP_DONE:
             plan = self._plan_of(n, settle, n_crossing, clean)
             plan.grants = []
-            n_touched = self._after_run(sc.plan[5], allocated, status, n_touched, n_keyed, plan, out, cells)
+            n_touched = self._after_run(n_touched, n_keyed, plan, out, cells)
         elif n_keyed:  # all ``_after_run`` does after a step done whole (the kernel noted the peaks)
             self._space.keyed_idle(sc.released[1], sc.idle_keyed)
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
-        read = cells if 0 < n_touched <= cells[1].size and ts.drains_touched_only() else None  # as ``_run``
-        return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, read)
+        return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
 
     def _planned_step(self, status: int, planned: tuple, rids: tuple, cells: tuple, out: _StepArrays,
                       write_slots: bool, updates: bool) -> StepBatch | _StepPlan | None:
-        """``_step`` once ``kernels.step`` only planned (``planned``: rows in the plan, settling
-        rows, crossing rows, clean; nothing changed): None without a plan; the batch when
-        the plan is admitted as is (rows commit first, the scratch buffers grow, or the step's
-        own releases cover a short free stack and ``_admit`` would grant nothing either);
-        else the plan, for ``_admit``, holding the batch's arrays and cell buffers."""
+        """``_step`` once ``kernels.step`` only planned (``planned``: its rows, settling rows, crossing
+        rows, clean): the batch when the plan is admitted as is, else the plan (None: no plan)."""
         if planned[0] < 0:
             return None
         plan = self._plan_of(*planned)
         plan.request_ids, plan.cells = rids, cells
+        plan.arrays = out  # for ``_run``, once admitted
         if plan.clean or (status == kernels.STEP_COVERED and self._evictable_cover(plan.sums[1])):
             plan.grants = []
         elif not self._admit_spare(plan):
-            plan.arrays = out  # for ``_run``, once admitted
             return plan
-        return self._commit_and_run(plan, write_slots, updates, False, out)
+        return self._commit_and_run(plan, write_slots, updates, False)
 
     def _admit_spare(self, plan: _StepPlan) -> bool:
-        """``_admit`` of the plan ``kernels.step`` just made (every item valid, not clean)
-        on an arena, in one compiled call (``kernels.admit_spare``) when its answer is spare
-        slabs alone, or no slab: ``plan.grants`` set and True. False when admission needs
-        more (another group's slab, or a denial): ``_admit`` decides."""
+        """``_admit`` of a plan ``kernels.step`` made, on an arena, in one compiled call (``kernels.admit_spare``):
+        True (``plan.grants`` set) when its answer is spare slabs alone or none; False: ``_admit`` decides."""
         arena = self.arena
         if arena is None:
             return False
@@ -1121,52 +1104,37 @@ class CacheManager:
                                 plan.rows.size, self._short, *arena.spare_args)
         if n < 0:
             return False
-        grants = arena.spare_grants(n) if n else []
-        if type(grants) is np.ndarray:
-            plan.grants, plan.spare_slabs = [], grants
-        else:
-            plan.grants = grants
+        plan.grants = arena.spare_grants(n) if n else []
         return True
 
     def _kernel_state(self) -> tuple:
-        """``kernels.step``'s leading arguments: the table store, the per-row counters, the
-        page space, the transient flags, the batch marks and the prefix grain; the same
-        objects until a new table row grows the arrays (``_take_row`` drops them)."""
+        """``kernels.step``'s leading arguments: the same objects until ``_take_row`` grows the arrays."""
         ts, space = self._tableset, self._space
         self._state = (ts.geometry, ts.pages, ts.bounds, self._counters, space.ref_counts, space.cached,
                        space.low_priority, space.stack, space.per_group, self._transient, self._in_batch, self._grain)
         return self._state
 
     def _cell_buffers(self, n_rows: int, made: tuple | None = None, n_cells: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """Fresh arrays for ``finish_step`` to read the cells a step of ``n_rows`` rows changes
-        into (``table_updates``), with room for ``n_cells`` (the cells logged before a planned
-        step, and its pages released and allocated) and at least a decode step's (a page
-        released and one allocated per row and group). ``made``: the ones ``_step`` made for
-        the same batch, used when they have the room."""
+        """Fresh arrays for ``finish_step`` to read a step's changed cells into, with room for ``n_cells``
+        and at least a decode step's; ``made`` (``_step``'s for the same batch) when large enough."""
         if made is not None and made[1].size and made[1].size >= n_cells:
             return made
         room = max(2 * len(self.specs) * n_rows + 16, n_cells)
         return np.empty((3, room), _INT64), np.empty(room, _INT32)
 
     def _evictable_cover(self, allocated: np.ndarray) -> bool:
-        """After ``kernels.releases_cover`` (each short group's releases free enough pages
-        first): whether ``_admit`` would admit the step as is, granting no slab. Without an
-        arena it always does (``_fit_with_credit``'s release credit covers at least those
-        pages); on one, when every group whose free stack is short of its ``allocated``
-        pages has as many free and evictable ones (``_short_pages`` then finds none short), else
-        the arena may lend a spare slab instead."""
+        """After ``kernels.releases_cover``: whether ``_admit`` would admit the step as is, granting
+        no slab (no arena, or every group short of clean pages has as many free and evictable)."""
         return self.arena is None or all(n <= pool.num_free_pages for n, pool in zip(allocated.tolist(),
                                                                                        self._pool_list)
                                          if n > pool.num_clean_free_pages)
 
-    def _run(self, plan: _StepPlan, write_slots: bool, out: _StepArrays | None, cells: tuple = _NO_CELLS,
-             n_logged: int = 0) -> tuple[_StepArrays, int, tuple | None]:
-        """Release, allocate and the batch's arrays (``out``, or fresh ones) in one compiled
-        call (``kernels.run_step``); ``_after_run`` books what Python must. With ``cells``, the
-        ``n_logged`` cells the table log holds lead the touched scratch (``TableSet.take_log``).
-        Returns the arrays, how many table cells changed (at the start of the touched scratch)
-        and ``cells`` when the kernel read those into them (``_build_batch``'s ``read``)."""
+    def _run(self, plan: _StepPlan, write_slots: bool, cells: tuple = _NO_CELLS,
+             n_logged: int = 0) -> tuple[_StepArrays, int]:
+        """Stage 3, release, allocate and the batch's arrays (``plan.arrays``, or fresh ones), in one compiled
+        call (``kernels.run_step``; docs/manager.md, "One step, in four stages"); the arrays and the cells changed."""
         n_tokens, released_pages, most_released, allocated_pages = plan.totals
+        out = plan.arrays
         if out is None:
             out = _new_tuple(_StepArrays, kernels.batch_arrays_for(len(self.specs), plan.rows.size - plan.settle,
                                                                     n_tokens, write_slots))
@@ -1177,63 +1145,53 @@ class CacheManager:
         state = (ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
                  space.low_priority, space.stack, space.per_group, self._transient, plan.rows, plan.counts, plan.first,
                  plan.settle, plan.after, plan.sums)
-        if plan.spare_slabs is None:
+        grants = self.arena.kernel_grants(plan.grants) if plan.grants else None
+        if grants is None:
             status, n_touched, n_keyed = kernels.run_step(*state, bool(plan.grants), scratch, idle_keyed, released,
                                                           touched, n_logged, *cells, *out, self._scratch.widths)
-        else:  # spare slabs granted in the kernel, after the releases (``_after_run`` would apply them there)
-            status, n_touched, n_keyed = kernels.grant_step(plan.spare_slabs, self.arena.grant_args, *state, scratch,
-                                                            idle_keyed, released, touched, n_logged, *cells, *out,
+        else:  # spare slabs alone: granted in the kernel, after the releases (``_after_run`` would apply them there)
+            plan.grants = []
+            status, n_touched, n_keyed = kernels.grant_step(grants, self.arena.grant_args, *state, scratch, idle_keyed,
+                                                            released, touched, n_logged, *cells, *out,
                                                             self._scratch.widths)
             if status < 0:
                 raise AssertionError("a slab granted is not spare")
-            self.arena.granted(plan.spare_slabs.shape[1])
+            self.arena.granted(grants.shape[1])
         if status != kernels.STEP_DONE:
-            n_touched = self._after_run(plan.sums, allocated_pages, status, n_touched, n_keyed, plan, out, cells)
+            n_touched = self._after_run(n_touched, n_keyed, plan, out, cells)
         elif n_keyed:  # all ``_after_run`` does after a step done whole (the kernel noted the peaks)
             space.keyed_idle(released[1], idle_keyed)
-        return out, n_touched, cells if 0 < n_touched <= cells[1].size and ts.drains_touched_only() else None
+        return out, n_touched
 
     def _load_kernels(self) -> None:
-        """Load (or compile) now the kernels of a step that ``_admit`` and ``_run`` take in
-        Python (``short_pages``, ``run_step``, ``room_groups``, ``finish_step``, ``note_peaks``),
-        with the argument types of their step-time calls, by taking that path over a plan of
-        no rows (nothing changes): steps admitted in compiled calls skip it, so else the first
-        step that needs it (a donor's slab move, late in a run, often) stalls for them."""
+        """Load (or compile) now the kernels of a step admitted and run in Python, over a plan of no
+        rows: else the first such step (late in a run, often) stalls for them."""
         rows, counts, first, after, need, _, crossing, _ = self._scratch.plan_arrays(1)
         none = np.zeros((2, len(self.specs)), dtype=np.int64)  # no page released or allocated
         # ``after`` as a step's plan views it: its first columns of more (``plan_arrays``: not contiguous).
         plan = _StepPlan(rows[:0], counts[:0], first[:0], after[:, :, :1], need[:, :0], none, crossing[:0], 0, True,
                          (0, 0, 0, 0), grants=[])
         self._short_pages(plan, none[1], none[1], none[1])
-        out = self._run(plan, True, None)[0]
-        self._after_run(none, 0, kernels.STEP_NEEDS_PAGES, 0, 0, plan, out)
-        self._space.note_peaks(none[1])
+        out = self._run(plan, True)[0]
+        self._after_run(0, 0, plan, out)
 
-    def _after_run(self, sums: np.ndarray, allocated_pages: int, status: int, n_touched: int, n_keyed: int,
-                   plan: _StepPlan | None, out: _StepArrays, cells: tuple = _NO_CELLS) -> int:
-        """Book what the step kernel did (it counted the pages it released and allocated):
-        the keyed pages it left idle join the prefix cache's LRU, and when it stopped after
-        the releases, the arena's slabs move as admission planned, groups make room
-        (``PagePool.make_room``: evict) and ``finish_step`` allocates (and reads the cells
-        it changed into ``cells`` when they fit); then the pools' peaks. Returns the
-        table cells changed."""
+    def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan, out: _StepArrays,
+                   cells: tuple = _NO_CELLS) -> int:
+        """Stage 3 in Python once the step kernel stopped after its releases (docs/manager.md, "One
+        step, in four stages"): keyed pages join the LRU, slabs move, groups make room, ``finish_step``."""
         space, ts = self._space, self._tableset
         if n_keyed:
             space.keyed_idle(self._scratch.released[1], self._scratch.idle_keyed)
-        if status != kernels.STEP_DONE:
-            if plan.grants:
-                self.arena.apply(plan.grants)
-            marks = self._scratch.transient  # ``room_groups``': the groups to ask, the transient pages
-            if kernels.room_groups(ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts,
-                                   plan.after, plan.sums, space.stack, space.offsets, space.per_group, marks):
-                self._make_room(sums[1].tolist(), marks.tolist())
-            n_touched = kernels.finish_step(
-                ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.per_group,
-                self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums,
-                self._scratch.touched, n_touched, *cells, *out, self._scratch.widths)
-        if allocated_pages:
-            space.note_peaks(sums[1])
-        return n_touched
+        if plan.grants:
+            self.arena.apply(plan.grants)
+        marks = self._scratch.transient  # ``room_groups``': the groups to ask, the transient pages
+        if kernels.room_groups(ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts,
+                               plan.after, plan.sums, space.stack, space.offsets, space.per_group, marks):
+            self._make_room(plan.sums[1].tolist(), marks.tolist())
+        return kernels.finish_step(
+            ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.per_group,
+            self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums,
+            self._scratch.touched, n_touched, *cells, *out, self._scratch.widths, _NO_PAGES)
 
     def _make_room(self, allocated: list[int], marks: list[int]) -> None:
         """``PagePool.make_room`` of each group's ``allocated`` pages where ``room_groups``
@@ -1248,32 +1206,39 @@ class CacheManager:
                 evicted = evicted or pool.counters.evicted_pages != before
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
-                     n_touched: int, read: tuple | None = None) -> StepBatch:
-        """The step's ``StepBatch`` of table ``rows``: block tables, or (``n_touched`` >= 0:
-        the cells the step changed lead the touched scratch) the table cells changed; ``read``:
-        those cells as ``kernels.finish_step`` read them (group, row and column; page), the log
-        holding nothing else."""
+                     n_touched: int, cells: tuple = _NO_CELLS) -> StepBatch:
+        """Stage 4, the ``StepBatch`` of table ``rows``: block tables, or (``n_touched`` >= 0) the table
+        cells changed, from ``cells`` when ``finish_step`` read them there (docs/manager.md, stage 4)."""
         widths = self._capture_widths if fixed_width else tuple(self._scratch.widths.tolist())
-        ts, table_updates = self._tableset, None
+        ts = self._tableset
+        # The batch's frozen dataclasses get their fields stored directly (no ``__init__`` frame each).
         if n_touched < 0:
-            tables = [ts.block_table(k, rows, width) for k, width in enumerate(widths)]
-        elif read is not None:
-            tables = [None] * len(widths)
-            (cells, page), n = read, n_touched
-            table_updates = TableUpdates(cells[0, :n], cells[1, :n], cells[2, :n], page[:n], widths)
+            tables, table_updates = [ts.block_table(k, rows, width) for k, width in enumerate(widths)], None
         else:
-            tables = [None] * len(widths)
-            touched = self._scratch.touched[:n_touched] if n_touched else None
-            group, row, column, page, reset = ts.drain_updates(touched)
-            table_updates = TableUpdates(group, row, column, page, widths, reset)
+            tables, table_updates = [None] * len(widths), _new_object(TableUpdates)
+            if 0 < n_touched <= cells[1].size and ts.drains_touched_only():
+                (cells, page), n = cells, n_touched
+                found = cells[0, :n], cells[1, :n], cells[2, :n], page[:n], False
+            else:
+                found = ts.drain_updates(self._scratch.touched[:n_touched] if n_touched else None)
+            group, row, column, page, reset = found
+            fields = table_updates.__dict__
+            fields["group"], fields["row"], fields["column"], fields["page"] = group, row, column, page
+            fields["widths"], fields["reset"] = widths, reset
         per_request, per_token = out.per_request, out.per_token
         slots = per_token[1:] if per_token.shape[0] > 1 else [None] * len(widths)
-        groups = {  # iterating a 2-D array yields its rows
-            gid: GroupStep(table, base if sliding else None, slot)
-            for (gid, sliding), table, base, slot in zip(self._group_sliding, tables, per_request[2:], slots)
-        }
-        return StepBatch(request_ids, per_request[1], out.query_start_loc, per_token[0], out.request_indices, groups,
-                         per_request[0], table_updates)
+        groups = {}
+        for (gid, sliding), table, base, slot in zip(self._group_sliding, tables, per_request[2:], slots):
+            groups[gid] = step = _new_object(GroupStep)  # iterating a 2-D array yields its rows
+            fields = step.__dict__
+            fields["block_table"], fields["base_pages"], fields["write_slots"] = table, base if sliding else None, slot
+        batch = _new_object(StepBatch)
+        fields = batch.__dict__
+        fields["request_ids"], fields["num_scheduled_tokens"] = request_ids, per_request[1]
+        fields["query_start_loc"], fields["positions"] = out.query_start_loc, per_token[0]
+        fields["request_indices"], fields["groups"] = out.request_indices, groups
+        fields["table_rows"], fields["table_updates"] = per_request[0], table_updates
+        return batch
 
     def _commit_rows(self, rows: np.ndarray) -> None:
         """Publish, row by row, what each row's computed tokens completed since its last

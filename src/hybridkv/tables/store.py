@@ -1,15 +1,6 @@
-"""Per-request page tables of every cache group, in one store the step kernels own.
-
-Each request owns a row of the store. Full-history groups store logical page
-``L`` (tokens ``[L*T, (L+1)*T)``) at column ``L``. Sliding groups keep only the
-live pages ``[base, hi)`` in a power-of-two ring (logical page ``L`` at column
-``L % cap``) and hand kernels a table whose column ``j`` is logical page
-``base + j``. The step's table work runs in ``hybridkv.runtime.kernels``, and so
-does a rewind (``kernels.rewind_rows``); the methods here serve what happens
-outside them (prefix hits, publishing, free) and never touch a pool: the manager
-takes the ids they return. The store's layout (narrow rings, lanes, column-major
-full history): docs/manager.md, "The table store's layout".
-"""
+"""Per-request page tables of every cache group, in one store the step kernels own (its layout:
+docs/manager.md, "The table store's layout"). The methods here serve what happens outside the
+step kernels (prefix hits, publishing, free) and never touch a pool."""
 
 from __future__ import annotations
 
@@ -114,19 +105,10 @@ class GroupTable:
 
 
 class TableSet:
-    """The tables of every group of a manager in one store; the step's table work runs
-    in the compiled kernels of ``hybridkv.runtime.kernels``.
-
-    ``pages`` (the flat store of cells), ``bounds`` and ``geometry`` are laid out as the
-    kernels' docstring says; each ``GroupTable`` in ``tables`` reads and writes the same
-    arrays, so per-group code and whole-step code see the same state.
-
-    While ``log`` is a list, every cell any mutation touches is logged (as an index
-    into the ring view, ``ring_view``); ``drain_updates`` hands out those cells with
-    their current page ids, which is all a mirror of the ring view needs.
-    ``stop_log`` turns logging off; the next drain after a start is a resync: every
-    live cell, and a flag telling the mirror to clear first.
-    """
+    """The tables of every group of a manager in one store (``pages``, ``bounds``, ``geometry``: laid out as
+    ``hybridkv.runtime.kernels`` says), which each ``GroupTable`` in ``tables`` views. While ``log`` is a
+    list, every cell a mutation touches is logged (ring-view indices) for ``drain_updates``; the first
+    drain after ``start_log`` is a resync (every live cell, ``reset``: docs/manager.md, "Block table modes")."""
 
     def __init__(
         self,
