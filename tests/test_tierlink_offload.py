@@ -23,6 +23,7 @@ from hybridkv.reference.dense import dense_forward
 from hybridkv.reference.paged import PagedStack
 from hybridkv.tierlink import TierLink
 from hybridkv.tiers import (
+    DiskTier,
     GroupPages,
     HostTier,
     MissingRows,
@@ -34,6 +35,7 @@ from hybridkv.tiers import (
     group_pools_from_layers,
     new_group_pools,
 )
+from hybridkv.tiers.rows import populated_buffer
 
 CONFIG = ReferenceConfig()
 LAYOUT = cache_layout(CONFIG.hf_config(), speculative_tokens=3)
@@ -306,13 +308,32 @@ def test_gather_with_a_view_per_object_equals_gathering_each_alone(seed, count):
         ranges.append((ObjectKey("block", group.group_id, i), first, end))
         views.append(GroupPages(base, pages))
     got = gather_objects(pools, views, ranges)
-    for (key, first, end), view, obj in zip(ranges, views, got):
+    held = gather_objects(pools, views, ranges, hold_gil=True)  # (as an engine's step thread)
+    for (key, first, end), view, obj, other in zip(ranges, views, got, held):
         alone = gather_object(pools[key.group_id], view, key, first, end)
         assert (obj.first_row, obj.num_rows) == (alone.first_row, alone.num_rows)
         np.testing.assert_array_equal(obj.payload, alone.payload)
+        np.testing.assert_array_equal(other.payload, alone.payload)
     gid = LAYOUT.groups[0].group_id
     with pytest.raises(MissingRows):
         gather_objects(pools, [GroupPages(0, np.array([-1]))], [(ObjectKey("block", gid, 0), 0, 4)])
+
+
+@pytest.mark.parametrize("hold_gil", [False, True])
+@pytest.mark.parametrize("nbytes", [0, 100, (1 << 16) - 1, 1 << 16, 3 << 20, (5 << 20) + 7])
+def test_a_populated_buffer_is_a_new_array_the_host_tier_keeps_whole(nbytes, hold_gil):
+    buffer = populated_buffer(nbytes, hold_gil=hold_gil)
+    assert (buffer.dtype, buffer.shape, buffer.base) == (np.uint8, (nbytes,), None)
+    assert buffer.flags.c_contiguous and buffer.flags.writeable
+    buffer[:] = np.arange(nbytes, dtype=np.uint64).astype(np.uint8)  # every byte writable
+    assert not np.shares_memory(buffer, populated_buffer(nbytes))
+    if nbytes >= 100:  # given views of it: kept without a copy, the buffer counted whole
+        tier = HostTier(1 << 30)
+        half = nbytes // 2
+        assert tier.put([("a", memoryview(buffer)[:half]), ("b", memoryview(buffer)[half:])], given=True) == [True] * 2
+        assert tier.stats().held_bytes == nbytes
+        buffer[0] ^= 0xFF  # the tier holds views of the buffer itself
+        assert bytes(tier.get(["a"])[0][:1]) == bytes(buffer[:1])
 
 
 # --- dropped and failed offloads ---------------------------------------------------------------
@@ -570,11 +591,12 @@ def test_stored_rows_are_the_rows_at_take_time_whatever_runs_between(ops, seed, 
 
 
 # --- with the reference layers ----------------------------------------------------------------
-@pytest.mark.parametrize("defer", [False, True])
-def test_offloads_through_the_worker_serve_another_instance_with_correct_outputs(defer):
+@pytest.mark.parametrize("defer,kind", [(False, "host"), (True, "host"), (False, "disk"), (True, "disk")])
+def test_offloads_through_the_worker_serve_another_instance_with_correct_outputs(defer, kind, tmp_path):
+    # disk: a tier that copies what it is given (the host tier keeps the worker's buffers)
     limits = Limits(max_running_requests=8, max_scheduled_tokens=1024, max_context_tokens=1024, speculative_tokens=3)
     model = build_model(CONFIG, seed=0)
-    store = ObjectStore(HostTier(1 << 30), LAYOUT)
+    store = ObjectStore(HostTier(1 << 30) if kind == "host" else DiskTier(tmp_path / "disk"), LAYOUT)
     rng = np.random.default_rng(7)
     tokens = rng.integers(0, CONFIG.vocab_size, 700)
 
