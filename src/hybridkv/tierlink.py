@@ -197,9 +197,10 @@ class TierLink:
         self.plan_loads = bool(plan_loads)  # False: offload only (nothing is ever pending)
         self.max_pinned_pages = max_pinned_pages
         self._tickets = 0
-        # ticket -> (pinned pages by group, pinned or deferred entries, every entry of the plan in
-        # order, its StoreCheck or None, each entry's payload bytes)
-        self._pins: dict[int, tuple[dict[str, np.ndarray], tuple, tuple, StoreCheck | None, list[int]]] = {}
+        # ticket -> (pinned pages as CacheManager.hold_pages takes them or None, pinned or deferred
+        # entries, every entry of the plan in order, its StoreCheck or None, each entry's payload bytes)
+        self._pins: dict[int, tuple[tuple[np.ndarray, np.ndarray] | None, list, list, StoreCheck | None,
+                                    list[int]]] = {}
         # Entries of plans not confirmed yet (pinned, deferred or copied): not offered again, so an
         # entry published twice while its first copy is on its way is copied once.
         self._offloading: set[tuple[str, int]] = set()
@@ -253,6 +254,7 @@ class TierLink:
             for s in manager.specs}
         # per group: what its objects' store names start with (``ObjectStore.name`` less the key's hex)
         self._name_prefixes = {gid: name_prefix(self.store.namespace, gid, kind) for gid, kind in self._kinds.items()}
+        self._group_order = tuple(s.group_id for s in manager.specs)  # CacheManager.hold_pages' group order
         self._prefix.tier_hook = self
 
     def stored(self, group_id: str, key: int, boundary_tokens: int, pages: Sequence[int], low_priority: bool) -> None:
@@ -423,26 +425,21 @@ class TierLink:
     def _hand_out(self, entries: list, later: list[bool], objects: Sequence[PlannedObject],
                   views: Sequence[GroupPages], check: StoreCheck | None) -> OffloadPlan:
         """The plan of ``entries`` under a new ticket, recorded until confirmed (and counted:
-        :meth:`_count_offloads`); the ``later`` ones pinned (their pages held, in one
-        ``hold_pages_by_group``) or deferred (copied later without a hold, rescued if removed
-        first). Recorded even with nothing later: what a tier stores need not move again at
-        eviction."""
+        :meth:`_count_offloads`); the ``later`` ones pinned (their pages held: every group's in
+        one array, :meth:`_held_pages`, kept for the release) or deferred (copied later without
+        a hold, rescued if removed first). Recorded even with nothing later: what a tier stores
+        need not move again at eviction."""
         self._tickets += 1
         ticket, stats, pin = self._tickets, self._stats, self.pin_offloads
         payload_bytes = self._count_offloads(entries)
-        every, keys, by_group, pinned_pages = [], [], {}, 0
-        for (entry, (_, pages)), ok in zip(entries, later):
-            every.append(entry)
-            if ok:
-                keys.append(entry)
-                if pin:
-                    by_group.setdefault(entry[0], []).extend(pages)
-                    pinned_pages += len(pages)
-        arrays = {gid: np.array(pages, dtype=np.int64) for gid, pages in by_group.items()} if by_group else {}
+        every = [entry for entry, _ in entries]
+        keys = [entry for entry, ok in zip(every, later) if ok]
+        held = None
         if pin:
-            if arrays:
-                self.manager.hold_pages_by_group(arrays)
-                stats.pinned_pages += pinned_pages
+            held = self._held_pages(entries, later) if keys else None
+            if held is not None:
+                self.manager.hold_pages(*held)
+                stats.pinned_pages += held[0].size
             stats.offload_pinned += len(keys)
             plan = OffloadPlan(objects, views, tuple(later), ticket, store_check=check)
         else:
@@ -453,31 +450,55 @@ class TierLink:
                 deferred[every[i]] = (copies, i)
             stats.offload_deferred += len(keys)
             plan = OffloadPlan(objects, views, (), ticket, tuple(later), copies, store_check=check)
-        self._pins[ticket] = (arrays, keys, every, check, payload_bytes)
+        self._pins[ticket] = (held, keys, every, check, payload_bytes)
         self._offloading.update(every)
         return plan
+
+    def _held_pages(self, entries: list, later: list[bool]) -> tuple[np.ndarray, np.ndarray] | None:
+        """The pages of the ``later`` entries as ``CacheManager.hold_pages`` takes them: one
+        array, group-major in the manager's group order (each group's in entry order), and the
+        count per group; None when there are none."""
+        by_group: dict[str, list[int]] = {}
+        for ((gid, _), (_, pages)), ok in zip(entries, later):
+            if ok:
+                by_group.setdefault(gid, []).extend(pages)
+        counts = [len(by_group.get(gid, ())) for gid in self._group_order]
+        total = sum(counts)
+        if not total:
+            return None
+        local = np.fromiter(chain.from_iterable(by_group.get(gid, ()) for gid in self._group_order),
+                            dtype=np.int64, count=total)
+        return local, np.array(counts, dtype=np.int64)
 
     def confirm_offloads(self, results: Iterable[tuple[int | None, Sequence[bool | None]]]) -> None:
         """Report offload plans the engine has run: ``(ticket, per object True stored, False
         refused by the tier, None dropped or failed)`` each, as ``OffloadWorker.finished()`` gives
         them. The pages pinned for a plan are released (those no request holds go back to the
-        pool), those of every plan reported in one ``release_held_pages_by_group``; an unknown
-        ticket (a plan with nothing pinned) only counts."""
+        pool), those of every plan reported in one ``CacheManager.release_held_pages`` (group-major,
+        each group's plan after plan); an unknown ticket (a plan with nothing pinned) only counts."""
         if isinstance(results, list) and not results:
             return  # most steps: no plan finished
-        released: dict[str, list[np.ndarray]] = {}
+        released: list[tuple[np.ndarray, np.ndarray]] = []
         for ticket, stored in results:
-            self._confirm_plan(ticket, list(stored), released)
-        if released:  # one release for every plan confirmed
-            by_group = {gid: np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
-                        for gid, arrays in released.items()}
-            self.manager.release_held_pages_by_group(by_group)
-            self._stats.pinned_pages -= sum([pages.size for pages in by_group.values()])
+            held = self._confirm_plan(ticket, list(stored))
+            if held is not None:
+                released.append(held)
+        if not released:
+            return
+        if len(released) == 1:  # (most calls: one plan)
+            local, per_group = released[0]
+        else:  # each plan's pages group-major: merged group by group, plans in order (a stable sort by group)
+            local = np.concatenate([pages for pages, _ in released])
+            counts = np.stack([n for _, n in released])
+            groups = np.repeat(np.tile(np.arange(counts.shape[1]), counts.shape[0]), counts.ravel())
+            local, per_group = local[np.argsort(groups, kind="stable")], counts.sum(axis=0)
+        self.manager.release_held_pages(local, per_group)
+        self._stats.pinned_pages -= local.size
 
-    def _confirm_plan(self, ticket: int | None, stored: list[bool | None], released: dict[str, list[np.ndarray]]
-                      ) -> None:
+    def _confirm_plan(self, ticket: int | None, stored: list[bool | None]) -> tuple[np.ndarray, np.ndarray] | None:
         """Count a confirmed plan's results; settle its entries (the stored ones sent, none
-        offloading or deferred any more) and add its pinned pages to ``released`` by group."""
+        offloading or deferred any more); its pinned pages (as ``CacheManager.hold_pages``
+        took them), None if none."""
         stats = self._stats
         pins = self._pins.pop(ticket, None) if ticket is not None else None
         n_stored, n_refused = stored.count(True), stored.count(False)
@@ -488,19 +509,18 @@ class TierLink:
         stats.offload_refused += counted[1]
         stats.offload_dropped += counted[2]
         if pins is None:
-            return
-        by_group, keys, every, _, _ = pins
+            return None
+        held, keys, every, _, _ = pins
         if n_stored == len(every):  # (most plans: every object stored)
             self._sent.update(self._entries.keys() & every)
         elif n_stored:
             entries = self._entries
             self._sent.update(entry for entry, ok in zip(every, stored) if ok is True and entry in entries)
-        for gid, pages in by_group.items():
-            released.setdefault(gid, []).append(pages)
         self._offloading.difference_update(every)
         if self._deferred:
             for entry in keys:
                 self._deferred.pop(entry, None)
+        return held
 
     def _uncount_held(self, stored: list[bool | None], pins: tuple, counted: tuple[int, int, int]
                       ) -> tuple[int, int, int]:
