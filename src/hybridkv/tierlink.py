@@ -257,16 +257,29 @@ class TierLink:
         self._group_order = tuple(s.group_id for s in manager.specs)  # CacheManager.hold_pages' group order
         self._prefix.tier_hook = self
 
-    def stored(self, group_id: str, key: int, boundary_tokens: int, pages: Sequence[int], low_priority: bool) -> None:
-        """The prefix cache published ``pages`` under ``key`` (a block ending at, or a checkpoint at, the boundary)."""
-        pages = tuple(pages)
-        self._entries[(group_id, key)] = (boundary_tokens, pages, low_priority)
-        flight = self._flight
-        if flight.markers is None:  # (most links: no in-flight rule)
-            if self.write_through and not low_priority:
-                self._queue.append((group_id, key, boundary_tokens, pages))
+    def stored(self, published: Iterable[tuple[str, int, int, Sequence[int], bool]]) -> None:
+        """The prefix cache published entries ``(group, key, boundary tokens, pages, low
+        priority)`` (a block ending at, or a checkpoint at, the boundary), in order: one call a
+        commit's group or state boundaries (``PrefixCache``'s ``tier_hook``)."""
+        entries = self._entries
+        if self._flight.markers is not None:
+            for gid, key, boundary, pages, low in published:
+                pages = tuple(pages)
+                entries[(gid, key)] = (boundary, pages, low)
+                self._stored_marked(gid, key, boundary, pages, low)
             return
-        # with markers, a written-through checkpoint goes when wanted or as its request's last
+        queue = self._queue if self.write_through else None  # (most links: no in-flight rule)
+        for gid, key, boundary, pages, low in published:
+            pages = tuple(pages)
+            entries[(gid, key)] = (boundary, pages, low)
+            if queue is not None and not low:
+                queue.append((gid, key, boundary, pages))
+
+    def _stored_marked(self, group_id: str, key: int, boundary_tokens: int, pages: tuple[int, ...],
+                       low_priority: bool) -> None:
+        """:meth:`stored` of one entry with an in-flight rule: a written-through checkpoint goes
+        when wanted or as its request's last."""
+        flight = self._flight
         if self.write_through and group_id in self._state_ids:
             flight.fresh.append((group_id, key))
         elif self.write_through and not low_priority:
@@ -274,25 +287,27 @@ class TierLink:
         if group_id == self._first_history:
             flight.published(key)
 
-    def removed(self, group_id: str, key: int, dropped: bool) -> None:
-        """The prefix cache removed an entry: evicted (``dropped`` False) or superseded/cleared."""
-        name = (group_id, key)
-        entry = self._entries.pop(name, None)
-        self._flight.served.discard(name)
-        if self._deferred:
-            deferred = self._deferred.pop(name, None)
-            if deferred is not None:  # its pages may be written after the next plan: copied then
-                self._rescues.append(deferred)
-                self._stats.offload_rescues += 1
-        if name in self._sent:  # written through already: nothing to move at eviction
-            self._sent.discard(name)
-            return
-        if entry is None or dropped:
-            return
-        boundary, pages, low = entry
-        if low and not self.offload_low_priority:
-            return
-        self._queue.append((group_id, key, boundary, pages))
+    def removed(self, names: Iterable[tuple[str, int]], dropped: bool) -> None:
+        """The prefix cache removed the entries ``(group, key)``, in order: evicted (``dropped``
+        False) or superseded/cleared; one call a batch of removals (``PrefixCache``'s
+        ``tier_hook``)."""
+        entries, served, deferred, sent = self._entries, self._flight.served, self._deferred, self._sent
+        for name in names:
+            entry = entries.pop(name, None)
+            served.discard(name)
+            if deferred:
+                copies = deferred.pop(name, None)
+                if copies is not None:  # its pages may be written after the next plan: copied then
+                    self._rescues.append(copies)
+                    self._stats.offload_rescues += 1
+            if name in sent:  # written through already: nothing to move at eviction
+                sent.discard(name)
+                continue
+            if entry is None or dropped:
+                continue
+            boundary, pages, low = entry
+            if not low or self.offload_low_priority:
+                self._queue.append((*name, boundary, pages))
 
     def on_add(self, request_id: str, hashes: Any, token_ids: np.ndarray, hit_tokens: int,
                max_new_tokens: int, cache_salt: Any) -> None:
