@@ -361,7 +361,7 @@ class TierLink:
         :meth:`confirm_offloads` reports the plan's ticket, so their copy may run later."""
         if not self._queue and not self._rescues and self._flight.markers is None:
             return _NO_OFFLOADS  # most steps: nothing queued (no plan, no ticket)
-        if self.markers is not None:
+        if self._flight.markers is not None:
             self.markers.delete_deferred()
             self._queue_ending()
             self._queue_wanted()
@@ -440,21 +440,31 @@ class TierLink:
     def _hand_out(self, entries: list, later: list[bool], objects: Sequence[PlannedObject],
                   views: Sequence[GroupPages], check: StoreCheck | None) -> OffloadPlan:
         """The plan of ``entries`` under a new ticket, recorded until confirmed (and counted:
-        :meth:`_count_offloads`); the ``later`` ones pinned (their pages held: every group's in
-        one array, :meth:`_held_pages`, kept for the release) or deferred (copied later without
-        a hold, rescued if removed first). Recorded even with nothing later: what a tier stores
-        need not move again at eviction."""
+        :meth:`_count_offloads`); the ``later`` ones pinned (their pages held, every group's in
+        one ``CacheManager.hold_pages`` array built in the same pass and kept for the release)
+        or deferred (copied later without a hold, rescued if removed first). Recorded even
+        with nothing later: what a tier stores need not move again at eviction."""
         self._tickets += 1
         ticket, stats, pin = self._tickets, self._stats, self.pin_offloads
         payload_bytes = self._count_offloads(entries)
-        every = [entry for entry, _ in entries]
-        keys = [entry for entry, ok in zip(every, later) if ok]
+        every, keys, by_group = [], [], {}
+        for (entry, (_, pages)), ok in zip(entries, later):
+            every.append(entry)
+            if ok:
+                keys.append(entry)
+                if pin:
+                    by_group.setdefault(entry[0], []).extend(pages)
         held = None
         if pin:
-            held = self._held_pages(entries, later) if keys else None
-            if held is not None:
+            if by_group:
+                flat, counts = [], []
+                for gid in self._group_order:  # group-major, in the manager's order
+                    pages = by_group.get(gid, ())
+                    flat += pages
+                    counts.append(len(pages))
+                held = np.array(flat, dtype=np.int64), np.array(counts, dtype=np.int64)
                 self.manager.hold_pages(*held)
-                stats.pinned_pages += held[0].size
+                stats.pinned_pages += len(flat)
             stats.offload_pinned += len(keys)
             plan = OffloadPlan(objects, views, tuple(later), ticket, store_check=check)
         else:
@@ -468,22 +478,6 @@ class TierLink:
         self._pins[ticket] = (held, keys, every, check, payload_bytes)
         self._offloading.update(every)
         return plan
-
-    def _held_pages(self, entries: list, later: list[bool]) -> tuple[np.ndarray, np.ndarray] | None:
-        """The pages of the ``later`` entries as ``CacheManager.hold_pages`` takes them: one
-        array, group-major in the manager's group order (each group's in entry order), and the
-        count per group; None when there are none."""
-        by_group: dict[str, list[int]] = {}
-        for ((gid, _), (_, pages)), ok in zip(entries, later):
-            if ok:
-                by_group.setdefault(gid, []).extend(pages)
-        counts = [len(by_group.get(gid, ())) for gid in self._group_order]
-        total = sum(counts)
-        if not total:
-            return None
-        local = np.fromiter(chain.from_iterable(by_group.get(gid, ()) for gid in self._group_order),
-                            dtype=np.int64, count=total)
-        return local, np.array(counts, dtype=np.int64)
 
     def confirm_offloads(self, results: Iterable[tuple[int | None, Sequence[bool | None]]]) -> None:
         """Report offload plans the engine has run: ``(ticket, per object True stored, False
