@@ -207,6 +207,8 @@ class TierLink:
         self._sent: set[tuple[str, int]] = set()  # device entries a tier confirmed stored
         self.manager: Any = None
         self._scheduling = False  # take_loads' own step
+        # True while a taken load may be unconfirmed: ``schedule`` asks check_schedule only then
+        self.loads_in_flight = False
         self._stats = TierLinkStats()
         self._entries: dict[tuple[str, int], tuple[int, tuple[int, ...], bool]] = {}
         self._queue: list[tuple[str, int, int, tuple[int, ...]]] = []
@@ -328,6 +330,7 @@ class TierLink:
         self._below.pop(request_id, None)
         self._flight.forget(request_id)
         if plan is not None and plan.taken:
+            self.loads_in_flight = any(p.taken for p in self._plans.values())
             self.manager.rewind(request_id, plan.from_tokens)
         if self._flight.on and self.write_through and args is not None and not self._flight.resuming:
             # its last checkpoint (published now or before) goes through at the next take_offloads
@@ -335,7 +338,7 @@ class TierLink:
             self._flight.ending.append((args.hashes, self.manager.num_computed_tokens(request_id) // grain * grain))
 
     def check_schedule(self) -> None:
-        """Called by ``schedule``: refuse while a taken load is not confirmed."""
+        """Called by ``schedule`` while ``loads_in_flight``: refuse while a taken load is not confirmed."""
         if self._scheduling:
             return
         for rid, plan in self._plans.items():
@@ -575,6 +578,7 @@ class TierLink:
         for rid, _ in items:
             plan = self._plans[rid]
             plan.taken = True
+            self.loads_in_flight = True
             mgr.pending_loads.add(rid)
             self._stats.taken_loads += 1
             self._stats.load_objects += len(plan.objects)
@@ -644,6 +648,7 @@ class TierLink:
             raise TierLinkError(f"request {request_id!r} has no tier load in flight")
         loaded = result.boundary_tokens if isinstance(result, LoadResult) else int(result)
         del self._plans[request_id]
+        self.loads_in_flight = any(p.taken for p in self._plans.values())
         self.manager.pending_loads.discard(request_id)
         mgr = self.manager
         if loaded == plan.boundary_tokens:

@@ -988,7 +988,7 @@ class CacheManager:
         ids = items if uniform is None else uniform[0]
         if not (ids and type(write_slots) is bool and block_tables in _BLOCK_TABLE_MODES):
             _check_step_options(ids, block_tables, write_slots)  # words the error
-        if self.tier_link is not None:
+        if self.tier_link is not None and self.tier_link.loads_in_flight:
             self.tier_link.check_schedule()
         updates = block_tables == "updates"
         verdict = self._cached_verdict(items, uniform, fixed_width) if self._admitted is not None else None
