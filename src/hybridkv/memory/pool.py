@@ -680,7 +680,7 @@ class PageSpace:
         self.low_idle[:] = [p._low_idle_pages for p in self.pools]
         self.idle_low_floors[:] = [p._low_floor for p in self.pools]  # the pools' ``_low_floor``
         self.ranked: list[int] = []  # the groups whose pool has a ranker (``PagePool.ranker`` keeps it)
-        self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # a hold's scratch (``borrowed_idle``)
+        self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # scratch: hold_outside, borrowed_idle
         self._bind_pools()
 
     def _join_page_arrays(self, sizes: list[int]) -> None:
