@@ -460,14 +460,13 @@ class TierLink:
         held = None
         if pin:
             if by_group:
-                flat, counts = [], []
-                for gid in self._group_order:  # group-major, in the manager's order
-                    pages = by_group.get(gid, ())
-                    flat += pages
-                    counts.append(len(pages))
-                held = np.array(flat, dtype=np.int64), np.array(counts, dtype=np.int64)
+                counts = [len(by_group.get(gid, ())) for gid in self._group_order]
+                for gid in self._group_order:  # the pages group-major, in the manager's order, after the counts
+                    counts += by_group.get(gid, ())
+                both, n_groups = np.array(counts, dtype=np.int64), len(self._group_order)
+                held = both[n_groups:], both[:n_groups]  # one array made: the pages, the count per group
                 self.manager.hold_pages(*held)
-                stats.pinned_pages += len(flat)
+                stats.pinned_pages += both.size - n_groups
             stats.offload_pinned += len(keys)
             plan = OffloadPlan(objects, views, tuple(later), ticket, store_check=check)
         else:
