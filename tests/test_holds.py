@@ -1,5 +1,6 @@
 """Pages held outside any request (``CacheManager.hold_pages_by_group`` /
-``release_held_pages_by_group``, a tier offload's pins) against a plain reference on a twin
+``release_held_pages_by_group``, and ``hold_pages`` / ``release_held_pages`` of the same pages
+listed group-major, as a tier offload's pins take them) against a plain reference on a twin
 manager: ``PagePool.incref`` / ``PagePool.decref`` of each group's pages in turn (the pool's own
 rules: a page whose last reference goes is free, or, keyed, joins the LRU in listed order) with
 the holds counted in a ``Counter``.
@@ -70,19 +71,42 @@ def reference_release(m: CacheManager, pages_by_group: dict, holds: Counter) -> 
         decref(m.pools[gid], pages)
 
 
+def group_major(m: CacheManager, pages_by_group: dict) -> tuple[np.ndarray, np.ndarray]:
+    """``pages_by_group`` as ``CacheManager.hold_pages`` takes them."""
+    gids = [spec.group_id for spec in m.specs]
+    none = np.zeros(0, dtype=np.int64)
+    local = np.concatenate([np.asarray(pages_by_group.get(g, none), dtype=np.int64) for g in gids])
+    return local, np.array([len(pages_by_group.get(g, ())) for g in gids], dtype=np.int64)
+
+
+def hold(m: CacheManager, pages_by_group: dict, flat: bool) -> None:
+    if flat:
+        m.hold_pages(*group_major(m, pages_by_group))
+    else:
+        m.hold_pages_by_group(pages_by_group)
+
+
+def release(m: CacheManager, pages_by_group: dict, flat: bool) -> None:
+    if flat:
+        m.release_held_pages(*group_major(m, pages_by_group))
+    else:
+        m.release_held_pages_by_group(pages_by_group)
+
+
 PICKS = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 10_000)), max_size=12)
 OPS = st.lists(st.tuples(st.sampled_from(["hold", "hold", "release", "release", "over", "hold free", "free"]),
                          PICKS),
                min_size=1, max_size=12)
 
 
+@pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("page_space", ["per-group", "shared"])
 @settings(max_examples=30, deadline=None)
 # A cached idle page held twice, then both holds released in one call: its last reference goes,
 # so it joins the LRU (a fast path once took "every page held more than once" as "held still").
 @example(ops=[("free", []), ("hold", [(0, 0), (0, 0)]), ("release", [(0, 0), (0, 0)])])
 @given(ops=OPS)
-def test_holding_and_releasing_by_group_follows_the_pools_rules(page_space, ops):
+def test_holding_and_releasing_by_group_follows_the_pools_rules(page_space, flat, ops):
     m, ref = build(page_space), build(page_space)
     gids = list(m.pools)
     holds: Counter = Counter()
@@ -99,7 +123,7 @@ def test_holding_and_releasing_by_group_follows_the_pools_rules(page_space, ops)
                 if pool:
                     chosen.setdefault(gids[g % len(gids)], []).append(pool[k % len(pool)])
             arrays = {gid: np.asarray(p, dtype=np.int64) for gid, p in chosen.items()}
-            m.hold_pages_by_group(arrays)
+            hold(m, arrays, flat)
             reference_hold(ref, arrays, holds)
         elif op == "hold free":  # a free page among held ones: refused whole
             gid = gids[picks[0][0] % len(gids)] if picks else gids[-1]
@@ -110,7 +134,7 @@ def test_holding_and_releasing_by_group_follows_the_pools_rules(page_space, ops)
             chosen[gid] = chosen[gid] + [int(free[picks[0][1] % free.size] if picks else free[0])]
             before = state(m)
             with pytest.raises(CacheManagerError, match="is free"):
-                m.hold_pages_by_group({g: np.asarray(p, dtype=np.int64) for g, p in chosen.items()})
+                hold(m, {g: np.asarray(p, dtype=np.int64) for g, p in chosen.items()}, flat)
             assert state(m) == before
         else:
             held = sorted(key for key, n in holds.items() for _ in range(n))
@@ -125,11 +149,11 @@ def test_holding_and_releasing_by_group_follows_the_pools_rules(page_space, ops)
                     chosen[gid][0])))
                 before = state(m)
                 with pytest.raises(CacheManagerError, match="did not hold"):
-                    m.release_held_pages_by_group({g: np.asarray(p) for g, p in chosen.items()})
+                    release(m, {g: np.asarray(p) for g, p in chosen.items()}, flat)
                 assert state(m) == before
                 continue
             arrays = {gid: np.asarray(p, dtype=np.int64) for gid, p in chosen.items()}
-            m.release_held_pages_by_group(arrays)
+            release(m, arrays, flat)
             reference_release(ref, arrays, holds)
         assert state(m) == state(ref)
         assert [m.held_outside_pages(g) for g in gids] == [

@@ -249,8 +249,11 @@ def test_a_pending_request_is_not_scheduled_until_its_load_is_confirmed():
         b.link.take_loads()
     with pytest.raises(TierLinkError, match="no tier load"):
         b.link.confirm_load("r", 0)
+    assert b.link.loads_in_flight
     assert b.link.confirm_load("q", load.plan.run(store, b.pools, load.targets)) == 512
+    assert not b.link.loads_in_flight  # schedule no longer asks the link
     assert all(x.ok for x in b.manager.check_admission([("q", 4), ("r", 4)]))
+    b.manager.schedule([("q", 4), ("r", 4)])
 
 
 def test_freeing_a_request_with_a_load_in_flight_publishes_nothing():
@@ -262,6 +265,7 @@ def test_freeing_a_request_with_a_load_in_flight_publishes_nothing():
     b.manager.add_request("q", other, max_new_tokens=8)
     b.take_loads()
     b.manager.free("q")  # nothing was loaded: its pages must not become a device hit
+    assert not b.link.loads_in_flight
     b.manager.check_invariants()
     assert b.manager.add_request("q2", other, max_new_tokens=8).hit_tokens == 0
     assert b.link.pending("q2")

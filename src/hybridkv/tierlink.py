@@ -197,15 +197,18 @@ class TierLink:
         self.plan_loads = bool(plan_loads)  # False: offload only (nothing is ever pending)
         self.max_pinned_pages = max_pinned_pages
         self._tickets = 0
-        # ticket -> (pinned pages by group, pinned or deferred entries, every entry of the plan in
-        # order, its StoreCheck or None, each entry's payload bytes)
-        self._pins: dict[int, tuple[dict[str, np.ndarray], tuple, tuple, StoreCheck | None, list[int]]] = {}
+        # ticket -> (pinned pages as CacheManager.hold_pages takes them or None, pinned or deferred
+        # entries, every entry of the plan in order, its StoreCheck or None, each entry's payload bytes)
+        self._pins: dict[int, tuple[tuple[np.ndarray, np.ndarray] | None, list, list, StoreCheck | None,
+                                    list[int]]] = {}
         # Entries of plans not confirmed yet (pinned, deferred or copied): not offered again, so an
         # entry published twice while its first copy is on its way is copied once.
         self._offloading: set[tuple[str, int]] = set()
         self._sent: set[tuple[str, int]] = set()  # device entries a tier confirmed stored
         self.manager: Any = None
         self._scheduling = False  # take_loads' own step
+        # True while a taken load may be unconfirmed: ``schedule`` asks check_schedule only then
+        self.loads_in_flight = False
         self._stats = TierLinkStats()
         self._entries: dict[tuple[str, int], tuple[int, tuple[int, ...], bool]] = {}
         self._queue: list[tuple[str, int, int, tuple[int, ...]]] = []
@@ -253,18 +256,32 @@ class TierLink:
             for s in manager.specs}
         # per group: what its objects' store names start with (``ObjectStore.name`` less the key's hex)
         self._name_prefixes = {gid: name_prefix(self.store.namespace, gid, kind) for gid, kind in self._kinds.items()}
+        self._group_order = tuple(s.group_id for s in manager.specs)  # CacheManager.hold_pages' group order
         self._prefix.tier_hook = self
 
-    def stored(self, group_id: str, key: int, boundary_tokens: int, pages: Sequence[int], low_priority: bool) -> None:
-        """The prefix cache published ``pages`` under ``key`` (a block ending at, or a checkpoint at, the boundary)."""
-        pages = tuple(pages)
-        self._entries[(group_id, key)] = (boundary_tokens, pages, low_priority)
-        flight = self._flight
-        if flight.markers is None:  # (most links: no in-flight rule)
-            if self.write_through and not low_priority:
-                self._queue.append((group_id, key, boundary_tokens, pages))
+    def stored(self, published: Iterable[tuple[str, int, int, Sequence[int], bool]]) -> None:
+        """The prefix cache published entries ``(group, key, boundary tokens, pages, low
+        priority)`` (a block ending at, or a checkpoint at, the boundary), in order: one call a
+        commit's group or state boundaries (``PrefixCache``'s ``tier_hook``)."""
+        entries = self._entries
+        if self._flight.markers is not None:
+            for gid, key, boundary, pages, low in published:
+                pages = tuple(pages)
+                entries[(gid, key)] = (boundary, pages, low)
+                self._stored_marked(gid, key, boundary, pages, low)
             return
-        # with markers, a written-through checkpoint goes when wanted or as its request's last
+        queue = self._queue if self.write_through else None  # (most links: no in-flight rule)
+        for gid, key, boundary, pages, low in published:
+            pages = tuple(pages)
+            entries[(gid, key)] = (boundary, pages, low)
+            if queue is not None and not low:
+                queue.append((gid, key, boundary, pages))
+
+    def _stored_marked(self, group_id: str, key: int, boundary_tokens: int, pages: tuple[int, ...],
+                       low_priority: bool) -> None:
+        """:meth:`stored` of one entry with an in-flight rule: a written-through checkpoint goes
+        when wanted or as its request's last."""
+        flight = self._flight
         if self.write_through and group_id in self._state_ids:
             flight.fresh.append((group_id, key))
         elif self.write_through and not low_priority:
@@ -272,25 +289,27 @@ class TierLink:
         if group_id == self._first_history:
             flight.published(key)
 
-    def removed(self, group_id: str, key: int, dropped: bool) -> None:
-        """The prefix cache removed an entry: evicted (``dropped`` False) or superseded/cleared."""
-        name = (group_id, key)
-        entry = self._entries.pop(name, None)
-        self._flight.served.discard(name)
-        if self._deferred:
-            deferred = self._deferred.pop(name, None)
-            if deferred is not None:  # its pages may be written after the next plan: copied then
-                self._rescues.append(deferred)
-                self._stats.offload_rescues += 1
-        if name in self._sent:  # written through already: nothing to move at eviction
-            self._sent.discard(name)
-            return
-        if entry is None or dropped:
-            return
-        boundary, pages, low = entry
-        if low and not self.offload_low_priority:
-            return
-        self._queue.append((group_id, key, boundary, pages))
+    def removed(self, names: Iterable[tuple[str, int]], dropped: bool) -> None:
+        """The prefix cache removed the entries ``(group, key)``, in order: evicted (``dropped``
+        False) or superseded/cleared; one call a batch of removals (``PrefixCache``'s
+        ``tier_hook``)."""
+        entries, served, deferred, sent = self._entries, self._flight.served, self._deferred, self._sent
+        for name in names:
+            entry = entries.pop(name, None)
+            served.discard(name)
+            if deferred:
+                copies = deferred.pop(name, None)
+                if copies is not None:  # its pages may be written after the next plan: copied then
+                    self._rescues.append(copies)
+                    self._stats.offload_rescues += 1
+            if name in sent:  # written through already: nothing to move at eviction
+                sent.discard(name)
+                continue
+            if entry is None or dropped:
+                continue
+            boundary, pages, low = entry
+            if not low or self.offload_low_priority:
+                self._queue.append((*name, boundary, pages))
 
     def on_add(self, request_id: str, hashes: Any, token_ids: np.ndarray, hit_tokens: int,
                max_new_tokens: int, cache_salt: Any) -> None:
@@ -311,6 +330,7 @@ class TierLink:
         self._below.pop(request_id, None)
         self._flight.forget(request_id)
         if plan is not None and plan.taken:
+            self.loads_in_flight = any(p.taken for p in self._plans.values())
             self.manager.rewind(request_id, plan.from_tokens)
         if self._flight.on and self.write_through and args is not None and not self._flight.resuming:
             # its last checkpoint (published now or before) goes through at the next take_offloads
@@ -318,7 +338,7 @@ class TierLink:
             self._flight.ending.append((args.hashes, self.manager.num_computed_tokens(request_id) // grain * grain))
 
     def check_schedule(self) -> None:
-        """Called by ``schedule``: refuse while a taken load is not confirmed."""
+        """Called by ``schedule`` while ``loads_in_flight``: refuse while a taken load is not confirmed."""
         if self._scheduling:
             return
         for rid, plan in self._plans.items():
@@ -344,7 +364,7 @@ class TierLink:
         :meth:`confirm_offloads` reports the plan's ticket, so their copy may run later."""
         if not self._queue and not self._rescues and self._flight.markers is None:
             return _NO_OFFLOADS  # most steps: nothing queued (no plan, no ticket)
-        if self.markers is not None:
+        if self._flight.markers is not None:
             self.markers.delete_deferred()
             self._queue_ending()
             self._queue_wanted()
@@ -423,26 +443,30 @@ class TierLink:
     def _hand_out(self, entries: list, later: list[bool], objects: Sequence[PlannedObject],
                   views: Sequence[GroupPages], check: StoreCheck | None) -> OffloadPlan:
         """The plan of ``entries`` under a new ticket, recorded until confirmed (and counted:
-        :meth:`_count_offloads`); the ``later`` ones pinned (their pages held, in one
-        ``hold_pages_by_group``) or deferred (copied later without a hold, rescued if removed
-        first). Recorded even with nothing later: what a tier stores need not move again at
-        eviction."""
+        :meth:`_count_offloads`); the ``later`` ones pinned (their pages held, every group's in
+        one ``CacheManager.hold_pages`` array built in the same pass and kept for the release)
+        or deferred (copied later without a hold, rescued if removed first). Recorded even
+        with nothing later: what a tier stores need not move again at eviction."""
         self._tickets += 1
         ticket, stats, pin = self._tickets, self._stats, self.pin_offloads
         payload_bytes = self._count_offloads(entries)
-        every, keys, by_group, pinned_pages = [], [], {}, 0
+        every, keys, by_group = [], [], {}
         for (entry, (_, pages)), ok in zip(entries, later):
             every.append(entry)
             if ok:
                 keys.append(entry)
                 if pin:
                     by_group.setdefault(entry[0], []).extend(pages)
-                    pinned_pages += len(pages)
-        arrays = {gid: np.array(pages, dtype=np.int64) for gid, pages in by_group.items()} if by_group else {}
+        held = None
         if pin:
-            if arrays:
-                self.manager.hold_pages_by_group(arrays)
-                stats.pinned_pages += pinned_pages
+            if by_group:
+                counts = [len(by_group.get(gid, ())) for gid in self._group_order]
+                for gid in self._group_order:  # the pages group-major, in the manager's order, after the counts
+                    counts += by_group.get(gid, ())
+                both, n_groups = np.array(counts, dtype=np.int64), len(self._group_order)
+                held = both[n_groups:], both[:n_groups]  # one array made: the pages, the count per group
+                self.manager.hold_pages(*held)
+                stats.pinned_pages += both.size - n_groups
             stats.offload_pinned += len(keys)
             plan = OffloadPlan(objects, views, tuple(later), ticket, store_check=check)
         else:
@@ -453,7 +477,7 @@ class TierLink:
                 deferred[every[i]] = (copies, i)
             stats.offload_deferred += len(keys)
             plan = OffloadPlan(objects, views, (), ticket, tuple(later), copies, store_check=check)
-        self._pins[ticket] = (arrays, keys, every, check, payload_bytes)
+        self._pins[ticket] = (held, keys, every, check, payload_bytes)
         self._offloading.update(every)
         return plan
 
@@ -461,23 +485,31 @@ class TierLink:
         """Report offload plans the engine has run: ``(ticket, per object True stored, False
         refused by the tier, None dropped or failed)`` each, as ``OffloadWorker.finished()`` gives
         them. The pages pinned for a plan are released (those no request holds go back to the
-        pool), those of every plan reported in one ``release_held_pages_by_group``; an unknown
-        ticket (a plan with nothing pinned) only counts."""
+        pool), those of every plan reported in one ``CacheManager.release_held_pages`` (group-major,
+        each group's plan after plan); an unknown ticket (a plan with nothing pinned) only counts."""
         if isinstance(results, list) and not results:
             return  # most steps: no plan finished
-        released: dict[str, list[np.ndarray]] = {}
+        released: list[tuple[np.ndarray, np.ndarray]] = []
         for ticket, stored in results:
-            self._confirm_plan(ticket, list(stored), released)
-        if released:  # one release for every plan confirmed
-            by_group = {gid: np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
-                        for gid, arrays in released.items()}
-            self.manager.release_held_pages_by_group(by_group)
-            self._stats.pinned_pages -= sum([pages.size for pages in by_group.values()])
+            held = self._confirm_plan(ticket, list(stored))
+            if held is not None:
+                released.append(held)
+        if not released:
+            return
+        if len(released) == 1:  # (most calls: one plan)
+            local, per_group = released[0]
+        else:  # each plan's pages group-major: merged group by group, plans in order (a stable sort by group)
+            local = np.concatenate([pages for pages, _ in released])
+            counts = np.stack([n for _, n in released])
+            groups = np.repeat(np.tile(np.arange(counts.shape[1]), counts.shape[0]), counts.ravel())
+            local, per_group = local[np.argsort(groups, kind="stable")], counts.sum(axis=0)
+        self.manager.release_held_pages(local, per_group)
+        self._stats.pinned_pages -= local.size
 
-    def _confirm_plan(self, ticket: int | None, stored: list[bool | None], released: dict[str, list[np.ndarray]]
-                      ) -> None:
+    def _confirm_plan(self, ticket: int | None, stored: list[bool | None]) -> tuple[np.ndarray, np.ndarray] | None:
         """Count a confirmed plan's results; settle its entries (the stored ones sent, none
-        offloading or deferred any more) and add its pinned pages to ``released`` by group."""
+        offloading or deferred any more); its pinned pages (as ``CacheManager.hold_pages``
+        took them), None if none."""
         stats = self._stats
         pins = self._pins.pop(ticket, None) if ticket is not None else None
         n_stored, n_refused = stored.count(True), stored.count(False)
@@ -488,19 +520,18 @@ class TierLink:
         stats.offload_refused += counted[1]
         stats.offload_dropped += counted[2]
         if pins is None:
-            return
-        by_group, keys, every, _, _ = pins
+            return None
+        held, keys, every, _, _ = pins
         if n_stored == len(every):  # (most plans: every object stored)
             self._sent.update(self._entries.keys() & every)
         elif n_stored:
             entries = self._entries
             self._sent.update(entry for entry, ok in zip(every, stored) if ok is True and entry in entries)
-        for gid, pages in by_group.items():
-            released.setdefault(gid, []).append(pages)
         self._offloading.difference_update(every)
         if self._deferred:
             for entry in keys:
                 self._deferred.pop(entry, None)
+        return held
 
     def _uncount_held(self, stored: list[bool | None], pins: tuple, counted: tuple[int, int, int]
                       ) -> tuple[int, int, int]:
@@ -546,6 +577,7 @@ class TierLink:
         for rid, _ in items:
             plan = self._plans[rid]
             plan.taken = True
+            self.loads_in_flight = True
             mgr.pending_loads.add(rid)
             self._stats.taken_loads += 1
             self._stats.load_objects += len(plan.objects)
@@ -615,6 +647,7 @@ class TierLink:
             raise TierLinkError(f"request {request_id!r} has no tier load in flight")
         loaded = result.boundary_tokens if isinstance(result, LoadResult) else int(result)
         del self._plans[request_id]
+        self.loads_in_flight = any(p.taken for p in self._plans.values())
         self.manager.pending_loads.discard(request_id)
         mgr = self.manager
         if loaded == plan.boundary_tokens:

@@ -20,7 +20,8 @@ import numpy as np
 from numba import njit
 
 from hybridkv.runtime.kernels import (ID_OFFSET, LOW_FLOOR, LOW_IDLE_PAGES, LOWEST, LRU_PAGES, RELEASED_PAGES, TOP,
-                                      free_rows, note_peaks, place_row, push_free, push_run, take_holds)
+                                      free_rows, hold_outside, note_peaks, place_row, push_free, push_run,
+                                      release_outside, take_holds)
 
 
 @njit(cache=True, inline="always")
@@ -110,6 +111,33 @@ def place_released(stack, offsets, space_counts, counts, freed, keyed, idle_tick
         space_counts[RELEASED_PAGES, g] += counts[0, g] + counts[1, g]
     join(idle_tick, low_priority, prev, nxt, space_counts[LRU_PAGES], space_counts[LOW_IDLE_PAGES],
          space_counts[LOW_FLOOR], offsets, counts[1], keyed, clock)
+
+
+@njit(cache=True)
+def hold_leaving(local, per_group, offsets, limits, ref, keyed, low_priority, low_idle, held, idle_pages, idle_counts,
+                 prev, nxt, space_counts):
+    """``kernels.hold_outside`` and, for the idle pages it held, :func:`leave_borrowed`: a
+    hold outside any request in one call (``PageSpace.hold_outside``); what ``hold_outside``
+    returns (nothing changed when it is negative)."""
+    found = hold_outside(local, per_group, offsets, limits, ref, keyed, low_priority, low_idle, held, idle_pages,
+                         idle_counts)
+    if found > 0:
+        leave_borrowed(prev, nxt, offsets, space_counts, idle_counts, idle_pages[:found])
+    return found
+
+
+@njit(cache=True)
+def release_placing(local, per_group, offsets, limits, ref, keyed, held, freed, keyed_pages, counts, stack,
+                    space_counts, idle_tick, low_priority, prev, nxt, clock):
+    """``kernels.release_outside`` and, for the pages that lost their last reference,
+    :func:`place_released`: a release of holds outside any request in one call
+    (``PageSpace.release_outside``); what ``release_outside`` returns (nothing changed when
+    it is negative)."""
+    found = release_outside(local, per_group, offsets, limits, ref, keyed, held, freed, keyed_pages, counts)
+    if found > 0:
+        place_released(stack, offsets, space_counts, counts, freed, keyed_pages, idle_tick, low_priority, prev, nxt,
+                       clock)
+    return found
 
 
 @njit(cache=True)

@@ -648,7 +648,7 @@ class PageSpace:
         self.lru_lengths, self.granted = self.per_group[kernels.LRU_PAGES], self.per_group[kernels.GRANTED_PAGES]
         self.low_idle, self.skip_packing = self.per_group[kernels.LOW_IDLE_PAGES], self.per_group[kernels.SKIP_PACKING]
         self.ranked: list[int] = []  # the groups whose pool has a ranker (``PagePool.ranker`` keeps it)
-        self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # a hold's scratch (``borrowed_idle``)
+        self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # scratch: hold_outside, borrowed_idle
         self._bind_pools()
 
     def _join_page_arrays(self, sizes: list[int]) -> None:
@@ -668,6 +668,34 @@ class PageSpace:
             pool._view_lru()
             pool.space = self
             pool.ranker = pool.ranker  # into ``ranked``
+
+    def hold_outside(self, local: np.ndarray, per_group: np.ndarray, limits: np.ndarray, held: np.ndarray) -> int:
+        """Hold ``local`` (local ids, group-major, ``per_group[g]`` of group ``g``) outside any
+        request, ``held`` (per page-space id) counting the holds, the idle ones leaving their
+        LRUs, in one compiled call (``lru.hold_leaving``); what ``kernels.hold_outside``
+        returns: how many pages were idle, or negative (nothing held) for a page outside
+        ``[1, limits[g])`` or a free page."""
+        idle = np.empty(local.size, dtype=np.int64)
+        return lru.hold_leaving(local, per_group, self.offsets, limits, self.ref_counts, self.cached,
+                                self.low_priority, self.low_idle, held, idle, self.idle_counts, self.lru_prev,
+                                self.lru_next, self.per_group)
+
+    def release_outside(self, local: np.ndarray, per_group: np.ndarray, limits: np.ndarray, held: np.ndarray) -> int:
+        """Drop holds of :meth:`hold_outside` (``local`` listed alike): a page left without a
+        holder goes free or, still cached, joins its LRU, as :meth:`released` puts it, in one
+        compiled call (``lru.release_placing``); then a pool's ranker (if any) is told. What
+        ``kernels.release_outside`` returns: how many pages lost their last reference, or
+        negative (nothing released) for a page outside ``[0, limits[g])`` or released more
+        often than held."""
+        scratch = np.empty((2, local.size), dtype=np.int64)  # freed, keyed
+        counts = np.zeros((2, self.offsets.size), dtype=np.int64)
+        first_tick = int(_IDLE_CLOCK[0]) + 1 if self.ranked else 0
+        found = lru.release_placing(local, per_group, self.offsets, limits, self.ref_counts, self.cached, held,
+                                    scratch[0], scratch[1], counts, self.stack, self.per_group, self.idle_tick,
+                                    self.low_priority, self.lru_prev, self.lru_next, _IDLE_CLOCK)
+        if found > 0 and self.ranked:
+            self._tell_rankers(counts[1], scratch[1], first_tick)
+        return found
 
     def released(self, counts: np.ndarray, freed: np.ndarray, keyed: np.ndarray) -> None:
         """What ``kernels.drop_holds`` let go (``counts``, ``freed``, ``keyed`` as it fills

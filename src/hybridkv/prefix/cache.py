@@ -574,9 +574,9 @@ class PrefixCache:
                 own.entries[gid] = (key, entry)
                 holders[key] = holders.get(key, 0) + 1
         self._space.adopt(self._unit_pools_in_order, repeat((key,)), entries)
-        if self.tier_hook is not None:
-            for gid, (entry,) in zip(self.history_ids + self.state_ids, entries):
-                self.tier_hook.stored(gid, key, boundary, entry, False)
+        if self.tier_hook is not None:  # every group's entry in one call
+            self.tier_hook.stored(zip(self.history_ids + self.state_ids, repeat(key), repeat(boundary),
+                                      chain.from_iterable(entries), repeat(False)))
         if self.values is not None:
             self.values.published(key, boundary, speculative=False)
         self.eviction.stored_unit(key, parent, boundary)
@@ -629,8 +629,8 @@ class PrefixCache:
                     continue
             adopted[0].append(pool), adopted[1].append(done_keys), adopted[2].append(entries)
             stored += zip(repeat("stored"), repeat(gid), done_keys, done_parents, done_ends, repeat(per_block))
-            for key, boundary, entry in zip(done_keys, done_ends, entries) if hook is not None else ():
-                hook.stored(gid, key, boundary, entry, False)
+            if hook is not None:  # the group's blocks in one call
+                hook.stored(zip(repeat(gid), done_keys, done_ends, entries, repeat(False)))
             stats.stored_entries += len(done)
             claims.append((gid, done))
         self._space.adopt(*adopted)
@@ -716,10 +716,9 @@ class PrefixCache:
         then the checkpoint values of each boundary it published anywhere."""
         hook, values, gids, n = self.tier_hook, self.values, self.state_ids, len(self.state_ids)
         low = values is None or values.low_priority(SPECULATIVE) if None in pins else False
-        for place, new in enumerate(status) if hook is not None else ():
-            if new == 2:
-                j = place // n
-                hook.stored(gids[place % n], keys[j], boundaries[j], entries[place], low and pins[j] is None)
+        if hook is not None:  # every checkpoint entry published, in one call
+            hook.stored([(gids[place % n], keys[place // n], boundaries[place // n], entries[place],
+                          low and pins[place // n] is None) for place, new in enumerate(status) if new == 2])
         for j, (key, boundary, pinned) in enumerate(zip(keys, boundaries, pins)) if values is not None else ():
             if 2 in status[j * n:(j + 1) * n]:
                 values.published(key, boundary, speculative=pinned is None)
@@ -872,7 +871,7 @@ class PrefixCache:
         the tier hook; their "removed" events (raw). A key's origin is read once: one
         record per key, every group's."""
         origin, all_holders, hook, values = self.eviction.origin, self._holders, self.tier_hook, self.values
-        entry_pages, stats, raws = self._entry_pages, self.stats, []
+        entry_pages, stats, raws, names = self._entry_pages, self.stats, [], []
         for key, gids in zip(keys, left):
             parent, boundary = origin(key)
             told = values is None
@@ -884,9 +883,10 @@ class PrefixCache:
                         values.removed(key)
                         told = True
                 stats[gid].removed_entries += 1
-                if hook is not None:
-                    hook.removed(gid, key, self._dropping)
+                names.append((gid, key))
                 raws.append(("removed", gid, key, parent, boundary, entry_pages.get(gid, 0) if boundary else 0))
+        if hook is not None:  # every removal in one call
+            hook.removed(names, self._dropping)
         return raws
 
     def _emit_many(self, raws: Sequence[tuple]) -> None:

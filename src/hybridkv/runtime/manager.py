@@ -47,6 +47,8 @@ __all__ = [
 ]
 
 _BLOCK_TABLE_MODES = ("full", "updates")
+_HOLD_RANGE = "page ids must lie in [1, {n})"  # hold_pages' refusal of a page out of range
+_RELEASE_HELD = "releasing pages that hold_pages_by_group did not hold"
 
 
 class CacheManagerError(ValueError):
@@ -982,7 +984,7 @@ class CacheManager:
         ids = items if uniform is None else uniform[0]
         if not (ids and type(write_slots) is bool and block_tables in _BLOCK_TABLE_MODES):
             _check_step_options(ids, block_tables, write_slots)  # words the error
-        if self.tier_link is not None:
+        if self.tier_link is not None and self.tier_link.loads_in_flight:
             self.tier_link.check_schedule()
         updates = block_tables == "updates"
         verdict = self._cached_verdict(items, uniform, fixed_width) if self._admitted is not None else None
@@ -1403,49 +1405,45 @@ class CacheManager:
         outside any request: no allocation reuses them and admission counts them as used
         until :meth:`release_held_pages_by_group`. A tier offload holds an entry's pages so
         while its rows are copied (``hybridkv.tierlink``). Refused whole, nothing held, when
-        an id is out of range or a page is free. One compiled pass (``kernels.hold_outside``)."""
-        error = "page ids must lie in [1, {n})"
-        local, per_group = self._space_pages(pages_by_group, error, 1)
-        if not local.size:
+        an id is out of range or a page is free. As :meth:`hold_pages`."""
+        self.hold_pages(*self._space_pages(pages_by_group, _HOLD_RANGE, 1))
+
+    def hold_pages(self, local_pages: np.ndarray, pages_per_group: np.ndarray) -> None:
+        """:meth:`hold_pages_by_group` of every group's pages listed group-major (int64), in the
+        order of ``specs``, ``pages_per_group[g]`` of group ``g``: one compiled call
+        (``PageSpace.hold_outside``: the holds, and the idle pages out of their LRUs)."""
+        if not local_pages.size:
             return
-        space = self._space
-        idle = np.empty(local.size, dtype=np.int64)
-        found = kernels.hold_outside(local, per_group, space.offsets, self._space_limits, space.ref_counts,
-                                     space.cached, space.low_priority, space.low_idle, self._held_all, idle,
-                                     space.idle_counts)
-        if found < -local.size:  # a free page
-            bad = -1 - local.size - found
-            raise CacheManagerError(f"group {self._group_at(per_group, bad)!r}: page {int(local[bad])} is free; "
-                                    "only held or cached pages can be held")
+        found = self._space.hold_outside(local_pages, pages_per_group, self._space_limits, self._held_all)
+        if found < -local_pages.size:  # a free page
+            bad = -1 - local_pages.size - found
+            raise CacheManagerError(f"group {self._group_at(pages_per_group, bad)!r}: page {int(local_pages[bad])} "
+                                    "is free; only held or cached pages can be held")
         if found < 0:
-            self._refuse_range(per_group, -1 - found, error)
+            self._refuse_range(pages_per_group, -1 - found, _HOLD_RANGE)
         self._version += 1  # invalidates a cached admission
-        if found:  # cached idle pages leave the LRU
-            space.borrowed_idle(idle, found)
 
     def release_held_pages_by_group(self, pages_by_group: Mapping[str, np.ndarray]) -> None:
-        """Drop holds taken by :meth:`hold_pages_by_group`, in one compiled pass
-        (``kernels.release_outside``: a page no one holds goes free or, still cached, joins
-        the LRU, as a step's release does); refused whole, nothing released, when any
-        group releases a page more often than it is held."""
-        error = "releasing pages that hold_pages_by_group did not hold"
-        local, per_group = self._space_pages(pages_by_group, error, 0)
-        if not local.size:
+        """Drop holds taken by :meth:`hold_pages_by_group` (a page no one holds goes free or,
+        still cached, joins the LRU, as a step's release does); refused whole, nothing
+        released, when any group releases a page more often than it is held. As
+        :meth:`release_held_pages`."""
+        self.release_held_pages(*self._space_pages(pages_by_group, _RELEASE_HELD, 0))
+
+    def release_held_pages(self, local_pages: np.ndarray, pages_per_group: np.ndarray) -> None:
+        """:meth:`release_held_pages_by_group` of pages listed as :meth:`hold_pages` lists them:
+        one compiled call (``PageSpace.release_outside``: the releases, and the pages left
+        without a holder freed or into their LRUs)."""
+        if not local_pages.size:
             return
-        space = self._space
-        freed, keyed = np.empty(local.size, dtype=np.int64), np.empty(local.size, dtype=np.int64)
-        counts = np.zeros((2, per_group.size), dtype=np.int64)
-        found = kernels.release_outside(local, per_group, space.offsets, self._space_limits, space.ref_counts,
-                                        space.cached, self._held_all, freed, keyed, counts)
-        if found == -1 - local.size:  # some page released more often than held
-            glob = local + np.repeat(space.offsets, per_group)
+        found = self._space.release_outside(local_pages, pages_per_group, self._space_limits, self._held_all)
+        if found == -1 - local_pages.size:  # some page released more often than held
+            glob = local_pages + np.repeat(self._space.offsets, pages_per_group)
             over = np.flatnonzero(np.bincount(glob, minlength=self._held_all.size) > self._held_all)
-            raise CacheManagerError(f"group {self._group_of(int(over[0]))!r}: {error}")
+            raise CacheManagerError(f"group {self._group_of(int(over[0]))!r}: {_RELEASE_HELD}")
         if found < 0:
-            self._refuse_range(per_group, -1 - found, error)
+            self._refuse_range(pages_per_group, -1 - found, _RELEASE_HELD)
         self._version += 1  # invalidates a cached admission
-        if found:  # some page's last reference went: it goes free or joins the LRU
-            space.released(counts, freed, keyed)
 
     def _group_of(self, space_id: int) -> str:
         """The group whose pages include page-space id ``space_id``."""
