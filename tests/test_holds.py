@@ -175,3 +175,30 @@ def test_a_page_out_of_range_names_the_first_group_in_the_manager_s_order_that_h
     with pytest.raises(CacheManagerError, match=f"group {gids[1]!r}: releasing"):
         m.release_held_pages_by_group({gids[1]: np.array([-1]), last: np.array([m.pools[last].num_pages])})
     assert state(m) == before  # refused whole
+
+
+@pytest.mark.parametrize("method", ["hold_pages", "release_held_pages"])
+def test_a_group_major_list_whose_counts_do_not_match_it_is_refused_whole(method):
+    m = build("shared")
+    gid = m.specs[0].group_id
+    page = candidates(m, gid)[0]
+    m.hold_pages_by_group({gid: np.array([page])})  # so that a release of it is valid too
+    before, n = state(m), len(m.specs)
+    local, counts = group_major(m, {gid: np.array([page])})
+    call = getattr(m, method)
+    for bad_local, bad_counts in (
+        (local, counts + 1),  # more pages counted than listed
+        (local, counts[:-1]),  # a count short
+        (local, np.where(np.arange(n) == 1, -1, counts + (np.arange(n) == 0))),  # a negative count
+        (local.astype(np.int32), counts),
+        (local.reshape(1, -1), counts),
+        (local.tolist(), counts),
+        (local[:0], counts),  # no pages listed, one counted
+        (local[:0], np.zeros(n - 1, dtype=np.int64)),  # no pages, a count short
+    ):
+        with pytest.raises(CacheManagerError, match="must"):
+            call(bad_local, bad_counts)
+    assert state(m) == before  # nothing held or released
+    call(local[:0], np.zeros(n, dtype=np.int64))  # nothing listed: nothing to do
+    assert state(m) == before
+    call(local, counts)  # the list itself is fine

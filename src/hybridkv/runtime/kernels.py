@@ -75,6 +75,7 @@ STEP_DONE = 0
 STEP_NEEDS_PAGES = 1  # the releases ran; the caller lends slabs or evicts, then calls finish_step
 STEP_PLANNED = 2  # ``step`` planned only: Python admits, commits or grows buffers, then runs
 STEP_COVERED = 3  # ``step`` planned only: a free stack is short, but the step's own releases cover it
+MISLISTED = -(1 << 62)  # ``first_out_of_range``: a group-major page list its counts do not match
 NO_PACKING = np.iinfo(np.int64).max  # ``packing_floor`` of a group that does not reuse idle low-priority pages
 NO_LOW_IDLE = NO_PACKING - 1  # ``packing_floor`` of a packing group without idle low-priority pages
 
@@ -1643,7 +1644,18 @@ def distinct_rows(rows, mark):
 @njit(cache=True)
 def first_out_of_range(local, per_group, limits, lowest):
     """The index of the first of every group's pages (``local``: group after group,
-    ``per_group[g]`` of group ``g``'s) outside ``[lowest, limits[g])``; -1 when none is."""
+    ``per_group[g]`` of group ``g``'s) outside ``[lowest, limits[g])``; -1 when none is;
+    ``MISLISTED`` unless ``per_group`` holds one non-negative count per group summing to
+    ``local.size`` (nothing else reads the list unchecked)."""
+    if per_group.size != limits.size:
+        return MISLISTED
+    total = 0
+    for g in range(per_group.size):
+        if per_group[g] < 0:
+            return MISLISTED
+        total += per_group[g]
+    if total != local.size:
+        return MISLISTED
     k = 0
     for g in range(per_group.size):
         for _ in range(per_group[g]):
@@ -1674,10 +1686,10 @@ def hold_outside(local, per_group, offsets, limits, ref, keyed, low_priority, lo
     listed twice is held twice) outside any request: ``ref`` and ``held`` raised, the pages
     that had no holder listed as :func:`take_holds` lists them; returns how many. Nothing
     changed when a page lies outside ``[1, limits[g])`` (``-1 - i``, ``i`` its index) or is
-    free (``-1 - local.size - i``)."""
+    free (``-1 - local.size - i``); ``MISLISTED`` for a list its counts do not match."""
     bad = first_out_of_range(local, per_group, limits, 1)
-    if bad >= 0:
-        return -1 - bad
+    if bad != -1:
+        return bad if bad == MISLISTED else -1 - bad
     n_idle = take_holds(ref, keyed, low_priority, low_idle, offsets, per_group, local, idle_pages, idle_counts)
     if n_idle < 0:
         return n_idle - local.size
@@ -1691,10 +1703,10 @@ def release_outside(local, per_group, offsets, limits, ref, keyed, held, freed, 
     references dropped as :func:`drop_holds` drops them (``freed``, ``keyed_pages``, ``counts``
     as it fills them); how many pages lost their last reference. Nothing changed when a page
     lies outside ``[0, limits[g])`` (``-1 - i``, ``i`` its index) or would be released more
-    often than it is held (``-1 - local.size``)."""
+    often than it is held (``-1 - local.size``); ``MISLISTED`` for a list its counts do not match."""
     bad = first_out_of_range(local, per_group, limits, 0)
-    if bad >= 0:
-        return -1 - bad
+    if bad != -1:
+        return bad if bad == MISLISTED else -1 - bad
     if not add_held(local, per_group, offsets, held, -1):  # undone whole
         add_held(local, per_group, offsets, held, 1)
         return -1 - local.size

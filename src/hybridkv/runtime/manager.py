@@ -1412,9 +1412,11 @@ class CacheManager:
         """:meth:`hold_pages_by_group` of every group's pages listed group-major (int64), in the
         order of ``specs``, ``pages_per_group[g]`` of group ``g``: one compiled call
         (``PageSpace.hold_outside``: the holds, and the idle pages out of their LRUs)."""
-        if not local_pages.size:
-            return
+        if not _nonempty_page_list(local_pages, pages_per_group):
+            return self._check_page_list(local_pages, pages_per_group)  # refused, or nothing to do
         found = self._space.hold_outside(local_pages, pages_per_group, self._space_limits, self._held_all)
+        if found == kernels.MISLISTED:
+            self._refuse_mislisted(pages_per_group)
         if found < -local_pages.size:  # a free page
             bad = -1 - local_pages.size - found
             raise CacheManagerError(f"group {self._group_at(pages_per_group, bad)!r}: page {int(local_pages[bad])} "
@@ -1434,9 +1436,11 @@ class CacheManager:
         """:meth:`release_held_pages_by_group` of pages listed as :meth:`hold_pages` lists them:
         one compiled call (``PageSpace.release_outside``: the releases, and the pages left
         without a holder freed or into their LRUs)."""
-        if not local_pages.size:
-            return
+        if not _nonempty_page_list(local_pages, pages_per_group):
+            return self._check_page_list(local_pages, pages_per_group)  # refused, or nothing to do
         found = self._space.release_outside(local_pages, pages_per_group, self._space_limits, self._held_all)
+        if found == kernels.MISLISTED:
+            self._refuse_mislisted(pages_per_group)
         if found == -1 - local_pages.size:  # some page released more often than held
             glob = local_pages + np.repeat(self._space.offsets, pages_per_group)
             over = np.flatnonzero(np.bincount(glob, minlength=self._held_all.size) > self._held_all)
@@ -1444,6 +1448,20 @@ class CacheManager:
         if found < 0:
             self._refuse_range(pages_per_group, -1 - found, _RELEASE_HELD)
         self._version += 1  # invalidates a cached admission
+
+    def _check_page_list(self, local_pages: Any, pages_per_group: Any) -> None:
+        """Refuse a group-major list (:meth:`hold_pages`) that ``_nonempty_page_list`` turned down
+        for more than being empty: not two 1-D int64 arrays, or no pages but not one zero count
+        per group (the compiled calls check that a non-empty list's counts match it)."""
+        for name, a in (("local_pages", local_pages), ("pages_per_group", pages_per_group)):
+            if not (type(a) is np.ndarray and a.dtype == _INT64 and a.ndim == 1):
+                raise CacheManagerError(f"{name} must be a 1-D int64 array")
+        if pages_per_group.size != len(self._group_ids) or pages_per_group.any():  # (``local_pages`` is empty)
+            self._refuse_mislisted(pages_per_group)
+
+    def _refuse_mislisted(self, pages_per_group: np.ndarray) -> None:
+        raise CacheManagerError(f"pages_per_group must hold {len(self._group_ids)} non-negative counts summing to "
+                                f"the number of pages listed, got {pages_per_group.tolist()}")
 
     def _group_of(self, space_id: int) -> str:
         """The group whose pages include page-space id ``space_id``."""
@@ -1570,6 +1588,12 @@ def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, i
         return None
     surplus = {g: avail[g] - want[g] for g in avail} if scan is not None else {}
     return arena.plan({g: want[g] - avail[g] for g in avail}, surplus, scan)
+
+
+def _nonempty_page_list(local_pages: Any, pages_per_group: Any) -> bool:
+    """Whether both are 1-D int64 arrays and pages are listed (``CacheManager.hold_pages``)."""
+    return (type(local_pages) is type(pages_per_group) is np.ndarray and local_pages.ndim == 1 == pages_per_group.ndim
+            and local_pages.dtype == _INT64 == pages_per_group.dtype and local_pages.size > 0)
 
 
 def _check_step_options(ids: Sequence, block_tables: str, write_slots: bool) -> None:
