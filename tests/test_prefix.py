@@ -425,14 +425,21 @@ def test_terminal_survives_a_concurrent_request_with_the_same_prefix():
     assert hit.hit_tokens == 512  # (600 + 100 - 1) // 256 * 256
 
 
+def running_x_with_its_checkpoint_at_512(seed: int):
+    """A manager running "x" (a 600-token prompt of ``ids(seed, 600)``, two tokens decoded,
+    which commits its prefill: its own checkpoint at 512); the manager and the prompt."""
+    mgr = make_manager()
+    x = ids(seed, 600)
+    mgr.add_request("x", x, max_new_tokens=300)
+    prefill(mgr, "x", 600)
+    decode(mgr, "x", ids(seed + 1, 2))
+    return mgr, x
+
+
 def test_terminal_survives_when_the_borrowed_checkpoint_is_superseded():
     # "x" is still running with its own checkpoint at 512; "y" hits it, answers 40 tokens
     # (committed 550 + 40 - 1 = 589, terminal 512) and finishes; then "x" crosses 768.
-    mgr = make_manager()
-    x = ids(97, 600)
-    mgr.add_request("x", x, max_new_tokens=300)
-    prefill(mgr, "x", 600)
-    decode(mgr, "x", ids(98, 2))  # commits the prefill: checkpoint at 512, x's own
+    mgr, x = running_x_with_its_checkpoint_at_512(97)
     y_prompt, y_answer = cat(x[:540], ids(99, 10)), ids(100, 40)
     assert run_request(mgr, "y", y_prompt, y_answer).hit_tokens == 512
     decode(mgr, "x", ids(101, 200))  # x: 601 + 199 = 800 computed, crosses 768
@@ -443,11 +450,7 @@ def test_terminal_survives_when_the_borrowed_checkpoint_is_superseded():
 def test_the_last_hold_let_go_unpublishes_a_borrowed_checkpoint():
     # "y" hits "x"'s own checkpoint at 512 while "x" runs: both hold it. "x" crossing 768
     # leaves it to "y"; "y" crossing 768 lets go of the last hold and it is unpublished.
-    mgr = make_manager()
-    x = ids(103, 600)
-    mgr.add_request("x", x, max_new_tokens=300)
-    prefill(mgr, "x", 600)
-    decode(mgr, "x", ids(104, 2))  # commits the prefill: checkpoint at 512, x's own
+    mgr, x = running_x_with_its_checkpoint_at_512(103)
     assert mgr.add_request("y", cat(x[:540], ids(105, 10)), max_new_tokens=300).hit_tokens == 512
     prefill(mgr, "y", 550)
     mgr.prefix.drain_events()
