@@ -1512,7 +1512,8 @@ class CacheManager:
             self.prefix.clear()
 
     def check_invariants(self) -> None:
-        """Assert that ref counts equal the tables' holdings and pools are consistent."""
+        """Assert that ref counts equal the tables' holdings, pools are consistent and every
+        prefix-cache hold is on a cached entry (:meth:`PrefixCache.check_holds`)."""
         assert self._row_of == {rid: req.row for rid, req in self._requests.items()}, "id -> row map is stale"
         for s in self.specs:
             gid = s.group_id
@@ -1533,6 +1534,8 @@ class CacheManager:
             pool.check_invariants()
             if self.prefix is not None:  # a commit asks no group for a key the eviction policy does not know
                 assert all(map(self.prefix.eviction.knows, pool.entry_keys())), f"{gid}: a key without a node"
+        if self.prefix is not None:
+            self.prefix.check_holds(list(self._requests.values()))
         if self.arena is not None:
             self.arena.check_invariants()
 
