@@ -460,16 +460,11 @@ class CacheManager:
         check_token_ids("token_ids", token_ids, CacheManagerError)
         self._version += 1  # invalidates a cached admission
         req = self._get(request_id)
-        if req.token_ids is None:
-            raise CacheManagerError(f"request {request_id!r} was added without token ids")
         ids = _small_token_list(token_ids)
         if ids is None:
             ids = _token_array(token_ids)
-        if req.known_tokens + len(ids) > req.max_total_tokens:
-            raise CacheManagerError(
-                f"request {request_id!r}: {req.known_tokens} + {len(ids)} tokens exceeds its "
-                f"declared total of {req.max_total_tokens} (prompt + max_new_tokens)"
-            )
+        if req.token_ids is None or req.known_tokens + len(ids) > req.max_total_tokens:
+            self._refuse_append((request_id,), len(ids))
         n = req.known_tokens
         if len(ids) == 1:
             req.token_ids[n] = ids[0]  # a scalar store: a decode step's token
@@ -515,8 +510,9 @@ class CacheManager:
         self._known[rows] += k
 
     def _refuse_append(self, rids: tuple, k: int) -> None:
-        """Raise the reason ``append_token_ids_many`` refuses ``k`` ids for each of ``rids``:
-        an unknown or repeated request, one added without token ids, or one past its total."""
+        """Raise the reason ``append_token_ids`` or ``append_token_ids_many`` refuses ``k`` ids
+        for each of ``rids``: an unknown or repeated request, one added without token ids, or
+        one past its total."""
         reqs = [self._get(rid) for rid in rids]
         if len({r.request_id for r in reqs}) != len(reqs):
             raise CacheManagerError("a request appears twice")
