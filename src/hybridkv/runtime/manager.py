@@ -535,7 +535,7 @@ class CacheManager:
         return np.empty(0, np.int32) if req.token_ids is None else req.token_ids[: req.known_tokens].copy()
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
+        return type(request_id) is str and request_id in self._requests  # ids are str: anything else is not one
 
     @property
     def num_requests(self) -> int:
@@ -570,6 +570,7 @@ class CacheManager:
         """
         req = self._get(request_id)
         limit = as_int("max_tokens", max_tokens, minimum=1, error=CacheManagerError)
+        check_items(batch, CacheManagerError)
         batch = list(batch)
         if any(isinstance(item, (tuple, list)) and item and item[0] == request_id for item in batch):
             raise CacheManagerError(f"request {request_id!r} is already in the batch")
@@ -1257,8 +1258,10 @@ class CacheManager:
     def rewind_many(self, items: Sequence[tuple[str, int]]) -> None:
         """``rewind`` for many requests at once: one compiled call for every group and request
         (``kernels.rewind_rows``), which checks every item before it changes anything."""
+        if not isinstance(items, (list, tuple)):
+            check_items(items, CacheManagerError)  # a str, None, a one-shot iterator: refused
+            items = list(items)
         self._version += 1  # invalidates a cached admission
-        items = items if isinstance(items, (list, tuple)) else list(items)
         rows, kept = self._rewind_rows(items)
         if not rows.size:
             return
@@ -1499,7 +1502,10 @@ class CacheManager:
     def held_outside_pages(self, group_id: str) -> int:
         """Holds taken by :meth:`hold_pages_by_group` and not released (a page held twice
         counts twice)."""
-        return int(self._held_outside[group_id].sum())
+        held = self._held_outside.get(group_id) if type(group_id) is str else None
+        if held is None:
+            raise CacheManagerError(f"unknown group {group_id!r}; groups are {list(self._held_outside)}")
+        return int(held.sum())
 
     def clear_prefix_cache(self) -> None:
         """Unpublish every cached entry (pages held by requests stay held)."""
