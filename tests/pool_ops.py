@@ -1,8 +1,8 @@
 """Single-pool page operations for the pool tests, through the path the runtime uses:
 a ``PageSpace`` (made for a pool not in one yet), ``PagePool.make_room`` then the free
 stack's top (what ``kernels.allocate_pages`` pops), ``kernels.drop_holds`` then
-``PageSpace.released`` (a release), ``borrow`` (a prefix hit's holds as ``lru.borrow_row``
-takes them: ``kernels.take_holds``, then ``PageSpace.borrowed_idle``) and the key
+``released`` (a release), ``borrow`` (a prefix hit's holds as ``lru.borrow_row``
+takes them: ``kernels.take_holds``, then ``borrowed_idle``) and the key
 flags then ``PageSpace.adopt`` (what a commit's ``kernels.claim_entries`` does)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
+from hybridkv.memory import lru
 from hybridkv.memory.pool import NULL_PAGE, PagePool, PageSpace
 from hybridkv.runtime import kernels
 
@@ -57,7 +58,7 @@ def allocate(pool: PagePool, count: int, *, highest: int = 0) -> np.ndarray:
 
 def decref(pool: PagePool, pages: Sequence[int] | np.ndarray) -> None:
     """One reference less on each listed page (logical order, a page may repeat): one
-    release, as a step's (``kernels.drop_holds``, ``PageSpace.released``)."""
+    release, as a step's (``kernels.drop_holds``, ``released``)."""
     space, g = space_of(pool)
     pages = np.asarray(pages, dtype=np.int64)
     per_group = np.zeros(len(space.pools), dtype=np.int64)
@@ -65,7 +66,27 @@ def decref(pool: PagePool, pages: Sequence[int] | np.ndarray) -> None:
     freed, keyed = np.empty(pages.size, dtype=np.int64), np.empty(pages.size, dtype=np.int64)
     counts = np.zeros((2, len(space.pools)), dtype=np.int64)
     kernels.drop_holds(space.ref_counts, space.cached, space.offsets, per_group, pages, freed, keyed, counts)
-    space.released(counts, freed[: counts[0].sum()], keyed[: counts[1].sum()])
+    released(space, counts, freed[: counts[0].sum()], keyed[: counts[1].sum()])
+
+
+def released(space: PageSpace, counts: np.ndarray, freed: np.ndarray, keyed: np.ndarray) -> None:
+    """What ``kernels.drop_holds`` let go (``counts``, ``freed``, ``keyed`` as it fills them)
+    goes where a step's release puts it (``lru.place_released``): unkeyed pages onto their
+    pools' free stacks, the release counted, keyed ones into their LRUs by
+    ``PageSpace.keyed_idle`` (which tells a pool's ranker)."""
+    top, lowest = space.per_group[kernels.TOP], space.per_group[kernels.LOWEST]
+    kernels.push_free(space.stack, top, space.offsets, lowest, counts[0], freed)
+    space.per_group[kernels.RELEASED_PAGES] += counts[0] + counts[1]
+    space.keyed_idle(counts[1], keyed)
+
+
+def borrowed_idle(space: PageSpace, idle: np.ndarray, n_idle: int) -> None:
+    """The first ``n_idle`` of ``idle`` (local ids, ``idle_counts[g]`` of group ``g``, as
+    ``kernels.take_holds`` lists them) got a holder: they leave their pools' LRUs and the
+    peaks follow (``lru.leave_borrowed``), as a prefix hit's leave theirs in ``lru.borrow_row``."""
+    if n_idle:
+        lru.leave_borrowed(space.lru_prev, space.lru_next, space.offsets, space.per_group, space.idle_counts,
+                           idle[:n_idle])
 
 
 def borrow(space: PageSpace, pages: np.ndarray, per_group: np.ndarray) -> None:
@@ -78,7 +99,7 @@ def borrow(space: PageSpace, pages: np.ndarray, per_group: np.ndarray) -> None:
                                 per_group, pages, idle, space.idle_counts)
     if n_idle < 0:
         raise ValueError(f"page {int(pages[-1 - n_idle])} is free, cannot be borrowed")
-    space.borrowed_idle(idle, n_idle)
+    borrowed_idle(space, idle, n_idle)
 
 
 def incref(pool: PagePool, pages: Sequence[int] | np.ndarray) -> None:

@@ -700,6 +700,11 @@ def test_batched_append_refusals_for_a_scheduled_batch_change_nothing():
         m.append_token_ids_many(["a", "b"], [[1], [2]])
     with pytest.raises(CacheManagerError, match="'n' was added without token ids"):
         m.append_token_ids_many(("a", "n"), [[1], [2]])
+    # One request at a time: the same reasons in the same words.
+    with pytest.raises(CacheManagerError, match="'b': 8 \\+ 1 tokens exceeds its declared total of 8"):
+        m.append_token_ids("b", [2])
+    with pytest.raises(CacheManagerError, match="'n' was added without token ids"):
+        m.append_token_ids("n", [])
     assert _known(m, "ab") == before
     schedulable_up_to(m, {"a": 5, "b": 8})
 

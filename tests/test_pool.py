@@ -7,6 +7,7 @@ from hypothesis import given, settings
 
 from hybridkv.memory.pool import NULL_PAGE, PagePool, PageSpace
 from hybridkv.runtime import kernels
+import pool_ops
 from pool_ops import PoolExhausted, allocate, borrow, decref, incref, publish, space_of
 
 
@@ -442,7 +443,7 @@ def draw_held_pages(data, i, n):
 @given(data=st.data(), lowest_first=st.booleans(), twice=st.booleans())
 def test_drop_holds_then_released_is_a_release_pool_by_pool(data, lowest_first, twice):
     """``kernels.drop_holds`` of every group's pages (some keyed, some low priority, some
-    with a second holder, listed twice with ``twice``), then ``PageSpace.released``, in one
+    with a second holder, listed twice with ``twice``), then ``released`` (pool_ops), in one
     call leaves each pool as releasing its own pages alone would (what a release of held
     pages runs)."""
 
@@ -472,7 +473,7 @@ def test_drop_holds_then_released_is_a_release_pool_by_pool(data, lowest_first, 
     pages = np.concatenate(released)
     freed, keyed, tally = np.empty_like(pages), np.empty_like(pages), np.zeros((2, len(sizes)), dtype=np.int64)
     kernels.drop_holds(space.ref_counts, space.cached, space.offsets, np.array(counts), pages, freed, keyed, tally)
-    space.released(tally, freed, keyed)
+    pool_ops.released(space, tally, freed, keyed)
     for pool, pages in zip(pools_b, released):
         decref(pool, pages)
     for a, b in zip(pools_a, pools_b):
@@ -612,7 +613,7 @@ def test_ids_a_low_priority_eviction_frees_count_as_free_for_the_next(batch):
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), lowest_first=st.booleans())
 def test_a_hits_holds_in_one_call_are_borrowing_pool_by_pool(data, lowest_first):
-    """A prefix hit's holds (``borrow``: ``kernels.take_holds`` then ``PageSpace.borrowed_idle``,
+    """A prefix hit's holds (``borrow``: ``kernels.take_holds`` then ``borrowed_idle``,
     as ``lru.borrow_row`` takes them) of every group's pages (held ones, idle keyed ones, some
     low priority) in one call leave each pool as borrowing its own pages alone would; with a
     free page listed they are refused whole, nothing changed."""

@@ -41,11 +41,22 @@ FLASH = cache_layout("deepseek-v4-flash")
 C4 = "v4.c4a.compressed_kv"
 
 
+# A read holds its lease until its transfer ends: the client refuses the value
+# (LEASE_EXPIRED, a miss) when the transfer outlasts it, as 300 KB did at the class's
+# 50 ms on a loaded machine. Long enough for any read here; deletes wait it out.
+LEASE_MS = 500
+
+
 @pytest.fixture(scope="module")
 def master(tmp_path_factory):
     log = tmp_path_factory.mktemp("mooncake") / "master.log"
-    with MooncakeMaster(log_path=str(log)) as m:
+    with MooncakeMaster(log_path=str(log), lease_ms=LEASE_MS) as m:
         yield m
+
+
+def past_the_lease(master):
+    """Wait until the last read's lease (taken before it answered) has run out: removal is allowed."""
+    time.sleep(1.2 * master.lease_ms / 1000)
 
 
 def connect(master, **options):
@@ -57,6 +68,15 @@ def tier(master):
     t = connect(master)
     yield t
     t.close()
+
+
+def restart_for(master, tier, client):
+    """Start the killed master again, close ``client``, and wait until the module's ``tier`` stores
+    again: its segment is mounted on the new master a while after the restart (the next test's puts
+    found no space before it on a loaded machine)."""
+    master.start()
+    client.close()
+    wait_until_stored(tier, timeout_s=60.0)
 
 
 def wait_until_stored(tier, timeout_s=10.0):
@@ -74,13 +94,13 @@ def c4_block(seed):
     return RowsObject(ObjectKey("block", C4, seed.to_bytes(16, "big")), 0, 256, 0, 64, parts, payload)
 
 
-def test_put_get_contains_delete(tier):
+def test_put_get_contains_delete(master, tier):
     values = [os.urandom(n) for n in (1, 1000, 300_000)]
     names = [f"t/{i}" for i in range(3)]
     assert tier.put(list(zip(names, values))) == [True] * 3
     assert tier.get(names + ["t/absent"]) == values + [None]
     assert tier.contains(["t/1", "t/absent"]) == [True, False]
-    time.sleep(0.1)  # past the master's 50 ms lease, removal is allowed
+    past_the_lease(master)
     assert tier.delete(["t/1", "t/absent"]) == 1
     assert tier.contains(["t/1"]) == [False]
     stats = tier.stats()
@@ -102,14 +122,14 @@ def test_objects_put_by_one_client_load_verified_in_another(master, tier):
         other.close()
 
 
-def test_a_corrupted_object_is_a_clean_counted_miss(tier):
+def test_a_corrupted_object_is_a_clean_counted_miss(master, tier):
     store = ObjectStore(tier, FLASH)
     obj = c4_block(99)
     name = store.name(obj.key)
     store.put([obj])
     raw = bytearray(tier.get([name])[0])
     raw[100] ^= 0xFF
-    time.sleep(0.1)
+    past_the_lease(master)
     tier.delete([name])
     assert tier.put([(name, bytes(raw))]) == [True]
     assert store.get([obj.key]) == [None]
@@ -125,7 +145,7 @@ def test_a_full_store_refuses_puts_and_counts_them(tier):
     assert tier.get(["full/huge", "full/a"]) == [None, b"small"]  # still answering
 
 
-def test_a_killed_master_gives_clean_misses_and_counted_errors_then_recovers(master):
+def test_a_killed_master_gives_clean_misses_and_counted_errors_then_recovers(master, tier):
     client = MooncakeTier(master.master_address, master.metadata_url, segment_bytes=32 << 20, retry_after_s=0.5)
     try:
         assert client.put([("dead/a", b"payload")]) == [True]
@@ -151,8 +171,7 @@ def test_a_killed_master_gives_clean_misses_and_counted_errors_then_recovers(mas
         wait_until_stored(client)
         assert client.put([("dead/c", b"back")]) == [True] and client.get(["dead/c"]) == [b"back"]
     finally:
-        master.start()
-        client.close()
+        restart_for(master, tier, client)
 
 
 WRITER = """
@@ -258,7 +277,7 @@ def c4_plan(blocks):
     return pools, view, ranges
 
 
-def test_stream_load_skips_a_corrupted_object_and_a_killed_master_loads_nothing(master):
+def test_stream_load_skips_a_corrupted_object_and_a_killed_master_loads_nothing(master, tier):
     from hybridkv.tiers import gather_objects
 
     client = MooncakeTier(master.master_address, master.metadata_url, segment_bytes=32 << 20, retry_after_s=30)
@@ -270,7 +289,7 @@ def test_stream_load_skips_a_corrupted_object_and_a_killed_master_loads_nothing(
         name = store.name(ranges[4][0])
         raw = bytearray(client.get([name])[0])
         raw[-1] ^= 0x01
-        time.sleep(0.1)
+        past_the_lease(master)
         client.delete([name])
         assert client.put([(name, bytes(raw))]) == [True]
         target, _, _ = c4_plan(6)
@@ -285,8 +304,7 @@ def test_stream_load_skips_a_corrupted_object_and_a_killed_master_loads_nothing(
         assert all(np.array_equal(p.pool, b) for p, b in zip(target[C4].planes, before))
         assert client.stats().errors >= 1 and "unreachable" in client.stats().last_error
     finally:
-        master.start()
-        client.close()
+        restart_for(master, tier, client)
 
 
 def test_views_of_the_put_buffer_are_sent_from_it_and_others_are_copied(tier):
@@ -344,7 +362,7 @@ def test_a_refused_batch_remove_falls_back_to_one_remove_per_name(master, monkey
     try:
         names = [f"fallback/{i}" for i in range(5)]
         assert client.put([(n, b"x") for n in names]) == [True] * 5
-        time.sleep(0.1)
+        past_the_lease(master)
         assert client.delete(names[:3] + ["fallback/absent"]) == 3
         assert client.remove_calls == {"batch_remove": 0, "remove": 4}
         assert client.contains(names) == [False, False, False, True, True]

@@ -81,7 +81,7 @@ def join(idle_tick, low_priority, prev, nxt, lengths, low_idle, low_floors, offs
 @njit(cache=True)
 def leave(prev, nxt, lengths, offsets, per_group, pages):
     """Listed pages (local ids, group after group, ``per_group[g]`` of them) leave their
-    group's list (borrowed: ``PageSpace.borrowed_idle``)."""
+    group's list (borrowed: :func:`leave_borrowed`)."""
     start = 0
     for g in range(per_group.size):
         k, off = per_group[g], offsets[g]
@@ -94,8 +94,8 @@ def leave(prev, nxt, lengths, offsets, per_group, pages):
 @njit(cache=True)
 def leave_borrowed(prev, nxt, offsets, space_counts, per_group, pages):
     """Pages that got a holder outside any request leave their group's list (:func:`leave`)
-    and the pools' peaks follow (``kernels.note_peaks``): ``PageSpace.borrowed_idle`` in one
-    call; ``space_counts``: ``PageSpace.per_group``."""
+    and the pools' peaks follow (``kernels.note_peaks``), in one call (``PageSpace.hold_outside``'s
+    :func:`hold_leaving`); ``space_counts``: ``PageSpace.per_group``."""
     leave(prev, nxt, space_counts[LRU_PAGES], offsets, per_group, pages)
     note_peaks(space_counts, per_group, per_group[:0])
 
@@ -104,8 +104,8 @@ def leave_borrowed(prev, nxt, offsets, space_counts, per_group, pages):
 def place_released(stack, offsets, space_counts, counts, freed, keyed, idle_tick, low_priority, prev, nxt, clock):
     """What ``kernels.drop_holds`` let go (``counts``, ``freed``, ``keyed`` as it fills them)
     goes where a release puts it: unkeyed pages onto their free stacks (``push_free``), the
-    release counted, keyed ones into their lists (:func:`join`): ``PageSpace.released`` in
-    one call; ``space_counts``: ``PageSpace.per_group``."""
+    release counted, keyed ones into their lists (:func:`join`), in one call
+    (``PageSpace.release_outside``'s :func:`release_placing`); ``space_counts``: ``PageSpace.per_group``."""
     push_free(stack, space_counts[TOP], offsets, space_counts[LOWEST], counts[0], freed)
     for g in range(counts.shape[1]):
         space_counts[RELEASED_PAGES, g] += counts[0, g] + counts[1, g]

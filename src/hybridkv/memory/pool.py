@@ -697,26 +697,6 @@ class PageSpace:
             self._tell_rankers(counts[1], scratch[1], first_tick)
         return found
 
-    def released(self, counts: np.ndarray, freed: np.ndarray, keyed: np.ndarray) -> None:
-        """What ``kernels.drop_holds`` let go (``counts``, ``freed``, ``keyed`` as it fills
-        them) goes where a release puts it: unkeyed pages onto their pools' free stacks,
-        keyed ones into their LRUs as :meth:`keyed_idle` puts them, in one compiled call
-        (``lru.place_released``); then a pool's ranker (if any) is told."""
-        first_tick = int(_IDLE_CLOCK[0]) + 1 if self.ranked else 0
-        lru.place_released(self.stack, self.offsets, self.per_group, counts, freed, keyed, self.idle_tick,
-                           self.low_priority, self.lru_prev, self.lru_next, _IDLE_CLOCK)
-        if self.ranked:
-            self._tell_rankers(counts[1], keyed, first_tick)
-
-    def borrowed_idle(self, idle: np.ndarray, n_idle: int) -> None:
-        """The first ``n_idle`` of ``idle`` (local ids, ``idle_counts[g]`` of group ``g``, as
-        ``kernels.take_holds`` lists them) got a holder: they leave their pools' LRUs (a hold
-        outside any request; a prefix hit's leave theirs in ``lru.borrow_row``) and the
-        peaks follow, in one compiled call (``lru.leave_borrowed``)."""
-        if n_idle:
-            lru.leave_borrowed(self.lru_prev, self.lru_next, self.offsets, self.per_group, self.idle_counts,
-                               idle[:n_idle])
-
     def adopt(self, pools: Sequence[PagePool], keys: Sequence[Sequence[Hashable]],
               entries: Sequence[Sequence[tuple[int, ...]]]) -> None:
         """Record the entries ``entries[i][j]`` (held pages, none published) under

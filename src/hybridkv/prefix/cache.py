@@ -782,6 +782,22 @@ class PrefixCache:
             else:
                 self.rank_checkpoints()
 
+    def check_holds(self, live: Sequence[CommittingRequest]) -> None:
+        """Assert that every hold is on a cached entry and that each entry has at least the
+        holds of the ``live`` requests keeping it (the rest: freed requests' terminals, kept
+        until the entry is evicted or cleared)."""
+        kept: dict[tuple[str, int], int] = {}
+        for req in live:
+            for own in req.own_checkpoints:
+                for gid, (key, pages) in own.entries.items():
+                    if self.pools[gid].lookup(key) is pages:  # else evicted, its hold gone
+                        kept[gid, key] = kept.get((gid, key), 0) + 1
+        for gid, holders in self._holders.items():
+            assert all(self.pools[gid].lookup(key) is not None for key in holders), f"{gid}: a hold on no entry"
+            assert min(holders.values(), default=1) >= 1, f"{gid}: an empty hold"
+        for (gid, key), n in kept.items():
+            assert self._holders[gid].get(key, 0) >= n, f"{gid}: {n} requests keep an entry with fewer holds"
+
     def use_full_sort_ranking(self) -> None:
         """``"prefill-per-byte"``: rank by :meth:`rank_checkpoints` at every freed
         request (a full sort, O(n log n) a request: the reference the incremental

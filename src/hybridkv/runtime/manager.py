@@ -460,16 +460,11 @@ class CacheManager:
         check_token_ids("token_ids", token_ids, CacheManagerError)
         self._version += 1  # invalidates a cached admission
         req = self._get(request_id)
-        if req.token_ids is None:
-            raise CacheManagerError(f"request {request_id!r} was added without token ids")
         ids = _small_token_list(token_ids)
         if ids is None:
             ids = _token_array(token_ids)
-        if req.known_tokens + len(ids) > req.max_total_tokens:
-            raise CacheManagerError(
-                f"request {request_id!r}: {req.known_tokens} + {len(ids)} tokens exceeds its "
-                f"declared total of {req.max_total_tokens} (prompt + max_new_tokens)"
-            )
+        if req.token_ids is None or req.known_tokens + len(ids) > req.max_total_tokens:
+            self._refuse_append((request_id,), len(ids))
         n = req.known_tokens
         if len(ids) == 1:
             req.token_ids[n] = ids[0]  # a scalar store: a decode step's token
@@ -515,8 +510,9 @@ class CacheManager:
         self._known[rows] += k
 
     def _refuse_append(self, rids: tuple, k: int) -> None:
-        """Raise the reason ``append_token_ids_many`` refuses ``k`` ids for each of ``rids``:
-        an unknown or repeated request, one added without token ids, or one past its total."""
+        """Raise the reason ``append_token_ids`` or ``append_token_ids_many`` refuses ``k`` ids
+        for each of ``rids``: an unknown or repeated request, one added without token ids, or
+        one past its total."""
         reqs = [self._get(rid) for rid in rids]
         if len({r.request_id for r in reqs}) != len(reqs):
             raise CacheManagerError("a request appears twice")
@@ -539,7 +535,7 @@ class CacheManager:
         return np.empty(0, np.int32) if req.token_ids is None else req.token_ids[: req.known_tokens].copy()
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
+        return type(request_id) is str and request_id in self._requests  # ids are str: anything else is not one
 
     @property
     def num_requests(self) -> int:
@@ -574,6 +570,7 @@ class CacheManager:
         """
         req = self._get(request_id)
         limit = as_int("max_tokens", max_tokens, minimum=1, error=CacheManagerError)
+        check_items(batch, CacheManagerError)
         batch = list(batch)
         if any(isinstance(item, (tuple, list)) and item and item[0] == request_id for item in batch):
             raise CacheManagerError(f"request {request_id!r} is already in the batch")
@@ -1261,8 +1258,10 @@ class CacheManager:
     def rewind_many(self, items: Sequence[tuple[str, int]]) -> None:
         """``rewind`` for many requests at once: one compiled call for every group and request
         (``kernels.rewind_rows``), which checks every item before it changes anything."""
+        if not isinstance(items, (list, tuple)):
+            check_items(items, CacheManagerError)  # a str, None, a one-shot iterator: refused
+            items = list(items)
         self._version += 1  # invalidates a cached admission
-        items = items if isinstance(items, (list, tuple)) else list(items)
         rows, kept = self._rewind_rows(items)
         if not rows.size:
             return
@@ -1503,7 +1502,10 @@ class CacheManager:
     def held_outside_pages(self, group_id: str) -> int:
         """Holds taken by :meth:`hold_pages_by_group` and not released (a page held twice
         counts twice)."""
-        return int(self._held_outside[group_id].sum())
+        held = self._held_outside.get(group_id) if type(group_id) is str else None
+        if held is None:
+            raise CacheManagerError(f"unknown group {group_id!r}; groups are {list(self._held_outside)}")
+        return int(held.sum())
 
     def clear_prefix_cache(self) -> None:
         """Unpublish every cached entry (pages held by requests stay held)."""
@@ -1512,7 +1514,8 @@ class CacheManager:
             self.prefix.clear()
 
     def check_invariants(self) -> None:
-        """Assert that ref counts equal the tables' holdings and pools are consistent."""
+        """Assert that ref counts equal the tables' holdings, pools are consistent and every
+        prefix-cache hold is on a cached entry (:meth:`PrefixCache.check_holds`)."""
         assert self._row_of == {rid: req.row for rid, req in self._requests.items()}, "id -> row map is stale"
         for s in self.specs:
             gid = s.group_id
@@ -1533,6 +1536,8 @@ class CacheManager:
             pool.check_invariants()
             if self.prefix is not None:  # a commit asks no group for a key the eviction policy does not know
                 assert all(map(self.prefix.eviction.knows, pool.entry_keys())), f"{gid}: a key without a node"
+        if self.prefix is not None:
+            self.prefix.check_holds(list(self._requests.values()))
         if self.arena is not None:
             self.arena.check_invariants()
 
