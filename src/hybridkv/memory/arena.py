@@ -214,16 +214,17 @@ class Arena:
         self._load_kernels()
 
     def _load_kernels(self) -> None:
-        """Load (or compile) now, changing nothing, the kernels of a donor's slab move and of
-        :meth:`plan`, :meth:`plan_spare` and :meth:`replay`: else the first step that needs them stalls."""
+        """Load (or compile) now, changing nothing, the kernels of a donor's slab move, of
+        :meth:`plan`, :meth:`plan_spare` and :meth:`replay` and of the pools' packing rule (the
+        pools' own: ``PageSpace.load_kernels``): else the first step that needs them stalls."""
         gid, donors = self.group_ids[0], self.group_ids[1:]
         self.oldest_idle_tick(gid)
         self._moved_pages(-1, 0, 0)
         kernels.take_spare_slabs(self.owner.copy(), 0, self._inner[gid], self._straddle[gid], 0, self._taken)
         self.plan_spare(np.zeros(len(self.group_ids), dtype=np.int64))
         self._count(gid, 0, self.owner)
-        for pool in self.pools.values():
-            pool.load_kernels()
+        (lo, hi), straddle = self._ranges[gid], self._straddle[gid]
+        kernels.must_pack_slabs(self.pools[gid].ref_counts, self.owner, 0, lo, hi, straddle, 0, 0, 1, SPREAD_SLABS)
         many = self.geometry.num_slabs * self._most_slab_pages  # more than any donor can give
         for scan in (IdleScan(clean=True, before_tick=0), IdleScan()):  # a scan slab by slab, then one whole
             self._take_from_donors(gid, 1, self.owner.copy(), [], {gid: 1}, (dict.fromkeys(donors, many), {}), scan)

@@ -1166,8 +1166,12 @@ class CacheManager:
         return out, n_touched
 
     def _load_kernels(self) -> None:
-        """Load (or compile) now the kernels of a step admitted and run in Python, over a plan of no
-        rows: else the first such step (late in a run, often) stalls for them."""
+        """Load (or compile) now, changing nothing, the kernels of the page space's releases and
+        evictions (``PageSpace.load_kernels``), of ``_step`` and the calls around it
+        (``_load_step_kernels``) and of a step admitted and run in Python, over a plan of no rows:
+        else the first step that needs one (late in a run, often) stalls for it."""
+        self._space.load_kernels(self._tableset)
+        self._load_step_kernels()
         rows, counts, first, after, need, _, crossing, _ = self._scratch.plan_arrays(1)
         none = np.zeros((2, len(self.specs)), dtype=np.int64)  # no page released or allocated
         # ``after`` as a step's plan views it: its first columns of more (``plan_arrays``: not contiguous).
@@ -1176,6 +1180,31 @@ class CacheManager:
         self._short_pages(plan, none[1], none[1], none[1])
         out = self._run(plan, True)[0]
         self._after_run(0, 0, plan, out)
+        if self.arena is not None:  # ``_run``'s other kernel (spare slabs granted), not run
+            ts, space, sc = self._tableset, self._space, self._scratch
+            kernels.entry_point(kernels.grant_step, (
+                np.empty((2, 0), _INT64), self.arena.grant_args, ts.geometry, ts.pages, ts.bounds, self._computed,
+                self._committed, space.ref_counts, space.cached, space.low_priority, space.stack, space.per_group,
+                self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums, sc.pages,
+                sc.idle_keyed, sc.released, sc.touched, 0, *_NO_CELLS, *out, sc.widths))
+
+    def _load_step_kernels(self) -> None:
+        """``_load_kernels`` of ``kernels.step`` (``_step``'s compiled code, not run), ``admit_spare``
+        (not run), ``prepare_step`` (``_plan``), of ``add_request``'s and ``append_token_ids_many``'s
+        checks and of the table store's cell reads (``TableSet.ring_view``), over no rows."""
+        sc, no_rows = self._scratch, np.empty(0, _INT64)
+        out = kernels.batch_arrays_for(len(self.specs), 0, 0, True)
+        args = (*self._kernel_state(), sc.buffer, self._last_rows, no_rows, self._one_count, *_NO_CELLS, *out)
+        self._step_entry = kernels.entry_point(kernels.step, args)
+        if self.arena is not None:
+            ts, space = self._tableset, self._space
+            kernels.entry_point(kernels.admit_spare, (
+                ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.per_group, self._committed,
+                self._grain, self._window_pages, sc.buffer, 0, self._short, *self.arena.spare_args))
+        self._plan(no_rows, no_rows, _COMPUTED)
+        kernels.distinct_rows(no_rows, self._in_batch)
+        kernels.copy_token_ids(np.empty(0, _INT32), np.empty(0, _INT32))
+        self._tableset.ring_view()
 
     def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan, out: _StepArrays,
                    cells: tuple = _NO_CELLS) -> int:
