@@ -103,6 +103,8 @@ _INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
 _new_tuple, _new_object = tuple.__new__, object.__new__
 _NO_CELLS = np.empty((3, 0), dtype=np.int64), np.empty(0, dtype=np.int32)  # ``kernels.finish_step`` reads no cells
 _COMPUTED = np.empty(0, dtype=np.int64)  # ``prepare_step``'s load_tokens of a step that computes
+# ``kernels.room_groups``' ``packing`` without an arena (never read: no pool is roomy).
+_NO_PACKING = (np.empty(0, np.int16), *(np.empty((0, 0), np.int64) for _ in range(3)), np.empty((0, 5), np.int64))
 
 
 class _Scratch:
@@ -302,6 +304,7 @@ class CacheManager:
         self._space = PageSpace(self._pool_list)
         # With a shared arena the pools start empty and borrow slabs as they need pages.
         self.arena = Arena(arena, self.pools) if arena is not None else None
+        self._packing = _NO_PACKING if arena is None else self.arena.packing  # ``kernels.room_groups``'
         # On an arena, prefill pages released again at the next step come last (highest ids):
         # only sliding groups release what a step allocates (kernels.transient_pages).
         self._transient = np.asarray([arena is not None and s.is_sliding for s in self.specs], dtype=np.bool_)
@@ -1217,7 +1220,8 @@ class CacheManager:
             self.arena.apply(plan.grants)
         marks = self._scratch.transient  # ``room_groups``': the groups to ask, the transient pages
         if kernels.room_groups(ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts,
-                               plan.after, plan.sums, space.stack, space.offsets, space.per_group, marks):
+                               plan.after, plan.sums, space.stack, space.offsets, space.per_group, space.ref_counts,
+                               self._packing, space.skip_packing[0] != 0, marks):
             self._make_room(plan.sums[1].tolist(), marks.tolist())
         return kernels.finish_step(
             ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.per_group,
