@@ -834,7 +834,7 @@ def test_a_donor_scanned_slab_by_slab_lends_what_the_whole_scan_lends(data):
 def test_a_step_asks_make_room_of_the_same_groups_as_asking_every_allocating_group(vs, monkeypatch):
     """``kernels.room_groups`` leaves out groups whose ``make_room`` would evict nothing, and
     once one group evicted (telling of a removal can drop or demote entries of later
-    groups) every later allocating group is asked again: 120 six-turn conversations
+    groups) it names the later groups again: 120 six-turn conversations
     served one request at a time on a 2 GiB shared arena (bench/hit_sweep.py's
     multiturn line) give the same hits and the same per-group counts (evictions by
     reason, cached pages, slabs) as with a reference that names every allocating group."""

@@ -1218,27 +1218,34 @@ class CacheManager:
             space.keyed_idle(self._scratch.released[1], self._scratch.idle_keyed)
         if plan.grants:
             self.arena.apply(plan.grants)
-        marks = self._scratch.transient  # ``room_groups``': the groups to ask, the transient pages
-        if kernels.room_groups(ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts,
-                               plan.after, plan.sums, space.stack, space.offsets, space.per_group, space.ref_counts,
-                               self._packing, space.skip_packing[0] != 0, marks):
-            self._make_room(plan.sums[1].tolist(), marks.tolist())
+        if self._room_groups(plan):
+            self._make_room(plan)
         return kernels.finish_step(
             ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.per_group,
             self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums,
             self._scratch.touched, n_touched, *cells, *out, self._scratch.widths, _NO_PAGES)
 
-    def _make_room(self, allocated: list[int], marks: list[int]) -> None:
-        """``PagePool.make_room`` of each group's ``allocated`` pages where ``room_groups``
-        named it (``marks[g] >= 0``, its transient pages; else ``-1 - transient``) and, once
-        one has evicted (telling of a removal may drop or demote entries of later groups,
-        which then may have to pack), in every later group that allocates."""
-        evicted = False
-        for pool, n, mark in zip(self._pool_list, allocated, marks):
-            if mark >= 0 or (evicted and n):
+    def _room_groups(self, plan: _StepPlan) -> int:
+        """``kernels.room_groups`` of ``plan`` now, into ``_scratch.transient`` (per group: its transient
+        pages when ``make_room`` may evict, else ``-1 - transient``); how many groups to ask."""
+        space, ts = self._space, self._tableset
+        return kernels.room_groups(ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts,
+                                   plan.after, plan.sums, space.stack, space.offsets, space.per_group,
+                                   space.ref_counts, self._packing, space.skip_packing[0] != 0, self._scratch.transient)
+
+    def _make_room(self, plan: _StepPlan) -> None:
+        """``PagePool.make_room`` of each group's allocated pages where ``_room_groups`` named it (its
+        transient pages: ``highest``). Once one has evicted (telling of a removal may drop or demote
+        entries of later groups, which then may have to pack), ``_room_groups`` names the later groups
+        again: one it leaves out would evict nothing."""
+        allocated, marks = plan.sums[1].tolist(), self._scratch.transient.tolist()
+        for g, pool in enumerate(self._pool_list):
+            if marks[g] >= 0:
                 before = pool.counters.evicted_pages
-                pool.make_room(n, mark if mark >= 0 else -1 - mark)
-                evicted = evicted or pool.counters.evicted_pages != before
+                pool.make_room(allocated[g], marks[g])
+                if pool.counters.evicted_pages != before and g + 1 < len(marks):
+                    self._room_groups(plan)
+                    marks = self._scratch.transient.tolist()
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
                      n_touched: int, cells: tuple = _NO_CELLS) -> StepBatch:
