@@ -1175,7 +1175,8 @@ class CacheManager:
         else the first step that needs one (late in a run, often) stalls for it."""
         self._space.load_kernels(self._tableset)
         self._load_step_kernels()
-        rows, counts, first, after, need, _, crossing, _ = self._scratch.plan_arrays(1)
+        # Room for a step of every table row and as many settling (``_take_row`` grows it with the rows).
+        rows, counts, first, after, need, _, crossing, _ = self._scratch.plan_arrays(2 * self._computed.size)
         none = np.zeros((2, len(self.specs)), dtype=np.int64)  # no page released or allocated
         # ``after`` as a step's plan views it: its first columns of more (``plan_arrays``: not contiguous).
         plan = _StepPlan(rows[:0], counts[:0], first[:0], after[:, :, :1], need[:, :0], none, crossing[:0], 0, True,
@@ -1596,6 +1597,7 @@ class CacheManager:
             self._max_total = np.concatenate([self._max_total, grow])
             self._known_floor = np.concatenate([self._known_floor, grow])
             self._in_batch = np.zeros(self._computed.size, dtype=np.bool_)
+            self._scratch.plan_arrays(2 * self._computed.size)  # room for any step's rows, grown here, not in a step
         self._tableset.ensure_rows(row + 1)
         return row
 
