@@ -349,6 +349,11 @@ class Arena:
         ids, (groups, slabs) = self.group_ids, self._spare_grants[:, :n].tolist()
         return [(ids[g], slab, None) for g, slab in zip(groups, slabs)]
 
+    def kernel_spare_grants(self, n: int) -> np.ndarray | None:
+        """:meth:`spare_grants` as :meth:`kernel_grants` gives them (a copy of the scratch), or None
+        when a pool's free stack is not sorted (:meth:`apply` grants them)."""
+        return self._spare_grants[:, :n].copy() if self._sorted_grants else None
+
     def kernel_grants(self, grants: Sequence[Grant]) -> np.ndarray | None:
         """``grants`` as ``kernels.grant_step`` grants them (``[2, n]``: groups, slabs; then :meth:`granted`)
         when they are spare slabs alone and every pool's free stack is sorted; else None (:meth:`apply`)."""

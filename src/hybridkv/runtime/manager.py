@@ -85,6 +85,7 @@ class _StepPlan:
     totals: tuple[int, int, int, int]  # tokens, pages released, most released in one group, pages allocated
     request_ids: tuple | None = None  # the batch's ids in order, once known
     grants: list | None = None  # arena slabs to move before allocating (shared page space)
+    spare_grants: np.ndarray | None = None  # or spare slabs alone, as ``kernels.grant_step`` grants them
     arrays: _StepArrays | None = None  # the batch's fresh arrays, once made (``_step``)
     cells: tuple | None = None  # ``_cell_buffers`` ``_step`` made for the batch (``finish_step``'s cells)
 
@@ -1109,7 +1110,9 @@ class CacheManager:
                                 plan.rows.size, self._short, *arena.spare_args)
         if n < 0:
             return False
-        plan.grants = arena.spare_grants(n) if n else []
+        # Granted in the run (``grant_step``) straight from the kernel's answer where they can be.
+        plan.spare_grants = arena.kernel_spare_grants(n) if n else None
+        plan.grants = arena.spare_grants(n) if n and plan.spare_grants is None else []
         return True
 
     def _kernel_state(self) -> tuple:
@@ -1150,7 +1153,7 @@ class CacheManager:
         state = (ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
                  space.low_priority, space.stack, space.per_group, self._transient, plan.rows, plan.counts, plan.first,
                  plan.settle, plan.after, plan.sums)
-        grants = self.arena.kernel_grants(plan.grants) if plan.grants else None
+        grants = self.arena.kernel_grants(plan.grants) if plan.grants else plan.spare_grants
         if grants is None:
             status, n_touched, n_keyed = kernels.run_step(*state, bool(plan.grants), scratch, idle_keyed, released,
                                                           touched, n_logged, *cells, *out, self._scratch.widths)
