@@ -487,6 +487,20 @@ def room_groups(geometry, bounds, transient, rows, first, counts, after, sums, s
 
 
 @njit(cache=True)
+def keyed_low(geometry, low_priority, per_group, idle_keyed):
+    """Whether a keyed page a release left idle (``idle_keyed``, local ids, group after group,
+    ``per_group[g]`` of them) is low priority."""
+    at = 0
+    for g in range(geometry.shape[0]):
+        offset = geometry[g, ID_OFFSET]
+        for i in range(at, at + per_group[g]):
+            if low_priority[offset + idle_keyed[i]]:
+                return True
+        at += per_group[g]
+    return False
+
+
+@njit(cache=True)
 def must_pack_at(ref, offset, packing, g, page, pages):
     """The arena's packing rule of group ``g`` once it is roomy (``Arena._packing_rule``:
     ``must_pack_slabs``) for ``pages`` long-lived pages whose highest id is ``page``;
@@ -606,8 +620,9 @@ def grant_step(grants, arena, geometry, pages, bounds, computed, committed, ref,
                per_group, transient, rows, counts, first, settle, after, sums, scratch, idle_keyed, released, touched,
                n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths):
     """``run_step`` of a step granting spare slabs alone (``grants`` ``[2, n]``: groups, slabs; ``arena``:
-    ``Arena.grant_args``) after its releases (``grant_spare_slabs``); it stops for Python only when a keyed
-    page went idle or ``room_groups`` asks a group to make room (the arena roomy as the grants leave it).
+    ``Arena.grant_args``) after its releases (``grant_spare_slabs``); it stops for Python only when a
+    low-priority keyed page went idle (``keyed_low``) or ``room_groups`` asks a group to make room (the
+    arena roomy as the grants leave it); other keyed pages gone idle join their LRU after it (``_run``).
     Status -1 (nothing granted) when a slab is not spare. A kernel of its own: in ``run_step`` the grant
     makes ``step``'s compiled loops slower."""
     status, n_touched, n_keyed = run_step(
@@ -620,9 +635,12 @@ def grant_step(grants, arena, geometry, pages, bounds, computed, committed, ref,
                          stack, per_group[TOP], offsets, per_group[LOWEST], per_group[GRANTED_PAGES]) < 0:
         return -1, n_touched, n_keyed
     roomy = spare[0] - grants.shape[1] >= roomy_slabs  # the arena's ``roomy`` once ``Arena.granted`` counts these
-    if n_keyed or room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, per_group,
-                              ref, (owner, lo, hi, straddle, sizes), roomy, np.empty(geometry.shape[0], np.int64)):
-        return STEP_NEEDS_PAGES, n_touched, n_keyed  # keyed pages join their LRU first, or a group makes room
+    # Low-priority keyed pages gone idle join their LRU first (they may change ``room_groups``' answer);
+    # others join after the step, as after ``run_step``'s.
+    if (n_keyed and keyed_low(geometry, low_priority, released[1], idle_keyed)) or room_groups(
+            geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, per_group, ref,
+            (owner, lo, hi, straddle, sizes), roomy, np.empty(geometry.shape[0], np.int64)):
+        return STEP_NEEDS_PAGES, n_touched, n_keyed  # a group makes room once they joined
     return STEP_DONE, finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
                                   first, settle, after, sums, touched, n_touched, cells, cell_pages, per_request,
                                   query_start_loc, request_indices, per_token, widths, released[1]), n_keyed
