@@ -9,7 +9,7 @@ import sys
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 
 from hybridkv.memory.arena import SPREAD_SLABS, Arena, anchor_group_for, arena_geometry, shared_arena_for
 from hybridkv.runtime.manager import CacheManager, CacheManagerError
@@ -17,6 +17,7 @@ from hybridkv.models.layout import cache_layout
 from hybridkv.plan import Limits, plan_for_budget
 from hybridkv.memory.pool import PagePool
 from hybridkv.spec import CacheGroupSpec
+from hybridkv.runtime import kernels
 from pool_ops import allocate, decref, publish
 
 def slab_of(geometry, group_id, pages):
@@ -555,6 +556,35 @@ def test_must_pack_counting_the_groups_slabs_answers_as_the_whole_pool_scan(data
                 assert pool.must_pack(page, pages) == whole_pool_must_pack(arena, gid, page, pages)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_room_groups_on_an_arena_leaves_out_only_groups_whose_make_room_evicts_nothing(data):
+    """``kernels.room_groups`` with the arena's packing rule (``Arena.packing``, ``must_pack_at``): after
+    random grants, entries of either priority and releases in a 12-slab arena (roomy or not), a group
+    it leaves out for an allocation of ``count`` pages is one whose ``make_room`` changes nothing (no
+    entry evicted, the free stack as it was); where the rule lets the pages spread, it leaves out a
+    group that has idle low-priority pages below the ids the allocation takes."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    geometry, pools, arena = packing_arena()
+    grant_publish_release(data, rng, pools, arena, data.draw(st.integers(1, 8)), True)
+    space, (g, gid) = arena.pools["kv"].space, data.draw(st.sampled_from(list(enumerate(arena.group_ids))))
+    pool = pools[gid]
+    count = data.draw(st.integers(1, max(pool.num_free_pages, 1)))
+    sums, out = np.zeros((2, 2), dtype=np.int64), np.empty(2, dtype=np.int64)
+    sums[1, g] = count
+    none = np.zeros(0, dtype=np.int64)
+    kernels.room_groups(np.zeros((2, 8), dtype=np.int64), np.zeros((3, 2, 0), dtype=np.int64),
+                        np.zeros(2, dtype=np.bool_), none, none, none, np.zeros((2, 2, 0), dtype=np.int64), sums,
+                        space.stack, space.offsets, space.per_group, space.ref_counts, arena.packing, arena.roomy(), out)
+    free = pool.free_page_ids()  # the lowest on top: the allocation's highest id is free[-count]
+    low_below = count <= free.size and (pool.low_priority & pool.cached & (pool.ref_counts == 0))[: free[-count]].any()
+    event("left out with low-priority pages below" if out[g] < 0 and low_below else "other")
+    if out[g] < 0:
+        before, evicted = pool.free_page_ids().tolist(), pool.counters.evicted_pages
+        pool.make_room(count, 0)
+        assert pool.free_page_ids().tolist() == before and pool.counters.evicted_pages == evicted
+
+
 def test_live_pages_straddling_two_slabs_count_for_the_slab_of_their_first_byte():
     """swa owns slabs 0-5 of 12 (roomy) and holds only the five pages straddling their
     boundaries (ids 7, 13, 19, 25, 31: first bytes in slabs 0-4). Live pages then lie in
@@ -804,7 +834,7 @@ def test_a_donor_scanned_slab_by_slab_lends_what_the_whole_scan_lends(data):
 def test_a_step_asks_make_room_of_the_same_groups_as_asking_every_allocating_group(vs, monkeypatch):
     """``kernels.room_groups`` leaves out groups whose ``make_room`` would evict nothing, and
     once one group evicted (telling of a removal can drop or demote entries of later
-    groups) every later allocating group is asked again: 120 six-turn conversations
+    groups) it names the later groups again: 120 six-turn conversations
     served one request at a time on a 2 GiB shared arena (bench/hit_sweep.py's
     multiturn line) give the same hits and the same per-group counts (evictions by
     reason, cached pages, slabs) as with a reference that names every allocating group."""

@@ -357,3 +357,19 @@ def test_a_kernels_entry_point_answers_as_the_kernel_for_the_same_argument_types
         return len(args)
 
     assert kernels.entry_point(plain, args) is plain
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=4), st.integers(0, 2**16))
+def test_keyed_low_answers_whether_a_listed_page_is_low_priority(counts, seed):
+    """``kernels.keyed_low`` (``grant_step`` stops for Python only then): pages listed group after
+    group, ``counts[g]`` of group ``g`` as local ids, against flags read page by page."""
+    rng = np.random.default_rng(seed)
+    n_groups, pages = len(counts), 8
+    geometry = np.zeros((n_groups, 8), dtype=np.int64)
+    geometry[:, kernels.ID_OFFSET] = np.arange(n_groups) * pages
+    low = rng.random(n_groups * pages) < 0.15
+    listed = [(g, int(p)) for g, k in enumerate(counts) for p in rng.choice(pages, k, replace=False)]
+    idle = np.array([p for _, p in listed], dtype=np.int64)
+    want = any(low[g * pages + p] for g, p in listed)
+    assert kernels.keyed_low(geometry, low, np.array(counts, dtype=np.int64), idle) == want

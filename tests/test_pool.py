@@ -1086,7 +1086,9 @@ def test_room_groups_leaves_out_only_pools_whose_make_room_evicts_nothing(data):
     out, none = np.empty(1, dtype=np.int64), np.zeros(0, dtype=np.int64)
     asked = kernels.room_groups(np.zeros((1, 8), dtype=np.int64), np.zeros((3, 1, 0), dtype=np.int64),
                                 np.zeros(1, dtype=np.bool_), none, none, none, np.zeros((2, 1, 0), dtype=np.int64),
-                                sums, space.stack, space.offsets, space.per_group, out)
+                                sums, space.stack, space.offsets, space.per_group, space.ref_counts,
+                                (np.empty(0, np.int16), *(np.empty((0, 0), np.int64) for _ in range(3)),
+                                 np.empty((0, 5), np.int64)), False, out)
     assert asked == int(out[0] >= 0) and (out[0] in (-1, 0))
     if out[0] < 0:
         before, evicted = pool.free_page_ids().tolist(), pool.counters.evicted_pages

@@ -4,6 +4,7 @@ bytes from offset 0; a slab belongs to at most one group at a time."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -201,9 +202,18 @@ class Arena:
         # group a slab holds, inner pages and straddlers, then scratch (owners, taken slabs, grants).
         self.spare_args = (self.owner, self._spare, self._slab_pages, inner, straddle, self._spare_plan[2],
                            self._taken, *self._spare_plan[3:])
-        # ``kernels.grant_step``'s ``arena``: owners, slab page ranges
-        # and straddlers, the page space's offsets, the most pages a slab gives a group.
-        self.grant_args = (self.owner, *self._slab_ids, self._space.offsets, self._most_slab_pages)
+        # ``kernels.must_pack_at``'s ``packing`` (the pools' packing rule once roomy): owners, slab page
+        # ranges and straddlers, and per group its page bytes, the reserved and slab bytes, the fewest
+        # inner pages of a slab and the slabs its live pages may spread over.
+        sizes = [[geometry.page_bytes[gid], geometry.reserved_bytes, geometry.slab_bytes, max(int(n.min()), 1),
+                  SPREAD_SLABS] for gid, n in zip(self.group_ids, inner)]
+        self.packing = (self.owner, *self._slab_ids, np.asarray(sizes, dtype=np.int64))
+        self._roomy_slabs = math.ceil(ROOMY_SPARE_FRACTION * geometry.num_slabs)  # the fewest spare slabs of ``roomy``
+        # ``kernels.grant_step``'s ``arena``: owners, slab page ranges and straddlers, the page space's
+        # offsets, the most pages a slab gives a group, then ``packing``'s sizes, the spare slabs and
+        # the fewest of them that make the arena roomy.
+        self.grant_args = (self.owner, *self._slab_ids, self._space.offsets, self._most_slab_pages,
+                           self.packing[-1], self._spare, self._roomy_slabs)
         self.slab_moves = 0
         self._spare_changed(geometry.num_slabs)
         for gid, pool in self.pools.items():
@@ -214,16 +224,16 @@ class Arena:
         self._load_kernels()
 
     def _load_kernels(self) -> None:
-        """Load (or compile) now, changing nothing, the kernels of a donor's slab move and of
-        :meth:`plan`, :meth:`plan_spare` and :meth:`replay`: else the first step that needs them stalls."""
+        """Load (or compile) now, changing nothing, the kernels of a donor's slab move, of
+        :meth:`plan`, :meth:`plan_spare` and :meth:`replay` and of the pools' packing rule (the
+        pools' own: ``PageSpace.load_kernels``): else the first step that needs them stalls."""
         gid, donors = self.group_ids[0], self.group_ids[1:]
         self.oldest_idle_tick(gid)
         self._moved_pages(-1, 0, 0)
         kernels.take_spare_slabs(self.owner.copy(), 0, self._inner[gid], self._straddle[gid], 0, self._taken)
         self.plan_spare(np.zeros(len(self.group_ids), dtype=np.int64))
         self._count(gid, 0, self.owner)
-        for pool in self.pools.values():
-            pool.load_kernels()
+        kernels.must_pack_at(self.pools[gid].ref_counts, 0, self.packing, 0, int(self._slab_ids[0][0, 0]), 0)
         many = self.geometry.num_slabs * self._most_slab_pages  # more than any donor can give
         for scan in (IdleScan(clean=True, before_tick=0), IdleScan()):  # a scan slab by slab, then one whole
             self._take_from_donors(gid, 1, self.owner.copy(), [], {gid: 1}, (dict.fromkeys(donors, many), {}), scan)
@@ -247,20 +257,11 @@ class Arena:
         """A group's ``PagePool.must_pack``: its long-lived pages reuse idle low-priority
         pages below them (evicting those) unless the arena is roomy and the allocation's
         highest page lies in a slab already holding live pages of the group, or the
-        group's live pages then lie in at most ``SPREAD_SLABS`` slabs more than they fill."""
-        pool, (lo, hi), straddle = self.pools[gid], self._ranges[gid], self._straddle[gid]
-        per_slab, gi, geometry = max(int((hi - lo).min()), 1), self._index[gid], self.geometry
-        page_bytes, reserved_bytes = int(geometry.page_bytes[gid]), int(geometry.reserved_bytes)
-        slab_bytes = int(geometry.slab_bytes)
-
-        def must_pack(page: int, pages: int) -> bool:
-            if not self.roomy():
-                return True
-            slab = (page * page_bytes - reserved_bytes) // slab_bytes  # the slab of its first byte
-            return kernels.must_pack_slabs(pool.ref_counts, self.owner, gi, lo, hi, straddle, slab, pages, per_slab,
-                                           SPREAD_SLABS)
-
-        return must_pack
+        group's live pages then lie in at most ``SPREAD_SLABS`` slabs more than they fill
+        (``kernels.must_pack_at``, which ``kernels.room_groups`` also asks)."""
+        pool, gi, packing = self.pools[gid], self._index[gid], self.packing
+        return lambda page, pages: (not self.roomy()
+                                    or kernels.must_pack_at(pool.ref_counts, 0, packing, gi, page, pages))
 
     # --- counts ---------------------------------------------------------------
     @property
@@ -271,7 +272,7 @@ class Arena:
         """At least ``ROOMY_SPARE_FRACTION`` of the slabs are spare: idle low-priority
         entries may keep spare memory (admission takes it back), and live pages may
         spread a little (``PagePool.must_pack``)."""
-        return bool(self._spare[0] >= ROOMY_SPARE_FRACTION * self.geometry.num_slabs)
+        return bool(self._spare[0] >= self._roomy_slabs)
 
     def _spare_changed(self, by: int) -> None:
         """``by`` slabs more are spare; the pools' ``PageSpace.skip_packing`` follows
@@ -347,6 +348,11 @@ class Arena:
         """The ``n`` grants ``kernels.admit_spare`` just wrote to its scratch (``spare_args``)."""
         ids, (groups, slabs) = self.group_ids, self._spare_grants[:, :n].tolist()
         return [(ids[g], slab, None) for g, slab in zip(groups, slabs)]
+
+    def kernel_spare_grants(self, n: int) -> np.ndarray | None:
+        """:meth:`spare_grants` as :meth:`kernel_grants` gives them (a copy of the scratch), or None
+        when a pool's free stack is not sorted (:meth:`apply` grants them)."""
+        return self._spare_grants[:, :n].copy() if self._sorted_grants else None
 
     def kernel_grants(self, grants: Sequence[Grant]) -> np.ndarray | None:
         """``grants`` as ``kernels.grant_step`` grants them (``[2, n]``: groups, slabs; then :meth:`granted`)

@@ -396,11 +396,15 @@ class PagePool:
 
     def load_kernels(self) -> None:
         """Load (or compile) now the kernels of :meth:`revoke` and of :meth:`grant` one by one
-        (an arena's donor slab moves), with the argument types of their calls, changing
-        nothing (no pages)."""
+        (an arena's donor slab moves) and of :meth:`make_room`'s evictions, with the argument
+        types of their calls, changing nothing (no pages)."""
         self.revoke(_NO_PAGES)
         kernels.drop_ids(self._stack, self._top, _NO_PAGES)
         kernels.push_run(self._stack, self._top, self.lowest_first, _NO_PAGES)
+        kernels.low_idle_ids(self.low_priority, self.cached, self.ref_counts, 0, 0, _NO_PAGES)
+        lru.leave_to_free(self._lru_prev, self._lru_next, self._stack, self._top, self.lowest_first, _NO_PAGES)
+        lru.drop_entries(_NO_PAGES, 0, self.ref_counts, self.cached, self.low_priority, self._lru_prev,
+                         self._lru_next, self._stack, self._top, self.lowest_first, _NO_PAGES)
 
     # --- content-keyed entries -------------------------------------------
     def demote(self, key: Hashable) -> None:
@@ -668,6 +672,21 @@ class PageSpace:
             pool._view_lru()
             pool.space = self
             pool.ranker = pool.ranker  # into ``ranked``
+
+    def load_kernels(self, tables) -> None:
+        """Load (or compile) now, changing nothing (no pages, no rows), the kernels of
+        :meth:`keyed_idle`, :meth:`free_rows`, :meth:`demote` and :meth:`drop_unit` and each
+        pool's (``PagePool.load_kernels``): else the first step that needs one (a commit
+        superseding a checkpoint, a first eviction, often late in a run) stalls for it."""
+        none = np.zeros(len(self.pools), dtype=np.int64)
+        lru.join(self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, self.lru_lengths, self.low_idle,
+                 self.idle_low_floors, self.offsets, none, _NO_PAGES, _IDLE_CLOCK)
+        self.free_rows(tables, _NO_PAGES)
+        lru.demote_unit(_NO_PAGES, 0, self.low_priority, self.lru_prev, self.lru_next, self.offsets,
+                        self.idle_low_floors, self.low_idle)
+        self.drop_unit([], None)
+        for pool in self.pools:
+            pool.load_kernels()
 
     def hold_outside(self, local: np.ndarray, per_group: np.ndarray, limits: np.ndarray, held: np.ndarray) -> int:
         """Hold ``local`` (local ids, group-major, ``per_group[g]`` of group ``g``) outside any

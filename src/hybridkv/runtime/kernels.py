@@ -459,7 +459,8 @@ def transient_pages(geometry, bounds, g, rows, first, counts, after, sums):
 
 
 @njit(cache=True)
-def room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, per_group, out):
+def room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, per_group, ref,
+                packing, roomy, out):
     """Before ``finish_step`` of a step that stopped for Python: per group, the pages it
     allocates that the next step releases again (``transient_pages``; 0 where
     ``transient[g]`` is not set): ``out[g]`` = that count when ``PagePool.make_room`` of
@@ -467,20 +468,49 @@ def room_groups(geometry, bounds, transient, rows, first, counts, after, sums, s
     would evict nothing: the group allocates nothing, or its free stack covers the
     allocation and, in a lowest-first group with idle low-priority pages, none can lie
     below the ids its long-lived pages take, ``per_group[LOW_FLOOR, g]`` being a lower
-    bound of theirs). Returns the groups to ask."""
+    bound of theirs, or its arena, ``roomy``, lets them spread: ``must_pack_at``).
+    ``packing``: ``Arena.packing`` (empty arrays without an arena). Returns the groups to ask."""
     n_asked = 0
     for g in range(geometry.shape[0]):
         count, top = sums[1, g], per_group[TOP, g]
         highest = transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0
         long = count - highest
         packs = long > 0 and per_group[LOWEST, g] != 0 and per_group[LOW_IDLE_PAGES, g] > 0 and (
-            top < long or per_group[LOW_FLOOR, g] < stack[offsets[g] + top - long])
+            top < long or (per_group[LOW_FLOOR, g] < stack[offsets[g] + top - long] and (
+                not roomy or must_pack_at(ref, offsets[g], packing, g, stack[offsets[g] + top - long], long))))
         if count > 0 and (top < count or packs):
             out[g] = highest
             n_asked += 1
         else:
             out[g] = -1 - highest
     return n_asked
+
+
+@njit(cache=True)
+def keyed_low(geometry, low_priority, per_group, idle_keyed):
+    """Whether a keyed page a release left idle (``idle_keyed``, local ids, group after group,
+    ``per_group[g]`` of them) is low priority."""
+    at = 0
+    for g in range(geometry.shape[0]):
+        offset = geometry[g, ID_OFFSET]
+        for i in range(at, at + per_group[g]):
+            if low_priority[offset + idle_keyed[i]]:
+                return True
+        at += per_group[g]
+    return False
+
+
+@njit(cache=True)
+def must_pack_at(ref, offset, packing, g, page, pages):
+    """The arena's packing rule of group ``g`` once it is roomy (``Arena._packing_rule``:
+    ``must_pack_slabs``) for ``pages`` long-lived pages whose highest id is ``page``;
+    ``ref[offset:]``: the group's ref counts. ``packing``: owners, the groups' slab page
+    ranges and straddlers, and per group its page bytes, the reserved bytes, the slab
+    bytes, the fewest inner pages of a slab and the slabs its live pages may spread over."""
+    owner, lo, hi, straddle, sizes = packing
+    page_bytes, reserved_bytes, slab_bytes, per_slab, spread_slabs = sizes[g]
+    slab = (page * page_bytes - reserved_bytes) // slab_bytes  # the slab of its first byte
+    return must_pack_slabs(ref[offset:], owner, g, lo[g], hi[g], straddle[g], slab, pages, per_slab, spread_slabs)
 
 
 @njit(cache=True)
@@ -590,21 +620,27 @@ def grant_step(grants, arena, geometry, pages, bounds, computed, committed, ref,
                per_group, transient, rows, counts, first, settle, after, sums, scratch, idle_keyed, released, touched,
                n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths):
     """``run_step`` of a step granting spare slabs alone (``grants`` ``[2, n]``: groups, slabs; ``arena``:
-    ``Arena.grant_args``) after its releases (``grant_spare_slabs``); it stops for Python only when a keyed
-    page went idle or ``room_groups`` asks a group to make room. Status -1 (nothing granted) when a slab is
-    not spare. A kernel of its own: in ``run_step`` the grant makes ``step``'s compiled loops slower."""
+    ``Arena.grant_args``) after its releases (``grant_spare_slabs``); it stops for Python only when a
+    low-priority keyed page went idle (``keyed_low``) or ``room_groups`` asks a group to make room (the
+    arena roomy as the grants leave it); other keyed pages gone idle join their LRU after it (``_run``).
+    Status -1 (nothing granted) when a slab is not spare. A kernel of its own: in ``run_step`` the grant
+    makes ``step``'s compiled loops slower."""
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient, rows,
         counts, first, settle, after, sums, True, scratch, idle_keyed, released, touched, n_logged, cells,
         cell_pages, per_request, query_start_loc, request_indices, per_token, widths)
-    owner, lo, hi, straddle, offsets, most_slab_pages = arena
+    owner, lo, hi, straddle, offsets, most_slab_pages, sizes, spare, roomy_slabs = arena
     granted = np.empty(grants.shape[1] * most_slab_pages, np.int64)
     if grant_spare_slabs(owner, grants[0], grants[1], lo, hi, straddle, granted, np.empty(geometry.shape[0], np.int64),
                          stack, per_group[TOP], offsets, per_group[LOWEST], per_group[GRANTED_PAGES]) < 0:
         return -1, n_touched, n_keyed
-    if n_keyed or room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, per_group,
-                              np.empty(geometry.shape[0], np.int64)):
-        return STEP_NEEDS_PAGES, n_touched, n_keyed  # keyed pages join their LRU first, or a group makes room
+    roomy = spare[0] - grants.shape[1] >= roomy_slabs  # the arena's ``roomy`` once ``Arena.granted`` counts these
+    # Low-priority keyed pages gone idle join their LRU first (they may change ``room_groups``' answer);
+    # others join after the step, as after ``run_step``'s.
+    if (n_keyed and keyed_low(geometry, low_priority, released[1], idle_keyed)) or room_groups(
+            geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, per_group, ref,
+            (owner, lo, hi, straddle, sizes), roomy, np.empty(geometry.shape[0], np.int64)):
+        return STEP_NEEDS_PAGES, n_touched, n_keyed  # a group makes room once they joined
     return STEP_DONE, finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
                                   first, settle, after, sums, touched, n_touched, cells, cell_pages, per_request,
                                   query_start_loc, request_indices, per_token, widths, released[1]), n_keyed

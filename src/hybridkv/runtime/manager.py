@@ -85,6 +85,7 @@ class _StepPlan:
     totals: tuple[int, int, int, int]  # tokens, pages released, most released in one group, pages allocated
     request_ids: tuple | None = None  # the batch's ids in order, once known
     grants: list | None = None  # arena slabs to move before allocating (shared page space)
+    spare_grants: np.ndarray | None = None  # or spare slabs alone, as ``kernels.grant_step`` grants them
     arrays: _StepArrays | None = None  # the batch's fresh arrays, once made (``_step``)
     cells: tuple | None = None  # ``_cell_buffers`` ``_step`` made for the batch (``finish_step``'s cells)
 
@@ -103,6 +104,8 @@ _INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
 _new_tuple, _new_object = tuple.__new__, object.__new__
 _NO_CELLS = np.empty((3, 0), dtype=np.int64), np.empty(0, dtype=np.int32)  # ``kernels.finish_step`` reads no cells
 _COMPUTED = np.empty(0, dtype=np.int64)  # ``prepare_step``'s load_tokens of a step that computes
+# ``kernels.room_groups``' ``packing`` without an arena (never read: no pool is roomy).
+_NO_PACKING = (np.empty(0, np.int16), *(np.empty((0, 0), np.int64) for _ in range(3)), np.empty((0, 5), np.int64))
 
 
 class _Scratch:
@@ -302,6 +305,7 @@ class CacheManager:
         self._space = PageSpace(self._pool_list)
         # With a shared arena the pools start empty and borrow slabs as they need pages.
         self.arena = Arena(arena, self.pools) if arena is not None else None
+        self._packing = _NO_PACKING if arena is None else self.arena.packing  # ``kernels.room_groups``'
         # On an arena, prefill pages released again at the next step come last (highest ids):
         # only sliding groups release what a step allocates (kernels.transient_pages).
         self._transient = np.asarray([arena is not None and s.is_sliding for s in self.specs], dtype=np.bool_)
@@ -1103,7 +1107,9 @@ class CacheManager:
                                 plan.rows.size, self._short, *arena.spare_args)
         if n < 0:
             return False
-        plan.grants = arena.spare_grants(n) if n else []
+        # Granted in the run (``grant_step``) straight from the kernel's answer where they can be.
+        plan.spare_grants = arena.kernel_spare_grants(n) if n else None
+        plan.grants = arena.spare_grants(n) if n and plan.spare_grants is None else []
         return True
 
     def _kernel_state(self) -> tuple:
@@ -1144,7 +1150,7 @@ class CacheManager:
         state = (ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
                  space.low_priority, space.stack, space.per_group, self._transient, plan.rows, plan.counts, plan.first,
                  plan.settle, plan.after, plan.sums)
-        grants = self.arena.kernel_grants(plan.grants) if plan.grants else None
+        grants = self.arena.kernel_grants(plan.grants) if plan.grants else plan.spare_grants
         if grants is None:
             status, n_touched, n_keyed = kernels.run_step(*state, bool(plan.grants), scratch, idle_keyed, released,
                                                           touched, n_logged, *cells, *out, self._scratch.widths)
@@ -1163,9 +1169,14 @@ class CacheManager:
         return out, n_touched
 
     def _load_kernels(self) -> None:
-        """Load (or compile) now the kernels of a step admitted and run in Python, over a plan of no
-        rows: else the first such step (late in a run, often) stalls for them."""
-        rows, counts, first, after, need, _, crossing, _ = self._scratch.plan_arrays(1)
+        """Load (or compile) now, changing nothing, the kernels of the page space's releases and
+        evictions (``PageSpace.load_kernels``), of ``_step`` and the calls around it
+        (``_load_step_kernels``) and of a step admitted and run in Python, over a plan of no rows:
+        else the first step that needs one (late in a run, often) stalls for it."""
+        self._space.load_kernels(self._tableset)
+        self._load_step_kernels()
+        # Room for a step of every table row and as many settling (``_take_row`` grows it with the rows).
+        rows, counts, first, after, need, _, crossing, _ = self._scratch.plan_arrays(2 * self._computed.size)
         none = np.zeros((2, len(self.specs)), dtype=np.int64)  # no page released or allocated
         # ``after`` as a step's plan views it: its first columns of more (``plan_arrays``: not contiguous).
         plan = _StepPlan(rows[:0], counts[:0], first[:0], after[:, :, :1], need[:, :0], none, crossing[:0], 0, True,
@@ -1173,6 +1184,31 @@ class CacheManager:
         self._short_pages(plan, none[1], none[1], none[1])
         out = self._run(plan, True)[0]
         self._after_run(0, 0, plan, out)
+        if self.arena is not None:  # ``_run``'s other kernel (spare slabs granted), not run
+            ts, space, sc = self._tableset, self._space, self._scratch
+            kernels.entry_point(kernels.grant_step, (
+                np.empty((2, 0), _INT64), self.arena.grant_args, ts.geometry, ts.pages, ts.bounds, self._computed,
+                self._committed, space.ref_counts, space.cached, space.low_priority, space.stack, space.per_group,
+                self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums, sc.pages,
+                sc.idle_keyed, sc.released, sc.touched, 0, *_NO_CELLS, *out, sc.widths))
+
+    def _load_step_kernels(self) -> None:
+        """``_load_kernels`` of ``kernels.step`` (``_step``'s compiled code, not run), ``admit_spare``
+        (not run), ``prepare_step`` (``_plan``), of ``add_request``'s and ``append_token_ids_many``'s
+        checks and of the table store's cell reads (``TableSet.ring_view``), over no rows."""
+        sc, no_rows = self._scratch, np.empty(0, _INT64)
+        out = kernels.batch_arrays_for(len(self.specs), 0, 0, True)
+        args = (*self._kernel_state(), sc.buffer, self._last_rows, no_rows, self._one_count, *_NO_CELLS, *out)
+        self._step_entry = kernels.entry_point(kernels.step, args)
+        if self.arena is not None:
+            ts, space = self._tableset, self._space
+            kernels.entry_point(kernels.admit_spare, (
+                ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.per_group, self._committed,
+                self._grain, self._window_pages, sc.buffer, 0, self._short, *self.arena.spare_args))
+        self._plan(no_rows, no_rows, _COMPUTED)
+        kernels.distinct_rows(no_rows, self._in_batch)
+        kernels.copy_token_ids(np.empty(0, _INT32), np.empty(0, _INT32))
+        self._tableset.ring_view()
 
     def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan, out: _StepArrays,
                    cells: tuple = _NO_CELLS) -> int:
@@ -1183,26 +1219,34 @@ class CacheManager:
             space.keyed_idle(self._scratch.released[1], self._scratch.idle_keyed)
         if plan.grants:
             self.arena.apply(plan.grants)
-        marks = self._scratch.transient  # ``room_groups``': the groups to ask, the transient pages
-        if kernels.room_groups(ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts,
-                               plan.after, plan.sums, space.stack, space.offsets, space.per_group, marks):
-            self._make_room(plan.sums[1].tolist(), marks.tolist())
+        if self._room_groups(plan):
+            self._make_room(plan)
         return kernels.finish_step(
             ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.per_group,
             self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums,
             self._scratch.touched, n_touched, *cells, *out, self._scratch.widths, _NO_PAGES)
 
-    def _make_room(self, allocated: list[int], marks: list[int]) -> None:
-        """``PagePool.make_room`` of each group's ``allocated`` pages where ``room_groups``
-        named it (``marks[g] >= 0``, its transient pages; else ``-1 - transient``) and, once
-        one has evicted (telling of a removal may drop or demote entries of later groups,
-        which then may have to pack), in every later group that allocates."""
-        evicted = False
-        for pool, n, mark in zip(self._pool_list, allocated, marks):
-            if mark >= 0 or (evicted and n):
+    def _room_groups(self, plan: _StepPlan) -> int:
+        """``kernels.room_groups`` of ``plan`` now, into ``_scratch.transient`` (per group: its transient
+        pages when ``make_room`` may evict, else ``-1 - transient``); how many groups to ask."""
+        space, ts = self._space, self._tableset
+        return kernels.room_groups(ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts,
+                                   plan.after, plan.sums, space.stack, space.offsets, space.per_group,
+                                   space.ref_counts, self._packing, space.skip_packing[0] != 0, self._scratch.transient)
+
+    def _make_room(self, plan: _StepPlan) -> None:
+        """``PagePool.make_room`` of each group's allocated pages where ``_room_groups`` named it (its
+        transient pages: ``highest``). Once one has evicted (telling of a removal may drop or demote
+        entries of later groups, which then may have to pack), ``_room_groups`` names the later groups
+        again: one it leaves out would evict nothing."""
+        allocated, marks = plan.sums[1].tolist(), self._scratch.transient.tolist()
+        for g, pool in enumerate(self._pool_list):
+            if marks[g] >= 0:
                 before = pool.counters.evicted_pages
-                pool.make_room(n, mark if mark >= 0 else -1 - mark)
-                evicted = evicted or pool.counters.evicted_pages != before
+                pool.make_room(allocated[g], marks[g])
+                if pool.counters.evicted_pages != before and g + 1 < len(marks):
+                    self._room_groups(plan)
+                    marks = self._scratch.transient.tolist()
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
                      n_touched: int, cells: tuple = _NO_CELLS) -> StepBatch:
@@ -1561,6 +1605,7 @@ class CacheManager:
             self._max_total = np.concatenate([self._max_total, grow])
             self._known_floor = np.concatenate([self._known_floor, grow])
             self._in_batch = np.zeros(self._computed.size, dtype=np.bool_)
+            self._scratch.plan_arrays(2 * self._computed.size)  # room for any step's rows, grown here, not in a step
         self._tableset.ensure_rows(row + 1)
         return row
 
