@@ -42,9 +42,9 @@ C4 = "v4.c4a.compressed_kv"
 
 
 # A read holds its lease until its transfer ends: the client refuses the value
-# (LEASE_EXPIRED, a miss) when the transfer outlasts it, as 300 KB did at the class's
-# 50 ms on a loaded machine. Long enough for any read here; deletes wait it out.
-LEASE_MS = 500
+# (LEASE_EXPIRED, a miss) when the transfer outlasts it, as 300 KB did at 50 ms on a
+# loaded machine. Long enough for any read here (the class's default); deletes wait it out.
+LEASE_MS = MooncakeMaster.lease_ms
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +52,23 @@ def master(tmp_path_factory):
     log = tmp_path_factory.mktemp("mooncake") / "master.log"
     with MooncakeMaster(log_path=str(log), lease_ms=LEASE_MS) as m:
         yield m
+
+
+def test_a_master_whose_chosen_port_was_taken_starts_on_new_ports(tmp_path):
+    """Another process binds the rpc port the master object chose before it starts: the master
+    exits (its bind fails) and ``start`` tries again on new ports; ports given are kept."""
+    import socket
+
+    chosen = MooncakeMaster(log_path=str(tmp_path / "master.log"))
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", chosen.rpc_port))
+        taken = chosen.rpc_port
+        with chosen:
+            assert chosen.running and chosen.rpc_port != taken
+        given = MooncakeMaster(log_path=str(tmp_path / "given.log"), rpc_port=taken)
+        with pytest.raises(TierUnavailable, match="exited"):
+            given.start()
+        assert given.rpc_port == taken and not given.running
 
 
 def past_the_lease(master):

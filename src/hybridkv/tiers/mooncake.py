@@ -77,12 +77,17 @@ class MooncakeMaster:
     """A ``mooncake_master`` on loopback with free ports; ``start``, ``stop``, ``restart`` (same ports)."""
 
     log_path: str = os.devnull
-    lease_ms: int = 50  # how long a read or write pins an object against removal
+    # How long a read pins an object against removal. The client refuses a value whose transfer
+    # outlasts it (a miss), so it must exceed a read's worst time under load: 50 ms lost gets of
+    # 0.3-0.9 MB objects on a loaded 2-core machine. A longer lease only delays deletes (a refused
+    # delete is retried at a later call). Mooncake's own master defaults to 5 s.
+    lease_ms: int = 500
     rpc_port: int = 0
     http_port: int = 0
     metrics_port: int = 0
 
     def __post_init__(self) -> None:
+        self._chosen_ports = not (self.rpc_port or self.http_port or self.metrics_port)
         self.rpc_port = self.rpc_port or free_port()
         self.http_port = self.http_port or free_port()
         self.metrics_port = self.metrics_port or free_port()
@@ -100,7 +105,9 @@ class MooncakeMaster:
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
-    def start(self, timeout_s: float = 20.0) -> MooncakeMaster:
+    def start(self, timeout_s: float = 20.0, retries: int = 2) -> MooncakeMaster:
+        """Start the master and wait until it listens; where this object chose the ports and the
+        master exits before listening (another process took one), try again on new ones."""
         if self.running:
             return self
         args = [
@@ -117,8 +124,12 @@ class MooncakeMaster:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                raise TierUnavailable(f"mooncake_master exited with {self._process.returncode} (log {self.log_path})")
-            if _accepts(self.rpc_port) and _accepts(self.http_port):
+                code, self._process = self._process.returncode, None
+                if self._chosen_ports and retries:  # a port chosen free was taken before the master bound it
+                    self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+                    return self.start(max(deadline - time.monotonic(), 1.0), retries - 1)
+                raise TierUnavailable(f"mooncake_master exited with {code} (log {self.log_path})")
+            if _accepts(self.rpc_port) and _accepts(self.http_port) and self._process.poll() is None:
                 return self
             time.sleep(0.05)
         self.stop()
@@ -134,7 +145,7 @@ class MooncakeMaster:
 
     def restart(self) -> MooncakeMaster:
         self.stop()
-        return self.start()
+        return self.start(retries=0)  # the same ports: its clients know them
 
     def __enter__(self) -> MooncakeMaster:
         return self.start()
