@@ -291,19 +291,21 @@ class DiskTier(Tier):
             return False
         size = len(value)
         blocks = -(-size // DIRECT_ALIGN_BYTES) * DIRECT_ALIGN_BYTES
-        ok = False
+        ok, done = False, 0
         try:
             with self._bounce(blocks) as buf:
                 buf[:size] = np.frombuffer(value, dtype=np.uint8)
-                done = 0
                 while done < blocks:
-                    done += os.pwrite(fd, buf[done:blocks], done)
+                    wrote = os.pwrite(fd, buf[done:blocks], done)
+                    if wrote <= 0:
+                        raise OSError(errno.EIO, "a direct write wrote nothing")
+                    done += wrote
             os.ftruncate(fd, size)
             if self.fsync:
                 os.fsync(fd)
             ok = True
         except OSError as exc:
-            if exc.errno == errno.EINVAL:  # e.g. a block size past DIRECT_ALIGN_BYTES
+            if exc.errno == errno.EINVAL and done == 0:  # the first block refused: e.g. a larger block size
                 self._direct = False
         finally:
             os.close(fd)
