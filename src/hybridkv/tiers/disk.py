@@ -19,7 +19,9 @@ object name (any name maps to a safe path).
 name exists, so the first value put under a name is kept (as in the other
 tiers) and a reader sees a whole object or none. A crash leaves at most a
 temporary file; a tier opening the directory removes those of processes that
-are no longer running.
+are no longer running. A value of ``DIRECT_MIN_BYTES`` or more is written to
+its temporary file with ``O_DIRECT`` (whole blocks from an aligned buffer,
+then cut to its length), so no page-cache page is filled for it.
 
 **One byte budget for all.** ``.hkv-state`` (24 bytes: held bytes, held
 files, a change count, u64 little-endian) holds what the directory holds. Every
