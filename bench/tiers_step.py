@@ -32,8 +32,9 @@ runs exactly the steps and evictions of ``off`` and the difference is the offloa
 With ``--gate`` the worker is paused (``OffloadWorker.pause``) from the end of each forward
 until the next one starts. ``<tier>`` is ``host`` (``HostTier``) or ``disk`` (``DiskTier`` in a temporary directory).
 Timed on the step thread: everything the simulator times (``check_admission``, ``add_request``,
-``schedule``, ``append_token_ids``, ``free``), plus ``confirm_offloads``, ``take_offloads``, the
-copy before the forward (``submit``, or ``run`` for ``-sync``), once a step, after ``schedule``
+``schedule``, ``append_token_ids``, ``free``), plus the offload call before the forward, once a
+step, after ``schedule``: ``TierLink.offload_step`` with a worker (it confirms what the worker
+finished, takes the plan and submits it), ``take_offloads().run(...)`` for ``-sync``
 (what a step's frees publish goes at the next step's call). Apart: how late the step thread
 wakes from the forward's sleep (the timer's and the OS scheduler's latency in every variant, plus
 any wait for the GIL while the worker thread holds it: what a step thread waiting for its device
@@ -43,7 +44,7 @@ apart and reported beside (they replace prefill compute; they are not offload).
 
 Reported per variant: p50 and p99 of the per-step cost, the total over the run's steps, the
 step thread's tier calls alone (``tier ms``, and their CPU time, ``tier cpu ms``; below the table
-also by call, ``confirm``, ``take`` and ``copy``, wall and, with ``--parts-cpu``, CPU: the wall's
+also by call, ``step`` (``offload_step``), or ``take`` and ``copy`` (``-sync``), wall and, with ``--parts-cpu``, CPU: the wall's
 excess over the CPU is waiting, for a core or for the GIL the worker holds; the CPU clock is a
 system call, so it is read there only when asked), and the ratio of totals against ``off`` within each
 round: every round's ratio, their median and a distribution-free interval around the median (the
@@ -89,6 +90,7 @@ from hybridkv.tiers import (DiskTier, GroupPages, HostTier, ObjectKey, ObjectSto
 
 OUT = Path(__file__).parent / "out" / "tiers_step.json"
 TARGET_RATIO = 1.2
+PARTS = ("step", "take", "copy")  # TierLink.offload_step (with a worker); take_offloads and OffloadPlan.run (-sync)
 VARIANTS = ("off", "host-sync", "host-back", "host-through", "host-defer", "disk-back", "disk-through", "disk-defer")
 
 
@@ -113,8 +115,8 @@ class StepEngine:
         self.steps_tier_us: list[float] = []
         self.steps_load_us: list[float] = []
         self._forward_done = False
-        self.parts_us = {"confirm": 0.0, "take": 0.0, "copy": 0.0}  # the run's tier work, by call
-        self.parts_cpu_us = {"confirm": 0.0, "take": 0.0, "copy": 0.0}  # the same, the thread's CPU time
+        self.parts_us = dict.fromkeys(PARTS, 0.0)  # the run's tier work, by call
+        self.parts_cpu_us = dict.fromkeys(PARTS, 0.0)  # the same, the thread's CPU time
         self.parts_cpu = parts_cpu  # read the CPU clock around each call (else parts_cpu_us stay 0)
         self.tier_cpu_us = 0.0  # the run's tier work on the step thread, CPU time
         self.loaded: dict[str, int] = {}  # tokens each request gained from confirmed loads
@@ -162,17 +164,17 @@ class StepEngine:
         # the CPU clock (a system call: a preemption point) only when asked, --parts-cpu
         clock = time.thread_time if self.parts_cpu else _no_clock
         t0, c0 = time.perf_counter(), clock()
-        if self.worker is not None:
-            link.confirm_offloads(self.worker.finished())
-        t1, c1 = time.perf_counter(), clock()
-        plan = link.take_offloads()
-        t2, c2 = time.perf_counter(), clock()
-        if self.worker is None:
-            plan.run(link.store, self.pools)
+        if self.worker is not None:  # one call: confirm what the worker finished, take, submit
+            link.offload_step(self.worker, self.pools)
+            t1, c1 = time.perf_counter(), clock()
+            timed = (("step", t1 - t0, c1 - c0),)
         else:
-            plan.submit(self.worker, self.pools)
-        t3, c3 = time.perf_counter(), clock()
-        for name, wall, thread in (("confirm", t1 - t0, c1 - c0), ("take", t2 - t1, c2 - c1), ("copy", t3 - t2, c3 - c2)):
+            plan = link.take_offloads()
+            t1, c1 = time.perf_counter(), clock()
+            plan.run(link.store, self.pools)
+            t2, c2 = time.perf_counter(), clock()
+            timed = (("take", t1 - t0, c1 - c0), ("copy", t2 - t1, c2 - c1))
+        for name, wall, thread in timed:
             parts[name] += wall * 1e6
             cpu[name] += thread * 1e6
 
@@ -194,7 +196,7 @@ class StepEngine:
             self.tier_cpu_us += (time.thread_time() - c1) * 1e6
             if self.worker is not None:  # a load may read what an offload just queued
                 self.worker.drain()
-                link.confirm_offloads(self.worker.finished())
+                link.offload_step(self.worker, self.pools)  # confirms it
             for load in loads:
                 link.confirm_load(load.request_id, load.plan.run(link.store, self.pools, load.targets))
         self.load_us += (time.perf_counter() - t0) * 1e6
@@ -431,9 +433,9 @@ def summarize(rounds: list[dict], variants: list[str]) -> dict:
             "tier_ms_median": statistics.median(r[v]["tier_us_total"] / 1e3 for r in rounds),
             "tier_cpu_ms_median": statistics.median(r[v]["tier_cpu_us_total"] / 1e3 for r in rounds),
             "tier_parts_ms_median": {part: statistics.median(r[v]["tier_parts_us"][part] / 1e3 for r in rounds)
-                                     for part in ("confirm", "take", "copy")},
+                                     for part in PARTS},
             "tier_parts_cpu_ms_median": {part: statistics.median(r[v]["tier_parts_cpu_us"][part] / 1e3 for r in rounds)
-                                         for part in ("confirm", "take", "copy")},
+                                         for part in PARTS},
             "load_ms_median": statistics.median(r[v]["load_us_total"] / 1e3 for r in rounds),
             **{f"{k}_median": statistics.median(r[v][k] for r in rounds)
                for k in ("blocked_ms", "queued_ms", "worker_cpu_ms", "worker_queued_ms")},
@@ -479,7 +481,7 @@ def print_report(report: dict) -> None:
             s["evicted_pages"], f"{s['load_ms_median']:.0f}", s["verdict"])))
     print("the step thread's tier calls by part, median ms over the rounds (wall / its CPU time, --parts-cpu): " + "; ".join(
         f"{v} " + ", ".join(f"{part} {s['tier_parts_ms_median'][part]:.1f}/{s['tier_parts_cpu_ms_median'][part]:.1f}"
-                            for part in ("confirm", "take", "copy"))
+                            for part in PARTS if s["tier_parts_ms_median"][part])
         for v, s in report["summary"].items() if v != "off"))
     print("blocked ms: the step thread's run less its CPU, its waits for a core (queued ms) and its forwards' "
           "sleeps: its waits for the GIL the worker holds, and the timer's slack (off has the slack alone); "

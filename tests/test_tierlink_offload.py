@@ -642,3 +642,55 @@ def test_offloads_through_the_worker_serve_another_instance_with_correct_outputs
     batch = mgr_b.schedule([("q", 700 - 512)])
     hidden = stack_b.forward(batch, tokens[512:]).hidden
     np.testing.assert_allclose(hidden, dense_forward(model, tokens).hidden[512:], rtol=0, atol=ATOL)
+
+
+# --- the engine's one call a step ---------------------------------------------------------------
+def _offload_program(combined, mode, seed):
+    """A seeded program of adds, steps and frees on an Engine with a real OffloadWorker, offloading
+    once a step before the forward either with ``TierLink.offload_step`` (``combined``) or with
+    the three calls; the worker drained after each, so both see the same jobs finished. The link's,
+    worker's and tier's stats and the pinned pages after every op."""
+    engine = Engine(1024, write_through=mode != "back", defer=mode == "defer", seed=seed)
+    rng, live, seen = np.random.default_rng(seed + 1), {}, []
+    shared = rng.integers(0, CONFIG.vocab_size, 300)
+    with OffloadWorker(engine.store, max_queued_objects=6) as worker:  # small: some plans are dropped
+        def offload():
+            if combined:
+                engine.link.offload_step(worker, engine.pools)
+            else:
+                engine.link.confirm_offloads(worker.finished())
+                engine.link.take_offloads().submit(worker, engine.pools)
+            worker.drain()
+
+        for _ in range(300):
+            op, rid, n = rng.choice(["add", "step", "step", "free"]), f"r{rng.integers(4)}", int(rng.integers(1, 400))
+            mgr = engine.manager
+            if op == "add" and rid not in live:
+                tokens = prompt(rng, shared if n % 2 else shared[:0], max(n, 301))
+                mgr.add_request(rid, tokens, max_new_tokens=8)
+                live[rid] = tokens.size
+            elif op == "step" and rid in live:
+                left = live[rid] - mgr.num_computed_tokens(rid)
+                if left <= 0:
+                    mgr.append_token_ids(rid, [n])
+                fit = mgr.max_admissible_tokens(rid, max(min(left, n), 1))
+                if fit:
+                    mgr.schedule([(rid, fit)])
+                    offload()
+                    engine.forward([(rid, fit)])
+            elif op == "free" and rid in live:
+                mgr.free(rid)
+                del live[rid]
+            seen.append((engine.link.stats(), worker.stats(), engine.store.tier.stats(), engine.pinned()))
+        offload()  # confirms the last jobs
+        seen.append((engine.link.stats(), worker.stats(), engine.store.tier.stats(), engine.pinned()))
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["through", "defer", "back"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_offload_step_does_what_confirm_take_and_submit_do(mode, seed):
+    one, three = _offload_program(True, mode, seed), _offload_program(False, mode, seed)
+    assert one == three  # link, worker and tier stats (objects and bytes stored) and pins after every op
+    final = one[-1][0]
+    assert final.offload_objects > 0 and final.pinned_pages == 0 and final.offload_stored > 0

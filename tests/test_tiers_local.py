@@ -204,6 +204,69 @@ def test_disk_full_as_a_file_size_limit_is_a_refusal_and_a_counted_error(tmp_pat
     assert out.stdout.split("\n")[:3] == ["[True, False]", "1 1 True", "1 None"]
 
 
+@pytest.mark.parametrize("size", [128 << 10, (128 << 10) + 1, 876_744, (1 << 20) + 4095, 3 << 20])
+def test_disk_tier_large_values_read_back_whole_at_their_length(size, tmp_path):
+    # From 128 KiB (DIRECT_MIN_BYTES) a value is written past the page cache in whole blocks and cut
+    # to its length: the file holds the value's bytes and no padding, whatever the view's alignment.
+    tier = DiskTier(tmp_path)
+    buffer = np.random.default_rng(size).integers(0, 256, size + 99, dtype=np.uint8)
+    values = [memoryview(buffer)[3:3 + size], bytes(buffer[:size]), memoryview(buffer)[99:]]
+    expected = [bytes(v) for v in values]
+    assert tier.put([(f"v{i}", v) for i, v in enumerate(values)]) == [True] * 3
+    buffer[...] = 0  # the files hold the bytes as they were when put
+    assert tier.get([f"v{i}" for i in range(3)]) == expected
+    files = sorted(n for n in os.listdir(tmp_path) if n.endswith(".hkv"))
+    assert [os.path.getsize(tmp_path / n) for n in files] == [size] * 3
+    assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path))
+    stats = tier.stats()
+    assert (stats.stored, stats.stored_bytes, stats.held_bytes, stats.errors) == (3, 3 * size, 3 * size, 0)
+
+
+def test_disk_tier_large_value_under_a_file_size_limit_is_stored_when_its_bytes_fit(tmp_path):
+    # A value whose length fits the limit but whose whole blocks do not is still stored (the write
+    # through the page cache takes it); one past the limit is refused with one counted error.
+    script = textwrap.dedent(f"""
+        import os, resource, signal
+        from hybridkv.tiers import DiskTier
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, ((200 << 10) + 100, (200 << 10) + 100))
+        tier = DiskTier({str(tmp_path)!r})
+        print(tier.put([("fits", b"f" * ((200 << 10) + 100)), ("big", b"b" * ((200 << 10) + 101))]))
+        s = tier.stats()
+        print(s.refused, s.errors, "File too large" in s.last_error)
+        print(tier.get(["fits"])[0] == b"f" * ((200 << 10) + 100), any(n.endswith(".tmp") for n in os.listdir({str(tmp_path)!r})))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:3] == ["[True, False]", "1 1 True", "True False"]
+
+
+def test_disk_tier_large_object_torn_or_corrupted_is_a_clean_counted_miss(tmp_path):
+    c4 = "v4.c4a.compressed_kv"
+    parts = layout_parts(FLASH, c4)
+    rows = 64
+    row_bytes = sum(size for _, _, size in parts)
+    store = ObjectStore(DiskTier(tmp_path), FLASH)
+    objects = [RowsObject(ObjectKey("block", c4, bytes([i]) * 16), 0, 256, 0, rows, parts,
+                          np.random.default_rng(i).integers(0, 256, rows * row_bytes, dtype=np.uint8)) for i in range(3)]
+    files = []
+    for obj in objects:  # one at a time: each put adds its object's file
+        before = set(os.listdir(tmp_path))
+        assert store.put([obj]) == [True]
+        (new,) = set(os.listdir(tmp_path)) - before
+        files.append(os.path.join(tmp_path, new))
+    got = store.get([o.key for o in objects])
+    assert all(np.array_equal(g.payload, o.payload) for g, o in zip(got, objects))
+    torn, flipped = files[:2]
+    os.truncate(torn, os.path.getsize(torn) // 2)  # a write cut short
+    raw = bytearray(open(flipped, "rb").read())
+    raw[len(raw) // 2] ^= 0x01
+    open(flipped, "wb").write(raw)
+    got = store.get([o.key for o in objects])
+    assert got[0] is None and got[1] is None and np.array_equal(got[2].payload, objects[2].payload)
+    assert store.stats().corrupt == 2
+
+
 # --- the stack --------------------------------------------------------------------
 
 def test_stack_writes_through_keeps_lower_tiers_and_promotes_hits(tmp_path):

@@ -74,7 +74,7 @@ in an :class:`~hybridkv.inflight_state.InFlightState`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from itertools import chain
@@ -86,9 +86,10 @@ from hybridkv.inflight import InFlightRule, Markers
 from hybridkv.inflight_state import InFlightState
 from hybridkv.runtime.manager import CacheManagerError
 from hybridkv.tiers.keys import ObjectKey, name_prefix, store_names
-from hybridkv.tiers.pools import layout_parts
+from hybridkv.tiers.pools import GroupPools, layout_parts
 from hybridkv.tiers.rows import GroupPages, rows_for_tokens
 from hybridkv.tiers.store import ObjectStore
+from hybridkv.tiers.worker import OffloadWorker
 from hybridkv.transfer import (DeferredCopies, LoadPlan, LoadResult, OffloadPlan, PlannedObject, PlanParts,
                                StoreCheck, pages_from_manager)
 
@@ -197,6 +198,7 @@ class TierLink:
         self.plan_loads = bool(plan_loads)  # False: offload only (nothing is ever pending)
         self.max_pinned_pages = max_pinned_pages
         self._tickets = 0
+        self._jobs_out = 0  # jobs offload_step submitted whose results it has not confirmed
         # ticket -> (pinned pages as CacheManager.hold_pages takes them or None, pinned or deferred
         # entries, every entry of the plan in order, its StoreCheck or None, each entry's payload bytes)
         self._pins: dict[int, tuple[tuple[np.ndarray, np.ndarray] | None, list, list, StoreCheck | None,
@@ -480,6 +482,27 @@ class TierLink:
         self._pins[ticket] = (held, keys, every, check, payload_bytes)
         self._offloading.update(every)
         return plan
+
+    def offload_step(self, worker: OffloadWorker, pools: Mapping[str, GroupPools]) -> bool:
+        """A step's offload work in one call, before the forward: :meth:`confirm_offloads` of what
+        ``worker`` finished, :meth:`take_offloads`, and ``OffloadPlan.submit`` of the plan to
+        ``worker`` (``pools``: the device pages' bytes). With no job of this call's in flight and
+        nothing queued (most steps) it returns at once. False: the plan was dropped (the
+        worker's queue was full; its ticket comes back as any other). An engine uses this call
+        or the three, not both: the results it confirms are those of the jobs it submitted."""
+        if not self._jobs_out and not self._queue and not self._rescues and self._flight.markers is None:
+            return True
+        if self._jobs_out:
+            results = worker.finished()
+            if results:
+                self._jobs_out -= len(results)
+                self.confirm_offloads(results)
+        plan = self.take_offloads()
+        if plan is _NO_OFFLOADS:
+            return True
+        if len(plan.objects):  # (a plan of rescues alone queues no job)
+            self._jobs_out += 1
+        return plan.submit(worker, pools)
 
     def confirm_offloads(self, results: Iterable[tuple[int | None, Sequence[bool | None]]]) -> None:
         """Report offload plans the engine has run: ``(ticket, per object True stored, False
