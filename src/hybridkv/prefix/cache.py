@@ -769,6 +769,12 @@ class PrefixCache:
         self.values.superseded(key, kept)
         return kept
 
+    def load_kernels(self) -> None:
+        """Load (or compile) now the commit's kernel (``kernels.commit_pages``, through
+        ``CommitPages.read`` of no block and no boundary: nothing read or claimed), else the
+        first commit stalls for it. (A prefix hit's, ``lru.borrow_row``, loads at the first hit.)"""
+        self._reader.read(0, 0, 0, [])
+
     def forget_request(self, req: CommittingRequest) -> None:
         """A freed request's checkpoints stay cached (its last one is its terminal).
         With ``"prefill-per-byte"`` the cached checkpoints are then put in order of

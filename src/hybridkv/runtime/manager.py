@@ -1174,6 +1174,8 @@ class CacheManager:
         (``_load_step_kernels``) and of a step admitted and run in Python, over a plan of no rows:
         else the first step that needs one (late in a run, often) stalls for it."""
         self._space.load_kernels(self._tableset)
+        if self.prefix is not None:
+            self.prefix.load_kernels()
         self._load_step_kernels()
         # Room for a step of every table row and as many settling (``_take_row`` grows it with the rows).
         rows, counts, first, after, need, _, crossing, _ = self._scratch.plan_arrays(2 * self._computed.size)
