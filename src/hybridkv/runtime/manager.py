@@ -1186,13 +1186,9 @@ class CacheManager:
         self._short_pages(plan, none[1], none[1], none[1])
         out = self._run(plan, True)[0]
         self._after_run(0, 0, plan, out)
-        if self.arena is not None:  # ``_run``'s other kernel (spare slabs granted), not run
-            ts, space, sc = self._tableset, self._space, self._scratch
-            kernels.entry_point(kernels.grant_step, (
-                np.empty((2, 0), _INT64), self.arena.grant_args, ts.geometry, ts.pages, ts.bounds, self._computed,
-                self._committed, space.ref_counts, space.cached, space.low_priority, space.stack, space.per_group,
-                self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums, sc.pages,
-                sc.idle_keyed, sc.released, sc.touched, 0, *_NO_CELLS, *out, sc.widths))
+        if self.arena is not None:  # ``_run``'s other kernel: ``grant_step``, granting no slab
+            plan.spare_grants = np.empty((2, 0), dtype=np.int64)
+            self._run(plan, True)
 
     def _load_step_kernels(self) -> None:
         """``_load_kernels`` of ``kernels.step`` (``_step``'s compiled code, not run), ``admit_spare``
