@@ -631,8 +631,8 @@ class PageSpace:
     low-priority counts, whether a pool hands out its lowest ids first, and the LRUs'
     links (``lru_prev``, ``lru_next``: ``hybridkv.memory.lru``) and lengths. Each pool
     is rebound to views of them, so pool methods and kernels see the same state.
-    A release is ``kernels.drop_holds`` then :meth:`released`; a borrow (a prefix hit),
-    ``lru.borrow_row``."""
+    A release outside any request is :meth:`release_outside` (``kernels.drop_holds``'s
+    work and the LRU moves in one call); a borrow (a prefix hit), ``lru.borrow_row``."""
 
     def __init__(self, pools: Sequence[PagePool]):
         self.pools = list(pools)
@@ -652,7 +652,7 @@ class PageSpace:
         self.lru_lengths, self.granted = self.per_group[kernels.LRU_PAGES], self.per_group[kernels.GRANTED_PAGES]
         self.low_idle, self.skip_packing = self.per_group[kernels.LOW_IDLE_PAGES], self.per_group[kernels.SKIP_PACKING]
         self.ranked: list[int] = []  # the groups whose pool has a ranker (``PagePool.ranker`` keeps it)
-        self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # scratch: hold_outside, borrowed_idle
+        self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # scratch of hold_outside (``kernels.take_holds``)
         self._bind_pools()
 
     def _join_page_arrays(self, sizes: list[int]) -> None:
@@ -701,7 +701,7 @@ class PageSpace:
 
     def release_outside(self, local: np.ndarray, per_group: np.ndarray, limits: np.ndarray, held: np.ndarray) -> int:
         """Drop holds of :meth:`hold_outside` (``local`` listed alike): a page left without a
-        holder goes free or, still cached, joins its LRU, as :meth:`released` puts it, in one
+        holder goes free or, still cached, joins its LRU, as a step's release puts it, in one
         compiled call (``lru.release_placing``); then a pool's ranker (if any) is told. What
         ``kernels.release_outside`` returns: how many pages lost their last reference, or
         negative (nothing released) for a page outside ``[0, limits[g])`` or released more
