@@ -196,7 +196,7 @@ class StepEngine:
             self.tier_cpu_us += (time.thread_time() - c1) * 1e6
             if self.worker is not None:  # a load may read what an offload just queued
                 self.worker.drain()
-                link.offload_step(self.worker, self.pools)  # confirms it
+                link.offload_step(self.worker, self.pools)  # confirms it (and submits what is queued: one protocol)
             for load in loads:
                 link.confirm_load(load.request_id, load.plan.run(link.store, self.pools, load.targets))
         self.load_us += (time.perf_counter() - t0) * 1e6
