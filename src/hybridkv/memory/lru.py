@@ -272,6 +272,45 @@ def drop_unit(listed, n_entries, ref, keyed, low_priority, lru_prev, lru_next, s
 
 
 @njit(cache=True)
+def drop_units(listed, ref, keyed, low_priority, lru_prev, lru_next, stack, offsets, per_group, idle):
+    """Entries leaving the groups of a page space (``PageSpace.drop_units``), each group's
+    as :func:`drop_entries` drops them from one pool: ``listed`` holds, entry after entry,
+    its group, its page count and its local ids, each group's entries last to first. Every
+    page loses its key and low priority; the idle ones (no holder) leave their group's LRU
+    and go onto its free stack in listed order, one run a group (``push_run``);
+    ``per_group``'s LRU lengths, idle low-priority counts and tops follow. ``idle[g]``
+    (zeros on entry) gets group ``g``'s idle pages."""
+    run, run_group = np.empty(listed.size, dtype=np.int64), np.empty(listed.size, dtype=np.int64)
+    n, at = 0, 0
+    while at < listed.size:
+        g, end = listed[at], at + 2 + listed[at + 1]
+        offset = offsets[g]
+        for i in range(at + 2, end):
+            page = offset + listed[i]
+            keyed[page] = False
+            if ref[page] == 0:
+                unlink(lru_prev, lru_next, offset, listed[i])
+                if low_priority[page]:
+                    per_group[LOW_IDLE_PAGES, g] -= 1
+                run[n], run_group[n] = listed[i], g
+                n += 1
+                idle[g] += 1
+            low_priority[page] = False
+        at = end
+    group_run = np.empty(n, dtype=np.int64)
+    for g in range(idle.size):
+        if idle[g]:
+            k = 0
+            for i in range(n):
+                if run_group[i] == g:
+                    group_run[k] = run[i]
+                    k += 1
+            per_group[LRU_PAGES, g] -= k
+            per_group[TOP, g] = push_run(stack[offsets[g]:], per_group[TOP, g], per_group[LOWEST, g] != 0,
+                                         group_run[:k])
+
+
+@njit(cache=True)
 def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, prev, nxt, per_group, row, lo, counts, page_ids):
     """A new row's prefix hit in one call (``PrefixCache.match_and_borrow``): one more
     holder on each of ``page_ids`` (``kernels.take_holds``), the idle ones leaving their
