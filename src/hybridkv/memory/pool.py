@@ -684,8 +684,7 @@ class PageSpace:
         self.free_rows(tables, _NO_PAGES)
         lru.demote_unit(_NO_PAGES, 0, self.low_priority, self.lru_prev, self.lru_next, self.offsets,
                         self.idle_low_floors, self.low_idle)
-        self.drop_unit([], None)
-        self.drop_units([], [])
+        self.drop_unit([], None)  # ``lru.drop_units``, :meth:`drop_units`' kernel too
         for pool in self.pools:
             pool.load_kernels()
 
@@ -754,7 +753,7 @@ class PageSpace:
     def drop_unit(self, pools: Sequence[PagePool], key: Hashable) -> list[str]:
         """``pool.drop_entries([key])`` in each of ``pools`` (this space's, in order) that
         publishes ``key``, telling no one: flags, counts and free stacks in one compiled
-        pass (``lru.drop_unit``: the idle pages also leave their LRUs). Returns the group
+        pass (``lru.drop_units``: the idle pages also leave their LRUs). Returns the group
         ids of the pools it left, in order."""
         listed: list[int] = []
         left: list[str] = []
@@ -763,8 +762,9 @@ class PageSpace:
             if pages is not None:
                 listed += (pool._slot, len(pages), *pages)
                 left.append(pool.group_id)
-        lru.drop_unit(np.array(listed, dtype=np.int64), len(left), self.ref_counts, self.cached, self.low_priority,
-                      self.lru_prev, self.lru_next, self.stack, self.offsets, self.per_group, self.low_idle)
+        lru.drop_units(np.array(listed, dtype=np.int64), self.ref_counts, self.cached, self.low_priority,
+                       self.lru_prev, self.lru_next, self.stack, self.offsets, self.per_group,
+                       np.zeros(len(self.pools), dtype=np.int64))
         return left
 
     def drop_units(self, pools: Sequence[PagePool], keys: Sequence[Hashable]) -> tuple[list[list[str]], list[int]]:
