@@ -373,3 +373,24 @@ def test_keyed_low_answers_whether_a_listed_page_is_low_priority(counts, seed):
     idle = np.array([p for _, p in listed], dtype=np.int64)
     want = any(low[g * pages + p] for g, p in listed)
     assert kernels.keyed_low(geometry, low, np.array(counts, dtype=np.int64), idle) == want
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 9), st.integers(1, 300), st.integers(0, 320), st.integers(0, 320), st.integers(1, 12),
+       st.sampled_from([0.0, 0.02, 0.3, 1.0]), st.integers(0, 2**16))
+def test_low_idle_ids_lists_what_a_page_by_page_scan_finds(offset, size, start, bound, most, density, seed):
+    """``kernels.low_idle_ids`` (and its plain-Python form: ``NUMBA_DISABLE_JIT``), which skips
+    8 flags a word where none is set, over a pool's view at any offset of a page space's flags,
+    against the flags read page by page: the first ``most`` idle low-priority ids in ``[start, bound)``."""
+    rng = np.random.default_rng(seed)
+    low_all = rng.random(offset + size) < density
+    keyed_all = low_all | (rng.random(offset + size) < 0.5)
+    keyed_all &= rng.random(offset + size) < 0.9
+    ref_all = (rng.random(offset + size) < 0.2).astype(np.int32)
+    low, keyed, ref = low_all[offset:], keyed_all[offset:], ref_all[offset:]
+    start, bound = min(start, size), min(bound, size)
+    want = [p for p in range(start, bound) if low[p] and keyed[p] and ref[p] == 0][:most]
+    for scan in (kernels.low_idle_ids, kernels.low_idle_ids.py_func):
+        out = np.full(most, -1, dtype=np.int64)
+        n = scan(low, keyed, ref, start, bound, out)
+        assert out[:n].tolist() == want

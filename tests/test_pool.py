@@ -693,6 +693,53 @@ def test_page_space_drop_unit_is_drop_entries_pool_by_pool(data, lowest_first):
 
 @settings(max_examples=80, deadline=None)
 @given(data=st.data(), lowest_first=st.booleans())
+def test_page_space_drop_units_is_drop_entries_pool_by_pool(data, lowest_first):
+    """``PageSpace.drop_units`` (one compiled pass over several keys' entries in several
+    groups) against ``drop_entries`` of the keys each pool publishes, pool by pool: entries
+    of 0-3 pages, low priority or not, some pages held, some keys missing from some groups,
+    one entry left published in each group. Per key the groups it left, per pool the idle
+    pages freed (as ``drop_entries`` tells them); the same free stacks (order included),
+    LRU, idle low-priority counts, flags and entries."""
+    sizes = data.draw(st.lists(st.integers(20, 40), min_size=1, max_size=4), label="sizes")
+    keys = [f"k{j}" for j in range(data.draw(st.integers(0, 4), label="keys"))]
+    script = [[data.draw(st.tuples(st.booleans(), st.integers(0, 3), st.booleans(), st.integers(0, 3)),
+                         label=f"g{i} {key}: published, pages, low, held") for key in keys]
+              for i in range(len(sizes))]
+    sides = []
+    for _ in range(2):
+        pools = [PagePool(f"g{i}", n, lowest_first=lowest_first) for i, n in enumerate(sizes)]
+        space = PageSpace(pools)
+        for pool, entries in zip(pools, script):
+            idle = []
+            for key, (published, size, low, held) in zip(keys, entries):
+                if published:
+                    pages = allocate(pool, size).tolist()
+                    publish(pool, key, pages, low_priority=low)
+                    idle += pages[held:]
+            other = allocate(pool, 2).tolist()
+            publish(pool, "other", other[:1])
+            decref(pool, np.asarray(idle + other, dtype=np.int64))
+        sides.append((pools, space))
+    (pools_a, space), (pools_b, _) = sides
+    left, idle = space.drop_units(pools_a, keys)
+    want_left, want_idle = [[] for _ in keys], []
+    for pool in pools_b:
+        present = [key for key in keys if pool.lookup(key) is not None]
+        removals = pool.drop_entries(present) if present else []
+        want_idle.append(sum(n for _, _, n in removals))
+        for key, _, _ in removals:
+            want_left[keys.index(key)].append(pool.group_id)
+    assert (left, idle) == (want_left, want_idle)
+    for a, b in zip(pools_a, pools_b):
+        a.check_invariants()
+        assert (a.free_page_ids().tolist(), a.evictable_page_ids().tolist(), a.num_low_priority_idle_pages,
+                a.num_free_pages) == (b.free_page_ids().tolist(), b.evictable_page_ids().tolist(),
+                                      b.num_low_priority_idle_pages, b.num_free_pages)
+        assert _entries_state(a, keys + ["other"]) == _entries_state(b, keys + ["other"])
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), lowest_first=st.booleans())
 def test_page_space_demote_is_demote_pool_by_pool(data, lowest_first):
     """``PageSpace.demote`` (one compiled pass over a unit's pages in several groups)
     against ``demote(key)`` in each of the pools that publish the key: entries of 0-3

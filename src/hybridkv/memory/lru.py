@@ -242,33 +242,43 @@ def drop_entries(listed, n_entries, ref, keyed, low_priority, lru_prev, lru_next
 
 
 @njit(cache=True)
-def drop_unit(listed, n_entries, ref, keyed, low_priority, lru_prev, lru_next, stack, offsets, per_group, low_idle):
-    """One entry leaving each of ``n_entries`` groups of a page space (a checkpoint's
-    unit: ``PageSpace.drop_unit``): ``listed`` holds, entry after entry, its group, its
-    page count and its local ids. Every page loses its key and low priority; the idle
-    ones (no holder) leave their group's LRU (``hybridkv.memory.lru``; ``per_group``'s
-    ``LRU_PAGES`` counts them off) and go onto its free stack in that order (``push_run``;
-    ``per_group``'s ``TOP`` and ``LOWEST``); a low-priority entry's idle pages leave
-    ``low_idle[g]``."""
-    at = 0
-    idle = np.empty(listed.size, dtype=np.int64)
-    for _ in range(n_entries):
-        g, end, n_idle = listed[at], at + 2 + listed[at + 1], 0
+def drop_units(listed, ref, keyed, low_priority, lru_prev, lru_next, stack, offsets, per_group, idle):
+    """Entries leaving the groups of a page space (``PageSpace.drop_units``; a checkpoint's
+    unit, one entry a group: ``PageSpace.drop_unit``), each group's
+    as :func:`drop_entries` drops them from one pool: ``listed`` holds, entry after entry,
+    its group, its page count and its local ids, each group's entries last to first. Every
+    page loses its key and low priority; the idle ones (no holder) leave their group's LRU
+    and go onto its free stack in listed order, one run a group (``push_run``);
+    ``per_group``'s LRU lengths, idle low-priority counts and tops follow. ``idle[g]``
+    (zeros on entry) gets group ``g``'s idle pages."""
+    run, run_group = np.empty(listed.size, dtype=np.int64), np.empty(listed.size, dtype=np.int64)
+    n, at = 0, 0
+    while at < listed.size:
+        g, end = listed[at], at + 2 + listed[at + 1]
         offset = offsets[g]
-        low = end > at + 2 and low_priority[offset + listed[at + 2]]  # an entry is low as a whole
         for i in range(at + 2, end):
             page = offset + listed[i]
             keyed[page] = False
-            low_priority[page] = False
             if ref[page] == 0:
                 unlink(lru_prev, lru_next, offset, listed[i])
-                idle[n_idle] = listed[i]
-                n_idle += 1
-        per_group[LRU_PAGES, g] -= n_idle
-        if low:
-            low_idle[g] -= n_idle
-        per_group[TOP, g] = push_run(stack[offset:], per_group[TOP, g], per_group[LOWEST, g] != 0, idle[:n_idle])
+                if low_priority[page]:
+                    per_group[LOW_IDLE_PAGES, g] -= 1
+                run[n], run_group[n] = listed[i], g
+                n += 1
+                idle[g] += 1
+            low_priority[page] = False
         at = end
+    group_run = np.empty(n, dtype=np.int64)
+    for g in range(idle.size):
+        if idle[g]:
+            k = 0
+            for i in range(n):
+                if run_group[i] == g:
+                    group_run[k] = run[i]
+                    k += 1
+            per_group[LRU_PAGES, g] -= k
+            per_group[TOP, g] = push_run(stack[offsets[g]:], per_group[TOP, g], per_group[LOWEST, g] != 0,
+                                         group_run[:k])
 
 
 @njit(cache=True)

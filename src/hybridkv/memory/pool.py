@@ -684,7 +684,7 @@ class PageSpace:
         self.free_rows(tables, _NO_PAGES)
         lru.demote_unit(_NO_PAGES, 0, self.low_priority, self.lru_prev, self.lru_next, self.offsets,
                         self.idle_low_floors, self.low_idle)
-        self.drop_unit([], None)
+        self.drop_unit([], None)  # ``lru.drop_units``, :meth:`drop_units`' kernel too
         for pool in self.pools:
             pool.load_kernels()
 
@@ -753,7 +753,7 @@ class PageSpace:
     def drop_unit(self, pools: Sequence[PagePool], key: Hashable) -> list[str]:
         """``pool.drop_entries([key])`` in each of ``pools`` (this space's, in order) that
         publishes ``key``, telling no one: flags, counts and free stacks in one compiled
-        pass (``lru.drop_unit``: the idle pages also leave their LRUs). Returns the group
+        pass (``lru.drop_units``: the idle pages also leave their LRUs). Returns the group
         ids of the pools it left, in order."""
         listed: list[int] = []
         left: list[str] = []
@@ -762,9 +762,32 @@ class PageSpace:
             if pages is not None:
                 listed += (pool._slot, len(pages), *pages)
                 left.append(pool.group_id)
-        lru.drop_unit(np.array(listed, dtype=np.int64), len(left), self.ref_counts, self.cached, self.low_priority,
-                      self.lru_prev, self.lru_next, self.stack, self.offsets, self.per_group, self.low_idle)
+        lru.drop_units(np.array(listed, dtype=np.int64), self.ref_counts, self.cached, self.low_priority,
+                       self.lru_prev, self.lru_next, self.stack, self.offsets, self.per_group,
+                       np.zeros(len(self.pools), dtype=np.int64))
         return left
+
+    def drop_units(self, pools: Sequence[PagePool], keys: Sequence[Hashable]) -> tuple[list[list[str]], list[int]]:
+        """``pool.drop_entries`` of the ``keys`` each of ``pools`` (this space's) publishes,
+        telling no one, all in one compiled pass (``lru.drop_units``: each pool's free stack
+        ends as after its own ``drop_entries``). Returns per key, in order, the group ids of
+        the pools it left (in ``pools`` order), and per pool its idle pages freed."""
+        listed: list[int] = []
+        left: list[list[str]] = []
+        pops = [(pool._entries.pop, pool._slot, pool.group_id) for pool in pools]
+        for key in reversed(keys):  # each pool's last entry first, as ``drop_entries`` lists them
+            gone = []
+            for pop, slot, gid in pops:
+                pages = pop(key, None)
+                if pages is not None:
+                    listed += (slot, len(pages), *pages)
+                    gone.append(gid)
+            left.append(gone)
+        idle = np.zeros(len(self.pools), dtype=np.int64)
+        lru.drop_units(np.array(listed, dtype=np.int64), self.ref_counts, self.cached, self.low_priority,
+                       self.lru_prev, self.lru_next, self.stack, self.offsets, self.per_group, idle)
+        left.reverse()
+        return left, idle[[slot for _, slot, _ in pops]].tolist()
 
     def keyed_idle(self, per_group: np.ndarray, keyed: np.ndarray) -> None:
         """Keyed pages a release left idle (``keyed``, local ids, group after group,

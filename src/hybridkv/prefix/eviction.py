@@ -312,21 +312,19 @@ class ValueEviction:
 
     def take_units(self, gid: str, keys: Sequence[Hashable]) -> list[list[str]]:
         """The batch form of what :meth:`removed` does to the other state groups for
-        entries just evicted (or revoked) from state group ``gid``: the same keys leave
-        each of them now (``UNIT``, their idle pages counted as such), one
-        ``PagePool.evict_entries`` per group, in the order :meth:`removed` would take
+        entries just evicted (or revoked) from state group ``gid`` (the pools of one page
+        space): the same keys leave each of them now (``UNIT``, their idle pages counted as
+        such), all in one ``PageSpace.drop_units``, each group's as :meth:`removed` would take
         them. Per key, in order: the state groups it left, ``gid`` first (what the caller
         books, then gives :meth:`units_removed`)."""
-        left = [[gid] for _ in keys]
-        for other in self.state_ids if self.acts else ():
-            lookup = self.pools[other].lookup
-            present = [i for i, key in enumerate(keys) if lookup(key) is not None] if other != gid else None
-            if present:
-                removals = self.pools[other].evict_entries([keys[i] for i in present], UNIT)
-                self.evicted_pages[other]["unit"] += sum(idle for _, _, idle in removals)
-                for i in present:
-                    left[i].append(other)
-        return left
+        others = [self.pools[other] for other in self.state_ids if other != gid] if self.acts else []
+        if not others:
+            return [[gid] for _ in keys]
+        gone, idle = others[0].space.drop_units(others, keys)
+        for pool, freed in zip(others, idle):
+            pool.counters.evicted_pages += freed
+            self.evicted_pages[pool.group_id]["unit"] += freed
+        return [[gid, *gids] for gids in gone]
 
     def units_removed(self, gid: str, removals: Sequence[tuple], left: Sequence[Sequence[str]]) -> None:
         """:meth:`removed` of each (key, cause, idle pages) of ``removals`` (entries evicted

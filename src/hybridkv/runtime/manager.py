@@ -1235,16 +1235,17 @@ class CacheManager:
     def _make_room(self, plan: _StepPlan) -> None:
         """``PagePool.make_room`` of each group's allocated pages where ``_room_groups`` named it (its
         transient pages: ``highest``). Once one has evicted (telling of a removal may drop or demote
-        entries of later groups, which then may have to pack), ``_room_groups`` names the later groups
-        again: one it leaves out would evict nothing."""
+        entries of later groups, which then may have to pack), every later group allocating pages is
+        asked: ``make_room`` applies ``kernels.room_groups``' rule itself, so one that rule would now
+        leave out evicts nothing (no second ``_room_groups``)."""
         allocated, marks = plan.sums[1].tolist(), self._scratch.transient.tolist()
+        evicted = False
         for g, pool in enumerate(self._pool_list):
-            if marks[g] >= 0:
+            mark = marks[g]
+            if mark >= 0 or (evicted and allocated[g]):
                 before = pool.counters.evicted_pages
-                pool.make_room(allocated[g], marks[g])
-                if pool.counters.evicted_pages != before and g + 1 < len(marks):
-                    self._room_groups(plan)
-                    marks = self._scratch.transient.tolist()
+                pool.make_room(allocated[g], mark if mark >= 0 else -1 - mark)
+                evicted = evicted or pool.counters.evicted_pages != before
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
                      n_touched: int, cells: tuple = _NO_CELLS) -> StepBatch:
