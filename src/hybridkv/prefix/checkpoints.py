@@ -105,13 +105,9 @@ CLASSES = (SPECULATIVE, OWN, REUSED)
 
 
 class CheckpointValues:
-    """Saved prefill per byte, blended with recency, of the checkpoints a
-    ``"prefill-per-byte"`` prefix cache publishes (one record per key):
-    ``score = log2(saved_prefill(D) * expected_reuse / (D + checkpoint_tokens)) - age / H``,
-    age in requests freed since the checkpoint's publication or last hit. Expected
-    reuse is learned per class (``SPECULATIVE``, ``OWN``, ``REUSED``) from hits
-    (successes) and removals without a hit (failures): ``(s + 1) / (s + f + 2)``
-    (docs/prefix-caching.md, "Checkpoint policies")."""
+    """Saved prefill per byte, blended with recency, of a ``"prefill-per-byte"`` prefix cache's checkpoints
+    (one record per key; the score and the expected reuse per class: docs/prefix-caching.md, "Checkpoint
+    policies")."""
 
     def __init__(self, checkpoint_tokens: int = CHECKPOINT_HISTORY_TOKENS):
         self.checkpoint_tokens = as_int("checkpoint_tokens", checkpoint_tokens, minimum=1)
@@ -248,19 +244,12 @@ class CheckpointValues:
 
 
 class CheckpointOrder:
-    """The ``"prefill-per-byte"`` eviction order of the checkpoints in the state pools,
-    kept incrementally, at O(log n) a change: the same decisions as the full sort
-    (:meth:`CheckpointValues.eviction_order` at each freed request,
-    :meth:`hybridkv.prefix.cache.PrefixCache.use_full_sort_ranking`). One heap per pool
-    and class, ordered by :meth:`CheckpointValues.static_key` (lazy deletion by key
-    version); a victim is the lowest of the class heads, then the checkpoints gone idle
-    (or mended, :meth:`mended`) since the last freed request, in that order. At each
-    freed request (:meth:`request_freed`) only what changed is filed again. A checkpoint
-    beyond a gap (``beyond_gap``) is never promoted here. How and why:
-    docs/prefix-caching.md, "Checkpoint policies".
-
-    A pool with ``ranker`` set to this object reports the pages that go idle
-    (:meth:`went_idle`) and takes its normal-priority victims from :meth:`victim`."""
+    """The ``"prefill-per-byte"`` eviction order of the state pools' checkpoints, kept incrementally (the
+    full sort's decisions, :meth:`CheckpointValues.eviction_order`): one heap per pool and class by
+    :meth:`CheckpointValues.static_key`, then the checkpoints gone idle (or :meth:`mended`) since the last
+    freed request (docs/prefix-caching.md, "Checkpoint policies"). A pool with ``ranker`` set to this
+    object reports pages gone idle (:meth:`went_idle`) and takes its normal-priority victims from
+    :meth:`victim`."""
 
     def __init__(self, values: CheckpointValues, pools: Sequence, idle_clock,
                  beyond_gap: Callable[[Hashable], bool] | None = None):

@@ -57,25 +57,16 @@ class ValueEviction:
         self._history_pools = [pools[gid] for gid in self.history_ids]
         # Orphans exist only where a hit needs both kinds of group.
         self._track = bool(self.history_ids) and bool(self.state_ids)
-        # key -> [parent key, support, entries in any group, state groups holding it,
-        #         child keys (an insertion-ordered set, below, or None), cut (a block on its
-        #         chain is missing), first (a chain's first block: its parent is the salt
-        #         root), boundary tokens]:
-        # one record per key for every group (``origin`` reads what its events name)
+        # One record per key for every group: [parent key, support, entries in any group, state groups
+        # holding it, child keys (or None), cut (a block on its chain is missing), first (a chain's first
+        # block), boundary tokens]. Children and waiting keys are dicts used as insertion-ordered sets,
+        # so every walk goes in publication order, never in hash order.
         self._nodes: dict[Hashable, list] = {}
-        # Whether a key has a node: False means no group publishes an entry under it (a
-        # commit asks it once per key instead of asking each group's pool).
-        self.knows: Callable[[Hashable], bool] = self._nodes.__contains__
-        # parent key -> keys published before it (linked as its children when it is), in
-        # the order they were; children and waiting keys are dicts (values None) used as
-        # insertion-ordered sets, so every walk over them (cut, mend, adoption) goes in
-        # publication order, never in hash order
-        self._unborn: dict[Hashable, dict] = {}
-        # (group, key) of state entries demoted because a block below them went (promoted
-        # back when it is published again); prompt checkpoints were low priority already.
+        self.knows: Callable[[Hashable], bool] = self._nodes.__contains__  # False: no group publishes it
+        self._unborn: dict[Hashable, dict] = {}  # parent key -> keys published before it
+        # (group, key) of state entries demoted because a block below them went (promoted back when mended).
         self._cut_demoted: set[tuple[str, Hashable]] = set()
-        # Told the keys of the state entries beyond a gap that regained their value, in
-        # the order they were promoted back (hybridkv.prefix.checkpoints.CheckpointOrder.mended).
+        # Told the keys of state entries beyond a gap that regained their value (``CheckpointOrder.mended``).
         self.on_mended: Callable[[list], None] | None = None
         self.evicted_pages = {gid: dict.fromkeys(REASONS, 0) for gid in pools}
 
