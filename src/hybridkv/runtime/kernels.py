@@ -1,14 +1,11 @@
 """The compiled data plane: one step's per-group, per-request work as plain loops.
 
-Every function here is a numba ``@njit(cache=True)`` kernel over struct-of-arrays
-state: the manager's table store (``hybridkv.tables.store.TableSet``), its page space
-(``hybridkv.memory.pool.PageSpace``: every pool's free stack, ref counts and flags) and
-its per-row token counters. With ``NUMBA_DISABLE_JIT=1`` the same functions run
-as plain Python. Nothing here allocates Python objects per request: a step is
-``prepare_step`` (pure: the plan admission reads) then ``run_step`` (release,
-allocate, the batch's arrays), whatever the batch looks like (decode, prefill
-chunks, both, requests joining and settling); ``step`` runs both in one call when
-the plan needs nothing from Python in between (most steps).
+Every function here is a numba ``@njit(cache=True)`` kernel (plain Python with
+``NUMBA_DISABLE_JIT=1``) over the manager's struct-of-arrays state: its table store
+(``TableSet``), page space (``PageSpace``) and per-row token counters (docs/manager.md,
+"One step, in four stages"). A step is ``prepare_step`` (pure: the plan admission reads)
+then ``run_step`` (release, allocate, the batch's arrays); ``step`` runs both in one call
+when the plan needs nothing from Python in between (most steps).
 
 Arrays (``G`` groups, ``R`` scheduled rows, ``N`` scheduled tokens):
 
@@ -19,37 +16,25 @@ Arrays (``G`` groups, ``R`` scheduled rows, ``N`` scheduled tokens):
   tokens and of stride (-1 where not a power of two: a division then),
   then where the group's cells sit in ``pages`` (below), and (the one column the
   kernels change) how many of its lanes are free.
-* ``pages`` int32, flat: every group's table cells (``hybridkv.tables.store.TableSet``
-  lays them out). Group ``g``'s logical page ``L`` of a row is at ``RING_START + row *
-  ROW_STRIDE + (L & RING_MASK) * COLUMN_STRIDE``: a sliding group gives each row a
-  narrow ring of ``ROW_STRIDE`` cells (column stride 1); a full-history group
-  (``RING_MASK`` -1) is stored column-major (row stride 1, column stride the table
-  rows), so rows at the same logical page share cache lines. A sliding row whose live pages
-  outgrow that narrow ring (a step of many tokens) is *wide*: its cells move to a
-  lane of ``COLUMN_MASK + 1`` cells, lane ``k`` at ``LANE_START + k * (COLUMN_MASK +
-  1)``, until a release brings it back under (``fit_ring``); ``cell`` finds a page
-  either way. There are as many lanes as table rows, handed out lowest first and
-  reused last-freed first, so only as many are ever written as rows were wide at
-  once. Only cells of live pages mean anything.
+* ``pages`` int32, flat: every group's table cells (docs/manager.md, "The table store's
+  layout"). Group ``g``'s logical page ``L`` of a row is at ``RING_START + row *
+  ROW_STRIDE + (L & RING_MASK) * COLUMN_STRIDE`` (a sliding row's narrow ring; full
+  history column-major), or for a *wide* row in its lane ``k`` at ``LANE_START + k *
+  (COLUMN_MASK + 1) + (L & COLUMN_MASK)`` (``cell``; ``fit_ring`` moves a row between
+  them). Only cells of live pages mean anything.
 * ``bounds`` int64 ``[4, G, table rows]``: live logical pages ``[base, hi)``, the
   row's lane plus one (0: narrow) and, per group, the stack of free lanes
   (``bounds[FREE_LANES, g, :geometry[g, FREE_COUNT]]``, the lowest on top).
 * The *ring view* (``TableSet.ring_view``, the engine's ``BlockTableMirror``): group
   ``g``, row, column ``L & COLUMN_MASK`` at index ``(g * table rows + row) *
   VIEW_COLUMNS + column``; the cells a kernel touches are logged in that form.
-* ``computed`` int64 ``[table rows]``: tokens computed per row; ``step`` takes it with
-  the committed and known tokens as ``counters`` ``[3, table rows]``.
-* ``per_group`` int64 ``[PER_GROUP_ROWS, G]``: each group's free stack ``top``, whether it
-  is ``lowest`` first, the lower bound of its idle low-priority ids, the pages a step
-  kernel ever released and allocated in it (the pool's counters), its LRU's length, the
-  pages granted, the peak of used pages, its idle low-priority pages and whether it may
-  skip packing (its arena is roomy): what ``packing_floor`` reads.
+* ``counters`` int64 ``[3, table rows]``: computed, committed and known tokens per row.
+* ``per_group`` int64 ``[PER_GROUP_ROWS, G]``: each group's counts (``TOP`` ... ``SKIP_PACKING``).
 * ``ref`` int32 ``[P]``, ``keyed`` bool ``[P]``: per page-space id, its holders and
-  whether it carries a content key (an idle keyed page goes to the prefix
-  cache's LRU, ``hybridkv.memory.lru``'s lists, not to the free stack).
-* ``stack`` int32 ``[P]`` and ``top`` int64 ``[G]``: group ``g``'s free local ids at
-  ``stack[offset_g : offset_g + top[g]]``, the next one handed out last (LIFO);
-  a ``lowest`` group keeps its stack sorted, the lowest id on top.
+  whether it carries a content key (an idle keyed page goes to ``hybridkv.memory.lru``'s
+  lists, not to the free stack).
+* ``stack`` int32 ``[P]``: group ``g``'s free local ids at ``stack[offset_g : offset_g +
+  top[g]]``, the next one handed out last; a ``lowest`` group's sorted, the lowest on top.
 
 The rules (docs/manager.md): a step writing tokens ``[first, first + n)`` of a
 row releases, in a sliding group, the logical pages below

@@ -309,7 +309,6 @@ class CacheManager:
         self._held_all = np.zeros(self._space.ref_counts.size, dtype=np.int64)
         self._held_outside = {s.group_id: self._held_all[off : off + self.pools[s.group_id].num_pages]
                               for s, off in zip(self.specs, self._space.offsets.tolist())}
-        self._space_offset = dict(zip((s.group_id for s in self.specs), self._space.offsets.tolist()))
         self._space_limits = np.array([self.pools[s.group_id].num_pages for s in self.specs], dtype=np.int64)
 
     def _init_registry(self) -> None:
@@ -1432,7 +1431,7 @@ class CacheManager:
             bad = kernels.first_out_of_range(local, per_group, self._space_limits, lowest)
             if bad >= 0:
                 self._refuse_range(per_group, bad, error)
-            gid = next(gid for gid in pages_by_group if gid not in self._space_offset)
+            gid = next(gid for gid in pages_by_group if gid not in self.pools)
             raise CacheManagerError(f"no group {gid!r}")
         return local, per_group
 
