@@ -81,42 +81,30 @@ def leave(prev, nxt, lengths, offsets, per_group, pages):
 
 
 @njit(cache=True)
-def leave_borrowed(prev, nxt, offsets, space_counts, per_group, pages):
-    """Pages that got a holder outside any request leave their list; the pools' peaks follow."""
-    leave(prev, nxt, space_counts[LRU_PAGES], offsets, per_group, pages)
-    note_peaks(space_counts, per_group, per_group[:0])
-
-
-@njit(cache=True)
-def place_released(stack, offsets, space_counts, counts, freed, keyed, idle_tick, low_priority, prev, nxt, clock):
-    """What ``kernels.drop_holds`` let go goes where a release puts it: unkeyed pages onto their free stacks,
-    keyed ones into their lists (:func:`join`); the release counted."""
-    push_free(stack, space_counts[TOP], offsets, space_counts[LOWEST], counts[0], freed)
-    for g in range(counts.shape[1]):
-        space_counts[RELEASED_PAGES, g] += counts[0, g] + counts[1, g]
-    join(idle_tick, low_priority, prev, nxt, space_counts[LRU_PAGES], space_counts[LOW_IDLE_PAGES],
-         space_counts[LOW_FLOOR], offsets, counts[1], keyed, clock)
-
-
-@njit(cache=True)
 def hold_leaving(local, per_group, offsets, limits, ref, keyed, low_priority, low_idle, held, idle_pages, idle_counts,
                  prev, nxt, space_counts):
-    """``kernels.hold_outside``, then :func:`leave_borrowed` of the idle pages it held; its answer."""
+    """``kernels.hold_outside``, then the idle pages it held leave their lists and the pools' peaks follow;
+    its answer."""
     found = hold_outside(local, per_group, offsets, limits, ref, keyed, low_priority, low_idle, held, idle_pages,
                          idle_counts)
     if found > 0:
-        leave_borrowed(prev, nxt, offsets, space_counts, idle_counts, idle_pages[:found])
+        leave(prev, nxt, space_counts[LRU_PAGES], offsets, idle_counts, idle_pages[:found])
+        note_peaks(space_counts, idle_counts, idle_counts[:0])
     return found
 
 
 @njit(cache=True)
 def release_placing(local, per_group, offsets, limits, ref, keyed, held, freed, keyed_pages, counts, stack,
                     space_counts, idle_tick, low_priority, prev, nxt, clock):
-    """``kernels.release_outside``, then :func:`place_released` of what it let go; its answer."""
+    """``kernels.release_outside``, then what it let go goes where a release puts it: unkeyed pages onto their
+    free stacks, keyed ones into their lists (:func:`join`), the release counted; its answer."""
     found = release_outside(local, per_group, offsets, limits, ref, keyed, held, freed, keyed_pages, counts)
     if found > 0:
-        place_released(stack, offsets, space_counts, counts, freed, keyed_pages, idle_tick, low_priority, prev, nxt,
-                       clock)
+        push_free(stack, space_counts[TOP], offsets, space_counts[LOWEST], counts[0], freed)
+        for g in range(counts.shape[1]):
+            space_counts[RELEASED_PAGES, g] += counts[0, g] + counts[1, g]
+        join(idle_tick, low_priority, prev, nxt, space_counts[LRU_PAGES], space_counts[LOW_IDLE_PAGES],
+             space_counts[LOW_FLOOR], offsets, counts[1], keyed_pages, clock)
     return found
 
 

@@ -1485,8 +1485,7 @@ class CacheManager:
             raise CacheManagerError(f"unknown request {request_id!r}") from None
 
     def _take_row(self) -> int:
-        if self._free_rows:
-            return self._free_rows.pop()
+        """A new table row (``add_request`` reuses a free one first)."""
         row = self._next_row
         self._next_row += 1
         self._state = None  # the table store and the counters may grow
