@@ -303,10 +303,7 @@ class Arena:
         inner, straddle, scratch, groups, slabs = self._spare_plan
         n = kernels.take_spare_for(short, self._slab_pages, spare, own, scratch, inner, straddle, self._taken, groups,
                                    slabs)
-        if n < 0:
-            return None
-        ids = self.group_ids
-        return [(ids[g], slab, None) for g, slab in zip(groups[:n].tolist(), slabs[:n].tolist())]
+        return None if n < 0 else self.spare_grants(n)  # ``groups`` and ``slabs`` view ``_spare_grants``
 
     def spare_grants(self, n: int) -> list[Grant]:
         """The ``n`` grants ``kernels.admit_spare`` just wrote to its scratch (``spare_args``)."""

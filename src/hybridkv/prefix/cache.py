@@ -727,16 +727,11 @@ class PrefixCache:
         return kept
 
     def load_kernels(self) -> None:
-        """Load (or compile) now the commit's kernel (``kernels.commit_pages``, through
-        ``CommitPages.read`` of no block and no boundary: nothing read or claimed), else the
-        first commit stalls for it. (A prefix hit's, ``lru.borrow_row``, loads at the first hit.)"""
+        """Load (or compile) now the commit's kernel, reading nothing (``lru.borrow_row`` loads at the first hit)."""
         self._reader.read(0, 0, 0, [])
 
     def forget_request(self, req: CommittingRequest) -> None:
-        """A freed request's checkpoints stay cached (its last one is its terminal).
-        With ``"prefill-per-byte"`` the cached checkpoints are then put in order of
-        value: incrementally (:class:`hybridkv.prefix.checkpoints.CheckpointOrder`), or by
-        :meth:`rank_checkpoints` after :meth:`use_full_sort_ranking`."""
+        """A freed request's checkpoints stay cached; with ``"prefill-per-byte"`` they are then ranked again."""
         req.own_checkpoints = []
         if self.values is not None:
             self.values.request_freed()
@@ -762,10 +757,8 @@ class PrefixCache:
             assert self._holders[gid].get(key, 0) >= n, f"{gid}: {n} requests keep an entry with fewer holds"
 
     def use_full_sort_ranking(self) -> None:
-        """``"prefill-per-byte"``: rank by :meth:`rank_checkpoints` at every freed
-        request (a full sort, O(n log n) a request: the reference the incremental
-        order must agree with) instead of :class:`hybridkv.prefix.checkpoints.CheckpointOrder`.
-        Only before anything is cached; ValueError otherwise."""
+        """``"prefill-per-byte"``: rank by :meth:`rank_checkpoints`' full sort (the reference) instead of
+        ``CheckpointOrder``. Only before anything is cached; ValueError otherwise."""
         if self.values is None or any(pool.num_cached_pages for pool in self.pools.values()):
             raise ValueError("use_full_sort_ranking needs checkpoint_policy='prefill-per-byte' and an empty cache")
         for gid in self.state_ids:
@@ -774,15 +767,9 @@ class PrefixCache:
         self.eviction.on_mended = None
 
     def rank_checkpoints(self) -> list[int]:
-        """``"prefill-per-byte"``, the full-sort reference: the checkpoints of a class
-        rated below the reuse floor become low priority (at the front of each state
-        pool's LRU, the newly demoted ones lowest score first, ahead of those already
-        there), the others normal priority (but those beyond a gap, held low until their
-        block is back: :meth:`hybridkv.prefix.eviction.ValueEviction.beyond_gap`) in the order of
-        :meth:`hybridkv.prefix.checkpoints.CheckpointValues.eviction_order`, the highest at the
-        back (a pool that uses an incremental order ignores the LRU order of its
-        normal-priority pages). Returns every cached checkpoint's key, low-priority
-        classes first, each part lowest score first ([] for other policies)."""
+        """``"prefill-per-byte"``, the full-sort reference: low-priority classes' checkpoints to the front of
+        each state pool's LRU (lowest score first), the others (but those beyond a gap) normal priority in
+        ``CheckpointValues.eviction_order``. Returns that order ([] for other policies)."""
         if self.values is None or not self.state_ids:
             return []
         values = self.values

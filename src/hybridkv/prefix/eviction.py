@@ -1,14 +1,9 @@
 """Which cached entries go first when memory is short: one notion of value across groups.
 
-A hybrid model's cached prefix is usable at a boundary ``D`` only with every
-history block below ``D`` and a checkpoint at ``D`` in every state group. Each pool
-evicts its own idle entries, front of its LRU first (:mod:`hybridkv.memory.pool`);
-:class:`ValueEviction` keeps what the pools hold consistent with that rule: the
-entries under one key leave together (*units*), a history block below no complete
-checkpoint is demoted (an *orphan*), and what lies beyond a missing block (a *gap*)
-is demoted until the block is published again (then mended). Eviction order within
-a pool: orphans, entries beyond a gap and prompt checkpoints, then usable entries
-least recently used first (docs/prefix-caching.md, "Eviction by value").
+A cached prefix is usable at ``D`` only with every history block below ``D`` and a checkpoint at ``D``
+in every state group. :class:`ValueEviction` keeps the pools' evictions consistent with that rule:
+*units* leave together, *orphans* and entries beyond a *gap* are demoted (docs/prefix-caching.md,
+"Eviction by value").
 """
 
 from __future__ import annotations
@@ -445,9 +440,7 @@ class ValueEviction:
             self.on_mended([k for k in order if self._nodes[k][3]])
 
     def beyond_gap(self, key: Hashable) -> bool:
-        """Whether the policy holds the entries under ``key`` low for a gap: a history
-        block below them is missing (until it is published again, nothing may promote
-        them: no hit can reach them)."""
+        """Whether the policy holds the entries under ``key`` low for a gap (a block below them is missing)."""
         node = self._nodes.get(key)
         return self.acts and node is not None and node[5]
 

@@ -177,10 +177,8 @@ def claim_entries(geometry, layout, pages, want, ref, keyed, low, limits, status
 
 @njit(cache=True)
 def fit_ring(geometry, pages, bounds, g, row, live_pages):
-    """Make ``row`` wide in group ``g`` (it takes the free lane on top) when
-    ``live_pages`` exceed its narrow ring, narrow (its lane goes back on top) when
-    they fit, moving its live cells ``[base, hi)`` across (groups without lanes never
-    change)."""
+    """Make ``row`` wide (it takes the top free lane) when ``live_pages`` exceed its narrow ring, narrow
+    (the lane goes back) when they fit, moving its live cells across."""
     if geometry[g, LANE_START] < 0:
         return
     wide = live_pages > geometry[g, RING_MASK] + 1
@@ -473,14 +471,9 @@ def must_pack_at(ref, offset, packing, g, page, pages):
 @njit(cache=True)
 def allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, rows, first, counts, after, sums,
                    touched, n_touched):
-    """Every row gets the pages from its hi to its new hi (rows in plan order, pages in
-    logical order), popped off its group's free stack, each held once. In a
-    ``transient`` group (shared arena) where some row gets several pages, the pages
-    the next step releases again (below the window of the row's new end) come last:
-    in a ``lowest`` group they take the stack's bottom (highest) ids, in ascending
-    order, so long-lived pages pack low; in a LIFO group the ids popped after the
-    survivors'. The stacks hold enough (the caller made room). Returns cells logged
-    (the pages count in ``per_group``)."""
+    """Every row gets the pages from its hi to its new hi off its group's free stack (which holds enough),
+    each held once; in a ``transient`` group the pages the next step releases again take the highest ids
+    (``lowest`` group) or come last, so long-lived pages pack low. Returns cells logged."""
     n_rows, top, lowest = bounds.shape[2], per_group[TOP], per_group[LOWEST]
     for g in range(geometry.shape[0]):
         if sums[1, g] == 0:
@@ -760,9 +753,8 @@ def rewind_keep(geometry, bounds, g, row, kept_tokens):
 
 @njit(cache=True)
 def truncate_rows(geometry, pages, bounds, rows, kept):
-    """Every group's logical pages of each row from ``rewind_keep`` (``kept`` tokens) to its
-    hi leave its table, and the hi drops there. Returns their page ids and ring-view cells,
-    group after group, rows in order, pages in logical order, and how many per group."""
+    """Every row's logical pages from ``rewind_keep`` (``kept`` tokens) to its hi leave its tables; returns
+    their page ids and ring-view cells (group-major) and how many per group."""
     n_groups, n_rows = geometry.shape[0], bounds.shape[2]
     total = 0
     for g in range(n_groups):
@@ -814,10 +806,8 @@ def rewind_rows(geometry, pages, bounds, counters, known_floor, ref, keyed, stac
 
 @njit(cache=True)
 def release_taken(geometry, ref, keyed, stack, per_group, taken, taken_per_group):
-    """Pages taken out of the tables (local ids, group after group, ``taken_per_group[g]``
-    of group ``g``) are one release of each group's, in the order listed
-    (``drop_holds``, ``push_free``; counted in ``per_group``). Returns the keyed pages
-    left idle (local ids, group after group) and how many per group."""
+    """Pages taken out of the tables (group-major) are one release per group (``drop_holds``, ``push_free``);
+    returns the keyed pages left idle (group-major) and how many per group."""
     offsets = geometry[:, ID_OFFSET].copy()
     freed, idle_keyed = np.empty(taken.size, dtype=np.int64), np.empty(taken.size, dtype=np.int64)
     counts = np.zeros((2, offsets.size), dtype=np.int64)

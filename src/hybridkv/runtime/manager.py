@@ -380,8 +380,6 @@ class CacheManager:
         self._version += 1  # invalidates a cached admission
         row = self._free_rows.pop() if self._free_rows else self._take_row()
         req = _Request(request_id, row, prompt_len, total, buf, prompt_len)
-        # With a prompt, the request's block keys start; the hit's pages go into the row's tables,
-        # its checkpoint becomes the request's own and its junction is pinned when the request crosses it.
         if self.prefix is not None and buf is not None:
             hit = self.prefix.match_and_borrow(req, buf[:prompt_len], cache_salt)
         else:
@@ -596,8 +594,7 @@ class CacheManager:
         wanted = plan.sums[1]
         n_short = -1 if deny else self._short_pages(plan, wanted, self._space.tops, self._free_pages())
         if n_short >= 0:
-            # No credit needed. On an arena, a group that would have to evict valuable
-            # cached pages grows instead: they go only when memory is short.
+            # No credit needed. On an arena, a group that would evict cached pages grows instead.
             surplus = self._space.tops - wanted if n_short and self.arena is not None else None
             plan.grants = [] if surplus is None else self._grow_instead_of_evicting(self._short, surplus, releases)
         else:

@@ -151,10 +151,8 @@ class TableSet:
         return self.bounds.shape[2]
 
     def _new_store(self, rows: int) -> np.ndarray:
-        """An empty flat store for ``rows`` rows; writes its layout into ``geometry``.
-        Every group's narrow rings (sliding, row-major) or tables (full history,
-        column-major) first, filled with -1, then the lanes (left unwritten: only a
-        wide row's live cells are ever read)."""
+        """An empty flat store for ``rows`` rows (rings or column-major tables filled with -1, then the lanes,
+        unwritten); writes its layout into ``geometry``."""
         at = 0
         for g, t in enumerate(self.tables):
             self.geometry[g, kernels.RING_START] = at
@@ -256,10 +254,8 @@ class TableSet:
 
     def drain_updates(self, touched: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                                                                          np.ndarray, bool]:
-        """(group, row, column, page id, reset): every cell touched since the last drain,
-        and the cells ``touched`` (flat indices a step just changed, read here and not
-        kept), with the page id it holds now (-1: empty; a cell may appear twice); after
-        a (re)start of the log, every live cell instead and ``reset`` True."""
+        """(group, row, column, page id now, reset): every cell logged since the last drain and ``touched``;
+        after a (re)start of the log, every live cell instead and ``reset`` True."""
         log = self.log
         reset = self._resync
         if reset:
