@@ -129,12 +129,8 @@ def move(prev, nxt, pages, to_front):
 
 @njit(cache=True)
 def demote_unit(listed, n_entries, low_priority, prev, nxt, offsets, low_floors, low_idle):
-    """One entry of each of ``n_entries`` groups of a page space made low priority (a
-    superseded checkpoint's unit kept low: ``PageSpace.demote``), as ``PagePool.demote``
-    makes each: ``listed`` holds, entry after entry, its group, its page count and its
-    local ids. Every page is flagged low; the listed ones (idle) move, in order, to the
-    head of their group's list (the last one ends first); ``low_floors[g]`` falls to the
-    lowest of them and, unless the entry was low already, ``low_idle[g]`` counts them."""
+    """``PagePool.demote`` of one entry in each of ``n_entries`` groups (``PageSpace.demote``): ``listed`` holds,
+    entry after entry, its group, its page count and its local ids."""
     at = 0
     for _ in range(n_entries):
         g, end, n_idle = listed[at], at + 2 + listed[at + 1], 0

@@ -1,14 +1,9 @@
 """Physical pages of one cache group: free ids, ref counts, cached-page LRU.
 
-A page id is in exactly one state: free (on the free stack), held (ref count
->= 1), or cached and evictable (ref count 0, published under a content key, in
-the LRU). Page 0 is the reserved null page and never handed out.
-
-Free order is deterministic: a LIFO stack (freed pages reused first), or with
-``lowest_first=True`` the lowest free ids first (an arena's pools: live pages pack into
-few slabs); cached pages are reclaimed only once the free stack is empty, least
-recently used first. A pool built with ``granted=False`` starts with no usable pages
-(an arena grants it ids slab by slab); an id never granted is in none of the states.
+A granted page id is free (on the free stack), held (ref count >= 1) or cached and evictable (ref count
+0, keyed, in the LRU); page 0 is the null page. Free order is deterministic: LIFO, or lowest id first
+(``lowest_first``, an arena's pools); cached pages are reclaimed only once the free stack is empty,
+least recently used first. With ``granted=False`` a pool starts empty (an arena grants it ids).
 """
 
 from __future__ import annotations

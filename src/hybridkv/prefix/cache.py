@@ -880,9 +880,8 @@ class PrefixCache:
 
 
 def _checkpoint_windows(specs: Sequence[CacheGroupSpec], overrides: Mapping[str, int] | None) -> dict[str, int]:
-    """Per sliding group, the trailing tokens a checkpoint stores: what a request resumed
-    at a grain boundary still reads (the spec's ``checkpoint_window_tokens``, default the
-    whole window), unless ``overrides`` names the group."""
+    """Per sliding group, the trailing tokens a checkpoint stores (the spec's, default the whole window, or
+    ``overrides``')."""
     windows = {
         s.group_id: s.sliding_window_tokens if s.checkpoint_window_tokens is None else s.checkpoint_window_tokens
         for s in specs if s.is_sliding
@@ -899,9 +898,7 @@ def _checkpoint_windows(specs: Sequence[CacheGroupSpec], overrides: Mapping[str,
 
 
 def _grain(specs: Sequence[CacheGroupSpec], windows: Mapping[str, int], granularity_tokens: int | None) -> int:
-    """The prefix grain: given, or the LCM of the history groups' page spans (every
-    group's when none is full history); a multiple of every page span, and no shorter
-    than any checkpoint window."""
+    """The prefix grain: given, or the LCM of the history groups' (else every group's) page spans; checked."""
     history = [s for s in specs if not s.is_sliding]
     default = reduce(lcm, [s.page_tokens for s in (history or specs)], 1)
     g = default if granularity_tokens is None else as_int("prefix_granularity", granularity_tokens)

@@ -1,11 +1,8 @@
 """Checkpoint policies: which boundaries keep a state checkpoint, and which goes first.
 
-Every policy keeps a request's latest checkpoint and its junction; they differ in the
-*speculative* checkpoints, published unheld and low priority at other boundaries the
-request crosses (:meth:`CheckpointPolicy.speculative`). ``"prefill-per-byte"`` also
-ranks the cached checkpoints by value (:class:`CheckpointValues`), an order
-:class:`CheckpointOrder` keeps incrementally. The policies, the score and its
-constants: docs/prefix-caching.md, "Checkpoint policies".
+Policies differ in the *speculative* checkpoints (unheld, low priority) kept besides a request's latest
+and its junction; ``"prefill-per-byte"`` also ranks checkpoints by value (:class:`CheckpointValues`,
+kept in order by :class:`CheckpointOrder`). See docs/prefix-caching.md, "Checkpoint policies".
 """
 
 from __future__ import annotations
@@ -34,9 +31,8 @@ class CheckpointPolicy:
     interval_tokens: int | None = None
 
     def speculative(self, boundary_tokens: int, prompt_tokens: int) -> bool:
-        """Whether a boundary a request crosses (not its latest) keeps a speculative
-        checkpoint; also whether its own checkpoint there, superseded, is demoted to
-        one rather than unpublished."""
+        """Whether a boundary a request crosses keeps a speculative checkpoint (its own one there, superseded,
+        is then demoted rather than unpublished)."""
         if self.name == "interval":
             return boundary_tokens % self.interval_tokens == 0
         if self.name in ("prompt-boundaries", "prefill-per-byte"):
@@ -93,9 +89,7 @@ def grain_multiple(name: str, value: int, grain_tokens: int) -> int:
 
 
 def saved_prefill(boundary_tokens: int) -> float:
-    """Prefill work a hit at ``boundary_tokens`` saves, in units of one token's fixed
-    work: ``D + D^2 / (2 L)`` with ``L`` = ``ATTENTION_EQUAL_DEPTH_TOKENS`` (token ``t``
-    costs ``1 + t / L``), so a deeper boundary saves more per token."""
+    """Prefill work a hit at ``D`` saves, in tokens' fixed work: ``D + D^2 / (2 ATTENTION_EQUAL_DEPTH_TOKENS)``."""
     d = float(boundary_tokens)
     return d + d * d / (2 * ATTENTION_EQUAL_DEPTH_TOKENS)
 
@@ -225,18 +219,15 @@ class CheckpointValues:
         return self.score(key), record[0], record[4]
 
     def static_key(self, key: Hashable) -> tuple:
-        """The checkpoint's place among its class, which no freed request changes:
-        ``log2(saved_prefill(D) / pinned(D)) + last_use / H`` (the score less the
-        class's ``log2(expected_reuse)``, plus the clock / H), boundary, publication
-        number."""
+        """The checkpoint's place in its class, which no freed request changes: (score less the class's
+        ``log2(expected_reuse)``, plus the clock / H; boundary; publication number)."""
         boundary, _, last_use, _, number = self._records[key]
         value = math.log2(saved_prefill(boundary) / (boundary + self.checkpoint_tokens))
         return value + last_use / VALUE_HALF_LIFE_REQUESTS, boundary, number
 
     def eviction_order(self, keys: Iterable[Hashable]) -> list[Hashable]:
-        """The recorded ``keys``, low-priority classes first, then lowest score first
-        (ties: the shallower first, then the first published). A full sort: the
-        reference for :class:`CheckpointOrder`."""
+        """The recorded ``keys``, low-priority classes first, then by :meth:`order_key` (a full sort: the
+        reference for :class:`CheckpointOrder`)."""
         low = {kind: self.low_priority(kind) for kind in CLASSES}
         records = self._records
         return sorted((k for k in keys if k in records),

@@ -514,9 +514,8 @@ def allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, ro
 @njit(cache=True)
 def batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, positions, request_indices,
                  query_start_loc, base_pages, widths):
-    """The batch of plan rows ``[settle, R)``: each one's table row and scheduled tokens,
-    its tokens' positions and request indices, query start locations; ``base_pages[g, r]``
-    the row's base page after the step; ``widths[g]`` the widest row's live pages."""
+    """The batch's arrays of plan rows ``[settle, R)`` (``_StepArrays``), base pages after the step and
+    ``widths[g]``, the widest row's live pages."""
     n = 0
     query_start_loc[0] = 0
     for r in range(settle, rows.size):
@@ -628,9 +627,8 @@ def needs_room(geometry, stack, per_group, low_priority, sums, released, idle_ke
 
 @njit(cache=True)
 def note_peaks(per_group, allocated, not_joined):
-    """Each pool's peak of used pages (``PagePool.peak_used_pages``) after a step or a borrow
-    took ``allocated[g]`` pages of group ``g``: granted less free (the stack) less idle ones
-    (the LRU's, and ``not_joined[g]``: keyed pages gone idle that join it next; empty: none)."""
+    """Each pool's peak of used pages after a step or borrow took ``allocated[g]``: granted less free less idle
+    (``not_joined[g]``: keyed pages gone idle that join the LRU next; empty: none)."""
     for g in range(allocated.size):
         if allocated[g]:
             used = per_group[GRANTED_PAGES, g] - per_group[TOP, g] - per_group[LRU_PAGES, g]

@@ -232,10 +232,9 @@ class CacheManager:
         self.specs = tuple(specs)
         ids = [s.group_id for s in self.specs]
         group_pages = _pages_per_group(ids, group_pages, arena)
-        self.max_context_tokens = _positive("max_context_tokens", max_context_tokens)
-        self.max_step_tokens = _positive(
-            "max_step_tokens", max_step_tokens if max_step_tokens is not None else self.max_context_tokens
-        )
+        self.max_context_tokens = as_int("max_context_tokens", max_context_tokens, minimum=1)
+        self.max_step_tokens = as_int("max_step_tokens", self.max_context_tokens if max_step_tokens is None
+                                      else max_step_tokens, minimum=1)
         self.table_widths = dict(table_widths) if table_widths is not None else None
         self._init_memory(group_pages, shuffle_seed, arena)
         self._capture_widths = None if self.table_widths is None else tuple(
@@ -1042,9 +1041,8 @@ class CacheManager:
 
     def _evictable_cover(self, allocated: np.ndarray) -> bool:
         """Whether ``_admit`` would admit a covered step granting no slab."""
-        return self.arena is None or all(n <= pool.num_free_pages for n, pool in zip(allocated.tolist(),
-                                                                                       self._pool_list)
-                                         if n > pool.num_clean_free_pages)
+        pools = zip(allocated.tolist(), self._pool_list)
+        return self.arena is None or all(n <= p.num_free_pages for n, p in pools if n > p.num_clean_free_pages)
 
     def _run(self, plan: _StepPlan, write_slots: bool, cells: tuple = _NO_CELLS,
              n_logged: int = 0) -> tuple[_StepArrays, int]:
@@ -1539,10 +1537,6 @@ def _check_step_options(ids: Sequence, block_tables: str, write_slots: bool) -> 
         raise CacheManagerError(f"write_slots must be True or False, got {write_slots!r}")
     if not ids:
         raise CacheManagerError("empty batch")
-
-
-def _positive(name: str, value: Any) -> int:
-    return as_int(name, value, minimum=1)
 
 
 def _nonneg_int(name: str, value: Any) -> int:

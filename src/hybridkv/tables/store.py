@@ -55,9 +55,7 @@ class GroupTable:
         self.stride_tokens = spec.entry_stride_tokens
         self.sliding = spec.is_sliding
         self.window_tokens = spec.sliding_window_tokens or 0
-        if self.sliding:
-            # A window plus a step's pages (at least ``live_pages_bound``), as a power of
-            # two: the ring column is a mask.
+        if self.sliding:  # a window plus a step's pages (>= ``live_pages_bound``), a power of two
             ring = cdiv(self.window_tokens - 1 + max_step_tokens, self.page_tokens) + 2
             self.capacity_pages = _power_of_two_at_least(ring)
             narrow = live_pages_bound(self.window_tokens, self.page_tokens, NARROW_STEP_TOKENS)
@@ -89,13 +87,11 @@ class GroupTable:
 
     @property
     def pages(self) -> np.ndarray:
-        """Debug view (a copy): int32 ``[rows, capacity_pages]``, this group's part of
-        ``TableSet.ring_view``."""
+        """Debug view (a copy): this group's part of ``TableSet.ring_view``."""
         return self._set.ring_view()[self._g, :, : self.capacity_pages]
 
     def pages_in(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """Held page ids of logical pages ``[lo_r, hi_r)`` per row, row-major, in logical order
-        (``kernels.span_cells``)."""
+        """Held page ids of logical pages ``[lo_r, hi_r)`` per row, row-major, in logical order."""
         rows, lo, hi = (np.asarray(a, dtype=np.int64) for a in (rows, lo, hi))
         return self._set.pages[_cells(self._set.geometry, self._set.bounds, self._g, rows, lo, hi)].astype(np.int64)
 
@@ -127,8 +123,6 @@ class TableSet:
         self.geometry = np.zeros((len(self.tables), kernels.GEOMETRY_COLUMNS), dtype=np.int64)
         for g, t in enumerate(self.tables):
             t._set, t._g = self, g
-            # A ring column is ``logical & (capacity - 1)`` (rings are powers of two); full
-            # history keeps every bit.
             mask = t.capacity_pages - 1 if t.sliding else -1
             ring_mask = t.ring_pages - 1 if t.sliding else -1
             offset = 0 if id_offsets is None else id_offsets[g]  # the group's first id in the page space
