@@ -61,9 +61,8 @@ def arena_geometry(
     anchor_group: str,
     slab_anchor_pages: int = DEFAULT_SLAB_ANCHOR_PAGES,
 ) -> ArenaGeometry:
-    """The arena that fits ``budget_bytes``: slabs of ``slab_anchor_pages`` anchor pages
-    (raised so every slab holds at least two pages of the largest group), after a
-    head of whole anchor pages covering the largest page (the null pages)."""
+    """The arena that fits ``budget_bytes``: slabs of ``slab_anchor_pages`` anchor pages (at least two of the
+    largest group's pages) after a head of whole anchor pages covering the largest page (the null pages)."""
     sizes = {gid: as_int(f"page_bytes[{gid!r}]", b, minimum=1) for gid, b in page_bytes.items()}
     if anchor_group not in sizes:
         raise ValueError(f"anchor group {anchor_group!r} is not one of {sorted(sizes)}")
@@ -273,10 +272,9 @@ class Arena:
         partial: bool = False,
         owner: np.ndarray | None = None,
     ) -> list[Grant] | None:
-        """Slabs that cover every group's page ``deficit``: spare slabs first, then idle slabs of donors
-        while each keeps its ``surplus`` (as ``scan`` counts; docs/manager.md, stage 1). None if they do not
-        suffice (with ``partial``, as many as there are). Pure, exact for :meth:`apply` in order; ``owner``:
-        slab owners to start from (:meth:`replay` of grants planned already)."""
+        """Slabs that cover every group's page ``deficit``: spare slabs first, then donors' idle slabs while each
+        keeps its ``surplus`` (docs/manager.md, stage 1); None if short (with ``partial``, as many as there are).
+        Pure, exact for :meth:`apply` in order; ``owner``: the owners to start from (:meth:`replay`)."""
         scan = scan if scan is not None else IdleScan()
         own = (self.owner if owner is None else owner).copy()
         left: dict[str, int] = {}

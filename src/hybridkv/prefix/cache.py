@@ -741,9 +741,8 @@ class PrefixCache:
                 self.rank_checkpoints()
 
     def check_holds(self, live: Sequence[CommittingRequest]) -> None:
-        """Assert that every hold is on a cached entry and that each entry has at least the
-        holds of the ``live`` requests keeping it (the rest: freed requests' terminals, kept
-        until the entry is evicted or cleared)."""
+        """Assert that every hold is on a cached entry, with at least the holds of the ``live`` requests keeping
+        it (the rest: freed requests' terminals)."""
         kept: dict[tuple[str, int], int] = {}
         for req in live:
             for own in req.own_checkpoints:

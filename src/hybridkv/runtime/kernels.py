@@ -778,10 +778,9 @@ def truncate_rows(geometry, pages, bounds, rows, kept):
 
 @njit(cache=True)
 def rewind_rows(geometry, pages, bounds, counters, known_floor, ref, keyed, stack, per_group, mark, rows, kept):
-    """``CacheManager.rewind_many`` in one call; nothing changed (False) when a row is listed twice or a count
-    lies outside [committed, computed]. Else ``truncate_rows``, one release per group (``release_taken``),
-    computed tokens become ``kept`` and known ones ``min(known, max(kept, known_floor))``. Returns (ran,
-    cells emptied, keyed pages left idle, how many per group, the rows whose known tokens fell)."""
+    """``CacheManager.rewind_many`` in one call (False, nothing changed: a row twice or a count outside
+    [committed, computed]): ``truncate_rows``, ``release_taken``, known tokens ``min(known, max(kept, floor))``.
+    Returns (ran, cells emptied, keyed pages left idle, how many per group, rows whose known tokens fell)."""
     empty = np.zeros(0, dtype=np.int64)
     if not distinct_rows(rows, mark):
         return False, empty, empty, empty, empty
@@ -1049,10 +1048,9 @@ def freed_by_releases(geometry, pages, bounds, ref, keyed, g, rows, new_base, en
 @njit(cache=True)
 def short_pages(geometry, pages, bounds, ref, keyed, rows, new_base, first, committed, grain, window_pages, released,
                 wanted, clean, free, low, short):
-    """Per group, the pages it lacks for its ``wanted`` allocations (``short``) after its ``clean`` free pages,
-    the releases' free pages (less ``window_pages`` a grain the commits complete: checkpoints may keep
-    them) and its ``low`` idle low-priority pages. Returns how many groups are short, or -1 when one wants
-    more than its ``free`` (free and evictable) pages (pure)."""
+    """Per group, the pages it lacks for ``wanted`` (``short``) after its ``clean`` free pages, the releases'
+    free pages (less ``window_pages`` a grain the commits complete) and its ``low`` idle low-priority pages.
+    Returns how many groups are short, or -1 when one wants more than its ``free`` pages (pure)."""
     n_short, crossed = 0, -1
     for g in range(wanted.size):
         n, short[g] = wanted[g], 0

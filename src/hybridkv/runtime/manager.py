@@ -530,12 +530,9 @@ class CacheManager:
     def max_admissible_tokens(
         self, request_id: str, max_tokens: int, *, batch: Sequence[tuple[str, int]] = (), fixed_width: bool = False
     ) -> int:
-        """The most new tokens, up to ``max_tokens``, that ``request_id`` can schedule in a
-        step together with ``batch`` (the rest of the step, as given): 0 if not even one.
-
-        For schedulers that shrink a prefill chunk to the memory left. Pure (a binary
-        search of :meth:`check_admission`s); ``schedule`` right after reuses the last one.
-        """
+        """The most new tokens, up to ``max_tokens``, that ``request_id`` can schedule in a step together with
+        ``batch`` (0 if not even one): for schedulers that shrink a prefill chunk to the memory left. Pure (a
+        binary search of :meth:`check_admission`s); ``schedule`` right after reuses the last one."""
         req = self._get(request_id)
         limit = as_int("max_tokens", max_tokens, minimum=1, error=CacheManagerError)
         check_items(batch, CacheManagerError)

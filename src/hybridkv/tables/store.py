@@ -101,10 +101,9 @@ class GroupTable:
 
 
 class TableSet:
-    """The tables of every group of a manager in one store (``pages``, ``bounds``, ``geometry``: laid out as
-    ``hybridkv.runtime.kernels`` says), which each ``GroupTable`` in ``tables`` views. While ``log`` is a
-    list, every cell a mutation touches is logged (ring-view indices) for ``drain_updates``; the first
-    drain after ``start_log`` is a resync (every live cell, ``reset``: docs/manager.md, "Block table modes")."""
+    """Every group's tables in one store (``pages``, ``bounds``, ``geometry``: ``hybridkv.runtime.kernels``' layout)
+    that each ``GroupTable`` views. While ``log`` is a list, every cell a mutation touches is logged for
+    ``drain_updates`` (the first drain after ``start_log`` is a resync: docs/manager.md, "Block table modes")."""
 
     def __init__(
         self,
