@@ -71,7 +71,7 @@ def decref(pool: PagePool, pages: Sequence[int] | np.ndarray) -> None:
 
 def released(space: PageSpace, counts: np.ndarray, freed: np.ndarray, keyed: np.ndarray) -> None:
     """What ``kernels.drop_holds`` let go (``counts``, ``freed``, ``keyed`` as it fills them)
-    goes where a step's release puts it (``lru.place_released``): unkeyed pages onto their
+    goes where a step's release puts it (as ``lru.release_placing`` does): unkeyed pages onto their
     pools' free stacks, the release counted, keyed ones into their LRUs by
     ``PageSpace.keyed_idle`` (which tells a pool's ranker)."""
     top, lowest = space.per_group[kernels.TOP], space.per_group[kernels.LOWEST]
@@ -83,10 +83,11 @@ def released(space: PageSpace, counts: np.ndarray, freed: np.ndarray, keyed: np.
 def borrowed_idle(space: PageSpace, idle: np.ndarray, n_idle: int) -> None:
     """The first ``n_idle`` of ``idle`` (local ids, ``idle_counts[g]`` of group ``g``, as
     ``kernels.take_holds`` lists them) got a holder: they leave their pools' LRUs and the
-    peaks follow (``lru.leave_borrowed``), as a prefix hit's leave theirs in ``lru.borrow_row``."""
+    peaks follow (``lru.leave``, ``kernels.note_peaks``), as a prefix hit's leave theirs in ``lru.borrow_row``."""
     if n_idle:
-        lru.leave_borrowed(space.lru_prev, space.lru_next, space.offsets, space.per_group, space.idle_counts,
-                           idle[:n_idle])
+        lru.leave(space.lru_prev, space.lru_next, space.per_group[kernels.LRU_PAGES], space.offsets, space.idle_counts,
+                  idle[:n_idle])
+        kernels.note_peaks(space.per_group, space.idle_counts, space.idle_counts[:0])
 
 
 def borrow(space: PageSpace, pages: np.ndarray, per_group: np.ndarray) -> None:

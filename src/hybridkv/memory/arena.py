@@ -46,8 +46,7 @@ class ArenaGeometry:
         return -(-start // size), (start + self.slab_bytes) // size
 
     def boundary_pages(self, group_id: str) -> np.ndarray:
-        """Per slab ``k``: the group's page straddling the boundary between slabs ``k-1``
-        and ``k`` (usable when the group owns both), or -1 (none, or ``k == 0``)."""
+        """Per slab ``k``: the group's page straddling slabs ``k-1`` and ``k``, or -1 (none, or ``k == 0``)."""
         size = self.page_bytes[group_id]
         start = self.reserved_bytes + np.arange(self.num_slabs, dtype=np.int64) * self.slab_bytes
         out = np.where(start % size != 0, start // size, -1)
@@ -62,9 +61,8 @@ def arena_geometry(
     anchor_group: str,
     slab_anchor_pages: int = DEFAULT_SLAB_ANCHOR_PAGES,
 ) -> ArenaGeometry:
-    """The arena that fits ``budget_bytes``: slabs of ``slab_anchor_pages`` anchor pages
-    (raised so every slab holds at least two pages of the largest group), after a
-    head of whole anchor pages covering the largest page (the null pages)."""
+    """The arena that fits ``budget_bytes``: slabs of ``slab_anchor_pages`` anchor pages (at least two of the
+    largest group's pages) after a head of whole anchor pages covering the largest page (the null pages)."""
     sizes = {gid: as_int(f"page_bytes[{gid!r}]", b, minimum=1) for gid, b in page_bytes.items()}
     if anchor_group not in sizes:
         raise ValueError(f"anchor group {anchor_group!r} is not one of {sorted(sizes)}")
@@ -102,11 +100,8 @@ def shared_arena_for(plan: Any, slab_anchor_pages: int | None = None) -> ArenaGe
 
 
 def shared_concurrency(plan: Any, context_tokens: int, geometry: ArenaGeometry | None = None) -> int:
-    """Requests at ``context_tokens`` a shared arena holds at once: the largest ``N``
-    whose pages, ``N * plan.request_pages(context)`` per group plus one full step's
-    chunk pages in every sliding group, fill whole slabs (each counted at its
-    group's fewest pages per slab) within the arena. Memory only, like
-    :meth:`hybridkv.plan.Plan.concurrency`."""
+    """Requests at ``context_tokens`` a shared arena holds at once: the largest ``N`` whose pages (plus one
+    step's chunk in every sliding group) fill whole slabs within it. Memory only, like ``Plan.concurrency``."""
     geometry = geometry if geometry is not None else shared_arena_for(plan)
     need = plan.request_pages(context_tokens)
     sched = plan.limits.max_scheduled_tokens
@@ -135,31 +130,24 @@ Grant = tuple[str, int, "str | None"]  # (receiving group, slab, donor group or 
 
 @dataclass
 class IdleScan:
-    """Which pages count as idle at one admission decision (a slab whose pages all are
-    may be lent, evicting its keyed ones), and per group what :meth:`Arena.plan` found:
-    slabs whose inner pages are all idle, boundaries whose straddling page is, and how
-    many keyed pages counted."""
+    """Which pages count as idle at one admission decision (a slab whose pages all are may be lent),
+    and per group what :meth:`Arena.plan` found (``Arena._idle``)."""
 
     idle: dict[str, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)
-    # Group index (the arena's order) -> its pages the step frees before slabs move, asked
-    # only for the donors a plan reaches (None: none).
-    releasing: Callable[[int], np.ndarray] | None = None
+    releasing: Callable[[int], np.ndarray] | None = None  # group index -> pages the step frees before slabs move
     spare_released: bool = False  # those pages also count as pages their group can spare
     clean: bool = False  # keyed pages count only as ``before_tick`` says (lending then evicts nothing else)
-    # With ``clean``: idle keyed pages of less value than what the short group would evict
-    # (low priority, or idle since before this tick of the pools' idle clock) count as idle,
-    # and as pages their group can spare beyond its ``surplus``. None: no keyed page counts.
+    # With ``clean``: idle keyed pages of low priority or idle since before this tick count as idle and
+    # spare. None: no keyed page counts.
     before_tick: int | None = None
 
     def keyed_mode(self) -> int:
-        """``kernels.idle_slabs``' ``keyed_mode``: 1 every idle keyed page counts, 2 those of
-        less value (``before_tick``), 0 none."""
+        """``kernels.idle_slabs``' ``keyed_mode``: 1 every idle keyed page counts, 2 ``before_tick``'s, 0 none."""
         return 1 if not self.clean else 0 if self.before_tick is None else 2
 
 
 def _page_space_of(pools: list[PagePool]) -> PageSpace:
-    """The page space holding ``pools`` in this order (made here when none holds them yet),
-    whose arrays the arena's compiled grants write."""
+    """The page space holding ``pools`` in this order (made here when none holds them yet)."""
     space = pools[0].space
     if space is None and all(pool.space is None for pool in pools):
         return PageSpace(pools)
@@ -184,8 +172,6 @@ class Arena:
         self._space = _page_space_of(list(self.pools.values()))
         inner, straddle = self._init_slab_ids()
         self._taken = np.empty(geometry.num_slabs, dtype=np.int64)  # plan's scratch: spare slabs taken
-        # ``plan_spare``'s: inner pages and straddlers, the fewest whole pages of each
-        # group a slab holds, and scratch (owners, grants).
         self._spare_grants = np.empty((2, geometry.num_slabs), dtype=np.int64)  # groups; slabs
         self._spare_plan = (inner, straddle, np.empty(geometry.num_slabs, dtype=np.int16), *self._spare_grants)
         self._slab_pages = np.asarray([geometry.slab_bytes // geometry.page_bytes[gid] - 1 for gid in self.group_ids],
@@ -193,40 +179,29 @@ class Arena:
         self._most_slab_pages = int(inner.max()) + 2  # a slab's inner pages and its two straddlers
         self._slab_scratch = np.empty(2 * self._most_slab_pages, dtype=np.int64)  # ``_moved_pages``'
         self._index = {gid: i for i, gid in enumerate(self.group_ids)}
-        # Per group: its page bytes, the reserved bytes and the slab bytes (``kernels.released_per_slab``).
         self._slab_geometry = {gid: np.asarray([geometry.page_bytes[gid], geometry.reserved_bytes, geometry.slab_bytes],
                                                dtype=np.int64) for gid in self.group_ids}
         self.owner = np.full(geometry.num_slabs, -1, dtype=np.int16)
         self._spare = np.zeros(1, dtype=np.int64)  # spare slabs, in an array ``admit_spare`` reads
-        # ``kernels.admit_spare``'s arena arguments: owners, spare slabs, the fewest whole pages of each
-        # group a slab holds, inner pages and straddlers, then scratch (owners, taken slabs, grants).
+        # The arena's arguments of ``kernels.admit_spare``, ``must_pack_at`` and ``grant_step``.
         self.spare_args = (self.owner, self._spare, self._slab_pages, inner, straddle, self._spare_plan[2],
                            self._taken, *self._spare_plan[3:])
-        # ``kernels.must_pack_at``'s ``packing`` (the pools' packing rule once roomy): owners, slab page
-        # ranges and straddlers, and per group its page bytes, the reserved and slab bytes, the fewest
-        # inner pages of a slab and the slabs its live pages may spread over.
         sizes = [[geometry.page_bytes[gid], geometry.reserved_bytes, geometry.slab_bytes, max(int(n.min()), 1),
                   SPREAD_SLABS] for gid, n in zip(self.group_ids, inner)]
         self.packing = (self.owner, *self._slab_ids, np.asarray(sizes, dtype=np.int64))
         self._roomy_slabs = math.ceil(ROOMY_SPARE_FRACTION * geometry.num_slabs)  # the fewest spare slabs of ``roomy``
-        # ``kernels.grant_step``'s ``arena``: owners, slab page ranges and straddlers, the page space's
-        # offsets, the most pages a slab gives a group, then ``packing``'s sizes, the spare slabs and
-        # the fewest of them that make the arena roomy.
         self.grant_args = (self.owner, *self._slab_ids, self._space.offsets, self._most_slab_pages,
                            self.packing[-1], self._spare, self._roomy_slabs)
         self.slab_moves = 0
         self._spare_changed(geometry.num_slabs)
         for gid, pool in self.pools.items():
             pool.must_pack = self._packing_rule(gid)
-        # Every pool keeps its free stack sorted: pages granted in one run per pool stack as
-        # they do slab by slab (``apply``).
+        # Sorted free stacks: pages granted in one run per pool stack as they do slab by slab.
         self._sorted_grants = all(pool.lowest_first for pool in self.pools.values())
         self._load_kernels()
 
     def _load_kernels(self) -> None:
-        """Load (or compile) now, changing nothing, the kernels of a donor's slab move, of
-        :meth:`plan`, :meth:`plan_spare` and :meth:`replay` and of the pools' packing rule (the
-        pools' own: ``PageSpace.load_kernels``): else the first step that needs them stalls."""
+        """Load (or compile) now, changing nothing, the kernels of slab moves and the packing rule."""
         gid, donors = self.group_ids[0], self.group_ids[1:]
         self.oldest_idle_tick(gid)
         self._moved_pages(-1, 0, 0)
@@ -239,9 +214,8 @@ class Arena:
             self._take_from_donors(gid, 1, self.owner.copy(), [], {gid: 1}, (dict.fromkeys(donors, many), {}), scan)
 
     def _init_slab_ids(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per group (rows in group order) and slab: its inner page ids lo .. hi-1, the page
-        straddling the slab's left boundary (-1: none) and the inner page count, with
-        dicts viewing their rows; returns (inner counts, straddlers)."""
+        """Per group and slab: inner page ids lo .. hi-1, left straddler (-1: none), inner count (arrays, and
+        dicts viewing their rows); returns (inner counts, straddlers)."""
         geometry, gids = self.geometry, self.group_ids
         ranges = [geometry.slab_page_ranges(gid) for gid in gids]
         self._slab_ids = tuple(np.stack(planes) for planes in zip(*ranges)) + (
@@ -254,11 +228,7 @@ class Arena:
         return inner, straddle
 
     def _packing_rule(self, gid: str) -> Callable[[int, int], bool]:
-        """A group's ``PagePool.must_pack``: its long-lived pages reuse idle low-priority
-        pages below them (evicting those) unless the arena is roomy and the allocation's
-        highest page lies in a slab already holding live pages of the group, or the
-        group's live pages then lie in at most ``SPREAD_SLABS`` slabs more than they fill
-        (``kernels.must_pack_at``, which ``kernels.room_groups`` also asks)."""
+        """A group's ``PagePool.must_pack``: always unless the arena is roomy, then ``kernels.must_pack_at``."""
         pool, gi, packing = self.pools[gid], self._index[gid], self.packing
         return lambda page, pages: (not self.roomy()
                                     or kernels.must_pack_at(pool.ref_counts, 0, packing, gi, page, pages))
@@ -269,14 +239,11 @@ class Arena:
         return int(self._spare[0])
 
     def roomy(self) -> bool:
-        """At least ``ROOMY_SPARE_FRACTION`` of the slabs are spare: idle low-priority
-        entries may keep spare memory (admission takes it back), and live pages may
-        spread a little (``PagePool.must_pack``)."""
+        """At least ``ROOMY_SPARE_FRACTION`` of the slabs are spare (docs/manager.md)."""
         return bool(self._spare[0] >= self._roomy_slabs)
 
     def _spare_changed(self, by: int) -> None:
-        """``by`` slabs more are spare; the pools' ``PageSpace.skip_packing`` follows
-        :meth:`roomy`, so the step kernel reads it (``kernels.packing_floor``)."""
+        """``by`` slabs more are spare; ``PageSpace.skip_packing`` follows :meth:`roomy`."""
         self._spare[0] += by
         self._space.skip_packing.fill(self.roomy())
 
@@ -290,8 +257,7 @@ class Arena:
         return int(kernels.slab_gain(own, gi, self._inner[gid], self._straddle[gid], slab))
 
     def _moved_pages(self, donor: int, group: int, slab: int) -> tuple[np.ndarray, np.ndarray]:
-        """(the pages group index ``donor`` gives up with ``slab``, those ``group`` gains;
-        -1: none) under the arena's owners (``kernels.slab_move_pages``); views of scratch."""
+        """``kernels.slab_move_pages`` under the arena's owners (views of scratch)."""
         out = self._slab_scratch
         given, n = kernels.slab_move_pages(self.owner, donor, group, *self._slab_ids, slab, out)
         return out[:given], out[given:n]
@@ -306,10 +272,9 @@ class Arena:
         partial: bool = False,
         owner: np.ndarray | None = None,
     ) -> list[Grant] | None:
-        """Slabs that cover every group's page ``deficit``: spare slabs first, then idle slabs of donors
-        while each keeps its ``surplus`` (as ``scan`` counts; docs/manager.md, stage 1). None if they do not
-        suffice (with ``partial``, as many as there are). Pure, exact for :meth:`apply` in order; ``owner``:
-        slab owners to start from (:meth:`replay` of grants planned already)."""
+        """Slabs that cover every group's page ``deficit``: spare slabs first, then donors' idle slabs while each
+        keeps its ``surplus`` (docs/manager.md, stage 1); None if short (with ``partial``, as many as there are).
+        Pure, exact for :meth:`apply` in order; ``owner``: the owners to start from (:meth:`replay`)."""
         scan = scan if scan is not None else IdleScan()
         own = (self.owner if owner is None else owner).copy()
         left: dict[str, int] = {}
@@ -329,20 +294,14 @@ class Arena:
         return grants
 
     def plan_spare(self, short: np.ndarray, owner: np.ndarray | None = None) -> list[Grant] | None:
-        """:meth:`plan` of ``short`` pages per group (in group order) when spare slabs
-        alone surely cover every group (a slab holds at least ``slab_bytes //
-        page_bytes - 1`` whole pages of a group), in one compiled call
-        (``kernels.take_spare_for``); None when they might not (donors' slabs may be
-        needed: :meth:`plan` decides). Pure; ``owner`` as for :meth:`plan`."""
+        """:meth:`plan` of ``short`` pages per group when spare slabs alone surely cover
+        (``kernels.take_spare_for``); None when they might not. Pure; ``owner`` as for :meth:`plan`."""
         own = self.owner if owner is None else owner
         spare = self.num_spare_slabs if owner is None else int(np.count_nonzero(owner < 0))
         inner, straddle, scratch, groups, slabs = self._spare_plan
         n = kernels.take_spare_for(short, self._slab_pages, spare, own, scratch, inner, straddle, self._taken, groups,
                                    slabs)
-        if n < 0:
-            return None
-        ids = self.group_ids
-        return [(ids[g], slab, None) for g, slab in zip(groups[:n].tolist(), slabs[:n].tolist())]
+        return None if n < 0 else self.spare_grants(n)  # ``groups`` and ``slabs`` view ``_spare_grants``
 
     def spare_grants(self, n: int) -> list[Grant]:
         """The ``n`` grants ``kernels.admit_spare`` just wrote to its scratch (``spare_args``)."""
@@ -363,16 +322,13 @@ class Arena:
         return np.array([[index[gid] for gid, _, _ in grants], [slab for _, slab, _ in grants]], dtype=np.int64)
 
     def granted(self, n: int) -> None:
-        """``kernels.grant_step`` granted ``n`` spare slabs: the spare count, and the pools'
-        ``skip_packing`` with it (before anything reads it: ``_after_run``, the next step)."""
+        """``kernels.grant_step`` granted ``n`` spare slabs."""
         self._spare_changed(-n)
 
     def _take_from_donors(self, gid: str, short: int, own: np.ndarray, grants: list[Grant],
                           deficit: Mapping[str, int], spare: tuple, scan: IdleScan) -> int:
-        """:meth:`plan`'s second source: slabs of groups not short themselves whose pages
-        are all idle, while each keeps what it can spare >= 0 (``spare``: the plan's
-        surplus, and what is left of it per donor so far; ``own``, ``grants`` and that
-        updated); the pages ``gid`` is still short."""
+        """:meth:`plan`'s second source: idle slabs of donors not short themselves while each keeps what it can
+        spare (``spare``: surplus, and what is left per donor); the pages ``gid`` is still short."""
         gi = self._index[gid]
         for donor in self.group_ids:
             if short <= 0:
@@ -396,15 +352,12 @@ class Arena:
         return short
 
     def _left(self, donor: str, spare: tuple, scan: IdleScan, deficit: Mapping[str, int]) -> int:
-        """What ``donor`` can still spare: at first its ``surplus`` plus, with a
-        ``before_tick``, its keyed pages of less value and, with ``spare_released``, the
-        pages its releases free (worked out when first asked)."""
+        """What ``donor`` can still spare: at first its surplus, released pages and keyed pages of less value."""
         surplus, left = spare
         if donor not in left:
             freed = scan.releasing(self._index[donor]).size if scan.spare_released else 0
             left[donor] = int(surplus.get(donor, 0)) + freed
-            # The keyed pages of less value count only when what the donor can spare
-            # without them might not cover every slab the plan could take from it.
+            # Keyed pages of less value count only when the rest might not cover every slab taken from it.
             if scan.keyed_mode() == 2 and not (scan.clean and left[donor] >= self._most_given(deficit)):
                 left[donor] += self._idle(donor, scan)[2]
         return left[donor]
@@ -422,9 +375,7 @@ class Arena:
         return own, gained
 
     def _most_given(self, deficit: Mapping[str, int]) -> int:
-        """More pages than a donor can give up in a plan for ``deficit``: each short
-        group takes at most ``ceil(short / fewest pages of it a slab holds)`` slabs,
-        each costing a donor at most its inner pages and two straddlers."""
+        """More pages than a donor can give up in a plan for ``deficit``."""
         slabs = 0
         for gid, short in deficit.items():
             per_slab = int(self._slab_pages[self._index[gid]])
@@ -438,8 +389,7 @@ class Arena:
         return _NO_PAGES if released is None or not released.size else released.astype(np.int64, copy=False)
 
     def _idle(self, gid: str, scan: IdleScan) -> tuple[np.ndarray, np.ndarray, int]:
-        """(slabs whose inner pages are all idle, boundaries whose straddler is idle, the
-        keyed pages counted idle): one compiled pass over the slabs the group owns."""
+        """``kernels.idle_slabs`` of ``gid`` (inner idle, edge idle, keyed pages counted), once per scan."""
         found = scan.idle.get(gid)
         if found is None:
             pool, g = self.pools[gid], self.geometry
@@ -453,10 +403,7 @@ class Arena:
         return found
 
     def oldest_idle_tick(self, gid: str) -> int | None:
-        """The idle-clock tick of the group's least recently idle keyed page of normal
-        priority (what it evicts after its low-priority ones); None if it has none. Its
-        pool's LRU lists exactly those pages, all in slabs the group owns
-        (``PagePool.oldest_idle_tick``: a walk of the list, not a scan of every slab)."""
+        """The idle tick of the group's least recently idle keyed page of normal priority (None: none)."""
         return self.pools[gid].oldest_idle_tick()
 
     # --- mutation -------------------------------------------------------------
@@ -495,9 +442,7 @@ class Arena:
 
     # --- checks ---------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Every granted page id lies in slabs its group owns (inner pages, or a
-        straddling page whose two slabs it owns), and all such pages are granted:
-        so live pages of different groups never share a byte."""
+        """The granted page ids are exactly those in slabs their group owns: groups never share a byte."""
         assert self.num_spare_slabs == int(np.count_nonzero(self.owner < 0)), "spare count drifted"
         assert (self._space.skip_packing == self.roomy()).all(), "skip_packing differs from roomy"
         for gid in self.group_ids:

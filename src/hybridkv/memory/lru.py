@@ -2,16 +2,10 @@
 changed by compiled kernels (numba ``@njit(cache=True)``; plain Python with
 ``NUMBA_DISABLE_JIT=1``), so a release, a borrow or a removal of many pages is one call.
 
-A pool's list lives in ``prev`` and ``nxt`` (int32, one cell per local page id):
-``nxt[page]`` is the page after ``page`` (nearer the tail: more recently used),
-``prev[page]`` the one before, both -1 for a page outside the list. Local id 0, the
-null page, is never listed and is the list's sentinel: ``nxt[0]`` is the head (least
-recently used, evicted first), ``prev[0]`` the tail, both 0 when the list is empty. In
-a page space (``hybridkv.memory.pool.PageSpace``) every pool's two arrays sit end to end
-in one pair; links stay local ids and each kernel adds the group's offset. The order is
-exactly an ``OrderedDict``'s: ``append`` is an item store of a new key, ``push_front``
-``move_to_end(last=False)`` of a new key, ``unlink`` a ``del``, a move to either end an
-``unlink`` then ``append`` or ``push_front``.
+A pool's list lives in ``prev`` and ``nxt`` (int32 by local page id, -1 outside the list):
+``nxt[page]`` is the next more recently used page. The null page 0 is the sentinel: ``nxt[0]``
+is the head (evicted first), ``prev[0]`` the tail. In a page space every pool's arrays sit end
+to end (links stay local ids; kernels add the group's offset). The order is an ``OrderedDict``'s.
 """
 
 from __future__ import annotations
@@ -53,13 +47,9 @@ def unlink(prev, nxt, off, page):
 
 @njit(cache=True)
 def join(idle_tick, low_priority, prev, nxt, lengths, low_idle, low_floors, offsets, per_group, pages, clock):
-    """Idle keyed pages join their group's list (``PageSpace.keyed_idle``): ``pages`` (local ids, group after group, ``per_group[g]`` of
-    them, not listed), each group's the last listed first, get the next tick of the idle
-    clock (``clock[0]``, the last tick given) per group that has some, in group order,
-    and join the tail, a low-priority one the head instead (so of those the last listed
-    ends first). Each group's list length and idle low-priority count ``low_idle[g]``
-    grow, and ``low_floors[g]`` (a lower bound of its idle low-priority pages:
-    ``PagePool._low_floor``) falls to the lowest low-priority page that joined."""
+    """Idle keyed ``pages`` (group after group, ``per_group[g]`` each, the last listed first) join their
+    group's list with its next tick of the idle clock (``clock[0]``): the tail, a low-priority one the head
+    (counted in ``low_idle[g]``, ``low_floors[g]`` lowered to it)."""
     start = 0
     for g in range(per_group.size):
         k, off = per_group[g], offsets[g]
@@ -80,8 +70,7 @@ def join(idle_tick, low_priority, prev, nxt, lengths, low_idle, low_floors, offs
 
 @njit(cache=True)
 def leave(prev, nxt, lengths, offsets, per_group, pages):
-    """Listed pages (local ids, group after group, ``per_group[g]`` of them) leave their
-    group's list (borrowed: :func:`leave_borrowed`)."""
+    """Listed pages (group after group, ``per_group[g]`` each) leave their group's list."""
     start = 0
     for g in range(per_group.size):
         k, off = per_group[g], offsets[g]
@@ -92,58 +81,36 @@ def leave(prev, nxt, lengths, offsets, per_group, pages):
 
 
 @njit(cache=True)
-def leave_borrowed(prev, nxt, offsets, space_counts, per_group, pages):
-    """Pages that got a holder outside any request leave their group's list (:func:`leave`)
-    and the pools' peaks follow (``kernels.note_peaks``), in one call (``PageSpace.hold_outside``'s
-    :func:`hold_leaving`); ``space_counts``: ``PageSpace.per_group``."""
-    leave(prev, nxt, space_counts[LRU_PAGES], offsets, per_group, pages)
-    note_peaks(space_counts, per_group, per_group[:0])
-
-
-@njit(cache=True)
-def place_released(stack, offsets, space_counts, counts, freed, keyed, idle_tick, low_priority, prev, nxt, clock):
-    """What ``kernels.drop_holds`` let go (``counts``, ``freed``, ``keyed`` as it fills them)
-    goes where a release puts it: unkeyed pages onto their free stacks (``push_free``), the
-    release counted, keyed ones into their lists (:func:`join`), in one call
-    (``PageSpace.release_outside``'s :func:`release_placing`); ``space_counts``: ``PageSpace.per_group``."""
-    push_free(stack, space_counts[TOP], offsets, space_counts[LOWEST], counts[0], freed)
-    for g in range(counts.shape[1]):
-        space_counts[RELEASED_PAGES, g] += counts[0, g] + counts[1, g]
-    join(idle_tick, low_priority, prev, nxt, space_counts[LRU_PAGES], space_counts[LOW_IDLE_PAGES],
-         space_counts[LOW_FLOOR], offsets, counts[1], keyed, clock)
-
-
-@njit(cache=True)
 def hold_leaving(local, per_group, offsets, limits, ref, keyed, low_priority, low_idle, held, idle_pages, idle_counts,
                  prev, nxt, space_counts):
-    """``kernels.hold_outside`` and, for the idle pages it held, :func:`leave_borrowed`: a
-    hold outside any request in one call (``PageSpace.hold_outside``); what ``hold_outside``
-    returns (nothing changed when it is negative)."""
+    """``kernels.hold_outside``, then the idle pages it held leave their lists and the pools' peaks follow;
+    its answer."""
     found = hold_outside(local, per_group, offsets, limits, ref, keyed, low_priority, low_idle, held, idle_pages,
                          idle_counts)
     if found > 0:
-        leave_borrowed(prev, nxt, offsets, space_counts, idle_counts, idle_pages[:found])
+        leave(prev, nxt, space_counts[LRU_PAGES], offsets, idle_counts, idle_pages[:found])
+        note_peaks(space_counts, idle_counts, idle_counts[:0])
     return found
 
 
 @njit(cache=True)
 def release_placing(local, per_group, offsets, limits, ref, keyed, held, freed, keyed_pages, counts, stack,
                     space_counts, idle_tick, low_priority, prev, nxt, clock):
-    """``kernels.release_outside`` and, for the pages that lost their last reference,
-    :func:`place_released`: a release of holds outside any request in one call
-    (``PageSpace.release_outside``); what ``release_outside`` returns (nothing changed when
-    it is negative)."""
+    """``kernels.release_outside``, then what it let go goes where a release puts it: unkeyed pages onto their
+    free stacks, keyed ones into their lists (:func:`join`), the release counted; its answer."""
     found = release_outside(local, per_group, offsets, limits, ref, keyed, held, freed, keyed_pages, counts)
     if found > 0:
-        place_released(stack, offsets, space_counts, counts, freed, keyed_pages, idle_tick, low_priority, prev, nxt,
-                       clock)
+        push_free(stack, space_counts[TOP], offsets, space_counts[LOWEST], counts[0], freed)
+        for g in range(counts.shape[1]):
+            space_counts[RELEASED_PAGES, g] += counts[0, g] + counts[1, g]
+        join(idle_tick, low_priority, prev, nxt, space_counts[LRU_PAGES], space_counts[LOW_IDLE_PAGES],
+             space_counts[LOW_FLOOR], offsets, counts[1], keyed_pages, clock)
     return found
 
 
 @njit(cache=True)
 def leave_to_free(prev, nxt, stack, top, lowest, pages):
-    """Listed pages leave one pool's list and go onto its free stack (``push_run``);
-    the new top."""
+    """Listed pages leave one pool's list and go onto its free stack; the new top."""
     for i in range(pages.size):
         unlink(prev, nxt, 0, pages[i])
     return push_run(stack, top, lowest, pages)
@@ -151,8 +118,7 @@ def leave_to_free(prev, nxt, stack, top, lowest, pages):
 
 @njit(cache=True)
 def move(prev, nxt, pages, to_front):
-    """Listed ``pages`` (one pool's) move, in order, to the head (``to_front``: the last
-    one ends first) or the tail (``PagePool.touch``, ``promote``, ``demote``)."""
+    """Listed ``pages`` (one pool's) move, in order, to the head (``to_front``) or the tail."""
     for i in range(pages.size):
         unlink(prev, nxt, 0, pages[i])
         if to_front:
@@ -163,12 +129,8 @@ def move(prev, nxt, pages, to_front):
 
 @njit(cache=True)
 def demote_unit(listed, n_entries, low_priority, prev, nxt, offsets, low_floors, low_idle):
-    """One entry of each of ``n_entries`` groups of a page space made low priority (a
-    superseded checkpoint's unit kept low: ``PageSpace.demote``), as ``PagePool.demote``
-    makes each: ``listed`` holds, entry after entry, its group, its page count and its
-    local ids. Every page is flagged low; the listed ones (idle) move, in order, to the
-    head of their group's list (the last one ends first); ``low_floors[g]`` falls to the
-    lowest of them and, unless the entry was low already, ``low_idle[g]`` counts them."""
+    """``PagePool.demote`` of one entry in each of ``n_entries`` groups (``PageSpace.demote``): ``listed`` holds,
+    entry after entry, its group, its page count and its local ids."""
     at = 0
     for _ in range(n_entries):
         g, end, n_idle = listed[at], at + 2 + listed[at + 1], 0
@@ -200,8 +162,7 @@ def order(nxt, out):
 
 @njit(cache=True)
 def oldest_normal_tick(nxt, low_priority, idle_tick):
-    """The least ``idle_tick`` of one pool's listed pages of normal priority (not
-    ``low_priority``), -1 when it lists none: one walk of its list."""
+    """The least ``idle_tick`` of one pool's listed pages of normal priority, -1 when it lists none."""
     none = np.iinfo(np.int64).max
     oldest, page = none, nxt[0]
     while page:
@@ -283,13 +244,9 @@ def drop_units(listed, ref, keyed, low_priority, lru_prev, lru_next, stack, offs
 
 @njit(cache=True)
 def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, prev, nxt, per_group, row, lo, counts, page_ids):
-    """A new row's prefix hit in one call (``PrefixCache.match_and_borrow``): one more
-    holder on each of ``page_ids`` (``kernels.take_holds``), the idle ones leaving their
-    group's list (:func:`leave`; ``per_group``'s LRU lengths and idle low-priority counts
-    fall) and the used pages' peaks rising (``kernels.note_peaks``), then the pages placed
-    in ``row``'s tables (``kernels.place_row``). Returns how many were idle and the
-    ring-view index of each cell written; nothing changes if a page is free (``-1 - i``,
-    ``i`` its index)."""
+    """A new row's prefix hit in one call: ``kernels.take_holds`` of ``page_ids`` (idle ones leave their list,
+    peaks follow), then ``kernels.place_row``. Returns how many were idle (``-1 - i``, nothing changed, when
+    page ``i`` is free) and the ring-view cells written."""
     offsets = geometry[:, ID_OFFSET].copy()
     idle, view = np.empty(page_ids.size, dtype=np.int64), np.empty(page_ids.size, dtype=np.int64)
     idle_counts = np.zeros(offsets.size, dtype=np.int64)
@@ -306,10 +263,7 @@ def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, prev, nxt, per
 @njit(cache=True)
 def free_rows_listed(geometry, pages, bounds, ref, keyed, stack, per_group, idle_tick, low_priority, prev, nxt,
                      clock, rows):
-    """``kernels.free_rows`` of ``rows``, then the keyed pages it left idle join their
-    group's list as :func:`join` puts them (``PageSpace.free_rows``; the lists' lengths, idle
-    low-priority counts and floors are ``per_group``'s rows), in one call; returns what
-    ``free_rows`` returns."""
+    """``kernels.free_rows``, then :func:`join` of the keyed pages it left idle; what ``free_rows`` returns."""
     touched, idle_keyed, keyed_per_group = free_rows(geometry, pages, bounds, ref, keyed, stack, per_group, rows)
     join(idle_tick, low_priority, prev, nxt, per_group[LRU_PAGES], per_group[LOW_IDLE_PAGES], per_group[LOW_FLOOR],
          geometry[:, ID_OFFSET].copy(), keyed_per_group, idle_keyed, clock)

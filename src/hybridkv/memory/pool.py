@@ -1,20 +1,9 @@
 """Physical pages of one cache group: free ids, ref counts, cached-page LRU.
 
-A page id is in exactly one state: free (on the free stack), held (ref count
->= 1), or cached and evictable (ref count 0, published under a content key, in
-the LRU). Page 0 is the reserved null page and never handed out.
-
-Free order is deterministic: a LIFO stack, so freed pages are reused first
-("freed to the front"); cached pages are reclaimed only once the free stack is
-empty, least recently used first.
-
-A pool built with ``lowest_first=True`` hands out its lowest free ids first
-instead (used with an arena, so live pages pack into few slabs).
-
-A pool built with ``granted=False`` starts with no usable pages: a shared
-arena (:mod:`hybridkv.memory.arena`) grants it page ids slab by slab and takes back
-slabs whose pages are all free or evictable. An id never granted is in none
-of the states above.
+A granted page id is free (on the free stack), held (ref count >= 1) or cached and evictable (ref count
+0, keyed, in the LRU); page 0 is the null page. Free order is deterministic: LIFO, or lowest id first
+(``lowest_first``, an arena's pools); cached pages are reclaimed only once the free stack is empty,
+least recently used first. With ``granted=False`` a pool starts empty (an arena grants it ids).
 """
 
 from __future__ import annotations
@@ -31,9 +20,7 @@ NULL_PAGE = 0
 _LOW_EVICT_PAGES = 16  # idle low-priority pages an eviction frees beyond the allocation's need
 _SCAN_PAGES = 64  # idle low-priority ids one scan of the flags lists for packing
 _MOVE_IN_PYTHON_PAGES = 4  # an entry of up to this many pages has its idle ones moved in the LRU by item stores
-# One clock for every pool: when a keyed page last went idle, comparable across groups
-# (a request's pages in all groups go idle at one tick when it is freed).
-# The last tick given, in an array so that ``lru.join`` draws a page space's ticks itself.
+# One clock for every pool (when a keyed page last went idle); an array so that ``lru.join`` draws ticks.
 _IDLE_CLOCK = np.zeros(1, dtype=np.int64)
 _NO_PAGES = np.empty(0, dtype=np.int64)
 
@@ -126,18 +113,11 @@ class PagePool:
         self.num_pages = int(num_pages)
         self.ref_counts = np.zeros(self.num_pages, dtype=np.int32)
         self._rng = None if shuffle_seed is None else np.random.default_rng(shuffle_seed)
-        # Lowest free id first (the stack kept sorted, top = lowest): live pages pack
-        # into few arena slabs, so whole slabs fall free for other groups.
         self.lowest_first = bool(lowest_first) and self._rng is None
         self.counters = PoolCounters()
         self._init_free()
         self._init_entries()
-        # Set by an arena: whether a long-lived allocation of ``n`` pages whose highest id
-        # would be ``page`` must first reuse idle low-priority pages below it (packing);
-        # None: always.
-        # While the arena is roomy it sets the pool's ``PageSpace.skip_packing``: the step
-        # kernel then stops for Python only when the free stack is short, and ``must_pack``
-        # is asked only on steps that stop anyway (a compiled step stays compiled).
+        # Set by an arena: must an allocation of ``n`` pages up to id ``page`` pack first (None: always).
         self.must_pack: Callable[[int, int], bool] | None = None
         self.space: PageSpace | None = None  # the page space whose arrays this pool views, once in one
         if granted:
@@ -145,50 +125,32 @@ class PagePool:
 
     def _init_free(self) -> None:
         """An empty free stack, no idle pages yet."""
-        # The free stack is ``_stack[:_top]``, the next id handed out last. The pool's counts
-        # (``kernels.TOP`` ... ``SKIP_PACKING``) are its column of a ``per_group`` array, its own
-        # until a ``PageSpace`` rebinds it to its column of the page space's, which the step kernels own.
+        # The free stack is ``_stack[:_top]``; the counts are a ``per_group`` column (a page space's, once in one).
         self._stack = np.empty(self.num_pages, dtype=np.int32)
         self._bind(np.zeros((kernels.PER_GROUP_ROWS, 1), dtype=np.int64), 0)
         self._per_group[kernels.LOWEST] = self.lowest_first
-        # Lowest-first pools reuse idle low-priority pages in id order like free pages, so
-        # they do not push live pages up: a lower bound of their ids (``num_pages``: none
-        # yet), lowered as pages join them and raised by packing's scan of the flags.
-        self._floors[0] = self.num_pages
-        # The LRU of idle keyed pages: a linked list in two arrays (``hybridkv.memory.lru``:
-        # the null page is its sentinel); its length is ``_lru_lengths[_slot]``.
+        self._floors[0] = self.num_pages  # ``_low_floor``: none yet
+        # The LRU of idle keyed pages: a linked list in two arrays (``hybridkv.memory.lru``).
         self._lru_prev = np.full(self.num_pages, -1, dtype=np.int32)
         self._lru_next = np.full(self.num_pages, -1, dtype=np.int32)
         self._lru_prev[NULL_PAGE] = self._lru_next[NULL_PAGE] = NULL_PAGE
         self._view_lru()
-        # Per page: the idle clock's tick when it last became cached-evictable.
         self.idle_tick = np.zeros(self.num_pages, dtype=np.int64)
 
     def _init_entries(self) -> None:
         """No content-keyed entries yet."""
         self.cached = np.zeros(self.num_pages, dtype=bool)
-        # Keyed pages evicted before all others once idle (speculative prompt checkpoints).
-        self.low_priority = np.zeros(self.num_pages, dtype=bool)
-        # Per keyed page, its entry's key. Read only for keyed pages (``cached``), so an
-        # entry's removal leaves its pages' keys behind (overwritten when a page is keyed again).
-        # A list by page id, not a dict: a commit stores one key a page, and a list's slots of
-        # an entry's (mostly adjacent) pages share cache lines where a dict's are scattered.
+        self.low_priority = np.zeros(self.num_pages, dtype=bool)  # evicted before all others once idle
+        # Per keyed page, its entry's key (stale for unkeyed pages); a list: an entry's pages share cache lines.
         self._page_key: list[Hashable | None] = [None] * self.num_pages
         self._entries: dict[Hashable, tuple[int, ...]] = {}
-        # An entry's pages by key, None when it is not published: the dict's own get (a
-        # prefix match or commit asks it once per block and group, without a Python frame).
-        self.lookup: Callable[[Hashable], tuple[int, ...] | None] = self._entries.get
-        # Called with (key, cause, idle pages freed) after an entry is removed; cause is
-        # UNPUBLISHED, EVICTED, EVICTED_LOW (a low-priority entry evicted) or REVOKED.
+        self.lookup: Callable[[Hashable], tuple[int, ...] | None] = self._entries.get  # pages by key, or None
+        # Told (key, cause, idle pages freed) after an entry is removed.
         self.on_removed: Callable[[Hashable, str, int], None] | None = None
-        # Set by a "prefill-per-byte" prefix cache on its state pools (a
-        # hybridkv.prefix.checkpoints.CheckpointOrder): told which pages go idle, it names the
-        # normal-priority victims in place of the LRU order.
+        # A "prefill-per-byte" prefix cache's ``CheckpointOrder``: names normal-priority victims.
         self._ranker = None
-        # Set by a prefix cache on a pool whose removals never change the pool itself (a
-        # state group's): told in place of ``on_removed`` of every (key, cause, idle pages
-        # freed) evicted or revoked together, in order, so such a pool evicts in batches
-        # (docs/prefix-caching.md, "Evicting in batches").
+        # Told every removal of a batch at once, in place of ``on_removed``, on a pool whose removals
+        # never change it (docs/prefix-caching.md, "Evicting in batches").
         self.on_removed_many: Callable[[list[tuple[Hashable, str, int]]], None] | None = None
 
     @property
@@ -217,8 +179,7 @@ class PagePool:
         borrows saw it (``kernels.note_peaks``).""")
 
     def _view_lru(self) -> None:
-        """Memoryviews of the LRU's links, for Python's item reads and stores (faster than
-        the arrays' own); made again whenever a page space rebinds the arrays."""
+        """Memoryviews of the LRU's links (faster item access than the arrays'), after each rebinding."""
         self._lru_views = (memoryview(self._lru_prev), memoryview(self._lru_next))
 
     @property
@@ -246,8 +207,7 @@ class PagePool:
 
     @property
     def num_low_priority_idle_pages(self) -> int:
-        """Idle keyed pages of low-priority entries (evicted before any other); kept
-        as a count, checked against the pages in ``check_invariants``."""
+        """Idle keyed pages of low-priority entries (evicted before any other)."""
         return self._low_idle_pages
 
     @property
@@ -371,33 +331,25 @@ class PagePool:
         return out[: lru.order(self._lru_next, out)]
 
     def oldest_idle_tick(self) -> int | None:
-        """The idle-clock tick of the least recently idle keyed page of normal priority (what
-        it evicts after its low-priority ones): a walk of the LRU, which lists exactly the
-        idle keyed pages (``lru.oldest_normal_tick``); None if it has none."""
+        """The idle tick of the least recently idle keyed page of normal priority (None: none)."""
         tick = lru.oldest_normal_tick(self._lru_next, self.low_priority, self.idle_tick)
         return None if tick < 0 else int(tick)
 
     def revoke(self, pages: np.ndarray) -> None:
-        """Take back page ids that are all free or cached-evictable (their entries are
-        unpublished first). All or nothing. Checked, and the free ones taken off the
-        free stack, in one compiled pass (``kernels.revoke_ids``)."""
+        """Take back page ids that are all free or cached-evictable (their entries unpublished); all or nothing."""
         top, pages, evictable = kernels.revoke_ids(self.ref_counts, self.cached, self._stack, self._top,
                                                    np.asarray(pages, dtype=np.int64))
         if top < 0:
             raise ValueError(f"group {self.group_id!r}: only granted pages no request holds can be revoked")
         self._top = int(top)
         if evictable.size:
-            # One batch, in the order of their lowest page: what ``on_removed`` does for one
-            # entry takes no other entry of this pool, so they are all known beforehand.
-            # Their idle pages go on the free stack: these leave it again.
+            # One batch (telling of one removal takes no other entry here); their pages then leave the stack.
             self._unpublish_many(list(dict.fromkeys(map(self._page_key.__getitem__, evictable.tolist()))), REVOKED)
             self._top = int(kernels.drop_ids(self._stack, self._top, evictable))
         self._granted_pages -= int(pages.size)
 
     def load_kernels(self) -> None:
-        """Load (or compile) now the kernels of :meth:`revoke` and of :meth:`grant` one by one
-        (an arena's donor slab moves) and of :meth:`make_room`'s evictions, with the argument
-        types of their calls, changing nothing (no pages)."""
+        """Load (or compile) now, changing nothing, the kernels of revokes, grants and evictions."""
         self.revoke(_NO_PAGES)
         kernels.drop_ids(self._stack, self._top, _NO_PAGES)
         kernels.push_run(self._stack, self._top, self.lowest_first, _NO_PAGES)
@@ -426,9 +378,7 @@ class PagePool:
                 self._lows[g] += len(idle)  # ``_low_idle_pages``
 
     def _move_idle(self, pages: tuple[int, ...], to_front: bool) -> list[int]:
-        """Those of an entry's ``pages`` in the LRU move, in order, to its head (``to_front``:
-        the last one ends first) or tail; returns them. A few pages (most entries) in
-        item reads and stores, more in one compiled call (``lru.move``)."""
+        """Those of ``pages`` in the LRU move, in order, to its head (``to_front``) or tail; returns them."""
         prev, nxt = self._lru_views
         if len(pages) > _MOVE_IN_PYTHON_PAGES:
             idle = [page for page in pages if nxt[page] >= 0]
@@ -626,13 +576,9 @@ class PagePool:
 
 
 class PageSpace:
-    """Every pool's pages in arrays the step kernels own: ref counts, key flags, idle
-    ticks, free stacks (group ``g``'s ids at ``stack[offsets[g] : offsets[g] + tops[g]]``), idle
-    low-priority counts, whether a pool hands out its lowest ids first, and the LRUs'
-    links (``lru_prev``, ``lru_next``: ``hybridkv.memory.lru``) and lengths. Each pool
-    is rebound to views of them, so pool methods and kernels see the same state.
-    A release outside any request is :meth:`release_outside` (``kernels.drop_holds``'s
-    work and the LRU moves in one call); a borrow (a prefix hit), ``lru.borrow_row``."""
+    """Every pool's pages in arrays the step kernels own (per page: ref counts, key flags, idle ticks,
+    free stacks at ``offsets[g]``, LRU links; per group: ``per_group``, ``kernels.TOP`` ... ``SKIP_PACKING``).
+    Each pool is rebound to views of them, so pool methods and kernels see the same state."""
 
     def __init__(self, pools: Sequence[PagePool]):
         self.pools = list(pools)
@@ -641,12 +587,6 @@ class PageSpace:
             raise ValueError("a page space holds fewer than 2**31 pages")
         self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         self._join_page_arrays(sizes)
-        # Per group, in one array a step kernel takes whole: the free stack's top, whether
-        # the pool hands out its lowest ids first, the lower bound of its idle low-priority
-        # ids (the pool's ``_low_floor``), the pages ever released and allocated (the pools'
-        # counters), the LRU's length, the pages granted, the peak of used pages, the idle
-        # low-priority pages and whether the pool may skip packing (its arena, while roomy,
-        # sets it): ``kernels.TOP`` ... ``SKIP_PACKING``, what ``kernels.packing_floor`` reads.
         self.per_group = np.stack([p._per_group[:, p._slot] for p in self.pools], axis=1)  # the pools' counts
         self.tops, self.lowest_first, self.idle_low_floors = self.per_group[:3]
         self.lru_lengths, self.granted = self.per_group[kernels.LRU_PAGES], self.per_group[kernels.GRANTED_PAGES]
@@ -656,8 +596,7 @@ class PageSpace:
         self._bind_pools()
 
     def _join_page_arrays(self, sizes: list[int]) -> None:
-        """Each per-page array of the pools, concatenated in group order; every pool then
-        views its own slice of it."""
+        """Each per-page array of the pools, concatenated in group order; every pool views its slice."""
         starts = self.offsets.tolist()
         for name in ("ref_counts", "cached", "low_priority", "_stack", "idle_tick", "_lru_prev", "_lru_next"):
             whole = np.concatenate([getattr(p, name) for p in self.pools])
@@ -674,10 +613,7 @@ class PageSpace:
             pool.ranker = pool.ranker  # into ``ranked``
 
     def load_kernels(self, tables) -> None:
-        """Load (or compile) now, changing nothing (no pages, no rows), the kernels of
-        :meth:`keyed_idle`, :meth:`free_rows`, :meth:`demote` and :meth:`drop_unit` and each
-        pool's (``PagePool.load_kernels``): else the first step that needs one (a commit
-        superseding a checkpoint, a first eviction, often late in a run) stalls for it."""
+        """Load (or compile) now, changing nothing, the kernels of this space's and each pool's methods."""
         none = np.zeros(len(self.pools), dtype=np.int64)
         lru.join(self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, self.lru_lengths, self.low_idle,
                  self.idle_low_floors, self.offsets, none, _NO_PAGES, _IDLE_CLOCK)
@@ -689,23 +625,16 @@ class PageSpace:
             pool.load_kernels()
 
     def hold_outside(self, local: np.ndarray, per_group: np.ndarray, limits: np.ndarray, held: np.ndarray) -> int:
-        """Hold ``local`` (local ids, group-major, ``per_group[g]`` of group ``g``) outside any
-        request, ``held`` (per page-space id) counting the holds, the idle ones leaving their
-        LRUs, in one compiled call (``lru.hold_leaving``); what ``kernels.hold_outside``
-        returns: how many pages were idle, or negative (nothing held) for a page outside
-        ``[1, limits[g])`` or a free page."""
+        """``kernels.hold_outside`` of ``local`` (group-major), the idle pages leaving their LRUs
+        (``lru.hold_leaving``)."""
         idle = np.empty(local.size, dtype=np.int64)
         return lru.hold_leaving(local, per_group, self.offsets, limits, self.ref_counts, self.cached,
                                 self.low_priority, self.low_idle, held, idle, self.idle_counts, self.lru_prev,
                                 self.lru_next, self.per_group)
 
     def release_outside(self, local: np.ndarray, per_group: np.ndarray, limits: np.ndarray, held: np.ndarray) -> int:
-        """Drop holds of :meth:`hold_outside` (``local`` listed alike): a page left without a
-        holder goes free or, still cached, joins its LRU, as a step's release puts it, in one
-        compiled call (``lru.release_placing``); then a pool's ranker (if any) is told. What
-        ``kernels.release_outside`` returns: how many pages lost their last reference, or
-        negative (nothing released) for a page outside ``[0, limits[g])`` or released more
-        often than held."""
+        """``kernels.release_outside``, pages left without a holder freed or joining their LRU
+        (``lru.release_placing``); then the rankers are told."""
         scratch = np.empty((2, local.size), dtype=np.int64)  # freed, keyed
         counts = np.zeros((2, self.offsets.size), dtype=np.int64)
         first_tick = int(_IDLE_CLOCK[0]) + 1 if self.ranked else 0
@@ -790,11 +719,8 @@ class PageSpace:
         return left, idle[[slot for _, slot, _ in pops]].tolist()
 
     def keyed_idle(self, per_group: np.ndarray, keyed: np.ndarray) -> None:
-        """Keyed pages a release left idle (``keyed``, local ids, group after group,
-        ``per_group[g]`` of them, int64) join their pool's LRU, each pool's with the next
-        tick of the idle clock, in one compiled call (``lru.join``, which also lowers the
-        ``_low_floor`` of a pool where low-priority pages joined); then a pool's ranker
-        (if any) is told."""
+        """Keyed pages a release left idle (group after group, ``per_group[g]`` each) join their LRUs
+        (``lru.join``); then the rankers are told."""
         first_tick = int(_IDLE_CLOCK[0]) + 1 if self.ranked else 0
         lru.join(self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, self.lru_lengths, self.low_idle,
                  self.idle_low_floors, self.offsets, per_group, keyed, _IDLE_CLOCK)
@@ -802,10 +728,7 @@ class PageSpace:
             self._tell_rankers(per_group, keyed, first_tick)
 
     def free_rows(self, tables, rows: np.ndarray) -> np.ndarray:
-        """``CacheManager.free``'s release: ``rows``' pages leave ``tables`` (a ``TableSet`` over
-        this space) and lose a holder (``kernels.free_rows``), the keyed ones left idle joining
-        their LRUs as :meth:`keyed_idle` puts them, in one compiled call
-        (``lru.free_rows_listed``); returns the cells emptied (ring-view indices)."""
+        """``CacheManager.free``'s release in one call (``lru.free_rows_listed``); the cells emptied."""
         first_tick = int(_IDLE_CLOCK[0]) + 1 if self.ranked else 0
         touched, keyed, per_group = lru.free_rows_listed(
             tables.geometry, tables.pages, tables.bounds, self.ref_counts, self.cached, self.stack, self.per_group,
@@ -815,8 +738,7 @@ class PageSpace:
         return touched
 
     def _tell_rankers(self, per_group: np.ndarray, keyed: np.ndarray, first_tick: int) -> None:
-        """After :meth:`keyed_idle`: each pool with a ranker whose pages joined tells its
-        ranker of them."""
+        """Each pool with a ranker whose pages joined their LRU tells it of them."""
         counts = per_group.tolist()
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64).tolist()
         ticks = np.cumsum([1 if k else 0 for k in counts]).tolist()  # the tick each pool's pages got, less one

@@ -1,21 +1,11 @@
-"""Prefix caching across hybrid groups: content keys, publication, matching.
+"""Prefix caching across hybrid groups: content keys, publication, matching (docs/prefix-caching.md).
 
-Content keys are chained hashes over blocks of ``granularity_tokens`` tokens:
-``h[b] = H(h[b-1] || tokens of block b)``, with ``h[-1] = H(salt)``. A key
-names a whole prefix, so equal keys mean equal content.
-
-* History groups publish the pages of block ``b`` under ``h[b]`` once the block
-  is committed (all its rows written, no speculative token in it).
-* State groups publish a checkpoint at a boundary ``D``: the pages holding the
-  trailing window ``[D-W, D)``, under ``h[D/G - 1]``. A request keeps only its
-  latest own checkpoint (plus every ``state_checkpoint_interval`` tokens, and
-  its *junction*: the boundary where its prompt left content that other
-  requests had computed, e.g. the end of a shared system prompt); the
-  superseded ones are unpublished so state pools cannot fill up, except where
-  the checkpoint policy (:mod:`hybridkv.prefix.checkpoints`) keeps a speculative,
-  low-priority checkpoint.
-* A hit at ``D`` needs every history group to hold all blocks below ``D`` and
-  every state group a checkpoint at exactly ``D``; ``D <= prompt - 1``.
+Content keys are chained hashes over blocks of ``granularity_tokens`` tokens: ``h[b] = H(h[b-1] ||
+tokens of block b)``, ``h[-1] = H(salt)``. History groups publish block ``b``'s pages under ``h[b]``
+once committed; state groups publish a checkpoint at a boundary ``D`` (the pages of the window
+``[D-W, D)``) under ``h[D/G - 1]``, a request keeping its latest, its pinned ones and those its
+checkpoint policy keeps (:mod:`hybridkv.prefix.checkpoints`). A hit at ``D <= prompt - 1`` needs every
+history group's blocks below ``D`` and every state group's checkpoint at exactly ``D``.
 """
 
 from __future__ import annotations
@@ -68,12 +58,8 @@ class PrefixHit:
 
     @property
     def junction_tokens(self) -> int:
-        """Where this prompt leaves content other requests computed (0 if the hit reaches it).
-
-        A state checkpoint there is kept (pinned) when the request crosses it, so
-        later requests sharing the same prefix hit at the junction: the shared
-        system prompt case, whose boundary no single request would otherwise keep.
-        """
+        """Where this prompt leaves content other requests computed (0 if the hit reaches it); a checkpoint
+        there is pinned when the request crosses it (docs/prefix-caching.md)."""
         return self.history_hit_tokens if self.history_hit_tokens > self.hit_tokens else 0
 
     @property
@@ -154,9 +140,7 @@ class PrefixGroupStats:
 class OwnCheckpoint:
     boundary_tokens: int
     pinned: bool = False  # an interval or junction checkpoint: never superseded
-    # gid -> (key, pages): the very tuple the pool published (``PagePool.lookup``), so that
-    # ``_supersede`` knows the hold by identity: a republication after an eviction (the hold
-    # gone with it) is another tuple, even on the same page ids.
+    # gid -> (key, pages): the very tuple the pool published, so ``_supersede`` knows the hold by identity.
     entries: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
 
 
@@ -198,13 +182,11 @@ class PrefixCache:
         self.hash_algo = hash_algo
         self._unsalted_root = self._hash(b"hybridkv-prefix-root\x00")  # h[-1] of every unsalted request
         self.history_ids = [s.group_id for s in self.specs if not s.is_sliding]
-        # State groups that store checkpoints; one whose checkpoint window is 0 needs
-        # nothing from before a boundary and is restorable at every one.
+        # State groups that store checkpoints (a window of 0 is restorable at every boundary).
         self.state_ids = [gid for gid, n in windows.items() if n > 0]
         g = self.granularity_tokens = _grain(self.specs, windows, granularity_tokens)
         self.state_checkpoint_interval = None if state_checkpoint_interval is None else grain_multiple(
             "state_checkpoint_interval", state_checkpoint_interval, g)
-        # Which boundaries keep a speculative checkpoint (hybridkv.prefix.checkpoints).
         self.policy = policy_from_options(checkpoint_policy, prompt_checkpoints, checkpoint_interval_tokens, g)
         self.checkpoint_policy = self.policy.name
         self.checkpoint_interval_tokens = self.policy.interval_tokens
@@ -212,14 +194,11 @@ class PrefixCache:
         # "prefill-per-byte": each checkpoint's saved prefill, hits and last use.
         self.values = CheckpointValues() if self.policy.ranks_by_value else None
         self.on_event = on_event
-        # Without a callback, events wait in a bounded buffer for drain_events();
-        # past max_buffered_events the oldest are dropped (and counted).
+        # Without a callback, events wait for drain_events(); past the bound the oldest are dropped (counted).
         self.events: deque[tuple] = deque(maxlen=max_buffered_events)
         self.dropped_events = 0
         self.stats = {s.group_id: PrefixGroupStats() for s in self.specs}
-        # State entries: how many requests keep each one as an own checkpoint (publisher,
-        # concurrent computers of the same prefix, hits at it). Superseding drops one hold;
-        # the entry is unpublished when none is left. Pinned holds are never dropped.
+        # Per state entry, how many requests keep it as an own checkpoint (unpublished at none).
         self._holders: dict[str, dict[int, int]] = {gid: {} for gid in self.state_ids}
         self._windows = windows
         self._init_hit_placement(tables)  # finds the pools' page space first
@@ -261,15 +240,12 @@ class PrefixCache:
         self._unit_pools_in_order = [pool for _, pool, *_ in self._unit_groups]  # one ``PageSpace.adopt`` call's
 
     def _init_hit_placement(self, tables: Mapping[str, GroupTable]) -> None:
-        """A hit's placement: every group's pages borrowed and placed in one compiled call
-        (``lru.borrow_row``), by group index."""
+        """What a hit's placement (one ``lru.borrow_row`` call over the page space) reads, by table index."""
         self._table_set = tables[self.specs[0].group_id].table_set
         self._group_index = [tables[s.group_id].group_index for s in self.specs]
-        # Borrowing: one compiled call over the page space, whose groups are the tables' in order.
         self._space = self.pools[self.specs[0].group_id].space
         self._check_one_space()
-        # The groups a match looks up, history groups first, and where each spec's own reach
-        # lies in ``_match``'s list of reaches (those, then one for the groups restorable anywhere).
+        # Where each spec's own reach lies in ``_match``'s reaches (then one for groups restorable anywhere).
         matched = self.history_ids + self.state_ids
         self._spec_ids = [s.group_id for s in self.specs]
         self._reach_index = [matched.index(gid) if gid in matched else len(matched) for gid in self._spec_ids]
@@ -277,9 +253,7 @@ class PrefixCache:
         # Per group, by table index: its page tokens and checkpoint window (None: history).
         self._placement = [(s.page_tokens, self._windows[s.group_id] if s.is_sliding else None)
                            for s in in_table_order]
-        # The groups whose entries a hit places, by table index: whether it places every
-        # block (a history group) or the checkpoint at the hit, and the group's index in
-        # ``history_ids`` or ``state_ids``.
+        # The groups whose entries a hit places: (every block, else the checkpoint; index in its id list).
         self._picks = [(True, self.history_ids.index(s.group_id)) if not s.is_sliding
                        else (False, self.state_ids.index(s.group_id))
                        for s in in_table_order if s.group_id in matched]
@@ -287,8 +261,7 @@ class PrefixCache:
         self._stats_in_order = [self.stats[s.group_id] for s in self.specs]
 
     def _check_one_space(self) -> None:
-        """The tables are every table of one ``TableSet`` and the pools the pools of one
-        ``PageSpace``, both in the same group order (what one compiled call per hit needs)."""
+        """The tables are one ``TableSet``'s and the pools one ``PageSpace``'s, in the same group order."""
         if sorted(self._group_index) != list(range(len(self._table_set.tables))):
             raise ValueError("the prefix cache's tables must be every table of one TableSet, one per spec")
         space_pools = self._space.pools if self._space is not None else []
@@ -335,19 +308,13 @@ class PrefixCache:
         return self._match(hashes, prompt_ids)[0]
 
     def _match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> tuple[PrefixHit, list[list], list]:
-        """The hit for a prompt (over each prefix of whole blocks, the prompt's last token
-        aside), per history group its entries (pages) of the prefixes it holds from the first
-        block on (``history[i][b - 1]`` for the prefix of ``b`` blocks), and per state group
-        storing checkpoints its entry at the hit (in ``state_ids`` order; [] without a hit).
-        Plain loops, each group's lookups stopping where its reach is decided (no comprehension
-        frames or iterator objects: cheaper run cold, as a request joins)."""
+        """The hit for a prompt (its last token aside), per history group its entries from the first block on,
+        and per state group its entry at the hit ([] without one). Plain loops: cheaper run cold."""
         g = self.granularity_tokens
         max_blocks = (prompt_ids.size - 1) // g
         hashes.extend_to(prompt_ids, max_blocks * g)
         keys = hashes.hashes[:max_blocks]  # keys[b - 1] names the prefix of b blocks
-        # Per group alone: a history group reaches its first missing block, a state group its
-        # last checkpoint (looked up from the last block down); a group restorable at every
-        # boundary (appended last) reaches them all.
+        # Alone, a history group reaches its first missing block, a state group its last checkpoint.
         history, reach = [], []
         for lookup in self._history_lookups:
             entries = []
@@ -370,9 +337,7 @@ class PrefixCache:
             reach.append(n)
             found.append(entry)
         reach.append(max_blocks)
-        # The hit: the last boundary within the history where every state group holds a
-        # checkpoint (none lies beyond a state group's last one); when every state group's
-        # reach is that boundary, the entries found there.
+        # The hit: the last boundary within the history where every state group holds a checkpoint.
         k, at_hit = min(reach), found
         state_reach = reach[len(self._history_lookups) : -1]
         if not (k and state_reach and min(state_reach) == k == max(state_reach)):
@@ -390,12 +355,8 @@ class PrefixCache:
 
     def match_and_borrow(self, req: CommittingRequest, prompt_ids: np.ndarray,
                          cache_salt: str | bytes | None = None) -> PrefixHit:
-        """Start a new request's block keys (``req.hashes``, :meth:`new_request_hashes` of
-        ``cache_salt``), match its prompt, then place the cached pages in its tables (ref
-        count +1 each, the idle ones leaving their LRUs): every group's in one compiled call
-        (``lru.borrow_row``). The checkpoint at the hit becomes the request's own (its
-        terminal so far; with ``"prefill-per-byte"`` a reuse of it), and its junction, if
-        any, is pinned when the request crosses it."""
+        """Start ``req.hashes``, match its prompt and borrow the hit's pages into its tables in one compiled
+        call (``lru.borrow_row``); the checkpoint at the hit becomes the request's own."""
         req.hashes = (RequestHashes(self._unsalted_root, self.granularity_tokens, self._hash) if cache_salt is None
                       else self.new_request_hashes(cache_salt))
         hit, history, at_hit = self._match(req.hashes, prompt_ids)
@@ -409,8 +370,6 @@ class PrefixCache:
             req.keep_boundaries = frozenset([hit.history_hit_tokens])  # its junction
         if d == 0:
             return hit
-        # By table index, each group storing entries: a history group's every block below the
-        # hit, a state group's checkpoint at it.
         blocks = d // self.granularity_tokens
         listed = []
         for whole, i in self._picks:
@@ -440,10 +399,8 @@ class PrefixCache:
         return hit
 
     def _hit_spans(self, hit_tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
-        """Per group, by table index, the logical pages a hit at ``hit_tokens`` places: the
-        first one and how many (a history group's every page below the hit, a sliding group's
-        checkpoint window below it, or none when it stores none), and their total. Computed
-        once per hit length (read-only arrays)."""
+        """Per group, by table index, the first logical page a hit at ``hit_tokens`` places and how many, and
+        their total; read-only, once per hit length."""
         spans = self._spans_at.get(hit_tokens)
         if spans is None:
             first = [0 if window is None else max(0, hit_tokens - window) // page_tokens
@@ -770,16 +727,11 @@ class PrefixCache:
         return kept
 
     def load_kernels(self) -> None:
-        """Load (or compile) now the commit's kernel (``kernels.commit_pages``, through
-        ``CommitPages.read`` of no block and no boundary: nothing read or claimed), else the
-        first commit stalls for it. (A prefix hit's, ``lru.borrow_row``, loads at the first hit.)"""
+        """Load (or compile) now the commit's kernel, reading nothing (``lru.borrow_row`` loads at the first hit)."""
         self._reader.read(0, 0, 0, [])
 
     def forget_request(self, req: CommittingRequest) -> None:
-        """A freed request's checkpoints stay cached (its last one is its terminal).
-        With ``"prefill-per-byte"`` the cached checkpoints are then put in order of
-        value: incrementally (:class:`hybridkv.prefix.checkpoints.CheckpointOrder`), or by
-        :meth:`rank_checkpoints` after :meth:`use_full_sort_ranking`."""
+        """A freed request's checkpoints stay cached; with ``"prefill-per-byte"`` they are then ranked again."""
         req.own_checkpoints = []
         if self.values is not None:
             self.values.request_freed()
@@ -789,9 +741,8 @@ class PrefixCache:
                 self.rank_checkpoints()
 
     def check_holds(self, live: Sequence[CommittingRequest]) -> None:
-        """Assert that every hold is on a cached entry and that each entry has at least the
-        holds of the ``live`` requests keeping it (the rest: freed requests' terminals, kept
-        until the entry is evicted or cleared)."""
+        """Assert that every hold is on a cached entry, with at least the holds of the ``live`` requests keeping
+        it (the rest: freed requests' terminals)."""
         kept: dict[tuple[str, int], int] = {}
         for req in live:
             for own in req.own_checkpoints:
@@ -805,10 +756,8 @@ class PrefixCache:
             assert self._holders[gid].get(key, 0) >= n, f"{gid}: {n} requests keep an entry with fewer holds"
 
     def use_full_sort_ranking(self) -> None:
-        """``"prefill-per-byte"``: rank by :meth:`rank_checkpoints` at every freed
-        request (a full sort, O(n log n) a request: the reference the incremental
-        order must agree with) instead of :class:`hybridkv.prefix.checkpoints.CheckpointOrder`.
-        Only before anything is cached; ValueError otherwise."""
+        """``"prefill-per-byte"``: rank by :meth:`rank_checkpoints`' full sort (the reference) instead of
+        ``CheckpointOrder``. Only before anything is cached; ValueError otherwise."""
         if self.values is None or any(pool.num_cached_pages for pool in self.pools.values()):
             raise ValueError("use_full_sort_ranking needs checkpoint_policy='prefill-per-byte' and an empty cache")
         for gid in self.state_ids:
@@ -817,15 +766,9 @@ class PrefixCache:
         self.eviction.on_mended = None
 
     def rank_checkpoints(self) -> list[int]:
-        """``"prefill-per-byte"``, the full-sort reference: the checkpoints of a class
-        rated below the reuse floor become low priority (at the front of each state
-        pool's LRU, the newly demoted ones lowest score first, ahead of those already
-        there), the others normal priority (but those beyond a gap, held low until their
-        block is back: :meth:`hybridkv.prefix.eviction.ValueEviction.beyond_gap`) in the order of
-        :meth:`hybridkv.prefix.checkpoints.CheckpointValues.eviction_order`, the highest at the
-        back (a pool that uses an incremental order ignores the LRU order of its
-        normal-priority pages). Returns every cached checkpoint's key, low-priority
-        classes first, each part lowest score first ([] for other policies)."""
+        """``"prefill-per-byte"``, the full-sort reference: low-priority classes' checkpoints to the front of
+        each state pool's LRU (lowest score first), the others (but those beyond a gap) normal priority in
+        ``CheckpointValues.eviction_order``. Returns that order ([] for other policies)."""
         if self.values is None or not self.state_ids:
             return []
         values = self.values
@@ -936,9 +879,8 @@ class PrefixCache:
 
 
 def _checkpoint_windows(specs: Sequence[CacheGroupSpec], overrides: Mapping[str, int] | None) -> dict[str, int]:
-    """Per sliding group, the trailing tokens a checkpoint stores: what a request resumed
-    at a grain boundary still reads (the spec's ``checkpoint_window_tokens``, default the
-    whole window), unless ``overrides`` names the group."""
+    """Per sliding group, the trailing tokens a checkpoint stores (the spec's, default the whole window, or
+    ``overrides``')."""
     windows = {
         s.group_id: s.sliding_window_tokens if s.checkpoint_window_tokens is None else s.checkpoint_window_tokens
         for s in specs if s.is_sliding
@@ -955,9 +897,7 @@ def _checkpoint_windows(specs: Sequence[CacheGroupSpec], overrides: Mapping[str,
 
 
 def _grain(specs: Sequence[CacheGroupSpec], windows: Mapping[str, int], granularity_tokens: int | None) -> int:
-    """The prefix grain: given, or the LCM of the history groups' page spans (every
-    group's when none is full history); a multiple of every page span, and no shorter
-    than any checkpoint window."""
+    """The prefix grain: given, or the LCM of the history groups' (else every group's) page spans; checked."""
     history = [s for s in specs if not s.is_sliding]
     default = reduce(lcm, [s.page_tokens for s in (history or specs)], 1)
     g = default if granularity_tokens is None else as_int("prefix_granularity", granularity_tokens)

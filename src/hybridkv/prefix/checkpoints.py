@@ -1,11 +1,8 @@
 """Checkpoint policies: which boundaries keep a state checkpoint, and which goes first.
 
-Every policy keeps a request's latest checkpoint and its junction; they differ in the
-*speculative* checkpoints, published unheld and low priority at other boundaries the
-request crosses (:meth:`CheckpointPolicy.speculative`). ``"prefill-per-byte"`` also
-ranks the cached checkpoints by value (:class:`CheckpointValues`), an order
-:class:`CheckpointOrder` keeps incrementally. The policies, the score and its
-constants: docs/prefix-caching.md, "Checkpoint policies".
+Policies differ in the *speculative* checkpoints (unheld, low priority) kept besides a request's latest
+and its junction; ``"prefill-per-byte"`` also ranks checkpoints by value (:class:`CheckpointValues`,
+kept in order by :class:`CheckpointOrder`). See docs/prefix-caching.md, "Checkpoint policies".
 """
 
 from __future__ import annotations
@@ -34,9 +31,8 @@ class CheckpointPolicy:
     interval_tokens: int | None = None
 
     def speculative(self, boundary_tokens: int, prompt_tokens: int) -> bool:
-        """Whether a boundary a request crosses (not its latest) keeps a speculative
-        checkpoint; also whether its own checkpoint there, superseded, is demoted to
-        one rather than unpublished."""
+        """Whether a boundary a request crosses keeps a speculative checkpoint (its own one there, superseded,
+        is then demoted rather than unpublished)."""
         if self.name == "interval":
             return boundary_tokens % self.interval_tokens == 0
         if self.name in ("prompt-boundaries", "prefill-per-byte"):
@@ -93,9 +89,7 @@ def grain_multiple(name: str, value: int, grain_tokens: int) -> int:
 
 
 def saved_prefill(boundary_tokens: int) -> float:
-    """Prefill work a hit at ``boundary_tokens`` saves, in units of one token's fixed
-    work: ``D + D^2 / (2 L)`` with ``L`` = ``ATTENTION_EQUAL_DEPTH_TOKENS`` (token ``t``
-    costs ``1 + t / L``), so a deeper boundary saves more per token."""
+    """Prefill work a hit at ``D`` saves, in tokens' fixed work: ``D + D^2 / (2 ATTENTION_EQUAL_DEPTH_TOKENS)``."""
     d = float(boundary_tokens)
     return d + d * d / (2 * ATTENTION_EQUAL_DEPTH_TOKENS)
 
@@ -105,13 +99,9 @@ CLASSES = (SPECULATIVE, OWN, REUSED)
 
 
 class CheckpointValues:
-    """Saved prefill per byte, blended with recency, of the checkpoints a
-    ``"prefill-per-byte"`` prefix cache publishes (one record per key):
-    ``score = log2(saved_prefill(D) * expected_reuse / (D + checkpoint_tokens)) - age / H``,
-    age in requests freed since the checkpoint's publication or last hit. Expected
-    reuse is learned per class (``SPECULATIVE``, ``OWN``, ``REUSED``) from hits
-    (successes) and removals without a hit (failures): ``(s + 1) / (s + f + 2)``
-    (docs/prefix-caching.md, "Checkpoint policies")."""
+    """Saved prefill per byte, blended with recency, of a ``"prefill-per-byte"`` prefix cache's checkpoints
+    (one record per key; the score and the expected reuse per class: docs/prefix-caching.md, "Checkpoint
+    policies")."""
 
     def __init__(self, checkpoint_tokens: int = CHECKPOINT_HISTORY_TOKENS):
         self.checkpoint_tokens = as_int("checkpoint_tokens", checkpoint_tokens, minimum=1)
@@ -229,18 +219,15 @@ class CheckpointValues:
         return self.score(key), record[0], record[4]
 
     def static_key(self, key: Hashable) -> tuple:
-        """The checkpoint's place among its class, which no freed request changes:
-        ``log2(saved_prefill(D) / pinned(D)) + last_use / H`` (the score less the
-        class's ``log2(expected_reuse)``, plus the clock / H), boundary, publication
-        number."""
+        """The checkpoint's place in its class, which no freed request changes: (score less the class's
+        ``log2(expected_reuse)``, plus the clock / H; boundary; publication number)."""
         boundary, _, last_use, _, number = self._records[key]
         value = math.log2(saved_prefill(boundary) / (boundary + self.checkpoint_tokens))
         return value + last_use / VALUE_HALF_LIFE_REQUESTS, boundary, number
 
     def eviction_order(self, keys: Iterable[Hashable]) -> list[Hashable]:
-        """The recorded ``keys``, low-priority classes first, then lowest score first
-        (ties: the shallower first, then the first published). A full sort: the
-        reference for :class:`CheckpointOrder`."""
+        """The recorded ``keys``, low-priority classes first, then by :meth:`order_key` (a full sort: the
+        reference for :class:`CheckpointOrder`)."""
         low = {kind: self.low_priority(kind) for kind in CLASSES}
         records = self._records
         return sorted((k for k in keys if k in records),
@@ -248,19 +235,12 @@ class CheckpointValues:
 
 
 class CheckpointOrder:
-    """The ``"prefill-per-byte"`` eviction order of the checkpoints in the state pools,
-    kept incrementally, at O(log n) a change: the same decisions as the full sort
-    (:meth:`CheckpointValues.eviction_order` at each freed request,
-    :meth:`hybridkv.prefix.cache.PrefixCache.use_full_sort_ranking`). One heap per pool
-    and class, ordered by :meth:`CheckpointValues.static_key` (lazy deletion by key
-    version); a victim is the lowest of the class heads, then the checkpoints gone idle
-    (or mended, :meth:`mended`) since the last freed request, in that order. At each
-    freed request (:meth:`request_freed`) only what changed is filed again. A checkpoint
-    beyond a gap (``beyond_gap``) is never promoted here. How and why:
-    docs/prefix-caching.md, "Checkpoint policies".
-
-    A pool with ``ranker`` set to this object reports the pages that go idle
-    (:meth:`went_idle`) and takes its normal-priority victims from :meth:`victim`."""
+    """The ``"prefill-per-byte"`` eviction order of the state pools' checkpoints, kept incrementally (the
+    full sort's decisions, :meth:`CheckpointValues.eviction_order`): one heap per pool and class by
+    :meth:`CheckpointValues.static_key`, then the checkpoints gone idle (or :meth:`mended`) since the last
+    freed request (docs/prefix-caching.md, "Checkpoint policies"). A pool with ``ranker`` set to this
+    object reports pages gone idle (:meth:`went_idle`) and takes its normal-priority victims from
+    :meth:`victim`."""
 
     def __init__(self, values: CheckpointValues, pools: Sequence, idle_clock,
                  beyond_gap: Callable[[Hashable], bool] | None = None):

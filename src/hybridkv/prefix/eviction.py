@@ -1,14 +1,9 @@
 """Which cached entries go first when memory is short: one notion of value across groups.
 
-A hybrid model's cached prefix is usable at a boundary ``D`` only with every
-history block below ``D`` and a checkpoint at ``D`` in every state group. Each pool
-evicts its own idle entries, front of its LRU first (:mod:`hybridkv.memory.pool`);
-:class:`ValueEviction` keeps what the pools hold consistent with that rule: the
-entries under one key leave together (*units*), a history block below no complete
-checkpoint is demoted (an *orphan*), and what lies beyond a missing block (a *gap*)
-is demoted until the block is published again (then mended). Eviction order within
-a pool: orphans, entries beyond a gap and prompt checkpoints, then usable entries
-least recently used first (docs/prefix-caching.md, "Eviction by value").
+A cached prefix is usable at ``D`` only with every history block below ``D`` and a checkpoint at ``D``
+in every state group. :class:`ValueEviction` keeps the pools' evictions consistent with that rule:
+*units* leave together, *orphans* and entries beyond a *gap* are demoted (docs/prefix-caching.md,
+"Eviction by value").
 """
 
 from __future__ import annotations
@@ -57,25 +52,16 @@ class ValueEviction:
         self._history_pools = [pools[gid] for gid in self.history_ids]
         # Orphans exist only where a hit needs both kinds of group.
         self._track = bool(self.history_ids) and bool(self.state_ids)
-        # key -> [parent key, support, entries in any group, state groups holding it,
-        #         child keys (an insertion-ordered set, below, or None), cut (a block on its
-        #         chain is missing), first (a chain's first block: its parent is the salt
-        #         root), boundary tokens]:
-        # one record per key for every group (``origin`` reads what its events name)
+        # One record per key for every group: [parent key, support, entries in any group, state groups
+        # holding it, child keys (or None), cut (a block on its chain is missing), first (a chain's first
+        # block), boundary tokens]. Children and waiting keys are dicts used as insertion-ordered sets,
+        # so every walk goes in publication order, never in hash order.
         self._nodes: dict[Hashable, list] = {}
-        # Whether a key has a node: False means no group publishes an entry under it (a
-        # commit asks it once per key instead of asking each group's pool).
-        self.knows: Callable[[Hashable], bool] = self._nodes.__contains__
-        # parent key -> keys published before it (linked as its children when it is), in
-        # the order they were; children and waiting keys are dicts (values None) used as
-        # insertion-ordered sets, so every walk over them (cut, mend, adoption) goes in
-        # publication order, never in hash order
-        self._unborn: dict[Hashable, dict] = {}
-        # (group, key) of state entries demoted because a block below them went (promoted
-        # back when it is published again); prompt checkpoints were low priority already.
+        self.knows: Callable[[Hashable], bool] = self._nodes.__contains__  # False: no group publishes it
+        self._unborn: dict[Hashable, dict] = {}  # parent key -> keys published before it
+        # (group, key) of state entries demoted because a block below them went (promoted back when mended).
         self._cut_demoted: set[tuple[str, Hashable]] = set()
-        # Told the keys of the state entries beyond a gap that regained their value, in
-        # the order they were promoted back (hybridkv.prefix.checkpoints.CheckpointOrder.mended).
+        # Told the keys of state entries beyond a gap that regained their value (``CheckpointOrder.mended``).
         self.on_mended: Callable[[list], None] | None = None
         self.evicted_pages = {gid: dict.fromkeys(REASONS, 0) for gid in pools}
 
@@ -452,9 +438,7 @@ class ValueEviction:
             self.on_mended([k for k in order if self._nodes[k][3]])
 
     def beyond_gap(self, key: Hashable) -> bool:
-        """Whether the policy holds the entries under ``key`` low for a gap: a history
-        block below them is missing (until it is published again, nothing may promote
-        them: no hit can reach them)."""
+        """Whether the policy holds the entries under ``key`` low for a gap (a block below them is missing)."""
         node = self._nodes.get(key)
         return self.acts and node is not None and node[5]
 

@@ -1,8 +1,7 @@
 """What the manager hands out: the arrays of a step, admission answers, pool stats.
 
-Plain data; every array is numpy, fresh for each step, and can be copied to a
-device as is. The manager makes the step's frozen dataclasses without their ``__init__``
-(it stores the fields directly: ``CacheManager._build_batch``).
+Plain data; every array is numpy, fresh for each step. The manager stores the step's frozen
+dataclasses' fields directly (``CacheManager._build_batch``).
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """The compiled data plane: one step's per-group, per-request work as plain loops.
 
-Every function here is a numba ``@njit(cache=True)`` kernel over struct-of-arrays
-state: the manager's table store (``hybridkv.tables.store.TableSet``), its page space
-(``hybridkv.memory.pool.PageSpace``: every pool's free stack, ref counts and flags) and
-its per-row token counters. With ``NUMBA_DISABLE_JIT=1`` the same functions run
-as plain Python. Nothing here allocates Python objects per request: a step is
-``prepare_step`` (pure: the plan admission reads) then ``run_step`` (release,
-allocate, the batch's arrays), whatever the batch looks like (decode, prefill
-chunks, both, requests joining and settling); ``step`` runs both in one call when
-the plan needs nothing from Python in between (most steps).
+Every function here is a numba ``@njit(cache=True)`` kernel (plain Python with
+``NUMBA_DISABLE_JIT=1``) over the manager's struct-of-arrays state: its table store
+(``TableSet``), page space (``PageSpace``) and per-row token counters (docs/manager.md,
+"One step, in four stages"). A step is ``prepare_step`` (pure: the plan admission reads)
+then ``run_step`` (release, allocate, the batch's arrays); ``step`` runs both in one call
+when the plan needs nothing from Python in between (most steps).
 
 Arrays (``G`` groups, ``R`` scheduled rows, ``N`` scheduled tokens):
 
@@ -19,37 +16,25 @@ Arrays (``G`` groups, ``R`` scheduled rows, ``N`` scheduled tokens):
   tokens and of stride (-1 where not a power of two: a division then),
   then where the group's cells sit in ``pages`` (below), and (the one column the
   kernels change) how many of its lanes are free.
-* ``pages`` int32, flat: every group's table cells (``hybridkv.tables.store.TableSet``
-  lays them out). Group ``g``'s logical page ``L`` of a row is at ``RING_START + row *
-  ROW_STRIDE + (L & RING_MASK) * COLUMN_STRIDE``: a sliding group gives each row a
-  narrow ring of ``ROW_STRIDE`` cells (column stride 1); a full-history group
-  (``RING_MASK`` -1) is stored column-major (row stride 1, column stride the table
-  rows), so rows at the same logical page share cache lines. A sliding row whose live pages
-  outgrow that narrow ring (a step of many tokens) is *wide*: its cells move to a
-  lane of ``COLUMN_MASK + 1`` cells, lane ``k`` at ``LANE_START + k * (COLUMN_MASK +
-  1)``, until a release brings it back under (``fit_ring``); ``cell`` finds a page
-  either way. There are as many lanes as table rows, handed out lowest first and
-  reused last-freed first, so only as many are ever written as rows were wide at
-  once. Only cells of live pages mean anything.
+* ``pages`` int32, flat: every group's table cells (docs/manager.md, "The table store's
+  layout"). Group ``g``'s logical page ``L`` of a row is at ``RING_START + row *
+  ROW_STRIDE + (L & RING_MASK) * COLUMN_STRIDE`` (a sliding row's narrow ring; full
+  history column-major), or for a *wide* row in its lane ``k`` at ``LANE_START + k *
+  (COLUMN_MASK + 1) + (L & COLUMN_MASK)`` (``cell``; ``fit_ring`` moves a row between
+  them). Only cells of live pages mean anything.
 * ``bounds`` int64 ``[4, G, table rows]``: live logical pages ``[base, hi)``, the
   row's lane plus one (0: narrow) and, per group, the stack of free lanes
   (``bounds[FREE_LANES, g, :geometry[g, FREE_COUNT]]``, the lowest on top).
 * The *ring view* (``TableSet.ring_view``, the engine's ``BlockTableMirror``): group
   ``g``, row, column ``L & COLUMN_MASK`` at index ``(g * table rows + row) *
   VIEW_COLUMNS + column``; the cells a kernel touches are logged in that form.
-* ``computed`` int64 ``[table rows]``: tokens computed per row; ``step`` takes it with
-  the committed and known tokens as ``counters`` ``[3, table rows]``.
-* ``per_group`` int64 ``[PER_GROUP_ROWS, G]``: each group's free stack ``top``, whether it
-  is ``lowest`` first, the lower bound of its idle low-priority ids, the pages a step
-  kernel ever released and allocated in it (the pool's counters), its LRU's length, the
-  pages granted, the peak of used pages, its idle low-priority pages and whether it may
-  skip packing (its arena is roomy): what ``packing_floor`` reads.
+* ``counters`` int64 ``[3, table rows]``: computed, committed and known tokens per row.
+* ``per_group`` int64 ``[PER_GROUP_ROWS, G]``: each group's counts (``TOP`` ... ``SKIP_PACKING``).
 * ``ref`` int32 ``[P]``, ``keyed`` bool ``[P]``: per page-space id, its holders and
-  whether it carries a content key (an idle keyed page goes to the prefix
-  cache's LRU, ``hybridkv.memory.lru``'s lists, not to the free stack).
-* ``stack`` int32 ``[P]`` and ``top`` int64 ``[G]``: group ``g``'s free local ids at
-  ``stack[offset_g : offset_g + top[g]]``, the next one handed out last (LIFO);
-  a ``lowest`` group keeps its stack sorted, the lowest id on top.
+  whether it carries a content key (an idle keyed page goes to ``hybridkv.memory.lru``'s
+  lists, not to the free stack).
+* ``stack`` int32 ``[P]``: group ``g``'s free local ids at ``stack[offset_g : offset_g +
+  top[g]]``, the next one handed out last; a ``lowest`` group's sorted, the lowest on top.
 
 The rules (docs/manager.md): a step writing tokens ``[first, first + n)`` of a
 row releases, in a sliding group, the logical pages below
@@ -192,10 +177,8 @@ def claim_entries(geometry, layout, pages, want, ref, keyed, low, limits, status
 
 @njit(cache=True)
 def fit_ring(geometry, pages, bounds, g, row, live_pages):
-    """Make ``row`` wide in group ``g`` (it takes the free lane on top) when
-    ``live_pages`` exceed its narrow ring, narrow (its lane goes back on top) when
-    they fit, moving its live cells ``[base, hi)`` across (groups without lanes never
-    change)."""
+    """Make ``row`` wide (it takes the top free lane) when ``live_pages`` exceed its narrow ring, narrow
+    (the lane goes back) when they fit, moving its live cells across."""
     if geometry[g, LANE_START] < 0:
         return
     wide = live_pages > geometry[g, RING_MASK] + 1
@@ -220,11 +203,8 @@ def fit_ring(geometry, pages, bounds, g, row, live_pages):
 
 @njit(cache=True)
 def place_row(geometry, pages, bounds, row, lo, counts, page_ids, view):
-    """A row's prefix hit in every group: ``page_ids`` (group after group, ``counts[g]``
-    of group ``g``) at logical pages ``[lo[g], lo[g] + counts[g])`` of ``row``, which
-    then holds exactly those live pages (base ``lo[g]``, hi ``lo[g] + counts[g]``). A
-    row whose live pages outgrow its narrow ring moves to its lane first
-    (``fit_ring``). The ring-view index of each cell written goes to ``view``."""
+    """A row's prefix hit: ``page_ids`` (group after group, ``counts[g]`` each) become ``row``'s live pages
+    ``[lo[g], lo[g] + counts[g])`` (in its lane if they outgrow its ring); ring-view cells to ``view``."""
     n, n_rows = 0, bounds.shape[2]
     for g in range(lo.size):
         first, k = lo[g], counts[g]
@@ -243,12 +223,8 @@ def place_row(geometry, pages, bounds, row, lo, counts, page_ids, view):
 
 @njit(cache=True)
 def write_slots(geometry, pages, bounds, rows, first, counts, settle, slots):
-    """``slots[g, i]``: ``page * rows_per_page + entry % rows_per_page`` for token ``i``
-    (entry ``position // stride``, plan rows ``[settle, R)`` writing ``counts[r]`` tokens
-    from ``first[r]``, in order), -1 where the token closes no entry. Walked page by
-    page: a page ``T = rows_per_page * stride`` tokens long holds the entries ending in
-    it, so slot = ``page * rows_per_page - logical * rows_per_page + position // stride``
-    with the page looked up once."""
+    """``slots[g, i]``: ``page * rows_per_page + entry % rows_per_page`` for token ``i`` of plan rows
+    ``[settle, R)`` (entry ``position // stride``), -1 where the token closes no entry; a page looked up once."""
     for g in range(geometry.shape[0]):
         tokens, page_shift = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT]
         per_page = geometry[g, ROWS_PER_PAGE]
@@ -277,10 +253,8 @@ def write_slots(geometry, pages, bounds, rows, first, counts, settle, slots):
 # --- one step: plan (pure), then run (release, allocate, the batch's arrays) -----------------
 @njit(cache=True)
 def settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts):
-    """Rows of the previous step (``last_rows``, distinct) not in this one (``rows_in``)
-    whose tokens are not committed yet, in their order, to ``rows`` with zero ``counts``;
-    how many, or -1 when ``rows_in`` lists a row twice. ``mark``: scratch, one flag per
-    table row, all False before and after."""
+    """Rows of ``last_rows`` not in ``rows_in`` with uncommitted tokens, to ``rows`` with zero ``counts``;
+    how many, or -1 when ``rows_in`` lists a row twice (``mark``: all-False scratch)."""
     n_in, settle = rows_in.size, 0
     same = last_rows.size == n_in
     for r in range(n_in if same else 0):
@@ -308,9 +282,7 @@ def settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts):
 
 @njit(cache=True)
 def plan_group(geometry, bounds, g, rows, counts, first, n, settle, load_tokens, after, need):
-    """``prepare_step``'s plan of group ``g`` for the first ``n`` of ``rows`` (``settle`` of
-    them settling): each row's base and hi after the step (``after[:, g]``) and pages
-    holding its tokens (``need[g]``); returns (pages released, pages allocated)."""
+    """``prepare_step``'s plan of group ``g``: ``after[:, g]``, ``need[g]``; returns (released, allocated)."""
     tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
     released, allocated = 0, 0
     for r in range(n):
@@ -331,28 +303,16 @@ def plan_group(geometry, bounds, g, rows, counts, first, n, settle, load_tokens,
 @njit(cache=True)
 def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in, counts_in, grain, top, mark,
                  rows, counts, first, after, need, sums, crossing, totals, load_tokens):
-    """The plan of a step of ``rows_in`` (table rows) writing ``counts_in`` tokens each (one
-    count for every row when ``counts_in`` holds one); pure but for ``mark`` (scratch, all
-    False on return). No plan (-1 rows) when a row is
-    listed twice or would pass its ``known`` tokens (the caller words why).
+    """The plan of a step of ``rows_in`` writing ``counts_in`` tokens each (one count for all when it holds
+    one); pure but for ``mark``. -1 rows when a row is listed twice or would pass its ``known`` tokens.
 
-    ``rows``, ``counts``, ``first``: the rows the step touches, the settling ones first
-    (rows of the previous step, ``last_rows``, not in this one whose tokens are not
-    committed yet: zero new tokens, they only release), their counts and computed
-    tokens. ``after[0, g, r]`` and ``after[1, g, r]``: base and hi of row ``r`` in group
-    ``g`` after the step; ``need[g, r]``: pages holding its tokens; ``sums[0, g]`` and
-    ``sums[1, g]``: pages the step releases and allocates in group ``g``. ``crossing``:
-    the rows whose committed tokens lie in an earlier grain (of ``grain`` tokens, 0:
-    none) than their computed ones, in plan order. ``totals``: tokens scheduled, pages
-    released, most pages released in one group, pages allocated. Returns (rows in the
-    plan, settling rows, crossing rows, whether every group's free stack covers its
-    allocations).
-
-    ``load_tokens`` (int64 ``[G]``, or empty for a step that computes): a *load* step, whose
-    rows' tokens are copied in, not computed. In a sliding group a load row holds only the
-    pages of its last ``load_tokens[g]`` tokens (what a checkpoint at its end holds); its
-    base may then pass its hi (the pages between are never held): it releases ``[base,
-    min(new base, hi))`` and allocates ``[max(hi, new base), new hi)``."""
+    ``rows``, ``counts``, ``first``: the rows touched, settling ones first (``settling_rows``), their counts
+    and computed tokens; ``after[0|1, g, r]``: base and hi after the step; ``need[g, r]``: pages holding its
+    tokens; ``sums[0|1, g]``: pages released and allocated; ``crossing``: rows whose committed tokens lie
+    in an earlier ``grain`` than their computed ones; ``totals``: tokens, pages released, most released in
+    one group, pages allocated. Returns (rows, settling rows, crossing rows, every free stack covers).
+    ``load_tokens`` (empty: a step that computes): a load step's rows hold only their last
+    ``load_tokens[g]`` tokens' pages in a sliding group (their base may pass their hi)."""
     each = 0 if counts_in.size == 1 else 1  # ``counts_in[r * each]``: row r's count
     for r in range(rows_in.size):
         if computed[rows_in[r]] + counts_in[r * each] > known[rows_in[r]]:
@@ -388,14 +348,9 @@ def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_i
 @njit(cache=True)
 def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after, scratch, idle_keyed,
                   released, touched, n_touched):
-    """Every row's pages below its new base leave its table; then, per group, one
-    reference less on each (rows in plan order, pages in logical order). A page whose
-    last reference went (once, where first listed) goes on its group's free stack, or
-    if keyed to ``idle_keyed`` (local ids, group after group; the caller's prefix cache
-    keeps them). LIFO groups push the first released on top; ``lowest`` groups keep
-    their stack sorted, the lowest id on top. ``released[0, g]``, ``released[1, g]``:
-    pages gone free and gone idle keyed (counted in ``per_group`` too). Returns (cells
-    logged, idle keyed pages)."""
+    """Every row's pages below its new base leave its table, one reference less each; a page whose last
+    reference went goes on its free stack (``push_run``), or if keyed to ``idle_keyed`` (group after
+    group). ``released[0|1, g]``: pages gone free and idle keyed. Returns (cells logged, idle keyed pages)."""
     n_rows, top, lowest = bounds.shape[2], per_group[TOP], per_group[LOWEST]
     n_keyed = 0
     for g in range(geometry.shape[0]):
@@ -516,14 +471,9 @@ def must_pack_at(ref, offset, packing, g, page, pages):
 @njit(cache=True)
 def allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, rows, first, counts, after, sums,
                    touched, n_touched):
-    """Every row gets the pages from its hi to its new hi (rows in plan order, pages in
-    logical order), popped off its group's free stack, each held once. In a
-    ``transient`` group (shared arena) where some row gets several pages, the pages
-    the next step releases again (below the window of the row's new end) come last:
-    in a ``lowest`` group they take the stack's bottom (highest) ids, in ascending
-    order, so long-lived pages pack low; in a LIFO group the ids popped after the
-    survivors'. The stacks hold enough (the caller made room). Returns cells logged
-    (the pages count in ``per_group``)."""
+    """Every row gets the pages from its hi to its new hi off its group's free stack (which holds enough),
+    each held once; in a ``transient`` group the pages the next step releases again take the highest ids
+    (``lowest`` group) or come last, so long-lived pages pack low. Returns cells logged."""
     n_rows, top, lowest = bounds.shape[2], per_group[TOP], per_group[LOWEST]
     for g in range(geometry.shape[0]):
         if sums[1, g] == 0:
@@ -564,9 +514,8 @@ def allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, ro
 @njit(cache=True)
 def batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, positions, request_indices,
                  query_start_loc, base_pages, widths):
-    """The batch of plan rows ``[settle, R)``: each one's table row and scheduled tokens,
-    its tokens' positions and request indices, query start locations; ``base_pages[g, r]``
-    the row's base page after the step; ``widths[g]`` the widest row's live pages."""
+    """The batch's arrays of plan rows ``[settle, R)`` (``_StepArrays``), base pages after the step and
+    ``widths[g]``, the widest row's live pages."""
     n = 0
     query_start_loc[0] = 0
     for r in range(settle, rows.size):
@@ -587,9 +536,7 @@ def batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, posi
 
 
 def batch_arrays_for(n_groups, n_requests, n_tokens, write_slots):
-    """Fresh arrays for what ``run_step`` writes for a batch, in its argument order: ``per_request``
-    int32 ``[2 + G, R]``, ``query_start_loc`` int32 ``[R + 1]``, ``request_indices`` int32 ``[N]``,
-    ``per_token`` int64 ``[1 + G, N]`` (``[1, N]`` without write slots)."""
+    """Fresh arrays for what ``run_step`` writes for a batch, in its argument order (``_StepArrays``)."""
     return (np.empty((2 + n_groups, n_requests), np.int32), np.empty(n_requests + 1, np.int32),
             np.empty(n_tokens, np.int32), np.empty((1 + n_groups if write_slots else 1, n_tokens), np.int64))
 
@@ -598,11 +545,8 @@ def batch_arrays_for(n_groups, n_requests, n_tokens, write_slots):
 def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient,
              rows, counts, first, settle, after, sums, hold, scratch, idle_keyed, released, touched, n_logged, cells,
              cell_pages, per_request, query_start_loc, request_indices, per_token, widths):
-    """One admitted step as ``prepare_step`` planned it (docs/manager.md, stage 3): the rows' tokens so far
-    count as committed, releases, then (``finish_step``) allocations and the batch's arrays. ``touched``
-    starts with ``n_logged`` cells changed before the step (``TableSet.take_log``). Returns (status, cells
-    logged, idle keyed pages): ``STEP_NEEDS_PAGES`` when it stopped after the releases for Python (``hold``:
-    slabs to move; ``needs_room``)."""
+    """One admitted step (docs/manager.md, stage 3): commit, release, then ``finish_step``. Returns (status,
+    cells logged, idle keyed pages); ``STEP_NEEDS_PAGES`` when it stopped after the releases for Python."""
     for r in range(rows.size):
         committed[rows[r]] = first[r]
     n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after,
@@ -619,12 +563,9 @@ def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_prior
 def grant_step(grants, arena, geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack,
                per_group, transient, rows, counts, first, settle, after, sums, scratch, idle_keyed, released, touched,
                n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths):
-    """``run_step`` of a step granting spare slabs alone (``grants`` ``[2, n]``: groups, slabs; ``arena``:
-    ``Arena.grant_args``) after its releases (``grant_spare_slabs``); it stops for Python only when a
-    low-priority keyed page went idle (``keyed_low``) or ``room_groups`` asks a group to make room (the
-    arena roomy as the grants leave it); other keyed pages gone idle join their LRU after it (``_run``).
-    Status -1 (nothing granted) when a slab is not spare. A kernel of its own: in ``run_step`` the grant
-    makes ``step``'s compiled loops slower."""
+    """``run_step`` granting spare slabs alone (``grants``: groups, slabs) after its releases; it stops for
+    Python only when ``keyed_low`` or ``room_groups`` asks. Status -1 (nothing granted): a slab not spare.
+    A kernel of its own: the grant inside ``run_step`` makes ``step``'s compiled loops slower."""
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient, rows,
         counts, first, settle, after, sums, True, scratch, idle_keyed, released, touched, n_logged, cells,
@@ -686,9 +627,8 @@ def needs_room(geometry, stack, per_group, low_priority, sums, released, idle_ke
 
 @njit(cache=True)
 def note_peaks(per_group, allocated, not_joined):
-    """Each pool's peak of used pages (``PagePool.peak_used_pages``) after a step or a borrow
-    took ``allocated[g]`` pages of group ``g``: granted less free (the stack) less idle ones
-    (the LRU's, and ``not_joined[g]``: keyed pages gone idle that join it next; empty: none)."""
+    """Each pool's peak of used pages after a step or borrow took ``allocated[g]``: granted less free less idle
+    (``not_joined[g]``: keyed pages gone idle that join the LRU next; empty: none)."""
     for g in range(allocated.size):
         if allocated[g]:
             used = per_group[GRANTED_PAGES, g] - per_group[TOP, g] - per_group[LRU_PAGES, g]
@@ -699,13 +639,9 @@ def note_peaks(per_group, allocated, not_joined):
 
 @njit(cache=True)
 def plan_views(buffer, n_groups):
-    """The step's scratch arrays, views of one flat int64 ``buffer`` whose first four
-    values are the room they have: ``cap`` rows, ``n_pages`` released pages in one group,
-    ``n_keyed`` idle keyed pages, ``n_touched`` cells. The plan's arrays: rows, counts,
-    first, after ``[2, G, cap]``, need ``[G, cap]``, sums ``[2, G]``, crossing, totals ``[4]``
-    (``prepare_step``'s outputs, in its order); then released ``[2, G]`` and widths ``[G]``
-    (``release_pages``' and ``batch_arrays``'), and ``release_pages``' scratch, idle
-    keyed pages and touched cells. ``plan_size`` is the buffer's size."""
+    """The step's scratch arrays, views of one int64 ``buffer`` whose first four values are their room (rows,
+    released pages in one group, idle keyed pages, cells): ``prepare_step``'s outputs in its order, then
+    released ``[2, G]``, widths ``[G]`` and ``release_pages``' scratch, idle keyed pages and touched cells."""
     cap, n_pages, n_keyed, n_touched = buffer[0], buffer[1], buffer[2], buffer[3]
     plan = buffer[4:]
     grid = 4 * cap + 2 * n_groups * cap
@@ -722,18 +658,13 @@ def plan_views(buffer, n_groups):
 
 
 def plan_size(cap, n_groups, n_pages, n_keyed, n_touched):
-    """Size of a ``plan_views`` buffer with room for ``cap`` rows, ``n_pages`` released pages
-    in one group, ``n_keyed`` idle keyed pages and ``n_touched`` cells."""
+    """Size of a ``plan_views`` buffer with that much room."""
     return 4 + (4 + 3 * n_groups) * cap + 5 * n_groups + 4 + n_pages + n_keyed + n_touched
 
 
 def entry_point(kernel, args):
-    """``kernel``'s compiled code for the types of ``args`` (compiled, or loaded from the
-    cache, now if need be): called with arguments of exactly those types (dtypes, ranks,
-    layouts, writability) it runs as the kernel does, without the dispatcher's type
-    dispatch (a few µs a call with cold caches). Only for a call whose argument types never
-    change; a mismatch is not checked. ``kernel`` itself without the JIT
-    (``NUMBA_DISABLE_JIT=1``) or when it is not a dispatcher."""
+    """``kernel``'s compiled code for the types of ``args``, skipping the dispatcher (a few µs a call cold):
+    only for calls whose argument types never change (unchecked). ``kernel`` itself without the JIT."""
     typeof = getattr(kernel, "typeof_pyval", None)
     return kernel if typeof is None else kernel.compile(tuple(map(typeof, args)))
 
@@ -742,12 +673,9 @@ def entry_point(kernel, args):
 def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain,
          plan, last_rows, rows_in, counts_in, cells, cell_pages, per_request, query_start_loc, request_indices,
          per_token):
-    """``prepare_step`` then, when the plan needs nothing from Python first, ``run_step``, in one call
-    (docs/manager.md, "One step, in four stages"). ``counters``: computed, committed and known tokens;
-    ``plan``: the plan's arrays and ``run_step``'s scratch (``plan_views``); then ``run_step``'s cells and the
-    batch's arrays. Returns (status, rows in the plan, settling rows, crossing rows, clean, cells logged, idle
-    keyed pages); ``STEP_PLANNED`` (-1 rows: no plan) or ``STEP_COVERED`` (``releases_cover``) when only the
-    plan ran."""
+    """``prepare_step`` then, when the plan needs nothing from Python, ``run_step``, in one call. Returns
+    (status, rows, settling rows, crossing rows, clean, cells logged, idle keyed pages); ``STEP_PLANNED``
+    (-1 rows: no plan) or ``STEP_COVERED`` (``releases_cover``) when only the plan ran."""
     rows, counts, first, after, need, sums, crossing, totals, released, widths, scratch, idle_keyed, touched = (
         plan_views(plan, geometry.shape[0]))
     computed, committed, known = counters[0], counters[1], counters[2]
@@ -769,12 +697,8 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
 
 @njit(cache=True)
 def releases_cover(geometry, pages, bounds, ref, keyed, top, rows, after, sums):
-    """Whether in every group whose free stack ``top[g]`` is short of the ``sums[1, g]``
-    pages it allocates, the pages ``release_pages`` puts on the stack before
-    ``allocate_pages`` runs cover the shortfall: pages below a row's new base
-    (``after[0, g, r]``) that only that row holds and that carry no key
-    (``freed_by_releases``; pure: ``short_pages``' count for a step in which no row
-    crosses a prefix grain)."""
+    """Whether in every group short of free pages the step's releases cover the shortfall first
+    (``freed_by_releases``; pure)."""
     for g in range(geometry.shape[0]):
         short = sums[1, g] - top[g]
         if short > 0 and freed_by_releases(geometry, pages, bounds, ref, keyed, g, rows, after[0, g], short) < short:
@@ -818,27 +742,6 @@ def block_table(geometry, pages, bounds, g, rows, out):
 
 # --- table and page-space helpers outside the step (free, rewind, prefix hits, pools) ------------
 @njit(cache=True)
-def clear_rows(geometry, pages, bounds, rows, out, touched, per_group):
-    """Empty ``rows`` in every group: their live pages leave the tables (ids to ``out``, cells
-    to ``touched``, group-major then row order, ``per_group[g]`` each), wide rows' lanes go back."""
-    n, n_rows = 0, bounds.shape[2]
-    for g in range(geometry.shape[0]):
-        start = n
-        for r in range(rows.size):
-            row = rows[r]
-            for logical in range(bounds[BASE, g, row], bounds[HI, g, row]):
-                at = cell(geometry, bounds, g, row, logical)
-                out[n] = pages[at]
-                pages[at] = -1
-                touched[n] = view_cell(geometry, n_rows, g, row, logical)
-                n += 1
-            if bounds[LANE, g, row]:
-                fit_ring(geometry, pages, bounds, g, row, 0)
-            bounds[BASE, g, row], bounds[HI, g, row] = 0, 0
-        per_group[g] = n - start
-
-
-@njit(cache=True)
 def rewind_keep(geometry, bounds, g, row, kept_tokens):
     """The hi a rewind to ``kept_tokens`` leaves ``row`` in group ``g``: ``ceil(kept / T)``,
     never below its base nor above its hi."""
@@ -848,9 +751,8 @@ def rewind_keep(geometry, bounds, g, row, kept_tokens):
 
 @njit(cache=True)
 def truncate_rows(geometry, pages, bounds, rows, kept):
-    """Every group's logical pages of each row from ``rewind_keep`` (``kept`` tokens) to its
-    hi leave its table, and the hi drops there. Returns their page ids and ring-view cells,
-    group after group, rows in order, pages in logical order, and how many per group."""
+    """Every row's logical pages from ``rewind_keep`` (``kept`` tokens) to its hi leave its tables; returns
+    their page ids and ring-view cells (group-major) and how many per group."""
     n_groups, n_rows = geometry.shape[0], bounds.shape[2]
     total = 0
     for g in range(n_groups):
@@ -876,15 +778,9 @@ def truncate_rows(geometry, pages, bounds, rows, kept):
 
 @njit(cache=True)
 def rewind_rows(geometry, pages, bounds, counters, known_floor, ref, keyed, stack, per_group, mark, rows, kept):
-    """``CacheManager.rewind_many`` of ``rows`` to ``kept`` tokens each, in one call. Refused,
-    nothing changed, when a row is listed twice (``mark``: scratch, one flag per table row,
-    all False before and after) or a count lies outside [committed, computed]
-    (``counters[1]``, ``counters[0]``). Else ``truncate_rows``, and each group's pages taken
-    are one release, in the order listed (``drop_holds``, ``push_free``;
-    counted in ``per_group``); computed tokens (``counters[0]``) become ``kept``, known ones
-    (``counters[2]``) ``min(known, max(kept, known_floor))``. Returns (whether it ran; the
-    cells emptied, as ring-view indices; the keyed pages left idle, local ids group after
-    group; how many per group; the rows whose known tokens fell)."""
+    """``CacheManager.rewind_many`` in one call (False, nothing changed: a row twice or a count outside
+    [committed, computed]): ``truncate_rows``, ``release_taken``, known tokens ``min(known, max(kept, floor))``.
+    Returns (ran, cells emptied, keyed pages left idle, how many per group, rows whose known tokens fell)."""
     empty = np.zeros(0, dtype=np.int64)
     if not distinct_rows(rows, mark):
         return False, empty, empty, empty, empty
@@ -907,10 +803,8 @@ def rewind_rows(geometry, pages, bounds, counters, known_floor, ref, keyed, stac
 
 @njit(cache=True)
 def release_taken(geometry, ref, keyed, stack, per_group, taken, taken_per_group):
-    """Pages taken out of the tables (local ids, group after group, ``taken_per_group[g]``
-    of group ``g``) are one release of each group's, in the order listed
-    (``drop_holds``, ``push_free``; counted in ``per_group``). Returns the keyed pages
-    left idle (local ids, group after group) and how many per group."""
+    """Pages taken out of the tables (group-major) are one release per group (``drop_holds``, ``push_free``);
+    returns the keyed pages left idle (group-major) and how many per group."""
     offsets = geometry[:, ID_OFFSET].copy()
     freed, idle_keyed = np.empty(taken.size, dtype=np.int64), np.empty(taken.size, dtype=np.int64)
     counts = np.zeros((2, offsets.size), dtype=np.int64)
@@ -934,18 +828,15 @@ def copy_token_ids(ids, out):
 
 @njit(cache=True)
 def free_rows(geometry, pages, bounds, ref, keyed, stack, per_group, rows):
-    """``CacheManager.free`` of ``rows`` (after their last commit), in one call: every
-    group's live pages of each row leave its table (``clear_rows``) and are one release
-    (``release_taken``). Returns the cells emptied (ring-view indices), the keyed pages
-    left idle (local ids, group after group) and how many of those per group."""
-    n_groups = geometry.shape[0]
-    total = 0
-    for g in range(n_groups):
+    """``CacheManager.free`` of ``rows`` in one call: their live pages leave the tables (``truncate_rows`` to
+    none; lanes go back, base and hi to 0) and are one release (``release_taken``). Returns the cells emptied,
+    the keyed pages left idle (group after group) and how many per group."""
+    taken, touched, taken_per_group = truncate_rows(geometry, pages, bounds, rows, np.zeros(rows.size, np.int64))
+    for g in range(geometry.shape[0]):
         for r in range(rows.size):
-            total += max(bounds[HI, g, rows[r]] - bounds[BASE, g, rows[r]], 0)
-    taken, touched = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
-    taken_per_group = np.empty(n_groups, dtype=np.int64)
-    clear_rows(geometry, pages, bounds, rows, taken, touched, taken_per_group)
+            if bounds[LANE, g, rows[r]]:
+                fit_ring(geometry, pages, bounds, g, rows[r], 0)
+            bounds[BASE, g, rows[r]], bounds[HI, g, rows[r]] = 0, 0
     idle_keyed, keyed_per_group = release_taken(geometry, ref, keyed, stack, per_group, taken, taken_per_group)
     return touched, idle_keyed, keyed_per_group
 
@@ -965,10 +856,8 @@ def live_cells(geometry, bounds, index):
 
 @njit(cache=True)
 def merge_free(stack, top, run):
-    """Merge the ascending ids ``run`` into the free stack ``stack[:top]`` (descending:
-    the lowest id on top), in place; returns the new top. Ids are distinct. A long
-    block of stack ids below the next run id (freed ids above most free ones, as a
-    chunk's transient pages are) is found by bisection and moved at once."""
+    """Merge the ascending distinct ids ``run`` into the descending free stack ``stack[:top]``; returns the new
+    top. A long block of stack ids below the next run id is found by bisection and moved at once."""
     i, j, k = top - 1, 0, top + run.size - 1
     while j < run.size:  # fill from the new top down, lowest first; stack ids left are in place
         if i >= 0 and stack[i] < run[j]:
@@ -1022,11 +911,8 @@ def move_up(stack, lo, n, shift):
 
 @njit(cache=True)
 def push_run(stack, top, lowest, run):
-    """Freed local ids ``run`` (in logical order) onto one group's free stack
-    ``stack[:top]``: merged in id order into a ``lowest`` group's sorted stack (the
-    lowest id on top), else pushed so that the first listed is on top (reused first).
-    Returns the new top. Every free stack grows here (``PagePool``, ``release_pages``,
-    ``push_free``)."""
+    """Freed ids ``run`` onto one group's free stack: merged into a ``lowest`` group's sorted stack, else
+    pushed with the first listed on top. Returns the new top. Every free stack grows here."""
     if lowest:
         for i in range(1, run.size):
             if run[i] < run[i - 1]:
@@ -1078,10 +964,8 @@ def push_free(stack, top, offsets, lowest, per_group, freed):
 
 @njit(cache=True)
 def drop_holds(ref, keyed, offsets, per_group, pages, freed, keyed_pages, counts):
-    """One reference less on each listed page (local ids, group-major, ``per_group[g]``
-    of group ``g``, whose ids start at ``offsets[g]`` in ``ref`` and ``keyed``). The pages
-    whose last reference went, once each in the order first listed: unkeyed ones to
-    ``freed``, keyed ones to ``keyed_pages``; ``counts[0, g]`` and ``counts[1, g]`` how many."""
+    """One reference less on each listed page (group-major, ``per_group[g]`` each); those whose last reference
+    went, once each: unkeyed to ``freed``, keyed to ``keyed_pages``, ``counts[0|1, g]`` how many."""
     start, n_freed, n_keyed = 0, 0, 0
     for g in range(per_group.size):
         end = start + per_group[g]
@@ -1108,12 +992,9 @@ def drop_holds(ref, keyed, offsets, per_group, pages, freed, keyed_pages, counts
 
 @njit(cache=True)
 def take_holds(ref, keyed, low_priority, low_idle, offsets, per_group, pages, idle_pages, idle_counts):
-    """One reference more on each listed page (local ids, group-major, ``per_group[g]``
-    of group ``g``; one listed twice gets two), unless a listed page is free (no
-    holder, no key): then nothing changes and ``-1 - i`` is returned, ``i`` the first
-    such page's index. Else the pages that had no holder (idle keyed ones) go to
-    ``idle_pages``, once each in the order first listed, ``idle_counts[g]`` of group ``g``, and the
-    low-priority ones among them leave ``low_idle[g]``; returns how many went to ``idle_pages``."""
+    """One reference more on each listed page (group-major); ``-1 - i`` and nothing changed when page ``i`` is
+    free. Else the pages that had no holder go to ``idle_pages`` (``idle_counts[g]`` each; low-priority ones
+    leave ``low_idle[g]``); returns how many."""
     start = 0
     for g in range(per_group.size):
         offset = offsets[g]
@@ -1140,11 +1021,8 @@ def take_holds(ref, keyed, low_priority, low_idle, offsets, per_group, pages, id
 
 @njit(cache=True)
 def release_credit(geometry, pages, bounds, ref, keyed, g, rows, new_base, credit, sole_pages, unkeyed_pages):
-    """Group ``g``'s pages below each row's ``new_base`` that only that row holds (pure):
-    ``credit[r]`` how many of row ``r``'s, their local ids to ``sole_pages`` (rows in
-    order, pages in logical order) and, of those, the ones that carry no key (what the
-    releases put on the free stack) to ``unkeyed_pages`` in the same order. Returns
-    (sole pages, unkeyed ones)."""
+    """Group ``g``'s pages below each row's ``new_base`` only that row holds (pure): ``credit[r]`` per row, the
+    pages to ``sole_pages``, the unkeyed ones also to ``unkeyed_pages``. Returns (sole, unkeyed)."""
     offset = geometry[g, ID_OFFSET]
     n_sole, n_unkeyed = 0, 0
     for r in range(rows.size):
@@ -1164,9 +1042,7 @@ def release_credit(geometry, pages, bounds, ref, keyed, g, rows, new_base, credi
 
 @njit(cache=True)
 def freed_by_releases(geometry, pages, bounds, ref, keyed, g, rows, new_base, enough):
-    """Group ``g``'s pages below each row's ``new_base`` that only that row holds and
-    that carry no key: what the step's releases put on its free stack before it
-    allocates (``release_credit``'s unkeyed pages), counted up to ``enough`` (pure)."""
+    """``release_credit``'s unkeyed pages of group ``g`` (the releases' free pages), counted up to ``enough``."""
     offset, n = geometry[g, ID_OFFSET], 0
     for r in range(rows.size):
         row = rows[r]
@@ -1182,14 +1058,9 @@ def freed_by_releases(geometry, pages, bounds, ref, keyed, g, rows, new_base, en
 @njit(cache=True)
 def short_pages(geometry, pages, bounds, ref, keyed, rows, new_base, first, committed, grain, window_pages, released,
                 wanted, clean, free, low, short):
-    """Per group, the pages it lacks for its ``wanted`` allocations (``short``, 0 when
-    covered), counting its ``clean`` free pages, then (when it ``released`` any) what
-    the step's releases put on its free stack first, less ``window_pages`` for each
-    prefix grain (of ``grain`` tokens, 0: none) the rows' commits complete (from their
-    ``committed`` tokens up to ``first``: they may publish released pages as
-    checkpoints, which then stay cached), then its ``low`` idle low-priority pages
-    (evicted rather than grow). Returns how many groups are short, or -1 when some
-    group wants more than its ``free`` pages (free and evictable) (pure)."""
+    """Per group, the pages it lacks for ``wanted`` (``short``) after its ``clean`` free pages, the releases'
+    free pages (less ``window_pages`` a grain the commits complete) and its ``low`` idle low-priority pages.
+    Returns how many groups are short, or -1 when one wants more than its ``free`` pages (pure)."""
     n_short, crossed = 0, -1
     for g in range(wanted.size):
         n, short[g] = wanted[g], 0
@@ -1218,12 +1089,9 @@ def short_pages(geometry, pages, bounds, ref, keyed, rows, new_base, first, comm
 @njit(cache=True)
 def take_spare_for(short, slab_pages, spare_slabs, owner, own, inner_pages, straddle, taken, grant_groups,
                    grant_slabs):
-    """``Arena.plan`` of ``short`` pages per group from spare slabs alone (pure), when
-    they surely cover every group (a slab holds at least ``slab_pages[g]`` whole pages
-    of group ``g``; ``spare_slabs`` of ``owner`` are spare): ``take_spare_slabs`` for
-    each short group in order, on ``own`` (a copy of ``owner``), the grants' groups
-    and slabs to ``grant_groups`` and ``grant_slabs``. Returns their count, or -1 when
-    spare slabs might not cover (donors' slabs may be needed)."""
+    """``Arena.plan`` of ``short`` pages per group from spare slabs alone when they surely cover
+    (``take_spare_slabs`` on ``own``, a copy of ``owner``; grants to ``grant_groups``, ``grant_slabs``).
+    Returns their count, or -1 when they might not (pure)."""
     need = 0
     for g in range(short.size):
         if short[g] > 0:
@@ -1246,15 +1114,9 @@ def take_spare_for(short, slab_pages, spare_slabs, owner, own, inner_pages, stra
 @njit(cache=True)
 def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain, window_pages, plan, n, short,
                 owner, spare_slabs, slab_pages, inner_pages, straddle, own, taken, grant_groups, grant_slabs):
-    """The manager's admission (``CacheManager._admit``) of the step ``plan`` holds
-    (``plan_views``; its first ``n`` rows) on a shared arena, in one pass when its answer
-    is spare slabs alone (pure): ``short_pages`` of the step against every group's clean
-    free pages; a group short of pages it could evict grows into spare slabs instead
-    (``take_spare_for``); a group wanting more than its free and evictable pages takes
-    spare slabs for the difference (``take_spare_slabs``, groups in order), then spare
-    slabs for what it would still evict. Returns how many slabs go (the grants' groups and
-    slabs to ``grant_groups`` and ``grant_slabs``; 0: admitted as is), or -1 when
-    admission needs more (another group's slab, or a denial): Python decides."""
+    """``CacheManager._admit`` of the plan in ``plan`` (first ``n`` rows) on an arena when its answer is spare
+    slabs alone (pure): slabs for what a group lacks of free and evictable pages, then for what it would
+    evict. Returns how many slabs go (to ``grant_groups``, ``grant_slabs``), or -1: Python decides."""
     rows, _, first, after, _, sums = plan_views(plan, geometry.shape[0])[:6]
     rows, first, new_base, wanted = rows[:n], first[:n], after[0, :, :n], sums[1]
     top, n_groups = per_group[TOP], geometry.shape[0]
@@ -1288,12 +1150,9 @@ def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain
 
 @njit(cache=True)
 def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
-    """Spare slabs (``owner < 0``) for ``group`` until it is no longer ``short_pages``
-    pages short: each time the lowest spare slab next to one it owns, else the lowest
-    spare slab. A slab gives its ``inner_pages`` plus the straddling page of each
-    boundary it shares with a slab the group owns (``straddle[b] >= 0``: boundary
-    ``b``, left of slab ``b``, has one). ``owner`` is updated, the slabs go to
-    ``taken`` in order; returns (slabs taken, pages still short: <= 0 when covered)."""
+    """Spare slabs (``owner < 0``) for ``group`` until it is not ``short_pages`` short: the lowest next to
+    one it owns, else the lowest (``slab_gain`` pages each; ``owner`` updated, slabs to ``taken``).
+    Returns (slabs taken, pages still short)."""
     n, n_taken = owner.size, 0
     while short_pages > 0:
         pick, lowest = -1, -1
@@ -1315,10 +1174,8 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
 
 @njit(cache=True, inline="always")
 def slab_pages(owner, group, lo, hi, straddle, s, pages, n):
-    """The page ids ``group`` holds in slab ``s`` while it owns it (or gains with it), under
-    ``owner``, to ``pages[n:]``: its inner pages ``lo[s] .. hi[s]-1``, then the page
-    straddling each boundary with a neighbour it owns (``straddle[b]``, -1: none), the
-    left one first. Returns the new ``n``."""
+    """The page ids ``group`` holds in slab ``s`` under ``owner`` (inner pages, then the straddlers of
+    boundaries with neighbours it owns) to ``pages[n:]``; returns the new ``n``."""
     for page in range(lo[s], hi[s]):
         pages[n] = page
         n += 1
@@ -1333,11 +1190,8 @@ def slab_pages(owner, group, lo, hi, straddle, s, pages, n):
 
 @njit(cache=True)
 def slab_move_pages(owner, donor, group, lo, hi, straddle, s, pages):
-    """Slab ``s`` going from ``donor`` (-1: it is spare) to ``group`` (-1: it becomes
-    spare), under ``owner`` (unchanged): the pages the donor gives up to
-    ``pages[:n_given]``, then those the group gains to ``pages[n_given:n]``
-    (``slab_pages`` of each; ``lo``, ``hi`` and ``straddle`` have a row per group).
-    Returns ``(n_given, n)``."""
+    """Slab ``s`` going from ``donor`` to ``group`` (-1: spare): the pages given up to ``pages[:n_given]``,
+    those gained to ``pages[n_given:n]``. Returns ``(n_given, n)``."""
     n_given = 0 if donor < 0 else slab_pages(owner, donor, lo[donor], hi[donor], straddle[donor], s, pages, 0)
     n = n_given if group < 0 else slab_pages(owner, group, lo[group], hi[group], straddle[group], s, pages, n_given)
     return n_given, n
@@ -1345,11 +1199,8 @@ def slab_move_pages(owner, donor, group, lo, hi, straddle, s, pages):
 
 @njit(cache=True)
 def spare_slab_pages(owner, groups, slabs, lo, hi, straddle, pages, ends):
-    """Spare slabs granted in order (``groups[i]`` takes ``slabs[i]``; ``owner`` updated):
-    the page ids each group ``g`` gains to ``pages[ends[g - 1] : ends[g]]`` (from 0 for
-    the first), slab after slab (``slab_pages`` under the owners by then). A group's
-    gains depend only on its own grants, so groups go one at a time. Returns the pages
-    in all, or -1 when a slab is not spare (nothing changed) or is listed twice."""
+    """Spare slabs granted (``groups[i]`` takes ``slabs[i]``; ``owner`` updated): group ``g``'s gained pages to
+    ``pages[ends[g - 1] : ends[g]]``. Returns the pages in all, or -1 when a slab is not spare or listed twice."""
     for i in range(slabs.size):
         if owner[slabs[i]] >= 0:
             return -1
@@ -1369,11 +1220,7 @@ def spare_slab_pages(owner, groups, slabs, lo, hi, straddle, pages, ends):
 
 @njit(cache=True)
 def grant_spare_slabs(owner, groups, slabs, lo, hi, straddle, pages, ends, stack, top, offsets, lowest, granted):
-    """Spare slabs granted in order (``spare_slab_pages``: ``owner`` updated) and the
-    pages each group gains pushed onto its free stack in one run (``push_run`` at
-    ``offsets[g]``, ``top[g]`` moved on) and counted in ``granted[g]``: a page
-    space's whole grant in one call. Returns the pages in all, or -1 (nothing changed)
-    when a slab is not spare or is listed twice."""
+    """``spare_slab_pages``, each group's gains pushed onto its free stack and counted in ``granted[g]``."""
     n = spare_slab_pages(owner, groups, slabs, lo, hi, straddle, pages, ends)
     if n < 0:
         return n
@@ -1389,11 +1236,8 @@ def grant_spare_slabs(owner, groups, slabs, lo, hi, straddle, pages, ends, stack
 
 @njit(cache=True)
 def revoke_ids(ref, keyed, stack, top, pages):
-    """``PagePool.revoke``'s check and first move: when every id in ``pages`` is granted
-    and idle (no holder, and on the free stack ``stack[:top]`` or keyed: an idle keyed
-    page is evictable), those on the stack leave it (``drop_ids``). Returns the new top
-    (-1 when some id is not, and nothing changed), the distinct ids (ascending) and
-    the keyed ones among them (their entries go next)."""
+    """``PagePool.revoke``'s check: when every id in ``pages`` is idle (free, or keyed), those on the stack
+    leave it. Returns the new top (-1: some id is not, nothing changed), the distinct ids and the keyed ones."""
     ids = np.sort(pages)
     n = 0
     for i in range(ids.size):  # distinct (``np.unique`` compiled goes through a list)
@@ -1465,14 +1309,9 @@ def lend_slab(owner, group, inner_pages, straddle, s, taken, n_taken):
 @njit(cache=True)
 def take_donor_slabs(owner, donor, group, inner_idle, edge_idle, donor_inner, donor_straddle, inner_pages, straddle,
                      left_pages, short_pages, taken):
-    """Slabs of ``donor`` (``owner == donor``) for ``group`` until it is no longer
-    ``short_pages`` pages short, lowest first: a slab whose inner pages are all idle
-    (``inner_idle``) and whose straddling pages the donor would give up with it (those
-    of boundaries with another slab it owns) are too (``edge_idle``), while the pages
-    it gives up (``donor_inner`` plus those straddlers) leave ``left_pages`` >= 0. The
-    group gains the slab's ``inner_pages`` plus the straddler of each boundary with a
-    slab it owns (``straddle[b] >= 0``). ``owner`` is updated, the slabs go to
-    ``taken`` in order; returns (slabs taken, pages still short, pages left)."""
+    """``donor``'s slabs for ``group`` until it is not ``short_pages`` short, lowest first: those whose inner
+    and given-up straddling pages are idle (``inner_idle``, ``edge_idle``) while the pages given up leave
+    ``left_pages`` >= 0 (``owner`` updated, slabs to ``taken``). Returns (taken, still short, left)."""
     n, n_taken = owner.size, 0
     for s in range(n):
         if short_pages <= 0:
@@ -1505,10 +1344,8 @@ def page_idle(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, page
 
 @njit(cache=True)
 def released_per_slab(released, slab_geometry, n):
-    """The pages of one group the step releases before slabs move (``released``, local
-    ids) per slab of ``n``: how many lie wholly inside it, and per boundary whether one
-    straddles it. ``slab_geometry``: the group's page bytes, the arena's reserved bytes
-    and its slab bytes (``ArenaGeometry``)."""
+    """Per slab, how many of the ``released`` pages lie inside it, and per boundary whether one straddles it
+    (``slab_geometry``: page bytes, reserved bytes, slab bytes)."""
     page_bytes, reserved_bytes, slab_bytes = slab_geometry[0], slab_geometry[1], slab_geometry[2]
     inner, edge = np.zeros(n, dtype=np.int64), np.zeros(n + 1, dtype=np.bool_)
     for i in range(released.size):
@@ -1523,9 +1360,7 @@ def released_per_slab(released, slab_geometry, n):
 
 @njit(cache=True, inline="always")
 def inner_busy(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, lo, hi):
-    """How many of pages ``lo .. hi-1`` are not idle (``page_idle``), counted without
-    branches (``idle_slabs``' test: a branch on the flags of pages held and idle in no
-    order mispredicts)."""
+    """How many of pages ``lo .. hi-1`` are not idle (``page_idle``), counted without branches."""
     every, valued, busy = keyed_mode == 1, keyed_mode == 2, 0
     for page in range(lo, hi):
         counts = every | (valued & (low_priority[page] | (idle_tick[page] < before_tick)))
@@ -1555,10 +1390,8 @@ def donor_edges(owner, own, donor, s, donor_straddle, edge_released, ref, keyed,
 def take_idle_donor_slabs(owner, own, donor, group, lo, hi, donor_straddle, ref, keyed, low_priority, idle_tick,
                           keyed_mode, before_tick, released_pages, slab_geometry, inner_pages, straddle, left_pages,
                           short_pages, taken):
-    """``take_donor_slabs`` with the donor's ``idle_slabs`` answers (read under the arena's
-    ``owner``, pages as ``page_idle`` tests them, the step's releases ``released_pages``
-    counting as idle) worked out only for the slabs it reaches, not every slab the
-    donor owns; ``own``: the plan's owners, updated. Same returns."""
+    """``take_donor_slabs`` with ``idle_slabs``' answers worked out only for the slabs it reaches; ``own``:
+    the plan's owners, updated."""
     n_taken = 0
     released, edge_released = released_per_slab(released_pages, slab_geometry, owner.size)
     for s in range(owner.size):
@@ -1583,18 +1416,9 @@ def take_idle_donor_slabs(owner, own, donor, group, lo, hi, donor_straddle, ref,
 @njit(cache=True)
 def idle_slabs(owner, group, lo, hi, straddle, ref, keyed, low_priority, idle_tick, keyed_mode, before_tick,
                released_pages, slab_geometry, inner_idle, edge_idle):
-    """Which of ``group``'s slabs (``owner == group``) hold only idle pages (pure):
-    ``inner_idle[s]`` when every inner page ``lo[s] .. hi[s]-1`` is, ``edge_idle[s]``
-    when the page straddling the boundary left of slab ``s`` (``straddle[s]``, granted
-    while the group owns slabs ``s - 1`` and ``s``) is. A page is idle when no request
-    holds it and it carries no key (free) or a key that counts (``keyed_mode`` 1: every
-    one, 2: low priority or idle since before ``before_tick``, 0: none), or when the
-    step releases it before slabs move (held now: ``released_pages``, placed in slabs by
-    ``slab_geometry`` as ``released_per_slab`` does). Both outputs
-    start False. Returns how many keyed pages count as idle, over every page the group
-    owns. (The page test is written out twice, without branches: a helper taking the
-    arrays is not inlined and costs tens of ns a call, and branches on the flags of a
-    window group's pages, held and idle in no order, mispredict.)"""
+    """Which of ``group``'s slabs hold only idle pages (``page_idle``, or released by the step) (pure):
+    ``inner_idle[s]`` for inner pages, ``edge_idle[s]`` for the straddler left of ``s``; both start False.
+    Returns how many keyed pages count as idle. (The test is written out without branches: they mispredict.)"""
     n, counted = owner.size, 0
     every, valued = keyed_mode == 1, keyed_mode == 2
     extra, released_edge = released_per_slab(released_pages, slab_geometry, n)
@@ -1620,12 +1444,8 @@ def idle_slabs(owner, group, lo, hi, straddle, ref, keyed, low_priority, idle_ti
 
 @njit(cache=True)
 def must_pack_slabs(ref, owner, group, lo, hi, straddle, slab, pages, per_slab, spread_slabs):
-    """``Arena``'s packing rule once the arena is roomy: False when ``slab`` (where an
-    allocation's highest page lies) holds live pages (``ref > 0``) of ``group`` already,
-    else whether its live pages plus ``pages`` new ones would lie in more than
-    ``spread_slabs`` slabs beyond the ``per_slab``-page slabs they fill. Live pages are
-    read from the slabs the group owns: slab ``s``'s inner pages ``lo[s] .. hi[s]-1``
-    and, when it owns slab ``s + 1`` too, the page straddling their boundary."""
+    """``Arena``'s packing rule once roomy: False when ``slab`` holds live pages of ``group`` already, else
+    whether its live pages plus ``pages`` would lie in more than ``spread_slabs`` slabs beyond those they fill."""
     for page in range(lo[slab], hi[slab]):
         if ref[page] > 0:
             return False
@@ -1689,10 +1509,8 @@ def distinct_rows(rows, mark):
 
 @njit(cache=True)
 def first_out_of_range(local, per_group, limits, lowest):
-    """The index of the first of every group's pages (``local``: group after group,
-    ``per_group[g]`` of group ``g``'s) outside ``[lowest, limits[g])``; -1 when none is;
-    ``MISLISTED`` unless ``per_group`` holds one non-negative count per group summing to
-    ``local.size`` (nothing else reads the list unchecked)."""
+    """The index of the first group-major page outside ``[lowest, limits[g])`` (-1: none); ``MISLISTED`` unless
+    ``per_group`` holds one non-negative count per group summing to ``local.size``."""
     if per_group.size != limits.size:
         return MISLISTED
     total = 0
@@ -1713,9 +1531,7 @@ def first_out_of_range(local, per_group, limits, lowest):
 
 @njit(cache=True)
 def add_held(local, per_group, offsets, held, delta):
-    """``held`` of every listed page (``local``, as :func:`first_out_of_range` lists them;
-    group ``g``'s ids start at ``offsets[g]``) raised by ``delta`` per listing; whether every
-    count stays at or above 0."""
+    """``held`` of every listed page raised by ``delta`` per listing; whether every count stays >= 0."""
     k, ok = 0, True
     for g in range(per_group.size):
         for _ in range(per_group[g]):
@@ -1728,11 +1544,9 @@ def add_held(local, per_group, offsets, held, delta):
 @njit(cache=True)
 def hold_outside(local, per_group, offsets, limits, ref, keyed, low_priority, low_idle, held, idle_pages,
                  idle_counts):
-    """Hold every group's pages (``local``, as :func:`first_out_of_range` lists them; a page
-    listed twice is held twice) outside any request: ``ref`` and ``held`` raised, the pages
-    that had no holder listed as :func:`take_holds` lists them; returns how many. Nothing
-    changed when a page lies outside ``[1, limits[g])`` (``-1 - i``, ``i`` its index) or is
-    free (``-1 - local.size - i``); ``MISLISTED`` for a list its counts do not match."""
+    """Hold the listed pages outside any request (``take_holds``, ``held`` raised); returns how many had no
+    holder. Nothing changed for a page outside ``[1, limits[g])`` (``-1 - i``) or free (``-1 - local.size - i``)
+    or a mislisted list (``MISLISTED``)."""
     bad = first_out_of_range(local, per_group, limits, 1)
     if bad != -1:
         return bad if bad == MISLISTED else -1 - bad
@@ -1745,11 +1559,9 @@ def hold_outside(local, per_group, offsets, limits, ref, keyed, low_priority, lo
 
 @njit(cache=True)
 def release_outside(local, per_group, offsets, limits, ref, keyed, held, freed, keyed_pages, counts):
-    """Drop holds of :func:`hold_outside` (``local`` listed alike): ``held`` lowered and the
-    references dropped as :func:`drop_holds` drops them (``freed``, ``keyed_pages``, ``counts``
-    as it fills them); how many pages lost their last reference. Nothing changed when a page
-    lies outside ``[0, limits[g])`` (``-1 - i``, ``i`` its index) or would be released more
-    often than it is held (``-1 - local.size``); ``MISLISTED`` for a list its counts do not match."""
+    """Drop holds of :func:`hold_outside` (``drop_holds``); how many pages lost their last reference. Nothing
+    changed for a page outside ``[0, limits[g])`` (``-1 - i``), one released more often than held
+    (``-1 - local.size``) or a mislisted list (``MISLISTED``)."""
     bad = first_out_of_range(local, per_group, limits, 0)
     if bad != -1:
         return bad if bad == MISLISTED else -1 - bad

@@ -117,16 +117,14 @@ class _Scratch:
         self.transient = np.empty(n_groups, dtype=np.int64)  # ``room_groups``' marks
 
     def plan_arrays(self, n_rows: int) -> tuple:
-        """``prepare_step``'s outputs (``kernels.plan_views`` of ``buffer``) with room for more than ``n_rows``
-        rows; the same arrays while large enough (each plan overwrites the last). A plan's ``after[:, :, :n]``
-        is thus never contiguous: the kernels see one argument type (``CacheManager._load_kernels``)."""
+        """``prepare_step``'s outputs (``kernels.plan_views``) with room for more than ``n_rows`` rows; each plan
+        overwrites the last (so ``after[:, :, :n]`` is never contiguous: one argument type for the kernels)."""
         if n_rows >= self.plan_rows:
             self._grow(2 * n_rows + 1, self.pages.size, self.idle_keyed.size, self.touched.size)
         return self.plan
 
     def _grow(self, n_rows: int, n_pages: int, n_keyed: int, n_touched: int) -> None:
-        """A new buffer (``kernels.plan_views``; ``kernels.step`` takes it whole) with that much
-        room; views made before stay valid (a plan made before a ``reserve``)."""
+        """A new buffer with that much room; views made before stay valid."""
         self.plan_rows = n_rows
         sizes = (n_rows, n_pages, n_keyed, n_touched)
         self.buffer = np.empty(kernels.plan_size(n_rows, self.n_groups, n_pages, n_keyed, n_touched), dtype=np.int64)
@@ -145,9 +143,7 @@ class _Scratch:
 
 @dataclass
 class _Verdict:
-    """What admission decided for a batch (pure): a reason for each invalid item,
-    the indices of the valid ones, whether each valid one fits (and why not), and the
-    step's plan (None when no item is valid)."""
+    """What admission decided for a batch (pure); ``plan`` is None when no item is valid."""
 
     answers: list  # Admission for each invalid item, None for the valid ones
     ok_idx: Sequence[int]
@@ -164,18 +160,15 @@ class _Verdict:
 
 
 class _Releases:
-    """What a planned step's releases free in each group, worked out at most once per
-    admission, for the groups asked (pure)."""
+    """What a planned step's releases free in each group, worked out once per group asked (pure)."""
 
     def __init__(self, tableset: TableSet, space: PageSpace, plan: _StepPlan):
         self._tableset, self._space, self.plan = tableset, space, plan
         self._found: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def of(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Group ``k``: per plan row, the pages below its new base that only it holds (its
-        release credit); those pages (local ids, rows in order); the ones among them
-        without a key (they go on the free stack, keyed ones stay cached). One compiled
-        ``release_credit`` pass over the group's releases."""
+        """Group ``k``: per plan row its release credit (pages below its new base only it holds),
+        those pages, and the ones among them without a key (``kernels.release_credit``)."""
         found = self._found.get(k)
         if found is None:
             plan, ts = self.plan, self._tableset
@@ -194,9 +187,7 @@ class _Releases:
 
     @staticmethod
     def load_kernel(tableset: TableSet, space: PageSpace, plan_arrays: tuple) -> None:
-        """Load (or compile) ``kernels.release_credit`` now, with the argument types of
-        :meth:`of` (``plan_arrays``: ``_Scratch.plan``), over no rows (nothing changes):
-        else the first admission that counts release credit (late in a run, often) stalls for it."""
+        """Load ``kernels.release_credit`` with :meth:`of`'s argument types, over no rows."""
         rows, after, none = plan_arrays[0], plan_arrays[3], _NO_PAGES
         kernels.release_credit(tableset.geometry, tableset.pages, tableset.bounds, space.ref_counts, space.cached, 0,
                                rows[:0], after[0, 0, :0], none, none, none)
@@ -241,10 +232,9 @@ class CacheManager:
         self.specs = tuple(specs)
         ids = [s.group_id for s in self.specs]
         group_pages = _pages_per_group(ids, group_pages, arena)
-        self.max_context_tokens = _positive("max_context_tokens", max_context_tokens)
-        self.max_step_tokens = _positive(
-            "max_step_tokens", max_step_tokens if max_step_tokens is not None else self.max_context_tokens
-        )
+        self.max_context_tokens = as_int("max_context_tokens", max_context_tokens, minimum=1)
+        self.max_step_tokens = as_int("max_step_tokens", self.max_context_tokens if max_step_tokens is None
+                                      else max_step_tokens, minimum=1)
         self.table_widths = dict(table_widths) if table_widths is not None else None
         self._init_memory(group_pages, shuffle_seed, arena)
         self._capture_widths = None if self.table_widths is None else tuple(
@@ -272,16 +262,12 @@ class CacheManager:
             tier_link.attach(self)
 
     def _init_windows(self, ids: list[str]) -> None:
-        """The prefix grain, and per group the checkpoint window and what a step's admission
-        reads of it (a load step's tokens, the most pages a checkpoint keeps cached)."""
-        self._grain = self.prefix.granularity_tokens if self.prefix is not None else 0  # tokens per prefix grain
-        # Per group, the trailing tokens a checkpoint of it stores (0: none).
+        """The prefix grain, and per group the checkpoint window (tokens; 0: none), a load step's
+        ``load_tokens`` and the most pages a checkpoint keeps cached (``kernels.short_pages``)."""
+        self._grain = self.prefix.granularity_tokens if self.prefix is not None else 0
         windows = self.prefix.checkpoint_windows if self.prefix is not None else {}
         self._checkpoint_windows = tuple(windows.get(gid, 0) for gid in ids)
-        # A load step's rows hold, in a sliding group, the pages of its checkpoint window only.
         self._load_tokens = np.asarray(self._checkpoint_windows, dtype=np.int64)
-        # Per group, the most pages a checkpoint publishing released pages keeps cached
-        # (``kernels.short_pages``: a window's pages per prefix grain a step's commits complete).
         self._window_pages = np.asarray([-(-w // s.page_tokens) + 1 if w else 0
                                          for w, s in zip(self._checkpoint_windows, self.specs)], dtype=np.int64)
         self._short = np.empty(len(ids), dtype=np.int64)  # ``short_pages``' answer
@@ -299,15 +285,11 @@ class CacheManager:
             )
             for i, s in enumerate(self.specs)
         }
-        # Every pool's free stack, ref counts and flags live in arrays the step kernels
-        # own (the pools see views): a step is one compiled call for every group.
         self._pool_list = [self.pools[s.group_id] for s in self.specs]
         self._space = PageSpace(self._pool_list)
-        # With a shared arena the pools start empty and borrow slabs as they need pages.
         self.arena = Arena(arena, self.pools) if arena is not None else None
         self._packing = _NO_PACKING if arena is None else self.arena.packing  # ``kernels.room_groups``'
-        # On an arena, prefill pages released again at the next step come last (highest ids):
-        # only sliding groups release what a step allocates (kernels.transient_pages).
+        # On an arena, a sliding group's pages released again next step come last (kernels.transient_pages).
         self._transient = np.asarray([arena is not None and s.is_sliding for s in self.specs], dtype=np.bool_)
         self._scratch = _Scratch(len(self.specs))
         self._tableset = TableSet(
@@ -317,19 +299,15 @@ class CacheManager:
         _Releases.load_kernel(self._tableset, self._space, self._scratch.plan)
 
     def _init_holds(self) -> None:
-        """Tier state: requests waiting for a load, and pages held outside any request."""
-        # Requests waiting for a tier load (hybridkv.tierlink): admission refuses them.
+        """Tier state: requests waiting for a load (admission refuses them), each request's last load
+        step (tokens before, after), the requests rewound below one (refused until freed), and pages
+        held outside any request (``hold_pages``: one array, a view per group)."""
         self.pending_loads: set[str] = set()
-        # Load steps: each request's last one (tokens before, after), and the requests rewound
-        # below one (their window pages below it are gone: admission refuses them; free them).
         self._load_spans: dict[str, tuple[int, int]] = {}
         self._rewound_loads: set[str] = set()
-        # Pages held outside any request (an offload's rows being copied): see hold_pages_by_group.
-        # One array for every group (views per group, as the page space lays them out).
         self._held_all = np.zeros(self._space.ref_counts.size, dtype=np.int64)
         self._held_outside = {s.group_id: self._held_all[off : off + self.pools[s.group_id].num_pages]
                               for s, off in zip(self.specs, self._space.offsets.tolist())}
-        self._space_offset = dict(zip((s.group_id for s in self.specs), self._space.offsets.tolist()))
         self._space_limits = np.array([self.pools[s.group_id].num_pages for s in self.specs], dtype=np.int64)
 
     def _init_registry(self) -> None:
@@ -401,8 +379,6 @@ class CacheManager:
         self._version += 1  # invalidates a cached admission
         row = self._free_rows.pop() if self._free_rows else self._take_row()
         req = _Request(request_id, row, prompt_len, total, buf, prompt_len)
-        # With a prompt, the request's block keys start; the hit's pages go into the row's tables,
-        # its checkpoint becomes the request's own and its junction is pinned when the request crosses it.
         if self.prefix is not None and buf is not None:
             hit = self.prefix.match_and_borrow(req, buf[:prompt_len], cache_salt)
         else:
@@ -419,11 +395,8 @@ class CacheManager:
 
     def _plain_prompt(self, request_id: Any, ids: Any, prompt_tokens: Any, max_new_tokens: Any,
                       cache_salt: Any) -> np.ndarray | None:
-        """``add_request``'s common case (a new non-empty str id, a non-empty 1-D int32 array of
-        ids, an int ``max_new_tokens`` >= 0 within the max context, no ``prompt_tokens``, no
-        salt): the request's token buffer with the prompt copied in by one compiled call that
-        checks as it copies that no id is negative (``kernels.copy_token_ids``). None when the
-        case does not apply or a check fails: ``_new_prompt`` then checks in order and raises."""
+        """``add_request``'s common case (new str id, 1-D int32 ids, int ``max_new_tokens``, nothing else):
+        the token buffer, ids copied and checked in one compiled call; else None (``_new_prompt`` words it)."""
         if not (type(request_id) is str and request_id and type(ids) is np.ndarray and ids.ndim == 1
                 and ids.dtype == _INT32 and prompt_tokens is None and cache_salt is None
                 and type(max_new_tokens) is int and 0 <= max_new_tokens
@@ -434,10 +407,8 @@ class CacheManager:
 
     def _new_prompt(self, request_id: Any, prompt_token_ids: Any, prompt_tokens: Any, max_new_tokens: Any,
                     cache_salt: Any) -> tuple[np.ndarray | None, int, int]:
-        """``add_request``'s arguments checked in order (salt, ids, request id, prompt, max new
-        tokens, max context; the first wrong one raises): the request's token buffer with the
-        prompt copied in (None when only its length is given), the prompt's length and the
-        request's total tokens."""
+        """``add_request``'s arguments checked in order: the token buffer (None without ids), the
+        prompt's length and the request's total tokens."""
         check_cache_salt(cache_salt, CacheManagerError)
         if prompt_token_ids is not None:
             check_token_ids("prompt_token_ids", prompt_token_ids, CacheManagerError)
@@ -496,13 +467,11 @@ class CacheManager:
         rids = request_ids if type(request_ids) is tuple else tuple(request_ids)
         rows = self._distinct_rows_of(rids)
         k = arr.shape[1]
-        # A request without token ids counts its declared total as known, so this one
-        # test also catches those; the loop below words which reason.
+        # A request without token ids counts its declared total as known: this test catches it too.
         if rows is None or (self._known.take(rows) + k > self._max_total.take(rows)).any():
             self._refuse_append(rids, k)
         reqs = itemgetter(*rids)(self._requests) if len(rids) > 1 else (self._requests[rids[0]],)
         if k == 1:
-            # One token each (decode): a scalar store per request, not a slice assignment.
             for req, token in zip(reqs, flat.tolist()):
                 n = req.known_tokens
                 req.token_ids[n] = token
@@ -514,9 +483,7 @@ class CacheManager:
         self._known[rows] += k
 
     def _refuse_append(self, rids: tuple, k: int) -> None:
-        """Raise the reason ``append_token_ids`` or ``append_token_ids_many`` refuses ``k`` ids
-        for each of ``rids``: an unknown or repeated request, one added without token ids, or
-        one past its total."""
+        """Raise the reason ``k`` more ids for each of ``rids`` are refused."""
         reqs = [self._get(rid) for rid in rids]
         if len({r.request_id for r in reqs}) != len(reqs):
             raise CacheManagerError("a request appears twice")
@@ -563,15 +530,9 @@ class CacheManager:
     def max_admissible_tokens(
         self, request_id: str, max_tokens: int, *, batch: Sequence[tuple[str, int]] = (), fixed_width: bool = False
     ) -> int:
-        """The most new tokens, up to ``max_tokens``, that ``request_id`` can schedule in a
-        step together with ``batch`` (the rest of the step, as given): 0 if not even one.
-
-        For schedulers that shrink a prefill chunk to the memory left rather than wait
-        or preempt. Pure, like :meth:`check_admission` (about log2(max_tokens) checks);
-        the answer is the largest count with which every item of the step is admitted
-        (monotone: admitting all means the totals fit). The last check is the
-        answer's, so ``schedule`` right after reuses it.
-        """
+        """The most new tokens, up to ``max_tokens``, that ``request_id`` can schedule in a step together with
+        ``batch`` (0 if not even one): for schedulers that shrink a prefill chunk to the memory left. Pure (a
+        binary search of :meth:`check_admission`s); ``schedule`` right after reuses the last one."""
         req = self._get(request_id)
         limit = as_int("max_tokens", max_tokens, minimum=1, error=CacheManagerError)
         check_items(batch, CacheManagerError)
@@ -588,8 +549,7 @@ class CacheManager:
             return 0
 
         def fits(n: int) -> bool:
-            # Every item, not just the last: greedy admission may deny an earlier one
-            # (whose release credit it counted on) instead of ours.
+            # Every item: greedy admission may deny an earlier one instead of ours.
             return all(a.ok for a in self.check_admission(batch + [(request_id, n)], fixed_width=fixed_width))
 
         if fits(hi):
@@ -607,11 +567,8 @@ class CacheManager:
 
     def _admit(self, items, fixed_width, uniform=None, planned: _StepPlan | None = None,
                load_tokens: np.ndarray = _COMPUTED) -> _Verdict:
-        """Stages 1 and 2 of a step, pure: validate the items, plan every row (the
-        settling ones first), and decide which requests fit. ``uniform`` (request ids,
-        one count) stands for ``items`` when given; ``planned``: the plan of the items,
-        every one valid, already made (``_step``); ``load_tokens``: ``prepare_step``'s
-        (a load step's checkpoint windows, or empty)."""
+        """Stages 1 and 2, pure: validate, plan every row and decide which requests fit. ``uniform``
+        (ids, one count) stands for ``items``; ``planned``: a plan ``_step`` made of valid items."""
         if fixed_width and self.table_widths is None:
             raise CacheManagerError(
                 "fixed_width needs capture widths: build the manager with table_widths (from_plan does)"
@@ -633,8 +590,7 @@ class CacheManager:
         wanted = plan.sums[1]
         n_short = -1 if deny else self._short_pages(plan, wanted, self._space.tops, self._free_pages())
         if n_short >= 0:
-            # No credit needed. On an arena, a group that would have to evict valuable
-            # cached pages grows instead: they go only when memory is short.
+            # No credit needed. On an arena, a group that would evict cached pages grows instead.
             surplus = self._space.tops - wanted if n_short and self.arena is not None else None
             plan.grants = [] if surplus is None else self._grow_instead_of_evicting(self._short, surplus, releases)
         else:
@@ -643,16 +599,14 @@ class CacheManager:
         return _Verdict(answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items() if k >= off}, plan)
 
     def _admit_load(self, items, fixed_width) -> _Verdict:
-        """``_admit`` of a load step: in a sliding group each row holds only the pages of the
-        checkpoint at its end (``prepare_step``'s ``load_tokens``)."""
+        """``_admit`` of a load step (rows hold only their checkpoint window in a sliding group)."""
         if self.prefix is None:
             raise CacheManagerError("a load step needs prefix caching (it stands for a prefix hit)")
         return self._admit(items, fixed_width, load_tokens=self._load_tokens)
 
     def _validated_plan(self, items, fixed_width, uniform, load_tokens: np.ndarray
                         ) -> tuple[list, Sequence[int], _StepPlan | None]:
-        """(answers, valid indices, plan of the valid items; None when none is valid):
-        vectorized when every item is valid, else item by item with a reason each."""
+        """(answers, valid indices, plan of the valid items or None): vectorized when all are valid."""
         fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
         plan = None if fast is None else self._plan(fast[0], fast[1], load_tokens)
         if plan is not None:  # every item valid (the plan checked rows and known tokens)
@@ -662,8 +616,7 @@ class CacheManager:
         return answers, ok_idx, self._plan(rows, counts, load_tokens) if ok_idx else None
 
     def _validate(self, items, fixed_width, uniform):
-        """(answers, valid indices, rows, counts) of the valid items, item by item with
-        a reason for each invalid one."""
+        """(answers, valid indices, rows, counts), item by item with a reason for each invalid one."""
         if uniform is not None:
             items = [(rid, uniform[1]) for rid in uniform[0]]  # the per-item path words the reasons
         answers: list[Admission | None] = [None] * len(items)
@@ -681,8 +634,7 @@ class CacheManager:
         return answers, ok_idx, rows, np.asarray(count_list, dtype=np.int64)
 
     def _allocations(self, plan: _StepPlan) -> dict[str, np.ndarray]:
-        """Group id -> pages each plan row allocates."""
-        # From hi, or from the new base where a load row's base passes its hi.
+        """Group id -> pages each plan row allocates (from hi, or from a load row's new base past it)."""
         return dict(zip(self._group_ids, plan.after[1] - np.maximum(self._tableset.bounds[1][:, plan.rows],
                                                                     plan.after[0])))
 
@@ -704,14 +656,8 @@ class CacheManager:
         return self._space.tops + self._space.lru_lengths  # every pool's ``num_free_pages``, at once
 
     def _short_pages(self, plan: _StepPlan, wanted: np.ndarray, clean: np.ndarray, free: np.ndarray) -> int:
-        """Per group, the pages it lacks for its ``wanted`` allocations after its ``clean``
-        free pages, the pages the step's releases put on its free stack first (sole
-        references without a key; keyed ones stay cached, and the step's commits may
-        publish released pages as checkpoints) and its idle low-priority pages (evicted
-        rather than grow, unless the arena is roomy: then they keep spare memory until
-        admission needs it back), to ``self._short``, in one compiled pass
-        (``kernels.short_pages``). Returns how many groups are short, or -1 when some
-        group wants more than its ``free`` pages (release credit must decide)."""
+        """``kernels.short_pages`` into ``self._short``: how many groups lack clean pages for ``wanted``,
+        or -1 when one wants more than its ``free`` pages (release credit decides)."""
         ts, space = self._tableset, self._space
         roomy = space.skip_packing[0]  # the arena's ``roomy`` (never set without an arena)
         return kernels.short_pages(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, plan.rows,
@@ -720,35 +666,26 @@ class CacheManager:
                                    self._short)
 
     def _fit_with_credit(self, releases: _Releases, fits: np.ndarray, deny: dict[int, str]) -> None:
-        """Admission when the allocations alone do not fit: count the pages the step's
-        releases free (release credit), lend arena slabs, and if the totals still do
-        not fit, admit greedily in batch order. Sets ``plan.grants``."""
+        """Admission when the allocations alone do not fit: release credit, slabs, else greedy in
+        batch order. Sets ``plan.grants``."""
         plan, ids = releases.plan, self._group_ids
         avail = dict(zip(ids, self._free_pages().tolist()))
         # Per-row allocations only to leave out the rows denied already (else the plan's sums).
         alloc = None if fits.all() else self._allocations(plan)
         gross = plan.sums[1].tolist() if alloc is None else [int(alloc[g][fits].sum()) for g in ids]
-        # Releases all happen before allocations, so only the admitted totals matter. A gross
-        # plan that would take a donor's slab gives way to the net one: spare slabs only.
+        # Releases run before allocations: only the admitted totals matter. Gross: spare slabs only.
         plan.grants = _grants_to_fit(self.arena, dict(zip(ids, gross)), avail, None)
         if plan.grants is None:
             if not self._fit_net(releases, fits, deny, gross, alloc, avail):
                 return
         if self.arena is not None:
-            # As when no credit is needed: a group that would evict cached pages grows instead.
-            # Gross sums: the pages the releases free (not those they leave cached) count there.
+            # A group that would evict cached pages grows instead (gross sums: the releases' freed pages count).
             plan.grants = plan.grants + self._grow_after(np.asarray(gross, dtype=np.int64), releases, plan.grants)
 
     def _fit_net(self, releases: _Releases, fits: np.ndarray, deny: dict[int, str], gross: list[int],
                  alloc: dict[str, np.ndarray] | None, avail: dict[str, int]) -> bool:
-        """``_fit_with_credit`` when the ``gross`` totals do not fit, or fit only by taking
-        another group's slab: the totals net of the release credit. True when they fit
-        (``plan.grants`` set); else the rows are admitted greedily (``deny``) and False.
-
-        The step's releases run before slabs move, so a donor slab whose pages are all
-        idle once they are released can be lent too; and a group whose own releases
-        cover it takes no slab from another (which would evict there). Spare slabs
-        evict nothing: a plan of those alone stands."""
+        """``_fit_with_credit`` of the totals net of release credit (a donor's released pages count
+        as idle): True when they fit (``plan.grants`` set), else rows are denied greedily and False."""
         plan, ids, arena = releases.plan, self._group_ids, self.arena
         scan = IdleScan(releasing=releases.sole_pages)
         credit = [releases.of(k)[0] for k in range(len(ids))]
@@ -763,10 +700,7 @@ class CacheManager:
         return False
 
     def _grow_after(self, wanted: np.ndarray, releases: _Releases, after: list) -> list:
-        """``_grow_instead_of_evicting`` for groups that would evict cached pages to get their
-        ``wanted`` pages, counting what the grants ``after`` (planned already, applied
-        first) give them; gross ``wanted``: the step's releases run first, so a sliding
-        group's prefill chunk reuses the previous chunk's pages rather than grow for both."""
+        """``_grow_instead_of_evicting`` for gross ``wanted`` pages, after the grants ``after``."""
         own, gained = self.arena.replay(after) if after else (None, {})
         clean = self._space.tops + np.fromiter(map(gained.get, self._group_ids, repeat(0)), _INT64, len(self.specs))
         if not self._short_pages(releases.plan, wanted, clean, wanted):  # free: wanted (credit covered them)
@@ -775,13 +709,8 @@ class CacheManager:
 
     def _grow_instead_of_evicting(self, short: np.ndarray, surplus: np.ndarray, releases: _Releases,
                                   own: np.ndarray | None = None) -> list:
-        """Slabs for the groups ``short`` of pages (``_short_pages``: they would have to
-        evict cached pages): spare slabs first, then slabs of other groups whose pages are
-        all clean free once the step's releases have run and that they do not need this
-        step (``surplus``: each group's clean free pages less its allocations, below zero
-        where its own releases or low-priority pages cover it; a donor's releases count
-        as idle and spare once the plan reaches it). A cached page goes only when no
-        memory is idle anywhere. ``own``: the slab owners after grants planned already."""
+        """Slabs for the groups ``short`` of clean pages: spare slabs, else other groups' slabs that are
+        clean free after the releases (``surplus``: clean free less allocations); ``own``: owners so far."""
         grants = self.arena.plan_spare(short, own)
         if grants is not None:
             return grants  # spare slabs surely cover: no donor's values or releases needed
@@ -793,11 +722,8 @@ class CacheManager:
         return self.arena.plan(wanting, spare, scan, partial=True, owner=own)
 
     def _value_tick(self, short: dict) -> int | None:
-        """Value-based slab moves: the idle-clock tick of the least recently used usable
-        entry a ``short`` group would evict (its oldest idle keyed page of normal
-        priority). A donor's idle entries of less value (low priority: orphans, prompt
-        checkpoints; or idle since before it) count as idle and as spare pages
-        (``IdleScan.before_tick``). None when the policy does not act."""
+        """``IdleScan.before_tick``: the oldest idle tick a ``short`` group would evict (a donor's entries
+        idle since before it count as spare); None when the policy does not act."""
         policy = self.prefix.eviction if self.prefix is not None else None
         if policy is None or not policy.acts:
             return None
@@ -828,10 +754,8 @@ class CacheManager:
                 plan.grants = grants
 
     def _fast_rows(self, items) -> tuple[np.ndarray, np.ndarray, tuple, int] | None:
-        """Rows, counts, request ids and tokens in all of pairs of known ids and plain
-        counts in range (vectorized); None sends the batch down the per-item path that
-        words each reason (also when a request waits for a tier load). The plan checks the
-        rest (distinct rows, known tokens)."""
+        """(rows, counts, ids, tokens) of valid-looking pairs, vectorized; None sends the batch to the
+        per-item path. The plan checks distinct rows and known tokens."""
         try:
             rids, counts = zip(*items)
         except (TypeError, ValueError):
@@ -841,8 +765,7 @@ class CacheManager:
             return None
         n = len(counts)
         if counts.count(counts[0]) == n and tuple(map(type, counts)).count(int) == n:
-            # Equal plain ints (a decode or verify step; the type count keeps out True,
-            # which equals 1): one scalar check.
+            # Equal plain ints (decode or verify; the type count keeps out True): one scalar check.
             if not 1 <= counts[0] <= self.max_step_tokens:
                 return None
             self._one_count[0] = counts[0]  # ``prepare_step`` reads one count as every row's
@@ -919,12 +842,8 @@ class CacheManager:
         return ""
 
     def _plan(self, rows_in: np.ndarray, counts_in: np.ndarray, load_tokens: np.ndarray) -> _StepPlan | None:
-        """The step of ``rows_in`` writing ``counts_in`` tokens each, planned by
-        ``kernels.prepare_step`` (pure): the previous step's rows not in this one settle
-        first (their tokens commit, their slid-out pages go back), so their release
-        counts as credit for everyone. None when a row is listed twice or passes its
-        known tokens. ``load_tokens``: a load step's checkpoint windows (empty for a step that
-        computes). The plan's arrays are scratch: only the latest plan is valid."""
+        """``kernels.prepare_step``'s plan (pure; scratch: only the latest is valid), settling rows first;
+        None when a row is listed twice or passes its known tokens."""
         rows, counts, first, after, need, sums, crossing, totals = self._scratch.plan_arrays(
             rows_in.size + self._last_rows.size)
         ts = self._tableset
@@ -979,9 +898,7 @@ class CacheManager:
 
     def _schedule(self, items, uniform, fixed_width: bool, block_tables: str, write_slots: bool = True,
                   load: bool = False) -> StepBatch:
-        """``schedule`` of ``items``, or of ``uniform`` = (request ids, one count for all), in
-        five stages: admit (validate and plan, pure), commit the previous step's tokens,
-        release, allocate, build the batch. Most steps take ``_step``'s one compiled call."""
+        """``schedule`` of ``items`` or ``uniform`` (ids, one count); most steps take ``_step``'s one call."""
         ids = items if uniform is None else uniform[0]
         if not (ids and type(write_slots) is bool and block_tables in _BLOCK_TABLE_MODES):
             _check_step_options(ids, block_tables, write_slots)  # words the error
@@ -992,9 +909,7 @@ class CacheManager:
         if load:
             verdict = self._admit_load(items, fixed_width)
         elif verdict is None and not fixed_width and (self._tableset.log is None) != updates:
-            # Valid pairs (none waiting for a tier load: ``_fast_rows``) in the previous step's block-table
-            # mode take ``_step``'s one compiled call: its batch, or the plan it made for ``_admit``; None (an
-            # invalid item) goes to ``_admit``, a step switching modes to ``_commit_and_run`` (the log follows).
+            # Valid pairs in the previous step's block-table mode: ``_step``'s batch, or its plan for ``_admit``.
             fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
             if fast is not None:
                 done = self._step(fast, write_slots, updates)
@@ -1008,8 +923,7 @@ class CacheManager:
 
     def _run_verdict(self, verdict: _Verdict, items, uniform, write_slots: bool, updates: bool, fixed_width: bool,
                      load: bool) -> StepBatch:
-        """The step ``verdict`` admitted (its refusal raised, else stages 2-4 run); a load
-        step's spans noted first."""
+        """Raise ``verdict``'s refusal, else note a load step's spans and run stages 2-4."""
         refusal = verdict.refusal(len(items) if uniform is None else len(uniform[0]))
         if refusal is not None:
             raise CacheManagerError(refusal)
@@ -1040,8 +954,7 @@ class CacheManager:
         return self._build_batch(rows, plan.request_ids, arrays, fixed_width, n_touched if updates else -1, cells)
 
     def _cached_verdict(self, items, uniform, fixed_width: bool) -> _Verdict | None:
-        """The last ``check_admission``'s verdict when it checked the same items and
-        nothing changed since (used once)."""
+        """The last ``check_admission``'s verdict if it checked these items and nothing changed (once)."""
         cached, self._admitted = self._admitted, None
         if (uniform is None and cached is not None and cached[0] == self._version and cached[2] == fixed_width
                 and cached[1] == items):
@@ -1049,9 +962,8 @@ class CacheManager:
         return None
 
     def _step(self, fast: tuple, write_slots: bool, updates: bool) -> StepBatch | _StepPlan | None:
-        """A step of valid items (``fast``: rows, counts, request ids, tokens) in one compiled call
-        (``kernels.step``; docs/manager.md, "One step, in four stages"): the batch; else (nothing
-        changed) the plan for ``_admit``, or None (a row twice, or past its known tokens)."""
+        """``fast``'s step in one compiled call (``kernels.step``): the batch; else (nothing changed) the
+        plan for ``_admit``, or None (a row twice, or past its known tokens)."""
         rows_in, counts_in, rids, n_tokens = fast
         sc, n_rows = self._scratch, rows_in.size
         n_groups = len(self._pool_list)
@@ -1082,8 +994,7 @@ class CacheManager:
 
     def _planned_step(self, status: int, planned: tuple, rids: tuple, cells: tuple, out: _StepArrays,
                       write_slots: bool, updates: bool) -> StepBatch | _StepPlan | None:
-        """``_step`` once ``kernels.step`` only planned (``planned``: its rows, settling rows, crossing
-        rows, clean): the batch when the plan is admitted as is, else the plan (None: no plan)."""
+        """``_step`` once ``kernels.step`` only planned: the batch if admitted as is, else the plan or None."""
         if planned[0] < 0:
             return None
         plan = self._plan_of(*planned)
@@ -1096,8 +1007,8 @@ class CacheManager:
         return self._commit_and_run(plan, write_slots, updates, False)
 
     def _admit_spare(self, plan: _StepPlan) -> bool:
-        """``_admit`` of a plan ``kernels.step`` made, on an arena, in one compiled call (``kernels.admit_spare``):
-        True (``plan.grants`` set) when its answer is spare slabs alone or none; False: ``_admit`` decides."""
+        """``kernels.admit_spare`` on an arena: True (``plan.grants`` set) when spare slabs alone, or none,
+        admit the plan; False: ``_admit`` decides."""
         arena = self.arena
         if arena is None:
             return False
@@ -1107,7 +1018,6 @@ class CacheManager:
                                 plan.rows.size, self._short, *arena.spare_args)
         if n < 0:
             return False
-        # Granted in the run (``grant_step``) straight from the kernel's answer where they can be.
         plan.spare_grants = arena.kernel_spare_grants(n) if n else None
         plan.grants = arena.spare_grants(n) if n and plan.spare_grants is None else []
         return True
@@ -1120,24 +1030,20 @@ class CacheManager:
         return self._state
 
     def _cell_buffers(self, n_rows: int, made: tuple | None = None, n_cells: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """Fresh arrays for ``finish_step`` to read a step's changed cells into, with room for ``n_cells``
-        and at least a decode step's; ``made`` (``_step``'s for the same batch) when large enough."""
+        """Arrays for a step's changed cells (room for ``n_cells``, at least a decode step's); ``made`` if it fits."""
         if made is not None and made[1].size and made[1].size >= n_cells:
             return made
         room = max(2 * len(self.specs) * n_rows + 16, n_cells)
         return np.empty((3, room), _INT64), np.empty(room, _INT32)
 
     def _evictable_cover(self, allocated: np.ndarray) -> bool:
-        """After ``kernels.releases_cover``: whether ``_admit`` would admit the step as is, granting
-        no slab (no arena, or every group short of clean pages has as many free and evictable)."""
-        return self.arena is None or all(n <= pool.num_free_pages for n, pool in zip(allocated.tolist(),
-                                                                                       self._pool_list)
-                                         if n > pool.num_clean_free_pages)
+        """Whether ``_admit`` would admit a covered step granting no slab."""
+        pools = zip(allocated.tolist(), self._pool_list)
+        return self.arena is None or all(n <= p.num_free_pages for n, p in pools if n > p.num_clean_free_pages)
 
     def _run(self, plan: _StepPlan, write_slots: bool, cells: tuple = _NO_CELLS,
              n_logged: int = 0) -> tuple[_StepArrays, int]:
-        """Stage 3, release, allocate and the batch's arrays (``plan.arrays``, or fresh ones), in one compiled
-        call (``kernels.run_step``; docs/manager.md, "One step, in four stages"); the arrays and the cells changed."""
+        """Stage 3 in one compiled call (``kernels.run_step``): the batch's arrays and the cells changed."""
         n_tokens, released_pages, most_released, allocated_pages = plan.totals
         out = plan.arrays
         if out is None:
@@ -1154,7 +1060,7 @@ class CacheManager:
         if grants is None:
             status, n_touched, n_keyed = kernels.run_step(*state, bool(plan.grants), scratch, idle_keyed, released,
                                                           touched, n_logged, *cells, *out, self._scratch.widths)
-        else:  # spare slabs alone: granted in the kernel, after the releases (``_after_run`` would apply them there)
+        else:  # spare slabs alone: granted in the kernel, after the releases
             plan.grants = []
             status, n_touched, n_keyed = kernels.grant_step(grants, self.arena.grant_args, *state, scratch, idle_keyed,
                                                             released, touched, n_logged, *cells, *out,
@@ -1169,10 +1075,8 @@ class CacheManager:
         return out, n_touched
 
     def _load_kernels(self) -> None:
-        """Load (or compile) now, changing nothing, the kernels of the page space's releases and
-        evictions (``PageSpace.load_kernels``), of ``_step`` and the calls around it
-        (``_load_step_kernels``) and of a step admitted and run in Python, over a plan of no rows:
-        else the first step that needs one (late in a run, often) stalls for it."""
+        """Load (or compile) every kernel a step may call, over a plan of no rows (nothing changes), so no
+        step late in a run stalls for one (docs/architecture.md)."""
         self._space.load_kernels(self._tableset)
         if self.prefix is not None:
             self.prefix.load_kernels()
@@ -1180,7 +1084,6 @@ class CacheManager:
         # Room for a step of every table row and as many settling (``_take_row`` grows it with the rows).
         rows, counts, first, after, need, _, crossing, _ = self._scratch.plan_arrays(2 * self._computed.size)
         none = np.zeros((2, len(self.specs)), dtype=np.int64)  # no page released or allocated
-        # ``after`` as a step's plan views it: its first columns of more (``plan_arrays``: not contiguous).
         plan = _StepPlan(rows[:0], counts[:0], first[:0], after[:, :, :1], need[:, :0], none, crossing[:0], 0, True,
                          (0, 0, 0, 0), grants=[])
         self._short_pages(plan, none[1], none[1], none[1])
@@ -1191,9 +1094,7 @@ class CacheManager:
             self._run(plan, True)
 
     def _load_step_kernels(self) -> None:
-        """``_load_kernels`` of ``kernels.step`` (``_step``'s compiled code, not run), ``admit_spare``
-        (not run), ``prepare_step`` (``_plan``), of ``add_request``'s and ``append_token_ids_many``'s
-        checks and of the table store's cell reads (``TableSet.ring_view``), over no rows."""
+        """``_load_kernels`` of ``_step``'s and the validation's kernels (``step`` and ``admit_spare`` not run)."""
         sc, no_rows = self._scratch, np.empty(0, _INT64)
         out = kernels.batch_arrays_for(len(self.specs), 0, 0, True)
         args = (*self._kernel_state(), sc.buffer, self._last_rows, no_rows, self._one_count, *_NO_CELLS, *out)
@@ -1249,8 +1150,7 @@ class CacheManager:
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
                      n_touched: int, cells: tuple = _NO_CELLS) -> StepBatch:
-        """Stage 4, the ``StepBatch`` of table ``rows``: block tables, or (``n_touched`` >= 0) the table
-        cells changed, from ``cells`` when ``finish_step`` read them there (docs/manager.md, stage 4)."""
+        """Stage 4: the ``StepBatch`` of ``rows``, block tables or (``n_touched`` >= 0) the cells changed."""
         widths = self._capture_widths if fixed_width else tuple(self._scratch.widths.tolist())
         ts = self._tableset
         # The batch's frozen dataclasses get their fields stored directly (no ``__init__`` frame each).
@@ -1299,8 +1199,7 @@ class CacheManager:
         self.rewind_many([(request_id, num_tokens)])
 
     def rewind_many(self, items: Sequence[tuple[str, int]]) -> None:
-        """``rewind`` for many requests at once: one compiled call for every group and request
-        (``kernels.rewind_rows``), which checks every item before it changes anything."""
+        """``rewind`` for many requests: one compiled call that checks every item before changing anything."""
         if not isinstance(items, (list, tuple)):
             check_items(items, CacheManagerError)  # a str, None, a one-shot iterator: refused
             items = list(items)
@@ -1325,8 +1224,7 @@ class CacheManager:
             self._note_rewound_loads(rows, before, kept)
 
     def _rewind_rows(self, items: list | tuple) -> tuple[np.ndarray, np.ndarray]:
-        """Table rows and kept tokens of ``rewind_many``'s items: known ids with plain int
-        counts in one pass, anything else through ``_rewind_items`` (which words a refusal)."""
+        """Table rows and kept tokens of ``rewind_many``'s items (``_rewind_items`` words a refusal)."""
         try:
             rids, counts = zip(*items, strict=True)
         except (TypeError, ValueError):
@@ -1342,8 +1240,7 @@ class CacheManager:
         return np.asarray([req.row for req in reqs], dtype=np.int64), np.asarray(keeps, dtype=np.int64)
 
     def _rewind_items(self, items: Sequence[tuple[str, int]]) -> tuple[list[_Request], list[int]]:
-        """The requests and token counts of ``rewind_many``'s items, each checked (nothing changes
-        on a refusal)."""
+        """The requests and token counts of ``rewind_many``'s items, each checked."""
         reqs, keeps, seen = [], [], set()
         for item in items:
             try:
@@ -1375,8 +1272,7 @@ class CacheManager:
         return num_tokens
 
     def _note_rewound_loads(self, rows: np.ndarray, computed: np.ndarray, kept: np.ndarray) -> None:
-        """Requests rewound below a load step just run (``computed``: their tokens before the
-        rewind) lose its window: admission refuses them until they are freed."""
+        """Requests rewound below a load step just run lose its window: refused until freed."""
         for row, was, num_tokens in zip(rows.tolist(), computed.tolist(), kept.tolist()):
             rid = self._row_owner[row].request_id
             span = self._load_spans.get(rid)
@@ -1443,17 +1339,14 @@ class CacheManager:
         return base, np.asarray(table.row_pages(req.row, base, hi), dtype=np.int64)
 
     def hold_pages_by_group(self, pages_by_group: Mapping[str, np.ndarray]) -> None:
-        """Hold each group's ``pages`` (held or cached; a page listed twice is held twice)
-        outside any request: no allocation reuses them and admission counts them as used
-        until :meth:`release_held_pages_by_group`. A tier offload holds an entry's pages so
-        while its rows are copied (``hybridkv.tierlink``). Refused whole, nothing held, when
-        an id is out of range or a page is free. As :meth:`hold_pages`."""
+        """Hold each group's ``pages`` (held or cached; twice listed, twice held) outside any request
+        until :meth:`release_held_pages_by_group` (a tier offload's rows being copied). Refused whole
+        when an id is out of range or a page is free."""
         self.hold_pages(*self._space_pages(pages_by_group, _HOLD_RANGE, 1))
 
     def hold_pages(self, local_pages: np.ndarray, pages_per_group: np.ndarray) -> None:
-        """:meth:`hold_pages_by_group` of every group's pages listed group-major (int64), in the
-        order of ``specs``, ``pages_per_group[g]`` of group ``g``: one compiled call
-        (``PageSpace.hold_outside``: the holds, and the idle pages out of their LRUs)."""
+        """:meth:`hold_pages_by_group` of pages listed group-major (int64, in ``specs`` order),
+        ``pages_per_group[g]`` of group ``g``: one compiled call."""
         if not _nonempty_page_list(local_pages, pages_per_group):
             return self._check_page_list(local_pages, pages_per_group)  # refused, or nothing to do
         found = self._space.hold_outside(local_pages, pages_per_group, self._space_limits, self._held_all)
@@ -1468,16 +1361,12 @@ class CacheManager:
         self._version += 1  # invalidates a cached admission
 
     def release_held_pages_by_group(self, pages_by_group: Mapping[str, np.ndarray]) -> None:
-        """Drop holds taken by :meth:`hold_pages_by_group` (a page no one holds goes free or,
-        still cached, joins the LRU, as a step's release does); refused whole, nothing
-        released, when any group releases a page more often than it is held. As
-        :meth:`release_held_pages`."""
+        """Drop holds taken by :meth:`hold_pages_by_group` (as a step's release does); refused whole
+        when a page is released more often than it is held."""
         self.release_held_pages(*self._space_pages(pages_by_group, _RELEASE_HELD, 0))
 
     def release_held_pages(self, local_pages: np.ndarray, pages_per_group: np.ndarray) -> None:
-        """:meth:`release_held_pages_by_group` of pages listed as :meth:`hold_pages` lists them:
-        one compiled call (``PageSpace.release_outside``: the releases, and the pages left
-        without a holder freed or into their LRUs)."""
+        """:meth:`release_held_pages_by_group` of pages listed as :meth:`hold_pages` lists them."""
         if not _nonempty_page_list(local_pages, pages_per_group):
             return self._check_page_list(local_pages, pages_per_group)  # refused, or nothing to do
         found = self._space.release_outside(local_pages, pages_per_group, self._space_limits, self._held_all)
@@ -1492,9 +1381,7 @@ class CacheManager:
         self._version += 1  # invalidates a cached admission
 
     def _check_page_list(self, local_pages: Any, pages_per_group: Any) -> None:
-        """Refuse a group-major list (:meth:`hold_pages`) that ``_nonempty_page_list`` turned down
-        for more than being empty: not two 1-D int64 arrays, or no pages but not one zero count
-        per group (the compiled calls check that a non-empty list's counts match it)."""
+        """Refuse a page list ``_nonempty_page_list`` turned down for more than being empty."""
         for name, a in (("local_pages", local_pages), ("pages_per_group", pages_per_group)):
             if not (type(a) is np.ndarray and a.dtype == _INT64 and a.ndim == 1):
                 raise CacheManagerError(f"{name} must be a 1-D int64 array")
@@ -1520,9 +1407,8 @@ class CacheManager:
 
     def _space_pages(self, pages_by_group: Mapping[str, np.ndarray], error: str, lowest: int
                      ) -> tuple[np.ndarray, np.ndarray]:
-        """Every group's pages, in the page space's group order, as each group's own ids, and
-        how many per group. A group the manager lacks is refused (after ``error`` for a page
-        outside ``[lowest, num_pages)``, the kernels' range check)."""
+        """Every group's pages as group-major local ids and counts per group; an unknown group is refused
+        (after ``error`` for a page outside ``[lowest, num_pages)``)."""
         local, sizes = [], []
         for gid in self._group_ids:
             pages = pages_by_group.get(gid)
@@ -1538,7 +1424,7 @@ class CacheManager:
             bad = kernels.first_out_of_range(local, per_group, self._space_limits, lowest)
             if bad >= 0:
                 self._refuse_range(per_group, bad, error)
-            gid = next(gid for gid in pages_by_group if gid not in self._space_offset)
+            gid = next(gid for gid in pages_by_group if gid not in self.pools)
             raise CacheManagerError(f"no group {gid!r}")
         return local, per_group
 
@@ -1592,8 +1478,7 @@ class CacheManager:
             raise CacheManagerError(f"unknown request {request_id!r}") from None
 
     def _take_row(self) -> int:
-        if self._free_rows:
-            return self._free_rows.pop()
+        """A new table row (``add_request`` reuses a free one first)."""
         row = self._next_row
         self._next_row += 1
         self._state = None  # the table store and the counters may grow
@@ -1627,10 +1512,8 @@ def _pages_per_group(ids: list[str], group_pages: Mapping[str, int] | None,
 
 def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, int],
                    scan: IdleScan | None) -> list | None:
-    """Slab moves that let each group get ``want`` pages out of ``avail``: ``[]`` when
-    they fit already, ``None`` when they cannot (or there is no arena to lend). Donors'
-    slabs (idle as ``scan`` counts them) only with a ``scan``: else spare slabs alone
-    (no donor can spare a page, so none is scanned)."""
+    """Slab moves that let each group get ``want`` pages out of ``avail`` (``[]``: fit already; None: cannot).
+    Donors' slabs only with a ``scan``, else spare slabs alone."""
     if all(want[g] <= avail[g] for g in avail):
         return []
     if arena is None:
@@ -1654,10 +1537,6 @@ def _check_step_options(ids: Sequence, block_tables: str, write_slots: bool) -> 
         raise CacheManagerError("empty batch")
 
 
-def _positive(name: str, value: Any) -> int:
-    return as_int(name, value, minimum=1)
-
-
 def _nonneg_int(name: str, value: Any) -> int:
     return as_int(name, value, minimum=0, error=CacheManagerError)
 
@@ -1666,8 +1545,7 @@ _MAX_TOKEN_ID = int(np.iinfo(np.int32).max)
 
 
 def _small_token_list(token_ids: Any) -> list[int] | None:
-    """A short list/tuple of plain ints, or a short 1-D integer array as one, validated
-    without numpy reductions (the decode-step case)."""
+    """A short list of valid ids (decode), checked without numpy reductions; None otherwise."""
     if type(token_ids) is np.ndarray and token_ids.ndim == 1 and token_ids.size <= 16 and token_ids.dtype.kind in "iu":
         token_ids = token_ids.tolist()
     if type(token_ids) not in (list, tuple) or len(token_ids) > 16:
@@ -1679,8 +1557,7 @@ def _small_token_list(token_ids: Any) -> list[int] | None:
 
 
 def _checked_prompt(request_id: str, prompt_token_ids: Any, prompt_tokens: Any) -> tuple[np.ndarray | None, int]:
-    """A new request's prompt token ids (None when only its length is given) and its
-    length, checked: ids and ``prompt_tokens`` agree, at least one token."""
+    """A new request's prompt ids (None without them) and length, checked."""
     ids = None
     if prompt_token_ids is not None:
         ids = _token_array(prompt_token_ids)

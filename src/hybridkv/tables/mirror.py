@@ -1,10 +1,8 @@
 """An engine-side copy of the manager's page tables, kept current from step updates.
 
-With ``schedule(..., block_tables="updates")`` a batch carries the store cells that
-changed (``StepBatch.table_updates``, in ring form keyed by table row) and each
-request's row (``StepBatch.table_rows``); a ``BlockTableMirror`` applies them to its
-copy (``store``) and yields, per group, exactly the block table the full mode would
-have returned. It must apply every updates-mode batch, in order (docs/manager.md).
+A ``BlockTableMirror`` applies every ``block_tables="updates"`` batch's ``table_updates``, in order, to
+its ``store`` and yields, per group, exactly the block table the full mode would have returned
+(docs/manager.md).
 """
 
 from __future__ import annotations

@@ -55,9 +55,7 @@ class GroupTable:
         self.stride_tokens = spec.entry_stride_tokens
         self.sliding = spec.is_sliding
         self.window_tokens = spec.sliding_window_tokens or 0
-        if self.sliding:
-            # A window plus a step's pages (at least ``live_pages_bound``), as a power of
-            # two: the ring column is a mask.
+        if self.sliding:  # a window plus a step's pages (>= ``live_pages_bound``), a power of two
             ring = cdiv(self.window_tokens - 1 + max_step_tokens, self.page_tokens) + 2
             self.capacity_pages = _power_of_two_at_least(ring)
             narrow = live_pages_bound(self.window_tokens, self.page_tokens, NARROW_STEP_TOKENS)
@@ -89,13 +87,11 @@ class GroupTable:
 
     @property
     def pages(self) -> np.ndarray:
-        """Debug view (a copy): int32 ``[rows, capacity_pages]``, this group's part of
-        ``TableSet.ring_view``."""
+        """Debug view (a copy): this group's part of ``TableSet.ring_view``."""
         return self._set.ring_view()[self._g, :, : self.capacity_pages]
 
     def pages_in(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """Held page ids of logical pages ``[lo_r, hi_r)`` per row, row-major, in logical order
-        (``kernels.span_cells``)."""
+        """Held page ids of logical pages ``[lo_r, hi_r)`` per row, row-major, in logical order."""
         rows, lo, hi = (np.asarray(a, dtype=np.int64) for a in (rows, lo, hi))
         return self._set.pages[_cells(self._set.geometry, self._set.bounds, self._g, rows, lo, hi)].astype(np.int64)
 
@@ -105,10 +101,9 @@ class GroupTable:
 
 
 class TableSet:
-    """The tables of every group of a manager in one store (``pages``, ``bounds``, ``geometry``: laid out as
-    ``hybridkv.runtime.kernels`` says), which each ``GroupTable`` in ``tables`` views. While ``log`` is a
-    list, every cell a mutation touches is logged (ring-view indices) for ``drain_updates``; the first
-    drain after ``start_log`` is a resync (every live cell, ``reset``: docs/manager.md, "Block table modes")."""
+    """Every group's tables in one store (``pages``, ``bounds``, ``geometry``: ``hybridkv.runtime.kernels``' layout)
+    that each ``GroupTable`` views. While ``log`` is a list, every cell a mutation touches is logged for
+    ``drain_updates`` (the first drain after ``start_log`` is a resync: docs/manager.md, "Block table modes")."""
 
     def __init__(
         self,
@@ -127,8 +122,6 @@ class TableSet:
         self.geometry = np.zeros((len(self.tables), kernels.GEOMETRY_COLUMNS), dtype=np.int64)
         for g, t in enumerate(self.tables):
             t._set, t._g = self, g
-            # A ring column is ``logical & (capacity - 1)`` (rings are powers of two); full
-            # history keeps every bit.
             mask = t.capacity_pages - 1 if t.sliding else -1
             ring_mask = t.ring_pages - 1 if t.sliding else -1
             offset = 0 if id_offsets is None else id_offsets[g]  # the group's first id in the page space
@@ -151,10 +144,8 @@ class TableSet:
         return self.bounds.shape[2]
 
     def _new_store(self, rows: int) -> np.ndarray:
-        """An empty flat store for ``rows`` rows; writes its layout into ``geometry``.
-        Every group's narrow rings (sliding, row-major) or tables (full history,
-        column-major) first, filled with -1, then the lanes (left unwritten: only a
-        wide row's live cells are ever read)."""
+        """An empty flat store for ``rows`` rows (rings or column-major tables filled with -1, then the lanes,
+        unwritten); writes its layout into ``geometry``."""
         at = 0
         for g, t in enumerate(self.tables):
             self.geometry[g, kernels.RING_START] = at
@@ -256,10 +247,8 @@ class TableSet:
 
     def drain_updates(self, touched: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                                                                          np.ndarray, bool]:
-        """(group, row, column, page id, reset): every cell touched since the last drain,
-        and the cells ``touched`` (flat indices a step just changed, read here and not
-        kept), with the page id it holds now (-1: empty; a cell may appear twice); after
-        a (re)start of the log, every live cell instead and ``reset`` True."""
+        """(group, row, column, page id now, reset): every cell logged since the last drain and ``touched``;
+        after a (re)start of the log, every live cell instead and ``reset`` True."""
         log = self.log
         reset = self._resync
         if reset:
