@@ -22,6 +22,14 @@ def test_nine_rounds_give_the_second_and_eighth_sorted_with_their_coverage(ts):
     assert coverage == pytest.approx(1 - 2 * 10 / 512)
 
 
+def test_fifteen_rounds_give_the_fourth_and_twelfth_sorted_with_their_coverage(ts):
+    # P(Binomial(15, 1/2) < 4) = (1 + 15 + 105 + 455) / 32768 = 0.0176 <= 0.025; P(X < 5) = 0.0592 > 0.025.
+    values = [1.0 + i / 100 for i in (7, 3, 14, 0, 9, 12, 5, 1, 10, 13, 2, 8, 6, 11, 4)]
+    low, high, coverage = ts.median_interval(values)
+    assert (low, high) == (1.03, 1.11)
+    assert coverage == pytest.approx(1 - 2 * 576 / 32768)
+
+
 def test_too_few_rounds_give_the_whole_range_and_say_so(ts):
     assert ts.median_interval([3.0, 1.0, 2.0, 5.0, 4.0]) == (1.0, 5.0, pytest.approx(1 - 2 / 32))
     assert ts.median_interval([2.0]) == (2.0, 2.0, 0.0)
