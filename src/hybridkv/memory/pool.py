@@ -680,21 +680,8 @@ class PageSpace:
                             self.lru_next, self.offsets, self.idle_low_floors, self.low_idle)
 
     def drop_unit(self, pools: Sequence[PagePool], key: Hashable) -> list[str]:
-        """``pool.drop_entries([key])`` in each of ``pools`` (this space's, in order) that
-        publishes ``key``, telling no one: flags, counts and free stacks in one compiled
-        pass (``lru.drop_units``: the idle pages also leave their LRUs). Returns the group
-        ids of the pools it left, in order."""
-        listed: list[int] = []
-        left: list[str] = []
-        for pool in pools:
-            pages = pool._entries.pop(key, None)
-            if pages is not None:
-                listed += (pool._slot, len(pages), *pages)
-                left.append(pool.group_id)
-        lru.drop_units(np.array(listed, dtype=np.int64), self.ref_counts, self.cached, self.low_priority,
-                       self.lru_prev, self.lru_next, self.stack, self.offsets, self.per_group,
-                       np.zeros(len(self.pools), dtype=np.int64))
-        return left
+        """:meth:`drop_units` of one key: the group ids of the pools it left, in order."""
+        return self.drop_units(pools, (key,))[0][0]
 
     def drop_units(self, pools: Sequence[PagePool], keys: Sequence[Hashable]) -> tuple[list[list[str]], list[int]]:
         """``pool.drop_entries`` of the ``keys`` each of ``pools`` (this space's) publishes,
