@@ -152,6 +152,7 @@ class CommittingRequest(Protocol):
     hashes: RequestHashes | None
     own_checkpoints: list[OwnCheckpoint]
     keep_boundaries: frozenset[int]  # boundaries whose checkpoints it pins (its junction)
+    token_ids: np.ndarray  # its known tokens (int32), hashed as they commit
 
 
 class PrefixCache:
@@ -238,6 +239,7 @@ class PrefixCache:
         self._unit_groups = [(gid, pool, n, stats, None) for gid, pool, n, stats in self._history_groups] + [
             (gid, pool, n, stats, holders) for gid, pool, n, holders, stats in self._state_groups]
         self._unit_pools_in_order = [pool for _, pool, *_ in self._unit_groups]  # one ``PageSpace.adopt`` call's
+        self._unit_sizes = [n for _, _, n, *_ in self._unit_groups]  # each group's pages of a one-block commit
 
     def _init_hit_placement(self, tables: Mapping[str, GroupTable]) -> None:
         """What a hit's placement (one ``lru.borrow_row`` call over the page space) reads, by table index."""
@@ -412,17 +414,92 @@ class PrefixCache:
         return spans
 
     # --- publication -------------------------------------------------------------
-    def commit(self, req: CommittingRequest, old_tokens: int, new_tokens: int, token_ids: np.ndarray) -> None:
-        """Publish what tokens ``[old, new)`` completed: history blocks and the newest checkpoint."""
+    def commit_requests(self, reqs: Sequence[CommittingRequest], old_tokens: Sequence[int],
+                        new_tokens: Sequence[int]) -> None:
+        """Publish what each request's tokens ``[old, new)`` completed (history blocks and the
+        newest checkpoint), request by request in order: the same entries, bookings and events
+        (one call, in that order) as one commit at a time. Each run of requests crossing one
+        block whose key no group has (decode commits, :meth:`_unit_run`) is read, claimed and
+        recorded at once (:meth:`_commit_units`); any other commits alone (:meth:`_commit_one`)."""
+        events, i, n = [], 0, len(reqs)
+        while i < n:
+            run, i = self._unit_run(reqs, old_tokens, new_tokens, i)
+            if run:
+                self._commit_units(run, events)
+            if i < n:
+                self._commit_one(reqs[i], old_tokens[i], new_tokens[i], events)
+                i += 1
+        self._emit_many(events)  # per request its "stored" events, then the removals superseding caused
+
+    def _unit_run(self, reqs: Sequence[CommittingRequest], old_tokens: Sequence[int], new_tokens: Sequence[int],
+                  i: int) -> tuple[list[tuple], int]:
+        """From ``reqs[i]`` on (those with nothing to commit passed over), the requests whose
+        commit is one block, its end their one (unpinned) checkpoint, under a key no group has
+        and no request before it in the run commits (hashed here): each (request, key, parent
+        key, boundary, old, new tokens); and the index of the first that is not (``len(reqs)``
+        at the end)."""
+        g, knows, run, keys, n = self.granularity_tokens, self._knows, [], set(), len(reqs)
+        if not self.state_ids or self.state_checkpoint_interval is not None:
+            while i < n and (reqs[i].hashes is None or new_tokens[i] // g == old_tokens[i] // g):
+                i += 1
+            return run, i
+        while i < n:
+            req, old, new = reqs[i], old_tokens[i], new_tokens[i]
+            hashes, end_block = req.hashes, new // g
+            if hashes is None or end_block == old // g:
+                i += 1
+                continue
+            if end_block != old // g + 1 or end_block * g in req.keep_boundaries:
+                break
+            hashes.extend_to(req.token_ids, new)
+            key = hashes.hashes[end_block - 1]
+            if key in keys or knows(key):
+                break
+            keys.add(key)
+            run.append((req, key, hashes.hashes[end_block - 2] if end_block >= 2 else hashes.root, end_block * g,
+                        old, new))
+            i += 1
+        return run, i
+
+    def _commit_units(self, run: list[tuple], events: list[tuple]) -> None:
+        """The one-block commits ``run`` (:meth:`_unit_run`'s) read and claimed in one compiled
+        call (``CommitPages.read_units``), those it claimed whole recorded in one
+        ``PageSpace.adopt`` call; then request by request, in order, each booked
+        (:meth:`_book_unit`) and its earlier checkpoints superseded, or committed alone
+        (:meth:`_commit_one`) where its claim failed."""
+        rows = np.array([item[0].row for item in run], dtype=np.int64)
+        boundaries = np.array([item[3] for item in run], dtype=np.int64)
+        pages, claimed = self._reader.read_units(rows, boundaries, self.granularity_tokens)
+        keys = [[] for _ in self._unit_groups]  # per group, in unit order: one adopt call's
+        entries = [[] for _ in self._unit_groups]
+        units, at = [], 0
+        for (_, key, *_), whole in zip(run, claimed):
+            unit = []
+            for per_entry, group_keys, group_entries in zip(self._unit_sizes, keys, entries):
+                entry = tuple(pages[at:at + per_entry])
+                at += per_entry
+                unit.append(entry)
+                if whole:
+                    group_keys.append(key), group_entries.append(entry)
+            units.append(unit)
+        self._space.adopt(self._unit_pools_in_order, keys, entries)
+        for (req, key, parent, boundary, old, new), unit, whole in zip(run, units, claimed):
+            if whole:
+                self._supersede(req, self._book_unit(key, parent, boundary, False, unit, events), events)
+            else:
+                self._commit_one(req, old, new, events)
+
+    def _commit_one(self, req: CommittingRequest, old_tokens: int, new_tokens: int, stored: list[tuple]) -> None:
+        """One request's commit of tokens ``[old, new)``: history blocks and the newest
+        checkpoint; its "stored" events, then the removals superseding caused, onto ``stored``."""
         g = self.granularity_tokens
         hashes: RequestHashes = req.hashes
         if hashes is None or new_tokens // g == old_tokens // g:
             return
-        hashes.extend_to(token_ids, new_tokens)
+        hashes.extend_to(req.token_ids, new_tokens)
         first_block, end_block = old_tokens // g, new_tokens // g
         keys, boundaries, pins, checkpoint_keys, parents, found, want = self._plan(req, hashes, first_block, end_block)
         pages, status = self._reader.read(req.row, first_block, end_block, boundaries, want)
-        stored: list[tuple] = []  # the commit's "stored" events, in order
         every = status.count(2) == len(status)  # it claimed every entry (a new prompt's chunk, a decode commit)
         if every and len(keys) == 1 == len(checkpoint_keys) and pins[0] is not None:
             new_own = self._publish_unit(keys[0], parents[0], boundaries[0], pins[0], pages, stored)
@@ -434,7 +511,6 @@ class PrefixCache:
             new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status, every, fresh)
         if self.state_ids:
             self._supersede(req, new_own, stored)
-        self._emit_many(stored)  # the "stored" events, then the removals superseding caused
 
     def _plan(self, req: CommittingRequest, hashes: RequestHashes, first_block: int, end_block: int) -> tuple:
         """What a commit of blocks ``[first_block, end_block)`` publishes: the blocks' keys,
@@ -516,24 +592,33 @@ class PrefixCache:
     def _publish_unit(self, key: int, parent: int, boundary: int, pinned: bool, pages: list[int],
                       stored: list[tuple]) -> list[OwnCheckpoint]:
         """A commit of one block that claimed its entries in every group, the request's own
-        checkpoint at its end too (a decode commit's): the same records, events and bookings
-        as :meth:`_publish_blocks`, :meth:`_publish_checkpoints` and :meth:`_book_checkpoints`
-        (``pages``: ``CommitPages.read``'s, every group's in order), in one pass over the
-        groups (holding the state groups' entries as :meth:`_book_checkpoints` would); that own checkpoint,
-        in a list."""
-        at, entries, own = 0, [], OwnCheckpoint(boundary, pinned)
-        for gid, _, per_entry, stats, holders in self._unit_groups:
-            entries.append((entry := tuple(pages[at:at + per_entry]),))
+        checkpoint at its end too (a decode commit's): its entries (``pages``:
+        ``CommitPages.read``'s, every group's in order) recorded in one ``PageSpace.adopt``
+        call, then booked (:meth:`_book_unit`); that own checkpoint, in a list."""
+        unit, at = [], 0
+        for per_entry in self._unit_sizes:
+            unit.append(tuple(pages[at:at + per_entry]))
             at += per_entry
+        self._space.adopt(self._unit_pools_in_order, repeat((key,)), [(entry,) for entry in unit])
+        return self._book_unit(key, parent, boundary, pinned, unit, stored)
+
+    def _book_unit(self, key: int, parent: int, boundary: int, pinned: bool, unit: list[tuple],
+                   stored: list[tuple]) -> list[OwnCheckpoint]:
+        """Book a one-block commit's entries ``unit`` (every group's, recorded): the same
+        records, events and bookings as :meth:`_publish_blocks`, :meth:`_publish_checkpoints`
+        and :meth:`_book_checkpoints`, in one pass over the groups (holding the state groups'
+        entries as :meth:`_book_checkpoints` would), and one ``ValueEviction.stored_unit``; the
+        request's own checkpoint at its end, in a list."""
+        own = OwnCheckpoint(boundary, pinned)
+        for (gid, _, per_entry, stats, holders), entry in zip(self._unit_groups, unit):
             stats.stored_entries += 1
             stored.append(("stored", gid, key, parent, boundary, per_entry))
             if holders is not None:  # a state group: the request's own checkpoint
                 own.entries[gid] = (key, entry)
                 holders[key] = holders.get(key, 0) + 1
-        self._space.adopt(self._unit_pools_in_order, repeat((key,)), entries)
         if self.tier_hook is not None:  # every group's entry in one call
-            self.tier_hook.stored(zip(self.history_ids + self.state_ids, repeat(key), repeat(boundary),
-                                      chain.from_iterable(entries), repeat(False)))
+            self.tier_hook.stored(zip(self.history_ids + self.state_ids, repeat(key), repeat(boundary), unit,
+                                      repeat(False)))
         if self.values is not None:
             self.values.published(key, boundary, speculative=False)
         self.eviction.stored_unit(key, parent, boundary)
@@ -727,8 +812,9 @@ class PrefixCache:
         return kept
 
     def load_kernels(self) -> None:
-        """Load (or compile) now the commit's kernel, reading nothing (``lru.borrow_row`` loads at the first hit)."""
+        """Load (or compile) now the commit's kernels, reading nothing (``lru.borrow_row`` loads at the first hit)."""
         self._reader.read(0, 0, 0, [])
+        self._reader.read_units(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), self.granularity_tokens)
 
     def forget_request(self, req: CommittingRequest) -> None:
         """A freed request's checkpoints stay cached; with ``"prefill-per-byte"`` they are then ranked again."""

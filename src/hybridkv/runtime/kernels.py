@@ -144,6 +144,62 @@ def commit_pages(geometry, pages, bounds, history, state, row, first_block, end_
 
 
 @njit(cache=True)
+def commit_units(geometry, pages, bounds, history, state, rows, boundaries, grain, out, claimed, ref, keyed, limits):
+    """The pages of one-block commits, one per row of ``rows`` (each crossing into ``boundaries[r]``,
+    a multiple of ``grain``), read and claimed in one pass: row ``r``'s unit (per history group
+    ``history[h] = (g, pages per block)`` the block ending at the boundary, then per state group
+    ``state[s] = (g, window tokens W)`` the window ``[D - W, D)``) goes into ``out`` from
+    ``r * unit pages``; all of it is keyed and ``claimed[r] = 1`` where every window is live and
+    every page is a held page of its group (``0 < id < limits[g]``, ref count > 0) none keyed;
+    else nothing of it changes and ``claimed[r] = 0`` (``commit_pages`` then reads it alone)."""
+    n = 0
+    for r in range(rows.size):
+        row, d, start = rows[r], boundaries[r], n
+        block = d // grain - 1
+        good = True
+        for h in range(history.shape[0]):
+            g, per_block = history[h, 0], history[h, 1]
+            for logical in range(block * per_block, (block + 1) * per_block):
+                page = pages[cell(geometry, bounds, g, row, logical)]
+                out[n] = page
+                n += 1
+                good = good and 0 < page < limits[g] and ref[geometry[g, ID_OFFSET] + page] > 0 and not keyed[
+                    geometry[g, ID_OFFSET] + page]
+        for s in range(state.shape[0]):
+            g = state[s, 0]
+            t = geometry[g, PAGE_TOKENS]
+            lo, hi = max(d - state[s, 1], 0) // t, d // t
+            live = lo >= bounds[BASE, g, row] and hi <= bounds[HI, g, row]
+            good = good and live
+            for logical in range(lo, hi):
+                page = pages[cell(geometry, bounds, g, row, logical)] if live else 0
+                out[n] = page
+                n += 1
+                good = good and 0 < page < limits[g] and ref[geometry[g, ID_OFFSET] + page] > 0 and not keyed[
+                    geometry[g, ID_OFFSET] + page]
+        claimed[r] = 1 if good else 0
+        if good:
+            _key_unit(geometry, history, state, out, start, keyed)
+
+
+@njit(cache=True)
+def _key_unit(geometry, history, state, out, start, keyed):
+    """Flag keyed the pages of one unit ``commit_units`` read from ``out[start:]``, group by group."""
+    n = start
+    for h in range(history.shape[0]):
+        offset = geometry[history[h, 0], ID_OFFSET]
+        for _ in range(history[h, 1]):
+            keyed[offset + out[n]] = True
+            n += 1
+    for s in range(state.shape[0]):
+        g = state[s, 0]
+        offset, t = geometry[g, ID_OFFSET], geometry[g, PAGE_TOKENS]
+        for _ in range((state[s, 1] + t - 1) // t):
+            keyed[offset + out[n]] = True
+            n += 1
+
+
+@njit(cache=True)
 def claim_entries(geometry, layout, pages, want, ref, keyed, low, limits, status):
     """Key the pages of a commit's entries, in order: entry ``e`` is group ``layout[e, 0]``'s
     local ids ``pages[layout[e, 1] : layout[e, 1] + layout[e, 2]]``; ``want[e]`` 0 leaves it,
