@@ -420,15 +420,19 @@ class PrefixCache:
         newest checkpoint), request by request in order: the same entries, bookings and events
         (one call, in that order) as one commit at a time. Each run of requests crossing one
         block whose key no group has (decode commits, :meth:`_unit_run`) is read, claimed and
-        recorded at once (:meth:`_commit_units`); any other commits alone (:meth:`_commit_one`)."""
-        events, i, n = [], 0, len(reqs)
+        recorded at once (:meth:`_commit_units`); any other commits alone (:meth:`_commit_one`).
+        The checkpoints superseding unpublishes or demotes leave their pools' lists at the end,
+        in one call each (:meth:`_let_go`; before a request that commits alone)."""
+        events, let_go, i, n = [], [], 0, len(reqs)
         while i < n:
             run, i = self._unit_run(reqs, old_tokens, new_tokens, i)
             if run:
-                self._commit_units(run, events)
+                self._commit_units(run, events, let_go)
             if i < n:
-                self._commit_one(reqs[i], old_tokens[i], new_tokens[i], events)
+                self._commit_one(reqs[i], old_tokens[i], new_tokens[i], events, let_go)
                 i += 1
+        if let_go:
+            self._let_go(let_go)
         self._emit_many(events)  # per request its "stored" events, then the removals superseding caused
 
     def _unit_run(self, reqs: Sequence[CommittingRequest], old_tokens: Sequence[int], new_tokens: Sequence[int],
@@ -461,7 +465,7 @@ class PrefixCache:
             i += 1
         return run, i
 
-    def _commit_units(self, run: list[tuple], events: list[tuple]) -> None:
+    def _commit_units(self, run: list[tuple], events: list[tuple], let_go: list[tuple]) -> None:
         """The one-block commits ``run`` (:meth:`_unit_run`'s) read and claimed in one compiled
         call (``CommitPages.read_units``), those it claimed whole recorded in one
         ``PageSpace.adopt`` call; then request by request, in order, each booked
@@ -485,17 +489,21 @@ class PrefixCache:
         self._space.adopt(self._unit_pools_in_order, keys, entries)
         for (req, key, parent, boundary, old, new), unit, whole in zip(run, units, claimed):
             if whole:
-                self._supersede(req, self._book_unit(key, parent, boundary, False, unit, events), events)
+                self._supersede(req, self._book_unit(key, parent, boundary, False, unit, events), events, let_go)
             else:
-                self._commit_one(req, old, new, events)
+                self._commit_one(req, old, new, events, let_go)
 
-    def _commit_one(self, req: CommittingRequest, old_tokens: int, new_tokens: int, stored: list[tuple]) -> None:
+    def _commit_one(self, req: CommittingRequest, old_tokens: int, new_tokens: int, stored: list[tuple],
+                    let_go: list[tuple]) -> None:
         """One request's commit of tokens ``[old, new)``: history blocks and the newest
-        checkpoint; its "stored" events, then the removals superseding caused, onto ``stored``."""
+        checkpoint; its "stored" events, then the removals superseding caused, onto ``stored``;
+        what superseding lets go onto ``let_go`` (the earlier requests' let go first)."""
         g = self.granularity_tokens
         hashes: RequestHashes = req.hashes
         if hashes is None or new_tokens // g == old_tokens // g:
             return
+        if let_go:
+            self._let_go(let_go)
         hashes.extend_to(req.token_ids, new_tokens)
         first_block, end_block = old_tokens // g, new_tokens // g
         keys, boundaries, pins, checkpoint_keys, parents, found, want = self._plan(req, hashes, first_block, end_block)
@@ -510,7 +518,7 @@ class PrefixCache:
                                                 stored)
             new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status, every, fresh)
         if self.state_ids:
-            self._supersede(req, new_own, stored)
+            self._supersede(req, new_own, stored, let_go)
 
     def _plan(self, req: CommittingRequest, hashes: RequestHashes, first_block: int, end_block: int) -> tuple:
         """What a commit of blocks ``[first_block, end_block)`` publishes: the blocks' keys,
@@ -765,7 +773,7 @@ class PrefixCache:
             if 2 in status[j * n:(j + 1) * n]:
                 values.published(key, boundary, speculative=pinned is None)
 
-    def _supersede(self, req: CommittingRequest, new_own: list, events: list[tuple]) -> None:
+    def _supersede(self, req: CommittingRequest, new_own: list, events: list[tuple], let_go: list[tuple]) -> None:
         """Drop the request's hold on every earlier own checkpoint that is not pinned, group
         by group (``new_own`` become its own checkpoints); where it was the last: kept by
         value ("prefill-per-byte"), demoted (a speculative boundary: kept like the ones the
@@ -792,17 +800,41 @@ class PrefixCache:
                     continue  # its priority and place: rank_checkpoints
                 elif demote:
                     demoted.append(pool)
-                else:
-                    gids = self._space.drop_unit(self._unit_pools[gid], key)  # tells no one: booked here
+                else:  # its pages leave their lists with the commit's others (``_let_go``)
+                    unit_pools = self._unit_pools[gid]
+                    let_go.append((True, unit_pools, key))
+                    gids = [other.group_id for other in unit_pools if other.lookup(key) is not None]
                     self._dropping = True
                     events += self._book_removals((key,), (gids,))
                     self._dropping = False
                     self.eviction.unit_left(key, len(gids))
                     if self.eviction.acts:
                         break  # the unit left every state group
-            if demoted:  # every group's at once (``PageSpace.demote``)
-                self._space.demote(demoted, key)
+            if demoted:  # every group's at once, with the commit's others (``_let_go``)
+                let_go.append((False, demoted, key))
         req.own_checkpoints = pinned + new_own if pinned else new_own
+
+    def _let_go(self, let_go: list[tuple]) -> None:
+        """What superseding let go (each (unpublished, pools, key)), in order, then cleared:
+        the unpublished entries leave ``pools``, each run of them over the same pools in one
+        ``PageSpace.drop_units`` call; the demoted units in one ``PageSpace.demote`` call (as
+        one at a time: different pages, each in the order given)."""
+        space, demoted, i, n = self._space, [], 0, len(let_go)
+        while i < n:
+            unpublished, pools, key = let_go[i]
+            if not unpublished:
+                demoted.append((pools, key))
+                i += 1
+                continue
+            keys = [key]
+            i += 1
+            while i < n and let_go[i][0] and let_go[i][1] is pools:
+                keys.append(let_go[i][2])
+                i += 1
+            space.drop_units(pools, keys)
+        if demoted:
+            space.demote(demoted)
+        let_go.clear()
 
     def _kept_by_value(self, key: int, boundary_tokens: int, req: CommittingRequest) -> bool:
         """"prefill-per-byte": a superseded checkpoint stays if the policy's placement
