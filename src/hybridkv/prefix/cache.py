@@ -219,8 +219,6 @@ class PrefixCache:
                                    [(tables[gid], windows[gid]) for gid in self.state_ids], self._space)
         self._history_lookups = [pools[gid].lookup for gid in self.history_ids]
         self._state_lookups = [pools[gid].lookup for gid in self.state_ids]
-        self._commit_lookups = self._history_lookups + self._state_lookups
-        self._claim_every = np.ones(len(self._commit_lookups), dtype=np.int8)  # a one-block commit's ``want``
         self._claims_by_shape: dict[tuple, np.ndarray] = {}  # _claims' arrays by commit shape
         self._history_groups = [(gid, pools[gid], n, self.stats[gid])
                                 for gid, n in zip(self.history_ids, self._reader.block_pages)]
@@ -234,12 +232,15 @@ class PrefixCache:
         step, offsets = self._reader.boundary_pages, np.cumsum([0, *self._reader.checkpoint_pages]).tolist()
         self._window_places = [[slice(at + i, None, step) for i in range(n)]
                                for at, n in zip(offsets, self._reader.checkpoint_pages)]
-        # A one-block commit claiming everything (_publish_unit): every group in order, with
-        # its holders (None: a history group).
-        self._unit_groups = [(gid, pool, n, stats, None) for gid, pool, n, stats in self._history_groups] + [
-            (gid, pool, n, stats, holders) for gid, pool, n, holders, stats in self._state_groups]
-        self._unit_pools_in_order = [pool for _, pool, *_ in self._unit_groups]  # one ``PageSpace.adopt`` call's
-        self._unit_sizes = [n for _, _, n, *_ in self._unit_groups]  # each group's pages of a one-block commit
+        # One-block commits claiming everything (``_commit_units``): every group in order, its
+        # pool (one ``PageSpace.adopt`` call's), id, pages and stats; each state group's holders.
+        unit = self._history_groups + [(gid, pool, n, stats) for gid, pool, n, _, stats in self._state_groups]
+        self._unit_pools_in_order = [pool for _, pool, _, _ in unit]
+        self._unit_gids = [gid for gid, *_ in unit]
+        self._unit_sizes = [n for _, _, n, _ in unit]
+        self._unit_stats = [stats for *_, stats in unit]
+        self._unit_holders = [(gid, holders, j) for j, (gid, _, _, holders, _)
+                              in enumerate(self._state_groups, len(self._history_groups))]
 
     def _init_hit_placement(self, tables: Mapping[str, GroupTable]) -> None:
         """What a hit's placement (one ``lru.borrow_row`` call over the page space) reads, by table index."""
@@ -455,43 +456,68 @@ class PrefixCache:
                 continue
             if end_block != old // g + 1 or end_block * g in req.keep_boundaries:
                 break
-            hashes.extend_to(req.token_ids, new)
-            key = hashes.hashes[end_block - 1]
+            hh, ids = hashes.hashes, req.token_ids
+            if len(hh) == end_block - 1 and ids.dtype == _INT32_LE:  # its one block (``extend_to``'s)
+                hh.append(self._hash((hh[-1] if hh else hashes.root).to_bytes(16, "little")
+                                     + ids[end_block * g - g:end_block * g].tobytes()))
+            else:
+                hashes.extend_to(ids, new)
+            key = hh[end_block - 1]
             if key in keys or knows(key):
                 break
             keys.add(key)
-            run.append((req, key, hashes.hashes[end_block - 2] if end_block >= 2 else hashes.root, end_block * g,
-                        old, new))
+            run.append((req, key, hh[end_block - 2] if end_block >= 2 else hashes.root, end_block * g, old, new))
             i += 1
         return run, i
 
     def _commit_units(self, run: list[tuple], events: list[tuple], let_go: list[tuple]) -> None:
         """The one-block commits ``run`` (:meth:`_unit_run`'s) read and claimed in one compiled
-        call (``CommitPages.read_units``), those it claimed whole recorded in one
-        ``PageSpace.adopt`` call; then request by request, in order, each booked
-        (:meth:`_book_unit`) and its earlier checkpoints superseded, or committed alone
-        (:meth:`_commit_one`) where its claim failed."""
+        call (``CommitPages.read_units``), the entries of those it claimed whole recorded in one
+        ``PageSpace.adopt`` call (each group's zipped from its pages in C) and counted; then
+        booked request by request (:meth:`_book_units`)."""
+        n = len(run)
         rows = np.array([item[0].row for item in run], dtype=np.int64)
         boundaries = np.array([item[3] for item in run], dtype=np.int64)
         pages, claimed = self._reader.read_units(rows, boundaries, self.granularity_tokens)
-        keys = [[] for _ in self._unit_groups]  # per group, in unit order: one adopt call's
-        entries = [[] for _ in self._unit_groups]
-        units, at = [], 0
-        for (_, key, *_), whole in zip(run, claimed):
-            unit = []
-            for per_entry, group_keys, group_entries in zip(self._unit_sizes, keys, entries):
-                entry = tuple(pages[at:at + per_entry])
-                at += per_entry
-                unit.append(entry)
-                if whole:
-                    group_keys.append(key), group_entries.append(entry)
-            units.append(unit)
-        self._space.adopt(self._unit_pools_in_order, keys, entries)
-        for (req, key, parent, boundary, old, new), unit, whole in zip(run, units, claimed):
-            if whole:
-                self._supersede(req, self._book_unit(key, parent, boundary, False, unit, events), events, let_go)
-            else:
+        every = 0 not in claimed
+        keys = [item[1] for item, whole in zip(run, claimed) if whole]
+        entries, at = [], 0  # per group, in unit order: its entries of the units claimed
+        for size in self._unit_sizes:
+            group = list(zip(*[iter(pages[at:at + n * size])] * size))
+            at += n * size
+            entries.append(group if every else [entry for entry, whole in zip(group, claimed) if whole])
+        self._space.adopt(self._unit_pools_in_order, repeat(keys), entries)
+        for stats in self._unit_stats:
+            stats.stored_entries += len(keys)
+        self._book_units(run, claimed, entries, events, let_go)
+
+    def _book_units(self, run: list[tuple], claimed: list[int], entries: list[list], events: list[tuple],
+                    let_go: list[tuple]) -> None:
+        """Request by request, in order, what one commit at a time books of a one-block
+        commit claimed whole (``entries``: per group its entries of those, recorded): its
+        "stored" events (every group's, in order), the state groups' holds of its own
+        checkpoint, tier link, checkpoint values, one ``ValueEviction.stored_unit`` (as
+        ``stored_blocks`` then ``stored_checkpoint`` would), then its earlier checkpoints
+        superseded; a request whose claim failed commits alone (:meth:`_commit_one`)."""
+        hook, values, stored_unit, gids, sizes = self.tier_hook, self.values, self.eviction.stored_unit, \
+            self._unit_gids, self._unit_sizes
+        k = 0  # the request's place among those claimed whole
+        for (req, key, parent, boundary, old, new), whole in zip(run, claimed):
+            if not whole:
                 self._commit_one(req, old, new, events, let_go)
+                continue
+            events += zip(repeat("stored"), gids, repeat(key), repeat(parent), repeat(boundary), sizes)
+            own = OwnCheckpoint(boundary)
+            for gid, holders, j in self._unit_holders:
+                own.entries[gid] = (key, entries[j][k])
+                holders[key] = holders.get(key, 0) + 1
+            if hook is not None:  # every group's entry in one call
+                hook.stored(zip(gids, repeat(key), repeat(boundary), [group[k] for group in entries], repeat(False)))
+            if values is not None:
+                values.published(key, boundary, speculative=False)
+            stored_unit(key, parent, boundary)
+            self._supersede(req, [own], events, let_go)
+            k += 1
 
     def _commit_one(self, req: CommittingRequest, old_tokens: int, new_tokens: int, stored: list[tuple],
                     let_go: list[tuple]) -> None:
@@ -508,15 +534,12 @@ class PrefixCache:
         first_block, end_block = old_tokens // g, new_tokens // g
         keys, boundaries, pins, checkpoint_keys, parents, found, want = self._plan(req, hashes, first_block, end_block)
         pages, status = self._reader.read(req.row, first_block, end_block, boundaries, want)
-        every = status.count(2) == len(status)  # it claimed every entry (a new prompt's chunk, a decode commit)
-        if every and len(keys) == 1 == len(checkpoint_keys) and pins[0] is not None:
-            new_own = self._publish_unit(keys[0], parents[0], boundaries[0], pins[0], pages, stored)
-        else:
-            at, fresh = self._publish_blocks(hashes, first_block, keys, pages, status, every, stored)
-            status = status[len(keys) * len(self.history_ids):]
-            entries = self._publish_checkpoints(checkpoint_keys, parents, boundaries, pages[at:], status, found, every,
-                                                stored)
-            new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status, every, fresh)
+        every = status.count(2) == len(status)  # it claimed every entry (a new prompt's chunk)
+        at, fresh = self._publish_blocks(hashes, first_block, keys, pages, status, every, stored)
+        status = status[len(keys) * len(self.history_ids):]
+        entries = self._publish_checkpoints(checkpoint_keys, parents, boundaries, pages[at:], status, found, every,
+                                            stored)
+        new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status, every, fresh)
         if self.state_ids:
             self._supersede(req, new_own, stored, let_go)
 
@@ -524,20 +547,8 @@ class PrefixCache:
         """What a commit of blocks ``[first_block, end_block)`` publishes: the blocks' keys,
         the checkpoint boundaries and pins (:meth:`_checkpoint_boundaries`), the checkpoints'
         keys, parents and entries (:meth:`_found_checkpoints`), and ``want``
-        (``CommitPages.read``'s). A decode commit's (one block, its end the one checkpoint)
-        looks its one key up in every group in one pass."""
-        g, hh = self.granularity_tokens, hashes.hashes
-        boundary = end_block * g
-        if (end_block == first_block + 1 and self.state_ids and self.state_checkpoint_interval is None
-                and boundary not in req.keep_boundaries):
-            key = hh[end_block - 1]
-            if not self._knows(key):  # new in every group (the usual case): every entry claimed
-                found, want = [None] * len(self._commit_lookups), self._claim_every
-            else:
-                found = [lookup(key) for lookup in self._commit_lookups]  # history groups, then state groups
-                want = [entry is None for entry in found]
-            parents = [hh[end_block - 2] if end_block >= 2 else hashes.root]
-            return [key], [boundary], [False], [key], parents, found[len(self.history_ids):], want
+        (``CommitPages.read``'s)."""
+        hh = hashes.hashes
         boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
         keys = hh[first_block:end_block]
         # The checkpoints' keys are among the blocks': when no group has any (False), none is asked.
@@ -596,41 +607,6 @@ class PrefixCache:
             [1] * (n_blocks * len(self.history_ids)) + [low] * (n_speculative * n_state) + [1] * (n_own * n_state),
             dtype=np.int8)
         return want
-
-    def _publish_unit(self, key: int, parent: int, boundary: int, pinned: bool, pages: list[int],
-                      stored: list[tuple]) -> list[OwnCheckpoint]:
-        """A commit of one block that claimed its entries in every group, the request's own
-        checkpoint at its end too (a decode commit's): its entries (``pages``:
-        ``CommitPages.read``'s, every group's in order) recorded in one ``PageSpace.adopt``
-        call, then booked (:meth:`_book_unit`); that own checkpoint, in a list."""
-        unit, at = [], 0
-        for per_entry in self._unit_sizes:
-            unit.append(tuple(pages[at:at + per_entry]))
-            at += per_entry
-        self._space.adopt(self._unit_pools_in_order, repeat((key,)), [(entry,) for entry in unit])
-        return self._book_unit(key, parent, boundary, pinned, unit, stored)
-
-    def _book_unit(self, key: int, parent: int, boundary: int, pinned: bool, unit: list[tuple],
-                   stored: list[tuple]) -> list[OwnCheckpoint]:
-        """Book a one-block commit's entries ``unit`` (every group's, recorded): the same
-        records, events and bookings as :meth:`_publish_blocks`, :meth:`_publish_checkpoints`
-        and :meth:`_book_checkpoints`, in one pass over the groups (holding the state groups'
-        entries as :meth:`_book_checkpoints` would), and one ``ValueEviction.stored_unit``; the
-        request's own checkpoint at its end, in a list."""
-        own = OwnCheckpoint(boundary, pinned)
-        for (gid, _, per_entry, stats, holders), entry in zip(self._unit_groups, unit):
-            stats.stored_entries += 1
-            stored.append(("stored", gid, key, parent, boundary, per_entry))
-            if holders is not None:  # a state group: the request's own checkpoint
-                own.entries[gid] = (key, entry)
-                holders[key] = holders.get(key, 0) + 1
-        if self.tier_hook is not None:  # every group's entry in one call
-            self.tier_hook.stored(zip(self.history_ids + self.state_ids, repeat(key), repeat(boundary), unit,
-                                      repeat(False)))
-        if self.values is not None:
-            self.values.published(key, boundary, speculative=False)
-        self.eviction.stored_unit(key, parent, boundary)
-        return [own]
 
     def _checkpoint_boundaries(self, req: CommittingRequest, first_block: int,
                                end_block: int) -> tuple[list[int], list[bool | None]]:

@@ -358,8 +358,8 @@ class CommitPages:
     def read_units(self, rows: np.ndarray, boundaries: np.ndarray, grain_tokens: int) -> tuple[list[int], list[int]]:
         """One-block commits of ``rows`` (each crossing into ``boundaries[r]``, a multiple of
         ``grain_tokens``) read and claimed in one compiled call (``kernels.commit_units``): their
-        pages, row by row ``unit_pages`` each (every history group's block, then every state
-        group's window, as :meth:`read` lists one commit's), and per row 1 where all of its
+        pages, group by group (every history group's block, then every state group's window,
+        in :meth:`read`'s group order), each group's row by row; and per row 1 where all of its
         entries were claimed, else 0 (nothing claimed: a window not live, a page keyed or not
         held; :meth:`read` then commits it alone)."""
         n_rows, ts = rows.size, self._set
