@@ -232,8 +232,13 @@ class PrefixCache:
         step, offsets = self._reader.boundary_pages, np.cumsum([0, *self._reader.checkpoint_pages]).tolist()
         self._window_places = [[slice(at + i, None, step) for i in range(n)]
                                for at, n in zip(offsets, self._reader.checkpoint_pages)]
-        # One-block commits claiming everything (``_commit_units``): every group in order, its
-        # pool (one ``PageSpace.adopt`` call's), id, pages and stats; each state group's holders.
+        self._init_units()
+
+    def _init_units(self) -> None:
+        """What one-block commits claiming everything read (``_commit_units``): every group in
+        order, its pool (one ``PageSpace.adopt`` call's), id, pages and stats; each state
+        group's holders. Only with state groups and no pinning interval do commits run so."""
+        self._units = bool(self.state_ids) and self.state_checkpoint_interval is None
         unit = self._history_groups + [(gid, pool, n, stats) for gid, pool, n, _, stats in self._state_groups]
         self._unit_pools_in_order = [pool for _, pool, _, _ in unit]
         self._unit_gids = [gid for gid, *_ in unit]
@@ -426,7 +431,7 @@ class PrefixCache:
         in one call each (:meth:`_let_go`; before a request that commits alone)."""
         events, let_go, i, n = [], [], 0, len(reqs)
         while i < n:
-            run, i = self._unit_run(reqs, old_tokens, new_tokens, i)
+            run, i = self._unit_run(reqs, old_tokens, new_tokens, i) if self._units else ([], i)
             if run:
                 self._commit_units(run, events, let_go)
             if i < n:
@@ -444,10 +449,6 @@ class PrefixCache:
         key, boundary, old, new tokens); and the index of the first that is not (``len(reqs)``
         at the end)."""
         g, knows, run, keys, n = self.granularity_tokens, self._knows, [], set(), len(reqs)
-        if not self.state_ids or self.state_checkpoint_interval is not None:
-            while i < n and (reqs[i].hashes is None or new_tokens[i] // g == old_tokens[i] // g):
-                i += 1
-            return run, i
         while i < n:
             req, old, new = reqs[i], old_tokens[i], new_tokens[i]
             hashes, end_block = req.hashes, new // g
