@@ -429,14 +429,16 @@ class PrefixCache:
         recorded at once (:meth:`_commit_units`); any other commits alone (:meth:`_commit_one`).
         The checkpoints superseding unpublishes or demotes leave their pools' lists at the end,
         in one call each (:meth:`_let_go`; before a request that commits alone)."""
-        events, let_go, i, n = [], [], 0, len(reqs)
+        events, let_go, i, n, g = [], [], 0, len(reqs), self.granularity_tokens
         while i < n:
-            run, i = self._unit_run(reqs, old_tokens, new_tokens, i) if self._units else ([], i)
-            if run:
-                self._commit_units(run, events, let_go)
-            if i < n:
-                self._commit_one(reqs[i], old_tokens[i], new_tokens[i], events, let_go)
-                i += 1
+            if self._units and new_tokens[i] // g == old_tokens[i] // g + 1:  # a run may start here
+                run, i = self._unit_run(reqs, old_tokens, new_tokens, i)
+                if run:
+                    self._commit_units(run, events, let_go)
+                if i == n:
+                    break
+            self._commit_one(reqs[i], old_tokens[i], new_tokens[i], events, let_go)
+            i += 1
         if let_go:
             self._let_go(let_go)
         self._emit_many(events)  # per request its "stored" events, then the removals superseding caused
