@@ -103,12 +103,8 @@ class RequestHashes:
         if block.dtype != _INT32_LE or not block.flags.c_contiguous:  # a manager's buffer already is
             block = np.ascontiguousarray(block, dtype=_INT32_LE)
         parent = self.hashes[-1] if self.hashes else self.root
-        out = self.hashes
-        if want == have + 1:  # one block (a decode commit)
-            out.append(self._hash(parent.to_bytes(16, "little") + block.tobytes()))
-            return
         data, block_bytes = block.tobytes(), 4 * g
-        hash_fn, append = self._hash, out.append
+        hash_fn, append = self._hash, self.hashes.append
         for start in range(0, len(data), block_bytes):  # bytes slices: faster than a memoryview's here
             parent = hash_fn(parent.to_bytes(16, "little") + data[start : start + block_bytes])
             append(parent)

@@ -314,7 +314,7 @@ class CommitPages:
         self.boundary_pages = sum(self.checkpoint_pages)  # every state group's pages of one checkpoint
         self._sizes = sum(self.block_pages), self.boundary_pages, len(history), len(state)
         self.unit_pages = self._sizes[0] + self.boundary_pages  # a one-block commit's, every group's
-        self._out, self._one = np.empty(64, dtype=np.int64), np.zeros(1, np.int64)
+        self._out = np.empty(64, dtype=np.int64)
         self._layout, self._status = np.empty((16, 3), dtype=np.int64), np.empty(16, dtype=np.int8)
         if space is None:  # read only: nothing to claim in (same types, so the same compiled kernel)
             self._claim_in = (np.zeros(1, np.int32), np.zeros(1, np.bool_), np.zeros(1, np.bool_),
@@ -342,13 +342,8 @@ class CommitPages:
             self._out = np.empty(2 * max(size, self._out.size), dtype=np.int64)
             entries = 2 * max(n_entries, self._status.size)
             self._layout, self._status = np.empty((entries, 3), dtype=np.int64), np.empty(entries, np.int8)
-        if n_boundaries == 1:  # a decode commit's: set in place, cheaper than a new array
-            marks = self._one
-            marks[0] = boundaries[0]
-        else:
-            marks = np.asarray(boundaries, dtype=np.int64)
         n = kernels.commit_pages(ts.geometry, ts.pages, ts.bounds, self._history, self._state, row, first_block,
-                                 end_block, marks, self._out, self._layout, self._status,
+                                 end_block, np.asarray(boundaries, dtype=np.int64), self._out, self._layout, self._status,
                                  np.asarray(want, dtype=np.int8) if len(want) else self._no_claims, *self._claim_in)
         if n < 0:
             raise ValueError(f"page {int(self._out[-1 - n])} is not a held, unpublished page of its group")
