@@ -1,4 +1,4 @@
-"""Cost of one prefix commit (``PrefixCache.commit``), this version against another.
+"""Cost of a step's prefix commits (``CacheManager._commit_rows``), this version against another.
 
     PYTHONPATH=src:/tmp/commit_base .venv/bin/python bench/commit_cost.py --against hybridkv_base
         [--sizes 32,1024] [--steps 200] [--phase decode|serving|prefill|both] [--clock wall|cpu] [--cold MIB]
@@ -7,9 +7,10 @@ Same workloads as ``bench/step_profile.py`` (V4-Flash, 40 GiB shared arena, pref
 caching on): decode steps (``N`` requests, one token each) and serving steps (one
 request finishes, one joins with a 512-1,536-token prompt), and with ``--phase
 prefill`` its 2,048-token prefill chunks of 32,768-token prompts. Each side's
-``manager.prefix.commit`` is wrapped in a timer; the two sides' steps alternate
-on the same seeded workload. Prints, per phase and size, the commits timed and
-their mean and median cost in µs, and whether both sides emitted the same events
+``manager._commit_rows`` (every row of a step that commits, and a ``free``'s) is wrapped
+in a timer; the two sides' steps alternate on the same seeded workload. Prints, per phase
+and size, the calls timed, the rows they committed, and their mean and median cost in µs,
+and whether both sides emitted the same events
 (kind, group, key, parent, tokens, pages; same order). ``--cold MIB``: as
 ``bench/step_profile.py``'s, the caches evicted before every step (so before its commits). The renamed copy must keep
 the hash roots' byte strings (``b"hybridkv-prefix-root\x00"`` in ``prefix/cache.py``):
@@ -30,18 +31,19 @@ from step_profile import PHASES, ColdWalk
 CLOCK = time.perf_counter_ns
 
 
-def timed_commits(work) -> list[int]:
-    """Wrap the workload's ``prefix.commit``; the list its durations (ns) go into."""
-    prefix, out = work.manager.prefix, []
-    inner = prefix.commit
+def timed_commits(work) -> tuple[list[int], list[int]]:
+    """Wrap the workload's ``manager._commit_rows``; the lists its durations (ns) and rows go into."""
+    manager, out, rows = work.manager, [], []
+    inner = manager._commit_rows
 
-    def commit(*args):
+    def commit_rows(crossing):
         start = CLOCK()
-        inner(*args)
+        inner(crossing)
         out.append(CLOCK() - start)
+        rows.append(len(crossing))
 
-    prefix.commit = commit
-    return out
+    manager._commit_rows = commit_rows
+    return out, rows
 
 
 def measure(n: int, phase: str, steps: int, sides: tuple[str, ...]) -> dict:
@@ -65,8 +67,9 @@ def measure(n: int, phase: str, steps: int, sides: tuple[str, ...]) -> dict:
         gc.enable()
     out = {}
     for side in sides:
-        us = np.asarray(times[side], dtype=np.float64) / 1e3
-        out[side] = {"commits": int(us.size), "mean_us": round(float(us.mean()), 1) if us.size else 0.0,
+        us = np.asarray(times[side][0], dtype=np.float64) / 1e3
+        out[side] = {"calls": int(us.size), "rows": int(sum(times[side][1])),
+                     "mean_us": round(float(us.mean()), 1) if us.size else 0.0,
                      "median_us": round(float(np.median(us)), 1) if us.size else 0.0}
         print(f"{side:14s} {phase:8s} {n:5d}  {out[side]}", flush=True)
     if len(sides) > 1:

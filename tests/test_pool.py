@@ -658,12 +658,13 @@ def test_a_hits_holds_in_one_call_are_borrowing_pool_by_pool(data, lowest_first)
 
 @settings(max_examples=80, deadline=None)
 @given(data=st.data(), lowest_first=st.booleans())
-def test_page_space_drop_unit_is_drop_entries_pool_by_pool(data, lowest_first):
-    """``PageSpace.drop_unit`` (one compiled pass over a unit's pages in several groups)
-    against ``drop_entries([key])`` in each of the pools that publish the key: entries of
-    0-3 pages, low priority or not, some pages held; a second entry stays published in each
-    group. It names the groups it left, in order; the same free stacks (order included),
-    LRU, idle low-priority counts, flags and entries."""
+def test_page_space_drop_units_is_one_key_after_another(data, lowest_first):
+    """``PageSpace.drop_units`` of a unit (pages in several groups), then of a second key
+    published in every group, in one call (what a commit lets go: ``PrefixCache._let_go``)
+    against ``drop_entries([key])`` in each of the pools that publish the key, key after
+    key: entries of 0-3 pages, low priority or not, some pages held. It names the groups
+    each left, in order; the same free stacks (order included), LRU, idle low-priority
+    counts, flags and entries."""
     sizes = data.draw(st.lists(st.integers(9, 24), min_size=1, max_size=4), label="sizes")
     picked = data.draw(st.lists(st.sampled_from(range(len(sizes))), unique=True, min_size=1), label="unit groups")
     script = [data.draw(st.tuples(st.integers(0, 3), st.booleans(), st.integers(0, 3), st.integers(0, 4)),
@@ -680,9 +681,12 @@ def test_page_space_drop_unit_is_drop_entries_pool_by_pool(data, lowest_first):
             decref(pool, np.asarray(pages[held:size] + pages[size + 1 :], dtype=np.int64))
         sides.append((pools, space))
     (pools_a, space), (pools_b, _) = sides
-    assert space.drop_unit(pools_a, "unit") == [f"g{i}" for i in sorted(picked)]
+    assert space.drop_units(pools_a, ["unit", "other"])[0] == [[f"g{i}" for i in sorted(picked)],
+                                                               [f"g{i}" for i in range(len(sizes))]]
     for i in picked:
         assert pools_b[i].drop_entries(["unit"])[0][0] == "unit"
+    for pool in pools_b:
+        assert pool.drop_entries(["other"])[0][0] == "other"
     for a, b in zip(pools_a, pools_b):
         a.check_invariants()
         assert (a.free_page_ids().tolist(), a.evictable_page_ids().tolist(), a.num_low_priority_idle_pages,
@@ -741,13 +745,14 @@ def test_page_space_drop_units_is_drop_entries_pool_by_pool(data, lowest_first):
 @settings(max_examples=80, deadline=None)
 @given(data=st.data(), lowest_first=st.booleans())
 def test_page_space_demote_is_demote_pool_by_pool(data, lowest_first):
-    """``PageSpace.demote`` (one compiled pass over a unit's pages in several groups)
-    against ``demote(key)`` in each of the pools that publish the key: entries of 0-3
-    pages, low priority or not, some pages held (so some idle pages move to the front of
-    the LRU), among other idle entries. The same LRU order, idle low-priority counts,
-    packing floors, flags and entries."""
+    """``PageSpace.demote`` (one compiled pass over a unit's pages in several groups, then
+    a second key's in others) against ``demote(key)`` in each of the pools that publish the
+    key, key after key: entries of 0-3 pages, low priority or not, some pages held (so some
+    idle pages move to the front of the LRU), among other idle entries. The same LRU order,
+    idle low-priority counts, packing floors, flags and entries."""
     sizes = data.draw(st.lists(st.integers(12, 24), min_size=1, max_size=4), label="sizes")
     picked = data.draw(st.lists(st.sampled_from(range(len(sizes))), unique=True, min_size=1), label="unit groups")
+    then = data.draw(st.lists(st.sampled_from(range(len(sizes))), unique=True), label="second key's groups")
     script = [data.draw(st.tuples(st.integers(0, 3), st.booleans(), st.integers(0, 3), st.booleans()),
                         label=f"g{i}: pages, low, held, other low") for i in range(len(sizes))]
     sides = []
@@ -763,9 +768,11 @@ def test_page_space_demote_is_demote_pool_by_pool(data, lowest_first):
             decref(pool, np.asarray(pages[size + 1:] + pages[held:size] + pages[size:size + 1], dtype=np.int64))
         sides.append((pools, space))
     (pools_a, space_a), (pools_b, space_b) = sides
-    space_a.demote([pools_a[i] for i in sorted(picked)], "unit")
+    space_a.demote([([pools_a[i] for i in sorted(picked)], "unit"), ([pools_a[i] for i in then], "more")])
     for i in sorted(picked):
         pools_b[i].demote("unit")
+    for i in then:
+        pools_b[i].demote("more")
     for g, (a, b) in enumerate(zip(pools_a, pools_b)):
         a.check_invariants()
         assert (a.evictable_page_ids().tolist(), a.num_low_priority_idle_pages) == (

@@ -620,7 +620,7 @@ class PageSpace:
         self.free_rows(tables, _NO_PAGES)
         lru.demote_unit(_NO_PAGES, 0, self.low_priority, self.lru_prev, self.lru_next, self.offsets,
                         self.idle_low_floors, self.low_idle)
-        self.drop_unit([], None)  # ``lru.drop_units``, :meth:`drop_units`' kernel too
+        self.drop_units([], [])  # ``lru.drop_units``, :meth:`drop_units`' kernel too
         for pool in self.pools:
             pool.load_kernels()
 
@@ -658,30 +658,20 @@ class PageSpace:
                 for page in entry:
                     page_key[page] = key
 
-    def demote(self, pools: Sequence[PagePool], key: Hashable) -> None:
-        """``pool.demote(key)`` in each of ``pools`` (this space's, each publishing ``key``),
-        in one call (a superseded checkpoint's unit kept low): an entry none of whose pages
-        is idle (one its request still reads) only flagged low, item stores; the others in one
-        compiled call (``lru.demote_unit``: their idle pages move to the front of the LRU)."""
+    def demote(self, units: Sequence[tuple[Sequence[PagePool], Hashable]]) -> None:
+        """``pool.demote(key)`` in each of ``pools`` (this space's, each publishing ``key``)
+        of each (pools, key) of ``units`` in turn, in one compiled call (``lru.demote_unit``:
+        superseded checkpoints' units kept low; every page flagged low, the idle ones moved to
+        the front of their LRU, entry after entry)."""
         listed: list[int] = []
         n_listed = 0
-        for pool in pools:
-            pages, prev, low = pool._entries[key], pool._lru_views[0], pool.low_priority
-            for page in pages:
-                if prev[page] >= 0:  # idle: in the LRU
-                    listed += (pool._slot, len(pages), *pages)
-                    n_listed += 1
-                    break
-            else:
-                for page in pages:
-                    low[page] = True
-        if listed:
-            lru.demote_unit(np.array(listed, dtype=np.int64), n_listed, self.low_priority, self.lru_prev,
-                            self.lru_next, self.offsets, self.idle_low_floors, self.low_idle)
-
-    def drop_unit(self, pools: Sequence[PagePool], key: Hashable) -> list[str]:
-        """:meth:`drop_units` of one key: the group ids of the pools it left, in order."""
-        return self.drop_units(pools, (key,))[0][0]
+        for pools, key in units:
+            for pool in pools:
+                pages = pool._entries[key]
+                listed += (pool._slot, len(pages), *pages)
+                n_listed += 1
+        lru.demote_unit(np.array(listed, dtype=np.int64), n_listed, self.low_priority, self.lru_prev,
+                        self.lru_next, self.offsets, self.idle_low_floors, self.low_idle)
 
     def drop_units(self, pools: Sequence[PagePool], keys: Sequence[Hashable]) -> tuple[list[list[str]], list[int]]:
         """``pool.drop_entries`` of the ``keys`` each of ``pools`` (this space's) publishes,

@@ -103,12 +103,8 @@ class RequestHashes:
         if block.dtype != _INT32_LE or not block.flags.c_contiguous:  # a manager's buffer already is
             block = np.ascontiguousarray(block, dtype=_INT32_LE)
         parent = self.hashes[-1] if self.hashes else self.root
-        out = self.hashes
-        if want == have + 1:  # one block (a decode commit)
-            out.append(self._hash(parent.to_bytes(16, "little") + block.tobytes()))
-            return
         data, block_bytes = block.tobytes(), 4 * g
-        hash_fn, append = self._hash, out.append
+        hash_fn, append = self._hash, self.hashes.append
         for start in range(0, len(data), block_bytes):  # bytes slices: faster than a memoryview's here
             parent = hash_fn(parent.to_bytes(16, "little") + data[start : start + block_bytes])
             append(parent)
@@ -152,6 +148,7 @@ class CommittingRequest(Protocol):
     hashes: RequestHashes | None
     own_checkpoints: list[OwnCheckpoint]
     keep_boundaries: frozenset[int]  # boundaries whose checkpoints it pins (its junction)
+    token_ids: np.ndarray  # its known tokens (int32), hashed as they commit
 
 
 class PrefixCache:
@@ -218,8 +215,6 @@ class PrefixCache:
                                    [(tables[gid], windows[gid]) for gid in self.state_ids], self._space)
         self._history_lookups = [pools[gid].lookup for gid in self.history_ids]
         self._state_lookups = [pools[gid].lookup for gid in self.state_ids]
-        self._commit_lookups = self._history_lookups + self._state_lookups
-        self._claim_every = np.ones(len(self._commit_lookups), dtype=np.int8)  # a one-block commit's ``want``
         self._claims_by_shape: dict[tuple, np.ndarray] = {}  # _claims' arrays by commit shape
         self._history_groups = [(gid, pools[gid], n, self.stats[gid])
                                 for gid, n in zip(self.history_ids, self._reader.block_pages)]
@@ -233,11 +228,20 @@ class PrefixCache:
         step, offsets = self._reader.boundary_pages, np.cumsum([0, *self._reader.checkpoint_pages]).tolist()
         self._window_places = [[slice(at + i, None, step) for i in range(n)]
                                for at, n in zip(offsets, self._reader.checkpoint_pages)]
-        # A one-block commit claiming everything (_publish_unit): every group in order, with
-        # its holders (None: a history group).
-        self._unit_groups = [(gid, pool, n, stats, None) for gid, pool, n, stats in self._history_groups] + [
-            (gid, pool, n, stats, holders) for gid, pool, n, holders, stats in self._state_groups]
-        self._unit_pools_in_order = [pool for _, pool, *_ in self._unit_groups]  # one ``PageSpace.adopt`` call's
+        self._init_units()
+
+    def _init_units(self) -> None:
+        """What one-block commits claiming everything read (``_commit_units``): every group in
+        order, its pool (one ``PageSpace.adopt`` call's), id, pages and stats; each state
+        group's holders. Only with state groups and no pinning interval do commits run so."""
+        self._units = bool(self.state_ids) and self.state_checkpoint_interval is None
+        unit = self._history_groups + [(gid, pool, n, stats) for gid, pool, n, _, stats in self._state_groups]
+        self._unit_pools_in_order = [pool for _, pool, _, _ in unit]
+        self._unit_gids = [gid for gid, *_ in unit]
+        self._unit_sizes = [n for _, _, n, _ in unit]
+        self._unit_stats = [stats for *_, stats in unit]
+        self._unit_holders = [(gid, holders, j) for j, (gid, _, _, holders, _)
+                              in enumerate(self._state_groups, len(self._history_groups))]
 
     def _init_hit_placement(self, tables: Mapping[str, GroupTable]) -> None:
         """What a hit's placement (one ``lru.borrow_row`` call over the page space) reads, by table index."""
@@ -412,48 +416,138 @@ class PrefixCache:
         return spans
 
     # --- publication -------------------------------------------------------------
-    def commit(self, req: CommittingRequest, old_tokens: int, new_tokens: int, token_ids: np.ndarray) -> None:
-        """Publish what tokens ``[old, new)`` completed: history blocks and the newest checkpoint."""
+    def commit_requests(self, reqs: Sequence[CommittingRequest], old_tokens: Sequence[int],
+                        new_tokens: Sequence[int]) -> None:
+        """Publish what each request's tokens ``[old, new)`` completed (history blocks and the
+        newest checkpoint), request by request in order: the same entries, bookings and events
+        (one call, in that order) as one commit at a time. Each run of requests crossing one
+        block whose key no group has (decode commits, :meth:`_unit_run`) is read, claimed and
+        recorded at once (:meth:`_commit_units`); any other commits alone (:meth:`_commit_one`).
+        The checkpoints superseding unpublishes or demotes leave their pools' lists at the end,
+        in one call each (:meth:`_let_go`; before a request that commits alone)."""
+        events, let_go, i, n, g = [], [], 0, len(reqs), self.granularity_tokens
+        while i < n:
+            if self._units and new_tokens[i] // g == old_tokens[i] // g + 1:  # a run may start here
+                run, i = self._unit_run(reqs, old_tokens, new_tokens, i)
+                if run:
+                    self._commit_units(run, events, let_go)
+                if i == n:
+                    break
+            self._commit_one(reqs[i], old_tokens[i], new_tokens[i], events, let_go)
+            i += 1
+        if let_go:
+            self._let_go(let_go)
+        self._emit_many(events)  # per request its "stored" events, then the removals superseding caused
+
+    def _unit_run(self, reqs: Sequence[CommittingRequest], old_tokens: Sequence[int], new_tokens: Sequence[int],
+                  i: int) -> tuple[list[tuple], int]:
+        """From ``reqs[i]`` on (those with nothing to commit passed over), the requests whose
+        commit is one block, its end their one (unpinned) checkpoint, under a key no group has
+        and no request before it in the run commits (hashed here): each (request, key, parent
+        key, boundary, old, new tokens); and the index of the first that is not (``len(reqs)``
+        at the end)."""
+        g, knows, run, keys, n = self.granularity_tokens, self._knows, [], set(), len(reqs)
+        while i < n:
+            req, old, new = reqs[i], old_tokens[i], new_tokens[i]
+            hashes, end_block = req.hashes, new // g
+            if hashes is None or end_block == old // g:
+                i += 1
+                continue
+            if end_block != old // g + 1 or end_block * g in req.keep_boundaries:
+                break
+            hh, ids = hashes.hashes, req.token_ids
+            if len(hh) == end_block - 1 and ids.dtype == _INT32_LE:  # its one block (``extend_to``'s)
+                hh.append(self._hash((hh[-1] if hh else hashes.root).to_bytes(16, "little")
+                                     + ids[end_block * g - g:end_block * g].tobytes()))
+            else:
+                hashes.extend_to(ids, new)
+            key = hh[end_block - 1]
+            if key in keys or knows(key):
+                break
+            keys.add(key)
+            run.append((req, key, hh[end_block - 2] if end_block >= 2 else hashes.root, end_block * g, old, new))
+            i += 1
+        return run, i
+
+    def _commit_units(self, run: list[tuple], events: list[tuple], let_go: list[tuple]) -> None:
+        """The one-block commits ``run`` (:meth:`_unit_run`'s) read and claimed in one compiled
+        call (``CommitPages.read_units``), the entries of those it claimed whole recorded in one
+        ``PageSpace.adopt`` call (each group's zipped from its pages in C) and counted; then
+        booked request by request (:meth:`_book_units`)."""
+        n = len(run)
+        rows = np.array([item[0].row for item in run], dtype=np.int64)
+        boundaries = np.array([item[3] for item in run], dtype=np.int64)
+        pages, claimed = self._reader.read_units(rows, boundaries, self.granularity_tokens)
+        every = 0 not in claimed
+        keys = [item[1] for item, whole in zip(run, claimed) if whole]
+        entries, at = [], 0  # per group, in unit order: its entries of the units claimed
+        for size in self._unit_sizes:
+            group = list(zip(*[iter(pages[at:at + n * size])] * size))
+            at += n * size
+            entries.append(group if every else [entry for entry, whole in zip(group, claimed) if whole])
+        self._space.adopt(self._unit_pools_in_order, repeat(keys), entries)
+        for stats in self._unit_stats:
+            stats.stored_entries += len(keys)
+        self._book_units(run, claimed, entries, events, let_go)
+
+    def _book_units(self, run: list[tuple], claimed: list[int], entries: list[list], events: list[tuple],
+                    let_go: list[tuple]) -> None:
+        """Request by request, in order, what one commit at a time books of a one-block
+        commit claimed whole (``entries``: per group its entries of those, recorded): its
+        "stored" events (every group's, in order), the state groups' holds of its own
+        checkpoint, tier link, checkpoint values, one ``ValueEviction.stored_unit`` (as
+        ``stored_blocks`` then ``stored_checkpoint`` would), then its earlier checkpoints
+        superseded; a request whose claim failed commits alone (:meth:`_commit_one`)."""
+        hook, values, stored_unit, gids, sizes = self.tier_hook, self.values, self.eviction.stored_unit, \
+            self._unit_gids, self._unit_sizes
+        k = 0  # the request's place among those claimed whole
+        for (req, key, parent, boundary, old, new), whole in zip(run, claimed):
+            if not whole:
+                self._commit_one(req, old, new, events, let_go)
+                continue
+            events += zip(repeat("stored"), gids, repeat(key), repeat(parent), repeat(boundary), sizes)
+            own = OwnCheckpoint(boundary)
+            for gid, holders, j in self._unit_holders:
+                own.entries[gid] = (key, entries[j][k])
+                holders[key] = holders.get(key, 0) + 1
+            if hook is not None:  # every group's entry in one call
+                hook.stored(zip(gids, repeat(key), repeat(boundary), [group[k] for group in entries], repeat(False)))
+            if values is not None:
+                values.published(key, boundary, speculative=False)
+            stored_unit(key, parent, boundary)
+            self._supersede(req, [own], events, let_go)
+            k += 1
+
+    def _commit_one(self, req: CommittingRequest, old_tokens: int, new_tokens: int, stored: list[tuple],
+                    let_go: list[tuple]) -> None:
+        """One request's commit of tokens ``[old, new)``: history blocks and the newest
+        checkpoint; its "stored" events, then the removals superseding caused, onto ``stored``;
+        what superseding lets go onto ``let_go`` (the earlier requests' let go first)."""
         g = self.granularity_tokens
         hashes: RequestHashes = req.hashes
         if hashes is None or new_tokens // g == old_tokens // g:
             return
-        hashes.extend_to(token_ids, new_tokens)
+        if let_go:
+            self._let_go(let_go)
+        hashes.extend_to(req.token_ids, new_tokens)
         first_block, end_block = old_tokens // g, new_tokens // g
         keys, boundaries, pins, checkpoint_keys, parents, found, want = self._plan(req, hashes, first_block, end_block)
         pages, status = self._reader.read(req.row, first_block, end_block, boundaries, want)
-        stored: list[tuple] = []  # the commit's "stored" events, in order
-        every = status.count(2) == len(status)  # it claimed every entry (a new prompt's chunk, a decode commit)
-        if every and len(keys) == 1 == len(checkpoint_keys) and pins[0] is not None:
-            new_own = self._publish_unit(keys[0], parents[0], boundaries[0], pins[0], pages, stored)
-        else:
-            at, fresh = self._publish_blocks(hashes, first_block, keys, pages, status, every, stored)
-            status = status[len(keys) * len(self.history_ids):]
-            entries = self._publish_checkpoints(checkpoint_keys, parents, boundaries, pages[at:], status, found, every,
-                                                stored)
-            new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status, every, fresh)
+        every = status.count(2) == len(status)  # it claimed every entry (a new prompt's chunk)
+        at, fresh = self._publish_blocks(hashes, first_block, keys, pages, status, every, stored)
+        status = status[len(keys) * len(self.history_ids):]
+        entries = self._publish_checkpoints(checkpoint_keys, parents, boundaries, pages[at:], status, found, every,
+                                            stored)
+        new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status, every, fresh)
         if self.state_ids:
-            self._supersede(req, new_own, stored)
-        self._emit_many(stored)  # the "stored" events, then the removals superseding caused
+            self._supersede(req, new_own, stored, let_go)
 
     def _plan(self, req: CommittingRequest, hashes: RequestHashes, first_block: int, end_block: int) -> tuple:
         """What a commit of blocks ``[first_block, end_block)`` publishes: the blocks' keys,
         the checkpoint boundaries and pins (:meth:`_checkpoint_boundaries`), the checkpoints'
         keys, parents and entries (:meth:`_found_checkpoints`), and ``want``
-        (``CommitPages.read``'s). A decode commit's (one block, its end the one checkpoint)
-        looks its one key up in every group in one pass."""
-        g, hh = self.granularity_tokens, hashes.hashes
-        boundary = end_block * g
-        if (end_block == first_block + 1 and self.state_ids and self.state_checkpoint_interval is None
-                and boundary not in req.keep_boundaries):
-            key = hh[end_block - 1]
-            if not self._knows(key):  # new in every group (the usual case): every entry claimed
-                found, want = [None] * len(self._commit_lookups), self._claim_every
-            else:
-                found = [lookup(key) for lookup in self._commit_lookups]  # history groups, then state groups
-                want = [entry is None for entry in found]
-            parents = [hh[end_block - 2] if end_block >= 2 else hashes.root]
-            return [key], [boundary], [False], [key], parents, found[len(self.history_ids):], want
+        (``CommitPages.read``'s)."""
+        hh = hashes.hashes
         boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
         keys = hh[first_block:end_block]
         # The checkpoints' keys are among the blocks': when no group has any (False), none is asked.
@@ -512,32 +606,6 @@ class PrefixCache:
             [1] * (n_blocks * len(self.history_ids)) + [low] * (n_speculative * n_state) + [1] * (n_own * n_state),
             dtype=np.int8)
         return want
-
-    def _publish_unit(self, key: int, parent: int, boundary: int, pinned: bool, pages: list[int],
-                      stored: list[tuple]) -> list[OwnCheckpoint]:
-        """A commit of one block that claimed its entries in every group, the request's own
-        checkpoint at its end too (a decode commit's): the same records, events and bookings
-        as :meth:`_publish_blocks`, :meth:`_publish_checkpoints` and :meth:`_book_checkpoints`
-        (``pages``: ``CommitPages.read``'s, every group's in order), in one pass over the
-        groups (holding the state groups' entries as :meth:`_book_checkpoints` would); that own checkpoint,
-        in a list."""
-        at, entries, own = 0, [], OwnCheckpoint(boundary, pinned)
-        for gid, _, per_entry, stats, holders in self._unit_groups:
-            entries.append((entry := tuple(pages[at:at + per_entry]),))
-            at += per_entry
-            stats.stored_entries += 1
-            stored.append(("stored", gid, key, parent, boundary, per_entry))
-            if holders is not None:  # a state group: the request's own checkpoint
-                own.entries[gid] = (key, entry)
-                holders[key] = holders.get(key, 0) + 1
-        self._space.adopt(self._unit_pools_in_order, repeat((key,)), entries)
-        if self.tier_hook is not None:  # every group's entry in one call
-            self.tier_hook.stored(zip(self.history_ids + self.state_ids, repeat(key), repeat(boundary),
-                                      chain.from_iterable(entries), repeat(False)))
-        if self.values is not None:
-            self.values.published(key, boundary, speculative=False)
-        self.eviction.stored_unit(key, parent, boundary)
-        return [own]
 
     def _checkpoint_boundaries(self, req: CommittingRequest, first_block: int,
                                end_block: int) -> tuple[list[int], list[bool | None]]:
@@ -680,7 +748,7 @@ class PrefixCache:
             if 2 in status[j * n:(j + 1) * n]:
                 values.published(key, boundary, speculative=pinned is None)
 
-    def _supersede(self, req: CommittingRequest, new_own: list, events: list[tuple]) -> None:
+    def _supersede(self, req: CommittingRequest, new_own: list, events: list[tuple], let_go: list[tuple]) -> None:
         """Drop the request's hold on every earlier own checkpoint that is not pinned, group
         by group (``new_own`` become its own checkpoints); where it was the last: kept by
         value ("prefill-per-byte"), demoted (a speculative boundary: kept like the ones the
@@ -707,17 +775,41 @@ class PrefixCache:
                     continue  # its priority and place: rank_checkpoints
                 elif demote:
                     demoted.append(pool)
-                else:
-                    gids = self._space.drop_unit(self._unit_pools[gid], key)  # tells no one: booked here
+                else:  # its pages leave their lists with the commit's others (``_let_go``)
+                    unit_pools = self._unit_pools[gid]
+                    let_go.append((True, unit_pools, key))
+                    gids = [other.group_id for other in unit_pools if other.lookup(key) is not None]
                     self._dropping = True
                     events += self._book_removals((key,), (gids,))
                     self._dropping = False
                     self.eviction.unit_left(key, len(gids))
                     if self.eviction.acts:
                         break  # the unit left every state group
-            if demoted:  # every group's at once (``PageSpace.demote``)
-                self._space.demote(demoted, key)
+            if demoted:  # every group's at once, with the commit's others (``_let_go``)
+                let_go.append((False, demoted, key))
         req.own_checkpoints = pinned + new_own if pinned else new_own
+
+    def _let_go(self, let_go: list[tuple]) -> None:
+        """What superseding let go (each (unpublished, pools, key)), in order, then cleared:
+        the unpublished entries leave ``pools``, each run of them over the same pools in one
+        ``PageSpace.drop_units`` call; the demoted units in one ``PageSpace.demote`` call (as
+        one at a time: different pages, each in the order given)."""
+        space, demoted, i, n = self._space, [], 0, len(let_go)
+        while i < n:
+            unpublished, pools, key = let_go[i]
+            if not unpublished:
+                demoted.append((pools, key))
+                i += 1
+                continue
+            keys = [key]
+            i += 1
+            while i < n and let_go[i][0] and let_go[i][1] is pools:
+                keys.append(let_go[i][2])
+                i += 1
+            space.drop_units(pools, keys)
+        if demoted:
+            space.demote(demoted)
+        let_go.clear()
 
     def _kept_by_value(self, key: int, boundary_tokens: int, req: CommittingRequest) -> bool:
         """"prefill-per-byte": a superseded checkpoint stays if the policy's placement
@@ -727,8 +819,9 @@ class PrefixCache:
         return kept
 
     def load_kernels(self) -> None:
-        """Load (or compile) now the commit's kernel, reading nothing (``lru.borrow_row`` loads at the first hit)."""
+        """Load (or compile) now the commit's kernels, reading nothing (``lru.borrow_row`` loads at the first hit)."""
         self._reader.read(0, 0, 0, [])
+        self._reader.read_units(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), self.granularity_tokens)
 
     def forget_request(self, req: CommittingRequest) -> None:
         """A freed request's checkpoints stay cached; with ``"prefill-per-byte"`` they are then ranked again."""

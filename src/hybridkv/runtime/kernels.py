@@ -144,6 +144,55 @@ def commit_pages(geometry, pages, bounds, history, state, row, first_block, end_
 
 
 @njit(cache=True)
+def commit_units(geometry, pages, bounds, history, state, rows, boundaries, grain, out, claimed, ref, keyed, limits):
+    """The pages of one-block commits, one per row of ``rows`` (each crossing into ``boundaries[r]``,
+    a multiple of ``grain``), read and claimed in one pass. Row ``r``'s unit: per history group
+    ``history[h] = (g, pages per block)`` the block ending at the boundary, then per state group
+    ``state[s] = (g, window tokens W)`` the window ``[D - W, D)``; ``out`` holds them group by
+    group (each group's entries row by row: group ``j``'s of row ``r`` from ``R * (pages of the
+    groups before j) + r * (its pages)``). All of a unit is keyed and ``claimed[r] = 1`` where
+    every window is live and every page is a held page of its group (``0 < id < limits[g]``,
+    ref count > 0) none keyed; else nothing of it changes and ``claimed[r] = 0``."""
+    n_rows, n_history = rows.size, history.shape[0]
+    for r in range(n_rows):
+        row, d = rows[r], boundaries[r]
+        block, base, good = d // grain - 1, 0, True
+        for j in range(n_history + state.shape[0]):
+            g = history[j, 0] if j < n_history else state[j - n_history, 0]
+            if j < n_history:
+                lo, hi, live = block * history[j, 1], (block + 1) * history[j, 1], True
+            else:
+                t = geometry[g, PAGE_TOKENS]
+                lo, hi = max(d - state[j - n_history, 1], 0) // t, d // t
+                live = lo >= bounds[BASE, g, row] and hi <= bounds[HI, g, row]
+            at, offset = base + r * (hi - lo), geometry[g, ID_OFFSET]
+            good = good and live
+            for logical in range(lo, hi):
+                page = pages[cell(geometry, bounds, g, row, logical)] if live else 0
+                out[at + logical - lo] = page
+                good = good and 0 < page < limits[g] and ref[offset + page] > 0 and not keyed[offset + page]
+            base += n_rows * (hi - lo)
+        claimed[r] = 1 if good else 0
+        if good:
+            _key_unit(geometry, history, state, out, n_rows, r, keyed)
+
+
+@njit(cache=True)
+def _key_unit(geometry, history, state, out, n_rows, r, keyed):
+    """Flag keyed the pages of row ``r``'s unit that ``commit_units`` read into ``out``."""
+    base, n_history = 0, history.shape[0]
+    for j in range(n_history + state.shape[0]):
+        if j < n_history:
+            g, n = history[j, 0], history[j, 1]
+        else:
+            g = state[j - n_history, 0]
+            n = (state[j - n_history, 1] + geometry[g, PAGE_TOKENS] - 1) // geometry[g, PAGE_TOKENS]
+        for i in range(base + r * n, base + (r + 1) * n):
+            keyed[geometry[g, ID_OFFSET] + out[i]] = True
+        base += n_rows * n
+
+
+@njit(cache=True)
 def claim_entries(geometry, layout, pages, want, ref, keyed, low, limits, status):
     """Key the pages of a commit's entries, in order: entry ``e`` is group ``layout[e, 0]``'s
     local ids ``pages[layout[e, 1] : layout[e, 1] + layout[e, 2]]``; ``want[e]`` 0 leaves it,

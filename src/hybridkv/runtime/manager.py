@@ -1183,15 +1183,18 @@ class CacheManager:
         return batch
 
     def _commit_rows(self, rows: np.ndarray) -> None:
-        """Publish, row by row, what each row's computed tokens completed since its last
-        commit (``PrefixCache.commit``; it hashes only the first computed tokens of the
-        request's ids)."""
-        commit, owners, committed, computed = self.prefix.commit, self._row_owner, self._committed, self._computed
+        """Publish what each row's computed tokens completed since its last commit, in one
+        ``PrefixCache.commit_requests`` call (row by row in order; it hashes only the first
+        computed tokens of the requests' ids)."""
+        owners, committed, computed = self._row_owner, self._committed, self._computed
+        reqs, old, new = [], [], []
         for row in rows.tolist():  # a few rows a step: item reads beat two gathers
-            req, old, new = owners[row], committed.item(row), computed.item(row)
+            req, done = owners[row], computed.item(row)
             if req.token_ids is not None:
-                commit(req, old, new, req.token_ids)
-            committed[row] = new
+                reqs.append(req), old.append(committed.item(row)), new.append(done)
+            committed[row] = done
+        if reqs:
+            self.prefix.commit_requests(reqs, old, new)
 
     # --- rewind and free -----------------------------------------------------
     def rewind(self, request_id: str, num_tokens: int) -> None:

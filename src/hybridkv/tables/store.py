@@ -313,7 +313,8 @@ class CommitPages:
         self.checkpoint_pages = [cdiv(w, t.page_tokens) for t, w in state]
         self.boundary_pages = sum(self.checkpoint_pages)  # every state group's pages of one checkpoint
         self._sizes = sum(self.block_pages), self.boundary_pages, len(history), len(state)
-        self._out, self._one = np.empty(64, dtype=np.int64), np.zeros(1, np.int64)
+        self.unit_pages = self._sizes[0] + self.boundary_pages  # a one-block commit's, every group's
+        self._out = np.empty(64, dtype=np.int64)
         self._layout, self._status = np.empty((16, 3), dtype=np.int64), np.empty(16, dtype=np.int8)
         if space is None:  # read only: nothing to claim in (same types, so the same compiled kernel)
             self._claim_in = (np.zeros(1, np.int32), np.zeros(1, np.bool_), np.zeros(1, np.bool_),
@@ -341,18 +342,31 @@ class CommitPages:
             self._out = np.empty(2 * max(size, self._out.size), dtype=np.int64)
             entries = 2 * max(n_entries, self._status.size)
             self._layout, self._status = np.empty((entries, 3), dtype=np.int64), np.empty(entries, np.int8)
-        if n_boundaries == 1:  # a decode commit's: set in place, cheaper than a new array
-            marks = self._one
-            marks[0] = boundaries[0]
-        else:
-            marks = np.asarray(boundaries, dtype=np.int64)
         n = kernels.commit_pages(ts.geometry, ts.pages, ts.bounds, self._history, self._state, row, first_block,
-                                 end_block, marks, self._out, self._layout, self._status,
+                                 end_block, np.asarray(boundaries, dtype=np.int64), self._out, self._layout, self._status,
                                  np.asarray(want, dtype=np.int8) if len(want) else self._no_claims, *self._claim_in)
         if n < 0:
             raise ValueError(f"page {int(self._out[-1 - n])} is not a held, unpublished page of its group")
         assert n == size, (n, size)
         return self._out[:n].tolist(), self._status[:n_entries].tolist()
+
+    def read_units(self, rows: np.ndarray, boundaries: np.ndarray, grain_tokens: int) -> tuple[list[int], list[int]]:
+        """One-block commits of ``rows`` (each crossing into ``boundaries[r]``, a multiple of
+        ``grain_tokens``) read and claimed in one compiled call (``kernels.commit_units``): their
+        pages, group by group (every history group's block, then every state group's window,
+        in :meth:`read`'s group order), each group's row by row; and per row 1 where all of its
+        entries were claimed, else 0 (nothing claimed: a window not live, a page keyed or not
+        held; :meth:`read` then commits it alone)."""
+        n_rows, ts = rows.size, self._set
+        if ts is None:
+            return [], []  # no group publishes anything
+        if n_rows * self.unit_pages > self._out.size:
+            self._out = np.empty(2 * n_rows * self.unit_pages, dtype=np.int64)
+        claimed = np.empty(n_rows, dtype=np.int8)
+        kernels.commit_units(ts.geometry, ts.pages, ts.bounds, self._history, self._state, rows, boundaries,
+                             grain_tokens, self._out, claimed, self._claim_in[0], self._claim_in[1],
+                             self._claim_in[3])
+        return self._out[:n_rows * self.unit_pages].tolist(), claimed.tolist()
 
 
 def _cells(geometry: np.ndarray, bounds: np.ndarray, g: int, rows: np.ndarray, lo: np.ndarray,
