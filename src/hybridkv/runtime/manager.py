@@ -1291,22 +1291,22 @@ class CacheManager:
             req = self._get(request_id)  # raises
         if self.tier_link is not None:
             self.tier_link.on_free(request_id)  # an unconfirmed load is rewound, not committed
-        self._load_spans.pop(request_id, None)
-        if request_id in self._rewound_loads:
-            self._rewound_loads.discard(request_id)
-            self.pending_loads.discard(request_id)
-        row = req.row
+        if self._load_spans:  # its load step's span (a rewound load's request has one)
+            self._load_spans.pop(request_id, None)
+            if request_id in self._rewound_loads:
+                self._rewound_loads.discard(request_id)
+                self.pending_loads.discard(request_id)
+        row, prefix = req.row, self.prefix
         rows = np.array([row], dtype=np.int64)
-        if self.prefix is not None:  # its last step publishes only when it completed a grain
+        if prefix is not None:  # its last step publishes only when it completed a grain
             g = self._grain
-            if self._committed[row] // g < self._computed[row] // g:
+            if self._committed.item(row) // g < self._computed.item(row) // g:
                 self._commit_rows(rows)
         ts = self._tableset  # its pages leave the tables, one release
         ts.note_cells(self._space.free_rows(ts, rows))
-        if self.prefix is not None:
-            self.prefix.forget_request(req)
-        self._computed[row] = 0
-        self._committed[row] = 0
+        if prefix is not None:
+            prefix.forget_request(req)
+        self._computed[row] = self._committed[row] = 0
         del self._requests[request_id]
         del self._row_of[request_id]
         del self._row_owner[row]
