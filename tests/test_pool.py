@@ -981,14 +981,14 @@ def test_packing_evicts_the_entries_the_one_by_one_reference_evicts(data, batch,
 
 
 def test_a_packing_in_a_large_pool_clears_its_reserve_of_ids_ahead():
-    """Worked by hand, a pool of 8,192 pages (reserve: 32 ids): held pages 1-300 but for
+    """Worked by hand, a pool of 8,192 pages (reserve: 64 ids): held pages 1-300 but for
     free 10-19, idle low-priority entries at 2, 50, 100, 150, 250, 400 and one of 60-61
-    whose page 61 is held. Five pages: packing clears the 5 + 32 lowest of the free ids
-    and the ids it frees (2, 10-19, 50, 60, 100, 150, 250 and 301-321), evicting every
-    entry below 321 but none above (400) and not the held page 61; the next 60 pages find
+    whose page 61 is held. Five pages: packing clears the 5 + 64 lowest of the free ids
+    and the ids it frees (2, 10-19, 50, 60, 100, 150, 250 and 301-353), evicting every
+    entry below 353 but none above (400) and not the held page 61; the next 60 pages find
     their ids clear: nothing more is evicted. A pool of fewer than 4,096 pages packs
     exactly: page 2's entry alone."""
-    for n_pages, reserve in ((8193, 32), (4095, 0)):
+    for n_pages, reserve in ((8193, 64), (4095, 0)):
         pool = PagePool("g", n_pages, lowest_first=True)
         assert pool.pack_ahead_pages == reserve
         pages = allocate(pool, 300)  # 1-300
