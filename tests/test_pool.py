@@ -918,11 +918,10 @@ def _reference_pack(pool, count):
     while freed < count:
         free = sorted(pool.free_page_ids().tolist())
         bound = free[count - 1] if len(free) >= count else pool.num_pages
-        idle_low = [p for p in range(1, pool.num_pages)
-                    if pool.low_priority[p] and pool.cached[p] and pool.ref_counts[p] == 0]
-        if not idle_low or idle_low[0] >= bound:
+        idle_low = np.flatnonzero(pool.low_priority & pool.cached & (pool.ref_counts == 0))
+        if not idle_low.size or idle_low[0] >= bound:
             return
-        key = next(k for k in pool.entry_keys() if idle_low[0] in pool.lookup(k))
+        key = next(k for k in pool.entry_keys() if int(idle_low[0]) in pool.lookup(k))
         freed += pool.unpublish(key, "evicted")
 
 
@@ -984,6 +983,92 @@ def test_packing_evicts_the_entries_the_one_by_one_reference_evicts(data, batch,
             allocate(pool, want)
             if pool.lookup(demoted) is not None:
                 pool.demote(demoted)
+        sides.append(states)
+    assert sides[0][: len(sides[1])] == sides[1]
+
+
+def test_a_packing_in_a_large_pool_clears_its_reserve_of_ids_ahead():
+    """Worked by hand, a pool of 8,192 pages (reserve: 64 ids): held pages 1-300 but for
+    free 10-19, idle low-priority entries at 2, 50, 100, 150, 250, 400 and one of 60-61
+    whose page 61 is held. Five pages: packing clears the 5 + 64 lowest of the free ids
+    and the ids it frees (2, 10-19, 50, 60, 100, 150, 250 and 301-353), evicting every
+    entry below 353 but none above (400) and not the held page 61; the next 60 pages find
+    their ids clear: nothing more is evicted. A pool of fewer than 4,096 pages packs
+    exactly: page 2's entry alone."""
+    for n_pages, reserve in ((8193, 64), (4095, 0)):
+        pool = PagePool("g", n_pages, lowest_first=True)
+        assert pool.pack_ahead_pages == reserve
+        pages = allocate(pool, 300)  # 1-300
+        for page in (2, 50, 100, 150, 250):
+            publish(pool, page, [page], low_priority=True)
+        publish(pool, 60, [60, 61], low_priority=True)
+        high = allocate(pool, 100)  # 301-400
+        publish(pool, 400, [400], low_priority=True)
+        decref(pool, np.array([2, 50, 60, 100, 150, 250, *range(10, 20)]))
+        decref(pool, high)  # 301-399 free, 400 idle
+        assert allocate(pool, 5).tolist() == [2, 10, 11, 12, 13]
+        gone = [key for key in (2, 50, 60, 100, 150, 250, 400) if pool.lookup(key) is None]
+        assert gone == ([2, 50, 60, 100, 150, 250] if reserve else [2])
+        assert pool.ref_counts[61] == 1 and 61 not in pool.free_page_ids().tolist()
+        evicted = pool.counters.evicted_pages
+        allocate(pool, 60)
+        assert pool.counters.evicted_pages == evicted or not reserve
+        pool.check_invariants()
+    del pages
+
+
+def _reference_pack_ahead(pool, count):
+    """Packing with a reserve, from its documentation: when the free stack is short,
+    ``_reference_pack`` of ``count``; else, when an idle low-priority page lies below the
+    ``count``-th lowest free id (packing is needed), ``_reference_pack`` of ``count``
+    plus ``pack_ahead_pages``, at most every free id."""
+    free = sorted(pool.free_page_ids().tolist())
+    if len(free) < count:
+        _reference_pack(pool, count)
+        return
+    idle_low = np.flatnonzero(pool.low_priority & pool.cached & (pool.ref_counts == 0))
+    if idle_low.size and idle_low[0] < free[count - 1]:
+        _reference_pack(pool, min(count + pool.pack_ahead_pages, len(free)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_packing_with_a_reserve_evicts_what_the_reference_evicts_for_the_wider_allocation(data):
+    """In a pool of 4,096 pages or more, packing (``make_room``) against
+    ``_reference_pack_ahead``: the same entries leave, the free order and the LRU end
+    alike, and free + held + cached pages stay consistent (``check_invariants``), over
+    random entries (1-3 pages, some partly held, some demoted) and allocations."""
+    n = data.draw(st.sampled_from([4097, 6000, 8193]), label="pages")
+    plan = data.draw(st.lists(st.tuples(st.integers(1, 3), st.sampled_from(["low", "normal", "plain"]),
+                                        st.integers(0, 2), st.booleans(), st.integers(1, 40)),
+                              min_size=1, max_size=40), label="entries")
+    rounds = data.draw(st.lists(st.integers(1, 120), min_size=1, max_size=4), label="allocations")
+    sides = []
+    for reference in (False, True):
+        pool = PagePool("g", n, lowest_first=True)
+        log = []
+        pool.on_removed_many = log.extend  # packing's batch; the reference's ``unpublish`` tells ``on_removed``
+        pool.on_removed = lambda *removal, log=log: log.append(removal)
+        made = [(allocate(pool, gap), allocate(pool, size)) for size, _, _, _, gap in plan]  # before any release
+        for i, ((gap_pages, pages), (_, kind, held, demote, _)) in enumerate(zip(made, plan)):
+            if kind != "plain":
+                publish(pool, i, pages.tolist(), low_priority=kind == "low")
+            decref(pool, pages[held:].copy())
+            decref(pool, gap_pages[::2].copy())  # free ids among the entries
+            if kind == "normal" and demote:
+                pool.demote(i)
+        states = []
+        for want in rounds:
+            if not reference:
+                pool.make_room(want)
+            else:
+                _reference_pack_ahead(pool, want)
+            if pool.num_clean_free_pages < want:
+                break  # the LRU's part: not what this test checks
+            pool.check_invariants()
+            states.append((list(log), pool.free_page_ids().tolist(), pool.evictable_page_ids().tolist(),
+                           sorted(pool.entry_keys(), key=str)))
+            allocate(pool, want)
         sides.append(states)
     assert sides[0][: len(sides[1])] == sides[1]
 
