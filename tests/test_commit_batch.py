@@ -15,7 +15,8 @@ import hypothesis.strategies as st
 import numpy as np
 from hypothesis import event, given, settings
 
-from hybridkv.runtime.manager import CacheManager, CacheManagerError
+from hybridkv.runtime.manager import CacheManager
+from test_decode_fast_path import on_both
 from test_table_updates import CONFIGS
 
 GRAIN = {"v4": 256, "odd": 60}
@@ -43,19 +44,6 @@ def build(config, seed, policy, eviction, scale=1, step_tokens=None):
     managers[0].prefix.commit_requests = counted
     one.commit_requests = one_at_a_time
     return managers, calls
-
-
-def on_both(managers, method, *args, **kwargs):
-    results, errors = [], []
-    for m in managers:
-        try:
-            results.append(getattr(m, method)(*args, **kwargs))
-            errors.append(None)
-        except CacheManagerError as exc:
-            results.append(None)
-            errors.append(str(exc))
-    assert errors[0] == errors[1]
-    return results, errors[0]
 
 
 def same_state(a, b):
