@@ -442,17 +442,22 @@ def room_groups(geometry, bounds, transient, rows, first, counts, after, sums, s
 
 
 @njit(cache=True)
-def keyed_low(geometry, low_priority, per_group, idle_keyed):
-    """Whether a keyed page a release left idle (``idle_keyed``, local ids, group after group,
-    ``per_group[g]`` of them) is low priority."""
-    at = 0
+def joined_low(geometry, low_priority, per_group, counts, idle_keyed):
+    """``per_group`` as it will be once keyed pages a release left idle (``idle_keyed``, local ids, group
+    after group, ``counts[g]`` of them) joined their LRUs (``lru.join``: each low-priority one counts in
+    ``LOW_IDLE_PAGES`` and lowers ``LOW_FLOOR``): a copy when one is low priority, else ``per_group``."""
+    joined, copied, at = per_group, False, 0
     for g in range(geometry.shape[0]):
         offset = geometry[g, ID_OFFSET]
-        for i in range(at, at + per_group[g]):
-            if low_priority[offset + idle_keyed[i]]:
-                return True
-        at += per_group[g]
-    return False
+        for i in range(at, at + counts[g]):
+            page = idle_keyed[i]
+            if low_priority[offset + page]:
+                if not copied:
+                    joined, copied = per_group.copy(), True
+                joined[LOW_IDLE_PAGES, g] += 1
+                joined[LOW_FLOOR, g] = min(joined[LOW_FLOOR, g], page)
+        at += counts[g]
+    return joined
 
 
 @njit(cache=True)
@@ -564,7 +569,7 @@ def grant_step(grants, arena, geometry, pages, bounds, computed, committed, ref,
                per_group, transient, rows, counts, first, settle, after, sums, scratch, idle_keyed, released, touched,
                n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths):
     """``run_step`` granting spare slabs alone (``grants``: groups, slabs) after its releases; it stops for
-    Python only when ``keyed_low`` or ``room_groups`` asks. Status -1 (nothing granted): a slab not spare.
+    Python only when ``room_groups`` asks (as after the idle keyed pages joined: ``joined_low``). Status -1 (nothing granted): a slab not spare.
     A kernel of its own: the grant inside ``run_step`` makes ``step``'s compiled loops slower."""
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient, rows,
@@ -576,11 +581,11 @@ def grant_step(grants, arena, geometry, pages, bounds, computed, committed, ref,
                          stack, per_group[TOP], offsets, per_group[LOWEST], per_group[GRANTED_PAGES]) < 0:
         return -1, n_touched, n_keyed
     roomy = spare[0] - grants.shape[1] >= roomy_slabs  # the arena's ``roomy`` once ``Arena.granted`` counts these
-    # Low-priority keyed pages gone idle join their LRU first (they may change ``room_groups``' answer);
-    # others join after the step, as after ``run_step``'s.
-    if (n_keyed and keyed_low(geometry, low_priority, released[1], idle_keyed)) or room_groups(
-            geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, per_group, ref,
-            (owner, lo, hi, straddle, sizes), roomy, np.empty(geometry.shape[0], np.int64)):
+    # ``room_groups`` as it answers once the keyed pages gone idle joined their LRUs (low-priority ones change
+    # its counts: ``joined_low``); they join after the step, as after ``run_step``'s.
+    joined = joined_low(geometry, low_priority, per_group, released[1], idle_keyed) if n_keyed else per_group
+    if room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, joined, ref,
+                   (owner, lo, hi, straddle, sizes), roomy, np.empty(geometry.shape[0], np.int64)):
         return STEP_NEEDS_PAGES, n_touched, n_keyed  # a group makes room once they joined
     return STEP_DONE, finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
                                   first, settle, after, sums, touched, n_touched, cells, cell_pages, per_request,
