@@ -72,14 +72,21 @@ def divide(value, divisor, shift):
 
 
 @njit(cache=True, inline="always")
-def cell(geometry, bounds, g, row, logical):
-    """Index in ``pages`` of logical page ``logical`` of ``row`` in group ``g``."""
+def row_cells(geometry, bounds, g, row):
+    """Where ``row``'s cells of group ``g`` lie now: logical page ``L`` at ``start + (L & mask) * step``
+    (its lane's, else its narrow ring's); ``(start, mask, step)``, read once for a run of pages."""
     lane = bounds[LANE, g, row]
     if lane:
         mask = geometry[g, COLUMN_MASK]
-        return geometry[g, LANE_START] + (lane - 1) * (mask + 1) + (logical & mask)
-    return (geometry[g, RING_START] + row * geometry[g, ROW_STRIDE]
-            + (logical & geometry[g, RING_MASK]) * geometry[g, COLUMN_STRIDE])
+        return geometry[g, LANE_START] + (lane - 1) * (mask + 1), mask, 1
+    return geometry[g, RING_START] + row * geometry[g, ROW_STRIDE], geometry[g, RING_MASK], geometry[g, COLUMN_STRIDE]
+
+
+@njit(cache=True, inline="always")
+def cell(geometry, bounds, g, row, logical):
+    """Index in ``pages`` of logical page ``logical`` of ``row`` in group ``g``."""
+    start, mask, step = row_cells(geometry, bounds, g, row)
+    return start + (logical & mask) * step
 
 
 @njit(cache=True, inline="always")
@@ -224,28 +231,32 @@ def place_row(geometry, pages, bounds, row, lo, counts, page_ids, view):
 @njit(cache=True)
 def write_slots(geometry, pages, bounds, rows, first, counts, settle, slots):
     """``slots[g, i]``: ``page * rows_per_page + entry % rows_per_page`` for token ``i`` of plan rows
-    ``[settle, R)`` (entry ``position // stride``), -1 where the token closes no entry; a page looked up once."""
+    ``[settle, R)`` (entry ``position // stride``), -1 where the token closes no entry; a page looked up once
+    (the geometry and the row's cells read into locals first: the slot stores may alias them)."""
     for g in range(geometry.shape[0]):
         tokens, page_shift = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT]
         per_page = geometry[g, ROWS_PER_PAGE]
         stride, stride_shift = geometry[g, STRIDE_TOKENS], geometry[g, STRIDE_SHIFT]
+        out = slots[g]
         if stride > 1:
-            slots[g, :] = -1
+            out[:] = -1
         at = 0  # the batch index of the row's first token
         for r in range(settle, rows.size):
             start, end = first[r], first[r] + counts[r]
+            cells_at, mask, step = row_cells(geometry, bounds, g, rows[r])
+            shift = at - start  # token p's batch index
             pos = divide(start + stride, stride, stride_shift) * stride - 1  # the first entry end
             while pos < end:
                 logical = divide(pos, tokens, page_shift)
                 page_end = min((logical + 1) * tokens, end)
-                base = (np.int64(pages[cell(geometry, bounds, g, rows[r], logical)]) - logical) * per_page
+                base = (np.int64(pages[cells_at + (logical & mask) * step]) - logical) * per_page
                 if stride == 1:
                     for p in range(pos, page_end):
-                        slots[g, at + p - start] = base + p
+                        out[shift + p] = base + p
                     pos = page_end
                 else:
                     while pos < page_end:
-                        slots[g, at + pos - start] = base + divide(pos, stride, stride_shift)
+                        out[shift + pos] = base + divide(pos, stride, stride_shift)
                         pos += stride
             at += counts[r]
 
@@ -360,11 +371,13 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
             row, new_base = rows[r], after[0, g, r]
             if new_base == bounds[BASE, g, row] and new_base <= bounds[HI, g, row] and not bounds[LANE, g, row]:
                 continue  # nothing to release and nothing to change (most rows of a decode step)
+            cells_at, mask, step = row_cells(geometry, bounds, g, row)
+            view_at, view_mask = view_cell(geometry, n_rows, g, row, 0), geometry[g, COLUMN_MASK]
             for logical in range(bounds[BASE, g, row], min(after[0, g, r], bounds[HI, g, row])):
-                at = cell(geometry, bounds, g, row, logical)
+                at = cells_at + (logical & mask) * step
                 scratch[n] = pages[at]
                 pages[at] = -1
-                touched[n_touched] = view_cell(geometry, n_rows, g, row, logical)
+                touched[n_touched] = view_at + (logical & view_mask)
                 n_touched += 1
                 n += 1
             bounds[BASE, g, row] = after[0, g, r]
@@ -489,7 +502,7 @@ def allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, ro
         n_transient = transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0
         # Survivors pop from the top; transient page k sits at ``late - k``.
         late = n_transient - 1 if lowest[g] else top[g] - sums[1, g] + n_transient - 1
-        taken = 0
+        taken, free_top = 0, top[g]  # the top in a local: the stores below may alias ``top``
         for r in range(rows.size):
             row = rows[r]
             if after[1, g, r] == bounds[HI, g, row]:
@@ -497,18 +510,21 @@ def allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, ro
             keep_from = divide(max(first[r] + counts[r] - window + 1, 0), tokens, shift)
             if after[1, g, r] > bounds[HI, g, row]:
                 fit_ring(geometry, pages, bounds, g, row, after[1, g, r] - bounds[BASE, g, row])
+            cells_at, mask, step = row_cells(geometry, bounds, g, row)
+            view_at, view_mask = view_cell(geometry, n_rows, g, row, 0), geometry[g, COLUMN_MASK]
             for logical in range(bounds[HI, g, row], after[1, g, r]):
                 if n_transient > 0 and logical < keep_from:
                     page = stack[offset + late - taken]
                     taken += 1
                 else:
-                    top[g] -= 1
-                    page = stack[offset + top[g]]
+                    free_top -= 1
+                    page = stack[offset + free_top]
                 ref[offset + page] = 1
-                pages[cell(geometry, bounds, g, row, logical)] = page
-                touched[n_touched] = view_cell(geometry, n_rows, g, row, logical)
+                pages[cells_at + (logical & mask) * step] = page
+                touched[n_touched] = view_at + (logical & view_mask)
                 n_touched += 1
             bounds[1, g, row] = after[1, g, r]
+        top[g] = free_top
         if n_transient > 0 and lowest[g]:
             for i in range(top[g] - n_transient):
                 stack[offset + i] = stack[offset + n_transient + i]
@@ -1473,19 +1489,23 @@ def must_pack_slabs(ref, owner, group, lo, hi, straddle, slab, pages, per_slab, 
 @njit(cache=True)
 def read_cells(geometry, pages, bounds, index, group, row, column, page):
     """Group, row, column and page id now (-1: no live page there) of each ring-view
-    cell ``index[i]``."""
+    cell ``index[i]`` (a row's bounds and cells read once for a run of its cells, as a step logs them)."""
     n_rows, n_cols = bounds.shape[2], geometry[0, VIEW_COLUMNS]
     rows_shift, cols_shift = log2_exact(n_rows), log2_exact(n_cols)
+    last, g, r, base, hi, mask, cells_at, cells_mask, step = -1, 0, 0, 0, 0, 0, 0, 0, 0
     for i in range(index.size):
         at = index[i]
         q = divide(at, n_cols, cols_shift)
-        g = divide(q, n_rows, rows_shift)
-        r, c = q - g * n_rows, at - q * n_cols
+        if q != last:  # another (group, row)
+            last, g = q, divide(q, n_rows, rows_shift)
+            r = q - g * n_rows
+            base, hi, mask = bounds[BASE, g, r], bounds[HI, g, r], geometry[g, COLUMN_MASK]
+            cells_at, cells_mask, step = row_cells(geometry, bounds, g, r)
+        c = at - q * n_cols
         group[i], row[i], column[i] = g, r, c
-        base, hi, mask = bounds[BASE, g, r], bounds[HI, g, r], geometry[g, COLUMN_MASK]
         # The one logical page of [base, hi) at column c (a live span never exceeds the ring).
         logical = c if mask < 0 else base + ((c - base) & mask)
-        page[i] = pages[cell(geometry, bounds, g, r, logical)] if base <= logical < hi else -1
+        page[i] = pages[cells_at + (logical & cells_mask) * step] if base <= logical < hi else -1
 
 
 @njit(cache=True)
