@@ -562,35 +562,48 @@ def batch_arrays_for(n_groups, n_requests, n_tokens, write_slots):
             np.empty(n_tokens, np.int32), np.empty((1 + n_groups if write_slots else 1, n_tokens), np.int64))
 
 
+@njit(cache=True, inline="always")
+def run_views(plan, n_groups, n):
+    """``plan_views`` of the plan of ``n`` rows in ``plan`` as a run reads them: rows, counts, first, after,
+    sums, released, widths, release scratch, idle keyed pages, touched cells."""
+    rows, counts, first, after, _, sums, _, _, released, widths, scratch, idle_keyed, touched = plan_views(
+        plan, n_groups)
+    return rows[:n], counts[:n], first[:n], after[:, :, :n], sums, released, widths, scratch, idle_keyed, touched
+
+
 @njit(cache=True)
-def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient,
-             rows, counts, first, settle, after, sums, hold, scratch, idle_keyed, released, touched, n_logged, cells,
-             cell_pages, per_request, query_start_loc, request_indices, per_token, widths):
-    """One admitted step (docs/manager.md, stage 3): commit, release, then ``finish_step``. Returns (status,
-    cells logged, idle keyed pages); ``STEP_NEEDS_PAGES`` when it stopped after the releases for Python."""
-    for r in range(rows.size):
+def run_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n,
+             settle, hold, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token):
+    """One admitted step (docs/manager.md, stage 3) of the plan of ``n`` rows (``settle`` settling) that
+    ``prepare_step`` wrote to ``plan`` (``plan_views``; its scratch too): commit, release, then
+    ``finish_step``. Returns (status, cells logged, idle keyed pages); ``STEP_NEEDS_PAGES`` when it stopped
+    after the releases for Python."""
+    rows, _, first, after, sums, released, _, scratch, idle_keyed, touched = run_views(plan, geometry.shape[0], n)
+    committed = counters[1]
+    for r in range(n):
         committed[rows[r]] = first[r]
     n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after,
                                        scratch, idle_keyed, released, touched, n_logged)
     if hold or needs_room(geometry, stack, per_group, low_priority, sums, released, idle_keyed):
         return STEP_NEEDS_PAGES, n_touched, n_keyed
-    n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
-                            first, settle, after, sums, touched, n_touched, cells, cell_pages, per_request,
-                            query_start_loc, request_indices, per_token, widths, released[1])
+    n_touched = finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient,
+                            plan, n, settle, n_touched, cells, cell_pages, per_request, query_start_loc,
+                            request_indices, per_token, False)
     return STEP_DONE, n_touched, n_keyed
 
 
 @njit(cache=True)
-def grant_step(grants, arena, geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack,
-               per_group, transient, rows, counts, first, settle, after, sums, scratch, idle_keyed, released, touched,
-               n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths):
+def grant_step(grants, arena, geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group,
+               transient, plan, n, settle, n_logged, cells, cell_pages, per_request, query_start_loc,
+               request_indices, per_token):
     """``run_step`` granting spare slabs alone (``grants``: groups, slabs) after its releases; it stops for
-    Python only when ``room_groups`` asks (as after the idle keyed pages joined: ``joined_low``). Status -1 (nothing granted): a slab not spare.
+    Python only when ``room_groups`` asks (as after the idle keyed pages joined: ``joined_low``). Status -1
+    (nothing granted): a slab not spare.
     A kernel of its own: the grant inside ``run_step`` makes ``step``'s compiled loops slower."""
     status, n_touched, n_keyed = run_step(
-        geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient, rows,
-        counts, first, settle, after, sums, True, scratch, idle_keyed, released, touched, n_logged, cells,
-        cell_pages, per_request, query_start_loc, request_indices, per_token, widths)
+        geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n, settle,
+        True, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token)
+    rows, counts, first, after, sums, released, _, _, idle_keyed, _ = run_views(plan, geometry.shape[0], n)
     owner, lo, hi, straddle, offsets, most_slab_pages, sizes, spare, roomy_slabs = arena
     granted = np.empty(grants.shape[1] * most_slab_pages, np.int64)
     if grant_spare_slabs(owner, grants[0], grants[1], lo, hi, straddle, granted, np.empty(geometry.shape[0], np.int64),
@@ -603,9 +616,9 @@ def grant_step(grants, arena, geometry, pages, bounds, computed, committed, ref,
     if room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, joined, ref,
                    (owner, lo, hi, straddle, sizes), roomy, np.empty(geometry.shape[0], np.int64)):
         return STEP_NEEDS_PAGES, n_touched, n_keyed  # a group makes room once they joined
-    return STEP_DONE, finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
-                                  first, settle, after, sums, touched, n_touched, cells, cell_pages, per_request,
-                                  query_start_loc, request_indices, per_token, widths, released[1]), n_keyed
+    return STEP_DONE, finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group,
+                                  transient, plan, n, settle, n_touched, cells, cell_pages, per_request,
+                                  query_start_loc, request_indices, per_token, False), n_keyed
 
 
 @njit(cache=True, inline="always")
@@ -697,7 +710,7 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
     """``prepare_step`` then, when the plan needs nothing from Python, ``run_step``, in one call. Returns
     (status, rows, settling rows, crossing rows, clean, cells logged, idle keyed pages); ``STEP_PLANNED``
     (-1 rows: no plan) or ``STEP_COVERED`` (``releases_cover``) when only the plan ran."""
-    rows, counts, first, after, need, sums, crossing, totals, released, widths, scratch, idle_keyed, touched = (
+    rows, counts, first, after, need, sums, crossing, totals, _, _, scratch, idle_keyed, touched = (
         plan_views(plan, geometry.shape[0]))
     computed, committed, known = counters[0], counters[1], counters[2]
     n, settle, n_cross, clean = prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in,
@@ -710,9 +723,8 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
             return STEP_COVERED, n, settle, n_cross, clean, 0, 0
         return STEP_PLANNED, n, settle, n_cross, clean, 0, 0
     status, n_touched, n_keyed = run_step(
-        geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group,
-        transient, rows[:n], counts[:n], first[:n], settle, after[:, :, :n], sums, False, scratch, idle_keyed,
-        released, touched, 0, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths)
+        geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n, settle,
+        False, 0, cells, cell_pages, per_request, query_start_loc, request_indices, per_token)
     return status, n, settle, n_cross, clean, n_touched, n_keyed
 
 
@@ -728,13 +740,15 @@ def releases_cover(geometry, pages, bounds, ref, keyed, top, rows, after, sums):
 
 
 @njit(cache=True)
-def finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts, first, settle,
-                after, sums, touched, n_touched, cells, cell_pages, per_request, query_start_loc, request_indices,
-                per_token, widths, not_joined):
-    """The rest of ``run_step`` once the stacks hold enough: allocate, computed tokens move on, the
-    batch's arrays and write slots; the changed cells read into ``cells`` and ``cell_pages`` when they
-    fit; the pools' peaks (``not_joined``: keyed pages gone idle that join their LRU next). Returns the
-    cells changed."""
+def finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n,
+                settle, n_touched, cells, cell_pages, per_request, query_start_loc, request_indices, per_token,
+                joined):
+    """The rest of ``run_step`` (same arguments; ``keyed``, ``low_priority`` unread) once the stacks hold
+    enough: allocate, computed tokens move on, the batch's arrays and write slots; the changed cells read
+    into ``cells`` and ``cell_pages`` when they fit; the pools' peaks (``joined``: the keyed pages the
+    releases left idle joined their LRUs already, else they join next). Returns the cells changed."""
+    rows, counts, first, after, sums, released, widths, _, _, touched = run_views(plan, geometry.shape[0], n)
+    computed = counters[0]
     n_touched = allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, rows, first, counts,
                                after, sums, touched, n_touched)
     for r in range(rows.size):
@@ -745,7 +759,7 @@ def finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transi
         write_slots(geometry, pages, bounds, rows, first, counts, settle, per_token[1:])
     if n_touched <= cell_pages.size:
         read_cells(geometry, pages, bounds, touched[:n_touched], cells[0], cells[1], cells[2], cell_pages)
-    note_peaks(per_group, sums[1], not_joined)
+    note_peaks(per_group, sums[1], released[1, :0] if joined else released[1])
     return n_touched
 
 

@@ -124,10 +124,14 @@ class _Scratch:
         return self.plan
 
     def _grow(self, n_rows: int, n_pages: int, n_keyed: int, n_touched: int) -> None:
-        """A new buffer with that much room; views made before stay valid."""
-        self.plan_rows = n_rows
-        sizes = (n_rows, n_pages, n_keyed, n_touched)
+        """A new buffer with that much room; views made before stay valid, and with as many rows the plan
+        moves over (``reserve``: the kernels read the plan from ``buffer``)."""
+        old, sizes = getattr(self, "buffer", None), (n_rows, n_pages, n_keyed, n_touched)
         self.buffer = np.empty(kernels.plan_size(n_rows, self.n_groups, n_pages, n_keyed, n_touched), dtype=np.int64)
+        if old is not None and n_rows == self.plan_rows:
+            end = kernels.plan_size(n_rows, self.n_groups, 0, 0, 0)
+            self.buffer[:end] = old[:end]
+        self.plan_rows = n_rows
         self.buffer[:4] = sizes
         views = kernels.plan_views(self.buffer, self.n_groups)
         self.plan, (self.released, self.widths, self.pages, self.idle_keyed, self.touched) = views[:8], views[8:]
@@ -1049,29 +1053,25 @@ class CacheManager:
         if out is None:
             out = _new_tuple(_StepArrays, kernels.batch_arrays_for(len(self.specs), plan.rows.size - plan.settle,
                                                                     n_tokens, write_slots))
-        scratch, idle_keyed, released, touched = self._scratch.reserve(most_released, released_pages,
-                                                                        allocated_pages + n_logged)
-        space, ts = self._space, self._tableset
-        n_logged = ts.take_log(touched) if n_logged and cells[1].size else 0
-        state = (ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
-                 space.low_priority, space.stack, space.per_group, self._transient, plan.rows, plan.counts, plan.first,
-                 plan.settle, plan.after, plan.sums)
+        sc = self._scratch
+        _, idle_keyed, released, touched = sc.reserve(most_released, released_pages, allocated_pages + n_logged)
+        n_logged = self._tableset.take_log(touched) if n_logged and cells[1].size else 0
+        # ``step``'s leading arguments, then the plan (the scratch buffer ``reserve`` kept it in) and its rows.
+        state = (*(self._state or self._kernel_state())[:10], sc.buffer, plan.rows.size, plan.settle)
         grants = self.arena.kernel_grants(plan.grants) if plan.grants else plan.spare_grants
         if grants is None:
-            status, n_touched, n_keyed = kernels.run_step(*state, bool(plan.grants), scratch, idle_keyed, released,
-                                                          touched, n_logged, *cells, *out, self._scratch.widths)
+            status, n_touched, n_keyed = kernels.run_step(*state, bool(plan.grants), n_logged, *cells, *out)
         else:  # spare slabs alone: granted in the kernel, after the releases
             plan.grants = []
-            status, n_touched, n_keyed = kernels.grant_step(grants, self.arena.grant_args, *state, scratch, idle_keyed,
-                                                            released, touched, n_logged, *cells, *out,
-                                                            self._scratch.widths)
+            status, n_touched, n_keyed = kernels.grant_step(grants, self.arena.grant_args, *state, n_logged, *cells,
+                                                            *out)
             if status < 0:
                 raise AssertionError("a slab granted is not spare")
             self.arena.granted(grants.shape[1])
         if status != kernels.STEP_DONE:
             n_touched = self._after_run(n_touched, n_keyed, plan, out, cells)
         elif n_keyed:  # all ``_after_run`` does after a step done whole (the kernel noted the peaks)
-            space.keyed_idle(released[1], idle_keyed)
+            self._space.keyed_idle(released[1], idle_keyed)
         return out, n_touched
 
     def _load_kernels(self) -> None:
@@ -1082,11 +1082,12 @@ class CacheManager:
             self.prefix.load_kernels()
         self._load_step_kernels()
         # Room for a step of every table row and as many settling (``_take_row`` grows it with the rows).
-        rows, counts, first, after, need, _, crossing, _ = self._scratch.plan_arrays(2 * self._computed.size)
-        none = np.zeros((2, len(self.specs)), dtype=np.int64)  # no page released or allocated
-        plan = _StepPlan(rows[:0], counts[:0], first[:0], after[:, :, :1], need[:, :0], none, crossing[:0], 0, True,
+        rows, counts, first, after, need, sums, crossing, _ = self._scratch.plan_arrays(2 * self._computed.size)
+        sums[:] = 0  # no page released or allocated
+        none = sums[1]
+        plan = _StepPlan(rows[:0], counts[:0], first[:0], after[:, :, :1], need[:, :0], sums, crossing[:0], 0, True,
                          (0, 0, 0, 0), grants=[])
-        self._short_pages(plan, none[1], none[1], none[1])
+        self._short_pages(plan, none, none, none)
         out = self._run(plan, True)[0]
         self._after_run(0, 0, plan, out)
         if self.arena is not None:  # ``_run``'s other kernel: ``grant_step``, granting no slab
@@ -1113,17 +1114,15 @@ class CacheManager:
                    cells: tuple = _NO_CELLS) -> int:
         """Stage 3 in Python once the step kernel stopped after its releases (docs/manager.md, "One
         step, in four stages"): keyed pages join the LRU, slabs move, groups make room, ``finish_step``."""
-        space, ts = self._space, self._tableset
+        space = self._space
         if n_keyed:
             space.keyed_idle(self._scratch.released[1], self._scratch.idle_keyed)
         if plan.grants:
             self.arena.apply(plan.grants)
         if self._room_groups(plan):
             self._make_room(plan)
-        return kernels.finish_step(
-            ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.per_group,
-            self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums,
-            self._scratch.touched, n_touched, *cells, *out, self._scratch.widths, _NO_PAGES)
+        return kernels.finish_step(*(self._state or self._kernel_state())[:10], self._scratch.buffer, plan.rows.size,
+                                   plan.settle, n_touched, *cells, *out, True)
 
     def _room_groups(self, plan: _StepPlan) -> int:
         """``kernels.room_groups`` of ``plan`` now, into ``_scratch.transient`` (per group: its transient
