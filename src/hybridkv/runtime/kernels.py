@@ -729,6 +729,25 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
 
 
 @njit(cache=True)
+def step_spare(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain,
+               plan, last_rows, rows_in, counts_in, cells, cell_pages, per_request, query_start_loc, request_indices,
+               per_token, window_pages, short, owner, spare_slabs, slab_pages, inner_pages, straddle, own, taken,
+               grant_groups, grant_slabs):
+    """``step`` on an arena, then (pure) ``admit_spare`` of a plan that only ran and is not clean, in one
+    call: ``step``'s answer and the spare slabs ``admit_spare`` grants (-1: Python decides, or not asked).
+    For batches with more tokens than rows (a prefill chunk), whose plans are seldom clean."""
+    status, n, settle, n_cross, clean, n_touched, n_keyed = step(
+        geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain, plan,
+        last_rows, rows_in, counts_in, cells, cell_pages, per_request, query_start_loc, request_indices, per_token)
+    n_spare = -1
+    if status >= STEP_PLANNED and n >= 0 and not clean:
+        n_spare = admit_spare(geometry, pages, bounds, ref, keyed, per_group, counters[1], grain, window_pages, plan,
+                              n, short, owner, spare_slabs, slab_pages, inner_pages, straddle, own, taken,
+                              grant_groups, grant_slabs)
+    return status, n, settle, n_cross, clean, n_touched, n_keyed, n_spare
+
+
+@njit(cache=True)
 def releases_cover(geometry, pages, bounds, ref, keyed, top, rows, after, sums):
     """Whether in every group short of free pages the step's releases cover the shortfall first
     (``freed_by_releases``; pure)."""

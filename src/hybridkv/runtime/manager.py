@@ -325,6 +325,7 @@ class CacheManager:
         self._last_rows = np.zeros(0, dtype=np.int64)
         self._state: tuple | None = None  # ``_kernel_state``, until a new table row grows the arrays
         self._step_entry = None  # ``kernels.step``'s compiled code for ``_step``'s argument types (``entry_point``)
+        self._spare_entry, self._spare_args = None, ()  # on an arena: ``kernels.step_spare``'s, its last arguments
         self._row_owner: dict[int, _Request] = {}
         self._free_rows: list[int] = []
         self._next_row = 0
@@ -966,8 +967,9 @@ class CacheManager:
         return None
 
     def _step(self, fast: tuple, write_slots: bool, updates: bool) -> StepBatch | _StepPlan | None:
-        """``fast``'s step in one compiled call (``kernels.step``): the batch; else (nothing changed) the
-        plan for ``_admit``, or None (a row twice, or past its known tokens)."""
+        """``fast``'s step in one compiled call (``kernels.step``; ``kernels.step_spare`` on an arena for a batch
+        with more tokens than rows): the batch; else (nothing changed) the plan for ``_admit``, or None (a row
+        twice, or past its known tokens)."""
         rows_in, counts_in, rids, n_tokens = fast
         sc, n_rows = self._scratch, rows_in.size
         n_groups = len(self._pool_list)
@@ -977,15 +979,20 @@ class CacheManager:
         if n_rows + self._last_rows.size >= sc.plan_rows:
             sc.plan_arrays(n_rows + self._last_rows.size)
         cells = _NO_CELLS
-        if updates:  # ``_cell_buffers``' room for a decode step; handed out only if the log holds nothing else
-            room = 2 * n_groups * n_rows + 16
+        if updates:  # handed out only if the log holds nothing else (``_commit_and_run`` reuses them if they fit)
+            # ``_cell_buffers``' room for a decode step, and two cells for each further token (a chunk
+            # of DeepSeek-V4's six groups releases and allocates about 1.3 pages a token).
+            room = 2 * n_groups * n_rows + 16 + 2 * (n_tokens - n_rows)
             cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
         args = (*(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, *cells, *out)
-        if self._step_entry is None:  # every argument's type is fixed by how the manager makes it
-            self._step_entry = kernels.entry_point(kernels.step, args)
-        status, n, settle, n_crossing, clean, n_touched, n_keyed = self._step_entry(*args)
+        if self._spare_entry is not None and n_tokens > n_rows:  # a chunk: ``admit_spare`` in the same call
+            *answer, n_spare = self._spare_entry(*args, *self._spare_args)
+        else:
+            answer, n_spare = self._step_entry(*args), None
+        status, n, settle, n_crossing, clean, n_touched, n_keyed = answer
         if status >= kernels.STEP_PLANNED:
-            return self._planned_step(status, (n, settle, n_crossing, clean), rids, cells, out, write_slots, updates)
+            return self._planned_step(status, (n, settle, n_crossing, clean), rids, cells, out, write_slots, updates,
+                                      n_spare)
         self._version += 1
         if status != kernels.STEP_DONE:
             plan = self._plan_of(n, settle, n_crossing, clean)
@@ -997,8 +1004,9 @@ class CacheManager:
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
 
     def _planned_step(self, status: int, planned: tuple, rids: tuple, cells: tuple, out: _StepArrays,
-                      write_slots: bool, updates: bool) -> StepBatch | _StepPlan | None:
-        """``_step`` once ``kernels.step`` only planned: the batch if admitted as is, else the plan or None."""
+                      write_slots: bool, updates: bool, n_spare: int | None) -> StepBatch | _StepPlan | None:
+        """``_step`` once ``kernels.step`` only planned: the batch if admitted as is, else the plan or None
+        (``n_spare``: ``admit_spare``'s answer if ``step_spare`` gave it)."""
         if planned[0] < 0:
             return None
         plan = self._plan_of(*planned)
@@ -1006,20 +1014,21 @@ class CacheManager:
         plan.arrays = out  # for ``_run``, once admitted
         if plan.clean or (status == kernels.STEP_COVERED and self._evictable_cover(plan.sums[1])):
             plan.grants = []
-        elif not self._admit_spare(plan):
+        elif not self._admit_spare(plan, n_spare):
             return plan
         return self._commit_and_run(plan, write_slots, updates, False)
 
-    def _admit_spare(self, plan: _StepPlan) -> bool:
-        """``kernels.admit_spare`` on an arena: True (``plan.grants`` set) when spare slabs alone, or none,
-        admit the plan; False: ``_admit`` decides."""
+    def _admit_spare(self, plan: _StepPlan, n: int | None = None) -> bool:
+        """``kernels.admit_spare`` (``n``: its answer, if given) on an arena: True (``plan.grants`` set) when
+        spare slabs alone, or none, admit the plan; False: ``_admit`` decides."""
         arena = self.arena
         if arena is None:
             return False
-        ts, space = self._tableset, self._space
-        n = kernels.admit_spare(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.per_group,
-                                self._committed, self._grain, self._window_pages, self._scratch.buffer,
-                                plan.rows.size, self._short, *arena.spare_args)
+        if n is None:
+            ts, space = self._tableset, self._space
+            n = kernels.admit_spare(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.per_group,
+                                    self._committed, self._grain, self._window_pages, self._scratch.buffer,
+                                    plan.rows.size, self._short, *arena.spare_args)
         if n < 0:
             return False
         plan.spare_grants = arena.kernel_spare_grants(n) if n else None
@@ -1105,6 +1114,8 @@ class CacheManager:
             kernels.entry_point(kernels.admit_spare, (
                 ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.per_group, self._committed,
                 self._grain, self._window_pages, sc.buffer, 0, self._short, *self.arena.spare_args))
+            self._spare_args = (self._window_pages, self._short, *self.arena.spare_args)
+            self._spare_entry = kernels.entry_point(kernels.step_spare, (*args, *self._spare_args))
         self._plan(no_rows, no_rows, _COMPUTED)
         kernels.distinct_rows(no_rows, self._in_batch)
         kernels.copy_token_ids(np.empty(0, _INT32), np.empty(0, _INT32))
