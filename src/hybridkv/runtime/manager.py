@@ -986,11 +986,12 @@ class CacheManager:
             room = 2 * n_groups * n_rows + 16 + 2 * (n_tokens - n_rows)
             cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
         args = (*(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, *cells, *out)
-        if self._spare_entry is not None and n_tokens > n_rows:  # a chunk: ``admit_spare`` in the same call
-            *answer, n_spare = self._spare_entry(*args, *self._spare_args)
-        else:
-            answer, n_spare = self._step_entry(*args), None
-        status, n, settle, n_crossing, clean, n_touched, n_keyed = answer
+        if n_tokens > n_rows and self._spare_entry is not None:  # a chunk: ``admit_spare`` in the same call
+            status, n, settle, n_crossing, clean, n_touched, n_keyed, n_spare = self._spare_entry(
+                *args, *self._spare_args)
+        else:  # decode: the int comparison alone
+            status, n, settle, n_crossing, clean, n_touched, n_keyed = self._step_entry(*args)
+            n_spare = None
         if status >= kernels.STEP_PLANNED:
             return self._planned_step(status, (n, settle, n_crossing, clean), rids, cells, out, write_slots, updates,
                                       n_spare)
