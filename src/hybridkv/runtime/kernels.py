@@ -243,9 +243,10 @@ def write_slots(geometry, pages, bounds, rows, first, counts, settle, slots):
         at = 0  # the batch index of the row's first token
         for r in range(settle, rows.size):
             start, end = first[r], first[r] + counts[r]
-            cells_at, mask, step = row_cells(geometry, bounds, g, rows[r])
             shift = at - start  # token p's batch index
             pos = divide(start + stride, stride, stride_shift) * stride - 1  # the first entry end
+            if pos < end:  # (most decode rows of a strided group close no entry)
+                cells_at, mask, step = row_cells(geometry, bounds, g, rows[r])
             while pos < end:
                 logical = divide(pos, tokens, page_shift)
                 page_end = min((logical + 1) * tokens, end)
