@@ -19,6 +19,7 @@ from hypothesis import given, settings
 
 from hybridkv.runtime.manager import CacheManager
 from hybridkv.models.deepseek_v4 import build_v4_cache_specs
+from hybridkv.memory import lru
 from hybridkv.runtime import kernels
 from hybridkv.spec import CacheGroupSpec
 
@@ -361,18 +362,31 @@ def test_a_kernels_entry_point_answers_as_the_kernel_for_the_same_argument_types
 
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.integers(0, 6), min_size=1, max_size=4), st.integers(0, 2**16))
-def test_keyed_low_answers_whether_a_listed_page_is_low_priority(counts, seed):
-    """``kernels.keyed_low`` (``grant_step`` stops for Python only then): pages listed group after
-    group, ``counts[g]`` of group ``g`` as local ids, against flags read page by page."""
+def test_joined_low_counts_as_lru_join_does(counts, seed):
+    """``kernels.joined_low`` (what ``grant_step``'s ``room_groups`` reads once a release's idle keyed pages
+    joined their LRUs): pages listed group after group, ``counts[g]`` of group ``g`` as local ids, against
+    ``lru.join`` on a copy: the same low-idle counts and floors; ``per_group`` itself, unchanged, when no
+    listed page is low priority."""
     rng = np.random.default_rng(seed)
     n_groups, pages = len(counts), 8
-    geometry = np.zeros((n_groups, 8), dtype=np.int64)
-    geometry[:, kernels.ID_OFFSET] = np.arange(n_groups) * pages
+    geometry = np.zeros((n_groups, kernels.GEOMETRY_COLUMNS), dtype=np.int64)
+    offsets = np.arange(n_groups, dtype=np.int64) * pages
+    geometry[:, kernels.ID_OFFSET] = offsets
     low = rng.random(n_groups * pages) < 0.15
-    listed = [(g, int(p)) for g, k in enumerate(counts) for p in rng.choice(pages, k, replace=False)]
-    idle = np.array([p for _, p in listed], dtype=np.int64)
-    want = any(low[g * pages + p] for g, p in listed)
-    assert kernels.keyed_low(geometry, low, np.array(counts, dtype=np.int64), idle) == want
+    per_group = rng.integers(0, 9, (kernels.PER_GROUP_ROWS, n_groups)).astype(np.int64)
+    idle = np.array([p for k in counts for p in rng.choice(np.arange(1, pages), k, replace=False)], dtype=np.int64)
+    listed = np.array(counts, dtype=np.int64)
+    before = per_group.copy()
+    joined = kernels.joined_low(geometry, low, per_group, listed, idle)
+    want, links = per_group.copy(), np.full(n_groups * pages, -1, dtype=np.int64)
+    links[offsets] = 0  # each group's empty list (its sentinel, local id 0)
+    lru.join(np.zeros(n_groups * pages, np.int64), low, links, links.copy(), want[kernels.LRU_PAGES],
+             want[kernels.LOW_IDLE_PAGES], want[kernels.LOW_FLOOR], offsets, listed, idle, np.zeros(1, np.int64))
+    assert np.array_equal(per_group, before)
+    for row in (kernels.LOW_IDLE_PAGES, kernels.LOW_FLOOR):
+        assert joined[row].tolist() == want[row].tolist()
+    any_low = any(low[g * pages + p] for g, k in enumerate(counts) for p in idle[sum(counts[:g]):][:k])
+    assert np.shares_memory(joined, per_group) == (not any_low)
 
 
 @settings(max_examples=100, deadline=None)

@@ -1,13 +1,16 @@
 """Steps on a shared arena that need slabs: the step's own admission of spare slabs
-(``kernels.admit_spare``, then ``kernels.grant_step``) decides as the general admission.
+(``kernels.admit_spare``, in ``kernels.step_spare`` for a prefill chunk, then
+``kernels.grant_step``) decides as the general admission.
 
 The same program (requests join with prompts of a small vocabulary, so prefixes are
 shared, prefill in chunks, decode, leave) runs twice: as the manager runs it, and with
-``admit_spare`` answering -1 every time (the reference: every step that is not clean goes
-through ``CacheManager``'s general admission and its Python slab grants). Every batch,
-table update, error, event, pool count and slab owner must match after every call.
+``admit_spare`` answering -1 every time (``general_admission``, the reference: every step
+that is not clean goes through ``CacheManager``'s general admission and its Python slab
+grants). Every batch, table update, error, event, pool count and slab owner must match
+after every call.
 """
 
+import contextlib
 from unittest import mock
 
 import hypothesis.strategies as st
@@ -19,6 +22,13 @@ from hybridkv.runtime import kernels
 from hybridkv.runtime.manager import CacheManager, CacheManagerError
 from test_arena_stateful import ANCHOR, PAGE_BYTES
 from test_table_updates import CONFIGS
+
+
+def general_admission():
+    """``admit_spare`` answering -1, also inside ``step_spare`` (``step`` alone, then -1), while a manager is
+    built (it takes the kernels then) and runs."""
+    return mock.patch.multiple(kernels, admit_spare=lambda *args: -1,
+                               step_spare=lambda *args: (*kernels.step(*args[:22]), -1))
 
 
 def build(config, caching, budget_share, slab_pages):
@@ -94,7 +104,7 @@ def test_steps_admitted_with_spare_slabs_match_the_general_admission(config, cac
                    st.tuples(st.just("step"), st.booleans()), st.tuples(st.just("step"), st.booleans()))
     program = data.draw(st.lists(op, min_size=20, max_size=150), label="program")
     fast = serve(build(config, caching, budget_share, slab_pages), program, seed)
-    with mock.patch.object(kernels, "admit_spare", lambda *args: -1):
+    with general_admission():
         general = serve(build(config, caching, budget_share, slab_pages), program, seed)
     assert len(fast) == len(general)
     for k, (a, b) in enumerate(zip(fast, general)):
@@ -111,8 +121,8 @@ def test_served_conversations_take_the_same_slabs_as_with_the_general_admission(
 
     sweep = load_bench_script("hit_sweep.py", "hit_sweep_for_slabs")
     runs = []
-    for admit in (kernels.admit_spare, lambda *args: -1):
-        with mock.patch.object(kernels, "admit_spare", admit):
+    for admission in (contextlib.nullcontext(), general_admission()):
+        with admission:
             side = sweep.make_side("hybridkv shared", 2 * 2**30, 131_072, None)
             hits = sweep.serve_in_order(side, in_waves(multiturn_workload(120, 6, seed=0), 40))
             runs.append((hits.tolist(), sweep.group_diagnostics(side)))

@@ -72,14 +72,21 @@ def divide(value, divisor, shift):
 
 
 @njit(cache=True, inline="always")
-def cell(geometry, bounds, g, row, logical):
-    """Index in ``pages`` of logical page ``logical`` of ``row`` in group ``g``."""
+def row_cells(geometry, bounds, g, row):
+    """Where ``row``'s cells of group ``g`` lie now: logical page ``L`` at ``start + (L & mask) * step``
+    (its lane's, else its narrow ring's); ``(start, mask, step)``, read once for a run of pages."""
     lane = bounds[LANE, g, row]
     if lane:
         mask = geometry[g, COLUMN_MASK]
-        return geometry[g, LANE_START] + (lane - 1) * (mask + 1) + (logical & mask)
-    return (geometry[g, RING_START] + row * geometry[g, ROW_STRIDE]
-            + (logical & geometry[g, RING_MASK]) * geometry[g, COLUMN_STRIDE])
+        return geometry[g, LANE_START] + (lane - 1) * (mask + 1), mask, 1
+    return geometry[g, RING_START] + row * geometry[g, ROW_STRIDE], geometry[g, RING_MASK], geometry[g, COLUMN_STRIDE]
+
+
+@njit(cache=True, inline="always")
+def cell(geometry, bounds, g, row, logical):
+    """Index in ``pages`` of logical page ``logical`` of ``row`` in group ``g``."""
+    start, mask, step = row_cells(geometry, bounds, g, row)
+    return start + (logical & mask) * step
 
 
 @njit(cache=True, inline="always")
@@ -273,28 +280,33 @@ def place_row(geometry, pages, bounds, row, lo, counts, page_ids, view):
 @njit(cache=True)
 def write_slots(geometry, pages, bounds, rows, first, counts, settle, slots):
     """``slots[g, i]``: ``page * rows_per_page + entry % rows_per_page`` for token ``i`` of plan rows
-    ``[settle, R)`` (entry ``position // stride``), -1 where the token closes no entry; a page looked up once."""
+    ``[settle, R)`` (entry ``position // stride``), -1 where the token closes no entry; a page looked up once
+    (the geometry and the row's cells read into locals first: the slot stores may alias them)."""
     for g in range(geometry.shape[0]):
         tokens, page_shift = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT]
         per_page = geometry[g, ROWS_PER_PAGE]
         stride, stride_shift = geometry[g, STRIDE_TOKENS], geometry[g, STRIDE_SHIFT]
+        out = slots[g]
         if stride > 1:
-            slots[g, :] = -1
+            out[:] = -1
         at = 0  # the batch index of the row's first token
         for r in range(settle, rows.size):
             start, end = first[r], first[r] + counts[r]
+            shift = at - start  # token p's batch index
             pos = divide(start + stride, stride, stride_shift) * stride - 1  # the first entry end
+            if pos < end:  # (most decode rows of a strided group close no entry)
+                cells_at, mask, step = row_cells(geometry, bounds, g, rows[r])
             while pos < end:
                 logical = divide(pos, tokens, page_shift)
                 page_end = min((logical + 1) * tokens, end)
-                base = (np.int64(pages[cell(geometry, bounds, g, rows[r], logical)]) - logical) * per_page
+                base = (np.int64(pages[cells_at + (logical & mask) * step]) - logical) * per_page
                 if stride == 1:
                     for p in range(pos, page_end):
-                        slots[g, at + p - start] = base + p
+                        out[shift + p] = base + p
                     pos = page_end
                 else:
                     while pos < page_end:
-                        slots[g, at + pos - start] = base + divide(pos, stride, stride_shift)
+                        out[shift + pos] = base + divide(pos, stride, stride_shift)
                         pos += stride
             at += counts[r]
 
@@ -409,11 +421,13 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
             row, new_base = rows[r], after[0, g, r]
             if new_base == bounds[BASE, g, row] and new_base <= bounds[HI, g, row] and not bounds[LANE, g, row]:
                 continue  # nothing to release and nothing to change (most rows of a decode step)
+            cells_at, mask, step = row_cells(geometry, bounds, g, row)
+            view_at, view_mask = view_cell(geometry, n_rows, g, row, 0), geometry[g, COLUMN_MASK]
             for logical in range(bounds[BASE, g, row], min(after[0, g, r], bounds[HI, g, row])):
-                at = cell(geometry, bounds, g, row, logical)
+                at = cells_at + (logical & mask) * step
                 scratch[n] = pages[at]
                 pages[at] = -1
-                touched[n_touched] = view_cell(geometry, n_rows, g, row, logical)
+                touched[n_touched] = view_at + (logical & view_mask)
                 n_touched += 1
                 n += 1
             bounds[BASE, g, row] = after[0, g, r]
@@ -491,17 +505,22 @@ def room_groups(geometry, bounds, transient, rows, first, counts, after, sums, s
 
 
 @njit(cache=True)
-def keyed_low(geometry, low_priority, per_group, idle_keyed):
-    """Whether a keyed page a release left idle (``idle_keyed``, local ids, group after group,
-    ``per_group[g]`` of them) is low priority."""
-    at = 0
+def joined_low(geometry, low_priority, per_group, counts, idle_keyed):
+    """``per_group`` as it will be once keyed pages a release left idle (``idle_keyed``, local ids, group
+    after group, ``counts[g]`` of them) joined their LRUs (``lru.join``: each low-priority one counts in
+    ``LOW_IDLE_PAGES`` and lowers ``LOW_FLOOR``): a copy when one is low priority, else ``per_group``."""
+    joined, copied, at = per_group, False, 0
     for g in range(geometry.shape[0]):
         offset = geometry[g, ID_OFFSET]
-        for i in range(at, at + per_group[g]):
-            if low_priority[offset + idle_keyed[i]]:
-                return True
-        at += per_group[g]
-    return False
+        for i in range(at, at + counts[g]):
+            page = idle_keyed[i]
+            if low_priority[offset + page]:
+                if not copied:
+                    joined, copied = per_group.copy(), True
+                joined[LOW_IDLE_PAGES, g] += 1
+                joined[LOW_FLOOR, g] = min(joined[LOW_FLOOR, g], page)
+        at += counts[g]
+    return joined
 
 
 @njit(cache=True)
@@ -533,7 +552,7 @@ def allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, ro
         n_transient = transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0
         # Survivors pop from the top; transient page k sits at ``late - k``.
         late = n_transient - 1 if lowest[g] else top[g] - sums[1, g] + n_transient - 1
-        taken = 0
+        taken, free_top = 0, top[g]  # the top in a local: the stores below may alias ``top``
         for r in range(rows.size):
             row = rows[r]
             if after[1, g, r] == bounds[HI, g, row]:
@@ -541,18 +560,21 @@ def allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, ro
             keep_from = divide(max(first[r] + counts[r] - window + 1, 0), tokens, shift)
             if after[1, g, r] > bounds[HI, g, row]:
                 fit_ring(geometry, pages, bounds, g, row, after[1, g, r] - bounds[BASE, g, row])
+            cells_at, mask, step = row_cells(geometry, bounds, g, row)
+            view_at, view_mask = view_cell(geometry, n_rows, g, row, 0), geometry[g, COLUMN_MASK]
             for logical in range(bounds[HI, g, row], after[1, g, r]):
                 if n_transient > 0 and logical < keep_from:
                     page = stack[offset + late - taken]
                     taken += 1
                 else:
-                    top[g] -= 1
-                    page = stack[offset + top[g]]
+                    free_top -= 1
+                    page = stack[offset + free_top]
                 ref[offset + page] = 1
-                pages[cell(geometry, bounds, g, row, logical)] = page
-                touched[n_touched] = view_cell(geometry, n_rows, g, row, logical)
+                pages[cells_at + (logical & mask) * step] = page
+                touched[n_touched] = view_at + (logical & view_mask)
                 n_touched += 1
             bounds[1, g, row] = after[1, g, r]
+        top[g] = free_top
         if n_transient > 0 and lowest[g]:
             for i in range(top[g] - n_transient):
                 stack[offset + i] = stack[offset + n_transient + i]
@@ -590,50 +612,63 @@ def batch_arrays_for(n_groups, n_requests, n_tokens, write_slots):
             np.empty(n_tokens, np.int32), np.empty((1 + n_groups if write_slots else 1, n_tokens), np.int64))
 
 
+@njit(cache=True, inline="always")
+def run_views(plan, n_groups, n):
+    """``plan_views`` of the plan of ``n`` rows in ``plan`` as a run reads them: rows, counts, first, after,
+    sums, released, widths, release scratch, idle keyed pages, touched cells."""
+    rows, counts, first, after, _, sums, _, _, released, widths, scratch, idle_keyed, touched = plan_views(
+        plan, n_groups)
+    return rows[:n], counts[:n], first[:n], after[:, :, :n], sums, released, widths, scratch, idle_keyed, touched
+
+
 @njit(cache=True)
-def run_step(geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient,
-             rows, counts, first, settle, after, sums, hold, scratch, idle_keyed, released, touched, n_logged, cells,
-             cell_pages, per_request, query_start_loc, request_indices, per_token, widths):
-    """One admitted step (docs/manager.md, stage 3): commit, release, then ``finish_step``. Returns (status,
-    cells logged, idle keyed pages); ``STEP_NEEDS_PAGES`` when it stopped after the releases for Python."""
-    for r in range(rows.size):
+def run_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n,
+             settle, hold, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token):
+    """One admitted step (docs/manager.md, stage 3) of the plan of ``n`` rows (``settle`` settling) that
+    ``prepare_step`` wrote to ``plan`` (``plan_views``; its scratch too): commit, release, then
+    ``finish_step``. Returns (status, cells logged, idle keyed pages); ``STEP_NEEDS_PAGES`` when it stopped
+    after the releases for Python."""
+    rows, _, first, after, sums, released, _, scratch, idle_keyed, touched = run_views(plan, geometry.shape[0], n)
+    committed = counters[1]
+    for r in range(n):
         committed[rows[r]] = first[r]
     n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after,
                                        scratch, idle_keyed, released, touched, n_logged)
     if hold or needs_room(geometry, stack, per_group, low_priority, sums, released, idle_keyed):
         return STEP_NEEDS_PAGES, n_touched, n_keyed
-    n_touched = finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
-                            first, settle, after, sums, touched, n_touched, cells, cell_pages, per_request,
-                            query_start_loc, request_indices, per_token, widths, released[1])
+    n_touched = finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient,
+                            plan, n, settle, n_touched, cells, cell_pages, per_request, query_start_loc,
+                            request_indices, per_token, False)
     return STEP_DONE, n_touched, n_keyed
 
 
 @njit(cache=True)
-def grant_step(grants, arena, geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack,
-               per_group, transient, rows, counts, first, settle, after, sums, scratch, idle_keyed, released, touched,
-               n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths):
+def grant_step(grants, arena, geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group,
+               transient, plan, n, settle, n_logged, cells, cell_pages, per_request, query_start_loc,
+               request_indices, per_token):
     """``run_step`` granting spare slabs alone (``grants``: groups, slabs) after its releases; it stops for
-    Python only when ``keyed_low`` or ``room_groups`` asks. Status -1 (nothing granted): a slab not spare.
+    Python only when ``room_groups`` asks (as after the idle keyed pages joined: ``joined_low``). Status -1
+    (nothing granted): a slab not spare.
     A kernel of its own: the grant inside ``run_step`` makes ``step``'s compiled loops slower."""
     status, n_touched, n_keyed = run_step(
-        geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group, transient, rows,
-        counts, first, settle, after, sums, True, scratch, idle_keyed, released, touched, n_logged, cells,
-        cell_pages, per_request, query_start_loc, request_indices, per_token, widths)
+        geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n, settle,
+        True, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token)
+    rows, counts, first, after, sums, released, _, _, idle_keyed, _ = run_views(plan, geometry.shape[0], n)
     owner, lo, hi, straddle, offsets, most_slab_pages, sizes, spare, roomy_slabs = arena
     granted = np.empty(grants.shape[1] * most_slab_pages, np.int64)
     if grant_spare_slabs(owner, grants[0], grants[1], lo, hi, straddle, granted, np.empty(geometry.shape[0], np.int64),
                          stack, per_group[TOP], offsets, per_group[LOWEST], per_group[GRANTED_PAGES]) < 0:
         return -1, n_touched, n_keyed
     roomy = spare[0] - grants.shape[1] >= roomy_slabs  # the arena's ``roomy`` once ``Arena.granted`` counts these
-    # Low-priority keyed pages gone idle join their LRU first (they may change ``room_groups``' answer);
-    # others join after the step, as after ``run_step``'s.
-    if (n_keyed and keyed_low(geometry, low_priority, released[1], idle_keyed)) or room_groups(
-            geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, per_group, ref,
-            (owner, lo, hi, straddle, sizes), roomy, np.empty(geometry.shape[0], np.int64)):
+    # ``room_groups`` as it answers once the keyed pages gone idle joined their LRUs (low-priority ones change
+    # its counts: ``joined_low``); they join after the step, as after ``run_step``'s.
+    joined = joined_low(geometry, low_priority, per_group, released[1], idle_keyed) if n_keyed else per_group
+    if room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, joined, ref,
+                   (owner, lo, hi, straddle, sizes), roomy, np.empty(geometry.shape[0], np.int64)):
         return STEP_NEEDS_PAGES, n_touched, n_keyed  # a group makes room once they joined
-    return STEP_DONE, finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts,
-                                  first, settle, after, sums, touched, n_touched, cells, cell_pages, per_request,
-                                  query_start_loc, request_indices, per_token, widths, released[1]), n_keyed
+    return STEP_DONE, finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group,
+                                  transient, plan, n, settle, n_touched, cells, cell_pages, per_request,
+                                  query_start_loc, request_indices, per_token, False), n_keyed
 
 
 @njit(cache=True, inline="always")
@@ -725,7 +760,7 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
     """``prepare_step`` then, when the plan needs nothing from Python, ``run_step``, in one call. Returns
     (status, rows, settling rows, crossing rows, clean, cells logged, idle keyed pages); ``STEP_PLANNED``
     (-1 rows: no plan) or ``STEP_COVERED`` (``releases_cover``) when only the plan ran."""
-    rows, counts, first, after, need, sums, crossing, totals, released, widths, scratch, idle_keyed, touched = (
+    rows, counts, first, after, need, sums, crossing, totals, _, _, scratch, idle_keyed, touched = (
         plan_views(plan, geometry.shape[0]))
     computed, committed, known = counters[0], counters[1], counters[2]
     n, settle, n_cross, clean = prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in,
@@ -738,10 +773,28 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
             return STEP_COVERED, n, settle, n_cross, clean, 0, 0
         return STEP_PLANNED, n, settle, n_cross, clean, 0, 0
     status, n_touched, n_keyed = run_step(
-        geometry, pages, bounds, computed, committed, ref, keyed, low_priority, stack, per_group,
-        transient, rows[:n], counts[:n], first[:n], settle, after[:, :, :n], sums, False, scratch, idle_keyed,
-        released, touched, 0, cells, cell_pages, per_request, query_start_loc, request_indices, per_token, widths)
+        geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n, settle,
+        False, 0, cells, cell_pages, per_request, query_start_loc, request_indices, per_token)
     return status, n, settle, n_cross, clean, n_touched, n_keyed
+
+
+@njit(cache=True)
+def step_spare(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain,
+               plan, last_rows, rows_in, counts_in, cells, cell_pages, per_request, query_start_loc, request_indices,
+               per_token, window_pages, short, owner, spare_slabs, slab_pages, inner_pages, straddle, own, taken,
+               grant_groups, grant_slabs):
+    """``step`` on an arena, then (pure) ``admit_spare`` of a plan that only ran and is not clean, in one
+    call: ``step``'s answer and the spare slabs ``admit_spare`` grants (-1: Python decides, or not asked).
+    For batches with more tokens than rows (a prefill chunk), whose plans are seldom clean."""
+    status, n, settle, n_cross, clean, n_touched, n_keyed = step(
+        geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain, plan,
+        last_rows, rows_in, counts_in, cells, cell_pages, per_request, query_start_loc, request_indices, per_token)
+    n_spare = -1
+    if status >= STEP_PLANNED and n >= 0 and not clean:
+        n_spare = admit_spare(geometry, pages, bounds, ref, keyed, per_group, counters[1], grain, window_pages, plan,
+                              n, short, owner, spare_slabs, slab_pages, inner_pages, straddle, own, taken,
+                              grant_groups, grant_slabs)
+    return status, n, settle, n_cross, clean, n_touched, n_keyed, n_spare
 
 
 @njit(cache=True)
@@ -756,13 +809,15 @@ def releases_cover(geometry, pages, bounds, ref, keyed, top, rows, after, sums):
 
 
 @njit(cache=True)
-def finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transient, rows, counts, first, settle,
-                after, sums, touched, n_touched, cells, cell_pages, per_request, query_start_loc, request_indices,
-                per_token, widths, not_joined):
-    """The rest of ``run_step`` once the stacks hold enough: allocate, computed tokens move on, the
-    batch's arrays and write slots; the changed cells read into ``cells`` and ``cell_pages`` when they
-    fit; the pools' peaks (``not_joined``: keyed pages gone idle that join their LRU next). Returns the
-    cells changed."""
+def finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n,
+                settle, n_touched, cells, cell_pages, per_request, query_start_loc, request_indices, per_token,
+                joined):
+    """The rest of ``run_step`` (same arguments; ``keyed``, ``low_priority`` unread) once the stacks hold
+    enough: allocate, computed tokens move on, the batch's arrays and write slots; the changed cells read
+    into ``cells`` and ``cell_pages`` when they fit; the pools' peaks (``joined``: the keyed pages the
+    releases left idle joined their LRUs already, else they join next). Returns the cells changed."""
+    rows, counts, first, after, sums, released, widths, _, _, touched = run_views(plan, geometry.shape[0], n)
+    computed = counters[0]
     n_touched = allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, rows, first, counts,
                                after, sums, touched, n_touched)
     for r in range(rows.size):
@@ -773,7 +828,7 @@ def finish_step(geometry, pages, bounds, computed, ref, stack, per_group, transi
         write_slots(geometry, pages, bounds, rows, first, counts, settle, per_token[1:])
     if n_touched <= cell_pages.size:
         read_cells(geometry, pages, bounds, touched[:n_touched], cells[0], cells[1], cells[2], cell_pages)
-    note_peaks(per_group, sums[1], not_joined)
+    note_peaks(per_group, sums[1], released[1, :0] if joined else released[1])
     return n_touched
 
 
@@ -1517,19 +1572,23 @@ def must_pack_slabs(ref, owner, group, lo, hi, straddle, slab, pages, per_slab, 
 @njit(cache=True)
 def read_cells(geometry, pages, bounds, index, group, row, column, page):
     """Group, row, column and page id now (-1: no live page there) of each ring-view
-    cell ``index[i]``."""
+    cell ``index[i]`` (a row's bounds and cells read once for a run of its cells, as a step logs them)."""
     n_rows, n_cols = bounds.shape[2], geometry[0, VIEW_COLUMNS]
     rows_shift, cols_shift = log2_exact(n_rows), log2_exact(n_cols)
+    last, g, r, base, hi, mask, cells_at, cells_mask, step = -1, 0, 0, 0, 0, 0, 0, 0, 0
     for i in range(index.size):
         at = index[i]
         q = divide(at, n_cols, cols_shift)
-        g = divide(q, n_rows, rows_shift)
-        r, c = q - g * n_rows, at - q * n_cols
+        if q != last:  # another (group, row)
+            last, g = q, divide(q, n_rows, rows_shift)
+            r = q - g * n_rows
+            base, hi, mask = bounds[BASE, g, r], bounds[HI, g, r], geometry[g, COLUMN_MASK]
+            cells_at, cells_mask, step = row_cells(geometry, bounds, g, r)
+        c = at - q * n_cols
         group[i], row[i], column[i] = g, r, c
-        base, hi, mask = bounds[BASE, g, r], bounds[HI, g, r], geometry[g, COLUMN_MASK]
         # The one logical page of [base, hi) at column c (a live span never exceeds the ring).
         logical = c if mask < 0 else base + ((c - base) & mask)
-        page[i] = pages[cell(geometry, bounds, g, r, logical)] if base <= logical < hi else -1
+        page[i] = pages[cells_at + (logical & cells_mask) * step] if base <= logical < hi else -1
 
 
 @njit(cache=True)

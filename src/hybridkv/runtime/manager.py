@@ -124,10 +124,14 @@ class _Scratch:
         return self.plan
 
     def _grow(self, n_rows: int, n_pages: int, n_keyed: int, n_touched: int) -> None:
-        """A new buffer with that much room; views made before stay valid."""
-        self.plan_rows = n_rows
-        sizes = (n_rows, n_pages, n_keyed, n_touched)
+        """A new buffer with that much room; views made before stay valid, and with as many rows the plan
+        moves over (``reserve``: the kernels read the plan from ``buffer``)."""
+        old, sizes = getattr(self, "buffer", None), (n_rows, n_pages, n_keyed, n_touched)
         self.buffer = np.empty(kernels.plan_size(n_rows, self.n_groups, n_pages, n_keyed, n_touched), dtype=np.int64)
+        if old is not None and n_rows == self.plan_rows:
+            end = kernels.plan_size(n_rows, self.n_groups, 0, 0, 0)
+            self.buffer[:end] = old[:end]
+        self.plan_rows = n_rows
         self.buffer[:4] = sizes
         views = kernels.plan_views(self.buffer, self.n_groups)
         self.plan, (self.released, self.widths, self.pages, self.idle_keyed, self.touched) = views[:8], views[8:]
@@ -321,6 +325,7 @@ class CacheManager:
         self._last_rows = np.zeros(0, dtype=np.int64)
         self._state: tuple | None = None  # ``_kernel_state``, until a new table row grows the arrays
         self._step_entry = None  # ``kernels.step``'s compiled code for ``_step``'s argument types (``entry_point``)
+        self._spare_entry, self._spare_args = None, ()  # on an arena: ``kernels.step_spare``'s, its last arguments
         self._row_owner: dict[int, _Request] = {}
         self._free_rows: list[int] = []
         self._next_row = 0
@@ -758,12 +763,13 @@ class CacheManager:
         per-item path. The plan checks distinct rows and known tokens."""
         try:
             rids, counts = zip(*items)
-        except (TypeError, ValueError):
-            return None  # not all pairs
-        rows = self._rows_of(rids)
-        if rows is None or (self.pending_loads and not self.pending_loads.isdisjoint(rids)):
+            n = len(counts)  # ``_rows_of``, inline (a prefill chunk's step: two frames less)
+            found = itemgetter(*rids)(self._row_of) if n > 1 else (self._row_of[rids[0]],)
+        except (KeyError, TypeError, ValueError):
+            return None  # not all pairs, or an id unknown or unhashable
+        if self.pending_loads and not self.pending_loads.isdisjoint(rids):
             return None
-        n = len(counts)
+        rows = np.fromiter(found, _INT64, n)
         if counts.count(counts[0]) == n and tuple(map(type, counts)).count(int) == n:
             # Equal plain ints (decode or verify; the type count keeps out True): one scalar check.
             if not 1 <= counts[0] <= self.max_step_tokens:
@@ -796,7 +802,7 @@ class CacheManager:
         """Table rows of known request ids; None if an id is unknown or unhashable."""
         try:
             # One C-level lookup of every id (itemgetter of one key returns it bare).
-            found = itemgetter(*rids)(self._row_of) if len(rids) > 1 else [self._row_of[rid] for rid in rids]
+            found = itemgetter(*rids)(self._row_of) if len(rids) > 1 else (self._row_of[rids[0]],)
         except (KeyError, TypeError):
             return None
         return np.fromiter(found, _INT64, len(rids))  # a dtype object: no conversion per call
@@ -962,8 +968,9 @@ class CacheManager:
         return None
 
     def _step(self, fast: tuple, write_slots: bool, updates: bool) -> StepBatch | _StepPlan | None:
-        """``fast``'s step in one compiled call (``kernels.step``): the batch; else (nothing changed) the
-        plan for ``_admit``, or None (a row twice, or past its known tokens)."""
+        """``fast``'s step in one compiled call (``kernels.step``; ``kernels.step_spare`` on an arena for a batch
+        with more tokens than rows): the batch; else (nothing changed) the plan for ``_admit``, or None (a row
+        twice, or past its known tokens)."""
         rows_in, counts_in, rids, n_tokens = fast
         sc, n_rows = self._scratch, rows_in.size
         n_groups = len(self._pool_list)
@@ -973,15 +980,21 @@ class CacheManager:
         if n_rows + self._last_rows.size >= sc.plan_rows:
             sc.plan_arrays(n_rows + self._last_rows.size)
         cells = _NO_CELLS
-        if updates:  # ``_cell_buffers``' room for a decode step; handed out only if the log holds nothing else
-            room = 2 * n_groups * n_rows + 16
+        if updates:  # handed out only if the log holds nothing else (``_commit_and_run`` reuses them if they fit)
+            # ``_cell_buffers``' room for a decode step, and two cells for each further token (a chunk
+            # of DeepSeek-V4's six groups releases and allocates about 1.3 pages a token).
+            room = 2 * n_groups * n_rows + 16 + 2 * (n_tokens - n_rows)
             cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
         args = (*(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, *cells, *out)
-        if self._step_entry is None:  # every argument's type is fixed by how the manager makes it
-            self._step_entry = kernels.entry_point(kernels.step, args)
-        status, n, settle, n_crossing, clean, n_touched, n_keyed = self._step_entry(*args)
+        if n_tokens > n_rows and self._spare_entry is not None:  # a chunk: ``admit_spare`` in the same call
+            status, n, settle, n_crossing, clean, n_touched, n_keyed, n_spare = self._spare_entry(
+                *args, *self._spare_args)
+        else:  # decode: the int comparison alone
+            status, n, settle, n_crossing, clean, n_touched, n_keyed = self._step_entry(*args)
+            n_spare = None
         if status >= kernels.STEP_PLANNED:
-            return self._planned_step(status, (n, settle, n_crossing, clean), rids, cells, out, write_slots, updates)
+            return self._planned_step(status, (n, settle, n_crossing, clean), rids, cells, out, write_slots, updates,
+                                      n_spare)
         self._version += 1
         if status != kernels.STEP_DONE:
             plan = self._plan_of(n, settle, n_crossing, clean)
@@ -993,8 +1006,9 @@ class CacheManager:
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
 
     def _planned_step(self, status: int, planned: tuple, rids: tuple, cells: tuple, out: _StepArrays,
-                      write_slots: bool, updates: bool) -> StepBatch | _StepPlan | None:
-        """``_step`` once ``kernels.step`` only planned: the batch if admitted as is, else the plan or None."""
+                      write_slots: bool, updates: bool, n_spare: int | None) -> StepBatch | _StepPlan | None:
+        """``_step`` once ``kernels.step`` only planned: the batch if admitted as is, else the plan or None
+        (``n_spare``: ``admit_spare``'s answer if ``step_spare`` gave it)."""
         if planned[0] < 0:
             return None
         plan = self._plan_of(*planned)
@@ -1002,20 +1016,21 @@ class CacheManager:
         plan.arrays = out  # for ``_run``, once admitted
         if plan.clean or (status == kernels.STEP_COVERED and self._evictable_cover(plan.sums[1])):
             plan.grants = []
-        elif not self._admit_spare(plan):
+        elif not self._admit_spare(plan, n_spare):
             return plan
         return self._commit_and_run(plan, write_slots, updates, False)
 
-    def _admit_spare(self, plan: _StepPlan) -> bool:
-        """``kernels.admit_spare`` on an arena: True (``plan.grants`` set) when spare slabs alone, or none,
-        admit the plan; False: ``_admit`` decides."""
+    def _admit_spare(self, plan: _StepPlan, n: int | None = None) -> bool:
+        """``kernels.admit_spare`` (``n``: its answer, if given) on an arena: True (``plan.grants`` set) when
+        spare slabs alone, or none, admit the plan; False: ``_admit`` decides."""
         arena = self.arena
         if arena is None:
             return False
-        ts, space = self._tableset, self._space
-        n = kernels.admit_spare(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.per_group,
-                                self._committed, self._grain, self._window_pages, self._scratch.buffer,
-                                plan.rows.size, self._short, *arena.spare_args)
+        if n is None:
+            ts, space = self._tableset, self._space
+            n = kernels.admit_spare(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.per_group,
+                                    self._committed, self._grain, self._window_pages, self._scratch.buffer,
+                                    plan.rows.size, self._short, *arena.spare_args)
         if n < 0:
             return False
         plan.spare_grants = arena.kernel_spare_grants(n) if n else None
@@ -1049,29 +1064,25 @@ class CacheManager:
         if out is None:
             out = _new_tuple(_StepArrays, kernels.batch_arrays_for(len(self.specs), plan.rows.size - plan.settle,
                                                                     n_tokens, write_slots))
-        scratch, idle_keyed, released, touched = self._scratch.reserve(most_released, released_pages,
-                                                                        allocated_pages + n_logged)
-        space, ts = self._space, self._tableset
-        n_logged = ts.take_log(touched) if n_logged and cells[1].size else 0
-        state = (ts.geometry, ts.pages, ts.bounds, self._computed, self._committed, space.ref_counts, space.cached,
-                 space.low_priority, space.stack, space.per_group, self._transient, plan.rows, plan.counts, plan.first,
-                 plan.settle, plan.after, plan.sums)
+        sc = self._scratch
+        _, idle_keyed, released, touched = sc.reserve(most_released, released_pages, allocated_pages + n_logged)
+        n_logged = self._tableset.take_log(touched) if n_logged and cells[1].size else 0
+        # ``step``'s leading arguments, then the plan (the scratch buffer ``reserve`` kept it in) and its rows.
+        state = (*(self._state or self._kernel_state())[:10], sc.buffer, plan.rows.size, plan.settle)
         grants = self.arena.kernel_grants(plan.grants) if plan.grants else plan.spare_grants
         if grants is None:
-            status, n_touched, n_keyed = kernels.run_step(*state, bool(plan.grants), scratch, idle_keyed, released,
-                                                          touched, n_logged, *cells, *out, self._scratch.widths)
+            status, n_touched, n_keyed = kernels.run_step(*state, bool(plan.grants), n_logged, *cells, *out)
         else:  # spare slabs alone: granted in the kernel, after the releases
             plan.grants = []
-            status, n_touched, n_keyed = kernels.grant_step(grants, self.arena.grant_args, *state, scratch, idle_keyed,
-                                                            released, touched, n_logged, *cells, *out,
-                                                            self._scratch.widths)
+            status, n_touched, n_keyed = kernels.grant_step(grants, self.arena.grant_args, *state, n_logged, *cells,
+                                                            *out)
             if status < 0:
                 raise AssertionError("a slab granted is not spare")
             self.arena.granted(grants.shape[1])
         if status != kernels.STEP_DONE:
             n_touched = self._after_run(n_touched, n_keyed, plan, out, cells)
         elif n_keyed:  # all ``_after_run`` does after a step done whole (the kernel noted the peaks)
-            space.keyed_idle(released[1], idle_keyed)
+            self._space.keyed_idle(released[1], idle_keyed)
         return out, n_touched
 
     def _load_kernels(self) -> None:
@@ -1082,11 +1093,12 @@ class CacheManager:
             self.prefix.load_kernels()
         self._load_step_kernels()
         # Room for a step of every table row and as many settling (``_take_row`` grows it with the rows).
-        rows, counts, first, after, need, _, crossing, _ = self._scratch.plan_arrays(2 * self._computed.size)
-        none = np.zeros((2, len(self.specs)), dtype=np.int64)  # no page released or allocated
-        plan = _StepPlan(rows[:0], counts[:0], first[:0], after[:, :, :1], need[:, :0], none, crossing[:0], 0, True,
+        rows, counts, first, after, need, sums, crossing, _ = self._scratch.plan_arrays(2 * self._computed.size)
+        sums[:] = 0  # no page released or allocated
+        none = sums[1]
+        plan = _StepPlan(rows[:0], counts[:0], first[:0], after[:, :, :1], need[:, :0], sums, crossing[:0], 0, True,
                          (0, 0, 0, 0), grants=[])
-        self._short_pages(plan, none[1], none[1], none[1])
+        self._short_pages(plan, none, none, none)
         out = self._run(plan, True)[0]
         self._after_run(0, 0, plan, out)
         if self.arena is not None:  # ``_run``'s other kernel: ``grant_step``, granting no slab
@@ -1104,6 +1116,8 @@ class CacheManager:
             kernels.entry_point(kernels.admit_spare, (
                 ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.per_group, self._committed,
                 self._grain, self._window_pages, sc.buffer, 0, self._short, *self.arena.spare_args))
+            self._spare_args = (self._window_pages, self._short, *self.arena.spare_args)
+            self._spare_entry = kernels.entry_point(kernels.step_spare, (*args, *self._spare_args))
         self._plan(no_rows, no_rows, _COMPUTED)
         kernels.distinct_rows(no_rows, self._in_batch)
         kernels.copy_token_ids(np.empty(0, _INT32), np.empty(0, _INT32))
@@ -1113,17 +1127,15 @@ class CacheManager:
                    cells: tuple = _NO_CELLS) -> int:
         """Stage 3 in Python once the step kernel stopped after its releases (docs/manager.md, "One
         step, in four stages"): keyed pages join the LRU, slabs move, groups make room, ``finish_step``."""
-        space, ts = self._space, self._tableset
+        space = self._space
         if n_keyed:
             space.keyed_idle(self._scratch.released[1], self._scratch.idle_keyed)
         if plan.grants:
             self.arena.apply(plan.grants)
         if self._room_groups(plan):
             self._make_room(plan)
-        return kernels.finish_step(
-            ts.geometry, ts.pages, ts.bounds, self._computed, space.ref_counts, space.stack, space.per_group,
-            self._transient, plan.rows, plan.counts, plan.first, plan.settle, plan.after, plan.sums,
-            self._scratch.touched, n_touched, *cells, *out, self._scratch.widths, _NO_PAGES)
+        return kernels.finish_step(*(self._state or self._kernel_state())[:10], self._scratch.buffer, plan.rows.size,
+                                   plan.settle, n_touched, *cells, *out, True)
 
     def _room_groups(self, plan: _StepPlan) -> int:
         """``kernels.room_groups`` of ``plan`` now, into ``_scratch.transient`` (per group: its transient
