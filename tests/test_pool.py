@@ -1244,3 +1244,20 @@ def test_peak_used_pages_can_be_reset_and_rises_again():
     assert pool.peak_used_pages == 0
     allocate(pool, 1)
     assert pool.peak_used_pages == 7
+
+
+def test_page_space_drop_units_counts_each_call_alone():
+    """``PageSpace.drop_units`` reuses its per-group scratch: a second call's idle pages per
+    pool are that call's only (as ``drop_entries`` tells them), not added to the first's."""
+    pools = [PagePool(f"g{i}", 16, lowest_first=True) for i in range(3)]
+    space = PageSpace(pools)
+    for pool in pools:
+        pages = allocate(pool, 4).tolist()
+        publish(pool, "a", pages[:2])
+        publish(pool, "b", pages[2:])
+        decref(pool, np.asarray(pages[1:], dtype=np.int64))  # a's first page stays held
+    assert space.drop_units(pools[:2], ["a"]) == ([["g0", "g1"]], [1, 1])
+    assert space.drop_units(pools[1:], ["b"]) == ([["g1", "g2"]], [2, 2])
+    assert space.drop_units(pools, ["a"]) == ([["g2"]], [0, 0, 1])
+    for pool in pools:
+        pool.check_invariants()

@@ -211,9 +211,10 @@ def drop_units(listed, ref, keyed, low_priority, lru_prev, lru_next, stack, offs
     page loses its key and low priority; the idle ones (no holder) leave their group's LRU
     and go onto its free stack in listed order, one run a group (``push_run``);
     ``per_group``'s LRU lengths, idle low-priority counts and tops follow. ``idle[g]``
-    (zeros on entry) gets group ``g``'s idle pages."""
+    gets group ``g``'s idle pages."""
     run, run_group = np.empty(listed.size, dtype=np.int64), np.empty(listed.size, dtype=np.int64)
     n, at = 0, 0
+    idle[:] = 0
     while at < listed.size:
         g, end = listed[at], at + 2 + listed[at + 1]
         offset = offsets[g]

@@ -611,7 +611,7 @@ class PageSpace:
         self.lru_lengths, self.granted = self.per_group[kernels.LRU_PAGES], self.per_group[kernels.GRANTED_PAGES]
         self.low_idle, self.skip_packing = self.per_group[kernels.LOW_IDLE_PAGES], self.per_group[kernels.SKIP_PACKING]
         self.ranked: list[int] = []  # the groups whose pool has a ranker (``PagePool.ranker`` keeps it)
-        self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # scratch of hold_outside (``kernels.take_holds``)
+        self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # scratch of hold_outside and drop_units
         self._bind_pools()
 
     def _join_page_arrays(self, sizes: list[int]) -> None:
@@ -708,11 +708,11 @@ class PageSpace:
                     listed += (slot, len(pages), *pages)
                     gone.append(gid)
             left.append(gone)
-        idle = np.zeros(len(self.pools), dtype=np.int64)
         lru.drop_units(np.array(listed, dtype=np.int64), self.ref_counts, self.cached, self.low_priority,
-                       self.lru_prev, self.lru_next, self.stack, self.offsets, self.per_group, idle)
+                       self.lru_prev, self.lru_next, self.stack, self.offsets, self.per_group, self.idle_counts)
         left.reverse()
-        return left, idle[[slot for _, slot, _ in pops]].tolist()
+        idle = self.idle_counts.tolist()
+        return left, [idle[slot] for _, slot, _ in pops]
 
     def keyed_idle(self, per_group: np.ndarray, keyed: np.ndarray) -> None:
         """Keyed pages a release left idle (group after group, ``per_group[g]`` each) join their LRUs
