@@ -204,8 +204,8 @@ def drop_entries(listed, n_entries, ref, keyed, low_priority, lru_prev, lru_next
 
 @njit(cache=True)
 def drop_units(listed, ref, keyed, low_priority, lru_prev, lru_next, stack, offsets, per_group, idle):
-    """Entries leaving the groups of a page space (``PageSpace.drop_units``; a checkpoint's
-    unit, one entry a group: ``PageSpace.drop_unit``), each group's
+    """Entries leaving the groups of a page space (``PageSpace.drop_units``: units of
+    checkpoints, one entry a group), each group's
     as :func:`drop_entries` drops them from one pool: ``listed`` holds, entry after entry,
     its group, its page count and its local ids, each group's entries last to first. Every
     page loses its key and low priority; the idle ones (no holder) leave their group's LRU

@@ -753,9 +753,9 @@ class PrefixCache:
         by group (``new_own`` become its own checkpoints); where it was the last: kept by
         value ("prefill-per-byte"), demoted (a speculative boundary: kept like the ones the
         policy publishes, low priority) or unpublished with the rest of its unit from the
-        other state groups (as ``ValueEviction.removed`` would take it) in one
-        ``PageSpace.drop_unit`` call, booked at once: the same removals, events (onto
-        ``events``) and order as one at a time. One function, plain loops: cheaper run cold."""
+        other state groups (as ``ValueEviction.removed`` would take it), booked at once;
+        the unit goes onto ``let_go`` and its pages leave their lists at the commit's end
+        (``_let_go``): the same removals, events (onto ``events``) and order as one at a time. One function, plain loops: cheaper run cold."""
         pinned, pools, all_holders, values = [], self.pools, self._holders, self.values
         for prev in req.own_checkpoints:
             if prev.pinned:
