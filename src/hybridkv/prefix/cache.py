@@ -755,7 +755,8 @@ class PrefixCache:
         policy publishes, low priority) or unpublished with the rest of its unit from the
         other state groups (as ``ValueEviction.removed`` would take it), booked at once;
         the unit goes onto ``let_go`` and its pages leave their lists at the commit's end
-        (``_let_go``): the same removals, events (onto ``events``) and order as one at a time. One function, plain loops: cheaper run cold."""
+        (``_let_go``): the same removals, events (onto ``events``) and order as one at a
+        time. One function, plain loops: cheaper run cold."""
         pinned, pools, all_holders, values = [], self.pools, self._holders, self.values
         for prev in req.own_checkpoints:
             if prev.pinned:
