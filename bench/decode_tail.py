@@ -87,7 +87,8 @@ def summarize(running: int, records: list[dict]) -> dict:
             kinds[kind] = dict(steps=len(times), p50_us=round(float(np.median(times)), 1),
                                max_us=round(max(times), 1))
     slowest = sorted(records, key=lambda r: -r["us"])[:5]
-    return dict(running=running, p50_us=round(float(p50), 1), p99_us=round(float(p99), 1),
+    return dict(running=running, mean_us=round(float(us.mean()), 1), p50_us=round(float(p50), 1),
+                p99_us=round(float(p99), 1),
                 p99_over_p50=round(float(p99 / p50), 2), kinds=kinds,
                 slowest=[{k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()} for r in slowest])
 
@@ -105,7 +106,7 @@ def main() -> None:
     for size in (int(s) for s in a.sizes.split(",")):
         result = run(size, a.rounds, a.steps, clock)
         out.append(result)
-        print(f"{size} running: p50 {result['p50_us']} us, p99 {result['p99_us']} us "
+        print(f"{size} running: mean {result['mean_us']} us, p50 {result['p50_us']} us, p99 {result['p99_us']} us "
               f"(p99/p50 {result['p99_over_p50']})")
         for kind, figures in result["kinds"].items():
             print(f"  {kind:14s} {figures['steps']:4d} steps, p50 {figures['p50_us']:8.1f} us, "
