@@ -763,13 +763,12 @@ class CacheManager:
         per-item path. The plan checks distinct rows and known tokens."""
         try:
             rids, counts = zip(*items)
-            n = len(counts)  # ``_rows_of``, inline (a prefill chunk's step: two frames less)
-            found = itemgetter(*rids)(self._row_of) if n > 1 else (self._row_of[rids[0]],)
-        except (KeyError, TypeError, ValueError):
-            return None  # not all pairs, or an id unknown or unhashable
-        if self.pending_loads and not self.pending_loads.isdisjoint(rids):
+        except (TypeError, ValueError):
+            return None  # not all pairs
+        rows = self._rows_of(rids)
+        if rows is None or (self.pending_loads and not self.pending_loads.isdisjoint(rids)):
             return None
-        rows = np.fromiter(found, _INT64, n)
+        n = len(counts)
         if counts.count(counts[0]) == n and tuple(map(type, counts)).count(int) == n:
             # Equal plain ints (decode or verify; the type count keeps out True): one scalar check.
             if not 1 <= counts[0] <= self.max_step_tokens:
