@@ -443,9 +443,9 @@ class PrefixCache:
                   i: int) -> tuple[list[tuple], int]:
         """From ``reqs[i]`` on (those with nothing to commit passed over), the requests whose
         commit is one block, its end their one (unpinned) checkpoint, under a key no group has
-        and no request before it in the run commits (hashed here): each (request, key, parent
-        key, boundary, old, new tokens); and the index of the first that is not (``len(reqs)``
-        at the end)."""
+        and no request before it in the run commits (hashed by ``RequestHashes.extend_to``):
+        each (request, key, parent key, boundary, old, new tokens); and the index of the first
+        that is not (``len(reqs)`` at the end)."""
         g, knows, run, keys, n = self.granularity_tokens, self._knows, [], set(), len(reqs)
         while i < n:
             req, old, new = reqs[i], old_tokens[i], new_tokens[i]
@@ -453,19 +453,15 @@ class PrefixCache:
             if hashes is None or end_block == old // g:
                 i += 1
                 continue
-            if end_block != old // g + 1 or end_block * g in req.keep_boundaries:
+            boundary = end_block * g
+            if end_block != old // g + 1 or boundary in req.keep_boundaries:
                 break
-            hh, ids = hashes.hashes, req.token_ids
-            if len(hh) == end_block - 1 and ids.dtype == _INT32_LE:  # its one block (``extend_to``'s)
-                hh.append(self._hash((hh[-1] if hh else hashes.root).to_bytes(16, "little")
-                                     + ids[end_block * g - g:end_block * g].tobytes()))
-            else:
-                hashes.extend_to(ids, new)
-            key = hh[end_block - 1]
+            hashes.extend_to(req.token_ids, new)
+            key = hashes.key(boundary)
             if key in keys or knows(key):
                 break
             keys.add(key)
-            run.append((req, key, hh[end_block - 2] if end_block >= 2 else hashes.root, end_block * g, old, new))
+            run.append((req, key, hashes.parent(boundary), boundary, old, new))
             i += 1
         return run, i
 
