@@ -238,10 +238,7 @@ class PagePool:
             short = top < long
             last = 0 if short else int(self._stack[top - long])  # the highest id the long-lived take
             if short or (self._low_floor < last and (self.must_pack is None or self.must_pack(last, long))):
-                ahead = 0 if short else self.pack_ahead_pages
-                if ahead and self._low_idle_ids(last, 1):  # one lies below the ids taken: clear more
-                    long = min(long + ahead, top)
-                self._evict_low_below(long)
+                self._evict_low_below(long, 0 if short else self.pack_ahead_pages)
                 top = int(self._tops[self._slot])
         if top < count:
             self._evict_lru(count - top)
@@ -254,20 +251,32 @@ class PagePool:
         granted = self._granted_pages
         return 0 if granted < PACK_AHEAD_MIN_POOL_PAGES else min(PACK_AHEAD_PAGES, granted >> 7)
 
-    def _evict_low_below(self, count: int) -> None:
+    def _evict_low_below(self, count: int, ahead: int = 0) -> None:
         """Evict idle low-priority entries holding ids below the ``count`` lowest free
         ones, so an allocation takes the lowest ids of free and low-priority pages (the
-        ids an eviction frees count as free for the next), lowest id first: one batch
-        where telling of a removal cannot change this pool (``on_removed_many`` set, or
-        no one to tell), else each entry at once (``_evict_low_each``)."""
-        if self.on_removed is not None and self.on_removed_many is None:
+        ids an eviction frees count as free for the next), lowest id first; with ``ahead``
+        (``count`` free ids at least), below the ``count + ahead`` lowest (or all) when one
+        lies below the ``count`` lowest, else none. One batch where telling of a removal
+        cannot change this pool (``on_removed_many`` set, or no one to tell), its ids read
+        by scans that each go on where the last stopped; else each entry at once
+        (``_evict_low_each``)."""
+        top, each = self._top, self.on_removed is not None and self.on_removed_many is None
+        end = int(self._stack[top - count]) if top >= count else self.num_pages  # scanned below it
+        candidates = self._low_idle_ids(end, 1 if each else _SCAN_PAGES)
+        if ahead and candidates:  # one lies below the ids taken: clear more
+            count = min(count + ahead, top)
+        elif ahead or not candidates:
+            self._low_floor = max(self._low_floor, end)  # none below it
+            return
+        if each:
             self._evict_low_each(count)
             return
         ref, page_key = self.ref_counts, self._page_key
         freed, keys, gone = 0, [], set()
-        lowest = _LowestFree(self._stack, self._top, count, self.num_pages)
+        lowest = _LowestFree(self._stack, top, count, self.num_pages)
         floor = -1  # the lowest idle low-priority id left, once known
-        candidates = self._low_idle_ids(lowest.bound, _SCAN_PAGES)
+        if len(candidates) == _SCAN_PAGES:
+            end = candidates[0] + 1
         while candidates:
             page = candidates.pop()
             if page in gone:
@@ -283,8 +292,9 @@ class PagePool:
                     if ref[p] == 0:
                         lowest.add(p)
                         freed += 1
-            if not candidates:  # the next ids after ``page``
-                candidates = self._low_idle_ids(lowest.bound, _SCAN_PAGES, page + 1)
+            if not candidates and end < lowest.bound:  # the next ids after those scanned
+                candidates = self._low_idle_ids(lowest.bound, _SCAN_PAGES, end)
+                end = candidates[0] + 1 if len(candidates) == _SCAN_PAGES else lowest.bound
         # None left below the bound the scans stopped at (it only fell meanwhile).
         self._low_floor = floor if floor >= 0 else max(self._low_floor, lowest.bound)
         if keys:
