@@ -1085,6 +1085,44 @@ def test_packing_with_a_reserve_evicts_what_the_reference_evicts_for_the_wider_a
     assert sides[0][: len(sides[1])] == sides[1]
 
 
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_packing_past_one_scan_of_ids_evicts_what_the_reference_evicts(data):
+    """Packing that needs more than one scan of the flags (64 ids a scan): a pool of 8,193
+    pages (a reserve of 64 ids) with 70-200 idle low-priority entries of 1-2 pages (some
+    partly held) among free ids, low ids first, then allocations of 1-150 pages, against
+    ``_reference_pack_ahead``: the same entries leave in the same order, the free order and
+    the LRU end alike."""
+    n_entries = data.draw(st.integers(70, 200), label="low entries")
+    sizes = data.draw(st.lists(st.integers(1, 2), min_size=n_entries, max_size=n_entries), label="sizes")
+    held = data.draw(st.lists(st.booleans(), min_size=n_entries, max_size=n_entries), label="partly held")
+    gaps = data.draw(st.lists(st.integers(0, 3), min_size=n_entries, max_size=n_entries), label="free gaps")
+    rounds = data.draw(st.lists(st.integers(1, 150), min_size=1, max_size=3), label="allocations")
+    sides = []
+    for reference in (False, True):
+        pool = PagePool("g", 8193, lowest_first=True)
+        log = []
+        pool.evict_many = _tell_at_once(pool, log)
+        pool.on_removed = lambda *removal, log=log: log.append(removal)
+        made = [(allocate(pool, gap), allocate(pool, size)) for size, gap in zip(sizes, gaps)]
+        allocate(pool, 500)  # held ids above them
+        for i, ((gap_pages, pages), keep) in enumerate(zip(made, held)):
+            publish(pool, i, pages.tolist(), low_priority=True)
+            decref(pool, pages[1:].copy() if keep and pages.size > 1 else pages.copy())
+            decref(pool, gap_pages.copy())
+        states = []
+        for want in rounds:
+            if not reference:
+                pool.make_room(want)
+            else:
+                _reference_pack_ahead(pool, want)
+            pool.check_invariants()
+            states.append((list(log), pool.free_page_ids().tolist(), sorted(pool.entry_keys())))
+            allocate(pool, want)
+        sides.append(states)
+    assert sides[0] == sides[1]
+
+
 def test_packing_finds_idle_low_priority_pages_a_previous_packing_passed():
     """Worked by hand: idle low-priority entries "a" (page 1) and "c" (page 10), free
     ids 5, 6, 11-15. One page: "a" goes (below 5); "c" lies above the free ids then,
