@@ -543,8 +543,8 @@ PAGE_BYTES = {SWA: 37, C4S: 23, C4KV: 50, C128S: 19, C128KV: 7, IDX: 11}  # inve
                 min_size=3, max_size=8))
 def test_state_groups_evict_in_batches_as_one_entry_at_a_time(budget, slab_pages, policy, program):
     """On a shared arena tight enough to pack prompt checkpoints, evict and move slabs:
-    the state pools' batches (``on_removed_many``, each unit taken from the other state
-    groups in one batch per group) against the same managers with it cleared (each entry,
+    the state pools' batches (``evict_many``: each batch and the rest of its units taken from
+    the state groups in one pass) against the same managers with it cleared (each entry,
     then its unit, one at a time): the same events in the same order, the same value
     report (entries, usable ones, evicted pages by reason), free ids, slab moves, removed
     entries per group and ("prefill-per-byte") checkpoint failures."""
@@ -557,7 +557,7 @@ def test_state_groups_evict_in_batches_as_one_entry_at_a_time(budget, slab_pages
                            prompt_checkpoints=None, checkpoint_policy=policy)
         if not batched:
             for g in STATE:
-                mgr.pools[g].on_removed_many = None
+                mgr.pools[g].evict_many = None
         stems = [ids(150 + s, 1400) for s in range(4)]
         for i, (stem, shared, fresh, answer) in enumerate(program):
             prompt = cat(stems[stem][:shared], ids(1000 + i, fresh))[:1500]

@@ -11,6 +11,16 @@ import pool_ops
 from pool_ops import PoolExhausted, allocate, borrow, decref, incref, publish, space_of
 
 
+def _tell_at_once(pool, log):
+    """An ``evict_many`` for ``pool``: its ``evict_entries`` of a batch, the removals logged at once."""
+    def evict_many(keys, cause):
+        removals = pool.evict_entries(keys, cause)
+        log.extend(removals)
+        return sum(idle for _, _, idle in removals)
+
+    return evict_many
+
+
 def pool_state(pool: PagePool):
     return (
         pool.ref_counts.copy(),
@@ -557,7 +567,7 @@ def test_claim_refuses_a_page_not_held_and_changes_nothing():
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_batched_low_priority_evictions_are_the_one_by_one_evictions(data):
-    """``on_removed_many`` set (a state pool of a prefix cache) against evicting each idle
+    """``evict_many`` set (a state pool of a prefix cache) against evicting each idle
     low-priority entry at once: the same entries leave, in the same order, with the same
     causes and idle counts, and the pools end alike (free order, LRU, counters)."""
     n = data.draw(st.integers(24, 60), label="pages")
@@ -573,7 +583,7 @@ def test_batched_low_priority_evictions_are_the_one_by_one_evictions(data):
         log = []
         pool.on_removed = lambda key, cause, idle, log=log: log.append((key, cause, idle))
         if batch:  # told of a batch's removals at once, in order
-            pool.on_removed_many = log.extend
+            pool.evict_many = _tell_at_once(pool, log)
         for i, (size, kind, held) in enumerate(plan):
             if size > pool.num_clean_free_pages:
                 break
@@ -599,7 +609,7 @@ def test_ids_a_low_priority_eviction_frees_count_as_free_for_the_next(batch):
     pool = PagePool("g", 16, lowest_first=True)
     pool.on_removed = lambda key, cause, idle: None  # one entry at a time
     if batch:
-        pool.on_removed_many = lambda removals: None
+        pool.evict_many = _tell_at_once(pool, [])
     a, plain, b = allocate(pool, 1), allocate(pool, 9), allocate(pool, 1)  # 1; 2-10; 11
     publish(pool, "a", a.tolist(), low_priority=True)
     publish(pool, "b", b.tolist(), low_priority=True)
@@ -725,15 +735,17 @@ def test_page_space_drop_units_is_drop_entries_pool_by_pool(data, lowest_first):
             decref(pool, np.asarray(idle + other, dtype=np.int64))
         sides.append((pools, space))
     (pools_a, space), (pools_b, _) = sides
-    left, idle = space.drop_units(pools_a, keys)
-    want_left, want_idle = [[] for _ in keys], []
+    cause = data.draw(st.sampled_from(["unpublished", "evicted"]), label="cause")
+    left, idle, told = space.drop_units(pools_a, keys, cause)
+    want_left, want_idle, want_told = [[] for _ in keys], [], None
     for pool in pools_b:
         present = [key for key in keys if pool.lookup(key) is not None]
-        removals = pool.drop_entries(present) if present else []
+        removals = pool.drop_entries(present, cause) if present else []
+        want_told = removals if want_told is None else want_told  # the first pool's
         want_idle.append(sum(n for _, _, n in removals))
         for key, _, _ in removals:
             want_left[keys.index(key)].append(pool.group_id)
-    assert (left, idle) == (want_left, want_idle)
+    assert (left, idle, told) == (want_left, want_idle, want_told)
     for a, b in zip(pools_a, pools_b):
         a.check_invariants()
         assert (a.free_page_ids().tolist(), a.evictable_page_ids().tolist(), a.num_low_priority_idle_pages,
@@ -785,12 +797,12 @@ def test_page_space_demote_is_demote_pool_by_pool(data, lowest_first):
 def test_revoke_takes_the_entries_on_its_pages_in_page_order(batch):
     """Entries "c" (pages 5, 6; 6 held), "a" (2, 7) and "b" (3) idle, 4 free: revoking 2-5
     evicts a (its page 7 goes free), b and c in the order of their lowest revoked page, told one
-    by one or (``on_removed_many``) in one batch; pages 6 (held), 7 and 9 stay granted."""
+    by one or (``evict_many``) in one batch; pages 6 (held), 7 and 9 stay granted."""
     pool = PagePool("g", 10, lowest_first=True)
     told = []
     pool.on_removed = lambda key, cause, idle: told.append((key, cause, idle))
     if batch:
-        pool.on_removed_many = told.extend
+        pool.evict_many = _tell_at_once(pool, told)
     pages = allocate(pool, 8).tolist()  # 1 .. 8
     assert pages == list(range(1, 9))
     publish(pool, "a", [2, 7])
@@ -959,7 +971,7 @@ def test_packing_evicts_the_entries_the_one_by_one_reference_evicts(data, batch,
         pool.on_removed = removed
         pool.must_pack = (lambda page, pages: True) if ask else None
         if batch:
-            pool.on_removed_many = lambda removals, log=log: log.extend(removals)
+            pool.evict_many = _tell_at_once(pool, log)
         for i, (size, kind, held, later) in enumerate(plan):
             if size > pool.num_clean_free_pages:
                 break
@@ -1047,7 +1059,7 @@ def test_packing_with_a_reserve_evicts_what_the_reference_evicts_for_the_wider_a
     for reference in (False, True):
         pool = PagePool("g", n, lowest_first=True)
         log = []
-        pool.on_removed_many = log.extend  # packing's batch; the reference's ``unpublish`` tells ``on_removed``
+        pool.evict_many = _tell_at_once(pool, log)  # packing's batch; the reference's ``unpublish`` tells ``on_removed``
         pool.on_removed = lambda *removal, log=log: log.append(removal)
         made = [(allocate(pool, gap), allocate(pool, size)) for size, _, _, _, gap in plan]  # before any release
         for i, ((gap_pages, pages), (_, kind, held, demote, _)) in enumerate(zip(made, plan)):
@@ -1071,6 +1083,44 @@ def test_packing_with_a_reserve_evicts_what_the_reference_evicts_for_the_wider_a
             allocate(pool, want)
         sides.append(states)
     assert sides[0][: len(sides[1])] == sides[1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_packing_past_one_scan_of_ids_evicts_what_the_reference_evicts(data):
+    """Packing that needs more than one scan of the flags (64 ids a scan): a pool of 8,193
+    pages (a reserve of 64 ids) with 70-200 idle low-priority entries of 1-2 pages (some
+    partly held) among free ids, low ids first, then allocations of 1-150 pages, against
+    ``_reference_pack_ahead``: the same entries leave in the same order, the free order and
+    the LRU end alike."""
+    n_entries = data.draw(st.integers(70, 200), label="low entries")
+    sizes = data.draw(st.lists(st.integers(1, 2), min_size=n_entries, max_size=n_entries), label="sizes")
+    held = data.draw(st.lists(st.booleans(), min_size=n_entries, max_size=n_entries), label="partly held")
+    gaps = data.draw(st.lists(st.integers(0, 3), min_size=n_entries, max_size=n_entries), label="free gaps")
+    rounds = data.draw(st.lists(st.integers(1, 150), min_size=1, max_size=3), label="allocations")
+    sides = []
+    for reference in (False, True):
+        pool = PagePool("g", 8193, lowest_first=True)
+        log = []
+        pool.evict_many = _tell_at_once(pool, log)
+        pool.on_removed = lambda *removal, log=log: log.append(removal)
+        made = [(allocate(pool, gap), allocate(pool, size)) for size, gap in zip(sizes, gaps)]
+        allocate(pool, 500)  # held ids above them
+        for i, ((gap_pages, pages), keep) in enumerate(zip(made, held)):
+            publish(pool, i, pages.tolist(), low_priority=True)
+            decref(pool, pages[1:].copy() if keep and pages.size > 1 else pages.copy())
+            decref(pool, gap_pages.copy())
+        states = []
+        for want in rounds:
+            if not reference:
+                pool.make_room(want)
+            else:
+                _reference_pack_ahead(pool, want)
+            pool.check_invariants()
+            states.append((list(log), pool.free_page_ids().tolist(), sorted(pool.entry_keys())))
+            allocate(pool, want)
+        sides.append(states)
+    assert sides[0] == sides[1]
 
 
 def test_packing_finds_idle_low_priority_pages_a_previous_packing_passed():
@@ -1256,8 +1306,8 @@ def test_page_space_drop_units_counts_each_call_alone():
         publish(pool, "a", pages[:2])
         publish(pool, "b", pages[2:])
         decref(pool, np.asarray(pages[1:], dtype=np.int64))  # a's first page stays held
-    assert space.drop_units(pools[:2], ["a"]) == ([["g0", "g1"]], [1, 1])
-    assert space.drop_units(pools[1:], ["b"]) == ([["g1", "g2"]], [2, 2])
-    assert space.drop_units(pools, ["a"]) == ([["g2"]], [0, 0, 1])
+    assert space.drop_units(pools[:2], ["a"]) == ([["g0", "g1"]], [1, 1], [("a", "unpublished", 1)])
+    assert space.drop_units(pools[1:], ["b"]) == ([["g1", "g2"]], [2, 2], [("b", "unpublished", 2)])
+    assert space.drop_units(pools, ["a"]) == ([["g2"]], [0, 0, 1], [])
     for pool in pools:
         pool.check_invariants()

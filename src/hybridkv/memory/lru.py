@@ -173,51 +173,21 @@ def oldest_normal_tick(nxt, low_priority, idle_tick):
 
 
 @njit(cache=True)
-def drop_entries(listed, n_entries, ref, keyed, low_priority, lru_prev, lru_next, stack, top, lowest, out):
-    """``n_entries`` entries leaving one pool (``PagePool.drop_entries``), the last one
-    first: ``listed`` holds, entry after entry, its page count then its local ids. Every
-    page loses its key and low priority; the idle ones (no holder) leave the pool's LRU
-    (``hybridkv.memory.lru``'s list in ``lru_prev`` and ``lru_next``) and go onto the free
-    stack in that order (``push_run``) and to ``out[n_entries:]``. ``out[n_entries - 1
-    - e]`` (entries in their first order) gets ``2 * idle pages + low``, low 1 if entry
-    ``e`` was low priority (its first page's flag). Returns the new top, the idle pages
-    and how many of them were low priority."""
-    n_idle, n_low, at = 0, 0, 0
-    for e in range(n_entries):
-        count, end = 0, at + 1 + listed[at]
-        low = 1 if end > at + 1 and low_priority[listed[at + 1]] else 0
-        for i in range(at + 1, end):
-            page = listed[i]
-            keyed[page] = False
-            if ref[page] == 0:
-                unlink(lru_prev, lru_next, 0, page)
-                out[n_entries + n_idle] = page
-                n_idle += 1
-                count += 1
-                if low_priority[page]:
-                    n_low += 1
-            low_priority[page] = False
-        out[n_entries - 1 - e] = 2 * count + low
-        at = end
-    return push_run(stack, top, lowest, out[n_entries : n_entries + n_idle]), n_idle, n_low
-
-
-@njit(cache=True)
-def drop_units(listed, ref, keyed, low_priority, lru_prev, lru_next, stack, offsets, per_group, idle):
-    """Entries leaving the groups of a page space (``PageSpace.drop_units``: units of
-    checkpoints, one entry a group), each group's
-    as :func:`drop_entries` drops them from one pool: ``listed`` holds, entry after entry,
-    its group, its page count and its local ids, each group's entries last to first. Every
-    page loses its key and low priority; the idle ones (no holder) leave their group's LRU
-    and go onto its free stack in listed order, one run a group (``push_run``);
-    ``per_group``'s LRU lengths, idle low-priority counts and tops follow. ``idle[g]``
-    gets group ``g``'s idle pages."""
+def drop_units(listed, ref, keyed, low_priority, lru_prev, lru_next, stack, offsets, per_group, idle, told):
+    """Entries leaving the groups of a page space (``PageSpace.drop_units``, ``PagePool.drop_entries``):
+    ``listed`` holds, entry after entry, its group, its page count and its local ids, each group's entries
+    last to first. Every page loses its key and low priority; the idle ones (no holder) leave their group's
+    LRU and go onto its free stack in listed order, one run a group (``push_run``: as one entry after
+    another would leave it); ``per_group``'s LRU lengths, idle low-priority counts and tops follow.
+    ``idle[g]`` gets group ``g``'s idle pages; ``told[e]``, of the ``e``-th entry listed, ``2 * idle pages +
+    low`` (low 1 if it was low priority: its first page's flag)."""
     run, run_group = np.empty(listed.size, dtype=np.int64), np.empty(listed.size, dtype=np.int64)
-    n, at = 0, 0
+    n, at, e = 0, 0, 0
     idle[:] = 0
     while at < listed.size:
         g, end = listed[at], at + 2 + listed[at + 1]
         offset = offsets[g]
+        count, low = 0, 1 if end > at + 2 and low_priority[offset + listed[at + 2]] else 0
         for i in range(at + 2, end):
             page = offset + listed[i]
             keyed[page] = False
@@ -227,8 +197,11 @@ def drop_units(listed, ref, keyed, low_priority, lru_prev, lru_next, stack, offs
                     per_group[LOW_IDLE_PAGES, g] -= 1
                 run[n], run_group[n] = listed[i], g
                 n += 1
-                idle[g] += 1
+                count += 1
             low_priority[page] = False
+        idle[g] += count
+        told[e] = 2 * count + low
+        e += 1
         at = end
     group_run = np.empty(n, dtype=np.int64)
     for g in range(idle.size):

@@ -28,6 +28,7 @@ _MOVE_IN_PYTHON_PAGES = 4  # an entry of up to this many pages has its idle ones
 # One clock for every pool (when a keyed page last went idle); an array so that ``lru.join`` draws ticks.
 _IDLE_CLOCK = np.zeros(1, dtype=np.int64)
 _NO_PAGES = np.empty(0, dtype=np.int64)
+_ONE_GROUP = np.zeros(1, dtype=np.int64)  # a pool alone: its group's offset
 
 
 def idle_clock_tick() -> int:
@@ -154,9 +155,10 @@ class PagePool:
         self.on_removed: Callable[[Hashable, str, int], None] | None = None
         # A "prefill-per-byte" prefix cache's ``CheckpointOrder``: names normal-priority victims.
         self._ranker = None
-        # Told every removal of a batch at once, in place of ``on_removed``, on a pool whose removals
-        # never change it (docs/prefix-caching.md, "Evicting in batches").
-        self.on_removed_many: Callable[[list[tuple[Hashable, str, int]]], None] | None = None
+        # Evicts a batch (keys, cause) itself, telling everyone, in place of :meth:`evict_entries` and
+        # ``on_removed``, on a pool whose removals never change it (docs/prefix-caching.md, "Evicting in
+        # batches"); returns the idle pages freed here.
+        self.evict_many: Callable[[Sequence[Hashable], str], int] | None = None
 
     @property
     def ranker(self):
@@ -238,10 +240,7 @@ class PagePool:
             short = top < long
             last = 0 if short else int(self._stack[top - long])  # the highest id the long-lived take
             if short or (self._low_floor < last and (self.must_pack is None or self.must_pack(last, long))):
-                ahead = 0 if short else self.pack_ahead_pages
-                if ahead and self._low_idle_ids(last, 1):  # one lies below the ids taken: clear more
-                    long = min(long + ahead, top)
-                self._evict_low_below(long)
+                self._evict_low_below(long, 0 if short else self.pack_ahead_pages)
                 top = int(self._tops[self._slot])
         if top < count:
             self._evict_lru(count - top)
@@ -254,20 +253,32 @@ class PagePool:
         granted = self._granted_pages
         return 0 if granted < PACK_AHEAD_MIN_POOL_PAGES else min(PACK_AHEAD_PAGES, granted >> 7)
 
-    def _evict_low_below(self, count: int) -> None:
+    def _evict_low_below(self, count: int, ahead: int = 0) -> None:
         """Evict idle low-priority entries holding ids below the ``count`` lowest free
         ones, so an allocation takes the lowest ids of free and low-priority pages (the
-        ids an eviction frees count as free for the next), lowest id first: one batch
-        where telling of a removal cannot change this pool (``on_removed_many`` set, or
-        no one to tell), else each entry at once (``_evict_low_each``)."""
-        if self.on_removed is not None and self.on_removed_many is None:
+        ids an eviction frees count as free for the next), lowest id first; with ``ahead``
+        (``count`` free ids at least), below the ``count + ahead`` lowest (or all) when one
+        lies below the ``count`` lowest, else none. One batch where telling of a removal
+        cannot change this pool (``evict_many`` set, or no one to tell), its ids read
+        by scans that each go on where the last stopped; else each entry at once
+        (``_evict_low_each``)."""
+        top, each = self._top, self.on_removed is not None and self.evict_many is None
+        end = int(self._stack[top - count]) if top >= count else self.num_pages  # scanned below it
+        candidates = self._low_idle_ids(end, 1 if each else _SCAN_PAGES)
+        if ahead and candidates:  # one lies below the ids taken: clear more
+            count = min(count + ahead, top)
+        elif ahead or not candidates:
+            self._low_floor = max(self._low_floor, end)  # none below it
+            return
+        if each:
             self._evict_low_each(count)
             return
         ref, page_key = self.ref_counts, self._page_key
         freed, keys, gone = 0, [], set()
-        lowest = _LowestFree(self._stack, self._top, count, self.num_pages)
+        lowest = _LowestFree(self._stack, top, count, self.num_pages)
         floor = -1  # the lowest idle low-priority id left, once known
-        candidates = self._low_idle_ids(lowest.bound, _SCAN_PAGES)
+        if len(candidates) == _SCAN_PAGES:
+            end = candidates[0] + 1
         while candidates:
             page = candidates.pop()
             if page in gone:
@@ -283,8 +294,9 @@ class PagePool:
                     if ref[p] == 0:
                         lowest.add(p)
                         freed += 1
-            if not candidates:  # the next ids after ``page``
-                candidates = self._low_idle_ids(lowest.bound, _SCAN_PAGES, page + 1)
+            if not candidates and end < lowest.bound:  # the next ids after those scanned
+                candidates = self._low_idle_ids(lowest.bound, _SCAN_PAGES, end)
+                end = candidates[0] + 1 if len(candidates) == _SCAN_PAGES else lowest.bound
         # None left below the bound the scans stopped at (it only fell meanwhile).
         self._low_floor = floor if floor >= 0 else max(self._low_floor, lowest.bound)
         if keys:
@@ -374,8 +386,7 @@ class PagePool:
         kernels.push_run(self._stack, self._top, self.lowest_first, _NO_PAGES)
         kernels.low_idle_ids(self.low_priority, self.cached, self.ref_counts, 0, 0, _NO_PAGES)
         lru.leave_to_free(self._lru_prev, self._lru_next, self._stack, self._top, self.lowest_first, _NO_PAGES)
-        lru.drop_entries(_NO_PAGES, 0, self.ref_counts, self.cached, self.low_priority, self._lru_prev,
-                         self._lru_next, self._stack, self._top, self.lowest_first, _NO_PAGES)
+        self.drop_entries([])
 
     # --- content-keyed entries -------------------------------------------
     def demote(self, key: Hashable) -> None:
@@ -508,12 +519,12 @@ class PagePool:
         return freed
 
     def _unpublish_many(self, keys: Sequence[Hashable], cause: str = EVICTED) -> int:
-        """:meth:`evict_entries`, then each removal told to ``on_removed`` (all at once to
-        ``on_removed_many`` where set); the idle pages freed."""
+        """``evict_many`` where set, else :meth:`evict_entries`, then each removal told to
+        ``on_removed``; the idle pages freed."""
+        if self.evict_many is not None:
+            return self.evict_many(keys, cause)
         removals = self.evict_entries(keys, cause)
-        if self.on_removed_many is not None:
-            self.on_removed_many(removals)
-        elif self.on_removed is not None:
+        if self.on_removed is not None:
             for removal in removals:
                 self.on_removed(*removal)
         return sum(idle for _, _, idle in removals)
@@ -528,29 +539,17 @@ class PagePool:
 
     def drop_entries(self, keys: Sequence[Hashable], cause: str = UNPUBLISHED) -> list[tuple[Hashable, str, int]]:
         """Unpublish the published entries ``keys`` in one compiled pass over their pages
-        (``lru.drop_entries``), telling no one and counting no eviction: the free
+        (``lru.drop_units``), telling no one and counting no eviction: the free
         stack ends as after one :meth:`unpublish` each, in order (the last entry's pages
         on top). Per entry, in order, what :meth:`unpublish` would tell ``on_removed``:
         (key, cause: ``EVICTED_LOW`` for a low-priority entry evicted, idle pages freed)."""
         if len(keys) == 1:
             return [self._drop_entry(keys[0], cause)]
-        entries, listed = self._entries, []
-        for key in reversed(keys):  # the last entry's pages on top, as one by one
-            pages = entries.pop(key)
-            listed.append(len(pages))
-            listed += pages
-        n = len(keys)
-        out = np.empty(len(listed), dtype=np.int64)
-        top, n_idle, n_low = lru.drop_entries(np.array(listed, dtype=np.int64), n, self.ref_counts, self.cached,
-                                                  self.low_priority, self._lru_prev, self._lru_next, self._stack,
-                                                  self._top, self.lowest_first, out)
-        self._top = top
-        self._lru_lengths[self._slot] -= n_idle
-        if n_low:
-            self._low_idle_pages -= n_low
-        told = out[:n].tolist()
-        low_cause = EVICTED_LOW if cause == EVICTED else cause
-        return [(key, low_cause if v & 1 else cause, v >> 1) for key, v in zip(keys, told)]
+        if self.space is not None:
+            return self.space.drop_units([self], keys, cause)[2]
+        arrays = (self.ref_counts, self.cached, self.low_priority, self._lru_prev, self._lru_next, self._stack,
+                  _ONE_GROUP, self._per_group, np.zeros(1, dtype=np.int64))
+        return _drop_keys(arrays, [(self._entries.pop, self._slot, self.group_id)], keys, cause)[2]
 
     def clear_cache(self) -> None:
         """Unpublish every entry (held pages stay held)."""
@@ -592,6 +591,34 @@ class PagePool:
         unlisted = np.ones(self.num_pages, dtype=bool)
         unlisted[listed] = unlisted[NULL_PAGE] = False
         assert np.all(self._lru_next[unlisted] == -1), "LRU link of an unlisted page"
+
+
+def _drop_keys(arrays: tuple, pops: list, keys: Sequence[Hashable], cause: str) -> tuple[list, list, list]:
+    """Pop the entries under ``keys`` from each pool of ``pops`` ((its entries' ``pop``, group, group id) each)
+    and let their pages go in one ``lru.drop_units`` over ``arrays`` (its arguments from ``ref`` to ``idle``),
+    each pool's last entry first. What ``PageSpace.drop_units`` returns."""
+    listed: list[int] = []
+    left: list[list[str]] = []
+    for key in reversed(keys):
+        gone = []
+        for pop, slot, gid in pops:
+            pages = pop(key, None)
+            if pages is not None:
+                listed += (slot, len(pages), *pages)
+                gone.append(gid)
+        left.append(gone)
+    told = np.empty(len(listed) // 2, dtype=np.int64)  # an entry lists 2 numbers at least
+    lru.drop_units(np.array(listed, dtype=np.int64), *arrays, told)
+    told = told.tolist()
+    low_cause, first, at, removals = EVICTED_LOW if cause == EVICTED else cause, pops and pops[0][2], 0, []
+    for key, gone in zip(reversed(keys), left):  # the first pool's entry comes first in ``gone``
+        if gone and gone[0] == first:
+            removals.append((key, low_cause if told[at] & 1 else cause, told[at] >> 1))
+        at += len(gone)
+    left.reverse()
+    removals.reverse()
+    idle = arrays[-1].tolist()
+    return left, [idle[slot] for _, slot, _ in pops], removals
 
 
 class PageSpace:
@@ -692,27 +719,16 @@ class PageSpace:
         lru.demote_unit(np.array(listed, dtype=np.int64), n_listed, self.low_priority, self.lru_prev,
                         self.lru_next, self.offsets, self.idle_low_floors, self.low_idle)
 
-    def drop_units(self, pools: Sequence[PagePool], keys: Sequence[Hashable]) -> tuple[list[list[str]], list[int]]:
-        """``pool.drop_entries`` of the ``keys`` each of ``pools`` (this space's) publishes,
-        telling no one, all in one compiled pass (``lru.drop_units``: each pool's free stack
-        ends as after its own ``drop_entries``). Returns per key, in order, the group ids of
-        the pools it left (in ``pools`` order), and per pool its idle pages freed."""
-        listed: list[int] = []
-        left: list[list[str]] = []
-        pops = [(pool._entries.pop, pool._slot, pool.group_id) for pool in pools]
-        for key in reversed(keys):  # each pool's last entry first, as ``drop_entries`` lists them
-            gone = []
-            for pop, slot, gid in pops:
-                pages = pop(key, None)
-                if pages is not None:
-                    listed += (slot, len(pages), *pages)
-                    gone.append(gid)
-            left.append(gone)
-        lru.drop_units(np.array(listed, dtype=np.int64), self.ref_counts, self.cached, self.low_priority,
-                       self.lru_prev, self.lru_next, self.stack, self.offsets, self.per_group, self.idle_counts)
-        left.reverse()
-        idle = self.idle_counts.tolist()
-        return left, [idle[slot] for _, slot, _ in pops]
+    def drop_units(self, pools: Sequence[PagePool], keys: Sequence[Hashable],
+                   cause: str = UNPUBLISHED) -> tuple[list[list[str]], list[int], list[tuple[Hashable, str, int]]]:
+        """``pool.drop_entries(…, cause)`` of the ``keys`` each of ``pools`` (this space's)
+        publishes, telling no one, all in one compiled pass (``lru.drop_units``: each pool's
+        free stack ends as after its own ``drop_entries``). Returns per key, in order, the group
+        ids of the pools it left (in ``pools`` order); per pool its idle pages freed; and what
+        ``pools[0].drop_entries`` returns of the keys it published."""
+        arrays = (self.ref_counts, self.cached, self.low_priority, self.lru_prev, self.lru_next, self.stack,
+                  self.offsets, self.per_group, self.idle_counts)
+        return _drop_keys(arrays, [(pool._entries.pop, pool._slot, pool.group_id) for pool in pools], keys, cause)
 
     def keyed_idle(self, per_group: np.ndarray, keyed: np.ndarray) -> None:
         """Keyed pages a release left idle (group after group, ``per_group[g]`` each) join their LRUs

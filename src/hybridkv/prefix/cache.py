@@ -282,7 +282,7 @@ class PrefixCache:
         for gid, pool in pools.items():
             pool.on_removed = self._removed_callback(gid)
             if gid in self.state_ids:  # its removals take the rest of a unit from the other groups only
-                pool.on_removed_many = self._removed_many_callback(gid)
+                pool.evict_many = self._evict_many_callback(gid)
         # Per state group, the pools a superseded checkpoint there leaves (``_supersede``): its
         # own, then (the value policy drops whole units) every other state group's, in order.
         self._unit_pools = {gid: [pools[gid]] + [pools[o] for o in self.state_ids if o != gid and self.eviction.acts]
@@ -906,19 +906,19 @@ class PrefixCache:
 
         return removed
 
-    def _removed_many_callback(self, gid: str) -> Callable[[list], None]:
-        def removed_many(removals: list[tuple[int, str, int]]) -> None:
-            """Entries evicted (or revoked) from state group ``gid`` together: the rest of
-            their units leaves the other state groups first, one batch per group
-            (``ValueEviction.take_units``); then every removal is booked in the order one
-            at a time gives (each entry, then its unit group by group), events in one call."""
-            keys = [key for key, _, _ in removals]
-            left = self.eviction.take_units(gid, keys)
+    def _evict_many_callback(self, gid: str) -> Callable[[Sequence[int], str], int]:
+        def evict_many(keys: Sequence[int], cause: str) -> int:
+            """Entries evicted (or revoked) from state group ``gid`` together: they and the rest of
+            their units leave every state group in one pass (``ValueEviction.take_units``); then
+            every removal is booked in the order one at a time gives (each entry, then its unit
+            group by group), events in one call. The idle pages freed in ``gid``."""
+            removals, left, freed = self.eviction.take_units(gid, keys, cause)
             raws = self._book_removals(keys, left)
             self.eviction.units_removed(gid, removals, left)
             self._emit_many(raws)
+            return freed
 
-        return removed_many
+        return evict_many
 
     def _book_removals(self, keys: Sequence[int], left: Sequence[Sequence[str]]) -> list[tuple]:
         """The entries under ``keys[i]`` left the groups ``left[i]`` (one unit's), in that

@@ -296,21 +296,24 @@ class ValueEviction:
                 if follow == UNIT:
                     pool.counters.evicted_pages += freed
 
-    def take_units(self, gid: str, keys: Sequence[Hashable]) -> list[list[str]]:
-        """The batch form of what :meth:`removed` does to the other state groups for
-        entries just evicted (or revoked) from state group ``gid`` (the pools of one page
-        space): the same keys leave each of them now (``UNIT``, their idle pages counted as
-        such), all in one ``PageSpace.drop_units``, each group's as :meth:`removed` would take
-        them. Per key, in order: the state groups it left, ``gid`` first (what the caller
-        books, then gives :meth:`units_removed`)."""
+    def take_units(self, gid: str, keys: Sequence[Hashable], cause: str) -> tuple[list, list, int]:
+        """The entries ``keys`` evicted (or revoked: ``cause``) from state group ``gid`` and, in the
+        batch form of what :meth:`removed` does, the rest of their units from the other state groups
+        (``UNIT``, their idle pages counted as such), all in one ``PageSpace.drop_units``, each group's
+        as one at a time would take them. What ``evict_entries`` returns of ``gid``'s pool; per key, in
+        order, the state groups it left, ``gid`` first (what the caller books, then gives
+        :meth:`units_removed`); the idle pages freed in ``gid``."""
+        pool = self.pools[gid]
         others = [self.pools[other] for other in self.state_ids if other != gid] if self.acts else []
         if not others:
-            return [[gid] for _ in keys]
-        gone, idle = others[0].space.drop_units(others, keys)
-        for pool, freed in zip(others, idle):
-            pool.counters.evicted_pages += freed
-            self.evicted_pages[pool.group_id]["unit"] += freed
-        return [[gid, *gids] for gids in gone]
+            removals = pool.evict_entries(keys, cause)
+            return removals, [[gid]] * len(keys), sum(idle for _, _, idle in removals)
+        left, idle, removals = pool.space.drop_units([pool, *others], keys, cause)
+        pool.counters.evicted_pages += idle[0]
+        for other, freed in zip(others, idle[1:]):
+            other.counters.evicted_pages += freed
+            self.evicted_pages[other.group_id]["unit"] += freed
+        return removals, left, idle[0]
 
     def units_removed(self, gid: str, removals: Sequence[tuple], left: Sequence[Sequence[str]]) -> None:
         """:meth:`removed` of each (key, cause, idle pages) of ``removals`` (entries evicted
