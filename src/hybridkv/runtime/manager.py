@@ -671,38 +671,26 @@ class CacheManager:
                                    self._short)
 
     def _fit_with_credit(self, releases: _Releases, fits: np.ndarray, deny: dict[int, str]) -> None:
-        """Admission when the allocations alone do not fit: release credit, slabs, else greedy in
-        batch order. Sets ``plan.grants``."""
-        plan, ids = releases.plan, self._group_ids
+        """Admission when the allocations alone do not fit: spare slabs, else the totals net of release
+        credit (a donor's released pages count as idle), else greedy in batch order. Sets ``plan.grants``."""
+        plan, ids, arena = releases.plan, self._group_ids, self.arena
         avail = dict(zip(ids, self._free_pages().tolist()))
-        # Per-row allocations only to leave out the rows denied already (else the plan's sums).
-        alloc = None if fits.all() else self._allocations(plan)
-        gross = plan.sums[1].tolist() if alloc is None else [int(alloc[g][fits].sum()) for g in ids]
+        alloc = self._allocations(plan)  # per row: the rows denied already are left out
+        gross = [int(alloc[g][fits].sum()) for g in ids]
         # Releases run before allocations: only the admitted totals matter. Gross: spare slabs only.
-        plan.grants = _grants_to_fit(self.arena, dict(zip(ids, gross)), avail, None)
+        plan.grants = _grants_to_fit(arena, dict(zip(ids, gross)), avail, None)
         if plan.grants is None:
-            if not self._fit_net(releases, fits, deny, gross, alloc, avail):
+            scan = IdleScan(releasing=releases.sole_pages)
+            credit = [releases.of(k)[0] for k in range(len(ids))]
+            net = {g: n - int(credit[k][fits].sum()) for k, (g, n) in enumerate(zip(ids, gross))}
+            plan.grants = _grants_to_fit(arena, net, avail, scan)
+            if plan.grants is None:
+                need = {g: alloc[g] - credit[k] for k, g in enumerate(ids)}
+                self._deny_greedily(alloc, need, avail, fits, deny, arena, scan, plan)
                 return
-        if self.arena is not None:
+        if arena is not None:
             # A group that would evict cached pages grows instead (gross sums: the releases' freed pages count).
             plan.grants = plan.grants + self._grow_after(np.asarray(gross, dtype=np.int64), releases, plan.grants)
-
-    def _fit_net(self, releases: _Releases, fits: np.ndarray, deny: dict[int, str], gross: list[int],
-                 alloc: dict[str, np.ndarray] | None, avail: dict[str, int]) -> bool:
-        """``_fit_with_credit`` of the totals net of release credit (a donor's released pages count
-        as idle): True when they fit (``plan.grants`` set), else rows are denied greedily and False."""
-        plan, ids, arena = releases.plan, self._group_ids, self.arena
-        scan = IdleScan(releasing=releases.sole_pages)
-        credit = [releases.of(k)[0] for k in range(len(ids))]
-        net = [n - (releases.of(k)[1].size if alloc is None else int(credit[k][fits].sum()))
-               for k, n in enumerate(gross)]
-        plan.grants = _grants_to_fit(arena, dict(zip(ids, net)), avail, scan)
-        if plan.grants is not None:
-            return True
-        alloc = self._allocations(plan) if alloc is None else alloc
-        need = {g: alloc[g] - credit[k] for k, g in enumerate(ids)}
-        self._deny_greedily(alloc, need, avail, fits, deny, arena, scan, plan)
-        return False
 
     def _grow_after(self, wanted: np.ndarray, releases: _Releases, after: list) -> list:
         """``_grow_instead_of_evicting`` for gross ``wanted`` pages, after the grants ``after``."""
