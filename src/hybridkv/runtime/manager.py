@@ -638,11 +638,6 @@ class CacheManager:
         rows = np.asarray(row_list, dtype=np.int64)
         return answers, ok_idx, rows, np.asarray(count_list, dtype=np.int64)
 
-    def _allocations(self, plan: _StepPlan) -> dict[str, np.ndarray]:
-        """Group id -> pages each plan row allocates (from hi, or from a load row's new base past it)."""
-        return dict(zip(self._group_ids, plan.after[1] - np.maximum(self._tableset.bounds[1][:, plan.rows],
-                                                                    plan.after[0])))
-
     def _deny_past_capture_width(self, plan: _StepPlan, fits: np.ndarray, deny: dict[int, str]) -> None:
         """Deny every request whose table in some group would be wider than its capture width."""
         for g, gid in enumerate(self._group_ids):
@@ -675,8 +670,9 @@ class CacheManager:
         credit (a donor's released pages count as idle), else greedy in batch order. Sets ``plan.grants``."""
         plan, ids, arena = releases.plan, self._group_ids, self.arena
         avail = dict(zip(ids, self._free_pages().tolist()))
-        alloc = self._allocations(plan)  # per row: the rows denied already are left out
-        gross = [int(alloc[g][fits].sum()) for g in ids]
+        # Group id -> pages each plan row allocates (from hi, or from a load row's new base past it).
+        alloc = dict(zip(ids, plan.after[1] - np.maximum(self._tableset.bounds[1][:, plan.rows], plan.after[0])))
+        gross = [int(alloc[g][fits].sum()) for g in ids]  # the rows denied already left out
         # Releases run before allocations: only the admitted totals matter. Gross: spare slabs only.
         plan.grants = _grants_to_fit(arena, dict(zip(ids, gross)), avail, None)
         if plan.grants is None:
@@ -1229,21 +1225,17 @@ class CacheManager:
         """Table rows and kept tokens of ``rewind_many``'s items (``_rewind_items`` words a refusal)."""
         try:
             rids, counts = zip(*items, strict=True)
-        except (TypeError, ValueError):
-            rids = counts = ()
-        rows = self._rows_of(rids) if rids and set(map(type, counts)) == {int} else None
-        try:
-            kept = None if rows is None else np.array(counts, dtype=np.int64)
-        except OverflowError:  # past int64: out of range, worded below
-            kept = None
-        if kept is not None:
-            return rows, kept
-        reqs, keeps = self._rewind_items(items)
-        return np.asarray([req.row for req in reqs], dtype=np.int64), np.asarray(keeps, dtype=np.int64)
+            rows = self._rows_of(rids) if set(map(type, counts)) == {int} else None
+            if rows is not None:
+                return rows, np.array(counts, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):  # no pairs, or a count past int64 (out of range)
+            pass
+        return self._rewind_items(items)
 
-    def _rewind_items(self, items: Sequence[tuple[str, int]]) -> tuple[list[_Request], list[int]]:
-        """The requests and token counts of ``rewind_many``'s items, each checked."""
-        reqs, keeps, seen = [], [], set()
+    def _rewind_items(self, items: Sequence[tuple[str, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """The table rows and kept tokens of ``rewind_many``'s items, each checked: a count lies between the
+        tokens committed before the last step and the computed ones."""
+        rows, keeps, seen = [], [], set()
         for item in items:
             try:
                 request_id, num_tokens = item
@@ -1255,23 +1247,17 @@ class CacheManager:
             seen.add(request_id)
             if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
                 raise CacheManagerError(f"num_tokens must be an int, got {num_tokens!r}")
-            reqs.append(req)
-            keeps.append(self._checked_rewind(request_id, req.row, int(num_tokens)))
-        return reqs, keeps
-
-    def _checked_rewind(self, request_id: str, row: int, num_tokens: int) -> int:
-        """``num_tokens``, refused when it lies past the computed tokens or below the committed ones."""
-        computed, committed = int(self._computed[row]), int(self._committed[row])
-        if num_tokens > computed:
-            raise CacheManagerError(
-                f"request {request_id!r}: cannot rewind forward to {num_tokens} (computed {computed})"
-            )
-        if num_tokens < committed:
-            raise CacheManagerError(
-                f"request {request_id!r}: cannot rewind to {num_tokens}, below the {committed} "
-                "tokens committed before the last step"
-            )
-        return num_tokens
+            num_tokens, row = int(num_tokens), req.row
+            computed, committed = int(self._computed[row]), int(self._committed[row])
+            if num_tokens > computed:
+                raise CacheManagerError(
+                    f"request {request_id!r}: cannot rewind forward to {num_tokens} (computed {computed})")
+            if num_tokens < committed:
+                raise CacheManagerError(f"request {request_id!r}: cannot rewind to {num_tokens}, below the "
+                                        f"{committed} tokens committed before the last step")
+            rows.append(row)
+            keeps.append(num_tokens)
+        return np.asarray(rows, dtype=np.int64), np.asarray(keeps, dtype=np.int64)
 
     def _note_rewound_loads(self, rows: np.ndarray, computed: np.ndarray, kept: np.ndarray) -> None:
         """Requests rewound below a load step just run lose its window: refused until freed."""
