@@ -270,10 +270,10 @@ class CacheManager:
         ``load_tokens`` and the most pages a checkpoint keeps cached (``kernels.short_pages``)."""
         self._grain = self.prefix.granularity_tokens if self.prefix is not None else 0
         windows = self.prefix.checkpoint_windows if self.prefix is not None else {}
-        self._checkpoint_windows = tuple(windows.get(gid, 0) for gid in ids)
-        self._load_tokens = np.asarray(self._checkpoint_windows, dtype=np.int64)
+        window_tokens = [windows.get(gid, 0) for gid in ids]
+        self._load_tokens = np.asarray(window_tokens, dtype=np.int64)
         self._window_pages = np.asarray([-(-w // s.page_tokens) + 1 if w else 0
-                                         for w, s in zip(self._checkpoint_windows, self.specs)], dtype=np.int64)
+                                         for w, s in zip(window_tokens, self.specs)], dtype=np.int64)
         self._short = np.empty(len(ids), dtype=np.int64)  # ``short_pages``' answer
         self._no_low = np.zeros(len(ids), dtype=np.int64)  # the low-priority pages a roomy arena keeps
 
@@ -581,7 +581,7 @@ class CacheManager:
         if planned is not None:
             answers, ok_idx, plan = [None] * len(planned.request_ids), range(len(planned.request_ids)), planned
         else:
-            answers, ok_idx, plan = self._validated_plan(items, fixed_width, uniform, load_tokens)
+            answers, ok_idx, plan = self._validated_plan(items, uniform, load_tokens)
         if plan is None:
             return _Verdict(answers, ok_idx, np.zeros(0, dtype=bool), {}, None)
         fits = np.ones(plan.rows.size, dtype=bool)
@@ -609,7 +609,7 @@ class CacheManager:
             raise CacheManagerError("a load step needs prefix caching (it stands for a prefix hit)")
         return self._admit(items, fixed_width, load_tokens=self._load_tokens)
 
-    def _validated_plan(self, items, fixed_width, uniform, load_tokens: np.ndarray
+    def _validated_plan(self, items, uniform, load_tokens: np.ndarray
                         ) -> tuple[list, Sequence[int], _StepPlan | None]:
         """(answers, valid indices, plan of the valid items or None): vectorized when all are valid."""
         fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
@@ -617,10 +617,10 @@ class CacheManager:
         if plan is not None:  # every item valid (the plan checked rows and known tokens)
             plan.request_ids = fast[2]
             return [None] * fast[0].size, range(fast[0].size), plan
-        answers, ok_idx, rows, counts = self._validate(items, fixed_width, uniform)
+        answers, ok_idx, rows, counts = self._validate(items, uniform)
         return answers, ok_idx, self._plan(rows, counts, load_tokens) if ok_idx else None
 
-    def _validate(self, items, fixed_width, uniform):
+    def _validate(self, items, uniform):
         """(answers, valid indices, rows, counts), item by item with a reason for each invalid one."""
         if uniform is not None:
             items = [(rid, uniform[1]) for rid in uniform[0]]  # the per-item path words the reasons
@@ -628,7 +628,7 @@ class CacheManager:
         seen: set[str] = set()
         ok_idx, row_list, count_list = [], [], []
         for i, item in enumerate(items):
-            reason = self._item_error(item, seen, fixed_width)
+            reason = self._item_error(item, seen)
             if reason:
                 answers[i] = Admission(False, reason)
                 continue
@@ -795,7 +795,7 @@ class CacheManager:
         rows = self._rows_of(rids)
         return rows if rows is not None and kernels.distinct_rows(rows, self._in_batch) else None
 
-    def _item_error(self, item, seen: set[str], fixed_width: bool) -> str:
+    def _item_error(self, item, seen: set[str]) -> str:
         try:
             rid, n = item
         except (TypeError, ValueError):
