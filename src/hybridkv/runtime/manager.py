@@ -1360,10 +1360,9 @@ class CacheManager:
         found = self._space.release_outside(local_pages, pages_per_group, self._space_limits, self._held_all)
         if found == kernels.MISLISTED:
             self._refuse_mislisted(pages_per_group)
-        if found == -1 - local_pages.size:  # some page released more often than held
-            glob = local_pages + np.repeat(self._space.offsets, pages_per_group)
-            over = np.flatnonzero(np.bincount(glob, minlength=self._held_all.size) > self._held_all)
-            raise CacheManagerError(f"group {self._group_of(int(over[0]))!r}: {_RELEASE_HELD}")
+        if found < -local_pages.size:  # a page released more often than held
+            raise CacheManagerError(f"group {self._group_at(pages_per_group, -1 - local_pages.size - found)!r}: "
+                                    f"{_RELEASE_HELD}")
         if found < 0:
             self._refuse_range(pages_per_group, -1 - found, _RELEASE_HELD)
         self._version += 1  # invalidates a cached admission
@@ -1379,10 +1378,6 @@ class CacheManager:
     def _refuse_mislisted(self, pages_per_group: np.ndarray) -> None:
         raise CacheManagerError(f"pages_per_group must hold {len(self._group_ids)} non-negative counts summing to "
                                 f"the number of pages listed, got {pages_per_group.tolist()}")
-
-    def _group_of(self, space_id: int) -> str:
-        """The group whose pages include page-space id ``space_id``."""
-        return self._group_ids[int(np.searchsorted(self._space.offsets, space_id, side="right")) - 1]
 
     def _group_at(self, per_group: np.ndarray, index: int) -> str:
         """The group of the ``index``-th page of a group-major list, ``per_group[g]`` of group ``g``."""
