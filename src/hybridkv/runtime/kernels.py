@@ -1617,8 +1617,8 @@ def distinct_rows(rows, mark):
 
 @njit(cache=True)
 def first_out_of_range(local, per_group, limits, lowest):
-    """The index of the first group-major page outside ``[lowest, limits[g])`` (-1: none); ``MISLISTED`` unless
-    ``per_group`` holds one non-negative count per group summing to ``local.size``."""
+    """``-1 - i`` for the first group-major page ``i`` outside ``[lowest, limits[g])`` (0: none); ``MISLISTED``
+    unless ``per_group`` holds one non-negative count per group summing to ``local.size``."""
     if per_group.size != limits.size:
         return MISLISTED
     total = 0
@@ -1632,9 +1632,9 @@ def first_out_of_range(local, per_group, limits, lowest):
     for g in range(per_group.size):
         for _ in range(per_group[g]):
             if local[k] < lowest or local[k] >= limits[g]:
-                return k
+                return -1 - k
             k += 1
-    return -1
+    return 0
 
 
 @njit(cache=True)
@@ -1658,8 +1658,8 @@ def hold_outside(local, per_group, offsets, limits, ref, keyed, low_priority, lo
     holder. Nothing changed for a page outside ``[1, limits[g])`` (``-1 - i``) or free (``-1 - local.size - i``)
     or a mislisted list (``MISLISTED``)."""
     bad = first_out_of_range(local, per_group, limits, 1)
-    if bad != -1:
-        return bad if bad == MISLISTED else -1 - bad
+    if bad < 0:
+        return bad
     n_idle = take_holds(ref, keyed, low_priority, low_idle, offsets, per_group, local, idle_pages, idle_counts)
     if n_idle < 0:
         return n_idle - local.size
@@ -1673,8 +1673,8 @@ def release_outside(local, per_group, offsets, limits, ref, keyed, held, freed, 
     changed for a page outside ``[0, limits[g])`` (``-1 - i``), one released more often than held (``-1 -
     local.size - i``, ``i`` its listing that passes its holds) or a mislisted list (``MISLISTED``)."""
     bad = first_out_of_range(local, per_group, limits, 0)
-    if bad != -1:
-        return bad if bad == MISLISTED else -1 - bad
+    if bad < 0:
+        return bad
     bad = add_held(local, per_group, offsets, held, -1)
     if bad >= 0:  # undone whole
         add_held(local, per_group, offsets, held, 1)

@@ -1335,8 +1335,8 @@ class CacheManager:
     def hold_pages(self, local_pages: np.ndarray, pages_per_group: np.ndarray) -> None:
         """:meth:`hold_pages_by_group` of pages listed group-major (int64, in ``specs`` order),
         ``pages_per_group[g]`` of group ``g``: one compiled call."""
-        if not _nonempty_page_list(local_pages, pages_per_group):
-            return self._check_page_list(local_pages, pages_per_group)  # refused, or nothing to do
+        if not self._lists_pages(local_pages, pages_per_group):
+            return
         found = self._space.hold_outside(local_pages, pages_per_group, self._space_limits, self._held_all)
         if found == kernels.MISLISTED:
             self._refuse_mislisted(pages_per_group)
@@ -1355,8 +1355,8 @@ class CacheManager:
 
     def release_held_pages(self, local_pages: np.ndarray, pages_per_group: np.ndarray) -> None:
         """:meth:`release_held_pages_by_group` of pages listed as :meth:`hold_pages` lists them."""
-        if not _nonempty_page_list(local_pages, pages_per_group):
-            return self._check_page_list(local_pages, pages_per_group)  # refused, or nothing to do
+        if not self._lists_pages(local_pages, pages_per_group):
+            return
         found = self._space.release_outside(local_pages, pages_per_group, self._space_limits, self._held_all)
         if found == kernels.MISLISTED:
             self._refuse_mislisted(pages_per_group)
@@ -1367,13 +1367,18 @@ class CacheManager:
             self._refuse_range(pages_per_group, -1 - found, _RELEASE_HELD)
         self._version += 1  # invalidates a cached admission
 
-    def _check_page_list(self, local_pages: Any, pages_per_group: Any) -> None:
-        """Refuse a page list ``_nonempty_page_list`` turned down for more than being empty."""
+    def _lists_pages(self, local_pages: Any, pages_per_group: Any) -> bool:
+        """Whether :meth:`hold_pages`' arguments list pages; refused unless both are 1-D int64 arrays and,
+        listing none, the counts are one zero per group."""
+        if (type(local_pages) is type(pages_per_group) is np.ndarray and local_pages.ndim == 1 == pages_per_group.ndim
+                and local_pages.dtype == _INT64 == pages_per_group.dtype and local_pages.size > 0):
+            return True
         for name, a in (("local_pages", local_pages), ("pages_per_group", pages_per_group)):
             if not (type(a) is np.ndarray and a.dtype == _INT64 and a.ndim == 1):
                 raise CacheManagerError(f"{name} must be a 1-D int64 array")
         if pages_per_group.size != len(self._group_ids) or pages_per_group.any():  # (``local_pages`` is empty)
             self._refuse_mislisted(pages_per_group)
+        return False
 
     def _refuse_mislisted(self, pages_per_group: np.ndarray) -> None:
         raise CacheManagerError(f"pages_per_group must hold {len(self._group_ids)} non-negative counts summing to "
@@ -1405,8 +1410,8 @@ class CacheManager:
         local = np.concatenate(local) if known > 1 else local[0] if local else np.zeros(0, dtype=np.int64)
         if known < len(pages_by_group):  # a group the manager lacks
             bad = kernels.first_out_of_range(local, per_group, self._space_limits, lowest)
-            if bad >= 0:
-                self._refuse_range(per_group, bad, error)
+            if bad < 0:
+                self._refuse_range(per_group, -1 - bad, error)
             gid = next(gid for gid in pages_by_group if gid not in self.pools)
             raise CacheManagerError(f"no group {gid!r}")
         return local, per_group
@@ -1503,12 +1508,6 @@ def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, i
         return None
     surplus = {g: avail[g] - want[g] for g in avail} if scan is not None else {}
     return arena.plan({g: want[g] - avail[g] for g in avail}, surplus, scan)
-
-
-def _nonempty_page_list(local_pages: Any, pages_per_group: Any) -> bool:
-    """Whether both are 1-D int64 arrays and pages are listed (``CacheManager.hold_pages``)."""
-    return (type(local_pages) is type(pages_per_group) is np.ndarray and local_pages.ndim == 1 == pages_per_group.ndim
-            and local_pages.dtype == _INT64 == pages_per_group.dtype and local_pages.size > 0)
 
 
 def _check_step_options(ids: Sequence, block_tables: str, write_slots: bool) -> None:
