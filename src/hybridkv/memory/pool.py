@@ -333,12 +333,6 @@ class PagePool:
         listed = pages[::-1].tolist()
         self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in listed if not low[p]], tick)
 
-    def _push_free(self, pages: np.ndarray) -> None:
-        """Freed ids (logical order) onto the free stack (``kernels.push_run``)."""
-        if pages.size:
-            self._top = int(kernels.push_run(self._stack, self._top, self.lowest_first,
-                                             np.asarray(pages, dtype=np.int64)))
-
     # --- grants (shared arena) ---------------------------------------------
     def grant(self, pages: np.ndarray) -> None:
         """Make never-granted (or revoked) page ids usable: they go on the free stack,
@@ -349,7 +343,7 @@ class PagePool:
         if self._rng is not None:
             pages = pages.copy()
             self._rng.shuffle(pages)
-        self._push_free(pages)
+        self._top = int(kernels.push_run(self._stack, self._top, self.lowest_first, pages))
         self._granted_pages += int(pages.size)
 
     def free_page_ids(self) -> np.ndarray:

@@ -176,7 +176,6 @@ class PrefixCache:
         self.pools = pools
         self.tables = tables
         self._hash = _hash_fn(hash_algo)
-        self.hash_algo = hash_algo
         self._unsalted_root = self._hash(b"hybridkv-prefix-root\x00")  # h[-1] of every unsalted request
         self.history_ids = [s.group_id for s in self.specs if not s.is_sliding]
         # State groups that store checkpoints (a window of 0 is restorable at every boundary).
@@ -187,7 +186,6 @@ class PrefixCache:
         self.policy = policy_from_options(checkpoint_policy, prompt_checkpoints, checkpoint_interval_tokens, g)
         self.checkpoint_policy = self.policy.name
         self.checkpoint_interval_tokens = self.policy.interval_tokens
-        self.prompt_checkpoints = self.checkpoint_policy == "prompt-boundaries"
         # "prefill-per-byte": each checkpoint's saved prefill, hits and last use.
         self.values = CheckpointValues() if self.policy.ranks_by_value else None
         self.on_event = on_event

@@ -1617,8 +1617,8 @@ def distinct_rows(rows, mark):
 
 @njit(cache=True)
 def first_out_of_range(local, per_group, limits, lowest):
-    """The index of the first group-major page outside ``[lowest, limits[g])`` (-1: none); ``MISLISTED`` unless
-    ``per_group`` holds one non-negative count per group summing to ``local.size``."""
+    """``-1 - i`` for the first group-major page ``i`` outside ``[lowest, limits[g])`` (0: none); ``MISLISTED``
+    unless ``per_group`` holds one non-negative count per group summing to ``local.size``."""
     if per_group.size != limits.size:
         return MISLISTED
     total = 0
@@ -1632,21 +1632,23 @@ def first_out_of_range(local, per_group, limits, lowest):
     for g in range(per_group.size):
         for _ in range(per_group[g]):
             if local[k] < lowest or local[k] >= limits[g]:
-                return k
+                return -1 - k
             k += 1
-    return -1
+    return 0
 
 
 @njit(cache=True)
 def add_held(local, per_group, offsets, held, delta):
-    """``held`` of every listed page raised by ``delta`` per listing; whether every count stays >= 0."""
-    k, ok = 0, True
+    """``held`` of every listed page raised by ``delta`` per listing; the first listing that takes a count
+    below 0 (-1: none)."""
+    k, bad = 0, -1
     for g in range(per_group.size):
         for _ in range(per_group[g]):
             held[offsets[g] + local[k]] += delta
-            ok = ok and held[offsets[g] + local[k]] >= 0
+            if bad < 0 and held[offsets[g] + local[k]] < 0:
+                bad = k
             k += 1
-    return ok
+    return bad
 
 
 @njit(cache=True)
@@ -1656,8 +1658,8 @@ def hold_outside(local, per_group, offsets, limits, ref, keyed, low_priority, lo
     holder. Nothing changed for a page outside ``[1, limits[g])`` (``-1 - i``) or free (``-1 - local.size - i``)
     or a mislisted list (``MISLISTED``)."""
     bad = first_out_of_range(local, per_group, limits, 1)
-    if bad != -1:
-        return bad if bad == MISLISTED else -1 - bad
+    if bad < 0:
+        return bad
     n_idle = take_holds(ref, keyed, low_priority, low_idle, offsets, per_group, local, idle_pages, idle_counts)
     if n_idle < 0:
         return n_idle - local.size
@@ -1668,13 +1670,14 @@ def hold_outside(local, per_group, offsets, limits, ref, keyed, low_priority, lo
 @njit(cache=True)
 def release_outside(local, per_group, offsets, limits, ref, keyed, held, freed, keyed_pages, counts):
     """Drop holds of :func:`hold_outside` (``drop_holds``); how many pages lost their last reference. Nothing
-    changed for a page outside ``[0, limits[g])`` (``-1 - i``), one released more often than held
-    (``-1 - local.size``) or a mislisted list (``MISLISTED``)."""
+    changed for a page outside ``[0, limits[g])`` (``-1 - i``), one released more often than held (``-1 -
+    local.size - i``, ``i`` its listing that passes its holds) or a mislisted list (``MISLISTED``)."""
     bad = first_out_of_range(local, per_group, limits, 0)
-    if bad != -1:
-        return bad if bad == MISLISTED else -1 - bad
-    if not add_held(local, per_group, offsets, held, -1):  # undone whole
+    if bad < 0:
+        return bad
+    bad = add_held(local, per_group, offsets, held, -1)
+    if bad >= 0:  # undone whole
         add_held(local, per_group, offsets, held, 1)
-        return -1 - local.size
+        return -1 - local.size - bad
     drop_holds(ref, keyed, offsets, per_group, local, freed, keyed_pages, counts)
     return counts.sum()

@@ -270,10 +270,10 @@ class CacheManager:
         ``load_tokens`` and the most pages a checkpoint keeps cached (``kernels.short_pages``)."""
         self._grain = self.prefix.granularity_tokens if self.prefix is not None else 0
         windows = self.prefix.checkpoint_windows if self.prefix is not None else {}
-        self._checkpoint_windows = tuple(windows.get(gid, 0) for gid in ids)
-        self._load_tokens = np.asarray(self._checkpoint_windows, dtype=np.int64)
+        window_tokens = [windows.get(gid, 0) for gid in ids]
+        self._load_tokens = np.asarray(window_tokens, dtype=np.int64)
         self._window_pages = np.asarray([-(-w // s.page_tokens) + 1 if w else 0
-                                         for w, s in zip(self._checkpoint_windows, self.specs)], dtype=np.int64)
+                                         for w, s in zip(window_tokens, self.specs)], dtype=np.int64)
         self._short = np.empty(len(ids), dtype=np.int64)  # ``short_pages``' answer
         self._no_low = np.zeros(len(ids), dtype=np.int64)  # the low-priority pages a roomy arena keeps
 
@@ -581,7 +581,7 @@ class CacheManager:
         if planned is not None:
             answers, ok_idx, plan = [None] * len(planned.request_ids), range(len(planned.request_ids)), planned
         else:
-            answers, ok_idx, plan = self._validated_plan(items, fixed_width, uniform, load_tokens)
+            answers, ok_idx, plan = self._validated_plan(items, uniform, load_tokens)
         if plan is None:
             return _Verdict(answers, ok_idx, np.zeros(0, dtype=bool), {}, None)
         fits = np.ones(plan.rows.size, dtype=bool)
@@ -609,7 +609,7 @@ class CacheManager:
             raise CacheManagerError("a load step needs prefix caching (it stands for a prefix hit)")
         return self._admit(items, fixed_width, load_tokens=self._load_tokens)
 
-    def _validated_plan(self, items, fixed_width, uniform, load_tokens: np.ndarray
+    def _validated_plan(self, items, uniform, load_tokens: np.ndarray
                         ) -> tuple[list, Sequence[int], _StepPlan | None]:
         """(answers, valid indices, plan of the valid items or None): vectorized when all are valid."""
         fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
@@ -617,10 +617,10 @@ class CacheManager:
         if plan is not None:  # every item valid (the plan checked rows and known tokens)
             plan.request_ids = fast[2]
             return [None] * fast[0].size, range(fast[0].size), plan
-        answers, ok_idx, rows, counts = self._validate(items, fixed_width, uniform)
+        answers, ok_idx, rows, counts = self._validate(items, uniform)
         return answers, ok_idx, self._plan(rows, counts, load_tokens) if ok_idx else None
 
-    def _validate(self, items, fixed_width, uniform):
+    def _validate(self, items, uniform):
         """(answers, valid indices, rows, counts), item by item with a reason for each invalid one."""
         if uniform is not None:
             items = [(rid, uniform[1]) for rid in uniform[0]]  # the per-item path words the reasons
@@ -628,7 +628,7 @@ class CacheManager:
         seen: set[str] = set()
         ok_idx, row_list, count_list = [], [], []
         for i, item in enumerate(items):
-            reason = self._item_error(item, seen, fixed_width)
+            reason = self._item_error(item, seen)
             if reason:
                 answers[i] = Admission(False, reason)
                 continue
@@ -637,11 +637,6 @@ class CacheManager:
             count_list.append(int(item[1]))
         rows = np.asarray(row_list, dtype=np.int64)
         return answers, ok_idx, rows, np.asarray(count_list, dtype=np.int64)
-
-    def _allocations(self, plan: _StepPlan) -> dict[str, np.ndarray]:
-        """Group id -> pages each plan row allocates (from hi, or from a load row's new base past it)."""
-        return dict(zip(self._group_ids, plan.after[1] - np.maximum(self._tableset.bounds[1][:, plan.rows],
-                                                                    plan.after[0])))
 
     def _deny_past_capture_width(self, plan: _StepPlan, fits: np.ndarray, deny: dict[int, str]) -> None:
         """Deny every request whose table in some group would be wider than its capture width."""
@@ -671,38 +666,27 @@ class CacheManager:
                                    self._short)
 
     def _fit_with_credit(self, releases: _Releases, fits: np.ndarray, deny: dict[int, str]) -> None:
-        """Admission when the allocations alone do not fit: release credit, slabs, else greedy in
-        batch order. Sets ``plan.grants``."""
-        plan, ids = releases.plan, self._group_ids
+        """Admission when the allocations alone do not fit: spare slabs, else the totals net of release
+        credit (a donor's released pages count as idle), else greedy in batch order. Sets ``plan.grants``."""
+        plan, ids, arena = releases.plan, self._group_ids, self.arena
         avail = dict(zip(ids, self._free_pages().tolist()))
-        # Per-row allocations only to leave out the rows denied already (else the plan's sums).
-        alloc = None if fits.all() else self._allocations(plan)
-        gross = plan.sums[1].tolist() if alloc is None else [int(alloc[g][fits].sum()) for g in ids]
+        # Group id -> pages each plan row allocates (from hi, or from a load row's new base past it).
+        alloc = dict(zip(ids, plan.after[1] - np.maximum(self._tableset.bounds[1][:, plan.rows], plan.after[0])))
+        gross = [int(alloc[g][fits].sum()) for g in ids]  # the rows denied already left out
         # Releases run before allocations: only the admitted totals matter. Gross: spare slabs only.
-        plan.grants = _grants_to_fit(self.arena, dict(zip(ids, gross)), avail, None)
+        plan.grants = _grants_to_fit(arena, dict(zip(ids, gross)), avail, None)
         if plan.grants is None:
-            if not self._fit_net(releases, fits, deny, gross, alloc, avail):
+            scan = IdleScan(releasing=releases.sole_pages)
+            credit = [releases.of(k)[0] for k in range(len(ids))]
+            net = {g: n - int(credit[k][fits].sum()) for k, (g, n) in enumerate(zip(ids, gross))}
+            plan.grants = _grants_to_fit(arena, net, avail, scan)
+            if plan.grants is None:
+                need = {g: alloc[g] - credit[k] for k, g in enumerate(ids)}
+                self._deny_greedily(alloc, need, avail, fits, deny, arena, scan, plan)
                 return
-        if self.arena is not None:
+        if arena is not None:
             # A group that would evict cached pages grows instead (gross sums: the releases' freed pages count).
             plan.grants = plan.grants + self._grow_after(np.asarray(gross, dtype=np.int64), releases, plan.grants)
-
-    def _fit_net(self, releases: _Releases, fits: np.ndarray, deny: dict[int, str], gross: list[int],
-                 alloc: dict[str, np.ndarray] | None, avail: dict[str, int]) -> bool:
-        """``_fit_with_credit`` of the totals net of release credit (a donor's released pages count
-        as idle): True when they fit (``plan.grants`` set), else rows are denied greedily and False."""
-        plan, ids, arena = releases.plan, self._group_ids, self.arena
-        scan = IdleScan(releasing=releases.sole_pages)
-        credit = [releases.of(k)[0] for k in range(len(ids))]
-        net = [n - (releases.of(k)[1].size if alloc is None else int(credit[k][fits].sum()))
-               for k, n in enumerate(gross)]
-        plan.grants = _grants_to_fit(arena, dict(zip(ids, net)), avail, scan)
-        if plan.grants is not None:
-            return True
-        alloc = self._allocations(plan) if alloc is None else alloc
-        need = {g: alloc[g] - credit[k] for k, g in enumerate(ids)}
-        self._deny_greedily(alloc, need, avail, fits, deny, arena, scan, plan)
-        return False
 
     def _grow_after(self, wanted: np.ndarray, releases: _Releases, after: list) -> list:
         """``_grow_instead_of_evicting`` for gross ``wanted`` pages, after the grants ``after``."""
@@ -811,7 +795,7 @@ class CacheManager:
         rows = self._rows_of(rids)
         return rows if rows is not None and kernels.distinct_rows(rows, self._in_batch) else None
 
-    def _item_error(self, item, seen: set[str], fixed_width: bool) -> str:
+    def _item_error(self, item, seen: set[str]) -> str:
         try:
             rid, n = item
         except (TypeError, ValueError):
@@ -1241,21 +1225,17 @@ class CacheManager:
         """Table rows and kept tokens of ``rewind_many``'s items (``_rewind_items`` words a refusal)."""
         try:
             rids, counts = zip(*items, strict=True)
-        except (TypeError, ValueError):
-            rids = counts = ()
-        rows = self._rows_of(rids) if rids and set(map(type, counts)) == {int} else None
-        try:
-            kept = None if rows is None else np.array(counts, dtype=np.int64)
-        except OverflowError:  # past int64: out of range, worded below
-            kept = None
-        if kept is not None:
-            return rows, kept
-        reqs, keeps = self._rewind_items(items)
-        return np.asarray([req.row for req in reqs], dtype=np.int64), np.asarray(keeps, dtype=np.int64)
+            rows = self._rows_of(rids) if set(map(type, counts)) == {int} else None
+            if rows is not None:
+                return rows, np.array(counts, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):  # no pairs, or a count past int64 (out of range)
+            pass
+        return self._rewind_items(items)
 
-    def _rewind_items(self, items: Sequence[tuple[str, int]]) -> tuple[list[_Request], list[int]]:
-        """The requests and token counts of ``rewind_many``'s items, each checked."""
-        reqs, keeps, seen = [], [], set()
+    def _rewind_items(self, items: Sequence[tuple[str, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """The table rows and kept tokens of ``rewind_many``'s items, each checked: a count lies between the
+        tokens committed before the last step and the computed ones."""
+        rows, keeps, seen = [], [], set()
         for item in items:
             try:
                 request_id, num_tokens = item
@@ -1267,23 +1247,17 @@ class CacheManager:
             seen.add(request_id)
             if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
                 raise CacheManagerError(f"num_tokens must be an int, got {num_tokens!r}")
-            reqs.append(req)
-            keeps.append(self._checked_rewind(request_id, req.row, int(num_tokens)))
-        return reqs, keeps
-
-    def _checked_rewind(self, request_id: str, row: int, num_tokens: int) -> int:
-        """``num_tokens``, refused when it lies past the computed tokens or below the committed ones."""
-        computed, committed = int(self._computed[row]), int(self._committed[row])
-        if num_tokens > computed:
-            raise CacheManagerError(
-                f"request {request_id!r}: cannot rewind forward to {num_tokens} (computed {computed})"
-            )
-        if num_tokens < committed:
-            raise CacheManagerError(
-                f"request {request_id!r}: cannot rewind to {num_tokens}, below the {committed} "
-                "tokens committed before the last step"
-            )
-        return num_tokens
+            num_tokens, row = int(num_tokens), req.row
+            computed, committed = int(self._computed[row]), int(self._committed[row])
+            if num_tokens > computed:
+                raise CacheManagerError(
+                    f"request {request_id!r}: cannot rewind forward to {num_tokens} (computed {computed})")
+            if num_tokens < committed:
+                raise CacheManagerError(f"request {request_id!r}: cannot rewind to {num_tokens}, below the "
+                                        f"{committed} tokens committed before the last step")
+            rows.append(row)
+            keeps.append(num_tokens)
+        return np.asarray(rows, dtype=np.int64), np.asarray(keeps, dtype=np.int64)
 
     def _note_rewound_loads(self, rows: np.ndarray, computed: np.ndarray, kept: np.ndarray) -> None:
         """Requests rewound below a load step just run lose its window: refused until freed."""
@@ -1361,8 +1335,8 @@ class CacheManager:
     def hold_pages(self, local_pages: np.ndarray, pages_per_group: np.ndarray) -> None:
         """:meth:`hold_pages_by_group` of pages listed group-major (int64, in ``specs`` order),
         ``pages_per_group[g]`` of group ``g``: one compiled call."""
-        if not _nonempty_page_list(local_pages, pages_per_group):
-            return self._check_page_list(local_pages, pages_per_group)  # refused, or nothing to do
+        if not self._lists_pages(local_pages, pages_per_group):
+            return
         found = self._space.hold_outside(local_pages, pages_per_group, self._space_limits, self._held_all)
         if found == kernels.MISLISTED:
             self._refuse_mislisted(pages_per_group)
@@ -1381,34 +1355,34 @@ class CacheManager:
 
     def release_held_pages(self, local_pages: np.ndarray, pages_per_group: np.ndarray) -> None:
         """:meth:`release_held_pages_by_group` of pages listed as :meth:`hold_pages` lists them."""
-        if not _nonempty_page_list(local_pages, pages_per_group):
-            return self._check_page_list(local_pages, pages_per_group)  # refused, or nothing to do
+        if not self._lists_pages(local_pages, pages_per_group):
+            return
         found = self._space.release_outside(local_pages, pages_per_group, self._space_limits, self._held_all)
         if found == kernels.MISLISTED:
             self._refuse_mislisted(pages_per_group)
-        if found == -1 - local_pages.size:  # some page released more often than held
-            glob = local_pages + np.repeat(self._space.offsets, pages_per_group)
-            over = np.flatnonzero(np.bincount(glob, minlength=self._held_all.size) > self._held_all)
-            raise CacheManagerError(f"group {self._group_of(int(over[0]))!r}: {_RELEASE_HELD}")
+        if found < -local_pages.size:  # a page released more often than held
+            raise CacheManagerError(f"group {self._group_at(pages_per_group, -1 - local_pages.size - found)!r}: "
+                                    f"{_RELEASE_HELD}")
         if found < 0:
             self._refuse_range(pages_per_group, -1 - found, _RELEASE_HELD)
         self._version += 1  # invalidates a cached admission
 
-    def _check_page_list(self, local_pages: Any, pages_per_group: Any) -> None:
-        """Refuse a page list ``_nonempty_page_list`` turned down for more than being empty."""
+    def _lists_pages(self, local_pages: Any, pages_per_group: Any) -> bool:
+        """Whether :meth:`hold_pages`' arguments list pages; refused unless both are 1-D int64 arrays and,
+        listing none, the counts are one zero per group."""
+        if (type(local_pages) is type(pages_per_group) is np.ndarray and local_pages.ndim == 1 == pages_per_group.ndim
+                and local_pages.dtype == _INT64 == pages_per_group.dtype and local_pages.size > 0):
+            return True
         for name, a in (("local_pages", local_pages), ("pages_per_group", pages_per_group)):
             if not (type(a) is np.ndarray and a.dtype == _INT64 and a.ndim == 1):
                 raise CacheManagerError(f"{name} must be a 1-D int64 array")
         if pages_per_group.size != len(self._group_ids) or pages_per_group.any():  # (``local_pages`` is empty)
             self._refuse_mislisted(pages_per_group)
+        return False
 
     def _refuse_mislisted(self, pages_per_group: np.ndarray) -> None:
         raise CacheManagerError(f"pages_per_group must hold {len(self._group_ids)} non-negative counts summing to "
                                 f"the number of pages listed, got {pages_per_group.tolist()}")
-
-    def _group_of(self, space_id: int) -> str:
-        """The group whose pages include page-space id ``space_id``."""
-        return self._group_ids[int(np.searchsorted(self._space.offsets, space_id, side="right")) - 1]
 
     def _group_at(self, per_group: np.ndarray, index: int) -> str:
         """The group of the ``index``-th page of a group-major list, ``per_group[g]`` of group ``g``."""
@@ -1436,8 +1410,8 @@ class CacheManager:
         local = np.concatenate(local) if known > 1 else local[0] if local else np.zeros(0, dtype=np.int64)
         if known < len(pages_by_group):  # a group the manager lacks
             bad = kernels.first_out_of_range(local, per_group, self._space_limits, lowest)
-            if bad >= 0:
-                self._refuse_range(per_group, bad, error)
+            if bad < 0:
+                self._refuse_range(per_group, -1 - bad, error)
             gid = next(gid for gid in pages_by_group if gid not in self.pools)
             raise CacheManagerError(f"no group {gid!r}")
         return local, per_group
@@ -1534,12 +1508,6 @@ def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, i
         return None
     surplus = {g: avail[g] - want[g] for g in avail} if scan is not None else {}
     return arena.plan({g: want[g] - avail[g] for g in avail}, surplus, scan)
-
-
-def _nonempty_page_list(local_pages: Any, pages_per_group: Any) -> bool:
-    """Whether both are 1-D int64 arrays and pages are listed (``CacheManager.hold_pages``)."""
-    return (type(local_pages) is type(pages_per_group) is np.ndarray and local_pages.ndim == 1 == pages_per_group.ndim
-            and local_pages.dtype == _INT64 == pages_per_group.dtype and local_pages.size > 0)
 
 
 def _check_step_options(ids: Sequence, block_tables: str, write_slots: bool) -> None:
