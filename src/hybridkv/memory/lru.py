@@ -246,10 +246,10 @@ def drop_units(listed, ref, keyed, low_priority, lru_prev, lru_next, stack, offs
 @njit(cache=True)
 def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, prev, nxt, per_group, row, lo, counts, page_ids):
     """A new row's prefix hit in one call: ``kernels.take_holds`` of ``page_ids`` (idle ones leave their list,
-    peaks follow), then ``kernels.place_row``. Returns how many were idle (``-1 - i``, nothing changed, when
-    page ``i`` is free) and the ring-view cells written."""
+    peaks follow), then ``kernels.place_row``, each page's ring-view cell written over it in ``page_ids``.
+    Returns how many were idle (``-1 - i``, nothing changed, when page ``i`` is free)."""
     offsets = geometry[:, ID_OFFSET].copy()
-    idle, view = np.empty(page_ids.size, dtype=np.int64), np.empty(page_ids.size, dtype=np.int64)
+    idle = np.empty(page_ids.size, dtype=np.int64)
     idle_counts = np.zeros(offsets.size, dtype=np.int64)
     n_idle = take_holds(ref, keyed, low_priority, per_group[LOW_IDLE_PAGES], offsets, counts, page_ids, idle,
                         idle_counts)
@@ -257,8 +257,8 @@ def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, prev, nxt, per
         leave(prev, nxt, per_group[LRU_PAGES], offsets, idle_counts, idle[:n_idle])
         if n_idle:
             note_peaks(per_group, idle_counts, idle_counts[:0])
-        place_row(geometry, pages, bounds, row, lo, counts, page_ids, view)
-    return n_idle, view
+        place_row(geometry, pages, bounds, row, lo, counts, page_ids, page_ids)  # reads page n, then writes cell n
+    return n_idle
 
 
 @njit(cache=True)

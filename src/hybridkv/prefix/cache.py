@@ -386,12 +386,12 @@ class PrefixCache:
         page_ids = np.array(listed, dtype=np.int64)
         assert page_ids.size == total, (page_ids.size, counts)  # what the compiled call reads
         space, tables = self._space, self._table_set
-        n_idle, view = lru.borrow_row(tables.geometry, tables.pages, tables.bounds, space.ref_counts, space.cached,
-                                      space.low_priority, space.lru_prev, space.lru_next, space.per_group, req.row,
-                                      first_pages, counts, page_ids)
+        n_idle = lru.borrow_row(tables.geometry, tables.pages, tables.bounds, space.ref_counts, space.cached,
+                                space.low_priority, space.lru_prev, space.lru_next, space.per_group, req.row,
+                                first_pages, counts, page_ids)
         if n_idle < 0:
             raise ValueError(f"page {int(page_ids[-1 - n_idle])} is free, cannot be borrowed")
-        tables.note_cells(view)
+        tables.note_cells(page_ids)  # now the ring-view cells the hit wrote
         # The checkpoint at the hit becomes the request's own (every state group holds it).
         key, own = req.hashes.hashes[blocks - 1], OwnCheckpoint(d)
         for (gid, _, _, holders, _), entry in zip(self._state_groups, at_hit):
