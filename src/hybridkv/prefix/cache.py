@@ -313,7 +313,8 @@ class PrefixCache:
 
     def _match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> tuple[PrefixHit, list[list], list]:
         """The hit for a prompt (its last token aside), per history group its entries from the first block on,
-        and per state group its entry at the hit ([] without one). Plain loops: cheaper run cold."""
+        and per state group its entry at the hit ([] without one). Plain loops: cheaper run cold. The state
+        groups' walks down start below the prompt's last blocks no group publishes (``ValueEviction.knows``)."""
         g = self.granularity_tokens
         max_blocks = (prompt_ids.size - 1) // g
         hashes.extend_to(prompt_ids, max_blocks * g)
@@ -330,9 +331,12 @@ class PrefixCache:
             history.append(entries)
             reach.append(len(entries))
         limit = min(reach, default=max_blocks)  # blocks every history group holds, from the first
+        top, knows = max_blocks, self._knows
+        while top and not knows(keys[top - 1]):  # the prompt's own blocks: no group has them (one lookup each)
+            top -= 1
         found = []  # each state group's entry at its reach
         for lookup in self._state_lookups:
-            n, entry = max_blocks, None
+            n, entry = top, None
             while n:
                 entry = lookup(keys[n - 1])
                 if entry is not None:
