@@ -741,10 +741,13 @@ class PageSpace:
         return touched
 
     def _tell_rankers(self, per_group: np.ndarray, keyed: np.ndarray, first_tick: int) -> None:
-        """Each pool with a ranker whose pages joined their LRU tells it of them."""
-        counts = per_group.tolist()
-        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64).tolist()
-        ticks = np.cumsum([1 if k else 0 for k in counts]).tolist()  # the tick each pool's pages got, less one
+        """Each pool with a ranker whose pages joined their LRU tells it of them (plain loops: no numpy call)."""
+        counts, starts, ticks, start, tick = per_group.tolist(), [], [], 0, first_tick - 1
+        for k in counts:  # where each pool's pages start, and the tick they got (each pool with some, the next)
+            tick += 1 if k else 0
+            starts.append(start)
+            ticks.append(tick)
+            start += k
         for g in self.ranked:
             if counts[g]:
-                self.pools[g]._tell_ranker(keyed[starts[g] : starts[g + 1]], first_tick + ticks[g] - 1)
+                self.pools[g]._tell_ranker(keyed[starts[g] : starts[g] + counts[g]], ticks[g])
