@@ -23,10 +23,11 @@ def store(spec, max_context_tokens, max_step_tokens, rows=2):
 
 def place_row(ts, row, lo, counts, page_ids):
     """A prefix hit's placement as ``lru.borrow_row`` runs it: ``kernels.place_row``, every
-    group in one call, then the cells it wrote logged."""
-    view = np.empty(page_ids.size, dtype=np.int64)
-    kernels.place_row(ts.geometry, ts.pages, ts.bounds, row, lo, counts, page_ids, view)
-    ts.note_cells(view)
+    group in one call, each page's ring-view cell written over it (in a copy of ``page_ids``),
+    then the cells it wrote logged."""
+    cells = page_ids.copy()
+    kernels.place_row(ts.geometry, ts.pages, ts.bounds, row, lo, counts, cells, cells)
+    ts.note_cells(cells)
 
 
 def place(ts, g, rows, lo, counts, page_ids):

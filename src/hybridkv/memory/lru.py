@@ -219,10 +219,10 @@ def drop_units(listed, ref, keyed, low_priority, lru_prev, lru_next, stack, offs
 @njit(cache=True)
 def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, prev, nxt, per_group, row, lo, counts, page_ids):
     """A new row's prefix hit in one call: ``kernels.take_holds`` of ``page_ids`` (idle ones leave their list,
-    peaks follow), then ``kernels.place_row``. Returns how many were idle (``-1 - i``, nothing changed, when
-    page ``i`` is free) and the ring-view cells written."""
+    peaks follow), then ``kernels.place_row``, each page's ring-view cell written over it in ``page_ids``.
+    Returns how many were idle (``-1 - i``, nothing changed, when page ``i`` is free)."""
     offsets = geometry[:, ID_OFFSET].copy()
-    idle, view = np.empty(page_ids.size, dtype=np.int64), np.empty(page_ids.size, dtype=np.int64)
+    idle = np.empty(page_ids.size, dtype=np.int64)
     idle_counts = np.zeros(offsets.size, dtype=np.int64)
     n_idle = take_holds(ref, keyed, low_priority, per_group[LOW_IDLE_PAGES], offsets, counts, page_ids, idle,
                         idle_counts)
@@ -230,15 +230,20 @@ def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, prev, nxt, per
         leave(prev, nxt, per_group[LRU_PAGES], offsets, idle_counts, idle[:n_idle])
         if n_idle:
             note_peaks(per_group, idle_counts, idle_counts[:0])
-        place_row(geometry, pages, bounds, row, lo, counts, page_ids, view)
-    return n_idle, view
+        place_row(geometry, pages, bounds, row, lo, counts, page_ids, page_ids)  # reads page n, then writes cell n
+    return n_idle
 
 
 @njit(cache=True)
 def free_rows_listed(geometry, pages, bounds, ref, keyed, stack, per_group, idle_tick, low_priority, prev, nxt,
-                     clock, rows):
-    """``kernels.free_rows``, then :func:`join` of the keyed pages it left idle; what ``free_rows`` returns."""
+                     clock, rows, keyed_counts, keyed_out):
+    """``kernels.free_rows``, then :func:`join` of the keyed pages it left idle: how many per group to
+    ``keyed_counts``, the pages (group after group) to ``keyed_out`` as far as it has room. Returns the cells
+    emptied (one array: each returned array costs its caller a call)."""
     touched, idle_keyed, keyed_per_group = free_rows(geometry, pages, bounds, ref, keyed, stack, per_group, rows)
     join(idle_tick, low_priority, prev, nxt, per_group[LRU_PAGES], per_group[LOW_IDLE_PAGES], per_group[LOW_FLOOR],
          geometry[:, ID_OFFSET].copy(), keyed_per_group, idle_keyed, clock)
-    return touched, idle_keyed, keyed_per_group
+    keyed_counts[:] = keyed_per_group
+    n = min(idle_keyed.size, keyed_out.size)
+    keyed_out[:n] = idle_keyed[:n]
+    return touched

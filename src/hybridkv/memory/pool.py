@@ -632,7 +632,8 @@ class PageSpace:
         self.lru_lengths, self.granted = self.per_group[kernels.LRU_PAGES], self.per_group[kernels.GRANTED_PAGES]
         self.low_idle, self.skip_packing = self.per_group[kernels.LOW_IDLE_PAGES], self.per_group[kernels.SKIP_PACKING]
         self.ranked: list[int] = []  # the groups whose pool has a ranker (``PagePool.ranker`` keeps it)
-        self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # scratch of hold_outside and drop_units
+        self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # scratch of hold_outside, drop_units, free_rows
+        self.idle_listed = _NO_PAGES  # free_rows' keyed pages left idle, for the rankers (allocated for them)
         self._bind_pools()
 
     def _join_page_arrays(self, sizes: list[int]) -> None:
@@ -734,20 +735,29 @@ class PageSpace:
             self._tell_rankers(per_group, keyed, first_tick)
 
     def free_rows(self, tables, rows: np.ndarray) -> np.ndarray:
-        """``CacheManager.free``'s release in one call (``lru.free_rows_listed``); the cells emptied."""
-        first_tick = int(_IDLE_CLOCK[0]) + 1 if self.ranked else 0
-        touched, keyed, per_group = lru.free_rows_listed(
-            tables.geometry, tables.pages, tables.bounds, self.ref_counts, self.cached, self.stack, self.per_group,
-            self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, _IDLE_CLOCK, rows)
+        """``CacheManager.free``'s release in one call (``lru.free_rows_listed``); the cells emptied. The keyed
+        pages left idle are listed (in ``idle_listed``, room for every page) only for the rankers."""
+        first_tick, listed = 0, _NO_PAGES
         if self.ranked:
-            self._tell_rankers(per_group, keyed, first_tick)
+            first_tick, listed = int(_IDLE_CLOCK[0]) + 1, self.idle_listed
+            if listed.size < self.ref_counts.size:
+                listed = self.idle_listed = np.empty(self.ref_counts.size, dtype=np.int64)
+        touched = lru.free_rows_listed(
+            tables.geometry, tables.pages, tables.bounds, self.ref_counts, self.cached, self.stack, self.per_group,
+            self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, _IDLE_CLOCK, rows, self.idle_counts,
+            listed)
+        if self.ranked:
+            self._tell_rankers(self.idle_counts, listed, first_tick)
         return touched
 
     def _tell_rankers(self, per_group: np.ndarray, keyed: np.ndarray, first_tick: int) -> None:
-        """Each pool with a ranker whose pages joined their LRU tells it of them."""
-        counts = per_group.tolist()
-        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64).tolist()
-        ticks = np.cumsum([1 if k else 0 for k in counts]).tolist()  # the tick each pool's pages got, less one
+        """Each pool with a ranker whose pages joined their LRU tells it of them (plain loops: no numpy call)."""
+        counts, starts, ticks, start, tick = per_group.tolist(), [], [], 0, first_tick - 1
+        for k in counts:  # where each pool's pages start, and the tick they got (each pool with some, the next)
+            tick += 1 if k else 0
+            starts.append(start)
+            ticks.append(tick)
+            start += k
         for g in self.ranked:
             if counts[g]:
-                self.pools[g]._tell_ranker(keyed[starts[g] : starts[g + 1]], first_tick + ticks[g] - 1)
+                self.pools[g]._tell_ranker(keyed[starts[g] : starts[g] + counts[g]], ticks[g])

@@ -311,7 +311,8 @@ class PrefixCache:
 
     def _match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> tuple[PrefixHit, list[list], list]:
         """The hit for a prompt (its last token aside), per history group its entries from the first block on,
-        and per state group its entry at the hit ([] without one). Plain loops: cheaper run cold."""
+        and per state group its entry at the hit ([] without one). Plain loops: cheaper run cold. The state
+        groups' walks down start below the prompt's last blocks no group publishes (``ValueEviction.knows``)."""
         g = self.granularity_tokens
         max_blocks = (prompt_ids.size - 1) // g
         hashes.extend_to(prompt_ids, max_blocks * g)
@@ -328,9 +329,12 @@ class PrefixCache:
             history.append(entries)
             reach.append(len(entries))
         limit = min(reach, default=max_blocks)  # blocks every history group holds, from the first
+        top, knows = max_blocks, self._knows
+        while top and not knows(keys[top - 1]):  # the prompt's own blocks: no group has them (one lookup each)
+            top -= 1
         found = []  # each state group's entry at its reach
         for lookup in self._state_lookups:
-            n, entry = max_blocks, None
+            n, entry = top, None
             while n:
                 entry = lookup(keys[n - 1])
                 if entry is not None:
@@ -384,12 +388,12 @@ class PrefixCache:
         page_ids = np.array(listed, dtype=np.int64)
         assert page_ids.size == total, (page_ids.size, counts)  # what the compiled call reads
         space, tables = self._space, self._table_set
-        n_idle, view = lru.borrow_row(tables.geometry, tables.pages, tables.bounds, space.ref_counts, space.cached,
-                                      space.low_priority, space.lru_prev, space.lru_next, space.per_group, req.row,
-                                      first_pages, counts, page_ids)
+        n_idle = lru.borrow_row(tables.geometry, tables.pages, tables.bounds, space.ref_counts, space.cached,
+                                space.low_priority, space.lru_prev, space.lru_next, space.per_group, req.row,
+                                first_pages, counts, page_ids)
         if n_idle < 0:
             raise ValueError(f"page {int(page_ids[-1 - n_idle])} is free, cannot be borrowed")
-        tables.note_cells(view)
+        tables.note_cells(page_ids)  # now the ring-view cells the hit wrote
         # The checkpoint at the hit becomes the request's own (every state group holds it).
         key, own = req.hashes.hashes[blocks - 1], OwnCheckpoint(d)
         for (gid, _, _, holders, _), entry in zip(self._state_groups, at_hit):
