@@ -445,15 +445,39 @@ def _publish_idle(pool, key):
     decref(pool, pool.lookup(key))  # idle: evictions then free (and count) it
 
 
+def _commit_both_ways(pools, policy, chain, marks, fast):
+    """A commit of new blocks ``chain`` (key, parent, boundary) in ``h1``, ``h2`` and of the
+    checkpoints at chain places ``marks`` (its last among them) in ``s1``, ``s2``, published
+    and booked in one ``stored_commit`` call (``fast``) or entry by entry, group by group
+    (history groups first, then each boundary in turn)."""
+    checkpoints = [chain[j] for j in marks]
+    for gid in ("h1", "h2"):
+        for key, _, _ in chain:
+            _publish_idle(pools[gid], key)
+    for key, _, _ in checkpoints:
+        for gid in ("s1", "s2"):
+            _publish_idle(pools[gid], key)
+    if fast:
+        policy.stored_commit(*zip(*chain), [key for key, _, _ in checkpoints])
+        return
+    for gid in ("h1", "h2"):
+        for entry in chain:
+            policy.stored(gid, *entry)
+    for entry in checkpoints:
+        for gid in ("s1", "s2"):
+            policy.stored(gid, *entry)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["unit", "chain", "block h2", "evict h1", "evict h2", "evict s1"]),
                           st.integers(1, 4), st.integers(1, 3)), max_size=24))
 @example([("chain", 1, 3), ("unit", 4, 1), ("evict h1", 2, 1), ("chain", 2, 1)])  # a gap, then mended
 @example([("unit", 2, 1), ("chain", 1, 1), ("unit", 3, 1)])  # a key published before its parent
 @example([("unit", 1, 1), ("unit", 2, 1), ("evict s1", 2, 1)])  # the parent keeps its own checkpoint's support
+@example([("unit", 2, 2), ("unit", 1, 1)])  # a commit published before its parent's
 def test_units_and_chains_are_stored_in_each_group_in_turn(program):
-    """A commit's one-call bookings, ``ValueEviction.stored_unit`` (one new block in every
-    history group and the checkpoint at its end in every state group) and
+    """A commit's one-call bookings, ``ValueEviction.stored_commit`` (new blocks in every
+    history group and the checkpoint at the last one's end in every state group) and
     ``ValueEviction.stored_blocks`` of a chain of blocks in every history group (at once
     where nothing but nodes changes), leave every flag, LRU order and value report exactly
     as ``stored`` called entry by entry, group by group (the reference), over random
@@ -462,14 +486,8 @@ def test_units_and_chains_are_stored_in_each_group_in_turn(program):
     for op, i, length in program:
         chain = [(f"k{j}", f"k{j - 1}" if j > 1 else "root", 256 * j) for j in range(i, i + length)]
         for fast, (pools, policy) in enumerate(sides):
-            if op == "unit" and all(pools[g].lookup(chain[0][0]) is None for g in pools):
-                for gid in pools:
-                    _publish_idle(pools[gid], chain[0][0])
-                if fast:
-                    policy.stored_unit(*chain[0])
-                else:
-                    for gid in pools:
-                        policy.stored(gid, *chain[0])
+            if op == "unit" and all(pools[g].lookup(key) is None for g in pools for key, _, _ in chain):
+                _commit_both_ways(pools, policy, chain, [len(chain) - 1], fast)
             elif op == "chain" and all(pools[g].lookup(key) is None for g in ("h1", "h2") for key, _, _ in chain):
                 for gid in ("h1", "h2"):
                     for key, _, _ in chain:
@@ -501,8 +519,9 @@ def test_checkpoints_on_a_new_chain_are_stored_at_once(program):
     new chain: it returned True) leaves every
     flag, LRU order and value report exactly as ``stored_checkpoint`` called boundary by
     boundary (the reference), in any order of the boundaries, over random chains (3 in
-    the marks: the first checkpoint in ``s1`` only), units and evictions along keys
-    ``k1`` .. ``k6``."""
+    the marks: the first checkpoint in ``s1`` only), commits (``stored_commit``: the
+    checkpoints at the marks and the last block, in every state group) and evictions
+    along keys ``k1`` .. ``k6``."""
     sides, fresh_seen = [_two_by_two_policy(), _two_by_two_policy()], []
     for op, i, length, marks in program:
         chain = [(f"k{j}", f"k{j - 1}" if j > 1 else "root", 256 * j) for j in range(i, i + length)]
@@ -523,10 +542,9 @@ def test_checkpoints_on_a_new_chain_are_stored_at_once(program):
                     for entry in booked:
                         policy.stored_checkpoint(*entry)
                 fresh_seen.append(fresh)
-            elif op == "unit" and all(pools[g].lookup(chain[0][0]) is None for g in pools):
-                for gid in pools:
-                    _publish_idle(pools[gid], chain[0][0])
-                policy.stored_unit(*chain[0])
+            elif op == "unit" and all(pools[g].lookup(key) is None for g in pools for key, _, _ in chain):
+                _commit_both_ways(pools, policy, chain, sorted({j for j in marks if j < length} | {length - 1}),
+                                  fast)
             elif op.startswith("evict") and pools[op[6:]].lookup(chain[0][0]) is not None:
                 pools[op[6:]].unpublish(chain[0][0], EVICTED)
         _assert_same_pools_and_policy(sides)

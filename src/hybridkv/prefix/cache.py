@@ -231,15 +231,17 @@ class PrefixCache:
         self._init_units()
 
     def _init_units(self) -> None:
-        """What one-block commits claiming everything read (``_commit_units``): every group in
-        order, its pool (one ``PageSpace.adopt`` call's), id, pages and stats; each state
-        group's holders. Only with state groups and no pinning interval do commits run so."""
+        """What commits claimed whole read (``_commit_units``): every group in order, its pool
+        (one ``PageSpace.adopt`` call's), id, pages and stats; each history group's id and
+        pages (its events); each state group's holders. Only with state groups and no pinning
+        interval do commits run so."""
         self._units = bool(self.state_ids) and self.state_checkpoint_interval is None
         unit = self._history_groups + [(gid, pool, n, stats) for gid, pool, n, _, stats in self._state_groups]
         self._unit_pools_in_order = [pool for _, pool, _, _ in unit]
         self._unit_gids = [gid for gid, *_ in unit]
         self._unit_sizes = [n for _, _, n, _ in unit]
         self._unit_stats = [stats for *_, stats in unit]
+        self._history_events = [(gid, n) for gid, _, n, _ in self._history_groups]  # what a block's event names
         self._unit_holders = [(gid, holders, j) for j, (gid, _, _, holders, _)
                               in enumerate(self._state_groups, len(self._history_groups))]
 
@@ -419,18 +421,19 @@ class PrefixCache:
     def commit_requests(self, reqs: Sequence[CommittingRequest], old_tokens: Sequence[int],
                         new_tokens: Sequence[int]) -> None:
         """Publish what each request's tokens ``[old, new)`` completed (history blocks and the
-        newest checkpoint), request by request in order: the same entries, bookings and events
-        (one call, in that order) as one commit at a time. Each run of requests crossing one
-        block whose key no group has (decode commits, :meth:`_unit_run`) is read, claimed and
-        recorded at once (:meth:`_commit_units`); any other commits alone (:meth:`_commit_one`).
-        The checkpoints superseding unpublishes or demotes leave their pools' lists at the end,
-        in one call each (:meth:`_let_go`; before a request that commits alone)."""
+        checkpoints: the policy's speculative ones, the latest), request by request in order:
+        the same entries, bookings and events (one call, in that order) as one commit at a
+        time. Each run of requests whose commit publishes only new keys (:meth:`_unit_run`) is
+        read, claimed and recorded at once (:meth:`_commit_units`); any other commits alone
+        (:meth:`_commit_one`). The checkpoints superseding unpublishes or demotes leave their
+        pools' lists at the end, in one call each (:meth:`_let_go`; before a request that
+        commits alone)."""
         events, let_go, i, n, g = [], [], 0, len(reqs), self.granularity_tokens
         while i < n:
-            if self._units and new_tokens[i] // g == old_tokens[i] // g + 1:  # a run may start here
-                run, i = self._unit_run(reqs, old_tokens, new_tokens, i)
+            if self._units and new_tokens[i] // g > old_tokens[i] // g:  # a run may start here
+                run, units, i = self._unit_run(reqs, old_tokens, new_tokens, i)
                 if run:
-                    self._commit_units(run, events, let_go)
+                    self._commit_units(run, units, events, let_go)
                 if i == n:
                     break
             self._commit_one(reqs[i], old_tokens[i], new_tokens[i], events, let_go)
@@ -440,79 +443,133 @@ class PrefixCache:
         self._emit_many(events)  # per request its "stored" events, then the removals superseding caused
 
     def _unit_run(self, reqs: Sequence[CommittingRequest], old_tokens: Sequence[int], new_tokens: Sequence[int],
-                  i: int) -> tuple[list[tuple], int]:
+                  i: int) -> tuple[list[tuple], list[int], int]:
         """From ``reqs[i]`` on (those with nothing to commit passed over), the requests whose
-        commit is one block, its end their one (unpinned) checkpoint, under a key no group has
-        and no request before it in the run commits (hashed by ``RequestHashes.extend_to``):
-        each (request, key, parent key, boundary, old, new tokens); and the index of the first
-        that is not (``len(reqs)`` at the end)."""
-        g, knows, run, keys, n = self.granularity_tokens, self._knows, [], set(), len(reqs)
+        commit pins no boundary and publishes only keys no group has and no request before it
+        in the run commits (hashed by ``RequestHashes.extend_to``), with "prefill-per-byte" a
+        speculative checkpoint only in the run's first (their priority is asked once a run):
+        each (request, first block, its keys, its speculative boundaries, old, new tokens);
+        what ``CommitPages.read_units`` reads of them (after how many blocks in all); and the index of the first that is not
+        (``len(reqs)`` at the end)."""
+        g, knows, between, values = self.granularity_tokens, self._knows, self.policy.speculative_between, self.values
+        run, units, seen, n = [], [0], set(), len(reqs)  # units[0]: the blocks in all
         while i < n:
             req, old, new = reqs[i], old_tokens[i], new_tokens[i]
-            hashes, end_block = req.hashes, new // g
-            if hashes is None or end_block == old // g:
+            hashes, first, end = req.hashes, old // g, new // g
+            if hashes is None or end == first:
                 i += 1
                 continue
-            boundary = end_block * g
-            if end_block != old // g + 1 or boundary in req.keep_boundaries:
+            keep, latest = req.keep_boundaries, end * g
+            if keep and not keep.isdisjoint(range((first + 1) * g, latest + 1, g)):
                 break
             hashes.extend_to(req.token_ids, new)
-            key = hashes.key(boundary)
-            if key in keys or knows(key):
+            keys = hashes.hashes[first:end]
+            if not seen.isdisjoint(keys) or any(map(knows, keys)):
                 break
-            keys.add(key)
-            run.append((req, key, hashes.parent(boundary), boundary, old, new))
+            speculative = between((first + 1) * g, latest, g, req.prompt_tokens) if end > first + 1 else ()
+            if speculative and values is not None and run:
+                break
+            seen.update(keys)
+            run.append((req, first, keys, speculative, old, new))
+            units += (req.row, first, end, len(speculative) + 1, *speculative, latest)
+            units[0] += end - first
             i += 1
-        return run, i
+        return run, units, i
 
-    def _commit_units(self, run: list[tuple], events: list[tuple], let_go: list[tuple]) -> None:
-        """The one-block commits ``run`` (:meth:`_unit_run`'s) read and claimed in one compiled
-        call (``CommitPages.read_units``), the entries of those it claimed whole recorded in one
+    def _commit_units(self, run: list[tuple], units: list[int], events: list[tuple], let_go: list[tuple]) -> None:
+        """The commits ``run`` (:meth:`_unit_run`'s) read and claimed in one compiled call
+        (``CommitPages.read_units``), the entries of those it claimed whole recorded in one
         ``PageSpace.adopt`` call (each group's zipped from its pages in C) and counted; then
-        booked request by request (:meth:`_book_units`)."""
-        n = len(run)
-        rows = np.array([item[0].row for item in run], dtype=np.int64)
-        boundaries = np.array([item[3] for item in run], dtype=np.int64)
-        pages, claimed = self._reader.read_units(rows, boundaries, self.granularity_tokens)
-        every = 0 not in claimed
-        keys = [item[1] for item, whole in zip(run, claimed) if whole]
-        entries, at = [], 0  # per group, in unit order: its entries of the units claimed
-        for size in self._unit_sizes:
-            group = list(zip(*[iter(pages[at:at + n * size])] * size))
-            at += n * size
-            entries.append(group if every else [entry for entry, whole in zip(group, claimed) if whole])
-        self._space.adopt(self._unit_pools_in_order, repeat(keys), entries)
-        for stats in self._unit_stats:
-            stats.stored_entries += len(keys)
-        self._book_units(run, claimed, entries, events, let_go)
-
-    def _book_units(self, run: list[tuple], claimed: list[int], entries: list[list], events: list[tuple],
-                    let_go: list[tuple]) -> None:
-        """Request by request, in order, what one commit at a time books of a one-block
-        commit claimed whole (``entries``: per group its entries of those, recorded): its
-        "stored" events (every group's, in order), the state groups' holds of its own
-        checkpoint, tier link, checkpoint values, one ``ValueEviction.stored_unit`` (as
-        ``stored_blocks`` then ``stored_checkpoint`` would), then its earlier checkpoints
-        superseded; a request whose claim failed commits alone (:meth:`_commit_one`)."""
-        hook, values, stored_unit, gids, sizes = self.tier_hook, self.values, self.eviction.stored_unit, \
-            self._unit_gids, self._unit_sizes
-        k = 0  # the request's place among those claimed whole
-        for (req, key, parent, boundary, old, new), whole in zip(run, claimed):
+        booked request by request (:meth:`_book_units`) with each one's blocks (keys,
+        parents, ends) and checkpoints (keys, parents, boundaries)."""
+        g, low = self.granularity_tokens, 2 if self.values is None or self.values.low_priority(SPECULATIVE) else 1
+        pages, claimed = self._reader.read_units(units[1:], len(run), units[0], low)
+        block_keys, checkpoint_keys, lists = [], [], []
+        for (req, first, keys, speculative, _, _), whole in zip(run, claimed or repeat(1)):
             if not whole:
+                lists.append(None)
+                continue
+            hashes, end = req.hashes, first + len(keys)
+            parents = hashes.hashes[first - 1:end - 1] if first else [hashes.root, *keys[:-1]]
+            ends = range((first + 1) * g, (end + 1) * g, g)
+            if len(speculative) + 1 == len(keys):  # every block's end (one block: its end)
+                lists.append((keys, parents, ends, keys, parents, ends))
+            else:  # the speculative boundaries' blocks, then the last
+                at, step = (speculative.start // g - 1 - first, speculative.step // g) if speculative else (0, 1)
+                pick = slice(at, at + len(speculative) * step, step)
+                lists.append((keys, parents, ends, keys[pick] + keys[-1:], parents[pick] + parents[-1:],
+                              [*speculative, end * g]))
+            block_keys += keys
+            checkpoint_keys += lists[-1][3]
+        entries, at, n_history = [], 0, len(self.history_ids)
+        for j, (size, stats) in enumerate(zip(self._unit_sizes, self._unit_stats)):
+            count = len(block_keys) if j < n_history else len(checkpoint_keys)
+            entries.append(list(zip(*[iter(pages[at:at + count * size])] * size)))
+            at += count * size
+            stats.stored_entries += count
+        self._space.adopt(self._unit_pools_in_order,
+                          [block_keys] * n_history + [checkpoint_keys] * len(self.state_ids), entries)
+        self._book_units(run, lists, entries, low, events, let_go)
+
+    def _book_units(self, run: list[tuple], lists: list[tuple | None], entries: list[list], low: int,
+                    events: list[tuple], let_go: list[tuple]) -> None:
+        """Request by request, in order, what one commit at a time books of a commit claimed
+        whole (``lists``: its blocks' and checkpoints' keys, parents and ends; ``entries``:
+        per group its entries of those, recorded): its "stored" events (history group by
+        group, then checkpoint by checkpoint every state group's), the state groups' holds of
+        its latest checkpoint, tier link (:meth:`_tell_units`), checkpoint values, one
+        ``ValueEviction.stored_commit``, then its earlier checkpoints superseded; a request
+        whose claim failed (``lists`` None) commits alone (:meth:`_commit_one`)."""
+        hook, values, stored_commit, gids, sizes = self.tier_hook, self.values, self.eviction.stored_commit, \
+            self._unit_gids, self._unit_sizes
+        kb = kc = 0  # the request's first block and checkpoint among those claimed whole
+        for (req, _, _, _, old, new), booked in zip(run, lists):
+            if booked is None:
                 self._commit_one(req, old, new, events, let_go)
                 continue
-            events += zip(repeat("stored"), gids, repeat(key), repeat(parent), repeat(boundary), sizes)
-            own = OwnCheckpoint(boundary)
+            keys, parents, ends, checkpoint_keys, _, boundaries = booked
+            if len(keys) == 1:  # one block: every group's entry, zipped at once
+                events += zip(repeat("stored"), gids, repeat(keys[0]), repeat(parents[0]), repeat(ends[0]), sizes)
+            else:
+                self._unit_events(booked, events)
+            key, last = checkpoint_keys[-1], kc + len(checkpoint_keys) - 1
+            own = OwnCheckpoint(boundaries[-1])
             for gid, holders, j in self._unit_holders:
-                own.entries[gid] = (key, entries[j][k])
+                own.entries[gid] = (key, entries[j][last])
                 holders[key] = holders.get(key, 0) + 1
-            if hook is not None:  # every group's entry in one call
-                hook.stored(zip(gids, repeat(key), repeat(boundary), [group[k] for group in entries], repeat(False)))
-            if values is not None:
-                values.published(key, boundary, speculative=False)
-            stored_unit(key, parent, boundary)
+            if hook is not None:
+                self._tell_units(booked, entries, kb, kc, low)
+            for key, boundary in zip(checkpoint_keys, boundaries) if values is not None else ():
+                values.published(key, boundary, speculative=boundary != boundaries[-1])
+            stored_commit(keys, parents, ends, checkpoint_keys)
             self._supersede(req, [own], events, let_go)
-            k += 1
+            kb, kc = kb + len(keys), kc + len(checkpoint_keys)
+
+    def _unit_events(self, booked: tuple, events: list[tuple]) -> None:
+        """The "stored" events of a commit claimed whole (:meth:`_book_units`' ``booked``):
+        its blocks history group by history group, then its checkpoints boundary by
+        boundary, state group by state group."""
+        keys, parents, ends, checkpoint_keys, checkpoint_parents, boundaries = booked
+        for gid, size in self._history_events:
+            events += zip(repeat("stored"), repeat(gid), keys, parents, ends, repeat(size))
+        state_sizes = self._unit_sizes[len(self.history_ids):]
+        for key, parent, boundary in zip(checkpoint_keys, checkpoint_parents, boundaries):
+            events += zip(repeat("stored"), self.state_ids, repeat(key), repeat(parent), repeat(boundary), state_sizes)
+
+    def _tell_units(self, booked: tuple, entries: list[list], kb: int, kc: int, low: int) -> None:
+        """The tier link of a commit claimed whole (:meth:`_book_units`' ``booked``, its
+        entries from ``kb``, ``kc``) in one call: its blocks history group by group, then its
+        checkpoints boundary by boundary, state group by state group (those before the
+        latest low priority where ``low`` is 2)."""
+        keys, _, ends, checkpoint_keys, _, boundaries = booked
+        n_history, published = len(self.history_ids), []
+        for j, gid in enumerate(self.history_ids):
+            published += zip(repeat(gid), keys, ends, entries[j][kb:kb + len(keys)], repeat(False))
+        for c, (key, boundary) in enumerate(zip(checkpoint_keys, boundaries)):
+            speculative = low == 2 and c < len(boundaries) - 1
+            published += zip(self.state_ids, repeat(key), repeat(boundary),
+                             [group[kc + c] for group in entries[n_history:]], repeat(speculative))
+        self.tier_hook.stored(published)
 
     def _commit_one(self, req: CommittingRequest, old_tokens: int, new_tokens: int, stored: list[tuple],
                     let_go: list[tuple]) -> None:
@@ -818,7 +875,7 @@ class PrefixCache:
     def load_kernels(self) -> None:
         """Load (or compile) now the commit's kernels, reading nothing (``lru.borrow_row`` loads at the first hit)."""
         self._reader.read(0, 0, 0, [])
-        self._reader.read_units(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), self.granularity_tokens)
+        self._reader.read_units([], 0, 0, 1)
 
     def forget_request(self, req: CommittingRequest) -> None:
         """A freed request's checkpoints stay cached; with ``"prefill-per-byte"`` they are then ranked again."""

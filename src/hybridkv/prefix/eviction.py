@@ -170,36 +170,59 @@ class ValueEviction:
             else:
                 self._add_support(parent)
 
-    def stored_unit(self, key: Hashable, parent: Hashable | None, boundary: int) -> None:
-        """:meth:`stored_blocks` of one block in every history group, then
-        :meth:`stored_checkpoint` of the checkpoint at its end in every state group (a
-        decode commit's entries, all new, of normal priority), done at once for a key no
-        group held, that supports nothing and has no child, on a whole chain (a key new to
-        every group, its parent's node uncut, nothing waiting for it: its node made here)."""
-        nodes, n_state = self._nodes, len(self.state_ids)
-        node = nodes.get(key)
-        if node is None:
-            up = nodes.get(parent)
-            if up is not None and not up[5] and self._track and key not in self._unborn:
-                nodes[key] = [parent, 1, len(self.history_ids) + n_state, n_state, None, False,
-                              boundary <= self.granularity_tokens, boundary]
-                if up[4] is None:
-                    up[4] = {key: None}
-                else:
-                    up[4][key] = None
-                if up[1]:  # supported already: one more, nothing else changes
-                    up[1] += 1
-                else:
-                    self._add_support(parent)
-                return
-            node = self._new_node(key, parent, boundary)
-        if node[2] or node[1] or node[4] or node[5] or not self._track:
-            self.stored_blocks([(gid, (0,)) for gid in self.history_ids], (key,), (parent,), (boundary,))
-            self.stored_checkpoint(self.state_ids, key, parent, boundary)
+    def stored_commit(self, keys: Sequence[Hashable], parents: Sequence[Hashable | None], boundaries: Sequence[int],
+                      checkpoints: Sequence[Hashable]) -> None:
+        """:meth:`stored_blocks` of blocks ``keys`` (a chain: ``parents[i + 1]`` is ``keys[i]``)
+        in every history group, then :meth:`stored_checkpoint` of each of ``checkpoints``
+        (among ``keys``, in order, the last one last) in every state group: a commit claimed
+        whole. Done in one pass where :meth:`stored_chain` and :meth:`stored_checkpoints`
+        would book them at once (new keys on a whole chain, history and state groups): each
+        node made with its counts, each block supported by its own checkpoint and by the one
+        beyond it, the chain's parent one support more."""
+        nodes, unborn, n_history, n_state = self._nodes, self._unborn, len(self.history_ids), len(self.state_ids)
+        up = nodes.get(parents[0])
+        if len(keys) == 1 and up is not None and not up[5] and self._track and keys[0] not in nodes \
+                and keys[0] not in unborn:  # one new block and its checkpoint (a decode commit), below a node
+            key = keys[0]
+            nodes[key] = [parents[0], 1, n_history + n_state, n_state, None, False,
+                          boundaries[0] <= self.granularity_tokens, boundaries[0]]
+            if up[4] is None:
+                up[4] = {key: None}
+            else:
+                up[4][key] = None
+            if up[1]:  # supported already: one more, nothing else changes
+                up[1] += 1
+            else:
+                self._add_support(parents[0])
             return
-        node[2], node[3] = len(self.history_ids) + len(self.state_ids), len(self.state_ids)
-        node[1] = 1  # its own checkpoint; its new blocks are of normal priority already
-        self._add_support(node[0])
+        if (not self._track or (up[5] if up is not None else boundaries[0] > self.granularity_tokens)
+                or (keys[0] in nodes or keys[0] in unborn if len(keys) == 1
+                    else not nodes.keys().isdisjoint(keys) or not unborn.keys().isdisjoint(keys))):
+            fresh = bool(n_history) and self.stored_blocks([(gid, range(len(keys))) for gid in self.history_ids],
+                                                           keys, parents, boundaries)
+            at = dict(zip(keys, zip(parents, boundaries)))
+            self.stored_checkpoints([(self.state_ids, key, *at[key]) for key in checkpoints], keys if fresh else None)
+            return
+        if up is None:
+            unborn.setdefault(parents[0], {})[keys[0]] = None
+        last, g = len(keys) - 1, self.granularity_tokens
+        marks = () if last + 1 == len(checkpoints) else set(checkpoints)
+        node = up
+        for i, (key, parent, boundary) in enumerate(zip(keys, parents, boundaries)):
+            if node is not None:
+                if node[4] is None:
+                    node[4] = {key: None}
+                else:
+                    node[4][key] = None
+            own = not marks or key in marks
+            node = nodes[key] = [parent, own + (i < last), n_history + n_state if own else n_history,
+                                 n_state if own else 0, None, False, boundary <= g, boundary]
+        if up is None:
+            return
+        if up[1]:  # supported already: one more, nothing else changes
+            up[1] += 1
+        else:
+            self._add_support(parents[0])
 
     def origin(self, key: Hashable) -> tuple[Hashable | None, int]:
         """The parent key and boundary tokens of a key published in some group (as
