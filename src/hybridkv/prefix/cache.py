@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import reduce
-from itertools import chain, repeat
+from itertools import repeat
 from math import lcm
 from operator import itemgetter
 from typing import IO, Protocol
@@ -215,7 +215,6 @@ class PrefixCache:
                                    [(tables[gid], windows[gid]) for gid in self.state_ids], self._space)
         self._history_lookups = [pools[gid].lookup for gid in self.history_ids]
         self._state_lookups = [pools[gid].lookup for gid in self.state_ids]
-        self._claims_by_shape: dict[tuple, np.ndarray] = {}  # _claims' arrays by commit shape
         self._history_groups = [(gid, pools[gid], n, self.stats[gid])
                                 for gid, n in zip(self.history_ids, self._reader.block_pages)]
         self._state_groups = [(gid, pools[gid], n, self._holders[gid], self.stats[gid])
@@ -586,12 +585,10 @@ class PrefixCache:
         first_block, end_block = old_tokens // g, new_tokens // g
         keys, boundaries, pins, checkpoint_keys, parents, found, want = self._plan(req, hashes, first_block, end_block)
         pages, status = self._reader.read(req.row, first_block, end_block, boundaries, want)
-        every = status.count(2) == len(status)  # it claimed every entry (a new prompt's chunk)
-        at, fresh = self._publish_blocks(hashes, first_block, keys, pages, status, every, stored)
+        at = self._publish_blocks(hashes, first_block, keys, pages, status, stored)
         status = status[len(keys) * len(self.history_ids):]
-        entries = self._publish_checkpoints(checkpoint_keys, parents, boundaries, pages[at:], status, found, every,
-                                            stored)
-        new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status, every, fresh)
+        entries = self._publish_checkpoints(checkpoint_keys, parents, boundaries, pages[at:], status, found, stored)
+        new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status)
         if self.state_ids:
             self._supersede(req, new_own, stored, let_go)
 
@@ -602,27 +599,21 @@ class PrefixCache:
         (``CommitPages.read``'s)."""
         hh = hashes.hashes
         boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
-        keys = hh[first_block:end_block]
-        # The checkpoints' keys are among the blocks': when no group has any (False), none is asked.
-        # Plain loops, no comprehension: each is a frame, costly run cold.
-        known, want = any(map(self._knows, keys)), []
-        for lookup in self._history_lookups if known else ():
+        keys, want = hh[first_block:end_block], []
+        for lookup in self._history_lookups:  # plain loops, no comprehension: each is a frame, costly run cold
             for key in keys:
                 want.append(lookup(key) is None)
-        checkpoint_keys, parents, found, want = self._found_checkpoints(hashes, first_block, keys, boundaries, pins,
-                                                                        want, known)
+        checkpoint_keys, parents, found = self._found_checkpoints(hashes, first_block, keys, boundaries, pins, want)
         return keys, boundaries, pins, checkpoint_keys, parents, found, want
 
     def _found_checkpoints(self, hashes: RequestHashes, first_block: int, keys: list[int], boundaries: list[int],
-                           pins: list[bool | None], want: list, known: bool) -> tuple[list, list, list, list]:
+                           pins: list[bool | None], want: list) -> tuple[list, list, list]:
         """Each checkpoint's key and parent key (where a checkpoint ends each of the blocks
-        ``keys`` from ``first_block``, the speculative ones then the latest, the blocks' own),
-        its entry in each state group (None: not published; ``known`` False: no group has
-        any of the keys, none is asked), boundary by boundary, and ``want``
-        (``CommitPages.read``'s) with whether to claim each: where it is missing (and its
-        window live: the claim checks), low priority for a speculative one (``pins`` None:
-        unheld; with ``"prefill-per-byte"`` low while that class rates low). ``known``: onto
-        ``want``, the blocks' part; else :meth:`_claims` of the commit's shape."""
+        ``keys`` from ``first_block``, the speculative ones then the latest, the blocks' own)
+        and its entry in each state group (None: not published), boundary by boundary; onto
+        ``want`` (``CommitPages.read``'s, the blocks' part) whether to claim each: where it is
+        missing (and its window live: the claim checks), low priority for a speculative one
+        (``pins`` None: unheld; with ``"prefill-per-byte"`` low while that class rates low)."""
         n_speculative = pins.count(None)
         low = 2 if n_speculative and (self.values is None or self.values.low_priority(SPECULATIVE)) else 1
         g, hh, root, lookups = self.granularity_tokens, hashes.hashes, hashes.root, self._state_lookups
@@ -632,11 +623,6 @@ class PrefixCache:
             checkpoint_keys, parents = [], []
             for d in boundaries:  # plain loops, no comprehension: each is a frame, costly cold
                 checkpoint_keys.append(hh[d // g - 1]), parents.append(hh[d // g - 2] if d >= 2 * g else root)
-        if not known:  # :meth:`_claims`, asked only for a shape not seen yet
-            shape = (len(keys), n_speculative, len(pins) - n_speculative, low)
-            want = self._claims_by_shape.get(shape)
-            return checkpoint_keys, parents, [None] * (len(lookups) * len(boundaries)), (
-                self._claims(shape) if want is None else want)
         found = []
         for key, pinned in zip(checkpoint_keys, pins):
             code = low if pinned is None else 1
@@ -644,21 +630,7 @@ class PrefixCache:
                 entry = lookup(key)
                 found.append(entry)
                 want.append(code if entry is None else 0)
-        return checkpoint_keys, parents, found, want
-
-    def _claims(self, shape: tuple[int, int, int, int]) -> np.ndarray:
-        """``want`` of a commit none of whose keys any group has, by its ``shape`` (blocks,
-        speculative checkpoints, own checkpoints, ``low``): each block in every history group
-        (1), then each speculative checkpoint (``low``) and each own one (1) in every state
-        group; one array per shape, kept (not to be written)."""
-        n_blocks, n_speculative, n_own, low = shape
-        if len(self._claims_by_shape) >= 256:
-            self._claims_by_shape.clear()
-        n_state = len(self.state_ids)
-        want = self._claims_by_shape[shape] = np.array(
-            [1] * (n_blocks * len(self.history_ids)) + [low] * (n_speculative * n_state) + [1] * (n_own * n_state),
-            dtype=np.int8)
-        return want
+        return checkpoint_keys, parents, found
 
     def _checkpoint_boundaries(self, req: CommittingRequest, first_block: int,
                                end_block: int) -> tuple[list[int], list[bool | None]]:
@@ -671,10 +643,6 @@ class PrefixCache:
         latest = end_block * g
         keeps = None if self.checkpoint_policy == "terminal-and-junctions" else self.policy.speculative
         speculative, own, pins, prompt_tokens = [], [], [], req.prompt_tokens
-        if interval is None and not keep:  # nothing pinned: the speculative boundaries, then the latest
-            if keeps is not None:
-                speculative = list(self.policy.speculative_between((first_block + 1) * g, latest, g, prompt_tokens))
-            return [*speculative, latest], [None] * len(speculative) + [False]
         for d in range((first_block + 1) * g, latest + 1, g):  # the boundaries crossed, then the latest
             if d in keep or (interval is not None and d % interval == 0):
                 own.append(d), pins.append(True)
@@ -685,26 +653,23 @@ class PrefixCache:
         return speculative + own, [None] * len(speculative) + pins
 
     def _publish_blocks(self, hashes: RequestHashes, first_block: int, keys: list[int], pages: list[int],
-                        status: list[int], every: bool, stored: list[tuple]) -> tuple[int, list[int] | None]:
+                        status: list[int], stored: list[tuple]) -> int:
         """Every history group's blocks ``keys`` (from ``first_block``) that the commit claimed
-        (``pages``, ``status``: ``CommitPages.read``'s, history groups first; ``every``: it
-        claimed every entry), recorded with one ``PageSpace.adopt`` call and booked in one
-        ``ValueEviction.stored_blocks`` call for all groups (tier link, stats; ``stored``
-        takes their events, group by group, zipped in C from the keys); how many of ``pages``
-        were the history groups', and ``keys`` if they were stored as a new chain (else None)."""
+        (``pages``, ``status``: ``CommitPages.read``'s, history groups first), recorded with
+        one ``PageSpace.adopt`` call and booked in one ``ValueEviction.stored_blocks`` call for
+        all groups (tier link, stats; ``stored`` takes their events, group by group, zipped in
+        C from the keys); how many of ``pages`` were the history groups'."""
         g, hook, n_blocks, hh = self.granularity_tokens, self.tier_hook, len(keys), hashes.hashes
         parents = hh[first_block - 1:first_block - 1 + n_blocks] if first_block else [hashes.root, *keys[:-1]]
         ends = range((first_block + 1) * g, (first_block + n_blocks + 1) * g, g)
-        claims, at, e, every_block, adopted = [], 0, 0, range(n_blocks), ([], [], [])  # (pools, keys, entries)
+        claims, at, e, adopted = [], 0, 0, ([], [], [])  # adopted: (pools, keys, entries)
         for gid, pool, per_block, stats in self._history_groups:
             entries = list(zip(*[iter(pages[at:at + n_blocks * per_block])] * per_block))  # each block's pages
             at, e = at + n_blocks * per_block, e + n_blocks
-            done, done_keys, done_parents, done_ends = every_block, keys, parents, ends
-            if not every:
-                done, (entries, done_keys, done_parents, done_ends) = _claimed(
-                    status[e - n_blocks:e], (entries, keys, parents, ends))
-                if not done:
-                    continue
+            done, (entries, done_keys, done_parents, done_ends) = _claimed(
+                status[e - n_blocks:e], (entries, keys, parents, ends))
+            if not done:
+                continue
             adopted[0].append(pool), adopted[1].append(done_keys), adopted[2].append(entries)
             stored += zip(repeat("stored"), repeat(gid), done_keys, done_parents, done_ends, repeat(per_block))
             if hook is not None:  # the group's blocks in one call
@@ -712,42 +677,31 @@ class PrefixCache:
             stats.stored_entries += len(done)
             claims.append((gid, done))
         self._space.adopt(*adopted)
-        eviction = self.eviction  # a new chain on a whole chain claimed everywhere: its nodes at once
-        fresh = (every and bool(claims) and eviction.stored_chain(keys, parents, ends)
-                 or bool(claims) and eviction.stored_blocks(claims, keys, parents, ends))
-        return at, keys if fresh else None
+        if claims:
+            self.eviction.stored_blocks(claims, keys, parents, ends)
+        return at
 
     def _publish_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], state: list[int],
-                             status: list[int], found: list, every: bool, stored: list[tuple]) -> list:
+                             status: list[int], found: list, stored: list[tuple]) -> list:
         """The checkpoints at ``boundaries`` (``keys``, ``parents``) the commit claimed
         (``state``, ``status``: ``CommitPages.read``'s state part, boundary by boundary, state
-        group by state group; ``every``: it claimed every entry), recorded with one
-        ``PageSpace.adopt`` call for all groups (stats); ``stored`` takes their events, boundary by
-        boundary, group by group. Each boundary's entry in each state group, new or ``found``
-        (None where missing), in that order."""
-        n, places, entries, events = len(self.state_ids), self._window_places, found, []  # ``found`` becomes them
+        group by state group), recorded with one ``PageSpace.adopt`` call for all groups
+        (stats); ``stored`` takes their events, boundary by boundary, group by group. Each
+        boundary's entry in each state group, new or ``found`` (None where missing), in that
+        order."""
+        n, places, entries = len(self.state_ids), self._window_places, found  # ``found`` becomes them
         adopted = ([], [], [])  # one ``PageSpace.adopt`` call's pools, keys and entries
-        for s, (gid, pool, per_entry, _, stats) in enumerate(self._state_groups):
+        for s, (gid, pool, _, _, stats) in enumerate(self._state_groups):
             windows = list(zip(*map(state.__getitem__, places[s])))  # each boundary's pages
-            done_keys, done_parents, done_boundaries = keys, parents, boundaries
-            if every:
-                entries[s::n] = windows
-            else:
-                done = [j for j, st in enumerate(status[s::n]) if st == 2]
-                if not done:
-                    continue  # present, borrowed pages or slid out
-                windows = [windows[j] for j in done]
-                done_keys, done_parents, done_boundaries = ([xs[j] for j in done] for xs in (keys, parents, boundaries))
-                for j, window in zip(done, windows):
-                    entries[j * n + s] = window
-            adopted[0].append(pool), adopted[1].append(done_keys), adopted[2].append(windows)
+            done = [j for j, st in enumerate(status[s::n]) if st == 2]
+            if not done:
+                continue  # present, borrowed pages or slid out
+            windows = [windows[j] for j in done]
+            for j, window in zip(done, windows):
+                entries[j * n + s] = window
+            adopted[0].append(pool), adopted[1].append([keys[j] for j in done]), adopted[2].append(windows)
             stats.stored_entries += len(windows)
-            events.append(zip(repeat("stored"), repeat(gid), done_keys, done_parents, done_boundaries,
-                              repeat(per_entry)))
         self._space.adopt(*adopted)
-        if every:  # every group's events, zipped boundary by boundary
-            stored += chain.from_iterable(zip(*events))
-            return entries
         for place, new in enumerate(status):
             if new == 2:
                 j, (gid, per_entry) = place // n, self._checkpoint_events[place % n]
@@ -755,24 +709,13 @@ class PrefixCache:
         return entries
 
     def _book_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], pins: list[bool | None],
-                          entries: list, status: list[int], every: bool,
-                          fresh: list[int] | None) -> list[OwnCheckpoint]:
-        """Book each checkpoint the commit published (``status`` 2; ``every``: all of them;
-        ``entries``: each boundary's pages in each state group, None where missing): tier link
-        and checkpoint values (:meth:`_tell_checkpoints`), then one
-        ``ValueEviction.stored_checkpoints`` call for all (``fresh``: the commit's blocks if
-        they were stored as a new chain, else None); the request's own ones (``pins`` not
-        None, after the speculative ones) returned, each held in every state group that has it."""
+                          entries: list, status: list[int]) -> list[OwnCheckpoint]:
+        """Book each checkpoint the commit published (``status`` 2; ``entries``: each
+        boundary's pages in each state group, None where missing): tier link and checkpoint
+        values (:meth:`_tell_checkpoints`), then ``ValueEviction.stored_checkpoint`` boundary by
+        boundary; the request's own ones (``pins`` not None, after the speculative ones)
+        returned, each held in every state group that has it."""
         gids, holders, n = self.state_ids, self._state_holders, len(self.state_ids)
-        if every:  # each boundary in every state group, zipped in C
-            booked = list(zip(repeat(gids), keys, parents, boundaries))
-        else:
-            booked = []
-            for j, (key, parent, boundary) in enumerate(zip(keys, parents, boundaries)):
-                part = status[j * n:(j + 1) * n]
-                if 2 in part:
-                    claimed = gids if part.count(2) == n else [gid for gid, new in zip(gids, part) if new == 2]
-                    booked.append((claimed, key, parent, boundary))
         if self.tier_hook is not None or self.values is not None:
             self._tell_checkpoints(keys, boundaries, pins, entries, status)
         own_checkpoints = []
@@ -784,7 +727,11 @@ class PrefixCache:
                     held[key] = held.get(key, 0) + 1
             if own.entries:
                 own_checkpoints.append(own)
-        self.eviction.stored_checkpoints(booked, fresh)
+        for j, (key, parent, boundary) in enumerate(zip(keys, parents, boundaries)):
+            part = status[j * n:(j + 1) * n]
+            if 2 in part:
+                self.eviction.stored_checkpoint([gid for gid, new in zip(gids, part) if new == 2], key, parent,
+                                                boundary)
         return own_checkpoints
 
     def _tell_checkpoints(self, keys: list[int], boundaries: list[int], pins: list[bool | None], entries: list,

@@ -75,18 +75,11 @@ class ValueEviction:
             self.stored_blocks([(gid, (0,))], (key,), (parent,), (boundary,))
 
     def stored_blocks(self, claims: Sequence[tuple[str, Sequence[int]]], keys: Sequence[Hashable],
-                      parents: Sequence[Hashable | None], boundaries: Sequence[int]) -> bool:
+                      parents: Sequence[Hashable | None], boundaries: Sequence[int]) -> None:
         """:meth:`stored` of the blocks a commit published, history group by history group
         in turn: per (group, indices) of ``claims``, ``keys[i]`` (with ``parents[i]`` and
-        ``boundaries[i]``) for each index in order; each key's node looked up once. True
-        when ``keys`` were a chain of new blocks on a whole chain, every history group's
-        (:meth:`stored_chain`: what :meth:`stored_checkpoints` books onto at once)."""
+        ``boundaries[i]``) for each index in order; each key's node looked up once."""
         nodes, track, n_history = self._nodes, self._track, len(self.history_ids)
-        whole = len(claims) == n_history
-        for _, done in claims:  # plain loops: cheaper than generators run cold
-            whole = whole and len(done) == len(keys)
-        if whole and self.stored_chain(keys, parents, boundaries):
-            return True
         got: list = [None] * len(keys)  # each key's node once found (one it stores in can not go)
         for gid, done in claims:
             for i in done:
@@ -96,7 +89,6 @@ class ValueEviction:
                 node[2] += 1
                 if track:
                     self._place_stored(gid, keys[i], node, node[2] - node[3] == n_history)
-        return False
 
     def _place_stored(self, gid: str, key: Hashable, node: list, complete: bool) -> None:
         """Group ``gid`` stored block ``key`` (``complete``: every history group holds it now):
@@ -112,73 +104,15 @@ class ValueEviction:
         else:
             self._demote_cut(gid, key)
 
-    def stored_chain(self, keys: Sequence[Hashable], parents: Sequence[Hashable | None],
-                     boundaries: Sequence[int]) -> bool:
-        """:meth:`stored_blocks` of a chain of new blocks (``parents[i]`` is ``keys[i - 1]``)
-        that every history group claimed, done at once where it changes nothing but their
-        nodes: no key has a node or a child waiting, and the chain above is whole (their
-        nodes then are not cut and nothing is mended). False, and nothing done, otherwise."""
-        nodes, unborn, g, n_history = self._nodes, self._unborn, self.granularity_tokens, len(self.history_ids)
-        up = nodes.get(parents[0])
-        if up[5] if up is not None else self._track and boundaries[0] > g:
-            return False
-        if not nodes.keys().isdisjoint(keys) or not unborn.keys().isdisjoint(keys):
-            return False
-        if up is None:
-            unborn.setdefault(parents[0], {})[keys[0]] = None
-        for key, parent, boundary in zip(keys, parents, boundaries):
-            if up is not None:
-                if up[4] is None:
-                    up[4] = {key: None}
-                else:
-                    up[4][key] = None
-            up = nodes[key] = [parent, 0, n_history, 0, None, False, boundary <= g, boundary]
-        return True
-
-    def stored_checkpoints(self, booked: Sequence[tuple], fresh: Sequence[Hashable] | None) -> None:
-        """:meth:`stored_checkpoint` of each (state groups, key, parent, boundary) of ``booked``
-        (a commit's checkpoints) in turn; done at once where each is in every state group
-        and ``fresh`` names the blocks :meth:`stored_blocks` has just stored as a new chain
-        (it returned True: their nodes support nothing, hold no checkpoint and are not cut;
-        their pages are of normal priority): each checkpoint's counts set, each block up to
-        the last checkpoint supported by its own checkpoint and by the one beyond it, and
-        the chain's parent one support more (:meth:`_add_support`), as the first
-        checkpoint's walk up the chain would give it. ``fresh`` None: they were not."""
-        nodes, n_state, marks = self._nodes, len(self.state_ids), set()
-        for gids, key, _, _ in booked if fresh is not None else ():
-            if len(gids) != n_state:
-                break
-            marks.add(key)
-        if fresh is None or len(marks) != len(booked):
-            for gids, key, parent, boundary in booked:
-                self.stored_checkpoint(gids, key, parent, boundary)
-            return
-        track, beyond = self._track, 0  # whether a checkpoint lies beyond (walking down the chain)
-        for key in reversed(fresh):
-            own = key in marks
-            if own:
-                node = nodes[key]
-                node[2] += n_state
-                node[3] = n_state
-            if track and (own or beyond):
-                nodes[key][1] = own + beyond
-                beyond = 1
-        parent = nodes[fresh[0]][0] if beyond else None
-        if (up := nodes.get(parent)) is not None:
-            if up[1]:  # supported already: one more, nothing else changes
-                up[1] += 1
-            else:
-                self._add_support(parent)
-
     def stored_commit(self, keys: Sequence[Hashable], parents: Sequence[Hashable | None], boundaries: Sequence[int],
                       checkpoints: Sequence[Hashable]) -> None:
         """:meth:`stored_blocks` of blocks ``keys`` (a chain: ``parents[i + 1]`` is ``keys[i]``)
         in every history group, then :meth:`stored_checkpoint` of each of ``checkpoints``
         (among ``keys``, in order, the last one last) in every state group: a commit claimed
-        whole. Done in one pass where :meth:`stored_chain` and :meth:`stored_checkpoints`
-        would book them at once (new keys on a whole chain, history and state groups): each
-        node made with its counts, each block supported by its own checkpoint and by the one
-        beyond it, the chain's parent one support more."""
+        whole. Done in one pass for new keys on a whole chain (history and state groups; no
+        key has a node or a child waiting, the chain above is not cut), where nothing else
+        changes: each node made with its counts, each block supported by its own checkpoint
+        and by the one beyond it, the chain's parent one support more."""
         nodes, unborn, n_history, n_state = self._nodes, self._unborn, len(self.history_ids), len(self.state_ids)
         up = nodes.get(parents[0])
         if len(keys) == 1 and up is not None and not up[5] and self._track and keys[0] not in nodes \
@@ -198,10 +132,11 @@ class ValueEviction:
         if (not self._track or (up[5] if up is not None else boundaries[0] > self.granularity_tokens)
                 or (keys[0] in nodes or keys[0] in unborn if len(keys) == 1
                     else not nodes.keys().isdisjoint(keys) or not unborn.keys().isdisjoint(keys))):
-            fresh = bool(n_history) and self.stored_blocks([(gid, range(len(keys))) for gid in self.history_ids],
-                                                           keys, parents, boundaries)
+            if n_history:
+                self.stored_blocks([(gid, range(len(keys))) for gid in self.history_ids], keys, parents, boundaries)
             at = dict(zip(keys, zip(parents, boundaries)))
-            self.stored_checkpoints([(self.state_ids, key, *at[key]) for key in checkpoints], keys if fresh else None)
+            for key in checkpoints:
+                self.stored_checkpoint(self.state_ids, key, *at[key])
             return
         if up is None:
             unborn.setdefault(parents[0], {})[keys[0]] = None
