@@ -109,55 +109,58 @@ class ValueEviction:
         """:meth:`stored_blocks` of blocks ``keys`` (a chain: ``parents[i + 1]`` is ``keys[i]``)
         in every history group, then :meth:`stored_checkpoint` of each of ``checkpoints``
         (among ``keys``, in order, the last one last) in every state group: a commit claimed
-        whole. Done in one pass for new keys on a whole chain (history and state groups; no
-        key has a node or a child waiting, the chain above is not cut), where nothing else
-        changes: each node made with its counts, each block supported by its own checkpoint
-        and by the one beyond it, the chain's parent one support more."""
-        nodes, unborn, n_history, n_state = self._nodes, self._unborn, len(self.history_ids), len(self.state_ids)
+        whole. Done at once for new keys on a whole chain (history and state groups; no key
+        has a node or a child waiting, the chain above is not cut), where nothing else
+        changes: each node made with its counts (:meth:`_new_chain`), the chain's parent one
+        support more (in place when it is supported already)."""
+        nodes, unborn = self._nodes, self._unborn
         up = nodes.get(parents[0])
-        if len(keys) == 1 and up is not None and not up[5] and self._track and keys[0] not in nodes \
-                and keys[0] not in unborn:  # one new block and its checkpoint (a decode commit), below a node
-            key = keys[0]
-            nodes[key] = [parents[0], 1, n_history + n_state, n_state, None, False,
-                          boundaries[0] <= self.granularity_tokens, boundaries[0]]
-            if up[4] is None:
-                up[4] = {key: None}
-            else:
-                up[4][key] = None
-            if up[1]:  # supported already: one more, nothing else changes
-                up[1] += 1
-            else:
-                self._add_support(parents[0])
+        if not self._track or (up[5] if up is not None else boundaries[0] > self.granularity_tokens) or (
+                keys[0] in nodes or keys[0] in unborn if len(keys) == 1
+                else not nodes.keys().isdisjoint(keys) or not unborn.keys().isdisjoint(keys)):
+            self._stored_each(keys, parents, boundaries, checkpoints)
             return
-        if (not self._track or (up[5] if up is not None else boundaries[0] > self.granularity_tokens)
-                or (keys[0] in nodes or keys[0] in unborn if len(keys) == 1
-                    else not nodes.keys().isdisjoint(keys) or not unborn.keys().isdisjoint(keys))):
-            if n_history:
-                self.stored_blocks([(gid, range(len(keys))) for gid in self.history_ids], keys, parents, boundaries)
-            at = dict(zip(keys, zip(parents, boundaries)))
-            for key in checkpoints:
-                self.stored_checkpoint(self.state_ids, key, *at[key])
-            return
+        if len(keys) == 1:  # one block and its checkpoint (a decode commit): supported by it
+            n_state = len(self.state_ids)
+            nodes[keys[0]] = [parents[0], 1, len(self.history_ids) + n_state, n_state, None, False,
+                              boundaries[0] <= self.granularity_tokens, boundaries[0]]
+        else:
+            self._new_chain(keys, parents, boundaries, checkpoints)
         if up is None:
             unborn.setdefault(parents[0], {})[keys[0]] = None
-        last, g = len(keys) - 1, self.granularity_tokens
-        marks = () if last + 1 == len(checkpoints) else set(checkpoints)
-        node = up
-        for i, (key, parent, boundary) in enumerate(zip(keys, parents, boundaries)):
-            if node is not None:
-                if node[4] is None:
-                    node[4] = {key: None}
-                else:
-                    node[4][key] = None
-            own = not marks or key in marks
-            node = nodes[key] = [parent, own + (i < last), n_history + n_state if own else n_history,
-                                 n_state if own else 0, None, False, boundary <= g, boundary]
-        if up is None:
             return
+        if up[4] is None:
+            up[4] = {keys[0]: None}
+        else:
+            up[4][keys[0]] = None
         if up[1]:  # supported already: one more, nothing else changes
             up[1] += 1
         else:
             self._add_support(parents[0])
+
+    def _new_chain(self, keys: Sequence[Hashable], parents: Sequence[Hashable | None], boundaries: Sequence[int],
+                   checkpoints: Sequence[Hashable]) -> None:
+        """The nodes of new blocks ``keys`` (a chain), each in every history group, those of
+        ``checkpoints`` in every state group too: each supported by its own checkpoint and by
+        the one beyond it (the last is one), each the one child of the one before."""
+        nodes, n_history, n_state, g = self._nodes, len(self.history_ids), len(self.state_ids), self.granularity_tokens
+        last, marks, node = len(keys) - 1, set(checkpoints), None
+        for i, (key, parent, boundary) in enumerate(zip(keys, parents, boundaries)):
+            if node is not None:
+                node[4] = {key: None}
+            own = key in marks
+            node = nodes[key] = [parent, own + (i < last), n_history + n_state if own else n_history,
+                                 n_state if own else 0, None, False, boundary <= g, boundary]
+
+    def _stored_each(self, keys: Sequence[Hashable], parents: Sequence[Hashable | None], boundaries: Sequence[int],
+                     checkpoints: Sequence[Hashable]) -> None:
+        """:meth:`stored_commit` done as one commit at a time books it: :meth:`stored_blocks`
+        of every history group, then :meth:`stored_checkpoint` boundary by boundary."""
+        if self.history_ids:
+            self.stored_blocks([(gid, range(len(keys))) for gid in self.history_ids], keys, parents, boundaries)
+        at = dict(zip(keys, zip(parents, boundaries)))
+        for key in checkpoints:
+            self.stored_checkpoint(self.state_ids, key, *at[key])
 
     def origin(self, key: Hashable) -> tuple[Hashable | None, int]:
         """The parent key and boundary tokens of a key published in some group (as

@@ -233,18 +233,28 @@ def _claim_unit(geometry, pages, bounds, history, state, units, at, low, out, pl
                 place[j] += 1
             if not good:
                 break
-    for j in range(n_groups if good else 0):  # claimed: the state groups' speculative windows low
-        count = _unit_entries(units, at, j, n_history)
-        if j >= n_history and low == 2 and count > 1:
-            g, _, n = _unit_span(geometry, history, state, units, at, j, count - 1)
-            for i in range(mark[j], place[j] - n):
-                low_flags[geometry[g, ID_OFFSET] + out[i]] = True
-    for j in range(0 if good else n_groups):  # not claimed: its pages keyed so far unkeyed
+    if good:
+        _flag_low(geometry, history, state, units, at, low, out, place, mark, low_flags)
+        return 1
+    for j in range(n_groups):  # not claimed: its pages keyed so far unkeyed
         offset = geometry[history[j, 0] if j < n_history else state[j - n_history, 0], ID_OFFSET]
         for i in range(mark[j], place[j]):
             keyed[offset + out[i]] = False
         place[j] = mark[j]
-    return 1 if good else 0
+    return 0
+
+
+@njit(cache=True, inline="always")
+def _flag_low(geometry, history, state, units, at, low, out, place, mark, low_flags):
+    """Where ``low`` is 2, flag low the pages of each state group's windows before the latest
+    of the unit at ``units[at]`` (``out[mark[j]:place[j]]`` holds group ``j``'s)."""
+    n_history = history.shape[0]
+    for j in range(n_history, n_history + state.shape[0]):
+        count = _unit_entries(units, at, j, n_history)
+        if low == 2 and count > 1:
+            g, _, n = _unit_span(geometry, history, state, units, at, j, count - 1)
+            for i in range(mark[j], place[j] - n):
+                low_flags[geometry[g, ID_OFFSET] + out[i]] = True
 
 
 @njit(cache=True)
