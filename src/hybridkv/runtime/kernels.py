@@ -182,12 +182,14 @@ def commit_units(geometry, pages, bounds, history, state, units, n_units, low, o
                                  keyed, low_flags, limits)
         n_claimed += claimed[u]
         at += 4 + units[at + 3]
-    n = place[0] - start[0]
+    if n_claimed == n_units:
+        return start[n_groups]
+    n = place[0]
     for j in range(1, n_groups):  # close the gaps the commits not claimed left
         for i in range(start[j], place[j]):
             out[n] = out[i]
             n += 1
-    return n if n_claimed == n_units else -1 - n
+    return -1 - n
 
 
 @njit(cache=True, inline="always")
