@@ -2,7 +2,7 @@
 
 Two managers get the same calls; on ``one``, ``prefix.commit_requests`` is wrapped to
 commit one request per call (the reference: each request's commit done and its events
-emitted before the next starts). Random programs join requests whose prompts share
+emitted before the next starts), each alone (``PrefixCache._commit_one``: ``build``). Random programs join requests whose prompts share
 prefixes (hits, keys some group already has), prefill them in chunks beside decoding
 rows (many rows cross a block at the same step: decode commits, one after a prompt
 chunk of several blocks), append the same tokens to requests with the same content (two
@@ -20,16 +20,22 @@ from test_decode_fast_path import on_both
 from test_table_updates import CONFIGS
 
 GRAIN = {"v4": 256, "odd": 60}
+NEVER = 1 << 20  # grains: a pinning interval beyond every request's tokens
 
 
 def build(config, seed, policy, eviction, scale=1, step_tokens=None):
     """The batched manager and the one-at-a-time one (``scale`` times the config's pages);
-    a list of the requests per batched call."""
+    a list of the requests per batched call. The one-at-a-time one pins checkpoints every
+    ``NEVER`` grains (a boundary no request reaches: it pins none), which keeps its commits
+    off the runs claimed whole (``PrefixCache._commit_units``): each commits alone, the
+    reference for them."""
     specs, pages, ctx, step = CONFIGS[config]
     pages = {gid: n * scale for gid, n in pages.items()}
     managers = [CacheManager(specs, pages, max_context_tokens=max(ctx, 1600), max_step_tokens=step_tokens or step,
                              shuffle_seed=seed, enable_prefix_caching=True, prefix_granularity=GRAIN[config],
-                             checkpoint_policy=policy, eviction_policy=eviction) for _ in range(2)]
+                             checkpoint_policy=policy, eviction_policy=eviction,
+                             state_checkpoint_interval=interval)
+                for interval in (None, NEVER * GRAIN[config])]
     one, calls = managers[1].prefix, []
     batched = managers[0].prefix.commit_requests
 

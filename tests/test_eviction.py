@@ -445,31 +445,48 @@ def _publish_idle(pool, key):
     decref(pool, pool.lookup(key))  # idle: evictions then free (and count) it
 
 
+def _commit_both_ways(pools, policy, chain, marks, fast):
+    """A commit of new blocks ``chain`` (key, parent, boundary) in ``h1``, ``h2`` and of the
+    checkpoints at chain places ``marks`` (its last among them) in ``s1``, ``s2``, published
+    and booked in one ``stored_commit`` call (``fast``) or entry by entry, group by group
+    (history groups first, then each boundary in turn)."""
+    checkpoints = [chain[j] for j in marks]
+    for gid in ("h1", "h2"):
+        for key, _, _ in chain:
+            _publish_idle(pools[gid], key)
+    for key, _, _ in checkpoints:
+        for gid in ("s1", "s2"):
+            _publish_idle(pools[gid], key)
+    if fast:
+        policy.stored_commit(*zip(*chain), [key for key, _, _ in checkpoints])
+        return
+    for gid in ("h1", "h2"):
+        for entry in chain:
+            policy.stored(gid, *entry)
+    for entry in checkpoints:
+        for gid in ("s1", "s2"):
+            policy.stored(gid, *entry)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["unit", "chain", "block h2", "evict h1", "evict h2", "evict s1"]),
                           st.integers(1, 4), st.integers(1, 3)), max_size=24))
 @example([("chain", 1, 3), ("unit", 4, 1), ("evict h1", 2, 1), ("chain", 2, 1)])  # a gap, then mended
 @example([("unit", 2, 1), ("chain", 1, 1), ("unit", 3, 1)])  # a key published before its parent
 @example([("unit", 1, 1), ("unit", 2, 1), ("evict s1", 2, 1)])  # the parent keeps its own checkpoint's support
+@example([("unit", 2, 2), ("unit", 1, 1)])  # a commit published before its parent's
 def test_units_and_chains_are_stored_in_each_group_in_turn(program):
-    """A commit's one-call bookings, ``ValueEviction.stored_unit`` (one new block in every
-    history group and the checkpoint at its end in every state group) and
-    ``ValueEviction.stored_blocks`` of a chain of blocks in every history group (at once
-    where nothing but nodes changes), leave every flag, LRU order and value report exactly
+    """A commit's one-call bookings, ``ValueEviction.stored_commit`` (new blocks in every
+    history group and the checkpoint at the last one's end in every state group) and
+    ``ValueEviction.stored_blocks`` of a chain of blocks in every history group, leave every flag, LRU order and value report exactly
     as ``stored`` called entry by entry, group by group (the reference), over random
     publications and evictions along one chain of keys ``k1`` .. ``k6``."""
     sides = [_two_by_two_policy(), _two_by_two_policy()]
     for op, i, length in program:
         chain = [(f"k{j}", f"k{j - 1}" if j > 1 else "root", 256 * j) for j in range(i, i + length)]
         for fast, (pools, policy) in enumerate(sides):
-            if op == "unit" and all(pools[g].lookup(chain[0][0]) is None for g in pools):
-                for gid in pools:
-                    _publish_idle(pools[gid], chain[0][0])
-                if fast:
-                    policy.stored_unit(*chain[0])
-                else:
-                    for gid in pools:
-                        policy.stored(gid, *chain[0])
+            if op == "unit" and all(pools[g].lookup(key) is None for g in pools for key, _, _ in chain):
+                _commit_both_ways(pools, policy, chain, [len(chain) - 1], fast)
             elif op == "chain" and all(pools[g].lookup(key) is None for g in ("h1", "h2") for key, _, _ in chain):
                 for gid in ("h1", "h2"):
                     for key, _, _ in chain:
@@ -491,19 +508,19 @@ def test_units_and_chains_are_stored_in_each_group_in_turn(program):
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["chain", "unit", "evict h1", "evict s1"]), st.integers(1, 4),
                           st.integers(1, 3), st.sets(st.integers(0, 3))), max_size=16))
-@example([("chain", 1, 3, {0, 2}), ("evict s1", 3, 1, set())])  # k1 keeps its own support, k2 goes
-@example([("chain", 1, 1, {0}), ("evict h1", 1, 1, set()), ("chain", 2, 2, {1})])  # beyond a gap: one at a time
+@example([("unit", 1, 3, {0, 2}), ("evict s1", 3, 1, set())])  # k1 keeps its own support, k2 goes
+@example([("unit", 1, 1, {0}), ("evict h1", 1, 1, set()), ("unit", 2, 2, {1})])  # beyond a gap: one at a time
 @example([("unit", 1, 1, set()), ("chain", 2, 1, {0}), ("evict s1", 1, 1, set())])  # the parent stays supported
 @example([("chain", 1, 1, {0, 3}), ("unit", 2, 1, set()), ("evict s1", 2, 1, set())])  # incomplete: no support
-def test_checkpoints_on_a_new_chain_are_stored_at_once(program):
-    """``ValueEviction.stored_checkpoints`` (a commit's checkpoints, at once where each is
-    in every state group and the blocks are the ones ``stored_blocks`` just stored as a
-    new chain: it returned True) leaves every
-    flag, LRU order and value report exactly as ``stored_checkpoint`` called boundary by
-    boundary (the reference), in any order of the boundaries, over random chains (3 in
-    the marks: the first checkpoint in ``s1`` only), units and evictions along keys
+def test_commits_with_checkpoints_are_stored_at_once(program):
+    """``ValueEviction.stored_commit`` (new blocks in every history group, the checkpoints
+    at the marks and at the last block in every state group; at once where each key is
+    new on a whole chain) and ``stored_blocks`` then ``stored_checkpoint`` of chains (3 in
+    the marks: the first checkpoint in ``s1`` only; the boundaries in any order) leave
+    every flag, LRU order and value report exactly as ``stored`` called entry by entry,
+    group by group (the reference), over random commits, chains and evictions along keys
     ``k1`` .. ``k6``."""
-    sides, fresh_seen = [_two_by_two_policy(), _two_by_two_policy()], []
+    sides = [_two_by_two_policy(), _two_by_two_policy()]
     for op, i, length, marks in program:
         chain = [(f"k{j}", f"k{j - 1}" if j > 1 else "root", 256 * j) for j in range(i, i + length)]
         at = [chain[j] for j in sorted(marks, reverse=True) if j < length]  # not in chain order
@@ -513,24 +530,22 @@ def test_checkpoints_on_a_new_chain_are_stored_at_once(program):
                 for gid in ("h1", "h2"):
                     for key, _, _ in chain:
                         _publish_idle(pools[gid], key)
-                fresh = policy.stored_blocks([(g, range(length)) for g in ("h1", "h2")], *zip(*chain))
+                policy.stored_blocks([(g, range(length)) for g in ("h1", "h2")], *zip(*chain))
                 for gids, key, _, _ in booked:
                     for gid in gids:
                         _publish_idle(pools[gid], key)
-                if fast:
-                    policy.stored_checkpoints(booked, [key for key, _, _ in chain] if fresh else None)
-                else:
-                    for entry in booked:
-                        policy.stored_checkpoint(*entry)
-                fresh_seen.append(fresh)
-            elif op == "unit" and all(pools[g].lookup(chain[0][0]) is None for g in pools):
-                for gid in pools:
-                    _publish_idle(pools[gid], chain[0][0])
-                policy.stored_unit(*chain[0])
+                for gids, *entry in booked:
+                    if fast:
+                        policy.stored_checkpoint(gids, *entry)
+                    else:
+                        for gid in gids:
+                            policy.stored(gid, *entry)
+            elif op == "unit" and all(pools[g].lookup(key) is None for g in pools for key, _, _ in chain):
+                _commit_both_ways(pools, policy, chain, sorted({j for j in marks if j < length} | {length - 1}),
+                                  fast)
             elif op.startswith("evict") and pools[op[6:]].lookup(chain[0][0]) is not None:
                 pools[op[6:]].unpublish(chain[0][0], EVICTED)
         _assert_same_pools_and_policy(sides)
-    assert fresh_seen[::2] == fresh_seen[1::2]  # both sides saw the same chains as new
 
 
 PAGE_BYTES = {SWA: 37, C4S: 23, C4KV: 50, C128S: 19, C128KV: 7, IDX: 11}  # invented, as test_arena_stateful

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import reduce
-from itertools import chain, repeat
+from itertools import repeat
 from math import lcm
 from operator import itemgetter
 from typing import IO, Protocol
@@ -213,7 +213,6 @@ class PrefixCache:
                                    [(tables[gid], windows[gid]) for gid in self.state_ids], self._space)
         self._history_lookups = [pools[gid].lookup for gid in self.history_ids]
         self._state_lookups = [pools[gid].lookup for gid in self.state_ids]
-        self._claims_by_shape: dict[tuple, np.ndarray] = {}  # _claims' arrays by commit shape
         self._history_groups = [(gid, pools[gid], n, self.stats[gid])
                                 for gid, n in zip(self.history_ids, self._reader.block_pages)]
         self._state_groups = [(gid, pools[gid], n, self._holders[gid], self.stats[gid])
@@ -229,15 +228,17 @@ class PrefixCache:
         self._init_units()
 
     def _init_units(self) -> None:
-        """What one-block commits claiming everything read (``_commit_units``): every group in
-        order, its pool (one ``PageSpace.adopt`` call's), id, pages and stats; each state
-        group's holders. Only with state groups and no pinning interval do commits run so."""
+        """What commits claimed whole read (``_commit_units``): every group in order, its pool
+        (one ``PageSpace.adopt`` call's), id, pages and stats; each history group's id and
+        pages (its events); each state group's holders. Only with state groups and no pinning
+        interval do commits run so."""
         self._units = bool(self.state_ids) and self.state_checkpoint_interval is None
         unit = self._history_groups + [(gid, pool, n, stats) for gid, pool, n, _, stats in self._state_groups]
         self._unit_pools_in_order = [pool for _, pool, _, _ in unit]
         self._unit_gids = [gid for gid, *_ in unit]
         self._unit_sizes = [n for _, _, n, _ in unit]
         self._unit_stats = [stats for *_, stats in unit]
+        self._history_events = [(gid, n) for gid, _, n, _ in self._history_groups]  # what a block's event names
         self._unit_holders = [(gid, holders, j) for j, (gid, _, _, holders, _)
                               in enumerate(self._state_groups, len(self._history_groups))]
 
@@ -421,18 +422,19 @@ class PrefixCache:
     def commit_requests(self, reqs: Sequence[CommittingRequest], old_tokens: Sequence[int],
                         new_tokens: Sequence[int]) -> None:
         """Publish what each request's tokens ``[old, new)`` completed (history blocks and the
-        newest checkpoint), request by request in order: the same entries, bookings and events
-        (one call, in that order) as one commit at a time. Each run of requests crossing one
-        block whose key no group has (decode commits, :meth:`_unit_run`) is read, claimed and
-        recorded at once (:meth:`_commit_units`); any other commits alone (:meth:`_commit_one`).
-        The checkpoints superseding unpublishes or demotes leave their pools' lists at the end,
-        in one call each (:meth:`_let_go`; before a request that commits alone)."""
+        checkpoints: the policy's speculative ones, the latest), request by request in order:
+        the same entries, bookings and events (one call, in that order) as one commit at a
+        time. Each run of requests whose commit publishes only new keys (:meth:`_unit_run`) is
+        read, claimed and recorded at once (:meth:`_commit_units`); any other commits alone
+        (:meth:`_commit_one`). The checkpoints superseding unpublishes or demotes leave their
+        pools' lists at the end, in one call each (:meth:`_let_go`; before a request that
+        commits alone)."""
         events, let_go, i, n, g = [], [], 0, len(reqs), self.granularity_tokens
         while i < n:
-            if self._units and new_tokens[i] // g == old_tokens[i] // g + 1:  # a run may start here
-                run, i = self._unit_run(reqs, old_tokens, new_tokens, i)
+            if self._units and new_tokens[i] // g > old_tokens[i] // g:  # a run may start here
+                run, units, i = self._unit_run(reqs, old_tokens, new_tokens, i)
                 if run:
-                    self._commit_units(run, events, let_go)
+                    self._commit_units(run, units, events, let_go)
                 if i == n:
                     break
             self._commit_one(reqs[i], old_tokens[i], new_tokens[i], events, let_go)
@@ -442,79 +444,133 @@ class PrefixCache:
         self._emit_many(events)  # per request its "stored" events, then the removals superseding caused
 
     def _unit_run(self, reqs: Sequence[CommittingRequest], old_tokens: Sequence[int], new_tokens: Sequence[int],
-                  i: int) -> tuple[list[tuple], int]:
+                  i: int) -> tuple[list[tuple], list[int], int]:
         """From ``reqs[i]`` on (those with nothing to commit passed over), the requests whose
-        commit is one block, its end their one (unpinned) checkpoint, under a key no group has
-        and no request before it in the run commits (hashed by ``RequestHashes.extend_to``):
-        each (request, key, parent key, boundary, old, new tokens); and the index of the first
-        that is not (``len(reqs)`` at the end)."""
-        g, knows, run, keys, n = self.granularity_tokens, self._knows, [], set(), len(reqs)
+        commit pins no boundary and publishes only keys no group has and no request before it
+        in the run commits (hashed by ``RequestHashes.extend_to``), with "prefill-per-byte" a
+        speculative checkpoint only in the run's first (their priority is asked once a run):
+        each (request, first block, its keys, its speculative boundaries, old, new tokens);
+        what ``CommitPages.read_units`` reads of them (after how many blocks in all); and the index of the first that is not
+        (``len(reqs)`` at the end)."""
+        g, knows, between, values = self.granularity_tokens, self._knows, self.policy.speculative_between, self.values
+        run, units, seen, n = [], [0], set(), len(reqs)  # units[0]: the blocks in all
         while i < n:
             req, old, new = reqs[i], old_tokens[i], new_tokens[i]
-            hashes, end_block = req.hashes, new // g
-            if hashes is None or end_block == old // g:
+            hashes, first, end = req.hashes, old // g, new // g
+            if hashes is None or end == first:
                 i += 1
                 continue
-            boundary = end_block * g
-            if end_block != old // g + 1 or boundary in req.keep_boundaries:
+            keep, latest = req.keep_boundaries, end * g
+            if keep and not keep.isdisjoint(range((first + 1) * g, latest + 1, g)):
                 break
             hashes.extend_to(req.token_ids, new)
-            key = hashes.key(boundary)
-            if key in keys or knows(key):
+            keys = hashes.hashes[first:end]
+            if not seen.isdisjoint(keys) or any(map(knows, keys)):
                 break
-            keys.add(key)
-            run.append((req, key, hashes.parent(boundary), boundary, old, new))
+            speculative = between((first + 1) * g, latest, g, req.prompt_tokens) if end > first + 1 else ()
+            if speculative and values is not None and run:
+                break
+            seen.update(keys)
+            run.append((req, first, keys, speculative, old, new))
+            units += (req.row, first, end, len(speculative) + 1, *speculative, latest)
+            units[0] += end - first
             i += 1
-        return run, i
+        return run, units, i
 
-    def _commit_units(self, run: list[tuple], events: list[tuple], let_go: list[tuple]) -> None:
-        """The one-block commits ``run`` (:meth:`_unit_run`'s) read and claimed in one compiled
-        call (``CommitPages.read_units``), the entries of those it claimed whole recorded in one
+    def _commit_units(self, run: list[tuple], units: list[int], events: list[tuple], let_go: list[tuple]) -> None:
+        """The commits ``run`` (:meth:`_unit_run`'s) read and claimed in one compiled call
+        (``CommitPages.read_units``), the entries of those it claimed whole recorded in one
         ``PageSpace.adopt`` call (each group's zipped from its pages in C) and counted; then
-        booked request by request (:meth:`_book_units`)."""
-        n = len(run)
-        rows = np.array([item[0].row for item in run], dtype=np.int64)
-        boundaries = np.array([item[3] for item in run], dtype=np.int64)
-        pages, claimed = self._reader.read_units(rows, boundaries, self.granularity_tokens)
-        every = 0 not in claimed
-        keys = [item[1] for item, whole in zip(run, claimed) if whole]
-        entries, at = [], 0  # per group, in unit order: its entries of the units claimed
-        for size in self._unit_sizes:
-            group = list(zip(*[iter(pages[at:at + n * size])] * size))
-            at += n * size
-            entries.append(group if every else [entry for entry, whole in zip(group, claimed) if whole])
-        self._space.adopt(self._unit_pools_in_order, repeat(keys), entries)
-        for stats in self._unit_stats:
-            stats.stored_entries += len(keys)
-        self._book_units(run, claimed, entries, events, let_go)
-
-    def _book_units(self, run: list[tuple], claimed: list[int], entries: list[list], events: list[tuple],
-                    let_go: list[tuple]) -> None:
-        """Request by request, in order, what one commit at a time books of a one-block
-        commit claimed whole (``entries``: per group its entries of those, recorded): its
-        "stored" events (every group's, in order), the state groups' holds of its own
-        checkpoint, tier link, checkpoint values, one ``ValueEviction.stored_unit`` (as
-        ``stored_blocks`` then ``stored_checkpoint`` would), then its earlier checkpoints
-        superseded; a request whose claim failed commits alone (:meth:`_commit_one`)."""
-        hook, values, stored_unit, gids, sizes = self.tier_hook, self.values, self.eviction.stored_unit, \
-            self._unit_gids, self._unit_sizes
-        k = 0  # the request's place among those claimed whole
-        for (req, key, parent, boundary, old, new), whole in zip(run, claimed):
+        booked request by request (:meth:`_book_units`) with each one's blocks (keys,
+        parents, ends) and checkpoints (keys, parents, boundaries)."""
+        g, low = self.granularity_tokens, 2 if self.values is None or self.values.low_priority(SPECULATIVE) else 1
+        pages, claimed = self._reader.read_units(units[1:], len(run), units[0], low)
+        block_keys, checkpoint_keys, lists = [], [], []
+        for (req, first, keys, speculative, _, _), whole in zip(run, claimed or repeat(1)):
             if not whole:
+                lists.append(None)
+                continue
+            hashes, end = req.hashes, first + len(keys)
+            parents = hashes.hashes[first - 1:end - 1] if first else [hashes.root, *keys[:-1]]
+            ends = range((first + 1) * g, (end + 1) * g, g)
+            if len(speculative) + 1 == len(keys):  # every block's end (one block: its end)
+                lists.append((keys, parents, ends, keys, parents, ends))
+            else:  # the speculative boundaries' blocks, then the last
+                at, step = (speculative.start // g - 1 - first, speculative.step // g) if speculative else (0, 1)
+                pick = slice(at, at + len(speculative) * step, step)
+                lists.append((keys, parents, ends, keys[pick] + keys[-1:], parents[pick] + parents[-1:],
+                              [*speculative, end * g]))
+            block_keys += keys
+            checkpoint_keys += lists[-1][3]
+        entries, at, n_history = [], 0, len(self.history_ids)
+        for j, (size, stats) in enumerate(zip(self._unit_sizes, self._unit_stats)):
+            count = len(block_keys) if j < n_history else len(checkpoint_keys)
+            entries.append(list(zip(*[iter(pages[at:at + count * size])] * size)))
+            at += count * size
+            stats.stored_entries += count
+        self._space.adopt(self._unit_pools_in_order,
+                          [block_keys] * n_history + [checkpoint_keys] * len(self.state_ids), entries)
+        self._book_units(run, lists, entries, low, events, let_go)
+
+    def _book_units(self, run: list[tuple], lists: list[tuple | None], entries: list[list], low: int,
+                    events: list[tuple], let_go: list[tuple]) -> None:
+        """Request by request, in order, what one commit at a time books of a commit claimed
+        whole (``lists``: its blocks' and checkpoints' keys, parents and ends; ``entries``:
+        per group its entries of those, recorded): its "stored" events (history group by
+        group, then checkpoint by checkpoint every state group's), the state groups' holds of
+        its latest checkpoint, tier link (:meth:`_tell_units`), checkpoint values, one
+        ``ValueEviction.stored_commit``, then its earlier checkpoints superseded; a request
+        whose claim failed (``lists`` None) commits alone (:meth:`_commit_one`)."""
+        hook, values, stored_commit, gids, sizes = self.tier_hook, self.values, self.eviction.stored_commit, \
+            self._unit_gids, self._unit_sizes
+        kb = kc = 0  # the request's first block and checkpoint among those claimed whole
+        for (req, _, _, _, old, new), booked in zip(run, lists):
+            if booked is None:
                 self._commit_one(req, old, new, events, let_go)
                 continue
-            events += zip(repeat("stored"), gids, repeat(key), repeat(parent), repeat(boundary), sizes)
-            own = OwnCheckpoint(boundary)
+            keys, parents, ends, checkpoint_keys, _, boundaries = booked
+            if len(keys) == 1:  # one block: every group's entry, zipped at once
+                events += zip(repeat("stored"), gids, repeat(keys[0]), repeat(parents[0]), repeat(ends[0]), sizes)
+            else:
+                self._unit_events(booked, events)
+            key, last = checkpoint_keys[-1], kc + len(checkpoint_keys) - 1
+            own = OwnCheckpoint(boundaries[-1])
             for gid, holders, j in self._unit_holders:
-                own.entries[gid] = (key, entries[j][k])
+                own.entries[gid] = (key, entries[j][last])
                 holders[key] = holders.get(key, 0) + 1
-            if hook is not None:  # every group's entry in one call
-                hook.stored(zip(gids, repeat(key), repeat(boundary), [group[k] for group in entries], repeat(False)))
-            if values is not None:
-                values.published(key, boundary, speculative=False)
-            stored_unit(key, parent, boundary)
+            if hook is not None:
+                self._tell_units(booked, entries, kb, kc, low)
+            for key, boundary in zip(checkpoint_keys, boundaries) if values is not None else ():
+                values.published(key, boundary, speculative=boundary != boundaries[-1])
+            stored_commit(keys, parents, ends, checkpoint_keys)
             self._supersede(req, [own], events, let_go)
-            k += 1
+            kb, kc = kb + len(keys), kc + len(checkpoint_keys)
+
+    def _unit_events(self, booked: tuple, events: list[tuple]) -> None:
+        """The "stored" events of a commit claimed whole (:meth:`_book_units`' ``booked``):
+        its blocks history group by history group, then its checkpoints boundary by
+        boundary, state group by state group."""
+        keys, parents, ends, checkpoint_keys, checkpoint_parents, boundaries = booked
+        for gid, size in self._history_events:
+            events += zip(repeat("stored"), repeat(gid), keys, parents, ends, repeat(size))
+        state_sizes = self._unit_sizes[len(self.history_ids):]
+        for key, parent, boundary in zip(checkpoint_keys, checkpoint_parents, boundaries):
+            events += zip(repeat("stored"), self.state_ids, repeat(key), repeat(parent), repeat(boundary), state_sizes)
+
+    def _tell_units(self, booked: tuple, entries: list[list], kb: int, kc: int, low: int) -> None:
+        """The tier link of a commit claimed whole (:meth:`_book_units`' ``booked``, its
+        entries from ``kb``, ``kc``) in one call: its blocks history group by group, then its
+        checkpoints boundary by boundary, state group by state group (those before the
+        latest low priority where ``low`` is 2)."""
+        keys, _, ends, checkpoint_keys, _, boundaries = booked
+        n_history, published = len(self.history_ids), []
+        for j, gid in enumerate(self.history_ids):
+            published += zip(repeat(gid), keys, ends, entries[j][kb:kb + len(keys)], repeat(False))
+        for c, (key, boundary) in enumerate(zip(checkpoint_keys, boundaries)):
+            speculative = low == 2 and c < len(boundaries) - 1
+            published += zip(self.state_ids, repeat(key), repeat(boundary),
+                             [group[kc + c] for group in entries[n_history:]], repeat(speculative))
+        self.tier_hook.stored(published)
 
     def _commit_one(self, req: CommittingRequest, old_tokens: int, new_tokens: int, stored: list[tuple],
                     let_go: list[tuple]) -> None:
@@ -531,12 +587,10 @@ class PrefixCache:
         first_block, end_block = old_tokens // g, new_tokens // g
         keys, boundaries, pins, checkpoint_keys, parents, found, want = self._plan(req, hashes, first_block, end_block)
         pages, status = self._reader.read(req.row, first_block, end_block, boundaries, want)
-        every = status.count(2) == len(status)  # it claimed every entry (a new prompt's chunk)
-        at, fresh = self._publish_blocks(hashes, first_block, keys, pages, status, every, stored)
+        at = self._publish_blocks(hashes, first_block, keys, pages, status, stored)
         status = status[len(keys) * len(self.history_ids):]
-        entries = self._publish_checkpoints(checkpoint_keys, parents, boundaries, pages[at:], status, found, every,
-                                            stored)
-        new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status, every, fresh)
+        entries = self._publish_checkpoints(checkpoint_keys, parents, boundaries, pages[at:], status, found, stored)
+        new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status)
         if self.state_ids:
             self._supersede(req, new_own, stored, let_go)
 
@@ -547,27 +601,21 @@ class PrefixCache:
         (``CommitPages.read``'s)."""
         hh = hashes.hashes
         boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
-        keys = hh[first_block:end_block]
-        # The checkpoints' keys are among the blocks': when no group has any (False), none is asked.
-        # Plain loops, no comprehension: each is a frame, costly run cold.
-        known, want = any(map(self._knows, keys)), []
-        for lookup in self._history_lookups if known else ():
+        keys, want = hh[first_block:end_block], []
+        for lookup in self._history_lookups:  # plain loops, no comprehension: each is a frame, costly run cold
             for key in keys:
                 want.append(lookup(key) is None)
-        checkpoint_keys, parents, found, want = self._found_checkpoints(hashes, first_block, keys, boundaries, pins,
-                                                                        want, known)
+        checkpoint_keys, parents, found = self._found_checkpoints(hashes, first_block, keys, boundaries, pins, want)
         return keys, boundaries, pins, checkpoint_keys, parents, found, want
 
     def _found_checkpoints(self, hashes: RequestHashes, first_block: int, keys: list[int], boundaries: list[int],
-                           pins: list[bool | None], want: list, known: bool) -> tuple[list, list, list, list]:
+                           pins: list[bool | None], want: list) -> tuple[list, list, list]:
         """Each checkpoint's key and parent key (where a checkpoint ends each of the blocks
-        ``keys`` from ``first_block``, the speculative ones then the latest, the blocks' own),
-        its entry in each state group (None: not published; ``known`` False: no group has
-        any of the keys, none is asked), boundary by boundary, and ``want``
-        (``CommitPages.read``'s) with whether to claim each: where it is missing (and its
-        window live: the claim checks), low priority for a speculative one (``pins`` None:
-        unheld; with ``"prefill-per-byte"`` low while that class rates low). ``known``: onto
-        ``want``, the blocks' part; else :meth:`_claims` of the commit's shape."""
+        ``keys`` from ``first_block``, the speculative ones then the latest, the blocks' own)
+        and its entry in each state group (None: not published), boundary by boundary; onto
+        ``want`` (``CommitPages.read``'s, the blocks' part) whether to claim each: where it is
+        missing (and its window live: the claim checks), low priority for a speculative one
+        (``pins`` None: unheld; with ``"prefill-per-byte"`` low while that class rates low)."""
         n_speculative = pins.count(None)
         low = 2 if n_speculative and (self.values is None or self.values.low_priority(SPECULATIVE)) else 1
         g, hh, root, lookups = self.granularity_tokens, hashes.hashes, hashes.root, self._state_lookups
@@ -577,11 +625,6 @@ class PrefixCache:
             checkpoint_keys, parents = [], []
             for d in boundaries:  # plain loops, no comprehension: each is a frame, costly cold
                 checkpoint_keys.append(hh[d // g - 1]), parents.append(hh[d // g - 2] if d >= 2 * g else root)
-        if not known:  # :meth:`_claims`, asked only for a shape not seen yet
-            shape = (len(keys), n_speculative, len(pins) - n_speculative, low)
-            want = self._claims_by_shape.get(shape)
-            return checkpoint_keys, parents, [None] * (len(lookups) * len(boundaries)), (
-                self._claims(shape) if want is None else want)
         found = []
         for key, pinned in zip(checkpoint_keys, pins):
             code = low if pinned is None else 1
@@ -589,21 +632,7 @@ class PrefixCache:
                 entry = lookup(key)
                 found.append(entry)
                 want.append(code if entry is None else 0)
-        return checkpoint_keys, parents, found, want
-
-    def _claims(self, shape: tuple[int, int, int, int]) -> np.ndarray:
-        """``want`` of a commit none of whose keys any group has, by its ``shape`` (blocks,
-        speculative checkpoints, own checkpoints, ``low``): each block in every history group
-        (1), then each speculative checkpoint (``low``) and each own one (1) in every state
-        group; one array per shape, kept (not to be written)."""
-        n_blocks, n_speculative, n_own, low = shape
-        if len(self._claims_by_shape) >= 256:
-            self._claims_by_shape.clear()
-        n_state = len(self.state_ids)
-        want = self._claims_by_shape[shape] = np.array(
-            [1] * (n_blocks * len(self.history_ids)) + [low] * (n_speculative * n_state) + [1] * (n_own * n_state),
-            dtype=np.int8)
-        return want
+        return checkpoint_keys, parents, found
 
     def _checkpoint_boundaries(self, req: CommittingRequest, first_block: int,
                                end_block: int) -> tuple[list[int], list[bool | None]]:
@@ -616,10 +645,6 @@ class PrefixCache:
         latest = end_block * g
         keeps = None if self.checkpoint_policy == "terminal-and-junctions" else self.policy.speculative
         speculative, own, pins, prompt_tokens = [], [], [], req.prompt_tokens
-        if interval is None and not keep:  # nothing pinned: the speculative boundaries, then the latest
-            if keeps is not None:
-                speculative = list(self.policy.speculative_between((first_block + 1) * g, latest, g, prompt_tokens))
-            return [*speculative, latest], [None] * len(speculative) + [False]
         for d in range((first_block + 1) * g, latest + 1, g):  # the boundaries crossed, then the latest
             if d in keep or (interval is not None and d % interval == 0):
                 own.append(d), pins.append(True)
@@ -630,26 +655,23 @@ class PrefixCache:
         return speculative + own, [None] * len(speculative) + pins
 
     def _publish_blocks(self, hashes: RequestHashes, first_block: int, keys: list[int], pages: list[int],
-                        status: list[int], every: bool, stored: list[tuple]) -> tuple[int, list[int] | None]:
+                        status: list[int], stored: list[tuple]) -> int:
         """Every history group's blocks ``keys`` (from ``first_block``) that the commit claimed
-        (``pages``, ``status``: ``CommitPages.read``'s, history groups first; ``every``: it
-        claimed every entry), recorded with one ``PageSpace.adopt`` call and booked in one
-        ``ValueEviction.stored_blocks`` call for all groups (tier link, stats; ``stored``
-        takes their events, group by group, zipped in C from the keys); how many of ``pages``
-        were the history groups', and ``keys`` if they were stored as a new chain (else None)."""
+        (``pages``, ``status``: ``CommitPages.read``'s, history groups first), recorded with
+        one ``PageSpace.adopt`` call and booked in one ``ValueEviction.stored_blocks`` call for
+        all groups (tier link, stats; ``stored`` takes their events, group by group, zipped in
+        C from the keys); how many of ``pages`` were the history groups'."""
         g, hook, n_blocks, hh = self.granularity_tokens, self.tier_hook, len(keys), hashes.hashes
         parents = hh[first_block - 1:first_block - 1 + n_blocks] if first_block else [hashes.root, *keys[:-1]]
         ends = range((first_block + 1) * g, (first_block + n_blocks + 1) * g, g)
-        claims, at, e, every_block, adopted = [], 0, 0, range(n_blocks), ([], [], [])  # (pools, keys, entries)
+        claims, at, e, adopted = [], 0, 0, ([], [], [])  # adopted: (pools, keys, entries)
         for gid, pool, per_block, stats in self._history_groups:
             entries = list(zip(*[iter(pages[at:at + n_blocks * per_block])] * per_block))  # each block's pages
             at, e = at + n_blocks * per_block, e + n_blocks
-            done, done_keys, done_parents, done_ends = every_block, keys, parents, ends
-            if not every:
-                done, (entries, done_keys, done_parents, done_ends) = _claimed(
-                    status[e - n_blocks:e], (entries, keys, parents, ends))
-                if not done:
-                    continue
+            done, (entries, done_keys, done_parents, done_ends) = _claimed(
+                status[e - n_blocks:e], (entries, keys, parents, ends))
+            if not done:
+                continue
             adopted[0].append(pool), adopted[1].append(done_keys), adopted[2].append(entries)
             stored += zip(repeat("stored"), repeat(gid), done_keys, done_parents, done_ends, repeat(per_block))
             if hook is not None:  # the group's blocks in one call
@@ -657,42 +679,31 @@ class PrefixCache:
             stats.stored_entries += len(done)
             claims.append((gid, done))
         self._space.adopt(*adopted)
-        eviction = self.eviction  # a new chain on a whole chain claimed everywhere: its nodes at once
-        fresh = (every and bool(claims) and eviction.stored_chain(keys, parents, ends)
-                 or bool(claims) and eviction.stored_blocks(claims, keys, parents, ends))
-        return at, keys if fresh else None
+        if claims:
+            self.eviction.stored_blocks(claims, keys, parents, ends)
+        return at
 
     def _publish_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], state: list[int],
-                             status: list[int], found: list, every: bool, stored: list[tuple]) -> list:
+                             status: list[int], found: list, stored: list[tuple]) -> list:
         """The checkpoints at ``boundaries`` (``keys``, ``parents``) the commit claimed
         (``state``, ``status``: ``CommitPages.read``'s state part, boundary by boundary, state
-        group by state group; ``every``: it claimed every entry), recorded with one
-        ``PageSpace.adopt`` call for all groups (stats); ``stored`` takes their events, boundary by
-        boundary, group by group. Each boundary's entry in each state group, new or ``found``
-        (None where missing), in that order."""
-        n, places, entries, events = len(self.state_ids), self._window_places, found, []  # ``found`` becomes them
+        group by state group), recorded with one ``PageSpace.adopt`` call for all groups
+        (stats); ``stored`` takes their events, boundary by boundary, group by group. Each
+        boundary's entry in each state group, new or ``found`` (None where missing), in that
+        order."""
+        n, places, entries = len(self.state_ids), self._window_places, found  # ``found`` becomes them
         adopted = ([], [], [])  # one ``PageSpace.adopt`` call's pools, keys and entries
-        for s, (gid, pool, per_entry, _, stats) in enumerate(self._state_groups):
+        for s, (gid, pool, _, _, stats) in enumerate(self._state_groups):
             windows = list(zip(*map(state.__getitem__, places[s])))  # each boundary's pages
-            done_keys, done_parents, done_boundaries = keys, parents, boundaries
-            if every:
-                entries[s::n] = windows
-            else:
-                done = [j for j, st in enumerate(status[s::n]) if st == 2]
-                if not done:
-                    continue  # present, borrowed pages or slid out
-                windows = [windows[j] for j in done]
-                done_keys, done_parents, done_boundaries = ([xs[j] for j in done] for xs in (keys, parents, boundaries))
-                for j, window in zip(done, windows):
-                    entries[j * n + s] = window
-            adopted[0].append(pool), adopted[1].append(done_keys), adopted[2].append(windows)
+            done = [j for j, st in enumerate(status[s::n]) if st == 2]
+            if not done:
+                continue  # present, borrowed pages or slid out
+            windows = [windows[j] for j in done]
+            for j, window in zip(done, windows):
+                entries[j * n + s] = window
+            adopted[0].append(pool), adopted[1].append([keys[j] for j in done]), adopted[2].append(windows)
             stats.stored_entries += len(windows)
-            events.append(zip(repeat("stored"), repeat(gid), done_keys, done_parents, done_boundaries,
-                              repeat(per_entry)))
         self._space.adopt(*adopted)
-        if every:  # every group's events, zipped boundary by boundary
-            stored += chain.from_iterable(zip(*events))
-            return entries
         for place, new in enumerate(status):
             if new == 2:
                 j, (gid, per_entry) = place // n, self._checkpoint_events[place % n]
@@ -700,24 +711,13 @@ class PrefixCache:
         return entries
 
     def _book_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], pins: list[bool | None],
-                          entries: list, status: list[int], every: bool,
-                          fresh: list[int] | None) -> list[OwnCheckpoint]:
-        """Book each checkpoint the commit published (``status`` 2; ``every``: all of them;
-        ``entries``: each boundary's pages in each state group, None where missing): tier link
-        and checkpoint values (:meth:`_tell_checkpoints`), then one
-        ``ValueEviction.stored_checkpoints`` call for all (``fresh``: the commit's blocks if
-        they were stored as a new chain, else None); the request's own ones (``pins`` not
-        None, after the speculative ones) returned, each held in every state group that has it."""
+                          entries: list, status: list[int]) -> list[OwnCheckpoint]:
+        """Book each checkpoint the commit published (``status`` 2; ``entries``: each
+        boundary's pages in each state group, None where missing): tier link and checkpoint
+        values (:meth:`_tell_checkpoints`), then ``ValueEviction.stored_checkpoint`` boundary by
+        boundary; the request's own ones (``pins`` not None, after the speculative ones)
+        returned, each held in every state group that has it."""
         gids, holders, n = self.state_ids, self._state_holders, len(self.state_ids)
-        if every:  # each boundary in every state group, zipped in C
-            booked = list(zip(repeat(gids), keys, parents, boundaries))
-        else:
-            booked = []
-            for j, (key, parent, boundary) in enumerate(zip(keys, parents, boundaries)):
-                part = status[j * n:(j + 1) * n]
-                if 2 in part:
-                    claimed = gids if part.count(2) == n else [gid for gid, new in zip(gids, part) if new == 2]
-                    booked.append((claimed, key, parent, boundary))
         if self.tier_hook is not None or self.values is not None:
             self._tell_checkpoints(keys, boundaries, pins, entries, status)
         own_checkpoints = []
@@ -729,7 +729,11 @@ class PrefixCache:
                     held[key] = held.get(key, 0) + 1
             if own.entries:
                 own_checkpoints.append(own)
-        self.eviction.stored_checkpoints(booked, fresh)
+        for j, (key, parent, boundary) in enumerate(zip(keys, parents, boundaries)):
+            part = status[j * n:(j + 1) * n]
+            if 2 in part:
+                self.eviction.stored_checkpoint([gid for gid, new in zip(gids, part) if new == 2], key, parent,
+                                                boundary)
         return own_checkpoints
 
     def _tell_checkpoints(self, keys: list[int], boundaries: list[int], pins: list[bool | None], entries: list,
@@ -820,7 +824,7 @@ class PrefixCache:
     def load_kernels(self) -> None:
         """Load (or compile) now the commit's kernels, reading nothing (``lru.borrow_row`` loads at the first hit)."""
         self._reader.read(0, 0, 0, [])
-        self._reader.read_units(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), self.granularity_tokens)
+        self._reader.read_units([], 0, 0, 1)
 
     def forget_request(self, req: CommittingRequest) -> None:
         """A freed request's checkpoints stay cached; with ``"prefill-per-byte"`` they are then ranked again."""

@@ -75,18 +75,11 @@ class ValueEviction:
             self.stored_blocks([(gid, (0,))], (key,), (parent,), (boundary,))
 
     def stored_blocks(self, claims: Sequence[tuple[str, Sequence[int]]], keys: Sequence[Hashable],
-                      parents: Sequence[Hashable | None], boundaries: Sequence[int]) -> bool:
+                      parents: Sequence[Hashable | None], boundaries: Sequence[int]) -> None:
         """:meth:`stored` of the blocks a commit published, history group by history group
         in turn: per (group, indices) of ``claims``, ``keys[i]`` (with ``parents[i]`` and
-        ``boundaries[i]``) for each index in order; each key's node looked up once. True
-        when ``keys`` were a chain of new blocks on a whole chain, every history group's
-        (:meth:`stored_chain`: what :meth:`stored_checkpoints` books onto at once)."""
+        ``boundaries[i]``) for each index in order; each key's node looked up once."""
         nodes, track, n_history = self._nodes, self._track, len(self.history_ids)
-        whole = len(claims) == n_history
-        for _, done in claims:  # plain loops: cheaper than generators run cold
-            whole = whole and len(done) == len(keys)
-        if whole and self.stored_chain(keys, parents, boundaries):
-            return True
         got: list = [None] * len(keys)  # each key's node once found (one it stores in can not go)
         for gid, done in claims:
             for i in done:
@@ -96,7 +89,6 @@ class ValueEviction:
                 node[2] += 1
                 if track:
                     self._place_stored(gid, keys[i], node, node[2] - node[3] == n_history)
-        return False
 
     def _place_stored(self, gid: str, key: Hashable, node: list, complete: bool) -> None:
         """Group ``gid`` stored block ``key`` (``complete``: every history group holds it now):
@@ -112,94 +104,63 @@ class ValueEviction:
         else:
             self._demote_cut(gid, key)
 
-    def stored_chain(self, keys: Sequence[Hashable], parents: Sequence[Hashable | None],
-                     boundaries: Sequence[int]) -> bool:
-        """:meth:`stored_blocks` of a chain of new blocks (``parents[i]`` is ``keys[i - 1]``)
-        that every history group claimed, done at once where it changes nothing but their
-        nodes: no key has a node or a child waiting, and the chain above is whole (their
-        nodes then are not cut and nothing is mended). False, and nothing done, otherwise."""
-        nodes, unborn, g, n_history = self._nodes, self._unborn, self.granularity_tokens, len(self.history_ids)
+    def stored_commit(self, keys: Sequence[Hashable], parents: Sequence[Hashable | None], boundaries: Sequence[int],
+                      checkpoints: Sequence[Hashable]) -> None:
+        """:meth:`stored_blocks` of blocks ``keys`` (a chain: ``parents[i + 1]`` is ``keys[i]``)
+        in every history group, then :meth:`stored_checkpoint` of each of ``checkpoints``
+        (among ``keys``, in order, the last one last) in every state group: a commit claimed
+        whole. Done at once for new keys on a whole chain (history and state groups; no key
+        has a node or a child waiting, the chain above is not cut), where nothing else
+        changes: each node made with its counts (:meth:`_new_chain`), the chain's parent one
+        support more (in place when it is supported already)."""
+        nodes, unborn = self._nodes, self._unborn
         up = nodes.get(parents[0])
-        if up[5] if up is not None else self._track and boundaries[0] > g:
-            return False
-        if not nodes.keys().isdisjoint(keys) or not unborn.keys().isdisjoint(keys):
-            return False
+        if not self._track or (up[5] if up is not None else boundaries[0] > self.granularity_tokens) or (
+                keys[0] in nodes or keys[0] in unborn if len(keys) == 1
+                else not nodes.keys().isdisjoint(keys) or not unborn.keys().isdisjoint(keys)):
+            self._stored_each(keys, parents, boundaries, checkpoints)
+            return
+        if len(keys) == 1:  # one block and its checkpoint (a decode commit): supported by it
+            n_state = len(self.state_ids)
+            nodes[keys[0]] = [parents[0], 1, len(self.history_ids) + n_state, n_state, None, False,
+                              boundaries[0] <= self.granularity_tokens, boundaries[0]]
+        else:
+            self._new_chain(keys, parents, boundaries, checkpoints)
         if up is None:
             unborn.setdefault(parents[0], {})[keys[0]] = None
-        for key, parent, boundary in zip(keys, parents, boundaries):
-            if up is not None:
-                if up[4] is None:
-                    up[4] = {key: None}
-                else:
-                    up[4][key] = None
-            up = nodes[key] = [parent, 0, n_history, 0, None, False, boundary <= g, boundary]
-        return True
-
-    def stored_checkpoints(self, booked: Sequence[tuple], fresh: Sequence[Hashable] | None) -> None:
-        """:meth:`stored_checkpoint` of each (state groups, key, parent, boundary) of ``booked``
-        (a commit's checkpoints) in turn; done at once where each is in every state group
-        and ``fresh`` names the blocks :meth:`stored_blocks` has just stored as a new chain
-        (it returned True: their nodes support nothing, hold no checkpoint and are not cut;
-        their pages are of normal priority): each checkpoint's counts set, each block up to
-        the last checkpoint supported by its own checkpoint and by the one beyond it, and
-        the chain's parent one support more (:meth:`_add_support`), as the first
-        checkpoint's walk up the chain would give it. ``fresh`` None: they were not."""
-        nodes, n_state, marks = self._nodes, len(self.state_ids), set()
-        for gids, key, _, _ in booked if fresh is not None else ():
-            if len(gids) != n_state:
-                break
-            marks.add(key)
-        if fresh is None or len(marks) != len(booked):
-            for gids, key, parent, boundary in booked:
-                self.stored_checkpoint(gids, key, parent, boundary)
             return
-        track, beyond = self._track, 0  # whether a checkpoint lies beyond (walking down the chain)
-        for key in reversed(fresh):
+        if up[4] is None:
+            up[4] = {keys[0]: None}
+        else:
+            up[4][keys[0]] = None
+        if up[1]:  # supported already: one more, nothing else changes
+            up[1] += 1
+        else:
+            self._add_support(parents[0])
+
+    def _new_chain(self, keys: Sequence[Hashable], parents: Sequence[Hashable | None], boundaries: Sequence[int],
+                   checkpoints: Sequence[Hashable]) -> None:
+        """The nodes of new blocks ``keys`` (a chain), each in every history group, those of
+        ``checkpoints`` in every state group too: each supported by its own checkpoint and by
+        the one beyond it (the last is one), each the one child of the one before."""
+        nodes, n_history, n_state, g = self._nodes, len(self.history_ids), len(self.state_ids), self.granularity_tokens
+        last, marks, node = len(keys) - 1, set(checkpoints), None
+        for i, (key, parent, boundary) in enumerate(zip(keys, parents, boundaries)):
+            if node is not None:
+                node[4] = {key: None}
             own = key in marks
-            if own:
-                node = nodes[key]
-                node[2] += n_state
-                node[3] = n_state
-            if track and (own or beyond):
-                nodes[key][1] = own + beyond
-                beyond = 1
-        parent = nodes[fresh[0]][0] if beyond else None
-        if (up := nodes.get(parent)) is not None:
-            if up[1]:  # supported already: one more, nothing else changes
-                up[1] += 1
-            else:
-                self._add_support(parent)
+            node = nodes[key] = [parent, own + (i < last), n_history + n_state if own else n_history,
+                                 n_state if own else 0, None, False, boundary <= g, boundary]
 
-    def stored_unit(self, key: Hashable, parent: Hashable | None, boundary: int) -> None:
-        """:meth:`stored_blocks` of one block in every history group, then
-        :meth:`stored_checkpoint` of the checkpoint at its end in every state group (a
-        decode commit's entries, all new, of normal priority), done at once for a key no
-        group held, that supports nothing and has no child, on a whole chain (a key new to
-        every group, its parent's node uncut, nothing waiting for it: its node made here)."""
-        nodes, n_state = self._nodes, len(self.state_ids)
-        node = nodes.get(key)
-        if node is None:
-            up = nodes.get(parent)
-            if up is not None and not up[5] and self._track and key not in self._unborn:
-                nodes[key] = [parent, 1, len(self.history_ids) + n_state, n_state, None, False,
-                              boundary <= self.granularity_tokens, boundary]
-                if up[4] is None:
-                    up[4] = {key: None}
-                else:
-                    up[4][key] = None
-                if up[1]:  # supported already: one more, nothing else changes
-                    up[1] += 1
-                else:
-                    self._add_support(parent)
-                return
-            node = self._new_node(key, parent, boundary)
-        if node[2] or node[1] or node[4] or node[5] or not self._track:
-            self.stored_blocks([(gid, (0,)) for gid in self.history_ids], (key,), (parent,), (boundary,))
-            self.stored_checkpoint(self.state_ids, key, parent, boundary)
-            return
-        node[2], node[3] = len(self.history_ids) + len(self.state_ids), len(self.state_ids)
-        node[1] = 1  # its own checkpoint; its new blocks are of normal priority already
-        self._add_support(node[0])
+    def _stored_each(self, keys: Sequence[Hashable], parents: Sequence[Hashable | None], boundaries: Sequence[int],
+                     checkpoints: Sequence[Hashable]) -> None:
+        """:meth:`stored_commit` done as one commit at a time books it: :meth:`stored_blocks`
+        of every history group, then :meth:`stored_checkpoint` boundary by boundary."""
+        if self.history_ids:
+            self.stored_blocks([(gid, range(len(keys))) for gid in self.history_ids], keys, parents, boundaries)
+        at = dict(zip(keys, zip(parents, boundaries)))
+        for key in checkpoints:
+            self.stored_checkpoint(self.state_ids, key, *at[key])
 
     def origin(self, key: Hashable) -> tuple[Hashable | None, int]:
         """The parent key and boundary tokens of a key published in some group (as

@@ -151,52 +151,112 @@ def commit_pages(geometry, pages, bounds, history, state, row, first_block, end_
 
 
 @njit(cache=True)
-def commit_units(geometry, pages, bounds, history, state, rows, boundaries, grain, out, claimed, ref, keyed, limits):
-    """The pages of one-block commits, one per row of ``rows`` (each crossing into ``boundaries[r]``,
-    a multiple of ``grain``), read and claimed in one pass. Row ``r``'s unit: per history group
-    ``history[h] = (g, pages per block)`` the block ending at the boundary, then per state group
-    ``state[s] = (g, window tokens W)`` the window ``[D - W, D)``; ``out`` holds them group by
-    group (each group's entries row by row: group ``j``'s of row ``r`` from ``R * (pages of the
-    groups before j) + r * (its pages)``). All of a unit is keyed and ``claimed[r] = 1`` where
-    every window is live and every page is a held page of its group (``0 < id < limits[g]``,
-    ref count > 0) none keyed; else nothing of it changes and ``claimed[r] = 0``."""
-    n_rows, n_history = rows.size, history.shape[0]
-    for r in range(n_rows):
-        row, d = rows[r], boundaries[r]
-        block, base, good = d // grain - 1, 0, True
-        for j in range(n_history + state.shape[0]):
-            g = history[j, 0] if j < n_history else state[j - n_history, 0]
-            if j < n_history:
-                lo, hi, live = block * history[j, 1], (block + 1) * history[j, 1], True
-            else:
-                t = geometry[g, PAGE_TOKENS]
-                lo, hi = max(d - state[j - n_history, 1], 0) // t, d // t
-                live = lo >= bounds[BASE, g, row] and hi <= bounds[HI, g, row]
-            at, offset = base + r * (hi - lo), geometry[g, ID_OFFSET]
-            good = good and live
-            for logical in range(lo, hi):
-                page = pages[cell(geometry, bounds, g, row, logical)] if live else 0
-                out[at + logical - lo] = page
-                good = good and 0 < page < limits[g] and ref[offset + page] > 0 and not keyed[offset + page]
-            base += n_rows * (hi - lo)
-        claimed[r] = 1 if good else 0
-        if good:
-            _key_unit(geometry, history, state, out, n_rows, r, keyed)
+def commit_units(geometry, pages, bounds, history, state, units, n_units, low, out, claimed, places, ref, keyed,
+                 low_flags, limits):
+    """The pages of ``n_units`` commits, each claimed whole or not at all, in one pass. ``units``
+    holds per commit (row, first block, end block, boundaries ``B``, then the ``B`` boundaries,
+    multiples of the grain, its latest last); its unit: per history group ``history[h] = (g,
+    pages per block)`` its blocks ``[first, end)``, then per state group ``state[s] = (g,
+    window tokens W)`` each boundary's window ``[D - W, D)``. Commit by commit, every page is
+    keyed and ``claimed[u] = 1`` where every window is live and every page a held page of its
+    group (``0 < id < limits[g]``, ref count > 0), none keyed; else nothing of it changes and
+    ``claimed[u] = 0``. ``out`` (large enough) gets the claimed ones' pages group by group
+    (each group's commit by commit, entry by entry), a window before the latest flagged low
+    where ``low`` is 2 (``places``: scratch, ``3 * groups + 1``). Returns how many pages it
+    wrote, ``-1 - n`` where some commit was not claimed."""
+    n_groups, n_history = history.shape[0] + state.shape[0], history.shape[0]
+    start, place, mark = places[:n_groups + 1], places[n_groups + 1:2 * n_groups + 1], places[2 * n_groups + 1:]
+    start[:] = 0
+    at = 0
+    for u in range(n_units):  # where each group's pages go, were every commit claimed
+        for j in range(n_groups):
+            for e in range(_unit_entries(units, at, j, n_history)):
+                start[j + 1] += _unit_span(geometry, history, state, units, at, j, e)[2]
+        at += 4 + units[at + 3]
+    for j in range(n_groups):
+        start[j + 1] += start[j]
+        place[j] = start[j]
+    at, n_claimed = 0, 0
+    for u in range(n_units):
+        claimed[u] = _claim_unit(geometry, pages, bounds, history, state, units, at, low, out, place, mark, ref,
+                                 keyed, low_flags, limits)
+        n_claimed += claimed[u]
+        at += 4 + units[at + 3]
+    if n_claimed == n_units:
+        return start[n_groups]
+    n = place[0]
+    for j in range(1, n_groups):  # close the gaps the commits not claimed left
+        for i in range(start[j], place[j]):
+            out[n] = out[i]
+            n += 1
+    return -1 - n
+
+
+@njit(cache=True, inline="always")
+def _unit_entries(units, at, j, n_history):
+    """How many entries group ``j`` has in the unit at ``units[at]``: its blocks, or its boundaries."""
+    return units[at + 2] - units[at + 1] if j < n_history else units[at + 3]
+
+
+@njit(cache=True, inline="always")
+def _unit_span(geometry, history, state, units, at, j, e):
+    """Entry ``e`` of group ``j`` in the unit at ``units[at]``: (group, first logical page,
+    pages): block ``first + e``, or the window of boundary ``e``."""
+    n_history = history.shape[0]
+    if j < n_history:
+        per_block = history[j, 1]
+        return history[j, 0], (units[at + 1] + e) * per_block, per_block
+    g, d = state[j - n_history, 0], units[at + 4 + e]
+    t = geometry[g, PAGE_TOKENS]
+    lo = max(d - state[j - n_history, 1], 0) // t
+    return g, lo, d // t - lo
 
 
 @njit(cache=True)
-def _key_unit(geometry, history, state, out, n_rows, r, keyed):
-    """Flag keyed the pages of row ``r``'s unit that ``commit_units`` read into ``out``."""
-    base, n_history = 0, history.shape[0]
-    for j in range(n_history + state.shape[0]):
-        if j < n_history:
-            g, n = history[j, 0], history[j, 1]
-        else:
-            g = state[j - n_history, 0]
-            n = (state[j - n_history, 1] + geometry[g, PAGE_TOKENS] - 1) // geometry[g, PAGE_TOKENS]
-        for i in range(base + r * n, base + (r + 1) * n):
-            keyed[geometry[g, ID_OFFSET] + out[i]] = True
-        base += n_rows * n
+def _claim_unit(geometry, pages, bounds, history, state, units, at, low, out, place, mark, ref, keyed, low_flags,
+                limits):
+    """Key every page of the unit at ``units[at]`` (``commit_units``'s), group ``j``'s pages
+    into ``out`` from ``place[j]`` (moved on; its windows before the latest flagged low where
+    ``low`` is 2), and return 1; or return 0 with nothing changed."""
+    row, n_history, n_groups, good = units[at], history.shape[0], history.shape[0] + state.shape[0], True
+    mark[:n_groups] = place[:n_groups]
+    for j in range(n_groups):
+        for e in range(_unit_entries(units, at, j, n_history) if good else 0):
+            g, lo, n = _unit_span(geometry, history, state, units, at, j, e)
+            offset = geometry[g, ID_OFFSET]
+            good = j < n_history or lo >= bounds[BASE, g, row] and lo + n <= bounds[HI, g, row]  # a live window
+            for logical in range(lo, lo + n if good else lo):
+                page = pages[cell(geometry, bounds, g, row, logical)]
+                good = 0 < page < limits[g] and ref[offset + page] > 0 and not keyed[offset + page]
+                if not good:
+                    break
+                keyed[offset + page] = True
+                out[place[j]] = page
+                place[j] += 1
+            if not good:
+                break
+    if good:
+        _flag_low(geometry, history, state, units, at, low, out, place, mark, low_flags)
+        return 1
+    for j in range(n_groups):  # not claimed: its pages keyed so far unkeyed
+        offset = geometry[history[j, 0] if j < n_history else state[j - n_history, 0], ID_OFFSET]
+        for i in range(mark[j], place[j]):
+            keyed[offset + out[i]] = False
+        place[j] = mark[j]
+    return 0
+
+
+@njit(cache=True, inline="always")
+def _flag_low(geometry, history, state, units, at, low, out, place, mark, low_flags):
+    """Where ``low`` is 2, flag low the pages of each state group's windows before the latest
+    of the unit at ``units[at]`` (``out[mark[j]:place[j]]`` holds group ``j``'s)."""
+    n_history = history.shape[0]
+    for j in range(n_history, n_history + state.shape[0]):
+        count = _unit_entries(units, at, j, n_history)
+        if low == 2 and count > 1:
+            g, _, n = _unit_span(geometry, history, state, units, at, j, count - 1)
+            for i in range(mark[j], place[j] - n):
+                low_flags[geometry[g, ID_OFFSET] + out[i]] = True
 
 
 @njit(cache=True)

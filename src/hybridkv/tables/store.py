@@ -313,7 +313,6 @@ class CommitPages:
         self.checkpoint_pages = [cdiv(w, t.page_tokens) for t, w in state]
         self.boundary_pages = sum(self.checkpoint_pages)  # every state group's pages of one checkpoint
         self._sizes = sum(self.block_pages), self.boundary_pages, len(history), len(state)
-        self.unit_pages = self._sizes[0] + self.boundary_pages  # a one-block commit's, every group's
         self._out = np.empty(64, dtype=np.int64)
         self._layout, self._status = np.empty((16, 3), dtype=np.int64), np.empty(16, dtype=np.int8)
         if space is None:  # read only: nothing to claim in (same types, so the same compiled kernel)
@@ -323,6 +322,9 @@ class CommitPages:
             self._claim_in = (space.ref_counts, space.cached, space.low_priority,
                               np.asarray([p.num_pages for p in space.pools], dtype=np.int64))
         self._no_claims = np.zeros(0, dtype=np.int8)
+        self._claimed = np.empty(16, dtype=np.int8)  # read_units' flags, one a commit
+        self._places = np.empty(3 * (len(history) + len(state)) + 1, dtype=np.int64)  # read_units' scratch
+        self._unit_pages = self._sizes[0] + self.boundary_pages  # a block's and its checkpoint's, every group's
 
     def read(self, row: int, first_block: int, end_block: int, boundaries: list[int],
              want: list[int] | np.ndarray = ()) -> tuple[list[int], list[int]]:
@@ -350,23 +352,29 @@ class CommitPages:
         assert n == size, (n, size)
         return self._out[:n].tolist(), self._status[:n_entries].tolist()
 
-    def read_units(self, rows: np.ndarray, boundaries: np.ndarray, grain_tokens: int) -> tuple[list[int], list[int]]:
-        """One-block commits of ``rows`` (each crossing into ``boundaries[r]``, a multiple of
-        ``grain_tokens``) read and claimed in one compiled call (``kernels.commit_units``): their
-        pages, group by group (every history group's block, then every state group's window,
-        in :meth:`read`'s group order), each group's row by row; and per row 1 where all of its
+    def read_units(self, units: list[int], n_units: int, n_blocks: int,
+                   low: int) -> tuple[list[int], list[int] | None]:
+        """Commits each claimed whole or not at all, read and claimed in one compiled call
+        (``kernels.commit_units``): ``units`` holds per commit (row, first block, end block,
+        boundaries ``B``, the ``B`` checkpoint boundaries, its latest last; ``n_blocks`` in
+        all; ``low`` 2: those before the latest claimed low priority). Their pages, group by
+        group in :meth:`read`'s group order (every history group's blocks, then every state
+        group's windows), each group's commit by commit; and per commit 1 where all of its
         entries were claimed, else 0 (nothing claimed: a window not live, a page keyed or not
-        held; :meth:`read` then commits it alone)."""
-        n_rows, ts = rows.size, self._set
+        held; :meth:`read` then commits it alone), or None where all were."""
+        ts = self._set
         if ts is None:
             return [], []  # no group publishes anything
-        if n_rows * self.unit_pages > self._out.size:
-            self._out = np.empty(2 * n_rows * self.unit_pages, dtype=np.int64)
-        claimed = np.empty(n_rows, dtype=np.int8)
-        kernels.commit_units(ts.geometry, ts.pages, ts.bounds, self._history, self._state, rows, boundaries,
-                             grain_tokens, self._out, claimed, self._claim_in[0], self._claim_in[1],
-                             self._claim_in[3])
-        return self._out[:n_rows * self.unit_pages].tolist(), claimed.tolist()
+        if n_blocks * self._unit_pages > self._out.size or n_units > self._claimed.size:  # at most a checkpoint a block
+            self._out = np.empty(2 * max(n_blocks * self._unit_pages, self._out.size), dtype=np.int64)
+            self._claimed = np.empty(2 * max(n_units, self._claimed.size), dtype=np.int8)
+        ref, keyed, low_flags, limits = self._claim_in
+        n = kernels.commit_units(ts.geometry, ts.pages, ts.bounds, self._history, self._state,
+                                 np.array(units, dtype=np.int64), n_units, low, self._out, self._claimed,
+                                 self._places, ref, keyed, low_flags, limits)
+        if n >= 0:
+            return self._out[:n].tolist(), None
+        return self._out[:-1 - n].tolist(), self._claimed[:n_units].tolist()
 
 
 def _cells(geometry: np.ndarray, bounds: np.ndarray, g: int, rows: np.ndarray, lo: np.ndarray,
