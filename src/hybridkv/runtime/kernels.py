@@ -300,9 +300,10 @@ def write_slots(geometry, pages, bounds, rows, first, counts, settle, slots):
                 logical = divide(pos, tokens, page_shift)
                 page_end = min((logical + 1) * tokens, end)
                 base = (np.int64(pages[cells_at + (logical & mask) * step]) - logical) * per_page
-                if stride == 1:
-                    for p in range(pos, page_end):
-                        out[shift + p] = base + p
+                if stride == 1:  # a view indexed from 0: no negative index to wrap, the loop vectorizes
+                    run, base = out[shift + pos : shift + page_end], base + pos
+                    for i in range(page_end - pos):
+                        run[i] = base + i
                     pos = page_end
                 else:
                     while pos < page_end:
@@ -590,13 +591,15 @@ def batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, posi
     n = 0
     query_start_loc[0] = 0
     for r in range(settle, rows.size):
-        k = r - settle
+        k, start = r - settle, first[r]
         table_rows[k] = rows[r]
         scheduled[k] = counts[r]
+        # Views indexed from 0 (no negative index to wrap): the loops vectorize.
+        row_positions, row_indices = positions[n : n + counts[r]], request_indices[n : n + counts[r]]
         for i in range(counts[r]):
-            positions[n] = first[r] + i
-            request_indices[n] = k
-            n += 1
+            row_positions[i] = start + i
+        row_indices[:] = k
+        n += counts[r]
         query_start_loc[k + 1] = n
     for g in range(base_pages.shape[0]):
         widest = 0
