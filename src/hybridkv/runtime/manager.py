@@ -769,12 +769,15 @@ class CacheManager:
         if rows is None or (self.pending_loads and not self.pending_loads.isdisjoint(rids)):
             return None
         n = len(counts)
-        if counts.count(counts[0]) == n and tuple(map(type, counts)).count(int) == n:
-            # Equal plain ints (decode or verify; the type count keeps out True): one scalar check.
-            if not 1 <= counts[0] <= self.max_step_tokens:
+        if tuple(map(type, counts)).count(int) == n:  # plain ints (the type count keeps out True)
+            if counts.count(counts[0]) == n:  # equal (decode or verify): one scalar check
+                if not 1 <= counts[0] <= self.max_step_tokens:
+                    return None
+                self._one_count[0] = counts[0]  # ``prepare_step`` reads one count as every row's
+                return rows, self._one_count, rids, n * counts[0]
+            if min(counts) < 1 or max(counts) > self.max_step_tokens:  # builtins: no numpy reduction's call
                 return None
-            self._one_count[0] = counts[0]  # ``prepare_step`` reads one count as every row's
-            return rows, self._one_count, rids, n * counts[0]
+            return rows, np.fromiter(counts, _INT64, n), rids, sum(counts)
         kinds = set(map(type, counts))
         if bool in kinds or not all(k is int or issubclass(k, np.integer) for k in kinds):
             return None  # bool is an int subclass but not a token count
