@@ -591,15 +591,16 @@ def batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, posi
     n = 0
     query_start_loc[0] = 0
     for r in range(settle, rows.size):
-        k, start = r - settle, first[r]
-        table_rows[k] = rows[r]
-        scheduled[k] = counts[r]
-        # Views indexed from 0 (no negative index to wrap): the loops vectorize.
-        row_positions, row_indices = positions[n : n + counts[r]], request_indices[n : n + counts[r]]
-        for i in range(counts[r]):
-            row_positions[i] = start + i
-        row_indices[:] = k
-        n += counts[r]
+        k, start, count = r - settle, first[r], counts[r]
+        table_rows[k], scheduled[k] = rows[r], count
+        if count == 1:  # a decode row
+            positions[n], request_indices[n] = start, k
+        else:  # views indexed from 0 (no negative index to wrap): the loops vectorize
+            row_positions, row_indices = positions[n : n + count], request_indices[n : n + count]
+            for i in range(count):
+                row_positions[i] = start + i
+            row_indices[:] = k
+        n += count
         query_start_loc[k + 1] = n
     for g in range(base_pages.shape[0]):
         widest = 0
