@@ -394,9 +394,10 @@ def test_bool_and_float_counts_are_refused_in_a_decode_batch():
         with pytest.raises(CacheManagerError, match="token count must be an int"):
             m.schedule([("a", 1), ("b", bad)])
         assert m.num_computed_tokens("a") == 4 and m.num_computed_tokens("b") == 4
-    # Unequal plain ints take the builtins' checks: out of range, the per-item path words it.
+    # Counts are checked with builtins on the tuple: out of range, the per-item path words it.
     for bad, message in ((0, "token count must be positive"), (-1, "token count must be positive"),
-                         (step + 1, "per-step limit")):
+                         (np.int64(0), "token count must be positive"), (step + 1, "per-step limit"),
+                         (np.uint64(2**63 + 1), "per-step limit"), (2**70, "per-step limit")):
         with pytest.raises(CacheManagerError, match=message):
             m.schedule([("a", 1), ("b", bad)])
         assert m.num_computed_tokens("a") == 4 and m.num_computed_tokens("b") == 4
