@@ -426,7 +426,9 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
             view_at, view_mask = view_cell(geometry, n_rows, g, row, 0), geometry[g, COLUMN_MASK]
             for logical in range(bounds[BASE, g, row], min(after[0, g, r], bounds[HI, g, row])):
                 at = cells_at + (logical & mask) * step
-                scratch[n] = pages[at]
+                page = pages[at]
+                ref[offset + page] -= 1  # every reference goes before any page is taken (below)
+                scratch[n] = page
                 pages[at] = -1
                 touched[n_touched] = view_at + (logical & view_mask)
                 n_touched += 1
@@ -435,8 +437,6 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
             bounds[HI, g, row] = max(bounds[HI, g, row], after[0, g, r])  # a load row's base may pass its hi
             if bounds[LANE, g, row]:
                 fit_ring(geometry, pages, bounds, g, row, bounds[HI, g, row] - after[0, g, r])
-        for i in range(n):
-            ref[offset + scratch[i]] -= 1
         n_free, keyed_from = 0, n_keyed
         for i in range(n):
             page = scratch[i]
