@@ -394,8 +394,17 @@ def test_bool_and_float_counts_are_refused_in_a_decode_batch():
         with pytest.raises(CacheManagerError, match="token count must be an int"):
             m.schedule([("a", 1), ("b", bad)])
         assert m.num_computed_tokens("a") == 4 and m.num_computed_tokens("b") == 4
+    # Counts are checked with builtins on the tuple: out of range, the per-item path words it.
+    for bad, message in ((0, "token count must be positive"), (-1, "token count must be positive"),
+                         (np.int64(0), "token count must be positive"), (step + 1, "per-step limit"),
+                         (np.uint64(2**63 + 1), "per-step limit"), (2**70, "per-step limit")):
+        with pytest.raises(CacheManagerError, match=message):
+            m.schedule([("a", 1), ("b", bad)])
+        assert m.num_computed_tokens("a") == 4 and m.num_computed_tokens("b") == 4
     batch = m.schedule([("a", np.int64(1)), ("b", 1)])  # numpy ints are counts
     assert batch.num_scheduled_tokens.tolist() == [1, 1]
+    batch = m.schedule([("a", 1), ("b", 2)])
+    assert batch.num_scheduled_tokens.tolist() == [1, 2] and batch.positions.tolist() == [5, 5, 6]
 
 
 def prefilled_twins(seed, prompt_lengths, *, max_new_tokens):

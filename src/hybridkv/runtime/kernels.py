@@ -360,9 +360,10 @@ def write_slots(geometry, pages, bounds, rows, first, counts, settle, slots):
                 logical = divide(pos, tokens, page_shift)
                 page_end = min((logical + 1) * tokens, end)
                 base = (np.int64(pages[cells_at + (logical & mask) * step]) - logical) * per_page
-                if stride == 1:
-                    for p in range(pos, page_end):
-                        out[shift + p] = base + p
+                if stride == 1:  # a view indexed from 0: no negative index to wrap, the loop vectorizes
+                    run, base = out[shift + pos : shift + page_end], base + pos
+                    for i in range(page_end - pos):
+                        run[i] = base + i
                     pos = page_end
                 else:
                     while pos < page_end:
@@ -485,7 +486,9 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
             view_at, view_mask = view_cell(geometry, n_rows, g, row, 0), geometry[g, COLUMN_MASK]
             for logical in range(bounds[BASE, g, row], min(after[0, g, r], bounds[HI, g, row])):
                 at = cells_at + (logical & mask) * step
-                scratch[n] = pages[at]
+                page = pages[at]
+                ref[offset + page] -= 1  # every reference goes before any page is taken (below)
+                scratch[n] = page
                 pages[at] = -1
                 touched[n_touched] = view_at + (logical & view_mask)
                 n_touched += 1
@@ -494,8 +497,6 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
             bounds[HI, g, row] = max(bounds[HI, g, row], after[0, g, r])  # a load row's base may pass its hi
             if bounds[LANE, g, row]:
                 fit_ring(geometry, pages, bounds, g, row, bounds[HI, g, row] - after[0, g, r])
-        for i in range(n):
-            ref[offset + scratch[i]] -= 1
         n_free, keyed_from = 0, n_keyed
         for i in range(n):
             page = scratch[i]
@@ -650,13 +651,16 @@ def batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, posi
     n = 0
     query_start_loc[0] = 0
     for r in range(settle, rows.size):
-        k = r - settle
-        table_rows[k] = rows[r]
-        scheduled[k] = counts[r]
-        for i in range(counts[r]):
-            positions[n] = first[r] + i
-            request_indices[n] = k
-            n += 1
+        k, start, count = r - settle, first[r], counts[r]
+        table_rows[k], scheduled[k] = rows[r], count
+        if count == 1:  # a decode row
+            positions[n], request_indices[n] = start, k
+        else:  # views indexed from 0 (no negative index to wrap): the loops vectorize
+            row_positions, row_indices = positions[n : n + count], request_indices[n : n + count]
+            for i in range(count):
+                row_positions[i] = start + i
+            row_indices[:] = k
+        n += count
         query_start_loc[k + 1] = n
     for g in range(base_pages.shape[0]):
         widest = 0

@@ -753,19 +753,18 @@ class CacheManager:
         if rows is None or (self.pending_loads and not self.pending_loads.isdisjoint(rids)):
             return None
         n = len(counts)
-        if counts.count(counts[0]) == n and tuple(map(type, counts)).count(int) == n:
-            # Equal plain ints (decode or verify; the type count keeps out True): one scalar check.
+        if tuple(map(type, counts)).count(int) != n:  # not all plain ints (the type count keeps out True)
+            kinds = set(map(type, counts))
+            if bool in kinds or not all(k is int or issubclass(k, np.integer) for k in kinds):
+                return None  # bool is an int subclass but not a token count
+        elif counts.count(counts[0]) == n:  # equal plain ints (decode or verify): one scalar check
             if not 1 <= counts[0] <= self.max_step_tokens:
                 return None
             self._one_count[0] = counts[0]  # ``prepare_step`` reads one count as every row's
             return rows, self._one_count, rids, n * counts[0]
-        kinds = set(map(type, counts))
-        if bool in kinds or not all(k is int or issubclass(k, np.integer) for k in kinds):
-            return None  # bool is an int subclass but not a token count
-        counts = np.array(counts, dtype=np.int64)
-        if counts.min() < 1 or counts.max() > self.max_step_tokens:
+        if min(counts) < 1 or max(counts) > self.max_step_tokens:  # builtins on the tuple: no numpy reductions
             return None
-        return rows, counts, rids, int(counts.sum())
+        return rows, np.fromiter(counts, _INT64, n), rids, int(sum(counts))
 
     def _fast_rows_uniform(self, rids: tuple, count) -> tuple[np.ndarray, np.ndarray, tuple, int] | None:
         """``_fast_rows`` of ``(rid, count)`` for every id: one scalar count check."""
