@@ -273,6 +273,15 @@ class PagePool:
         if each:
             self._evict_low_each(count)
             return
+        keys = self._low_victims(count, top, candidates, end)
+        if keys:
+            self._unpublish_many(keys)
+
+    def _low_victims(self, count: int, top: int, candidates: list[int], end: int) -> list[Hashable]:
+        """:meth:`_evict_low_below`'s batch: the keys of the idle low-priority entries below the
+        ``count`` lowest free ids (those the entries before free count as free), lowest id
+        first, from ``candidates`` (the first scan's, of the ids below ``end``) and scans that
+        each go on where the last stopped; ``_low_floor`` set to where they stopped."""
         ref, page_key = self.ref_counts, self._page_key
         freed, keys, gone = 0, [], set()
         lowest = _LowestFree(self._stack, top, count, self.num_pages)
@@ -299,8 +308,7 @@ class PagePool:
                 end = candidates[0] + 1 if len(candidates) == _SCAN_PAGES else lowest.bound
         # None left below the bound the scans stopped at (it only fell meanwhile).
         self._low_floor = floor if floor >= 0 else max(self._low_floor, lowest.bound)
-        if keys:
-            self._unpublish_many(keys)
+        return keys
 
     def _evict_low_each(self, count: int) -> None:
         """:meth:`_evict_low_below` one entry at a time, the flags scanned again after each

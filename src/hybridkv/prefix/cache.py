@@ -330,19 +330,7 @@ class PrefixCache:
             history.append(entries)
             reach.append(len(entries))
         limit = min(reach, default=max_blocks)  # blocks every history group holds, from the first
-        top, knows = max_blocks, self._knows
-        while top and not knows(keys[top - 1]):  # the prompt's own blocks: no group has them (one lookup each)
-            top -= 1
-        found = []  # each state group's entry at its reach
-        for lookup in self._state_lookups:
-            n, entry = top, None
-            while n:
-                entry = lookup(keys[n - 1])
-                if entry is not None:
-                    break
-                n -= 1
-            reach.append(n)
-            found.append(entry)
+        found = self._state_reach(keys, reach)
         reach.append(max_blocks)
         # The hit: the last boundary within the history where every state group holds a checkpoint.
         k, at_hit = min(reach), found
@@ -359,6 +347,25 @@ class PrefixCache:
         for gid, i in zip(self._spec_ids, self._reach_index):
             alone[gid] = reach[i] * g
         return PrefixHit(k * g, alone, limit * g), history, at_hit if k else []
+
+    def _state_reach(self, keys: list[int], reach: list[int]) -> list:
+        """``_match``'s walk down each state group to its last checkpoint among the blocks ``keys``
+        (appended to ``reach``), from below the last blocks no group publishes (one
+        ``ValueEviction.knows`` lookup each); per state group its entry there (None without one)."""
+        top, knows = len(keys), self._knows
+        while top and not knows(keys[top - 1]):  # the prompt's own blocks: no group has them
+            top -= 1
+        found = []
+        for lookup in self._state_lookups:
+            n, entry = top, None
+            while n:
+                entry = lookup(keys[n - 1])
+                if entry is not None:
+                    break
+                n -= 1
+            reach.append(n)
+            found.append(entry)
+        return found
 
     def match_and_borrow(self, req: CommittingRequest, prompt_ids: np.ndarray,
                          cache_salt: str | bytes | None = None) -> PrefixHit:
