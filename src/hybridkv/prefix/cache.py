@@ -468,15 +468,18 @@ class PrefixCache:
                 i += 1
                 continue
             keep, latest = req.keep_boundaries, end * g
-            if keep and not keep.isdisjoint(range((first + 1) * g, latest + 1, g)):
-                break
             hashes.extend_to(req.token_ids, new)
-            keys = hashes.hashes[first:end]
-            if not seen.isdisjoint(keys) or any(map(knows, keys)):
+            keys, speculative = hashes.hashes[first:end], ()
+            if end == first + 1:  # one block (a decode commit): its key and its end checked alone
+                if latest in keep or keys[0] in seen or knows(keys[0]):
+                    break
+            elif not keep.isdisjoint(range((first + 1) * g, latest + 1, g)) or not seen.isdisjoint(keys) \
+                    or any(map(knows, keys)):
                 break
-            speculative = between((first + 1) * g, latest, g, req.prompt_tokens) if end > first + 1 else ()
-            if speculative and values is not None and run:
-                break
+            else:
+                speculative = between((first + 1) * g, latest, g, req.prompt_tokens)
+                if speculative and values is not None and run:
+                    break
             seen.update(keys)
             run.append((req, first, keys, speculative, old, new))
             units += (req.row, first, end, len(speculative) + 1, *speculative, latest)
@@ -491,7 +494,8 @@ class PrefixCache:
         booked request by request (:meth:`_book_units`) with each one's blocks (keys,
         parents, ends) and checkpoints (keys, parents, boundaries)."""
         g, low = self.granularity_tokens, 2 if self.values is None or self.values.low_priority(SPECULATIVE) else 1
-        pages, claimed = self._reader.read_units(units[1:], len(run), units[0], low)
+        n_blocks, units[0] = units[0], low  # what the compiled call reads first
+        pages, claimed = self._reader.read_units(units, len(run), n_blocks)
         block_keys, checkpoint_keys, lists = [], [], []
         for (req, first, keys, speculative, _, _), whole in zip(run, claimed or repeat(1)):
             if not whole:
@@ -831,7 +835,7 @@ class PrefixCache:
     def load_kernels(self) -> None:
         """Load (or compile) now the commit's kernels, reading nothing (``lru.borrow_row`` loads at the first hit)."""
         self._reader.read(0, 0, 0, [])
-        self._reader.read_units([], 0, 0, 1)
+        self._reader.read_units([1], 0, 0)
 
     def forget_request(self, req: CommittingRequest) -> None:
         """A freed request's checkpoints stay cached; with ``"prefill-per-byte"`` they are then ranked again."""

@@ -151,24 +151,25 @@ def commit_pages(geometry, pages, bounds, history, state, row, first_block, end_
 
 
 @njit(cache=True)
-def commit_units(geometry, pages, bounds, history, state, units, n_units, low, out, claimed, places, ref, keyed,
-                 low_flags, limits):
-    """The pages of ``n_units`` commits, each claimed whole or not at all, in one pass. ``units``
-    holds per commit (row, first block, end block, boundaries ``B``, then the ``B`` boundaries,
-    multiples of the grain, its latest last); its unit: per history group ``history[h] = (g,
-    pages per block)`` its blocks ``[first, end)``, then per state group ``state[s] = (g,
-    window tokens W)`` each boundary's window ``[D - W, D)``. Commit by commit, every page is
-    keyed and ``claimed[u] = 1`` where every window is live and every page a held page of its
-    group (``0 < id < limits[g]``, ref count > 0), none keyed; else nothing of it changes and
-    ``claimed[u] = 0``. ``out`` (large enough) gets the claimed ones' pages group by group
-    (each group's commit by commit, entry by entry), a window before the latest flagged low
-    where ``low`` is 2 (``places``: scratch, ``3 * groups + 1``). Returns how many pages it
-    wrote, ``-1 - n`` where some commit was not claimed."""
-    n_groups, n_history = history.shape[0] + state.shape[0], history.shape[0]
+def commit_units(geometry, pages, bounds, history, state, units, out, claimed, places, ref, keyed, low_flags,
+                 limits):
+    """The pages of commits, each claimed whole or not at all, in one pass. ``units`` holds
+    ``low``, then per commit (row, first block, end block, boundaries ``B``, then the ``B``
+    boundaries, multiples of the grain, its latest last); its unit: per history group
+    ``history[h] = (g, pages per block)`` its blocks ``[first, end)``, then per state group
+    ``state[s] = (g, window tokens W)`` each boundary's window ``[D - W, D)``. Commit by
+    commit ``u``, every page is keyed and ``claimed[u] = 1`` where every window is live and
+    every page a held page of its group (``0 < id < limits[g]``, ref count > 0), none keyed;
+    else nothing of it changes and ``claimed[u] = 0``. ``out`` (large enough) gets the
+    claimed ones' pages group by group (each group's commit by commit, entry by entry), a
+    window before the latest flagged low where ``low`` is 2 (``places``: scratch, ``3 *
+    groups + 1``). Returns how many pages it wrote, ``-1 - n`` where some commit was not
+    claimed."""
+    n_groups, n_history, low = history.shape[0] + state.shape[0], history.shape[0], units[0]
     start, place, mark = places[:n_groups + 1], places[n_groups + 1:2 * n_groups + 1], places[2 * n_groups + 1:]
     start[:] = 0
-    at = 0
-    for u in range(n_units):  # where each group's pages go, were every commit claimed
+    at = 1
+    while at < units.size:  # where each group's pages go, were every commit claimed
         for j in range(n_groups):
             for e in range(_unit_entries(units, at, j, n_history)):
                 start[j + 1] += _unit_span(geometry, history, state, units, at, j, e)[2]
@@ -176,13 +177,14 @@ def commit_units(geometry, pages, bounds, history, state, units, n_units, low, o
     for j in range(n_groups):
         start[j + 1] += start[j]
         place[j] = start[j]
-    at, n_claimed = 0, 0
-    for u in range(n_units):
+    at, u, n_claimed = 1, 0, 0
+    while at < units.size:
         claimed[u] = _claim_unit(geometry, pages, bounds, history, state, units, at, low, out, place, mark, ref,
                                  keyed, low_flags, limits)
         n_claimed += claimed[u]
         at += 4 + units[at + 3]
-    if n_claimed == n_units:
+        u += 1
+    if n_claimed == u:
         return start[n_groups]
     n = place[0]
     for j in range(1, n_groups):  # close the gaps the commits not claimed left

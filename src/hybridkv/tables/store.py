@@ -352,12 +352,12 @@ class CommitPages:
         assert n == size, (n, size)
         return self._out[:n].tolist(), self._status[:n_entries].tolist()
 
-    def read_units(self, units: list[int], n_units: int, n_blocks: int,
-                   low: int) -> tuple[list[int], list[int] | None]:
+    def read_units(self, units: list[int], n_units: int, n_blocks: int) -> tuple[list[int], list[int] | None]:
         """Commits each claimed whole or not at all, read and claimed in one compiled call
-        (``kernels.commit_units``): ``units`` holds per commit (row, first block, end block,
-        boundaries ``B``, the ``B`` checkpoint boundaries, its latest last; ``n_blocks`` in
-        all; ``low`` 2: those before the latest claimed low priority). Their pages, group by
+        (``kernels.commit_units``): ``units`` holds ``low`` (2: windows before each commit's
+        latest claimed low priority), then per commit (row, first block, end block,
+        boundaries ``B``, the ``B`` checkpoint boundaries, its latest last; ``n_units``
+        commits, ``n_blocks`` blocks in all). Their pages, group by
         group in :meth:`read`'s group order (every history group's blocks, then every state
         group's windows), each group's commit by commit; and per commit 1 where all of its
         entries were claimed, else 0 (nothing claimed: a window not live, a page keyed or not
@@ -370,7 +370,7 @@ class CommitPages:
             self._claimed = np.empty(2 * max(n_units, self._claimed.size), dtype=np.int8)
         ref, keyed, low_flags, limits = self._claim_in
         n = kernels.commit_units(ts.geometry, ts.pages, ts.bounds, self._history, self._state,
-                                 np.array(units, dtype=np.int64), n_units, low, self._out, self._claimed,
+                                 np.array(units, dtype=np.int64), self._out, self._claimed,
                                  self._places, ref, keyed, low_flags, limits)
         if n >= 0:
             return self._out[:n].tolist(), None
