@@ -1320,23 +1320,23 @@ def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain
 def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
     """Spare slabs (``owner < 0``) for ``group`` until it is not ``short_pages`` short: the lowest next to
     one it owns, else the lowest (``slab_gain`` pages each; ``owner`` updated, slabs to ``taken``).
-    Returns (slabs taken, pages still short)."""
-    n, n_taken = owner.size, 0
+    Returns (slabs taken, pages still short). One pass: a take makes only its left neighbour newly next to
+    the group below it, so the next search starts there; the lowest spare only rises."""
+    n, n_taken, start, lowest = owner.size, 0, 0, 0
     while short_pages > 0:
-        pick, lowest = -1, -1
-        for s in range(n):
-            if owner[s] < 0:
-                if lowest < 0:
-                    lowest = s
-                if (s > 0 and owner[s - 1] == group) or (s < n - 1 and owner[s + 1] == group):
-                    pick = s
-                    break
+        pick = -1
+        for s in range(start, n):
+            if owner[s] < 0 and ((s > 0 and owner[s - 1] == group) or (s < n - 1 and owner[s + 1] == group)):
+                pick = s
+                break
         if pick < 0:
+            while lowest < n and owner[lowest] >= 0:
+                lowest += 1
+            if lowest == n:
+                break
             pick = lowest
-        if pick < 0:
-            break
         short_pages -= lend_slab(owner, group, inner_pages, straddle, pick, taken, n_taken)
-        n_taken += 1
+        n_taken, start = n_taken + 1, max(pick - 1, 0)
     return n_taken, short_pages
 
 
