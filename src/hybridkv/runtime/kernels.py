@@ -864,10 +864,11 @@ def step_spare(geometry, pages, bounds, counters, ref, keyed, low_priority, stac
 @njit(cache=True)
 def releases_cover(geometry, pages, bounds, ref, keyed, top, rows, after, sums):
     """Whether in every group short of free pages the step's releases cover the shortfall first
-    (``freed_by_releases``; pure)."""
+    (``release_credit``'s count; pure)."""
     for g in range(geometry.shape[0]):
         short = sums[1, g] - top[g]
-        if short > 0 and freed_by_releases(geometry, pages, bounds, ref, keyed, g, rows, after[0, g], short) < short:
+        if short > 0 and release_credit(geometry, pages, bounds, ref, keyed, g, rows, after[0, g], rows, rows, rows,
+                                        short)[1] < short:
             return False
     return True
 
@@ -1188,10 +1189,11 @@ def take_holds(ref, keyed, low_priority, low_idle, offsets, per_group, pages, id
 
 
 @njit(cache=True)
-def release_credit(geometry, pages, bounds, ref, keyed, g, rows, new_base, credit, sole_pages, unkeyed_pages):
+def release_credit(geometry, pages, bounds, ref, keyed, g, rows, new_base, credit, sole_pages, unkeyed_pages, enough):
     """Group ``g``'s pages below each row's ``new_base`` only that row holds (pure): ``credit[r]`` per row, the
-    pages to ``sole_pages``, the unkeyed ones also to ``unkeyed_pages``. Returns (sole, unkeyed)."""
-    offset = geometry[g, ID_OFFSET]
+    pages to ``sole_pages``, the unkeyed ones (the releases' free pages) also to ``unkeyed_pages``. Returns
+    (sole, unkeyed). With ``enough`` > 0 it only counts the unkeyed pages, up to ``enough`` (arrays unwritten)."""
+    offset, listed = geometry[g, ID_OFFSET], enough <= 0
     n_sole, n_unkeyed = 0, 0
     for r in range(rows.size):
         row = rows[r]
@@ -1199,28 +1201,18 @@ def release_credit(geometry, pages, bounds, ref, keyed, g, rows, new_base, credi
         for logical in range(bounds[BASE, g, row], min(new_base[r], bounds[HI, g, row])):
             page = pages[cell(geometry, bounds, g, row, logical)]
             if ref[offset + page] == 1:
-                sole_pages[n_sole] = page
+                if listed:
+                    sole_pages[n_sole] = page
                 n_sole += 1
                 if not keyed[offset + page]:
-                    unkeyed_pages[n_unkeyed] = page
+                    if listed:
+                        unkeyed_pages[n_unkeyed] = page
                     n_unkeyed += 1
-        credit[r] = n_sole - before
+                    if n_unkeyed == enough:
+                        return n_sole, n_unkeyed
+        if listed:
+            credit[r] = n_sole - before
     return n_sole, n_unkeyed
-
-
-@njit(cache=True)
-def freed_by_releases(geometry, pages, bounds, ref, keyed, g, rows, new_base, enough):
-    """``release_credit``'s unkeyed pages of group ``g`` (the releases' free pages), counted up to ``enough``."""
-    offset, n = geometry[g, ID_OFFSET], 0
-    for r in range(rows.size):
-        row = rows[r]
-        for logical in range(bounds[BASE, g, row], min(new_base[r], bounds[HI, g, row])):
-            page = offset + pages[cell(geometry, bounds, g, row, logical)]
-            if ref[page] == 1 and not keyed[page]:
-                n += 1
-                if n >= enough:
-                    return n
-    return n
 
 
 @njit(cache=True)
@@ -1246,8 +1238,8 @@ def short_pages(geometry, pages, bounds, ref, keyed, rows, new_base, first, comm
                 for r in range(rows.size if grain > 0 else 0):
                     crossed += max(first[r] // grain - committed[rows[r]] // grain, 0)
             extra = crossed * window_pages[g]
-            freed = max(freed_by_releases(geometry, pages, bounds, ref, keyed, g, rows, new_base[g], gap + extra)
-                        - extra, 0)
+            freed = max(release_credit(geometry, pages, bounds, ref, keyed, g, rows, new_base[g], first, first,
+                                       first, gap + extra)[1] - extra, 0)
         if gap > freed:
             short[g] = gap - freed
             n_short += 1
