@@ -1339,13 +1339,18 @@ def slab_pages(owner, group, lo, hi, straddle, s, pages, n):
     for page in range(lo[s], hi[s]):
         pages[n] = page
         n += 1
-    if s > 0 and owner[s - 1] == group and straddle[s] >= 0:
-        pages[n] = straddle[s]
-        n += 1
-    if s < owner.size - 1 and owner[s + 1] == group and straddle[s + 1] >= 0:
-        pages[n] = straddle[s + 1]
-        n += 1
+    for page in held_straddlers(owner, group, straddle, s):
+        if page >= 0:
+            pages[n] = page
+            n += 1
     return n
+
+
+@njit(cache=True, inline="always")
+def held_straddlers(owner, group, straddle, s):
+    """The straddlers ``group`` holds with slab ``s``: of the boundaries with a neighbour it owns (-1: none)."""
+    left = straddle[s] if s > 0 and owner[s - 1] == group else -1
+    return left, straddle[s + 1] if s < owner.size - 1 and owner[s + 1] == group else -1
 
 
 @njit(cache=True)
@@ -1446,14 +1451,9 @@ def drop_ids(stack, top, ids):
 
 @njit(cache=True)
 def slab_gain(owner, group, inner_pages, straddle, s):
-    """The pages ``group`` gains with slab ``s``: its ``inner_pages`` plus the straddler
-    of each boundary with a slab the group owns (``straddle[b] >= 0``)."""
-    gain = inner_pages[s]
-    if s > 0 and owner[s - 1] == group and straddle[s] >= 0:
-        gain += 1
-    if s < owner.size - 1 and owner[s + 1] == group and straddle[s + 1] >= 0:
-        gain += 1
-    return gain
+    """The pages ``group`` gains with slab ``s``: its ``inner_pages`` and ``held_straddlers``."""
+    left, right = held_straddlers(owner, group, straddle, s)
+    return inner_pages[s] + (left >= 0) + (right >= 0)
 
 
 @njit(cache=True, inline="always")
