@@ -1466,31 +1466,6 @@ def lend_slab(owner, group, inner_pages, straddle, s, taken, n_taken):
     return gain
 
 
-@njit(cache=True)
-def take_donor_slabs(owner, donor, group, inner_idle, edge_idle, donor_inner, donor_straddle, inner_pages, straddle,
-                     left_pages, short_pages, taken):
-    """``donor``'s slabs for ``group`` until it is not ``short_pages`` short, lowest first: those whose inner
-    and given-up straddling pages are idle (``inner_idle``, ``edge_idle``) while the pages given up leave
-    ``left_pages`` >= 0 (``owner`` updated, slabs to ``taken``). Returns (taken, still short, left)."""
-    n, n_taken = owner.size, 0
-    for s in range(n):
-        if short_pages <= 0:
-            break
-        if owner[s] != donor or not inner_idle[s]:
-            continue
-        give, idle = donor_inner[s], True
-        if s > 0 and owner[s - 1] == donor and donor_straddle[s] >= 0:
-            give, idle = give + 1, idle and edge_idle[s]
-        if s < n - 1 and owner[s + 1] == donor and donor_straddle[s + 1] >= 0:
-            give, idle = give + 1, idle and edge_idle[s + 1]
-        if give > left_pages or not idle:
-            continue
-        left_pages -= give
-        short_pages -= lend_slab(owner, group, inner_pages, straddle, s, taken, n_taken)
-        n_taken += 1
-    return n_taken, short_pages, left_pages
-
-
 @njit(cache=True, inline="always")
 def page_idle(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, page):
     """``idle_slabs``' page test: no request holds it, and it carries no key or one that
@@ -1530,16 +1505,19 @@ def inner_busy(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, lo,
 
 @njit(cache=True, inline="always")
 def donor_edges(owner, own, donor, s, donor_straddle, edge_released, ref, keyed, low_priority, idle_tick,
-                keyed_mode, before_tick):
+                keyed_mode, before_tick, edge_idle):
     """The straddlers the donor gives up with slab ``s`` (of a boundary with another slab it
-    owns in the plan, ``own``) and whether they are all idle: released by the step, or idle
-    between two slabs the arena's ``owner`` gives the donor. Returns (pages, idle)."""
+    owns in the plan, ``own``) and whether they are all idle: ``edge_idle`` when given, else released
+    by the step, or idle between two slabs the arena's ``owner`` gives the donor. Returns (pages, idle)."""
     n, pages, idle = owner.size, 0, True
     for b in (s, s + 1):  # the boundaries left and right of the slab
         near = b - 1 if b == s else b
         if b < 1 or b > n - 1 or own[near] != donor or donor_straddle[b] < 0:
             continue
         pages += 1
+        if edge_idle.size:
+            idle = idle and edge_idle[b]
+            continue
         both = owner[b - 1] == donor and owner[b] == donor
         idle = idle and (edge_released[b] or (both and page_idle(ref, keyed, low_priority, idle_tick, keyed_mode,
                                                                   before_tick, donor_straddle[b])))
@@ -1547,12 +1525,15 @@ def donor_edges(owner, own, donor, s, donor_straddle, edge_released, ref, keyed,
 
 
 @njit(cache=True)
-def take_idle_donor_slabs(owner, own, donor, group, lo, hi, donor_straddle, ref, keyed, low_priority, idle_tick,
-                          keyed_mode, before_tick, released_pages, slab_geometry, inner_pages, straddle, left_pages,
-                          short_pages, taken):
-    """``take_donor_slabs`` with ``idle_slabs``' answers worked out only for the slabs it reaches; ``own``:
-    the plan's owners, updated."""
-    n_taken = 0
+def take_donor_slabs(owner, own, donor, group, lo, hi, donor_straddle, ref, keyed, low_priority, idle_tick,
+                     keyed_mode, before_tick, released_pages, slab_geometry, inner_pages, straddle, left_pages,
+                     short_pages, taken, inner_idle, edge_idle):
+    """``donor``'s slabs for ``group`` until it is not ``short_pages`` short, lowest first: those whose inner
+    and given-up straddling pages are idle while the pages given up leave ``left_pages`` >= 0 (``own``: the
+    plan's owners, updated; slabs to ``taken``). Idle: ``idle_slabs``' ``inner_idle``, ``edge_idle`` when
+    given (then ``owner`` is ``own``), else worked out only for the slabs it reaches. Returns (taken, still
+    short, left)."""
+    n_taken, known = 0, inner_idle.size > 0
     released, edge_released = released_per_slab(released_pages, slab_geometry, owner.size)
     for s in range(owner.size):
         if short_pages <= 0:
@@ -1560,10 +1541,12 @@ def take_idle_donor_slabs(owner, own, donor, group, lo, hi, donor_straddle, ref,
         if own[s] != donor or owner[s] != donor:
             continue
         # Idle but for the pages the step releases (held now).
-        if inner_busy(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, lo[s], hi[s]) != released[s]:
+        busy = not inner_idle[s] if known else inner_busy(ref, keyed, low_priority, idle_tick, keyed_mode,
+                                                          before_tick, lo[s], hi[s]) != released[s]
+        if busy:
             continue
         edge_pages, edges_idle = donor_edges(owner, own, donor, s, donor_straddle, edge_released, ref, keyed,
-                                             low_priority, idle_tick, keyed_mode, before_tick)
+                                             low_priority, idle_tick, keyed_mode, before_tick, edge_idle)
         give = hi[s] - lo[s] + edge_pages
         if give > left_pages or not edges_idle:
             continue
