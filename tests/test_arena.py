@@ -788,9 +788,9 @@ def test_granting_a_slab_that_is_not_spare_is_refused_and_changes_nothing():
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_a_donor_scanned_slab_by_slab_lends_what_the_whole_scan_lends(data):
-    """``kernels.take_idle_donor_slabs`` (each slab's idleness worked out as the plan
-    reaches it) takes the slabs, and leaves the counts, of ``idle_slabs`` over every slab
-    the donor owns followed by ``take_donor_slabs``: random grants, allocations, entries
+    """``kernels.take_donor_slabs`` working out each slab's idleness as the plan reaches it
+    takes the slabs, and leaves the counts, of ``idle_slabs`` over every slab the donor
+    owns followed by ``take_donor_slabs`` given those answers: random grants, allocations, entries
     (low priority or not), releases, pages the step frees, every way of counting keyed
     pages, and plan owners that already moved some slabs."""
     from hybridkv.runtime import kernels
@@ -820,12 +820,12 @@ def test_a_donor_scanned_slab_by_slab_lends_what_the_whole_scan_lends(data):
         kernels.idle_slabs(arena.owner, di, lo, hi, straddle, pool.ref_counts, pool.cached, pool.low_priority,
                            pool.idle_tick, keyed_mode, before_tick, released, slab_geometry, inner_idle, edge_idle)
         want_own, want_taken = own.copy(), np.empty(geometry.num_slabs, dtype=np.int64)
-        want = kernels.take_donor_slabs(want_own, di, gi, inner_idle, edge_idle, hi - lo, straddle, g_hi - g_lo,
-                                        g_straddle, left, short, want_taken)
+        args = (lo, hi, straddle, pool.ref_counts, pool.cached, pool.low_priority, pool.idle_tick, keyed_mode,
+                before_tick, released, slab_geometry, g_hi - g_lo, g_straddle, left, short)
+        no_flags = np.empty(0, dtype=bool)
+        want = kernels.take_donor_slabs(want_own, want_own, di, gi, *args, want_taken, inner_idle, edge_idle)
         got_own, got_taken = own.copy(), np.empty(geometry.num_slabs, dtype=np.int64)
-        got = kernels.take_idle_donor_slabs(arena.owner, got_own, di, gi, lo, hi, straddle, pool.ref_counts,
-                                            pool.cached, pool.low_priority, pool.idle_tick, keyed_mode, before_tick,
-                                            released, slab_geometry, g_hi - g_lo, g_straddle, left, short, got_taken)
+        got = kernels.take_donor_slabs(arena.owner, got_own, di, gi, *args, got_taken, no_flags, no_flags)
         assert got == want
         assert got_taken[: got[0]].tolist() == want_taken[: want[0]].tolist()
         assert np.array_equal(got_own, want_own)

@@ -125,6 +125,7 @@ def shared_concurrency(plan: Any, context_tokens: int, geometry: ArenaGeometry |
 
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
+_NO_FLAGS = np.empty(0, dtype=np.bool_)
 Grant = tuple[str, int, "str | None"]  # (receiving group, slab, donor group or None for a spare slab)
 
 
@@ -335,19 +336,14 @@ class Arena:
                 break
             if donor == gid or deficit.get(donor, 0) > 0 or self._left(donor, spare, scan, deficit) <= 0:
                 continue
-            left, di = spare[1], self._index[donor]
-            if scan.clean and donor not in scan.idle:  # one plan: scan only the slabs it reaches
-                pool, (lo, hi) = self.pools[donor], self._ranges[donor]
-                n_taken, short, left[donor] = kernels.take_idle_donor_slabs(
-                    self.owner, own, di, gi, lo, hi, self._straddle[donor], pool.ref_counts, pool.cached,
-                    pool.low_priority, pool.idle_tick, scan.keyed_mode(), scan.before_tick or 0,
-                    self._released(donor, scan), self._slab_geometry[donor], self._inner[gid], self._straddle[gid],
-                    left[donor], short, self._taken)
-            else:
-                inner_idle, edge_idle, _ = self._idle(donor, scan)
-                n_taken, short, left[donor] = kernels.take_donor_slabs(
-                    own, di, gi, inner_idle, edge_idle, self._inner[donor], self._straddle[donor],
-                    self._inner[gid], self._straddle[gid], left[donor], short, self._taken)
+            left, di, pool, (lo, hi) = spare[1], self._index[donor], self.pools[donor], self._ranges[donor]
+            reach = scan.clean and donor not in scan.idle  # one plan: scan only the slabs it reaches
+            inner_idle, edge_idle = (_NO_FLAGS, _NO_FLAGS) if reach else self._idle(donor, scan)[:2]
+            n_taken, short, left[donor] = kernels.take_donor_slabs(
+                self.owner if reach else own, own, di, gi, lo, hi, self._straddle[donor], pool.ref_counts,
+                pool.cached, pool.low_priority, pool.idle_tick, scan.keyed_mode(), scan.before_tick or 0,
+                self._released(donor, scan) if reach else _NO_PAGES, self._slab_geometry[donor], self._inner[gid],
+                self._straddle[gid], left[donor], short, self._taken, inner_idle, edge_idle)
             grants.extend((gid, slab, donor) for slab in self._taken[:n_taken].tolist())
         return short
 

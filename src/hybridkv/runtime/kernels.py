@@ -866,10 +866,11 @@ def step_spare(geometry, pages, bounds, counters, ref, keyed, low_priority, stac
 @njit(cache=True)
 def releases_cover(geometry, pages, bounds, ref, keyed, top, rows, after, sums):
     """Whether in every group short of free pages the step's releases cover the shortfall first
-    (``freed_by_releases``; pure)."""
+    (``release_credit``'s count; pure)."""
     for g in range(geometry.shape[0]):
         short = sums[1, g] - top[g]
-        if short > 0 and freed_by_releases(geometry, pages, bounds, ref, keyed, g, rows, after[0, g], short) < short:
+        if short > 0 and release_credit(geometry, pages, bounds, ref, keyed, g, rows, after[0, g], rows, rows, rows,
+                                        short)[1] < short:
             return False
     return True
 
@@ -1190,10 +1191,11 @@ def take_holds(ref, keyed, low_priority, low_idle, offsets, per_group, pages, id
 
 
 @njit(cache=True)
-def release_credit(geometry, pages, bounds, ref, keyed, g, rows, new_base, credit, sole_pages, unkeyed_pages):
+def release_credit(geometry, pages, bounds, ref, keyed, g, rows, new_base, credit, sole_pages, unkeyed_pages, enough):
     """Group ``g``'s pages below each row's ``new_base`` only that row holds (pure): ``credit[r]`` per row, the
-    pages to ``sole_pages``, the unkeyed ones also to ``unkeyed_pages``. Returns (sole, unkeyed)."""
-    offset = geometry[g, ID_OFFSET]
+    pages to ``sole_pages``, the unkeyed ones (the releases' free pages) also to ``unkeyed_pages``. Returns
+    (sole, unkeyed). With ``enough`` > 0 it only counts the unkeyed pages, up to ``enough`` (arrays unwritten)."""
+    offset, listed = geometry[g, ID_OFFSET], enough <= 0
     n_sole, n_unkeyed = 0, 0
     for r in range(rows.size):
         row = rows[r]
@@ -1201,28 +1203,18 @@ def release_credit(geometry, pages, bounds, ref, keyed, g, rows, new_base, credi
         for logical in range(bounds[BASE, g, row], min(new_base[r], bounds[HI, g, row])):
             page = pages[cell(geometry, bounds, g, row, logical)]
             if ref[offset + page] == 1:
-                sole_pages[n_sole] = page
+                if listed:
+                    sole_pages[n_sole] = page
                 n_sole += 1
                 if not keyed[offset + page]:
-                    unkeyed_pages[n_unkeyed] = page
+                    if listed:
+                        unkeyed_pages[n_unkeyed] = page
                     n_unkeyed += 1
-        credit[r] = n_sole - before
+                    if n_unkeyed == enough:
+                        return n_sole, n_unkeyed
+        if listed:
+            credit[r] = n_sole - before
     return n_sole, n_unkeyed
-
-
-@njit(cache=True)
-def freed_by_releases(geometry, pages, bounds, ref, keyed, g, rows, new_base, enough):
-    """``release_credit``'s unkeyed pages of group ``g`` (the releases' free pages), counted up to ``enough``."""
-    offset, n = geometry[g, ID_OFFSET], 0
-    for r in range(rows.size):
-        row = rows[r]
-        for logical in range(bounds[BASE, g, row], min(new_base[r], bounds[HI, g, row])):
-            page = offset + pages[cell(geometry, bounds, g, row, logical)]
-            if ref[page] == 1 and not keyed[page]:
-                n += 1
-                if n >= enough:
-                    return n
-    return n
 
 
 @njit(cache=True)
@@ -1248,8 +1240,8 @@ def short_pages(geometry, pages, bounds, ref, keyed, rows, new_base, first, comm
                 for r in range(rows.size if grain > 0 else 0):
                     crossed += max(first[r] // grain - committed[rows[r]] // grain, 0)
             extra = crossed * window_pages[g]
-            freed = max(freed_by_releases(geometry, pages, bounds, ref, keyed, g, rows, new_base[g], gap + extra)
-                        - extra, 0)
+            freed = max(release_credit(geometry, pages, bounds, ref, keyed, g, rows, new_base[g], first, first,
+                                       first, gap + extra)[1] - extra, 0)
         if gap > freed:
             short[g] = gap - freed
             n_short += 1
@@ -1322,23 +1314,23 @@ def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain
 def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
     """Spare slabs (``owner < 0``) for ``group`` until it is not ``short_pages`` short: the lowest next to
     one it owns, else the lowest (``slab_gain`` pages each; ``owner`` updated, slabs to ``taken``).
-    Returns (slabs taken, pages still short)."""
-    n, n_taken = owner.size, 0
+    Returns (slabs taken, pages still short). One pass: a take makes only its left neighbour newly next to
+    the group below it, so the next search starts there; the lowest spare only rises."""
+    n, n_taken, start, lowest = owner.size, 0, 0, 0
     while short_pages > 0:
-        pick, lowest = -1, -1
-        for s in range(n):
-            if owner[s] < 0:
-                if lowest < 0:
-                    lowest = s
-                if (s > 0 and owner[s - 1] == group) or (s < n - 1 and owner[s + 1] == group):
-                    pick = s
-                    break
+        pick = -1
+        for s in range(start, n):
+            if owner[s] < 0 and ((s > 0 and owner[s - 1] == group) or (s < n - 1 and owner[s + 1] == group)):
+                pick = s
+                break
         if pick < 0:
+            while lowest < n and owner[lowest] >= 0:
+                lowest += 1
+            if lowest == n:
+                break
             pick = lowest
-        if pick < 0:
-            break
         short_pages -= lend_slab(owner, group, inner_pages, straddle, pick, taken, n_taken)
-        n_taken += 1
+        n_taken, start = n_taken + 1, max(pick - 1, 0)
     return n_taken, short_pages
 
 
@@ -1349,13 +1341,18 @@ def slab_pages(owner, group, lo, hi, straddle, s, pages, n):
     for page in range(lo[s], hi[s]):
         pages[n] = page
         n += 1
-    if s > 0 and owner[s - 1] == group and straddle[s] >= 0:
-        pages[n] = straddle[s]
-        n += 1
-    if s < owner.size - 1 and owner[s + 1] == group and straddle[s + 1] >= 0:
-        pages[n] = straddle[s + 1]
-        n += 1
+    for page in held_straddlers(owner, group, straddle, s):
+        if page >= 0:
+            pages[n] = page
+            n += 1
     return n
+
+
+@njit(cache=True, inline="always")
+def held_straddlers(owner, group, straddle, s):
+    """The straddlers ``group`` holds with slab ``s``: of the boundaries with a neighbour it owns (-1: none)."""
+    left = straddle[s] if s > 0 and owner[s - 1] == group else -1
+    return left, straddle[s + 1] if s < owner.size - 1 and owner[s + 1] == group else -1
 
 
 @njit(cache=True)
@@ -1456,14 +1453,9 @@ def drop_ids(stack, top, ids):
 
 @njit(cache=True)
 def slab_gain(owner, group, inner_pages, straddle, s):
-    """The pages ``group`` gains with slab ``s``: its ``inner_pages`` plus the straddler
-    of each boundary with a slab the group owns (``straddle[b] >= 0``)."""
-    gain = inner_pages[s]
-    if s > 0 and owner[s - 1] == group and straddle[s] >= 0:
-        gain += 1
-    if s < owner.size - 1 and owner[s + 1] == group and straddle[s + 1] >= 0:
-        gain += 1
-    return gain
+    """The pages ``group`` gains with slab ``s``: its ``inner_pages`` and ``held_straddlers``."""
+    left, right = held_straddlers(owner, group, straddle, s)
+    return inner_pages[s] + (left >= 0) + (right >= 0)
 
 
 @njit(cache=True, inline="always")
@@ -1474,31 +1466,6 @@ def lend_slab(owner, group, inner_pages, straddle, s, taken, n_taken):
     owner[s] = group
     taken[n_taken] = s
     return gain
-
-
-@njit(cache=True)
-def take_donor_slabs(owner, donor, group, inner_idle, edge_idle, donor_inner, donor_straddle, inner_pages, straddle,
-                     left_pages, short_pages, taken):
-    """``donor``'s slabs for ``group`` until it is not ``short_pages`` short, lowest first: those whose inner
-    and given-up straddling pages are idle (``inner_idle``, ``edge_idle``) while the pages given up leave
-    ``left_pages`` >= 0 (``owner`` updated, slabs to ``taken``). Returns (taken, still short, left)."""
-    n, n_taken = owner.size, 0
-    for s in range(n):
-        if short_pages <= 0:
-            break
-        if owner[s] != donor or not inner_idle[s]:
-            continue
-        give, idle = donor_inner[s], True
-        if s > 0 and owner[s - 1] == donor and donor_straddle[s] >= 0:
-            give, idle = give + 1, idle and edge_idle[s]
-        if s < n - 1 and owner[s + 1] == donor and donor_straddle[s + 1] >= 0:
-            give, idle = give + 1, idle and edge_idle[s + 1]
-        if give > left_pages or not idle:
-            continue
-        left_pages -= give
-        short_pages -= lend_slab(owner, group, inner_pages, straddle, s, taken, n_taken)
-        n_taken += 1
-    return n_taken, short_pages, left_pages
 
 
 @njit(cache=True, inline="always")
@@ -1540,16 +1507,19 @@ def inner_busy(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, lo,
 
 @njit(cache=True, inline="always")
 def donor_edges(owner, own, donor, s, donor_straddle, edge_released, ref, keyed, low_priority, idle_tick,
-                keyed_mode, before_tick):
+                keyed_mode, before_tick, edge_idle):
     """The straddlers the donor gives up with slab ``s`` (of a boundary with another slab it
-    owns in the plan, ``own``) and whether they are all idle: released by the step, or idle
-    between two slabs the arena's ``owner`` gives the donor. Returns (pages, idle)."""
+    owns in the plan, ``own``) and whether they are all idle: ``edge_idle`` when given, else released
+    by the step, or idle between two slabs the arena's ``owner`` gives the donor. Returns (pages, idle)."""
     n, pages, idle = owner.size, 0, True
     for b in (s, s + 1):  # the boundaries left and right of the slab
         near = b - 1 if b == s else b
         if b < 1 or b > n - 1 or own[near] != donor or donor_straddle[b] < 0:
             continue
         pages += 1
+        if edge_idle.size:
+            idle = idle and edge_idle[b]
+            continue
         both = owner[b - 1] == donor and owner[b] == donor
         idle = idle and (edge_released[b] or (both and page_idle(ref, keyed, low_priority, idle_tick, keyed_mode,
                                                                   before_tick, donor_straddle[b])))
@@ -1557,12 +1527,15 @@ def donor_edges(owner, own, donor, s, donor_straddle, edge_released, ref, keyed,
 
 
 @njit(cache=True)
-def take_idle_donor_slabs(owner, own, donor, group, lo, hi, donor_straddle, ref, keyed, low_priority, idle_tick,
-                          keyed_mode, before_tick, released_pages, slab_geometry, inner_pages, straddle, left_pages,
-                          short_pages, taken):
-    """``take_donor_slabs`` with ``idle_slabs``' answers worked out only for the slabs it reaches; ``own``:
-    the plan's owners, updated."""
-    n_taken = 0
+def take_donor_slabs(owner, own, donor, group, lo, hi, donor_straddle, ref, keyed, low_priority, idle_tick,
+                     keyed_mode, before_tick, released_pages, slab_geometry, inner_pages, straddle, left_pages,
+                     short_pages, taken, inner_idle, edge_idle):
+    """``donor``'s slabs for ``group`` until it is not ``short_pages`` short, lowest first: those whose inner
+    and given-up straddling pages are idle while the pages given up leave ``left_pages`` >= 0 (``own``: the
+    plan's owners, updated; slabs to ``taken``). Idle: ``idle_slabs``' ``inner_idle``, ``edge_idle`` when
+    given (then ``owner`` is ``own``), else worked out only for the slabs it reaches. Returns (taken, still
+    short, left)."""
+    n_taken, known = 0, inner_idle.size > 0
     released, edge_released = released_per_slab(released_pages, slab_geometry, owner.size)
     for s in range(owner.size):
         if short_pages <= 0:
@@ -1570,10 +1543,12 @@ def take_idle_donor_slabs(owner, own, donor, group, lo, hi, donor_straddle, ref,
         if own[s] != donor or owner[s] != donor:
             continue
         # Idle but for the pages the step releases (held now).
-        if inner_busy(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, lo[s], hi[s]) != released[s]:
+        busy = not inner_idle[s] if known else inner_busy(ref, keyed, low_priority, idle_tick, keyed_mode,
+                                                          before_tick, lo[s], hi[s]) != released[s]
+        if busy:
             continue
         edge_pages, edges_idle = donor_edges(owner, own, donor, s, donor_straddle, edge_released, ref, keyed,
-                                             low_priority, idle_tick, keyed_mode, before_tick)
+                                             low_priority, idle_tick, keyed_mode, before_tick, edge_idle)
         give = hi[s] - lo[s] + edge_pages
         if give > left_pages or not edges_idle:
             continue

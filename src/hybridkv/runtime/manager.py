@@ -182,7 +182,7 @@ class _Releases:
                 sole, unkeyed = np.empty(n_pages, dtype=np.int64), np.empty(n_pages, dtype=np.int64)
                 n_sole, n_unkeyed = kernels.release_credit(
                     ts.geometry, ts.pages, ts.bounds, self._space.ref_counts, self._space.cached, k, plan.rows,
-                    plan.after[0, k], credit, sole, unkeyed)
+                    plan.after[0, k], credit, sole, unkeyed, 0)
                 found = (credit, sole[:n_sole], unkeyed[:n_unkeyed])
             else:
                 found = (np.zeros(plan.rows.size, dtype=np.int64), _NO_PAGES, _NO_PAGES)
@@ -194,7 +194,7 @@ class _Releases:
         """Load ``kernels.release_credit`` with :meth:`of`'s argument types, over no rows."""
         rows, after, none = plan_arrays[0], plan_arrays[3], _NO_PAGES
         kernels.release_credit(tableset.geometry, tableset.pages, tableset.bounds, space.ref_counts, space.cached, 0,
-                               rows[:0], after[0, 0, :0], none, none, none)
+                               rows[:0], after[0, 0, :0], none, none, none, 0)
 
     def sole_pages(self, k: int) -> np.ndarray:
         """Group ``k``'s pages that only their row holds, below its new base (``IdleScan.releasing``)."""
