@@ -1029,6 +1029,14 @@ def test_a_packing_in_a_large_pool_clears_its_reserve_of_ids_ahead():
     del pages
 
 
+def _pack(pool, want: int, reference: bool) -> None:
+    """``make_room(want)``, or the packing reference's, on ``pool``."""
+    if reference:
+        _reference_pack_ahead(pool, want)
+    else:
+        pool.make_room(want)
+
+
 def _reference_pack_ahead(pool, count):
     """Packing with a reserve, from its documentation: when the free stack is short,
     ``_reference_pack`` of ``count``; else, when an idle low-priority page lies below the
@@ -1071,10 +1079,7 @@ def test_packing_with_a_reserve_evicts_what_the_reference_evicts_for_the_wider_a
                 pool.demote(i)
         states = []
         for want in rounds:
-            if not reference:
-                pool.make_room(want)
-            else:
-                _reference_pack_ahead(pool, want)
+            _pack(pool, want, reference)
             if pool.num_clean_free_pages < want:
                 break  # the LRU's part: not what this test checks
             pool.check_invariants()
@@ -1112,10 +1117,7 @@ def test_packing_past_one_scan_of_ids_evicts_what_the_reference_evicts(data):
             decref(pool, gap_pages.copy())
         states = []
         for want in rounds:
-            if not reference:
-                pool.make_room(want)
-            else:
-                _reference_pack_ahead(pool, want)
+            _pack(pool, want, reference)
             pool.check_invariants()
             states.append((list(log), pool.free_page_ids().tolist(), sorted(pool.entry_keys())))
             allocate(pool, want)
