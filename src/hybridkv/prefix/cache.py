@@ -439,9 +439,9 @@ class PrefixCache:
         events, let_go, i, n, g = [], [], 0, len(reqs), self.granularity_tokens
         while i < n:
             if self._units and new_tokens[i] // g > old_tokens[i] // g:  # a run may start here
-                run, units, i = self._unit_run(reqs, old_tokens, new_tokens, i)
+                run, units, n_blocks, i = self._unit_run(reqs, old_tokens, new_tokens, i)
                 if run:
-                    self._commit_units(run, units, events, let_go)
+                    self._commit_units(run, units, n_blocks, events, let_go)
                 if i == n:
                     break
             self._commit_one(reqs[i], old_tokens[i], new_tokens[i], events, let_go)
@@ -451,16 +451,17 @@ class PrefixCache:
         self._emit_many(events)  # per request its "stored" events, then the removals superseding caused
 
     def _unit_run(self, reqs: Sequence[CommittingRequest], old_tokens: Sequence[int], new_tokens: Sequence[int],
-                  i: int) -> tuple[list[tuple], list[int], int]:
+                  i: int) -> tuple[list[tuple], list[int], int, int]:
         """From ``reqs[i]`` on (those with nothing to commit passed over), the requests whose
         commit pins no boundary and publishes only keys no group has and no request before it
         in the run commits (hashed by ``RequestHashes.extend_to``), with "prefill-per-byte" a
         speculative checkpoint only in the run's first (their priority is asked once a run):
         each (request, first block, its keys, its speculative boundaries, old, new tokens);
-        what ``CommitPages.read_units`` reads of them (after how many blocks in all); and the index of the first that is not
-        (``len(reqs)`` at the end)."""
+        what ``CommitPages.read_units`` reads of them (``units[0]``: a place for ``low``); how
+        many blocks they commit in all; and the index of the first that is not (``len(reqs)``
+        at the end)."""
         g, knows, between, values = self.granularity_tokens, self._knows, self.policy.speculative_between, self.values
-        run, units, seen, n = [], [0], set(), len(reqs)  # units[0]: the blocks in all
+        run, units, seen, n, n_blocks = [], [0], set(), len(reqs), 0
         while i < n:
             req, old, new = reqs[i], old_tokens[i], new_tokens[i]
             hashes, first, end = req.hashes, old // g, new // g
@@ -483,18 +484,19 @@ class PrefixCache:
             seen.update(keys)
             run.append((req, first, keys, speculative, old, new))
             units += (req.row, first, end, len(speculative) + 1, *speculative, latest)
-            units[0] += end - first
+            n_blocks += end - first
             i += 1
-        return run, units, i
+        return run, units, n_blocks, i
 
-    def _commit_units(self, run: list[tuple], units: list[int], events: list[tuple], let_go: list[tuple]) -> None:
-        """The commits ``run`` (:meth:`_unit_run`'s) read and claimed in one compiled call
-        (``CommitPages.read_units``), the entries of those it claimed whole recorded in one
-        ``PageSpace.adopt`` call (each group's zipped from its pages in C) and counted; then
+    def _commit_units(self, run: list[tuple], units: list[int], n_blocks: int, events: list[tuple],
+                      let_go: list[tuple]) -> None:
+        """The commits ``run`` (:meth:`_unit_run`'s, ``n_blocks`` blocks in all) read and claimed
+        in one compiled call (``CommitPages.read_units``), the entries of those it claimed whole
+        recorded in one ``PageSpace.adopt`` call (each group's zipped from its pages in C) and counted; then
         booked request by request (:meth:`_book_units`) with each one's blocks (keys,
         parents, ends) and checkpoints (keys, parents, boundaries)."""
         g, low = self.granularity_tokens, 2 if self.values is None or self.values.low_priority(SPECULATIVE) else 1
-        n_blocks, units[0] = units[0], low  # what the compiled call reads first
+        units[0] = low  # what the compiled call reads first
         pages, claimed = self._reader.read_units(units, len(run), n_blocks)
         block_keys, checkpoint_keys, lists = [], [], []
         for (req, first, keys, speculative, _, _), whole in zip(run, claimed or repeat(1)):

@@ -345,8 +345,9 @@ class CommitPages:
             entries = 2 * max(n_entries, self._status.size)
             self._layout, self._status = np.empty((entries, 3), dtype=np.int64), np.empty(entries, np.int8)
         n = kernels.commit_pages(ts.geometry, ts.pages, ts.bounds, self._history, self._state, row, first_block,
-                                 end_block, np.asarray(boundaries, dtype=np.int64), self._out, self._layout, self._status,
-                                 np.asarray(want, dtype=np.int8) if len(want) else self._no_claims, *self._claim_in)
+                                 end_block, np.asarray(boundaries, dtype=np.int64), self._out, self._layout,
+                                 self._status, np.asarray(want, dtype=np.int8) if len(want) else self._no_claims,
+                                 *self._claim_in)
         if n < 0:
             raise ValueError(f"page {int(self._out[-1 - n])} is not a held, unpublished page of its group")
         assert n == size, (n, size)
