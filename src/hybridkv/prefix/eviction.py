@@ -268,7 +268,7 @@ class ValueEviction:
         others = [self.pools[other] for other in self.state_ids if other != gid] if self.acts else []
         if not others:
             removals = pool.evict_entries(keys, cause)
-            return removals, [[gid]] * len(keys), sum(idle for _, _, idle in removals)
+            return removals, [[gid] for _ in keys], sum(idle for _, _, idle in removals)
         left, idle, removals = pool.space.drop_units([pool, *others], keys, cause)
         pool.counters.evicted_pages += idle[0]
         for other, freed in zip(others, idle[1:]):

@@ -112,7 +112,7 @@ class _Scratch:
     """``run_step``'s working buffers, kept between steps and grown as steps need."""
 
     def __init__(self, n_groups: int):
-        self.n_groups = n_groups
+        self.n_groups, self.buffer, self.plan_rows = n_groups, None, 0
         self._grow(0, 0, 0, 0)
         self.transient = np.empty(n_groups, dtype=np.int64)  # ``room_groups``' marks
 
@@ -126,7 +126,7 @@ class _Scratch:
     def _grow(self, n_rows: int, n_pages: int, n_keyed: int, n_touched: int) -> None:
         """A new buffer with that much room; views made before stay valid, and with as many rows the plan
         moves over (``reserve``: the kernels read the plan from ``buffer``)."""
-        old, sizes = getattr(self, "buffer", None), (n_rows, n_pages, n_keyed, n_touched)
+        old, sizes = self.buffer, (n_rows, n_pages, n_keyed, n_touched)
         self.buffer = np.empty(kernels.plan_size(n_rows, self.n_groups, n_pages, n_keyed, n_touched), dtype=np.int64)
         if old is not None and n_rows == self.plan_rows:
             end = kernels.plan_size(n_rows, self.n_groups, 0, 0, 0)
