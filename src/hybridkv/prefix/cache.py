@@ -932,22 +932,20 @@ class PrefixCache:
             every removal is booked in the order one at a time gives (each entry, then its unit
             group by group), events in one call. The idle pages freed in ``gid``."""
             removals, left, freed = self.eviction.take_units(gid, keys, cause)
-            raws = self._book_removals(keys, left)
-            self.eviction.units_removed(gid, removals, left)
-            self._emit_many(raws)
+            self._emit_many(self._book_removals(keys, left, self.eviction.units_removed(gid, removals, left)))
             return freed
 
         return evict_many
 
-    def _book_removals(self, keys: Sequence[int], left: Sequence[Sequence[str]]) -> list[tuple]:
+    def _book_removals(self, keys: Sequence[int], left: Sequence[Sequence[str]],
+                       origins: Sequence[tuple] | None = None) -> list[tuple]:
         """The entries under ``keys[i]`` left the groups ``left[i]`` (one unit's), in that
         order: forget their metadata and holders, tell the checkpoint values (once a key) and
-        the tier hook; their "removed" events (raw). A key's origin is read once: one
-        record per key, every group's."""
-        origin, all_holders, hook, values = self.eviction.origin, self._holders, self.tier_hook, self.values
+        the tier hook; their "removed" events (raw). A key's origin (``origins[i]`` where
+        given, as ``ValueEviction.origin`` told it) is read once: one record per key, every group's."""
+        all_holders, hook, values = self._holders, self.tier_hook, self.values
         entry_pages, stats, raws, names = self._entry_pages, self.stats, [], []
-        for key, gids in zip(keys, left):
-            parent, boundary = origin(key)
+        for key, gids, (parent, boundary) in zip(keys, left, origins or map(self.eviction.origin, keys)):
             told = values is None
             for gid in gids:
                 holders = all_holders.get(gid)
