@@ -1138,12 +1138,13 @@ class CacheManager:
         """``PagePool.make_room`` of each group's allocated pages where ``_room_groups`` named it (its
         transient pages: ``highest``). Once one has evicted (telling of a removal may drop or demote
         entries of later groups, which then may have to pack), the later groups are named again
-        (``_room_groups`` from the next): one its rule leaves out would evict nothing in ``make_room``."""
-        allocated, marks = plan.sums[1].tolist(), self._scratch.transient.tolist()
+        (``_room_groups`` from the next): one its rule leaves out would evict nothing in ``make_room``.
+        One it names whose free stack covers the allocation packs (``make_room``'s ``packs``)."""
+        allocated, marks, tops = plan.sums[1].tolist(), self._scratch.transient.tolist(), self._space.tops
         for g, pool in enumerate(self._pool_list):
             if marks[g] >= 0:
                 before = pool.counters.evicted_pages
-                pool.make_room(allocated[g], marks[g])
+                pool.make_room(allocated[g], marks[g], tops[g] >= allocated[g])
                 if pool.counters.evicted_pages != before and any(allocated[g + 1 :]):
                     self._room_groups(plan, g + 1)
                     marks = self._scratch.transient.tolist()
