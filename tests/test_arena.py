@@ -562,8 +562,9 @@ def test_room_groups_on_an_arena_leaves_out_only_groups_whose_make_room_evicts_n
     """``kernels.room_groups`` with the arena's packing rule (``Arena.packing``, ``must_pack_at``): after
     random grants, entries of either priority and releases in a 12-slab arena (roomy or not), a group
     it leaves out for an allocation of ``count`` pages is one whose ``make_room`` changes nothing (no
-    entry evicted, the free stack as it was); where the rule lets the pages spread, it leaves out a
-    group that has idle low-priority pages below the ids the allocation takes."""
+    entry evicted, the free stack as it was), and one it names whose free stack covers the allocation
+    is one the packing rule (``must_pack``) tells to pack; where the rule lets the pages spread, it
+    leaves out a group that has idle low-priority pages below the ids the allocation takes."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
     geometry, pools, arena = packing_arena()
     grant_publish_release(data, rng, pools, arena, data.draw(st.integers(1, 8)), True)
@@ -583,6 +584,8 @@ def test_room_groups_on_an_arena_leaves_out_only_groups_whose_make_room_evicts_n
         before, evicted = pool.free_page_ids().tolist(), pool.counters.evicted_pages
         pool.make_room(count, 0)
         assert pool.free_page_ids().tolist() == before and pool.counters.evicted_pages == evicted
+    elif count <= free.size:  # named, its free stack covering the allocation: the rule packs (``make_room``'s packs)
+        assert pool.must_pack(int(free[-count]), count)
 
 
 def test_live_pages_straddling_two_slabs_count_for_the_slab_of_their_first_byte():
@@ -834,29 +837,45 @@ def test_a_donor_scanned_slab_by_slab_lends_what_the_whole_scan_lends(data):
 def test_a_step_asks_make_room_of_the_same_groups_as_asking_every_allocating_group(vs, monkeypatch):
     """``kernels.room_groups`` leaves out groups whose ``make_room`` would evict nothing, and
     once one group evicted (telling of a removal can drop or demote entries of later
-    groups) it names the later groups again: 120 six-turn conversations
-    served one request at a time on a 2 GiB shared arena (bench/hit_sweep.py's
-    multiturn line) give the same hits and the same per-group counts (evictions by
-    reason, cached pages, slabs) as with a reference that names every allocating group."""
+    groups) ``kernels.rooms_from`` names the later groups again, and a group named with its
+    free stack covering the allocation packs without asking ``must_pack`` (``packs``): 120
+    six-turn conversations served one request at a time on a 2 GiB shared arena
+    (bench/hit_sweep.py's multiturn line) give the same hits and the same per-group counts
+    (evictions by reason, cached pages, slabs) as with a reference that names every
+    allocating group, each ``make_room`` applying its whole rule."""
     from bench_support import load_bench_script
 
     sweep = load_bench_script("hit_sweep.py", "hit_sweep_for_room")
     from hybridkv.runtime import kernels
     from hybridkv.sim.workloads import in_waves, multiturn_workload
 
-    real = kernels.room_groups
+    real, real_from = kernels.room_groups, kernels.rooms_from
 
     def every_allocating_group(geometry, bounds, transient, rows, first, counts, after, sums, *rest):
-        out = rest[-1]
         real(geometry, bounds, transient, rows, first, counts, after, sums, *rest)
-        for g in range(out.size):
+        return every_allocating_from(0, sums, *rest)
+
+    def every_allocating_from(start, sums, *rest):
+        out = rest[-1]
+        real_from(start, sums, *rest)
+        for g in range(start, out.size):
             if out[g] < 0 and sums[1, g] > 0:
                 out[g] = -1 - out[g]
-        return int(np.count_nonzero(out >= 0))
+        return int(np.count_nonzero(out[start:] >= 0))
+
+    from hybridkv.memory.pool import PagePool
+
+    real_make_room = PagePool.make_room
+
+    def make_room_asking(pool, count, highest=0, packs=False):  # the reference's: its own rule in whole
+        real_make_room(pool, count, highest)
 
     runs = []
-    for room_groups in (real, every_allocating_group):
+    for room_groups, rooms_from, make_room in ((real, real_from, real_make_room),
+                                               (every_allocating_group, every_allocating_from, make_room_asking)):
         monkeypatch.setattr(kernels, "room_groups", room_groups)
+        monkeypatch.setattr(kernels, "rooms_from", rooms_from)
+        monkeypatch.setattr(PagePool, "make_room", make_room)
         side = sweep.make_side("hybridkv shared", 2 * 2**30, 131_072, None)
         hits = sweep.serve_in_order(side, in_waves(multiturn_workload(120, 6, seed=0), 40))
         runs.append((hits.tolist(), sweep.group_diagnostics(side)))

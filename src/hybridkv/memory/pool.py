@@ -221,7 +221,7 @@ class PagePool:
     def num_cached_pages(self) -> int:
         return int(np.count_nonzero(self.cached))
 
-    def make_room(self, count: int, highest: int = 0) -> None:
+    def make_room(self, count: int, highest: int = 0, packs: bool = False) -> None:
         """Evict cached entries so that the free stack's top ``count`` ids are the ones
         an allocation of ``count`` pages takes: in a lowest-first pool, idle
         low-priority entries holding ids below the ``count - highest`` lowest free ones
@@ -234,12 +234,13 @@ class PagePool:
         so the next steps need not pack. Packing is skipped without asking
         ``must_pack`` when no idle low-priority id can lie below those lowest free ones
         (``_low_floor``, a lower bound of them, is not below the highest): it would find
-        nothing to evict."""
+        nothing to evict. ``packs``: the caller knows that packing is due (``kernels.room_groups``
+        asked with the free stack covering the allocation): ``must_pack`` is not asked again."""
         long, top = count - highest, int(self._tops[self._slot])
         if long > 0 and self.lowest_first and self._lows[self._slot]:
             short = top < long
             last = 0 if short else int(self._stack[top - long])  # the highest id the long-lived take
-            if short or (self._low_floor < last and (self.must_pack is None or self.must_pack(last, long))):
+            if packs or short or (self._low_floor < last and (self.must_pack is None or self.must_pack(last, long))):
                 self._evict_low_below(long, 0 if short else self.pack_ahead_pages)
                 top = int(self._tops[self._slot])
         if top < count:

@@ -276,6 +276,8 @@ class PrefixCache:
         """What goes first when a pool must evict (hybridkv.prefix.eviction: units, orphans,
         gaps), told of every removal; with "prefill-per-byte", the state pools' order too."""
         pools = self.pools
+        # Per group, what booking a removal there reads: its holders (a state group's, else None), stats, entry pages.
+        self._books = {gid: (self._holders.get(gid), self.stats[gid], self._entry_pages.get(gid, 0)) for gid in pools}
         self.eviction = ValueEviction(pools, self.history_ids, self.state_ids, self.granularity_tokens,
                                       eviction_policy)
         for gid, pool in pools.items():
@@ -932,35 +934,31 @@ class PrefixCache:
             every removal is booked in the order one at a time gives (each entry, then its unit
             group by group), events in one call. The idle pages freed in ``gid``."""
             removals, left, freed = self.eviction.take_units(gid, keys, cause)
-            raws = self._book_removals(keys, left)
-            self.eviction.units_removed(gid, removals, left)
-            self._emit_many(raws)
+            self._emit_many(self._book_removals(keys, left, self.eviction.units_removed(gid, removals, left)))
             return freed
 
         return evict_many
 
-    def _book_removals(self, keys: Sequence[int], left: Sequence[Sequence[str]]) -> list[tuple]:
+    def _book_removals(self, keys: Sequence[int], left: Sequence[Sequence[str]],
+                       origins: Sequence[tuple] | None = None) -> list[tuple]:
         """The entries under ``keys[i]`` left the groups ``left[i]`` (one unit's), in that
         order: forget their metadata and holders, tell the checkpoint values (once a key) and
-        the tier hook; their "removed" events (raw). A key's origin is read once: one
-        record per key, every group's."""
-        origin, all_holders, hook, values = self.eviction.origin, self._holders, self.tier_hook, self.values
-        entry_pages, stats, raws, names = self._entry_pages, self.stats, [], []
-        for key, gids in zip(keys, left):
-            parent, boundary = origin(key)
+        the tier hook; their "removed" events (raw). A key's origin (``origins[i]`` where
+        given, as ``ValueEviction.origin`` told it) is read once: one record per key, every group's."""
+        books, hook, values, raws = self._books, self.tier_hook, self.values, []
+        for key, gids, (parent, boundary) in zip(keys, left, origins or map(self.eviction.origin, keys)):
             told = values is None
             for gid in gids:
-                holders = all_holders.get(gid)
+                holders, stats, pages = books[gid]
                 if holders is not None:  # a state group storing checkpoints
                     holders.pop(key, None)
                     if not told:  # a key's value record is every state group's: forgotten at the first
                         values.removed(key)
                         told = True
-                stats[gid].removed_entries += 1
-                names.append((gid, key))
-                raws.append(("removed", gid, key, parent, boundary, entry_pages.get(gid, 0) if boundary else 0))
+                stats.removed_entries += 1
+                raws.append(("removed", gid, key, parent, boundary, pages if boundary else 0))
         if hook is not None:  # every removal in one call
-            hook.removed(names, self._dropping)
+            hook.removed([raw[1:3] for raw in raws], self._dropping)
         return raws
 
     def _emit_many(self, raws: Sequence[tuple]) -> None:

@@ -276,29 +276,39 @@ class ValueEviction:
             self.evicted_pages[other.group_id]["unit"] += freed
         return removals, left, idle[0]
 
-    def units_removed(self, gid: str, removals: Sequence[tuple], left: Sequence[Sequence[str]]) -> None:
+    def units_removed(self, gid: str, removals: Sequence[tuple], left: Sequence[Sequence[str]]) -> list[tuple]:
         """:meth:`removed` of each (key, cause, idle pages) of ``removals`` (entries evicted
         or revoked from state group ``gid``) and of the rest of its unit (the groups each
         left, from :meth:`take_units`), in the order one at a time gives, each unit's node
-        updated once."""
-        counts, reason, unit_left, nodes = self.evicted_pages[gid], self._reason, self.unit_left, self._nodes
+        read once. Returns each key's :meth:`origin`, as it was before."""
+        counts, unit_left, nodes, origins = self.evicted_pages[gid], self.unit_left, self._nodes, []
         for (key, cause, idle_pages), groups in zip(removals, left):
-            counts[reason(gid, nodes.get(key), cause)] += idle_pages
-            unit_left(key, len(groups))
+            node = nodes.get(key)
+            # :meth:`_reason` in a state group of an eviction or a revoke (a pool's cause, never ``UNIT``).
+            counts["slab" if cause == REVOKED else "gap" if node is not None and node[5] else
+                   "prompt" if cause == EVICTED_LOW else "lru"] += idle_pages
+            if node is None:
+                origins.append((None, 0))
+            else:
+                origins.append((node[0], node[7]))
+                unit_left(key, len(groups), node)
+        return origins
 
-    def unit_left(self, key: Hashable, count: int) -> None:
+    def unit_left(self, key: Hashable, count: int, node: list | None = None) -> None:
         """What :meth:`removed` does to the node of a checkpoint that left ``count`` state groups
-        at once (its unit, evicted or unpublished), done once; evicted pages are not counted."""
-        if (node := self._nodes.get(key)) is not None:
-            if node[3] == len(self.state_ids) and self._track and not node[5]:
-                if node[1] > 1:  # still supported (by a checkpoint beyond): nothing else changes
-                    node[1] -= 1
-                else:
-                    self._drop_support(key)
-            node[2] -= count
-            node[3] -= count
-            if not node[1] and not node[2] and not node[4]:
-                self._forget_if_idle(key)
+        at once (its unit, evicted or unpublished), done once; evicted pages are not counted.
+        ``node``: its node, where the caller has it."""
+        if node is None and (node := self._nodes.get(key)) is None:
+            return
+        if node[3] == len(self.state_ids) and self._track and not node[5]:
+            if node[1] > 1:  # still supported (by a checkpoint beyond): nothing else changes
+                node[1] -= 1
+            else:
+                self._drop_support(key)
+        node[2] -= count
+        node[3] -= count
+        if not node[1] and not node[2] and not node[4]:
+            self._forget_if_idle(key)
 
     def _reason(self, gid: str, node: list | None, cause: str) -> str:
         if cause == REVOKED:

@@ -551,10 +551,18 @@ def room_groups(geometry, bounds, transient, rows, first, counts, after, sums, s
     below the ids its long-lived pages take, ``per_group[LOW_FLOOR, g]`` being a lower
     bound of theirs, or its arena, ``roomy``, lets them spread: ``must_pack_at``).
     ``packing``: ``Arena.packing`` (empty arrays without an arena). Returns the groups to ask."""
-    n_asked = 0
     for g in range(geometry.shape[0]):
-        count, top = sums[1, g], per_group[TOP, g]
-        highest = transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0
+        out[g] = transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0
+    return rooms_from(0, sums, stack, offsets, per_group, ref, packing, roomy, out)
+
+
+@njit(cache=True)
+def rooms_from(start, sums, stack, offsets, per_group, ref, packing, roomy, out):
+    """``room_groups``' rule of the groups from ``start`` on, as their pools are now, each with the
+    transient pages ``out[g]`` holds (``room_groups``' mark, either form); how many to ask."""
+    n_asked = 0
+    for g in range(start, out.size):
+        count, top, highest = sums[1, g], per_group[TOP, g], out[g] if out[g] >= 0 else -1 - out[g]
         long = count - highest
         packs = long > 0 and per_group[LOWEST, g] != 0 and per_group[LOW_IDLE_PAGES, g] > 0 and (
             top < long or (per_group[LOW_FLOOR, g] < stack[offsets[g] + top - long] and (

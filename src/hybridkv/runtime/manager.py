@@ -293,6 +293,7 @@ class CacheManager:
         self._space = PageSpace(self._pool_list)
         self.arena = Arena(arena, self.pools) if arena is not None else None
         self._packing = _NO_PACKING if arena is None else self.arena.packing  # ``kernels.room_groups``'
+        self._room_entries = None  # its and ``rooms_from``'s compiled code, once ``_room_groups`` looked them up
         # On an arena, a sliding group's pages released again next step come last (kernels.transient_pages).
         self._transient = np.asarray([arena is not None and s.is_sliding for s in self.specs], dtype=np.bool_)
         self._scratch = _Scratch(len(self.specs))
@@ -1119,28 +1120,34 @@ class CacheManager:
         return kernels.finish_step(*(self._state or self._kernel_state())[:10], self._scratch.buffer, plan.rows.size,
                                    plan.settle, n_touched, *cells, *out, True)
 
-    def _room_groups(self, plan: _StepPlan) -> int:
+    def _room_groups(self, plan: _StepPlan, start: int = -1) -> int:
         """``kernels.room_groups`` of ``plan`` now, into ``_scratch.transient`` (per group: its transient
-        pages when ``make_room`` may evict, else ``-1 - transient``); how many groups to ask."""
+        pages when ``make_room`` may evict, else ``-1 - transient``); with ``start``, ``kernels.rooms_from``
+        of the groups from ``start`` on (their transient pages as marked); how many groups to ask. Both by
+        their compiled code (``kernels.entry_point``), looked up at the first call (``_load_kernels``)."""
         space, ts = self._space, self._tableset
-        return kernels.room_groups(ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts,
-                                   plan.after, plan.sums, space.stack, space.offsets, space.per_group,
-                                   space.ref_counts, self._packing, space.skip_packing[0] != 0, self._scratch.transient)
+        args = (ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts, plan.after, plan.sums,
+                space.stack, space.offsets, space.per_group, space.ref_counts, self._packing,
+                space.skip_packing[0] != 0, self._scratch.transient)
+        if self._room_entries is None:
+            self._room_entries = (kernels.entry_point(kernels.room_groups, args),
+                                  kernels.entry_point(kernels.rooms_from, (0, *args[7:])))
+        return self._room_entries[0](*args) if start < 0 else self._room_entries[1](start, *args[7:])
 
     def _make_room(self, plan: _StepPlan) -> None:
         """``PagePool.make_room`` of each group's allocated pages where ``_room_groups`` named it (its
         transient pages: ``highest``). Once one has evicted (telling of a removal may drop or demote
-        entries of later groups, which then may have to pack), every later group allocating pages is
-        asked: ``make_room`` applies ``kernels.room_groups``' rule itself, so one that rule would now
-        leave out evicts nothing (no second ``_room_groups``)."""
-        allocated, marks = plan.sums[1].tolist(), self._scratch.transient.tolist()
-        evicted = False
+        entries of later groups, which then may have to pack), the later groups are named again
+        (``_room_groups`` from the next): one its rule leaves out would evict nothing in ``make_room``.
+        One it names whose free stack covers the allocation packs (``make_room``'s ``packs``)."""
+        allocated, marks, tops = plan.sums[1].tolist(), self._scratch.transient.tolist(), self._space.tops
         for g, pool in enumerate(self._pool_list):
-            mark = marks[g]
-            if mark >= 0 or (evicted and allocated[g]):
+            if marks[g] >= 0:
                 before = pool.counters.evicted_pages
-                pool.make_room(allocated[g], mark if mark >= 0 else -1 - mark)
-                evicted = evicted or pool.counters.evicted_pages != before
+                pool.make_room(allocated[g], marks[g], tops[g] >= allocated[g])
+                if pool.counters.evicted_pages != before and any(allocated[g + 1 :]):
+                    self._room_groups(plan, g + 1)
+                    marks = self._scratch.transient.tolist()
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
                      n_touched: int, cells: tuple = _NO_CELLS) -> StepBatch:
