@@ -607,3 +607,44 @@ def test_each_pools_peak_is_the_most_pages_it_held_after_any_call(arena):
         look()
     assert all(peaks.values())
     m.check_invariants()
+
+
+@pytest.mark.parametrize("block_tables", ["updates", "full"])
+def test_steps_that_commit_first_match_the_admitted_path(block_tables):
+    """Decode steps whose rows cross a prefix grain (committed, then the plan run in one more call) equal
+    the same steps admitted first (``check_admission``, then ``schedule``: ``_commit_and_run``): batches,
+    cells handed out, entries, events and holds; requests join and leave between steps, so in "updates"
+    mode the table log holds their cells when a step commits."""
+    specs, pages, ctx, step = CONFIGS["v4"]
+    fast, admitted = (CacheManager(specs, pages, max_context_tokens=ctx, max_step_tokens=step,
+                                   enable_prefix_caching=True, prefix_granularity=256) for _ in range(2))
+    prompts = {"a": 250, "b": 509, "c": 200, "d": 255}
+    for rid, prompt in prompts.items():
+        for m in (fast, admitted):
+            m.add_request(rid, np.arange(prompt, dtype=np.int32) % 40, max_new_tokens=300)
+        for start in range(0, prompt, step):
+            items = [(rid, min(step, prompt - start))]
+            same(fast.schedule(items, block_tables=block_tables), admitted.schedule(items, block_tables=block_tables))
+    live = list(prompts)
+    for k in range(120):  # every row crosses 256 or 512 tokens on the way
+        if k % 6 == 5:  # one leaves, one joins with the same prompt (its cells logged, then a hit)
+            gone, new = live.pop(0), f"n{k}"
+            for m in (fast, admitted):
+                m.free(gone)
+                m.add_request(new, np.arange(prompts["a"], dtype=np.int32) % 40, max_new_tokens=300)
+            while fast.num_computed_tokens(new) < prompts["a"]:
+                items = [(new, min(step, prompts["a"] - fast.num_computed_tokens(new)))]
+                same(fast.schedule(items, block_tables=block_tables),
+                     admitted.schedule(items, block_tables=block_tables))
+            live.append(new)
+        for m in (fast, admitted):
+            m.append_token_ids_many(live, np.full((len(live), 1), 5, dtype=np.int32))
+        items = [(rid, 1) for rid in live]
+        admitted.check_admission(items)
+        a, b = fast.schedule(items, block_tables=block_tables), admitted.schedule(items, block_tables=block_tables)
+        same(a, b)
+        if block_tables == "updates":
+            for name in ("group", "row", "column", "page", "reset", "widths"):
+                assert np.array_equal(getattr(a.table_updates, name), getattr(b.table_updates, name)), name
+        same_cache(fast, admitted)
+    assert fast.prefix.stats[specs[0].group_id].stored_entries > 0

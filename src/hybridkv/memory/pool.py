@@ -643,6 +643,9 @@ class PageSpace:
         self.ranked: list[int] = []  # the groups whose pool has a ranker (``PagePool.ranker`` keeps it)
         self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # scratch of hold_outside, drop_units, free_rows
         self.idle_listed = _NO_PAGES  # free_rows' keyed pages left idle, for the rankers (allocated for them)
+        self._demote_unit = kernels.entry_point(lru.demote_unit, (  # ``demote``'s kernel, its compiled code
+            _NO_PAGES, 0, self.low_priority, self.lru_prev, self.lru_next, self.offsets, self.idle_low_floors,
+            self.low_idle))
         self._bind_pools()
 
     def _join_page_arrays(self, sizes: list[int]) -> None:
@@ -668,8 +671,6 @@ class PageSpace:
         lru.join(self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, self.lru_lengths, self.low_idle,
                  self.idle_low_floors, self.offsets, none, _NO_PAGES, _IDLE_CLOCK)
         self.free_rows(tables, _NO_PAGES)
-        lru.demote_unit(_NO_PAGES, 0, self.low_priority, self.lru_prev, self.lru_next, self.offsets,
-                        self.idle_low_floors, self.low_idle)
         self.drop_units([], [])  # ``lru.drop_units``, :meth:`drop_units`' kernel too
         for pool in self.pools:
             pool.load_kernels()
@@ -702,9 +703,9 @@ class PageSpace:
         and low priority where they are (by a commit's compiled claim,
         ``kernels.claim_entries``): a commit's entries of every group in one call."""
         for pool, group_keys, group_entries in zip(pools, keys, entries):
-            published, page_key = pool._entries, pool._page_key
+            pool._entries.update(zip(group_keys, group_entries))
+            page_key = pool._page_key
             for key, entry in zip(group_keys, group_entries):
-                published[key] = entry
                 for page in entry:
                     page_key[page] = key
 
@@ -720,8 +721,8 @@ class PageSpace:
                 pages = pool._entries[key]
                 listed += (pool._slot, len(pages), *pages)
                 n_listed += 1
-        lru.demote_unit(np.array(listed, dtype=np.int64), n_listed, self.low_priority, self.lru_prev,
-                        self.lru_next, self.offsets, self.idle_low_floors, self.low_idle)
+        self._demote_unit(np.array(listed, dtype=np.int64), n_listed, self.low_priority, self.lru_prev,
+                          self.lru_next, self.offsets, self.idle_low_floors, self.low_idle)
 
     def drop_units(self, pools: Sequence[PagePool], keys: Sequence[Hashable],
                    cause: str = UNPUBLISHED) -> tuple[list[list[str]], list[int], list[tuple[Hashable, str, int]]]:

@@ -82,6 +82,7 @@ class CacheEvent:
 
 
 _INT32_LE = np.dtype("<i4")  # the byte order blocks are hashed in
+_new_object = object.__new__
 
 
 class RequestHashes:
@@ -100,8 +101,8 @@ class RequestHashes:
         if want <= have:
             return
         block = token_ids[have * g : want * g]
-        if block.dtype != _INT32_LE or not block.flags.c_contiguous:  # a manager's buffer already is
-            block = np.ascontiguousarray(block, dtype=_INT32_LE)
+        if block.dtype is not _INT32_LE:  # a manager's buffer already is (``tobytes`` reads any layout in order)
+            block = block.astype(_INT32_LE)
         parent = self.hashes[-1] if self.hashes else self.root
         data, block_bytes = block.tobytes(), 4 * g
         hash_fn, append = self._hash, self.hashes.append
@@ -450,7 +451,11 @@ class PrefixCache:
             i += 1
         if let_go:
             self._let_go(let_go)
-        self._emit_many(events)  # per request its "stored" events, then the removals superseding caused
+        buffer = self.events  # per request its "stored" events, then the removals superseding caused
+        if self.on_event is None and len(buffer) + len(events) <= buffer.maxlen:
+            buffer.extend(events)  # ``_emit_many``, dropping none
+        else:
+            self._emit_many(events)
 
     def _unit_run(self, reqs: Sequence[CommittingRequest], old_tokens: Sequence[int], new_tokens: Sequence[int],
                   i: int) -> tuple[list[tuple], list[int], int, int]:
@@ -549,7 +554,8 @@ class PrefixCache:
             else:
                 self._unit_events(booked, events)
             key, last = checkpoint_keys[-1], kc + len(checkpoint_keys) - 1
-            own = OwnCheckpoint(boundaries[-1])
+            own = _new_object(OwnCheckpoint)  # its fields stored directly (no ``__init__`` frame)
+            own.boundary_tokens, own.pinned, own.entries = boundaries[-1], False, {}
             for gid, holders, j in self._unit_holders:
                 own.entries[gid] = (key, entries[j][last])
                 holders[key] = holders.get(key, 0) + 1

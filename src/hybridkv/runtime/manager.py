@@ -990,10 +990,28 @@ class CacheManager:
 
     def _planned_step(self, status: int, planned: tuple, rids: tuple, cells: tuple, out: _StepArrays,
                       write_slots: bool, updates: bool, n_spare: int | None) -> StepBatch | _StepPlan | None:
-        """``_step`` once ``kernels.step`` only planned: the batch if admitted as is, else the plan or None
-        (``n_spare``: ``admit_spare``'s answer if ``step_spare`` gave it)."""
-        if planned[0] < 0:
+        """``_step`` once ``kernels.step`` only planned: the batch if admitted as is (a clean plan whose rows
+        cross a grain, the buffers large enough: those commit, then ``run_step`` of the plan in the scratch
+        buffer), else the plan or None (``n_spare``: ``admit_spare``'s answer if ``step_spare`` gave it)."""
+        n, settle, n_crossing, clean = planned
+        if n < 0:
             return None
+        sc = self._scratch
+        _, released, most, allocated = sc.plan[7].tolist() if clean and n_crossing else (0, 0, -1, 0)
+        if 0 <= most <= sc.pages.size and released <= sc.idle_keyed.size and \
+                released + allocated <= sc.touched.size:  # planned only as rows cross: they commit, the plan runs
+            self._version += 1
+            self._commit_rows(sc.plan[6][:n_crossing])  # the stacks only grow: the plan stays clean
+            status, n_touched, n_keyed = self._run_entry(*self._state[:10], sc.buffer, n, settle, False, 0, *cells,
+                                                         *out)
+            if status != kernels.STEP_DONE:  # as ``_run`` after ``run_step``
+                plan = self._plan_of(*planned)
+                plan.grants = []
+                n_touched = self._after_run(n_touched, n_keyed, plan, out, cells)
+            elif n_keyed:
+                self._space.keyed_idle(sc.released[1], sc.idle_keyed)
+            self._last_rows = sc.plan[0][settle:n].copy()
+            return self._build_batch(self._last_rows, rids, out, False, n_touched if updates else -1, cells)
         plan = self._plan_of(*planned)
         plan.request_ids, plan.cells = rids, cells
         plan.arrays = out  # for ``_run``, once admitted
@@ -1075,6 +1093,10 @@ class CacheManager:
         if self.prefix is not None:
             self.prefix.load_kernels()
         self._load_step_kernels()
+        sc, out = self._scratch, kernels.batch_arrays_for(len(self.specs), 0, 0, True)
+        # ``_planned_step``'s ``kernels.run_step`` (``_step``'s cells and arrays), its compiled code looked up once.
+        self._run_entry = kernels.entry_point(kernels.run_step, (*self._kernel_state()[:10], sc.buffer, 0, 0, False,
+                                                                 0, *_NO_CELLS, *out))
         # Room for a step of every table row and as many settling (``_take_row`` grows it with the rows).
         rows, counts, first, after, need, sums, crossing, _ = self._scratch.plan_arrays(2 * self._computed.size)
         sums[:] = 0  # no page released or allocated

@@ -325,6 +325,12 @@ class CommitPages:
         self._claimed = np.empty(16, dtype=np.int8)  # read_units' flags, one a commit
         self._places = np.empty(3 * (len(history) + len(state)) + 1, dtype=np.int64)  # read_units' scratch
         self._unit_pages = self._sizes[0] + self.boundary_pages  # a block's and its checkpoint's, every group's
+        self._commit_units = kernels.commit_units  # ``read_units``' kernel; its compiled code once tables are known
+        if self._set is not None:
+            ts = self._set
+            self._commit_units = kernels.entry_point(kernels.commit_units, (
+                ts.geometry, ts.pages, ts.bounds, self._history, self._state, self._places, self._out, self._claimed,
+                self._places, *self._claim_in))
 
     def read(self, row: int, first_block: int, end_block: int, boundaries: list[int],
              want: list[int] | np.ndarray = ()) -> tuple[list[int], list[int]]:
@@ -370,9 +376,9 @@ class CommitPages:
             self._out = np.empty(2 * max(n_blocks * self._unit_pages, self._out.size), dtype=np.int64)
             self._claimed = np.empty(2 * max(n_units, self._claimed.size), dtype=np.int8)
         ref, keyed, low_flags, limits = self._claim_in
-        n = kernels.commit_units(ts.geometry, ts.pages, ts.bounds, self._history, self._state,
-                                 np.array(units, dtype=np.int64), self._out, self._claimed,
-                                 self._places, ref, keyed, low_flags, limits)
+        n = self._commit_units(ts.geometry, ts.pages, ts.bounds, self._history, self._state,
+                               np.array(units, dtype=np.int64), self._out, self._claimed, self._places, ref, keyed,
+                               low_flags, limits)
         if n >= 0:
             return self._out[:n].tolist(), None
         return self._out[:-1 - n].tolist(), self._claimed[:n_units].tolist()
