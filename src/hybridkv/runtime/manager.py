@@ -337,6 +337,7 @@ class CacheManager:
         self._known_floor = np.zeros(64, dtype=np.int64)  # rewinds keep known ids up to it: prompt (no ids: total)
         self._in_batch = np.zeros(64, dtype=np.bool_)  # prepare_step's scratch, one flag per row
         self._one_count = np.zeros(1, dtype=np.int64)  # a uniform step's count, for every row (no array made)
+        self._one_row = np.zeros(1, dtype=np.int64)  # the row ``free`` releases (no array made)
 
     @classmethod
     def from_plan(
@@ -1280,14 +1281,13 @@ class CacheManager:
             if request_id in self._rewound_loads:
                 self._rewound_loads.discard(request_id)
                 self.pending_loads.discard(request_id)
-        row, prefix = req.row, self.prefix
-        rows = np.array([row], dtype=np.int64)
+        row, prefix, rows = req.row, self.prefix, self._one_row
+        rows[0] = row
         if prefix is not None:  # its last step publishes only when it completed a grain
             g = self._grain
             if self._committed.item(row) // g < self._computed.item(row) // g:
                 self._commit_rows(rows)
-        ts = self._tableset  # its pages leave the tables, one release
-        ts.note_cells(self._space.free_rows(ts, rows))
+        self._space.free_rows(self._tableset, rows)  # its pages leave the tables, one release
         if prefix is not None:
             prefix.forget_request(req)
         self._computed[row] = self._committed[row] = 0
