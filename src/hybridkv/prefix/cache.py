@@ -30,6 +30,7 @@ from hybridkv.prefix.checkpoints import checkpoint_policy as policy_from_options
 from hybridkv.prefix.eviction import GroupValueStats, ValueEviction
 from hybridkv.memory import lru
 from hybridkv.memory.pool import PagePool, idle_clock_tick
+from hybridkv.runtime.kernels import entry_point
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables.store import CommitPages, GroupTable
 
@@ -261,6 +262,7 @@ class PrefixCache:
                        else (False, self.state_ids.index(s.group_id))
                        for s in in_table_order if s.group_id in matched]
         self._spans_at: dict[int, tuple] = {}  # hit tokens -> what _hit_spans returns (set by the geometry alone)
+        self._borrow: Callable[..., int] | None = None  # ``_load_borrow``'s, from the first hit
         self._stats_in_order = [self.stats[s.group_id] for s in self.specs]
 
     def _check_one_space(self) -> None:
@@ -396,9 +398,9 @@ class PrefixCache:
         page_ids = np.array(listed, dtype=np.int64)
         assert page_ids.size == total, (page_ids.size, counts)  # what the compiled call reads
         space, tables = self._space, self._table_set
-        n_idle = lru.borrow_row(tables.geometry, tables.pages, tables.bounds, space.ref_counts, space.cached,
-                                space.low_priority, space.lru_prev, space.lru_next, space.per_group, req.row,
-                                first_pages, counts, page_ids)
+        args = (tables.geometry, tables.pages, tables.bounds, space.ref_counts, space.cached, space.low_priority,
+                space.lru_prev, space.lru_next, space.per_group, req.row, first_pages, counts, page_ids)
+        n_idle = (self._borrow or self._load_borrow(args))(*args)
         if n_idle < 0:
             raise ValueError(f"page {int(page_ids[-1 - n_idle])} is free, cannot be borrowed")
         tables.note_cells(page_ids)  # now the ring-view cells the hit wrote
@@ -411,6 +413,12 @@ class PrefixCache:
             self.values.hit(key)
         req.own_checkpoints = [own] if at_hit else []
         return hit
+
+    def _load_borrow(self, args: tuple) -> Callable[..., int]:
+        """``lru.borrow_row``'s compiled code for the types of ``args``, which every hit passes (``_borrow``:
+        ``kernels.entry_point``, no type dispatch a call), loaded at the first hit."""
+        self._borrow = entry_point(lru.borrow_row, args)
+        return self._borrow
 
     def _hit_spans(self, hit_tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
         """Per group, by table index, the first logical page a hit at ``hit_tokens`` places and how many, and
