@@ -88,6 +88,8 @@ _INT32_LE = np.dtype("<i4")  # the byte order blocks are hashed in
 class RequestHashes:
     """A request's chained block hashes, extended as its committed tokens grow."""
 
+    __slots__ = ("root", "granularity_tokens", "_hash", "hashes")
+
     def __init__(self, root: int, granularity_tokens: int, hash_fn: Callable[[bytes], int]):
         self.root = root
         self.granularity_tokens = granularity_tokens
@@ -263,7 +265,7 @@ class PrefixCache:
                        for s in in_table_order if s.group_id in matched]
         self._spans_at: dict[int, tuple] = {}  # hit tokens -> what _hit_spans returns (set by the geometry alone)
         self._borrow: Callable[..., int] | None = None  # ``_load_borrow``'s, from the first hit
-        self._stats_in_order = [self.stats[s.group_id] for s in self.specs]
+        self._spec_stats = list(zip(self._spec_ids, self._reach_index, (self.stats[gid] for gid in self._spec_ids)))
 
     def _check_one_space(self) -> None:
         """The tables are one ``TableSet``'s and the pools one ``PageSpace``'s, in the same group order."""
@@ -310,12 +312,16 @@ class PrefixCache:
     # --- matching ---------------------------------------------------------------
     def match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> PrefixHit:
         """The hit for a prompt, without borrowing anything."""
-        return self._match(hashes, prompt_ids)[0]
+        k, limit, reach, _, _ = self._match(hashes, prompt_ids)
+        g = self.granularity_tokens
+        return PrefixHit(k * g, {gid: reach[i] * g for gid, i in zip(self._spec_ids, self._reach_index)}, limit * g)
 
-    def _match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> tuple[PrefixHit, list[list], list]:
-        """The hit for a prompt (its last token aside), per history group its entries from the first block on,
-        and per state group its entry at the hit ([] without one). Plain loops: cheaper run cold. The state
-        groups' walks down start below the prompt's last blocks no group publishes (``ValueEviction.knows``)."""
+    def _match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> tuple[int, int, list[int], list[list], list]:
+        """The hit for a prompt (its last token aside), in blocks; the blocks every history group holds from
+        the first; each group's reach alone (``_reach_index`` says where a spec's lies); per history group its
+        entries from the first block on, and per state group its entry at the hit ([] without one). Plain
+        loops: cheaper run cold. The state groups' walks down start below the prompt's last blocks no group
+        publishes (``ValueEviction.knows``)."""
         g = self.granularity_tokens
         max_blocks = (prompt_ids.size - 1) // g
         hashes.extend_to(prompt_ids, max_blocks * g)
@@ -345,10 +351,7 @@ class PrefixCache:
                 if None not in at_hit:
                     break
                 k -= 1
-        alone = {}
-        for gid, i in zip(self._spec_ids, self._reach_index):
-            alone[gid] = reach[i] * g
-        return PrefixHit(k * g, alone, limit * g), history, at_hit if k else []
+        return k, limit, reach, history, at_hit if k else []
 
     def _state_reach(self, keys: list[int], reach: list[int]) -> list:
         """``_match``'s walk down each state group to its last checkpoint among the blocks ``keys``
@@ -375,18 +378,20 @@ class PrefixCache:
         call (``lru.borrow_row``); the checkpoint at the hit becomes the request's own."""
         req.hashes = (RequestHashes(self._unsalted_root, self.granularity_tokens, self._hash) if cache_salt is None
                       else self.new_request_hashes(cache_salt))
-        hit, history, at_hit = self._match(req.hashes, prompt_ids)
-        d, queried = hit.hit_tokens, int(prompt_ids.size)
-        for st, alone in zip(self._stats_in_order, hit.group_hit_tokens.values()):
+        blocks, limit, reach, history, at_hit = self._match(req.hashes, prompt_ids)
+        g, queried, alone = self.granularity_tokens, prompt_ids.size, {}
+        d = blocks * g
+        for gid, i, st in self._spec_stats:  # each group's reach alone, and its stats
+            alone[gid] = tokens = reach[i] * g
             st.lookups += 1
             st.queried_tokens += queried
             st.hit_tokens += d
-            st.alone_hit_tokens += alone
-        if hit.history_hit_tokens > d:
-            req.keep_boundaries = frozenset([hit.history_hit_tokens])  # its junction
+            st.alone_hit_tokens += tokens
+        hit = PrefixHit(d, alone, limit * g)
+        if limit > blocks:
+            req.keep_boundaries = frozenset([limit * g])  # its junction
         if d == 0:
             return hit
-        blocks = d // self.granularity_tokens
         listed = []
         for whole, i in self._picks:
             if whole:
