@@ -644,6 +644,8 @@ class PageSpace:
         self.idle_listed = _NO_PAGES  # free_rows' keyed pages left idle, for the rankers (allocated for them)
         self.cells_out = _NO_PAGES  # free_rows' cells emptied (room for a row's every cell, allocated then)
         self._free_rows_entry = None  # free_rows' compiled code (``kernels.entry_point``), at its first call
+        self._free_rows_args = (self.ref_counts, self.cached, self.stack, self.per_group, self.idle_tick,
+                                self.low_priority, self.lru_prev, self.lru_next, _IDLE_CLOCK)  # its space's arrays
         self._bind_pools()
 
     def _join_page_arrays(self, sizes: list[int]) -> None:
@@ -755,9 +757,8 @@ class PageSpace:
             first_tick, listed = int(_IDLE_CLOCK[0]) + 1, self.idle_listed
             if listed.size < self.ref_counts.size:
                 listed = self.idle_listed = np.empty(self.ref_counts.size, dtype=np.int64)
-        args = (tables.geometry, tables.pages, tables.bounds, self.ref_counts, self.cached, self.stack,
-                self.per_group, self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, _IDLE_CLOCK, rows,
-                self.idle_counts, listed, cells)
+        args = (tables.geometry, tables.pages, tables.bounds, *self._free_rows_args, rows, self.idle_counts, listed,
+                cells)
         if self._free_rows_entry is None:  # the types every call passes: no type dispatch a call
             self._free_rows_entry = kernels.entry_point(lru.free_rows_listed, args)
         n = self._free_rows_entry(*args)

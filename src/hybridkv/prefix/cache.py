@@ -251,6 +251,9 @@ class PrefixCache:
         self._group_index = [tables[s.group_id].group_index for s in self.specs]
         self._space = self.pools[self.specs[0].group_id].space
         self._check_one_space()
+        space = self._space  # the page space's arrays a hit's ``lru.borrow_row`` changes (never replaced)
+        self._borrow_space = (space.ref_counts, space.cached, space.low_priority, space.lru_prev, space.lru_next,
+                              space.per_group)
         # Where each spec's own reach lies in ``_match``'s reaches (then one for groups restorable anywhere).
         matched = self.history_ids + self.state_ids
         self._spec_ids = [s.group_id for s in self.specs]
@@ -402,9 +405,9 @@ class PrefixCache:
         first_pages, counts, total = self._spans_at.get(d) or self._hit_spans(d)
         page_ids = np.array(listed, dtype=np.int64)
         assert page_ids.size == total, (page_ids.size, counts)  # what the compiled call reads
-        space, tables = self._space, self._table_set
-        args = (tables.geometry, tables.pages, tables.bounds, space.ref_counts, space.cached, space.low_priority,
-                space.lru_prev, space.lru_next, space.per_group, req.row, first_pages, counts, page_ids)
+        tables = self._table_set
+        args = (tables.geometry, tables.pages, tables.bounds, *self._borrow_space, req.row, first_pages, counts,
+                page_ids)
         n_idle = (self._borrow or self._load_borrow(args))(*args)
         if n_idle < 0:
             raise ValueError(f"page {int(page_ids[-1 - n_idle])} is free, cannot be borrowed")
