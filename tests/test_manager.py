@@ -914,3 +914,23 @@ def test_an_int32_prompt_array_is_added_as_the_same_list_and_refused_alike():
         with pytest.raises(CacheManagerError, match=error):
             m.add_request(*args, **kwargs)
         assert snapshot(m, ["again"]) == before
+
+
+def test_int32_prompt_arrays_of_any_layout_are_copied_alike():
+    """The compiled copy of ``add_request``'s int32 ids is called past the type dispatch with one type for
+    every layout: strided, reversed and read-only arrays register the ids a list does, and a negative id
+    in a strided view is refused with nothing registered."""
+    ids = (np.arange(120, dtype=np.int32) * 7) % 13
+    read_only = ids.copy()
+    read_only.flags.writeable = False
+    m = manager([SWA, KV], 64, enable_prefix_caching=True, prefix_granularity=8)
+    for rid, prompt in (("strided", ids[::3]), ("reversed", ids[::-1]), ("read_only", read_only),
+                        ("offset", ids[1::2])):
+        m.add_request(rid, prompt, max_new_tokens=2)
+        assert m.known_token_ids(rid).tolist() == prompt.tolist()
+    before = snapshot(m, ["strided"])
+    negative = ids.copy()
+    negative[9] = -4
+    with pytest.raises(CacheManagerError, match=r"in \[0, 2\*\*31\)"):
+        m.add_request("neg", negative[::3])
+    assert snapshot(m, ["strided"]) == before and not m.has_request("neg")

@@ -646,6 +646,10 @@ class PageSpace:
         self._demote_unit = kernels.entry_point(lru.demote_unit, (  # ``demote``'s kernel, its compiled code
             _NO_PAGES, 0, self.low_priority, self.lru_prev, self.lru_next, self.offsets, self.idle_low_floors,
             self.low_idle))
+        self.cells_out = _NO_PAGES  # free_rows' cells emptied (room for a row's every cell, allocated then)
+        self._free_rows_entry = None  # free_rows' compiled code (``kernels.entry_point``), at its first call
+        self._free_rows_args = (self.ref_counts, self.cached, self.stack, self.per_group, self.idle_tick,
+                                self.low_priority, self.lru_prev, self.lru_next, _IDLE_CLOCK)  # its space's arrays
         self._bind_pools()
 
     def _join_page_arrays(self, sizes: list[int]) -> None:
@@ -744,21 +748,26 @@ class PageSpace:
         if self.ranked:
             self._tell_rankers(per_group, keyed, first_tick)
 
-    def free_rows(self, tables, rows: np.ndarray) -> np.ndarray:
-        """``CacheManager.free``'s release in one call (``lru.free_rows_listed``); the cells emptied. The keyed
-        pages left idle are listed (in ``idle_listed``, room for every page) only for the rankers."""
-        first_tick, listed = 0, _NO_PAGES
+    def free_rows(self, tables, rows: np.ndarray) -> None:
+        """``CacheManager.free``'s release in one call (``lru.free_rows_listed``), the cells emptied logged
+        (``tables.note_cells``). The keyed pages left idle are listed (in ``idle_listed``, room for every
+        page) only for the rankers."""
+        first_tick, listed, cells = 0, _NO_PAGES, self.cells_out
+        if cells.size < rows.size * tables.row_cells:
+            cells = self.cells_out = np.empty(rows.size * tables.row_cells, dtype=np.int64)
         if self.ranked:
             first_tick, listed = int(_IDLE_CLOCK[0]) + 1, self.idle_listed
             if listed.size < self.ref_counts.size:
                 listed = self.idle_listed = np.empty(self.ref_counts.size, dtype=np.int64)
-        touched = lru.free_rows_listed(
-            tables.geometry, tables.pages, tables.bounds, self.ref_counts, self.cached, self.stack, self.per_group,
-            self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, _IDLE_CLOCK, rows, self.idle_counts,
-            listed)
+        args = (tables.geometry, tables.pages, tables.bounds, *self._free_rows_args, rows, self.idle_counts, listed,
+                cells)
+        if self._free_rows_entry is None:  # the types every call passes: no type dispatch a call
+            self._free_rows_entry = kernels.entry_point(lru.free_rows_listed, args)
+        n = self._free_rows_entry(*args)
+        if tables.log is not None:
+            tables.note_cells(cells[:n].copy())
         if self.ranked:
             self._tell_rankers(self.idle_counts, listed, first_tick)
-        return touched
 
     def _tell_rankers(self, per_group: np.ndarray, keyed: np.ndarray, first_tick: int) -> None:
         """Each pool with a ranker whose pages joined their LRU tells it of them (plain loops: no numpy call)."""

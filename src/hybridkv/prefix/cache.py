@@ -30,6 +30,7 @@ from hybridkv.prefix.checkpoints import checkpoint_policy as policy_from_options
 from hybridkv.prefix.eviction import GroupValueStats, ValueEviction
 from hybridkv.memory import lru
 from hybridkv.memory.pool import PagePool, idle_clock_tick
+from hybridkv.runtime.kernels import entry_point
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables.store import CommitPages, GroupTable
 
@@ -87,6 +88,8 @@ _new_object = object.__new__
 
 class RequestHashes:
     """A request's chained block hashes, extended as its committed tokens grow."""
+
+    __slots__ = ("root", "granularity_tokens", "_hash", "hashes")
 
     def __init__(self, root: int, granularity_tokens: int, hash_fn: Callable[[bytes], int]):
         self.root = root
@@ -249,6 +252,9 @@ class PrefixCache:
         self._group_index = [tables[s.group_id].group_index for s in self.specs]
         self._space = self.pools[self.specs[0].group_id].space
         self._check_one_space()
+        space = self._space  # the page space's arrays a hit's ``lru.borrow_row`` changes (never replaced)
+        self._borrow_space = (space.ref_counts, space.cached, space.low_priority, space.lru_prev, space.lru_next,
+                              space.per_group)
         # Where each spec's own reach lies in ``_match``'s reaches (then one for groups restorable anywhere).
         matched = self.history_ids + self.state_ids
         self._spec_ids = [s.group_id for s in self.specs]
@@ -262,7 +268,8 @@ class PrefixCache:
                        else (False, self.state_ids.index(s.group_id))
                        for s in in_table_order if s.group_id in matched]
         self._spans_at: dict[int, tuple] = {}  # hit tokens -> what _hit_spans returns (set by the geometry alone)
-        self._stats_in_order = [self.stats[s.group_id] for s in self.specs]
+        self._borrow: Callable[..., int] | None = None  # ``_load_borrow``'s, from the first hit
+        self._spec_stats = list(zip(self._spec_ids, self._reach_index, (self.stats[gid] for gid in self._spec_ids)))
 
     def _check_one_space(self) -> None:
         """The tables are one ``TableSet``'s and the pools one ``PageSpace``'s, in the same group order."""
@@ -311,12 +318,16 @@ class PrefixCache:
     # --- matching ---------------------------------------------------------------
     def match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> PrefixHit:
         """The hit for a prompt, without borrowing anything."""
-        return self._match(hashes, prompt_ids)[0]
+        k, limit, reach, _, _ = self._match(hashes, prompt_ids)
+        g = self.granularity_tokens
+        return PrefixHit(k * g, {gid: reach[i] * g for gid, i in zip(self._spec_ids, self._reach_index)}, limit * g)
 
-    def _match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> tuple[PrefixHit, list[list], list]:
-        """The hit for a prompt (its last token aside), per history group its entries from the first block on,
-        and per state group its entry at the hit ([] without one). Plain loops: cheaper run cold. The state
-        groups' walks down start below the prompt's last blocks no group publishes (``ValueEviction.knows``)."""
+    def _match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> tuple[int, int, list[int], list[list], list]:
+        """The hit for a prompt (its last token aside), in blocks; the blocks every history group holds from
+        the first; each group's reach alone (``_reach_index`` says where a spec's lies); per history group its
+        entries from the first block on, and per state group its entry at the hit ([] without one). Plain
+        loops: cheaper run cold. The state groups' walks down start below the prompt's last blocks no group
+        publishes (``ValueEviction.knows``)."""
         g = self.granularity_tokens
         max_blocks = (prompt_ids.size - 1) // g
         hashes.extend_to(prompt_ids, max_blocks * g)
@@ -346,10 +357,7 @@ class PrefixCache:
                 if None not in at_hit:
                     break
                 k -= 1
-        alone = {}
-        for gid, i in zip(self._spec_ids, self._reach_index):
-            alone[gid] = reach[i] * g
-        return PrefixHit(k * g, alone, limit * g), history, at_hit if k else []
+        return k, limit, reach, history, at_hit if k else []
 
     def _state_reach(self, keys: list[int], reach: list[int]) -> list:
         """``_match``'s walk down each state group to its last checkpoint among the blocks ``keys``
@@ -376,18 +384,20 @@ class PrefixCache:
         call (``lru.borrow_row``); the checkpoint at the hit becomes the request's own."""
         req.hashes = (RequestHashes(self._unsalted_root, self.granularity_tokens, self._hash) if cache_salt is None
                       else self.new_request_hashes(cache_salt))
-        hit, history, at_hit = self._match(req.hashes, prompt_ids)
-        d, queried = hit.hit_tokens, int(prompt_ids.size)
-        for st, alone in zip(self._stats_in_order, hit.group_hit_tokens.values()):
+        blocks, limit, reach, history, at_hit = self._match(req.hashes, prompt_ids)
+        g, queried, alone = self.granularity_tokens, prompt_ids.size, {}
+        d = blocks * g
+        for gid, i, st in self._spec_stats:  # each group's reach alone, and its stats
+            alone[gid] = tokens = reach[i] * g
             st.lookups += 1
             st.queried_tokens += queried
             st.hit_tokens += d
-            st.alone_hit_tokens += alone
-        if hit.history_hit_tokens > d:
-            req.keep_boundaries = frozenset([hit.history_hit_tokens])  # its junction
+            st.alone_hit_tokens += tokens
+        hit = PrefixHit(d, alone, limit * g)
+        if limit > blocks:
+            req.keep_boundaries = frozenset([limit * g])  # its junction
         if d == 0:
             return hit
-        blocks = d // self.granularity_tokens
         listed = []
         for whole, i in self._picks:
             if whole:
@@ -398,10 +408,10 @@ class PrefixCache:
         first_pages, counts, total = self._spans_at.get(d) or self._hit_spans(d)
         page_ids = np.array(listed, dtype=np.int64)
         assert page_ids.size == total, (page_ids.size, counts)  # what the compiled call reads
-        space, tables = self._space, self._table_set
-        n_idle = lru.borrow_row(tables.geometry, tables.pages, tables.bounds, space.ref_counts, space.cached,
-                                space.low_priority, space.lru_prev, space.lru_next, space.per_group, req.row,
-                                first_pages, counts, page_ids)
+        tables = self._table_set
+        args = (tables.geometry, tables.pages, tables.bounds, *self._borrow_space, req.row, first_pages, counts,
+                page_ids)
+        n_idle = (self._borrow or self._load_borrow(args))(*args)
         if n_idle < 0:
             raise ValueError(f"page {int(page_ids[-1 - n_idle])} is free, cannot be borrowed")
         tables.note_cells(page_ids)  # now the ring-view cells the hit wrote
@@ -414,6 +424,12 @@ class PrefixCache:
             self.values.hit(key)
         req.own_checkpoints = [own] if at_hit else []
         return hit
+
+    def _load_borrow(self, args: tuple) -> Callable[..., int]:
+        """``lru.borrow_row``'s compiled code for the types of ``args``, which every hit passes (``_borrow``:
+        ``kernels.entry_point``, no type dispatch a call), loaded at the first hit."""
+        self._borrow = entry_point(lru.borrow_row, args)
+        return self._borrow
 
     def _hit_spans(self, hit_tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
         """Per group, by table index, the first logical page a hit at ``hit_tokens`` places and how many, and

@@ -206,6 +206,8 @@ class _Releases:
 
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
+_ANY_IDS = np.zeros(4, dtype=np.int32)[::2]  # a read-only strided view: ``_copy_ids``' type for the ids
+_ANY_IDS.flags.writeable = False
 
 
 class CacheManager:
@@ -338,6 +340,10 @@ class CacheManager:
         self._known_floor = np.zeros(64, dtype=np.int64)  # rewinds keep known ids up to it: prompt (no ids: total)
         self._in_batch = np.zeros(64, dtype=np.bool_)  # prepare_step's scratch, one flag per row
         self._one_count = np.zeros(1, dtype=np.int64)  # a uniform step's count, for every row (no array made)
+        self._one_row = np.zeros(1, dtype=np.int64)  # the row ``free`` releases (no array made)
+        # ``kernels.copy_token_ids``' compiled code for any 1-D int32 ids (a read-only strided view's type
+        # covers every layout) into a new buffer: ``_plain_prompt`` skips the type dispatch.
+        self._copy_ids = kernels.entry_point(kernels.copy_token_ids, (_ANY_IDS, np.empty(0, _INT32)))
 
     @classmethod
     def from_plan(
@@ -409,7 +415,7 @@ class CacheManager:
                 and 0 < ids.size <= self.max_context_tokens - max_new_tokens and request_id not in self._requests):
             return None
         buf = np.empty(ids.size + max_new_tokens, dtype=np.int32)
-        return buf if kernels.copy_token_ids(ids, buf) else None
+        return buf if self._copy_ids(ids, buf) else None
 
     def _new_prompt(self, request_id: Any, prompt_token_ids: Any, prompt_tokens: Any, max_new_tokens: Any,
                     cache_salt: Any) -> tuple[np.ndarray | None, int, int]:
@@ -1309,14 +1315,13 @@ class CacheManager:
             if request_id in self._rewound_loads:
                 self._rewound_loads.discard(request_id)
                 self.pending_loads.discard(request_id)
-        row, prefix = req.row, self.prefix
-        rows = np.array([row], dtype=np.int64)
+        row, prefix, rows = req.row, self.prefix, self._one_row
+        rows[0] = row
         if prefix is not None:  # its last step publishes only when it completed a grain
             g = self._grain
             if self._committed.item(row) // g < self._computed.item(row) // g:
                 self._commit_rows(rows)
-        ts = self._tableset  # its pages leave the tables, one release
-        ts.note_cells(self._space.free_rows(ts, rows))
+        self._space.free_rows(self._tableset, rows)  # its pages leave the tables, one release
         if prefix is not None:
             prefix.forget_request(req)
         self._computed[row] = self._committed[row] = 0

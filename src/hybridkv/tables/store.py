@@ -119,6 +119,7 @@ class TableSet:
             for s in specs
         ]
         self.view_columns = max(t.capacity_pages for t in self.tables)
+        self.row_cells = sum(t.capacity_pages for t in self.tables)  # the live cells a row holds at most
         self.geometry = np.zeros((len(self.tables), kernels.GEOMETRY_COLUMNS), dtype=np.int64)
         for g, t in enumerate(self.tables):
             t._set, t._g = self, g
