@@ -362,7 +362,10 @@ def write_slots(geometry, pages, bounds, rows, first, counts, settle, slots):
                 logical = divide(pos, tokens, page_shift)
                 page_end = min((logical + 1) * tokens, end)
                 base = (np.int64(pages[cells_at + (logical & mask) * step]) - logical) * per_page
-                if stride == 1:  # a view indexed from 0: no negative index to wrap, the loop vectorizes
+                if stride == 1 and page_end == pos + 1:  # one slot (a decode row): no view to count references of
+                    out[shift + pos] = base + pos
+                    pos = page_end
+                elif stride == 1:  # a view indexed from 0: no negative index to wrap, the loop vectorizes
                     run, base = out[shift + pos : shift + page_end], base + pos
                     for i in range(page_end - pos):
                         run[i] = base + i
@@ -404,7 +407,7 @@ def settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts):
     return settle
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def plan_group(geometry, bounds, g, rows, counts, first, n, settle, load_tokens, after, need):
     """``prepare_step``'s plan of group ``g``: ``after[:, g]``, ``need[g]``; returns (released, allocated)."""
     tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
@@ -795,7 +798,7 @@ def note_peaks(per_group, allocated, not_joined):
             per_group[PEAK_USED_PAGES, g] = max(per_group[PEAK_USED_PAGES, g], used)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def plan_views(buffer, n_groups):
     """The step's scratch arrays, views of one int64 ``buffer`` whose first four values are their room (rows,
     released pages in one group, idle keyed pages, cells): ``prepare_step``'s outputs in its order, then

@@ -247,7 +247,10 @@ class CacheManager:
             self.table_widths[s.group_id] for s in self.specs)
         self.tables = {s.group_id: t for s, t in zip(self.specs, self._tableset.tables)}
         self._group_ids = ids
-        self._group_sliding = tuple((s.group_id, s.is_sliding) for s in self.specs)
+        # Per group: its id, its base pages' row of ``_StepArrays.per_request`` (0: not sliding) and its write
+        # slots' row of ``per_token`` (``_build_batch``); and "updates" mode's block tables (None for every group).
+        self._batch_rows = tuple((s.group_id, 2 + g if s.is_sliding else 0, 1 + g) for g, s in enumerate(self.specs))
+        self._no_tables = (None,) * len(self.specs)
         self._init_registry()
         self.prefix: PrefixCache | None = None
         if enable_prefix_caching:
@@ -1186,7 +1189,7 @@ class CacheManager:
         if n_touched < 0:
             tables, table_updates = [ts.block_table(k, rows, width) for k, width in enumerate(widths)], None
         else:
-            tables, table_updates = [None] * len(widths), _new_object(TableUpdates)
+            tables, table_updates = self._no_tables, _new_object(TableUpdates)
             if 0 < n_touched <= cells[1].size and ts.drains_touched_only():
                 (cells, page), n = cells, n_touched
                 found = cells[0, :n], cells[1, :n], cells[2, :n], page[:n], False
@@ -1196,18 +1199,19 @@ class CacheManager:
             fields = table_updates.__dict__
             fields["group"], fields["row"], fields["column"], fields["page"] = group, row, column, page
             fields["widths"], fields["reset"] = widths, reset
-        per_request, per_token = out.per_request, out.per_token
-        slots = per_token[1:] if per_token.shape[0] > 1 else [None] * len(widths)
+        per_request, query_start_loc, request_indices, per_token = out
+        slots = per_token.shape[0] > 1
         groups = {}
-        for (gid, sliding), table, base, slot in zip(self._group_sliding, tables, per_request[2:], slots):
-            groups[gid] = step = _new_object(GroupStep)  # iterating a 2-D array yields its rows
+        for (gid, base_row, slot_row), table in zip(self._batch_rows, tables):  # a view only where one is handed out
+            groups[gid] = step = _new_object(GroupStep)
             fields = step.__dict__
-            fields["block_table"], fields["base_pages"], fields["write_slots"] = table, base if sliding else None, slot
+            fields["block_table"], fields["base_pages"] = table, per_request[base_row] if base_row else None
+            fields["write_slots"] = per_token[slot_row] if slots else None
         batch = _new_object(StepBatch)
         fields = batch.__dict__
         fields["request_ids"], fields["num_scheduled_tokens"] = request_ids, per_request[1]
-        fields["query_start_loc"], fields["positions"] = out.query_start_loc, per_token[0]
-        fields["request_indices"], fields["groups"] = out.request_indices, groups
+        fields["query_start_loc"], fields["positions"] = query_start_loc, per_token[0]
+        fields["request_indices"], fields["groups"] = request_indices, groups
         fields["table_rows"], fields["table_updates"] = per_request[0], table_updates
         return batch
 
