@@ -880,6 +880,8 @@ class CacheManager:
         if load and write_slots:
             raise CacheManagerError("a load step computes nothing to write: schedule it with write_slots=False")
         items = items if type(items) is list else list(items)
+        if not (items and type(write_slots) is bool and block_tables in _BLOCK_TABLE_MODES):
+            _check_step_options(items, block_tables, write_slots)  # words the error
         return self._schedule(items, None, fixed_width, block_tables, write_slots, load)
 
     def schedule_uniform(
@@ -892,14 +894,14 @@ class CacheManager:
         if type(request_ids) is not tuple:  # a tuple passes ``check_request_ids``
             check_request_ids("request_ids", request_ids, CacheManagerError)
             request_ids = tuple(request_ids)
+        if not (request_ids and type(write_slots) is bool and block_tables in _BLOCK_TABLE_MODES):
+            _check_step_options(request_ids, block_tables, write_slots)  # words the error
         return self._schedule(None, (request_ids, num_tokens), fixed_width, block_tables, write_slots)
 
     def _schedule(self, items, uniform, fixed_width: bool, block_tables: str, write_slots: bool = True,
                   load: bool = False) -> StepBatch:
-        """``schedule`` of ``items`` or ``uniform`` (ids, one count); most steps take ``_step``'s one call."""
-        ids = items if uniform is None else uniform[0]
-        if not (ids and type(write_slots) is bool and block_tables in _BLOCK_TABLE_MODES):
-            _check_step_options(ids, block_tables, write_slots)  # words the error
+        """``schedule`` of ``items`` or ``uniform`` (ids, one count), options checked; most steps take
+        ``_step``'s one call."""
         if self.tier_link is not None and self.tier_link.loads_in_flight:
             self.tier_link.check_schedule()
         updates = block_tables == "updates"
