@@ -1008,9 +1008,9 @@ class CacheManager:
         if n < 0:
             return None
         sc = self._scratch
-        _, released, most, allocated = sc.plan[7].tolist() if clean and n_crossing else (0, 0, -1, 0)
-        if 0 <= most <= sc.pages.size and released <= sc.idle_keyed.size and \
-                released + allocated <= sc.touched.size:  # planned only as rows cross: they commit, the plan runs
+        n_tokens, released, most, allocated = sc.plan[7].tolist() if clean and n_crossing else (-1, 0, -1, 0)
+        if n_tokens == out.per_token.shape[1] and 0 <= most <= sc.pages.size and released <= sc.idle_keyed.size \
+                and released + allocated <= sc.touched.size:  # planned only as rows cross: they commit, the plan runs
             self._version += 1
             self._commit_rows(sc.plan[6][:n_crossing])  # the stacks only grow: the plan stays clean
             status, n_touched, n_keyed = self._run_entry(*self._state[:10], sc.buffer, n, settle, False, 0, *cells,
