@@ -315,16 +315,12 @@ class Arena:
         return self._spare_grants[:, :n].copy() if self._sorted_grants else None
 
     def kernel_grants(self, grants: Sequence[Grant]) -> np.ndarray | None:
-        """``grants`` as ``kernels.grant_step`` grants them (``[2, n]``: groups, slabs; then :meth:`granted`)
+        """``grants`` as ``kernels.grant_step`` grants them (``[2, n]``: groups, slabs)
         when they are spare slabs alone and every pool's free stack is sorted; else None (:meth:`apply`)."""
         if not (self._sorted_grants and all(donor is None for _, _, donor in grants)):
             return None
         index = self._index
         return np.array([[index[gid] for gid, _, _ in grants], [slab for _, slab, _ in grants]], dtype=np.int64)
-
-    def granted(self, n: int) -> None:
-        """``kernels.grant_step`` granted ``n`` spare slabs."""
-        self._spare_changed(-n)
 
     def _take_from_donors(self, gid: str, short: int, own: np.ndarray, grants: list[Grant],
                           deficit: Mapping[str, int], spare: tuple, scan: IdleScan) -> int:

@@ -720,7 +720,8 @@ def run_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack,
 def grant_step(grants, arena, geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group,
                transient, plan, n, settle, n_logged, cells, cell_pages, per_request, query_start_loc,
                request_indices, per_token):
-    """``run_step`` granting spare slabs alone (``grants``: groups, slabs) after its releases; it stops for
+    """``run_step`` granting spare slabs alone (``grants``: groups, slabs) after its releases, counted off the
+    arena's spare slabs with ``SKIP_PACKING`` following ``Arena.roomy`` (``Arena._spare_changed``); it stops for
     Python only when ``room_groups`` asks (as after the idle keyed pages joined: ``joined_low``). Status -1
     (nothing granted): a slab not spare.
     A kernel of its own: the grant inside ``run_step`` makes ``step``'s compiled loops slower."""
@@ -733,7 +734,9 @@ def grant_step(grants, arena, geometry, pages, bounds, counters, ref, keyed, low
     if grant_spare_slabs(owner, grants[0], grants[1], lo, hi, straddle, granted, np.empty(geometry.shape[0], np.int64),
                          stack, per_group[TOP], offsets, per_group[LOWEST], per_group[GRANTED_PAGES]) < 0:
         return -1, n_touched, n_keyed
-    roomy = spare[0] - grants.shape[1] >= roomy_slabs  # the arena's ``roomy`` once ``Arena.granted`` counts these
+    spare[0] -= grants.shape[1]
+    roomy = spare[0] >= roomy_slabs  # ``Arena.roomy``
+    per_group[SKIP_PACKING] = 1 if roomy else 0  # read by ``packing_floor`` only, in ``needs_room`` (run above)
     # ``room_groups`` as it answers once the keyed pages gone idle joined their LRUs (low-priority ones change
     # its counts: ``joined_low``); they join after the step, as after ``run_step``'s.
     joined = joined_low(geometry, low_priority, per_group, released[1], idle_keyed) if n_keyed else per_group
