@@ -1329,11 +1329,7 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
     the group below it, so the next search starts there; the lowest spare only rises."""
     n, n_taken, start, lowest = owner.size, 0, 0, 0
     while short_pages > 0:
-        pick = -1
-        for s in range(start, n):
-            if owner[s] < 0 and ((s > 0 and owner[s - 1] == group) or (s < n - 1 and owner[s + 1] == group)):
-                pick = s
-                break
+        pick = spare_next_to(owner, group, start)
         if pick < 0:
             while lowest < n and owner[lowest] >= 0:
                 lowest += 1
@@ -1343,6 +1339,21 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
         short_pages -= lend_slab(owner, group, inner_pages, straddle, pick, taken, n_taken)
         n_taken, start = n_taken + 1, max(pick - 1, 0)
     return n_taken, short_pages
+
+
+@njit(cache=True, inline="always")
+def spare_next_to(owner, group, start):
+    """The lowest spare slab from ``start`` on next to one ``group`` owns (-1: none), found from the group's
+    slabs in order (a slab's left neighbour lies below its right one, and below the next slab's): one compare
+    a slab not the group's."""
+    n = owner.size
+    for t in range(max(start - 1, 0), n):
+        if owner[t] == group:
+            if t > start and owner[t - 1] < 0:
+                return t - 1
+            if t + 1 < n and owner[t + 1] < 0:
+                return t + 1
+    return -1
 
 
 @njit(cache=True, inline="always")
