@@ -1017,7 +1017,8 @@ class CacheManager:
                                     plan.rows.size, self._short, *arena.spare_args)
         if n < 0:
             return False
-        plan.spare_grants = arena.kernel_spare_grants(n) if n else None
+        written = arena.spare_written  # a copy of its first ``n`` (the scratch is the arena's)
+        plan.spare_grants = written[:, :n].copy() if n and written is not None else None
         plan.grants = arena.spare_grants(n) if n and plan.spare_grants is None else []
         return True
 
