@@ -199,6 +199,9 @@ class Arena:
             pool.must_pack = self._packing_rule(gid)
         # Sorted free stacks: pages granted in one run per pool stack as they do slab by slab.
         self._sorted_grants = all(pool.lowest_first for pool in self.pools.values())
+        # ``kernels.admit_spare``'s grants as it writes them (``[2, n]`` in front: groups, slabs), as
+        # :meth:`kernel_grants` gives them; None when a pool's free stack is not sorted (:meth:`apply` grants).
+        self.spare_written = self._spare_grants if self._sorted_grants else None
         self._load_kernels()
 
     def _load_kernels(self) -> None:
@@ -309,22 +312,13 @@ class Arena:
         ids, (groups, slabs) = self.group_ids, self._spare_grants[:, :n].tolist()
         return [(ids[g], slab, None) for g, slab in zip(groups, slabs)]
 
-    def kernel_spare_grants(self, n: int) -> np.ndarray | None:
-        """:meth:`spare_grants` as :meth:`kernel_grants` gives them (a copy of the scratch), or None
-        when a pool's free stack is not sorted (:meth:`apply` grants them)."""
-        return self._spare_grants[:, :n].copy() if self._sorted_grants else None
-
     def kernel_grants(self, grants: Sequence[Grant]) -> np.ndarray | None:
-        """``grants`` as ``kernels.grant_step`` grants them (``[2, n]``: groups, slabs; then :meth:`granted`)
+        """``grants`` as ``kernels.grant_step`` grants them (``[2, n]``: groups, slabs)
         when they are spare slabs alone and every pool's free stack is sorted; else None (:meth:`apply`)."""
         if not (self._sorted_grants and all(donor is None for _, _, donor in grants)):
             return None
         index = self._index
         return np.array([[index[gid] for gid, _, _ in grants], [slab for _, slab, _ in grants]], dtype=np.int64)
-
-    def granted(self, n: int) -> None:
-        """``kernels.grant_step`` granted ``n`` spare slabs."""
-        self._spare_changed(-n)
 
     def _take_from_donors(self, gid: str, short: int, own: np.ndarray, grants: list[Grant],
                           deficit: Mapping[str, int], spare: tuple, scan: IdleScan) -> int:

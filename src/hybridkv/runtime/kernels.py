@@ -723,7 +723,8 @@ def run_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack,
 def grant_step(grants, arena, geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group,
                transient, plan, n, settle, n_logged, cells, cell_pages, per_request, query_start_loc,
                request_indices, per_token):
-    """``run_step`` granting spare slabs alone (``grants``: groups, slabs) after its releases; it stops for
+    """``run_step`` granting spare slabs alone (``grants``: groups, slabs) after its releases, counted off the
+    arena's spare slabs with ``SKIP_PACKING`` following ``Arena.roomy`` (``Arena._spare_changed``); it stops for
     Python only when ``room_groups`` asks (as after the idle keyed pages joined: ``joined_low``). Status -1
     (nothing granted): a slab not spare.
     A kernel of its own: the grant inside ``run_step`` makes ``step``'s compiled loops slower."""
@@ -736,7 +737,9 @@ def grant_step(grants, arena, geometry, pages, bounds, counters, ref, keyed, low
     if grant_spare_slabs(owner, grants[0], grants[1], lo, hi, straddle, granted, np.empty(geometry.shape[0], np.int64),
                          stack, per_group[TOP], offsets, per_group[LOWEST], per_group[GRANTED_PAGES]) < 0:
         return -1, n_touched, n_keyed
-    roomy = spare[0] - grants.shape[1] >= roomy_slabs  # the arena's ``roomy`` once ``Arena.granted`` counts these
+    spare[0] -= grants.shape[1]
+    roomy = spare[0] >= roomy_slabs  # ``Arena.roomy``
+    per_group[SKIP_PACKING] = 1 if roomy else 0  # read by ``packing_floor`` only, in ``needs_room`` (run above)
     # ``room_groups`` as it answers once the keyed pages gone idle joined their LRUs (low-priority ones change
     # its counts: ``joined_low``); they join after the step, as after ``run_step``'s.
     joined = joined_low(geometry, low_priority, per_group, released[1], idle_keyed) if n_keyed else per_group
@@ -1329,11 +1332,7 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
     the group below it, so the next search starts there; the lowest spare only rises."""
     n, n_taken, start, lowest = owner.size, 0, 0, 0
     while short_pages > 0:
-        pick = -1
-        for s in range(start, n):
-            if owner[s] < 0 and ((s > 0 and owner[s - 1] == group) or (s < n - 1 and owner[s + 1] == group)):
-                pick = s
-                break
+        pick = spare_next_to(owner, group, start)
         if pick < 0:
             while lowest < n and owner[lowest] >= 0:
                 lowest += 1
@@ -1343,6 +1342,21 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
         short_pages -= lend_slab(owner, group, inner_pages, straddle, pick, taken, n_taken)
         n_taken, start = n_taken + 1, max(pick - 1, 0)
     return n_taken, short_pages
+
+
+@njit(cache=True, inline="always")
+def spare_next_to(owner, group, start):
+    """The lowest spare slab from ``start`` on next to one ``group`` owns (-1: none), found from the group's
+    slabs in order (a slab's left neighbour lies below its right one, and below the next slab's): one compare
+    a slab not the group's."""
+    n = owner.size
+    for t in range(max(start - 1, 0), n):
+        if owner[t] == group:
+            if t > start and owner[t - 1] < 0:
+                return t - 1
+            if t + 1 < n and owner[t + 1] < 0:
+                return t + 1
+    return -1
 
 
 @njit(cache=True, inline="always")

@@ -298,6 +298,7 @@ class CacheManager:
         self._space = PageSpace(self._pool_list)
         self.arena = Arena(arena, self.pools) if arena is not None else None
         self._packing = _NO_PACKING if arena is None else self.arena.packing  # ``kernels.room_groups``'
+        self._grant_entry = kernels.grant_step  # ``_run``'s, by its compiled code once ``_load_kernels`` ran
         self._room_entries = None  # its and ``rooms_from``'s compiled code, once ``_room_groups`` looked them up
         # On an arena, a sliding group's pages released again next step come last (kernels.transient_pages).
         self._transient = np.asarray([arena is not None and s.is_sliding for s in self.specs], dtype=np.bool_)
@@ -1045,7 +1046,8 @@ class CacheManager:
                                     plan.rows.size, self._short, *arena.spare_args)
         if n < 0:
             return False
-        plan.spare_grants = arena.kernel_spare_grants(n) if n else None
+        written = arena.spare_written  # a copy of its first ``n`` (the scratch is the arena's)
+        plan.spare_grants = written[:, :n].copy() if n and written is not None else None
         plan.grants = arena.spare_grants(n) if n and plan.spare_grants is None else []
         return True
 
@@ -1086,11 +1088,10 @@ class CacheManager:
             status, n_touched, n_keyed = kernels.run_step(*state, bool(plan.grants), n_logged, *cells, *out)
         else:  # spare slabs alone: granted in the kernel, after the releases
             plan.grants = []
-            status, n_touched, n_keyed = kernels.grant_step(grants, self.arena.grant_args, *state, n_logged, *cells,
-                                                            *out)
+            status, n_touched, n_keyed = self._grant_entry(grants, self.arena.grant_args, *state, n_logged, *cells,
+                                                           *out)
             if status < 0:
                 raise AssertionError("a slab granted is not spare")
-            self.arena.granted(grants.shape[1])
         if status != kernels.STEP_DONE:
             n_touched = self._after_run(n_touched, n_keyed, plan, out, cells)
         elif n_keyed:  # all ``_after_run`` does after a step done whole (the kernel noted the peaks)
@@ -1117,8 +1118,11 @@ class CacheManager:
         self._short_pages(plan, none, none, none)
         out = self._run(plan, True)[0]
         self._after_run(0, 0, plan, out)
-        if self.arena is not None:  # ``_run``'s other kernel: ``grant_step``, granting no slab
+        if self.arena is not None:  # ``_run``'s other kernel: ``grant_step``, granting no slab, by its compiled code
             plan.spare_grants = np.empty((2, 0), dtype=np.int64)
+            self._grant_entry = kernels.entry_point(kernels.grant_step, (
+                plan.spare_grants, self.arena.grant_args, *self._kernel_state()[:10], self._scratch.buffer, 0, 0, 0,
+                *_NO_CELLS, *out))
             self._run(plan, True)
 
     def _load_step_kernels(self) -> None:
