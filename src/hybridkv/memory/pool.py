@@ -189,37 +189,16 @@ class PagePool:
         """Memoryviews of the LRU's links (faster item access than the arrays'), after each rebinding."""
         self._lru_views = (memoryview(self._lru_prev), memoryview(self._lru_next))
 
-    @property
-    def usable_pages(self) -> int:
-        """Pages granted to this pool (all but the null page unless an arena manages it)."""
-        return self._granted_pages
-
-    @property
-    def num_free_pages(self) -> int:
-        """Pages an allocation can get now: free plus cached-evictable."""
-        return int(self._tops[self._slot] + self._lru_lengths[self._slot])
-
-    @property
-    def num_clean_free_pages(self) -> int:
-        return self._top
-
-    @property
-    def num_evictable_pages(self) -> int:
-        return int(self._lru_lengths[self._slot])
-
-    @property
-    def num_used_pages(self) -> int:
-        """Pages held by at least one request."""
-        return self.usable_pages - self.num_free_pages
-
-    @property
-    def num_low_priority_idle_pages(self) -> int:
-        """Idle keyed pages of low-priority entries (evicted before any other)."""
-        return self._low_idle_pages
-
-    @property
-    def num_cached_pages(self) -> int:
-        return int(np.count_nonzero(self.cached))
+    # Pages granted to this pool (all but the null page unless an arena manages it).
+    usable_pages = property(lambda self: self._granted_pages)
+    # Pages an allocation can get now: free plus cached-evictable.
+    num_free_pages = property(lambda self: int(self._tops[self._slot] + self._lru_lengths[self._slot]))
+    num_clean_free_pages = property(lambda self: self._top)
+    num_evictable_pages = property(lambda self: int(self._lru_lengths[self._slot]))
+    num_used_pages = property(lambda self: self.usable_pages - self.num_free_pages)  # held by a request or more
+    # Idle keyed pages of low-priority entries (evicted before any other).
+    num_low_priority_idle_pages = property(lambda self: self._low_idle_pages)
+    num_cached_pages = property(lambda self: int(np.count_nonzero(self.cached)))
 
     def make_room(self, count: int, highest: int = 0, packs: bool = False) -> None:
         """Evict cached entries so that the free stack's top ``count`` ids are the ones

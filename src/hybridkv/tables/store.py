@@ -67,23 +67,10 @@ class GroupTable:
         self._set: TableSet | None = None  # bound by TableSet
         self._g = 0
 
-    @property
-    def base(self) -> np.ndarray:
-        return self._set.bounds[kernels.BASE, self._g]
-
-    @property
-    def hi(self) -> np.ndarray:
-        return self._set.bounds[kernels.HI, self._g]
-
-    @property
-    def table_set(self) -> TableSet:
-        """The store of every group's tables this one is a view of."""
-        return self._set
-
-    @property
-    def group_index(self) -> int:
-        """This group's index in its ``table_set``."""
-        return self._g
+    base = property(lambda self: self._set.bounds[kernels.BASE, self._g])
+    hi = property(lambda self: self._set.bounds[kernels.HI, self._g])
+    table_set = property(lambda self: self._set)  # the store of every group's tables this one is a view of
+    group_index = property(lambda self: self._g)  # this group's index in its ``table_set``
 
     @property
     def pages(self) -> np.ndarray:
@@ -139,10 +126,7 @@ class TableSet:
         self._resync = False
         self.base, self.hi = self.bounds[kernels.BASE], self.bounds[kernels.HI]
 
-    @property
-    def rows_capacity(self) -> int:
-        """Table rows the store holds now (it grows with ``ensure_rows``)."""
-        return self.bounds.shape[2]
+    rows_capacity = property(lambda self: self.bounds.shape[2])  # table rows now (``ensure_rows`` grows them)
 
     def _new_store(self, rows: int) -> np.ndarray:
         """An empty flat store for ``rows`` rows (rings or column-major tables filled with -1, then the lanes,
