@@ -102,15 +102,8 @@ def _count(row: int, doc: str | None = None) -> property:
 class PagePool:
     """Pages ``1 .. num_pages-1`` of one group (``num_pages`` counts the null page)."""
 
-    def __init__(
-        self,
-        group_id: str,
-        num_pages: int,
-        *,
-        shuffle_seed: int | None = None,
-        granted: bool = True,
-        lowest_first: bool = False,
-    ):
+    def __init__(self, group_id: str, num_pages: int, *, shuffle_seed: int | None = None, granted: bool = True,
+                 lowest_first: bool = False):
         if isinstance(num_pages, bool) or int(num_pages) != num_pages or num_pages < 2:
             raise ValueError(
                 f"group {group_id!r}: a pool needs at least 2 pages (null page + 1), got {num_pages!r}"

@@ -158,23 +158,12 @@ class CommittingRequest(Protocol):
 class PrefixCache:
     """Content-keyed pages over the manager's pools and tables."""
 
-    def __init__(
-        self,
-        specs: Sequence[CacheGroupSpec],
-        pools: Mapping[str, PagePool],
-        tables: Mapping[str, GroupTable],
-        *,
-        granularity_tokens: int | None = None,
-        hash_algo: str = "xxh3_128",
-        state_checkpoint_interval: int | None = None,
-        prompt_checkpoints: bool | None = None,
-        checkpoint_policy: str | None = None,
-        checkpoint_interval_tokens: int | None = None,
-        on_event: Callable[[CacheEvent], None] | None = None,
-        max_buffered_events: int = 100_000,
-        checkpoint_window_tokens: Mapping[str, int] | None = None,
-        eviction_policy: str = "value",
-    ):
+    def __init__(self, specs: Sequence[CacheGroupSpec], pools: Mapping[str, PagePool], tables: Mapping[str, GroupTable],
+                 *, granularity_tokens: int | None = None, hash_algo: str = "xxh3_128",
+                 state_checkpoint_interval: int | None = None, prompt_checkpoints: bool | None = None,
+                 checkpoint_policy: str | None = None, checkpoint_interval_tokens: int | None = None,
+                 on_event: Callable[[CacheEvent], None] | None = None, max_buffered_events: int = 100_000,
+                 checkpoint_window_tokens: Mapping[str, int] | None = None, eviction_policy: str = "value"):
         self.specs = tuple(specs)
         windows = _checkpoint_windows(self.specs, checkpoint_window_tokens)
         self.pools = pools

@@ -399,8 +399,6 @@ class CheckpointOrder:
             self._version = {k: v for k, v in self._version.items() if self.values.kind(k) is not None}
 
 
-__all__ = [
-    "ATTENTION_EQUAL_DEPTH_TOKENS", "CHECKPOINT_HISTORY_TOKENS", "CHECKPOINT_POLICIES", "CLASSES", "CheckpointOrder",
-    "CheckpointPolicy", "CheckpointValues", "DEFAULT_CHECKPOINT_POLICY", "OWN", "REUSE_FLOOR", "REUSED", "SPECULATIVE",
-    "VALUE_HALF_LIFE_REQUESTS", "checkpoint_policy", "grain_multiple", "saved_prefill",
-]
+__all__ = ["ATTENTION_EQUAL_DEPTH_TOKENS", "CHECKPOINT_HISTORY_TOKENS", "CHECKPOINT_POLICIES", "CLASSES",
+           "CheckpointOrder", "CheckpointPolicy", "CheckpointValues", "DEFAULT_CHECKPOINT_POLICY", "OWN", "REUSE_FLOOR",
+           "REUSED", "SPECULATIVE", "VALUE_HALF_LIFE_REQUESTS", "checkpoint_policy", "grain_multiple", "saved_prefill"]

@@ -18,14 +18,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hybridkv._checks import (
-    as_int,
-    check_cache_salt,
-    check_empty_token_batch,
-    check_items,
-    check_request_ids,
-    check_token_ids,
-)
+from hybridkv._checks import (as_int, check_cache_salt, check_empty_token_batch, check_items, check_request_ids,
+                              check_token_ids)
 from hybridkv.memory.arena import Arena, ArenaGeometry, IdleScan, shared_arena_for
 from hybridkv.runtime.batch import Admission, GroupStats, GroupStep, StepBatch, TableUpdates
 from hybridkv.memory.pool import PagePool, PageSpace
@@ -35,16 +29,8 @@ from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables.store import TableSet, cdiv
 
 
-__all__ = [
-    "Admission",
-    "CacheManager",
-    "CacheManagerError",
-    "GroupStats",
-    "GroupStep",
-    "PrefixHit",
-    "StepBatch",
-    "TableUpdates",
-]
+__all__ = ["Admission", "CacheManager", "CacheManagerError", "GroupStats", "GroupStep", "PrefixHit", "StepBatch",
+           "TableUpdates"]
 
 _BLOCK_TABLE_MODES = ("full", "updates")
 _HOLD_RANGE = "page ids must lie in [1, {n})"  # hold_pages' refusal of a page out of range
@@ -213,28 +199,15 @@ _ANY_IDS.flags.writeable = False
 class CacheManager:
     """Pages, tables and slots for every request and every cache group."""
 
-    def __init__(
-        self,
-        specs: Sequence[CacheGroupSpec],
-        group_pages: Mapping[str, int] | None,
-        *,
-        max_context_tokens: int,
-        max_step_tokens: int | None = None,
-        table_widths: Mapping[str, int] | None = None,
-        shuffle_seed: int | None = None,
-        enable_prefix_caching: bool = False,
-        prefix_granularity: int | None = None,
-        hash_algo: str = "xxh3_128",
-        state_checkpoint_interval: int | None = None,
-        prompt_checkpoints: bool | None = None,
-        checkpoint_policy: str | None = None,
-        checkpoint_interval_tokens: int | None = None,
-        on_event: Any = None,
-        arena: ArenaGeometry | None = None,
-        checkpoint_window_tokens: Mapping[str, int] | None = None,
-        eviction_policy: str = "value",
-        tier_link: Any = None,
-    ):
+    def __init__(self, specs: Sequence[CacheGroupSpec], group_pages: Mapping[str, int] | None, *,
+                 max_context_tokens: int, max_step_tokens: int | None = None,
+                 table_widths: Mapping[str, int] | None = None, shuffle_seed: int | None = None,
+                 enable_prefix_caching: bool = False, prefix_granularity: int | None = None,
+                 hash_algo: str = "xxh3_128", state_checkpoint_interval: int | None = None,
+                 prompt_checkpoints: bool | None = None, checkpoint_policy: str | None = None,
+                 checkpoint_interval_tokens: int | None = None, on_event: Any = None,
+                 arena: ArenaGeometry | None = None, checkpoint_window_tokens: Mapping[str, int] | None = None,
+                 eviction_policy: str = "value", tier_link: Any = None):
         self.specs = tuple(specs)
         ids = [s.group_id for s in self.specs]
         group_pages = _pages_per_group(ids, group_pages, arena)
@@ -255,14 +228,10 @@ class CacheManager:
         self.prefix: PrefixCache | None = None
         if enable_prefix_caching:
             self.prefix = PrefixCache(
-                self.specs, self.pools, self.tables,
-                granularity_tokens=prefix_granularity, hash_algo=hash_algo,
+                self.specs, self.pools, self.tables, granularity_tokens=prefix_granularity, hash_algo=hash_algo,
                 state_checkpoint_interval=state_checkpoint_interval, prompt_checkpoints=prompt_checkpoints,
                 checkpoint_policy=checkpoint_policy, checkpoint_interval_tokens=checkpoint_interval_tokens,
-                on_event=on_event,
-                checkpoint_window_tokens=checkpoint_window_tokens,
-                eviction_policy=eviction_policy,
-            )
+                on_event=on_event, checkpoint_window_tokens=checkpoint_window_tokens, eviction_policy=eviction_policy)
         self._init_windows(ids)
         self._init_holds()
         self._load_kernels()
@@ -303,10 +272,8 @@ class CacheManager:
         # On an arena, a sliding group's pages released again next step come last (kernels.transient_pages).
         self._transient = np.asarray([arena is not None and s.is_sliding for s in self.specs], dtype=np.bool_)
         self._scratch = _Scratch(len(self.specs))
-        self._tableset = TableSet(
-            self.specs, max_context_tokens=self.max_context_tokens, max_step_tokens=self.max_step_tokens,
-            id_offsets=self._space.offsets.tolist(),
-        )
+        self._tableset = TableSet(self.specs, max_context_tokens=self.max_context_tokens,
+                                  max_step_tokens=self.max_step_tokens, id_offsets=self._space.offsets.tolist())
         _Releases.load_kernel(self._tableset, self._space, self._scratch.plan)
 
     def _init_holds(self) -> None:
@@ -365,26 +332,14 @@ class CacheManager:
             raise ValueError(f"page_space must be 'per-group' or 'shared', got {page_space!r}")
         elif slab_anchor_pages is not None:
             raise ValueError("slab_anchor_pages applies only to page_space='shared'")
-        return cls(
-            plan.specs,
-            None if arena is not None else plan.group_pages,
-            arena=arena,
-            max_context_tokens=plan.limits.max_context_tokens,
-            max_step_tokens=plan.limits.max_scheduled_tokens,
-            table_widths=plan.table_widths,
-            **options,
-        )
+        return cls(plan.specs, None if arena is not None else plan.group_pages, arena=arena,
+                   max_context_tokens=plan.limits.max_context_tokens, max_step_tokens=plan.limits.max_scheduled_tokens,
+                   table_widths=plan.table_widths, **options)
 
     # --- requests -------------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Iterable[int] | np.ndarray | None = None,
-        *,
-        prompt_tokens: int | None = None,
-        max_new_tokens: int = 0,
-        cache_salt: str | bytes | None = None,
-    ) -> PrefixHit:
+    def add_request(self, request_id: str, prompt_token_ids: Iterable[int] | np.ndarray | None = None, *,
+                    prompt_tokens: int | None = None, max_new_tokens: int = 0,
+                    cache_salt: str | bytes | None = None) -> PrefixHit:
         """Register a request; with prefix caching, borrow its cached prefix. Returns the hit."""
         buf = self._plain_prompt(request_id, prompt_token_ids, prompt_tokens, max_new_tokens, cache_salt)
         if buf is not None:
@@ -861,10 +816,8 @@ class CacheManager:
                          crossing[:n_crossing], settle, clean, tuple(totals.tolist()))
 
     # --- the step ------------------------------------------------------------
-    def schedule(
-        self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False, block_tables: str = "full",
-        write_slots: bool = True, load: bool = False,
-    ) -> StepBatch:
+    def schedule(self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False, block_tables: str = "full",
+                 write_slots: bool = True, load: bool = False) -> StepBatch:
         """Release, allocate and build the kernel arrays for one step (all or nothing).
 
         ``block_tables="full"`` builds each group's ``[R, width]`` table;
@@ -885,10 +838,8 @@ class CacheManager:
             _check_step_options(items, block_tables, write_slots)  # words the error
         return self._schedule(items, None, fixed_width, block_tables, write_slots, load)
 
-    def schedule_uniform(
-        self, request_ids: Sequence[str], num_tokens: int, *, fixed_width: bool = False, block_tables: str = "full",
-        write_slots: bool = True,
-    ) -> StepBatch:
+    def schedule_uniform(self, request_ids: Sequence[str], num_tokens: int, *, fixed_width: bool = False,
+                         block_tables: str = "full", write_slots: bool = True) -> StepBatch:
         """``schedule([(rid, num_tokens) for rid in request_ids])``, for a step in which
         every request gets the same count (decode, or verifying k draft tokens),
         without building the pairs. Same checks, errors and result."""

@@ -42,13 +42,7 @@ def _power_of_two_at_least(n: int) -> int:
 class GroupTable:
     """Page tables of one group for every request row: a view of its ``TableSet``."""
 
-    def __init__(
-        self,
-        spec: CacheGroupSpec,
-        *,
-        max_context_tokens: int,
-        max_step_tokens: int,
-    ):
+    def __init__(self, spec: CacheGroupSpec, *, max_context_tokens: int, max_step_tokens: int):
         self.spec = spec
         self.page_tokens = spec.page_tokens
         self.rows_per_page = spec.rows_per_page
@@ -92,19 +86,10 @@ class TableSet:
     that each ``GroupTable`` views. While ``log`` is a list, every cell a mutation touches is logged for
     ``drain_updates`` (the first drain after ``start_log`` is a resync: docs/manager.md, "Block table modes")."""
 
-    def __init__(
-        self,
-        specs: list[CacheGroupSpec] | tuple[CacheGroupSpec, ...],
-        *,
-        max_context_tokens: int,
-        max_step_tokens: int,
-        initial_rows: int = 64,
-        id_offsets: list[int] | None = None,
-    ):
-        self.tables = [
-            GroupTable(s, max_context_tokens=max_context_tokens, max_step_tokens=max_step_tokens)
-            for s in specs
-        ]
+    def __init__(self, specs: list[CacheGroupSpec] | tuple[CacheGroupSpec, ...], *, max_context_tokens: int,
+                 max_step_tokens: int, initial_rows: int = 64, id_offsets: list[int] | None = None):
+        self.tables = [GroupTable(s, max_context_tokens=max_context_tokens, max_step_tokens=max_step_tokens)
+                       for s in specs]
         self.view_columns = max(t.capacity_pages for t in self.tables)
         self.row_cells = sum(t.capacity_pages for t in self.tables)  # the live cells a row holds at most
         self.geometry = np.zeros((len(self.tables), kernels.GEOMETRY_COLUMNS), dtype=np.int64)
