@@ -194,20 +194,17 @@ class PagePool:
     num_cached_pages = property(lambda self: int(np.count_nonzero(self.cached)))
 
     def make_room(self, count: int, highest: int = 0, packs: bool = False) -> None:
-        """Evict cached entries so that the free stack's top ``count`` ids are the ones
-        an allocation of ``count`` pages takes: in a lowest-first pool, idle
-        low-priority entries holding ids below the ``count - highest`` lowest free ones
-        (packing: long-lived pages stay low, so the slabs above them hold only idle
-        pages an arena can lend; the ``highest`` pages, released again at the next step,
-        take the highest free ids), then least recently used entries while the stack is
-        short. The one place allocation evicts. A packing that finds an idle low-priority
-        id below those it takes, with free ids to spare, clears ``pack_ahead_pages`` more
-        (below the ``count - highest + pack_ahead_pages`` lowest free ids, or all if fewer),
-        so the next steps need not pack. Packing is skipped without asking
-        ``must_pack`` when no idle low-priority id can lie below those lowest free ones
-        (``_low_floor``, a lower bound of them, is not below the highest): it would find
-        nothing to evict. ``packs``: the caller knows that packing is due (``kernels.room_groups``
-        asked with the free stack covering the allocation): ``must_pack`` is not asked again."""
+        """Evict cached entries so that the free stack's top ``count`` ids are the ones an allocation of ``count``
+        pages takes: in a lowest-first pool, idle low-priority entries holding ids below the ``count - highest``
+        lowest free ones (packing: long-lived pages stay low, so the slabs above them hold only idle pages an arena
+        can lend; the ``highest`` pages, released again at the next step, take the highest free ids), then least
+        recently used entries while the stack is short. The one place allocation evicts. A packing that finds an idle
+        low-priority id below those it takes, with free ids to spare, clears ``pack_ahead_pages`` more (below the
+        ``count - highest + pack_ahead_pages`` lowest free ids, or all if fewer), so the next steps need not pack.
+        Packing is skipped without asking ``must_pack`` when no idle low-priority id can lie below those lowest free
+        ones (``_low_floor``, a lower bound of them, is not below the highest): it would find nothing to evict.
+        ``packs``: the caller knows that packing is due (``kernels.room_groups`` asked with the free stack covering
+        the allocation): ``must_pack`` is not asked again."""
         long, top = count - highest, int(self._tops[self._slot])
         if long > 0 and self.lowest_first and self._lows[self._slot]:
             short = top < long
@@ -227,14 +224,12 @@ class PagePool:
         return 0 if granted < PACK_AHEAD_MIN_POOL_PAGES else min(PACK_AHEAD_PAGES, granted >> 7)
 
     def _evict_low_below(self, count: int, ahead: int = 0) -> None:
-        """Evict idle low-priority entries holding ids below the ``count`` lowest free
-        ones, so an allocation takes the lowest ids of free and low-priority pages (the
-        ids an eviction frees count as free for the next), lowest id first; with ``ahead``
-        (``count`` free ids at least), below the ``count + ahead`` lowest (or all) when one
-        lies below the ``count`` lowest, else none. One batch where telling of a removal
-        cannot change this pool (``evict_many`` set, or no one to tell), its ids read
-        by scans that each go on where the last stopped; else each entry at once
-        (``_evict_low_each``)."""
+        """Evict idle low-priority entries holding ids below the ``count`` lowest free ones, so an allocation takes
+        the lowest ids of free and low-priority pages (the ids an eviction frees count as free for the next), lowest
+        id first; with ``ahead`` (``count`` free ids at least), below the ``count + ahead`` lowest (or all) when one
+        lies below the ``count`` lowest, else none. One batch where telling of a removal cannot change this pool
+        (``evict_many`` set, or no one to tell), its ids read by scans that each go on where the last stopped; else
+        each entry at once (``_evict_low_each``)."""
         top, each = self._top, self.on_removed is not None and self.evict_many is None
         end = int(self._stack[top - count]) if top >= count else self.num_pages  # scanned below it
         candidates = self._low_idle_ids(end, 1 if each else _SCAN_PAGES)
@@ -297,9 +292,8 @@ class PagePool:
             freed += self._unpublish_many([self._page_key[first[0]]])
 
     def _low_idle_ids(self, bound: int, most: int, start: int = -1) -> list[int]:
-        """The first ``most`` idle low-priority page ids from ``start`` (default
-        ``_low_floor``) up to ``bound`` (excluded), the lowest last (popped first): one
-        scan of the flags (``kernels.low_idle_ids``)."""
+        """The first ``most`` idle low-priority page ids from ``start`` (default ``_low_floor``) up to ``bound``
+        (excluded), the lowest last (popped first): one scan of the flags (``kernels.low_idle_ids``)."""
         start = self._low_floor if start < 0 else start
         if start >= bound:
             return []
@@ -308,8 +302,7 @@ class PagePool:
         return out[:n][::-1].tolist()
 
     def _tell_ranker(self, pages: np.ndarray, tick: int) -> None:
-        """``pages`` (logical order) joined the LRU at ``tick``: the ranker hears of the
-        normal-priority ones."""
+        """``pages`` (logical order) joined the LRU at ``tick``: the ranker hears of the normal-priority ones."""
         low, page_key = self.low_priority, self._page_key
         listed = pages[::-1].tolist()
         self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in listed if not low[p]], tick)
@@ -406,8 +399,7 @@ class PagePool:
         return idle
 
     def unpublish(self, key: Hashable, cause: str = UNPUBLISHED) -> int:
-        """Drop an entry; its pages that no request holds go back to the free stack
-        (their count is returned)."""
+        """Drop an entry; its pages that no request holds go back to the free stack (their count is returned)."""
         removal = self._drop_entry(key, cause)
         if self.on_removed is not None:
             self.on_removed(*removal)
@@ -505,19 +497,17 @@ class PagePool:
         return sum(idle for _, _, idle in removals)
 
     def evict_entries(self, keys: Sequence[Hashable], cause: str = EVICTED) -> list[tuple[Hashable, str, int]]:
-        """Unpublish the published entries ``keys`` as evictions (their idle pages counted as
-        evicted). Tells no one: returns, per entry in order, what :meth:`unpublish` would
-        tell ``on_removed``."""
+        """Unpublish the published entries ``keys`` as evictions (their idle pages counted as evicted). Tells no one:
+        returns, per entry in order, what :meth:`unpublish` would tell ``on_removed``."""
         removals = self.drop_entries(keys, cause)
         self.counters.evicted_pages += sum(idle for _, _, idle in removals)
         return removals
 
     def drop_entries(self, keys: Sequence[Hashable], cause: str = UNPUBLISHED) -> list[tuple[Hashable, str, int]]:
-        """Unpublish the published entries ``keys`` in one compiled pass over their pages
-        (``lru.drop_units``), telling no one and counting no eviction: the free
-        stack ends as after one :meth:`unpublish` each, in order (the last entry's pages
-        on top). Per entry, in order, what :meth:`unpublish` would tell ``on_removed``:
-        (key, cause: ``EVICTED_LOW`` for a low-priority entry evicted, idle pages freed)."""
+        """Unpublish the published entries ``keys`` in one compiled pass over their pages (``lru.drop_units``),
+        telling no one and counting no eviction: the free stack ends as after one :meth:`unpublish` each, in order
+        (the last entry's pages on top). Per entry, in order, what :meth:`unpublish` would tell ``on_removed``: (key,
+        cause: ``EVICTED_LOW`` for a low-priority entry evicted, idle pages freed)."""
         if len(keys) == 1:
             return [self._drop_entry(keys[0], cause)]
         if self.space is not None:
@@ -702,11 +692,10 @@ class PageSpace:
 
     def drop_units(self, pools: Sequence[PagePool], keys: Sequence[Hashable],
                    cause: str = UNPUBLISHED) -> tuple[list[list[str]], list[int], list[tuple[Hashable, str, int]]]:
-        """``pool.drop_entries(…, cause)`` of the ``keys`` each of ``pools`` (this space's)
-        publishes, telling no one, all in one compiled pass (``lru.drop_units``: each pool's
-        free stack ends as after its own ``drop_entries``). Returns per key, in order, the group
-        ids of the pools it left (in ``pools`` order); per pool its idle pages freed; and what
-        ``pools[0].drop_entries`` returns of the keys it published."""
+        """``pool.drop_entries(…, cause)`` of the ``keys`` each of ``pools`` (this space's) publishes, telling no
+        one, all in one compiled pass (``lru.drop_units``: each pool's free stack ends as after its own
+        ``drop_entries``). Returns per key, in order, the group ids of the pools it left (in ``pools`` order); per
+        pool its idle pages freed; and what ``pools[0].drop_entries`` returns of the keys it published."""
         arrays = (self.ref_counts, self.cached, self.low_priority, self.lru_prev, self.lru_next, self.stack,
                   self.offsets, self.per_group, self.idle_counts)
         return _drop_keys(arrays, [(pool._entries.pop, pool._slot, pool.group_id) for pool in pools], keys, cause)

@@ -198,9 +198,8 @@ class PrefixCache:
 
     def _init_commit_reader(self, pools: Mapping[str, PagePool], tables: Mapping[str, GroupTable],
                             windows: Mapping[str, int]) -> None:
-        """What a commit publishes, read in one call (``_reader``): per history group (group,
-        pool, pages per block, its stats), per state group storing checkpoints (group, pool,
-        pages per checkpoint, its holders, its stats)."""
+        """What a commit publishes, read in one call (``_reader``): per history group (group, pool, pages per block,
+        its stats), per state group storing checkpoints (group, pool, pages per checkpoint, its holders, its stats)."""
         g = self.granularity_tokens
         self._reader = CommitPages([(tables[gid], g // tables[gid].page_tokens) for gid in self.history_ids],
                                    [(tables[gid], windows[gid]) for gid in self.state_ids], self._space)
@@ -221,10 +220,9 @@ class PrefixCache:
         self._init_units()
 
     def _init_units(self) -> None:
-        """What commits claimed whole read (``_commit_units``): every group in order, its pool
-        (one ``PageSpace.adopt`` call's), id, pages and stats; each history group's id and
-        pages (its events); each state group's holders. Only with state groups and no pinning
-        interval do commits run so."""
+        """What commits claimed whole read (``_commit_units``): every group in order, its pool (one
+        ``PageSpace.adopt`` call's), id, pages and stats; each history group's id and pages (its events); each state
+        group's holders. Only with state groups and no pinning interval do commits run so."""
         self._units = bool(self.state_ids) and self.state_checkpoint_interval is None
         unit = self._history_groups + [(gid, pool, n, stats) for gid, pool, n, _, stats in self._state_groups]
         self._unit_pools_in_order = [pool for _, pool, _, _ in unit]
@@ -621,10 +619,9 @@ class PrefixCache:
             self._supersede(req, new_own, stored, let_go)
 
     def _plan(self, req: CommittingRequest, hashes: RequestHashes, first_block: int, end_block: int) -> tuple:
-        """What a commit of blocks ``[first_block, end_block)`` publishes: the blocks' keys,
-        the checkpoint boundaries and pins (:meth:`_checkpoint_boundaries`), the checkpoints'
-        keys, parents and entries (:meth:`_found_checkpoints`), and ``want``
-        (``CommitPages.read``'s)."""
+        """What a commit of blocks ``[first_block, end_block)`` publishes: the blocks' keys, the checkpoint
+        boundaries and pins (:meth:`_checkpoint_boundaries`), the checkpoints' keys, parents and entries
+        (:meth:`_found_checkpoints`), and ``want`` (``CommitPages.read``'s)."""
         hh = hashes.hashes
         boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
         keys, want = hh[first_block:end_block], []
@@ -636,12 +633,11 @@ class PrefixCache:
 
     def _found_checkpoints(self, hashes: RequestHashes, first_block: int, keys: list[int], boundaries: list[int],
                            pins: list[bool | None], want: list) -> tuple[list, list, list]:
-        """Each checkpoint's key and parent key (where a checkpoint ends each of the blocks
-        ``keys`` from ``first_block``, the speculative ones then the latest, the blocks' own)
-        and its entry in each state group (None: not published), boundary by boundary; onto
-        ``want`` (``CommitPages.read``'s, the blocks' part) whether to claim each: where it is
-        missing (and its window live: the claim checks), low priority for a speculative one
-        (``pins`` None: unheld; with ``"prefill-per-byte"`` low while that class rates low)."""
+        """Each checkpoint's key and parent key (where a checkpoint ends each of the blocks ``keys`` from
+        ``first_block``, the speculative ones then the latest, the blocks' own) and its entry in each state group
+        (None: not published), boundary by boundary; onto ``want`` (``CommitPages.read``'s, the blocks' part) whether
+        to claim each: where it is missing (and its window live: the claim checks), low priority for a speculative
+        one (``pins`` None: unheld; with ``"prefill-per-byte"`` low while that class rates low)."""
         n_speculative = pins.count(None)
         low = 2 if n_speculative and (self.values is None or self.values.low_priority(SPECULATIVE)) else 1
         g, hh, root, lookups = self.granularity_tokens, hashes.hashes, hashes.root, self._state_lookups
@@ -662,11 +658,10 @@ class PrefixCache:
 
     def _checkpoint_boundaries(self, req: CommittingRequest, first_block: int,
                                end_block: int) -> tuple[list[int], list[bool | None]]:
-        """The checkpoints a commit of blocks ``[first_block, end_block)`` publishes, and
-        for each whether the request pins it (None: a speculative one): the speculative
-        boundaries (crossed, not pinned, kept by the policy), then the request's own ones:
-        the pinned ones crossed (its junction, multiples of ``state_checkpoint_interval``),
-        then the latest."""
+        """The checkpoints a commit of blocks ``[first_block, end_block)`` publishes, and for each whether the
+        request pins it (None: a speculative one): the speculative boundaries (crossed, not pinned, kept by the
+        policy), then the request's own ones: the pinned ones crossed (its junction, multiples of
+        ``state_checkpoint_interval``), then the latest."""
         g, interval, keep = self.granularity_tokens, self.state_checkpoint_interval, req.keep_boundaries
         latest = end_block * g
         keeps = None if self.checkpoint_policy == "terminal-and-junctions" else self.policy.speculative
@@ -682,11 +677,10 @@ class PrefixCache:
 
     def _publish_blocks(self, hashes: RequestHashes, first_block: int, keys: list[int], pages: list[int],
                         status: list[int], stored: list[tuple]) -> int:
-        """Every history group's blocks ``keys`` (from ``first_block``) that the commit claimed
-        (``pages``, ``status``: ``CommitPages.read``'s, history groups first), recorded with
-        one ``PageSpace.adopt`` call and booked in one ``ValueEviction.stored_blocks`` call for
-        all groups (tier link, stats; ``stored`` takes their events, group by group, zipped in
-        C from the keys); how many of ``pages`` were the history groups'."""
+        """Every history group's blocks ``keys`` (from ``first_block``) that the commit claimed (``pages``,
+        ``status``: ``CommitPages.read``'s, history groups first), recorded with one ``PageSpace.adopt`` call and
+        booked in one ``ValueEviction.stored_blocks`` call for all groups (tier link, stats; ``stored`` takes their
+        events, group by group, zipped in C from the keys); how many of ``pages`` were the history groups'."""
         g, hook, n_blocks, hh = self.granularity_tokens, self.tier_hook, len(keys), hashes.hashes
         parents = hh[first_block - 1:first_block - 1 + n_blocks] if first_block else [hashes.root, *keys[:-1]]
         ends = range((first_block + 1) * g, (first_block + n_blocks + 1) * g, g)
@@ -711,12 +705,10 @@ class PrefixCache:
 
     def _publish_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], state: list[int],
                              status: list[int], found: list, stored: list[tuple]) -> list:
-        """The checkpoints at ``boundaries`` (``keys``, ``parents``) the commit claimed
-        (``state``, ``status``: ``CommitPages.read``'s state part, boundary by boundary, state
-        group by state group), recorded with one ``PageSpace.adopt`` call for all groups
-        (stats); ``stored`` takes their events, boundary by boundary, group by group. Each
-        boundary's entry in each state group, new or ``found`` (None where missing), in that
-        order."""
+        """The checkpoints at ``boundaries`` (``keys``, ``parents``) the commit claimed (``state``, ``status``:
+        ``CommitPages.read``'s state part, boundary by boundary, state group by state group), recorded with one
+        ``PageSpace.adopt`` call for all groups (stats); ``stored`` takes their events, boundary by boundary, group
+        by group. Each boundary's entry in each state group, new or ``found`` (None where missing), in that order."""
         n, places, entries = len(self.state_ids), self._window_places, found  # ``found`` becomes them
         adopted = ([], [], [])  # one ``PageSpace.adopt`` call's pools, keys and entries
         for s, (gid, pool, _, _, stats) in enumerate(self._state_groups):
@@ -738,11 +730,10 @@ class PrefixCache:
 
     def _book_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], pins: list[bool | None],
                           entries: list, status: list[int]) -> list[OwnCheckpoint]:
-        """Book each checkpoint the commit published (``status`` 2; ``entries``: each
-        boundary's pages in each state group, None where missing): tier link and checkpoint
-        values (:meth:`_tell_checkpoints`), then ``ValueEviction.stored_checkpoint`` boundary by
-        boundary; the request's own ones (``pins`` not None, after the speculative ones)
-        returned, each held in every state group that has it."""
+        """Book each checkpoint the commit published (``status`` 2; ``entries``: each boundary's pages in each state
+        group, None where missing): tier link and checkpoint values (:meth:`_tell_checkpoints`), then
+        ``ValueEviction.stored_checkpoint`` boundary by boundary; the request's own ones (``pins`` not None, after
+        the speculative ones) returned, each held in every state group that has it."""
         gids, holders, n = self.state_ids, self._state_holders, len(self.state_ids)
         if self.tier_hook is not None or self.values is not None:
             self._tell_checkpoints(keys, boundaries, pins, entries, status)

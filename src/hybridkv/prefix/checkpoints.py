@@ -57,10 +57,9 @@ class CheckpointPolicy:
 def checkpoint_policy(
     name: str | None, prompt_checkpoints: bool | None, interval_tokens: int | None, grain_tokens: int
 ) -> CheckpointPolicy:
-    """The policy from its name, the older ``prompt_checkpoints`` switch (True:
-    ``"prompt-boundaries"``, False: ``"terminal-and-junctions"``) and its parameter;
-    ValueError when the name is unknown, the two disagree, or the interval is missing,
-    misplaced or not a positive multiple of the grain."""
+    """The policy from its name, the older ``prompt_checkpoints`` switch (True: ``"prompt-boundaries"``, False:
+    ``"terminal-and-junctions"``) and its parameter; ValueError when the name is unknown, the two disagree, or the
+    interval is missing, misplaced or not a positive multiple of the grain."""
     if name is not None and name not in CHECKPOINT_POLICIES:
         raise ValueError(f"checkpoint_policy must be one of {CHECKPOINT_POLICIES}, got {name!r}")
     if prompt_checkpoints is not None:
@@ -99,9 +98,8 @@ CLASSES = (SPECULATIVE, OWN, REUSED)
 
 
 class CheckpointValues:
-    """Saved prefill per byte, blended with recency, of a ``"prefill-per-byte"`` prefix cache's checkpoints
-    (one record per key; the score and the expected reuse per class: docs/prefix-caching.md, "Checkpoint
-    policies")."""
+    """Saved prefill per byte, blended with recency, of a ``"prefill-per-byte"`` prefix cache's checkpoints (one
+    record per key; the score and the expected reuse per class: docs/prefix-caching.md, "Checkpoint policies")."""
 
     def __init__(self, checkpoint_tokens: int = CHECKPOINT_HISTORY_TOKENS):
         self.checkpoint_tokens = as_int("checkpoint_tokens", checkpoint_tokens, minimum=1)
@@ -235,12 +233,11 @@ class CheckpointValues:
 
 
 class CheckpointOrder:
-    """The ``"prefill-per-byte"`` eviction order of the state pools' checkpoints, kept incrementally (the
-    full sort's decisions, :meth:`CheckpointValues.eviction_order`): one heap per pool and class by
-    :meth:`CheckpointValues.static_key`, then the checkpoints gone idle (or :meth:`mended`) since the last
-    freed request (docs/prefix-caching.md, "Checkpoint policies"). A pool with ``ranker`` set to this
-    object reports pages gone idle (:meth:`went_idle`) and takes its normal-priority victims from
-    :meth:`victim`."""
+    """The ``"prefill-per-byte"`` eviction order of the state pools' checkpoints, kept incrementally (the full sort's
+    decisions, :meth:`CheckpointValues.eviction_order`): one heap per pool and class by
+    :meth:`CheckpointValues.static_key`, then the checkpoints gone idle (or :meth:`mended`) since the last freed
+    request (docs/prefix-caching.md, "Checkpoint policies"). A pool with ``ranker`` set to this object reports pages
+    gone idle (:meth:`went_idle`) and takes its normal-priority victims from :meth:`victim`."""
 
     def __init__(self, values: CheckpointValues, pools: Sequence, idle_clock,
                  beyond_gap: Callable[[Hashable], bool] | None = None):
@@ -265,8 +262,7 @@ class CheckpointOrder:
             pool.ranker = self
 
     def went_idle(self, group_id: str, pages: list, tick: int) -> None:
-        """``pages`` ((page, key) of normal priority, in LRU order) of pool ``group_id``
-        went idle at ``tick``."""
+        """``pages`` ((page, key) of normal priority, in LRU order) of pool ``group_id`` went idle at ``tick``."""
         version = self._version.get
         self._fresh[group_id].extend((page, key, tick, version(key, 0)) for page, key in pages)
 
@@ -355,9 +351,8 @@ class CheckpointOrder:
         return any(ref[p] == 0 and idle_tick[p] <= self._tick for p in pages)
 
     def victim(self, pool, taken: set) -> Hashable | None:
-        """The next normal-priority checkpoint ``pool`` evicts (not in ``taken``): the
-        lowest of the class heads, then those gone idle since the last freed request in
-        LRU order; None if none is left."""
+        """The next normal-priority checkpoint ``pool`` evicts (not in ``taken``): the lowest of the class heads,
+        then those gone idle since the last freed request in LRU order; None if none is left."""
         best = None
         values = self.values
         for kind, heap in self._heaps[pool.group_id].items():

@@ -840,9 +840,8 @@ class CacheManager:
 
     def schedule_uniform(self, request_ids: Sequence[str], num_tokens: int, *, fixed_width: bool = False,
                          block_tables: str = "full", write_slots: bool = True) -> StepBatch:
-        """``schedule([(rid, num_tokens) for rid in request_ids])``, for a step in which
-        every request gets the same count (decode, or verifying k draft tokens),
-        without building the pairs. Same checks, errors and result."""
+        """``schedule([(rid, num_tokens) for rid in request_ids])``, for a step in which every request gets the same
+        count (decode, or verifying k draft tokens), without building the pairs. Same checks, errors and result."""
         if type(request_ids) is not tuple:  # a tuple passes ``check_request_ids``
             check_request_ids("request_ids", request_ids, CacheManagerError)
             request_ids = tuple(request_ids)
@@ -1411,8 +1410,7 @@ class CacheManager:
         return local, per_group
 
     def held_outside_pages(self, group_id: str) -> int:
-        """Holds taken by :meth:`hold_pages_by_group` and not released (a page held twice
-        counts twice)."""
+        """Holds taken by :meth:`hold_pages_by_group` and not released (a page held twice counts twice)."""
         held = self._held_outside.get(group_id) if type(group_id) is str else None
         if held is None:
             raise CacheManagerError(f"unknown group {group_id!r}; groups are {list(self._held_outside)}")

@@ -143,8 +143,7 @@ class TableSet:
             self.geometry[g, kernels.FREE_COUNT] = free + new - have
 
     def store_bytes(self) -> tuple[int, int]:
-        """(bytes allocated for the store, bytes of it in use: the narrow rings and
-        the lanes of wide rows)."""
+        """(bytes allocated for the store, bytes of it in use: the narrow rings and the lanes of wide rows)."""
         rows = self.rows_capacity
         wide = sum(int(np.count_nonzero(self.bounds[kernels.LANE, g])) * t.capacity_pages
                    for g, t in enumerate(self.tables))
