@@ -235,10 +235,9 @@ def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, prev, nxt, per
 @njit(cache=True)
 def free_rows_listed(geometry, pages, bounds, ref, keyed, stack, per_group, idle_tick, low_priority, prev, nxt,
                      clock, rows, keyed_counts, keyed_out, cells_out):
-    """``kernels.free_rows``, then :func:`join` of the keyed pages it left idle: how many per group to
-    ``keyed_counts``, the pages (group after group) to ``keyed_out`` as far as it has room. The cells emptied
-    go to ``cells_out`` (room for every live cell of ``rows``: a returned array would cost its caller a call);
-    returns how many."""
+    """``kernels.free_rows``, then :func:`join` of the keyed pages it left idle: how many per group to ``keyed_counts``,
+    the pages (group after group) to ``keyed_out`` as far as it has room. The cells emptied go to ``cells_out`` (room
+    for every live cell of ``rows``: a returned array would cost its caller a call); returns how many."""
     touched, idle_keyed, keyed_per_group = free_rows(geometry, pages, bounds, ref, keyed, stack, per_group, rows)
     join(idle_tick, low_priority, prev, nxt, per_group[LRU_PAGES], per_group[LOW_IDLE_PAGES], per_group[LOW_FLOOR],
          geometry[:, ID_OFFSET].copy(), keyed_per_group, idle_keyed, clock)

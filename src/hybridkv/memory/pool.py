@@ -449,10 +449,9 @@ class PagePool:
         return list(self._entries)
 
     def _evict_lru(self, pages_needed: int) -> None:
-        """Evict least recently used entries until ``pages_needed`` idle pages are freed
-        (the same entries, in the same order, as evicting one at a time); idle
-        low-priority entries at the head of the LRU go ``_LOW_EVICT_PAGES`` pages beyond
-        that in the same pass, so a run of small allocations does not evict once each."""
+        """Evict least recently used entries until ``pages_needed`` idle pages are freed (the same entries, in the same
+        order, as evicting one at a time); idle low-priority entries at the head of the LRU go ``_LOW_EVICT_PAGES``
+        pages beyond that in the same pass, so a run of small allocations does not evict once each."""
         keys, freed, seen = [], 0, set()
         page_key, low, entries, nxt, ranker = (self._page_key, self.low_priority, self._entries,
                                                self._lru_views[1], self.ranker)

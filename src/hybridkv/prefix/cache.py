@@ -1,11 +1,10 @@
 """Prefix caching across hybrid groups: content keys, publication, matching (docs/prefix-caching.md).
 
-Content keys are chained hashes over blocks of ``granularity_tokens`` tokens: ``h[b] = H(h[b-1] ||
-tokens of block b)``, ``h[-1] = H(salt)``. History groups publish block ``b``'s pages under ``h[b]``
-once committed; state groups publish a checkpoint at a boundary ``D`` (the pages of the window
-``[D-W, D)``) under ``h[D/G - 1]``, a request keeping its latest, its pinned ones and those its
-checkpoint policy keeps (:mod:`hybridkv.prefix.checkpoints`). A hit at ``D <= prompt - 1`` needs every
-history group's blocks below ``D`` and every state group's checkpoint at exactly ``D``.
+Content keys are chained hashes over blocks of ``granularity_tokens`` tokens: ``h[b] = H(h[b-1] || tokens of block b)``,
+``h[-1] = H(salt)``. History groups publish block ``b``'s pages under ``h[b]`` once committed; state groups publish a
+checkpoint at a boundary ``D`` (the pages of the window ``[D-W, D)``) under ``h[D/G - 1]``, a request keeping its
+latest, its pinned ones and those its checkpoint policy keeps (:mod:`hybridkv.prefix.checkpoints`). A hit at
+``D <= prompt - 1`` needs every history group's blocks below ``D`` and every state group's checkpoint at exactly ``D``.
 """
 
 from __future__ import annotations
@@ -310,11 +309,10 @@ class PrefixCache:
         return PrefixHit(k * g, {gid: reach[i] * g for gid, i in zip(self._spec_ids, self._reach_index)}, limit * g)
 
     def _match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> tuple[int, int, list[int], list[list], list]:
-        """The hit for a prompt (its last token aside), in blocks; the blocks every history group holds from
-        the first; each group's reach alone (``_reach_index`` says where a spec's lies); per history group its
-        entries from the first block on, and per state group its entry at the hit ([] without one). Plain
-        loops: cheaper run cold. The state groups' walks down start below the prompt's last blocks no group
-        publishes (``ValueEviction.knows``)."""
+        """The hit for a prompt (its last token aside), in blocks; the blocks every history group holds from the first;
+        each group's reach alone (``_reach_index`` says where a spec's lies); per history group its entries from the
+        first block on, and per state group its entry at the hit ([] without one). Plain loops: cheaper run cold. The
+        state groups' walks down start below the prompt's last blocks no group publishes (``ValueEviction.knows``)."""
         g = self.granularity_tokens
         max_blocks = (prompt_ids.size - 1) // g
         hashes.extend_to(prompt_ids, max_blocks * g)

@@ -1,9 +1,8 @@
 """Which cached entries go first when memory is short: one notion of value across groups.
 
-A cached prefix is usable at ``D`` only with every history block below ``D`` and a checkpoint at ``D``
-in every state group. :class:`ValueEviction` keeps the pools' evictions consistent with that rule:
-*units* leave together, *orphans* and entries beyond a *gap* are demoted (docs/prefix-caching.md,
-"Eviction by value").
+A cached prefix is usable at ``D`` only with every history block below ``D`` and a checkpoint at ``D`` in every state
+group. :class:`ValueEviction` keeps the pools' evictions consistent with that rule: *units* leave together, *orphans*
+and entries beyond a *gap* are demoted (docs/prefix-caching.md, "Eviction by value").
 """
 
 from __future__ import annotations

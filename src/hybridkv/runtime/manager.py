@@ -1,9 +1,8 @@
 """The runtime cache manager: the one object an engine calls every step.
 
-Flow of one step: ``check_admission`` (pure) -> ``schedule`` (commit the previous
-step's tokens to the prefix cache, release slid-out pages, allocate, build the
-kernel arrays) -> the engine runs the step -> optionally ``rewind`` (speculative
-tokens rejected) -> next step. ``free`` ends a request.
+Flow of one step: ``check_admission`` (pure) -> ``schedule`` (commit the previous step's tokens to the prefix cache,
+release slid-out pages, allocate, build the kernel arrays) -> the engine runs the step -> optionally ``rewind``
+(speculative tokens rejected) -> next step. ``free`` ends a request.
 
 Every public method validates its whole input before it mutates anything.
 """
@@ -322,9 +321,8 @@ class CacheManager:
     ) -> CacheManager:
         """Build from a ``hybridkv.plan.Plan`` (pages per group, limits, capture widths).
 
-        ``page_space="per-group"``: one pool per group with the plan's page counts.
-        ``"shared"``: one arena of the plan's budget (its bytes when it has no
-        budget) lent to the groups in slabs (:mod:`hybridkv.memory.arena`)."""
+        ``page_space="per-group"``: one pool per group with the plan's page counts. ``"shared"``: one arena of the
+        plan's budget (its bytes when it has no budget) lent to the groups in slabs (:mod:`hybridkv.memory.arena`)."""
         arena = None
         if page_space == "shared":
             arena = shared_arena_for(plan, slab_anchor_pages)
@@ -422,8 +420,7 @@ class CacheManager:
     def append_token_ids_many(self, request_ids: Sequence[str], token_ids: Any) -> None:
         """Append ``k`` token ids to each of many requests (``token_ids``: ints ``[n, k]``).
 
-        The decode-step form of ``append_token_ids``: one validation for the whole
-        array; all or nothing.
+        The decode-step form of ``append_token_ids``: one validation for the whole array; all or nothing.
         """
         check_request_ids("request_ids", request_ids, CacheManagerError)
         if len(request_ids) == 0:
@@ -820,15 +817,12 @@ class CacheManager:
                  write_slots: bool = True, load: bool = False) -> StepBatch:
         """Release, allocate and build the kernel arrays for one step (all or nothing).
 
-        ``block_tables="full"`` builds each group's ``[R, width]`` table;
-        ``"updates"`` hands out only the table cells that changed
-        (``StepBatch.table_updates``, applied by ``hybridkv.tables.mirror.BlockTableMirror``).
-        ``write_slots=False`` leaves every ``GroupStep.write_slots`` None, for an
-        engine that computes them itself from its mirrored tables and the positions.
-        ``load=True`` (with ``write_slots=False``): a *load step* (a tier load,
-        ``hybridkv.tierlink``): the items' tokens are copied in, not computed, so in a sliding
-        group each request holds only the pages of the checkpoint at its new end, as after a
-        prefix hit there (docs/manager.md, "Load steps").
+        ``block_tables="full"`` builds each group's ``[R, width]`` table; ``"updates"`` hands out only the table cells
+        that changed (``StepBatch.table_updates``, applied by ``hybridkv.tables.mirror.BlockTableMirror``).
+        ``write_slots=False`` leaves every ``GroupStep.write_slots`` None, for an engine that computes them itself from
+        its mirrored tables and the positions. ``load=True`` (with ``write_slots=False``): a *load step* (a tier load,
+        ``hybridkv.tierlink``): the items' tokens are copied in, not computed, so in a sliding group each request holds
+        only the pages of the checkpoint at its new end, as after a prefix hit there (docs/manager.md, "Load steps").
         """
         check_items(items, CacheManagerError)
         if load and write_slots:

@@ -20,17 +20,14 @@ ring is a power of two, so it often fits a few more: V4's c4 state rings fit 6).
 
 
 def live_pages_bound(window_tokens: int, page_tokens: int, step_tokens: int) -> int:
-    """The most pages a sliding row holds live after a step writing ``step_tokens``
-    tokens: ``cdiv(W + n + T - 2, T)``.
+    """The most pages a sliding row holds live after a step writing ``step_tokens`` tokens: ``cdiv(W + n + T - 2, T)``.
 
-    Proof: a step writing ``[first, first + n)`` keeps pages from
-    ``floor(max(first - W + 1, 0) / T)`` (the release point; the base never lags it,
-    every step releases up to it) to ``ceil((first + n) / T)`` (the hi before the
-    step is at most ``ceil(first / T)``). With ``a = first - W + 1 = qT + r``,
-    ``0 <= r < T``, that is ``ceil((r + W - 1 + n) / T)`` pages, largest at
-    ``r = T - 1``; below ``first = W - 1`` the base is 0 and the count is
-    ``ceil((first + n) / T)``, no more. ``tests/test_tables.py`` checks it against
-    the kernels' plan for every ``first``.
+    Proof: a step writing ``[first, first + n)`` keeps pages from ``floor(max(first - W + 1, 0) / T)`` (the release
+    point; the base never lags it, every step releases up to it) to ``ceil((first + n) / T)`` (the hi before the step is
+    at most ``ceil(first / T)``). With ``a = first - W + 1 = qT + r``, ``0 <= r < T``, that is
+    ``ceil((r + W - 1 + n) / T)`` pages, largest at ``r = T - 1``; below ``first = W - 1`` the base is 0 and the count
+    is ``ceil((first + n) / T)``, no more. ``tests/test_tables.py`` checks it against the kernels' plan for every
+    ``first``.
     """
     return cdiv(window_tokens + step_tokens + page_tokens - 2, page_tokens)
 
