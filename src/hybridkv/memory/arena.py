@@ -68,10 +68,8 @@ def arena_geometry(page_bytes: Mapping[str, int], budget_bytes: int, *, anchor_g
     slab = max(anchor_pages, -(-2 * largest // anchor)) * anchor
     slabs = (budget - reserved) // slab if budget > reserved else 0
     if slabs < 1:
-        raise ValueError(
-            f"KV memory of {budget:,} B holds no slab: a shared arena needs {reserved + slab:,} B "
-            f"at least ({reserved:,} B of null pages + one {slab:,} B slab)"
-        )
+        raise ValueError(f"KV memory of {budget:,} B holds no slab: a shared arena needs {reserved + slab:,} B "
+                         f"at least ({reserved:,} B of null pages + one {slab:,} B slab)")
     return ArenaGeometry(dict(sizes), reserved, slab, int(slabs))
 
 

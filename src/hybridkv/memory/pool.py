@@ -105,9 +105,7 @@ class PagePool:
     def __init__(self, group_id: str, num_pages: int, *, shuffle_seed: int | None = None, granted: bool = True,
                  lowest_first: bool = False):
         if isinstance(num_pages, bool) or int(num_pages) != num_pages or num_pages < 2:
-            raise ValueError(
-                f"group {group_id!r}: a pool needs at least 2 pages (null page + 1), got {num_pages!r}"
-            )
+            raise ValueError(f"group {group_id!r}: a pool needs at least 2 pages (null page + 1), got {num_pages!r}")
         self.group_id = group_id
         self.num_pages = int(num_pages)
         self.ref_counts = np.zeros(self.num_pages, dtype=np.int32)
@@ -533,8 +531,7 @@ class PagePool:
         idle_keyed = np.flatnonzero(self.cached & (self.ref_counts == 0))
         assert np.array_equal(idle_keyed, np.sort(self.evictable_page_ids())), "idle cached page outside the LRU"
         assert self._low_idle_pages == int(np.count_nonzero(self.low_priority[self.evictable_page_ids()])), (
-            "idle low-priority count"
-        )
+            "idle low-priority count")
         assert self.num_cached_pages == sum(map(len, self._entries.values())), "keyed pages outside the entries"
         assert self.ref_counts[NULL_PAGE] == 0
         assert np.all(self.ref_counts >= 0)

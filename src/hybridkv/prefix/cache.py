@@ -988,10 +988,8 @@ class PrefixCache:
 def _checkpoint_windows(specs: Sequence[CacheGroupSpec], overrides: Mapping[str, int] | None) -> dict[str, int]:
     """Per sliding group, the trailing tokens a checkpoint stores (the spec's, default the whole window, or
     ``overrides``')."""
-    windows = {
-        s.group_id: s.sliding_window_tokens if s.checkpoint_window_tokens is None else s.checkpoint_window_tokens
-        for s in specs if s.is_sliding
-    }
+    windows = {s.group_id: s.sliding_window_tokens if s.checkpoint_window_tokens is None else s.checkpoint_window_tokens
+               for s in specs if s.is_sliding}
     for gid, n in (overrides or {}).items():
         if gid not in windows:
             raise ValueError(f"checkpoint_window_tokens: {gid!r} is not a sliding group")
@@ -1012,16 +1010,12 @@ def _grain(specs: Sequence[CacheGroupSpec], windows: Mapping[str, int], granular
         raise ValueError(f"prefix_granularity must be positive, got {granularity_tokens!r}")
     for s in specs:
         if g % s.page_tokens:
-            raise ValueError(
-                f"prefix_granularity {g} must be a multiple of group {s.group_id!r} page tokens "
-                f"({s.page_tokens}); the smallest valid grain here is "
-                f"{reduce(lcm, [x.page_tokens for x in specs], 1)}"
-            )
+            raise ValueError(f"prefix_granularity {g} must be a multiple of group {s.group_id!r} page tokens "
+                             f"({s.page_tokens}); the smallest valid grain here is "
+                             f"{reduce(lcm, [x.page_tokens for x in specs], 1)}")
         if s.is_sliding and windows[s.group_id] > g:
-            raise ValueError(
-                f"prefix_granularity {g} is smaller than group {s.group_id!r} checkpoint window "
-                f"({windows[s.group_id]} tokens): checkpoints would overlap"
-            )
+            raise ValueError(f"prefix_granularity {g} is smaller than group {s.group_id!r} checkpoint window "
+                             f"({windows[s.group_id]} tokens): checkpoints would overlap")
     return g
 
 

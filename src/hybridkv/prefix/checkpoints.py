@@ -70,9 +70,7 @@ def checkpoint_policy(
     name = name or DEFAULT_CHECKPOINT_POLICY
     if name != "interval":
         if interval_tokens is not None:
-            raise ValueError(
-                f"checkpoint_interval_tokens applies to checkpoint_policy='interval' only, not {name!r}"
-            )
+            raise ValueError(f"checkpoint_interval_tokens applies to checkpoint_policy='interval' only, not {name!r}")
         return CheckpointPolicy(name)
     if interval_tokens is None:
         raise ValueError("checkpoint_policy='interval' needs checkpoint_interval_tokens")

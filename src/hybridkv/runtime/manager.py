@@ -253,15 +253,10 @@ class CacheManager:
     def _init_memory(self, group_pages: dict[str, int], shuffle_seed: int | None,
                      arena: ArenaGeometry | None) -> None:
         """The pools, the page space the kernels own, the arena and the table store."""
-        self.pools = {
-            s.group_id: PagePool(
-                s.group_id, group_pages[s.group_id],
-                shuffle_seed=None if shuffle_seed is None else shuffle_seed + i,
-                granted=arena is None,
-                lowest_first=arena is not None,
-            )
-            for i, s in enumerate(self.specs)
-        }
+        self.pools = {s.group_id: PagePool(s.group_id, group_pages[s.group_id],
+                                           shuffle_seed=None if shuffle_seed is None else shuffle_seed + i,
+                                           granted=arena is None, lowest_first=arena is not None)
+                      for i, s in enumerate(self.specs)}
         self._pool_list = [self.pools[s.group_id] for s in self.specs]
         self._space = PageSpace(self._pool_list)
         self.arena = Arena(arena, self.pools) if arena is not None else None
@@ -391,8 +386,7 @@ class CacheManager:
         if total > self.max_context_tokens:
             raise CacheManagerError(
                 f"request {request_id!r}: prompt {prompt_len} + max_new_tokens {max_new} = {total} tokens "
-                f"exceeds the plan's max context of {self.max_context_tokens} tokens"
-            )
+                f"exceeds the plan's max context of {self.max_context_tokens} tokens")
         buf = None
         if ids is not None:
             buf = np.empty(max(total, 1), dtype=np.int32)
@@ -429,8 +423,7 @@ class CacheManager:
         arr = np.asarray(token_ids)
         if arr.ndim != 2 or arr.shape[0] != len(request_ids):
             raise CacheManagerError(
-                f"token_ids must be [{len(request_ids)}, k] for {len(request_ids)} requests, got {arr.shape}"
-            )
+                f"token_ids must be [{len(request_ids)}, k] for {len(request_ids)} requests, got {arr.shape}")
         flat = _token_array(arr.reshape(-1))
         rids = request_ids if type(request_ids) is tuple else tuple(request_ids)
         rows = self._distinct_rows_of(rids)
@@ -459,10 +452,8 @@ class CacheManager:
         if bare:
             raise CacheManagerError(f"request {bare[0]!r} was added without token ids")
         r = next(r for r in reqs if r.known_tokens + k > r.max_total_tokens)
-        raise CacheManagerError(
-            f"request {r.request_id!r}: {r.known_tokens} + {k} tokens exceeds its declared total "
-            f"of {r.max_total_tokens} (prompt + max_new_tokens)"
-        )
+        raise CacheManagerError(f"request {r.request_id!r}: {r.known_tokens} + {k} tokens exceeds its declared total "
+                                f"of {r.max_total_tokens} (prompt + max_new_tokens)")
 
     def num_computed_tokens(self, request_id: str) -> int:
         return int(self._computed[self._get(request_id).row])
@@ -539,8 +530,7 @@ class CacheManager:
         (ids, one count) stands for ``items``; ``planned``: a plan ``_step`` made of valid items."""
         if fixed_width and self.table_widths is None:
             raise CacheManagerError(
-                "fixed_width needs capture widths: build the manager with table_widths (from_plan does)"
-            )
+                "fixed_width needs capture widths: build the manager with table_widths (from_plan does)")
         if planned is not None:
             answers, ok_idx, plan = [None] * len(planned.request_ids), range(len(planned.request_ids)), planned
         else:
@@ -609,10 +599,8 @@ class CacheManager:
             over[: plan.settle] = False
             for k in np.flatnonzero(over & fits).tolist():
                 fits[k] = False
-                deny[k] = (
-                    f"group {gid!r} needs {int(width[k])} table columns, more than the "
-                    f"capture width {self.table_widths[gid]}"
-                )
+                deny[k] = (f"group {gid!r} needs {int(width[k])} table columns, more than the "
+                           f"capture width {self.table_widths[gid]}")
 
     def _free_pages(self) -> np.ndarray:
         """Each group's free and evictable pages."""
@@ -695,12 +683,10 @@ class CacheManager:
             if grants is None:
                 g = next(g for g in avail if want[g] > avail[g])
                 fits[k] = False
-                deny[k] = (
-                    f"group {g!r} needs {int(alloc[g][k])} new pages "
-                    f"(after {int(alloc[g][k] - net[g][k])} released), "
-                    f"{max(avail[g] - used[g], 0)} free or evictable"
-                    + ("" if arena is None else ", and no slab of the shared arena can be lent")
-                )
+                deny[k] = (f"group {g!r} needs {int(alloc[g][k])} new pages "
+                           f"(after {int(alloc[g][k] - net[g][k])} released), "
+                           f"{max(avail[g] - used[g], 0)} free or evictable"
+                           + ("" if arena is None else ", and no slab of the shared arena can be lent"))
             else:
                 used = want
                 plan.grants = grants
@@ -781,15 +767,11 @@ class CacheManager:
         req = self._requests[rid]
         done = int(self._computed[req.row])
         if done + n > req.max_total_tokens:
-            return (
-                f"request {rid!r}: {done} + {n} tokens exceeds its declared total of "
-                f"{req.max_total_tokens} (prompt + max_new_tokens)"
-            )
+            return (f"request {rid!r}: {done} + {n} tokens exceeds its declared total of "
+                    f"{req.max_total_tokens} (prompt + max_new_tokens)")
         if req.token_ids is not None and done + n > req.known_tokens:
-            return (
-                f"request {rid!r}: {done} + {n} tokens exceeds the {req.known_tokens} known token ids "
-                "(append_token_ids first)"
-            )
+            return (f"request {rid!r}: {done} + {n} tokens exceeds the {req.known_tokens} known token ids "
+                    "(append_token_ids first)")
         return ""
 
     def _plan(self, rows_in: np.ndarray, counts_in: np.ndarray, load_tokens: np.ndarray) -> _StepPlan | None:
@@ -1290,18 +1272,11 @@ class CacheManager:
         for gid, pool in self.pools.items():
             c = pool.counters
             out[gid] = GroupStats(
-                group_id=gid,
-                total_pages=pool.usable_pages,
-                free_pages=pool.num_free_pages,
-                used_pages=pool.num_used_pages,
-                peak_used_pages=pool.peak_used_pages,
+                group_id=gid, total_pages=pool.usable_pages, free_pages=pool.num_free_pages,
+                used_pages=pool.num_used_pages, peak_used_pages=pool.peak_used_pages,
                 utilization=pool.num_used_pages / pool.usable_pages if pool.usable_pages else 0.0,
-                cached_pages=pool.num_cached_pages,
-                evictable_pages=pool.num_evictable_pages,
-                allocated_pages=c.allocated_pages,
-                released_pages=c.released_pages,
-                evicted_pages=c.evicted_pages,
-            )
+                cached_pages=pool.num_cached_pages, evictable_pages=pool.num_evictable_pages,
+                allocated_pages=c.allocated_pages, released_pages=c.released_pages, evicted_pages=c.evicted_pages)
         return out
 
     def request_pages(self, request_id: str, group_id: str) -> tuple[int, np.ndarray]:
