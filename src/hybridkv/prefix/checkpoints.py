@@ -54,9 +54,8 @@ class CheckpointPolicy:
         return self.name == "prefill-per-byte"
 
 
-def checkpoint_policy(
-    name: str | None, prompt_checkpoints: bool | None, interval_tokens: int | None, grain_tokens: int
-) -> CheckpointPolicy:
+def checkpoint_policy(name: str | None, prompt_checkpoints: bool | None, interval_tokens: int | None,
+                      grain_tokens: int) -> CheckpointPolicy:
     """The policy from its name, the older ``prompt_checkpoints`` switch (True: ``"prompt-boundaries"``, False:
     ``"terminal-and-junctions"``) and its parameter; ValueError when the name is unknown, the two disagree, or the
     interval is missing, misplaced or not a positive multiple of the grain."""

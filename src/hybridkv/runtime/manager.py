@@ -311,9 +311,8 @@ class CacheManager:
         self._copy_ids = kernels.entry_point(kernels.copy_token_ids, (_ANY_IDS, np.empty(0, _INT32)))
 
     @classmethod
-    def from_plan(
-        cls, plan: Any, *, page_space: str = "per-group", slab_anchor_pages: int | None = None, **options: Any
-    ) -> CacheManager:
+    def from_plan(cls, plan: Any, *, page_space: str = "per-group", slab_anchor_pages: int | None = None,
+                  **options: Any) -> CacheManager:
         """Build from a ``hybridkv.plan.Plan`` (pages per group, limits, capture widths).
 
         ``page_space="per-group"``: one pool per group with the plan's page counts. ``"shared"``: one arena of the
@@ -472,9 +471,8 @@ class CacheManager:
         return len(self._requests)
 
     # --- admission -----------------------------------------------------------
-    def check_admission(
-        self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False, load: bool = False
-    ) -> list[Admission]:
+    def check_admission(self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False,
+                        load: bool = False) -> list[Admission]:
         """Would each (request, new tokens) fit, taken greedily in order? Never mutates.
         ``load``: as a load step (``schedule(..., load=True)``)."""
         check_items(items, CacheManagerError)
@@ -486,9 +484,8 @@ class CacheManager:
             answers[i] = Admission(True) if verdict.fits[k] else Admission(False, verdict.deny[k])
         return answers
 
-    def max_admissible_tokens(
-        self, request_id: str, max_tokens: int, *, batch: Sequence[tuple[str, int]] = (), fixed_width: bool = False
-    ) -> int:
+    def max_admissible_tokens(self, request_id: str, max_tokens: int, *, batch: Sequence[tuple[str, int]] = (),
+                              fixed_width: bool = False) -> int:
         """The most new tokens, up to ``max_tokens``, that ``request_id`` can schedule in a step together with
         ``batch`` (0 if not even one): for schedulers that shrink a prefill chunk to the memory left. Pure (a
         binary search of :meth:`check_admission`s); ``schedule`` right after reuses the last one."""
