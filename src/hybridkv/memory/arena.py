@@ -54,13 +54,8 @@ class ArenaGeometry:
         return out
 
 
-def arena_geometry(
-    page_bytes: Mapping[str, int],
-    budget_bytes: int,
-    *,
-    anchor_group: str,
-    slab_anchor_pages: int = DEFAULT_SLAB_ANCHOR_PAGES,
-) -> ArenaGeometry:
+def arena_geometry(page_bytes: Mapping[str, int], budget_bytes: int, *, anchor_group: str,
+                   slab_anchor_pages: int = DEFAULT_SLAB_ANCHOR_PAGES) -> ArenaGeometry:
     """The arena that fits ``budget_bytes``: slabs of ``slab_anchor_pages`` anchor pages (at least two of the
     largest group's pages) after a head of whole anchor pages covering the largest page (the null pages)."""
     sizes = {gid: as_int(f"page_bytes[{gid!r}]", b, minimum=1) for gid, b in page_bytes.items()}
@@ -73,10 +68,8 @@ def arena_geometry(
     slab = max(anchor_pages, -(-2 * largest // anchor)) * anchor
     slabs = (budget - reserved) // slab if budget > reserved else 0
     if slabs < 1:
-        raise ValueError(
-            f"KV memory of {budget:,} B holds no slab: a shared arena needs {reserved + slab:,} B "
-            f"at least ({reserved:,} B of null pages + one {slab:,} B slab)"
-        )
+        raise ValueError(f"KV memory of {budget:,} B holds no slab: a shared arena needs {reserved + slab:,} B "
+                         f"at least ({reserved:,} B of null pages + one {slab:,} B slab)")
     return ArenaGeometry(dict(sizes), reserved, slab, int(slabs))
 
 
@@ -92,11 +85,8 @@ def shared_arena_for(plan: Any, slab_anchor_pages: int | None = None) -> ArenaGe
     page_bytes = plan.page_bytes
     budget = plan.budget_bytes if plan.budget_bytes is not None else plan.total_bytes
     return arena_geometry(
-        page_bytes,
-        budget,
-        anchor_group=anchor_group_for(plan.specs, page_bytes),
-        slab_anchor_pages=DEFAULT_SLAB_ANCHOR_PAGES if slab_anchor_pages is None else slab_anchor_pages,
-    )
+        page_bytes, budget, anchor_group=anchor_group_for(plan.specs, page_bytes),
+        slab_anchor_pages=DEFAULT_SLAB_ANCHOR_PAGES if slab_anchor_pages is None else slab_anchor_pages)
 
 
 def shared_concurrency(plan: Any, context_tokens: int, geometry: ArenaGeometry | None = None) -> int:
@@ -267,15 +257,8 @@ class Arena:
         return out[:given], out[given:n]
 
     # --- planning ---------------------------------------------------------------
-    def plan(
-        self,
-        deficit: Mapping[str, int],
-        surplus: Mapping[str, int],
-        scan: IdleScan | None = None,
-        *,
-        partial: bool = False,
-        owner: np.ndarray | None = None,
-    ) -> list[Grant] | None:
+    def plan(self, deficit: Mapping[str, int], surplus: Mapping[str, int], scan: IdleScan | None = None, *,
+             partial: bool = False, owner: np.ndarray | None = None) -> list[Grant] | None:
         """Slabs that cover every group's page ``deficit``: spare slabs first, then donors' idle slabs while each
         keeps its ``surplus`` (docs/manager.md, stage 1); None if short (with ``partial``, as many as there are).
         Pure, exact for :meth:`apply` in order; ``owner``: the owners to start from (:meth:`replay`)."""
@@ -453,15 +436,10 @@ class Arena:
 
     def report(self) -> dict[str, Any]:
         g = self.geometry
-        return dict(
-            total_bytes=g.total_bytes,
-            reserved_bytes=g.reserved_bytes,
-            slab_bytes=g.slab_bytes,
-            num_slabs=g.num_slabs,
-            spare_slabs=self.num_spare_slabs,
-            slabs_owned=self.slabs_owned(),
-            slab_moves=self.slab_moves,
-        )
+        return dict(total_bytes=g.total_bytes, reserved_bytes=g.reserved_bytes, slab_bytes=g.slab_bytes,
+                    num_slabs=g.num_slabs, spare_slabs=self.num_spare_slabs, slabs_owned=self.slabs_owned(),
+                    slab_moves=self.slab_moves)
 
 
-__all__ = ["Arena", "ArenaGeometry", "IdleScan", "DEFAULT_SLAB_ANCHOR_PAGES", "anchor_group_for", "arena_geometry", "shared_arena_for", "shared_concurrency"]
+__all__ = ["Arena", "ArenaGeometry", "IdleScan", "DEFAULT_SLAB_ANCHOR_PAGES", "anchor_group_for", "arena_geometry",
+           "shared_arena_for", "shared_concurrency"]

@@ -30,8 +30,7 @@ def append(prev, nxt, off, page):
 
 @njit(cache=True, inline="always")
 def push_front(prev, nxt, off, page):
-    """``page`` (not listed) becomes the head of the list at ``off``: the tail of the same
-    list read backwards."""
+    """``page`` (not listed) becomes the head of the list at ``off``: the tail of the same list read backwards."""
     append(nxt, prev, off, page)
 
 
@@ -174,13 +173,12 @@ def oldest_normal_tick(nxt, low_priority, idle_tick):
 
 @njit(cache=True)
 def drop_units(listed, ref, keyed, low_priority, lru_prev, lru_next, stack, offsets, per_group, idle, told):
-    """Entries leaving the groups of a page space (``PageSpace.drop_units``, ``PagePool.drop_entries``):
-    ``listed`` holds, entry after entry, its group, its page count and its local ids, each group's entries
-    last to first. Every page loses its key and low priority; the idle ones (no holder) leave their group's
-    LRU and go onto its free stack in listed order, one run a group (``push_run``: as one entry after
-    another would leave it); ``per_group``'s LRU lengths, idle low-priority counts and tops follow.
-    ``idle[g]`` gets group ``g``'s idle pages; ``told[e]``, of the ``e``-th entry listed, ``2 * idle pages +
-    low`` (low 1 if it was low priority: its first page's flag)."""
+    """Entries leaving the groups of a page space (``PageSpace.drop_units``, ``PagePool.drop_entries``): ``listed``
+    holds, entry after entry, its group, its page count and its local ids, each group's entries last to first. Every
+    page loses its key and low priority; the idle ones (no holder) leave their group's LRU and go onto its free stack
+    in listed order, one run a group (``push_run``: as one entry after another would leave it); ``per_group``'s LRU
+    lengths, idle low-priority counts and tops follow. ``idle[g]`` gets group ``g``'s idle pages; ``told[e]``, of the
+    ``e``-th entry listed, ``2 * idle pages + low`` (low 1 if it was low priority: its first page's flag)."""
     run, run_group = np.empty(listed.size, dtype=np.int64), np.empty(listed.size, dtype=np.int64)
     n, at, e = 0, 0, 0
     idle[:] = 0
@@ -237,10 +235,9 @@ def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, prev, nxt, per
 @njit(cache=True)
 def free_rows_listed(geometry, pages, bounds, ref, keyed, stack, per_group, idle_tick, low_priority, prev, nxt,
                      clock, rows, keyed_counts, keyed_out, cells_out):
-    """``kernels.free_rows``, then :func:`join` of the keyed pages it left idle: how many per group to
-    ``keyed_counts``, the pages (group after group) to ``keyed_out`` as far as it has room. The cells emptied
-    go to ``cells_out`` (room for every live cell of ``rows``: a returned array would cost its caller a call);
-    returns how many."""
+    """``kernels.free_rows``, then :func:`join` of the keyed pages it left idle: how many per group to ``keyed_counts``,
+    the pages (group after group) to ``keyed_out`` as far as it has room. The cells emptied go to ``cells_out`` (room
+    for every live cell of ``rows``: a returned array would cost its caller a call); returns how many."""
     touched, idle_keyed, keyed_per_group = free_rows(geometry, pages, bounds, ref, keyed, stack, per_group, rows)
     join(idle_tick, low_priority, prev, nxt, per_group[LRU_PAGES], per_group[LOW_IDLE_PAGES], per_group[LOW_FLOOR],
          geometry[:, ID_OFFSET].copy(), keyed_per_group, idle_keyed, clock)

@@ -102,19 +102,10 @@ def _count(row: int, doc: str | None = None) -> property:
 class PagePool:
     """Pages ``1 .. num_pages-1`` of one group (``num_pages`` counts the null page)."""
 
-    def __init__(
-        self,
-        group_id: str,
-        num_pages: int,
-        *,
-        shuffle_seed: int | None = None,
-        granted: bool = True,
-        lowest_first: bool = False,
-    ):
+    def __init__(self, group_id: str, num_pages: int, *, shuffle_seed: int | None = None, granted: bool = True,
+                 lowest_first: bool = False):
         if isinstance(num_pages, bool) or int(num_pages) != num_pages or num_pages < 2:
-            raise ValueError(
-                f"group {group_id!r}: a pool needs at least 2 pages (null page + 1), got {num_pages!r}"
-            )
+            raise ValueError(f"group {group_id!r}: a pool needs at least 2 pages (null page + 1), got {num_pages!r}")
         self.group_id = group_id
         self.num_pages = int(num_pages)
         self.ref_counts = np.zeros(self.num_pages, dtype=np.int32)
@@ -189,53 +180,29 @@ class PagePool:
         """Memoryviews of the LRU's links (faster item access than the arrays'), after each rebinding."""
         self._lru_views = (memoryview(self._lru_prev), memoryview(self._lru_next))
 
-    @property
-    def usable_pages(self) -> int:
-        """Pages granted to this pool (all but the null page unless an arena manages it)."""
-        return self._granted_pages
-
-    @property
-    def num_free_pages(self) -> int:
-        """Pages an allocation can get now: free plus cached-evictable."""
-        return int(self._tops[self._slot] + self._lru_lengths[self._slot])
-
-    @property
-    def num_clean_free_pages(self) -> int:
-        return self._top
-
-    @property
-    def num_evictable_pages(self) -> int:
-        return int(self._lru_lengths[self._slot])
-
-    @property
-    def num_used_pages(self) -> int:
-        """Pages held by at least one request."""
-        return self.usable_pages - self.num_free_pages
-
-    @property
-    def num_low_priority_idle_pages(self) -> int:
-        """Idle keyed pages of low-priority entries (evicted before any other)."""
-        return self._low_idle_pages
-
-    @property
-    def num_cached_pages(self) -> int:
-        return int(np.count_nonzero(self.cached))
+    # Pages granted to this pool (all but the null page unless an arena manages it).
+    usable_pages = property(lambda self: self._granted_pages)
+    # Pages an allocation can get now: free plus cached-evictable.
+    num_free_pages = property(lambda self: int(self._tops[self._slot] + self._lru_lengths[self._slot]))
+    num_clean_free_pages = property(lambda self: self._top)
+    num_evictable_pages = property(lambda self: int(self._lru_lengths[self._slot]))
+    num_used_pages = property(lambda self: self.usable_pages - self.num_free_pages)  # held by a request or more
+    # Idle keyed pages of low-priority entries (evicted before any other).
+    num_low_priority_idle_pages = property(lambda self: self._low_idle_pages)
+    num_cached_pages = property(lambda self: int(np.count_nonzero(self.cached)))
 
     def make_room(self, count: int, highest: int = 0, packs: bool = False) -> None:
-        """Evict cached entries so that the free stack's top ``count`` ids are the ones
-        an allocation of ``count`` pages takes: in a lowest-first pool, idle
-        low-priority entries holding ids below the ``count - highest`` lowest free ones
-        (packing: long-lived pages stay low, so the slabs above them hold only idle
-        pages an arena can lend; the ``highest`` pages, released again at the next step,
-        take the highest free ids), then least recently used entries while the stack is
-        short. The one place allocation evicts. A packing that finds an idle low-priority
-        id below those it takes, with free ids to spare, clears ``pack_ahead_pages`` more
-        (below the ``count - highest + pack_ahead_pages`` lowest free ids, or all if fewer),
-        so the next steps need not pack. Packing is skipped without asking
-        ``must_pack`` when no idle low-priority id can lie below those lowest free ones
-        (``_low_floor``, a lower bound of them, is not below the highest): it would find
-        nothing to evict. ``packs``: the caller knows that packing is due (``kernels.room_groups``
-        asked with the free stack covering the allocation): ``must_pack`` is not asked again."""
+        """Evict cached entries so that the free stack's top ``count`` ids are the ones an allocation of ``count``
+        pages takes: in a lowest-first pool, idle low-priority entries holding ids below the ``count - highest``
+        lowest free ones (packing: long-lived pages stay low, so the slabs above them hold only idle pages an arena
+        can lend; the ``highest`` pages, released again at the next step, take the highest free ids), then least
+        recently used entries while the stack is short. The one place allocation evicts. A packing that finds an idle
+        low-priority id below those it takes, with free ids to spare, clears ``pack_ahead_pages`` more (below the
+        ``count - highest + pack_ahead_pages`` lowest free ids, or all if fewer), so the next steps need not pack.
+        Packing is skipped without asking ``must_pack`` when no idle low-priority id can lie below those lowest free
+        ones (``_low_floor``, a lower bound of them, is not below the highest): it would find nothing to evict.
+        ``packs``: the caller knows that packing is due (``kernels.room_groups`` asked with the free stack covering
+        the allocation): ``must_pack`` is not asked again."""
         long, top = count - highest, int(self._tops[self._slot])
         if long > 0 and self.lowest_first and self._lows[self._slot]:
             short = top < long
@@ -255,14 +222,12 @@ class PagePool:
         return 0 if granted < PACK_AHEAD_MIN_POOL_PAGES else min(PACK_AHEAD_PAGES, granted >> 7)
 
     def _evict_low_below(self, count: int, ahead: int = 0) -> None:
-        """Evict idle low-priority entries holding ids below the ``count`` lowest free
-        ones, so an allocation takes the lowest ids of free and low-priority pages (the
-        ids an eviction frees count as free for the next), lowest id first; with ``ahead``
-        (``count`` free ids at least), below the ``count + ahead`` lowest (or all) when one
-        lies below the ``count`` lowest, else none. One batch where telling of a removal
-        cannot change this pool (``evict_many`` set, or no one to tell), its ids read
-        by scans that each go on where the last stopped; else each entry at once
-        (``_evict_low_each``)."""
+        """Evict idle low-priority entries holding ids below the ``count`` lowest free ones, so an allocation takes
+        the lowest ids of free and low-priority pages (the ids an eviction frees count as free for the next), lowest
+        id first; with ``ahead`` (``count`` free ids at least), below the ``count + ahead`` lowest (or all) when one
+        lies below the ``count`` lowest, else none. One batch where telling of a removal cannot change this pool
+        (``evict_many`` set, or no one to tell), its ids read by scans that each go on where the last stopped; else
+        each entry at once (``_evict_low_each``)."""
         top, each = self._top, self.on_removed is not None and self.evict_many is None
         end = int(self._stack[top - count]) if top >= count else self.num_pages  # scanned below it
         candidates = self._low_idle_ids(end, 1 if each else _SCAN_PAGES)
@@ -325,9 +290,8 @@ class PagePool:
             freed += self._unpublish_many([self._page_key[first[0]]])
 
     def _low_idle_ids(self, bound: int, most: int, start: int = -1) -> list[int]:
-        """The first ``most`` idle low-priority page ids from ``start`` (default
-        ``_low_floor``) up to ``bound`` (excluded), the lowest last (popped first): one
-        scan of the flags (``kernels.low_idle_ids``)."""
+        """The first ``most`` idle low-priority page ids from ``start`` (default ``_low_floor``) up to ``bound``
+        (excluded), the lowest last (popped first): one scan of the flags (``kernels.low_idle_ids``)."""
         start = self._low_floor if start < 0 else start
         if start >= bound:
             return []
@@ -336,8 +300,7 @@ class PagePool:
         return out[:n][::-1].tolist()
 
     def _tell_ranker(self, pages: np.ndarray, tick: int) -> None:
-        """``pages`` (logical order) joined the LRU at ``tick``: the ranker hears of the
-        normal-priority ones."""
+        """``pages`` (logical order) joined the LRU at ``tick``: the ranker hears of the normal-priority ones."""
         low, page_key = self.low_priority, self._page_key
         listed = pages[::-1].tolist()
         self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in listed if not low[p]], tick)
@@ -434,8 +397,7 @@ class PagePool:
         return idle
 
     def unpublish(self, key: Hashable, cause: str = UNPUBLISHED) -> int:
-        """Drop an entry; its pages that no request holds go back to the free stack
-        (their count is returned)."""
+        """Drop an entry; its pages that no request holds go back to the free stack (their count is returned)."""
         removal = self._drop_entry(key, cause)
         if self.on_removed is not None:
             self.on_removed(*removal)
@@ -485,10 +447,9 @@ class PagePool:
         return list(self._entries)
 
     def _evict_lru(self, pages_needed: int) -> None:
-        """Evict least recently used entries until ``pages_needed`` idle pages are freed
-        (the same entries, in the same order, as evicting one at a time); idle
-        low-priority entries at the head of the LRU go ``_LOW_EVICT_PAGES`` pages beyond
-        that in the same pass, so a run of small allocations does not evict once each."""
+        """Evict least recently used entries until ``pages_needed`` idle pages are freed (the same entries, in the same
+        order, as evicting one at a time); idle low-priority entries at the head of the LRU go ``_LOW_EVICT_PAGES``
+        pages beyond that in the same pass, so a run of small allocations does not evict once each."""
         keys, freed, seen = [], 0, set()
         page_key, low, entries, nxt, ranker = (self._page_key, self.low_priority, self._entries,
                                                self._lru_views[1], self.ranker)
@@ -533,19 +494,17 @@ class PagePool:
         return sum(idle for _, _, idle in removals)
 
     def evict_entries(self, keys: Sequence[Hashable], cause: str = EVICTED) -> list[tuple[Hashable, str, int]]:
-        """Unpublish the published entries ``keys`` as evictions (their idle pages counted as
-        evicted). Tells no one: returns, per entry in order, what :meth:`unpublish` would
-        tell ``on_removed``."""
+        """Unpublish the published entries ``keys`` as evictions (their idle pages counted as evicted). Tells no one:
+        returns, per entry in order, what :meth:`unpublish` would tell ``on_removed``."""
         removals = self.drop_entries(keys, cause)
         self.counters.evicted_pages += sum(idle for _, _, idle in removals)
         return removals
 
     def drop_entries(self, keys: Sequence[Hashable], cause: str = UNPUBLISHED) -> list[tuple[Hashable, str, int]]:
-        """Unpublish the published entries ``keys`` in one compiled pass over their pages
-        (``lru.drop_units``), telling no one and counting no eviction: the free
-        stack ends as after one :meth:`unpublish` each, in order (the last entry's pages
-        on top). Per entry, in order, what :meth:`unpublish` would tell ``on_removed``:
-        (key, cause: ``EVICTED_LOW`` for a low-priority entry evicted, idle pages freed)."""
+        """Unpublish the published entries ``keys`` in one compiled pass over their pages (``lru.drop_units``),
+        telling no one and counting no eviction: the free stack ends as after one :meth:`unpublish` each, in order
+        (the last entry's pages on top). Per entry, in order, what :meth:`unpublish` would tell ``on_removed``: (key,
+        cause: ``EVICTED_LOW`` for a low-priority entry evicted, idle pages freed)."""
         if len(keys) == 1:
             return [self._drop_entry(keys[0], cause)]
         if self.space is not None:
@@ -572,8 +531,7 @@ class PagePool:
         idle_keyed = np.flatnonzero(self.cached & (self.ref_counts == 0))
         assert np.array_equal(idle_keyed, np.sort(self.evictable_page_ids())), "idle cached page outside the LRU"
         assert self._low_idle_pages == int(np.count_nonzero(self.low_priority[self.evictable_page_ids()])), (
-            "idle low-priority count"
-        )
+            "idle low-priority count")
         assert self.num_cached_pages == sum(map(len, self._entries.values())), "keyed pages outside the entries"
         assert self.ref_counts[NULL_PAGE] == 0
         assert np.all(self.ref_counts >= 0)
@@ -730,11 +688,10 @@ class PageSpace:
 
     def drop_units(self, pools: Sequence[PagePool], keys: Sequence[Hashable],
                    cause: str = UNPUBLISHED) -> tuple[list[list[str]], list[int], list[tuple[Hashable, str, int]]]:
-        """``pool.drop_entries(…, cause)`` of the ``keys`` each of ``pools`` (this space's)
-        publishes, telling no one, all in one compiled pass (``lru.drop_units``: each pool's
-        free stack ends as after its own ``drop_entries``). Returns per key, in order, the group
-        ids of the pools it left (in ``pools`` order); per pool its idle pages freed; and what
-        ``pools[0].drop_entries`` returns of the keys it published."""
+        """``pool.drop_entries(…, cause)`` of the ``keys`` each of ``pools`` (this space's) publishes, telling no
+        one, all in one compiled pass (``lru.drop_units``: each pool's free stack ends as after its own
+        ``drop_entries``). Returns per key, in order, the group ids of the pools it left (in ``pools`` order); per
+        pool its idle pages freed; and what ``pools[0].drop_entries`` returns of the keys it published."""
         arrays = (self.ref_counts, self.cached, self.low_priority, self.lru_prev, self.lru_next, self.stack,
                   self.offsets, self.per_group, self.idle_counts)
         return _drop_keys(arrays, [(pool._entries.pop, pool._slot, pool.group_id) for pool in pools], keys, cause)

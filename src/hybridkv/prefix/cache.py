@@ -1,11 +1,10 @@
 """Prefix caching across hybrid groups: content keys, publication, matching (docs/prefix-caching.md).
 
-Content keys are chained hashes over blocks of ``granularity_tokens`` tokens: ``h[b] = H(h[b-1] ||
-tokens of block b)``, ``h[-1] = H(salt)``. History groups publish block ``b``'s pages under ``h[b]``
-once committed; state groups publish a checkpoint at a boundary ``D`` (the pages of the window
-``[D-W, D)``) under ``h[D/G - 1]``, a request keeping its latest, its pinned ones and those its
-checkpoint policy keeps (:mod:`hybridkv.prefix.checkpoints`). A hit at ``D <= prompt - 1`` needs every
-history group's blocks below ``D`` and every state group's checkpoint at exactly ``D``.
+Content keys are chained hashes over blocks of ``granularity_tokens`` tokens: ``h[b] = H(h[b-1] || tokens of block b)``,
+``h[-1] = H(salt)``. History groups publish block ``b``'s pages under ``h[b]`` once committed; state groups publish a
+checkpoint at a boundary ``D`` (the pages of the window ``[D-W, D)``) under ``h[D/G - 1]``, a request keeping its
+latest, its pinned ones and those its checkpoint policy keeps (:mod:`hybridkv.prefix.checkpoints`). A hit at
+``D <= prompt - 1`` needs every history group's blocks below ``D`` and every state group's checkpoint at exactly ``D``.
 """
 
 from __future__ import annotations
@@ -158,23 +157,12 @@ class CommittingRequest(Protocol):
 class PrefixCache:
     """Content-keyed pages over the manager's pools and tables."""
 
-    def __init__(
-        self,
-        specs: Sequence[CacheGroupSpec],
-        pools: Mapping[str, PagePool],
-        tables: Mapping[str, GroupTable],
-        *,
-        granularity_tokens: int | None = None,
-        hash_algo: str = "xxh3_128",
-        state_checkpoint_interval: int | None = None,
-        prompt_checkpoints: bool | None = None,
-        checkpoint_policy: str | None = None,
-        checkpoint_interval_tokens: int | None = None,
-        on_event: Callable[[CacheEvent], None] | None = None,
-        max_buffered_events: int = 100_000,
-        checkpoint_window_tokens: Mapping[str, int] | None = None,
-        eviction_policy: str = "value",
-    ):
+    def __init__(self, specs: Sequence[CacheGroupSpec], pools: Mapping[str, PagePool], tables: Mapping[str, GroupTable],
+                 *, granularity_tokens: int | None = None, hash_algo: str = "xxh3_128",
+                 state_checkpoint_interval: int | None = None, prompt_checkpoints: bool | None = None,
+                 checkpoint_policy: str | None = None, checkpoint_interval_tokens: int | None = None,
+                 on_event: Callable[[CacheEvent], None] | None = None, max_buffered_events: int = 100_000,
+                 checkpoint_window_tokens: Mapping[str, int] | None = None, eviction_policy: str = "value"):
         self.specs = tuple(specs)
         windows = _checkpoint_windows(self.specs, checkpoint_window_tokens)
         self.pools = pools
@@ -209,9 +197,8 @@ class PrefixCache:
 
     def _init_commit_reader(self, pools: Mapping[str, PagePool], tables: Mapping[str, GroupTable],
                             windows: Mapping[str, int]) -> None:
-        """What a commit publishes, read in one call (``_reader``): per history group (group,
-        pool, pages per block, its stats), per state group storing checkpoints (group, pool,
-        pages per checkpoint, its holders, its stats)."""
+        """What a commit publishes, read in one call (``_reader``): per history group (group, pool, pages per block,
+        its stats), per state group storing checkpoints (group, pool, pages per checkpoint, its holders, its stats)."""
         g = self.granularity_tokens
         self._reader = CommitPages([(tables[gid], g // tables[gid].page_tokens) for gid in self.history_ids],
                                    [(tables[gid], windows[gid]) for gid in self.state_ids], self._space)
@@ -232,10 +219,9 @@ class PrefixCache:
         self._init_units()
 
     def _init_units(self) -> None:
-        """What commits claimed whole read (``_commit_units``): every group in order, its pool
-        (one ``PageSpace.adopt`` call's), id, pages and stats; each history group's id and
-        pages (its events); each state group's holders. Only with state groups and no pinning
-        interval do commits run so."""
+        """What commits claimed whole read (``_commit_units``): every group in order, its pool (one
+        ``PageSpace.adopt`` call's), id, pages and stats; each history group's id and pages (its events); each state
+        group's holders. Only with state groups and no pinning interval do commits run so."""
         self._units = bool(self.state_ids) and self.state_checkpoint_interval is None
         unit = self._history_groups + [(gid, pool, n, stats) for gid, pool, n, _, stats in self._state_groups]
         self._unit_pools_in_order = [pool for _, pool, _, _ in unit]
@@ -323,11 +309,10 @@ class PrefixCache:
         return PrefixHit(k * g, {gid: reach[i] * g for gid, i in zip(self._spec_ids, self._reach_index)}, limit * g)
 
     def _match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> tuple[int, int, list[int], list[list], list]:
-        """The hit for a prompt (its last token aside), in blocks; the blocks every history group holds from
-        the first; each group's reach alone (``_reach_index`` says where a spec's lies); per history group its
-        entries from the first block on, and per state group its entry at the hit ([] without one). Plain
-        loops: cheaper run cold. The state groups' walks down start below the prompt's last blocks no group
-        publishes (``ValueEviction.knows``)."""
+        """The hit for a prompt (its last token aside), in blocks; the blocks every history group holds from the first;
+        each group's reach alone (``_reach_index`` says where a spec's lies); per history group its entries from the
+        first block on, and per state group its entry at the hit ([] without one). Plain loops: cheaper run cold. The
+        state groups' walks down start below the prompt's last blocks no group publishes (``ValueEviction.knows``)."""
         g = self.granularity_tokens
         max_blocks = (prompt_ids.size - 1) // g
         hashes.extend_to(prompt_ids, max_blocks * g)
@@ -632,10 +617,9 @@ class PrefixCache:
             self._supersede(req, new_own, stored, let_go)
 
     def _plan(self, req: CommittingRequest, hashes: RequestHashes, first_block: int, end_block: int) -> tuple:
-        """What a commit of blocks ``[first_block, end_block)`` publishes: the blocks' keys,
-        the checkpoint boundaries and pins (:meth:`_checkpoint_boundaries`), the checkpoints'
-        keys, parents and entries (:meth:`_found_checkpoints`), and ``want``
-        (``CommitPages.read``'s)."""
+        """What a commit of blocks ``[first_block, end_block)`` publishes: the blocks' keys, the checkpoint
+        boundaries and pins (:meth:`_checkpoint_boundaries`), the checkpoints' keys, parents and entries
+        (:meth:`_found_checkpoints`), and ``want`` (``CommitPages.read``'s)."""
         hh = hashes.hashes
         boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
         keys, want = hh[first_block:end_block], []
@@ -647,12 +631,11 @@ class PrefixCache:
 
     def _found_checkpoints(self, hashes: RequestHashes, first_block: int, keys: list[int], boundaries: list[int],
                            pins: list[bool | None], want: list) -> tuple[list, list, list]:
-        """Each checkpoint's key and parent key (where a checkpoint ends each of the blocks
-        ``keys`` from ``first_block``, the speculative ones then the latest, the blocks' own)
-        and its entry in each state group (None: not published), boundary by boundary; onto
-        ``want`` (``CommitPages.read``'s, the blocks' part) whether to claim each: where it is
-        missing (and its window live: the claim checks), low priority for a speculative one
-        (``pins`` None: unheld; with ``"prefill-per-byte"`` low while that class rates low)."""
+        """Each checkpoint's key and parent key (where a checkpoint ends each of the blocks ``keys`` from
+        ``first_block``, the speculative ones then the latest, the blocks' own) and its entry in each state group
+        (None: not published), boundary by boundary; onto ``want`` (``CommitPages.read``'s, the blocks' part) whether
+        to claim each: where it is missing (and its window live: the claim checks), low priority for a speculative
+        one (``pins`` None: unheld; with ``"prefill-per-byte"`` low while that class rates low)."""
         n_speculative = pins.count(None)
         low = 2 if n_speculative and (self.values is None or self.values.low_priority(SPECULATIVE)) else 1
         g, hh, root, lookups = self.granularity_tokens, hashes.hashes, hashes.root, self._state_lookups
@@ -673,11 +656,10 @@ class PrefixCache:
 
     def _checkpoint_boundaries(self, req: CommittingRequest, first_block: int,
                                end_block: int) -> tuple[list[int], list[bool | None]]:
-        """The checkpoints a commit of blocks ``[first_block, end_block)`` publishes, and
-        for each whether the request pins it (None: a speculative one): the speculative
-        boundaries (crossed, not pinned, kept by the policy), then the request's own ones:
-        the pinned ones crossed (its junction, multiples of ``state_checkpoint_interval``),
-        then the latest."""
+        """The checkpoints a commit of blocks ``[first_block, end_block)`` publishes, and for each whether the
+        request pins it (None: a speculative one): the speculative boundaries (crossed, not pinned, kept by the
+        policy), then the request's own ones: the pinned ones crossed (its junction, multiples of
+        ``state_checkpoint_interval``), then the latest."""
         g, interval, keep = self.granularity_tokens, self.state_checkpoint_interval, req.keep_boundaries
         latest = end_block * g
         keeps = None if self.checkpoint_policy == "terminal-and-junctions" else self.policy.speculative
@@ -693,11 +675,10 @@ class PrefixCache:
 
     def _publish_blocks(self, hashes: RequestHashes, first_block: int, keys: list[int], pages: list[int],
                         status: list[int], stored: list[tuple]) -> int:
-        """Every history group's blocks ``keys`` (from ``first_block``) that the commit claimed
-        (``pages``, ``status``: ``CommitPages.read``'s, history groups first), recorded with
-        one ``PageSpace.adopt`` call and booked in one ``ValueEviction.stored_blocks`` call for
-        all groups (tier link, stats; ``stored`` takes their events, group by group, zipped in
-        C from the keys); how many of ``pages`` were the history groups'."""
+        """Every history group's blocks ``keys`` (from ``first_block``) that the commit claimed (``pages``,
+        ``status``: ``CommitPages.read``'s, history groups first), recorded with one ``PageSpace.adopt`` call and
+        booked in one ``ValueEviction.stored_blocks`` call for all groups (tier link, stats; ``stored`` takes their
+        events, group by group, zipped in C from the keys); how many of ``pages`` were the history groups'."""
         g, hook, n_blocks, hh = self.granularity_tokens, self.tier_hook, len(keys), hashes.hashes
         parents = hh[first_block - 1:first_block - 1 + n_blocks] if first_block else [hashes.root, *keys[:-1]]
         ends = range((first_block + 1) * g, (first_block + n_blocks + 1) * g, g)
@@ -722,12 +703,10 @@ class PrefixCache:
 
     def _publish_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], state: list[int],
                              status: list[int], found: list, stored: list[tuple]) -> list:
-        """The checkpoints at ``boundaries`` (``keys``, ``parents``) the commit claimed
-        (``state``, ``status``: ``CommitPages.read``'s state part, boundary by boundary, state
-        group by state group), recorded with one ``PageSpace.adopt`` call for all groups
-        (stats); ``stored`` takes their events, boundary by boundary, group by group. Each
-        boundary's entry in each state group, new or ``found`` (None where missing), in that
-        order."""
+        """The checkpoints at ``boundaries`` (``keys``, ``parents``) the commit claimed (``state``, ``status``:
+        ``CommitPages.read``'s state part, boundary by boundary, state group by state group), recorded with one
+        ``PageSpace.adopt`` call for all groups (stats); ``stored`` takes their events, boundary by boundary, group
+        by group. Each boundary's entry in each state group, new or ``found`` (None where missing), in that order."""
         n, places, entries = len(self.state_ids), self._window_places, found  # ``found`` becomes them
         adopted = ([], [], [])  # one ``PageSpace.adopt`` call's pools, keys and entries
         for s, (gid, pool, _, _, stats) in enumerate(self._state_groups):
@@ -749,11 +728,10 @@ class PrefixCache:
 
     def _book_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], pins: list[bool | None],
                           entries: list, status: list[int]) -> list[OwnCheckpoint]:
-        """Book each checkpoint the commit published (``status`` 2; ``entries``: each
-        boundary's pages in each state group, None where missing): tier link and checkpoint
-        values (:meth:`_tell_checkpoints`), then ``ValueEviction.stored_checkpoint`` boundary by
-        boundary; the request's own ones (``pins`` not None, after the speculative ones)
-        returned, each held in every state group that has it."""
+        """Book each checkpoint the commit published (``status`` 2; ``entries``: each boundary's pages in each state
+        group, None where missing): tier link and checkpoint values (:meth:`_tell_checkpoints`), then
+        ``ValueEviction.stored_checkpoint`` boundary by boundary; the request's own ones (``pins`` not None, after
+        the speculative ones) returned, each held in every state group that has it."""
         gids, holders, n = self.state_ids, self._state_holders, len(self.state_ids)
         if self.tier_hook is not None or self.values is not None:
             self._tell_checkpoints(keys, boundaries, pins, entries, status)
@@ -1010,10 +988,8 @@ class PrefixCache:
 def _checkpoint_windows(specs: Sequence[CacheGroupSpec], overrides: Mapping[str, int] | None) -> dict[str, int]:
     """Per sliding group, the trailing tokens a checkpoint stores (the spec's, default the whole window, or
     ``overrides``')."""
-    windows = {
-        s.group_id: s.sliding_window_tokens if s.checkpoint_window_tokens is None else s.checkpoint_window_tokens
-        for s in specs if s.is_sliding
-    }
+    windows = {s.group_id: s.sliding_window_tokens if s.checkpoint_window_tokens is None else s.checkpoint_window_tokens
+               for s in specs if s.is_sliding}
     for gid, n in (overrides or {}).items():
         if gid not in windows:
             raise ValueError(f"checkpoint_window_tokens: {gid!r} is not a sliding group")
@@ -1034,16 +1010,12 @@ def _grain(specs: Sequence[CacheGroupSpec], windows: Mapping[str, int], granular
         raise ValueError(f"prefix_granularity must be positive, got {granularity_tokens!r}")
     for s in specs:
         if g % s.page_tokens:
-            raise ValueError(
-                f"prefix_granularity {g} must be a multiple of group {s.group_id!r} page tokens "
-                f"({s.page_tokens}); the smallest valid grain here is "
-                f"{reduce(lcm, [x.page_tokens for x in specs], 1)}"
-            )
+            raise ValueError(f"prefix_granularity {g} must be a multiple of group {s.group_id!r} page tokens "
+                             f"({s.page_tokens}); the smallest valid grain here is "
+                             f"{reduce(lcm, [x.page_tokens for x in specs], 1)}")
         if s.is_sliding and windows[s.group_id] > g:
-            raise ValueError(
-                f"prefix_granularity {g} is smaller than group {s.group_id!r} checkpoint window "
-                f"({windows[s.group_id]} tokens): checkpoints would overlap"
-            )
+            raise ValueError(f"prefix_granularity {g} is smaller than group {s.group_id!r} checkpoint window "
+                             f"({windows[s.group_id]} tokens): checkpoints would overlap")
     return g
 
 

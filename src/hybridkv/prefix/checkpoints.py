@@ -54,13 +54,11 @@ class CheckpointPolicy:
         return self.name == "prefill-per-byte"
 
 
-def checkpoint_policy(
-    name: str | None, prompt_checkpoints: bool | None, interval_tokens: int | None, grain_tokens: int
-) -> CheckpointPolicy:
-    """The policy from its name, the older ``prompt_checkpoints`` switch (True:
-    ``"prompt-boundaries"``, False: ``"terminal-and-junctions"``) and its parameter;
-    ValueError when the name is unknown, the two disagree, or the interval is missing,
-    misplaced or not a positive multiple of the grain."""
+def checkpoint_policy(name: str | None, prompt_checkpoints: bool | None, interval_tokens: int | None,
+                      grain_tokens: int) -> CheckpointPolicy:
+    """The policy from its name, the older ``prompt_checkpoints`` switch (True: ``"prompt-boundaries"``, False:
+    ``"terminal-and-junctions"``) and its parameter; ValueError when the name is unknown, the two disagree, or the
+    interval is missing, misplaced or not a positive multiple of the grain."""
     if name is not None and name not in CHECKPOINT_POLICIES:
         raise ValueError(f"checkpoint_policy must be one of {CHECKPOINT_POLICIES}, got {name!r}")
     if prompt_checkpoints is not None:
@@ -71,9 +69,7 @@ def checkpoint_policy(
     name = name or DEFAULT_CHECKPOINT_POLICY
     if name != "interval":
         if interval_tokens is not None:
-            raise ValueError(
-                f"checkpoint_interval_tokens applies to checkpoint_policy='interval' only, not {name!r}"
-            )
+            raise ValueError(f"checkpoint_interval_tokens applies to checkpoint_policy='interval' only, not {name!r}")
         return CheckpointPolicy(name)
     if interval_tokens is None:
         raise ValueError("checkpoint_policy='interval' needs checkpoint_interval_tokens")
@@ -99,9 +95,8 @@ CLASSES = (SPECULATIVE, OWN, REUSED)
 
 
 class CheckpointValues:
-    """Saved prefill per byte, blended with recency, of a ``"prefill-per-byte"`` prefix cache's checkpoints
-    (one record per key; the score and the expected reuse per class: docs/prefix-caching.md, "Checkpoint
-    policies")."""
+    """Saved prefill per byte, blended with recency, of a ``"prefill-per-byte"`` prefix cache's checkpoints (one
+    record per key; the score and the expected reuse per class: docs/prefix-caching.md, "Checkpoint policies")."""
 
     def __init__(self, checkpoint_tokens: int = CHECKPOINT_HISTORY_TOKENS):
         self.checkpoint_tokens = as_int("checkpoint_tokens", checkpoint_tokens, minimum=1)
@@ -235,12 +230,11 @@ class CheckpointValues:
 
 
 class CheckpointOrder:
-    """The ``"prefill-per-byte"`` eviction order of the state pools' checkpoints, kept incrementally (the
-    full sort's decisions, :meth:`CheckpointValues.eviction_order`): one heap per pool and class by
-    :meth:`CheckpointValues.static_key`, then the checkpoints gone idle (or :meth:`mended`) since the last
-    freed request (docs/prefix-caching.md, "Checkpoint policies"). A pool with ``ranker`` set to this
-    object reports pages gone idle (:meth:`went_idle`) and takes its normal-priority victims from
-    :meth:`victim`."""
+    """The ``"prefill-per-byte"`` eviction order of the state pools' checkpoints, kept incrementally (the full sort's
+    decisions, :meth:`CheckpointValues.eviction_order`): one heap per pool and class by
+    :meth:`CheckpointValues.static_key`, then the checkpoints gone idle (or :meth:`mended`) since the last freed
+    request (docs/prefix-caching.md, "Checkpoint policies"). A pool with ``ranker`` set to this object reports pages
+    gone idle (:meth:`went_idle`) and takes its normal-priority victims from :meth:`victim`."""
 
     def __init__(self, values: CheckpointValues, pools: Sequence, idle_clock,
                  beyond_gap: Callable[[Hashable], bool] | None = None):
@@ -265,8 +259,7 @@ class CheckpointOrder:
             pool.ranker = self
 
     def went_idle(self, group_id: str, pages: list, tick: int) -> None:
-        """``pages`` ((page, key) of normal priority, in LRU order) of pool ``group_id``
-        went idle at ``tick``."""
+        """``pages`` ((page, key) of normal priority, in LRU order) of pool ``group_id`` went idle at ``tick``."""
         version = self._version.get
         self._fresh[group_id].extend((page, key, tick, version(key, 0)) for page, key in pages)
 
@@ -355,9 +348,8 @@ class CheckpointOrder:
         return any(ref[p] == 0 and idle_tick[p] <= self._tick for p in pages)
 
     def victim(self, pool, taken: set) -> Hashable | None:
-        """The next normal-priority checkpoint ``pool`` evicts (not in ``taken``): the
-        lowest of the class heads, then those gone idle since the last freed request in
-        LRU order; None if none is left."""
+        """The next normal-priority checkpoint ``pool`` evicts (not in ``taken``): the lowest of the class heads,
+        then those gone idle since the last freed request in LRU order; None if none is left."""
         best = None
         values = self.values
         for kind, heap in self._heaps[pool.group_id].items():
@@ -399,8 +391,6 @@ class CheckpointOrder:
             self._version = {k: v for k, v in self._version.items() if self.values.kind(k) is not None}
 
 
-__all__ = [
-    "ATTENTION_EQUAL_DEPTH_TOKENS", "CHECKPOINT_HISTORY_TOKENS", "CHECKPOINT_POLICIES", "CLASSES", "CheckpointOrder",
-    "CheckpointPolicy", "CheckpointValues", "DEFAULT_CHECKPOINT_POLICY", "OWN", "REUSE_FLOOR", "REUSED", "SPECULATIVE",
-    "VALUE_HALF_LIFE_REQUESTS", "checkpoint_policy", "grain_multiple", "saved_prefill",
-]
+__all__ = ["ATTENTION_EQUAL_DEPTH_TOKENS", "CHECKPOINT_HISTORY_TOKENS", "CHECKPOINT_POLICIES", "CLASSES",
+           "CheckpointOrder", "CheckpointPolicy", "CheckpointValues", "DEFAULT_CHECKPOINT_POLICY", "OWN", "REUSE_FLOOR",
+           "REUSED", "SPECULATIVE", "VALUE_HALF_LIFE_REQUESTS", "checkpoint_policy", "grain_multiple", "saved_prefill"]

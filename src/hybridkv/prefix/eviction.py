@@ -1,9 +1,8 @@
 """Which cached entries go first when memory is short: one notion of value across groups.
 
-A cached prefix is usable at ``D`` only with every history block below ``D`` and a checkpoint at ``D``
-in every state group. :class:`ValueEviction` keeps the pools' evictions consistent with that rule:
-*units* leave together, *orphans* and entries beyond a *gap* are demoted (docs/prefix-caching.md,
-"Eviction by value").
+A cached prefix is usable at ``D`` only with every history block below ``D`` and a checkpoint at ``D`` in every state
+group. :class:`ValueEviction` keeps the pools' evictions consistent with that rule: *units* leave together, *orphans*
+and entries beyond a *gap* are demoted (docs/prefix-caching.md, "Eviction by value").
 """
 
 from __future__ import annotations
@@ -200,11 +199,10 @@ class ValueEviction:
                 self._mend(child)
 
     def _new_node(self, key: Hashable, parent: Hashable | None, boundary: int) -> list:
-        """The node of a key first published: a child of its parent's node, or waiting
-        for it (a key published before its parent's, or after its parent's node was
-        forgotten: with history groups that is beyond a missing block, so it is cut,
-        unless it is a chain's first block); the nodes that waited for this one become
-        its children, their support counts here and, beyond a cut, they are cut."""
+        """The node of a key first published: a child of its parent's node, or waiting for it (a key published before
+        its parent's, or after its parent's node was forgotten: with history groups that is beyond a missing block,
+        so it is cut, unless it is a chain's first block); the nodes that waited for this one become its children,
+        their support counts here and, beyond a cut, they are cut."""
         up = self._nodes.get(parent)
         first = boundary <= self.granularity_tokens
         children = self._unborn.pop(key, None)
@@ -246,9 +244,8 @@ class ValueEviction:
         self._forget_if_idle(key)
 
     def _take_unit(self, gid: str, key: Hashable, cause: str, others: Sequence[str]) -> None:
-        """The rest of ``key``'s unit leaves the groups ``others``: as evictions ("unit")
-        after an eviction, unpublished after an unpublished entry (a superseded
-        checkpoint, a cleared cache)."""
+        """The rest of ``key``'s unit leaves the groups ``others``: as evictions ("unit") after an eviction,
+        unpublished after an unpublished entry (a superseded checkpoint, a cleared cache)."""
         follow = UNPUBLISHED if cause == UNPUBLISHED else UNIT
         for other in others:
             pool = self.pools[other]
@@ -258,12 +255,11 @@ class ValueEviction:
                     pool.counters.evicted_pages += freed
 
     def take_units(self, gid: str, keys: Sequence[Hashable], cause: str) -> tuple[list, list, int]:
-        """The entries ``keys`` evicted (or revoked: ``cause``) from state group ``gid`` and, in the
-        batch form of what :meth:`removed` does, the rest of their units from the other state groups
-        (``UNIT``, their idle pages counted as such), all in one ``PageSpace.drop_units``, each group's
-        as one at a time would take them. What ``evict_entries`` returns of ``gid``'s pool; per key, in
-        order, the state groups it left, ``gid`` first (what the caller books, then gives
-        :meth:`units_removed`); the idle pages freed in ``gid``."""
+        """The entries ``keys`` evicted (or revoked: ``cause``) from state group ``gid`` and, in the batch form of
+        what :meth:`removed` does, the rest of their units from the other state groups (``UNIT``, their idle pages
+        counted as such), all in one ``PageSpace.drop_units``, each group's as one at a time would take them. What
+        ``evict_entries`` returns of ``gid``'s pool; per key, in order, the state groups it left, ``gid`` first (what
+        the caller books, then gives :meth:`units_removed`); the idle pages freed in ``gid``."""
         pool = self.pools[gid]
         others = [self.pools[other] for other in self.state_ids if other != gid] if self.acts else []
         if not others:
@@ -277,10 +273,9 @@ class ValueEviction:
         return removals, left, idle[0]
 
     def units_removed(self, gid: str, removals: Sequence[tuple], left: Sequence[Sequence[str]]) -> list[tuple]:
-        """:meth:`removed` of each (key, cause, idle pages) of ``removals`` (entries evicted
-        or revoked from state group ``gid``) and of the rest of its unit (the groups each
-        left, from :meth:`take_units`), in the order one at a time gives, each unit's node
-        read once. Returns each key's :meth:`origin`, as it was before."""
+        """:meth:`removed` of each (key, cause, idle pages) of ``removals`` (entries evicted or revoked from state
+        group ``gid``) and of the rest of its unit (the groups each left, from :meth:`take_units`), in the order one
+        at a time gives, each unit's node read once. Returns each key's :meth:`origin`, as it was before."""
         counts, unit_left, nodes, origins = self.evicted_pages[gid], self.unit_left, self._nodes, []
         for (key, cause, idle_pages), groups in zip(removals, left):
             node = nodes.get(key)
@@ -356,10 +351,9 @@ class ValueEviction:
                     self.pools[gid].demote(key)
 
     def _cut(self, key: Hashable, demote_first: bool = False) -> None:
-        """The block at ``key`` leaves the history groups: every checkpoint at or beyond
-        it loses its value at once (its support above goes), and the entries beyond it
-        (with ``demote_first``, from it: a key found beyond a cut) are demoted head first,
-        so the deepest end at the front of the LRU."""
+        """The block at ``key`` leaves the history groups: every checkpoint at or beyond it loses its value at once
+        (its support above goes), and the entries beyond it (with ``demote_first``, from it: a key found beyond a
+        cut) are demoted head first, so the deepest end at the front of the LRU."""
         order, todo, whole = [], [key], len(self.state_ids)
         while todo:
             k = todo.pop()
@@ -388,9 +382,8 @@ class ValueEviction:
         pool.demote(key)
 
     def _mend(self, key: Hashable) -> None:
-        """The block at ``key`` is back (its chain above is whole): the entries beyond it
-        whose blocks are all cached regain their value; the checkpoints among them support
-        their chains again."""
+        """The block at ``key`` is back (its chain above is whole): the entries beyond it whose blocks are all cached
+        regain their value; the checkpoints among them support their chains again."""
         order, todo = [], [key]
         while todo:
             node = self._nodes.get(k := todo.pop())
@@ -450,8 +443,7 @@ class ValueEviction:
         return out
 
     def _usable_checkpoints(self) -> set:
-        """Keys with a checkpoint in every state group and every block below it in every
-        history group."""
+        """Keys with a checkpoint in every state group and every block below it in every history group."""
         chain_ok: dict[Hashable, bool] = {}
 
         def held(key: Hashable) -> bool:

@@ -30,13 +30,11 @@ class GroupStep:
 class TableUpdates:
     """How the manager's table store changed since the previous ``block_tables="updates"`` step.
 
-    The store is ``[groups, table rows, columns]`` int32 (see ``hybridkv.tables.mirror``):
-    a request keeps its table row for its whole life; full-history groups hold
-    logical page ``L`` at column ``L``, sliding groups at column ``L % capacity``
-    (a ring), and every cell outside a request's live pages is -1. Setting
-    ``store[group, row, column] = page`` for every listed cell (any order; a cell
-    listed twice carries the same id), after clearing the store to -1 when
-    ``reset`` is set, brings a copy up to date.
+    The store is ``[groups, table rows, columns]`` int32 (see ``hybridkv.tables.mirror``): a request keeps its table row
+    for its whole life; full-history groups hold logical page ``L`` at column ``L``, sliding groups at column
+    ``L % capacity`` (a ring), and every cell outside a request's live pages is -1. Setting
+    ``store[group, row, column] = page`` for every listed cell (any order; a cell listed twice carries the same id),
+    after clearing the store to -1 when ``reset`` is set, brings a copy up to date.
     """
 
     group: np.ndarray  # int64 [k] group index (manager's group order)

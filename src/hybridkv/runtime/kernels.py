@@ -1,44 +1,37 @@
 """The compiled data plane: one step's per-group, per-request work as plain loops.
 
-Every function here is a numba ``@njit(cache=True)`` kernel (plain Python with
-``NUMBA_DISABLE_JIT=1``) over the manager's struct-of-arrays state: its table store
-(``TableSet``), page space (``PageSpace``) and per-row token counters (docs/manager.md,
-"One step, in four stages"). A step is ``prepare_step`` (pure: the plan admission reads)
-then ``run_step`` (release, allocate, the batch's arrays); ``step`` runs both in one call
-when the plan needs nothing from Python in between (most steps).
+Every function here is a numba ``@njit(cache=True)`` kernel (plain Python with ``NUMBA_DISABLE_JIT=1``) over the
+manager's struct-of-arrays state: its table store (``TableSet``), page space (``PageSpace``) and per-row token counters
+(docs/manager.md, "One step, in four stages"). A step is ``prepare_step`` (pure: the plan admission reads) then
+``run_step`` (release, allocate, the batch's arrays); ``step`` runs both in one call when the plan needs nothing from
+Python in between (most steps).
 
 Arrays (``G`` groups, ``R`` scheduled rows, ``N`` scheduled tokens):
 
-* ``geometry`` int64 ``[G, 15]``: page tokens ``T``, window tokens ``W`` (0: full
-  history), ring column mask (``capacity - 1`` for sliding groups, -1 for full
-  history), rows per page, entry stride tokens, the group's first id in the page
-  space (ids of group ``g`` are ``offset + local id``), then the log2 of page
-  tokens and of stride (-1 where not a power of two: a division then),
-  then where the group's cells sit in ``pages`` (below), and (the one column the
+* ``geometry`` int64 ``[G, 15]``: page tokens ``T``, window tokens ``W`` (0: full history), ring column mask
+  (``capacity - 1`` for sliding groups, -1 for full history), rows per page, entry stride tokens, the group's first id
+  in the page space (ids of group ``g`` are ``offset + local id``), then the log2 of page tokens and of stride (-1 where
+  not a power of two: a division then), then where the group's cells sit in ``pages`` (below), and (the one column the
   kernels change) how many of its lanes are free.
-* ``pages`` int32, flat: every group's table cells (docs/manager.md, "The table store's
-  layout"). Group ``g``'s logical page ``L`` of a row is at ``RING_START + row *
-  ROW_STRIDE + (L & RING_MASK) * COLUMN_STRIDE`` (a sliding row's narrow ring; full
-  history column-major), or for a *wide* row in its lane ``k`` at ``LANE_START + k *
-  (COLUMN_MASK + 1) + (L & COLUMN_MASK)`` (``cell``; ``fit_ring`` moves a row between
-  them). Only cells of live pages mean anything.
-* ``bounds`` int64 ``[4, G, table rows]``: live logical pages ``[base, hi)``, the
-  row's lane plus one (0: narrow) and, per group, the stack of free lanes
-  (``bounds[FREE_LANES, g, :geometry[g, FREE_COUNT]]``, the lowest on top).
-* The *ring view* (``TableSet.ring_view``, the engine's ``BlockTableMirror``): group
-  ``g``, row, column ``L & COLUMN_MASK`` at index ``(g * table rows + row) *
-  VIEW_COLUMNS + column``; the cells a kernel touches are logged in that form.
+* ``pages`` int32, flat: every group's table cells (docs/manager.md, "The table store's layout"). Group ``g``'s logical
+  page ``L`` of a row is at ``RING_START + row * ROW_STRIDE + (L & RING_MASK) * COLUMN_STRIDE`` (a sliding row's narrow
+  ring; full history column-major), or for a *wide* row in its lane ``k`` at
+  ``LANE_START + k * (COLUMN_MASK + 1) + (L & COLUMN_MASK)`` (``cell``; ``fit_ring`` moves a row between them). Only
+  cells of live pages mean anything.
+* ``bounds`` int64 ``[4, G, table rows]``: live logical pages ``[base, hi)``, the row's lane plus one (0: narrow) and,
+  per group, the stack of free lanes (``bounds[FREE_LANES, g, :geometry[g, FREE_COUNT]]``, the lowest on top).
+* The *ring view* (``TableSet.ring_view``, the engine's ``BlockTableMirror``): group ``g``, row, column
+  ``L & COLUMN_MASK`` at index ``(g * table rows + row) * VIEW_COLUMNS + column``; the cells a kernel touches are logged
+  in that form.
 * ``counters`` int64 ``[3, table rows]``: computed, committed and known tokens per row.
 * ``per_group`` int64 ``[PER_GROUP_ROWS, G]``: each group's counts (``TOP`` ... ``SKIP_PACKING``).
-* ``ref`` int32 ``[P]``, ``keyed`` bool ``[P]``: per page-space id, its holders and
-  whether it carries a content key (an idle keyed page goes to ``hybridkv.memory.lru``'s
-  lists, not to the free stack).
-* ``stack`` int32 ``[P]``: group ``g``'s free local ids at ``stack[offset_g : offset_g +
-  top[g]]``, the next one handed out last; a ``lowest`` group's sorted, the lowest on top.
+* ``ref`` int32 ``[P]``, ``keyed`` bool ``[P]``: per page-space id, its holders and whether it carries a content key (an
+  idle keyed page goes to ``hybridkv.memory.lru``'s lists, not to the free stack).
+* ``stack`` int32 ``[P]``: group ``g``'s free local ids at ``stack[offset_g : offset_g + top[g]]``, the next one handed
+  out last; a ``lowest`` group's sorted, the lowest on top.
 
-The rules (docs/manager.md): a step writing tokens ``[first, first + n)`` of a
-row releases, in a sliding group, the logical pages below
-``min(max(first - W + 1, 0) // T, hi)`` and holds pages up to ``ceil((first + n) / T)``.
+The rules (docs/manager.md): a step writing tokens ``[first, first + n)`` of a row releases, in a sliding group, the
+logical pages below ``min(max(first - W + 1, 0) // T, hi)`` and holds pages up to ``ceil((first + n) / T)``.
 """
 
 from __future__ import annotations
@@ -526,9 +519,8 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
 
 @njit(cache=True)
 def transient_pages(geometry, bounds, g, rows, first, counts, after, sums):
-    """Pages group ``g`` allocates this step that the next step releases again (below
-    the window of their row's new end); 0 outside sliding groups and when no row gets
-    more than one page (one page per row has no order to keep)."""
+    """Pages group ``g`` allocates this step that the next step releases again (below the window of their row's new
+    end); 0 outside sliding groups and when no row gets more than one page (one page per row has no order to keep)."""
     tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
     if window <= 0:
         return 0
@@ -545,15 +537,13 @@ def transient_pages(geometry, bounds, g, rows, first, counts, after, sums):
 @njit(cache=True)
 def room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, per_group, ref,
                 packing, roomy, out):
-    """Before ``finish_step`` of a step that stopped for Python: per group, the pages it
-    allocates that the next step releases again (``transient_pages``; 0 where
-    ``transient[g]`` is not set): ``out[g]`` = that count when ``PagePool.make_room`` of
-    its ``sums[1, g]`` pages may have something to do now, else ``-1 - count`` (it
-    would evict nothing: the group allocates nothing, or its free stack covers the
-    allocation and, in a lowest-first group with idle low-priority pages, none can lie
-    below the ids its long-lived pages take, ``per_group[LOW_FLOOR, g]`` being a lower
-    bound of theirs, or its arena, ``roomy``, lets them spread: ``must_pack_at``).
-    ``packing``: ``Arena.packing`` (empty arrays without an arena). Returns the groups to ask."""
+    """Before ``finish_step`` of a step that stopped for Python: per group, the pages it allocates that the next step
+    releases again (``transient_pages``; 0 where ``transient[g]`` is not set): ``out[g]`` = that count when
+    ``PagePool.make_room`` of its ``sums[1, g]`` pages may have something to do now, else ``-1 - count`` (it would evict
+    nothing: the group allocates nothing, or its free stack covers the allocation and, in a lowest-first group with idle
+    low-priority pages, none can lie below the ids its long-lived pages take, ``per_group[LOW_FLOOR, g]`` being a lower
+    bound of theirs, or its arena, ``roomy``, lets them spread: ``must_pack_at``). ``packing``: ``Arena.packing`` (empty
+    arrays without an arena). Returns the groups to ask."""
     for g in range(geometry.shape[0]):
         out[g] = transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0
     return rooms_from(0, sums, stack, offsets, per_group, ref, packing, roomy, out)
@@ -599,10 +589,9 @@ def joined_low(geometry, low_priority, per_group, counts, idle_keyed):
 
 @njit(cache=True)
 def must_pack_at(ref, offset, packing, g, page, pages):
-    """The arena's packing rule of group ``g`` once it is roomy (``Arena._packing_rule``:
-    ``must_pack_slabs``) for ``pages`` long-lived pages whose highest id is ``page``;
-    ``ref[offset:]``: the group's ref counts. ``packing``: owners, the groups' slab page
-    ranges and straddlers, and per group its page bytes, the reserved bytes, the slab
+    """The arena's packing rule of group ``g`` once it is roomy (``Arena._packing_rule``: ``must_pack_slabs``) for
+    ``pages`` long-lived pages whose highest id is ``page``; ``ref[offset:]``: the group's ref counts. ``packing``:
+    owners, the groups' slab page ranges and straddlers, and per group its page bytes, the reserved bytes, the slab
     bytes, the fewest inner pages of a slab and the slabs its live pages may spread over."""
     owner, lo, hi, straddle, sizes = packing
     page_bytes, reserved_bytes, slab_bytes, per_slab, spread_slabs = sizes[g]
@@ -702,9 +691,8 @@ def run_views(plan, n_groups, n):
 def run_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n,
              settle, hold, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token):
     """One admitted step (docs/manager.md, stage 3) of the plan of ``n`` rows (``settle`` settling) that
-    ``prepare_step`` wrote to ``plan`` (``plan_views``; its scratch too): commit, release, then
-    ``finish_step``. Returns (status, cells logged, idle keyed pages); ``STEP_NEEDS_PAGES`` when it stopped
-    after the releases for Python."""
+    ``prepare_step`` wrote to ``plan`` (``plan_views``; its scratch too): commit, release, then ``finish_step``. Returns
+    (status, cells logged, idle keyed pages); ``STEP_NEEDS_PAGES`` when it stopped after the releases for Python."""
     rows, _, first, after, sums, released, _, scratch, idle_keyed, touched = run_views(plan, geometry.shape[0], n)
     committed = counters[1]
     for r in range(n):
@@ -723,11 +711,10 @@ def run_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack,
 def grant_step(grants, arena, geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group,
                transient, plan, n, settle, n_logged, cells, cell_pages, per_request, query_start_loc,
                request_indices, per_token):
-    """``run_step`` granting spare slabs alone (``grants``: groups, slabs) after its releases, counted off the
-    arena's spare slabs with ``SKIP_PACKING`` following ``Arena.roomy`` (``Arena._spare_changed``); it stops for
-    Python only when ``room_groups`` asks (as after the idle keyed pages joined: ``joined_low``). Status -1
-    (nothing granted): a slab not spare.
-    A kernel of its own: the grant inside ``run_step`` makes ``step``'s compiled loops slower."""
+    """``run_step`` granting spare slabs alone (``grants``: groups, slabs) after its releases, counted off the arena's
+    spare slabs with ``SKIP_PACKING`` following ``Arena.roomy`` (``Arena._spare_changed``); it stops for Python only
+    when ``room_groups`` asks (as after the idle keyed pages joined: ``joined_low``). Status -1 (nothing granted): a
+    slab not spare. A kernel of its own: the grant inside ``run_step`` makes ``step``'s compiled loops slower."""
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n, settle,
         True, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token)
@@ -753,10 +740,9 @@ def grant_step(grants, arena, geometry, pages, bounds, counters, ref, keyed, low
 
 @njit(cache=True, inline="always")
 def packing_floor(per_group, g):
-    """Below which id group ``g``'s idle low-priority pages lie (``needs_room``): the pool's
-    ``LOW_FLOOR`` (a lower bound of their ids) while it has some (``LOW_IDLE_PAGES``),
-    ``NO_LOW_IDLE`` while it has none, and ``NO_PACKING`` when it does not hand out its
-    lowest ids first or may skip packing (``SKIP_PACKING``: its arena is roomy)."""
+    """Below which id group ``g``'s idle low-priority pages lie (``needs_room``): the pool's ``LOW_FLOOR`` (a lower
+    bound of their ids) while it has some (``LOW_IDLE_PAGES``), ``NO_LOW_IDLE`` while it has none, and ``NO_PACKING``
+    when it does not hand out its lowest ids first or may skip packing (``SKIP_PACKING``: its arena is roomy)."""
     if per_group[LOWEST, g] == 0 or per_group[SKIP_PACKING, g] != 0:
         return NO_PACKING
     return per_group[LOW_FLOOR, g] if per_group[LOW_IDLE_PAGES, g] > 0 else NO_LOW_IDLE
@@ -764,11 +750,10 @@ def packing_floor(per_group, g):
 
 @njit(cache=True)
 def needs_room(geometry, stack, per_group, low_priority, sums, released, idle_keyed):
-    """Whether some group allocating this step must make room first: its free stack is
-    short, or (a ``lowest`` group whose idle low-priority pages are reused in id order
-    unless it may skip packing: ``packing_floor``) one of them, or a low-priority page
-    its releases just left idle (``idle_keyed``, group after group, ``released[1, g]``
-    each), lies below the highest id the allocation takes."""
+    """Whether some group allocating this step must make room first: its free stack is short, or (a ``lowest`` group
+    whose idle low-priority pages are reused in id order unless it may skip packing: ``packing_floor``) one of them, or
+    a low-priority page its releases just left idle (``idle_keyed``, group after group, ``released[1, g]`` each), lies
+    below the highest id the allocation takes."""
     keyed_from, top = 0, per_group[TOP]
     for g in range(geometry.shape[0]):
         n, offset, n_keyed = sums[1, g], geometry[g, ID_OFFSET], released[1, g]
@@ -915,8 +900,7 @@ def finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, sta
 
 @njit(cache=True)
 def block_table(geometry, pages, bounds, g, rows, out):
-    """``out[r, j]``: group ``g``'s page of logical page ``base + j`` of ``rows[r]``, -1
-    past its live pages."""
+    """``out[r, j]``: group ``g``'s page of logical page ``base + j`` of ``rows[r]``, -1 past its live pages."""
     for r in range(rows.size):
         row = rows[r]
         base = bounds[BASE, g, row]
@@ -1111,10 +1095,9 @@ def push_run(stack, top, lowest, run):
 
 @njit(cache=True)
 def low_idle_ids(low_priority, keyed, ref, start, bound, out):
-    """A pool's idle low-priority pages (keyed, low priority, no holder) with ids in
-    ``[start, bound)``, ascending, into ``out`` until it is full (what packing evicts
-    first: ``PagePool._evict_low_below``). Returns how many. Such pages are sparse: from
-    each multiple of 8 the flags are read 8 a word, words of none skipped at once."""
+    """A pool's idle low-priority pages (keyed, low priority, no holder) with ids in ``[start, bound)``, ascending, into
+    ``out`` until it is full (what packing evicts first: ``PagePool._evict_low_below``). Returns how many. Such pages
+    are sparse: from each multiple of 8 the flags are read 8 a word, words of none skipped at once."""
     words = low_priority[: low_priority.size // 8 * 8].view(np.uint64)
     n, page, whole = 0, start, bound // 8  # words below ``whole`` end at or below ``bound``
     while page < bound:
@@ -1555,11 +1538,10 @@ def donor_edges(owner, own, donor, s, donor_straddle, edge_released, ref, keyed,
 def take_donor_slabs(owner, own, donor, group, lo, hi, donor_straddle, ref, keyed, low_priority, idle_tick,
                      keyed_mode, before_tick, released_pages, slab_geometry, inner_pages, straddle, left_pages,
                      short_pages, taken, inner_idle, edge_idle):
-    """``donor``'s slabs for ``group`` until it is not ``short_pages`` short, lowest first: those whose inner
-    and given-up straddling pages are idle while the pages given up leave ``left_pages`` >= 0 (``own``: the
-    plan's owners, updated; slabs to ``taken``). Idle: ``idle_slabs``' ``inner_idle``, ``edge_idle`` when
-    given (then ``owner`` is ``own``), else worked out only for the slabs it reaches. Returns (taken, still
-    short, left)."""
+    """``donor``'s slabs for ``group`` until it is not ``short_pages`` short, lowest first: those whose inner and
+    given-up straddling pages are idle while the pages given up leave ``left_pages`` >= 0 (``own``: the plan's owners,
+    updated; slabs to ``taken``). Idle: ``idle_slabs``' ``inner_idle``, ``edge_idle`` when given (then ``owner`` is
+    ``own``), else worked out only for the slabs it reaches. Returns (taken, still short, left)."""
     n_taken, known = 0, inner_idle.size > 0
     released, edge_released = released_per_slab(released_pages, slab_geometry, owner.size)
     for s in range(owner.size):
@@ -1668,8 +1650,7 @@ def log2_exact(value):
 
 @njit(cache=True)
 def distinct_rows(rows, mark):
-    """Whether no row is listed twice (``mark``: scratch, one flag per table row, all
-    False before and after)."""
+    """Whether no row is listed twice (``mark``: scratch, one flag per table row, all False before and after)."""
     distinct = True
     for r in range(rows.size):
         if mark[rows[r]]:

@@ -1,9 +1,8 @@
 """The runtime cache manager: the one object an engine calls every step.
 
-Flow of one step: ``check_admission`` (pure) -> ``schedule`` (commit the previous
-step's tokens to the prefix cache, release slid-out pages, allocate, build the
-kernel arrays) -> the engine runs the step -> optionally ``rewind`` (speculative
-tokens rejected) -> next step. ``free`` ends a request.
+Flow of one step: ``check_admission`` (pure) -> ``schedule`` (commit the previous step's tokens to the prefix cache,
+release slid-out pages, allocate, build the kernel arrays) -> the engine runs the step -> optionally ``rewind``
+(speculative tokens rejected) -> next step. ``free`` ends a request.
 
 Every public method validates its whole input before it mutates anything.
 """
@@ -18,14 +17,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hybridkv._checks import (
-    as_int,
-    check_cache_salt,
-    check_empty_token_batch,
-    check_items,
-    check_request_ids,
-    check_token_ids,
-)
+from hybridkv._checks import (as_int, check_cache_salt, check_empty_token_batch, check_items, check_request_ids,
+                              check_token_ids)
 from hybridkv.memory.arena import Arena, ArenaGeometry, IdleScan, shared_arena_for
 from hybridkv.runtime.batch import Admission, GroupStats, GroupStep, StepBatch, TableUpdates
 from hybridkv.memory.pool import PagePool, PageSpace
@@ -35,16 +28,8 @@ from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables.store import TableSet, cdiv
 
 
-__all__ = [
-    "Admission",
-    "CacheManager",
-    "CacheManagerError",
-    "GroupStats",
-    "GroupStep",
-    "PrefixHit",
-    "StepBatch",
-    "TableUpdates",
-]
+__all__ = ["Admission", "CacheManager", "CacheManagerError", "GroupStats", "GroupStep", "PrefixHit", "StepBatch",
+           "TableUpdates"]
 
 _BLOCK_TABLE_MODES = ("full", "updates")
 _HOLD_RANGE = "page ids must lie in [1, {n})"  # hold_pages' refusal of a page out of range
@@ -213,28 +198,15 @@ _ANY_IDS.flags.writeable = False
 class CacheManager:
     """Pages, tables and slots for every request and every cache group."""
 
-    def __init__(
-        self,
-        specs: Sequence[CacheGroupSpec],
-        group_pages: Mapping[str, int] | None,
-        *,
-        max_context_tokens: int,
-        max_step_tokens: int | None = None,
-        table_widths: Mapping[str, int] | None = None,
-        shuffle_seed: int | None = None,
-        enable_prefix_caching: bool = False,
-        prefix_granularity: int | None = None,
-        hash_algo: str = "xxh3_128",
-        state_checkpoint_interval: int | None = None,
-        prompt_checkpoints: bool | None = None,
-        checkpoint_policy: str | None = None,
-        checkpoint_interval_tokens: int | None = None,
-        on_event: Any = None,
-        arena: ArenaGeometry | None = None,
-        checkpoint_window_tokens: Mapping[str, int] | None = None,
-        eviction_policy: str = "value",
-        tier_link: Any = None,
-    ):
+    def __init__(self, specs: Sequence[CacheGroupSpec], group_pages: Mapping[str, int] | None, *,
+                 max_context_tokens: int, max_step_tokens: int | None = None,
+                 table_widths: Mapping[str, int] | None = None, shuffle_seed: int | None = None,
+                 enable_prefix_caching: bool = False, prefix_granularity: int | None = None,
+                 hash_algo: str = "xxh3_128", state_checkpoint_interval: int | None = None,
+                 prompt_checkpoints: bool | None = None, checkpoint_policy: str | None = None,
+                 checkpoint_interval_tokens: int | None = None, on_event: Any = None,
+                 arena: ArenaGeometry | None = None, checkpoint_window_tokens: Mapping[str, int] | None = None,
+                 eviction_policy: str = "value", tier_link: Any = None):
         self.specs = tuple(specs)
         ids = [s.group_id for s in self.specs]
         group_pages = _pages_per_group(ids, group_pages, arena)
@@ -255,14 +227,10 @@ class CacheManager:
         self.prefix: PrefixCache | None = None
         if enable_prefix_caching:
             self.prefix = PrefixCache(
-                self.specs, self.pools, self.tables,
-                granularity_tokens=prefix_granularity, hash_algo=hash_algo,
+                self.specs, self.pools, self.tables, granularity_tokens=prefix_granularity, hash_algo=hash_algo,
                 state_checkpoint_interval=state_checkpoint_interval, prompt_checkpoints=prompt_checkpoints,
                 checkpoint_policy=checkpoint_policy, checkpoint_interval_tokens=checkpoint_interval_tokens,
-                on_event=on_event,
-                checkpoint_window_tokens=checkpoint_window_tokens,
-                eviction_policy=eviction_policy,
-            )
+                on_event=on_event, checkpoint_window_tokens=checkpoint_window_tokens, eviction_policy=eviction_policy)
         self._init_windows(ids)
         self._init_holds()
         self._load_kernels()
@@ -285,15 +253,10 @@ class CacheManager:
     def _init_memory(self, group_pages: dict[str, int], shuffle_seed: int | None,
                      arena: ArenaGeometry | None) -> None:
         """The pools, the page space the kernels own, the arena and the table store."""
-        self.pools = {
-            s.group_id: PagePool(
-                s.group_id, group_pages[s.group_id],
-                shuffle_seed=None if shuffle_seed is None else shuffle_seed + i,
-                granted=arena is None,
-                lowest_first=arena is not None,
-            )
-            for i, s in enumerate(self.specs)
-        }
+        self.pools = {s.group_id: PagePool(s.group_id, group_pages[s.group_id],
+                                           shuffle_seed=None if shuffle_seed is None else shuffle_seed + i,
+                                           granted=arena is None, lowest_first=arena is not None)
+                      for i, s in enumerate(self.specs)}
         self._pool_list = [self.pools[s.group_id] for s in self.specs]
         self._space = PageSpace(self._pool_list)
         self.arena = Arena(arena, self.pools) if arena is not None else None
@@ -303,10 +266,8 @@ class CacheManager:
         # On an arena, a sliding group's pages released again next step come last (kernels.transient_pages).
         self._transient = np.asarray([arena is not None and s.is_sliding for s in self.specs], dtype=np.bool_)
         self._scratch = _Scratch(len(self.specs))
-        self._tableset = TableSet(
-            self.specs, max_context_tokens=self.max_context_tokens, max_step_tokens=self.max_step_tokens,
-            id_offsets=self._space.offsets.tolist(),
-        )
+        self._tableset = TableSet(self.specs, max_context_tokens=self.max_context_tokens,
+                                  max_step_tokens=self.max_step_tokens, id_offsets=self._space.offsets.tolist())
         _Releases.load_kernel(self._tableset, self._space, self._scratch.plan)
 
     def _init_holds(self) -> None:
@@ -350,14 +311,12 @@ class CacheManager:
         self._copy_ids = kernels.entry_point(kernels.copy_token_ids, (_ANY_IDS, np.empty(0, _INT32)))
 
     @classmethod
-    def from_plan(
-        cls, plan: Any, *, page_space: str = "per-group", slab_anchor_pages: int | None = None, **options: Any
-    ) -> CacheManager:
+    def from_plan(cls, plan: Any, *, page_space: str = "per-group", slab_anchor_pages: int | None = None,
+                  **options: Any) -> CacheManager:
         """Build from a ``hybridkv.plan.Plan`` (pages per group, limits, capture widths).
 
-        ``page_space="per-group"``: one pool per group with the plan's page counts.
-        ``"shared"``: one arena of the plan's budget (its bytes when it has no
-        budget) lent to the groups in slabs (:mod:`hybridkv.memory.arena`)."""
+        ``page_space="per-group"``: one pool per group with the plan's page counts. ``"shared"``: one arena of the
+        plan's budget (its bytes when it has no budget) lent to the groups in slabs (:mod:`hybridkv.memory.arena`)."""
         arena = None
         if page_space == "shared":
             arena = shared_arena_for(plan, slab_anchor_pages)
@@ -365,26 +324,14 @@ class CacheManager:
             raise ValueError(f"page_space must be 'per-group' or 'shared', got {page_space!r}")
         elif slab_anchor_pages is not None:
             raise ValueError("slab_anchor_pages applies only to page_space='shared'")
-        return cls(
-            plan.specs,
-            None if arena is not None else plan.group_pages,
-            arena=arena,
-            max_context_tokens=plan.limits.max_context_tokens,
-            max_step_tokens=plan.limits.max_scheduled_tokens,
-            table_widths=plan.table_widths,
-            **options,
-        )
+        return cls(plan.specs, None if arena is not None else plan.group_pages, arena=arena,
+                   max_context_tokens=plan.limits.max_context_tokens, max_step_tokens=plan.limits.max_scheduled_tokens,
+                   table_widths=plan.table_widths, **options)
 
     # --- requests -------------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Iterable[int] | np.ndarray | None = None,
-        *,
-        prompt_tokens: int | None = None,
-        max_new_tokens: int = 0,
-        cache_salt: str | bytes | None = None,
-    ) -> PrefixHit:
+    def add_request(self, request_id: str, prompt_token_ids: Iterable[int] | np.ndarray | None = None, *,
+                    prompt_tokens: int | None = None, max_new_tokens: int = 0,
+                    cache_salt: str | bytes | None = None) -> PrefixHit:
         """Register a request; with prefix caching, borrow its cached prefix. Returns the hit."""
         buf = self._plain_prompt(request_id, prompt_token_ids, prompt_tokens, max_new_tokens, cache_salt)
         if buf is not None:
@@ -438,8 +385,7 @@ class CacheManager:
         if total > self.max_context_tokens:
             raise CacheManagerError(
                 f"request {request_id!r}: prompt {prompt_len} + max_new_tokens {max_new} = {total} tokens "
-                f"exceeds the plan's max context of {self.max_context_tokens} tokens"
-            )
+                f"exceeds the plan's max context of {self.max_context_tokens} tokens")
         buf = None
         if ids is not None:
             buf = np.empty(max(total, 1), dtype=np.int32)
@@ -467,8 +413,7 @@ class CacheManager:
     def append_token_ids_many(self, request_ids: Sequence[str], token_ids: Any) -> None:
         """Append ``k`` token ids to each of many requests (``token_ids``: ints ``[n, k]``).
 
-        The decode-step form of ``append_token_ids``: one validation for the whole
-        array; all or nothing.
+        The decode-step form of ``append_token_ids``: one validation for the whole array; all or nothing.
         """
         check_request_ids("request_ids", request_ids, CacheManagerError)
         if len(request_ids) == 0:
@@ -477,8 +422,7 @@ class CacheManager:
         arr = np.asarray(token_ids)
         if arr.ndim != 2 or arr.shape[0] != len(request_ids):
             raise CacheManagerError(
-                f"token_ids must be [{len(request_ids)}, k] for {len(request_ids)} requests, got {arr.shape}"
-            )
+                f"token_ids must be [{len(request_ids)}, k] for {len(request_ids)} requests, got {arr.shape}")
         flat = _token_array(arr.reshape(-1))
         rids = request_ids if type(request_ids) is tuple else tuple(request_ids)
         rows = self._distinct_rows_of(rids)
@@ -507,10 +451,8 @@ class CacheManager:
         if bare:
             raise CacheManagerError(f"request {bare[0]!r} was added without token ids")
         r = next(r for r in reqs if r.known_tokens + k > r.max_total_tokens)
-        raise CacheManagerError(
-            f"request {r.request_id!r}: {r.known_tokens} + {k} tokens exceeds its declared total "
-            f"of {r.max_total_tokens} (prompt + max_new_tokens)"
-        )
+        raise CacheManagerError(f"request {r.request_id!r}: {r.known_tokens} + {k} tokens exceeds its declared total "
+                                f"of {r.max_total_tokens} (prompt + max_new_tokens)")
 
     def num_computed_tokens(self, request_id: str) -> int:
         return int(self._computed[self._get(request_id).row])
@@ -529,9 +471,8 @@ class CacheManager:
         return len(self._requests)
 
     # --- admission -----------------------------------------------------------
-    def check_admission(
-        self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False, load: bool = False
-    ) -> list[Admission]:
+    def check_admission(self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False,
+                        load: bool = False) -> list[Admission]:
         """Would each (request, new tokens) fit, taken greedily in order? Never mutates.
         ``load``: as a load step (``schedule(..., load=True)``)."""
         check_items(items, CacheManagerError)
@@ -543,9 +484,8 @@ class CacheManager:
             answers[i] = Admission(True) if verdict.fits[k] else Admission(False, verdict.deny[k])
         return answers
 
-    def max_admissible_tokens(
-        self, request_id: str, max_tokens: int, *, batch: Sequence[tuple[str, int]] = (), fixed_width: bool = False
-    ) -> int:
+    def max_admissible_tokens(self, request_id: str, max_tokens: int, *, batch: Sequence[tuple[str, int]] = (),
+                              fixed_width: bool = False) -> int:
         """The most new tokens, up to ``max_tokens``, that ``request_id`` can schedule in a step together with
         ``batch`` (0 if not even one): for schedulers that shrink a prefill chunk to the memory left. Pure (a
         binary search of :meth:`check_admission`s); ``schedule`` right after reuses the last one."""
@@ -587,8 +527,7 @@ class CacheManager:
         (ids, one count) stands for ``items``; ``planned``: a plan ``_step`` made of valid items."""
         if fixed_width and self.table_widths is None:
             raise CacheManagerError(
-                "fixed_width needs capture widths: build the manager with table_widths (from_plan does)"
-            )
+                "fixed_width needs capture widths: build the manager with table_widths (from_plan does)")
         if planned is not None:
             answers, ok_idx, plan = [None] * len(planned.request_ids), range(len(planned.request_ids)), planned
         else:
@@ -657,10 +596,8 @@ class CacheManager:
             over[: plan.settle] = False
             for k in np.flatnonzero(over & fits).tolist():
                 fits[k] = False
-                deny[k] = (
-                    f"group {gid!r} needs {int(width[k])} table columns, more than the "
-                    f"capture width {self.table_widths[gid]}"
-                )
+                deny[k] = (f"group {gid!r} needs {int(width[k])} table columns, more than the "
+                           f"capture width {self.table_widths[gid]}")
 
     def _free_pages(self) -> np.ndarray:
         """Each group's free and evictable pages."""
@@ -743,12 +680,10 @@ class CacheManager:
             if grants is None:
                 g = next(g for g in avail if want[g] > avail[g])
                 fits[k] = False
-                deny[k] = (
-                    f"group {g!r} needs {int(alloc[g][k])} new pages "
-                    f"(after {int(alloc[g][k] - net[g][k])} released), "
-                    f"{max(avail[g] - used[g], 0)} free or evictable"
-                    + ("" if arena is None else ", and no slab of the shared arena can be lent")
-                )
+                deny[k] = (f"group {g!r} needs {int(alloc[g][k])} new pages "
+                           f"(after {int(alloc[g][k] - net[g][k])} released), "
+                           f"{max(avail[g] - used[g], 0)} free or evictable"
+                           + ("" if arena is None else ", and no slab of the shared arena can be lent"))
             else:
                 used = want
                 plan.grants = grants
@@ -829,15 +764,11 @@ class CacheManager:
         req = self._requests[rid]
         done = int(self._computed[req.row])
         if done + n > req.max_total_tokens:
-            return (
-                f"request {rid!r}: {done} + {n} tokens exceeds its declared total of "
-                f"{req.max_total_tokens} (prompt + max_new_tokens)"
-            )
+            return (f"request {rid!r}: {done} + {n} tokens exceeds its declared total of "
+                    f"{req.max_total_tokens} (prompt + max_new_tokens)")
         if req.token_ids is not None and done + n > req.known_tokens:
-            return (
-                f"request {rid!r}: {done} + {n} tokens exceeds the {req.known_tokens} known token ids "
-                "(append_token_ids first)"
-            )
+            return (f"request {rid!r}: {done} + {n} tokens exceeds the {req.known_tokens} known token ids "
+                    "(append_token_ids first)")
         return ""
 
     def _plan(self, rows_in: np.ndarray, counts_in: np.ndarray, load_tokens: np.ndarray) -> _StepPlan | None:
@@ -861,21 +792,16 @@ class CacheManager:
                          crossing[:n_crossing], settle, clean, tuple(totals.tolist()))
 
     # --- the step ------------------------------------------------------------
-    def schedule(
-        self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False, block_tables: str = "full",
-        write_slots: bool = True, load: bool = False,
-    ) -> StepBatch:
+    def schedule(self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False, block_tables: str = "full",
+                 write_slots: bool = True, load: bool = False) -> StepBatch:
         """Release, allocate and build the kernel arrays for one step (all or nothing).
 
-        ``block_tables="full"`` builds each group's ``[R, width]`` table;
-        ``"updates"`` hands out only the table cells that changed
-        (``StepBatch.table_updates``, applied by ``hybridkv.tables.mirror.BlockTableMirror``).
-        ``write_slots=False`` leaves every ``GroupStep.write_slots`` None, for an
-        engine that computes them itself from its mirrored tables and the positions.
-        ``load=True`` (with ``write_slots=False``): a *load step* (a tier load,
-        ``hybridkv.tierlink``): the items' tokens are copied in, not computed, so in a sliding
-        group each request holds only the pages of the checkpoint at its new end, as after a
-        prefix hit there (docs/manager.md, "Load steps").
+        ``block_tables="full"`` builds each group's ``[R, width]`` table; ``"updates"`` hands out only the table cells
+        that changed (``StepBatch.table_updates``, applied by ``hybridkv.tables.mirror.BlockTableMirror``).
+        ``write_slots=False`` leaves every ``GroupStep.write_slots`` None, for an engine that computes them itself from
+        its mirrored tables and the positions. ``load=True`` (with ``write_slots=False``): a *load step* (a tier load,
+        ``hybridkv.tierlink``): the items' tokens are copied in, not computed, so in a sliding group each request holds
+        only the pages of the checkpoint at its new end, as after a prefix hit there (docs/manager.md, "Load steps").
         """
         check_items(items, CacheManagerError)
         if load and write_slots:
@@ -885,13 +811,10 @@ class CacheManager:
             _check_step_options(items, block_tables, write_slots)  # words the error
         return self._schedule(items, None, fixed_width, block_tables, write_slots, load)
 
-    def schedule_uniform(
-        self, request_ids: Sequence[str], num_tokens: int, *, fixed_width: bool = False, block_tables: str = "full",
-        write_slots: bool = True,
-    ) -> StepBatch:
-        """``schedule([(rid, num_tokens) for rid in request_ids])``, for a step in which
-        every request gets the same count (decode, or verifying k draft tokens),
-        without building the pairs. Same checks, errors and result."""
+    def schedule_uniform(self, request_ids: Sequence[str], num_tokens: int, *, fixed_width: bool = False,
+                         block_tables: str = "full", write_slots: bool = True) -> StepBatch:
+        """``schedule([(rid, num_tokens) for rid in request_ids])``, for a step in which every request gets the same
+        count (decode, or verifying k draft tokens), without building the pairs. Same checks, errors and result."""
         if type(request_ids) is not tuple:  # a tuple passes ``check_request_ids``
             check_request_ids("request_ids", request_ids, CacheManagerError)
             request_ids = tuple(request_ids)
@@ -1346,18 +1269,11 @@ class CacheManager:
         for gid, pool in self.pools.items():
             c = pool.counters
             out[gid] = GroupStats(
-                group_id=gid,
-                total_pages=pool.usable_pages,
-                free_pages=pool.num_free_pages,
-                used_pages=pool.num_used_pages,
-                peak_used_pages=pool.peak_used_pages,
+                group_id=gid, total_pages=pool.usable_pages, free_pages=pool.num_free_pages,
+                used_pages=pool.num_used_pages, peak_used_pages=pool.peak_used_pages,
                 utilization=pool.num_used_pages / pool.usable_pages if pool.usable_pages else 0.0,
-                cached_pages=pool.num_cached_pages,
-                evictable_pages=pool.num_evictable_pages,
-                allocated_pages=c.allocated_pages,
-                released_pages=c.released_pages,
-                evicted_pages=c.evicted_pages,
-            )
+                cached_pages=pool.num_cached_pages, evictable_pages=pool.num_evictable_pages,
+                allocated_pages=c.allocated_pages, released_pages=c.released_pages, evicted_pages=c.evicted_pages)
         return out
 
     def request_pages(self, request_id: str, group_id: str) -> tuple[int, np.ndarray]:
@@ -1460,8 +1376,7 @@ class CacheManager:
         return local, per_group
 
     def held_outside_pages(self, group_id: str) -> int:
-        """Holds taken by :meth:`hold_pages_by_group` and not released (a page held twice
-        counts twice)."""
+        """Holds taken by :meth:`hold_pages_by_group` and not released (a page held twice counts twice)."""
         held = self._held_outside.get(group_id) if type(group_id) is str else None
         if held is None:
             raise CacheManagerError(f"unknown group {group_id!r}; groups are {list(self._held_outside)}")

@@ -1,8 +1,7 @@
 """An engine-side copy of the manager's page tables, kept current from step updates.
 
-A ``BlockTableMirror`` applies every ``block_tables="updates"`` batch's ``table_updates``, in order, to
-its ``store`` and yields, per group, exactly the block table the full mode would have returned
-(docs/manager.md).
+A ``BlockTableMirror`` applies every ``block_tables="updates"`` batch's ``table_updates``, in order, to its ``store``
+and yields, per group, exactly the block table the full mode would have returned (docs/manager.md).
 """
 
 from __future__ import annotations

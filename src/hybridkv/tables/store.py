@@ -20,17 +20,14 @@ ring is a power of two, so it often fits a few more: V4's c4 state rings fit 6).
 
 
 def live_pages_bound(window_tokens: int, page_tokens: int, step_tokens: int) -> int:
-    """The most pages a sliding row holds live after a step writing ``step_tokens``
-    tokens: ``cdiv(W + n + T - 2, T)``.
+    """The most pages a sliding row holds live after a step writing ``step_tokens`` tokens: ``cdiv(W + n + T - 2, T)``.
 
-    Proof: a step writing ``[first, first + n)`` keeps pages from
-    ``floor(max(first - W + 1, 0) / T)`` (the release point; the base never lags it,
-    every step releases up to it) to ``ceil((first + n) / T)`` (the hi before the
-    step is at most ``ceil(first / T)``). With ``a = first - W + 1 = qT + r``,
-    ``0 <= r < T``, that is ``ceil((r + W - 1 + n) / T)`` pages, largest at
-    ``r = T - 1``; below ``first = W - 1`` the base is 0 and the count is
-    ``ceil((first + n) / T)``, no more. ``tests/test_tables.py`` checks it against
-    the kernels' plan for every ``first``.
+    Proof: a step writing ``[first, first + n)`` keeps pages from ``floor(max(first - W + 1, 0) / T)`` (the release
+    point; the base never lags it, every step releases up to it) to ``ceil((first + n) / T)`` (the hi before the step is
+    at most ``ceil(first / T)``). With ``a = first - W + 1 = qT + r``, ``0 <= r < T``, that is
+    ``ceil((r + W - 1 + n) / T)`` pages, largest at ``r = T - 1``; below ``first = W - 1`` the base is 0 and the count
+    is ``ceil((first + n) / T)``, no more. ``tests/test_tables.py`` checks it against the kernels' plan for every
+    ``first``.
     """
     return cdiv(window_tokens + step_tokens + page_tokens - 2, page_tokens)
 
@@ -42,13 +39,7 @@ def _power_of_two_at_least(n: int) -> int:
 class GroupTable:
     """Page tables of one group for every request row: a view of its ``TableSet``."""
 
-    def __init__(
-        self,
-        spec: CacheGroupSpec,
-        *,
-        max_context_tokens: int,
-        max_step_tokens: int,
-    ):
+    def __init__(self, spec: CacheGroupSpec, *, max_context_tokens: int, max_step_tokens: int):
         self.spec = spec
         self.page_tokens = spec.page_tokens
         self.rows_per_page = spec.rows_per_page
@@ -67,23 +58,10 @@ class GroupTable:
         self._set: TableSet | None = None  # bound by TableSet
         self._g = 0
 
-    @property
-    def base(self) -> np.ndarray:
-        return self._set.bounds[kernels.BASE, self._g]
-
-    @property
-    def hi(self) -> np.ndarray:
-        return self._set.bounds[kernels.HI, self._g]
-
-    @property
-    def table_set(self) -> TableSet:
-        """The store of every group's tables this one is a view of."""
-        return self._set
-
-    @property
-    def group_index(self) -> int:
-        """This group's index in its ``table_set``."""
-        return self._g
+    base = property(lambda self: self._set.bounds[kernels.BASE, self._g])
+    hi = property(lambda self: self._set.bounds[kernels.HI, self._g])
+    table_set = property(lambda self: self._set)  # the store of every group's tables this one is a view of
+    group_index = property(lambda self: self._g)  # this group's index in its ``table_set``
 
     @property
     def pages(self) -> np.ndarray:
@@ -105,19 +83,10 @@ class TableSet:
     that each ``GroupTable`` views. While ``log`` is a list, every cell a mutation touches is logged for
     ``drain_updates`` (the first drain after ``start_log`` is a resync: docs/manager.md, "Block table modes")."""
 
-    def __init__(
-        self,
-        specs: list[CacheGroupSpec] | tuple[CacheGroupSpec, ...],
-        *,
-        max_context_tokens: int,
-        max_step_tokens: int,
-        initial_rows: int = 64,
-        id_offsets: list[int] | None = None,
-    ):
-        self.tables = [
-            GroupTable(s, max_context_tokens=max_context_tokens, max_step_tokens=max_step_tokens)
-            for s in specs
-        ]
+    def __init__(self, specs: list[CacheGroupSpec] | tuple[CacheGroupSpec, ...], *, max_context_tokens: int,
+                 max_step_tokens: int, initial_rows: int = 64, id_offsets: list[int] | None = None):
+        self.tables = [GroupTable(s, max_context_tokens=max_context_tokens, max_step_tokens=max_step_tokens)
+                       for s in specs]
         self.view_columns = max(t.capacity_pages for t in self.tables)
         self.row_cells = sum(t.capacity_pages for t in self.tables)  # the live cells a row holds at most
         self.geometry = np.zeros((len(self.tables), kernels.GEOMETRY_COLUMNS), dtype=np.int64)
@@ -139,10 +108,7 @@ class TableSet:
         self._resync = False
         self.base, self.hi = self.bounds[kernels.BASE], self.bounds[kernels.HI]
 
-    @property
-    def rows_capacity(self) -> int:
-        """Table rows the store holds now (it grows with ``ensure_rows``)."""
-        return self.bounds.shape[2]
+    rows_capacity = property(lambda self: self.bounds.shape[2])  # table rows now (``ensure_rows`` grows them)
 
     def _new_store(self, rows: int) -> np.ndarray:
         """An empty flat store for ``rows`` rows (rings or column-major tables filled with -1, then the lanes,
@@ -174,8 +140,7 @@ class TableSet:
             self.geometry[g, kernels.FREE_COUNT] = free + new - have
 
     def store_bytes(self) -> tuple[int, int]:
-        """(bytes allocated for the store, bytes of it in use: the narrow rings and
-        the lanes of wide rows)."""
+        """(bytes allocated for the store, bytes of it in use: the narrow rings and the lanes of wide rows)."""
         rows = self.rows_capacity
         wide = sum(int(np.count_nonzero(self.bounds[kernels.LANE, g])) * t.capacity_pages
                    for g, t in enumerate(self.tables))
