@@ -552,7 +552,7 @@ class PagePool:
             return self.space.drop_units([self], keys, cause)[2]
         arrays = (self.ref_counts, self.cached, self.low_priority, self._lru_prev, self._lru_next, self._stack,
                   _ONE_GROUP, self._per_group, np.zeros(1, dtype=np.int64))
-        return _drop_keys(arrays, [(self._entries.pop, self._slot, self.group_id)], keys, cause)[2]
+        return _drop_keys(lru.drop_units, arrays, [(self._entries.pop, self._slot, self.group_id)], keys, cause)[2]
 
     def clear_cache(self) -> None:
         """Unpublish every entry (held pages stay held)."""
@@ -596,10 +596,11 @@ class PagePool:
         assert np.all(self._lru_next[unlisted] == -1), "LRU link of an unlisted page"
 
 
-def _drop_keys(arrays: tuple, pops: list, keys: Sequence[Hashable], cause: str) -> tuple[list, list, list]:
+def _drop_keys(drop: Callable, arrays: tuple, pops: list, keys: Sequence[Hashable],
+               cause: str) -> tuple[list, list, list]:
     """Pop the entries under ``keys`` from each pool of ``pops`` ((its entries' ``pop``, group, group id) each)
-    and let their pages go in one ``lru.drop_units`` over ``arrays`` (its arguments from ``ref`` to ``idle``),
-    each pool's last entry first. What ``PageSpace.drop_units`` returns."""
+    and let their pages go in one ``drop`` (``lru.drop_units`` or its compiled code) over ``arrays`` (its
+    arguments from ``ref`` to ``idle``), each pool's last entry first. What ``PageSpace.drop_units`` returns."""
     listed: list[int] = []
     left: list[list[str]] = []
     for key in reversed(keys):
@@ -611,7 +612,7 @@ def _drop_keys(arrays: tuple, pops: list, keys: Sequence[Hashable], cause: str) 
                 gone.append(gid)
         left.append(gone)
     told = np.empty(len(listed) // 2, dtype=np.int64)  # an entry lists 2 numbers at least
-    lru.drop_units(np.array(listed, dtype=np.int64), *arrays, told)
+    drop(np.array(listed, dtype=np.int64), *arrays, told)
     told = told.tolist()
     low_cause, first, at, removals = EVICTED_LOW if cause == EVICTED else cause, pops and pops[0][2], 0, []
     for key, gone in zip(reversed(keys), left):  # the first pool's entry comes first in ``gone``
@@ -646,6 +647,9 @@ class PageSpace:
         self._demote_unit = kernels.entry_point(lru.demote_unit, (  # ``demote``'s kernel, its compiled code
             _NO_PAGES, 0, self.low_priority, self.lru_prev, self.lru_next, self.offsets, self.idle_low_floors,
             self.low_idle))
+        self._drop_units = kernels.entry_point(lru.drop_units, (  # ``drop_units``' kernel, its compiled code
+            _NO_PAGES, self.ref_counts, self.cached, self.low_priority, self.lru_prev, self.lru_next, self.stack,
+            self.offsets, self.per_group, self.idle_counts, _NO_PAGES))
         self.cells_out = _NO_PAGES  # free_rows' cells emptied (room for a row's every cell, allocated then)
         self._free_rows_entry = None  # free_rows' compiled code (``kernels.entry_point``), at its first call
         self._free_rows_args = (self.ref_counts, self.cached, self.stack, self.per_group, self.idle_tick,
@@ -737,7 +741,8 @@ class PageSpace:
         ``pools[0].drop_entries`` returns of the keys it published."""
         arrays = (self.ref_counts, self.cached, self.low_priority, self.lru_prev, self.lru_next, self.stack,
                   self.offsets, self.per_group, self.idle_counts)
-        return _drop_keys(arrays, [(pool._entries.pop, pool._slot, pool.group_id) for pool in pools], keys, cause)
+        pops = [(pool._entries.pop, pool._slot, pool.group_id) for pool in pools]
+        return _drop_keys(self._drop_units, arrays, pops, keys, cause)
 
     def keyed_idle(self, per_group: np.ndarray, keyed: np.ndarray) -> None:
         """Keyed pages a release left idle (group after group, ``per_group[g]`` each) join their LRUs
