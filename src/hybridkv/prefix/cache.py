@@ -851,7 +851,7 @@ class PrefixCache:
             while i < n and let_go[i][0] and let_go[i][1] is pools:
                 keys.append(let_go[i][2])
                 i += 1
-            space.drop_units(pools, keys)
+            space.drop_units(pools, keys, report=False)  # booked in ``_supersede``
         if demoted:
             space.demote(demoted)
         let_go.clear()
