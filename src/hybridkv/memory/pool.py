@@ -713,9 +713,9 @@ class PageSpace:
         and low priority where they are (by a commit's compiled claim,
         ``kernels.claim_entries``): a commit's entries of every group in one call."""
         for pool, group_keys, group_entries in zip(pools, keys, entries):
-            pool._entries.update(zip(group_keys, group_entries))
-            page_key = pool._page_key
+            published, page_key = pool._entries, pool._page_key
             for key, entry in zip(group_keys, group_entries):
+                published[key] = entry
                 for page in entry:
                     page_key[page] = key
 
