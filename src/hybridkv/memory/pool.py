@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Hashable, Sequence
+from operator import attrgetter
 
 import numpy as np
 
@@ -28,6 +29,7 @@ _MOVE_IN_PYTHON_PAGES = 4  # an entry of up to this many pages has its idle ones
 # One clock for every pool (when a keyed page last went idle); an array so that ``lru.join`` draws ticks.
 _IDLE_CLOCK = np.zeros(1, dtype=np.int64)
 _NO_PAGES = np.empty(0, dtype=np.int64)
+_DROP_ARGS = attrgetter("_drop_args")  # a pool's entries' ``pop``, group and group id (``_drop_keys``), no frame
 _ONE_GROUP = np.zeros(1, dtype=np.int64)  # a pool alone: its group's offset
 
 
@@ -668,9 +670,10 @@ class PageSpace:
                 setattr(pool, name, whole[start : start + n])
 
     def _bind_pools(self) -> None:
-        """Every pool's counts become views of this space's per-group arrays."""
+        """Every pool's counts become views of this space's per-group arrays; what ``_drop_keys`` reads of it."""
         for g, pool in enumerate(self.pools):
             pool._bind(self.per_group, g)
+            pool._drop_args = (pool._entries.pop, g, pool.group_id)
             pool._view_lru()
             pool.space = self
             pool.ranker = pool.ranker  # into ``ranked``
@@ -744,8 +747,7 @@ class PageSpace:
         (a commit's superseded checkpoints: booked already)."""
         arrays = (self.ref_counts, self.cached, self.low_priority, self.lru_prev, self.lru_next, self.stack,
                   self.offsets, self.per_group, self.idle_counts)
-        pops = [(pool._entries.pop, pool._slot, pool.group_id) for pool in pools]
-        return _drop_keys(self._drop_units, arrays, pops, keys, cause, report)
+        return _drop_keys(self._drop_units, arrays, list(map(_DROP_ARGS, pools)), keys, cause, report)
 
     def keyed_idle(self, per_group: np.ndarray, keyed: np.ndarray) -> None:
         """Keyed pages a release left idle (group after group, ``per_group[g]`` each) join their LRUs
