@@ -1116,6 +1116,19 @@ def test_block_hashes_do_not_depend_on_the_token_array_layout():
     assert chains[0][0] == expected
 
 
+def test_block_hashes_one_block_a_call_match_many_at_once():
+    """Extending a block a call (a decode commit's path) gives the chain one call over every block gives."""
+    from hybridkv.prefix.cache import RequestHashes
+
+    tokens = np.random.default_rng(4).integers(0, 2**31 - 1, 1100)
+    for ids in (tokens.astype(np.int32), tokens.astype(">i4"), np.repeat(tokens.astype(np.int32), 2)[::2]):
+        one, many = RequestHashes(7, 256, xxhash.xxh3_128_intdigest), RequestHashes(7, 256, xxhash.xxh3_128_intdigest)
+        for end in range(0, 1101, 50):
+            one.extend_to(ids, end)
+        many.extend_to(ids, 1100)
+        assert len(many.hashes) == 4 and one.hashes == many.hashes
+
+
 @pytest.mark.parametrize("policy", ["prompt-boundaries", "prefill-per-byte"])
 def test_every_removal_names_what_its_publication_named(policy):
     """A commit keeps an entry's parent key and boundary once per key for every group:

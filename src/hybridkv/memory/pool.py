@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Hashable, Sequence
+from operator import attrgetter
 
 import numpy as np
 
@@ -28,6 +29,7 @@ _MOVE_IN_PYTHON_PAGES = 4  # an entry of up to this many pages has its idle ones
 # One clock for every pool (when a keyed page last went idle); an array so that ``lru.join`` draws ticks.
 _IDLE_CLOCK = np.zeros(1, dtype=np.int64)
 _NO_PAGES = np.empty(0, dtype=np.int64)
+_DROP_ARGS = attrgetter("_drop_args")  # a pool's entries' ``pop``, group and group id (``_drop_keys``), no frame
 _ONE_GROUP = np.zeros(1, dtype=np.int64)  # a pool alone: its group's offset
 
 
@@ -511,7 +513,7 @@ class PagePool:
             return self.space.drop_units([self], keys, cause)[2]
         arrays = (self.ref_counts, self.cached, self.low_priority, self._lru_prev, self._lru_next, self._stack,
                   _ONE_GROUP, self._per_group, np.zeros(1, dtype=np.int64))
-        return _drop_keys(arrays, [(self._entries.pop, self._slot, self.group_id)], keys, cause)[2]
+        return _drop_keys(lru.drop_units, arrays, [(self._entries.pop, self._slot, self.group_id)], keys, cause)[2]
 
     def clear_cache(self) -> None:
         """Unpublish every entry (held pages stay held)."""
@@ -554,10 +556,11 @@ class PagePool:
         assert np.all(self._lru_next[unlisted] == -1), "LRU link of an unlisted page"
 
 
-def _drop_keys(arrays: tuple, pops: list, keys: Sequence[Hashable], cause: str) -> tuple[list, list, list]:
+def _drop_keys(drop: Callable, arrays: tuple, pops: list, keys: Sequence[Hashable], cause: str,
+               report: bool = True) -> tuple[list, list, list] | None:
     """Pop the entries under ``keys`` from each pool of ``pops`` ((its entries' ``pop``, group, group id) each)
-    and let their pages go in one ``lru.drop_units`` over ``arrays`` (its arguments from ``ref`` to ``idle``),
-    each pool's last entry first. What ``PageSpace.drop_units`` returns."""
+    and let their pages go in one ``drop`` (``lru.drop_units`` or its compiled code) over ``arrays`` (its
+    arguments from ``ref`` to ``idle``), each pool's last entry first. What ``PageSpace.drop_units`` returns."""
     listed: list[int] = []
     left: list[list[str]] = []
     for key in reversed(keys):
@@ -569,7 +572,9 @@ def _drop_keys(arrays: tuple, pops: list, keys: Sequence[Hashable], cause: str) 
                 gone.append(gid)
         left.append(gone)
     told = np.empty(len(listed) // 2, dtype=np.int64)  # an entry lists 2 numbers at least
-    lru.drop_units(np.array(listed, dtype=np.int64), *arrays, told)
+    drop(np.array(listed, dtype=np.int64), *arrays, told)
+    if not report:
+        return None
     told = told.tolist()
     low_cause, first, at, removals = EVICTED_LOW if cause == EVICTED else cause, pops and pops[0][2], 0, []
     for key, gone in zip(reversed(keys), left):  # the first pool's entry comes first in ``gone``
@@ -604,6 +609,9 @@ class PageSpace:
         self._demote_unit = kernels.entry_point(lru.demote_unit, (  # ``demote``'s kernel, its compiled code
             _NO_PAGES, 0, self.low_priority, self.lru_prev, self.lru_next, self.offsets, self.idle_low_floors,
             self.low_idle))
+        self._drop_units = kernels.entry_point(lru.drop_units, (  # ``drop_units``' kernel, its compiled code
+            _NO_PAGES, self.ref_counts, self.cached, self.low_priority, self.lru_prev, self.lru_next, self.stack,
+            self.offsets, self.per_group, self.idle_counts, _NO_PAGES))
         self.cells_out = _NO_PAGES  # free_rows' cells emptied (room for a row's every cell, allocated then)
         self._free_rows_entry = None  # free_rows' compiled code (``kernels.entry_point``), at its first call
         self._free_rows_args = (self.ref_counts, self.cached, self.stack, self.per_group, self.idle_tick,
@@ -620,9 +628,10 @@ class PageSpace:
                 setattr(pool, name, whole[start : start + n])
 
     def _bind_pools(self) -> None:
-        """Every pool's counts become views of this space's per-group arrays."""
+        """Every pool's counts become views of this space's per-group arrays; what ``_drop_keys`` reads of it."""
         for g, pool in enumerate(self.pools):
             pool._bind(self.per_group, g)
+            pool._drop_args = (pool._entries.pop, g, pool.group_id)
             pool._view_lru()
             pool.space = self
             pool.ranker = pool.ranker  # into ``ranked``
@@ -665,9 +674,9 @@ class PageSpace:
         and low priority where they are (by a commit's compiled claim,
         ``kernels.claim_entries``): a commit's entries of every group in one call."""
         for pool, group_keys, group_entries in zip(pools, keys, entries):
-            pool._entries.update(zip(group_keys, group_entries))
-            page_key = pool._page_key
+            published, page_key = pool._entries, pool._page_key
             for key, entry in zip(group_keys, group_entries):
+                published[key] = entry
                 for page in entry:
                     page_key[page] = key
 
@@ -686,15 +695,16 @@ class PageSpace:
         self._demote_unit(np.array(listed, dtype=np.int64), n_listed, self.low_priority, self.lru_prev,
                           self.lru_next, self.offsets, self.idle_low_floors, self.low_idle)
 
-    def drop_units(self, pools: Sequence[PagePool], keys: Sequence[Hashable],
-                   cause: str = UNPUBLISHED) -> tuple[list[list[str]], list[int], list[tuple[Hashable, str, int]]]:
+    def drop_units(self, pools: Sequence[PagePool], keys: Sequence[Hashable], cause: str = UNPUBLISHED,
+                   report: bool = True) -> tuple[list[list[str]], list[int], list[tuple[Hashable, str, int]]] | None:
         """``pool.drop_entries(…, cause)`` of the ``keys`` each of ``pools`` (this space's) publishes, telling no
         one, all in one compiled pass (``lru.drop_units``: each pool's free stack ends as after its own
         ``drop_entries``). Returns per key, in order, the group ids of the pools it left (in ``pools`` order); per
-        pool its idle pages freed; and what ``pools[0].drop_entries`` returns of the keys it published."""
+        pool its idle pages freed; and what ``pools[0].drop_entries`` returns of the keys it published; None
+        where not ``report`` (a commit's superseded checkpoints: booked already)."""
         arrays = (self.ref_counts, self.cached, self.low_priority, self.lru_prev, self.lru_next, self.stack,
                   self.offsets, self.per_group, self.idle_counts)
-        return _drop_keys(arrays, [(pool._entries.pop, pool._slot, pool.group_id) for pool in pools], keys, cause)
+        return _drop_keys(self._drop_units, arrays, list(map(_DROP_ARGS, pools)), keys, cause, report)
 
     def keyed_idle(self, per_group: np.ndarray, keyed: np.ndarray) -> None:
         """Keyed pages a release left idle (group after group, ``per_group[g]`` each) join their LRUs

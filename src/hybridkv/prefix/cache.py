@@ -106,6 +106,9 @@ class RequestHashes:
         if block.dtype is not _INT32_LE:  # a manager's buffer already is (``tobytes`` reads any layout in order)
             block = block.astype(_INT32_LE)
         parent = self.hashes[-1] if self.hashes else self.root
+        if want == have + 1:  # one block (a decode commit): no slicing
+            self.hashes.append(self._hash(parent.to_bytes(16, "little") + block.tobytes()))
+            return
         data, block_bytes = block.tobytes(), 4 * g
         hash_fn, append = self._hash, self.hashes.append
         for start in range(0, len(data), block_bytes):  # bytes slices: faster than a memoryview's here
@@ -526,7 +529,8 @@ class PrefixCache:
         entries, at, n_history = [], 0, len(self.history_ids)
         for j, (size, stats) in enumerate(zip(self._unit_sizes, self._unit_stats)):
             count = len(block_keys) if j < n_history else len(checkpoint_keys)
-            entries.append(list(zip(*[iter(pages[at:at + count * size])] * size)))
+            part = pages[at:at + count * size]  # each entry's pages, zipped in C
+            entries.append(list(zip(part) if size == 1 else zip(*[iter(part)] * size)))
             at += count * size
             stats.stored_entries += count
         self._space.adopt(self._unit_pools_in_order,
@@ -794,13 +798,14 @@ class PrefixCache:
                 elif demote:
                     demoted.append(pool)
                 else:  # its pages leave their lists with the commit's others (``_let_go``)
-                    unit_pools = self._unit_pools[gid]
+                    unit_pools, gids = self._unit_pools[gid], []
                     let_go.append((True, unit_pools, key))
-                    gids = [other.group_id for other in unit_pools if other.lookup(key) is not None]
-                    self._dropping = True
-                    events += self._book_removals((key,), (gids,))
+                    for other in unit_pools:  # a plain loop: a comprehension's frame costs more run cold
+                        if other.lookup(key) is not None:
+                            gids.append(other.group_id)
+                    self._dropping = True  # its node first (as an eviction books it), then its removals
+                    events += self._book_removals((key,), (gids,), (self.eviction.unit_left(key, len(gids)),))
                     self._dropping = False
-                    self.eviction.unit_left(key, len(gids))
                     if self.eviction.acts:
                         break  # the unit left every state group
             if demoted:  # every group's at once, with the commit's others (``_let_go``)
@@ -824,7 +829,7 @@ class PrefixCache:
             while i < n and let_go[i][0] and let_go[i][1] is pools:
                 keys.append(let_go[i][2])
                 i += 1
-            space.drop_units(pools, keys)
+            space.drop_units(pools, keys, report=False)  # booked in ``_supersede``
         if demoted:
             space.demote(demoted)
         let_go.clear()

@@ -282,19 +282,15 @@ class ValueEviction:
             # :meth:`_reason` in a state group of an eviction or a revoke (a pool's cause, never ``UNIT``).
             counts["slab" if cause == REVOKED else "gap" if node is not None and node[5] else
                    "prompt" if cause == EVICTED_LOW else "lru"] += idle_pages
-            if node is None:
-                origins.append((None, 0))
-            else:
-                origins.append((node[0], node[7]))
-                unit_left(key, len(groups), node)
+            origins.append((None, 0) if node is None else unit_left(key, len(groups), node))
         return origins
 
-    def unit_left(self, key: Hashable, count: int, node: list | None = None) -> None:
+    def unit_left(self, key: Hashable, count: int, node: list | None = None) -> tuple[Hashable | None, int]:
         """What :meth:`removed` does to the node of a checkpoint that left ``count`` state groups
         at once (its unit, evicted or unpublished), done once; evicted pages are not counted.
-        ``node``: its node, where the caller has it."""
+        ``node``: its node, where the caller has it. Returns its :meth:`origin`."""
         if node is None and (node := self._nodes.get(key)) is None:
-            return
+            return None, 0
         if node[3] == len(self.state_ids) and self._track and not node[5]:
             if node[1] > 1:  # still supported (by a checkpoint beyond): nothing else changes
                 node[1] -= 1
@@ -304,6 +300,7 @@ class ValueEviction:
         node[3] -= count
         if not node[1] and not node[2] and not node[4]:
             self._forget_if_idle(key)
+        return node[0], node[7]
 
     def _reason(self, gid: str, node: list | None, cause: str) -> str:
         if cause == REVOKED:
