@@ -276,12 +276,11 @@ class ValueEviction:
         """:meth:`removed` of each (key, cause, idle pages) of ``removals`` (entries evicted or revoked from state
         group ``gid``) and of the rest of its unit (the groups each left, from :meth:`take_units`), in the order one
         at a time gives, each unit's node read once. Returns each key's :meth:`origin`, as it was before."""
-        counts, unit_left, nodes, origins = self.evicted_pages[gid], self.unit_left, self._nodes, []
+        counts, reason, unit_left, nodes, origins = self.evicted_pages[gid], self._reason, self.unit_left, \
+            self._nodes, []
         for (key, cause, idle_pages), groups in zip(removals, left):
             node = nodes.get(key)
-            # :meth:`_reason` in a state group of an eviction or a revoke (a pool's cause, never ``UNIT``).
-            counts["slab" if cause == REVOKED else "gap" if node is not None and node[5] else
-                   "prompt" if cause == EVICTED_LOW else "lru"] += idle_pages
+            counts[reason(gid, node, cause)] += idle_pages
             origins.append((None, 0) if node is None else unit_left(key, len(groups), node))
         return origins
 
