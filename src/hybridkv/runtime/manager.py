@@ -914,12 +914,8 @@ class CacheManager:
             return self._planned_step(status, (n, settle, n_crossing, clean), rids, cells, out, write_slots, updates,
                                       n_spare)
         self._version += 1
-        if status != kernels.STEP_DONE:
-            plan = self._plan_of(n, settle, n_crossing, clean)
-            plan.grants = []
-            n_touched = self._after_run(n_touched, n_keyed, plan, out, cells)
-        elif n_keyed:  # all ``_after_run`` does after a step done whole (the kernel noted the peaks)
-            self._space.keyed_idle(sc.released[1], sc.idle_keyed)
+        if status != kernels.STEP_DONE or n_keyed:
+            n_touched = self._after_plan_run(status, n_touched, n_keyed, (n, settle, n_crossing, clean), out, cells)
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
 
@@ -939,12 +935,8 @@ class CacheManager:
             self._commit_rows(sc.plan[6][:n_crossing])  # the stacks only grow: the plan stays clean
             status, n_touched, n_keyed = self._run_entry(*self._state[:10], sc.buffer, n, settle, False, 0, *cells,
                                                          *out)
-            if status != kernels.STEP_DONE:  # as ``_run`` after ``run_step``
-                plan = self._plan_of(*planned)
-                plan.grants = []
-                n_touched = self._after_run(n_touched, n_keyed, plan, out, cells)
-            elif n_keyed:
-                self._space.keyed_idle(sc.released[1], sc.idle_keyed)
+            if status != kernels.STEP_DONE or n_keyed:
+                n_touched = self._after_plan_run(status, n_touched, n_keyed, planned, out, cells)
             self._last_rows = sc.plan[0][settle:n].copy()
             return self._build_batch(self._last_rows, rids, out, False, n_touched if updates else -1, cells)
         plan = self._plan_of(*planned)
@@ -955,6 +947,19 @@ class CacheManager:
         elif not self._admit_spare(plan, n_spare):
             return plan
         return self._commit_and_run(plan, write_slots, updates, False)
+
+    def _after_plan_run(self, status: int, n_touched: int, n_keyed: int, planned: tuple, out: _StepArrays,
+                        cells: tuple) -> int:
+        """What Python does after ``run_step`` of the plan in the scratch buffer (``_step``'s or
+        ``_planned_step``'s; ``planned``: ``_plan_of``'s arguments), where the kernel stopped after its releases
+        or keyed pages went idle: ``_after_run`` of that plan, or (a step done whole: the kernel noted the peaks)
+        the keyed pages join their LRUs. The cells changed."""
+        if status != kernels.STEP_DONE:
+            plan = self._plan_of(*planned)
+            plan.grants = []
+            return self._after_run(n_touched, n_keyed, plan, out, cells)
+        self._space.keyed_idle(self._scratch.released[1], self._scratch.idle_keyed)
+        return n_touched
 
     def _admit_spare(self, plan: _StepPlan, n: int | None = None) -> bool:
         """``kernels.admit_spare`` (``n``: its answer, if given) on an arena: True (``plan.grants`` set) when
