@@ -455,11 +455,7 @@ class PrefixCache:
             i += 1
         if let_go:
             self._let_go(let_go)
-        buffer = self.events  # per request its "stored" events, then the removals superseding caused
-        if self.on_event is None and len(buffer) + len(events) <= buffer.maxlen:
-            buffer.extend(events)  # ``_emit_many``, dropping none
-        else:
-            self._emit_many(events)
+        self._emit_many(events)  # per request its "stored" events, then the removals superseding caused
 
     def _unit_run(self, reqs: Sequence[CommittingRequest], old_tokens: Sequence[int], new_tokens: Sequence[int],
                   i: int) -> tuple[list[tuple], list[int], int, int]:
