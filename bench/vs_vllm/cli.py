@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import hybridkv
+
 from . import report
 from .capacity import byte_ideal_capacity, layout_capacity_bound, measure_capacity
 from .decode import measure_decode
@@ -191,15 +193,19 @@ def _config_json(config: BenchConfig) -> dict[str, Any]:
 
 
 def _environment(vllm_factory: Any) -> dict[str, Any]:
-    commit = subprocess.run(["git", "-C", str(BENCH_DIR), "rev-parse", "--short", "HEAD"],
+    """Where the run's ``hybridkv`` came from: its package folder, and the commit of the git work tree
+    holding it (None outside one, as for a plain copy put first on ``PYTHONPATH``)."""
+    package = Path(hybridkv.__file__).resolve().parent
+    commit = subprocess.run(["git", "-C", str(package), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip() or None
-    dirty = subprocess.run(["git", "-C", str(BENCH_DIR), "status", "--porcelain", "--", "../src"],
+    dirty = subprocess.run(["git", "-C", str(package), "status", "--porcelain", "--", "."],
                            capture_output=True, text=True).stdout.strip()
     vllm_version = None
     if not isinstance(vllm_factory, str):
         vllm_version = sys.modules[vllm_factory.__module__].VLLM_VERSION
     return dict(python=platform.python_version(), machine=platform.machine(), cpus=os.cpu_count(),
-                load_average=os.getloadavg(), commit=commit, src_modified=bool(dirty), vllm=vllm_version)
+                load_average=os.getloadavg(), commit=commit, src_modified=bool(dirty), hybridkv_path=str(package),
+                vllm=vllm_version)
 
 
 def _range(text: str) -> tuple[int, int]:

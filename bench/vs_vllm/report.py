@@ -184,7 +184,8 @@ def tables(report: dict, *, markdown: bool = False) -> list[Any]:
 
 def footer(report: dict) -> str:
     env = report["environment"]
-    return (f"commit {env.get('commit')}{' (src modified)' if env.get('src_modified') else ''}, "
+    where = f"hybridkv at commit {env.get('commit')}" if env.get("commit") else f"hybridkv from {env.get('hybridkv_path')}"
+    return (f"{where}{' (src modified)' if env.get('src_modified') else ''}, "
             f"vLLM {env.get('vllm')}, {env.get('cpus')} CPUs, load average at the end "
             f"{', '.join(f'{x:.1f}' for x in env.get('load_average', ()))}, {report['wall_seconds']:.0f} s, "
             f"{report['timestamp']}")
