@@ -933,8 +933,9 @@ class CacheManager:
                 and released + allocated <= sc.touched.size:  # planned only as rows cross: they commit, the plan runs
             self._version += 1
             self._commit_rows(sc.plan[6][:n_crossing])  # the stacks only grow: the plan stays clean
-            status, n_touched, n_keyed = self._run_entry(*self._state[:10], sc.buffer, n, settle, False, 0, *cells,
-                                                         *out)
+            n_logged = self._take_log(released + allocated)
+            status, n_touched, n_keyed = self._run_entry(*self._state[:10], sc.buffer, n, settle, False, n_logged,
+                                                         *cells, *out)
             if status != kernels.STEP_DONE or n_keyed:
                 n_touched = self._after_plan_run(status, n_touched, n_keyed, planned, out, cells)
             self._last_rows = sc.plan[0][settle:n].copy()
@@ -960,6 +961,16 @@ class CacheManager:
             return self._after_run(n_touched, n_keyed, plan, out, cells)
         self._space.keyed_idle(self._scratch.released[1], self._scratch.idle_keyed)
         return n_touched
+
+    def _take_log(self, n_cells: int) -> int:
+        """The cells the table log holds (a ``free`` or a prefix hit since the last step), moved to the front of
+        the touched scratch for ``run_step``'s ``n_logged`` when it has room for them and ``n_cells`` more; how
+        many (0: none, or no room, and they stay logged for ``_build_batch`` to drain)."""
+        ts = self._tableset
+        if not ts.log:
+            return 0
+        n_logged = ts.logged_cells()
+        return ts.take_log(self._scratch.touched) if 0 < n_logged <= self._scratch.touched.size - n_cells else 0
 
     def _admit_spare(self, plan: _StepPlan, n: int | None = None) -> bool:
         """``kernels.admit_spare`` (``n``: its answer, if given) on an arena: True (``plan.grants`` set) when
