@@ -9,6 +9,7 @@ Every public method validates its whole input before it mutates anything.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -86,7 +87,17 @@ class _StepArrays(NamedTuple):
 
 
 _INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
-_new_tuple, _new_object = tuple.__new__, object.__new__
+_new_tuple, _new_object, _pack_into = tuple.__new__, object.__new__, struct.pack_into
+
+
+def _int64_array(values: tuple, n: int) -> np.ndarray:
+    """A fresh int64 ``[n]`` of ``n`` ints (each in range): ``np.fromiter`` for a few, else one
+    ``struct.pack_into`` of them all (about half ``fromiter``'s time from 64 on)."""
+    if n < 64:
+        return np.fromiter(values, _INT64, n)
+    out = np.empty(n, _INT64)
+    _pack_into(f"{n}q", out, 0, *values)
+    return out
 _NO_CELLS = np.empty((3, 0), dtype=np.int64), np.empty(0, dtype=np.int32)  # ``kernels.finish_step`` reads no cells
 _COMPUTED = np.empty(0, dtype=np.int64)  # ``prepare_step``'s load_tokens of a step that computes
 # ``kernels.room_groups``' ``packing`` without an arena (never read: no pool is roomy).
@@ -710,7 +721,7 @@ class CacheManager:
             return rows, self._one_count, rids, n * counts[0]
         if min(counts) < 1 or max(counts) > self.max_step_tokens:  # builtins on the tuple: no numpy reductions
             return None
-        return rows, np.fromiter(counts, _INT64, n), rids, int(sum(counts))
+        return rows, _int64_array(counts, n), rids, int(sum(counts))
 
     def _fast_rows_uniform(self, rids: tuple, count) -> tuple[np.ndarray, np.ndarray, tuple, int] | None:
         """``_fast_rows`` of ``(rid, count)`` for every id: one scalar count check."""
@@ -724,7 +735,7 @@ class CacheManager:
         except (KeyError, TypeError):
             return None
         self._one_count[0] = count  # ``prepare_step`` reads one count as every row's
-        return np.fromiter(found, _INT64, n), self._one_count, rids, n * count
+        return _int64_array(found, n), self._one_count, rids, n * count
 
     def _rows_of(self, rids: tuple) -> np.ndarray | None:
         """Table rows of known request ids; None if an id is unknown or unhashable."""
@@ -733,7 +744,7 @@ class CacheManager:
             found = itemgetter(*rids)(self._row_of) if len(rids) > 1 else (self._row_of[rids[0]],)
         except (KeyError, TypeError):
             return None
-        return np.fromiter(found, _INT64, len(rids))  # a dtype object: no conversion per call
+        return _int64_array(found, len(rids))
 
     def _distinct_rows_of(self, rids: tuple) -> np.ndarray | None:
         """``_rows_of``, and None too when an id is listed twice."""
