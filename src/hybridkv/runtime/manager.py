@@ -922,7 +922,7 @@ class CacheManager:
             status, n, settle, n_crossing, clean, n_touched, n_keyed = self._step_entry(*args)
             n_spare = None
         if status >= kernels.STEP_PLANNED:
-            return self._planned_step(status, (n, settle, n_crossing, clean), fast, cells, out, write_slots, updates,
+            return self._planned_step(status, (n, settle, n_crossing, clean), rids, cells, out, write_slots, updates,
                                       n_spare)
         self._version += 1
         if status != kernels.STEP_DONE or n_keyed:
@@ -930,15 +930,15 @@ class CacheManager:
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
 
-    def _planned_step(self, status: int, planned: tuple, fast: tuple, cells: tuple, out: _StepArrays,
+    def _planned_step(self, status: int, planned: tuple, rids: tuple, cells: tuple, out: _StepArrays,
                       write_slots: bool, updates: bool, n_spare: int | None) -> StepBatch | _StepPlan | None:
-        """``_step`` of ``fast`` once ``kernels.step`` only planned: the batch if admitted as is (a clean plan whose
-        rows cross a grain, the buffers large enough: those commit, then ``run_step`` of the plan in the scratch
+        """``_step`` once ``kernels.step`` only planned: the batch if admitted as is (a clean plan whose rows
+        cross a grain, the buffers large enough: those commit, then ``run_step`` of the plan in the scratch
         buffer), else the plan or None (``n_spare``: ``admit_spare``'s answer if ``step_spare`` gave it)."""
         n, settle, n_crossing, clean = planned
         if n < 0:
             return None
-        sc, (rows_in, _, rids, _) = self._scratch, fast
+        sc = self._scratch
         n_tokens, released, most, allocated = sc.plan[7].tolist() if clean and n_crossing else (-1, 0, -1, 0)
         if n_tokens == out.per_token.shape[1] and 0 <= most <= sc.pages.size and released <= sc.idle_keyed.size \
                 and released + allocated <= sc.touched.size:  # planned only as rows cross: they commit, the plan runs
@@ -949,8 +949,8 @@ class CacheManager:
                                                          *cells, *out)
             if status != kernels.STEP_DONE or n_keyed:
                 n_touched = self._after_plan_run(status, n_touched, n_keyed, planned, out, cells)
-            self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
-            return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
+            self._last_rows = sc.plan[0][settle:n].copy()
+            return self._build_batch(self._last_rows, rids, out, False, n_touched if updates else -1, cells)
         plan = self._plan_of(*planned)
         plan.request_ids, plan.cells = rids, cells
         plan.arrays = out  # for ``_run``, once admitted
