@@ -672,3 +672,24 @@ def test_a_batch_of_many_requests_gives_each_the_row_and_count_it_has_alone():
     assert batch.table_rows.tolist() == [alone[rid] for rid in order]
     assert batch.num_scheduled_tokens.tolist() == [2] * len(order)
     m.check_invariants()
+
+
+@pytest.mark.parametrize("bad, message", [(0, "must be positive"), (13, "exceed the per-step limit"),
+                                          (10**30, "exceed the per-step limit"), (True, "must be an int"),
+                                          (2.0, "must be an int")])
+def test_a_bad_count_in_a_batch_of_many_is_refused_as_alone(bad, message):
+    """One count out of range (or not an int) among 100 mixed counts: the batch is refused with the
+    per-item reason, as a batch of two is, and nothing changes."""
+    specs, pages, ctx, step = CONFIGS["odd"]
+    m = CacheManager(specs, {gid: 40 * n for gid, n in pages.items()}, max_context_tokens=ctx, max_step_tokens=step)
+    rids = [f"r{i}" for i in range(100)]
+    for rid in rids:
+        m.add_request(rid, prompt_tokens=30, max_new_tokens=20)
+    for size in (2, 100):
+        items = [(rid, 1 + i % 2) for i, rid in enumerate(rids[:size])]
+        items[size // 2] = (items[size // 2][0], bad)
+        with pytest.raises(CacheManagerError, match=message):
+            m.schedule(items)
+    assert all(m.num_computed_tokens(rid) == 0 for rid in rids)
+    batch = m.schedule([(rid, 1 + i % 2) for i, rid in enumerate(rids)])
+    assert batch.num_scheduled_tokens.tolist() == [1 + i % 2 for i in range(100)]

@@ -719,9 +719,22 @@ class CacheManager:
                 return None
             self._one_count[0] = counts[0]  # ``prepare_step`` reads one count as every row's
             return rows, self._one_count, rids, n * counts[0]
-        if min(counts) < 1 or max(counts) > self.max_step_tokens:  # builtins on the tuple: no numpy reductions
-            return None
-        return rows, _int64_array(counts, n), rids, int(sum(counts))
+        found = self._counts_in(counts, n)
+        return None if found is None else (rows, found[0], rids, found[1])
+
+    def _counts_in(self, counts: tuple, n: int) -> tuple[np.ndarray, int] | None:
+        """(int64 array, sum) of ``n`` int token counts; None when one lies outside [1, max_step_tokens]. Builtins
+        on the tuple for a few (no numpy reductions), numpy's on the array for many (a tenth of ``min`` and ``max``'s
+        time at 1,024)."""
+        if n < 64:
+            if min(counts) < 1 or max(counts) > self.max_step_tokens:
+                return None
+            return np.fromiter(counts, _INT64, n), int(sum(counts))
+        try:
+            out = _int64_array(counts, n)
+        except struct.error:
+            return None  # past int64, so past the limit
+        return (out, int(out.sum())) if out.min() >= 1 and out.max() <= self.max_step_tokens else None
 
     def _fast_rows_uniform(self, rids: tuple, count) -> tuple[np.ndarray, np.ndarray, tuple, int] | None:
         """``_fast_rows`` of ``(rid, count)`` for every id: one scalar count check."""
