@@ -648,3 +648,48 @@ def test_steps_that_commit_first_match_the_admitted_path(block_tables):
                 assert np.array_equal(getattr(a.table_updates, name), getattr(b.table_updates, name)), name
         same_cache(fast, admitted)
     assert fast.prefix.stats[specs[0].group_id].stored_entries > 0
+
+
+def test_a_batch_of_many_requests_gives_each_the_row_and_count_it_has_alone():
+    """Past a few dozen requests the batch's rows and counts are packed in one call (past 128, numpy
+    checks the counts): a batch of 200 (pairs with mixed counts, then ``schedule_uniform``), in shuffled
+    order, hands each request the table row it gets scheduled alone and its own count."""
+    specs, pages, ctx, step = CONFIGS["odd"]
+    m = CacheManager(specs, {gid: 40 * n for gid, n in pages.items()}, max_context_tokens=ctx, max_step_tokens=step)
+    rids = [f"r{i}" for i in range(200)]
+    alone = {}
+    for rid in rids:
+        m.add_request(rid, prompt_tokens=3, max_new_tokens=20)
+        alone[rid] = int(m.schedule([(rid, 3)], block_tables="updates").table_rows[0])
+    rng = np.random.default_rng(0)
+    order = [rids[k] for k in rng.permutation(len(rids))]
+    counts = rng.integers(1, 3, len(order)).tolist()
+    batch = m.schedule(list(zip(order, counts)), block_tables="updates")
+    assert batch.table_rows.tolist() == [alone[rid] for rid in order]
+    assert batch.num_scheduled_tokens.tolist() == counts
+    order.reverse()
+    batch = m.schedule_uniform(order, 2, block_tables="updates")
+    assert batch.table_rows.tolist() == [alone[rid] for rid in order]
+    assert batch.num_scheduled_tokens.tolist() == [2] * len(order)
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("bad, message", [(0, "must be positive"), (13, "exceed the per-step limit"),
+                                          (10**30, "exceed the per-step limit"), (True, "must be an int"),
+                                          (2.0, "must be an int")])
+def test_a_bad_count_in_a_batch_of_many_is_refused_as_alone(bad, message):
+    """One count out of range (or not an int) among 100 or 200 mixed counts: the batch is refused with
+    the per-item reason, as a batch of two is, and nothing changes."""
+    specs, pages, ctx, step = CONFIGS["odd"]
+    m = CacheManager(specs, {gid: 40 * n for gid, n in pages.items()}, max_context_tokens=ctx, max_step_tokens=step)
+    rids = [f"r{i}" for i in range(200)]
+    for rid in rids:
+        m.add_request(rid, prompt_tokens=30, max_new_tokens=20)
+    for size in (2, 100, 200):
+        items = [(rid, 1 + i % 2) for i, rid in enumerate(rids[:size])]
+        items[size // 2] = (items[size // 2][0], bad)
+        with pytest.raises(CacheManagerError, match=message):
+            m.schedule(items)
+    assert all(m.num_computed_tokens(rid) == 0 for rid in rids)
+    batch = m.schedule([(rid, 1 + i % 2) for i, rid in enumerate(rids)])
+    assert batch.num_scheduled_tokens.tolist() == [1 + i % 2 for i in range(200)]

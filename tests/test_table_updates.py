@@ -329,3 +329,34 @@ def test_cells_a_free_and_a_prefix_hit_change_before_a_committing_step_come_with
         assert error is None
         mirror.apply(a)
         same_batch(a, b, mirror)
+
+
+def test_cells_logged_before_a_clean_committing_step_come_with_its_updates():
+    """As above with pools large enough that every plan is clean: a step whose rows cross prefix
+    grains commits and runs without admission, taking the cells a free and a prefix hit logged
+    (its updates carry them with its own; a mirror applying them holds the full-mode tables)."""
+    specs, _, ctx, step_limit = CONFIGS["odd"]
+    inc, full = (CacheManager(specs, dict.fromkeys(ODD_PAGES, 400), max_context_tokens=ctx, max_step_tokens=step_limit,
+                              enable_prefix_caching=True, prefix_granularity=60) for _ in range(2))
+    mirror = BlockTableMirror.for_manager(inc)
+    shared = np.arange(70, dtype=np.int32) % 7
+    prompts = {}
+    for k in range(40):
+        if len(prompts) > 5:
+            gone = next(iter(prompts))
+            del prompts[gone]
+            both([inc.free, full.free], gone)
+        rid = f"r{k}"
+        prompts[rid] = np.concatenate([shared, np.full(k % 5 + 1, k, dtype=np.int32)])
+        hits, _ = both([inc.add_request, full.add_request], rid, prompts[rid], max_new_tokens=10)
+        assert hits[0].hit_tokens == hits[1].hit_tokens
+        items = []
+        for r, prompt in prompts.items():
+            left = prompt.size - inc.num_computed_tokens(r)
+            if left <= 0:
+                both([inc.append_token_ids, full.append_token_ids], r, [k % 7])
+            items.append((r, min(12, left) if left > 0 else 1))
+        (a, b), error = both([lambda *x, **y: inc.schedule(*x, block_tables="updates", **y), full.schedule], items)
+        assert error is None
+        mirror.apply(a)
+        same_batch(a, b, mirror)
