@@ -98,6 +98,8 @@ def _int64_array(values: tuple, n: int) -> np.ndarray:
     out = np.empty(n, _INT64)
     _pack_into(f"{n}q", out, 0, *values)
     return out
+
+
 _NO_CELLS = np.empty((3, 0), dtype=np.int64), np.empty(0, dtype=np.int32)  # ``kernels.finish_step`` reads no cells
 _COMPUTED = np.empty(0, dtype=np.int64)  # ``prepare_step``'s load_tokens of a step that computes
 # ``kernels.room_groups``' ``packing`` without an arena (never read: no pool is roomy).
