@@ -12,6 +12,8 @@ the tables, the prefix cache's events) and, in the end, on the batches of the go
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -99,6 +101,10 @@ BAD_CALLS = [
         [(live[0], m.known_token_ids(live[0]).size - m.num_computed_tokens(live[0]) + 1)])),
     ("schedule nothing", "empty", lambda m, live, freed: m.schedule([])),
     ("schedule a malformed item", "each item must be", lambda m, live, freed: m.schedule([(live[0],)])),
+    ("schedule a triple after a pair", "each item must be", lambda m, live, freed: m.schedule(
+        [(live[0], 1), (live[-1], 1, 5)])),
+    ("schedule a pair after a triple", "each item must be", lambda m, live, freed: m.schedule(
+        [(live[0], 1, 5), (live[-1], 1)])),
     ("schedule a string", "pairs", lambda m, live, freed: m.schedule("ab")),
     ("schedule_uniform a bad count", "token count must be positive", lambda m, live, freed: m.schedule_uniform(live, 0)),
     ("schedule_uniform an unknown id", "unknown request", lambda m, live, freed: m.schedule_uniform(
@@ -233,3 +239,16 @@ def test_an_id_that_is_not_a_str_is_no_request():
     a, _ = two_managers()
     a.add_request("a", [1, 2, 3])
     assert a.has_request("a") and not a.has_request(["a"]) and not a.has_request(None) and not a.has_request(b"a")
+
+
+@pytest.mark.parametrize("items", [[("a", 1), ("b", 1, 5)], [("a", 1, 5), ("b", 1)], [("a", 1), ("b",)]])
+def test_an_item_of_another_length_among_pairs_is_refused(items):
+    """A batch that mixes pairs with longer or shorter items is refused whole, naming the bad item,
+    and changes nothing (as a batch of only malformed items is)."""
+    a, b = two_managers()
+    for m in (a, b):
+        m.add_request("a", [1, 2, 3, 4]), m.add_request("b", [5, 6, 7, 8])
+    bad = next(item for item in items if len(item) != 2)
+    with pytest.raises(CacheManagerError, match=f"each item must be .*got {re.escape(repr(bad))}"):
+        a.schedule(items)
+    assert seen(a, ("a", "b")) == seen(b, ("a", "b"))

@@ -704,8 +704,8 @@ class CacheManager:
     def _fast_rows(self, items) -> tuple[np.ndarray, np.ndarray, tuple, int] | None:
         """(rows, counts, ids, tokens) of valid-looking pairs, vectorized; None sends the batch to the
         per-item path. The plan checks distinct rows and known tokens."""
-        try:
-            rids, counts = zip(*items)
+        try:  # strict: an item of another length among pairs is no pair either
+            rids, counts = zip(*items, strict=True)
         except (TypeError, ValueError):
             return None  # not all pairs
         rows = self._rows_of(rids)
