@@ -578,9 +578,9 @@ class PrefixCache:
         keys, parents, ends, checkpoint_keys, checkpoint_parents, boundaries = booked
         for gid, size in self._history_events:
             events += zip(repeat("stored"), repeat(gid), keys, parents, ends, repeat(size))
-        state_sizes = self._unit_sizes[len(self.history_ids):]
-        for key, parent, boundary in zip(checkpoint_keys, checkpoint_parents, boundaries):
-            events += zip(repeat("stored"), self.state_ids, repeat(key), repeat(parent), repeat(boundary), state_sizes)
+        events += [("stored", gid, key, parent, boundary, size)  # one list: cheaper than a zip a checkpoint
+                   for key, parent, boundary in zip(checkpoint_keys, checkpoint_parents, boundaries)
+                   for gid, size in self._checkpoint_events]
 
     def _tell_units(self, booked: tuple, entries: list[list], kb: int, kc: int, low: int) -> None:
         """The tier link of a commit claimed whole (:meth:`_book_units`' ``booked``, its
