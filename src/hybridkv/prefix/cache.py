@@ -560,9 +560,9 @@ class PrefixCache:
             key, last = checkpoint_keys[-1], kc + len(checkpoint_keys) - 1
             own = _new_object(OwnCheckpoint)  # its fields stored directly (no ``__init__`` frame)
             own.boundary_tokens, own.pinned, own.entries = boundaries[-1], False, {}
-            for gid, holders, j in self._unit_holders:
+            for gid, holders, j in self._unit_holders:  # a key no group had: no request holds it yet
                 own.entries[gid] = (key, entries[j][last])
-                holders[key] = holders.get(key, 0) + 1
+                holders[key] = 1
             if hook is not None:
                 self._tell_units(booked, entries, kb, kc, low)
             for key, boundary in zip(checkpoint_keys, boundaries) if values is not None else ():
