@@ -757,8 +757,8 @@ def test_page_space_drop_units_is_drop_entries_pool_by_pool(data, lowest_first):
 @settings(max_examples=80, deadline=None)
 @given(data=st.data(), lowest_first=st.booleans())
 def test_page_space_demote_is_demote_pool_by_pool(data, lowest_first):
-    """``PageSpace.demote`` (one compiled pass over a unit's pages in several groups, then
-    a second key's in others) against ``demote(key)`` in each of the pools that publish the
+    """``PageSpace.demote`` (one compiled pass over a unit's entries listed in several groups,
+    then a second key's in others) against ``demote(key)`` in each of the pools that publish the
     key, key after key: entries of 0-3 pages, low priority or not, some pages held (so some
     idle pages move to the front of the LRU), among other idle entries. The same LRU order,
     idle low-priority counts, packing floors, flags and entries."""
@@ -780,7 +780,11 @@ def test_page_space_demote_is_demote_pool_by_pool(data, lowest_first):
             decref(pool, np.asarray(pages[size + 1:] + pages[held:size] + pages[size:size + 1], dtype=np.int64))
         sides.append((pools, space))
     (pools_a, space_a), (pools_b, space_b) = sides
-    space_a.demote([([pools_a[i] for i in sorted(picked)], "unit"), ([pools_a[i] for i in then], "more")])
+    listed = []  # each entry: its pool's index in the space, its page count, its pages
+    for i, key in [(i, "unit") for i in sorted(picked)] + [(i, "more") for i in then]:
+        pages = pools_a[i].lookup(key)
+        listed += (i, len(pages), *pages)
+    space_a.demote(listed)
     for i in sorted(picked):
         pools_b[i].demote("unit")
     for i in then:

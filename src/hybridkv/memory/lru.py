@@ -127,11 +127,11 @@ def move(prev, nxt, pages, to_front):
 
 
 @njit(cache=True)
-def demote_unit(listed, n_entries, low_priority, prev, nxt, offsets, low_floors, low_idle):
-    """``PagePool.demote`` of one entry in each of ``n_entries`` groups (``PageSpace.demote``): ``listed`` holds,
+def demote_unit(listed, low_priority, prev, nxt, offsets, low_floors, low_idle):
+    """``PagePool.demote`` of entries of some groups (``PageSpace.demote``): ``listed`` holds,
     entry after entry, its group, its page count and its local ids."""
     at = 0
-    for _ in range(n_entries):
+    while at < listed.size:
         g, end, n_idle = listed[at], at + 2 + listed[at + 1], 0
         off = offsets[g]
         was_low = end > at + 2 and low_priority[off + listed[at + 2]]  # an entry is low as a whole

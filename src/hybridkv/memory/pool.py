@@ -607,7 +607,7 @@ class PageSpace:
         self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # scratch of hold_outside, drop_units, free_rows
         self.idle_listed = _NO_PAGES  # free_rows' keyed pages left idle, for the rankers (allocated for them)
         self._demote_unit = kernels.entry_point(lru.demote_unit, (  # ``demote``'s kernel, its compiled code
-            _NO_PAGES, 0, self.low_priority, self.lru_prev, self.lru_next, self.offsets, self.idle_low_floors,
+            _NO_PAGES, self.low_priority, self.lru_prev, self.lru_next, self.offsets, self.idle_low_floors,
             self.low_idle))
         self._drop_units = kernels.entry_point(lru.drop_units, (  # ``drop_units``' kernel, its compiled code
             _NO_PAGES, self.ref_counts, self.cached, self.low_priority, self.lru_prev, self.lru_next, self.stack,
@@ -680,20 +680,13 @@ class PageSpace:
                 for page in entry:
                     page_key[page] = key
 
-    def demote(self, units: Sequence[tuple[Sequence[PagePool], Hashable]]) -> None:
-        """``pool.demote(key)`` in each of ``pools`` (this space's, each publishing ``key``)
-        of each (pools, key) of ``units`` in turn, in one compiled call (``lru.demote_unit``:
-        superseded checkpoints' units kept low; every page flagged low, the idle ones moved to
-        the front of their LRU, entry after entry)."""
-        listed: list[int] = []
-        n_listed = 0
-        for pools, key in units:
-            for pool in pools:
-                pages = pool._entries[key]
-                listed += (pool._slot, len(pages), *pages)
-                n_listed += 1
-        self._demote_unit(np.array(listed, dtype=np.int64), n_listed, self.low_priority, self.lru_prev,
-                          self.lru_next, self.offsets, self.idle_low_floors, self.low_idle)
+    def demote(self, listed: list[int]) -> None:
+        """``pool.demote(key)`` of each entry ``listed`` (its pool's index in this space, its
+        page count, its pages) in turn, in one compiled call (``lru.demote_unit``: superseded
+        checkpoints' units kept low; every page flagged low, the idle ones moved to the front
+        of their LRU, entry after entry)."""
+        self._demote_unit(np.array(listed, dtype=np.int64), self.low_priority, self.lru_prev, self.lru_next,
+                          self.offsets, self.idle_low_floors, self.low_idle)
 
     def drop_units(self, pools: Sequence[PagePool], keys: Sequence[Hashable], cause: str = UNPUBLISHED,
                    report: bool = True) -> tuple[list[list[str]], list[int], list[tuple[Hashable, str, int]]] | None:

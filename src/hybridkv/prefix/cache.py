@@ -285,6 +285,9 @@ class PrefixCache:
         # own, then (the value policy drops whole units) every other state group's, in order.
         self._unit_pools = {gid: [pools[gid]] + [pools[o] for o in self.state_ids if o != gid and self.eviction.acts]
                             for gid in self.state_ids}
+        # Per state group, what superseding reads there: its pool, holders and index in the page space.
+        self._supersede_books = {gid: (pools[gid], self._holders[gid], self._space.pools.index(pools[gid]))
+                                 for gid in self.state_ids}
         self._order = None  # "prefill-per-byte": the state pools' eviction order, kept incrementally
         if self.values is not None and self.state_ids:
             self._order = CheckpointOrder(self.values, [pools[g] for g in self.state_ids], idle_clock_tick,
@@ -557,9 +560,9 @@ class PrefixCache:
             key, last = checkpoint_keys[-1], kc + len(checkpoint_keys) - 1
             own = _new_object(OwnCheckpoint)  # its fields stored directly (no ``__init__`` frame)
             own.boundary_tokens, own.pinned, own.entries = boundaries[-1], False, {}
-            for gid, holders, j in self._unit_holders:
+            for gid, holders, j in self._unit_holders:  # a key no group had: no request holds it yet
                 own.entries[gid] = (key, entries[j][last])
-                holders[key] = holders.get(key, 0) + 1
+                holders[key] = 1
             if hook is not None:
                 self._tell_units(booked, entries, kb, kc, low)
             for key, boundary in zip(checkpoint_keys, boundaries) if values is not None else ():
@@ -575,9 +578,9 @@ class PrefixCache:
         keys, parents, ends, checkpoint_keys, checkpoint_parents, boundaries = booked
         for gid, size in self._history_events:
             events += zip(repeat("stored"), repeat(gid), keys, parents, ends, repeat(size))
-        state_sizes = self._unit_sizes[len(self.history_ids):]
-        for key, parent, boundary in zip(checkpoint_keys, checkpoint_parents, boundaries):
-            events += zip(repeat("stored"), self.state_ids, repeat(key), repeat(parent), repeat(boundary), state_sizes)
+        events += [("stored", gid, key, parent, boundary, size)  # one list: cheaper than a zip a checkpoint
+                   for key, parent, boundary in zip(checkpoint_keys, checkpoint_parents, boundaries)
+                   for gid, size in self._checkpoint_events]
 
     def _tell_units(self, booked: tuple, entries: list[list], kb: int, kc: int, low: int) -> None:
         """The tier link of a commit claimed whole (:meth:`_book_units`' ``booked``, its
@@ -771,10 +774,10 @@ class PrefixCache:
         value ("prefill-per-byte"), demoted (a speculative boundary: kept like the ones the
         policy publishes, low priority) or unpublished with the rest of its unit from the
         other state groups (as ``ValueEviction.removed`` would take it), booked at once;
-        the unit goes onto ``let_go`` and its pages leave their lists at the commit's end
-        (``_let_go``): the same removals, events (onto ``events``) and order as one at a
-        time. One function, plain loops: cheaper run cold."""
-        pinned, pools, all_holders, values = [], self.pools, self._holders, self.values
+        the unit goes onto ``let_go`` (a demoted one: its entries listed for ``PageSpace.demote``) and its pages
+        leave their lists at the commit's end (``_let_go``): the same removals, events (onto ``events``) and order as
+        one at a time. One function, plain loops: cheaper run cold."""
+        pinned, books, values = [], self._supersede_books, self.values
         for prev in req.own_checkpoints:
             if prev.pinned:
                 pinned.append(prev)
@@ -782,17 +785,16 @@ class PrefixCache:
             # Kept low where its last hold goes: a boundary the policy keeps (asked once, not a group).
             demote, demoted = values is None and self.policy.speculative(prev.boundary_tokens, req.prompt_tokens), []
             for gid, (key, pages) in prev.entries.items():
-                pool = pools[gid]
+                pool, holders, slot = books[gid]
                 if pool.lookup(key) is not pages:
                     continue  # evicted meanwhile, its hold gone (re-stored: another tuple, maybe equal)
-                holders = all_holders[gid]
                 left = holders.pop(key, 1) - 1
                 if left:
                     holders[key] = left
                 elif values is not None and self._kept_by_value(key, prev.boundary_tokens, req):
                     continue  # its priority and place: rank_checkpoints
-                elif demote:
-                    demoted.append(pool)
+                elif demote:  # its entry listed (group, page count, pages)
+                    demoted += (slot, len(pages), *pages)
                 else:  # its pages leave their lists with the commit's others (``_let_go``)
                     unit_pools, gids = self._unit_pools[gid], []
                     let_go.append((True, unit_pools, key))
@@ -805,19 +807,19 @@ class PrefixCache:
                     if self.eviction.acts:
                         break  # the unit left every state group
             if demoted:  # every group's at once, with the commit's others (``_let_go``)
-                let_go.append((False, demoted, key))
+                let_go.append((False, demoted, None))
         req.own_checkpoints = pinned + new_own if pinned else new_own
 
     def _let_go(self, let_go: list[tuple]) -> None:
-        """What superseding let go (each (unpublished, pools, key)), in order, then cleared:
-        the unpublished entries leave ``pools``, each run of them over the same pools in one
-        ``PageSpace.drop_units`` call; the demoted units in one ``PageSpace.demote`` call (as
-        one at a time: different pages, each in the order given)."""
+        """What superseding let go (each (True, pools, key) or (False, listed entries, None)), in
+        order, then cleared: the unpublished entries leave ``pools``, each run of them over the
+        same pools in one ``PageSpace.drop_units`` call; the demoted units in one
+        ``PageSpace.demote`` call (as one at a time: different pages, each in the order given)."""
         space, demoted, i, n = self._space, [], 0, len(let_go)
         while i < n:
             unpublished, pools, key = let_go[i]
             if not unpublished:
-                demoted.append((pools, key))
+                demoted += pools
                 i += 1
                 continue
             keys = [key]
