@@ -684,6 +684,7 @@ def test_append_token_ids_many_matches_one_by_one_appends_and_its_refusals(ops):
                 fast.append_token_ids_many(list(rids), tokens)
         for rid in model:
             assert fast.known_token_ids(rid).tolist() == slow.known_token_ids(rid).tolist() == (model[rid] or [])
+        fast.check_invariants()  # each live row's token-id address is its request's, a freed row's 0
         if gone in model and len(model) > 1:  # its row goes back, and a new request takes it
             for m in (fast, slow):
                 m.free(gone)
