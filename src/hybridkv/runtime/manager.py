@@ -406,10 +406,13 @@ class CacheManager:
 
     def append_token_ids(self, request_id: str, token_ids: Iterable[int] | np.ndarray) -> None:
         """Extend a request's known tokens (sampled outputs, draft tokens)."""
-        check_token_ids("token_ids", token_ids, CacheManagerError)
+        ids = _small_token_list(token_ids)  # a few valid ids need no other check
+        if ids is None:
+            check_token_ids("token_ids", token_ids, CacheManagerError)
         self._version += 1  # invalidates a cached admission
-        req = self._get(request_id)
-        ids = _small_token_list(token_ids)
+        req = self._requests.get(request_id) if type(request_id) is str else None
+        if req is None:
+            req = self._get(request_id)  # raises
         if ids is None:
             ids = _token_array(token_ids)
         n = self._known.item(req.row)
