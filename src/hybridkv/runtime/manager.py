@@ -430,7 +430,8 @@ class CacheManager:
         The decode-step form of ``append_token_ids``: one compiled call checks and writes every row (an int32
         ``[n, k]`` array as is, anything else checked and converted first); all or nothing.
         """
-        check_request_ids("request_ids", request_ids, CacheManagerError)
+        if type(request_ids) is not tuple and type(request_ids) is not list:
+            check_request_ids("request_ids", request_ids, CacheManagerError)
         n = len(request_ids)
         if n == 0:
             return check_empty_token_batch(token_ids, CacheManagerError)
