@@ -1394,10 +1394,7 @@ class CacheManager:
         """Assert that ref counts equal the tables' holdings, pools are consistent, every row's token-id address
         is its request's and every prefix-cache hold is on a cached entry (:meth:`PrefixCache.check_holds`)."""
         assert self._row_of == {rid: req.row for rid, req in self._requests.items()}, "id -> row map is stale"
-        addresses = np.zeros_like(self._token_addr)  # appends write only into live requests' own token ids
-        for req in self._requests.values():
-            addresses[req.row] = 0 if req.token_ids is None else req.token_ids.ctypes.data
-        assert np.array_equal(addresses, self._token_addr), "a row's token-id address is stale"
+        assert np.array_equal(self._token_addresses(), self._token_addr), "a row's token-id address is stale"
         for s in self.specs:
             gid = s.group_id
             table, pool = self.tables[gid], self.pools[gid]
@@ -1423,6 +1420,13 @@ class CacheManager:
             self.arena.check_invariants()
 
     # --- helpers --------------------------------------------------------------
+    def _token_addresses(self) -> np.ndarray:
+        """What ``_token_addr`` must hold (appends write only into live requests' own token ids)."""
+        addresses = np.zeros_like(self._token_addr)
+        for req in self._requests.values():
+            addresses[req.row] = 0 if req.token_ids is None else req.token_ids.ctypes.data
+        return addresses
+
     def _get(self, request_id: str) -> _Request:
         try:
             return self._requests[request_id]
