@@ -631,6 +631,67 @@ def test_append_token_ids_many_rejects_bad_input(rids, ids, match):
     assert m.known_token_ids("a").size == 5
 
 
+def _append_refusal(model, totals, rids, tokens):
+    """The refusal ``append_token_ids_many`` words for ``model`` (id -> known ids, None without ids), in its
+    order: a negative id, an unknown request, one listed twice, one without ids, one past its total."""
+    k = tokens.shape[1]
+    if (tokens < 0).any():
+        return "token ids must be in"
+    if any(rid not in model for rid in rids):
+        return "unknown request"
+    if len(set(rids)) < len(rids):
+        return "appears twice"
+    if any(model[rid] is None for rid in rids):
+        return "without token ids"
+    if any(len(model[rid]) + k > totals[rid] for rid in rids):
+        return "declared total"
+    return None
+
+
+_APPEND_OPS = hst.lists(hst.tuples(hst.lists(hst.sampled_from("abcdz"), min_size=1, max_size=5),
+                                   hst.integers(0, 3), hst.integers(-1, 9), hst.sampled_from("abcd")), max_size=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_APPEND_OPS)
+def test_append_token_ids_many_matches_one_by_one_appends_and_its_refusals(ops):
+    # The compiled batch path (int32 [n, k]) against append_token_ids one request at a time and a model:
+    # the same known ids, refusals in the same order of checks that change nothing, rows freed and reused.
+    fast, slow = (manager([SWA, KV], 60, ctx=64, step=16) for _ in range(2))
+    model, totals = {}, {}
+
+    def add(rid):
+        for m in (fast, slow):
+            if rid == "d":  # no token ids
+                m.add_request(rid, prompt_tokens=3, max_new_tokens=4)
+            else:
+                m.add_request(rid, np.arange(3, dtype=np.int32) + ord(rid), max_new_tokens=3 + ord(rid) % 4)
+        model[rid] = None if rid == "d" else list(range(ord(rid), ord(rid) + 3))
+        totals[rid] = 3 + (4 if rid == "d" else 3 + ord(rid) % 4)
+
+    for rid in "abcd":
+        add(rid)
+    for rids, k, token, gone in ops:
+        tokens = (np.arange(len(rids) * k, dtype=np.int32).reshape(len(rids), k) + token) * np.int32(token)
+        refusal = _append_refusal(model, totals, rids, tokens)
+        if refusal is None:
+            fast.append_token_ids_many(tuple(rids), tokens)
+            for rid, line in zip(rids, tokens.tolist()):
+                slow.append_token_ids(rid, line)
+                model[rid] += line
+        else:
+            with pytest.raises(CacheManagerError, match=refusal):
+                fast.append_token_ids_many(list(rids), tokens)
+        for rid in model:
+            assert fast.known_token_ids(rid).tolist() == slow.known_token_ids(rid).tolist() == (model[rid] or [])
+        fast.check_invariants()  # each live row's token-id address is its request's, a freed row's 0
+        if gone in model and len(model) > 1:  # its row goes back, and a new request takes it
+            for m in (fast, slow):
+                m.free(gone)
+            del model[gone]
+            add(gone)
+
+
 def _known(m, rids):
     return {rid: m.known_token_ids(rid).tolist() for rid in rids}
 

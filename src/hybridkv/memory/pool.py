@@ -29,6 +29,8 @@ _MOVE_IN_PYTHON_PAGES = 4  # an entry of up to this many pages has its idle ones
 # One clock for every pool (when a keyed page last went idle); an array so that ``lru.join`` draws ticks.
 _IDLE_CLOCK = np.zeros(1, dtype=np.int64)
 _NO_PAGES = np.empty(0, dtype=np.int64)
+_ANY_PAGES = np.zeros(4, dtype=np.int64)[::2]  # a read-only strided view: its type covers every int64 1-D layout
+_ANY_PAGES.flags.writeable = False
 _DROP_ARGS = attrgetter("_drop_args")  # a pool's entries' ``pop``, group and group id (``_drop_keys``), no frame
 _ONE_GROUP = np.zeros(1, dtype=np.int64)  # a pool alone: its group's offset
 
@@ -609,6 +611,9 @@ class PageSpace:
         self._demote_unit = kernels.entry_point(lru.demote_unit, (  # ``demote``'s kernel, its compiled code
             _NO_PAGES, self.low_priority, self.lru_prev, self.lru_next, self.offsets, self.idle_low_floors,
             self.low_idle))
+        self._join = kernels.entry_point(lru.join, (  # ``keyed_idle``'s kernel, for any int64 counts and pages
+            self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, self.lru_lengths, self.low_idle,
+            self.idle_low_floors, self.offsets, _ANY_PAGES, _ANY_PAGES, _IDLE_CLOCK))
         self._drop_units = kernels.entry_point(lru.drop_units, (  # ``drop_units``' kernel, its compiled code
             _NO_PAGES, self.ref_counts, self.cached, self.low_priority, self.lru_prev, self.lru_next, self.stack,
             self.offsets, self.per_group, self.idle_counts, _NO_PAGES))
@@ -638,9 +643,7 @@ class PageSpace:
 
     def load_kernels(self, tables) -> None:
         """Load (or compile) now, changing nothing, the kernels of this space's and each pool's methods."""
-        none = np.zeros(len(self.pools), dtype=np.int64)
-        lru.join(self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, self.lru_lengths, self.low_idle,
-                 self.idle_low_floors, self.offsets, none, _NO_PAGES, _IDLE_CLOCK)
+        self.keyed_idle(np.zeros(len(self.pools), dtype=np.int64), _NO_PAGES)
         self.free_rows(tables, _NO_PAGES)
         self.drop_units([], [])  # ``lru.drop_units``, :meth:`drop_units`' kernel too
         for pool in self.pools:
@@ -700,11 +703,11 @@ class PageSpace:
         return _drop_keys(self._drop_units, arrays, list(map(_DROP_ARGS, pools)), keys, cause, report)
 
     def keyed_idle(self, per_group: np.ndarray, keyed: np.ndarray) -> None:
-        """Keyed pages a release left idle (group after group, ``per_group[g]`` each) join their LRUs
+        """Keyed pages a release left idle (group after group, ``per_group[g]`` each; both int64) join their LRUs
         (``lru.join``); then the rankers are told."""
         first_tick = int(_IDLE_CLOCK[0]) + 1 if self.ranked else 0
-        lru.join(self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, self.lru_lengths, self.low_idle,
-                 self.idle_low_floors, self.offsets, per_group, keyed, _IDLE_CLOCK)
+        self._join(self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, self.lru_lengths, self.low_idle,
+                   self.idle_low_floors, self.offsets, per_group, keyed, _IDLE_CLOCK)
         if self.ranked:
             self._tell_rankers(per_group, keyed, first_tick)
 

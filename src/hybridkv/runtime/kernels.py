@@ -36,8 +36,11 @@ logical pages below ``min(max(first - W + 1, 0) // T, hi)`` and holds pages up t
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
-from numba import njit
+from numba import carray, njit, types
+from numba.extending import intrinsic, overload
 
 PAGE_TOKENS, WINDOW_TOKENS, COLUMN_MASK, ROWS_PER_PAGE, STRIDE_TOKENS, ID_OFFSET = range(6)
 PAGE_SHIFT, STRIDE_SHIFT = range(6, 8)  # log2 of the page and stride sizes, -1 if not a power of two
@@ -949,25 +952,20 @@ def truncate_rows(geometry, pages, bounds, rows, kept):
 def rewind_rows(geometry, pages, bounds, counters, known_floor, ref, keyed, stack, per_group, mark, rows, kept):
     """``CacheManager.rewind_many`` in one call (False, nothing changed: a row twice or a count outside
     [committed, computed]): ``truncate_rows``, ``release_taken``, known tokens ``min(known, max(kept, floor))``.
-    Returns (ran, cells emptied, keyed pages left idle, how many per group, rows whose known tokens fell)."""
+    Returns (ran, cells emptied, keyed pages left idle, how many per group)."""
     empty = np.zeros(0, dtype=np.int64)
     if not distinct_rows(rows, mark):
-        return False, empty, empty, empty, empty
+        return False, empty, empty, empty
     for r in range(rows.size):
         if not counters[1, rows[r]] <= kept[r] <= counters[0, rows[r]]:
-            return False, empty, empty, empty, empty
+            return False, empty, empty, empty
     taken, touched, taken_per_group = truncate_rows(geometry, pages, bounds, rows, kept)
     idle_keyed, keyed_per_group = release_taken(geometry, ref, keyed, stack, per_group, taken, taken_per_group)
-    fell, n_fell = np.empty(rows.size, dtype=np.int64), 0
     for r in range(rows.size):
         row = rows[r]
         counters[0, row] = kept[r]
-        known = min(counters[2, row], max(kept[r], known_floor[row]))
-        if known < counters[2, row]:
-            counters[2, row] = known
-            fell[n_fell] = row
-            n_fell += 1
-    return True, touched, idle_keyed, keyed_per_group, fell[:n_fell]
+        counters[2, row] = min(counters[2, row], max(kept[r], known_floor[row]))
+    return True, touched, idle_keyed, keyed_per_group
 
 
 @njit(cache=True)
@@ -984,14 +982,55 @@ def release_taken(geometry, ref, keyed, stack, per_group, taken, taken_per_group
     return idle_keyed[: counts[1].sum()], counts[1].copy()
 
 
+def _int32_at(address):
+    """The int32 pointer at integer ``address`` (``append_token_ids``' token buffers); compiled: ``_pointer``."""
+    return ctypes.cast(int(address), ctypes.POINTER(ctypes.c_int32))
+
+
+@intrinsic
+def _pointer(typingctx, address):
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+    return types.CPointer(types.int32)(types.int64), codegen
+
+
+@overload(_int32_at)
+def _int32_at_compiled(address):
+    return lambda address: _pointer(address)
+
+
 @njit(cache=True)
 def copy_token_ids(ids, out):
-    """``out[: ids.size] = ids`` (``CacheManager.add_request``), checking as it copies that
-    no id is negative: False at the first one (``out`` then partly written)."""
+    """``out[: ids.size] = ids`` (``CacheManager.add_request``), checking as it copies that no id is
+    negative: 0 at the first one (``out`` then partly written), else the address of ``out``'s data."""
     for i in range(ids.size):
         if ids[i] < 0:
-            return False
+            return 0
         out[i] = ids[i]
+    return np.int64(out.ctypes.data)
+
+
+@njit(cache=True)
+def append_token_ids(addresses, rows, known, max_total, tokens, mark):
+    """``CacheManager.append_token_ids_many``: ``tokens[i]`` follow the ``known`` ids of row ``rows[i]``'s token
+    buffer (its data at ``addresses[row]``, room for ``max_total`` ids: live rows only), all or nothing. False,
+    nothing changed, when a row is listed twice, has no buffer (address 0) or would pass its ``max_total`` tokens,
+    or an id is negative (``mark``: ``distinct_rows``' scratch)."""
+    k = tokens.shape[1]
+    if not distinct_rows(rows, mark):
+        return False
+    for i in range(rows.size):
+        if addresses[rows[i]] == 0 or known[rows[i]] + k > max_total[rows[i]]:
+            return False
+        for j in range(k):
+            if tokens[i, j] < 0:
+                return False
+    for i in range(rows.size):
+        row = rows[i]
+        buffer, first = carray(_int32_at(addresses[row]), max_total[row]), known[row]
+        for j in range(k):
+            buffer[first + j] = tokens[i, j]
+        known[row] = first + k
     return True
 
 

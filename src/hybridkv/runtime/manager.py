@@ -47,8 +47,7 @@ class _Request:
     row: int
     prompt_tokens: int
     max_total_tokens: int
-    token_ids: np.ndarray | None
-    known_tokens: int
+    token_ids: np.ndarray | None  # its known ids: the first ``CacheManager._known[row]``
     hashes: RequestHashes | None = None
     own_checkpoints: list = field(default_factory=list)
     keep_boundaries: frozenset = frozenset()
@@ -206,6 +205,8 @@ class _Releases:
 _NO_PAGES = np.empty(0, dtype=np.int64)
 _ANY_IDS = np.zeros(4, dtype=np.int32)[::2]  # a read-only strided view: ``_copy_ids``' type for the ids
 _ANY_IDS.flags.writeable = False
+_ANY_TOKENS = np.zeros((2, 4), dtype=np.int32)[:, ::2]  # the same for ``_append_ids``' [n, k] ids
+_ANY_TOKENS.flags.writeable = False
 
 
 class CacheManager:
@@ -319,9 +320,15 @@ class CacheManager:
         self._in_batch = np.zeros(64, dtype=np.bool_)  # prepare_step's scratch, one flag per row
         self._one_count = np.zeros(1, dtype=np.int64)  # a uniform step's count, for every row (no array made)
         self._one_row = np.zeros(1, dtype=np.int64)  # the row ``free`` releases (no array made)
-        # ``kernels.copy_token_ids``' compiled code for any 1-D int32 ids (a read-only strided view's type
-        # covers every layout) into a new buffer: ``_plain_prompt`` skips the type dispatch.
+        # Per table row: the address of its request's token ids (``_Request.token_ids``' data, which the request
+        # keeps alive), 0 without ids or a request: ``kernels.append_token_ids`` writes there.
+        self._token_addr = np.zeros(64, dtype=np.int64)
+        # ``kernels.copy_token_ids``' and ``append_token_ids``' compiled code for any int32 ids (a read-only
+        # strided view's type covers every layout): ``_plain_prompt`` and ``append_token_ids_many`` skip the
+        # type dispatch.
         self._copy_ids = kernels.entry_point(kernels.copy_token_ids, (_ANY_IDS, np.empty(0, _INT32)))
+        self._append_ids = kernels.entry_point(kernels.append_token_ids, (
+            self._token_addr, self._one_row, self._known, self._max_total, _ANY_TOKENS, self._in_batch))
 
     @classmethod
     def from_plan(cls, plan: Any, *, page_space: str = "per-group", slab_anchor_pages: int | None = None,
@@ -346,15 +353,17 @@ class CacheManager:
                     prompt_tokens: int | None = None, max_new_tokens: int = 0,
                     cache_salt: str | bytes | None = None) -> PrefixHit:
         """Register a request; with prefix caching, borrow its cached prefix. Returns the hit."""
-        buf = self._plain_prompt(request_id, prompt_token_ids, prompt_tokens, max_new_tokens, cache_salt)
-        if buf is not None:
+        plain = self._plain_prompt(request_id, prompt_token_ids, prompt_tokens, max_new_tokens, cache_salt)
+        if plain is not None:
+            buf, address = plain
             prompt_len, total = prompt_token_ids.size, buf.size
         else:
             buf, prompt_len, total = self._new_prompt(request_id, prompt_token_ids, prompt_tokens, max_new_tokens,
                                                       cache_salt)
+            address = 0 if buf is None else buf.ctypes.data
         self._version += 1  # invalidates a cached admission
         row = self._free_rows.pop() if self._free_rows else self._take_row()
-        req = _Request(request_id, row, prompt_len, total, buf, prompt_len)
+        req = _Request(request_id, row, prompt_len, total, buf)
         if self.prefix is not None and buf is not None:
             hit = self.prefix.match_and_borrow(req, buf[:prompt_len], cache_salt)
         else:
@@ -364,22 +373,25 @@ class CacheManager:
         self._row_of[request_id] = row
         self._max_total[row] = total
         self._known[row] = self._known_floor[row] = prompt_len if buf is not None else total
+        self._token_addr[row] = address
         if self.tier_link is not None and buf is not None:
             self.tier_link.on_add(request_id, req.hashes, buf[:prompt_len], hit.hit_tokens, total - prompt_len,
                                   cache_salt)
         return hit
 
     def _plain_prompt(self, request_id: Any, ids: Any, prompt_tokens: Any, max_new_tokens: Any,
-                      cache_salt: Any) -> np.ndarray | None:
+                      cache_salt: Any) -> tuple[np.ndarray, int] | None:
         """``add_request``'s common case (new str id, 1-D int32 ids, int ``max_new_tokens``, nothing else):
-        the token buffer, ids copied and checked in one compiled call; else None (``_new_prompt`` words it)."""
+        the token buffer, ids copied and checked in one compiled call, and its data's address; else None
+        (``_new_prompt`` words it)."""
         if not (type(request_id) is str and request_id and type(ids) is np.ndarray and ids.ndim == 1
                 and ids.dtype == _INT32 and prompt_tokens is None and cache_salt is None
                 and type(max_new_tokens) is int and 0 <= max_new_tokens
                 and 0 < ids.size <= self.max_context_tokens - max_new_tokens and request_id not in self._requests):
             return None
         buf = np.empty(ids.size + max_new_tokens, dtype=np.int32)
-        return buf if self._copy_ids(ids, buf) else None
+        address = self._copy_ids(ids, buf)
+        return (buf, address) if address else None
 
     def _new_prompt(self, request_id: Any, prompt_token_ids: Any, prompt_tokens: Any, max_new_tokens: Any,
                     cache_salt: Any) -> tuple[np.ndarray | None, int, int]:
@@ -407,53 +419,45 @@ class CacheManager:
 
     def append_token_ids(self, request_id: str, token_ids: Iterable[int] | np.ndarray) -> None:
         """Extend a request's known tokens (sampled outputs, draft tokens)."""
-        check_token_ids("token_ids", token_ids, CacheManagerError)
+        ids = _small_token_list(token_ids)  # a few valid ids need no other check
+        if ids is None:
+            check_token_ids("token_ids", token_ids, CacheManagerError)
         self._version += 1  # invalidates a cached admission
-        req = self._get(request_id)
-        ids = _small_token_list(token_ids)
+        req = self._requests.get(request_id) if type(request_id) is str else None
+        if req is None:
+            req = self._get(request_id)  # raises
         if ids is None:
             ids = _token_array(token_ids)
-        if req.token_ids is None or req.known_tokens + len(ids) > req.max_total_tokens:
+        n = self._known.item(req.row)
+        if req.token_ids is None or n + len(ids) > req.max_total_tokens:
             self._refuse_append((request_id,), len(ids))
-        n = req.known_tokens
         if len(ids) == 1:
             req.token_ids[n] = ids[0]  # a scalar store: a decode step's token
         else:
             req.token_ids[n : n + len(ids)] = ids
-        req.known_tokens = n + len(ids)
-        self._known[req.row] = req.known_tokens
+        self._known[req.row] = n + len(ids)
 
     def append_token_ids_many(self, request_ids: Sequence[str], token_ids: Any) -> None:
         """Append ``k`` token ids to each of many requests (``token_ids``: ints ``[n, k]``).
 
-        The decode-step form of ``append_token_ids``: one validation for the whole array; all or nothing.
+        The decode-step form of ``append_token_ids``: one compiled call checks and writes every row (an int32
+        ``[n, k]`` array as is, anything else checked and converted first); all or nothing.
         """
-        check_request_ids("request_ids", request_ids, CacheManagerError)
-        if len(request_ids) == 0:
+        if type(request_ids) is not tuple and type(request_ids) is not list:
+            check_request_ids("request_ids", request_ids, CacheManagerError)
+        n = len(request_ids)
+        if n == 0:
             return check_empty_token_batch(token_ids, CacheManagerError)
         self._version += 1  # invalidates a cached admission
-        arr = np.asarray(token_ids)
-        if arr.ndim != 2 or arr.shape[0] != len(request_ids):
-            raise CacheManagerError(
-                f"token_ids must be [{len(request_ids)}, k] for {len(request_ids)} requests, got {arr.shape}")
-        flat = _token_array(arr.reshape(-1))
+        tokens = token_ids
+        if not (type(tokens) is np.ndarray and tokens.ndim == 2 and tokens.shape[0] == n and tokens.dtype == _INT32):
+            tokens = _token_matrix(token_ids, n)
         rids = request_ids if type(request_ids) is tuple else tuple(request_ids)
-        rows = self._distinct_rows_of(rids)
-        k = arr.shape[1]
-        # A request without token ids counts its declared total as known: this test catches it too.
-        if rows is None or (self._known.take(rows) + k > self._max_total.take(rows)).any():
-            self._refuse_append(rids, k)
-        reqs = itemgetter(*rids)(self._requests) if len(rids) > 1 else (self._requests[rids[0]],)
-        if k == 1:
-            for req, token in zip(reqs, flat.tolist()):
-                n = req.known_tokens
-                req.token_ids[n] = token
-                req.known_tokens = n + 1
-        else:
-            for req, line in zip(reqs, flat.reshape(arr.shape)):
-                req.token_ids[req.known_tokens : req.known_tokens + k] = line
-                req.known_tokens += k
-        self._known[rows] += k
+        rows = self._rows_of(rids)
+        if rows is None or not self._append_ids(self._token_addr, rows, self._known, self._max_total, tokens,
+                                                self._in_batch):
+            _token_matrix(tokens, n)  # a negative id
+            self._refuse_append(rids, tokens.shape[1])
 
     def _refuse_append(self, rids: tuple, k: int) -> None:
         """Raise the reason ``k`` more ids for each of ``rids`` are refused."""
@@ -463,9 +467,9 @@ class CacheManager:
         bare = [r.request_id for r in reqs if r.token_ids is None]
         if bare:
             raise CacheManagerError(f"request {bare[0]!r} was added without token ids")
-        r = next(r for r in reqs if r.known_tokens + k > r.max_total_tokens)
-        raise CacheManagerError(f"request {r.request_id!r}: {r.known_tokens} + {k} tokens exceeds its declared total "
-                                f"of {r.max_total_tokens} (prompt + max_new_tokens)")
+        r = next(r for r in reqs if self._known.item(r.row) + k > r.max_total_tokens)
+        raise CacheManagerError(f"request {r.request_id!r}: {self._known.item(r.row)} + {k} tokens exceeds its "
+                                f"declared total of {r.max_total_tokens} (prompt + max_new_tokens)")
 
     def num_computed_tokens(self, request_id: str) -> int:
         return int(self._computed[self._get(request_id).row])
@@ -474,7 +478,7 @@ class CacheManager:
         """Debug view: a copy of the token ids known for ``request_id`` (its prompt and
         every appended id, computed or not); empty for a request added without ids."""
         req = self._get(request_id)
-        return np.empty(0, np.int32) if req.token_ids is None else req.token_ids[: req.known_tokens].copy()
+        return np.empty(0, np.int32) if req.token_ids is None else req.token_ids[: self._known[req.row]].copy()
 
     def has_request(self, request_id: str) -> bool:
         return type(request_id) is str and request_id in self._requests  # ids are str: anything else is not one
@@ -512,7 +516,7 @@ class CacheManager:
             if not answer.ok:
                 raise CacheManagerError(f"the rest of the batch is not admissible: {answer.reason}")
         done = int(self._computed[req.row])
-        ceiling = req.known_tokens if req.token_ids is not None else req.max_total_tokens
+        ceiling = self._known.item(req.row)  # a request without token ids: its declared total
         hi = min(limit, self.max_step_tokens, ceiling - done)
         if hi < 1:
             return 0
@@ -761,11 +765,6 @@ class CacheManager:
             return None
         return _int64_array(found, len(rids))
 
-    def _distinct_rows_of(self, rids: tuple) -> np.ndarray | None:
-        """``_rows_of``, and None too when an id is listed twice."""
-        rows = self._rows_of(rids)
-        return rows if rows is not None and kernels.distinct_rows(rows, self._in_batch) else None
-
     def _item_error(self, item, seen: set[str]) -> str:
         try:
             rid, n = item
@@ -792,8 +791,9 @@ class CacheManager:
         if done + n > req.max_total_tokens:
             return (f"request {rid!r}: {done} + {n} tokens exceeds its declared total of "
                     f"{req.max_total_tokens} (prompt + max_new_tokens)")
-        if req.token_ids is not None and done + n > req.known_tokens:
-            return (f"request {rid!r}: {done} + {n} tokens exceeds the {req.known_tokens} known token ids "
+        known = self._known.item(req.row)
+        if req.token_ids is not None and done + n > known:
+            return (f"request {rid!r}: {done} + {n} tokens exceeds the {known} known token ids "
                     "(append_token_ids first)")
         return ""
 
@@ -1215,7 +1215,7 @@ class CacheManager:
             return
         before = self._computed[rows] if self._load_spans else None
         ts, space = self._tableset, self._space
-        ok, touched, keyed, keyed_per_group, fell = kernels.rewind_rows(
+        ok, touched, keyed, keyed_per_group = kernels.rewind_rows(
             ts.geometry, ts.pages, ts.bounds, self._counters, self._known_floor, space.ref_counts, space.cached,
             space.stack, space.per_group, self._in_batch, rows, kept)
         if not ok:  # a row twice, or a count out of range: nothing changed
@@ -1223,9 +1223,6 @@ class CacheManager:
         ts.note_cells(touched)
         if keyed.size:
             space.keyed_idle(keyed_per_group, keyed)
-        owner = self._row_owner  # requests with token ids lose the rejected drafts' ids
-        for row, known in zip(fell.tolist(), self._known[fell].tolist()):
-            owner[row].known_tokens = known
         if before is not None:
             self._note_rewound_loads(rows, before, kept)
 
@@ -1302,6 +1299,7 @@ class CacheManager:
         del self._requests[request_id]
         del self._row_of[request_id]
         del self._row_owner[row]
+        self._token_addr[row] = 0  # its token ids go with it
         self._free_rows.append(row)  # it may stay in _last_rows: it never settles (see there)
 
     # --- observability -------------------------------------------------------
@@ -1430,9 +1428,10 @@ class CacheManager:
             self.prefix.clear()
 
     def check_invariants(self) -> None:
-        """Assert that ref counts equal the tables' holdings, pools are consistent and every
-        prefix-cache hold is on a cached entry (:meth:`PrefixCache.check_holds`)."""
+        """Assert that ref counts equal the tables' holdings, pools are consistent, every row's token-id address
+        is its request's and every prefix-cache hold is on a cached entry (:meth:`PrefixCache.check_holds`)."""
         assert self._row_of == {rid: req.row for rid, req in self._requests.items()}, "id -> row map is stale"
+        assert np.array_equal(self._token_addresses(), self._token_addr), "a row's token-id address is stale"
         for s in self.specs:
             gid = s.group_id
             table, pool = self.tables[gid], self.pools[gid]
@@ -1458,6 +1457,13 @@ class CacheManager:
             self.arena.check_invariants()
 
     # --- helpers --------------------------------------------------------------
+    def _token_addresses(self) -> np.ndarray:
+        """What ``_token_addr`` must hold (appends write only into live requests' own token ids)."""
+        addresses = np.zeros_like(self._token_addr)
+        for req in self._requests.values():
+            addresses[req.row] = 0 if req.token_ids is None else req.token_ids.ctypes.data
+        return addresses
+
     def _get(self, request_id: str) -> _Request:
         try:
             return self._requests[request_id]
@@ -1474,6 +1480,7 @@ class CacheManager:
             self._counters = np.concatenate([self._counters, np.zeros_like(self._counters)], axis=1)
             self._computed, self._committed, self._known = self._counters
             self._max_total = np.concatenate([self._max_total, grow])
+            self._token_addr = np.concatenate([self._token_addr, grow])
             self._known_floor = np.concatenate([self._known_floor, grow])
             self._in_batch = np.zeros(self._computed.size, dtype=np.bool_)
             self._scratch.plan_arrays(2 * self._computed.size)  # room for any step's rows, grown here, not in a step
@@ -1552,6 +1559,14 @@ def _checked_prompt(request_id: str, prompt_token_ids: Any, prompt_tokens: Any) 
     if prompt_len < 1:
         raise CacheManagerError(f"request {request_id!r}: the prompt must have at least one token")
     return ids, prompt_len
+
+
+def _token_matrix(token_ids: Any, n: int) -> np.ndarray:
+    """``append_token_ids_many``'s ids for ``n`` requests as an int32 ``[n, k]`` array, checked."""
+    arr = np.asarray(token_ids)
+    if arr.ndim != 2 or arr.shape[0] != n:
+        raise CacheManagerError(f"token_ids must be [{n}, k] for {n} requests, got {arr.shape}")
+    return _token_array(arr.reshape(-1)).reshape(arr.shape)
 
 
 def _token_array(token_ids: Any) -> np.ndarray:
