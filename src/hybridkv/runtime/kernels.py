@@ -336,7 +336,8 @@ def place_row(geometry, pages, bounds, row, lo, counts, page_ids, view):
 def write_slots(geometry, pages, bounds, rows, first, counts, settle, slots):
     """``slots[g, i]``: ``page * rows_per_page + entry % rows_per_page`` for token ``i`` of plan rows
     ``[settle, R)`` (entry ``position // stride``), -1 where the token closes no entry; a page looked up once
-    (the geometry and the row's cells read into locals first: the slot stores may alias them)."""
+    (the geometry and the row's cells read into locals first: the slot stores may alias them). A decode row
+    (one token) takes a branch of its own, without the loops over a row's pages and entries."""
     for g in range(geometry.shape[0]):
         tokens, page_shift = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT]
         per_page = geometry[g, ROWS_PER_PAGE]
@@ -347,18 +348,22 @@ def write_slots(geometry, pages, bounds, rows, first, counts, settle, slots):
         at = 0  # the batch index of the row's first token
         for r in range(settle, rows.size):
             start, end = first[r], first[r] + counts[r]
+            if end == start + 1:  # a decode row: one slot, where its token closes an entry
+                if stride == 1 or divide(end, stride, stride_shift) * stride == end:
+                    logical = divide(start, tokens, page_shift)
+                    page = np.int64(pages[cell(geometry, bounds, g, rows[r], logical)])
+                    out[at] = (page - logical) * per_page + divide(start, stride, stride_shift)
+                at += 1
+                continue
             shift = at - start  # token p's batch index
             pos = divide(start + stride, stride, stride_shift) * stride - 1  # the first entry end
-            if pos < end:  # (most decode rows of a strided group close no entry)
+            if pos < end:
                 cells_at, mask, step = row_cells(geometry, bounds, g, rows[r])
             while pos < end:
                 logical = divide(pos, tokens, page_shift)
                 page_end = min((logical + 1) * tokens, end)
                 base = (np.int64(pages[cells_at + (logical & mask) * step]) - logical) * per_page
-                if stride == 1 and page_end == pos + 1:  # one slot (a decode row): no view to count references of
-                    out[shift + pos] = base + pos
-                    pos = page_end
-                elif stride == 1:  # a view indexed from 0: no negative index to wrap, the loop vectorizes
+                if stride == 1:  # a view indexed from 0: no negative index to wrap, the loop vectorizes
                     run, base = out[shift + pos : shift + page_end], base + pos
                     for i in range(page_end - pos):
                         run[i] = base + i
