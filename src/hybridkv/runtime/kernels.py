@@ -407,21 +407,24 @@ def settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts):
 
 @njit(cache=True, inline="always")
 def plan_group(geometry, bounds, g, rows, counts, first, n, settle, load_tokens, after, need):
-    """``prepare_step``'s plan of group ``g``: ``after[:, g]``, ``need[g]``; returns (released, allocated)."""
+    """``prepare_step``'s plan of group ``g``: ``after[:, g]``, ``need[g]``; returns (released, allocated). The
+    group's rows of ``bounds``, ``after`` and ``need`` are taken as 1-D views first (no 3-D indexing a row)."""
     tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
+    bases, his, new_bases, new_his, held_pages = bounds[BASE, g], bounds[HI, g], after[0, g], after[1, g], need[g]
+    loading = window > 0 and load_tokens.size > 0
     released, allocated = 0, 0
     for r in range(n):
         row = rows[r]
-        base, hi = bounds[BASE, g, row], bounds[HI, g, row]
+        base, hi, end = bases[row], his[row], first[r] + counts[r]
         new_base = base
-        if window > 0 and load_tokens.size and r >= settle:
-            new_base = max(base, divide(max(first[r] + counts[r] - load_tokens[g], 0), tokens, shift))
+        if loading and r >= settle:
+            new_base = max(base, divide(max(end - load_tokens[g], 0), tokens, shift))
         elif window > 0:
             new_base = max(base, min(divide(max(first[r] - window + 1, 0), tokens, shift), hi))
-        held = divide(first[r] + counts[r] + tokens - 1, tokens, shift)
-        after[0, g, r], after[1, g, r], need[g, r] = new_base, max(hi, held), held
+        held = divide(end + tokens - 1, tokens, shift)
+        new_bases[r], new_his[r], held_pages[r] = new_base, max(hi, held), held
         released += min(new_base, hi) - base
-        allocated += after[1, g, r] - max(hi, new_base)
+        allocated += max(hi, held) - max(hi, new_base)
     return released, allocated
 
 
@@ -480,10 +483,11 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
     n_keyed = 0
     for g in range(geometry.shape[0]):
         offset = geometry[g, ID_OFFSET]
+        bases, his, lanes, new_bases = bounds[BASE, g], bounds[HI, g], bounds[LANE, g], after[0, g]  # 1-D views
         n = 0
         for r in range(rows.size):
-            row, new_base = rows[r], after[0, g, r]
-            if new_base == bounds[BASE, g, row] and new_base <= bounds[HI, g, row] and not bounds[LANE, g, row]:
+            row, new_base = rows[r], new_bases[r]
+            if new_base == bases[row] and new_base <= his[row] and not lanes[row]:
                 continue  # nothing to release and nothing to change (most rows of a decode step)
             cells_at, mask, step = row_cells(geometry, bounds, g, row)
             view_at, view_mask = view_cell(geometry, n_rows, g, row, 0), geometry[g, COLUMN_MASK]
@@ -529,13 +533,13 @@ def transient_pages(geometry, bounds, g, rows, first, counts, after, sums):
     tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
     if window <= 0:
         return 0
-    rows_allocating, n = 0, 0
+    rows_allocating, n, his, new_his = 0, 0, bounds[HI, g], after[1, g]
     for r in range(rows.size):
-        hi = bounds[1, g, rows[r]]
-        if after[1, g, r] > hi:
+        hi = his[rows[r]]
+        if new_his[r] > hi:
             rows_allocating += 1
         keep_from = divide(max(first[r] + counts[r] - window + 1, 0), tokens, shift)
-        n += min(max(keep_from - hi, 0), after[1, g, r] - hi)
+        n += min(max(keep_from - hi, 0), new_his[r] - hi)
     return 0 if sums[1, g] <= rows_allocating else n
 
 
@@ -621,9 +625,10 @@ def allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, ro
         # Survivors pop from the top; transient page k sits at ``late - k``.
         late = n_transient - 1 if lowest[g] else top[g] - sums[1, g] + n_transient - 1
         taken, free_top = 0, top[g]  # the top in a local: the stores below may alias ``top``
+        his, new_his = bounds[HI, g], after[1, g]  # 1-D views
         for r in range(rows.size):
             row = rows[r]
-            if after[1, g, r] == bounds[HI, g, row]:
+            if new_his[r] == his[row]:
                 continue  # no page to allocate and its hi stays
             keep_from = divide(max(first[r] + counts[r] - window + 1, 0), tokens, shift)
             if after[1, g, r] > bounds[HI, g, row]:
@@ -670,10 +675,10 @@ def batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, posi
         n += count
         query_start_loc[k + 1] = n
     for g in range(base_pages.shape[0]):
-        widest = 0
+        widest, out, new_bases, new_his = 0, base_pages[g], after[0, g], after[1, g]  # 1-D views
         for r in range(settle, rows.size):
-            base_pages[g, r - settle] = after[0, g, r]
-            widest = max(widest, after[1, g, r] - after[0, g, r])
+            out[r - settle] = new_bases[r]
+            widest = max(widest, new_his[r] - new_bases[r])
         widths[g] = widest
 
 
