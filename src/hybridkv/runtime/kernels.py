@@ -493,9 +493,7 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
             view_at, view_mask = view_cell(geometry, n_rows, g, row, 0), geometry[g, COLUMN_MASK]
             for logical in range(bounds[BASE, g, row], min(after[0, g, r], bounds[HI, g, row])):
                 at = cells_at + (logical & mask) * step
-                page = pages[at]
-                ref[offset + page] -= 1  # every reference goes before any page is taken (below)
-                scratch[n] = page
+                scratch[n] = pages[at]
                 pages[at] = -1
                 touched[n_touched] = view_at + (logical & view_mask)
                 n_touched += 1
@@ -504,26 +502,41 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
             bounds[HI, g, row] = max(bounds[HI, g, row], after[0, g, r])  # a load row's base may pass its hi
             if bounds[LANE, g, row]:
                 fit_ring(geometry, pages, bounds, g, row, bounds[HI, g, row] - after[0, g, r])
-        n_free, keyed_from = 0, n_keyed
-        for i in range(n):
-            page = scratch[i]
-            if ref[offset + page] == 0:
-                ref[offset + page] = -1  # taken once, even where the list repeats it
-                if keyed[offset + page]:
-                    idle_keyed[n_keyed] = page
-                    n_keyed += 1
-                else:
-                    scratch[n_free] = page  # n_free <= i: read already
-                    n_free += 1
-        for i in range(n_free):
-            ref[offset + scratch[i]] = 0
-        for i in range(keyed_from, n_keyed):
-            ref[offset + idle_keyed[i]] = 0
+        keyed_from = n_keyed
+        n_free, n_keyed = drop_released(ref[offset:], keyed[offset:], scratch[:n], idle_keyed, n_keyed)
         released[0, g], released[1, g] = n_free, n_keyed - keyed_from
         per_group[RELEASED_PAGES, g] += n_free + n_keyed - keyed_from
         if n_free:
             top[g] = push_run(stack[offset:], top[g], lowest[g] != 0, scratch[:n_free])
     return n_touched, n_keyed
+
+
+@njit(cache=True, inline="always")
+def drop_released(ref, keyed, pages, idle_keyed, n_keyed):
+    """``release_pages``' references of one group's released ``pages`` (``ref``, ``keyed``: the group's): one less
+    each, all before any page is taken (in a loop of their own: the counts' and keys' cache misses overlap); then
+    those whose last reference went, once each, unkeyed to the front of ``pages``, keyed to ``idle_keyed`` from
+    ``n_keyed``. Returns (unkeyed pages, idle keyed pages so far)."""
+    some_keyed = False
+    for i in range(pages.size):
+        ref[pages[i]] -= 1
+        some_keyed |= keyed[pages[i]]
+    n_free, keyed_from = 0, n_keyed
+    for i in range(pages.size):
+        page = pages[i]
+        if ref[page] == 0:
+            ref[page] = -1  # taken once, even where the list repeats it
+            if some_keyed and keyed[page]:
+                idle_keyed[n_keyed] = page
+                n_keyed += 1
+            else:
+                pages[n_free] = page  # n_free <= i: read already
+                n_free += 1
+    for i in range(n_free):
+        ref[pages[i]] = 0
+    for i in range(keyed_from, n_keyed):
+        ref[idle_keyed[i]] = 0
+    return n_free, n_keyed
 
 
 @njit(cache=True)
