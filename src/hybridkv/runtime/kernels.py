@@ -286,15 +286,19 @@ def claim_entries(geometry, layout, pages, want, ref, keyed, low, limits, status
     return -1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def fit_ring(geometry, pages, bounds, g, row, live_pages):
     """Make ``row`` wide (it takes the top free lane) when ``live_pages`` exceed its narrow ring, narrow
-    (the lane goes back) when they fit, moving its live cells across."""
-    if geometry[g, LANE_START] < 0:
-        return
+    (the lane goes back) when they fit, moving its live cells across (``move_ring``; the test inline: most
+    calls change nothing)."""
     wide = live_pages > geometry[g, RING_MASK] + 1
-    if wide == (bounds[LANE, g, row] > 0):
-        return
+    if geometry[g, LANE_START] >= 0 and wide != (bounds[LANE, g, row] > 0):
+        move_ring(geometry, pages, bounds, g, row, wide)
+
+
+@njit(cache=True)
+def move_ring(geometry, pages, bounds, g, row, wide):
+    """``fit_ring``'s move of ``row``'s live cells to a lane (``wide``) or back to its narrow ring."""
     if wide:
         geometry[g, FREE_COUNT] -= 1
         bounds[LANE, g, row] = bounds[FREE_LANES, g, geometry[g, FREE_COUNT]] + 1
