@@ -551,13 +551,15 @@ def transient_pages(geometry, bounds, g, rows, first, counts, after, sums):
     if window <= 0:
         return 0
     rows_allocating, n, his, new_his = 0, 0, bounds[HI, g], after[1, g]
+    for r in range(rows.size):  # first the cheap test (a decode step's rows get a page each at most)
+        rows_allocating += new_his[r] > his[rows[r]]
+    if sums[1, g] <= rows_allocating:
+        return 0
     for r in range(rows.size):
         hi = his[rows[r]]
-        if new_his[r] > hi:
-            rows_allocating += 1
         keep_from = divide(max(first[r] + counts[r] - window + 1, 0), tokens, shift)
         n += min(max(keep_from - hi, 0), new_his[r] - hi)
-    return 0 if sums[1, g] <= rows_allocating else n
+    return n
 
 
 @njit(cache=True)
