@@ -649,12 +649,12 @@ def allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, ro
             row = rows[r]
             if new_his[r] == his[row]:
                 continue  # no page to allocate and its hi stays
-            keep_from = divide(max(first[r] + counts[r] - window + 1, 0), tokens, shift)
-            if after[1, g, r] > bounds[HI, g, row]:
-                fit_ring(geometry, pages, bounds, g, row, after[1, g, r] - bounds[BASE, g, row])
+            keep_from = divide(max(first[r] + counts[r] - window + 1, 0), tokens, shift) if n_transient else 0
+            if new_his[r] > his[row]:
+                fit_ring(geometry, pages, bounds, g, row, new_his[r] - bounds[BASE, g, row])
             cells_at, mask, step = row_cells(geometry, bounds, g, row)
             view_at, view_mask = view_cell(geometry, n_rows, g, row, 0), geometry[g, COLUMN_MASK]
-            for logical in range(bounds[HI, g, row], after[1, g, r]):
+            for logical in range(his[row], new_his[r]):
                 if n_transient > 0 and logical < keep_from:
                     page = stack[offset + late - taken]
                     taken += 1
@@ -665,7 +665,7 @@ def allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, ro
                 pages[cells_at + (logical & mask) * step] = page
                 touched[n_touched] = view_at + (logical & view_mask)
                 n_touched += 1
-            bounds[1, g, row] = after[1, g, r]
+            his[row] = new_his[r]
         top[g] = free_top
         if n_transient > 0 and lowest[g]:
             for i in range(top[g] - n_transient):
