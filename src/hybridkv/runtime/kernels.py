@@ -507,7 +507,7 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
             if bounds[LANE, g, row]:
                 fit_ring(geometry, pages, bounds, g, row, bounds[HI, g, row] - after[0, g, r])
         keyed_from = n_keyed
-        n_free, n_keyed = drop_released(ref[offset:], keyed[offset:], scratch[:n], idle_keyed, n_keyed)
+        n_free, n_keyed = drop_released(ref, keyed, offset, scratch[:n], idle_keyed, n_keyed)
         released[0, g], released[1, g] = n_free, n_keyed - keyed_from
         per_group[RELEASED_PAGES, g] += n_free + n_keyed - keyed_from
         if n_free:
@@ -516,30 +516,30 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
 
 
 @njit(cache=True, inline="always")
-def drop_released(ref, keyed, pages, idle_keyed, n_keyed):
-    """``release_pages``' references of one group's released ``pages`` (``ref``, ``keyed``: the group's): one less
-    each, all before any page is taken (in a loop of their own: the counts' and keys' cache misses overlap); then
-    those whose last reference went, once each, unkeyed to the front of ``pages``, keyed to ``idle_keyed`` from
-    ``n_keyed``. Returns (unkeyed pages, idle keyed pages so far)."""
+def drop_released(ref, keyed, offset, pages, idle_keyed, n_keyed):
+    """``release_pages``' references of one group's released ``pages`` (local ids; the group's first id
+    ``offset``): one less each, all before any page is taken (in a loop of their own: the counts' and keys' cache
+    misses overlap); then those whose last reference went, once each, unkeyed to the front of ``pages``, keyed to
+    ``idle_keyed`` from ``n_keyed``. Returns (unkeyed pages, idle keyed pages so far)."""
     some_keyed = False
     for i in range(pages.size):
-        ref[pages[i]] -= 1
-        some_keyed |= keyed[pages[i]]
+        ref[offset + pages[i]] -= 1
+        some_keyed |= keyed[offset + pages[i]]
     n_free, keyed_from = 0, n_keyed
     for i in range(pages.size):
         page = pages[i]
-        if ref[page] == 0:
-            ref[page] = -1  # taken once, even where the list repeats it
-            if some_keyed and keyed[page]:
+        if ref[offset + page] == 0:
+            ref[offset + page] = -1  # taken once, even where the list repeats it
+            if some_keyed and keyed[offset + page]:
                 idle_keyed[n_keyed] = page
                 n_keyed += 1
             else:
                 pages[n_free] = page  # n_free <= i: read already
                 n_free += 1
     for i in range(n_free):
-        ref[pages[i]] = 0
+        ref[offset + pages[i]] = 0
     for i in range(keyed_from, n_keyed):
-        ref[idle_keyed[i]] = 0
+        ref[offset + idle_keyed[i]] = 0
     return n_free, n_keyed
 
 
