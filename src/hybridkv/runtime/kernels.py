@@ -289,15 +289,19 @@ def claim_entries(geometry, layout, pages, want, ref, keyed, low, limits, status
     return -1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def fit_ring(geometry, pages, bounds, g, row, live_pages):
     """Make ``row`` wide (it takes the top free lane) when ``live_pages`` exceed its narrow ring, narrow
-    (the lane goes back) when they fit, moving its live cells across."""
-    if geometry[g, LANE_START] < 0:
-        return
+    (the lane goes back) when they fit, moving its live cells across (``move_ring``; the test inline: most
+    calls change nothing)."""
     wide = live_pages > geometry[g, RING_MASK] + 1
-    if wide == (bounds[LANE, g, row] > 0):
-        return
+    if geometry[g, LANE_START] >= 0 and wide != (bounds[LANE, g, row] > 0):
+        move_ring(geometry, pages, bounds, g, row, wide)
+
+
+@njit(cache=True)
+def move_ring(geometry, pages, bounds, g, row, wide):
+    """``fit_ring``'s move of ``row``'s live cells to a lane (``wide``) or back to its narrow ring."""
     if wide:
         geometry[g, FREE_COUNT] -= 1
         bounds[LANE, g, row] = bounds[FREE_LANES, g, geometry[g, FREE_COUNT]] + 1
@@ -339,7 +343,8 @@ def place_row(geometry, pages, bounds, row, lo, counts, page_ids, view):
 def write_slots(geometry, pages, bounds, rows, first, counts, settle, slots):
     """``slots[g, i]``: ``page * rows_per_page + entry % rows_per_page`` for token ``i`` of plan rows
     ``[settle, R)`` (entry ``position // stride``), -1 where the token closes no entry; a page looked up once
-    (the geometry and the row's cells read into locals first: the slot stores may alias them)."""
+    (the geometry and the row's cells read into locals first: the slot stores may alias them). A decode row
+    (one token) takes a branch of its own, without the loops over a row's pages and entries."""
     for g in range(geometry.shape[0]):
         tokens, page_shift = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT]
         per_page = geometry[g, ROWS_PER_PAGE]
@@ -350,18 +355,22 @@ def write_slots(geometry, pages, bounds, rows, first, counts, settle, slots):
         at = 0  # the batch index of the row's first token
         for r in range(settle, rows.size):
             start, end = first[r], first[r] + counts[r]
+            if end == start + 1:  # a decode row: one slot, where its token closes an entry
+                if stride == 1 or divide(end, stride, stride_shift) * stride == end:
+                    logical = divide(start, tokens, page_shift)
+                    page = np.int64(pages[cell(geometry, bounds, g, rows[r], logical)])
+                    out[at] = (page - logical) * per_page + divide(start, stride, stride_shift)
+                at += 1
+                continue
             shift = at - start  # token p's batch index
             pos = divide(start + stride, stride, stride_shift) * stride - 1  # the first entry end
-            if pos < end:  # (most decode rows of a strided group close no entry)
+            if pos < end:
                 cells_at, mask, step = row_cells(geometry, bounds, g, rows[r])
             while pos < end:
                 logical = divide(pos, tokens, page_shift)
                 page_end = min((logical + 1) * tokens, end)
                 base = (np.int64(pages[cells_at + (logical & mask) * step]) - logical) * per_page
-                if stride == 1 and page_end == pos + 1:  # one slot (a decode row): no view to count references of
-                    out[shift + pos] = base + pos
-                    pos = page_end
-                elif stride == 1:  # a view indexed from 0: no negative index to wrap, the loop vectorizes
+                if stride == 1:  # a view indexed from 0: no negative index to wrap, the loop vectorizes
                     run, base = out[shift + pos : shift + page_end], base + pos
                     for i in range(page_end - pos):
                         run[i] = base + i
@@ -405,21 +414,24 @@ def settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts):
 
 @njit(cache=True, inline="always")
 def plan_group(geometry, bounds, g, rows, counts, first, n, settle, load_tokens, after, need):
-    """``prepare_step``'s plan of group ``g``: ``after[:, g]``, ``need[g]``; returns (released, allocated)."""
+    """``prepare_step``'s plan of group ``g``: ``after[:, g]``, ``need[g]``; returns (released, allocated). The
+    group's rows of ``bounds``, ``after`` and ``need`` are taken as 1-D views first (no 3-D indexing a row)."""
     tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
+    bases, his, new_bases, new_his, held_pages = bounds[BASE, g], bounds[HI, g], after[0, g], after[1, g], need[g]
+    loading = window > 0 and load_tokens.size > 0
     released, allocated = 0, 0
     for r in range(n):
         row = rows[r]
-        base, hi = bounds[BASE, g, row], bounds[HI, g, row]
+        base, hi, end = bases[row], his[row], first[r] + counts[r]
         new_base = base
-        if window > 0 and load_tokens.size and r >= settle:
-            new_base = max(base, divide(max(first[r] + counts[r] - load_tokens[g], 0), tokens, shift))
+        if loading and r >= settle:
+            new_base = max(base, divide(max(end - load_tokens[g], 0), tokens, shift))
         elif window > 0:
             new_base = max(base, min(divide(max(first[r] - window + 1, 0), tokens, shift), hi))
-        held = divide(first[r] + counts[r] + tokens - 1, tokens, shift)
-        after[0, g, r], after[1, g, r], need[g, r] = new_base, max(hi, held), held
+        held = divide(end + tokens - 1, tokens, shift)
+        new_bases[r], new_his[r], held_pages[r] = new_base, max(hi, held), held
         released += min(new_base, hi) - base
-        allocated += after[1, g, r] - max(hi, new_base)
+        allocated += max(hi, held) - max(hi, new_base)
     return released, allocated
 
 
@@ -478,18 +490,17 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
     n_keyed = 0
     for g in range(geometry.shape[0]):
         offset = geometry[g, ID_OFFSET]
+        bases, his, lanes, new_bases = bounds[BASE, g], bounds[HI, g], bounds[LANE, g], after[0, g]  # 1-D views
         n = 0
         for r in range(rows.size):
-            row, new_base = rows[r], after[0, g, r]
-            if new_base == bounds[BASE, g, row] and new_base <= bounds[HI, g, row] and not bounds[LANE, g, row]:
+            row, new_base = rows[r], new_bases[r]
+            if new_base == bases[row] and new_base <= his[row] and not lanes[row]:
                 continue  # nothing to release and nothing to change (most rows of a decode step)
             cells_at, mask, step = row_cells(geometry, bounds, g, row)
             view_at, view_mask = view_cell(geometry, n_rows, g, row, 0), geometry[g, COLUMN_MASK]
             for logical in range(bounds[BASE, g, row], min(after[0, g, r], bounds[HI, g, row])):
                 at = cells_at + (logical & mask) * step
-                page = pages[at]
-                ref[offset + page] -= 1  # every reference goes before any page is taken (below)
-                scratch[n] = page
+                scratch[n] = pages[at]
                 pages[at] = -1
                 touched[n_touched] = view_at + (logical & view_mask)
                 n_touched += 1
@@ -498,26 +509,41 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
             bounds[HI, g, row] = max(bounds[HI, g, row], after[0, g, r])  # a load row's base may pass its hi
             if bounds[LANE, g, row]:
                 fit_ring(geometry, pages, bounds, g, row, bounds[HI, g, row] - after[0, g, r])
-        n_free, keyed_from = 0, n_keyed
-        for i in range(n):
-            page = scratch[i]
-            if ref[offset + page] == 0:
-                ref[offset + page] = -1  # taken once, even where the list repeats it
-                if keyed[offset + page]:
-                    idle_keyed[n_keyed] = page
-                    n_keyed += 1
-                else:
-                    scratch[n_free] = page  # n_free <= i: read already
-                    n_free += 1
-        for i in range(n_free):
-            ref[offset + scratch[i]] = 0
-        for i in range(keyed_from, n_keyed):
-            ref[offset + idle_keyed[i]] = 0
+        keyed_from = n_keyed
+        n_free, n_keyed = drop_released(ref, keyed, offset, scratch[:n], idle_keyed, n_keyed)
         released[0, g], released[1, g] = n_free, n_keyed - keyed_from
         per_group[RELEASED_PAGES, g] += n_free + n_keyed - keyed_from
         if n_free:
             top[g] = push_run(stack[offset:], top[g], lowest[g] != 0, scratch[:n_free])
     return n_touched, n_keyed
+
+
+@njit(cache=True, inline="always")
+def drop_released(ref, keyed, offset, pages, idle_keyed, n_keyed):
+    """``release_pages``' references of one group's released ``pages`` (local ids; the group's first id
+    ``offset``): one less each, all before any page is taken (in a loop of their own: the counts' and keys' cache
+    misses overlap); then those whose last reference went, once each, unkeyed to the front of ``pages``, keyed to
+    ``idle_keyed`` from ``n_keyed``. Returns (unkeyed pages, idle keyed pages so far)."""
+    some_keyed = False
+    for i in range(pages.size):
+        ref[offset + pages[i]] -= 1
+        some_keyed |= keyed[offset + pages[i]]
+    n_free, keyed_from = 0, n_keyed
+    for i in range(pages.size):
+        page = pages[i]
+        if ref[offset + page] == 0:
+            ref[offset + page] = -1  # taken once, even where the list repeats it
+            if some_keyed and keyed[offset + page]:
+                idle_keyed[n_keyed] = page
+                n_keyed += 1
+            else:
+                pages[n_free] = page  # n_free <= i: read already
+                n_free += 1
+    for i in range(n_free):
+        ref[offset + pages[i]] = 0
+    for i in range(keyed_from, n_keyed):
+        ref[offset + idle_keyed[i]] = 0
+    return n_free, n_keyed
 
 
 @njit(cache=True)
@@ -527,14 +553,16 @@ def transient_pages(geometry, bounds, g, rows, first, counts, after, sums):
     tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
     if window <= 0:
         return 0
-    rows_allocating, n = 0, 0
+    rows_allocating, n, his, new_his = 0, 0, bounds[HI, g], after[1, g]
+    for r in range(rows.size):  # first the cheap test (a decode step's rows get a page each at most)
+        rows_allocating += new_his[r] > his[rows[r]]
+    if sums[1, g] <= rows_allocating:
+        return 0
     for r in range(rows.size):
-        hi = bounds[1, g, rows[r]]
-        if after[1, g, r] > hi:
-            rows_allocating += 1
+        hi = his[rows[r]]
         keep_from = divide(max(first[r] + counts[r] - window + 1, 0), tokens, shift)
-        n += min(max(keep_from - hi, 0), after[1, g, r] - hi)
-    return 0 if sums[1, g] <= rows_allocating else n
+        n += min(max(keep_from - hi, 0), new_his[r] - hi)
+    return n
 
 
 @njit(cache=True)
@@ -619,16 +647,17 @@ def allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, ro
         # Survivors pop from the top; transient page k sits at ``late - k``.
         late = n_transient - 1 if lowest[g] else top[g] - sums[1, g] + n_transient - 1
         taken, free_top = 0, top[g]  # the top in a local: the stores below may alias ``top``
+        his, new_his = bounds[HI, g], after[1, g]  # 1-D views
         for r in range(rows.size):
             row = rows[r]
-            if after[1, g, r] == bounds[HI, g, row]:
+            if new_his[r] == his[row]:
                 continue  # no page to allocate and its hi stays
-            keep_from = divide(max(first[r] + counts[r] - window + 1, 0), tokens, shift)
-            if after[1, g, r] > bounds[HI, g, row]:
-                fit_ring(geometry, pages, bounds, g, row, after[1, g, r] - bounds[BASE, g, row])
+            keep_from = divide(max(first[r] + counts[r] - window + 1, 0), tokens, shift) if n_transient else 0
+            if new_his[r] > his[row]:
+                fit_ring(geometry, pages, bounds, g, row, new_his[r] - bounds[BASE, g, row])
             cells_at, mask, step = row_cells(geometry, bounds, g, row)
             view_at, view_mask = view_cell(geometry, n_rows, g, row, 0), geometry[g, COLUMN_MASK]
-            for logical in range(bounds[HI, g, row], after[1, g, r]):
+            for logical in range(his[row], new_his[r]):
                 if n_transient > 0 and logical < keep_from:
                     page = stack[offset + late - taken]
                     taken += 1
@@ -639,7 +668,7 @@ def allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, ro
                 pages[cells_at + (logical & mask) * step] = page
                 touched[n_touched] = view_at + (logical & view_mask)
                 n_touched += 1
-            bounds[1, g, row] = after[1, g, r]
+            his[row] = new_his[r]
         top[g] = free_top
         if n_transient > 0 and lowest[g]:
             for i in range(top[g] - n_transient):
@@ -668,10 +697,10 @@ def batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, posi
         n += count
         query_start_loc[k + 1] = n
     for g in range(base_pages.shape[0]):
-        widest = 0
+        widest, out, new_bases, new_his = 0, base_pages[g], after[0, g], after[1, g]  # 1-D views
         for r in range(settle, rows.size):
-            base_pages[g, r - settle] = after[0, g, r]
-            widest = max(widest, after[1, g, r] - after[0, g, r])
+            out[r - settle] = new_bases[r]
+            widest = max(widest, new_his[r] - new_bases[r])
         widths[g] = widest
 
 
