@@ -302,53 +302,22 @@ def test_updates_of_a_chunk_that_evicts_first_match_the_full_tables():
     assert sum(s.evicted_pages for s in inc.stats().values()) > 0
 
 
-def test_cells_a_free_and_a_prefix_hit_change_before_a_committing_step_come_with_its_updates():
-    """Serving-like steps: before each step a request leaves and one joins with a prompt
-    that shares a prefix (its hit places cached pages in its table), and rows cross prefix
-    grains (the step commits first, so it runs after admission with those cells logged):
-    they come in its updates with its own, and a mirror applying them holds the full-mode tables."""
-    inc, full = build("odd", True, None)  # 60-token prefix grains, 12-token steps
+def _serve_with_hits(inc, full, shared_tokens: int, steps: int, max_new_tokens: int, leaves) -> None:
+    """Serving-like steps on ``inc`` (``block_tables="updates"``) and ``full``: before step ``k`` the oldest
+    request leaves if ``leaves(k, live requests)``, and one joins with a prompt sharing ``shared_tokens`` (its hit
+    places cached pages in its table); every request then gets up to 12 tokens (decoders one). Each batch's
+    updates, applied to a mirror, give the full-mode tables."""
     mirror = BlockTableMirror.for_manager(inc)
-    shared = np.arange(40, dtype=np.int32) % 7
+    shared = np.arange(shared_tokens, dtype=np.int32) % 7
     prompts = {}
-    for k in range(60):
-        if len(prompts) > 3 or (k % 3 and prompts):
+    for k in range(steps):
+        if prompts and leaves(k, len(prompts)):
             gone = next(iter(prompts))
             del prompts[gone]
             both([inc.free, full.free], gone)
         rid = f"r{k}"
         prompts[rid] = np.concatenate([shared, np.full(k % 5 + 1, k, dtype=np.int32)])
-        both([inc.add_request, full.add_request], rid, prompts[rid], max_new_tokens=40)
-        items = []
-        for r, prompt in prompts.items():
-            left = prompt.size - inc.num_computed_tokens(r)
-            if left <= 0:
-                both([inc.append_token_ids, full.append_token_ids], r, [k % 7])
-            items.append((r, min(12, left) if left > 0 else 1))
-        (a, b), error = both([lambda *x, **y: inc.schedule(*x, block_tables="updates", **y), full.schedule], items)
-        assert error is None
-        mirror.apply(a)
-        same_batch(a, b, mirror)
-
-
-def test_cells_logged_before_a_clean_committing_step_come_with_its_updates():
-    """As above with pools large enough that every plan is clean: a step whose rows cross prefix
-    grains commits and runs without admission, taking the cells a free and a prefix hit logged
-    (its updates carry them with its own; a mirror applying them holds the full-mode tables)."""
-    specs, _, ctx, step_limit = CONFIGS["odd"]
-    inc, full = (CacheManager(specs, dict.fromkeys(ODD_PAGES, 400), max_context_tokens=ctx, max_step_tokens=step_limit,
-                              enable_prefix_caching=True, prefix_granularity=60) for _ in range(2))
-    mirror = BlockTableMirror.for_manager(inc)
-    shared = np.arange(70, dtype=np.int32) % 7
-    prompts = {}
-    for k in range(40):
-        if len(prompts) > 5:
-            gone = next(iter(prompts))
-            del prompts[gone]
-            both([inc.free, full.free], gone)
-        rid = f"r{k}"
-        prompts[rid] = np.concatenate([shared, np.full(k % 5 + 1, k, dtype=np.int32)])
-        hits, _ = both([inc.add_request, full.add_request], rid, prompts[rid], max_new_tokens=10)
+        hits, _ = both([inc.add_request, full.add_request], rid, prompts[rid], max_new_tokens=max_new_tokens)
         assert hits[0].hit_tokens == hits[1].hit_tokens
         items = []
         for r, prompt in prompts.items():
@@ -360,3 +329,19 @@ def test_cells_logged_before_a_clean_committing_step_come_with_its_updates():
         assert error is None
         mirror.apply(a)
         same_batch(a, b, mirror)
+
+
+def test_cells_a_free_and_a_prefix_hit_change_before_a_committing_step_come_with_its_updates():
+    """Rows cross prefix grains (the step commits first, so it runs after admission with the cells a free
+    and a prefix hit logged): they come in its updates with its own."""
+    inc, full = build("odd", True, None)  # 60-token prefix grains, 12-token steps
+    _serve_with_hits(inc, full, 40, 60, 40, lambda k, n_live: n_live > 3 or k % 3)  # most steps, one leaves
+
+
+def test_cells_logged_before_a_clean_committing_step_come_with_its_updates():
+    """As above with pools large enough that every plan is clean: a step whose rows cross prefix
+    grains commits and runs without admission, taking the cells a free and a prefix hit logged."""
+    specs, _, ctx, step_limit = CONFIGS["odd"]
+    inc, full = (CacheManager(specs, dict.fromkeys(ODD_PAGES, 400), max_context_tokens=ctx, max_step_tokens=step_limit,
+                              enable_prefix_caching=True, prefix_granularity=60) for _ in range(2))
+    _serve_with_hits(inc, full, 70, 40, 10, lambda k, n_live: n_live > 5)
