@@ -360,3 +360,42 @@ def test_cells_logged_before_a_clean_committing_step_come_with_its_updates():
         assert error is None
         mirror.apply(a)
         same_batch(a, b, mirror)
+
+
+@pytest.mark.parametrize("arena", [False, True])
+def test_cells_a_free_logged_before_a_step_that_runs_whole_come_with_its_updates(arena):
+    """Room for every plan and no prefix caching: each step runs whole in its one compiled call
+    (``kernels.step``; on an arena, a batch with a chunk in ``kernels.step_spare``), right after a
+    ``free`` whose cleared cells the log holds and a join that reuses the freed row. Its updates carry
+    those cells with its own; a mirror applying them holds the full-mode tables."""
+    specs, _, ctx, step_limit = CONFIGS["odd"]
+    if arena:
+        from hybridkv.memory.arena import arena_geometry
+        from test_arena_stateful import ANCHOR, PAGE_BYTES
+        budget = 4 * sum(400 * n for n in PAGE_BYTES["odd"].values())
+        pools, options = None, {"arena": arena_geometry(PAGE_BYTES["odd"], budget, anchor_group=ANCHOR["odd"])}
+    else:
+        pools, options = dict.fromkeys(ODD_PAGES, 400), {}
+    inc, full = (CacheManager(specs, pools, max_context_tokens=ctx, max_step_tokens=step_limit, **options)
+                 for _ in range(2))
+    mirror = BlockTableMirror.for_manager(inc)
+    prompts = {}
+    for k in range(30):
+        if len(prompts) > 3:
+            gone = next(iter(prompts))
+            del prompts[gone]
+            both([inc.free, full.free], gone)
+        rid = f"r{k}"
+        prompts[rid] = np.full(k % 9 + 5, k, dtype=np.int32)
+        both([inc.add_request, full.add_request], rid, prompts[rid], max_new_tokens=40)
+        items = []
+        for r, prompt in prompts.items():
+            left = prompt.size - inc.num_computed_tokens(r)
+            if left <= 0:
+                both([inc.append_token_ids, full.append_token_ids], r, [k % 7])
+            items.append((r, min(6, left) if left > 0 else 1))
+        (a, b), error = both([lambda *x, **y: inc.schedule(*x, block_tables="updates", **y), full.schedule], items)
+        assert error is None
+        assert not a.table_updates.reset or k == 0
+        mirror.apply(a)
+        same_batch(a, b, mirror)

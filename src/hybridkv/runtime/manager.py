@@ -923,13 +923,16 @@ class CacheManager:
             np.empty((1 + n_groups if write_slots else 1, n_tokens), _INT64)))
         if n_rows + self._last_rows.size >= sc.plan_rows:
             sc.plan_arrays(n_rows + self._last_rows.size)
-        cells = _NO_CELLS
-        if updates:  # handed out only if the log holds nothing else (``_commit_and_run`` reuses them if they fit)
+        cells, n_logged = _NO_CELLS, 0
+        if updates:  # ``_commit_and_run`` reuses them if they fit
+            # The cells a ``free`` or prefix hit logged go first (back to the log if the step only plans).
+            n_logged = self._take_log(0) if self._tableset.log else 0
             # ``_cell_buffers``' room for a decode step, and two cells for each further token (a chunk
             # of DeepSeek-V4's six groups releases and allocates about 1.3 pages a token).
-            room = 2 * n_groups * n_rows + 16 + 2 * (n_tokens - n_rows)
+            room = 2 * n_groups * n_rows + 16 + 2 * (n_tokens - n_rows) + n_logged
             cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
-        args = (*(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, *cells, *out)
+        args = (*(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, n_logged,
+                *cells, *out)
         if n_tokens > n_rows and self._spare_entry is not None:  # a chunk: ``admit_spare`` in the same call
             status, n, settle, n_crossing, clean, n_touched, n_keyed, n_spare = self._spare_entry(
                 *args, *self._spare_args)
@@ -937,6 +940,8 @@ class CacheManager:
             status, n, settle, n_crossing, clean, n_touched, n_keyed = self._step_entry(*args)
             n_spare = None
         if status >= kernels.STEP_PLANNED:
+            if n_logged:
+                self._tableset.log.insert(0, sc.touched[:n_logged].copy())
             return self._planned_step(status, (n, settle, n_crossing, clean), rids, cells, out, write_slots, updates,
                                       n_spare)
         self._version += 1
@@ -1094,7 +1099,7 @@ class CacheManager:
         """``_load_kernels`` of ``_step``'s and the validation's kernels (``step`` and ``admit_spare`` not run)."""
         sc, no_rows = self._scratch, np.empty(0, _INT64)
         out = kernels.batch_arrays_for(len(self.specs), 0, 0, True)
-        args = (*self._kernel_state(), sc.buffer, self._last_rows, no_rows, self._one_count, *_NO_CELLS, *out)
+        args = (*self._kernel_state(), sc.buffer, self._last_rows, no_rows, self._one_count, 0, *_NO_CELLS, *out)
         self._step_entry = kernels.entry_point(kernels.step, args)
         if self.arena is not None:
             ts, space = self._tableset, self._space
