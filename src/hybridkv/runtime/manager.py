@@ -925,7 +925,7 @@ class CacheManager:
             sc.plan_arrays(n_rows + self._last_rows.size)
         cells, n_logged = _NO_CELLS, 0
         if updates:  # ``_commit_and_run`` reuses them if they fit
-            # The cells a ``free`` or prefix hit logged go first (back to the log if the step only plans).
+            # The cells a ``free`` or prefix hit logged go first (``_planned_step`` puts back any it does not run).
             n_logged = self._take_log(0) if self._tableset.log else 0
             # ``_cell_buffers``' room for a decode step, and two cells for each further token (a chunk
             # of DeepSeek-V4's six groups releases and allocates about 1.3 pages a token).
