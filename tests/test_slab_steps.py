@@ -28,7 +28,7 @@ def general_admission():
     """``admit_spare`` answering -1, also inside ``step_spare`` (``step`` alone, then -1), while a manager is
     built (it takes the kernels then) and runs."""
     return mock.patch.multiple(kernels, admit_spare=lambda *args: -1,
-                               step_spare=lambda *args: (*kernels.step(*args[:22]), -1))
+                               step_spare=lambda *args: (*kernels.step(*args[:23]), -1))
 
 
 def build(config, caching, budget_share, slab_pages):

@@ -302,13 +302,13 @@ def test_updates_of_a_chunk_that_evicts_first_match_the_full_tables():
     assert sum(s.evicted_pages for s in inc.stats().values()) > 0
 
 
-def _serve_with_hits(inc, full, shared_tokens: int, steps: int, max_new_tokens: int, leaves) -> None:
+def _serve(inc, full, steps: int, max_new_tokens: int, leaves, prompt_of, chunk_tokens: int = 12, each=None) -> None:
     """Serving-like steps on ``inc`` (``block_tables="updates"``) and ``full``: before step ``k`` the oldest
-    request leaves if ``leaves(k, live requests)``, and one joins with a prompt sharing ``shared_tokens`` (its hit
-    places cached pages in its table); every request then gets up to 12 tokens (decoders one). Each batch's
-    updates, applied to a mirror, give the full-mode tables."""
+    request leaves if ``leaves(k, live requests)``, and one joins with ``prompt_of(k)`` (a prompt sharing a
+    prefix: its hit places cached pages in its table); every request then gets up to ``chunk_tokens`` tokens
+    (decoders one). Both managers' hits agree, ``each(k, batch)`` holds for each batch, and its updates,
+    applied to a mirror, give the full-mode tables."""
     mirror = BlockTableMirror.for_manager(inc)
-    shared = np.arange(shared_tokens, dtype=np.int32) % 7
     prompts = {}
     for k in range(steps):
         if prompts and leaves(k, len(prompts)):
@@ -316,7 +316,7 @@ def _serve_with_hits(inc, full, shared_tokens: int, steps: int, max_new_tokens: 
             del prompts[gone]
             both([inc.free, full.free], gone)
         rid = f"r{k}"
-        prompts[rid] = np.concatenate([shared, np.full(k % 5 + 1, k, dtype=np.int32)])
+        prompts[rid] = prompt_of(k)
         hits, _ = both([inc.add_request, full.add_request], rid, prompts[rid], max_new_tokens=max_new_tokens)
         assert hits[0].hit_tokens == hits[1].hit_tokens
         items = []
@@ -324,18 +324,25 @@ def _serve_with_hits(inc, full, shared_tokens: int, steps: int, max_new_tokens: 
             left = prompt.size - inc.num_computed_tokens(r)
             if left <= 0:
                 both([inc.append_token_ids, full.append_token_ids], r, [k % 7])
-            items.append((r, min(12, left) if left > 0 else 1))
+            items.append((r, min(chunk_tokens, left) if left > 0 else 1))
         (a, b), error = both([lambda *x, **y: inc.schedule(*x, block_tables="updates", **y), full.schedule], items)
         assert error is None
+        assert each is None or each(k, a)
         mirror.apply(a)
         same_batch(a, b, mirror)
+
+
+def _sharing(shared_tokens: int):
+    """Step ``k``'s prompt: ``shared_tokens`` tokens every prompt shares, then a few of its own."""
+    shared = np.arange(shared_tokens, dtype=np.int32) % 7
+    return lambda k: np.concatenate([shared, np.full(k % 5 + 1, k, dtype=np.int32)])
 
 
 def test_cells_a_free_and_a_prefix_hit_change_before_a_committing_step_come_with_its_updates():
     """Rows cross prefix grains (the step commits first, so it runs after admission with the cells a free
     and a prefix hit logged): they come in its updates with its own."""
     inc, full = build("odd", True, None)  # 60-token prefix grains, 12-token steps
-    _serve_with_hits(inc, full, 40, 60, 40, lambda k, n_live: n_live > 3 or k % 3)  # most steps, one leaves
+    _serve(inc, full, 60, 40, lambda k, n_live: n_live > 3 or k % 3, _sharing(40))  # most steps, one leaves
 
 
 def test_cells_logged_before_a_clean_committing_step_come_with_its_updates():
@@ -344,4 +351,24 @@ def test_cells_logged_before_a_clean_committing_step_come_with_its_updates():
     specs, _, ctx, step_limit = CONFIGS["odd"]
     inc, full = (CacheManager(specs, dict.fromkeys(ODD_PAGES, 400), max_context_tokens=ctx, max_step_tokens=step_limit,
                               enable_prefix_caching=True, prefix_granularity=60) for _ in range(2))
-    _serve_with_hits(inc, full, 70, 40, 10, lambda k, n_live: n_live > 5)
+    _serve(inc, full, 40, 10, lambda k, n_live: n_live > 5, _sharing(70))
+
+
+@pytest.mark.parametrize("arena", [False, True])
+def test_cells_a_free_logged_before_a_step_that_runs_whole_come_with_its_updates(arena):
+    """Room for every plan and no prefix caching: each step runs whole in its one compiled call
+    (``kernels.step``; on an arena, a batch with a chunk in ``kernels.step_spare``), right after a
+    ``free`` whose cleared cells the log holds and a join that reuses the freed row. Its updates carry
+    those cells with its own (none resets the tables after the first)."""
+    specs, _, ctx, step_limit = CONFIGS["odd"]
+    if arena:
+        from hybridkv.memory.arena import arena_geometry
+        from test_arena_stateful import ANCHOR, PAGE_BYTES
+        budget = 4 * sum(400 * n for n in PAGE_BYTES["odd"].values())
+        pools, options = None, {"arena": arena_geometry(PAGE_BYTES["odd"], budget, anchor_group=ANCHOR["odd"])}
+    else:
+        pools, options = dict.fromkeys(ODD_PAGES, 400), {}
+    inc, full = (CacheManager(specs, pools, max_context_tokens=ctx, max_step_tokens=step_limit, **options)
+                 for _ in range(2))
+    _serve(inc, full, 30, 40, lambda k, n_live: n_live > 3, lambda k: np.full(k % 9 + 5, k, dtype=np.int32),
+           chunk_tokens=6, each=lambda k, batch: k == 0 or not batch.table_updates.reset)

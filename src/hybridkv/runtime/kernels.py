@@ -852,11 +852,12 @@ def entry_point(kernel, args):
 
 @njit(cache=True)
 def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain,
-         plan, last_rows, rows_in, counts_in, cells, cell_pages, per_request, query_start_loc, request_indices,
-         per_token):
-    """``prepare_step`` then, when the plan needs nothing from Python, ``run_step``, in one call. Returns
-    (status, rows, settling rows, crossing rows, clean, cells logged, idle keyed pages); ``STEP_PLANNED``
-    (-1 rows: no plan) or ``STEP_COVERED`` (``releases_cover``) when only the plan ran."""
+         plan, last_rows, rows_in, counts_in, n_logged, cells, cell_pages, per_request, query_start_loc,
+         request_indices, per_token):
+    """``prepare_step`` then, when the plan needs nothing from Python, ``run_step`` (``n_logged``: cells the
+    table log held, already at the front of the touched scratch), in one call. Returns (status, rows, settling
+    rows, crossing rows, clean, cells logged, idle keyed pages); ``STEP_PLANNED`` (-1 rows: no plan) or
+    ``STEP_COVERED`` (``releases_cover``) when only the plan ran (the logged cells left as they were)."""
     rows, counts, first, after, need, sums, crossing, totals, _, _, scratch, idle_keyed, touched = (
         plan_views(plan, geometry.shape[0]))
     computed, committed, known = counters[0], counters[1], counters[2]
@@ -864,28 +865,29 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
                                              counts_in, grain, per_group[TOP], mark, rows, counts, first, after, need,
                                              sums, crossing, totals, counts_in[:0])
     if (n < 0 or not clean or n_cross > 0 or totals[0] != per_token.shape[1] or totals[2] > scratch.size
-            or totals[1] > idle_keyed.size or totals[1] + totals[3] > touched.size):
+            or totals[1] > idle_keyed.size or n_logged + totals[1] + totals[3] > touched.size):
         if n >= 0 and not clean and n_cross == 0 and releases_cover(geometry, pages, bounds, ref, keyed,
                                                                      per_group[TOP], rows[:n], after, sums):
             return STEP_COVERED, n, settle, n_cross, clean, 0, 0
         return STEP_PLANNED, n, settle, n_cross, clean, 0, 0
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n, settle,
-        False, 0, cells, cell_pages, per_request, query_start_loc, request_indices, per_token)
+        False, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token)
     return status, n, settle, n_cross, clean, n_touched, n_keyed
 
 
 @njit(cache=True)
 def step_spare(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain,
-               plan, last_rows, rows_in, counts_in, cells, cell_pages, per_request, query_start_loc, request_indices,
-               per_token, window_pages, short, owner, spare_slabs, slab_pages, inner_pages, straddle, own, taken,
-               grant_groups, grant_slabs):
+               plan, last_rows, rows_in, counts_in, n_logged, cells, cell_pages, per_request, query_start_loc,
+               request_indices, per_token, window_pages, short, owner, spare_slabs, slab_pages, inner_pages,
+               straddle, own, taken, grant_groups, grant_slabs):
     """``step`` on an arena, then (pure) ``admit_spare`` of a plan that only ran and is not clean, in one
     call: ``step``'s answer and the spare slabs ``admit_spare`` grants (-1: Python decides, or not asked).
     For batches with more tokens than rows (a prefill chunk), whose plans are seldom clean."""
     status, n, settle, n_cross, clean, n_touched, n_keyed = step(
         geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain, plan,
-        last_rows, rows_in, counts_in, cells, cell_pages, per_request, query_start_loc, request_indices, per_token)
+        last_rows, rows_in, counts_in, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices,
+        per_token)
     n_spare = -1
     if status >= STEP_PLANNED and n >= 0 and not clean:
         n_spare = admit_spare(geometry, pages, bounds, ref, keyed, per_group, counters[1], grain, window_pages, plan,

@@ -923,13 +923,16 @@ class CacheManager:
             np.empty((1 + n_groups if write_slots else 1, n_tokens), _INT64)))
         if n_rows + self._last_rows.size >= sc.plan_rows:
             sc.plan_arrays(n_rows + self._last_rows.size)
-        cells = _NO_CELLS
-        if updates:  # handed out only if the log holds nothing else (``_commit_and_run`` reuses them if they fit)
+        cells, n_logged = _NO_CELLS, 0
+        if updates:  # ``_commit_and_run`` reuses them if they fit
+            # The cells a ``free`` or prefix hit logged go first (``_planned_step`` puts back any it does not run).
+            n_logged = self._take_log(0) if self._tableset.log else 0
             # ``_cell_buffers``' room for a decode step, and two cells for each further token (a chunk
             # of DeepSeek-V4's six groups releases and allocates about 1.3 pages a token).
-            room = 2 * n_groups * n_rows + 16 + 2 * (n_tokens - n_rows)
+            room = 2 * n_groups * n_rows + 16 + 2 * (n_tokens - n_rows) + n_logged
             cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
-        args = (*(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, *cells, *out)
+        args = (*(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, n_logged,
+                *cells, *out)
         if n_tokens > n_rows and self._spare_entry is not None:  # a chunk: ``admit_spare`` in the same call
             status, n, settle, n_crossing, clean, n_touched, n_keyed, n_spare = self._spare_entry(
                 *args, *self._spare_args)
@@ -938,7 +941,7 @@ class CacheManager:
             n_spare = None
         if status >= kernels.STEP_PLANNED:
             return self._planned_step(status, (n, settle, n_crossing, clean), rids, cells, out, write_slots, updates,
-                                      n_spare)
+                                      n_spare, n_logged)
         self._version += 1
         if status != kernels.STEP_DONE or n_keyed:
             n_touched = self._after_plan_run(status, n_touched, n_keyed, (n, settle, n_crossing, clean), out, cells)
@@ -946,26 +949,29 @@ class CacheManager:
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
 
     def _planned_step(self, status: int, planned: tuple, rids: tuple, cells: tuple, out: _StepArrays,
-                      write_slots: bool, updates: bool, n_spare: int | None) -> StepBatch | _StepPlan | None:
+                      write_slots: bool, updates: bool, n_spare: int | None,
+                      n_logged: int = 0) -> StepBatch | _StepPlan | None:
         """``_step`` once ``kernels.step`` only planned: the batch if admitted as is (a clean plan whose rows
         cross a grain, the buffers large enough: those commit, then ``run_step`` of the plan in the scratch
-        buffer), else the plan or None (``n_spare``: ``admit_spare``'s answer if ``step_spare`` gave it)."""
+        buffer), else the plan or None (``n_spare``: ``admit_spare``'s answer if ``step_spare`` gave it;
+        ``n_logged``: cells ``_step`` took from the table log to the touched scratch, back to it unless run)."""
         n, settle, n_crossing, clean = planned
-        if n < 0:
-            return None
         sc = self._scratch
         n_tokens, released, most, allocated = sc.plan[7].tolist() if clean and n_crossing else (-1, 0, -1, 0)
         if n_tokens == out.per_token.shape[1] and 0 <= most <= sc.pages.size and released <= sc.idle_keyed.size \
                 and released + allocated <= sc.touched.size:  # planned only as rows cross: they commit, the plan runs
             self._version += 1
             self._commit_rows(sc.plan[6][:n_crossing])  # the stacks only grow: the plan stays clean
-            n_logged = self._take_log(released + allocated)
+            n_logged = self._take_log(released + allocated, n_logged)
             status, n_touched, n_keyed = self._run_entry(*self._state[:10], sc.buffer, n, settle, False, n_logged,
                                                          *cells, *out)
             if status != kernels.STEP_DONE or n_keyed:
                 n_touched = self._after_plan_run(status, n_touched, n_keyed, planned, out, cells)
             self._last_rows = sc.plan[0][settle:n].copy()
             return self._build_batch(self._last_rows, rids, out, False, n_touched if updates else -1, cells)
+        self._put_back_log(n_logged)
+        if n < 0:
+            return None
         plan = self._plan_of(*planned)
         plan.request_ids, plan.cells = rids, cells
         plan.arrays = out  # for ``_run``, once admitted
@@ -988,15 +994,21 @@ class CacheManager:
         self._space.keyed_idle(self._scratch.released[1], self._scratch.idle_keyed)
         return n_touched
 
-    def _take_log(self, n_cells: int) -> int:
-        """The cells the table log holds (a ``free`` or a prefix hit since the last step), moved to the front of
-        the touched scratch for ``run_step``'s ``n_logged`` when it has room for them and ``n_cells`` more; how
-        many (0: none, or no room, and they stay logged for ``_build_batch`` to drain)."""
-        ts = self._tableset
-        if not ts.log:
-            return 0
-        n_logged = ts.logged_cells()
-        return ts.take_log(self._scratch.touched) if 0 < n_logged <= self._scratch.touched.size - n_cells else 0
+    def _take_log(self, n_cells: int, at: int = 0) -> int:
+        """The cells the table log holds (a ``free`` or a prefix hit since the last step), moved to the touched
+        scratch after the ``at`` taken before, for ``run_step``'s ``n_logged`` when it has room for them and
+        ``n_cells`` more; how many it holds then (0: no room, and every one is logged for ``_build_batch``)."""
+        ts, touched = self._tableset, self._scratch.touched
+        n_logged = ts.logged_cells() if ts.log else 0
+        if 0 <= n_logged <= touched.size - n_cells - at:
+            return at + ts.take_log(touched[at:])
+        self._put_back_log(at)
+        return 0
+
+    def _put_back_log(self, n_logged: int) -> None:
+        """The ``n_logged`` cells ``_take_log`` took to the touched scratch back to the front of the table log."""
+        if n_logged:
+            self._tableset.log.insert(0, self._scratch.touched[:n_logged].copy())
 
     def _admit_spare(self, plan: _StepPlan, n: int | None = None) -> bool:
         """``kernels.admit_spare`` (``n``: its answer, if given) on an arena: True (``plan.grants`` set) when
@@ -1094,7 +1106,7 @@ class CacheManager:
         """``_load_kernels`` of ``_step``'s and the validation's kernels (``step`` and ``admit_spare`` not run)."""
         sc, no_rows = self._scratch, np.empty(0, _INT64)
         out = kernels.batch_arrays_for(len(self.specs), 0, 0, True)
-        args = (*self._kernel_state(), sc.buffer, self._last_rows, no_rows, self._one_count, *_NO_CELLS, *out)
+        args = (*self._kernel_state(), sc.buffer, self._last_rows, no_rows, self._one_count, 0, *_NO_CELLS, *out)
         self._step_entry = kernels.entry_point(kernels.step, args)
         if self.arena is not None:
             ts, space = self._tableset, self._space
