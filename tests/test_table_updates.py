@@ -372,3 +372,19 @@ def test_cells_a_free_logged_before_a_step_that_runs_whole_come_with_its_updates
                  for _ in range(2))
     _serve(inc, full, 30, 40, lambda k, n_live: n_live > 3, lambda k: np.full(k % 9 + 5, k, dtype=np.int32),
            chunk_tokens=6, each=lambda k, batch: k == 0 or not batch.table_updates.reset)
+
+
+@pytest.mark.parametrize("shared_tokens", [30, 60])
+def test_cells_taken_and_given_back_around_a_committing_step_come_with_its_updates(shared_tokens):
+    """Long and short prompts joining and leaving (a free logs as many cells as the request held),
+    nine requests live most steps and two every seventh: some committing steps find the touched
+    scratch too small for the cells ``_step`` took from the log plus their own, so those go back to
+    the log for ``_build_batch`` to drain (these sizes reach that at 60 and 30 shared tokens). The
+    updates still give the full-mode tables."""
+    specs, _, ctx, step_limit = CONFIGS["odd"]
+    inc, full = (CacheManager(specs, dict.fromkeys(ODD_PAGES, 400), max_context_tokens=ctx, max_step_tokens=step_limit,
+                              enable_prefix_caching=True, prefix_granularity=60) for _ in range(2))
+    shared = np.arange(shared_tokens, dtype=np.int32) % 7
+    own_tokens = [min(75 - shared_tokens, (k % 5 + 1) * (12 if k % 2 == 0 else 1)) for k in range(40)]
+    _serve(inc, full, 40, 10, lambda k, n_live: n_live > (8 if k % 7 else 2),
+           lambda k: np.concatenate([shared, np.full(own_tokens[k], k, dtype=np.int32)]))
