@@ -227,10 +227,8 @@ class PrefixCache:
         group's holders. Only with state groups and no pinning interval do commits run so."""
         self._units = bool(self.state_ids) and self.state_checkpoint_interval is None
         unit = self._history_groups + [(gid, pool, n, stats) for gid, pool, n, _, stats in self._state_groups]
-        self._unit_pools_in_order = [pool for _, pool, _, _ in unit]
-        self._unit_gids = [gid for gid, *_ in unit]
-        self._unit_sizes = [n for _, _, n, _ in unit]
-        self._unit_stats = [stats for *_, stats in unit]
+        self._unit_gids, self._unit_pools_in_order, self._unit_sizes, self._unit_stats = (
+            map(list, zip(*unit)) if unit else ([], [], [], []))
         self._history_events = [(gid, n) for gid, _, n, _ in self._history_groups]  # what a block's event names
         self._unit_holders = [(gid, holders, j) for j, (gid, _, _, holders, _)
                               in enumerate(self._state_groups, len(self._history_groups))]
