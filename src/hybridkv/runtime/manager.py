@@ -193,14 +193,6 @@ class _Releases:
         kernels.release_credit(tableset.geometry, tableset.pages, tableset.bounds, space.ref_counts, space.cached, 0,
                                rows[:0], after[0, 0, :0], none, none, none, 0)
 
-    def sole_pages(self, k: int) -> np.ndarray:
-        """Group ``k``'s pages that only their row holds, below its new base (``IdleScan.releasing``)."""
-        return self.of(k)[1]
-
-    def freed_pages(self, k: int) -> np.ndarray:
-        """Group ``k``'s pages the releases put on its free stack (``IdleScan.releasing``)."""
-        return self.of(k)[2]
-
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
 _ANY_IDS = np.zeros(4, dtype=np.int32)[::2]  # a read-only strided view: ``_copy_ids``' type for the ids
@@ -641,7 +633,7 @@ class CacheManager:
         # Releases run before allocations: only the admitted totals matter. Gross: spare slabs only.
         plan.grants = _grants_to_fit(arena, dict(zip(ids, gross)), avail, None)
         if plan.grants is None:
-            scan = IdleScan(releasing=releases.sole_pages)
+            scan = IdleScan(releasing=lambda k: releases.of(k)[1])  # pages only their row holds
             credit = [releases.of(k)[0] for k in range(len(ids))]
             net = {g: n - int(credit[k][fits].sum()) for k, (g, n) in enumerate(zip(ids, gross))}
             plan.grants = _grants_to_fit(arena, net, avail, scan)
@@ -671,18 +663,12 @@ class CacheManager:
         ids, counts = self._group_ids, short.tolist()
         wanting = {gid: n for gid, n in zip(ids, counts) if n > 0}
         spare = {gid: left for gid, n, left in zip(ids, counts, surplus.tolist()) if n <= 0}
-        scan = IdleScan(releasing=releases.freed_pages, clean=True, spare_released=True)
-        scan.before_tick = self._value_tick(wanting)
+        scan = IdleScan(releasing=lambda k: releases.of(k)[2], clean=True, spare_released=True)  # unkeyed: freed
+        if self.prefix is not None and self.prefix.eviction.acts:
+            # The oldest idle tick a wanting group would evict: a donor's entries idle since before it count as spare.
+            ticks = [t for t in map(self.arena.oldest_idle_tick, wanting) if t is not None]
+            scan.before_tick = min(ticks) if ticks else None
         return self.arena.plan(wanting, spare, scan, partial=True, owner=own)
-
-    def _value_tick(self, short: dict) -> int | None:
-        """``IdleScan.before_tick``: the oldest idle tick a ``short`` group would evict (a donor's entries
-        idle since before it count as spare); None when the policy does not act."""
-        policy = self.prefix.eviction if self.prefix is not None else None
-        if policy is None or not policy.acts:
-            return None
-        ticks = [t for t in map(self.arena.oldest_idle_tick, short) if t is not None]
-        return min(ticks) if ticks else None
 
     @staticmethod
     def _deny_greedily(alloc, net, avail, fits, deny, arena, scan, plan) -> None:
