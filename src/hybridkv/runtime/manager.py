@@ -570,32 +570,28 @@ class CacheManager:
 
     def _validated_plan(self, items, uniform, load_tokens: np.ndarray
                         ) -> tuple[list, Sequence[int], _StepPlan | None]:
-        """(answers, valid indices, plan of the valid items or None): vectorized when all are valid."""
+        """(answers, valid indices, plan of the valid items or None): vectorized when all are valid, else item by
+        item with a reason for each invalid one."""
         fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
         plan = None if fast is None else self._plan(fast[0], fast[1], load_tokens)
         if plan is not None:  # every item valid (the plan checked rows and known tokens)
             plan.request_ids = fast[2]
             return [None] * fast[0].size, range(fast[0].size), plan
-        answers, ok_idx, rows, counts = self._validate(items, uniform)
-        return answers, ok_idx, self._plan(rows, counts, load_tokens) if ok_idx else None
-
-    def _validate(self, items, uniform):
-        """(answers, valid indices, rows, counts), item by item with a reason for each invalid one."""
         if uniform is not None:
             items = [(rid, uniform[1]) for rid in uniform[0]]  # the per-item path words the reasons
         answers: list[Admission | None] = [None] * len(items)
         seen: set[str] = set()
-        ok_idx, row_list, count_list = [], [], []
+        ok_idx, rows, counts = [], [], []
         for i, item in enumerate(items):
             reason = self._item_error(item, seen)
             if reason:
                 answers[i] = Admission(False, reason)
                 continue
             ok_idx.append(i)
-            row_list.append(self._requests[item[0]].row)
-            count_list.append(int(item[1]))
-        rows = np.asarray(row_list, dtype=np.int64)
-        return answers, ok_idx, rows, np.asarray(count_list, dtype=np.int64)
+            rows.append(self._requests[item[0]].row)
+            counts.append(int(item[1]))
+        rows, counts = (np.asarray(column, dtype=np.int64) for column in (rows, counts))
+        return answers, ok_idx, self._plan(rows, counts, load_tokens) if ok_idx else None
 
     def _deny_past_capture_width(self, plan: _StepPlan, fits: np.ndarray, deny: dict[int, str]) -> None:
         """Deny every request whose table in some group would be wider than its capture width."""
