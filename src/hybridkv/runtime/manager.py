@@ -522,10 +522,7 @@ class CacheManager:
         lo = 0  # fits(lo) holds for lo = 0 (nothing scheduled); fits(hi) does not
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         if lo:
             fits(lo)  # leave the answer's admission cached for schedule()
         return lo
