@@ -152,13 +152,6 @@ class _Verdict:
     deny: dict[int, str]
     plan: _StepPlan | None
 
-    def refusal(self, n_items: int) -> str | None:
-        """The error of a step refused in whole or part; None when every item fits."""
-        if len(self.ok_idx) == n_items and not self.deny:  # a request fits unless denied
-            return None
-        reasons = [a.reason for a in self.answers if a is not None] + [self.deny[k] for k in sorted(self.deny)]
-        return f"{len(reasons)} of {n_items} requests not admissible: {'; '.join(reasons[:3])}"
-
 
 class _Releases:
     """What a planned step's releases free in each group, worked out once per group asked (pure)."""
@@ -853,9 +846,11 @@ class CacheManager:
     def _run_verdict(self, verdict: _Verdict, items, uniform, write_slots: bool, updates: bool, fixed_width: bool,
                      load: bool) -> StepBatch:
         """Raise ``verdict``'s refusal, else note a load step's spans and run stages 2-4."""
-        refusal = verdict.refusal(len(items) if uniform is None else len(uniform[0]))
-        if refusal is not None:
-            raise CacheManagerError(refusal)
+        n_items = len(items) if uniform is None else len(uniform[0])
+        if len(verdict.ok_idx) != n_items or verdict.deny:  # a request fits unless denied
+            deny = verdict.deny
+            reasons = [a.reason for a in verdict.answers if a is not None] + [deny[k] for k in sorted(deny)]
+            raise CacheManagerError(f"{len(reasons)} of {n_items} requests not admissible: {'; '.join(reasons[:3])}")
         plan = verdict.plan
         if plan.request_ids is None:
             plan.request_ids = uniform[0] if items is None else tuple(map(itemgetter(0), items))
