@@ -887,12 +887,10 @@ class PrefixCache:
                     pool.demote(key)
             for key in kept:  # each to the back: the highest score ends last
                 pages = pool.lookup(key)
-                if pages is not None:
-                    if low[pages[0]]:
-                        if not self.eviction.beyond_gap(key):  # held low until its block is back
-                            pool.promote(key)
-                    else:
-                        pool.touch(key)
+                if pages is not None and not low[pages[0]]:
+                    pool.touch(key)
+                elif pages is not None and not self.eviction.beyond_gap(key):  # held low until its block is back
+                    pool.promote(key)
         return order
 
     def clear(self) -> None:
