@@ -628,16 +628,13 @@ class CacheManager:
                 self._deny_greedily(alloc, need, avail, fits, deny, arena, scan, plan)
                 return
         if arena is not None:
-            # A group that would evict cached pages grows instead (gross sums: the releases' freed pages count).
-            plan.grants = plan.grants + self._grow_after(np.asarray(gross, dtype=np.int64), releases, plan.grants)
-
-    def _grow_after(self, wanted: np.ndarray, releases: _Releases, after: list) -> list:
-        """``_grow_instead_of_evicting`` for gross ``wanted`` pages, after the grants ``after``."""
-        own, gained = self.arena.replay(after) if after else (None, {})
-        clean = self._space.tops + np.fromiter(map(gained.get, self._group_ids, repeat(0)), _INT64, len(self.specs))
-        if not self._short_pages(releases.plan, wanted, clean, wanted):  # free: wanted (credit covered them)
-            return []
-        return self._grow_instead_of_evicting(self._short, clean - wanted, releases, own)
+            # A group that would evict cached pages grows instead, after those grants (gross sums: the releases'
+            # freed pages count; free: the gross, as credit covered them).
+            wanted = np.asarray(gross, dtype=np.int64)
+            own, gained = arena.replay(plan.grants) if plan.grants else (None, {})
+            clean = self._space.tops + np.fromiter(map(gained.get, ids, repeat(0)), _INT64, len(ids))
+            if self._short_pages(plan, wanted, clean, wanted):
+                plan.grants = plan.grants + self._grow_instead_of_evicting(self._short, clean - wanted, releases, own)
 
     def _grow_instead_of_evicting(self, short: np.ndarray, surplus: np.ndarray, releases: _Releases,
                                   own: np.ndarray | None = None) -> list:
