@@ -227,10 +227,8 @@ class PrefixCache:
         group's holders. Only with state groups and no pinning interval do commits run so."""
         self._units = bool(self.state_ids) and self.state_checkpoint_interval is None
         unit = self._history_groups + [(gid, pool, n, stats) for gid, pool, n, _, stats in self._state_groups]
-        self._unit_pools_in_order = [pool for _, pool, _, _ in unit]
-        self._unit_gids = [gid for gid, *_ in unit]
-        self._unit_sizes = [n for _, _, n, _ in unit]
-        self._unit_stats = [stats for *_, stats in unit]
+        self._unit_gids, self._unit_pools_in_order, self._unit_sizes, self._unit_stats = (
+            map(list, zip(*unit)) if unit else ([], [], [], []))
         self._history_events = [(gid, n) for gid, _, n, _ in self._history_groups]  # what a block's event names
         self._unit_holders = [(gid, holders, j) for j, (gid, _, _, holders, _)
                               in enumerate(self._state_groups, len(self._history_groups))]
@@ -239,8 +237,7 @@ class PrefixCache:
         """What a hit's placement (one ``lru.borrow_row`` call over the page space) reads, by table index."""
         self._table_set = tables[self.specs[0].group_id].table_set
         self._group_index = [tables[s.group_id].group_index for s in self.specs]
-        self._space = self.pools[self.specs[0].group_id].space
-        self._check_one_space()
+        self._space = self.pools[self.specs[0].group_id].space  # the manager's: one PageSpace, one TableSet
         space = self._space  # the page space's arrays a hit's ``lru.borrow_row`` changes (never replaced)
         self._borrow_space = (space.ref_counts, space.cached, space.low_priority, space.lru_prev, space.lru_next,
                               space.per_group)
@@ -259,15 +256,6 @@ class PrefixCache:
         self._spans_at: dict[int, tuple] = {}  # hit tokens -> what _hit_spans returns (set by the geometry alone)
         self._borrow: Callable[..., int] | None = None  # ``_load_borrow``'s, from the first hit
         self._spec_stats = list(zip(self._spec_ids, self._reach_index, (self.stats[gid] for gid in self._spec_ids)))
-
-    def _check_one_space(self) -> None:
-        """The tables are one ``TableSet``'s and the pools one ``PageSpace``'s, in the same group order."""
-        if sorted(self._group_index) != list(range(len(self._table_set.tables))):
-            raise ValueError("the prefix cache's tables must be every table of one TableSet, one per spec")
-        space_pools = self._space.pools if self._space is not None else []
-        if len(space_pools) != len(self.specs) or any(
-                space_pools[g] is not self.pools[s.group_id] for s, g in zip(self.specs, self._group_index)):
-            raise ValueError("the prefix cache's pools must be the pools of one PageSpace, in its tables' order")
 
     def _init_eviction(self, eviction_policy: str) -> None:
         """What goes first when a pool must evict (hybridkv.prefix.eviction: units, orphans,
@@ -899,12 +887,10 @@ class PrefixCache:
                     pool.demote(key)
             for key in kept:  # each to the back: the highest score ends last
                 pages = pool.lookup(key)
-                if pages is not None:
-                    if low[pages[0]]:
-                        if not self.eviction.beyond_gap(key):  # held low until its block is back
-                            pool.promote(key)
-                    else:
-                        pool.touch(key)
+                if pages is not None and not low[pages[0]]:
+                    pool.touch(key)
+                elif pages is not None and not self.eviction.beyond_gap(key):  # held low until its block is back
+                    pool.promote(key)
         return order
 
     def clear(self) -> None:

@@ -152,13 +152,6 @@ class _Verdict:
     deny: dict[int, str]
     plan: _StepPlan | None
 
-    def refusal(self, n_items: int) -> str | None:
-        """The error of a step refused in whole or part; None when every item fits."""
-        if len(self.ok_idx) == n_items and not self.deny:  # a request fits unless denied
-            return None
-        reasons = [a.reason for a in self.answers if a is not None] + [self.deny[k] for k in sorted(self.deny)]
-        return f"{len(reasons)} of {n_items} requests not admissible: {'; '.join(reasons[:3])}"
-
 
 class _Releases:
     """What a planned step's releases free in each group, worked out once per group asked (pure)."""
@@ -192,14 +185,6 @@ class _Releases:
         rows, after, none = plan_arrays[0], plan_arrays[3], _NO_PAGES
         kernels.release_credit(tableset.geometry, tableset.pages, tableset.bounds, space.ref_counts, space.cached, 0,
                                rows[:0], after[0, 0, :0], none, none, none, 0)
-
-    def sole_pages(self, k: int) -> np.ndarray:
-        """Group ``k``'s pages that only their row holds, below its new base (``IdleScan.releasing``)."""
-        return self.of(k)[1]
-
-    def freed_pages(self, k: int) -> np.ndarray:
-        """Group ``k``'s pages the releases put on its free stack (``IdleScan.releasing``)."""
-        return self.of(k)[2]
 
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
@@ -530,10 +515,7 @@ class CacheManager:
         lo = 0  # fits(lo) holds for lo = 0 (nothing scheduled); fits(hi) does not
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         if lo:
             fits(lo)  # leave the answer's admission cached for schedule()
         return lo
@@ -578,32 +560,28 @@ class CacheManager:
 
     def _validated_plan(self, items, uniform, load_tokens: np.ndarray
                         ) -> tuple[list, Sequence[int], _StepPlan | None]:
-        """(answers, valid indices, plan of the valid items or None): vectorized when all are valid."""
+        """(answers, valid indices, plan of the valid items or None): vectorized when all are valid, else item by
+        item with a reason for each invalid one."""
         fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
         plan = None if fast is None else self._plan(fast[0], fast[1], load_tokens)
         if plan is not None:  # every item valid (the plan checked rows and known tokens)
             plan.request_ids = fast[2]
             return [None] * fast[0].size, range(fast[0].size), plan
-        answers, ok_idx, rows, counts = self._validate(items, uniform)
-        return answers, ok_idx, self._plan(rows, counts, load_tokens) if ok_idx else None
-
-    def _validate(self, items, uniform):
-        """(answers, valid indices, rows, counts), item by item with a reason for each invalid one."""
         if uniform is not None:
             items = [(rid, uniform[1]) for rid in uniform[0]]  # the per-item path words the reasons
         answers: list[Admission | None] = [None] * len(items)
         seen: set[str] = set()
-        ok_idx, row_list, count_list = [], [], []
+        ok_idx, rows, counts = [], [], []
         for i, item in enumerate(items):
             reason = self._item_error(item, seen)
             if reason:
                 answers[i] = Admission(False, reason)
                 continue
             ok_idx.append(i)
-            row_list.append(self._requests[item[0]].row)
-            count_list.append(int(item[1]))
-        rows = np.asarray(row_list, dtype=np.int64)
-        return answers, ok_idx, rows, np.asarray(count_list, dtype=np.int64)
+            rows.append(self._requests[item[0]].row)
+            counts.append(int(item[1]))
+        rows, counts = (np.asarray(column, dtype=np.int64) for column in (rows, counts))
+        return answers, ok_idx, self._plan(rows, counts, load_tokens) if ok_idx else None
 
     def _deny_past_capture_width(self, plan: _StepPlan, fits: np.ndarray, deny: dict[int, str]) -> None:
         """Deny every request whose table in some group would be wider than its capture width."""
@@ -641,7 +619,7 @@ class CacheManager:
         # Releases run before allocations: only the admitted totals matter. Gross: spare slabs only.
         plan.grants = _grants_to_fit(arena, dict(zip(ids, gross)), avail, None)
         if plan.grants is None:
-            scan = IdleScan(releasing=releases.sole_pages)
+            scan = IdleScan(releasing=lambda k: releases.of(k)[1])  # pages only their row holds
             credit = [releases.of(k)[0] for k in range(len(ids))]
             net = {g: n - int(credit[k][fits].sum()) for k, (g, n) in enumerate(zip(ids, gross))}
             plan.grants = _grants_to_fit(arena, net, avail, scan)
@@ -650,16 +628,13 @@ class CacheManager:
                 self._deny_greedily(alloc, need, avail, fits, deny, arena, scan, plan)
                 return
         if arena is not None:
-            # A group that would evict cached pages grows instead (gross sums: the releases' freed pages count).
-            plan.grants = plan.grants + self._grow_after(np.asarray(gross, dtype=np.int64), releases, plan.grants)
-
-    def _grow_after(self, wanted: np.ndarray, releases: _Releases, after: list) -> list:
-        """``_grow_instead_of_evicting`` for gross ``wanted`` pages, after the grants ``after``."""
-        own, gained = self.arena.replay(after) if after else (None, {})
-        clean = self._space.tops + np.fromiter(map(gained.get, self._group_ids, repeat(0)), _INT64, len(self.specs))
-        if not self._short_pages(releases.plan, wanted, clean, wanted):  # free: wanted (credit covered them)
-            return []
-        return self._grow_instead_of_evicting(self._short, clean - wanted, releases, own)
+            # A group that would evict cached pages grows instead, after those grants (gross sums: the releases'
+            # freed pages count; free: the gross, as credit covered them).
+            wanted = np.asarray(gross, dtype=np.int64)
+            own, gained = arena.replay(plan.grants) if plan.grants else (None, {})
+            clean = self._space.tops + np.fromiter(map(gained.get, ids, repeat(0)), _INT64, len(ids))
+            if self._short_pages(plan, wanted, clean, wanted):
+                plan.grants = plan.grants + self._grow_instead_of_evicting(self._short, clean - wanted, releases, own)
 
     def _grow_instead_of_evicting(self, short: np.ndarray, surplus: np.ndarray, releases: _Releases,
                                   own: np.ndarray | None = None) -> list:
@@ -671,18 +646,12 @@ class CacheManager:
         ids, counts = self._group_ids, short.tolist()
         wanting = {gid: n for gid, n in zip(ids, counts) if n > 0}
         spare = {gid: left for gid, n, left in zip(ids, counts, surplus.tolist()) if n <= 0}
-        scan = IdleScan(releasing=releases.freed_pages, clean=True, spare_released=True)
-        scan.before_tick = self._value_tick(wanting)
+        scan = IdleScan(releasing=lambda k: releases.of(k)[2], clean=True, spare_released=True)  # unkeyed: freed
+        if self.prefix is not None and self.prefix.eviction.acts:
+            # The oldest idle tick a wanting group would evict: a donor's entries idle since before it count as spare.
+            ticks = [t for t in map(self.arena.oldest_idle_tick, wanting) if t is not None]
+            scan.before_tick = min(ticks) if ticks else None
         return self.arena.plan(wanting, spare, scan, partial=True, owner=own)
-
-    def _value_tick(self, short: dict) -> int | None:
-        """``IdleScan.before_tick``: the oldest idle tick a ``short`` group would evict (a donor's entries
-        idle since before it count as spare); None when the policy does not act."""
-        policy = self.prefix.eviction if self.prefix is not None else None
-        if policy is None or not policy.acts:
-            return None
-        ticks = [t for t in map(self.arena.oldest_idle_tick, short) if t is not None]
-        return min(ticks) if ticks else None
 
     @staticmethod
     def _deny_greedily(alloc, net, avail, fits, deny, arena, scan, plan) -> None:
@@ -874,9 +843,11 @@ class CacheManager:
     def _run_verdict(self, verdict: _Verdict, items, uniform, write_slots: bool, updates: bool, fixed_width: bool,
                      load: bool) -> StepBatch:
         """Raise ``verdict``'s refusal, else note a load step's spans and run stages 2-4."""
-        refusal = verdict.refusal(len(items) if uniform is None else len(uniform[0]))
-        if refusal is not None:
-            raise CacheManagerError(refusal)
+        n_items = len(items) if uniform is None else len(uniform[0])
+        if len(verdict.ok_idx) != n_items or verdict.deny:  # a request fits unless denied
+            deny = verdict.deny
+            reasons = [a.reason for a in verdict.answers if a is not None] + [deny[k] for k in sorted(deny)]
+            raise CacheManagerError(f"{len(reasons)} of {n_items} requests not admissible: {'; '.join(reasons[:3])}")
         plan = verdict.plan
         if plan.request_ids is None:
             plan.request_ids = uniform[0] if items is None else tuple(map(itemgetter(0), items))

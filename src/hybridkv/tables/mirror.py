@@ -46,10 +46,8 @@ class BlockTableMirror:
         up = batch.table_updates
         if up is None or batch.table_rows is None:
             raise ValueError("apply needs a batch scheduled with block_tables='updates'")
-        need = int(batch.table_rows.max()) + 1 if batch.table_rows.size else 0
-        if up.row.size:
-            need = max(need, int(up.row.max()) + 1)
-        self._ensure_rows(need)
+        rows, cells = batch.table_rows, up.row
+        self._ensure_rows(max(int(rows.max()) + 1 if rows.size else 0, int(cells.max()) + 1 if cells.size else 0))
         if up.reset:
             self.store.fill(-1)
         self.store[up.group, up.row, up.column] = up.page
@@ -65,13 +63,11 @@ class BlockTableMirror:
         ring = self.store[g, :, :cap]
         out = np.full((rows.size, width), -1, dtype=np.int32)
         cols = min(width, cap)
-        if not self.sliding[g]:
+        if self.sliding[g]:  # non-live ring cells are -1, so rotating by base needs no mask below the capacity
+            base = self.base_pages[group_id].astype(np.int64)
+            out[:, :cols] = ring[rows[:, None], (base[:, None] + np.arange(cols, dtype=np.int64)) % cap]
+        else:
             out[:, :cols] = ring[rows, :cols]
-            return out
-        # Non-live ring cells are -1, so rotating by base needs no mask below the capacity.
-        base = self.base_pages[group_id].astype(np.int64)
-        j = np.arange(cols, dtype=np.int64)
-        out[:, :cols] = ring[rows[:, None], (base[:, None] + j) % cap]
         return out
 
     def block_tables(self) -> dict[str, np.ndarray]:
