@@ -277,6 +277,7 @@ class CacheManager:
         self._packing = _NO_PACKING if arena is None else self.arena.packing  # ``kernels.room_groups``'
         self._grant_entry = kernels.grant_step  # ``_run``'s, by its compiled code once ``_load_kernels`` ran
         self._room_entries = None  # its and ``rooms_from``'s compiled code, once ``_room_groups`` looked them up
+        self._finish_entry = None  # ``finish_step``'s compiled code, once ``_after_run`` looked it up
         # On an arena, a sliding group's pages released again next step come last (kernels.transient_pages).
         self._transient = np.asarray([arena is not None and s.is_sliding for s in self.specs], dtype=np.bool_)
         self._scratch = _Scratch(len(self.specs))
@@ -1130,8 +1131,11 @@ class CacheManager:
             self.arena.apply(plan.grants)
         if self._room_groups(plan):
             self._make_room(plan)
-        return kernels.finish_step(*(self._state or self._kernel_state())[:10], self._scratch.buffer, plan.rows.size,
-                                   plan.settle, n_touched, *cells, *out, True)
+        args = (*(self._state or self._kernel_state())[:10], self._scratch.buffer, plan.rows.size, plan.settle,
+                n_touched, *cells, *out, True)
+        if self._finish_entry is None:  # by its compiled code (``kernels.entry_point``): the same types every call
+            self._finish_entry = kernels.entry_point(kernels.finish_step, args)
+        return self._finish_entry(*args)
 
     def _room_groups(self, plan: _StepPlan, start: int = -1) -> int:
         """``kernels.room_groups`` of ``plan`` now, into ``_scratch.transient`` (per group: its transient
