@@ -1019,9 +1019,9 @@ class CacheManager:
             return False
         if n is None:
             ts, space = self._tableset, self._space
-            n = kernels.admit_spare(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.per_group,
-                                    self._committed, self._grain, self._window_pages, self._scratch.buffer,
-                                    plan.rows.size, self._short, *arena.spare_args)
+            n = self._admit_entry(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.per_group,
+                                  self._committed, self._grain, self._window_pages, self._scratch.buffer,
+                                  plan.rows.size, self._short, *arena.spare_args)
         if n < 0:
             return False
         written = arena.spare_written  # a copy of its first ``n`` (the scratch is the arena's)
@@ -1111,7 +1111,7 @@ class CacheManager:
         self._step_entry = kernels.entry_point(kernels.step, args)
         if self.arena is not None:
             ts, space = self._tableset, self._space
-            kernels.entry_point(kernels.admit_spare, (
+            self._admit_entry = kernels.entry_point(kernels.admit_spare, (  # ``_admit_spare``'s, its compiled code
                 ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.per_group, self._committed,
                 self._grain, self._window_pages, sc.buffer, 0, self._short, *self.arena.spare_args))
             self._spare_args = (self._window_pages, self._short, *self.arena.spare_args)
