@@ -63,34 +63,6 @@ class PoolCounters:
         return {name: getattr(self, name) for name in names}
 
 
-class _LowestFree:
-    """The ``count``-th lowest of a lowest-first pool's free ids (``stack[:top]``, the
-    lowest on top) and of the ids :meth:`add` adds (``none`` while there are fewer):
-    ``bound``, kept as ids are added (each distinct, none free), in O(log n) each."""
-
-    __slots__ = ("stack", "top", "count", "frees", "added", "bound", "none")
-
-    def __init__(self, stack: np.ndarray, top: int, count: int, none: int):
-        self.stack, self.top, self.count, self.none = stack, top, count, none
-        self.frees = min(count, top)  # the lowest ``frees`` free ids are among the ``count`` lowest
-        self.added: list[int] = []  # the added ids among them (a max-heap: negated)
-        self.bound = int(stack[top - count]) if top >= count else none
-
-    def add(self, page: int) -> None:
-        added = self.added
-        if self.frees + len(added) == self.count:
-            if page > self.bound:
-                return
-            if added and -added[0] == self.bound:
-                heapq.heappop(added)  # the bound leaves the ``count`` lowest
-            else:
-                self.frees -= 1
-        heapq.heappush(added, -page)
-        if self.frees + len(added) == self.count:
-            free = int(self.stack[self.top - self.frees]) if self.frees else -1
-            self.bound = max(free, -added[0])
-
-
 def _count(row: int, doc: str | None = None) -> property:
     """A ``PagePool`` count: row ``row`` of its ``per_group``, in its column (``_slot``)."""
 
@@ -137,6 +109,7 @@ class PagePool:
         self._lru_prev[NULL_PAGE] = self._lru_next[NULL_PAGE] = NULL_PAGE
         self._view_lru()
         self.idle_tick = np.zeros(self.num_pages, dtype=np.int64)
+        self._low_ids = kernels.low_idle_ids  # by its compiled code once :meth:`load_kernels` ran
 
     def _init_entries(self) -> None:
         """No content-keyed entries yet."""
@@ -183,6 +156,7 @@ class PagePool:
     def _view_lru(self) -> None:
         """Memoryviews of the LRU's links (faster item access than the arrays'), after each rebinding."""
         self._lru_views = (memoryview(self._lru_prev), memoryview(self._lru_next))
+        self._ref_view = memoryview(self.ref_counts)
 
     # Pages granted to this pool (all but the null page unless an arena manages it).
     usable_pages = property(lambda self: self._granted_pages)
@@ -243,49 +217,68 @@ class PagePool:
         if each:
             self._evict_low_each(count)
             return
-        keys = self._low_victims(count, top, candidates, end)
+        keys = self._low_victims(count, top, candidates, candidates[0] + 1 if len(candidates) == _SCAN_PAGES else end)
         if keys:
             self._unpublish_many(keys)
 
     def _low_victims(self, count: int, top: int, candidates: list[int], end: int) -> list[Hashable]:
-        """:meth:`_evict_low_below`'s batch: the keys of the idle low-priority entries below the
-        ``count`` lowest free ids (those the entries before free count as free), lowest id
-        first, from ``candidates`` (the first scan's, of the ids below ``end``) and scans that
-        each go on where the last stopped; ``_low_floor`` set to where they stopped."""
-        ref, page_key = self.ref_counts, self._page_key
-        freed, keys, gone = 0, [], set()
-        lowest = _LowestFree(self._stack, top, count, self.num_pages)
-        floor = -1  # the lowest idle low-priority id left, once known
-        if len(candidates) == _SCAN_PAGES:
-            end = candidates[0] + 1
-        while candidates:
+        """:meth:`_evict_low_below`'s batch: the keys of the idle low-priority entries below the ``count`` lowest free
+        ids (those the entries before free count as free), lowest id first, from ``candidates`` (the first scan's, of
+        the ids below ``end``) and scans that each go on where the last stopped (:meth:`_low_ids_from`);
+        ``_low_floor`` set to where they stopped. The bound, the ``count``-th lowest of the free ids and those freed,
+        is kept as pages are freed, in O(log n) each, from the lowest ``frees`` free ids (``stack[:top]``, the lowest
+        on top) and the freed ids among the ``count`` lowest (``added``, a max-heap: negated)."""
+        ref, page_key, entries, stack = self._ref_view, self._page_key, self._entries, self._stack
+        freed, keys, gone, added, frees = 0, [], set(), [], min(count, top)
+        bound = self._lowest_free(count)
+        while True:
+            if not candidates:
+                candidates, end = self._low_ids_from(end, bound)
+                if not candidates:
+                    break
             page = candidates.pop()
             if page in gone:
-                pass
-            elif page >= lowest.bound or freed >= count:
-                floor = page
-                break
-            else:
-                keys.append(page_key[page])
-                pages = self._entries[keys[-1]]
-                gone.update(pages)
-                for p in pages:
-                    if ref[p] == 0:
-                        lowest.add(p)
-                        freed += 1
-            if not candidates and end < lowest.bound:  # the next ids after those scanned
-                candidates = self._low_idle_ids(lowest.bound, _SCAN_PAGES, end)
-                end = candidates[0] + 1 if len(candidates) == _SCAN_PAGES else lowest.bound
+                continue
+            if page >= bound or freed >= count:
+                self._low_floor = page  # the lowest idle low-priority id left
+                return keys
+            keys.append(page_key[page])
+            pages = entries[keys[-1]]
+            gone.update(pages)
+            for p in pages:
+                if ref[p]:
+                    continue
+                freed += 1
+                if p < bound:  # it joins the ``count`` lowest
+                    heapq.heappush(added, -p)
+                    if frees + len(added) > count:  # the bound leaves them
+                        if -added[0] == bound:
+                            heapq.heappop(added)
+                        else:
+                            frees -= 1
+                    if frees + len(added) == count:
+                        bound = max(int(stack[top - frees]) if frees else -1, -added[0])
         # None left below the bound the scans stopped at (it only fell meanwhile).
-        self._low_floor = floor if floor >= 0 else max(self._low_floor, lowest.bound)
+        self._low_floor = max(self._low_floor, bound)
         return keys
+
+    def _lowest_free(self, count: int) -> int:
+        """The ``count``-th lowest free id (``num_pages`` if fewer are free)."""
+        top = self._top
+        return int(self._stack[top - count]) if top >= count else self.num_pages
+
+    def _low_ids_from(self, start: int, bound: int) -> tuple[list[int], int]:
+        """:meth:`_low_idle_ids` of ``_SCAN_PAGES`` ids from ``start`` below ``bound``, and where
+        the next scan starts (after the last, or ``bound`` if it found fewer)."""
+        ids = self._low_idle_ids(bound, _SCAN_PAGES, start)
+        return ids, ids[0] + 1 if len(ids) == _SCAN_PAGES else bound
 
     def _evict_low_each(self, count: int) -> None:
         """:meth:`_evict_low_below` one entry at a time, the flags scanned again after each
         removal (what ``on_removed`` does may demote entries of this pool)."""
         freed = 0
         while freed < count:
-            bound = _LowestFree(self._stack, self._top, count, self.num_pages).bound
+            bound = self._lowest_free(count)
             first = self._low_idle_ids(bound, 1)
             if not first:
                 self._low_floor = max(self._low_floor, bound)
@@ -300,7 +293,7 @@ class PagePool:
         if start >= bound:
             return []
         out = np.empty(most, dtype=np.int64)
-        n = kernels.low_idle_ids(self.low_priority, self.cached, self.ref_counts, start, bound, out)
+        n = self._low_ids(self.low_priority, self.cached, self.ref_counts, start, bound, out)
         return out[:n][::-1].tolist()
 
     def _tell_ranker(self, pages: np.ndarray, tick: int) -> None:
@@ -354,7 +347,8 @@ class PagePool:
         self.revoke(_NO_PAGES)
         kernels.drop_ids(self._stack, self._top, _NO_PAGES)
         kernels.push_run(self._stack, self._top, self.lowest_first, _NO_PAGES)
-        kernels.low_idle_ids(self.low_priority, self.cached, self.ref_counts, 0, 0, _NO_PAGES)
+        self._low_ids = kernels.entry_point(kernels.low_idle_ids, (  # ``_low_idle_ids``' kernel, its compiled code
+            self.low_priority, self.cached, self.ref_counts, 0, 0, _NO_PAGES))
         lru.leave_to_free(self._lru_prev, self._lru_next, self._stack, self._top, self.lowest_first, _NO_PAGES)
         self.drop_entries([])
 

@@ -262,6 +262,7 @@ class CacheManager:
         self._packing = _NO_PACKING if arena is None else self.arena.packing  # ``kernels.room_groups``'
         self._grant_entry = kernels.grant_step  # ``_run``'s, by its compiled code once ``_load_kernels`` ran
         self._room_entries = None  # its and ``rooms_from``'s compiled code, once ``_room_groups`` looked them up
+        self._finish_entry = None  # ``finish_step``'s compiled code, once ``_after_run`` looked it up
         # On an arena, a sliding group's pages released again next step come last (kernels.transient_pages).
         self._transient = np.asarray([arena is not None and s.is_sliding for s in self.specs], dtype=np.bool_)
         self._scratch = _Scratch(len(self.specs))
@@ -989,9 +990,9 @@ class CacheManager:
             return False
         if n is None:
             ts, space = self._tableset, self._space
-            n = kernels.admit_spare(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.per_group,
-                                    self._committed, self._grain, self._window_pages, self._scratch.buffer,
-                                    plan.rows.size, self._short, *arena.spare_args)
+            n = self._admit_entry(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.per_group,
+                                  self._committed, self._grain, self._window_pages, self._scratch.buffer,
+                                  plan.rows.size, self._short, *arena.spare_args)
         if n < 0:
             return False
         written = arena.spare_written  # a copy of its first ``n`` (the scratch is the arena's)
@@ -1081,7 +1082,7 @@ class CacheManager:
         self._step_entry = kernels.entry_point(kernels.step, args)
         if self.arena is not None:
             ts, space = self._tableset, self._space
-            kernels.entry_point(kernels.admit_spare, (
+            self._admit_entry = kernels.entry_point(kernels.admit_spare, (  # ``_admit_spare``'s, its compiled code
                 ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.per_group, self._committed,
                 self._grain, self._window_pages, sc.buffer, 0, self._short, *self.arena.spare_args))
             self._spare_args = (self._window_pages, self._short, *self.arena.spare_args)
@@ -1101,8 +1102,11 @@ class CacheManager:
             self.arena.apply(plan.grants)
         if self._room_groups(plan):
             self._make_room(plan)
-        return kernels.finish_step(*(self._state or self._kernel_state())[:10], self._scratch.buffer, plan.rows.size,
-                                   plan.settle, n_touched, *cells, *out, True)
+        args = (*(self._state or self._kernel_state())[:10], self._scratch.buffer, plan.rows.size, plan.settle,
+                n_touched, *cells, *out, True)
+        if self._finish_entry is None:  # by its compiled code (``kernels.entry_point``): the same types every call
+            self._finish_entry = kernels.entry_point(kernels.finish_step, args)
+        return self._finish_entry(*args)
 
     def _room_groups(self, plan: _StepPlan, start: int = -1) -> int:
         """``kernels.room_groups`` of ``plan`` now, into ``_scratch.transient`` (per group: its transient
