@@ -295,6 +295,13 @@ class PrefixCache:
         root = self._hash(b"hybridkv-prefix-root\x00" + salt) if salt else self._unsalted_root
         return RequestHashes(root, self.granularity_tokens, self._hash)
 
+    def prompt_hashes(self, prompt_ids: np.ndarray, cache_salt: str | bytes | None) -> RequestHashes:
+        """The hashes ``match_and_borrow`` would start and extend for this prompt, made ahead of it."""
+        hashes = self.new_request_hashes(cache_salt)
+        g = self.granularity_tokens
+        hashes.extend_to(prompt_ids, (prompt_ids.size - 1) // g * g)
+        return hashes
+
     # --- matching ---------------------------------------------------------------
     def match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> PrefixHit:
         """The hit for a prompt, without borrowing anything."""
@@ -358,11 +365,16 @@ class PrefixCache:
         return found
 
     def match_and_borrow(self, req: CommittingRequest, prompt_ids: np.ndarray,
-                         cache_salt: str | bytes | None = None) -> PrefixHit:
-        """Start ``req.hashes``, match its prompt and borrow the hit's pages into its tables in one compiled
-        call (``lru.borrow_row``); the checkpoint at the hit becomes the request's own."""
-        req.hashes = (RequestHashes(self._unsalted_root, self.granularity_tokens, self._hash) if cache_salt is None
-                      else self.new_request_hashes(cache_salt))
+                         cache_salt: str | bytes | None = None, hashes: RequestHashes | None = None) -> PrefixHit:
+        """Start ``req.hashes`` (``hashes``: the prompt's from ``prompt_hashes``, with the same salt), match its
+        prompt and borrow the hit's pages into its tables in one compiled call (``lru.borrow_row``); the checkpoint
+        at the hit becomes the request's own."""
+        if hashes is not None:
+            req.hashes = hashes
+        elif cache_salt is None:
+            req.hashes = RequestHashes(self._unsalted_root, self.granularity_tokens, self._hash)
+        else:
+            req.hashes = self.new_request_hashes(cache_salt)
         blocks, limit, reach, history, at_hit = self._match(req.hashes, prompt_ids)
         g, queried, alone = self.granularity_tokens, prompt_ids.size, {}
         d = blocks * g

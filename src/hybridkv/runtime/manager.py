@@ -29,8 +29,8 @@ from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables.store import TableSet, cdiv
 
 
-__all__ = ["Admission", "CacheManager", "CacheManagerError", "GroupStats", "GroupStep", "PrefixHit", "StepBatch",
-           "TableUpdates"]
+__all__ = ["Admission", "CacheManager", "CacheManagerError", "GroupStats", "GroupStep", "PrefixHit", "PreparedPrompt",
+           "StepBatch", "TableUpdates"]
 
 _BLOCK_TABLE_MODES = ("full", "updates")
 _HOLD_RANGE = "page ids must lie in [1, {n})"  # hold_pages' refusal of a page out of range
@@ -51,6 +51,18 @@ class _Request:
     hashes: RequestHashes | None = None
     own_checkpoints: list = field(default_factory=list)
     keep_boundaries: frozenset = frozenset()
+
+
+class PreparedPrompt:
+    """A prompt checked, copied and (with prefix caching) hashed by ``CacheManager.prepare_prompt`` when the
+    request arrives, off the step's path; one ``add_request`` of the same manager takes it."""
+
+    __slots__ = ("prompt_tokens", "total_tokens", "cache_salt", "_manager", "_buffer", "_hashes")
+
+    def __init__(self, manager: CacheManager, buffer: np.ndarray, prompt_tokens: int, total_tokens: int,
+                 hashes: RequestHashes | None, cache_salt: str | bytes | None):
+        self.prompt_tokens, self.total_tokens, self.cache_salt = prompt_tokens, total_tokens, cache_salt
+        self._manager, self._buffer, self._hashes = manager, buffer, hashes
 
 
 @dataclass
@@ -338,11 +350,17 @@ class CacheManager:
     def add_request(self, request_id: str, prompt_token_ids: Iterable[int] | np.ndarray | None = None, *,
                     prompt_tokens: int | None = None, max_new_tokens: int = 0,
                     cache_salt: str | bytes | None = None) -> PrefixHit:
-        """Register a request; with prefix caching, borrow its cached prefix. Returns the hit."""
+        """Register a request; with prefix caching, borrow its cached prefix. Returns the hit.
+        ``prompt_token_ids`` may be a ``PreparedPrompt`` of this manager (then give nothing else)."""
         plain = self._plain_prompt(request_id, prompt_token_ids, prompt_tokens, max_new_tokens, cache_salt)
+        hashes = None
         if plain is not None:
             buf, address = plain
             prompt_len, total = prompt_token_ids.size, buf.size
+        elif type(prompt_token_ids) is PreparedPrompt:
+            buf, hashes, cache_salt = self._take_prepared(request_id, prompt_token_ids, prompt_tokens, max_new_tokens,
+                                                          cache_salt)
+            prompt_len, total, address = prompt_token_ids.prompt_tokens, buf.size, buf.ctypes.data
         else:
             buf, prompt_len, total = self._new_prompt(request_id, prompt_token_ids, prompt_tokens, max_new_tokens,
                                                       cache_salt)
@@ -351,7 +369,7 @@ class CacheManager:
         row = self._free_rows.pop() if self._free_rows else self._take_row()
         req = _Request(request_id, row, prompt_len, total, buf)
         if self.prefix is not None and buf is not None:
-            hit = self.prefix.match_and_borrow(req, buf[:prompt_len], cache_salt)
+            hit = self.prefix.match_and_borrow(req, buf[:prompt_len], cache_salt, hashes)
         else:
             hit = PrefixHit.none(self.specs)
         self._computed[row] = self._committed[row] = hit.hit_tokens
@@ -386,22 +404,57 @@ class CacheManager:
         check_cache_salt(cache_salt, CacheManagerError)
         if prompt_token_ids is not None:
             check_token_ids("prompt_token_ids", prompt_token_ids, CacheManagerError)
+        self._check_new_id(request_id)
+        return self._prompt_buffer(f"request {request_id!r}", prompt_token_ids, prompt_tokens, max_new_tokens)
+
+    def _check_new_id(self, request_id: Any) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise CacheManagerError(f"request id must be a non-empty str, got {request_id!r}")
         if request_id in self._requests:
             raise CacheManagerError(f"request {request_id!r} already exists")
-        ids, prompt_len = _checked_prompt(request_id, prompt_token_ids, prompt_tokens)
+
+    def _prompt_buffer(self, who: str, prompt_token_ids: Any, prompt_tokens: Any,
+                       max_new_tokens: Any) -> tuple[np.ndarray | None, int, int]:
+        """The token buffer (None without ids), the prompt's length and the total tokens, checked."""
+        ids, prompt_len = _checked_prompt(who, prompt_token_ids, prompt_tokens)
         max_new = _nonneg_int("max_new_tokens", max_new_tokens)
         total = prompt_len + max_new
         if total > self.max_context_tokens:
             raise CacheManagerError(
-                f"request {request_id!r}: prompt {prompt_len} + max_new_tokens {max_new} = {total} tokens "
+                f"{who}: prompt {prompt_len} + max_new_tokens {max_new} = {total} tokens "
                 f"exceeds the plan's max context of {self.max_context_tokens} tokens")
         buf = None
         if ids is not None:
             buf = np.empty(max(total, 1), dtype=np.int32)
             buf[: ids.size] = ids
         return buf, prompt_len, total
+
+    def prepare_prompt(self, prompt_token_ids: Iterable[int] | np.ndarray, *, max_new_tokens: int = 0,
+                       cache_salt: str | bytes | None = None) -> PreparedPrompt:
+        """Check and copy a prompt, and with prefix caching hash its blocks, for one later ``add_request``:
+        what an engine does when a request arrives (as vLLM hashes a request's blocks when it is made), so
+        the step that adds the request does not. Nothing in the manager changes."""
+        check_cache_salt(cache_salt, CacheManagerError)
+        if prompt_token_ids is None:
+            raise CacheManagerError("prepare_prompt needs prompt_token_ids")
+        check_token_ids("prompt_token_ids", prompt_token_ids, CacheManagerError)
+        buf, prompt_len, total = self._prompt_buffer("a prepared prompt", prompt_token_ids, None, max_new_tokens)
+        hashes = None if self.prefix is None else self.prefix.prompt_hashes(buf[:prompt_len], cache_salt)
+        return PreparedPrompt(self, buf, prompt_len, total, hashes, cache_salt)
+
+    def _take_prepared(self, request_id: Any, prepared: PreparedPrompt, prompt_tokens: Any, max_new_tokens: Any,
+                       cache_salt: Any) -> tuple[np.ndarray, RequestHashes | None, str | bytes | None]:
+        """A prepared prompt's buffer, hashes and salt, once; checked before anything changes."""
+        if prompt_tokens is not None or max_new_tokens != 0 or cache_salt is not None:
+            raise CacheManagerError("a PreparedPrompt carries its length, max_new_tokens and cache_salt: "
+                                    "give them to prepare_prompt, not add_request")
+        if prepared._manager is not self:
+            raise CacheManagerError("this PreparedPrompt was made by another CacheManager")
+        if prepared._buffer is None:
+            raise CacheManagerError("this PreparedPrompt was already added (each is used once)")
+        self._check_new_id(request_id)
+        buf, prepared._buffer = prepared._buffer, None
+        return buf, prepared._hashes, prepared.cache_salt
 
     def append_token_ids(self, request_id: str, token_ids: Iterable[int] | np.ndarray) -> None:
         """Extend a request's known tokens (sampled outputs, draft tokens)."""
@@ -1531,8 +1584,8 @@ def _small_token_list(token_ids: Any) -> list[int] | None:
     return list(token_ids)
 
 
-def _checked_prompt(request_id: str, prompt_token_ids: Any, prompt_tokens: Any) -> tuple[np.ndarray | None, int]:
-    """A new request's prompt ids (None without them) and length, checked."""
+def _checked_prompt(who: str, prompt_token_ids: Any, prompt_tokens: Any) -> tuple[np.ndarray | None, int]:
+    """A new request's prompt ids (None without them) and length, checked (``who`` names it in errors)."""
     ids = None
     if prompt_token_ids is not None:
         ids = _token_array(prompt_token_ids)
@@ -1544,7 +1597,7 @@ def _checked_prompt(request_id: str, prompt_token_ids: Any, prompt_tokens: Any) 
     else:
         raise CacheManagerError("give prompt_token_ids or prompt_tokens")
     if prompt_len < 1:
-        raise CacheManagerError(f"request {request_id!r}: the prompt must have at least one token")
+        raise CacheManagerError(f"{who}: the prompt must have at least one token")
     return ids, prompt_len
 
 

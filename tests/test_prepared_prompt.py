@@ -1,0 +1,150 @@
+"""``CacheManager.prepare_prompt``: a prompt checked, copied and hashed when the request arrives, then added.
+
+A request added from a prepared prompt must be the same request as one added from its ids: the same hit,
+the same step batches, events and free counts afterwards. A prepared prompt is used once, by the manager
+that made it, and a bad one changes nothing.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hybridkv import manager as public
+from hybridkv.models.deepseek_v4 import build_v4_cache_specs
+from hybridkv.runtime.manager import CacheManager, CacheManagerError, PreparedPrompt
+
+SPECS = tuple(build_v4_cache_specs(SimpleNamespace(sliding_window=128), layer_ratio=[0, 4, 128]))
+VOCAB = 129_280
+
+
+def make(pages: int = 600, **options) -> CacheManager:
+    return CacheManager(SPECS, {s.group_id: pages for s in SPECS}, max_context_tokens=4096,
+                        enable_prefix_caching=options.pop("caching", True), **options)
+
+
+def prompt(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, n, dtype=np.int32)
+
+
+def run_out(mgr: CacheManager, rid: str, tokens: int) -> None:
+    while (done := mgr.num_computed_tokens(rid)) < tokens:
+        mgr.schedule([(rid, min(512, tokens - done))])
+
+
+def batch_arrays(batch) -> list:
+    out = [batch.num_scheduled_tokens, batch.query_start_loc, batch.positions, batch.request_indices]
+    for step in batch.groups.values():
+        out += [step.block_table, step.base_pages, step.write_slots]
+    return [None if a is None else a.tolist() for a in out]
+
+
+def test_the_public_module_names_it():
+    assert public.PreparedPrompt is PreparedPrompt
+
+
+def test_a_prepared_prompt_hits_what_its_ids_hit():
+    ids = prompt(1, 1000)
+    for use_prepared in (False, True):
+        mgr = make()
+        mgr.add_request("a", ids, max_new_tokens=8)
+        run_out(mgr, "a", 1000)
+        mgr.free("a")
+        again = np.concatenate([ids[:700], prompt(2, 50)])
+        if use_prepared:
+            ready = mgr.prepare_prompt(again, max_new_tokens=4)
+            assert (ready.prompt_tokens, ready.total_tokens) == (750, 754)
+            hit = mgr.add_request("b", ready)
+        else:
+            hit = mgr.add_request("b", again, max_new_tokens=4)
+        assert hit.hit_tokens == 512  # the 256-token grain below 700 tokens
+        np.testing.assert_array_equal(mgr.known_token_ids("b"), again)
+        mgr.check_invariants()
+
+
+def test_a_prepared_prompt_is_used_once_by_its_own_manager_and_a_refusal_changes_nothing():
+    mgr, other = make(), make()
+    ready = mgr.prepare_prompt(prompt(3, 300), max_new_tokens=2)
+    with pytest.raises(CacheManagerError, match="another CacheManager"):
+        other.add_request("x", ready)
+    for kwargs in (dict(max_new_tokens=1), dict(prompt_tokens=300), dict(cache_salt="s")):
+        with pytest.raises(CacheManagerError, match="give them to prepare_prompt"):
+            mgr.add_request("x", ready, **kwargs)
+    mgr.add_request("taken", prompt(4, 10))
+    with pytest.raises(CacheManagerError, match="already exists"):
+        mgr.add_request("taken", ready)
+    assert not mgr.has_request("x") and mgr.num_requests == 1
+    mgr.add_request("x", ready)  # still usable after the refusals above
+    with pytest.raises(CacheManagerError, match="already added"):
+        mgr.add_request("y", ready)
+    assert not mgr.has_request("y")
+    mgr.check_invariants()
+
+
+def test_prepare_prompt_checks_what_add_request_checks():
+    mgr = make()
+    with pytest.raises(CacheManagerError, match="needs prompt_token_ids"):
+        mgr.prepare_prompt(None)
+    with pytest.raises(CacheManagerError, match="at least one token"):
+        mgr.prepare_prompt(np.zeros(0, dtype=np.int32))
+    with pytest.raises(CacheManagerError, match="max context"):
+        mgr.prepare_prompt(prompt(5, 4000), max_new_tokens=100)
+    with pytest.raises(CacheManagerError):
+        mgr.prepare_prompt([1, -2, 3])
+    with pytest.raises(CacheManagerError):
+        mgr.prepare_prompt([1, 2], cache_salt=5)
+    assert mgr.num_requests == 0
+
+
+def test_without_prefix_caching_a_prepared_prompt_only_carries_the_ids():
+    mgr = make(caching=False)
+    ids = prompt(6, 40)
+    hit = mgr.add_request("a", mgr.prepare_prompt(ids, max_new_tokens=3))
+    assert hit.hit_tokens == 0
+    np.testing.assert_array_equal(mgr.known_token_ids("a"), ids)
+    mgr.schedule([("a", 40)])
+    mgr.check_invariants()
+
+
+STEMS = [prompt(10 + i, 900) for i in range(3)]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_prepared_and_plain_adds_give_the_same_programs(data):
+    """Two managers run one random program; one adds every request from a prepared prompt."""
+    plain, prepared = make(pages=300), make(pages=300)
+    live: list[str] = []
+    for n in range(data.draw(st.integers(4, 12))):
+        rid = f"r{n}"
+        stem = STEMS[data.draw(st.integers(0, 2))]
+        ids = np.concatenate([stem[: data.draw(st.integers(1, 900))], prompt(100 + n, data.draw(st.integers(1, 40)))])
+        salt = data.draw(st.sampled_from([None, "tenant"]))
+        want = plain.add_request(rid, ids, max_new_tokens=4, cache_salt=salt)
+        got = prepared.add_request(rid, prepared.prepare_prompt(ids, max_new_tokens=4, cache_salt=salt))
+        assert (got.hit_tokens, got.group_hit_tokens) == (want.hit_tokens, want.group_hit_tokens)
+        live.append(rid)
+        while True:
+            items = [(r, min(300, len(plain.known_token_ids(r)) - plain.num_computed_tokens(r)) or 1) for r in live]
+            try:
+                a = plain.schedule(items)
+            except CacheManagerError:
+                with pytest.raises(CacheManagerError):
+                    prepared.schedule(items)
+                break
+            assert batch_arrays(prepared.schedule(items)) == batch_arrays(a)
+            if all(plain.num_computed_tokens(r) >= len(plain.known_token_ids(r)) for r in live):
+                break
+        if len(live) > 2 or data.draw(st.booleans()):
+            gone = live.pop(data.draw(st.integers(0, len(live) - 1)))
+            plain.free(gone)
+            prepared.free(gone)
+        assert {g: s.free_pages for g, s in plain.stats().items()} == \
+            {g: s.free_pages for g, s in prepared.stats().items()}
+        events = [[e.to_json() for e in m.prefix.drain_events()] for m in (plain, prepared)]
+        assert events[0] == events[1]
+    prepared.check_invariants()
