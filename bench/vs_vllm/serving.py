@@ -5,7 +5,9 @@ over the same request stream (``workload.serving_requests``). A step:
 
 1. frees the requests that sampled their last output token in the step before;
 2. admits new requests from the stream until ``running`` are in (each probes
-   its cached prefix: vLLM ``get_computed_blocks``, hybridkv ``add_request``);
+   its cached prefix: vLLM ``get_computed_blocks``, hybridkv ``add_request``;
+   making the request, outside the step's time, hashes its prompt's blocks:
+   vLLM's ``Request``, hybridkv's ``prepare_prompt``);
 3. schedules one batch: one token for each request that is decoding, then
    prefill chunks of at most ``chunk_tokens`` for the requests still in their
    prompt, in arrival order, within ``step_tokens`` for the whole step
@@ -58,7 +60,7 @@ class ServingCounts:
     decode_tokens: int = 0
     prefill_tokens: int = 0
     prefill_chunks: int = 0
-    hash_ns: int = 0  # vLLM's block hashing (new requests, appended tokens)
+    hash_ns: int = 0  # making requests (prompt hashing) and, vLLM, hashing appended tokens' blocks
     append_ns: int = 0  # hybridkv's append_token_ids_many
     finished_per_step: list[int] = field(default_factory=list)
 

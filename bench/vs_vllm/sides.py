@@ -58,12 +58,13 @@ def step_ns(timings: dict[str, int]) -> int:
 
 
 class _Handle:
-    __slots__ = ("request_id", "token_ids", "max_tokens", "added", "scheduled", "computed_tokens")
+    __slots__ = ("request_id", "token_ids", "max_tokens", "prepared", "added", "scheduled", "computed_tokens")
 
     def __init__(self, request_id: str, token_ids: np.ndarray, max_tokens: int):
         self.request_id = request_id
         self.token_ids = token_ids
         self.max_tokens = max_tokens
+        self.prepared = None  # the manager's ``PreparedPrompt``, until ``add_request`` takes it
         self.added = False
         self.scheduled = False
         self.computed_tokens = 0
@@ -180,15 +181,32 @@ class HybridkvSide:
     # ------------------------------------------------------------------ requests
 
     def new_request(self, request_id: str, token_ids: Sequence[int], max_tokens: int = 1) -> Any:
-        return _Handle(request_id, np.asarray(token_ids, dtype=np.int32), int(max_tokens))
+        """A request as it arrives: its prompt checked, copied and hashed now (``prepare_prompt``, timed as
+        ``hash`` and left out of the step's time, as vLLM's side times making its ``Request``)."""
+        handle = _Handle(request_id, np.asarray(token_ids, dtype=np.int32), int(max_tokens))
+        self._prepare(handle)
+        return handle
+
+    def _prepare(self, request: Any) -> None:
+        if not hasattr(self.manager, "prepare_prompt"):  # an older version (``--against``) adds from the ids
+            return
+        start = time.perf_counter_ns()
+        request.prepared = self.manager.prepare_prompt(request.token_ids, max_new_tokens=self._max_new(request))
+        self._timed("hash", start)
+
+    def _max_new(self, request: Any) -> int:
+        # vLLM lets max_tokens run past max_model_len; ours refuses that, so clip.
+        return max(0, min(request.max_tokens, self.plan.limits.max_context_tokens - request.token_ids.size))
 
     def probe_hit(self, request: Any) -> int:
+        if request.prepared is None:
+            self._prepare(request)  # a probe again after a refusal freed the request
         start = time.perf_counter_ns()
-        # vLLM lets max_tokens run past max_model_len; ours refuses that, so clip.
-        room = self.plan.limits.max_context_tokens - request.token_ids.size
-        hit = self.manager.add_request(
-            request.request_id, request.token_ids, max_new_tokens=max(0, min(request.max_tokens, room))
-        )
+        if request.prepared is None:
+            hit = self.manager.add_request(request.request_id, request.token_ids, max_new_tokens=self._max_new(request))
+        else:
+            hit = self.manager.add_request(request.request_id, request.prepared)
+            request.prepared = None
         self._timed("probe_hit", start)
         request.added = True
         request.computed_tokens = hit.hit_tokens
