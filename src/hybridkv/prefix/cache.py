@@ -281,10 +281,11 @@ class PrefixCache:
             pool.on_removed = self._removed_callback(gid)
             if gid in self.state_ids:  # its removals take the rest of a unit from the other groups only
                 pool.evict_many = self._evict_many_callback(gid)
-        # Per state group, the pools a superseded checkpoint there leaves (``_supersede``): its
+        # Per state group, what pops a superseded checkpoint there from the pools it leaves (``_supersede``): its
         # own, then (the value policy drops whole units) every other state group's, in order.
-        self._unit_pools = {gid: [pools[gid]] + [pools[o] for o in self.state_ids if o != gid and self.eviction.acts]
-                            for gid in self.state_ids}
+        self._unit_pops = {gid: self._space.entry_pops([pools[gid]] + [pools[o] for o in self.state_ids
+                                                                        if o != gid and self.eviction.acts])
+                           for gid in self.state_ids}
         # Per state group, what superseding reads there: its pool, holders and index in the page space.
         self._supersede_books = {gid: (pools[gid], self._holders[gid], self._space.pools.index(pools[gid]))
                                  for gid in self.state_ids}
@@ -773,8 +774,8 @@ class PrefixCache:
         by group (``new_own`` become its own checkpoints); where it was the last: kept by
         value ("prefill-per-byte"), demoted (a speculative boundary: kept like the ones the
         policy publishes, low priority) or unpublished with the rest of its unit from the
-        other state groups (as ``ValueEviction.removed`` would take it), booked at once;
-        the unit goes onto ``let_go`` (a demoted one: its entries listed for ``PageSpace.demote``) and its pages
+        other state groups (as ``ValueEviction.removed`` would take it: its entries popped), booked at once;
+        its entries go onto ``let_go``, listed for ``PageSpace.demote`` or ``PageSpace.drop_listed``, and its pages
         leave their lists at the commit's end (``_let_go``): the same removals, events (onto ``events``) and order as
         one at a time. One function, plain loops: cheaper run cold."""
         pinned, books, values = [], self._supersede_books, self.values
@@ -795,41 +796,38 @@ class PrefixCache:
                     continue  # its priority and place: rank_checkpoints
                 elif demote:  # its entry listed (group, page count, pages)
                     demoted += (slot, len(pages), *pages)
-                else:  # its pages leave their lists with the commit's others (``_let_go``)
-                    unit_pools, gids = self._unit_pools[gid], []
-                    let_go.append((True, unit_pools, key))
-                    for other in unit_pools:  # a plain loop: a comprehension's frame costs more run cold
-                        if other.lookup(key) is not None:
-                            gids.append(other.group_id)
+                else:  # its entries popped; their pages leave their lists with the commit's others (``_let_go``)
+                    gids, listed = [], []
+                    let_go.append((True, listed))
+                    for pop, group, other in self._unit_pops[gid]:  # a plain loop: cheaper run cold
+                        popped = pop(key, None)
+                        if popped is not None:
+                            listed += (group, len(popped), *popped)
+                            gids.append(other)
                     self._dropping = True  # its node first (as an eviction books it), then its removals
                     events += self._book_removals((key,), (gids,), (self.eviction.unit_left(key, len(gids)),))
                     self._dropping = False
                     if self.eviction.acts:
                         break  # the unit left every state group
             if demoted:  # every group's at once, with the commit's others (``_let_go``)
-                let_go.append((False, demoted, None))
+                let_go.append((False, demoted))
         req.own_checkpoints = pinned + new_own if pinned else new_own
 
     def _let_go(self, let_go: list[tuple]) -> None:
-        """What superseding let go (each (True, pools, key) or (False, listed entries, None)), in
-        order, then cleared: the unpublished entries leave ``pools``, each run of them over the
-        same pools in one ``PageSpace.drop_units`` call; the demoted units in one
-        ``PageSpace.demote`` call (as one at a time: different pages, each in the order given)."""
-        space, demoted, i, n = self._space, [], 0, len(let_go)
-        while i < n:
-            unpublished, pools, key = let_go[i]
-            if not unpublished:
-                demoted += pools
-                i += 1
-                continue
-            keys = [key]
-            i += 1
-            while i < n and let_go[i][0] and let_go[i][1] is pools:
-                keys.append(let_go[i][2])
-                i += 1
-            space.drop_units(pools, keys, report=False)  # booked in ``_supersede``
+        """What superseding let go (each (True, the entries of a unit popped) or (False, the entries of a demoted
+        unit), listed), then cleared: the pages of the unpublished units leave their lists in one
+        ``PageSpace.drop_listed`` call, the last unit listed first (as ``PageSpace.drop_units``: as one unit after
+        another), then the demoted units in one ``PageSpace.demote`` call (different pages, in the order given)."""
+        dropped, demoted = [], []
+        for unpublished, listed in let_go:
+            if unpublished:
+                dropped[:0] = listed
+            else:
+                demoted += listed
+        if dropped:
+            self._space.drop_listed(dropped)
         if demoted:
-            space.demote(demoted)
+            self._space.demote(demoted)
         let_go.clear()
 
     def _kept_by_value(self, key: int, boundary_tokens: int, req: CommittingRequest) -> bool:
