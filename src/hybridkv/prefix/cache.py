@@ -223,14 +223,13 @@ class PrefixCache:
 
     def _init_units(self) -> None:
         """What commits claimed whole read (``_commit_units``): every group in order, its pool (one
-        ``PageSpace.adopt`` call's), id, pages and stats; each history group's id and pages (its events); each state
-        group's holders. Only with state groups and no pinning interval do commits run so."""
+        ``PageSpace.adopt`` call's), pages, stats and whether it is a history group; each history group's id and
+        pages (its events); each state group's holders. Only with state groups and no pinning interval do commits
+        run so."""
         self._units = bool(self.state_ids) and self.state_checkpoint_interval is None
         unit = self._history_groups + [(gid, pool, n, stats) for gid, pool, n, _, stats in self._state_groups]
         self._unit_pools_in_order = [pool for _, pool, _, _ in unit]
-        self._unit_gids = [gid for gid, *_ in unit]
-        self._unit_sizes = [n for _, _, n, _ in unit]
-        self._unit_stats = [stats for *_, stats in unit]
+        self._unit_parts = [(n, stats, j < len(self._history_groups)) for j, (_, _, n, stats) in enumerate(unit)]
         self._history_events = [(gid, n) for gid, _, n, _ in self._history_groups]  # what a block's event names
         self._unit_holders = [(gid, holders, j) for j, (gid, _, _, holders, _)
                               in enumerate(self._state_groups, len(self._history_groups))]
@@ -503,7 +502,7 @@ class PrefixCache:
                       let_go: list[tuple]) -> None:
         """The commits ``run`` (:meth:`_unit_run`'s, ``n_blocks`` blocks in all) read and claimed
         in one compiled call (``CommitPages.read_units``), the entries of those it claimed whole
-        recorded in one ``PageSpace.adopt`` call (each group's zipped from its pages in C) and counted; then
+        recorded in one ``PageSpace.adopt`` call (plain loops: cheaper run cold than zips) and counted; then
         booked request by request (:meth:`_book_units`) with each one's blocks (keys,
         parents, ends) and checkpoints (keys, parents, boundaries)."""
         g, low = self.granularity_tokens, 2 if self.values is None or self.values.low_priority(SPECULATIVE) else 1
@@ -526,15 +525,17 @@ class PrefixCache:
                               [*speculative, end * g]))
             block_keys += keys
             checkpoint_keys += lists[-1][3]
-        entries, at, n_history = [], 0, len(self.history_ids)
-        for j, (size, stats) in enumerate(zip(self._unit_sizes, self._unit_stats)):
-            count = len(block_keys) if j < n_history else len(checkpoint_keys)
-            part = pages[at:at + count * size]  # each entry's pages, zipped in C
-            entries.append(list(zip(part) if size == 1 else zip(*[iter(part)] * size)))
-            at += count * size
+        entries, at = [], 0
+        for size, stats, history in self._unit_parts:
+            count = len(block_keys) if history else len(checkpoint_keys)
+            group, end = [], at + count * size
+            for i in range(at, end, size):
+                group.append(tuple(pages[i:i + size]))
+            entries.append(group)
+            at = end
             stats.stored_entries += count
         self._space.adopt(self._unit_pools_in_order,
-                          [block_keys] * n_history + [checkpoint_keys] * len(self.state_ids), entries)
+                          [block_keys] * len(self.history_ids) + [checkpoint_keys] * len(self.state_ids), entries)
         self._book_units(run, lists, entries, low, events, let_go)
 
     def _book_units(self, run: list[tuple], lists: list[tuple | None], entries: list[list], low: int,
@@ -546,18 +547,14 @@ class PrefixCache:
         its latest checkpoint, tier link (:meth:`_tell_units`), checkpoint values, one
         ``ValueEviction.stored_commit``, then its earlier checkpoints superseded; a request
         whose claim failed (``lists`` None) commits alone (:meth:`_commit_one`)."""
-        hook, values, stored_commit, gids, sizes = self.tier_hook, self.values, self.eviction.stored_commit, \
-            self._unit_gids, self._unit_sizes
+        hook, values, stored_commit = self.tier_hook, self.values, self.eviction.stored_commit
         kb = kc = 0  # the request's first block and checkpoint among those claimed whole
         for (req, _, _, _, old, new), booked in zip(run, lists):
             if booked is None:
                 self._commit_one(req, old, new, events, let_go)
                 continue
             keys, parents, ends, checkpoint_keys, _, boundaries = booked
-            if len(keys) == 1:  # one block: every group's entry, zipped at once
-                events += zip(repeat("stored"), gids, repeat(keys[0]), repeat(parents[0]), repeat(ends[0]), sizes)
-            else:
-                self._unit_events(booked, events)
+            self._unit_events(booked, events)
             key, last = checkpoint_keys[-1], kc + len(checkpoint_keys) - 1
             own = _new_object(OwnCheckpoint)  # its fields stored directly (no ``__init__`` frame)
             own.boundary_tokens, own.pinned, own.entries = boundaries[-1], False, {}
@@ -577,11 +574,12 @@ class PrefixCache:
         its blocks history group by history group, then its checkpoints boundary by
         boundary, state group by state group."""
         keys, parents, ends, checkpoint_keys, checkpoint_parents, boundaries = booked
-        for gid, size in self._history_events:
-            events += zip(repeat("stored"), repeat(gid), keys, parents, ends, repeat(size))
-        events += [("stored", gid, key, parent, boundary, size)  # one list: cheaper than a zip a checkpoint
-                   for key, parent, boundary in zip(checkpoint_keys, checkpoint_parents, boundaries)
-                   for gid, size in self._checkpoint_events]
+        for gid, size in self._history_events:  # plain loops: cheaper run cold than zips or a comprehension
+            for key, parent, end in zip(keys, parents, ends):
+                events.append(("stored", gid, key, parent, end, size))
+        for key, parent, boundary in zip(checkpoint_keys, checkpoint_parents, boundaries):
+            for gid, size in self._checkpoint_events:
+                events.append(("stored", gid, key, parent, boundary, size))
 
     def _tell_units(self, booked: tuple, entries: list[list], kb: int, kc: int, low: int) -> None:
         """The tier link of a commit claimed whole (:meth:`_book_units`' ``booked``, its
