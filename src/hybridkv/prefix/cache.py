@@ -529,8 +529,12 @@ class PrefixCache:
         for size, stats, history in self._unit_parts:
             count = len(block_keys) if history else len(checkpoint_keys)
             group, end = [], at + count * size
-            for i in range(at, end, size):
-                group.append(tuple(pages[i:i + size]))
+            if size == 1:  # an entry of one page: no slice made
+                for i in range(at, end):
+                    group.append((pages[i],))
+            else:
+                for i in range(at, end, size):
+                    group.append(tuple(pages[i:i + size]))
             entries.append(group)
             at = end
             stats.stored_entries += count
