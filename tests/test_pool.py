@@ -670,7 +670,7 @@ def test_a_hits_holds_in_one_call_are_borrowing_pool_by_pool(data, lowest_first)
 @given(data=st.data(), lowest_first=st.booleans())
 def test_page_space_drop_units_is_one_key_after_another(data, lowest_first):
     """``PageSpace.drop_units`` of a unit (pages in several groups), then of a second key
-    published in every group, in one call (what a commit lets go: ``PrefixCache._let_go``)
+    published in every group, in one call (as an eviction takes units: ``ValueEviction.take_units``)
     against ``drop_entries([key])`` in each of the pools that publish the key, key after
     key: entries of 0-3 pages, low priority or not, some pages held. It names the groups
     each left, in order; the same free stacks (order included), LRU, idle low-priority
@@ -752,6 +752,56 @@ def test_page_space_drop_units_is_drop_entries_pool_by_pool(data, lowest_first):
                 a.num_free_pages) == (b.free_page_ids().tolist(), b.evictable_page_ids().tolist(),
                                       b.num_low_priority_idle_pages, b.num_free_pages)
         assert _entries_state(a, keys + ["other"]) == _entries_state(b, keys + ["other"])
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), lowest_first=st.booleans())
+def test_page_space_drop_listed_is_one_key_after_another(data, lowest_first):
+    """``PageSpace.drop_listed`` of keys popped with ``PageSpace.entry_pops``, each over the
+    pools in its own order (as ``PrefixCache._supersede`` pops a superseded unit, its group
+    first), the last key listed first (as ``PrefixCache._let_go``), against
+    ``drop_entries([key])`` in each pool that publishes it, key after key: entries of 0-3
+    pages, low priority or not, some pages held, some keys missing from some groups. The
+    same free stacks (order included), LRU, idle low-priority counts, flags and entries."""
+    sizes = data.draw(st.lists(st.integers(20, 40), min_size=1, max_size=4), label="sizes")
+    keys = [f"k{j}" for j in range(data.draw(st.integers(0, 4), label="keys"))]
+    script = [[data.draw(st.tuples(st.booleans(), st.integers(0, 3), st.booleans(), st.integers(0, 3)),
+                         label=f"g{i} {key}: published, pages, low, held") for key in keys]
+              for i in range(len(sizes))]
+    orders = [data.draw(st.permutations(range(len(sizes))), label=f"{key}: pools") for key in keys]
+    sides = []
+    for _ in range(2):
+        pools = [PagePool(f"g{i}", n, lowest_first=lowest_first) for i, n in enumerate(sizes)]
+        space = PageSpace(pools)
+        for pool, entries in zip(pools, script):
+            idle = []
+            for key, (published, size, low, held) in zip(keys, entries):
+                if published:
+                    pages = allocate(pool, size).tolist()
+                    publish(pool, key, pages, low_priority=low)
+                    idle += pages[held:]
+            decref(pool, np.asarray(idle, dtype=np.int64))
+        sides.append((pools, space))
+    (pools_a, space), (pools_b, _) = sides
+    listed = []
+    for key, order in zip(keys, orders):
+        popped = []
+        for pop, slot, _ in space.entry_pops([pools_a[i] for i in order]):
+            pages = pop(key, None)
+            if pages is not None:
+                popped += (slot, len(pages), *pages)
+        listed[:0] = popped
+    space.drop_listed(listed)
+    for key in keys:
+        for pool in pools_b:
+            if pool.lookup(key) is not None:
+                pool.drop_entries([key])
+    for a, b in zip(pools_a, pools_b):
+        a.check_invariants()
+        assert (a.free_page_ids().tolist(), a.evictable_page_ids().tolist(), a.num_low_priority_idle_pages,
+                a.num_free_pages) == (b.free_page_ids().tolist(), b.evictable_page_ids().tolist(),
+                                      b.num_low_priority_idle_pages, b.num_free_pages)
+        assert _entries_state(a, keys) == _entries_state(b, keys)
 
 
 @settings(max_examples=80, deadline=None)

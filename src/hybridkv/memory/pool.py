@@ -552,8 +552,8 @@ class PagePool:
         assert np.all(self._lru_next[unlisted] == -1), "LRU link of an unlisted page"
 
 
-def _drop_keys(drop: Callable, arrays: tuple, pops: list, keys: Sequence[Hashable], cause: str,
-               report: bool = True) -> tuple[list, list, list] | None:
+def _drop_keys(drop: Callable, arrays: tuple, pops: list, keys: Sequence[Hashable],
+               cause: str) -> tuple[list, list, list]:
     """Pop the entries under ``keys`` from each pool of ``pops`` ((its entries' ``pop``, group, group id) each)
     and let their pages go in one ``drop`` (``lru.drop_units`` or its compiled code) over ``arrays`` (its
     arguments from ``ref`` to ``idle``), each pool's last entry first. What ``PageSpace.drop_units`` returns."""
@@ -569,8 +569,6 @@ def _drop_keys(drop: Callable, arrays: tuple, pops: list, keys: Sequence[Hashabl
         left.append(gone)
     told = np.empty(len(listed) // 2, dtype=np.int64)  # an entry lists 2 numbers at least
     drop(np.array(listed, dtype=np.int64), *arrays, told)
-    if not report:
-        return None
     told = told.tolist()
     low_cause, first, at, removals = EVICTED_LOW if cause == EVICTED else cause, pops and pops[0][2], 0, []
     for key, gone in zip(reversed(keys), left):  # the first pool's entry comes first in ``gone``
@@ -685,16 +683,27 @@ class PageSpace:
         self._demote_unit(np.array(listed, dtype=np.int64), self.low_priority, self.lru_prev, self.lru_next,
                           self.offsets, self.idle_low_floors, self.low_idle)
 
-    def drop_units(self, pools: Sequence[PagePool], keys: Sequence[Hashable], cause: str = UNPUBLISHED,
-                   report: bool = True) -> tuple[list[list[str]], list[int], list[tuple[Hashable, str, int]]] | None:
+    def drop_units(self, pools: Sequence[PagePool], keys: Sequence[Hashable],
+                   cause: str = UNPUBLISHED) -> tuple[list[list[str]], list[int], list[tuple[Hashable, str, int]]]:
         """``pool.drop_entries(…, cause)`` of the ``keys`` each of ``pools`` (this space's) publishes, telling no
         one, all in one compiled pass (``lru.drop_units``: each pool's free stack ends as after its own
         ``drop_entries``). Returns per key, in order, the group ids of the pools it left (in ``pools`` order); per
-        pool its idle pages freed; and what ``pools[0].drop_entries`` returns of the keys it published; None
-        where not ``report`` (a commit's superseded checkpoints: booked already)."""
+        pool its idle pages freed; and what ``pools[0].drop_entries`` returns of the keys it published."""
         arrays = (self.ref_counts, self.cached, self.low_priority, self.lru_prev, self.lru_next, self.stack,
                   self.offsets, self.per_group, self.idle_counts)
-        return _drop_keys(self._drop_units, arrays, list(map(_DROP_ARGS, pools)), keys, cause, report)
+        return _drop_keys(self._drop_units, arrays, list(map(_DROP_ARGS, pools)), keys, cause)
+
+    def entry_pops(self, pools: Sequence[PagePool]) -> list[tuple[Callable, int, str]]:
+        """Per pool of ``pools`` (this space's), what pops an entry from it (its entries' ``pop``), its index here and
+        its group id: an entry popped with it is listed ((index, page count, pages), :meth:`drop_listed`'s)."""
+        return list(map(_DROP_ARGS, pools))
+
+    def drop_listed(self, listed: list[int]) -> None:
+        """What :meth:`drop_units` does to the pages of entries popped already (``listed``: each its pool's index,
+        page count and pages, each pool's last entry first), in one compiled pass (``lru.drop_units``)."""
+        self._drop_units(np.array(listed, dtype=np.int64), self.ref_counts, self.cached, self.low_priority,
+                         self.lru_prev, self.lru_next, self.stack, self.offsets, self.per_group, self.idle_counts,
+                         np.empty(len(listed) // 2, dtype=np.int64))
 
     def keyed_idle(self, per_group: np.ndarray, keyed: np.ndarray) -> None:
         """Keyed pages a release left idle (group after group, ``per_group[g]`` each; both int64) join their LRUs

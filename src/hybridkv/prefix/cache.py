@@ -223,12 +223,13 @@ class PrefixCache:
 
     def _init_units(self) -> None:
         """What commits claimed whole read (``_commit_units``): every group in order, its pool (one
-        ``PageSpace.adopt`` call's), id, pages and stats; each history group's id and pages (its events); each state
-        group's holders. Only with state groups and no pinning interval do commits run so."""
+        ``PageSpace.adopt`` call's), pages, stats and whether it is a history group; each history group's id and
+        pages (its events); each state group's holders. Only with state groups and no pinning interval do commits
+        run so."""
         self._units = bool(self.state_ids) and self.state_checkpoint_interval is None
         unit = self._history_groups + [(gid, pool, n, stats) for gid, pool, n, _, stats in self._state_groups]
-        self._unit_gids, self._unit_pools_in_order, self._unit_sizes, self._unit_stats = (
-            map(list, zip(*unit)) if unit else ([], [], [], []))
+        self._unit_pools_in_order = [pool for _, pool, _, _ in unit]
+        self._unit_parts = [(n, stats, j < len(self._history_groups)) for j, (_, _, n, stats) in enumerate(unit)]
         self._history_events = [(gid, n) for gid, _, n, _ in self._history_groups]  # what a block's event names
         self._unit_holders = [(gid, holders, j) for j, (gid, _, _, holders, _)
                               in enumerate(self._state_groups, len(self._history_groups))]
@@ -269,10 +270,11 @@ class PrefixCache:
             pool.on_removed = self._removed_callback(gid)
             if gid in self.state_ids:  # its removals take the rest of a unit from the other groups only
                 pool.evict_many = self._evict_many_callback(gid)
-        # Per state group, the pools a superseded checkpoint there leaves (``_supersede``): its
+        # Per state group, what pops a superseded checkpoint there from the pools it leaves (``_supersede``): its
         # own, then (the value policy drops whole units) every other state group's, in order.
-        self._unit_pools = {gid: [pools[gid]] + [pools[o] for o in self.state_ids if o != gid and self.eviction.acts]
-                            for gid in self.state_ids}
+        self._unit_pops = {gid: self._space.entry_pops([pools[gid]] + [pools[o] for o in self.state_ids
+                                                                        if o != gid and self.eviction.acts])
+                           for gid in self.state_ids}
         # Per state group, what superseding reads there: its pool, holders and index in the page space.
         self._supersede_books = {gid: (pools[gid], self._holders[gid], self._space.pools.index(pools[gid]))
                                  for gid in self.state_ids}
@@ -502,7 +504,7 @@ class PrefixCache:
                       let_go: list[tuple]) -> None:
         """The commits ``run`` (:meth:`_unit_run`'s, ``n_blocks`` blocks in all) read and claimed
         in one compiled call (``CommitPages.read_units``), the entries of those it claimed whole
-        recorded in one ``PageSpace.adopt`` call (each group's zipped from its pages in C) and counted; then
+        recorded in one ``PageSpace.adopt`` call (plain loops: cheaper run cold than zips) and counted; then
         booked request by request (:meth:`_book_units`) with each one's blocks (keys,
         parents, ends) and checkpoints (keys, parents, boundaries)."""
         g, low = self.granularity_tokens, 2 if self.values is None or self.values.low_priority(SPECULATIVE) else 1
@@ -525,15 +527,21 @@ class PrefixCache:
                               [*speculative, end * g]))
             block_keys += keys
             checkpoint_keys += lists[-1][3]
-        entries, at, n_history = [], 0, len(self.history_ids)
-        for j, (size, stats) in enumerate(zip(self._unit_sizes, self._unit_stats)):
-            count = len(block_keys) if j < n_history else len(checkpoint_keys)
-            part = pages[at:at + count * size]  # each entry's pages, zipped in C
-            entries.append(list(zip(part) if size == 1 else zip(*[iter(part)] * size)))
-            at += count * size
+        entries, at = [], 0
+        for size, stats, history in self._unit_parts:
+            count = len(block_keys) if history else len(checkpoint_keys)
+            group, end = [], at + count * size
+            if size == 1:  # an entry of one page: no slice made
+                for i in range(at, end):
+                    group.append((pages[i],))
+            else:
+                for i in range(at, end, size):
+                    group.append(tuple(pages[i:i + size]))
+            entries.append(group)
+            at = end
             stats.stored_entries += count
         self._space.adopt(self._unit_pools_in_order,
-                          [block_keys] * n_history + [checkpoint_keys] * len(self.state_ids), entries)
+                          [block_keys] * len(self.history_ids) + [checkpoint_keys] * len(self.state_ids), entries)
         self._book_units(run, lists, entries, low, events, let_go)
 
     def _book_units(self, run: list[tuple], lists: list[tuple | None], entries: list[list], low: int,
@@ -545,18 +553,14 @@ class PrefixCache:
         its latest checkpoint, tier link (:meth:`_tell_units`), checkpoint values, one
         ``ValueEviction.stored_commit``, then its earlier checkpoints superseded; a request
         whose claim failed (``lists`` None) commits alone (:meth:`_commit_one`)."""
-        hook, values, stored_commit, gids, sizes = self.tier_hook, self.values, self.eviction.stored_commit, \
-            self._unit_gids, self._unit_sizes
+        hook, values, stored_commit = self.tier_hook, self.values, self.eviction.stored_commit
         kb = kc = 0  # the request's first block and checkpoint among those claimed whole
         for (req, _, _, _, old, new), booked in zip(run, lists):
             if booked is None:
                 self._commit_one(req, old, new, events, let_go)
                 continue
             keys, parents, ends, checkpoint_keys, _, boundaries = booked
-            if len(keys) == 1:  # one block: every group's entry, zipped at once
-                events += zip(repeat("stored"), gids, repeat(keys[0]), repeat(parents[0]), repeat(ends[0]), sizes)
-            else:
-                self._unit_events(booked, events)
+            self._unit_events(booked, events)
             key, last = checkpoint_keys[-1], kc + len(checkpoint_keys) - 1
             own = _new_object(OwnCheckpoint)  # its fields stored directly (no ``__init__`` frame)
             own.boundary_tokens, own.pinned, own.entries = boundaries[-1], False, {}
@@ -576,11 +580,12 @@ class PrefixCache:
         its blocks history group by history group, then its checkpoints boundary by
         boundary, state group by state group."""
         keys, parents, ends, checkpoint_keys, checkpoint_parents, boundaries = booked
-        for gid, size in self._history_events:
-            events += zip(repeat("stored"), repeat(gid), keys, parents, ends, repeat(size))
-        events += [("stored", gid, key, parent, boundary, size)  # one list: cheaper than a zip a checkpoint
-                   for key, parent, boundary in zip(checkpoint_keys, checkpoint_parents, boundaries)
-                   for gid, size in self._checkpoint_events]
+        for gid, size in self._history_events:  # plain loops: cheaper run cold than zips or a comprehension
+            for key, parent, end in zip(keys, parents, ends):
+                events.append(("stored", gid, key, parent, end, size))
+        for key, parent, boundary in zip(checkpoint_keys, checkpoint_parents, boundaries):
+            for gid, size in self._checkpoint_events:
+                events.append(("stored", gid, key, parent, boundary, size))
 
     def _tell_units(self, booked: tuple, entries: list[list], kb: int, kc: int, low: int) -> None:
         """The tier link of a commit claimed whole (:meth:`_book_units`' ``booked``, its
@@ -773,8 +778,8 @@ class PrefixCache:
         by group (``new_own`` become its own checkpoints); where it was the last: kept by
         value ("prefill-per-byte"), demoted (a speculative boundary: kept like the ones the
         policy publishes, low priority) or unpublished with the rest of its unit from the
-        other state groups (as ``ValueEviction.removed`` would take it), booked at once;
-        the unit goes onto ``let_go`` (a demoted one: its entries listed for ``PageSpace.demote``) and its pages
+        other state groups (as ``ValueEviction.removed`` would take it: its entries popped), booked at once;
+        its entries go onto ``let_go``, listed for ``PageSpace.demote`` or ``PageSpace.drop_listed``, and its pages
         leave their lists at the commit's end (``_let_go``): the same removals, events (onto ``events``) and order as
         one at a time. One function, plain loops: cheaper run cold."""
         pinned, books, values = [], self._supersede_books, self.values
@@ -795,41 +800,38 @@ class PrefixCache:
                     continue  # its priority and place: rank_checkpoints
                 elif demote:  # its entry listed (group, page count, pages)
                     demoted += (slot, len(pages), *pages)
-                else:  # its pages leave their lists with the commit's others (``_let_go``)
-                    unit_pools, gids = self._unit_pools[gid], []
-                    let_go.append((True, unit_pools, key))
-                    for other in unit_pools:  # a plain loop: a comprehension's frame costs more run cold
-                        if other.lookup(key) is not None:
-                            gids.append(other.group_id)
+                else:  # its entries popped; their pages leave their lists with the commit's others (``_let_go``)
+                    gids, listed = [], []
+                    let_go.append((True, listed))
+                    for pop, group, other in self._unit_pops[gid]:  # a plain loop: cheaper run cold
+                        popped = pop(key, None)
+                        if popped is not None:
+                            listed += (group, len(popped), *popped)
+                            gids.append(other)
                     self._dropping = True  # its node first (as an eviction books it), then its removals
                     events += self._book_removals((key,), (gids,), (self.eviction.unit_left(key, len(gids)),))
                     self._dropping = False
                     if self.eviction.acts:
                         break  # the unit left every state group
             if demoted:  # every group's at once, with the commit's others (``_let_go``)
-                let_go.append((False, demoted, None))
+                let_go.append((False, demoted))
         req.own_checkpoints = pinned + new_own if pinned else new_own
 
     def _let_go(self, let_go: list[tuple]) -> None:
-        """What superseding let go (each (True, pools, key) or (False, listed entries, None)), in
-        order, then cleared: the unpublished entries leave ``pools``, each run of them over the
-        same pools in one ``PageSpace.drop_units`` call; the demoted units in one
-        ``PageSpace.demote`` call (as one at a time: different pages, each in the order given)."""
-        space, demoted, i, n = self._space, [], 0, len(let_go)
-        while i < n:
-            unpublished, pools, key = let_go[i]
-            if not unpublished:
-                demoted += pools
-                i += 1
-                continue
-            keys = [key]
-            i += 1
-            while i < n and let_go[i][0] and let_go[i][1] is pools:
-                keys.append(let_go[i][2])
-                i += 1
-            space.drop_units(pools, keys, report=False)  # booked in ``_supersede``
+        """What superseding let go (each (True, the entries of a unit popped) or (False, the entries of a demoted
+        unit), listed), then cleared: the pages of the unpublished units leave their lists in one
+        ``PageSpace.drop_listed`` call, the last unit listed first (as ``PageSpace.drop_units``: as one unit after
+        another), then the demoted units in one ``PageSpace.demote`` call (different pages, in the order given)."""
+        dropped, demoted = [], []
+        for unpublished, listed in let_go:
+            if unpublished:
+                dropped[:0] = listed
+            else:
+                demoted += listed
+        if dropped:
+            self._space.drop_listed(dropped)
         if demoted:
-            space.demote(demoted)
+            self._space.demote(demoted)
         let_go.clear()
 
     def _kept_by_value(self, key: int, boundary_tokens: int, req: CommittingRequest) -> bool:
