@@ -567,21 +567,21 @@ def transient_pages(geometry, bounds, g, rows, first, counts, after, sums):
 
 @njit(cache=True)
 def room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, per_group, ref,
-                packing, roomy, out):
+                low_priority, keyed, packing, roomy, out):
     """Before ``finish_step`` of a step that stopped for Python: per group, the pages it allocates that the next step
     releases again (``transient_pages``; 0 where ``transient[g]`` is not set): ``out[g]`` = that count when
     ``PagePool.make_room`` of its ``sums[1, g]`` pages may have something to do now, else ``-1 - count`` (it would evict
     nothing: the group allocates nothing, or its free stack covers the allocation and, in a lowest-first group with idle
-    low-priority pages, none can lie below the ids its long-lived pages take, ``per_group[LOW_FLOOR, g]`` being a lower
-    bound of theirs, or its arena, ``roomy``, lets them spread: ``must_pack_at``). ``packing``: ``Arena.packing`` (empty
-    arrays without an arena). Returns the groups to ask."""
+    low-priority pages, none lies below the ids its long-lived pages take (``low_below``, from ``per_group[LOW_FLOOR,
+    g]``, a lower bound of theirs), or its arena, ``roomy``, lets them spread: ``must_pack_at``). ``packing``:
+    ``Arena.packing`` (empty arrays without an arena). Returns the groups to ask."""
     for g in range(geometry.shape[0]):
         out[g] = transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0
-    return rooms_from(0, sums, stack, offsets, per_group, ref, packing, roomy, out)
+    return rooms_from(0, sums, stack, offsets, per_group, ref, low_priority, keyed, packing, roomy, out)
 
 
 @njit(cache=True)
-def rooms_from(start, sums, stack, offsets, per_group, ref, packing, roomy, out):
+def rooms_from(start, sums, stack, offsets, per_group, ref, low_priority, keyed, packing, roomy, out):
     """``room_groups``' rule of the groups from ``start`` on, as their pools are now, each with the
     transient pages ``out[g]`` holds (``room_groups``' mark, either form); how many to ask."""
     n_asked = 0
@@ -591,12 +591,25 @@ def rooms_from(start, sums, stack, offsets, per_group, ref, packing, roomy, out)
         packs = long > 0 and per_group[LOWEST, g] != 0 and per_group[LOW_IDLE_PAGES, g] > 0 and (
             top < long or (per_group[LOW_FLOOR, g] < stack[offsets[g] + top - long] and (
                 not roomy or must_pack_at(ref, offsets[g], packing, g, stack[offsets[g] + top - long], long))))
+        if packs and top >= count:  # it would only pack
+            packs = low_below(low_priority, keyed, ref, offsets[g], per_group, g, stack[offsets[g] + top - long])
         if count > 0 and (top < count or packs):
             out[g] = highest
             n_asked += 1
         else:
             out[g] = -1 - highest
     return n_asked
+
+
+@njit(cache=True)
+def low_below(low_priority, keyed, ref, offset, per_group, g, end):
+    """Whether group ``g`` (its page ids from ``offset``) has an idle low-priority page below id ``end``
+    (``low_idle_ids`` from its ``LOW_FLOOR``); its ``LOW_FLOOR`` is raised to the first, or to ``end`` when
+    none lies below it (as ``PagePool._evict_low_below`` finding none sets it)."""
+    found = np.empty(1, np.int64)
+    n = low_idle_ids(low_priority[offset:], keyed[offset:], ref[offset:], per_group[LOW_FLOOR, g], end, found)
+    per_group[LOW_FLOOR, g] = found[0] if n else end
+    return n > 0
 
 
 @njit(cache=True)
@@ -763,7 +776,7 @@ def grant_step(grants, arena, geometry, pages, bounds, counters, ref, keyed, low
     # its counts: ``joined_low``); they join after the step, as after ``run_step``'s.
     joined = joined_low(geometry, low_priority, per_group, released[1], idle_keyed) if n_keyed else per_group
     if room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, joined, ref,
-                   (owner, lo, hi, straddle, sizes), roomy, np.empty(geometry.shape[0], np.int64)):
+                   low_priority, keyed, (owner, lo, hi, straddle, sizes), roomy, np.empty(geometry.shape[0], np.int64)):
         return STEP_NEEDS_PAGES, n_touched, n_keyed  # a group makes room once they joined
     return STEP_DONE, finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group,
                                   transient, plan, n, settle, n_touched, cells, cell_pages, per_request,
