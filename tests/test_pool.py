@@ -1324,6 +1324,45 @@ def test_room_groups_leaves_out_a_pool_whose_idle_low_priority_pages_lie_above_t
     assert allocate(pool, 2).tolist() == [1, 2] and pool.lookup("a") is None and pool.lookup("c") == (10,)
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_needs_room_stops_a_step_only_where_room_groups_names_a_group(data):
+    """``kernels.needs_room`` (a step stops for Python where it says so) of a lowest-first pool with
+    random held, free and idle entries of either priority, some borrowed again (the floor left stale),
+    and one row allocating a few pages, in a sliding group (``window_tokens`` > 0, a token a page: the
+    pages the next step releases again take the highest ids) or not: it says so exactly when the free
+    stack is short or an idle low-priority page lies below the highest id the long-lived pages take,
+    as ``kernels.room_groups`` names the group, and leaves the floor a lower bound of those pages' ids."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    pool = PagePool("g", 48, lowest_first=True)
+    held = allocate(pool, data.draw(st.integers(1, 46)))
+    for k, page in enumerate(rng.permutation(held)[: data.draw(st.integers(0, held.size))].tolist()):
+        publish(pool, ("e", k), [page], low_priority=bool(rng.integers(2)))
+    decref(pool, rng.permutation(held)[: data.draw(st.integers(0, held.size))])
+    idle = (pool.cached & (pool.ref_counts == 0)).nonzero()[0]
+    incref(pool, idle[: data.draw(st.integers(0, idle.size))])  # the lowest: the floor stays below the rest
+    count, window_tokens = data.draw(st.integers(1, 4)), data.draw(st.integers(0, 3))
+    space, g = space_of(pool)
+    geometry, plan = np.zeros((1, 8), dtype=np.int64), np.zeros(kernels.plan_size(1, 1, 0, 0, 0), dtype=np.int64)
+    geometry[0, [kernels.PAGE_TOKENS, kernels.WINDOW_TOKENS, kernels.ID_OFFSET]] = 1, window_tokens, space.offsets[g]
+    plan[0] = 1  # room for a row: row 0 gets ``count`` tokens from 0, a page each
+    rows, counts, first, after, _, sums = kernels.plan_views(plan, 1)[:6]
+    rows[0], counts[0], first[0], after[1, 0, 0], sums[1, 0] = 0, count, 0, count, count
+    bounds, transient = np.zeros((3, 1, 1), dtype=np.int64), np.array([window_tokens > 0])
+    asked = kernels.needs_room(geometry, bounds, space.stack, space.per_group, space.ref_counts, space.cached,
+                               space.low_priority, transient, plan, 1)
+    free, low_idle = pool.free_page_ids(), pool.low_priority & pool.cached & (pool.ref_counts == 0)
+    long = count - (kernels.transient_pages(geometry, bounds, 0, rows[:1], first[:1], counts[:1], after[:, :, :1], sums)
+                    if window_tokens else 0)
+    assert asked == (count > free.size or (long > 0 and bool(low_idle[: free[-long]].any())))
+    assert not low_idle[: space.per_group[kernels.LOW_FLOOR, g]].any()
+    packing = (np.empty(0, np.int16), *(np.empty((0, 0), np.int64) for _ in range(3)), np.empty((0, 5), np.int64))
+    assert asked == bool(kernels.room_groups(geometry, bounds, transient, rows[:1], first[:1], counts[:1],
+                                             after[:, :, :1], sums, space.stack, space.offsets, space.per_group,
+                                             space.ref_counts, space.low_priority, space.cached, packing, False,
+                                             np.empty(1, dtype=np.int64)))
+
+
 def test_peak_used_pages_can_be_reset_and_rises_again():
     """``peak_used_pages`` stays a settable attribute (it reads and writes the pool's slot
     of its page space's counts): set back, the next allocation raises it again."""

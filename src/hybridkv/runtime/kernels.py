@@ -744,7 +744,7 @@ def run_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack,
         committed[rows[r]] = first[r]
     n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after,
                                        scratch, idle_keyed, released, touched, n_logged)
-    if hold or needs_room(geometry, stack, per_group, low_priority, sums, released, idle_keyed):
+    if hold or needs_room(geometry, bounds, stack, per_group, ref, keyed, low_priority, transient, plan, n):
         return STEP_NEEDS_PAGES, n_touched, n_keyed
     n_touched = finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient,
                             plan, n, settle, n_touched, cells, cell_pages, per_request, query_start_loc,
@@ -794,28 +794,42 @@ def packing_floor(per_group, g):
 
 
 @njit(cache=True)
-def needs_room(geometry, stack, per_group, low_priority, sums, released, idle_keyed):
-    """Whether some group allocating this step must make room first: its free stack is short, or (a ``lowest`` group
-    whose idle low-priority pages are reused in id order unless it may skip packing: ``packing_floor``) one of them, or
-    a low-priority page its releases just left idle (``idle_keyed``, group after group, ``released[1, g]`` each), lies
-    below the highest id the allocation takes."""
+def needs_room(geometry, bounds, stack, per_group, ref, keyed, low_priority, transient, plan, n):
+    """Whether some group allocating in the plan of ``n`` rows (``run_views``) must make room first: its free stack is
+    short, or (a ``lowest`` group whose idle low-priority pages are reused in id order unless it may skip packing:
+    ``packing_floor``) one of them lies below the highest id its long-lived pages take (``room_groups``' rule, its
+    ``transient_pages`` counted only once one may lie below the highest id of all: ``low_before``)."""
+    rows, counts, first, after, sums, released, _, _, idle_keyed, _ = run_views(plan, geometry.shape[0], n)
     keyed_from, top = 0, per_group[TOP]
     for g in range(geometry.shape[0]):
-        n, offset, n_keyed = sums[1, g], geometry[g, ID_OFFSET], released[1, g]
+        count, offset, n_keyed = sums[1, g], geometry[g, ID_OFFSET], released[1, g]
         keyed_from += n_keyed
-        if n == 0:
+        if count == 0:
             continue
-        if n > top[g]:
+        if count > top[g]:
             return True
-        floor = packing_floor(per_group, g)
-        if floor == NO_PACKING:
+        floor, released_keyed = packing_floor(per_group, g), idle_keyed[keyed_from - n_keyed : keyed_from]
+        if floor == NO_PACKING or not low_before(floor, stack, offset, top[g], count, ref, keyed, low_priority,
+                                                 per_group, g, released_keyed, False):
             continue
-        bound = stack[offset + top[g] - n]  # the highest of the n lowest free ids
-        if floor < bound:
+        long = count - (transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0)
+        if long > 0 and low_before(floor, stack, offset, top[g], long, ref, keyed, low_priority, per_group, g,
+                                   released_keyed, True):
             return True
-        for i in range(keyed_from - n_keyed, keyed_from):
-            if idle_keyed[i] < bound and low_priority[offset + idle_keyed[i]]:
-                return True
+    return False
+
+
+@njit(cache=True, inline="always")
+def low_before(floor, stack, offset, top, count, ref, keyed, low_priority, per_group, g, released_keyed, scan):
+    """Whether an idle low-priority page of group ``g`` (its ids from ``offset``) may lie below the highest of its
+    ``count`` lowest free ids: its floor is below it (with ``scan``: one does, ``low_below``, which raises the floor),
+    or a low-priority page its releases just left idle (``released_keyed``) is."""
+    bound = stack[offset + top - count]
+    if floor < bound and (not scan or low_below(low_priority, keyed, ref, offset, per_group, g, bound)):
+        return True
+    for page in released_keyed:
+        if page < bound and low_priority[offset + page]:
+            return True
     return False
 
 
