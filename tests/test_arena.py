@@ -563,8 +563,9 @@ def test_room_groups_on_an_arena_leaves_out_only_groups_whose_make_room_evicts_n
     random grants, entries of either priority and releases in a 12-slab arena (roomy or not), a group
     it leaves out for an allocation of ``count`` pages is one whose ``make_room`` changes nothing (no
     entry evicted, the free stack as it was), and one it names whose free stack covers the allocation
-    is one the packing rule (``must_pack``) tells to pack; where the rule lets the pages spread, it
-    leaves out a group that has idle low-priority pages below the ids the allocation takes."""
+    is one the packing rule (``must_pack``) tells to pack, with an idle low-priority page below the ids
+    the allocation takes (``kernels.low_below``); where the rule lets the pages spread, it leaves out a
+    group that has such pages."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
     geometry, pools, arena = packing_arena()
     grant_publish_release(data, rng, pools, arena, data.draw(st.integers(1, 8)), True)
@@ -576,7 +577,8 @@ def test_room_groups_on_an_arena_leaves_out_only_groups_whose_make_room_evicts_n
     none = np.zeros(0, dtype=np.int64)
     kernels.room_groups(np.zeros((2, 8), dtype=np.int64), np.zeros((3, 2, 0), dtype=np.int64),
                         np.zeros(2, dtype=np.bool_), none, none, none, np.zeros((2, 2, 0), dtype=np.int64), sums,
-                        space.stack, space.offsets, space.per_group, space.ref_counts, arena.packing, arena.roomy(), out)
+                        space.stack, space.offsets, space.per_group, space.ref_counts, space.low_priority, space.cached,
+                        arena.packing, arena.roomy(), out)
     free = pool.free_page_ids()  # the lowest on top: the allocation's highest id is free[-count]
     low_below = count <= free.size and (pool.low_priority & pool.cached & (pool.ref_counts == 0))[: free[-count]].any()
     event("left out with low-priority pages below" if out[g] < 0 and low_below else "other")
@@ -585,7 +587,7 @@ def test_room_groups_on_an_arena_leaves_out_only_groups_whose_make_room_evicts_n
         pool.make_room(count, 0)
         assert pool.free_page_ids().tolist() == before and pool.counters.evicted_pages == evicted
     elif count <= free.size:  # named, its free stack covering the allocation: the rule packs (``make_room``'s packs)
-        assert pool.must_pack(int(free[-count]), count)
+        assert pool.must_pack(int(free[-count]), count) and low_below
 
 
 def test_live_pages_straddling_two_slabs_count_for_the_slab_of_their_first_byte():

@@ -1317,7 +1317,8 @@ def test_room_groups_leaves_out_only_pools_whose_make_room_evicts_nothing(data):
     """``kernels.room_groups`` (the step asks ``make_room`` only of the groups it names):
     for a lowest-first pool with random held, free and idle entries of either priority,
     a group it leaves out (-1) is one whose ``make_room`` of the allocation changes
-    nothing: no entry evicted, the free stack as it was."""
+    nothing: no entry evicted, the free stack as it was; one it names whose free stack covers
+    the allocation has an idle low-priority page below the ids the allocation takes."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
     pool = PagePool("g", 48, lowest_first=True)
     held = allocate(pool, data.draw(st.integers(1, 40)))
@@ -1332,13 +1333,84 @@ def test_room_groups_leaves_out_only_pools_whose_make_room_evicts_nothing(data):
     asked = kernels.room_groups(np.zeros((1, 8), dtype=np.int64), np.zeros((3, 1, 0), dtype=np.int64),
                                 np.zeros(1, dtype=np.bool_), none, none, none, np.zeros((2, 1, 0), dtype=np.int64),
                                 sums, space.stack, space.offsets, space.per_group, space.ref_counts,
+                                space.low_priority, space.cached,
                                 (np.empty(0, np.int16), *(np.empty((0, 0), np.int64) for _ in range(3)),
                                  np.empty((0, 5), np.int64)), False, out)
     assert asked == int(out[0] >= 0) and (out[0] in (-1, 0))
+    free = pool.free_page_ids().copy()  # the lowest on top: the allocation's highest id is free[-count]
     if out[0] < 0:
         before, evicted = pool.free_page_ids().tolist(), pool.counters.evicted_pages
         pool.make_room(count, 0)
         assert pool.free_page_ids().tolist() == before and pool.counters.evicted_pages == evicted
+    elif count <= free.size:  # named though its free stack covers the allocation: a page to pack lies below
+        assert (pool.low_priority & pool.cached & (pool.ref_counts == 0))[: free[-count]].any()
+
+
+def test_room_groups_leaves_out_a_pool_whose_idle_low_priority_pages_lie_above_the_ids_taken():
+    """A pool whose lowest idle low-priority page was borrowed again (its floor, a lower bound
+    of their ids, stays below) and whose one left lies above the ids an allocation takes:
+    ``kernels.room_groups`` scans from the floor and leaves it out (``make_room`` would evict
+    nothing), then names it once a low-priority page below those ids goes idle."""
+    pool = PagePool("g", 20, lowest_first=True)
+    held = allocate(pool, 10)  # 1 .. 10
+    decref(pool, held[1:5])  # 2 .. 5 free
+    assert publish(pool, "a", [1], low_priority=True) and publish(pool, "c", [10], low_priority=True)
+    decref(pool, [1, 10])
+    incref(pool, [1])  # idle low priority: 10 alone; the allocation of 2 takes ids 2, 3
+    space, _ = space_of(pool)
+    sums, out, none = np.zeros((2, 1), dtype=np.int64), np.empty(1, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    sums[1, 0] = 2
+    packing = (np.empty(0, np.int16), *(np.empty((0, 0), np.int64) for _ in range(3)), np.empty((0, 5), np.int64))
+
+    def asked():
+        return kernels.room_groups(np.zeros((1, 8), dtype=np.int64), np.zeros((3, 1, 0), dtype=np.int64),
+                                   np.zeros(1, dtype=np.bool_), none, none, none, np.zeros((2, 1, 0), dtype=np.int64),
+                                   sums, space.stack, space.offsets, space.per_group, space.ref_counts,
+                                   space.low_priority, space.cached, packing, False, out)
+
+    assert asked() == 0 and out[0] == -1
+    decref(pool, [1])  # 1 idle again, below the ids taken
+    assert asked() == 1 and out[0] == 0
+    assert allocate(pool, 2).tolist() == [1, 2] and pool.lookup("a") is None and pool.lookup("c") == (10,)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_needs_room_stops_a_step_only_where_room_groups_names_a_group(data):
+    """``kernels.needs_room`` (a step stops for Python where it says so) of a lowest-first pool with
+    random held, free and idle entries of either priority, some borrowed again (the floor left stale),
+    and one row allocating a few pages, in a sliding group (``window_tokens`` > 0, a token a page: the
+    pages the next step releases again take the highest ids) or not: it says so exactly when the free
+    stack is short or an idle low-priority page lies below the highest id the long-lived pages take,
+    as ``kernels.room_groups`` names the group, and leaves the floor a lower bound of those pages' ids."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    pool = PagePool("g", 48, lowest_first=True)
+    held = allocate(pool, data.draw(st.integers(1, 46)))
+    for k, page in enumerate(rng.permutation(held)[: data.draw(st.integers(0, held.size))].tolist()):
+        publish(pool, ("e", k), [page], low_priority=bool(rng.integers(2)))
+    decref(pool, rng.permutation(held)[: data.draw(st.integers(0, held.size))])
+    idle = (pool.cached & (pool.ref_counts == 0)).nonzero()[0]
+    incref(pool, idle[: data.draw(st.integers(0, idle.size))])  # the lowest: the floor stays below the rest
+    count, window_tokens = data.draw(st.integers(1, 4)), data.draw(st.integers(0, 3))
+    space, g = space_of(pool)
+    geometry, plan = np.zeros((1, 8), dtype=np.int64), np.zeros(kernels.plan_size(1, 1, 0, 0, 0), dtype=np.int64)
+    geometry[0, [kernels.PAGE_TOKENS, kernels.WINDOW_TOKENS, kernels.ID_OFFSET]] = 1, window_tokens, space.offsets[g]
+    plan[0] = 1  # room for a row: row 0 gets ``count`` tokens from 0, a page each
+    rows, counts, first, after, _, sums = kernels.plan_views(plan, 1)[:6]
+    rows[0], counts[0], first[0], after[1, 0, 0], sums[1, 0] = 0, count, 0, count, count
+    bounds, transient = np.zeros((3, 1, 1), dtype=np.int64), np.array([window_tokens > 0])
+    asked = kernels.needs_room(geometry, bounds, space.stack, space.per_group, space.ref_counts, space.cached,
+                               space.low_priority, transient, plan, 1)
+    free, low_idle = pool.free_page_ids(), pool.low_priority & pool.cached & (pool.ref_counts == 0)
+    long = count - (kernels.transient_pages(geometry, bounds, 0, rows[:1], first[:1], counts[:1], after[:, :, :1], sums)
+                    if window_tokens else 0)
+    assert asked == (count > free.size or (long > 0 and bool(low_idle[: free[-long]].any())))
+    assert not low_idle[: space.per_group[kernels.LOW_FLOOR, g]].any()
+    packing = (np.empty(0, np.int16), *(np.empty((0, 0), np.int64) for _ in range(3)), np.empty((0, 5), np.int64))
+    assert asked == bool(kernels.room_groups(geometry, bounds, transient, rows[:1], first[:1], counts[:1],
+                                             after[:, :, :1], sums, space.stack, space.offsets, space.per_group,
+                                             space.ref_counts, space.low_priority, space.cached, packing, False,
+                                             np.empty(1, dtype=np.int64)))
 
 
 def test_peak_used_pages_can_be_reset_and_rises_again():

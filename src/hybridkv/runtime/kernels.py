@@ -567,21 +567,21 @@ def transient_pages(geometry, bounds, g, rows, first, counts, after, sums):
 
 @njit(cache=True)
 def room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, per_group, ref,
-                packing, roomy, out):
+                low_priority, keyed, packing, roomy, out):
     """Before ``finish_step`` of a step that stopped for Python: per group, the pages it allocates that the next step
     releases again (``transient_pages``; 0 where ``transient[g]`` is not set): ``out[g]`` = that count when
     ``PagePool.make_room`` of its ``sums[1, g]`` pages may have something to do now, else ``-1 - count`` (it would evict
     nothing: the group allocates nothing, or its free stack covers the allocation and, in a lowest-first group with idle
-    low-priority pages, none can lie below the ids its long-lived pages take, ``per_group[LOW_FLOOR, g]`` being a lower
-    bound of theirs, or its arena, ``roomy``, lets them spread: ``must_pack_at``). ``packing``: ``Arena.packing`` (empty
-    arrays without an arena). Returns the groups to ask."""
+    low-priority pages, none lies below the ids its long-lived pages take (``low_below``, from ``per_group[LOW_FLOOR,
+    g]``, a lower bound of theirs), or its arena, ``roomy``, lets them spread: ``must_pack_at``). ``packing``:
+    ``Arena.packing`` (empty arrays without an arena). Returns the groups to ask."""
     for g in range(geometry.shape[0]):
         out[g] = transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0
-    return rooms_from(0, sums, stack, offsets, per_group, ref, packing, roomy, out)
+    return rooms_from(0, sums, stack, offsets, per_group, ref, low_priority, keyed, packing, roomy, out)
 
 
 @njit(cache=True)
-def rooms_from(start, sums, stack, offsets, per_group, ref, packing, roomy, out):
+def rooms_from(start, sums, stack, offsets, per_group, ref, low_priority, keyed, packing, roomy, out):
     """``room_groups``' rule of the groups from ``start`` on, as their pools are now, each with the
     transient pages ``out[g]`` holds (``room_groups``' mark, either form); how many to ask."""
     n_asked = 0
@@ -591,12 +591,25 @@ def rooms_from(start, sums, stack, offsets, per_group, ref, packing, roomy, out)
         packs = long > 0 and per_group[LOWEST, g] != 0 and per_group[LOW_IDLE_PAGES, g] > 0 and (
             top < long or (per_group[LOW_FLOOR, g] < stack[offsets[g] + top - long] and (
                 not roomy or must_pack_at(ref, offsets[g], packing, g, stack[offsets[g] + top - long], long))))
+        if packs and top >= count:  # it would only pack
+            packs = low_below(low_priority, keyed, ref, offsets[g], per_group, g, stack[offsets[g] + top - long])
         if count > 0 and (top < count or packs):
             out[g] = highest
             n_asked += 1
         else:
             out[g] = -1 - highest
     return n_asked
+
+
+@njit(cache=True)
+def low_below(low_priority, keyed, ref, offset, per_group, g, end):
+    """Whether group ``g`` (its page ids from ``offset``) has an idle low-priority page below id ``end``
+    (``low_idle_ids`` from its ``LOW_FLOOR``); its ``LOW_FLOOR`` is raised to the first, or to ``end`` when
+    none lies below it (as ``PagePool._evict_low_below`` finding none sets it)."""
+    found = np.empty(1, np.int64)
+    n = low_idle_ids(low_priority[offset:], keyed[offset:], ref[offset:], per_group[LOW_FLOOR, g], end, found)
+    per_group[LOW_FLOOR, g] = found[0] if n else end
+    return n > 0
 
 
 @njit(cache=True)
@@ -731,7 +744,7 @@ def run_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack,
         committed[rows[r]] = first[r]
     n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after,
                                        scratch, idle_keyed, released, touched, n_logged)
-    if hold or needs_room(geometry, stack, per_group, low_priority, sums, released, idle_keyed):
+    if hold or needs_room(geometry, bounds, stack, per_group, ref, keyed, low_priority, transient, plan, n):
         return STEP_NEEDS_PAGES, n_touched, n_keyed
     n_touched = finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient,
                             plan, n, settle, n_touched, cells, cell_pages, per_request, query_start_loc,
@@ -763,7 +776,7 @@ def grant_step(grants, arena, geometry, pages, bounds, counters, ref, keyed, low
     # its counts: ``joined_low``); they join after the step, as after ``run_step``'s.
     joined = joined_low(geometry, low_priority, per_group, released[1], idle_keyed) if n_keyed else per_group
     if room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, joined, ref,
-                   (owner, lo, hi, straddle, sizes), roomy, np.empty(geometry.shape[0], np.int64)):
+                   low_priority, keyed, (owner, lo, hi, straddle, sizes), roomy, np.empty(geometry.shape[0], np.int64)):
         return STEP_NEEDS_PAGES, n_touched, n_keyed  # a group makes room once they joined
     return STEP_DONE, finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group,
                                   transient, plan, n, settle, n_touched, cells, cell_pages, per_request,
@@ -781,28 +794,42 @@ def packing_floor(per_group, g):
 
 
 @njit(cache=True)
-def needs_room(geometry, stack, per_group, low_priority, sums, released, idle_keyed):
-    """Whether some group allocating this step must make room first: its free stack is short, or (a ``lowest`` group
-    whose idle low-priority pages are reused in id order unless it may skip packing: ``packing_floor``) one of them, or
-    a low-priority page its releases just left idle (``idle_keyed``, group after group, ``released[1, g]`` each), lies
-    below the highest id the allocation takes."""
+def needs_room(geometry, bounds, stack, per_group, ref, keyed, low_priority, transient, plan, n):
+    """Whether some group allocating in the plan of ``n`` rows (``run_views``) must make room first: its free stack is
+    short, or (a ``lowest`` group whose idle low-priority pages are reused in id order unless it may skip packing:
+    ``packing_floor``) one of them lies below the highest id its long-lived pages take (``room_groups``' rule, its
+    ``transient_pages`` counted only once one may lie below the highest id of all: ``low_before``)."""
+    rows, counts, first, after, sums, released, _, _, idle_keyed, _ = run_views(plan, geometry.shape[0], n)
     keyed_from, top = 0, per_group[TOP]
     for g in range(geometry.shape[0]):
-        n, offset, n_keyed = sums[1, g], geometry[g, ID_OFFSET], released[1, g]
+        count, offset, n_keyed = sums[1, g], geometry[g, ID_OFFSET], released[1, g]
         keyed_from += n_keyed
-        if n == 0:
+        if count == 0:
             continue
-        if n > top[g]:
+        if count > top[g]:
             return True
-        floor = packing_floor(per_group, g)
-        if floor == NO_PACKING:
+        floor, released_keyed = packing_floor(per_group, g), idle_keyed[keyed_from - n_keyed : keyed_from]
+        if floor == NO_PACKING or not low_before(floor, stack, offset, top[g], count, ref, keyed, low_priority,
+                                                 per_group, g, released_keyed, False):
             continue
-        bound = stack[offset + top[g] - n]  # the highest of the n lowest free ids
-        if floor < bound:
+        long = count - (transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0)
+        if long > 0 and low_before(floor, stack, offset, top[g], long, ref, keyed, low_priority, per_group, g,
+                                   released_keyed, True):
             return True
-        for i in range(keyed_from - n_keyed, keyed_from):
-            if idle_keyed[i] < bound and low_priority[offset + idle_keyed[i]]:
-                return True
+    return False
+
+
+@njit(cache=True, inline="always")
+def low_before(floor, stack, offset, top, count, ref, keyed, low_priority, per_group, g, released_keyed, scan):
+    """Whether an idle low-priority page of group ``g`` (its ids from ``offset``) may lie below the highest of its
+    ``count`` lowest free ids: its floor is below it (with ``scan``: one does, ``low_below``, which raises the floor),
+    or a low-priority page its releases just left idle (``released_keyed``) is."""
+    bound = stack[offset + top - count]
+    if floor < bound and (not scan or low_below(low_priority, keyed, ref, offset, per_group, g, bound)):
+        return True
+    for page in released_keyed:
+        if page < bound and low_priority[offset + page]:
+            return True
     return False
 
 

@@ -1168,8 +1168,8 @@ class CacheManager:
         their compiled code (``kernels.entry_point``), looked up at the first call (``_load_kernels``)."""
         space, ts = self._space, self._tableset
         args = (ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts, plan.after, plan.sums,
-                space.stack, space.offsets, space.per_group, space.ref_counts, self._packing,
-                space.skip_packing[0] != 0, self._scratch.transient)
+                space.stack, space.offsets, space.per_group, space.ref_counts, space.low_priority, space.cached,
+                self._packing, space.skip_packing[0] != 0, self._scratch.transient)
         if self._room_entries is None:
             self._room_entries = (kernels.entry_point(kernels.room_groups, args),
                                   kernels.entry_point(kernels.rooms_from, (0, *args[7:])))
