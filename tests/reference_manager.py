@@ -23,6 +23,8 @@ checkpoint interval, salts, events.
 
 from __future__ import annotations
 
+import itertools
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -111,13 +113,16 @@ class ReferenceManager:
         self.widths, self.caching, self.G = table_widths, caching, grain
         self.prompt_cps = prompt_checkpoints
         self.reqs, self.last = {}, []
+        # Owners of a checkpoint are request serials, never reused (a freed request's stay: its terminal
+        # checkpoint keeps a hold, as the manager's do; ``id()`` of a new request may equal a freed one's).
+        self.serials = itertools.count()
 
     # --- requests -------------------------------------------------------------------
     def add_request(self, rid, ids=None, prompt_tokens=None, max_new=0) -> dict:
         """Register a request; with prefix caching borrow its hit. Returns the hit's numbers."""
         prompt = len(ids) if ids is not None else prompt_tokens
         r = {"prompt": prompt, "limit": prompt + max_new, "ids": list(ids) if ids is not None else None,
-             "c": 0, "committed": 0, "base": {}, "pages": {}, "own": {}, "junction": 0}
+             "c": 0, "committed": 0, "base": {}, "pages": {}, "own": {}, "junction": 0, "serial": next(self.serials)}
         for g in self.pools:
             r["base"][g], r["pages"][g] = 0, {}
         self.reqs[rid] = r
@@ -162,7 +167,7 @@ class ReferenceManager:
                 pages = [q for b in range(d // self.G) for q in p.entries[self.key(r, (b + 1) * self.G)]["pages"]]
             else:
                 pages = p.entries[self.key(r, d)]["pages"]
-                p.entries[self.key(r, d)]["owners"].add(id(r))
+                p.entries[self.key(r, d)]["owners"].add(r["serial"])
                 r["own"].setdefault(d, False)
             r["base"][g] = d // p.T - len(pages)
             r["pages"][g] = {r["base"][g] + i: q for i, q in enumerate(pages)}
@@ -191,7 +196,7 @@ class ReferenceManager:
                     if held:
                         p.publish(self.key(r, d), pages)
                     if self.key(r, d) in p.entries:  # its own, whoever published it
-                        p.entries[self.key(r, d)]["owners"].add(id(r))
+                        p.entries[self.key(r, d)]["owners"].add(r["serial"])
                 elif held and self.prompt_cps and d <= r["prompt"]:
                     p.publish(self.key(r, d), pages, low=True)
         if crossed:
@@ -206,9 +211,9 @@ class ReferenceManager:
     def let_go(self, r, d) -> None:
         for p in self.pools.values():
             e = p.entries.get(self.key(r, d))
-            if p.history or e is None or id(r) not in e["owners"]:
+            if p.history or e is None or r["serial"] not in e["owners"]:
                 continue  # not (or no longer: evicted, maybe published again since) its own
-            e["owners"].discard(id(r))
+            e["owners"].discard(r["serial"])
             if not e["owners"]:
                 if self.prompt_cps and d <= r["prompt"]:
                     p.demote(self.key(r, d))
