@@ -9,6 +9,7 @@ programs run as plain Python (``NUMBA_DISABLE_JIT=1``) give the same batches.
 """
 
 import os
+import pickle
 import subprocess
 import sys
 
@@ -20,6 +21,7 @@ from hypothesis import given, settings
 from hybridkv.runtime.manager import CacheManager
 from hybridkv.models.deepseek_v4 import build_v4_cache_specs
 from hybridkv.memory import lru
+from hybridkv.memory.arena import anchor_group_for, arena_geometry
 from hybridkv.runtime import kernels
 from hybridkv.spec import CacheGroupSpec
 
@@ -358,6 +360,51 @@ def test_a_kernels_entry_point_answers_as_the_kernel_for_the_same_argument_types
         return len(args)
 
     assert kernels.entry_point(plain, args) is plain
+
+
+def _array_returns(entries):
+    """Kernels reached from ``entries`` (by name, through the module's globals; not past one that sets ``_nrt=True``)
+    that return an array, as compiled so far (one inlined, ``inline="always"``, is part of its caller)."""
+    seen, todo, found = set(), list(entries), set()
+    while todo:
+        name = todo.pop()
+        f = getattr(kernels, name, None)
+        if name in seen or not hasattr(f, "py_func") or f.targetoptions.get("_nrt") is True:
+            continue
+        seen.add(name)
+        todo += f.py_func.__code__.co_names
+        returns = (str(c.signature.return_type) for c in f.overloads.values())
+        if f.targetoptions.get("inline") != "always" and any("array(" in r for r in returns):
+            found.add(name)
+    return found
+
+
+@pytest.mark.slow
+def test_the_step_kernels_compile_first_on_an_empty_cache(tmp_path):
+    """``step_spare`` and ``step`` run without reference counting, and so do the kernels they call unless compiled
+    first elsewhere. In a fresh process on an empty cache they compile before any other kernel, for the argument
+    types a manager on an arena calls them with (no kernel they reach allocates unless it sets ``_nrt=True``), and
+    no kernel they reach returns an array (a view not counted, to a counting caller, would be freed early); the
+    check finds ``joined_low``'s copy."""
+    if os.environ.get("NUMBA_DISABLE_JIT") == "1":
+        pytest.skip("kernels run as plain Python")
+    pages = {s.group_id: 512 for s in V4}
+    arena = arena_geometry(pages, 512 * 1200, anchor_group=anchor_group_for(V4, pages), slab_anchor_pages=4)
+    CacheManager(V4, None, arena=arena, max_context_tokens=1500, max_step_tokens=64,
+                 enable_prefix_caching=True)  # its build compiles or loads every step kernel here
+    sigs = [(name, sig) for name in ("step_spare", "step") for sig in getattr(kernels, name).signatures]
+    code = ("import pickle, sys\nimport numpy as np\nsys.path.insert(0, sys.argv[1])\n"
+            "from hybridkv.runtime import kernels\nfrom test_kernels import _array_returns\n"
+            "for name, sig in pickle.load(sys.stdin.buffer):\n    getattr(kernels, name).compile(sig)\n"
+            "one = np.zeros(1, np.int64)\n"
+            "kernels.joined_low(np.zeros((1, 15), np.int64), np.zeros(1, np.bool_), np.zeros((10, 1), np.int64),\n"
+            "                   one, one)\n"
+            "print(sorted(_array_returns(['step_spare'])), sorted(_array_returns(['joined_low'])))\n")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], input=pickle.dumps(sigs), env=env,
+                          capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert done.stdout.decode().split() == ["[]", "['joined_low']"]
 
 
 @settings(max_examples=80, deadline=None)
