@@ -379,7 +379,6 @@ def _array_returns(entries):
     return found
 
 
-@pytest.mark.slow
 def test_the_step_kernels_compile_first_on_an_empty_cache(tmp_path):
     """``step_spare`` and ``step`` run without reference counting, and so do the kernels they call unless compiled
     first elsewhere. In a fresh process on an empty cache they compile before any other kernel, for the argument

@@ -601,7 +601,7 @@ def rooms_from(start, sums, stack, offsets, per_group, ref, low_priority, keyed,
     return n_asked
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=True)  # allocates: reached from ``step`` (``needs_room``), which counts no references
 def low_below(low_priority, keyed, ref, offset, per_group, g, end):
     """Whether group ``g`` (its page ids from ``offset``) has an idle low-priority page below id ``end``
     (``low_idle_ids`` from its ``LOW_FLOOR``); its ``LOW_FLOOR`` is raised to the first, or to ``end`` when
