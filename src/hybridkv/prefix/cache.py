@@ -291,7 +291,9 @@ class PrefixCache:
 
     # --- keys ------------------------------------------------------------------
     def new_request_hashes(self, cache_salt: str | bytes | None) -> RequestHashes:
-        if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
+        if cache_salt is None:
+            return RequestHashes(self._unsalted_root, self.granularity_tokens, self._hash)
+        if not isinstance(cache_salt, (str, bytes)):
             raise ValueError(f"cache_salt must be str or bytes, got {type(cache_salt).__name__}")
         salt = cache_salt.encode() if isinstance(cache_salt, str) else (cache_salt or b"")
         root = self._hash(b"hybridkv-prefix-root\x00" + salt) if salt else self._unsalted_root
@@ -371,12 +373,7 @@ class PrefixCache:
         """Start ``req.hashes`` (``hashes``: the prompt's from ``prompt_hashes``, with the same salt), match its
         prompt and borrow the hit's pages into its tables in one compiled call (``lru.borrow_row``); the checkpoint
         at the hit becomes the request's own."""
-        if hashes is not None:
-            req.hashes = hashes
-        elif cache_salt is None:
-            req.hashes = RequestHashes(self._unsalted_root, self.granularity_tokens, self._hash)
-        else:
-            req.hashes = self.new_request_hashes(cache_salt)
+        req.hashes = hashes if hashes is not None else self.new_request_hashes(cache_salt)
         blocks, limit, reach, history, at_hit = self._match(req.hashes, prompt_ids)
         g, queried, alone = self.granularity_tokens, prompt_ids.size, {}
         d = blocks * g
