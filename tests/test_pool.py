@@ -705,15 +705,10 @@ def test_page_space_drop_units_is_one_key_after_another(data, lowest_first):
         assert _entries_state(a, ["unit", "other"]) == _entries_state(b, ["unit", "other"])
 
 
-@settings(max_examples=80, deadline=None)
-@given(data=st.data(), lowest_first=st.booleans())
-def test_page_space_drop_units_is_drop_entries_pool_by_pool(data, lowest_first):
-    """``PageSpace.drop_units`` (one compiled pass over several keys' entries in several
-    groups) against ``drop_entries`` of the keys each pool publishes, pool by pool: entries
-    of 0-3 pages, low priority or not, some pages held, some keys missing from some groups,
-    one entry left published in each group. Per key the groups it left, per pool the idle
-    pages freed (as ``drop_entries`` tells them); the same free stacks (order included),
-    LRU, idle low-priority counts, flags and entries."""
+def _two_scripted_spaces(data, lowest_first: bool, other: bool = False):
+    """Pool sizes, keys and two identical page spaces whose pools publish a drawn script of entries (per pool
+    and key: published or not, 0-3 pages, low priority or not, how many of them stay held), the rest of their
+    pages idle; ``other``: each pool also publishes one idle page under "other" beside an unkeyed idle page."""
     sizes = data.draw(st.lists(st.integers(20, 40), min_size=1, max_size=4), label="sizes")
     keys = [f"k{j}" for j in range(data.draw(st.integers(0, 4), label="keys"))]
     script = [[data.draw(st.tuples(st.booleans(), st.integers(0, 3), st.booleans(), st.integers(0, 3)),
@@ -730,10 +725,25 @@ def test_page_space_drop_units_is_drop_entries_pool_by_pool(data, lowest_first):
                     pages = allocate(pool, size).tolist()
                     publish(pool, key, pages, low_priority=low)
                     idle += pages[held:]
-            other = allocate(pool, 2).tolist()
-            publish(pool, "other", other[:1])
-            decref(pool, np.asarray(idle + other, dtype=np.int64))
+            if other:
+                extra = allocate(pool, 2).tolist()
+                publish(pool, "other", extra[:1])
+                idle += extra
+            decref(pool, np.asarray(idle, dtype=np.int64))
         sides.append((pools, space))
+    return sizes, keys, sides
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), lowest_first=st.booleans())
+def test_page_space_drop_units_is_drop_entries_pool_by_pool(data, lowest_first):
+    """``PageSpace.drop_units`` (one compiled pass over several keys' entries in several
+    groups) against ``drop_entries`` of the keys each pool publishes, pool by pool: entries
+    of 0-3 pages, low priority or not, some pages held, some keys missing from some groups,
+    one entry left published in each group. Per key the groups it left, per pool the idle
+    pages freed (as ``drop_entries`` tells them); the same free stacks (order included),
+    LRU, idle low-priority counts, flags and entries."""
+    _, keys, sides = _two_scripted_spaces(data, lowest_first, other=True)
     (pools_a, space), (pools_b, _) = sides
     cause = data.draw(st.sampled_from(["unpublished", "evicted"]), label="cause")
     left, idle, told = space.drop_units(pools_a, keys, cause)
@@ -763,25 +773,8 @@ def test_page_space_drop_listed_is_one_key_after_another(data, lowest_first):
     ``drop_entries([key])`` in each pool that publishes it, key after key: entries of 0-3
     pages, low priority or not, some pages held, some keys missing from some groups. The
     same free stacks (order included), LRU, idle low-priority counts, flags and entries."""
-    sizes = data.draw(st.lists(st.integers(20, 40), min_size=1, max_size=4), label="sizes")
-    keys = [f"k{j}" for j in range(data.draw(st.integers(0, 4), label="keys"))]
-    script = [[data.draw(st.tuples(st.booleans(), st.integers(0, 3), st.booleans(), st.integers(0, 3)),
-                         label=f"g{i} {key}: published, pages, low, held") for key in keys]
-              for i in range(len(sizes))]
+    sizes, keys, sides = _two_scripted_spaces(data, lowest_first)
     orders = [data.draw(st.permutations(range(len(sizes))), label=f"{key}: pools") for key in keys]
-    sides = []
-    for _ in range(2):
-        pools = [PagePool(f"g{i}", n, lowest_first=lowest_first) for i, n in enumerate(sizes)]
-        space = PageSpace(pools)
-        for pool, entries in zip(pools, script):
-            idle = []
-            for key, (published, size, low, held) in zip(keys, entries):
-                if published:
-                    pages = allocate(pool, size).tolist()
-                    publish(pool, key, pages, low_priority=low)
-                    idle += pages[held:]
-            decref(pool, np.asarray(idle, dtype=np.int64))
-        sides.append((pools, space))
     (pools_a, space), (pools_b, _) = sides
     listed = []
     for key, order in zip(keys, orders):
