@@ -6,8 +6,8 @@
 ``bench/step_profile.py``'s decode workload (V4-Flash, 40 GiB shared arena, prefix
 caching on, "updates" block tables) on this version and on ``--against`` (a renamed
 copy of another version on ``PYTHONPATH``), their steps alternating, the side that goes
-first swapping every round (the second side's step finds the caches holding the first's
-data: a fixed order reads it slower on identical code). Only *clean*
+first swapping every round (with the order fixed, the same code on both sides read up
+to 13% apart). Only *clean*
 steps count: those in which no row commits to the prefix cache (no row's computed
 tokens passed a 256-token grain in its previous step), so the figures are the step's
 own cost, not the commits'. Each size runs ``--steps`` rounds of two conditions:

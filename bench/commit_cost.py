@@ -9,8 +9,8 @@ request finishes, one joins with a 512-1,536-token prompt), and with ``--phase
 prefill`` its 2,048-token prefill chunks of 32,768-token prompts. Each side's
 ``manager._commit_rows`` (every row of a step that commits, and a ``free``'s) is wrapped
 in a timer; the two sides' steps alternate on the same seeded workload, the side that
-runs first swapping every step (the side that runs second finds the caches holding the
-other's data: with a fixed order it read slower on identical code). Prints, per phase
+runs first swapping every step (with the order fixed, the same code on both sides read
+up to 17% apart). Prints, per phase
 and size, the calls timed, the rows they committed, and their mean and median cost in µs,
 and whether both sides emitted the same events
 (kind, group, key, parent, tokens, pages; same order). ``--cold MIB``: as
