@@ -24,7 +24,8 @@ cProfile of the timed calls). The figures are wall time on whatever machine runs
 it: on a shared one, compare runs made back to back, or use ``--against``: a
 copy of another version renamed to another package (``hybridkv`` -> e.g.
 ``hybridkv_base`` in every import) on ``PYTHONPATH``, whose steps alternate with
-this version's on the same workload.
+this version's on the same workload, the side that runs first swapping every step
+(with the order fixed, the same code on both sides read up to 6% apart).
 
 ``--cold MIB``: before every timed step, walk about ``MIB`` MiB of Python objects
 (small objects with a few attributes, lists and a bytearray, as another component's
@@ -239,7 +240,8 @@ def summarize(ns: list[int]) -> dict:
 
 def run(sizes, steps, phases, profile, against=None) -> dict:
     """p50/p99 per phase and size; with ``against`` (a package name) the same
-    workload on that package's manager too, the two sides' steps alternating."""
+    workload on that package's manager too, the two sides' steps alternating (and
+    which side goes first, step by step)."""
     results = {}
     profiler = cProfile.Profile() if profile == "cprofile" else None
     sides = ("hybridkv",) if against is None else (against, "hybridkv")
@@ -252,8 +254,8 @@ def run(sizes, steps, phases, profile, against=None) -> dict:
                 fn(works[side], 20)  # warm (kernels compiled, caches filled)
             gc.disable()
             try:
-                for _ in range(steps):
-                    for side in sides:
+                for k in range(steps):
+                    for side in sides[::-1] if k % 2 else sides:  # odd steps: this version first
                         times[side] += fn(works[side], 1, profiler if side == "hybridkv" else None)
             finally:
                 gc.enable()
