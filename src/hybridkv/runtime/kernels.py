@@ -601,15 +601,15 @@ def rooms_from(start, sums, stack, offsets, per_group, ref, low_priority, keyed,
     return n_asked
 
 
-@njit(cache=True, _nrt=True)  # allocates: reached from ``step`` (``needs_room``), which counts no references
+@njit(cache=True)
 def low_below(low_priority, keyed, ref, offset, per_group, g, end):
     """Whether group ``g`` (its page ids from ``offset``) has an idle low-priority page below id ``end``
-    (``low_idle_ids`` from its ``LOW_FLOOR``); its ``LOW_FLOOR`` is raised to the first, or to ``end`` when
+    (``next_low_idle`` from its ``LOW_FLOOR``); its ``LOW_FLOOR`` is raised to the first, or to ``end`` when
     none lies below it (as ``PagePool._evict_low_below`` finding none sets it)."""
-    found = np.empty(1, np.int64)
-    n = low_idle_ids(low_priority[offset:], keyed[offset:], ref[offset:], per_group[LOW_FLOOR, g], end, found)
-    per_group[LOW_FLOOR, g] = found[0] if n else end
-    return n > 0
+    flags = low_priority[offset:]
+    page = next_low_idle(flags, keyed[offset:], ref[offset:], flag_words(flags), per_group[LOW_FLOOR, g], end)
+    per_group[LOW_FLOOR, g] = page
+    return page < end
 
 
 @njit(cache=True)
@@ -738,7 +738,7 @@ def run_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack,
     """One admitted step (docs/manager.md, stage 3) of the plan of ``n`` rows (``settle`` settling) that
     ``prepare_step`` wrote to ``plan`` (``plan_views``; its scratch too): commit, release, then ``finish_step``. Returns
     (status, cells logged, idle keyed pages); ``STEP_NEEDS_PAGES`` when it stopped after the releases for Python."""
-    rows, _, first, after, sums, released, _, scratch, idle_keyed, touched = run_views(plan, geometry.shape[0], n)
+    rows, _, first, after, _, released, _, scratch, idle_keyed, touched = run_views(plan, geometry.shape[0], n)
     committed = counters[1]
     for r in range(n):
         committed[rows[r]] = first[r]
@@ -1197,10 +1197,30 @@ def push_run(stack, top, lowest, run):
 @njit(cache=True)
 def low_idle_ids(low_priority, keyed, ref, start, bound, out):
     """A pool's idle low-priority pages (keyed, low priority, no holder) with ids in ``[start, bound)``, ascending, into
-    ``out`` until it is full (what packing evicts first: ``PagePool._evict_low_below``). Returns how many. Such pages
-    are sparse: from each multiple of 8 the flags are read 8 a word, words of none skipped at once."""
-    words = low_priority[: low_priority.size // 8 * 8].view(np.uint64)
-    n, page, whole = 0, start, bound // 8  # words below ``whole`` end at or below ``bound``
+    ``out`` until it is full (what packing evicts first: ``PagePool._evict_low_below``). Returns how many."""
+    words, n, page = flag_words(low_priority), 0, start
+    while n < out.size:
+        page = next_low_idle(low_priority, keyed, ref, words, page, bound)
+        if page >= bound:
+            break
+        out[n] = page
+        n += 1
+        page += 1
+    return n
+
+
+@njit(cache=True, inline="always")
+def flag_words(low_priority):
+    """``low_priority``'s whole words of 8 flags (``next_low_idle``'s)."""
+    return low_priority[: low_priority.size // 8 * 8].view(np.uint64)
+
+
+@njit(cache=True, inline="always")
+def next_low_idle(low_priority, keyed, ref, words, page, bound):
+    """The first idle low-priority page (keyed, low priority, no holder) with an id in ``[page, bound)``, else
+    ``bound``. Such pages are sparse: from each multiple of 8 the flags are read 8 a word (``words``:
+    ``flag_words``), words of none skipped at once."""
+    whole = bound // 8  # words below ``whole`` end at or below ``bound``
     while page < bound:
         if page % 8 == 0:
             w = page // 8
@@ -1210,12 +1230,9 @@ def low_idle_ids(low_priority, keyed, ref, start, bound, out):
                 page = w * 8
                 continue
         if low_priority[page] and keyed[page] and ref[page] == 0:
-            out[n] = page
-            n += 1
-            if n == out.size:
-                break
+            return page
         page += 1
-    return n
+    return bound
 
 
 @njit(cache=True)
