@@ -606,9 +606,10 @@ class PageSpace:
         self._join = kernels.entry_point(lru.join, (  # ``keyed_idle``'s kernel, for any int64 counts and pages
             self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, self.lru_lengths, self.low_idle,
             self.idle_low_floors, self.offsets, _ANY_PAGES, _ANY_PAGES, _IDLE_CLOCK))
-        self._drop_units = kernels.entry_point(lru.drop_units, (  # ``drop_units``' kernel, its compiled code
-            _NO_PAGES, self.ref_counts, self.cached, self.low_priority, self.lru_prev, self.lru_next, self.stack,
-            self.offsets, self.per_group, self.idle_counts, _NO_PAGES))
+        # ``lru.drop_units``' arguments from ``ref`` to ``idle`` (its space's arrays), and its compiled code.
+        self._drop_arrays = (self.ref_counts, self.cached, self.low_priority, self.lru_prev, self.lru_next, self.stack,
+                             self.offsets, self.per_group, self.idle_counts)
+        self._drop_units = kernels.entry_point(lru.drop_units, (_NO_PAGES, *self._drop_arrays, _NO_PAGES))
         self.cells_out = _NO_PAGES  # free_rows' cells emptied (room for a row's every cell, allocated then)
         self._free_rows_entry = None  # free_rows' compiled code (``kernels.entry_point``), at its first call
         self._free_rows_args = (self.ref_counts, self.cached, self.stack, self.per_group, self.idle_tick,
@@ -689,9 +690,7 @@ class PageSpace:
         one, all in one compiled pass (``lru.drop_units``: each pool's free stack ends as after its own
         ``drop_entries``). Returns per key, in order, the group ids of the pools it left (in ``pools`` order); per
         pool its idle pages freed; and what ``pools[0].drop_entries`` returns of the keys it published."""
-        arrays = (self.ref_counts, self.cached, self.low_priority, self.lru_prev, self.lru_next, self.stack,
-                  self.offsets, self.per_group, self.idle_counts)
-        return _drop_keys(self._drop_units, arrays, list(map(_DROP_ARGS, pools)), keys, cause)
+        return _drop_keys(self._drop_units, self._drop_arrays, list(map(_DROP_ARGS, pools)), keys, cause)
 
     def entry_pops(self, pools: Sequence[PagePool]) -> list[tuple[Callable, int, str]]:
         """Per pool of ``pools`` (this space's), what pops an entry from it (its entries' ``pop``), its index here and
@@ -701,9 +700,8 @@ class PageSpace:
     def drop_listed(self, listed: list[int]) -> None:
         """What :meth:`drop_units` does to the pages of entries popped already (``listed``: each its pool's index,
         page count and pages, each pool's last entry first), in one compiled pass (``lru.drop_units``)."""
-        self._drop_units(np.array(listed, dtype=np.int64), self.ref_counts, self.cached, self.low_priority,
-                         self.lru_prev, self.lru_next, self.stack, self.offsets, self.per_group, self.idle_counts,
-                         np.empty(len(listed) // 2, dtype=np.int64))
+        told = np.empty(len(listed) // 2, dtype=np.int64)  # an entry lists 2 numbers at least; not read here
+        self._drop_units(np.array(listed, dtype=np.int64), *self._drop_arrays, told)
 
     def keyed_idle(self, per_group: np.ndarray, keyed: np.ndarray) -> None:
         """Keyed pages a release left idle (group after group, ``per_group[g]`` each; both int64) join their LRUs
