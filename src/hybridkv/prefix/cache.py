@@ -222,14 +222,15 @@ class PrefixCache:
         self._init_units()
 
     def _init_units(self) -> None:
-        """What commits claimed whole read (``_commit_units``): every group in order, its pool (one
-        ``PageSpace.adopt`` call's), pages, stats and whether it is a history group; each history group's id and
+        """What commits claimed whole read (``_commit_units``): every group in order, its pool's entries and pages'
+        keys (``PageSpace.entry_maps``), pages, stats and whether it is a history group; each history group's id and
         pages (its events); each state group's holders. Only with state groups and no pinning interval do commits
         run so."""
         self._units = bool(self.state_ids) and self.state_checkpoint_interval is None
         unit = self._history_groups + [(gid, pool, n, stats) for gid, pool, n, _, stats in self._state_groups]
-        self._unit_pools_in_order = [pool for _, pool, _, _ in unit]
-        self._unit_parts = [(n, stats, j < len(self._history_groups)) for j, (_, _, n, stats) in enumerate(unit)]
+        maps = self._space.entry_maps([pool for _, pool, _, _ in unit])
+        self._unit_parts = [(*maps[j], n, stats, j < len(self._history_groups))
+                            for j, (_, _, n, stats) in enumerate(unit)]
         self._history_events = [(gid, n) for gid, _, n, _ in self._history_groups]  # what a block's event names
         self._unit_holders = [(gid, holders, j) for j, (gid, _, _, holders, _)
                               in enumerate(self._state_groups, len(self._history_groups))]
@@ -275,8 +276,8 @@ class PrefixCache:
         self._unit_pops = {gid: self._space.entry_pops([pools[gid]] + [pools[o] for o in self.state_ids
                                                                         if o != gid and self.eviction.acts])
                            for gid in self.state_ids}
-        # Per state group, what superseding reads there: its pool, holders and index in the page space.
-        self._supersede_books = {gid: (pools[gid], self._holders[gid], self._space.pools.index(pools[gid]))
+        # Per state group, what superseding reads there: its pool's lookup, holders and index in the page space.
+        self._supersede_books = {gid: (pools[gid].lookup, self._holders[gid], self._space.pools.index(pools[gid]))
                                  for gid in self.state_ids}
         self._order = None  # "prefill-per-byte": the state pools' eviction order, kept incrementally
         if self.values is not None and self.state_ids:
@@ -501,7 +502,8 @@ class PrefixCache:
                       let_go: list[tuple]) -> None:
         """The commits ``run`` (:meth:`_unit_run`'s, ``n_blocks`` blocks in all) read and claimed
         in one compiled call (``CommitPages.read_units``), the entries of those it claimed whole
-        recorded in one ``PageSpace.adopt`` call (plain loops: cheaper run cold than zips) and counted; then
+        recorded as ``PageSpace.adopt`` does, group by group, as each is made (plain loops: cheaper run cold than
+        zips), and counted; then
         booked request by request (:meth:`_book_units`) with each one's blocks (keys,
         parents, ends) and checkpoints (keys, parents, boundaries)."""
         g, low = self.granularity_tokens, 2 if self.values is None or self.values.low_priority(SPECULATIVE) else 1
@@ -525,20 +527,21 @@ class PrefixCache:
             block_keys += keys
             checkpoint_keys += lists[-1][3]
         entries, at = [], 0
-        for size, stats, history in self._unit_parts:
-            count = len(block_keys) if history else len(checkpoint_keys)
-            group, end = [], at + count * size
-            if size == 1:  # an entry of one page: no slice made
-                for i in range(at, end):
-                    group.append((pages[i],))
-            else:
-                for i in range(at, end, size):
-                    group.append(tuple(pages[i:i + size]))
+        for published, page_key, size, stats, history in self._unit_parts:  # ``PageSpace.adopt``'s work, inline
+            group, group_keys = [], block_keys if history else checkpoint_keys
+            for key in group_keys:
+                if size == 1:  # an entry of one page: no slice made
+                    page = pages[at]
+                    published[key] = entry = (page,)
+                    page_key[page] = key
+                else:
+                    published[key] = entry = tuple(pages[at:at + size])
+                    for page in entry:
+                        page_key[page] = key
+                group.append(entry)
+                at += size
             entries.append(group)
-            at = end
-            stats.stored_entries += count
-        self._space.adopt(self._unit_pools_in_order,
-                          [block_keys] * len(self.history_ids) + [checkpoint_keys] * len(self.state_ids), entries)
+            stats.stored_entries += len(group_keys)
         self._book_units(run, lists, entries, low, events, let_go)
 
     def _book_units(self, run: list[tuple], lists: list[tuple | None], entries: list[list], low: int,
@@ -787,8 +790,8 @@ class PrefixCache:
             # Kept low where its last hold goes: a boundary the policy keeps (asked once, not a group).
             demote, demoted = values is None and self.policy.speculative(prev.boundary_tokens, req.prompt_tokens), []
             for gid, (key, pages) in prev.entries.items():
-                pool, holders, slot = books[gid]
-                if pool.lookup(key) is not pages:
+                lookup, holders, slot = books[gid]
+                if lookup(key) is not pages:
                     continue  # evicted meanwhile, its hold gone (re-stored: another tuple, maybe equal)
                 left = holders.pop(key, 1) - 1
                 if left:
