@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import reduce
 from itertools import repeat
@@ -184,9 +184,12 @@ class PrefixCache:
         # "prefill-per-byte": each checkpoint's saved prefill, hits and last use.
         self.values = CheckpointValues() if self.policy.ranks_by_value else None
         self.on_event = on_event
-        # Without a callback, events wait for drain_events(); past the bound the oldest are dropped (counted).
-        self.events: deque[tuple] = deque(maxlen=max_buffered_events)
+        # Without a callback, events wait for drain_events(); past the bound the oldest are dropped (counted). The
+        # buffer holds raw events and commits' records (``_book_units``' ``booked``: ``_raws`` expands them).
+        self.events: deque[tuple] = deque()
+        self.max_buffered_events = max_buffered_events
         self.dropped_events = 0
+        self._buffered = 0  # events in the buffer
         self.stats = {s.group_id: PrefixGroupStats() for s in self.specs}
         # Per state entry, how many requests keep it as an own checkpoint (unpublished at none).
         self._holders: dict[str, dict[int, int]] = {gid: {} for gid in self.state_ids}
@@ -560,7 +563,7 @@ class PrefixCache:
                 self._commit_one(req, old, new, events, let_go)
                 continue
             keys, parents, ends, checkpoint_keys, _, boundaries = booked
-            self._unit_events(booked, events)
+            events.append(booked)  # its "stored" events, expanded when drained (``_raws``)
             key, last = checkpoint_keys[-1], kc + len(checkpoint_keys) - 1
             own = _new_object(OwnCheckpoint)  # its fields stored directly (no ``__init__`` frame)
             own.boundary_tokens, own.pinned, own.entries = boundaries[-1], False, {}
@@ -574,18 +577,6 @@ class PrefixCache:
             stored_commit(keys, parents, ends, checkpoint_keys)
             self._supersede(req, [own], events, let_go)
             kb, kc = kb + len(keys), kc + len(checkpoint_keys)
-
-    def _unit_events(self, booked: tuple, events: list[tuple]) -> None:
-        """The "stored" events of a commit claimed whole (:meth:`_book_units`' ``booked``):
-        its blocks history group by history group, then its checkpoints boundary by
-        boundary, state group by state group."""
-        keys, parents, ends, checkpoint_keys, checkpoint_parents, boundaries = booked
-        for gid, size in self._history_events:  # plain loops: cheaper run cold than zips or a comprehension
-            for key, parent, end in zip(keys, parents, ends):
-                events.append(("stored", gid, key, parent, end, size))
-        for key, parent, boundary in zip(checkpoint_keys, checkpoint_parents, boundaries):
-            for gid, size in self._checkpoint_events:
-                events.append(("stored", gid, key, parent, boundary, size))
 
     def _tell_units(self, booked: tuple, entries: list[list], kb: int, kc: int, low: int) -> None:
         """The tier link of a commit claimed whole (:meth:`_book_units`' ``booked``, its
@@ -964,20 +955,63 @@ class PrefixCache:
             hook.removed([raw[1:3] for raw in raws], self._dropping)
         return raws
 
-    def _emit_many(self, raws: Sequence[tuple]) -> None:
-        """Events (raw tuples), in order: to ``on_event``, or to the buffer (as tuples: the hex
-        keys are formatted when drained), the oldest dropped (and counted) past its bound."""
+    def _emit_many(self, items: Sequence[tuple]) -> None:
+        """Events, in order (raw tuples, or a commit's record, as :meth:`_raws` reads them): to ``on_event``, or to
+        the buffer as they are (expanded, the hex keys formatted, when drained), the oldest events dropped (and
+        counted) past ``max_buffered_events``."""
         if self.on_event is not None:
-            for raw in raws:
+            for raw in self._raws(items):
                 self.on_event(_event(raw))
             return
+        n, n_history, n_state = 0, len(self._history_events), len(self._checkpoint_events)
+        for item in items:  # ``_size``, inline
+            n += 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
+        self.events.extend(items)
+        self._buffered += n
+        if self._buffered > self.max_buffered_events:
+            self._drop_oldest(self._buffered - self.max_buffered_events)
+
+    def _drop_oldest(self, excess: int) -> None:
+        """The ``excess`` oldest buffered events dropped and counted (a record cut short: the rest of it kept raw)."""
         events = self.events
-        self.dropped_events += max(0, len(events) + len(raws) - events.maxlen)
-        events.extend(raws)
+        self._buffered -= excess
+        self.dropped_events += excess
+        while excess:
+            item = events.popleft()
+            size = self._size(item)
+            if size > excess:
+                events.extendleft(reversed(list(self._raws((item,)))[excess:]))
+                return
+            excess -= size
+
+    def _size(self, item: tuple) -> int:
+        """How many events ``item`` is (:meth:`_raws`): a raw event one; a commit's record one a block and history
+        group, and one a checkpoint and state group."""
+        if item[0].__class__ is str:
+            return 1
+        return len(item[0]) * len(self._history_events) + len(item[3]) * len(self._checkpoint_events)
+
+    def _raws(self, items: Sequence[tuple]) -> Iterator[tuple]:
+        """The raw events of ``items`` in order: a raw event (kind, group, key, parent, tokens, pages) as it is; a
+        commit's record (``_book_units``' ``booked``: its blocks' keys, parents and ends, its checkpoints' keys,
+        parents and boundaries) its "stored" events: its blocks history group by group, then its checkpoints
+        boundary by boundary, state group by state group."""
+        for item in items:
+            if item[0].__class__ is str:
+                yield item
+                continue
+            keys, parents, ends, checkpoint_keys, checkpoint_parents, boundaries = item
+            for gid, size in self._history_events:
+                for key, parent, end in zip(keys, parents, ends):
+                    yield "stored", gid, key, parent, end, size
+            for key, parent, boundary in zip(checkpoint_keys, checkpoint_parents, boundaries):
+                for gid, size in self._checkpoint_events:
+                    yield "stored", gid, key, parent, boundary, size
 
     def drain_events(self) -> list[CacheEvent]:
-        out = [_event(raw) for raw in self.events]
+        out = [_event(raw) for raw in self._raws(self.events)]
         self.events.clear()
+        self._buffered = 0
         return out
 
     def write_events_jsonl(self, stream: IO[str]) -> int:
