@@ -1071,10 +1071,9 @@ def test_bad_checkpoint_windows_are_refused(windows, message):
 
 def test_event_buffer_drops_the_oldest_and_counts_them():
     """A full buffer keeps the newest events; every dropped one is counted; with a
-    callback, events go to it and nothing is buffered. Three managers run the same
-    requests: one with the default buffer (every event), one with room for 3, one
-    with a callback."""
-    from collections import deque
+    callback, events go to it and nothing is buffered. Managers run the same requests:
+    one with the default buffer (every event), some with room for a few (a bound that
+    cuts a commit's events short, too), one with a callback."""
 
     def run(mgr):
         for i in range(2):  # each: a 700-token prompt in 3 chunks, then freed (commits, frees)
@@ -1083,16 +1082,19 @@ def test_event_buffer_drops_the_oldest_and_counts_them():
                 mgr.schedule([(f"r{i}", n)])
             mgr.free(f"r{i}")
 
-    whole, small, told = make_manager(), make_manager(), make_manager()
-    small.prefix.events = deque(maxlen=3)
+    bounds = (0, 1, 3, 7)
+    whole, told, *small = [make_manager() for _ in range(2 + len(bounds))]
+    for mgr, bound in zip(small, bounds):
+        mgr.prefix.max_buffered_events = bound
     seen = []
     told.prefix.on_event = seen.append
-    for mgr in (whole, small, told):
+    for mgr in (whole, told, *small):
         run(mgr)
     every = whole.prefix.drain_events()
-    assert len(every) > 3 and whole.prefix.dropped_events == 0
-    assert small.prefix.drain_events() == every[-3:]
-    assert small.prefix.dropped_events == len(every) - 3
+    assert len(every) > max(bounds) and whole.prefix.dropped_events == 0
+    for mgr, bound in zip(small, bounds):
+        assert mgr.prefix.drain_events() == every[len(every) - bound:]
+        assert mgr.prefix.dropped_events == len(every) - bound
     assert seen == every and not told.prefix.drain_events() and told.prefix.dropped_events == 0
 
 

@@ -676,6 +676,11 @@ class PageSpace:
                 for page in entry:
                     page_key[page] = key
 
+    def entry_maps(self, pools: Sequence[PagePool]) -> list[tuple[dict, list]]:
+        """Per pool of ``pools`` (this space's), its entries by key and its pages' keys: what :meth:`adopt` writes
+        (a commit that records its entries itself, as :meth:`adopt` does)."""
+        return [(pool._entries, pool._page_key) for pool in pools]
+
     def demote(self, listed: list[int]) -> None:
         """``pool.demote(key)`` of each entry ``listed`` (its pool's index in this space, its
         page count, its pages) in turn, in one compiled call (``lru.demote_unit``: superseded

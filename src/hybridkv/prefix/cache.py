@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import reduce
 from itertools import repeat
@@ -184,9 +184,12 @@ class PrefixCache:
         # "prefill-per-byte": each checkpoint's saved prefill, hits and last use.
         self.values = CheckpointValues() if self.policy.ranks_by_value else None
         self.on_event = on_event
-        # Without a callback, events wait for drain_events(); past the bound the oldest are dropped (counted).
-        self.events: deque[tuple] = deque(maxlen=max_buffered_events)
+        # Without a callback, events wait for drain_events(); past the bound the oldest are dropped (counted). The
+        # buffer holds raw events and commits' records (``_book_units``' ``booked``: ``_raws`` expands them).
+        self.events: deque[tuple] = deque()
+        self.max_buffered_events = max_buffered_events
         self.dropped_events = 0
+        self._buffered = 0  # events in the buffer
         self.stats = {s.group_id: PrefixGroupStats() for s in self.specs}
         # Per state entry, how many requests keep it as an own checkpoint (unpublished at none).
         self._holders: dict[str, dict[int, int]] = {gid: {} for gid in self.state_ids}
@@ -222,14 +225,15 @@ class PrefixCache:
         self._init_units()
 
     def _init_units(self) -> None:
-        """What commits claimed whole read (``_commit_units``): every group in order, its pool (one
-        ``PageSpace.adopt`` call's), pages, stats and whether it is a history group; each history group's id and
+        """What commits claimed whole read (``_commit_units``): every group in order, its pool's entries and pages'
+        keys (``PageSpace.entry_maps``), pages, stats and whether it is a history group; each history group's id and
         pages (its events); each state group's holders. Only with state groups and no pinning interval do commits
         run so."""
         self._units = bool(self.state_ids) and self.state_checkpoint_interval is None
         unit = self._history_groups + [(gid, pool, n, stats) for gid, pool, n, _, stats in self._state_groups]
-        self._unit_pools_in_order = [pool for _, pool, _, _ in unit]
-        self._unit_parts = [(n, stats, j < len(self._history_groups)) for j, (_, _, n, stats) in enumerate(unit)]
+        maps = self._space.entry_maps([pool for _, pool, _, _ in unit])
+        self._unit_parts = [(*maps[j], n, stats, j < len(self._history_groups))
+                            for j, (_, _, n, stats) in enumerate(unit)]
         self._history_events = [(gid, n) for gid, _, n, _ in self._history_groups]  # what a block's event names
         self._unit_holders = [(gid, holders, j) for j, (gid, _, _, holders, _)
                               in enumerate(self._state_groups, len(self._history_groups))]
@@ -275,8 +279,8 @@ class PrefixCache:
         self._unit_pops = {gid: self._space.entry_pops([pools[gid]] + [pools[o] for o in self.state_ids
                                                                         if o != gid and self.eviction.acts])
                            for gid in self.state_ids}
-        # Per state group, what superseding reads there: its pool, holders and index in the page space.
-        self._supersede_books = {gid: (pools[gid], self._holders[gid], self._space.pools.index(pools[gid]))
+        # Per state group, what superseding reads there: its pool's lookup, holders and index in the page space.
+        self._supersede_books = {gid: (pools[gid].lookup, self._holders[gid], self._space.pools.index(pools[gid]))
                                  for gid in self.state_ids}
         self._order = None  # "prefill-per-byte": the state pools' eviction order, kept incrementally
         if self.values is not None and self.state_ids:
@@ -501,7 +505,8 @@ class PrefixCache:
                       let_go: list[tuple]) -> None:
         """The commits ``run`` (:meth:`_unit_run`'s, ``n_blocks`` blocks in all) read and claimed
         in one compiled call (``CommitPages.read_units``), the entries of those it claimed whole
-        recorded in one ``PageSpace.adopt`` call (plain loops: cheaper run cold than zips) and counted; then
+        recorded as ``PageSpace.adopt`` does, group by group, as each is made (plain loops: cheaper run cold than
+        zips), and counted; then
         booked request by request (:meth:`_book_units`) with each one's blocks (keys,
         parents, ends) and checkpoints (keys, parents, boundaries)."""
         g, low = self.granularity_tokens, 2 if self.values is None or self.values.low_priority(SPECULATIVE) else 1
@@ -525,20 +530,21 @@ class PrefixCache:
             block_keys += keys
             checkpoint_keys += lists[-1][3]
         entries, at = [], 0
-        for size, stats, history in self._unit_parts:
-            count = len(block_keys) if history else len(checkpoint_keys)
-            group, end = [], at + count * size
-            if size == 1:  # an entry of one page: no slice made
-                for i in range(at, end):
-                    group.append((pages[i],))
-            else:
-                for i in range(at, end, size):
-                    group.append(tuple(pages[i:i + size]))
+        for published, page_key, size, stats, history in self._unit_parts:  # ``PageSpace.adopt``'s work, inline
+            group, group_keys = [], block_keys if history else checkpoint_keys
+            for key in group_keys:
+                if size == 1:  # an entry of one page: no slice made
+                    page = pages[at]
+                    published[key] = entry = (page,)
+                    page_key[page] = key
+                else:
+                    published[key] = entry = tuple(pages[at:at + size])
+                    for page in entry:
+                        page_key[page] = key
+                group.append(entry)
+                at += size
             entries.append(group)
-            at = end
-            stats.stored_entries += count
-        self._space.adopt(self._unit_pools_in_order,
-                          [block_keys] * len(self.history_ids) + [checkpoint_keys] * len(self.state_ids), entries)
+            stats.stored_entries += len(group_keys)
         self._book_units(run, lists, entries, low, events, let_go)
 
     def _book_units(self, run: list[tuple], lists: list[tuple | None], entries: list[list], low: int,
@@ -557,7 +563,7 @@ class PrefixCache:
                 self._commit_one(req, old, new, events, let_go)
                 continue
             keys, parents, ends, checkpoint_keys, _, boundaries = booked
-            self._unit_events(booked, events)
+            events.append(booked)  # its "stored" events, expanded when drained (``_raws``)
             key, last = checkpoint_keys[-1], kc + len(checkpoint_keys) - 1
             own = _new_object(OwnCheckpoint)  # its fields stored directly (no ``__init__`` frame)
             own.boundary_tokens, own.pinned, own.entries = boundaries[-1], False, {}
@@ -571,18 +577,6 @@ class PrefixCache:
             stored_commit(keys, parents, ends, checkpoint_keys)
             self._supersede(req, [own], events, let_go)
             kb, kc = kb + len(keys), kc + len(checkpoint_keys)
-
-    def _unit_events(self, booked: tuple, events: list[tuple]) -> None:
-        """The "stored" events of a commit claimed whole (:meth:`_book_units`' ``booked``):
-        its blocks history group by history group, then its checkpoints boundary by
-        boundary, state group by state group."""
-        keys, parents, ends, checkpoint_keys, checkpoint_parents, boundaries = booked
-        for gid, size in self._history_events:  # plain loops: cheaper run cold than zips or a comprehension
-            for key, parent, end in zip(keys, parents, ends):
-                events.append(("stored", gid, key, parent, end, size))
-        for key, parent, boundary in zip(checkpoint_keys, checkpoint_parents, boundaries):
-            for gid, size in self._checkpoint_events:
-                events.append(("stored", gid, key, parent, boundary, size))
 
     def _tell_units(self, booked: tuple, entries: list[list], kb: int, kc: int, low: int) -> None:
         """The tier link of a commit claimed whole (:meth:`_book_units`' ``booked``, its
@@ -787,8 +781,8 @@ class PrefixCache:
             # Kept low where its last hold goes: a boundary the policy keeps (asked once, not a group).
             demote, demoted = values is None and self.policy.speculative(prev.boundary_tokens, req.prompt_tokens), []
             for gid, (key, pages) in prev.entries.items():
-                pool, holders, slot = books[gid]
-                if pool.lookup(key) is not pages:
+                lookup, holders, slot = books[gid]
+                if lookup(key) is not pages:
                     continue  # evicted meanwhile, its hold gone (re-stored: another tuple, maybe equal)
                 left = holders.pop(key, 1) - 1
                 if left:
@@ -961,20 +955,63 @@ class PrefixCache:
             hook.removed([raw[1:3] for raw in raws], self._dropping)
         return raws
 
-    def _emit_many(self, raws: Sequence[tuple]) -> None:
-        """Events (raw tuples), in order: to ``on_event``, or to the buffer (as tuples: the hex
-        keys are formatted when drained), the oldest dropped (and counted) past its bound."""
+    def _emit_many(self, items: Sequence[tuple]) -> None:
+        """Events, in order (raw tuples, or a commit's record, as :meth:`_raws` reads them): to ``on_event``, or to
+        the buffer as they are (expanded, the hex keys formatted, when drained), the oldest events dropped (and
+        counted) past ``max_buffered_events``."""
         if self.on_event is not None:
-            for raw in raws:
+            for raw in self._raws(items):
                 self.on_event(_event(raw))
             return
+        n, n_history, n_state = 0, len(self._history_events), len(self._checkpoint_events)
+        for item in items:  # ``_size``, inline
+            n += 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
+        self.events.extend(items)
+        self._buffered += n
+        if self._buffered > self.max_buffered_events:
+            self._drop_oldest(self._buffered - self.max_buffered_events)
+
+    def _drop_oldest(self, excess: int) -> None:
+        """The ``excess`` oldest buffered events dropped and counted (a record cut short: the rest of it kept raw)."""
         events = self.events
-        self.dropped_events += max(0, len(events) + len(raws) - events.maxlen)
-        events.extend(raws)
+        self._buffered -= excess
+        self.dropped_events += excess
+        while excess:
+            item = events.popleft()
+            size = self._size(item)
+            if size > excess:
+                events.extendleft(reversed(list(self._raws((item,)))[excess:]))
+                return
+            excess -= size
+
+    def _size(self, item: tuple) -> int:
+        """How many events ``item`` is (:meth:`_raws`): a raw event one; a commit's record one a block and history
+        group, and one a checkpoint and state group."""
+        if item[0].__class__ is str:
+            return 1
+        return len(item[0]) * len(self._history_events) + len(item[3]) * len(self._checkpoint_events)
+
+    def _raws(self, items: Sequence[tuple]) -> Iterator[tuple]:
+        """The raw events of ``items`` in order: a raw event (kind, group, key, parent, tokens, pages) as it is; a
+        commit's record (``_book_units``' ``booked``: its blocks' keys, parents and ends, its checkpoints' keys,
+        parents and boundaries) its "stored" events: its blocks history group by group, then its checkpoints
+        boundary by boundary, state group by state group."""
+        for item in items:
+            if item[0].__class__ is str:
+                yield item
+                continue
+            keys, parents, ends, checkpoint_keys, checkpoint_parents, boundaries = item
+            for gid, size in self._history_events:
+                for key, parent, end in zip(keys, parents, ends):
+                    yield "stored", gid, key, parent, end, size
+            for key, parent, boundary in zip(checkpoint_keys, checkpoint_parents, boundaries):
+                for gid, size in self._checkpoint_events:
+                    yield "stored", gid, key, parent, boundary, size
 
     def drain_events(self) -> list[CacheEvent]:
-        out = [_event(raw) for raw in self.events]
+        out = [_event(raw) for raw in self._raws(self.events)]
         self.events.clear()
+        self._buffered = 0
         return out
 
     def write_events_jsonl(self, stream: IO[str]) -> int:
