@@ -120,10 +120,11 @@ _NO_PACKING = (np.empty(0, np.int16), *(np.empty((0, 0), np.int64) for _ in rang
 class _Scratch:
     """``run_step``'s working buffers, kept between steps and grown as steps need."""
 
-    def __init__(self, n_groups: int):
+    def __init__(self, n_groups: int, marks: np.ndarray | None = None):
         self.n_groups, self.buffer, self.plan_rows = n_groups, None, 0
         self._grow(0, 0, 0, 0)
-        self.transient = np.empty(n_groups, dtype=np.int64)  # ``room_groups``' marks
+        # ``room_groups``' marks: on an arena its ``room_marks``, where ``grant_step`` leaves them.
+        self.transient = np.empty(n_groups, dtype=np.int64) if marks is None else marks
 
     def plan_arrays(self, n_rows: int) -> tuple:
         """``prepare_step``'s outputs (``kernels.plan_views``) with room for more than ``n_rows`` rows; each plan
@@ -277,7 +278,7 @@ class CacheManager:
         self._finish_entry = None  # ``finish_step``'s compiled code, once ``_after_run`` looked it up
         # On an arena, a sliding group's pages released again next step come last (kernels.transient_pages).
         self._transient = np.asarray([arena is not None and s.is_sliding for s in self.specs], dtype=np.bool_)
-        self._scratch = _Scratch(len(self.specs))
+        self._scratch = _Scratch(len(self.specs), None if arena is None else self.arena.room_marks)
         self._tableset = TableSet(self.specs, max_context_tokens=self.max_context_tokens,
                                   max_step_tokens=self.max_step_tokens, id_offsets=self._space.offsets.tolist())
         _Releases.load_kernel(self._tableset, self._space, self._scratch.plan)
@@ -1094,8 +1095,8 @@ class CacheManager:
                                                            *out)
             if status < 0:
                 raise AssertionError("a slab granted is not spare")
-        if status != kernels.STEP_DONE:
-            n_touched = self._after_run(n_touched, n_keyed, plan, out, cells)
+        if status != kernels.STEP_DONE:  # ``grant_step`` stops only when groups make room, marked already
+            n_touched = self._after_run(n_touched, n_keyed, plan, out, cells, grants is not None)
         elif n_keyed:  # all ``_after_run`` does after a step done whole (the kernel noted the peaks)
             self._space.keyed_idle(released[1], idle_keyed)
         return out, n_touched
@@ -1145,15 +1146,16 @@ class CacheManager:
         self._tableset.ring_view()
 
     def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan, out: _StepArrays,
-                   cells: tuple = _NO_CELLS) -> int:
+                   cells: tuple = _NO_CELLS, marked: bool = False) -> int:
         """Stage 3 in Python once the step kernel stopped after its releases (docs/manager.md, "One
-        step, in four stages"): keyed pages join the LRU, slabs move, groups make room, ``finish_step``."""
+        step, in four stages"): keyed pages join the LRU, slabs move, groups make room, ``finish_step``.
+        ``marked``: ``room_groups``' marks, as it would answer now, are in ``_scratch.transient`` already."""
         space = self._space
         if n_keyed:
             space.keyed_idle(self._scratch.released[1], self._scratch.idle_keyed)
         if plan.grants:
             self.arena.apply(plan.grants)
-        if self._room_groups(plan):
+        if marked or self._room_groups(plan):
             self._make_room(plan)
         args = (*(self._state or self._kernel_state())[:10], self._scratch.buffer, plan.rows.size, plan.settle,
                 n_touched, *cells, *out, True)
