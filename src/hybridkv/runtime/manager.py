@@ -1220,7 +1220,8 @@ class CacheManager:
     def _room_groups(self, plan: _StepPlan) -> int:
         """``kernels.room_groups`` of ``plan`` now, into ``_scratch.transient`` (per group: its transient
         pages when ``make_room`` may evict, else ``-1 - transient``); how many groups to ask. By its compiled
-        code (``kernels.entry_point``), looked up at the first call (``_load_kernels``), as ``_rooms_from``'s."""
+        code (``kernels.entry_point``), looked up at the first call (``_load_kernels``), as ``kernels.rooms_from``'s
+        (``_make_room``'s)."""
         space, ts = self._space, self._tableset
         args = (ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts, plan.after, plan.sums,
                 *self._room_args, space.skip_packing[0] != 0, self._scratch.transient)
