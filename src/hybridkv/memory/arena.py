@@ -181,8 +181,10 @@ class Arena:
                   SPREAD_SLABS] for gid, n in zip(self.group_ids, inner)]
         self.packing = (self.owner, *self._slab_ids, np.asarray(sizes, dtype=np.int64))
         self._roomy_slabs = math.ceil(ROOMY_SPARE_FRACTION * geometry.num_slabs)  # the fewest spare slabs of ``roomy``
+        # ``kernels.room_groups``' marks (per group) where ``grant_step`` stopped for Python to make room.
+        self.room_marks = np.empty(len(self.group_ids), dtype=np.int64)
         self.grant_args = (self.owner, *self._slab_ids, self._space.offsets, self._most_slab_pages,
-                           self.packing[-1], self._spare, self._roomy_slabs)
+                           self.packing[-1], self._spare, self._roomy_slabs, self.room_marks)
         self.slab_moves = 0
         self._spare_changed(geometry.num_slabs)
         for gid, pool in self.pools.items():

@@ -758,13 +758,13 @@ def grant_step(grants, arena, geometry, pages, bounds, counters, ref, keyed, low
                request_indices, per_token):
     """``run_step`` granting spare slabs alone (``grants``: groups, slabs) after its releases, counted off the arena's
     spare slabs with ``SKIP_PACKING`` following ``Arena.roomy`` (``Arena._spare_changed``); it stops for Python only
-    when ``room_groups`` asks (as after the idle keyed pages joined: ``joined_low``). Status -1 (nothing granted): a
-    slab not spare. A kernel of its own: the grant inside ``run_step`` makes ``step``'s compiled loops slower."""
+    when ``room_groups`` asks (as after the idle keyed pages joined: ``joined_low``), its marks left in ``Arena.room_marks``
+    for ``make_room``. Status -1 (nothing granted): a slab not spare. A kernel of its own: the grant inside ``run_step`` makes ``step``'s compiled loops slower."""
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n, settle,
         True, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token)
     rows, counts, first, after, sums, released, _, _, idle_keyed, _ = run_views(plan, geometry.shape[0], n)
-    owner, lo, hi, straddle, offsets, most_slab_pages, sizes, spare, roomy_slabs = arena
+    owner, lo, hi, straddle, offsets, most_slab_pages, sizes, spare, roomy_slabs, marks = arena
     granted = np.empty(grants.shape[1] * most_slab_pages, np.int64)
     if grant_spare_slabs(owner, grants[0], grants[1], lo, hi, straddle, granted, np.empty(geometry.shape[0], np.int64),
                          stack, per_group[TOP], offsets, per_group[LOWEST], per_group[GRANTED_PAGES]) < 0:
@@ -776,8 +776,8 @@ def grant_step(grants, arena, geometry, pages, bounds, counters, ref, keyed, low
     # its counts: ``joined_low``); they join after the step, as after ``run_step``'s.
     joined = joined_low(geometry, low_priority, per_group, released[1], idle_keyed) if n_keyed else per_group
     if room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, joined, ref,
-                   low_priority, keyed, (owner, lo, hi, straddle, sizes), roomy, np.empty(geometry.shape[0], np.int64)):
-        return STEP_NEEDS_PAGES, n_touched, n_keyed  # a group makes room once they joined
+                   low_priority, keyed, (owner, lo, hi, straddle, sizes), roomy, marks):
+        return STEP_NEEDS_PAGES, n_touched, n_keyed  # a group makes room once they joined: ``marks`` says which
     return STEP_DONE, finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group,
                                   transient, plan, n, settle, n_touched, cells, cell_pages, per_request,
                                   query_start_loc, request_indices, per_token, False), n_keyed

@@ -120,10 +120,11 @@ _NO_PACKING = (np.empty(0, np.int16), *(np.empty((0, 0), np.int64) for _ in rang
 class _Scratch:
     """``run_step``'s working buffers, kept between steps and grown as steps need."""
 
-    def __init__(self, n_groups: int):
+    def __init__(self, n_groups: int, marks: np.ndarray | None = None):
         self.n_groups, self.buffer, self.plan_rows = n_groups, None, 0
         self._grow(0, 0, 0, 0)
-        self.transient = np.empty(n_groups, dtype=np.int64)  # ``room_groups``' marks
+        # ``room_groups``' marks: on an arena its ``room_marks``, where ``grant_step`` leaves them.
+        self.transient = np.empty(n_groups, dtype=np.int64) if marks is None else marks
 
     def plan_arrays(self, n_rows: int) -> tuple:
         """``prepare_step``'s outputs (``kernels.plan_views``) with room for more than ``n_rows`` rows; each plan
@@ -277,7 +278,10 @@ class CacheManager:
         self._finish_entry = None  # ``finish_step``'s compiled code, once ``_after_run`` looked it up
         # On an arena, a sliding group's pages released again next step come last (kernels.transient_pages).
         self._transient = np.asarray([arena is not None and s.is_sliding for s in self.specs], dtype=np.bool_)
-        self._scratch = _Scratch(len(self.specs))
+        self._scratch = _Scratch(len(self.specs), None if arena is None else self.arena.room_marks)
+        space = self._space  # ``room_groups``' and ``rooms_from``'s arguments after a plan's sums, before ``roomy``
+        self._room_args = (space.stack, space.offsets, space.per_group, space.ref_counts, space.low_priority,
+                           space.cached, self._packing)
         self._tableset = TableSet(self.specs, max_context_tokens=self.max_context_tokens,
                                   max_step_tokens=self.max_step_tokens, id_offsets=self._space.offsets.tolist())
         _Releases.load_kernel(self._tableset, self._space, self._scratch.plan)
@@ -976,24 +980,16 @@ class CacheManager:
     def _planned_step(self, status: int, planned: tuple, rids: tuple, cells: tuple, out: _StepArrays,
                       write_slots: bool, updates: bool, n_spare: int | None,
                       n_logged: int = 0) -> StepBatch | _StepPlan | None:
-        """``_step`` once ``kernels.step`` only planned: the batch if admitted as is (a clean plan whose rows
-        cross a grain, the buffers large enough: those commit, then ``run_step`` of the plan in the scratch
-        buffer), else the plan or None (``n_spare``: ``admit_spare``'s answer if ``step_spare`` gave it;
-        ``n_logged``: cells ``_step`` took from the table log to the touched scratch, back to it unless run)."""
-        n, settle, n_crossing, clean = planned
-        sc = self._scratch
-        n_tokens, released, most, allocated = sc.plan[7].tolist() if clean and n_crossing else (-1, 0, -1, 0)
-        if n_tokens == out.per_token.shape[1] and 0 <= most <= sc.pages.size and released <= sc.idle_keyed.size \
-                and released + allocated <= sc.touched.size:  # planned only as rows cross: they commit, the plan runs
-            self._version += 1
-            self._commit_rows(sc.plan[6][:n_crossing])  # the stacks only grow: the plan stays clean
-            n_logged = self._take_log(released + allocated, n_logged)
-            status, n_touched, n_keyed = self._run_entry(*self._state[:10], sc.buffer, n, settle, False, n_logged,
-                                                         *cells, *out)
-            if status != kernels.STEP_DONE or n_keyed:
-                n_touched = self._after_plan_run(status, n_touched, n_keyed, planned, out, cells)
-            self._last_rows = sc.plan[0][settle:n].copy()
-            return self._build_batch(self._last_rows, rids, out, False, n_touched if updates else -1, cells)
+        """``_step`` once ``kernels.step`` only planned: the batch if admitted without ``_admit`` (``_direct_grants``)
+        and run at once (``_run_planned``), else the plan or None (``n_spare``: ``admit_spare``'s answer if
+        ``step_spare`` gave it; ``n_logged``: cells ``_step`` took from the table log to the touched scratch, back to
+        it unless run)."""
+        n = planned[0]
+        grants, n_spare = self._direct_grants(status, planned, n_spare) if n >= 0 else (False, n_spare)
+        if grants is not False:
+            batch = self._run_planned(grants, planned, rids, cells, out, updates, n_logged)
+            if batch is not None:
+                return batch
         self._put_back_log(n_logged)
         if n < 0:
             return None
@@ -1006,18 +1002,69 @@ class CacheManager:
             return plan
         return self._commit_and_run(plan, write_slots, updates, False)
 
+    def _run_planned(self, grants: np.ndarray | None, planned: tuple, rids: tuple, cells: tuple, out: _StepArrays,
+                     updates: bool, n_logged: int) -> StepBatch | None:
+        """``_planned_step``'s run of an admitted plan when the buffers are large enough (else None): the rows
+        crossing a grain commit, then ``run_step`` (``grant_step`` granting ``grants``, spare slabs) of the plan
+        in the scratch buffer, then the batch."""
+        n, settle, n_crossing, _ = planned
+        sc = self._scratch
+        n_tokens, released, most, allocated = sc.plan[7].tolist()
+        if not (n_tokens == out.per_token.shape[1] and 0 <= most <= sc.pages.size and released <= sc.idle_keyed.size
+                and released + allocated <= sc.touched.size):
+            return None
+        self._version += 1
+        if n_crossing:
+            self._commit_rows(sc.plan[6][:n_crossing])  # the stacks only grow: the plan is still admitted
+        n_logged = self._take_log(released + allocated, n_logged)
+        args = (*self._state[:10], sc.buffer, n, settle)
+        if grants is None:
+            status, n_touched, n_keyed = self._run_entry(*args, False, n_logged, *cells, *out)
+        else:  # ``grant_step`` stops only when groups make room, marked already
+            status, n_touched, n_keyed = self._grant_entry(grants, self.arena.grant_args, *args, n_logged, *cells, *out)
+            if status < 0:
+                raise AssertionError("a slab granted is not spare")
+        if status != kernels.STEP_DONE or n_keyed:
+            n_touched = self._after_plan_run(status, n_touched, n_keyed, planned, out, cells, grants is not None)
+        self._last_rows = sc.plan[0][settle:n].copy()
+        return self._build_batch(self._last_rows, rids, out, False, n_touched if updates else -1, cells)
+
+    def _direct_grants(self, status: int, planned: tuple, n_spare: int | None) -> tuple[Any, int | None]:
+        """How ``_planned_step`` may run a plan that ``_admit`` would admit as is or with spare slabs alone, without
+        it: None (``run_step``: a clean plan whose rows cross a grain, one ``STEP_COVERED`` granting no slab, or one
+        ``admit_spare`` admits as is), the spare slabs ``admit_spare`` grants (``grant_step``'s ``[2, n]``), else
+        False; and ``admit_spare``'s answer where it was asked (else ``n_spare``)."""
+        n, _, n_crossing, clean = planned
+        if clean:
+            return None if n_crossing else False, n_spare
+        if status == kernels.STEP_COVERED and self._evictable_cover(self._scratch.plan[5][1]):
+            return None, n_spare
+        if self.arena is None:
+            return False, n_spare
+        if n_spare is None:
+            n_spare = self._admit_kernel(n)
+        written = self.arena.spare_written
+        if n_spare < 0 or (n_spare and written is None):  # ``_admit`` decides, or ``Arena.apply`` moves the slabs
+            return False, n_spare
+        return (written[:, :n_spare].copy() if n_spare else None), n_spare
+
     def _after_plan_run(self, status: int, n_touched: int, n_keyed: int, planned: tuple, out: _StepArrays,
-                        cells: tuple) -> int:
+                        cells: tuple, marked: bool = False) -> int:
         """What Python does after ``run_step`` of the plan in the scratch buffer (``_step``'s or
         ``_planned_step``'s; ``planned``: ``_plan_of``'s arguments), where the kernel stopped after its releases
-        or keyed pages went idle: ``_after_run`` of that plan, or (a step done whole: the kernel noted the peaks)
-        the keyed pages join their LRUs. The cells changed."""
-        if status != kernels.STEP_DONE:
+        or keyed pages went idle: ``_after_run`` of that plan (``marked``: ``grant_step``'s, which marked the
+        groups that make room), or (a step done whole: the kernel noted the peaks) the keyed pages join their
+        LRUs. The cells changed."""
+        if status != kernels.STEP_DONE and not marked:
             plan = self._plan_of(*planned)
             plan.grants = []
             return self._after_run(n_touched, n_keyed, plan, out, cells)
-        self._space.keyed_idle(self._scratch.released[1], self._scratch.idle_keyed)
-        return n_touched
+        if n_keyed:
+            self._space.keyed_idle(self._scratch.released[1], self._scratch.idle_keyed)
+        if status == kernels.STEP_DONE:
+            return n_touched
+        self._make_room(self._scratch.plan[5])  # ``_after_run`` of the plan: its sums are all it reads
+        return self._finish_run(planned[0], planned[1], n_touched, out, cells)
 
     def _take_log(self, n_cells: int, at: int = 0) -> int:
         """The cells the table log holds (a ``free`` or a prefix hit since the last step), moved to the touched
@@ -1042,16 +1089,20 @@ class CacheManager:
         if arena is None:
             return False
         if n is None:
-            ts, space = self._tableset, self._space
-            n = self._admit_entry(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.per_group,
-                                  self._committed, self._grain, self._window_pages, self._scratch.buffer,
-                                  plan.rows.size, self._short, *arena.spare_args)
+            n = self._admit_kernel(plan.rows.size)
         if n < 0:
             return False
         written = arena.spare_written  # a copy of its first ``n`` (the scratch is the arena's)
         plan.spare_grants = written[:, :n].copy() if n and written is not None else None
         plan.grants = arena.spare_grants(n) if n and plan.spare_grants is None else []
         return True
+
+    def _admit_kernel(self, n_rows: int) -> int:
+        """``kernels.admit_spare`` (its compiled code) of the plan of ``n_rows`` rows in the scratch buffer."""
+        ts, space = self._tableset, self._space
+        return self._admit_entry(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.per_group,
+                                 self._committed, self._grain, self._window_pages, self._scratch.buffer, n_rows,
+                                 self._short, *self.arena.spare_args)
 
     def _kernel_state(self) -> tuple:
         """``kernels.step``'s leading arguments: the same objects until ``_take_row`` grows the arrays."""
@@ -1094,8 +1145,8 @@ class CacheManager:
                                                            *out)
             if status < 0:
                 raise AssertionError("a slab granted is not spare")
-        if status != kernels.STEP_DONE:
-            n_touched = self._after_run(n_touched, n_keyed, plan, out, cells)
+        if status != kernels.STEP_DONE:  # ``grant_step`` stops only when groups make room, marked already
+            n_touched = self._after_run(n_touched, n_keyed, plan, out, cells, grants is not None)
         elif n_keyed:  # all ``_after_run`` does after a step done whole (the kernel noted the peaks)
             self._space.keyed_idle(released[1], idle_keyed)
         return out, n_touched
@@ -1145,49 +1196,54 @@ class CacheManager:
         self._tableset.ring_view()
 
     def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan, out: _StepArrays,
-                   cells: tuple = _NO_CELLS) -> int:
+                   cells: tuple = _NO_CELLS, marked: bool = False) -> int:
         """Stage 3 in Python once the step kernel stopped after its releases (docs/manager.md, "One
-        step, in four stages"): keyed pages join the LRU, slabs move, groups make room, ``finish_step``."""
-        space = self._space
+        step, in four stages"): keyed pages join the LRU, slabs move, groups make room, ``finish_step``.
+        ``marked``: ``room_groups``' marks, as it would answer now, are in ``_scratch.transient`` already."""
         if n_keyed:
-            space.keyed_idle(self._scratch.released[1], self._scratch.idle_keyed)
+            self._space.keyed_idle(self._scratch.released[1], self._scratch.idle_keyed)
         if plan.grants:
             self.arena.apply(plan.grants)
-        if self._room_groups(plan):
-            self._make_room(plan)
-        args = (*(self._state or self._kernel_state())[:10], self._scratch.buffer, plan.rows.size, plan.settle,
-                n_touched, *cells, *out, True)
-        if self._finish_entry is None:  # by its compiled code (``kernels.entry_point``): the same types every call
+        if marked or self._room_groups(plan):
+            self._make_room(plan.sums)
+        return self._finish_run(plan.rows.size, plan.settle, n_touched, out, cells)
+
+    def _finish_run(self, n: int, settle: int, n_touched: int, out: _StepArrays, cells: tuple) -> int:
+        """``kernels.finish_step`` of the plan of ``n`` rows (``settle`` settling) in the scratch buffer, by its
+        compiled code (``kernels.entry_point``: the same types every call); the cells changed."""
+        args = (*(self._state or self._kernel_state())[:10], self._scratch.buffer, n, settle, n_touched, *cells, *out,
+                True)
+        if self._finish_entry is None:
             self._finish_entry = kernels.entry_point(kernels.finish_step, args)
         return self._finish_entry(*args)
 
-    def _room_groups(self, plan: _StepPlan, start: int = -1) -> int:
+    def _room_groups(self, plan: _StepPlan) -> int:
         """``kernels.room_groups`` of ``plan`` now, into ``_scratch.transient`` (per group: its transient
-        pages when ``make_room`` may evict, else ``-1 - transient``); with ``start``, ``kernels.rooms_from``
-        of the groups from ``start`` on (their transient pages as marked); how many groups to ask. Both by
-        their compiled code (``kernels.entry_point``), looked up at the first call (``_load_kernels``)."""
+        pages when ``make_room`` may evict, else ``-1 - transient``); how many groups to ask. By its compiled
+        code (``kernels.entry_point``), looked up at the first call (``_load_kernels``), as ``kernels.rooms_from``'s
+        (``_make_room``'s)."""
         space, ts = self._space, self._tableset
         args = (ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts, plan.after, plan.sums,
-                space.stack, space.offsets, space.per_group, space.ref_counts, space.low_priority, space.cached,
-                self._packing, space.skip_packing[0] != 0, self._scratch.transient)
+                *self._room_args, space.skip_packing[0] != 0, self._scratch.transient)
         if self._room_entries is None:
             self._room_entries = (kernels.entry_point(kernels.room_groups, args),
                                   kernels.entry_point(kernels.rooms_from, (0, *args[7:])))
-        return self._room_entries[0](*args) if start < 0 else self._room_entries[1](start, *args[7:])
+        return self._room_entries[0](*args)
 
-    def _make_room(self, plan: _StepPlan) -> None:
-        """``PagePool.make_room`` of each group's allocated pages where ``_room_groups`` named it (its
+    def _make_room(self, sums: np.ndarray) -> None:
+        """``PagePool.make_room`` of each group's allocated pages (``sums[1]``) where ``_room_groups`` named it (its
         transient pages: ``highest``). Once one has evicted (telling of a removal may drop or demote
         entries of later groups, which then may have to pack), the later groups are named again
-        (``_room_groups`` from the next): one its rule leaves out would evict nothing in ``make_room``.
-        One it names whose free stack covers the allocation packs (``make_room``'s ``packs``)."""
-        allocated, marks, tops = plan.sums[1].tolist(), self._scratch.transient.tolist(), self._space.tops
+        (``kernels.rooms_from`` the next, as they are now): one its rule leaves out would evict nothing in
+        ``make_room``. One it names whose free stack covers the allocation packs (``make_room``'s ``packs``)."""
+        allocated, marks, tops = sums[1].tolist(), self._scratch.transient.tolist(), self._space.tops
         for g, pool in enumerate(self._pool_list):
             if marks[g] >= 0:
                 before = pool.counters.evicted_pages
                 pool.make_room(allocated[g], marks[g], tops[g] >= allocated[g])
                 if pool.counters.evicted_pages != before and any(allocated[g + 1 :]):
-                    self._room_groups(plan, g + 1)
+                    self._room_entries[1](g + 1, sums, *self._room_args, self._space.skip_packing[0] != 0,
+                                          self._scratch.transient)
                     marks = self._scratch.transient.tolist()
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
