@@ -57,12 +57,13 @@ class PreparedPrompt:
     """A prompt checked, copied and (with prefix caching) hashed by ``CacheManager.prepare_prompt`` when the
     request arrives, off the step's path; one ``add_request`` of the same manager takes it."""
 
-    __slots__ = ("prompt_tokens", "total_tokens", "cache_salt", "_manager", "_buffer", "_hashes")
+    __slots__ = ("prompt_tokens", "total_tokens", "cache_salt", "_manager", "_buffer", "_hashes", "_address")
 
     def __init__(self, manager: CacheManager, buffer: np.ndarray, prompt_tokens: int, total_tokens: int,
                  hashes: RequestHashes | None, cache_salt: str | bytes | None):
         self.prompt_tokens, self.total_tokens, self.cache_salt = prompt_tokens, total_tokens, cache_salt
         self._manager, self._buffer, self._hashes = manager, buffer, hashes
+        self._address = buffer.ctypes.data  # read here: ``ctypes`` costs the adding step ~5-9 µs cold
 
 
 @dataclass
@@ -360,7 +361,7 @@ class CacheManager:
         elif type(prompt_token_ids) is PreparedPrompt:
             buf, hashes, cache_salt = self._take_prepared(request_id, prompt_token_ids, prompt_tokens, max_new_tokens,
                                                           cache_salt)
-            prompt_len, total, address = prompt_token_ids.prompt_tokens, buf.size, buf.ctypes.data
+            prompt_len, total, address = prompt_token_ids.prompt_tokens, buf.size, prompt_token_ids._address
         else:
             buf, prompt_len, total = self._new_prompt(request_id, prompt_token_ids, prompt_tokens, max_new_tokens,
                                                       cache_salt)
