@@ -320,8 +320,10 @@ class PrefixCache:
         state groups' walks down start below the prompt's last blocks no group publishes (``ValueEviction.knows``)."""
         g = self.granularity_tokens
         max_blocks = (prompt_ids.size - 1) // g
-        hashes.extend_to(prompt_ids, max_blocks * g)
-        keys = hashes.hashes[:max_blocks]  # keys[b - 1] names the prefix of b blocks
+        keys = hashes.hashes  # keys[b - 1] names the prefix of b blocks (a prepared prompt's: exactly these)
+        if len(keys) != max_blocks:
+            hashes.extend_to(prompt_ids, max_blocks * g)
+            keys = keys[:max_blocks]
         # Alone, a history group reaches its first missing block, a state group its last checkpoint.
         history, reach = [], []
         for lookup in self._history_lookups:
