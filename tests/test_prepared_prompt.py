@@ -7,6 +7,7 @@ that made it, and a bad one changes nothing.
 
 from __future__ import annotations
 
+from dataclasses import FrozenInstanceError
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 from hybridkv import manager as public
 from hybridkv.models.deepseek_v4 import build_v4_cache_specs
+from hybridkv.prefix.cache import PrefixHit
 from hybridkv.runtime.manager import CacheManager, CacheManagerError, PreparedPrompt
 
 SPECS = tuple(build_v4_cache_specs(SimpleNamespace(sliding_window=128), layer_ratio=[0, 4, 128]))
@@ -148,3 +150,19 @@ def test_prepared_and_plain_adds_give_the_same_programs(data):
         events = [[e.to_json() for e in m.prefix.drain_events()] for m in (plain, prepared)]
         assert events[0] == events[1]
     prepared.check_invariants()
+
+
+def test_the_hit_is_a_frozen_prefix_hit_like_one_its_constructor_builds():
+    """``match_and_borrow`` fills its PrefixHit's fields without ``__init__``: it must still be the hit that
+    ``PrefixCache.match`` (which builds it) finds, frozen."""
+    mgr = make()
+    stem = prompt(7, 900)
+    mgr.add_request("a", stem, max_new_tokens=8)
+    run_out(mgr, "a", 900)
+    for rid, ids in (("b", np.concatenate([stem[:600], prompt(8, 30)])), ("c", prompt(9, 300))):
+        built = mgr.prefix.match(mgr.prefix.prompt_hashes(ids, None), ids)
+        hit = mgr.add_request(rid, mgr.prepare_prompt(ids))
+        assert type(hit) is PrefixHit and hit == built and repr(hit) == repr(built)
+        assert (hit.junction_tokens, hit.limiting_groups) == (built.junction_tokens, built.limiting_groups)
+        with pytest.raises(FrozenInstanceError):
+            hit.hit_tokens = 1
