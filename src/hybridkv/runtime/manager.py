@@ -1524,8 +1524,7 @@ class CacheManager:
         is its request's and every prefix-cache hold is on a cached entry (:meth:`PrefixCache.check_holds`)."""
         assert self._row_of == {rid: req.row for rid, req in self._requests.items()}, "id -> row map is stale"
         assert np.array_equal(self._token_addresses(), self._token_addr), "a row's token-id address is stale"
-        for s in self.specs:
-            gid = s.group_id
+        for gid in self._group_ids:
             table, pool = self.tables[gid], self.pools[gid]
             expected = np.zeros(pool.num_pages, dtype=np.int64)
             for req in self._requests.values():
