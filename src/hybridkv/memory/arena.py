@@ -47,11 +47,8 @@ class ArenaGeometry:
 
     def boundary_pages(self, group_id: str) -> np.ndarray:
         """Per slab ``k``: the group's page straddling slabs ``k-1`` and ``k``, or -1 (none, or ``k == 0``)."""
-        size = self.page_bytes[group_id]
-        start = self.reserved_bytes + np.arange(self.num_slabs, dtype=np.int64) * self.slab_bytes
-        out = np.where(start % size != 0, start // size, -1)
-        out[0] = -1
-        return out
+        lo, hi = self.slab_page_ranges(group_id)  # slab k-1 ends inside a page iff slab k starts past its last one
+        return np.concatenate([[-1], np.where(lo[1:] > hi[:-1], hi[:-1], -1)])
 
 
 def arena_geometry(page_bytes: Mapping[str, int], budget_bytes: int, *, anchor_group: str,
@@ -96,10 +93,8 @@ def shared_concurrency(plan: Any, context_tokens: int, geometry: ArenaGeometry |
     need = plan.request_pages(context_tokens)
     sched = plan.limits.max_scheduled_tokens
     step = {s.group_id: (-(-sched // s.page_tokens) + 1 if s.is_sliding else 0) for s in plan.specs}
-    per_slab = {}
-    for s in plan.specs:
-        lo, hi = geometry.slab_page_ranges(s.group_id)
-        per_slab[s.group_id] = int((hi - lo).min())
+    ranges = {s.group_id: geometry.slab_page_ranges(s.group_id) for s in plan.specs}
+    per_slab = {gid: int((hi - lo).min()) for gid, (lo, hi) in ranges.items()}
 
     def slabs(n: int) -> int:
         return sum(-(-(n * need[g] + step[g]) // per_slab[g]) for g in need)
@@ -422,9 +417,7 @@ class Arena:
         assert (self._space.skip_packing == self.roomy()).all(), "skip_packing differs from roomy"
         for gid in self.group_ids:
             pool, gi = self.pools[gid], self._index[gid]
-            lo, hi = self._ranges[gid]
-            st = self._straddle[gid]
-            mine = self.owner == gi
+            (lo, hi), st, mine = self._ranges[gid], self._straddle[gid], self.owner == gi
             expected = np.zeros(pool.num_pages, dtype=bool)
             for slab in np.flatnonzero(mine).tolist():
                 expected[lo[slab] : hi[slab]] = True

@@ -59,8 +59,7 @@ class PoolCounters:
 
     def as_dict(self) -> dict[str, int]:
         """The three counts by name (a snapshot)."""
-        names = ("allocated_pages", "released_pages", "evicted_pages")
-        return {name: getattr(self, name) for name in names}
+        return {name: getattr(self, name) for name in ("allocated_pages", "released_pages", "evicted_pages")}
 
 
 def _count(row: int, doc: str | None = None) -> property:
@@ -193,19 +192,15 @@ class PagePool:
 
     @property
     def pack_ahead_pages(self) -> int:
-        """Packing's reserve: how many free ids beyond an allocation's ``make_room`` clears of
-        idle low-priority entries when it packs (``PACK_AHEAD_PAGES``, at most 1/128 of the
-        granted pages; none in a pool of fewer than ``PACK_AHEAD_MIN_POOL_PAGES``)."""
+        """Packing's reserve (``PACK_AHEAD_PAGES``): at most 1/128 of the granted pages, none in a small pool."""
         granted = self._granted_pages
         return 0 if granted < PACK_AHEAD_MIN_POOL_PAGES else min(PACK_AHEAD_PAGES, granted >> 7)
 
     def _evict_low_below(self, count: int, ahead: int = 0) -> None:
-        """Evict idle low-priority entries holding ids below the ``count`` lowest free ones, so an allocation takes
-        the lowest ids of free and low-priority pages (the ids an eviction frees count as free for the next), lowest
-        id first; with ``ahead`` (``count`` free ids at least), below the ``count + ahead`` lowest (or all) when one
-        lies below the ``count`` lowest, else none. One batch where telling of a removal cannot change this pool
-        (``evict_many`` set, or no one to tell), its ids read by scans that each go on where the last stopped; else
-        each entry at once (``_evict_low_each``)."""
+        """:meth:`make_room`'s packing: evict the idle low-priority entries holding ids below the ``count`` lowest free
+        ones (those freed count as free), lowest id first; with ``ahead``, below the ``count + ahead`` lowest (or all)
+        when one lies below the ``count`` lowest, else none. One batch (:meth:`_low_victims`) where telling of a removal
+        cannot change this pool (``evict_many`` set, or no one to tell), else one entry at a time."""
         top, each = self._top, self.on_removed is not None and self.evict_many is None
         end = int(self._stack[top - count]) if top >= count else self.num_pages  # scanned below it
         candidates = self._low_idle_ids(end, 1 if each else _SCAN_PAGES)
@@ -223,8 +218,8 @@ class PagePool:
 
     def _low_victims(self, count: int, top: int, candidates: list[int], end: int) -> list[Hashable]:
         """:meth:`_evict_low_below`'s batch: the keys of the idle low-priority entries below the ``count`` lowest free
-        ids (those the entries before free count as free), lowest id first, from ``candidates`` (the first scan's, of
-        the ids below ``end``) and scans that each go on where the last stopped (:meth:`_low_ids_from`);
+        ids (those the entries before free count as free), lowest id first, from ``candidates`` (the first scan's) and
+        scans of ``_SCAN_PAGES`` ids that each go on where the last stopped (the next from ``end``);
         ``_low_floor`` set to where they stopped. The bound, the ``count``-th lowest of the free ids and those freed,
         is kept as pages are freed, in O(log n) each, from the lowest ``frees`` free ids (``stack[:top]``, the lowest
         on top) and the freed ids among the ``count`` lowest (``added``, a max-heap: negated)."""
@@ -232,10 +227,11 @@ class PagePool:
         freed, keys, gone, added, frees = 0, [], set(), [], min(count, top)
         bound = self._lowest_free(count)
         while True:
-            if not candidates:
-                candidates, end = self._low_ids_from(end, bound)
+            if not candidates:  # the next scan goes on where the last stopped
+                candidates = self._low_idle_ids(bound, _SCAN_PAGES, end)
                 if not candidates:
                     break
+                end = candidates[0] + 1 if len(candidates) == _SCAN_PAGES else bound
             page = candidates.pop()
             if page in gone:
                 continue
@@ -266,12 +262,6 @@ class PagePool:
         """The ``count``-th lowest free id (``num_pages`` if fewer are free)."""
         top = self._top
         return int(self._stack[top - count]) if top >= count else self.num_pages
-
-    def _low_ids_from(self, start: int, bound: int) -> tuple[list[int], int]:
-        """:meth:`_low_idle_ids` of ``_SCAN_PAGES`` ids from ``start`` below ``bound``, and where
-        the next scan starts (after the last, or ``bound`` if it found fewer)."""
-        ids = self._low_idle_ids(bound, _SCAN_PAGES, start)
-        return ids, ids[0] + 1 if len(ids) == _SCAN_PAGES else bound
 
     def _evict_low_each(self, count: int) -> None:
         """:meth:`_evict_low_below` one entry at a time, the flags scanned again after each
@@ -354,8 +344,7 @@ class PagePool:
 
     # --- content-keyed entries -------------------------------------------
     def demote(self, key: Hashable) -> None:
-        """Make an entry low priority: its idle pages move to the front of the LRU, the
-        last listed first."""
+        """Make an entry low priority: its idle pages move to the front of the LRU, the last listed first."""
         pages = self._entries[key]
         if not pages:
             return

@@ -1430,18 +1430,8 @@ class CacheManager:
     def hold_pages(self, local_pages: np.ndarray, pages_per_group: np.ndarray) -> None:
         """:meth:`hold_pages_by_group` of pages listed group-major (int64, in ``specs`` order),
         ``pages_per_group[g]`` of group ``g``: one compiled call."""
-        if not self._lists_pages(local_pages, pages_per_group):
-            return
-        found = self._space.hold_outside(local_pages, pages_per_group, self._space_limits, self._held_all)
-        if found == kernels.MISLISTED:
-            self._refuse_mislisted(pages_per_group)
-        if found < -local_pages.size:  # a free page
-            bad = -1 - local_pages.size - found
-            raise CacheManagerError(f"group {self._group_at(pages_per_group, bad)!r}: page {int(local_pages[bad])} "
-                                    "is free; only held or cached pages can be held")
-        if found < 0:
-            self._refuse_range(pages_per_group, -1 - found, _HOLD_RANGE)
-        self._version += 1  # invalidates a cached admission
+        self._outside(local_pages, pages_per_group, self._space.hold_outside, _HOLD_RANGE,
+                      lambda bad: f"page {int(local_pages[bad])} is free; only held or cached pages can be held")
 
     def release_held_pages_by_group(self, pages_by_group: Mapping[str, np.ndarray]) -> None:
         """Drop holds taken by :meth:`hold_pages_by_group` (as a step's release does); refused whole
@@ -1450,16 +1440,22 @@ class CacheManager:
 
     def release_held_pages(self, local_pages: np.ndarray, pages_per_group: np.ndarray) -> None:
         """:meth:`release_held_pages_by_group` of pages listed as :meth:`hold_pages` lists them."""
+        self._outside(local_pages, pages_per_group, self._space.release_outside, _RELEASE_HELD,
+                      lambda bad: _RELEASE_HELD)
+
+    def _outside(self, local_pages: Any, pages_per_group: Any, change: Any, range_error: str, refusal: Any) -> None:
+        """:meth:`hold_pages` or :meth:`release_held_pages` by ``change`` (``PageSpace.hold_outside`` or
+        ``release_outside``); ``refusal(index)`` words the page it refused (free, or released more than held)."""
         if not self._lists_pages(local_pages, pages_per_group):
             return
-        found = self._space.release_outside(local_pages, pages_per_group, self._space_limits, self._held_all)
+        found = change(local_pages, pages_per_group, self._space_limits, self._held_all)
         if found == kernels.MISLISTED:
             self._refuse_mislisted(pages_per_group)
-        if found < -local_pages.size:  # a page released more often than held
-            raise CacheManagerError(f"group {self._group_at(pages_per_group, -1 - local_pages.size - found)!r}: "
-                                    f"{_RELEASE_HELD}")
+        if found < -local_pages.size:
+            bad = -1 - local_pages.size - found
+            raise CacheManagerError(f"group {self._group_at(pages_per_group, bad)!r}: {refusal(bad)}")
         if found < 0:
-            self._refuse_range(pages_per_group, -1 - found, _RELEASE_HELD)
+            self._refuse_range(pages_per_group, -1 - found, range_error)
         self._version += 1  # invalidates a cached admission
 
     def _lists_pages(self, local_pages: Any, pages_per_group: Any) -> bool:
@@ -1529,8 +1525,7 @@ class CacheManager:
         is its request's and every prefix-cache hold is on a cached entry (:meth:`PrefixCache.check_holds`)."""
         assert self._row_of == {rid: req.row for rid, req in self._requests.items()}, "id -> row map is stale"
         assert np.array_equal(self._token_addresses(), self._token_addr), "a row's token-id address is stale"
-        for s in self.specs:
-            gid = s.group_id
+        for gid in self._group_ids:
             table, pool = self.tables[gid], self.pools[gid]
             expected = np.zeros(pool.num_pages, dtype=np.int64)
             for req in self._requests.values():

@@ -59,8 +59,7 @@ class BlockTableMirror:
         """int32 ``[R, width]`` for the last applied batch, as the full mode builds it."""
         g = self._index[group_id]
         width, cap = self.widths[g], self.capacity_pages[g]
-        rows = self.table_rows
-        ring = self.store[g, :, :cap]
+        rows, ring = self.table_rows, self.store[g, :, :cap]
         out = np.full((rows.size, width), -1, dtype=np.int32)
         cols = min(width, cap)
         if self.sliding[g]:  # non-live ring cells are -1, so rotating by base needs no mask below the capacity

@@ -93,12 +93,11 @@ class TableSet:
         for g, t in enumerate(self.tables):
             t._set, t._g = self, g
             mask = t.capacity_pages - 1 if t.sliding else -1
-            ring_mask = t.ring_pages - 1 if t.sliding else -1
             offset = 0 if id_offsets is None else id_offsets[g]  # the group's first id in the page space
             self.geometry[g, : kernels.RING_START] = (
                 t.page_tokens, t.window_tokens, mask, t.rows_per_page, t.stride_tokens, offset,
                 kernels.log2_exact(t.page_tokens), kernels.log2_exact(t.stride_tokens))
-            self.geometry[g, kernels.RING_MASK] = ring_mask
+            self.geometry[g, kernels.RING_MASK] = t.ring_pages - 1 if t.sliding else -1
             self.geometry[g, kernels.VIEW_COLUMNS] = self.view_columns
         rows = max(1, int(initial_rows))
         self.bounds = np.zeros((4, len(self.tables), rows), dtype=np.int64)
@@ -215,8 +214,7 @@ class TableSet:
                                                                          np.ndarray, bool]:
         """(group, row, column, page id now, reset): every cell logged since the last drain and ``touched``;
         after a (re)start of the log, every live cell instead and ``reset`` True."""
-        log = self.log
-        reset = self._resync
+        log, reset = self.log, self._resync
         if reset:
             index = self._live_index()
             self._resync = False
