@@ -595,7 +595,7 @@ def test_blocks_hashed_at_append_are_keyed_by_the_ids_kept_through_rewinds(seed)
         k = int(rng.integers(1, 40))
         tokens = rng.integers(0, VOCAB, (len(rids), k), dtype=np.int32)
         if step % 2:
-            mgr.append_token_ids_many(rids, tokens)
+            mgr.append_token_ids_many(rids[::-1], tokens[::-1])
         else:
             for rid, row in zip(rids, tokens):
                 mgr.append_token_ids(rid, row)
