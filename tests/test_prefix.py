@@ -583,6 +583,34 @@ def test_rejected_draft_tokens_are_never_published():
     assert mgr.add_request("rejected-tail", cat(seq[:255], drafts[5:])).hit_tokens == 0
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_blocks_hashed_at_append_are_keyed_by_the_ids_kept_through_rewinds(seed):
+    """Appends hash the blocks they complete (``append_token_ids`` and ``_many``), drafts included; a rewind
+    drops the hashes past the ids it keeps. Every stored key is still the hash of the ids each request kept."""
+    rng, mgr, rids = np.random.default_rng(seed), make_manager(), ("a", "b")
+    for n, rid in enumerate(rids):
+        mgr.add_request(rid, ids(100 + 2 * seed + n, 200 + 37 * n), max_new_tokens=2000)
+        prefill(mgr, rid, 200 + 37 * n)
+    for step in range(40):
+        k = int(rng.integers(1, 40))
+        tokens = rng.integers(0, VOCAB, (len(rids), k), dtype=np.int32)
+        if step % 2:
+            mgr.append_token_ids_many(rids[::-1], tokens[::-1])
+        else:
+            for rid, row in zip(rids, tokens):
+                mgr.append_token_ids(rid, row)
+        mgr.schedule([(rid, k) for rid in rids])
+        mgr.rewind_many([(rid, mgr.num_computed_tokens(rid) - int(rng.integers(0, k))) for rid in rids])
+    want = set()
+    for rid in rids:
+        kept = mgr.known_token_ids(rid)
+        hashes = mgr.prefix.prompt_hashes(cat(kept, [0]), None)
+        want.update(hashes.key(end) for end in range(256, kept.size + 1, 256))
+        mgr.free(rid)
+    stored = mgr.prefix.drain_events()
+    assert {int(e.block_hash, 16) for e in stored if e.kind == "stored" and e.group_id == C4KV} == want
+
+
 def test_rewind_onto_a_boundary_commits_exactly_that_boundary():
     mgr = make_manager()
     prompt, drafts = ids(95, 250), ids(96, 10)

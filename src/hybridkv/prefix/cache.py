@@ -86,7 +86,7 @@ _new_object = object.__new__
 
 
 class RequestHashes:
-    """A request's chained block hashes, extended as its committed tokens grow."""
+    """A request's chained block hashes, extended as its appended ids complete blocks or its committed tokens grow."""
 
     __slots__ = ("root", "granularity_tokens", "_hash", "hashes")
 
@@ -114,6 +114,10 @@ class RequestHashes:
         for start in range(0, len(data), block_bytes):  # bytes slices: faster than a memoryview's here
             parent = hash_fn(parent.to_bytes(16, "little") + data[start : start + block_bytes])
             append(parent)
+
+    def cut_to(self, num_tokens: int) -> None:
+        """Forget the hashes of blocks past the first ``num_tokens`` tokens (their ids were rewound)."""
+        del self.hashes[num_tokens // self.granularity_tokens :]
 
     def key(self, boundary_tokens: int) -> int:
         """Key of the prefix ``[0, boundary)`` (boundary a positive multiple of the grain)."""
@@ -154,7 +158,7 @@ class CommittingRequest(Protocol):
     hashes: RequestHashes | None
     own_checkpoints: list[OwnCheckpoint]
     keep_boundaries: frozenset[int]  # boundaries whose checkpoints it pins (its junction)
-    token_ids: np.ndarray  # its known tokens (int32), hashed as they commit
+    token_ids: np.ndarray  # its known tokens (int32), hashed as appends complete blocks or as they commit
 
 
 class PrefixCache:

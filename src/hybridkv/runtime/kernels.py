@@ -1073,27 +1073,32 @@ def copy_token_ids(ids, out):
 
 
 @njit(cache=True)
-def append_token_ids(addresses, rows, known, max_total, tokens, mark):
+def append_token_ids(addresses, rows, known, max_total, tokens, mark, grain_tokens, completed_rows):
     """``CacheManager.append_token_ids_many``: ``tokens[i]`` follow the ``known`` ids of row ``rows[i]``'s token
-    buffer (its data at ``addresses[row]``, room for ``max_total`` ids: live rows only), all or nothing. False,
-    nothing changed, when a row is listed twice, has no buffer (address 0) or would pass its ``max_total`` tokens,
-    or an id is negative (``mark``: ``distinct_rows``' scratch)."""
+    buffer (its data at ``addresses[row]``, room for ``max_total`` ids: live rows only), all or nothing. Returns
+    how many rows completed a block of ``grain_tokens`` (0: none counted), listed in order in ``completed_rows``
+    (room for every row); -1, nothing changed, when a row is listed twice, has no buffer (address 0) or would pass
+    its ``max_total`` tokens, or an id is negative (``mark``: ``distinct_rows``' scratch)."""
     k = tokens.shape[1]
     if not distinct_rows(rows, mark):
-        return False
+        return -1
     for i in range(rows.size):
         if addresses[rows[i]] == 0 or known[rows[i]] + k > max_total[rows[i]]:
-            return False
+            return -1
         for j in range(k):
             if tokens[i, j] < 0:
-                return False
+                return -1
+    completed = 0
     for i in range(rows.size):
         row = rows[i]
         buffer, first = carray(_int32_at(addresses[row]), max_total[row]), known[row]
         for j in range(k):
             buffer[first + j] = tokens[i, j]
         known[row] = first + k
-    return True
+        if grain_tokens and (first + k) // grain_tokens > first // grain_tokens:
+            completed_rows[completed] = row
+            completed += 1
+    return completed
 
 
 @njit(cache=True)

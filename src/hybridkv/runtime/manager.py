@@ -330,8 +330,9 @@ class CacheManager:
         # strided view's type covers every layout): ``_plain_prompt`` and ``append_token_ids_many`` skip the
         # type dispatch.
         self._copy_ids = kernels.entry_point(kernels.copy_token_ids, (_ANY_IDS, np.empty(0, _INT32)))
-        self._append_ids = kernels.entry_point(kernels.append_token_ids, (
-            self._token_addr, self._one_row, self._known, self._max_total, _ANY_TOKENS, self._in_batch))
+        self._append_ids = kernels.entry_point(kernels.append_token_ids, (self._token_addr, self._one_row, self._known,
+                                               self._max_total, _ANY_TOKENS, self._in_batch, 0, self._one_row))
+        self._completed_rows = np.empty(64, dtype=np.int64)  # the rows an append completed a block of
 
     @classmethod
     def from_plan(cls, plan: Any, *, page_space: str = "per-group", slab_anchor_pages: int | None = None,
@@ -480,6 +481,8 @@ class CacheManager:
         else:
             req.token_ids[n : n + len(ids)] = ids
         self._known[req.row] = n + len(ids)
+        if req.hashes is not None and (n + len(ids)) // self._grain > n // self._grain:
+            req.hashes.extend_to(req.token_ids, n + len(ids))  # a block completed: hashed now, read at its commit
 
     def append_token_ids_many(self, request_ids: Sequence[str], token_ids: Any) -> None:
         """Append ``k`` token ids to each of many requests (``token_ids``: ints ``[n, k]``).
@@ -498,10 +501,24 @@ class CacheManager:
             tokens = _token_matrix(token_ids, n)
         rids = request_ids if type(request_ids) is tuple else tuple(request_ids)
         rows = self._rows_of(rids)
-        if rows is None or not self._append_ids(self._token_addr, rows, self._known, self._max_total, tokens,
-                                                self._in_batch):
+        if rows is not None and rows.size > self._completed_rows.size:
+            self._completed_rows = np.empty(2 * rows.size, dtype=np.int64)
+        completed = -1 if rows is None else self._append_ids(self._token_addr, rows, self._known, self._max_total,
+                                                             tokens, self._in_batch, self._grain, self._completed_rows)
+        if completed < 0:
             _token_matrix(tokens, n)  # a negative id
             self._refuse_append(rids, tokens.shape[1])
+        if completed:
+            self._hash_completed(completed)
+
+    def _hash_completed(self, completed: int) -> None:
+        """Hash the blocks the rows an append listed (``_completed_rows``' first ``completed``) completed, as vLLM
+        hashes a request's blocks as its outputs are appended: a commit then only reads them."""
+        known, owners = self._known, self._row_owner
+        for row in self._completed_rows[:completed].tolist():
+            req = owners[row]
+            if req.hashes is not None:
+                req.hashes.extend_to(req.token_ids, known.item(row))
 
     def _refuse_append(self, rids: tuple, k: int) -> None:
         """Raise the reason ``k`` more ids for each of ``rids`` are refused."""
@@ -1285,7 +1302,7 @@ class CacheManager:
     def _commit_rows(self, rows: np.ndarray) -> None:
         """Publish what each row's computed tokens completed since its last commit, in one
         ``PrefixCache.commit_requests`` call (row by row in order; it hashes only the first
-        computed tokens of the requests' ids)."""
+        computed tokens of the requests' ids, those its appends did not)."""
         owners, committed, computed = self._row_owner, self._committed, self._computed
         reqs, old, new = [], [], []
         for row in rows.tolist():  # a few rows a step: item reads beat two gathers
@@ -1322,6 +1339,11 @@ class CacheManager:
             space.keyed_idle(keyed_per_group, keyed)
         if before is not None:
             self._note_rewound_loads(rows, before, kept)
+        if self.prefix is not None:  # ids past the known ones will be appended anew: their blocks' hashes go
+            for row in rows.tolist():
+                hashes = self._row_owner[row].hashes
+                if hashes is not None:
+                    hashes.cut_to(self._known.item(row))
 
     def _rewind_rows(self, items: list | tuple) -> tuple[np.ndarray, np.ndarray]:
         """Table rows and kept tokens of ``rewind_many``'s items (``_rewind_items`` words a refusal)."""
