@@ -1,14 +1,11 @@
 """An independent, slow, plain-Python model of the cache manager's documented rules.
 
-Written from docs/manager.md ("The rules", "Load steps"), docs/prefix-caching.md and docs/architecture.md
-only, never from src/hybridkv. One dict per request, one small pool object per group, no numpy. Page ids
-follow a per-group pool's documented order: fresh 1, 2, 3...; freed pages reused first, LIFO, the first page
-of a release on top; a step releases and allocates once per group ("Order within a step"). Prefix keys are the
-token tuples themselves (equal keys <=> equal content), not hashes; a sliding group's checkpoint window is its
-sliding window. Where the docs leave it open this follows the manager: an eviction takes idle low-priority
-entries while it has freed fewer than its need plus 16 pages. Not modelled: the shared arena's slabs, the
-checkpoint interval, salts, events. ``tests/test_reference_equivalence.py`` runs random programs on this and
-on ``CacheManager`` and compares what they hand out.
+Written from docs/manager.md ("The rules", "Load steps") and docs/prefix-caching.md, never from src/hybridkv:
+one dict per request, one small pool per group, no numpy. Page ids follow the documented order (fresh 1, 2,
+3...; freed pages first, LIFO; one release and one allocation per group a step). Prefix keys are the token
+tuples themselves, not hashes; a sliding group's checkpoint window is its sliding window. Where the docs leave
+it open this follows the manager: an eviction takes idle low-priority entries while it has freed fewer than its
+need plus 16 pages. Not modelled: the shared arena's slabs, the checkpoint interval, salts, events.
 """
 
 from __future__ import annotations
@@ -30,19 +27,12 @@ class Pool:
     def __init__(self, spec, pages: int):
         self.gid, self.rows, self.m = spec.group_id, spec.rows_per_page, spec.entry_stride_tokens
         self.T, self.W, self.history = self.rows * self.m, spec.sliding_window_tokens, not spec.is_sliding
-        self.total, self.fresh, self.stack = pages - 1, 1, []
+        self.total, self.stack = pages - 1, list(range(pages - 1, 0, -1))  # clean free pages, page 1 on top
         self.ref, self.key_of, self.entries, self.lru = {}, {}, {}, []
         self.cleaned = []  # pages that went back to clean free (drained by the test's id matcher)
 
-    def clean(self) -> int:
-        return len(self.stack) + self.total + 1 - self.fresh
-
-    def free(self) -> int:
-        return self.clean() + len(self.lru)
-
     def release(self, pages) -> None:
-        """Drop one reference each; idle pages go on the stack (first listed on top) or into the LRU
-        (low-priority ones at its evicting end, first listed first)."""
+        """Drop a reference each; idle pages go on the stack (the first listed on top) or into the LRU."""
         for p in reversed(pages):
             self.ref[p] -= 1
             if self.ref[p]:
@@ -51,47 +41,29 @@ class Pool:
             if p not in self.key_of:
                 self.stack.append(p)
                 self.cleaned.append(p)
-            elif self.entries[self.key_of[p]]["low"]:
-                self.lru.insert(0, p)
-            else:
-                self.lru.append(p)
+            else:  # low-priority pages at the evicting end
+                self.lru.insert(0 if self.entries[self.key_of[p]]["low"] else len(self.lru), p)
 
     def take(self, n: int) -> list[int]:
         """All or nothing (the caller checked): when clean pages are short evict LRU entries first (low-priority
-        ones up to 16 pages beyond the need), then hand out freed pages (LIFO), then fresh ones in id order."""
-        short, evicted = n - self.clean(), 0
+        ones up to 16 pages beyond the need), then pop the stack."""
+        short, evicted = n - len(self.stack), 0
         while short > 0 and self.lru:
             key = self.key_of[self.lru[0]]
             if evicted >= short + (16 if self.entries[key]["low"] else 0):
                 break
             evicted += self.unpublish(key)
-        k = min(n, len(self.stack))
-        out = [self.stack.pop() for _ in range(k)] + list(range(self.fresh, self.fresh + n - k))
-        self.fresh += n - k
+        out = [self.stack.pop() for _ in range(n)]
         self.ref.update((p, 1) for p in out)
         return out
 
-    def hold(self, pages) -> None:
-        for p in pages:
-            if p not in self.ref:
-                self.lru.remove(p)
-            self.ref[p] = self.ref.get(p, 0) + 1
-
-    def publish(self, key, pages, low=False) -> None:
-        if key not in self.entries:
-            self.entries[key] = {"pages": pages, "low": low, "owners": set()}
-            self.key_of.update((p, key) for p in pages)
-
     def unpublish(self, key) -> int:
         """Remove an entry; its idle pages become clean free. Returns how many."""
-        pages = self.entries.pop(key)["pages"]
-        freed = [p for p in pages if p not in self.ref]
+        freed = [p for p in self.entries.pop(key)["pages"] if p not in self.ref]
         self.lru = [p for p in self.lru if p not in freed]
         self.stack += reversed(freed)
         self.cleaned += freed
-        for p in pages:
-            if self.key_of.get(p) == key:
-                del self.key_of[p]
+        self.key_of = {p: k for p, k in self.key_of.items() if k != key}
         return len(freed)
 
     def demote(self, key) -> None:
@@ -106,9 +78,7 @@ class ReferenceManager:
         self.pools = {s.group_id: Pool(s, pages[s.group_id]) for s in specs}
         self.widths, self.caching, self.G, self.prompt_cps = table_widths, caching, grain, prompt_checkpoints
         self.reqs, self.last = {}, []
-        # Checkpoint owners are request serials, never reused: a freed request keeps its holds, and a new
-        # request must not count as the freed one.
-        self.serials = itertools.count()
+        self.serials = itertools.count()  # checkpoint owners: never reused (a freed request keeps its holds)
 
     def add_request(self, rid, ids=None, prompt_tokens=None, max_new=0) -> dict:
         """Register a request; with prefix caching borrow its hit. Returns the hit's numbers."""
@@ -119,19 +89,14 @@ class ReferenceManager:
         self.reqs[rid] = r
         return self.borrow(r) if self.caching else {"hit": 0}
 
-    def append(self, rid, ids) -> None:
-        self.reqs[rid]["ids"].extend(ids)
-
     def hi(self, r, g) -> int:
         return r["base"][g] + len(r["pages"][g])
 
-    # --- prefix caching ---------------------------------------------------------------
     def key(self, r, d):
         return tuple(r["ids"][:d])
 
     def group_reach(self, r, pool) -> int:
-        """The prompt's (less its last token) cached tokens in one group: the run of blocks from the start
-        (history), or its last checkpoint (state)."""
+        """Cached prompt tokens (less the last) in one group: a run of blocks from 0, or the last checkpoint."""
         top = (r["prompt"] - 1) // self.G * self.G
         found = [d for d in range(self.G, top + 1, self.G) if self.key(r, d) in pool.entries]
         if pool.history:
@@ -146,20 +111,16 @@ class ReferenceManager:
             d -= self.G
         r["junction"] = history if history > d else 0
         r["c"] = r["committed"] = d
-        if d:
-            self.lend(r, d)
-        return {"hit": d, "groups": reach, "history": history}
-
-    def lend(self, r, d) -> None:
-        """Borrow the hit's pages: history blocks below d, each state group's checkpoint at d."""
-        for g, p in self.pools.items():
+        for g, p in self.pools.items() if d else ():  # borrow history blocks below d, checkpoints at d
             if p.history:
                 pages = [q for e in range(self.G, d + 1, self.G) for q in p.entries[self.key(r, e)]["pages"]]
             else:
                 pages = list(p.entries[self.key(r, d)]["pages"])
                 p.entries[self.key(r, d)]["owners"].add(r["serial"])
             r["base"][g], r["pages"][g] = d // p.T - len(pages), pages
-            p.hold(pages)
+            p.lru = [q for q in p.lru if q not in pages]
+            p.ref.update((q, p.ref.get(q, 0) + 1) for q in pages)
+        return {"hit": d, "groups": reach, "history": history}
 
     def commit(self, r) -> None:
         """Publish what the computed tokens crossed (blocks; state checkpoints: its last and the junction, owned,
@@ -167,24 +128,20 @@ class ReferenceManager:
         old, r["committed"] = r["committed"], r["c"]
         crossed = list(range((old // self.G + 1) * self.G, r["c"] + 1, self.G)) if self.caching else []
         for d in crossed:
-            own = d in (crossed[-1], r["junction"])
+            key, own = self.key(r, d), d in (crossed[-1], r["junction"])
             for g, p in self.pools.items():
                 lo, hi = (d - (self.G if p.history else p.W)) // p.T - r["base"][g], d // p.T - r["base"][g]
-                # None: pages a load step slid out (published only by someone else).
-                pages = r["pages"][g][lo:hi] if 0 <= lo and hi <= len(r["pages"][g]) else None
-                if p.history or pages is not None and (own or self.prompt_cps and d <= r["prompt"]):
-                    p.publish(self.key(r, d), pages, low=not (p.history or own))
-                if own and not p.history and self.key(r, d) in p.entries:  # its own, whoever published it
-                    p.entries[self.key(r, d)]["owners"].add(r["serial"])
-        for d in range(self.G, crossed[-1] if crossed else 0, self.G):
-            if d != r["junction"]:
-                self.let_go(r, d)
-
-    def let_go(self, r, d) -> None:
-        for p in self.pools.values():
+                pages = r["pages"][g][lo:hi] if 0 <= lo and hi <= len(r["pages"][g]) else None  # None: slid out
+                publish = p.history or pages is not None and (own or self.prompt_cps and d <= r["prompt"])
+                if publish and key not in p.entries:
+                    p.entries[key] = {"pages": pages, "low": not (p.history or own), "owners": set()}
+                    p.key_of.update((q, key) for q in pages)
+                if own and not p.history and key in p.entries:  # its own, whoever published it
+                    p.entries[key]["owners"].add(r["serial"])
+        for d, p in itertools.product(range(self.G, crossed[-1] if crossed else 0, self.G), self.pools.values()):
             e = p.entries.get(self.key(r, d))
-            if p.history or e is None or r["serial"] not in e["owners"]:
-                continue  # not (or no longer: evicted, maybe published again since) its own
+            if d == r["junction"] or e is None or r["serial"] not in e["owners"]:
+                continue  # pinned, or not (or no longer: evicted, maybe published again since) its own
             e["owners"].discard(r["serial"])
             if not e["owners"]:
                 if self.prompt_cps and d <= r["prompt"]:
@@ -192,20 +149,16 @@ class ReferenceManager:
                 else:
                     p.unpublish(self.key(r, d))
 
-    # --- a step -------------------------------------------------------------------------
     def new_base(self, r, p, n, load) -> int:
         """A sliding group's base after the step's release: from the first position written, or for a load
         step the first page of the checkpoint window at the load's end (may pass hi)."""
-        base = r["base"][p.gid]
         if not p.W:
-            return base
-        if load:
-            return max(base, max(0, r["c"] + n - p.W) // p.T)
-        return max(base, min(max(0, r["c"] - p.W + 1) // p.T, self.hi(r, p.gid)))
+            return r["base"][p.gid]
+        floor = max(0, r["c"] + n - p.W) // p.T if load else min(max(0, r["c"] - p.W + 1) // p.T, self.hi(r, p.gid))
+        return max(r["base"][p.gid], floor)
 
     def plan(self, r, n, load=False):
-        """Per group: the table width after a step of n tokens, and the pages it allocates less those it
-        releases as their last holder."""
+        """Per group: the table width after a step of n tokens, and the pages it takes less those it frees."""
         widths, costs = {}, {}
         for g, p in self.pools.items():
             base, hi, new_base = r["base"][g], self.hi(r, g), self.new_base(r, p, n, load)
@@ -215,23 +168,22 @@ class ReferenceManager:
         return widths, costs
 
     def fits(self, costs) -> bool:
-        return all(sum(c[g] for c in costs) <= p.free() for g, p in self.pools.items())
+        return all(sum(c[g] for c in costs) <= len(p.stack) + len(p.lru) for g, p in self.pools.items())
 
     def settling(self, items):
-        names = {rid for rid, _ in items}
-        return [rid for rid in self.last if rid in self.reqs and rid not in names
+        """The previous batch's requests left out of this one that have tokens to commit."""
+        return [rid for rid in self.last if rid in self.reqs and rid not in dict(items)
                 and self.reqs[rid]["c"] > self.reqs[rid]["committed"]]
 
     def check_admission(self, items, fixed_width=False, load=False) -> list[bool]:
         chosen = [self.plan(self.reqs[rid], 0)[1] for rid in self.settling(items)]
         plans = [self.plan(self.reqs[rid], n, load) for rid, n in items]
         ok = [not fixed_width or all(w <= self.widths[g] for g, w in widths.items()) for widths, _ in plans]
-        if self.fits(chosen + [costs for (_, costs), k in zip(plans, ok) if k]):
-            return ok
-        for i, (_, costs) in enumerate(plans):  # greedy in batch order
-            ok[i] = ok[i] and self.fits(chosen + [costs])
-            if ok[i]:
-                chosen.append(costs)
+        if not self.fits(chosen + [costs for (_, costs), k in zip(plans, ok) if k]):
+            for i, (_, costs) in enumerate(plans):  # greedy in batch order
+                ok[i] = ok[i] and self.fits(chosen + [costs])
+                if ok[i]:
+                    chosen.append(costs)
         return ok
 
     def max_admissible_tokens(self, rid, max_tokens, batch=()) -> int:
@@ -275,16 +227,12 @@ class ReferenceManager:
         g, slots = p.gid, []
         for r, n in reqs if with_slots else ():
             for pos in range(r["c"], r["c"] + n):
-                if (pos + 1) % p.m:
-                    slots.append(-1)
-                else:
-                    row = pos // p.m
-                    slots.append(r["pages"][g][row // p.rows - r["base"][g]] * p.rows + row % p.rows)
+                page, row = r["pages"][g][pos // p.T - r["base"][g]], pos // p.m
+                slots.append(-1 if (pos + 1) % p.m else page * p.rows + row % p.rows)
         width = self.widths[g] if fixed_width else max(len(r["pages"][g]) for r, _ in reqs)
         return {"table": [r["pages"][g] + [-1] * (width - len(r["pages"][g])) for r, _ in reqs],
                 "base_pages": [r["base"][g] for r, _ in reqs] if p.W else None, "write_slots": slots}
 
-    # --- outside a step ----------------------------------------------------------------
     def rewind_many(self, items) -> None:
         """Keep the first n computed tokens of each; the pages past them go back as one release."""
         if not all(self.reqs[rid]["committed"] <= n <= self.reqs[rid]["c"] for rid, n in items):
@@ -309,6 +257,6 @@ class ReferenceManager:
             p.release(r["pages"][g])
 
     def stats(self) -> dict:
-        return {g: {"total_pages": p.total, "free_pages": p.free(), "used_pages": len(p.ref),
+        return {g: {"total_pages": p.total, "free_pages": len(p.stack) + len(p.lru), "used_pages": len(p.ref),
                     "cached_pages": len(p.key_of), "evictable_pages": len(p.lru)}
                 for g, p in self.pools.items()}

@@ -226,7 +226,7 @@ def draw_items(twin, data):
             extra = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=r["c"] + n - len(r["ids"]),
                                        max_size=r["c"] + n - len(r["ids"])))
             log(f"append {rid} {extra}")
-            twin.ref.append(rid, extra)
+            r["ids"].extend(extra)
             extras[rid] = extra
         items.append((rid, n))
     if len(extras) > 1 and len({len(e) for e in extras.values()}) == 1:  # the decode-step form
