@@ -1,11 +1,8 @@
-"""An independent, slow, plain-Python model of the cache manager's documented rules.
-
-Written from docs/manager.md ("The rules", "Load steps") and docs/prefix-caching.md, never from src/hybridkv:
-one dict per request, one small pool per group, no numpy. Page ids follow the documented order (fresh 1, 2,
-3...; freed pages first, LIFO; one release and one allocation per group a step). Prefix keys are the token
-tuples themselves, not hashes; a sliding group's checkpoint window is its sliding window. Where the docs leave
-it open this follows the manager: an eviction takes idle low-priority entries while it has freed fewer than its
-need plus 16 pages. Not modelled: the shared arena's slabs, the checkpoint interval, salts, events.
+"""An independent, slow, plain-Python model of the cache manager's documented rules, written from
+docs/manager.md ("The rules", "Load steps") and docs/prefix-caching.md, never from src/hybridkv. Prefix keys
+are token tuples; a sliding group's checkpoint window is its window. Where the docs leave it open this follows
+the manager: an eviction takes idle low-priority entries while it has freed fewer than its need plus 16 pages.
+Not modelled: the shared arena's slabs, checkpoint intervals, salts, events.
 """
 
 from __future__ import annotations
@@ -45,8 +42,7 @@ class Pool:
                 self.lru.insert(0 if self.entries[self.key_of[p]]["low"] else len(self.lru), p)
 
     def take(self, n: int) -> list[int]:
-        """All or nothing (the caller checked): when clean pages are short evict LRU entries first (low-priority
-        ones up to 16 pages beyond the need), then pop the stack."""
+        """All or nothing (the caller checked): evict LRU entries while clean pages are short, then pop."""
         short, evicted = n - len(self.stack), 0
         while short > 0 and self.lru:
             key = self.key_of[self.lru[0]]
@@ -56,6 +52,10 @@ class Pool:
         out = [self.stack.pop() for _ in range(n)]
         self.ref.update((p, 1) for p in out)
         return out
+
+    def hold(self, pages) -> None:
+        self.lru = [p for p in self.lru if p not in pages]
+        self.ref.update((p, self.ref.get(p, 0) + 1) for p in pages)
 
     def unpublish(self, key) -> int:
         """Remove an entry; its idle pages become clean free. Returns how many."""
@@ -118,40 +118,38 @@ class ReferenceManager:
                 pages = list(p.entries[self.key(r, d)]["pages"])
                 p.entries[self.key(r, d)]["owners"].add(r["serial"])
             r["base"][g], r["pages"][g] = d // p.T - len(pages), pages
-            p.lru = [q for q in p.lru if q not in pages]
-            p.ref.update((q, p.ref.get(q, 0) + 1) for q in pages)
+            p.hold(pages)
         return {"hit": d, "groups": reach, "history": history}
 
     def commit(self, r) -> None:
-        """Publish what the computed tokens crossed (blocks; state checkpoints: its last and the junction, owned,
-        and low-priority prompt ones), then let go of its older checkpoints."""
+        """Publish the grain boundaries its computed tokens crossed, then let go of its older checkpoints."""
         old, r["committed"] = r["committed"], r["c"]
         crossed = list(range((old // self.G + 1) * self.G, r["c"] + 1, self.G)) if self.caching else []
-        for d in crossed:
-            key, own = self.key(r, d), d in (crossed[-1], r["junction"])
-            for g, p in self.pools.items():
-                lo, hi = (d - (self.G if p.history else p.W)) // p.T - r["base"][g], d // p.T - r["base"][g]
-                pages = r["pages"][g][lo:hi] if 0 <= lo and hi <= len(r["pages"][g]) else None  # None: slid out
-                publish = p.history or pages is not None and (own or self.prompt_cps and d <= r["prompt"])
-                if publish and key not in p.entries:
-                    p.entries[key] = {"pages": pages, "low": not (p.history or own), "owners": set()}
-                    p.key_of.update((q, key) for q in pages)
-                if own and not p.history and key in p.entries:  # its own, whoever published it
-                    p.entries[key]["owners"].add(r["serial"])
+        for d, p in itertools.product(crossed, self.pools.values()):
+            self.publish(r, p, d, own=d in (crossed[-1], r["junction"]))
         for d, p in itertools.product(range(self.G, crossed[-1] if crossed else 0, self.G), self.pools.values()):
-            e = p.entries.get(self.key(r, d))
-            if d == r["junction"] or e is None or r["serial"] not in e["owners"]:
-                continue  # pinned, or not (or no longer: evicted, maybe published again since) its own
-            e["owners"].discard(r["serial"])
-            if not e["owners"]:
-                if self.prompt_cps and d <= r["prompt"]:
+            e = p.entries.get(self.key(r, d), {"owners": set()})
+            if d != r["junction"] and r["serial"] in e["owners"]:  # not pinned, still its own (maybe evicted)
+                e["owners"].discard(r["serial"])
+                if not e["owners"] and self.prompt_cps and d <= r["prompt"]:
                     p.demote(self.key(r, d))
-                else:
+                elif not e["owners"]:
                     p.unpublish(self.key(r, d))
 
+    def publish(self, r, p, d, own) -> None:
+        """Publish the block or checkpoint ending at d in group p, low-priority if a state group's and not own."""
+        key, base = self.key(r, d), r["base"][p.gid]
+        lo, hi = (d - (self.G if p.history else p.W)) // p.T - base, d // p.T - base
+        pages = r["pages"][p.gid][lo:hi] if 0 <= lo and hi <= len(r["pages"][p.gid]) else None  # None: slid out
+        publish = p.history or pages is not None and (own or self.prompt_cps and d <= r["prompt"])
+        if publish and key not in p.entries:
+            p.entries[key] = {"pages": pages, "low": not (p.history or own), "owners": set()}
+            p.key_of.update((q, key) for q in pages)
+        if own and not p.history and key in p.entries:  # its own, whoever published it
+            p.entries[key]["owners"].add(r["serial"])
+
     def new_base(self, r, p, n, load) -> int:
-        """A sliding group's base after the step's release: from the first position written, or for a load
-        step the first page of the checkpoint window at the load's end (may pass hi)."""
+        """A sliding group's base after the release: the first position's window, or a load's end checkpoint."""
         if not p.W:
             return r["base"][p.gid]
         floor = max(0, r["c"] + n - p.W) // p.T if load else min(max(0, r["c"] - p.W + 1) // p.T, self.hi(r, p.gid))
@@ -196,10 +194,28 @@ class ReferenceManager:
     def schedule(self, items, fixed_width=False, load=False) -> dict:
         if not all(self.check_admission(items, fixed_width, load)):
             raise RefError("denied")
+        gone = self.settle_and_slide(items, load)
+        reqs = [(self.reqs[rid], n) for rid, n in items]
+        out = {"positions": [pos for r, n in reqs for pos in range(r["c"], r["c"] + n)],
+               "request_indices": [i for i, (_, n) in enumerate(items) for _ in range(n)],
+               "qsl": list(itertools.accumulate((n for _, n in items), initial=0)), "groups": {}}
+        for g, p in self.pools.items():  # then one allocation per group, handed out in batch order
+            p.release(gone[g])
+            cells = [r["pages"][g] for r, n in reqs for _ in range(self.hi(r, g), cdiv(r["c"] + n, p.T))]
+            for pages, q in zip(cells, p.take(len(cells))):
+                pages.append(q)
+            out["groups"][g] = self.group_step(reqs, p, fixed_width, with_slots=not load)
+        for r, n in reqs:
+            r["c"] += n
+        self.last = list(dict(items))
+        return out
+
+    def settle_and_slide(self, items, load) -> dict:
+        """Commit the previous step's requests, paused ones first; list each group's one release in that order."""
         settle = self.settling(items)
-        for rid in settle + [rid for rid, _ in items]:  # paused requests commit first
+        for rid in settle + list(dict(items)):
             self.commit(self.reqs[rid])
-        gone = {g: [] for g in self.pools}  # one release per group: paused requests, then the batch
+        gone = {g: [] for g in self.pools}
         for rid, n, step_load in [(rid, 0, False) for rid in settle] + [(rid, n, load) for rid, n in items]:
             r = self.reqs[rid]
             for g, p in self.pools.items():
@@ -207,28 +223,15 @@ class ReferenceManager:
                 gone[g] += r["pages"][g][:k]
                 del r["pages"][g][:k]
                 r["base"][g] += k
-        reqs = [(self.reqs[rid], n) for rid, n in items]
-        for g, p in self.pools.items():  # then one allocation per group, handed out in batch order
-            p.release(gone[g])
-            cells = [r["pages"][g] for r, n in reqs for _ in range(self.hi(r, g), cdiv(r["c"] + n, p.T))]
-            for pages, q in zip(cells, p.take(len(cells))):
-                pages.append(q)
-        out = {"positions": [pos for r, n in reqs for pos in range(r["c"], r["c"] + n)],
-               "request_indices": [i for i, (_, n) in enumerate(items) for _ in range(n)],
-               "qsl": list(itertools.accumulate((n for _, n in items), initial=0)),
-               "groups": {g: self.group_step(reqs, p, fixed_width, not load) for g, p in self.pools.items()}}
-        for r, n in reqs:
-            r["c"] += n
-        self.last = [rid for rid, _ in items]
-        return out
+        return gone
 
-    def group_step(self, reqs, p, fixed_width, with_slots):
+    def group_step(self, reqs, p, fixed_width, with_slots) -> dict:
         """One group's block table (rows padded with -1), base pages (sliding groups) and write slots."""
         g, slots = p.gid, []
         for r, n in reqs if with_slots else ():
-            for pos in range(r["c"], r["c"] + n):
-                page, row = r["pages"][g][pos // p.T - r["base"][g]], pos // p.m
-                slots.append(-1 if (pos + 1) % p.m else page * p.rows + row % p.rows)
+            for pos in range(r["c"], r["c"] + n):  # a compressed group writes a row at its last token only
+                page = r["pages"][g][pos // p.T - r["base"][g]]
+                slots.append(-1 if (pos + 1) % p.m else page * p.rows + pos // p.m % p.rows)
         width = self.widths[g] if fixed_width else max(len(r["pages"][g]) for r, _ in reqs)
         return {"table": [r["pages"][g] + [-1] * (width - len(r["pages"][g])) for r, _ in reqs],
                 "base_pages": [r["base"][g] for r, _ in reqs] if p.W else None, "write_slots": slots}
