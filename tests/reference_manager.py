@@ -155,18 +155,18 @@ class ReferenceManager:
         floor = max(0, r["c"] + n - p.W) // p.T if load else min(max(0, r["c"] - p.W + 1) // p.T, self.hi(r, p.gid))
         return max(r["base"][p.gid], floor)
 
-    def plan(self, r, n, load=False):
-        """Per group: the table width after a step of n tokens, and the pages it takes less those it frees."""
-        widths, costs = {}, {}
+    def plan(self, r, n, load=False) -> dict:
+        """Per group: (table width after a step of n tokens, pages it takes less pages it frees)."""
+        out = {}
         for g, p in self.pools.items():
             base, hi, new_base = r["base"][g], self.hi(r, g), self.new_base(r, p, n, load)
             need = max(cdiv(r["c"] + n, p.T), hi) if n else hi
             gone = sum(1 for q in r["pages"][g][:new_base - base] if p.ref[q] == 1)
-            widths[g], costs[g] = need - new_base, need - max(hi, new_base) - gone
-        return widths, costs
+            out[g] = (need - new_base, need - max(hi, new_base) - gone)
+        return out
 
-    def fits(self, costs) -> bool:
-        return all(sum(c[g] for c in costs) <= len(p.stack) + len(p.lru) for g, p in self.pools.items())
+    def fits(self, plans) -> bool:
+        return all(sum(pl[g][1] for pl in plans) <= len(p.stack) + len(p.lru) for g, p in self.pools.items())
 
     def settling(self, items):
         """The previous batch's requests left out of this one that have tokens to commit."""
@@ -174,14 +174,14 @@ class ReferenceManager:
                 and self.reqs[rid]["c"] > self.reqs[rid]["committed"]]
 
     def check_admission(self, items, fixed_width=False, load=False) -> list[bool]:
-        chosen = [self.plan(self.reqs[rid], 0)[1] for rid in self.settling(items)]
+        chosen = [self.plan(self.reqs[rid], 0) for rid in self.settling(items)]
         plans = [self.plan(self.reqs[rid], n, load) for rid, n in items]
-        ok = [not fixed_width or all(w <= self.widths[g] for g, w in widths.items()) for widths, _ in plans]
-        if not self.fits(chosen + [costs for (_, costs), k in zip(plans, ok) if k]):
-            for i, (_, costs) in enumerate(plans):  # greedy in batch order
-                ok[i] = ok[i] and self.fits(chosen + [costs])
+        ok = [not fixed_width or all(w <= self.widths[g] for g, (w, _) in pl.items()) for pl in plans]
+        if not self.fits(chosen + [pl for pl, k in zip(plans, ok) if k]):
+            for i, pl in enumerate(plans):  # greedy in batch order
+                ok[i] = ok[i] and self.fits(chosen + [pl])
                 if ok[i]:
-                    chosen.append(costs)
+                    chosen.append(pl)
         return ok
 
     def max_admissible_tokens(self, rid, max_tokens, batch=()) -> int:

@@ -17,16 +17,9 @@ counts), table widths, every live request's pages (``request_pages``), the
 public ``stats()`` counts, ``check_admission`` and ``max_admissible_tokens``
 answers, whether ``schedule`` raises, and each ``add_request``'s hit numbers.
 
-Page ids: per-group pools are compared exactly. The docs fix a pool's reuse
-order (fresh 1, 2, 3...; freed pages LIFO, the first page of a release on top);
-where they leave an order open the reference takes the manager's, a choice the
-lead may want written into docs/manager.md: a step's (and a ``rewind_many``'s)
-releases are one release per group listed paused requests first, then the batch
-in order, each request's pages in logical order; a step allocates once per group
-and hands the pages out in batch order, evicting first when short (an evicted
-entry's idle pages go on the stack like freed ones); the requests of the previous
-step commit paused ones first, then the batch's, so the first of them publishes a
-key they share. On a shared arena pools hand out their lowest free ids from the
+Page ids: per-group pools are compared exactly (docs/manager.md fixes a pool's
+reuse order and a step's order of commits, releases and allocations, "Order
+within a step"). On a shared arena pools hand out their lowest free ids from the
 slabs they own, which the reference does not model, so there ids are compared up
 to a renaming per group (a bijection that must hold while the reference's page
 stays held or cached), the arena is roomy (nothing denied or evicted), prompt
