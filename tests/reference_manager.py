@@ -1,8 +1,7 @@
 """An independent, slow, plain-Python model of the cache manager's documented rules, written from
 docs/manager.md ("The rules", "Load steps") and docs/prefix-caching.md, never from src/hybridkv. Prefix keys
-are token tuples; a sliding group's checkpoint window is its window. Where the docs leave it open this follows
-the manager: an eviction takes idle low-priority entries while it has freed fewer than its need plus 16 pages.
-Not modelled: the shared arena's slabs, checkpoint intervals, salts, events.
+are token tuples; a sliding group's checkpoint window is its window. Not modelled: the shared arena's slabs,
+checkpoint intervals, salts, events.
 """
 
 from __future__ import annotations
@@ -32,17 +31,17 @@ class Pool:
         """Drop a reference each; idle pages go on the stack (the first listed on top) or into the LRU."""
         for p in reversed(pages):
             self.ref[p] -= 1
-            if self.ref[p]:
-                continue
-            del self.ref[p]
-            if p not in self.key_of:
-                self.stack.append(p)
-                self.cleaned.append(p)
-            else:  # low-priority pages at the evicting end
-                self.lru.insert(0 if self.entries[self.key_of[p]]["low"] else len(self.lru), p)
+            if self.ref[p] == 0:
+                del self.ref[p]
+                if p in self.key_of:  # low-priority pages at the evicting end
+                    self.lru.insert(0 if self.entries[self.key_of[p]]["low"] else len(self.lru), p)
+                else:
+                    self.stack.append(p)
+                    self.cleaned.append(p)
 
     def take(self, n: int) -> list[int]:
-        """All or nothing (the caller checked): evict LRU entries while clean pages are short, then pop."""
+        """All or nothing (the caller checked): evict LRU entries while clean pages are short (idle low-priority
+        ones up to 16 pages beyond the need), then pop."""
         short, evicted = n - len(self.stack), 0
         while short > 0 and self.lru:
             key = self.key_of[self.lru[0]]
@@ -77,8 +76,7 @@ class ReferenceManager:
     def __init__(self, specs, pages, *, table_widths=None, caching=False, grain=None, prompt_checkpoints=True):
         self.pools = {s.group_id: Pool(s, pages[s.group_id]) for s in specs}
         self.widths, self.caching, self.G, self.prompt_cps = table_widths, caching, grain, prompt_checkpoints
-        self.reqs, self.last = {}, []
-        self.serials = itertools.count()  # checkpoint owners: never reused (a freed request keeps its holds)
+        self.reqs, self.last, self.serials = {}, [], itertools.count()  # serials own checkpoints, never reused
 
     def add_request(self, rid, ids=None, prompt_tokens=None, max_new=0) -> dict:
         """Register a request; with prefix caching borrow its hit. Returns the hit's numbers."""
@@ -104,6 +102,7 @@ class ReferenceManager:
         return max(found, default=0)
 
     def borrow(self, r) -> dict:
+        """Borrow the longest hit that every history group's blocks and every state group's checkpoint cover."""
         reach = {g: self.group_reach(r, p) for g, p in self.pools.items()}
         history = min([reach[g] for g, p in self.pools.items() if p.history], default=0)
         d = history
