@@ -392,17 +392,42 @@ def replay(program: str) -> None:
         twin.compare_state()
 
 
+ROOMY = ("pages={'kv': 30, 'c4': 30, 'swa': 30, 'cst': 30} widths={'kv': 16, 'c4': 8, 'swa': 8, 'cst': 8}"
+         " prompt_checkpoints=False shared=False")  # a replayed program's first line: nothing denied or evicted
+
+
 def test_paused_requests_commit_before_the_batch_so_the_first_paused_one_publishes():
     """c, a and b compute the same 9 tokens in one step; only b goes on, so c and a settle and
-    commit before b, c first: c's pages are the ones published at 8, and d borrows them. (Not
-    in the docs, which leave the order open; the random programs rarely reach this case.)"""
+    commit before b, c first: c's pages are the ones published at 8, and d borrows them
+    (docs/manager.md "Order within a step"; the random programs rarely reach this case)."""
     same = list(range(12))
     replay(f"""
-        pages={{'kv': 30, 'c4': 30, 'swa': 30, 'cst': 30}} widths={{'kv': 16, 'c4': 8, 'swa': 8, 'cst': 8}} prompt_checkpoints=False shared=False
+        {ROOMY}
         add a {same} max_new=3
         add b {same} max_new=3
         add c {same} max_new=3
         schedule [('c', 9), ('a', 9), ('b', 9)]
         schedule [('b', 1)]
         add d {same} max_new=3
+    """)
+
+
+def test_a_hit_owns_its_checkpoint_and_a_junction_stays_pinned():
+    """b's hit at 8 makes a's checkpoint there b's own too, so it stays published when a moves on to 16; c's
+    history reaches 16, where no checkpoint is left (a let go of it), so c pins the one it publishes there and
+    keeps it when it moves on to 24. (Rare in the random programs: mutants dropping either hold survive them.)"""
+    a = list(range(28))
+    replay(f"""
+        {ROOMY}
+        add a {a} max_new=3
+        schedule [('a', 9)]
+        schedule [('a', 1)]
+        add b {a[:12]} max_new=3
+        schedule [('a', 7)]
+        schedule [('a', 8)]
+        schedule [('a', 1)]
+        add c {a[:20] + [99] * 8} max_new=3
+        schedule [('c', 9)]
+        schedule [('c', 8)]
+        schedule [('c', 1)]
     """)
