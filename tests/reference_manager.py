@@ -24,8 +24,7 @@ class Pool:
         self.gid, self.rows, self.m = spec.group_id, spec.rows_per_page, spec.entry_stride_tokens
         self.T, self.W, self.history = self.rows * self.m, spec.sliding_window_tokens, not spec.is_sliding
         self.total, self.stack = pages - 1, list(range(pages - 1, 0, -1))  # clean free pages, page 1 on top
-        self.ref, self.key_of, self.entries, self.lru = {}, {}, {}, []
-        self.cleaned = []  # pages that went back to clean free (drained by the test's id matcher)
+        self.ref, self.key_of, self.entries, self.lru, self.cleaned = {}, {}, {}, [], []  # cleaned: for the test's ids
 
     def release(self, pages) -> None:
         """Drop a reference each; idle pages go on the stack (the first listed on top) or into the LRU."""
