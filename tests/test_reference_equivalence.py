@@ -431,3 +431,15 @@ def test_a_hit_owns_its_checkpoint_and_a_junction_stays_pinned():
         schedule [('c', 8)]
         schedule [('c', 1)]
     """)
+
+
+def test_a_batch_whose_releases_pay_for_its_first_request_is_admitted_whole():
+    """y's 16-token chunk needs 4 window pages with 3 free; x's decode step in the same batch frees 2 and takes 1,
+    so the batch fits as a whole and both go, though y alone (greedy, in batch order) would not fit."""
+    replay(f"""
+        {ROOMY.replace("'swa': 30", "'swa': 8")}
+        add x {list(range(20))} max_new=3
+        schedule [('x', 16)]
+        add y {list(range(100, 116))} max_new=3
+        schedule [('y', 16), ('x', 1)]
+    """)
