@@ -389,6 +389,7 @@ def replay(program: str) -> None:
         elif op == "free":
             twin.ref.free(rid)
             twin.mgr.free(rid)
+            twin.rows.forget("rows", [rid])
         twin.compare_state()
 
 
@@ -442,4 +443,22 @@ def test_a_batch_whose_releases_pay_for_its_first_request_is_admitted_whole():
         schedule [('x', 16)]
         add y {list(range(100, 116))} max_new=3
         schedule [('y', 16), ('x', 1)]
+    """)
+
+
+def test_idle_low_priority_checkpoints_are_evicted_before_older_normal_ones():
+    """a's own checkpoint at 8 goes idle when a finishes, then b's prompt checkpoints at 8 and 16 (low priority)
+    when b slides past them; c's chunk is one window page short and evicts both of b's (low-priority entries go
+    up to 16 pages beyond the need), not a's, though a's went idle first."""
+    replay(f"""
+        {ROOMY.replace("'swa': 30", "'swa': 13").replace("checkpoints=False", "checkpoints=True")}
+        add a {list(range(12))} max_new=3
+        schedule [('a', 9)]
+        schedule [('a', 1)]
+        free a
+        add b {list(range(100, 128))} max_new=3
+        schedule [('b', 25)]
+        schedule [('b', 1)]
+        add c {list(range(200, 216))} max_new=3
+        schedule [('c', 16)]
     """)
