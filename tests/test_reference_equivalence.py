@@ -416,7 +416,7 @@ def test_paused_requests_commit_before_the_batch_so_the_first_paused_one_publish
 def test_a_hit_owns_its_checkpoint_and_a_junction_stays_pinned():
     """b's hit at 8 makes a's checkpoint there b's own too, so it stays published when a moves on to 16; c's
     history reaches 16, where no checkpoint is left (a let go of it), so c pins the one it publishes there and
-    keeps it when it moves on to 24. (Rare in the random programs: mutants dropping either hold survive them.)"""
+    keeps it when it moves on to 24. (Rare in the random programs: mutants dropping either hold often pass them.)"""
     a = list(range(28))
     replay(f"""
         {ROOMY}
