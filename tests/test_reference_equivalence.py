@@ -17,16 +17,9 @@ counts), table widths, every live request's pages (``request_pages``), the
 public ``stats()`` counts, ``check_admission`` and ``max_admissible_tokens``
 answers, whether ``schedule`` raises, and each ``add_request``'s hit numbers.
 
-Page ids: per-group pools are compared exactly. The docs fix a pool's reuse
-order (fresh 1, 2, 3...; freed pages LIFO, the first page of a release on top);
-where they leave an order open the reference takes the manager's, a choice the
-lead may want written into docs/manager.md: a step's (and a ``rewind_many``'s)
-releases are one release per group listed paused requests first, then the batch
-in order, each request's pages in logical order; a step allocates once per group
-and hands the pages out in batch order, evicting first when short (an evicted
-entry's idle pages go on the stack like freed ones); the requests of the previous
-step commit paused ones first, then the batch's, so the first of them publishes a
-key they share. On a shared arena pools hand out their lowest free ids from the
+Page ids: per-group pools are compared exactly (docs/manager.md fixes a pool's
+reuse order and a step's order of commits, releases and allocations, "Order
+within a step"). On a shared arena pools hand out their lowest free ids from the
 slabs they own, which the reference does not model, so there ids are compared up
 to a renaming per group (a bijection that must hold while the reference's page
 stays held or cached), the arena is roomy (nothing denied or evicted), prompt
@@ -135,7 +128,7 @@ class Twin:
             for g in GIDS:
                 base, pages = self.mgr.request_pages(rid, g)
                 assert base == r["base"][g], (rid, g)
-                self.ids.same(g, [r["pages"][g][L] for L in sorted(r["pages"][g])], pages.tolist())
+                self.ids.same(g, r["pages"][g], pages.tolist())
         self.mgr.check_invariants()
 
     def compare_batch(self, items, want, batch, mode, with_slots) -> None:
@@ -226,7 +219,7 @@ def draw_items(twin, data):
             extra = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=r["c"] + n - len(r["ids"]),
                                        max_size=r["c"] + n - len(r["ids"])))
             log(f"append {rid} {extra}")
-            twin.ref.append(rid, extra)
+            r["ids"].extend(extra)
             extras[rid] = extra
         items.append((rid, n))
     if len(extras) > 1 and len({len(e) for e in extras.values()}) == 1:  # the decode-step form
@@ -396,20 +389,76 @@ def replay(program: str) -> None:
         elif op == "free":
             twin.ref.free(rid)
             twin.mgr.free(rid)
+            twin.rows.forget("rows", [rid])
         twin.compare_state()
+
+
+ROOMY = ("pages={'kv': 30, 'c4': 30, 'swa': 30, 'cst': 30} widths={'kv': 16, 'c4': 8, 'swa': 8, 'cst': 8}"
+         " prompt_checkpoints=False shared=False")  # a replayed program's first line: nothing denied or evicted
 
 
 def test_paused_requests_commit_before_the_batch_so_the_first_paused_one_publishes():
     """c, a and b compute the same 9 tokens in one step; only b goes on, so c and a settle and
-    commit before b, c first: c's pages are the ones published at 8, and d borrows them. (Not
-    in the docs, which leave the order open; the random programs rarely reach this case.)"""
+    commit before b, c first: c's pages are the ones published at 8, and d borrows them
+    (docs/manager.md "Order within a step"; the random programs rarely reach this case)."""
     same = list(range(12))
     replay(f"""
-        pages={{'kv': 30, 'c4': 30, 'swa': 30, 'cst': 30}} widths={{'kv': 16, 'c4': 8, 'swa': 8, 'cst': 8}} prompt_checkpoints=False shared=False
+        {ROOMY}
         add a {same} max_new=3
         add b {same} max_new=3
         add c {same} max_new=3
         schedule [('c', 9), ('a', 9), ('b', 9)]
         schedule [('b', 1)]
         add d {same} max_new=3
+    """)
+
+
+def test_a_hit_owns_its_checkpoint_and_a_junction_stays_pinned():
+    """b's hit at 8 makes a's checkpoint there b's own too, so it stays published when a moves on to 16; c's
+    history reaches 16, where no checkpoint is left (a let go of it), so c pins the one it publishes there and
+    keeps it when it moves on to 24. (Rare in the random programs: mutants dropping either hold often pass them.)"""
+    a = list(range(28))
+    replay(f"""
+        {ROOMY}
+        add a {a} max_new=3
+        schedule [('a', 9)]
+        schedule [('a', 1)]
+        add b {a[:12]} max_new=3
+        schedule [('a', 7)]
+        schedule [('a', 8)]
+        schedule [('a', 1)]
+        add c {a[:20] + [99] * 8} max_new=3
+        schedule [('c', 9)]
+        schedule [('c', 8)]
+        schedule [('c', 1)]
+    """)
+
+
+def test_a_batch_whose_releases_pay_for_its_first_request_is_admitted_whole():
+    """y's 16-token chunk needs 4 window pages with 3 free; x's decode step in the same batch frees 2 and takes 1,
+    so the batch fits as a whole and both go, though y alone (greedy, in batch order) would not fit."""
+    replay(f"""
+        {ROOMY.replace("'swa': 30", "'swa': 8")}
+        add x {list(range(20))} max_new=3
+        schedule [('x', 16)]
+        add y {list(range(100, 116))} max_new=3
+        schedule [('y', 16), ('x', 1)]
+    """)
+
+
+def test_idle_low_priority_checkpoints_are_evicted_before_older_normal_ones():
+    """a's own checkpoint at 8 goes idle when a finishes, then b's prompt checkpoints at 8 and 16 (low priority)
+    when b slides past them; c's chunk is one window page short and evicts both of b's (low-priority entries go
+    up to 16 pages beyond the need), not a's, though a's went idle first."""
+    replay(f"""
+        {ROOMY.replace("'swa': 30", "'swa': 13").replace("checkpoints=False", "checkpoints=True")}
+        add a {list(range(12))} max_new=3
+        schedule [('a', 9)]
+        schedule [('a', 1)]
+        free a
+        add b {list(range(100, 128))} max_new=3
+        schedule [('b', 25)]
+        schedule [('b', 1)]
+        add c {list(range(200, 216))} max_new=3
+        schedule [('c', 16)]
     """)
