@@ -1599,17 +1599,6 @@ def lend_slab(owner, group, inner_pages, straddle, s, taken, n_taken):
     return gain
 
 
-@njit(cache=True, inline="always")
-def page_idle(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, page):
-    """``idle_slabs``' page test: no request holds it, and it carries no key or one that
-    counts (``keyed_mode`` 1: every key, 2: low priority or idle since before ``before_tick``)."""
-    if ref[page] != 0:
-        return False
-    if not keyed[page] or keyed_mode == 1:
-        return True
-    return keyed_mode == 2 and (low_priority[page] or idle_tick[page] < before_tick)
-
-
 @njit(cache=True)
 def released_per_slab(released, slab_geometry, n):
     """Per slab, how many of the ``released`` pages lie inside it, and per boundary whether one straddles it
@@ -1627,13 +1616,17 @@ def released_per_slab(released, slab_geometry, n):
 
 
 @njit(cache=True, inline="always")
-def inner_busy(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, lo, hi):
-    """How many of pages ``lo .. hi-1`` are not idle (``page_idle``), counted without branches."""
-    every, valued, busy = keyed_mode == 1, keyed_mode == 2, 0
+def idle_pages(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, lo, hi):
+    """How many of pages ``lo .. hi-1`` are idle: no request holds one, and it carries no key or one that counts
+    (``keyed_mode`` 1: every key, 2: low priority or idle since before ``before_tick``); and how many of those
+    are keyed. (The test is written out without branches: they mispredict.)"""
+    every, valued, idle, counted = keyed_mode == 1, keyed_mode == 2, 0, 0
     for page in range(lo, hi):
+        free, key = ref[page] == 0, keyed[page]
         counts = every | (valued & (low_priority[page] | (idle_tick[page] < before_tick)))
-        busy += (ref[page] != 0) | (keyed[page] & (not counts))
-    return busy
+        idle += free & (not key or counts)
+        counted += free & key & counts
+    return idle, counted
 
 
 @njit(cache=True, inline="always")
@@ -1651,9 +1644,9 @@ def donor_edges(owner, own, donor, s, donor_straddle, edge_released, ref, keyed,
         if edge_idle.size:
             idle = idle and edge_idle[b]
             continue
-        both = owner[b - 1] == donor and owner[b] == donor
-        idle = idle and (edge_released[b] or (both and page_idle(ref, keyed, low_priority, idle_tick, keyed_mode,
-                                                                  before_tick, donor_straddle[b])))
+        both, page = owner[b - 1] == donor and owner[b] == donor, donor_straddle[b]
+        idle = idle and (edge_released[b] or (both and idle_pages(ref, keyed, low_priority, idle_tick, keyed_mode,
+                                                                   before_tick, page, page + 1)[0] == 1))
     return pages, idle
 
 
@@ -1673,8 +1666,8 @@ def take_donor_slabs(owner, own, donor, group, lo, hi, donor_straddle, ref, keye
         if own[s] != donor or owner[s] != donor:
             continue
         # Idle but for the pages the step releases (held now).
-        busy = not inner_idle[s] if known else inner_busy(ref, keyed, low_priority, idle_tick, keyed_mode,
-                                                          before_tick, lo[s], hi[s]) != released[s]
+        busy = not inner_idle[s] if known else idle_pages(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick,
+                                                          lo[s], hi[s])[0] + released[s] != hi[s] - lo[s]
         if busy:
             continue
         edge_pages, edges_idle = donor_edges(owner, own, donor, s, donor_straddle, edge_released, ref, keyed,
@@ -1691,29 +1684,21 @@ def take_donor_slabs(owner, own, donor, group, lo, hi, donor_straddle, ref, keye
 @njit(cache=True)
 def idle_slabs(owner, group, lo, hi, straddle, ref, keyed, low_priority, idle_tick, keyed_mode, before_tick,
                released_pages, slab_geometry, inner_idle, edge_idle):
-    """Which of ``group``'s slabs hold only idle pages (``page_idle``, or released by the step) (pure):
+    """Which of ``group``'s slabs hold only idle pages (``idle_pages``, or released by the step) (pure):
     ``inner_idle[s]`` for inner pages, ``edge_idle[s]`` for the straddler left of ``s``; both start False.
-    Returns how many keyed pages count as idle. (The test is written out without branches: they mispredict.)"""
+    Returns how many keyed pages count as idle."""
     n, counted = owner.size, 0
-    every, valued = keyed_mode == 1, keyed_mode == 2
     extra, released_edge = released_per_slab(released_pages, slab_geometry, n)
     edge_idle |= released_edge[:n]
     for s in range(n):
         if owner[s] != group:
             continue
-        idle = extra[s]
-        for page in range(lo[s], hi[s]):
-            free, key = ref[page] == 0, keyed[page]
-            counts = every | (valued & (low_priority[page] | (idle_tick[page] < before_tick)))
-            idle += free & (not key or counts)
-            counted += free & key & counts
-        inner_idle[s] = idle == hi[s] - lo[s]
-        page = straddle[s]
+        idle, keyed_idle = idle_pages(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, lo[s], hi[s])
+        inner_idle[s], counted, page = idle + extra[s] == hi[s] - lo[s], counted + keyed_idle, straddle[s]
         if s > 0 and owner[s - 1] == group and page >= 0:
-            free, key = ref[page] == 0, keyed[page]
-            counts = every | (valued & (low_priority[page] | (idle_tick[page] < before_tick)))
-            edge_idle[s] |= free & (not key or counts)
-            counted += free & key & counts
+            idle, keyed_idle = idle_pages(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, page, page + 1)
+            edge_idle[s] |= idle == 1
+            counted += keyed_idle
     return counted
 
 
