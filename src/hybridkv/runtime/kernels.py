@@ -758,8 +758,9 @@ def grant_step(grants, arena, geometry, pages, bounds, counters, ref, keyed, low
                request_indices, per_token):
     """``run_step`` granting spare slabs alone (``grants``: groups, slabs) after its releases, counted off the arena's
     spare slabs with ``SKIP_PACKING`` following ``Arena.roomy`` (``Arena._spare_changed``); it stops for Python only
-    when ``room_groups`` asks (as after the idle keyed pages joined: ``joined_low``), its marks left in ``Arena.room_marks``
-    for ``make_room``. Status -1 (nothing granted): a slab not spare. A kernel of its own: the grant inside ``run_step`` makes ``step``'s compiled loops slower."""
+    when ``room_groups`` asks (as after the idle keyed pages joined: ``joined_low``), its marks left in
+    ``Arena.room_marks`` for ``make_room``. Status -1 (nothing granted): a slab not spare. A kernel of its own: the
+    grant inside ``run_step`` makes ``step``'s compiled loops slower."""
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n, settle,
         True, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token)
