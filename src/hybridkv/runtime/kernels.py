@@ -56,6 +56,7 @@ STEP_DONE = 0
 STEP_NEEDS_PAGES = 1  # the releases ran; the caller lends slabs or evicts, then calls finish_step
 STEP_PLANNED = 2  # ``step`` planned only: Python admits, commits or grows buffers, then runs
 STEP_COVERED = 3  # ``step`` planned only: a free stack is short, but the step's own releases cover it
+STEP_COMMITS = 4  # ``step`` planned only: a clean plan whose rows cross a grain, its buffers large enough
 MISLISTED = -(1 << 62)  # ``first_out_of_range``: a group-major page list its counts do not match
 NO_PACKING = np.iinfo(np.int64).max  # ``packing_floor`` of a group that does not reuse idle low-priority pages
 NO_LOW_IDLE = NO_PACKING - 1  # ``packing_floor`` of a packing group without idle low-priority pages
@@ -888,20 +889,22 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
          request_indices, per_token):
     """``prepare_step`` then, when the plan needs nothing from Python, ``run_step`` (``n_logged``: cells the
     table log held, already at the front of the touched scratch), in one call. Returns (status, rows, settling
-    rows, crossing rows, clean, cells logged, idle keyed pages); ``STEP_PLANNED`` (-1 rows: no plan) or
-    ``STEP_COVERED`` (``releases_cover``) when only the plan ran (the logged cells left as they were)."""
+    rows, crossing rows, clean, cells logged, idle keyed pages); ``STEP_PLANNED`` (-1 rows: no plan),
+    ``STEP_COVERED`` (``releases_cover``) or ``STEP_COMMITS`` (a clean plan whose rows cross a grain, the batch's
+    arrays and the scratch large enough for it) when only the plan ran (the logged cells left as they were)."""
     rows, counts, first, after, need, sums, crossing, totals, _, _, scratch, idle_keyed, touched = (
         plan_views(plan, geometry.shape[0]))
     computed, committed, known = counters[0], counters[1], counters[2]
     n, settle, n_cross, clean = prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in,
                                              counts_in, grain, per_group[TOP], mark, rows, counts, first, after, need,
                                              sums, crossing, totals, counts_in[:0])
-    if (n < 0 or not clean or n_cross > 0 or totals[0] != per_token.shape[1] or totals[2] > scratch.size
-            or totals[1] > idle_keyed.size or n_logged + totals[1] + totals[3] > touched.size):
+    fits = (totals[0] == per_token.shape[1] and totals[2] <= scratch.size and totals[1] <= idle_keyed.size
+            and n_logged + totals[1] + totals[3] <= touched.size)
+    if n < 0 or not clean or n_cross > 0 or not fits:
         if n >= 0 and not clean and n_cross == 0 and releases_cover(geometry, pages, bounds, ref, keyed,
                                                                      per_group[TOP], rows[:n], after, sums):
             return STEP_COVERED, n, settle, n_cross, clean, 0, 0
-        return STEP_PLANNED, n, settle, n_cross, clean, 0, 0
+        return STEP_COMMITS if n >= 0 and clean and fits else STEP_PLANNED, n, settle, n_cross, clean, 0, 0
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n, settle,
         False, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token)
