@@ -993,8 +993,8 @@ class CacheManager:
                                       n_spare, n_logged)
         self._version += 1
         if status != kernels.STEP_DONE:
-            n_touched = self._after_plan_run(status, n_touched, n_keyed, (n, settle, n_crossing, clean), out, cells)
-        elif n_keyed:  # all ``_after_plan_run`` does after a step done whole
+            n_touched = self._after_plan_run(n_touched, n_keyed, (n, settle, n_crossing, clean), out, cells)
+        elif n_keyed:  # done whole (the kernel noted the peaks): idle keyed pages join their LRUs
             self._space.keyed_idle(sc.released[1], sc.idle_keyed)
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
@@ -1050,8 +1050,10 @@ class CacheManager:
             status, n_touched, n_keyed = self._grant_entry(grants, self.arena.grant_args, *args, n_logged, *cells, *out)
             if status < 0:
                 raise AssertionError("a slab granted is not spare")
-        if status != kernels.STEP_DONE or n_keyed:
-            n_touched = self._after_plan_run(status, n_touched, n_keyed, planned, out, cells, grants is not None)
+        if status != kernels.STEP_DONE:
+            n_touched = self._after_plan_run(n_touched, n_keyed, planned, out, cells, grants is not None)
+        elif n_keyed:  # done whole (the kernel noted the peaks): idle keyed pages join their LRUs
+            self._space.keyed_idle(sc.released[1], sc.idle_keyed)
         self._last_rows = rows_in
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
 
@@ -1074,21 +1076,17 @@ class CacheManager:
             return False, n_spare
         return (written[:, :n_spare].copy() if n_spare else None), n_spare
 
-    def _after_plan_run(self, status: int, n_touched: int, n_keyed: int, planned: tuple, out: _StepArrays,
-                        cells: tuple, marked: bool = False) -> int:
-        """What Python does after ``run_step`` of the plan in the scratch buffer (``_step``'s or
-        ``_planned_step``'s; ``planned``: ``_plan_of``'s arguments), where the kernel stopped after its releases
-        or keyed pages went idle: ``_after_run`` of that plan (``marked``: ``grant_step``'s, which marked the
-        groups that make room), or (a step done whole: the kernel noted the peaks) the keyed pages join their
-        LRUs. The cells changed."""
-        if status != kernels.STEP_DONE and not marked:
+    def _after_plan_run(self, n_touched: int, n_keyed: int, planned: tuple, out: _StepArrays, cells: tuple,
+                        marked: bool = False) -> int:
+        """What Python does once ``run_step`` of the plan in the scratch buffer (``_step``'s or ``_run_planned``'s;
+        ``planned``: ``_plan_of``'s arguments) stopped after its releases: ``_after_run`` of that plan (``marked``:
+        ``grant_step``'s, which marked the groups that make room). The cells changed."""
+        if not marked:
             plan = self._plan_of(*planned)
             plan.grants = []
             return self._after_run(n_touched, n_keyed, plan, out, cells)
         if n_keyed:
             self._space.keyed_idle(self._scratch.released[1], self._scratch.idle_keyed)
-        if status == kernels.STEP_DONE:
-            return n_touched
         self._make_room(self._scratch.plan[5])  # ``_after_run`` of the plan: its sums are all it reads
         return self._finish_run(planned[0], planned[1], n_touched, out, cells)
 
@@ -1099,7 +1097,7 @@ class CacheManager:
         ts, touched = self._tableset, self._scratch.touched
         n_logged = ts.logged_cells() if ts.log else 0
         if 0 <= n_logged <= touched.size - n_cells - at:
-            return at + ts.take_log(touched[at:])
+            return ts.take_log(touched, at)
         self._put_back_log(at)
         return 0
 
