@@ -450,27 +450,24 @@ def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_i
     ``load_tokens`` (empty: a step that computes): a load step's rows hold only their last
     ``load_tokens[g]`` tokens' pages in a sliding group (their base may pass their hi)."""
     each = 0 if counts_in.size == 1 else 1  # ``counts_in[r * each]``: row r's count
-    for r in range(rows_in.size):
-        if computed[rows_in[r]] + counts_in[r * each] > known[rows_in[r]]:
-            return -1, 0, 0, False
     settle = settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts)
     if settle < 0:
         return -1, 0, 0, False
     n = settle + rows_in.size
     n_cross, grain_shift = 0, log2_exact(grain)  # a shift per row, not two divisions, for a power of two
-    for r in range(n):
+    totals[:] = 0
+    for r in range(n):  # one pass: the rows' counts, computed tokens, known tokens checked, crossings
         if r >= settle:
-            rows[r] = rows_in[r - settle]
-            counts[r] = counts_in[(r - settle) * each]
+            rows[r], counts[r] = rows_in[r - settle], counts_in[(r - settle) * each]
         row = rows[r]
         first[r] = computed[row]
+        if r >= settle and first[r] + counts[r] > known[row]:
+            return -1, 0, 0, False
+        totals[0] += counts[r]
         if grain > 0 and divide(committed[row], grain, grain_shift) < divide(first[r], grain, grain_shift):
             crossing[n_cross] = row
             n_cross += 1
     clean = True
-    totals[:] = 0
-    for r in range(n):
-        totals[0] += counts[r]
     for g in range(geometry.shape[0]):
         released, allocated = plan_group(geometry, bounds, g, rows, counts, first, n, settle, load_tokens, after, need)
         sums[0, g], sums[1, g] = released, allocated
