@@ -412,7 +412,8 @@ def test_cells_of_many_frees_logged_before_a_step_come_with_its_updates(leaving)
         decoding = tuple(rid for rid, prompt in prompts.items() if inc.num_computed_tokens(rid) >= prompt)
         for m in (inc, full):
             m.append_token_ids_many(decoding, np.full((len(decoding), 1), 2, dtype=np.int32))
-        items = [(rid, min(max(prompt - inc.num_computed_tokens(rid), 1), step_limit)) for rid, prompt in prompts.items()]
+        items = [(rid, min(max(prompt - inc.num_computed_tokens(rid), 1), step_limit))
+                 for rid, prompt in prompts.items()]
         (a, b), error = both([lambda *x: inc.schedule(*x, block_tables="updates"), full.schedule], items)
         assert error is None, error
         mirror.apply(a)
