@@ -388,3 +388,33 @@ def test_cells_taken_and_given_back_around_a_committing_step_come_with_its_updat
     own_tokens = [min(75 - shared_tokens, (k % 5 + 1) * (12 if k % 2 == 0 else 1)) for k in range(40)]
     _serve(inc, full, 40, 10, lambda k, n_live: n_live > (8 if k % 7 else 2),
            lambda k: np.concatenate([shared, np.full(own_tokens[k], k, dtype=np.int32)]))
+
+
+@pytest.mark.parametrize("leaving", [3, 12])
+def test_cells_of_many_frees_logged_before_a_step_come_with_its_updates(leaving):
+    """Requests leave between two steps, each ``free`` logging its cleared cells as one array (twelve: more than
+    ``TableSet.take_log`` copies one by one), and as many join into their rows; the next step's updates carry
+    every one of those cells with its own: the mirror shows the joiners' rows as the full-mode tables do."""
+    specs, _, ctx, step_limit = CONFIGS["odd"]
+    inc, full = (CacheManager(specs, dict.fromkeys(ODD_PAGES, 400), max_context_tokens=ctx, max_step_tokens=step_limit)
+                 for _ in range(2))
+    mirror = BlockTableMirror.for_manager(inc)
+    prompts = {f"r{k}": 30 - k for k in range(16)}  # long ones leave, short ones join into their rows
+    for step in range(4):
+        if step == 2:
+            for rid in list(prompts)[:leaving]:
+                both([inc.free, full.free], rid)
+                del prompts[rid]
+                prompts[f"n{rid}"] = 3
+        for rid, prompt in prompts.items():
+            if not inc.has_request(rid):
+                both([inc.add_request, full.add_request], rid, np.full(prompt, 1, dtype=np.int32), max_new_tokens=9)
+        decoding = tuple(rid for rid, prompt in prompts.items() if inc.num_computed_tokens(rid) >= prompt)
+        for m in (inc, full):
+            m.append_token_ids_many(decoding, np.full((len(decoding), 1), 2, dtype=np.int32))
+        items = [(rid, min(max(prompt - inc.num_computed_tokens(rid), 1), step_limit))
+                 for rid, prompt in prompts.items()]
+        (a, b), error = both([lambda *x: inc.schedule(*x, block_tables="updates"), full.schedule], items)
+        assert error is None, error
+        mirror.apply(a)
+        same_batch(a, b, mirror)

@@ -56,6 +56,7 @@ STEP_DONE = 0
 STEP_NEEDS_PAGES = 1  # the releases ran; the caller lends slabs or evicts, then calls finish_step
 STEP_PLANNED = 2  # ``step`` planned only: Python admits, commits or grows buffers, then runs
 STEP_COVERED = 3  # ``step`` planned only: a free stack is short, but the step's own releases cover it
+STEP_COMMITS = 4  # ``step`` planned only: a clean plan whose rows cross a grain, its buffers large enough
 MISLISTED = -(1 << 62)  # ``first_out_of_range``: a group-major page list its counts do not match
 NO_PACKING = np.iinfo(np.int64).max  # ``packing_floor`` of a group that does not reuse idle low-priority pages
 NO_LOW_IDLE = NO_PACKING - 1  # ``packing_floor`` of a packing group without idle low-priority pages
@@ -449,27 +450,24 @@ def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_i
     ``load_tokens`` (empty: a step that computes): a load step's rows hold only their last
     ``load_tokens[g]`` tokens' pages in a sliding group (their base may pass their hi)."""
     each = 0 if counts_in.size == 1 else 1  # ``counts_in[r * each]``: row r's count
-    for r in range(rows_in.size):
-        if computed[rows_in[r]] + counts_in[r * each] > known[rows_in[r]]:
-            return -1, 0, 0, False
     settle = settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts)
     if settle < 0:
         return -1, 0, 0, False
     n = settle + rows_in.size
     n_cross, grain_shift = 0, log2_exact(grain)  # a shift per row, not two divisions, for a power of two
-    for r in range(n):
+    totals[:] = 0
+    for r in range(n):  # one pass: the rows' counts, computed tokens, known tokens checked, crossings
         if r >= settle:
-            rows[r] = rows_in[r - settle]
-            counts[r] = counts_in[(r - settle) * each]
+            rows[r], counts[r] = rows_in[r - settle], counts_in[(r - settle) * each]
         row = rows[r]
         first[r] = computed[row]
+        if r >= settle and first[r] + counts[r] > known[row]:
+            return -1, 0, 0, False
+        totals[0] += counts[r]
         if grain > 0 and divide(committed[row], grain, grain_shift) < divide(first[r], grain, grain_shift):
             crossing[n_cross] = row
             n_cross += 1
     clean = True
-    totals[:] = 0
-    for r in range(n):
-        totals[0] += counts[r]
     for g in range(geometry.shape[0]):
         released, allocated = plan_group(geometry, bounds, g, rows, counts, first, n, settle, load_tokens, after, need)
         sums[0, g], sums[1, g] = released, allocated
@@ -888,20 +886,22 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
          request_indices, per_token):
     """``prepare_step`` then, when the plan needs nothing from Python, ``run_step`` (``n_logged``: cells the
     table log held, already at the front of the touched scratch), in one call. Returns (status, rows, settling
-    rows, crossing rows, clean, cells logged, idle keyed pages); ``STEP_PLANNED`` (-1 rows: no plan) or
-    ``STEP_COVERED`` (``releases_cover``) when only the plan ran (the logged cells left as they were)."""
+    rows, crossing rows, clean, cells logged, idle keyed pages); ``STEP_PLANNED`` (-1 rows: no plan),
+    ``STEP_COVERED`` (``releases_cover``) or ``STEP_COMMITS`` (a clean plan whose rows cross a grain, the batch's
+    arrays and the scratch large enough for it) when only the plan ran (the logged cells left as they were)."""
     rows, counts, first, after, need, sums, crossing, totals, _, _, scratch, idle_keyed, touched = (
         plan_views(plan, geometry.shape[0]))
     computed, committed, known = counters[0], counters[1], counters[2]
     n, settle, n_cross, clean = prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in,
                                              counts_in, grain, per_group[TOP], mark, rows, counts, first, after, need,
                                              sums, crossing, totals, counts_in[:0])
-    if (n < 0 or not clean or n_cross > 0 or totals[0] != per_token.shape[1] or totals[2] > scratch.size
-            or totals[1] > idle_keyed.size or n_logged + totals[1] + totals[3] > touched.size):
+    fits = (totals[0] == per_token.shape[1] and totals[2] <= scratch.size and totals[1] <= idle_keyed.size
+            and n_logged + totals[1] + totals[3] <= touched.size)
+    if n < 0 or not clean or n_cross > 0 or not fits:
         if n >= 0 and not clean and n_cross == 0 and releases_cover(geometry, pages, bounds, ref, keyed,
                                                                      per_group[TOP], rows[:n], after, sums):
             return STEP_COVERED, n, settle, n_cross, clean, 0, 0
-        return STEP_PLANNED, n, settle, n_cross, clean, 0, 0
+        return STEP_COMMITS if n >= 0 and clean and fits else STEP_PLANNED, n, settle, n_cross, clean, 0, 0
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n, settle,
         False, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token)

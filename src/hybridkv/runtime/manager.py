@@ -986,12 +986,16 @@ class CacheManager:
         else:  # decode: the int comparison alone
             status, n, settle, n_crossing, clean, n_touched, n_keyed = self._step_entry(*args)
             n_spare = None
+        if status == kernels.STEP_COMMITS:  # the rows commit, then the plan runs as it is
+            return self._run_planned(None, (n, settle, n_crossing, clean), rids, cells, out, updates, n_logged, rows_in)
         if status >= kernels.STEP_PLANNED:
             return self._planned_step(status, (n, settle, n_crossing, clean), rids, cells, out, write_slots, updates,
                                       n_spare, n_logged)
         self._version += 1
-        if status != kernels.STEP_DONE or n_keyed:
-            n_touched = self._after_plan_run(status, n_touched, n_keyed, (n, settle, n_crossing, clean), out, cells)
+        if status != kernels.STEP_DONE:
+            n_touched = self._after_plan_run(n_touched, n_keyed, (n, settle, n_crossing, clean), out, cells)
+        elif n_keyed:  # done whole (the kernel noted the peaks): idle keyed pages join their LRUs
+            self._space.keyed_idle(sc.released[1], sc.idle_keyed)
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
 
@@ -1021,20 +1025,24 @@ class CacheManager:
         return self._commit_and_run(plan, write_slots, updates, False)
 
     def _run_planned(self, grants: np.ndarray | None, planned: tuple, rids: tuple, cells: tuple, out: _StepArrays,
-                     updates: bool, n_logged: int) -> StepBatch | None:
-        """``_planned_step``'s run of an admitted plan when the buffers are large enough (else None): the rows
-        crossing a grain commit, then ``run_step`` (``grant_step`` granting ``grants``, spare slabs) of the plan
-        in the scratch buffer, then the batch."""
+                     updates: bool, n_logged: int, rows_in: np.ndarray | None = None) -> StepBatch | None:
+        """``_planned_step``'s run of an admitted plan when the buffers are large enough (else None), and ``_step``'s
+        of a ``STEP_COMMITS`` plan (``rows_in``: its rows after the settling ones; ``kernels.step`` checked the
+        buffers): the rows crossing a grain commit, then ``run_step`` (``grant_step`` granting ``grants``, spare
+        slabs) of the plan in the scratch buffer, then the batch."""
         n, settle, n_crossing, _ = planned
-        sc = self._scratch
-        n_tokens, released, most, allocated = sc.plan[7].tolist()
-        if not (n_tokens == out.per_token.shape[1] and 0 <= most <= sc.pages.size and released <= sc.idle_keyed.size
-                and released + allocated <= sc.touched.size):
-            return None
+        sc, checked = self._scratch, rows_in is not None
+        if not checked:
+            n_tokens, released, most, allocated = sc.plan[7].tolist()
+            if not (n_tokens == out.per_token.shape[1] and 0 <= most <= sc.pages.size
+                    and released <= sc.idle_keyed.size and released + allocated <= sc.touched.size):
+                return None
+            rows_in = sc.plan[0][settle:n].copy()  # the plan's arrays are scratch
         self._version += 1
         if n_crossing:
             self._commit_rows(sc.plan[6][:n_crossing])  # the stacks only grow: the plan is still admitted
-        n_logged = self._take_log(released + allocated, n_logged)
+        if self._tableset.log or not checked:  # the cells the commits logged (``kernels.step`` found room for more)
+            n_logged = self._take_log(int(sc.plan[7][1] + sc.plan[7][3]), n_logged)
         args = (*self._state[:10], sc.buffer, n, settle)
         if grants is None:
             status, n_touched, n_keyed = self._run_entry(*args, False, n_logged, *cells, *out)
@@ -1042,10 +1050,12 @@ class CacheManager:
             status, n_touched, n_keyed = self._grant_entry(grants, self.arena.grant_args, *args, n_logged, *cells, *out)
             if status < 0:
                 raise AssertionError("a slab granted is not spare")
-        if status != kernels.STEP_DONE or n_keyed:
-            n_touched = self._after_plan_run(status, n_touched, n_keyed, planned, out, cells, grants is not None)
-        self._last_rows = sc.plan[0][settle:n].copy()
-        return self._build_batch(self._last_rows, rids, out, False, n_touched if updates else -1, cells)
+        if status != kernels.STEP_DONE:
+            n_touched = self._after_plan_run(n_touched, n_keyed, planned, out, cells, grants is not None)
+        elif n_keyed:  # done whole (the kernel noted the peaks): idle keyed pages join their LRUs
+            self._space.keyed_idle(sc.released[1], sc.idle_keyed)
+        self._last_rows = rows_in
+        return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
 
     def _direct_grants(self, status: int, planned: tuple, n_spare: int | None) -> tuple[Any, int | None]:
         """How ``_planned_step`` may run a plan that ``_admit`` would admit as is or with spare slabs alone, without
@@ -1066,21 +1076,17 @@ class CacheManager:
             return False, n_spare
         return (written[:, :n_spare].copy() if n_spare else None), n_spare
 
-    def _after_plan_run(self, status: int, n_touched: int, n_keyed: int, planned: tuple, out: _StepArrays,
-                        cells: tuple, marked: bool = False) -> int:
-        """What Python does after ``run_step`` of the plan in the scratch buffer (``_step``'s or
-        ``_planned_step``'s; ``planned``: ``_plan_of``'s arguments), where the kernel stopped after its releases
-        or keyed pages went idle: ``_after_run`` of that plan (``marked``: ``grant_step``'s, which marked the
-        groups that make room), or (a step done whole: the kernel noted the peaks) the keyed pages join their
-        LRUs. The cells changed."""
-        if status != kernels.STEP_DONE and not marked:
+    def _after_plan_run(self, n_touched: int, n_keyed: int, planned: tuple, out: _StepArrays, cells: tuple,
+                        marked: bool = False) -> int:
+        """What Python does once ``run_step`` of the plan in the scratch buffer (``_step``'s or ``_run_planned``'s;
+        ``planned``: ``_plan_of``'s arguments) stopped after its releases: ``_after_run`` of that plan (``marked``:
+        ``grant_step``'s, which marked the groups that make room). The cells changed."""
+        if not marked:
             plan = self._plan_of(*planned)
             plan.grants = []
             return self._after_run(n_touched, n_keyed, plan, out, cells)
         if n_keyed:
             self._space.keyed_idle(self._scratch.released[1], self._scratch.idle_keyed)
-        if status == kernels.STEP_DONE:
-            return n_touched
         self._make_room(self._scratch.plan[5])  # ``_after_run`` of the plan: its sums are all it reads
         return self._finish_run(planned[0], planned[1], n_touched, out, cells)
 
@@ -1091,7 +1097,7 @@ class CacheManager:
         ts, touched = self._tableset, self._scratch.touched
         n_logged = ts.logged_cells() if ts.log else 0
         if 0 <= n_logged <= touched.size - n_cells - at:
-            return at + ts.take_log(touched[at:])
+            return ts.take_log(touched, at)
         self._put_back_log(at)
         return 0
 

@@ -191,16 +191,20 @@ class TableSet:
             return -1
         return sum(map(len, log)) if log else 0
 
-    def take_log(self, into: np.ndarray) -> int:
-        """Move the logged cells to the front of ``into`` (room for ``logged_cells``), clearing the
-        log, so that a step reads them with the ones it touches after them; their count."""
+    def take_log(self, into: np.ndarray, at: int = 0) -> int:
+        """Move the logged cells to ``into`` after its first ``at`` (room for ``logged_cells`` more), clearing
+        the log, so that a step reads them with the ones it touches after them; ``at`` plus their count. A
+        slice assignment each (the log holds a few arrays a step: ``np.concatenate`` costs more than a few)."""
         log = self.log
-        if not log:
-            return 0
-        n = sum(map(len, log))
-        np.concatenate(log, out=into[:n])
-        log.clear()
-        return n
+        if log:
+            if len(log) > 8:  # many mutations since the last step
+                log[:] = [np.concatenate(log)]
+            for index in log:
+                n = index.size
+                into[at : at + n] = index
+                at += n
+            log.clear()
+        return at
 
     def note_cells(self, index: np.ndarray) -> None:
         """Log changed cells (ring-view indices) while logging is on."""
