@@ -194,7 +194,7 @@ class Arena:
     def _load_kernels(self) -> None:
         """Load (or compile) now, changing nothing, the kernels of slab moves and the packing rule."""
         gid, donors = self.group_ids[0], self.group_ids[1:]
-        self.oldest_idle_tick(gid)
+        self.pools[gid].oldest_idle_tick()
         self._moved_pages(-1, 0, 0)
         kernels.take_spare_slabs(self.owner.copy(), 0, self._inner[gid], self._straddle[gid], 0, self._taken)
         self.plan_spare(np.zeros(len(self.group_ids), dtype=np.int64))
@@ -371,10 +371,6 @@ class Arena:
                                          inner_idle, edge_idle)
             found = scan.idle[gid] = (inner_idle, edge_idle, int(counted))
         return found
-
-    def oldest_idle_tick(self, gid: str) -> int | None:
-        """The idle tick of the group's least recently idle keyed page of normal priority (None: none)."""
-        return self.pools[gid].oldest_idle_tick()
 
     # --- mutation -------------------------------------------------------------
     def apply(self, grants: Sequence[Grant]) -> None:

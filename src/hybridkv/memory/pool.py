@@ -87,16 +87,6 @@ class PagePool:
         self._rng = None if shuffle_seed is None else np.random.default_rng(shuffle_seed)
         self.lowest_first = bool(lowest_first) and self._rng is None
         self.counters = PoolCounters()
-        self._init_free()
-        self._init_entries()
-        # Set by an arena: must an allocation of ``n`` pages up to id ``page`` pack first (None: always).
-        self.must_pack: Callable[[int, int], bool] | None = None
-        self.space: PageSpace | None = None  # the page space whose arrays this pool views, once in one
-        if granted:
-            self.grant(np.arange(1, self.num_pages, dtype=np.int32))
-
-    def _init_free(self) -> None:
-        """An empty free stack, no idle pages yet."""
         # The free stack is ``_stack[:_top]``; the counts are a ``per_group`` column (a page space's, once in one).
         self._stack = np.empty(self.num_pages, dtype=np.int32)
         self._bind(np.zeros((kernels.PER_GROUP_ROWS, 1), dtype=np.int64), 0)
@@ -109,6 +99,12 @@ class PagePool:
         self._view_lru()
         self.idle_tick = np.zeros(self.num_pages, dtype=np.int64)
         self._low_ids = kernels.low_idle_ids  # by its compiled code once :meth:`load_kernels` ran
+        self._init_entries()
+        # Set by an arena: must an allocation of ``n`` pages up to id ``page`` pack first (None: always).
+        self.must_pack: Callable[[int, int], bool] | None = None
+        self.space: PageSpace | None = None  # the page space whose arrays this pool views, once in one
+        if granted:
+            self.grant(np.arange(1, self.num_pages, dtype=np.int32))
 
     def _init_entries(self) -> None:
         """No content-keyed entries yet."""
@@ -354,9 +350,8 @@ class PagePool:
             low[page] = True  # entries are a few pages: item stores beat one fancy store
         idle = self._move_idle(pages, True)
         if idle:
-            g, lowest = self._slot, min(idle)
-            if lowest < self._floors[g]:
-                self._floors[g] = lowest  # ``_low_floor``
+            g = self._slot
+            self._floors[g] = min(self._floors[g], min(idle))  # ``_low_floor``
             if not was_low:
                 self._lows[g] += len(idle)  # ``_low_idle_pages``
 
@@ -532,13 +527,11 @@ class PagePool:
         listed = listed[: lru.order(self._lru_next, listed)]
         assert listed.size == self.num_evictable_pages, "LRU length"
         assert np.all(self.ref_counts[listed] == 0) and np.all(self.cached[listed]), "bad evictable page"
-        before = np.full(self.num_pages, -1, dtype=np.int64)
-        before[listed] = np.concatenate([[NULL_PAGE], listed[:-1]])
-        before[NULL_PAGE] = listed[-1] if listed.size else NULL_PAGE
-        assert np.array_equal(before, self._lru_prev), "LRU back links"
+        ring = np.concatenate([[NULL_PAGE], listed, [NULL_PAGE]])
+        assert np.array_equal(self._lru_prev[ring[1:]], ring[:-1]), "LRU back links"
         unlisted = np.ones(self.num_pages, dtype=bool)
-        unlisted[listed] = unlisted[NULL_PAGE] = False
-        assert np.all(self._lru_next[unlisted] == -1), "LRU link of an unlisted page"
+        unlisted[ring] = False
+        assert np.all(self._lru_next[unlisted] == -1) and np.all(self._lru_prev[unlisted] == -1), "unlisted page linked"
 
 
 def _drop_keys(drop: Callable, arrays: tuple, pops: list, keys: Sequence[Hashable],
@@ -584,8 +577,8 @@ class PageSpace:
         self._join_page_arrays(sizes)
         self.per_group = np.stack([p._per_group[:, p._slot] for p in self.pools], axis=1)  # the pools' counts
         self.tops, self.lowest_first, self.idle_low_floors = self.per_group[:3]
-        self.lru_lengths, self.granted = self.per_group[kernels.LRU_PAGES], self.per_group[kernels.GRANTED_PAGES]
-        self.low_idle, self.skip_packing = self.per_group[kernels.LOW_IDLE_PAGES], self.per_group[kernels.SKIP_PACKING]
+        self.lru_lengths, self.low_idle = self.per_group[kernels.LRU_PAGES], self.per_group[kernels.LOW_IDLE_PAGES]
+        self.skip_packing = self.per_group[kernels.SKIP_PACKING]
         self.ranked: list[int] = []  # the groups whose pool has a ranker (``PagePool.ranker`` keeps it)
         self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # scratch of hold_outside, drop_units, free_rows
         self.idle_listed = _NO_PAGES  # free_rows' keyed pages left idle, for the rankers (allocated for them)

@@ -271,7 +271,14 @@ class CheckpointOrder:
         self._low = low
         self._reuse = {kind: values.expected_reuse(kind) for kind in CLASSES}
         self._tick = self._idle_clock()
-        self._demote(sorted((k for k, kind in kinds.items() if kind is not None and low[kind]), key=values.order_key))
+        # Demote those of a low-priority class where still normal priority, each to the front of the LRU, the highest
+        # score first, so the lowest ends first.
+        demoted = sorted((k for k, kind in kinds.items() if kind is not None and low[kind]), key=values.order_key)
+        for pool in self.pools:
+            for key in reversed(demoted):
+                pages = pool.lookup(key)
+                if pages and not pool.low_priority[pages[0]]:
+                    pool.demote(key)
         for key, kind in kinds.items():
             if kind is not None and not low[kind]:
                 self._file(key, kind)
@@ -290,16 +297,6 @@ class CheckpointOrder:
             fresh.clear()
             self._fresh_seen[group_id] = 0
         return list(changed)
-
-    def _demote(self, demoted: list[Hashable]) -> None:
-        """Demote ``demoted`` (lowest score first) where still normal priority: each to
-        the front of the LRU, so the lowest score ends first."""
-        for pool in self.pools:
-            flags = pool.low_priority
-            for key in reversed(demoted):
-                pages = pool.lookup(key)
-                if pages and not flags[pages[0]]:
-                    pool.demote(key)
 
     def _file(self, key: Hashable, kind: str) -> None:
         """Promote a normal-class checkpoint and push it, with a new version, on the heap
