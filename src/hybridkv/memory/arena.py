@@ -354,9 +354,8 @@ class Arena:
         return slabs * self._most_slab_pages
 
     def _released(self, gid: str, scan: IdleScan) -> np.ndarray:
-        """The pages of ``gid`` the step frees before slabs move (``scan.releasing``), as int64."""
-        released = scan.releasing(self._index[gid]) if scan.releasing is not None else None
-        return _NO_PAGES if released is None or not released.size else released.astype(np.int64, copy=False)
+        """The pages of ``gid`` the step frees before slabs move (``scan.releasing``: int64)."""
+        return _NO_PAGES if scan.releasing is None else scan.releasing(self._index[gid])
 
     def _idle(self, gid: str, scan: IdleScan) -> tuple[np.ndarray, np.ndarray, int]:
         """``kernels.idle_slabs`` of ``gid`` (inner idle, edge idle, keyed pages counted), once per scan."""
