@@ -8,7 +8,7 @@ least recently used first. With ``granted=False`` a pool starts empty (an arena 
 
 from __future__ import annotations
 
-import heapq
+from bisect import insort
 from collections.abc import Callable, Hashable, Sequence
 from operator import attrgetter
 
@@ -217,11 +217,10 @@ class PagePool:
         ids (those the entries before free count as free), lowest id first, from ``candidates`` (the first scan's) and
         scans of ``_SCAN_PAGES`` ids that each go on where the last stopped (the next from ``end``);
         ``_low_floor`` set to where they stopped. The bound, the ``count``-th lowest of the free ids and those freed,
-        is kept as pages are freed, in O(log n) each, from the lowest ``frees`` free ids (``stack[:top]``, the lowest
-        on top) and the freed ids among the ``count`` lowest (``added``, a max-heap: negated)."""
-        ref, page_key, entries, stack = self._ref_view, self._page_key, self._entries, self._stack
-        freed, keys, gone, added, frees = 0, [], set(), [], min(count, top)
-        bound = self._lowest_free(count)
+        is kept as pages are freed in a sorted list of the ``count`` lowest (``stack[:top]`` has the lowest on top)."""
+        ref, page_key, entries = self._ref_view, self._page_key, self._entries
+        lowest = self._stack[top - min(count, top) : top][::-1].tolist()  # ascending; fewer while fewer are free
+        freed, keys, gone, bound = 0, [], set(), lowest[-1] if len(lowest) == count else self.num_pages
         while True:
             if not candidates:  # the next scan goes on where the last stopped
                 candidates = self._low_idle_ids(bound, _SCAN_PAGES, end)
@@ -241,15 +240,12 @@ class PagePool:
                 if ref[p]:
                     continue
                 freed += 1
-                if p < bound:  # it joins the ``count`` lowest
-                    heapq.heappush(added, -p)
-                    if frees + len(added) > count:  # the bound leaves them
-                        if -added[0] == bound:
-                            heapq.heappop(added)
-                        else:
-                            frees -= 1
-                    if frees + len(added) == count:
-                        bound = max(int(stack[top - frees]) if frees else -1, -added[0])
+                if p < bound:  # it joins the ``count`` lowest; past ``count``, the highest (the bound) leaves
+                    insort(lowest, p)
+                    if len(lowest) > count:
+                        lowest.pop()
+                    if len(lowest) == count:
+                        bound = lowest[-1]
         # None left below the bound the scans stopped at (it only fell meanwhile).
         self._low_floor = max(self._low_floor, bound)
         return keys

@@ -576,9 +576,8 @@ class CacheManager:
         for answer in self.check_admission(batch, fixed_width=fixed_width) if batch else ():
             if not answer.ok:
                 raise CacheManagerError(f"the rest of the batch is not admissible: {answer.reason}")
-        done = int(self._computed[req.row])
-        ceiling = self._known.item(req.row)  # a request without token ids: its declared total
-        hi = min(limit, self.max_step_tokens, ceiling - done)
+        # Known ids past the computed ones (a request without token ids: its declared total).
+        hi = min(limit, self.max_step_tokens, self._known.item(req.row) - self._computed.item(req.row))
         if hi < 1:
             return 0
 
