@@ -250,17 +250,13 @@ class PagePool:
         self._low_floor = max(self._low_floor, bound)
         return keys
 
-    def _lowest_free(self, count: int) -> int:
-        """The ``count``-th lowest free id (``num_pages`` if fewer are free)."""
-        top = self._top
-        return int(self._stack[top - count]) if top >= count else self.num_pages
-
     def _evict_low_each(self, count: int) -> None:
         """:meth:`_evict_low_below` one entry at a time, the flags scanned again after each
         removal (what ``on_removed`` does may demote entries of this pool)."""
         freed = 0
         while freed < count:
-            bound = self._lowest_free(count)
+            top = self._top  # the scan stops at the ``count``-th lowest free id (``num_pages`` while fewer are free)
+            bound = int(self._stack[top - count]) if top >= count else self.num_pages
             first = self._low_idle_ids(bound, 1)
             if not first:
                 self._low_floor = max(self._low_floor, bound)
@@ -428,37 +424,34 @@ class PagePool:
         """Evict least recently used entries until ``pages_needed`` idle pages are freed (the same entries, in the same
         order, as evicting one at a time); idle low-priority entries at the head of the LRU go ``_LOW_EVICT_PAGES``
         pages beyond that in the same pass, so a run of small allocations does not evict once each."""
-        keys, freed, seen = [], 0, set()
+        keys, freed = {}, 0  # the victims' keys in order (a dict: an ordered set)
         page_key, low, entries, nxt, ranker = (self._page_key, self.low_priority, self._entries,
                                                self._lru_views[1], self.ranker)
         page = nxt[NULL_PAGE]  # the head
         while page != NULL_PAGE:
             key = page_key[page]
-            if key not in seen:
+            if key not in keys:
                 if freed >= pages_needed and (freed >= pages_needed + _LOW_EVICT_PAGES or not low[page]):
                     break
                 if ranker is not None and not low[page]:
-                    freed = self._evict_ranked(pages_needed, freed, keys, seen)
+                    self._evict_ranked(pages_needed, freed, keys)
                     break
-                seen.add(key)
-                keys.append(key)
+                keys[key] = None
                 pages = entries[key]  # its idle pages are the ones in the LRU
                 freed += 1 if len(pages) == 1 else sum(1 for p in pages if nxt[p] >= 0)
             page = nxt[page]
-        self._unpublish_many(keys)
+        self._unpublish_many(list(keys))
 
-    def _evict_ranked(self, pages_needed: int, freed: int, keys: list, seen: set) -> int:
+    def _evict_ranked(self, pages_needed: int, freed: int, keys: dict) -> None:
         """Past the idle low-priority entries at the front of the LRU, add the ranker's
-        victims to ``keys`` until ``pages_needed`` idle pages are freed; the total."""
+        victims to ``keys`` until ``pages_needed`` idle pages are freed."""
         ref = self.ref_counts
         while freed < pages_needed:
-            key = self.ranker.victim(self, seen)
+            key = self.ranker.victim(self, keys)
             if key is None:
                 raise AssertionError(f"group {self.group_id!r}: the checkpoint order lost idle pages")
-            seen.add(key)
-            keys.append(key)
+            keys[key] = None
             freed += sum(1 for p in self._entries[key] if ref[p] == 0)
-        return freed
 
     def _unpublish_many(self, keys: Sequence[Hashable], cause: str = EVICTED) -> int:
         """``evict_many`` where set, else :meth:`evict_entries`, then each removal told to

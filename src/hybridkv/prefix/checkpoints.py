@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from hybridkv._checks import as_int
@@ -344,7 +344,7 @@ class CheckpointOrder:
         ref, idle_tick = pool.ref_counts, pool.idle_tick
         return any(ref[p] == 0 and idle_tick[p] <= self._tick for p in pages)
 
-    def victim(self, pool, taken: set) -> Hashable | None:
+    def victim(self, pool, taken: Container[Hashable]) -> Hashable | None:
         """The next normal-priority checkpoint ``pool`` evicts (not in ``taken``): the lowest of the class heads,
         then those gone idle since the last freed request in LRU order; None if none is left."""
         best = None
@@ -361,7 +361,7 @@ class CheckpointOrder:
             return heapq.heappop(best[1])[-1]
         return self._next_fresh(pool, taken)
 
-    def _next_fresh(self, pool, taken: set) -> Hashable | None:
+    def _next_fresh(self, pool, taken: Container[Hashable]) -> Hashable | None:
         fresh, n = self._fresh[pool.group_id], self._fresh_seen[pool.group_id]
         ref, idle_tick, flags = pool.ref_counts, pool.idle_tick, pool.low_priority
         while n < len(fresh):
