@@ -244,8 +244,7 @@ class Arena:
 
     def _count(self, gid: str, slab: int, own: np.ndarray) -> int:
         """Pages ``gid`` gains by taking (or loses by giving) ``slab`` under ``own``."""
-        gi = self._index[gid]
-        return int(kernels.slab_gain(own, gi, self._inner[gid], self._straddle[gid], slab))
+        return int(kernels.slab_gain(own, self._index[gid], self._inner[gid], self._straddle[gid], slab))
 
     def _moved_pages(self, donor: int, group: int, slab: int) -> tuple[np.ndarray, np.ndarray]:
         """``kernels.slab_move_pages`` under the arena's owners (views of scratch)."""

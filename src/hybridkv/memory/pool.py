@@ -32,7 +32,6 @@ _NO_PAGES = np.empty(0, dtype=np.int64)
 _ANY_PAGES = np.zeros(4, dtype=np.int64)[::2]  # a read-only strided view: its type covers every int64 1-D layout
 _ANY_PAGES.flags.writeable = False
 _DROP_ARGS = attrgetter("_drop_args")  # a pool's entries' ``pop``, group and group id (``_drop_keys``), no frame
-_ONE_GROUP = np.zeros(1, dtype=np.int64)  # a pool alone: its group's offset
 
 
 def idle_clock_tick() -> int:
@@ -472,17 +471,14 @@ class PagePool:
         return removals
 
     def drop_entries(self, keys: Sequence[Hashable], cause: str = UNPUBLISHED) -> list[tuple[Hashable, str, int]]:
-        """Unpublish the published entries ``keys`` in one compiled pass over their pages (``lru.drop_units``),
-        telling no one and counting no eviction: the free stack ends as after one :meth:`unpublish` each, in order
-        (the last entry's pages on top). Per entry, in order, what :meth:`unpublish` would tell ``on_removed``: (key,
-        cause: ``EVICTED_LOW`` for a low-priority entry evicted, idle pages freed)."""
-        if len(keys) == 1:
-            return [self._drop_entry(keys[0], cause)]
-        if self.space is not None:
-            return self.space.drop_units([self], keys, cause)[2]
-        arrays = (self.ref_counts, self.cached, self.low_priority, self._lru_prev, self._lru_next, self._stack,
-                  _ONE_GROUP, self._per_group, np.zeros(1, dtype=np.int64))
-        return _drop_keys(lru.drop_units, arrays, [(self._entries.pop, self._slot, self.group_id)], keys, cause)[2]
+        """Unpublish the published entries ``keys`` in one compiled pass over their pages (``lru.drop_units``; one
+        entry, or a pool in no page space: entry by entry), telling no one and counting no eviction: the free stack
+        ends as after one :meth:`unpublish` each, in order (the last entry's pages on top). Per entry, in order, what
+        :meth:`unpublish` would tell ``on_removed``: (key, cause: ``EVICTED_LOW`` for a low-priority entry evicted,
+        idle pages freed)."""
+        if len(keys) == 1 or self.space is None:
+            return [self._drop_entry(key, cause) for key in keys]
+        return self.space.drop_units([self], keys, cause)[2]
 
     def clear_cache(self) -> None:
         """Unpublish every entry (held pages stay held)."""
@@ -585,7 +581,12 @@ class PageSpace:
         self._free_rows_entry = None  # free_rows' compiled code (``kernels.entry_point``), at its first call
         self._free_rows_args = (self.ref_counts, self.cached, self.stack, self.per_group, self.idle_tick,
                                 self.low_priority, self.lru_prev, self.lru_next, _IDLE_CLOCK)  # its space's arrays
-        self._bind_pools()
+        for g, pool in enumerate(self.pools):  # its counts become views of ``per_group``; what ``_drop_keys`` reads
+            pool._bind(self.per_group, g)
+            pool._drop_args = (pool._entries.pop, g, pool.group_id)
+            pool._view_lru()
+            pool.space = self
+            pool.ranker = pool.ranker  # into ``ranked``
 
     def _join_page_arrays(self, sizes: list[int]) -> None:
         """Each per-page array of the pools, concatenated in group order; every pool views its slice."""
@@ -595,15 +596,6 @@ class PageSpace:
             setattr(self, name.lstrip("_"), whole)
             for pool, start, n in zip(self.pools, starts, sizes):
                 setattr(pool, name, whole[start : start + n])
-
-    def _bind_pools(self) -> None:
-        """Every pool's counts become views of this space's per-group arrays; what ``_drop_keys`` reads of it."""
-        for g, pool in enumerate(self.pools):
-            pool._bind(self.per_group, g)
-            pool._drop_args = (pool._entries.pop, g, pool.group_id)
-            pool._view_lru()
-            pool.space = self
-            pool.ranker = pool.ranker  # into ``ranked``
 
     def load_kernels(self, tables) -> None:
         """Load (or compile) now, changing nothing, the kernels of this space's and each pool's methods."""
