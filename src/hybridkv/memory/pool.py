@@ -207,9 +207,8 @@ class PagePool:
         if each:
             self._evict_low_each(count)
             return
-        keys = self._low_victims(count, top, candidates, candidates[0] + 1 if len(candidates) == _SCAN_PAGES else end)
-        if keys:
-            self._unpublish_many(keys)
+        self._unpublish_many(self._low_victims(count, top, candidates,
+                                               candidates[0] + 1 if len(candidates) == _SCAN_PAGES else end))
 
     def _low_victims(self, count: int, top: int, candidates: list[int], end: int) -> list[Hashable]:
         """:meth:`_evict_low_below`'s batch: the keys of the idle low-priority entries below the ``count`` lowest free
@@ -276,8 +275,7 @@ class PagePool:
     def _tell_ranker(self, pages: np.ndarray, tick: int) -> None:
         """``pages`` (logical order) joined the LRU at ``tick``: the ranker hears of the normal-priority ones."""
         low, page_key = self.low_priority, self._page_key
-        listed = pages[::-1].tolist()
-        self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in listed if not low[p]], tick)
+        self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in pages[::-1].tolist() if not low[p]], tick)
 
     # --- grants (shared arena) ---------------------------------------------
     def grant(self, pages: np.ndarray) -> None:
