@@ -634,7 +634,7 @@ def test_idle_slabs_and_the_oldest_idle_tick_answer_as_the_whole_pool_scan(data)
     releases in two groups of a 12-slab arena: for each way of counting idle keyed
     pages and some pages released by the step, ``kernels.idle_slabs`` over the slabs a
     group owns finds the same idle slabs, idle straddlers and keyed pages counted as a
-    scan of every idle page of the pool; ``Arena.oldest_idle_tick`` (a walk of the pool's
+    scan of every idle page of the pool; ``PagePool.oldest_idle_tick`` (a walk of the pool's
     LRU) the same oldest normal-priority idle page as the pool's flags."""
     from hybridkv.runtime import kernels
 
@@ -671,7 +671,7 @@ def test_idle_slabs_and_the_oldest_idle_tick_answer_as_the_whole_pool_scan(data)
             assert np.flatnonzero(edge_idle).tolist() == np.flatnonzero(want_edge).tolist()
             assert set(np.flatnonzero(edge_idle).tolist()) <= set(owned.tolist()) | set(released_edges.tolist())
         normal = np.flatnonzero(pool.cached & (pool.ref_counts == 0) & ~pool.low_priority)  # from the flags
-        assert arena.oldest_idle_tick(gid) == (int(pool.idle_tick[normal].min()) if normal.size else None)
+        assert pool.oldest_idle_tick() == (int(pool.idle_tick[normal].min()) if normal.size else None)
 
 
 def reference_donor_plan(arena, deficit, surplus, keyed_mode):

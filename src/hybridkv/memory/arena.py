@@ -194,7 +194,7 @@ class Arena:
     def _load_kernels(self) -> None:
         """Load (or compile) now, changing nothing, the kernels of slab moves and the packing rule."""
         gid, donors = self.group_ids[0], self.group_ids[1:]
-        self.oldest_idle_tick(gid)
+        self.pools[gid].oldest_idle_tick()
         self._moved_pages(-1, 0, 0)
         kernels.take_spare_slabs(self.owner.copy(), 0, self._inner[gid], self._straddle[gid], 0, self._taken)
         self.plan_spare(np.zeros(len(self.group_ids), dtype=np.int64))
@@ -244,8 +244,7 @@ class Arena:
 
     def _count(self, gid: str, slab: int, own: np.ndarray) -> int:
         """Pages ``gid`` gains by taking (or loses by giving) ``slab`` under ``own``."""
-        gi = self._index[gid]
-        return int(kernels.slab_gain(own, gi, self._inner[gid], self._straddle[gid], slab))
+        return int(kernels.slab_gain(own, self._index[gid], self._inner[gid], self._straddle[gid], slab))
 
     def _moved_pages(self, donor: int, group: int, slab: int) -> tuple[np.ndarray, np.ndarray]:
         """``kernels.slab_move_pages`` under the arena's owners (views of scratch)."""
@@ -354,9 +353,8 @@ class Arena:
         return slabs * self._most_slab_pages
 
     def _released(self, gid: str, scan: IdleScan) -> np.ndarray:
-        """The pages of ``gid`` the step frees before slabs move (``scan.releasing``), as int64."""
-        released = scan.releasing(self._index[gid]) if scan.releasing is not None else None
-        return _NO_PAGES if released is None or not released.size else released.astype(np.int64, copy=False)
+        """The pages of ``gid`` the step frees before slabs move (``scan.releasing``: int64)."""
+        return _NO_PAGES if scan.releasing is None else scan.releasing(self._index[gid])
 
     def _idle(self, gid: str, scan: IdleScan) -> tuple[np.ndarray, np.ndarray, int]:
         """``kernels.idle_slabs`` of ``gid`` (inner idle, edge idle, keyed pages counted), once per scan."""
@@ -371,10 +369,6 @@ class Arena:
                                          inner_idle, edge_idle)
             found = scan.idle[gid] = (inner_idle, edge_idle, int(counted))
         return found
-
-    def oldest_idle_tick(self, gid: str) -> int | None:
-        """The idle tick of the group's least recently idle keyed page of normal priority (None: none)."""
-        return self.pools[gid].oldest_idle_tick()
 
     # --- mutation -------------------------------------------------------------
     def apply(self, grants: Sequence[Grant]) -> None:

@@ -8,7 +8,7 @@ least recently used first. With ``granted=False`` a pool starts empty (an arena 
 
 from __future__ import annotations
 
-import heapq
+from bisect import insort
 from collections.abc import Callable, Hashable, Sequence
 from operator import attrgetter
 
@@ -32,7 +32,6 @@ _NO_PAGES = np.empty(0, dtype=np.int64)
 _ANY_PAGES = np.zeros(4, dtype=np.int64)[::2]  # a read-only strided view: its type covers every int64 1-D layout
 _ANY_PAGES.flags.writeable = False
 _DROP_ARGS = attrgetter("_drop_args")  # a pool's entries' ``pop``, group and group id (``_drop_keys``), no frame
-_ONE_GROUP = np.zeros(1, dtype=np.int64)  # a pool alone: its group's offset
 
 
 def idle_clock_tick() -> int:
@@ -87,16 +86,6 @@ class PagePool:
         self._rng = None if shuffle_seed is None else np.random.default_rng(shuffle_seed)
         self.lowest_first = bool(lowest_first) and self._rng is None
         self.counters = PoolCounters()
-        self._init_free()
-        self._init_entries()
-        # Set by an arena: must an allocation of ``n`` pages up to id ``page`` pack first (None: always).
-        self.must_pack: Callable[[int, int], bool] | None = None
-        self.space: PageSpace | None = None  # the page space whose arrays this pool views, once in one
-        if granted:
-            self.grant(np.arange(1, self.num_pages, dtype=np.int32))
-
-    def _init_free(self) -> None:
-        """An empty free stack, no idle pages yet."""
         # The free stack is ``_stack[:_top]``; the counts are a ``per_group`` column (a page space's, once in one).
         self._stack = np.empty(self.num_pages, dtype=np.int32)
         self._bind(np.zeros((kernels.PER_GROUP_ROWS, 1), dtype=np.int64), 0)
@@ -109,6 +98,12 @@ class PagePool:
         self._view_lru()
         self.idle_tick = np.zeros(self.num_pages, dtype=np.int64)
         self._low_ids = kernels.low_idle_ids  # by its compiled code once :meth:`load_kernels` ran
+        self._init_entries()
+        # Set by an arena: must an allocation of ``n`` pages up to id ``page`` pack first (None: always).
+        self.must_pack: Callable[[int, int], bool] | None = None
+        self.space: PageSpace | None = None  # the page space whose arrays this pool views, once in one
+        if granted:
+            self.grant(np.arange(1, self.num_pages, dtype=np.int32))
 
     def _init_entries(self) -> None:
         """No content-keyed entries yet."""
@@ -212,20 +207,18 @@ class PagePool:
         if each:
             self._evict_low_each(count)
             return
-        keys = self._low_victims(count, top, candidates, candidates[0] + 1 if len(candidates) == _SCAN_PAGES else end)
-        if keys:
-            self._unpublish_many(keys)
+        self._unpublish_many(self._low_victims(count, top, candidates,
+                                               candidates[0] + 1 if len(candidates) == _SCAN_PAGES else end))
 
     def _low_victims(self, count: int, top: int, candidates: list[int], end: int) -> list[Hashable]:
         """:meth:`_evict_low_below`'s batch: the keys of the idle low-priority entries below the ``count`` lowest free
         ids (those the entries before free count as free), lowest id first, from ``candidates`` (the first scan's) and
         scans of ``_SCAN_PAGES`` ids that each go on where the last stopped (the next from ``end``);
         ``_low_floor`` set to where they stopped. The bound, the ``count``-th lowest of the free ids and those freed,
-        is kept as pages are freed, in O(log n) each, from the lowest ``frees`` free ids (``stack[:top]``, the lowest
-        on top) and the freed ids among the ``count`` lowest (``added``, a max-heap: negated)."""
-        ref, page_key, entries, stack = self._ref_view, self._page_key, self._entries, self._stack
-        freed, keys, gone, added, frees = 0, [], set(), [], min(count, top)
-        bound = self._lowest_free(count)
+        is kept as pages are freed in a sorted list of the ``count`` lowest (``stack[:top]`` has the lowest on top)."""
+        ref, page_key, entries = self._ref_view, self._page_key, self._entries
+        lowest = self._stack[top - min(count, top) : top][::-1].tolist()  # ascending; fewer while fewer are free
+        freed, keys, gone, bound = 0, [], set(), lowest[-1] if len(lowest) == count else self.num_pages
         while True:
             if not candidates:  # the next scan goes on where the last stopped
                 candidates = self._low_idle_ids(bound, _SCAN_PAGES, end)
@@ -245,30 +238,23 @@ class PagePool:
                 if ref[p]:
                     continue
                 freed += 1
-                if p < bound:  # it joins the ``count`` lowest
-                    heapq.heappush(added, -p)
-                    if frees + len(added) > count:  # the bound leaves them
-                        if -added[0] == bound:
-                            heapq.heappop(added)
-                        else:
-                            frees -= 1
-                    if frees + len(added) == count:
-                        bound = max(int(stack[top - frees]) if frees else -1, -added[0])
+                if p < bound:  # it joins the ``count`` lowest; past ``count``, the highest (the bound) leaves
+                    insort(lowest, p)
+                    if len(lowest) > count:
+                        lowest.pop()
+                    if len(lowest) == count:
+                        bound = lowest[-1]
         # None left below the bound the scans stopped at (it only fell meanwhile).
         self._low_floor = max(self._low_floor, bound)
         return keys
-
-    def _lowest_free(self, count: int) -> int:
-        """The ``count``-th lowest free id (``num_pages`` if fewer are free)."""
-        top = self._top
-        return int(self._stack[top - count]) if top >= count else self.num_pages
 
     def _evict_low_each(self, count: int) -> None:
         """:meth:`_evict_low_below` one entry at a time, the flags scanned again after each
         removal (what ``on_removed`` does may demote entries of this pool)."""
         freed = 0
         while freed < count:
-            bound = self._lowest_free(count)
+            top = self._top  # the scan stops at the ``count``-th lowest free id (``num_pages`` while fewer are free)
+            bound = int(self._stack[top - count]) if top >= count else self.num_pages
             first = self._low_idle_ids(bound, 1)
             if not first:
                 self._low_floor = max(self._low_floor, bound)
@@ -289,8 +275,7 @@ class PagePool:
     def _tell_ranker(self, pages: np.ndarray, tick: int) -> None:
         """``pages`` (logical order) joined the LRU at ``tick``: the ranker hears of the normal-priority ones."""
         low, page_key = self.low_priority, self._page_key
-        listed = pages[::-1].tolist()
-        self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in listed if not low[p]], tick)
+        self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in pages[::-1].tolist() if not low[p]], tick)
 
     # --- grants (shared arena) ---------------------------------------------
     def grant(self, pages: np.ndarray) -> None:
@@ -354,9 +339,8 @@ class PagePool:
             low[page] = True  # entries are a few pages: item stores beat one fancy store
         idle = self._move_idle(pages, True)
         if idle:
-            g, lowest = self._slot, min(idle)
-            if lowest < self._floors[g]:
-                self._floors[g] = lowest  # ``_low_floor``
+            g = self._slot
+            self._floors[g] = min(self._floors[g], min(idle))  # ``_low_floor``
             if not was_low:
                 self._lows[g] += len(idle)  # ``_low_idle_pages``
 
@@ -437,37 +421,34 @@ class PagePool:
         """Evict least recently used entries until ``pages_needed`` idle pages are freed (the same entries, in the same
         order, as evicting one at a time); idle low-priority entries at the head of the LRU go ``_LOW_EVICT_PAGES``
         pages beyond that in the same pass, so a run of small allocations does not evict once each."""
-        keys, freed, seen = [], 0, set()
+        keys, freed = {}, 0  # the victims' keys in order (a dict: an ordered set)
         page_key, low, entries, nxt, ranker = (self._page_key, self.low_priority, self._entries,
                                                self._lru_views[1], self.ranker)
         page = nxt[NULL_PAGE]  # the head
         while page != NULL_PAGE:
             key = page_key[page]
-            if key not in seen:
+            if key not in keys:
                 if freed >= pages_needed and (freed >= pages_needed + _LOW_EVICT_PAGES or not low[page]):
                     break
                 if ranker is not None and not low[page]:
-                    freed = self._evict_ranked(pages_needed, freed, keys, seen)
+                    self._evict_ranked(pages_needed, freed, keys)
                     break
-                seen.add(key)
-                keys.append(key)
+                keys[key] = None
                 pages = entries[key]  # its idle pages are the ones in the LRU
                 freed += 1 if len(pages) == 1 else sum(1 for p in pages if nxt[p] >= 0)
             page = nxt[page]
-        self._unpublish_many(keys)
+        self._unpublish_many(list(keys))
 
-    def _evict_ranked(self, pages_needed: int, freed: int, keys: list, seen: set) -> int:
+    def _evict_ranked(self, pages_needed: int, freed: int, keys: dict) -> None:
         """Past the idle low-priority entries at the front of the LRU, add the ranker's
-        victims to ``keys`` until ``pages_needed`` idle pages are freed; the total."""
+        victims to ``keys`` until ``pages_needed`` idle pages are freed."""
         ref = self.ref_counts
         while freed < pages_needed:
-            key = self.ranker.victim(self, seen)
+            key = self.ranker.victim(self, keys)
             if key is None:
                 raise AssertionError(f"group {self.group_id!r}: the checkpoint order lost idle pages")
-            seen.add(key)
-            keys.append(key)
+            keys[key] = None
             freed += sum(1 for p in self._entries[key] if ref[p] == 0)
-        return freed
 
     def _unpublish_many(self, keys: Sequence[Hashable], cause: str = EVICTED) -> int:
         """``evict_many`` where set, else :meth:`evict_entries`, then each removal told to
@@ -488,17 +469,14 @@ class PagePool:
         return removals
 
     def drop_entries(self, keys: Sequence[Hashable], cause: str = UNPUBLISHED) -> list[tuple[Hashable, str, int]]:
-        """Unpublish the published entries ``keys`` in one compiled pass over their pages (``lru.drop_units``),
-        telling no one and counting no eviction: the free stack ends as after one :meth:`unpublish` each, in order
-        (the last entry's pages on top). Per entry, in order, what :meth:`unpublish` would tell ``on_removed``: (key,
-        cause: ``EVICTED_LOW`` for a low-priority entry evicted, idle pages freed)."""
-        if len(keys) == 1:
-            return [self._drop_entry(keys[0], cause)]
-        if self.space is not None:
-            return self.space.drop_units([self], keys, cause)[2]
-        arrays = (self.ref_counts, self.cached, self.low_priority, self._lru_prev, self._lru_next, self._stack,
-                  _ONE_GROUP, self._per_group, np.zeros(1, dtype=np.int64))
-        return _drop_keys(lru.drop_units, arrays, [(self._entries.pop, self._slot, self.group_id)], keys, cause)[2]
+        """Unpublish the published entries ``keys`` in one compiled pass over their pages (``lru.drop_units``; one
+        entry, or a pool in no page space: entry by entry), telling no one and counting no eviction: the free stack
+        ends as after one :meth:`unpublish` each, in order (the last entry's pages on top). Per entry, in order, what
+        :meth:`unpublish` would tell ``on_removed``: (key, cause: ``EVICTED_LOW`` for a low-priority entry evicted,
+        idle pages freed)."""
+        if len(keys) == 1 or self.space is None:
+            return [self._drop_entry(key, cause) for key in keys]
+        return self.space.drop_units([self], keys, cause)[2]
 
     def clear_cache(self) -> None:
         """Unpublish every entry (held pages stay held)."""
@@ -532,13 +510,11 @@ class PagePool:
         listed = listed[: lru.order(self._lru_next, listed)]
         assert listed.size == self.num_evictable_pages, "LRU length"
         assert np.all(self.ref_counts[listed] == 0) and np.all(self.cached[listed]), "bad evictable page"
-        before = np.full(self.num_pages, -1, dtype=np.int64)
-        before[listed] = np.concatenate([[NULL_PAGE], listed[:-1]])
-        before[NULL_PAGE] = listed[-1] if listed.size else NULL_PAGE
-        assert np.array_equal(before, self._lru_prev), "LRU back links"
+        ring = np.concatenate([[NULL_PAGE], listed, [NULL_PAGE]])
+        assert np.array_equal(self._lru_prev[ring[1:]], ring[:-1]), "LRU back links"
         unlisted = np.ones(self.num_pages, dtype=bool)
-        unlisted[listed] = unlisted[NULL_PAGE] = False
-        assert np.all(self._lru_next[unlisted] == -1), "LRU link of an unlisted page"
+        unlisted[ring] = False
+        assert np.all(self._lru_next[unlisted] == -1) and np.all(self._lru_prev[unlisted] == -1), "unlisted page linked"
 
 
 def _drop_keys(drop: Callable, arrays: tuple, pops: list, keys: Sequence[Hashable],
@@ -584,8 +560,8 @@ class PageSpace:
         self._join_page_arrays(sizes)
         self.per_group = np.stack([p._per_group[:, p._slot] for p in self.pools], axis=1)  # the pools' counts
         self.tops, self.lowest_first, self.idle_low_floors = self.per_group[:3]
-        self.lru_lengths, self.granted = self.per_group[kernels.LRU_PAGES], self.per_group[kernels.GRANTED_PAGES]
-        self.low_idle, self.skip_packing = self.per_group[kernels.LOW_IDLE_PAGES], self.per_group[kernels.SKIP_PACKING]
+        self.lru_lengths, self.low_idle = self.per_group[kernels.LRU_PAGES], self.per_group[kernels.LOW_IDLE_PAGES]
+        self.skip_packing = self.per_group[kernels.SKIP_PACKING]
         self.ranked: list[int] = []  # the groups whose pool has a ranker (``PagePool.ranker`` keeps it)
         self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # scratch of hold_outside, drop_units, free_rows
         self.idle_listed = _NO_PAGES  # free_rows' keyed pages left idle, for the rankers (allocated for them)
@@ -603,7 +579,12 @@ class PageSpace:
         self._free_rows_entry = None  # free_rows' compiled code (``kernels.entry_point``), at its first call
         self._free_rows_args = (self.ref_counts, self.cached, self.stack, self.per_group, self.idle_tick,
                                 self.low_priority, self.lru_prev, self.lru_next, _IDLE_CLOCK)  # its space's arrays
-        self._bind_pools()
+        for g, pool in enumerate(self.pools):  # its counts become views of ``per_group``; what ``_drop_keys`` reads
+            pool._bind(self.per_group, g)
+            pool._drop_args = (pool._entries.pop, g, pool.group_id)
+            pool._view_lru()
+            pool.space = self
+            pool.ranker = pool.ranker  # into ``ranked``
 
     def _join_page_arrays(self, sizes: list[int]) -> None:
         """Each per-page array of the pools, concatenated in group order; every pool views its slice."""
@@ -613,15 +594,6 @@ class PageSpace:
             setattr(self, name.lstrip("_"), whole)
             for pool, start, n in zip(self.pools, starts, sizes):
                 setattr(pool, name, whole[start : start + n])
-
-    def _bind_pools(self) -> None:
-        """Every pool's counts become views of this space's per-group arrays; what ``_drop_keys`` reads of it."""
-        for g, pool in enumerate(self.pools):
-            pool._bind(self.per_group, g)
-            pool._drop_args = (pool._entries.pop, g, pool.group_id)
-            pool._view_lru()
-            pool.space = self
-            pool.ranker = pool.ranker  # into ``ranked``
 
     def load_kernels(self, tables) -> None:
         """Load (or compile) now, changing nothing, the kernels of this space's and each pool's methods."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from hybridkv._checks import as_int
@@ -271,7 +271,14 @@ class CheckpointOrder:
         self._low = low
         self._reuse = {kind: values.expected_reuse(kind) for kind in CLASSES}
         self._tick = self._idle_clock()
-        self._demote(sorted((k for k, kind in kinds.items() if kind is not None and low[kind]), key=values.order_key))
+        # Demote those of a low-priority class where still normal priority, each to the front of the LRU, the highest
+        # score first, so the lowest ends first.
+        demoted = sorted((k for k, kind in kinds.items() if kind is not None and low[kind]), key=values.order_key)
+        for pool in self.pools:
+            for key in reversed(demoted):
+                pages = pool.lookup(key)
+                if pages and not pool.low_priority[pages[0]]:
+                    pool.demote(key)
         for key, kind in kinds.items():
             if kind is not None and not low[kind]:
                 self._file(key, kind)
@@ -290,16 +297,6 @@ class CheckpointOrder:
             fresh.clear()
             self._fresh_seen[group_id] = 0
         return list(changed)
-
-    def _demote(self, demoted: list[Hashable]) -> None:
-        """Demote ``demoted`` (lowest score first) where still normal priority: each to
-        the front of the LRU, so the lowest score ends first."""
-        for pool in self.pools:
-            flags = pool.low_priority
-            for key in reversed(demoted):
-                pages = pool.lookup(key)
-                if pages and not flags[pages[0]]:
-                    pool.demote(key)
 
     def _file(self, key: Hashable, kind: str) -> None:
         """Promote a normal-class checkpoint and push it, with a new version, on the heap
@@ -347,7 +344,7 @@ class CheckpointOrder:
         ref, idle_tick = pool.ref_counts, pool.idle_tick
         return any(ref[p] == 0 and idle_tick[p] <= self._tick for p in pages)
 
-    def victim(self, pool, taken: set) -> Hashable | None:
+    def victim(self, pool, taken: Container[Hashable]) -> Hashable | None:
         """The next normal-priority checkpoint ``pool`` evicts (not in ``taken``): the lowest of the class heads,
         then those gone idle since the last freed request in LRU order; None if none is left."""
         best = None
@@ -364,7 +361,7 @@ class CheckpointOrder:
             return heapq.heappop(best[1])[-1]
         return self._next_fresh(pool, taken)
 
-    def _next_fresh(self, pool, taken: set) -> Hashable | None:
+    def _next_fresh(self, pool, taken: Container[Hashable]) -> Hashable | None:
         fresh, n = self._fresh[pool.group_id], self._fresh_seen[pool.group_id]
         ref, idle_tick, flags = pool.ref_counts, pool.idle_tick, pool.low_priority
         while n < len(fresh):

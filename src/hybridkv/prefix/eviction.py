@@ -425,24 +425,10 @@ class ValueEviction:
     # --- diagnostics ------------------------------------------------------------
     def report(self) -> dict[str, GroupValueStats]:
         """Per group: cached pages and entries, usable entries, evicted pages by reason."""
-        usable = self._usable_checkpoints()
-        below: set = set()
-        for key in usable:
-            while key in self._nodes and key not in below:
-                below.add(key)
-                key = self._nodes[key][0]
-        out = {}
-        for gid, pool in self.pools.items():
-            keys = pool.entry_keys()
-            count = sum(1 for k in keys if k in (usable if gid in self._state else below))
-            out[gid] = GroupValueStats(gid, pool.num_cached_pages, len(keys), count, dict(self.evicted_pages[gid]))
-        return out
-
-    def _usable_checkpoints(self) -> set:
-        """Keys with a checkpoint in every state group and every block below it in every history group."""
         chain_ok: dict[Hashable, bool] = {}
 
         def held(key: Hashable) -> bool:
+            """Whether every block from ``key`` up its chain is in every history group."""
             path = []
             while key not in chain_ok and (node := self._nodes.get(key)) is not None:
                 path.append(key)
@@ -454,11 +440,20 @@ class ValueEviction:
                 chain_ok[k] = ok
             return ok
 
-        if not self.state_ids:
-            return set()
-        first = self.pools[self.state_ids[0]]
-        return {k for k in first.entry_keys()
-                if all(self.pools[g].lookup(k) is not None for g in self.state_ids) and held(k)}
+        # Usable: keys with a checkpoint in every state group and every block below it in every history group.
+        keys = self.pools[self.state_ids[0]].entry_keys() if self.state_ids else []
+        usable = {k for k in keys if all(self.pools[g].lookup(k) is not None for g in self.state_ids) and held(k)}
+        below: set = set()
+        for key in usable:
+            while key in self._nodes and key not in below:
+                below.add(key)
+                key = self._nodes[key][0]
+        out = {}
+        for gid, pool in self.pools.items():
+            keys = pool.entry_keys()
+            count = sum(1 for k in keys if k in (usable if gid in self._state else below))
+            out[gid] = GroupValueStats(gid, pool.num_cached_pages, len(keys), count, dict(self.evicted_pages[gid]))
+        return out
 
 
 __all__ = ["GroupValueStats", "POLICIES", "REASONS", "UNIT", "ValueEviction"]

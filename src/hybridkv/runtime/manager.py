@@ -576,9 +576,8 @@ class CacheManager:
         for answer in self.check_admission(batch, fixed_width=fixed_width) if batch else ():
             if not answer.ok:
                 raise CacheManagerError(f"the rest of the batch is not admissible: {answer.reason}")
-        done = int(self._computed[req.row])
-        ceiling = self._known.item(req.row)  # a request without token ids: its declared total
-        hi = min(limit, self.max_step_tokens, ceiling - done)
+        # Known ids past the computed ones (a request without token ids: its declared total).
+        hi = min(limit, self.max_step_tokens, self._known.item(req.row) - self._computed.item(req.row))
         if hi < 1:
             return 0
 
@@ -616,12 +615,11 @@ class CacheManager:
             return _Verdict(answers, ok_idx, fits, deny, plan)
         if fixed_width:
             self._deny_past_capture_width(plan, fits, deny)
-        releases = _Releases(self._tableset, self._space, plan)
-        wanted = plan.sums[1]
-        n_short = -1 if deny else self._short_pages(plan, wanted, self._space.tops, self._free_pages())
+        releases, space, wanted = _Releases(self._tableset, self._space, plan), self._space, plan.sums[1]
+        n_short = -1 if deny else self._short_pages(plan, wanted, space.tops, space.tops + space.lru_lengths)
         if n_short >= 0:
             # No credit needed. On an arena, a group that would evict cached pages grows instead.
-            surplus = self._space.tops - wanted if n_short and self.arena is not None else None
+            surplus = space.tops - wanted if n_short and self.arena is not None else None
             plan.grants = [] if surplus is None else self._grow_instead_of_evicting(self._short, surplus, releases)
         else:
             self._fit_with_credit(releases, fits, deny)
@@ -670,10 +668,6 @@ class CacheManager:
                 deny[k] = (f"group {gid!r} needs {int(width[k])} table columns, more than the "
                            f"capture width {self.table_widths[gid]}")
 
-    def _free_pages(self) -> np.ndarray:
-        """Each group's free and evictable pages."""
-        return self._space.tops + self._space.lru_lengths  # every pool's ``num_free_pages``, at once
-
     def _short_pages(self, plan: _StepPlan, wanted: np.ndarray, clean: np.ndarray, free: np.ndarray) -> int:
         """``kernels.short_pages`` into ``self._short``: how many groups lack clean pages for ``wanted``,
         or -1 when one wants more than its ``free`` pages (release credit decides)."""
@@ -688,7 +682,7 @@ class CacheManager:
         """Admission when the allocations alone do not fit: spare slabs, else the totals net of release
         credit (a donor's released pages count as idle), else greedy in batch order. Sets ``plan.grants``."""
         plan, ids, arena = releases.plan, self._group_ids, self.arena
-        avail = dict(zip(ids, self._free_pages().tolist()))
+        avail = dict(zip(ids, (self._space.tops + self._space.lru_lengths).tolist()))  # free and evictable
         # Group id -> pages each plan row allocates (from hi, or from a load row's new base past it).
         alloc = dict(zip(ids, plan.after[1] - np.maximum(self._tableset.bounds[1][:, plan.rows], plan.after[0])))
         gross = [int(alloc[g][fits].sum()) for g in ids]  # the rows denied already left out
@@ -725,7 +719,7 @@ class CacheManager:
         scan = IdleScan(releasing=lambda k: releases.of(k)[2], clean=True, spare_released=True)  # unkeyed: freed
         if self.prefix is not None and self.prefix.eviction.acts:
             # The oldest idle tick a wanting group would evict: a donor's entries idle since before it count as spare.
-            ticks = [t for t in map(self.arena.oldest_idle_tick, wanting) if t is not None]
+            ticks = [t for t in (self.pools[g].oldest_idle_tick() for g in wanting) if t is not None]
             scan.before_tick = min(ticks) if ticks else None
         return self.arena.plan(wanting, spare, scan, partial=True, owner=own)
 
@@ -1429,16 +1423,11 @@ class CacheManager:
 
     # --- observability -------------------------------------------------------
     def stats(self) -> dict[str, GroupStats]:
-        out = {}
-        for gid, pool in self.pools.items():
-            c = pool.counters
-            out[gid] = GroupStats(
-                group_id=gid, total_pages=pool.usable_pages, free_pages=pool.num_free_pages,
-                used_pages=pool.num_used_pages, peak_used_pages=pool.peak_used_pages,
-                utilization=pool.num_used_pages / pool.usable_pages if pool.usable_pages else 0.0,
-                cached_pages=pool.num_cached_pages, evictable_pages=pool.num_evictable_pages,
-                allocated_pages=c.allocated_pages, released_pages=c.released_pages, evicted_pages=c.evicted_pages)
-        return out
+        return {gid: GroupStats(
+            group_id=gid, total_pages=pool.usable_pages, free_pages=pool.num_free_pages, used_pages=pool.num_used_pages,
+            peak_used_pages=pool.peak_used_pages, cached_pages=pool.num_cached_pages,
+            utilization=pool.num_used_pages / pool.usable_pages if pool.usable_pages else 0.0,
+            evictable_pages=pool.num_evictable_pages, **pool.counters.as_dict()) for gid, pool in self.pools.items()}
 
     def request_pages(self, request_id: str, group_id: str) -> tuple[int, np.ndarray]:
         """(base logical page, held page ids in logical order) of one request in one group."""

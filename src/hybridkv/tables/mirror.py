@@ -34,20 +34,17 @@ class BlockTableMirror:
         return cls([s.group_id for s in manager.specs], [t.capacity_pages for t in tables],
                    [t.sliding for t in tables])
 
-    def _ensure_rows(self, rows: int) -> None:
-        have = self.store.shape[1]
-        if rows > have:
-            grown = np.full((self.store.shape[0], max(rows, 2 * have), self.store.shape[2]), -1, np.int32)
-            grown[:, :have] = self.store
-            self.store = grown
-
     def apply(self, batch: StepBatch) -> None:
         """Bring the copy up to date with an updates-mode batch and remember its rows."""
         up = batch.table_updates
         if up is None or batch.table_rows is None:
             raise ValueError("apply needs a batch scheduled with block_tables='updates'")
-        rows, cells = batch.table_rows, up.row
-        self._ensure_rows(max(int(rows.max()) + 1 if rows.size else 0, int(cells.max()) + 1 if cells.size else 0))
+        rows, cells, have = batch.table_rows, up.row, self.store.shape[1]
+        need = max(int(rows.max()) + 1 if rows.size else 0, int(cells.max()) + 1 if cells.size else 0)
+        if need > have:  # the store grows (at least doubles), keeping its rows
+            grown = np.full((self.store.shape[0], max(need, 2 * have), self.store.shape[2]), -1, np.int32)
+            grown[:, :have] = self.store
+            self.store = grown
         if up.reset:
             self.store.fill(-1)
         self.store[up.group, up.row, up.column] = up.page
