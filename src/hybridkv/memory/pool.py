@@ -600,6 +600,7 @@ class PageSpace:
                              self.offsets, self.per_group, self.idle_counts)
         self._drop_units = kernels.entry_point(lru.drop_units, (_NO_PAGES, *self._drop_arrays, _NO_PAGES))
         self.cells_out = _NO_PAGES  # free_rows' cells emptied (room for a row's every cell, allocated then)
+        self._free_work = np.empty(3 * len(self.pools), dtype=np.int64)  # its kernel's scratch, grown with cells_out
         self._free_rows_entry = None  # free_rows' compiled code (``kernels.entry_point``), at its first call
         self._free_rows_args = (self.ref_counts, self.cached, self.stack, self.per_group, self.idle_tick,
                                 self.low_priority, self.lru_prev, self.lru_next, _IDLE_CLOCK)  # its space's arrays
@@ -713,12 +714,13 @@ class PageSpace:
         first_tick, listed, cells = 0, _NO_PAGES, self.cells_out
         if cells.size < rows.size * tables.row_cells:
             cells = self.cells_out = np.empty(rows.size * tables.row_cells, dtype=np.int64)
+            self._free_work = np.empty(3 * (len(self.pools) + cells.size), dtype=np.int64)
         if self.ranked:
             first_tick, listed = int(_IDLE_CLOCK[0]) + 1, self.idle_listed
             if listed.size < self.ref_counts.size:
                 listed = self.idle_listed = np.empty(self.ref_counts.size, dtype=np.int64)
         args = (tables.geometry, tables.pages, tables.bounds, *self._free_rows_args, rows, self.idle_counts, listed,
-                cells)
+                cells, self._free_work)
         if self._free_rows_entry is None:  # the types every call passes: no type dispatch a call
             self._free_rows_entry = kernels.entry_point(lru.free_rows_listed, args)
         n = self._free_rows_entry(*args)

@@ -264,6 +264,7 @@ class PrefixCache:
                        for s in in_table_order if s.group_id in matched]
         self._spans_at: dict[int, tuple] = {}  # hit tokens -> what _hit_spans returns (set by the geometry alone)
         self._borrow: Callable[..., int] | None = None  # ``_load_borrow``'s, from the first hit
+        self._borrow_work = np.empty(0, dtype=np.int64)  # its scratch (``lru.borrow_row``'s ``work``), grown there
         self._spec_stats = list(zip(self._spec_ids, self._reach_index, (self.stats[gid] for gid in self._spec_ids)))
 
     def _init_eviction(self, eviction_policy: str) -> None:
@@ -410,8 +411,10 @@ class PrefixCache:
         page_ids = np.array(listed, dtype=np.int64)
         assert page_ids.size == total, (page_ids.size, counts)  # what the compiled call reads
         tables = self._table_set
+        if self._borrow_work.size < total + len(counts):
+            self._borrow_work = np.empty(2 * (total + len(counts)), dtype=np.int64)
         args = (tables.geometry, tables.pages, tables.bounds, *self._borrow_space, req.row, first_pages, counts,
-                page_ids)
+                page_ids, self._borrow_work)
         n_idle = (self._borrow or self._load_borrow(args))(*args)
         if n_idle < 0:
             raise ValueError(f"page {int(page_ids[-1 - n_idle])} is free, cannot be borrowed")
