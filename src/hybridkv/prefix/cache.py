@@ -359,12 +359,11 @@ class PrefixCache:
             history.append(entries)
             reach.append(len(entries))
         limit = min(reach) if reach else max_blocks  # blocks every history group holds, from the first
-        found = self._state_reach(keys, reach)
+        found, most = self._state_reach(keys, reach)
         reach.append(max_blocks)
         # The hit: the last boundary within the history where every state group holds a checkpoint.
         k, at_hit = min(reach), found
-        state_reach = reach[len(self._history_lookups) : -1]
-        if not (k and state_reach and min(state_reach) == k == max(state_reach)):
+        if not (k and found and most == k):  # every state group's checkpoint is at k: no walk down
             while k:
                 key, at_hit = keys[k - 1], []
                 for lookup in self._state_lookups:
@@ -374,14 +373,15 @@ class PrefixCache:
                 k -= 1
         return k, limit, reach, history, at_hit if k else []
 
-    def _state_reach(self, keys: list[int], reach: list[int]) -> list:
+    def _state_reach(self, keys: list[int], reach: list[int]) -> tuple[list, int]:
         """``_match``'s walk down each state group to its last checkpoint among the blocks ``keys``
         (appended to ``reach``), from below the last blocks no group publishes (one
-        ``ValueEviction.knows`` lookup each); per state group its entry there (None without one)."""
+        ``ValueEviction.knows`` lookup each); per state group its entry there (None without one), and the
+        furthest one's blocks."""
         top, knows = len(keys), self._knows
         while top and not knows(keys[top - 1]):  # the prompt's own blocks: no group has them
             top -= 1
-        found = []
+        found, most = [], 0
         for lookup in self._state_lookups:
             n, entry = top, None
             while n:
@@ -391,7 +391,9 @@ class PrefixCache:
                 n -= 1
             reach.append(n)
             found.append(entry)
-        return found
+            if n > most:
+                most = n
+        return found, most
 
     def match_and_borrow(self, req: CommittingRequest, prompt_ids: np.ndarray,
                          cache_salt: str | bytes | None = None, hashes: RequestHashes | None = None) -> PrefixHit:
