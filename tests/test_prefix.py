@@ -1369,7 +1369,7 @@ def test_a_hits_borrow_with_a_free_page_is_refused_whole():
         counts[g] = pages.size
         return lru.borrow_row(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.low_priority,
                               space.lru_prev, space.lru_next, space.per_group, 0, lo, counts,
-                              pages.astype(np.int64))
+                              pages.astype(np.int64), np.empty(counts.size + pages.size, dtype=np.int64))
 
     def state():
         return [a.tolist() for a in (space.ref_counts, space.lru_prev, space.lru_next, space.lru_lengths,

@@ -214,14 +214,15 @@ def drop_units(listed, ref, keyed, low_priority, lru_prev, lru_next, stack, offs
                                          group_run[:k])
 
 
-@njit(cache=True)
-def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, prev, nxt, per_group, row, lo, counts, page_ids):
+@njit(cache=True, _nrt=False)
+def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, prev, nxt, per_group, row, lo, counts, page_ids,
+               work):
     """A new row's prefix hit in one call: ``kernels.take_holds`` of ``page_ids`` (idle ones leave their list,
     peaks follow), then ``kernels.place_row``, each page's ring-view cell written over it in ``page_ids``.
-    Returns how many were idle (``-1 - i``, nothing changed, when page ``i`` is free)."""
-    offsets = geometry[:, ID_OFFSET].copy()
-    idle = np.empty(page_ids.size, dtype=np.int64)
-    idle_counts = np.zeros(offsets.size, dtype=np.int64)
+    Returns how many were idle (``-1 - i``, nothing changed, when page ``i`` is free). ``work`` (int64, one per
+    group and per page): its scratch; it allocates nothing, counts no reference (``_nrt=False``)."""
+    offsets = geometry[:, ID_OFFSET]
+    idle_counts, idle = work[: offsets.size], work[offsets.size : offsets.size + page_ids.size]
     n_idle = take_holds(ref, keyed, low_priority, per_group[LOW_IDLE_PAGES], offsets, counts, page_ids, idle,
                         idle_counts)
     if n_idle >= 0:
@@ -232,17 +233,24 @@ def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, prev, nxt, per
     return n_idle
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def free_rows_listed(geometry, pages, bounds, ref, keyed, stack, per_group, idle_tick, low_priority, prev, nxt,
-                     clock, rows, keyed_counts, keyed_out, cells_out):
+                     clock, rows, keyed_counts, keyed_out, cells_out, work):
     """``kernels.free_rows``, then :func:`join` of the keyed pages it left idle: how many per group to ``keyed_counts``,
     the pages (group after group) to ``keyed_out`` as far as it has room. The cells emptied go to ``cells_out`` (room
-    for every live cell of ``rows``: a returned array would cost its caller a call); returns how many."""
-    touched, idle_keyed, keyed_per_group = free_rows(geometry, pages, bounds, ref, keyed, stack, per_group, rows)
+    for every live cell of ``rows``; returns how many), its scratch to ``work`` (int64: 3 per group, then three times
+    ``cells_out``'s room). Allocates nothing, counts no reference (``_nrt=False``): a returned array, an allocation
+    or a counted argument would each cost a call from Python cold."""
+    n_groups, offsets = geometry.shape[0], geometry[:, ID_OFFSET]
+    room, at = cells_out.size, 3 * n_groups
+    counts = work[:at].reshape((3, n_groups))
+    taken, freed, idle_keyed = work[at : at + room], work[at + room : at + 2 * room], work[at + 2 * room :]
+    n = free_rows(geometry, pages, bounds, ref, keyed, stack, per_group, rows, offsets, taken, cells_out, freed,
+                  idle_keyed, counts)
     join(idle_tick, low_priority, prev, nxt, per_group[LRU_PAGES], per_group[LOW_IDLE_PAGES], per_group[LOW_FLOOR],
-         geometry[:, ID_OFFSET].copy(), keyed_per_group, idle_keyed, clock)
-    keyed_counts[:] = keyed_per_group
-    n = min(idle_keyed.size, keyed_out.size)
-    keyed_out[:n] = idle_keyed[:n]
-    cells_out[: touched.size] = touched
-    return touched.size
+         offsets, counts[1], idle_keyed, clock)
+    for g in range(n_groups):
+        keyed_counts[g] = counts[1, g]
+    for i in range(min(counts[1].sum(), keyed_out.size)):
+        keyed_out[i] = idle_keyed[i]
+    return n

@@ -576,7 +576,9 @@ class PageSpace:
                              self.offsets, self.per_group, self.idle_counts)
         self._drop_units = kernels.entry_point(lru.drop_units, (_NO_PAGES, *self._drop_arrays, _NO_PAGES))
         self.cells_out = _NO_PAGES  # free_rows' cells emptied (room for a row's every cell, allocated then)
+        self._free_work = np.empty(3 * len(self.pools), dtype=np.int64)  # its kernel's scratch, grown with cells_out
         self._free_rows_entry = None  # free_rows' compiled code (``kernels.entry_point``), at its first call
+        self._free_args = (None,) * 17  # its arguments (``_free_call``)
         self._free_rows_args = (self.ref_counts, self.cached, self.stack, self.per_group, self.idle_tick,
                                 self.low_priority, self.lru_prev, self.lru_next, _IDLE_CLOCK)  # its space's arrays
         for g, pool in enumerate(self.pools):  # its counts become views of ``per_group``; what ``_drop_keys`` reads
@@ -681,23 +683,33 @@ class PageSpace:
     def free_rows(self, tables, rows: np.ndarray) -> None:
         """``CacheManager.free``'s release in one call (``lru.free_rows_listed``), the cells emptied logged
         (``tables.note_cells``). The keyed pages left idle are listed (in ``idle_listed``, room for every
-        page) only for the rankers."""
-        first_tick, listed, cells = 0, _NO_PAGES, self.cells_out
-        if cells.size < rows.size * tables.row_cells:
-            cells = self.cells_out = np.empty(rows.size * tables.row_cells, dtype=np.int64)
+        page once a pool has a ranker) only for the rankers."""
+        first_tick = 0
         if self.ranked:
-            first_tick, listed = int(_IDLE_CLOCK[0]) + 1, self.idle_listed
-            if listed.size < self.ref_counts.size:
-                listed = self.idle_listed = np.empty(self.ref_counts.size, dtype=np.int64)
-        args = (tables.geometry, tables.pages, tables.bounds, *self._free_rows_args, rows, self.idle_counts, listed,
-                cells)
-        if self._free_rows_entry is None:  # the types every call passes: no type dispatch a call
-            self._free_rows_entry = kernels.entry_point(lru.free_rows_listed, args)
+            first_tick = int(_IDLE_CLOCK[0]) + 1
+            if self.idle_listed.size < self.ref_counts.size:
+                self.idle_listed = np.empty(self.ref_counts.size, dtype=np.int64)
+        args = self._free_args  # kept while its arrays are the ones to pass (a table store that grew has new ones)
+        if args[1] is not tables.pages or args[2] is not tables.bounds or args[12] is not rows \
+                or args[14] is not self.idle_listed:
+            args = self._free_args = self._free_call(tables, rows)
         n = self._free_rows_entry(*args)
         if tables.log is not None:
-            tables.note_cells(cells[:n].copy())
+            tables.note_cells(self.cells_out[:n].copy())
         if self.ranked:
-            self._tell_rankers(self.idle_counts, listed, first_tick)
+            self._tell_rankers(self.idle_counts, self.idle_listed, first_tick)
+
+    def _free_call(self, tables, rows: np.ndarray) -> tuple:
+        """:meth:`free_rows`' kernel arguments, ``cells_out`` and its scratch with room for every cell of ``rows``;
+        the kernel's compiled code (``kernels.entry_point``) loaded at the first call."""
+        if self.cells_out.size < rows.size * tables.row_cells:
+            self.cells_out = np.empty(rows.size * tables.row_cells, dtype=np.int64)
+            self._free_work = np.empty(3 * (len(self.pools) + self.cells_out.size), dtype=np.int64)
+        args = (tables.geometry, tables.pages, tables.bounds, *self._free_rows_args, rows, self.idle_counts,
+                self.idle_listed, self.cells_out, self._free_work)
+        if self._free_rows_entry is None:  # the types every call passes: no type dispatch a call
+            self._free_rows_entry = kernels.entry_point(lru.free_rows_listed, args)
+        return args
 
     def _tell_rankers(self, per_group: np.ndarray, keyed: np.ndarray, first_tick: int) -> None:
         """Each pool with a ranker whose pages joined their LRU tells it of them (plain loops: no numpy call)."""

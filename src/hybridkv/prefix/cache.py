@@ -128,14 +128,25 @@ class RequestHashes:
         return self.hashes[b - 2] if b >= 2 else self.root
 
 
-@dataclass(slots=True)  # compact: every group's is updated as a request joins
-class PrefixGroupStats:
+@dataclass(slots=True)
+class MatchTotals:
+    """What every group's stats count alike as requests are matched: one object, shared by a cache's groups."""
+
     lookups: int = 0
     queried_tokens: int = 0
     hit_tokens: int = 0
+
+
+@dataclass(slots=True)  # compact: every group's is updated as a request joins
+class PrefixGroupStats:
+    matched: MatchTotals = field(default_factory=MatchTotals)  # lookups, queried and hit tokens (every group's)
     alone_hit_tokens: int = 0
     stored_entries: int = 0
     removed_entries: int = 0
+
+    lookups = property(lambda self: self.matched.lookups, doc="requests matched")
+    queried_tokens = property(lambda self: self.matched.queried_tokens, doc="their prompt tokens")
+    hit_tokens = property(lambda self: self.matched.hit_tokens, doc="their reconciled hits")
 
     @property
     def token_hit_rate(self) -> float:
@@ -194,7 +205,8 @@ class PrefixCache:
         self.max_buffered_events = max_buffered_events
         self.dropped_events = 0
         self._buffered = 0  # events in the buffer
-        self.stats = {s.group_id: PrefixGroupStats() for s in self.specs}
+        self._matched = MatchTotals()  # every group's lookups, queried and hit tokens (``match_and_borrow``)
+        self.stats = {s.group_id: PrefixGroupStats(self._matched) for s in self.specs}
         # Per state entry, how many requests keep it as an own checkpoint (unpublished at none).
         self._holders: dict[str, dict[int, int]] = {gid: {} for gid in self.state_ids}
         self._windows = windows
@@ -220,6 +232,7 @@ class PrefixCache:
                               for gid, n in zip(self.state_ids, self._reader.checkpoint_pages)]
         self._entry_pages = {gid: n for gid, _, n, *_ in self._history_groups + self._state_groups}
         self._state_holders = [holders for _, _, _, holders, _ in self._state_groups]
+        self._hit_holders = [(gid, holders) for gid, _, _, holders, _ in self._state_groups]  # a hit's holds
         self._checkpoint_events = [(gid, n) for gid, _, n, *_ in self._state_groups]  # what a "stored" event names
         # Per state group, where its pages of each boundary lie in the state part of what a
         # commit reads: the i-th page of every window, one slice a page.
@@ -264,6 +277,8 @@ class PrefixCache:
                        for s in in_table_order if s.group_id in matched]
         self._spans_at: dict[int, tuple] = {}  # hit tokens -> what _hit_spans returns (set by the geometry alone)
         self._borrow: Callable[..., int] | None = None  # ``_load_borrow``'s, from the first hit
+        # Its scratch (``lru.borrow_row``'s ``work``): one per group and per page a row holds at most.
+        self._borrow_work = np.empty(len(self.specs) + self._table_set.row_cells, dtype=np.int64)
         self._spec_stats = list(zip(self._spec_ids, self._reach_index, (self.stats[gid] for gid in self._spec_ids)))
 
     def _init_eviction(self, eviction_policy: str) -> None:
@@ -344,12 +359,11 @@ class PrefixCache:
             history.append(entries)
             reach.append(len(entries))
         limit = min(reach) if reach else max_blocks  # blocks every history group holds, from the first
-        found = self._state_reach(keys, reach)
+        found, most = self._state_reach(keys, reach)
         reach.append(max_blocks)
         # The hit: the last boundary within the history where every state group holds a checkpoint.
         k, at_hit = min(reach), found
-        state_reach = reach[len(self._history_lookups) : -1]
-        if not (k and state_reach and min(state_reach) == k == max(state_reach)):
+        if not (k and found and most == k):  # every state group's checkpoint is at k: no walk down
             while k:
                 key, at_hit = keys[k - 1], []
                 for lookup in self._state_lookups:
@@ -359,14 +373,15 @@ class PrefixCache:
                 k -= 1
         return k, limit, reach, history, at_hit if k else []
 
-    def _state_reach(self, keys: list[int], reach: list[int]) -> list:
+    def _state_reach(self, keys: list[int], reach: list[int]) -> tuple[list, int]:
         """``_match``'s walk down each state group to its last checkpoint among the blocks ``keys``
         (appended to ``reach``), from below the last blocks no group publishes (one
-        ``ValueEviction.knows`` lookup each); per state group its entry there (None without one)."""
+        ``ValueEviction.knows`` lookup each); per state group its entry there (None without one), and the
+        furthest one's blocks."""
         top, knows = len(keys), self._knows
         while top and not knows(keys[top - 1]):  # the prompt's own blocks: no group has them
             top -= 1
-        found = []
+        found, most = [], 0
         for lookup in self._state_lookups:
             n, entry = top, None
             while n:
@@ -376,7 +391,9 @@ class PrefixCache:
                 n -= 1
             reach.append(n)
             found.append(entry)
-        return found
+            if n > most:
+                most = n
+        return found, most
 
     def match_and_borrow(self, req: CommittingRequest, prompt_ids: np.ndarray,
                          cache_salt: str | bytes | None = None, hashes: RequestHashes | None = None) -> PrefixHit:
@@ -389,10 +406,11 @@ class PrefixCache:
         d = blocks * g
         for gid, i, st in self._spec_stats:  # each group's reach alone, and its stats
             alone[gid] = tokens = reach[i] * g
-            st.lookups += 1
-            st.queried_tokens += queried
-            st.hit_tokens += d
             st.alone_hit_tokens += tokens
+        matched = self._matched  # what every group counts alike
+        matched.lookups += 1
+        matched.queried_tokens += queried
+        matched.hit_tokens += d
         hit = _new_object(PrefixHit)  # its fields set as its frozen __init__ would, without the calls (cold: ~2 µs)
         hit.__dict__.update(hit_tokens=d, group_hit_tokens=alone, history_hit_tokens=limit * g)
         if limit > blocks:
@@ -411,14 +429,14 @@ class PrefixCache:
         assert page_ids.size == total, (page_ids.size, counts)  # what the compiled call reads
         tables = self._table_set
         args = (tables.geometry, tables.pages, tables.bounds, *self._borrow_space, req.row, first_pages, counts,
-                page_ids)
+                page_ids, self._borrow_work)
         n_idle = (self._borrow or self._load_borrow(args))(*args)
         if n_idle < 0:
             raise ValueError(f"page {int(page_ids[-1 - n_idle])} is free, cannot be borrowed")
         tables.note_cells(page_ids)  # now the ring-view cells the hit wrote
         # The checkpoint at the hit becomes the request's own (every state group holds it).
         key, entries = req.hashes.hashes[blocks - 1], {}
-        for (gid, _, _, holders, _), entry in zip(self._state_groups, at_hit):
+        for (gid, holders), entry in zip(self._hit_holders, at_hit):
             entries[gid] = (key, entry)
             holders[key] = holders.get(key, 0) + 1
         if self.values is not None:

@@ -57,13 +57,14 @@ class PreparedPrompt:
     """A prompt checked, copied and (with prefix caching) hashed by ``CacheManager.prepare_prompt`` when the
     request arrives, off the step's path; one ``add_request`` of the same manager takes it."""
 
-    __slots__ = ("prompt_tokens", "total_tokens", "cache_salt", "_manager", "_buffer", "_hashes", "_address")
+    __slots__ = ("prompt_tokens", "total_tokens", "cache_salt", "_manager", "_request", "_prompt", "_address")
 
-    def __init__(self, manager: CacheManager, buffer: np.ndarray, prompt_tokens: int, total_tokens: int,
-                 hashes: RequestHashes | None, cache_salt: str | bytes | None):
-        self.prompt_tokens, self.total_tokens, self.cache_salt = prompt_tokens, total_tokens, cache_salt
-        self._manager, self._buffer, self._hashes = manager, buffer, hashes
-        self._address = buffer.ctypes.data  # read here: ``ctypes`` costs the adding step ~5-9 µs cold
+    def __init__(self, manager: CacheManager, request: _Request, cache_salt: str | bytes | None):
+        self.prompt_tokens, self.total_tokens, self.cache_salt = request.prompt_tokens, request.max_total_tokens, \
+            cache_salt
+        self._manager, self._request = manager, request  # the request made here, named and given a row when added
+        # Read here, off the adding step: the prompt's view, the buffer's address (``ctypes``: ~5-9 µs cold).
+        self._prompt, self._address = request.token_ids[: request.prompt_tokens], request.token_ids.ctypes.data
 
 
 @dataclass
@@ -358,41 +359,39 @@ class CacheManager:
                     cache_salt: str | bytes | None = None) -> PrefixHit:
         """Register a request; with prefix caching, borrow its cached prefix. Returns the hit.
         ``prompt_token_ids`` may be a ``PreparedPrompt`` of this manager (then give nothing else)."""
-        hashes, plain = None, None
         if type(prompt_token_ids) is PreparedPrompt:
-            buf, hashes, cache_salt = self._take_prepared(request_id, prompt_token_ids, prompt_tokens, max_new_tokens,
-                                                          cache_salt)
-            prompt_len, total, address = prompt_token_ids.prompt_tokens, buf.size, prompt_token_ids._address
+            req, prompt, address = self._take_prepared(request_id, prompt_token_ids, prompt_tokens, max_new_tokens,
+                                                       cache_salt)
+            cache_salt = prompt_token_ids.cache_salt
         elif (plain := self._plain_prompt(request_id, prompt_token_ids, prompt_tokens, max_new_tokens,
                                           cache_salt)) is not None:
-            buf, address = plain
-            prompt_len, total = prompt_token_ids.size, buf.size
+            req, address = plain
+            prompt = req.token_ids[: req.prompt_tokens]
         else:
-            buf, prompt_len, total = self._new_prompt(request_id, prompt_token_ids, prompt_tokens, max_new_tokens,
-                                                      cache_salt)
-            address = 0 if buf is None else buf.ctypes.data
+            req = self._new_prompt(request_id, prompt_token_ids, prompt_tokens, max_new_tokens, cache_salt)
+            buf = req.token_ids
+            prompt, address = (None, 0) if buf is None else (buf[: req.prompt_tokens], buf.ctypes.data)
         self._version += 1  # invalidates a cached admission
-        row = self._free_rows.pop() if self._free_rows else self._take_row()
-        req = _Request(request_id, row, prompt_len, total, buf)
-        if self.prefix is not None and buf is not None:
-            hit = self.prefix.match_and_borrow(req, buf[:prompt_len], cache_salt, hashes)
+        row = req.row = self._free_rows.pop() if self._free_rows else self._take_row()
+        if self.prefix is not None and prompt is not None:
+            hit = self.prefix.match_and_borrow(req, prompt, cache_salt, req.hashes)
         else:
             hit = PrefixHit.none(self.specs)
         self._computed[row] = self._committed[row] = hit.hit_tokens
         self._requests[request_id] = self._row_owner[row] = req
         self._row_of[request_id] = row
-        self._max_total[row] = total
-        self._known[row] = self._known_floor[row] = prompt_len if buf is not None else total
+        self._max_total[row] = total = req.max_total_tokens
+        self._known[row] = self._known_floor[row] = total if prompt is None else req.prompt_tokens
         self._token_addr[row] = address
-        if self.tier_link is not None and buf is not None:
-            self.tier_link.on_add(request_id, req.hashes, buf[:prompt_len], hit.hit_tokens, total - prompt_len,
+        if self.tier_link is not None and prompt is not None:
+            self.tier_link.on_add(request_id, req.hashes, prompt, hit.hit_tokens, total - req.prompt_tokens,
                                   cache_salt)
         return hit
 
     def _plain_prompt(self, request_id: Any, ids: Any, prompt_tokens: Any, max_new_tokens: Any,
-                      cache_salt: Any) -> tuple[np.ndarray, int] | None:
+                      cache_salt: Any) -> tuple[_Request, int] | None:
         """``add_request``'s common case (new str id, 1-D int32 ids, int ``max_new_tokens``, nothing else):
-        the token buffer, ids copied and checked in one compiled call, and its data's address; else None
+        the request (no row yet), its ids copied and checked in one compiled call, and their address; else None
         (``_new_prompt`` words it)."""
         if not (type(request_id) is str and request_id and type(ids) is np.ndarray and ids.ndim == 1
                 and ids.dtype == _INT32 and prompt_tokens is None and cache_salt is None
@@ -401,17 +400,18 @@ class CacheManager:
             return None
         buf = np.empty(ids.size + max_new_tokens, dtype=np.int32)
         address = self._copy_ids(ids, buf)
-        return (buf, address) if address else None
+        return (_Request(request_id, -1, ids.size, buf.size, buf), address) if address else None
 
     def _new_prompt(self, request_id: Any, prompt_token_ids: Any, prompt_tokens: Any, max_new_tokens: Any,
-                    cache_salt: Any) -> tuple[np.ndarray | None, int, int]:
-        """``add_request``'s arguments checked in order: the token buffer (None without ids), the
-        prompt's length and the request's total tokens."""
+                    cache_salt: Any) -> _Request:
+        """``add_request``'s arguments checked in order: the request (no row yet; no token buffer without ids)."""
         check_cache_salt(cache_salt, CacheManagerError)
         if prompt_token_ids is not None:
             check_token_ids("prompt_token_ids", prompt_token_ids, CacheManagerError)
         self._check_new_id(request_id)
-        return self._prompt_buffer(f"request {request_id!r}", prompt_token_ids, prompt_tokens, max_new_tokens)
+        buf, prompt_len, total = self._prompt_buffer(f"request {request_id!r}", prompt_token_ids, prompt_tokens,
+                                                     max_new_tokens)
+        return _Request(request_id, -1, prompt_len, total, buf)
 
     def _check_new_id(self, request_id: Any) -> None:
         if not isinstance(request_id, str) or not request_id:
@@ -446,21 +446,24 @@ class CacheManager:
         check_token_ids("prompt_token_ids", prompt_token_ids, CacheManagerError)
         buf, prompt_len, total = self._prompt_buffer("a prepared prompt", prompt_token_ids, None, max_new_tokens)
         hashes = None if self.prefix is None else self.prefix.prompt_hashes(buf[:prompt_len], cache_salt)
-        return PreparedPrompt(self, buf, prompt_len, total, hashes, cache_salt)
+        return PreparedPrompt(self, _Request(None, -1, prompt_len, total, buf, hashes), cache_salt)
 
     def _take_prepared(self, request_id: Any, prepared: PreparedPrompt, prompt_tokens: Any, max_new_tokens: Any,
-                       cache_salt: Any) -> tuple[np.ndarray, RequestHashes | None, str | bytes | None]:
-        """A prepared prompt's buffer, hashes and salt, once; checked before anything changes."""
+                       cache_salt: Any) -> tuple[_Request, np.ndarray, int]:
+        """A prepared prompt's request (named ``request_id``, no row yet), prompt ids and their address, once;
+        checked before anything changes."""
         if prompt_tokens is not None or max_new_tokens != 0 or cache_salt is not None:
             raise CacheManagerError("a PreparedPrompt carries its length, max_new_tokens and cache_salt: "
                                     "give them to prepare_prompt, not add_request")
         if prepared._manager is not self:
             raise CacheManagerError("this PreparedPrompt was made by another CacheManager")
-        if prepared._buffer is None:
+        if prepared._request is None:
             raise CacheManagerError("this PreparedPrompt was already added (each is used once)")
-        self._check_new_id(request_id)
-        buf, prepared._buffer = prepared._buffer, None
-        return buf, prepared._hashes, prepared.cache_salt
+        if type(request_id) is not str or not request_id or request_id in self._requests:
+            self._check_new_id(request_id)  # words the error (a str subclass passes)
+        req, prepared._request = prepared._request, None
+        req.request_id = request_id
+        return req, prepared._prompt, prepared._address
 
     def append_token_ids(self, request_id: str, token_ids: Iterable[int] | np.ndarray) -> None:
         """Extend a request's known tokens (sampled outputs, draft tokens)."""
