@@ -871,6 +871,10 @@ class PrefixCache:
         unit), listed), then cleared: the pages of the unpublished units leave their lists in one
         ``PageSpace.drop_listed`` call, the last unit listed first (as ``PageSpace.drop_units``: as one unit after
         another), then the demoted units in one ``PageSpace.demote`` call (different pages, in the order given)."""
+        if len(let_go) == 1:  # a commit's one unit (most often)
+            unpublished, listed = let_go.pop()
+            (self._space.drop_listed if unpublished else self._space.demote)(listed)
+            return
         dropped, demoted = [], []
         for unpublished, listed in let_go:
             if unpublished:
