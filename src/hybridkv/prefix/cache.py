@@ -541,18 +541,15 @@ class PrefixCache:
                 continue
             keep, latest = req.keep_boundaries, end * g
             hashes.extend_to(req.token_ids, new)
-            keys, speculative = hashes.hashes[first:end], ()
-            if end == first + 1:  # one block (a decode commit): its key and its end checked alone
-                if latest in keep or keys[0] in seen or knows(keys[0]):
-                    break
-            elif not keep.isdisjoint(range((first + 1) * g, latest + 1, g)) or not seen.isdisjoint(keys) \
-                    or any(map(knows, keys)):
+            keys = hashes.hashes[first:end]
+            if run:  # the keys of the run's last request (the first's set only once a second comes)
+                seen.update(run[-1][2])
+            if keep and not keep.isdisjoint(range((first + 1) * g, latest + 1, g)) or seen and not seen.isdisjoint(
+                    keys) or any(map(knows, keys)):
                 break
-            else:
-                speculative = between((first + 1) * g, latest, g, req.prompt_tokens)
-                if speculative and values is not None and run:
-                    break
-            seen.update(keys)
+            speculative = between((first + 1) * g, latest, g, req.prompt_tokens)
+            if speculative and values is not None and run:
+                break
             run.append((req, first, keys, speculative, old, new))
             units += (req.row, first, end, len(speculative) + 1, *speculative, latest)
             n_blocks += end - first
