@@ -518,7 +518,7 @@ class PrefixCache:
             self._tell_units(booked, [[entry] for entry in entries], 0, 0, low)
         if self.values is not None:
             self.values.published(key, latest, speculative=False)
-        self.eviction.stored_block(key, parents[0], latest)
+        self.eviction.stored_commit(keys, parents, ends, keys)
         self._supersede(req, [own], events, let_go)
 
     def _unit_run(self, reqs: Sequence[CommittingRequest], old_tokens: Sequence[int], new_tokens: Sequence[int],

@@ -112,44 +112,30 @@ class ValueEviction:
         has a node or a child waiting, the chain above is not cut), where nothing else
         changes: each node made with its counts (:meth:`_new_chain`), the chain's parent one
         support more (in place when it is supported already)."""
-        if len(keys) == 1:
-            self.stored_block(keys[0], parents[0], boundaries[0])
-            return
         nodes, unborn = self._nodes, self._unborn
         up = nodes.get(parents[0])
         if not self._track or (up[5] if up is not None else boundaries[0] > self.granularity_tokens) or (
-                not nodes.keys().isdisjoint(keys) or not unborn.keys().isdisjoint(keys)):
+                keys[0] in nodes or keys[0] in unborn if len(keys) == 1
+                else not nodes.keys().isdisjoint(keys) or not unborn.keys().isdisjoint(keys)):
             self._stored_each(keys, parents, boundaries, checkpoints)
             return
-        self._new_chain(keys, parents, boundaries, checkpoints)
-        self._chained(up, parents[0], keys[0])
-
-    def stored_block(self, key: Hashable, parent: Hashable | None, boundary: int) -> None:
-        """:meth:`stored_commit` of one block and its checkpoint (a decode commit): where it
-        is a new key on a whole chain, its node made supported by its checkpoint."""
-        nodes, g = self._nodes, self.granularity_tokens
-        up = nodes.get(parent)
-        if not self._track or (up[5] if up is not None else boundary > g) or key in nodes or key in self._unborn:
-            self._stored_each((key,), (parent,), (boundary,), (key,))
-            return
-        n_state = len(self.state_ids)
-        nodes[key] = [parent, 1, len(self.history_ids) + n_state, n_state, None, False, boundary <= g, boundary]
-        self._chained(up, parent, key)
-
-    def _chained(self, up: list | None, parent: Hashable | None, key: Hashable) -> None:
-        """A new chain's first block ``key`` became a child of ``parent``'s node ``up`` (waits
-        for it where None), one support more there (in place when supported already)."""
+        if len(keys) == 1:  # one block and its checkpoint (a decode commit): supported by it
+            n_state = len(self.state_ids)
+            nodes[keys[0]] = [parents[0], 1, len(self.history_ids) + n_state, n_state, None, False,
+                              boundaries[0] <= self.granularity_tokens, boundaries[0]]
+        else:
+            self._new_chain(keys, parents, boundaries, checkpoints)
         if up is None:
-            self._unborn.setdefault(parent, {})[key] = None
+            unborn.setdefault(parents[0], {})[keys[0]] = None
             return
         if up[4] is None:
-            up[4] = {key: None}
+            up[4] = {keys[0]: None}
         else:
-            up[4][key] = None
+            up[4][keys[0]] = None
         if up[1]:  # supported already: one more, nothing else changes
             up[1] += 1
         else:
-            self._add_support(parent)
+            self._add_support(parents[0])
 
     def _new_chain(self, keys: Sequence[Hashable], parents: Sequence[Hashable | None], boundaries: Sequence[int],
                    checkpoints: Sequence[Hashable]) -> None:
