@@ -82,6 +82,9 @@ class CacheEvent:
 
 
 _INT32_LE = np.dtype("<i4")  # the byte order blocks are hashed in
+# Requests a commit call may hold for its one-block commits to go alone (``_commit_block``): a run's fixed cost is about
+# the compiled calls of four committing alone (commit_cost: decode 512 and 1,024 rows, serving 1,024).
+_ALONE = 2
 _new_object = object.__new__
 
 
@@ -451,15 +454,15 @@ class PrefixCache:
         """Publish what each request's tokens ``[old, new)`` completed (history blocks and the
         checkpoints: the policy's speculative ones, the latest), request by request in order:
         the same entries, bookings and events (one call, in that order) as one commit at a
-        time. A commit of one block goes alone (:meth:`_commit_block`); each run of requests
-        whose commit publishes only new keys (:meth:`_unit_run`) is read, claimed and recorded
-        at once (:meth:`_commit_units`); any other commits alone (:meth:`_commit_one`). The
-        checkpoints superseding unpublishes or demotes leave their
-        pools' lists at the end, in one call each (:meth:`_let_go`; before a request that
-        commits alone)."""
+        time. In a call of at most ``_ALONE`` requests, a commit of one block goes alone
+        (:meth:`_commit_block`); each run of requests whose commit publishes only new keys
+        (:meth:`_unit_run`) is read, claimed and recorded at once (:meth:`_commit_units`); any
+        other commits alone (:meth:`_commit_one`). The checkpoints superseding unpublishes or
+        demotes leave their pools' lists at the end, in one call each (:meth:`_let_go`; before
+        a request that commits alone)."""
         events, let_go, i, n, g = [], [], 0, len(reqs), self.granularity_tokens
         while i < n:
-            if self._units and new_tokens[i] // g == old_tokens[i] // g + 1:  # one block (a decode commit)
+            if n <= _ALONE and self._units and new_tokens[i] // g == old_tokens[i] // g + 1:  # one block (a decode)
                 self._commit_block(reqs[i], old_tokens[i], new_tokens[i], events, let_go)
                 i += 1
                 continue
@@ -541,15 +544,19 @@ class PrefixCache:
                 continue
             keep, latest = req.keep_boundaries, end * g
             hashes.extend_to(req.token_ids, new)
-            keys = hashes.hashes[first:end]
+            keys, speculative = hashes.hashes[first:end], ()
             if run:  # the keys of the run's last request (the first's set only once a second comes)
                 seen.update(run[-1][2])
-            if keep and not keep.isdisjoint(range((first + 1) * g, latest + 1, g)) or seen and not seen.isdisjoint(
-                    keys) or any(map(knows, keys)):
+            if end == first + 1:  # one block (a decode commit): its key and its end checked alone
+                if latest in keep or keys[0] in seen or knows(keys[0]):
+                    break
+            elif not keep.isdisjoint(range((first + 1) * g, latest + 1, g)) or not seen.isdisjoint(keys) \
+                    or any(map(knows, keys)):
                 break
-            speculative = between((first + 1) * g, latest, g, req.prompt_tokens)
-            if speculative and values is not None and run:
-                break
+            else:
+                speculative = between((first + 1) * g, latest, g, req.prompt_tokens)
+                if speculative and values is not None and run:
+                    break
             run.append((req, first, keys, speculative, old, new))
             units += (req.row, first, end, len(speculative) + 1, *speculative, latest)
             n_blocks += end - first
