@@ -493,8 +493,7 @@ class PrefixCache:
         if latest in req.keep_boundaries or self._knows(key):
             self._commit_one(req, old_tokens, new_tokens, events, let_go)
             return
-        low = 2 if self.values is None or self.values.low_priority(SPECULATIVE) else 1
-        pages = self._reader.read_block(low, req.row, first, latest)
+        pages = self._reader.read_block(req.row, first, latest)
         if pages is None:
             self._commit_one(req, old_tokens, new_tokens, events, let_go)
             return
@@ -518,7 +517,7 @@ class PrefixCache:
             own.entries[gid] = (key, entries[j])
             holders[key] = 1
         if self.tier_hook is not None:
-            self._tell_units(booked, [[entry] for entry in entries], 0, 0, low)
+            self._tell_units(booked, [[entry] for entry in entries], 0, 0, 1)  # no window before the latest
         if self.values is not None:
             self.values.published(key, latest, speculative=False)
         self.eviction.stored_commit(keys, parents, ends, keys)

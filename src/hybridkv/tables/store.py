@@ -290,7 +290,7 @@ class CommitPages:
         self._unit_pages = self._sizes[0] + self.boundary_pages  # a block's and its checkpoint's, every group's
         self._out = np.empty(max(64, 2 * self._unit_pages), dtype=np.int64)  # room for ``read_block``'s
         self._commit_units = kernels.commit_units  # ``read_units``' kernel; its compiled code once tables are known
-        self._block = np.array([0, 0, 0, 0, 1, 0], dtype=np.int64)  # ``read_block``'s ``units``
+        self._block = np.array([1, 0, 0, 0, 1, 0], dtype=np.int64)  # ``read_block``'s ``units``
         if self._set is not None:
             ts = self._set
             self._commit_units = kernels.entry_point(kernels.commit_units, (
@@ -324,11 +324,12 @@ class CommitPages:
         assert n == size, (n, size)
         return self._out[:n].tolist(), self._status[:n_entries].tolist()
 
-    def read_block(self, low: int, row: int, first_block: int, end_tokens: int) -> list[int] | None:
+    def read_block(self, row: int, first_block: int, end_tokens: int) -> list[int] | None:
         """:meth:`read_units` of one commit of block ``first_block`` and its checkpoint (at its
-        end, ``end_tokens``), from a space: its pages, or None where it was not claimed."""
+        end, ``end_tokens``; no window before it, so no ``low``), from a space: its pages, or None
+        where it was not claimed."""
         ts, units = self._set, self._block
-        units[0], units[1], units[2], units[3], units[5] = low, row, first_block, first_block + 1, end_tokens
+        units[1], units[2], units[3], units[5] = row, first_block, first_block + 1, end_tokens
         ref, keyed, low_flags, limits = self._claim_in
         n = self._commit_units(ts.geometry, ts.pages, ts.bounds, self._history, self._state, units, self._out,
                                self._claimed, self._places, ref, keyed, low_flags, limits)
