@@ -575,6 +575,7 @@ class PageSpace:
         self._drop_arrays = (self.ref_counts, self.cached, self.low_priority, self.lru_prev, self.lru_next, self.stack,
                              self.offsets, self.per_group, self.idle_counts)
         self._drop_units = kernels.entry_point(lru.drop_units, (_NO_PAGES, *self._drop_arrays, _NO_PAGES))
+        self._told = np.empty(64, dtype=np.int64)  # drop_listed's ``told`` (scratch)
         self.cells_out = _NO_PAGES  # free_rows' cells emptied (room for a row's every cell, allocated then)
         self._free_work = np.empty(3 * len(self.pools), dtype=np.int64)  # its kernel's scratch, grown with cells_out
         self._free_rows_entry = None  # free_rows' compiled code (``kernels.entry_point``), at its first call
@@ -668,8 +669,9 @@ class PageSpace:
     def drop_listed(self, listed: list[int]) -> None:
         """What :meth:`drop_units` does to the pages of entries popped already (``listed``: each its pool's index,
         page count and pages, each pool's last entry first), in one compiled pass (``lru.drop_units``)."""
-        told = np.empty(len(listed) // 2, dtype=np.int64)  # an entry lists 2 numbers at least; not read here
-        self._drop_units(np.array(listed, dtype=np.int64), *self._drop_arrays, told)
+        if len(listed) // 2 > self._told.size:  # an entry lists 2 numbers at least
+            self._told = np.empty(len(listed), dtype=np.int64)
+        self._drop_units(np.array(listed, dtype=np.int64), *self._drop_arrays, self._told)  # ``told``: not read here
 
     def keyed_idle(self, per_group: np.ndarray, keyed: np.ndarray) -> None:
         """Keyed pages a release left idle (group after group, ``per_group[g]`` each; both int64) join their LRUs

@@ -82,6 +82,9 @@ class CacheEvent:
 
 
 _INT32_LE = np.dtype("<i4")  # the byte order blocks are hashed in
+# Requests a commit call may hold for its one-block commits to go alone (``_commit_block``): a run's fixed cost is about
+# the compiled calls of four committing alone (commit_cost: decode 512 and 1,024 rows, serving 1,024).
+_ALONE = 2
 _new_object = object.__new__
 
 
@@ -469,13 +472,18 @@ class PrefixCache:
         """Publish what each request's tokens ``[old, new)`` completed (history blocks and the
         checkpoints: the policy's speculative ones, the latest), request by request in order:
         the same entries, bookings and events (one call, in that order) as one commit at a
-        time. Each run of requests whose commit publishes only new keys (:meth:`_unit_run`) is
-        read, claimed and recorded at once (:meth:`_commit_units`); any other commits alone
-        (:meth:`_commit_one`). The checkpoints superseding unpublishes or demotes leave their
-        pools' lists at the end, in one call each (:meth:`_let_go`; before a request that
-        commits alone)."""
+        time. In a call of at most ``_ALONE`` requests, a commit of one block goes alone
+        (:meth:`_commit_block`); each run of requests whose commit publishes only new keys
+        (:meth:`_unit_run`) is read, claimed and recorded at once (:meth:`_commit_units`); any
+        other commits alone (:meth:`_commit_one`). The checkpoints superseding unpublishes or
+        demotes leave their pools' lists at the end, in one call each (:meth:`_let_go`; before
+        a request that commits alone)."""
         events, let_go, i, n, g = [], [], 0, len(reqs), self.granularity_tokens
         while i < n:
+            if n <= _ALONE and self._units and new_tokens[i] // g == old_tokens[i] // g + 1:  # one block (a decode)
+                self._commit_block(reqs[i], old_tokens[i], new_tokens[i], events, let_go)
+                i += 1
+                continue
             if self._units and new_tokens[i] // g > old_tokens[i] // g:  # a run may start here
                 run, units, n_blocks, i = self._unit_run(reqs, old_tokens, new_tokens, i)
                 if run:
@@ -487,6 +495,51 @@ class PrefixCache:
         if let_go:
             self._let_go(let_go)
         self._emit_many(events)  # per request its "stored" events, then the removals superseding caused
+
+    def _commit_block(self, req: CommittingRequest, old_tokens: int, new_tokens: int, events: list[tuple],
+                      let_go: list[tuple]) -> None:
+        """A request's commit of one block and its checkpoint: where it publishes a key no
+        group has and pins nothing, what :meth:`_commit_units` does to a run of it alone (read
+        and claimed in one compiled call, recorded, booked as :meth:`_book_units` does)
+        without the run's lists; else, or where the claim fails, :meth:`_commit_one`."""
+        hashes, g = req.hashes, self.granularity_tokens
+        if hashes is None:
+            return
+        first, latest = old_tokens // g, new_tokens // g * g
+        hashes.extend_to(req.token_ids, new_tokens)
+        key = hashes.hashes[first]
+        if latest in req.keep_boundaries or self._knows(key):
+            self._commit_one(req, old_tokens, new_tokens, events, let_go)
+            return
+        pages = self._reader.read_block(req.row, first, latest)
+        if pages is None:
+            self._commit_one(req, old_tokens, new_tokens, events, let_go)
+            return
+        keys, parents, ends, at, entries = [key], [hashes.hashes[first - 1] if first else hashes.root], (latest,), 0, []
+        for published, page_key, size, stats, _ in self._unit_parts:  # ``_commit_units``' recording, one entry each
+            if size == 1:  # no slice made
+                published[key] = entry = (pages[at],)
+                page_key[pages[at]] = key
+            else:
+                published[key] = entry = tuple(pages[at:at + size])
+                for page in entry:
+                    page_key[page] = key
+            entries.append(entry)
+            stats.stored_entries += 1
+            at += size
+        booked = (keys, parents, ends, keys, parents, ends)
+        events.append(booked)
+        own = _new_object(OwnCheckpoint)
+        own.boundary_tokens, own.pinned, own.entries = latest, False, {}
+        for gid, holders, j in self._unit_holders:
+            own.entries[gid] = (key, entries[j])
+            holders[key] = 1
+        if self.tier_hook is not None:
+            self._tell_units(booked, [[entry] for entry in entries], 0, 0, 1)  # no window before the latest
+        if self.values is not None:
+            self.values.published(key, latest, speculative=False)
+        self.eviction.stored_commit(keys, parents, ends, keys)
+        self._supersede(req, [own], events, let_go)
 
     def _unit_run(self, reqs: Sequence[CommittingRequest], old_tokens: Sequence[int], new_tokens: Sequence[int],
                   i: int) -> tuple[list[tuple], list[int], int, int]:
@@ -509,6 +562,8 @@ class PrefixCache:
             keep, latest = req.keep_boundaries, end * g
             hashes.extend_to(req.token_ids, new)
             keys, speculative = hashes.hashes[first:end], ()
+            if run:  # the keys of the run's last request (the first's set only once a second comes)
+                seen.update(run[-1][2])
             if end == first + 1:  # one block (a decode commit): its key and its end checked alone
                 if latest in keep or keys[0] in seen or knows(keys[0]):
                     break
@@ -519,7 +574,6 @@ class PrefixCache:
                 speculative = between((first + 1) * g, latest, g, req.prompt_tokens)
                 if speculative and values is not None and run:
                     break
-            seen.update(keys)
             run.append((req, first, keys, speculative, old, new))
             units += (req.row, first, end, len(speculative) + 1, *speculative, latest)
             n_blocks += end - first
@@ -838,6 +892,10 @@ class PrefixCache:
         unit), listed), then cleared: the pages of the unpublished units leave their lists in one
         ``PageSpace.drop_listed`` call, the last unit listed first (as ``PageSpace.drop_units``: as one unit after
         another), then the demoted units in one ``PageSpace.demote`` call (different pages, in the order given)."""
+        if len(let_go) == 1:  # a commit's one unit (most often)
+            unpublished, listed = let_go.pop()
+            (self._space.drop_listed if unpublished else self._space.demote)(listed)
+            return
         dropped, demoted = [], []
         for unpublished, listed in let_go:
             if unpublished:

@@ -281,7 +281,6 @@ class CommitPages:
         self.checkpoint_pages = [cdiv(w, t.page_tokens) for t, w in state]
         self.boundary_pages = sum(self.checkpoint_pages)  # every state group's pages of one checkpoint
         self._sizes = sum(self.block_pages), self.boundary_pages, len(history), len(state)
-        self._out = np.empty(64, dtype=np.int64)
         self._layout, self._status = np.empty((16, 3), dtype=np.int64), np.empty(16, dtype=np.int8)
         if space is None:  # read only: nothing to claim in (same types, so the same compiled kernel)
             self._claim_in = (np.zeros(1, np.int32), np.zeros(1, np.bool_), np.zeros(1, np.bool_),
@@ -293,7 +292,9 @@ class CommitPages:
         self._claimed = np.empty(16, dtype=np.int8)  # read_units' flags, one a commit
         self._places = np.empty(3 * (len(history) + len(state)) + 1, dtype=np.int64)  # read_units' scratch
         self._unit_pages = self._sizes[0] + self.boundary_pages  # a block's and its checkpoint's, every group's
+        self._out = np.empty(max(64, 2 * self._unit_pages), dtype=np.int64)  # room for ``read_block``'s
         self._commit_units = kernels.commit_units  # ``read_units``' kernel; its compiled code once tables are known
+        self._block = np.array([1, 0, 0, 0, 1, 0], dtype=np.int64)  # ``read_block``'s ``units``
         if self._set is not None:
             ts = self._set
             self._commit_units = kernels.entry_point(kernels.commit_units, (
@@ -326,6 +327,17 @@ class CommitPages:
             raise ValueError(f"page {int(self._out[-1 - n])} is not a held, unpublished page of its group")
         assert n == size, (n, size)
         return self._out[:n].tolist(), self._status[:n_entries].tolist()
+
+    def read_block(self, row: int, first_block: int, end_tokens: int) -> list[int] | None:
+        """:meth:`read_units` of one commit of block ``first_block`` and its checkpoint (at its
+        end, ``end_tokens``; no window before it, so no ``low``), from a space: its pages, or None
+        where it was not claimed."""
+        ts, units = self._set, self._block
+        units[1], units[2], units[3], units[5] = row, first_block, first_block + 1, end_tokens
+        ref, keyed, low_flags, limits = self._claim_in
+        n = self._commit_units(ts.geometry, ts.pages, ts.bounds, self._history, self._state, units, self._out,
+                               self._claimed, self._places, ref, keyed, low_flags, limits)
+        return self._out[:n].tolist() if n >= 0 else None
 
     def read_units(self, units: list[int], n_units: int, n_blocks: int) -> tuple[list[int], list[int] | None]:
         """Commits each claimed whole or not at all, read and claimed in one compiled call
