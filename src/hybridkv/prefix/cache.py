@@ -1134,8 +1134,5 @@ def _claimed(status: Sequence[int], columns: tuple) -> tuple[list[int], tuple]:
 
 def _event(raw: tuple) -> CacheEvent:
     kind, gid, key, parent, boundary, num_pages = raw
-    return CacheEvent(kind, gid, _hex(key), _hex(parent), boundary, num_pages)
-
-
-def _hex(key: int | None) -> str | None:
-    return None if key is None else f"{key:032x}"
+    return CacheEvent(kind, gid, None if key is None else f"{key:032x}", None if parent is None else f"{parent:032x}",
+                      boundary, num_pages)
