@@ -126,10 +126,6 @@ class RequestHashes:
         """Key of the prefix ``[0, boundary)`` (boundary a positive multiple of the grain)."""
         return self.hashes[boundary_tokens // self.granularity_tokens - 1]
 
-    def parent(self, boundary_tokens: int) -> int:
-        b = boundary_tokens // self.granularity_tokens
-        return self.hashes[b - 2] if b >= 2 else self.root
-
 
 @dataclass(slots=True)
 class MatchTotals:
@@ -500,8 +496,8 @@ class PrefixCache:
                       let_go: list[tuple]) -> None:
         """A request's commit of one block and its checkpoint: where it publishes a key no
         group has and pins nothing, what :meth:`_commit_units` does to a run of it alone (read
-        and claimed in one compiled call, recorded, booked as :meth:`_book_units` does)
-        without the run's lists; else, or where the claim fails, :meth:`_commit_one`."""
+        and claimed in one compiled call, recorded, booked by :meth:`_book`) without the run's
+        lists; else, or where the claim fails, :meth:`_commit_one`."""
         hashes, g = req.hashes, self.granularity_tokens
         if hashes is None:
             return
@@ -515,7 +511,8 @@ class PrefixCache:
         if pages is None:
             self._commit_one(req, old_tokens, new_tokens, events, let_go)
             return
-        keys, parents, ends, at, entries = [key], [hashes.hashes[first - 1] if first else hashes.root], (latest,), 0, []
+        keys, parents, ends = [key], [hashes.hashes[first - 1] if first else hashes.root], (latest,)
+        entries, at = [], 0
         for published, page_key, size, stats, _ in self._unit_parts:  # ``_commit_units``' recording, one entry each
             if size == 1:  # no slice made
                 published[key] = entry = (pages[at],)
@@ -524,22 +521,10 @@ class PrefixCache:
                 published[key] = entry = tuple(pages[at:at + size])
                 for page in entry:
                     page_key[page] = key
-            entries.append(entry)
+            entries.append([entry])
             stats.stored_entries += 1
             at += size
-        booked = (keys, parents, ends, keys, parents, ends)
-        events.append(booked)
-        own = _new_object(OwnCheckpoint)
-        own.boundary_tokens, own.pinned, own.entries = latest, False, {}
-        for gid, holders, j in self._unit_holders:
-            own.entries[gid] = (key, entries[j])
-            holders[key] = 1
-        if self.tier_hook is not None:
-            self._tell_units(booked, [[entry] for entry in entries], 0, 0, 1)  # no window before the latest
-        if self.values is not None:
-            self.values.published(key, latest, speculative=False)
-        self.eviction.stored_commit(keys, parents, ends, keys)
-        self._supersede(req, [own], events, let_go)
+        self._book(req, (keys, parents, ends, keys, parents, ends), entries, 0, 0, 1, events, let_go)
 
     def _unit_run(self, reqs: Sequence[CommittingRequest], old_tokens: Sequence[int], new_tokens: Sequence[int],
                   i: int) -> tuple[list[tuple], list[int], int, int]:
@@ -584,10 +569,9 @@ class PrefixCache:
                       let_go: list[tuple]) -> None:
         """The commits ``run`` (:meth:`_unit_run`'s, ``n_blocks`` blocks in all) read and claimed
         in one compiled call (``CommitPages.read_units``), the entries of those it claimed whole
-        recorded as ``PageSpace.adopt`` does, group by group, as each is made (plain loops: cheaper run cold than
-        zips), and counted; then
-        booked request by request (:meth:`_book_units`) with each one's blocks (keys,
-        parents, ends) and checkpoints (keys, parents, boundaries)."""
+        recorded as ``PageSpace.adopt`` does, group by group (plain loops: cheaper run cold than zips), and
+        counted; then booked request by request (:meth:`_book_units`) with each one's blocks (keys, parents,
+        ends) and checkpoints (keys, parents, boundaries)."""
         g, low = self.granularity_tokens, 2 if self.values is None or self.values.low_priority(SPECULATIVE) else 1
         units[0] = low  # what the compiled call reads first
         pages, claimed = self._reader.read_units(units, len(run), n_blocks)
@@ -628,34 +612,40 @@ class PrefixCache:
 
     def _book_units(self, run: list[tuple], lists: list[tuple | None], entries: list[list], low: int,
                     events: list[tuple], let_go: list[tuple]) -> None:
-        """Request by request, in order, what one commit at a time books of a commit claimed
-        whole (``lists``: its blocks' and checkpoints' keys, parents and ends; ``entries``:
-        per group its entries of those, recorded): its "stored" events (history group by
-        group, then checkpoint by checkpoint every state group's), the state groups' holds of
-        its latest checkpoint, tier link (:meth:`_tell_units`), checkpoint values, one
-        ``ValueEviction.stored_commit``, then its earlier checkpoints superseded; a request
-        whose claim failed (``lists`` None) commits alone (:meth:`_commit_one`)."""
-        hook, values, stored_commit = self.tier_hook, self.values, self.eviction.stored_commit
+        """Request by request, in order, :meth:`_book` of a commit claimed whole (``lists``: its
+        blocks' and checkpoints' keys, parents and ends; ``entries``: per group the entries of
+        those, recorded); a request whose claim failed (``lists`` None) commits alone
+        (:meth:`_commit_one`)."""
         kb = kc = 0  # the request's first block and checkpoint among those claimed whole
         for (req, _, _, _, old, new), booked in zip(run, lists):
             if booked is None:
                 self._commit_one(req, old, new, events, let_go)
                 continue
-            keys, parents, ends, checkpoint_keys, _, boundaries = booked
-            events.append(booked)  # its "stored" events, expanded when drained (``_raws``)
-            key, last = checkpoint_keys[-1], kc + len(checkpoint_keys) - 1
-            own = _new_object(OwnCheckpoint)  # its fields stored directly (no ``__init__`` frame)
-            own.boundary_tokens, own.pinned, own.entries = boundaries[-1], False, {}
-            for gid, holders, j in self._unit_holders:  # a key no group had: no request holds it yet
-                own.entries[gid] = (key, entries[j][last])
-                holders[key] = 1
-            if hook is not None:
-                self._tell_units(booked, entries, kb, kc, low)
-            for key, boundary in zip(checkpoint_keys, boundaries) if values is not None else ():
-                values.published(key, boundary, speculative=boundary != boundaries[-1])
-            stored_commit(keys, parents, ends, checkpoint_keys)
-            self._supersede(req, [own], events, let_go)
-            kb, kc = kb + len(keys), kc + len(checkpoint_keys)
+            self._book(req, booked, entries, kb, kc, low, events, let_go)
+            kb, kc = kb + len(booked[0]), kc + len(booked[3])
+
+    def _book(self, req: CommittingRequest, booked: tuple, entries: list[list], kb: int, kc: int, low: int,
+              events: list[tuple], let_go: list[tuple]) -> None:
+        """What one commit at a time books of a request's commit claimed whole (``booked``; its
+        entries in ``entries`` from block ``kb``, checkpoint ``kc``): its "stored" events (history
+        group by group, then checkpoint by checkpoint every state group's), the state groups'
+        holds of its latest checkpoint, tier link (:meth:`_tell_units`), checkpoint values, one
+        ``ValueEviction.stored_commit``, then its earlier checkpoints superseded."""
+        keys, parents, ends, checkpoint_keys, _, boundaries = booked
+        events.append(booked)  # its "stored" events, expanded when drained (``_raws``)
+        key, last = checkpoint_keys[-1], kc + len(checkpoint_keys) - 1
+        own = _new_object(OwnCheckpoint)  # its fields stored directly (no ``__init__`` frame)
+        own.boundary_tokens, own.pinned, own.entries = boundaries[-1], False, {}
+        for gid, holders, j in self._unit_holders:  # a key no group had: no request holds it yet
+            own.entries[gid] = (key, entries[j][last])
+            holders[key] = 1
+        if self.tier_hook is not None:
+            self._tell_units(booked, entries, kb, kc, low)
+        if self.values is not None:
+            for key, boundary in zip(checkpoint_keys, boundaries):
+                self.values.published(key, boundary, speculative=boundary != boundaries[-1])
+        self.eviction.stored_commit(keys, parents, ends, checkpoint_keys)
+        self._supersede(req, [own], events, let_go)
 
     def _tell_units(self, booked: tuple, entries: list[list], kb: int, kc: int, low: int) -> None:
         """The tier link of a commit claimed whole (:meth:`_book_units`' ``booked``, its
@@ -1048,7 +1038,7 @@ class PrefixCache:
                 self.on_event(_event(raw))
             return
         n, n_history, n_state = 0, len(self._history_events), len(self._checkpoint_events)
-        for item in items:  # ``_size``, inline
+        for item in items:  # its events: 1 raw, or a record's (a block a history group, a checkpoint a state group)
             n += 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
         self.events.extend(items)
         self._buffered += n
@@ -1057,23 +1047,16 @@ class PrefixCache:
 
     def _drop_oldest(self, excess: int) -> None:
         """The ``excess`` oldest buffered events dropped and counted (a record cut short: the rest of it kept raw)."""
-        events = self.events
+        events, n_history, n_state = self.events, len(self._history_events), len(self._checkpoint_events)
         self._buffered -= excess
         self.dropped_events += excess
         while excess:
             item = events.popleft()
-            size = self._size(item)
+            size = 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
             if size > excess:
                 events.extendleft(reversed(list(self._raws((item,)))[excess:]))
                 return
             excess -= size
-
-    def _size(self, item: tuple) -> int:
-        """How many events ``item`` is (:meth:`_raws`): a raw event one; a commit's record one a block and history
-        group, and one a checkpoint and state group."""
-        if item[0].__class__ is str:
-            return 1
-        return len(item[0]) * len(self._history_events) + len(item[3]) * len(self._checkpoint_events)
 
     def _raws(self, items: Sequence[tuple]) -> Iterator[tuple]:
         """The raw events of ``items`` in order: a raw event (kind, group, key, parent, tokens, pages) as it is; a
@@ -1151,8 +1134,5 @@ def _claimed(status: Sequence[int], columns: tuple) -> tuple[list[int], tuple]:
 
 def _event(raw: tuple) -> CacheEvent:
     kind, gid, key, parent, boundary, num_pages = raw
-    return CacheEvent(kind, gid, _hex(key), _hex(parent), boundary, num_pages)
-
-
-def _hex(key: int | None) -> str | None:
-    return None if key is None else f"{key:032x}"
+    return CacheEvent(kind, gid, None if key is None else f"{key:032x}", None if parent is None else f"{parent:032x}",
+                      boundary, num_pages)

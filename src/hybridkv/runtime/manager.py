@@ -1067,7 +1067,7 @@ class CacheManager:
         if self.arena is None:
             return False, n_spare
         if n_spare is None:
-            n_spare = self._admit_kernel(n)
+            n_spare = self._admit_entry(*self._admit_args(n))
         written = self.arena.spare_written
         if n_spare < 0 or (n_spare and written is None):  # ``_admit`` decides, or ``Arena.apply`` moves the slabs
             return False, n_spare
@@ -1110,7 +1110,7 @@ class CacheManager:
         if arena is None:
             return False
         if n is None:
-            n = self._admit_kernel(plan.rows.size)
+            n = self._admit_entry(*self._admit_args(plan.rows.size))
         if n < 0:
             return False
         written = arena.spare_written  # a copy of its first ``n`` (the scratch is the arena's)
@@ -1118,12 +1118,11 @@ class CacheManager:
         plan.grants = arena.spare_grants(n) if n and plan.spare_grants is None else []
         return True
 
-    def _admit_kernel(self, n_rows: int) -> int:
-        """``kernels.admit_spare`` (its compiled code) of the plan of ``n_rows`` rows in the scratch buffer."""
+    def _admit_args(self, n_rows: int) -> tuple:
+        """``kernels.admit_spare``'s arguments for the plan of ``n_rows`` rows in the scratch buffer."""
         ts, space = self._tableset, self._space
-        return self._admit_entry(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.per_group,
-                                 self._committed, self._grain, self._window_pages, self._scratch.buffer, n_rows,
-                                 self._short, *self.arena.spare_args)
+        return (ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.per_group, self._committed,
+                self._grain, self._window_pages, self._scratch.buffer, n_rows, self._short, *self.arena.spare_args)
 
     def _kernel_state(self) -> tuple:
         """``kernels.step``'s leading arguments: the same objects until ``_take_row`` grows the arrays."""
@@ -1206,10 +1205,7 @@ class CacheManager:
         args = (*self._kernel_state(), sc.buffer, self._last_rows, no_rows, self._one_count, 0, *_NO_CELLS, *out)
         self._step_entry = kernels.entry_point(kernels.step, args)
         if self.arena is not None:
-            ts, space = self._tableset, self._space
-            self._admit_entry = kernels.entry_point(kernels.admit_spare, (  # ``_admit_spare``'s, its compiled code
-                ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.per_group, self._committed,
-                self._grain, self._window_pages, sc.buffer, 0, self._short, *self.arena.spare_args))
+            self._admit_entry = kernels.entry_point(kernels.admit_spare, self._admit_args(0))  # its compiled code
             self._spare_args = (self._window_pages, self._short, *self.arena.spare_args)
             self._spare_entry = kernels.entry_point(kernels.step_spare, (*args, *self._spare_args))
         self._plan(no_rows, no_rows, _COMPUTED)

@@ -265,12 +265,9 @@ class TableSet:
 
 
 class CommitPages:
-    """The pages a prefix commit of one row publishes, read in one compiled call
-    (``kernels.commit_pages``): each history group's pages of the new blocks, then per
-    checkpoint boundary ``D`` each state group's window ``[D - W, D)`` (``D`` a multiple
-    of the grain, at least ``W``: ``ceil(W / T)`` pages) with whether it is still live;
-    it also keys the entries to publish in that call. ``history``: (table, pages per
-    block); ``state``: (table, window tokens); ``space`` (to claim entries): the
+    """The pages prefix commits publish, read (and their entries claimed, where asked) in one compiled call
+    (:meth:`read`, :meth:`read_block`, :meth:`read_units`). ``history``: (table, pages per block); ``state``: (table,
+    window tokens ``W``: a checkpoint's ``ceil(W / T)`` pages); ``space`` (to claim entries): the
     ``hybridkv.memory.pool.PageSpace`` of the tables' groups."""
 
     def __init__(self, history: list[tuple[GroupTable, int]], state: list[tuple[GroupTable, int]], space=None):
@@ -340,15 +337,10 @@ class CommitPages:
         return self._out[:n].tolist() if n >= 0 else None
 
     def read_units(self, units: list[int], n_units: int, n_blocks: int) -> tuple[list[int], list[int] | None]:
-        """Commits each claimed whole or not at all, read and claimed in one compiled call
-        (``kernels.commit_units``): ``units`` holds ``low`` (2: windows before each commit's
-        latest claimed low priority), then per commit (row, first block, end block,
-        boundaries ``B``, the ``B`` checkpoint boundaries, its latest last; ``n_units``
-        commits, ``n_blocks`` blocks in all). Their pages, group by
-        group in :meth:`read`'s group order (every history group's blocks, then every state
-        group's windows), each group's commit by commit; and per commit 1 where all of its
-        entries were claimed, else 0 (nothing claimed: a window not live, a page keyed or not
-        held; :meth:`read` then commits it alone), or None where all were."""
+        """``n_units`` commits (``n_blocks`` blocks in all) each claimed whole or not at all, in one compiled call
+        (``kernels.commit_units``, whose ``units`` these are): their pages, group by group in :meth:`read`'s
+        group order, each group's commit by commit; and per commit 1 where all of its entries were claimed, else
+        0 (nothing claimed: :meth:`read` then commits it alone), or None where all were."""
         ts = self._set
         if ts is None:
             return [], []  # no group publishes anything
