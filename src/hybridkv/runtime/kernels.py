@@ -988,7 +988,7 @@ def rewind_keep(geometry, bounds, g, row, kept_tokens):
 def truncate_rows(geometry, pages, bounds, rows, kept):
     """Every row's logical pages from ``rewind_keep`` (``kept`` tokens) to its hi leave its tables; returns
     their page ids and ring-view cells (group-major) and how many per group."""
-    n_groups, n_rows = geometry.shape[0], bounds.shape[2]
+    n_groups = geometry.shape[0]
     total = 0
     for g in range(n_groups):
         for r in range(rows.size):
@@ -998,17 +998,26 @@ def truncate_rows(geometry, pages, bounds, rows, kept):
     n = 0
     for g in range(n_groups):
         for r in range(rows.size):
-            row = rows[r]
-            keep = rewind_keep(geometry, bounds, g, row, kept[r])
-            for logical in range(keep, bounds[HI, g, row]):
-                at = cell(geometry, bounds, g, row, logical)
-                taken[n] = pages[at]
-                pages[at] = -1
-                touched[n] = view_cell(geometry, n_rows, g, row, logical)
-                n += 1
-            per_group[g] += bounds[HI, g, row] - keep
-            bounds[HI, g, row] = keep
+            start = n
+            n = take_cells(geometry, pages, bounds, g, rows[r], rewind_keep(geometry, bounds, g, rows[r], kept[r]),
+                           taken, touched, n)
+            per_group[g] += n - start
     return taken, touched, per_group
+
+
+@njit(cache=True, inline="always")
+def take_cells(geometry, pages, bounds, g, row, keep, taken, cells, n):
+    """Row ``row``'s logical pages of group ``g`` from ``keep`` to its hi leave the table (its hi becomes ``keep``
+    where it passed it): their ids to ``taken``, their ring-view cells to ``cells``, from ``n``. Returns the new
+    ``n``."""
+    for logical in range(keep, bounds[HI, g, row]):
+        at = cell(geometry, bounds, g, row, logical)
+        taken[n] = pages[at]
+        pages[at] = -1
+        cells[n] = view_cell(geometry, bounds.shape[2], g, row, logical)
+        n += 1
+    bounds[HI, g, row] = min(keep, bounds[HI, g, row])
+    return n
 
 
 @njit(cache=True)
@@ -1038,11 +1047,20 @@ def release_taken(geometry, ref, keyed, stack, per_group, taken, taken_per_group
     offsets = geometry[:, ID_OFFSET].copy()
     freed, idle_keyed = np.empty(taken.size, dtype=np.int64), np.empty(taken.size, dtype=np.int64)
     counts = np.zeros((2, offsets.size), dtype=np.int64)
+    release_into(ref, keyed, stack, per_group, offsets, taken, taken_per_group, freed, idle_keyed, counts)
+    return idle_keyed[: counts[1].sum()], counts[1].copy()
+
+
+@njit(cache=True)
+def release_into(ref, keyed, stack, per_group, offsets, taken, taken_per_group, freed, idle_keyed, counts):
+    """``release_taken`` allocating nothing: its scratch ``freed`` and ``idle_keyed`` (room for ``taken``), its
+    counts to ``counts[0|1, g]`` (unkeyed freed, keyed left idle; zeroed by the caller). A ``lowest`` group's short
+    freed run is sorted in place first (``sort_short_runs``): ``push_run`` merges it as it is."""
     drop_holds(ref, keyed, offsets, taken_per_group, taken, freed, idle_keyed, counts)
+    sort_short_runs(freed, counts[0], per_group[LOWEST])
     push_free(stack, per_group[TOP], offsets, per_group[LOWEST], counts[0], freed)
     for g in range(offsets.size):
         per_group[RELEASED_PAGES, g] += counts[0, g] + counts[1, g]
-    return idle_keyed[: counts[1].sum()], counts[1].copy()
 
 
 def _int32_at(address):
@@ -1105,32 +1123,22 @@ def append_token_ids(addresses, rows, known, max_total, tokens, mark, grain_toke
 @njit(cache=True)
 def free_rows(geometry, pages, bounds, ref, keyed, stack, per_group, rows, offsets, taken, cells, freed, idle_keyed,
               counts):
-    """``CacheManager.free`` of ``rows`` in one call, allocating nothing: their live pages (to ``taken``, their
-    ring-view cells to ``cells``, group-major; ``counts[2, g]`` each) leave the tables (lanes go back, base and hi
-    to 0) and are one release (``drop_holds``, ``push_free``: unkeyed to ``freed``, keyed left idle to
+    """``CacheManager.free`` of ``rows`` in one call, allocating nothing: their live pages (``take_cells`` to
+    ``taken``, their ring-view cells to ``cells``, group-major; ``counts[2, g]`` each) leave the tables (lanes go
+    back, base and hi to 0) and are one release (``release_into``: unkeyed to ``freed``, keyed left idle to
     ``idle_keyed``, ``counts[0|1, g]`` each). The four arrays have room for every live cell of ``rows``;
     ``offsets``: each group's first page id. Returns how many cells."""
-    n, n_rows = 0, bounds.shape[2]
+    n = 0
     counts[:] = 0
     for g in range(geometry.shape[0]):
         for r in range(rows.size):
             row, start = rows[r], n
-            for logical in range(bounds[BASE, g, row], bounds[HI, g, row]):
-                at = cell(geometry, bounds, g, row, logical)
-                taken[n] = pages[at]
-                pages[at] = -1
-                cells[n] = view_cell(geometry, n_rows, g, row, logical)
-                n += 1
+            n = take_cells(geometry, pages, bounds, g, row, bounds[BASE, g, row], taken, cells, n)  # no live cell left
             counts[2, g] += n - start
-            bounds[HI, g, row] = min(bounds[BASE, g, row], bounds[HI, g, row])  # no live cell to move
             if bounds[LANE, g, row]:
                 fit_ring(geometry, pages, bounds, g, row, 0)
             bounds[BASE, g, row], bounds[HI, g, row] = 0, 0
-    drop_holds(ref, keyed, offsets, counts[2], taken[:n], freed, idle_keyed, counts)
-    sort_short_runs(freed, counts[0], per_group[LOWEST])
-    push_free(stack, per_group[TOP], offsets, per_group[LOWEST], counts[0], freed)
-    for g in range(offsets.size):
-        per_group[RELEASED_PAGES, g] += counts[0, g] + counts[1, g]
+    release_into(ref, keyed, stack, per_group, offsets, taken[:n], counts[2], freed, idle_keyed, counts)
     return n
 
 
