@@ -1038,8 +1038,8 @@ class PrefixCache:
                 self.on_event(_event(raw))
             return
         n, n_history, n_state = 0, len(self._history_events), len(self._checkpoint_events)
-        for item in items:  # its events: 1 raw, or a record's (a block a history group, a checkpoint a state group)
-            n += 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
+        for item in items:
+            n += _events_in(item, n_history, n_state)
         self.events.extend(items)
         self._buffered += n
         if self._buffered > self.max_buffered_events:
@@ -1052,7 +1052,7 @@ class PrefixCache:
         self.dropped_events += excess
         while excess:
             item = events.popleft()
-            size = 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
+            size = _events_in(item, n_history, n_state)
             if size > excess:
                 events.extendleft(reversed(list(self._raws((item,)))[excess:]))
                 return
@@ -1130,6 +1130,12 @@ def _claimed(status: Sequence[int], columns: tuple) -> tuple[list[int], tuple]:
     if len(done) == len(status):
         return done, columns
     return done, tuple([xs[i] for i in done] for xs in columns)
+
+
+def _events_in(item: tuple, n_history: int, n_state: int) -> int:
+    """How many events a buffered item stands for: 1 (a raw event), or a commit's record's (``_raws``: a block in
+    each of ``n_history`` history groups, a checkpoint in each of ``n_state`` state groups)."""
+    return 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
 
 
 def _event(raw: tuple) -> CacheEvent:
