@@ -1044,7 +1044,9 @@ class CacheManager:
         if grants is None:
             status, n_touched, n_keyed = self._run_entry(*args, False, n_logged, *cells, *out)
         else:  # ``grant_step`` stops only when groups make room, marked already
-            status, n_touched, n_keyed = self._grant_entry(grants, self.arena.grant_args, *args, n_logged, *cells, *out)
+            arena = self.arena.grant_args
+            scratch = kernels.grant_scratch(grants, arena, len(self.specs))
+            status, n_touched, n_keyed = self._grant_entry(grants, scratch, arena, *args, n_logged, *cells, *out)
             if status < 0:
                 raise AssertionError("a slab granted is not spare")
         if status != kernels.STEP_DONE:
@@ -1161,8 +1163,9 @@ class CacheManager:
             status, n_touched, n_keyed = kernels.run_step(*state, bool(plan.grants), n_logged, *cells, *out)
         else:  # spare slabs alone: granted in the kernel, after the releases
             plan.grants = []
-            status, n_touched, n_keyed = self._grant_entry(grants, self.arena.grant_args, *state, n_logged, *cells,
-                                                           *out)
+            arena = self.arena.grant_args
+            scratch = kernels.grant_scratch(grants, arena, len(self.specs))
+            status, n_touched, n_keyed = self._grant_entry(grants, scratch, arena, *state, n_logged, *cells, *out)
             if status < 0:
                 raise AssertionError("a slab granted is not spare")
         if status != kernels.STEP_DONE:  # ``grant_step`` stops only when groups make room, marked already
@@ -1194,8 +1197,8 @@ class CacheManager:
         if self.arena is not None:  # ``_run``'s other kernel: ``grant_step``, granting no slab, by its compiled code
             plan.spare_grants = np.empty((2, 0), dtype=np.int64)
             self._grant_entry = kernels.entry_point(kernels.grant_step, (
-                plan.spare_grants, self.arena.grant_args, *self._kernel_state()[:10], self._scratch.buffer, 0, 0, 0,
-                *_NO_CELLS, *out))
+                plan.spare_grants, kernels.grant_scratch(plan.spare_grants, self.arena.grant_args, len(self.specs)),
+                self.arena.grant_args, *self._kernel_state()[:10], self._scratch.buffer, 0, 0, 0, *_NO_CELLS, *out))
             self._run(plan, True)
 
     def _load_step_kernels(self) -> None:
