@@ -57,6 +57,7 @@ STEP_NEEDS_PAGES = 1  # the releases ran; the caller lends slabs or evicts, then
 STEP_PLANNED = 2  # ``step`` planned only: Python admits, commits or grows buffers, then runs
 STEP_COVERED = 3  # ``step`` planned only: a free stack is short, but the step's own releases cover it
 STEP_COMMITS = 4  # ``step`` planned only: a clean plan whose rows cross a grain, its buffers large enough
+STEP_SPARE = 5  # ``step_spare`` planned only: ``admit_spare`` admits a ``STEP_PLANNED`` plan, its buffers large enough
 MISLISTED = -(1 << 62)  # ``first_out_of_range``: a group-major page list its counts do not match
 NO_PACKING = np.iinfo(np.int64).max  # ``packing_floor`` of a group that does not reuse idle low-priority pages
 NO_LOW_IDLE = NO_PACKING - 1  # ``packing_floor`` of a packing group without idle low-priority pages
@@ -903,14 +904,12 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
     rows, crossing rows, clean, cells logged, idle keyed pages); ``STEP_PLANNED`` (-1 rows: no plan),
     ``STEP_COVERED`` (``releases_cover``) or ``STEP_COMMITS`` (a clean plan whose rows cross a grain, the batch's
     arrays and the scratch large enough for it) when only the plan ran (the logged cells left as they were)."""
-    rows, counts, first, after, need, sums, crossing, totals, _, _, scratch, idle_keyed, touched = (
-        plan_views(plan, geometry.shape[0]))
+    rows, counts, first, after, need, sums, crossing, totals = plan_views(plan, geometry.shape[0])[:8]
     computed, committed, known = counters[0], counters[1], counters[2]
     n, settle, n_cross, clean = prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in,
                                              counts_in, grain, per_group[TOP], mark, rows, counts, first, after, need,
                                              sums, crossing, totals, counts_in[:0])
-    fits = (totals[0] == per_token.shape[1] and totals[2] <= scratch.size and totals[1] <= idle_keyed.size
-            and n_logged + totals[1] + totals[3] <= touched.size)
+    fits = plan_fits(plan, geometry.shape[0], n_logged, per_token.shape[1])
     if n < 0 or not clean or n_cross > 0 or not fits:
         if n >= 0 and not clean and n_cross == 0 and releases_cover(geometry, pages, bounds, ref, keyed,
                                                                      per_group[TOP], rows[:n], after, sums):
@@ -928,8 +927,9 @@ def step_spare(geometry, pages, bounds, counters, ref, keyed, low_priority, stac
                request_indices, per_token, window_pages, short, owner, spare_slabs, slab_pages, inner_pages,
                straddle, own, taken, grant_groups, grant_slabs):
     """``step`` on an arena, then (pure) ``admit_spare`` of a plan that only ran and is not clean, in one
-    call: ``step``'s answer and the spare slabs ``admit_spare`` grants (-1: Python decides, or not asked).
-    For batches with more tokens than rows (a prefill chunk), whose plans are seldom clean."""
+    call: ``step``'s answer (``STEP_SPARE`` for a ``STEP_PLANNED`` one admitted so whose buffers are large enough)
+    and the spare slabs ``admit_spare`` grants (-1: Python decides, or not asked). For batches with more tokens
+    than rows (a prefill chunk), whose plans are seldom clean."""
     status, n, settle, n_cross, clean, n_touched, n_keyed = step(
         geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain, plan,
         last_rows, rows_in, counts_in, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices,
@@ -939,7 +939,18 @@ def step_spare(geometry, pages, bounds, counters, ref, keyed, low_priority, stac
         n_spare = admit_spare(geometry, pages, bounds, ref, keyed, per_group, counters[1], grain, window_pages, plan,
                               n, short, owner, spare_slabs, slab_pages, inner_pages, straddle, own, taken,
                               grant_groups, grant_slabs)
+        if status == STEP_PLANNED and n_spare >= 0 and plan_fits(plan, geometry.shape[0], n_logged, per_token.shape[1]):
+            status = STEP_SPARE
     return status, n, settle, n_cross, clean, n_touched, n_keyed, n_spare
+
+
+@njit(cache=True, inline="always")
+def plan_fits(plan, n_groups, n_logged, n_tokens):
+    """Whether the batch's arrays (``n_tokens``) and the scratch in ``plan`` (``n_logged`` cells taken) have room
+    for the plan ``prepare_step`` wrote there."""
+    totals, _, _, scratch, idle_keyed, touched = plan_views(plan, n_groups)[7:]
+    return (totals[0] == n_tokens and totals[2] <= scratch.size and totals[1] <= idle_keyed.size
+            and n_logged + totals[1] + totals[3] <= touched.size)
 
 
 @njit(cache=True)

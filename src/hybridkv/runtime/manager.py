@@ -983,14 +983,16 @@ class CacheManager:
         else:  # decode: the int comparison alone
             status, n, settle, n_crossing, clean, n_touched, n_keyed = self._step_entry(*args)
             n_spare = None
-        if status == kernels.STEP_COMMITS:  # the rows commit, then the plan runs as it is
-            return self._run_planned(None, (n, settle, n_crossing, clean), rids, cells, out, updates, n_logged, rows_in)
+        planned = (n, settle, n_crossing, clean)
+        if status >= kernels.STEP_COMMITS:  # the rows commit, then the plan runs as it is (``STEP_SPARE``: granting
+            grants = self._direct_grants(status, planned, n_spare)[0]  # the spare slabs ``admit_spare`` grants)
+            if grants is not False:
+                return self._run_planned(grants, planned, rids, cells, out, updates, n_logged, rows_in)
         if status >= kernels.STEP_PLANNED:
-            return self._planned_step(status, (n, settle, n_crossing, clean), rids, cells, out, write_slots, updates,
-                                      n_spare, n_logged)
+            return self._planned_step(status, planned, rids, cells, out, write_slots, updates, n_spare, n_logged)
         self._version += 1
         if status != kernels.STEP_DONE:
-            n_touched = self._after_plan_run(n_touched, n_keyed, (n, settle, n_crossing, clean), out, cells)
+            n_touched = self._after_plan_run(n_touched, n_keyed, planned, out, cells)
         elif n_keyed:  # done whole (the kernel noted the peaks): idle keyed pages join their LRUs
             self._space.keyed_idle(sc.released[1], sc.idle_keyed)
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
@@ -1024,9 +1026,9 @@ class CacheManager:
     def _run_planned(self, grants: np.ndarray | None, planned: tuple, rids: tuple, cells: tuple, out: _StepArrays,
                      updates: bool, n_logged: int, rows_in: np.ndarray | None = None) -> StepBatch | None:
         """``_planned_step``'s run of an admitted plan when the buffers are large enough (else None), and ``_step``'s
-        of a ``STEP_COMMITS`` plan (``rows_in``: its rows after the settling ones; ``kernels.step`` checked the
-        buffers): the rows crossing a grain commit, then ``run_step`` (``grant_step`` granting ``grants``, spare
-        slabs) of the plan in the scratch buffer, then the batch."""
+        of a ``STEP_COMMITS`` or ``STEP_SPARE`` plan (``rows_in``: its rows after the settling ones; ``kernels.step``
+        checked the buffers): the rows crossing a grain commit, then ``run_step`` (``grant_step`` granting
+        ``grants``, spare slabs) of the plan in the scratch buffer, then the batch."""
         n, settle, n_crossing, _ = planned
         sc, checked = self._scratch, rows_in is not None
         n_tokens, released, most, allocated = sc.plan[7].tolist()
@@ -1058,10 +1060,11 @@ class CacheManager:
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
 
     def _direct_grants(self, status: int, planned: tuple, n_spare: int | None) -> tuple[Any, int | None]:
-        """How ``_planned_step`` may run a plan that ``_admit`` would admit as is or with spare slabs alone, without
-        it: None (``run_step``: a clean plan whose rows cross a grain, one ``STEP_COVERED`` granting no slab, or one
-        ``admit_spare`` admits as is), the spare slabs ``admit_spare`` grants (``grant_step``'s ``[2, n]``), else
-        False; and ``admit_spare``'s answer where it was asked (else ``n_spare``)."""
+        """How ``_planned_step`` (or ``_step``, a ``STEP_COMMITS`` or ``STEP_SPARE`` plan) may run a plan that
+        ``_admit`` would admit as is or with spare slabs alone, without it: None (``run_step``: a clean plan whose rows
+        cross a grain, one ``STEP_COVERED`` granting no slab, or one ``admit_spare`` admits as is), the spare slabs
+        ``admit_spare`` grants (``grant_step``'s ``[2, n]``), else False; and ``admit_spare``'s answer where it was
+        asked (else ``n_spare``)."""
         n, _, n_crossing, clean = planned
         if clean:
             return None if n_crossing else False, n_spare
