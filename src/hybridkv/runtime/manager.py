@@ -983,16 +983,17 @@ class CacheManager:
         else:  # decode: the int comparison alone
             status, n, settle, n_crossing, clean, n_touched, n_keyed = self._step_entry(*args)
             n_spare = None
-        planned = (n, settle, n_crossing, clean)
         if status >= kernels.STEP_COMMITS:  # the rows commit, then the plan runs as it is (``STEP_SPARE``: granting
-            grants = self._direct_grants(status, planned, n_spare)[0]  # the spare slabs ``admit_spare`` grants)
+            planned = (n, settle, n_crossing, clean)  # the spare slabs ``admit_spare`` grants)
+            grants = None if status == kernels.STEP_COMMITS else self._direct_grants(status, planned, n_spare)[0]
             if grants is not False:
                 return self._run_planned(grants, planned, rids, cells, out, updates, n_logged, rows_in)
         if status >= kernels.STEP_PLANNED:
-            return self._planned_step(status, planned, rids, cells, out, write_slots, updates, n_spare, n_logged)
+            return self._planned_step(status, (n, settle, n_crossing, clean), rids, cells, out, write_slots, updates,
+                                      n_spare, n_logged)
         self._version += 1
         if status != kernels.STEP_DONE:
-            n_touched = self._after_plan_run(n_touched, n_keyed, planned, out, cells)
+            n_touched = self._after_plan_run(n_touched, n_keyed, (n, settle, n_crossing, clean), out, cells)
         elif n_keyed:  # done whole (the kernel noted the peaks): idle keyed pages join their LRUs
             self._space.keyed_idle(sc.released[1], sc.idle_keyed)
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
@@ -1060,7 +1061,7 @@ class CacheManager:
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
 
     def _direct_grants(self, status: int, planned: tuple, n_spare: int | None) -> tuple[Any, int | None]:
-        """How ``_planned_step`` (or ``_step``, a ``STEP_COMMITS`` or ``STEP_SPARE`` plan) may run a plan that
+        """How ``_planned_step`` (or ``_step``, a ``STEP_SPARE`` plan) may run a plan that
         ``_admit`` would admit as is or with spare slabs alone, without it: None (``run_step``: a clean plan whose rows
         cross a grain, one ``STEP_COVERED`` granting no slab, or one ``admit_spare`` admits as is), the spare slabs
         ``admit_spare`` grants (``grant_step``'s ``[2, n]``), else False; and ``admit_spare``'s answer where it was
