@@ -1032,8 +1032,8 @@ class CacheManager:
         ``grants``, spare slabs) of the plan in the scratch buffer, then the batch."""
         n, settle, n_crossing, _ = planned
         sc, checked = self._scratch, rows_in is not None
-        n_tokens, released, most, allocated = sc.plan[7].tolist()
         if not checked:
+            n_tokens, released, most, allocated = sc.plan[7].tolist()
             if not (n_tokens == out.per_token.shape[1] and 0 <= most <= sc.pages.size
                     and released <= sc.idle_keyed.size and released + allocated <= sc.touched.size):
                 return None
@@ -1043,7 +1043,7 @@ class CacheManager:
             self._commit_rows(sc.plan[6][:n_crossing])  # the stacks only grow: the plan is still admitted
         # The cells the commits logged (``kernels.step`` found room for more); unchecked, room for those taken before.
         if self._tableset.log or (n_logged and not checked):
-            n_logged = self._take_log(released + allocated, n_logged)
+            n_logged = self._take_log(int(sc.plan[7][1] + sc.plan[7][3]), n_logged)
         args = (*self._state[:10], sc.buffer, n, settle)
         if grants is None:
             status, n_touched, n_keyed = self._run_entry(*args, False, n_logged, *cells, *out)
