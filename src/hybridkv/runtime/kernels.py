@@ -57,6 +57,7 @@ STEP_NEEDS_PAGES = 1  # the releases ran; the caller lends slabs or evicts, then
 STEP_PLANNED = 2  # ``step`` planned only: Python admits, commits or grows buffers, then runs
 STEP_COVERED = 3  # ``step`` planned only: a free stack is short, but the step's own releases cover it
 STEP_COMMITS = 4  # ``step`` planned only: a clean plan whose rows cross a grain, its buffers large enough
+STEP_SPARE = 5  # ``step_spare`` planned only: ``admit_spare`` admits a ``STEP_PLANNED`` plan, its buffers large enough
 MISLISTED = -(1 << 62)  # ``first_out_of_range``: a group-major page list its counts do not match
 NO_PACKING = np.iinfo(np.int64).max  # ``packing_floor`` of a group that does not reuse idle low-priority pages
 NO_LOW_IDLE = NO_PACKING - 1  # ``packing_floor`` of a packing group without idle low-priority pages
@@ -611,22 +612,25 @@ def low_below(low_priority, keyed, ref, offset, per_group, g, end):
 
 
 @njit(cache=True)
-def joined_low(geometry, low_priority, per_group, counts, idle_keyed):
-    """``per_group`` as it will be once keyed pages a release left idle (``idle_keyed``, local ids, group
+def joined_low(geometry, low_priority, per_group, counts, idle_keyed, joined):
+    """Whether ``per_group`` changes once keyed pages a release left idle (``idle_keyed``, local ids, group
     after group, ``counts[g]`` of them) joined their LRUs (``lru.join``: each low-priority one counts in
-    ``LOW_IDLE_PAGES`` and lowers ``LOW_FLOOR``): a copy when one is low priority, else ``per_group``."""
-    joined, copied, at = per_group, False, 0
+    ``LOW_IDLE_PAGES`` and lowers ``LOW_FLOOR``): when one is low priority, ``joined`` (its shape) holds it
+    as it will be, else ``joined`` is left as it was."""
+    copied, at = False, 0
     for g in range(geometry.shape[0]):
         offset = geometry[g, ID_OFFSET]
         for i in range(at, at + counts[g]):
             page = idle_keyed[i]
             if low_priority[offset + page]:
-                if not copied:
-                    joined, copied = per_group.copy(), True
+                if not copied:  # copied value by value: an array assignment may allocate
+                    for k in range(per_group.size):
+                        joined.flat[k] = per_group.flat[k]
+                    copied = True
                 joined[LOW_IDLE_PAGES, g] += 1
                 joined[LOW_FLOOR, g] = min(joined[LOW_FLOOR, g], page)
         at += counts[g]
-    return joined
+    return copied
 
 
 @njit(cache=True)
@@ -750,22 +754,25 @@ def run_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack,
     return STEP_DONE, n_touched, n_keyed
 
 
-@njit(cache=True)
-def grant_step(grants, arena, geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group,
+@njit(cache=True, _nrt=False)
+def grant_step(grants, scratch, arena, geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group,
                transient, plan, n, settle, n_logged, cells, cell_pages, per_request, query_start_loc,
                request_indices, per_token):
     """``run_step`` granting spare slabs alone (``grants``: groups, slabs) after its releases, counted off the arena's
     spare slabs with ``SKIP_PACKING`` following ``Arena.roomy`` (``Arena._spare_changed``); it stops for Python only
     when ``room_groups`` asks (as after the idle keyed pages joined: ``joined_low``), its marks left in
     ``Arena.room_marks`` for ``make_room``. Status -1 (nothing granted): a slab not spare. A kernel of its own: the
-    grant inside ``run_step`` makes ``step``'s compiled loops slower."""
+    grant inside ``run_step`` makes ``step``'s compiled loops slower. ``scratch`` (``grant_scratch``): int64 room for
+    an end per group, a ``per_group`` copy and every granted slab's pages: the kernel allocates nothing, so it
+    runs without reference counting (``_nrt=False``: its ~30 arrays come in without a MemInfo each, ~8 µs a call)."""
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n, settle,
         True, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token)
     rows, counts, first, after, sums, released, _, _, idle_keyed, _ = run_views(plan, geometry.shape[0], n)
     owner, lo, hi, straddle, offsets, most_slab_pages, sizes, spare, roomy_slabs, marks = arena
-    granted = np.empty(grants.shape[1] * most_slab_pages, np.int64)
-    if grant_spare_slabs(owner, grants[0], grants[1], lo, hi, straddle, granted, np.empty(geometry.shape[0], np.int64),
+    n_groups = geometry.shape[0]
+    ends, granted = scratch[:n_groups], scratch[(1 + PER_GROUP_ROWS) * n_groups :]
+    if grant_spare_slabs(owner, grants[0], grants[1], lo, hi, straddle, granted, ends,
                          stack, per_group[TOP], offsets, per_group[LOWEST], per_group[GRANTED_PAGES]) < 0:
         return -1, n_touched, n_keyed
     spare[0] -= grants.shape[1]
@@ -773,13 +780,21 @@ def grant_step(grants, arena, geometry, pages, bounds, counters, ref, keyed, low
     per_group[SKIP_PACKING] = 1 if roomy else 0  # read by ``packing_floor`` only, in ``needs_room`` (run above)
     # ``room_groups`` as it answers once the keyed pages gone idle joined their LRUs (low-priority ones change
     # its counts: ``joined_low``); they join after the step, as after ``run_step``'s.
-    joined = joined_low(geometry, low_priority, per_group, released[1], idle_keyed) if n_keyed else per_group
+    joined = scratch[n_groups : (1 + PER_GROUP_ROWS) * n_groups].reshape(per_group.shape)
+    if not (n_keyed and joined_low(geometry, low_priority, per_group, released[1], idle_keyed, joined)):
+        joined = per_group
     if room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, joined, ref,
                    low_priority, keyed, (owner, lo, hi, straddle, sizes), roomy, marks):
         return STEP_NEEDS_PAGES, n_touched, n_keyed  # a group makes room once they joined: ``marks`` says which
     return STEP_DONE, finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group,
                                   transient, plan, n, settle, n_touched, cells, cell_pages, per_request,
                                   query_start_loc, request_indices, per_token, False), n_keyed
+
+
+def grant_scratch(grants, arena, n_groups):
+    """``grant_step``'s ``scratch`` for ``grants``: an end per group, a ``per_group`` copy, then each slab's most pages
+    (``arena``: ``Arena.grant_args``)."""
+    return np.empty((1 + PER_GROUP_ROWS) * n_groups + grants.shape[1] * arena[5], np.int64)
 
 
 @njit(cache=True, inline="always")
@@ -889,14 +904,12 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
     rows, crossing rows, clean, cells logged, idle keyed pages); ``STEP_PLANNED`` (-1 rows: no plan),
     ``STEP_COVERED`` (``releases_cover``) or ``STEP_COMMITS`` (a clean plan whose rows cross a grain, the batch's
     arrays and the scratch large enough for it) when only the plan ran (the logged cells left as they were)."""
-    rows, counts, first, after, need, sums, crossing, totals, _, _, scratch, idle_keyed, touched = (
-        plan_views(plan, geometry.shape[0]))
+    rows, counts, first, after, need, sums, crossing, totals = plan_views(plan, geometry.shape[0])[:8]
     computed, committed, known = counters[0], counters[1], counters[2]
     n, settle, n_cross, clean = prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in,
                                              counts_in, grain, per_group[TOP], mark, rows, counts, first, after, need,
                                              sums, crossing, totals, counts_in[:0])
-    fits = (totals[0] == per_token.shape[1] and totals[2] <= scratch.size and totals[1] <= idle_keyed.size
-            and n_logged + totals[1] + totals[3] <= touched.size)
+    fits = plan_fits(plan, geometry.shape[0], n_logged, per_token.shape[1])
     if n < 0 or not clean or n_cross > 0 or not fits:
         if n >= 0 and not clean and n_cross == 0 and releases_cover(geometry, pages, bounds, ref, keyed,
                                                                      per_group[TOP], rows[:n], after, sums):
@@ -914,8 +927,9 @@ def step_spare(geometry, pages, bounds, counters, ref, keyed, low_priority, stac
                request_indices, per_token, window_pages, short, owner, spare_slabs, slab_pages, inner_pages,
                straddle, own, taken, grant_groups, grant_slabs):
     """``step`` on an arena, then (pure) ``admit_spare`` of a plan that only ran and is not clean, in one
-    call: ``step``'s answer and the spare slabs ``admit_spare`` grants (-1: Python decides, or not asked).
-    For batches with more tokens than rows (a prefill chunk), whose plans are seldom clean."""
+    call: ``step``'s answer (``STEP_SPARE`` for a ``STEP_PLANNED`` one admitted so whose buffers are large enough)
+    and the spare slabs ``admit_spare`` grants (-1: Python decides, or not asked). For batches with more tokens
+    than rows (a prefill chunk), whose plans are seldom clean."""
     status, n, settle, n_cross, clean, n_touched, n_keyed = step(
         geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain, plan,
         last_rows, rows_in, counts_in, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices,
@@ -925,7 +939,18 @@ def step_spare(geometry, pages, bounds, counters, ref, keyed, low_priority, stac
         n_spare = admit_spare(geometry, pages, bounds, ref, keyed, per_group, counters[1], grain, window_pages, plan,
                               n, short, owner, spare_slabs, slab_pages, inner_pages, straddle, own, taken,
                               grant_groups, grant_slabs)
+        if status == STEP_PLANNED and n_spare >= 0 and plan_fits(plan, geometry.shape[0], n_logged, per_token.shape[1]):
+            status = STEP_SPARE
     return status, n, settle, n_cross, clean, n_touched, n_keyed, n_spare
+
+
+@njit(cache=True, inline="always")
+def plan_fits(plan, n_groups, n_logged, n_tokens):
+    """Whether the batch's arrays (``n_tokens``) and the scratch in ``plan`` (``n_logged`` cells taken) have room
+    for the plan ``prepare_step`` wrote there."""
+    totals, _, _, scratch, idle_keyed, touched = plan_views(plan, n_groups)[7:]
+    return (totals[0] == n_tokens and totals[2] <= scratch.size and totals[1] <= idle_keyed.size
+            and n_logged + totals[1] + totals[3] <= touched.size)
 
 
 @njit(cache=True)

@@ -983,8 +983,11 @@ class CacheManager:
         else:  # decode: the int comparison alone
             status, n, settle, n_crossing, clean, n_touched, n_keyed = self._step_entry(*args)
             n_spare = None
-        if status == kernels.STEP_COMMITS:  # the rows commit, then the plan runs as it is
-            return self._run_planned(None, (n, settle, n_crossing, clean), rids, cells, out, updates, n_logged, rows_in)
+        if status >= kernels.STEP_COMMITS:  # the rows commit, then the plan runs as it is (``STEP_SPARE``: granting
+            planned = (n, settle, n_crossing, clean)  # the spare slabs ``admit_spare`` grants)
+            grants = None if status == kernels.STEP_COMMITS else self._direct_grants(status, planned, n_spare)[0]
+            if grants is not False:
+                return self._run_planned(grants, planned, rids, cells, out, updates, n_logged, rows_in)
         if status >= kernels.STEP_PLANNED:
             return self._planned_step(status, (n, settle, n_crossing, clean), rids, cells, out, write_slots, updates,
                                       n_spare, n_logged)
@@ -1024,9 +1027,9 @@ class CacheManager:
     def _run_planned(self, grants: np.ndarray | None, planned: tuple, rids: tuple, cells: tuple, out: _StepArrays,
                      updates: bool, n_logged: int, rows_in: np.ndarray | None = None) -> StepBatch | None:
         """``_planned_step``'s run of an admitted plan when the buffers are large enough (else None), and ``_step``'s
-        of a ``STEP_COMMITS`` plan (``rows_in``: its rows after the settling ones; ``kernels.step`` checked the
-        buffers): the rows crossing a grain commit, then ``run_step`` (``grant_step`` granting ``grants``, spare
-        slabs) of the plan in the scratch buffer, then the batch."""
+        of a ``STEP_COMMITS`` or ``STEP_SPARE`` plan (``rows_in``: its rows after the settling ones; ``kernels.step``
+        checked the buffers): the rows crossing a grain commit, then ``run_step`` (``grant_step`` granting
+        ``grants``, spare slabs) of the plan in the scratch buffer, then the batch."""
         n, settle, n_crossing, _ = planned
         sc, checked = self._scratch, rows_in is not None
         if not checked:
@@ -1038,13 +1041,16 @@ class CacheManager:
         self._version += 1
         if n_crossing:
             self._commit_rows(sc.plan[6][:n_crossing])  # the stacks only grow: the plan is still admitted
-        if self._tableset.log or not checked:  # the cells the commits logged (``kernels.step`` found room for more)
+        # The cells the commits logged (``kernels.step`` found room for more); unchecked, room for those taken before.
+        if self._tableset.log or (n_logged and not checked):
             n_logged = self._take_log(int(sc.plan[7][1] + sc.plan[7][3]), n_logged)
         args = (*self._state[:10], sc.buffer, n, settle)
         if grants is None:
             status, n_touched, n_keyed = self._run_entry(*args, False, n_logged, *cells, *out)
         else:  # ``grant_step`` stops only when groups make room, marked already
-            status, n_touched, n_keyed = self._grant_entry(grants, self.arena.grant_args, *args, n_logged, *cells, *out)
+            arena = self.arena.grant_args
+            scratch = kernels.grant_scratch(grants, arena, len(self.specs))
+            status, n_touched, n_keyed = self._grant_entry(grants, scratch, arena, *args, n_logged, *cells, *out)
             if status < 0:
                 raise AssertionError("a slab granted is not spare")
         if status != kernels.STEP_DONE:
@@ -1055,10 +1061,11 @@ class CacheManager:
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
 
     def _direct_grants(self, status: int, planned: tuple, n_spare: int | None) -> tuple[Any, int | None]:
-        """How ``_planned_step`` may run a plan that ``_admit`` would admit as is or with spare slabs alone, without
-        it: None (``run_step``: a clean plan whose rows cross a grain, one ``STEP_COVERED`` granting no slab, or one
-        ``admit_spare`` admits as is), the spare slabs ``admit_spare`` grants (``grant_step``'s ``[2, n]``), else
-        False; and ``admit_spare``'s answer where it was asked (else ``n_spare``)."""
+        """How ``_planned_step`` (or ``_step``, a ``STEP_SPARE`` plan) may run a plan that
+        ``_admit`` would admit as is or with spare slabs alone, without it: None (``run_step``: a clean plan whose rows
+        cross a grain, one ``STEP_COVERED`` granting no slab, or one ``admit_spare`` admits as is), the spare slabs
+        ``admit_spare`` grants (``grant_step``'s ``[2, n]``), else False; and ``admit_spare``'s answer where it was
+        asked (else ``n_spare``)."""
         n, _, n_crossing, clean = planned
         if clean:
             return None if n_crossing else False, n_spare
@@ -1161,8 +1168,9 @@ class CacheManager:
             status, n_touched, n_keyed = kernels.run_step(*state, bool(plan.grants), n_logged, *cells, *out)
         else:  # spare slabs alone: granted in the kernel, after the releases
             plan.grants = []
-            status, n_touched, n_keyed = self._grant_entry(grants, self.arena.grant_args, *state, n_logged, *cells,
-                                                           *out)
+            arena = self.arena.grant_args
+            scratch = kernels.grant_scratch(grants, arena, len(self.specs))
+            status, n_touched, n_keyed = self._grant_entry(grants, scratch, arena, *state, n_logged, *cells, *out)
             if status < 0:
                 raise AssertionError("a slab granted is not spare")
         if status != kernels.STEP_DONE:  # ``grant_step`` stops only when groups make room, marked already
@@ -1194,8 +1202,8 @@ class CacheManager:
         if self.arena is not None:  # ``_run``'s other kernel: ``grant_step``, granting no slab, by its compiled code
             plan.spare_grants = np.empty((2, 0), dtype=np.int64)
             self._grant_entry = kernels.entry_point(kernels.grant_step, (
-                plan.spare_grants, self.arena.grant_args, *self._kernel_state()[:10], self._scratch.buffer, 0, 0, 0,
-                *_NO_CELLS, *out))
+                plan.spare_grants, kernels.grant_scratch(plan.spare_grants, self.arena.grant_args, len(self.specs)),
+                self.arena.grant_args, *self._kernel_state()[:10], self._scratch.buffer, 0, 0, 0, *_NO_CELLS, *out))
             self._run(plan, True)
 
     def _load_step_kernels(self) -> None:
