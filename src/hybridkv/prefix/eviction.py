@@ -52,10 +52,10 @@ class ValueEviction:
         # Orphans exist only where a hit needs both kinds of group.
         self._track = bool(self.history_ids) and bool(self.state_ids)
         # One record per key for every group: [parent key, support, entries in any group, state groups
-        # holding it, child keys (None; a chain's one child: a 1-tuple, made a dict by a second, ``_add_child``),
-        # cut (a block on its chain is missing), first (a chain's first block), boundary tokens]. Children and
-        # waiting keys are dicts used as insertion-ordered sets, so every walk goes in publication order, never in
-        # hash order.
+        # holding it, child keys (None; one child: a 1-tuple, made a dict by a second, ``_add_child``),
+        # cut (a block on its chain is missing), first (a chain's first block), boundary tokens]. Children
+        # past one and waiting keys are dicts used as insertion-ordered sets, so every walk goes in
+        # publication order, never in hash order.
         self._nodes: dict[Hashable, list] = {}
         self.knows: Callable[[Hashable], bool] = self._nodes.__contains__  # False: no group publishes it
         self._unborn: dict[Hashable, dict] = {}  # parent key -> keys published before it
@@ -139,7 +139,7 @@ class ValueEviction:
                    checkpoints: Sequence[Hashable]) -> None:
         """The nodes of new blocks ``keys`` (a chain), each in every history group, those of
         ``checkpoints`` in every state group too: each supported by its own checkpoint and by
-        the one beyond it (the last is one), each the one child of the one before (a 1-tuple)."""
+        the one beyond it (the last is one), each the one child of the one before."""
         nodes, n_history, n_state, g = self._nodes, len(self.history_ids), len(self.state_ids), self.granularity_tokens
         last, node = len(keys) - 1, None
         marks = None if checkpoints is keys else set(checkpoints)  # None: every block's end (a prompt chunk's)
@@ -454,12 +454,14 @@ class ValueEviction:
 
 
 def _add_child(node: list, key: Hashable) -> None:
-    """``key`` joins the children of ``node`` (a dict from a second child on)."""
+    """``key`` joins the children of ``node``: the first as a 1-tuple (no dict made), a dict from the second on."""
     children = node[4]
-    if children.__class__ is dict:
+    if children is None:
+        node[4] = (key,)
+    elif children.__class__ is dict:
         children[key] = None
     else:
-        node[4] = dict.fromkeys((*children, key)) if children else {key: None}
+        node[4] = dict.fromkeys((*children, key))
 
 
 def _drop_child(node: list, key: Hashable) -> None:
