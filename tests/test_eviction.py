@@ -448,8 +448,9 @@ def _publish_idle(pool, key):
 def _commit_both_ways(pools, policy, chain, marks, fast):
     """A commit of new blocks ``chain`` (key, parent, boundary) in ``h1``, ``h2`` and of the
     checkpoints at chain places ``marks`` (its last among them) in ``s1``, ``s2``, published
-    and booked in one ``stored_commit`` call (``fast``) or entry by entry, group by group
-    (history groups first, then each boundary in turn)."""
+    and booked in one ``stored_commit`` call (``fast``; a checkpoint at every block: the
+    blocks' keys passed as the checkpoints', as ``PrefixCache`` does) or entry by entry,
+    group by group (history groups first, then each boundary in turn)."""
     checkpoints = [chain[j] for j in marks]
     for gid in ("h1", "h2"):
         for key, _, _ in chain:
@@ -458,7 +459,9 @@ def _commit_both_ways(pools, policy, chain, marks, fast):
         for gid in ("s1", "s2"):
             _publish_idle(pools[gid], key)
     if fast:
-        policy.stored_commit(*zip(*chain), [key for key, _, _ in checkpoints])
+        keys, parents, ends = map(list, zip(*chain))
+        policy.stored_commit(keys, parents, ends, keys if len(checkpoints) == len(chain) else
+                             [key for key, _, _ in checkpoints])
         return
     for gid in ("h1", "h2"):
         for entry in chain:
@@ -512,6 +515,7 @@ def test_units_and_chains_are_stored_in_each_group_in_turn(program):
 @example([("unit", 1, 1, {0}), ("evict h1", 1, 1, set()), ("unit", 2, 2, {1})])  # beyond a gap: one at a time
 @example([("unit", 1, 1, set()), ("chain", 2, 1, {0}), ("evict s1", 1, 1, set())])  # the parent stays supported
 @example([("chain", 1, 1, {0, 3}), ("unit", 2, 1, set()), ("evict s1", 2, 1, set())])  # incomplete: no support
+@example([("unit", 1, 2, {0, 1}), ("evict h1", 2, 1, set()), ("evict h1", 1, 1, set())])  # a chain forgotten
 def test_commits_with_checkpoints_are_stored_at_once(program):
     """``ValueEviction.stored_commit`` (new blocks in every history group, the checkpoints
     at the marks and at the last block in every state group; at once where each key is
@@ -586,10 +590,14 @@ def test_state_groups_evict_in_batches_as_one_entry_at_a_time(budget, slab_pages
 
 
 def _assert_same_pools_and_policy(sides):
-    """The fast side's pools (flags, entries, LRU order) and value report equal the reference's."""
+    """The fast side's pools (flags, entries, LRU order), value report and the keys it knows (their
+    origins: a node forgotten once nothing is published under it, below it or beyond it) equal the
+    reference's."""
     (ref_pools, ref_policy), (pools, policy) = sides
     for gid, pool in pools.items():
         assert pool.low_priority.tolist() == ref_pools[gid].low_priority.tolist()
         assert pool.entry_keys() == ref_pools[gid].entry_keys()
         assert pool.evictable_page_ids().tolist() == ref_pools[gid].evictable_page_ids().tolist()  # LRU order
     assert policy.report() == ref_policy.report()
+    keys = [f"k{j}" for j in range(1, 8)]
+    assert [policy.origin(key) for key in keys] == [ref_policy.origin(key) for key in keys]

@@ -243,15 +243,15 @@ class PrefixCache:
     def _init_units(self) -> None:
         """What commits claimed whole read (``_commit_units``): every group in order, its pool's entries and pages'
         keys (``PageSpace.entry_maps``), pages, stats and whether it is a history group; each history group's id and
-        pages (its events); each state group's holders. Only with state groups and no pinning interval do commits
-        run so."""
+        pages (its events); each state group's holders and entries (where a commit's latest checkpoint is read
+        back). Only with state groups and no pinning interval do commits run so."""
         self._units = bool(self.state_ids) and self.state_checkpoint_interval is None
         unit = self._history_groups + [(gid, pool, n, stats) for gid, pool, n, _, stats in self._state_groups]
         maps = self._space.entry_maps([pool for _, pool, _, _ in unit])
         self._unit_parts = [(*maps[j], n, stats, j < len(self._history_groups))
                             for j, (_, _, n, stats) in enumerate(unit)]
         self._history_events = [(gid, n) for gid, _, n, _ in self._history_groups]  # what a block's event names
-        self._unit_holders = [(gid, holders, j) for j, (gid, _, _, holders, _)
+        self._unit_holders = [(gid, holders, self._unit_parts[j][0]) for j, (gid, _, _, holders, _)
                               in enumerate(self._state_groups, len(self._history_groups))]
 
     def _init_hit_placement(self, tables: Mapping[str, GroupTable]) -> None:
@@ -512,19 +512,18 @@ class PrefixCache:
             self._commit_one(req, old_tokens, new_tokens, events, let_go)
             return
         keys, parents, ends = [key], [hashes.hashes[first - 1] if first else hashes.root], (latest,)
-        entries, at = [], 0
+        at = 0
         for published, page_key, size, stats, _ in self._unit_parts:  # ``_commit_units``' recording, one entry each
             if size == 1:  # no slice made
-                published[key] = entry = (pages[at],)
+                published[key] = (pages[at],)
                 page_key[pages[at]] = key
             else:
                 published[key] = entry = tuple(pages[at:at + size])
                 for page in entry:
                     page_key[page] = key
-            entries.append([entry])
             stats.stored_entries += 1
             at += size
-        self._book(req, (keys, parents, ends, keys, parents, ends), entries, 0, 0, 1, events, let_go)
+        self._book(req, (keys, parents, ends, keys, parents, ends), 1, events, let_go)
 
     def _unit_run(self, reqs: Sequence[CommittingRequest], old_tokens: Sequence[int], new_tokens: Sequence[int],
                   i: int) -> tuple[list[tuple], list[int], int, int]:
@@ -569,9 +568,9 @@ class PrefixCache:
                       let_go: list[tuple]) -> None:
         """The commits ``run`` (:meth:`_unit_run`'s, ``n_blocks`` blocks in all) read and claimed
         in one compiled call (``CommitPages.read_units``), the entries of those it claimed whole
-        recorded as ``PageSpace.adopt`` does, group by group (plain loops: cheaper run cold than zips), and
-        counted; then booked request by request (:meth:`_book_units`) with each one's blocks (keys, parents,
-        ends) and checkpoints (keys, parents, boundaries)."""
+        recorded as ``PageSpace.adopt`` does, group by group (plain loops: cheaper run cold than
+        ``dict.update`` of zips), and counted; then booked request by request (:meth:`_book_units`)
+        with each one's blocks (keys, parents, ends) and checkpoints (keys, parents, boundaries)."""
         g, low = self.granularity_tokens, 2 if self.values is None or self.values.low_priority(SPECULATIVE) else 1
         units[0] = low  # what the compiled call reads first
         pages, claimed = self._reader.read_units(units, len(run), n_blocks)
@@ -592,74 +591,69 @@ class PrefixCache:
                               [*speculative, end * g]))
             block_keys += keys
             checkpoint_keys += lists[-1][3]
-        entries, at = [], 0
+        at = 0
         for published, page_key, size, stats, history in self._unit_parts:  # ``PageSpace.adopt``'s work, inline
-            group, group_keys = [], block_keys if history else checkpoint_keys
+            group_keys = block_keys if history else checkpoint_keys
             for key in group_keys:
                 if size == 1:  # an entry of one page: no slice made
                     page = pages[at]
-                    published[key] = entry = (page,)
+                    published[key] = (page,)
                     page_key[page] = key
                 else:
                     published[key] = entry = tuple(pages[at:at + size])
                     for page in entry:
                         page_key[page] = key
-                group.append(entry)
                 at += size
-            entries.append(group)
             stats.stored_entries += len(group_keys)
-        self._book_units(run, lists, entries, low, events, let_go)
+        self._book_units(run, lists, low, events, let_go)
 
-    def _book_units(self, run: list[tuple], lists: list[tuple | None], entries: list[list], low: int,
-                    events: list[tuple], let_go: list[tuple]) -> None:
+    def _book_units(self, run: list[tuple], lists: list[tuple | None], low: int, events: list[tuple],
+                    let_go: list[tuple]) -> None:
         """Request by request, in order, :meth:`_book` of a commit claimed whole (``lists``: its
-        blocks' and checkpoints' keys, parents and ends; ``entries``: per group the entries of
-        those, recorded); a request whose claim failed (``lists`` None) commits alone
-        (:meth:`_commit_one`)."""
-        kb = kc = 0  # the request's first block and checkpoint among those claimed whole
+        blocks' and checkpoints' keys, parents and ends, its entries recorded); a request whose
+        claim failed (``lists`` None) commits alone (:meth:`_commit_one`)."""
         for (req, _, _, _, old, new), booked in zip(run, lists):
             if booked is None:
                 self._commit_one(req, old, new, events, let_go)
-                continue
-            self._book(req, booked, entries, kb, kc, low, events, let_go)
-            kb, kc = kb + len(booked[0]), kc + len(booked[3])
+            else:
+                self._book(req, booked, low, events, let_go)
 
-    def _book(self, req: CommittingRequest, booked: tuple, entries: list[list], kb: int, kc: int, low: int,
-              events: list[tuple], let_go: list[tuple]) -> None:
+    def _book(self, req: CommittingRequest, booked: tuple, low: int, events: list[tuple],
+              let_go: list[tuple]) -> None:
         """What one commit at a time books of a request's commit claimed whole (``booked``; its
-        entries in ``entries`` from block ``kb``, checkpoint ``kc``): its "stored" events (history
+        entries recorded in the groups' pools): its "stored" events (history
         group by group, then checkpoint by checkpoint every state group's), the state groups'
         holds of its latest checkpoint, tier link (:meth:`_tell_units`), checkpoint values, one
         ``ValueEviction.stored_commit``, then its earlier checkpoints superseded."""
         keys, parents, ends, checkpoint_keys, _, boundaries = booked
         events.append(booked)  # its "stored" events, expanded when drained (``_raws``)
-        key, last = checkpoint_keys[-1], kc + len(checkpoint_keys) - 1
+        key = checkpoint_keys[-1]
         own = _new_object(OwnCheckpoint)  # its fields stored directly (no ``__init__`` frame)
         own.boundary_tokens, own.pinned, own.entries = boundaries[-1], False, {}
-        for gid, holders, j in self._unit_holders:  # a key no group had: no request holds it yet
-            own.entries[gid] = (key, entries[j][last])
+        for gid, holders, published in self._unit_holders:  # a key no group had: no request holds it yet
+            own.entries[gid] = (key, published[key])
             holders[key] = 1
         if self.tier_hook is not None:
-            self._tell_units(booked, entries, kb, kc, low)
+            self._tell_units(booked, low)
         if self.values is not None:
             for key, boundary in zip(checkpoint_keys, boundaries):
                 self.values.published(key, boundary, speculative=boundary != boundaries[-1])
         self.eviction.stored_commit(keys, parents, ends, checkpoint_keys)
         self._supersede(req, [own], events, let_go)
 
-    def _tell_units(self, booked: tuple, entries: list[list], kb: int, kc: int, low: int) -> None:
+    def _tell_units(self, booked: tuple, low: int) -> None:
         """The tier link of a commit claimed whole (:meth:`_book_units`' ``booked``, its
-        entries from ``kb``, ``kc``) in one call: its blocks history group by group, then its
+        entries recorded) in one call: its blocks history group by group, then its
         checkpoints boundary by boundary, state group by state group (those before the
         latest low priority where ``low`` is 2)."""
         keys, _, ends, checkpoint_keys, _, boundaries = booked
         n_history, published = len(self.history_ids), []
-        for j, gid in enumerate(self.history_ids):
-            published += zip(repeat(gid), keys, ends, entries[j][kb:kb + len(keys)], repeat(False))
+        for gid, (entries, *_) in zip(self.history_ids, self._unit_parts):
+            published += zip(repeat(gid), keys, ends, map(entries.__getitem__, keys), repeat(False))
         for c, (key, boundary) in enumerate(zip(checkpoint_keys, boundaries)):
             speculative = low == 2 and c < len(boundaries) - 1
             published += zip(self.state_ids, repeat(key), repeat(boundary),
-                             [group[kc + c] for group in entries[n_history:]], repeat(speculative))
+                             [entries[key] for entries, *_ in self._unit_parts[n_history:]], repeat(speculative))
         self.tier_hook.stored(published)
 
     def _commit_one(self, req: CommittingRequest, old_tokens: int, new_tokens: int, stored: list[tuple],

@@ -52,9 +52,10 @@ class ValueEviction:
         # Orphans exist only where a hit needs both kinds of group.
         self._track = bool(self.history_ids) and bool(self.state_ids)
         # One record per key for every group: [parent key, support, entries in any group, state groups
-        # holding it, child keys (or None), cut (a block on its chain is missing), first (a chain's first
-        # block), boundary tokens]. Children and waiting keys are dicts used as insertion-ordered sets,
-        # so every walk goes in publication order, never in hash order.
+        # holding it, child keys (None; one child: a 1-tuple, made a dict by a second, ``_add_child``),
+        # cut (a block on its chain is missing), first (a chain's first block), boundary tokens]. Children
+        # past one and waiting keys are dicts used as insertion-ordered sets, so every walk goes in
+        # publication order, never in hash order.
         self._nodes: dict[Hashable, list] = {}
         self.knows: Callable[[Hashable], bool] = self._nodes.__contains__  # False: no group publishes it
         self._unborn: dict[Hashable, dict] = {}  # parent key -> keys published before it
@@ -128,10 +129,7 @@ class ValueEviction:
         if up is None:
             unborn.setdefault(parents[0], {})[keys[0]] = None
             return
-        if up[4] is None:
-            up[4] = {keys[0]: None}
-        else:
-            up[4][keys[0]] = None
+        _add_child(up, keys[0])
         if up[1]:  # supported already: one more, nothing else changes
             up[1] += 1
         else:
@@ -143,11 +141,12 @@ class ValueEviction:
         ``checkpoints`` in every state group too: each supported by its own checkpoint and by
         the one beyond it (the last is one), each the one child of the one before."""
         nodes, n_history, n_state, g = self._nodes, len(self.history_ids), len(self.state_ids), self.granularity_tokens
-        last, marks, node = len(keys) - 1, set(checkpoints), None
+        last, node = len(keys) - 1, None
+        marks = None if checkpoints is keys else set(checkpoints)  # None: every block's end (a prompt chunk's)
         for i, (key, parent, boundary) in enumerate(zip(keys, parents, boundaries)):
             if node is not None:
-                node[4] = {key: None}
-            own = key in marks
+                node[4] = (key,)  # its one child: no dict made
+            own = marks is None or key in marks
             node = nodes[key] = [parent, own + (i < last), n_history + n_state if own else n_history,
                                  n_state if own else 0, None, False, boundary <= g, boundary]
 
@@ -210,10 +209,8 @@ class ValueEviction:
                                    first, boundary]
         if up is None:
             self._unborn.setdefault(parent, {})[key] = None
-        elif up[4] is None:
-            up[4] = {key: None}
         else:
-            up[4][key] = None
+            _add_child(up, key)
         for child in children or ():
             if node[5] and not self._nodes[child][5]:
                 self._cut(child, demote_first=True)
@@ -419,7 +416,7 @@ class ValueEviction:
                 if not waiting:
                     del self._unborn[node[0]]
                 return
-            up[4].pop(key, None)
+            _drop_child(up, key)
             key = node[0]
 
     # --- diagnostics ------------------------------------------------------------
@@ -454,6 +451,25 @@ class ValueEviction:
             count = sum(1 for k in keys if k in (usable if gid in self._state else below))
             out[gid] = GroupValueStats(gid, pool.num_cached_pages, len(keys), count, dict(self.evicted_pages[gid]))
         return out
+
+
+def _add_child(node: list, key: Hashable) -> None:
+    """``key`` joins the children of ``node``: the first as a 1-tuple (no dict made), a dict from the second on."""
+    children = node[4]
+    if children is None:
+        node[4] = (key,)
+    elif children.__class__ is dict:
+        children[key] = None
+    else:
+        node[4] = dict.fromkeys((*children, key))
+
+
+def _drop_child(node: list, key: Hashable) -> None:
+    """``key`` leaves the children of ``node`` (a 1-tuple's one child: None left)."""
+    if node[4].__class__ is tuple:
+        node[4] = None
+    else:
+        node[4].pop(key, None)
 
 
 __all__ = ["GroupValueStats", "POLICIES", "REASONS", "UNIT", "ValueEviction"]
