@@ -1469,9 +1469,9 @@ class CacheManager:
             self._refuse_mislisted(pages_per_group)
         if found < -local_pages.size:
             bad = -1 - local_pages.size - found
-            raise CacheManagerError(f"group {self._group_at(pages_per_group, bad)!r}: {refusal(bad)}")
+            self._refuse_page(pages_per_group, bad, refusal(bad))
         if found < 0:
-            self._refuse_range(pages_per_group, -1 - found, range_error)
+            self._refuse_page(pages_per_group, -1 - found, range_error)
         self._version += 1  # invalidates a cached admission
 
     def _lists_pages(self, local_pages: Any, pages_per_group: Any) -> bool:
@@ -1491,34 +1491,23 @@ class CacheManager:
         raise CacheManagerError(f"pages_per_group must hold {len(self._group_ids)} non-negative counts summing to "
                                 f"the number of pages listed, got {pages_per_group.tolist()}")
 
-    def _group_at(self, per_group: np.ndarray, index: int) -> str:
-        """The group of the ``index``-th page of a group-major list, ``per_group[g]`` of group ``g``."""
-        return self._group_ids[int(np.searchsorted(np.cumsum(per_group), index, side="right"))]
-
-    def _refuse_range(self, per_group: np.ndarray, index: int, error: str) -> None:
-        """Raise ``error`` for the group of the ``index``-th page, one out of its range."""
-        gid = self._group_at(per_group, index)
+    def _refuse_page(self, per_group: np.ndarray, index: int, error: str) -> None:
+        """Raise ``error`` (``{n}``: the pool's page count) for the group of the ``index``-th page of a group-major
+        list, ``per_group[g]`` of group ``g``."""
+        gid = self._group_ids[int(np.searchsorted(np.cumsum(per_group), index, side="right"))]
         raise CacheManagerError(f"group {gid!r}: " + error.format(n=self.pools[gid].num_pages))
 
     def _space_pages(self, pages_by_group: Mapping[str, np.ndarray], error: str, lowest: int
                      ) -> tuple[np.ndarray, np.ndarray]:
         """Every group's pages as group-major local ids and counts per group; an unknown group is refused
         (after ``error`` for a page outside ``[lowest, num_pages)``)."""
-        local, sizes = [], []
-        for gid in self._group_ids:
-            pages = pages_by_group.get(gid)
-            if pages is None:
-                sizes.append(0)
-            else:
-                pages = np.asarray(pages, dtype=np.int64).ravel()
-                local.append(pages)
-                sizes.append(pages.size)
-        per_group, known = np.array(sizes, dtype=np.int64), len(local)
-        local = np.concatenate(local) if known > 1 else local[0] if local else np.zeros(0, dtype=np.int64)
-        if known < len(pages_by_group):  # a group the manager lacks
+        listed = [pages_by_group.get(gid) for gid in self._group_ids]
+        arrays = [_NO_PAGES if p is None else np.asarray(p, dtype=np.int64).ravel() for p in listed]
+        local, per_group = np.concatenate(arrays), np.array([a.size for a in arrays], dtype=np.int64)
+        if sum(p is not None for p in listed) < len(pages_by_group):  # a group the manager lacks
             bad = kernels.first_out_of_range(local, per_group, self._space_limits, lowest)
             if bad < 0:
-                self._refuse_range(per_group, -1 - bad, error)
+                self._refuse_page(per_group, -1 - bad, error)
             gid = next(gid for gid in pages_by_group if gid not in self.pools)
             raise CacheManagerError(f"no group {gid!r}")
         return local, per_group
