@@ -98,15 +98,7 @@ class PagePool:
         self._view_lru()
         self.idle_tick = np.zeros(self.num_pages, dtype=np.int64)
         self._low_ids = kernels.low_idle_ids  # by its compiled code once :meth:`load_kernels` ran
-        self._init_entries()
-        # Set by an arena: must an allocation of ``n`` pages up to id ``page`` pack first (None: always).
-        self.must_pack: Callable[[int, int], bool] | None = None
-        self.space: PageSpace | None = None  # the page space whose arrays this pool views, once in one
-        if granted:
-            self.grant(np.arange(1, self.num_pages, dtype=np.int32))
-
-    def _init_entries(self) -> None:
-        """No content-keyed entries yet."""
+        # Content-keyed entries: none yet.
         self.cached = np.zeros(self.num_pages, dtype=bool)
         self.low_priority = np.zeros(self.num_pages, dtype=bool)  # evicted before all others once idle
         # Per keyed page, its entry's key (stale for unkeyed pages); a list: an entry's pages share cache lines.
@@ -121,6 +113,11 @@ class PagePool:
         # ``on_removed``, on a pool whose removals never change it (docs/prefix-caching.md, "Evicting in
         # batches"); returns the idle pages freed here.
         self.evict_many: Callable[[Sequence[Hashable], str], int] | None = None
+        # Set by an arena: must an allocation of ``n`` pages up to id ``page`` pack first (None: always).
+        self.must_pack: Callable[[int, int], bool] | None = None
+        self.space: PageSpace | None = None  # the page space whose arrays this pool views, once in one
+        if granted:
+            self.grant(np.arange(1, self.num_pages, dtype=np.int32))
 
     @property
     def ranker(self):

@@ -196,7 +196,7 @@ class PrefixCache:
         self.checkpoint_policy = self.policy.name
         self.checkpoint_interval_tokens = self.policy.interval_tokens
         # "prefill-per-byte": each checkpoint's saved prefill, hits and last use.
-        self.values = CheckpointValues() if self.policy.ranks_by_value else None
+        self.values = CheckpointValues() if self.policy.name == "prefill-per-byte" else None
         self.on_event = on_event
         # Without a callback, events wait for drain_events(); past the bound the oldest are dropped (counted). The
         # buffer holds raw events and commits' records (``_book_units``' ``booked``: ``_raws`` expands them).

@@ -49,10 +49,6 @@ class CheckpointPolicy:
             return range(first_tokens, min(end_tokens, prompt_tokens + 1), grain_tokens)
         return range(0)
 
-    @property
-    def ranks_by_value(self) -> bool:
-        return self.name == "prefill-per-byte"
-
 
 def checkpoint_policy(name: str | None, prompt_checkpoints: bool | None, interval_tokens: int | None,
                       grain_tokens: int) -> CheckpointPolicy:
