@@ -482,36 +482,31 @@ class PagePool:
 
     # --- checks -----------------------------------------------------------
     def check_invariants(self) -> None:
-        """Raise AssertionError if free/held/evictable states overlap or pages leak."""
+        """Raise AssertionError if free/held/evictable states overlap or pages leak, or the LRU's links are not a list
+        from the head of the ``num_evictable_pages`` idle keyed pages, each linked back to the one before, every other
+        page unlinked."""
         free = self._stack[: self._top]
         assert np.unique(free).size == free.size, "page on the free stack twice"
         assert not np.any(free == NULL_PAGE), "null page on the free stack"
         assert np.all(self.ref_counts[free] == 0), "free page with references"
         assert not np.any(self.cached[free]), "free page still keyed"
-        self._check_lru()
-        # What the arena's idle scans (kernels.idle_slabs) rely on.
-        idle_keyed = np.flatnonzero(self.cached & (self.ref_counts == 0))
-        assert np.array_equal(idle_keyed, np.sort(self.evictable_page_ids())), "idle cached page outside the LRU"
-        assert self._low_idle_pages == int(np.count_nonzero(self.low_priority[self.evictable_page_ids()])), (
-            "idle low-priority count")
-        assert self.num_cached_pages == sum(map(len, self._entries.values())), "keyed pages outside the entries"
-        assert self.ref_counts[NULL_PAGE] == 0
-        assert np.all(self.ref_counts >= 0)
-        held = int(np.count_nonzero(self.ref_counts > 0))
-        assert held + self.num_free_pages == self._granted_pages, "page leaked"
-
-    def _check_lru(self) -> None:
-        """The LRU's links: a list from the head of ``num_evictable_pages`` idle keyed pages,
-        each linked back to the one before, every other page unlinked."""
         listed = np.empty(self.num_pages, dtype=np.int64)
         listed = listed[: lru.order(self._lru_next, listed)]
         assert listed.size == self.num_evictable_pages, "LRU length"
-        assert np.all(self.ref_counts[listed] == 0) and np.all(self.cached[listed]), "bad evictable page"
         ring = np.concatenate([[NULL_PAGE], listed, [NULL_PAGE]])
         assert np.array_equal(self._lru_prev[ring[1:]], ring[:-1]), "LRU back links"
         unlisted = np.ones(self.num_pages, dtype=bool)
         unlisted[ring] = False
         assert np.all(self._lru_next[unlisted] == -1) and np.all(self._lru_prev[unlisted] == -1), "unlisted page linked"
+        # Every idle keyed page, and only they, in the LRU: what the arena's idle scans (kernels.idle_slabs) rely on.
+        idle_keyed = np.flatnonzero(self.cached & (self.ref_counts == 0))
+        assert np.array_equal(idle_keyed, np.sort(listed)), "idle cached page outside the LRU"
+        assert self._low_idle_pages == int(np.count_nonzero(self.low_priority[listed])), "idle low-priority count"
+        assert self.num_cached_pages == sum(map(len, self._entries.values())), "keyed pages outside the entries"
+        assert self.ref_counts[NULL_PAGE] == 0
+        assert np.all(self.ref_counts >= 0)
+        held = int(np.count_nonzero(self.ref_counts > 0))
+        assert held + self.num_free_pages == self._granted_pages, "page leaked"
 
 
 def _drop_keys(drop: Callable, arrays: tuple, pops: list, keys: Sequence[Hashable],
