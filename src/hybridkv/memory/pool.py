@@ -599,15 +599,14 @@ class PageSpace:
             pool.load_kernels()
 
     def hold_outside(self, local: np.ndarray, per_group: np.ndarray, limits: np.ndarray, held: np.ndarray) -> int:
-        """``kernels.hold_outside`` of ``local`` (group-major), the idle pages leaving their LRUs
-        (``lru.hold_leaving``)."""
+        """Hold ``local`` (group-major) outside any request, idle pages leaving their LRUs (``lru.hold_leaving``)."""
         idle = np.empty(local.size, dtype=np.int64)
         return lru.hold_leaving(local, per_group, self.offsets, limits, self.ref_counts, self.cached,
                                 self.low_priority, self.low_idle, held, idle, self.idle_counts, self.lru_prev,
                                 self.lru_next, self.per_group)
 
     def release_outside(self, local: np.ndarray, per_group: np.ndarray, limits: np.ndarray, held: np.ndarray) -> int:
-        """``kernels.release_outside``, pages left without a holder freed or joining their LRU
+        """Drop holds of :meth:`hold_outside`, pages left without a holder freed or joining their LRU
         (``lru.release_placing``); then the rankers are told."""
         scratch = np.empty((2, local.size), dtype=np.int64)  # freed, keyed
         counts = np.zeros((2, self.offsets.size), dtype=np.int64)

@@ -1852,34 +1852,3 @@ def add_held(local, per_group, offsets, held, delta):
             k += 1
     return bad
 
-
-@njit(cache=True)
-def hold_outside(local, per_group, offsets, limits, ref, keyed, low_priority, low_idle, held, idle_pages,
-                 idle_counts):
-    """Hold the listed pages outside any request (``take_holds``, ``held`` raised); returns how many had no
-    holder. Nothing changed for a page outside ``[1, limits[g])`` (``-1 - i``) or free (``-1 - local.size - i``)
-    or a mislisted list (``MISLISTED``)."""
-    bad = first_out_of_range(local, per_group, limits, 1)
-    if bad < 0:
-        return bad
-    n_idle = take_holds(ref, keyed, low_priority, low_idle, offsets, per_group, local, idle_pages, idle_counts)
-    if n_idle < 0:
-        return n_idle - local.size
-    add_held(local, per_group, offsets, held, 1)
-    return n_idle
-
-
-@njit(cache=True)
-def release_outside(local, per_group, offsets, limits, ref, keyed, held, freed, keyed_pages, counts):
-    """Drop holds of :func:`hold_outside` (``drop_holds``); how many pages lost their last reference. Nothing
-    changed for a page outside ``[0, limits[g])`` (``-1 - i``), one released more often than held (``-1 -
-    local.size - i``, ``i`` its listing that passes its holds) or a mislisted list (``MISLISTED``)."""
-    bad = first_out_of_range(local, per_group, limits, 0)
-    if bad < 0:
-        return bad
-    bad = add_held(local, per_group, offsets, held, -1)
-    if bad >= 0:  # undone whole
-        add_held(local, per_group, offsets, held, 1)
-        return -1 - local.size - bad
-    drop_holds(ref, keyed, offsets, per_group, local, freed, keyed_pages, counts)
-    return counts.sum()
