@@ -984,27 +984,6 @@ def rewind_keep(geometry, bounds, g, row, kept_tokens):
     return min(max(divide(kept_tokens + tokens - 1, tokens, shift), bounds[BASE, g, row]), bounds[HI, g, row])
 
 
-@njit(cache=True)
-def truncate_rows(geometry, pages, bounds, rows, kept):
-    """Every row's logical pages from ``rewind_keep`` (``kept`` tokens) to its hi leave its tables; returns
-    their page ids and ring-view cells (group-major) and how many per group."""
-    n_groups = geometry.shape[0]
-    total = 0
-    for g in range(n_groups):
-        for r in range(rows.size):
-            total += bounds[HI, g, rows[r]] - rewind_keep(geometry, bounds, g, rows[r], kept[r])
-    taken, touched = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
-    per_group = np.zeros(n_groups, dtype=np.int64)
-    n = 0
-    for g in range(n_groups):
-        for r in range(rows.size):
-            start = n
-            n = take_cells(geometry, pages, bounds, g, rows[r], rewind_keep(geometry, bounds, g, rows[r], kept[r]),
-                           taken, touched, n)
-            per_group[g] += n - start
-    return taken, touched, per_group
-
-
 @njit(cache=True, inline="always")
 def take_cells(geometry, pages, bounds, g, row, keep, taken, cells, n):
     """Row ``row``'s logical pages of group ``g`` from ``keep`` to its hi leave the table (its hi becomes ``keep``
@@ -1023,38 +1002,43 @@ def take_cells(geometry, pages, bounds, g, row, keep, taken, cells, n):
 @njit(cache=True)
 def rewind_rows(geometry, pages, bounds, counters, known_floor, ref, keyed, stack, per_group, mark, rows, kept):
     """``CacheManager.rewind_many`` in one call (False, nothing changed: a row twice or a count outside
-    [committed, computed]): ``truncate_rows``, ``release_taken``, known tokens ``min(known, max(kept, floor))``.
-    Returns (ran, cells emptied, keyed pages left idle, how many per group)."""
+    [committed, computed]): every row's logical pages from ``rewind_keep`` (``kept`` tokens) to its hi leave its
+    tables (``take_cells``, group after group), one release per group (``release_into``); known tokens
+    ``min(known, max(kept, floor))``. Returns (ran, cells emptied, keyed pages left idle, how many per group)."""
     empty = np.zeros(0, dtype=np.int64)
     if not distinct_rows(rows, mark):
         return False, empty, empty, empty
     for r in range(rows.size):
         if not counters[1, rows[r]] <= kept[r] <= counters[0, rows[r]]:
             return False, empty, empty, empty
-    taken, touched, taken_per_group = truncate_rows(geometry, pages, bounds, rows, kept)
-    idle_keyed, keyed_per_group = release_taken(geometry, ref, keyed, stack, per_group, taken, taken_per_group)
+    n_groups, total = geometry.shape[0], 0
+    for g in range(n_groups):
+        for r in range(rows.size):
+            total += bounds[HI, g, rows[r]] - rewind_keep(geometry, bounds, g, rows[r], kept[r])
+    taken, touched = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
+    freed, idle_keyed = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
+    taken_per_group, counts = np.zeros(n_groups, dtype=np.int64), np.zeros((2, n_groups), dtype=np.int64)
+    n = 0
+    for g in range(n_groups):
+        start = n
+        for r in range(rows.size):
+            n = take_cells(geometry, pages, bounds, g, rows[r], rewind_keep(geometry, bounds, g, rows[r], kept[r]),
+                           taken, touched, n)
+        taken_per_group[g] = n - start
+    release_into(ref, keyed, stack, per_group, geometry[:, ID_OFFSET].copy(), taken, taken_per_group, freed,
+                 idle_keyed, counts)
     for r in range(rows.size):
         row = rows[r]
         counters[0, row] = kept[r]
         counters[2, row] = min(counters[2, row], max(kept[r], known_floor[row]))
-    return True, touched, idle_keyed, keyed_per_group
-
-
-@njit(cache=True)
-def release_taken(geometry, ref, keyed, stack, per_group, taken, taken_per_group):
-    """Pages taken out of the tables (group-major) are one release per group (``drop_holds``, ``push_free``);
-    returns the keyed pages left idle (group-major) and how many per group."""
-    offsets = geometry[:, ID_OFFSET].copy()
-    freed, idle_keyed = np.empty(taken.size, dtype=np.int64), np.empty(taken.size, dtype=np.int64)
-    counts = np.zeros((2, offsets.size), dtype=np.int64)
-    release_into(ref, keyed, stack, per_group, offsets, taken, taken_per_group, freed, idle_keyed, counts)
-    return idle_keyed[: counts[1].sum()], counts[1].copy()
+    return True, touched, idle_keyed[: counts[1].sum()], counts[1].copy()
 
 
 @njit(cache=True)
 def release_into(ref, keyed, stack, per_group, offsets, taken, taken_per_group, freed, idle_keyed, counts):
-    """``release_taken`` allocating nothing: its scratch ``freed`` and ``idle_keyed`` (room for ``taken``), its
-    counts to ``counts[0|1, g]`` (unkeyed freed, keyed left idle; zeroed by the caller). A ``lowest`` group's short
+    """Pages taken out of the tables (group-major, ``taken_per_group[g]`` each) are one release per group
+    (``drop_holds``, ``push_free``): its scratch ``freed`` and ``idle_keyed`` (room for ``taken``), its counts to
+    ``counts[0|1, g]`` (unkeyed freed, keyed left idle; zeroed by the caller). A ``lowest`` group's short
     freed run is sorted in place first (``sort_short_runs``): ``push_run`` merges it as it is."""
     drop_holds(ref, keyed, offsets, taken_per_group, taken, freed, idle_keyed, counts)
     sort_short_runs(freed, counts[0], per_group[LOWEST])
