@@ -1573,19 +1573,14 @@ def revoke_ids(ref, keyed, stack, top, pages):
         if n == 0 or ids[i] != ids[n - 1]:
             ids[n] = ids[i]
             n += 1
-    ids = ids[:n]
-    n_keyed = 0
+    ids, keyed_ids, n_keyed = ids[:n], np.empty(n, dtype=np.int64), 0
     for i in range(n):
         if ref[ids[i]] != 0:
             return -1, ids, ids[:0]
-        n_keyed += keyed[ids[i]]
-    keyed_ids = np.empty(n_keyed, dtype=np.int64)
-    k = 0
-    for i in range(n):
         if keyed[ids[i]]:
-            keyed_ids[k] = ids[i]
-            k += 1
-    on_stack = 0
+            keyed_ids[n_keyed] = ids[i]
+            n_keyed += 1
+    keyed_ids, on_stack = keyed_ids[:n_keyed], 0
     if n:
         lowest, highest = ids[0], ids[n - 1]
         for i in range(top):
