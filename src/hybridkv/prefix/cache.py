@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import reduce
@@ -924,12 +924,8 @@ class PrefixCache:
     def check_holds(self, live: Sequence[CommittingRequest]) -> None:
         """Assert that every hold is on a cached entry, with at least the holds of the ``live`` requests keeping
         it (the rest: freed requests' terminals)."""
-        kept: dict[tuple[str, int], int] = {}
-        for req in live:
-            for own in req.own_checkpoints:
-                for gid, (key, pages) in own.entries.items():
-                    if self.pools[gid].lookup(key) is pages:  # else evicted, its hold gone
-                        kept[gid, key] = kept.get((gid, key), 0) + 1
+        kept = Counter((gid, key) for req in live for own in req.own_checkpoints  # the entries not evicted since
+                       for gid, (key, pages) in own.entries.items() if self.pools[gid].lookup(key) is pages)
         for gid, holders in self._holders.items():
             assert all(self.pools[gid].lookup(key) is not None for key in holders), f"{gid}: a hold on no entry"
             assert min(holders.values(), default=1) >= 1, f"{gid}: an empty hold"

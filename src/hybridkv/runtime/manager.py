@@ -1336,8 +1336,12 @@ class CacheManager:
         ts.note_cells(touched)
         if keyed.size:
             space.keyed_idle(keyed_per_group, keyed)
-        if before is not None:
-            self._note_rewound_loads(rows, before, kept)
+        if before is not None:  # requests rewound below a load step just run lose its window: refused until freed
+            for row, was, num_tokens in zip(rows.tolist(), before.tolist(), kept.tolist()):
+                rid = self._row_owner[row].request_id
+                if self._load_spans.get(rid) == (int(self._committed[row]), was) and num_tokens < was:
+                    self._rewound_loads.add(rid)
+                    self.pending_loads.add(rid)
         if self.prefix is not None:  # ids past the known ones will be appended anew: their blocks' hashes go
             for row in rows.tolist():
                 hashes = self._row_owner[row].hashes
@@ -1381,15 +1385,6 @@ class CacheManager:
             rows.append(row)
             keeps.append(num_tokens)
         return np.asarray(rows, dtype=np.int64), np.asarray(keeps, dtype=np.int64)
-
-    def _note_rewound_loads(self, rows: np.ndarray, computed: np.ndarray, kept: np.ndarray) -> None:
-        """Requests rewound below a load step just run lose its window: refused until freed."""
-        for row, was, num_tokens in zip(rows.tolist(), computed.tolist(), kept.tolist()):
-            rid = self._row_owner[row].request_id
-            span = self._load_spans.get(rid)
-            if span is not None and span == (int(self._committed[row]), was) and num_tokens < span[1]:
-                self._rewound_loads.add(rid)
-                self.pending_loads.add(rid)
 
     def free(self, request_id: str) -> None:
         """End a request: commit its last step to the prefix cache, release every page."""
