@@ -119,15 +119,12 @@ class PagePool:
         if granted:
             self.grant(np.arange(1, self.num_pages, dtype=np.int32))
 
-    @property
-    def ranker(self):
-        return self._ranker
-
-    @ranker.setter
-    def ranker(self, ranker) -> None:
+    def _set_ranker(self, ranker) -> None:
         self._ranker = ranker
         if self.space is not None:
             self.space.ranked = [g for g, pool in enumerate(self.space.pools) if pool.ranker is not None]
+
+    ranker = property(attrgetter("_ranker"), _set_ranker)
 
     # --- counts ---------------------------------------------------------
     def _bind(self, per_group: np.ndarray, slot: int) -> None:

@@ -146,10 +146,7 @@ class PrefixGroupStats:
     lookups = property(lambda self: self.matched.lookups, doc="requests matched")
     queried_tokens = property(lambda self: self.matched.queried_tokens, doc="their prompt tokens")
     hit_tokens = property(lambda self: self.matched.hit_tokens, doc="their reconciled hits")
-
-    @property
-    def token_hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+    token_hit_rate = property(lambda self: self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0)
 
 
 @dataclass(slots=True)
@@ -1080,8 +1077,7 @@ class PrefixCache:
     def write_events_jsonl(self, stream: IO[str]) -> int:
         """Write (and drain) recorded events as JSON lines; returns how many."""
         events = self.drain_events()
-        for e in events:
-            stream.write(e.to_json() + "\n")
+        stream.writelines(e.to_json() + "\n" for e in events)
         return len(events)
 
 

@@ -547,9 +547,7 @@ class CacheManager:
     def has_request(self, request_id: str) -> bool:
         return type(request_id) is str and request_id in self._requests  # ids are str: anything else is not one
 
-    @property
-    def num_requests(self) -> int:
-        return len(self._requests)
+    num_requests = property(lambda self: len(self._requests))
 
     # --- admission -----------------------------------------------------------
     def check_admission(self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False,
