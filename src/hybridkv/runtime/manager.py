@@ -1494,10 +1494,18 @@ class CacheManager:
                      ) -> tuple[np.ndarray, np.ndarray]:
         """Every group's pages as group-major local ids and counts per group; an unknown group is refused
         (after ``error`` for a page outside ``[lowest, num_pages)``)."""
-        listed = [pages_by_group.get(gid) for gid in self._group_ids]
-        arrays = [_NO_PAGES if p is None else np.asarray(p, dtype=np.int64).ravel() for p in listed]
-        local, per_group = np.concatenate(arrays), np.array([a.size for a in arrays], dtype=np.int64)
-        if sum(p is not None for p in listed) < len(pages_by_group):  # a group the manager lacks
+        local, sizes = [], []
+        for gid in self._group_ids:
+            pages = pages_by_group.get(gid)
+            if pages is None:
+                sizes.append(0)
+            else:
+                pages = np.asarray(pages, dtype=np.int64).ravel()
+                local.append(pages)
+                sizes.append(pages.size)
+        per_group, known = np.array(sizes, dtype=np.int64), len(local)
+        local = np.concatenate(local) if known > 1 else local[0] if local else np.zeros(0, dtype=np.int64)
+        if known < len(pages_by_group):  # a group the manager lacks
             bad = kernels.first_out_of_range(local, per_group, self._space_limits, lowest)
             if bad < 0:
                 self._refuse_page(per_group, -1 - bad, error)
