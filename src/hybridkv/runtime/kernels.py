@@ -976,14 +976,6 @@ def block_table(geometry, pages, bounds, g, rows, out):
 
 
 # --- table and page-space helpers outside the step (free, rewind, prefix hits, pools) ------------
-@njit(cache=True)
-def rewind_keep(geometry, bounds, g, row, kept_tokens):
-    """The hi a rewind to ``kept_tokens`` leaves ``row`` in group ``g``: ``ceil(kept / T)``,
-    never below its base nor above its hi."""
-    tokens, shift = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT]
-    return min(max(divide(kept_tokens + tokens - 1, tokens, shift), bounds[BASE, g, row]), bounds[HI, g, row])
-
-
 @njit(cache=True, inline="always")
 def take_cells(geometry, pages, bounds, g, row, keep, taken, cells, n):
     """Row ``row``'s logical pages of group ``g`` from ``keep`` to its hi leave the table (its hi becomes ``keep``
@@ -1002,9 +994,10 @@ def take_cells(geometry, pages, bounds, g, row, keep, taken, cells, n):
 @njit(cache=True)
 def rewind_rows(geometry, pages, bounds, counters, known_floor, ref, keyed, stack, per_group, mark, rows, kept):
     """``CacheManager.rewind_many`` in one call (False, nothing changed: a row twice or a count outside
-    [committed, computed]): every row's logical pages from ``rewind_keep`` (``kept`` tokens) to its hi leave its
-    tables (``take_cells``, group after group), one release per group (``release_into``); known tokens
-    ``min(known, max(kept, floor))``. Returns (ran, cells emptied, keyed pages left idle, how many per group)."""
+    [committed, computed]): every row's logical pages from ``ceil(kept / T)`` (never below its base nor above its
+    hi) to its hi leave its tables (``take_cells``, group after group), one release per group (``release_into``);
+    known tokens ``min(known, max(kept, floor))``. Returns (ran, cells emptied, keyed pages left idle, how many per
+    group)."""
     empty = np.zeros(0, dtype=np.int64)
     if not distinct_rows(rows, mark):
         return False, empty, empty, empty
@@ -1012,9 +1005,13 @@ def rewind_rows(geometry, pages, bounds, counters, known_floor, ref, keyed, stac
         if not counters[1, rows[r]] <= kept[r] <= counters[0, rows[r]]:
             return False, empty, empty, empty
     n_groups, total = geometry.shape[0], 0
+    keep = np.empty((n_groups, rows.size), dtype=np.int64)  # each row's new hi per group
     for g in range(n_groups):
+        tokens, shift = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT]
         for r in range(rows.size):
-            total += bounds[HI, g, rows[r]] - rewind_keep(geometry, bounds, g, rows[r], kept[r])
+            row = rows[r]
+            keep[g, r] = min(max(divide(kept[r] + tokens - 1, tokens, shift), bounds[BASE, g, row]), bounds[HI, g, row])
+            total += bounds[HI, g, row] - keep[g, r]
     taken, touched = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
     freed, idle_keyed = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
     taken_per_group, counts = np.zeros(n_groups, dtype=np.int64), np.zeros((2, n_groups), dtype=np.int64)
@@ -1022,8 +1019,7 @@ def rewind_rows(geometry, pages, bounds, counters, known_floor, ref, keyed, stac
     for g in range(n_groups):
         start = n
         for r in range(rows.size):
-            n = take_cells(geometry, pages, bounds, g, rows[r], rewind_keep(geometry, bounds, g, rows[r], kept[r]),
-                           taken, touched, n)
+            n = take_cells(geometry, pages, bounds, g, rows[r], keep[g, r], taken, touched, n)
         taken_per_group[g] = n - start
     release_into(ref, keyed, stack, per_group, geometry[:, ID_OFFSET].copy(), taken, taken_per_group, freed,
                  idle_keyed, counts)
