@@ -993,11 +993,10 @@ def take_cells(geometry, pages, bounds, g, row, keep, taken, cells, n):
 
 @njit(cache=True)
 def rewind_rows(geometry, pages, bounds, counters, known_floor, ref, keyed, stack, per_group, mark, rows, kept):
-    """``CacheManager.rewind_many`` in one call (False, nothing changed: a row twice or a count outside
-    [committed, computed]): every row's logical pages from ``ceil(kept / T)`` (never below its base nor above its
-    hi) to its hi leave its tables (``take_cells``, group after group), one release per group (``release_into``);
-    known tokens ``min(known, max(kept, floor))``. Returns (ran, cells emptied, keyed pages left idle, how many per
-    group)."""
+    """``CacheManager.rewind_many`` in one call (False, nothing changed: a row twice or a count outside [committed,
+    computed]): every row's logical pages from ``ceil(kept / T)`` (never below its base nor above its hi) to its hi
+    leave its tables (``take_cells``, group after group), one release per group (``release_into``); known tokens
+    ``min(known, max(kept, floor))``. Returns (ran, cells emptied, keyed pages left idle, how many per group)."""
     empty = np.zeros(0, dtype=np.int64)
     if not distinct_rows(rows, mark):
         return False, empty, empty, empty
