@@ -14,8 +14,8 @@ import numpy as np
 from numba import njit
 
 from hybridkv.runtime.kernels import (ID_OFFSET, LOW_FLOOR, LOW_IDLE_PAGES, LOWEST, LRU_PAGES, RELEASED_PAGES, TOP,
-                                      free_rows, hold_outside, note_peaks, place_row, push_free, push_run,
-                                      release_outside, take_holds)
+                                      add_held, drop_holds, first_out_of_range, free_rows, note_peaks, place_row,
+                                      push_free, push_run, take_holds)
 
 
 @njit(cache=True, inline="always")
@@ -82,10 +82,17 @@ def leave(prev, nxt, lengths, offsets, per_group, pages):
 @njit(cache=True)
 def hold_leaving(local, per_group, offsets, limits, ref, keyed, low_priority, low_idle, held, idle_pages, idle_counts,
                  prev, nxt, space_counts):
-    """``kernels.hold_outside``, then the idle pages it held leave their lists and the pools' peaks follow;
-    its answer."""
-    found = hold_outside(local, per_group, offsets, limits, ref, keyed, low_priority, low_idle, held, idle_pages,
-                         idle_counts)
+    """Hold the listed pages (group-major, ``per_group[g]`` each) outside any request: ``kernels.take_holds``,
+    ``held`` raised, the idle ones leaving their lists, the pools' peaks following; returns how many had no holder.
+    Nothing changed for a page outside ``[1, limits[g])`` (``-1 - i``) or free (``-1 - local.size - i``) or a
+    mislisted list (``MISLISTED``)."""
+    found = first_out_of_range(local, per_group, limits, 1)
+    if found < 0:
+        return found
+    found = take_holds(ref, keyed, low_priority, low_idle, offsets, per_group, local, idle_pages, idle_counts)
+    if found < 0:
+        return found - local.size
+    add_held(local, per_group, offsets, held, 1)
     if found > 0:
         leave(prev, nxt, space_counts[LRU_PAGES], offsets, idle_counts, idle_pages[:found])
         note_peaks(space_counts, idle_counts, idle_counts[:0])
@@ -95,9 +102,20 @@ def hold_leaving(local, per_group, offsets, limits, ref, keyed, low_priority, lo
 @njit(cache=True)
 def release_placing(local, per_group, offsets, limits, ref, keyed, held, freed, keyed_pages, counts, stack,
                     space_counts, idle_tick, low_priority, prev, nxt, clock):
-    """``kernels.release_outside``, then what it let go goes where a release puts it: unkeyed pages onto their
-    free stacks, keyed ones into their lists (:func:`join`), the release counted; its answer."""
-    found = release_outside(local, per_group, offsets, limits, ref, keyed, held, freed, keyed_pages, counts)
+    """Drop holds of :func:`hold_leaving` (``kernels.drop_holds``), then what they let go goes where a release puts
+    it: unkeyed pages onto their free stacks, keyed ones into their lists (:func:`join`), the release counted; returns
+    how many pages lost their last reference. Nothing changed for a page outside ``[0, limits[g])`` (``-1 - i``), one
+    released more often than held (``-1 - local.size - i``, ``i`` its listing that passes its holds) or a mislisted
+    list (``MISLISTED``)."""
+    found = first_out_of_range(local, per_group, limits, 0)
+    if found < 0:
+        return found
+    bad = add_held(local, per_group, offsets, held, -1)
+    if bad >= 0:  # undone whole
+        add_held(local, per_group, offsets, held, 1)
+        return -1 - local.size - bad
+    drop_holds(ref, keyed, offsets, per_group, local, freed, keyed_pages, counts)
+    found = counts.sum()
     if found > 0:
         push_free(stack, space_counts[TOP], offsets, space_counts[LOWEST], counts[0], freed)
         for g in range(counts.shape[1]):

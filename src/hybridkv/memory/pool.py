@@ -98,15 +98,7 @@ class PagePool:
         self._view_lru()
         self.idle_tick = np.zeros(self.num_pages, dtype=np.int64)
         self._low_ids = kernels.low_idle_ids  # by its compiled code once :meth:`load_kernels` ran
-        self._init_entries()
-        # Set by an arena: must an allocation of ``n`` pages up to id ``page`` pack first (None: always).
-        self.must_pack: Callable[[int, int], bool] | None = None
-        self.space: PageSpace | None = None  # the page space whose arrays this pool views, once in one
-        if granted:
-            self.grant(np.arange(1, self.num_pages, dtype=np.int32))
-
-    def _init_entries(self) -> None:
-        """No content-keyed entries yet."""
+        # Content-keyed entries: none yet.
         self.cached = np.zeros(self.num_pages, dtype=bool)
         self.low_priority = np.zeros(self.num_pages, dtype=bool)  # evicted before all others once idle
         # Per keyed page, its entry's key (stale for unkeyed pages); a list: an entry's pages share cache lines.
@@ -121,16 +113,18 @@ class PagePool:
         # ``on_removed``, on a pool whose removals never change it (docs/prefix-caching.md, "Evicting in
         # batches"); returns the idle pages freed here.
         self.evict_many: Callable[[Sequence[Hashable], str], int] | None = None
+        # Set by an arena: must an allocation of ``n`` pages up to id ``page`` pack first (None: always).
+        self.must_pack: Callable[[int, int], bool] | None = None
+        self.space: PageSpace | None = None  # the page space whose arrays this pool views, once in one
+        if granted:
+            self.grant(np.arange(1, self.num_pages, dtype=np.int32))
 
-    @property
-    def ranker(self):
-        return self._ranker
-
-    @ranker.setter
-    def ranker(self, ranker) -> None:
+    def _set_ranker(self, ranker) -> None:
         self._ranker = ranker
         if self.space is not None:
             self.space.ranked = [g for g, pool in enumerate(self.space.pools) if pool.ranker is not None]
+
+    ranker = property(attrgetter("_ranker"), _set_ranker)
 
     # --- counts ---------------------------------------------------------
     def _bind(self, per_group: np.ndarray, slot: int) -> None:
@@ -485,36 +479,31 @@ class PagePool:
 
     # --- checks -----------------------------------------------------------
     def check_invariants(self) -> None:
-        """Raise AssertionError if free/held/evictable states overlap or pages leak."""
+        """Raise AssertionError if free/held/evictable states overlap or pages leak, or the LRU's links are not a list
+        from the head of the ``num_evictable_pages`` idle keyed pages, each linked back to the one before, every other
+        page unlinked."""
         free = self._stack[: self._top]
         assert np.unique(free).size == free.size, "page on the free stack twice"
         assert not np.any(free == NULL_PAGE), "null page on the free stack"
         assert np.all(self.ref_counts[free] == 0), "free page with references"
         assert not np.any(self.cached[free]), "free page still keyed"
-        self._check_lru()
-        # What the arena's idle scans (kernels.idle_slabs) rely on.
-        idle_keyed = np.flatnonzero(self.cached & (self.ref_counts == 0))
-        assert np.array_equal(idle_keyed, np.sort(self.evictable_page_ids())), "idle cached page outside the LRU"
-        assert self._low_idle_pages == int(np.count_nonzero(self.low_priority[self.evictable_page_ids()])), (
-            "idle low-priority count")
-        assert self.num_cached_pages == sum(map(len, self._entries.values())), "keyed pages outside the entries"
-        assert self.ref_counts[NULL_PAGE] == 0
-        assert np.all(self.ref_counts >= 0)
-        held = int(np.count_nonzero(self.ref_counts > 0))
-        assert held + self.num_free_pages == self._granted_pages, "page leaked"
-
-    def _check_lru(self) -> None:
-        """The LRU's links: a list from the head of ``num_evictable_pages`` idle keyed pages,
-        each linked back to the one before, every other page unlinked."""
         listed = np.empty(self.num_pages, dtype=np.int64)
         listed = listed[: lru.order(self._lru_next, listed)]
         assert listed.size == self.num_evictable_pages, "LRU length"
-        assert np.all(self.ref_counts[listed] == 0) and np.all(self.cached[listed]), "bad evictable page"
         ring = np.concatenate([[NULL_PAGE], listed, [NULL_PAGE]])
         assert np.array_equal(self._lru_prev[ring[1:]], ring[:-1]), "LRU back links"
         unlisted = np.ones(self.num_pages, dtype=bool)
         unlisted[ring] = False
         assert np.all(self._lru_next[unlisted] == -1) and np.all(self._lru_prev[unlisted] == -1), "unlisted page linked"
+        # Every idle keyed page, and only they, in the LRU: what the arena's idle scans (kernels.idle_slabs) rely on.
+        idle_keyed = np.flatnonzero(self.cached & (self.ref_counts == 0))
+        assert np.array_equal(idle_keyed, np.sort(listed)), "idle cached page outside the LRU"
+        assert self._low_idle_pages == int(np.count_nonzero(self.low_priority[listed])), "idle low-priority count"
+        assert self.num_cached_pages == sum(map(len, self._entries.values())), "keyed pages outside the entries"
+        assert self.ref_counts[NULL_PAGE] == 0
+        assert np.all(self.ref_counts >= 0)
+        held = int(np.count_nonzero(self.ref_counts > 0))
+        assert held + self.num_free_pages == self._granted_pages, "page leaked"
 
 
 def _drop_keys(drop: Callable, arrays: tuple, pops: list, keys: Sequence[Hashable],
@@ -607,15 +596,14 @@ class PageSpace:
             pool.load_kernels()
 
     def hold_outside(self, local: np.ndarray, per_group: np.ndarray, limits: np.ndarray, held: np.ndarray) -> int:
-        """``kernels.hold_outside`` of ``local`` (group-major), the idle pages leaving their LRUs
-        (``lru.hold_leaving``)."""
+        """Hold ``local`` (group-major) outside any request, idle pages leaving their LRUs (``lru.hold_leaving``)."""
         idle = np.empty(local.size, dtype=np.int64)
         return lru.hold_leaving(local, per_group, self.offsets, limits, self.ref_counts, self.cached,
                                 self.low_priority, self.low_idle, held, idle, self.idle_counts, self.lru_prev,
                                 self.lru_next, self.per_group)
 
     def release_outside(self, local: np.ndarray, per_group: np.ndarray, limits: np.ndarray, held: np.ndarray) -> int:
-        """``kernels.release_outside``, pages left without a holder freed or joining their LRU
+        """Drop holds of :meth:`hold_outside`, pages left without a holder freed or joining their LRU
         (``lru.release_placing``); then the rankers are told."""
         scratch = np.empty((2, local.size), dtype=np.int64)  # freed, keyed
         counts = np.zeros((2, self.offsets.size), dtype=np.int64)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import reduce
@@ -146,10 +146,7 @@ class PrefixGroupStats:
     lookups = property(lambda self: self.matched.lookups, doc="requests matched")
     queried_tokens = property(lambda self: self.matched.queried_tokens, doc="their prompt tokens")
     hit_tokens = property(lambda self: self.matched.hit_tokens, doc="their reconciled hits")
-
-    @property
-    def token_hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+    token_hit_rate = property(lambda self: self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0)
 
 
 @dataclass(slots=True)
@@ -196,7 +193,7 @@ class PrefixCache:
         self.checkpoint_policy = self.policy.name
         self.checkpoint_interval_tokens = self.policy.interval_tokens
         # "prefill-per-byte": each checkpoint's saved prefill, hits and last use.
-        self.values = CheckpointValues() if self.policy.ranks_by_value else None
+        self.values = CheckpointValues() if self.policy.name == "prefill-per-byte" else None
         self.on_event = on_event
         # Without a callback, events wait for drain_events(); past the bound the oldest are dropped (counted). The
         # buffer holds raw events and commits' records (``_book_units``' ``booked``: ``_raws`` expands them).
@@ -918,12 +915,8 @@ class PrefixCache:
     def check_holds(self, live: Sequence[CommittingRequest]) -> None:
         """Assert that every hold is on a cached entry, with at least the holds of the ``live`` requests keeping
         it (the rest: freed requests' terminals)."""
-        kept: dict[tuple[str, int], int] = {}
-        for req in live:
-            for own in req.own_checkpoints:
-                for gid, (key, pages) in own.entries.items():
-                    if self.pools[gid].lookup(key) is pages:  # else evicted, its hold gone
-                        kept[gid, key] = kept.get((gid, key), 0) + 1
+        kept = Counter((gid, key) for req in live for own in req.own_checkpoints  # the entries not evicted since
+                       for gid, (key, pages) in own.entries.items() if self.pools[gid].lookup(key) is pages)
         for gid, holders in self._holders.items():
             assert all(self.pools[gid].lookup(key) is not None for key in holders), f"{gid}: a hold on no entry"
             assert min(holders.values(), default=1) >= 1, f"{gid}: an empty hold"
@@ -1078,8 +1071,7 @@ class PrefixCache:
     def write_events_jsonl(self, stream: IO[str]) -> int:
         """Write (and drain) recorded events as JSON lines; returns how many."""
         events = self.drain_events()
-        for e in events:
-            stream.write(e.to_json() + "\n")
+        stream.writelines(e.to_json() + "\n" for e in events)
         return len(events)
 
 

@@ -49,10 +49,6 @@ class CheckpointPolicy:
             return range(first_tokens, min(end_tokens, prompt_tokens + 1), grain_tokens)
         return range(0)
 
-    @property
-    def ranks_by_value(self) -> bool:
-        return self.name == "prefill-per-byte"
-
 
 def checkpoint_policy(name: str | None, prompt_checkpoints: bool | None, interval_tokens: int | None,
                       grain_tokens: int) -> CheckpointPolicy:
@@ -245,9 +241,8 @@ class CheckpointOrder:
         self._beyond_gap = beyond_gap or (lambda key: False)
         self._mended: dict[Hashable, None] = {}  # keys mended since the last freed request
         self._heaps = {pool.group_id: {kind: [] for kind in CLASSES} for pool in self.pools}
-        # Per pool: (page, key, idle tick, key's version) of normal-priority pages gone idle
-        # (or promoted back: mended) since the last freed request, in LRU order; and how
-        # many of them victim() has passed.
+        # Per pool: (page, key, idle tick, key's version) of normal-priority pages gone idle (or promoted back: mended)
+        # since the last freed request, in LRU order; and how many of them victim() has passed.
         self._fresh: dict[str, list] = {pool.group_id: [] for pool in self.pools}
         self._fresh_seen = dict.fromkeys(self._heaps, 0)
         self._low = dict.fromkeys(CLASSES, False)  # each class's priority at the last freed request

@@ -1001,35 +1001,6 @@ def block_table(geometry, pages, bounds, g, rows, out):
 
 
 # --- table and page-space helpers outside the step (free, rewind, prefix hits, pools) ------------
-@njit(cache=True)
-def rewind_keep(geometry, bounds, g, row, kept_tokens):
-    """The hi a rewind to ``kept_tokens`` leaves ``row`` in group ``g``: ``ceil(kept / T)``,
-    never below its base nor above its hi."""
-    tokens, shift = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT]
-    return min(max(divide(kept_tokens + tokens - 1, tokens, shift), bounds[BASE, g, row]), bounds[HI, g, row])
-
-
-@njit(cache=True)
-def truncate_rows(geometry, pages, bounds, rows, kept):
-    """Every row's logical pages from ``rewind_keep`` (``kept`` tokens) to its hi leave its tables; returns
-    their page ids and ring-view cells (group-major) and how many per group."""
-    n_groups = geometry.shape[0]
-    total = 0
-    for g in range(n_groups):
-        for r in range(rows.size):
-            total += bounds[HI, g, rows[r]] - rewind_keep(geometry, bounds, g, rows[r], kept[r])
-    taken, touched = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
-    per_group = np.zeros(n_groups, dtype=np.int64)
-    n = 0
-    for g in range(n_groups):
-        for r in range(rows.size):
-            start = n
-            n = take_cells(geometry, pages, bounds, g, rows[r], rewind_keep(geometry, bounds, g, rows[r], kept[r]),
-                           taken, touched, n)
-            per_group[g] += n - start
-    return taken, touched, per_group
-
-
 @njit(cache=True, inline="always")
 def take_cells(geometry, pages, bounds, g, row, keep, taken, cells, n):
     """Row ``row``'s logical pages of group ``g`` from ``keep`` to its hi leave the table (its hi becomes ``keep``
@@ -1047,39 +1018,47 @@ def take_cells(geometry, pages, bounds, g, row, keep, taken, cells, n):
 
 @njit(cache=True)
 def rewind_rows(geometry, pages, bounds, counters, known_floor, ref, keyed, stack, per_group, mark, rows, kept):
-    """``CacheManager.rewind_many`` in one call (False, nothing changed: a row twice or a count outside
-    [committed, computed]): ``truncate_rows``, ``release_taken``, known tokens ``min(known, max(kept, floor))``.
-    Returns (ran, cells emptied, keyed pages left idle, how many per group)."""
+    """``CacheManager.rewind_many`` in one call (False, nothing changed: a row twice or a count outside [committed,
+    computed]): every row's logical pages from ``ceil(kept / T)`` (never below its base nor above its hi) to its hi
+    leave its tables (``take_cells``, group after group), one release per group (``release_into``); known tokens
+    ``min(known, max(kept, floor))``. Returns (ran, cells emptied, keyed pages left idle, how many per group)."""
     empty = np.zeros(0, dtype=np.int64)
     if not distinct_rows(rows, mark):
         return False, empty, empty, empty
     for r in range(rows.size):
         if not counters[1, rows[r]] <= kept[r] <= counters[0, rows[r]]:
             return False, empty, empty, empty
-    taken, touched, taken_per_group = truncate_rows(geometry, pages, bounds, rows, kept)
-    idle_keyed, keyed_per_group = release_taken(geometry, ref, keyed, stack, per_group, taken, taken_per_group)
+    n_groups, total = geometry.shape[0], 0
+    keep = np.empty((n_groups, rows.size), dtype=np.int64)  # each row's new hi per group
+    for g in range(n_groups):
+        tokens, shift = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT]
+        for r in range(rows.size):
+            row = rows[r]
+            keep[g, r] = min(max(divide(kept[r] + tokens - 1, tokens, shift), bounds[BASE, g, row]), bounds[HI, g, row])
+            total += bounds[HI, g, row] - keep[g, r]
+    taken, touched = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
+    freed, idle_keyed = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
+    taken_per_group, counts = np.zeros(n_groups, dtype=np.int64), np.zeros((2, n_groups), dtype=np.int64)
+    n = 0
+    for g in range(n_groups):
+        start = n
+        for r in range(rows.size):
+            n = take_cells(geometry, pages, bounds, g, rows[r], keep[g, r], taken, touched, n)
+        taken_per_group[g] = n - start
+    release_into(ref, keyed, stack, per_group, geometry[:, ID_OFFSET].copy(), taken, taken_per_group, freed,
+                 idle_keyed, counts)
     for r in range(rows.size):
         row = rows[r]
         counters[0, row] = kept[r]
         counters[2, row] = min(counters[2, row], max(kept[r], known_floor[row]))
-    return True, touched, idle_keyed, keyed_per_group
-
-
-@njit(cache=True)
-def release_taken(geometry, ref, keyed, stack, per_group, taken, taken_per_group):
-    """Pages taken out of the tables (group-major) are one release per group (``drop_holds``, ``push_free``);
-    returns the keyed pages left idle (group-major) and how many per group."""
-    offsets = geometry[:, ID_OFFSET].copy()
-    freed, idle_keyed = np.empty(taken.size, dtype=np.int64), np.empty(taken.size, dtype=np.int64)
-    counts = np.zeros((2, offsets.size), dtype=np.int64)
-    release_into(ref, keyed, stack, per_group, offsets, taken, taken_per_group, freed, idle_keyed, counts)
-    return idle_keyed[: counts[1].sum()], counts[1].copy()
+    return True, touched, idle_keyed[: counts[1].sum()], counts[1].copy()
 
 
 @njit(cache=True)
 def release_into(ref, keyed, stack, per_group, offsets, taken, taken_per_group, freed, idle_keyed, counts):
-    """``release_taken`` allocating nothing: its scratch ``freed`` and ``idle_keyed`` (room for ``taken``), its
-    counts to ``counts[0|1, g]`` (unkeyed freed, keyed left idle; zeroed by the caller). A ``lowest`` group's short
+    """Pages taken out of the tables (group-major, ``taken_per_group[g]`` each) are one release per group
+    (``drop_holds``, ``push_free``): its scratch ``freed`` and ``idle_keyed`` (room for ``taken``), its counts to
+    ``counts[0|1, g]`` (unkeyed freed, keyed left idle; zeroed by the caller). A ``lowest`` group's short
     freed run is sorted in place first (``sort_short_runs``): ``push_run`` merges it as it is."""
     drop_holds(ref, keyed, offsets, taken_per_group, taken, freed, idle_keyed, counts)
     sort_short_runs(freed, counts[0], per_group[LOWEST])
@@ -1614,19 +1593,14 @@ def revoke_ids(ref, keyed, stack, top, pages):
         if n == 0 or ids[i] != ids[n - 1]:
             ids[n] = ids[i]
             n += 1
-    ids = ids[:n]
-    n_keyed = 0
+    ids, keyed_ids, n_keyed = ids[:n], np.empty(n, dtype=np.int64), 0
     for i in range(n):
         if ref[ids[i]] != 0:
             return -1, ids, ids[:0]
-        n_keyed += keyed[ids[i]]
-    keyed_ids = np.empty(n_keyed, dtype=np.int64)
-    k = 0
-    for i in range(n):
         if keyed[ids[i]]:
-            keyed_ids[k] = ids[i]
-            k += 1
-    on_stack = 0
+            keyed_ids[n_keyed] = ids[i]
+            n_keyed += 1
+    keyed_ids, on_stack = keyed_ids[:n_keyed], 0
     if n:
         lowest, highest = ids[0], ids[n - 1]
         for i in range(top):
@@ -1877,34 +1851,3 @@ def add_held(local, per_group, offsets, held, delta):
             k += 1
     return bad
 
-
-@njit(cache=True)
-def hold_outside(local, per_group, offsets, limits, ref, keyed, low_priority, low_idle, held, idle_pages,
-                 idle_counts):
-    """Hold the listed pages outside any request (``take_holds``, ``held`` raised); returns how many had no
-    holder. Nothing changed for a page outside ``[1, limits[g])`` (``-1 - i``) or free (``-1 - local.size - i``)
-    or a mislisted list (``MISLISTED``)."""
-    bad = first_out_of_range(local, per_group, limits, 1)
-    if bad < 0:
-        return bad
-    n_idle = take_holds(ref, keyed, low_priority, low_idle, offsets, per_group, local, idle_pages, idle_counts)
-    if n_idle < 0:
-        return n_idle - local.size
-    add_held(local, per_group, offsets, held, 1)
-    return n_idle
-
-
-@njit(cache=True)
-def release_outside(local, per_group, offsets, limits, ref, keyed, held, freed, keyed_pages, counts):
-    """Drop holds of :func:`hold_outside` (``drop_holds``); how many pages lost their last reference. Nothing
-    changed for a page outside ``[0, limits[g])`` (``-1 - i``), one released more often than held (``-1 -
-    local.size - i``, ``i`` its listing that passes its holds) or a mislisted list (``MISLISTED``)."""
-    bad = first_out_of_range(local, per_group, limits, 0)
-    if bad < 0:
-        return bad
-    bad = add_held(local, per_group, offsets, held, -1)
-    if bad >= 0:  # undone whole
-        add_held(local, per_group, offsets, held, 1)
-        return -1 - local.size - bad
-    drop_holds(ref, keyed, offsets, per_group, local, freed, keyed_pages, counts)
-    return counts.sum()

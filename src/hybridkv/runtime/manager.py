@@ -547,9 +547,7 @@ class CacheManager:
     def has_request(self, request_id: str) -> bool:
         return type(request_id) is str and request_id in self._requests  # ids are str: anything else is not one
 
-    @property
-    def num_requests(self) -> int:
-        return len(self._requests)
+    num_requests = property(lambda self: len(self._requests))
 
     # --- admission -----------------------------------------------------------
     def check_admission(self, items: Sequence[tuple[str, int]], *, fixed_width: bool = False,
@@ -1344,8 +1342,12 @@ class CacheManager:
         ts.note_cells(touched)
         if keyed.size:
             space.keyed_idle(keyed_per_group, keyed)
-        if before is not None:
-            self._note_rewound_loads(rows, before, kept)
+        if before is not None:  # requests rewound below a load step just run lose its window: refused until freed
+            for row, was, num_tokens in zip(rows.tolist(), before.tolist(), kept.tolist()):
+                rid = self._row_owner[row].request_id
+                if self._load_spans.get(rid) == (int(self._committed[row]), was) and num_tokens < was:
+                    self._rewound_loads.add(rid)
+                    self.pending_loads.add(rid)
         if self.prefix is not None:  # ids past the known ones will be appended anew: their blocks' hashes go
             for row in rows.tolist():
                 hashes = self._row_owner[row].hashes
@@ -1389,15 +1391,6 @@ class CacheManager:
             rows.append(row)
             keeps.append(num_tokens)
         return np.asarray(rows, dtype=np.int64), np.asarray(keeps, dtype=np.int64)
-
-    def _note_rewound_loads(self, rows: np.ndarray, computed: np.ndarray, kept: np.ndarray) -> None:
-        """Requests rewound below a load step just run lose its window: refused until freed."""
-        for row, was, num_tokens in zip(rows.tolist(), computed.tolist(), kept.tolist()):
-            rid = self._row_owner[row].request_id
-            span = self._load_spans.get(rid)
-            if span is not None and span == (int(self._committed[row]), was) and num_tokens < span[1]:
-                self._rewound_loads.add(rid)
-                self.pending_loads.add(rid)
 
     def free(self, request_id: str) -> None:
         """End a request: commit its last step to the prefix cache, release every page."""
@@ -1477,9 +1470,9 @@ class CacheManager:
             self._refuse_mislisted(pages_per_group)
         if found < -local_pages.size:
             bad = -1 - local_pages.size - found
-            raise CacheManagerError(f"group {self._group_at(pages_per_group, bad)!r}: {refusal(bad)}")
+            self._refuse_page(pages_per_group, bad, refusal(bad))
         if found < 0:
-            self._refuse_range(pages_per_group, -1 - found, range_error)
+            self._refuse_page(pages_per_group, -1 - found, range_error)
         self._version += 1  # invalidates a cached admission
 
     def _lists_pages(self, local_pages: Any, pages_per_group: Any) -> bool:
@@ -1499,13 +1492,10 @@ class CacheManager:
         raise CacheManagerError(f"pages_per_group must hold {len(self._group_ids)} non-negative counts summing to "
                                 f"the number of pages listed, got {pages_per_group.tolist()}")
 
-    def _group_at(self, per_group: np.ndarray, index: int) -> str:
-        """The group of the ``index``-th page of a group-major list, ``per_group[g]`` of group ``g``."""
-        return self._group_ids[int(np.searchsorted(np.cumsum(per_group), index, side="right"))]
-
-    def _refuse_range(self, per_group: np.ndarray, index: int, error: str) -> None:
-        """Raise ``error`` for the group of the ``index``-th page, one out of its range."""
-        gid = self._group_at(per_group, index)
+    def _refuse_page(self, per_group: np.ndarray, index: int, error: str) -> None:
+        """Raise ``error`` (``{n}``: the pool's page count) for the group of the ``index``-th page of a group-major
+        list, ``per_group[g]`` of group ``g``."""
+        gid = self._group_ids[int(np.searchsorted(np.cumsum(per_group), index, side="right"))]
         raise CacheManagerError(f"group {gid!r}: " + error.format(n=self.pools[gid].num_pages))
 
     def _space_pages(self, pages_by_group: Mapping[str, np.ndarray], error: str, lowest: int
@@ -1526,7 +1516,7 @@ class CacheManager:
         if known < len(pages_by_group):  # a group the manager lacks
             bad = kernels.first_out_of_range(local, per_group, self._space_limits, lowest)
             if bad < 0:
-                self._refuse_range(per_group, -1 - bad, error)
+                self._refuse_page(per_group, -1 - bad, error)
             gid = next(gid for gid in pages_by_group if gid not in self.pools)
             raise CacheManagerError(f"no group {gid!r}")
         return local, per_group
