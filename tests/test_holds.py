@@ -177,6 +177,20 @@ def test_a_page_out_of_range_names_the_first_group_in_the_manager_s_order_that_h
     assert state(m) == before  # refused whole
 
 
+@pytest.mark.parametrize("method", ["hold_pages_by_group", "release_held_pages_by_group"])
+@pytest.mark.parametrize("bad", [None, "7", [1.0], np.array([True]), [[1], [2, 3]], object()])
+def test_a_group_s_value_that_is_not_page_ids_is_refused_whole_with_its_group_named(method, bad):
+    m = build("shared")
+    first, second = m.specs[0].group_id, m.specs[1].group_id
+    page = candidates(m, first)[0]
+    m.hold_pages_by_group({first: np.array([page])})  # so that a release of it is valid too
+    before = state(m)
+    with pytest.raises(CacheManagerError, match=f"group {second!r}: pages must be integer page ids"):
+        getattr(m, method)({first: np.array([page]), second: bad})
+    assert state(m) == before
+    getattr(m, method)({first: [page], second: []})  # a plain list, and an empty one, are page ids
+
+
 @pytest.mark.parametrize("method", ["hold_pages", "release_held_pages"])
 def test_a_group_major_list_whose_counts_do_not_match_it_is_refused_whole(method):
     m = build("shared")

@@ -35,6 +35,7 @@ __all__ = ["Admission", "CacheManager", "CacheManagerError", "GroupStats", "Grou
 _BLOCK_TABLE_MODES = ("full", "updates")
 _HOLD_RANGE = "page ids must lie in [1, {n})"  # hold_pages' refusal of a page out of range
 _RELEASE_HELD = "releasing pages that hold_pages_by_group did not hold"
+_ABSENT = object()  # a group a pages-by-group mapping leaves out
 
 
 class CacheManagerError(ValueError):
@@ -207,6 +208,17 @@ _ANY_IDS = np.zeros(4, dtype=np.int32)[::2]  # a read-only strided view: ``_copy
 _ANY_IDS.flags.writeable = False
 _ANY_TOKENS = np.zeros((2, 4), dtype=np.int32)[:, ::2]  # the same for ``_append_ids``' [n, k] ids
 _ANY_TOKENS.flags.writeable = False
+
+
+def _page_ids(group_id: str, pages: Any) -> np.ndarray:
+    """``pages`` as a flat int64 array of page ids; refused unless it holds integers only."""
+    try:
+        ids = np.asarray(pages)
+    except ValueError:  # ragged nesting
+        ids = None
+    if ids is None or not (ids.dtype.kind in "iu" or (ids.size == 0 and ids.dtype.kind == "f")):
+        raise CacheManagerError(f"group {group_id!r}: pages must be integer page ids, got {pages!r:.80}")
+    return ids.astype(np.int64, copy=False).ravel()
 
 
 class CacheManager:
@@ -1500,15 +1512,15 @@ class CacheManager:
 
     def _space_pages(self, pages_by_group: Mapping[str, np.ndarray], error: str, lowest: int
                      ) -> tuple[np.ndarray, np.ndarray]:
-        """Every group's pages as group-major local ids and counts per group; an unknown group is refused
-        (after ``error`` for a page outside ``[lowest, num_pages)``)."""
+        """Every group's pages as group-major local ids and counts per group; a group's value that is not page ids
+        and an unknown group are refused (the latter after ``error`` for a page outside ``[lowest, num_pages)``)."""
         local, sizes = [], []
         for gid in self._group_ids:
-            pages = pages_by_group.get(gid)
-            if pages is None:
+            pages = pages_by_group.get(gid, _ABSENT)
+            if pages is _ABSENT:
                 sizes.append(0)
             else:
-                pages = np.asarray(pages, dtype=np.int64).ravel()
+                pages = _page_ids(gid, pages)
                 local.append(pages)
                 sizes.append(pages.size)
         per_group, known = np.array(sizes, dtype=np.int64), len(local)
