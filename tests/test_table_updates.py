@@ -304,14 +304,14 @@ def test_updates_of_a_chunk_that_evicts_first_match_the_full_tables():
 
 def _serve(inc, full, steps: int, max_new_tokens: int, leaves, prompt_of, chunk_tokens: int = 12, each=None) -> None:
     """Serving-like steps on ``inc`` (``block_tables="updates"``) and ``full``: before step ``k`` the oldest
-    request leaves if ``leaves(k, live requests)``, and one joins with ``prompt_of(k)`` (a prompt sharing a
+    ``leaves(k, live requests)`` requests leave (True: one), and one joins with ``prompt_of(k)`` (a prompt sharing a
     prefix: its hit places cached pages in its table); every request then gets up to ``chunk_tokens`` tokens
     (decoders one). Both managers' hits agree, ``each(k, batch)`` holds for each batch, and its updates,
     applied to a mirror, give the full-mode tables."""
     mirror = BlockTableMirror.for_manager(inc)
     prompts = {}
     for k in range(steps):
-        if prompts and leaves(k, len(prompts)):
+        for _ in range(min(int(leaves(k, len(prompts))), len(prompts))):
             gone = next(iter(prompts))
             del prompts[gone]
             both([inc.free, full.free], gone)
@@ -343,6 +343,13 @@ def test_cells_a_free_and_a_prefix_hit_change_before_a_committing_step_come_with
     and a prefix hit logged): they come in its updates with its own."""
     inc, full = build("odd", True, None)  # 60-token prefix grains, 12-token steps
     _serve(inc, full, 60, 40, lambda k, n_live: n_live > 3 or k % 3, _sharing(40))  # most steps, one leaves
+
+
+def test_cells_two_frees_log_before_one_step_come_with_its_updates():
+    """Two requests leave before most steps: the second ``free`` writes its cells elsewhere than the first's,
+    which the log holds until the step; both come in its updates."""
+    inc, full = build("odd", True, None)
+    _serve(inc, full, 40, 40, lambda k, n_live: 2 if n_live > 4 else 0, _sharing(40))
 
 
 def test_cells_logged_before_a_clean_committing_step_come_with_its_updates():

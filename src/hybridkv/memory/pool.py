@@ -672,20 +672,23 @@ class PageSpace:
 
     def free_rows(self, tables, rows: np.ndarray) -> None:
         """``CacheManager.free``'s release in one call (``lru.free_rows_listed``), the cells emptied logged
-        (``tables.note_cells``). The keyed pages left idle are listed (in ``idle_listed``, room for every
-        page once a pool has a ranker) only for the rankers."""
+        (``tables.note_cells``: a view of ``cells_out``, written afresh while a log that may hold the last one
+        waits for a step). The keyed pages left idle are listed (in ``idle_listed``, room for every page once a
+        pool has a ranker) only for the rankers."""
         first_tick = 0
         if self.ranked:
             first_tick = int(_IDLE_CLOCK[0]) + 1
             if self.idle_listed.size < self.ref_counts.size:
                 self.idle_listed = np.empty(self.ref_counts.size, dtype=np.int64)
+        if tables.log:
+            self.cells_out = np.empty_like(self.cells_out)
         args = self._free_args  # kept while its arrays are the ones to pass (a table store that grew has new ones)
         if args[1] is not tables.pages or args[2] is not tables.bounds or args[12] is not rows \
-                or args[14] is not self.idle_listed:
+                or args[14] is not self.idle_listed or args[15] is not self.cells_out:
             args = self._free_args = self._free_call(tables, rows)
         n = self._free_rows_entry(*args)
         if tables.log is not None:
-            tables.note_cells(self.cells_out[:n].copy())
+            tables.note_cells(self.cells_out[:n])
         if self.ranked:
             self._tell_rankers(self.idle_counts, self.idle_listed, first_tick)
 
