@@ -253,12 +253,12 @@ def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, prev, nxt, per
 
 @njit(cache=True, _nrt=False)
 def free_rows_listed(geometry, pages, bounds, ref, keyed, stack, per_group, idle_tick, low_priority, prev, nxt,
-                     clock, rows, keyed_counts, keyed_out, cells_out, work):
-    """``kernels.free_rows``, then :func:`join` of the keyed pages it left idle: how many per group to ``keyed_counts``,
-    the pages (group after group) to ``keyed_out`` as far as it has room. The cells emptied go to ``cells_out`` (room
-    for every live cell of ``rows``; returns how many), its scratch to ``work`` (int64: 3 per group, then three times
-    ``cells_out``'s room). Allocates nothing, counts no reference (``_nrt=False``): a returned array, an allocation
-    or a counted argument would each cost a call from Python cold."""
+                     clock, rows, cells_out, work):
+    """``kernels.free_rows``, then :func:`join` of the keyed pages it left idle. The cells emptied go to ``cells_out``
+    (room for every live cell of ``rows``; returns how many), its scratch to ``work`` (int64: 3 per group, then three
+    times ``cells_out``'s room), where the keyed pages left idle stay: how many per group from ``work[G]`` (``G``
+    groups), the pages (group after group) from ``work[3 * G + 2 * room]``. Allocates nothing, counts no reference
+    (``_nrt=False``): a returned array, an allocation or a counted argument would each cost a call from Python cold."""
     n_groups, offsets = geometry.shape[0], geometry[:, ID_OFFSET]
     room, at = cells_out.size, 3 * n_groups
     counts = work[:at].reshape((3, n_groups))
@@ -267,8 +267,4 @@ def free_rows_listed(geometry, pages, bounds, ref, keyed, stack, per_group, idle
                   idle_keyed, counts)
     join(idle_tick, low_priority, prev, nxt, per_group[LRU_PAGES], per_group[LOW_IDLE_PAGES], per_group[LOW_FLOOR],
          offsets, counts[1], idle_keyed, clock)
-    for g in range(n_groups):
-        keyed_counts[g] = counts[1, g]
-    for i in range(min(counts[1].sum(), keyed_out.size)):
-        keyed_out[i] = idle_keyed[i]
     return n

@@ -552,8 +552,7 @@ class PageSpace:
         self.lru_lengths, self.low_idle = self.per_group[kernels.LRU_PAGES], self.per_group[kernels.LOW_IDLE_PAGES]
         self.skip_packing = self.per_group[kernels.SKIP_PACKING]
         self.ranked: list[int] = []  # the groups whose pool has a ranker (``PagePool.ranker`` keeps it)
-        self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # scratch of hold_outside, drop_units, free_rows
-        self.idle_listed = _NO_PAGES  # free_rows' keyed pages left idle, for the rankers (allocated for them)
+        self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # scratch of hold_outside and drop_units
         self._demote_unit = kernels.entry_point(lru.demote_unit, (  # ``demote``'s kernel, its compiled code
             _NO_PAGES, self.low_priority, self.lru_prev, self.lru_next, self.offsets, self.idle_low_floors,
             self.low_idle))
@@ -565,10 +564,11 @@ class PageSpace:
                              self.offsets, self.per_group, self.idle_counts)
         self._drop_units = kernels.entry_point(lru.drop_units, (_NO_PAGES, *self._drop_arrays, _NO_PAGES))
         self._told = np.empty(64, dtype=np.int64)  # drop_listed's ``told`` (scratch)
-        self.cells_out = _NO_PAGES  # free_rows' cells emptied (room for a row's every cell, allocated then)
+        # free_rows' cells emptied (room for a row's every cell, allocated then): one logged as it is, one copied.
+        self.cells_out = [_NO_PAGES, _NO_PAGES]
         self._free_work = np.empty(3 * len(self.pools), dtype=np.int64)  # its kernel's scratch, grown with cells_out
         self._free_rows_entry = None  # free_rows' compiled code (``kernels.entry_point``), at its first call
-        self._free_args = (None,) * 17  # its arguments (``_free_call``)
+        self._free_args = [(None,) * 15] * 2  # its arguments with each of ``cells_out`` (``_free_call``)
         self._free_rows_args = (self.ref_counts, self.cached, self.stack, self.per_group, self.idle_tick,
                                 self.low_priority, self.lru_prev, self.lru_next, _IDLE_CLOCK)  # its space's arrays
         for g, pool in enumerate(self.pools):  # its counts become views of ``per_group``; what ``_drop_keys`` reads
@@ -672,34 +672,32 @@ class PageSpace:
 
     def free_rows(self, tables, rows: np.ndarray) -> None:
         """``CacheManager.free``'s release in one call (``lru.free_rows_listed``), the cells emptied logged
-        (``tables.note_cells``: a view of ``cells_out``, written afresh while a log that may hold the last one
-        waits for a step). The keyed pages left idle are listed (in ``idle_listed``, room for every page once a
-        pool has a ranker) only for the rankers."""
-        first_tick = 0
-        if self.ranked:
-            first_tick = int(_IDLE_CLOCK[0]) + 1
-            if self.idle_listed.size < self.ref_counts.size:
-                self.idle_listed = np.empty(self.ref_counts.size, dtype=np.int64)
-        if tables.log:
-            self.cells_out = np.empty_like(self.cells_out)
-        args = self._free_args  # kept while its arrays are the ones to pass (a table store that grew has new ones)
-        if args[1] is not tables.pages or args[2] is not tables.bounds or args[12] is not rows \
-                or args[14] is not self.idle_listed or args[15] is not self.cells_out:
-            args = self._free_args = self._free_call(tables, rows)
+        (``tables.note_cells``): into ``cells_out[0]``, logged as they lie, when the log is empty; else (it may
+        hold them from the last free) into ``cells_out[1]``, copied. The rankers read the keyed pages left idle
+        where the kernel lists them, in its scratch."""
+        first_tick = int(_IDLE_CLOCK[0]) + 1 if self.ranked else 0
+        copy = 1 if tables.log else 0
+        args = self._free_args[copy]  # kept while its arrays are the ones to pass (a grown table store has new ones)
+        if args[1] is not tables.pages or args[2] is not tables.bounds or args[12] is not rows:
+            args = self._free_args[copy] = self._free_call(tables, rows, copy)
         n = self._free_rows_entry(*args)
+        cells, work = args[13:]
         if tables.log is not None:
-            tables.note_cells(self.cells_out[:n])
+            tables.note_cells(cells[:n].copy() if copy else cells[:n])
         if self.ranked:
-            self._tell_rankers(self.idle_counts, self.idle_listed, first_tick)
+            g = len(self.pools)
+            self._tell_rankers(work[g : 2 * g], work[3 * g + 2 * cells.size :], first_tick)
 
-    def _free_call(self, tables, rows: np.ndarray) -> tuple:
-        """:meth:`free_rows`' kernel arguments, ``cells_out`` and its scratch with room for every cell of ``rows``;
-        the kernel's compiled code (``kernels.entry_point``) loaded at the first call."""
-        if self.cells_out.size < rows.size * tables.row_cells:
-            self.cells_out = np.empty(rows.size * tables.row_cells, dtype=np.int64)
-            self._free_work = np.empty(3 * (len(self.pools) + self.cells_out.size), dtype=np.int64)
-        args = (tables.geometry, tables.pages, tables.bounds, *self._free_rows_args, rows, self.idle_counts,
-                self.idle_listed, self.cells_out, self._free_work)
+    def _free_call(self, tables, rows: np.ndarray, copy: int) -> tuple:
+        """:meth:`free_rows`' kernel arguments with ``cells_out[copy]``, it and the scratch with room for every cell
+        of ``rows``; the kernel's compiled code (``kernels.entry_point``) loaded at the first call."""
+        room = rows.size * tables.row_cells
+        if self.cells_out[copy].size < room:
+            self.cells_out[copy] = np.empty(room, dtype=np.int64)
+        if self._free_work.size < 3 * (len(self.pools) + room):
+            self._free_work = np.empty(3 * (len(self.pools) + room), dtype=np.int64)
+        args = (tables.geometry, tables.pages, tables.bounds, *self._free_rows_args, rows, self.cells_out[copy],
+                self._free_work)
         if self._free_rows_entry is None:  # the types every call passes: no type dispatch a call
             self._free_rows_entry = kernels.entry_point(lru.free_rows_listed, args)
         return args
