@@ -1350,7 +1350,8 @@ def test_multi_block_commits_emit_the_documented_stored_events_in_order(policy):
 
 def test_a_hits_borrow_with_a_free_page_is_refused_whole():
     """``lru.borrow_row`` (a hit's holds, LRU leave and placement, one compiled call) is
-    refused whole when a listed page is free: it names the page and changes no reference
+    refused whole when a listed page is free (it names the page) or the hit places another
+    number of pages than listed: it changes no reference
     count, LRU link or table cell; with the cached pages alone it holds them once each and
     takes them out of the LRU."""
     from hybridkv.memory import lru
@@ -1363,13 +1364,14 @@ def test_a_hits_borrow_with_a_free_page_is_refused_whole():
     pool, ts = mgr.pools[C4KV], mgr.tables[C4KV].table_set
     space, g = pool.space, mgr.tables[C4KV].group_index
     cached, free = pool.evictable_page_ids()[:2], pool.free_page_ids()[:1]
-    counts, lo = np.zeros(len(ts.tables), dtype=np.int64), np.zeros(len(ts.tables), dtype=np.int64)
+    windows = np.zeros(len(ts.tables), dtype=np.int64)  # no page below the hit but C4KV's (-1: all of them)
+    windows[g] = -1
 
-    def borrow(pages):
-        counts[g] = pages.size
+    def borrow(pages, placed=None):  # ``placed``: how many pages the hit places, if not as many as listed
+        hit_tokens = (pages.size if placed is None else placed) * mgr.tables[C4KV].page_tokens
         return lru.borrow_row(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.low_priority,
-                              space.lru_prev, space.lru_next, space.per_group, 0, lo, counts,
-                              pages.astype(np.int64), np.empty(counts.size + pages.size, dtype=np.int64))
+                              space.lru_prev, space.lru_next, space.per_group, 0, hit_tokens, windows,
+                              pages.astype(np.int64), np.empty(3 * windows.size + pages.size, dtype=np.int64))
 
     def state():
         return [a.tolist() for a in (space.ref_counts, space.lru_prev, space.lru_next, space.lru_lengths,
@@ -1377,6 +1379,8 @@ def test_a_hits_borrow_with_a_free_page_is_refused_whole():
 
     before = state()
     assert borrow(np.concatenate([cached, free])) == -1 - 2  # the free page, third listed
+    assert state() == before
+    assert borrow(cached, placed=3) == -1 - 2  # a page fewer listed than the hit places: refused whole
     assert state() == before
     assert borrow(cached) == 2
     assert pool.ref_counts[cached].tolist() == [1, 1] and not set(cached) & set(pool.evictable_page_ids())

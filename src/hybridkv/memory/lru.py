@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from hybridkv.runtime.kernels import (ID_OFFSET, LOW_FLOOR, LOW_IDLE_PAGES, LOWEST, LRU_PAGES, RELEASED_PAGES, TOP,
-                                      add_held, drop_holds, first_out_of_range, free_rows, note_peaks, place_row,
-                                      push_free, push_run, take_holds)
+from hybridkv.runtime.kernels import (ID_OFFSET, LOW_FLOOR, LOW_IDLE_PAGES, LOWEST, LRU_PAGES, PAGE_TOKENS,
+                                      RELEASED_PAGES, TOP, add_held, drop_holds, first_out_of_range, free_rows,
+                                      note_peaks, place_row, push_free, push_run, take_holds)
 
 
 @njit(cache=True, inline="always")
@@ -233,14 +233,26 @@ def drop_units(listed, ref, keyed, low_priority, lru_prev, lru_next, stack, offs
 
 
 @njit(cache=True, _nrt=False)
-def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, prev, nxt, per_group, row, lo, counts, page_ids,
-               work):
-    """A new row's prefix hit in one call: ``kernels.take_holds`` of ``page_ids`` (idle ones leave their list,
-    peaks follow), then ``kernels.place_row``, each page's ring-view cell written over it in ``page_ids``.
-    Returns how many were idle (``-1 - i``, nothing changed, when page ``i`` is free). ``work`` (int64, one per
-    group and per page): its scratch; it allocates nothing, counts no reference (``_nrt=False``)."""
-    offsets = geometry[:, ID_OFFSET]
-    idle_counts, idle = work[: offsets.size], work[offsets.size : offsets.size + page_ids.size]
+def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, prev, nxt, per_group, row, hit_tokens, windows,
+               page_ids, work):
+    """A new row's prefix hit at ``hit_tokens`` in one call: group ``g`` places its pages of the last ``windows[g]``
+    tokens below the hit (-1: every page from the first), ``page_ids`` listing them group after group;
+    ``kernels.take_holds`` of them (idle ones leave their list, peaks follow), then ``kernels.place_row``, each
+    page's ring-view cell written over it in ``page_ids``. Returns how many were idle (``-1 - i``, nothing changed,
+    when page ``i`` is free; ``-1 - page_ids.size`` when the groups place another number of pages). ``work``
+    (int64, three per group and one per page): its scratch; it allocates nothing, counts no reference
+    (``_nrt=False``)."""
+    n_groups = geometry.shape[0]
+    lo, counts, idle_counts = work[:n_groups], work[n_groups : 2 * n_groups], work[2 * n_groups : 3 * n_groups]
+    total = 0
+    for g in range(n_groups):
+        page_tokens = geometry[g, PAGE_TOKENS]
+        lo[g] = 0 if windows[g] < 0 else max(0, hit_tokens - windows[g]) // page_tokens
+        counts[g] = hit_tokens // page_tokens - lo[g]
+        total += counts[g]
+    if total != page_ids.size:
+        return -1 - page_ids.size
+    offsets, idle = geometry[:, ID_OFFSET], work[3 * n_groups : 3 * n_groups + page_ids.size]
     n_idle = take_holds(ref, keyed, low_priority, per_group[LOW_IDLE_PAGES], offsets, counts, page_ids, idle,
                         idle_counts)
     if n_idle >= 0:

@@ -264,17 +264,16 @@ class PrefixCache:
         self._spec_ids = [s.group_id for s in self.specs]
         self._reach_index = [matched.index(gid) if gid in matched else len(matched) for gid in self._spec_ids]
         in_table_order = [s for _, s in sorted(zip(self._group_index, self.specs), key=itemgetter(0))]
-        # Per group, by table index: its page tokens and checkpoint window (None: history).
-        self._placement = [(s.page_tokens, self._windows[s.group_id] if s.is_sliding else None)
-                           for s in in_table_order]
+        # Per group, by table index, the trailing tokens below a hit it places (-1: history, every page).
+        self._hit_windows = np.array([self._windows[s.group_id] if s.is_sliding else -1 for s in in_table_order],
+                                     dtype=np.int64)
         # The groups whose entries a hit places: (every block, else the checkpoint; index in its id list).
         self._picks = [(True, self.history_ids.index(s.group_id)) if not s.is_sliding
                        else (False, self.state_ids.index(s.group_id))
                        for s in in_table_order if s.group_id in matched]
-        self._spans_at: dict[int, tuple] = {}  # hit tokens -> what _hit_spans returns (set by the geometry alone)
         self._borrow: Callable[..., int] | None = None  # ``_load_borrow``'s, from the first hit
-        # Its scratch (``lru.borrow_row``'s ``work``): one per group and per page a row holds at most.
-        self._borrow_work = np.empty(len(self.specs) + self._table_set.row_cells, dtype=np.int64)
+        # Its scratch (``lru.borrow_row``'s ``work``): three per group and one per page a row holds at most.
+        self._borrow_work = np.empty(3 * len(self.specs) + self._table_set.row_cells, dtype=np.int64)
         self._spec_stats = list(zip(self._spec_ids, self._reach_index, (self.stats[gid] for gid in self._spec_ids)))
 
     def _init_eviction(self, eviction_policy: str) -> None:
@@ -420,14 +419,13 @@ class PrefixCache:
                     listed += entry
             else:
                 listed += at_hit[i]
-        first_pages, counts, total = self._spans_at.get(d) or self._hit_spans(d)
         page_ids = np.array(listed, dtype=np.int64)
-        assert page_ids.size == total, (page_ids.size, counts)  # what the compiled call reads
         tables = self._table_set
-        args = (tables.geometry, tables.pages, tables.bounds, *self._borrow_space, req.row, first_pages, counts,
+        args = (tables.geometry, tables.pages, tables.bounds, *self._borrow_space, req.row, d, self._hit_windows,
                 page_ids, self._borrow_work)
         n_idle = (self._borrow or self._load_borrow(args))(*args)
         if n_idle < 0:
+            assert n_idle != -1 - page_ids.size, (page_ids.size, d)  # the groups place as many pages as listed
             raise ValueError(f"page {int(page_ids[-1 - n_idle])} is free, cannot be borrowed")
         tables.note_cells(page_ids)  # now the ring-view cells the hit wrote
         # The checkpoint at the hit becomes the request's own (every state group holds it).
@@ -445,19 +443,6 @@ class PrefixCache:
         ``kernels.entry_point``, no type dispatch a call), loaded at the first hit."""
         self._borrow = entry_point(lru.borrow_row, args)
         return self._borrow
-
-    def _hit_spans(self, hit_tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
-        """Per group, by table index, the first logical page a hit at ``hit_tokens`` places and how many, and
-        their total; read-only, once per hit length."""
-        spans = self._spans_at.get(hit_tokens)
-        if spans is None:
-            first = [0 if window is None else max(0, hit_tokens - window) // page_tokens
-                     for page_tokens, window in self._placement]
-            counts = [hit_tokens // page_tokens - lo for (page_tokens, _), lo in zip(self._placement, first)]
-            arrays = np.array([first, counts], dtype=np.int64)
-            arrays.flags.writeable = False
-            spans = self._spans_at[hit_tokens] = (arrays[0], arrays[1], sum(counts))
-        return spans
 
     # --- publication -------------------------------------------------------------
     def commit_requests(self, reqs: Sequence[CommittingRequest], old_tokens: Sequence[int],
