@@ -521,9 +521,9 @@ def _drop_keys(drop: Callable, arrays: tuple, pops: list, keys: Sequence[Hashabl
                 listed += (slot, len(pages), *pages)
                 gone.append(gid)
         left.append(gone)
-    told = np.empty(len(listed) // 2, dtype=np.int64)  # an entry lists 2 numbers at least
+    told = np.empty(4 * len(listed), dtype=np.int64)  # an entry lists 2 numbers at least; the rest: scratch
     drop(np.array(listed, dtype=np.int64), *arrays, told)
-    told = told.tolist()
+    told = told[:len(listed) // 2].tolist()
     low_cause, first, at, removals = EVICTED_LOW if cause == EVICTED else cause, pops and pops[0][2], 0, []
     for key, gone in zip(reversed(keys), left):  # the first pool's entry comes first in ``gone``
         if gone and gone[0] == first:
@@ -657,8 +657,8 @@ class PageSpace:
     def drop_listed(self, listed: list[int]) -> None:
         """What :meth:`drop_units` does to the pages of entries popped already (``listed``: each its pool's index,
         page count and pages, each pool's last entry first), in one compiled pass (``lru.drop_units``)."""
-        if len(listed) // 2 > self._told.size:  # an entry lists 2 numbers at least
-            self._told = np.empty(len(listed), dtype=np.int64)
+        if 4 * len(listed) > self._told.size:  # ``lru.drop_units``' scratch
+            self._told = np.empty(8 * len(listed), dtype=np.int64)
         self._drop_units(np.array(listed, dtype=np.int64), *self._drop_arrays, self._told)  # ``told``: not read here
 
     def keyed_idle(self, per_group: np.ndarray, keyed: np.ndarray) -> None:
