@@ -193,6 +193,16 @@ def commit_units(geometry, pages, bounds, history, state, units, out, claimed, p
     return -1 - n
 
 
+@njit(cache=True, _nrt=False)
+def commit_block(geometry, pages, bounds, history, state, units, out, claimed, places, ref, keyed, low_flags, limits,
+                 row, first_block, end_tokens):
+    """``commit_units`` of one commit (``CommitPages.read_block``'s: one boundary, no ``low``): block
+    ``first_block`` of ``row`` and its checkpoint at ``end_tokens``, written into ``units`` here."""
+    units[1], units[2], units[3], units[5] = row, first_block, first_block + 1, end_tokens
+    return commit_units(geometry, pages, bounds, history, state, units, out, claimed, places, ref, keyed, low_flags,
+                        limits)
+
+
 @njit(cache=True, inline="always")
 def _unit_entries(units, at, j, n_history):
     """How many entries group ``j`` has in the unit at ``units[at]``: its blocks, or its boundaries."""
