@@ -178,6 +178,8 @@ def commit_units(geometry, pages, bounds, history, state, units, out, claimed, p
         place[j] = start[j]
     at, u, n_claimed = 1, 0, 0
     while at < units.size:
+        for j in range(n_groups):  # where the unit's pages start (a loop: a slice copy may allocate, an overlap's)
+            mark[j] = place[j]
         claimed[u] = _claim_unit(geometry, pages, bounds, history, state, units, at, low, out, place, mark, ref,
                                  keyed, low_flags, limits)
         n_claimed += claimed[u]
@@ -228,10 +230,8 @@ def _claim_unit(geometry, pages, bounds, history, state, units, at, low, out, pl
                 limits):
     """Key every page of the unit at ``units[at]`` (``commit_units``'s), group ``j``'s pages
     into ``out`` from ``place[j]`` (moved on; its windows before the latest flagged low where
-    ``low`` is 2), and return 1; or return 0 with nothing changed."""
+    ``low`` is 2; ``mark[j]``: where they start), and return 1; or return 0 with nothing changed."""
     row, n_history, n_groups, good = units[at], history.shape[0], history.shape[0] + state.shape[0], True
-    for j in range(n_groups):
-        mark[j] = place[j]  # a loop: a slice copy may allocate (an overlap's)
     for j in range(n_groups):
         for e in range(_unit_entries(units, at, j, n_history) if good else 0):
             g, lo, n = _unit_span(geometry, history, state, units, at, j, e)
