@@ -1,6 +1,8 @@
 """The table store and the step kernels' table work: release point, page needs,
 write slots and kernel tables (worked by hand)."""
 
+from types import SimpleNamespace
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -339,6 +341,29 @@ def test_commit_pages_reads_what_row_pages_reads(row, blocks, live_pages, data):
             expected.extend(table.row_pages(row, lo, hi) if expected_live[-1] else [None] * (hi - lo))
     assert live == expected_live and len(pages) == len(expected)
     assert [p for p, e in zip(pages, expected) if e is not None] == [e for e in expected if e is not None]
+
+
+def test_read_block_claims_what_read_reads_before_and_after_the_store_grows():
+    """``CommitPages.read_block`` (a block and its checkpoint claimed in one compiled call, the call's arguments
+    kept) gives the pages ``read`` gives (the reference) and keys them, a second claim of them None; again once
+    the table store grew (new page and bound arrays, the block's pages placed in them alone)."""
+    ts = TableSet([C4, SWA_4_8, SWA_4_4], max_context_tokens=2048, max_step_tokens=64, initial_rows=1)
+    c4, swa8, swa4 = ts.tables
+    space = SimpleNamespace(ref_counts=np.ones(4096, np.int32), cached=np.zeros(4096, np.bool_),
+                            low_priority=np.zeros(4096, np.bool_), pools=[SimpleNamespace(num_pages=4096)] * 3)
+    reader = CommitPages([(c4, 1)], [(swa8, 8), (swa4, 4)], space)
+    for blocks, shift in ((2, 0), (3, 300)):
+        place(ts, 0, ROW0, np.array([0]), np.array([blocks]), np.arange(1, blocks + 1) + shift)
+        c4.hi[0], end_pages = blocks, blocks * 64  # a 256-token block is 64 four-token pages
+        for g, table in enumerate((swa8, swa4)):
+            place(ts, g + 1, ROW0, np.array([end_pages - 2]), np.array([2]),
+                  np.arange(end_pages - 2, end_pages) + 1000 * (g + 1) + shift)
+            table.base[0], table.hi[0] = end_pages - 2, end_pages
+        expected, status = reader.read(0, blocks - 1, blocks, [256 * blocks])
+        assert status == [1, 1, 1]
+        assert reader.read_block(0, blocks - 1, 256 * blocks) == expected
+        assert space.cached[expected].all() and reader.read_block(0, blocks - 1, 256 * blocks) is None
+        ts.ensure_rows(4)
 
 
 def test_place_row_is_place_of_each_group_then_its_live_pages():

@@ -144,10 +144,10 @@ def move(prev, nxt, pages, to_front):
             append(prev, nxt, 0, pages[i])
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def demote_unit(listed, low_priority, prev, nxt, offsets, low_floors, low_idle):
     """``PagePool.demote`` of entries of some groups (``PageSpace.demote``): ``listed`` holds,
-    entry after entry, its group, its page count and its local ids."""
+    entry after entry, its group, its page count and its local ids. It allocates nothing, counts no reference."""
     at = 0
     while at < listed.size:
         g, end, n_idle = listed[at], at + 2 + listed[at + 1], 0
@@ -189,15 +189,17 @@ def oldest_normal_tick(nxt, low_priority, idle_tick):
     return -1 if oldest == none else oldest
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def drop_units(listed, ref, keyed, low_priority, lru_prev, lru_next, stack, offsets, per_group, idle, told):
     """Entries leaving the groups of a page space (``PageSpace.drop_units``, ``PagePool.drop_entries``): ``listed``
     holds, entry after entry, its group, its page count and its local ids, each group's entries last to first. Every
     page loses its key and low priority; the idle ones (no holder) leave their group's LRU and go onto its free stack
     in listed order, one run a group (``push_run``: as one entry after another would leave it); ``per_group``'s LRU
     lengths, idle low-priority counts and tops follow. ``idle[g]`` gets group ``g``'s idle pages; ``told[e]``, of the
-    ``e``-th entry listed, ``2 * idle pages + low`` (low 1 if it was low priority: its first page's flag)."""
-    run, run_group = np.empty(listed.size, dtype=np.int64), np.empty(listed.size, dtype=np.int64)
+    ``e``-th entry listed, ``2 * idle pages + low`` (low 1 if it was low priority: its first page's flag). ``told``
+    (``4 * listed.size`` at least) is its scratch past ``listed.size``: it allocates nothing, counts no reference."""
+    size = listed.size
+    run, run_group, group_run = told[size:2 * size], told[2 * size:3 * size], told[3 * size:4 * size]
     n, at, e = 0, 0, 0
     idle[:] = 0
     while at < listed.size:
@@ -219,7 +221,6 @@ def drop_units(listed, ref, keyed, low_priority, lru_prev, lru_next, stack, offs
         told[e] = 2 * count + low
         e += 1
         at = end
-    group_run = np.empty(n, dtype=np.int64)
     for g in range(idle.size):
         if idle[g]:
             k = 0

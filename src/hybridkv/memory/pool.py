@@ -521,9 +521,9 @@ def _drop_keys(drop: Callable, arrays: tuple, pops: list, keys: Sequence[Hashabl
                 listed += (slot, len(pages), *pages)
                 gone.append(gid)
         left.append(gone)
-    told = np.empty(len(listed) // 2, dtype=np.int64)  # an entry lists 2 numbers at least
+    told = np.empty(4 * len(listed), dtype=np.int64)  # an entry lists 2 numbers at least; the rest: scratch
     drop(np.array(listed, dtype=np.int64), *arrays, told)
-    told = told.tolist()
+    told = told[:len(listed) // 2].tolist()
     low_cause, first, at, removals = EVICTED_LOW if cause == EVICTED else cause, pops and pops[0][2], 0, []
     for key, gone in zip(reversed(keys), left):  # the first pool's entry comes first in ``gone``
         if gone and gone[0] == first:
@@ -553,9 +553,9 @@ class PageSpace:
         self.skip_packing = self.per_group[kernels.SKIP_PACKING]
         self.ranked: list[int] = []  # the groups whose pool has a ranker (``PagePool.ranker`` keeps it)
         self.idle_counts = np.zeros(len(self.pools), dtype=np.int64)  # scratch of hold_outside and drop_units
-        self._demote_unit = kernels.entry_point(lru.demote_unit, (  # ``demote``'s kernel, its compiled code
-            _NO_PAGES, self.low_priority, self.lru_prev, self.lru_next, self.offsets, self.idle_low_floors,
-            self.low_idle))
+        self._demote_arrays = (self.low_priority, self.lru_prev, self.lru_next, self.offsets, self.idle_low_floors,
+                               self.low_idle)  # ``lru.demote_unit``'s arguments after ``listed``, and its compiled code
+        self._demote_unit = kernels.entry_point(lru.demote_unit, (_NO_PAGES, *self._demote_arrays))
         self._join = kernels.entry_point(lru.join, (  # ``keyed_idle``'s kernel, for any int64 counts and pages
             self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, self.lru_lengths, self.low_idle,
             self.idle_low_floors, self.offsets, _ANY_PAGES, _ANY_PAGES, _IDLE_CLOCK))
@@ -638,8 +638,7 @@ class PageSpace:
         page count, its pages) in turn, in one compiled call (``lru.demote_unit``: superseded
         checkpoints' units kept low; every page flagged low, the idle ones moved to the front
         of their LRU, entry after entry)."""
-        self._demote_unit(np.array(listed, dtype=np.int64), self.low_priority, self.lru_prev, self.lru_next,
-                          self.offsets, self.idle_low_floors, self.low_idle)
+        self._demote_unit(np.array(listed, dtype=np.int64), *self._demote_arrays)
 
     def drop_units(self, pools: Sequence[PagePool], keys: Sequence[Hashable],
                    cause: str = UNPUBLISHED) -> tuple[list[list[str]], list[int], list[tuple[Hashable, str, int]]]:
@@ -657,8 +656,8 @@ class PageSpace:
     def drop_listed(self, listed: list[int]) -> None:
         """What :meth:`drop_units` does to the pages of entries popped already (``listed``: each its pool's index,
         page count and pages, each pool's last entry first), in one compiled pass (``lru.drop_units``)."""
-        if len(listed) // 2 > self._told.size:  # an entry lists 2 numbers at least
-            self._told = np.empty(len(listed), dtype=np.int64)
+        if 4 * len(listed) > self._told.size:  # ``lru.drop_units``' scratch
+            self._told = np.empty(8 * len(listed), dtype=np.int64)
         self._drop_units(np.array(listed, dtype=np.int64), *self._drop_arrays, self._told)  # ``told``: not read here
 
     def keyed_idle(self, per_group: np.ndarray, keyed: np.ndarray) -> None:

@@ -148,7 +148,7 @@ def commit_pages(geometry, pages, bounds, history, state, row, first_block, end_
     return n
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def commit_units(geometry, pages, bounds, history, state, units, out, claimed, places, ref, keyed, low_flags,
                  limits):
     """The pages of commits, each claimed whole or not at all, in one pass. ``units`` holds
@@ -162,7 +162,8 @@ def commit_units(geometry, pages, bounds, history, state, units, out, claimed, p
     claimed ones' pages group by group (each group's commit by commit, entry by entry), a
     window before the latest flagged low where ``low`` is 2 (``places``: scratch, ``3 *
     groups + 1``). Returns how many pages it wrote, ``-1 - n`` where some commit was not
-    claimed."""
+    claimed. It allocates nothing, so it runs without reference counting (``_nrt=False``: its 13 arrays come in
+    without a MemInfo each)."""
     n_groups, n_history, low = history.shape[0] + state.shape[0], history.shape[0], units[0]
     start, place, mark = places[:n_groups + 1], places[n_groups + 1:2 * n_groups + 1], places[2 * n_groups + 1:]
     start[:] = 0
@@ -177,6 +178,8 @@ def commit_units(geometry, pages, bounds, history, state, units, out, claimed, p
         place[j] = start[j]
     at, u, n_claimed = 1, 0, 0
     while at < units.size:
+        for j in range(n_groups):  # where the unit's pages start (a loop: a slice copy may allocate, an overlap's)
+            mark[j] = place[j]
         claimed[u] = _claim_unit(geometry, pages, bounds, history, state, units, at, low, out, place, mark, ref,
                                  keyed, low_flags, limits)
         n_claimed += claimed[u]
@@ -190,6 +193,16 @@ def commit_units(geometry, pages, bounds, history, state, units, out, claimed, p
             out[n] = out[i]
             n += 1
     return -1 - n
+
+
+@njit(cache=True, _nrt=False)
+def commit_block(geometry, pages, bounds, history, state, units, out, claimed, places, ref, keyed, low_flags, limits,
+                 row, first_block, end_tokens):
+    """``commit_units`` of one commit (``CommitPages.read_block``'s: one boundary, no ``low``): block
+    ``first_block`` of ``row`` and its checkpoint at ``end_tokens``, written into ``units`` here."""
+    units[1], units[2], units[3], units[5] = row, first_block, first_block + 1, end_tokens
+    return commit_units(geometry, pages, bounds, history, state, units, out, claimed, places, ref, keyed, low_flags,
+                        limits)
 
 
 @njit(cache=True, inline="always")
@@ -217,9 +230,8 @@ def _claim_unit(geometry, pages, bounds, history, state, units, at, low, out, pl
                 limits):
     """Key every page of the unit at ``units[at]`` (``commit_units``'s), group ``j``'s pages
     into ``out`` from ``place[j]`` (moved on; its windows before the latest flagged low where
-    ``low`` is 2), and return 1; or return 0 with nothing changed."""
+    ``low`` is 2; ``mark[j]``: where they start), and return 1; or return 0 with nothing changed."""
     row, n_history, n_groups, good = units[at], history.shape[0], history.shape[0] + state.shape[0], True
-    mark[:n_groups] = place[:n_groups]
     for j in range(n_groups):
         for e in range(_unit_entries(units, at, j, n_history) if good else 0):
             g, lo, n = _unit_span(geometry, history, state, units, at, j, e)

@@ -292,11 +292,16 @@ class CommitPages:
         self._out = np.empty(max(64, 2 * self._unit_pages), dtype=np.int64)  # room for ``read_block``'s
         self._commit_units = kernels.commit_units  # ``read_units``' kernel; its compiled code once tables are known
         self._block = np.array([1, 0, 0, 0, 1, 0], dtype=np.int64)  # ``read_block``'s ``units``
+        self._block_out = np.empty(max(64, 2 * self._unit_pages), dtype=np.int64)  # ``read_block``'s (never grown)
+        self._block_pages = self._block_out[:self._unit_pages]  # a block's and its checkpoint's every window whole
+        self._block_args = (None,) * 3  # ``read_block``'s kernel arguments, kept while the store's arrays are these
+        self._commit_block = kernels.commit_block
         if self._set is not None:
             ts = self._set
             self._commit_units = kernels.entry_point(kernels.commit_units, (
                 ts.geometry, ts.pages, ts.bounds, self._history, self._state, self._places, self._out, self._claimed,
                 self._places, *self._claim_in))
+            self._commit_block = kernels.entry_point(kernels.commit_block, (*self._block_call(), 0, 0, 0))
 
     def read(self, row: int, first_block: int, end_block: int, boundaries: list[int],
              want: list[int] | np.ndarray = ()) -> tuple[list[int], list[int]]:
@@ -329,12 +334,19 @@ class CommitPages:
         """:meth:`read_units` of one commit of block ``first_block`` and its checkpoint (at its
         end, ``end_tokens``; no window before it, so no ``low``), from a space: its pages, or None
         where it was not claimed."""
-        ts, units = self._set, self._block
-        units[1], units[2], units[3], units[5] = row, first_block, first_block + 1, end_tokens
-        ref, keyed, low_flags, limits = self._claim_in
-        n = self._commit_units(ts.geometry, ts.pages, ts.bounds, self._history, self._state, units, self._out,
-                               self._claimed, self._places, ref, keyed, low_flags, limits)
-        return self._out[:n].tolist() if n >= 0 else None
+        args, ts = self._block_args, self._set
+        if args[1] is not ts.pages or args[2] is not ts.bounds:  # a grown table store has new ones
+            args = self._block_args = self._block_call()
+        n = self._commit_block(*args, row, first_block, end_tokens)
+        if n == self._unit_pages:  # every window whole (most often): no slice made
+            return self._block_pages.tolist()
+        return self._block_out[:n].tolist() if n >= 0 else None
+
+    def _block_call(self) -> tuple:
+        """:meth:`read_block`'s kernel arguments but the commit's (``kernels.commit_block``'s), its own ``out``."""
+        ts = self._set
+        return (ts.geometry, ts.pages, ts.bounds, self._history, self._state, self._block, self._block_out,
+                np.empty(1, dtype=np.int8), self._places, *self._claim_in)
 
     def read_units(self, units: list[int], n_units: int, n_blocks: int) -> tuple[list[int], list[int] | None]:
         """``n_units`` commits (``n_blocks`` blocks in all) each claimed whole or not at all, in one compiled call
