@@ -1058,17 +1058,22 @@ class CacheManager:
         if grants is None:
             status, n_touched, n_keyed = self._run_entry(*args, False, n_logged, *cells, *out)
         else:  # ``grant_step`` stops only when groups make room, marked already
-            arena = self.arena.grant_args
-            scratch = kernels.grant_scratch(grants, arena, len(self.specs))
-            status, n_touched, n_keyed = self._grant_entry(grants, scratch, arena, *args, n_logged, *cells, *out)
-            if status < 0:
-                raise AssertionError("a slab granted is not spare")
+            status, n_touched, n_keyed = self._grant_run(grants, *args, n_logged, *cells, *out)
         if status != kernels.STEP_DONE:
             n_touched = self._after_plan_run(n_touched, n_keyed, planned, out, cells, grants is not None)
         elif n_keyed:  # done whole (the kernel noted the peaks): idle keyed pages join their LRUs
             self._space.keyed_idle(sc.released[1], sc.idle_keyed)
         self._last_rows = rows_in
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
+
+    def _grant_run(self, grants: np.ndarray, *args: Any) -> tuple[int, int, int]:
+        """``kernels.grant_step`` (its compiled code) granting the spare slabs ``grants``, with its scratch;
+        ``args``: its arguments after the arena's (the step's state, the plan, cells logged, outputs). Its answer."""
+        arena = self.arena.grant_args
+        found = self._grant_entry(grants, kernels.grant_scratch(grants, arena, len(self.specs)), arena, *args)
+        if found[0] < 0:
+            raise AssertionError("a slab granted is not spare")
+        return found
 
     def _direct_grants(self, status: int, planned: tuple, n_spare: int | None) -> tuple[Any, int | None]:
         """How ``_planned_step`` (or ``_step``, a ``STEP_SPARE`` plan) may run a plan that
@@ -1178,11 +1183,7 @@ class CacheManager:
             status, n_touched, n_keyed = kernels.run_step(*state, bool(plan.grants), n_logged, *cells, *out)
         else:  # spare slabs alone: granted in the kernel, after the releases
             plan.grants = []
-            arena = self.arena.grant_args
-            scratch = kernels.grant_scratch(grants, arena, len(self.specs))
-            status, n_touched, n_keyed = self._grant_entry(grants, scratch, arena, *state, n_logged, *cells, *out)
-            if status < 0:
-                raise AssertionError("a slab granted is not spare")
+            status, n_touched, n_keyed = self._grant_run(grants, *state, n_logged, *cells, *out)
         if status != kernels.STEP_DONE:  # ``grant_step`` stops only when groups make room, marked already
             n_touched = self._after_run(n_touched, n_keyed, plan, out, cells, grants is not None)
         elif n_keyed:  # all ``_after_run`` does after a step done whole (the kernel noted the peaks)
