@@ -1028,10 +1028,12 @@ class CacheManager:
         plan = self._plan_of(*planned)
         plan.request_ids, plan.cells = rids, cells
         plan.arrays = out  # for ``_run``, once admitted
-        if plan.clean or (status == kernels.STEP_COVERED and self._evictable_cover(plan.sums[1])):
-            plan.grants = []
-        elif not self._admit_spare(plan, n_spare):
-            return plan
+        if grants is not False or plan.clean:  # the buffers must grow first (``_run`` grows them)
+            plan.grants, plan.spare_grants = [], None if grants is False else grants
+        elif n_spare is not None and n_spare > 0:  # spare slabs, which ``Arena.apply`` moves
+            plan.grants = self.arena.spare_grants(n_spare)
+        else:
+            return plan  # ``_admit`` decides
         return self._commit_and_run(plan, write_slots, updates, False)
 
     def _run_planned(self, grants: np.ndarray | None, planned: tuple, rids: tuple, cells: tuple, out: _StepArrays,
@@ -1084,7 +1086,9 @@ class CacheManager:
         n, _, n_crossing, clean = planned
         if clean:
             return None if n_crossing else False, n_spare
-        if status == kernels.STEP_COVERED and self._evictable_cover(self._scratch.plan[5][1]):
+        if status == kernels.STEP_COVERED and (self.arena is None or all(  # ``_admit`` grants no slab then
+                n <= p.num_free_pages for n, p in zip(self._scratch.plan[5][1].tolist(), self._pool_list)
+                if n > p.num_clean_free_pages)):
             return None, n_spare
         if self.arena is None:
             return False, n_spare
@@ -1125,21 +1129,6 @@ class CacheManager:
         if n_logged:
             self._tableset.log.insert(0, self._scratch.touched[:n_logged].copy())
 
-    def _admit_spare(self, plan: _StepPlan, n: int | None = None) -> bool:
-        """``kernels.admit_spare`` (``n``: its answer, if given) on an arena: True (``plan.grants`` set) when
-        spare slabs alone, or none, admit the plan; False: ``_admit`` decides."""
-        arena = self.arena
-        if arena is None:
-            return False
-        if n is None:
-            n = self._admit_entry(*self._admit_args(plan.rows.size))
-        if n < 0:
-            return False
-        written = arena.spare_written  # a copy of its first ``n`` (the scratch is the arena's)
-        plan.spare_grants = written[:, :n].copy() if n and written is not None else None
-        plan.grants = arena.spare_grants(n) if n and plan.spare_grants is None else []
-        return True
-
     def _admit_args(self, n_rows: int) -> tuple:
         """``kernels.admit_spare``'s arguments for the plan of ``n_rows`` rows in the scratch buffer."""
         ts, space = self._tableset, self._space
@@ -1159,11 +1148,6 @@ class CacheManager:
             return made
         room = max(2 * len(self.specs) * n_rows + 16, n_cells)
         return np.empty((3, room), _INT64), np.empty(room, _INT32)
-
-    def _evictable_cover(self, allocated: np.ndarray) -> bool:
-        """Whether ``_admit`` would admit a covered step granting no slab."""
-        pools = zip(allocated.tolist(), self._pool_list)
-        return self.arena is None or all(n <= p.num_free_pages for n, p in pools if n > p.num_clean_free_pages)
 
     def _run(self, plan: _StepPlan, write_slots: bool, cells: tuple = _NO_CELLS,
              n_logged: int = 0) -> tuple[_StepArrays, int]:
