@@ -433,18 +433,26 @@ class CacheManager:
 
     def _prompt_buffer(self, who: str, prompt_token_ids: Any, prompt_tokens: Any,
                        max_new_tokens: Any) -> tuple[np.ndarray | None, int, int]:
-        """The token buffer (None without ids), the prompt's length and the total tokens, checked."""
-        ids, prompt_len = _checked_prompt(who, prompt_token_ids, prompt_tokens)
+        """The token buffer (None without ids), the prompt's length and the total tokens, checked (``who`` names
+        the prompt in errors)."""
+        if prompt_token_ids is None and prompt_tokens is None:
+            raise CacheManagerError("give prompt_token_ids or prompt_tokens")
+        ids = None if prompt_token_ids is None else _token_array(prompt_token_ids)
+        prompt_len = ids.size if prompt_tokens is None else _nonneg_int("prompt_tokens", prompt_tokens)
+        if ids is not None and prompt_len != ids.size:
+            raise CacheManagerError(f"prompt_tokens={prompt_tokens} disagrees with {ids.size} prompt token ids")
+        if prompt_len < 1:
+            raise CacheManagerError(f"{who}: the prompt must have at least one token")
         max_new = _nonneg_int("max_new_tokens", max_new_tokens)
         total = prompt_len + max_new
         if total > self.max_context_tokens:
             raise CacheManagerError(
                 f"{who}: prompt {prompt_len} + max_new_tokens {max_new} = {total} tokens "
                 f"exceeds the plan's max context of {self.max_context_tokens} tokens")
-        buf = None
-        if ids is not None:
-            buf = np.empty(max(total, 1), dtype=np.int32)
-            buf[: ids.size] = ids
+        if ids is None:
+            return None, prompt_len, total
+        buf = np.empty(total, dtype=np.int32)  # at least the prompt's one token
+        buf[: ids.size] = ids
         return buf, prompt_len, total
 
     def prepare_prompt(self, prompt_token_ids: Iterable[int] | np.ndarray, *, max_new_tokens: int = 0,
@@ -471,8 +479,7 @@ class CacheManager:
             raise CacheManagerError("this PreparedPrompt was made by another CacheManager")
         if prepared._request is None:
             raise CacheManagerError("this PreparedPrompt was already added (each is used once)")
-        if type(request_id) is not str or not request_id or request_id in self._requests:
-            self._check_new_id(request_id)  # words the error (a str subclass passes)
+        self._check_new_id(request_id)
         req, prepared._request = prepared._request, None
         req.request_id = request_id
         return req, prepared._prompt, prepared._address
@@ -483,9 +490,7 @@ class CacheManager:
         if ids is None:
             check_token_ids("token_ids", token_ids, CacheManagerError)
         self._version += 1  # invalidates a cached admission
-        req = self._requests.get(request_id) if type(request_id) is str else None
-        if req is None:
-            req = self._get(request_id)  # raises
+        req = self._get(request_id)
         if ids is None:
             ids = _token_array(token_ids)
         n = self._known.item(req.row)
@@ -1392,9 +1397,7 @@ class CacheManager:
     def free(self, request_id: str) -> None:
         """End a request: commit its last step to the prefix cache, release every page."""
         self._version += 1  # invalidates a cached admission
-        req = self._requests.get(request_id) if type(request_id) is str else None
-        if req is None:
-            req = self._get(request_id)  # raises
+        req = self._get(request_id)
         if self.tier_link is not None:
             self.tier_link.on_free(request_id)  # an unconfirmed load is rewound, not committed
         if self._load_spans:  # its load step's span (a rewound load's request has one)
@@ -1645,23 +1648,6 @@ def _small_token_list(token_ids: Any) -> list[int] | None:
         if type(t) is not int or not 0 <= t <= _MAX_TOKEN_ID:
             return None  # the array path words the error
     return list(token_ids)
-
-
-def _checked_prompt(who: str, prompt_token_ids: Any, prompt_tokens: Any) -> tuple[np.ndarray | None, int]:
-    """A new request's prompt ids (None without them) and length, checked (``who`` names it in errors)."""
-    ids = None
-    if prompt_token_ids is not None:
-        ids = _token_array(prompt_token_ids)
-        if prompt_tokens is not None and _nonneg_int("prompt_tokens", prompt_tokens) != ids.size:
-            raise CacheManagerError(f"prompt_tokens={prompt_tokens} disagrees with {ids.size} prompt token ids")
-        prompt_len = int(ids.size)
-    elif prompt_tokens is not None:
-        prompt_len = _nonneg_int("prompt_tokens", prompt_tokens)
-    else:
-        raise CacheManagerError("give prompt_token_ids or prompt_tokens")
-    if prompt_len < 1:
-        raise CacheManagerError(f"{who}: the prompt must have at least one token")
-    return ids, prompt_len
 
 
 def _token_matrix(token_ids: Any, n: int) -> np.ndarray:
