@@ -35,7 +35,6 @@ __all__ = ["Admission", "CacheManager", "CacheManagerError", "GroupStats", "Grou
 _BLOCK_TABLE_MODES = ("full", "updates")
 _HOLD_RANGE = "page ids must lie in [1, {n})"  # hold_pages' refusal of a page out of range
 _RELEASE_HELD = "releasing pages that hold_pages_by_group did not hold"
-_ABSENT = object()  # a group a pages-by-group mapping leaves out
 
 
 class CacheManagerError(ValueError):
@@ -1502,23 +1501,14 @@ class CacheManager:
                      ) -> tuple[np.ndarray, np.ndarray]:
         """Every group's pages as group-major local ids and counts per group; a group's value that is not page ids
         and an unknown group are refused (the latter after ``error`` for a page outside ``[lowest, num_pages)``)."""
-        local, sizes = [], []
-        for gid in self._group_ids:
-            pages = pages_by_group.get(gid, _ABSENT)
-            if pages is _ABSENT:
-                sizes.append(0)
-            else:
-                pages = _page_ids(gid, pages)
-                local.append(pages)
-                sizes.append(pages.size)
-        per_group, known = np.array(sizes, dtype=np.int64), len(local)
-        local = np.concatenate(local) if known > 1 else local[0] if local else np.zeros(0, dtype=np.int64)
-        if known < len(pages_by_group):  # a group the manager lacks
+        local = [_page_ids(gid, pages_by_group[gid]) if gid in pages_by_group else _NO_PAGES for gid in self._group_ids]
+        per_group, local = np.array([pages.size for pages in local], dtype=np.int64), np.concatenate(local)
+        unknown = [gid for gid in pages_by_group if gid not in self.pools]
+        if unknown:
             bad = kernels.first_out_of_range(local, per_group, self._space_limits, lowest)
             if bad < 0:
                 self._refuse_page(per_group, -1 - bad, error)
-            gid = next(gid for gid in pages_by_group if gid not in self.pools)
-            raise CacheManagerError(f"no group {gid!r}")
+            raise CacheManagerError(f"no group {unknown[0]!r}")
         return local, per_group
 
     def held_outside_pages(self, group_id: str) -> int:
