@@ -1216,7 +1216,6 @@ class CacheManager:
             self._spare_args = (self._window_pages, self._short, *self.arena.spare_args)
             self._spare_entry = kernels.entry_point(kernels.step_spare, (*args, *self._spare_args))
         self._plan(no_rows, no_rows, _COMPUTED)
-        kernels.distinct_rows(no_rows, self._in_batch)
         self._tableset.ring_view()
 
     def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan, out: _StepArrays,
