@@ -13,6 +13,8 @@ import pytest
 from hypothesis import event, given, settings
 
 from hybridkv.memory.arena import arena_geometry
+from hybridkv.models.layout import cache_layout
+from hybridkv.plan import Limits, plan_for_budget
 from hybridkv.runtime.manager import CacheManager, CacheManagerError
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables.mirror import BlockTableMirror
@@ -693,3 +695,40 @@ def test_a_bad_count_in_a_batch_of_many_is_refused_as_alone(bad, message):
     assert all(m.num_computed_tokens(rid) == 0 for rid in rids)
     batch = m.schedule([(rid, 1 + i % 2) for i, rid in enumerate(rids)])
     assert batch.num_scheduled_tokens.tolist() == [1 + i % 2 for i in range(200)]
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_steps_on_a_shuffled_arena_match_the_admitted_path(seed):
+    """On a shared arena whose pools' free stacks are shuffled (``shuffle_seed``: the arena moves spare slabs in
+    Python, not in the step kernel), prefill chunks and decode steps that ``schedule`` admits on its own equal the
+    same steps admitted first (``check_admission``, then ``schedule``): batches or refusals, entries, events, holds
+    and slab moves; requests join with shared prefixes and leave."""
+    plan = plan_for_budget(cache_layout("deepseek-v4-flash", indexer="fp8"), 3 * 2**29, Limits(8, 4096, 65536))
+    fast, admitted = (CacheManager.from_plan(plan, page_space="shared", shuffle_seed=seed, enable_prefix_caching=True,
+                                             prompt_checkpoints=True) for _ in range(2))
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(0, 1000, 1536).astype(np.int32) for _ in range(3)]
+    live = []
+    for step in range(150):
+        while len(live) < 8:
+            rid, tail = f"r{step}-{len(live)}", rng.integers(0, 1000, int(rng.integers(200, 3000))).astype(np.int32)
+            on_both((fast, admitted), "add_request", rid, np.concatenate([prefixes[len(live) % 3], tail]),
+                    max_new_tokens=600)
+            live.append(rid)
+        chunk = int(rng.choice([64, 256, 1024]))
+        items = [(rid, min(fast.known_token_ids(rid).size - fast.num_computed_tokens(rid), chunk)) for rid in live]
+        admitted.check_admission(items)
+        (a, b), refused = on_both((fast, admitted), "schedule", items)
+        if refused:
+            on_both((fast, admitted), "free", live.pop(0))
+            continue
+        same(a, b)
+        done = tuple(rid for rid in live if fast.known_token_ids(rid).size == fast.num_computed_tokens(rid))
+        if done:
+            on_both((fast, admitted), "append_token_ids_many", done, rng.integers(0, 1000, (len(done), 1)))
+        if step % 30 == 29:
+            on_both((fast, admitted), "free", live.pop(int(rng.integers(len(live)))))
+        same_cache(fast, admitted)
+        assert fast.arena.slab_moves == admitted.arena.slab_moves
+    assert fast.arena.slab_moves > 0
+    fast.check_invariants()

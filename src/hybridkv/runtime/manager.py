@@ -35,7 +35,6 @@ __all__ = ["Admission", "CacheManager", "CacheManagerError", "GroupStats", "Grou
 _BLOCK_TABLE_MODES = ("full", "updates")
 _HOLD_RANGE = "page ids must lie in [1, {n})"  # hold_pages' refusal of a page out of range
 _RELEASE_HELD = "releasing pages that hold_pages_by_group did not hold"
-_ABSENT = object()  # a group a pages-by-group mapping leaves out
 
 
 class CacheManagerError(ValueError):
@@ -433,18 +432,26 @@ class CacheManager:
 
     def _prompt_buffer(self, who: str, prompt_token_ids: Any, prompt_tokens: Any,
                        max_new_tokens: Any) -> tuple[np.ndarray | None, int, int]:
-        """The token buffer (None without ids), the prompt's length and the total tokens, checked."""
-        ids, prompt_len = _checked_prompt(who, prompt_token_ids, prompt_tokens)
+        """The token buffer (None without ids), the prompt's length and the total tokens, checked (``who`` names
+        the prompt in errors)."""
+        if prompt_token_ids is None and prompt_tokens is None:
+            raise CacheManagerError("give prompt_token_ids or prompt_tokens")
+        ids = None if prompt_token_ids is None else _token_array(prompt_token_ids)
+        prompt_len = ids.size if prompt_tokens is None else _nonneg_int("prompt_tokens", prompt_tokens)
+        if ids is not None and prompt_len != ids.size:
+            raise CacheManagerError(f"prompt_tokens={prompt_tokens} disagrees with {ids.size} prompt token ids")
+        if prompt_len < 1:
+            raise CacheManagerError(f"{who}: the prompt must have at least one token")
         max_new = _nonneg_int("max_new_tokens", max_new_tokens)
         total = prompt_len + max_new
         if total > self.max_context_tokens:
             raise CacheManagerError(
                 f"{who}: prompt {prompt_len} + max_new_tokens {max_new} = {total} tokens "
                 f"exceeds the plan's max context of {self.max_context_tokens} tokens")
-        buf = None
-        if ids is not None:
-            buf = np.empty(max(total, 1), dtype=np.int32)
-            buf[: ids.size] = ids
+        if ids is None:
+            return None, prompt_len, total
+        buf = np.empty(total, dtype=np.int32)  # at least the prompt's one token
+        buf[: ids.size] = ids
         return buf, prompt_len, total
 
     def prepare_prompt(self, prompt_token_ids: Iterable[int] | np.ndarray, *, max_new_tokens: int = 0,
@@ -471,8 +478,7 @@ class CacheManager:
             raise CacheManagerError("this PreparedPrompt was made by another CacheManager")
         if prepared._request is None:
             raise CacheManagerError("this PreparedPrompt was already added (each is used once)")
-        if type(request_id) is not str or not request_id or request_id in self._requests:
-            self._check_new_id(request_id)  # words the error (a str subclass passes)
+        self._check_new_id(request_id)
         req, prepared._request = prepared._request, None
         req.request_id = request_id
         return req, prepared._prompt, prepared._address
@@ -483,9 +489,7 @@ class CacheManager:
         if ids is None:
             check_token_ids("token_ids", token_ids, CacheManagerError)
         self._version += 1  # invalidates a cached admission
-        req = self._requests.get(request_id) if type(request_id) is str else None
-        if req is None:
-            req = self._get(request_id)  # raises
+        req = self._get(request_id)
         if ids is None:
             ids = _token_array(token_ids)
         n = self._known.item(req.row)
@@ -1028,10 +1032,12 @@ class CacheManager:
         plan = self._plan_of(*planned)
         plan.request_ids, plan.cells = rids, cells
         plan.arrays = out  # for ``_run``, once admitted
-        if plan.clean or (status == kernels.STEP_COVERED and self._evictable_cover(plan.sums[1])):
-            plan.grants = []
-        elif not self._admit_spare(plan, n_spare):
-            return plan
+        if grants is not False or plan.clean:  # the buffers must grow first (``_run`` grows them)
+            plan.grants, plan.spare_grants = [], None if grants is False else grants
+        elif n_spare is not None and n_spare > 0:  # spare slabs, which ``Arena.apply`` moves
+            plan.grants = self.arena.spare_grants(n_spare)
+        else:
+            return plan  # ``_admit`` decides
         return self._commit_and_run(plan, write_slots, updates, False)
 
     def _run_planned(self, grants: np.ndarray | None, planned: tuple, rids: tuple, cells: tuple, out: _StepArrays,
@@ -1084,7 +1090,9 @@ class CacheManager:
         n, _, n_crossing, clean = planned
         if clean:
             return None if n_crossing else False, n_spare
-        if status == kernels.STEP_COVERED and self._evictable_cover(self._scratch.plan[5][1]):
+        if status == kernels.STEP_COVERED and (self.arena is None or all(  # ``_admit`` grants no slab then
+                n <= p.num_free_pages for n, p in zip(self._scratch.plan[5][1].tolist(), self._pool_list)
+                if n > p.num_clean_free_pages)):
             return None, n_spare
         if self.arena is None:
             return False, n_spare
@@ -1125,21 +1133,6 @@ class CacheManager:
         if n_logged:
             self._tableset.log.insert(0, self._scratch.touched[:n_logged].copy())
 
-    def _admit_spare(self, plan: _StepPlan, n: int | None = None) -> bool:
-        """``kernels.admit_spare`` (``n``: its answer, if given) on an arena: True (``plan.grants`` set) when
-        spare slabs alone, or none, admit the plan; False: ``_admit`` decides."""
-        arena = self.arena
-        if arena is None:
-            return False
-        if n is None:
-            n = self._admit_entry(*self._admit_args(plan.rows.size))
-        if n < 0:
-            return False
-        written = arena.spare_written  # a copy of its first ``n`` (the scratch is the arena's)
-        plan.spare_grants = written[:, :n].copy() if n and written is not None else None
-        plan.grants = arena.spare_grants(n) if n and plan.spare_grants is None else []
-        return True
-
     def _admit_args(self, n_rows: int) -> tuple:
         """``kernels.admit_spare``'s arguments for the plan of ``n_rows`` rows in the scratch buffer."""
         ts, space = self._tableset, self._space
@@ -1159,11 +1152,6 @@ class CacheManager:
             return made
         room = max(2 * len(self.specs) * n_rows + 16, n_cells)
         return np.empty((3, room), _INT64), np.empty(room, _INT32)
-
-    def _evictable_cover(self, allocated: np.ndarray) -> bool:
-        """Whether ``_admit`` would admit a covered step granting no slab."""
-        pools = zip(allocated.tolist(), self._pool_list)
-        return self.arena is None or all(n <= p.num_free_pages for n, p in pools if n > p.num_clean_free_pages)
 
     def _run(self, plan: _StepPlan, write_slots: bool, cells: tuple = _NO_CELLS,
              n_logged: int = 0) -> tuple[_StepArrays, int]:
@@ -1228,7 +1216,6 @@ class CacheManager:
             self._spare_args = (self._window_pages, self._short, *self.arena.spare_args)
             self._spare_entry = kernels.entry_point(kernels.step_spare, (*args, *self._spare_args))
         self._plan(no_rows, no_rows, _COMPUTED)
-        kernels.distinct_rows(no_rows, self._in_batch)
         self._tableset.ring_view()
 
     def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan, out: _StepArrays,
@@ -1408,9 +1395,7 @@ class CacheManager:
     def free(self, request_id: str) -> None:
         """End a request: commit its last step to the prefix cache, release every page."""
         self._version += 1  # invalidates a cached admission
-        req = self._requests.get(request_id) if type(request_id) is str else None
-        if req is None:
-            req = self._get(request_id)  # raises
+        req = self._get(request_id)
         if self.tier_link is not None:
             self.tier_link.on_free(request_id)  # an unconfirmed load is rewound, not committed
         if self._load_spans:  # its load step's span (a rewound load's request has one)
@@ -1515,23 +1500,14 @@ class CacheManager:
                      ) -> tuple[np.ndarray, np.ndarray]:
         """Every group's pages as group-major local ids and counts per group; a group's value that is not page ids
         and an unknown group are refused (the latter after ``error`` for a page outside ``[lowest, num_pages)``)."""
-        local, sizes = [], []
-        for gid in self._group_ids:
-            pages = pages_by_group.get(gid, _ABSENT)
-            if pages is _ABSENT:
-                sizes.append(0)
-            else:
-                pages = _page_ids(gid, pages)
-                local.append(pages)
-                sizes.append(pages.size)
-        per_group, known = np.array(sizes, dtype=np.int64), len(local)
-        local = np.concatenate(local) if known > 1 else local[0] if local else np.zeros(0, dtype=np.int64)
-        if known < len(pages_by_group):  # a group the manager lacks
+        local = [_page_ids(gid, pages_by_group[gid]) if gid in pages_by_group else _NO_PAGES for gid in self._group_ids]
+        per_group, local = np.array([pages.size for pages in local], dtype=np.int64), np.concatenate(local)
+        unknown = [gid for gid in pages_by_group if gid not in self.pools]
+        if unknown:
             bad = kernels.first_out_of_range(local, per_group, self._space_limits, lowest)
             if bad < 0:
                 self._refuse_page(per_group, -1 - bad, error)
-            gid = next(gid for gid in pages_by_group if gid not in self.pools)
-            raise CacheManagerError(f"no group {gid!r}")
+            raise CacheManagerError(f"no group {unknown[0]!r}")
         return local, per_group
 
     def held_outside_pages(self, group_id: str) -> int:
@@ -1661,23 +1637,6 @@ def _small_token_list(token_ids: Any) -> list[int] | None:
         if type(t) is not int or not 0 <= t <= _MAX_TOKEN_ID:
             return None  # the array path words the error
     return list(token_ids)
-
-
-def _checked_prompt(who: str, prompt_token_ids: Any, prompt_tokens: Any) -> tuple[np.ndarray | None, int]:
-    """A new request's prompt ids (None without them) and length, checked (``who`` names it in errors)."""
-    ids = None
-    if prompt_token_ids is not None:
-        ids = _token_array(prompt_token_ids)
-        if prompt_tokens is not None and _nonneg_int("prompt_tokens", prompt_tokens) != ids.size:
-            raise CacheManagerError(f"prompt_tokens={prompt_tokens} disagrees with {ids.size} prompt token ids")
-        prompt_len = int(ids.size)
-    elif prompt_tokens is not None:
-        prompt_len = _nonneg_int("prompt_tokens", prompt_tokens)
-    else:
-        raise CacheManagerError("give prompt_token_ids or prompt_tokens")
-    if prompt_len < 1:
-        raise CacheManagerError(f"{who}: the prompt must have at least one token")
-    return ids, prompt_len
 
 
 def _token_matrix(token_ids: Any, n: int) -> np.ndarray:
