@@ -42,8 +42,6 @@ class GroupTable:
     def __init__(self, spec: CacheGroupSpec, *, max_context_tokens: int, max_step_tokens: int):
         self.spec = spec
         self.page_tokens = spec.page_tokens
-        self.rows_per_page = spec.rows_per_page
-        self.stride_tokens = spec.entry_stride_tokens
         self.sliding = spec.is_sliding
         self.window_tokens = spec.sliding_window_tokens or 0
         if self.sliding:  # a window plus a step's pages (>= ``live_pages_bound``), a power of two
@@ -95,8 +93,8 @@ class TableSet:
             mask = t.capacity_pages - 1 if t.sliding else -1
             offset = 0 if id_offsets is None else id_offsets[g]  # the group's first id in the page space
             self.geometry[g, : kernels.RING_START] = (
-                t.page_tokens, t.window_tokens, mask, t.rows_per_page, t.stride_tokens, offset,
-                kernels.log2_exact(t.page_tokens), kernels.log2_exact(t.stride_tokens))
+                t.page_tokens, t.window_tokens, mask, t.spec.rows_per_page, t.spec.entry_stride_tokens, offset,
+                kernels.log2_exact(t.page_tokens), kernels.log2_exact(t.spec.entry_stride_tokens))
             self.geometry[g, kernels.RING_MASK] = t.ring_pages - 1 if t.sliding else -1
             self.geometry[g, kernels.VIEW_COLUMNS] = self.view_columns
         rows = max(1, int(initial_rows))
@@ -105,7 +103,6 @@ class TableSet:
         self.pages = self._new_store(rows)
         self.log: list[np.ndarray] | None = None
         self._resync = False
-        self.base, self.hi = self.bounds[kernels.BASE], self.bounds[kernels.HI]
 
     rows_capacity = property(lambda self: self.bounds.shape[2])  # table rows now (``ensure_rows`` grows them)
 
@@ -163,7 +160,7 @@ class TableSet:
         return view
 
     def _live_index(self) -> np.ndarray:
-        index = np.empty(int((self.hi - self.base).sum()), dtype=np.int64)
+        index = np.empty(int((self.bounds[kernels.HI] - self.bounds[kernels.BASE]).sum()), dtype=np.int64)
         kernels.live_cells(self.geometry, self.bounds, index)
         return index
 
@@ -220,16 +217,13 @@ class TableSet:
         after a (re)start of the log, every live cell instead and ``reset`` True."""
         log, reset = self.log, self._resync
         if reset:
-            index = self._live_index()
-            self._resync = False
+            index, self._resync = self._live_index(), False
         elif log:
             index = np.concatenate(log if touched is None else [*log, touched])
-        elif touched is not None:
-            index = touched
         else:
-            empty = np.zeros(0, dtype=np.int64)
-            return empty, empty, empty, np.zeros(0, dtype=np.int32), False
-        log.clear()
+            index = np.zeros(0, dtype=np.int64) if touched is None else touched
+        if log:
+            log.clear()
         cells = np.empty((3, index.size), dtype=np.int64)
         page = np.empty(index.size, dtype=np.int32)
         group, row, column = cells
@@ -243,7 +237,6 @@ class TableSet:
         new = max(rows, 2 * have)
         old_pages, old_geometry, old_bounds = self.pages, self.geometry.copy(), self.bounds
         self.bounds = np.concatenate([self.bounds, np.zeros((4, len(self.tables), new - have), np.int64)], axis=2)
-        self.base, self.hi = self.bounds[kernels.BASE], self.bounds[kernels.HI]
         self._add_lanes(have, new)
         self.pages = self._new_store(new)
         for g in range(len(self.tables)):  # every live cell to its place in the new layout
