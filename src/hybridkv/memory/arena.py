@@ -181,7 +181,7 @@ class Arena:
         self.grant_args = (self.owner, *self._slab_ids, self._space.offsets, self._most_slab_pages,
                            self._sizes, self._spare, self._roomy_slabs, self.room_marks)
         self.slab_moves = 0
-        self._spare_changed(geometry.num_slabs)
+        self._spare_changed(n)
         for gid, pool in self.pools.items():
             pool.must_pack = self._packing_rule(gid)
         # Sorted free stacks: pages granted in one run per pool stack as they do slab by slab.
@@ -207,15 +207,12 @@ class Arena:
     def _init_slab_ids(self) -> tuple[np.ndarray, np.ndarray]:
         """Per group and slab: inner page ids lo .. hi-1, left straddler (-1: none), inner count (arrays, and
         dicts viewing their rows); returns (inner counts, straddlers)."""
-        geometry, gids = self.geometry, self.group_ids
-        ranges = [geometry.slab_page_ranges(gid) for gid in gids]
-        self._slab_ids = tuple(np.stack(planes) for planes in zip(*ranges)) + (
-            np.stack([geometry.boundary_pages(gid) for gid in gids]),)
-        lo, hi, straddle = self._slab_ids
+        gids, geometry = self.group_ids, self.geometry
+        ids = [(*geometry.slab_page_ranges(gid), geometry.boundary_pages(gid)) for gid in gids]
+        self._slab_ids = lo, hi, straddle = tuple(np.stack(planes) for planes in zip(*ids))
         inner = hi - lo
-        self._ranges = {gid: (lo[i], hi[i]) for i, gid in enumerate(gids)}
-        self._straddle = {gid: straddle[i] for i, gid in enumerate(gids)}
-        self._inner = {gid: inner[i] for i, gid in enumerate(gids)}  # inner pages per slab
+        self._ranges = dict(zip(gids, zip(lo, hi)))
+        self._straddle, self._inner = dict(zip(gids, straddle)), dict(zip(gids, inner))  # inner: pages per slab
         return inner, straddle
 
     def _packing_rule(self, gid: str) -> Callable[[int, int], bool]:
