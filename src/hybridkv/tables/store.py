@@ -175,14 +175,10 @@ class TableSet:
         """Stop logging (full-mode steps): mutations cost nothing extra until the next start."""
         self.log = None
 
-    def drains_touched_only(self) -> bool:
-        """Whether the next ``drain_updates(touched)`` reads exactly the cells ``touched``
-        lists: the log is on, holds nothing and no resync is due."""
-        return self.log is not None and not self.log and not self._resync
-
     def logged_cells(self) -> int:
         """How many cells the log holds (listed twice counts twice), or -1 when the next drain
-        is not of the log and the touched cells (logging off, or a resync due)."""
+        is not of the log and the touched cells (logging off, or a resync due): with 0, the next
+        ``drain_updates(touched)`` reads exactly the cells ``touched`` lists."""
         log = self.log
         if log is None or self._resync:
             return -1
