@@ -4,6 +4,7 @@ bytes from offset 0; a slab belongs to at most one group at a time."""
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -95,18 +96,10 @@ def shared_concurrency(plan: Any, context_tokens: int, geometry: ArenaGeometry |
     step = {s.group_id: (-(-sched // s.page_tokens) + 1 if s.is_sliding else 0) for s in plan.specs}
     ranges = {s.group_id: geometry.slab_page_ranges(s.group_id) for s in plan.specs}
     per_slab = {gid: int((hi - lo).min()) for gid, (lo, hi) in ranges.items()}
-
-    def slabs(n: int) -> int:
-        return sum(-(-(n * need[g] + step[g]) // per_slab[g]) for g in need)
-
-    fits, too_many = 0, geometry.num_slabs * max(per_slab.values()) + 2
-    while too_many - fits > 1:
-        mid = (fits + too_many) // 2
-        if slabs(mid) <= geometry.num_slabs:
-            fits = mid
-        else:
-            too_many = mid
-    return fits
+    # The slabs N requests fill grow with N; more than the arena holds is surely too many.
+    too_many = bisect.bisect_right(range(geometry.num_slabs * max(per_slab.values()) + 2), geometry.num_slabs,
+                                   key=lambda n: sum(-(-(n * need[g] + step[g]) // per_slab[g]) for g in need))
+    return max(too_many - 1, 0)
 
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
