@@ -216,10 +216,12 @@ class TableSet:
             index, self._resync = self._live_index(), False
         elif log:
             index = np.concatenate(log if touched is None else [*log, touched])
+        elif touched is not None:
+            index = touched
         else:
-            index = np.zeros(0, dtype=np.int64) if touched is None else touched
-        if log:
-            log.clear()
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty, np.zeros(0, dtype=np.int32), False
+        log.clear()
         cells = np.empty((3, index.size), dtype=np.int64)
         page = np.empty(index.size, dtype=np.int32)
         group, row, column = cells
