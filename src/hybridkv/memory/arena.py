@@ -177,11 +177,10 @@ class Arena:
         self._spare_changed(n)
         for gid, pool in self.pools.items():
             pool.must_pack = self._packing_rule(gid)
-        # Sorted free stacks: pages granted in one run per pool stack as they do slab by slab.
-        self._sorted_grants = all(pool.lowest_first for pool in self.pools.values())
         # ``kernels.admit_spare``'s grants as it writes them (``[2, n]`` in front: groups, slabs), as
-        # :meth:`kernel_grants` gives them; None when a pool's free stack is not sorted (:meth:`apply` grants).
-        self.spare_written = self._spare_grants if self._sorted_grants else None
+        # :meth:`kernel_grants` gives them; None when a pool's free stack is not sorted (:meth:`apply` grants:
+        # only on sorted free stacks do pages granted in one run per pool stack as they do slab by slab).
+        self.spare_written = self._spare_grants if all(pool.lowest_first for pool in self.pools.values()) else None
         self._load_kernels()
 
     def _load_kernels(self) -> None:
@@ -283,7 +282,7 @@ class Arena:
     def kernel_grants(self, grants: Sequence[Grant]) -> np.ndarray | None:
         """``grants`` as ``kernels.grant_step`` grants them (``[2, n]``: groups, slabs)
         when they are spare slabs alone and every pool's free stack is sorted; else None (:meth:`apply`)."""
-        if not (self._sorted_grants and all(donor is None for _, _, donor in grants)):
+        if self.spare_written is None or any(donor is not None for _, _, donor in grants):
             return None
         index = self._index
         return np.array([[index[gid] for gid, _, _ in grants], [slab for _, slab, _ in grants]], dtype=np.int64)
