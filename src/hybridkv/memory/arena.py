@@ -348,13 +348,12 @@ class Arena:
         """``kernels.idle_slabs`` of ``gid`` (inner idle, edge idle, keyed pages counted), once per scan."""
         found = scan.idle.get(gid)
         if found is None:
-            pool, g = self.pools[gid], self.geometry
-            inner_idle, edge_idle = np.zeros(g.num_slabs, dtype=bool), np.zeros(g.num_slabs, dtype=bool)
+            pool, gi, n = self.pools[gid], self._index[gid], self.geometry.num_slabs
+            inner_idle, edge_idle = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
             lo, hi = self._ranges[gid]
-            counted = kernels.idle_slabs(self.owner, self._index[gid], lo, hi, self._straddle[gid], pool.ref_counts,
-                                         pool.cached, pool.low_priority, pool.idle_tick, scan.keyed_mode(),
-                                         scan.before_tick or 0, self._released(gid, scan), self._sizes[self._index[gid]],
-                                         inner_idle, edge_idle)
+            counted = kernels.idle_slabs(self.owner, gi, lo, hi, self._straddle[gid], pool.ref_counts, pool.cached,
+                                         pool.low_priority, pool.idle_tick, scan.keyed_mode(), scan.before_tick or 0,
+                                         self._released(gid, scan), self._sizes[gi], inner_idle, edge_idle)
             found = scan.idle[gid] = (inner_idle, edge_idle, int(counted))
         return found
 
