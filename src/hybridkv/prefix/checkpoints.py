@@ -162,10 +162,6 @@ class CheckpointValues:
         """The recorded keys of class ``kind``."""
         return list(self._members[kind])
 
-    def last_use(self, key: Hashable) -> int:
-        """The clock at the checkpoint's publication or last hit; KeyError if not recorded."""
-        return self._records[key][2]
-
     def kind(self, key: Hashable) -> str | None:
         """The checkpoint's class (None if not recorded)."""
         record = self._records.get(key)
@@ -207,10 +203,11 @@ class CheckpointValues:
 
     def static_key(self, key: Hashable) -> tuple:
         """The checkpoint's place in its class, which no freed request changes: (score less the class's
-        ``log2(expected_reuse)``, plus the clock / H; boundary; publication number)."""
+        ``log2(expected_reuse)``, plus the clock / H; boundary; publication number), then its last use (the
+        clock at its publication or last hit)."""
         boundary, _, last_use, _, number = self._records[key]
         value = math.log2(saved_prefill(boundary) / (boundary + self.checkpoint_tokens))
-        return value + last_use / VALUE_HALF_LIFE_REQUESTS, boundary, number
+        return value + last_use / VALUE_HALF_LIFE_REQUESTS, boundary, number, last_use
 
     def eviction_order(self, keys: Iterable[Hashable]) -> list[Hashable]:
         """The recorded ``keys``, low-priority classes first, then by :meth:`order_key` (a full sort: the
@@ -295,7 +292,7 @@ class CheckpointOrder:
         version = self._version[key] = next(self._versions)
         # The entry keeps what it was ranked by (the record's last use may change before
         # the next free files it again): static key, boundary, number, last use.
-        entry = (*self.values.static_key(key), self.values.last_use(key), version, key)
+        entry = (*self.values.static_key(key), version, key)
         for pool in self.pools:
             pages = pool.lookup(key)
             if not pages:
