@@ -130,14 +130,13 @@ class CheckpointValues:
             return
         if kept:
             self._move(key, record, SPECULATIVE)
-            self._changed[key] = None
         else:
             self._forget(key)
 
     def _move(self, key: Hashable, record: list, kind: str) -> None:
         del self._members[record[1]][key]
         record[1], record[3] = kind, 0
-        self._members[kind][key] = None
+        self._members[kind][key] = self._changed[key] = None
 
     def _forget(self, key: Hashable) -> list | None:
         record = self._records.pop(key, None)
