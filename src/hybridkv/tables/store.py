@@ -32,10 +32,6 @@ def live_pages_bound(window_tokens: int, page_tokens: int, step_tokens: int) -> 
     return cdiv(window_tokens + step_tokens + page_tokens - 2, page_tokens)
 
 
-def _power_of_two_at_least(n: int) -> int:
-    return 1 << (max(int(n), 1) - 1).bit_length()
-
-
 class GroupTable:
     """Page tables of one group for every request row: a view of its ``TableSet``."""
 
@@ -44,11 +40,11 @@ class GroupTable:
         self.page_tokens = spec.page_tokens
         self.sliding = spec.is_sliding
         self.window_tokens = spec.sliding_window_tokens or 0
-        if self.sliding:  # a window plus a step's pages (>= ``live_pages_bound``), a power of two
+        if self.sliding:  # a window plus a step's pages (>= ``live_pages_bound``), rounded up to a power of two
             ring = cdiv(self.window_tokens - 1 + max_step_tokens, self.page_tokens) + 2
-            self.capacity_pages = _power_of_two_at_least(ring)
-            narrow = live_pages_bound(self.window_tokens, self.page_tokens, NARROW_STEP_TOKENS)
-            self.ring_pages = min(_power_of_two_at_least(narrow), self.capacity_pages)
+            self.capacity_pages = 1 << (int(ring) - 1).bit_length()
+            narrow = live_pages_bound(self.window_tokens, self.page_tokens, NARROW_STEP_TOKENS)  # at least 1
+            self.ring_pages = min(1 << (int(narrow) - 1).bit_length(), self.capacity_pages)
         else:
             self.capacity_pages = cdiv(max_context_tokens, self.page_tokens)
             self.ring_pages = self.capacity_pages
