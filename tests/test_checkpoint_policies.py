@@ -292,12 +292,14 @@ def test_hit_sweep_names_the_policy(capsys):
 
 @settings(max_examples=200, deadline=None)
 @given(st.sampled_from(CHECKPOINT_POLICIES), st.integers(1, 8), st.integers(0, 40), st.integers(0, 40),
-       st.integers(0, 12_000))
+       st.integers(0, 12_000) | st.integers(1, 46).map(lambda k: k * 256))  # a prompt ending on a boundary too
 def test_speculative_between_is_speculative_boundary_by_boundary(name, interval_grains, first, count, prompt):
     """``speculative_between`` (one range, what a commit asks) keeps exactly the crossed
-    boundaries ``speculative`` keeps one by one (the reference), for every policy."""
+    boundaries ``speculative`` keeps one by one, both as each policy's rule says (the reference)."""
     g = 256
     policy = policy_from_options(name, None, interval_grains * g if name == "interval" else None, g)
     lo, hi = (first + 1) * g, (first + 1 + count) * g
-    assert list(policy.speculative_between(lo, hi, g, prompt)) == [
-        d for d in range(lo, hi, g) if policy.speculative(d, prompt)]
+    rules = {"interval": lambda d: d % (interval_grains * g) == 0, "terminal-and-junctions": lambda d: False}
+    expected = [d for d in range(lo, hi, g) if rules.get(name, lambda d: d <= prompt)(d)]
+    assert list(policy.speculative_between(lo, hi, g, prompt)) == expected
+    assert [d for d in range(lo, hi, g) if policy.speculative(d, prompt)] == expected

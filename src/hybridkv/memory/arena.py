@@ -4,6 +4,7 @@ bytes from offset 0; a slab belongs to at most one group at a time."""
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -95,18 +96,10 @@ def shared_concurrency(plan: Any, context_tokens: int, geometry: ArenaGeometry |
     step = {s.group_id: (-(-sched // s.page_tokens) + 1 if s.is_sliding else 0) for s in plan.specs}
     ranges = {s.group_id: geometry.slab_page_ranges(s.group_id) for s in plan.specs}
     per_slab = {gid: int((hi - lo).min()) for gid, (lo, hi) in ranges.items()}
-
-    def slabs(n: int) -> int:
-        return sum(-(-(n * need[g] + step[g]) // per_slab[g]) for g in need)
-
-    fits, too_many = 0, geometry.num_slabs * max(per_slab.values()) + 2
-    while too_many - fits > 1:
-        mid = (fits + too_many) // 2
-        if slabs(mid) <= geometry.num_slabs:
-            fits = mid
-        else:
-            too_many = mid
-    return fits
+    # The slabs N requests fill grow with N; more than the arena holds is surely too many.
+    too_many = bisect.bisect_right(range(geometry.num_slabs * max(per_slab.values()) + 2), geometry.num_slabs,
+                                   key=lambda n: sum(-(-(n * need[g] + step[g]) // per_slab[g]) for g in need))
+    return max(too_many - 1, 0)
 
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
@@ -157,38 +150,37 @@ class Arena:
                 raise ValueError(f"group {gid!r}: an arena pool starts empty with {geometry.view_pages(gid)} page ids")
         self._space = _page_space_of(list(self.pools.values()))
         inner, straddle = self._init_slab_ids()
-        self._taken = np.empty(geometry.num_slabs, dtype=np.int64)  # plan's scratch: spare slabs taken
-        self._spare_grants = np.empty((2, geometry.num_slabs), dtype=np.int64)  # groups; slabs
-        self._spare_plan = (inner, straddle, np.empty(geometry.num_slabs, dtype=np.int16), *self._spare_grants)
+        n = geometry.num_slabs
+        self._taken = np.empty(n, dtype=np.int64)  # plan's scratch: spare slabs taken
+        self._spare_grants = np.empty((2, n), dtype=np.int64)  # groups; slabs
         self._slab_pages = np.asarray([geometry.slab_bytes // geometry.page_bytes[gid] - 1 for gid in self.group_ids],
                                       dtype=np.int64)
         self._most_slab_pages = int(inner.max()) + 2  # a slab's inner pages and its two straddlers
         self._slab_scratch = np.empty(2 * self._most_slab_pages, dtype=np.int64)  # ``_moved_pages``'
         self._index = {gid: i for i, gid in enumerate(self.group_ids)}
-        self._slab_geometry = {gid: np.asarray([geometry.page_bytes[gid], geometry.reserved_bytes, geometry.slab_bytes],
-                                               dtype=np.int64) for gid in self.group_ids}
-        self.owner = np.full(geometry.num_slabs, -1, dtype=np.int16)
+        self.owner = np.full(n, -1, dtype=np.int16)
         self._spare = np.zeros(1, dtype=np.int64)  # spare slabs, in an array ``admit_spare`` reads
         # The arena's arguments of ``kernels.admit_spare``, ``must_pack_at`` and ``grant_step``.
-        self.spare_args = (self.owner, self._spare, self._slab_pages, inner, straddle, self._spare_plan[2],
-                           self._taken, *self._spare_plan[3:])
-        sizes = [[geometry.page_bytes[gid], geometry.reserved_bytes, geometry.slab_bytes, max(int(n.min()), 1),
-                  SPREAD_SLABS] for gid, n in zip(self.group_ids, inner)]
-        self.packing = (self.owner, *self._slab_ids, np.asarray(sizes, dtype=np.int64))
-        self._roomy_slabs = math.ceil(ROOMY_SPARE_FRACTION * geometry.num_slabs)  # the fewest spare slabs of ``roomy``
+        self.spare_args = (self.owner, self._spare, self._slab_pages, inner, straddle, np.empty(n, dtype=np.int16),
+                           self._taken, *self._spare_grants)
+        # Per group: page bytes, reserved bytes, slab bytes (``kernels.released_per_slab``), fewest inner pages, spread.
+        self._sizes = np.asarray([[geometry.page_bytes[gid], geometry.reserved_bytes, geometry.slab_bytes,
+                                   max(int(k.min()), 1), SPREAD_SLABS] for gid, k in zip(self.group_ids, inner)],
+                                 dtype=np.int64)
+        self.packing = (self.owner, *self._slab_ids, self._sizes)
+        self._roomy_slabs = math.ceil(ROOMY_SPARE_FRACTION * n)  # the fewest spare slabs of ``roomy``
         # ``kernels.room_groups``' marks (per group) where ``grant_step`` stopped for Python to make room.
         self.room_marks = np.empty(len(self.group_ids), dtype=np.int64)
         self.grant_args = (self.owner, *self._slab_ids, self._space.offsets, self._most_slab_pages,
-                           self.packing[-1], self._spare, self._roomy_slabs, self.room_marks)
+                           self._sizes, self._spare, self._roomy_slabs, self.room_marks)
         self.slab_moves = 0
-        self._spare_changed(geometry.num_slabs)
+        self._spare_changed(n)
         for gid, pool in self.pools.items():
             pool.must_pack = self._packing_rule(gid)
-        # Sorted free stacks: pages granted in one run per pool stack as they do slab by slab.
-        self._sorted_grants = all(pool.lowest_first for pool in self.pools.values())
         # ``kernels.admit_spare``'s grants as it writes them (``[2, n]`` in front: groups, slabs), as
-        # :meth:`kernel_grants` gives them; None when a pool's free stack is not sorted (:meth:`apply` grants).
-        self.spare_written = self._spare_grants if self._sorted_grants else None
+        # :meth:`kernel_grants` gives them; None when a pool's free stack is not sorted (:meth:`apply` grants:
+        # only on sorted free stacks do pages granted in one run per pool stack as they do slab by slab).
+        self.spare_written = self._spare_grants if all(pool.lowest_first for pool in self.pools.values()) else None
         self._load_kernels()
 
     def _load_kernels(self) -> None:
@@ -207,15 +199,12 @@ class Arena:
     def _init_slab_ids(self) -> tuple[np.ndarray, np.ndarray]:
         """Per group and slab: inner page ids lo .. hi-1, left straddler (-1: none), inner count (arrays, and
         dicts viewing their rows); returns (inner counts, straddlers)."""
-        geometry, gids = self.geometry, self.group_ids
-        ranges = [geometry.slab_page_ranges(gid) for gid in gids]
-        self._slab_ids = tuple(np.stack(planes) for planes in zip(*ranges)) + (
-            np.stack([geometry.boundary_pages(gid) for gid in gids]),)
-        lo, hi, straddle = self._slab_ids
+        gids, geometry = self.group_ids, self.geometry
+        ids = [(*geometry.slab_page_ranges(gid), geometry.boundary_pages(gid)) for gid in gids]
+        self._slab_ids = lo, hi, straddle = tuple(np.stack(planes) for planes in zip(*ids))
         inner = hi - lo
-        self._ranges = {gid: (lo[i], hi[i]) for i, gid in enumerate(gids)}
-        self._straddle = {gid: straddle[i] for i, gid in enumerate(gids)}
-        self._inner = {gid: inner[i] for i, gid in enumerate(gids)}  # inner pages per slab
+        self._ranges = dict(zip(gids, zip(lo, hi)))
+        self._straddle, self._inner = dict(zip(gids, straddle)), dict(zip(gids, inner))  # inner: pages per slab
         return inner, straddle
 
     def _packing_rule(self, gid: str) -> Callable[[int, int], bool]:
@@ -281,9 +270,8 @@ class Arena:
         (``kernels.take_spare_for``); None when they might not. Pure; ``owner`` as for :meth:`plan`."""
         own = self.owner if owner is None else owner
         spare = self.num_spare_slabs if owner is None else int(np.count_nonzero(owner < 0))
-        inner, straddle, scratch, groups, slabs = self._spare_plan
-        n = kernels.take_spare_for(short, self._slab_pages, spare, own, scratch, inner, straddle, self._taken, groups,
-                                   slabs)
+        inner, straddle, scratch, taken, groups, slabs = self.spare_args[3:]
+        n = kernels.take_spare_for(short, self._slab_pages, spare, own, scratch, inner, straddle, taken, groups, slabs)
         return None if n < 0 else self.spare_grants(n)  # ``groups`` and ``slabs`` view ``_spare_grants``
 
     def spare_grants(self, n: int) -> list[Grant]:
@@ -294,7 +282,7 @@ class Arena:
     def kernel_grants(self, grants: Sequence[Grant]) -> np.ndarray | None:
         """``grants`` as ``kernels.grant_step`` grants them (``[2, n]``: groups, slabs)
         when they are spare slabs alone and every pool's free stack is sorted; else None (:meth:`apply`)."""
-        if not (self._sorted_grants and all(donor is None for _, _, donor in grants)):
+        if self.spare_written is None or any(donor is not None for _, _, donor in grants):
             return None
         index = self._index
         return np.array([[index[gid] for gid, _, _ in grants], [slab for _, slab, _ in grants]], dtype=np.int64)
@@ -315,7 +303,7 @@ class Arena:
             n_taken, short, left[donor] = kernels.take_donor_slabs(
                 self.owner if reach else own, own, di, gi, lo, hi, self._straddle[donor], pool.ref_counts,
                 pool.cached, pool.low_priority, pool.idle_tick, scan.keyed_mode(), scan.before_tick or 0,
-                self._released(donor, scan) if reach else _NO_PAGES, self._slab_geometry[donor], self._inner[gid],
+                self._released(donor, scan) if reach else _NO_PAGES, self._sizes[di], self._inner[gid],
                 self._straddle[gid], left[donor], short, self._taken, inner_idle, edge_idle)
             grants.extend((gid, slab, donor) for slab in self._taken[:n_taken].tolist())
         return short
@@ -360,13 +348,12 @@ class Arena:
         """``kernels.idle_slabs`` of ``gid`` (inner idle, edge idle, keyed pages counted), once per scan."""
         found = scan.idle.get(gid)
         if found is None:
-            pool, g = self.pools[gid], self.geometry
-            inner_idle, edge_idle = np.zeros(g.num_slabs, dtype=bool), np.zeros(g.num_slabs, dtype=bool)
+            pool, gi, n = self.pools[gid], self._index[gid], self.geometry.num_slabs
+            inner_idle, edge_idle = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
             lo, hi = self._ranges[gid]
-            counted = kernels.idle_slabs(self.owner, self._index[gid], lo, hi, self._straddle[gid], pool.ref_counts,
-                                         pool.cached, pool.low_priority, pool.idle_tick, scan.keyed_mode(),
-                                         scan.before_tick or 0, self._released(gid, scan), self._slab_geometry[gid],
-                                         inner_idle, edge_idle)
+            counted = kernels.idle_slabs(self.owner, gi, lo, hi, self._straddle[gid], pool.ref_counts, pool.cached,
+                                         pool.low_priority, pool.idle_tick, scan.keyed_mode(), scan.before_tick or 0,
+                                         self._released(gid, scan), self._sizes[gi], inner_idle, edge_idle)
             found = scan.idle[gid] = (inner_idle, edge_idle, int(counted))
         return found
 
@@ -388,21 +375,6 @@ class Arena:
                 self._spare_changed(-1)
             self.owner[slab] = gi
             self.pools[gid].grant(gained)
-
-    def release_idle(self) -> int:
-        """Return every slab whose pages are all free (not evictable) to the spare list; the count."""
-        moved = 0
-        for gid in self.group_ids:
-            pool, gi = self.pools[gid], self._index[gid]
-            for slab in np.flatnonzero(self.owner == gi).tolist():
-                pages = self._moved_pages(gi, -1, slab)[0]
-                if np.any(pool.ref_counts[pages] != 0) or np.any(pool.cached[pages]):
-                    continue
-                pool.revoke(pages)
-                self.owner[slab] = -1
-                self._spare_changed(1)
-                moved += 1
-        return moved
 
     # --- checks ---------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -32,12 +32,8 @@ class CheckpointPolicy:
 
     def speculative(self, boundary_tokens: int, prompt_tokens: int) -> bool:
         """Whether a boundary a request crosses keeps a speculative checkpoint (its own one there, superseded,
-        is then demoted rather than unpublished)."""
-        if self.name == "interval":
-            return boundary_tokens % self.interval_tokens == 0
-        if self.name in ("prompt-boundaries", "prefill-per-byte"):
-            return boundary_tokens <= prompt_tokens
-        return False
+        is then demoted rather than unpublished): one :meth:`speculative_between` keeps."""
+        return boundary_tokens in self.speculative_between(boundary_tokens, boundary_tokens + 1, 1, prompt_tokens)
 
     def speculative_between(self, first_tokens: int, end_tokens: int, grain_tokens: int, prompt_tokens: int) -> range:
         """The boundaries ``first, first + grain, ...`` below ``end`` (multiples of the grain,
@@ -134,14 +130,13 @@ class CheckpointValues:
             return
         if kept:
             self._move(key, record, SPECULATIVE)
-            self._changed[key] = None
         else:
             self._forget(key)
 
     def _move(self, key: Hashable, record: list, kind: str) -> None:
         del self._members[record[1]][key]
         record[1], record[3] = kind, 0
-        self._members[kind][key] = None
+        self._members[kind][key] = self._changed[key] = None
 
     def _forget(self, key: Hashable) -> list | None:
         record = self._records.pop(key, None)
@@ -165,10 +160,6 @@ class CheckpointValues:
     def members(self, kind: str) -> list[Hashable]:
         """The recorded keys of class ``kind``."""
         return list(self._members[kind])
-
-    def last_use(self, key: Hashable) -> int:
-        """The clock at the checkpoint's publication or last hit; KeyError if not recorded."""
-        return self._records[key][2]
 
     def kind(self, key: Hashable) -> str | None:
         """The checkpoint's class (None if not recorded)."""
@@ -211,10 +202,11 @@ class CheckpointValues:
 
     def static_key(self, key: Hashable) -> tuple:
         """The checkpoint's place in its class, which no freed request changes: (score less the class's
-        ``log2(expected_reuse)``, plus the clock / H; boundary; publication number)."""
+        ``log2(expected_reuse)``, plus the clock / H; boundary; publication number), then its last use (the
+        clock at its publication or last hit)."""
         boundary, _, last_use, _, number = self._records[key]
         value = math.log2(saved_prefill(boundary) / (boundary + self.checkpoint_tokens))
-        return value + last_use / VALUE_HALF_LIFE_REQUESTS, boundary, number
+        return value + last_use / VALUE_HALF_LIFE_REQUESTS, boundary, number, last_use
 
     def eviction_order(self, keys: Iterable[Hashable]) -> list[Hashable]:
         """The recorded ``keys``, low-priority classes first, then by :meth:`order_key` (a full sort: the
@@ -299,7 +291,7 @@ class CheckpointOrder:
         version = self._version[key] = next(self._versions)
         # The entry keeps what it was ranked by (the record's last use may change before
         # the next free files it again): static key, boundary, number, last use.
-        entry = (*self.values.static_key(key), self.values.last_use(key), version, key)
+        entry = (*self.values.static_key(key), version, key)
         for pool in self.pools:
             pages = pool.lookup(key)
             if not pages:

@@ -1279,7 +1279,7 @@ class CacheManager:
             tables, table_updates = [ts.block_table(k, rows, width) for k, width in enumerate(widths)], None
         else:
             tables, table_updates = self._no_tables, _new_object(TableUpdates)
-            if 0 < n_touched <= cells[1].size and ts.drains_touched_only():
+            if 0 < n_touched <= cells[1].size and ts.logged_cells() == 0:
                 (cells, page), n = cells, n_touched
                 found = cells[0, :n], cells[1, :n], cells[2, :n], page[:n], False
             else:

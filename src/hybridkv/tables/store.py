@@ -32,25 +32,19 @@ def live_pages_bound(window_tokens: int, page_tokens: int, step_tokens: int) -> 
     return cdiv(window_tokens + step_tokens + page_tokens - 2, page_tokens)
 
 
-def _power_of_two_at_least(n: int) -> int:
-    return 1 << (max(int(n), 1) - 1).bit_length()
-
-
 class GroupTable:
     """Page tables of one group for every request row: a view of its ``TableSet``."""
 
     def __init__(self, spec: CacheGroupSpec, *, max_context_tokens: int, max_step_tokens: int):
         self.spec = spec
         self.page_tokens = spec.page_tokens
-        self.rows_per_page = spec.rows_per_page
-        self.stride_tokens = spec.entry_stride_tokens
         self.sliding = spec.is_sliding
         self.window_tokens = spec.sliding_window_tokens or 0
-        if self.sliding:  # a window plus a step's pages (>= ``live_pages_bound``), a power of two
+        if self.sliding:  # a window plus a step's pages (>= ``live_pages_bound``), rounded up to a power of two
             ring = cdiv(self.window_tokens - 1 + max_step_tokens, self.page_tokens) + 2
-            self.capacity_pages = _power_of_two_at_least(ring)
-            narrow = live_pages_bound(self.window_tokens, self.page_tokens, NARROW_STEP_TOKENS)
-            self.ring_pages = min(_power_of_two_at_least(narrow), self.capacity_pages)
+            self.capacity_pages = 1 << (int(ring) - 1).bit_length()
+            narrow = live_pages_bound(self.window_tokens, self.page_tokens, NARROW_STEP_TOKENS)  # at least 1
+            self.ring_pages = min(1 << (int(narrow) - 1).bit_length(), self.capacity_pages)
         else:
             self.capacity_pages = cdiv(max_context_tokens, self.page_tokens)
             self.ring_pages = self.capacity_pages
@@ -95,8 +89,8 @@ class TableSet:
             mask = t.capacity_pages - 1 if t.sliding else -1
             offset = 0 if id_offsets is None else id_offsets[g]  # the group's first id in the page space
             self.geometry[g, : kernels.RING_START] = (
-                t.page_tokens, t.window_tokens, mask, t.rows_per_page, t.stride_tokens, offset,
-                kernels.log2_exact(t.page_tokens), kernels.log2_exact(t.stride_tokens))
+                t.page_tokens, t.window_tokens, mask, t.spec.rows_per_page, t.spec.entry_stride_tokens, offset,
+                kernels.log2_exact(t.page_tokens), kernels.log2_exact(t.spec.entry_stride_tokens))
             self.geometry[g, kernels.RING_MASK] = t.ring_pages - 1 if t.sliding else -1
             self.geometry[g, kernels.VIEW_COLUMNS] = self.view_columns
         rows = max(1, int(initial_rows))
@@ -105,7 +99,6 @@ class TableSet:
         self.pages = self._new_store(rows)
         self.log: list[np.ndarray] | None = None
         self._resync = False
-        self.base, self.hi = self.bounds[kernels.BASE], self.bounds[kernels.HI]
 
     rows_capacity = property(lambda self: self.bounds.shape[2])  # table rows now (``ensure_rows`` grows them)
 
@@ -163,7 +156,7 @@ class TableSet:
         return view
 
     def _live_index(self) -> np.ndarray:
-        index = np.empty(int((self.hi - self.base).sum()), dtype=np.int64)
+        index = np.empty(int((self.bounds[kernels.HI] - self.bounds[kernels.BASE]).sum()), dtype=np.int64)
         kernels.live_cells(self.geometry, self.bounds, index)
         return index
 
@@ -178,14 +171,10 @@ class TableSet:
         """Stop logging (full-mode steps): mutations cost nothing extra until the next start."""
         self.log = None
 
-    def drains_touched_only(self) -> bool:
-        """Whether the next ``drain_updates(touched)`` reads exactly the cells ``touched``
-        lists: the log is on, holds nothing and no resync is due."""
-        return self.log is not None and not self.log and not self._resync
-
     def logged_cells(self) -> int:
         """How many cells the log holds (listed twice counts twice), or -1 when the next drain
-        is not of the log and the touched cells (logging off, or a resync due)."""
+        is not of the log and the touched cells (logging off, or a resync due): with 0, the next
+        ``drain_updates(touched)`` reads exactly the cells ``touched`` lists."""
         log = self.log
         if log is None or self._resync:
             return -1
@@ -220,8 +209,7 @@ class TableSet:
         after a (re)start of the log, every live cell instead and ``reset`` True."""
         log, reset = self.log, self._resync
         if reset:
-            index = self._live_index()
-            self._resync = False
+            index, self._resync = self._live_index(), False
         elif log:
             index = np.concatenate(log if touched is None else [*log, touched])
         elif touched is not None:
@@ -243,7 +231,6 @@ class TableSet:
         new = max(rows, 2 * have)
         old_pages, old_geometry, old_bounds = self.pages, self.geometry.copy(), self.bounds
         self.bounds = np.concatenate([self.bounds, np.zeros((4, len(self.tables), new - have), np.int64)], axis=2)
-        self.base, self.hi = self.bounds[kernels.BASE], self.bounds[kernels.HI]
         self._add_lanes(have, new)
         self.pages = self._new_store(new)
         for g in range(len(self.tables)):  # every live cell to its place in the new layout
