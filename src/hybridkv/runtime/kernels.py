@@ -906,7 +906,7 @@ def entry_point(kernel, args):
 # ``step``, ``step_spare``, ``run_step`` and ``finish_step``, the step's kernels Python calls, compile without numba's
 # reference counting (its ``_nrt=False``; the kernels they call inherit it unless they set it): their arrays come in
 # without a MemInfo made each, and a view costs no atomic count (a clean decode step's kernel in 55-80% of the time).
-# Sound as no kernel they reach returns an array; one that allocates sets ``_nrt=True`` (``push_run``, ``admit_spare``).
+# Sound as no kernel they reach returns an array; one that allocates sets ``_nrt=True`` (``push_run``).
 @njit(cache=True, _nrt=False)
 def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain,
          plan, last_rows, rows_in, counts_in, n_logged, cells, cell_pages, per_request, query_start_loc,
@@ -936,7 +936,7 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
 @njit(cache=True, _nrt=False)
 def step_spare(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain,
                plan, last_rows, rows_in, counts_in, n_logged, cells, cell_pages, per_request, query_start_loc,
-               request_indices, per_token, window_pages, short, owner, spare_slabs, slab_pages, inner_pages,
+               request_indices, per_token, window_pages, scratch, owner, spare_slabs, slab_pages, inner_pages,
                straddle, own, taken, grant_groups, grant_slabs):
     """``step`` on an arena, then (pure) ``admit_spare`` of a plan that only ran and is not clean, in one
     call: ``step``'s answer (``STEP_SPARE`` for a ``STEP_PLANNED`` one admitted so whose buffers are large enough)
@@ -949,7 +949,7 @@ def step_spare(geometry, pages, bounds, counters, ref, keyed, low_priority, stac
     n_spare = -1
     if status >= STEP_PLANNED and n >= 0 and not clean:
         n_spare = admit_spare(geometry, pages, bounds, ref, keyed, per_group, counters[1], grain, window_pages, plan,
-                              n, short, owner, spare_slabs, slab_pages, inner_pages, straddle, own, taken,
+                              n, scratch, owner, spare_slabs, slab_pages, inner_pages, straddle, own, taken,
                               grant_groups, grant_slabs)
         if status == STEP_PLANNED and n_spare >= 0 and plan_fits(plan, geometry.shape[0], n_logged, per_token.shape[1]):
             status = STEP_SPARE
@@ -1445,7 +1445,8 @@ def take_spare_for(short, slab_pages, spare_slabs, owner, own, inner_pages, stra
             need += -(-short[g] // slab_pages[g])
     if need > spare_slabs:
         return -1
-    own[:] = owner
+    for s in range(owner.size):  # no slice copy: it allocates
+        own[s] = owner[s]
     n = 0
     for g in range(short.size):
         if short[g] > 0:
@@ -1456,25 +1457,28 @@ def take_spare_for(short, slab_pages, spare_slabs, owner, own, inner_pages, stra
     return n
 
 
-@njit(cache=True, _nrt=True)
-def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain, window_pages, plan, n, short,
+@njit(cache=True, _nrt=False)
+def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain, window_pages, plan, n, scratch,
                 owner, spare_slabs, slab_pages, inner_pages, straddle, own, taken, grant_groups, grant_slabs):
     """``CacheManager._admit`` of the plan in ``plan`` (first ``n`` rows) on an arena when its answer is spare
     slabs alone (pure): slabs for what a group lacks of free and evictable pages, then for what it would
-    evict. Returns how many slabs go (to ``grant_groups``, ``grant_slabs``), or -1: Python decides."""
+    evict. Returns how many slabs go (to ``grant_groups``, ``grant_slabs``), or -1: Python decides.
+    ``scratch`` ``[4, G]``: ``short_pages``' answer, zeros, room for free and clean pages (it allocates nothing)."""
     rows, _, first, after, _, sums = plan_views(plan, geometry.shape[0])[:6]
     rows, first, new_base, wanted = rows[:n], first[:n], after[0, :, :n], sums[1]
-    top, n_groups = per_group[TOP], geometry.shape[0]
-    low = np.zeros(n_groups, np.int64) if per_group[SKIP_PACKING, 0] != 0 else per_group[LOW_IDLE_PAGES]
-    free = top + per_group[LRU_PAGES]
+    top, n_groups, short, free, clean = per_group[TOP], geometry.shape[0], scratch[0], scratch[2], scratch[3]
+    low = scratch[1] if per_group[SKIP_PACKING, 0] != 0 else per_group[LOW_IDLE_PAGES]
+    for g in range(n_groups):
+        free[g], clean[g] = top[g] + per_group[LRU_PAGES, g], top[g]
     n_short = short_pages(geometry, pages, bounds, ref, keyed, rows, new_base, first, committed, grain,
                           window_pages, sums[0], wanted, top, free, low, short)
     spare = spare_slabs[0]  # ``owner``'s spare slabs
     if n_short >= 0:
         return 0 if n_short == 0 else take_spare_for(short, slab_pages, spare, owner, own, inner_pages, straddle,
                                                      taken, grant_groups, grant_slabs)
-    own[:] = owner
-    n_grants, clean = 0, top.copy()
+    for s in range(owner.size):  # no slice copy: it allocates
+        own[s] = owner[s]
+    n_grants = 0
     for g in range(n_groups):
         deficit = wanted[g] - free[g]
         if deficit > 0:

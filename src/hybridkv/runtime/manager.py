@@ -272,8 +272,9 @@ class CacheManager:
         self._load_tokens = np.asarray(window_tokens, dtype=np.int64)
         self._window_pages = np.asarray([-(-w // s.page_tokens) + 1 if w else 0
                                          for w, s in zip(window_tokens, self.specs)], dtype=np.int64)
-        self._short = np.empty(len(ids), dtype=np.int64)  # ``short_pages``' answer
-        self._no_low = np.zeros(len(ids), dtype=np.int64)  # the low-priority pages a roomy arena keeps
+        # ``short_pages``' answer, the low-priority pages a roomy arena keeps (none), ``admit_spare``'s scratch too.
+        self._spare_rows = np.zeros((4, len(ids)), dtype=np.int64)
+        self._short, self._no_low = self._spare_rows[0], self._spare_rows[1]
 
     def _init_memory(self, group_pages: dict[str, int], shuffle_seed: int | None,
                      arena: ArenaGeometry | None) -> None:
@@ -1137,7 +1138,7 @@ class CacheManager:
         """``kernels.admit_spare``'s arguments for the plan of ``n_rows`` rows in the scratch buffer."""
         ts, space = self._tableset, self._space
         return (ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.per_group, self._committed,
-                self._grain, self._window_pages, self._scratch.buffer, n_rows, self._short, *self.arena.spare_args)
+                self._grain, self._window_pages, self._scratch.buffer, n_rows, self._spare_rows, *self.arena.spare_args)
 
     def _kernel_state(self) -> tuple:
         """``kernels.step``'s leading arguments: the same objects until ``_take_row`` grows the arrays."""
@@ -1213,7 +1214,7 @@ class CacheManager:
         self._step_entry = kernels.entry_point(kernels.step, args)
         if self.arena is not None:
             self._admit_entry = kernels.entry_point(kernels.admit_spare, self._admit_args(0))  # its compiled code
-            self._spare_args = (self._window_pages, self._short, *self.arena.spare_args)
+            self._spare_args = (self._window_pages, self._spare_rows, *self.arena.spare_args)
             self._spare_entry = kernels.entry_point(kernels.step_spare, (*args, *self._spare_args))
         self._plan(no_rows, no_rows, _COMPUTED)
         self._tableset.ring_view()
