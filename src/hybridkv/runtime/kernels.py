@@ -803,10 +803,11 @@ def grant_step(grants, scratch, arena, geometry, pages, bounds, counters, ref, k
                                   query_start_loc, request_indices, per_token, False), n_keyed
 
 
-def grant_scratch(grants, arena, n_groups):
+def grant_scratch(grants, arena, n_groups, made=None):
     """``grant_step``'s ``scratch`` for ``grants``: an end per group, a ``per_group`` copy, then each slab's most pages
-    (``arena``: ``Arena.grant_args``)."""
-    return np.empty((1 + PER_GROUP_ROWS) * n_groups + grants.shape[1] * arena[5], np.int64)
+    (``arena``: ``Arena.grant_args``); ``made`` where it is large enough (the kernel reads nothing it did not write)."""
+    size = (1 + PER_GROUP_ROWS) * n_groups + grants.shape[1] * arena[5]
+    return made if made is not None and made.size >= size else np.empty(size, np.int64)
 
 
 @njit(cache=True, inline="always")

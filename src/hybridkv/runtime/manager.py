@@ -288,6 +288,7 @@ class CacheManager:
         self.arena = Arena(arena, self.pools) if arena is not None else None
         self._packing = _NO_PACKING if arena is None else self.arena.packing  # ``kernels.room_groups``'
         self._grant_entry = kernels.grant_step  # ``_run``'s, by its compiled code once ``_load_kernels`` ran
+        self._grant_room = None  # its scratch (``kernels.grant_scratch``), kept while large enough
         self._room_entries = None  # its and ``rooms_from``'s compiled code, once ``_room_groups`` looked them up
         self._finish_entry = None  # ``finish_step``'s compiled code, once ``_after_run`` looked it up
         # On an arena, a sliding group's pages released again next step come last (kernels.transient_pages).
@@ -1077,7 +1078,8 @@ class CacheManager:
         """``kernels.grant_step`` (its compiled code) granting the spare slabs ``grants``, with its scratch;
         ``args``: its arguments after the arena's (the step's state, the plan, cells logged, outputs). Its answer."""
         arena = self.arena.grant_args
-        found = self._grant_entry(grants, kernels.grant_scratch(grants, arena, len(self.specs)), arena, *args)
+        self._grant_room = kernels.grant_scratch(grants, arena, len(self.specs), self._grant_room)  # kept for the next
+        found = self._grant_entry(grants, self._grant_room, arena, *args)
         if found[0] < 0:
             raise AssertionError("a slab granted is not spare")
         return found
