@@ -98,7 +98,6 @@ class PagePool:
         self._view_lru()
         self.idle_tick = np.zeros(self.num_pages, dtype=np.int64)
         self._low_ids = kernels.low_idle_ids  # by its compiled code once :meth:`load_kernels` ran
-        # Content-keyed entries: none yet.
         self.cached = np.zeros(self.num_pages, dtype=bool)
         self.low_priority = np.zeros(self.num_pages, dtype=bool)  # evicted before all others once idle
         # Per keyed page, its entry's key (stale for unkeyed pages); a list: an entry's pages share cache lines.

@@ -90,16 +90,16 @@ class ValueEviction:
                     self._place_stored(gid, keys[i], node, node[2] - node[3] == n_history)
 
     def _place_stored(self, gid: str, key: Hashable, node: list, complete: bool) -> None:
-        """Group ``gid`` stored block ``key`` (``complete``: every history group holds it now):
-        promote it where it was demoted, mend its waiting children or itself when the chain
-        above is whole, else demote it (beyond a missing block: worth nothing yet)."""
+        """Group ``gid`` stored block ``key`` (``complete``: every history group holds it now): promote it where it was
+        demoted, mend its waiting children or itself when the chain above is whole (its parent's node is not cut, or it
+        is a chain's first block), else demote it (beyond a missing block: worth nothing yet)."""
         if node[1] > 0 and self.acts:
             self.pools[gid].promote(key)
         if not node[5]:  # its children cut while its node was missing regain their value
             for child in list(node[4]) if complete and node[4] else ():
                 if self._nodes[child][5]:
                     self._mend(child)
-        elif complete and self._whole_above(node):
+        elif complete and (not up[5] if (up := self._nodes.get(node[0])) is not None else node[6]):
             self._mend(key)
         else:
             self._demote_cut(gid, key)
@@ -161,9 +161,7 @@ class ValueEviction:
     def stored_checkpoint(self, gids: Sequence[str], key: Hashable, parent: Hashable | None, boundary: int) -> None:
         """:meth:`stored` of one checkpoint in each state group of ``gids`` in turn (a
         commit's publications of a boundary), its node looked up once."""
-        node = self._nodes.get(key)
-        if node is None:
-            node = self._new_node(key, parent, boundary)
+        node = self._nodes.get(key) or self._new_node(key, parent, boundary)
         if node[5]:
             for gid in gids:
                 node[2] += 1
@@ -175,12 +173,6 @@ class ValueEviction:
         node[3] += len(gids)
         if held < len(self.state_ids) == node[3] and self._track:
             self._add_support(key)
-
-    def _whole_above(self, node: list) -> bool:
-        """Whether every block above ``node``'s on its chain is cached: its parent's node
-        is not cut, or it is a chain's first block."""
-        up = self._nodes.get(node[0])
-        return not up[5] if up is not None else node[6]
 
     def _new_node(self, key: Hashable, parent: Hashable | None, boundary: int) -> list:
         """The node of a key first published: a child of its parent's node, or waiting for it (a key published before
@@ -401,7 +393,10 @@ class ValueEviction:
                 if not waiting:
                     del self._unborn[node[0]]
                 return
-            _drop_child(up, key)
+            if up[4].__class__ is tuple:  # its one child (``_add_child``)
+                up[4] = None
+            else:
+                up[4].pop(key, None)
             key = node[0]
 
     # --- diagnostics ------------------------------------------------------------
@@ -447,14 +442,6 @@ def _add_child(node: list, key: Hashable) -> None:
         children[key] = None
     else:
         node[4] = dict.fromkeys((*children, key))
-
-
-def _drop_child(node: list, key: Hashable) -> None:
-    """``key`` leaves the children of ``node`` (a 1-tuple's one child: None left)."""
-    if node[4].__class__ is tuple:
-        node[4] = None
-    else:
-        node[4].pop(key, None)
 
 
 __all__ = ["GroupValueStats", "POLICIES", "REASONS", "UNIT", "ValueEviction"]
