@@ -33,15 +33,10 @@ from hybridkv.runtime.kernels import entry_point
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables.store import CommitPages, GroupTable
 
-HASH_ALGOS = ("xxh3_128", "sha256")
-
-
-def _hash_fn(algo: str) -> Callable[[bytes], int]:
-    if algo == "xxh3_128":
-        return xxhash.xxh3_128_intdigest
-    if algo == "sha256":
-        return lambda data: int.from_bytes(hashlib.sha256(data).digest()[:16], "little")
-    raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {algo!r}")
+_HASHES: dict[str, Callable[[bytes], int]] = {
+    "xxh3_128": xxhash.xxh3_128_intdigest,
+    "sha256": lambda data: int.from_bytes(hashlib.sha256(data).digest()[:16], "little")}
+HASH_ALGOS = tuple(_HASHES)
 
 
 @dataclass(frozen=True)
@@ -181,7 +176,9 @@ class PrefixCache:
         windows = _checkpoint_windows(self.specs, checkpoint_window_tokens)
         self.pools = pools
         self.tables = tables
-        self._hash = _hash_fn(hash_algo)
+        if hash_algo not in HASH_ALGOS:  # a tuple: any value compares
+            raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {hash_algo!r}")
+        self._hash = _HASHES[hash_algo]
         self._unsalted_root = self._hash(b"hybridkv-prefix-root\x00")  # h[-1] of every unsalted request
         self.history_ids = [s.group_id for s in self.specs if not s.is_sliding]
         # State groups that store checkpoints (a window of 0 is restorable at every boundary).
@@ -696,10 +693,12 @@ class PrefixCache:
         for gid, pool, per_block, stats in self._history_groups:
             entries = list(zip(*[iter(pages[at:at + n_blocks * per_block])] * per_block))  # each block's pages
             at, e = at + n_blocks * per_block, e + n_blocks
-            done, (entries, done_keys, done_parents, done_ends) = _claimed(
-                status[e - n_blocks:e], (entries, keys, parents, ends))
+            done = [i for i, st in enumerate(status[e - n_blocks:e]) if st == 2]  # the blocks it claimed
             if not done:
                 continue
+            columns = (entries, keys, parents, ends)  # cut to them where it did not claim all
+            entries, done_keys, done_parents, done_ends = columns if len(done) == n_blocks else (
+                [xs[i] for i in done] for xs in columns)
             adopted[0].append(pool), adopted[1].append(done_keys), adopted[2].append(entries)
             stored += zip(repeat("stored"), repeat(gid), done_keys, done_parents, done_ends, repeat(per_block))
             if hook is not None:  # the group's blocks in one call
@@ -1052,15 +1051,6 @@ def _grain(specs: Sequence[CacheGroupSpec], windows: Mapping[str, int], granular
             raise ValueError(f"prefix_granularity {g} is smaller than group {s.group_id!r} checkpoint window "
                              f"({windows[s.group_id]} tokens): checkpoints would overlap")
     return g
-
-
-def _claimed(status: Sequence[int], columns: tuple) -> tuple[list[int], tuple]:
-    """The blocks a commit claimed (``status`` 2: ``CommitPages.read``'s) and ``columns``
-    (lists, one item a block) cut to them; the columns as they are when it claimed all."""
-    done = [i for i, st in enumerate(status) if st == 2]
-    if len(done) == len(status):
-        return done, columns
-    return done, tuple([xs[i] for i in done] for xs in columns)
 
 
 def _events_in(item: tuple, n_history: int, n_state: int) -> int:
