@@ -31,7 +31,7 @@ _IDLE_CLOCK = np.zeros(1, dtype=np.int64)
 _NO_PAGES = np.empty(0, dtype=np.int64)
 _ANY_PAGES = np.zeros(4, dtype=np.int64)[::2]  # a read-only strided view: its type covers every int64 1-D layout
 _ANY_PAGES.flags.writeable = False
-_DROP_ARGS = attrgetter("_drop_args")  # a pool's entries' ``pop``, group and group id (``_drop_keys``), no frame
+_DROP_ARGS = attrgetter("_drop_args")  # a pool's entries' ``pop``, group and group id (``entry_pops``), no frame
 
 
 def idle_clock_tick() -> int:
@@ -98,7 +98,6 @@ class PagePool:
         self._view_lru()
         self.idle_tick = np.zeros(self.num_pages, dtype=np.int64)
         self._low_ids = kernels.low_idle_ids  # by its compiled code once :meth:`load_kernels` ran
-        # Content-keyed entries: none yet.
         self.cached = np.zeros(self.num_pages, dtype=bool)
         self.low_priority = np.zeros(self.num_pages, dtype=bool)  # evicted before all others once idle
         # Per keyed page, its entry's key (stale for unkeyed pages); a list: an entry's pages share cache lines.
@@ -506,35 +505,6 @@ class PagePool:
         assert held + self.num_free_pages == self._granted_pages, "page leaked"
 
 
-def _drop_keys(drop: Callable, arrays: tuple, pops: list, keys: Sequence[Hashable],
-               cause: str) -> tuple[list, list, list]:
-    """Pop the entries under ``keys`` from each pool of ``pops`` ((its entries' ``pop``, group, group id) each)
-    and let their pages go in one ``drop`` (``lru.drop_units`` or its compiled code) over ``arrays`` (its
-    arguments from ``ref`` to ``idle``), each pool's last entry first. What ``PageSpace.drop_units`` returns."""
-    listed: list[int] = []
-    left: list[list[str]] = []
-    for key in reversed(keys):
-        gone = []
-        for pop, slot, gid in pops:
-            pages = pop(key, None)
-            if pages is not None:
-                listed += (slot, len(pages), *pages)
-                gone.append(gid)
-        left.append(gone)
-    told = np.empty(4 * len(listed), dtype=np.int64)  # an entry lists 2 numbers at least; the rest: scratch
-    drop(np.array(listed, dtype=np.int64), *arrays, told)
-    told = told[:len(listed) // 2].tolist()
-    low_cause, first, at, removals = EVICTED_LOW if cause == EVICTED else cause, pops and pops[0][2], 0, []
-    for key, gone in zip(reversed(keys), left):  # the first pool's entry comes first in ``gone``
-        if gone and gone[0] == first:
-            removals.append((key, low_cause if told[at] & 1 else cause, told[at] >> 1))
-        at += len(gone)
-    left.reverse()
-    removals.reverse()
-    idle = arrays[-1].tolist()
-    return left, [idle[slot] for _, slot, _ in pops], removals
-
-
 class PageSpace:
     """Every pool's pages in arrays the step kernels own (per page: ref counts, key flags, idle ticks,
     free stacks at ``offsets[g]``, LRU links; per group: ``per_group``, ``kernels.TOP`` ... ``SKIP_PACKING``).
@@ -571,7 +541,7 @@ class PageSpace:
         self._free_args = [(None,) * 15] * 2  # its arguments with each of ``cells_out`` (``_free_call``)
         self._free_rows_args = (self.ref_counts, self.cached, self.stack, self.per_group, self.idle_tick,
                                 self.low_priority, self.lru_prev, self.lru_next, _IDLE_CLOCK)  # its space's arrays
-        for g, pool in enumerate(self.pools):  # its counts become views of ``per_group``; what ``_drop_keys`` reads
+        for g, pool in enumerate(self.pools):  # its counts become views of ``per_group``; what ``entry_pops`` reads
             pool._bind(self.per_group, g)
             pool._drop_args = (pool._entries.pop, g, pool.group_id)
             pool._view_lru()
@@ -617,9 +587,8 @@ class PageSpace:
 
     def adopt(self, pools: Sequence[PagePool], keys: Sequence[Sequence[Hashable]],
               entries: Sequence[Sequence[tuple[int, ...]]]) -> None:
-        """Record the entries ``entries[i][j]`` (held pages, none published) under
-        ``keys[i][j]`` in ``pools[i]`` (this space's), whose pages are flagged keyed already,
-        and low priority where they are (by a commit's compiled claim,
+        """Record the entries ``entries[i][j]`` (held pages, none published) under ``keys[i][j]`` in ``pools[i]`` (this
+        space's), whose pages are flagged keyed already, and low priority where they are (by a commit's compiled claim,
         ``kernels.claim_entries``): a commit's entries of every group in one call."""
         for pool, group_keys, group_entries in zip(pools, keys, entries):
             published, page_key = pool._entries, pool._page_key
@@ -634,10 +603,9 @@ class PageSpace:
         return [(pool._entries, pool._page_key) for pool in pools]
 
     def demote(self, listed: list[int]) -> None:
-        """``pool.demote(key)`` of each entry ``listed`` (its pool's index in this space, its
-        page count, its pages) in turn, in one compiled call (``lru.demote_unit``: superseded
-        checkpoints' units kept low; every page flagged low, the idle ones moved to the front
-        of their LRU, entry after entry)."""
+        """``pool.demote(key)`` of each entry ``listed`` (its pool's index in this space, its page count, its pages) in
+        turn, in one compiled call (``lru.demote_unit``: superseded checkpoints' units kept low; every page flagged low,
+        the idle ones moved to the front of their LRU, entry after entry)."""
         self._demote_unit(np.array(listed, dtype=np.int64), *self._demote_arrays)
 
     def drop_units(self, pools: Sequence[PagePool], keys: Sequence[Hashable],
@@ -645,8 +613,30 @@ class PageSpace:
         """``pool.drop_entries(…, cause)`` of the ``keys`` each of ``pools`` (this space's) publishes, telling no
         one, all in one compiled pass (``lru.drop_units``: each pool's free stack ends as after its own
         ``drop_entries``). Returns per key, in order, the group ids of the pools it left (in ``pools`` order); per
-        pool its idle pages freed; and what ``pools[0].drop_entries`` returns of the keys it published."""
-        return _drop_keys(self._drop_units, self._drop_arrays, list(map(_DROP_ARGS, pools)), keys, cause)
+        pool its idle pages freed; and what ``pools[0].drop_entries`` returns of the keys it published. The entries
+        are popped pool by pool (:meth:`entry_pops`), each pool's last entry first."""
+        pops = self.entry_pops(pools)
+        listed, left = [], []  # its entries' (group, page count, pages); per key, the group ids it left
+        for key in reversed(keys):
+            gone = []
+            for pop, slot, gid in pops:
+                pages = pop(key, None)
+                if pages is not None:
+                    listed += (slot, len(pages), *pages)
+                    gone.append(gid)
+            left.append(gone)
+        told = np.empty(4 * len(listed), dtype=np.int64)  # an entry lists 2 numbers at least; the rest: scratch
+        self._drop_units(np.array(listed, dtype=np.int64), *self._drop_arrays, told)
+        told = told[:len(listed) // 2].tolist()
+        low_cause, first, at, removals = EVICTED_LOW if cause == EVICTED else cause, pops and pops[0][2], 0, []
+        for key, gone in zip(reversed(keys), left):  # the first pool's entry comes first in ``gone``
+            if gone and gone[0] == first:
+                removals.append((key, low_cause if told[at] & 1 else cause, told[at] >> 1))
+            at += len(gone)
+        left.reverse()
+        removals.reverse()
+        idle = self.idle_counts.tolist()
+        return left, [idle[slot] for _, slot, _ in pops], removals
 
     def entry_pops(self, pools: Sequence[PagePool]) -> list[tuple[Callable, int, str]]:
         """Per pool of ``pools`` (this space's), what pops an entry from it (its entries' ``pop``), its index here and

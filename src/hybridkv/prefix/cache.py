@@ -14,7 +14,7 @@ import json
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from functools import reduce
+from functools import partial, reduce
 from itertools import repeat
 from math import lcm
 from operator import itemgetter
@@ -33,15 +33,10 @@ from hybridkv.runtime.kernels import entry_point
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables.store import CommitPages, GroupTable
 
-HASH_ALGOS = ("xxh3_128", "sha256")
-
-
-def _hash_fn(algo: str) -> Callable[[bytes], int]:
-    if algo == "xxh3_128":
-        return xxhash.xxh3_128_intdigest
-    if algo == "sha256":
-        return lambda data: int.from_bytes(hashlib.sha256(data).digest()[:16], "little")
-    raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {algo!r}")
+_HASHES: dict[str, Callable[[bytes], int]] = {
+    "xxh3_128": xxhash.xxh3_128_intdigest,
+    "sha256": lambda data: int.from_bytes(hashlib.sha256(data).digest()[:16], "little")}
+HASH_ALGOS = tuple(_HASHES)
 
 
 @dataclass(frozen=True)
@@ -181,7 +176,9 @@ class PrefixCache:
         windows = _checkpoint_windows(self.specs, checkpoint_window_tokens)
         self.pools = pools
         self.tables = tables
-        self._hash = _hash_fn(hash_algo)
+        if hash_algo not in HASH_ALGOS:  # a tuple: any value compares
+            raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {hash_algo!r}")
+        self._hash = _HASHES[hash_algo]
         self._unsalted_root = self._hash(b"hybridkv-prefix-root\x00")  # h[-1] of every unsalted request
         self.history_ids = [s.group_id for s in self.specs if not s.is_sliding]
         # State groups that store checkpoints (a window of 0 is restorable at every boundary).
@@ -196,7 +193,7 @@ class PrefixCache:
         self.values = CheckpointValues() if self.policy.name == "prefill-per-byte" else None
         self.on_event = on_event
         # Without a callback, events wait for drain_events(); past the bound the oldest are dropped (counted). The
-        # buffer holds raw events and commits' records (``_book_units``' ``booked``: ``_raws`` expands them).
+        # buffer holds raw events and commits' records (``_book``'s ``booked``: ``_raws`` expands them).
         self.events: deque[tuple] = deque()
         self.max_buffered_events = max_buffered_events
         self.dropped_events = 0
@@ -227,8 +224,7 @@ class PrefixCache:
         self._state_groups = [(gid, pools[gid], n, self._holders[gid], self.stats[gid])
                               for gid, n in zip(self.state_ids, self._reader.checkpoint_pages)]
         self._entry_pages = {gid: n for gid, _, n, *_ in self._history_groups + self._state_groups}
-        self._state_holders = [holders for _, _, _, holders, _ in self._state_groups]
-        self._hit_holders = [(gid, holders) for gid, _, _, holders, _ in self._state_groups]  # a hit's holds
+        self._hit_holders = [(gid, holders) for gid, _, _, holders, _ in self._state_groups]  # hits' and commits' holds
         self._checkpoint_events = [(gid, n) for gid, _, n, *_ in self._state_groups]  # what a "stored" event names
         # Per state group, where its pages of each boundary lie in the state part of what a
         # commit reads: the i-th page of every window, one slice a page.
@@ -271,7 +267,7 @@ class PrefixCache:
         self._picks = [(True, self.history_ids.index(s.group_id)) if not s.is_sliding
                        else (False, self.state_ids.index(s.group_id))
                        for s in in_table_order if s.group_id in matched]
-        self._borrow: Callable[..., int] | None = None  # ``_load_borrow``'s, from the first hit
+        self._borrow: Callable[..., int] | None = None  # loaded at the first hit (``kernels.entry_point``)
         # Its scratch (``lru.borrow_row``'s ``work``): three per group and one per page a row holds at most.
         self._borrow_work = np.empty(3 * len(self.specs) + self._table_set.row_cells, dtype=np.int64)
         self._spec_stats = list(zip(self._spec_ids, self._reach_index, (self.stats[gid] for gid in self._spec_ids)))
@@ -285,9 +281,9 @@ class PrefixCache:
         self.eviction = ValueEviction(pools, self.history_ids, self.state_ids, self.granularity_tokens,
                                       eviction_policy)
         for gid, pool in pools.items():
-            pool.on_removed = self._removed_callback(gid)
+            pool.on_removed = partial(self._removed, gid)
             if gid in self.state_ids:  # its removals take the rest of a unit from the other groups only
-                pool.evict_many = self._evict_many_callback(gid)
+                pool.evict_many = partial(self._evict_many, gid)
         # Per state group, what pops a superseded checkpoint there from the pools it leaves (``_supersede``): its
         # own, then (the value policy drops whole units) every other state group's, in order.
         self._unit_pops = {gid: self._space.entry_pops([pools[gid]] + [pools[o] for o in self.state_ids
@@ -369,10 +365,9 @@ class PrefixCache:
         return k, limit, reach, history, at_hit if k else []
 
     def _state_reach(self, keys: list[int], reach: list[int]) -> tuple[list, int]:
-        """``_match``'s walk down each state group to its last checkpoint among the blocks ``keys``
-        (appended to ``reach``), from below the last blocks no group publishes (one
-        ``ValueEviction.knows`` lookup each); per state group its entry there (None without one), and the
-        furthest one's blocks."""
+        """``_match``'s walk down each state group to its last checkpoint among the blocks ``keys`` (appended to
+        ``reach``), from below the last blocks no group publishes (one ``ValueEviction.knows`` lookup each); per state
+        group its entry there (None without one), and the furthest one's blocks."""
         top, knows = len(keys), self._knows
         while top and not knows(keys[top - 1]):  # the prompt's own blocks: no group has them
             top -= 1
@@ -423,7 +418,9 @@ class PrefixCache:
         tables = self._table_set
         args = (tables.geometry, tables.pages, tables.bounds, *self._borrow_space, req.row, d, self._hit_windows,
                 page_ids, self._borrow_work)
-        n_idle = (self._borrow or self._load_borrow(args))(*args)
+        if self._borrow is None:  # ``lru.borrow_row``'s compiled code for the types every hit passes
+            self._borrow = entry_point(lru.borrow_row, args)
+        n_idle = self._borrow(*args)
         if n_idle < 0:
             assert n_idle != -1 - page_ids.size, (page_ids.size, d)  # the groups place as many pages as listed
             raise ValueError(f"page {int(page_ids[-1 - n_idle])} is free, cannot be borrowed")
@@ -438,24 +435,16 @@ class PrefixCache:
         req.own_checkpoints = [OwnCheckpoint(d, False, entries)] if at_hit else []
         return hit
 
-    def _load_borrow(self, args: tuple) -> Callable[..., int]:
-        """``lru.borrow_row``'s compiled code for the types of ``args``, which every hit passes (``_borrow``:
-        ``kernels.entry_point``, no type dispatch a call), loaded at the first hit."""
-        self._borrow = entry_point(lru.borrow_row, args)
-        return self._borrow
-
     # --- publication -------------------------------------------------------------
     def commit_requests(self, reqs: Sequence[CommittingRequest], old_tokens: Sequence[int],
                         new_tokens: Sequence[int]) -> None:
-        """Publish what each request's tokens ``[old, new)`` completed (history blocks and the
-        checkpoints: the policy's speculative ones, the latest), request by request in order:
-        the same entries, bookings and events (one call, in that order) as one commit at a
-        time. In a call of at most ``_ALONE`` requests, a commit of one block goes alone
-        (:meth:`_commit_block`); each run of requests whose commit publishes only new keys
-        (:meth:`_unit_run`) is read, claimed and recorded at once (:meth:`_commit_units`); any
-        other commits alone (:meth:`_commit_one`). The checkpoints superseding unpublishes or
-        demotes leave their pools' lists at the end, in one call each (:meth:`_let_go`; before
-        a request that commits alone)."""
+        """Publish what each request's tokens ``[old, new)`` completed (history blocks and the checkpoints: the policy's
+        speculative ones, the latest), request by request in order: the same entries, bookings and events (one call, in
+        that order) as one commit at a time. In a call of at most ``_ALONE`` requests, a commit of one block goes alone
+        (:meth:`_commit_block`); each run of requests whose commit publishes only new keys (:meth:`_unit_run`) is read,
+        claimed and recorded at once (:meth:`_commit_units`); any other commits alone (:meth:`_commit_one`). The
+        checkpoints superseding unpublishes or demotes leave their pools' lists at the end, in one call each
+        (:meth:`_let_go`; before a request that commits alone)."""
         events, let_go, i, n, g = [], [], 0, len(reqs), self.granularity_tokens
         while i < n:
             if n <= _ALONE and self._units and new_tokens[i] // g == old_tokens[i] // g + 1:  # one block (a decode)
@@ -476,47 +465,32 @@ class PrefixCache:
 
     def _commit_block(self, req: CommittingRequest, old_tokens: int, new_tokens: int, events: list[tuple],
                       let_go: list[tuple]) -> None:
-        """A request's commit of one block and its checkpoint: where it publishes a key no
-        group has and pins nothing, what :meth:`_commit_units` does to a run of it alone (read
-        and claimed in one compiled call, recorded, booked by :meth:`_book`) without the run's
-        lists; else, or where the claim fails, :meth:`_commit_one`."""
+        """A request's commit of one block and its checkpoint: where it publishes a key no group has and pins nothing,
+        what :meth:`_commit_units` does to a run of it alone (read and claimed in one compiled call, recorded, booked by
+        :meth:`_book`) without the run's lists; else, or where the claim fails, :meth:`_commit_one`."""
         hashes, g = req.hashes, self.granularity_tokens
         if hashes is None:
             return
         first, latest = old_tokens // g, new_tokens // g * g
         hashes.extend_to(req.token_ids, new_tokens)
         key = hashes.hashes[first]
-        if latest in req.keep_boundaries or self._knows(key):
-            self._commit_one(req, old_tokens, new_tokens, events, let_go)
-            return
-        pages = self._reader.read_block(req.row, first, latest)
+        pinned_or_known = latest in req.keep_boundaries or self._knows(key)
+        pages = None if pinned_or_known else self._reader.read_block(req.row, first, latest)
         if pages is None:
             self._commit_one(req, old_tokens, new_tokens, events, let_go)
             return
         keys, parents, ends = [key], [hashes.hashes[first - 1] if first else hashes.root], (latest,)
-        at = 0
-        for published, page_key, size, stats, _ in self._unit_parts:  # ``_commit_units``' recording, one entry each
-            if size == 1:  # no slice made
-                published[key] = (pages[at],)
-                page_key[pages[at]] = key
-            else:
-                published[key] = entry = tuple(pages[at:at + size])
-                for page in entry:
-                    page_key[page] = key
-            stats.stored_entries += 1
-            at += size
+        self._record(pages, keys, keys)
         self._book(req, (keys, parents, ends, keys, parents, ends), 1, events, let_go)
 
     def _unit_run(self, reqs: Sequence[CommittingRequest], old_tokens: Sequence[int], new_tokens: Sequence[int],
                   i: int) -> tuple[list[tuple], list[int], int, int]:
-        """From ``reqs[i]`` on (those with nothing to commit passed over), the requests whose
-        commit pins no boundary and publishes only keys no group has and no request before it
-        in the run commits (hashed by ``RequestHashes.extend_to``), with "prefill-per-byte" a
-        speculative checkpoint only in the run's first (their priority is asked once a run):
-        each (request, first block, its keys, its speculative boundaries, old, new tokens);
-        what ``CommitPages.read_units`` reads of them (``units[0]``: a place for ``low``); how
-        many blocks they commit in all; and the index of the first that is not (``len(reqs)``
-        at the end)."""
+        """From ``reqs[i]`` on (those with nothing to commit passed over), the requests whose commit pins no boundary
+        and publishes only keys no group has and no request before it in the run commits (hashed by
+        ``RequestHashes.extend_to``), with "prefill-per-byte" a speculative checkpoint only in the run's first (their
+        priority is asked once a run): each (request, first block, its keys, its speculative boundaries, old, new
+        tokens); what ``CommitPages.read_units`` reads of them (``units[0]``: a place for ``low``); how many blocks they
+        commit in all; and the index of the first that is not (``len(reqs)`` at the end)."""
         g, knows, between, values = self.granularity_tokens, self._knows, self.policy.speculative_between, self.values
         run, units, seen, n, n_blocks = [], [0], set(), len(reqs), 0
         while i < n:
@@ -548,11 +522,10 @@ class PrefixCache:
 
     def _commit_units(self, run: list[tuple], units: list[int], n_blocks: int, events: list[tuple],
                       let_go: list[tuple]) -> None:
-        """The commits ``run`` (:meth:`_unit_run`'s, ``n_blocks`` blocks in all) read and claimed
-        in one compiled call (``CommitPages.read_units``), the entries of those it claimed whole
-        recorded as ``PageSpace.adopt`` does, group by group (plain loops: cheaper run cold than
-        ``dict.update`` of zips), and counted; then booked request by request (:meth:`_book_units`)
-        with each one's blocks (keys, parents, ends) and checkpoints (keys, parents, boundaries)."""
+        """The commits ``run`` (:meth:`_unit_run`'s, ``n_blocks`` blocks in all) read and claimed in one compiled call
+        (``CommitPages.read_units``), the entries of those it claimed whole recorded (:meth:`_record`); then request by
+        request, in order, each claimed whole booked (:meth:`_book`) with its blocks (keys, parents, ends) and
+        checkpoints (keys, parents, boundaries), the others committed alone (:meth:`_commit_one`)."""
         g, low = self.granularity_tokens, 2 if self.values is None or self.values.low_priority(SPECULATIVE) else 1
         units[0] = low  # what the compiled call reads first
         pages, claimed = self._reader.read_units(units, len(run), n_blocks)
@@ -573,8 +546,19 @@ class PrefixCache:
                               [*speculative, end * g]))
             block_keys += keys
             checkpoint_keys += lists[-1][3]
+        self._record(pages, block_keys, checkpoint_keys)
+        for (req, _, _, _, old, new), booked in zip(run, lists):  # a claim that failed: the commit goes alone
+            if booked is None:
+                self._commit_one(req, old, new, events, let_go)
+            else:
+                self._book(req, booked, low, events, let_go)
+
+    def _record(self, pages: list[int], block_keys: list, checkpoint_keys: list) -> None:
+        """The entries of commits claimed whole (``pages``: ``CommitPages``' claim, group by group, entry by entry)
+        recorded as ``PageSpace.adopt`` does, under ``block_keys`` in each history group and ``checkpoint_keys`` in
+        each state group, and counted (plain loops: cheaper run cold than ``dict.update`` of zips)."""
         at = 0
-        for published, page_key, size, stats, history in self._unit_parts:  # ``PageSpace.adopt``'s work, inline
+        for published, page_key, size, stats, history in self._unit_parts:
             group_keys = block_keys if history else checkpoint_keys
             for key in group_keys:
                 if size == 1:  # an entry of one page: no slice made
@@ -587,25 +571,12 @@ class PrefixCache:
                         page_key[page] = key
                 at += size
             stats.stored_entries += len(group_keys)
-        self._book_units(run, lists, low, events, let_go)
-
-    def _book_units(self, run: list[tuple], lists: list[tuple | None], low: int, events: list[tuple],
-                    let_go: list[tuple]) -> None:
-        """Request by request, in order, :meth:`_book` of a commit claimed whole (``lists``: its
-        blocks' and checkpoints' keys, parents and ends, its entries recorded); a request whose
-        claim failed (``lists`` None) commits alone (:meth:`_commit_one`)."""
-        for (req, _, _, _, old, new), booked in zip(run, lists):
-            if booked is None:
-                self._commit_one(req, old, new, events, let_go)
-            else:
-                self._book(req, booked, low, events, let_go)
 
     def _book(self, req: CommittingRequest, booked: tuple, low: int, events: list[tuple],
               let_go: list[tuple]) -> None:
-        """What one commit at a time books of a request's commit claimed whole (``booked``; its
-        entries recorded in the groups' pools): its "stored" events (history
-        group by group, then checkpoint by checkpoint every state group's), the state groups'
-        holds of its latest checkpoint, tier link (:meth:`_tell_units`), checkpoint values, one
+        """What one commit at a time books of a request's commit claimed whole (``booked``; its entries recorded in the
+        groups' pools): its "stored" events (history group by group, then checkpoint by checkpoint every state group's),
+        the state groups' holds of its latest checkpoint, tier link (:meth:`_tell_units`), checkpoint values, one
         ``ValueEviction.stored_commit``, then its earlier checkpoints superseded."""
         keys, parents, ends, checkpoint_keys, _, boundaries = booked
         events.append(booked)  # its "stored" events, expanded when drained (``_raws``)
@@ -624,10 +595,9 @@ class PrefixCache:
         self._supersede(req, [own], events, let_go)
 
     def _tell_units(self, booked: tuple, low: int) -> None:
-        """The tier link of a commit claimed whole (:meth:`_book_units`' ``booked``, its
-        entries recorded) in one call: its blocks history group by group, then its
-        checkpoints boundary by boundary, state group by state group (those before the
-        latest low priority where ``low`` is 2)."""
+        """The tier link of a commit claimed whole (:meth:`_book`'s ``booked``, its entries recorded) in one call: its
+        blocks history group by group, then its checkpoints boundary by boundary, state group by state group (those
+        before the latest low priority where ``low`` is 2)."""
         keys, _, ends, checkpoint_keys, _, boundaries = booked
         n_history, published = len(self.history_ids), []
         for gid, (entries, *_) in zip(self.history_ids, self._unit_parts):
@@ -640,9 +610,10 @@ class PrefixCache:
 
     def _commit_one(self, req: CommittingRequest, old_tokens: int, new_tokens: int, stored: list[tuple],
                     let_go: list[tuple]) -> None:
-        """One request's commit of tokens ``[old, new)``: history blocks and the newest
-        checkpoint; its "stored" events, then the removals superseding caused, onto ``stored``;
-        what superseding lets go onto ``let_go`` (the earlier requests' let go first)."""
+        """One request's commit of tokens ``[old, new)``: history blocks and the checkpoints
+        (:meth:`_checkpoint_boundaries`; their keys, parents and entries: :meth:`_found_checkpoints`), those missing
+        read and claimed in one call (``CommitPages.read``); its "stored" events, then the removals superseding
+        caused, onto ``stored``; what superseding lets go onto ``let_go`` (the earlier requests' let go first)."""
         g = self.granularity_tokens
         hashes: RequestHashes = req.hashes
         if hashes is None or new_tokens // g == old_tokens // g:
@@ -651,7 +622,12 @@ class PrefixCache:
             self._let_go(let_go)
         hashes.extend_to(req.token_ids, new_tokens)
         first_block, end_block = old_tokens // g, new_tokens // g
-        keys, boundaries, pins, checkpoint_keys, parents, found, want = self._plan(req, hashes, first_block, end_block)
+        boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
+        keys, want = hashes.hashes[first_block:end_block], []
+        for lookup in self._history_lookups:  # plain loops, no comprehension: each is a frame, costly run cold
+            for key in keys:
+                want.append(lookup(key) is None)
+        checkpoint_keys, parents, found = self._found_checkpoints(hashes, first_block, keys, boundaries, pins, want)
         pages, status = self._reader.read(req.row, first_block, end_block, boundaries, want)
         at = self._publish_blocks(hashes, first_block, keys, pages, status, stored)
         status = status[len(keys) * len(self.history_ids):]
@@ -659,19 +635,6 @@ class PrefixCache:
         new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status)
         if self.state_ids:
             self._supersede(req, new_own, stored, let_go)
-
-    def _plan(self, req: CommittingRequest, hashes: RequestHashes, first_block: int, end_block: int) -> tuple:
-        """What a commit of blocks ``[first_block, end_block)`` publishes: the blocks' keys, the checkpoint
-        boundaries and pins (:meth:`_checkpoint_boundaries`), the checkpoints' keys, parents and entries
-        (:meth:`_found_checkpoints`), and ``want`` (``CommitPages.read``'s)."""
-        hh = hashes.hashes
-        boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
-        keys, want = hh[first_block:end_block], []
-        for lookup in self._history_lookups:  # plain loops, no comprehension: each is a frame, costly run cold
-            for key in keys:
-                want.append(lookup(key) is None)
-        checkpoint_keys, parents, found = self._found_checkpoints(hashes, first_block, keys, boundaries, pins, want)
-        return keys, boundaries, pins, checkpoint_keys, parents, found, want
 
     def _found_checkpoints(self, hashes: RequestHashes, first_block: int, keys: list[int], boundaries: list[int],
                            pins: list[bool | None], want: list) -> tuple[list, list, list]:
@@ -730,10 +693,12 @@ class PrefixCache:
         for gid, pool, per_block, stats in self._history_groups:
             entries = list(zip(*[iter(pages[at:at + n_blocks * per_block])] * per_block))  # each block's pages
             at, e = at + n_blocks * per_block, e + n_blocks
-            done, (entries, done_keys, done_parents, done_ends) = _claimed(
-                status[e - n_blocks:e], (entries, keys, parents, ends))
+            done = [i for i, st in enumerate(status[e - n_blocks:e]) if st == 2]  # the blocks it claimed
             if not done:
                 continue
+            columns = (entries, keys, parents, ends)  # cut to them where it did not claim all
+            entries, done_keys, done_parents, done_ends = columns if len(done) == n_blocks else (
+                [xs[i] for i in done] for xs in columns)
             adopted[0].append(pool), adopted[1].append(done_keys), adopted[2].append(entries)
             stored += zip(repeat("stored"), repeat(gid), done_keys, done_parents, done_ends, repeat(per_block))
             if hook is not None:  # the group's blocks in one call
@@ -776,13 +741,13 @@ class PrefixCache:
         group, None where missing): tier link and checkpoint values (:meth:`_tell_checkpoints`), then
         ``ValueEviction.stored_checkpoint`` boundary by boundary; the request's own ones (``pins`` not None, after
         the speculative ones) returned, each held in every state group that has it."""
-        gids, holders, n = self.state_ids, self._state_holders, len(self.state_ids)
+        gids, n = self.state_ids, len(self.state_ids)
         if self.tier_hook is not None or self.values is not None:
             self._tell_checkpoints(keys, boundaries, pins, entries, status)
         own_checkpoints = []
         for j in range(pins.count(None), len(pins)):  # the request's own ones (the speculative ones first)
             key, own = keys[j], OwnCheckpoint(boundaries[j], pins[j])
-            for gid, entry, held in zip(gids, entries[j * n:(j + 1) * n], holders):
+            for (gid, held), entry in zip(self._hit_holders, entries[j * n:(j + 1) * n]):
                 if entry is not None:
                     own.entries[gid] = (key, entry)
                     held[key] = held.get(key, 0) + 1
@@ -810,14 +775,13 @@ class PrefixCache:
                 values.published(key, boundary, speculative=pinned is None)
 
     def _supersede(self, req: CommittingRequest, new_own: list, events: list[tuple], let_go: list[tuple]) -> None:
-        """Drop the request's hold on every earlier own checkpoint that is not pinned, group
-        by group (``new_own`` become its own checkpoints); where it was the last: kept by
-        value ("prefill-per-byte"), demoted (a speculative boundary: kept like the ones the
-        policy publishes, low priority) or unpublished with the rest of its unit from the
-        other state groups (as ``ValueEviction.removed`` would take it: its entries popped), booked at once;
-        its entries go onto ``let_go``, listed for ``PageSpace.demote`` or ``PageSpace.drop_listed``, and its pages
-        leave their lists at the commit's end (``_let_go``): the same removals, events (onto ``events``) and order as
-        one at a time. One function, plain loops: cheaper run cold."""
+        """Drop the request's hold on every earlier own checkpoint that is not pinned, group by group (``new_own``
+        become its own checkpoints); where it was the last: kept by value ("prefill-per-byte"), demoted (a speculative
+        boundary: kept like the ones the policy publishes, low priority) or unpublished with the rest of its unit from
+        the other state groups (as ``ValueEviction.removed`` would take it: its entries popped), booked at once; its
+        entries go onto ``let_go``, listed for ``PageSpace.demote`` or ``PageSpace.drop_listed``, and its pages leave
+        their lists at the commit's end (``_let_go``): the same removals, events (onto ``events``) and order as one at a
+        time. One function, plain loops: cheaper run cold."""
         pinned, books, values = [], self._supersede_books, self.values
         for prev in req.own_checkpoints:
             if prev.pinned:
@@ -960,24 +924,19 @@ class PrefixCache:
         return self.eviction.report()
 
     # --- events ---------------------------------------------------------------
-    def _removed_callback(self, gid: str) -> Callable[[int, str, int], None]:
-        def removed(key: int, cause: str, idle_pages: int) -> None:
-            self._emit_many(self._book_removals((key,), ((gid,),)))
-            self.eviction.removed(gid, key, cause, idle_pages)
+    def _removed(self, gid: str, key: int, cause: str, idle_pages: int) -> None:
+        """Group ``gid``'s pool's ``on_removed``: the removal booked, its event emitted, the eviction policy told."""
+        self._emit_many(self._book_removals((key,), ((gid,),)))
+        self.eviction.removed(gid, key, cause, idle_pages)
 
-        return removed
-
-    def _evict_many_callback(self, gid: str) -> Callable[[Sequence[int], str], int]:
-        def evict_many(keys: Sequence[int], cause: str) -> int:
-            """Entries evicted (or revoked) from state group ``gid`` together: they and the rest of
-            their units leave every state group in one pass (``ValueEviction.take_units``); then
-            every removal is booked in the order one at a time gives (each entry, then its unit
-            group by group), events in one call. The idle pages freed in ``gid``."""
-            removals, left, freed = self.eviction.take_units(gid, keys, cause)
-            self._emit_many(self._book_removals(keys, left, self.eviction.units_removed(gid, removals, left)))
-            return freed
-
-        return evict_many
+    def _evict_many(self, gid: str, keys: Sequence[int], cause: str) -> int:
+        """State group ``gid``'s pool's ``evict_many``: entries evicted (or revoked) there together, they and the rest
+        of their units leaving every state group in one pass (``ValueEviction.take_units``); then every removal is
+        booked in the order one at a time gives (each entry, then its unit group by group), events in one call. The
+        idle pages freed in ``gid``."""
+        removals, left, freed = self.eviction.take_units(gid, keys, cause)
+        self._emit_many(self._book_removals(keys, left, self.eviction.units_removed(gid, removals, left)))
+        return freed
 
     def _book_removals(self, keys: Sequence[int], left: Sequence[Sequence[str]],
                        origins: Sequence[tuple] | None = None) -> list[tuple]:
@@ -1032,7 +991,7 @@ class PrefixCache:
 
     def _raws(self, items: Sequence[tuple]) -> Iterator[tuple]:
         """The raw events of ``items`` in order: a raw event (kind, group, key, parent, tokens, pages) as it is; a
-        commit's record (``_book_units``' ``booked``: its blocks' keys, parents and ends, its checkpoints' keys,
+        commit's record (``_book``'s ``booked``: its blocks' keys, parents and ends, its checkpoints' keys,
         parents and boundaries) its "stored" events: its blocks history group by group, then its checkpoints
         boundary by boundary, state group by state group."""
         for item in items:
@@ -1092,15 +1051,6 @@ def _grain(specs: Sequence[CacheGroupSpec], windows: Mapping[str, int], granular
             raise ValueError(f"prefix_granularity {g} is smaller than group {s.group_id!r} checkpoint window "
                              f"({windows[s.group_id]} tokens): checkpoints would overlap")
     return g
-
-
-def _claimed(status: Sequence[int], columns: tuple) -> tuple[list[int], tuple]:
-    """The blocks a commit claimed (``status`` 2: ``CommitPages.read``'s) and ``columns``
-    (lists, one item a block) cut to them; the columns as they are when it claimed all."""
-    done = [i for i, st in enumerate(status) if st == 2]
-    if len(done) == len(status):
-        return done, columns
-    return done, tuple([xs[i] for i in done] for xs in columns)
 
 
 def _events_in(item: tuple, n_history: int, n_state: int) -> int:

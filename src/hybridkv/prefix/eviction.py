@@ -51,11 +51,10 @@ class ValueEviction:
         self._history_pools = [pools[gid] for gid in self.history_ids]
         # Orphans exist only where a hit needs both kinds of group.
         self._track = bool(self.history_ids) and bool(self.state_ids)
-        # One record per key for every group: [parent key, support, entries in any group, state groups
-        # holding it, child keys (None; one child: a 1-tuple, made a dict by a second, ``_add_child``),
-        # cut (a block on its chain is missing), first (a chain's first block), boundary tokens]. Children
-        # past one and waiting keys are dicts used as insertion-ordered sets, so every walk goes in
-        # publication order, never in hash order.
+        # One record per key for every group: [parent key, support, entries in any group, state groups holding it, child
+        # keys (None; one child: a 1-tuple, made a dict by a second, ``_add_child``), cut (a block on its chain is
+        # missing), first (a chain's first block), boundary tokens]. Children past one and waiting keys are dicts used
+        # as insertion-ordered sets, so every walk goes in publication order, never in hash order.
         self._nodes: dict[Hashable, list] = {}
         self.knows: Callable[[Hashable], bool] = self._nodes.__contains__  # False: no group publishes it
         self._unborn: dict[Hashable, dict] = {}  # parent key -> keys published before it
@@ -91,34 +90,37 @@ class ValueEviction:
                     self._place_stored(gid, keys[i], node, node[2] - node[3] == n_history)
 
     def _place_stored(self, gid: str, key: Hashable, node: list, complete: bool) -> None:
-        """Group ``gid`` stored block ``key`` (``complete``: every history group holds it now):
-        promote it where it was demoted, mend its waiting children or itself when the chain
-        above is whole, else demote it (beyond a missing block: worth nothing yet)."""
+        """Group ``gid`` stored block ``key`` (``complete``: every history group holds it now): promote it where it was
+        demoted, mend its waiting children or itself when the chain above is whole (its parent's node is not cut, or it
+        is a chain's first block), else demote it (beyond a missing block: worth nothing yet)."""
         if node[1] > 0 and self.acts:
             self.pools[gid].promote(key)
-        if not node[5]:
-            if complete and node[4] and any(self._nodes[child][5] for child in node[4]):
-                self._mend_children(key)
-        elif complete and self._whole_above(node):
+        if not node[5]:  # its children cut while its node was missing regain their value
+            for child in list(node[4]) if complete and node[4] else ():
+                if self._nodes[child][5]:
+                    self._mend(child)
+        elif complete and (not up[5] if (up := self._nodes.get(node[0])) is not None else node[6]):
             self._mend(key)
         else:
             self._demote_cut(gid, key)
 
     def stored_commit(self, keys: Sequence[Hashable], parents: Sequence[Hashable | None], boundaries: Sequence[int],
                       checkpoints: Sequence[Hashable]) -> None:
-        """:meth:`stored_blocks` of blocks ``keys`` (a chain: ``parents[i + 1]`` is ``keys[i]``)
-        in every history group, then :meth:`stored_checkpoint` of each of ``checkpoints``
-        (among ``keys``, in order, the last one last) in every state group: a commit claimed
-        whole. Done at once for new keys on a whole chain (history and state groups; no key
-        has a node or a child waiting, the chain above is not cut), where nothing else
-        changes: each node made with its counts (:meth:`_new_chain`), the chain's parent one
-        support more (in place when it is supported already)."""
+        """:meth:`stored_blocks` of blocks ``keys`` (a chain: ``parents[i + 1]`` is ``keys[i]``) in every history group,
+        then :meth:`stored_checkpoint` of each of ``checkpoints`` (among ``keys``, in order, the last one last) in every
+        state group: a commit claimed whole. Done at once for new keys on a whole chain (history and state groups; no
+        key has a node or a child waiting, the chain above is not cut), where nothing else changes: each node made with
+        its counts (:meth:`_new_chain`), the chain's parent one support more (in place when it is supported already)."""
         nodes, unborn = self._nodes, self._unborn
         up = nodes.get(parents[0])
         if not self._track or (up[5] if up is not None else boundaries[0] > self.granularity_tokens) or (
                 keys[0] in nodes or keys[0] in unborn if len(keys) == 1
                 else not nodes.keys().isdisjoint(keys) or not unborn.keys().isdisjoint(keys)):
-            self._stored_each(keys, parents, boundaries, checkpoints)
+            if self.history_ids:  # as one commit at a time books it
+                self.stored_blocks([(gid, range(len(keys))) for gid in self.history_ids], keys, parents, boundaries)
+            at = dict(zip(keys, zip(parents, boundaries)))
+            for key in checkpoints:
+                self.stored_checkpoint(self.state_ids, key, *at[key])
             return
         if len(keys) == 1:  # one block and its checkpoint (a decode commit): supported by it
             n_state = len(self.state_ids)
@@ -150,16 +152,6 @@ class ValueEviction:
             node = nodes[key] = [parent, own + (i < last), n_history + n_state if own else n_history,
                                  n_state if own else 0, None, False, boundary <= g, boundary]
 
-    def _stored_each(self, keys: Sequence[Hashable], parents: Sequence[Hashable | None], boundaries: Sequence[int],
-                     checkpoints: Sequence[Hashable]) -> None:
-        """:meth:`stored_commit` done as one commit at a time books it: :meth:`stored_blocks`
-        of every history group, then :meth:`stored_checkpoint` boundary by boundary."""
-        if self.history_ids:
-            self.stored_blocks([(gid, range(len(keys))) for gid in self.history_ids], keys, parents, boundaries)
-        at = dict(zip(keys, zip(parents, boundaries)))
-        for key in checkpoints:
-            self.stored_checkpoint(self.state_ids, key, *at[key])
-
     def origin(self, key: Hashable) -> tuple[Hashable | None, int]:
         """The parent key and boundary tokens of a key published in some group (as
         :meth:`stored` was told them; (None, 0) if nothing is published under it)."""
@@ -169,9 +161,7 @@ class ValueEviction:
     def stored_checkpoint(self, gids: Sequence[str], key: Hashable, parent: Hashable | None, boundary: int) -> None:
         """:meth:`stored` of one checkpoint in each state group of ``gids`` in turn (a
         commit's publications of a boundary), its node looked up once."""
-        node = self._nodes.get(key)
-        if node is None:
-            node = self._new_node(key, parent, boundary)
+        node = self._nodes.get(key) or self._new_node(key, parent, boundary)
         if node[5]:
             for gid in gids:
                 node[2] += 1
@@ -183,19 +173,6 @@ class ValueEviction:
         node[3] += len(gids)
         if held < len(self.state_ids) == node[3] and self._track:
             self._add_support(key)
-
-    def _whole_above(self, node: list) -> bool:
-        """Whether every block above ``node``'s on its chain is cached: its parent's node
-        is not cut, or it is a chain's first block."""
-        up = self._nodes.get(node[0])
-        return not up[5] if up is not None else node[6]
-
-    def _mend_children(self, key: Hashable) -> None:
-        """The block at ``key`` (not cut) is now in every history group: its children cut
-        because its node was missing when they were published regain their value."""
-        for child in list(self._nodes[key][4]):
-            if self._nodes[child][5]:
-                self._mend(child)
 
     def _new_node(self, key: Hashable, parent: Hashable | None, boundary: int) -> list:
         """The node of a key first published: a child of its parent's node, or waiting for it (a key published before
@@ -416,7 +393,10 @@ class ValueEviction:
                 if not waiting:
                     del self._unborn[node[0]]
                 return
-            _drop_child(up, key)
+            if up[4].__class__ is tuple:  # its one child (``_add_child``)
+                up[4] = None
+            else:
+                up[4].pop(key, None)
             key = node[0]
 
     # --- diagnostics ------------------------------------------------------------
@@ -462,14 +442,6 @@ def _add_child(node: list, key: Hashable) -> None:
         children[key] = None
     else:
         node[4] = dict.fromkeys((*children, key))
-
-
-def _drop_child(node: list, key: Hashable) -> None:
-    """``key`` leaves the children of ``node`` (a 1-tuple's one child: None left)."""
-    if node[4].__class__ is tuple:
-        node[4] = None
-    else:
-        node[4].pop(key, None)
 
 
 __all__ = ["GroupValueStats", "POLICIES", "REASONS", "UNIT", "ValueEviction"]
