@@ -646,14 +646,33 @@ def joined_low(geometry, low_priority, per_group, counts, idle_keyed, joined):
 
 @njit(cache=True)
 def must_pack_at(ref, offset, packing, g, page, pages):
-    """The arena's packing rule of group ``g`` once it is roomy (``Arena._packing_rule``: ``must_pack_slabs``) for
-    ``pages`` long-lived pages whose highest id is ``page``; ``ref[offset:]``: the group's ref counts. ``packing``:
-    owners, the groups' slab page ranges and straddlers, and per group its page bytes, the reserved bytes, the slab
-    bytes, the fewest inner pages of a slab and the slabs its live pages may spread over."""
+    """The arena's packing rule of group ``g`` once it is roomy (``Arena._packing_rule``) for ``pages`` long-lived
+    pages whose highest id is ``page``; ``ref[offset:]``: the group's ref counts. False when the slab of that id's first
+    byte holds live pages of the group already, else whether its live pages plus ``pages`` would lie in more than
+    ``spread_slabs`` slabs beyond those they fill. ``packing``: owners, the groups' slab page ranges and straddlers,
+    and per group its page bytes, the reserved bytes, the slab bytes, the fewest inner pages of a slab
+    (``per_slab``) and ``spread_slabs``."""
     owner, lo, hi, straddle, sizes = packing
     page_bytes, reserved_bytes, slab_bytes, per_slab, spread_slabs = sizes[g]
-    slab = (page * page_bytes - reserved_bytes) // slab_bytes  # the slab of its first byte
-    return must_pack_slabs(ref[offset:], owner, g, lo[g], hi[g], straddle[g], slab, pages, per_slab, spread_slabs)
+    ref, lo, hi, straddle = ref[offset:], lo[g], hi[g], straddle[g]
+    slab = (page * page_bytes - reserved_bytes) // slab_bytes
+    for page in range(lo[slab], hi[slab]):
+        if ref[page] > 0:
+            return False
+    n, held_pages, held_slabs = owner.size, 0, 0
+    for s in range(n):
+        if owner[s] != g:
+            continue
+        here = 0
+        for page in range(lo[s], hi[s]):
+            if ref[page] > 0:
+                here += 1
+        if s + 1 < n and owner[s + 1] == g and straddle[s + 1] >= 0 and ref[straddle[s + 1]] > 0:
+            here += 1
+        held_pages += here
+        if here:
+            held_slabs += 1
+    return held_slabs + 1 > -(-(held_pages + pages) // per_slab) + spread_slabs
 
 
 @njit(cache=True)
@@ -1511,39 +1530,28 @@ def slab_move_pages(owner, donor, group, lo, hi, straddle, s, pages):
 
 
 @njit(cache=True)
-def spare_slab_pages(owner, groups, slabs, lo, hi, straddle, pages, ends):
+def grant_spare_slabs(owner, groups, slabs, lo, hi, straddle, pages, ends, stack, top, offsets, lowest, granted):
     """Spare slabs granted (``groups[i]`` takes ``slabs[i]``; ``owner`` updated): group ``g``'s gained pages to
-    ``pages[ends[g - 1] : ends[g]]``. Returns the pages in all, or -1 when a slab is not spare or listed twice."""
+    ``pages[ends[g - 1] : ends[g]]``, then pushed onto its free stack and counted in ``granted[g]``. Returns the
+    pages in all, or -1 (no page pushed) when a slab is not spare or listed twice."""
     for i in range(slabs.size):
         if owner[slabs[i]] >= 0:
             return -1
     n = 0
     for g in range(lo.shape[0]):
         for i in range(groups.size):
-            s = slabs[i]
-            if groups[i] != g:
-                continue
-            if owner[s] >= 0:
-                return -1  # listed twice
-            n = slab_pages(owner, g, lo[g], hi[g], straddle[g], s, pages, n)
-            owner[s] = g
+            if groups[i] == g:
+                if owner[slabs[i]] >= 0:
+                    return -1  # listed twice
+                n = slab_pages(owner, g, lo[g], hi[g], straddle[g], slabs[i], pages, n)
+                owner[slabs[i]] = g
         ends[g] = n
-    return n
-
-
-@njit(cache=True)
-def grant_spare_slabs(owner, groups, slabs, lo, hi, straddle, pages, ends, stack, top, offsets, lowest, granted):
-    """``spare_slab_pages``, each group's gains pushed onto its free stack and counted in ``granted[g]``."""
-    n = spare_slab_pages(owner, groups, slabs, lo, hi, straddle, pages, ends)
-    if n < 0:
-        return n
     start = 0
     for g in range(ends.size):
-        end = ends[g]
-        if end > start:
-            top[g] = push_run(stack[offsets[g]:], top[g], lowest[g] != 0, pages[start:end])
-            granted[g] += end - start
-        start = end
+        if ends[g] > start:
+            top[g] = push_run(stack[offsets[g]:], top[g], lowest[g] != 0, pages[start : ends[g]])
+            granted[g] += ends[g] - start
+        start = ends[g]
     return n
 
 
@@ -1710,29 +1718,6 @@ def idle_slabs(owner, group, lo, hi, straddle, ref, keyed, low_priority, idle_ti
             edge_idle[s] |= idle == 1
             counted += keyed_idle
     return counted
-
-
-@njit(cache=True)
-def must_pack_slabs(ref, owner, group, lo, hi, straddle, slab, pages, per_slab, spread_slabs):
-    """``Arena``'s packing rule once roomy: False when ``slab`` holds live pages of ``group`` already, else
-    whether its live pages plus ``pages`` would lie in more than ``spread_slabs`` slabs beyond those they fill."""
-    for page in range(lo[slab], hi[slab]):
-        if ref[page] > 0:
-            return False
-    n, held_pages, held_slabs = owner.size, 0, 0
-    for s in range(n):
-        if owner[s] != group:
-            continue
-        here = 0
-        for page in range(lo[s], hi[s]):
-            if ref[page] > 0:
-                here += 1
-        if s + 1 < n and owner[s + 1] == group and straddle[s + 1] >= 0 and ref[straddle[s + 1]] > 0:
-            here += 1
-        held_pages += here
-        if here:
-            held_slabs += 1
-    return held_slabs + 1 > -(-(held_pages + pages) // per_slab) + spread_slabs
 
 
 @njit(cache=True)
