@@ -248,18 +248,6 @@ def test_push_run_merges_ascending_and_unordered_runs_alike(ids, data):
         assert stack[:top].tolist() == ids[::-1]
         assert stack[top:].tolist() == [-7, -7]
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 300), max_size=80), min_size=1, max_size=4), st.data())
-def test_sort_short_runs_sorts_only_a_lowest_groups_short_runs(runs, data):
-    """``kernels.sort_short_runs`` (a free's freed ids before ``push_run``): each run, group after group, sorted in
-    place where its group is ``lowest`` and it has at most ``SHORT_RUN`` ids, else left as it came."""
-    lowest = np.array(data.draw(st.lists(st.booleans(), min_size=len(runs), max_size=len(runs))), dtype=np.int64)
-    ids = np.array([i for run in runs for i in run], dtype=np.int64)
-    kernels.sort_short_runs(ids, np.array([len(run) for run in runs], dtype=np.int64), lowest)
-    want = [sorted(run) if low and len(run) <= kernels.SHORT_RUN else run for run, low in zip(runs, lowest)]
-    assert ids.tolist() == [i for run in want for i in run]
-
-
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 40), st.integers(1, 8), st.lists(st.integers(0, 30), min_size=3, max_size=3))
 def test_plan_views_tile_their_buffer_without_overlap(cap, n_groups, room):

@@ -343,8 +343,7 @@ def place_row(geometry, pages, bounds, row, lo, counts, page_ids, view):
         if k > 0:
             base, hi = bounds[BASE, g, row], bounds[HI, g, row]
             live = max(hi, first + k) - (min(base, first) if hi > base else first)
-            if geometry[g, LANE_START] >= 0 and (live > geometry[g, RING_MASK] + 1 or bounds[LANE, g, row] > 0):
-                fit_ring(geometry, pages, bounds, g, row, live)
+            fit_ring(geometry, pages, bounds, g, row, live)
             for logical in range(first, first + k):
                 pages[cell(geometry, bounds, g, row, logical)] = page_ids[n]
                 view[n] = view_cell(geometry, n_rows, g, row, logical)
@@ -521,7 +520,7 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
             if bounds[LANE, g, row]:
                 fit_ring(geometry, pages, bounds, g, row, bounds[HI, g, row] - after[0, g, r])
         keyed_from = n_keyed
-        n_free, n_keyed = drop_released(ref, keyed, offset, scratch[:n], idle_keyed, n_keyed)
+        n_free, n_keyed = drop_released(ref, keyed, offset, scratch[:n], scratch, 0, idle_keyed, n_keyed)
         released[0, g], released[1, g] = n_free, n_keyed - keyed_from
         per_group[RELEASED_PAGES, g] += n_free + n_keyed - keyed_from
         if n_free:
@@ -530,16 +529,16 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
 
 
 @njit(cache=True, inline="always")
-def drop_released(ref, keyed, offset, pages, idle_keyed, n_keyed):
-    """``release_pages``' references of one group's released ``pages`` (local ids; the group's first id
-    ``offset``): one less each, all before any page is taken (in a loop of their own: the counts' and keys' cache
-    misses overlap); then those whose last reference went, once each, unkeyed to the front of ``pages``, keyed to
-    ``idle_keyed`` from ``n_keyed``. Returns (unkeyed pages, idle keyed pages so far)."""
+def drop_released(ref, keyed, offset, pages, freed, n_free, idle_keyed, n_keyed):
+    """One reference less on each of one group's ``pages`` (local ids; the group's first id ``offset``), all before
+    any page is taken (in a loop of their own: the counts' and keys' cache misses overlap); then those whose last
+    reference went, once each: unkeyed to ``freed`` from ``n_free`` (``pages`` itself from 0 may be ``freed``: a page
+    is read before its place is written), keyed to ``idle_keyed`` from ``n_keyed``. Returns both counts so far."""
     some_keyed = False
     for i in range(pages.size):
         ref[offset + pages[i]] -= 1
         some_keyed |= keyed[offset + pages[i]]
-    n_free, keyed_from = 0, n_keyed
+    free_from, keyed_from = n_free, n_keyed
     for i in range(pages.size):
         page = pages[i]
         if ref[offset + page] == 0:
@@ -548,10 +547,10 @@ def drop_released(ref, keyed, offset, pages, idle_keyed, n_keyed):
                 idle_keyed[n_keyed] = page
                 n_keyed += 1
             else:
-                pages[n_free] = page  # n_free <= i: read already
+                freed[n_free] = page
                 n_free += 1
-    for i in range(n_free):
-        ref[offset + pages[i]] = 0
+    for i in range(free_from, n_free):
+        ref[offset + freed[i]] = 0
     for i in range(keyed_from, n_keyed):
         ref[offset + idle_keyed[i]] = 0
     return n_free, n_keyed
@@ -647,14 +646,33 @@ def joined_low(geometry, low_priority, per_group, counts, idle_keyed, joined):
 
 @njit(cache=True)
 def must_pack_at(ref, offset, packing, g, page, pages):
-    """The arena's packing rule of group ``g`` once it is roomy (``Arena._packing_rule``: ``must_pack_slabs``) for
-    ``pages`` long-lived pages whose highest id is ``page``; ``ref[offset:]``: the group's ref counts. ``packing``:
-    owners, the groups' slab page ranges and straddlers, and per group its page bytes, the reserved bytes, the slab
-    bytes, the fewest inner pages of a slab and the slabs its live pages may spread over."""
+    """The arena's packing rule of group ``g`` once it is roomy (``Arena._packing_rule``) for ``pages`` long-lived
+    pages whose highest id is ``page``; ``ref[offset:]``: the group's ref counts. False when the slab of that id's first
+    byte holds live pages of the group already, else whether its live pages plus ``pages`` would lie in more than
+    ``spread_slabs`` slabs beyond those they fill. ``packing``: owners, the groups' slab page ranges and straddlers,
+    and per group its page bytes, the reserved bytes, the slab bytes, the fewest inner pages of a slab
+    (``per_slab``) and ``spread_slabs``."""
     owner, lo, hi, straddle, sizes = packing
     page_bytes, reserved_bytes, slab_bytes, per_slab, spread_slabs = sizes[g]
-    slab = (page * page_bytes - reserved_bytes) // slab_bytes  # the slab of its first byte
-    return must_pack_slabs(ref[offset:], owner, g, lo[g], hi[g], straddle[g], slab, pages, per_slab, spread_slabs)
+    ref, lo, hi, straddle = ref[offset:], lo[g], hi[g], straddle[g]
+    slab = (page * page_bytes - reserved_bytes) // slab_bytes
+    for page in range(lo[slab], hi[slab]):
+        if ref[page] > 0:
+            return False
+    n, held_pages, held_slabs = owner.size, 0, 0
+    for s in range(n):
+        if owner[s] != g:
+            continue
+        here = 0
+        for page in range(lo[s], hi[s]):
+            if ref[page] > 0:
+                here += 1
+        if s + 1 < n and owner[s + 1] == g and straddle[s + 1] >= 0 and ref[straddle[s + 1]] > 0:
+            here += 1
+        held_pages += here
+        if here:
+            held_slabs += 1
+    return held_slabs + 1 > -(-(held_pages + pages) // per_slab) + spread_slabs
 
 
 @njit(cache=True)
@@ -1041,40 +1059,34 @@ def rewind_rows(geometry, pages, bounds, counters, known_floor, ref, keyed, stac
     for r in range(rows.size):
         if not counters[1, rows[r]] <= kept[r] <= counters[0, rows[r]]:
             return False, empty, empty, empty
-    n_groups, total = geometry.shape[0], 0
-    keep = np.empty((n_groups, rows.size), dtype=np.int64)  # each row's new hi per group
-    for g in range(n_groups):
-        tokens, shift = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT]
+    n_groups, total, n = geometry.shape[0], 0, 0
+    for g in range(n_groups):  # room for every live page of the rows
         for r in range(rows.size):
-            row = rows[r]
-            keep[g, r] = min(max(divide(kept[r] + tokens - 1, tokens, shift), bounds[BASE, g, row]), bounds[HI, g, row])
-            total += bounds[HI, g, row] - keep[g, r]
-    taken, touched = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
-    freed, idle_keyed = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
+            total += bounds[HI, g, rows[r]] - bounds[BASE, g, rows[r]]
+    work = np.empty((4, total), dtype=np.int64)
+    taken, touched, freed, idle_keyed = work[0], work[1], work[2], work[3]
     taken_per_group, counts = np.zeros(n_groups, dtype=np.int64), np.zeros((2, n_groups), dtype=np.int64)
-    n = 0
     for g in range(n_groups):
-        start = n
+        tokens, shift, start = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], n
         for r in range(rows.size):
-            n = take_cells(geometry, pages, bounds, g, rows[r], keep[g, r], taken, touched, n)
+            keep = max(divide(kept[r] + tokens - 1, tokens, shift), bounds[BASE, g, rows[r]])
+            n = take_cells(geometry, pages, bounds, g, rows[r], keep, taken, touched, n)
         taken_per_group[g] = n - start
-    release_into(ref, keyed, stack, per_group, geometry[:, ID_OFFSET].copy(), taken, taken_per_group, freed,
+    release_into(ref, keyed, stack, per_group, geometry[:, ID_OFFSET].copy(), taken[:n], taken_per_group, freed,
                  idle_keyed, counts)
     for r in range(rows.size):
         row = rows[r]
         counters[0, row] = kept[r]
         counters[2, row] = min(counters[2, row], max(kept[r], known_floor[row]))
-    return True, touched, idle_keyed[: counts[1].sum()], counts[1].copy()
+    return True, touched[:n], idle_keyed[: counts[1].sum()], counts[1].copy()
 
 
 @njit(cache=True)
 def release_into(ref, keyed, stack, per_group, offsets, taken, taken_per_group, freed, idle_keyed, counts):
     """Pages taken out of the tables (group-major, ``taken_per_group[g]`` each) are one release per group
     (``drop_holds``, ``push_free``): its scratch ``freed`` and ``idle_keyed`` (room for ``taken``), its counts to
-    ``counts[0|1, g]`` (unkeyed freed, keyed left idle; zeroed by the caller). A ``lowest`` group's short
-    freed run is sorted in place first (``sort_short_runs``): ``push_run`` merges it as it is."""
+    ``counts[0|1, g]`` (unkeyed freed, keyed left idle; zeroed by the caller)."""
     drop_holds(ref, keyed, offsets, taken_per_group, taken, freed, idle_keyed, counts)
-    sort_short_runs(freed, counts[0], per_group[LOWEST])
     push_free(stack, per_group[TOP], offsets, per_group[LOWEST], counts[0], freed)
     for g in range(offsets.size):
         per_group[RELEASED_PAGES, g] += counts[0, g] + counts[1, g]
@@ -1152,8 +1164,7 @@ def free_rows(geometry, pages, bounds, ref, keyed, stack, per_group, rows, offse
             row, start = rows[r], n
             n = take_cells(geometry, pages, bounds, g, row, bounds[BASE, g, row], taken, cells, n)  # no live cell left
             counts[2, g] += n - start
-            if bounds[LANE, g, row]:
-                fit_ring(geometry, pages, bounds, g, row, 0)
+            fit_ring(geometry, pages, bounds, g, row, 0)  # its lane back
             bounds[BASE, g, row], bounds[HI, g, row] = 0, 0
     release_into(ref, keyed, stack, per_group, offsets, taken[:n], counts[2], freed, idle_keyed, counts)
     return n
@@ -1175,15 +1186,29 @@ def live_cells(geometry, bounds, index):
 @njit(cache=True)
 def merge_free(stack, top, run):
     """Merge the ascending distinct ids ``run`` into the descending free stack ``stack[:top]``; returns the new
-    top. A long block of stack ids below the next run id is found by bisection and moved at once."""
+    top. A block of more than ``MERGE_BLOCK`` stack ids below the next run id is found by bisection and moved at
+    once: in slices that do not overlap when the shift is long, else one by one from the top."""
     i, j, k = top - 1, 0, top + run.size - 1
     while j < run.size:  # fill from the new top down, lowest first; stack ids left are in place
         if i >= 0 and stack[i] < run[j]:
             if i >= MERGE_BLOCK and stack[i - MERGE_BLOCK] < run[j]:
-                lo = first_below(stack, i - MERGE_BLOCK, run[j])
-                move_up(stack, lo, i + 1 - lo, k - i)
-                k -= i + 1 - lo
-                i = lo - 1
+                lo, hi = -1, i - MERGE_BLOCK  # stack[lo] >= run[j] (or lo = -1), stack[hi] < run[j]
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if stack[mid] < run[j]:
+                        hi = mid
+                    else:
+                        lo = mid
+                shift, end = k - i, i + 1  # stack[hi : i + 1] moves up by ``shift``
+                if shift >= 64:
+                    while end > hi:
+                        start = max(hi, end - shift)
+                        stack[start + shift : end + shift] = stack[start:end]
+                        end = start
+                else:
+                    for t in range(i, hi - 1, -1):
+                        stack[t + shift] = stack[t]
+                k, i = k - (i + 1 - hi), hi - 1
             else:
                 stack[k] = stack[i]
                 i -= 1
@@ -1196,56 +1221,6 @@ def merge_free(stack, top, run):
 
 
 MERGE_BLOCK = 16  # ``merge_free`` moves stack ids one by one up to this many in a row
-
-
-@njit(cache=True)
-def first_below(stack, at, value):
-    """The lowest index ``lo <= at`` with ``stack[lo : at + 1]`` all below ``value``, given
-    ``stack[at] < value`` and ``stack`` descending."""
-    lo, hi = -1, at  # stack[lo] >= value (or lo = -1), stack[hi] < value
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if stack[mid] < value:
-            hi = mid
-        else:
-            lo = mid
-    return hi
-
-
-@njit(cache=True)
-def move_up(stack, lo, n, shift):
-    """``stack[lo : lo + n]`` to ``stack[lo + shift : lo + shift + n]`` (``shift > 0``): in
-    slices that do not overlap when the shift is long, else one by one from the top."""
-    if shift >= 64:
-        end = lo + n
-        while end > lo:
-            start = max(lo, end - shift)
-            stack[start + shift : end + shift] = stack[start:end]
-            end = start
-    else:
-        for t in range(n - 1, -1, -1):
-            stack[lo + shift + t] = stack[lo + t]
-
-
-@njit(cache=True)
-def sort_short_runs(ids, per_group, lowest):
-    """Each ``lowest`` group's run of ``ids`` (group after group, ``per_group[g]`` each) sorted in place when it
-    has at most ``SHORT_RUN`` (insertion sort): ``push_run`` then merges it as it is, where it would sort a copy
-    (an allocation and a sort's code, ~3 µs cold in a free)."""
-    start = 0
-    for g in range(per_group.size):
-        end = start + per_group[g]
-        if lowest[g] and end - start <= SHORT_RUN:
-            for i in range(start + 1, end):
-                value, j = ids[i], i - 1
-                while j >= start and ids[j] > value:
-                    ids[j + 1] = ids[j]
-                    j -= 1
-                ids[j + 1] = value
-        start = end
-
-
-SHORT_RUN = 64  # ``sort_short_runs`` leaves a longer run to ``push_run``'s sort
 
 
 @njit(cache=True, _nrt=True)
@@ -1306,42 +1281,38 @@ def next_low_idle(low_priority, keyed, ref, words, page, bound):
 
 @njit(cache=True)
 def push_free(stack, top, offsets, lowest, per_group, freed):
-    """``push_run`` of each group's freed local ids (``freed``, group after group,
-    ``per_group[g]`` of them, in logical order)."""
+    """``push_run`` of each group's freed local ids (``freed``, group after group, ``per_group[g]`` of them, in
+    logical order). A ``lowest`` group's run of at most ``SHORT_RUN`` is sorted in place first (insertion sort):
+    ``push_run`` merges it as it is, where it would sort a copy (an allocation and a sort's code, ~3 µs cold)."""
     start = 0
     for g in range(per_group.size):
-        n = per_group[g]
-        if n:
-            base = offsets[g]
-            top[g] = push_run(stack[base:], top[g], lowest[g] != 0, freed[start : start + n])
-        start += n
+        run = freed[start : start + per_group[g]]
+        if lowest[g] and run.size <= SHORT_RUN:
+            for i in range(1, run.size):
+                value, j = run[i], i - 1
+                while j >= 0 and run[j] > value:
+                    run[j + 1] = run[j]
+                    j -= 1
+                run[j + 1] = value
+        if run.size:
+            top[g] = push_run(stack[offsets[g]:], top[g], lowest[g] != 0, run)
+        start += run.size
+
+
+SHORT_RUN = 64  # ``push_free`` leaves a longer run to ``push_run``'s sort
 
 
 @njit(cache=True)
 def drop_holds(ref, keyed, offsets, per_group, pages, freed, keyed_pages, counts):
-    """One reference less on each listed page (group-major, ``per_group[g]`` each); those whose last reference
-    went, once each: unkeyed to ``freed``, keyed to ``keyed_pages``, ``counts[0|1, g]`` how many."""
+    """``drop_released`` of each group's listed pages (group-major, ``per_group[g]`` each): unkeyed to ``freed``,
+    keyed to ``keyed_pages``, ``counts[0|1, g]`` how many."""
     start, n_freed, n_keyed = 0, 0, 0
     for g in range(per_group.size):
-        end = start + per_group[g]
-        offset = offsets[g]
-        for i in range(start, end):
-            ref[offset + pages[i]] -= 1
-        for i in range(start, end):
-            page = offset + pages[i]
-            if ref[page] == 0:
-                ref[page] = -1  # taken once, even where the list repeats it
-                if keyed[page]:
-                    keyed_pages[n_keyed] = pages[i]
-                    n_keyed += 1
-                    counts[1, g] += 1
-                else:
-                    freed[n_freed] = pages[i]
-                    n_freed += 1
-                    counts[0, g] += 1
-        for i in range(start, end):
-            if ref[offset + pages[i]] == -1:
-                ref[offset + pages[i]] = 0
+        end, freed_from, keyed_from = start + per_group[g], n_freed, n_keyed
+        n_freed, n_keyed = drop_released(ref, keyed, offsets[g], pages[start:end], freed, n_freed, keyed_pages,
+                                         n_keyed)
+        counts[0, g] += n_freed - freed_from
+        counts[1, g] += n_keyed - keyed_from
         start = end
 
 
@@ -1564,39 +1535,28 @@ def slab_move_pages(owner, donor, group, lo, hi, straddle, s, pages):
 
 
 @njit(cache=True)
-def spare_slab_pages(owner, groups, slabs, lo, hi, straddle, pages, ends):
+def grant_spare_slabs(owner, groups, slabs, lo, hi, straddle, pages, ends, stack, top, offsets, lowest, granted):
     """Spare slabs granted (``groups[i]`` takes ``slabs[i]``; ``owner`` updated): group ``g``'s gained pages to
-    ``pages[ends[g - 1] : ends[g]]``. Returns the pages in all, or -1 when a slab is not spare or listed twice."""
+    ``pages[ends[g - 1] : ends[g]]``, then pushed onto its free stack and counted in ``granted[g]``. Returns the
+    pages in all, or -1 (no page pushed) when a slab is not spare or listed twice."""
     for i in range(slabs.size):
         if owner[slabs[i]] >= 0:
             return -1
     n = 0
     for g in range(lo.shape[0]):
         for i in range(groups.size):
-            s = slabs[i]
-            if groups[i] != g:
-                continue
-            if owner[s] >= 0:
-                return -1  # listed twice
-            n = slab_pages(owner, g, lo[g], hi[g], straddle[g], s, pages, n)
-            owner[s] = g
+            if groups[i] == g:
+                if owner[slabs[i]] >= 0:
+                    return -1  # listed twice
+                n = slab_pages(owner, g, lo[g], hi[g], straddle[g], slabs[i], pages, n)
+                owner[slabs[i]] = g
         ends[g] = n
-    return n
-
-
-@njit(cache=True)
-def grant_spare_slabs(owner, groups, slabs, lo, hi, straddle, pages, ends, stack, top, offsets, lowest, granted):
-    """``spare_slab_pages``, each group's gains pushed onto its free stack and counted in ``granted[g]``."""
-    n = spare_slab_pages(owner, groups, slabs, lo, hi, straddle, pages, ends)
-    if n < 0:
-        return n
     start = 0
     for g in range(ends.size):
-        end = ends[g]
-        if end > start:
-            top[g] = push_run(stack[offsets[g]:], top[g], lowest[g] != 0, pages[start:end])
-            granted[g] += end - start
-        start = end
+        if ends[g] > start:
+            top[g] = push_run(stack[offsets[g]:], top[g], lowest[g] != 0, pages[start : ends[g]])
+            granted[g] += ends[g] - start
+        start = ends[g]
     return n
 
 
@@ -1763,29 +1723,6 @@ def idle_slabs(owner, group, lo, hi, straddle, ref, keyed, low_priority, idle_ti
             edge_idle[s] |= idle == 1
             counted += keyed_idle
     return counted
-
-
-@njit(cache=True)
-def must_pack_slabs(ref, owner, group, lo, hi, straddle, slab, pages, per_slab, spread_slabs):
-    """``Arena``'s packing rule once roomy: False when ``slab`` holds live pages of ``group`` already, else
-    whether its live pages plus ``pages`` would lie in more than ``spread_slabs`` slabs beyond those they fill."""
-    for page in range(lo[slab], hi[slab]):
-        if ref[page] > 0:
-            return False
-    n, held_pages, held_slabs = owner.size, 0, 0
-    for s in range(n):
-        if owner[s] != group:
-            continue
-        here = 0
-        for page in range(lo[s], hi[s]):
-            if ref[page] > 0:
-                here += 1
-        if s + 1 < n and owner[s + 1] == group and straddle[s + 1] >= 0 and ref[straddle[s + 1]] > 0:
-            here += 1
-        held_pages += here
-        if here:
-            held_slabs += 1
-    return held_slabs + 1 > -(-(held_pages + pages) // per_slab) + spread_slabs
 
 
 @njit(cache=True)
