@@ -953,7 +953,7 @@ class CacheManager:
             self._commit_rows(plan.crossing)  # publish what the rows' previous steps completed
         ts = self._tableset
         if (ts.log is None) == updates:  # the log's state changes: on for "updates", off for "full"
-            ts.start_log() if updates else ts.stop_log()
+            ts.set_log(updates)
         # At most a cell per page released or allocated, after the cells logged since the last step.
         n_logged = ts.logged_cells() if updates else -1
         cells = _NO_CELLS if n_logged < 0 else self._cell_buffers(plan.rows.size, plan.cells,
@@ -1436,8 +1436,8 @@ class CacheManager:
         if group_id not in self.tables:
             raise CacheManagerError(f"unknown group {group_id!r}; groups are {list(self.tables)}")
         table = self.tables[group_id]
-        base, hi = int(table.base[req.row]), int(table.hi[req.row])
-        return base, np.asarray(table.row_pages(req.row, base, hi), dtype=np.int64)
+        base = int(table.base[req.row])
+        return base, table.pages_in(req.row, base, table.hi[req.row])
 
     def hold_pages_by_group(self, pages_by_group: Mapping[str, np.ndarray]) -> None:
         """Hold each group's ``pages`` (held or cached; twice listed, twice held) outside any request
@@ -1535,8 +1535,7 @@ class CacheManager:
             table, pool = self.tables[gid], self.pools[gid]
             expected = np.zeros(pool.num_pages, dtype=np.int64)
             for req in self._requests.values():
-                row = np.asarray([req.row])
-                pages = table.pages_in(row, table.base[row], table.hi[row])
+                pages = table.pages_in(req.row, table.base[req.row], table.hi[req.row])
                 assert np.all(pages > 0), f"{gid}: request {req.request_id} has a hole in its table"
                 # A one-token step then needs at most one new page (schedule relies on it).
                 assert table.hi[req.row] >= cdiv(int(self._computed[req.row]), table.page_tokens), (
