@@ -1384,4 +1384,4 @@ def test_a_hits_borrow_with_a_free_page_is_refused_whole():
     assert state() == before
     assert borrow(cached) == 2
     assert pool.ref_counts[cached].tolist() == [1, 1] and not set(cached) & set(pool.evictable_page_ids())
-    assert mgr.tables[C4KV].row_pages(0, 0, 2) == cached.tolist()
+    assert mgr.tables[C4KV].pages_in(0, 0, 2).tolist() == cached.tolist()

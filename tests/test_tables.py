@@ -262,7 +262,7 @@ def test_ensure_rows_keeps_a_wide_rows_lane():
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 12)), min_size=3, max_size=3), st.integers(4, 40))
 def test_ensure_rows_keeps_every_live_cell(spans, rows_after):
     """Growing the store keeps every row's live pages where every reader finds them (ring view,
-    block tables, ``row_pages``, lanes): a full-history group, and sliding rows narrow, wrapped
+    block tables, ``pages_in``, lanes): a full-history group, and sliding rows narrow, wrapped
     around their ring or wide (in a lane)."""
     ts = TableSet([C4, SWA_4_8, SWA_4_4], max_context_tokens=2048, max_step_tokens=64, initial_rows=3)
     start = 1
@@ -279,11 +279,11 @@ def test_ensure_rows_keeps_every_live_cell(spans, rows_after):
         assert np.array_equal(ts.block_table(g, rows, 16), before[1][g])
         assert np.array_equal(ts.lanes(g)[:3], before[2][g])
         for row, held in enumerate(before[1][g]):
-            assert table.row_pages(row, table.base[row], table.hi[row]) == held[held >= 0].tolist()
+            assert table.pages_in(row, table.base[row], table.hi[row]).tolist() == held[held >= 0].tolist()
 
 
 def test_every_reader_of_a_row_sees_the_same_pages():
-    """``row_pages``, ``pages_in``, the kernels' ``block_table`` and the ring view agree, for a
+    """``pages_in`` of one row and of many, the kernels' ``block_table`` and the ring view agree, for a
     wide sliding row (in its lane), a narrow one that wraps its ring, and a full-history row."""
     ts, table = store(SWA_4_8, 256, 64, rows=3)
     place(ts, 0, np.array([0, 1]), np.array([3, 5]), np.array([9, 3]), np.arange(40, 52))
@@ -291,8 +291,8 @@ def test_every_reader_of_a_row_sees_the_same_pages():
     assert wide_rows(ts).tolist() == [0]  # 9 live pages outgrow the narrow ring of 4
     for row, base, pages in ((0, 3, list(range(40, 49))), (1, 5, [49, 50, 51])):
         hi = base + len(pages)
-        assert table.row_pages(row, base, hi) == pages
-        assert table.row_pages(row, base + 1, hi - 1) == pages[1:-1]
+        assert table.pages_in(row, base, hi).tolist() == pages
+        assert table.pages_in(row, base + 1, hi - 1).tolist() == pages[1:-1]
         assert table.pages_in(np.array([row]), np.array([base]), np.array([hi])).tolist() == pages
         assert ts.block_table(0, np.array([row]), len(pages)).tolist() == [pages]
         view = ts.ring_view()[0, row]
@@ -301,7 +301,7 @@ def test_every_reader_of_a_row_sees_the_same_pages():
     full_ts, full = store(C4, 1024, 64, rows=2)
     place(full_ts, 0, np.array([1]), np.array([0]), np.array([3]), np.array([7, 8, 9]))
     full.hi[1] = 3
-    assert full.row_pages(1, 0, 3) == [7, 8, 9] and full.row_pages(1, 1, 1) == []
+    assert full.pages_in(1, 0, 3).tolist() == [7, 8, 9] and full.pages_in(1, 1, 1).tolist() == []
     assert full.pages_in(np.array([1]), np.array([1]), np.array([3])).tolist() == [8, 9]
 
 
@@ -310,10 +310,10 @@ SWA_4_4 = CacheGroupSpec("swa4", "sliding_window", 4, 1, sliding_window_tokens=4
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 2), st.integers(1, 5), st.integers(1, 20), st.data())
-def test_commit_pages_reads_what_row_pages_reads(row, blocks, live_pages, data):
+def test_commit_pages_reads_what_pages_in_reads(row, blocks, live_pages, data):
     """``CommitPages.read`` (one compiled call) gives, for a row of a full-history group
     and two sliding groups (one wide, in its lane, when its live pages outgrow the narrow
-    ring), the pages ``GroupTable.row_pages`` gives span by span (the reference): the
+    ring), the pages ``GroupTable.pages_in`` gives span by span (the reference): the
     history group's blocks ``[first, end)``, then per boundary each sliding group's
     window, flagged live exactly when it lies in the row's ``[base, hi)``."""
     ts = TableSet([C4, SWA_4_8, SWA_4_4], max_context_tokens=2048, max_step_tokens=64, initial_rows=3)
@@ -333,12 +333,12 @@ def test_commit_pages_reads_what_row_pages_reads(row, blocks, live_pages, data):
     pages, status = reader.read(row, first, end, boundaries)
     assert status[:end - first] == [1] * (end - first)  # history blocks: always live
     live = status[end - first:]
-    expected, expected_live = c4.row_pages(row, first, end), []
+    expected, expected_live = c4.pages_in(row, first, end).tolist(), []
     for d in boundaries:
         for table, window in ((swa8, 8), (swa4, 4)):
             lo, hi = (d - window) // 4, d // 4
             expected_live.append(int(lo >= table.base[row] and hi <= table.hi[row]))
-            expected.extend(table.row_pages(row, lo, hi) if expected_live[-1] else [None] * (hi - lo))
+            expected.extend(table.pages_in(row, lo, hi).tolist() if expected_live[-1] else [None] * (hi - lo))
     assert live == expected_live and len(pages) == len(expected)
     assert [p for p, e in zip(pages, expected) if e is not None] == [e for e in expected if e is not None]
 
@@ -376,7 +376,7 @@ def test_place_row_is_place_of_each_group_then_its_live_pages():
     for row, lo, counts in cases:
         sets = [TableSet(specs, max_context_tokens=256, max_step_tokens=64, initial_rows=3) for _ in range(2)]
         for ts in sets:
-            ts.start_log()
+            ts.set_log(True)
             ts.drain_updates()  # the resync: only this row's cells are logged from here
         ids = np.arange(100, 100 + sum(counts), dtype=np.int64)
         place_row(sets[0], row, np.array(lo), np.array(counts), ids)
@@ -390,6 +390,6 @@ def test_place_row_is_place_of_each_group_then_its_live_pages():
         assert np.array_equal(fast.ring_view(), slow.ring_view()) and np.array_equal(fast.bounds, slow.bounds)
         assert np.array_equal(fast.geometry, slow.geometry)
         assert [a.tolist() for a in fast.drain_updates()[:4]] == [a.tolist() for a in slow.drain_updates()[:4]]
-        assert fast.tables[0].row_pages(row, lo[0], lo[0] + counts[0]) == list(range(100, 100 + counts[0]))
+        assert fast.tables[0].pages_in(row, lo[0], lo[0] + counts[0]).tolist() == list(range(100, 100 + counts[0]))
         assert wide_rows(fast).tolist() == ([row] if counts[0] > 4 else [])
     assert wide_rows(sets[0]).tolist() == []  # the second case stays narrow

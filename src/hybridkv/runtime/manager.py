@@ -86,7 +86,7 @@ class _StepPlan:
     grants: list | None = None  # arena slabs to move before allocating (shared page space)
     spare_grants: np.ndarray | None = None  # or spare slabs alone, as ``kernels.grant_step`` grants them
     arrays: _StepArrays | None = None  # the batch's fresh arrays, once made (``_step``)
-    cells: tuple | None = None  # ``_cell_buffers`` ``_step`` made for the batch (``finish_step``'s cells)
+    cells: tuple | None = None  # the cell buffers ``_step`` made for the batch (``finish_step``'s cells)
 
 
 class _StepArrays(NamedTuple):
@@ -194,13 +194,6 @@ class _Releases:
             self._found[k] = found
         return found
 
-    @staticmethod
-    def load_kernel(tableset: TableSet, space: PageSpace, plan_arrays: tuple) -> None:
-        """Load ``kernels.release_credit`` with :meth:`of`'s argument types, over no rows."""
-        rows, after, none = plan_arrays[0], plan_arrays[3], _NO_PAGES
-        kernels.release_credit(tableset.geometry, tableset.pages, tableset.bounds, space.ref_counts, space.cached, 0,
-                               rows[:0], after[0, 0, :0], none, none, none, 0)
-
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
 _ANY_IDS = np.zeros(4, dtype=np.int32)[::2]  # a read-only strided view: ``_copy_ids``' type for the ids
@@ -299,7 +292,6 @@ class CacheManager:
                            space.cached, self._packing)
         self._tableset = TableSet(self.specs, max_context_tokens=self.max_context_tokens,
                                   max_step_tokens=self.max_step_tokens, id_offsets=self._space.offsets.tolist())
-        _Releases.load_kernel(self._tableset, self._space, self._scratch.plan)
 
     def _init_holds(self) -> None:
         """Tier state: requests waiting for a load (admission refuses them), each request's last load
@@ -439,12 +431,13 @@ class CacheManager:
         if prompt_token_ids is None and prompt_tokens is None:
             raise CacheManagerError("give prompt_token_ids or prompt_tokens")
         ids = None if prompt_token_ids is None else _token_array(prompt_token_ids)
-        prompt_len = ids.size if prompt_tokens is None else _nonneg_int("prompt_tokens", prompt_tokens)
+        prompt_len = ids.size if prompt_tokens is None else as_int("prompt_tokens", prompt_tokens, minimum=0,
+                                                                  error=CacheManagerError)
         if ids is not None and prompt_len != ids.size:
             raise CacheManagerError(f"prompt_tokens={prompt_tokens} disagrees with {ids.size} prompt token ids")
         if prompt_len < 1:
             raise CacheManagerError(f"{who}: the prompt must have at least one token")
-        max_new = _nonneg_int("max_new_tokens", max_new_tokens)
+        max_new = as_int("max_new_tokens", max_new_tokens, minimum=0, error=CacheManagerError)
         total = prompt_len + max_new
         if total > self.max_context_tokens:
             raise CacheManagerError(
@@ -913,7 +906,10 @@ class CacheManager:
         if self.tier_link is not None and self.tier_link.loads_in_flight:
             self.tier_link.check_schedule()
         updates = block_tables == "updates"
-        verdict = self._cached_verdict(items, uniform, fixed_width) if self._admitted is not None else None
+        # The last ``check_admission``'s verdict if it checked these items and nothing changed since (used once).
+        verdict, self._admitted = self._admitted, None
+        if verdict is not None:
+            verdict = verdict[3] if verdict[:3] == (self._version, items, fixed_width) else None
         if load:
             verdict = self._admit_load(items, fixed_width)
         elif verdict is None and not fixed_width and (self._tableset.log is None) != updates:
@@ -953,23 +949,19 @@ class CacheManager:
             self._commit_rows(plan.crossing)  # publish what the rows' previous steps completed
         ts = self._tableset
         if (ts.log is None) == updates:  # the log's state changes: on for "updates", off for "full"
-            ts.start_log() if updates else ts.stop_log()
-        # At most a cell per page released or allocated, after the cells logged since the last step.
+            ts.set_log(updates)
+        # At most a cell per page released or allocated, after the cells logged since the last step: ``_step``'s
+        # buffers if they fit, else new ones (at least a decode step's).
         n_logged = ts.logged_cells() if updates else -1
-        cells = _NO_CELLS if n_logged < 0 else self._cell_buffers(plan.rows.size, plan.cells,
-                                                                  n_logged + plan.totals[1] + plan.totals[3])
+        cells = _NO_CELLS if n_logged < 0 else plan.cells or _NO_CELLS
+        n_cells = n_logged + plan.totals[1] + plan.totals[3]
+        if n_logged >= 0 and not 0 < cells[1].size >= n_cells:
+            room = max(2 * len(self.specs) * plan.rows.size + 16, n_cells)
+            cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
         arrays, n_touched = self._run(plan, write_slots, cells, max(n_logged, 0))
         rows = plan.rows[plan.settle :]
         self._last_rows = rows.copy()  # the plan's arrays are scratch
         return self._build_batch(rows, plan.request_ids, arrays, fixed_width, n_touched if updates else -1, cells)
-
-    def _cached_verdict(self, items, uniform, fixed_width: bool) -> _Verdict | None:
-        """The last ``check_admission``'s verdict if it checked these items and nothing changed (once)."""
-        cached, self._admitted = self._admitted, None
-        if (uniform is None and cached is not None and cached[0] == self._version and cached[2] == fixed_width
-                and cached[1] == items):
-            return cached[3]
-        return None
 
     def _step(self, fast: tuple, write_slots: bool, updates: bool) -> StepBatch | _StepPlan | None:
         """``fast``'s step in one compiled call (``kernels.step``; ``kernels.step_spare`` on an arena for a batch
@@ -987,7 +979,7 @@ class CacheManager:
         if updates:  # ``_commit_and_run`` reuses them if they fit
             # The cells a ``free`` or prefix hit logged go first (``_planned_step`` puts back any it does not run).
             n_logged = self._take_log(0) if self._tableset.log else 0
-            # ``_cell_buffers``' room for a decode step, and two cells for each further token (a chunk
+            # ``_commit_and_run``'s room for a decode step, and two cells for each further token (a chunk
             # of DeepSeek-V4's six groups releases and allocates about 1.3 pages a token).
             room = 2 * n_groups * n_rows + 16 + 2 * (n_tokens - n_rows) + n_logged
             cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
@@ -1009,7 +1001,7 @@ class CacheManager:
                                       n_spare, n_logged)
         self._version += 1
         if status != kernels.STEP_DONE:
-            n_touched = self._after_plan_run(n_touched, n_keyed, (n, settle, n_crossing, clean), out, cells)
+            n_touched = self._after_run(n_touched, n_keyed, self._plan_of(n, settle, n_crossing, clean), out, cells)
         elif n_keyed:  # done whole (the kernel noted the peaks): idle keyed pages join their LRUs
             self._space.keyed_idle(sc.released[1], sc.idle_keyed)
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
@@ -1068,7 +1060,7 @@ class CacheManager:
         else:  # ``grant_step`` stops only when groups make room, marked already
             status, n_touched, n_keyed = self._grant_run(grants, *args, n_logged, *cells, *out)
         if status != kernels.STEP_DONE:
-            n_touched = self._after_plan_run(n_touched, n_keyed, planned, out, cells, grants is not None)
+            n_touched = self._after_run(n_touched, n_keyed, self._plan_of(*planned), out, cells, grants is not None)
         elif n_keyed:  # done whole (the kernel noted the peaks): idle keyed pages join their LRUs
             self._space.keyed_idle(sc.released[1], sc.idle_keyed)
         self._last_rows = rows_in
@@ -1106,20 +1098,6 @@ class CacheManager:
             return False, n_spare
         return (written[:, :n_spare].copy() if n_spare else None), n_spare
 
-    def _after_plan_run(self, n_touched: int, n_keyed: int, planned: tuple, out: _StepArrays, cells: tuple,
-                        marked: bool = False) -> int:
-        """What Python does once ``run_step`` of the plan in the scratch buffer (``_step``'s or ``_run_planned``'s;
-        ``planned``: ``_plan_of``'s arguments) stopped after its releases: ``_after_run`` of that plan (``marked``:
-        ``grant_step``'s, which marked the groups that make room). The cells changed."""
-        if not marked:
-            plan = self._plan_of(*planned)
-            plan.grants = []
-            return self._after_run(n_touched, n_keyed, plan, out, cells)
-        if n_keyed:
-            self._space.keyed_idle(self._scratch.released[1], self._scratch.idle_keyed)
-        self._make_room(self._scratch.plan[5])  # ``_after_run`` of the plan: its sums are all it reads
-        return self._finish_run(planned[0], planned[1], n_touched, out, cells)
-
     def _take_log(self, n_cells: int, at: int = 0) -> int:
         """The cells the table log holds (a ``free`` or a prefix hit since the last step), moved to the touched
         scratch after the ``at`` taken before, for ``run_step``'s ``n_logged`` when it has room for them and
@@ -1148,13 +1126,6 @@ class CacheManager:
         self._state = (ts.geometry, ts.pages, ts.bounds, self._counters, space.ref_counts, space.cached,
                        space.low_priority, space.stack, space.per_group, self._transient, self._in_batch, self._grain)
         return self._state
-
-    def _cell_buffers(self, n_rows: int, made: tuple | None = None, n_cells: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """Arrays for a step's changed cells (room for ``n_cells``, at least a decode step's); ``made`` if it fits."""
-        if made is not None and made[1].size and made[1].size >= n_cells:
-            return made
-        room = max(2 * len(self.specs) * n_rows + 16, n_cells)
-        return np.empty((3, room), _INT64), np.empty(room, _INT32)
 
     def _run(self, plan: _StepPlan, write_slots: bool, cells: tuple = _NO_CELLS,
              n_logged: int = 0) -> tuple[_StepArrays, int]:
@@ -1187,39 +1158,37 @@ class CacheManager:
         self._space.load_kernels(self._tableset)
         if self.prefix is not None:
             self.prefix.load_kernels()
-        self._load_step_kernels()
-        sc, out = self._scratch, kernels.batch_arrays_for(len(self.specs), 0, 0, True)
+        # ``_step``'s and the validation's kernels (``step`` and ``admit_spare`` by their compiled code, not run).
+        sc, no_rows, out = self._scratch, np.empty(0, _INT64), kernels.batch_arrays_for(len(self.specs), 0, 0, True)
+        args = (*self._kernel_state(), sc.buffer, self._last_rows, no_rows, self._one_count, 0, *_NO_CELLS, *out)
+        self._step_entry = kernels.entry_point(kernels.step, args)
+        if self.arena is not None:
+            self._admit_entry = kernels.entry_point(kernels.admit_spare, self._admit_args(0))
+            self._spare_args = (self._window_pages, self._spare_rows, *self.arena.spare_args)
+            self._spare_entry = kernels.entry_point(kernels.step_spare, (*args, *self._spare_args))
+        self._plan(no_rows, no_rows, _COMPUTED)
+        self._tableset.ring_view()
         # ``_planned_step``'s ``kernels.run_step`` (``_step``'s cells and arrays), its compiled code looked up once.
         self._run_entry = kernels.entry_point(kernels.run_step, (*self._kernel_state()[:10], sc.buffer, 0, 0, False,
                                                                  0, *_NO_CELLS, *out))
         # Room for a step of every table row and as many settling (``_take_row`` grows it with the rows).
-        rows, counts, first, after, need, sums, crossing, _ = self._scratch.plan_arrays(2 * self._computed.size)
+        rows, counts, first, after, need, sums, crossing, _ = sc.plan_arrays(2 * self._computed.size)
         sums[:] = 0  # no page released or allocated
         none = sums[1]
         plan = _StepPlan(rows[:0], counts[:0], first[:0], after[:, :, :1], need[:, :0], sums, crossing[:0], 0, True,
                          (0, 0, 0, 0), grants=[])
         self._short_pages(plan, none, none, none)
+        ts, space = self._tableset, self._space  # ``_Releases.of``'s kernel, over no rows
+        kernels.release_credit(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, 0, plan.rows,
+                               plan.after[0, 0], _NO_PAGES, _NO_PAGES, _NO_PAGES, 0)
         out = self._run(plan, True)[0]
         self._after_run(0, 0, plan, out)
         if self.arena is not None:  # ``_run``'s other kernel: ``grant_step``, granting no slab, by its compiled code
             plan.spare_grants = np.empty((2, 0), dtype=np.int64)
             self._grant_entry = kernels.entry_point(kernels.grant_step, (
                 plan.spare_grants, kernels.grant_scratch(plan.spare_grants, self.arena.grant_args, len(self.specs)),
-                self.arena.grant_args, *self._kernel_state()[:10], self._scratch.buffer, 0, 0, 0, *_NO_CELLS, *out))
+                self.arena.grant_args, *self._kernel_state()[:10], sc.buffer, 0, 0, 0, *_NO_CELLS, *out))
             self._run(plan, True)
-
-    def _load_step_kernels(self) -> None:
-        """``_load_kernels`` of ``_step``'s and the validation's kernels (``step`` and ``admit_spare`` not run)."""
-        sc, no_rows = self._scratch, np.empty(0, _INT64)
-        out = kernels.batch_arrays_for(len(self.specs), 0, 0, True)
-        args = (*self._kernel_state(), sc.buffer, self._last_rows, no_rows, self._one_count, 0, *_NO_CELLS, *out)
-        self._step_entry = kernels.entry_point(kernels.step, args)
-        if self.arena is not None:
-            self._admit_entry = kernels.entry_point(kernels.admit_spare, self._admit_args(0))  # its compiled code
-            self._spare_args = (self._window_pages, self._spare_rows, *self.arena.spare_args)
-            self._spare_entry = kernels.entry_point(kernels.step_spare, (*args, *self._spare_args))
-        self._plan(no_rows, no_rows, _COMPUTED)
-        self._tableset.ring_view()
 
     def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan, out: _StepArrays,
                    cells: tuple = _NO_CELLS, marked: bool = False) -> int:
@@ -1232,13 +1201,9 @@ class CacheManager:
             self.arena.apply(plan.grants)
         if marked or self._room_groups(plan):
             self._make_room(plan.sums)
-        return self._finish_run(plan.rows.size, plan.settle, n_touched, out, cells)
-
-    def _finish_run(self, n: int, settle: int, n_touched: int, out: _StepArrays, cells: tuple) -> int:
-        """``kernels.finish_step`` of the plan of ``n`` rows (``settle`` settling) in the scratch buffer, by its
-        compiled code (``kernels.entry_point``: the same types every call); the cells changed."""
-        args = (*(self._state or self._kernel_state())[:10], self._scratch.buffer, n, settle, n_touched, *cells, *out,
-                True)
+        # ``kernels.finish_step`` of the plan in the scratch buffer, by its compiled code (the same types every call).
+        args = (*(self._state or self._kernel_state())[:10], self._scratch.buffer, plan.rows.size, plan.settle,
+                n_touched, *cells, *out, True)
         if self._finish_entry is None:
             self._finish_entry = kernels.entry_point(kernels.finish_step, args)
         return self._finish_entry(*args)
@@ -1436,8 +1401,8 @@ class CacheManager:
         if group_id not in self.tables:
             raise CacheManagerError(f"unknown group {group_id!r}; groups are {list(self.tables)}")
         table = self.tables[group_id]
-        base, hi = int(table.base[req.row]), int(table.hi[req.row])
-        return base, np.asarray(table.row_pages(req.row, base, hi), dtype=np.int64)
+        base = int(table.base[req.row])
+        return base, table.pages_in(req.row, base, table.hi[req.row])
 
     def hold_pages_by_group(self, pages_by_group: Mapping[str, np.ndarray]) -> None:
         """Hold each group's ``pages`` (held or cached; twice listed, twice held) outside any request
@@ -1463,35 +1428,21 @@ class CacheManager:
 
     def _outside(self, local_pages: Any, pages_per_group: Any, change: Any, range_error: str, refusal: Any) -> None:
         """:meth:`hold_pages` or :meth:`release_held_pages` by ``change`` (``PageSpace.hold_outside`` or
-        ``release_outside``); ``refusal(index)`` words the page it refused (free, or released more than held)."""
-        if not self._lists_pages(local_pages, pages_per_group):
-            return
+        ``release_outside``, which refuse a mislisted list); ``refusal(index)`` words the page it refused (free, or
+        released more than held)."""
+        for name, a in (("local_pages", local_pages), ("pages_per_group", pages_per_group)):
+            if not (type(a) is np.ndarray and a.dtype == _INT64 and a.ndim == 1):
+                raise CacheManagerError(f"{name} must be a 1-D int64 array")
         found = change(local_pages, pages_per_group, self._space_limits, self._held_all)
         if found == kernels.MISLISTED:
-            self._refuse_mislisted(pages_per_group)
+            raise CacheManagerError(f"pages_per_group must hold {len(self._group_ids)} non-negative counts summing to "
+                                    f"the number of pages listed, got {pages_per_group.tolist()}")
         if found < -local_pages.size:
             bad = -1 - local_pages.size - found
             self._refuse_page(pages_per_group, bad, refusal(bad))
         if found < 0:
             self._refuse_page(pages_per_group, -1 - found, range_error)
         self._version += 1  # invalidates a cached admission
-
-    def _lists_pages(self, local_pages: Any, pages_per_group: Any) -> bool:
-        """Whether :meth:`hold_pages`' arguments list pages; refused unless both are 1-D int64 arrays and,
-        listing none, the counts are one zero per group."""
-        if (type(local_pages) is type(pages_per_group) is np.ndarray and local_pages.ndim == 1 == pages_per_group.ndim
-                and local_pages.dtype == _INT64 == pages_per_group.dtype and local_pages.size > 0):
-            return True
-        for name, a in (("local_pages", local_pages), ("pages_per_group", pages_per_group)):
-            if not (type(a) is np.ndarray and a.dtype == _INT64 and a.ndim == 1):
-                raise CacheManagerError(f"{name} must be a 1-D int64 array")
-        if pages_per_group.size != len(self._group_ids) or pages_per_group.any():  # (``local_pages`` is empty)
-            self._refuse_mislisted(pages_per_group)
-        return False
-
-    def _refuse_mislisted(self, pages_per_group: np.ndarray) -> None:
-        raise CacheManagerError(f"pages_per_group must hold {len(self._group_ids)} non-negative counts summing to "
-                                f"the number of pages listed, got {pages_per_group.tolist()}")
 
     def _refuse_page(self, per_group: np.ndarray, index: int, error: str) -> None:
         """Raise ``error`` (``{n}``: the pool's page count) for the group of the ``index``-th page of a group-major
@@ -1535,8 +1486,7 @@ class CacheManager:
             table, pool = self.tables[gid], self.pools[gid]
             expected = np.zeros(pool.num_pages, dtype=np.int64)
             for req in self._requests.values():
-                row = np.asarray([req.row])
-                pages = table.pages_in(row, table.base[row], table.hi[row])
+                pages = table.pages_in(req.row, table.base[req.row], table.hi[req.row])
                 assert np.all(pages > 0), f"{gid}: request {req.request_id} has a hole in its table"
                 # A one-token step then needs at most one new page (schedule relies on it).
                 assert table.hi[req.row] >= cdiv(int(self._computed[req.row]), table.page_tokens), (
@@ -1621,10 +1571,6 @@ def _check_step_options(ids: Sequence, block_tables: str, write_slots: bool) -> 
         raise CacheManagerError(f"write_slots must be True or False, got {write_slots!r}")
     if not ids:
         raise CacheManagerError("empty batch")
-
-
-def _nonneg_int(name: str, value: Any) -> int:
-    return as_int(name, value, minimum=0, error=CacheManagerError)
 
 
 _MAX_TOKEN_ID = int(np.iinfo(np.int32).max)

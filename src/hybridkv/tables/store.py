@@ -49,33 +49,28 @@ class GroupTable:
             self.capacity_pages = cdiv(max_context_tokens, self.page_tokens)
             self.ring_pages = self.capacity_pages
         self.has_lanes = self.ring_pages < self.capacity_pages
-        self._set: TableSet | None = None  # bound by TableSet
-        self._g = 0
+        self.table_set: TableSet | None = None  # the store of every group's tables this one views (it binds it)
+        self.group_index = 0  # this group's index in its ``table_set``
 
-    base = property(lambda self: self._set.bounds[kernels.BASE, self._g])
-    hi = property(lambda self: self._set.bounds[kernels.HI, self._g])
-    table_set = property(lambda self: self._set)  # the store of every group's tables this one is a view of
-    group_index = property(lambda self: self._g)  # this group's index in its ``table_set``
+    base = property(lambda self: self.table_set.bounds[kernels.BASE, self.group_index])
+    hi = property(lambda self: self.table_set.bounds[kernels.HI, self.group_index])
 
     @property
     def pages(self) -> np.ndarray:
         """Debug view (a copy): this group's part of ``TableSet.ring_view``."""
-        return self._set.ring_view()[self._g, :, : self.capacity_pages]
+        return self.table_set.ring_view()[self.group_index, :, : self.capacity_pages]
 
-    def pages_in(self, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """Held page ids of logical pages ``[lo_r, hi_r)`` per row, row-major, in logical order."""
-        rows, lo, hi = (np.asarray(a, dtype=np.int64) for a in (rows, lo, hi))
-        return self._set.pages[_cells(self._set.geometry, self._set.bounds, self._g, rows, lo, hi)].astype(np.int64)
-
-    def row_pages(self, row: int, lo: int, hi: int) -> list[int]:
-        """Held page ids of one row's logical pages ``[lo, hi)`` (``pages_in`` of one row)."""
-        return self.pages_in(np.array([row]), np.array([lo]), np.array([hi])).tolist()
+    def pages_in(self, rows: np.ndarray | int, lo: np.ndarray | int, hi: np.ndarray | int) -> np.ndarray:
+        """Held page ids (int64) of logical pages ``[lo_r, hi_r)`` per row (or of one), row-major, in logical order."""
+        rows, lo, hi = (np.array(a, dtype=np.int64, ndmin=1) for a in (rows, lo, hi))
+        ts = self.table_set
+        return ts.pages[_cells(ts.geometry, ts.bounds, self.group_index, rows, lo, hi)].astype(np.int64)
 
 
 class TableSet:
     """Every group's tables in one store (``pages``, ``bounds``, ``geometry``: ``hybridkv.runtime.kernels``' layout)
     that each ``GroupTable`` views. While ``log`` is a list, every cell a mutation touches is logged for
-    ``drain_updates`` (the first drain after ``start_log`` is a resync: docs/manager.md, "Block table modes")."""
+    ``drain_updates`` (the first drain after ``set_log(True)`` is a resync: docs/manager.md, "Block table modes")."""
 
     def __init__(self, specs: list[CacheGroupSpec] | tuple[CacheGroupSpec, ...], *, max_context_tokens: int,
                  max_step_tokens: int, initial_rows: int = 64, id_offsets: list[int] | None = None):
@@ -85,7 +80,7 @@ class TableSet:
         self.row_cells = sum(t.capacity_pages for t in self.tables)  # the live cells a row holds at most
         self.geometry = np.zeros((len(self.tables), kernels.GEOMETRY_COLUMNS), dtype=np.int64)
         for g, t in enumerate(self.tables):
-            t._set, t._g = self, g
+            t.table_set, t.group_index = self, g
             mask = t.capacity_pages - 1 if t.sliding else -1
             offset = 0 if id_offsets is None else id_offsets[g]  # the group's first id in the page space
             self.geometry[g, : kernels.RING_START] = (
@@ -161,15 +156,13 @@ class TableSet:
         return index
 
     # --- touched-cell log (incremental block tables) ------------------------
-    def start_log(self) -> None:
-        """Log touched cells from now on (the next drain is a resync)."""
-        if self.log is None:
-            self.log = []
-            self._resync = True
-
-    def stop_log(self) -> None:
-        """Stop logging (full-mode steps): mutations cost nothing extra until the next start."""
-        self.log = None
+    def set_log(self, on: bool) -> None:
+        """Log touched cells from now on (the next drain is a resync), or stop (``on`` False: full-mode steps, whose
+        mutations then cost nothing extra until logging starts again)."""
+        if not on:
+            self.log = None
+        elif self.log is None:
+            self.log, self._resync = [], True
 
     def logged_cells(self) -> int:
         """How many cells the log holds (listed twice counts twice), or -1 when the next drain
@@ -258,9 +251,9 @@ class CommitPages:
     ``hybridkv.memory.pool.PageSpace`` of the tables' groups."""
 
     def __init__(self, history: list[tuple[GroupTable, int]], state: list[tuple[GroupTable, int]], space=None):
-        self._set = (history or state)[0][0]._set if history or state else None
-        self._history = np.asarray([(t._g, n) for t, n in history], dtype=np.int64).reshape(-1, 2)
-        self._state = np.asarray([(t._g, w) for t, w in state], dtype=np.int64).reshape(-1, 2)
+        self._set = (history or state)[0][0].table_set if history or state else None
+        self._history = np.asarray([(t.group_index, n) for t, n in history], dtype=np.int64).reshape(-1, 2)
+        self._state = np.asarray([(t.group_index, w) for t, w in state], dtype=np.int64).reshape(-1, 2)
         self.block_pages = [n for _, n in history]
         self.checkpoint_pages = [cdiv(w, t.page_tokens) for t, w in state]
         self.boundary_pages = sum(self.checkpoint_pages)  # every state group's pages of one checkpoint
