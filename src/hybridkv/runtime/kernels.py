@@ -1067,12 +1067,18 @@ def rewind_rows(geometry, pages, bounds, counters, known_floor, ref, keyed, stac
 @njit(cache=True)
 def release_into(ref, keyed, stack, per_group, offsets, taken, taken_per_group, freed, idle_keyed, counts):
     """Pages taken out of the tables (group-major, ``taken_per_group[g]`` each) are one release per group
-    (``drop_holds``, ``push_free``): its scratch ``freed`` and ``idle_keyed`` (room for ``taken``), its counts to
-    ``counts[0|1, g]`` (unkeyed freed, keyed left idle; zeroed by the caller)."""
-    drop_holds(ref, keyed, offsets, taken_per_group, taken, freed, idle_keyed, counts)
-    push_free(stack, per_group[TOP], offsets, per_group[LOWEST], counts[0], freed)
+    (``drop_released``, ``push_free``): unkeyed to ``freed``, keyed left idle to ``idle_keyed`` (room for ``taken``),
+    ``counts[0|1, g]`` how many (added: zeroed by the caller)."""
+    start, n_freed, n_keyed = 0, 0, 0
     for g in range(offsets.size):
-        per_group[RELEASED_PAGES, g] += counts[0, g] + counts[1, g]
+        end, freed_from, keyed_from = start + taken_per_group[g], n_freed, n_keyed
+        n_freed, n_keyed = drop_released(ref, keyed, offsets[g], taken[start:end], freed, n_freed, idle_keyed,
+                                         n_keyed)
+        counts[0, g] += n_freed - freed_from
+        counts[1, g] += n_keyed - keyed_from
+        per_group[RELEASED_PAGES, g] += n_freed - freed_from + n_keyed - keyed_from
+        start = end
+    push_free(stack, per_group[TOP], offsets, per_group[LOWEST], counts[0], freed)
 
 
 def _int32_at(address):
@@ -1130,27 +1136,6 @@ def append_token_ids(addresses, rows, known, max_total, tokens, mark, grain_toke
             completed_rows[completed] = row
             completed += 1
     return completed
-
-
-@njit(cache=True)
-def free_rows(geometry, pages, bounds, ref, keyed, stack, per_group, rows, offsets, taken, cells, freed, idle_keyed,
-              counts):
-    """``CacheManager.free`` of ``rows`` in one call, allocating nothing: their live pages (``take_cells`` to
-    ``taken``, their ring-view cells to ``cells``, group-major; ``counts[2, g]`` each) leave the tables (lanes go
-    back, base and hi to 0) and are one release (``release_into``: unkeyed to ``freed``, keyed left idle to
-    ``idle_keyed``, ``counts[0|1, g]`` each). The four arrays have room for every live cell of ``rows``;
-    ``offsets``: each group's first page id. Returns how many cells."""
-    n = 0
-    counts[:] = 0
-    for g in range(geometry.shape[0]):
-        for r in range(rows.size):
-            row, start = rows[r], n
-            n = take_cells(geometry, pages, bounds, g, row, bounds[BASE, g, row], taken, cells, n)  # no live cell left
-            counts[2, g] += n - start
-            fit_ring(geometry, pages, bounds, g, row, 0)  # its lane back
-            bounds[BASE, g, row], bounds[HI, g, row] = 0, 0
-    release_into(ref, keyed, stack, per_group, offsets, taken[:n], counts[2], freed, idle_keyed, counts)
-    return n
 
 
 @njit(cache=True)
@@ -1283,49 +1268,6 @@ def push_free(stack, top, offsets, lowest, per_group, freed):
 
 
 SHORT_RUN = 64  # ``push_free`` leaves a longer run to ``push_run``'s sort
-
-
-@njit(cache=True)
-def drop_holds(ref, keyed, offsets, per_group, pages, freed, keyed_pages, counts):
-    """``drop_released`` of each group's listed pages (group-major, ``per_group[g]`` each): unkeyed to ``freed``,
-    keyed to ``keyed_pages``, ``counts[0|1, g]`` how many."""
-    start, n_freed, n_keyed = 0, 0, 0
-    for g in range(per_group.size):
-        end, freed_from, keyed_from = start + per_group[g], n_freed, n_keyed
-        n_freed, n_keyed = drop_released(ref, keyed, offsets[g], pages[start:end], freed, n_freed, keyed_pages,
-                                         n_keyed)
-        counts[0, g] += n_freed - freed_from
-        counts[1, g] += n_keyed - keyed_from
-        start = end
-
-
-@njit(cache=True)
-def take_holds(ref, keyed, low_priority, low_idle, offsets, per_group, pages, idle_pages, idle_counts):
-    """One reference more on each listed page (group-major); ``-1 - i`` and nothing changed when page ``i`` is
-    free. Else the pages that had no holder go to ``idle_pages`` (``idle_counts[g]`` each; low-priority ones
-    leave ``low_idle[g]``); returns how many."""
-    start = 0
-    for g in range(per_group.size):
-        offset = offsets[g]
-        for i in range(start, start + per_group[g]):
-            if ref[offset + pages[i]] == 0 and not keyed[offset + pages[i]]:
-                return -1 - i
-        start += per_group[g]
-    start, n_idle = 0, 0
-    for g in range(per_group.size):
-        offset = offsets[g]
-        idle_counts[g] = 0
-        for i in range(start, start + per_group[g]):
-            page = offset + pages[i]
-            if ref[page] == 0:
-                idle_pages[n_idle] = pages[i]
-                n_idle += 1
-                idle_counts[g] += 1
-                if low_priority[page]:
-                    low_idle[g] -= 1
-            ref[page] += 1
-        start += per_group[g]
-    return n_idle
 
 
 @njit(cache=True)
