@@ -1,8 +1,8 @@
 """Single-pool page operations for the pool tests, through the path the runtime uses:
 a ``PageSpace`` (made for a pool not in one yet), ``PagePool.make_room`` then the free
-stack's top (what ``kernels.allocate_pages`` pops), ``kernels.drop_holds`` then
-``released`` (a release), ``borrow`` (a prefix hit's holds as ``lru.borrow_row``
-takes them: ``kernels.take_holds``, then ``borrowed_idle``) and the key
+stack's top (what ``kernels.allocate_pages`` pops), ``released`` (a release:
+``kernels.release_into``), ``borrow`` (a prefix hit's holds as ``lru.borrow_row``
+takes them: ``lru.take_holds``) and the key
 flags then ``PageSpace.adopt`` (what a commit's ``kernels.claim_entries`` does)."""
 
 from __future__ import annotations
@@ -58,36 +58,24 @@ def allocate(pool: PagePool, count: int, *, highest: int = 0) -> np.ndarray:
 
 def decref(pool: PagePool, pages: Sequence[int] | np.ndarray) -> None:
     """One reference less on each listed page (logical order, a page may repeat): one
-    release, as a step's (``kernels.drop_holds``, ``released``)."""
+    release, as a step's (``released``)."""
     space, g = space_of(pool)
     pages = np.asarray(pages, dtype=np.int64)
     per_group = np.zeros(len(space.pools), dtype=np.int64)
     per_group[g] = pages.size
+    released(space, per_group, pages)
+
+
+def released(space: PageSpace, per_group: np.ndarray, pages: np.ndarray) -> None:
+    """One release of ``pages`` (local ids, group-major, ``per_group[g]`` each) as a step's
+    (``kernels.release_into``: unkeyed pages onto their pools' free stacks, the release counted),
+    the keyed ones it left idle then into their LRUs by ``PageSpace.keyed_idle`` (which tells a
+    pool's ranker), as ``lru.release_placing`` does."""
     freed, keyed = np.empty(pages.size, dtype=np.int64), np.empty(pages.size, dtype=np.int64)
     counts = np.zeros((2, len(space.pools)), dtype=np.int64)
-    kernels.drop_holds(space.ref_counts, space.cached, space.offsets, per_group, pages, freed, keyed, counts)
-    released(space, counts, freed[: counts[0].sum()], keyed[: counts[1].sum()])
-
-
-def released(space: PageSpace, counts: np.ndarray, freed: np.ndarray, keyed: np.ndarray) -> None:
-    """What ``kernels.drop_holds`` let go (``counts``, ``freed``, ``keyed`` as it fills them)
-    goes where a step's release puts it (as ``lru.release_placing`` does): unkeyed pages onto their
-    pools' free stacks, the release counted, keyed ones into their LRUs by
-    ``PageSpace.keyed_idle`` (which tells a pool's ranker)."""
-    top, lowest = space.per_group[kernels.TOP], space.per_group[kernels.LOWEST]
-    kernels.push_free(space.stack, top, space.offsets, lowest, counts[0], freed)
-    space.per_group[kernels.RELEASED_PAGES] += counts[0] + counts[1]
-    space.keyed_idle(counts[1], keyed)
-
-
-def borrowed_idle(space: PageSpace, idle: np.ndarray, n_idle: int) -> None:
-    """The first ``n_idle`` of ``idle`` (local ids, ``idle_counts[g]`` of group ``g``, as
-    ``kernels.take_holds`` lists them) got a holder: they leave their pools' LRUs and the
-    peaks follow (``lru.leave``, ``kernels.note_peaks``), as a prefix hit's leave theirs in ``lru.borrow_row``."""
-    if n_idle:
-        lru.leave(space.lru_prev, space.lru_next, space.per_group[kernels.LRU_PAGES], space.offsets, space.idle_counts,
-                  idle[:n_idle])
-        kernels.note_peaks(space.per_group, space.idle_counts, space.idle_counts[:0])
+    kernels.release_into(space.ref_counts, space.cached, space.stack, space.per_group, space.offsets, pages,
+                         per_group, freed, keyed, counts)
+    space.keyed_idle(counts[1], keyed[: counts[1].sum()])
 
 
 def borrow(space: PageSpace, pages: np.ndarray, per_group: np.ndarray) -> None:
@@ -95,12 +83,10 @@ def borrow(space: PageSpace, pages: np.ndarray, per_group: np.ndarray) -> None:
     ``per_group[g]`` of them, none twice in a group), the idle ones leaving their LRUs, as a
     prefix hit takes them (``lru.borrow_row``, its placement aside): refused whole
     (ValueError) if a page is free."""
-    idle = np.empty(pages.size, dtype=np.int64)
-    n_idle = kernels.take_holds(space.ref_counts, space.cached, space.low_priority, space.low_idle, space.offsets,
-                                per_group, pages, idle, space.idle_counts)
+    n_idle = lru.take_holds(space.ref_counts, space.cached, space.low_priority, space.per_group, space.lru_prev,
+                            space.lru_next, space.offsets, per_group, pages, space.idle_counts)
     if n_idle < 0:
         raise ValueError(f"page {int(pages[-1 - n_idle])} is free, cannot be borrowed")
-    borrowed_idle(space, idle, n_idle)
 
 
 def incref(pool: PagePool, pages: Sequence[int] | np.ndarray) -> None:

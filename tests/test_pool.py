@@ -451,11 +451,10 @@ def draw_held_pages(data, i, n):
 
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), lowest_first=st.booleans(), twice=st.booleans())
-def test_drop_holds_then_released_is_a_release_pool_by_pool(data, lowest_first, twice):
-    """``kernels.drop_holds`` of every group's pages (some keyed, some low priority, some
-    with a second holder, listed twice with ``twice``), then ``released`` (pool_ops), in one
-    call leaves each pool as releasing its own pages alone would (what a release of held
-    pages runs)."""
+def test_one_release_of_every_group_is_a_release_pool_by_pool(data, lowest_first, twice):
+    """``released`` (pool_ops: ``kernels.release_into``, then the keyed pages left idle join) of every group's
+    pages (some keyed, some low priority, some with a second holder, listed twice with ``twice``) in one call
+    leaves each pool as releasing its own pages alone would (what a release of held pages runs)."""
 
     sizes, sides = two_page_spaces(data, lowest_first)
     any_shared = data.draw(st.booleans(), label="any_shared")  # False: the fused path itself
@@ -481,9 +480,7 @@ def test_drop_holds_then_released_is_a_release_pool_by_pool(data, lowest_first, 
         released = [np.concatenate([r, r[pools_a[i].ref_counts[r] > 1]]) for i, r in enumerate(released)]
     counts = [r.size for r in released]
     pages = np.concatenate(released)
-    freed, keyed, tally = np.empty_like(pages), np.empty_like(pages), np.zeros((2, len(sizes)), dtype=np.int64)
-    kernels.drop_holds(space.ref_counts, space.cached, space.offsets, np.array(counts), pages, freed, keyed, tally)
-    pool_ops.released(space, tally, freed, keyed)
+    pool_ops.released(space, np.array(counts), pages)
     for pool, pages in zip(pools_b, released):
         decref(pool, pages)
     for a, b in zip(pools_a, pools_b):
@@ -623,10 +620,9 @@ def test_ids_a_low_priority_eviction_frees_count_as_free_for_the_next(batch):
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), lowest_first=st.booleans())
 def test_a_hits_holds_in_one_call_are_borrowing_pool_by_pool(data, lowest_first):
-    """A prefix hit's holds (``borrow``: ``kernels.take_holds`` then ``borrowed_idle``,
-    as ``lru.borrow_row`` takes them) of every group's pages (held ones, idle keyed ones, some
-    low priority) in one call leave each pool as borrowing its own pages alone would; with a
-    free page listed they are refused whole, nothing changed."""
+    """A prefix hit's holds (``borrow``: ``lru.take_holds``, as ``lru.borrow_row`` takes them) of every group's
+    pages (held ones, idle keyed ones, some low priority) in one call leave each pool as borrowing its own pages
+    alone would; with a free page listed they are refused whole, nothing changed."""
 
     sizes, sides = two_page_spaces(data, lowest_first)
     script = []

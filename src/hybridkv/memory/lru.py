@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from hybridkv.runtime.kernels import (ID_OFFSET, LOW_FLOOR, LOW_IDLE_PAGES, LOWEST, LRU_PAGES, PAGE_TOKENS,
-                                      RELEASED_PAGES, TOP, add_held, drop_holds, first_out_of_range, free_rows,
-                                      note_peaks, place_row, push_free, push_run, take_holds)
+from hybridkv.runtime.kernels import (BASE, HI, ID_OFFSET, LOW_FLOOR, LOW_IDLE_PAGES, LOWEST, LRU_PAGES, PAGE_TOKENS,
+                                      TOP, add_held, first_out_of_range, fit_ring, note_peaks, place_row, push_run,
+                                      release_into, take_cells)
 
 
 @njit(cache=True, inline="always")
@@ -68,45 +68,62 @@ def join(idle_tick, low_priority, prev, nxt, lengths, low_idle, low_floors, offs
 
 
 @njit(cache=True)
-def leave(prev, nxt, lengths, offsets, per_group, pages):
-    """Listed pages (group after group, ``per_group[g]`` each) leave their group's list."""
+def take_holds(ref, keyed, low_priority, space_counts, prev, nxt, offsets, per_group, pages, idle_counts):
+    """One reference more on each listed page (group-major); ``-1 - i`` and nothing changed when page ``i`` is
+    free. Else the pages that had no holder leave their group's list (``idle_counts[g]`` each; low-priority ones
+    leave its ``LOW_IDLE_PAGES``), the pools' peaks following; returns how many."""
     start = 0
     for g in range(per_group.size):
-        k, off = per_group[g], offsets[g]
-        for i in range(start, start + k):
-            unlink(prev, nxt, off, pages[i])
-        lengths[g] -= k
-        start += k
+        offset = offsets[g]
+        for i in range(start, start + per_group[g]):
+            if ref[offset + pages[i]] == 0 and not keyed[offset + pages[i]]:
+                return -1 - i
+        start += per_group[g]
+    start, n_idle = 0, 0
+    for g in range(per_group.size):
+        offset = offsets[g]
+        idle_counts[g] = 0
+        for i in range(start, start + per_group[g]):
+            page = offset + pages[i]
+            if ref[page] == 0:
+                unlink(prev, nxt, offset, pages[i])
+                idle_counts[g] += 1
+                if low_priority[page]:
+                    space_counts[LOW_IDLE_PAGES, g] -= 1
+            ref[page] += 1
+        space_counts[LRU_PAGES, g] -= idle_counts[g]
+        n_idle += idle_counts[g]
+        start += per_group[g]
+    if n_idle:
+        note_peaks(space_counts, idle_counts, idle_counts[:0])
+    return n_idle
 
 
 @njit(cache=True)
-def hold_leaving(local, per_group, offsets, limits, ref, keyed, low_priority, low_idle, held, idle_pages, idle_counts,
-                 prev, nxt, space_counts):
-    """Hold the listed pages (group-major, ``per_group[g]`` each) outside any request: ``kernels.take_holds``,
-    ``held`` raised, the idle ones leaving their lists, the pools' peaks following; returns how many had no holder.
-    Nothing changed for a page outside ``[1, limits[g])`` (``-1 - i``) or free (``-1 - local.size - i``) or a
-    mislisted list (``MISLISTED``)."""
+def hold_leaving(local, per_group, offsets, limits, ref, keyed, low_priority, held, idle_counts, prev, nxt,
+                 space_counts):
+    """Hold the listed pages (group-major, ``per_group[g]`` each) outside any request: :func:`take_holds` (the idle
+    ones leave their lists, the pools' peaks follow), ``held`` raised; returns how many had no holder. Nothing
+    changed for a page outside ``[1, limits[g])`` (``-1 - i``) or free (``-1 - local.size - i``) or a mislisted list
+    (``MISLISTED``)."""
     found = first_out_of_range(local, per_group, limits, 1)
     if found < 0:
         return found
-    found = take_holds(ref, keyed, low_priority, low_idle, offsets, per_group, local, idle_pages, idle_counts)
+    found = take_holds(ref, keyed, low_priority, space_counts, prev, nxt, offsets, per_group, local, idle_counts)
     if found < 0:
         return found - local.size
     add_held(local, per_group, offsets, held, 1)
-    if found > 0:
-        leave(prev, nxt, space_counts[LRU_PAGES], offsets, idle_counts, idle_pages[:found])
-        note_peaks(space_counts, idle_counts, idle_counts[:0])
     return found
 
 
 @njit(cache=True)
 def release_placing(local, per_group, offsets, limits, ref, keyed, held, freed, keyed_pages, counts, stack,
                     space_counts, idle_tick, low_priority, prev, nxt, clock):
-    """Drop holds of :func:`hold_leaving` (``kernels.drop_holds``), then what they let go goes where a release puts
-    it: unkeyed pages onto their free stacks, keyed ones into their lists (:func:`join`), the release counted; returns
-    how many pages lost their last reference. Nothing changed for a page outside ``[0, limits[g])`` (``-1 - i``), one
-    released more often than held (``-1 - local.size - i``, ``i`` its listing that passes its holds) or a mislisted
-    list (``MISLISTED``)."""
+    """Drop holds of :func:`hold_leaving`, then what they let go goes where a release puts it
+    (``kernels.release_into``): unkeyed pages onto their free stacks, keyed ones into their lists (:func:`join`),
+    the release counted; returns how many pages lost their last reference. Nothing changed for a page outside
+    ``[0, limits[g])`` (``-1 - i``), one released more often than held (``-1 - local.size - i``, ``i`` its listing
+    that passes its holds) or a mislisted list (``MISLISTED``)."""
     found = first_out_of_range(local, per_group, limits, 0)
     if found < 0:
         return found
@@ -114,12 +131,9 @@ def release_placing(local, per_group, offsets, limits, ref, keyed, held, freed, 
     if bad >= 0:  # undone whole
         add_held(local, per_group, offsets, held, 1)
         return -1 - local.size - bad
-    drop_holds(ref, keyed, offsets, per_group, local, freed, keyed_pages, counts)
+    release_into(ref, keyed, stack, space_counts, offsets, local, per_group, freed, keyed_pages, counts)
     found = counts.sum()
     if found > 0:
-        push_free(stack, space_counts[TOP], offsets, space_counts[LOWEST], counts[0], freed)
-        for g in range(counts.shape[1]):
-            space_counts[RELEASED_PAGES, g] += counts[0, g] + counts[1, g]
         join(idle_tick, low_priority, prev, nxt, space_counts[LRU_PAGES], space_counts[LOW_IDLE_PAGES],
              space_counts[LOW_FLOOR], offsets, counts[1], keyed_pages, clock)
     return found
@@ -238,10 +252,10 @@ def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, prev, nxt, per
                page_ids, work):
     """A new row's prefix hit at ``hit_tokens`` in one call: group ``g`` places its pages of the last ``windows[g]``
     tokens below the hit (-1: every page from the first), ``page_ids`` listing them group after group;
-    ``kernels.take_holds`` of them (idle ones leave their list, peaks follow), then ``kernels.place_row``, each
+    :func:`take_holds` of them (idle ones leave their list, peaks follow), then ``kernels.place_row``, each
     page's ring-view cell written over it in ``page_ids``. Returns how many were idle (``-1 - i``, nothing changed,
     when page ``i`` is free; ``-1 - page_ids.size`` when the groups place another number of pages). ``work``
-    (int64, three per group and one per page): its scratch; it allocates nothing, counts no reference
+    (int64, three per group at least): its scratch; it allocates nothing, counts no reference
     (``_nrt=False``)."""
     n_groups = geometry.shape[0]
     lo, counts, idle_counts = work[:n_groups], work[n_groups : 2 * n_groups], work[2 * n_groups : 3 * n_groups]
@@ -253,13 +267,9 @@ def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, prev, nxt, per
         total += counts[g]
     if total != page_ids.size:
         return -1 - page_ids.size
-    offsets, idle = geometry[:, ID_OFFSET], work[3 * n_groups : 3 * n_groups + page_ids.size]
-    n_idle = take_holds(ref, keyed, low_priority, per_group[LOW_IDLE_PAGES], offsets, counts, page_ids, idle,
+    n_idle = take_holds(ref, keyed, low_priority, per_group, prev, nxt, geometry[:, ID_OFFSET], counts, page_ids,
                         idle_counts)
     if n_idle >= 0:
-        leave(prev, nxt, per_group[LRU_PAGES], offsets, idle_counts, idle[:n_idle])
-        if n_idle:
-            note_peaks(per_group, idle_counts, idle_counts[:0])
         place_row(geometry, pages, bounds, row, lo, counts, page_ids, page_ids)  # reads page n, then writes cell n
     return n_idle
 
@@ -267,17 +277,26 @@ def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, prev, nxt, per
 @njit(cache=True, _nrt=False)
 def free_rows_listed(geometry, pages, bounds, ref, keyed, stack, per_group, idle_tick, low_priority, prev, nxt,
                      clock, rows, cells_out, work):
-    """``kernels.free_rows``, then :func:`join` of the keyed pages it left idle. The cells emptied go to ``cells_out``
-    (room for every live cell of ``rows``; returns how many), its scratch to ``work`` (int64: 3 per group, then three
-    times ``cells_out``'s room), where the keyed pages left idle stay: how many per group from ``work[G]`` (``G``
-    groups), the pages (group after group) from ``work[3 * G + 2 * room]``. Allocates nothing, counts no reference
-    (``_nrt=False``): a returned array, an allocation or a counted argument would each cost a call from Python cold."""
+    """``CacheManager.free`` of ``rows`` in one call: their live pages (``kernels.take_cells``, group-major) leave the
+    tables (lanes go back, base and hi to 0) and are one release (``kernels.release_into``), then the keyed ones left
+    idle :func:`join` their lists. The cells emptied go to ``cells_out`` (room for every live cell of ``rows``;
+    returns how many), its scratch to ``work`` (int64: 3 per group, then three times ``cells_out``'s room), where the
+    keyed pages left idle stay: how many per group from ``work[G]`` (``G`` groups), the pages (group after group) from
+    ``work[3 * G + 2 * room]``. Allocates nothing, counts no reference (``_nrt=False``): a returned array, an
+    allocation or a counted argument would each cost a call from Python cold."""
     n_groups, offsets = geometry.shape[0], geometry[:, ID_OFFSET]
-    room, at = cells_out.size, 3 * n_groups
+    room, at, n = cells_out.size, 3 * n_groups, 0
     counts = work[:at].reshape((3, n_groups))
     taken, freed, idle_keyed = work[at : at + room], work[at + room : at + 2 * room], work[at + 2 * room :]
-    n = free_rows(geometry, pages, bounds, ref, keyed, stack, per_group, rows, offsets, taken, cells_out, freed,
-                  idle_keyed, counts)
+    counts[:] = 0
+    for g in range(n_groups):
+        for r in range(rows.size):
+            row, start = rows[r], n
+            n = take_cells(geometry, pages, bounds, g, row, bounds[BASE, g, row], taken, cells_out, n)  # all of it
+            counts[2, g] += n - start
+            fit_ring(geometry, pages, bounds, g, row, 0)  # its lane back
+            bounds[BASE, g, row], bounds[HI, g, row] = 0, 0
+    release_into(ref, keyed, stack, per_group, offsets, taken[:n], counts[2], freed, idle_keyed, counts)
     join(idle_tick, low_priority, prev, nxt, per_group[LRU_PAGES], per_group[LOW_IDLE_PAGES], per_group[LOW_FLOOR],
          offsets, counts[1], idle_keyed, clock)
     return n

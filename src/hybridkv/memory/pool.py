@@ -567,10 +567,8 @@ class PageSpace:
 
     def hold_outside(self, local: np.ndarray, per_group: np.ndarray, limits: np.ndarray, held: np.ndarray) -> int:
         """Hold ``local`` (group-major) outside any request, idle pages leaving their LRUs (``lru.hold_leaving``)."""
-        idle = np.empty(local.size, dtype=np.int64)
         return lru.hold_leaving(local, per_group, self.offsets, limits, self.ref_counts, self.cached,
-                                self.low_priority, self.low_idle, held, idle, self.idle_counts, self.lru_prev,
-                                self.lru_next, self.per_group)
+                                self.low_priority, held, self.idle_counts, self.lru_prev, self.lru_next, self.per_group)
 
     def release_outside(self, local: np.ndarray, per_group: np.ndarray, limits: np.ndarray, held: np.ndarray) -> int:
         """Drop holds of :meth:`hold_outside`, pages left without a holder freed or joining their LRU

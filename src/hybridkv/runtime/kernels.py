@@ -408,12 +408,8 @@ def settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts):
             break
     if same:
         return 0
-    for r in range(n_in):
-        if mark[rows_in[r]]:
-            for k in range(r):
-                mark[rows_in[k]] = False
-            return -1
-        mark[rows_in[r]] = True
+    if not distinct_rows(rows_in, mark, True):
+        return -1
     for r in range(last_rows.size):
         row = last_rows[r]
         if not mark[row] and committed[row] < computed[row]:
@@ -423,29 +419,6 @@ def settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts):
     for r in range(n_in):
         mark[rows_in[r]] = False
     return settle
-
-
-@njit(cache=True, inline="always")
-def plan_group(geometry, bounds, g, rows, counts, first, n, settle, load_tokens, after, need):
-    """``prepare_step``'s plan of group ``g``: ``after[:, g]``, ``need[g]``; returns (released, allocated). The
-    group's rows of ``bounds``, ``after`` and ``need`` are taken as 1-D views first (no 3-D indexing a row)."""
-    tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
-    bases, his, new_bases, new_his, held_pages = bounds[BASE, g], bounds[HI, g], after[0, g], after[1, g], need[g]
-    loading = window > 0 and load_tokens.size > 0
-    released, allocated = 0, 0
-    for r in range(n):
-        row = rows[r]
-        base, hi, end = bases[row], his[row], first[r] + counts[r]
-        new_base = base
-        if loading and r >= settle:
-            new_base = max(base, divide(max(end - load_tokens[g], 0), tokens, shift))
-        elif window > 0:
-            new_base = max(base, min(divide(max(first[r] - window + 1, 0), tokens, shift), hi))
-        held = divide(end + tokens - 1, tokens, shift)
-        new_bases[r], new_his[r], held_pages[r] = new_base, max(hi, held), held
-        released += min(new_base, hi) - base
-        allocated += max(hi, held) - max(hi, new_base)
-    return released, allocated
 
 
 @njit(cache=True)
@@ -480,13 +453,28 @@ def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_i
             crossing[n_cross] = row
             n_cross += 1
     clean = True
-    for g in range(geometry.shape[0]):
-        released, allocated = plan_group(geometry, bounds, g, rows, counts, first, n, settle, load_tokens, after, need)
+    for g in range(geometry.shape[0]):  # the group's rows of bounds, after, need as 1-D views: no 3-D indexing a row
+        tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
+        bases, his, new_bases, new_his, held_pages = bounds[BASE, g], bounds[HI, g], after[0, g], after[1, g], need[g]
+        loading = window > 0 and load_tokens.size > 0
+        released, allocated = 0, 0
+        for r in range(n):
+            row = rows[r]
+            base, hi, end = bases[row], his[row], first[r] + counts[r]
+            new_base = base
+            if loading and r >= settle:
+                new_base = max(base, divide(max(end - load_tokens[g], 0), tokens, shift))
+            elif window > 0:
+                new_base = max(base, min(divide(max(first[r] - window + 1, 0), tokens, shift), hi))
+            held = divide(end + tokens - 1, tokens, shift)
+            new_bases[r], new_his[r], held_pages[r] = new_base, max(hi, held), held
+            released += min(new_base, hi) - base
+            allocated += max(hi, held) - max(hi, new_base)
         sums[0, g], sums[1, g] = released, allocated
         totals[1] += released
         totals[2] = max(totals[2], released)
         totals[3] += allocated
-        clean = clean and allocated <= top[g]
+        clean &= allocated <= top[g]
     return n, settle, n_cross, clean
 
 
@@ -933,7 +921,8 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
     """``prepare_step`` then, when the plan needs nothing from Python, ``run_step`` (``n_logged``: cells the
     table log held, already at the front of the touched scratch), in one call. Returns (status, rows, settling
     rows, crossing rows, clean, cells logged, idle keyed pages); ``STEP_PLANNED`` (-1 rows: no plan),
-    ``STEP_COVERED`` (``releases_cover``) or ``STEP_COMMITS`` (a clean plan whose rows cross a grain, the batch's
+    ``STEP_COVERED`` (each group short of free pages has its releases free enough first:
+    ``release_credit``'s count) or ``STEP_COMMITS`` (a clean plan whose rows cross a grain, the batch's
     arrays and the scratch large enough for it) when only the plan ran (the logged cells left as they were)."""
     rows, counts, first, after, need, sums, crossing, totals = plan_views(plan, geometry.shape[0])[:8]
     computed, committed, known = counters[0], counters[1], counters[2]
@@ -942,8 +931,14 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
                                              sums, crossing, totals, counts_in[:0])
     fits = plan_fits(plan, geometry.shape[0], n_logged, per_token.shape[1])
     if n < 0 or not clean or n_cross > 0 or not fits:
-        if n >= 0 and not clean and n_cross == 0 and releases_cover(geometry, pages, bounds, ref, keyed,
-                                                                     per_group[TOP], rows[:n], after, sums):
+        covered = n >= 0 and not clean and n_cross == 0
+        for g in range(geometry.shape[0] if covered else 0):  # each short group's releases free enough first
+            short = sums[1, g] - per_group[TOP, g]
+            if short > 0 and release_credit(geometry, pages, bounds, ref, keyed, g, rows[:n], after[0, g], rows,
+                                            rows, rows, short)[1] < short:
+                covered = False
+                break
+        if covered:
             return STEP_COVERED, n, settle, n_cross, clean, 0, 0
         return STEP_COMMITS if n >= 0 and clean and fits else STEP_PLANNED, n, settle, n_cross, clean, 0, 0
     status, n_touched, n_keyed = run_step(
@@ -982,18 +977,6 @@ def plan_fits(plan, n_groups, n_logged, n_tokens):
     totals, _, _, scratch, idle_keyed, touched = plan_views(plan, n_groups)[7:]
     return (totals[0] == n_tokens and totals[2] <= scratch.size and totals[1] <= idle_keyed.size
             and n_logged + totals[1] + totals[3] <= touched.size)
-
-
-@njit(cache=True)
-def releases_cover(geometry, pages, bounds, ref, keyed, top, rows, after, sums):
-    """Whether in every group short of free pages the step's releases cover the shortfall first
-    (``release_credit``'s count; pure)."""
-    for g in range(geometry.shape[0]):
-        short = sums[1, g] - top[g]
-        if short > 0 and release_credit(geometry, pages, bounds, ref, keyed, g, rows, after[0, g], rows, rows, rows,
-                                        short)[1] < short:
-            return False
-    return True
 
 
 @njit(cache=True, _nrt=False)
@@ -1084,12 +1067,18 @@ def rewind_rows(geometry, pages, bounds, counters, known_floor, ref, keyed, stac
 @njit(cache=True)
 def release_into(ref, keyed, stack, per_group, offsets, taken, taken_per_group, freed, idle_keyed, counts):
     """Pages taken out of the tables (group-major, ``taken_per_group[g]`` each) are one release per group
-    (``drop_holds``, ``push_free``): its scratch ``freed`` and ``idle_keyed`` (room for ``taken``), its counts to
-    ``counts[0|1, g]`` (unkeyed freed, keyed left idle; zeroed by the caller)."""
-    drop_holds(ref, keyed, offsets, taken_per_group, taken, freed, idle_keyed, counts)
-    push_free(stack, per_group[TOP], offsets, per_group[LOWEST], counts[0], freed)
+    (``drop_released``, ``push_free``): unkeyed to ``freed``, keyed left idle to ``idle_keyed`` (room for ``taken``),
+    ``counts[0|1, g]`` how many (added: zeroed by the caller)."""
+    start, n_freed, n_keyed = 0, 0, 0
     for g in range(offsets.size):
-        per_group[RELEASED_PAGES, g] += counts[0, g] + counts[1, g]
+        end, freed_from, keyed_from = start + taken_per_group[g], n_freed, n_keyed
+        n_freed, n_keyed = drop_released(ref, keyed, offsets[g], taken[start:end], freed, n_freed, idle_keyed,
+                                         n_keyed)
+        counts[0, g] += n_freed - freed_from
+        counts[1, g] += n_keyed - keyed_from
+        per_group[RELEASED_PAGES, g] += n_freed - freed_from + n_keyed - keyed_from
+        start = end
+    push_free(stack, per_group[TOP], offsets, per_group[LOWEST], counts[0], freed)
 
 
 def _int32_at(address):
@@ -1147,27 +1136,6 @@ def append_token_ids(addresses, rows, known, max_total, tokens, mark, grain_toke
             completed_rows[completed] = row
             completed += 1
     return completed
-
-
-@njit(cache=True)
-def free_rows(geometry, pages, bounds, ref, keyed, stack, per_group, rows, offsets, taken, cells, freed, idle_keyed,
-              counts):
-    """``CacheManager.free`` of ``rows`` in one call, allocating nothing: their live pages (``take_cells`` to
-    ``taken``, their ring-view cells to ``cells``, group-major; ``counts[2, g]`` each) leave the tables (lanes go
-    back, base and hi to 0) and are one release (``release_into``: unkeyed to ``freed``, keyed left idle to
-    ``idle_keyed``, ``counts[0|1, g]`` each). The four arrays have room for every live cell of ``rows``;
-    ``offsets``: each group's first page id. Returns how many cells."""
-    n = 0
-    counts[:] = 0
-    for g in range(geometry.shape[0]):
-        for r in range(rows.size):
-            row, start = rows[r], n
-            n = take_cells(geometry, pages, bounds, g, row, bounds[BASE, g, row], taken, cells, n)  # no live cell left
-            counts[2, g] += n - start
-            fit_ring(geometry, pages, bounds, g, row, 0)  # its lane back
-            bounds[BASE, g, row], bounds[HI, g, row] = 0, 0
-    release_into(ref, keyed, stack, per_group, offsets, taken[:n], counts[2], freed, idle_keyed, counts)
-    return n
 
 
 @njit(cache=True)
@@ -1303,49 +1271,6 @@ SHORT_RUN = 64  # ``push_free`` leaves a longer run to ``push_run``'s sort
 
 
 @njit(cache=True)
-def drop_holds(ref, keyed, offsets, per_group, pages, freed, keyed_pages, counts):
-    """``drop_released`` of each group's listed pages (group-major, ``per_group[g]`` each): unkeyed to ``freed``,
-    keyed to ``keyed_pages``, ``counts[0|1, g]`` how many."""
-    start, n_freed, n_keyed = 0, 0, 0
-    for g in range(per_group.size):
-        end, freed_from, keyed_from = start + per_group[g], n_freed, n_keyed
-        n_freed, n_keyed = drop_released(ref, keyed, offsets[g], pages[start:end], freed, n_freed, keyed_pages,
-                                         n_keyed)
-        counts[0, g] += n_freed - freed_from
-        counts[1, g] += n_keyed - keyed_from
-        start = end
-
-
-@njit(cache=True)
-def take_holds(ref, keyed, low_priority, low_idle, offsets, per_group, pages, idle_pages, idle_counts):
-    """One reference more on each listed page (group-major); ``-1 - i`` and nothing changed when page ``i`` is
-    free. Else the pages that had no holder go to ``idle_pages`` (``idle_counts[g]`` each; low-priority ones
-    leave ``low_idle[g]``); returns how many."""
-    start = 0
-    for g in range(per_group.size):
-        offset = offsets[g]
-        for i in range(start, start + per_group[g]):
-            if ref[offset + pages[i]] == 0 and not keyed[offset + pages[i]]:
-                return -1 - i
-        start += per_group[g]
-    start, n_idle = 0, 0
-    for g in range(per_group.size):
-        offset = offsets[g]
-        idle_counts[g] = 0
-        for i in range(start, start + per_group[g]):
-            page = offset + pages[i]
-            if ref[page] == 0:
-                idle_pages[n_idle] = pages[i]
-                n_idle += 1
-                idle_counts[g] += 1
-                if low_priority[page]:
-                    low_idle[g] -= 1
-            ref[page] += 1
-        start += per_group[g]
-    return n_idle
-
-
-@njit(cache=True)
 def release_credit(geometry, pages, bounds, ref, keyed, g, rows, new_base, credit, sole_pages, unkeyed_pages, enough):
     """Group ``g``'s pages below each row's ``new_base`` only that row holds (pure): ``credit[r]`` per row, the
     pages to ``sole_pages``, the unkeyed ones (the releases' free pages) also to ``unkeyed_pages``. Returns
@@ -1477,7 +1402,12 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
     the group below it, so the next search starts there; the lowest spare only rises."""
     n, n_taken, start, lowest = owner.size, 0, 0, 0
     while short_pages > 0:
-        pick = spare_next_to(owner, group, start)
+        pick = -1  # the lowest spare from ``start`` on next to the group's: its slabs in order, their left first
+        for t in range(max(start - 1, 0), n):
+            if owner[t] == group:
+                pick = t - 1 if t > start and owner[t - 1] < 0 else t + 1 if t + 1 < n and owner[t + 1] < 0 else -1
+                if pick >= 0:
+                    break
         if pick < 0:
             while lowest < n and owner[lowest] >= 0:
                 lowest += 1
@@ -1487,21 +1417,6 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
         short_pages -= lend_slab(owner, group, inner_pages, straddle, pick, taken, n_taken)
         n_taken, start = n_taken + 1, max(pick - 1, 0)
     return n_taken, short_pages
-
-
-@njit(cache=True, inline="always")
-def spare_next_to(owner, group, start):
-    """The lowest spare slab from ``start`` on next to one ``group`` owns (-1: none), found from the group's
-    slabs in order (a slab's left neighbour lies below its right one, and below the next slab's): one compare
-    a slab not the group's."""
-    n = owner.size
-    for t in range(max(start - 1, 0), n):
-        if owner[t] == group:
-            if t > start and owner[t - 1] < 0:
-                return t - 1
-            if t + 1 < n and owner[t + 1] < 0:
-                return t + 1
-    return -1
 
 
 @njit(cache=True, inline="always")
@@ -1757,15 +1672,16 @@ def log2_exact(value):
 
 
 @njit(cache=True)
-def distinct_rows(rows, mark):
-    """Whether no row is listed twice (``mark``: scratch, one flag per table row, all False before and after)."""
+def distinct_rows(rows, mark, keep=False):
+    """Whether no row is listed twice (``mark``: scratch, one flag per table row, all False before and after, but
+    for the rows' own when ``keep`` and they are distinct: those stay set)."""
     distinct = True
     for r in range(rows.size):
         if mark[rows[r]]:
             distinct = False
             break
         mark[rows[r]] = True
-    for r in range(rows.size):
+    for r in range(0 if distinct and keep else rows.size):
         mark[rows[r]] = False
     return distinct
 
