@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from hybridkv._checks import as_int
-from hybridkv.memory.pool import PagePool, PageSpace
+from hybridkv.memory.pool import PagePool
 from hybridkv.runtime import kernels
 
 DEFAULT_SLAB_ANCHOR_PAGES = 16
@@ -125,19 +125,10 @@ class IdleScan:
         return 1 if not self.clean else 0 if self.before_tick is None else 2
 
 
-def _page_space_of(pools: list[PagePool]) -> PageSpace:
-    """The page space holding ``pools`` in this order (made here when none holds them yet)."""
-    space = pools[0].space
-    if space is None and all(pool.space is None for pool in pools):
-        return PageSpace(pools)
-    if space is None or len(space.pools) != len(pools) or any(a is not b for a, b in zip(space.pools, pools)):
-        raise ValueError("an arena's pools lie in one page space, in the arena's group order")
-    return space
-
-
 class Arena:
-    """Slab ownership for the pools of one manager; pools start with no pages (docs/architecture.md,
-    "Page space": a group uses the pages inside its slabs and those straddling two adjacent ones)."""
+    """Slab ownership for the pools of one manager (one ``PageSpace``'s, in its order); pools start with no pages
+    (docs/architecture.md, "Page space": a group uses the pages inside its slabs and those straddling two adjacent
+    ones)."""
 
     def __init__(self, geometry: ArenaGeometry, pools: Mapping[str, PagePool]):
         if set(pools) != set(geometry.page_bytes):
@@ -148,7 +139,7 @@ class Arena:
         for gid, pool in self.pools.items():
             if pool.num_pages != geometry.view_pages(gid) or pool.usable_pages:
                 raise ValueError(f"group {gid!r}: an arena pool starts empty with {geometry.view_pages(gid)} page ids")
-        self._space = _page_space_of(list(self.pools.values()))
+        self._space = self.pools[self.group_ids[0]].space  # the page space holding the pools, in this order
         inner, straddle = self._init_slab_ids()
         n = geometry.num_slabs
         self._taken = np.empty(n, dtype=np.int64)  # plan's scratch: spare slabs taken

@@ -318,7 +318,6 @@ class PagePool:
         self._low_ids = kernels.entry_point(kernels.low_idle_ids, (  # ``_low_idle_ids``' kernel, its compiled code
             self.low_priority, self.cached, self.ref_counts, 0, 0, _NO_PAGES))
         lru.leave_to_free(self._lru_prev, self._lru_next, self._stack, self._top, self.lowest_first, _NO_PAGES)
-        self.drop_entries([])
 
     # --- content-keyed entries -------------------------------------------
     def demote(self, key: Hashable) -> None:
@@ -368,7 +367,7 @@ class PagePool:
         return removal[2]
 
     def _drop_entry(self, key: Hashable, cause: str) -> tuple[Hashable, str, int]:
-        """:meth:`drop_entries` of one entry (a few pages: plain loops beat building arrays)."""
+        """What :meth:`evict_entries` does to one entry, counting no eviction (a few pages: plain loops beat arrays)."""
         pages = self._entries.pop(key)
         free = []
         flags = self.low_priority
@@ -415,33 +414,27 @@ class PagePool:
         order, as evicting one at a time); idle low-priority entries at the head of the LRU go ``_LOW_EVICT_PAGES``
         pages beyond that in the same pass, so a run of small allocations does not evict once each."""
         keys, freed = {}, 0  # the victims' keys in order (a dict: an ordered set)
-        page_key, low, entries, nxt, ranker = (self._page_key, self.low_priority, self._entries,
-                                               self._lru_views[1], self.ranker)
+        page_key, low, entries, nxt, ranker, ref = (self._page_key, self.low_priority, self._entries,
+                                                    self._lru_views[1], self.ranker, self.ref_counts)
         page = nxt[NULL_PAGE]  # the head
         while page != NULL_PAGE:
             key = page_key[page]
             if key not in keys:
                 if freed >= pages_needed and (freed >= pages_needed + _LOW_EVICT_PAGES or not low[page]):
                     break
-                if ranker is not None and not low[page]:
-                    self._evict_ranked(pages_needed, freed, keys)
+                if ranker is not None and not low[page]:  # past the idle low-priority entries: the ranker's victims
+                    while freed < pages_needed:
+                        key = ranker.victim(self, keys)
+                        if key is None:
+                            raise AssertionError(f"group {self.group_id!r}: the checkpoint order lost idle pages")
+                        keys[key] = None
+                        freed += sum(1 for p in entries[key] if ref[p] == 0)
                     break
                 keys[key] = None
                 pages = entries[key]  # its idle pages are the ones in the LRU
                 freed += 1 if len(pages) == 1 else sum(1 for p in pages if nxt[p] >= 0)
             page = nxt[page]
         self._unpublish_many(list(keys))
-
-    def _evict_ranked(self, pages_needed: int, freed: int, keys: dict) -> None:
-        """Past the idle low-priority entries at the front of the LRU, add the ranker's
-        victims to ``keys`` until ``pages_needed`` idle pages are freed."""
-        ref = self.ref_counts
-        while freed < pages_needed:
-            key = self.ranker.victim(self, keys)
-            if key is None:
-                raise AssertionError(f"group {self.group_id!r}: the checkpoint order lost idle pages")
-            keys[key] = None
-            freed += sum(1 for p in self._entries[key] if ref[p] == 0)
 
     def _unpublish_many(self, keys: Sequence[Hashable], cause: str = EVICTED) -> int:
         """``evict_many`` where set, else :meth:`evict_entries`, then each removal told to
@@ -455,21 +448,17 @@ class PagePool:
         return sum(idle for _, _, idle in removals)
 
     def evict_entries(self, keys: Sequence[Hashable], cause: str = EVICTED) -> list[tuple[Hashable, str, int]]:
-        """Unpublish the published entries ``keys`` as evictions (their idle pages counted as evicted). Tells no one:
-        returns, per entry in order, what :meth:`unpublish` would tell ``on_removed``."""
-        removals = self.drop_entries(keys, cause)
+        """Unpublish the published entries ``keys`` as evictions (their idle pages counted as evicted) in one compiled
+        pass over their pages (``PageSpace.drop_units``; one entry, or a pool in no page space: entry by entry),
+        telling no one: the free stack ends as after one :meth:`unpublish` each, in order (the last entry's pages on
+        top). Per entry, in order, what :meth:`unpublish` would tell ``on_removed``: (key, cause: ``EVICTED_LOW`` for a
+        low-priority entry evicted, idle pages freed)."""
+        if len(keys) == 1 or self.space is None:
+            removals = [self._drop_entry(key, cause) for key in keys]
+        else:
+            removals = self.space.drop_units([self], keys, cause)[2]
         self.counters.evicted_pages += sum(idle for _, _, idle in removals)
         return removals
-
-    def drop_entries(self, keys: Sequence[Hashable], cause: str = UNPUBLISHED) -> list[tuple[Hashable, str, int]]:
-        """Unpublish the published entries ``keys`` in one compiled pass over their pages (``lru.drop_units``; one
-        entry, or a pool in no page space: entry by entry), telling no one and counting no eviction: the free stack
-        ends as after one :meth:`unpublish` each, in order (the last entry's pages on top). Per entry, in order, what
-        :meth:`unpublish` would tell ``on_removed``: (key, cause: ``EVICTED_LOW`` for a low-priority entry evicted,
-        idle pages freed)."""
-        if len(keys) == 1 or self.space is None:
-            return [self._drop_entry(key, cause) for key in keys]
-        return self.space.drop_units([self], keys, cause)[2]
 
     def clear_cache(self) -> None:
         """Unpublish every entry (held pages stay held)."""
@@ -610,10 +599,10 @@ class PageSpace:
 
     def drop_units(self, pools: Sequence[PagePool], keys: Sequence[Hashable],
                    cause: str = UNPUBLISHED) -> tuple[list[list[str]], list[int], list[tuple[Hashable, str, int]]]:
-        """``pool.drop_entries(…, cause)`` of the ``keys`` each of ``pools`` (this space's) publishes, telling no
-        one, all in one compiled pass (``lru.drop_units``: each pool's free stack ends as after its own
-        ``drop_entries``). Returns per key, in order, the group ids of the pools it left (in ``pools`` order); per
-        pool its idle pages freed; and what ``pools[0].drop_entries`` returns of the keys it published. The entries
+        """``pool.evict_entries(…, cause)`` of the ``keys`` each of ``pools`` (this space's) publishes, counting no
+        eviction, all in one compiled pass (``lru.drop_units``: each pool's free stack ends as after its own
+        ``evict_entries``). Returns per key, in order, the group ids of the pools it left (in ``pools`` order); per
+        pool its idle pages freed; and what ``pools[0].evict_entries`` returns of the keys it published. The entries
         are popped pool by pool (:meth:`entry_pops`), each pool's last entry first."""
         pops = self.entry_pops(pools)
         listed, left = [], []  # its entries' (group, page count, pages); per key, the group ids it left
