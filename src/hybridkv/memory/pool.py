@@ -197,9 +197,18 @@ class PagePool:
         elif ahead or not candidates:
             self._low_floor = max(self._low_floor, end)  # none below it
             return
-        if each:
-            self._evict_low_each(count)
-            return
+        freed = 0
+        while each:  # one entry at a time, the flags scanned again after each (``on_removed`` may demote entries here)
+            self._low_floor = candidates[0]  # no idle low-priority page below it; its entry goes now
+            freed += self._unpublish_many([self._page_key[candidates[0]]])
+            if freed >= count:
+                return
+            top = self._top  # the scan stops at the ``count``-th lowest free id (``num_pages`` while fewer are free)
+            end = int(self._stack[top - count]) if top >= count else self.num_pages
+            candidates = self._low_idle_ids(end, 1)
+            if not candidates:
+                self._low_floor = max(self._low_floor, end)
+                return
         self._unpublish_many(self._low_victims(count, top, candidates,
                                                candidates[0] + 1 if len(candidates) == _SCAN_PAGES else end))
 
@@ -240,20 +249,6 @@ class PagePool:
         # None left below the bound the scans stopped at (it only fell meanwhile).
         self._low_floor = max(self._low_floor, bound)
         return keys
-
-    def _evict_low_each(self, count: int) -> None:
-        """:meth:`_evict_low_below` one entry at a time, the flags scanned again after each
-        removal (what ``on_removed`` does may demote entries of this pool)."""
-        freed = 0
-        while freed < count:
-            top = self._top  # the scan stops at the ``count``-th lowest free id (``num_pages`` while fewer are free)
-            bound = int(self._stack[top - count]) if top >= count else self.num_pages
-            first = self._low_idle_ids(bound, 1)
-            if not first:
-                self._low_floor = max(self._low_floor, bound)
-                return
-            self._low_floor = first[0]  # no idle low-priority page below it; its entry goes now
-            freed += self._unpublish_many([self._page_key[first[0]]])
 
     def _low_idle_ids(self, bound: int, most: int, start: int = -1) -> list[int]:
         """The first ``most`` idle low-priority page ids from ``start`` (default ``_low_floor``) up to ``bound``
@@ -614,9 +609,8 @@ class PageSpace:
                     listed += (slot, len(pages), *pages)
                     gone.append(gid)
             left.append(gone)
-        told = np.empty(4 * len(listed), dtype=np.int64)  # an entry lists 2 numbers at least; the rest: scratch
-        self._drop_units(np.array(listed, dtype=np.int64), *self._drop_arrays, told)
-        told = told[:len(listed) // 2].tolist()
+        self.drop_listed(listed)
+        told = self._told[:len(listed) // 2].tolist()  # per entry (2 numbers at least): 2 * idle pages + low
         low_cause, first, at, removals = EVICTED_LOW if cause == EVICTED else cause, pops and pops[0][2], 0, []
         for key, gone in zip(reversed(keys), left):  # the first pool's entry comes first in ``gone``
             if gone and gone[0] == first:
@@ -637,7 +631,7 @@ class PageSpace:
         page count and pages, each pool's last entry first), in one compiled pass (``lru.drop_units``)."""
         if 4 * len(listed) > self._told.size:  # ``lru.drop_units``' scratch
             self._told = np.empty(8 * len(listed), dtype=np.int64)
-        self._drop_units(np.array(listed, dtype=np.int64), *self._drop_arrays, self._told)  # ``told``: not read here
+        self._drop_units(np.array(listed, dtype=np.int64), *self._drop_arrays, self._told)
 
     def keyed_idle(self, per_group: np.ndarray, keyed: np.ndarray) -> None:
         """Keyed pages a release left idle (group after group, ``per_group[g]`` each; both int64) join their LRUs
