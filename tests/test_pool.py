@@ -205,13 +205,14 @@ def test_evictable_lru_evicts_a_chain_tail_before_its_head():
     pool.check_invariants()
 
 
-def test_clear_cache_keeps_held_pages():
+def test_unpublish_every_entry_keeps_held_pages():
     pool = PagePool("g", 6)
     pages = allocate(pool, 2).tolist()
     publish(pool, "a", [pages[0]])
     publish(pool, "b", [pages[1]])
     decref(pool, np.array([pages[0]]))
-    pool.clear_cache()
+    for key in pool.entry_keys():  # as PrefixCache.clear does
+        pool.unpublish(key)
     assert pool.num_cached_pages == 0 and pool.num_evictable_pages == 0
     assert pool.ref_counts[pages[1]] == 1 and pool.num_clean_free_pages == 4
     pool.check_invariants()

@@ -260,11 +260,6 @@ class PagePool:
         n = self._low_ids(self.low_priority, self.cached, self.ref_counts, start, bound, out)
         return out[:n][::-1].tolist()
 
-    def _tell_ranker(self, pages: np.ndarray, tick: int) -> None:
-        """``pages`` (logical order) joined the LRU at ``tick``: the ranker hears of the normal-priority ones."""
-        low, page_key = self.low_priority, self._page_key
-        self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in pages[::-1].tolist() if not low[p]], tick)
-
     # --- grants (shared arena) ---------------------------------------------
     def grant(self, pages: np.ndarray) -> None:
         """Make never-granted (or revoked) page ids usable: they go on the free stack,
@@ -454,11 +449,6 @@ class PagePool:
             removals = self.space.drop_units([self], keys, cause)[2]
         self.counters.evicted_pages += sum(idle for _, _, idle in removals)
         return removals
-
-    def clear_cache(self) -> None:
-        """Unpublish every entry (held pages stay held)."""
-        for key in list(self._entries):
-            self.unpublish(key)
 
     # --- checks -----------------------------------------------------------
     def check_invariants(self) -> None:
@@ -675,7 +665,8 @@ class PageSpace:
         return args
 
     def _tell_rankers(self, per_group: np.ndarray, keyed: np.ndarray, first_tick: int) -> None:
-        """Each pool with a ranker whose pages joined their LRU tells it of them (plain loops: no numpy call)."""
+        """Each pool with a ranker whose pages joined their LRU (logical order) tells it of the normal-priority ones and
+        their tick (plain loops: no numpy call)."""
         counts, starts, ticks, start, tick = per_group.tolist(), [], [], 0, first_tick - 1
         for k in counts:  # where each pool's pages start, and the tick they got (each pool with some, the next)
             tick += 1 if k else 0
@@ -684,4 +675,6 @@ class PageSpace:
             start += k
         for g in self.ranked:
             if counts[g]:
-                self.pools[g]._tell_ranker(keyed[starts[g] : starts[g] + counts[g]], ticks[g])
+                pool, pages = self.pools[g], keyed[starts[g] : starts[g] + counts[g]][::-1].tolist()
+                low, page_key = pool.low_priority, pool._page_key
+                pool.ranker.went_idle(pool.group_id, [(p, page_key[p]) for p in pages if not low[p]], ticks[g])

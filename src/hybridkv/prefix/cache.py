@@ -911,7 +911,8 @@ class PrefixCache:
     def clear(self) -> None:
         self._dropping = True
         for pool in self.pools.values():
-            pool.clear_cache()
+            for key in pool.entry_keys():  # held pages stay held
+                pool.unpublish(key)
         self._dropping = False
 
     def checkpoint_window_tokens(self, group_id: str) -> int:
