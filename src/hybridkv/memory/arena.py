@@ -140,7 +140,12 @@ class Arena:
             if pool.num_pages != geometry.view_pages(gid) or pool.usable_pages:
                 raise ValueError(f"group {gid!r}: an arena pool starts empty with {geometry.view_pages(gid)} page ids")
         self._space = self.pools[self.group_ids[0]].space  # the page space holding the pools, in this order
-        inner, straddle = self._init_slab_ids()
+        # Per group and slab: inner page ids lo .. hi-1, left straddler (-1: none); and dicts viewing their rows.
+        ids = [(*geometry.slab_page_ranges(gid), geometry.boundary_pages(gid)) for gid in self.group_ids]
+        self._slab_ids = lo, hi, straddle = tuple(np.stack(planes) for planes in zip(*ids))
+        inner = hi - lo  # inner pages per slab
+        self._ranges = dict(zip(self.group_ids, zip(lo, hi)))
+        self._straddle, self._inner = dict(zip(self.group_ids, straddle)), dict(zip(self.group_ids, inner))
         n = geometry.num_slabs
         self._taken = np.empty(n, dtype=np.int64)  # plan's scratch: spare slabs taken
         self._spare_grants = np.empty((2, n), dtype=np.int64)  # groups; slabs
@@ -186,17 +191,6 @@ class Arena:
         many = self.geometry.num_slabs * self._most_slab_pages  # more than any donor can give
         for scan in (IdleScan(clean=True, before_tick=0), IdleScan()):  # a scan slab by slab, then one whole
             self._take_from_donors(gid, 1, self.owner.copy(), [], {gid: 1}, (dict.fromkeys(donors, many), {}), scan)
-
-    def _init_slab_ids(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per group and slab: inner page ids lo .. hi-1, left straddler (-1: none), inner count (arrays, and
-        dicts viewing their rows); returns (inner counts, straddlers)."""
-        gids, geometry = self.group_ids, self.geometry
-        ids = [(*geometry.slab_page_ranges(gid), geometry.boundary_pages(gid)) for gid in gids]
-        self._slab_ids = lo, hi, straddle = tuple(np.stack(planes) for planes in zip(*ids))
-        inner = hi - lo
-        self._ranges = dict(zip(gids, zip(lo, hi)))
-        self._straddle, self._inner = dict(zip(gids, straddle)), dict(zip(gids, inner))  # inner: pages per slab
-        return inner, straddle
 
     def _packing_rule(self, gid: str) -> Callable[[int, int], bool]:
         """A group's ``PagePool.must_pack``: always unless the arena is roomy, then ``kernels.must_pack_at``."""
