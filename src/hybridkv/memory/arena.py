@@ -288,8 +288,8 @@ class Arena:
             n_taken, short, left[donor] = kernels.take_donor_slabs(
                 self.owner if reach else own, own, di, gi, lo, hi, self._straddle[donor], pool.ref_counts,
                 pool.cached, pool.low_priority, pool.idle_tick, scan.keyed_mode(), scan.before_tick or 0,
-                self._released(donor, scan) if reach else _NO_PAGES, self._sizes[di], self._inner[gid],
-                self._straddle[gid], left[donor], short, self._taken, inner_idle, edge_idle)
+                scan.releasing(di) if reach and scan.releasing is not None else _NO_PAGES, self._sizes[di],
+                self._inner[gid], self._straddle[gid], left[donor], short, self._taken, inner_idle, edge_idle)
             grants.extend((gid, slab, donor) for slab in self._taken[:n_taken].tolist())
         return short
 
@@ -325,20 +325,16 @@ class Arena:
                 slabs += -(-short // per_slab) if per_slab > 0 else self.geometry.num_slabs
         return slabs * self._most_slab_pages
 
-    def _released(self, gid: str, scan: IdleScan) -> np.ndarray:
-        """The pages of ``gid`` the step frees before slabs move (``scan.releasing``: int64)."""
-        return _NO_PAGES if scan.releasing is None else scan.releasing(self._index[gid])
-
     def _idle(self, gid: str, scan: IdleScan) -> tuple[np.ndarray, np.ndarray, int]:
         """``kernels.idle_slabs`` of ``gid`` (inner idle, edge idle, keyed pages counted), once per scan."""
         found = scan.idle.get(gid)
         if found is None:
             pool, gi, n = self.pools[gid], self._index[gid], self.geometry.num_slabs
             inner_idle, edge_idle = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
-            lo, hi = self._ranges[gid]
+            (lo, hi), released = self._ranges[gid], _NO_PAGES if scan.releasing is None else scan.releasing(gi)
             counted = kernels.idle_slabs(self.owner, gi, lo, hi, self._straddle[gid], pool.ref_counts, pool.cached,
                                          pool.low_priority, pool.idle_tick, scan.keyed_mode(), scan.before_tick or 0,
-                                         self._released(gid, scan), self._sizes[gi], inner_idle, edge_idle)
+                                         released, self._sizes[gi], inner_idle, edge_idle)
             found = scan.idle[gid] = (inner_idle, edge_idle, int(counted))
         return found
 
