@@ -15,7 +15,7 @@ from hybridkv.memory.arena import SPREAD_SLABS, Arena, anchor_group_for, arena_g
 from hybridkv.runtime.manager import CacheManager, CacheManagerError
 from hybridkv.models.layout import cache_layout
 from hybridkv.plan import Limits, plan_for_budget
-from hybridkv.memory.pool import PagePool
+from hybridkv.memory.pool import PagePool, PageSpace
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.runtime import kernels
 from pool_ops import allocate, decref, publish
@@ -43,6 +43,7 @@ def packing_arena(slabs=12):
     (geometry, pools by group, arena)."""
     geometry = small_geometry(slabs)
     pools = {gid: PagePool(gid, geometry.view_pages(gid), granted=False, lowest_first=True) for gid in SMALL_BYTES}
+    PageSpace(list(pools.values()))  # an arena's pools lie in one page space, in its group order
     return geometry, pools, Arena(geometry, pools)
 
 
@@ -145,6 +146,7 @@ def test_v4_flash_40gib_arena():
 def bare_arena():
     g = small_geometry()
     pools = {gid: PagePool(gid, g.view_pages(gid), granted=False, lowest_first=True) for gid in SMALL_BYTES}
+    PageSpace(list(pools.values()))
     return Arena(g, pools), pools
 
 

@@ -205,13 +205,14 @@ def test_evictable_lru_evicts_a_chain_tail_before_its_head():
     pool.check_invariants()
 
 
-def test_clear_cache_keeps_held_pages():
+def test_unpublish_every_entry_keeps_held_pages():
     pool = PagePool("g", 6)
     pages = allocate(pool, 2).tolist()
     publish(pool, "a", [pages[0]])
     publish(pool, "b", [pages[1]])
     decref(pool, np.array([pages[0]]))
-    pool.clear_cache()
+    for key in pool.entry_keys():  # as PrefixCache.clear does
+        pool.unpublish(key)
     assert pool.num_cached_pages == 0 and pool.num_evictable_pages == 0
     assert pool.ref_counts[pages[1]] == 1 and pool.num_clean_free_pages == 4
     pool.check_invariants()
@@ -667,7 +668,7 @@ def test_a_hits_holds_in_one_call_are_borrowing_pool_by_pool(data, lowest_first)
 def test_page_space_drop_units_is_one_key_after_another(data, lowest_first):
     """``PageSpace.drop_units`` of a unit (pages in several groups), then of a second key
     published in every group, in one call (as an eviction takes units: ``ValueEviction.take_units``)
-    against ``drop_entries([key])`` in each of the pools that publish the key, key after
+    against ``evict_entries([key])`` in each of the pools that publish the key, key after
     key: entries of 0-3 pages, low priority or not, some pages held. It names the groups
     each left, in order; the same free stacks (order included), LRU, idle low-priority
     counts, flags and entries."""
@@ -690,9 +691,9 @@ def test_page_space_drop_units_is_one_key_after_another(data, lowest_first):
     assert space.drop_units(pools_a, ["unit", "other"])[0] == [[f"g{i}" for i in sorted(picked)],
                                                                [f"g{i}" for i in range(len(sizes))]]
     for i in picked:
-        assert pools_b[i].drop_entries(["unit"])[0][0] == "unit"
+        assert pools_b[i].evict_entries(["unit"])[0][0] == "unit"
     for pool in pools_b:
-        assert pool.drop_entries(["other"])[0][0] == "other"
+        assert pool.evict_entries(["other"])[0][0] == "other"
     for a, b in zip(pools_a, pools_b):
         a.check_invariants()
         assert (a.free_page_ids().tolist(), a.evictable_page_ids().tolist(), a.num_low_priority_idle_pages,
@@ -732,12 +733,12 @@ def _two_scripted_spaces(data, lowest_first: bool, other: bool = False):
 
 @settings(max_examples=80, deadline=None)
 @given(data=st.data(), lowest_first=st.booleans())
-def test_page_space_drop_units_is_drop_entries_pool_by_pool(data, lowest_first):
+def test_page_space_drop_units_is_evict_entries_pool_by_pool(data, lowest_first):
     """``PageSpace.drop_units`` (one compiled pass over several keys' entries in several
-    groups) against ``drop_entries`` of the keys each pool publishes, pool by pool: entries
+    groups) against ``evict_entries`` of the keys each pool publishes, pool by pool: entries
     of 0-3 pages, low priority or not, some pages held, some keys missing from some groups,
     one entry left published in each group. Per key the groups it left, per pool the idle
-    pages freed (as ``drop_entries`` tells them); the same free stacks (order included),
+    pages freed (as ``evict_entries`` tells them); the same free stacks (order included),
     LRU, idle low-priority counts, flags and entries."""
     _, keys, sides = _two_scripted_spaces(data, lowest_first, other=True)
     (pools_a, space), (pools_b, _) = sides
@@ -746,7 +747,7 @@ def test_page_space_drop_units_is_drop_entries_pool_by_pool(data, lowest_first):
     want_left, want_idle, want_told = [[] for _ in keys], [], None
     for pool in pools_b:
         present = [key for key in keys if pool.lookup(key) is not None]
-        removals = pool.drop_entries(present, cause) if present else []
+        removals = pool.evict_entries(present, cause) if present else []
         want_told = removals if want_told is None else want_told  # the first pool's
         want_idle.append(sum(n for _, _, n in removals))
         for key, _, _ in removals:
@@ -766,7 +767,7 @@ def test_page_space_drop_listed_is_one_key_after_another(data, lowest_first):
     """``PageSpace.drop_listed`` of keys popped with ``PageSpace.entry_pops``, each over the
     pools in its own order (as ``PrefixCache._supersede`` pops a superseded unit, its group
     first), the last key listed first (as ``PrefixCache._let_go``), against
-    ``drop_entries([key])`` in each pool that publishes it, key after key: entries of 0-3
+    ``evict_entries([key])`` in each pool that publishes it, key after key: entries of 0-3
     pages, low priority or not, some pages held, some keys missing from some groups. The
     same free stacks (order included), LRU, idle low-priority counts, flags and entries."""
     sizes, keys, sides = _two_scripted_spaces(data, lowest_first)
@@ -784,7 +785,7 @@ def test_page_space_drop_listed_is_one_key_after_another(data, lowest_first):
     for key in keys:
         for pool in pools_b:
             if pool.lookup(key) is not None:
-                pool.drop_entries([key])
+                pool.evict_entries([key])
     for a, b in zip(pools_a, pools_b):
         a.check_invariants()
         assert (a.free_page_ids().tolist(), a.evictable_page_ids().tolist(), a.num_low_priority_idle_pages,
@@ -1290,7 +1291,7 @@ def test_the_lru_keeps_an_ordered_dicts_order_through_every_change(data, lowest_
                 ref.low[key] = op == "demote"
         elif op in ("unpublish", "drop"):
             keys = [key] if op == "unpublish" else sorted(entries)[: data.draw(st.integers(1, 3), label=f"k{step}")]
-            pool.unpublish(keys[0]) if op == "unpublish" else pool.drop_entries(keys)
+            pool.unpublish(keys[0]) if op == "unpublish" else pool.evict_entries(keys)
             for k in keys:
                 if held.pop(k):
                     decref(pool, np.array(entries[k]))  # unkeyed now: straight to the free stack
@@ -1415,7 +1416,7 @@ def test_peak_used_pages_can_be_reset_and_rises_again():
 
 def test_page_space_drop_units_counts_each_call_alone():
     """``PageSpace.drop_units`` reuses its per-group scratch: a second call's idle pages per
-    pool are that call's only (as ``drop_entries`` tells them), not added to the first's."""
+    pool are that call's only (as ``evict_entries`` tells them), not added to the first's."""
     pools = [PagePool(f"g{i}", 16, lowest_first=True) for i in range(3)]
     space = PageSpace(pools)
     for pool in pools:

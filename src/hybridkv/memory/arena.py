@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from hybridkv._checks import as_int
-from hybridkv.memory.pool import PagePool, PageSpace
+from hybridkv.memory.pool import PagePool
 from hybridkv.runtime import kernels
 
 DEFAULT_SLAB_ANCHOR_PAGES = 16
@@ -125,19 +125,10 @@ class IdleScan:
         return 1 if not self.clean else 0 if self.before_tick is None else 2
 
 
-def _page_space_of(pools: list[PagePool]) -> PageSpace:
-    """The page space holding ``pools`` in this order (made here when none holds them yet)."""
-    space = pools[0].space
-    if space is None and all(pool.space is None for pool in pools):
-        return PageSpace(pools)
-    if space is None or len(space.pools) != len(pools) or any(a is not b for a, b in zip(space.pools, pools)):
-        raise ValueError("an arena's pools lie in one page space, in the arena's group order")
-    return space
-
-
 class Arena:
-    """Slab ownership for the pools of one manager; pools start with no pages (docs/architecture.md,
-    "Page space": a group uses the pages inside its slabs and those straddling two adjacent ones)."""
+    """Slab ownership for the pools of one manager (one ``PageSpace``'s, in its order); pools start with no pages
+    (docs/architecture.md, "Page space": a group uses the pages inside its slabs and those straddling two adjacent
+    ones)."""
 
     def __init__(self, geometry: ArenaGeometry, pools: Mapping[str, PagePool]):
         if set(pools) != set(geometry.page_bytes):
@@ -148,8 +139,13 @@ class Arena:
         for gid, pool in self.pools.items():
             if pool.num_pages != geometry.view_pages(gid) or pool.usable_pages:
                 raise ValueError(f"group {gid!r}: an arena pool starts empty with {geometry.view_pages(gid)} page ids")
-        self._space = _page_space_of(list(self.pools.values()))
-        inner, straddle = self._init_slab_ids()
+        self._space = self.pools[self.group_ids[0]].space  # the page space holding the pools, in this order
+        # Per group and slab: inner page ids lo .. hi-1, left straddler (-1: none); and dicts viewing their rows.
+        ids = [(*geometry.slab_page_ranges(gid), geometry.boundary_pages(gid)) for gid in self.group_ids]
+        self._slab_ids = lo, hi, straddle = tuple(np.stack(planes) for planes in zip(*ids))
+        inner = hi - lo  # inner pages per slab
+        self._ranges = dict(zip(self.group_ids, zip(lo, hi)))
+        self._straddle, self._inner = dict(zip(self.group_ids, straddle)), dict(zip(self.group_ids, inner))
         n = geometry.num_slabs
         self._taken = np.empty(n, dtype=np.int64)  # plan's scratch: spare slabs taken
         self._spare_grants = np.empty((2, n), dtype=np.int64)  # groups; slabs
@@ -195,17 +191,6 @@ class Arena:
         many = self.geometry.num_slabs * self._most_slab_pages  # more than any donor can give
         for scan in (IdleScan(clean=True, before_tick=0), IdleScan()):  # a scan slab by slab, then one whole
             self._take_from_donors(gid, 1, self.owner.copy(), [], {gid: 1}, (dict.fromkeys(donors, many), {}), scan)
-
-    def _init_slab_ids(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per group and slab: inner page ids lo .. hi-1, left straddler (-1: none), inner count (arrays, and
-        dicts viewing their rows); returns (inner counts, straddlers)."""
-        gids, geometry = self.group_ids, self.geometry
-        ids = [(*geometry.slab_page_ranges(gid), geometry.boundary_pages(gid)) for gid in gids]
-        self._slab_ids = lo, hi, straddle = tuple(np.stack(planes) for planes in zip(*ids))
-        inner = hi - lo
-        self._ranges = dict(zip(gids, zip(lo, hi)))
-        self._straddle, self._inner = dict(zip(gids, straddle)), dict(zip(gids, inner))  # inner: pages per slab
-        return inner, straddle
 
     def _packing_rule(self, gid: str) -> Callable[[int, int], bool]:
         """A group's ``PagePool.must_pack``: always unless the arena is roomy, then ``kernels.must_pack_at``."""
@@ -303,8 +288,8 @@ class Arena:
             n_taken, short, left[donor] = kernels.take_donor_slabs(
                 self.owner if reach else own, own, di, gi, lo, hi, self._straddle[donor], pool.ref_counts,
                 pool.cached, pool.low_priority, pool.idle_tick, scan.keyed_mode(), scan.before_tick or 0,
-                self._released(donor, scan) if reach else _NO_PAGES, self._sizes[di], self._inner[gid],
-                self._straddle[gid], left[donor], short, self._taken, inner_idle, edge_idle)
+                scan.releasing(di) if reach and scan.releasing is not None else _NO_PAGES, self._sizes[di],
+                self._inner[gid], self._straddle[gid], left[donor], short, self._taken, inner_idle, edge_idle)
             grants.extend((gid, slab, donor) for slab in self._taken[:n_taken].tolist())
         return short
 
@@ -340,20 +325,16 @@ class Arena:
                 slabs += -(-short // per_slab) if per_slab > 0 else self.geometry.num_slabs
         return slabs * self._most_slab_pages
 
-    def _released(self, gid: str, scan: IdleScan) -> np.ndarray:
-        """The pages of ``gid`` the step frees before slabs move (``scan.releasing``: int64)."""
-        return _NO_PAGES if scan.releasing is None else scan.releasing(self._index[gid])
-
     def _idle(self, gid: str, scan: IdleScan) -> tuple[np.ndarray, np.ndarray, int]:
         """``kernels.idle_slabs`` of ``gid`` (inner idle, edge idle, keyed pages counted), once per scan."""
         found = scan.idle.get(gid)
         if found is None:
             pool, gi, n = self.pools[gid], self._index[gid], self.geometry.num_slabs
             inner_idle, edge_idle = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
-            lo, hi = self._ranges[gid]
+            (lo, hi), released = self._ranges[gid], _NO_PAGES if scan.releasing is None else scan.releasing(gi)
             counted = kernels.idle_slabs(self.owner, gi, lo, hi, self._straddle[gid], pool.ref_counts, pool.cached,
                                          pool.low_priority, pool.idle_tick, scan.keyed_mode(), scan.before_tick or 0,
-                                         self._released(gid, scan), self._sizes[gi], inner_idle, edge_idle)
+                                         released, self._sizes[gi], inner_idle, edge_idle)
             found = scan.idle[gid] = (inner_idle, edge_idle, int(counted))
         return found
 

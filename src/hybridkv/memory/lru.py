@@ -205,7 +205,7 @@ def oldest_normal_tick(nxt, low_priority, idle_tick):
 
 @njit(cache=True, _nrt=False)
 def drop_units(listed, ref, keyed, low_priority, lru_prev, lru_next, stack, offsets, per_group, idle, told):
-    """Entries leaving the groups of a page space (``PageSpace.drop_units``, ``PagePool.drop_entries``): ``listed``
+    """Entries leaving the groups of a page space (``PageSpace.drop_units``, ``PagePool.evict_entries``): ``listed``
     holds, entry after entry, its group, its page count and its local ids, each group's entries last to first. Every
     page loses its key and low priority; the idle ones (no holder) leave their group's LRU and go onto its free stack
     in listed order, one run a group (``push_run``: as one entry after another would leave it); ``per_group``'s LRU

@@ -197,9 +197,18 @@ class PagePool:
         elif ahead or not candidates:
             self._low_floor = max(self._low_floor, end)  # none below it
             return
-        if each:
-            self._evict_low_each(count)
-            return
+        freed = 0
+        while each:  # one entry at a time, the flags scanned again after each (``on_removed`` may demote entries here)
+            self._low_floor = candidates[0]  # no idle low-priority page below it; its entry goes now
+            freed += self._unpublish_many([self._page_key[candidates[0]]])
+            if freed >= count:
+                return
+            top = self._top  # the scan stops at the ``count``-th lowest free id (``num_pages`` while fewer are free)
+            end = int(self._stack[top - count]) if top >= count else self.num_pages
+            candidates = self._low_idle_ids(end, 1)
+            if not candidates:
+                self._low_floor = max(self._low_floor, end)
+                return
         self._unpublish_many(self._low_victims(count, top, candidates,
                                                candidates[0] + 1 if len(candidates) == _SCAN_PAGES else end))
 
@@ -241,20 +250,6 @@ class PagePool:
         self._low_floor = max(self._low_floor, bound)
         return keys
 
-    def _evict_low_each(self, count: int) -> None:
-        """:meth:`_evict_low_below` one entry at a time, the flags scanned again after each
-        removal (what ``on_removed`` does may demote entries of this pool)."""
-        freed = 0
-        while freed < count:
-            top = self._top  # the scan stops at the ``count``-th lowest free id (``num_pages`` while fewer are free)
-            bound = int(self._stack[top - count]) if top >= count else self.num_pages
-            first = self._low_idle_ids(bound, 1)
-            if not first:
-                self._low_floor = max(self._low_floor, bound)
-                return
-            self._low_floor = first[0]  # no idle low-priority page below it; its entry goes now
-            freed += self._unpublish_many([self._page_key[first[0]]])
-
     def _low_idle_ids(self, bound: int, most: int, start: int = -1) -> list[int]:
         """The first ``most`` idle low-priority page ids from ``start`` (default ``_low_floor``) up to ``bound``
         (excluded), the lowest last (popped first): one scan of the flags (``kernels.low_idle_ids``)."""
@@ -264,11 +259,6 @@ class PagePool:
         out = np.empty(most, dtype=np.int64)
         n = self._low_ids(self.low_priority, self.cached, self.ref_counts, start, bound, out)
         return out[:n][::-1].tolist()
-
-    def _tell_ranker(self, pages: np.ndarray, tick: int) -> None:
-        """``pages`` (logical order) joined the LRU at ``tick``: the ranker hears of the normal-priority ones."""
-        low, page_key = self.low_priority, self._page_key
-        self.ranker.went_idle(self.group_id, [(p, page_key[p]) for p in pages[::-1].tolist() if not low[p]], tick)
 
     # --- grants (shared arena) ---------------------------------------------
     def grant(self, pages: np.ndarray) -> None:
@@ -318,7 +308,6 @@ class PagePool:
         self._low_ids = kernels.entry_point(kernels.low_idle_ids, (  # ``_low_idle_ids``' kernel, its compiled code
             self.low_priority, self.cached, self.ref_counts, 0, 0, _NO_PAGES))
         lru.leave_to_free(self._lru_prev, self._lru_next, self._stack, self._top, self.lowest_first, _NO_PAGES)
-        self.drop_entries([])
 
     # --- content-keyed entries -------------------------------------------
     def demote(self, key: Hashable) -> None:
@@ -368,7 +357,7 @@ class PagePool:
         return removal[2]
 
     def _drop_entry(self, key: Hashable, cause: str) -> tuple[Hashable, str, int]:
-        """:meth:`drop_entries` of one entry (a few pages: plain loops beat building arrays)."""
+        """What :meth:`evict_entries` does to one entry, counting no eviction (a few pages: plain loops beat arrays)."""
         pages = self._entries.pop(key)
         free = []
         flags = self.low_priority
@@ -415,33 +404,27 @@ class PagePool:
         order, as evicting one at a time); idle low-priority entries at the head of the LRU go ``_LOW_EVICT_PAGES``
         pages beyond that in the same pass, so a run of small allocations does not evict once each."""
         keys, freed = {}, 0  # the victims' keys in order (a dict: an ordered set)
-        page_key, low, entries, nxt, ranker = (self._page_key, self.low_priority, self._entries,
-                                               self._lru_views[1], self.ranker)
+        page_key, low, entries, nxt, ranker, ref = (self._page_key, self.low_priority, self._entries,
+                                                    self._lru_views[1], self.ranker, self.ref_counts)
         page = nxt[NULL_PAGE]  # the head
         while page != NULL_PAGE:
             key = page_key[page]
             if key not in keys:
                 if freed >= pages_needed and (freed >= pages_needed + _LOW_EVICT_PAGES or not low[page]):
                     break
-                if ranker is not None and not low[page]:
-                    self._evict_ranked(pages_needed, freed, keys)
+                if ranker is not None and not low[page]:  # past the idle low-priority entries: the ranker's victims
+                    while freed < pages_needed:
+                        key = ranker.victim(self, keys)
+                        if key is None:
+                            raise AssertionError(f"group {self.group_id!r}: the checkpoint order lost idle pages")
+                        keys[key] = None
+                        freed += sum(1 for p in entries[key] if ref[p] == 0)
                     break
                 keys[key] = None
                 pages = entries[key]  # its idle pages are the ones in the LRU
                 freed += 1 if len(pages) == 1 else sum(1 for p in pages if nxt[p] >= 0)
             page = nxt[page]
         self._unpublish_many(list(keys))
-
-    def _evict_ranked(self, pages_needed: int, freed: int, keys: dict) -> None:
-        """Past the idle low-priority entries at the front of the LRU, add the ranker's
-        victims to ``keys`` until ``pages_needed`` idle pages are freed."""
-        ref = self.ref_counts
-        while freed < pages_needed:
-            key = self.ranker.victim(self, keys)
-            if key is None:
-                raise AssertionError(f"group {self.group_id!r}: the checkpoint order lost idle pages")
-            keys[key] = None
-            freed += sum(1 for p in self._entries[key] if ref[p] == 0)
 
     def _unpublish_many(self, keys: Sequence[Hashable], cause: str = EVICTED) -> int:
         """``evict_many`` where set, else :meth:`evict_entries`, then each removal told to
@@ -455,26 +438,17 @@ class PagePool:
         return sum(idle for _, _, idle in removals)
 
     def evict_entries(self, keys: Sequence[Hashable], cause: str = EVICTED) -> list[tuple[Hashable, str, int]]:
-        """Unpublish the published entries ``keys`` as evictions (their idle pages counted as evicted). Tells no one:
-        returns, per entry in order, what :meth:`unpublish` would tell ``on_removed``."""
-        removals = self.drop_entries(keys, cause)
+        """Unpublish the published entries ``keys`` as evictions (their idle pages counted as evicted) in one compiled
+        pass over their pages (``PageSpace.drop_units``; one entry, or a pool in no page space: entry by entry),
+        telling no one: the free stack ends as after one :meth:`unpublish` each, in order (the last entry's pages on
+        top). Per entry, in order, what :meth:`unpublish` would tell ``on_removed``: (key, cause: ``EVICTED_LOW`` for a
+        low-priority entry evicted, idle pages freed)."""
+        if len(keys) == 1 or self.space is None:
+            removals = [self._drop_entry(key, cause) for key in keys]
+        else:
+            removals = self.space.drop_units([self], keys, cause)[2]
         self.counters.evicted_pages += sum(idle for _, _, idle in removals)
         return removals
-
-    def drop_entries(self, keys: Sequence[Hashable], cause: str = UNPUBLISHED) -> list[tuple[Hashable, str, int]]:
-        """Unpublish the published entries ``keys`` in one compiled pass over their pages (``lru.drop_units``; one
-        entry, or a pool in no page space: entry by entry), telling no one and counting no eviction: the free stack
-        ends as after one :meth:`unpublish` each, in order (the last entry's pages on top). Per entry, in order, what
-        :meth:`unpublish` would tell ``on_removed``: (key, cause: ``EVICTED_LOW`` for a low-priority entry evicted,
-        idle pages freed)."""
-        if len(keys) == 1 or self.space is None:
-            return [self._drop_entry(key, cause) for key in keys]
-        return self.space.drop_units([self], keys, cause)[2]
-
-    def clear_cache(self) -> None:
-        """Unpublish every entry (held pages stay held)."""
-        for key in list(self._entries):
-            self.unpublish(key)
 
     # --- checks -----------------------------------------------------------
     def check_invariants(self) -> None:
@@ -608,10 +582,10 @@ class PageSpace:
 
     def drop_units(self, pools: Sequence[PagePool], keys: Sequence[Hashable],
                    cause: str = UNPUBLISHED) -> tuple[list[list[str]], list[int], list[tuple[Hashable, str, int]]]:
-        """``pool.drop_entries(…, cause)`` of the ``keys`` each of ``pools`` (this space's) publishes, telling no
-        one, all in one compiled pass (``lru.drop_units``: each pool's free stack ends as after its own
-        ``drop_entries``). Returns per key, in order, the group ids of the pools it left (in ``pools`` order); per
-        pool its idle pages freed; and what ``pools[0].drop_entries`` returns of the keys it published. The entries
+        """``pool.evict_entries(…, cause)`` of the ``keys`` each of ``pools`` (this space's) publishes, counting no
+        eviction, all in one compiled pass (``lru.drop_units``: each pool's free stack ends as after its own
+        ``evict_entries``). Returns per key, in order, the group ids of the pools it left (in ``pools`` order); per
+        pool its idle pages freed; and what ``pools[0].evict_entries`` returns of the keys it published. The entries
         are popped pool by pool (:meth:`entry_pops`), each pool's last entry first."""
         pops = self.entry_pops(pools)
         listed, left = [], []  # its entries' (group, page count, pages); per key, the group ids it left
@@ -623,9 +597,8 @@ class PageSpace:
                     listed += (slot, len(pages), *pages)
                     gone.append(gid)
             left.append(gone)
-        told = np.empty(4 * len(listed), dtype=np.int64)  # an entry lists 2 numbers at least; the rest: scratch
-        self._drop_units(np.array(listed, dtype=np.int64), *self._drop_arrays, told)
-        told = told[:len(listed) // 2].tolist()
+        self.drop_listed(listed)
+        told = self._told[:len(listed) // 2].tolist()  # per entry (2 numbers at least): 2 * idle pages + low
         low_cause, first, at, removals = EVICTED_LOW if cause == EVICTED else cause, pops and pops[0][2], 0, []
         for key, gone in zip(reversed(keys), left):  # the first pool's entry comes first in ``gone``
             if gone and gone[0] == first:
@@ -646,7 +619,7 @@ class PageSpace:
         page count and pages, each pool's last entry first), in one compiled pass (``lru.drop_units``)."""
         if 4 * len(listed) > self._told.size:  # ``lru.drop_units``' scratch
             self._told = np.empty(8 * len(listed), dtype=np.int64)
-        self._drop_units(np.array(listed, dtype=np.int64), *self._drop_arrays, self._told)  # ``told``: not read here
+        self._drop_units(np.array(listed, dtype=np.int64), *self._drop_arrays, self._told)
 
     def keyed_idle(self, per_group: np.ndarray, keyed: np.ndarray) -> None:
         """Keyed pages a release left idle (group after group, ``per_group[g]`` each; both int64) join their LRUs
@@ -690,7 +663,8 @@ class PageSpace:
         return args
 
     def _tell_rankers(self, per_group: np.ndarray, keyed: np.ndarray, first_tick: int) -> None:
-        """Each pool with a ranker whose pages joined their LRU tells it of them (plain loops: no numpy call)."""
+        """Each pool with a ranker whose pages joined their LRU (logical order) tells it of the normal-priority ones and
+        their tick (plain loops: no numpy call)."""
         counts, starts, ticks, start, tick = per_group.tolist(), [], [], 0, first_tick - 1
         for k in counts:  # where each pool's pages start, and the tick they got (each pool with some, the next)
             tick += 1 if k else 0
@@ -699,4 +673,6 @@ class PageSpace:
             start += k
         for g in self.ranked:
             if counts[g]:
-                self.pools[g]._tell_ranker(keyed[starts[g] : starts[g] + counts[g]], ticks[g])
+                pool, pages = self.pools[g], keyed[starts[g] : starts[g] + counts[g]][::-1].tolist()
+                low, page_key = pool.low_priority, pool._page_key
+                pool.ranker.went_idle(pool.group_id, [(p, page_key[p]) for p in pages if not low[p]], ticks[g])

@@ -911,7 +911,8 @@ class PrefixCache:
     def clear(self) -> None:
         self._dropping = True
         for pool in self.pools.values():
-            pool.clear_cache()
+            for key in pool.entry_keys():  # held pages stay held
+                pool.unpublish(key)
         self._dropping = False
 
     def checkpoint_window_tokens(self, group_id: str) -> int:
@@ -971,20 +972,15 @@ class PrefixCache:
         n, n_history, n_state = 0, len(self._history_events), len(self._checkpoint_events)
         for item in items:
             n += _events_in(item, n_history, n_state)
-        self.events.extend(items)
-        self._buffered += n
-        if self._buffered > self.max_buffered_events:
-            self._drop_oldest(self._buffered - self.max_buffered_events)
-
-    def _drop_oldest(self, excess: int) -> None:
-        """The ``excess`` oldest buffered events dropped and counted (a record cut short: the rest of it kept raw)."""
-        events, n_history, n_state = self.events, len(self._history_events), len(self._checkpoint_events)
-        self._buffered -= excess
+        events = self.events
+        events.extend(items)
+        excess = max(self._buffered + n - self.max_buffered_events, 0)  # the oldest events dropped and counted
+        self._buffered += n - excess
         self.dropped_events += excess
         while excess:
             item = events.popleft()
             size = _events_in(item, n_history, n_state)
-            if size > excess:
+            if size > excess:  # a record cut short: the rest of it kept raw
                 events.extendleft(reversed(list(self._raws((item,)))[excess:]))
                 return
             excess -= size
