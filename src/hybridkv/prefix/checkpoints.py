@@ -32,8 +32,10 @@ class CheckpointPolicy:
 
     def speculative(self, boundary_tokens: int, prompt_tokens: int) -> bool:
         """Whether a boundary a request crosses keeps a speculative checkpoint (its own one there, superseded,
-        is then demoted rather than unpublished): one :meth:`speculative_between` keeps."""
-        return boundary_tokens in self.speculative_between(boundary_tokens, boundary_tokens + 1, 1, prompt_tokens)
+        is then demoted rather than unpublished): one :meth:`speculative_between` keeps (written out: a commit asks)."""
+        if self.name == "interval":
+            return boundary_tokens % self.interval_tokens == 0
+        return self.name in ("prompt-boundaries", "prefill-per-byte") and boundary_tokens <= prompt_tokens
 
     def speculative_between(self, first_tokens: int, end_tokens: int, grain_tokens: int, prompt_tokens: int) -> range:
         """The boundaries ``first, first + grain, ...`` below ``end`` (multiples of the grain,
