@@ -952,12 +952,12 @@ class CacheManager:
             ts.set_log(updates)
         # At most a cell per page released or allocated, after the cells logged since the last step: ``_step``'s
         # buffers if they fit, else new ones (at least a decode step's).
-        n_logged = ts.logged_cells() if updates else -1
-        cells = _NO_CELLS if n_logged < 0 else plan.cells or _NO_CELLS
-        n_cells = n_logged + plan.totals[1] + plan.totals[3]
-        if n_logged >= 0 and not 0 < cells[1].size >= n_cells:
-            room = max(2 * len(self.specs) * plan.rows.size + 16, n_cells)
-            cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
+        n_logged, cells = ts.logged_cells() if updates else -1, _NO_CELLS
+        if n_logged >= 0:
+            n_cells, cells = n_logged + plan.totals[1] + plan.totals[3], plan.cells
+            if cells is None or not cells[1].size or cells[1].size < n_cells:
+                room = max(2 * len(self.specs) * plan.rows.size + 16, n_cells)
+                cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
         arrays, n_touched = self._run(plan, write_slots, cells, max(n_logged, 0))
         rows = plan.rows[plan.settle :]
         self._last_rows = rows.copy()  # the plan's arrays are scratch
