@@ -680,14 +680,14 @@ def test_a_batch_of_many_requests_gives_each_the_row_and_count_it_has_alone():
                                           (10**30, "exceed the per-step limit"), (True, "must be an int"),
                                           (2.0, "must be an int")])
 def test_a_bad_count_in_a_batch_of_many_is_refused_as_alone(bad, message):
-    """One count out of range (or not an int) among 100 or 200 mixed counts: the batch is refused with
-    the per-item reason, as a batch of two is, and nothing changes."""
+    """One count out of range (or not an int) alone or among 100 or 200 mixed counts: the batch is refused
+    with the per-item reason, as a batch of two is, and nothing changes."""
     specs, pages, ctx, step = CONFIGS["odd"]
     m = CacheManager(specs, {gid: 40 * n for gid, n in pages.items()}, max_context_tokens=ctx, max_step_tokens=step)
     rids = [f"r{i}" for i in range(200)]
     for rid in rids:
         m.add_request(rid, prompt_tokens=30, max_new_tokens=20)
-    for size in (2, 100, 200):
+    for size in (1, 2, 100, 200):
         items = [(rid, 1 + i % 2) for i, rid in enumerate(rids[:size])]
         items[size // 2] = (items[size // 2][0], bad)
         with pytest.raises(CacheManagerError, match=message):
@@ -732,3 +732,31 @@ def test_steps_on_a_shuffled_arena_match_the_admitted_path(seed):
         assert fast.arena.slab_moves == admitted.arena.slab_moves
     assert fast.arena.slab_moves > 0
     fast.check_invariants()
+
+
+def test_one_pair_steps_match_the_admitted_path():
+    """A batch of one pair (a prefill chunk, ``schedule``'s scalar checks): plain and numpy int counts give
+    what the same steps admitted first give (batches, entries, events, holds); a bad pair is refused with the
+    per-item reason on both, and nothing changes."""
+    specs, pages, ctx, step = CONFIGS["v4"]
+    fast, admitted = (CacheManager(specs, pages, max_context_tokens=ctx, max_step_tokens=step,
+                                   enable_prefix_caching=True, prefix_granularity=256) for _ in range(2))
+    managers = (fast, admitted)
+    for k, rid in enumerate(("a", "b", "c")):
+        on_both(managers, "add_request", rid, np.arange(300 + 70 * k, dtype=np.int32) % 40, max_new_tokens=8)
+        for i in range(9):  # past a prefix hit, 50 tokens a chunk
+            n = min(50, 300 + 70 * k - fast.num_computed_tokens(rid))
+            if not n:
+                break
+            items = [(rid, (int, np.int64, np.uint16)[i % 3](n))]
+            admitted.check_admission(items)
+            same(*on_both(managers, "schedule", items, block_tables="updates" if i % 2 else "full")[0])
+            same_cache(fast, admitted)
+    for items, message in (([("a", True)], "must be an int"), ([("a", 1.0)], "must be an int"),
+                           ([("a", 0)], "must be positive"), ([("a", step + 1)], "per-step limit"),
+                           ([("zz", 1)], "unknown request"), ([(["a"], 1)], "unknown request"),
+                           ([("a", 1, 2)], "each item must be"), ([5], "each item must be"),
+                           ([("a", 5)], "known token ids")):
+        assert message in on_both(managers, "schedule", items)[1]
+        assert fast.num_computed_tokens("a") == admitted.num_computed_tokens("a") == 300
+    same_cache(fast, admitted)

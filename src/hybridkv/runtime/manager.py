@@ -759,6 +759,12 @@ class CacheManager:
     def _fast_rows(self, items) -> tuple[np.ndarray, np.ndarray, tuple, int] | None:
         """(rows, counts, ids, tokens) of valid-looking pairs, vectorized; None sends the batch to the
         per-item path. The plan checks distinct rows and known tokens."""
+        if len(items) == 1:  # one pair (a prefill chunk): ``_fast_rows_uniform``'s scalar checks
+            try:
+                (rid, count), = items
+            except (TypeError, ValueError):
+                return None  # no pair
+            return self._fast_rows_uniform((rid,), count)
         try:  # strict: an item of another length among pairs is no pair either
             rids, counts = zip(*items, strict=True)
         except (TypeError, ValueError):
@@ -767,7 +773,7 @@ class CacheManager:
         if rows is None or (self.pending_loads and not self.pending_loads.isdisjoint(rids)):
             return None
         n = len(counts)
-        if tuple(map(type, counts)).count(int) != n:  # not all plain ints (the type count keeps out True)
+        if [*map(type, counts)].count(int) != n:  # not all plain ints (the type count keeps out True)
             kinds = set(map(type, counts))
             if bool in kinds or not all(k is int or issubclass(k, np.integer) for k in kinds):
                 return None  # bool is an int subclass but not a token count
@@ -795,14 +801,18 @@ class CacheManager:
 
     def _fast_rows_uniform(self, rids: tuple, count) -> tuple[np.ndarray, np.ndarray, tuple, int] | None:
         """``_fast_rows`` of ``(rid, count)`` for every id: one scalar count check."""
-        if type(count) is not int or not 1 <= count <= self.max_step_tokens:
-            return None  # the per-item path words it (numpy ints included)
-        if self.pending_loads and not self.pending_loads.isdisjoint(rids):
+        if type(count) is not int:
+            if not isinstance(count, np.integer):
+                return None  # the per-item path words it (bool and np.bool_ included)
+            count = int(count)
+        if not 1 <= count <= self.max_step_tokens:
             return None
         n = len(rids)
         try:  # ``_rows_of``, inline: the decode step's one call less
             found = itemgetter(*rids)(self._row_of) if n > 1 else (self._row_of[rids[0]],)
         except (KeyError, TypeError):
+            return None
+        if self.pending_loads and not self.pending_loads.isdisjoint(rids):  # the ids hash (they were found)
             return None
         self._one_count[0] = count  # ``prepare_step`` reads one count as every row's
         return _int64_array(found, n), self._one_count, rids, n * count
