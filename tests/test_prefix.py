@@ -1260,15 +1260,18 @@ def reference_match(mgr: CacheManager, prompt: np.ndarray) -> tuple[tuple, dict[
 @given(st.data())
 def test_match_agrees_with_the_rules_over_random_caches(data):
     """Over caches that random shared-prefix requests filled and evicted (either eviction
-    policy, with and without prompt checkpoints), every request's match
+    policy, with and without prompt checkpoints, whole or V4's default checkpoint windows), every request's match
     (``PrefixCache.match`` before it is added, and the hit ``add_request`` returns) is
     what the rules give from each group's entries, and the request's tables then hold
     exactly the pages the rules place. Under "group-lru" each state group also loses a
     random half of its checkpoints alone between requests, so state groups disagree."""
     policy = data.draw(st.sampled_from(["value", "group-lru"]), label="eviction policy")
     state_pages = data.draw(st.sampled_from([90, 1200]), label="ratio-4 state pages")  # few: they evict alone
+    # V4's default windows (None) leave the ratio-128 state group restorable at every boundary: matched by no lookup.
+    windows = data.draw(st.sampled_from([None, {s.group_id: s.sliding_window_tokens for s in SPECS if s.is_sliding}]),
+                        label="checkpoint windows")
     mgr = make_manager(prompt_checkpoints=data.draw(st.booleans(), label="prompt checkpoints"),
-                       eviction_policy=policy,
+                       eviction_policy=policy, checkpoint_window_tokens=windows,
                        group_pages={C4KV: 24, C128KV: 24, SWA: 40, C4S: state_pages, IDX: state_pages})
     seen = [ids(seed, 2000) for seed in range(2)]  # shared documents, then every request's tokens
     for i in range(data.draw(st.integers(1, 10), label="requests")):

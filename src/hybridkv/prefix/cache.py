@@ -259,6 +259,7 @@ class PrefixCache:
         matched = self.history_ids + self.state_ids
         self._spec_ids = [s.group_id for s in self.specs]
         self._reach_index = [matched.index(gid) if gid in matched else len(matched) for gid in self._spec_ids]
+        self._no_reach = [0] * len(matched)  # their reaches where no group has a block of the prompt
         in_table_order = [s for _, s in sorted(zip(self._group_index, self.specs), key=itemgetter(0))]
         # Per group, by table index, the trailing tokens below a hit it places (-1: history, every page).
         self._hit_windows = np.array([self._windows[s.group_id] if s.is_sliding else -1 for s in in_table_order],
@@ -331,13 +332,19 @@ class PrefixCache:
         """The hit for a prompt (its last token aside), in blocks; the blocks every history group holds from the first;
         each group's reach alone (``_reach_index`` says where a spec's lies); per history group its entries from the
         first block on, and per state group its entry at the hit ([] without one). Plain loops: cheaper run cold. The
-        state groups' walks down start below the prompt's last blocks no group publishes (``ValueEviction.knows``)."""
+        walks down start below the prompt's last blocks no group publishes (``ValueEviction.knows``): none at all, no
+        lookup."""
         g = self.granularity_tokens
         max_blocks = (prompt_ids.size - 1) // g
         keys = hashes.hashes  # keys[b - 1] names the prefix of b blocks (a prepared prompt's: exactly these)
         if len(keys) != max_blocks:
             hashes.extend_to(prompt_ids, max_blocks * g)
             keys = keys[:max_blocks]
+        top, knows = len(keys), self._knows
+        while top and not knows(keys[top - 1]):  # the prompt's own blocks: no group has them
+            top -= 1
+        if not top and self._no_reach:  # no group has any: every matched group reaches 0, the others every block
+            return 0, 0 if self.history_ids else max_blocks, [*self._no_reach, max_blocks], [], []
         # Alone, a history group reaches its first missing block, a state group its last checkpoint.
         history, reach = [], []
         for lookup in self._history_lookups:
@@ -350,7 +357,7 @@ class PrefixCache:
             history.append(entries)
             reach.append(len(entries))
         limit = min(reach) if reach else max_blocks  # blocks every history group holds, from the first
-        found, most = self._state_reach(keys, reach)
+        found, most = self._state_reach(keys, top, reach)
         reach.append(max_blocks)
         # The hit: the last boundary within the history where every state group holds a checkpoint.
         k, at_hit = min(reach), found
@@ -364,13 +371,9 @@ class PrefixCache:
                 k -= 1
         return k, limit, reach, history, at_hit if k else []
 
-    def _state_reach(self, keys: list[int], reach: list[int]) -> tuple[list, int]:
-        """``_match``'s walk down each state group to its last checkpoint among the blocks ``keys`` (appended to
-        ``reach``), from below the last blocks no group publishes (one ``ValueEviction.knows`` lookup each); per state
-        group its entry there (None without one), and the furthest one's blocks."""
-        top, knows = len(keys), self._knows
-        while top and not knows(keys[top - 1]):  # the prompt's own blocks: no group has them
-            top -= 1
+    def _state_reach(self, keys: list[int], top: int, reach: list[int]) -> tuple[list, int]:
+        """``_match``'s walk down each state group to its last checkpoint among the first ``top`` blocks of ``keys``
+        (appended to ``reach``); per state group its entry there (None without one), and the furthest one's blocks."""
         found, most = [], 0
         for lookup in self._state_lookups:
             n, entry = top, None
@@ -396,7 +399,8 @@ class PrefixCache:
         d = blocks * g
         for gid, i, st in self._spec_stats:  # each group's reach alone, and its stats
             alone[gid] = tokens = reach[i] * g
-            st.alone_hit_tokens += tokens
+            if tokens:  # a cold object left alone where nothing adds
+                st.alone_hit_tokens += tokens
         matched = self._matched  # what every group counts alike
         matched.lookups += 1
         matched.queried_tokens += queried
