@@ -360,16 +360,23 @@ class PrefixCache:
         found, most = self._state_reach(keys, top, reach)
         reach.append(max_blocks)
         # The hit: the last boundary within the history where every state group holds a checkpoint.
-        k, at_hit = min(reach), found
-        if not (k and found and most == k):  # every state group's checkpoint is at k: no walk down
-            while k:
-                key, at_hit = keys[k - 1], []
-                for lookup in self._state_lookups:
-                    at_hit.append(lookup(key))
-                if None not in at_hit:
-                    break
-                k -= 1
-        return k, limit, reach, history, at_hit if k else []
+        k = min(reach)
+        if k and not (found and most == k):  # a state group's checkpoint is below k: walk down
+            k, found = self._walk_down(keys, k)
+        return k, limit, reach, history, found if k else []
+
+    def _walk_down(self, keys: list[int], k: int) -> tuple[int, list]:
+        """From block ``k`` down, the first boundary where every state group holds a checkpoint, and their entries
+        there (0, and what it looked up last, without one)."""
+        at_hit = []
+        while k:
+            key, at_hit = keys[k - 1], []
+            for lookup in self._state_lookups:
+                at_hit.append(lookup(key))
+            if None not in at_hit:
+                break
+            k -= 1
+        return k, at_hit
 
     def _state_reach(self, keys: list[int], top: int, reach: list[int]) -> tuple[list, int]:
         """``_match``'s walk down each state group to its last checkpoint among the first ``top`` blocks of ``keys``
