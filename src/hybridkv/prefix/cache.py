@@ -507,8 +507,8 @@ class PrefixCache:
             if end == first + 1:  # one block (a decode commit): its key and its end checked alone
                 if latest in keep or keys[0] in seen or knows(keys[0]):
                     break
-            elif not keep.isdisjoint(range((first + 1) * g, latest + 1, g)) or not seen.isdisjoint(keys) \
-                    or any(map(knows, keys)):
+            elif keep and not keep.isdisjoint(range((first + 1) * g, latest + 1, g)) or seen and \
+                    not seen.isdisjoint(keys) or any(map(knows, keys)):
                 break
             else:
                 speculative = between((first + 1) * g, latest, g, req.prompt_tokens)
