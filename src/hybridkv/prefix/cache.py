@@ -560,16 +560,18 @@ class PrefixCache:
         at = 0
         for published, page_key, size, stats, history in self._unit_parts:
             group_keys = block_keys if history else checkpoint_keys
-            for key in group_keys:
-                if size == 1:  # an entry of one page: no slice made
+            if size == 1:  # entries of one page: no slice made
+                for key in group_keys:
                     page = pages[at]
                     published[key] = (page,)
                     page_key[page] = key
-                else:
+                    at += 1
+            else:
+                for key in group_keys:
                     published[key] = entry = tuple(pages[at:at + size])
                     for page in entry:
                         page_key[page] = key
-                at += size
+                    at += size
             stats.stored_entries += len(group_keys)
 
     def _book(self, req: CommittingRequest, booked: tuple, low: int, events: list[tuple],
