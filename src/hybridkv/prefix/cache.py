@@ -504,11 +504,12 @@ class PrefixCache:
             keys, speculative = hashes.hashes[first:end], ()
             if run:  # the keys of the run's last request (the first's set only once a second comes)
                 seen.update(run[-1][2])
-            if end == first + 1:  # one block (a decode commit): its key and its end checked alone
-                if latest in keep or keys[0] in seen or knows(keys[0]):
+                if not seen.isdisjoint(keys):
                     break
-            elif keep and not keep.isdisjoint(range((first + 1) * g, latest + 1, g)) or seen and \
-                    not seen.isdisjoint(keys) or any(map(knows, keys)):
+            if end == first + 1:  # one block (a decode commit): its key and its end checked alone
+                if latest in keep or knows(keys[0]):
+                    break
+            elif keep and not keep.isdisjoint(range((first + 1) * g, latest + 1, g)) or any(map(knows, keys)):
                 break
             else:
                 speculative = between((first + 1) * g, latest, g, req.prompt_tokens)
