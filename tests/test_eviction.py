@@ -448,9 +448,9 @@ def _publish_idle(pool, key):
 def _commit_both_ways(pools, policy, chain, marks, fast):
     """A commit of new blocks ``chain`` (key, parent, boundary) in ``h1``, ``h2`` and of the
     checkpoints at chain places ``marks`` (its last among them) in ``s1``, ``s2``, published
-    and booked in one ``stored_commit`` call (``fast``; a checkpoint at every block: the
-    blocks' keys passed as the checkpoints', as ``PrefixCache`` does) or entry by entry,
-    group by group (history groups first, then each boundary in turn)."""
+    and booked in one ``stored_commit`` call (``fast`` where no key has a node, as ``PrefixCache`` calls it; a
+    checkpoint at every block: the blocks' keys passed as the checkpoints', as ``PrefixCache`` does) or entry by
+    entry, group by group (history groups first, then each boundary in turn)."""
     checkpoints = [chain[j] for j in marks]
     for gid in ("h1", "h2"):
         for key, _, _ in chain:
@@ -458,7 +458,7 @@ def _commit_both_ways(pools, policy, chain, marks, fast):
     for key, _, _ in checkpoints:
         for gid in ("s1", "s2"):
             _publish_idle(pools[gid], key)
-    if fast:
+    if fast and not any(policy.knows(key) for key, _, _ in chain):
         keys, parents, ends = map(list, zip(*chain))
         policy.stored_commit(keys, parents, ends, keys if len(checkpoints) == len(chain) else
                              [key for key, _, _ in checkpoints])

@@ -44,7 +44,7 @@ def unlink(prev, nxt, off, page):
     nxt[off + page] = -1
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)  # it allocates nothing: its 11 arrays come in without a MemInfo each
 def join(idle_tick, low_priority, prev, nxt, lengths, low_idle, low_floors, offsets, per_group, pages, clock):
     """Idle keyed ``pages`` (group after group, ``per_group[g]`` each, the last listed first) join their
     group's list with its next tick of the idle clock (``clock[0]``): the tail, a low-priority one the head

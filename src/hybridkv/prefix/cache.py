@@ -515,11 +515,12 @@ class PrefixCache:
             keys, speculative = hashes.hashes[first:end], ()
             if run:  # the keys of the run's last request (the first's set only once a second comes)
                 seen.update(run[-1][2])
-            if end == first + 1:  # one block (a decode commit): its key and its end checked alone
-                if latest in keep or keys[0] in seen or knows(keys[0]):
+                if not seen.isdisjoint(keys):
                     break
-            elif not keep.isdisjoint(range((first + 1) * g, latest + 1, g)) or not seen.isdisjoint(keys) \
-                    or any(map(knows, keys)):
+            if end == first + 1:  # one block (a decode commit): its key and its end checked alone
+                if latest in keep or knows(keys[0]):
+                    break
+            elif keep and not keep.isdisjoint(range((first + 1) * g, latest + 1, g)) or any(map(knows, keys)):
                 break
             else:
                 speculative = between((first + 1) * g, latest, g, req.prompt_tokens)
@@ -571,16 +572,18 @@ class PrefixCache:
         at = 0
         for published, page_key, size, stats, history in self._unit_parts:
             group_keys = block_keys if history else checkpoint_keys
-            for key in group_keys:
-                if size == 1:  # an entry of one page: no slice made
+            if size == 1:  # entries of one page: no slice made
+                for key in group_keys:
                     page = pages[at]
                     published[key] = (page,)
                     page_key[page] = key
-                else:
+                    at += 1
+            else:
+                for key in group_keys:
                     published[key] = entry = tuple(pages[at:at + size])
                     for page in entry:
                         page_key[page] = key
-                at += size
+                    at += size
             stats.stored_entries += len(group_keys)
 
     def _book(self, req: CommittingRequest, booked: tuple, low: int, events: list[tuple],

@@ -108,14 +108,14 @@ class ValueEviction:
                       checkpoints: Sequence[Hashable]) -> None:
         """:meth:`stored_blocks` of blocks ``keys`` (a chain: ``parents[i + 1]`` is ``keys[i]``) in every history group,
         then :meth:`stored_checkpoint` of each of ``checkpoints`` (among ``keys``, in order, the last one last) in every
-        state group: a commit claimed whole. Done at once for new keys on a whole chain (history and state groups; no
-        key has a node or a child waiting, the chain above is not cut), where nothing else changes: each node made with
-        its counts (:meth:`_new_chain`), the chain's parent one support more (in place when it is supported already)."""
+        state group: a commit claimed whole, of keys no group publishes (:attr:`knows` False: none has a node). Done at
+        once on a whole chain (history and state groups; no key has a child waiting, the chain above is not cut), where
+        nothing else changes: each node made with its counts (:meth:`_new_chain`), the chain's parent one support more
+        (in place when it is supported already)."""
         nodes, unborn = self._nodes, self._unborn
         up = nodes.get(parents[0])
         if not self._track or (up[5] if up is not None else boundaries[0] > self.granularity_tokens) or (
-                keys[0] in nodes or keys[0] in unborn if len(keys) == 1
-                else not nodes.keys().isdisjoint(keys) or not unborn.keys().isdisjoint(keys)):
+                keys[0] in unborn if len(keys) == 1 else not unborn.keys().isdisjoint(keys)):
             if self.history_ids:  # as one commit at a time books it
                 self.stored_blocks([(gid, range(len(keys))) for gid in self.history_ids], keys, parents, boundaries)
             at = dict(zip(keys, zip(parents, boundaries)))
@@ -143,14 +143,13 @@ class ValueEviction:
         ``checkpoints`` in every state group too: each supported by its own checkpoint and by
         the one beyond it (the last is one), each the one child of the one before."""
         nodes, n_history, n_state, g = self._nodes, len(self.history_ids), len(self.state_ids), self.granularity_tokens
-        last, node = len(keys) - 1, None
-        marks = None if checkpoints is keys else set(checkpoints)  # None: every block's end (a prompt chunk's)
-        for i, (key, parent, boundary) in enumerate(zip(keys, parents, boundaries)):
-            if node is not None:
-                node[4] = (key,)  # its one child: no dict made
-            own = marks is None or key in marks
-            node = nodes[key] = [parent, own + (i < last), n_history + n_state if own else n_history,
-                                 n_state if own else 0, None, False, boundary <= g, boundary]
+        marks, n_both = None if checkpoints is keys else set(checkpoints), n_history + n_state  # None: every block's end
+        for key, parent, boundary, child in zip(keys, parents, boundaries, [*zip(keys[1:]), None]):  # a 1-tuple child
+            if marks is None or key in marks:
+                nodes[key] = [parent, 2, n_both, n_state, child, False, boundary <= g, boundary]
+            else:
+                nodes[key] = [parent, 1, n_history, 0, child, False, boundary <= g, boundary]
+        nodes[keys[-1]][1] = 1  # the last: its own checkpoint's support only
 
     def origin(self, key: Hashable) -> tuple[Hashable | None, int]:
         """The parent key and boundary tokens of a key published in some group (as
