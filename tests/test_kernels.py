@@ -320,6 +320,22 @@ def test_take_spare_slabs_matches_the_one_slab_at_a_time_rule(owner, group, shor
     n_taken, left = kernels.take_spare_slabs(own, group, np.array(inner, dtype=np.int64),
                                              np.array(straddle, dtype=np.int64), short, taken)
     assert (taken[:n_taken].tolist(), left, own.tolist()) == (want_taken, want_short, want_owner)
+    # Told where the spare tail starts (past the last slab owned), the search stops there: the same takes.
+    own, end = np.array(owner, dtype=np.int16), max([s + 1 for s, o in enumerate(owner) if o >= 0], default=0)
+    n_taken, left = kernels.take_spare_slabs(own, group, np.array(inner, dtype=np.int64),
+                                             np.array(straddle, dtype=np.int64), short, taken, end)
+    assert (taken[:n_taken].tolist(), left, own.tolist()) == (want_taken, want_short, want_owner)
+
+
+def test_take_spare_slabs_told_the_spare_tail_goes_on_past_it():
+    """Slabs taken past ``end`` join the group's: the next take is their spare neighbour, not a lower spare."""
+    ones, none = np.ones(5, dtype=np.int64), np.full(5, -1, dtype=np.int64)
+    answers = []
+    for end in (-1, 3):
+        own, taken = np.array([-1, 1, 0, -1, -1], dtype=np.int16), np.empty(5, dtype=np.int64)
+        n_taken, left = kernels.take_spare_slabs(own, 0, ones, none, 2, taken, end)
+        answers.append((taken[:n_taken].tolist(), left, own.tolist()))
+    assert answers == [([3, 4], 0, [-1, 1, 0, 0, 0])] * 2
 
 
 @settings(max_examples=60, deadline=None)

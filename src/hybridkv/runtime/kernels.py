@@ -1357,16 +1357,25 @@ def take_spare_for(short, slab_pages, spare_slabs, owner, own, inner_pages, stra
             need += -(-short[g] // slab_pages[g])
     if need > spare_slabs:
         return -1
-    for s in range(owner.size):  # no slice copy: it allocates
-        own[s] = owner[s]
-    n = 0
+    n, end = 0, copy_owners(owner, own)
     for g in range(short.size):
         if short[g] > 0:
-            n_taken, _ = take_spare_slabs(own, g, inner_pages[g], straddle[g], short[g], taken)
+            n_taken, _ = take_spare_slabs(own, g, inner_pages[g], straddle[g], short[g], taken, end)
             for i in range(n_taken):
-                grant_groups[n], grant_slabs[n] = g, taken[i]
+                grant_groups[n], grant_slabs[n], end = g, taken[i], max(end, taken[i] + 1)
                 n += 1
     return n
+
+
+@njit(cache=True, inline="always")
+def copy_owners(owner, own):
+    """``owner`` to ``own`` value by value (a slice copy allocates); returns one past the last slab owned."""
+    end = 0
+    for s in range(owner.size):
+        own[s] = owner[s]
+        if owner[s] >= 0:
+            end = s + 1
+    return end
 
 
 @njit(cache=True, _nrt=False)
@@ -1388,17 +1397,15 @@ def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain
     if n_short >= 0:
         return 0 if n_short == 0 else take_spare_for(short, slab_pages, spare, owner, own, inner_pages, straddle,
                                                      taken, grant_groups, grant_slabs)
-    for s in range(owner.size):  # no slice copy: it allocates
-        own[s] = owner[s]
-    n_grants = 0
+    n_grants, end = 0, copy_owners(owner, own)
     for g in range(n_groups):
         deficit = wanted[g] - free[g]
         if deficit > 0:
-            n_taken, left = take_spare_slabs(own, g, inner_pages[g], straddle[g], deficit, taken)
+            n_taken, left = take_spare_slabs(own, g, inner_pages[g], straddle[g], deficit, taken, end)
             if left > 0:
                 return -1
             for i in range(n_taken):
-                grant_groups[n_grants], grant_slabs[n_grants] = g, taken[i]
+                grant_groups[n_grants], grant_slabs[n_grants], end = g, taken[i], max(end, taken[i] + 1)
                 n_grants += 1
             clean[g] += deficit - left
     if short_pages(geometry, pages, bounds, ref, keyed, rows, new_base, first, committed, grain, window_pages,
@@ -1410,15 +1417,17 @@ def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain
 
 
 @njit(cache=True)
-def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
+def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken, end=-1):
     """Spare slabs (``owner < 0``) for ``group`` until it is not ``short_pages`` short: the lowest next to
     one it owns, else the lowest (``slab_gain`` pages each; ``owner`` updated, slabs to ``taken``).
     Returns (slabs taken, pages still short). One pass: a take makes only its left neighbour newly next to
-    the group below it, so the next search starts there; the lowest spare only rises."""
+    the group below it, so the next search starts there; the lowest spare only rises. ``end`` (-1: none
+    known): every slab from it on is spare, so the search for the group's slabs stops there."""
     n, n_taken, start, lowest = owner.size, 0, 0, 0
+    end = n if end < 0 else end
     while short_pages > 0:
         pick = -1  # the lowest spare from ``start`` on next to the group's: its slabs in order, their left first
-        for t in range(max(start - 1, 0), n):
+        for t in range(max(start - 1, 0), end):
             if owner[t] == group:
                 pick = t - 1 if t > start and owner[t - 1] < 0 else t + 1 if t + 1 < n and owner[t + 1] < 0 else -1
                 if pick >= 0:
@@ -1430,7 +1439,7 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
                 break
             pick = lowest
         short_pages -= lend_slab(owner, group, inner_pages, straddle, pick, taken, n_taken)
-        n_taken, start = n_taken + 1, max(pick - 1, 0)
+        n_taken, start, end = n_taken + 1, max(pick - 1, 0), max(end, pick + 1)
     return n_taken, short_pages
 
 
