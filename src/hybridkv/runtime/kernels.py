@@ -565,21 +565,22 @@ def transient_pages(geometry, bounds, g, rows, first, counts, after, sums):
 
 @njit(cache=True)
 def room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, per_group, ref,
-                low_priority, keyed, packing, roomy, out):
+                low_priority, keyed, packing, roomy, out, not_joined=None):
     """Before ``finish_step`` of a step that stopped for Python: per group, the pages it allocates that the next step
     releases again (``transient_pages``; 0 where ``transient[g]`` is not set): ``out[g]`` = that count when
     ``PagePool.make_room`` of its ``sums[1, g]`` pages may have something to do now, else ``-1 - count`` (it would evict
     nothing: the group allocates nothing, or its free stack covers the allocation and, in a lowest-first group with idle
     low-priority pages, none lies below the ids its long-lived pages take (``low_below``, from ``per_group[LOW_FLOOR,
     g]``, a lower bound of theirs), or its arena, ``roomy``, lets them spread: ``must_pack_at``). ``packing``:
-    ``Arena.packing`` (empty arrays without an arena). Returns the groups to ask."""
+    ``Arena.packing`` (empty arrays without an arena). ``not_joined``: per group, keyed pages gone idle not yet in
+    its LRU (None: none; ``may_spread``'s). Returns the groups to ask."""
     for g in range(geometry.shape[0]):
         out[g] = transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0
-    return rooms_from(0, sums, stack, offsets, per_group, ref, low_priority, keyed, packing, roomy, out)
+    return rooms_from(0, sums, stack, offsets, per_group, ref, low_priority, keyed, packing, roomy, out, not_joined)
 
 
 @njit(cache=True)
-def rooms_from(start, sums, stack, offsets, per_group, ref, low_priority, keyed, packing, roomy, out):
+def rooms_from(start, sums, stack, offsets, per_group, ref, low_priority, keyed, packing, roomy, out, not_joined=None):
     """``room_groups``' rule of the groups from ``start`` on, as their pools are now, each with the
     transient pages ``out[g]`` holds (``room_groups``' mark, either form); how many to ask."""
     n_asked = 0
@@ -588,7 +589,8 @@ def rooms_from(start, sums, stack, offsets, per_group, ref, low_priority, keyed,
         long = count - highest
         packs = long > 0 and per_group[LOWEST, g] != 0 and per_group[LOW_IDLE_PAGES, g] > 0 and (
             top < long or (per_group[LOW_FLOOR, g] < stack[offsets[g] + top - long] and (
-                not roomy or must_pack_at(ref, offsets[g], packing, g, stack[offsets[g] + top - long], long))))
+                not roomy or may_spread(per_group, g, packing[4], long, not_joined)
+                and must_pack_at(ref, offsets[g], packing, g, stack[offsets[g] + top - long], long))))
         if packs and top >= count:  # it would only pack
             packs = low_below(low_priority, keyed, ref, offsets[g], per_group, g, stack[offsets[g] + top - long])
         if count > 0 and (top < count or packs):
@@ -597,6 +599,17 @@ def rooms_from(start, sums, stack, offsets, per_group, ref, low_priority, keyed,
         else:
             out[g] = -1 - highest
     return n_asked
+
+
+@njit(cache=True, inline="always")
+def may_spread(per_group, g, sizes, pages, not_joined):
+    """Whether ``must_pack_at`` of ``pages`` long-lived pages of group ``g`` may answer True, without its scan: the
+    pages it counts are held, at most the group's granted pages less its free and idle ones (``not_joined``: keyed
+    pages gone idle not yet in its LRU; None: none), and each slab it counts holds one; its rule at that most."""
+    held = per_group[GRANTED_PAGES, g] - per_group[TOP, g] - per_group[LRU_PAGES, g]
+    if not_joined is not None:
+        held -= not_joined[g]
+    return held + 1 > -(-(held + pages) // sizes[g, 3]) + sizes[g, 4]
 
 
 @njit(cache=True)
@@ -802,7 +815,7 @@ def grant_step(grants, scratch, arena, geometry, pages, bounds, counters, ref, k
     if not (n_keyed and joined_low(geometry, low_priority, per_group, released[1], idle_keyed, joined)):
         joined = per_group
     if room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, joined, ref,
-                   low_priority, keyed, (owner, lo, hi, straddle, sizes), roomy, marks):
+                   low_priority, keyed, (owner, lo, hi, straddle, sizes), roomy, marks, released[1]):
         return STEP_NEEDS_PAGES, n_touched, n_keyed  # a group makes room once they joined: ``marks`` says which
     return STEP_DONE, finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group,
                                   transient, plan, n, settle, n_touched, cells, cell_pages, per_request,

@@ -1215,7 +1215,7 @@ class CacheManager:
         (``_make_room``'s)."""
         space, ts = self._space, self._tableset
         args = (ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts, plan.after, plan.sums,
-                *self._room_args, space.skip_packing[0] != 0, self._scratch.transient)
+                *self._room_args, space.skip_packing[0] != 0, self._scratch.transient, None)  # keyed pages joined
         if self._room_entries is None:
             self._room_entries = (kernels.entry_point(kernels.room_groups, args),
                                   kernels.entry_point(kernels.rooms_from, (0, *args[7:])))
@@ -1234,7 +1234,7 @@ class CacheManager:
                 pool.make_room(allocated[g], marks[g], tops[g] >= allocated[g])
                 if pool.counters.evicted_pages != before and any(allocated[g + 1 :]):
                     self._room_entries[1](g + 1, sums, *self._room_args, self._space.skip_packing[0] != 0,
-                                          self._scratch.transient)
+                                          self._scratch.transient, None)
                     marks = self._scratch.transient.tolist()
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
