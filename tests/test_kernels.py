@@ -248,6 +248,33 @@ def test_push_run_merges_ascending_and_unordered_runs_alike(ids, data):
         assert stack[:top].tolist() == ids[::-1]
         assert stack[top:].tolist() == [-7, -7]
 
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 20), max_size=40), st.integers(0, 2**16), st.booleans())
+def test_drop_released_takes_pages_as_the_two_pass_rule(listed, seed, in_place):
+    """``drop_released`` (one pass while the pages listed are held once, two from the first held more often) against
+    the plain rule: every listing drops a reference, then each page whose last went is taken at its first listing,
+    unkeyed ones to ``freed`` in order (the list itself, as ``release_pages`` passes it, or another array after
+    earlier pages), keyed ones to the idle list; counts end at 0."""
+    rng = np.random.default_rng(seed)
+    offset, n_pages = 3, 24
+    holders = np.bincount(np.array(listed, dtype=np.int64), minlength=n_pages)
+    ref = np.zeros(offset + n_pages, dtype=np.int32)
+    ref[offset:] = holders + (rng.random(n_pages) < 0.3) * rng.integers(0, 3, n_pages)  # some held elsewhere too
+    keyed = np.zeros(offset + n_pages, dtype=np.bool_)
+    keyed[offset:] = rng.random(n_pages) < 0.3
+    want_ref = ref.copy()
+    for page in listed:
+        want_ref[offset + page] -= 1
+    taken = [p for i, p in enumerate(listed) if want_ref[offset + p] == 0 and p not in listed[:i]]
+    pages, idle = np.array(listed, dtype=np.int64), np.full(8 + len(listed), -1, dtype=np.int64)
+    freed, n_from = (pages, 0) if in_place else (np.full(2 + len(listed), -1, dtype=np.int64), 2)
+    n_free, n_keyed = kernels.drop_released(ref, keyed, offset, pages, freed, n_from, idle, 8)
+    assert freed[n_from:n_free].tolist() == [p for p in taken if not keyed[offset + p]]
+    assert idle[8:n_keyed].tolist() == [p for p in taken if keyed[offset + p]]
+    assert ref.tolist() == want_ref.tolist()
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 40), st.integers(1, 8), st.lists(st.integers(0, 30), min_size=3, max_size=3))
 def test_plan_views_tile_their_buffer_without_overlap(cap, n_groups, room):

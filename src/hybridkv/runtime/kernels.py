@@ -518,16 +518,29 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
 
 @njit(cache=True, inline="always")
 def drop_released(ref, keyed, offset, pages, freed, n_free, idle_keyed, n_keyed):
-    """One reference less on each of one group's ``pages`` (local ids; the group's first id ``offset``), all before
-    any page is taken (in a loop of their own: the counts' and keys' cache misses overlap); then those whose last
-    reference went, once each: unkeyed to ``freed`` from ``n_free`` (``pages`` itself from 0 may be ``freed``: a page
-    is read before its place is written), keyed to ``idle_keyed`` from ``n_keyed``. Returns both counts so far."""
+    """One reference less on each of one group's ``pages`` (local ids; the group's first id ``offset``); those whose
+    last reference went, once each: unkeyed to ``freed`` from ``n_free`` (``pages`` itself from 0 may be ``freed``: a
+    page is read before its place is written), keyed to ``idle_keyed`` from ``n_keyed``. Pages held once (so listed
+    once) go in one pass up to the first held more often; from there every reference is dropped before any page is
+    taken (in a loop of their own: the counts' and keys' cache misses overlap; a page listed twice goes at its first
+    listing). Returns both counts so far."""
+    start = 0
+    while start < pages.size and ref[offset + pages[start]] == 1:
+        page = pages[start]
+        ref[offset + page] = 0
+        if keyed[offset + page]:
+            idle_keyed[n_keyed] = page
+            n_keyed += 1
+        else:
+            freed[n_free] = page
+            n_free += 1
+        start += 1
     some_keyed = False
-    for i in range(pages.size):
+    for i in range(start, pages.size):
         ref[offset + pages[i]] -= 1
         some_keyed |= keyed[offset + pages[i]]
     free_from, keyed_from = n_free, n_keyed
-    for i in range(pages.size):
+    for i in range(start, pages.size):
         page = pages[i]
         if ref[offset + page] == 0:
             ref[offset + page] = -1  # taken once, even where the list repeats it
