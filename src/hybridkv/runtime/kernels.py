@@ -799,8 +799,8 @@ def run_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack,
 
 
 @njit(cache=True, _nrt=False)
-def grant_step(grants, scratch, arena, geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group,
-               transient, plan, n, settle, n_logged, cells, cell_pages, per_request, query_start_loc,
+def grant_step(grants, scratch, arena, idle, geometry, pages, bounds, counters, ref, keyed, low_priority, stack,
+               per_group, transient, plan, n, settle, n_logged, cells, cell_pages, per_request, query_start_loc,
                request_indices, per_token):
     """``run_step`` granting spare slabs alone (``grants``: groups, slabs) after its releases, counted off the arena's
     spare slabs with ``SKIP_PACKING`` following ``Arena.roomy`` (``Arena._spare_changed``); it stops for Python only
@@ -808,7 +808,9 @@ def grant_step(grants, scratch, arena, geometry, pages, bounds, counters, ref, k
     ``Arena.room_marks`` for ``make_room``. Status -1 (nothing granted): a slab not spare. A kernel of its own: the
     grant inside ``run_step`` makes ``step``'s compiled loops slower. ``scratch`` (``grant_scratch``): int64 room for
     an end per group, a ``per_group`` copy and every granted slab's pages: the kernel allocates nothing, so it
-    runs without reference counting (``_nrt=False``: its ~30 arrays come in without a MemInfo each, ~8 µs a call)."""
+    runs without reference counting (``_nrt=False``: its ~30 arrays come in without a MemInfo each, ~8 µs a call).
+    Done whole, the keyed pages its releases left idle join their LRUs here (``idle``: ``PageSpace.join_args``),
+    unless its clock is empty."""
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n, settle,
         True, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token)
@@ -830,9 +832,14 @@ def grant_step(grants, scratch, arena, geometry, pages, bounds, counters, ref, k
     if room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, joined, ref,
                    low_priority, keyed, (owner, lo, hi, straddle, sizes), roomy, marks, released[1]):
         return STEP_NEEDS_PAGES, n_touched, n_keyed  # a group makes room once they joined: ``marks`` says which
-    return STEP_DONE, finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group,
-                                  transient, plan, n, settle, n_touched, cells, cell_pages, per_request,
-                                  query_start_loc, request_indices, per_token, False), n_keyed
+    n_touched = finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient,
+                            plan, n, settle, n_touched, cells, cell_pages, per_request, query_start_loc,
+                            request_indices, per_token, False)
+    idle_tick, prev, nxt, clock = idle
+    if n_keyed and clock.size:  # ``PageSpace.keyed_idle``'s join (no clock: Python joins, telling a ranker)
+        _lru.join(idle_tick, low_priority, prev, nxt, per_group[LRU_PAGES], per_group[LOW_IDLE_PAGES],
+                  per_group[LOW_FLOOR], offsets, released[1], idle_keyed, clock)
+    return STEP_DONE, n_touched, n_keyed
 
 
 def grant_scratch(grants, arena, n_groups, made=None):
@@ -1771,3 +1778,6 @@ def add_held(local, per_group, offsets, held, delta):
             k += 1
     return bad
 
+
+# Last: ``grant_step``'s ``lru.join`` (``hybridkv.memory.lru`` imports this module's names first).
+from hybridkv.memory import lru as _lru  # noqa: E402

@@ -1068,13 +1068,14 @@ class CacheManager:
 
     def _grant_run(self, grants: np.ndarray, *args: Any) -> tuple[int, int, int]:
         """``kernels.grant_step`` (its compiled code) granting the spare slabs ``grants``, with its scratch;
-        ``args``: its arguments after the arena's (the step's state, the plan, cells logged, outputs). Its answer."""
-        arena = self.arena.grant_args
+        ``args``: its arguments after the arena's and the join's (the step's state, the plan, cells logged, outputs).
+        Its answer; no idle keyed pages where it joined them (run whole, no ranker to tell: ``PageSpace.join_args``)."""
+        arena, join = self.arena.grant_args, self._space.join_args
         self._grant_room = kernels.grant_scratch(grants, arena, len(self.specs), self._grant_room)  # kept for the next
-        found = self._grant_entry(grants, self._grant_room, arena, *args)
+        found = self._grant_entry(grants, self._grant_room, arena, join, *args)
         if found[0] < 0:
             raise AssertionError("a slab granted is not spare")
-        return found
+        return (found[0], found[1], 0) if found[0] == kernels.STEP_DONE and join[3].size else found
 
     def _direct_grants(self, status: int, planned: tuple, n_spare: int | None) -> tuple[Any, int | None]:
         """How ``_planned_step`` (or ``_step``, a ``STEP_SPARE`` plan) may run a plan that
@@ -1187,7 +1188,8 @@ class CacheManager:
             plan.spare_grants = np.empty((2, 0), dtype=np.int64)
             self._grant_entry = kernels.entry_point(kernels.grant_step, (
                 plan.spare_grants, kernels.grant_scratch(plan.spare_grants, self.arena.grant_args, len(self.specs)),
-                self.arena.grant_args, *self._kernel_state()[:10], sc.buffer, 0, 0, 0, *_NO_CELLS, *out))
+                self.arena.grant_args, self._space.join_args, *self._kernel_state()[:10], sc.buffer, 0, 0, 0,
+                *_NO_CELLS, *out))
             self._run(plan, True)
 
     def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan, out: _StepArrays,
