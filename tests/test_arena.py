@@ -553,9 +553,13 @@ def test_must_pack_counting_the_groups_slabs_answers_as_the_whole_pool_scan(data
         decref(pool, order[keep:])
     arena.check_invariants()
     for gid, pool in pools.items():
+        g, per_group = arena.group_ids.index(gid), pool.space.per_group
         for page in pool.free_page_ids().tolist():
             for pages in (1, 3, 9):
-                assert pool.must_pack(page, pages) == whole_pool_must_pack(arena, gid, page, pages)
+                must = whole_pool_must_pack(arena, gid, page, pages)
+                assert pool.must_pack(page, pages) == must
+                # ``room_groups``' test before the rule's scan (the pool's counts alone) never rules out a pack.
+                assert not (must and arena.roomy()) or kernels.may_spread(per_group, g, arena.packing[4], pages, None)
 
 
 @settings(max_examples=60, deadline=None)
@@ -860,7 +864,7 @@ def test_a_step_asks_make_room_of_the_same_groups_as_asking_every_allocating_gro
         return every_allocating_from(0, sums, *rest)
 
     def every_allocating_from(start, sums, *rest):
-        out = rest[-1]
+        out = rest[8]  # after the stack ... packing and roomy (then ``not_joined``, where passed)
         real_from(start, sums, *rest)
         for g in range(start, out.size):
             if out[g] < 0 and sums[1, g] > 0:

@@ -12,16 +12,26 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridkv.runtime.manager import CacheManagerError
-from test_prefix import C4KV, C4S, C128KV, C128S, IDX, STATE, SWA, cat, ids, make_manager
+from hybridkv.memory.arena import anchor_group_for, arena_geometry
+from hybridkv.runtime.manager import CacheManager, CacheManagerError
+from test_prefix import C4KV, C4S, C128KV, C128S, IDX, SPECS, STATE, SWA, cat, ids, make_manager
 
 TIGHT = {SWA: 40, C4S: 240, C128S: 160, IDX: 240, C4KV: 14, C128KV: 14}
 
 
-def pair(group_pages):
-    """An incremental manager and its full-sort reference."""
-    fast = make_manager(prompt_checkpoints=None, checkpoint_policy="prefill-per-byte", group_pages=group_pages)
-    slow = make_manager(prompt_checkpoints=None, checkpoint_policy="prefill-per-byte", group_pages=group_pages)
+def pair(group_pages, arena_pages=0):
+    """An incremental manager and its full-sort reference (on a shared arena of ``arena_pages`` pages of 512
+    bytes, if given: a step granting spare slabs joins the idle keyed pages in ``kernels.grant_step``)."""
+    options = dict(prompt_checkpoints=None, checkpoint_policy="prefill-per-byte")
+    if arena_pages:
+        page_bytes = {s.group_id: 512 for s in SPECS}
+        arena = arena_geometry(page_bytes, 512 * arena_pages, anchor_group=anchor_group_for(SPECS, page_bytes),
+                               slab_anchor_pages=4)
+        window = {s.group_id: s.sliding_window_tokens for s in SPECS if s.is_sliding}
+        fast, slow = (CacheManager(SPECS, None, arena=arena, max_context_tokens=8192, enable_prefix_caching=True,
+                                   checkpoint_window_tokens=window, **options) for _ in range(2))
+    else:
+        fast, slow = (make_manager(group_pages=group_pages, **options) for _ in range(2))
     slow.prefix.use_full_sort_ranking()
     return fast, slow
 
@@ -101,11 +111,11 @@ def gap_entries_are_low(mgr) -> int:
     return cut
 
 
-def run_both(seed, ops=90, group_pages=TIGHT) -> int:
+def run_both(seed, ops=90, group_pages=TIGHT, arena_pages=0) -> int:
     """Run ``program_of(seed, ops)`` on both orders: the same observations after every
     op, and no entry beyond a gap promoted; returns the ops after which some state entry
     lay beyond a gap."""
-    fast, slow = pair(group_pages)
+    fast, slow = pair(group_pages, arena_pages)
     stems = [ids(40 + s, 1500) for s in range(3)]
     live_fast, live_slow, out_fast, out_slow = {}, {}, [], []
     gap_ops = 0
@@ -127,6 +137,12 @@ def run_both(seed, ops=90, group_pages=TIGHT) -> int:
 @pytest.mark.parametrize("seed", [s for s in range(40) if s not in GAP_SEEDS])
 def test_incremental_order_makes_the_full_sorts_decisions(seed):
     run_both(seed)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_orders_agree_on_a_shared_arena(seed):
+    """The ticks the incremental order is told for pages ``grant_step`` joined are those the join gave them."""
+    run_both(seed, 120, arena_pages=900)
 
 
 @pytest.mark.parametrize("seed", GAP_SEEDS)

@@ -248,6 +248,33 @@ def test_push_run_merges_ascending_and_unordered_runs_alike(ids, data):
         assert stack[:top].tolist() == ids[::-1]
         assert stack[top:].tolist() == [-7, -7]
 
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 20), max_size=40), st.integers(0, 2**16), st.booleans())
+def test_drop_released_takes_pages_as_the_two_pass_rule(listed, seed, in_place):
+    """``drop_released`` (one pass while the pages listed are held once, two from the first held more often) against
+    the plain rule: every listing drops a reference, then each page whose last went is taken at its first listing,
+    unkeyed ones to ``freed`` in order (the list itself, as ``release_pages`` passes it, or another array after
+    earlier pages), keyed ones to the idle list; counts end at 0."""
+    rng = np.random.default_rng(seed)
+    offset, n_pages = 3, 24
+    holders = np.bincount(np.array(listed, dtype=np.int64), minlength=n_pages)
+    ref = np.zeros(offset + n_pages, dtype=np.int32)
+    ref[offset:] = holders + (rng.random(n_pages) < 0.3) * rng.integers(0, 3, n_pages)  # some held elsewhere too
+    keyed = np.zeros(offset + n_pages, dtype=np.bool_)
+    keyed[offset:] = rng.random(n_pages) < 0.3
+    want_ref = ref.copy()
+    for page in listed:
+        want_ref[offset + page] -= 1
+    taken = [p for i, p in enumerate(listed) if want_ref[offset + p] == 0 and p not in listed[:i]]
+    pages, idle = np.array(listed, dtype=np.int64), np.full(8 + len(listed), -1, dtype=np.int64)
+    freed, n_from = (pages, 0) if in_place else (np.full(2 + len(listed), -1, dtype=np.int64), 2)
+    n_free, n_keyed = kernels.drop_released(ref, keyed, offset, pages, freed, n_from, idle, 8)
+    assert freed[n_from:n_free].tolist() == [p for p in taken if not keyed[offset + p]]
+    assert idle[8:n_keyed].tolist() == [p for p in taken if keyed[offset + p]]
+    assert ref.tolist() == want_ref.tolist()
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 40), st.integers(1, 8), st.lists(st.integers(0, 30), min_size=3, max_size=3))
 def test_plan_views_tile_their_buffer_without_overlap(cap, n_groups, room):
@@ -320,6 +347,22 @@ def test_take_spare_slabs_matches_the_one_slab_at_a_time_rule(owner, group, shor
     n_taken, left = kernels.take_spare_slabs(own, group, np.array(inner, dtype=np.int64),
                                              np.array(straddle, dtype=np.int64), short, taken)
     assert (taken[:n_taken].tolist(), left, own.tolist()) == (want_taken, want_short, want_owner)
+    # Told where the spare tail starts (past the last slab owned), the search stops there: the same takes.
+    own, end = np.array(owner, dtype=np.int16), max([s + 1 for s, o in enumerate(owner) if o >= 0], default=0)
+    n_taken, left = kernels.take_spare_slabs(own, group, np.array(inner, dtype=np.int64),
+                                             np.array(straddle, dtype=np.int64), short, taken, end)
+    assert (taken[:n_taken].tolist(), left, own.tolist()) == (want_taken, want_short, want_owner)
+
+
+def test_take_spare_slabs_told_the_spare_tail_goes_on_past_it():
+    """Slabs taken past ``end`` join the group's: the next take is their spare neighbour, not a lower spare."""
+    ones, none = np.ones(5, dtype=np.int64), np.full(5, -1, dtype=np.int64)
+    answers = []
+    for end in (-1, 3):
+        own, taken = np.array([-1, 1, 0, -1, -1], dtype=np.int16), np.empty(5, dtype=np.int64)
+        n_taken, left = kernels.take_spare_slabs(own, 0, ones, none, 2, taken, end)
+        answers.append((taken[:n_taken].tolist(), left, own.tolist()))
+    assert answers == [([3, 4], 0, [-1, 1, 0, 0, 0])] * 2
 
 
 @settings(max_examples=60, deadline=None)

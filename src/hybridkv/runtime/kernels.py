@@ -518,16 +518,29 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
 
 @njit(cache=True, inline="always")
 def drop_released(ref, keyed, offset, pages, freed, n_free, idle_keyed, n_keyed):
-    """One reference less on each of one group's ``pages`` (local ids; the group's first id ``offset``), all before
-    any page is taken (in a loop of their own: the counts' and keys' cache misses overlap); then those whose last
-    reference went, once each: unkeyed to ``freed`` from ``n_free`` (``pages`` itself from 0 may be ``freed``: a page
-    is read before its place is written), keyed to ``idle_keyed`` from ``n_keyed``. Returns both counts so far."""
+    """One reference less on each of one group's ``pages`` (local ids; the group's first id ``offset``); those whose
+    last reference went, once each: unkeyed to ``freed`` from ``n_free`` (``pages`` itself from 0 may be ``freed``: a
+    page is read before its place is written), keyed to ``idle_keyed`` from ``n_keyed``. Pages held once (so listed
+    once) go in one pass up to the first held more often; from there every reference is dropped before any page is
+    taken (in a loop of their own: the counts' and keys' cache misses overlap; a page listed twice goes at its first
+    listing). Returns both counts so far."""
+    start = 0
+    while start < pages.size and ref[offset + pages[start]] == 1:
+        page = pages[start]
+        ref[offset + page] = 0
+        if keyed[offset + page]:
+            idle_keyed[n_keyed] = page
+            n_keyed += 1
+        else:
+            freed[n_free] = page
+            n_free += 1
+        start += 1
     some_keyed = False
-    for i in range(pages.size):
+    for i in range(start, pages.size):
         ref[offset + pages[i]] -= 1
         some_keyed |= keyed[offset + pages[i]]
     free_from, keyed_from = n_free, n_keyed
-    for i in range(pages.size):
+    for i in range(start, pages.size):
         page = pages[i]
         if ref[offset + page] == 0:
             ref[offset + page] = -1  # taken once, even where the list repeats it
@@ -565,21 +578,22 @@ def transient_pages(geometry, bounds, g, rows, first, counts, after, sums):
 
 @njit(cache=True)
 def room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, per_group, ref,
-                low_priority, keyed, packing, roomy, out):
+                low_priority, keyed, packing, roomy, out, not_joined=None):
     """Before ``finish_step`` of a step that stopped for Python: per group, the pages it allocates that the next step
     releases again (``transient_pages``; 0 where ``transient[g]`` is not set): ``out[g]`` = that count when
     ``PagePool.make_room`` of its ``sums[1, g]`` pages may have something to do now, else ``-1 - count`` (it would evict
     nothing: the group allocates nothing, or its free stack covers the allocation and, in a lowest-first group with idle
     low-priority pages, none lies below the ids its long-lived pages take (``low_below``, from ``per_group[LOW_FLOOR,
     g]``, a lower bound of theirs), or its arena, ``roomy``, lets them spread: ``must_pack_at``). ``packing``:
-    ``Arena.packing`` (empty arrays without an arena). Returns the groups to ask."""
+    ``Arena.packing`` (empty arrays without an arena). ``not_joined``: per group, keyed pages gone idle not yet in
+    its LRU (None: none; ``may_spread``'s). Returns the groups to ask."""
     for g in range(geometry.shape[0]):
         out[g] = transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0
-    return rooms_from(0, sums, stack, offsets, per_group, ref, low_priority, keyed, packing, roomy, out)
+    return rooms_from(0, sums, stack, offsets, per_group, ref, low_priority, keyed, packing, roomy, out, not_joined)
 
 
 @njit(cache=True)
-def rooms_from(start, sums, stack, offsets, per_group, ref, low_priority, keyed, packing, roomy, out):
+def rooms_from(start, sums, stack, offsets, per_group, ref, low_priority, keyed, packing, roomy, out, not_joined=None):
     """``room_groups``' rule of the groups from ``start`` on, as their pools are now, each with the
     transient pages ``out[g]`` holds (``room_groups``' mark, either form); how many to ask."""
     n_asked = 0
@@ -588,7 +602,8 @@ def rooms_from(start, sums, stack, offsets, per_group, ref, low_priority, keyed,
         long = count - highest
         packs = long > 0 and per_group[LOWEST, g] != 0 and per_group[LOW_IDLE_PAGES, g] > 0 and (
             top < long or (per_group[LOW_FLOOR, g] < stack[offsets[g] + top - long] and (
-                not roomy or must_pack_at(ref, offsets[g], packing, g, stack[offsets[g] + top - long], long))))
+                not roomy or may_spread(per_group, g, packing[4], long, not_joined)
+                and must_pack_at(ref, offsets[g], packing, g, stack[offsets[g] + top - long], long))))
         if packs and top >= count:  # it would only pack
             packs = low_below(low_priority, keyed, ref, offsets[g], per_group, g, stack[offsets[g] + top - long])
         if count > 0 and (top < count or packs):
@@ -597,6 +612,17 @@ def rooms_from(start, sums, stack, offsets, per_group, ref, low_priority, keyed,
         else:
             out[g] = -1 - highest
     return n_asked
+
+
+@njit(cache=True, inline="always")
+def may_spread(per_group, g, sizes, pages, not_joined):
+    """Whether ``must_pack_at`` of ``pages`` long-lived pages of group ``g`` may answer True, without its scan: the
+    pages it counts are held, at most the group's granted pages less its free and idle ones (``not_joined``: keyed
+    pages gone idle not yet in its LRU; None: none), and each slab it counts holds one; its rule at that most."""
+    held = per_group[GRANTED_PAGES, g] - per_group[TOP, g] - per_group[LRU_PAGES, g]
+    if not_joined is not None:
+        held -= not_joined[g]
+    return held + 1 > -(-(held + pages) // sizes[g, 3]) + sizes[g, 4]
 
 
 @njit(cache=True)
@@ -773,8 +799,8 @@ def run_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack,
 
 
 @njit(cache=True, _nrt=False)
-def grant_step(grants, scratch, arena, geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group,
-               transient, plan, n, settle, n_logged, cells, cell_pages, per_request, query_start_loc,
+def grant_step(grants, scratch, arena, idle, geometry, pages, bounds, counters, ref, keyed, low_priority, stack,
+               per_group, transient, plan, n, settle, n_logged, cells, cell_pages, per_request, query_start_loc,
                request_indices, per_token):
     """``run_step`` granting spare slabs alone (``grants``: groups, slabs) after its releases, counted off the arena's
     spare slabs with ``SKIP_PACKING`` following ``Arena.roomy`` (``Arena._spare_changed``); it stops for Python only
@@ -782,7 +808,9 @@ def grant_step(grants, scratch, arena, geometry, pages, bounds, counters, ref, k
     ``Arena.room_marks`` for ``make_room``. Status -1 (nothing granted): a slab not spare. A kernel of its own: the
     grant inside ``run_step`` makes ``step``'s compiled loops slower. ``scratch`` (``grant_scratch``): int64 room for
     an end per group, a ``per_group`` copy and every granted slab's pages: the kernel allocates nothing, so it
-    runs without reference counting (``_nrt=False``: its ~30 arrays come in without a MemInfo each, ~8 µs a call)."""
+    runs without reference counting (``_nrt=False``: its ~30 arrays come in without a MemInfo each, ~8 µs a call).
+    Done whole, the keyed pages its releases left idle join their LRUs here (``idle``: ``PageSpace.join_args``),
+    unless its clock is empty."""
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n, settle,
         True, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token)
@@ -802,11 +830,16 @@ def grant_step(grants, scratch, arena, geometry, pages, bounds, counters, ref, k
     if not (n_keyed and joined_low(geometry, low_priority, per_group, released[1], idle_keyed, joined)):
         joined = per_group
     if room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, joined, ref,
-                   low_priority, keyed, (owner, lo, hi, straddle, sizes), roomy, marks):
+                   low_priority, keyed, (owner, lo, hi, straddle, sizes), roomy, marks, released[1]):
         return STEP_NEEDS_PAGES, n_touched, n_keyed  # a group makes room once they joined: ``marks`` says which
-    return STEP_DONE, finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group,
-                                  transient, plan, n, settle, n_touched, cells, cell_pages, per_request,
-                                  query_start_loc, request_indices, per_token, False), n_keyed
+    n_touched = finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient,
+                            plan, n, settle, n_touched, cells, cell_pages, per_request, query_start_loc,
+                            request_indices, per_token, False)
+    idle_tick, prev, nxt, clock = idle
+    if n_keyed and clock.size:  # ``PageSpace.keyed_idle``'s join (no clock: Python joins, telling a ranker)
+        _lru.join(idle_tick, low_priority, prev, nxt, per_group[LRU_PAGES], per_group[LOW_IDLE_PAGES],
+                  per_group[LOW_FLOOR], offsets, released[1], idle_keyed, clock)
+    return STEP_DONE, n_touched, n_keyed
 
 
 def grant_scratch(grants, arena, n_groups, made=None):
@@ -1357,16 +1390,25 @@ def take_spare_for(short, slab_pages, spare_slabs, owner, own, inner_pages, stra
             need += -(-short[g] // slab_pages[g])
     if need > spare_slabs:
         return -1
-    for s in range(owner.size):  # no slice copy: it allocates
-        own[s] = owner[s]
-    n = 0
+    n, end = 0, copy_owners(owner, own)
     for g in range(short.size):
         if short[g] > 0:
-            n_taken, _ = take_spare_slabs(own, g, inner_pages[g], straddle[g], short[g], taken)
+            n_taken, _ = take_spare_slabs(own, g, inner_pages[g], straddle[g], short[g], taken, end)
             for i in range(n_taken):
-                grant_groups[n], grant_slabs[n] = g, taken[i]
+                grant_groups[n], grant_slabs[n], end = g, taken[i], max(end, taken[i] + 1)
                 n += 1
     return n
+
+
+@njit(cache=True, inline="always")
+def copy_owners(owner, own):
+    """``owner`` to ``own`` value by value (a slice copy allocates); returns one past the last slab owned."""
+    end = 0
+    for s in range(owner.size):
+        own[s] = owner[s]
+        if owner[s] >= 0:
+            end = s + 1
+    return end
 
 
 @njit(cache=True, _nrt=False)
@@ -1388,17 +1430,15 @@ def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain
     if n_short >= 0:
         return 0 if n_short == 0 else take_spare_for(short, slab_pages, spare, owner, own, inner_pages, straddle,
                                                      taken, grant_groups, grant_slabs)
-    for s in range(owner.size):  # no slice copy: it allocates
-        own[s] = owner[s]
-    n_grants = 0
+    n_grants, end = 0, copy_owners(owner, own)
     for g in range(n_groups):
         deficit = wanted[g] - free[g]
         if deficit > 0:
-            n_taken, left = take_spare_slabs(own, g, inner_pages[g], straddle[g], deficit, taken)
+            n_taken, left = take_spare_slabs(own, g, inner_pages[g], straddle[g], deficit, taken, end)
             if left > 0:
                 return -1
             for i in range(n_taken):
-                grant_groups[n_grants], grant_slabs[n_grants] = g, taken[i]
+                grant_groups[n_grants], grant_slabs[n_grants], end = g, taken[i], max(end, taken[i] + 1)
                 n_grants += 1
             clean[g] += deficit - left
     if short_pages(geometry, pages, bounds, ref, keyed, rows, new_base, first, committed, grain, window_pages,
@@ -1410,15 +1450,17 @@ def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain
 
 
 @njit(cache=True)
-def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
+def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken, end=-1):
     """Spare slabs (``owner < 0``) for ``group`` until it is not ``short_pages`` short: the lowest next to
     one it owns, else the lowest (``slab_gain`` pages each; ``owner`` updated, slabs to ``taken``).
     Returns (slabs taken, pages still short). One pass: a take makes only its left neighbour newly next to
-    the group below it, so the next search starts there; the lowest spare only rises."""
+    the group below it, so the next search starts there; the lowest spare only rises. ``end`` (-1: none
+    known): every slab from it on is spare, so the search for the group's slabs stops there."""
     n, n_taken, start, lowest = owner.size, 0, 0, 0
+    end = n if end < 0 else end
     while short_pages > 0:
         pick = -1  # the lowest spare from ``start`` on next to the group's: its slabs in order, their left first
-        for t in range(max(start - 1, 0), n):
+        for t in range(max(start - 1, 0), end):
             if owner[t] == group:
                 pick = t - 1 if t > start and owner[t - 1] < 0 else t + 1 if t + 1 < n and owner[t + 1] < 0 else -1
                 if pick >= 0:
@@ -1430,7 +1472,7 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken):
                 break
             pick = lowest
         short_pages -= lend_slab(owner, group, inner_pages, straddle, pick, taken, n_taken)
-        n_taken, start = n_taken + 1, max(pick - 1, 0)
+        n_taken, start, end = n_taken + 1, max(pick - 1, 0), max(end, pick + 1)
     return n_taken, short_pages
 
 
@@ -1736,3 +1778,6 @@ def add_held(local, per_group, offsets, held, delta):
             k += 1
     return bad
 
+
+# Last: ``grant_step``'s ``lru.join`` (``hybridkv.memory.lru`` imports this module's names first).
+from hybridkv.memory import lru as _lru  # noqa: E402

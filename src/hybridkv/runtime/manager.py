@@ -1078,13 +1078,14 @@ class CacheManager:
 
     def _grant_run(self, grants: np.ndarray, *args: Any) -> tuple[int, int, int]:
         """``kernels.grant_step`` (its compiled code) granting the spare slabs ``grants``, with its scratch;
-        ``args``: its arguments after the arena's (the step's state, the plan, cells logged, outputs). Its answer."""
-        arena = self.arena.grant_args
+        ``args``: its arguments after the arena's and the join's (the step's state, the plan, cells logged, outputs).
+        Its answer; no idle keyed pages where it joined them (run whole, no ranker to tell: ``PageSpace.join_args``)."""
+        arena, join = self.arena.grant_args, self._space.join_args
         self._grant_room = kernels.grant_scratch(grants, arena, len(self.specs), self._grant_room)  # kept for the next
-        found = self._grant_entry(grants, self._grant_room, arena, *args)
+        found = self._grant_entry(grants, self._grant_room, arena, join, *args)
         if found[0] < 0:
             raise AssertionError("a slab granted is not spare")
-        return found
+        return (found[0], found[1], 0) if found[0] == kernels.STEP_DONE and join[3].size else found
 
     def _direct_grants(self, status: int, planned: tuple, n_spare: int | None) -> tuple[Any, int | None]:
         """How ``_planned_step`` (or ``_step``, a ``STEP_SPARE`` plan) may run a plan that
@@ -1197,7 +1198,8 @@ class CacheManager:
             plan.spare_grants = np.empty((2, 0), dtype=np.int64)
             self._grant_entry = kernels.entry_point(kernels.grant_step, (
                 plan.spare_grants, kernels.grant_scratch(plan.spare_grants, self.arena.grant_args, len(self.specs)),
-                self.arena.grant_args, *self._kernel_state()[:10], sc.buffer, 0, 0, 0, *_NO_CELLS, *out))
+                self.arena.grant_args, self._space.join_args, *self._kernel_state()[:10], sc.buffer, 0, 0, 0,
+                *_NO_CELLS, *out))
             self._run(plan, True)
 
     def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan, out: _StepArrays,
@@ -1225,7 +1227,7 @@ class CacheManager:
         (``_make_room``'s)."""
         space, ts = self._space, self._tableset
         args = (ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts, plan.after, plan.sums,
-                *self._room_args, space.skip_packing[0] != 0, self._scratch.transient)
+                *self._room_args, space.skip_packing[0] != 0, self._scratch.transient, None)  # keyed pages joined
         if self._room_entries is None:
             self._room_entries = (kernels.entry_point(kernels.room_groups, args),
                                   kernels.entry_point(kernels.rooms_from, (0, *args[7:])))
@@ -1244,7 +1246,7 @@ class CacheManager:
                 pool.make_room(allocated[g], marks[g], tops[g] >= allocated[g])
                 if pool.counters.evicted_pages != before and any(allocated[g + 1 :]):
                     self._room_entries[1](g + 1, sums, *self._room_args, self._space.skip_packing[0] != 0,
-                                          self._scratch.transient)
+                                          self._scratch.transient, None)
                     marks = self._scratch.transient.tolist()
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
