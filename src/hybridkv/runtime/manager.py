@@ -777,6 +777,7 @@ class CacheManager:
             kinds = set(map(type, counts))
             if bool in kinds or not all(k is int or issubclass(k, np.integer) for k in kinds):
                 return None  # bool is an int subclass but not a token count
+            counts = tuple(map(int, counts))  # numpy ints: exact plain ints for ``_counts_in``'s sum
         elif counts.count(counts[0]) == n:  # equal plain ints (decode or verify): one scalar check
             if not 1 <= counts[0] <= self.max_step_tokens:
                 return None
@@ -786,18 +787,17 @@ class CacheManager:
         return None if found is None else (rows, found[0], rids, found[1])
 
     def _counts_in(self, counts: tuple, n: int) -> tuple[np.ndarray, int] | None:
-        """(int64 array, sum) of ``n`` int token counts; None when one lies outside [1, max_step_tokens]. Builtins
-        on the tuple below 128 (numpy's reductions cost more there), numpy's on the array from 128 on (at 1,024 a
-        tenth of ``min`` and ``max``'s time)."""
-        if n < 128:
-            if min(counts) < 1 or max(counts) > self.max_step_tokens:
-                return None
-            return _int64_array(counts, n), int(sum(counts))
+        """(int64 array, sum) of ``n`` plain int token counts; None when the sum lies outside
+        [n, n * max_step_tokens] or a count outside int64. ``kernels.prepare_step`` refuses a count outside
+        [1, max_step_tokens] (so no pass here for min and max); the sum, checked, sizes the batch's arrays. Builtin
+        ``sum`` below 128, numpy's on the array from 128 on (its wrapped sum of counts past the limit is refused there
+        or by the kernel)."""
         try:
             out = _int64_array(counts, n)
-        except struct.error:
+        except (OverflowError, struct.error):
             return None  # past int64, so past the limit
-        return (out, int(out.sum())) if out.min() >= 1 and out.max() <= self.max_step_tokens else None
+        total = sum(counts) if n < 128 else int(out.sum())
+        return (out, total) if n <= total <= n * self.max_step_tokens else None
 
     def _fast_rows_uniform(self, rids: tuple, count) -> tuple[np.ndarray, np.ndarray, tuple, int] | None:
         """``_fast_rows`` of ``(rid, count)`` for every id: one scalar count check."""
