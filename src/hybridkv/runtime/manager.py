@@ -989,9 +989,11 @@ class CacheManager:
         if updates:  # ``_commit_and_run`` reuses them if they fit
             # The cells a ``free`` or prefix hit logged go first (``_planned_step`` puts back any it does not run).
             n_logged = self._take_log(0) if self._tableset.log else 0
-            # ``_commit_and_run``'s room for a decode step, and two cells for each further token (a chunk
-            # of DeepSeek-V4's six groups releases and allocates about 1.3 pages a token).
-            room = 2 * n_groups * n_rows + 16 + 2 * (n_tokens - n_rows) + n_logged
+            # A cell per group and row: a one-token step allocates or releases at most a page in a group whose window
+            # is a multiple of its page tokens (> 1; all of DeepSeek-V4's: 128/64, 8/4, 128/8; ~1.3 cells a row in
+            # all), two cells for each further token (a chunk: ~1.3 a token). A row's first step after a chunk
+            # releases its window pages and may overflow them: ``_build_batch`` then drains the log (same cells).
+            room = n_groups * n_rows + 16 + 2 * (n_tokens - n_rows) + n_logged
             cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
         args = (*(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, n_logged,
                 *cells, *out)
