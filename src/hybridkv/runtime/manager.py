@@ -787,11 +787,9 @@ class CacheManager:
         return None if found is None else (rows, found[0], rids, found[1])
 
     def _counts_in(self, counts: tuple, n: int) -> tuple[np.ndarray, int] | None:
-        """(int64 array, sum) of ``n`` plain int token counts; None when the sum lies outside
-        [n, n * max_step_tokens] or a count outside int64. ``kernels.prepare_step`` refuses a count outside
-        [1, max_step_tokens] (so no pass here for min and max); the sum, checked, sizes the batch's arrays. Builtin
-        ``sum`` below 128, numpy's on the array from 128 on (its wrapped sum of counts past the limit is refused there
-        or by the kernel)."""
+        """(int64 array, sum) of ``n`` plain int counts; None when one is past int64 or the sum (it sizes the batch's
+        arrays) lies outside [n, n * max_step_tokens]: ``prepare_step`` refuses a count outside [1, max_step_tokens].
+        Builtin ``sum`` below 128, numpy's from 128 on (a sum wrapped past int64 has a count the kernel refuses)."""
         try:
             out = _int64_array(counts, n)
         except (OverflowError, struct.error):
@@ -989,10 +987,9 @@ class CacheManager:
         if updates:  # ``_commit_and_run`` reuses them if they fit
             # The cells a ``free`` or prefix hit logged go first (``_planned_step`` puts back any it does not run).
             n_logged = self._take_log(0) if self._tableset.log else 0
-            # A cell per group and row: a one-token step allocates or releases at most a page in a group whose window
-            # is a multiple of its page tokens (> 1; all of DeepSeek-V4's: 128/64, 8/4, 128/8; ~1.3 cells a row in
-            # all), two cells for each further token (a chunk: ~1.3 a token). A row's first step after a chunk
-            # releases its window pages and may overflow them: ``_build_batch`` then drains the log (same cells).
+            # A cell per group and row (a one-token step allocates or releases at most a page in a group whose window
+            # is a multiple of its page tokens: all of DeepSeek-V4's; ~1.3 cells a row in all), two per further token
+            # (a chunk: ~1.3 a token); more (a row's first step past a chunk) overflows: ``_build_batch`` drains the log
             room = n_groups * n_rows + 16 + 2 * (n_tokens - n_rows) + n_logged
             cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
         args = (*(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, n_logged,
