@@ -988,8 +988,9 @@ class CacheManager:
             # The cells a ``free`` or prefix hit logged go first (``_planned_step`` puts back any it does not run).
             n_logged = self._take_log(0) if self._tableset.log else 0
             # A cell per group and row (a one-token step allocates or releases at most a page in a group whose window
-            # is a multiple of its page tokens: all of DeepSeek-V4's; ~1.3 cells a row in all), two per further token
-            # (a chunk: ~1.3 a token); more (a row's first step past a chunk) overflows: ``_build_batch`` drains the log
+            # is a multiple of its page tokens: DeepSeek-V4's, up to 4 speculative tokens; ~1.3 cells a row in all), two
+            # per further token (a chunk: ~1.3 a token); more (a row's first step past a chunk) overflows:
+            # ``_build_batch`` then drains the log (same cells).
             room = n_groups * n_rows + 16 + 2 * (n_tokens - n_rows) + n_logged
             cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
         args = (*(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, n_logged,
