@@ -93,6 +93,10 @@ BAD_CALLS = [
     ("schedule a request twice", "twice", lambda m, live, freed: m.schedule([(live[0], 1), (live[0], 1)])),
     ("schedule zero tokens", "token count must be positive", lambda m, live, freed: m.schedule([(live[0], 0)])),
     ("schedule negative tokens", "token count must be positive", lambda m, live, freed: m.schedule([(live[0], -2)])),
+    ("schedule zero tokens among ones", "token count must be positive", lambda m, live, freed: m.schedule(
+        [(live[0], 0)] + [(rid, 1) for rid in live[1:]], block_tables="updates")),
+    ("schedule past the step limit among twos", "limit", lambda m, live, freed: m.schedule(
+        [(live[0], STEP_TOKENS + 1)] + [(rid, 2) for rid in live[1:]])),
     ("schedule a float count", "token count must be an int", lambda m, live, freed: m.schedule([(live[0], 1.0)])),
     ("schedule a NaN count", "token count must be an int", lambda m, live, freed: m.schedule([(live[0], float("nan"))])),
     ("schedule a bool count", "token count must be an int", lambda m, live, freed: m.schedule([(live[0], True)])),

@@ -676,12 +676,16 @@ def test_a_batch_of_many_requests_gives_each_the_row_and_count_it_has_alone():
     m.check_invariants()
 
 
-@pytest.mark.parametrize("bad, message", [(0, "must be positive"), (13, "exceed the per-step limit"),
-                                          (10**30, "exceed the per-step limit"), (True, "must be an int"),
-                                          (2.0, "must be an int")])
+@pytest.mark.parametrize("bad, message", [(0, "must be positive"), (-1, "must be positive"),
+                                          (13, "exceed the per-step limit"), (np.int16(13), "exceed the per-step"),
+                                          (np.int64(0), "must be positive"), (2**63, "exceed the per-step limit"),
+                                          (np.uint64(2**64 - 1), "exceed the per-step limit"),
+                                          (10**30, "exceed the per-step limit"), (-(10**30), "must be positive"),
+                                          (True, "must be an int"), (2.0, "must be an int")])
 def test_a_bad_count_in_a_batch_of_many_is_refused_as_alone(bad, message):
     """One count out of range (or not an int) alone or among 100 or 200 mixed counts: the batch is refused
-    with the per-item reason, as a batch of two is, and nothing changes."""
+    with the per-item reason, as a batch of two is, and nothing changes (the step kernel refuses a count
+    out of range whose batch's sum is in range)."""
     specs, pages, ctx, step = CONFIGS["odd"]
     m = CacheManager(specs, {gid: 40 * n for gid, n in pages.items()}, max_context_tokens=ctx, max_step_tokens=step)
     rids = [f"r{i}" for i in range(200)]

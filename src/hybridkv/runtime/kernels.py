@@ -8,11 +8,11 @@ Python in between (most steps).
 
 Arrays (``G`` groups, ``R`` scheduled rows, ``N`` scheduled tokens):
 
-* ``geometry`` int64 ``[G, 15]``: page tokens ``T``, window tokens ``W`` (0: full history), ring column mask
+* ``geometry`` int64 ``[G, 16]``: page tokens ``T``, window tokens ``W`` (0: full history), ring column mask
   (``capacity - 1`` for sliding groups, -1 for full history), rows per page, entry stride tokens, the group's first id
   in the page space (ids of group ``g`` are ``offset + local id``), then the log2 of page tokens and of stride (-1 where
-  not a power of two: a division then), then where the group's cells sit in ``pages`` (below), and (the one column the
-  kernels change) how many of its lanes are free.
+  not a power of two: a division then), then where the group's cells sit in ``pages`` (below), (the one column the
+  kernels change) how many of its lanes are free, and the most tokens a row writes in a step.
 * ``pages`` int32, flat: every group's table cells (docs/manager.md, "The table store's layout"). Group ``g``'s logical
   page ``L`` of a row is at ``RING_START + row * ROW_STRIDE + (L & RING_MASK) * COLUMN_STRIDE`` (a sliding row's narrow
   ring; full history column-major), or for a *wide* row in its lane ``k`` at
@@ -46,7 +46,8 @@ PAGE_TOKENS, WINDOW_TOKENS, COLUMN_MASK, ROWS_PER_PAGE, STRIDE_TOKENS, ID_OFFSET
 PAGE_SHIFT, STRIDE_SHIFT = range(6, 8)  # log2 of the page and stride sizes, -1 if not a power of two
 RING_START, ROW_STRIDE, RING_MASK, LANE_START, VIEW_COLUMNS, COLUMN_STRIDE = range(8, 14)  # the store's layout
 FREE_COUNT = 14  # free lanes of the group (kernels change it)
-GEOMETRY_COLUMNS = 15
+STEP_TOKENS = 15  # the most tokens a row writes in a step (``max_step_tokens``)
+GEOMETRY_COLUMNS = 16
 BASE, HI, LANE, FREE_LANES = range(4)  # planes of ``bounds``
 TOP, LOWEST, LOW_FLOOR, RELEASED_PAGES, ALLOCATED_PAGES, LRU_PAGES, GRANTED_PAGES, PEAK_USED_PAGES = range(8)
 LOW_IDLE_PAGES, SKIP_PACKING = range(8, 10)
@@ -425,7 +426,8 @@ def settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts):
 def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in, counts_in, grain, top, mark,
                  rows, counts, first, after, need, sums, crossing, totals, load_tokens):
     """The plan of a step of ``rows_in`` writing ``counts_in`` tokens each (one count for all when it holds
-    one); pure but for ``mark``. -1 rows when a row is listed twice or would pass its ``known`` tokens.
+    one); pure but for ``mark``. -1 rows when a row is listed twice, would pass its ``known`` tokens or writes
+    a count outside ``[1, geometry[0, STEP_TOKENS]]``.
 
     ``rows``, ``counts``, ``first``: the rows touched, settling ones first (``settling_rows``), their counts
     and computed tokens; ``after[0|1, g, r]``: base and hi after the step; ``need[g, r]``: pages holding its
@@ -441,12 +443,12 @@ def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_i
     n = settle + rows_in.size
     n_cross, grain_shift = 0, log2_exact(grain)  # a shift per row, not two divisions, for a power of two
     totals[:] = 0
-    for r in range(n):  # one pass: the rows' counts, computed tokens, known tokens checked, crossings
+    for r in range(n):  # one pass: the rows' counts, computed tokens, counts and known tokens checked, crossings
         if r >= settle:
             rows[r], counts[r] = rows_in[r - settle], counts_in[(r - settle) * each]
         row = rows[r]
         first[r] = computed[row]
-        if r >= settle and first[r] + counts[r] > known[row]:
+        if r >= settle and not 1 <= counts[r] <= min(known[row] - first[r], geometry[0, STEP_TOKENS]):
             return -1, 0, 0, False
         totals[0] += counts[r]
         if grain > 0 and divide(committed[row], grain, grain_shift) < divide(first[r], grain, grain_shift):

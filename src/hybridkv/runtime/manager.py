@@ -777,6 +777,7 @@ class CacheManager:
             kinds = set(map(type, counts))
             if bool in kinds or not all(k is int or issubclass(k, np.integer) for k in kinds):
                 return None  # bool is an int subclass but not a token count
+            counts = tuple(map(int, counts))  # numpy ints: exact plain ints for ``_counts_in``'s sum
         elif counts.count(counts[0]) == n:  # equal plain ints (decode or verify): one scalar check
             if not 1 <= counts[0] <= self.max_step_tokens:
                 return None
@@ -786,18 +787,15 @@ class CacheManager:
         return None if found is None else (rows, found[0], rids, found[1])
 
     def _counts_in(self, counts: tuple, n: int) -> tuple[np.ndarray, int] | None:
-        """(int64 array, sum) of ``n`` int token counts; None when one lies outside [1, max_step_tokens]. Builtins
-        on the tuple below 128 (numpy's reductions cost more there), numpy's on the array from 128 on (at 1,024 a
-        tenth of ``min`` and ``max``'s time)."""
-        if n < 128:
-            if min(counts) < 1 or max(counts) > self.max_step_tokens:
-                return None
-            return _int64_array(counts, n), int(sum(counts))
+        """(int64 array, sum) of ``n`` plain int counts; None when one is past int64 or the sum (it sizes the batch's
+        arrays) lies outside [n, n * max_step_tokens]: ``prepare_step`` refuses a count outside [1, max_step_tokens].
+        Builtin ``sum`` below 128, numpy's from 128 on (a sum wrapped past int64 has a count the kernel refuses)."""
         try:
             out = _int64_array(counts, n)
-        except struct.error:
+        except (OverflowError, struct.error):
             return None  # past int64, so past the limit
-        return (out, int(out.sum())) if out.min() >= 1 and out.max() <= self.max_step_tokens else None
+        total = sum(counts) if n < 128 else int(out.sum())
+        return (out, total) if n <= total <= n * self.max_step_tokens else None
 
     def _fast_rows_uniform(self, rids: tuple, count) -> tuple[np.ndarray, np.ndarray, tuple, int] | None:
         """``_fast_rows`` of ``(rid, count)`` for every id: one scalar count check."""
@@ -989,9 +987,11 @@ class CacheManager:
         if updates:  # ``_commit_and_run`` reuses them if they fit
             # The cells a ``free`` or prefix hit logged go first (``_planned_step`` puts back any it does not run).
             n_logged = self._take_log(0) if self._tableset.log else 0
-            # ``_commit_and_run``'s room for a decode step, and two cells for each further token (a chunk
-            # of DeepSeek-V4's six groups releases and allocates about 1.3 pages a token).
-            room = 2 * n_groups * n_rows + 16 + 2 * (n_tokens - n_rows) + n_logged
+            # A cell per group and row (a one-token step allocates or releases at most a page in a group whose window
+            # is a multiple of its page tokens: DeepSeek-V4's, up to 4 speculative tokens; ~1.3 cells a row in all), two
+            # per further token (a chunk: ~1.3 a token); more (a row's first step past a chunk) overflows:
+            # ``_build_batch`` then drains the log (same cells).
+            room = n_groups * n_rows + 16 + 2 * (n_tokens - n_rows) + n_logged
             cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
         args = (*(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, n_logged,
                 *cells, *out)

@@ -88,6 +88,7 @@ class TableSet:
                 kernels.log2_exact(t.page_tokens), kernels.log2_exact(t.spec.entry_stride_tokens))
             self.geometry[g, kernels.RING_MASK] = t.ring_pages - 1 if t.sliding else -1
             self.geometry[g, kernels.VIEW_COLUMNS] = self.view_columns
+        self.geometry[:, kernels.STEP_TOKENS] = max_step_tokens  # ``prepare_step`` refuses larger counts
         rows = max(1, int(initial_rows))
         self.bounds = np.zeros((4, len(self.tables), rows), dtype=np.int64)
         self._add_lanes(0, rows)
