@@ -143,7 +143,8 @@ class ValueEviction:
         ``checkpoints`` in every state group too: each supported by its own checkpoint and by
         the one beyond it (the last is one), each the one child of the one before."""
         nodes, n_history, n_state, g = self._nodes, len(self.history_ids), len(self.state_ids), self.granularity_tokens
-        marks, n_both = None if checkpoints is keys else set(checkpoints), n_history + n_state  # None: every block's end
+        marks = None if checkpoints is keys else set(checkpoints)  # None: every block's end (a prompt chunk's)
+        n_both = n_history + n_state
         for key, parent, boundary, child in zip(keys, parents, boundaries, [*zip(keys[1:]), None]):  # a 1-tuple child
             if marks is None or key in marks:
                 nodes[key] = [parent, 2, n_both, n_state, child, False, boundary <= g, boundary]
