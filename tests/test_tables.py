@@ -118,10 +118,13 @@ def test_no_plan_for_a_row_listed_twice_or_past_its_known_tokens():
     assert not mark.any()  # the scratch flags are clear again
     assert plan_rows([0, 1], [2, 1]) == -1  # 5 + 2 > 6 known tokens
     assert plan_rows([1, 2], [1, 1]) == -1  # row 2 knows no token past its 9 computed
+    assert plan_rows([0, 1], [1, 0]) == -1  # a count of 0
+    ts.geometry[:, kernels.STEP_TOKENS] = 3  # the store's step limit: a row of 4 tokens refused
+    assert plan_rows([1], [4]) == -1 and plan_rows([1], [3]) == 1
 
 
 def test_compressed_pages_needed_for_1_256_257_tokens():
-    ts, _ = store(C4, 4096, 256)
+    ts, _ = store(C4, 4096, 512)
     # A c4 page spans 64 rows * 4 tokens = 256 tokens; a partial entry needs its page.
     assert [planned(ts, 0, n)[1] for n in (1, 256, 257)] == [1, 1, 2]
 
