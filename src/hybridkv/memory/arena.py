@@ -157,8 +157,7 @@ class Arena:
         self.owner = np.full(n, -1, dtype=np.int16)
         self._spare = np.zeros(1, dtype=np.int64)  # spare slabs, in an array ``admit_spare`` reads
         # The arena's arguments of ``kernels.admit_spare``, ``must_pack_at`` and ``grant_step``.
-        self.spare_args = (self.owner, self._spare, self._slab_pages, inner, straddle, np.empty(n, dtype=np.int16),
-                           self._taken, *self._spare_grants)
+        self.spare_args = (self.owner, self._spare, self._slab_pages, inner, straddle, self._taken, *self._spare_grants)
         # Per group: page bytes, reserved bytes, slab bytes (``kernels.released_per_slab``), fewest inner pages, spread.
         self._sizes = np.asarray([[geometry.page_bytes[gid], geometry.reserved_bytes, geometry.slab_bytes,
                                    max(int(k.min()), 1), SPREAD_SLABS] for gid, k in zip(self.group_ids, inner)],
@@ -255,8 +254,8 @@ class Arena:
         (``kernels.take_spare_for``); None when they might not. Pure; ``owner`` as for :meth:`plan`."""
         own = self.owner if owner is None else owner
         spare = self.num_spare_slabs if owner is None else int(np.count_nonzero(owner < 0))
-        inner, straddle, scratch, taken, groups, slabs = self.spare_args[3:]
-        n = kernels.take_spare_for(short, self._slab_pages, spare, own, scratch, inner, straddle, taken, groups, slabs)
+        inner, straddle, taken, groups, slabs = self.spare_args[3:]
+        n = kernels.take_spare_for(short, self._slab_pages, spare, own, inner, straddle, taken, groups, slabs)
         return None if n < 0 else self.spare_grants(n)  # ``groups`` and ``slabs`` view ``_spare_grants``
 
     def spare_grants(self, n: int) -> list[Grant]:

@@ -986,7 +986,7 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
 def step_spare(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain,
                plan, last_rows, rows_in, counts_in, n_logged, cells, cell_pages, per_request, query_start_loc,
                request_indices, per_token, window_pages, scratch, owner, spare_slabs, slab_pages, inner_pages,
-               straddle, own, taken, grant_groups, grant_slabs):
+               straddle, taken, grant_groups, grant_slabs):
     """``step`` on an arena, then (pure) ``admit_spare`` of a plan that only ran and is not clean, in one
     call: ``step``'s answer (``STEP_SPARE`` for a ``STEP_PLANNED`` one admitted so whose buffers are large enough)
     and the spare slabs ``admit_spare`` grants (-1: Python decides, or not asked). For batches with more tokens
@@ -998,7 +998,7 @@ def step_spare(geometry, pages, bounds, counters, ref, keyed, low_priority, stac
     n_spare = -1
     if status >= STEP_PLANNED and n >= 0 and not clean:
         n_spare = admit_spare(geometry, pages, bounds, ref, keyed, per_group, counters[1], grain, window_pages, plan,
-                              n, scratch, owner, spare_slabs, slab_pages, inner_pages, straddle, own, taken,
+                              n, scratch, owner, spare_slabs, slab_pages, inner_pages, straddle, taken,
                               grant_groups, grant_slabs)
         if status == STEP_PLANNED and n_spare >= 0 and plan_fits(plan, geometry.shape[0], n_logged, per_token.shape[1]):
             status = STEP_SPARE
@@ -1379,11 +1379,10 @@ def short_pages(geometry, pages, bounds, ref, keyed, rows, new_base, first, comm
 
 
 @njit(cache=True)
-def take_spare_for(short, slab_pages, spare_slabs, owner, own, inner_pages, straddle, taken, grant_groups,
-                   grant_slabs):
+def take_spare_for(short, slab_pages, spare_slabs, owner, inner_pages, straddle, taken, grant_groups, grant_slabs):
     """``Arena.plan`` of ``short`` pages per group from spare slabs alone when they surely cover
-    (``take_spare_slabs`` on ``own``, a copy of ``owner``; grants to ``grant_groups``, ``grant_slabs``).
-    Returns their count, or -1 when they might not (pure)."""
+    (``take_spare_slabs`` on ``owner``, its ``spare_slabs`` spare, each taken slab spare again before it returns:
+    no copy; grants to ``grant_groups``, ``grant_slabs``). Returns their count, or -1 when they might not (pure)."""
     need = 0
     for g in range(short.size):
         if short[g] > 0:
@@ -1392,33 +1391,44 @@ def take_spare_for(short, slab_pages, spare_slabs, owner, own, inner_pages, stra
             need += -(-short[g] // slab_pages[g])
     if need > spare_slabs:
         return -1
-    n, end = 0, copy_owners(owner, own)
+    n, end = 0, owned_end(owner, spare_slabs)
     for g in range(short.size):
         if short[g] > 0:
-            n_taken, _ = take_spare_slabs(own, g, inner_pages[g], straddle[g], short[g], taken, end)
+            n_taken, _ = take_spare_slabs(owner, g, inner_pages[g], straddle[g], short[g], taken, end)
             for i in range(n_taken):
                 grant_groups[n], grant_slabs[n], end = g, taken[i], max(end, taken[i] + 1)
                 n += 1
+    spare_again(owner, grant_slabs, n)
     return n
 
 
 @njit(cache=True, inline="always")
-def copy_owners(owner, own):
-    """``owner`` to ``own`` value by value (a slice copy allocates); returns one past the last slab owned."""
-    end = 0
+def spare_again(owner, slabs, n):
+    """The first ``n`` of ``slabs`` spare again under ``owner`` (value by value: no array made)."""
+    for i in range(n):
+        owner[slabs[i]] = -1
+
+
+@njit(cache=True, inline="always")
+def owned_end(owner, spare_slabs):
+    """One past the last slab owned: ``owner`` read only up to the last of its ``owner.size - spare_slabs`` owned
+    slabs (DeepSeek-V4's arena has ~2,800 slabs, most spare at the top)."""
+    end, left = 0, owner.size - spare_slabs
     for s in range(owner.size):
-        own[s] = owner[s]
+        if left <= 0:
+            break
         if owner[s] >= 0:
-            end = s + 1
+            end, left = s + 1, left - 1
     return end
 
 
 @njit(cache=True, _nrt=False)
 def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain, window_pages, plan, n, scratch,
-                owner, spare_slabs, slab_pages, inner_pages, straddle, own, taken, grant_groups, grant_slabs):
+                owner, spare_slabs, slab_pages, inner_pages, straddle, taken, grant_groups, grant_slabs):
     """``CacheManager._admit`` of the plan in ``plan`` (first ``n`` rows) on an arena when its answer is spare
     slabs alone (pure): slabs for what a group lacks of free and evictable pages, then for what it would
-    evict. Returns how many slabs go (to ``grant_groups``, ``grant_slabs``), or -1: Python decides.
+    evict. Returns how many slabs go (to ``grant_groups``, ``grant_slabs``), or -1: Python decides. Slabs are taken
+    on ``owner`` itself and spare again before it returns.
     ``scratch`` ``[4, G]``: ``short_pages``' answer, zeros, room for free and clean pages (it allocates nothing)."""
     rows, _, first, after, _, sums = plan_views(plan, geometry.shape[0])[:6]
     rows, first, new_base, wanted = rows[:n], first[:n], after[0, :, :n], sums[1]
@@ -1430,14 +1440,16 @@ def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain
                           window_pages, sums[0], wanted, top, free, low, short)
     spare = spare_slabs[0]  # ``owner``'s spare slabs
     if n_short >= 0:
-        return 0 if n_short == 0 else take_spare_for(short, slab_pages, spare, owner, own, inner_pages, straddle,
-                                                     taken, grant_groups, grant_slabs)
-    n_grants, end = 0, copy_owners(owner, own)
+        return 0 if n_short == 0 else take_spare_for(short, slab_pages, spare, owner, inner_pages, straddle, taken,
+                                                     grant_groups, grant_slabs)
+    n_grants, end = 0, owned_end(owner, spare)
     for g in range(n_groups):
         deficit = wanted[g] - free[g]
         if deficit > 0:
-            n_taken, left = take_spare_slabs(own, g, inner_pages[g], straddle[g], deficit, taken, end)
+            n_taken, left = take_spare_slabs(owner, g, inner_pages[g], straddle[g], deficit, taken, end)
             if left > 0:
+                spare_again(owner, taken, n_taken)
+                spare_again(owner, grant_slabs, n_grants)
                 return -1
             for i in range(n_taken):
                 grant_groups[n_grants], grant_slabs[n_grants], end = g, taken[i], max(end, taken[i] + 1)
@@ -1445,9 +1457,11 @@ def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain
             clean[g] += deficit - left
     if short_pages(geometry, pages, bounds, ref, keyed, rows, new_base, first, committed, grain, window_pages,
                    sums[0], wanted, clean, wanted, low, short) == 0:
-        return n_grants
-    more = take_spare_for(short, slab_pages, spare - n_grants, own, own, inner_pages, straddle, taken,
-                          grant_groups[n_grants:], grant_slabs[n_grants:])
+        more = 0
+    else:
+        more = take_spare_for(short, slab_pages, spare - n_grants, owner, inner_pages, straddle, taken,
+                              grant_groups[n_grants:], grant_slabs[n_grants:])
+    spare_again(owner, grant_slabs, n_grants)
     return -1 if more < 0 else n_grants + more
 
 
