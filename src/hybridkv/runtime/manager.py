@@ -758,7 +758,7 @@ class CacheManager:
 
     def _fast_rows(self, items) -> tuple[np.ndarray, np.ndarray, tuple, int] | None:
         """(rows, counts, ids, tokens) of valid-looking pairs, vectorized; None sends the batch to the
-        per-item path. The plan checks distinct rows and known tokens."""
+        per-item path. The plan checks distinct rows, known tokens and each count's range."""
         if len(items) == 1:  # one pair (a prefill chunk): ``_fast_rows_uniform``'s scalar checks
             try:
                 (rid, count), = items
@@ -959,7 +959,7 @@ class CacheManager:
         if (ts.log is None) == updates:  # the log's state changes: on for "updates", off for "full"
             ts.set_log(updates)
         # At most a cell per page released or allocated, after the cells logged since the last step: ``_step``'s
-        # buffers if they fit, else new ones (at least a decode step's).
+        # buffers if they fit, else new ones (room for the plan's cells, and at least two a group and row).
         n_logged, cells = ts.logged_cells() if updates else -1, _NO_CELLS
         if n_logged >= 0:
             n_cells, cells = n_logged + plan.totals[1] + plan.totals[3], plan.cells
