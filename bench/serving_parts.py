@@ -1,6 +1,7 @@
 """Where a serving step's time goes: ``bench/vs_vllm``'s serving phase, hybridkv side only.
 
     PYTHONPATH=src:bench .venv/bin/python bench/serving_parts.py [--sizes 32,1024] [--package hybridkv]
+        [--against hybridkv_base] [--cold MIB] [--rounds N]
 
 The same workload as ``bench/vs_vllm --phases serving`` (``measure_serving``: 5
 rounds of 32 steps, V4-Flash, 40 GiB shared arena, prefix caching and prompt
@@ -13,6 +14,14 @@ under the call or stage they run in; ``_commit_rows`` runs in ``schedule`` and i
 ``free``). The stage names are the code's, so this script follows it: a renamed
 stage is reported missing. ``--package``: a renamed copy of another version
 (``hybridkv_base``, as for ``bench/step_profile.py --against``) on ``PYTHONPATH``.
+
+``--against PACKAGE`` (such a copy): both versions' managers in one process, their
+steps alternating (``measure_serving`` with two sides), half the timed rounds with
+each side first in the order (with identical code, the side first read 3-8% slower
+than the other: one order alone is not an A/B); each stage per version and the
+change. ``--cold MIB``: before every timed step, ``bench/step_profile.py``'s walk
+of about ``MIB`` MiB of Python objects (as ``bench/vs_vllm``, where a vLLM step runs
+between two of ours); ``--rounds``: timed rounds (5).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import importlib
 import time
 from collections import defaultdict
 
+from step_profile import ColdWalk
 from vs_vllm import serving as serving_phase
 from vs_vllm.sides import GIB, HybridkvSide
 from vs_vllm.workload import ServingShape
@@ -83,25 +93,51 @@ class Timers:
         setattr(cls, name, timed)
 
 
-def measure(size: int, package: str) -> tuple[Timers, dict]:
-    timers = Timers()
-    for module, cls_name, name, label in STAGES:
-        timers.wrap(getattr(importlib.import_module(f"{package}.{module}"), cls_name), name, label)
-    step = serving_phase.ServingDriver.step
+def measure(size: int, packages: list[str], cold: float = 0.0, rounds: int = 5) -> tuple[dict[str, Timers], dict]:
+    """Each package's stage timers and ``measure_serving``'s figures; two packages: half the rounds in each order."""
+    timers = {package: Timers() for package in packages}
+    for package, t in timers.items():
+        for module, cls_name, name, label in STAGES:
+            t.wrap(getattr(importlib.import_module(f"{package}.{module}"), cls_name), name, label)
+    step, walk = serving_phase.ServingDriver.step, ColdWalk(cold) if cold > 0 else None
 
     def timed_step(driver, index):
-        timers.on, timers.steps = True, timers.steps + 1
+        if walk is not None:
+            walk()
+        t = timers[driver.side.package]
+        t.on, t.steps = True, t.steps + 1
         try:
             return step(driver, index)
         finally:
-            timers.on = False
+            t.on = False
 
-    side_class = type("Side", (HybridkvSide,), {"package": package})
-    side = side_class(kv_memory_bytes=40 * GIB, max_model_len=131_072, max_num_batched_tokens=8192,
-                      max_num_seqs=size, page_space="shared", prompt_checkpoints=True)
+    sides = {package: _side(size, package, timers[package]) for package in packages}
+    options = dict(running=size, step_tokens=8192, chunk_tokens=2048, shape=ServingShape(), seed=0)
+    # Untimed warm-up: the first call of each compiled kernel loads (or compiles) it, milliseconds
+    # that would land in whichever stage first calls it (at 32 running, ~8 ms in one ``free``). A
+    # whole round, so that rarer paths (a superseded checkpoint, an eviction) load there too.
+    serving_phase.measure_serving(sides, steps=32, rounds=1, **options)
+    serving_phase.ServingDriver.step = timed_step
+    try:
+        out = serving_phase.measure_serving(sides, steps=32, rounds=rounds if len(sides) == 1 else rounds - rounds // 2,
+                                            **options)
+        if len(sides) > 1:
+            serving_phase.measure_serving(dict(reversed(sides.items())), steps=32, rounds=rounds // 2, **options)
+    finally:
+        serving_phase.ServingDriver.step = step
+        for t in timers.values():
+            t.unwrap()
+    return timers, out
+
+
+def _side(size: int, package: str, timers: Timers) -> HybridkvSide:
+    """``package``'s side as ``bench/vs_vllm`` builds it, its token appends (the engine's, outside the step) untimed."""
+    side = type("Side", (HybridkvSide,), {"package": package, "name": package})(
+        kv_memory_bytes=40 * GIB, max_model_len=131_072, max_num_batched_tokens=8192, max_num_seqs=size,
+        page_space="shared", prompt_checkpoints=True)
     append_many = side.append_many
 
-    def untimed_append(*args):  # the engine's appends are outside the step's time
+    def untimed_append(*args):
         was, timers.on = timers.on, False
         try:
             return append_many(*args)
@@ -109,42 +145,44 @@ def measure(size: int, package: str) -> tuple[Timers, dict]:
             timers.on = was
 
     side.append_many = untimed_append
-    options = dict(running=size, step_tokens=8192, chunk_tokens=2048, shape=ServingShape(), seed=0)
-    # Untimed warm-up: the first call of each compiled kernel loads (or compiles) it, milliseconds
-    # that would land in whichever stage first calls it (at 32 running, ~8 ms in one ``free``). A
-    # whole round, so that rarer paths (a superseded checkpoint, an eviction) load there too.
-    serving_phase.measure_serving({"hybridkv": side}, steps=32, rounds=1, **options)
-    serving_phase.ServingDriver.step = timed_step
-    try:
-        out = serving_phase.measure_serving({"hybridkv": side}, steps=32, rounds=5, **options)
-    finally:
-        serving_phase.ServingDriver.step = step
-        timers.unwrap()
-    return timers, out["hybridkv"]
+    return side
 
 
-def report(size: int, package: str, timers: Timers, figures: dict) -> None:
-    n = timers.steps
-    total = sum(timers.ns[label] for label in ("add_request", "free", "schedule"))
+def report(size: int, package: str, timers: dict[str, Timers], figures: dict, against: str | None = None) -> None:
+    t, mine = timers[package], figures[package]
+    n, total = t.steps, _total(t)
     print(f"{package} at {size} running: {n} timed steps, {total / n / 1e3:.0f} µs a step (thread CPU, the three "
-          f"calls); wall mean {figures['us_per_step_mean']:.0f} µs; hit rate {figures['hit_rate']:.3f}")
+          f"calls); wall mean {mine['us_per_step_mean']:.0f} µs; hit rate {mine['hit_rate']:.3f}"
+          + ("" if against is None else f"; {against} {_total(timers[against]) / timers[against].steps / 1e3:.0f} µs"))
     for _, _, _, label in STAGES:
-        if label in timers.missing:
+        if label in t.missing:
             print(f"  {label:40s} (missing)")
             continue
-        share = 100 * timers.ns[label] / total if total else 0.0
-        print(f"  {label:40s} {timers.ns[label] / n / 1e3:8.0f} µs {share:5.1f}%  "
-              f"{timers.calls[label] / n:5.2f} calls a step")
+        share = 100 * t.ns[label] / total if total else 0.0
+        line = f"  {label:40s} {t.ns[label] / n / 1e3:8.0f} µs {share:5.1f}%  {t.calls[label] / n:5.2f} calls a step"
+        if against is not None:
+            b = timers[against]
+            base = b.ns[label] / b.steps / 1e3
+            line += f"   {against} {base:6.0f} µs" + (f" ({t.ns[label] / n / 1e3 / base - 1:+.1%})" if base else "")
+        print(line)
+
+
+def _total(t: Timers) -> int:
+    return sum(t.ns[label] for label in ("add_request", "free", "schedule"))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="32,1024")
     ap.add_argument("--package", default="hybridkv")
+    ap.add_argument("--against", default=None, help="a renamed copy of another version, run alongside")
+    ap.add_argument("--cold", type=float, default=0.0, help="MiB of Python objects walked before every timed step")
+    ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
+    packages = [a.package] + ([a.against] if a.against else [])
     for size in (int(s) for s in a.sizes.split(",")):
-        timers, figures = measure(size, a.package)
-        report(size, a.package, timers, figures)
+        timers, figures = measure(size, packages, a.cold, a.rounds)
+        report(size, a.package, timers, figures, a.against)
 
 
 if __name__ == "__main__":
