@@ -17,9 +17,9 @@ stage is reported missing. ``--package``: a renamed copy of another version
 
 ``--against PACKAGE`` (such a copy): both versions' managers in one process, their
 steps alternating (``measure_serving`` with two sides), half the timed rounds with
-each side first in the order (with identical code, the side first read 3-8% slower
-than the other: one order alone is not an A/B); each stage per version and the
-change. ``--cold MIB``: before every timed step, ``bench/step_profile.py``'s walk
+each side listed first (with identical code, the side listed first read 2-15% slower
+per stage, though the steps' order rotates: one order alone is not an A/B); each
+stage per version and the change (a few % between runs of the same code under load). ``--cold MIB``: before every timed step, ``bench/step_profile.py``'s walk
 of about ``MIB`` MiB of Python objects (as ``bench/vs_vllm``, where a vLLM step runs
 between two of ours); ``--rounds``: timed rounds (5).
 """
