@@ -328,6 +328,7 @@ class CacheManager:
         self._known_floor = np.zeros(64, dtype=np.int64)  # rewinds keep known ids up to it: prompt (no ids: total)
         self._in_batch = np.zeros(64, dtype=np.bool_)  # prepare_step's scratch, one flag per row
         self._one_count = np.zeros(1, dtype=np.int64)  # a uniform step's count, for every row (no array made)
+        self._one_count_tokens = 0  # ``_one_count[0]`` as a plain int (written only when it changes)
         self._one_row = np.zeros(1, dtype=np.int64)  # the row ``free`` releases (no array made)
         # Per table row: the address of its request's token ids (``_Request.token_ids``' data, which the request
         # keeps alive), 0 without ids or a request: ``kernels.append_token_ids`` writes there.
@@ -781,7 +782,8 @@ class CacheManager:
         elif counts.count(counts[0]) == n:  # equal plain ints (decode or verify): one scalar check
             if not 1 <= counts[0] <= self.max_step_tokens:
                 return None
-            self._one_count[0] = counts[0]  # ``prepare_step`` reads one count as every row's
+            if counts[0] != self._one_count_tokens:  # ``prepare_step`` reads one count as every row's
+                self._one_count[0] = self._one_count_tokens = counts[0]
             return rows, self._one_count, rids, n * counts[0]
         found = self._counts_in(counts, n)
         return None if found is None else (rows, found[0], rids, found[1])
@@ -812,8 +814,9 @@ class CacheManager:
             return None
         if self.pending_loads and not self.pending_loads.isdisjoint(rids):  # the ids hash (they were found)
             return None
-        self._one_count[0] = count  # ``prepare_step`` reads one count as every row's
-        return _int64_array(found, n), self._one_count, rids, n * count
+        if count != self._one_count_tokens:  # ``prepare_step`` reads one count as every row's
+            self._one_count[0] = self._one_count_tokens = count
+        return np.fromiter(found, _INT64, n) if n < 64 else _int64_array(found, n), self._one_count, rids, n * count
 
     def _rows_of(self, rids: tuple) -> np.ndarray | None:
         """Table rows of known request ids; None if an id is unknown or unhashable."""
