@@ -1262,7 +1262,7 @@ class CacheManager:
             tables, table_updates = [ts.block_table(k, rows, width) for k, width in enumerate(widths)], None
         else:
             tables, table_updates = self._no_tables, _new_object(TableUpdates)
-            if 0 < n_touched <= cells[1].size and ts.logged_cells() == 0:
+            if 0 < n_touched <= cells[1].size and ts.log == [] and not ts.resync:  # ``ts.logged_cells() == 0``
                 (cells, page), n = cells, n_touched
                 found = cells[0, :n], cells[1, :n], cells[2, :n], page[:n], False
             else:
@@ -1272,7 +1272,7 @@ class CacheManager:
             fields["group"], fields["row"], fields["column"], fields["page"] = group, row, column, page
             fields["widths"], fields["reset"] = widths, reset
         per_request, query_start_loc, request_indices, per_token = out
-        slots = per_token.shape[0] > 1
+        slots = len(per_token) > 1
         groups = {}
         for (gid, base_row, slot_row), table in zip(self._batch_rows, tables):  # a view only where one is handed out
             groups[gid] = step = _new_object(GroupStep)
