@@ -782,8 +782,7 @@ class CacheManager:
         elif counts.count(counts[0]) == n:  # equal plain ints (decode or verify): one scalar check
             if not 1 <= counts[0] <= self.max_step_tokens:
                 return None
-            if counts[0] != self._one_count_tokens:  # ``prepare_step`` reads one count as every row's
-                self._one_count[0] = self._one_count_tokens = counts[0]
+            self._one_count[0] = self._one_count_tokens = counts[0]  # ``prepare_step`` reads one count as every row's
             return rows, self._one_count, rids, n * counts[0]
         found = self._counts_in(counts, n)
         return None if found is None else (rows, found[0], rids, found[1])
