@@ -328,6 +328,7 @@ class CacheManager:
         self._known_floor = np.zeros(64, dtype=np.int64)  # rewinds keep known ids up to it: prompt (no ids: total)
         self._in_batch = np.zeros(64, dtype=np.bool_)  # prepare_step's scratch, one flag per row
         self._one_count = np.zeros(1, dtype=np.int64)  # a uniform step's count, for every row (no array made)
+        self._one_count_tokens = 0  # ``_one_count[0]`` as a plain int (written only when it changes)
         self._one_row = np.zeros(1, dtype=np.int64)  # the row ``free`` releases (no array made)
         # Per table row: the address of its request's token ids (``_Request.token_ids``' data, which the request
         # keeps alive), 0 without ids or a request: ``kernels.append_token_ids`` writes there.
@@ -781,7 +782,7 @@ class CacheManager:
         elif counts.count(counts[0]) == n:  # equal plain ints (decode or verify): one scalar check
             if not 1 <= counts[0] <= self.max_step_tokens:
                 return None
-            self._one_count[0] = counts[0]  # ``prepare_step`` reads one count as every row's
+            self._one_count[0] = self._one_count_tokens = counts[0]  # ``prepare_step`` reads one count as every row's
             return rows, self._one_count, rids, n * counts[0]
         found = self._counts_in(counts, n)
         return None if found is None else (rows, found[0], rids, found[1])
@@ -812,8 +813,9 @@ class CacheManager:
             return None
         if self.pending_loads and not self.pending_loads.isdisjoint(rids):  # the ids hash (they were found)
             return None
-        self._one_count[0] = count  # ``prepare_step`` reads one count as every row's
-        return _int64_array(found, n), self._one_count, rids, n * count
+        if count != self._one_count_tokens:  # ``prepare_step`` reads one count as every row's
+            self._one_count[0] = self._one_count_tokens = count
+        return np.fromiter(found, _INT64, n) if n < 64 else _int64_array(found, n), self._one_count, rids, n * count
 
     def _rows_of(self, rids: tuple) -> np.ndarray | None:
         """Table rows of known request ids; None if an id is unknown or unhashable."""
@@ -915,14 +917,14 @@ class CacheManager:
             self.tier_link.check_schedule()
         updates = block_tables == "updates"
         # The last ``check_admission``'s verdict if it checked these items and nothing changed since (used once).
-        verdict, self._admitted = self._admitted, None
+        verdict = self._admitted
         if verdict is not None:
-            verdict = verdict[3] if verdict[:3] == (self._version, items, fixed_width) else None
+            self._admitted, verdict = None, verdict[3] if verdict[:3] == (self._version, items, fixed_width) else None
         if load:
             verdict = self._admit_load(items, fixed_width)
         elif verdict is None and not fixed_width and (self._tableset.log is None) != updates:
             # Valid pairs in the previous step's block-table mode: ``_step``'s batch, or its plan for ``_admit``.
-            fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
+            fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(uniform[0], uniform[1])
             if fast is not None:
                 done = self._step(fast, write_slots, updates)
                 if type(done) is StepBatch:
@@ -976,13 +978,13 @@ class CacheManager:
         with more tokens than rows): the batch; else (nothing changed) the plan for ``_admit``, or None (a row
         twice, or past its known tokens)."""
         rows_in, counts_in, rids, n_tokens = fast
-        sc, n_rows = self._scratch, rows_in.size
-        n_groups = len(self._pool_list)
+        sc, n_rows, n_groups = self._scratch, len(rids), len(self._pool_list)
         out = _new_tuple(_StepArrays, (  # ``kernels.batch_arrays_for``, inline (a call less a step)
             np.empty((2 + n_groups, n_rows), _INT32), np.empty(n_rows + 1, _INT32), np.empty(n_tokens, _INT32),
             np.empty((1 + n_groups if write_slots else 1, n_tokens), _INT64)))
-        if n_rows + self._last_rows.size >= sc.plan_rows:
-            sc.plan_arrays(n_rows + self._last_rows.size)
+        plan_rows = n_rows + self._last_rows.size
+        if plan_rows >= sc.plan_rows:
+            sc.plan_arrays(plan_rows)
         cells, n_logged = _NO_CELLS, 0
         if updates:  # ``_commit_and_run`` reuses them if they fit
             # The cells a ``free`` or prefix hit logged go first (``_planned_step`` puts back any it does not run).
@@ -1001,16 +1003,16 @@ class CacheManager:
         else:  # decode: the int comparison alone
             status, n, settle, n_crossing, clean, n_touched, n_keyed = self._step_entry(*args)
             n_spare = None
-        if status >= kernels.STEP_COMMITS:  # the rows commit, then the plan runs as it is (``STEP_SPARE``: granting
-            planned = (n, settle, n_crossing, clean)  # the spare slabs ``admit_spare`` grants)
-            grants = None if status == kernels.STEP_COMMITS else self._direct_grants(status, planned, n_spare)[0]
-            if grants is not False:
-                return self._run_planned(grants, planned, rids, cells, out, updates, n_logged, rows_in)
-        if status >= kernels.STEP_PLANNED:
-            return self._planned_step(status, (n, settle, n_crossing, clean), rids, cells, out, write_slots, updates,
-                                      n_spare, n_logged)
+        if status > kernels.STEP_NEEDS_PAGES:  # planned only
+            planned = (n, settle, n_crossing, clean)
+            if status >= kernels.STEP_COMMITS:  # the rows commit, then the plan runs as it is (``STEP_SPARE``:
+                # granting the spare slabs ``admit_spare`` grants)
+                grants = None if status == kernels.STEP_COMMITS else self._direct_grants(status, planned, n_spare)[0]
+                if grants is not False:
+                    return self._run_planned(grants, planned, rids, cells, out, updates, n_logged, rows_in)
+            return self._planned_step(status, planned, rids, cells, out, write_slots, updates, n_spare, n_logged)
         self._version += 1
-        if status != kernels.STEP_DONE:
+        if status:  # ``STEP_NEEDS_PAGES``
             n_touched = self._after_run(n_touched, n_keyed, self._plan_of(n, settle, n_crossing, clean), out, cells)
         elif n_keyed:  # done whole (the kernel noted the peaks): idle keyed pages join their LRUs
             self._space.keyed_idle(sc.released[1], sc.idle_keyed)
@@ -1259,7 +1261,7 @@ class CacheManager:
             tables, table_updates = [ts.block_table(k, rows, width) for k, width in enumerate(widths)], None
         else:
             tables, table_updates = self._no_tables, _new_object(TableUpdates)
-            if 0 < n_touched <= cells[1].size and ts.logged_cells() == 0:
+            if 0 < n_touched <= cells[1].size and ts.log == [] and not ts.resync:  # ``ts.logged_cells() == 0``
                 (cells, page), n = cells, n_touched
                 found = cells[0, :n], cells[1, :n], cells[2, :n], page[:n], False
             else:
@@ -1269,7 +1271,7 @@ class CacheManager:
             fields["group"], fields["row"], fields["column"], fields["page"] = group, row, column, page
             fields["widths"], fields["reset"] = widths, reset
         per_request, query_start_loc, request_indices, per_token = out
-        slots = per_token.shape[0] > 1
+        slots = len(per_token) > 1
         groups = {}
         for (gid, base_row, slot_row), table in zip(self._batch_rows, tables):  # a view only where one is handed out
             groups[gid] = step = _new_object(GroupStep)

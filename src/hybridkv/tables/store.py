@@ -94,7 +94,7 @@ class TableSet:
         self._add_lanes(0, rows)
         self.pages = self._new_store(rows)
         self.log: list[np.ndarray] | None = None
-        self._resync = False
+        self.resync = False  # the next drain lists every live cell (the log restarted): ``logged_cells`` says -1
 
     rows_capacity = property(lambda self: self.bounds.shape[2])  # table rows now (``ensure_rows`` grows them)
 
@@ -163,14 +163,14 @@ class TableSet:
         if not on:
             self.log = None
         elif self.log is None:
-            self.log, self._resync = [], True
+            self.log, self.resync = [], True
 
     def logged_cells(self) -> int:
         """How many cells the log holds (listed twice counts twice), or -1 when the next drain
         is not of the log and the touched cells (logging off, or a resync due): with 0, the next
         ``drain_updates(touched)`` reads exactly the cells ``touched`` lists."""
         log = self.log
-        if log is None or self._resync:
+        if log is None or self.resync:
             return -1
         return sum(map(len, log)) if log else 0
 
@@ -201,9 +201,9 @@ class TableSet:
                                                                          np.ndarray, bool]:
         """(group, row, column, page id now, reset): every cell logged since the last drain and ``touched``;
         after a (re)start of the log, every live cell instead and ``reset`` True."""
-        log, reset = self.log, self._resync
+        log, reset = self.log, self.resync
         if reset:
-            index, self._resync = self._live_index(), False
+            index, self.resync = self._live_index(), False
         elif log:
             index = np.concatenate(log if touched is None else [*log, touched])
         elif touched is not None:
