@@ -285,11 +285,12 @@ class PrefixCache:
             pool.on_removed = partial(self._removed, gid)
             if gid in self.state_ids:  # its removals take the rest of a unit from the other groups only
                 pool.evict_many = partial(self._evict_many, gid)
-        # Per state group, what pops a superseded checkpoint there from the pools it leaves (``_supersede``): its
-        # own, then (the value policy drops whole units) every other state group's, in order.
-        self._unit_pops = {gid: self._space.entry_pops([pools[gid]] + [pools[o] for o in self.state_ids
-                                                                        if o != gid and self.eviction.acts])
-                           for gid in self.state_ids}
+        # Per state group, the pools its evictions leave: its own, then (the value policy takes whole units) every
+        # other state group's, in order.
+        self._unit_pools = {gid: [pools[gid]] + [pools[o] for o in self.state_ids if o != gid and self.eviction.acts]
+                            for gid in self.state_ids}
+        # Per state group, what pops a superseded checkpoint there from those pools (``_supersede``).
+        self._unit_pops = {gid: self._space.entry_pops(unit) for gid, unit in self._unit_pools.items()}
         # Per state group, what superseding reads there: its pool's lookup, holders and index in the page space.
         self._supersede_books = {gid: (pools[gid].lookup, self._holders[gid], self._space.pools.index(pools[gid]))
                                  for gid in self.state_ids}
@@ -946,12 +947,35 @@ class PrefixCache:
 
     def _evict_many(self, gid: str, keys: Sequence[int], cause: str) -> int:
         """State group ``gid``'s pool's ``evict_many``: entries evicted (or revoked) there together, they and the rest
-        of their units leaving every state group in one pass (``ValueEviction.take_units``); then every removal is
-        booked in the order one at a time gives (each entry, then its unit group by group), events in one call. The
-        idle pages freed in ``gid``."""
-        removals, left, freed = self.eviction.take_units(gid, keys, cause)
-        self._emit_many(self._book_removals(keys, left, self.eviction.units_removed(gid, removals, left)))
-        return freed
+        of their units (where the value policy takes units) leaving every state group in one pass
+        (``PageSpace.drop_units``: the other groups' pages counted as "unit"); then, in the order one at a time gives
+        (each entry, then its unit group by group), each key's reason counted and its node told once
+        (``ValueEviction.unit_left``), its removals booked as :meth:`_book_removals` books them, the events in one
+        call. One function, plain loops: cheaper run cold. The idle pages freed in ``gid``."""
+        eviction, pools = self.eviction, self._unit_pools[gid]
+        left, idle, removals = self._space.drop_units(pools, keys, cause)
+        evicted = eviction.evicted_pages
+        for pool, freed in zip(pools, idle):
+            pool.counters.evicted_pages += freed
+            if pool is not pools[0]:
+                evicted[pool.group_id]["unit"] += freed
+        counts, node_of, reason, unit_left = evicted[gid], eviction.node_of, eviction.reason, eviction.unit_left
+        books, values, raws = self._books, self.values, []
+        for (key, why, idle_pages), gids in zip(removals, left):
+            node = node_of(key)
+            counts[reason(gid, node, why)] += idle_pages
+            parent, boundary = (None, 0) if node is None else unit_left(key, len(gids), node)
+            if values is not None:  # a key's value record is every state group's: forgotten once
+                values.removed(key)
+            for g in gids:
+                holders, stats, pages = books[g]
+                holders.pop(key, None)
+                stats.removed_entries += 1
+                raws.append(("removed", g, key, parent, boundary, pages if boundary else 0))
+        if self.tier_hook is not None:  # every removal in one call
+            self.tier_hook.removed([raw[1:3] for raw in raws], self._dropping)
+        self._emit_many(raws)
+        return idle[0]
 
     def _book_removals(self, keys: Sequence[int], left: Sequence[Sequence[str]],
                        origins: Sequence[tuple] | None = None) -> list[tuple]:

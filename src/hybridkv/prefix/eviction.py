@@ -57,6 +57,7 @@ class ValueEviction:
         # as insertion-ordered sets, so every walk goes in publication order, never in hash order.
         self._nodes: dict[Hashable, list] = {}
         self.knows: Callable[[Hashable], bool] = self._nodes.__contains__  # False: no group publishes it
+        self.node_of: Callable[[Hashable], list | None] = self._nodes.get  # a key's node (what :meth:`reason` reads)
         self._unborn: dict[Hashable, dict] = {}  # parent key -> keys published before it
         # (group, key) of state entries demoted because a block below them went (promoted back when mended).
         self._cut_demoted: set[tuple[str, Hashable]] = set()
@@ -200,7 +201,7 @@ class ValueEviction:
         this class's own removals); the rest of its unit follows."""
         node = self._nodes.get(key)
         if cause != UNPUBLISHED:
-            self.evicted_pages[gid][self._reason(gid, node, cause)] += idle_pages
+            self.evicted_pages[gid][self.reason(gid, node, cause)] += idle_pages
         if node is None:
             return
         if gid in self._state:
@@ -228,36 +229,6 @@ class ValueEviction:
                 if follow == UNIT:
                     pool.counters.evicted_pages += freed
 
-    def take_units(self, gid: str, keys: Sequence[Hashable], cause: str) -> tuple[list, list, int]:
-        """The entries ``keys`` evicted (or revoked: ``cause``) from state group ``gid`` and, in the batch form of
-        what :meth:`removed` does, the rest of their units from the other state groups (``UNIT``, their idle pages
-        counted as such), all in one ``PageSpace.drop_units``, each group's as one at a time would take them. What
-        ``evict_entries`` returns of ``gid``'s pool; per key, in order, the state groups it left, ``gid`` first (what
-        the caller books, then gives :meth:`units_removed`); the idle pages freed in ``gid``."""
-        pool = self.pools[gid]
-        others = [self.pools[other] for other in self.state_ids if other != gid] if self.acts else []
-        if not others:
-            removals = pool.evict_entries(keys, cause)
-            return removals, [[gid] for _ in keys], sum(idle for _, _, idle in removals)
-        left, idle, removals = pool.space.drop_units([pool, *others], keys, cause)
-        pool.counters.evicted_pages += idle[0]
-        for other, freed in zip(others, idle[1:]):
-            other.counters.evicted_pages += freed
-            self.evicted_pages[other.group_id]["unit"] += freed
-        return removals, left, idle[0]
-
-    def units_removed(self, gid: str, removals: Sequence[tuple], left: Sequence[Sequence[str]]) -> list[tuple]:
-        """:meth:`removed` of each (key, cause, idle pages) of ``removals`` (entries evicted or revoked from state
-        group ``gid``) and of the rest of its unit (the groups each left, from :meth:`take_units`), in the order one
-        at a time gives, each unit's node read once. Returns each key's :meth:`origin`, as it was before."""
-        counts, reason, unit_left, nodes, origins = self.evicted_pages[gid], self._reason, self.unit_left, \
-            self._nodes, []
-        for (key, cause, idle_pages), groups in zip(removals, left):
-            node = nodes.get(key)
-            counts[reason(gid, node, cause)] += idle_pages
-            origins.append((None, 0) if node is None else unit_left(key, len(groups), node))
-        return origins
-
     def unit_left(self, key: Hashable, count: int, node: list | None = None) -> tuple[Hashable | None, int]:
         """What :meth:`removed` does to the node of a checkpoint that left ``count`` state groups
         at once (its unit, evicted or unpublished), done once; evicted pages are not counted.
@@ -275,7 +246,8 @@ class ValueEviction:
             self._forget_if_idle(key)
         return node[0], node[7]
 
-    def _reason(self, gid: str, node: list | None, cause: str) -> str:
+    def reason(self, gid: str, node: list | None, cause: str) -> str:
+        """Why an entry of group ``gid`` (its key's node, :attr:`node_of`) removed with ``cause`` went (``REASONS``)."""
         if cause == REVOKED:
             return "slab"
         if cause == UNIT:
