@@ -28,7 +28,7 @@ from hybridkv.prefix.checkpoints import OWN, REUSED, SPECULATIVE, CheckpointOrde
 from hybridkv.prefix.checkpoints import checkpoint_policy as policy_from_options
 from hybridkv.prefix.eviction import GroupValueStats, ValueEviction
 from hybridkv.memory import lru
-from hybridkv.memory.pool import PagePool, idle_clock_tick
+from hybridkv.memory.pool import EVICTED, EVICTED_LOW, PagePool, idle_clock_tick
 from hybridkv.runtime.kernels import entry_point
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables.store import CommitPages, GroupTable
@@ -947,23 +947,34 @@ class PrefixCache:
 
     def _evict_many(self, gid: str, keys: Sequence[int], cause: str) -> int:
         """State group ``gid``'s pool's ``evict_many``: entries evicted (or revoked) there together, they and the rest
-        of their units (where the value policy takes units) leaving every state group in one pass
-        (``PageSpace.drop_units``: the other groups' pages counted as "unit"); then, in the order one at a time gives
-        (each entry, then its unit group by group), each key's reason counted and its node told once
-        (``ValueEviction.unit_left``), its removals booked as :meth:`_book_removals` books them, the events in one
-        call. One function, plain loops: cheaper run cold. The idle pages freed in ``gid``."""
-        eviction, pools = self.eviction, self._unit_pools[gid]
-        left, idle, removals = self._space.drop_units(pools, keys, cause)
-        evicted = eviction.evicted_pages
-        for pool, freed in zip(pools, idle):
-            pool.counters.evicted_pages += freed
-            if pool is not pools[0]:
-                evicted[pool.group_id]["unit"] += freed
+        of their units (where the value policy takes units) leaving every state group in one pass (popped as
+        ``PageSpace.drop_units`` pops them, then ``PageSpace.drop_listed``: the other groups' pages counted as
+        "unit"); then, in the order one at a time gives (each entry, then its unit group by group), each key's reason
+        counted and its node told once (``ValueEviction.unit_left``), its removals booked as :meth:`_book_removals`
+        books them, the events in one call. One function, plain loops: cheaper run cold. The idle pages freed in
+        ``gid``."""
+        eviction, pops, space = self.eviction, self._unit_pops[gid], self._space
+        listed, units, n = [], [], 0  # the entries (group, page count, pages); per key, its groups and first entry
+        for key in reversed(keys):  # each pool's last entry first
+            gids = []
+            for pop, slot, other in pops:
+                pages = pop(key, None)
+                if pages is not None:
+                    listed += (slot, len(pages), *pages)
+                    gids.append(other)
+            units.append((key, gids, n))
+            n += len(gids)
+        told = space.drop_listed(listed)[:n].tolist()  # per entry: 2 * idle pages + low
+        idle, evicted = space.idle_counts.tolist(), eviction.evicted_pages
+        for pool, (_, slot, other) in zip(self._unit_pools[gid], pops):
+            pool.counters.evicted_pages += idle[slot]
+            if other != gid:
+                evicted[other]["unit"] += idle[slot]
         counts, node_of, reason, unit_left = evicted[gid], eviction.node_of, eviction.reason, eviction.unit_left
-        books, values, raws = self._books, self.values, []
-        for (key, why, idle_pages), gids in zip(removals, left):
+        books, values, raws, low_cause = self._books, self.values, [], EVICTED_LOW if cause == EVICTED else cause
+        for key, gids, at in reversed(units):
             node = node_of(key)
-            counts[reason(gid, node, why)] += idle_pages
+            counts[reason(gid, node, low_cause if told[at] & 1 else cause)] += told[at] >> 1
             parent, boundary = (None, 0) if node is None else unit_left(key, len(gids), node)
             if values is not None:  # a key's value record is every state group's: forgotten once
                 values.removed(key)
@@ -975,7 +986,7 @@ class PrefixCache:
         if self.tier_hook is not None:  # every removal in one call
             self.tier_hook.removed([raw[1:3] for raw in raws], self._dropping)
         self._emit_many(raws)
-        return idle[0]
+        return idle[pops[0][1]]
 
     def _book_removals(self, keys: Sequence[int], left: Sequence[Sequence[str]],
                        origins: Sequence[tuple] | None = None) -> list[tuple]:
