@@ -950,7 +950,7 @@ class PrefixCache:
         of their units (where the value policy takes units) leaving every state group in one pass (popped as
         ``PageSpace.drop_units`` pops them, then ``PageSpace.drop_listed``: the other groups' pages counted as
         "unit"); then, in the order one at a time gives (each entry, then its unit group by group), each key's reason
-        counted and its node told once (``ValueEviction.unit_left``), its removals booked as :meth:`_book_removals`
+        counted and its node told once (``ValueEviction.unit_evicted``), its removals booked as :meth:`_book_removals`
         books them, the events in one call. One function, plain loops: cheaper run cold. The idle pages freed in
         ``gid``."""
         eviction, pops, space = self.eviction, self._unit_pops[gid], self._space
@@ -970,12 +970,10 @@ class PrefixCache:
             pool.counters.evicted_pages += idle[slot]
             if other != gid:
                 evicted[other]["unit"] += idle[slot]
-        counts, node_of, reason, unit_left = evicted[gid], eviction.node_of, eviction.reason, eviction.unit_left
         books, values, raws, low_cause = self._books, self.values, [], EVICTED_LOW if cause == EVICTED else cause
         for key, gids, at in reversed(units):
-            node = node_of(key)
-            counts[reason(gid, node, low_cause if told[at] & 1 else cause)] += told[at] >> 1
-            parent, boundary = (None, 0) if node is None else unit_left(key, len(gids), node)
+            parent, boundary = eviction.unit_evicted(gid, key, low_cause if told[at] & 1 else cause, told[at] >> 1,
+                                                     len(gids))
             if values is not None:  # a key's value record is every state group's: forgotten once
                 values.removed(key)
             for g in gids:

@@ -57,7 +57,6 @@ class ValueEviction:
         # as insertion-ordered sets, so every walk goes in publication order, never in hash order.
         self._nodes: dict[Hashable, list] = {}
         self.knows: Callable[[Hashable], bool] = self._nodes.__contains__  # False: no group publishes it
-        self.node_of: Callable[[Hashable], list | None] = self._nodes.get  # a key's node (what :meth:`reason` reads)
         self._unborn: dict[Hashable, dict] = {}  # parent key -> keys published before it
         # (group, key) of state entries demoted because a block below them went (promoted back when mended).
         self._cut_demoted: set[tuple[str, Hashable]] = set()
@@ -201,7 +200,7 @@ class ValueEviction:
         this class's own removals); the rest of its unit follows."""
         node = self._nodes.get(key)
         if cause != UNPUBLISHED:
-            self.evicted_pages[gid][self.reason(gid, node, cause)] += idle_pages
+            self.evicted_pages[gid][self._reason(gid, node, cause)] += idle_pages
         if node is None:
             return
         if gid in self._state:
@@ -229,6 +228,15 @@ class ValueEviction:
                 if follow == UNIT:
                     pool.counters.evicted_pages += freed
 
+    def unit_evicted(self, gid: str, key: Hashable, cause: str, idle_pages: int,
+                     count: int) -> tuple[Hashable | None, int]:
+        """:meth:`removed` of an entry evicted (or revoked: ``cause``) from state group ``gid``, ``idle_pages`` freed,
+        the rest of its unit gone with it (``count`` state groups in all; ``PrefixCache._evict_many``): its pages
+        counted by reason, then :meth:`unit_left`. Returns its :meth:`origin` as it was."""
+        node = self._nodes.get(key)
+        self.evicted_pages[gid][self._reason(gid, node, cause)] += idle_pages
+        return (None, 0) if node is None else self.unit_left(key, count, node)
+
     def unit_left(self, key: Hashable, count: int, node: list | None = None) -> tuple[Hashable | None, int]:
         """What :meth:`removed` does to the node of a checkpoint that left ``count`` state groups
         at once (its unit, evicted or unpublished), done once; evicted pages are not counted.
@@ -246,8 +254,7 @@ class ValueEviction:
             self._forget_if_idle(key)
         return node[0], node[7]
 
-    def reason(self, gid: str, node: list | None, cause: str) -> str:
-        """Why an entry of group ``gid`` (its key's node, :attr:`node_of`) removed with ``cause`` went (``REASONS``)."""
+    def _reason(self, gid: str, node: list | None, cause: str) -> str:
         if cause == REVOKED:
             return "slab"
         if cause == UNIT:
