@@ -946,12 +946,10 @@ class PrefixCache:
         self.eviction.removed(gid, key, cause, idle_pages)
 
     def _evict_many(self, gid: str, keys: Sequence[int], cause: str) -> int:
-        """State group ``gid``'s pool's ``evict_many``: entries evicted (or revoked) there together, they and the rest
-        of their units (where the value policy takes units) leaving every state group in one pass (popped as
-        ``PageSpace.drop_units`` pops them, then ``PageSpace.drop_listed``: the other groups' pages counted as
-        "unit"); then, in the order one at a time gives (each entry, then its unit group by group), each key's reason
-        counted and its node told once (``ValueEviction.unit_evicted``), its removals booked as :meth:`_book_removals`
-        books them, the events in one call. One function, plain loops: cheaper run cold. The idle pages freed in
+        """State group ``gid``'s pool's ``evict_many``: entries evicted (or revoked) there, with the rest of their units
+        (the value policy's) from the other state groups ("unit"), popped as ``PageSpace.drop_units`` pops them, in one
+        ``PageSpace.drop_listed``; then in the order one at a time gives, each key's ``ValueEviction.unit_evicted``
+        and its removals booked as :meth:`_book_removals` books them; events in one call. The idle pages freed in
         ``gid``."""
         eviction, pops, space = self.eviction, self._unit_pops[gid], self._space
         listed, units, n = [], [], 0  # the entries (group, page count, pages); per key, its groups and first entry
