@@ -667,7 +667,7 @@ def test_a_hits_holds_in_one_call_are_borrowing_pool_by_pool(data, lowest_first)
 @given(data=st.data(), lowest_first=st.booleans())
 def test_page_space_drop_units_is_one_key_after_another(data, lowest_first):
     """``PageSpace.drop_units`` of a unit (pages in several groups), then of a second key
-    published in every group, in one call (as an eviction takes units: ``ValueEviction.take_units``)
+    published in every group, in one call (as an eviction takes units: ``PrefixCache._evict_many``)
     against ``evict_entries([key])`` in each of the pools that publish the key, key after
     key: entries of 0-3 pages, low priority or not, some pages held. It names the groups
     each left, in order; the same free stacks (order included), LRU, idle low-priority

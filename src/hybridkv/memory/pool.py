@@ -614,12 +614,14 @@ class PageSpace:
         its group id: an entry popped with it is listed ((index, page count, pages), :meth:`drop_listed`'s)."""
         return list(map(_DROP_ARGS, pools))
 
-    def drop_listed(self, listed: list[int]) -> None:
+    def drop_listed(self, listed: list[int]) -> np.ndarray:
         """What :meth:`drop_units` does to the pages of entries popped already (``listed``: each its pool's index,
-        page count and pages, each pool's last entry first), in one compiled pass (``lru.drop_units``)."""
+        page count and pages, each pool's last entry first), in one compiled pass (``lru.drop_units``); per pool its
+        idle pages freed in ``idle_counts``. Returns its scratch, per entry listed ``2 * idle pages + low``."""
         if 4 * len(listed) > self._told.size:  # ``lru.drop_units``' scratch
             self._told = np.empty(8 * len(listed), dtype=np.int64)
         self._drop_units(np.array(listed, dtype=np.int64), *self._drop_arrays, self._told)
+        return self._told
 
     @property
     def join_args(self) -> tuple:

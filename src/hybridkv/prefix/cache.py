@@ -28,7 +28,7 @@ from hybridkv.prefix.checkpoints import OWN, REUSED, SPECULATIVE, CheckpointOrde
 from hybridkv.prefix.checkpoints import checkpoint_policy as policy_from_options
 from hybridkv.prefix.eviction import GroupValueStats, ValueEviction
 from hybridkv.memory import lru
-from hybridkv.memory.pool import PagePool, idle_clock_tick
+from hybridkv.memory.pool import EVICTED, EVICTED_LOW, PagePool, idle_clock_tick
 from hybridkv.runtime.kernels import entry_point
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables.store import CommitPages, GroupTable
@@ -285,11 +285,12 @@ class PrefixCache:
             pool.on_removed = partial(self._removed, gid)
             if gid in self.state_ids:  # its removals take the rest of a unit from the other groups only
                 pool.evict_many = partial(self._evict_many, gid)
-        # Per state group, what pops a superseded checkpoint there from the pools it leaves (``_supersede``): its
-        # own, then (the value policy drops whole units) every other state group's, in order.
-        self._unit_pops = {gid: self._space.entry_pops([pools[gid]] + [pools[o] for o in self.state_ids
-                                                                        if o != gid and self.eviction.acts])
-                           for gid in self.state_ids}
+        # Per state group, the pools its evictions leave: its own, then (the value policy takes whole units) every
+        # other state group's, in order.
+        self._unit_pools = {gid: [pools[gid]] + [pools[o] for o in self.state_ids if o != gid and self.eviction.acts]
+                            for gid in self.state_ids}
+        # Per state group, what pops a superseded checkpoint there from those pools (``_supersede``).
+        self._unit_pops = {gid: self._space.entry_pops(unit) for gid, unit in self._unit_pools.items()}
         # Per state group, what superseding reads there: its pool's lookup, holders and index in the page space.
         self._supersede_books = {gid: (pools[gid].lookup, self._holders[gid], self._space.pools.index(pools[gid]))
                                  for gid in self.state_ids}
@@ -945,13 +946,43 @@ class PrefixCache:
         self.eviction.removed(gid, key, cause, idle_pages)
 
     def _evict_many(self, gid: str, keys: Sequence[int], cause: str) -> int:
-        """State group ``gid``'s pool's ``evict_many``: entries evicted (or revoked) there together, they and the rest
-        of their units leaving every state group in one pass (``ValueEviction.take_units``); then every removal is
-        booked in the order one at a time gives (each entry, then its unit group by group), events in one call. The
-        idle pages freed in ``gid``."""
-        removals, left, freed = self.eviction.take_units(gid, keys, cause)
-        self._emit_many(self._book_removals(keys, left, self.eviction.units_removed(gid, removals, left)))
-        return freed
+        """State group ``gid``'s pool's ``evict_many``: entries evicted (or revoked) there, with the rest of their units
+        (the value policy's) from the other state groups ("unit"), popped as ``PageSpace.drop_units`` pops them, in one
+        ``PageSpace.drop_listed``; then in the order one at a time gives, each key's ``ValueEviction.unit_evicted``
+        and its removals booked as :meth:`_book_removals` books them; events in one call. The idle pages freed in
+        ``gid``."""
+        eviction, pops, space = self.eviction, self._unit_pops[gid], self._space
+        listed, units, n = [], [], 0  # the entries (group, page count, pages); per key, its groups and first entry
+        for key in reversed(keys):  # each pool's last entry first
+            gids = []
+            for pop, slot, other in pops:
+                pages = pop(key, None)
+                if pages is not None:
+                    listed += (slot, len(pages), *pages)
+                    gids.append(other)
+            units.append((key, gids, n))
+            n += len(gids)
+        told = space.drop_listed(listed)[:n].tolist()  # per entry: 2 * idle pages + low
+        idle, evicted = space.idle_counts.tolist(), eviction.evicted_pages
+        for pool, (_, slot, other) in zip(self._unit_pools[gid], pops):
+            pool.counters.evicted_pages += idle[slot]
+            if other != gid:
+                evicted[other]["unit"] += idle[slot]
+        books, values, raws, low_cause = self._books, self.values, [], EVICTED_LOW if cause == EVICTED else cause
+        for key, gids, at in reversed(units):
+            parent, boundary = eviction.unit_evicted(gid, key, low_cause if told[at] & 1 else cause, told[at] >> 1,
+                                                     len(gids))
+            if values is not None:  # a key's value record is every state group's: forgotten once
+                values.removed(key)
+            for g in gids:
+                holders, stats, pages = books[g]
+                holders.pop(key, None)
+                stats.removed_entries += 1
+                raws.append(("removed", g, key, parent, boundary, pages if boundary else 0))
+        if self.tier_hook is not None:  # every removal in one call
+            self.tier_hook.removed([raw[1:3] for raw in raws], self._dropping)
+        self._emit_many(raws)
+        return idle[pops[0][1]]
 
     def _book_removals(self, keys: Sequence[int], left: Sequence[Sequence[str]],
                        origins: Sequence[tuple] | None = None) -> list[tuple]:

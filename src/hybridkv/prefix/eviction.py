@@ -228,35 +228,14 @@ class ValueEviction:
                 if follow == UNIT:
                     pool.counters.evicted_pages += freed
 
-    def take_units(self, gid: str, keys: Sequence[Hashable], cause: str) -> tuple[list, list, int]:
-        """The entries ``keys`` evicted (or revoked: ``cause``) from state group ``gid`` and, in the batch form of
-        what :meth:`removed` does, the rest of their units from the other state groups (``UNIT``, their idle pages
-        counted as such), all in one ``PageSpace.drop_units``, each group's as one at a time would take them. What
-        ``evict_entries`` returns of ``gid``'s pool; per key, in order, the state groups it left, ``gid`` first (what
-        the caller books, then gives :meth:`units_removed`); the idle pages freed in ``gid``."""
-        pool = self.pools[gid]
-        others = [self.pools[other] for other in self.state_ids if other != gid] if self.acts else []
-        if not others:
-            removals = pool.evict_entries(keys, cause)
-            return removals, [[gid] for _ in keys], sum(idle for _, _, idle in removals)
-        left, idle, removals = pool.space.drop_units([pool, *others], keys, cause)
-        pool.counters.evicted_pages += idle[0]
-        for other, freed in zip(others, idle[1:]):
-            other.counters.evicted_pages += freed
-            self.evicted_pages[other.group_id]["unit"] += freed
-        return removals, left, idle[0]
-
-    def units_removed(self, gid: str, removals: Sequence[tuple], left: Sequence[Sequence[str]]) -> list[tuple]:
-        """:meth:`removed` of each (key, cause, idle pages) of ``removals`` (entries evicted or revoked from state
-        group ``gid``) and of the rest of its unit (the groups each left, from :meth:`take_units`), in the order one
-        at a time gives, each unit's node read once. Returns each key's :meth:`origin`, as it was before."""
-        counts, reason, unit_left, nodes, origins = self.evicted_pages[gid], self._reason, self.unit_left, \
-            self._nodes, []
-        for (key, cause, idle_pages), groups in zip(removals, left):
-            node = nodes.get(key)
-            counts[reason(gid, node, cause)] += idle_pages
-            origins.append((None, 0) if node is None else unit_left(key, len(groups), node))
-        return origins
+    def unit_evicted(self, gid: str, key: Hashable, cause: str, idle_pages: int,
+                     count: int) -> tuple[Hashable | None, int]:
+        """:meth:`removed` of an entry evicted (or revoked: ``cause``) from state group ``gid``, ``idle_pages`` freed,
+        the rest of its unit gone with it (``count`` state groups in all; ``PrefixCache._evict_many``): its pages
+        counted by reason, then :meth:`unit_left`. Returns its :meth:`origin` as it was."""
+        node = self._nodes.get(key)
+        self.evicted_pages[gid][self._reason(gid, node, cause)] += idle_pages
+        return (None, 0) if node is None else self.unit_left(key, count, node)
 
     def unit_left(self, key: Hashable, count: int, node: list | None = None) -> tuple[Hashable | None, int]:
         """What :meth:`removed` does to the node of a checkpoint that left ``count`` state groups

@@ -1071,8 +1071,9 @@ class CacheManager:
             status, n_touched, n_keyed = self._run_entry(*args, False, n_logged, *cells, *out)
         else:  # ``grant_step`` stops only when groups make room, marked already
             status, n_touched, n_keyed = self._grant_run(grants, *args, n_logged, *cells, *out)
-        if status != kernels.STEP_DONE:
-            n_touched = self._after_run(n_touched, n_keyed, self._plan_of(*planned), out, cells, grants is not None)
+        if status != kernels.STEP_DONE:  # ``grant_step`` stopped with its marks made: no ``_StepPlan`` for them
+            plan = None if grants is not None else self._plan_of(*planned)
+            n_touched = self._after_run(n_touched, n_keyed, plan, out, cells, grants is not None, (n, settle))
         elif n_keyed:  # done whole (the kernel noted the peaks): idle keyed pages join their LRUs
             self._space.keyed_idle(sc.released[1], sc.idle_keyed)
         self._last_rows = rows_in
@@ -1204,20 +1205,25 @@ class CacheManager:
                 *_NO_CELLS, *out))
             self._run(plan, True)
 
-    def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan, out: _StepArrays,
-                   cells: tuple = _NO_CELLS, marked: bool = False) -> int:
+    def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan | None, out: _StepArrays,
+                   cells: tuple = _NO_CELLS, marked: bool = False, rows: tuple[int, int] = (0, 0)) -> int:
         """Stage 3 in Python once the step kernel stopped after its releases (docs/manager.md, "One
         step, in four stages"): keyed pages join the LRU, slabs move, groups make room, ``finish_step``.
-        ``marked``: ``room_groups``' marks, as it would answer now, are in ``_scratch.transient`` already."""
+        ``marked``: ``room_groups``' marks, as it would answer now, are in ``_scratch.transient`` already; ``plan``
+        None: ``grant_step`` stopped, its plan of ``rows`` (rows, settling ones) in the scratch buffer."""
+        sc = self._scratch
         if n_keyed:
-            self._space.keyed_idle(self._scratch.released[1], self._scratch.idle_keyed)
-        if plan.grants:
-            self.arena.apply(plan.grants)
-        if marked or self._room_groups(plan):
-            self._make_room(plan.sums)
+            self._space.keyed_idle(sc.released[1], sc.idle_keyed)
+        if plan is None:
+            self._make_room(sc.plan[5])
+        else:
+            if plan.grants:
+                self.arena.apply(plan.grants)
+            if marked or self._room_groups(plan):
+                self._make_room(plan.sums)
+            rows = plan.rows.size, plan.settle
         # ``kernels.finish_step`` of the plan in the scratch buffer, by its compiled code (the same types every call).
-        args = (*(self._state or self._kernel_state())[:10], self._scratch.buffer, plan.rows.size, plan.settle,
-                n_touched, *cells, *out, True)
+        args = (*(self._state or self._kernel_state())[:10], sc.buffer, *rows, n_touched, *cells, *out, True)
         if self._finish_entry is None:
             self._finish_entry = kernels.entry_point(kernels.finish_step, args)
         return self._finish_entry(*args)
