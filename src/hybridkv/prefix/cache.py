@@ -77,8 +77,8 @@ class CacheEvent:
 
 
 _INT32_LE = np.dtype("<i4")  # the byte order blocks are hashed in
-# Requests a commit call may hold for its one-block commits to go alone (``_commit_block``): a run's fixed cost is about
-# the compiled calls of four committing alone (commit_cost: decode 512 and 1,024 rows, serving 1,024).
+# Requests a commit call may hold for its commits to go alone (``_commit_alone``): a run's fixed cost is about the
+# compiled calls of four one-block commits alone (commit_cost: decode 512 and 1,024 rows, serving 1,024).
 _ALONE = 2
 _new_object = object.__new__
 
@@ -451,15 +451,15 @@ class PrefixCache:
                         new_tokens: Sequence[int]) -> None:
         """Publish what each request's tokens ``[old, new)`` completed (history blocks and the checkpoints: the policy's
         speculative ones, the latest), request by request in order: the same entries, bookings and events (one call, in
-        that order) as one commit at a time. In a call of at most ``_ALONE`` requests, a commit of one block goes alone
-        (:meth:`_commit_block`); each run of requests whose commit publishes only new keys (:meth:`_unit_run`) is read,
+        that order) as one commit at a time. In a call of at most ``_ALONE`` requests, each commit goes alone
+        (:meth:`_commit_alone`); each run of requests whose commit publishes only new keys (:meth:`_unit_run`) is read,
         claimed and recorded at once (:meth:`_commit_units`); any other commits alone (:meth:`_commit_one`). The
         checkpoints superseding unpublishes or demotes leave their pools' lists at the end, in one call each
         (:meth:`_let_go`; before a request that commits alone)."""
         events, let_go, i, n, g = [], [], 0, len(reqs), self.granularity_tokens
         while i < n:
-            if n <= _ALONE and self._units and new_tokens[i] // g == old_tokens[i] // g + 1:  # one block (a decode)
-                self._commit_block(reqs[i], old_tokens[i], new_tokens[i], events, let_go)
+            if n <= _ALONE and self._units and new_tokens[i] // g > old_tokens[i] // g:  # a few commits: each alone
+                self._commit_alone(reqs[i], old_tokens[i], new_tokens[i], events, let_go)
                 i += 1
                 continue
             if self._units and new_tokens[i] // g > old_tokens[i] // g:  # a run may start here
@@ -474,25 +474,48 @@ class PrefixCache:
             self._let_go(let_go)
         self._emit_many(events)  # per request its "stored" events, then the removals superseding caused
 
-    def _commit_block(self, req: CommittingRequest, old_tokens: int, new_tokens: int, events: list[tuple],
+    def _commit_alone(self, req: CommittingRequest, old_tokens: int, new_tokens: int, events: list[tuple],
                       let_go: list[tuple]) -> None:
-        """A request's commit of one block and its checkpoint: where it publishes a key no group has and pins nothing,
-        what :meth:`_commit_units` does to a run of it alone (read and claimed in one compiled call, recorded, booked by
-        :meth:`_book`) without the run's lists; else, or where the claim fails, :meth:`_commit_one`."""
+        """A request's commit on its own: where it publishes only keys no group has and pins nothing, what
+        :meth:`_commit_units` does to a run of it alone (read and claimed in one compiled call, ``CommitPages.read_block``
+        for one block; recorded, booked by :meth:`_book`) without the run's lists; else, or where the claim fails,
+        :meth:`_commit_one`."""
         hashes, g = req.hashes, self.granularity_tokens
         if hashes is None:
             return
-        first, latest = old_tokens // g, new_tokens // g * g
+        first, end, keep = old_tokens // g, new_tokens // g, req.keep_boundaries
+        latest, speculative, low = end * g, (), 1
         hashes.extend_to(req.token_ids, new_tokens)
-        key = hashes.hashes[first]
-        pinned_or_known = latest in req.keep_boundaries or self._knows(key)
-        pages = None if pinned_or_known else self._reader.read_block(req.row, first, latest)
+        keys = hashes.hashes[first:end]
+        if end == first + 1:  # one block (a decode commit): its key and its end checked alone
+            pages = None if latest in keep or self._knows(keys[0]) else self._reader.read_block(req.row, first, latest)
+        elif keep and not keep.isdisjoint(range((first + 1) * g, latest + 1, g)) or any(map(self._knows, keys)):
+            pages = None
+        else:  # its speculative boundaries too, as ``_unit_run`` names them
+            speculative = self.policy.speculative_between((first + 1) * g, latest, g, req.prompt_tokens)
+            low = 2 if self.values is None or self.values.low_priority(SPECULATIVE) else 1
+            units = [low, req.row, first, end, len(speculative) + 1, *speculative, latest]
+            pages, claimed = self._reader.read_units(units, 1, end - first)
+            pages = None if claimed else pages  # ``claimed`` [0]: not claimed (None: claimed whole)
         if pages is None:
             self._commit_one(req, old_tokens, new_tokens, events, let_go)
             return
-        keys, parents, ends = [key], [hashes.hashes[first - 1] if first else hashes.root], (latest,)
-        self._record(pages, keys, keys)
-        self._book(req, (keys, parents, ends, keys, parents, ends), 1, events, let_go)
+        booked = self._booked(hashes, first, keys, speculative)
+        self._record(pages, keys, booked[3])
+        self._book(req, booked, low, events, let_go)
+
+    def _booked(self, hashes: RequestHashes, first: int, keys: list[int], speculative: Sequence[int]) -> tuple:
+        """What :meth:`_book` books of a commit of blocks ``keys`` from block ``first`` (``hashes``' keys) with
+        checkpoints at the ``speculative`` boundaries (a range, or empty) and the latest: its blocks' keys, parents and
+        ends, its checkpoints' keys, parents and boundaries."""
+        g, end = self.granularity_tokens, first + len(keys)
+        parents = hashes.hashes[first - 1:end - 1] if first else [hashes.root, *keys[:-1]]
+        ends = range((first + 1) * g, (end + 1) * g, g)
+        if len(speculative) + 1 == len(keys):  # every block's end (one block: its end)
+            return keys, parents, ends, keys, parents, ends
+        at, step = (speculative.start // g - 1 - first, speculative.step // g) if speculative else (0, 1)
+        pick = slice(at, at + len(speculative) * step, step)  # the speculative boundaries' blocks, then the last
+        return keys, parents, ends, keys[pick] + keys[-1:], parents[pick] + parents[-1:], [*speculative, end * g]
 
     def _unit_run(self, reqs: Sequence[CommittingRequest], old_tokens: Sequence[int], new_tokens: Sequence[int],
                   i: int) -> tuple[list[tuple], list[int], int, int]:
@@ -538,26 +561,16 @@ class PrefixCache:
         (``CommitPages.read_units``), the entries of those it claimed whole recorded (:meth:`_record`); then request by
         request, in order, each claimed whole booked (:meth:`_book`) with its blocks (keys, parents, ends) and
         checkpoints (keys, parents, boundaries), the others committed alone (:meth:`_commit_one`)."""
-        g, low = self.granularity_tokens, 2 if self.values is None or self.values.low_priority(SPECULATIVE) else 1
+        low = 2 if self.values is None or self.values.low_priority(SPECULATIVE) else 1
         units[0] = low  # what the compiled call reads first
         pages, claimed = self._reader.read_units(units, len(run), n_blocks)
         block_keys, checkpoint_keys, lists = [], [], []
         for (req, first, keys, speculative, _, _), whole in zip(run, claimed or repeat(1)):
-            if not whole:
-                lists.append(None)
-                continue
-            hashes, end = req.hashes, first + len(keys)
-            parents = hashes.hashes[first - 1:end - 1] if first else [hashes.root, *keys[:-1]]
-            ends = range((first + 1) * g, (end + 1) * g, g)
-            if len(speculative) + 1 == len(keys):  # every block's end (one block: its end)
-                lists.append((keys, parents, ends, keys, parents, ends))
-            else:  # the speculative boundaries' blocks, then the last
-                at, step = (speculative.start // g - 1 - first, speculative.step // g) if speculative else (0, 1)
-                pick = slice(at, at + len(speculative) * step, step)
-                lists.append((keys, parents, ends, keys[pick] + keys[-1:], parents[pick] + parents[-1:],
-                              [*speculative, end * g]))
-            block_keys += keys
-            checkpoint_keys += lists[-1][3]
+            booked = self._booked(req.hashes, first, keys, speculative) if whole else None
+            lists.append(booked)
+            if booked:
+                block_keys += keys
+                checkpoint_keys += booked[3]
         self._record(pages, block_keys, checkpoint_keys)
         for (req, _, _, _, old, new), booked in zip(run, lists):  # a claim that failed: the commit goes alone
             if booked is None:
@@ -597,8 +610,9 @@ class PrefixCache:
         key = checkpoint_keys[-1]
         own = _new_object(OwnCheckpoint)  # its fields stored directly (no ``__init__`` frame)
         own.boundary_tokens, own.pinned, own.entries = boundaries[-1], False, {}
+        entries = own.entries
         for gid, holders, published in self._unit_holders:  # a key no group had: no request holds it yet
-            own.entries[gid] = (key, published[key])
+            entries[gid] = (key, published[key])
             holders[key] = 1
         if self.tier_hook is not None:
             self._tell_units(booked, low)
@@ -984,8 +998,8 @@ class PrefixCache:
                 self.on_event(_event(raw))
             return
         n, n_history, n_state = 0, len(self._history_events), len(self._checkpoint_events)
-        for item in items:
-            n += _events_in(item, n_history, n_state)
+        for item in items:  # ``_events_in`` of each, written out (a frame each, costly run cold)
+            n += 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
         events = self.events
         events.extend(items)
         excess = max(self._buffered + n - self.max_buffered_events, 0)  # the oldest events dropped and counted
