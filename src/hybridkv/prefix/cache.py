@@ -477,9 +477,9 @@ class PrefixCache:
     def _commit_alone(self, req: CommittingRequest, old_tokens: int, new_tokens: int, events: list[tuple],
                       let_go: list[tuple]) -> None:
         """A request's commit on its own: where it publishes only keys no group has and pins nothing, what
-        :meth:`_commit_units` does to a run of it alone (read and claimed in one compiled call, ``CommitPages.read_block``
-        for one block; recorded, booked by :meth:`_book`) without the run's lists; else, or where the claim fails,
-        :meth:`_commit_one`."""
+        :meth:`_commit_units` does to a run of it alone (read and claimed in one compiled call,
+        ``CommitPages.read_block`` for one block; recorded, booked by :meth:`_book`) without the run's lists; else, or
+        where the claim fails, :meth:`_commit_one`."""
         hashes, g = req.hashes, self.granularity_tokens
         if hashes is None:
             return
