@@ -500,7 +500,11 @@ class PrefixCache:
         if pages is None:
             self._commit_one(req, old_tokens, new_tokens, events, let_go)
             return
-        booked = self._booked(hashes, first, keys, speculative)
+        if end == first + 1:  # one block: its record made here (no frame, cheaper cold)
+            parents, ends = [hashes.hashes[first - 1] if first else hashes.root], (latest,)
+            booked = keys, parents, ends, keys, parents, ends
+        else:
+            booked = self._booked(hashes, first, keys, speculative)
         self._record(pages, keys, booked[3])
         self._book(req, booked, low, events, let_go)
 
