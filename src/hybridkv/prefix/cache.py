@@ -595,6 +595,12 @@ class PrefixCache:
                     published[key] = (page,)
                     page_key[page] = key
                     at += 1
+            elif size == 2:  # two (V4's sliding window's checkpoints): neither
+                for key in group_keys:
+                    page, other = pages[at], pages[at + 1]
+                    published[key] = (page, other)
+                    page_key[page] = page_key[other] = key
+                    at += 2
             else:
                 for key in group_keys:
                     published[key] = entry = tuple(pages[at:at + size])
