@@ -470,7 +470,10 @@ class PrefixCache:
                     break
             self._commit_one(reqs[i], old_tokens[i], new_tokens[i], events, let_go)
             i += 1
-        if let_go:
+        if len(let_go) == 1:  # a commit's one unit (most often): what ``_let_go`` does, without its frame
+            unpublished, listed = let_go[0]
+            (self._space.drop_listed if unpublished else self._space.demote)(listed)
+        elif let_go:
             self._let_go(let_go)
         self._emit_many(events)  # per request its "stored" events, then the removals superseding caused
 
@@ -860,10 +863,6 @@ class PrefixCache:
         unit), listed), then cleared: the pages of the unpublished units leave their lists in one
         ``PageSpace.drop_listed`` call, the last unit listed first (as ``PageSpace.drop_units``: as one unit after
         another), then the demoted units in one ``PageSpace.demote`` call (different pages, in the order given)."""
-        if len(let_go) == 1:  # a commit's one unit (most often)
-            unpublished, listed = let_go.pop()
-            (self._space.drop_listed if unpublished else self._space.demote)(listed)
-            return
         dropped, demoted = [], []
         for unpublished, listed in let_go:
             if unpublished:
