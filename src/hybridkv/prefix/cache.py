@@ -488,7 +488,8 @@ class PrefixCache:
             return
         first, end, keep = old_tokens // g, new_tokens // g, req.keep_boundaries
         latest, speculative, low = end * g, (), 1
-        hashes.extend_to(req.token_ids, new_tokens)
+        if len(hashes.hashes) < end:  # (a prompt chunk's blocks: hashed with its prompt)
+            hashes.extend_to(req.token_ids, new_tokens)
         keys = hashes.hashes[first:end]
         if end == first + 1:  # one block (a decode commit): its key and its end checked alone
             pages = None if latest in keep or self._knows(keys[0]) else self._reader.read_block(req.row, first, latest)
