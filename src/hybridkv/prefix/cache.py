@@ -1012,8 +1012,11 @@ class PrefixCache:
             n += 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
         events = self.events
         events.extend(items)
-        excess = max(self._buffered + n - self.max_buffered_events, 0)  # the oldest events dropped and counted
-        self._buffered += n - excess
+        self._buffered += n
+        if self._buffered <= self.max_buffered_events:
+            return
+        excess = self._buffered - self.max_buffered_events  # the oldest events dropped and counted
+        self._buffered -= excess
         self.dropped_events += excess
         while excess:
             item = events.popleft()
