@@ -569,16 +569,23 @@ class PrefixCache:
         (``CommitPages.read_units``), the entries of those it claimed whole recorded (:meth:`_record`); then request by
         request, in order, each claimed whole booked (:meth:`_book`) with its blocks (keys, parents, ends) and
         checkpoints (keys, parents, boundaries), the others committed alone (:meth:`_commit_one`)."""
-        low = 2 if self.values is None or self.values.low_priority(SPECULATIVE) else 1
+        g, low = self.granularity_tokens, 2 if self.values is None or self.values.low_priority(SPECULATIVE) else 1
         units[0] = low  # what the compiled call reads first
         pages, claimed = self._reader.read_units(units, len(run), n_blocks)
         block_keys, checkpoint_keys, lists = [], [], []
         for (req, first, keys, speculative, _, _), whole in zip(run, claimed or repeat(1)):
-            booked = self._booked(req.hashes, first, keys, speculative) if whole else None
+            if not whole:
+                lists.append(None)
+                continue
+            if len(keys) == 1:  # one block (a decode commit): its record made here (no frame, no range)
+                hashes = req.hashes
+                parents, ends = [hashes.hashes[first - 1] if first else hashes.root], ((first + 1) * g,)
+                booked = keys, parents, ends, keys, parents, ends
+            else:
+                booked = self._booked(req.hashes, first, keys, speculative)
             lists.append(booked)
-            if booked:
-                block_keys += keys
-                checkpoint_keys += booked[3]
+            block_keys += keys
+            checkpoint_keys += booked[3]
         self._record(pages, block_keys, checkpoint_keys)
         for (req, _, _, _, old, new), booked in zip(run, lists):  # a claim that failed: the commit goes alone
             if booked is None:
