@@ -455,7 +455,7 @@ class PrefixCache:
         (:meth:`_commit_alone`); each run of requests whose commit publishes only new keys (:meth:`_unit_run`) is read,
         claimed and recorded at once (:meth:`_commit_units`); any other commits alone (:meth:`_commit_one`). The
         checkpoints superseding unpublishes or demotes leave their pools' lists at the end, in one call each
-        (:meth:`_let_go`; before a request that commits alone)."""
+        (:meth:`_let_go`; before a request :meth:`_commit_one` commits)."""
         events, let_go, i, n, g = [], [], 0, len(reqs), self.granularity_tokens
         while i < n:
             if n <= _ALONE and self._units and new_tokens[i] // g > old_tokens[i] // g:  # a few commits: each alone
