@@ -606,7 +606,7 @@ class PrefixCache:
                     published[key] = (page,)
                     page_key[page] = key
                     at += 1
-            elif size == 2:  # two (V4's sliding window's checkpoints): neither
+            elif size == 2:  # two pages (V4's sliding-window checkpoints): no slice either
                 for key in group_keys:
                     page, other = pages[at], pages[at + 1]
                     published[key] = (page, other)
@@ -631,9 +631,8 @@ class PrefixCache:
         key = checkpoint_keys[-1]
         own = _new_object(OwnCheckpoint)  # its fields stored directly (no ``__init__`` frame)
         own.boundary_tokens, own.pinned, own.entries = boundaries[-1], False, {}
-        entries = own.entries
         for gid, holders, published in self._unit_holders:  # a key no group had: no request holds it yet
-            entries[gid] = (key, published[key])
+            own.entries[gid] = (key, published[key])
             holders[key] = 1
         if self.tier_hook is not None:
             self._tell_units(booked, low)
