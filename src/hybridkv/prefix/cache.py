@@ -77,9 +77,9 @@ class CacheEvent:
 
 
 _INT32_LE = np.dtype("<i4")  # the byte order blocks are hashed in
-# Requests a commit call may hold for its one-block commits to go alone (``_commit_block``): a run's fixed cost is about
-# the compiled calls of four committing alone (commit_cost: decode 512 and 1,024 rows, serving 1,024).
-_ALONE = 2
+# Requests a commit call may hold for its commits to go alone (``_commit_alone``): four one-block commits alone cost
+# less than their run (paired A/B, calls alternating: decode 512 and 1,024 rows 5-8% less, serving 2-5%; eight: 2%).
+_ALONE = 4
 _new_object = object.__new__
 
 
@@ -452,15 +452,15 @@ class PrefixCache:
                         new_tokens: Sequence[int]) -> None:
         """Publish what each request's tokens ``[old, new)`` completed (history blocks and the checkpoints: the policy's
         speculative ones, the latest), request by request in order: the same entries, bookings and events (one call, in
-        that order) as one commit at a time. In a call of at most ``_ALONE`` requests, a commit of one block goes alone
-        (:meth:`_commit_block`); each run of requests whose commit publishes only new keys (:meth:`_unit_run`) is read,
+        that order) as one commit at a time. In a call of at most ``_ALONE`` requests, each commit goes alone
+        (:meth:`_commit_alone`); each run of requests whose commit publishes only new keys (:meth:`_unit_run`) is read,
         claimed and recorded at once (:meth:`_commit_units`); any other commits alone (:meth:`_commit_one`). The
         checkpoints superseding unpublishes or demotes leave their pools' lists at the end, in one call each
-        (:meth:`_let_go`; before a request that commits alone)."""
+        (:meth:`_let_go`; before a request :meth:`_commit_one` commits)."""
         events, let_go, i, n, g = [], [], 0, len(reqs), self.granularity_tokens
         while i < n:
-            if n <= _ALONE and self._units and new_tokens[i] // g == old_tokens[i] // g + 1:  # one block (a decode)
-                self._commit_block(reqs[i], old_tokens[i], new_tokens[i], events, let_go)
+            if n <= _ALONE and self._units and new_tokens[i] // g > old_tokens[i] // g:  # a few commits: each alone
+                self._commit_alone(reqs[i], old_tokens[i], new_tokens[i], events, let_go)
                 i += 1
                 continue
             if self._units and new_tokens[i] // g > old_tokens[i] // g:  # a run may start here
@@ -471,29 +471,60 @@ class PrefixCache:
                     break
             self._commit_one(reqs[i], old_tokens[i], new_tokens[i], events, let_go)
             i += 1
-        if let_go:
+        if len(let_go) == 1:  # a commit's one unit (most often): what ``_let_go`` does, without its frame
+            unpublished, listed = let_go[0]
+            (self._space.drop_listed if unpublished else self._space.demote)(listed)
+        elif let_go:
             self._let_go(let_go)
         self._emit_many(events)  # per request its "stored" events, then the removals superseding caused
 
-    def _commit_block(self, req: CommittingRequest, old_tokens: int, new_tokens: int, events: list[tuple],
+    def _commit_alone(self, req: CommittingRequest, old_tokens: int, new_tokens: int, events: list[tuple],
                       let_go: list[tuple]) -> None:
-        """A request's commit of one block and its checkpoint: where it publishes a key no group has and pins nothing,
-        what :meth:`_commit_units` does to a run of it alone (read and claimed in one compiled call, recorded, booked by
-        :meth:`_book`) without the run's lists; else, or where the claim fails, :meth:`_commit_one`."""
+        """A request's commit on its own: where it publishes only keys no group has and pins nothing, what
+        :meth:`_commit_units` does to a run of it alone (read and claimed in one compiled call,
+        ``CommitPages.read_block`` for one block; recorded, booked by :meth:`_book`) without the run's lists; else, or
+        where the claim fails, :meth:`_commit_one`."""
         hashes, g = req.hashes, self.granularity_tokens
         if hashes is None:
             return
-        first, latest = old_tokens // g, new_tokens // g * g
-        hashes.extend_to(req.token_ids, new_tokens)
-        key = hashes.hashes[first]
-        pinned_or_known = latest in req.keep_boundaries or self._knows(key)
-        pages = None if pinned_or_known else self._reader.read_block(req.row, first, latest)
+        first, end, keep = old_tokens // g, new_tokens // g, req.keep_boundaries
+        latest, speculative, low = end * g, (), 1
+        if len(hashes.hashes) < end:  # (a prompt chunk's blocks: hashed with its prompt)
+            hashes.extend_to(req.token_ids, new_tokens)
+        keys = hashes.hashes[first:end]
+        if end == first + 1:  # one block (a decode commit): its key and its end checked alone
+            pages = None if latest in keep or self._knows(keys[0]) else self._reader.read_block(req.row, first, latest)
+        elif keep and not keep.isdisjoint(range((first + 1) * g, latest + 1, g)) or any(map(self._knows, keys)):
+            pages = None
+        else:  # its speculative boundaries too, as ``_unit_run`` names them
+            speculative = self.policy.speculative_between((first + 1) * g, latest, g, req.prompt_tokens)
+            low = 2 if self.values is None or self.values.low_priority(SPECULATIVE) else 1
+            units = [low, req.row, first, end, len(speculative) + 1, *speculative, latest]
+            pages, claimed = self._reader.read_units(units, 1, end - first)
+            pages = None if claimed else pages  # ``claimed`` [0]: not claimed (None: claimed whole)
         if pages is None:
             self._commit_one(req, old_tokens, new_tokens, events, let_go)
             return
-        keys, parents, ends = [key], [hashes.hashes[first - 1] if first else hashes.root], (latest,)
-        self._record(pages, keys, keys)
-        self._book(req, (keys, parents, ends, keys, parents, ends), 1, events, let_go)
+        if end == first + 1:  # one block: its record made here (no frame, cheaper cold)
+            parents, ends = [hashes.hashes[first - 1] if first else hashes.root], (latest,)
+            booked = keys, parents, ends, keys, parents, ends
+        else:
+            booked = self._booked(hashes, first, keys, speculative)
+        self._record(pages, keys, booked[3])
+        self._book(req, booked, low, events, let_go)
+
+    def _booked(self, hashes: RequestHashes, first: int, keys: list[int], speculative: Sequence[int]) -> tuple:
+        """What :meth:`_book` books of a commit of blocks ``keys`` from block ``first`` (``hashes``' keys) with
+        checkpoints at the ``speculative`` boundaries (a range, or empty) and the latest: its blocks' keys, parents and
+        ends, its checkpoints' keys, parents and boundaries."""
+        g, end = self.granularity_tokens, first + len(keys)
+        parents = hashes.hashes[first - 1:end - 1] if first else [hashes.root, *keys[:-1]]
+        ends = range((first + 1) * g, (end + 1) * g, g)
+        if len(speculative) + 1 == len(keys):  # every block's end (one block: its end)
+            return keys, parents, ends, keys, parents, ends
+        at, step = (speculative.start // g - 1 - first, speculative.step // g) if speculative else (0, 1)
+        pick = slice(at, at + len(speculative) * step, step)  # the speculative boundaries' blocks, then the last
+        return keys, parents, ends, keys[pick] + keys[-1:], parents[pick] + parents[-1:], [*speculative, end * g]
 
     def _unit_run(self, reqs: Sequence[CommittingRequest], old_tokens: Sequence[int], new_tokens: Sequence[int],
                   i: int) -> tuple[list[tuple], list[int], int, int]:
@@ -547,18 +578,15 @@ class PrefixCache:
             if not whole:
                 lists.append(None)
                 continue
-            hashes, end = req.hashes, first + len(keys)
-            parents = hashes.hashes[first - 1:end - 1] if first else [hashes.root, *keys[:-1]]
-            ends = range((first + 1) * g, (end + 1) * g, g)
-            if len(speculative) + 1 == len(keys):  # every block's end (one block: its end)
-                lists.append((keys, parents, ends, keys, parents, ends))
-            else:  # the speculative boundaries' blocks, then the last
-                at, step = (speculative.start // g - 1 - first, speculative.step // g) if speculative else (0, 1)
-                pick = slice(at, at + len(speculative) * step, step)
-                lists.append((keys, parents, ends, keys[pick] + keys[-1:], parents[pick] + parents[-1:],
-                              [*speculative, end * g]))
+            if len(keys) == 1:  # one block (a decode commit): its record made here (no frame, no range)
+                hashes = req.hashes
+                parents, ends = [hashes.hashes[first - 1] if first else hashes.root], ((first + 1) * g,)
+                booked = keys, parents, ends, keys, parents, ends
+            else:
+                booked = self._booked(req.hashes, first, keys, speculative)
+            lists.append(booked)
             block_keys += keys
-            checkpoint_keys += lists[-1][3]
+            checkpoint_keys += booked[3]
         self._record(pages, block_keys, checkpoint_keys)
         for (req, _, _, _, old, new), booked in zip(run, lists):  # a claim that failed: the commit goes alone
             if booked is None:
@@ -579,6 +607,12 @@ class PrefixCache:
                     published[key] = (page,)
                     page_key[page] = key
                     at += 1
+            elif size == 2:  # two pages (V4's sliding-window checkpoints): no slice either
+                for key in group_keys:
+                    page, other = pages[at], pages[at + 1]
+                    published[key] = (page, other)
+                    page_key[page] = page_key[other] = key
+                    at += 2
             else:
                 for key in group_keys:
                     published[key] = entry = tuple(pages[at:at + size])
@@ -837,10 +871,6 @@ class PrefixCache:
         unit), listed), then cleared: the pages of the unpublished units leave their lists in one
         ``PageSpace.drop_listed`` call, the last unit listed first (as ``PageSpace.drop_units``: as one unit after
         another), then the demoted units in one ``PageSpace.demote`` call (different pages, in the order given)."""
-        if len(let_go) == 1:  # a commit's one unit (most often)
-            unpublished, listed = let_go.pop()
-            (self._space.drop_listed if unpublished else self._space.demote)(listed)
-            return
         dropped, demoted = [], []
         for unpublished, listed in let_go:
             if unpublished:
@@ -1015,12 +1045,15 @@ class PrefixCache:
                 self.on_event(_event(raw))
             return
         n, n_history, n_state = 0, len(self._history_events), len(self._checkpoint_events)
-        for item in items:
-            n += _events_in(item, n_history, n_state)
+        for item in items:  # ``_events_in`` of each, written out (a frame each, costly run cold)
+            n += 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
         events = self.events
         events.extend(items)
-        excess = max(self._buffered + n - self.max_buffered_events, 0)  # the oldest events dropped and counted
-        self._buffered += n - excess
+        self._buffered += n
+        if self._buffered <= self.max_buffered_events:
+            return
+        excess = self._buffered - self.max_buffered_events  # the oldest events dropped and counted
+        self._buffered -= excess
         self.dropped_events += excess
         while excess:
             item = events.popleft()

@@ -131,7 +131,10 @@ class ValueEviction:
         if up is None:
             unborn.setdefault(parents[0], {})[keys[0]] = None
             return
-        _add_child(up, keys[0])
+        if up[4] is None:  # its first child (``_add_child``'s 1-tuple, without its frame)
+            up[4] = (keys[0],)
+        else:
+            _add_child(up, keys[0])
         if up[1]:  # supported already: one more, nothing else changes
             up[1] += 1
         else:
@@ -144,13 +147,14 @@ class ValueEviction:
         the one beyond it (the last is one), each the one child of the one before."""
         nodes, n_history, n_state, g = self._nodes, len(self.history_ids), len(self.state_ids), self.granularity_tokens
         marks = None if checkpoints is keys else set(checkpoints)  # None: every block's end (a prompt chunk's)
-        n_both = n_history + n_state
-        for key, parent, boundary, child in zip(keys, parents, boundaries, [*zip(keys[1:]), None]):  # a 1-tuple child
+        n_both, child, support = n_history + n_state, None, 1  # the last: its own checkpoint's support only
+        for key, parent, boundary in zip(reversed(keys), reversed(parents), reversed(boundaries)):  # last first
             if marks is None or key in marks:
-                nodes[key] = [parent, 2, n_both, n_state, child, False, boundary <= g, boundary]
+                nodes[key] = [parent, support, n_both, n_state, child, False, boundary <= g, boundary]
+                support = 2
             else:
                 nodes[key] = [parent, 1, n_history, 0, child, False, boundary <= g, boundary]
-        nodes[keys[-1]][1] = 1  # the last: its own checkpoint's support only
+            child = (key,)  # the one before's one child (``_add_child``'s 1-tuple)
 
     def origin(self, key: Hashable) -> tuple[Hashable | None, int]:
         """The parent key and boundary tokens of a key published in some group (as
