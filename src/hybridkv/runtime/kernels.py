@@ -1329,9 +1329,9 @@ def release_credit(geometry, pages, bounds, ref, keyed, g, rows, new_base, credi
     n_sole, n_unkeyed = 0, 0
     for r in range(rows.size):
         row = rows[r]
-        before = n_sole
+        before, (cells_at, mask, step) = n_sole, row_cells(geometry, bounds, g, row)
         for logical in range(bounds[BASE, g, row], min(new_base[r], bounds[HI, g, row])):
-            page = pages[cell(geometry, bounds, g, row, logical)]
+            page = pages[cells_at + (logical & mask) * step]
             if ref[offset + page] == 1:
                 if listed:
                     sole_pages[n_sole] = page
@@ -1475,12 +1475,7 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken, en
     n, n_taken, start, lowest = owner.size, 0, 0, 0
     end = n if end < 0 else end
     while short_pages > 0:
-        pick = -1  # the lowest spare from ``start`` on next to the group's: its slabs in order, their left first
-        for t in range(max(start - 1, 0), end):
-            if owner[t] == group:
-                pick = t - 1 if t > start and owner[t - 1] < 0 else t + 1 if t + 1 < n and owner[t + 1] < 0 else -1
-                if pick >= 0:
-                    break
+        pick = next_to(owner, group, start, end)
         if pick < 0:
             while lowest < n and owner[lowest] >= 0:
                 lowest += 1
@@ -1490,6 +1485,19 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken, en
         short_pages -= lend_slab(owner, group, inner_pages, straddle, pick, taken, n_taken)
         n_taken, start, end = n_taken + 1, max(pick - 1, 0), max(end, pick + 1)
     return n_taken, short_pages
+
+
+@njit(cache=True, inline="always")
+def next_to(owner, group, start, end):
+    """``take_spare_slabs``' pick: the spare slab next to the first of ``group``'s slabs in ``[max(start - 1, 0), end)``
+    that has one (its left one, only past ``start``, before its right one), else -1. Found by the spare slabs in order
+    (few below ``end``): the first with ``group``'s slab on its left, or past ``start`` on its right, in that range."""
+    lo = max(start - 1, 0)
+    for s in range(max(lo - 1, 0), min(end + 1, owner.size)):
+        if owner[s] < 0 and (lo <= s - 1 < end and owner[s - 1] == group
+                             or start < s + 1 < end and owner[s + 1] == group):
+            return s
+    return -1
 
 
 @njit(cache=True, inline="always")
