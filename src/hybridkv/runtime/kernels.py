@@ -485,13 +485,16 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
                   released, touched, n_touched):
     """Every row's pages below its new base leave its table, one reference less each; a page whose last
     reference went goes on its free stack (``push_run``), or if keyed to ``idle_keyed`` (group after
-    group). ``released[0|1, g]``: pages gone free and idle keyed. Returns (cells logged, idle keyed pages)."""
+    group). ``released[0|1, g]``: pages gone free and idle keyed. Returns (cells logged, idle keyed pages).
+    ``drop_released``' rule, its first pass as the cells are read: each page held once goes at once, up to
+    the first held more often; from there the pages go to ``scratch`` (after those gone free) for its rest."""
     n_rows, top, lowest = bounds.shape[2], per_group[TOP], per_group[LOWEST]
     n_keyed = 0
     for g in range(geometry.shape[0]):
         offset = geometry[g, ID_OFFSET]
+        holders, flags = ref[offset:], keyed[offset:]
         bases, his, lanes, new_bases = bounds[BASE, g], bounds[HI, g], bounds[LANE, g], after[0, g]  # 1-D views
-        n = 0
+        n, n_free, keyed_from = 0, 0, n_keyed  # n: pages left for the rest of the rule, after the free ones
         for r in range(rows.size):
             row, new_base = rows[r], new_bases[r]
             if new_base == bases[row] and new_base <= his[row] and not lanes[row]:
@@ -500,17 +503,28 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
             view_at, view_mask = view_cell(geometry, n_rows, g, row, 0), geometry[g, COLUMN_MASK]
             for logical in range(bounds[BASE, g, row], min(after[0, g, r], bounds[HI, g, row])):
                 at = cells_at + (logical & mask) * step
-                scratch[n] = pages[at]
+                page = pages[at]
                 pages[at] = -1
                 touched[n_touched] = view_at + (logical & view_mask)
                 n_touched += 1
-                n += 1
+                if n == 0 and holders[page] == 1:
+                    holders[page] = 0
+                    if flags[page]:
+                        idle_keyed[n_keyed] = page
+                        n_keyed += 1
+                    else:
+                        scratch[n_free] = page
+                        n_free += 1
+                else:
+                    scratch[n_free + n] = page
+                    n += 1
             bounds[BASE, g, row] = after[0, g, r]
             bounds[HI, g, row] = max(bounds[HI, g, row], after[0, g, r])  # a load row's base may pass its hi
             if bounds[LANE, g, row]:
                 fit_ring(geometry, pages, bounds, g, row, bounds[HI, g, row] - after[0, g, r])
-        keyed_from = n_keyed
-        n_free, n_keyed = drop_released(ref, keyed, offset, scratch[:n], scratch, 0, idle_keyed, n_keyed)
+        if n:
+            n_free, n_keyed = drop_released(ref, keyed, offset, scratch[n_free : n_free + n], scratch, n_free,
+                                            idle_keyed, n_keyed)
         released[0, g], released[1, g] = n_free, n_keyed - keyed_from
         per_group[RELEASED_PAGES, g] += n_free + n_keyed - keyed_from
         if n_free:
@@ -521,11 +535,11 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
 @njit(cache=True, inline="always")
 def drop_released(ref, keyed, offset, pages, freed, n_free, idle_keyed, n_keyed):
     """One reference less on each of one group's ``pages`` (local ids; the group's first id ``offset``); those whose
-    last reference went, once each: unkeyed to ``freed`` from ``n_free`` (``pages`` itself from 0 may be ``freed``: a
-    page is read before its place is written), keyed to ``idle_keyed`` from ``n_keyed``. Pages held once (so listed
-    once) go in one pass up to the first held more often; from there every reference is dropped before any page is
-    taken (in a loop of their own: the counts' and keys' cache misses overlap; a page listed twice goes at its first
-    listing). Returns both counts so far."""
+    last reference went, once each: unkeyed to ``freed`` from ``n_free`` (``pages`` may be ``freed``'s own from
+    ``n_free`` on: a page is read before its place is written), keyed to ``idle_keyed`` from ``n_keyed``. Pages held
+    once (so listed once) go in one pass up to the first held more often; from there every reference is dropped
+    before any page is taken (in a loop of their own: the counts' and keys' cache misses overlap; a page listed twice
+    goes at its first listing). Returns both counts so far."""
     start = 0
     while start < pages.size and ref[offset + pages[start]] == 1:
         page = pages[start]
@@ -1329,9 +1343,9 @@ def release_credit(geometry, pages, bounds, ref, keyed, g, rows, new_base, credi
     n_sole, n_unkeyed = 0, 0
     for r in range(rows.size):
         row = rows[r]
-        before = n_sole
+        before, (cells_at, mask, step) = n_sole, row_cells(geometry, bounds, g, row)
         for logical in range(bounds[BASE, g, row], min(new_base[r], bounds[HI, g, row])):
-            page = pages[cell(geometry, bounds, g, row, logical)]
+            page = pages[cells_at + (logical & mask) * step]
             if ref[offset + page] == 1:
                 if listed:
                     sole_pages[n_sole] = page
@@ -1475,12 +1489,7 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken, en
     n, n_taken, start, lowest = owner.size, 0, 0, 0
     end = n if end < 0 else end
     while short_pages > 0:
-        pick = -1  # the lowest spare from ``start`` on next to the group's: its slabs in order, their left first
-        for t in range(max(start - 1, 0), end):
-            if owner[t] == group:
-                pick = t - 1 if t > start and owner[t - 1] < 0 else t + 1 if t + 1 < n and owner[t + 1] < 0 else -1
-                if pick >= 0:
-                    break
+        pick = next_to(owner, group, start, end)
         if pick < 0:
             while lowest < n and owner[lowest] >= 0:
                 lowest += 1
@@ -1490,6 +1499,19 @@ def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken, en
         short_pages -= lend_slab(owner, group, inner_pages, straddle, pick, taken, n_taken)
         n_taken, start, end = n_taken + 1, max(pick - 1, 0), max(end, pick + 1)
     return n_taken, short_pages
+
+
+@njit(cache=True, inline="always")
+def next_to(owner, group, start, end):
+    """``take_spare_slabs``' pick: the spare slab next to the first of ``group``'s slabs in ``[max(start - 1, 0), end)``
+    that has one (its left one, only past ``start``, before its right one), else -1. Found by the spare slabs in order
+    (few below ``end``): the first with ``group``'s slab on its left, or past ``start`` on its right, in that range."""
+    lo = max(start - 1, 0)
+    for s in range(max(lo - 1, 0), min(end + 1, owner.size)):
+        if owner[s] < 0 and (lo <= s - 1 < end and owner[s - 1] == group
+                             or start < s + 1 < end and owner[s + 1] == group):
+            return s
+    return -1
 
 
 @njit(cache=True, inline="always")
