@@ -19,9 +19,10 @@ stage is reported missing. ``--package``: a renamed copy of another version
 steps alternating (``measure_serving`` with two sides), half the timed rounds with
 each side listed first (with identical code, the side listed first read 2-15% slower
 per stage, though the steps' order rotates: one order alone is not an A/B); each
-stage per version and the change (a few % between runs of the same code under load). ``--cold MIB``: before every timed step, ``bench/step_profile.py``'s walk
-of about ``MIB`` MiB of Python objects (as ``bench/vs_vllm``, where a vLLM step runs
-between two of ours); ``--rounds``: timed rounds (5).
+stage per version and the change (a few % between runs of the same code under load).
+``--cold MIB``: before every timed step, ``bench/step_profile.py``'s walk of about
+``MIB`` MiB of Python objects (as ``bench/vs_vllm``, where a vLLM step runs between two
+of ours); ``--rounds``: timed rounds (5).
 """
 
 from __future__ import annotations

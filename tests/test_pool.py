@@ -1111,7 +1111,8 @@ def test_packing_with_a_reserve_evicts_what_the_reference_evicts_for_the_wider_a
     for reference in (False, True):
         pool = PagePool("g", n, lowest_first=True)
         log = []
-        pool.evict_many = _tell_at_once(pool, log)  # packing's batch; the reference's ``unpublish`` tells ``on_removed``
+        # packing's batch; the reference's ``unpublish`` tells ``on_removed``
+        pool.evict_many = _tell_at_once(pool, log)
         pool.on_removed = lambda *removal, log=log: log.append(removal)
         made = [(allocate(pool, gap), allocate(pool, size)) for size, _, _, _, gap in plan]  # before any release
         for i, ((gap_pages, pages), (_, kind, held, demote, _)) in enumerate(zip(made, plan)):
