@@ -586,17 +586,9 @@ class PageSpace:
         eviction, all in one compiled pass (``lru.drop_units``: each pool's free stack ends as after its own
         ``evict_entries``). Returns per key, in order, the group ids of the pools it left (in ``pools`` order); per
         pool its idle pages freed; and what ``pools[0].evict_entries`` returns of the keys it published. The entries
-        are popped pool by pool (:meth:`entry_pops`), each pool's last entry first."""
+        are popped pool by pool (:meth:`pop_units`), each pool's last entry first."""
         pops = self.entry_pops(pools)
-        listed, left = [], []  # its entries' (group, page count, pages); per key, the group ids it left
-        for key in reversed(keys):
-            gone = []
-            for pop, slot, gid in pops:
-                pages = pop(key, None)
-                if pages is not None:
-                    listed += (slot, len(pages), *pages)
-                    gone.append(gid)
-            left.append(gone)
+        listed, left = self.pop_units(pops, keys)  # its entries listed; per key, the group ids it left
         self.drop_listed(listed)
         told = self._told[:len(listed) // 2].tolist()  # per entry (2 numbers at least): 2 * idle pages + low
         low_cause, first, at, removals = EVICTED_LOW if cause == EVICTED else cause, pops and pops[0][2], 0, []
@@ -613,6 +605,22 @@ class PageSpace:
         """Per pool of ``pools`` (this space's), what pops an entry from it (its entries' ``pop``), its index here and
         its group id: an entry popped with it is listed ((index, page count, pages), :meth:`drop_listed`'s)."""
         return list(map(_DROP_ARGS, pools))
+
+    @staticmethod
+    def pop_units(pops: list[tuple[Callable, int, str]], keys: Sequence[Hashable]) -> tuple[list[int], list[list[str]]]:
+        """The entries of ``keys`` popped from the pools ``pops`` names (:meth:`entry_pops`'), pool by pool, the last
+        key first: listed as :meth:`drop_listed` takes them (each (index, page count, pages)); and per key, in that
+        order, the group ids of the pools it left."""
+        listed, left = [], []
+        for key in reversed(keys):
+            gone = []
+            for pop, slot, gid in pops:
+                pages = pop(key, None)
+                if pages is not None:
+                    listed += (slot, len(pages), *pages)
+                    gone.append(gid)
+            left.append(gone)
+        return listed, left
 
     def drop_listed(self, listed: list[int]) -> np.ndarray:
         """What :meth:`drop_units` does to the pages of entries popped already (``listed``: each its pool's index,

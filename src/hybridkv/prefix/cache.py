@@ -15,7 +15,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial, reduce
-from itertools import repeat
+from itertools import accumulate, repeat
 from math import lcm
 from operator import itemgetter
 from typing import IO, Protocol
@@ -977,29 +977,21 @@ class PrefixCache:
 
     def _evict_many(self, gid: str, keys: Sequence[int], cause: str) -> int:
         """State group ``gid``'s pool's ``evict_many``: entries evicted (or revoked) there, with the rest of their units
-        (the value policy's) from the other state groups ("unit"), popped as ``PageSpace.drop_units`` pops them, in one
-        ``PageSpace.drop_listed``; then in the order one at a time gives, each key's ``ValueEviction.unit_evicted``
+        (the value policy's) from the other state groups ("unit"), popped by ``PageSpace.pop_units`` (as
+        ``PageSpace.drop_units`` pops them), in one ``PageSpace.drop_listed``; then in the order one at a time gives, each key's ``ValueEviction.unit_evicted``
         and its removals booked as :meth:`_book_removals` books them; events in one call. The idle pages freed in
         ``gid``."""
         eviction, pops, space = self.eviction, self._unit_pops[gid], self._space
-        listed, units, n = [], [], 0  # the entries (group, page count, pages); per key, its groups and first entry
-        for key in reversed(keys):  # each pool's last entry first
-            gids = []
-            for pop, slot, other in pops:
-                pages = pop(key, None)
-                if pages is not None:
-                    listed += (slot, len(pages), *pages)
-                    gids.append(other)
-            units.append((key, gids, n))
-            n += len(gids)
-        told = space.drop_listed(listed)[:n].tolist()  # per entry: 2 * idle pages + low
+        listed, left = space.pop_units(pops, keys)  # per key, the last first, the groups it left
+        firsts = list(accumulate(map(len, left), initial=0))  # per key so, its first entry listed; then their count
+        told = space.drop_listed(listed)[:firsts[-1]].tolist()  # per entry: 2 * idle pages + low
         idle, evicted = space.idle_counts.tolist(), eviction.evicted_pages
         for pool, (_, slot, other) in zip(self._unit_pools[gid], pops):
             pool.counters.evicted_pages += idle[slot]
             if other != gid:
                 evicted[other]["unit"] += idle[slot]
         books, values, raws, low_cause = self._books, self.values, [], EVICTED_LOW if cause == EVICTED else cause
-        for key, gids, at in reversed(units):
+        for key, gids, at in zip(keys, reversed(left), reversed(firsts[:-1])):
             parent, boundary = eviction.unit_evicted(gid, key, low_cause if told[at] & 1 else cause, told[at] >> 1,
                                                      len(gids))
             if values is not None:  # a key's value record is every state group's: forgotten once
