@@ -44,7 +44,8 @@ STAGES = (
     ("prefix.cache", "PrefixCache", "match_and_borrow", "  match_and_borrow"),
     ("prefix.cache", "PrefixCache", "_match", "    _match"),
     ("runtime.manager", "CacheManager", "free", "free"),
-    ("memory.pool", "PageSpace", "free_rows", "  PageSpace.free_rows"),
+    ("memory.pool", "PageSpace", "free_rows", "  PageSpace.free_rows"),  # before free_row
+    ("memory.pool", "PageSpace", "free_row", "  PageSpace.free_row"),
     ("memory.pool", "PageSpace", "keyed_idle", "  PageSpace.keyed_idle (free and schedule)"),
     ("runtime.manager", "CacheManager", "schedule", "schedule"),
     ("runtime.manager", "CacheManager", "_admit", "  _admit"),

@@ -275,28 +275,31 @@ def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, prev, nxt, per
 
 
 @njit(cache=True, _nrt=False)
-def free_rows_listed(geometry, pages, bounds, ref, keyed, stack, per_group, idle_tick, low_priority, prev, nxt,
-                     clock, rows, cells_out, work):
-    """``CacheManager.free`` of ``rows`` in one call: their live pages (``kernels.take_cells``, group-major) leave the
-    tables (lanes go back, base and hi to 0) and are one release (``kernels.release_into``), then the keyed ones left
-    idle :func:`join` their lists. The cells emptied go to ``cells_out`` (room for every live cell of ``rows``;
-    returns how many), its scratch to ``work`` (int64: 3 per group, then three times ``cells_out``'s room), where the
-    keyed pages left idle stay: how many per group from ``work[G]`` (``G`` groups), the pages (group after group) from
+def free_row(geometry, pages, bounds, ref, keyed, stack, per_group, idle_tick, low_priority, prev, nxt, clock,
+             counters, cells_out, work, row, grain):
+    """``CacheManager.free`` of table row ``row`` in one call (-1, nothing changed, while its computed tokens complete a
+    ``grain`` its committed ones do not: commit first): its live pages (``kernels.take_cells``, group-major) leave the
+    tables (lanes back, base and hi 0) as one release (``kernels.release_into``), the keyed ones left idle :func:`join`
+    their lists, its computed and committed tokens (``counters[:2]``) become 0. The cells emptied go to ``cells_out``
+    (room for a row's every cell; returns how many), its scratch to ``work`` (int64: 3 per group, then 3 times that
+    room), where the keyed pages left idle stay: how many per group from ``work[G]`` (``G`` groups), the pages from
     ``work[3 * G + 2 * room]``. Allocates nothing, counts no reference (``_nrt=False``): a returned array, an
     allocation or a counted argument would each cost a call from Python cold."""
+    if grain and counters[1, row] // grain < counters[0, row] // grain:
+        return -1
     n_groups, offsets = geometry.shape[0], geometry[:, ID_OFFSET]
     room, at, n = cells_out.size, 3 * n_groups, 0
     counts = work[:at].reshape((3, n_groups))
     taken, freed, idle_keyed = work[at : at + room], work[at + room : at + 2 * room], work[at + 2 * room :]
     counts[:] = 0
     for g in range(n_groups):
-        for r in range(rows.size):
-            row, start = rows[r], n
-            n = take_cells(geometry, pages, bounds, g, row, bounds[BASE, g, row], taken, cells_out, n)  # all of it
-            counts[2, g] += n - start
-            fit_ring(geometry, pages, bounds, g, row, 0)  # its lane back
-            bounds[BASE, g, row], bounds[HI, g, row] = 0, 0
+        start = n
+        n = take_cells(geometry, pages, bounds, g, row, bounds[BASE, g, row], taken, cells_out, n)  # all of it
+        counts[2, g] = n - start
+        fit_ring(geometry, pages, bounds, g, row, 0)  # its lane back
+        bounds[BASE, g, row], bounds[HI, g, row] = 0, 0
     release_into(ref, keyed, stack, per_group, offsets, taken[:n], counts[2], freed, idle_keyed, counts)
     join(idle_tick, low_priority, prev, nxt, per_group[LRU_PAGES], per_group[LOW_IDLE_PAGES], per_group[LOW_FLOOR],
          offsets, counts[1], idle_keyed, clock)
+    counters[0, row], counters[1, row] = 0, 0
     return n

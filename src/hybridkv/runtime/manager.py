@@ -329,7 +329,7 @@ class CacheManager:
         self._in_batch = np.zeros(64, dtype=np.bool_)  # prepare_step's scratch, one flag per row
         self._one_count = np.zeros(1, dtype=np.int64)  # a uniform step's count, for every row (no array made)
         self._one_count_tokens = 0  # ``_one_count[0]`` as a plain int (written only when it changes)
-        self._one_row = np.zeros(1, dtype=np.int64)  # the row ``free`` releases (no array made)
+        self._one_row = np.zeros(1, dtype=np.int64)  # the row ``free`` commits (no array made)
         # Per table row: the address of its request's token ids (``_Request.token_ids``' data, which the request
         # keeps alive), 0 without ids or a request: ``kernels.append_token_ids`` writes there.
         self._token_addr = np.zeros(64, dtype=np.int64)
@@ -1169,7 +1169,7 @@ class CacheManager:
     def _load_kernels(self) -> None:
         """Load (or compile) every kernel a step may call, over a plan of no rows (nothing changes), so no
         step late in a run stalls for one (docs/architecture.md)."""
-        self._space.load_kernels(self._tableset)
+        self._space.load_kernels(self._tableset, self._counters)
         if self.prefix is not None:
             self.prefix.load_kernels()
         # ``_step``'s and the validation's kernels (``step`` and ``admit_spare`` by their compiled code, not run).
@@ -1391,16 +1391,14 @@ class CacheManager:
             if request_id in self._rewound_loads:
                 self._rewound_loads.discard(request_id)
                 self.pending_loads.discard(request_id)
-        row, prefix, rows = req.row, self.prefix, self._one_row
-        rows[0] = row
-        if prefix is not None:  # its last step publishes only when it completed a grain
-            g = self._grain
-            if self._committed.item(row) // g < self._computed.item(row) // g:
-                self._commit_rows(rows)
-        self._space.free_rows(self._tableset, rows)  # its pages leave the tables, one release
+        row, prefix, tables = req.row, self.prefix, self._tableset
+        # Its pages leave the tables, one release; first its last step publishes when it completed a grain.
+        if not self._space.free_row(tables, self._counters, row, self._grain):
+            self._one_row[0] = row
+            self._commit_rows(self._one_row)
+            self._space.free_row(tables, self._counters, row, 0)
         if prefix is not None and prefix.values is not None:  # else forgetting it changes nothing
             prefix.forget_request(req)
-        self._computed[row] = self._committed[row] = 0
         del self._requests[request_id]
         del self._row_of[request_id]
         del self._row_owner[row]
