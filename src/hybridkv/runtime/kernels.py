@@ -383,17 +383,39 @@ def write_slots(geometry, pages, bounds, rows, first, counts, settle, slots):
             while pos < end:
                 logical = divide(pos, tokens, page_shift)
                 page_end = min((logical + 1) * tokens, end)
+                whole = divide(end - pos, tokens, page_shift) if stride == 1 and pos == logical * tokens else 0
+                if whole:  # whole pages in a loop of their own (4 tokens a page: a constant width)
+                    run = out[shift + pos :]
+                    if tokens == 4:
+                        page_slots(pages, cells_at, mask, step, logical, whole, tokens, per_page, run, 4)
+                    else:
+                        page_slots(pages, cells_at, mask, step, logical, whole, tokens, per_page, run, tokens)
+                    pos += whole * tokens
+                    continue
                 base = (np.int64(pages[cells_at + (logical & mask) * step]) - logical) * per_page
                 if stride == 1:  # a view indexed from 0: no negative index to wrap, the loop vectorizes
                     run, base = out[shift + pos : shift + page_end], base + pos
                     for i in range(page_end - pos):
                         run[i] = base + i
                     pos = page_end
-                else:
-                    while pos < page_end:
-                        out[shift + pos] = base + divide(pos, stride, stride_shift)
-                        pos += stride
+                else:  # every ``stride``-th slot: a strided view from 0
+                    run, base = out[shift + pos : shift + page_end : stride], base + divide(pos, stride, stride_shift)
+                    for i in range(run.size):
+                        run[i] = base + i
+                    pos += run.size * stride
             at += counts[r]
+
+
+@njit(cache=True, inline="always")
+def page_slots(pages, cells_at, mask, step, logical, n_pages, tokens, per_page, out, width):
+    """``write_slots``' slots of a stride-1 group's ``n_pages`` whole pages from ``logical`` to ``out``, ``width``
+    (``tokens``, a constant where the call can give one) a page."""
+    for k in range(n_pages):
+        page = logical + k
+        base = (np.int64(pages[cells_at + (page & mask) * step]) - page) * per_page + page * tokens
+        run = out[k * tokens : k * tokens + width]
+        for i in range(width):
+            run[i] = base + i
 
 
 # --- one step: plan (pure), then run (release, allocate, the batch's arrays) -----------------
@@ -1216,6 +1238,11 @@ def merge_free(stack, top, run):
                 stack[k] = stack[i]
                 i -= 1
                 k -= 1
+        elif i < 0:  # every stack id lies below the run's rest: it goes in at once, reversed
+            below = stack[: k + 1]
+            for t in range(k + 1):
+                below[t] = run[run.size - 1 - t]
+            break
         else:
             stack[k] = run[j]
             j += 1
