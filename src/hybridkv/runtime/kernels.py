@@ -1433,9 +1433,10 @@ def take_spare_for(short, slab_pages, spare_slabs, owner, inner_pages, straddle,
     if need > spare_slabs:
         return -1
     n, end = 0, owned_end(owner, spare_slabs)
+    packed = end == owner.size - spare_slabs
     for g in range(short.size):
         if short[g] > 0:
-            n_taken, _ = take_spare_slabs(owner, g, inner_pages[g], straddle[g], short[g], taken, end)
+            n_taken, _ = take_spare_slabs(owner, g, inner_pages[g], straddle[g], short[g], taken, end, packed)
             for i in range(n_taken):
                 grant_groups[n], grant_slabs[n], end = g, taken[i], max(end, taken[i] + 1)
                 n += 1
@@ -1484,10 +1485,11 @@ def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain
         return 0 if n_short == 0 else take_spare_for(short, slab_pages, spare, owner, inner_pages, straddle, taken,
                                                      grant_groups, grant_slabs)
     n_grants, end = 0, owned_end(owner, spare)
+    packed = end == owner.size - spare
     for g in range(n_groups):
         deficit = wanted[g] - free[g]
         if deficit > 0:
-            n_taken, left = take_spare_slabs(owner, g, inner_pages[g], straddle[g], deficit, taken, end)
+            n_taken, left = take_spare_slabs(owner, g, inner_pages[g], straddle[g], deficit, taken, end, packed)
             if left > 0:
                 spare_again(owner, taken, n_taken)
                 spare_again(owner, grant_slabs, n_grants)
@@ -1507,16 +1509,18 @@ def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain
 
 
 @njit(cache=True)
-def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken, end=-1):
+def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken, end=-1, packed=False):
     """Spare slabs (``owner < 0``) for ``group`` until it is not ``short_pages`` short: the lowest next to
     one it owns, else the lowest (``slab_gain`` pages each; ``owner`` updated, slabs to ``taken``).
     Returns (slabs taken, pages still short). One pass: a take makes only its left neighbour newly next to
     the group below it, so the next search starts there; the lowest spare only rises. ``end`` (-1: none
-    known): every slab from it on is spare, so the search for the group's slabs stops there."""
+    known): every slab from it on is spare, so the search for the group's slabs stops there; ``packed``: none
+    below it is, so each pick is ``end`` itself (the only spare slab that may be next to one the group owns, and
+    the lowest), found without a search."""
     n, n_taken, start, lowest = owner.size, 0, 0, 0
     end = n if end < 0 else end
     while short_pages > 0:
-        pick = next_to(owner, group, start, end)
+        pick = (end if end < n else -1) if packed else next_to(owner, group, start, end)
         if pick < 0:
             while lowest < n and owner[lowest] >= 0:
                 lowest += 1
