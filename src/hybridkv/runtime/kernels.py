@@ -1546,13 +1546,17 @@ def next_to(owner, group, start, end):
 
 
 @njit(cache=True, inline="always")
-def slab_pages(owner, group, lo, hi, straddle, s, pages, n):
+def slab_pages(owner, group, lo, hi, straddle, s, pages, n, ascending=False):
     """The page ids ``group`` holds in slab ``s`` under ``owner`` (inner pages, then the straddlers of
-    boundaries with neighbours it owns) to ``pages[n:]``; returns the new ``n``."""
+    boundaries with neighbours it owns; ``ascending``: the left one first, so that a sorted free stack merges
+    them without a sort) to ``pages[n:]``; returns the new ``n``."""
+    left, right = held_straddlers(owner, group, straddle, s)
+    if ascending and left >= 0:
+        pages[n], n, left = left, n + 1, -1
     for page in range(lo[s], hi[s]):
         pages[n] = page
         n += 1
-    for page in held_straddlers(owner, group, straddle, s):
+    for page in (left, right):
         if page >= 0:
             pages[n] = page
             n += 1
@@ -1589,7 +1593,7 @@ def grant_spare_slabs(owner, groups, slabs, lo, hi, straddle, pages, ends, stack
             if groups[i] == g:
                 if owner[slabs[i]] >= 0:
                     return -1  # listed twice
-                n = slab_pages(owner, g, lo[g], hi[g], straddle[g], slabs[i], pages, n)
+                n = slab_pages(owner, g, lo[g], hi[g], straddle[g], slabs[i], pages, n, lowest[g] != 0)
                 owner[slabs[i]] = g
         ends[g] = n
     start = 0
