@@ -382,9 +382,8 @@ def write_slots(geometry, pages, bounds, rows, first, counts, settle, slots):
                 cells_at, mask, step = row_cells(geometry, bounds, g, rows[r])
             while pos < end:
                 logical = divide(pos, tokens, page_shift)
-                page_end = min((logical + 1) * tokens, end)
                 whole = divide(end - pos, tokens, page_shift) if stride == 1 and pos == logical * tokens else 0
-                if whole:  # whole pages in a loop of their own (4 tokens a page: a constant width)
+                if whole:  # a stride-1 group's whole pages in a loop of their own (4 tokens a page: a constant width)
                     run = out[shift + pos :]
                     if tokens == 4:
                         page_slots(pages, cells_at, mask, step, logical, whole, tokens, per_page, run, 4)
@@ -392,17 +391,13 @@ def write_slots(geometry, pages, bounds, rows, first, counts, settle, slots):
                         page_slots(pages, cells_at, mask, step, logical, whole, tokens, per_page, run, tokens)
                     pos += whole * tokens
                     continue
+                # The page's rest: every ``stride``-th slot, a view indexed from 0 (no negative index to wrap).
                 base = (np.int64(pages[cells_at + (logical & mask) * step]) - logical) * per_page
-                if stride == 1:  # a view indexed from 0: no negative index to wrap, the loop vectorizes
-                    run, base = out[shift + pos : shift + page_end], base + pos
-                    for i in range(page_end - pos):
-                        run[i] = base + i
-                    pos = page_end
-                else:  # every ``stride``-th slot: a strided view from 0
-                    run, base = out[shift + pos : shift + page_end : stride], base + divide(pos, stride, stride_shift)
-                    for i in range(run.size):
-                        run[i] = base + i
-                    pos += run.size * stride
+                run = out[shift + pos : shift + min((logical + 1) * tokens, end) : stride]
+                base += divide(pos, stride, stride_shift)
+                for i in range(run.size):
+                    run[i] = base + i
+                pos += run.size * stride
             at += counts[r]
 
 
