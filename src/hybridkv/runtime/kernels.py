@@ -382,18 +382,35 @@ def write_slots(geometry, pages, bounds, rows, first, counts, settle, slots):
                 cells_at, mask, step = row_cells(geometry, bounds, g, rows[r])
             while pos < end:
                 logical = divide(pos, tokens, page_shift)
-                page_end = min((logical + 1) * tokens, end)
+                whole = divide(end - pos, tokens, page_shift) if stride == 1 and pos == logical * tokens else 0
+                if whole:  # a stride-1 group's whole pages in a loop of their own (4 tokens a page: a constant width)
+                    run = out[shift + pos :]
+                    if tokens == 4:
+                        page_slots(pages, cells_at, mask, step, logical, whole, tokens, per_page, run, 4)
+                    else:
+                        page_slots(pages, cells_at, mask, step, logical, whole, tokens, per_page, run, tokens)
+                    pos += whole * tokens
+                    continue
+                # The page's rest: every ``stride``-th slot, a view indexed from 0 (no negative index to wrap).
                 base = (np.int64(pages[cells_at + (logical & mask) * step]) - logical) * per_page
-                if stride == 1:  # a view indexed from 0: no negative index to wrap, the loop vectorizes
-                    run, base = out[shift + pos : shift + page_end], base + pos
-                    for i in range(page_end - pos):
-                        run[i] = base + i
-                    pos = page_end
-                else:
-                    while pos < page_end:
-                        out[shift + pos] = base + divide(pos, stride, stride_shift)
-                        pos += stride
+                run = out[shift + pos : shift + min((logical + 1) * tokens, end) : stride]
+                base += divide(pos, stride, stride_shift)
+                for i in range(run.size):
+                    run[i] = base + i
+                pos += run.size * stride
             at += counts[r]
+
+
+@njit(cache=True, inline="always")
+def page_slots(pages, cells_at, mask, step, logical, n_pages, tokens, per_page, out, width):
+    """``write_slots``' slots of a stride-1 group's ``n_pages`` whole pages from ``logical`` to ``out``, ``width``
+    (``tokens``, a constant where the call can give one) a page."""
+    for k in range(n_pages):
+        page = logical + k
+        base = (np.int64(pages[cells_at + (page & mask) * step]) - page) * per_page + page * tokens
+        run = out[k * tokens : k * tokens + width]
+        for i in range(width):
+            run[i] = base + i
 
 
 # --- one step: plan (pure), then run (release, allocate, the batch's arrays) -----------------
@@ -1216,6 +1233,11 @@ def merge_free(stack, top, run):
                 stack[k] = stack[i]
                 i -= 1
                 k -= 1
+        elif i < 0:  # every stack id lies below the run's rest: it goes in at once, reversed
+            below = stack[: k + 1]
+            for t in range(k + 1):
+                below[t] = run[run.size - 1 - t]
+            break
         else:
             stack[k] = run[j]
             j += 1
@@ -1406,9 +1428,10 @@ def take_spare_for(short, slab_pages, spare_slabs, owner, inner_pages, straddle,
     if need > spare_slabs:
         return -1
     n, end = 0, owned_end(owner, spare_slabs)
+    packed = end == owner.size - spare_slabs
     for g in range(short.size):
         if short[g] > 0:
-            n_taken, _ = take_spare_slabs(owner, g, inner_pages[g], straddle[g], short[g], taken, end)
+            n_taken, _ = take_spare_slabs(owner, g, inner_pages[g], straddle[g], short[g], taken, end, packed)
             for i in range(n_taken):
                 grant_groups[n], grant_slabs[n], end = g, taken[i], max(end, taken[i] + 1)
                 n += 1
@@ -1457,10 +1480,11 @@ def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain
         return 0 if n_short == 0 else take_spare_for(short, slab_pages, spare, owner, inner_pages, straddle, taken,
                                                      grant_groups, grant_slabs)
     n_grants, end = 0, owned_end(owner, spare)
+    packed = end == owner.size - spare
     for g in range(n_groups):
         deficit = wanted[g] - free[g]
         if deficit > 0:
-            n_taken, left = take_spare_slabs(owner, g, inner_pages[g], straddle[g], deficit, taken, end)
+            n_taken, left = take_spare_slabs(owner, g, inner_pages[g], straddle[g], deficit, taken, end, packed)
             if left > 0:
                 spare_again(owner, taken, n_taken)
                 spare_again(owner, grant_slabs, n_grants)
@@ -1480,16 +1504,18 @@ def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain
 
 
 @njit(cache=True)
-def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken, end=-1):
+def take_spare_slabs(owner, group, inner_pages, straddle, short_pages, taken, end=-1, packed=False):
     """Spare slabs (``owner < 0``) for ``group`` until it is not ``short_pages`` short: the lowest next to
     one it owns, else the lowest (``slab_gain`` pages each; ``owner`` updated, slabs to ``taken``).
     Returns (slabs taken, pages still short). One pass: a take makes only its left neighbour newly next to
     the group below it, so the next search starts there; the lowest spare only rises. ``end`` (-1: none
-    known): every slab from it on is spare, so the search for the group's slabs stops there."""
+    known): every slab from it on is spare, so the search for the group's slabs stops there; ``packed``: none
+    below it is, so each pick is ``end`` itself (the only spare slab that may be next to one the group owns, and
+    the lowest), found without a search."""
     n, n_taken, start, lowest = owner.size, 0, 0, 0
     end = n if end < 0 else end
     while short_pages > 0:
-        pick = next_to(owner, group, start, end)
+        pick = (end if end < n else -1) if packed else next_to(owner, group, start, end)
         if pick < 0:
             while lowest < n and owner[lowest] >= 0:
                 lowest += 1
@@ -1515,13 +1541,17 @@ def next_to(owner, group, start, end):
 
 
 @njit(cache=True, inline="always")
-def slab_pages(owner, group, lo, hi, straddle, s, pages, n):
+def slab_pages(owner, group, lo, hi, straddle, s, pages, n, ascending=False):
     """The page ids ``group`` holds in slab ``s`` under ``owner`` (inner pages, then the straddlers of
-    boundaries with neighbours it owns) to ``pages[n:]``; returns the new ``n``."""
+    boundaries with neighbours it owns; ``ascending``: the left one first, so that a sorted free stack merges
+    them without a sort) to ``pages[n:]``; returns the new ``n``."""
+    left, right = held_straddlers(owner, group, straddle, s)
+    if ascending and left >= 0:
+        pages[n], n, left = left, n + 1, -1
     for page in range(lo[s], hi[s]):
         pages[n] = page
         n += 1
-    for page in held_straddlers(owner, group, straddle, s):
+    for page in (left, right):
         if page >= 0:
             pages[n] = page
             n += 1
@@ -1558,7 +1588,7 @@ def grant_spare_slabs(owner, groups, slabs, lo, hi, straddle, pages, ends, stack
             if groups[i] == g:
                 if owner[slabs[i]] >= 0:
                     return -1  # listed twice
-                n = slab_pages(owner, g, lo[g], hi[g], straddle[g], slabs[i], pages, n)
+                n = slab_pages(owner, g, lo[g], hi[g], straddle[g], slabs[i], pages, n, lowest[g] != 0)
                 owner[slabs[i]] = g
         ends[g] = n
     start = 0
