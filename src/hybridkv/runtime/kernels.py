@@ -356,26 +356,27 @@ def place_row(geometry, pages, bounds, row, lo, counts, page_ids, view):
 @njit(cache=True)
 def write_slots(geometry, pages, bounds, rows, first, counts, settle, slots):
     """``slots[g, i]``: ``page * rows_per_page + entry % rows_per_page`` for token ``i`` of plan rows
-    ``[settle, R)`` (entry ``position // stride``), -1 where the token closes no entry; a page looked up once
-    (the geometry and the row's cells read into locals first: the slot stores may alias them). A decode row
+    ``[settle, R)`` (entry ``position // stride``), -1 where the token closes no entry (row by row); a page looked
+    up once (the geometry and the row's cells read into locals first: the slot stores may alias them). A decode row
     (one token) takes a branch of its own, without the loops over a row's pages and entries."""
     for g in range(geometry.shape[0]):
         tokens, page_shift = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT]
         per_page = geometry[g, ROWS_PER_PAGE]
         stride, stride_shift = geometry[g, STRIDE_TOKENS], geometry[g, STRIDE_SHIFT]
-        out = slots[g]
-        if stride > 1:
-            out[:] = -1
-        at = 0  # the batch index of the row's first token
+        out, at = slots[g], 0  # at: the batch index of the row's first token
         for r in range(settle, rows.size):
             start, end = first[r], first[r] + counts[r]
-            if end == start + 1:  # a decode row: one slot, where its token closes an entry
+            if end == start + 1:  # a decode row: one slot, -1 unless its token closes an entry
+                slot = -1
                 if stride == 1 or divide(end, stride, stride_shift) * stride == end:
                     logical = divide(start, tokens, page_shift)
                     page = np.int64(pages[cell(geometry, bounds, g, rows[r], logical)])
-                    out[at] = (page - logical) * per_page + divide(start, stride, stride_shift)
+                    slot = (page - logical) * per_page + divide(start, stride, stride_shift)
+                out[at] = slot
                 at += 1
                 continue
+            if stride > 1:  # the row's tokens that close no entry stay -1
+                out[at : at + counts[r]] = -1
             shift = at - start  # token p's batch index
             pos = divide(start + stride, stride, stride_shift) * stride - 1  # the first entry end
             if pos < end:
