@@ -7,7 +7,8 @@ shared, prefill in chunks, decode, leave) runs twice: as the manager runs it, an
 ``admit_spare`` answering -1 every time (``general_admission``, the reference: every step
 that is not clean goes through ``CacheManager``'s general admission and its Python slab
 grants). Every batch, table update, error, event, pool count and slab owner must match
-after every call.
+after every call. Since both admissions would move together, the slabs a run of prefill
+chunks takes are also pinned (``test_prefill_chunks_take_the_pinned_slabs``).
 """
 
 import contextlib
@@ -127,3 +128,38 @@ def test_served_conversations_take_the_same_slabs_as_with_the_general_admission(
             hits = sweep.serve_in_order(side, in_waves(multiturn_workload(120, 6, seed=0), 40))
             runs.append((hits.tolist(), sweep.group_diagnostics(side)))
     assert runs[0] == runs[1]
+
+
+# Each group's total pages (``stats()``, manager group order) after each 2,048-token chunk of two unique
+# 32,768-token prompts, one after the other, as recorded on 25ae5cc: only v4.swa_kv (first) and
+# v4.c4a.compressed_kv (third) grow once the third chunk has run.
+PINNED_SWA_PAGES = [37, 65, 74, 92, 110, 129, 138, 157, 175, 194, 202, 221, 239, 258, 266, 286,
+                    295, 322, 332, 350, 369, 378, 397, 415, 434, 442, 461, 479, 498, 506, 526, 544]
+PINNED_FIRST_PAGES = [[37, 514, 16, 258, 446, 536], [65, 1029, 16, 516, 446, 1072]]  # the first two chunks'
+PINNED_OTHER_PAGES = (1029, None, 539, 446, 1072)  # after: None is v4.c4a.compressed_kv, 16 more every second chunk
+
+
+def test_prefill_chunks_take_the_pinned_slabs():
+    """A prefill chunk's spare slabs are admitted on the state before its row's commits (docs/manager.md, "One
+    step", stage 1: release credit less a checkpoint window's pages per grain the step's commits complete), then
+    the commits run, then the step. Admitting after the commits counts exactly and grants fewer slabs (a
+    prototype that did: v4.swa_kv 82 pages after the fourth chunk, not 92); the general-admission tests above
+    cannot see that (both admissions move together), so the slabs V4-Flash's 40 GiB arena grants over 32 chunks
+    are pinned here (bench/step_profile.py's prefill workload)."""
+    from hybridkv.models.layout import cache_layout
+    from hybridkv.plan import Limits, plan_for_budget
+
+    plan = plan_for_budget(cache_layout("deepseek-v4-flash", indexer="fp8"), 40 * 2**30, Limits(32, 8192, 131_072))
+    manager = CacheManager.from_plan(plan, page_space="shared", enable_prefix_caching=True)
+    rng, totals = np.random.default_rng(0), []
+    for k in range(2):
+        manager.add_request(f"p{k}", rng.integers(0, 100_000, 32_768, dtype=np.int32), max_new_tokens=1)
+        for _ in range(16):
+            manager.schedule([(f"p{k}", 2048)], block_tables="updates")
+            totals.append([stats.total_pages for stats in manager.stats().values()])
+        manager.free(f"p{k}")
+    assert [pages[0] for pages in totals] == PINNED_SWA_PAGES
+    assert [pages[2] for pages in totals] == [16 * (1 + k // 2) for k in range(32)]
+    assert totals[:2] == PINNED_FIRST_PAGES
+    for k, pages in enumerate(totals[2:], start=2):
+        assert tuple(pages[1:]) == (PINNED_OTHER_PAGES[0], pages[2], *PINNED_OTHER_PAGES[2:]), k
