@@ -978,9 +978,9 @@ class PrefixCache:
     def _evict_many(self, gid: str, keys: Sequence[int], cause: str) -> int:
         """State group ``gid``'s pool's ``evict_many``: entries evicted (or revoked) there, with the rest of their units
         (the value policy's) from the other state groups ("unit"), popped by ``PageSpace.pop_units`` (as
-        ``PageSpace.drop_units`` pops them), in one ``PageSpace.drop_listed``; then in the order one at a time gives, each key's ``ValueEviction.unit_evicted``
-        and its removals booked as :meth:`_book_removals` books them; events in one call. The idle pages freed in
-        ``gid``."""
+        ``PageSpace.drop_units`` pops them), in one ``PageSpace.drop_listed``; then in the order one at a time
+        gives, each key's ``ValueEviction.unit_evicted`` and its removals booked as :meth:`_book_removals` books
+        them; events in one call. The idle pages freed in ``gid``."""
         eviction, pops, space = self.eviction, self._unit_pops[gid], self._space
         listed, left = space.pop_units(pops, keys)  # per key, the last first, the groups it left
         firsts = list(accumulate(map(len, left), initial=0))  # per key so, its first entry listed; then their count
