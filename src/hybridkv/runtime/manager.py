@@ -103,10 +103,13 @@ _INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
 _new_tuple, _new_object, _pack_into = tuple.__new__, object.__new__, struct.pack_into
 
 
+_PACK_FROM = 64  # ``_int64_array`` packs this many ints or more (``_fast_rows_uniform`` inlines the rest's path)
+
+
 def _int64_array(values: tuple, n: int) -> np.ndarray:
     """A fresh int64 ``[n]`` of ``n`` ints (each in range): ``np.fromiter`` for a few, else one
-    ``struct.pack_into`` of them all (about half ``fromiter``'s time from 64 on)."""
-    if n < 64:
+    ``struct.pack_into`` of them all (about half ``fromiter``'s time from ``_PACK_FROM`` on)."""
+    if n < _PACK_FROM:
         return np.fromiter(values, _INT64, n)
     out = np.empty(n, _INT64)
     _pack_into(f"{n}q", out, 0, *values)
@@ -815,7 +818,8 @@ class CacheManager:
             return None
         if count != self._one_count_tokens:  # ``prepare_step`` reads one count as every row's
             self._one_count[0] = self._one_count_tokens = count
-        return np.fromiter(found, _INT64, n) if n < 64 else _int64_array(found, n), self._one_count, rids, n * count
+        rows = np.fromiter(found, _INT64, n) if n < _PACK_FROM else _int64_array(found, n)  # ``fromiter`` inline
+        return rows, self._one_count, rids, n * count
 
     def _rows_of(self, rids: tuple) -> np.ndarray | None:
         """Table rows of known request ids; None if an id is unknown or unhashable."""
