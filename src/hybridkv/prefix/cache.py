@@ -676,7 +676,7 @@ class PrefixCache:
         for lookup in self._history_lookups:  # plain loops, no comprehension: each is a frame, costly run cold
             for key in keys:
                 want.append(lookup(key) is None)
-        checkpoint_keys, parents, found = self._found_checkpoints(hashes, first_block, keys, boundaries, pins, want)
+        checkpoint_keys, parents, found = self._found_checkpoints(hashes, boundaries, pins, want)
         pages, status = self._reader.read(req.row, first_block, end_block, boundaries, want)
         at = self._publish_blocks(hashes, first_block, keys, pages, status, stored)
         status = status[len(keys) * len(self.history_ids):]
@@ -685,22 +685,18 @@ class PrefixCache:
         if self.state_ids:
             self._supersede(req, new_own, stored, let_go)
 
-    def _found_checkpoints(self, hashes: RequestHashes, first_block: int, keys: list[int], boundaries: list[int],
-                           pins: list[bool | None], want: list) -> tuple[list, list, list]:
-        """Each checkpoint's key and parent key (where a checkpoint ends each of the blocks ``keys`` from
-        ``first_block``, the speculative ones then the latest, the blocks' own) and its entry in each state group
-        (None: not published), boundary by boundary; onto ``want`` (``CommitPages.read``'s, the blocks' part) whether
-        to claim each: where it is missing (and its window live: the claim checks), low priority for a speculative
-        one (``pins`` None: unheld; with ``"prefill-per-byte"`` low while that class rates low)."""
+    def _found_checkpoints(self, hashes: RequestHashes, boundaries: list[int], pins: list[bool | None],
+                           want: list) -> tuple[list, list, list]:
+        """Each checkpoint's key and parent key (``hashes``' at each of ``boundaries``) and its entry in each state
+        group (None: not published), boundary by boundary; onto ``want`` (``CommitPages.read``'s, the blocks' part)
+        whether to claim each: where it is missing (and its window live: the claim checks), low priority for a
+        speculative one (``pins`` None: unheld; with ``"prefill-per-byte"`` low while that class rates low)."""
         n_speculative = pins.count(None)
         low = 2 if n_speculative and (self.values is None or self.values.low_priority(SPECULATIVE)) else 1
         g, hh, root, lookups = self.granularity_tokens, hashes.hashes, hashes.root, self._state_lookups
-        if len(boundaries) == len(keys) and n_speculative == len(pins) - 1:  # every block's end, in order
-            checkpoint_keys, parents = keys, [hh[first_block - 1] if first_block else root, *keys[:-1]]
-        else:
-            checkpoint_keys, parents = [], []
-            for d in boundaries:  # plain loops, no comprehension: each is a frame, costly cold
-                checkpoint_keys.append(hh[d // g - 1]), parents.append(hh[d // g - 2] if d >= 2 * g else root)
+        checkpoint_keys, parents = [], []
+        for d in boundaries:  # plain loops, no comprehension: each is a frame, costly cold
+            checkpoint_keys.append(hh[d // g - 1]), parents.append(hh[d // g - 2] if d >= 2 * g else root)
         found = []
         for key, pinned in zip(checkpoint_keys, pins):
             code = low if pinned is None else 1
