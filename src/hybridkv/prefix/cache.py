@@ -644,18 +644,11 @@ class PrefixCache:
         self._supersede(req, [own], events, let_go)
 
     def _tell_units(self, booked: tuple, low: int) -> None:
-        """The tier link of a commit claimed whole (:meth:`_book`'s ``booked``, its entries recorded) in one call: its
-        blocks history group by group, then its checkpoints boundary by boundary, state group by state group (those
-        before the latest low priority where ``low`` is 2)."""
-        keys, _, ends, checkpoint_keys, _, boundaries = booked
-        n_history, published = len(self.history_ids), []
-        for gid, (entries, *_) in zip(self.history_ids, self._unit_parts):
-            published += zip(repeat(gid), keys, ends, map(entries.__getitem__, keys), repeat(False))
-        for c, (key, boundary) in enumerate(zip(checkpoint_keys, boundaries)):
-            speculative = low == 2 and c < len(boundaries) - 1
-            published += zip(self.state_ids, repeat(key), repeat(boundary),
-                             [entries[key] for entries, *_ in self._unit_parts[n_history:]], repeat(speculative))
-        self.tier_hook.stored(published)
+        """The tier link of a commit claimed whole (:meth:`_book`'s ``booked``, its entries recorded) in one call, in
+        its events' order (:meth:`_raws`), the checkpoints before the latest low priority where ``low`` is 2."""
+        last, pools, state = booked[3][-1], self.pools, self._holders  # a state group's: speculative where not last
+        self.tier_hook.stored([(gid, key, end, pools[gid].lookup(key), low == 2 and key != last and gid in state)
+                               for _, gid, key, _, end, _ in self._raws((booked,))])
 
     def _commit_one(self, req: CommittingRequest, old_tokens: int, new_tokens: int, stored: list[tuple],
                     let_go: list[tuple]) -> None:
