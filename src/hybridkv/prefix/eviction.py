@@ -166,16 +166,13 @@ class ValueEviction:
         """:meth:`stored` of one checkpoint in each state group of ``gids`` in turn (a
         commit's publications of a boundary), its node looked up once."""
         node = self._nodes.get(key) or self._new_node(key, parent, boundary)
-        if node[5]:
-            for gid in gids:
-                node[2] += 1
-                node[3] += 1
-                self._demote_cut(gid, key)  # beyond a missing block: worth nothing yet
-            return
         held = node[3]
         node[2] += len(gids)
         node[3] += len(gids)
-        if held < len(self.state_ids) == node[3] and self._track:
+        if node[5]:
+            for gid in gids:
+                self._demote_cut(gid, key)  # beyond a missing block: worth nothing yet
+        elif held < len(self.state_ids) == node[3] and self._track:
             self._add_support(key)
 
     def _new_node(self, key: Hashable, parent: Hashable | None, boundary: int) -> list:
