@@ -27,7 +27,7 @@ def build(config, seed, policy, eviction, scale=1, step_tokens=None):
     """The batched manager and the one-at-a-time one (``scale`` times the config's pages);
     a list of the requests per batched call. The one-at-a-time one pins checkpoints every
     ``NEVER`` grains (a boundary no request reaches: it pins none), which keeps its commits
-    off the runs claimed whole (``PrefixCache._commit_units``): each commits alone, the
+    off the units claimed whole (``PrefixCache._commit_alone``): each commits alone, the
     reference for them."""
     specs, pages, ctx, step = CONFIGS[config]
     pages = {gid: n * scale for gid, n in pages.items()}

@@ -77,9 +77,6 @@ class CacheEvent:
 
 
 _INT32_LE = np.dtype("<i4")  # the byte order blocks are hashed in
-# Requests a commit call may hold for its commits to go alone (``_commit_alone``): four one-block commits alone cost
-# less than their run (paired A/B, calls alternating: decode 512 and 1,024 rows 5-8% less, serving 2-5%; eight: 2%).
-_ALONE = 4
 _new_object = object.__new__
 
 
@@ -234,10 +231,10 @@ class PrefixCache:
         self._init_units()
 
     def _init_units(self) -> None:
-        """What commits claimed whole read (``_commit_units``): every group in order, its pool's entries and pages'
+        """What commits claimed whole read (``_record``): every group in order, its pool's entries and pages'
         keys (``PageSpace.entry_maps``), pages, stats and whether it is a history group; each history group's id and
         pages (its events); each state group's holders and entries (where a commit's latest checkpoint is read
-        back). Only with state groups and no pinning interval do commits run so."""
+        back). Only with state groups and no pinning interval are commits claimed whole."""
         self._units = bool(self.state_ids) and self.state_checkpoint_interval is None
         unit = self._history_groups + [(gid, pool, n, stats) for gid, pool, n, _, stats in self._state_groups]
         maps = self._space.entry_maps([pool for _, pool, _, _ in unit])
@@ -452,25 +449,13 @@ class PrefixCache:
                         new_tokens: Sequence[int]) -> None:
         """Publish what each request's tokens ``[old, new)`` completed (history blocks and the checkpoints: the policy's
         speculative ones, the latest), request by request in order: the same entries, bookings and events (one call, in
-        that order) as one commit at a time. In a call of at most ``_ALONE`` requests, each commit goes alone
-        (:meth:`_commit_alone`); each run of requests whose commit publishes only new keys (:meth:`_unit_run`) is read,
-        claimed and recorded at once (:meth:`_commit_units`); any other commits alone (:meth:`_commit_one`). The
-        checkpoints superseding unpublishes or demotes leave their pools' lists at the end, in one call each
-        (:meth:`_let_go`; before a request :meth:`_commit_one` commits)."""
-        events, let_go, i, n, g = [], [], 0, len(reqs), self.granularity_tokens
-        while i < n:
-            if n <= _ALONE and self._units and new_tokens[i] // g > old_tokens[i] // g:  # a few commits: each alone
-                self._commit_alone(reqs[i], old_tokens[i], new_tokens[i], events, let_go)
-                i += 1
-                continue
-            if self._units and new_tokens[i] // g > old_tokens[i] // g:  # a run may start here
-                run, units, n_blocks, i = self._unit_run(reqs, old_tokens, new_tokens, i)
-                if run:
-                    self._commit_units(run, units, n_blocks, events, let_go)
-                if i == n:
-                    break
-            self._commit_one(reqs[i], old_tokens[i], new_tokens[i], events, let_go)
-            i += 1
+        that order) as one commit at a time: each by :meth:`_commit_alone` (:meth:`_commit_one` with a pinning
+        interval or no state group). The checkpoints superseding unpublishes or demotes leave their pools' lists at the
+        end, in one call each (:meth:`_let_go`; before a request :meth:`_commit_one` commits)."""
+        events, let_go, g = [], [], self.granularity_tokens
+        for req, old, new in zip(reqs, old_tokens, new_tokens):
+            if new // g > old // g:
+                (self._commit_alone if self._units else self._commit_one)(req, old, new, events, let_go)
         if len(let_go) == 1:  # a commit's one unit (most often): what ``_let_go`` does, without its frame
             unpublished, listed = let_go[0]
             (self._space.drop_listed if unpublished else self._space.demote)(listed)
@@ -480,10 +465,10 @@ class PrefixCache:
 
     def _commit_alone(self, req: CommittingRequest, old_tokens: int, new_tokens: int, events: list[tuple],
                       let_go: list[tuple]) -> None:
-        """A request's commit on its own: where it publishes only keys no group has and pins nothing, what
-        :meth:`_commit_units` does to a run of it alone (read and claimed in one compiled call,
-        ``CommitPages.read_block`` for one block; recorded, booked by :meth:`_book`) without the run's lists; else, or
-        where the claim fails, :meth:`_commit_one`."""
+        """A request's commit: where it publishes only keys no group has and pins no boundary, its unit (its blocks,
+        its speculative checkpoints and its latest) read and claimed whole in one compiled call
+        (``CommitPages.read_units``; ``read_block`` for one block), recorded (:meth:`_record`) and booked
+        (:meth:`_book`); else, or where the claim fails, :meth:`_commit_one`."""
         hashes, g = req.hashes, self.granularity_tokens
         if hashes is None:
             return
@@ -496,7 +481,7 @@ class PrefixCache:
             pages = None if latest in keep or self._knows(keys[0]) else self._reader.read_block(req.row, first, latest)
         elif keep and not keep.isdisjoint(range((first + 1) * g, latest + 1, g)) or any(map(self._knows, keys)):
             pages = None
-        else:  # its speculative boundaries too, as ``_unit_run`` names them
+        else:  # its speculative boundaries too
             speculative = self.policy.speculative_between((first + 1) * g, latest, g, req.prompt_tokens)
             low = 2 if self.values is None or self.values.low_priority(SPECULATIVE) else 1
             units = [low, req.row, first, end, len(speculative) + 1, *speculative, latest]
@@ -525,74 +510,6 @@ class PrefixCache:
         at, step = (speculative.start // g - 1 - first, speculative.step // g) if speculative else (0, 1)
         pick = slice(at, at + len(speculative) * step, step)  # the speculative boundaries' blocks, then the last
         return keys, parents, ends, keys[pick] + keys[-1:], parents[pick] + parents[-1:], [*speculative, end * g]
-
-    def _unit_run(self, reqs: Sequence[CommittingRequest], old_tokens: Sequence[int], new_tokens: Sequence[int],
-                  i: int) -> tuple[list[tuple], list[int], int, int]:
-        """From ``reqs[i]`` on (those with nothing to commit passed over), the requests whose commit pins no boundary
-        and publishes only keys no group has and no request before it in the run commits (hashed by
-        ``RequestHashes.extend_to``), with "prefill-per-byte" a speculative checkpoint only in the run's first (their
-        priority is asked once a run): each (request, first block, its keys, its speculative boundaries, old, new
-        tokens); what ``CommitPages.read_units`` reads of them (``units[0]``: a place for ``low``); how many blocks they
-        commit in all; and the index of the first that is not (``len(reqs)`` at the end)."""
-        g, knows, between, values = self.granularity_tokens, self._knows, self.policy.speculative_between, self.values
-        run, units, seen, n, n_blocks = [], [0], set(), len(reqs), 0
-        while i < n:
-            req, old, new = reqs[i], old_tokens[i], new_tokens[i]
-            hashes, first, end = req.hashes, old // g, new // g
-            if hashes is None or end == first:
-                i += 1
-                continue
-            keep, latest = req.keep_boundaries, end * g
-            hashes.extend_to(req.token_ids, new)
-            keys, speculative = hashes.hashes[first:end], ()
-            if run:  # the keys of the run's last request (the first's set only once a second comes)
-                seen.update(run[-1][2])
-                if not seen.isdisjoint(keys):
-                    break
-            if end == first + 1:  # one block (a decode commit): its key and its end checked alone
-                if latest in keep or knows(keys[0]):
-                    break
-            elif keep and not keep.isdisjoint(range((first + 1) * g, latest + 1, g)) or any(map(knows, keys)):
-                break
-            else:
-                speculative = between((first + 1) * g, latest, g, req.prompt_tokens)
-                if speculative and values is not None and run:
-                    break
-            run.append((req, first, keys, speculative, old, new))
-            units += (req.row, first, end, len(speculative) + 1, *speculative, latest)
-            n_blocks += end - first
-            i += 1
-        return run, units, n_blocks, i
-
-    def _commit_units(self, run: list[tuple], units: list[int], n_blocks: int, events: list[tuple],
-                      let_go: list[tuple]) -> None:
-        """The commits ``run`` (:meth:`_unit_run`'s, ``n_blocks`` blocks in all) read and claimed in one compiled call
-        (``CommitPages.read_units``), the entries of those it claimed whole recorded (:meth:`_record`); then request by
-        request, in order, each claimed whole booked (:meth:`_book`) with its blocks (keys, parents, ends) and
-        checkpoints (keys, parents, boundaries), the others committed alone (:meth:`_commit_one`)."""
-        g, low = self.granularity_tokens, 2 if self.values is None or self.values.low_priority(SPECULATIVE) else 1
-        units[0] = low  # what the compiled call reads first
-        pages, claimed = self._reader.read_units(units, len(run), n_blocks)
-        block_keys, checkpoint_keys, lists = [], [], []
-        for (req, first, keys, speculative, _, _), whole in zip(run, claimed or repeat(1)):
-            if not whole:
-                lists.append(None)
-                continue
-            if len(keys) == 1:  # one block (a decode commit): its record made here (no frame, no range)
-                hashes = req.hashes
-                parents, ends = [hashes.hashes[first - 1] if first else hashes.root], ((first + 1) * g,)
-                booked = keys, parents, ends, keys, parents, ends
-            else:
-                booked = self._booked(req.hashes, first, keys, speculative)
-            lists.append(booked)
-            block_keys += keys
-            checkpoint_keys += booked[3]
-        self._record(pages, block_keys, checkpoint_keys)
-        for (req, _, _, _, old, new), booked in zip(run, lists):  # a claim that failed: the commit goes alone
-            if booked is None:
-                self._commit_one(req, old, new, events, let_go)
-            else:
-                self._book(req, booked, low, events, let_go)
 
     def _record(self, pages: list[int], block_keys: list, checkpoint_keys: list) -> None:
         """The entries of commits claimed whole (``pages``: ``CommitPages``' claim, group by group, entry by entry)
@@ -644,18 +561,11 @@ class PrefixCache:
         self._supersede(req, [own], events, let_go)
 
     def _tell_units(self, booked: tuple, low: int) -> None:
-        """The tier link of a commit claimed whole (:meth:`_book`'s ``booked``, its entries recorded) in one call: its
-        blocks history group by group, then its checkpoints boundary by boundary, state group by state group (those
-        before the latest low priority where ``low`` is 2)."""
-        keys, _, ends, checkpoint_keys, _, boundaries = booked
-        n_history, published = len(self.history_ids), []
-        for gid, (entries, *_) in zip(self.history_ids, self._unit_parts):
-            published += zip(repeat(gid), keys, ends, map(entries.__getitem__, keys), repeat(False))
-        for c, (key, boundary) in enumerate(zip(checkpoint_keys, boundaries)):
-            speculative = low == 2 and c < len(boundaries) - 1
-            published += zip(self.state_ids, repeat(key), repeat(boundary),
-                             [entries[key] for entries, *_ in self._unit_parts[n_history:]], repeat(speculative))
-        self.tier_hook.stored(published)
+        """The tier link of a commit claimed whole (:meth:`_book`'s ``booked``, its entries recorded) in one call, in
+        its events' order (:meth:`_raws`), the checkpoints before the latest low priority where ``low`` is 2."""
+        last, pools, state = booked[3][-1], self.pools, self._holders  # a state group's: speculative where not last
+        self.tier_hook.stored([(gid, key, end, pools[gid].lookup(key), low == 2 and key != last and gid in state)
+                               for _, gid, key, _, end, _ in self._raws((booked,))])
 
     def _commit_one(self, req: CommittingRequest, old_tokens: int, new_tokens: int, stored: list[tuple],
                     let_go: list[tuple]) -> None:
@@ -676,7 +586,7 @@ class PrefixCache:
         for lookup in self._history_lookups:  # plain loops, no comprehension: each is a frame, costly run cold
             for key in keys:
                 want.append(lookup(key) is None)
-        checkpoint_keys, parents, found = self._found_checkpoints(hashes, first_block, keys, boundaries, pins, want)
+        checkpoint_keys, parents, found = self._found_checkpoints(hashes, boundaries, pins, want)
         pages, status = self._reader.read(req.row, first_block, end_block, boundaries, want)
         at = self._publish_blocks(hashes, first_block, keys, pages, status, stored)
         status = status[len(keys) * len(self.history_ids):]
@@ -685,22 +595,18 @@ class PrefixCache:
         if self.state_ids:
             self._supersede(req, new_own, stored, let_go)
 
-    def _found_checkpoints(self, hashes: RequestHashes, first_block: int, keys: list[int], boundaries: list[int],
-                           pins: list[bool | None], want: list) -> tuple[list, list, list]:
-        """Each checkpoint's key and parent key (where a checkpoint ends each of the blocks ``keys`` from
-        ``first_block``, the speculative ones then the latest, the blocks' own) and its entry in each state group
-        (None: not published), boundary by boundary; onto ``want`` (``CommitPages.read``'s, the blocks' part) whether
-        to claim each: where it is missing (and its window live: the claim checks), low priority for a speculative
-        one (``pins`` None: unheld; with ``"prefill-per-byte"`` low while that class rates low)."""
+    def _found_checkpoints(self, hashes: RequestHashes, boundaries: list[int], pins: list[bool | None],
+                           want: list) -> tuple[list, list, list]:
+        """Each checkpoint's key and parent key (``hashes``' at each of ``boundaries``) and its entry in each state
+        group (None: not published), boundary by boundary; onto ``want`` (``CommitPages.read``'s, the blocks' part)
+        whether to claim each: where it is missing (and its window live: the claim checks), low priority for a
+        speculative one (``pins`` None: unheld; with ``"prefill-per-byte"`` low while that class rates low)."""
         n_speculative = pins.count(None)
         low = 2 if n_speculative and (self.values is None or self.values.low_priority(SPECULATIVE)) else 1
         g, hh, root, lookups = self.granularity_tokens, hashes.hashes, hashes.root, self._state_lookups
-        if len(boundaries) == len(keys) and n_speculative == len(pins) - 1:  # every block's end, in order
-            checkpoint_keys, parents = keys, [hh[first_block - 1] if first_block else root, *keys[:-1]]
-        else:
-            checkpoint_keys, parents = [], []
-            for d in boundaries:  # plain loops, no comprehension: each is a frame, costly cold
-                checkpoint_keys.append(hh[d // g - 1]), parents.append(hh[d // g - 2] if d >= 2 * g else root)
+        checkpoint_keys, parents = [], []
+        for d in boundaries:  # plain loops, no comprehension: each is a frame, costly cold
+            checkpoint_keys.append(hh[d // g - 1]), parents.append(hh[d // g - 2] if d >= 2 * g else root)
         found = []
         for key, pinned in zip(checkpoint_keys, pins):
             code = low if pinned is None else 1

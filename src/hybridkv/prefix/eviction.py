@@ -166,16 +166,13 @@ class ValueEviction:
         """:meth:`stored` of one checkpoint in each state group of ``gids`` in turn (a
         commit's publications of a boundary), its node looked up once."""
         node = self._nodes.get(key) or self._new_node(key, parent, boundary)
-        if node[5]:
-            for gid in gids:
-                node[2] += 1
-                node[3] += 1
-                self._demote_cut(gid, key)  # beyond a missing block: worth nothing yet
-            return
         held = node[3]
         node[2] += len(gids)
         node[3] += len(gids)
-        if held < len(self.state_ids) == node[3] and self._track:
+        if node[5]:
+            for gid in gids:
+                self._demote_cut(gid, key)  # beyond a missing block: worth nothing yet
+        elif held < len(self.state_ids) == node[3] and self._track:
             self._add_support(key)
 
     def _new_node(self, key: Hashable, parent: Hashable | None, boundary: int) -> list:
@@ -207,16 +204,14 @@ class ValueEviction:
             self.evicted_pages[gid][self._reason(gid, node, cause)] += idle_pages
         if node is None:
             return
-        if gid in self._state:
-            if node[3] == len(self.state_ids) and self._track and not node[5]:
-                self._drop_support(key)
-            node[3] -= 1
+        if gid in self._state:  # as its whole unit leaving at once would
+            self.unit_left(key, 1, node)
             others = self.state_ids
         else:
             if self._track and not node[5] and node[2] - node[3] == len(self.history_ids):
                 self._cut(key)
+            node[2] -= 1
             others = self.history_ids + self.state_ids
-        node[2] -= 1
         if self.acts:
             self._take_unit(gid, key, cause, others)
         self._forget_if_idle(key)
@@ -242,8 +237,8 @@ class ValueEviction:
         return (None, 0) if node is None else self.unit_left(key, count, node)
 
     def unit_left(self, key: Hashable, count: int, node: list | None = None) -> tuple[Hashable | None, int]:
-        """What :meth:`removed` does to the node of a checkpoint that left ``count`` state groups
-        at once (its unit, evicted or unpublished), done once; evicted pages are not counted.
+        """A checkpoint left ``count`` state groups at once (its unit, evicted or unpublished; :meth:`removed`: one):
+        its node's counts, its support where it was complete; evicted pages are not counted.
         ``node``: its node, where the caller has it. Returns its :meth:`origin`."""
         if node is None and (node := self._nodes.get(key)) is None:
             return None, 0
