@@ -763,30 +763,21 @@ class CacheManager:
     def _fast_rows(self, items) -> tuple[np.ndarray, np.ndarray, tuple, int] | None:
         """(rows, counts, ids, tokens) of valid-looking pairs, vectorized; None sends the batch to the
         per-item path. The plan checks distinct rows, known tokens and each count's range."""
-        if len(items) == 1:  # one pair (a prefill chunk): ``_fast_rows_uniform``'s scalar checks
-            try:
-                (rid, count), = items
-            except (TypeError, ValueError):
-                return None  # no pair
-            return self._fast_rows_uniform((rid,), count)
         try:  # strict: an item of another length among pairs is no pair either
             rids, counts = zip(*items, strict=True)
         except (TypeError, ValueError):
             return None  # not all pairs
-        rows = self._rows_of(rids)
-        if rows is None or (self.pending_loads and not self.pending_loads.isdisjoint(rids)):
-            return None
         n = len(counts)
         if [*map(type, counts)].count(int) != n:  # not all plain ints (the type count keeps out True)
             kinds = set(map(type, counts))
             if bool in kinds or not all(k is int or issubclass(k, np.integer) for k in kinds):
                 return None  # bool is an int subclass but not a token count
             counts = tuple(map(int, counts))  # numpy ints: exact plain ints for ``_counts_in``'s sum
-        elif counts.count(counts[0]) == n:  # equal plain ints (decode or verify): one scalar check
-            if not 1 <= counts[0] <= self.max_step_tokens:
-                return None
-            self._one_count[0] = self._one_count_tokens = counts[0]  # ``prepare_step`` reads one count as every row's
-            return rows, self._one_count, rids, n * counts[0]
+        if counts.count(counts[0]) == n:  # one count (a prefill chunk, decode, verify): one scalar check
+            return self._fast_rows_uniform(rids, counts[0])
+        rows = self._rows_of(rids)
+        if rows is None or (self.pending_loads and not self.pending_loads.isdisjoint(rids)):
+            return None
         found = self._counts_in(counts, n)
         return None if found is None else (rows, found[0], rids, found[1])
 
