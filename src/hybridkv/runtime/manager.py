@@ -1016,24 +1016,19 @@ class CacheManager:
 
     def _planned_step(self, status: int, planned: tuple, rids: tuple, cells: tuple, out: _StepArrays,
                       write_slots: bool, updates: bool, n_spare: int | None,
-                      n_logged: int = 0) -> StepBatch | _StepPlan | None:
-        """``_step`` once ``kernels.step`` only planned: the batch if admitted without ``_admit`` (``_direct_grants``)
-        and run at once (``_run_planned``), else the plan or None (``n_spare``: ``admit_spare``'s answer if
-        ``step_spare`` gave it; ``n_logged``: cells ``_step`` took from the table log to the touched scratch, back to
-        it unless run)."""
+                      n_logged: int) -> StepBatch | _StepPlan | None:
+        """``_step`` once ``kernels.step`` only planned: the batch if admitted without ``_admit`` (``_direct_grants``),
+        else the plan or None (``n_spare``: ``admit_spare``'s answer if ``step_spare`` gave it; ``n_logged``: cells
+        ``_step`` took from the table log to the touched scratch, back to it first)."""
         n = planned[0]
         grants, n_spare = self._direct_grants(status, planned, n_spare) if n >= 0 else (False, n_spare)
-        if grants is not False:
-            batch = self._run_planned(grants, planned, rids, cells, out, updates, n_logged)
-            if batch is not None:
-                return batch
         self._put_back_log(n_logged)
         if n < 0:
             return None
         plan = self._plan_of(*planned)
         plan.request_ids, plan.cells = rids, cells
         plan.arrays = out  # for ``_run``, once admitted
-        if grants is not False or plan.clean:  # the buffers must grow first (``_run`` grows them)
+        if grants is not False or plan.clean:  # admitted: ``_run`` grows the buffers where needed
             plan.grants, plan.spare_grants = [], None if grants is False else grants
         elif n_spare is not None and n_spare > 0:  # spare slabs, which ``Arena.apply`` moves
             plan.grants = self.arena.spare_grants(n_spare)
@@ -1042,33 +1037,24 @@ class CacheManager:
         return self._commit_and_run(plan, write_slots, updates, False)
 
     def _run_planned(self, grants: np.ndarray | None, planned: tuple, rids: tuple, cells: tuple, out: _StepArrays,
-                     updates: bool, n_logged: int, rows_in: np.ndarray | None = None) -> StepBatch | None:
-        """``_planned_step``'s run of an admitted plan when the buffers are large enough (else None), and ``_step``'s
-        of a ``STEP_COMMITS`` or ``STEP_SPARE`` plan (``rows_in``: its rows after the settling ones; ``kernels.step``
-        checked the buffers): the rows crossing a grain commit, then ``run_step`` (``grant_step`` granting
-        ``grants``, spare slabs) of the plan in the scratch buffer, then the batch."""
+                     updates: bool, n_logged: int, rows_in: np.ndarray) -> StepBatch:
+        """``_step``'s run of a ``STEP_COMMITS`` or ``STEP_SPARE`` plan (``rows_in``: its rows after the settling ones;
+        ``kernels.step`` checked the buffers): the rows crossing a grain commit, then ``run_step`` (``grant_step``
+        granting ``grants``, spare slabs) of the plan in the scratch buffer, then the batch."""
         n, settle, n_crossing, _ = planned
-        sc, checked = self._scratch, rows_in is not None
-        if not checked:
-            n_tokens, released, most, allocated = sc.plan[7].tolist()
-            if not (n_tokens == out.per_token.shape[1] and 0 <= most <= sc.pages.size
-                    and released <= sc.idle_keyed.size and released + allocated <= sc.touched.size):
-                return None
-            rows_in = sc.plan[0][settle:n].copy()  # the plan's arrays are scratch
+        sc = self._scratch
         self._version += 1
         if n_crossing:
             self._commit_rows(sc.plan[6][:n_crossing])  # the stacks only grow: the plan is still admitted
-        # The cells the commits logged (``kernels.step`` found room for more); unchecked, room for those taken before.
-        if self._tableset.log or (n_logged and not checked):
+        if self._tableset.log:  # the cells the commits logged (``kernels.step`` found room for more)
             n_logged = self._take_log(int(sc.plan[7][1] + sc.plan[7][3]), n_logged)
         args = (*self._state[:10], sc.buffer, n, settle)
         if grants is None:
             status, n_touched, n_keyed = self._run_entry(*args, False, n_logged, *cells, *out)
         else:  # ``grant_step`` stops only when groups make room, marked already
             status, n_touched, n_keyed = self._grant_run(grants, *args, n_logged, *cells, *out)
-        if status != kernels.STEP_DONE:  # ``grant_step`` stopped with its marks made: no ``_StepPlan`` for them
-            plan = None if grants is not None else self._plan_of(*planned)
-            n_touched = self._after_run(n_touched, n_keyed, plan, out, cells, grants is not None, (n, settle))
+        if status != kernels.STEP_DONE:
+            n_touched = self._after_run(n_touched, n_keyed, self._plan_of(*planned), out, cells, grants is not None)
         elif n_keyed:  # done whole (the kernel noted the peaks): idle keyed pages join their LRUs
             self._space.keyed_idle(sc.released[1], sc.idle_keyed)
         self._last_rows = rows_in
@@ -1151,7 +1137,7 @@ class CacheManager:
         state = (*(self._state or self._kernel_state())[:10], sc.buffer, plan.rows.size, plan.settle)
         grants = self.arena.kernel_grants(plan.grants) if plan.grants else plan.spare_grants
         if grants is None:
-            status, n_touched, n_keyed = kernels.run_step(*state, bool(plan.grants), n_logged, *cells, *out)
+            status, n_touched, n_keyed = self._run_entry(*state, bool(plan.grants), n_logged, *cells, *out)
         else:  # spare slabs alone: granted in the kernel, after the releases
             plan.grants = []
             status, n_touched, n_keyed = self._grant_run(grants, *state, n_logged, *cells, *out)
@@ -1200,25 +1186,22 @@ class CacheManager:
                 *_NO_CELLS, *out))
             self._run(plan, True)
 
-    def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan | None, out: _StepArrays,
-                   cells: tuple = _NO_CELLS, marked: bool = False, rows: tuple[int, int] = (0, 0)) -> int:
+    def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan, out: _StepArrays,
+                   cells: tuple = _NO_CELLS, marked: bool = False) -> int:
         """Stage 3 in Python once the step kernel stopped after its releases (docs/manager.md, "One
         step, in four stages"): keyed pages join the LRU, slabs move, groups make room, ``finish_step``.
-        ``marked``: ``room_groups``' marks, as it would answer now, are in ``_scratch.transient`` already; ``plan``
-        None: ``grant_step`` stopped, its plan of ``rows`` (rows, settling ones) in the scratch buffer."""
+        ``marked``: ``room_groups``' marks, as it would answer now, are in ``_scratch.transient`` already
+        (``grant_step`` stopped)."""
         sc = self._scratch
         if n_keyed:
             self._space.keyed_idle(sc.released[1], sc.idle_keyed)
-        if plan is None:
-            self._make_room(sc.plan[5])
-        else:
-            if plan.grants:
-                self.arena.apply(plan.grants)
-            if marked or self._room_groups(plan):
-                self._make_room(plan.sums)
-            rows = plan.rows.size, plan.settle
+        if plan.grants:
+            self.arena.apply(plan.grants)
+        if marked or self._room_groups(plan):
+            self._make_room(plan.sums)
         # ``kernels.finish_step`` of the plan in the scratch buffer, by its compiled code (the same types every call).
-        args = (*(self._state or self._kernel_state())[:10], sc.buffer, *rows, n_touched, *cells, *out, True)
+        args = (*(self._state or self._kernel_state())[:10], sc.buffer, plan.rows.size, plan.settle, n_touched, *cells,
+                *out, True)
         if self._finish_entry is None:
             self._finish_entry = kernels.entry_point(kernels.finish_step, args)
         return self._finish_entry(*args)
