@@ -948,25 +948,25 @@ class CacheManager:
         return self._commit_and_run(plan, write_slots, updates, fixed_width)
 
     def _commit_and_run(self, plan: _StepPlan, write_slots: bool, updates: bool, fixed_width: bool) -> StepBatch:
-        """An admitted plan's stages 2-4: commit, run, build the batch (docs/manager.md, "One step, in four stages")."""
-        self._version += 1
-        if self.prefix is not None and plan.crossing.size:
-            self._commit_rows(plan.crossing)  # publish what the rows' previous steps completed
-        ts = self._tableset
+        """An admitted plan's stages 2-4 (docs/manager.md, "One step, in four stages"): its arrays and cell buffers
+        (``_step``'s if they fit) and the scratch as large as it needs, then ``_run``."""
+        ts, (n_tokens, released_pages, most_released, allocated_pages) = self._tableset, plan.totals
         if (ts.log is None) == updates:  # the log's state changes: on for "updates", off for "full"
             ts.set_log(updates)
         # At most a cell per page released or allocated, after the cells logged since the last step: ``_step``'s
         # buffers if they fit, else new ones (room for the plan's cells, and at least two a group and row).
         n_logged, cells = ts.logged_cells() if updates else -1, _NO_CELLS
         if n_logged >= 0:
-            n_cells, cells = n_logged + plan.totals[1] + plan.totals[3], plan.cells
+            n_cells, cells = n_logged + released_pages + allocated_pages, plan.cells
             if cells is None or not cells[1].size or cells[1].size < n_cells:
                 room = max(2 * len(self.specs) * plan.rows.size + 16, n_cells)
                 cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
-        arrays, n_touched = self._run(plan, write_slots, cells, max(n_logged, 0))
-        rows = plan.rows[plan.settle :]
-        self._last_rows = rows.copy()  # the plan's arrays are scratch
-        return self._build_batch(rows, plan.request_ids, arrays, fixed_width, n_touched if updates else -1, cells)
+        out = plan.arrays or _new_tuple(_StepArrays, kernels.batch_arrays_for(
+            len(self.specs), plan.rows.size - plan.settle, n_tokens, write_slots))
+        self._scratch.reserve(most_released, released_pages, allocated_pages + max(n_logged, 0))
+        grants = self.arena.kernel_grants(plan.grants) if plan.grants else plan.spare_grants
+        rows = plan.rows[plan.settle :].copy()  # the plan's arrays are scratch
+        return self._run(grants, plan, plan.request_ids, cells, out, updates, 0, rows, fixed_width)
 
     def _step(self, fast: tuple, write_slots: bool, updates: bool) -> StepBatch | _StepPlan | None:
         """``fast``'s step in one compiled call (``kernels.step``; ``kernels.step_spare`` on an arena for a batch
@@ -1004,7 +1004,7 @@ class CacheManager:
                 # granting the spare slabs ``admit_spare`` grants)
                 grants = None if status == kernels.STEP_COMMITS else self._direct_grants(status, planned, n_spare)[0]
                 if grants is not False:
-                    return self._run_planned(grants, planned, rids, cells, out, updates, n_logged, rows_in)
+                    return self._run(grants, planned, rids, cells, out, updates, n_logged, rows_in)
             return self._planned_step(status, planned, rids, cells, out, write_slots, updates, n_spare, n_logged)
         self._version += 1
         if status:  # ``STEP_NEEDS_PAGES``
@@ -1028,7 +1028,7 @@ class CacheManager:
         plan = self._plan_of(*planned)
         plan.request_ids, plan.cells = rids, cells
         plan.arrays = out  # for ``_run``, once admitted
-        if grants is not False or plan.clean:  # admitted: ``_run`` grows the buffers where needed
+        if grants is not False or plan.clean:  # admitted: ``_commit_and_run`` grows the buffers where needed
             plan.grants, plan.spare_grants = [], None if grants is False else grants
         elif n_spare is not None and n_spare > 0:  # spare slabs, which ``Arena.apply`` moves
             plan.grants = self.arena.spare_grants(n_spare)
@@ -1036,29 +1036,33 @@ class CacheManager:
             return plan  # ``_admit`` decides
         return self._commit_and_run(plan, write_slots, updates, False)
 
-    def _run_planned(self, grants: np.ndarray | None, planned: tuple, rids: tuple, cells: tuple, out: _StepArrays,
-                     updates: bool, n_logged: int, rows_in: np.ndarray) -> StepBatch:
-        """``_step``'s run of a ``STEP_COMMITS`` or ``STEP_SPARE`` plan (``rows_in``: its rows after the settling ones;
-        ``kernels.step`` checked the buffers): the rows crossing a grain commit, then ``run_step`` (``grant_step``
-        granting ``grants``, spare slabs) of the plan in the scratch buffer, then the batch."""
-        n, settle, n_crossing, _ = planned
-        sc = self._scratch
+    def _run(self, grants: np.ndarray | None, plan: _StepPlan | tuple, rids: tuple, cells: tuple, out: _StepArrays,
+             updates: bool, n_logged: int, rows_in: np.ndarray, fixed_width: bool = False) -> StepBatch:
+        """Stages 2-4 of an admitted plan in the scratch buffer, its buffers large enough (``plan``: a ``_StepPlan``,
+        or ``_step``'s (rows, settling, crossing, clean) of a ``STEP_COMMITS`` or ``STEP_SPARE`` plan; ``rows_in``: its
+        rows after the settling ones): the rows crossing a grain commit, then ``run_step`` (``grant_step`` granting
+        ``grants``, spare slabs; ``run_step`` stopping for ``Arena.apply`` of a ``_StepPlan``'s other grants), then
+        the batch."""
+        sc, step_plan = self._scratch, plan if type(plan) is _StepPlan else None
+        n, settle, n_crossing, _ = plan if step_plan is None else (plan.rows.size, plan.settle, plan.crossing.size, 0)
         self._version += 1
         if n_crossing:
             self._commit_rows(sc.plan[6][:n_crossing])  # the stacks only grow: the plan is still admitted
-        if self._tableset.log:  # the cells the commits logged (``kernels.step`` found room for more)
+        if self._tableset.log:  # the cells logged since the last step, or by the commits, where there is room
             n_logged = self._take_log(int(sc.plan[7][1] + sc.plan[7][3]), n_logged)
-        args = (*self._state[:10], sc.buffer, n, settle)
+        args = (*(self._state or self._kernel_state())[:10], sc.buffer, n, settle)
         if grants is None:
-            status, n_touched, n_keyed = self._run_entry(*args, False, n_logged, *cells, *out)
+            hold = step_plan is not None and bool(step_plan.grants)
+            status, n_touched, n_keyed = self._run_entry(*args, hold, n_logged, *cells, *out)
         else:  # ``grant_step`` stops only when groups make room, marked already
             status, n_touched, n_keyed = self._grant_run(grants, *args, n_logged, *cells, *out)
         if status != kernels.STEP_DONE:
-            n_touched = self._after_run(n_touched, n_keyed, self._plan_of(*planned), out, cells, grants is not None)
+            step_plan = step_plan or self._plan_of(*plan)
+            n_touched = self._after_run(n_touched, n_keyed, step_plan, out, cells, grants is not None)
         elif n_keyed:  # done whole (the kernel noted the peaks): idle keyed pages join their LRUs
             self._space.keyed_idle(sc.released[1], sc.idle_keyed)
         self._last_rows = rows_in
-        return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
+        return self._build_batch(rows_in, rids, out, fixed_width, n_touched if updates else -1, cells)
 
     def _grant_run(self, grants: np.ndarray, *args: Any) -> tuple[int, int, int]:
         """``kernels.grant_step`` (its compiled code) granting the spare slabs ``grants``, with its scratch;
@@ -1122,31 +1126,6 @@ class CacheManager:
                        space.low_priority, space.stack, space.per_group, self._transient, self._in_batch, self._grain)
         return self._state
 
-    def _run(self, plan: _StepPlan, write_slots: bool, cells: tuple = _NO_CELLS,
-             n_logged: int = 0) -> tuple[_StepArrays, int]:
-        """Stage 3 in one compiled call (``kernels.run_step``): the batch's arrays and the cells changed."""
-        n_tokens, released_pages, most_released, allocated_pages = plan.totals
-        out = plan.arrays
-        if out is None:
-            out = _new_tuple(_StepArrays, kernels.batch_arrays_for(len(self.specs), plan.rows.size - plan.settle,
-                                                                    n_tokens, write_slots))
-        sc = self._scratch
-        _, idle_keyed, released, touched = sc.reserve(most_released, released_pages, allocated_pages + n_logged)
-        n_logged = self._tableset.take_log(touched) if n_logged and cells[1].size else 0
-        # ``step``'s leading arguments, then the plan (the scratch buffer ``reserve`` kept it in) and its rows.
-        state = (*(self._state or self._kernel_state())[:10], sc.buffer, plan.rows.size, plan.settle)
-        grants = self.arena.kernel_grants(plan.grants) if plan.grants else plan.spare_grants
-        if grants is None:
-            status, n_touched, n_keyed = self._run_entry(*state, bool(plan.grants), n_logged, *cells, *out)
-        else:  # spare slabs alone: granted in the kernel, after the releases
-            plan.grants = []
-            status, n_touched, n_keyed = self._grant_run(grants, *state, n_logged, *cells, *out)
-        if status != kernels.STEP_DONE:  # ``grant_step`` stops only when groups make room, marked already
-            n_touched = self._after_run(n_touched, n_keyed, plan, out, cells, grants is not None)
-        elif n_keyed:  # all ``_after_run`` does after a step done whole (the kernel noted the peaks)
-            self._space.keyed_idle(released[1], idle_keyed)
-        return out, n_touched
-
     def _load_kernels(self) -> None:
         """Load (or compile) every kernel a step may call, over a plan of no rows (nothing changes), so no
         step late in a run stalls for one (docs/architecture.md)."""
@@ -1176,7 +1155,8 @@ class CacheManager:
         ts, space = self._tableset, self._space  # ``_Releases.of``'s kernel, over no rows
         kernels.release_credit(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, 0, plan.rows,
                                plan.after[0, 0], _NO_PAGES, _NO_PAGES, _NO_PAGES, 0)
-        out = self._run(plan, True)[0]
+        plan.request_ids = ()
+        self._commit_and_run(plan, True, False, False)
         self._after_run(0, 0, plan, out)
         if self.arena is not None:  # ``_run``'s other kernel: ``grant_step``, granting no slab, by its compiled code
             plan.spare_grants = np.empty((2, 0), dtype=np.int64)
@@ -1184,7 +1164,7 @@ class CacheManager:
                 plan.spare_grants, kernels.grant_scratch(plan.spare_grants, self.arena.grant_args, len(self.specs)),
                 self.arena.grant_args, self._space.join_args, *self._kernel_state()[:10], sc.buffer, 0, 0, 0,
                 *_NO_CELLS, *out))
-            self._run(plan, True)
+            self._commit_and_run(plan, True, False, False)
 
     def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan, out: _StepArrays,
                    cells: tuple = _NO_CELLS, marked: bool = False) -> int:
@@ -1195,7 +1175,7 @@ class CacheManager:
         sc = self._scratch
         if n_keyed:
             self._space.keyed_idle(sc.released[1], sc.idle_keyed)
-        if plan.grants:
+        if plan.grants and not marked:  # ``marked``: ``grant_step`` granted them
             self.arena.apply(plan.grants)
         if marked or self._room_groups(plan):
             self._make_room(plan.sums)
