@@ -185,16 +185,12 @@ class _Releases:
         if found is None:
             plan, ts = self.plan, self._tableset
             n_pages = int(plan.sums[0, k])  # only windowed groups release
-            if n_pages:
-                credit = np.empty(plan.rows.size, dtype=np.int64)
-                sole, unkeyed = np.empty(n_pages, dtype=np.int64), np.empty(n_pages, dtype=np.int64)
-                n_sole, n_unkeyed = kernels.release_credit(
-                    ts.geometry, ts.pages, ts.bounds, self._space.ref_counts, self._space.cached, k, plan.rows,
-                    plan.after[0, k], credit, sole, unkeyed, 0)
-                found = (credit, sole[:n_sole], unkeyed[:n_unkeyed])
-            else:
-                found = (np.zeros(plan.rows.size, dtype=np.int64), _NO_PAGES, _NO_PAGES)
-            self._found[k] = found
+            credit = np.empty(plan.rows.size, dtype=np.int64)
+            sole, unkeyed = np.empty(n_pages, dtype=np.int64), np.empty(n_pages, dtype=np.int64)
+            n_sole, n_unkeyed = kernels.release_credit(
+                ts.geometry, ts.pages, ts.bounds, self._space.ref_counts, self._space.cached, k, plan.rows,
+                plan.after[0, k], credit, sole, unkeyed, 0)
+            found = self._found[k] = (credit, sole[:n_sole], unkeyed[:n_unkeyed])
         return found
 
 
@@ -999,13 +995,8 @@ class CacheManager:
             status, n, settle, n_crossing, clean, n_touched, n_keyed = self._step_entry(*args)
             n_spare = None
         if status > kernels.STEP_NEEDS_PAGES:  # planned only
-            planned = (n, settle, n_crossing, clean)
-            if status >= kernels.STEP_COMMITS:  # the rows commit, then the plan runs as it is (``STEP_SPARE``:
-                # granting the spare slabs ``admit_spare`` grants)
-                grants = None if status == kernels.STEP_COMMITS else self._direct_grants(status, planned, n_spare)[0]
-                if grants is not False:
-                    return self._run(grants, planned, rids, cells, out, updates, n_logged, rows_in)
-            return self._planned_step(status, planned, rids, cells, out, write_slots, updates, n_spare, n_logged)
+            return self._planned_step(status, (n, settle, n_crossing, clean), rids, rows_in, cells, out, write_slots,
+                                      updates, n_spare, n_logged)
         self._version += 1
         if status:  # ``STEP_NEEDS_PAGES``
             n_touched = self._after_run(n_touched, n_keyed, self._plan_of(n, settle, n_crossing, clean), out, cells)
@@ -1014,17 +1005,21 @@ class CacheManager:
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
 
-    def _planned_step(self, status: int, planned: tuple, rids: tuple, cells: tuple, out: _StepArrays,
-                      write_slots: bool, updates: bool, n_spare: int | None,
+    def _planned_step(self, status: int, planned: tuple, rids: tuple, rows_in: np.ndarray, cells: tuple,
+                      out: _StepArrays, write_slots: bool, updates: bool, n_spare: int | None,
                       n_logged: int) -> StepBatch | _StepPlan | None:
-        """``_step`` once ``kernels.step`` only planned: the batch if admitted without ``_admit`` (``_direct_grants``),
-        else the plan or None (``n_spare``: ``admit_spare``'s answer if ``step_spare`` gave it; ``n_logged``: cells
-        ``_step`` took from the table log to the touched scratch, back to it first)."""
-        n = planned[0]
-        grants, n_spare = self._direct_grants(status, planned, n_spare) if n >= 0 else (False, n_spare)
-        self._put_back_log(n_logged)
-        if n < 0:
+        """``_step`` once ``kernels.step`` only planned: the batch if admitted without ``_admit`` (``_direct_grants``;
+        run at once by ``_run`` where ``kernels.step`` checked the buffers, ``STEP_COMMITS`` or ``STEP_SPARE``: the
+        rows commit, then the plan runs as it is), else the plan or None (``n_spare``: ``admit_spare``'s answer if
+        ``step_spare`` gave it; ``n_logged``: cells ``_step`` took from the table log to the touched scratch, back to
+        it unless ``_run`` runs)."""
+        if planned[0] < 0:
+            self._put_back_log(n_logged)
             return None
+        grants, n_spare = self._direct_grants(status, planned, n_spare)
+        if grants is not False and status >= kernels.STEP_COMMITS:
+            return self._run(grants, planned, rids, cells, out, updates, n_logged, rows_in)
+        self._put_back_log(n_logged)
         plan = self._plan_of(*planned)
         plan.request_ids, plan.cells = rids, cells
         plan.arrays = out  # for ``_run``, once admitted
