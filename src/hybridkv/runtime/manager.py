@@ -85,8 +85,6 @@ class _StepPlan:
     request_ids: tuple | None = None  # the batch's ids in order, once known
     grants: list | None = None  # arena slabs to move before allocating (shared page space)
     spare_grants: np.ndarray | None = None  # or spare slabs alone, as ``kernels.grant_step`` grants them
-    arrays: _StepArrays | None = None  # the batch's fresh arrays, once made (``_step``)
-    cells: tuple | None = None  # the cell buffers ``_step`` made for the batch (``finish_step``'s cells)
 
 
 class _StepArrays(NamedTuple):
@@ -945,20 +943,18 @@ class CacheManager:
 
     def _commit_and_run(self, plan: _StepPlan, write_slots: bool, updates: bool, fixed_width: bool) -> StepBatch:
         """An admitted plan's stages 2-4 (docs/manager.md, "One step, in four stages"): its arrays and cell buffers
-        (``_step``'s if they fit) and the scratch as large as it needs, then ``_run``."""
+        and the scratch as large as it needs, then ``_run``."""
         ts, (n_tokens, released_pages, most_released, allocated_pages) = self._tableset, plan.totals
         if (ts.log is None) == updates:  # the log's state changes: on for "updates", off for "full"
             ts.set_log(updates)
-        # At most a cell per page released or allocated, after the cells logged since the last step: ``_step``'s
-        # buffers if they fit, else new ones (room for the plan's cells, and at least two a group and row).
+        # At most a cell per page released or allocated, after the cells logged since the last step (room for the
+        # plan's cells, and at least two a group and row).
         n_logged, cells = ts.logged_cells() if updates else -1, _NO_CELLS
         if n_logged >= 0:
-            n_cells, cells = n_logged + released_pages + allocated_pages, plan.cells
-            if cells is None or not cells[1].size or cells[1].size < n_cells:
-                room = max(2 * len(self.specs) * plan.rows.size + 16, n_cells)
-                cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
-        out = plan.arrays or _new_tuple(_StepArrays, kernels.batch_arrays_for(
-            len(self.specs), plan.rows.size - plan.settle, n_tokens, write_slots))
+            room = max(2 * len(self.specs) * plan.rows.size + 16, n_logged + released_pages + allocated_pages)
+            cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
+        out = _new_tuple(_StepArrays, kernels.batch_arrays_for(len(self.specs), plan.rows.size - plan.settle,
+                                                               n_tokens, write_slots))
         self._scratch.reserve(most_released, released_pages, allocated_pages + max(n_logged, 0))
         grants = self.arena.kernel_grants(plan.grants) if plan.grants else plan.spare_grants
         rows = plan.rows[plan.settle :].copy()  # the plan's arrays are scratch
@@ -977,7 +973,7 @@ class CacheManager:
         if plan_rows >= sc.plan_rows:
             sc.plan_arrays(plan_rows)
         cells, n_logged = _NO_CELLS, 0
-        if updates:  # ``_commit_and_run`` reuses them if they fit
+        if updates:
             # The cells a ``free`` or prefix hit logged go first (``_planned_step`` puts back any it does not run).
             n_logged = self._take_log(0) if self._tableset.log else 0
             # A cell per group and row (a one-token step allocates or releases at most a page in a group whose window
@@ -1021,8 +1017,7 @@ class CacheManager:
             return self._run(grants, planned, rids, cells, out, updates, n_logged, rows_in)
         self._put_back_log(n_logged)
         plan = self._plan_of(*planned)
-        plan.request_ids, plan.cells = rids, cells
-        plan.arrays = out  # for ``_run``, once admitted
+        plan.request_ids = rids
         if grants is not False or plan.clean:  # admitted: ``_commit_and_run`` grows the buffers where needed
             plan.grants, plan.spare_grants = [], None if grants is False else grants
         elif n_spare is not None and n_spare > 0:  # spare slabs, which ``Arena.apply`` moves
@@ -1147,9 +1142,7 @@ class CacheManager:
         plan = _StepPlan(rows[:0], counts[:0], first[:0], after[:, :, :1], need[:, :0], sums, crossing[:0], 0, True,
                          (0, 0, 0, 0), grants=[])
         self._short_pages(plan, none, none, none)
-        ts, space = self._tableset, self._space  # ``_Releases.of``'s kernel, over no rows
-        kernels.release_credit(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, 0, plan.rows,
-                               plan.after[0, 0], _NO_PAGES, _NO_PAGES, _NO_PAGES, 0)
+        _Releases(self._tableset, self._space, plan).of(0)
         plan.request_ids = ()
         self._commit_and_run(plan, True, False, False)
         self._after_run(0, 0, plan, out)
