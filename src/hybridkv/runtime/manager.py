@@ -101,7 +101,7 @@ _INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
 _new_tuple, _new_object, _pack_into = tuple.__new__, object.__new__, struct.pack_into
 
 
-_PACK_FROM = 64  # ``_int64_array`` packs this many ints or more (``_fast_rows_uniform`` inlines the rest's path)
+_PACK_FROM = 64  # ``_int64_array`` packs this many ints or more
 
 
 def _int64_array(values: tuple, n: int) -> np.ndarray:
@@ -794,17 +794,12 @@ class CacheManager:
             count = int(count)
         if not 1 <= count <= self.max_step_tokens:
             return None
-        n = len(rids)
-        try:  # ``_rows_of``, inline: the decode step's one call less
-            found = itemgetter(*rids)(self._row_of) if n > 1 else (self._row_of[rids[0]],)
-        except (KeyError, TypeError):
-            return None
-        if self.pending_loads and not self.pending_loads.isdisjoint(rids):  # the ids hash (they were found)
+        rows = self._rows_of(rids)
+        if rows is None or (self.pending_loads and not self.pending_loads.isdisjoint(rids)):
             return None
         if count != self._one_count_tokens:  # ``prepare_step`` reads one count as every row's
             self._one_count[0] = self._one_count_tokens = count
-        rows = np.fromiter(found, _INT64, n) if n < _PACK_FROM else _int64_array(found, n)  # ``fromiter`` inline
-        return rows, self._one_count, rids, n * count
+        return rows, self._one_count, rids, len(rids) * count
 
     def _rows_of(self, rids: tuple) -> np.ndarray | None:
         """Table rows of known request ids; None if an id is unknown or unhashable."""
