@@ -362,18 +362,12 @@ class CacheManager:
                     cache_salt: str | bytes | None = None) -> PrefixHit:
         """Register a request; with prefix caching, borrow its cached prefix. Returns the hit.
         ``prompt_token_ids`` may be a ``PreparedPrompt`` of this manager (then give nothing else)."""
+        args = (request_id, prompt_token_ids, prompt_tokens, max_new_tokens, cache_salt)
         if type(prompt_token_ids) is PreparedPrompt:
-            req, prompt, address = self._take_prepared(request_id, prompt_token_ids, prompt_tokens, max_new_tokens,
-                                                       cache_salt)
+            req, prompt, address = self._take_prepared(*args)
             cache_salt = prompt_token_ids.cache_salt
-        elif (plain := self._plain_prompt(request_id, prompt_token_ids, prompt_tokens, max_new_tokens,
-                                          cache_salt)) is not None:
-            req, address = plain
-            prompt = req.token_ids[: req.prompt_tokens]
         else:
-            req = self._new_prompt(request_id, prompt_token_ids, prompt_tokens, max_new_tokens, cache_salt)
-            buf = req.token_ids
-            prompt, address = (None, 0) if buf is None else (buf[: req.prompt_tokens], buf.ctypes.data)
+            req, prompt, address = self._plain_prompt(*args) or self._new_prompt(*args)
         self._version += 1  # invalidates a cached admission
         row = req.row = self._free_rows.pop() if self._free_rows else self._take_row()
         if self.prefix is not None and prompt is not None:
@@ -392,7 +386,7 @@ class CacheManager:
         return hit
 
     def _plain_prompt(self, request_id: Any, ids: Any, prompt_tokens: Any, max_new_tokens: Any,
-                      cache_salt: Any) -> tuple[_Request, int] | None:
+                      cache_salt: Any) -> tuple[_Request, np.ndarray, int] | None:
         """``add_request``'s common case (new str id, 1-D int32 ids, int ``max_new_tokens``, nothing else):
         the request (no row yet), its ids copied and checked in one compiled call, and their address; else None
         (``_new_prompt`` words it)."""
@@ -403,18 +397,20 @@ class CacheManager:
             return None
         buf = np.empty(ids.size + max_new_tokens, dtype=np.int32)
         address = self._copy_ids(ids, buf)
-        return (_Request(request_id, -1, ids.size, buf.size, buf), address) if address else None
+        return (_Request(request_id, -1, ids.size, buf.size, buf), buf[: ids.size], address) if address else None
 
     def _new_prompt(self, request_id: Any, prompt_token_ids: Any, prompt_tokens: Any, max_new_tokens: Any,
-                    cache_salt: Any) -> _Request:
-        """``add_request``'s arguments checked in order: the request (no row yet; no token buffer without ids)."""
+                    cache_salt: Any) -> tuple[_Request, np.ndarray | None, int]:
+        """``add_request``'s arguments checked in order: the request (no row yet; no token buffer without ids), its
+        prompt ids and their address (None and 0 without ids)."""
         check_cache_salt(cache_salt, CacheManagerError)
         if prompt_token_ids is not None:
             check_token_ids("prompt_token_ids", prompt_token_ids, CacheManagerError)
         self._check_new_id(request_id)
         buf, prompt_len, total = self._prompt_buffer(f"request {request_id!r}", prompt_token_ids, prompt_tokens,
                                                      max_new_tokens)
-        return _Request(request_id, -1, prompt_len, total, buf)
+        req = _Request(request_id, -1, prompt_len, total, buf)
+        return (req, None, 0) if buf is None else (req, buf[:prompt_len], buf.ctypes.data)
 
     def _check_new_id(self, request_id: Any) -> None:
         if not isinstance(request_id, str) or not request_id:
