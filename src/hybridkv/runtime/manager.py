@@ -149,13 +149,12 @@ class _Scratch:
         views = kernels.plan_views(self.buffer, self.n_groups)
         self.plan, (self.released, self.widths, self.pages, self.idle_keyed, self.touched) = views[:8], views[8:]
 
-    def reserve(self, most_released: int, released_pages: int, allocated_pages: int) -> tuple:
-        """(release scratch, idle keyed pages, released counts, touched cells), large enough."""
+    def reserve(self, most_released: int, released_pages: int, allocated_pages: int) -> None:
+        """Grow the release scratch, idle keyed pages and touched cells where a run needs more."""
         sizes = (self.pages.size, self.idle_keyed.size, self.touched.size)
         if most_released > sizes[0] or released_pages > sizes[1] or released_pages + allocated_pages > sizes[2]:
             wanted = (most_released, released_pages, released_pages + allocated_pages)
             self._grow(self.plan_rows, *(2 * w if w > n else n for w, n in zip(wanted, sizes)))
-        return self.pages, self.idle_keyed, self.released, self.touched
 
 
 @dataclass
@@ -1057,11 +1056,10 @@ class CacheManager:
         return (found[0], found[1], 0) if found[0] == kernels.STEP_DONE and join[3].size else found
 
     def _direct_grants(self, status: int, planned: tuple, n_spare: int | None) -> tuple[Any, int | None]:
-        """How ``_planned_step`` (or ``_step``, a ``STEP_SPARE`` plan) may run a plan that
-        ``_admit`` would admit as is or with spare slabs alone, without it: None (``run_step``: a clean plan whose rows
-        cross a grain, one ``STEP_COVERED`` granting no slab, or one ``admit_spare`` admits as is), the spare slabs
-        ``admit_spare`` grants (``grant_step``'s ``[2, n]``), else False; and ``admit_spare``'s answer where it was
-        asked (else ``n_spare``)."""
+        """How ``_planned_step`` may run a plan that ``_admit`` would admit as is or with spare slabs alone, without
+        it: None (``run_step``: a clean plan whose rows cross a grain, one ``STEP_COVERED`` granting no slab, or one
+        ``admit_spare`` admits as is), the spare slabs ``admit_spare`` grants (``grant_step``'s ``[2, n]``), else
+        False; and ``admit_spare``'s answer where it was asked (else ``n_spare``)."""
         n, _, n_crossing, clean = planned
         if clean:
             return None if n_crossing else False, n_spare
