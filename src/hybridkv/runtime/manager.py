@@ -316,19 +316,18 @@ class CacheManager:
         self._row_owner: dict[int, _Request] = {}
         self._free_rows: list[int] = []
         self._next_row = 0
-        # Per table row: computed, committed and known token ids (max total without ids), as
-        # views of one array the step kernel takes whole.
-        self._counters = np.zeros((3, 64), dtype=np.int64)
-        self._computed, self._committed, self._known = self._counters
-        self._max_total = np.zeros(64, dtype=np.int64)
-        self._known_floor = np.zeros(64, dtype=np.int64)  # rewinds keep known ids up to it: prompt (no ids: total)
+        # Per table row, views of one array: computed, committed and known token ids (max total without ids; the step
+        # kernel takes these three whole, ``_counters``), the max total, the known ids rewinds keep (prompt; no ids:
+        # total) and the address of its request's token ids (``_Request.token_ids``' data, which the request keeps
+        # alive; 0 without ids or a request: ``kernels.append_token_ids`` writes there).
+        self._by_row = np.zeros((6, 64), dtype=np.int64)
+        self._counters = self._by_row[:3]
+        self._computed, self._committed, self._known, self._max_total, self._known_floor, self._token_addr = \
+            self._by_row
         self._in_batch = np.zeros(64, dtype=np.bool_)  # prepare_step's scratch, one flag per row
         self._one_count = np.zeros(1, dtype=np.int64)  # a uniform step's count, for every row (no array made)
         self._one_count_tokens = 0  # ``_one_count[0]`` as a plain int (written only when it changes)
         self._one_row = np.zeros(1, dtype=np.int64)  # the row ``free`` commits (no array made)
-        # Per table row: the address of its request's token ids (``_Request.token_ids``' data, which the request
-        # keeps alive), 0 without ids or a request: ``kernels.append_token_ids`` writes there.
-        self._token_addr = np.zeros(64, dtype=np.int64)
         # ``kernels.copy_token_ids``' and ``append_token_ids``' compiled code for any int32 ids (a read-only
         # strided view's type covers every layout): ``_plain_prompt`` and ``append_token_ids_many`` skip the
         # type dispatch.
@@ -1477,12 +1476,10 @@ class CacheManager:
         self._next_row += 1
         self._state = None  # the table store and the counters may grow
         if row >= self._computed.size:
-            grow = np.zeros(self._computed.size, dtype=np.int64)
-            self._counters = np.concatenate([self._counters, np.zeros_like(self._counters)], axis=1)
-            self._computed, self._committed, self._known = self._counters
-            self._max_total = np.concatenate([self._max_total, grow])
-            self._token_addr = np.concatenate([self._token_addr, grow])
-            self._known_floor = np.concatenate([self._known_floor, grow])
+            self._by_row = np.concatenate([self._by_row, np.zeros_like(self._by_row)], axis=1)
+            self._counters = self._by_row[:3]
+            self._computed, self._committed, self._known, self._max_total, self._known_floor, self._token_addr = \
+                self._by_row
             self._in_batch = np.zeros(self._computed.size, dtype=np.bool_)
             self._scratch.plan_arrays(2 * self._computed.size)  # room for any step's rows, grown here, not in a step
         self._tableset.ensure_rows(row + 1)
