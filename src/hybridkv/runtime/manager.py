@@ -85,8 +85,6 @@ class _StepPlan:
     request_ids: tuple | None = None  # the batch's ids in order, once known
     grants: list | None = None  # arena slabs to move before allocating (shared page space)
     spare_grants: np.ndarray | None = None  # or spare slabs alone, as ``kernels.grant_step`` grants them
-    arrays: _StepArrays | None = None  # the batch's fresh arrays, once made (``_step``)
-    cells: tuple | None = None  # the cell buffers ``_step`` made for the batch (``finish_step``'s cells)
 
 
 class _StepArrays(NamedTuple):
@@ -103,7 +101,7 @@ _INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
 _new_tuple, _new_object, _pack_into = tuple.__new__, object.__new__, struct.pack_into
 
 
-_PACK_FROM = 64  # ``_int64_array`` packs this many ints or more (``_fast_rows_uniform`` inlines the rest's path)
+_PACK_FROM = 64  # ``_int64_array`` packs this many ints or more
 
 
 def _int64_array(values: tuple, n: int) -> np.ndarray:
@@ -151,13 +149,12 @@ class _Scratch:
         views = kernels.plan_views(self.buffer, self.n_groups)
         self.plan, (self.released, self.widths, self.pages, self.idle_keyed, self.touched) = views[:8], views[8:]
 
-    def reserve(self, most_released: int, released_pages: int, allocated_pages: int) -> tuple:
-        """(release scratch, idle keyed pages, released counts, touched cells), large enough."""
+    def reserve(self, most_released: int, released_pages: int, allocated_pages: int) -> None:
+        """Grow the release scratch, idle keyed pages and touched cells where a run needs more."""
         sizes = (self.pages.size, self.idle_keyed.size, self.touched.size)
         if most_released > sizes[0] or released_pages > sizes[1] or released_pages + allocated_pages > sizes[2]:
             wanted = (most_released, released_pages, released_pages + allocated_pages)
             self._grow(self.plan_rows, *(2 * w if w > n else n for w, n in zip(wanted, sizes)))
-        return self.pages, self.idle_keyed, self.released, self.touched
 
 
 @dataclass
@@ -185,16 +182,12 @@ class _Releases:
         if found is None:
             plan, ts = self.plan, self._tableset
             n_pages = int(plan.sums[0, k])  # only windowed groups release
-            if n_pages:
-                credit = np.empty(plan.rows.size, dtype=np.int64)
-                sole, unkeyed = np.empty(n_pages, dtype=np.int64), np.empty(n_pages, dtype=np.int64)
-                n_sole, n_unkeyed = kernels.release_credit(
-                    ts.geometry, ts.pages, ts.bounds, self._space.ref_counts, self._space.cached, k, plan.rows,
-                    plan.after[0, k], credit, sole, unkeyed, 0)
-                found = (credit, sole[:n_sole], unkeyed[:n_unkeyed])
-            else:
-                found = (np.zeros(plan.rows.size, dtype=np.int64), _NO_PAGES, _NO_PAGES)
-            self._found[k] = found
+            credit = np.empty(plan.rows.size, dtype=np.int64)
+            sole, unkeyed = np.empty(n_pages, dtype=np.int64), np.empty(n_pages, dtype=np.int64)
+            n_sole, n_unkeyed = kernels.release_credit(
+                ts.geometry, ts.pages, ts.bounds, self._space.ref_counts, self._space.cached, k, plan.rows,
+                plan.after[0, k], credit, sole, unkeyed, 0)
+            found = self._found[k] = (credit, sole[:n_sole], unkeyed[:n_unkeyed])
         return found
 
 
@@ -323,19 +316,18 @@ class CacheManager:
         self._row_owner: dict[int, _Request] = {}
         self._free_rows: list[int] = []
         self._next_row = 0
-        # Per table row: computed, committed and known token ids (max total without ids), as
-        # views of one array the step kernel takes whole.
-        self._counters = np.zeros((3, 64), dtype=np.int64)
-        self._computed, self._committed, self._known = self._counters
-        self._max_total = np.zeros(64, dtype=np.int64)
-        self._known_floor = np.zeros(64, dtype=np.int64)  # rewinds keep known ids up to it: prompt (no ids: total)
+        # Per table row, views of one array: computed, committed and known token ids (max total without ids; the step
+        # kernel takes these three whole, ``_counters``), the max total, the known ids rewinds keep (prompt; no ids:
+        # total) and the address of its request's token ids (``_Request.token_ids``' data, which the request keeps
+        # alive; 0 without ids or a request: ``kernels.append_token_ids`` writes there).
+        self._by_row = np.zeros((6, 64), dtype=np.int64)
+        self._counters = self._by_row[:3]
+        self._computed, self._committed, self._known, self._max_total, self._known_floor, self._token_addr = \
+            self._by_row
         self._in_batch = np.zeros(64, dtype=np.bool_)  # prepare_step's scratch, one flag per row
         self._one_count = np.zeros(1, dtype=np.int64)  # a uniform step's count, for every row (no array made)
         self._one_count_tokens = 0  # ``_one_count[0]`` as a plain int (written only when it changes)
         self._one_row = np.zeros(1, dtype=np.int64)  # the row ``free`` commits (no array made)
-        # Per table row: the address of its request's token ids (``_Request.token_ids``' data, which the request
-        # keeps alive), 0 without ids or a request: ``kernels.append_token_ids`` writes there.
-        self._token_addr = np.zeros(64, dtype=np.int64)
         # ``kernels.copy_token_ids``' and ``append_token_ids``' compiled code for any int32 ids (a read-only
         # strided view's type covers every layout): ``_plain_prompt`` and ``append_token_ids_many`` skip the
         # type dispatch.
@@ -368,18 +360,12 @@ class CacheManager:
                     cache_salt: str | bytes | None = None) -> PrefixHit:
         """Register a request; with prefix caching, borrow its cached prefix. Returns the hit.
         ``prompt_token_ids`` may be a ``PreparedPrompt`` of this manager (then give nothing else)."""
+        args = (request_id, prompt_token_ids, prompt_tokens, max_new_tokens, cache_salt)
         if type(prompt_token_ids) is PreparedPrompt:
-            req, prompt, address = self._take_prepared(request_id, prompt_token_ids, prompt_tokens, max_new_tokens,
-                                                       cache_salt)
+            req, prompt, address = self._take_prepared(*args)
             cache_salt = prompt_token_ids.cache_salt
-        elif (plain := self._plain_prompt(request_id, prompt_token_ids, prompt_tokens, max_new_tokens,
-                                          cache_salt)) is not None:
-            req, address = plain
-            prompt = req.token_ids[: req.prompt_tokens]
         else:
-            req = self._new_prompt(request_id, prompt_token_ids, prompt_tokens, max_new_tokens, cache_salt)
-            buf = req.token_ids
-            prompt, address = (None, 0) if buf is None else (buf[: req.prompt_tokens], buf.ctypes.data)
+            req, prompt, address = self._plain_prompt(*args) or self._new_prompt(*args)
         self._version += 1  # invalidates a cached admission
         row = req.row = self._free_rows.pop() if self._free_rows else self._take_row()
         if self.prefix is not None and prompt is not None:
@@ -398,7 +384,7 @@ class CacheManager:
         return hit
 
     def _plain_prompt(self, request_id: Any, ids: Any, prompt_tokens: Any, max_new_tokens: Any,
-                      cache_salt: Any) -> tuple[_Request, int] | None:
+                      cache_salt: Any) -> tuple[_Request, np.ndarray, int] | None:
         """``add_request``'s common case (new str id, 1-D int32 ids, int ``max_new_tokens``, nothing else):
         the request (no row yet), its ids copied and checked in one compiled call, and their address; else None
         (``_new_prompt`` words it)."""
@@ -409,18 +395,20 @@ class CacheManager:
             return None
         buf = np.empty(ids.size + max_new_tokens, dtype=np.int32)
         address = self._copy_ids(ids, buf)
-        return (_Request(request_id, -1, ids.size, buf.size, buf), address) if address else None
+        return (_Request(request_id, -1, ids.size, buf.size, buf), buf[: ids.size], address) if address else None
 
     def _new_prompt(self, request_id: Any, prompt_token_ids: Any, prompt_tokens: Any, max_new_tokens: Any,
-                    cache_salt: Any) -> _Request:
-        """``add_request``'s arguments checked in order: the request (no row yet; no token buffer without ids)."""
+                    cache_salt: Any) -> tuple[_Request, np.ndarray | None, int]:
+        """``add_request``'s arguments checked in order: the request (no row yet; no token buffer without ids), its
+        prompt ids and their address (None and 0 without ids)."""
         check_cache_salt(cache_salt, CacheManagerError)
         if prompt_token_ids is not None:
             check_token_ids("prompt_token_ids", prompt_token_ids, CacheManagerError)
         self._check_new_id(request_id)
         buf, prompt_len, total = self._prompt_buffer(f"request {request_id!r}", prompt_token_ids, prompt_tokens,
                                                      max_new_tokens)
-        return _Request(request_id, -1, prompt_len, total, buf)
+        req = _Request(request_id, -1, prompt_len, total, buf)
+        return (req, None, 0) if buf is None else (req, buf[:prompt_len], buf.ctypes.data)
 
     def _check_new_id(self, request_id: Any) -> None:
         if not isinstance(request_id, str) or not request_id:
@@ -763,30 +751,21 @@ class CacheManager:
     def _fast_rows(self, items) -> tuple[np.ndarray, np.ndarray, tuple, int] | None:
         """(rows, counts, ids, tokens) of valid-looking pairs, vectorized; None sends the batch to the
         per-item path. The plan checks distinct rows, known tokens and each count's range."""
-        if len(items) == 1:  # one pair (a prefill chunk): ``_fast_rows_uniform``'s scalar checks
-            try:
-                (rid, count), = items
-            except (TypeError, ValueError):
-                return None  # no pair
-            return self._fast_rows_uniform((rid,), count)
         try:  # strict: an item of another length among pairs is no pair either
             rids, counts = zip(*items, strict=True)
         except (TypeError, ValueError):
             return None  # not all pairs
-        rows = self._rows_of(rids)
-        if rows is None or (self.pending_loads and not self.pending_loads.isdisjoint(rids)):
-            return None
         n = len(counts)
         if [*map(type, counts)].count(int) != n:  # not all plain ints (the type count keeps out True)
             kinds = set(map(type, counts))
             if bool in kinds or not all(k is int or issubclass(k, np.integer) for k in kinds):
                 return None  # bool is an int subclass but not a token count
             counts = tuple(map(int, counts))  # numpy ints: exact plain ints for ``_counts_in``'s sum
-        elif counts.count(counts[0]) == n:  # equal plain ints (decode or verify): one scalar check
-            if not 1 <= counts[0] <= self.max_step_tokens:
-                return None
-            self._one_count[0] = self._one_count_tokens = counts[0]  # ``prepare_step`` reads one count as every row's
-            return rows, self._one_count, rids, n * counts[0]
+        if counts.count(counts[0]) == n:  # one count (a prefill chunk, decode, verify): one scalar check
+            return self._fast_rows_uniform(rids, counts[0])
+        rows = self._rows_of(rids)
+        if rows is None or (self.pending_loads and not self.pending_loads.isdisjoint(rids)):
+            return None
         found = self._counts_in(counts, n)
         return None if found is None else (rows, found[0], rids, found[1])
 
@@ -809,17 +788,12 @@ class CacheManager:
             count = int(count)
         if not 1 <= count <= self.max_step_tokens:
             return None
-        n = len(rids)
-        try:  # ``_rows_of``, inline: the decode step's one call less
-            found = itemgetter(*rids)(self._row_of) if n > 1 else (self._row_of[rids[0]],)
-        except (KeyError, TypeError):
-            return None
-        if self.pending_loads and not self.pending_loads.isdisjoint(rids):  # the ids hash (they were found)
+        rows = self._rows_of(rids)
+        if rows is None or (self.pending_loads and not self.pending_loads.isdisjoint(rids)):
             return None
         if count != self._one_count_tokens:  # ``prepare_step`` reads one count as every row's
             self._one_count[0] = self._one_count_tokens = count
-        rows = np.fromiter(found, _INT64, n) if n < _PACK_FROM else _int64_array(found, n)  # ``fromiter`` inline
-        return rows, self._one_count, rids, n * count
+        return rows, self._one_count, rids, len(rids) * count
 
     def _rows_of(self, rids: tuple) -> np.ndarray | None:
         """Table rows of known request ids; None if an id is unknown or unhashable."""
@@ -957,25 +931,23 @@ class CacheManager:
         return self._commit_and_run(plan, write_slots, updates, fixed_width)
 
     def _commit_and_run(self, plan: _StepPlan, write_slots: bool, updates: bool, fixed_width: bool) -> StepBatch:
-        """An admitted plan's stages 2-4: commit, run, build the batch (docs/manager.md, "One step, in four stages")."""
-        self._version += 1
-        if self.prefix is not None and plan.crossing.size:
-            self._commit_rows(plan.crossing)  # publish what the rows' previous steps completed
-        ts = self._tableset
+        """An admitted plan's stages 2-4 (docs/manager.md, "One step, in four stages"): its arrays and cell buffers
+        and the scratch as large as it needs, then ``_run``."""
+        ts, (n_tokens, released_pages, most_released, allocated_pages) = self._tableset, plan.totals
         if (ts.log is None) == updates:  # the log's state changes: on for "updates", off for "full"
             ts.set_log(updates)
-        # At most a cell per page released or allocated, after the cells logged since the last step: ``_step``'s
-        # buffers if they fit, else new ones (room for the plan's cells, and at least two a group and row).
+        # At most a cell per page released or allocated, after the cells logged since the last step (room for the
+        # plan's cells, and at least two a group and row).
         n_logged, cells = ts.logged_cells() if updates else -1, _NO_CELLS
         if n_logged >= 0:
-            n_cells, cells = n_logged + plan.totals[1] + plan.totals[3], plan.cells
-            if cells is None or not cells[1].size or cells[1].size < n_cells:
-                room = max(2 * len(self.specs) * plan.rows.size + 16, n_cells)
-                cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
-        arrays, n_touched = self._run(plan, write_slots, cells, max(n_logged, 0))
-        rows = plan.rows[plan.settle :]
-        self._last_rows = rows.copy()  # the plan's arrays are scratch
-        return self._build_batch(rows, plan.request_ids, arrays, fixed_width, n_touched if updates else -1, cells)
+            room = max(2 * len(self.specs) * plan.rows.size + 16, n_logged + released_pages + allocated_pages)
+            cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
+        out = _new_tuple(_StepArrays, kernels.batch_arrays_for(len(self.specs), plan.rows.size - plan.settle,
+                                                               n_tokens, write_slots))
+        self._scratch.reserve(most_released, released_pages, allocated_pages + max(n_logged, 0))
+        grants = self.arena.kernel_grants(plan.grants) if plan.grants else plan.spare_grants
+        rows = plan.rows[plan.settle :].copy()  # the plan's arrays are scratch
+        return self._run(grants, plan, plan.request_ids, cells, out, updates, 0, rows, fixed_width)
 
     def _step(self, fast: tuple, write_slots: bool, updates: bool) -> StepBatch | _StepPlan | None:
         """``fast``'s step in one compiled call (``kernels.step``; ``kernels.step_spare`` on an arena for a batch
@@ -990,7 +962,7 @@ class CacheManager:
         if plan_rows >= sc.plan_rows:
             sc.plan_arrays(plan_rows)
         cells, n_logged = _NO_CELLS, 0
-        if updates:  # ``_commit_and_run`` reuses them if they fit
+        if updates:
             # The cells a ``free`` or prefix hit logged go first (``_planned_step`` puts back any it does not run).
             n_logged = self._take_log(0) if self._tableset.log else 0
             # A cell per group and row (a one-token step allocates or releases at most a page in a group whose window
@@ -1008,13 +980,8 @@ class CacheManager:
             status, n, settle, n_crossing, clean, n_touched, n_keyed = self._step_entry(*args)
             n_spare = None
         if status > kernels.STEP_NEEDS_PAGES:  # planned only
-            planned = (n, settle, n_crossing, clean)
-            if status >= kernels.STEP_COMMITS:  # the rows commit, then the plan runs as it is (``STEP_SPARE``:
-                # granting the spare slabs ``admit_spare`` grants)
-                grants = None if status == kernels.STEP_COMMITS else self._direct_grants(status, planned, n_spare)[0]
-                if grants is not False:
-                    return self._run_planned(grants, planned, rids, cells, out, updates, n_logged, rows_in)
-            return self._planned_step(status, planned, rids, cells, out, write_slots, updates, n_spare, n_logged)
+            return self._planned_step(status, (n, settle, n_crossing, clean), rids, rows_in, cells, out, write_slots,
+                                      updates, n_spare, n_logged)
         self._version += 1
         if status:  # ``STEP_NEEDS_PAGES``
             n_touched = self._after_run(n_touched, n_keyed, self._plan_of(n, settle, n_crossing, clean), out, cells)
@@ -1023,26 +990,24 @@ class CacheManager:
         self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
 
-    def _planned_step(self, status: int, planned: tuple, rids: tuple, cells: tuple, out: _StepArrays,
-                      write_slots: bool, updates: bool, n_spare: int | None,
-                      n_logged: int = 0) -> StepBatch | _StepPlan | None:
-        """``_step`` once ``kernels.step`` only planned: the batch if admitted without ``_admit`` (``_direct_grants``)
-        and run at once (``_run_planned``), else the plan or None (``n_spare``: ``admit_spare``'s answer if
+    def _planned_step(self, status: int, planned: tuple, rids: tuple, rows_in: np.ndarray, cells: tuple,
+                      out: _StepArrays, write_slots: bool, updates: bool, n_spare: int | None,
+                      n_logged: int) -> StepBatch | _StepPlan | None:
+        """``_step`` once ``kernels.step`` only planned: the batch if admitted without ``_admit`` (``_direct_grants``;
+        run at once by ``_run`` where ``kernels.step`` checked the buffers, ``STEP_COMMITS`` or ``STEP_SPARE``: the
+        rows commit, then the plan runs as it is), else the plan or None (``n_spare``: ``admit_spare``'s answer if
         ``step_spare`` gave it; ``n_logged``: cells ``_step`` took from the table log to the touched scratch, back to
-        it unless run)."""
-        n = planned[0]
-        grants, n_spare = self._direct_grants(status, planned, n_spare) if n >= 0 else (False, n_spare)
-        if grants is not False:
-            batch = self._run_planned(grants, planned, rids, cells, out, updates, n_logged)
-            if batch is not None:
-                return batch
-        self._put_back_log(n_logged)
-        if n < 0:
+        it unless ``_run`` runs)."""
+        if planned[0] < 0:
+            self._put_back_log(n_logged)
             return None
+        grants, n_spare = self._direct_grants(status, planned, n_spare)
+        if grants is not False and status >= kernels.STEP_COMMITS:
+            return self._run(grants, planned, rids, cells, out, updates, n_logged, rows_in)
+        self._put_back_log(n_logged)
         plan = self._plan_of(*planned)
-        plan.request_ids, plan.cells = rids, cells
-        plan.arrays = out  # for ``_run``, once admitted
-        if grants is not False or plan.clean:  # the buffers must grow first (``_run`` grows them)
+        plan.request_ids = rids
+        if grants is not False or plan.clean:  # admitted: ``_commit_and_run`` grows the buffers where needed
             plan.grants, plan.spare_grants = [], None if grants is False else grants
         elif n_spare is not None and n_spare > 0:  # spare slabs, which ``Arena.apply`` moves
             plan.grants = self.arena.spare_grants(n_spare)
@@ -1050,38 +1015,33 @@ class CacheManager:
             return plan  # ``_admit`` decides
         return self._commit_and_run(plan, write_slots, updates, False)
 
-    def _run_planned(self, grants: np.ndarray | None, planned: tuple, rids: tuple, cells: tuple, out: _StepArrays,
-                     updates: bool, n_logged: int, rows_in: np.ndarray | None = None) -> StepBatch | None:
-        """``_planned_step``'s run of an admitted plan when the buffers are large enough (else None), and ``_step``'s
-        of a ``STEP_COMMITS`` or ``STEP_SPARE`` plan (``rows_in``: its rows after the settling ones; ``kernels.step``
-        checked the buffers): the rows crossing a grain commit, then ``run_step`` (``grant_step`` granting
-        ``grants``, spare slabs) of the plan in the scratch buffer, then the batch."""
-        n, settle, n_crossing, _ = planned
-        sc, checked = self._scratch, rows_in is not None
-        if not checked:
-            n_tokens, released, most, allocated = sc.plan[7].tolist()
-            if not (n_tokens == out.per_token.shape[1] and 0 <= most <= sc.pages.size
-                    and released <= sc.idle_keyed.size and released + allocated <= sc.touched.size):
-                return None
-            rows_in = sc.plan[0][settle:n].copy()  # the plan's arrays are scratch
+    def _run(self, grants: np.ndarray | None, plan: _StepPlan | tuple, rids: tuple, cells: tuple, out: _StepArrays,
+             updates: bool, n_logged: int, rows_in: np.ndarray, fixed_width: bool = False) -> StepBatch:
+        """Stages 2-4 of an admitted plan in the scratch buffer, its buffers large enough (``plan``: a ``_StepPlan``,
+        or ``_step``'s (rows, settling, crossing, clean) of a ``STEP_COMMITS`` or ``STEP_SPARE`` plan; ``rows_in``: its
+        rows after the settling ones): the rows crossing a grain commit, then ``run_step`` (``grant_step`` granting
+        ``grants``, spare slabs; ``run_step`` stopping for ``Arena.apply`` of a ``_StepPlan``'s other grants), then
+        the batch."""
+        sc, step_plan = self._scratch, plan if type(plan) is _StepPlan else None
+        n, settle, n_crossing, _ = plan if step_plan is None else (plan.rows.size, plan.settle, plan.crossing.size, 0)
         self._version += 1
         if n_crossing:
             self._commit_rows(sc.plan[6][:n_crossing])  # the stacks only grow: the plan is still admitted
-        # The cells the commits logged (``kernels.step`` found room for more); unchecked, room for those taken before.
-        if self._tableset.log or (n_logged and not checked):
+        if self._tableset.log:  # the cells logged since the last step, or by the commits, where there is room
             n_logged = self._take_log(int(sc.plan[7][1] + sc.plan[7][3]), n_logged)
-        args = (*self._state[:10], sc.buffer, n, settle)
+        args = (*(self._state or self._kernel_state())[:10], sc.buffer, n, settle)
         if grants is None:
-            status, n_touched, n_keyed = self._run_entry(*args, False, n_logged, *cells, *out)
+            hold = step_plan is not None and bool(step_plan.grants)
+            status, n_touched, n_keyed = self._run_entry(*args, hold, n_logged, *cells, *out)
         else:  # ``grant_step`` stops only when groups make room, marked already
             status, n_touched, n_keyed = self._grant_run(grants, *args, n_logged, *cells, *out)
-        if status != kernels.STEP_DONE:  # ``grant_step`` stopped with its marks made: no ``_StepPlan`` for them
-            plan = None if grants is not None else self._plan_of(*planned)
-            n_touched = self._after_run(n_touched, n_keyed, plan, out, cells, grants is not None, (n, settle))
+        if status != kernels.STEP_DONE:
+            step_plan = step_plan or self._plan_of(*plan)
+            n_touched = self._after_run(n_touched, n_keyed, step_plan, out, cells, grants is not None)
         elif n_keyed:  # done whole (the kernel noted the peaks): idle keyed pages join their LRUs
             self._space.keyed_idle(sc.released[1], sc.idle_keyed)
         self._last_rows = rows_in
-        return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
+        return self._build_batch(rows_in, rids, out, fixed_width, n_touched if updates else -1, cells)
 
     def _grant_run(self, grants: np.ndarray, *args: Any) -> tuple[int, int, int]:
         """``kernels.grant_step`` (its compiled code) granting the spare slabs ``grants``, with its scratch;
@@ -1095,11 +1055,10 @@ class CacheManager:
         return (found[0], found[1], 0) if found[0] == kernels.STEP_DONE and join[3].size else found
 
     def _direct_grants(self, status: int, planned: tuple, n_spare: int | None) -> tuple[Any, int | None]:
-        """How ``_planned_step`` (or ``_step``, a ``STEP_SPARE`` plan) may run a plan that
-        ``_admit`` would admit as is or with spare slabs alone, without it: None (``run_step``: a clean plan whose rows
-        cross a grain, one ``STEP_COVERED`` granting no slab, or one ``admit_spare`` admits as is), the spare slabs
-        ``admit_spare`` grants (``grant_step``'s ``[2, n]``), else False; and ``admit_spare``'s answer where it was
-        asked (else ``n_spare``)."""
+        """How ``_planned_step`` may run a plan that ``_admit`` would admit as is or with spare slabs alone, without
+        it: None (``run_step``: a clean plan whose rows cross a grain, one ``STEP_COVERED`` granting no slab, or one
+        ``admit_spare`` admits as is), the spare slabs ``admit_spare`` grants (``grant_step``'s ``[2, n]``), else
+        False; and ``admit_spare``'s answer where it was asked (else ``n_spare``)."""
         n, _, n_crossing, clean = planned
         if clean:
             return None if n_crossing else False, n_spare
@@ -1145,31 +1104,6 @@ class CacheManager:
                        space.low_priority, space.stack, space.per_group, self._transient, self._in_batch, self._grain)
         return self._state
 
-    def _run(self, plan: _StepPlan, write_slots: bool, cells: tuple = _NO_CELLS,
-             n_logged: int = 0) -> tuple[_StepArrays, int]:
-        """Stage 3 in one compiled call (``kernels.run_step``): the batch's arrays and the cells changed."""
-        n_tokens, released_pages, most_released, allocated_pages = plan.totals
-        out = plan.arrays
-        if out is None:
-            out = _new_tuple(_StepArrays, kernels.batch_arrays_for(len(self.specs), plan.rows.size - plan.settle,
-                                                                    n_tokens, write_slots))
-        sc = self._scratch
-        _, idle_keyed, released, touched = sc.reserve(most_released, released_pages, allocated_pages + n_logged)
-        n_logged = self._tableset.take_log(touched) if n_logged and cells[1].size else 0
-        # ``step``'s leading arguments, then the plan (the scratch buffer ``reserve`` kept it in) and its rows.
-        state = (*(self._state or self._kernel_state())[:10], sc.buffer, plan.rows.size, plan.settle)
-        grants = self.arena.kernel_grants(plan.grants) if plan.grants else plan.spare_grants
-        if grants is None:
-            status, n_touched, n_keyed = kernels.run_step(*state, bool(plan.grants), n_logged, *cells, *out)
-        else:  # spare slabs alone: granted in the kernel, after the releases
-            plan.grants = []
-            status, n_touched, n_keyed = self._grant_run(grants, *state, n_logged, *cells, *out)
-        if status != kernels.STEP_DONE:  # ``grant_step`` stops only when groups make room, marked already
-            n_touched = self._after_run(n_touched, n_keyed, plan, out, cells, grants is not None)
-        elif n_keyed:  # all ``_after_run`` does after a step done whole (the kernel noted the peaks)
-            self._space.keyed_idle(released[1], idle_keyed)
-        return out, n_touched
-
     def _load_kernels(self) -> None:
         """Load (or compile) every kernel a step may call, over a plan of no rows (nothing changes), so no
         step late in a run stalls for one (docs/architecture.md)."""
@@ -1196,10 +1130,9 @@ class CacheManager:
         plan = _StepPlan(rows[:0], counts[:0], first[:0], after[:, :, :1], need[:, :0], sums, crossing[:0], 0, True,
                          (0, 0, 0, 0), grants=[])
         self._short_pages(plan, none, none, none)
-        ts, space = self._tableset, self._space  # ``_Releases.of``'s kernel, over no rows
-        kernels.release_credit(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, 0, plan.rows,
-                               plan.after[0, 0], _NO_PAGES, _NO_PAGES, _NO_PAGES, 0)
-        out = self._run(plan, True)[0]
+        _Releases(self._tableset, self._space, plan).of(0)
+        plan.request_ids = ()
+        self._commit_and_run(plan, True, False, False)
         self._after_run(0, 0, plan, out)
         if self.arena is not None:  # ``_run``'s other kernel: ``grant_step``, granting no slab, by its compiled code
             plan.spare_grants = np.empty((2, 0), dtype=np.int64)
@@ -1207,27 +1140,24 @@ class CacheManager:
                 plan.spare_grants, kernels.grant_scratch(plan.spare_grants, self.arena.grant_args, len(self.specs)),
                 self.arena.grant_args, self._space.join_args, *self._kernel_state()[:10], sc.buffer, 0, 0, 0,
                 *_NO_CELLS, *out))
-            self._run(plan, True)
+            self._commit_and_run(plan, True, False, False)
 
-    def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan | None, out: _StepArrays,
-                   cells: tuple = _NO_CELLS, marked: bool = False, rows: tuple[int, int] = (0, 0)) -> int:
+    def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan, out: _StepArrays,
+                   cells: tuple = _NO_CELLS, marked: bool = False) -> int:
         """Stage 3 in Python once the step kernel stopped after its releases (docs/manager.md, "One
         step, in four stages"): keyed pages join the LRU, slabs move, groups make room, ``finish_step``.
-        ``marked``: ``room_groups``' marks, as it would answer now, are in ``_scratch.transient`` already; ``plan``
-        None: ``grant_step`` stopped, its plan of ``rows`` (rows, settling ones) in the scratch buffer."""
+        ``marked``: ``room_groups``' marks, as it would answer now, are in ``_scratch.transient`` already
+        (``grant_step`` stopped)."""
         sc = self._scratch
         if n_keyed:
             self._space.keyed_idle(sc.released[1], sc.idle_keyed)
-        if plan is None:
-            self._make_room(sc.plan[5])
-        else:
-            if plan.grants:
-                self.arena.apply(plan.grants)
-            if marked or self._room_groups(plan):
-                self._make_room(plan.sums)
-            rows = plan.rows.size, plan.settle
+        if plan.grants and not marked:  # ``marked``: ``grant_step`` granted them
+            self.arena.apply(plan.grants)
+        if marked or self._room_groups(plan):
+            self._make_room(plan.sums)
         # ``kernels.finish_step`` of the plan in the scratch buffer, by its compiled code (the same types every call).
-        args = (*(self._state or self._kernel_state())[:10], sc.buffer, *rows, n_touched, *cells, *out, True)
+        args = (*(self._state or self._kernel_state())[:10], sc.buffer, plan.rows.size, plan.settle, n_touched, *cells,
+                *out, True)
         if self._finish_entry is None:
             self._finish_entry = kernels.entry_point(kernels.finish_step, args)
         return self._finish_entry(*args)
@@ -1546,12 +1476,10 @@ class CacheManager:
         self._next_row += 1
         self._state = None  # the table store and the counters may grow
         if row >= self._computed.size:
-            grow = np.zeros(self._computed.size, dtype=np.int64)
-            self._counters = np.concatenate([self._counters, np.zeros_like(self._counters)], axis=1)
-            self._computed, self._committed, self._known = self._counters
-            self._max_total = np.concatenate([self._max_total, grow])
-            self._token_addr = np.concatenate([self._token_addr, grow])
-            self._known_floor = np.concatenate([self._known_floor, grow])
+            self._by_row = np.concatenate([self._by_row, np.zeros_like(self._by_row)], axis=1)
+            self._counters = self._by_row[:3]
+            self._computed, self._committed, self._known, self._max_total, self._known_floor, self._token_addr = \
+                self._by_row
             self._in_batch = np.zeros(self._computed.size, dtype=np.bool_)
             self._scratch.plan_arrays(2 * self._computed.size)  # room for any step's rows, grown here, not in a step
         self._tableset.ensure_rows(row + 1)

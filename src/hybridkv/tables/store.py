@@ -177,11 +177,9 @@ class TableSet:
     def take_log(self, into: np.ndarray, at: int = 0) -> int:
         """Move the logged cells to ``into`` after its first ``at`` (room for ``logged_cells`` more), clearing
         the log, so that a step reads them with the ones it touches after them; ``at`` plus their count. A
-        slice assignment each (the log holds a few arrays a step: ``np.concatenate`` costs more than a few)."""
+        slice assignment each (the log holds a few arrays a step: ``np.concatenate`` costs more)."""
         log = self.log
         if log:
-            if len(log) > 8:  # many mutations since the last step
-                log[:] = [np.concatenate(log)]
             for index in log:
                 n = index.size
                 into[at : at + n] = index
