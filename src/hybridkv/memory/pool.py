@@ -583,14 +583,20 @@ class PageSpace:
     def drop_units(self, pools: Sequence[PagePool], keys: Sequence[Hashable],
                    cause: str = UNPUBLISHED) -> tuple[list[list[str]], list[int], list[tuple[Hashable, str, int]]]:
         """``pool.evict_entries(…, cause)`` of the ``keys`` each of ``pools`` (this space's) publishes, counting no
-        eviction, all in one compiled pass (``lru.drop_units``: each pool's free stack ends as after its own
+        eviction, all in one compiled pass (:meth:`drop_listed`: each pool's free stack ends as after its own
         ``evict_entries``). Returns per key, in order, the group ids of the pools it left (in ``pools`` order); per
         pool its idle pages freed; and what ``pools[0].evict_entries`` returns of the keys it published. The entries
-        are popped pool by pool (:meth:`pop_units`), each pool's last entry first."""
-        pops = self.entry_pops(pools)
-        listed, left = self.pop_units(pops, keys)  # its entries listed; per key, the group ids it left
-        self.drop_listed(listed)
-        told = self._told[:len(listed) // 2].tolist()  # per entry (2 numbers at least): 2 * idle pages + low
+        are popped pool by pool, the last key first."""
+        pops, listed, left = self.entry_pops(pools), [], []
+        for key in reversed(keys):
+            gone = []
+            for pop, slot, gid in pops:
+                pages = pop(key, None)
+                if pages is not None:
+                    listed += (slot, len(pages), *pages)
+                    gone.append(gid)
+            left.append(gone)
+        told = self.drop_listed(listed)[:len(listed) // 2].tolist()  # per entry (2 numbers at least): 2 * idle + low
         low_cause, first, at, removals = EVICTED_LOW if cause == EVICTED else cause, pops and pops[0][2], 0, []
         for key, gone in zip(reversed(keys), left):  # the first pool's entry comes first in ``gone``
             if gone and gone[0] == first:
@@ -605,22 +611,6 @@ class PageSpace:
         """Per pool of ``pools`` (this space's), what pops an entry from it (its entries' ``pop``), its index here and
         its group id: an entry popped with it is listed ((index, page count, pages), :meth:`drop_listed`'s)."""
         return list(map(_DROP_ARGS, pools))
-
-    @staticmethod
-    def pop_units(pops: list[tuple[Callable, int, str]], keys: Sequence[Hashable]) -> tuple[list[int], list[list[str]]]:
-        """The entries of ``keys`` popped from the pools ``pops`` names (:meth:`entry_pops`'), pool by pool, the last
-        key first: listed as :meth:`drop_listed` takes them (each (index, page count, pages)); and per key, in that
-        order, the group ids of the pools it left."""
-        listed, left = [], []
-        for key in reversed(keys):
-            gone = []
-            for pop, slot, gid in pops:
-                pages = pop(key, None)
-                if pages is not None:
-                    listed += (slot, len(pages), *pages)
-                    gone.append(gid)
-            left.append(gone)
-        return listed, left
 
     def drop_listed(self, listed: list[int]) -> np.ndarray:
         """What :meth:`drop_units` does to the pages of entries popped already (``listed``: each its pool's index,
