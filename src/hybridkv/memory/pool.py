@@ -114,14 +114,13 @@ class PagePool:
         self.evict_many: Callable[[Sequence[Hashable], str], int] | None = None
         # Set by an arena: must an allocation of ``n`` pages up to id ``page`` pack first (None: always).
         self.must_pack: Callable[[int, int], bool] | None = None
-        self.space: PageSpace | None = None  # the page space whose arrays this pool views, once in one
+        self.space = PageSpace([self])  # the page space whose arrays this pool views (a manager's, once in one)
         if granted:
             self.grant(np.arange(1, self.num_pages, dtype=np.int32))
 
     def _set_ranker(self, ranker) -> None:
         self._ranker = ranker
-        if self.space is not None:
-            self.space.ranked = [g for g, pool in enumerate(self.space.pools) if pool.ranker is not None]
+        self.space.ranked = [g for g, pool in enumerate(self.space.pools) if pool.ranker is not None]
 
     ranker = property(attrgetter("_ranker"), _set_ranker)
 
@@ -307,75 +306,39 @@ class PagePool:
         kernels.push_run(self._stack, self._top, self.lowest_first, _NO_PAGES)
         self._low_ids = kernels.entry_point(kernels.low_idle_ids, (  # ``_low_idle_ids``' kernel, its compiled code
             self.low_priority, self.cached, self.ref_counts, 0, 0, _NO_PAGES))
-        lru.leave_to_free(self._lru_prev, self._lru_next, self._stack, self._top, self.lowest_first, _NO_PAGES)
 
     # --- content-keyed entries -------------------------------------------
     def demote(self, key: Hashable) -> None:
-        """Make an entry low priority: its idle pages move to the front of the LRU, the last listed first."""
+        """Make an entry low priority: its idle pages move to the front of the LRU, the last listed first
+        (``PageSpace.demote``)."""
         pages = self._entries[key]
-        if not pages:
-            return
-        low = self.low_priority
-        was_low = low.item(pages[0])  # an entry is low as a whole
-        for page in pages:
-            low[page] = True  # entries are a few pages: item stores beat one fancy store
-        idle = self._move_idle(pages, True)
-        if idle:
-            g = self._slot
-            self._floors[g] = min(self._floors[g], min(idle))  # ``_low_floor``
-            if not was_low:
-                self._lows[g] += len(idle)  # ``_low_idle_pages``
+        self.space.demote([self._slot, len(pages), *pages])
 
-    def _move_idle(self, pages: tuple[int, ...], to_front: bool) -> list[int]:
-        """Those of ``pages`` in the LRU move, in order, to its head (``to_front``) or tail; returns them."""
+    def _move_idle(self, pages: tuple[int, ...]) -> list[int]:
+        """Those of ``pages`` in the LRU move, in order, to its tail; returns them."""
         prev, nxt = self._lru_views
         if len(pages) > _MOVE_IN_PYTHON_PAGES:
             idle = [page for page in pages if nxt[page] >= 0]
-            lru.move(self._lru_prev, self._lru_next, np.array(idle, dtype=np.int64), to_front)
+            lru.move(self._lru_prev, self._lru_next, np.array(idle, dtype=np.int64))
             return idle
         idle = []
-        for page in pages:  # lru.unlink, then lru.push_front or lru.append
+        for page in pages:  # lru.unlink, then lru.append
             before = prev[page]
             if before < 0:
                 continue
             idle.append(page)
             after = nxt[page]
             nxt[before], prev[after] = after, before
-            if to_front:
-                head = nxt[NULL_PAGE]
-                prev[head], nxt[page], prev[page], nxt[NULL_PAGE] = page, head, NULL_PAGE, page
-            else:
-                tail = prev[NULL_PAGE]
-                nxt[tail], prev[page], nxt[page], prev[NULL_PAGE] = page, tail, NULL_PAGE, page
+            tail = prev[NULL_PAGE]
+            nxt[tail], prev[page], nxt[page], prev[NULL_PAGE] = page, tail, NULL_PAGE, page
         return idle
 
     def unpublish(self, key: Hashable, cause: str = UNPUBLISHED) -> int:
         """Drop an entry; its pages that no request holds go back to the free stack (their count is returned)."""
-        removal = self._drop_entry(key, cause)
+        removal = self.space.drop_units([self], [key], cause)[2][0]
         if self.on_removed is not None:
             self.on_removed(*removal)
         return removal[2]
-
-    def _drop_entry(self, key: Hashable, cause: str) -> tuple[Hashable, str, int]:
-        """What :meth:`evict_entries` does to one entry, counting no eviction (a few pages: plain loops beat arrays)."""
-        pages = self._entries.pop(key)
-        free = []
-        flags = self.low_priority
-        low = bool(pages) and flags.item(pages[0])  # an entry is low priority as a whole
-        cached, ref = self.cached, self.ref_counts
-        for page in pages:
-            cached[page] = False
-            if low:
-                flags[page] = False
-            if ref.item(page) == 0:
-                free.append(page)
-        if low:
-            self._low_idle_pages -= len(free)
-        if free:
-            self._lru_lengths[self._slot] -= len(free)
-            self._top = int(lru.leave_to_free(self._lru_prev, self._lru_next, self._stack, self._top,
-                                              self.lowest_first, np.array(free, dtype=np.int64)))
-        return key, EVICTED_LOW if low and cause == EVICTED else cause, len(free)
 
     def promote(self, key: Hashable) -> None:
         """Undo :meth:`demote`: the entry's idle pages become the most recently used."""
@@ -385,7 +348,7 @@ class PagePool:
             return
         for page in pages:
             low[page] = False
-        idle = self._move_idle(pages, False)
+        idle = self._move_idle(pages)
         if idle:
             self._lows[self._slot] -= len(idle)  # ``_low_idle_pages``
 
@@ -394,7 +357,7 @@ class PagePool:
         recently used); a low-priority entry stays where it is."""
         pages = self._entries[key]
         if pages and not self.low_priority[pages[0]]:
-            self._move_idle(pages, False)
+            self._move_idle(pages)
 
     def entry_keys(self) -> list[Hashable]:
         return list(self._entries)
@@ -439,14 +402,11 @@ class PagePool:
 
     def evict_entries(self, keys: Sequence[Hashable], cause: str = EVICTED) -> list[tuple[Hashable, str, int]]:
         """Unpublish the published entries ``keys`` as evictions (their idle pages counted as evicted) in one compiled
-        pass over their pages (``PageSpace.drop_units``; one entry, or a pool in no page space: entry by entry),
+        pass over their pages (``PageSpace.drop_units``),
         telling no one: the free stack ends as after one :meth:`unpublish` each, in order (the last entry's pages on
         top). Per entry, in order, what :meth:`unpublish` would tell ``on_removed``: (key, cause: ``EVICTED_LOW`` for a
         low-priority entry evicted, idle pages freed)."""
-        if len(keys) == 1 or self.space is None:
-            removals = [self._drop_entry(key, cause) for key in keys]
-        else:
-            removals = self.space.drop_units([self], keys, cause)[2]
+        removals = self.space.drop_units([self], keys, cause)[2]
         self.counters.evicted_pages += sum(idle for _, _, idle in removals)
         return removals
 
@@ -575,9 +535,9 @@ class PageSpace:
         return [(pool._entries, pool._page_key) for pool in pools]
 
     def demote(self, listed: list[int]) -> None:
-        """``pool.demote(key)`` of each entry ``listed`` (its pool's index in this space, its page count, its pages) in
-        turn, in one compiled call (``lru.demote_unit``: superseded checkpoints' units kept low; every page flagged low,
-        the idle ones moved to the front of their LRU, entry after entry)."""
+        """Make each entry ``listed`` (its pool's index in this space, its page count, its pages) low priority in turn,
+        in one compiled call (``lru.demote_unit``: ``PagePool.demote``, superseded checkpoints' units kept low; every
+        page flagged low, the idle ones moved to the front of their LRU, the last listed first, entry after entry)."""
         self._demote_unit(np.array(listed, dtype=np.int64), *self._demote_arrays)
 
     def drop_units(self, pools: Sequence[PagePool], keys: Sequence[Hashable],
