@@ -95,7 +95,6 @@ class PagePool:
         self._lru_prev = np.full(self.num_pages, -1, dtype=np.int32)
         self._lru_next = np.full(self.num_pages, -1, dtype=np.int32)
         self._lru_prev[NULL_PAGE] = self._lru_next[NULL_PAGE] = NULL_PAGE
-        self._view_lru()
         self.idle_tick = np.zeros(self.num_pages, dtype=np.int64)
         self._low_ids = kernels.low_idle_ids  # by its compiled code once :meth:`load_kernels` ran
         self.cached = np.zeros(self.num_pages, dtype=bool)
@@ -138,11 +137,6 @@ class PagePool:
     _granted_pages = _count(kernels.GRANTED_PAGES)
     peak_used_pages = _count(kernels.PEAK_USED_PAGES, """The most pages held at once, as a page space's steps and
         borrows saw it (``kernels.note_peaks``).""")
-
-    def _view_lru(self) -> None:
-        """Memoryviews of the LRU's links (faster item access than the arrays'), after each rebinding."""
-        self._lru_views = (memoryview(self._lru_prev), memoryview(self._lru_next))
-        self._ref_view = memoryview(self.ref_counts)
 
     # Pages granted to this pool (all but the null page unless an arena manages it).
     usable_pages = property(lambda self: self._granted_pages)
@@ -478,7 +472,8 @@ class PageSpace:
         for g, pool in enumerate(self.pools):  # its counts become views of ``per_group``; what ``entry_pops`` reads
             pool._bind(self.per_group, g)
             pool._drop_args = (pool._entries.pop, g, pool.group_id)
-            pool._view_lru()
+            pool._lru_views = (memoryview(pool._lru_prev), memoryview(pool._lru_next))  # item access faster than
+            pool._ref_view = memoryview(pool.ref_counts)  # the arrays'
             pool.space = self
             pool.ranker = pool.ranker  # into ``ranked``
 
