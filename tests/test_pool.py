@@ -1270,7 +1270,7 @@ def test_the_lru_keeps_an_ordered_dicts_order_through_every_change(data, lowest_
         op = data.draw(st.sampled_from(ops or ["publish_none"]), label=f"op{step}")
         key = data.draw(st.sampled_from(sorted(entries)), label=f"key{step}") if entries else None
         if op == "publish":
-            pages = allocate(pool, data.draw(st.integers(1, 7), label=f"n{step}")).tolist()  # moved in Python up to 4
+            pages = allocate(pool, data.draw(st.integers(1, 7), label=f"n{step}")).tolist()
             for k in [k for k in entries if pool.lookup(k) is None]:  # packed away (lowest first)
                 ref.left(entries.pop(k))
                 del held[k]

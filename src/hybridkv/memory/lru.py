@@ -139,14 +139,6 @@ def release_placing(local, per_group, offsets, limits, ref, keyed, held, freed, 
     return found
 
 
-@njit(cache=True)
-def move(prev, nxt, pages):
-    """Listed ``pages`` (one pool's) move, in order, to the tail."""
-    for i in range(pages.size):
-        unlink(prev, nxt, 0, pages[i])
-        append(prev, nxt, 0, pages[i])
-
-
 @njit(cache=True, _nrt=False)
 def demote_unit(listed, low_priority, prev, nxt, offsets, low_floors, low_idle):
     """``PagePool.demote`` of entries of some groups (``PageSpace.demote``, the pool's too): ``listed`` holds,

@@ -25,7 +25,6 @@ _LOW_EVICT_PAGES = 16  # idle low-priority pages an eviction frees beyond the al
 PACK_AHEAD_PAGES = 64
 PACK_AHEAD_MIN_POOL_PAGES = 4096
 _SCAN_PAGES = 64  # idle low-priority ids one scan of the flags lists for packing
-_MOVE_IN_PYTHON_PAGES = 4  # an entry of up to this many pages has its idle ones moved in the LRU by item stores
 # One clock for every pool (when a keyed page last went idle); an array so that ``lru.join`` draws ticks.
 _IDLE_CLOCK = np.zeros(1, dtype=np.int64)
 _NO_PAGES = np.empty(0, dtype=np.int64)
@@ -309,12 +308,9 @@ class PagePool:
         self.space.demote([self._slot, len(pages), *pages])
 
     def _move_idle(self, pages: tuple[int, ...]) -> list[int]:
-        """Those of ``pages`` in the LRU move, in order, to its tail; returns them."""
+        """Those of ``pages`` in the LRU move, in order, to its tail (entries are a few pages: item stores beat a
+        kernel call); returns them."""
         prev, nxt = self._lru_views
-        if len(pages) > _MOVE_IN_PYTHON_PAGES:
-            idle = [page for page in pages if nxt[page] >= 0]
-            lru.move(self._lru_prev, self._lru_next, np.array(idle, dtype=np.int64))
-            return idle
         idle = []
         for page in pages:  # lru.unlink, then lru.append
             before = prev[page]
