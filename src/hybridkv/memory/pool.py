@@ -325,7 +325,7 @@ class PagePool:
 
     def unpublish(self, key: Hashable, cause: str = UNPUBLISHED) -> int:
         """Drop an entry; its pages that no request holds go back to the free stack (their count is returned)."""
-        removal = self.space.drop_units([self], [key], cause)[2][0]
+        removal = self.space.drop_units([self._drop_args], [key], cause)[2][0]
         if self.on_removed is not None:
             self.on_removed(*removal)
         return removal[2]
@@ -396,7 +396,7 @@ class PagePool:
         telling no one: the free stack ends as after one :meth:`unpublish` each, in order (the last entry's pages on
         top). Per entry, in order, what :meth:`unpublish` would tell ``on_removed``: (key, cause: ``EVICTED_LOW`` for a
         low-priority entry evicted, idle pages freed)."""
-        removals = self.space.drop_units([self], keys, cause)[2]
+        removals = self.space.drop_units([self._drop_args], keys, cause)[2]
         self.counters.evicted_pages += sum(idle for _, _, idle in removals)
         return removals
 
@@ -531,14 +531,14 @@ class PageSpace:
         page flagged low, the idle ones moved to the front of their LRU, the last listed first, entry after entry)."""
         self._demote_unit(np.array(listed, dtype=np.int64), *self._demote_arrays)
 
-    def drop_units(self, pools: Sequence[PagePool], keys: Sequence[Hashable],
+    def drop_units(self, pops: list[tuple[Callable, int, str]], keys: Sequence[Hashable],
                    cause: str = UNPUBLISHED) -> tuple[list[list[str]], list[int], list[tuple[Hashable, str, int]]]:
-        """``pool.evict_entries(…, cause)`` of the ``keys`` each of ``pools`` (this space's) publishes, counting no
-        eviction, all in one compiled pass (:meth:`drop_listed`: each pool's free stack ends as after its own
-        ``evict_entries``). Returns per key, in order, the group ids of the pools it left (in ``pools`` order); per
-        pool its idle pages freed; and what ``pools[0].evict_entries`` returns of the keys it published. The entries
-        are popped pool by pool, the last key first."""
-        pops, listed, left = self.entry_pops(pools), [], []
+        """``pool.evict_entries(…, cause)`` of the ``keys`` each of the pools ``pops`` names (:meth:`entry_pops`')
+        publishes, counting no eviction, all in one compiled pass (:meth:`drop_listed`: each pool's free stack ends as
+        after its own ``evict_entries``). Returns per key, in order, the group ids of the pools it left (in ``pops``
+        order); per pool its idle pages freed; and what the first pool's ``evict_entries`` returns of the keys it
+        published. The entries are popped pool by pool, the last key first."""
+        listed, left = [], []
         for key in reversed(keys):
             gone = []
             for pop, slot, gid in pops:

@@ -981,7 +981,7 @@ class PrefixCache:
         one at a time gives, each key's ``ValueEviction.unit_evicted`` and its removals booked as :meth:`_book_removals`
         books them; events in one call. The idle pages freed in ``gid``."""
         eviction, pools = self.eviction, self._unit_pools[gid]
-        left, idle, removals = self._space.drop_units(pools, keys, cause)  # each key's first entry is ``gid``'s
+        left, idle, removals = self._space.drop_units(self._unit_pops[gid], keys, cause)  # first entry: ``gid``'s
         evicted = eviction.evicted_pages
         for pool, idle_pages in zip(pools, idle):
             pool.counters.evicted_pages += idle_pages
