@@ -1,5 +1,5 @@
 """Single-pool page operations for the pool tests, through the path the runtime uses:
-a ``PageSpace`` (made for a pool not in one yet), ``PagePool.make_room`` then the free
+the pool's ``PageSpace``, ``PagePool.make_room`` then the free
 stack's top (what ``kernels.allocate_pages`` pops), ``released`` (a release:
 ``kernels.release_into``), ``borrow`` (a prefix hit's holds as ``lru.borrow_row``
 takes them: ``lru.take_holds``) and the key
@@ -21,9 +21,7 @@ class PoolExhausted(RuntimeError):
 
 
 def space_of(pool: PagePool) -> tuple[PageSpace, int]:
-    """The pool's page space (a new one of its own if it has none) and its group there."""
-    if pool.space is None:
-        PageSpace([pool])
+    """The pool's page space (its own unless a larger one holds it) and its group there."""
     return pool.space, pool.space.pools.index(pool)
 
 

@@ -688,7 +688,7 @@ def test_page_space_drop_units_is_one_key_after_another(data, lowest_first):
             decref(pool, np.asarray(pages[held:size] + pages[size + 1 :], dtype=np.int64))
         sides.append((pools, space))
     (pools_a, space), (pools_b, _) = sides
-    assert space.drop_units(pools_a, ["unit", "other"])[0] == [[f"g{i}" for i in sorted(picked)],
+    assert space.drop_units(space.entry_pops(pools_a), ["unit", "other"])[0] == [[f"g{i}" for i in sorted(picked)],
                                                                [f"g{i}" for i in range(len(sizes))]]
     for i in picked:
         assert pools_b[i].evict_entries(["unit"])[0][0] == "unit"
@@ -743,7 +743,7 @@ def test_page_space_drop_units_is_evict_entries_pool_by_pool(data, lowest_first)
     _, keys, sides = _two_scripted_spaces(data, lowest_first, other=True)
     (pools_a, space), (pools_b, _) = sides
     cause = data.draw(st.sampled_from(["unpublished", "evicted"]), label="cause")
-    left, idle, told = space.drop_units(pools_a, keys, cause)
+    left, idle, told = space.drop_units(space.entry_pops(pools_a), keys, cause)
     want_left, want_idle, want_told = [[] for _ in keys], [], None
     for pool in pools_b:
         present = [key for key in keys if pool.lookup(key) is not None]
@@ -1270,7 +1270,7 @@ def test_the_lru_keeps_an_ordered_dicts_order_through_every_change(data, lowest_
         op = data.draw(st.sampled_from(ops or ["publish_none"]), label=f"op{step}")
         key = data.draw(st.sampled_from(sorted(entries)), label=f"key{step}") if entries else None
         if op == "publish":
-            pages = allocate(pool, data.draw(st.integers(1, 7), label=f"n{step}")).tolist()  # moved in Python up to 4
+            pages = allocate(pool, data.draw(st.integers(1, 7), label=f"n{step}")).tolist()
             for k in [k for k in entries if pool.lookup(k) is None]:  # packed away (lowest first)
                 ref.left(entries.pop(k))
                 del held[k]
@@ -1425,8 +1425,8 @@ def test_page_space_drop_units_counts_each_call_alone():
         publish(pool, "a", pages[:2])
         publish(pool, "b", pages[2:])
         decref(pool, np.asarray(pages[1:], dtype=np.int64))  # a's first page stays held
-    assert space.drop_units(pools[:2], ["a"]) == ([["g0", "g1"]], [1, 1], [("a", "unpublished", 1)])
-    assert space.drop_units(pools[1:], ["b"]) == ([["g1", "g2"]], [2, 2], [("b", "unpublished", 2)])
-    assert space.drop_units(pools, ["a"]) == ([["g2"]], [0, 0, 1], [])
+    assert space.drop_units(space.entry_pops(pools[:2]), ["a"]) == ([["g0", "g1"]], [1, 1], [("a", "unpublished", 1)])
+    assert space.drop_units(space.entry_pops(pools[1:]), ["b"]) == ([["g1", "g2"]], [2, 2], [("b", "unpublished", 2)])
+    assert space.drop_units(space.entry_pops(pools), ["a"]) == ([["g2"]], [0, 0, 1], [])
     for pool in pools:
         pool.check_invariants()

@@ -139,28 +139,9 @@ def release_placing(local, per_group, offsets, limits, ref, keyed, held, freed, 
     return found
 
 
-@njit(cache=True)
-def leave_to_free(prev, nxt, stack, top, lowest, pages):
-    """Listed pages leave one pool's list and go onto its free stack; the new top."""
-    for i in range(pages.size):
-        unlink(prev, nxt, 0, pages[i])
-    return push_run(stack, top, lowest, pages)
-
-
-@njit(cache=True)
-def move(prev, nxt, pages, to_front):
-    """Listed ``pages`` (one pool's) move, in order, to the head (``to_front``) or the tail."""
-    for i in range(pages.size):
-        unlink(prev, nxt, 0, pages[i])
-        if to_front:
-            push_front(prev, nxt, 0, pages[i])
-        else:
-            append(prev, nxt, 0, pages[i])
-
-
 @njit(cache=True, _nrt=False)
 def demote_unit(listed, low_priority, prev, nxt, offsets, low_floors, low_idle):
-    """``PagePool.demote`` of entries of some groups (``PageSpace.demote``): ``listed`` holds,
+    """``PagePool.demote`` of entries of some groups (``PageSpace.demote``, the pool's too): ``listed`` holds,
     entry after entry, its group, its page count and its local ids. It allocates nothing, counts no reference."""
     at = 0
     while at < listed.size:

@@ -25,7 +25,6 @@ _LOW_EVICT_PAGES = 16  # idle low-priority pages an eviction frees beyond the al
 PACK_AHEAD_PAGES = 64
 PACK_AHEAD_MIN_POOL_PAGES = 4096
 _SCAN_PAGES = 64  # idle low-priority ids one scan of the flags lists for packing
-_MOVE_IN_PYTHON_PAGES = 4  # an entry of up to this many pages has its idle ones moved in the LRU by item stores
 # One clock for every pool (when a keyed page last went idle); an array so that ``lru.join`` draws ticks.
 _IDLE_CLOCK = np.zeros(1, dtype=np.int64)
 _NO_PAGES = np.empty(0, dtype=np.int64)
@@ -95,7 +94,6 @@ class PagePool:
         self._lru_prev = np.full(self.num_pages, -1, dtype=np.int32)
         self._lru_next = np.full(self.num_pages, -1, dtype=np.int32)
         self._lru_prev[NULL_PAGE] = self._lru_next[NULL_PAGE] = NULL_PAGE
-        self._view_lru()
         self.idle_tick = np.zeros(self.num_pages, dtype=np.int64)
         self._low_ids = kernels.low_idle_ids  # by its compiled code once :meth:`load_kernels` ran
         self.cached = np.zeros(self.num_pages, dtype=bool)
@@ -114,14 +112,13 @@ class PagePool:
         self.evict_many: Callable[[Sequence[Hashable], str], int] | None = None
         # Set by an arena: must an allocation of ``n`` pages up to id ``page`` pack first (None: always).
         self.must_pack: Callable[[int, int], bool] | None = None
-        self.space: PageSpace | None = None  # the page space whose arrays this pool views, once in one
+        self.space = PageSpace([self])  # the page space whose arrays this pool views (a manager's, once in one)
         if granted:
             self.grant(np.arange(1, self.num_pages, dtype=np.int32))
 
     def _set_ranker(self, ranker) -> None:
         self._ranker = ranker
-        if self.space is not None:
-            self.space.ranked = [g for g, pool in enumerate(self.space.pools) if pool.ranker is not None]
+        self.space.ranked = [g for g, pool in enumerate(self.space.pools) if pool.ranker is not None]
 
     ranker = property(attrgetter("_ranker"), _set_ranker)
 
@@ -139,11 +136,6 @@ class PagePool:
     _granted_pages = _count(kernels.GRANTED_PAGES)
     peak_used_pages = _count(kernels.PEAK_USED_PAGES, """The most pages held at once, as a page space's steps and
         borrows saw it (``kernels.note_peaks``).""")
-
-    def _view_lru(self) -> None:
-        """Memoryviews of the LRU's links (faster item access than the arrays'), after each rebinding."""
-        self._lru_views = (memoryview(self._lru_prev), memoryview(self._lru_next))
-        self._ref_view = memoryview(self.ref_counts)
 
     # Pages granted to this pool (all but the null page unless an arena manages it).
     usable_pages = property(lambda self: self._granted_pages)
@@ -307,75 +299,36 @@ class PagePool:
         kernels.push_run(self._stack, self._top, self.lowest_first, _NO_PAGES)
         self._low_ids = kernels.entry_point(kernels.low_idle_ids, (  # ``_low_idle_ids``' kernel, its compiled code
             self.low_priority, self.cached, self.ref_counts, 0, 0, _NO_PAGES))
-        lru.leave_to_free(self._lru_prev, self._lru_next, self._stack, self._top, self.lowest_first, _NO_PAGES)
 
     # --- content-keyed entries -------------------------------------------
     def demote(self, key: Hashable) -> None:
-        """Make an entry low priority: its idle pages move to the front of the LRU, the last listed first."""
+        """Make an entry low priority: its idle pages move to the front of the LRU, the last listed first
+        (``PageSpace.demote``)."""
         pages = self._entries[key]
-        if not pages:
-            return
-        low = self.low_priority
-        was_low = low.item(pages[0])  # an entry is low as a whole
-        for page in pages:
-            low[page] = True  # entries are a few pages: item stores beat one fancy store
-        idle = self._move_idle(pages, True)
-        if idle:
-            g = self._slot
-            self._floors[g] = min(self._floors[g], min(idle))  # ``_low_floor``
-            if not was_low:
-                self._lows[g] += len(idle)  # ``_low_idle_pages``
+        self.space.demote([self._slot, len(pages), *pages])
 
-    def _move_idle(self, pages: tuple[int, ...], to_front: bool) -> list[int]:
-        """Those of ``pages`` in the LRU move, in order, to its head (``to_front``) or tail; returns them."""
+    def _move_idle(self, pages: tuple[int, ...]) -> list[int]:
+        """Those of ``pages`` in the LRU move, in order, to its tail (entries are a few pages: item stores beat a
+        kernel call); returns them."""
         prev, nxt = self._lru_views
-        if len(pages) > _MOVE_IN_PYTHON_PAGES:
-            idle = [page for page in pages if nxt[page] >= 0]
-            lru.move(self._lru_prev, self._lru_next, np.array(idle, dtype=np.int64), to_front)
-            return idle
         idle = []
-        for page in pages:  # lru.unlink, then lru.push_front or lru.append
+        for page in pages:  # lru.unlink, then lru.append
             before = prev[page]
             if before < 0:
                 continue
             idle.append(page)
             after = nxt[page]
             nxt[before], prev[after] = after, before
-            if to_front:
-                head = nxt[NULL_PAGE]
-                prev[head], nxt[page], prev[page], nxt[NULL_PAGE] = page, head, NULL_PAGE, page
-            else:
-                tail = prev[NULL_PAGE]
-                nxt[tail], prev[page], nxt[page], prev[NULL_PAGE] = page, tail, NULL_PAGE, page
+            tail = prev[NULL_PAGE]
+            nxt[tail], prev[page], nxt[page], prev[NULL_PAGE] = page, tail, NULL_PAGE, page
         return idle
 
     def unpublish(self, key: Hashable, cause: str = UNPUBLISHED) -> int:
         """Drop an entry; its pages that no request holds go back to the free stack (their count is returned)."""
-        removal = self._drop_entry(key, cause)
+        removal = self.space.drop_units([self._drop_args], [key], cause)[2][0]
         if self.on_removed is not None:
             self.on_removed(*removal)
         return removal[2]
-
-    def _drop_entry(self, key: Hashable, cause: str) -> tuple[Hashable, str, int]:
-        """What :meth:`evict_entries` does to one entry, counting no eviction (a few pages: plain loops beat arrays)."""
-        pages = self._entries.pop(key)
-        free = []
-        flags = self.low_priority
-        low = bool(pages) and flags.item(pages[0])  # an entry is low priority as a whole
-        cached, ref = self.cached, self.ref_counts
-        for page in pages:
-            cached[page] = False
-            if low:
-                flags[page] = False
-            if ref.item(page) == 0:
-                free.append(page)
-        if low:
-            self._low_idle_pages -= len(free)
-        if free:
-            self._lru_lengths[self._slot] -= len(free)
-            self._top = int(lru.leave_to_free(self._lru_prev, self._lru_next, self._stack, self._top,
-                                              self.lowest_first, np.array(free, dtype=np.int64)))
-        return key, EVICTED_LOW if low and cause == EVICTED else cause, len(free)
 
     def promote(self, key: Hashable) -> None:
         """Undo :meth:`demote`: the entry's idle pages become the most recently used."""
@@ -385,7 +338,7 @@ class PagePool:
             return
         for page in pages:
             low[page] = False
-        idle = self._move_idle(pages, False)
+        idle = self._move_idle(pages)
         if idle:
             self._lows[self._slot] -= len(idle)  # ``_low_idle_pages``
 
@@ -394,7 +347,7 @@ class PagePool:
         recently used); a low-priority entry stays where it is."""
         pages = self._entries[key]
         if pages and not self.low_priority[pages[0]]:
-            self._move_idle(pages, False)
+            self._move_idle(pages)
 
     def entry_keys(self) -> list[Hashable]:
         return list(self._entries)
@@ -439,14 +392,11 @@ class PagePool:
 
     def evict_entries(self, keys: Sequence[Hashable], cause: str = EVICTED) -> list[tuple[Hashable, str, int]]:
         """Unpublish the published entries ``keys`` as evictions (their idle pages counted as evicted) in one compiled
-        pass over their pages (``PageSpace.drop_units``; one entry, or a pool in no page space: entry by entry),
+        pass over their pages (``PageSpace.drop_units``),
         telling no one: the free stack ends as after one :meth:`unpublish` each, in order (the last entry's pages on
         top). Per entry, in order, what :meth:`unpublish` would tell ``on_removed``: (key, cause: ``EVICTED_LOW`` for a
         low-priority entry evicted, idle pages freed)."""
-        if len(keys) == 1 or self.space is None:
-            removals = [self._drop_entry(key, cause) for key in keys]
-        else:
-            removals = self.space.drop_units([self], keys, cause)[2]
+        removals = self.space.drop_units([self._drop_args], keys, cause)[2]
         self.counters.evicted_pages += sum(idle for _, _, idle in removals)
         return removals
 
@@ -518,7 +468,8 @@ class PageSpace:
         for g, pool in enumerate(self.pools):  # its counts become views of ``per_group``; what ``entry_pops`` reads
             pool._bind(self.per_group, g)
             pool._drop_args = (pool._entries.pop, g, pool.group_id)
-            pool._view_lru()
+            pool._lru_views = (memoryview(pool._lru_prev), memoryview(pool._lru_next))  # item access faster than
+            pool._ref_view = memoryview(pool.ref_counts)  # the arrays'
             pool.space = self
             pool.ranker = pool.ranker  # into ``ranked``
 
@@ -575,22 +526,28 @@ class PageSpace:
         return [(pool._entries, pool._page_key) for pool in pools]
 
     def demote(self, listed: list[int]) -> None:
-        """``pool.demote(key)`` of each entry ``listed`` (its pool's index in this space, its page count, its pages) in
-        turn, in one compiled call (``lru.demote_unit``: superseded checkpoints' units kept low; every page flagged low,
-        the idle ones moved to the front of their LRU, entry after entry)."""
+        """Make each entry ``listed`` (its pool's index in this space, its page count, its pages) low priority in turn,
+        in one compiled call (``lru.demote_unit``: ``PagePool.demote``, superseded checkpoints' units kept low; every
+        page flagged low, the idle ones moved to the front of their LRU, the last listed first, entry after entry)."""
         self._demote_unit(np.array(listed, dtype=np.int64), *self._demote_arrays)
 
-    def drop_units(self, pools: Sequence[PagePool], keys: Sequence[Hashable],
+    def drop_units(self, pops: list[tuple[Callable, int, str]], keys: Sequence[Hashable],
                    cause: str = UNPUBLISHED) -> tuple[list[list[str]], list[int], list[tuple[Hashable, str, int]]]:
-        """``pool.evict_entries(…, cause)`` of the ``keys`` each of ``pools`` (this space's) publishes, counting no
-        eviction, all in one compiled pass (``lru.drop_units``: each pool's free stack ends as after its own
-        ``evict_entries``). Returns per key, in order, the group ids of the pools it left (in ``pools`` order); per
-        pool its idle pages freed; and what ``pools[0].evict_entries`` returns of the keys it published. The entries
-        are popped pool by pool (:meth:`pop_units`), each pool's last entry first."""
-        pops = self.entry_pops(pools)
-        listed, left = self.pop_units(pops, keys)  # its entries listed; per key, the group ids it left
-        self.drop_listed(listed)
-        told = self._told[:len(listed) // 2].tolist()  # per entry (2 numbers at least): 2 * idle pages + low
+        """``pool.evict_entries(…, cause)`` of the ``keys`` each of the pools ``pops`` names (:meth:`entry_pops`')
+        publishes, counting no eviction, all in one compiled pass (:meth:`drop_listed`: each pool's free stack ends as
+        after its own ``evict_entries``). Returns per key, in order, the group ids of the pools it left (in ``pops``
+        order); per pool its idle pages freed; and what the first pool's ``evict_entries`` returns of the keys it
+        published. The entries are popped pool by pool, the last key first."""
+        listed, left = [], []
+        for key in reversed(keys):
+            gone = []
+            for pop, slot, gid in pops:
+                pages = pop(key, None)
+                if pages is not None:
+                    listed += (slot, len(pages), *pages)
+                    gone.append(gid)
+            left.append(gone)
+        told = self.drop_listed(listed)[:len(listed) // 2].tolist()  # per entry (2 numbers at least): 2 * idle + low
         low_cause, first, at, removals = EVICTED_LOW if cause == EVICTED else cause, pops and pops[0][2], 0, []
         for key, gone in zip(reversed(keys), left):  # the first pool's entry comes first in ``gone``
             if gone and gone[0] == first:
@@ -605,22 +562,6 @@ class PageSpace:
         """Per pool of ``pools`` (this space's), what pops an entry from it (its entries' ``pop``), its index here and
         its group id: an entry popped with it is listed ((index, page count, pages), :meth:`drop_listed`'s)."""
         return list(map(_DROP_ARGS, pools))
-
-    @staticmethod
-    def pop_units(pops: list[tuple[Callable, int, str]], keys: Sequence[Hashable]) -> tuple[list[int], list[list[str]]]:
-        """The entries of ``keys`` popped from the pools ``pops`` names (:meth:`entry_pops`'), pool by pool, the last
-        key first: listed as :meth:`drop_listed` takes them (each (index, page count, pages)); and per key, in that
-        order, the group ids of the pools it left."""
-        listed, left = [], []
-        for key in reversed(keys):
-            gone = []
-            for pop, slot, gid in pops:
-                pages = pop(key, None)
-                if pages is not None:
-                    listed += (slot, len(pages), *pages)
-                    gone.append(gid)
-            left.append(gone)
-        return listed, left
 
     def drop_listed(self, listed: list[int]) -> np.ndarray:
         """What :meth:`drop_units` does to the pages of entries popped already (``listed``: each its pool's index,

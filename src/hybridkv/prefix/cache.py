@@ -15,7 +15,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial, reduce
-from itertools import accumulate, repeat
+from itertools import repeat
 from math import lcm
 from operator import itemgetter
 from typing import IO, Protocol
@@ -28,7 +28,7 @@ from hybridkv.prefix.checkpoints import OWN, REUSED, SPECULATIVE, CheckpointOrde
 from hybridkv.prefix.checkpoints import checkpoint_policy as policy_from_options
 from hybridkv.prefix.eviction import GroupValueStats, ValueEviction
 from hybridkv.memory import lru
-from hybridkv.memory.pool import EVICTED, EVICTED_LOW, PagePool, idle_clock_tick
+from hybridkv.memory.pool import PagePool, idle_clock_tick
 from hybridkv.runtime.kernels import entry_point
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables.store import CommitPages, GroupTable
@@ -883,23 +883,19 @@ class PrefixCache:
 
     def _evict_many(self, gid: str, keys: Sequence[int], cause: str) -> int:
         """State group ``gid``'s pool's ``evict_many``: entries evicted (or revoked) there, with the rest of their units
-        (the value policy's) from the other state groups ("unit"), popped by ``PageSpace.pop_units`` (as
-        ``PageSpace.drop_units`` pops them), in one ``PageSpace.drop_listed``; then in the order one at a time
-        gives, each key's ``ValueEviction.unit_evicted`` and its removals booked as :meth:`_book_removals` books
-        them; events in one call. The idle pages freed in ``gid``."""
-        eviction, pops, space = self.eviction, self._unit_pops[gid], self._space
-        listed, left = space.pop_units(pops, keys)  # per key, the last first, the groups it left
-        firsts = list(accumulate(map(len, left), initial=0))  # per key so, its first entry listed; then their count
-        told = space.drop_listed(listed)[:firsts[-1]].tolist()  # per entry: 2 * idle pages + low
-        idle, evicted = space.idle_counts.tolist(), eviction.evicted_pages
-        for pool, (_, slot, other) in zip(self._unit_pools[gid], pops):
-            pool.counters.evicted_pages += idle[slot]
-            if other != gid:
-                evicted[other]["unit"] += idle[slot]
-        books, values, raws, low_cause = self._books, self.values, [], EVICTED_LOW if cause == EVICTED else cause
-        for key, gids, at in zip(keys, reversed(left), reversed(firsts[:-1])):
-            parent, boundary = eviction.unit_evicted(gid, key, low_cause if told[at] & 1 else cause, told[at] >> 1,
-                                                     len(gids))
+        (the value policy's) from the other state groups ("unit"), in one ``PageSpace.drop_units``; then in the order
+        one at a time gives, each key's ``ValueEviction.unit_evicted`` and its removals booked as :meth:`_book_removals`
+        books them; events in one call. The idle pages freed in ``gid``."""
+        eviction, pools = self.eviction, self._unit_pools[gid]
+        left, idle, removals = self._space.drop_units(self._unit_pops[gid], keys, cause)  # first entry: ``gid``'s
+        evicted = eviction.evicted_pages
+        for pool, idle_pages in zip(pools, idle):
+            pool.counters.evicted_pages += idle_pages
+            if pool.group_id != gid:
+                evicted[pool.group_id]["unit"] += idle_pages
+        books, values, raws = self._books, self.values, []
+        for (key, told_cause, freed), gids in zip(removals, left):
+            parent, boundary = eviction.unit_evicted(gid, key, told_cause, freed, len(gids))
             if values is not None:  # a key's value record is every state group's: forgotten once
                 values.removed(key)
             for g in gids:
@@ -910,7 +906,7 @@ class PrefixCache:
         if self.tier_hook is not None:  # every removal in one call
             self.tier_hook.removed([raw[1:3] for raw in raws], self._dropping)
         self._emit_many(raws)
-        return idle[pops[0][1]]
+        return idle[0]
 
     def _book_removals(self, keys: Sequence[int], left: Sequence[Sequence[str]],
                        origins: Sequence[tuple] | None = None) -> list[tuple]:
