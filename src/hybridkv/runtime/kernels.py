@@ -503,16 +503,14 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
                   released, touched, n_touched):
     """Every row's pages below its new base leave its table, one reference less each; a page whose last
     reference went goes on its free stack (``push_run``), or if keyed to ``idle_keyed`` (group after
-    group). ``released[0|1, g]``: pages gone free and idle keyed. Returns (cells logged, idle keyed pages).
-    ``drop_released``' rule, its first pass as the cells are read: each page held once goes at once, up to
-    the first held more often; from there the pages go to ``scratch`` (after those gone free) for its rest."""
+    group, ``drop_released`` of the pages read to ``scratch``). ``released[0|1, g]``: pages gone free and idle
+    keyed. Returns (cells logged, idle keyed pages)."""
     n_rows, top, lowest = bounds.shape[2], per_group[TOP], per_group[LOWEST]
     n_keyed = 0
     for g in range(geometry.shape[0]):
         offset = geometry[g, ID_OFFSET]
-        holders, flags = ref[offset:], keyed[offset:]
         bases, his, lanes, new_bases = bounds[BASE, g], bounds[HI, g], bounds[LANE, g], after[0, g]  # 1-D views
-        n, n_free, keyed_from = 0, 0, n_keyed  # n: pages left for the rest of the rule, after the free ones
+        n, n_free, keyed_from = 0, 0, n_keyed  # n: pages read
         for r in range(rows.size):
             row, new_base = rows[r], new_bases[r]
             if new_base == bases[row] and new_base <= his[row] and not lanes[row]:
@@ -525,24 +523,14 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
                 pages[at] = -1
                 touched[n_touched] = view_at + (logical & view_mask)
                 n_touched += 1
-                if n == 0 and holders[page] == 1:
-                    holders[page] = 0
-                    if flags[page]:
-                        idle_keyed[n_keyed] = page
-                        n_keyed += 1
-                    else:
-                        scratch[n_free] = page
-                        n_free += 1
-                else:
-                    scratch[n_free + n] = page
-                    n += 1
+                scratch[n] = page
+                n += 1
             bounds[BASE, g, row] = after[0, g, r]
             bounds[HI, g, row] = max(bounds[HI, g, row], after[0, g, r])  # a load row's base may pass its hi
             if bounds[LANE, g, row]:
                 fit_ring(geometry, pages, bounds, g, row, bounds[HI, g, row] - after[0, g, r])
         if n:
-            n_free, n_keyed = drop_released(ref, keyed, offset, scratch[n_free : n_free + n], scratch, n_free,
-                                            idle_keyed, n_keyed)
+            n_free, n_keyed = drop_released(ref, keyed, offset, scratch[:n], scratch, 0, idle_keyed, n_keyed)
         released[0, g], released[1, g] = n_free, n_keyed - keyed_from
         per_group[RELEASED_PAGES, g] += n_free + n_keyed - keyed_from
         if n_free:
