@@ -758,33 +758,6 @@ def allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, ro
     return n_touched
 
 
-@njit(cache=True)
-def batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, positions, request_indices,
-                 query_start_loc, base_pages, widths):
-    """The batch's arrays of plan rows ``[settle, R)`` (``_StepArrays``), base pages after the step and
-    ``widths[g]``, the widest row's live pages."""
-    n = 0
-    query_start_loc[0] = 0
-    for r in range(settle, rows.size):
-        k, start, count = r - settle, first[r], counts[r]
-        table_rows[k], scheduled[k] = rows[r], count
-        if count == 1:  # a decode row
-            positions[n], request_indices[n] = start, k
-        else:  # views indexed from 0 (no negative index to wrap): the loops vectorize
-            row_positions, row_indices = positions[n : n + count], request_indices[n : n + count]
-            for i in range(count):
-                row_positions[i] = start + i
-            row_indices[:] = k
-        n += count
-        query_start_loc[k + 1] = n
-    for g in range(base_pages.shape[0]):
-        widest, out, new_bases, new_his = 0, base_pages[g], after[0, g], after[1, g]  # 1-D views
-        for r in range(settle, rows.size):
-            out[r - settle] = new_bases[r]
-            widest = max(widest, new_his[r] - new_bases[r])
-        widths[g] = widest
-
-
 def batch_arrays_for(n_groups, n_requests, n_tokens, write_slots):
     """Fresh arrays for what ``run_step`` writes for a batch, in its argument order (``_StepArrays``)."""
     return (np.empty((2 + n_groups, n_requests), np.int32), np.empty(n_requests + 1, np.int32),
@@ -1039,17 +1012,37 @@ def finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, sta
                 settle, n_touched, cells, cell_pages, per_request, query_start_loc, request_indices, per_token,
                 joined):
     """The rest of ``run_step`` (same arguments; ``keyed``, ``low_priority`` unread) once the stacks hold
-    enough: allocate, computed tokens move on, the batch's arrays and write slots; the changed cells read
+    enough: allocate, computed tokens move on, the batch's arrays of plan rows ``[settle, R)`` (``_StepArrays``:
+    base pages after the step and ``widths[g]``, the widest row's live pages) and write slots; the changed cells read
     into ``cells`` and ``cell_pages`` when they fit; the pools' peaks (``joined``: the keyed pages the
     releases left idle joined their LRUs already, else they join next). Returns the cells changed."""
     rows, counts, first, after, sums, released, widths, _, _, touched = run_views(plan, geometry.shape[0], n)
-    computed = counters[0]
+    computed, table_rows, scheduled, positions = counters[0], per_request[0], per_request[1], per_token[0]
     n_touched = allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, rows, first, counts,
                                after, sums, touched, n_touched)
     for r in range(rows.size):
         computed[rows[r]] = first[r] + counts[r]
-    batch_arrays(rows, first, counts, after, settle, per_request[0], per_request[1], per_token[0], request_indices,
-                 query_start_loc, per_request[2:], widths)
+    n_tokens = 0
+    query_start_loc[0] = 0
+    for r in range(settle, rows.size):
+        k, start, count = r - settle, first[r], counts[r]
+        table_rows[k], scheduled[k] = rows[r], count
+        if count == 1:  # a decode row
+            positions[n_tokens], request_indices[n_tokens] = start, k
+        else:  # views indexed from 0 (no negative index to wrap): the loops vectorize
+            row_positions = positions[n_tokens : n_tokens + count]
+            row_indices = request_indices[n_tokens : n_tokens + count]
+            for i in range(count):
+                row_positions[i] = start + i
+            row_indices[:] = k
+        n_tokens += count
+        query_start_loc[k + 1] = n_tokens
+    for g in range(geometry.shape[0]):
+        widest, base_pages, new_bases, new_his = 0, per_request[2 + g], after[0, g], after[1, g]  # 1-D views
+        for r in range(settle, rows.size):
+            base_pages[r - settle] = new_bases[r]
+            widest = max(widest, new_his[r] - new_bases[r])
+        widths[g] = widest
     if per_token.shape[0] > 1:
         write_slots(geometry, pages, bounds, rows, first, counts, settle, per_token[1:])
     if n_touched <= cell_pages.size:
