@@ -802,7 +802,7 @@ def grant_step(grants, scratch, arena, idle, geometry, pages, bounds, counters, 
     when ``room_groups`` asks (as after the idle keyed pages joined: ``joined_low``), its marks left in
     ``Arena.room_marks`` for ``make_room``. Status -1 (nothing granted): a slab not spare. A kernel of its own: the
     grant inside ``run_step`` makes ``step``'s compiled loops slower. ``scratch`` (``grant_scratch``): int64 room for
-    an end per group, a ``per_group`` copy and every granted slab's pages: the kernel allocates nothing, so it
+    pages per group, a ``per_group`` copy and every granted slab's pages: the kernel allocates nothing, so it
     runs without reference counting (``_nrt=False``: its ~30 arrays come in without a MemInfo each, ~8 µs a call).
     Done whole, the keyed pages its releases left idle join their LRUs here (``idle``: ``PageSpace.join_args``),
     unless its clock is empty."""
@@ -812,8 +812,8 @@ def grant_step(grants, scratch, arena, idle, geometry, pages, bounds, counters, 
     rows, counts, first, after, sums, released, _, _, idle_keyed, _ = run_views(plan, geometry.shape[0], n)
     owner, lo, hi, straddle, offsets, most_slab_pages, sizes, spare, roomy_slabs, marks = arena
     n_groups = geometry.shape[0]
-    ends, granted = scratch[:n_groups], scratch[(1 + PER_GROUP_ROWS) * n_groups :]
-    if grant_spare_slabs(owner, grants[0], grants[1], lo, hi, straddle, granted, ends,
+    gained, granted = scratch[:n_groups], scratch[(1 + PER_GROUP_ROWS) * n_groups :]
+    if grant_spare_slabs(owner, grants[0], grants[1], lo, hi, straddle, granted, gained,
                          stack, per_group[TOP], offsets, per_group[LOWEST], per_group[GRANTED_PAGES]) < 0:
         return -1, n_touched, n_keyed
     spare[0] -= grants.shape[1]
@@ -838,7 +838,7 @@ def grant_step(grants, scratch, arena, idle, geometry, pages, bounds, counters, 
 
 
 def grant_scratch(grants, arena, n_groups, made=None):
-    """``grant_step``'s ``scratch`` for ``grants``: an end per group, a ``per_group`` copy, then each slab's most pages
+    """``grant_step``'s ``scratch`` for ``grants``: pages per group, a ``per_group`` copy, then each slab's most pages
     (``arena``: ``Arena.grant_args``); ``made`` where it is large enough (the kernel reads nothing it did not write)."""
     size = (1 + PER_GROUP_ROWS) * n_groups + grants.shape[1] * arena[5]
     return made if made is not None and made.size >= size else np.empty(size, np.int64)
@@ -1557,28 +1557,26 @@ def slab_move_pages(owner, donor, group, lo, hi, straddle, s, pages):
 
 
 @njit(cache=True)
-def grant_spare_slabs(owner, groups, slabs, lo, hi, straddle, pages, ends, stack, top, offsets, lowest, granted):
-    """Spare slabs granted (``groups[i]`` takes ``slabs[i]``; ``owner`` updated): group ``g``'s gained pages to
-    ``pages[ends[g - 1] : ends[g]]``, then pushed onto its free stack and counted in ``granted[g]``. Returns the
-    pages in all, or -1 (no page pushed) when a slab is not spare or listed twice."""
+def grant_spare_slabs(owner, groups, slabs, lo, hi, straddle, pages, counts, stack, top, offsets, lowest, granted):
+    """Spare slabs granted (``groups[i]`` takes ``slabs[i]``; ``owner`` updated): group ``g``'s ``counts[g]`` gained
+    pages to ``pages`` (group after group), then pushed onto its free stack (``push_free``) and counted in
+    ``granted[g]``. Returns the pages in all, or -1 (no page pushed) when a slab is not spare or listed twice."""
     for i in range(slabs.size):
         if owner[slabs[i]] >= 0:
             return -1
     n = 0
     for g in range(lo.shape[0]):
+        start = n
         for i in range(groups.size):
             if groups[i] == g:
                 if owner[slabs[i]] >= 0:
                     return -1  # listed twice
                 n = slab_pages(owner, g, lo[g], hi[g], straddle[g], slabs[i], pages, n, lowest[g] != 0)
                 owner[slabs[i]] = g
-        ends[g] = n
-    start = 0
-    for g in range(ends.size):
-        if ends[g] > start:
-            top[g] = push_run(stack[offsets[g]:], top[g], lowest[g] != 0, pages[start : ends[g]])
-            granted[g] += ends[g] - start
-        start = ends[g]
+        counts[g] = n - start
+    for g in range(counts.size):
+        granted[g] += counts[g]
+    push_free(stack, top, offsets, lowest, counts, pages)
     return n
 
 
