@@ -1404,8 +1404,6 @@ def take_spare_for(short, slab_pages, spare_slabs, owner, inner_pages, straddle,
     need = 0
     for g in range(short.size):
         if short[g] > 0:
-            if slab_pages[g] <= 0:
-                return -1
             need += -(-short[g] // slab_pages[g])
     if need > spare_slabs:
         return -1
