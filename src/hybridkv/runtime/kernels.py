@@ -503,16 +503,14 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
                   released, touched, n_touched):
     """Every row's pages below its new base leave its table, one reference less each; a page whose last
     reference went goes on its free stack (``push_run``), or if keyed to ``idle_keyed`` (group after
-    group). ``released[0|1, g]``: pages gone free and idle keyed. Returns (cells logged, idle keyed pages).
-    ``drop_released``' rule, its first pass as the cells are read: each page held once goes at once, up to
-    the first held more often; from there the pages go to ``scratch`` (after those gone free) for its rest."""
+    group, ``drop_released`` of the pages read to ``scratch``). ``released[0|1, g]``: pages gone free and idle
+    keyed. Returns (cells logged, idle keyed pages)."""
     n_rows, top, lowest = bounds.shape[2], per_group[TOP], per_group[LOWEST]
     n_keyed = 0
     for g in range(geometry.shape[0]):
         offset = geometry[g, ID_OFFSET]
-        holders, flags = ref[offset:], keyed[offset:]
         bases, his, lanes, new_bases = bounds[BASE, g], bounds[HI, g], bounds[LANE, g], after[0, g]  # 1-D views
-        n, n_free, keyed_from = 0, 0, n_keyed  # n: pages left for the rest of the rule, after the free ones
+        n, n_free, keyed_from = 0, 0, n_keyed  # n: pages read
         for r in range(rows.size):
             row, new_base = rows[r], new_bases[r]
             if new_base == bases[row] and new_base <= his[row] and not lanes[row]:
@@ -525,24 +523,14 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
                 pages[at] = -1
                 touched[n_touched] = view_at + (logical & view_mask)
                 n_touched += 1
-                if n == 0 and holders[page] == 1:
-                    holders[page] = 0
-                    if flags[page]:
-                        idle_keyed[n_keyed] = page
-                        n_keyed += 1
-                    else:
-                        scratch[n_free] = page
-                        n_free += 1
-                else:
-                    scratch[n_free + n] = page
-                    n += 1
+                scratch[n] = page
+                n += 1
             bounds[BASE, g, row] = after[0, g, r]
             bounds[HI, g, row] = max(bounds[HI, g, row], after[0, g, r])  # a load row's base may pass its hi
             if bounds[LANE, g, row]:
                 fit_ring(geometry, pages, bounds, g, row, bounds[HI, g, row] - after[0, g, r])
         if n:
-            n_free, n_keyed = drop_released(ref, keyed, offset, scratch[n_free : n_free + n], scratch, n_free,
-                                            idle_keyed, n_keyed)
+            n_free, n_keyed = drop_released(ref, keyed, offset, scratch[:n], scratch, 0, idle_keyed, n_keyed)
         released[0, g], released[1, g] = n_free, n_keyed - keyed_from
         per_group[RELEASED_PAGES, g] += n_free + n_keyed - keyed_from
         if n_free:
@@ -770,33 +758,6 @@ def allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, ro
     return n_touched
 
 
-@njit(cache=True)
-def batch_arrays(rows, first, counts, after, settle, table_rows, scheduled, positions, request_indices,
-                 query_start_loc, base_pages, widths):
-    """The batch's arrays of plan rows ``[settle, R)`` (``_StepArrays``), base pages after the step and
-    ``widths[g]``, the widest row's live pages."""
-    n = 0
-    query_start_loc[0] = 0
-    for r in range(settle, rows.size):
-        k, start, count = r - settle, first[r], counts[r]
-        table_rows[k], scheduled[k] = rows[r], count
-        if count == 1:  # a decode row
-            positions[n], request_indices[n] = start, k
-        else:  # views indexed from 0 (no negative index to wrap): the loops vectorize
-            row_positions, row_indices = positions[n : n + count], request_indices[n : n + count]
-            for i in range(count):
-                row_positions[i] = start + i
-            row_indices[:] = k
-        n += count
-        query_start_loc[k + 1] = n
-    for g in range(base_pages.shape[0]):
-        widest, out, new_bases, new_his = 0, base_pages[g], after[0, g], after[1, g]  # 1-D views
-        for r in range(settle, rows.size):
-            out[r - settle] = new_bases[r]
-            widest = max(widest, new_his[r] - new_bases[r])
-        widths[g] = widest
-
-
 def batch_arrays_for(n_groups, n_requests, n_tokens, write_slots):
     """Fresh arrays for what ``run_step`` writes for a batch, in its argument order (``_StepArrays``)."""
     return (np.empty((2 + n_groups, n_requests), np.int32), np.empty(n_requests + 1, np.int32),
@@ -841,7 +802,7 @@ def grant_step(grants, scratch, arena, idle, geometry, pages, bounds, counters, 
     when ``room_groups`` asks (as after the idle keyed pages joined: ``joined_low``), its marks left in
     ``Arena.room_marks`` for ``make_room``. Status -1 (nothing granted): a slab not spare. A kernel of its own: the
     grant inside ``run_step`` makes ``step``'s compiled loops slower. ``scratch`` (``grant_scratch``): int64 room for
-    an end per group, a ``per_group`` copy and every granted slab's pages: the kernel allocates nothing, so it
+    pages per group, a ``per_group`` copy and every granted slab's pages: the kernel allocates nothing, so it
     runs without reference counting (``_nrt=False``: its ~30 arrays come in without a MemInfo each, ~8 µs a call).
     Done whole, the keyed pages its releases left idle join their LRUs here (``idle``: ``PageSpace.join_args``),
     unless its clock is empty."""
@@ -851,8 +812,8 @@ def grant_step(grants, scratch, arena, idle, geometry, pages, bounds, counters, 
     rows, counts, first, after, sums, released, _, _, idle_keyed, _ = run_views(plan, geometry.shape[0], n)
     owner, lo, hi, straddle, offsets, most_slab_pages, sizes, spare, roomy_slabs, marks = arena
     n_groups = geometry.shape[0]
-    ends, granted = scratch[:n_groups], scratch[(1 + PER_GROUP_ROWS) * n_groups :]
-    if grant_spare_slabs(owner, grants[0], grants[1], lo, hi, straddle, granted, ends,
+    gained, granted = scratch[:n_groups], scratch[(1 + PER_GROUP_ROWS) * n_groups :]
+    if grant_spare_slabs(owner, grants[0], grants[1], lo, hi, straddle, granted, gained,
                          stack, per_group[TOP], offsets, per_group[LOWEST], per_group[GRANTED_PAGES]) < 0:
         return -1, n_touched, n_keyed
     spare[0] -= grants.shape[1]
@@ -877,7 +838,7 @@ def grant_step(grants, scratch, arena, idle, geometry, pages, bounds, counters, 
 
 
 def grant_scratch(grants, arena, n_groups, made=None):
-    """``grant_step``'s ``scratch`` for ``grants``: an end per group, a ``per_group`` copy, then each slab's most pages
+    """``grant_step``'s ``scratch`` for ``grants``: pages per group, a ``per_group`` copy, then each slab's most pages
     (``arena``: ``Arena.grant_args``); ``made`` where it is large enough (the kernel reads nothing it did not write)."""
     size = (1 + PER_GROUP_ROWS) * n_groups + grants.shape[1] * arena[5]
     return made if made is not None and made.size >= size else np.empty(size, np.int64)
@@ -1051,17 +1012,37 @@ def finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, sta
                 settle, n_touched, cells, cell_pages, per_request, query_start_loc, request_indices, per_token,
                 joined):
     """The rest of ``run_step`` (same arguments; ``keyed``, ``low_priority`` unread) once the stacks hold
-    enough: allocate, computed tokens move on, the batch's arrays and write slots; the changed cells read
+    enough: allocate, computed tokens move on, the batch's arrays of plan rows ``[settle, R)`` (``_StepArrays``:
+    base pages after the step and ``widths[g]``, the widest row's live pages) and write slots; the changed cells read
     into ``cells`` and ``cell_pages`` when they fit; the pools' peaks (``joined``: the keyed pages the
     releases left idle joined their LRUs already, else they join next). Returns the cells changed."""
     rows, counts, first, after, sums, released, widths, _, _, touched = run_views(plan, geometry.shape[0], n)
-    computed = counters[0]
+    computed, table_rows, scheduled, positions = counters[0], per_request[0], per_request[1], per_token[0]
     n_touched = allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, rows, first, counts,
                                after, sums, touched, n_touched)
     for r in range(rows.size):
         computed[rows[r]] = first[r] + counts[r]
-    batch_arrays(rows, first, counts, after, settle, per_request[0], per_request[1], per_token[0], request_indices,
-                 query_start_loc, per_request[2:], widths)
+    n_tokens = 0
+    query_start_loc[0] = 0
+    for r in range(settle, rows.size):
+        k, start, count = r - settle, first[r], counts[r]
+        table_rows[k], scheduled[k] = rows[r], count
+        if count == 1:  # a decode row
+            positions[n_tokens], request_indices[n_tokens] = start, k
+        else:  # views indexed from 0 (no negative index to wrap): the loops vectorize
+            row_positions = positions[n_tokens : n_tokens + count]
+            row_indices = request_indices[n_tokens : n_tokens + count]
+            for i in range(count):
+                row_positions[i] = start + i
+            row_indices[:] = k
+        n_tokens += count
+        query_start_loc[k + 1] = n_tokens
+    for g in range(geometry.shape[0]):
+        widest, base_pages, new_bases, new_his = 0, per_request[2 + g], after[0, g], after[1, g]  # 1-D views
+        for r in range(settle, rows.size):
+            base_pages[r - settle] = new_bases[r]
+            widest = max(widest, new_his[r] - new_bases[r])
+        widths[g] = widest
     if per_token.shape[0] > 1:
         write_slots(geometry, pages, bounds, rows, first, counts, settle, per_token[1:])
     if n_touched <= cell_pages.size:
@@ -1423,8 +1404,6 @@ def take_spare_for(short, slab_pages, spare_slabs, owner, inner_pages, straddle,
     need = 0
     for g in range(short.size):
         if short[g] > 0:
-            if slab_pages[g] <= 0:
-                return -1
             need += -(-short[g] // slab_pages[g])
     if need > spare_slabs:
         return -1
@@ -1576,28 +1555,26 @@ def slab_move_pages(owner, donor, group, lo, hi, straddle, s, pages):
 
 
 @njit(cache=True)
-def grant_spare_slabs(owner, groups, slabs, lo, hi, straddle, pages, ends, stack, top, offsets, lowest, granted):
-    """Spare slabs granted (``groups[i]`` takes ``slabs[i]``; ``owner`` updated): group ``g``'s gained pages to
-    ``pages[ends[g - 1] : ends[g]]``, then pushed onto its free stack and counted in ``granted[g]``. Returns the
-    pages in all, or -1 (no page pushed) when a slab is not spare or listed twice."""
+def grant_spare_slabs(owner, groups, slabs, lo, hi, straddle, pages, counts, stack, top, offsets, lowest, granted):
+    """Spare slabs granted (``groups[i]`` takes ``slabs[i]``; ``owner`` updated): group ``g``'s ``counts[g]`` gained
+    pages to ``pages`` (group after group), then pushed onto its free stack (``push_free``) and counted in
+    ``granted[g]``. Returns the pages in all, or -1 (no page pushed) when a slab is not spare or listed twice."""
     for i in range(slabs.size):
         if owner[slabs[i]] >= 0:
             return -1
     n = 0
     for g in range(lo.shape[0]):
+        start = n
         for i in range(groups.size):
             if groups[i] == g:
                 if owner[slabs[i]] >= 0:
                     return -1  # listed twice
                 n = slab_pages(owner, g, lo[g], hi[g], straddle[g], slabs[i], pages, n, lowest[g] != 0)
                 owner[slabs[i]] = g
-        ends[g] = n
-    start = 0
-    for g in range(ends.size):
-        if ends[g] > start:
-            top[g] = push_run(stack[offsets[g]:], top[g], lowest[g] != 0, pages[start : ends[g]])
-            granted[g] += ends[g] - start
-        start = ends[g]
+        counts[g] = n - start
+    for g in range(counts.size):
+        granted[g] += counts[g]
+    push_free(stack, top, offsets, lowest, counts, pages)
     return n
 
 
