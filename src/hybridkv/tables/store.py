@@ -269,7 +269,7 @@ class CommitPages:
         self._unit_pages = self._sizes[0] + self.boundary_pages  # a block's and its checkpoint's, every group's
         self._out = np.empty(max(64, 2 * self._unit_pages), dtype=np.int64)  # room for ``read_block``'s
         self._commit_unit = kernels.commit_unit  # ``read_unit``'s kernel; its compiled code once tables are known
-        self._block = np.array([1, 0, 0, 0, 1, 0], dtype=np.int64)  # ``read_block``'s ``units``
+        self._block = np.array([1, 0, 0, 0, 1, 0], dtype=np.int64)  # ``read_block``'s ``unit``
         self._block_out = np.empty(max(64, 2 * self._unit_pages), dtype=np.int64)  # ``read_block``'s (never grown)
         self._block_pages = self._block_out[:self._unit_pages]  # a block's and its checkpoint's every window whole
         self._block_args = (None,) * 3  # ``read_block``'s kernel arguments, kept while the store's arrays are these
