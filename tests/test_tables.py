@@ -369,6 +369,30 @@ def test_read_block_claims_what_read_reads_before_and_after_the_store_grows():
         ts.ensure_rows(4)
 
 
+def test_read_unit_claims_a_commit_whole_or_not_at_all():
+    """``CommitPages.read_unit`` (a commit of blocks and checkpoints claimed in one compiled call) gives ``read``'s
+    pages (the reference) group by group, keys them and flags low the windows before the latest (``low`` 2); where
+    a page of its latest window carries a key already it gives None and leaves every other page unkeyed."""
+    ts = TableSet([C4, SWA_4_8, SWA_4_4], max_context_tokens=2048, max_step_tokens=512, initial_rows=1)
+    c4, swa8, swa4 = ts.tables
+    space = SimpleNamespace(ref_counts=np.ones(4096, np.int32), cached=np.zeros(4096, np.bool_),
+                            low_priority=np.zeros(4096, np.bool_), pools=[SimpleNamespace(num_pages=4096)] * 3)
+    reader = CommitPages([(c4, 1)], [(swa8, 8), (swa4, 4)], space)
+    place(ts, 0, ROW0, np.array([0]), np.array([3]), np.arange(1, 4))
+    c4.hi[0] = 3
+    for g, table in enumerate((swa8, swa4)):  # 70 live pages of 192 (a ring of them): windows at 512 and 768 live
+        place(ts, g + 1, ROW0, np.array([122]), np.array([70]), np.arange(122, 192) + 1000 * (g + 1))
+        table.base[0], table.hi[0] = 122, 192
+    expected, status = reader.read(0, 1, 3, [512, 768])  # blocks 1, 2; at 512 swa8's 2, swa4's 1; at 768 the same
+    assert status == [1] * 6 and len(expected) == 8
+    by_group = expected[:2] + expected[2:4] + expected[5:7] + expected[4:5] + expected[7:]
+    space.cached[expected[-1]] = True
+    assert reader.read_unit([2, 0, 1, 3, 2, 512, 768]) is None and space.cached.sum() == 1
+    space.cached[expected[-1]] = False
+    assert reader.read_unit([2, 0, 1, 3, 2, 512, 768]) == by_group
+    assert space.cached[by_group].all() and space.cached.sum() == 8
+    assert sorted(np.flatnonzero(space.low_priority).tolist()) == sorted(expected[2:5])
+
 def test_place_row_is_place_of_each_group_then_its_live_pages():
     """``kernels.place_row`` (a prefix hit's placement, which ``lru.borrow_row`` runs) against ``place`` (above)
     group by group with base and hi set after: the same store, bounds, lanes and logged cells,

@@ -467,7 +467,7 @@ class PrefixCache:
                       let_go: list[tuple]) -> None:
         """A request's commit: where it publishes only keys no group has and pins no boundary, its unit (its blocks,
         its speculative checkpoints and its latest) read and claimed whole in one compiled call
-        (``CommitPages.read_units``; ``read_block`` for one block), recorded (:meth:`_record`) and booked
+        (``CommitPages.read_unit``; ``read_block`` for one block), recorded (:meth:`_record`) and booked
         (:meth:`_book`); else, or where the claim fails, :meth:`_commit_one`."""
         hashes, g = req.hashes, self.granularity_tokens
         if hashes is None:
@@ -484,9 +484,7 @@ class PrefixCache:
         else:  # its speculative boundaries too
             speculative = self.policy.speculative_between((first + 1) * g, latest, g, req.prompt_tokens)
             low = 2 if self.values is None or self.values.low_priority(SPECULATIVE) else 1
-            units = [low, req.row, first, end, len(speculative) + 1, *speculative, latest]
-            pages, claimed = self._reader.read_units(units, 1, end - first)
-            pages = None if claimed else pages  # ``claimed`` [0]: not claimed (None: claimed whole)
+            pages = self._reader.read_unit([low, req.row, first, end, len(speculative) + 1, *speculative, latest])
         if pages is None:
             self._commit_one(req, old_tokens, new_tokens, events, let_go)
             return
@@ -799,7 +797,7 @@ class PrefixCache:
     def load_kernels(self) -> None:
         """Load (or compile) now the commit's kernels, reading nothing (``lru.borrow_row`` loads at the first hit)."""
         self._reader.read(0, 0, 0, [])
-        self._reader.read_units([1], 0, 0)
+        self._reader.read_unit([1, 0, 0, 0, 0])
 
     def forget_request(self, req: CommittingRequest) -> None:
         """A freed request's checkpoints stay cached; with ``"prefill-per-byte"`` they are then ranked again (only

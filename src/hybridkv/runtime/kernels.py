@@ -150,125 +150,92 @@ def commit_pages(geometry, pages, bounds, history, state, row, first_block, end_
 
 
 @njit(cache=True, _nrt=False)
-def commit_units(geometry, pages, bounds, history, state, units, out, claimed, places, ref, keyed, low_flags,
-                 limits):
-    """The pages of commits, each claimed whole or not at all, in one pass. ``units`` holds
-    ``low``, then per commit (row, first block, end block, boundaries ``B``, then the ``B``
-    boundaries, multiples of the grain, its latest last); its unit: per history group
-    ``history[h] = (g, pages per block)`` its blocks ``[first, end)``, then per state group
-    ``state[s] = (g, window tokens W)`` each boundary's window ``[D - W, D)``. Commit by
-    commit ``u``, every page is keyed and ``claimed[u] = 1`` where every window is live and
-    every page a held page of its group (``0 < id < limits[g]``, ref count > 0), none keyed;
-    else nothing of it changes and ``claimed[u] = 0``. ``out`` (large enough) gets the
-    claimed ones' pages group by group (each group's commit by commit, entry by entry), a
-    window before the latest flagged low where ``low`` is 2 (``places``: scratch, ``3 *
-    groups + 1``). Returns how many pages it wrote, ``-1 - n`` where some commit was not
-    claimed. It allocates nothing, so it runs without reference counting (``_nrt=False``: its 13 arrays come in
-    without a MemInfo each)."""
-    n_groups, n_history, low = history.shape[0] + state.shape[0], history.shape[0], units[0]
-    start, place, mark = places[:n_groups + 1], places[n_groups + 1:2 * n_groups + 1], places[2 * n_groups + 1:]
-    start[:] = 0
-    at = 1
-    while at < units.size:  # where each group's pages go, were every commit claimed
-        for j in range(n_groups):
-            for e in range(_unit_entries(units, at, j, n_history)):
-                start[j + 1] += _unit_span(geometry, history, state, units, at, j, e)[2]
-        at += 4 + units[at + 3]
+def commit_unit(geometry, pages, bounds, history, state, unit, out, starts, ref, keyed, low_flags, limits):
+    """The pages of one commit, claimed whole or not at all. ``unit`` holds ``low``, row, first
+    block, end block, boundaries ``B``, then the ``B`` boundaries (multiples of the grain, its
+    latest last); its pages: per history group ``history[h] = (g, pages per block)`` its blocks
+    ``[first, end)``, then per state group ``state[s] = (g, window tokens W)`` each boundary's
+    window ``[D - W, D)``. Where every window is live and every page a held page of its group
+    (``0 < id < limits[g]``, ref count > 0), none keyed, every page is keyed and written into
+    ``out`` (large enough) group by group, entry by entry (a window before the latest flagged
+    low where ``low`` is 2), and their count returned; else nothing changes and -1 is returned.
+    ``starts`` (scratch, groups + 1): where each group's pages start in ``out``. It allocates
+    nothing, so it runs without reference counting (``_nrt=False``: its 12 arrays come in without
+    a MemInfo each)."""
+    row, n_history, n_groups, n, good = unit[1], history.shape[0], history.shape[0] + state.shape[0], 0, True
     for j in range(n_groups):
-        start[j + 1] += start[j]
-        place[j] = start[j]
-    at, u, n_claimed = 1, 0, 0
-    while at < units.size:
-        for j in range(n_groups):  # where the unit's pages start (a loop: a slice copy may allocate, an overlap's)
-            mark[j] = place[j]
-        claimed[u] = _claim_unit(geometry, pages, bounds, history, state, units, at, low, out, place, mark, ref,
-                                 keyed, low_flags, limits)
-        n_claimed += claimed[u]
-        at += 4 + units[at + 3]
-        u += 1
-    if n_claimed == u:
-        return start[n_groups]
-    n = place[0]
-    for j in range(1, n_groups):  # close the gaps the commits not claimed left
-        for i in range(start[j], place[j]):
-            out[n] = out[i]
-            n += 1
-    return -1 - n
-
-
-@njit(cache=True, _nrt=False)
-def commit_block(geometry, pages, bounds, history, state, units, out, claimed, places, ref, keyed, low_flags, limits,
-                 row, first_block, end_tokens):
-    """``commit_units`` of one commit (``CommitPages.read_block``'s: one boundary, no ``low``): block
-    ``first_block`` of ``row`` and its checkpoint at ``end_tokens``, written into ``units`` here."""
-    units[1], units[2], units[3], units[5] = row, first_block, first_block + 1, end_tokens
-    return commit_units(geometry, pages, bounds, history, state, units, out, claimed, places, ref, keyed, low_flags,
-                        limits)
-
-
-@njit(cache=True, inline="always")
-def _unit_entries(units, at, j, n_history):
-    """How many entries group ``j`` has in the unit at ``units[at]``: its blocks, or its boundaries."""
-    return units[at + 2] - units[at + 1] if j < n_history else units[at + 3]
-
-
-@njit(cache=True, inline="always")
-def _unit_span(geometry, history, state, units, at, j, e):
-    """Entry ``e`` of group ``j`` in the unit at ``units[at]``: (group, first logical page,
-    pages): block ``first + e``, or the window of boundary ``e``."""
-    n_history = history.shape[0]
-    if j < n_history:
-        per_block = history[j, 1]
-        return history[j, 0], (units[at + 1] + e) * per_block, per_block
-    g, d = state[j - n_history, 0], units[at + 4 + e]
-    t = geometry[g, PAGE_TOKENS]
-    lo = max(d - state[j - n_history, 1], 0) // t
-    return g, lo, d // t - lo
-
-
-@njit(cache=True)
-def _claim_unit(geometry, pages, bounds, history, state, units, at, low, out, place, mark, ref, keyed, low_flags,
-                limits):
-    """Key every page of the unit at ``units[at]`` (``commit_units``'s), group ``j``'s pages
-    into ``out`` from ``place[j]`` (moved on; its windows before the latest flagged low where
-    ``low`` is 2; ``mark[j]``: where they start), and return 1; or return 0 with nothing changed."""
-    row, n_history, n_groups, good = units[at], history.shape[0], history.shape[0] + state.shape[0], True
-    for j in range(n_groups):
-        for e in range(_unit_entries(units, at, j, n_history) if good else 0):
-            g, lo, n = _unit_span(geometry, history, state, units, at, j, e)
+        starts[j] = n
+        for e in range(_unit_entries(unit, j, n_history) if good else 0):
+            g, lo, count = _unit_span(geometry, history, state, unit, j, e)
             offset = geometry[g, ID_OFFSET]
-            good = j < n_history or lo >= bounds[BASE, g, row] and lo + n <= bounds[HI, g, row]  # a live window
-            for logical in range(lo, lo + n if good else lo):
+            good = j < n_history or lo >= bounds[BASE, g, row] and lo + count <= bounds[HI, g, row]  # a live window
+            for logical in range(lo, lo + count if good else lo):
                 page = pages[cell(geometry, bounds, g, row, logical)]
                 good = 0 < page < limits[g] and ref[offset + page] > 0 and not keyed[offset + page]
                 if not good:
                     break
                 keyed[offset + page] = True
-                out[place[j]] = page
-                place[j] += 1
+                out[n] = page
+                n += 1
             if not good:
                 break
-    if good:
-        _flag_low(geometry, history, state, units, at, low, out, place, mark, low_flags)
-        return 1
-    for j in range(n_groups):  # not claimed: its pages keyed so far unkeyed
-        offset = geometry[history[j, 0] if j < n_history else state[j - n_history, 0], ID_OFFSET]
-        for i in range(mark[j], place[j]):
-            keyed[offset + out[i]] = False
-        place[j] = mark[j]
-    return 0
+    starts[n_groups] = n
+    if not good:
+        _unkey(geometry, history, state, out, starts, keyed)
+        return -1
+    _flag_low(geometry, history, state, unit, out, starts, low_flags)
+    return n
+
+
+@njit(cache=True, _nrt=False)
+def commit_block(geometry, pages, bounds, history, state, unit, out, starts, ref, keyed, low_flags, limits,
+                 row, first_block, end_tokens):
+    """``commit_unit`` of one commit (``CommitPages.read_block``'s: one boundary, no ``low``): block
+    ``first_block`` of ``row`` and its checkpoint at ``end_tokens``, written into ``unit`` here."""
+    unit[1], unit[2], unit[3], unit[5] = row, first_block, first_block + 1, end_tokens
+    return commit_unit(geometry, pages, bounds, history, state, unit, out, starts, ref, keyed, low_flags, limits)
 
 
 @njit(cache=True, inline="always")
-def _flag_low(geometry, history, state, units, at, low, out, place, mark, low_flags):
-    """Where ``low`` is 2, flag low the pages of each state group's windows before the latest
-    of the unit at ``units[at]`` (``out[mark[j]:place[j]]`` holds group ``j``'s)."""
+def _unit_entries(unit, j, n_history):
+    """How many entries group ``j`` has in ``unit``: its blocks, or its boundaries."""
+    return unit[3] - unit[2] if j < n_history else unit[4]
+
+
+@njit(cache=True, inline="always")
+def _unit_span(geometry, history, state, unit, j, e):
+    """Entry ``e`` of group ``j`` in ``unit``: (group, first logical page, pages): block
+    ``first + e``, or the window of boundary ``e``."""
+    n_history = history.shape[0]
+    if j < n_history:
+        per_block = history[j, 1]
+        return history[j, 0], (unit[2] + e) * per_block, per_block
+    g, d = state[j - n_history, 0], unit[5 + e]
+    t = geometry[g, PAGE_TOKENS]
+    lo = max(d - state[j - n_history, 1], 0) // t
+    return g, lo, d // t - lo
+
+
+@njit(cache=True, inline="always")
+def _unkey(geometry, history, state, out, starts, keyed):
+    """Unkey the pages of a commit not claimed (``out[starts[j]:starts[j + 1]]``: group ``j``'s)."""
+    n_history = history.shape[0]
+    for j in range(n_history + state.shape[0]):
+        offset = geometry[history[j, 0] if j < n_history else state[j - n_history, 0], ID_OFFSET]
+        for i in range(starts[j], starts[j + 1]):
+            keyed[offset + out[i]] = False
+
+
+@njit(cache=True, inline="always")
+def _flag_low(geometry, history, state, unit, out, starts, low_flags):
+    """Where ``unit``'s ``low`` is 2, flag low the pages of each state group's windows before
+    its latest (``out[starts[j]:starts[j + 1]]`` holds group ``j``'s)."""
     n_history = history.shape[0]
     for j in range(n_history, n_history + state.shape[0]):
-        count = _unit_entries(units, at, j, n_history)
-        if low == 2 and count > 1:
-            g, _, n = _unit_span(geometry, history, state, units, at, j, count - 1)
-            for i in range(mark[j], place[j] - n):
+        count = _unit_entries(unit, j, n_history)
+        if unit[0] == 2 and count > 1:
+            g, _, n = _unit_span(geometry, history, state, unit, j, count - 1)
+            for i in range(starts[j], starts[j + 1] - n):
                 low_flags[geometry[g, ID_OFFSET] + out[i]] = True
 
 

@@ -245,7 +245,7 @@ class TableSet:
 
 class CommitPages:
     """The pages prefix commits publish, read (and their entries claimed, where asked) in one compiled call
-    (:meth:`read`, :meth:`read_block`, :meth:`read_units`). ``history``: (table, pages per block); ``state``: (table,
+    (:meth:`read`, :meth:`read_block`, :meth:`read_unit`). ``history``: (table, pages per block); ``state``: (table,
     window tokens ``W``: a checkpoint's ``ceil(W / T)`` pages); ``space`` (to claim entries): the
     ``hybridkv.memory.pool.PageSpace`` of the tables' groups."""
 
@@ -265,21 +265,20 @@ class CommitPages:
             self._claim_in = (space.ref_counts, space.cached, space.low_priority,
                               np.asarray([p.num_pages for p in space.pools], dtype=np.int64))
         self._no_claims = np.zeros(0, dtype=np.int8)
-        self._claimed = np.empty(16, dtype=np.int8)  # read_units' flags, one a commit
-        self._places = np.empty(3 * (len(history) + len(state)) + 1, dtype=np.int64)  # read_units' scratch
+        self._starts = np.empty(len(history) + len(state) + 1, dtype=np.int64)  # read_unit's scratch
         self._unit_pages = self._sizes[0] + self.boundary_pages  # a block's and its checkpoint's, every group's
         self._out = np.empty(max(64, 2 * self._unit_pages), dtype=np.int64)  # room for ``read_block``'s
-        self._commit_units = kernels.commit_units  # ``read_units``' kernel; its compiled code once tables are known
-        self._block = np.array([1, 0, 0, 0, 1, 0], dtype=np.int64)  # ``read_block``'s ``units``
+        self._commit_unit = kernels.commit_unit  # ``read_unit``'s kernel; its compiled code once tables are known
+        self._block = np.array([1, 0, 0, 0, 1, 0], dtype=np.int64)  # ``read_block``'s ``unit``
         self._block_out = np.empty(max(64, 2 * self._unit_pages), dtype=np.int64)  # ``read_block``'s (never grown)
         self._block_pages = self._block_out[:self._unit_pages]  # a block's and its checkpoint's every window whole
         self._block_args = (None,) * 3  # ``read_block``'s kernel arguments, kept while the store's arrays are these
         self._commit_block = kernels.commit_block
         if self._set is not None:
             ts = self._set
-            self._commit_units = kernels.entry_point(kernels.commit_units, (
-                ts.geometry, ts.pages, ts.bounds, self._history, self._state, self._places, self._out, self._claimed,
-                self._places, *self._claim_in))
+            self._commit_unit = kernels.entry_point(kernels.commit_unit, (
+                ts.geometry, ts.pages, ts.bounds, self._history, self._state, self._starts, self._out, self._starts,
+                *self._claim_in))
             self._commit_block = kernels.entry_point(kernels.commit_block, (*self._block_call(), 0, 0, 0))
 
     def read(self, row: int, first_block: int, end_block: int, boundaries: list[int],
@@ -310,7 +309,7 @@ class CommitPages:
         return self._out[:n].tolist(), self._status[:n_entries].tolist()
 
     def read_block(self, row: int, first_block: int, end_tokens: int) -> list[int] | None:
-        """:meth:`read_units` of one commit of block ``first_block`` and its checkpoint (at its
+        """:meth:`read_unit` of one commit of block ``first_block`` and its checkpoint (at its
         end, ``end_tokens``; no window before it, so no ``low``), from a space: its pages, or None
         where it was not claimed."""
         args, ts = self._block_args, self._set
@@ -325,26 +324,21 @@ class CommitPages:
         """:meth:`read_block`'s kernel arguments but the commit's (``kernels.commit_block``'s), its own ``out``."""
         ts = self._set
         return (ts.geometry, ts.pages, ts.bounds, self._history, self._state, self._block, self._block_out,
-                np.empty(1, dtype=np.int8), self._places, *self._claim_in)
+                self._starts, *self._claim_in)
 
-    def read_units(self, units: list[int], n_units: int, n_blocks: int) -> tuple[list[int], list[int] | None]:
-        """``n_units`` commits (``n_blocks`` blocks in all) each claimed whole or not at all, in one compiled call
-        (``kernels.commit_units``, whose ``units`` these are): their pages, group by group in :meth:`read`'s
-        group order, each group's commit by commit; and per commit 1 where all of its entries were claimed, else
-        0 (nothing claimed: :meth:`read` then commits it alone), or None where all were."""
+    def read_unit(self, unit: list[int]) -> list[int] | None:
+        """One commit claimed whole or not at all, in one compiled call (``kernels.commit_unit``, whose ``unit``
+        this is): its pages, group by group in :meth:`read`'s order, or None where it was not claimed (nothing
+        claimed: :meth:`read` then commits it)."""
         ts = self._set
         if ts is None:
-            return [], []  # no group publishes anything
-        if n_blocks * self._unit_pages > self._out.size or n_units > self._claimed.size:  # at most a checkpoint a block
-            self._out = np.empty(2 * max(n_blocks * self._unit_pages, self._out.size), dtype=np.int64)
-            self._claimed = np.empty(2 * max(n_units, self._claimed.size), dtype=np.int8)
-        ref, keyed, low_flags, limits = self._claim_in
-        n = self._commit_units(ts.geometry, ts.pages, ts.bounds, self._history, self._state,
-                               np.array(units, dtype=np.int64), self._out, self._claimed, self._places, ref, keyed,
-                               low_flags, limits)
-        if n >= 0:
-            return self._out[:n].tolist(), None
-        return self._out[:-1 - n].tolist(), self._claimed[:n_units].tolist()
+            return []  # no group publishes anything
+        size = (unit[3] - unit[2]) * self._unit_pages  # at most a checkpoint a block
+        if size > self._out.size:
+            self._out = np.empty(2 * max(size, self._out.size), dtype=np.int64)
+        n = self._commit_unit(ts.geometry, ts.pages, ts.bounds, self._history, self._state,
+                              np.array(unit, dtype=np.int64), self._out, self._starts, *self._claim_in)
+        return self._out[:n].tolist() if n >= 0 else None
 
 
 def _cells(geometry: np.ndarray, bounds: np.ndarray, g: int, rows: np.ndarray, lo: np.ndarray,
