@@ -6,9 +6,12 @@ The same program (requests join with prompts of a small vocabulary, so prefixes 
 shared, prefill in chunks, decode, leave) runs twice: as the manager runs it, and with
 ``admit_spare`` answering -1 every time (``general_admission``, the reference: every step
 that is not clean goes through ``CacheManager``'s general admission and its Python slab
-grants). Every batch, table update, error, event, pool count and slab owner must match
-after every call. Since both admissions would move together, the slabs a run of prefill
-chunks takes are also pinned (``test_prefill_chunks_take_the_pinned_slabs``).
+grants, ``Arena.kernel_grants`` answering None: else both sides grant spare slabs alone in
+``kernels.grant_step``, and a make-room answer of its that is wrong goes unseen). Every batch,
+table update, error, event, pool count and slab owner must match after every call. Since both
+admissions would move together, the slabs a run of prefill chunks takes are also pinned
+(``test_prefill_chunks_take_the_pinned_slabs``), and so is a grant step's packing
+(``test_a_step_granting_a_spare_slab_packs_below_a_prefill_chunks_long_lived_pages``).
 """
 
 import contextlib
@@ -18,18 +21,23 @@ import hypothesis.strategies as st
 import numpy as np
 from hypothesis import given, settings
 
-from hybridkv.memory.arena import arena_geometry
+from hybridkv.memory.arena import Arena, arena_geometry
 from hybridkv.runtime import kernels
 from hybridkv.runtime.manager import CacheManager, CacheManagerError
 from test_arena_stateful import ANCHOR, PAGE_BYTES
 from test_table_updates import CONFIGS
 
 
+@contextlib.contextmanager
 def general_admission():
     """``admit_spare`` answering -1, also inside ``step_spare`` (``step`` alone, then -1), while a manager is
-    built (it takes the kernels then) and runs."""
-    return mock.patch.multiple(kernels, admit_spare=lambda *args: -1,
-                               step_spare=lambda *args: (*kernels.step(*args[:23]), -1))
+    built (it takes the kernels then) and runs; and ``Arena.kernel_grants`` answering None, so ``_admit``'s spare
+    slabs move in Python too (``Arena.apply``, then ``_after_run``'s ``room_groups`` from the plan's counts), not
+    in ``kernels.grant_step``, whose make-room answer the step's own admission relies on."""
+    with mock.patch.multiple(kernels, admit_spare=lambda *args: -1,
+                             step_spare=lambda *args: (*kernels.step(*args[:23]), -1)):
+        with mock.patch.object(Arena, "kernel_grants", lambda self, grants: None):
+            yield
 
 
 def build(config, caching, budget_share, slab_pages):
@@ -163,3 +171,75 @@ def test_prefill_chunks_take_the_pinned_slabs():
     assert totals[:2] == PINNED_FIRST_PAGES
     for k, pages in enumerate(totals[2:], start=2):
         assert tuple(pages[1:]) == (PINNED_OTHER_PAGES[0], pages[2], *PINNED_OTHER_PAGES[2:]), k
+
+
+def serve_turns(manager, running, turns):
+    """bench/step_profile.py's serving workload on ``manager``: ``running`` requests (seeded 512-1,536-token prompts of
+    unique tokens) prefilled in 8,192-token steps, then ``turns`` steps in which the oldest request leaves, a new one
+    joins and the step decodes one token of each other request and prefills the new prompt whole. Each turn's
+    (``stats()``, the prefix cache's events)."""
+    rng, live, prompts, out = np.random.default_rng(0), [], {}, []
+
+    def join(rid):
+        prompt = rng.integers(0, 100_000, int(rng.integers(512, 1537)), dtype=np.int32)
+        manager.add_request(rid, prompt, max_new_tokens=4096)
+        live.append(rid)
+        prompts[rid] = prompt.size
+
+    def sample(rids):
+        manager.append_token_ids_many(tuple(rids), rng.integers(0, 100_000, (len(rids), 1), dtype=np.int32))
+
+    for k in range(running):
+        join(f"r{k}")
+    pending = list(live)
+    while pending:
+        items, budget = [], 8192
+        for rid in pending:
+            n = min(prompts[rid] - manager.num_computed_tokens(rid), budget)
+            if n:
+                items.append((rid, n))
+                budget -= n
+        manager.schedule(items, block_tables="updates")
+        sample([rid for rid, _ in items if manager.num_computed_tokens(rid) == prompts[rid]])
+        pending = [rid for rid in pending if manager.num_computed_tokens(rid) < prompts[rid]]
+    manager.prefix.drain_events()
+    for turn in range(turns):
+        manager.free(live.pop(0))
+        join(f"t{turn}")
+        manager.schedule([(rid, 1) for rid in live[:-1]] + [(live[-1], prompts[live[-1]])], block_tables="updates")
+        sample(live)
+        out.append((manager.stats(), [(e.kind, e.group_id, e.tokens) for e in manager.prefix.drain_events()]))
+    return out
+
+
+def test_a_step_granting_a_spare_slab_packs_below_a_prefill_chunks_long_lived_pages():
+    """``grant_step``'s make-room answer counts the prefill row's transient window pages from the plan's token counts.
+    On V4-Flash's 40 GiB arena (bench/step_profile.py's serving workload, 16 running), the second turn's step grants
+    the anchor group, v4.c4a.compressed_kv, a spare slab (16 pages) inside the kernel while a new 1,045-token prompt
+    prefills whole. v4.swa_kv (64-token pages, 128-token window) allocates 18 pages: the prompt's 17, of which the next
+    step releases 14 (those below (1,045 - 128 + 1) // 64), and one decode row's; so 4 are long-lived and take the
+    lowest free ids, above two idle low-priority prompt checkpoints at 256 tokens (their swa pages left behind by the
+    window): the group makes room (``highest`` 14) and packing evicts both (2 swa pages and 1 page in each
+    c4a compressor-state group each). A draft that read the granted pages per group as the rows' token counts (a
+    shadowed ``counts``) asked no group and evicted nothing, and every other test passed (the general admission
+    granted spare slabs in ``grant_step`` too); the general admission with Python's grants decides as pinned here."""
+    from hybridkv.models.layout import cache_layout
+    from hybridkv.plan import Limits, plan_for_budget
+
+    plan = plan_for_budget(cache_layout("deepseek-v4-flash", indexer="fp8"), 40 * 2**30, Limits(16, 8192, 131_072))
+    runs = []
+    for admission in (contextlib.nullcontext(), general_admission()):
+        with admission:
+            manager = CacheManager.from_plan(plan, page_space="shared", enable_prefix_caching=True)
+            runs.append(serve_turns(manager, 16, 2))
+            assert manager.num_computed_tokens("t1") == 1045
+    (first, _), (second, events) = runs[0]
+    assert second["v4.c4a.compressed_kv"].total_pages == first["v4.c4a.compressed_kv"].total_pages + 16
+    evicted = {gid: s.evicted_pages - first[gid].evicted_pages for gid, s in second.items()}
+    assert evicted == {"v4.swa_kv": 4, "v4.c4a.compressor_state": 2, "v4.c4a.compressed_kv": 0,
+                       "v4.c128a.compressor_state": 0, "v4.c128a.compressed_kv": 0,
+                       "v4.c4a.indexer_compressor_state": 2}, evicted
+    removed = [(gid, tokens) for kind, gid, tokens in events if kind == "removed"]
+    assert removed == 2 * [("v4.swa_kv", 256), ("v4.c4a.compressor_state", 256),
+                           ("v4.c4a.indexer_compressor_state", 256)], removed
+    assert runs[0] == runs[1]
