@@ -680,65 +680,52 @@ def test_idle_slabs_and_the_oldest_idle_tick_answer_as_the_whole_pool_scan(data)
         assert pool.oldest_idle_tick() == (int(pool.idle_tick[normal].min()) if normal.size else None)
 
 
+def reference_donor_slabs(arena, own, gid, donor, short, left, inner_idle, edge_idle):
+    """``donor``'s slabs for ``gid``, lowest first, one at a time, with every count worked out from the geometry:
+    a slab goes when its inner pages and the straddlers the donor gives up with it are idle (``inner_idle``,
+    ``edge_idle``) and the donor keeps ``left`` >= 0 (``own`` updated). Returns (slabs, still short, left)."""
+    geometry, di, gi, slabs = arena.geometry, arena.group_ids.index(donor), arena.group_ids.index(gid), []
+
+    def edges(group, slab):
+        index, st = arena.group_ids.index(group), geometry.boundary_pages(group)
+        return [b for b, near in ((slab, slab - 1), (slab + 1, slab + 1))
+                if 0 <= near < geometry.num_slabs and own[near] == index and st[b] >= 0]
+
+    def count(group, slab):
+        lo, hi = geometry.slab_page_ranges(group)
+        return int(hi[slab] - lo[slab]) + len(edges(group, slab))
+
+    for slab in range(geometry.num_slabs):
+        if short <= 0:
+            break
+        if own[slab] != di or not inner_idle[slab]:
+            continue
+        give = count(donor, slab)
+        if give > left or not all(edge_idle[b] for b in edges(donor, slab)):
+            continue
+        left -= give
+        own[slab] = -1
+        short -= count(gid, slab)
+        own[slab] = gi
+        slabs.append(slab)
+    return slabs, short, left
+
+
 def reference_donor_plan(arena, deficit, surplus, keyed_mode):
-    """Slabs of donors (groups not short) for each short group in group order, lowest
-    first, one at a time, with every count worked out from the geometry: a slab goes when
-    its inner pages and the straddlers the donor gives up with it are idle (the whole-pool
-    scan) and the donor keeps its surplus >= 0. (No spare slab left: only donors lend.)"""
-    geometry, own = arena.geometry, arena.owner.copy()
-    left, grants = dict(surplus), []
+    """Slabs of donors (groups not short) for each short group in group order (``reference_donor_slabs``,
+    idleness from the whole-pool scan). (No spare slab left: only donors lend.)"""
+    own, left, grants = arena.owner.copy(), dict(surplus), []
     idle = {gid: whole_pool_idle_slabs(arena, gid, keyed_mode, 0, np.empty(0, dtype=np.int64))
             for gid in arena.group_ids}
-
-    def edges(gid, slab):
-        gi, st = arena.group_ids.index(gid), geometry.boundary_pages(gid)
-        return [b for b, near in ((slab, slab - 1), (slab + 1, slab + 1))
-                if 0 <= near < geometry.num_slabs and own[near] == gi and st[b] >= 0]
-
-    def count(gid, slab):
-        lo, hi = geometry.slab_page_ranges(gid)
-        return int(hi[slab] - lo[slab]) + len(edges(gid, slab))
-
     for gid in arena.group_ids:
         short = deficit.get(gid, 0)
         for donor in arena.group_ids:
             if short <= 0 or donor == gid or deficit.get(donor, 0) > 0 or left.get(donor, 0) <= 0:
                 continue
-            inner_idle, edge_idle, _ = idle[donor]
-            for slab in range(geometry.num_slabs):
-                if short <= 0:
-                    break
-                if own[slab] != arena.group_ids.index(donor) or not inner_idle[slab]:
-                    continue
-                give = count(donor, slab)
-                if give > left[donor] or not all(edge_idle[b] for b in edges(donor, slab)):
-                    continue
-                left[donor] -= give
-                own[slab] = -1
-                short -= count(gid, slab)
-                own[slab] = arena.group_ids.index(gid)
-                grants.append((gid, slab, donor))
+            slabs, short, left[donor] = reference_donor_slabs(arena, own, gid, donor, short, left[donor],
+                                                              *idle[donor][:2])
+            grants += [(gid, slab, donor) for slab in slabs]
     return grants
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.data())
-def test_donor_slabs_are_lent_as_the_one_at_a_time_reference(data):
-    """With every slab owned (random grants, allocations, entries and releases as above),
-    a plan's donor slabs, counting free pages only or every idle keyed page too, are the
-    reference's: same slabs, same order, the donors' surplus and straddlers respected."""
-    from hybridkv.memory.arena import IdleScan
-
-    _, pools, arena = packing_arena()
-    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
-    grant_publish_release(data, rng, pools, arena, data.draw(st.integers(1, 8)), random_priority=False)
-    arena.apply(arena.plan({"swa": 10**6}, {}, partial=True))  # no spare slab left
-    gid = data.draw(st.sampled_from(sorted(SMALL_BYTES)))
-    donor = next(g for g in SMALL_BYTES if g != gid)
-    deficit, surplus = {gid: data.draw(st.integers(1, 60))}, {donor: data.draw(st.integers(-5, 60))}
-    for keyed_mode, scan in ((0, IdleScan(clean=True)), (1, IdleScan())):
-        got = arena.plan(deficit, surplus, scan, partial=True)
-        assert got == reference_donor_plan(arena, deficit, surplus, keyed_mode)
 
 
 def slab_by_slab_pages(geometry, owner, index, grants):
@@ -798,12 +785,12 @@ def test_granting_a_slab_that_is_not_spare_is_refused_and_changes_nothing():
 
 @settings(max_examples=60, deadline=None)
 @given(st.data())
-def test_a_donor_scanned_slab_by_slab_lends_what_the_whole_scan_lends(data):
-    """``kernels.take_donor_slabs`` working out each slab's idleness as the plan reaches it
-    takes the slabs, and leaves the counts, of ``idle_slabs`` over every slab the donor
-    owns followed by ``take_donor_slabs`` given those answers: random grants, allocations, entries
-    (low priority or not), releases, pages the step frees, every way of counting keyed
-    pages, and plan owners that already moved some slabs."""
+def test_take_donor_slabs_lends_as_the_one_at_a_time_reference(data):
+    """``kernels.take_donor_slabs`` given ``idle_slabs``' answers over the slabs the donor
+    owns takes the slabs, and leaves the counts, of the one-at-a-time reference given the
+    whole-pool scan's answers: random grants, allocations, entries (low priority or not),
+    releases, pages the step frees, every way of counting keyed pages, and plan owners that
+    already moved some slabs."""
     from hybridkv.runtime import kernels
 
     geometry, pools, arena = packing_arena()
@@ -830,15 +817,15 @@ def test_a_donor_scanned_slab_by_slab_lends_what_the_whole_scan_lends(data):
         edge_idle = np.zeros(geometry.num_slabs, dtype=bool)
         kernels.idle_slabs(arena.owner, di, lo, hi, straddle, pool.ref_counts, pool.cached, pool.low_priority,
                            pool.idle_tick, keyed_mode, before_tick, released, slab_geometry, inner_idle, edge_idle)
-        want_own, want_taken = own.copy(), np.empty(geometry.num_slabs, dtype=np.int64)
-        args = (lo, hi, straddle, pool.ref_counts, pool.cached, pool.low_priority, pool.idle_tick, keyed_mode,
-                before_tick, released, slab_geometry, g_hi - g_lo, g_straddle, left, short)
-        no_flags = np.empty(0, dtype=bool)
-        want = kernels.take_donor_slabs(want_own, want_own, di, gi, *args, want_taken, inner_idle, edge_idle)
         got_own, got_taken = own.copy(), np.empty(geometry.num_slabs, dtype=np.int64)
-        got = kernels.take_donor_slabs(arena.owner, got_own, di, gi, *args, got_taken, no_flags, no_flags)
-        assert got == want
-        assert got_taken[: got[0]].tolist() == want_taken[: want[0]].tolist()
+        got = kernels.take_donor_slabs(got_own, di, gi, lo, hi, straddle, g_hi - g_lo, g_straddle, left, short,
+                                       got_taken, inner_idle, edge_idle)
+        want_own = own.copy()
+        want_inner, want_edge, _ = whole_pool_idle_slabs(arena, donor, keyed_mode, before_tick, released)
+        slabs, want_short, want_left = reference_donor_slabs(arena, want_own, group, donor, short, left,
+                                                             want_inner, want_edge)
+        assert got == (len(slabs), want_short, want_left)
+        assert got_taken[: got[0]].tolist() == slabs
         assert np.array_equal(got_own, want_own)
 
 

@@ -103,7 +103,6 @@ def shared_concurrency(plan: Any, context_tokens: int, geometry: ArenaGeometry |
 
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
-_NO_FLAGS = np.empty(0, dtype=np.bool_)
 Grant = tuple[str, int, "str | None"]  # (receiving group, slab, donor group or None for a spare slab)
 
 
@@ -188,8 +187,7 @@ class Arena:
         self._count(gid, 0, self.owner)
         kernels.must_pack_at(self.pools[gid].ref_counts, 0, self.packing, 0, int(self._slab_ids[0][0, 0]), 0)
         many = self.geometry.num_slabs * self._most_slab_pages  # more than any donor can give
-        for scan in (IdleScan(clean=True, before_tick=0), IdleScan()):  # a scan slab by slab, then one whole
-            self._take_from_donors(gid, 1, self.owner.copy(), [], {gid: 1}, (dict.fromkeys(donors, many), {}), scan)
+        self._take_from_donors(gid, 1, self.owner.copy(), [], {gid: 1}, (dict.fromkeys(donors, many), {}), IdleScan())
 
     def _packing_rule(self, gid: str) -> Callable[[int, int], bool]:
         """A group's ``PagePool.must_pack``: always unless the arena is roomy, then ``kernels.must_pack_at``."""
@@ -281,14 +279,11 @@ class Arena:
                 break
             if donor == gid or deficit.get(donor, 0) > 0 or self._left(donor, spare, scan, deficit) <= 0:
                 continue
-            left, di, pool, (lo, hi) = spare[1], self._index[donor], self.pools[donor], self._ranges[donor]
-            reach = scan.clean and donor not in scan.idle  # one plan: scan only the slabs it reaches
-            inner_idle, edge_idle = (_NO_FLAGS, _NO_FLAGS) if reach else self._idle(donor, scan)[:2]
+            left, di, (lo, hi) = spare[1], self._index[donor], self._ranges[donor]
+            inner_idle, edge_idle = self._idle(donor, scan)[:2]
             n_taken, short, left[donor] = kernels.take_donor_slabs(
-                self.owner if reach else own, own, di, gi, lo, hi, self._straddle[donor], pool.ref_counts,
-                pool.cached, pool.low_priority, pool.idle_tick, scan.keyed_mode(), scan.before_tick or 0,
-                scan.releasing(di) if reach and scan.releasing is not None else _NO_PAGES, self._sizes[di],
-                self._inner[gid], self._straddle[gid], left[donor], short, self._taken, inner_idle, edge_idle)
+                own, di, gi, lo, hi, self._straddle[donor], self._inner[gid], self._straddle[gid], left[donor], short,
+                self._taken, inner_idle, edge_idle)
             grants.extend((gid, slab, donor) for slab in self._taken[:n_taken].tolist())
         return short
 

@@ -1638,48 +1638,33 @@ def idle_pages(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, lo,
 
 
 @njit(cache=True, inline="always")
-def donor_edges(owner, own, donor, s, donor_straddle, edge_released, ref, keyed, low_priority, idle_tick,
-                keyed_mode, before_tick, edge_idle):
+def donor_edges(own, donor, s, donor_straddle, edge_idle):
     """The straddlers the donor gives up with slab ``s`` (of a boundary with another slab it
-    owns in the plan, ``own``) and whether they are all idle: ``edge_idle`` when given, else released
-    by the step, or idle between two slabs the arena's ``owner`` gives the donor. Returns (pages, idle)."""
-    n, pages, idle = owner.size, 0, True
+    owns in the plan, ``own``) and whether they are all idle (``edge_idle``). Returns (pages, idle)."""
+    n, pages, idle = own.size, 0, True
     for b in (s, s + 1):  # the boundaries left and right of the slab
         near = b - 1 if b == s else b
         if b < 1 or b > n - 1 or own[near] != donor or donor_straddle[b] < 0:
             continue
         pages += 1
-        if edge_idle.size:
-            idle = idle and edge_idle[b]
-            continue
-        both, page = owner[b - 1] == donor and owner[b] == donor, donor_straddle[b]
-        idle = idle and (edge_released[b] or (both and idle_pages(ref, keyed, low_priority, idle_tick, keyed_mode,
-                                                                   before_tick, page, page + 1)[0] == 1))
+        idle = idle and edge_idle[b]
     return pages, idle
 
 
 @njit(cache=True)
-def take_donor_slabs(owner, own, donor, group, lo, hi, donor_straddle, ref, keyed, low_priority, idle_tick,
-                     keyed_mode, before_tick, released_pages, slab_geometry, inner_pages, straddle, left_pages,
-                     short_pages, taken, inner_idle, edge_idle):
+def take_donor_slabs(own, donor, group, lo, hi, donor_straddle, inner_pages, straddle, left_pages, short_pages, taken,
+                     inner_idle, edge_idle):
     """``donor``'s slabs for ``group`` until it is not ``short_pages`` short, lowest first: those whose inner and
-    given-up straddling pages are idle while the pages given up leave ``left_pages`` >= 0 (``own``: the plan's owners,
-    updated; slabs to ``taken``). Idle: ``idle_slabs``' ``inner_idle``, ``edge_idle`` when given (then ``owner`` is
-    ``own``), else worked out only for the slabs it reaches. Returns (taken, still short, left)."""
-    n_taken, known = 0, inner_idle.size > 0
-    released, edge_released = released_per_slab(released_pages, slab_geometry, owner.size)
-    for s in range(owner.size):
+    given-up straddling pages are idle (``idle_slabs``' ``inner_idle`` and ``edge_idle``) while the pages given up
+    leave ``left_pages`` >= 0 (``own``: the plan's owners, updated; slabs to ``taken``). Returns (taken, still short,
+    left)."""
+    n_taken = 0
+    for s in range(own.size):
         if short_pages <= 0:
             break
-        if own[s] != donor or owner[s] != donor:
+        if own[s] != donor or not inner_idle[s]:
             continue
-        # Idle but for the pages the step releases (held now).
-        busy = not inner_idle[s] if known else idle_pages(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick,
-                                                          lo[s], hi[s])[0] + released[s] != hi[s] - lo[s]
-        if busy:
-            continue
-        edge_pages, edges_idle = donor_edges(owner, own, donor, s, donor_straddle, edge_released, ref, keyed,
-                                             low_priority, idle_tick, keyed_mode, before_tick, edge_idle)
+        edge_pages, edges_idle = donor_edges(own, donor, s, donor_straddle, edge_idle)
         give = hi[s] - lo[s] + edge_pages
         if give > left_pages or not edges_idle:
             continue
