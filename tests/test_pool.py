@@ -1043,6 +1043,29 @@ def test_packing_evicts_the_entries_the_one_by_one_reference_evicts(data, batch,
     assert sides[0][: len(sides[1])] == sides[1]
 
 
+def test_a_packing_that_tells_each_removal_chooses_again_after_each():
+    """Worked by hand: idle entries at 1 (low priority), 2 (normal) and 3 (low), free 4-15;
+    telling of 1's removal demotes 2. Three pages: 1, then 2 (now the lowest idle
+    low-priority id), then 3 go, in that order (a batch chosen first would take 1 and 3
+    and leave 2)."""
+    pool = PagePool("g", 16, lowest_first=True)
+    pages = allocate(pool, 3)  # 1-3
+    for page in (1, 2, 3):
+        publish(pool, page, [page], low_priority=page != 2)
+    decref(pool, pages)
+    log = []
+
+    def removed(key, cause, idle):
+        log.append(key)
+        if key == 1:
+            pool.demote(2)
+
+    pool.on_removed = removed
+    pool.make_room(3)
+    assert log == [1, 2, 3]
+    pool.check_invariants()
+
+
 def test_a_packing_in_a_large_pool_clears_its_reserve_of_ids_ahead():
     """Worked by hand, a pool of 8,192 pages (reserve: 64 ids): held pages 1-300 but for
     free 10-19, idle low-priority entries at 2, 50, 100, 150, 250, 400 and one of 60-61
