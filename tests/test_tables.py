@@ -346,10 +346,10 @@ def test_commit_pages_reads_what_pages_in_reads(row, blocks, live_pages, data):
     assert [p for p, e in zip(pages, expected) if e is not None] == [e for e in expected if e is not None]
 
 
-def test_read_block_claims_what_read_reads_before_and_after_the_store_grows():
-    """``CommitPages.read_block`` (a block and its checkpoint claimed in one compiled call, the call's arguments
-    kept) gives the pages ``read`` gives (the reference) and keys them, a second claim of them None; again once
-    the table store grew (new page and bound arrays, the block's pages placed in them alone)."""
+def test_read_unit_of_one_block_claims_what_read_reads_before_and_after_the_store_grows():
+    """``CommitPages.read_unit`` of one block and its checkpoint (a decode commit) gives the pages ``read`` gives
+    (the reference) and keys them, a second claim of them None; again once the table store grew (new page and
+    bound arrays, the block's pages placed in them alone)."""
     ts = TableSet([C4, SWA_4_8, SWA_4_4], max_context_tokens=2048, max_step_tokens=64, initial_rows=1)
     c4, swa8, swa4 = ts.tables
     space = SimpleNamespace(ref_counts=np.ones(4096, np.int32), cached=np.zeros(4096, np.bool_),
@@ -364,8 +364,9 @@ def test_read_block_claims_what_read_reads_before_and_after_the_store_grows():
             table.base[0], table.hi[0] = end_pages - 2, end_pages
         expected, status = reader.read(0, blocks - 1, blocks, [256 * blocks])
         assert status == [1, 1, 1]
-        assert reader.read_block(0, blocks - 1, 256 * blocks) == expected
-        assert space.cached[expected].all() and reader.read_block(0, blocks - 1, 256 * blocks) is None
+        unit = [1, 0, blocks - 1, blocks, 1, 256 * blocks]
+        assert reader.read_unit(unit) == expected
+        assert space.cached[expected].all() and reader.read_unit(unit) is None
         ts.ensure_rows(4)
 
 

@@ -467,7 +467,7 @@ class PrefixCache:
                       let_go: list[tuple]) -> None:
         """A request's commit: where it publishes only keys no group has and pins no boundary, its unit (its blocks,
         its speculative checkpoints and its latest) read and claimed whole in one compiled call
-        (``CommitPages.read_unit``; ``read_block`` for one block), recorded (:meth:`_record`) and booked
+        (``CommitPages.read_unit``), recorded (:meth:`_record`) and booked
         (:meth:`_book`); else, or where the claim fails, :meth:`_commit_one`."""
         hashes, g = req.hashes, self.granularity_tokens
         if hashes is None:
@@ -478,7 +478,8 @@ class PrefixCache:
             hashes.extend_to(req.token_ids, new_tokens)
         keys = hashes.hashes[first:end]
         if end == first + 1:  # one block (a decode commit): its key and its end checked alone
-            pages = None if latest in keep or self._knows(keys[0]) else self._reader.read_block(req.row, first, latest)
+            pages = None if latest in keep or self._knows(keys[0]) else self._reader.read_unit(
+                [1, req.row, first, end, 1, latest])
         elif keep and not keep.isdisjoint(range((first + 1) * g, latest + 1, g)) or any(map(self._knows, keys)):
             pages = None
         else:  # its speculative boundaries too

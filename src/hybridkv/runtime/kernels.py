@@ -187,15 +187,6 @@ def commit_unit(geometry, pages, bounds, history, state, unit, out, starts, ref,
     return n
 
 
-@njit(cache=True, _nrt=False)
-def commit_block(geometry, pages, bounds, history, state, unit, out, starts, ref, keyed, low_flags, limits,
-                 row, first_block, end_tokens):
-    """``commit_unit`` of one commit (``CommitPages.read_block``'s: one boundary, no ``low``): block
-    ``first_block`` of ``row`` and its checkpoint at ``end_tokens``, written into ``unit`` here."""
-    unit[1], unit[2], unit[3], unit[5] = row, first_block, first_block + 1, end_tokens
-    return commit_unit(geometry, pages, bounds, history, state, unit, out, starts, ref, keyed, low_flags, limits)
-
-
 @njit(cache=True, inline="always")
 def _unit_entries(unit, j, n_history):
     """How many entries group ``j`` has in ``unit``: its blocks, or its boundaries."""

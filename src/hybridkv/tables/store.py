@@ -245,7 +245,7 @@ class TableSet:
 
 class CommitPages:
     """The pages prefix commits publish, read (and their entries claimed, where asked) in one compiled call
-    (:meth:`read`, :meth:`read_block`, :meth:`read_unit`). ``history``: (table, pages per block); ``state``: (table,
+    (:meth:`read`, :meth:`read_unit`). ``history``: (table, pages per block); ``state``: (table,
     window tokens ``W``: a checkpoint's ``ceil(W / T)`` pages); ``space`` (to claim entries): the
     ``hybridkv.memory.pool.PageSpace`` of the tables' groups."""
 
@@ -267,19 +267,13 @@ class CommitPages:
         self._no_claims = np.zeros(0, dtype=np.int8)
         self._starts = np.empty(len(history) + len(state) + 1, dtype=np.int64)  # read_unit's scratch
         self._unit_pages = self._sizes[0] + self.boundary_pages  # a block's and its checkpoint's, every group's
-        self._out = np.empty(max(64, 2 * self._unit_pages), dtype=np.int64)  # room for ``read_block``'s
+        self._out = np.empty(max(64, 2 * self._unit_pages), dtype=np.int64)  # room for a one-block unit's
         self._commit_unit = kernels.commit_unit  # ``read_unit``'s kernel; its compiled code once tables are known
-        self._block = np.array([1, 0, 0, 0, 1, 0], dtype=np.int64)  # ``read_block``'s ``unit``
-        self._block_out = np.empty(max(64, 2 * self._unit_pages), dtype=np.int64)  # ``read_block``'s (never grown)
-        self._block_pages = self._block_out[:self._unit_pages]  # a block's and its checkpoint's every window whole
-        self._block_args = (None,) * 3  # ``read_block``'s kernel arguments, kept while the store's arrays are these
-        self._commit_block = kernels.commit_block
         if self._set is not None:
             ts = self._set
             self._commit_unit = kernels.entry_point(kernels.commit_unit, (
                 ts.geometry, ts.pages, ts.bounds, self._history, self._state, self._starts, self._out, self._starts,
                 *self._claim_in))
-            self._commit_block = kernels.entry_point(kernels.commit_block, (*self._block_call(), 0, 0, 0))
 
     def read(self, row: int, first_block: int, end_block: int, boundaries: list[int],
              want: list[int] | np.ndarray = ()) -> tuple[list[int], list[int]]:
@@ -307,24 +301,6 @@ class CommitPages:
             raise ValueError(f"page {int(self._out[-1 - n])} is not a held, unpublished page of its group")
         assert n == size, (n, size)
         return self._out[:n].tolist(), self._status[:n_entries].tolist()
-
-    def read_block(self, row: int, first_block: int, end_tokens: int) -> list[int] | None:
-        """:meth:`read_unit` of one commit of block ``first_block`` and its checkpoint (at its
-        end, ``end_tokens``; no window before it, so no ``low``), from a space: its pages, or None
-        where it was not claimed."""
-        args, ts = self._block_args, self._set
-        if args[1] is not ts.pages or args[2] is not ts.bounds:  # a grown table store has new ones
-            args = self._block_args = self._block_call()
-        n = self._commit_block(*args, row, first_block, end_tokens)
-        if n == self._unit_pages:  # every window whole (most often): no slice made
-            return self._block_pages.tolist()
-        return self._block_out[:n].tolist() if n >= 0 else None
-
-    def _block_call(self) -> tuple:
-        """:meth:`read_block`'s kernel arguments but the commit's (``kernels.commit_block``'s), its own ``out``."""
-        ts = self._set
-        return (ts.geometry, ts.pages, ts.bounds, self._history, self._state, self._block, self._block_out,
-                self._starts, *self._claim_in)
 
     def read_unit(self, unit: list[int]) -> list[int] | None:
         """One commit claimed whole or not at all, in one compiled call (``kernels.commit_unit``, whose ``unit``
