@@ -305,7 +305,7 @@ class CommitPages:
     def read_unit(self, unit: list[int]) -> list[int] | None:
         """One commit claimed whole or not at all, in one compiled call (``kernels.commit_unit``, whose ``unit``
         this is): its pages, group by group in :meth:`read`'s order, or None where it was not claimed (nothing
-        claimed: :meth:`read` then commits it)."""
+        claimed: the caller commits it through :meth:`read`)."""
         ts = self._set
         if ts is None:
             return []  # no group publishes anything
