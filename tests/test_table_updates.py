@@ -399,8 +399,8 @@ def test_cells_taken_and_given_back_around_a_committing_step_come_with_its_updat
 
 @pytest.mark.parametrize("leaving", [3, 12])
 def test_cells_of_many_frees_logged_before_a_step_come_with_its_updates(leaving):
-    """Requests leave between two steps, each ``free`` logging its cleared cells as one array (twelve: more than
-    ``TableSet.take_log`` copies one by one), and as many join into their rows; the next step's updates carry
+    """Requests leave between two steps, each ``free`` logging its cleared cells (twelve: as many notes in the
+    table log), and as many join into their rows; the next step's updates carry
     every one of those cells with its own: the mirror shows the joiners' rows as the full-mode tables do."""
     specs, _, ctx, step_limit = CONFIGS["odd"]
     inc, full = (CacheManager(specs, dict.fromkeys(ODD_PAGES, 400), max_context_tokens=ctx, max_step_tokens=step_limit)
