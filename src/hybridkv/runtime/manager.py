@@ -1041,7 +1041,7 @@ class CacheManager:
 
     def _grant_run(self, grants: np.ndarray, *args: Any) -> tuple[int, int, int]:
         """``kernels.grant_step`` (its compiled code) granting the spare slabs ``grants``, with its scratch;
-        ``args``: its arguments after the arena's and the join's (the step's state, the plan, cells logged, outputs).
+        ``args``: its arguments after the arena's and the join's (the step's state, the plan, the table log, outputs).
         Its answer; no idle keyed pages where it joined them (run whole, no ranker to tell: ``PageSpace.join_args``)."""
         arena, join = self.arena.grant_args, self._space.join_args
         self._grant_room = kernels.grant_scratch(grants, arena, len(self.specs), self._grant_room)  # kept for the next

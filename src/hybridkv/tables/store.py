@@ -180,9 +180,11 @@ class TableSet:
         n_logged = self.log
         if n_logged is None or self.resync:
             return
-        self.reserve_log(index.size)
-        self.log, self.log_notes = n_logged + index.size, self.log_notes + 1
-        self.logged[n_logged : self.log] = index
+        end = n_logged + index.size
+        if end > self.logged.size:
+            self.reserve_log(index.size)
+        self.logged[n_logged:end] = index
+        self.log, self.log_notes = end, self.log_notes + 1
         if self.log_notes > 512:  # many mutations between two drains: keep it bounded
             kept = np.unique(self.logged[: self.log])
             self.logged[: kept.size] = kept
