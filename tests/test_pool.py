@@ -1407,7 +1407,7 @@ def test_needs_room_stops_a_step_only_where_room_groups_names_a_group(data):
     incref(pool, idle[: data.draw(st.integers(0, idle.size))])  # the lowest: the floor stays below the rest
     count, window_tokens = data.draw(st.integers(1, 4)), data.draw(st.integers(0, 3))
     space, g = space_of(pool)
-    geometry, plan = np.zeros((1, 8), dtype=np.int64), np.zeros(kernels.plan_size(1, 1, 0, 0, 0), dtype=np.int64)
+    geometry, plan = np.zeros((1, 8), dtype=np.int64), np.zeros(kernels.plan_size(1, 1, 0, 0), dtype=np.int64)
     geometry[0, [kernels.PAGE_TOKENS, kernels.WINDOW_TOKENS, kernels.ID_OFFSET]] = 1, window_tokens, space.offsets[g]
     plan[0] = 1  # room for a row: row 0 gets ``count`` tokens from 0, a page each
     rows, counts, first, after, _, sums = kernels.plan_views(plan, 1)[:6]

@@ -35,7 +35,7 @@ def general_admission():
     slabs move in Python too (``Arena.apply``, then ``_after_run``'s ``room_groups`` from the plan's counts), not
     in ``kernels.grant_step``, whose make-room answer the step's own admission relies on."""
     with mock.patch.multiple(kernels, admit_spare=lambda *args: -1,
-                             step_spare=lambda *args: (*kernels.step(*args[:23]), -1)):
+                             step_spare=lambda *args: (*kernels.step(*args[:24]), -1)):
         with mock.patch.object(Arena, "kernel_grants", lambda self, grants: None):
             yield
 

@@ -352,6 +352,35 @@ def test_cells_two_frees_log_before_one_step_come_with_its_updates():
     _serve(inc, full, 40, 40, lambda k, n_live: 2 if n_live > 4 else 0, _sharing(40))
 
 
+def test_cells_of_more_notes_than_the_log_keeps_apart_come_with_the_next_updates():
+    """Between two steps a request leaves, 300 join with a prefix hit and leave, and one joins with a hit
+    (602 notes: past 512 the table log keeps its cells merged, each once); the next step's updates still
+    carry every cell they changed: the mirror shows the leaver's row emptied and the joiner's pages."""
+    inc, full = build("odd", True, None)  # 60-token prefix grains, 12-token steps
+    mirror, shared = BlockTableMirror.for_manager(inc), np.arange(70, dtype=np.int32) % 7
+    prompts = {"a": 70, "b": 70, "x300": 65}
+    for rid, prompt in (("a", shared), ("b", np.full(70, 3, dtype=np.int32))):
+        both([inc.add_request, full.add_request], rid, prompt, max_new_tokens=9)
+
+    def step(rids):
+        items = [(r, min(12, max(prompts[r] - inc.num_computed_tokens(r), 1))) for r in rids]
+        (a, b), error = both([lambda *x: inc.schedule(*x, block_tables="updates"), full.schedule], items)
+        assert error is None
+        mirror.apply(a)
+        same_batch(a, b, mirror)
+
+    for _ in range(6):  # "a" computes its prompt, committing the first grain
+        step(["a", "b"])
+    both([inc.free, full.free], "b")
+    for k in range(301):
+        hits, _ = both([inc.add_request, full.add_request], f"x{k}", shared[:65], max_new_tokens=4)
+        assert hits[0].hit_tokens == hits[1].hit_tokens == 60
+        if k < 300:
+            both([inc.free, full.free], f"x{k}")
+    both([inc.append_token_ids, full.append_token_ids], "a", [1])
+    step(["a", "x300"])
+
+
 def test_cells_logged_before_a_clean_committing_step_come_with_its_updates():
     """As above with pools large enough that every plan is clean: a step whose rows cross prefix
     grains commits and runs without admission, taking the cells a free and a prefix hit logged."""
@@ -399,8 +428,8 @@ def test_cells_taken_and_given_back_around_a_committing_step_come_with_its_updat
 
 @pytest.mark.parametrize("leaving", [3, 12])
 def test_cells_of_many_frees_logged_before_a_step_come_with_its_updates(leaving):
-    """Requests leave between two steps, each ``free`` logging its cleared cells as one array (twelve: more than
-    ``TableSet.take_log`` copies one by one), and as many join into their rows; the next step's updates carry
+    """Requests leave between two steps, each ``free`` logging its cleared cells (twelve: as many notes in the
+    table log), and as many join into their rows; the next step's updates carry
     every one of those cells with its own: the mirror shows the joiners' rows as the full-mode tables do."""
     specs, _, ctx, step_limit = CONFIGS["odd"]
     inc, full = (CacheManager(specs, dict.fromkeys(ODD_PAGES, 400), max_context_tokens=ctx, max_step_tokens=step_limit)

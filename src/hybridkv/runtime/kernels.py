@@ -725,19 +725,19 @@ def batch_arrays_for(n_groups, n_requests, n_tokens, write_slots):
 @njit(cache=True, inline="always")
 def run_views(plan, n_groups, n):
     """``plan_views`` of the plan of ``n`` rows in ``plan`` as a run reads them: rows, counts, first, after,
-    sums, released, widths, release scratch, idle keyed pages, touched cells."""
-    rows, counts, first, after, _, sums, _, _, released, widths, scratch, idle_keyed, touched = plan_views(
-        plan, n_groups)
-    return rows[:n], counts[:n], first[:n], after[:, :, :n], sums, released, widths, scratch, idle_keyed, touched
+    sums, released, widths, release scratch, idle keyed pages."""
+    rows, counts, first, after, _, sums, _, _, released, widths, scratch, idle_keyed = plan_views(plan, n_groups)
+    return rows[:n], counts[:n], first[:n], after[:, :, :n], sums, released, widths, scratch, idle_keyed
 
 
 @njit(cache=True, _nrt=False)
 def run_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n,
-             settle, hold, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token):
+             settle, hold, touched, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices,
+             per_token):
     """One admitted step (docs/manager.md, stage 3) of the plan of ``n`` rows (``settle`` settling) that
     ``prepare_step`` wrote to ``plan`` (``plan_views``; its scratch too): commit, release, then ``finish_step``. Returns
     (status, cells logged, idle keyed pages); ``STEP_NEEDS_PAGES`` when it stopped after the releases for Python."""
-    rows, _, first, after, _, released, _, scratch, idle_keyed, touched = run_views(plan, geometry.shape[0], n)
+    rows, _, first, after, _, released, _, scratch, idle_keyed = run_views(plan, geometry.shape[0], n)
     committed = counters[1]
     for r in range(n):
         committed[rows[r]] = first[r]
@@ -746,15 +746,15 @@ def run_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack,
     if hold or needs_room(geometry, bounds, stack, per_group, ref, keyed, low_priority, transient, plan, n):
         return STEP_NEEDS_PAGES, n_touched, n_keyed
     n_touched = finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient,
-                            plan, n, settle, n_touched, cells, cell_pages, per_request, query_start_loc,
+                            plan, n, settle, touched, n_touched, cells, cell_pages, per_request, query_start_loc,
                             request_indices, per_token, False)
     return STEP_DONE, n_touched, n_keyed
 
 
 @njit(cache=True, _nrt=False)
 def grant_step(grants, scratch, arena, idle, geometry, pages, bounds, counters, ref, keyed, low_priority, stack,
-               per_group, transient, plan, n, settle, n_logged, cells, cell_pages, per_request, query_start_loc,
-               request_indices, per_token):
+               per_group, transient, plan, n, settle, touched, n_logged, cells, cell_pages, per_request,
+               query_start_loc, request_indices, per_token):
     """``run_step`` granting spare slabs alone (``grants``: groups, slabs) after its releases, counted off the arena's
     spare slabs with ``SKIP_PACKING`` following ``Arena.roomy`` (``Arena._spare_changed``); it stops for Python only
     when ``room_groups`` asks (as after the idle keyed pages joined: ``joined_low``), its marks left in
@@ -766,8 +766,8 @@ def grant_step(grants, scratch, arena, idle, geometry, pages, bounds, counters, 
     unless its clock is empty."""
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n, settle,
-        True, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token)
-    rows, counts, first, after, sums, released, _, _, idle_keyed, _ = run_views(plan, geometry.shape[0], n)
+        True, touched, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token)
+    rows, counts, first, after, sums, released, _, _, idle_keyed = run_views(plan, geometry.shape[0], n)
     owner, lo, hi, straddle, offsets, most_slab_pages, sizes, spare, roomy_slabs, marks = arena
     n_groups = geometry.shape[0]
     gained, granted = scratch[:n_groups], scratch[(1 + PER_GROUP_ROWS) * n_groups :]
@@ -786,7 +786,7 @@ def grant_step(grants, scratch, arena, idle, geometry, pages, bounds, counters, 
                    low_priority, keyed, (owner, lo, hi, straddle, sizes), roomy, marks, released[1]):
         return STEP_NEEDS_PAGES, n_touched, n_keyed  # a group makes room once they joined: ``marks`` says which
     n_touched = finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient,
-                            plan, n, settle, n_touched, cells, cell_pages, per_request, query_start_loc,
+                            plan, n, settle, touched, n_touched, cells, cell_pages, per_request, query_start_loc,
                             request_indices, per_token, False)
     idle_tick, prev, nxt, clock = idle
     if n_keyed and clock.size:  # ``PageSpace.keyed_idle``'s join (no clock: Python joins, telling a ranker)
@@ -818,7 +818,7 @@ def needs_room(geometry, bounds, stack, per_group, ref, keyed, low_priority, tra
     short, or (a ``lowest`` group whose idle low-priority pages are reused in id order unless it may skip packing:
     ``packing_floor``) one of them lies below the highest id its long-lived pages take (``room_groups``' rule, its
     ``transient_pages`` counted only once one may lie below the highest id of all: ``low_before``)."""
-    rows, counts, first, after, sums, released, _, _, idle_keyed, _ = run_views(plan, geometry.shape[0], n)
+    rows, counts, first, after, sums, released, _, _, idle_keyed = run_views(plan, geometry.shape[0], n)
     keyed_from, top = 0, per_group[TOP]
     for g in range(geometry.shape[0]):
         count, offset, n_keyed = sums[1, g], geometry[g, ID_OFFSET], released[1, g]
@@ -866,11 +866,11 @@ def note_peaks(per_group, allocated, not_joined):
 
 @njit(cache=True, inline="always")
 def plan_views(buffer, n_groups):
-    """The step's scratch arrays, views of one int64 ``buffer`` whose first four values are their room (rows,
-    released pages in one group, idle keyed pages, cells): ``prepare_step``'s outputs in its order, then
-    released ``[2, G]``, widths ``[G]`` and ``release_pages``' scratch, idle keyed pages and touched cells."""
-    cap, n_pages, n_keyed, n_touched = buffer[0], buffer[1], buffer[2], buffer[3]
-    plan = buffer[4:]
+    """The step's scratch arrays, views of one int64 ``buffer`` whose first three values are their room (rows,
+    released pages in one group, idle keyed pages): ``prepare_step``'s outputs in its order, then
+    released ``[2, G]``, widths ``[G]`` and ``release_pages``' scratch and idle keyed pages."""
+    cap, n_pages, n_keyed = buffer[0], buffer[1], buffer[2]
+    plan = buffer[3:]
     grid = 4 * cap + 2 * n_groups * cap
     tail = grid + n_groups * cap
     end = tail + 5 * n_groups + 4
@@ -880,13 +880,12 @@ def plan_views(buffer, n_groups):
             plan[tail + 4 * n_groups : tail + 4 * n_groups + 4],
             plan[tail + 2 * n_groups : tail + 4 * n_groups].reshape((2, n_groups)),
             plan[tail + 4 * n_groups + 4 : tail + 5 * n_groups + 4],
-            plan[end : end + n_pages], plan[end + n_pages : end + n_pages + n_keyed],
-            plan[end + n_pages + n_keyed : end + n_pages + n_keyed + n_touched])
+            plan[end : end + n_pages], plan[end + n_pages : end + n_pages + n_keyed])
 
 
-def plan_size(cap, n_groups, n_pages, n_keyed, n_touched):
+def plan_size(cap, n_groups, n_pages, n_keyed):
     """Size of a ``plan_views`` buffer with that much room."""
-    return 4 + (4 + 3 * n_groups) * cap + 5 * n_groups + 4 + n_pages + n_keyed + n_touched
+    return 3 + (4 + 3 * n_groups) * cap + 5 * n_groups + 4 + n_pages + n_keyed
 
 
 def entry_point(kernel, args):
@@ -902,11 +901,11 @@ def entry_point(kernel, args):
 # Sound as no kernel they reach returns an array; one that allocates sets ``_nrt=True`` (``push_run``).
 @njit(cache=True, _nrt=False)
 def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain,
-         plan, last_rows, rows_in, counts_in, n_logged, cells, cell_pages, per_request, query_start_loc,
+         plan, last_rows, rows_in, counts_in, touched, n_logged, cells, cell_pages, per_request, query_start_loc,
          request_indices, per_token):
-    """``prepare_step`` then, when the plan needs nothing from Python, ``run_step`` (``n_logged``: cells the
-    table log held, already at the front of the touched scratch), in one call. Returns (status, rows, settling
-    rows, crossing rows, clean, cells logged, idle keyed pages); ``STEP_PLANNED`` (-1 rows: no plan),
+    """``prepare_step`` then, when the plan needs nothing from Python, ``run_step`` (``touched``: the table log,
+    ``TableSet.logged``, the cells the step touches after its first ``n_logged``), in one call. Returns (status,
+    rows, settling rows, crossing rows, clean, cells logged, idle keyed pages); ``STEP_PLANNED`` (-1 rows: no plan),
     ``STEP_COVERED`` (each group short of free pages has its releases free enough first:
     ``release_credit``'s count) or ``STEP_COMMITS`` (a clean plan whose rows cross a grain, the batch's
     arrays and the scratch large enough for it) when only the plan ran (the logged cells left as they were)."""
@@ -915,7 +914,7 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
     n, settle, n_cross, clean = prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in,
                                              counts_in, grain, per_group[TOP], mark, rows, counts, first, after, need,
                                              sums, crossing, totals, counts_in[:0])
-    fits = plan_fits(plan, geometry.shape[0], n_logged, per_token.shape[1])
+    fits = plan_fits(plan, geometry.shape[0], touched.size - n_logged, per_token.shape[1])
     if n < 0 or not clean or n_cross > 0 or not fits:
         covered = n >= 0 and not clean and n_cross == 0
         for g in range(geometry.shape[0] if covered else 0):  # each short group's releases free enough first
@@ -929,52 +928,53 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
         return STEP_COMMITS if n >= 0 and clean and fits else STEP_PLANNED, n, settle, n_cross, clean, 0, 0
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n, settle,
-        False, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token)
+        False, touched, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token)
     return status, n, settle, n_cross, clean, n_touched, n_keyed
 
 
 @njit(cache=True, _nrt=False)
 def step_spare(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain,
-               plan, last_rows, rows_in, counts_in, n_logged, cells, cell_pages, per_request, query_start_loc,
-               request_indices, per_token, window_pages, scratch, owner, spare_slabs, slab_pages, inner_pages,
-               straddle, taken, grant_groups, grant_slabs):
+               plan, last_rows, rows_in, counts_in, touched, n_logged, cells, cell_pages, per_request,
+               query_start_loc, request_indices, per_token, window_pages, scratch, owner, spare_slabs, slab_pages,
+               inner_pages, straddle, taken, grant_groups, grant_slabs):
     """``step`` on an arena, then (pure) ``admit_spare`` of a plan that only ran and is not clean, in one
     call: ``step``'s answer (``STEP_SPARE`` for a ``STEP_PLANNED`` one admitted so whose buffers are large enough)
     and the spare slabs ``admit_spare`` grants (-1: Python decides, or not asked). For batches with more tokens
     than rows (a prefill chunk), whose plans are seldom clean."""
     status, n, settle, n_cross, clean, n_touched, n_keyed = step(
         geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, mark, grain, plan,
-        last_rows, rows_in, counts_in, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices,
-        per_token)
+        last_rows, rows_in, counts_in, touched, n_logged, cells, cell_pages, per_request, query_start_loc,
+        request_indices, per_token)
     n_spare = -1
     if status >= STEP_PLANNED and n >= 0 and not clean:
         n_spare = admit_spare(geometry, pages, bounds, ref, keyed, per_group, counters[1], grain, window_pages, plan,
                               n, scratch, owner, spare_slabs, slab_pages, inner_pages, straddle, taken,
                               grant_groups, grant_slabs)
-        if status == STEP_PLANNED and n_spare >= 0 and plan_fits(plan, geometry.shape[0], n_logged, per_token.shape[1]):
+        if status == STEP_PLANNED and n_spare >= 0 and plan_fits(plan, geometry.shape[0], touched.size - n_logged,
+                                                                 per_token.shape[1]):
             status = STEP_SPARE
     return status, n, settle, n_cross, clean, n_touched, n_keyed, n_spare
 
 
 @njit(cache=True, inline="always")
-def plan_fits(plan, n_groups, n_logged, n_tokens):
-    """Whether the batch's arrays (``n_tokens``) and the scratch in ``plan`` (``n_logged`` cells taken) have room
-    for the plan ``prepare_step`` wrote there."""
-    totals, _, _, scratch, idle_keyed, touched = plan_views(plan, n_groups)[7:]
+def plan_fits(plan, n_groups, cells_room, n_tokens):
+    """Whether the batch's arrays (``n_tokens``), the scratch in ``plan`` and the room for touched cells
+    (``cells_room``) are large enough for the plan ``prepare_step`` wrote there."""
+    totals, _, _, scratch, idle_keyed = plan_views(plan, n_groups)[7:]
     return (totals[0] == n_tokens and totals[2] <= scratch.size and totals[1] <= idle_keyed.size
-            and n_logged + totals[1] + totals[3] <= touched.size)
+            and totals[1] + totals[3] <= cells_room)
 
 
 @njit(cache=True, _nrt=False)
 def finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n,
-                settle, n_touched, cells, cell_pages, per_request, query_start_loc, request_indices, per_token,
-                joined):
+                settle, touched, n_touched, cells, cell_pages, per_request, query_start_loc, request_indices,
+                per_token, joined):
     """The rest of ``run_step`` (same arguments; ``keyed``, ``low_priority`` unread) once the stacks hold
     enough: allocate, computed tokens move on, the batch's arrays of plan rows ``[settle, R)`` (``_StepArrays``:
     base pages after the step and ``widths[g]``, the widest row's live pages) and write slots; the changed cells read
     into ``cells`` and ``cell_pages`` when they fit; the pools' peaks (``joined``: the keyed pages the
     releases left idle joined their LRUs already, else they join next). Returns the cells changed."""
-    rows, counts, first, after, sums, released, widths, _, _, touched = run_views(plan, geometry.shape[0], n)
+    rows, counts, first, after, sums, released, widths, _, _ = run_views(plan, geometry.shape[0], n)
     computed, table_rows, scheduled, positions = counters[0], per_request[0], per_request[1], per_token[0]
     n_touched = allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, rows, first, counts,
                                after, sums, touched, n_touched)

@@ -125,7 +125,7 @@ class _Scratch:
 
     def __init__(self, n_groups: int, marks: np.ndarray | None = None):
         self.n_groups, self.buffer, self.plan_rows = n_groups, None, 0
-        self._grow(0, 0, 0, 0)
+        self._grow(0, 0, 0)
         # ``room_groups``' marks: on an arena its ``room_marks``, where ``grant_step`` leaves them.
         self.transient = np.empty(n_groups, dtype=np.int64) if marks is None else marks
 
@@ -133,27 +133,27 @@ class _Scratch:
         """``prepare_step``'s outputs (``kernels.plan_views``) with room for more than ``n_rows`` rows; each plan
         overwrites the last (so ``after[:, :, :n]`` is never contiguous: one argument type for the kernels)."""
         if n_rows >= self.plan_rows:
-            self._grow(2 * n_rows + 1, self.pages.size, self.idle_keyed.size, self.touched.size)
+            self._grow(2 * n_rows + 1, self.pages.size, self.idle_keyed.size)
         return self.plan
 
-    def _grow(self, n_rows: int, n_pages: int, n_keyed: int, n_touched: int) -> None:
+    def _grow(self, n_rows: int, n_pages: int, n_keyed: int) -> None:
         """A new buffer with that much room; views made before stay valid, and with as many rows the plan
         moves over (``reserve``: the kernels read the plan from ``buffer``)."""
-        old, sizes = self.buffer, (n_rows, n_pages, n_keyed, n_touched)
-        self.buffer = np.empty(kernels.plan_size(n_rows, self.n_groups, n_pages, n_keyed, n_touched), dtype=np.int64)
+        old, sizes = self.buffer, (n_rows, n_pages, n_keyed)
+        self.buffer = np.empty(kernels.plan_size(n_rows, self.n_groups, n_pages, n_keyed), dtype=np.int64)
         if old is not None and n_rows == self.plan_rows:
-            end = kernels.plan_size(n_rows, self.n_groups, 0, 0, 0)
+            end = kernels.plan_size(n_rows, self.n_groups, 0, 0)
             self.buffer[:end] = old[:end]
         self.plan_rows = n_rows
-        self.buffer[:4] = sizes
+        self.buffer[:3] = sizes
         views = kernels.plan_views(self.buffer, self.n_groups)
-        self.plan, (self.released, self.widths, self.pages, self.idle_keyed, self.touched) = views[:8], views[8:]
+        self.plan, (self.released, self.widths, self.pages, self.idle_keyed) = views[:8], views[8:]
 
-    def reserve(self, most_released: int, released_pages: int, allocated_pages: int) -> None:
-        """Grow the release scratch, idle keyed pages and touched cells where a run needs more."""
-        sizes = (self.pages.size, self.idle_keyed.size, self.touched.size)
-        if most_released > sizes[0] or released_pages > sizes[1] or released_pages + allocated_pages > sizes[2]:
-            wanted = (most_released, released_pages, released_pages + allocated_pages)
+    def reserve(self, most_released: int, released_pages: int) -> None:
+        """Grow the release scratch and idle keyed pages where a run needs more."""
+        sizes = (self.pages.size, self.idle_keyed.size)
+        if most_released > sizes[0] or released_pages > sizes[1]:
+            wanted = (most_released, released_pages)
             self._grow(self.plan_rows, *(2 * w if w > n else n for w, n in zip(wanted, sizes)))
 
 
@@ -938,16 +938,17 @@ class CacheManager:
             ts.set_log(updates)
         # At most a cell per page released or allocated, after the cells logged since the last step (room for the
         # plan's cells, and at least two a group and row).
-        n_logged, cells = ts.logged_cells() if updates else -1, _NO_CELLS
-        if n_logged >= 0:
-            room = max(2 * len(self.specs) * plan.rows.size + 16, n_logged + released_pages + allocated_pages)
+        cells = _NO_CELLS
+        if updates and not ts.resync:
+            room = max(2 * len(self.specs) * plan.rows.size + 16, ts.log + released_pages + allocated_pages)
             cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
         out = _new_tuple(_StepArrays, kernels.batch_arrays_for(len(self.specs), plan.rows.size - plan.settle,
                                                                n_tokens, write_slots))
-        self._scratch.reserve(most_released, released_pages, allocated_pages + max(n_logged, 0))
+        self._scratch.reserve(most_released, released_pages)
+        ts.reserve_log(released_pages + allocated_pages)
         grants = self.arena.kernel_grants(plan.grants) if plan.grants else plan.spare_grants
         rows = plan.rows[plan.settle :].copy()  # the plan's arrays are scratch
-        return self._run(grants, plan, plan.request_ids, cells, out, updates, 0, rows, fixed_width)
+        return self._run(grants, plan, plan.request_ids, cells, out, updates, rows, fixed_width)
 
     def _step(self, fast: tuple, write_slots: bool, updates: bool) -> StepBatch | _StepPlan | None:
         """``fast``'s step in one compiled call (``kernels.step``; ``kernels.step_spare`` on an arena for a batch
@@ -961,18 +962,17 @@ class CacheManager:
         plan_rows = n_rows + self._last_rows.size
         if plan_rows >= sc.plan_rows:
             sc.plan_arrays(plan_rows)
-        cells, n_logged = _NO_CELLS, 0
+        ts, cells = self._tableset, _NO_CELLS
+        n_logged = ts.log or 0  # the cells a ``free`` or prefix hit logged: the step's touched cells follow them
         if updates:
-            # The cells a ``free`` or prefix hit logged go first (``_planned_step`` puts back any it does not run).
-            n_logged = self._take_log(0) if self._tableset.log else 0
             # A cell per group and row (a one-token step allocates or releases at most a page in a group whose window
             # is a multiple of its page tokens: DeepSeek-V4's, up to 4 speculative tokens; ~1.3 cells a row in all), two
             # per further token (a chunk: ~1.3 a token); more (a row's first step past a chunk) overflows:
             # ``_build_batch`` then drains the log (same cells).
             room = n_groups * n_rows + 16 + 2 * (n_tokens - n_rows) + n_logged
             cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
-        args = (*(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, n_logged,
-                *cells, *out)
+        args = (*(self._state or self._kernel_state()), sc.buffer, self._last_rows, rows_in, counts_in, ts.logged,
+                n_logged, *cells, *out)
         if n_tokens > n_rows and self._spare_entry is not None:  # a chunk: ``admit_spare`` in the same call
             status, n, settle, n_crossing, clean, n_touched, n_keyed, n_spare = self._spare_entry(
                 *args, *self._spare_args)
@@ -981,7 +981,7 @@ class CacheManager:
             n_spare = None
         if status > kernels.STEP_NEEDS_PAGES:  # planned only
             return self._planned_step(status, (n, settle, n_crossing, clean), rids, rows_in, cells, out, write_slots,
-                                      updates, n_spare, n_logged)
+                                      updates, n_spare)
         self._version += 1
         if status:  # ``STEP_NEEDS_PAGES``
             n_touched = self._after_run(n_touched, n_keyed, self._plan_of(n, settle, n_crossing, clean), out, cells)
@@ -991,20 +991,17 @@ class CacheManager:
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
 
     def _planned_step(self, status: int, planned: tuple, rids: tuple, rows_in: np.ndarray, cells: tuple,
-                      out: _StepArrays, write_slots: bool, updates: bool, n_spare: int | None,
-                      n_logged: int) -> StepBatch | _StepPlan | None:
+                      out: _StepArrays, write_slots: bool, updates: bool,
+                      n_spare: int | None) -> StepBatch | _StepPlan | None:
         """``_step`` once ``kernels.step`` only planned: the batch if admitted without ``_admit`` (``_direct_grants``;
         run at once by ``_run`` where ``kernels.step`` checked the buffers, ``STEP_COMMITS`` or ``STEP_SPARE``: the
         rows commit, then the plan runs as it is), else the plan or None (``n_spare``: ``admit_spare``'s answer if
-        ``step_spare`` gave it; ``n_logged``: cells ``_step`` took from the table log to the touched scratch, back to
-        it unless ``_run`` runs)."""
+        ``step_spare`` gave it)."""
         if planned[0] < 0:
-            self._put_back_log(n_logged)
             return None
         grants, n_spare = self._direct_grants(status, planned, n_spare)
         if grants is not False and status >= kernels.STEP_COMMITS:
-            return self._run(grants, planned, rids, cells, out, updates, n_logged, rows_in)
-        self._put_back_log(n_logged)
+            return self._run(grants, planned, rids, cells, out, updates, rows_in)
         plan = self._plan_of(*planned)
         plan.request_ids = rids
         if grants is not False or plan.clean:  # admitted: ``_commit_and_run`` grows the buffers where needed
@@ -1016,7 +1013,7 @@ class CacheManager:
         return self._commit_and_run(plan, write_slots, updates, False)
 
     def _run(self, grants: np.ndarray | None, plan: _StepPlan | tuple, rids: tuple, cells: tuple, out: _StepArrays,
-             updates: bool, n_logged: int, rows_in: np.ndarray, fixed_width: bool = False) -> StepBatch:
+             updates: bool, rows_in: np.ndarray, fixed_width: bool = False) -> StepBatch:
         """Stages 2-4 of an admitted plan in the scratch buffer, its buffers large enough (``plan``: a ``_StepPlan``,
         or ``_step``'s (rows, settling, crossing, clean) of a ``STEP_COMMITS`` or ``STEP_SPARE`` plan; ``rows_in``: its
         rows after the settling ones): the rows crossing a grain commit, then ``run_step`` (``grant_step`` granting
@@ -1027,14 +1024,13 @@ class CacheManager:
         self._version += 1
         if n_crossing:
             self._commit_rows(sc.plan[6][:n_crossing])  # the stacks only grow: the plan is still admitted
-        if self._tableset.log:  # the cells logged since the last step, or by the commits, where there is room
-            n_logged = self._take_log(int(sc.plan[7][1] + sc.plan[7][3]), n_logged)
+        ts = self._tableset  # commits log no cell: the step's touched cells follow those logged, with room for them
         args = (*(self._state or self._kernel_state())[:10], sc.buffer, n, settle)
         if grants is None:
             hold = step_plan is not None and bool(step_plan.grants)
-            status, n_touched, n_keyed = self._run_entry(*args, hold, n_logged, *cells, *out)
+            status, n_touched, n_keyed = self._run_entry(*args, hold, ts.logged, ts.log or 0, *cells, *out)
         else:  # ``grant_step`` stops only when groups make room, marked already
-            status, n_touched, n_keyed = self._grant_run(grants, *args, n_logged, *cells, *out)
+            status, n_touched, n_keyed = self._grant_run(grants, *args, ts.logged, ts.log or 0, *cells, *out)
         if status != kernels.STEP_DONE:
             step_plan = step_plan or self._plan_of(*plan)
             n_touched = self._after_run(n_touched, n_keyed, step_plan, out, cells, grants is not None)
@@ -1045,7 +1041,7 @@ class CacheManager:
 
     def _grant_run(self, grants: np.ndarray, *args: Any) -> tuple[int, int, int]:
         """``kernels.grant_step`` (its compiled code) granting the spare slabs ``grants``, with its scratch;
-        ``args``: its arguments after the arena's and the join's (the step's state, the plan, cells logged, outputs).
+        ``args``: its arguments after the arena's and the join's (the step's state, the plan, the table log, outputs).
         Its answer; no idle keyed pages where it joined them (run whole, no ranker to tell: ``PageSpace.join_args``)."""
         arena, join = self.arena.grant_args, self._space.join_args
         self._grant_room = kernels.grant_scratch(grants, arena, len(self.specs), self._grant_room)  # kept for the next
@@ -1075,22 +1071,6 @@ class CacheManager:
             return False, n_spare
         return (written[:, :n_spare].copy() if n_spare else None), n_spare
 
-    def _take_log(self, n_cells: int, at: int = 0) -> int:
-        """The cells the table log holds (a ``free`` or a prefix hit since the last step), moved to the touched
-        scratch after the ``at`` taken before, for ``run_step``'s ``n_logged`` when it has room for them and
-        ``n_cells`` more; how many it holds then (0: no room, and every one is logged for ``_build_batch``)."""
-        ts, touched = self._tableset, self._scratch.touched
-        n_logged = ts.logged_cells() if ts.log else 0
-        if 0 <= n_logged <= touched.size - n_cells - at:
-            return ts.take_log(touched, at)
-        self._put_back_log(at)
-        return 0
-
-    def _put_back_log(self, n_logged: int) -> None:
-        """The ``n_logged`` cells ``_take_log`` took to the touched scratch back to the front of the table log."""
-        if n_logged:
-            self._tableset.log.insert(0, self._scratch.touched[:n_logged].copy())
-
     def _admit_args(self, n_rows: int) -> tuple:
         """``kernels.admit_spare``'s arguments for the plan of ``n_rows`` rows in the scratch buffer."""
         ts, space = self._tableset, self._space
@@ -1112,7 +1092,8 @@ class CacheManager:
             self.prefix.load_kernels()
         # ``_step``'s and the validation's kernels (``step`` and ``admit_spare`` by their compiled code, not run).
         sc, no_rows, out = self._scratch, np.empty(0, _INT64), kernels.batch_arrays_for(len(self.specs), 0, 0, True)
-        args = (*self._kernel_state(), sc.buffer, self._last_rows, no_rows, self._one_count, 0, *_NO_CELLS, *out)
+        args = (*self._kernel_state(), sc.buffer, self._last_rows, no_rows, self._one_count, self._tableset.logged, 0,
+                *_NO_CELLS, *out)
         self._step_entry = kernels.entry_point(kernels.step, args)
         if self.arena is not None:
             self._admit_entry = kernels.entry_point(kernels.admit_spare, self._admit_args(0))
@@ -1122,7 +1103,7 @@ class CacheManager:
         self._tableset.ring_view()
         # ``_planned_step``'s ``kernels.run_step`` (``_step``'s cells and arrays), its compiled code looked up once.
         self._run_entry = kernels.entry_point(kernels.run_step, (*self._kernel_state()[:10], sc.buffer, 0, 0, False,
-                                                                 0, *_NO_CELLS, *out))
+                                                                 self._tableset.logged, 0, *_NO_CELLS, *out))
         # Room for a step of every table row and as many settling (``_take_row`` grows it with the rows).
         rows, counts, first, after, need, sums, crossing, _ = sc.plan_arrays(2 * self._computed.size)
         sums[:] = 0  # no page released or allocated
@@ -1138,8 +1119,8 @@ class CacheManager:
             plan.spare_grants = np.empty((2, 0), dtype=np.int64)
             self._grant_entry = kernels.entry_point(kernels.grant_step, (
                 plan.spare_grants, kernels.grant_scratch(plan.spare_grants, self.arena.grant_args, len(self.specs)),
-                self.arena.grant_args, self._space.join_args, *self._kernel_state()[:10], sc.buffer, 0, 0, 0,
-                *_NO_CELLS, *out))
+                self.arena.grant_args, self._space.join_args, *self._kernel_state()[:10], sc.buffer, 0, 0,
+                self._tableset.logged, 0, *_NO_CELLS, *out))
             self._commit_and_run(plan, True, False, False)
 
     def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan, out: _StepArrays,
@@ -1156,8 +1137,8 @@ class CacheManager:
         if marked or self._room_groups(plan):
             self._make_room(plan.sums)
         # ``kernels.finish_step`` of the plan in the scratch buffer, by its compiled code (the same types every call).
-        args = (*(self._state or self._kernel_state())[:10], sc.buffer, plan.rows.size, plan.settle, n_touched, *cells,
-                *out, True)
+        args = (*(self._state or self._kernel_state())[:10], sc.buffer, plan.rows.size, plan.settle,
+                self._tableset.logged, n_touched, *cells, *out, True)
         if self._finish_entry is None:
             self._finish_entry = kernels.entry_point(kernels.finish_step, args)
         return self._finish_entry(*args)
@@ -1201,11 +1182,11 @@ class CacheManager:
             tables, table_updates = [ts.block_table(k, rows, width) for k, width in enumerate(widths)], None
         else:
             tables, table_updates = self._no_tables, _new_object(TableUpdates)
-            if 0 < n_touched <= cells[1].size and ts.log == [] and not ts.resync:  # ``ts.logged_cells() == 0``
-                (cells, page), n = cells, n_touched
+            if 0 < n_touched <= cells[1].size and not ts.resync:  # ``finish_step`` read them: the log drained
+                (cells, page), n, ts.log, ts.log_notes = cells, n_touched, 0, 0
                 found = cells[0, :n], cells[1, :n], cells[2, :n], page[:n], False
             else:
-                found = ts.drain_updates(self._scratch.touched[:n_touched] if n_touched else None)
+                found = ts.drain_updates(n_touched)
             group, row, column, page, reset = found
             fields = table_updates.__dict__
             fields["group"], fields["row"], fields["column"], fields["page"] = group, row, column, page

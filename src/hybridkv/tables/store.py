@@ -69,7 +69,7 @@ class GroupTable:
 
 class TableSet:
     """Every group's tables in one store (``pages``, ``bounds``, ``geometry``: ``hybridkv.runtime.kernels``' layout)
-    that each ``GroupTable`` views. While ``log`` is a list, every cell a mutation touches is logged for
+    that each ``GroupTable`` views. While ``log`` is a count, every cell a mutation touches is logged for
     ``drain_updates`` (the first drain after ``set_log(True)`` is a resync: docs/manager.md, "Block table modes")."""
 
     def __init__(self, specs: list[CacheGroupSpec] | tuple[CacheGroupSpec, ...], *, max_context_tokens: int,
@@ -93,8 +93,10 @@ class TableSet:
         self.bounds = np.zeros((4, len(self.tables), rows), dtype=np.int64)
         self._add_lanes(0, rows)
         self.pages = self._new_store(rows)
-        self.log: list[np.ndarray] | None = None
-        self.resync = False  # the next drain lists every live cell (the log restarted): ``logged_cells`` says -1
+        self.log: int | None = None  # cells logged: the first of ``logged`` (a step's touched cells follow them)
+        self.logged = np.empty(0, dtype=np.int64)  # ring-view indices, and the step kernels' touched-cell scratch
+        self.log_notes = 0  # ``note_cells`` calls the log holds apart (more than 512: merged into one, unique)
+        self.resync = False  # the next drain lists every live cell (the log restarted): nothing is logged till then
 
     rows_capacity = property(lambda self: self.bounds.shape[2])  # table rows now (``ensure_rows`` grows them)
 
@@ -163,53 +165,40 @@ class TableSet:
         if not on:
             self.log = None
         elif self.log is None:
-            self.log, self.resync = [], True
+            self.log, self.log_notes, self.resync = 0, 0, True
 
-    def logged_cells(self) -> int:
-        """How many cells the log holds (listed twice counts twice), or -1 when the next drain
-        is not of the log and the touched cells (logging off, or a resync due): with 0, the next
-        ``drain_updates(touched)`` reads exactly the cells ``touched`` lists."""
-        log = self.log
-        if log is None or self.resync:
-            return -1
-        return sum(map(len, log)) if log else 0
-
-    def take_log(self, into: np.ndarray, at: int = 0) -> int:
-        """Move the logged cells to ``into`` after its first ``at`` (room for ``logged_cells`` more), clearing
-        the log, so that a step reads them with the ones it touches after them; ``at`` plus their count. A
-        slice assignment each (the log holds a few arrays a step: ``np.concatenate`` costs more)."""
-        log = self.log
-        if log:
-            for index in log:
-                n = index.size
-                into[at : at + n] = index
-                at += n
-            log.clear()
-        return at
+    def reserve_log(self, n_cells: int) -> None:
+        """Room in ``logged`` for ``n_cells`` more after the logged ones (a step's touched cells go there)."""
+        n_logged = self.log or 0
+        if n_logged + n_cells > self.logged.size:
+            grown = np.empty(2 * (n_logged + n_cells), dtype=np.int64)
+            grown[:n_logged] = self.logged[:n_logged]
+            self.logged = grown
 
     def note_cells(self, index: np.ndarray) -> None:
-        """Log changed cells (ring-view indices) while logging is on."""
-        log = self.log
-        if log is not None:
-            log.append(index)
-            if len(log) > 512:  # many mutations between two drains: keep it bounded
-                log[:] = [np.unique(np.concatenate(log))]
+        """Log changed cells (ring-view indices) while logging is on and no resync is due."""
+        n_logged = self.log
+        if n_logged is None or self.resync:
+            return
+        end = n_logged + index.size
+        if end > self.logged.size:
+            self.reserve_log(index.size)
+        self.logged[n_logged:end] = index
+        self.log, self.log_notes = end, self.log_notes + 1
+        if self.log_notes > 512:  # many mutations between two drains: keep it bounded
+            kept = np.unique(self.logged[: self.log])
+            self.logged[: kept.size] = kept
+            self.log, self.log_notes = kept.size, 1
 
-    def drain_updates(self, touched: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray,
-                                                                         np.ndarray, bool]:
-        """(group, row, column, page id now, reset): every cell logged since the last drain and ``touched``;
-        after a (re)start of the log, every live cell instead and ``reset`` True."""
-        log, reset = self.log, self.resync
-        if reset:
-            index, self.resync = self._live_index(), False
-        elif log:
-            index = np.concatenate(log if touched is None else [*log, touched])
-        elif touched is not None:
-            index = touched
-        else:
-            empty = np.zeros(0, dtype=np.int64)
-            return empty, empty, empty, np.zeros(0, dtype=np.int32), False
-        log.clear()
+    def drain_updates(self, n_cells: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                  np.ndarray, bool]:
+        """(group, row, column, page id now, reset): the first ``n_cells`` of ``logged`` (a step's: the cells
+        logged since the last drain, then those it touched), by default every cell logged; after a (re)start of
+        the log, every live cell instead and ``reset`` True. The log is empty after it."""
+        reset = self.resync
+        index = self._live_index() if reset else self.logged[: (self.log or 0) if n_cells is None else n_cells]
+        if self.log is not None:
+            self.log, self.log_notes, self.resync = 0, 0, False
         cells = np.empty((3, index.size), dtype=np.int64)
         page = np.empty(index.size, dtype=np.int32)
         group, row, column = cells
@@ -231,9 +220,9 @@ class TableSet:
             self.pages[_cells(self.geometry, self.bounds, g, rows, lo, hi)] = \
                 old_pages[_cells(old_geometry, old_bounds, g, rows, lo, hi)]
         if self.log:
-            # Logged ring-view indices move with the wider rows dimension.
-            group, cell = np.divmod(np.concatenate(self.log), have * self.view_columns)
-            self.log[:] = [group * (new * self.view_columns) + cell]
+            # Logged ring-view indices move with the wider rows dimension (now one note).
+            group, cell = np.divmod(self.logged[: self.log], have * self.view_columns)
+            self.logged[: self.log], self.log_notes = group * (new * self.view_columns) + cell, 1
 
     # --- outside the step (free) and the step's block tables ---------------------------
     def block_table(self, g: int, rows: np.ndarray, width: int) -> np.ndarray:
