@@ -81,7 +81,7 @@ _new_object = object.__new__
 
 
 class RequestHashes:
-    """A request's chained block hashes, extended as its appended ids complete blocks or its committed tokens grow."""
+    """A request's chained block hashes, extended as its appended ids complete blocks (a prompt's: all at once)."""
 
     __slots__ = ("root", "granularity_tokens", "_hash", "hashes")
 
@@ -157,7 +157,7 @@ class CommittingRequest(Protocol):
     hashes: RequestHashes | None
     own_checkpoints: list[OwnCheckpoint]
     keep_boundaries: frozenset[int]  # boundaries whose checkpoints it pins (its junction)
-    token_ids: np.ndarray  # its known tokens (int32), hashed as appends complete blocks or as they commit
+    token_ids: np.ndarray  # its known tokens (int32), hashed as it is added and as appends complete blocks
 
 
 class PrefixCache:
@@ -313,10 +313,9 @@ class PrefixCache:
         return RequestHashes(root, self.granularity_tokens, self._hash)
 
     def prompt_hashes(self, prompt_ids: np.ndarray, cache_salt: str | bytes | None) -> RequestHashes:
-        """The hashes ``match_and_borrow`` would start and extend for this prompt, made ahead of it."""
+        """The hashes ``match_and_borrow`` would start and extend for this prompt (every complete block), made ahead."""
         hashes = self.new_request_hashes(cache_salt)
-        g = self.granularity_tokens
-        hashes.extend_to(prompt_ids, (prompt_ids.size - 1) // g * g)
+        hashes.extend_to(prompt_ids, prompt_ids.size)
         return hashes
 
     # --- matching ---------------------------------------------------------------
@@ -334,9 +333,10 @@ class PrefixCache:
         lookup."""
         g = self.granularity_tokens
         max_blocks = (prompt_ids.size - 1) // g
-        keys = hashes.hashes  # keys[b - 1] names the prefix of b blocks (a prepared prompt's: exactly these)
-        if len(keys) != max_blocks:
-            hashes.extend_to(prompt_ids, max_blocks * g)
+        keys = hashes.hashes  # keys[b - 1] names the prefix of b blocks (a prepared prompt's: every complete one)
+        if len(keys) < prompt_ids.size // g:  # every complete block hashed (a commit reads them)
+            hashes.extend_to(prompt_ids, prompt_ids.size)
+        if len(keys) > max_blocks:  # the last token's block: not matched
             keys = keys[:max_blocks]
         top, knows = len(keys), self._knows
         while top and not knows(keys[top - 1]):  # the prompt's own blocks: no group has them
@@ -474,8 +474,6 @@ class PrefixCache:
             return
         first, end, keep = old_tokens // g, new_tokens // g, req.keep_boundaries
         latest, speculative, low = end * g, (), 1
-        if len(hashes.hashes) < end:  # (a prompt chunk's blocks: hashed with its prompt)
-            hashes.extend_to(req.token_ids, new_tokens)
         keys = hashes.hashes[first:end]
         if end == first + 1:  # one block (a decode commit): its key and its end checked alone
             pages = None if latest in keep or self._knows(keys[0]) else self._reader.read_unit(
@@ -578,7 +576,6 @@ class PrefixCache:
             return
         if let_go:
             self._let_go(let_go)
-        hashes.extend_to(req.token_ids, new_tokens)
         first_block, end_block = old_tokens // g, new_tokens // g
         boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
         keys, want = hashes.hashes[first_block:end_block], []
