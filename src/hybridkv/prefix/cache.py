@@ -321,6 +321,7 @@ class PrefixCache:
     # --- matching ---------------------------------------------------------------
     def match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> PrefixHit:
         """The hit for a prompt, without borrowing anything."""
+        hashes.extend_to(prompt_ids, prompt_ids.size)  # (the prompt's from ``prompt_hashes``: hashed already)
         k, limit, reach, _, _ = self._match(hashes, prompt_ids)
         g = self.granularity_tokens
         return PrefixHit(k * g, {gid: reach[i] * g for gid, i in zip(self._spec_ids, self._reach_index)}, limit * g)
@@ -333,9 +334,7 @@ class PrefixCache:
         lookup."""
         g = self.granularity_tokens
         max_blocks = (prompt_ids.size - 1) // g
-        keys = hashes.hashes  # keys[b - 1] names the prefix of b blocks (a prepared prompt's: every complete one)
-        if len(keys) < prompt_ids.size // g:  # every complete block hashed (a commit reads them)
-            hashes.extend_to(prompt_ids, prompt_ids.size)
+        keys = hashes.hashes  # keys[b - 1] names the prefix of b blocks (every complete one of the prompt: hashed)
         if len(keys) > max_blocks:  # the last token's block: not matched
             keys = keys[:max_blocks]
         top, knows = len(keys), self._knows
@@ -398,7 +397,7 @@ class PrefixCache:
         """Start ``req.hashes`` (``hashes``: the prompt's from ``prompt_hashes``, with the same salt), match its
         prompt and borrow the hit's pages into its tables in one compiled call (``lru.borrow_row``); the checkpoint
         at the hit becomes the request's own."""
-        req.hashes = hashes if hashes is not None else self.new_request_hashes(cache_salt)
+        req.hashes = hashes if hashes is not None else self.prompt_hashes(prompt_ids, cache_salt)
         blocks, limit, reach, history, at_hit = self._match(req.hashes, prompt_ids)
         g, queried, alone = self.granularity_tokens, prompt_ids.size, {}
         d = blocks * g
