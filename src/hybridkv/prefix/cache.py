@@ -154,7 +154,7 @@ class CommittingRequest(Protocol):
 
     row: int  # its table row
     prompt_tokens: int
-    hashes: RequestHashes | None
+    hashes: RequestHashes  # its blocks' keys (a commit's crossed blocks: hashed when added or appended)
     own_checkpoints: list[OwnCheckpoint]
     keep_boundaries: frozenset[int]  # boundaries whose checkpoints it pins (its junction)
     token_ids: np.ndarray  # its known tokens (int32), hashed as it is added and as appends complete blocks
@@ -469,8 +469,6 @@ class PrefixCache:
         (``CommitPages.read_unit``), recorded (:meth:`_record`) and booked
         (:meth:`_book`); else, or where the claim fails, :meth:`_commit_one`."""
         hashes, g = req.hashes, self.granularity_tokens
-        if hashes is None:
-            return
         first, end, keep = old_tokens // g, new_tokens // g, req.keep_boundaries
         latest, speculative, low = end * g, (), 1
         keys = hashes.hashes[first:end]
@@ -565,14 +563,11 @@ class PrefixCache:
 
     def _commit_one(self, req: CommittingRequest, old_tokens: int, new_tokens: int, stored: list[tuple],
                     let_go: list[tuple]) -> None:
-        """One request's commit of tokens ``[old, new)``: history blocks and the checkpoints
+        """One request's commit of tokens ``[old, new)`` (a block crossed at least): history blocks and the checkpoints
         (:meth:`_checkpoint_boundaries`; their keys, parents and entries: :meth:`_found_checkpoints`), those missing
         read and claimed in one call (``CommitPages.read``); its "stored" events, then the removals superseding
         caused, onto ``stored``; what superseding lets go onto ``let_go`` (the earlier requests' let go first)."""
-        g = self.granularity_tokens
-        hashes: RequestHashes = req.hashes
-        if hashes is None or new_tokens // g == old_tokens // g:
-            return
+        g, hashes = self.granularity_tokens, req.hashes
         if let_go:
             self._let_go(let_go)
         first_block, end_block = old_tokens // g, new_tokens // g
