@@ -1159,6 +1159,42 @@ def test_block_hashes_one_block_a_call_match_many_at_once():
         assert len(many.hashes) == 4 and one.hashes == many.hashes
 
 
+def test_every_complete_prompt_block_is_hashed_when_added_so_commits_never_hash(monkeypatch):
+    """A prompt's complete blocks (its last one too, when the prompt ends on a block) are hashed by
+    ``prepare_prompt`` / ``add_request``, an output block by the append that completes it: no commit hashes."""
+    from hybridkv.prefix.cache import RequestHashes
+
+    mgr = make_manager()
+    assert len(mgr.prefix.prompt_hashes(ids(6, 512), None).hashes) == 2
+    assert len(mgr.prefix.prompt_hashes(ids(6, 511), None).hashes) == 1
+    extend, in_schedule, hashed = RequestHashes.extend_to, [False], []
+
+    def watched(self, token_ids, num_tokens):
+        before = len(self.hashes)
+        extend(self, token_ids, num_tokens)
+        if in_schedule[0] and len(self.hashes) > before:
+            hashed.append(len(self.hashes))
+
+    def schedule(items, inner=mgr.schedule):
+        in_schedule[0] = True
+        try:
+            return inner(items)
+        finally:
+            in_schedule[0] = False
+
+    monkeypatch.setattr(RequestHashes, "extend_to", watched)
+    mgr.schedule = schedule
+    for n, rid in zip((512, 768, 700, 256), "abcd"):
+        prompt = ids(7 + n, n)
+        mgr.add_request(rid, mgr.prepare_prompt(prompt, max_new_tokens=300) if rid in "ac" else prompt,
+                        max_new_tokens=0 if rid in "ac" else 300)
+        run = ids(8 + n, 300)
+        prefill(mgr, rid, n, 300)
+        decode(mgr, rid, run)
+    assert not hashed
+    assert mgr.prefix.stats[C4KV].stored_entries == (512 + 300 - 1) // 256 + (768 + 299) // 256 + (999 // 256) + 2
+
+
 @pytest.mark.parametrize("policy", ["prompt-boundaries", "prefill-per-byte"])
 def test_every_removal_names_what_its_publication_named(policy):
     """A commit keeps an entry's parent key and boundary once per key for every group:

@@ -721,7 +721,6 @@ class TierLink:
         last = self._load_reach(request_id, prompt_tokens, hit_tokens, cap_tokens)
         if last <= hit_tokens:
             return
-        hashes.extend_to(self._args[request_id].token_ids, last)
         planned = list(self._load_objects(hashes, hit_tokens, last))
         objects = [obj for obj, _ in planned]
         present, copies = self._served(planned)
@@ -801,7 +800,6 @@ class TierLink:
         last = (args.token_ids.size - 1) // grain * grain
         if last <= start_tokens:
             return []
-        args.hashes.extend_to(args.token_ids, last)
         return [args.hashes.key(end) for end in range(start_tokens + grain, last + 1, grain)]
 
     def _wait_for_blocks(self, request_id: str, keys: list[int], first: int, run: int) -> bool:
@@ -890,7 +888,7 @@ class TierLink:
         """Queue the last checkpoint of every request freed since the last call (still cached)."""
         ending, self._flight.ending = self._flight.ending, []
         for hashes, boundary in ending:
-            if boundary <= 0 or boundary // self._prefix.granularity_tokens > len(hashes.hashes):
+            if boundary <= 0:  # (its blocks below the computed tokens are hashed: the known ones are)
                 continue
             key = hashes.key(boundary)
             for gid in self._state_ids:

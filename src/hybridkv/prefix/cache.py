@@ -81,7 +81,7 @@ _new_object = object.__new__
 
 
 class RequestHashes:
-    """A request's chained block hashes, extended as its appended ids complete blocks or its committed tokens grow."""
+    """A request's chained block hashes, extended as its appended ids complete blocks (a prompt's: all at once)."""
 
     __slots__ = ("root", "granularity_tokens", "_hash", "hashes")
 
@@ -154,10 +154,10 @@ class CommittingRequest(Protocol):
 
     row: int  # its table row
     prompt_tokens: int
-    hashes: RequestHashes | None
+    hashes: RequestHashes  # its blocks' keys (a commit's crossed blocks: hashed when added or appended)
     own_checkpoints: list[OwnCheckpoint]
     keep_boundaries: frozenset[int]  # boundaries whose checkpoints it pins (its junction)
-    token_ids: np.ndarray  # its known tokens (int32), hashed as appends complete blocks or as they commit
+    token_ids: np.ndarray  # its known tokens (int32), hashed as it is added and as appends complete blocks
 
 
 class PrefixCache:
@@ -313,15 +313,15 @@ class PrefixCache:
         return RequestHashes(root, self.granularity_tokens, self._hash)
 
     def prompt_hashes(self, prompt_ids: np.ndarray, cache_salt: str | bytes | None) -> RequestHashes:
-        """The hashes ``match_and_borrow`` would start and extend for this prompt, made ahead of it."""
+        """The hashes ``match_and_borrow`` would start and extend for this prompt (every complete block), made ahead."""
         hashes = self.new_request_hashes(cache_salt)
-        g = self.granularity_tokens
-        hashes.extend_to(prompt_ids, (prompt_ids.size - 1) // g * g)
+        hashes.extend_to(prompt_ids, prompt_ids.size)
         return hashes
 
     # --- matching ---------------------------------------------------------------
     def match(self, hashes: RequestHashes, prompt_ids: np.ndarray) -> PrefixHit:
         """The hit for a prompt, without borrowing anything."""
+        hashes.extend_to(prompt_ids, prompt_ids.size)  # (the prompt's from ``prompt_hashes``: hashed already)
         k, limit, reach, _, _ = self._match(hashes, prompt_ids)
         g = self.granularity_tokens
         return PrefixHit(k * g, {gid: reach[i] * g for gid, i in zip(self._spec_ids, self._reach_index)}, limit * g)
@@ -334,9 +334,8 @@ class PrefixCache:
         lookup."""
         g = self.granularity_tokens
         max_blocks = (prompt_ids.size - 1) // g
-        keys = hashes.hashes  # keys[b - 1] names the prefix of b blocks (a prepared prompt's: exactly these)
-        if len(keys) != max_blocks:
-            hashes.extend_to(prompt_ids, max_blocks * g)
+        keys = hashes.hashes  # keys[b - 1] names the prefix of b blocks (every complete one of the prompt: hashed)
+        if len(keys) > max_blocks:  # the last token's block: not matched
             keys = keys[:max_blocks]
         top, knows = len(keys), self._knows
         while top and not knows(keys[top - 1]):  # the prompt's own blocks: no group has them
@@ -398,7 +397,7 @@ class PrefixCache:
         """Start ``req.hashes`` (``hashes``: the prompt's from ``prompt_hashes``, with the same salt), match its
         prompt and borrow the hit's pages into its tables in one compiled call (``lru.borrow_row``); the checkpoint
         at the hit becomes the request's own."""
-        req.hashes = hashes if hashes is not None else self.new_request_hashes(cache_salt)
+        req.hashes = hashes if hashes is not None else self.prompt_hashes(prompt_ids, cache_salt)
         blocks, limit, reach, history, at_hit = self._match(req.hashes, prompt_ids)
         g, queried, alone = self.granularity_tokens, prompt_ids.size, {}
         d = blocks * g
@@ -470,12 +469,8 @@ class PrefixCache:
         (``CommitPages.read_unit``), recorded (:meth:`_record`) and booked
         (:meth:`_book`); else, or where the claim fails, :meth:`_commit_one`."""
         hashes, g = req.hashes, self.granularity_tokens
-        if hashes is None:
-            return
         first, end, keep = old_tokens // g, new_tokens // g, req.keep_boundaries
         latest, speculative, low = end * g, (), 1
-        if len(hashes.hashes) < end:  # (a prompt chunk's blocks: hashed with its prompt)
-            hashes.extend_to(req.token_ids, new_tokens)
         keys = hashes.hashes[first:end]
         if end == first + 1:  # one block (a decode commit): its key and its end checked alone
             pages = None if latest in keep or self._knows(keys[0]) else self._reader.read_unit(
@@ -568,17 +563,13 @@ class PrefixCache:
 
     def _commit_one(self, req: CommittingRequest, old_tokens: int, new_tokens: int, stored: list[tuple],
                     let_go: list[tuple]) -> None:
-        """One request's commit of tokens ``[old, new)``: history blocks and the checkpoints
+        """One request's commit of tokens ``[old, new)`` (a block crossed at least): history blocks and the checkpoints
         (:meth:`_checkpoint_boundaries`; their keys, parents and entries: :meth:`_found_checkpoints`), those missing
         read and claimed in one call (``CommitPages.read``); its "stored" events, then the removals superseding
         caused, onto ``stored``; what superseding lets go onto ``let_go`` (the earlier requests' let go first)."""
-        g = self.granularity_tokens
-        hashes: RequestHashes = req.hashes
-        if hashes is None or new_tokens // g == old_tokens // g:
-            return
+        g, hashes = self.granularity_tokens, req.hashes
         if let_go:
             self._let_go(let_go)
-        hashes.extend_to(req.token_ids, new_tokens)
         first_block, end_block = old_tokens // g, new_tokens // g
         boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
         keys, want = hashes.hashes[first_block:end_block], []

@@ -1209,8 +1209,8 @@ class CacheManager:
 
     def _commit_rows(self, rows: np.ndarray) -> None:
         """Publish what each row's computed tokens completed since its last commit, in one
-        ``PrefixCache.commit_requests`` call (row by row in order; it hashes only the first
-        computed tokens of the requests' ids, those its appends did not)."""
+        ``PrefixCache.commit_requests`` call (row by row in order; it reads the blocks' keys that adding the
+        requests and appending their ids hashed)."""
         owners, committed, computed = self._row_owner, self._committed, self._computed
         reqs, old, new = [], [], []
         for row in rows.tolist():  # a few rows a step: item reads beat two gathers
