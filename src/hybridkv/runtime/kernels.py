@@ -555,7 +555,7 @@ def transient_pages(geometry, bounds, transient, g, rows, first, counts, after, 
     return n
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)  # allocates nothing: its arrays come in without a MemInfo each (Python calls it too)
 def room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, per_group, ref, keyed,
                 low_priority, packing, out, start, not_joined, idle_keyed):
     """Before ``finish_step``, per group from ``start`` on: whether ``PagePool.make_room`` of its ``sums[1, g]`` pages
