@@ -558,8 +558,10 @@ def test_must_pack_counting_the_groups_slabs_answers_as_the_whole_pool_scan(data
             for pages in (1, 3, 9):
                 must = whole_pool_must_pack(arena, gid, page, pages)
                 assert pool.must_pack(page, pages) == must
-                # ``room_groups``' test before the rule's scan (the pool's counts alone) never rules out a pack.
-                assert not (must and arena.roomy()) or kernels.may_spread(per_group, g, arena.packing[4], pages, None)
+                # The rule's test before its scans (the pool's counts alone, none of its keyed idle pages left out
+                # of its LRU) never rules out a pack.
+                assert not arena.roomy() or must == kernels.must_pack_at(pool.ref_counts, 0, arena.packing, g, page,
+                                                                         pages, per_group, np.zeros(2, np.int64))
 
 
 @settings(max_examples=60, deadline=None)

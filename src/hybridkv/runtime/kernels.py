@@ -584,7 +584,7 @@ def room_groups(geometry, bounds, transient, rows, first, counts, after, sums, s
 def group_room(geometry, bounds, transient, rows, first, counts, after, sums, stack, per_group, ref, keyed,
                low_priority, packing, g, not_joined, idle_keyed, at):
     """``room_groups``' rule of group ``g``: its transient pages where its free stack is short or (a lowest-first
-    group, its arena not roomy or, with ``packing``, its rule telling it to pack: ``may_spread``, ``must_pack_at``) an
+    group, its arena not roomy or, with ``packing``, its rule telling it to pack: ``must_pack_at``) an
     idle low-priority page lies below the highest id its long-lived pages take (``low_before``: first below the
     highest id of all, before counting them, then without the scan before the rule); else -1 (``make_room`` would
     evict nothing)."""
@@ -600,22 +600,11 @@ def group_room(geometry, bounds, transient, rows, first, counts, after, sums, st
     if long <= 0 or not low_before(stack, offset, top, long, ref, keyed, low_priority, per_group, g, not_joined,
                                    idle_keyed, at, False):
         return -1
-    if roomy and packing is not None and not (may_spread(per_group, g, packing[4], long, not_joined) and must_pack_at(
-            ref, offset, packing, g, stack[offset + top - long], long)):
+    if roomy and packing is not None and not must_pack_at(ref, offset, packing, g, stack[offset + top - long], long,
+                                                          per_group, not_joined):
         return -1
     return highest if low_before(stack, offset, top, long, ref, keyed, low_priority, per_group, g, not_joined,
                                  idle_keyed, at, True) else -1
-
-
-@njit(cache=True, inline="always")
-def may_spread(per_group, g, sizes, pages, not_joined):
-    """Whether ``must_pack_at`` of ``pages`` long-lived pages of group ``g`` may answer True, without its scan: the
-    pages it counts are held, at most the group's granted pages less its free and idle ones (``not_joined``: keyed
-    pages gone idle not yet in its LRU; None: none), and each slab it counts holds one; its rule at that most."""
-    held = per_group[GRANTED_PAGES, g] - per_group[TOP, g] - per_group[LRU_PAGES, g]
-    if not_joined is not None:
-        held -= not_joined[g]
-    return held + 1 > -(-(held + pages) // sizes[g, 3]) + sizes[g, 4]
 
 
 @njit(cache=True)
@@ -630,15 +619,22 @@ def low_below(low_priority, keyed, ref, offset, per_group, g, end):
 
 
 @njit(cache=True)
-def must_pack_at(ref, offset, packing, g, page, pages):
+def must_pack_at(ref, offset, packing, g, page, pages, per_group, not_joined):
     """The arena's packing rule of group ``g`` once it is roomy (``Arena._packing_rule``) for ``pages`` long-lived
     pages whose highest id is ``page``; ``ref[offset:]``: the group's ref counts. False when the slab of that id's first
     byte holds live pages of the group already, else whether its live pages plus ``pages`` would lie in more than
     ``spread_slabs`` slabs beyond those they fill. ``packing``: owners, the groups' slab page ranges and straddlers,
     and per group its page bytes, the reserved bytes, the slab bytes, the fewest inner pages of a slab
-    (``per_slab``) and ``spread_slabs``."""
+    (``per_slab``) and ``spread_slabs``. First, without the scans, False where its counts rule it out: the live
+    pages are at most the group's granted pages less its free and idle ones (``per_group``; ``not_joined``: keyed
+    pages gone idle not yet in its LRU, None: none), each slab counted holds one."""
     owner, lo, hi, straddle, sizes = packing
     page_bytes, reserved_bytes, slab_bytes, per_slab, spread_slabs = sizes[g]
+    held = per_group[GRANTED_PAGES, g] - per_group[TOP, g] - per_group[LRU_PAGES, g]
+    if not_joined is not None:
+        held -= not_joined[g]
+    if held + 1 <= -(-(held + pages) // per_slab) + spread_slabs:
+        return False
     ref, lo, hi, straddle = ref[offset:], lo[g], hi[g], straddle[g]
     slab = (page * page_bytes - reserved_bytes) // slab_bytes
     for page in range(lo[slab], hi[slab]):
