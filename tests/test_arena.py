@@ -558,8 +558,10 @@ def test_must_pack_counting_the_groups_slabs_answers_as_the_whole_pool_scan(data
             for pages in (1, 3, 9):
                 must = whole_pool_must_pack(arena, gid, page, pages)
                 assert pool.must_pack(page, pages) == must
-                # ``room_groups``' test before the rule's scan (the pool's counts alone) never rules out a pack.
-                assert not (must and arena.roomy()) or kernels.may_spread(per_group, g, arena.packing[4], pages, None)
+                # The rule's test before its scans (the pool's counts alone, none of its keyed idle pages left out
+                # of its LRU) never rules out a pack.
+                assert not arena.roomy() or must == kernels.must_pack_at(pool.ref_counts, 0, arena.packing, g, page,
+                                                                         pages, per_group, np.zeros(2, np.int64))
 
 
 @settings(max_examples=60, deadline=None)
@@ -580,11 +582,11 @@ def test_room_groups_on_an_arena_leaves_out_only_groups_whose_make_room_evicts_n
     count = data.draw(st.integers(1, max(pool.num_free_pages, 1)))
     sums, out = np.zeros((2, 2), dtype=np.int64), np.empty(2, dtype=np.int64)
     sums[1, g] = count
-    none = np.zeros(0, dtype=np.int64)
-    kernels.room_groups(np.zeros((2, 8), dtype=np.int64), np.zeros((3, 2, 0), dtype=np.int64),
-                        np.zeros(2, dtype=np.bool_), none, none, none, np.zeros((2, 2, 0), dtype=np.int64), sums,
-                        space.stack, space.offsets, space.per_group, space.ref_counts, space.low_priority, space.cached,
-                        arena.packing, arena.roomy(), out)
+    none, ids = np.zeros(0, dtype=np.int64), np.zeros((2, 8), dtype=np.int64)
+    ids[:, kernels.ID_OFFSET] = space.offsets  # the rule reads the roomy arena in ``PageSpace.skip_packing``
+    kernels.room_groups(ids, np.zeros((3, 2, 0), dtype=np.int64), np.zeros(2, dtype=np.bool_), none, none, none,
+                        np.zeros((2, 2, 0), dtype=np.int64), sums, space.stack, space.per_group, space.ref_counts,
+                        space.cached, space.low_priority, arena.packing, out, 0, None, None)
     free = pool.free_page_ids()  # the lowest on top: the allocation's highest id is free[-count]
     low_below = count <= free.size and (pool.low_priority & pool.cached & (pool.ref_counts == 0))[: free[-count]].any()
     event("left out with low-priority pages below" if out[g] < 0 and low_below else "other")
@@ -832,7 +834,7 @@ def test_take_donor_slabs_lends_as_the_one_at_a_time_reference(data):
 def test_a_step_asks_make_room_of_the_same_groups_as_asking_every_allocating_group(vs, monkeypatch):
     """``kernels.room_groups`` leaves out groups whose ``make_room`` would evict nothing, and
     once one group evicted (telling of a removal can drop or demote entries of later
-    groups) ``kernels.rooms_from`` names the later groups again, and a group named with its
+    groups) it names the later groups again (from ``start``), and a group named with its
     free stack covering the allocation packs without asking ``must_pack`` (``packs``): 120
     six-turn conversations served one request at a time on a 2 GiB shared arena
     (bench/hit_sweep.py's multiturn line) give the same hits and the same per-group counts
@@ -844,18 +846,14 @@ def test_a_step_asks_make_room_of_the_same_groups_as_asking_every_allocating_gro
     from hybridkv.runtime import kernels
     from hybridkv.sim.workloads import in_waves, multiturn_workload
 
-    real, real_from = kernels.room_groups, kernels.rooms_from
+    real = kernels.room_groups
 
     def every_allocating_group(geometry, bounds, transient, rows, first, counts, after, sums, *rest):
         real(geometry, bounds, transient, rows, first, counts, after, sums, *rest)
-        return every_allocating_from(0, sums, *rest)
-
-    def every_allocating_from(start, sums, *rest):
-        out = rest[8]  # after the stack ... packing and roomy (then ``not_joined``, where passed)
-        real_from(start, sums, *rest)
+        out, start = rest[6], rest[7]  # after the stack ... low priority and packing
         for g in range(start, out.size):
             if out[g] < 0 and sums[1, g] > 0:
-                out[g] = -1 - out[g]
+                out[g] = kernels.transient_pages(geometry, bounds, transient, g, rows, first, counts, after, sums)
         return int(np.count_nonzero(out[start:] >= 0))
 
     from hybridkv.memory.pool import PagePool
@@ -866,10 +864,8 @@ def test_a_step_asks_make_room_of_the_same_groups_as_asking_every_allocating_gro
         real_make_room(pool, count, highest)
 
     runs = []
-    for room_groups, rooms_from, make_room in ((real, real_from, real_make_room),
-                                               (every_allocating_group, every_allocating_from, make_room_asking)):
+    for room_groups, make_room in ((real, real_make_room), (every_allocating_group, make_room_asking)):
         monkeypatch.setattr(kernels, "room_groups", room_groups)
-        monkeypatch.setattr(kernels, "rooms_from", rooms_from)
         monkeypatch.setattr(PagePool, "make_room", make_room)
         side = sweep.make_side("hybridkv shared", 2 * 2**30, 131_072, None)
         hits = sweep.serve_in_order(side, in_waves(multiturn_workload(120, 6, seed=0), 40))

@@ -20,7 +20,6 @@ from hypothesis import given, settings
 
 from hybridkv.runtime.manager import CacheManager
 from hybridkv.models.deepseek_v4 import build_v4_cache_specs
-from hybridkv.memory import lru
 from hybridkv.memory.arena import anchor_group_for, arena_geometry
 from hybridkv.runtime import kernels
 from hybridkv.spec import CacheGroupSpec
@@ -446,38 +445,6 @@ def test_the_step_kernels_compile_first_on_an_empty_cache(tmp_path):
                           capture_output=True)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert done.stdout.decode().split() == ["[]", "['copy_of']"]
-
-
-@settings(max_examples=80, deadline=None)
-@given(st.lists(st.integers(0, 6), min_size=1, max_size=4), st.integers(0, 2**16))
-def test_joined_low_counts_as_lru_join_does(counts, seed):
-    """``kernels.joined_low`` (what ``grant_step``'s ``room_groups`` reads once a release's idle keyed pages
-    joined their LRUs): pages listed group after group, ``counts[g]`` of group ``g`` as local ids, against
-    ``lru.join`` on a copy: the same low-idle counts and floors in ``joined``; False, ``joined`` unwritten, when no
-    listed page is low priority (``per_group`` itself is never written)."""
-    rng = np.random.default_rng(seed)
-    n_groups, pages = len(counts), 8
-    geometry = np.zeros((n_groups, kernels.GEOMETRY_COLUMNS), dtype=np.int64)
-    offsets = np.arange(n_groups, dtype=np.int64) * pages
-    geometry[:, kernels.ID_OFFSET] = offsets
-    low = rng.random(n_groups * pages) < 0.15
-    per_group = rng.integers(0, 9, (kernels.PER_GROUP_ROWS, n_groups)).astype(np.int64)
-    idle = np.array([p for k in counts for p in rng.choice(np.arange(1, pages), k, replace=False)], dtype=np.int64)
-    listed = np.array(counts, dtype=np.int64)
-    before, joined = per_group.copy(), np.full_like(per_group, -7)
-    changed = kernels.joined_low(geometry, low, per_group, listed, idle, joined)
-    want, links = per_group.copy(), np.full(n_groups * pages, -1, dtype=np.int64)
-    links[offsets] = 0  # each group's empty list (its sentinel, local id 0)
-    lru.join(np.zeros(n_groups * pages, np.int64), low, links, links.copy(), want[kernels.LRU_PAGES],
-             want[kernels.LOW_IDLE_PAGES], want[kernels.LOW_FLOOR], offsets, listed, idle, np.zeros(1, np.int64))
-    assert np.array_equal(per_group, before)
-    any_low = any(low[g * pages + p] for g, k in enumerate(counts) for p in idle[sum(counts[:g]):][:k])
-    assert changed == any_low
-    if not changed:
-        assert (joined == -7).all()
-        joined = per_group
-    for row in (kernels.LOW_IDLE_PAGES, kernels.LOW_FLOOR):
-        assert joined[row].tolist() == want[row].tolist()
 
 
 @settings(max_examples=100, deadline=None)

@@ -11,6 +11,23 @@ import pool_ops
 from pool_ops import PoolExhausted, allocate, borrow, decref, incref, publish, space_of
 
 
+def _low_floor(space: PageSpace, g: int) -> int | None:
+    """Group ``g``'s floor of its idle low-priority page ids while it has some (``kernels.low_before`` reads it)."""
+    return int(space.per_group[kernels.LOW_FLOOR, g]) if space.per_group[kernels.LOW_IDLE_PAGES, g] > 0 else None
+
+
+def _step_asks(space: PageSpace, sums: np.ndarray) -> int:
+    """``kernels.room_groups`` as the step kernel asks it (no packing rule, no marks) for the allocations ``sums[1]``
+    of plans that count no transient page, every group's ids from ``space.offsets``."""
+    geometry = np.zeros((len(space.pools), kernels.GEOMETRY_COLUMNS), dtype=np.int64)
+    geometry[:, kernels.ID_OFFSET] = space.offsets
+    none = np.zeros(0, dtype=np.int64)
+    return kernels.room_groups(geometry, np.zeros((3, len(space.pools), 0), dtype=np.int64),
+                               np.zeros(len(space.pools), dtype=np.bool_), none, none, none,
+                               np.zeros((2, len(space.pools), 0), dtype=np.int64), sums, space.stack, space.per_group,
+                               space.ref_counts, space.cached, space.low_priority, None, None, 0, None, None)
+
+
 def _tell_at_once(pool, log):
     """An ``evict_many`` for ``pool``: its ``evict_entries`` of a batch, the removals logged at once."""
     def evict_many(keys, cause):
@@ -486,7 +503,7 @@ def test_one_release_of_every_group_is_a_release_pool_by_pool(data, lowest_first
         decref(pool, pages)
     for a, b in zip(pools_a, pools_b):
         assert _pool_state(a) == _pool_state(b)
-    floors = [[kernels.packing_floor(side_space.per_group, g) for g in range(len(sizes))] for _, side_space in sides]
+    floors = [[_low_floor(side_space, g) for g in range(len(sizes))] for _, side_space in sides]
     assert floors[0] == floors[1]  # the packing floors the joining low-priority pages lowered
 
 
@@ -833,7 +850,7 @@ def test_page_space_demote_is_demote_pool_by_pool(data, lowest_first):
         a.check_invariants()
         assert (a.evictable_page_ids().tolist(), a.num_low_priority_idle_pages) == (
             b.evictable_page_ids().tolist(), b.num_low_priority_idle_pages)
-        assert kernels.packing_floor(space_a.per_group, g) == kernels.packing_floor(space_b.per_group, g)
+        assert _low_floor(space_a, g) == _low_floor(space_b, g)
         assert _entries_state(a, ["unit", "other", "more"]) == _entries_state(b, ["unit", "other", "more"])
 
 
@@ -945,24 +962,25 @@ def test_evict_entries_leaves_the_pool_as_unpublishing_each_in_turn(data):
     assert ends[0] == ends[1]
 
 
-def test_packing_floor_follows_the_skip_flag_and_each_pools_idle_low_priority_pages():
-    """``kernels.packing_floor`` (what the step kernel reads): ``NO_PACKING`` for a pool that
-    does not hand out its lowest ids first and, for every pool, while its
-    ``PageSpace.skip_packing`` is set (its arena is roomy); else ``NO_LOW_IDLE`` without
-    idle low-priority pages, and a lower bound of their ids with some."""
+def test_the_step_asks_no_packing_of_a_pool_not_lowest_first_nor_while_skip_packing_is_set():
+    """``kernels.room_groups`` as the step kernel asks it (no packing rule): an allocation below an idle low-priority
+    page stops the step in a lowest-first pool, but neither in one that does not hand out its lowest ids first nor,
+    in any pool, while its ``PageSpace.skip_packing`` is set (its arena is roomy); a short free stack always does."""
     pools = [PagePool(f"g{i}", 8, lowest_first=i < 2) for i in range(3)]
     space = PageSpace(pools)
-    floors = lambda: [kernels.packing_floor(space.per_group, g) for g in range(3)]  # noqa: E731
-    assert floors() == [kernels.NO_LOW_IDLE, kernels.NO_LOW_IDLE, kernels.NO_PACKING]
-    allocate(pools[1], 2)
-    low = allocate(pools[1], 2)
-    publish(pools[1], "low", low, low_priority=True)
-    decref(pools[1], low)
-    assert floors()[1] <= int(low.min()) and floors()[0] == kernels.NO_LOW_IDLE
+    for pool in pools:
+        held = allocate(pool, 4)  # a lowest-first pool's ids 1 .. 4
+        publish(pool, "low", held[2:3], low_priority=True)
+        decref(pool, held[[0, 2]])  # its lowest free ids 1, 5; id 3 idle, low priority
+
+    def asks(count):
+        return [_step_asks(space, np.array([[0, 0, 0], [count if i == g else 0 for i in range(3)]])) for g in range(3)]
+
+    assert asks(1) == [0, 0, 0] and asks(2) == [1, 1, 0]
     space.skip_packing[:] = 1
-    assert floors() == [kernels.NO_PACKING] * 3
+    assert asks(2) == [0, 0, 0] and asks(5) == [1, 1, 1]  # a short free stack still stops the step
     space.skip_packing[:] = 0
-    assert floors()[1] <= int(low.min())
+    assert asks(2) == [1, 1, 0]
 
 
 def _reference_pack(pool, count):
@@ -1343,13 +1361,11 @@ def test_room_groups_leaves_out_only_pools_whose_make_room_evicts_nothing(data):
     space, g = space_of(pool)
     sums = np.zeros((2, 1), dtype=np.int64)
     sums[1, 0] = count
-    out, none = np.empty(1, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    asked = kernels.room_groups(np.zeros((1, 8), dtype=np.int64), np.zeros((3, 1, 0), dtype=np.int64),
-                                np.zeros(1, dtype=np.bool_), none, none, none, np.zeros((2, 1, 0), dtype=np.int64),
-                                sums, space.stack, space.offsets, space.per_group, space.ref_counts,
-                                space.low_priority, space.cached,
-                                (np.empty(0, np.int16), *(np.empty((0, 0), np.int64) for _ in range(3)),
-                                 np.empty((0, 5), np.int64)), False, out)
+    out, none, geometry = np.empty(1, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros((1, 8), dtype=np.int64)
+    geometry[0, kernels.ID_OFFSET] = space.offsets[g]
+    asked = kernels.room_groups(geometry, np.zeros((3, 1, 0), dtype=np.int64), np.zeros(1, dtype=np.bool_), none,
+                                none, none, np.zeros((2, 1, 0), dtype=np.int64), sums, space.stack, space.per_group,
+                                space.ref_counts, space.cached, space.low_priority, None, out, 0, None, None)
     assert asked == int(out[0] >= 0) and (out[0] in (-1, 0))
     free = pool.free_page_ids().copy()  # the lowest on top: the allocation's highest id is free[-count]
     if out[0] < 0:
@@ -1374,13 +1390,13 @@ def test_room_groups_leaves_out_a_pool_whose_idle_low_priority_pages_lie_above_t
     space, _ = space_of(pool)
     sums, out, none = np.zeros((2, 1), dtype=np.int64), np.empty(1, dtype=np.int64), np.zeros(0, dtype=np.int64)
     sums[1, 0] = 2
-    packing = (np.empty(0, np.int16), *(np.empty((0, 0), np.int64) for _ in range(3)), np.empty((0, 5), np.int64))
+    geometry = np.zeros((1, 8), dtype=np.int64)
+    geometry[0, kernels.ID_OFFSET] = space.offsets[0]
 
     def asked():
-        return kernels.room_groups(np.zeros((1, 8), dtype=np.int64), np.zeros((3, 1, 0), dtype=np.int64),
-                                   np.zeros(1, dtype=np.bool_), none, none, none, np.zeros((2, 1, 0), dtype=np.int64),
-                                   sums, space.stack, space.offsets, space.per_group, space.ref_counts,
-                                   space.low_priority, space.cached, packing, False, out)
+        return kernels.room_groups(geometry, np.zeros((3, 1, 0), dtype=np.int64), np.zeros(1, dtype=np.bool_), none,
+                                   none, none, np.zeros((2, 1, 0), dtype=np.int64), sums, space.stack, space.per_group,
+                                   space.ref_counts, space.cached, space.low_priority, None, out, 0, None, None)
 
     assert asked() == 0 and out[0] == -1
     decref(pool, [1])  # 1 idle again, below the ids taken
@@ -1390,41 +1406,52 @@ def test_room_groups_leaves_out_a_pool_whose_idle_low_priority_pages_lie_above_t
 
 @settings(max_examples=80, deadline=None)
 @given(st.data())
-def test_needs_room_stops_a_step_only_where_room_groups_names_a_group(data):
-    """``kernels.needs_room`` (a step stops for Python where it says so) of a lowest-first pool with
-    random held, free and idle entries of either priority, some borrowed again (the floor left stale),
-    and one row allocating a few pages, in a sliding group (``window_tokens`` > 0, a token a page: the
-    pages the next step releases again take the highest ids) or not: it says so exactly when the free
-    stack is short or an idle low-priority page lies below the highest id the long-lived pages take,
-    as ``kernels.room_groups`` names the group, and leaves the floor a lower bound of those pages' ids."""
+def test_room_groups_asks_before_the_keyed_pages_gone_idle_join_as_after(data):
+    """``kernels.room_groups`` of a lowest-first pool with random held, free and idle entries of either priority,
+    some borrowed again (the floor left stale), some pages just released (``kernels.release_into``: the keyed ones
+    idle, not yet in the LRU: ``not_joined``), and one row allocating a few pages, in a sliding group
+    (``window_tokens`` > 0, a token a page: the pages the next step releases again take the highest ids) or not: as
+    the step kernel asks it (no marks) it says so exactly when the free stack is short or an idle low-priority page
+    lies below the highest id the long-lived pages take; with marks it names the group then, with its transient
+    pages, and as it does once those pages joined their LRU (``PageSpace.keyed_idle``), the floor then a lower bound
+    of the idle low-priority ids."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
     pool = PagePool("g", 48, lowest_first=True)
     held = allocate(pool, data.draw(st.integers(1, 46)))
     for k, page in enumerate(rng.permutation(held)[: data.draw(st.integers(0, held.size))].tolist()):
         publish(pool, ("e", k), [page], low_priority=bool(rng.integers(2)))
-    decref(pool, rng.permutation(held)[: data.draw(st.integers(0, held.size))])
+    order = rng.permutation(held)
+    dropped = data.draw(st.integers(0, held.size))
+    decref(pool, order[:dropped])
     idle = (pool.cached & (pool.ref_counts == 0)).nonzero()[0]
     incref(pool, idle[: data.draw(st.integers(0, idle.size))])  # the lowest: the floor stays below the rest
-    count, window_tokens = data.draw(st.integers(1, 4)), data.draw(st.integers(0, 3))
+    now = order[dropped : dropped + data.draw(st.integers(0, held.size - dropped))].astype(np.int64)
     space, g = space_of(pool)
+    freed, idle_keyed, released = np.empty(now.size, np.int64), np.empty(now.size, np.int64), np.zeros((2, 1), np.int64)
+    kernels.release_into(space.ref_counts, space.cached, space.stack, space.per_group, space.offsets, now,
+                         np.array([now.size]), freed, idle_keyed, released)
+    not_joined, idle_keyed = released[1], idle_keyed[: released[1, 0]]
+    count, window_tokens = data.draw(st.integers(1, 4)), data.draw(st.integers(0, 3))
     geometry, plan = np.zeros((1, 8), dtype=np.int64), np.zeros(kernels.plan_size(1, 1, 0, 0), dtype=np.int64)
     geometry[0, [kernels.PAGE_TOKENS, kernels.WINDOW_TOKENS, kernels.ID_OFFSET]] = 1, window_tokens, space.offsets[g]
     plan[0] = 1  # room for a row: row 0 gets ``count`` tokens from 0, a page each
     rows, counts, first, after, _, sums = kernels.plan_views(plan, 1)[:6]
     rows[0], counts[0], first[0], after[1, 0, 0], sums[1, 0] = 0, count, 0, count, count
-    bounds, transient = np.zeros((3, 1, 1), dtype=np.int64), np.array([window_tokens > 0])
-    asked = kernels.needs_room(geometry, bounds, space.stack, space.per_group, space.ref_counts, space.cached,
-                               space.low_priority, transient, plan, 1)
+    bounds, transient, out = np.zeros((3, 1, 1), dtype=np.int64), np.array([window_tokens > 0]), np.empty(1, np.int64)
+    args = (geometry, bounds, transient, rows[:1], first[:1], counts[:1], after[:, :, :1], sums, space.stack,
+            space.per_group, space.ref_counts, space.cached, space.low_priority, None)
+    asked = kernels.room_groups(*args, None, 0, not_joined, idle_keyed)
     free, low_idle = pool.free_page_ids(), pool.low_priority & pool.cached & (pool.ref_counts == 0)
-    long = count - (kernels.transient_pages(geometry, bounds, 0, rows[:1], first[:1], counts[:1], after[:, :, :1], sums)
-                    if window_tokens else 0)
+    highest = kernels.transient_pages(geometry, bounds, transient, 0, rows[:1], first[:1], counts[:1],
+                                      after[:, :, :1], sums)
+    long = count - highest
     assert asked == (count > free.size or (long > 0 and bool(low_idle[: free[-long]].any())))
+    assert kernels.room_groups(*args, out, 0, not_joined, idle_keyed) == asked and out[0] == (highest if asked else -1)
+    space.keyed_idle(not_joined, idle_keyed)
+    pool.check_invariants()
+    out[0] = -7
+    assert kernels.room_groups(*args, out, 0, None, None) == asked and out[0] == (highest if asked else -1)
     assert not low_idle[: space.per_group[kernels.LOW_FLOOR, g]].any()
-    packing = (np.empty(0, np.int16), *(np.empty((0, 0), np.int64) for _ in range(3)), np.empty((0, 5), np.int64))
-    assert asked == bool(kernels.room_groups(geometry, bounds, transient, rows[:1], first[:1], counts[:1],
-                                             after[:, :, :1], sums, space.stack, space.offsets, space.per_group,
-                                             space.ref_counts, space.low_priority, space.cached, packing, False,
-                                             np.empty(1, dtype=np.int64)))
 
 
 def test_peak_used_pages_can_be_reset_and_rises_again():

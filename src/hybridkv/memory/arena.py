@@ -185,15 +185,16 @@ class Arena:
         kernels.take_spare_slabs(self.owner.copy(), 0, self._inner[gid], self._straddle[gid], 0, self._taken)
         self.plan_spare(np.zeros(len(self.group_ids), dtype=np.int64))
         self._count(gid, 0, self.owner)
-        kernels.must_pack_at(self.pools[gid].ref_counts, 0, self.packing, 0, int(self._slab_ids[0][0, 0]), 0)
+        kernels.must_pack_at(self.pools[gid].ref_counts, 0, self.packing, 0, int(self._slab_ids[0][0, 0]), 0,
+                             self._space.per_group, None)
         many = self.geometry.num_slabs * self._most_slab_pages  # more than any donor can give
         self._take_from_donors(gid, 1, self.owner.copy(), [], {gid: 1}, (dict.fromkeys(donors, many), {}), IdleScan())
 
     def _packing_rule(self, gid: str) -> Callable[[int, int], bool]:
         """A group's ``PagePool.must_pack``: always unless the arena is roomy, then ``kernels.must_pack_at``."""
-        pool, gi, packing = self.pools[gid], self._index[gid], self.packing
-        return lambda page, pages: (not self.roomy()
-                                    or kernels.must_pack_at(pool.ref_counts, 0, packing, gi, page, pages))
+        pool, gi, packing, per_group = self.pools[gid], self._index[gid], self.packing, self._space.per_group
+        return lambda page, pages: not self.roomy() or kernels.must_pack_at(pool.ref_counts, 0, packing, gi, page,
+                                                                            pages, per_group, None)
 
     # --- counts ---------------------------------------------------------------
     @property

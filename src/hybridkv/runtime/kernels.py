@@ -60,8 +60,6 @@ STEP_COVERED = 3  # ``step`` planned only: a free stack is short, but the step's
 STEP_COMMITS = 4  # ``step`` planned only: a clean plan whose rows cross a grain, its buffers large enough
 STEP_SPARE = 5  # ``step_spare`` planned only: ``admit_spare`` admits a ``STEP_PLANNED`` plan, its buffers large enough
 MISLISTED = -(1 << 62)  # ``first_out_of_range``: a group-major page list its counts do not match
-NO_PACKING = np.iinfo(np.int64).max  # ``packing_floor`` of a group that does not reuse idle low-priority pages
-NO_LOW_IDLE = NO_PACKING - 1  # ``packing_floor`` of a packing group without idle low-priority pages
 
 
 @njit(cache=True, inline="always")
@@ -538,11 +536,12 @@ def drop_released(ref, keyed, offset, pages, freed, n_free, idle_keyed, n_keyed)
 
 
 @njit(cache=True)
-def transient_pages(geometry, bounds, g, rows, first, counts, after, sums):
+def transient_pages(geometry, bounds, transient, g, rows, first, counts, after, sums):
     """Pages group ``g`` allocates this step that the next step releases again (below the window of their row's new
-    end); 0 outside sliding groups and when no row gets more than one page (one page per row has no order to keep)."""
+    end); 0 where ``transient[g]`` is not set, outside sliding groups and when no row gets more than one page (one page
+    per row has no order to keep)."""
     tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
-    if window <= 0:
+    if not transient[g] or window <= 0:
         return 0
     rows_allocating, n, his, new_his = 0, 0, bounds[HI, g], after[1, g]
     for r in range(rows.size):  # first the cheap test (a decode step's rows get a page each at most)
@@ -556,53 +555,56 @@ def transient_pages(geometry, bounds, g, rows, first, counts, after, sums):
     return n
 
 
-@njit(cache=True)
-def room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, per_group, ref,
-                low_priority, keyed, packing, roomy, out, not_joined=None):
-    """Before ``finish_step`` of a step that stopped for Python: per group, the pages it allocates that the next step
-    releases again (``transient_pages``; 0 where ``transient[g]`` is not set): ``out[g]`` = that count when
-    ``PagePool.make_room`` of its ``sums[1, g]`` pages may have something to do now, else ``-1 - count`` (it would evict
-    nothing: the group allocates nothing, or its free stack covers the allocation and, in a lowest-first group with idle
-    low-priority pages, none lies below the ids its long-lived pages take (``low_below``, from ``per_group[LOW_FLOOR,
-    g]``, a lower bound of theirs), or its arena, ``roomy``, lets them spread: ``must_pack_at``). ``packing``:
-    ``Arena.packing`` (empty arrays without an arena). ``not_joined``: per group, keyed pages gone idle not yet in
-    its LRU (None: none; ``may_spread``'s). Returns the groups to ask."""
-    for g in range(geometry.shape[0]):
-        out[g] = transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0
-    return rooms_from(0, sums, stack, offsets, per_group, ref, low_priority, keyed, packing, roomy, out, not_joined)
-
-
-@njit(cache=True)
-def rooms_from(start, sums, stack, offsets, per_group, ref, low_priority, keyed, packing, roomy, out, not_joined=None):
-    """``room_groups``' rule of the groups from ``start`` on, as their pools are now, each with the
-    transient pages ``out[g]`` holds (``room_groups``' mark, either form); how many to ask."""
-    n_asked = 0
-    for g in range(start, out.size):
-        count, top, highest = sums[1, g], per_group[TOP, g], out[g] if out[g] >= 0 else -1 - out[g]
-        long = count - highest
-        packs = long > 0 and per_group[LOWEST, g] != 0 and per_group[LOW_IDLE_PAGES, g] > 0 and (
-            top < long or (per_group[LOW_FLOOR, g] < stack[offsets[g] + top - long] and (
-                not roomy or may_spread(per_group, g, packing[4], long, not_joined)
-                and must_pack_at(ref, offsets[g], packing, g, stack[offsets[g] + top - long], long))))
-        if packs and top >= count:  # it would only pack
-            packs = low_below(low_priority, keyed, ref, offsets[g], per_group, g, stack[offsets[g] + top - long])
-        if count > 0 and (top < count or packs):
-            out[g] = highest
-            n_asked += 1
+@njit(cache=True, _nrt=False)  # allocates nothing: its arrays come in without a MemInfo each (Python calls it too)
+def room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, per_group, ref, keyed,
+                low_priority, packing, out, start, not_joined, idle_keyed):
+    """Before ``finish_step``, per group from ``start`` on: whether ``PagePool.make_room`` of its ``sums[1, g]`` pages
+    may have something to do (``group_room``); ``out[g]``: then the pages it allocates that the next step releases
+    again (``transient_pages``, ``make_room``'s ``highest``), else -1. Returns
+    how many to ask; ``out`` None (``run_step``: whether to stop for Python): 1 at the first, written nowhere.
+    ``packing``: ``Arena.packing``, its rule asked while the arena is roomy (``SKIP_PACKING``); None: then no group
+    packs (the step kernel asks only short free stacks). ``not_joined``: per group, keyed pages gone idle not yet
+    in its LRU, ``idle_keyed`` those pages, group after group from ``start`` (None: none)."""
+    n_asked, at = 0, 0
+    for g in range(start, sums.shape[1]):
+        highest = group_room(geometry, bounds, transient, rows, first, counts, after, sums, stack, per_group, ref,
+                             keyed, low_priority, packing, g, not_joined, idle_keyed, at)
+        if not_joined is not None:
+            at += not_joined[g]
+        if out is None:
+            if highest >= 0:
+                return 1
         else:
-            out[g] = -1 - highest
+            out[g] = highest
+            n_asked += highest >= 0
     return n_asked
 
 
 @njit(cache=True, inline="always")
-def may_spread(per_group, g, sizes, pages, not_joined):
-    """Whether ``must_pack_at`` of ``pages`` long-lived pages of group ``g`` may answer True, without its scan: the
-    pages it counts are held, at most the group's granted pages less its free and idle ones (``not_joined``: keyed
-    pages gone idle not yet in its LRU; None: none), and each slab it counts holds one; its rule at that most."""
-    held = per_group[GRANTED_PAGES, g] - per_group[TOP, g] - per_group[LRU_PAGES, g]
-    if not_joined is not None:
-        held -= not_joined[g]
-    return held + 1 > -(-(held + pages) // sizes[g, 3]) + sizes[g, 4]
+def group_room(geometry, bounds, transient, rows, first, counts, after, sums, stack, per_group, ref, keyed,
+               low_priority, packing, g, not_joined, idle_keyed, at):
+    """``room_groups``' rule of group ``g``: its transient pages where its free stack is short or (a lowest-first
+    group, its arena not roomy or, with ``packing``, its rule telling it to pack: ``must_pack_at``) an
+    idle low-priority page lies below the highest id its long-lived pages take (``low_before``: first below the
+    highest id of all, before counting them, then without the scan before the rule); else -1 (``make_room`` would
+    evict nothing)."""
+    count, top, offset = sums[1, g], per_group[TOP, g], geometry[g, ID_OFFSET]
+    roomy = per_group[SKIP_PACKING, g] != 0
+    if count == 0 or count <= top and (per_group[LOWEST, g] == 0 or roomy and packing is None or not low_before(
+            stack, offset, top, count, ref, keyed, low_priority, per_group, g, not_joined, idle_keyed, at, False)):
+        return -1
+    highest = transient_pages(geometry, bounds, transient, g, rows, first, counts, after, sums)
+    long = count - highest
+    if count > top:
+        return highest
+    if long <= 0 or not low_before(stack, offset, top, long, ref, keyed, low_priority, per_group, g, not_joined,
+                                   idle_keyed, at, False):
+        return -1
+    if roomy and packing is not None and not must_pack_at(ref, offset, packing, g, stack[offset + top - long], long,
+                                                          per_group, not_joined):
+        return -1
+    return highest if low_before(stack, offset, top, long, ref, keyed, low_priority, per_group, g, not_joined,
+                                 idle_keyed, at, True) else -1
 
 
 @njit(cache=True)
@@ -617,37 +619,22 @@ def low_below(low_priority, keyed, ref, offset, per_group, g, end):
 
 
 @njit(cache=True)
-def joined_low(geometry, low_priority, per_group, counts, idle_keyed, joined):
-    """Whether ``per_group`` changes once keyed pages a release left idle (``idle_keyed``, local ids, group
-    after group, ``counts[g]`` of them) joined their LRUs (``lru.join``: each low-priority one counts in
-    ``LOW_IDLE_PAGES`` and lowers ``LOW_FLOOR``): when one is low priority, ``joined`` (its shape) holds it
-    as it will be, else ``joined`` is left as it was."""
-    copied, at = False, 0
-    for g in range(geometry.shape[0]):
-        offset = geometry[g, ID_OFFSET]
-        for i in range(at, at + counts[g]):
-            page = idle_keyed[i]
-            if low_priority[offset + page]:
-                if not copied:  # copied value by value: an array assignment may allocate
-                    for k in range(per_group.size):
-                        joined.flat[k] = per_group.flat[k]
-                    copied = True
-                joined[LOW_IDLE_PAGES, g] += 1
-                joined[LOW_FLOOR, g] = min(joined[LOW_FLOOR, g], page)
-        at += counts[g]
-    return copied
-
-
-@njit(cache=True)
-def must_pack_at(ref, offset, packing, g, page, pages):
+def must_pack_at(ref, offset, packing, g, page, pages, per_group, not_joined):
     """The arena's packing rule of group ``g`` once it is roomy (``Arena._packing_rule``) for ``pages`` long-lived
     pages whose highest id is ``page``; ``ref[offset:]``: the group's ref counts. False when the slab of that id's first
     byte holds live pages of the group already, else whether its live pages plus ``pages`` would lie in more than
     ``spread_slabs`` slabs beyond those they fill. ``packing``: owners, the groups' slab page ranges and straddlers,
     and per group its page bytes, the reserved bytes, the slab bytes, the fewest inner pages of a slab
-    (``per_slab``) and ``spread_slabs``."""
+    (``per_slab``) and ``spread_slabs``. First, without the scans, False where its counts rule it out: the live
+    pages are at most the group's granted pages less its free and idle ones (``per_group``; ``not_joined``: keyed
+    pages gone idle not yet in its LRU, None: none), each slab counted holds one."""
     owner, lo, hi, straddle, sizes = packing
     page_bytes, reserved_bytes, slab_bytes, per_slab, spread_slabs = sizes[g]
+    held = per_group[GRANTED_PAGES, g] - per_group[TOP, g] - per_group[LRU_PAGES, g]
+    if not_joined is not None:
+        held -= not_joined[g]
+    if held + 1 <= -(-(held + pages) // per_slab) + spread_slabs:
+        return False
     ref, lo, hi, straddle = ref[offset:], lo[g], hi[g], straddle[g]
     slab = (page * page_bytes - reserved_bytes) // slab_bytes
     for page in range(lo[slab], hi[slab]):
@@ -682,7 +669,7 @@ def allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, ro
         per_group[ALLOCATED_PAGES, g] += sums[1, g]
         offset = geometry[g, ID_OFFSET]
         tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
-        n_transient = transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0
+        n_transient = transient_pages(geometry, bounds, transient, g, rows, first, counts, after, sums)
         # Survivors pop from the top; transient page k sits at ``late - k``.
         late = n_transient - 1 if lowest[g] else top[g] - sums[1, g] + n_transient - 1
         taken, free_top = 0, top[g]  # the top in a local: the stores below may alias ``top``
@@ -737,13 +724,14 @@ def run_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack,
     """One admitted step (docs/manager.md, stage 3) of the plan of ``n`` rows (``settle`` settling) that
     ``prepare_step`` wrote to ``plan`` (``plan_views``; its scratch too): commit, release, then ``finish_step``. Returns
     (status, cells logged, idle keyed pages); ``STEP_NEEDS_PAGES`` when it stopped after the releases for Python."""
-    rows, _, first, after, _, released, _, scratch, idle_keyed = run_views(plan, geometry.shape[0], n)
+    rows, counts, first, after, sums, released, _, scratch, idle_keyed = run_views(plan, geometry.shape[0], n)
     committed = counters[1]
     for r in range(n):
         committed[rows[r]] = first[r]
     n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after,
                                        scratch, idle_keyed, released, touched, n_logged)
-    if hold or needs_room(geometry, bounds, stack, per_group, ref, keyed, low_priority, transient, plan, n):
+    if hold or room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, per_group, ref, keyed,
+                           low_priority, None, None, 0, released[1], idle_keyed):
         return STEP_NEEDS_PAGES, n_touched, n_keyed
     n_touched = finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient,
                             plan, n, settle, touched, n_touched, cells, cell_pages, per_request, query_start_loc,
@@ -757,10 +745,10 @@ def grant_step(grants, scratch, arena, idle, geometry, pages, bounds, counters, 
                query_start_loc, request_indices, per_token):
     """``run_step`` granting spare slabs alone (``grants``: groups, slabs) after its releases, counted off the arena's
     spare slabs with ``SKIP_PACKING`` following ``Arena.roomy`` (``Arena._spare_changed``); it stops for Python only
-    when ``room_groups`` asks (as after the idle keyed pages joined: ``joined_low``), its marks left in
+    when ``room_groups`` asks (as after the idle keyed pages joined: its ``not_joined``), its marks left in
     ``Arena.room_marks`` for ``make_room``. Status -1 (nothing granted): a slab not spare. A kernel of its own: the
     grant inside ``run_step`` makes ``step``'s compiled loops slower. ``scratch`` (``grant_scratch``): int64 room for
-    pages per group, a ``per_group`` copy and every granted slab's pages: the kernel allocates nothing, so it
+    pages per group and every granted slab's pages: the kernel allocates nothing, so it
     runs without reference counting (``_nrt=False``: its ~30 arrays come in without a MemInfo each, ~8 µs a call).
     Done whole, the keyed pages its releases left idle join their LRUs here (``idle``: ``PageSpace.join_args``),
     unless its clock is empty."""
@@ -770,20 +758,15 @@ def grant_step(grants, scratch, arena, idle, geometry, pages, bounds, counters, 
     rows, counts, first, after, sums, released, _, _, idle_keyed = run_views(plan, geometry.shape[0], n)
     owner, lo, hi, straddle, offsets, most_slab_pages, sizes, spare, roomy_slabs, marks = arena
     n_groups = geometry.shape[0]
-    gained, granted = scratch[:n_groups], scratch[(1 + PER_GROUP_ROWS) * n_groups :]
+    gained, granted = scratch[:n_groups], scratch[n_groups:]
     if grant_spare_slabs(owner, grants[0], grants[1], lo, hi, straddle, granted, gained,
                          stack, per_group[TOP], offsets, per_group[LOWEST], per_group[GRANTED_PAGES]) < 0:
         return -1, n_touched, n_keyed
     spare[0] -= grants.shape[1]
-    roomy = spare[0] >= roomy_slabs  # ``Arena.roomy``
-    per_group[SKIP_PACKING] = 1 if roomy else 0  # read by ``packing_floor`` only, in ``needs_room`` (run above)
-    # ``room_groups`` as it answers once the keyed pages gone idle joined their LRUs (low-priority ones change
-    # its counts: ``joined_low``); they join after the step, as after ``run_step``'s.
-    joined = scratch[n_groups : (1 + PER_GROUP_ROWS) * n_groups].reshape(per_group.shape)
-    if not (n_keyed and joined_low(geometry, low_priority, per_group, released[1], idle_keyed, joined)):
-        joined = per_group
-    if room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, offsets, joined, ref,
-                   low_priority, keyed, (owner, lo, hi, straddle, sizes), roomy, marks, released[1]):
+    per_group[SKIP_PACKING] = 1 if spare[0] >= roomy_slabs else 0  # ``Arena.roomy`` (``Arena._spare_changed``)
+    # ``room_groups`` as it answers once the keyed pages gone idle joined their LRUs (they join after the step).
+    if room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, per_group, ref, keyed,
+                   low_priority, (owner, lo, hi, straddle, sizes), marks, 0, released[1], idle_keyed):
         return STEP_NEEDS_PAGES, n_touched, n_keyed  # a group makes room once they joined: ``marks`` says which
     n_touched = finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient,
                             plan, n, settle, touched, n_touched, cells, cell_pages, per_request, query_start_loc,
@@ -796,59 +779,25 @@ def grant_step(grants, scratch, arena, idle, geometry, pages, bounds, counters, 
 
 
 def grant_scratch(grants, arena, n_groups, made=None):
-    """``grant_step``'s ``scratch`` for ``grants``: pages per group, a ``per_group`` copy, then each slab's most pages
+    """``grant_step``'s ``scratch`` for ``grants``: pages per group, then each slab's most pages
     (``arena``: ``Arena.grant_args``); ``made`` where it is large enough (the kernel reads nothing it did not write)."""
-    size = (1 + PER_GROUP_ROWS) * n_groups + grants.shape[1] * arena[5]
+    size = n_groups + grants.shape[1] * arena[5]
     return made if made is not None and made.size >= size else np.empty(size, np.int64)
 
 
 @njit(cache=True, inline="always")
-def packing_floor(per_group, g):
-    """Below which id group ``g``'s idle low-priority pages lie (``needs_room``): the pool's ``LOW_FLOOR`` (a lower
-    bound of their ids) while it has some (``LOW_IDLE_PAGES``), ``NO_LOW_IDLE`` while it has none, and ``NO_PACKING``
-    when it does not hand out its lowest ids first or may skip packing (``SKIP_PACKING``: its arena is roomy)."""
-    if per_group[LOWEST, g] == 0 or per_group[SKIP_PACKING, g] != 0:
-        return NO_PACKING
-    return per_group[LOW_FLOOR, g] if per_group[LOW_IDLE_PAGES, g] > 0 else NO_LOW_IDLE
-
-
-@njit(cache=True)
-def needs_room(geometry, bounds, stack, per_group, ref, keyed, low_priority, transient, plan, n):
-    """Whether some group allocating in the plan of ``n`` rows (``run_views``) must make room first: its free stack is
-    short, or (a ``lowest`` group whose idle low-priority pages are reused in id order unless it may skip packing:
-    ``packing_floor``) one of them lies below the highest id its long-lived pages take (``room_groups``' rule, its
-    ``transient_pages`` counted only once one may lie below the highest id of all: ``low_before``)."""
-    rows, counts, first, after, sums, released, _, _, idle_keyed = run_views(plan, geometry.shape[0], n)
-    keyed_from, top = 0, per_group[TOP]
-    for g in range(geometry.shape[0]):
-        count, offset, n_keyed = sums[1, g], geometry[g, ID_OFFSET], released[1, g]
-        keyed_from += n_keyed
-        if count == 0:
-            continue
-        if count > top[g]:
-            return True
-        floor, released_keyed = packing_floor(per_group, g), idle_keyed[keyed_from - n_keyed : keyed_from]
-        if floor == NO_PACKING or not low_before(floor, stack, offset, top[g], count, ref, keyed, low_priority,
-                                                 per_group, g, released_keyed, False):
-            continue
-        long = count - (transient_pages(geometry, bounds, g, rows, first, counts, after, sums) if transient[g] else 0)
-        if long > 0 and low_before(floor, stack, offset, top[g], long, ref, keyed, low_priority, per_group, g,
-                                   released_keyed, True):
-            return True
-    return False
-
-
-@njit(cache=True, inline="always")
-def low_before(floor, stack, offset, top, count, ref, keyed, low_priority, per_group, g, released_keyed, scan):
+def low_before(stack, offset, top, count, ref, keyed, low_priority, per_group, g, not_joined, idle_keyed, at, scan):
     """Whether an idle low-priority page of group ``g`` (its ids from ``offset``) may lie below the highest of its
-    ``count`` lowest free ids: its floor is below it (with ``scan``: one does, ``low_below``, which raises the floor),
-    or a low-priority page its releases just left idle (``released_keyed``) is."""
+    ``count`` lowest free ids: its floor is below it while it has some (with ``scan``: one does, ``low_below``, which
+    raises the floor), or one its releases just left idle (``not_joined[g]`` from ``idle_keyed[at]``) is."""
     bound = stack[offset + top - count]
-    if floor < bound and (not scan or low_below(low_priority, keyed, ref, offset, per_group, g, bound)):
+    if per_group[LOW_IDLE_PAGES, g] > 0 and per_group[LOW_FLOOR, g] < bound and (
+            not scan or low_below(low_priority, keyed, ref, offset, per_group, g, bound)):
         return True
-    for page in released_keyed:
-        if page < bound and low_priority[offset + page]:
-            return True
+    if not_joined is not None:
+        for page in idle_keyed[at : at + not_joined[g]]:
+            if page < bound and low_priority[offset + page]:
+                return True
     return False
 
 

@@ -116,8 +116,6 @@ def _int64_array(values: tuple, n: int) -> np.ndarray:
 
 _NO_CELLS = np.empty((3, 0), dtype=np.int64), np.empty(0, dtype=np.int32)  # ``kernels.finish_step`` reads no cells
 _COMPUTED = np.empty(0, dtype=np.int64)  # ``prepare_step``'s load_tokens of a step that computes
-# ``kernels.room_groups``' ``packing`` without an arena (never read: no pool is roomy).
-_NO_PACKING = (np.empty(0, np.int16), *(np.empty((0, 0), np.int64) for _ in range(3)), np.empty((0, 5), np.int64))
 
 
 class _Scratch:
@@ -275,17 +273,13 @@ class CacheManager:
         self._pool_list = [self.pools[s.group_id] for s in self.specs]
         self._space = PageSpace(self._pool_list)
         self.arena = Arena(arena, self.pools) if arena is not None else None
-        self._packing = _NO_PACKING if arena is None else self.arena.packing  # ``kernels.room_groups``'
         self._grant_entry = kernels.grant_step  # ``_run``'s, by its compiled code once ``_load_kernels`` ran
         self._grant_room = None  # its scratch (``kernels.grant_scratch``), kept while large enough
-        self._room_entries = None  # its and ``rooms_from``'s compiled code, once ``_room_groups`` looked them up
+        self._room_entry = None  # ``room_groups``' compiled code, once ``_room_groups`` looked it up
         self._finish_entry = None  # ``finish_step``'s compiled code, once ``_after_run`` looked it up
         # On an arena, a sliding group's pages released again next step come last (kernels.transient_pages).
         self._transient = np.asarray([arena is not None and s.is_sliding for s in self.specs], dtype=np.bool_)
         self._scratch = _Scratch(len(self.specs), None if arena is None else self.arena.room_marks)
-        space = self._space  # ``room_groups``' and ``rooms_from``'s arguments after a plan's sums, before ``roomy``
-        self._room_args = (space.stack, space.offsets, space.per_group, space.ref_counts, space.low_priority,
-                           space.cached, self._packing)
         self._tableset = TableSet(self.specs, max_context_tokens=self.max_context_tokens,
                                   max_step_tokens=self.max_step_tokens, id_offsets=self._space.offsets.tolist())
 
@@ -1135,7 +1129,7 @@ class CacheManager:
         if plan.grants and not marked:  # ``marked``: ``grant_step`` granted them
             self.arena.apply(plan.grants)
         if marked or self._room_groups(plan):
-            self._make_room(plan.sums)
+            self._make_room(plan)
         # ``kernels.finish_step`` of the plan in the scratch buffer, by its compiled code (the same types every call).
         args = (*(self._state or self._kernel_state())[:10], sc.buffer, plan.rows.size, plan.settle,
                 self._tableset.logged, n_touched, *cells, *out, True)
@@ -1143,33 +1137,31 @@ class CacheManager:
             self._finish_entry = kernels.entry_point(kernels.finish_step, args)
         return self._finish_entry(*args)
 
-    def _room_groups(self, plan: _StepPlan) -> int:
-        """``kernels.room_groups`` of ``plan`` now, into ``_scratch.transient`` (per group: its transient
-        pages when ``make_room`` may evict, else ``-1 - transient``); how many groups to ask. By its compiled
-        code (``kernels.entry_point``), looked up at the first call (``_load_kernels``), as ``kernels.rooms_from``'s
-        (``_make_room``'s)."""
+    def _room_groups(self, plan: _StepPlan, start: int = 0) -> int:
+        """``kernels.room_groups`` of ``plan`` now, from group ``start`` on, into ``_scratch.transient`` (per group:
+        its transient pages when ``make_room`` may evict, else -1); how many groups to ask. By its compiled code
+        (``kernels.entry_point``), looked up at the first call (``_load_kernels``)."""
         space, ts = self._space, self._tableset
         args = (ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts, plan.after, plan.sums,
-                *self._room_args, space.skip_packing[0] != 0, self._scratch.transient, None)  # keyed pages joined
-        if self._room_entries is None:
-            self._room_entries = (kernels.entry_point(kernels.room_groups, args),
-                                  kernels.entry_point(kernels.rooms_from, (0, *args[7:])))
-        return self._room_entries[0](*args)
+                space.stack, space.per_group, space.ref_counts, space.cached, space.low_priority,
+                None if self.arena is None else self.arena.packing, self._scratch.transient, start, None, None)
+        if self._room_entry is None:
+            self._room_entry = kernels.entry_point(kernels.room_groups, args)
+        return self._room_entry(*args)
 
-    def _make_room(self, sums: np.ndarray) -> None:
-        """``PagePool.make_room`` of each group's allocated pages (``sums[1]``) where ``_room_groups`` named it (its
-        transient pages: ``highest``). Once one has evicted (telling of a removal may drop or demote
+    def _make_room(self, plan: _StepPlan) -> None:
+        """``PagePool.make_room`` of each group's allocated pages (``plan.sums[1]``) where ``_room_groups`` named it
+        (its transient pages: ``highest``). Once one has evicted (telling of a removal may drop or demote
         entries of later groups, which then may have to pack), the later groups are named again
-        (``kernels.rooms_from`` the next, as they are now): one its rule leaves out would evict nothing in
+        (``_room_groups`` from the next, as they are now): one its rule leaves out would evict nothing in
         ``make_room``. One it names whose free stack covers the allocation packs (``make_room``'s ``packs``)."""
-        allocated, marks, tops = sums[1].tolist(), self._scratch.transient.tolist(), self._space.tops
+        allocated, marks, tops = plan.sums[1].tolist(), self._scratch.transient.tolist(), self._space.tops
         for g, pool in enumerate(self._pool_list):
             if marks[g] >= 0:
                 before = pool.counters.evicted_pages
                 pool.make_room(allocated[g], marks[g], tops[g] >= allocated[g])
                 if pool.counters.evicted_pages != before and any(allocated[g + 1 :]):
-                    self._room_entries[1](g + 1, sums, *self._room_args, self._space.skip_packing[0] != 0,
-                                          self._scratch.transient, None)
+                    self._room_groups(plan, g + 1)
                     marks = self._scratch.transient.tolist()
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
