@@ -458,10 +458,9 @@ class PageSpace:
                              self.offsets, self.per_group, self.idle_counts)
         self._drop_units = kernels.entry_point(lru.drop_units, (_NO_PAGES, *self._drop_arrays, _NO_PAGES))
         self._told = np.empty(64, dtype=np.int64)  # drop_listed's ``told`` (scratch)
-        self.cells_out = _NO_PAGES  # free_row's cells emptied (room for a row's every cell, allocated then)
-        self._free_work = np.empty(3 * len(self.pools), dtype=np.int64)  # its kernel's scratch, grown with cells_out
+        self._free_work = _NO_PAGES  # free_row's cells emptied, then its kernel's scratch (sized at the first call)
         self._free_row_entry = None  # free_row's compiled code (``kernels.entry_point``), at its first call
-        self._free_args = (None,) * 15  # its arguments (``_free_call``)
+        self._free_args = (None,) * 14  # its arguments (``_free_call``)
         self._free_row_args = (self.ref_counts, self.cached, self.stack, self.per_group, self.idle_tick,
                                 self.low_priority, self.lru_prev, self.lru_next, _IDLE_CLOCK)  # its space's arrays
         for g, pool in enumerate(self.pools):  # its counts become views of ``per_group``; what ``entry_pops`` reads
@@ -588,8 +587,8 @@ class PageSpace:
 
     def free_row(self, tables, counters: np.ndarray, row: int, grain: int) -> bool:
         """``CacheManager.free``'s release of table row ``row`` in one call (``lru.free_row``; False, nothing changed,
-        while ``counters`` show a ``grain`` to commit first), the cells emptied (``cells_out``) logged
-        (``tables.note_cells`` copies them). The rankers read the keyed pages left idle where the kernel lists them."""
+        while ``counters`` show a ``grain`` to commit first), the cells emptied (the first of the kernel's scratch after
+        its per-group counts) logged (``tables.note_cells`` copies them). The rankers read the keyed pages left idle where the kernel lists them."""
         ranked = self.ranked
         first_tick = int(_IDLE_CLOCK[0]) + 1 if ranked else 0
         args = self._free_args  # kept while its arrays are the ones to pass (grown tables or counters: new ones)
@@ -598,24 +597,19 @@ class PageSpace:
         n = self._free_row_entry(*args, row, grain)
         if n < 0:
             return False
-        cells, work = args[13:]
+        g, work = len(self.pools), args[13]
         if tables.log is not None:
-            tables.note_cells(cells[:n])
+            tables.note_cells(work[3 * g : 3 * g + n])
         if ranked:
-            g = len(self.pools)
-            self._tell_rankers(work[g : 2 * g], work[3 * g + 2 * cells.size :], first_tick)
+            self._tell_rankers(work[g : 2 * g], work[3 * g + 3 * tables.row_cells :], first_tick)
         return True
 
     def _free_call(self, tables, counters: np.ndarray) -> tuple:
-        """:meth:`free_row`'s kernel arguments but the row and grain, ``cells_out`` and the scratch with room for every
-        cell of a row; the kernel's compiled code (``kernels.entry_point``) loaded at the first call."""
-        room = tables.row_cells
-        if self.cells_out.size < room:
-            self.cells_out = np.empty(room, dtype=np.int64)
-        if self._free_work.size < 3 * (len(self.pools) + room):
-            self._free_work = np.empty(3 * (len(self.pools) + room), dtype=np.int64)
-        args = (tables.geometry, tables.pages, tables.bounds, *self._free_row_args, counters, self.cells_out,
-                self._free_work)
+        """:meth:`free_row`'s kernel arguments but the row and grain, the scratch sized for the tables' rows (3 per
+        group, 4 per cell of a row); the kernel's compiled code (``kernels.entry_point``) loaded at the first call."""
+        if self._free_work.size != 3 * len(self.pools) + 4 * tables.row_cells:
+            self._free_work = np.empty(3 * len(self.pools) + 4 * tables.row_cells, dtype=np.int64)
+        args = (tables.geometry, tables.pages, tables.bounds, *self._free_row_args, counters, self._free_work)
         if self._free_row_entry is None:  # the types every call passes: no type dispatch a call
             self._free_row_entry = kernels.entry_point(lru.free_row, (*args, 0, 0))
         return args
