@@ -257,21 +257,22 @@ def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, prev, nxt, per
 
 @njit(cache=True, _nrt=False)
 def free_row(geometry, pages, bounds, ref, keyed, stack, per_group, idle_tick, low_priority, prev, nxt, clock,
-             counters, cells_out, work, row, grain):
+             counters, work, row, grain):
     """``CacheManager.free`` of table row ``row`` in one call (-1, nothing changed, while its computed tokens complete a
     ``grain`` its committed ones do not: commit first): its live pages (``kernels.take_cells``, group-major) leave the
     tables (lanes back, base and hi 0) as one release (``kernels.release_into``), the keyed ones left idle :func:`join`
-    their lists, its computed and committed tokens (``counters[:2]``) become 0. The cells emptied go to ``cells_out``
-    (room for a row's every cell; returns how many), its scratch to ``work`` (int64: 3 per group, then 3 times that
-    room), where the keyed pages left idle stay: how many per group from ``work[G]`` (``G`` groups), the pages from
-    ``work[3 * G + 2 * room]``. Allocates nothing, counts no reference (``_nrt=False``): a returned array, an
-    allocation or a counted argument would each cost a call from Python cold."""
+    their lists, its computed and committed tokens (``counters[:2]``) become 0. ``work`` (int64: 3 per group, then 4
+    times the room for a row's every cell) holds its scratch: the cells emptied from ``work[3 * G]`` (``G`` groups;
+    returns how many), the keyed pages left idle from ``work[3 * G + 3 * room]``, how many per group from
+    ``work[G]``. Allocates nothing, counts no reference (``_nrt=False``): a returned array, an allocation or a counted
+    argument would each cost a call from Python cold."""
     if grain and counters[1, row] // grain < counters[0, row] // grain:
         return -1
     n_groups, offsets = geometry.shape[0], geometry[:, ID_OFFSET]
-    room, at, n = cells_out.size, 3 * n_groups, 0
-    counts = work[:at].reshape((3, n_groups))
-    taken, freed, idle_keyed = work[at : at + room], work[at + room : at + 2 * room], work[at + 2 * room :]
+    at, n = 3 * n_groups, 0
+    room, counts = (work.size - at) // 4, work[:at].reshape((3, n_groups))
+    cells_out, taken = work[at : at + room], work[at + room : at + 2 * room]
+    freed, idle_keyed = work[at + 2 * room : at + 3 * room], work[at + 3 * room :]
     counts[:] = 0
     for g in range(n_groups):
         start = n

@@ -458,11 +458,9 @@ class PageSpace:
                              self.offsets, self.per_group, self.idle_counts)
         self._drop_units = kernels.entry_point(lru.drop_units, (_NO_PAGES, *self._drop_arrays, _NO_PAGES))
         self._told = np.empty(64, dtype=np.int64)  # drop_listed's ``told`` (scratch)
-        # free_row's cells emptied (room for a row's every cell, allocated then): one logged as it is, one copied.
-        self.cells_out = [_NO_PAGES, _NO_PAGES]
-        self._free_work = np.empty(3 * len(self.pools), dtype=np.int64)  # its kernel's scratch, grown with cells_out
+        self._free_work = _NO_PAGES  # free_row's cells emptied, then its kernel's scratch (sized at the first call)
         self._free_row_entry = None  # free_row's compiled code (``kernels.entry_point``), at its first call
-        self._free_args = [(None,) * 15] * 2  # its arguments with each of ``cells_out`` (``_free_call``)
+        self._free_args = (None,) * 14  # its arguments (``_free_call``)
         self._free_row_args = (self.ref_counts, self.cached, self.stack, self.per_group, self.idle_tick,
                                 self.low_priority, self.lru_prev, self.lru_next, _IDLE_CLOCK)  # its space's arrays
         for g, pool in enumerate(self.pools):  # its counts become views of ``per_group``; what ``entry_pops`` reads
@@ -485,7 +483,7 @@ class PageSpace:
     def load_kernels(self, tables, counters: np.ndarray) -> None:
         """Load (or compile) now, changing nothing, the kernels of this space's and each pool's methods."""
         self.keyed_idle(np.zeros(len(self.pools), dtype=np.int64), _NO_PAGES)
-        self._free_call(tables, counters, 0)
+        self._free_call(tables, counters)
         self.drop_units([], [])  # ``lru.drop_units``, :meth:`drop_units`' kernel too
         for pool in self.pools:
             pool.load_kernels()
@@ -589,36 +587,29 @@ class PageSpace:
 
     def free_row(self, tables, counters: np.ndarray, row: int, grain: int) -> bool:
         """``CacheManager.free``'s release of table row ``row`` in one call (``lru.free_row``; False, nothing changed,
-        while ``counters`` show a ``grain`` to commit first), the cells emptied logged (``tables.note_cells``): into
-        ``cells_out[0]``, logged as they lie, when the log is empty; else (it may hold them from the last free) into
-        ``cells_out[1]``, copied. The rankers read the keyed pages left idle where the kernel lists them."""
-        log, ranked = tables.log, self.ranked
+        while ``counters`` show a ``grain`` to commit first), the cells emptied (the first of the kernel's scratch after
+        its per-group counts) logged (``tables.note_cells`` copies them). The rankers read the keyed pages left idle where the kernel lists them."""
+        ranked = self.ranked
         first_tick = int(_IDLE_CLOCK[0]) + 1 if ranked else 0
-        copy = 1 if log else 0
-        args = self._free_args[copy]  # kept while its arrays are the ones to pass (grown tables or counters: new ones)
+        args = self._free_args  # kept while its arrays are the ones to pass (grown tables or counters: new ones)
         if args[1] is not tables.pages or args[2] is not tables.bounds or args[12] is not counters:
-            args = self._free_args[copy] = self._free_call(tables, counters, copy)
+            args = self._free_args = self._free_call(tables, counters)
         n = self._free_row_entry(*args, row, grain)
         if n < 0:
             return False
-        cells, work = args[13:]
-        if log is not None:
-            tables.note_cells(cells[:n].copy() if copy else cells[:n])
+        g, work = len(self.pools), args[13]
+        if tables.log is not None:
+            tables.note_cells(work[3 * g : 3 * g + n])
         if ranked:
-            g = len(self.pools)
-            self._tell_rankers(work[g : 2 * g], work[3 * g + 2 * cells.size :], first_tick)
+            self._tell_rankers(work[g : 2 * g], work[3 * g + 3 * tables.row_cells :], first_tick)
         return True
 
-    def _free_call(self, tables, counters: np.ndarray, copy: int) -> tuple:
-        """:meth:`free_row`'s kernel arguments but the row and grain, with ``cells_out[copy]``, it and the scratch with
-        room for every cell of a row; the kernel's compiled code (``kernels.entry_point``) loaded at the first call."""
-        room = tables.row_cells
-        if self.cells_out[copy].size < room:
-            self.cells_out[copy] = np.empty(room, dtype=np.int64)
-        if self._free_work.size < 3 * (len(self.pools) + room):
-            self._free_work = np.empty(3 * (len(self.pools) + room), dtype=np.int64)
-        args = (tables.geometry, tables.pages, tables.bounds, *self._free_row_args, counters, self.cells_out[copy],
-                self._free_work)
+    def _free_call(self, tables, counters: np.ndarray) -> tuple:
+        """:meth:`free_row`'s kernel arguments but the row and grain, the scratch sized for the tables' rows (3 per
+        group, 4 per cell of a row); the kernel's compiled code (``kernels.entry_point``) loaded at the first call."""
+        if self._free_work.size != 3 * len(self.pools) + 4 * tables.row_cells:
+            self._free_work = np.empty(3 * len(self.pools) + 4 * tables.row_cells, dtype=np.int64)
+        args = (tables.geometry, tables.pages, tables.bounds, *self._free_row_args, counters, self._free_work)
         if self._free_row_entry is None:  # the types every call passes: no type dispatch a call
             self._free_row_entry = kernels.entry_point(lru.free_row, (*args, 0, 0))
         return args
