@@ -163,10 +163,9 @@ class Arena:
                                  dtype=np.int64)
         self.packing = (self.owner, *self._slab_ids, self._sizes)
         self._roomy_slabs = math.ceil(ROOMY_SPARE_FRACTION * n)  # the fewest spare slabs of ``roomy``
-        # ``kernels.room_groups``' marks (per group) where ``grant_step`` stopped for Python to make room.
-        self.room_marks = np.empty(len(self.group_ids), dtype=np.int64)
+        # ``kernels.grant_step``'s ``arena`` but its last item, the marks it leaves (the manager's ``_Scratch.marks``).
         self.grant_args = (self.owner, *self._slab_ids, self._space.offsets, self._most_slab_pages,
-                           self._sizes, self._spare, self._roomy_slabs, self.room_marks)
+                           self._sizes, self._spare, self._roomy_slabs)
         self.slab_moves = 0
         self._spare_changed(n)
         for gid, pool in self.pools.items():

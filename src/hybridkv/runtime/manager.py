@@ -121,11 +121,10 @@ _COMPUTED = np.empty(0, dtype=np.int64)  # ``prepare_step``'s load_tokens of a s
 class _Scratch:
     """``run_step``'s working buffers, kept between steps and grown as steps need."""
 
-    def __init__(self, n_groups: int, marks: np.ndarray | None = None):
+    def __init__(self, n_groups: int):
         self.n_groups, self.buffer, self.plan_rows = n_groups, None, 0
         self._grow(0, 0, 0)
-        # ``room_groups``' marks: on an arena its ``room_marks``, where ``grant_step`` leaves them.
-        self.transient = np.empty(n_groups, dtype=np.int64) if marks is None else marks
+        self.marks = np.empty(n_groups, dtype=np.int64)  # ``room_groups``' marks (``grant_step``'s too)
 
     def plan_arrays(self, n_rows: int) -> tuple:
         """``prepare_step``'s outputs (``kernels.plan_views``) with room for more than ``n_rows`` rows; each plan
@@ -279,7 +278,8 @@ class CacheManager:
         self._finish_entry = None  # ``finish_step``'s compiled code, once ``_after_run`` looked it up
         # On an arena, a sliding group's pages released again next step come last (kernels.transient_pages).
         self._transient = np.asarray([arena is not None and s.is_sliding for s in self.specs], dtype=np.bool_)
-        self._scratch = _Scratch(len(self.specs), None if arena is None else self.arena.room_marks)
+        self._scratch = _Scratch(len(self.specs))
+        self._grant_args = None if arena is None else (*self.arena.grant_args, self._scratch.marks)  # grant_step's
         self._tableset = TableSet(self.specs, max_context_tokens=self.max_context_tokens,
                                   max_step_tokens=self.max_step_tokens, id_offsets=self._space.offsets.tolist())
 
@@ -1037,7 +1037,7 @@ class CacheManager:
         """``kernels.grant_step`` (its compiled code) granting the spare slabs ``grants``, with its scratch;
         ``args``: its arguments after the arena's and the join's (the step's state, the plan, the table log, outputs).
         Its answer; no idle keyed pages where it joined them (run whole, no ranker to tell: ``PageSpace.join_args``)."""
-        arena, join = self.arena.grant_args, self._space.join_args
+        arena, join = self._grant_args, self._space.join_args
         self._grant_room = kernels.grant_scratch(grants, arena, len(self.specs), self._grant_room)  # kept for the next
         found = self._grant_entry(grants, self._grant_room, arena, join, *args)
         if found[0] < 0:
@@ -1112,8 +1112,8 @@ class CacheManager:
         if self.arena is not None:  # ``_run``'s other kernel: ``grant_step``, granting no slab, by its compiled code
             plan.spare_grants = np.empty((2, 0), dtype=np.int64)
             self._grant_entry = kernels.entry_point(kernels.grant_step, (
-                plan.spare_grants, kernels.grant_scratch(plan.spare_grants, self.arena.grant_args, len(self.specs)),
-                self.arena.grant_args, self._space.join_args, *self._kernel_state()[:10], sc.buffer, 0, 0,
+                plan.spare_grants, kernels.grant_scratch(plan.spare_grants, self._grant_args, len(self.specs)),
+                self._grant_args, self._space.join_args, *self._kernel_state()[:10], sc.buffer, 0, 0,
                 self._tableset.logged, 0, *_NO_CELLS, *out))
             self._commit_and_run(plan, True, False, False)
 
@@ -1121,7 +1121,7 @@ class CacheManager:
                    cells: tuple = _NO_CELLS, marked: bool = False) -> int:
         """Stage 3 in Python once the step kernel stopped after its releases (docs/manager.md, "One
         step, in four stages"): keyed pages join the LRU, slabs move, groups make room, ``finish_step``.
-        ``marked``: ``room_groups``' marks, as it would answer now, are in ``_scratch.transient`` already
+        ``marked``: ``room_groups``' marks, as it would answer now, are in ``_scratch.marks`` already
         (``grant_step`` stopped)."""
         sc = self._scratch
         if n_keyed:
@@ -1138,13 +1138,13 @@ class CacheManager:
         return self._finish_entry(*args)
 
     def _room_groups(self, plan: _StepPlan, start: int = 0) -> int:
-        """``kernels.room_groups`` of ``plan`` now, from group ``start`` on, into ``_scratch.transient`` (per group:
+        """``kernels.room_groups`` of ``plan`` now, from group ``start`` on, into ``_scratch.marks`` (per group:
         its transient pages when ``make_room`` may evict, else -1); how many groups to ask. By its compiled code
         (``kernels.entry_point``), looked up at the first call (``_load_kernels``)."""
         space, ts = self._space, self._tableset
         args = (ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts, plan.after, plan.sums,
                 space.stack, space.per_group, space.ref_counts, space.cached, space.low_priority,
-                None if self.arena is None else self.arena.packing, self._scratch.transient, start, None, None)
+                None if self.arena is None else self.arena.packing, self._scratch.marks, start, None, None)
         if self._room_entry is None:
             self._room_entry = kernels.entry_point(kernels.room_groups, args)
         return self._room_entry(*args)
@@ -1155,14 +1155,14 @@ class CacheManager:
         entries of later groups, which then may have to pack), the later groups are named again
         (``_room_groups`` from the next, as they are now): one its rule leaves out would evict nothing in
         ``make_room``. One it names whose free stack covers the allocation packs (``make_room``'s ``packs``)."""
-        allocated, marks, tops = plan.sums[1].tolist(), self._scratch.transient.tolist(), self._space.tops
+        allocated, marks, tops = plan.sums[1].tolist(), self._scratch.marks.tolist(), self._space.tops
         for g, pool in enumerate(self._pool_list):
             if marks[g] >= 0:
                 before = pool.counters.evicted_pages
                 pool.make_room(allocated[g], marks[g], tops[g] >= allocated[g])
                 if pool.counters.evicted_pages != before and any(allocated[g + 1 :]):
                     self._room_groups(plan, g + 1)
-                    marks = self._scratch.transient.tolist()
+                    marks = self._scratch.marks.tolist()
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
                      n_touched: int, cells: tuple = _NO_CELLS) -> StepBatch:
