@@ -552,7 +552,7 @@ class CacheManager:
         """Would each (request, new tokens) fit, taken greedily in order? Never mutates.
         ``load``: as a load step (``schedule(..., load=True)``)."""
         check_items(items, CacheManagerError)
-        verdict = self._admit_load(items, fixed_width) if load else self._admit(items, fixed_width)
+        verdict = self._admit(items, fixed_width, load=load)
         # schedule() right after, with the same items and no mutation between, reuses it.
         self._admitted = None if load else (self._version, list(items), fixed_width, verdict)
         answers = list(verdict.answers)  # the verdict keeps None for valid items (schedule's reasons)
@@ -593,17 +593,18 @@ class CacheManager:
             fits(lo)  # leave the answer's admission cached for schedule()
         return lo
 
-    def _admit(self, items, fixed_width, uniform=None, planned: _StepPlan | None = None,
-               load_tokens: np.ndarray = _COMPUTED) -> _Verdict:
+    def _admit(self, items, fixed_width, uniform=None, planned: _StepPlan | None = None, load: bool = False
+               ) -> _Verdict:
         """Stages 1 and 2, pure: validate, plan every row and decide which requests fit. ``uniform``
-        (ids, one count) stands for ``items``; ``planned``: a plan ``_step`` made of valid items."""
+        (ids, one count) stands for ``items``; ``planned``: a plan ``_step`` made of valid items; ``load``: a load
+        step's (rows hold only their checkpoint window in a sliding group)."""
         if fixed_width and self.table_widths is None:
             raise CacheManagerError(
                 "fixed_width needs capture widths: build the manager with table_widths (from_plan does)")
         if planned is not None:
             answers, ok_idx, plan = [None] * len(planned.request_ids), range(len(planned.request_ids)), planned
         else:
-            answers, ok_idx, plan = self._validated_plan(items, uniform, load_tokens)
+            answers, ok_idx, plan = self._validated_plan(items, uniform, load)
         if plan is None:
             return _Verdict(answers, ok_idx, np.zeros(0, dtype=bool), {}, None)
         fits = np.ones(plan.rows.size, dtype=bool)
@@ -624,16 +625,12 @@ class CacheManager:
         off = plan.settle
         return _Verdict(answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items() if k >= off}, plan)
 
-    def _admit_load(self, items, fixed_width) -> _Verdict:
-        """``_admit`` of a load step (rows hold only their checkpoint window in a sliding group)."""
-        if self.prefix is None:
-            raise CacheManagerError("a load step needs prefix caching (it stands for a prefix hit)")
-        return self._admit(items, fixed_width, load_tokens=self._load_tokens)
-
-    def _validated_plan(self, items, uniform, load_tokens: np.ndarray
-                        ) -> tuple[list, Sequence[int], _StepPlan | None]:
+    def _validated_plan(self, items, uniform, load: bool) -> tuple[list, Sequence[int], _StepPlan | None]:
         """(answers, valid indices, plan of the valid items or None): vectorized when all are valid, else item by
         item with a reason for each invalid one."""
+        if load and self.prefix is None:
+            raise CacheManagerError("a load step needs prefix caching (it stands for a prefix hit)")
+        load_tokens = self._load_tokens if load else _COMPUTED
         fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
         plan = None if fast is None else self._plan(fast[0], fast[1], load_tokens)
         if plan is not None:  # every item valid (the plan checked rows and known tokens)
@@ -893,7 +890,7 @@ class CacheManager:
         if verdict is not None:
             self._admitted, verdict = None, verdict[3] if verdict[:3] == (self._version, items, fixed_width) else None
         if load:
-            verdict = self._admit_load(items, fixed_width)
+            verdict = self._admit(items, fixed_width, load=True)
         elif verdict is None and not fixed_width and (self._tableset.log is None) != updates:
             # Valid pairs in the previous step's block-table mode: ``_step``'s batch, or its plan for ``_admit``.
             fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(uniform[0], uniform[1])
