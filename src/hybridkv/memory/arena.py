@@ -139,12 +139,10 @@ class Arena:
             if pool.num_pages != geometry.view_pages(gid) or pool.usable_pages:
                 raise ValueError(f"group {gid!r}: an arena pool starts empty with {geometry.view_pages(gid)} page ids")
         self._space = self.pools[self.group_ids[0]].space  # the page space holding the pools, in this order
-        # Per group and slab: inner page ids lo .. hi-1, left straddler (-1: none); and dicts viewing their rows.
+        # Per group (by index) and slab: inner page ids lo .. hi-1, left straddler (-1: none).
         ids = [(*geometry.slab_page_ranges(gid), geometry.boundary_pages(gid)) for gid in self.group_ids]
         self._slab_ids = lo, hi, straddle = tuple(np.stack(planes) for planes in zip(*ids))
-        inner = hi - lo  # inner pages per slab
-        self._ranges = dict(zip(self.group_ids, zip(lo, hi)))
-        self._straddle, self._inner = dict(zip(self.group_ids, straddle)), dict(zip(self.group_ids, inner))
+        self._inner, self._straddle = inner, _ = hi - lo, straddle  # inner pages per slab, left straddlers
         n = geometry.num_slabs
         self._taken = np.empty(n, dtype=np.int64)  # plan's scratch: spare slabs taken
         self._spare_grants = np.empty((2, n), dtype=np.int64)  # groups; slabs
@@ -181,7 +179,7 @@ class Arena:
         gid, donors = self.group_ids[0], self.group_ids[1:]
         self.pools[gid].oldest_idle_tick()
         self._moved_pages(-1, 0, 0)
-        kernels.take_spare_slabs(self.owner.copy(), 0, self._inner[gid], self._straddle[gid], 0, self._taken)
+        kernels.take_spare_slabs(self.owner.copy(), 0, self._inner[0], self._straddle[0], 0, self._taken)
         self.plan_spare(np.zeros(len(self.group_ids), dtype=np.int64))
         self._count(gid, 0, self.owner)
         kernels.must_pack_at(self.pools[gid].ref_counts, 0, self.packing, 0, int(self._slab_ids[0][0, 0]), 0,
@@ -215,7 +213,8 @@ class Arena:
 
     def _count(self, gid: str, slab: int, own: np.ndarray) -> int:
         """Pages ``gid`` gains by taking (or loses by giving) ``slab`` under ``own``."""
-        return int(kernels.slab_gain(own, self._index[gid], self._inner[gid], self._straddle[gid], slab))
+        gi = self._index[gid]
+        return int(kernels.slab_gain(own, gi, self._inner[gi], self._straddle[gi], slab))
 
     def _moved_pages(self, donor: int, group: int, slab: int) -> tuple[np.ndarray, np.ndarray]:
         """``kernels.slab_move_pages`` under the arena's owners (views of scratch)."""
@@ -238,8 +237,7 @@ class Arena:
             if short <= 0:
                 continue
             gi = self._index[gid]
-            n_taken, short = kernels.take_spare_slabs(own, gi, self._inner[gid], self._straddle[gid], short,
-                                                      self._taken)
+            n_taken, short = kernels.take_spare_slabs(own, gi, self._inner[gi], self._straddle[gi], short, self._taken)
             grants.extend((gid, slab, None) for slab in self._taken[:n_taken].tolist())
             if short > 0:
                 short = self._take_from_donors(gid, short, own, grants, deficit, (surplus, left), scan)
@@ -279,11 +277,11 @@ class Arena:
                 break
             if donor == gid or deficit.get(donor, 0) > 0 or self._left(donor, spare, scan, deficit) <= 0:
                 continue
-            left, di, (lo, hi) = spare[1], self._index[donor], self._ranges[donor]
+            left, di = spare[1], self._index[donor]
             inner_idle, edge_idle = self._idle(donor, scan)[:2]
             n_taken, short, left[donor] = kernels.take_donor_slabs(
-                own, di, gi, lo, hi, self._straddle[donor], self._inner[gid], self._straddle[gid], left[donor], short,
-                self._taken, inner_idle, edge_idle)
+                own, di, gi, *(ids[di] for ids in self._slab_ids), self._inner[gi], self._straddle[gi], left[donor],
+                short, self._taken, inner_idle, edge_idle)
             grants.extend((gid, slab, donor) for slab in self._taken[:n_taken].tolist())
         return short
 
@@ -325,10 +323,10 @@ class Arena:
         if found is None:
             pool, gi, n = self.pools[gid], self._index[gid], self.geometry.num_slabs
             inner_idle, edge_idle = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
-            (lo, hi), released = self._ranges[gid], _NO_PAGES if scan.releasing is None else scan.releasing(gi)
-            counted = kernels.idle_slabs(self.owner, gi, lo, hi, self._straddle[gid], pool.ref_counts, pool.cached,
-                                         pool.low_priority, pool.idle_tick, scan.keyed_mode(), scan.before_tick or 0,
-                                         released, self._sizes[gi], inner_idle, edge_idle)
+            released = _NO_PAGES if scan.releasing is None else scan.releasing(gi)
+            counted = kernels.idle_slabs(self.owner, gi, *(ids[gi] for ids in self._slab_ids), pool.ref_counts,
+                                         pool.cached, pool.low_priority, pool.idle_tick, scan.keyed_mode(),
+                                         scan.before_tick or 0, released, self._sizes[gi], inner_idle, edge_idle)
             found = scan.idle[gid] = (inner_idle, edge_idle, int(counted))
         return found
 
@@ -358,7 +356,7 @@ class Arena:
         assert (self._space.skip_packing == self.roomy()).all(), "skip_packing differs from roomy"
         for gid in self.group_ids:
             pool, gi = self.pools[gid], self._index[gid]
-            (lo, hi), st, mine = self._ranges[gid], self._straddle[gid], self.owner == gi
+            (lo, hi, st), mine = (ids[gi] for ids in self._slab_ids), self.owner == gi
             expected = np.zeros(pool.num_pages, dtype=bool)
             for slab in np.flatnonzero(mine).tolist():
                 expected[lo[slab] : hi[slab]] = True
