@@ -250,9 +250,8 @@ class Arena:
         (``kernels.take_spare_for``); None when they might not. Pure; ``owner`` as for :meth:`plan`."""
         own = self.owner if owner is None else owner
         spare = self.num_spare_slabs if owner is None else int(np.count_nonzero(owner < 0))
-        inner, straddle, taken, groups, slabs = self.spare_args[3:]
-        n = kernels.take_spare_for(short, self._slab_pages, spare, own, inner, straddle, taken, groups, slabs)
-        return None if n < 0 else self.spare_grants(n)  # ``groups`` and ``slabs`` view ``_spare_grants``
+        n = kernels.take_spare_for(short, self._slab_pages, spare, own, *self.spare_args[3:])  # inner .. slabs
+        return None if n < 0 else self.spare_grants(n)  # written to ``_spare_grants``
 
     def spare_grants(self, n: int) -> list[Grant]:
         """The ``n`` grants ``kernels.admit_spare`` just wrote to its scratch (``spare_args``)."""
