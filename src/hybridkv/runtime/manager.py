@@ -272,8 +272,7 @@ class CacheManager:
         self._pool_list = [self.pools[s.group_id] for s in self.specs]
         self._space = PageSpace(self._pool_list)
         self.arena = Arena(arena, self.pools) if arena is not None else None
-        self._grant_entry = kernels.grant_step  # ``_run``'s, by its compiled code once ``_load_kernels`` ran
-        self._grant_room = None  # its scratch (``kernels.grant_scratch``), kept while large enough
+        self._grant_room = None  # ``grant_step``'s scratch (``kernels.grant_scratch``), kept while large enough
         self._room_entry = None  # ``room_groups``' compiled code, once ``_room_groups`` looked it up
         self._finish_entry = None  # ``finish_step``'s compiled code, once ``_after_run`` looked it up
         # On an arena, a sliding group's pages released again next step come last (kernels.transient_pages).
@@ -305,7 +304,6 @@ class CacheManager:
         # until its next step its committed tokens equal its computed ones, so it never settles.
         self._last_rows = np.zeros(0, dtype=np.int64)
         self._state: tuple | None = None  # ``_kernel_state``, until a new table row grows the arrays
-        self._step_entry = None  # ``kernels.step``'s compiled code for ``_step``'s argument types (``entry_point``)
         self._spare_entry, self._spare_args = None, ()  # on an arena: ``kernels.step_spare``'s, its last arguments
         self._row_owner: dict[int, _Request] = {}
         self._free_rows: list[int] = []
