@@ -113,8 +113,7 @@ class IdleScan:
 
     idle: dict[str, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)
     releasing: Callable[[int], np.ndarray] | None = None  # group index -> pages the step frees before slabs move
-    spare_released: bool = False  # those pages also count as pages their group can spare
-    clean: bool = False  # keyed pages count only as ``before_tick`` says (lending then evicts nothing else)
+    clean: bool = False  # keyed pages count only as ``before_tick`` says (evicting nothing else), releasing as spare
     # With ``clean``: idle keyed pages of low priority or idle since before this tick count as idle and
     # spare. None: no keyed page counts.
     before_tick: int | None = None
@@ -288,10 +287,10 @@ class Arena:
         """What ``donor`` can still spare: at first its surplus, released pages and keyed pages of less value."""
         surplus, left = spare
         if donor not in left:
-            freed = scan.releasing(self._index[donor]).size if scan.spare_released else 0
+            freed = scan.releasing(self._index[donor]).size if scan.clean else 0
             left[donor] = int(surplus.get(donor, 0)) + freed
             # Keyed pages of less value count only when the rest might not cover every slab taken from it.
-            if scan.keyed_mode() == 2 and not (scan.clean and left[donor] >= self._most_given(deficit)):
+            if scan.keyed_mode() == 2 and left[donor] < self._most_given(deficit):
                 left[donor] += self._idle(donor, scan)[2]
         return left[donor]
 

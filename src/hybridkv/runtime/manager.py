@@ -709,7 +709,7 @@ class CacheManager:
         ids, counts = self._group_ids, short.tolist()
         wanting = {gid: n for gid, n in zip(ids, counts) if n > 0}
         spare = {gid: left for gid, n, left in zip(ids, counts, surplus.tolist()) if n <= 0}
-        scan = IdleScan(releasing=lambda k: releases.of(k)[2], clean=True, spare_released=True)  # unkeyed: freed
+        scan = IdleScan(releasing=lambda k: releases.of(k)[2], clean=True)  # unkeyed: freed
         if self.prefix is not None and self.prefix.eviction.acts:
             # The oldest idle tick a wanting group would evict: a donor's entries idle since before it count as spare.
             ticks = [t for t in (self.pools[g].oldest_idle_tick() for g in wanting) if t is not None]
