@@ -274,7 +274,6 @@ class CacheManager:
         self.arena = Arena(arena, self.pools) if arena is not None else None
         self._grant_room = None  # ``grant_step``'s scratch (``kernels.grant_scratch``), kept while large enough
         self._room_entry = None  # ``room_groups``' compiled code, once ``_room_groups`` looked it up
-        self._finish_entry = None  # ``finish_step``'s compiled code, once ``_after_run`` looked it up
         # On an arena, a sliding group's pages released again next step come last (kernels.transient_pages).
         self._transient = np.asarray([arena is not None and s.is_sliding for s in self.specs], dtype=np.bool_)
         self._scratch = _Scratch(len(self.specs))
@@ -1090,9 +1089,11 @@ class CacheManager:
             self._spare_entry = kernels.entry_point(kernels.step_spare, (*args, *self._spare_args))
         self._plan(no_rows, no_rows, _COMPUTED)
         self._tableset.ring_view()
-        # ``_planned_step``'s ``kernels.run_step`` (``_step``'s cells and arrays), its compiled code looked up once.
-        self._run_entry = kernels.entry_point(kernels.run_step, (*self._kernel_state()[:10], sc.buffer, 0, 0, False,
-                                                                 self._tableset.logged, 0, *_NO_CELLS, *out))
+        # ``_run``'s and ``_after_run``'s ``kernels.run_step`` and ``finish_step`` (``_step``'s cells and arrays), by
+        # their compiled code looked up once; ``head`` and ``tail``: the arguments around a kernel's own ones.
+        head, tail = (*self._kernel_state()[:10], sc.buffer, 0, 0), (self._tableset.logged, 0, *_NO_CELLS, *out)
+        self._run_entry = kernels.entry_point(kernels.run_step, (*head, False, *tail))
+        self._finish_entry = kernels.entry_point(kernels.finish_step, (*head, *tail, True))
         # Room for a step of every table row and as many settling (``_take_row`` grows it with the rows).
         rows, counts, first, after, need, sums, crossing, _ = sc.plan_arrays(2 * self._computed.size)
         sums[:] = 0  # no page released or allocated
@@ -1108,8 +1109,7 @@ class CacheManager:
             plan.spare_grants = np.empty((2, 0), dtype=np.int64)
             self._grant_entry = kernels.entry_point(kernels.grant_step, (
                 plan.spare_grants, kernels.grant_scratch(plan.spare_grants, self._grant_args, len(self.specs)),
-                self._grant_args, self._space.join_args, *self._kernel_state()[:10], sc.buffer, 0, 0,
-                self._tableset.logged, 0, *_NO_CELLS, *out))
+                self._grant_args, self._space.join_args, *head, *tail))
             self._commit_and_run(plan, True, False, False)
 
     def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan, out: _StepArrays,
@@ -1128,8 +1128,6 @@ class CacheManager:
         # ``kernels.finish_step`` of the plan in the scratch buffer, by its compiled code (the same types every call).
         args = (*(self._state or self._kernel_state())[:10], sc.buffer, plan.rows.size, plan.settle,
                 self._tableset.logged, n_touched, *cells, *out, True)
-        if self._finish_entry is None:
-            self._finish_entry = kernels.entry_point(kernels.finish_step, args)
         return self._finish_entry(*args)
 
     def _room_groups(self, plan: _StepPlan, start: int = 0) -> int:
