@@ -273,7 +273,6 @@ class CacheManager:
         self._space = PageSpace(self._pool_list)
         self.arena = Arena(arena, self.pools) if arena is not None else None
         self._grant_room = None  # ``grant_step``'s scratch (``kernels.grant_scratch``), kept while large enough
-        self._room_entry = None  # ``room_groups``' compiled code, once ``_room_groups`` looked it up
         # On an arena, a sliding group's pages released again next step come last (kernels.transient_pages).
         self._transient = np.asarray([arena is not None and s.is_sliding for s in self.specs], dtype=np.bool_)
         self._scratch = _Scratch(len(self.specs))
@@ -1103,6 +1102,7 @@ class CacheManager:
         self._short_pages(plan, none, none, none)
         _Releases(self._tableset, self._space, plan).of(0)
         plan.request_ids = ()
+        self._room_entry = kernels.entry_point(kernels.room_groups, self._room_args(plan))
         self._commit_and_run(plan, True, False, False)
         self._after_run(0, 0, plan, out)
         if self.arena is not None:  # ``_run``'s other kernel: ``grant_step``, granting no slab, by its compiled code
@@ -1123,30 +1123,26 @@ class CacheManager:
             self._space.keyed_idle(sc.released[1], sc.idle_keyed)
         if plan.grants and not marked:  # ``marked``: ``grant_step`` granted them
             self.arena.apply(plan.grants)
-        if marked or self._room_groups(plan):
+        if marked or self._room_entry(*self._room_args(plan)):  # how many groups to ask
             self._make_room(plan)
         # ``kernels.finish_step`` of the plan in the scratch buffer, by its compiled code (the same types every call).
         args = (*(self._state or self._kernel_state())[:10], sc.buffer, plan.rows.size, plan.settle,
                 self._tableset.logged, n_touched, *cells, *out, True)
         return self._finish_entry(*args)
 
-    def _room_groups(self, plan: _StepPlan, start: int = 0) -> int:
-        """``kernels.room_groups`` of ``plan`` now, from group ``start`` on, into ``_scratch.marks`` (per group:
-        its transient pages when ``make_room`` may evict, else -1); how many groups to ask. By its compiled code
-        (``kernels.entry_point``), looked up at the first call (``_load_kernels``)."""
+    def _room_args(self, plan: _StepPlan, start: int = 0) -> tuple:
+        """``kernels.room_groups``' arguments (``_room_entry``: its compiled code) of ``plan`` now, from group ``start``
+        on, into ``_scratch.marks`` (per group: its transient pages when ``make_room`` may evict, else -1)."""
         space, ts = self._space, self._tableset
-        args = (ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts, plan.after, plan.sums,
+        return (ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts, plan.after, plan.sums,
                 space.stack, space.per_group, space.ref_counts, space.cached, space.low_priority,
                 None if self.arena is None else self.arena.packing, self._scratch.marks, start, None, None)
-        if self._room_entry is None:
-            self._room_entry = kernels.entry_point(kernels.room_groups, args)
-        return self._room_entry(*args)
 
     def _make_room(self, plan: _StepPlan) -> None:
-        """``PagePool.make_room`` of each group's allocated pages (``plan.sums[1]``) where ``_room_groups`` named it
+        """``PagePool.make_room`` of each group's allocated pages (``plan.sums[1]``) where ``room_groups`` named it
         (its transient pages: ``highest``). Once one has evicted (telling of a removal may drop or demote
         entries of later groups, which then may have to pack), the later groups are named again
-        (``_room_groups`` from the next, as they are now): one its rule leaves out would evict nothing in
+        (``room_groups`` from the next, as they are now): one its rule leaves out would evict nothing in
         ``make_room``. One it names whose free stack covers the allocation packs (``make_room``'s ``packs``)."""
         allocated, marks, tops = plan.sums[1].tolist(), self._scratch.marks.tolist(), self._space.tops
         for g, pool in enumerate(self._pool_list):
@@ -1154,7 +1150,7 @@ class CacheManager:
                 before = pool.counters.evicted_pages
                 pool.make_room(allocated[g], marks[g], tops[g] >= allocated[g])
                 if pool.counters.evicted_pages != before and any(allocated[g + 1 :]):
-                    self._room_groups(plan, g + 1)
+                    self._room_entry(*self._room_args(plan, g + 1))
                     marks = self._scratch.marks.tolist()
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
