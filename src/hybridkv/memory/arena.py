@@ -113,8 +113,7 @@ class IdleScan:
 
     idle: dict[str, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)
     releasing: Callable[[int], np.ndarray] | None = None  # group index -> pages the step frees before slabs move
-    spare_released: bool = False  # those pages also count as pages their group can spare
-    clean: bool = False  # keyed pages count only as ``before_tick`` says (lending then evicts nothing else)
+    clean: bool = False  # keyed pages count only as ``before_tick`` says (evicting nothing else), releasing as spare
     # With ``clean``: idle keyed pages of low priority or idle since before this tick count as idle and
     # spare. None: no keyed page counts.
     before_tick: int | None = None
@@ -139,12 +138,10 @@ class Arena:
             if pool.num_pages != geometry.view_pages(gid) or pool.usable_pages:
                 raise ValueError(f"group {gid!r}: an arena pool starts empty with {geometry.view_pages(gid)} page ids")
         self._space = self.pools[self.group_ids[0]].space  # the page space holding the pools, in this order
-        # Per group and slab: inner page ids lo .. hi-1, left straddler (-1: none); and dicts viewing their rows.
+        # Per group (by index) and slab: inner page ids lo .. hi-1, left straddler (-1: none).
         ids = [(*geometry.slab_page_ranges(gid), geometry.boundary_pages(gid)) for gid in self.group_ids]
         self._slab_ids = lo, hi, straddle = tuple(np.stack(planes) for planes in zip(*ids))
-        inner = hi - lo  # inner pages per slab
-        self._ranges = dict(zip(self.group_ids, zip(lo, hi)))
-        self._straddle, self._inner = dict(zip(self.group_ids, straddle)), dict(zip(self.group_ids, inner))
+        self._inner, self._straddle = inner, _ = hi - lo, straddle  # inner pages per slab, left straddlers
         n = geometry.num_slabs
         self._taken = np.empty(n, dtype=np.int64)  # plan's scratch: spare slabs taken
         self._spare_grants = np.empty((2, n), dtype=np.int64)  # groups; slabs
@@ -163,10 +160,9 @@ class Arena:
                                  dtype=np.int64)
         self.packing = (self.owner, *self._slab_ids, self._sizes)
         self._roomy_slabs = math.ceil(ROOMY_SPARE_FRACTION * n)  # the fewest spare slabs of ``roomy``
-        # ``kernels.room_groups``' marks (per group) where ``grant_step`` stopped for Python to make room.
-        self.room_marks = np.empty(len(self.group_ids), dtype=np.int64)
+        # ``kernels.grant_step``'s ``arena`` but its last item, the marks it leaves (the manager's ``_Scratch.marks``).
         self.grant_args = (self.owner, *self._slab_ids, self._space.offsets, self._most_slab_pages,
-                           self._sizes, self._spare, self._roomy_slabs, self.room_marks)
+                           self._sizes, self._spare, self._roomy_slabs)
         self.slab_moves = 0
         self._spare_changed(n)
         for gid, pool in self.pools.items():
@@ -182,7 +178,7 @@ class Arena:
         gid, donors = self.group_ids[0], self.group_ids[1:]
         self.pools[gid].oldest_idle_tick()
         self._moved_pages(-1, 0, 0)
-        kernels.take_spare_slabs(self.owner.copy(), 0, self._inner[gid], self._straddle[gid], 0, self._taken)
+        kernels.take_spare_slabs(self.owner.copy(), 0, self._inner[0], self._straddle[0], 0, self._taken)
         self.plan_spare(np.zeros(len(self.group_ids), dtype=np.int64))
         self._count(gid, 0, self.owner)
         kernels.must_pack_at(self.pools[gid].ref_counts, 0, self.packing, 0, int(self._slab_ids[0][0, 0]), 0,
@@ -216,7 +212,8 @@ class Arena:
 
     def _count(self, gid: str, slab: int, own: np.ndarray) -> int:
         """Pages ``gid`` gains by taking (or loses by giving) ``slab`` under ``own``."""
-        return int(kernels.slab_gain(own, self._index[gid], self._inner[gid], self._straddle[gid], slab))
+        gi = self._index[gid]
+        return int(kernels.slab_gain(own, gi, self._inner[gi], self._straddle[gi], slab))
 
     def _moved_pages(self, donor: int, group: int, slab: int) -> tuple[np.ndarray, np.ndarray]:
         """``kernels.slab_move_pages`` under the arena's owners (views of scratch)."""
@@ -239,8 +236,7 @@ class Arena:
             if short <= 0:
                 continue
             gi = self._index[gid]
-            n_taken, short = kernels.take_spare_slabs(own, gi, self._inner[gid], self._straddle[gid], short,
-                                                      self._taken)
+            n_taken, short = kernels.take_spare_slabs(own, gi, self._inner[gi], self._straddle[gi], short, self._taken)
             grants.extend((gid, slab, None) for slab in self._taken[:n_taken].tolist())
             if short > 0:
                 short = self._take_from_donors(gid, short, own, grants, deficit, (surplus, left), scan)
@@ -253,9 +249,8 @@ class Arena:
         (``kernels.take_spare_for``); None when they might not. Pure; ``owner`` as for :meth:`plan`."""
         own = self.owner if owner is None else owner
         spare = self.num_spare_slabs if owner is None else int(np.count_nonzero(owner < 0))
-        inner, straddle, taken, groups, slabs = self.spare_args[3:]
-        n = kernels.take_spare_for(short, self._slab_pages, spare, own, inner, straddle, taken, groups, slabs)
-        return None if n < 0 else self.spare_grants(n)  # ``groups`` and ``slabs`` view ``_spare_grants``
+        n = kernels.take_spare_for(short, self._slab_pages, spare, own, *self.spare_args[3:])  # inner .. slabs
+        return None if n < 0 else self.spare_grants(n)  # written to ``_spare_grants``
 
     def spare_grants(self, n: int) -> list[Grant]:
         """The ``n`` grants ``kernels.admit_spare`` just wrote to its scratch (``spare_args``)."""
@@ -280,11 +275,11 @@ class Arena:
                 break
             if donor == gid or deficit.get(donor, 0) > 0 or self._left(donor, spare, scan, deficit) <= 0:
                 continue
-            left, di, (lo, hi) = spare[1], self._index[donor], self._ranges[donor]
+            left, di = spare[1], self._index[donor]
             inner_idle, edge_idle = self._idle(donor, scan)[:2]
             n_taken, short, left[donor] = kernels.take_donor_slabs(
-                own, di, gi, lo, hi, self._straddle[donor], self._inner[gid], self._straddle[gid], left[donor], short,
-                self._taken, inner_idle, edge_idle)
+                own, di, gi, *(ids[di] for ids in self._slab_ids), self._inner[gi], self._straddle[gi], left[donor],
+                short, self._taken, inner_idle, edge_idle)
             grants.extend((gid, slab, donor) for slab in self._taken[:n_taken].tolist())
         return short
 
@@ -292,10 +287,10 @@ class Arena:
         """What ``donor`` can still spare: at first its surplus, released pages and keyed pages of less value."""
         surplus, left = spare
         if donor not in left:
-            freed = scan.releasing(self._index[donor]).size if scan.spare_released else 0
+            freed = scan.releasing(self._index[donor]).size if scan.clean else 0
             left[donor] = int(surplus.get(donor, 0)) + freed
             # Keyed pages of less value count only when the rest might not cover every slab taken from it.
-            if scan.keyed_mode() == 2 and not (scan.clean and left[donor] >= self._most_given(deficit)):
+            if scan.keyed_mode() == 2 and left[donor] < self._most_given(deficit):
                 left[donor] += self._idle(donor, scan)[2]
         return left[donor]
 
@@ -326,10 +321,10 @@ class Arena:
         if found is None:
             pool, gi, n = self.pools[gid], self._index[gid], self.geometry.num_slabs
             inner_idle, edge_idle = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
-            (lo, hi), released = self._ranges[gid], _NO_PAGES if scan.releasing is None else scan.releasing(gi)
-            counted = kernels.idle_slabs(self.owner, gi, lo, hi, self._straddle[gid], pool.ref_counts, pool.cached,
-                                         pool.low_priority, pool.idle_tick, scan.keyed_mode(), scan.before_tick or 0,
-                                         released, self._sizes[gi], inner_idle, edge_idle)
+            released = _NO_PAGES if scan.releasing is None else scan.releasing(gi)
+            counted = kernels.idle_slabs(self.owner, gi, *(ids[gi] for ids in self._slab_ids), pool.ref_counts,
+                                         pool.cached, pool.low_priority, pool.idle_tick, scan.keyed_mode(),
+                                         scan.before_tick or 0, released, self._sizes[gi], inner_idle, edge_idle)
             found = scan.idle[gid] = (inner_idle, edge_idle, int(counted))
         return found
 
@@ -359,7 +354,7 @@ class Arena:
         assert (self._space.skip_packing == self.roomy()).all(), "skip_packing differs from roomy"
         for gid in self.group_ids:
             pool, gi = self.pools[gid], self._index[gid]
-            (lo, hi), st, mine = self._ranges[gid], self._straddle[gid], self.owner == gi
+            (lo, hi, st), mine = (ids[gi] for ids in self._slab_ids), self.owner == gi
             expected = np.zeros(pool.num_pages, dtype=bool)
             for slab in np.flatnonzero(mine).tolist():
                 expected[lo[slab] : hi[slab]] = True

@@ -745,8 +745,8 @@ def grant_step(grants, scratch, arena, idle, geometry, pages, bounds, counters, 
                query_start_loc, request_indices, per_token):
     """``run_step`` granting spare slabs alone (``grants``: groups, slabs) after its releases, counted off the arena's
     spare slabs with ``SKIP_PACKING`` following ``Arena.roomy`` (``Arena._spare_changed``); it stops for Python only
-    when ``room_groups`` asks (as after the idle keyed pages joined: its ``not_joined``), its marks left in
-    ``Arena.room_marks`` for ``make_room``. Status -1 (nothing granted): a slab not spare. A kernel of its own: the
+    when ``room_groups`` asks (as after the idle keyed pages joined: its ``not_joined``), its marks left in ``arena``'s
+    last item (the manager's) for ``make_room``. Status -1 (nothing granted): a slab not spare. A kernel of its own: the
     grant inside ``run_step`` makes ``step``'s compiled loops slower. ``scratch`` (``grant_scratch``): int64 room for
     pages per group and every granted slab's pages: the kernel allocates nothing, so it
     runs without reference counting (``_nrt=False``: its ~30 arrays come in without a MemInfo each, ~8 µs a call).
@@ -780,7 +780,7 @@ def grant_step(grants, scratch, arena, idle, geometry, pages, bounds, counters, 
 
 def grant_scratch(grants, arena, n_groups, made=None):
     """``grant_step``'s ``scratch`` for ``grants``: pages per group, then each slab's most pages
-    (``arena``: ``Arena.grant_args``); ``made`` where it is large enough (the kernel reads nothing it did not write)."""
+    (``arena``: ``grant_step``'s); ``made`` where it is large enough (the kernel reads nothing it did not write)."""
     size = n_groups + grants.shape[1] * arena[5]
     return made if made is not None and made.size >= size else np.empty(size, np.int64)
 

@@ -121,11 +121,10 @@ _COMPUTED = np.empty(0, dtype=np.int64)  # ``prepare_step``'s load_tokens of a s
 class _Scratch:
     """``run_step``'s working buffers, kept between steps and grown as steps need."""
 
-    def __init__(self, n_groups: int, marks: np.ndarray | None = None):
+    def __init__(self, n_groups: int):
         self.n_groups, self.buffer, self.plan_rows = n_groups, None, 0
         self._grow(0, 0, 0)
-        # ``room_groups``' marks: on an arena its ``room_marks``, where ``grant_step`` leaves them.
-        self.transient = np.empty(n_groups, dtype=np.int64) if marks is None else marks
+        self.marks = np.empty(n_groups, dtype=np.int64)  # ``room_groups``' marks (``grant_step``'s too)
 
     def plan_arrays(self, n_rows: int) -> tuple:
         """``prepare_step``'s outputs (``kernels.plan_views``) with room for more than ``n_rows`` rows; each plan
@@ -273,13 +272,11 @@ class CacheManager:
         self._pool_list = [self.pools[s.group_id] for s in self.specs]
         self._space = PageSpace(self._pool_list)
         self.arena = Arena(arena, self.pools) if arena is not None else None
-        self._grant_entry = kernels.grant_step  # ``_run``'s, by its compiled code once ``_load_kernels`` ran
-        self._grant_room = None  # its scratch (``kernels.grant_scratch``), kept while large enough
-        self._room_entry = None  # ``room_groups``' compiled code, once ``_room_groups`` looked it up
-        self._finish_entry = None  # ``finish_step``'s compiled code, once ``_after_run`` looked it up
+        self._grant_room = None  # ``grant_step``'s scratch (``kernels.grant_scratch``), kept while large enough
         # On an arena, a sliding group's pages released again next step come last (kernels.transient_pages).
         self._transient = np.asarray([arena is not None and s.is_sliding for s in self.specs], dtype=np.bool_)
-        self._scratch = _Scratch(len(self.specs), None if arena is None else self.arena.room_marks)
+        self._scratch = _Scratch(len(self.specs))
+        self._grant_args = None if arena is None else (*self.arena.grant_args, self._scratch.marks)  # grant_step's
         self._tableset = TableSet(self.specs, max_context_tokens=self.max_context_tokens,
                                   max_step_tokens=self.max_step_tokens, id_offsets=self._space.offsets.tolist())
 
@@ -305,7 +302,6 @@ class CacheManager:
         # until its next step its committed tokens equal its computed ones, so it never settles.
         self._last_rows = np.zeros(0, dtype=np.int64)
         self._state: tuple | None = None  # ``_kernel_state``, until a new table row grows the arrays
-        self._step_entry = None  # ``kernels.step``'s compiled code for ``_step``'s argument types (``entry_point``)
         self._spare_entry, self._spare_args = None, ()  # on an arena: ``kernels.step_spare``'s, its last arguments
         self._row_owner: dict[int, _Request] = {}
         self._free_rows: list[int] = []
@@ -552,7 +548,7 @@ class CacheManager:
         """Would each (request, new tokens) fit, taken greedily in order? Never mutates.
         ``load``: as a load step (``schedule(..., load=True)``)."""
         check_items(items, CacheManagerError)
-        verdict = self._admit_load(items, fixed_width) if load else self._admit(items, fixed_width)
+        verdict = self._admit(items, fixed_width, load=load)
         # schedule() right after, with the same items and no mutation between, reuses it.
         self._admitted = None if load else (self._version, list(items), fixed_width, verdict)
         answers = list(verdict.answers)  # the verdict keeps None for valid items (schedule's reasons)
@@ -593,17 +589,18 @@ class CacheManager:
             fits(lo)  # leave the answer's admission cached for schedule()
         return lo
 
-    def _admit(self, items, fixed_width, uniform=None, planned: _StepPlan | None = None,
-               load_tokens: np.ndarray = _COMPUTED) -> _Verdict:
+    def _admit(self, items, fixed_width, uniform=None, planned: _StepPlan | None = None, load: bool = False
+               ) -> _Verdict:
         """Stages 1 and 2, pure: validate, plan every row and decide which requests fit. ``uniform``
-        (ids, one count) stands for ``items``; ``planned``: a plan ``_step`` made of valid items."""
+        (ids, one count) stands for ``items``; ``planned``: a plan ``_step`` made of valid items; ``load``: a load
+        step's (rows hold only their checkpoint window in a sliding group)."""
         if fixed_width and self.table_widths is None:
             raise CacheManagerError(
                 "fixed_width needs capture widths: build the manager with table_widths (from_plan does)")
         if planned is not None:
             answers, ok_idx, plan = [None] * len(planned.request_ids), range(len(planned.request_ids)), planned
         else:
-            answers, ok_idx, plan = self._validated_plan(items, uniform, load_tokens)
+            answers, ok_idx, plan = self._validated_plan(items, uniform, load)
         if plan is None:
             return _Verdict(answers, ok_idx, np.zeros(0, dtype=bool), {}, None)
         fits = np.ones(plan.rows.size, dtype=bool)
@@ -624,16 +621,12 @@ class CacheManager:
         off = plan.settle
         return _Verdict(answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items() if k >= off}, plan)
 
-    def _admit_load(self, items, fixed_width) -> _Verdict:
-        """``_admit`` of a load step (rows hold only their checkpoint window in a sliding group)."""
-        if self.prefix is None:
-            raise CacheManagerError("a load step needs prefix caching (it stands for a prefix hit)")
-        return self._admit(items, fixed_width, load_tokens=self._load_tokens)
-
-    def _validated_plan(self, items, uniform, load_tokens: np.ndarray
-                        ) -> tuple[list, Sequence[int], _StepPlan | None]:
+    def _validated_plan(self, items, uniform, load: bool) -> tuple[list, Sequence[int], _StepPlan | None]:
         """(answers, valid indices, plan of the valid items or None): vectorized when all are valid, else item by
         item with a reason for each invalid one."""
+        if load and self.prefix is None:
+            raise CacheManagerError("a load step needs prefix caching (it stands for a prefix hit)")
+        load_tokens = self._load_tokens if load else _COMPUTED
         fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(*uniform)
         plan = None if fast is None else self._plan(fast[0], fast[1], load_tokens)
         if plan is not None:  # every item valid (the plan checked rows and known tokens)
@@ -714,7 +707,7 @@ class CacheManager:
         ids, counts = self._group_ids, short.tolist()
         wanting = {gid: n for gid, n in zip(ids, counts) if n > 0}
         spare = {gid: left for gid, n, left in zip(ids, counts, surplus.tolist()) if n <= 0}
-        scan = IdleScan(releasing=lambda k: releases.of(k)[2], clean=True, spare_released=True)  # unkeyed: freed
+        scan = IdleScan(releasing=lambda k: releases.of(k)[2], clean=True)  # unkeyed: freed
         if self.prefix is not None and self.prefix.eviction.acts:
             # The oldest idle tick a wanting group would evict: a donor's entries idle since before it count as spare.
             ticks = [t for t in (self.pools[g].oldest_idle_tick() for g in wanting) if t is not None]
@@ -893,7 +886,7 @@ class CacheManager:
         if verdict is not None:
             self._admitted, verdict = None, verdict[3] if verdict[:3] == (self._version, items, fixed_width) else None
         if load:
-            verdict = self._admit_load(items, fixed_width)
+            verdict = self._admit(items, fixed_width, load=True)
         elif verdict is None and not fixed_width and (self._tableset.log is None) != updates:
             # Valid pairs in the previous step's block-table mode: ``_step``'s batch, or its plan for ``_admit``.
             fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(uniform[0], uniform[1])
@@ -1037,7 +1030,7 @@ class CacheManager:
         """``kernels.grant_step`` (its compiled code) granting the spare slabs ``grants``, with its scratch;
         ``args``: its arguments after the arena's and the join's (the step's state, the plan, the table log, outputs).
         Its answer; no idle keyed pages where it joined them (run whole, no ranker to tell: ``PageSpace.join_args``)."""
-        arena, join = self.arena.grant_args, self._space.join_args
+        arena, join = self._grant_args, self._space.join_args
         self._grant_room = kernels.grant_scratch(grants, arena, len(self.specs), self._grant_room)  # kept for the next
         found = self._grant_entry(grants, self._grant_room, arena, join, *args)
         if found[0] < 0:
@@ -1095,9 +1088,11 @@ class CacheManager:
             self._spare_entry = kernels.entry_point(kernels.step_spare, (*args, *self._spare_args))
         self._plan(no_rows, no_rows, _COMPUTED)
         self._tableset.ring_view()
-        # ``_planned_step``'s ``kernels.run_step`` (``_step``'s cells and arrays), its compiled code looked up once.
-        self._run_entry = kernels.entry_point(kernels.run_step, (*self._kernel_state()[:10], sc.buffer, 0, 0, False,
-                                                                 self._tableset.logged, 0, *_NO_CELLS, *out))
+        # ``_run``'s and ``_after_run``'s ``kernels.run_step`` and ``finish_step`` (``_step``'s cells and arrays), by
+        # their compiled code looked up once; ``head`` and ``tail``: the arguments around a kernel's own ones.
+        head, tail = (*self._kernel_state()[:10], sc.buffer, 0, 0), (self._tableset.logged, 0, *_NO_CELLS, *out)
+        self._run_entry = kernels.entry_point(kernels.run_step, (*head, False, *tail))
+        self._finish_entry = kernels.entry_point(kernels.finish_step, (*head, *tail, True))
         # Room for a step of every table row and as many settling (``_take_row`` grows it with the rows).
         rows, counts, first, after, need, sums, crossing, _ = sc.plan_arrays(2 * self._computed.size)
         sums[:] = 0  # no page released or allocated
@@ -1107,62 +1102,56 @@ class CacheManager:
         self._short_pages(plan, none, none, none)
         _Releases(self._tableset, self._space, plan).of(0)
         plan.request_ids = ()
+        self._room_entry = kernels.entry_point(kernels.room_groups, self._room_args(plan))
         self._commit_and_run(plan, True, False, False)
         self._after_run(0, 0, plan, out)
         if self.arena is not None:  # ``_run``'s other kernel: ``grant_step``, granting no slab, by its compiled code
             plan.spare_grants = np.empty((2, 0), dtype=np.int64)
             self._grant_entry = kernels.entry_point(kernels.grant_step, (
-                plan.spare_grants, kernels.grant_scratch(plan.spare_grants, self.arena.grant_args, len(self.specs)),
-                self.arena.grant_args, self._space.join_args, *self._kernel_state()[:10], sc.buffer, 0, 0,
-                self._tableset.logged, 0, *_NO_CELLS, *out))
+                plan.spare_grants, kernels.grant_scratch(plan.spare_grants, self._grant_args, len(self.specs)),
+                self._grant_args, self._space.join_args, *head, *tail))
             self._commit_and_run(plan, True, False, False)
 
     def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan, out: _StepArrays,
                    cells: tuple = _NO_CELLS, marked: bool = False) -> int:
         """Stage 3 in Python once the step kernel stopped after its releases (docs/manager.md, "One
         step, in four stages"): keyed pages join the LRU, slabs move, groups make room, ``finish_step``.
-        ``marked``: ``room_groups``' marks, as it would answer now, are in ``_scratch.transient`` already
+        ``marked``: ``room_groups``' marks, as it would answer now, are in ``_scratch.marks`` already
         (``grant_step`` stopped)."""
         sc = self._scratch
         if n_keyed:
             self._space.keyed_idle(sc.released[1], sc.idle_keyed)
         if plan.grants and not marked:  # ``marked``: ``grant_step`` granted them
             self.arena.apply(plan.grants)
-        if marked or self._room_groups(plan):
+        if marked or self._room_entry(*self._room_args(plan)):  # how many groups to ask
             self._make_room(plan)
         # ``kernels.finish_step`` of the plan in the scratch buffer, by its compiled code (the same types every call).
         args = (*(self._state or self._kernel_state())[:10], sc.buffer, plan.rows.size, plan.settle,
                 self._tableset.logged, n_touched, *cells, *out, True)
-        if self._finish_entry is None:
-            self._finish_entry = kernels.entry_point(kernels.finish_step, args)
         return self._finish_entry(*args)
 
-    def _room_groups(self, plan: _StepPlan, start: int = 0) -> int:
-        """``kernels.room_groups`` of ``plan`` now, from group ``start`` on, into ``_scratch.transient`` (per group:
-        its transient pages when ``make_room`` may evict, else -1); how many groups to ask. By its compiled code
-        (``kernels.entry_point``), looked up at the first call (``_load_kernels``)."""
+    def _room_args(self, plan: _StepPlan, start: int = 0) -> tuple:
+        """``kernels.room_groups``' arguments (``_room_entry``: its compiled code) of ``plan`` now, from group ``start``
+        on, into ``_scratch.marks`` (per group: its transient pages when ``make_room`` may evict, else -1)."""
         space, ts = self._space, self._tableset
-        args = (ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts, plan.after, plan.sums,
+        return (ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts, plan.after, plan.sums,
                 space.stack, space.per_group, space.ref_counts, space.cached, space.low_priority,
-                None if self.arena is None else self.arena.packing, self._scratch.transient, start, None, None)
-        if self._room_entry is None:
-            self._room_entry = kernels.entry_point(kernels.room_groups, args)
-        return self._room_entry(*args)
+                None if self.arena is None else self.arena.packing, self._scratch.marks, start, None, None)
 
     def _make_room(self, plan: _StepPlan) -> None:
-        """``PagePool.make_room`` of each group's allocated pages (``plan.sums[1]``) where ``_room_groups`` named it
+        """``PagePool.make_room`` of each group's allocated pages (``plan.sums[1]``) where ``room_groups`` named it
         (its transient pages: ``highest``). Once one has evicted (telling of a removal may drop or demote
         entries of later groups, which then may have to pack), the later groups are named again
-        (``_room_groups`` from the next, as they are now): one its rule leaves out would evict nothing in
+        (``room_groups`` from the next, as they are now): one its rule leaves out would evict nothing in
         ``make_room``. One it names whose free stack covers the allocation packs (``make_room``'s ``packs``)."""
-        allocated, marks, tops = plan.sums[1].tolist(), self._scratch.transient.tolist(), self._space.tops
+        allocated, marks, tops = plan.sums[1].tolist(), self._scratch.marks.tolist(), self._space.tops
         for g, pool in enumerate(self._pool_list):
             if marks[g] >= 0:
                 before = pool.counters.evicted_pages
                 pool.make_room(allocated[g], marks[g], tops[g] >= allocated[g])
                 if pool.counters.evicted_pages != before and any(allocated[g + 1 :]):
-                    self._room_groups(plan, g + 1)
-                    marks = self._scratch.transient.tolist()
+                    self._room_entry(*self._room_args(plan, g + 1))
+                    marks = self._scratch.marks.tolist()
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
                      n_touched: int, cells: tuple = _NO_CELLS) -> StepBatch:
