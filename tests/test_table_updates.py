@@ -236,7 +236,7 @@ def test_resync_after_full_mode_and_small_updates_between():
     m.add_request("a", prompt_tokens=200, max_new_tokens=50)
     m.add_request("b", prompt_tokens=40, max_new_tokens=50)
     m.schedule([("a", 64), ("b", 40)])  # full mode: nothing is logged
-    assert next(iter(m.tables.values())).table_set.log is None
+    assert next(iter(m.tables.values())).table_set.n_logged is None
     mirror = BlockTableMirror.for_manager(m)
     mirror.store[:] = 77  # stale content a resync must clear
     first = m.schedule([("a", 64), ("b", 1)], block_tables="updates")
@@ -271,7 +271,7 @@ def test_bad_mode_is_refused_and_changes_nothing():
     m.add_request("a", prompt_tokens=5)
     with pytest.raises(CacheManagerError, match="block_tables"):
         m.schedule([("a", 5)], block_tables="delta")
-    assert m.num_computed_tokens("a") == 0 and next(iter(m.tables.values())).table_set.log is None
+    assert m.num_computed_tokens("a") == 0 and next(iter(m.tables.values())).table_set.n_logged is None
 
 
 def test_apply_needs_an_updates_batch():

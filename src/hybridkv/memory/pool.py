@@ -588,7 +588,8 @@ class PageSpace:
     def free_row(self, tables, counters: np.ndarray, row: int, grain: int) -> bool:
         """``CacheManager.free``'s release of table row ``row`` in one call (``lru.free_row``; False, nothing changed,
         while ``counters`` show a ``grain`` to commit first), the cells emptied (the first of the kernel's scratch after
-        its per-group counts) logged (``tables.note_cells`` copies them). The rankers read the keyed pages left idle where the kernel lists them."""
+        its per-group counts) logged (``tables.note_cells`` copies them). The rankers read the keyed pages left idle
+        where the kernel lists them."""
         ranked = self.ranked
         first_tick = int(_IDLE_CLOCK[0]) + 1 if ranked else 0
         args = self._free_args  # kept while its arrays are the ones to pass (grown tables or counters: new ones)
@@ -598,7 +599,7 @@ class PageSpace:
         if n < 0:
             return False
         g, work = len(self.pools), args[13]
-        if tables.log is not None:
+        if tables.n_logged is not None:
             tables.note_cells(work[3 * g : 3 * g + n])
         if ranked:
             self._tell_rankers(work[g : 2 * g], work[3 * g + 3 * tables.row_cells :], first_tick)

@@ -887,7 +887,7 @@ class CacheManager:
             self._admitted, verdict = None, verdict[3] if verdict[:3] == (self._version, items, fixed_width) else None
         if load:
             verdict = self._admit(items, fixed_width, load=True)
-        elif verdict is None and not fixed_width and (self._tableset.log is None) != updates:
+        elif verdict is None and not fixed_width and (self._tableset.n_logged is None) != updates:
             # Valid pairs in the previous step's block-table mode: ``_step``'s batch, or its plan for ``_admit``.
             fast = self._fast_rows(items) if uniform is None else self._fast_rows_uniform(uniform[0], uniform[1])
             if fast is not None:
@@ -921,13 +921,13 @@ class CacheManager:
         """An admitted plan's stages 2-4 (docs/manager.md, "One step, in four stages"): its arrays and cell buffers
         and the scratch as large as it needs, then ``_run``."""
         ts, (n_tokens, released_pages, most_released, allocated_pages) = self._tableset, plan.totals
-        if (ts.log is None) == updates:  # the log's state changes: on for "updates", off for "full"
+        if (ts.n_logged is None) == updates:  # the log's state changes: on for "updates", off for "full"
             ts.set_log(updates)
         # At most a cell per page released or allocated, after the cells logged since the last step (room for the
         # plan's cells, and at least two a group and row).
         cells = _NO_CELLS
         if updates and not ts.resync:
-            room = max(2 * len(self.specs) * plan.rows.size + 16, ts.log + released_pages + allocated_pages)
+            room = max(2 * len(self.specs) * plan.rows.size + 16, ts.n_logged + released_pages + allocated_pages)
             cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
         out = _new_tuple(_StepArrays, kernels.batch_arrays_for(len(self.specs), plan.rows.size - plan.settle,
                                                                n_tokens, write_slots))
@@ -950,7 +950,7 @@ class CacheManager:
         if plan_rows >= sc.plan_rows:
             sc.plan_arrays(plan_rows)
         ts, cells = self._tableset, _NO_CELLS
-        n_logged = ts.log or 0  # the cells a ``free`` or prefix hit logged: the step's touched cells follow them
+        n_logged = ts.n_logged or 0  # the cells a ``free`` or prefix hit logged: the step's touched cells follow them
         if updates:
             # A cell per group and row (a one-token step allocates or releases at most a page in a group whose window
             # is a multiple of its page tokens: DeepSeek-V4's, up to 4 speculative tokens; ~1.3 cells a row in all), two
@@ -1015,9 +1015,9 @@ class CacheManager:
         args = (*(self._state or self._kernel_state())[:10], sc.buffer, n, settle)
         if grants is None:
             hold = step_plan is not None and bool(step_plan.grants)
-            status, n_touched, n_keyed = self._run_entry(*args, hold, ts.logged, ts.log or 0, *cells, *out)
+            status, n_touched, n_keyed = self._run_entry(*args, hold, ts.logged, ts.n_logged or 0, *cells, *out)
         else:  # ``grant_step`` stops only when groups make room, marked already
-            status, n_touched, n_keyed = self._grant_run(grants, *args, ts.logged, ts.log or 0, *cells, *out)
+            status, n_touched, n_keyed = self._grant_run(grants, *args, ts.logged, ts.n_logged or 0, *cells, *out)
         if status != kernels.STEP_DONE:
             step_plan = step_plan or self._plan_of(*plan)
             n_touched = self._after_run(n_touched, n_keyed, step_plan, out, cells, grants is not None)
@@ -1164,7 +1164,7 @@ class CacheManager:
         else:
             tables, table_updates = self._no_tables, _new_object(TableUpdates)
             if 0 < n_touched <= cells[1].size and not ts.resync:  # ``finish_step`` read them: the log drained
-                (cells, page), n, ts.log, ts.log_notes = cells, n_touched, 0, 0
+                (cells, page), n, ts.n_logged, ts.log_notes = cells, n_touched, 0, 0
                 found = cells[0, :n], cells[1, :n], cells[2, :n], page[:n], False
             else:
                 found = ts.drain_updates(n_touched)

@@ -69,8 +69,8 @@ class GroupTable:
 
 class TableSet:
     """Every group's tables in one store (``pages``, ``bounds``, ``geometry``: ``hybridkv.runtime.kernels``' layout)
-    that each ``GroupTable`` views. While ``log`` is a count, every cell a mutation touches is logged for
-    ``drain_updates`` (the first drain after ``set_log(True)`` is a resync: docs/manager.md, "Block table modes")."""
+    that each ``GroupTable`` views. While ``n_logged`` is a count (not None), every cell a mutation touches is logged
+    for ``drain_updates`` (the first drain after ``set_log(True)`` is a resync: docs/manager.md, "Block table modes")."""
 
     def __init__(self, specs: list[CacheGroupSpec] | tuple[CacheGroupSpec, ...], *, max_context_tokens: int,
                  max_step_tokens: int, initial_rows: int = 64, id_offsets: list[int] | None = None):
@@ -93,7 +93,7 @@ class TableSet:
         self.bounds = np.zeros((4, len(self.tables), rows), dtype=np.int64)
         self._add_lanes(0, rows)
         self.pages = self._new_store(rows)
-        self.log: int | None = None  # cells logged: the first of ``logged`` (a step's touched cells follow them)
+        self.n_logged: int | None = None  # cells logged: the first of ``logged`` (a step's touched cells follow them)
         self.logged = np.empty(0, dtype=np.int64)  # ring-view indices, and the step kernels' touched-cell scratch
         self.log_notes = 0  # ``note_cells`` calls the log holds apart (more than 512: merged into one, unique)
         self.resync = False  # the next drain lists every live cell (the log restarted): nothing is logged till then
@@ -163,13 +163,13 @@ class TableSet:
         """Log touched cells from now on (the next drain is a resync), or stop (``on`` False: full-mode steps, whose
         mutations then cost nothing extra until logging starts again)."""
         if not on:
-            self.log = None
-        elif self.log is None:
-            self.log, self.log_notes, self.resync = 0, 0, True
+            self.n_logged = None
+        elif self.n_logged is None:
+            self.n_logged, self.log_notes, self.resync = 0, 0, True
 
     def reserve_log(self, n_cells: int) -> None:
         """Room in ``logged`` for ``n_cells`` more after the logged ones (a step's touched cells go there)."""
-        n_logged = self.log or 0
+        n_logged = self.n_logged or 0
         if n_logged + n_cells > self.logged.size:
             grown = np.empty(2 * (n_logged + n_cells), dtype=np.int64)
             grown[:n_logged] = self.logged[:n_logged]
@@ -177,18 +177,18 @@ class TableSet:
 
     def note_cells(self, index: np.ndarray) -> None:
         """Log changed cells (ring-view indices) while logging is on and no resync is due."""
-        n_logged = self.log
+        n_logged = self.n_logged
         if n_logged is None or self.resync:
             return
         end = n_logged + index.size
         if end > self.logged.size:
             self.reserve_log(index.size)
         self.logged[n_logged:end] = index
-        self.log, self.log_notes = end, self.log_notes + 1
+        self.n_logged, self.log_notes = end, self.log_notes + 1
         if self.log_notes > 512:  # many mutations between two drains: keep it bounded
-            kept = np.unique(self.logged[: self.log])
+            kept = np.unique(self.logged[: self.n_logged])
             self.logged[: kept.size] = kept
-            self.log, self.log_notes = kept.size, 1
+            self.n_logged, self.log_notes = kept.size, 1
 
     def drain_updates(self, n_cells: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                                                                   np.ndarray, bool]:
@@ -196,9 +196,9 @@ class TableSet:
         logged since the last drain, then those it touched), by default every cell logged; after a (re)start of
         the log, every live cell instead and ``reset`` True. The log is empty after it."""
         reset = self.resync
-        index = self._live_index() if reset else self.logged[: (self.log or 0) if n_cells is None else n_cells]
-        if self.log is not None:
-            self.log, self.log_notes, self.resync = 0, 0, False
+        index = self._live_index() if reset else self.logged[: (self.n_logged or 0) if n_cells is None else n_cells]
+        if self.n_logged is not None:
+            self.n_logged, self.log_notes, self.resync = 0, 0, False
         cells = np.empty((3, index.size), dtype=np.int64)
         page = np.empty(index.size, dtype=np.int32)
         group, row, column = cells
@@ -219,10 +219,10 @@ class TableSet:
             lo, hi = old_bounds[kernels.BASE, g, rows], old_bounds[kernels.HI, g, rows]
             self.pages[_cells(self.geometry, self.bounds, g, rows, lo, hi)] = \
                 old_pages[_cells(old_geometry, old_bounds, g, rows, lo, hi)]
-        if self.log:
+        if self.n_logged:
             # Logged ring-view indices move with the wider rows dimension (now one note).
-            group, cell = np.divmod(self.logged[: self.log], have * self.view_columns)
-            self.logged[: self.log], self.log_notes = group * (new * self.view_columns) + cell, 1
+            group, cell = np.divmod(self.logged[: self.n_logged], have * self.view_columns)
+            self.logged[: self.n_logged], self.log_notes = group * (new * self.view_columns) + cell, 1
 
     # --- outside the step (free) and the step's block tables ---------------------------
     def block_table(self, g: int, rows: np.ndarray, width: int) -> np.ndarray:
