@@ -70,7 +70,8 @@ class GroupTable:
 class TableSet:
     """Every group's tables in one store (``pages``, ``bounds``, ``geometry``: ``hybridkv.runtime.kernels``' layout)
     that each ``GroupTable`` views. While ``n_logged`` is a count (not None), every cell a mutation touches is logged
-    for ``drain_updates`` (the first drain after ``set_log(True)`` is a resync: docs/manager.md, "Block table modes")."""
+    for ``drain_updates`` (the first drain after ``set_log(True)`` is a resync: docs/manager.md, "Block table
+    modes")."""
 
     def __init__(self, specs: list[CacheGroupSpec] | tuple[CacheGroupSpec, ...], *, max_context_tokens: int,
                  max_step_tokens: int, initial_rows: int = 64, id_offsets: list[int] | None = None):
