@@ -1164,7 +1164,8 @@ class CacheManager:
         else:
             tables, table_updates = self._no_tables, _new_object(TableUpdates)
             if 0 < n_touched <= cells[1].size and not ts.resync:  # ``finish_step`` read them: the log drained
-                (cells, page), n, ts.n_logged, ts.log_notes = cells, n_touched, 0, 0
+                (cells, page), n = cells, n_touched
+                ts.drained()
                 found = cells[0, :n], cells[1, :n], cells[2, :n], page[:n], False
             else:
                 found = ts.drain_updates(n_touched)

@@ -176,6 +176,11 @@ class TableSet:
             grown[:n_logged] = self.logged[:n_logged]
             self.logged = grown
 
+    def drained(self) -> None:
+        """The log is read (its cells and those a step touched after them: ``drain_updates``, or ``finish_step``'s
+        cells): empty again, logging on."""
+        self.n_logged, self.log_notes = 0, 0
+
     def note_cells(self, index: np.ndarray) -> None:
         """Log changed cells (ring-view indices) while logging is on and no resync is due."""
         n_logged = self.n_logged
@@ -199,7 +204,8 @@ class TableSet:
         reset = self.resync
         index = self._live_index() if reset else self.logged[: (self.n_logged or 0) if n_cells is None else n_cells]
         if self.n_logged is not None:
-            self.n_logged, self.log_notes, self.resync = 0, 0, False
+            self.drained()
+            self.resync = False
         cells = np.empty((3, index.size), dtype=np.int64)
         page = np.empty(index.size, dtype=np.int32)
         group, row, column = cells
