@@ -141,7 +141,8 @@ class Arena:
         # Per group (by index) and slab: inner page ids lo .. hi-1, left straddler (-1: none).
         ids = [(*geometry.slab_page_ranges(gid), geometry.boundary_pages(gid)) for gid in self.group_ids]
         self._slab_ids = lo, hi, straddle = tuple(np.stack(planes) for planes in zip(*ids))
-        self._inner, self._straddle = inner, _ = hi - lo, straddle  # inner pages per slab, left straddlers
+        inner = self._inner = hi - lo  # inner pages per slab
+        self._straddle = straddle  # left straddlers per slab
         n = geometry.num_slabs
         self._taken = np.empty(n, dtype=np.int64)  # plan's scratch: spare slabs taken
         self._spare_grants = np.empty((2, n), dtype=np.int64)  # groups; slabs
