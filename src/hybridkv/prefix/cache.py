@@ -474,13 +474,14 @@ class PrefixCache:
         keys = hashes.hashes[first:end]
         if end == first + 1:  # one block (a decode commit): its key and its end checked alone
             pages = None if latest in keep or self._knows(keys[0]) else self._reader.read_unit(
-                [1, req.row, first, end, 1, latest])
+                (1, req.row, first, end, 0, 0, 0, latest))
         elif keep and not keep.isdisjoint(range((first + 1) * g, latest + 1, g)) or any(map(self._knows, keys)):
             pages = None
         else:  # its speculative boundaries too
             speculative = self.policy.speculative_between((first + 1) * g, latest, g, req.prompt_tokens)
             low = 2 if self.values is None or self.values.low_priority(SPECULATIVE) else 1
-            pages = self._reader.read_unit([low, req.row, first, end, len(speculative) + 1, *speculative, latest])
+            pages = self._reader.read_unit((low, req.row, first, end, speculative.start, speculative.step,
+                                            len(speculative), latest))
         if pages is None:
             self._commit_one(req, old_tokens, new_tokens, events, let_go)
             return
@@ -789,7 +790,7 @@ class PrefixCache:
     def load_kernels(self) -> None:
         """Load (or compile) now the commit's kernels, reading nothing (``lru.borrow_row`` loads at the first hit)."""
         self._reader.read(0, 0, 0, [])
-        self._reader.read_unit([1, 0, 0, 0, 0])
+        self._reader.read_unit((1, 0, 0, 0, 0, 0, 0, 0))
 
     def forget_request(self, req: CommittingRequest) -> None:
         """A freed request's checkpoints stay cached; with ``"prefill-per-byte"`` they are then ranked again (only
