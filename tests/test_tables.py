@@ -364,7 +364,7 @@ def test_read_unit_of_one_block_claims_what_read_reads_before_and_after_the_stor
             table.base[0], table.hi[0] = end_pages - 2, end_pages
         expected, status = reader.read(0, blocks - 1, blocks, [256 * blocks])
         assert status == [1, 1, 1]
-        unit = [1, 0, blocks - 1, blocks, 1, 256 * blocks]
+        unit = (1, 0, blocks - 1, blocks, 0, 0, 0, 256 * blocks)
         assert reader.read_unit(unit) == expected
         assert space.cached[expected].all() and reader.read_unit(unit) is None
         ts.ensure_rows(4)
@@ -388,9 +388,9 @@ def test_read_unit_claims_a_commit_whole_or_not_at_all():
     assert status == [1] * 6 and len(expected) == 8
     by_group = expected[:2] + expected[2:4] + expected[5:7] + expected[4:5] + expected[7:]
     space.cached[expected[-1]] = True
-    assert reader.read_unit([2, 0, 1, 3, 2, 512, 768]) is None and space.cached.sum() == 1
+    assert reader.read_unit((2, 0, 1, 3, 512, 256, 1, 768)) is None and space.cached.sum() == 1
     space.cached[expected[-1]] = False
-    assert reader.read_unit([2, 0, 1, 3, 2, 512, 768]) == by_group
+    assert reader.read_unit((2, 0, 1, 3, 512, 256, 1, 768)) == by_group
     assert space.cached[by_group].all() and space.cached.sum() == 8
     assert sorted(np.flatnonzero(space.low_priority).tolist()) == sorted(expected[2:5])
 

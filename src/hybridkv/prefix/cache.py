@@ -466,44 +466,35 @@ class PrefixCache:
                       let_go: list[tuple]) -> None:
         """A request's commit: where it publishes only keys no group has and pins no boundary, its unit (its blocks,
         its speculative checkpoints and its latest) read and claimed whole in one compiled call
-        (``CommitPages.read_unit``), recorded (:meth:`_record`) and booked
-        (:meth:`_book`); else, or where the claim fails, :meth:`_commit_one`."""
+        (``CommitPages.read_unit``), recorded (:meth:`_record`) and booked (:meth:`_book`: its blocks' keys, parents
+        and ends, its checkpoints' keys, parents and boundaries); else, or where the claim fails, :meth:`_commit_one`."""
         hashes, g = req.hashes, self.granularity_tokens
         first, end, keep = old_tokens // g, new_tokens // g, req.keep_boundaries
-        latest, speculative, low = end * g, (), 1
-        keys = hashes.hashes[first:end]
+        latest, speculative, low, hh = end * g, (), 1, hashes.hashes
+        keys = hh[first:end]
         if end == first + 1:  # one block (a decode commit): its key and its end checked alone
             pages = None if latest in keep or self._knows(keys[0]) else self._reader.read_unit(
-                [1, req.row, first, end, 1, latest])
+                (1, req.row, first, end, 0, 0, 0, latest))
         elif keep and not keep.isdisjoint(range((first + 1) * g, latest + 1, g)) or any(map(self._knows, keys)):
             pages = None
         else:  # its speculative boundaries too
             speculative = self.policy.speculative_between((first + 1) * g, latest, g, req.prompt_tokens)
             low = 2 if self.values is None or self.values.low_priority(SPECULATIVE) else 1
-            pages = self._reader.read_unit([low, req.row, first, end, len(speculative) + 1, *speculative, latest])
+            pages = self._reader.read_unit((low, req.row, first, end, speculative.start, speculative.step,
+                                            len(speculative), latest))
         if pages is None:
             self._commit_one(req, old_tokens, new_tokens, events, let_go)
             return
-        if end == first + 1:  # one block: its record made here (no frame, cheaper cold)
-            parents, ends = [hashes.hashes[first - 1] if first else hashes.root], (latest,)
+        parents = hh[first - 1:end - 1] if first else [hashes.root, *keys[:-1]]
+        ends = range((first + 1) * g, latest + g, g)
+        if len(speculative) + 1 == len(keys):  # every block's end (one block: its end)
             booked = keys, parents, ends, keys, parents, ends
-        else:
-            booked = self._booked(hashes, first, keys, speculative)
+        else:  # the speculative boundaries' blocks, then the last
+            at, step = (speculative.start // g - 1 - first, speculative.step // g) if speculative else (0, 1)
+            pick = slice(at, at + len(speculative) * step, step)
+            booked = keys, parents, ends, keys[pick] + keys[-1:], parents[pick] + parents[-1:], [*speculative, latest]
         self._record(pages, keys, booked[3])
         self._book(req, booked, low, events, let_go)
-
-    def _booked(self, hashes: RequestHashes, first: int, keys: list[int], speculative: Sequence[int]) -> tuple:
-        """What :meth:`_book` books of a commit of blocks ``keys`` from block ``first`` (``hashes``' keys) with
-        checkpoints at the ``speculative`` boundaries (a range, or empty) and the latest: its blocks' keys, parents and
-        ends, its checkpoints' keys, parents and boundaries."""
-        g, end = self.granularity_tokens, first + len(keys)
-        parents = hashes.hashes[first - 1:end - 1] if first else [hashes.root, *keys[:-1]]
-        ends = range((first + 1) * g, (end + 1) * g, g)
-        if len(speculative) + 1 == len(keys):  # every block's end (one block: its end)
-            return keys, parents, ends, keys, parents, ends
-        at, step = (speculative.start // g - 1 - first, speculative.step // g) if speculative else (0, 1)
-        pick = slice(at, at + len(speculative) * step, step)  # the speculative boundaries' blocks, then the last
-        return keys, parents, ends, keys[pick] + keys[-1:], parents[pick] + parents[-1:], [*speculative, end * g]
 
     def _record(self, pages: list[int], block_keys: list, checkpoint_keys: list) -> None:
         """The entries of commits claimed whole (``pages``: ``CommitPages``' claim, group by group, entry by entry)
@@ -789,7 +780,7 @@ class PrefixCache:
     def load_kernels(self) -> None:
         """Load (or compile) now the commit's kernels, reading nothing (``lru.borrow_row`` loads at the first hit)."""
         self._reader.read(0, 0, 0, [])
-        self._reader.read_unit([1, 0, 0, 0, 0])
+        self._reader.read_unit((1, 0, 0, 0, 0, 0, 0, 0))
 
     def forget_request(self, req: CommittingRequest) -> None:
         """A freed request's checkpoints stay cached; with ``"prefill-per-byte"`` they are then ranked again (only

@@ -149,21 +149,21 @@ def commit_pages(geometry, pages, bounds, history, state, row, first_block, end_
 
 @njit(cache=True, _nrt=False)
 def commit_unit(geometry, pages, bounds, history, state, unit, out, starts, ref, keyed, low_flags, limits):
-    """The pages of one commit, claimed whole or not at all. ``unit`` holds ``low``, row, first
-    block, end block, boundaries ``B``, then the ``B`` boundaries (multiples of the grain, its
-    latest last); its pages: per history group ``history[h] = (g, pages per block)`` its blocks
-    ``[first, end)``, then per state group ``state[s] = (g, window tokens W)`` each boundary's
-    window ``[D - W, D)``. Where every window is live and every page a held page of its group
-    (``0 < id < limits[g]``, ref count > 0), none keyed, every page is keyed and written into
-    ``out`` (large enough) group by group, entry by entry (a window before the latest flagged
-    low where ``low`` is 2), and their count returned; else nothing changes and -1 is returned.
-    ``starts`` (scratch, groups + 1): where each group's pages start in ``out``. It allocates
-    nothing, so it runs without reference counting (``_nrt=False``: its 12 arrays come in without
-    a MemInfo each)."""
+    """The pages of one commit, claimed whole or not at all. ``unit``, a tuple of 8 ints: ``low``, row,
+    first block, end block, then its boundaries (multiples of the grain): ``count`` speculative ones
+    from ``start``, ``step`` apart (``unit[4:7]``), then its latest (``unit[7]``); its pages: per
+    history group ``history[h] = (g, pages per block)`` its blocks ``[first, end)``, then per state
+    group ``state[s] = (g, window tokens W)`` each boundary's window ``[D - W, D)``. Where every
+    window is live and every page a held page of its group (``0 < id < limits[g]``, ref count > 0),
+    none keyed, every page is keyed and written into ``out`` (large enough) group by group, entry
+    by entry (a window before the latest flagged low where ``low`` is 2), and their count returned;
+    else nothing changes and -1 is returned. ``starts`` (scratch, groups + 1): where each group's
+    pages start in ``out``. It allocates nothing, so it runs without reference counting
+    (``_nrt=False``: its 11 arrays come in without a MemInfo each)."""
     row, n_history, n_groups, n, good = unit[1], history.shape[0], history.shape[0] + state.shape[0], 0, True
     for j in range(n_groups):
         starts[j] = n
-        for e in range(_unit_entries(unit, j, n_history) if good else 0):
+        for e in range((unit[3] - unit[2] if j < n_history else unit[6] + 1) if good else 0):
             g, lo, count = _unit_span(geometry, history, state, unit, j, e)
             offset = geometry[g, ID_OFFSET]
             good = j < n_history or lo >= bounds[BASE, g, row] and lo + count <= bounds[HI, g, row]  # a live window
@@ -186,20 +186,14 @@ def commit_unit(geometry, pages, bounds, history, state, unit, out, starts, ref,
 
 
 @njit(cache=True, inline="always")
-def _unit_entries(unit, j, n_history):
-    """How many entries group ``j`` has in ``unit``: its blocks, or its boundaries."""
-    return unit[3] - unit[2] if j < n_history else unit[4]
-
-
-@njit(cache=True, inline="always")
 def _unit_span(geometry, history, state, unit, j, e):
     """Entry ``e`` of group ``j`` in ``unit``: (group, first logical page, pages): block
-    ``first + e``, or the window of boundary ``e``."""
+    ``first + e``, or the window of boundary ``e`` (a speculative one, else the latest)."""
     n_history = history.shape[0]
     if j < n_history:
         per_block = history[j, 1]
         return history[j, 0], (unit[2] + e) * per_block, per_block
-    g, d = state[j - n_history, 0], unit[5 + e]
+    g, d = state[j - n_history, 0], unit[4] + e * unit[5] if e < unit[6] else unit[7]
     t = geometry[g, PAGE_TOKENS]
     lo = max(d - state[j - n_history, 1], 0) // t
     return g, lo, d // t - lo
@@ -220,12 +214,10 @@ def _flag_low(geometry, history, state, unit, out, starts, low_flags):
     """Where ``unit``'s ``low`` is 2, flag low the pages of each state group's windows before
     its latest (``out[starts[j]:starts[j + 1]]`` holds group ``j``'s)."""
     n_history = history.shape[0]
-    for j in range(n_history, n_history + state.shape[0]):
-        count = _unit_entries(unit, j, n_history)
-        if unit[0] == 2 and count > 1:
-            g, _, n = _unit_span(geometry, history, state, unit, j, count - 1)
-            for i in range(starts[j], starts[j + 1] - n):
-                low_flags[geometry[g, ID_OFFSET] + out[i]] = True
+    for j in range(n_history, n_history + state.shape[0] if unit[0] == 2 and unit[6] > 0 else n_history):
+        g, _, n = _unit_span(geometry, history, state, unit, j, unit[6])
+        for i in range(starts[j], starts[j + 1] - n):
+            low_flags[geometry[g, ID_OFFSET] + out[i]] = True
 
 
 @njit(cache=True)

@@ -268,7 +268,7 @@ class CommitPages:
         if self._set is not None:
             ts = self._set
             self._commit_unit = kernels.entry_point(kernels.commit_unit, (
-                ts.geometry, ts.pages, ts.bounds, self._history, self._state, self._starts, self._out, self._starts,
+                ts.geometry, ts.pages, ts.bounds, self._history, self._state, (0,) * 8, self._out, self._starts,
                 *self._claim_in))
 
     def read(self, row: int, first_block: int, end_block: int, boundaries: list[int],
@@ -298,9 +298,10 @@ class CommitPages:
         assert n == size, (n, size)
         return self._out[:n].tolist(), self._status[:n_entries].tolist()
 
-    def read_unit(self, unit: list[int]) -> list[int] | None:
+    def read_unit(self, unit: tuple[int, ...]) -> list[int] | None:
         """One commit claimed whole or not at all, in one compiled call (``kernels.commit_unit``, whose ``unit``
-        this is): its pages, group by group in :meth:`read`'s order, or None where it was not claimed (nothing
+        this is: 8 ints, ``low``, row, first and end block, the speculative boundaries' start, step and count, the
+        latest): its pages, group by group in :meth:`read`'s order, or None where it was not claimed (nothing
         claimed: the caller commits it through :meth:`read`)."""
         ts = self._set
         if ts is None:
@@ -308,8 +309,8 @@ class CommitPages:
         size = (unit[3] - unit[2]) * self._unit_pages  # at most a checkpoint a block
         if size > self._out.size:
             self._out = np.empty(2 * max(size, self._out.size), dtype=np.int64)
-        n = self._commit_unit(ts.geometry, ts.pages, ts.bounds, self._history, self._state,
-                              np.array(unit, dtype=np.int64), self._out, self._starts, *self._claim_in)
+        n = self._commit_unit(ts.geometry, ts.pages, ts.bounds, self._history, self._state, unit, self._out,
+                              self._starts, *self._claim_in)
         return self._out[:n].tolist() if n >= 0 else None
 
 
