@@ -183,10 +183,13 @@ class TableSet:
 
     def note_cells(self, index: np.ndarray) -> None:
         """Log changed cells (ring-view indices) while logging is on and no resync is due."""
-        at = self.log_at(index.size)
-        if at >= 0:
-            self.logged[at : at + index.size] = index
-            self.count_logged(index.size)
+        n_logged = self.n_logged  # :meth:`log_at` inline: a prefix hit's call the fewer
+        if n_logged is None or self.resync:
+            return
+        if n_logged + index.size > self.logged.size:
+            self.reserve_log(index.size)
+        self.logged[n_logged : n_logged + index.size] = index
+        self.count_logged(index.size)
 
     def log_at(self, n_cells: int) -> int:
         """Where in ``logged`` the next cells logged go, room for ``n_cells`` reserved there; -1 while logging is off
