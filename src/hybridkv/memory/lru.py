@@ -257,15 +257,16 @@ def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, prev, nxt, per
 
 @njit(cache=True, _nrt=False)
 def free_row(geometry, pages, bounds, ref, keyed, stack, per_group, idle_tick, low_priority, prev, nxt, clock,
-             counters, work, row, grain):
+             counters, work, logged, log_at, row, grain):
     """``CacheManager.free`` of table row ``row`` in one call (-1, nothing changed, while its computed tokens complete a
-    ``grain`` its committed ones do not: commit first): its live pages (``kernels.take_cells``, group-major) leave the
-    tables (lanes back, base and hi 0) as one release (``kernels.release_into``), the keyed ones left idle :func:`join`
-    their lists, its computed and committed tokens (``counters[:2]``) become 0. ``work`` (int64: 3 per group, then 4
-    times the room for a row's every cell) holds its scratch: the cells emptied from ``work[3 * G]`` (``G`` groups;
-    returns how many), the keyed pages left idle from ``work[3 * G + 3 * room]``, how many per group from
-    ``work[G]``. Allocates nothing, counts no reference (``_nrt=False``): a returned array, an allocation or a counted
-    argument would each cost a call from Python cold."""
+    ``grain`` its committed ones do not (``counters[:2]``): commit first): its live pages (``kernels.take_cells``,
+    group-major) leave the tables (lanes back, base and hi 0) as one release (``kernels.release_into``), the keyed ones
+    left idle :func:`join` their lists, its counters (``counters[:, row]``) become 0, and the cells emptied are logged
+    at ``logged[log_at]`` (-1: not logged). ``work`` (int64: 3 per group, then 4 times the room for a row's every
+    cell) holds its scratch: the cells emptied from ``work[3 * G]`` (``G`` groups; returns how many), the keyed pages
+    left idle from ``work[3 * G + 3 * room]``, how many per group from ``work[G]``. Allocates nothing, counts no
+    reference (``_nrt=False``): a returned array, an allocation or a counted argument would each cost a call from
+    Python cold."""
     if grain and counters[1, row] // grain < counters[0, row] // grain:
         return -1
     n_groups, offsets = geometry.shape[0], geometry[:, ID_OFFSET]
@@ -283,5 +284,7 @@ def free_row(geometry, pages, bounds, ref, keyed, stack, per_group, idle_tick, l
     release_into(ref, keyed, stack, per_group, offsets, taken[:n], counts[2], freed, idle_keyed, counts)
     join(idle_tick, low_priority, prev, nxt, per_group[LRU_PAGES], per_group[LOW_IDLE_PAGES], per_group[LOW_FLOOR],
          offsets, counts[1], idle_keyed, clock)
-    counters[0, row], counters[1, row] = 0, 0
+    counters[:, row] = 0
+    for i in range(n if log_at >= 0 else 0):
+        logged[log_at + i] = cells_out[i]
     return n

@@ -587,21 +587,22 @@ class PageSpace:
 
     def free_row(self, tables, counters: np.ndarray, row: int, grain: int) -> bool:
         """``CacheManager.free``'s release of table row ``row`` in one call (``lru.free_row``; False, nothing changed,
-        while ``counters`` show a ``grain`` to commit first), the cells emptied (the first of the kernel's scratch after
-        its per-group counts) logged (``tables.note_cells`` copies them). The rankers read the keyed pages left idle
-        where the kernel lists them."""
+        while ``counters`` show a ``grain`` to commit first), the cells emptied logged by the kernel where
+        ``tables.log_at`` says (counted by ``tables.count_logged``). The rankers read the keyed pages left idle where
+        the kernel lists them."""
         ranked = self.ranked
         first_tick = int(_IDLE_CLOCK[0]) + 1 if ranked else 0
         args = self._free_args  # kept while its arrays are the ones to pass (grown tables or counters: new ones)
         if args[1] is not tables.pages or args[2] is not tables.bounds or args[12] is not counters:
             args = self._free_args = self._free_call(tables, counters)
-        n = self._free_row_entry(*args, row, grain)
+        log_at = tables.log_at(tables.row_cells)
+        n = self._free_row_entry(*args, tables.logged, log_at, row, grain)
         if n < 0:
             return False
-        g, work = len(self.pools), args[13]
-        if tables.n_logged is not None:
-            tables.note_cells(work[3 * g : 3 * g + n])
+        if log_at >= 0:
+            tables.count_logged(n)
         if ranked:
+            g, work = len(self.pools), args[13]
             self._tell_rankers(work[g : 2 * g], work[3 * g + 3 * tables.row_cells :], first_tick)
         return True
 
@@ -612,7 +613,7 @@ class PageSpace:
             self._free_work = np.empty(3 * len(self.pools) + 4 * tables.row_cells, dtype=np.int64)
         args = (tables.geometry, tables.pages, tables.bounds, *self._free_row_args, counters, self._free_work)
         if self._free_row_entry is None:  # the types every call passes: no type dispatch a call
-            self._free_row_entry = kernels.entry_point(lru.free_row, (*args, 0, 0))
+            self._free_row_entry = kernels.entry_point(lru.free_row, (*args, tables.logged, 0, 0, 0))
         return args
 
     def _tell_rankers(self, per_group: np.ndarray, keyed: np.ndarray, first_tick: int) -> None:

@@ -1074,7 +1074,7 @@ class CacheManager:
     def _load_kernels(self) -> None:
         """Load (or compile) every kernel a step may call, over a plan of no rows (nothing changes), so no
         step late in a run stalls for one (docs/architecture.md)."""
-        self._space.load_kernels(self._tableset, self._counters)
+        self._space.load_kernels(self._tableset, self._by_row)
         if self.prefix is not None:
             self.prefix.load_kernels()
         # ``_step``'s and the validation's kernels (``step`` and ``admit_spare`` by their compiled code, not run).
@@ -1289,17 +1289,17 @@ class CacheManager:
                 self._rewound_loads.discard(request_id)
                 self.pending_loads.discard(request_id)
         row, prefix, tables = req.row, self.prefix, self._tableset
-        # Its pages leave the tables, one release; first its last step publishes when it completed a grain.
-        if not self._space.free_row(tables, self._counters, row, self._grain):
+        # Its pages leave the tables, one release, and its row of ``_by_row`` becomes 0 (its token ids go with it); first
+        # its last step publishes when it completed a grain.
+        if not self._space.free_row(tables, self._by_row, row, self._grain):
             self._one_row[0] = row
             self._commit_rows(self._one_row)
-            self._space.free_row(tables, self._counters, row, 0)
+            self._space.free_row(tables, self._by_row, row, 0)
         if prefix is not None and prefix.values is not None:  # else forgetting it changes nothing
             prefix.forget_request(req)
         del self._requests[request_id]
         del self._row_of[request_id]
         del self._row_owner[row]
-        self._token_addr[row] = 0  # its token ids go with it
         self._free_rows.append(row)  # it may stay in _last_rows: it never settles (see there)
 
     # --- observability -------------------------------------------------------

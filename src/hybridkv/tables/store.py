@@ -183,15 +183,29 @@ class TableSet:
 
     def note_cells(self, index: np.ndarray) -> None:
         """Log changed cells (ring-view indices) while logging is on and no resync is due."""
-        n_logged = self.n_logged
+        n_logged = self.n_logged  # :meth:`log_at` inline: a prefix hit's call the fewer
         if n_logged is None or self.resync:
             return
-        end = n_logged + index.size
-        if end > self.logged.size:
+        if n_logged + index.size > self.logged.size:
             self.reserve_log(index.size)
-        self.logged[n_logged:end] = index
-        self.n_logged, self.log_notes = end, self.log_notes + 1
-        if self.log_notes > 512:  # many mutations between two drains: keep it bounded
+        self.logged[n_logged : n_logged + index.size] = index
+        self.count_logged(index.size)
+
+    def log_at(self, n_cells: int) -> int:
+        """Where in ``logged`` the next cells logged go, room for ``n_cells`` reserved there; -1 while logging is off
+        or a resync is due (nothing to log). A kernel that writes them there leaves :meth:`count_logged` to its caller."""
+        n_logged = self.n_logged
+        if n_logged is None or self.resync:
+            return -1
+        if n_logged + n_cells > self.logged.size:
+            self.reserve_log(n_cells)
+        return n_logged
+
+    def count_logged(self, n_cells: int) -> None:
+        """``n_cells`` more cells logged, written where :meth:`log_at` said (one note; more than 512 notes between
+        two drains: the log merged, unique, to keep it bounded)."""
+        self.n_logged, self.log_notes = self.n_logged + n_cells, self.log_notes + 1
+        if self.log_notes > 512:
             kept = np.unique(self.logged[: self.n_logged])
             self.logged[: kept.size] = kept
             self.n_logged, self.log_notes = kept.size, 1
