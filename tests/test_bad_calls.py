@@ -256,3 +256,20 @@ def test_an_item_of_another_length_among_pairs_is_refused(items):
     with pytest.raises(CacheManagerError, match=f"each item must be .*got {re.escape(repr(bad))}"):
         a.schedule(items)
     assert seen(a, ("a", "b")) == seen(b, ("a", "b"))
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_an_unknown_id_leads_a_refusal_of_many_reasons(uniform):
+    """A batch with more bad items than the message lists (three) names the unknown id first, wherever it lies:
+    the call is wrong before any request's own state is (the example hypothesis found: three requests past their
+    known token ids, the unknown id last)."""
+    a, b = two_managers()
+    for m in (a, b):
+        for seed, rid in enumerate(("r0", "r1", "r2")):
+            m.add_request(rid, ids(seed, 65), max_new_tokens=8)
+            m.schedule([(rid, 65)])  # every known token computed: one more is past them
+    batch = ["r0", "r1", "r2", "nope"]
+    with pytest.raises(CacheManagerError, match=r"4 of 4 requests not admissible: unknown request 'nope'; "
+                                                r"request 'r0': 65 \+ 1 tokens exceeds the 65 known token ids"):
+        a.schedule_uniform(batch, 1) if uniform else a.schedule([(rid, 1) for rid in batch])
+    assert seen(a, batch) == seen(b, batch)

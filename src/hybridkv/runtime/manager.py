@@ -33,6 +33,8 @@ __all__ = ["Admission", "CacheManager", "CacheManagerError", "GroupStats", "Grou
            "StepBatch", "TableUpdates"]
 
 _BLOCK_TABLE_MODES = ("full", "updates")
+# Reasons that say the call itself is wrong (a malformed item, an unknown or repeated id): a refusal lists them first.
+_CALL_ERRORS = ("each item must be", "unknown request", "appears twice")
 _HOLD_RANGE = "page ids must lie in [1, {n})"  # hold_pages' refusal of a page out of range
 _RELEASE_HELD = "releasing pages that hold_pages_by_group did not hold"
 
@@ -907,6 +909,7 @@ class CacheManager:
         if len(verdict.ok_idx) != n_items or verdict.deny:  # a request fits unless denied
             deny = verdict.deny
             reasons = [a.reason for a in verdict.answers if a is not None] + [deny[k] for k in sorted(deny)]
+            reasons.sort(key=lambda reason: not any(words in reason for words in _CALL_ERRORS))  # stable
             raise CacheManagerError(f"{len(reasons)} of {n_items} requests not admissible: {'; '.join(reasons[:3])}")
         plan = verdict.plan
         if plan.request_ids is None:
