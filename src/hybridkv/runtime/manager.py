@@ -966,6 +966,9 @@ class CacheManager:
         else:  # decode: the int comparison alone
             status, n, settle, n_crossing, clean, n_touched, n_keyed = self._step_entry(*args)
             n_spare = None
+        if status == kernels.STEP_SPARE:  # admitted with ``admit_spare``'s spare slabs alone: they commit, then run
+            grants = self.arena.spare_written[:, :n_spare].copy() if n_spare else None
+            return self._run(grants, (n, settle, n_crossing, clean), rids, cells, out, updates, rows_in)
         if status > kernels.STEP_NEEDS_PAGES:  # planned only
             return self._planned_step(status, (n, settle, n_crossing, clean), rids, rows_in, cells, out, write_slots,
                                       updates, n_spare)
@@ -980,14 +983,14 @@ class CacheManager:
     def _planned_step(self, status: int, planned: tuple, rids: tuple, rows_in: np.ndarray, cells: tuple,
                       out: _StepArrays, write_slots: bool, updates: bool,
                       n_spare: int | None) -> StepBatch | _StepPlan | None:
-        """``_step`` once ``kernels.step`` only planned: the batch if admitted without ``_admit`` (``_direct_grants``;
-        run at once by ``_run`` where ``kernels.step`` checked the buffers, ``STEP_COMMITS`` or ``STEP_SPARE``: the
+        """``_step`` once ``kernels.step`` only planned (``STEP_SPARE`` aside): the batch if admitted without ``_admit``
+        (``_direct_grants``; run at once by ``_run`` where ``kernels.step`` checked the buffers, ``STEP_COMMITS``: the
         rows commit, then the plan runs as it is), else the plan or None (``n_spare``: ``admit_spare``'s answer if
         ``step_spare`` gave it)."""
         if planned[0] < 0:
             return None
         grants, n_spare = self._direct_grants(status, planned, n_spare)
-        if grants is not False and status >= kernels.STEP_COMMITS:
+        if grants is not False and status == kernels.STEP_COMMITS:
             return self._run(grants, planned, rids, cells, out, updates, rows_in)
         plan = self._plan_of(*planned)
         plan.request_ids = rids
@@ -1011,13 +1014,20 @@ class CacheManager:
         self._version += 1
         if n_crossing:
             self._commit_rows(sc.plan[6][:n_crossing])  # the stacks only grow: the plan is still admitted
-        ts = self._tableset  # commits log no cell: the step's touched cells follow those logged, with room for them
-        args = (*(self._state or self._kernel_state())[:10], sc.buffer, n, settle)
+        ts, state = self._tableset, (self._state or self._kernel_state())[:10]
+        log = ts.logged, ts.n_logged or 0  # commits log no cell: the step's touched cells follow those logged
         if grants is None:
             hold = step_plan is not None and bool(step_plan.grants)
-            status, n_touched, n_keyed = self._run_entry(*args, hold, ts.logged, ts.n_logged or 0, *cells, *out)
-        else:  # ``grant_step`` stops only when groups make room, marked already
-            status, n_touched, n_keyed = self._grant_run(grants, *args, ts.logged, ts.n_logged or 0, *cells, *out)
+            status, n_touched, n_keyed = self._run_entry(*state, sc.buffer, n, settle, hold, *log, *cells, *out)
+        else:  # ``grant_step`` (its scratch kept for the next) stops only when groups make room, marked already
+            arena, join = self._grant_args, self._space.join_args
+            self._grant_room = room = kernels.grant_scratch(grants, arena, len(self.specs), self._grant_room)
+            status, n_touched, n_keyed = self._grant_entry(grants, room, arena, join, *state, sc.buffer, n, settle,
+                                                           *log, *cells, *out)
+            if status < 0:
+                raise AssertionError("a slab granted is not spare")
+            if status == kernels.STEP_DONE and join[3].size:  # run whole, its idle keyed pages joined (no ranker)
+                n_keyed = 0
         if status != kernels.STEP_DONE:
             step_plan = step_plan or self._plan_of(*plan)
             n_touched = self._after_run(n_touched, n_keyed, step_plan, out, cells, grants is not None)
@@ -1025,17 +1035,6 @@ class CacheManager:
             self._space.keyed_idle(sc.released[1], sc.idle_keyed)
         self._last_rows = rows_in
         return self._build_batch(rows_in, rids, out, fixed_width, n_touched if updates else -1, cells)
-
-    def _grant_run(self, grants: np.ndarray, *args: Any) -> tuple[int, int, int]:
-        """``kernels.grant_step`` (its compiled code) granting the spare slabs ``grants``, with its scratch;
-        ``args``: its arguments after the arena's and the join's (the step's state, the plan, the table log, outputs).
-        Its answer; no idle keyed pages where it joined them (run whole, no ranker to tell: ``PageSpace.join_args``)."""
-        arena, join = self._grant_args, self._space.join_args
-        self._grant_room = kernels.grant_scratch(grants, arena, len(self.specs), self._grant_room)  # kept for the next
-        found = self._grant_entry(grants, self._grant_room, arena, join, *args)
-        if found[0] < 0:
-            raise AssertionError("a slab granted is not spare")
-        return (found[0], found[1], 0) if found[0] == kernels.STEP_DONE and join[3].size else found
 
     def _direct_grants(self, status: int, planned: tuple, n_spare: int | None) -> tuple[Any, int | None]:
         """How ``_planned_step`` may run a plan that ``_admit`` would admit as is or with spare slabs alone, without
@@ -1084,6 +1083,7 @@ class CacheManager:
         self._step_entry = kernels.entry_point(kernels.step, args)
         if self.arena is not None:
             self._admit_entry = kernels.entry_point(kernels.admit_spare, self._admit_args(0))
+        if self.arena is not None and self.arena.spare_written is not None:  # ``STEP_SPARE`` runs its grants as written
             self._spare_args = (self._window_pages, self._spare_rows, *self.arena.spare_args)
             self._spare_entry = kernels.entry_point(kernels.step_spare, (*args, *self._spare_args))
         self._plan(no_rows, no_rows, _COMPUTED)
