@@ -855,7 +855,8 @@ class CacheManager:
         ``hybridkv.tierlink``): the items' tokens are copied in, not computed, so in a sliding group each request holds
         only the pages of the checkpoint at its new end, as after a prefix hit there (docs/manager.md, "Load steps").
         """
-        check_items(items, CacheManagerError)
+        if type(items) is not list:  # a list passes ``check_items``
+            check_items(items, CacheManagerError)
         if load and write_slots:
             raise CacheManagerError("a load step computes nothing to write: schedule it with write_slots=False")
         items = items if type(items) is list else list(items)
@@ -966,8 +967,8 @@ class CacheManager:
         else:  # decode: the int comparison alone
             status, n, settle, n_crossing, clean, n_touched, n_keyed = self._step_entry(*args)
             n_spare = None
-        if status == kernels.STEP_SPARE:  # admitted with ``admit_spare``'s spare slabs alone: they commit, then run
-            grants = self.arena.spare_written[:, :n_spare].copy() if n_spare else None
+        if status >= kernels.STEP_COMMITS:  # admitted (``STEP_SPARE``: ``admit_spare``'s spare slabs): commit, then run
+            grants = self.arena.spare_written[:, :n_spare].copy() if status == kernels.STEP_SPARE and n_spare else None
             return self._run(grants, (n, settle, n_crossing, clean), rids, cells, out, updates, rows_in)
         if status > kernels.STEP_NEEDS_PAGES:  # planned only
             return self._planned_step(status, (n, settle, n_crossing, clean), rids, rows_in, cells, out, write_slots,
@@ -983,15 +984,12 @@ class CacheManager:
     def _planned_step(self, status: int, planned: tuple, rids: tuple, rows_in: np.ndarray, cells: tuple,
                       out: _StepArrays, write_slots: bool, updates: bool,
                       n_spare: int | None) -> StepBatch | _StepPlan | None:
-        """``_step`` once ``kernels.step`` only planned (``STEP_SPARE`` aside): the batch if admitted without ``_admit``
-        (``_direct_grants``; run at once by ``_run`` where ``kernels.step`` checked the buffers, ``STEP_COMMITS``: the
-        rows commit, then the plan runs as it is), else the plan or None (``n_spare``: ``admit_spare``'s answer if
-        ``step_spare`` gave it)."""
+        """``_step`` once ``kernels.step`` only planned a plan it did not admit (``STEP_PLANNED``, ``STEP_COVERED``): the
+        batch if admitted without ``_admit`` (``_direct_grants``), else the plan or None (``n_spare``: ``admit_spare``'s
+        answer if ``step_spare`` gave it)."""
         if planned[0] < 0:
             return None
         grants, n_spare = self._direct_grants(status, planned, n_spare)
-        if grants is not False and status == kernels.STEP_COMMITS:
-            return self._run(grants, planned, rids, cells, out, updates, rows_in)
         plan = self._plan_of(*planned)
         plan.request_ids = rids
         if grants is not False or plan.clean:  # admitted: ``_commit_and_run`` grows the buffers where needed
@@ -1016,18 +1014,17 @@ class CacheManager:
             self._commit_rows(sc.plan[6][:n_crossing])  # the stacks only grow: the plan is still admitted
         ts, state = self._tableset, (self._state or self._kernel_state())[:10]
         log = ts.logged, ts.n_logged or 0  # commits log no cell: the step's touched cells follow those logged
-        if grants is None:
+        if grants is None:  # both kernels join the keyed pages left idle (``n_keyed`` 0) unless a ranker is told
             hold = step_plan is not None and bool(step_plan.grants)
-            status, n_touched, n_keyed = self._run_entry(*state, sc.buffer, n, settle, hold, *log, *cells, *out)
+            status, n_touched, n_keyed = self._run_entry(*state, sc.buffer, n, settle, hold, *log, *cells, *out,
+                                                         self._space.join_args)
         else:  # ``grant_step`` (its scratch kept for the next) stops only when groups make room, marked already
-            arena, join = self._grant_args, self._space.join_args
+            arena = self._grant_args
             self._grant_room = room = kernels.grant_scratch(grants, arena, len(self.specs), self._grant_room)
-            status, n_touched, n_keyed = self._grant_entry(grants, room, arena, join, *state, sc.buffer, n, settle,
-                                                           *log, *cells, *out)
+            status, n_touched, n_keyed = self._grant_entry(grants, room, arena, self._space.join_args, *state,
+                                                           sc.buffer, n, settle, *log, *cells, *out)
             if status < 0:
                 raise AssertionError("a slab granted is not spare")
-            if status == kernels.STEP_DONE and join[3].size:  # run whole, its idle keyed pages joined (no ranker)
-                n_keyed = 0
         if status != kernels.STEP_DONE:
             step_plan = step_plan or self._plan_of(*plan)
             n_touched = self._after_run(n_touched, n_keyed, step_plan, out, cells, grants is not None)
@@ -1038,12 +1035,12 @@ class CacheManager:
 
     def _direct_grants(self, status: int, planned: tuple, n_spare: int | None) -> tuple[Any, int | None]:
         """How ``_planned_step`` may run a plan that ``_admit`` would admit as is or with spare slabs alone, without
-        it: None (``run_step``: a clean plan whose rows cross a grain, one ``STEP_COVERED`` granting no slab, or one
-        ``admit_spare`` admits as is), the spare slabs ``admit_spare`` grants (``grant_step``'s ``[2, n]``), else
-        False; and ``admit_spare``'s answer where it was asked (else ``n_spare``)."""
-        n, _, n_crossing, clean = planned
+        it: None (``run_step``: one ``STEP_COVERED`` granting no slab, or one ``admit_spare`` admits as is), the spare
+        slabs ``admit_spare`` grants (``grant_step``'s ``[2, n]``), else False (a clean plan: ``_commit_and_run``);
+        and ``admit_spare``'s answer where it was asked (else ``n_spare``)."""
+        n, _, _, clean = planned
         if clean:
-            return None if n_crossing else False, n_spare
+            return False, n_spare
         if status == kernels.STEP_COVERED and (self.arena is None or all(  # ``_admit`` grants no slab then
                 n <= p.num_free_pages for n, p in zip(self._scratch.plan[5][1].tolist(), self._pool_list)
                 if n > p.num_clean_free_pages)):
@@ -1091,7 +1088,7 @@ class CacheManager:
         # ``_run``'s and ``_after_run``'s ``kernels.run_step`` and ``finish_step`` (``_step``'s cells and arrays), by
         # their compiled code looked up once; ``head`` and ``tail``: the arguments around a kernel's own ones.
         head, tail = (*self._kernel_state()[:10], sc.buffer, 0, 0), (self._tableset.logged, 0, *_NO_CELLS, *out)
-        self._run_entry = kernels.entry_point(kernels.run_step, (*head, False, *tail))
+        self._run_entry = kernels.entry_point(kernels.run_step, (*head, False, *tail, self._space.join_args))
         self._finish_entry = kernels.entry_point(kernels.finish_step, (*head, *tail, True))
         # Room for a step of every table row and as many settling (``_take_row`` grows it with the rows).
         rows, counts, first, after, need, sums, crossing, _ = sc.plan_arrays(2 * self._computed.size)
