@@ -572,9 +572,10 @@ class PageSpace:
 
     @property
     def join_args(self) -> tuple:
-        """``kernels.grant_step``'s arguments of ``keyed_idle``'s join: an empty clock where a ranker is to be told
-        (``keyed_idle`` joins then)."""
-        return self.idle_tick, self.lru_prev, self.lru_next, _IDLE_CLOCK[:0] if self.ranked else _IDLE_CLOCK
+        """``kernels.run_step``'s and ``grant_step``'s arguments of ``keyed_idle``'s join (``kernels.join_idle``): an
+        empty clock where a ranker is to be told (``keyed_idle`` joins then)."""
+        return self.idle_tick, self.lru_prev, self.lru_next, _IDLE_CLOCK[:0] if self.ranked else _IDLE_CLOCK, \
+            self.offsets
 
     def keyed_idle(self, per_group: np.ndarray, keyed: np.ndarray) -> None:
         """Keyed pages a release left idle (group after group, ``per_group[g]`` each; both int64) join their LRUs

@@ -712,23 +712,40 @@ def run_views(plan, n_groups, n):
 @njit(cache=True, _nrt=False)
 def run_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n,
              settle, hold, touched, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices,
-             per_token):
+             per_token, idle=None):
     """One admitted step (docs/manager.md, stage 3) of the plan of ``n`` rows (``settle`` settling) that
     ``prepare_step`` wrote to ``plan`` (``plan_views``; its scratch too): commit, release, then ``finish_step``. Returns
-    (status, cells logged, idle keyed pages); ``STEP_NEEDS_PAGES`` when it stopped after the releases for Python."""
+    (status, cells logged, idle keyed pages); ``STEP_NEEDS_PAGES`` when it stopped after the releases for Python.
+    With ``idle`` (``PageSpace.join_args``) the keyed pages its releases left idle join their LRUs before it returns
+    (``join_idle``; none left to Python then)."""
     rows, counts, first, after, sums, released, _, scratch, idle_keyed = run_views(plan, geometry.shape[0], n)
     committed = counters[1]
     for r in range(n):
         committed[rows[r]] = first[r]
     n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after,
                                        scratch, idle_keyed, released, touched, n_logged)
-    if hold or room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, per_group, ref, keyed,
-                           low_priority, None, None, 0, released[1], idle_keyed):
-        return STEP_NEEDS_PAGES, n_touched, n_keyed
-    n_touched = finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient,
-                            plan, n, settle, touched, n_touched, cells, cell_pages, per_request, query_start_loc,
-                            request_indices, per_token, False)
-    return STEP_DONE, n_touched, n_keyed
+    status = STEP_NEEDS_PAGES
+    if not (hold or room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, per_group, ref,
+                                keyed, low_priority, None, None, 0, released[1], idle_keyed)):
+        n_touched = finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group,
+                                transient, plan, n, settle, touched, n_touched, cells, cell_pages, per_request,
+                                query_start_loc, request_indices, per_token, False)
+        status = STEP_DONE
+    if idle is not None:
+        n_keyed = join_idle(idle, low_priority, per_group, released[1], idle_keyed, n_keyed)
+    return status, n_touched, n_keyed
+
+
+@njit(cache=True, inline="always")
+def join_idle(idle, low_priority, per_group, not_joined, idle_keyed, n_keyed):
+    """``PageSpace.keyed_idle``'s join of the ``n_keyed`` keyed pages a step's releases left idle (``not_joined[g]``
+    of group ``g``) unless ``idle``'s clock is empty (a ranker to tell: Python joins them). Returns those left."""
+    idle_tick, prev, nxt, clock, offsets = idle
+    if n_keyed == 0 or clock.size == 0:
+        return n_keyed
+    _lru.join(idle_tick, low_priority, prev, nxt, per_group[LRU_PAGES], per_group[LOW_IDLE_PAGES],
+              per_group[LOW_FLOOR], offsets, not_joined, idle_keyed, clock)
+    return 0
 
 
 @njit(cache=True, _nrt=False)
@@ -738,12 +755,12 @@ def grant_step(grants, scratch, arena, idle, geometry, pages, bounds, counters, 
     """``run_step`` granting spare slabs alone (``grants``: groups, slabs) after its releases, counted off the arena's
     spare slabs with ``SKIP_PACKING`` following ``Arena.roomy`` (``Arena._spare_changed``); it stops for Python only
     when ``room_groups`` asks (as after the idle keyed pages joined: its ``not_joined``), its marks left in ``arena``'s
-    last item (the manager's) for ``make_room``. Status -1 (nothing granted): a slab not spare. A kernel of its own: the
+    last item (the manager's) for ``make_room``, the keyed pages its releases left idle joined first (``join_idle``).
+    Status -1 (nothing granted): a slab not spare. A kernel of its own: the
     grant inside ``run_step`` makes ``step``'s compiled loops slower. ``scratch`` (``grant_scratch``): int64 room for
     pages per group and every granted slab's pages: the kernel allocates nothing, so it
     runs without reference counting (``_nrt=False``: its ~30 arrays come in without a MemInfo each, ~8 µs a call).
-    Done whole, the keyed pages its releases left idle join their LRUs here (``idle``: ``PageSpace.join_args``),
-    unless its clock is empty."""
+    ``idle``: ``PageSpace.join_args``."""
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n, settle,
         True, touched, n_logged, cells, cell_pages, per_request, query_start_loc, request_indices, per_token)
@@ -756,18 +773,14 @@ def grant_step(grants, scratch, arena, idle, geometry, pages, bounds, counters, 
         return -1, n_touched, n_keyed
     spare[0] -= grants.shape[1]
     per_group[SKIP_PACKING] = 1 if spare[0] >= roomy_slabs else 0  # ``Arena.roomy`` (``Arena._spare_changed``)
-    # ``room_groups`` as it answers once the keyed pages gone idle joined their LRUs (they join after the step).
-    if room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, per_group, ref, keyed,
-                   low_priority, (owner, lo, hi, straddle, sizes), marks, 0, released[1], idle_keyed):
-        return STEP_NEEDS_PAGES, n_touched, n_keyed  # a group makes room once they joined: ``marks`` says which
-    n_touched = finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient,
-                            plan, n, settle, touched, n_touched, cells, cell_pages, per_request, query_start_loc,
-                            request_indices, per_token, False)
-    idle_tick, prev, nxt, clock = idle
-    if n_keyed and clock.size:  # ``PageSpace.keyed_idle``'s join (no clock: Python joins, telling a ranker)
-        _lru.join(idle_tick, low_priority, prev, nxt, per_group[LRU_PAGES], per_group[LOW_IDLE_PAGES],
-                  per_group[LOW_FLOOR], offsets, released[1], idle_keyed, clock)
-    return STEP_DONE, n_touched, n_keyed
+    # ``room_groups`` as it answers once the keyed pages gone idle joined their LRUs (they join before it returns).
+    if not room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, per_group, ref, keyed,
+                       low_priority, (owner, lo, hi, straddle, sizes), marks, 0, released[1], idle_keyed):
+        n_touched = finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group,
+                                transient, plan, n, settle, touched, n_touched, cells, cell_pages, per_request,
+                                query_start_loc, request_indices, per_token, False)
+        status = STEP_DONE  # else a group makes room once they joined: ``marks`` says which
+    return status, n_touched, join_idle(idle, low_priority, per_group, released[1], idle_keyed, n_keyed)
 
 
 def grant_scratch(grants, arena, n_groups, made=None):

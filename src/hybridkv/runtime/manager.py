@@ -857,7 +857,8 @@ class CacheManager:
         ``hybridkv.tierlink``): the items' tokens are copied in, not computed, so in a sliding group each request holds
         only the pages of the checkpoint at its new end, as after a prefix hit there (docs/manager.md, "Load steps").
         """
-        check_items(items, CacheManagerError)
+        if type(items) is not list:  # a list passes ``check_items``
+            check_items(items, CacheManagerError)
         if load and write_slots:
             raise CacheManagerError("a load step computes nothing to write: schedule it with write_slots=False")
         items = items if type(items) is list else list(items)
@@ -969,6 +970,9 @@ class CacheManager:
         else:  # decode: the int comparison alone
             status, n, settle, n_crossing, clean, n_touched, n_keyed = self._step_entry(*args)
             n_spare = None
+        if status >= kernels.STEP_COMMITS:  # admitted (``STEP_SPARE``: ``admit_spare``'s spare slabs): commit, then run
+            grants = self.arena.spare_written[:, :n_spare].copy() if status == kernels.STEP_SPARE and n_spare else None
+            return self._run(grants, (n, settle, n_crossing, clean), rids, cells, out, updates, rows_in)
         if status > kernels.STEP_NEEDS_PAGES:  # planned only
             return self._planned_step(status, (n, settle, n_crossing, clean), rids, rows_in, cells, out, write_slots,
                                       updates, n_spare)
@@ -983,15 +987,12 @@ class CacheManager:
     def _planned_step(self, status: int, planned: tuple, rids: tuple, rows_in: np.ndarray, cells: tuple,
                       out: _StepArrays, write_slots: bool, updates: bool,
                       n_spare: int | None) -> StepBatch | _StepPlan | None:
-        """``_step`` once ``kernels.step`` only planned: the batch if admitted without ``_admit`` (``_direct_grants``;
-        run at once by ``_run`` where ``kernels.step`` checked the buffers, ``STEP_COMMITS`` or ``STEP_SPARE``: the
-        rows commit, then the plan runs as it is), else the plan or None (``n_spare``: ``admit_spare``'s answer if
-        ``step_spare`` gave it)."""
+        """``_step`` once ``kernels.step`` only planned a plan it did not admit (``STEP_PLANNED``, ``STEP_COVERED``): the
+        batch if admitted without ``_admit`` (``_direct_grants``), else the plan or None (``n_spare``: ``admit_spare``'s
+        answer if ``step_spare`` gave it)."""
         if planned[0] < 0:
             return None
         grants, n_spare = self._direct_grants(status, planned, n_spare)
-        if grants is not False and status >= kernels.STEP_COMMITS:
-            return self._run(grants, planned, rids, cells, out, updates, rows_in)
         plan = self._plan_of(*planned)
         plan.request_ids = rids
         if grants is not False or plan.clean:  # admitted: ``_commit_and_run`` grows the buffers where needed
@@ -1014,13 +1015,19 @@ class CacheManager:
         self._version += 1
         if n_crossing:
             self._commit_rows(sc.plan[6][:n_crossing])  # the stacks only grow: the plan is still admitted
-        ts = self._tableset  # commits log no cell: the step's touched cells follow those logged, with room for them
-        args = (*(self._state or self._kernel_state())[:10], sc.buffer, n, settle)
-        if grants is None:
+        ts, state = self._tableset, (self._state or self._kernel_state())[:10]
+        log = ts.logged, ts.n_logged or 0  # commits log no cell: the step's touched cells follow those logged
+        if grants is None:  # both kernels join the keyed pages left idle (``n_keyed`` 0) unless a ranker is told
             hold = step_plan is not None and bool(step_plan.grants)
-            status, n_touched, n_keyed = self._run_entry(*args, hold, ts.logged, ts.n_logged or 0, *cells, *out)
-        else:  # ``grant_step`` stops only when groups make room, marked already
-            status, n_touched, n_keyed = self._grant_run(grants, *args, ts.logged, ts.n_logged or 0, *cells, *out)
+            status, n_touched, n_keyed = self._run_entry(*state, sc.buffer, n, settle, hold, *log, *cells, *out,
+                                                         self._space.join_args)
+        else:  # ``grant_step`` (its scratch kept for the next) stops only when groups make room, marked already
+            arena = self._grant_args
+            self._grant_room = room = kernels.grant_scratch(grants, arena, len(self.specs), self._grant_room)
+            status, n_touched, n_keyed = self._grant_entry(grants, room, arena, self._space.join_args, *state,
+                                                           sc.buffer, n, settle, *log, *cells, *out)
+            if status < 0:
+                raise AssertionError("a slab granted is not spare")
         if status != kernels.STEP_DONE:
             step_plan = step_plan or self._plan_of(*plan)
             n_touched = self._after_run(n_touched, n_keyed, step_plan, out, cells, grants is not None)
@@ -1029,25 +1036,14 @@ class CacheManager:
         self._last_rows = rows_in
         return self._build_batch(rows_in, rids, out, fixed_width, n_touched if updates else -1, cells)
 
-    def _grant_run(self, grants: np.ndarray, *args: Any) -> tuple[int, int, int]:
-        """``kernels.grant_step`` (its compiled code) granting the spare slabs ``grants``, with its scratch;
-        ``args``: its arguments after the arena's and the join's (the step's state, the plan, the table log, outputs).
-        Its answer; no idle keyed pages where it joined them (run whole, no ranker to tell: ``PageSpace.join_args``)."""
-        arena, join = self._grant_args, self._space.join_args
-        self._grant_room = kernels.grant_scratch(grants, arena, len(self.specs), self._grant_room)  # kept for the next
-        found = self._grant_entry(grants, self._grant_room, arena, join, *args)
-        if found[0] < 0:
-            raise AssertionError("a slab granted is not spare")
-        return (found[0], found[1], 0) if found[0] == kernels.STEP_DONE and join[3].size else found
-
     def _direct_grants(self, status: int, planned: tuple, n_spare: int | None) -> tuple[Any, int | None]:
         """How ``_planned_step`` may run a plan that ``_admit`` would admit as is or with spare slabs alone, without
-        it: None (``run_step``: a clean plan whose rows cross a grain, one ``STEP_COVERED`` granting no slab, or one
-        ``admit_spare`` admits as is), the spare slabs ``admit_spare`` grants (``grant_step``'s ``[2, n]``), else
-        False; and ``admit_spare``'s answer where it was asked (else ``n_spare``)."""
-        n, _, n_crossing, clean = planned
+        it: None (``run_step``: one ``STEP_COVERED`` granting no slab, or one ``admit_spare`` admits as is), the spare
+        slabs ``admit_spare`` grants (``grant_step``'s ``[2, n]``), else False (a clean plan: ``_commit_and_run``);
+        and ``admit_spare``'s answer where it was asked (else ``n_spare``)."""
+        n, _, _, clean = planned
         if clean:
-            return None if n_crossing else False, n_spare
+            return False, n_spare
         if status == kernels.STEP_COVERED and (self.arena is None or all(  # ``_admit`` grants no slab then
                 n <= p.num_free_pages for n, p in zip(self._scratch.plan[5][1].tolist(), self._pool_list)
                 if n > p.num_clean_free_pages)):
@@ -1087,6 +1083,7 @@ class CacheManager:
         self._step_entry = kernels.entry_point(kernels.step, args)
         if self.arena is not None:
             self._admit_entry = kernels.entry_point(kernels.admit_spare, self._admit_args(0))
+        if self.arena is not None and self.arena.spare_written is not None:  # ``STEP_SPARE`` runs its grants as written
             self._spare_args = (self._window_pages, self._spare_rows, *self.arena.spare_args)
             self._spare_entry = kernels.entry_point(kernels.step_spare, (*args, *self._spare_args))
         self._plan(no_rows, no_rows, _COMPUTED)
@@ -1094,7 +1091,7 @@ class CacheManager:
         # ``_run``'s and ``_after_run``'s ``kernels.run_step`` and ``finish_step`` (``_step``'s cells and arrays), by
         # their compiled code looked up once; ``head`` and ``tail``: the arguments around a kernel's own ones.
         head, tail = (*self._kernel_state()[:10], sc.buffer, 0, 0), (self._tableset.logged, 0, *_NO_CELLS, *out)
-        self._run_entry = kernels.entry_point(kernels.run_step, (*head, False, *tail))
+        self._run_entry = kernels.entry_point(kernels.run_step, (*head, False, *tail, self._space.join_args))
         self._finish_entry = kernels.entry_point(kernels.finish_step, (*head, *tail, True))
         # Room for a step of every table row and as many settling (``_take_row`` grows it with the rows).
         rows, counts, first, after, need, sums, crossing, _ = sc.plan_arrays(2 * self._computed.size)
