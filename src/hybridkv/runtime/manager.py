@@ -319,7 +319,7 @@ class CacheManager:
         self._one_count_tokens = 0  # ``_one_count[0]`` as a plain int (written only when it changes)
         self._one_row = np.zeros(1, dtype=np.int64)  # the row ``free`` commits (no array made)
         # ``kernels.copy_token_ids``' and ``append_token_ids``' compiled code for any int32 ids (a read-only
-        # strided view's type covers every layout): ``_plain_prompt`` and ``append_token_ids_many`` skip the
+        # strided view's type covers every layout): ``_prompt_buffer`` and ``append_token_ids_many`` skip the
         # type dispatch.
         self._copy_ids = kernels.entry_point(kernels.copy_token_ids, (_ANY_IDS, np.empty(0, _INT32)))
         self._append_ids = kernels.entry_point(kernels.append_token_ids, (self._token_addr, self._one_row, self._known,
@@ -355,7 +355,7 @@ class CacheManager:
             req, prompt, address = self._take_prepared(*args)
             cache_salt = prompt_token_ids.cache_salt
         else:
-            req, prompt, address = self._plain_prompt(*args) or self._new_prompt(*args)
+            req, prompt, address = self._new_prompt(*args)
         self._version += 1  # invalidates a cached admission
         row = req.row = self._free_rows.pop() if self._free_rows else self._take_row()
         if self.prefix is not None and prompt is not None:
@@ -373,32 +373,17 @@ class CacheManager:
                                   cache_salt)
         return hit
 
-    def _plain_prompt(self, request_id: Any, ids: Any, prompt_tokens: Any, max_new_tokens: Any,
-                      cache_salt: Any) -> tuple[_Request, np.ndarray, int] | None:
-        """``add_request``'s common case (new str id, 1-D int32 ids, int ``max_new_tokens``, nothing else):
-        the request (no row yet), its ids copied and checked in one compiled call, and their address; else None
-        (``_new_prompt`` words it)."""
-        if not (type(request_id) is str and request_id and type(ids) is np.ndarray and ids.ndim == 1
-                and ids.dtype == _INT32 and prompt_tokens is None and cache_salt is None
-                and type(max_new_tokens) is int and 0 <= max_new_tokens
-                and 0 < ids.size <= self.max_context_tokens - max_new_tokens and request_id not in self._requests):
-            return None
-        buf = np.empty(ids.size + max_new_tokens, dtype=np.int32)
-        address = self._copy_ids(ids, buf)
-        return (_Request(request_id, -1, ids.size, buf.size, buf), buf[: ids.size], address) if address else None
-
     def _new_prompt(self, request_id: Any, prompt_token_ids: Any, prompt_tokens: Any, max_new_tokens: Any,
                     cache_salt: Any) -> tuple[_Request, np.ndarray | None, int]:
         """``add_request``'s arguments checked in order: the request (no row yet; no token buffer without ids), its
         prompt ids and their address (None and 0 without ids)."""
         check_cache_salt(cache_salt, CacheManagerError)
-        if prompt_token_ids is not None:
+        if prompt_token_ids is not None and type(prompt_token_ids) is not np.ndarray:  # an array passes
             check_token_ids("prompt_token_ids", prompt_token_ids, CacheManagerError)
         self._check_new_id(request_id)
-        buf, prompt_len, total = self._prompt_buffer(f"request {request_id!r}", prompt_token_ids, prompt_tokens,
-                                                     max_new_tokens)
-        req = _Request(request_id, -1, prompt_len, total, buf)
-        return (req, None, 0) if buf is None else (req, buf[:prompt_len], buf.ctypes.data)
+        buf, prompt_len, total, address = self._prompt_buffer(request_id, prompt_token_ids, prompt_tokens,
+                                                              max_new_tokens)
+        return _Request(request_id, -1, prompt_len, total, buf), buf if buf is None else buf[:prompt_len], address
 
     def _check_new_id(self, request_id: Any) -> None:
         if not isinstance(request_id, str) or not request_id:
@@ -406,17 +391,21 @@ class CacheManager:
         if request_id in self._requests:
             raise CacheManagerError(f"request {request_id!r} already exists")
 
-    def _prompt_buffer(self, who: str, prompt_token_ids: Any, prompt_tokens: Any,
-                       max_new_tokens: Any) -> tuple[np.ndarray | None, int, int]:
-        """The token buffer (None without ids), the prompt's length and the total tokens, checked (``who`` names
-        the prompt in errors)."""
+    def _prompt_buffer(self, request_id: Any, prompt_token_ids: Any, prompt_tokens: Any,
+                       max_new_tokens: Any) -> tuple[np.ndarray | None, int, int, int]:
+        """The token buffer (None without ids), the prompt's length, the total tokens and the buffer's address (0
+        without ids), checked (errors name request ``request_id``; None: a prepared prompt). The ids are copied, and
+        int32 ids checked, in one compiled call (``kernels.copy_token_ids``)."""
         if prompt_token_ids is None and prompt_tokens is None:
             raise CacheManagerError("give prompt_token_ids or prompt_tokens")
-        ids = None if prompt_token_ids is None else _token_array(prompt_token_ids)
+        ids = prompt_token_ids  # int32 ids: the copy checks them
+        if not (type(ids) is np.ndarray and ids.ndim == 1 and ids.dtype == _INT32):
+            ids = None if ids is None else _token_array(ids)
         prompt_len = ids.size if prompt_tokens is None else as_int("prompt_tokens", prompt_tokens, minimum=0,
                                                                   error=CacheManagerError)
         if ids is not None and prompt_len != ids.size:
             raise CacheManagerError(f"prompt_tokens={prompt_tokens} disagrees with {ids.size} prompt token ids")
+        who = "a prepared prompt" if request_id is None else f"request {request_id!r}"
         if prompt_len < 1:
             raise CacheManagerError(f"{who}: the prompt must have at least one token")
         max_new = as_int("max_new_tokens", max_new_tokens, minimum=0, error=CacheManagerError)
@@ -426,10 +415,12 @@ class CacheManager:
                 f"{who}: prompt {prompt_len} + max_new_tokens {max_new} = {total} tokens "
                 f"exceeds the plan's max context of {self.max_context_tokens} tokens")
         if ids is None:
-            return None, prompt_len, total
+            return None, prompt_len, total, 0
         buf = np.empty(total, dtype=np.int32)  # at least the prompt's one token
-        buf[: ids.size] = ids
-        return buf, prompt_len, total
+        address = self._copy_ids(ids, buf)
+        if not address:
+            raise CacheManagerError("token ids must be in [0, 2**31)")  # a negative one (``_token_array``'s words)
+        return buf, prompt_len, total, address
 
     def prepare_prompt(self, prompt_token_ids: Iterable[int] | np.ndarray, *, max_new_tokens: int = 0,
                        cache_salt: str | bytes | None = None) -> PreparedPrompt:
@@ -440,7 +431,7 @@ class CacheManager:
         if prompt_token_ids is None:
             raise CacheManagerError("prepare_prompt needs prompt_token_ids")
         check_token_ids("prompt_token_ids", prompt_token_ids, CacheManagerError)
-        buf, prompt_len, total = self._prompt_buffer("a prepared prompt", prompt_token_ids, None, max_new_tokens)
+        buf, prompt_len, total, _ = self._prompt_buffer(None, prompt_token_ids, None, max_new_tokens)
         hashes = None if self.prefix is None else self.prefix.prompt_hashes(buf[:prompt_len], cache_salt)
         return PreparedPrompt(self, _Request(None, -1, prompt_len, total, buf, hashes), cache_salt)
 
