@@ -350,12 +350,21 @@ class CacheManager:
                     cache_salt: str | bytes | None = None) -> PrefixHit:
         """Register a request; with prefix caching, borrow its cached prefix. Returns the hit.
         ``prompt_token_ids`` may be a ``PreparedPrompt`` of this manager (then give nothing else)."""
-        args = (request_id, prompt_token_ids, prompt_tokens, max_new_tokens, cache_salt)
-        if type(prompt_token_ids) is PreparedPrompt:
-            req, prompt, address = self._take_prepared(*args)
-            cache_salt = prompt_token_ids.cache_salt
+        prepared = prompt_token_ids
+        if type(prepared) is PreparedPrompt:  # checked before anything changes; its request is taken once
+            if prompt_tokens is not None or max_new_tokens != 0 or cache_salt is not None:
+                raise CacheManagerError("a PreparedPrompt carries its length, max_new_tokens and cache_salt: "
+                                        "give them to prepare_prompt, not add_request")
+            if prepared._manager is not self:
+                raise CacheManagerError("this PreparedPrompt was made by another CacheManager")
+            if prepared._request is None:
+                raise CacheManagerError("this PreparedPrompt was already added (each is used once)")
+            self._check_new_id(request_id)
+            req, prepared._request, prompt, address = prepared._request, None, prepared._prompt, prepared._address
+            req.request_id, cache_salt = request_id, prepared.cache_salt
         else:
-            req, prompt, address = self._new_prompt(*args)
+            req, prompt, address = self._new_prompt(request_id, prompt_token_ids, prompt_tokens, max_new_tokens,
+                                                    cache_salt)
         self._version += 1  # invalidates a cached admission
         row = req.row = self._free_rows.pop() if self._free_rows else self._take_row()
         if self.prefix is not None and prompt is not None:
@@ -434,22 +443,6 @@ class CacheManager:
         buf, prompt_len, total, _ = self._prompt_buffer(None, prompt_token_ids, None, max_new_tokens)
         hashes = None if self.prefix is None else self.prefix.prompt_hashes(buf[:prompt_len], cache_salt)
         return PreparedPrompt(self, _Request(None, -1, prompt_len, total, buf, hashes), cache_salt)
-
-    def _take_prepared(self, request_id: Any, prepared: PreparedPrompt, prompt_tokens: Any, max_new_tokens: Any,
-                       cache_salt: Any) -> tuple[_Request, np.ndarray, int]:
-        """A prepared prompt's request (named ``request_id``, no row yet), prompt ids and their address, once;
-        checked before anything changes."""
-        if prompt_tokens is not None or max_new_tokens != 0 or cache_salt is not None:
-            raise CacheManagerError("a PreparedPrompt carries its length, max_new_tokens and cache_salt: "
-                                    "give them to prepare_prompt, not add_request")
-        if prepared._manager is not self:
-            raise CacheManagerError("this PreparedPrompt was made by another CacheManager")
-        if prepared._request is None:
-            raise CacheManagerError("this PreparedPrompt was already added (each is used once)")
-        self._check_new_id(request_id)
-        req, prepared._request = prepared._request, None
-        req.request_id = request_id
-        return req, prepared._prompt, prepared._address
 
     def append_token_ids(self, request_id: str, token_ids: Iterable[int] | np.ndarray) -> None:
         """Extend a request's known tokens (sampled outputs, draft tokens)."""
@@ -744,19 +737,15 @@ class CacheManager:
         rows = self._rows_of(rids)
         if rows is None or (self.pending_loads and not self.pending_loads.isdisjoint(rids)):
             return None
-        found = self._counts_in(counts, n)
-        return None if found is None else (rows, found[0], rids, found[1])
-
-    def _counts_in(self, counts: tuple, n: int) -> tuple[np.ndarray, int] | None:
-        """(int64 array, sum) of ``n`` plain int counts; None when one is past int64 or the sum (it sizes the batch's
-        arrays) lies outside [n, n * max_step_tokens]: ``prepare_step`` refuses a count outside [1, max_step_tokens].
-        Builtin ``sum`` below 128, numpy's from 128 on (a sum wrapped past int64 has a count the kernel refuses)."""
         try:
             out = _int64_array(counts, n)
         except (OverflowError, struct.error):
             return None  # past int64, so past the limit
+        # The sum sizes the batch's arrays; outside [n, n * max_step_tokens] a count lies outside what
+        # ``prepare_step`` takes, [1, max_step_tokens]. Builtin ``sum`` below 128, numpy's from 128 on (a sum wrapped
+        # past int64 has a count the kernel refuses).
         total = sum(counts) if n < 128 else int(out.sum())
-        return (out, total) if n <= total <= n * self.max_step_tokens else None
+        return (rows, out, rids, total) if n <= total <= n * self.max_step_tokens else None
 
     def _fast_rows_uniform(self, rids: tuple, count) -> tuple[np.ndarray, np.ndarray, tuple, int] | None:
         """``_fast_rows`` of ``(rid, count)`` for every id: one scalar count check."""
