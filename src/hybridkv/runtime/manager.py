@@ -59,12 +59,12 @@ class PreparedPrompt:
 
     __slots__ = ("prompt_tokens", "total_tokens", "cache_salt", "_manager", "_request", "_prompt", "_address")
 
-    def __init__(self, manager: CacheManager, request: _Request, cache_salt: str | bytes | None):
+    def __init__(self, manager: CacheManager, request: _Request, cache_salt: str | bytes | None, address: int):
         self.prompt_tokens, self.total_tokens, self.cache_salt = request.prompt_tokens, request.max_total_tokens, \
             cache_salt
         self._manager, self._request = manager, request  # the request made here, named and given a row when added
-        # Read here, off the adding step: the prompt's view, the buffer's address (``ctypes``: ~5-9 µs cold).
-        self._prompt, self._address = request.token_ids[: request.prompt_tokens], request.token_ids.ctypes.data
+        # Made here, off the adding step: the prompt's view; the buffer's address (``_prompt_buffer``'s: no ``ctypes``).
+        self._prompt, self._address = request.token_ids[: request.prompt_tokens], address
 
 
 @dataclass
@@ -440,9 +440,9 @@ class CacheManager:
         if prompt_token_ids is None:
             raise CacheManagerError("prepare_prompt needs prompt_token_ids")
         check_token_ids("prompt_token_ids", prompt_token_ids, CacheManagerError)
-        buf, prompt_len, total, _ = self._prompt_buffer(None, prompt_token_ids, None, max_new_tokens)
+        buf, prompt_len, total, address = self._prompt_buffer(None, prompt_token_ids, None, max_new_tokens)
         hashes = None if self.prefix is None else self.prefix.prompt_hashes(buf[:prompt_len], cache_salt)
-        return PreparedPrompt(self, _Request(None, -1, prompt_len, total, buf, hashes), cache_salt)
+        return PreparedPrompt(self, _Request(None, -1, prompt_len, total, buf, hashes), cache_salt, address)
 
     def append_token_ids(self, request_id: str, token_ids: Iterable[int] | np.ndarray) -> None:
         """Extend a request's known tokens (sampled outputs, draft tokens)."""
