@@ -1104,7 +1104,17 @@ class CacheManager:
         if plan.grants and not marked:  # ``marked``: ``grant_step`` granted them
             self.arena.apply(plan.grants)
         if marked or self._room_entry(*self._room_args(plan)):  # how many groups to ask
-            self._make_room(plan)
+            # ``PagePool.make_room`` of each named group's allocated pages (its transient pages: ``highest``; one whose
+            # free stack covers them packs); once one has evicted (telling of a removal may drop or demote entries of
+            # later groups), ``room_groups`` names the later groups again, as they are now.
+            allocated, marks, tops = plan.sums[1].tolist(), sc.marks.tolist(), self._space.tops
+            for g, pool in enumerate(self._pool_list):
+                if marks[g] >= 0:
+                    before = pool.counters.evicted_pages
+                    pool.make_room(allocated[g], marks[g], tops[g] >= allocated[g])
+                    if pool.counters.evicted_pages != before and any(allocated[g + 1 :]):
+                        self._room_entry(*self._room_args(plan, g + 1))
+                        marks = sc.marks.tolist()
         # ``kernels.finish_step`` of the plan in the scratch buffer, by its compiled code (the same types every call).
         args = (*(self._state or self._kernel_state())[:10], sc.buffer, plan.rows.size, plan.settle,
                 self._tableset.logged, n_touched, *cells, *out, True)
@@ -1117,21 +1127,6 @@ class CacheManager:
         return (ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts, plan.after, plan.sums,
                 space.stack, space.per_group, space.ref_counts, space.cached, space.low_priority,
                 None if self.arena is None else self.arena.packing, self._scratch.marks, start, None, None)
-
-    def _make_room(self, plan: _StepPlan) -> None:
-        """``PagePool.make_room`` of each group's allocated pages (``plan.sums[1]``) where ``room_groups`` named it
-        (its transient pages: ``highest``). Once one has evicted (telling of a removal may drop or demote
-        entries of later groups, which then may have to pack), the later groups are named again
-        (``room_groups`` from the next, as they are now): one its rule leaves out would evict nothing in
-        ``make_room``. One it names whose free stack covers the allocation packs (``make_room``'s ``packs``)."""
-        allocated, marks, tops = plan.sums[1].tolist(), self._scratch.marks.tolist(), self._space.tops
-        for g, pool in enumerate(self._pool_list):
-            if marks[g] >= 0:
-                before = pool.counters.evicted_pages
-                pool.make_room(allocated[g], marks[g], tops[g] >= allocated[g])
-                if pool.counters.evicted_pages != before and any(allocated[g + 1 :]):
-                    self._room_entry(*self._room_args(plan, g + 1))
-                    marks = self._scratch.marks.tolist()
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
                      n_touched: int, cells: tuple = _NO_CELLS) -> StepBatch:
