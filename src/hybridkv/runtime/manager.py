@@ -61,12 +61,12 @@ class PreparedPrompt:
 
     __slots__ = ("prompt_tokens", "total_tokens", "cache_salt", "_manager", "_request", "_prompt", "_address")
 
-    def __init__(self, manager: CacheManager, request: _Request, cache_salt: str | bytes | None):
+    def __init__(self, manager: CacheManager, request: _Request, cache_salt: str | bytes | None, address: int):
         self.prompt_tokens, self.total_tokens, self.cache_salt = request.prompt_tokens, request.max_total_tokens, \
             cache_salt
         self._manager, self._request = manager, request  # the request made here, named and given a row when added
-        # Read here, off the adding step: the prompt's view, the buffer's address (``ctypes``: ~5-9 µs cold).
-        self._prompt, self._address = request.token_ids[: request.prompt_tokens], request.token_ids.ctypes.data
+        # Made here, off the adding step: the prompt's view; the buffer's address (``_prompt_buffer``'s: no ``ctypes``).
+        self._prompt, self._address = request.token_ids[: request.prompt_tokens], address
 
 
 @dataclass
@@ -321,7 +321,7 @@ class CacheManager:
         self._one_count_tokens = 0  # ``_one_count[0]`` as a plain int (written only when it changes)
         self._one_row = np.zeros(1, dtype=np.int64)  # the row ``free`` commits (no array made)
         # ``kernels.copy_token_ids``' and ``append_token_ids``' compiled code for any int32 ids (a read-only
-        # strided view's type covers every layout): ``_plain_prompt`` and ``append_token_ids_many`` skip the
+        # strided view's type covers every layout): ``_prompt_buffer`` and ``append_token_ids_many`` skip the
         # type dispatch.
         self._copy_ids = kernels.entry_point(kernels.copy_token_ids, (_ANY_IDS, np.empty(0, _INT32)))
         self._append_ids = kernels.entry_point(kernels.append_token_ids, (self._token_addr, self._one_row, self._known,
@@ -352,12 +352,21 @@ class CacheManager:
                     cache_salt: str | bytes | None = None) -> PrefixHit:
         """Register a request; with prefix caching, borrow its cached prefix. Returns the hit.
         ``prompt_token_ids`` may be a ``PreparedPrompt`` of this manager (then give nothing else)."""
-        args = (request_id, prompt_token_ids, prompt_tokens, max_new_tokens, cache_salt)
-        if type(prompt_token_ids) is PreparedPrompt:
-            req, prompt, address = self._take_prepared(*args)
-            cache_salt = prompt_token_ids.cache_salt
+        prepared = prompt_token_ids
+        if type(prepared) is PreparedPrompt:  # checked before anything changes; its request is taken once
+            if prompt_tokens is not None or max_new_tokens != 0 or cache_salt is not None:
+                raise CacheManagerError("a PreparedPrompt carries its length, max_new_tokens and cache_salt: "
+                                        "give them to prepare_prompt, not add_request")
+            if prepared._manager is not self:
+                raise CacheManagerError("this PreparedPrompt was made by another CacheManager")
+            if prepared._request is None:
+                raise CacheManagerError("this PreparedPrompt was already added (each is used once)")
+            self._check_new_id(request_id)
+            req, prepared._request, prompt, address = prepared._request, None, prepared._prompt, prepared._address
+            req.request_id, cache_salt = request_id, prepared.cache_salt
         else:
-            req, prompt, address = self._plain_prompt(*args) or self._new_prompt(*args)
+            req, prompt, address = self._new_prompt(request_id, prompt_token_ids, prompt_tokens, max_new_tokens,
+                                                    cache_salt)
         self._version += 1  # invalidates a cached admission
         row = req.row = self._free_rows.pop() if self._free_rows else self._take_row()
         if self.prefix is not None and prompt is not None:
@@ -375,32 +384,17 @@ class CacheManager:
                                   cache_salt)
         return hit
 
-    def _plain_prompt(self, request_id: Any, ids: Any, prompt_tokens: Any, max_new_tokens: Any,
-                      cache_salt: Any) -> tuple[_Request, np.ndarray, int] | None:
-        """``add_request``'s common case (new str id, 1-D int32 ids, int ``max_new_tokens``, nothing else):
-        the request (no row yet), its ids copied and checked in one compiled call, and their address; else None
-        (``_new_prompt`` words it)."""
-        if not (type(request_id) is str and request_id and type(ids) is np.ndarray and ids.ndim == 1
-                and ids.dtype == _INT32 and prompt_tokens is None and cache_salt is None
-                and type(max_new_tokens) is int and 0 <= max_new_tokens
-                and 0 < ids.size <= self.max_context_tokens - max_new_tokens and request_id not in self._requests):
-            return None
-        buf = np.empty(ids.size + max_new_tokens, dtype=np.int32)
-        address = self._copy_ids(ids, buf)
-        return (_Request(request_id, -1, ids.size, buf.size, buf), buf[: ids.size], address) if address else None
-
     def _new_prompt(self, request_id: Any, prompt_token_ids: Any, prompt_tokens: Any, max_new_tokens: Any,
                     cache_salt: Any) -> tuple[_Request, np.ndarray | None, int]:
         """``add_request``'s arguments checked in order: the request (no row yet; no token buffer without ids), its
         prompt ids and their address (None and 0 without ids)."""
         check_cache_salt(cache_salt, CacheManagerError)
-        if prompt_token_ids is not None:
+        if prompt_token_ids is not None and type(prompt_token_ids) is not np.ndarray:  # an array passes
             check_token_ids("prompt_token_ids", prompt_token_ids, CacheManagerError)
         self._check_new_id(request_id)
-        buf, prompt_len, total = self._prompt_buffer(f"request {request_id!r}", prompt_token_ids, prompt_tokens,
-                                                     max_new_tokens)
-        req = _Request(request_id, -1, prompt_len, total, buf)
-        return (req, None, 0) if buf is None else (req, buf[:prompt_len], buf.ctypes.data)
+        buf, prompt_len, total, address = self._prompt_buffer(request_id, prompt_token_ids, prompt_tokens,
+                                                              max_new_tokens)
+        return _Request(request_id, -1, prompt_len, total, buf), buf if buf is None else buf[:prompt_len], address
 
     def _check_new_id(self, request_id: Any) -> None:
         if not isinstance(request_id, str) or not request_id:
@@ -408,17 +402,21 @@ class CacheManager:
         if request_id in self._requests:
             raise CacheManagerError(f"request {request_id!r} already exists")
 
-    def _prompt_buffer(self, who: str, prompt_token_ids: Any, prompt_tokens: Any,
-                       max_new_tokens: Any) -> tuple[np.ndarray | None, int, int]:
-        """The token buffer (None without ids), the prompt's length and the total tokens, checked (``who`` names
-        the prompt in errors)."""
+    def _prompt_buffer(self, request_id: Any, prompt_token_ids: Any, prompt_tokens: Any,
+                       max_new_tokens: Any) -> tuple[np.ndarray | None, int, int, int]:
+        """The token buffer (None without ids), the prompt's length, the total tokens and the buffer's address (0
+        without ids), checked (errors name request ``request_id``; None: a prepared prompt). The ids are copied, and
+        int32 ids checked, in one compiled call (``kernels.copy_token_ids``)."""
         if prompt_token_ids is None and prompt_tokens is None:
             raise CacheManagerError("give prompt_token_ids or prompt_tokens")
-        ids = None if prompt_token_ids is None else _token_array(prompt_token_ids)
+        ids = prompt_token_ids  # int32 ids: the copy checks them
+        if not (type(ids) is np.ndarray and ids.ndim == 1 and ids.dtype == _INT32):
+            ids = None if ids is None else _token_array(ids)
         prompt_len = ids.size if prompt_tokens is None else as_int("prompt_tokens", prompt_tokens, minimum=0,
                                                                   error=CacheManagerError)
         if ids is not None and prompt_len != ids.size:
             raise CacheManagerError(f"prompt_tokens={prompt_tokens} disagrees with {ids.size} prompt token ids")
+        who = "a prepared prompt" if request_id is None else f"request {request_id!r}"
         if prompt_len < 1:
             raise CacheManagerError(f"{who}: the prompt must have at least one token")
         max_new = as_int("max_new_tokens", max_new_tokens, minimum=0, error=CacheManagerError)
@@ -428,10 +426,12 @@ class CacheManager:
                 f"{who}: prompt {prompt_len} + max_new_tokens {max_new} = {total} tokens "
                 f"exceeds the plan's max context of {self.max_context_tokens} tokens")
         if ids is None:
-            return None, prompt_len, total
+            return None, prompt_len, total, 0
         buf = np.empty(total, dtype=np.int32)  # at least the prompt's one token
-        buf[: ids.size] = ids
-        return buf, prompt_len, total
+        address = self._copy_ids(ids, buf)
+        if not address:
+            raise CacheManagerError("token ids must be in [0, 2**31)")  # a negative one (``_token_array``'s words)
+        return buf, prompt_len, total, address
 
     def prepare_prompt(self, prompt_token_ids: Iterable[int] | np.ndarray, *, max_new_tokens: int = 0,
                        cache_salt: str | bytes | None = None) -> PreparedPrompt:
@@ -442,25 +442,9 @@ class CacheManager:
         if prompt_token_ids is None:
             raise CacheManagerError("prepare_prompt needs prompt_token_ids")
         check_token_ids("prompt_token_ids", prompt_token_ids, CacheManagerError)
-        buf, prompt_len, total = self._prompt_buffer("a prepared prompt", prompt_token_ids, None, max_new_tokens)
+        buf, prompt_len, total, address = self._prompt_buffer(None, prompt_token_ids, None, max_new_tokens)
         hashes = None if self.prefix is None else self.prefix.prompt_hashes(buf[:prompt_len], cache_salt)
-        return PreparedPrompt(self, _Request(None, -1, prompt_len, total, buf, hashes), cache_salt)
-
-    def _take_prepared(self, request_id: Any, prepared: PreparedPrompt, prompt_tokens: Any, max_new_tokens: Any,
-                       cache_salt: Any) -> tuple[_Request, np.ndarray, int]:
-        """A prepared prompt's request (named ``request_id``, no row yet), prompt ids and their address, once;
-        checked before anything changes."""
-        if prompt_tokens is not None or max_new_tokens != 0 or cache_salt is not None:
-            raise CacheManagerError("a PreparedPrompt carries its length, max_new_tokens and cache_salt: "
-                                    "give them to prepare_prompt, not add_request")
-        if prepared._manager is not self:
-            raise CacheManagerError("this PreparedPrompt was made by another CacheManager")
-        if prepared._request is None:
-            raise CacheManagerError("this PreparedPrompt was already added (each is used once)")
-        self._check_new_id(request_id)
-        req, prepared._request = prepared._request, None
-        req.request_id = request_id
-        return req, prepared._prompt, prepared._address
+        return PreparedPrompt(self, _Request(None, -1, prompt_len, total, buf, hashes), cache_salt, address)
 
     def append_token_ids(self, request_id: str, token_ids: Iterable[int] | np.ndarray) -> None:
         """Extend a request's known tokens (sampled outputs, draft tokens)."""
@@ -755,19 +739,15 @@ class CacheManager:
         rows = self._rows_of(rids)
         if rows is None or (self.pending_loads and not self.pending_loads.isdisjoint(rids)):
             return None
-        found = self._counts_in(counts, n)
-        return None if found is None else (rows, found[0], rids, found[1])
-
-    def _counts_in(self, counts: tuple, n: int) -> tuple[np.ndarray, int] | None:
-        """(int64 array, sum) of ``n`` plain int counts; None when one is past int64 or the sum (it sizes the batch's
-        arrays) lies outside [n, n * max_step_tokens]: ``prepare_step`` refuses a count outside [1, max_step_tokens].
-        Builtin ``sum`` below 128, numpy's from 128 on (a sum wrapped past int64 has a count the kernel refuses)."""
         try:
             out = _int64_array(counts, n)
         except (OverflowError, struct.error):
             return None  # past int64, so past the limit
+        # The sum sizes the batch's arrays; outside [n, n * max_step_tokens] a count lies outside what
+        # ``prepare_step`` takes, [1, max_step_tokens]. Builtin ``sum`` below 128, numpy's from 128 on (a sum wrapped
+        # past int64 has a count the kernel refuses).
         total = sum(counts) if n < 128 else int(out.sum())
-        return (out, total) if n <= total <= n * self.max_step_tokens else None
+        return (rows, out, rids, total) if n <= total <= n * self.max_step_tokens else None
 
     def _fast_rows_uniform(self, rids: tuple, count) -> tuple[np.ndarray, np.ndarray, tuple, int] | None:
         """``_fast_rows`` of ``(rid, count)`` for every id: one scalar count check."""
@@ -1124,7 +1104,17 @@ class CacheManager:
         if plan.grants and not marked:  # ``marked``: ``grant_step`` granted them
             self.arena.apply(plan.grants)
         if marked or self._room_entry(*self._room_args(plan)):  # how many groups to ask
-            self._make_room(plan)
+            # ``PagePool.make_room`` of each named group's allocated pages (its transient pages: ``highest``; one whose
+            # free stack covers them packs); once one has evicted (telling of a removal may drop or demote entries of
+            # later groups), ``room_groups`` names the later groups again, as they are now.
+            allocated, marks, tops = plan.sums[1].tolist(), sc.marks.tolist(), self._space.tops
+            for g, pool in enumerate(self._pool_list):
+                if marks[g] >= 0:
+                    before = pool.counters.evicted_pages
+                    pool.make_room(allocated[g], marks[g], tops[g] >= allocated[g])
+                    if pool.counters.evicted_pages != before and any(allocated[g + 1 :]):
+                        self._room_entry(*self._room_args(plan, g + 1))
+                        marks = sc.marks.tolist()
         # ``kernels.finish_step`` of the plan in the scratch buffer, by its compiled code (the same types every call).
         args = (*(self._state or self._kernel_state())[:10], sc.buffer, plan.rows.size, plan.settle,
                 self._tableset.logged, n_touched, *cells, *out, True)
@@ -1137,21 +1127,6 @@ class CacheManager:
         return (ts.geometry, ts.bounds, self._transient, plan.rows, plan.first, plan.counts, plan.after, plan.sums,
                 space.stack, space.per_group, space.ref_counts, space.cached, space.low_priority,
                 None if self.arena is None else self.arena.packing, self._scratch.marks, start, None, None)
-
-    def _make_room(self, plan: _StepPlan) -> None:
-        """``PagePool.make_room`` of each group's allocated pages (``plan.sums[1]``) where ``room_groups`` named it
-        (its transient pages: ``highest``). Once one has evicted (telling of a removal may drop or demote
-        entries of later groups, which then may have to pack), the later groups are named again
-        (``room_groups`` from the next, as they are now): one its rule leaves out would evict nothing in
-        ``make_room``. One it names whose free stack covers the allocation packs (``make_room``'s ``packs``)."""
-        allocated, marks, tops = plan.sums[1].tolist(), self._scratch.marks.tolist(), self._space.tops
-        for g, pool in enumerate(self._pool_list):
-            if marks[g] >= 0:
-                before = pool.counters.evicted_pages
-                pool.make_room(allocated[g], marks[g], tops[g] >= allocated[g])
-                if pool.counters.evicted_pages != before and any(allocated[g + 1 :]):
-                    self._room_entry(*self._room_args(plan, g + 1))
-                    marks = self._scratch.marks.tolist()
 
     def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
                      n_touched: int, cells: tuple = _NO_CELLS) -> StepBatch:
