@@ -527,7 +527,7 @@ class PrefixCache:
               let_go: list[tuple]) -> None:
         """What one commit at a time books of a request's commit claimed whole (``booked``; its entries recorded in the
         groups' pools): its "stored" events (history group by group, then checkpoint by checkpoint every state group's),
-        the state groups' holds of its latest checkpoint, tier link (:meth:`_tell_units`), checkpoint values, one
+        the state groups' holds of its latest checkpoint, tier link, checkpoint values, one
         ``ValueEviction.stored_commit``, then its earlier checkpoints superseded."""
         keys, parents, ends, checkpoint_keys, _, boundaries = booked
         events.append(booked)  # its "stored" events, expanded when drained (``_raws``)
@@ -537,20 +537,15 @@ class PrefixCache:
         for gid, holders, published in self._unit_holders:  # a key no group had: no request holds it yet
             own.entries[gid] = (key, published[key])
             holders[key] = 1
-        if self.tier_hook is not None:
-            self._tell_units(booked, low)
+        if self.tier_hook is not None:  # in its events' order, the checkpoints before the latest low where ``low`` is 2
+            pools, state = self.pools, self._holders
+            self.tier_hook.stored([(gid, k, end, pools[gid].lookup(k), low == 2 and k != key and gid in state)
+                                   for _, gid, k, _, end, _ in self._raws((booked,))])
         if self.values is not None:
             for key, boundary in zip(checkpoint_keys, boundaries):
                 self.values.published(key, boundary, speculative=boundary != boundaries[-1])
         self.eviction.stored_commit(keys, parents, ends, checkpoint_keys)
         self._supersede(req, [own], events, let_go)
-
-    def _tell_units(self, booked: tuple, low: int) -> None:
-        """The tier link of a commit claimed whole (:meth:`_book`'s ``booked``, its entries recorded) in one call, in
-        its events' order (:meth:`_raws`), the checkpoints before the latest low priority where ``low`` is 2."""
-        last, pools, state = booked[3][-1], self.pools, self._holders  # a state group's: speculative where not last
-        self.tier_hook.stored([(gid, key, end, pools[gid].lookup(key), low == 2 and key != last and gid in state)
-                               for _, gid, key, _, end, _ in self._raws((booked,))])
 
     def _commit_one(self, req: CommittingRequest, old_tokens: int, new_tokens: int, stored: list[tuple],
                     let_go: list[tuple]) -> None:
@@ -674,12 +669,18 @@ class PrefixCache:
     def _book_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], pins: list[bool | None],
                           entries: list, status: list[int]) -> list[OwnCheckpoint]:
         """Book each checkpoint the commit published (``status`` 2; ``entries``: each boundary's pages in each state
-        group, None where missing): tier link and checkpoint values (:meth:`_tell_checkpoints`), then
-        ``ValueEviction.stored_checkpoint`` boundary by boundary; the request's own ones (``pins`` not None, after
-        the speculative ones) returned, each held in every state group that has it."""
-        gids, n = self.state_ids, len(self.state_ids)
-        if self.tier_hook is not None or self.values is not None:
-            self._tell_checkpoints(keys, boundaries, pins, entries, status)
+        group, None where missing): the tier link of each entry (in one call, boundary by boundary, state group by
+        state group; a speculative one's low priority as claimed), the checkpoint values of each boundary published
+        anywhere, then ``ValueEviction.stored_checkpoint`` boundary by boundary; the request's own ones (``pins`` not
+        None, after the speculative ones) returned, each held in every state group that has it."""
+        gids, n, hook, values = self.state_ids, len(self.state_ids), self.tier_hook, self.values
+        if hook is not None:
+            low = values is None or values.low_priority(SPECULATIVE) if None in pins else False
+            hook.stored([(gids[place % n], keys[place // n], boundaries[place // n], entries[place],
+                          low and pins[place // n] is None) for place, new in enumerate(status) if new == 2])
+        for j, (key, boundary, pinned) in enumerate(zip(keys, boundaries, pins)) if values is not None else ():
+            if 2 in status[j * n:(j + 1) * n]:
+                values.published(key, boundary, speculative=pinned is None)
         own_checkpoints = []
         for j in range(pins.count(None), len(pins)):  # the request's own ones (the speculative ones first)
             key, own = keys[j], OwnCheckpoint(boundaries[j], pins[j])
@@ -695,20 +696,6 @@ class PrefixCache:
                 self.eviction.stored_checkpoint([gid for gid, new in zip(gids, part) if new == 2], key, parent,
                                                 boundary)
         return own_checkpoints
-
-    def _tell_checkpoints(self, keys: list[int], boundaries: list[int], pins: list[bool | None], entries: list,
-                          status: list[int]) -> None:
-        """The tier link of each checkpoint entry the commit published (``status`` 2), boundary
-        by boundary, state group by state group (a speculative one's low priority as claimed),
-        then the checkpoint values of each boundary it published anywhere."""
-        hook, values, gids, n = self.tier_hook, self.values, self.state_ids, len(self.state_ids)
-        low = values is None or values.low_priority(SPECULATIVE) if None in pins else False
-        if hook is not None:  # every checkpoint entry published, in one call
-            hook.stored([(gids[place % n], keys[place // n], boundaries[place // n], entries[place],
-                          low and pins[place // n] is None) for place, new in enumerate(status) if new == 2])
-        for j, (key, boundary, pinned) in enumerate(zip(keys, boundaries, pins)) if values is not None else ():
-            if 2 in status[j * n:(j + 1) * n]:
-                values.published(key, boundary, speculative=pinned is None)
 
     def _supersede(self, req: CommittingRequest, new_own: list, events: list[tuple], let_go: list[tuple]) -> None:
         """Drop the request's hold on every earlier own checkpoint that is not pinned, group by group (``new_own``
@@ -865,8 +852,8 @@ class PrefixCache:
     def _evict_many(self, gid: str, keys: Sequence[int], cause: str) -> int:
         """State group ``gid``'s pool's ``evict_many``: entries evicted (or revoked) there, with the rest of their units
         (the value policy's) from the other state groups ("unit"), in one ``PageSpace.drop_units``; then in the order
-        one at a time gives, each key's ``ValueEviction.unit_evicted`` and its removals booked as :meth:`_book_removals`
-        books them; events in one call. The idle pages freed in ``gid``."""
+        one at a time gives, each key's ``ValueEviction.unit_evicted``, and their removals booked
+        (:meth:`_book_removals`, events in one call). The idle pages freed in ``gid``."""
         eviction, pools = self.eviction, self._unit_pools[gid]
         left, idle, removals = self._space.drop_units(self._unit_pops[gid], keys, cause)  # first entry: ``gid``'s
         evicted = eviction.evicted_pages
@@ -874,19 +861,9 @@ class PrefixCache:
             pool.counters.evicted_pages += idle_pages
             if pool.group_id != gid:
                 evicted[pool.group_id]["unit"] += idle_pages
-        books, values, raws = self._books, self.values, []
-        for (key, told_cause, freed), gids in zip(removals, left):
-            parent, boundary = eviction.unit_evicted(gid, key, told_cause, freed, len(gids))
-            if values is not None:  # a key's value record is every state group's: forgotten once
-                values.removed(key)
-            for g in gids:
-                holders, stats, pages = books[g]
-                holders.pop(key, None)
-                stats.removed_entries += 1
-                raws.append(("removed", g, key, parent, boundary, pages if boundary else 0))
-        if self.tier_hook is not None:  # every removal in one call
-            self.tier_hook.removed([raw[1:3] for raw in raws], self._dropping)
-        self._emit_many(raws)
+        origins = [eviction.unit_evicted(gid, key, told_cause, freed, len(gids))
+                   for (key, told_cause, freed), gids in zip(removals, left)]
+        self._emit_many(self._book_removals([removal[0] for removal in removals], left, origins))
         return idle[0]
 
     def _book_removals(self, keys: Sequence[int], left: Sequence[Sequence[str]],
@@ -920,7 +897,7 @@ class PrefixCache:
                 self.on_event(_event(raw))
             return
         n, n_history, n_state = 0, len(self._history_events), len(self._checkpoint_events)
-        for item in items:  # ``_events_in`` of each, written out (a frame each, costly run cold)
+        for item in items:  # how many events each stands for: 1 (a raw event), or a commit's record's (``_raws``)
             n += 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
         events = self.events
         events.extend(items)
@@ -932,7 +909,7 @@ class PrefixCache:
         self.dropped_events += excess
         while excess:
             item = events.popleft()
-            size = _events_in(item, n_history, n_state)
+            size = 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
             if size > excess:  # a record cut short: the rest of it kept raw
                 events.extendleft(reversed(list(self._raws((item,)))[excess:]))
                 return
@@ -1000,12 +977,6 @@ def _grain(specs: Sequence[CacheGroupSpec], windows: Mapping[str, int], granular
             raise ValueError(f"prefix_granularity {g} is smaller than group {s.group_id!r} checkpoint window "
                              f"({windows[s.group_id]} tokens): checkpoints would overlap")
     return g
-
-
-def _events_in(item: tuple, n_history: int, n_state: int) -> int:
-    """How many events a buffered item stands for: 1 (a raw event), or a commit's record's (``_raws``: a block in
-    each of ``n_history`` history groups, a checkpoint in each of ``n_state`` state groups)."""
-    return 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
 
 
 def _event(raw: tuple) -> CacheEvent:

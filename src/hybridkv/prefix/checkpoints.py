@@ -348,9 +348,6 @@ class CheckpointOrder:
                     best = (rank, heap)
         if best is not None:
             return heapq.heappop(best[1])[-1]
-        return self._next_fresh(pool, taken)
-
-    def _next_fresh(self, pool, taken: Container[Hashable]) -> Hashable | None:
         fresh, n = self._fresh[pool.group_id], self._fresh_seen[pool.group_id]
         ref, idle_tick, flags = pool.ref_counts, pool.idle_tick, pool.low_priority
         while n < len(fresh):

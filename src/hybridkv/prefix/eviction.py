@@ -212,20 +212,14 @@ class ValueEviction:
                 self._cut(key)
             node[2] -= 1
             others = self.history_ids + self.state_ids
-        if self.acts:
-            self._take_unit(gid, key, cause, others)
-        self._forget_if_idle(key)
-
-    def _take_unit(self, gid: str, key: Hashable, cause: str, others: Sequence[str]) -> None:
-        """The rest of ``key``'s unit leaves the groups ``others``: as evictions ("unit") after an eviction,
-        unpublished after an unpublished entry (a superseded checkpoint, a cleared cache)."""
-        follow = UNPUBLISHED if cause == UNPUBLISHED else UNIT
-        for other in others:
+        follow = UNPUBLISHED if cause == UNPUBLISHED else UNIT  # an eviction's rest: evicted ("unit")
+        for other in others if self.acts else ():
             pool = self.pools[other]
             if other != gid and pool.lookup(key) is not None:
                 freed = pool.unpublish(key, follow)
                 if follow == UNIT:
                     pool.counters.evicted_pages += freed
+        self._forget_if_idle(key)
 
     def unit_evicted(self, gid: str, key: Hashable, cause: str, idle_pages: int,
                      count: int) -> tuple[Hashable | None, int]:
