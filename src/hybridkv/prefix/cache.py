@@ -210,7 +210,11 @@ class PrefixCache:
     def _init_commit_reader(self, pools: Mapping[str, PagePool], tables: Mapping[str, GroupTable],
                             windows: Mapping[str, int]) -> None:
         """What a commit publishes, read in one call (``_reader``): per history group (group, pool, pages per block,
-        its stats), per state group storing checkpoints (group, pool, pages per checkpoint, its holders, its stats)."""
+        its stats), per state group storing checkpoints (group, pool, pages per checkpoint, its holders, its stats).
+        What commits claimed whole read (``_record``): every group in order, its pool's entries and pages' keys
+        (``PageSpace.entry_maps``), pages, stats and whether it is a history group; each state group's holders and
+        entries (where a commit's latest checkpoint is read back). Only with state groups and no pinning interval are
+        commits claimed whole."""
         g = self.granularity_tokens
         self._reader = CommitPages([(tables[gid], g // tables[gid].page_tokens) for gid in self.history_ids],
                                    [(tables[gid], windows[gid]) for gid in self.state_ids], self._space)
@@ -223,24 +227,17 @@ class PrefixCache:
         self._entry_pages = {gid: n for gid, _, n, *_ in self._history_groups + self._state_groups}
         self._hit_holders = [(gid, holders) for gid, _, _, holders, _ in self._state_groups]  # hits' and commits' holds
         self._checkpoint_events = [(gid, n) for gid, _, n, *_ in self._state_groups]  # what a "stored" event names
+        self._history_events = [(gid, n) for gid, _, n, _ in self._history_groups]  # what a block's event names
         # Per state group, where its pages of each boundary lie in the state part of what a
         # commit reads: the i-th page of every window, one slice a page.
         step, offsets = self._reader.boundary_pages, np.cumsum([0, *self._reader.checkpoint_pages]).tolist()
         self._window_places = [[slice(at + i, None, step) for i in range(n)]
                                for at, n in zip(offsets, self._reader.checkpoint_pages)]
-        self._init_units()
-
-    def _init_units(self) -> None:
-        """What commits claimed whole read (``_record``): every group in order, its pool's entries and pages'
-        keys (``PageSpace.entry_maps``), pages, stats and whether it is a history group; each history group's id and
-        pages (its events); each state group's holders and entries (where a commit's latest checkpoint is read
-        back). Only with state groups and no pinning interval are commits claimed whole."""
         self._units = bool(self.state_ids) and self.state_checkpoint_interval is None
         unit = self._history_groups + [(gid, pool, n, stats) for gid, pool, n, _, stats in self._state_groups]
         maps = self._space.entry_maps([pool for _, pool, _, _ in unit])
         self._unit_parts = [(*maps[j], n, stats, j < len(self._history_groups))
                             for j, (_, _, n, stats) in enumerate(unit)]
-        self._history_events = [(gid, n) for gid, _, n, _ in self._history_groups]  # what a block's event names
         self._unit_holders = [(gid, holders, self._unit_parts[j][0]) for j, (gid, _, _, holders, _)
                               in enumerate(self._state_groups, len(self._history_groups))]
 
