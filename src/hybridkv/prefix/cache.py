@@ -452,7 +452,10 @@ class PrefixCache:
         for req, old, new in zip(reqs, old_tokens, new_tokens):
             if new // g > old // g:
                 (self._commit_alone if self._units else self._commit_one)(req, old, new, events, let_go)
-        if let_go:
+        if len(let_go) == 1:  # a commit's one unit (most often): what ``_let_go`` does, without its frame
+            unpublished, listed = let_go[0]
+            (self._space.drop_listed if unpublished else self._space.demote)(listed)
+        elif let_go:
             self._let_go(let_go)
         self._emit_many(events)  # per request its "stored" events, then the removals superseding caused
 

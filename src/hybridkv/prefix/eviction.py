@@ -111,7 +111,7 @@ class ValueEviction:
         once on a whole chain (history and state groups; no key has a child waiting, the chain above is not cut), where
         nothing else changes: each node made with its counts (each block the one child of the one before, each
         checkpoint supported by itself and by the one beyond it, the last by itself only), the chain's parent one
-        support more."""
+        support more (in place when it is supported already)."""
         nodes, unborn, g = self._nodes, self._unborn, self.granularity_tokens
         up = nodes.get(parents[0])
         if not self._track or (up[5] if up is not None else boundaries[0] > g) or (
@@ -122,21 +122,31 @@ class ValueEviction:
             for key in checkpoints:
                 self.stored_checkpoint(self.state_ids, key, *at[key])
             return
-        marks = None if checkpoints is keys else set(checkpoints)  # None: every block's end (a prompt chunk's)
         n_history, n_state = len(self.history_ids), len(self.state_ids)
-        n_both, child, support = n_history + n_state, None, 1  # the last: its own checkpoint's support only
-        for key, parent, boundary in zip(reversed(keys), reversed(parents), reversed(boundaries)):  # last first
-            if marks is None or key in marks:
-                nodes[key] = [parent, support, n_both, n_state, child, False, boundary <= g, boundary]
-                support = 2
-            else:
-                nodes[key] = [parent, 1, n_history, 0, child, False, boundary <= g, boundary]
-            child = (key,)  # the one before's one child (``_add_child``'s 1-tuple)
+        if len(keys) == 1:  # one block and its checkpoint (a decode commit): supported by it, no loop
+            boundary = boundaries[0]
+            nodes[keys[0]] = [parents[0], 1, n_history + n_state, n_state, None, False, boundary <= g, boundary]
+        else:
+            marks = None if checkpoints is keys else set(checkpoints)  # None: every block's end (a prompt chunk's)
+            n_both, child, support = n_history + n_state, None, 1  # the last: its own checkpoint's support only
+            for key, parent, boundary in zip(reversed(keys), reversed(parents), reversed(boundaries)):  # last first
+                if marks is None or key in marks:
+                    nodes[key] = [parent, support, n_both, n_state, child, False, boundary <= g, boundary]
+                    support = 2
+                else:
+                    nodes[key] = [parent, 1, n_history, 0, child, False, boundary <= g, boundary]
+                child = (key,)  # the one before's one child (``_add_child``'s 1-tuple)
         if up is None:
             unborn.setdefault(parents[0], {})[keys[0]] = None
             return
-        _add_child(up, keys[0])
-        self._add_support(parents[0])
+        if up[4] is None:  # its first child (``_add_child``'s 1-tuple, without its frame)
+            up[4] = (keys[0],)
+        else:
+            _add_child(up, keys[0])
+        if up[1]:  # supported already: one more, nothing else changes
+            up[1] += 1
+        else:
+            self._add_support(parents[0])
 
     def origin(self, key: Hashable) -> tuple[Hashable | None, int]:
         """The parent key and boundary tokens of a key published in some group (as
