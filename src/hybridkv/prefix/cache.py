@@ -355,22 +355,15 @@ class PrefixCache:
         reach.append(max_blocks)
         # The hit: the last boundary within the history where every state group holds a checkpoint.
         k = min(reach)
-        if k and not (found and most == k):  # a state group's checkpoint is below k: walk down
-            k, found = self._walk_down(keys, k)
+        if k and not (found and most == k):  # a state group's checkpoint is below k: walk down to the first
+            while k:  # boundary where every state group holds one (0 without one)
+                key, found = keys[k - 1], []
+                for lookup in self._state_lookups:
+                    found.append(lookup(key))
+                if None not in found:
+                    break
+                k -= 1
         return k, limit, reach, history, found if k else []
-
-    def _walk_down(self, keys: list[int], k: int) -> tuple[int, list]:
-        """From block ``k`` down, the first boundary where every state group holds a checkpoint, and their entries
-        there (0, and what it looked up last, without one)."""
-        at_hit = []
-        while k:
-            key, at_hit = keys[k - 1], []
-            for lookup in self._state_lookups:
-                at_hit.append(lookup(key))
-            if None not in at_hit:
-                break
-            k -= 1
-        return k, at_hit
 
     def _state_reach(self, keys: list[int], top: int, reach: list[int]) -> tuple[list, int]:
         """``_match``'s walk down each state group to its last checkpoint among the first ``top`` blocks of ``keys``
@@ -547,14 +540,25 @@ class PrefixCache:
     def _commit_one(self, req: CommittingRequest, old_tokens: int, new_tokens: int, stored: list[tuple],
                     let_go: list[tuple]) -> None:
         """One request's commit of tokens ``[old, new)`` (a block crossed at least): history blocks and the checkpoints
-        (:meth:`_checkpoint_boundaries`; their keys, parents and entries: :meth:`_found_checkpoints`), those missing
-        read and claimed in one call (``CommitPages.read``); its "stored" events, then the removals superseding
-        caused, onto ``stored``; what superseding lets go onto ``let_go`` (the earlier requests' let go first)."""
-        g, hashes = self.granularity_tokens, req.hashes
+        (the speculative boundaries: crossed, not pinned, kept by the policy; then the request's own ones, pinned
+        (``pins`` True: its junction, multiples of ``state_checkpoint_interval``) or the latest; their keys, parents
+        and entries: :meth:`_found_checkpoints`), those missing read and claimed in one call (``CommitPages.read``);
+        its "stored" events, then the removals superseding caused, onto ``stored``; what superseding lets go onto
+        ``let_go`` (the earlier requests' let go first)."""
+        g, hashes, keep = self.granularity_tokens, req.hashes, req.keep_boundaries
         if let_go:
             self._let_go(let_go)
         first_block, end_block = old_tokens // g, new_tokens // g
-        boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
+        latest, interval, speculative, boundaries, pins = end_block * g, self.state_checkpoint_interval, [], [], []
+        keeps = None if self.checkpoint_policy == "terminal-and-junctions" else self.policy.speculative
+        for d in range((first_block + 1) * g, latest + 1, g) if self.state_ids else ():  # crossed, then the latest
+            if d in keep or (interval is not None and d % interval == 0):
+                boundaries.append(d), pins.append(True)
+            elif d == latest:
+                boundaries.append(d), pins.append(False)
+            elif keeps is not None and keeps(d, req.prompt_tokens):
+                speculative.append(d)
+        boundaries, pins = speculative + boundaries, [None] * len(speculative) + pins
         keys, want = hashes.hashes[first_block:end_block], []
         for lookup in self._history_lookups:  # plain loops, no comprehension: each is a frame, costly run cold
             for key in keys:
@@ -588,25 +592,6 @@ class PrefixCache:
                 found.append(entry)
                 want.append(code if entry is None else 0)
         return checkpoint_keys, parents, found
-
-    def _checkpoint_boundaries(self, req: CommittingRequest, first_block: int,
-                               end_block: int) -> tuple[list[int], list[bool | None]]:
-        """The checkpoints a commit of blocks ``[first_block, end_block)`` publishes, and for each whether the
-        request pins it (None: a speculative one): the speculative boundaries (crossed, not pinned, kept by the
-        policy), then the request's own ones: the pinned ones crossed (its junction, multiples of
-        ``state_checkpoint_interval``), then the latest."""
-        g, interval, keep = self.granularity_tokens, self.state_checkpoint_interval, req.keep_boundaries
-        latest = end_block * g
-        keeps = None if self.checkpoint_policy == "terminal-and-junctions" else self.policy.speculative
-        speculative, own, pins, prompt_tokens = [], [], [], req.prompt_tokens
-        for d in range((first_block + 1) * g, latest + 1, g):  # the boundaries crossed, then the latest
-            if d in keep or (interval is not None and d % interval == 0):
-                own.append(d), pins.append(True)
-            elif d == latest:
-                own.append(d), pins.append(False)
-            elif keeps is not None and keeps(d, prompt_tokens):
-                speculative.append(d)
-        return speculative + own, [None] * len(speculative) + pins
 
     def _publish_blocks(self, hashes: RequestHashes, first_block: int, keys: list[int], pages: list[int],
                         status: list[int], stored: list[tuple]) -> int:
