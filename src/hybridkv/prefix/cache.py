@@ -190,7 +190,7 @@ class PrefixCache:
         self.values = CheckpointValues() if self.policy.name == "prefill-per-byte" else None
         self.on_event = on_event
         # Without a callback, events wait for drain_events(); past the bound the oldest are dropped (counted). The
-        # buffer holds raw events and commits' records (``_book``'s ``booked``: ``_raws`` expands them).
+        # buffer holds raw events and commits' records (``_commit_alone``'s ``booked``: ``_raws`` expands them).
         self.events: deque[tuple] = deque()
         self.max_buffered_events = max_buffered_events
         self.dropped_events = 0
@@ -456,8 +456,11 @@ class PrefixCache:
                       let_go: list[tuple]) -> None:
         """A request's commit: where it publishes only keys no group has and pins no boundary, its unit (its blocks,
         its speculative checkpoints and its latest) read and claimed whole in one compiled call
-        (``CommitPages.read_unit``), recorded (:meth:`_record`) and booked (:meth:`_book`: its blocks' keys, parents
-        and ends, its checkpoints' keys, parents and boundaries); else, or where the claim fails, :meth:`_commit_one`."""
+        (``CommitPages.read_unit``), recorded (:meth:`_record`) and booked as one commit at a time books it (``booked``:
+        its blocks' keys, parents and ends, its checkpoints' keys, parents and boundaries): its "stored" events (history
+        group by group, then checkpoint by checkpoint every state group's), the state groups' holds of its latest
+        checkpoint, tier link, checkpoint values, one ``ValueEviction.stored_commit``, then its earlier checkpoints
+        superseded; else, or where the claim fails, :meth:`_commit_one`."""
         hashes, g = req.hashes, self.granularity_tokens
         first, end, keep = old_tokens // g, new_tokens // g, req.keep_boundaries
         latest, speculative, low, hh = end * g, (), 1, hashes.hashes
@@ -484,7 +487,22 @@ class PrefixCache:
             pick = slice(at, at + len(speculative) * step, step)
             booked = keys, parents, ends, keys[pick] + keys[-1:], parents[pick] + parents[-1:], [*speculative, latest]
         self._record(pages, keys, booked[3])
-        self._book(req, booked, low, events, let_go)
+        checkpoint_keys, boundaries, key = booked[3], booked[5], booked[3][-1]  # key: its latest checkpoint's
+        events.append(booked)  # its "stored" events, expanded when drained (``_raws``)
+        own = _new_object(OwnCheckpoint)  # its fields stored directly (no ``__init__`` frame)
+        own.boundary_tokens, own.pinned, own.entries = latest, False, {}
+        for gid, holders, published in self._unit_holders:  # a key no group had: no request holds it yet
+            own.entries[gid] = (key, published[key])
+            holders[key] = 1
+        if self.tier_hook is not None:  # in its events' order, the checkpoints before the latest low where ``low`` is 2
+            pools, state = self.pools, self._holders
+            self.tier_hook.stored([(gid, k, d, pools[gid].lookup(k), low == 2 and k != key and gid in state)
+                                   for _, gid, k, _, d, _ in self._raws((booked,))])
+        if self.values is not None:
+            for key, boundary in zip(checkpoint_keys, boundaries):
+                self.values.published(key, boundary, speculative=boundary != latest)
+        self.eviction.stored_commit(keys, parents, ends, checkpoint_keys)
+        self._supersede(req, [own], events, let_go)
 
     def _record(self, pages: list[int], block_keys: list, checkpoint_keys: list) -> None:
         """The entries of commits claimed whole (``pages``: ``CommitPages``' claim, group by group, entry by entry)
@@ -513,38 +531,16 @@ class PrefixCache:
                     at += size
             stats.stored_entries += len(group_keys)
 
-    def _book(self, req: CommittingRequest, booked: tuple, low: int, events: list[tuple],
-              let_go: list[tuple]) -> None:
-        """What one commit at a time books of a request's commit claimed whole (``booked``; its entries recorded in the
-        groups' pools): its "stored" events (history group by group, then checkpoint by checkpoint every state group's),
-        the state groups' holds of its latest checkpoint, tier link, checkpoint values, one
-        ``ValueEviction.stored_commit``, then its earlier checkpoints superseded."""
-        keys, parents, ends, checkpoint_keys, _, boundaries = booked
-        events.append(booked)  # its "stored" events, expanded when drained (``_raws``)
-        key = checkpoint_keys[-1]
-        own = _new_object(OwnCheckpoint)  # its fields stored directly (no ``__init__`` frame)
-        own.boundary_tokens, own.pinned, own.entries = boundaries[-1], False, {}
-        for gid, holders, published in self._unit_holders:  # a key no group had: no request holds it yet
-            own.entries[gid] = (key, published[key])
-            holders[key] = 1
-        if self.tier_hook is not None:  # in its events' order, the checkpoints before the latest low where ``low`` is 2
-            pools, state = self.pools, self._holders
-            self.tier_hook.stored([(gid, k, end, pools[gid].lookup(k), low == 2 and k != key and gid in state)
-                                   for _, gid, k, _, end, _ in self._raws((booked,))])
-        if self.values is not None:
-            for key, boundary in zip(checkpoint_keys, boundaries):
-                self.values.published(key, boundary, speculative=boundary != boundaries[-1])
-        self.eviction.stored_commit(keys, parents, ends, checkpoint_keys)
-        self._supersede(req, [own], events, let_go)
-
     def _commit_one(self, req: CommittingRequest, old_tokens: int, new_tokens: int, stored: list[tuple],
                     let_go: list[tuple]) -> None:
         """One request's commit of tokens ``[old, new)`` (a block crossed at least): history blocks and the checkpoints
         (the speculative boundaries: crossed, not pinned, kept by the policy; then the request's own ones, pinned
-        (``pins`` True: its junction, multiples of ``state_checkpoint_interval``) or the latest; their keys, parents
-        and entries: :meth:`_found_checkpoints`), those missing read and claimed in one call (``CommitPages.read``);
-        its "stored" events, then the removals superseding caused, onto ``stored``; what superseding lets go onto
-        ``let_go`` (the earlier requests' let go first)."""
+        (``pins`` True: its junction, multiples of ``state_checkpoint_interval``) or the latest; each one's key, parent
+        key and entry in each state group (None: not published), boundary by boundary), those missing read and claimed
+        in one call (``CommitPages.read``; ``want``: whether to claim each block and each checkpoint: where it is
+        missing (and its window live: the claim checks), low priority for a speculative one (with
+        ``"prefill-per-byte"`` low while that class rates low)); its "stored" events, then the removals superseding
+        caused, onto ``stored``; what superseding lets go onto ``let_go`` (the earlier requests' let go first)."""
         g, hashes, keep = self.granularity_tokens, req.hashes, req.keep_boundaries
         if let_go:
             self._let_go(let_go)
@@ -563,7 +559,16 @@ class PrefixCache:
         for lookup in self._history_lookups:  # plain loops, no comprehension: each is a frame, costly run cold
             for key in keys:
                 want.append(lookup(key) is None)
-        checkpoint_keys, parents, found = self._found_checkpoints(hashes, boundaries, pins, want)
+        low = 2 if speculative and (self.values is None or self.values.low_priority(SPECULATIVE)) else 1
+        hh, root, checkpoint_keys, parents, found = hashes.hashes, hashes.root, [], [], []
+        for d in boundaries:  # plain loops, no comprehension: each is a frame, costly cold
+            checkpoint_keys.append(hh[d // g - 1]), parents.append(hh[d // g - 2] if d >= 2 * g else root)
+        for key, pinned in zip(checkpoint_keys, pins):
+            code = low if pinned is None else 1
+            for lookup in self._state_lookups:
+                entry = lookup(key)
+                found.append(entry)
+                want.append(code if entry is None else 0)
         pages, status = self._reader.read(req.row, first_block, end_block, boundaries, want)
         at = self._publish_blocks(hashes, first_block, keys, pages, status, stored)
         status = status[len(keys) * len(self.history_ids):]
@@ -571,27 +576,6 @@ class PrefixCache:
         new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status)
         if self.state_ids:
             self._supersede(req, new_own, stored, let_go)
-
-    def _found_checkpoints(self, hashes: RequestHashes, boundaries: list[int], pins: list[bool | None],
-                           want: list) -> tuple[list, list, list]:
-        """Each checkpoint's key and parent key (``hashes``' at each of ``boundaries``) and its entry in each state
-        group (None: not published), boundary by boundary; onto ``want`` (``CommitPages.read``'s, the blocks' part)
-        whether to claim each: where it is missing (and its window live: the claim checks), low priority for a
-        speculative one (``pins`` None: unheld; with ``"prefill-per-byte"`` low while that class rates low)."""
-        n_speculative = pins.count(None)
-        low = 2 if n_speculative and (self.values is None or self.values.low_priority(SPECULATIVE)) else 1
-        g, hh, root, lookups = self.granularity_tokens, hashes.hashes, hashes.root, self._state_lookups
-        checkpoint_keys, parents = [], []
-        for d in boundaries:  # plain loops, no comprehension: each is a frame, costly cold
-            checkpoint_keys.append(hh[d // g - 1]), parents.append(hh[d // g - 2] if d >= 2 * g else root)
-        found = []
-        for key, pinned in zip(checkpoint_keys, pins):
-            code = low if pinned is None else 1
-            for lookup in lookups:
-                entry = lookup(key)
-                found.append(entry)
-                want.append(code if entry is None else 0)
-        return checkpoint_keys, parents, found
 
     def _publish_blocks(self, hashes: RequestHashes, first_block: int, keys: list[int], pages: list[int],
                         status: list[int], stored: list[tuple]) -> int:
@@ -899,7 +883,7 @@ class PrefixCache:
 
     def _raws(self, items: Sequence[tuple]) -> Iterator[tuple]:
         """The raw events of ``items`` in order: a raw event (kind, group, key, parent, tokens, pages) as it is; a
-        commit's record (``_book``'s ``booked``: its blocks' keys, parents and ends, its checkpoints' keys,
+        commit's record (``_commit_alone``'s ``booked``: its blocks' keys, parents and ends, its checkpoints' keys,
         parents and boundaries) its "stored" events: its blocks history group by group, then its checkpoints
         boundary by boundary, state group by state group."""
         for item in items:
