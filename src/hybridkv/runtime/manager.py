@@ -733,7 +733,7 @@ class CacheManager:
             kinds = set(map(type, counts))
             if bool in kinds or not all(k is int or issubclass(k, np.integer) for k in kinds):
                 return None  # bool is an int subclass but not a token count
-            counts = tuple(map(int, counts))  # numpy ints: exact plain ints for ``_counts_in``'s sum
+            counts = tuple(map(int, counts))  # numpy ints: exact plain ints for the tokens' sum
         if counts.count(counts[0]) == n:  # one count (a prefill chunk, decode, verify): one scalar check
             return self._fast_rows_uniform(rids, counts[0])
         rows = self._rows_of(rids)
