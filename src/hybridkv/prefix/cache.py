@@ -190,7 +190,7 @@ class PrefixCache:
         self.values = CheckpointValues() if self.policy.name == "prefill-per-byte" else None
         self.on_event = on_event
         # Without a callback, events wait for drain_events(); past the bound the oldest are dropped (counted). The
-        # buffer holds raw events and commits' records (``_commit_alone``'s ``booked``: ``_raws`` expands them).
+        # buffer holds raw events and commits' records (``_book``'s ``booked``: ``_raws`` expands them).
         self.events: deque[tuple] = deque()
         self.max_buffered_events = max_buffered_events
         self.dropped_events = 0
@@ -210,11 +210,7 @@ class PrefixCache:
     def _init_commit_reader(self, pools: Mapping[str, PagePool], tables: Mapping[str, GroupTable],
                             windows: Mapping[str, int]) -> None:
         """What a commit publishes, read in one call (``_reader``): per history group (group, pool, pages per block,
-        its stats), per state group storing checkpoints (group, pool, pages per checkpoint, its holders, its stats).
-        What commits claimed whole read (``_record``): every group in order, its pool's entries and pages' keys
-        (``PageSpace.entry_maps``), pages, stats and whether it is a history group; each state group's holders and
-        entries (where a commit's latest checkpoint is read back). Only with state groups and no pinning interval are
-        commits claimed whole."""
+        its stats), per state group storing checkpoints (group, pool, pages per checkpoint, its holders, its stats)."""
         g = self.granularity_tokens
         self._reader = CommitPages([(tables[gid], g // tables[gid].page_tokens) for gid in self.history_ids],
                                    [(tables[gid], windows[gid]) for gid in self.state_ids], self._space)
@@ -227,17 +223,24 @@ class PrefixCache:
         self._entry_pages = {gid: n for gid, _, n, *_ in self._history_groups + self._state_groups}
         self._hit_holders = [(gid, holders) for gid, _, _, holders, _ in self._state_groups]  # hits' and commits' holds
         self._checkpoint_events = [(gid, n) for gid, _, n, *_ in self._state_groups]  # what a "stored" event names
-        self._history_events = [(gid, n) for gid, _, n, _ in self._history_groups]  # what a block's event names
         # Per state group, where its pages of each boundary lie in the state part of what a
         # commit reads: the i-th page of every window, one slice a page.
         step, offsets = self._reader.boundary_pages, np.cumsum([0, *self._reader.checkpoint_pages]).tolist()
         self._window_places = [[slice(at + i, None, step) for i in range(n)]
                                for at, n in zip(offsets, self._reader.checkpoint_pages)]
+        self._init_units()
+
+    def _init_units(self) -> None:
+        """What commits claimed whole read (``_record``): every group in order, its pool's entries and pages'
+        keys (``PageSpace.entry_maps``), pages, stats and whether it is a history group; each history group's id and
+        pages (its events); each state group's holders and entries (where a commit's latest checkpoint is read
+        back). Only with state groups and no pinning interval are commits claimed whole."""
         self._units = bool(self.state_ids) and self.state_checkpoint_interval is None
         unit = self._history_groups + [(gid, pool, n, stats) for gid, pool, n, _, stats in self._state_groups]
         maps = self._space.entry_maps([pool for _, pool, _, _ in unit])
         self._unit_parts = [(*maps[j], n, stats, j < len(self._history_groups))
                             for j, (_, _, n, stats) in enumerate(unit)]
+        self._history_events = [(gid, n) for gid, _, n, _ in self._history_groups]  # what a block's event names
         self._unit_holders = [(gid, holders, self._unit_parts[j][0]) for j, (gid, _, _, holders, _)
                               in enumerate(self._state_groups, len(self._history_groups))]
 
@@ -355,15 +358,22 @@ class PrefixCache:
         reach.append(max_blocks)
         # The hit: the last boundary within the history where every state group holds a checkpoint.
         k = min(reach)
-        if k and not (found and most == k):  # a state group's checkpoint is below k: walk down to the first
-            while k:  # boundary where every state group holds one (0 without one)
-                key, found = keys[k - 1], []
-                for lookup in self._state_lookups:
-                    found.append(lookup(key))
-                if None not in found:
-                    break
-                k -= 1
+        if k and not (found and most == k):  # a state group's checkpoint is below k: walk down
+            k, found = self._walk_down(keys, k)
         return k, limit, reach, history, found if k else []
+
+    def _walk_down(self, keys: list[int], k: int) -> tuple[int, list]:
+        """From block ``k`` down, the first boundary where every state group holds a checkpoint, and their entries
+        there (0, and what it looked up last, without one)."""
+        at_hit = []
+        while k:
+            key, at_hit = keys[k - 1], []
+            for lookup in self._state_lookups:
+                at_hit.append(lookup(key))
+            if None not in at_hit:
+                break
+            k -= 1
+        return k, at_hit
 
     def _state_reach(self, keys: list[int], top: int, reach: list[int]) -> tuple[list, int]:
         """``_match``'s walk down each state group to its last checkpoint among the first ``top`` blocks of ``keys``
@@ -456,11 +466,8 @@ class PrefixCache:
                       let_go: list[tuple]) -> None:
         """A request's commit: where it publishes only keys no group has and pins no boundary, its unit (its blocks,
         its speculative checkpoints and its latest) read and claimed whole in one compiled call
-        (``CommitPages.read_unit``), recorded (:meth:`_record`) and booked as one commit at a time books it (``booked``:
-        its blocks' keys, parents and ends, its checkpoints' keys, parents and boundaries): its "stored" events (history
-        group by group, then checkpoint by checkpoint every state group's), the state groups' holds of its latest
-        checkpoint, tier link, checkpoint values, one ``ValueEviction.stored_commit``, then its earlier checkpoints
-        superseded; else, or where the claim fails, :meth:`_commit_one`."""
+        (``CommitPages.read_unit``), recorded (:meth:`_record`) and booked (:meth:`_book`: its blocks' keys, parents
+        and ends, its checkpoints' keys, parents and boundaries); else, or where the claim fails, :meth:`_commit_one`."""
         hashes, g = req.hashes, self.granularity_tokens
         first, end, keep = old_tokens // g, new_tokens // g, req.keep_boundaries
         latest, speculative, low, hh = end * g, (), 1, hashes.hashes
@@ -487,22 +494,7 @@ class PrefixCache:
             pick = slice(at, at + len(speculative) * step, step)
             booked = keys, parents, ends, keys[pick] + keys[-1:], parents[pick] + parents[-1:], [*speculative, latest]
         self._record(pages, keys, booked[3])
-        checkpoint_keys, boundaries, key = booked[3], booked[5], booked[3][-1]  # key: its latest checkpoint's
-        events.append(booked)  # its "stored" events, expanded when drained (``_raws``)
-        own = _new_object(OwnCheckpoint)  # its fields stored directly (no ``__init__`` frame)
-        own.boundary_tokens, own.pinned, own.entries = latest, False, {}
-        for gid, holders, published in self._unit_holders:  # a key no group had: no request holds it yet
-            own.entries[gid] = (key, published[key])
-            holders[key] = 1
-        if self.tier_hook is not None:  # in its events' order, the checkpoints before the latest low where ``low`` is 2
-            pools, state = self.pools, self._holders
-            self.tier_hook.stored([(gid, k, d, pools[gid].lookup(k), low == 2 and k != key and gid in state)
-                                   for _, gid, k, _, d, _ in self._raws((booked,))])
-        if self.values is not None:
-            for key, boundary in zip(checkpoint_keys, boundaries):
-                self.values.published(key, boundary, speculative=boundary != latest)
-        self.eviction.stored_commit(keys, parents, ends, checkpoint_keys)
-        self._supersede(req, [own], events, let_go)
+        self._book(req, booked, low, events, let_go)
 
     def _record(self, pages: list[int], block_keys: list, checkpoint_keys: list) -> None:
         """The entries of commits claimed whole (``pages``: ``CommitPages``' claim, group by group, entry by entry)
@@ -531,44 +523,51 @@ class PrefixCache:
                     at += size
             stats.stored_entries += len(group_keys)
 
+    def _book(self, req: CommittingRequest, booked: tuple, low: int, events: list[tuple],
+              let_go: list[tuple]) -> None:
+        """What one commit at a time books of a request's commit claimed whole (``booked``; its entries recorded in the
+        groups' pools): its "stored" events (history group by group, then checkpoint by checkpoint every state group's),
+        the state groups' holds of its latest checkpoint, tier link (:meth:`_tell_units`), checkpoint values, one
+        ``ValueEviction.stored_commit``, then its earlier checkpoints superseded."""
+        keys, parents, ends, checkpoint_keys, _, boundaries = booked
+        events.append(booked)  # its "stored" events, expanded when drained (``_raws``)
+        key = checkpoint_keys[-1]
+        own = _new_object(OwnCheckpoint)  # its fields stored directly (no ``__init__`` frame)
+        own.boundary_tokens, own.pinned, own.entries = boundaries[-1], False, {}
+        for gid, holders, published in self._unit_holders:  # a key no group had: no request holds it yet
+            own.entries[gid] = (key, published[key])
+            holders[key] = 1
+        if self.tier_hook is not None:
+            self._tell_units(booked, low)
+        if self.values is not None:
+            for key, boundary in zip(checkpoint_keys, boundaries):
+                self.values.published(key, boundary, speculative=boundary != boundaries[-1])
+        self.eviction.stored_commit(keys, parents, ends, checkpoint_keys)
+        self._supersede(req, [own], events, let_go)
+
+    def _tell_units(self, booked: tuple, low: int) -> None:
+        """The tier link of a commit claimed whole (:meth:`_book`'s ``booked``, its entries recorded) in one call, in
+        its events' order (:meth:`_raws`), the checkpoints before the latest low priority where ``low`` is 2."""
+        last, pools, state = booked[3][-1], self.pools, self._holders  # a state group's: speculative where not last
+        self.tier_hook.stored([(gid, key, end, pools[gid].lookup(key), low == 2 and key != last and gid in state)
+                               for _, gid, key, _, end, _ in self._raws((booked,))])
+
     def _commit_one(self, req: CommittingRequest, old_tokens: int, new_tokens: int, stored: list[tuple],
                     let_go: list[tuple]) -> None:
         """One request's commit of tokens ``[old, new)`` (a block crossed at least): history blocks and the checkpoints
-        (the speculative boundaries: crossed, not pinned, kept by the policy; then the request's own ones, pinned
-        (``pins`` True: its junction, multiples of ``state_checkpoint_interval``) or the latest; each one's key, parent
-        key and entry in each state group (None: not published), boundary by boundary), those missing read and claimed
-        in one call (``CommitPages.read``; ``want``: whether to claim each block and each checkpoint: where it is
-        missing (and its window live: the claim checks), low priority for a speculative one (with
-        ``"prefill-per-byte"`` low while that class rates low)); its "stored" events, then the removals superseding
+        (:meth:`_checkpoint_boundaries`; their keys, parents and entries: :meth:`_found_checkpoints`), those missing
+        read and claimed in one call (``CommitPages.read``); its "stored" events, then the removals superseding
         caused, onto ``stored``; what superseding lets go onto ``let_go`` (the earlier requests' let go first)."""
-        g, hashes, keep = self.granularity_tokens, req.hashes, req.keep_boundaries
+        g, hashes = self.granularity_tokens, req.hashes
         if let_go:
             self._let_go(let_go)
         first_block, end_block = old_tokens // g, new_tokens // g
-        latest, interval, speculative, boundaries, pins = end_block * g, self.state_checkpoint_interval, [], [], []
-        keeps = None if self.checkpoint_policy == "terminal-and-junctions" else self.policy.speculative
-        for d in range((first_block + 1) * g, latest + 1, g) if self.state_ids else ():  # crossed, then the latest
-            if d in keep or (interval is not None and d % interval == 0):
-                boundaries.append(d), pins.append(True)
-            elif d == latest:
-                boundaries.append(d), pins.append(False)
-            elif keeps is not None and keeps(d, req.prompt_tokens):
-                speculative.append(d)
-        boundaries, pins = speculative + boundaries, [None] * len(speculative) + pins
+        boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
         keys, want = hashes.hashes[first_block:end_block], []
         for lookup in self._history_lookups:  # plain loops, no comprehension: each is a frame, costly run cold
             for key in keys:
                 want.append(lookup(key) is None)
-        low = 2 if speculative and (self.values is None or self.values.low_priority(SPECULATIVE)) else 1
-        hh, root, checkpoint_keys, parents, found = hashes.hashes, hashes.root, [], [], []
-        for d in boundaries:  # plain loops, no comprehension: each is a frame, costly cold
-            checkpoint_keys.append(hh[d // g - 1]), parents.append(hh[d // g - 2] if d >= 2 * g else root)
-        for key, pinned in zip(checkpoint_keys, pins):
-            code = low if pinned is None else 1
-            for lookup in self._state_lookups:
-                entry = lookup(key)
-                found.append(entry)
-                want.append(code if entry is None else 0)
+        checkpoint_keys, parents, found = self._found_checkpoints(hashes, boundaries, pins, want)
         pages, status = self._reader.read(req.row, first_block, end_block, boundaries, want)
         at = self._publish_blocks(hashes, first_block, keys, pages, status, stored)
         status = status[len(keys) * len(self.history_ids):]
@@ -576,6 +575,46 @@ class PrefixCache:
         new_own = self._book_checkpoints(checkpoint_keys, parents, boundaries, pins, entries, status)
         if self.state_ids:
             self._supersede(req, new_own, stored, let_go)
+
+    def _found_checkpoints(self, hashes: RequestHashes, boundaries: list[int], pins: list[bool | None],
+                           want: list) -> tuple[list, list, list]:
+        """Each checkpoint's key and parent key (``hashes``' at each of ``boundaries``) and its entry in each state
+        group (None: not published), boundary by boundary; onto ``want`` (``CommitPages.read``'s, the blocks' part)
+        whether to claim each: where it is missing (and its window live: the claim checks), low priority for a
+        speculative one (``pins`` None: unheld; with ``"prefill-per-byte"`` low while that class rates low)."""
+        n_speculative = pins.count(None)
+        low = 2 if n_speculative and (self.values is None or self.values.low_priority(SPECULATIVE)) else 1
+        g, hh, root, lookups = self.granularity_tokens, hashes.hashes, hashes.root, self._state_lookups
+        checkpoint_keys, parents = [], []
+        for d in boundaries:  # plain loops, no comprehension: each is a frame, costly cold
+            checkpoint_keys.append(hh[d // g - 1]), parents.append(hh[d // g - 2] if d >= 2 * g else root)
+        found = []
+        for key, pinned in zip(checkpoint_keys, pins):
+            code = low if pinned is None else 1
+            for lookup in lookups:
+                entry = lookup(key)
+                found.append(entry)
+                want.append(code if entry is None else 0)
+        return checkpoint_keys, parents, found
+
+    def _checkpoint_boundaries(self, req: CommittingRequest, first_block: int,
+                               end_block: int) -> tuple[list[int], list[bool | None]]:
+        """The checkpoints a commit of blocks ``[first_block, end_block)`` publishes, and for each whether the
+        request pins it (None: a speculative one): the speculative boundaries (crossed, not pinned, kept by the
+        policy), then the request's own ones: the pinned ones crossed (its junction, multiples of
+        ``state_checkpoint_interval``), then the latest."""
+        g, interval, keep = self.granularity_tokens, self.state_checkpoint_interval, req.keep_boundaries
+        latest = end_block * g
+        keeps = None if self.checkpoint_policy == "terminal-and-junctions" else self.policy.speculative
+        speculative, own, pins, prompt_tokens = [], [], [], req.prompt_tokens
+        for d in range((first_block + 1) * g, latest + 1, g):  # the boundaries crossed, then the latest
+            if d in keep or (interval is not None and d % interval == 0):
+                own.append(d), pins.append(True)
+            elif d == latest:
+                own.append(d), pins.append(False)
+            elif keeps is not None and keeps(d, prompt_tokens):
+                speculative.append(d)
+        return speculative + own, [None] * len(speculative) + pins
 
     def _publish_blocks(self, hashes: RequestHashes, first_block: int, keys: list[int], pages: list[int],
                         status: list[int], stored: list[tuple]) -> int:
@@ -635,18 +674,12 @@ class PrefixCache:
     def _book_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], pins: list[bool | None],
                           entries: list, status: list[int]) -> list[OwnCheckpoint]:
         """Book each checkpoint the commit published (``status`` 2; ``entries``: each boundary's pages in each state
-        group, None where missing): the tier link of each entry (in one call, boundary by boundary, state group by
-        state group; a speculative one's low priority as claimed), the checkpoint values of each boundary published
-        anywhere, then ``ValueEviction.stored_checkpoint`` boundary by boundary; the request's own ones (``pins`` not
-        None, after the speculative ones) returned, each held in every state group that has it."""
-        gids, n, hook, values = self.state_ids, len(self.state_ids), self.tier_hook, self.values
-        if hook is not None:
-            low = values is None or values.low_priority(SPECULATIVE) if None in pins else False
-            hook.stored([(gids[place % n], keys[place // n], boundaries[place // n], entries[place],
-                          low and pins[place // n] is None) for place, new in enumerate(status) if new == 2])
-        for j, (key, boundary, pinned) in enumerate(zip(keys, boundaries, pins)) if values is not None else ():
-            if 2 in status[j * n:(j + 1) * n]:
-                values.published(key, boundary, speculative=pinned is None)
+        group, None where missing): tier link and checkpoint values (:meth:`_tell_checkpoints`), then
+        ``ValueEviction.stored_checkpoint`` boundary by boundary; the request's own ones (``pins`` not None, after
+        the speculative ones) returned, each held in every state group that has it."""
+        gids, n = self.state_ids, len(self.state_ids)
+        if self.tier_hook is not None or self.values is not None:
+            self._tell_checkpoints(keys, boundaries, pins, entries, status)
         own_checkpoints = []
         for j in range(pins.count(None), len(pins)):  # the request's own ones (the speculative ones first)
             key, own = keys[j], OwnCheckpoint(boundaries[j], pins[j])
@@ -662,6 +695,20 @@ class PrefixCache:
                 self.eviction.stored_checkpoint([gid for gid, new in zip(gids, part) if new == 2], key, parent,
                                                 boundary)
         return own_checkpoints
+
+    def _tell_checkpoints(self, keys: list[int], boundaries: list[int], pins: list[bool | None], entries: list,
+                          status: list[int]) -> None:
+        """The tier link of each checkpoint entry the commit published (``status`` 2), boundary
+        by boundary, state group by state group (a speculative one's low priority as claimed),
+        then the checkpoint values of each boundary it published anywhere."""
+        hook, values, gids, n = self.tier_hook, self.values, self.state_ids, len(self.state_ids)
+        low = values is None or values.low_priority(SPECULATIVE) if None in pins else False
+        if hook is not None:  # every checkpoint entry published, in one call
+            hook.stored([(gids[place % n], keys[place // n], boundaries[place // n], entries[place],
+                          low and pins[place // n] is None) for place, new in enumerate(status) if new == 2])
+        for j, (key, boundary, pinned) in enumerate(zip(keys, boundaries, pins)) if values is not None else ():
+            if 2 in status[j * n:(j + 1) * n]:
+                values.published(key, boundary, speculative=pinned is None)
 
     def _supersede(self, req: CommittingRequest, new_own: list, events: list[tuple], let_go: list[tuple]) -> None:
         """Drop the request's hold on every earlier own checkpoint that is not pinned, group by group (``new_own``
@@ -818,8 +865,8 @@ class PrefixCache:
     def _evict_many(self, gid: str, keys: Sequence[int], cause: str) -> int:
         """State group ``gid``'s pool's ``evict_many``: entries evicted (or revoked) there, with the rest of their units
         (the value policy's) from the other state groups ("unit"), in one ``PageSpace.drop_units``; then in the order
-        one at a time gives, each key's ``ValueEviction.unit_evicted``, and their removals booked
-        (:meth:`_book_removals`, events in one call). The idle pages freed in ``gid``."""
+        one at a time gives, each key's ``ValueEviction.unit_evicted`` and its removals booked as :meth:`_book_removals`
+        books them; events in one call. The idle pages freed in ``gid``."""
         eviction, pools = self.eviction, self._unit_pools[gid]
         left, idle, removals = self._space.drop_units(self._unit_pops[gid], keys, cause)  # first entry: ``gid``'s
         evicted = eviction.evicted_pages
@@ -827,9 +874,19 @@ class PrefixCache:
             pool.counters.evicted_pages += idle_pages
             if pool.group_id != gid:
                 evicted[pool.group_id]["unit"] += idle_pages
-        origins = [eviction.unit_evicted(gid, key, told_cause, freed, len(gids))
-                   for (key, told_cause, freed), gids in zip(removals, left)]
-        self._emit_many(self._book_removals([removal[0] for removal in removals], left, origins))
+        books, values, raws = self._books, self.values, []
+        for (key, told_cause, freed), gids in zip(removals, left):
+            parent, boundary = eviction.unit_evicted(gid, key, told_cause, freed, len(gids))
+            if values is not None:  # a key's value record is every state group's: forgotten once
+                values.removed(key)
+            for g in gids:
+                holders, stats, pages = books[g]
+                holders.pop(key, None)
+                stats.removed_entries += 1
+                raws.append(("removed", g, key, parent, boundary, pages if boundary else 0))
+        if self.tier_hook is not None:  # every removal in one call
+            self.tier_hook.removed([raw[1:3] for raw in raws], self._dropping)
+        self._emit_many(raws)
         return idle[0]
 
     def _book_removals(self, keys: Sequence[int], left: Sequence[Sequence[str]],
@@ -863,7 +920,7 @@ class PrefixCache:
                 self.on_event(_event(raw))
             return
         n, n_history, n_state = 0, len(self._history_events), len(self._checkpoint_events)
-        for item in items:  # how many events each stands for: 1 (a raw event), or a commit's record's (``_raws``)
+        for item in items:  # ``_events_in`` of each, written out (a frame each, costly run cold)
             n += 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
         events = self.events
         events.extend(items)
@@ -875,7 +932,7 @@ class PrefixCache:
         self.dropped_events += excess
         while excess:
             item = events.popleft()
-            size = 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
+            size = _events_in(item, n_history, n_state)
             if size > excess:  # a record cut short: the rest of it kept raw
                 events.extendleft(reversed(list(self._raws((item,)))[excess:]))
                 return
@@ -883,7 +940,7 @@ class PrefixCache:
 
     def _raws(self, items: Sequence[tuple]) -> Iterator[tuple]:
         """The raw events of ``items`` in order: a raw event (kind, group, key, parent, tokens, pages) as it is; a
-        commit's record (``_commit_alone``'s ``booked``: its blocks' keys, parents and ends, its checkpoints' keys,
+        commit's record (``_book``'s ``booked``: its blocks' keys, parents and ends, its checkpoints' keys,
         parents and boundaries) its "stored" events: its blocks history group by group, then its checkpoints
         boundary by boundary, state group by state group."""
         for item in items:
@@ -943,6 +1000,12 @@ def _grain(specs: Sequence[CacheGroupSpec], windows: Mapping[str, int], granular
             raise ValueError(f"prefix_granularity {g} is smaller than group {s.group_id!r} checkpoint window "
                              f"({windows[s.group_id]} tokens): checkpoints would overlap")
     return g
+
+
+def _events_in(item: tuple, n_history: int, n_state: int) -> int:
+    """How many events a buffered item stands for: 1 (a raw event), or a commit's record's (``_raws``: a block in
+    each of ``n_history`` history groups, a checkpoint in each of ``n_state`` state groups)."""
+    return 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
 
 
 def _event(raw: tuple) -> CacheEvent:

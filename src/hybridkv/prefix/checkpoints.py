@@ -256,17 +256,7 @@ class CheckpointOrder:
         """File again what changed since the last freed request (class docstring)."""
         values = self.values
         low = {kind: values.low_priority(kind) for kind in CLASSES}
-        changed = dict.fromkeys(values.take_changed())  # the keys to file again, each once; the idle lists emptied
-        changed.update(self._mended)
-        self._mended.clear()
-        for kind in CLASSES:
-            if low[kind] != self._low[kind]:
-                changed.update(dict.fromkeys(values.members(kind)))
-        for group_id, fresh in self._fresh.items():
-            changed.update((entry[1], None) for entry in fresh)
-            fresh.clear()
-            self._fresh_seen[group_id] = 0
-        kinds = {key: values.kind(key) for key in changed}
+        kinds = {key: values.kind(key) for key in self._changed_keys(low)}
         self._low = low
         self._reuse = {kind: values.expected_reuse(kind) for kind in CLASSES}
         self._tick = self._idle_clock()
@@ -281,16 +271,21 @@ class CheckpointOrder:
         for key, kind in kinds.items():
             if kind is not None and not low[kind]:
                 self._file(key, kind)
-        # Heap entries of superseded versions or forgotten keys dropped once they outnumber the live ones (amortised
-        # O(1) a push).
-        live = len(values)
-        for heaps in self._heaps.values():
-            for heap in heaps.values():
-                if len(heap) > 2 * live + 64:
-                    heap[:] = [e for e in heap if self._version.get(e[-1]) == e[-2] and values.kind(e[-1])]
-                    heapq.heapify(heap)
-        if len(self._version) > 2 * live + 64:
-            self._version = {k: v for k, v in self._version.items() if values.kind(k) is not None}
+        self._compact()
+
+    def _changed_keys(self, low: dict[str, bool]) -> list[Hashable]:
+        """Keys to file again (class docstring), each once; empties the idle lists."""
+        changed = dict.fromkeys(self.values.take_changed())
+        changed.update(self._mended)
+        self._mended.clear()
+        for kind in CLASSES:
+            if low[kind] != self._low[kind]:
+                changed.update(dict.fromkeys(self.values.members(kind)))
+        for group_id, fresh in self._fresh.items():
+            changed.update((entry[1], None) for entry in fresh)
+            fresh.clear()
+            self._fresh_seen[group_id] = 0
+        return list(changed)
 
     def _file(self, key: Hashable, kind: str) -> None:
         """Promote a normal-class checkpoint and push it, with a new version, on the heap
@@ -353,6 +348,9 @@ class CheckpointOrder:
                     best = (rank, heap)
         if best is not None:
             return heapq.heappop(best[1])[-1]
+        return self._next_fresh(pool, taken)
+
+    def _next_fresh(self, pool, taken: Container[Hashable]) -> Hashable | None:
         fresh, n = self._fresh[pool.group_id], self._fresh_seen[pool.group_id]
         ref, idle_tick, flags = pool.ref_counts, pool.idle_tick, pool.low_priority
         while n < len(fresh):
@@ -365,6 +363,18 @@ class CheckpointOrder:
                 return key
         self._fresh_seen[pool.group_id] = n
         return None
+
+    def _compact(self) -> None:
+        """Drop heap entries of superseded versions or forgotten keys once they
+        outnumber the live ones (amortised O(1) a push)."""
+        live = len(self.values)
+        for heaps in self._heaps.values():
+            for kind, heap in heaps.items():
+                if len(heap) > 2 * live + 64:
+                    heap[:] = [e for e in heap if self._version.get(e[-1]) == e[-2] and self.values.kind(e[-1])]
+                    heapq.heapify(heap)
+        if len(self._version) > 2 * live + 64:
+            self._version = {k: v for k, v in self._version.items() if self.values.kind(k) is not None}
 
 
 __all__ = ["ATTENTION_EQUAL_DEPTH_TOKENS", "CHECKPOINT_HISTORY_TOKENS", "CHECKPOINT_POLICIES", "CLASSES",

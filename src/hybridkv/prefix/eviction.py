@@ -77,10 +77,7 @@ class ValueEviction:
                       parents: Sequence[Hashable | None], boundaries: Sequence[int]) -> None:
         """:meth:`stored` of the blocks a commit published, history group by history group
         in turn: per (group, indices) of ``claims``, ``keys[i]`` (with ``parents[i]`` and
-        ``boundaries[i]``) for each index in order; each key's node looked up once. Each block stored is promoted
-        where it was demoted; its waiting children, or itself, mended once every history group holds it and the chain
-        above is whole (its parent's node is not cut, or it is a chain's first block), else it is demoted (beyond a
-        missing block: worth nothing yet)."""
+        ``boundaries[i]``) for each index in order; each key's node looked up once."""
         nodes, track, n_history = self._nodes, self._track, len(self.history_ids)
         got: list = [None] * len(keys)  # each key's node once found (one it stores in can not go)
         for gid, done in claims:
@@ -89,19 +86,23 @@ class ValueEviction:
                 if node is None:
                     node = got[i] = nodes.get(keys[i]) or self._new_node(keys[i], parents[i], boundaries[i])
                 node[2] += 1
-                if not track:
-                    continue
-                key, complete = keys[i], node[2] - node[3] == n_history  # complete: every history group holds it
-                if node[1] > 0 and self.acts:
-                    self.pools[gid].promote(key)
-                if not node[5]:  # its children cut while its node was missing regain their value
-                    for child in list(node[4]) if complete and node[4] else ():
-                        if nodes[child][5]:
-                            self._mend(child)
-                elif complete and (not up[5] if (up := nodes.get(node[0])) is not None else node[6]):
-                    self._mend(key)
-                else:
-                    self._demote_cut(gid, key)
+                if track:
+                    self._place_stored(gid, keys[i], node, node[2] - node[3] == n_history)
+
+    def _place_stored(self, gid: str, key: Hashable, node: list, complete: bool) -> None:
+        """Group ``gid`` stored block ``key`` (``complete``: every history group holds it now): promote it where it was
+        demoted, mend its waiting children or itself when the chain above is whole (its parent's node is not cut, or it
+        is a chain's first block), else demote it (beyond a missing block: worth nothing yet)."""
+        if node[1] > 0 and self.acts:
+            self.pools[gid].promote(key)
+        if not node[5]:  # its children cut while its node was missing regain their value
+            for child in list(node[4]) if complete and node[4] else ():
+                if self._nodes[child][5]:
+                    self._mend(child)
+        elif complete and (not up[5] if (up := self._nodes.get(node[0])) is not None else node[6]):
+            self._mend(key)
+        else:
+            self._demote_cut(gid, key)
 
     def stored_commit(self, keys: Sequence[Hashable], parents: Sequence[Hashable | None], boundaries: Sequence[int],
                       checkpoints: Sequence[Hashable]) -> None:
@@ -109,12 +110,11 @@ class ValueEviction:
         then :meth:`stored_checkpoint` of each of ``checkpoints`` (among ``keys``, in order, the last one last) in every
         state group: a commit claimed whole, of keys no group publishes (:attr:`knows` False: none has a node). Done at
         once on a whole chain (history and state groups; no key has a child waiting, the chain above is not cut), where
-        nothing else changes: each node made with its counts (each block the one child of the one before, each
-        checkpoint supported by itself and by the one beyond it, the last by itself only), the chain's parent one
-        support more (in place when it is supported already)."""
-        nodes, unborn, g = self._nodes, self._unborn, self.granularity_tokens
+        nothing else changes: each node made with its counts (:meth:`_new_chain`), the chain's parent one support more
+        (in place when it is supported already)."""
+        nodes, unborn = self._nodes, self._unborn
         up = nodes.get(parents[0])
-        if not self._track or (up[5] if up is not None else boundaries[0] > g) or (
+        if not self._track or (up[5] if up is not None else boundaries[0] > self.granularity_tokens) or (
                 keys[0] in unborn if len(keys) == 1 else not unborn.keys().isdisjoint(keys)):
             if self.history_ids:  # as one commit at a time books it
                 self.stored_blocks([(gid, range(len(keys))) for gid in self.history_ids], keys, parents, boundaries)
@@ -122,20 +122,12 @@ class ValueEviction:
             for key in checkpoints:
                 self.stored_checkpoint(self.state_ids, key, *at[key])
             return
-        n_history, n_state = len(self.history_ids), len(self.state_ids)
-        if len(keys) == 1:  # one block and its checkpoint (a decode commit): supported by it, no loop
-            boundary = boundaries[0]
-            nodes[keys[0]] = [parents[0], 1, n_history + n_state, n_state, None, False, boundary <= g, boundary]
+        if len(keys) == 1:  # one block and its checkpoint (a decode commit): supported by it
+            n_state = len(self.state_ids)
+            nodes[keys[0]] = [parents[0], 1, len(self.history_ids) + n_state, n_state, None, False,
+                              boundaries[0] <= self.granularity_tokens, boundaries[0]]
         else:
-            marks = None if checkpoints is keys else set(checkpoints)  # None: every block's end (a prompt chunk's)
-            n_both, child, support = n_history + n_state, None, 1  # the last: its own checkpoint's support only
-            for key, parent, boundary in zip(reversed(keys), reversed(parents), reversed(boundaries)):  # last first
-                if marks is None or key in marks:
-                    nodes[key] = [parent, support, n_both, n_state, child, False, boundary <= g, boundary]
-                    support = 2
-                else:
-                    nodes[key] = [parent, 1, n_history, 0, child, False, boundary <= g, boundary]
-                child = (key,)  # the one before's one child (``_add_child``'s 1-tuple)
+            self._new_chain(keys, parents, boundaries, checkpoints)
         if up is None:
             unborn.setdefault(parents[0], {})[keys[0]] = None
             return
@@ -147,6 +139,22 @@ class ValueEviction:
             up[1] += 1
         else:
             self._add_support(parents[0])
+
+    def _new_chain(self, keys: Sequence[Hashable], parents: Sequence[Hashable | None], boundaries: Sequence[int],
+                   checkpoints: Sequence[Hashable]) -> None:
+        """The nodes of new blocks ``keys`` (a chain), each in every history group, those of
+        ``checkpoints`` in every state group too: each supported by its own checkpoint and by
+        the one beyond it (the last is one), each the one child of the one before."""
+        nodes, n_history, n_state, g = self._nodes, len(self.history_ids), len(self.state_ids), self.granularity_tokens
+        marks = None if checkpoints is keys else set(checkpoints)  # None: every block's end (a prompt chunk's)
+        n_both, child, support = n_history + n_state, None, 1  # the last: its own checkpoint's support only
+        for key, parent, boundary in zip(reversed(keys), reversed(parents), reversed(boundaries)):  # last first
+            if marks is None or key in marks:
+                nodes[key] = [parent, support, n_both, n_state, child, False, boundary <= g, boundary]
+                support = 2
+            else:
+                nodes[key] = [parent, 1, n_history, 0, child, False, boundary <= g, boundary]
+            child = (key,)  # the one before's one child (``_add_child``'s 1-tuple)
 
     def origin(self, key: Hashable) -> tuple[Hashable | None, int]:
         """The parent key and boundary tokens of a key published in some group (as
@@ -204,14 +212,20 @@ class ValueEviction:
                 self._cut(key)
             node[2] -= 1
             others = self.history_ids + self.state_ids
-        follow = UNPUBLISHED if cause == UNPUBLISHED else UNIT  # an eviction's rest: evicted ("unit")
-        for other in others if self.acts else ():
+        if self.acts:
+            self._take_unit(gid, key, cause, others)
+        self._forget_if_idle(key)
+
+    def _take_unit(self, gid: str, key: Hashable, cause: str, others: Sequence[str]) -> None:
+        """The rest of ``key``'s unit leaves the groups ``others``: as evictions ("unit") after an eviction,
+        unpublished after an unpublished entry (a superseded checkpoint, a cleared cache)."""
+        follow = UNPUBLISHED if cause == UNPUBLISHED else UNIT
+        for other in others:
             pool = self.pools[other]
             if other != gid and pool.lookup(key) is not None:
                 freed = pool.unpublish(key, follow)
                 if follow == UNIT:
                     pool.counters.evicted_pages += freed
-        self._forget_if_idle(key)
 
     def unit_evicted(self, gid: str, key: Hashable, cause: str, idle_pages: int,
                      count: int) -> tuple[Hashable | None, int]:
