@@ -865,8 +865,8 @@ class PrefixCache:
     def _evict_many(self, gid: str, keys: Sequence[int], cause: str) -> int:
         """State group ``gid``'s pool's ``evict_many``: entries evicted (or revoked) there, with the rest of their units
         (the value policy's) from the other state groups ("unit"), in one ``PageSpace.drop_units``; then in the order
-        one at a time gives, each key's ``ValueEviction.unit_evicted`` and its removals booked as :meth:`_book_removals`
-        books them; events in one call. The idle pages freed in ``gid``."""
+        one at a time gives, each key's ``ValueEviction.unit_evicted``, and their removals booked
+        (:meth:`_book_removals`, events in one call). The idle pages freed in ``gid``."""
         eviction, pools = self.eviction, self._unit_pools[gid]
         left, idle, removals = self._space.drop_units(self._unit_pops[gid], keys, cause)  # first entry: ``gid``'s
         evicted = eviction.evicted_pages
@@ -874,19 +874,9 @@ class PrefixCache:
             pool.counters.evicted_pages += idle_pages
             if pool.group_id != gid:
                 evicted[pool.group_id]["unit"] += idle_pages
-        books, values, raws = self._books, self.values, []
-        for (key, told_cause, freed), gids in zip(removals, left):
-            parent, boundary = eviction.unit_evicted(gid, key, told_cause, freed, len(gids))
-            if values is not None:  # a key's value record is every state group's: forgotten once
-                values.removed(key)
-            for g in gids:
-                holders, stats, pages = books[g]
-                holders.pop(key, None)
-                stats.removed_entries += 1
-                raws.append(("removed", g, key, parent, boundary, pages if boundary else 0))
-        if self.tier_hook is not None:  # every removal in one call
-            self.tier_hook.removed([raw[1:3] for raw in raws], self._dropping)
-        self._emit_many(raws)
+        origins = [eviction.unit_evicted(gid, key, told_cause, freed, len(gids))
+                   for (key, told_cause, freed), gids in zip(removals, left)]
+        self._emit_many(self._book_removals([removal[0] for removal in removals], left, origins))
         return idle[0]
 
     def _book_removals(self, keys: Sequence[int], left: Sequence[Sequence[str]],
