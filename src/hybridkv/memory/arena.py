@@ -149,7 +149,7 @@ class Arena:
         self._slab_pages = np.asarray([geometry.slab_bytes // geometry.page_bytes[gid] - 1 for gid in self.group_ids],
                                       dtype=np.int64)
         self._most_slab_pages = int(inner.max()) + 2  # a slab's inner pages and its two straddlers
-        self._slab_scratch = np.empty(2 * self._most_slab_pages, dtype=np.int64)  # ``_moved_pages``'
+        self._slab_scratch = np.empty(2 * self._most_slab_pages, dtype=np.int64)  # ``apply``'s slab moves'
         self._index = {gid: i for i, gid in enumerate(self.group_ids)}
         self.owner = np.full(n, -1, dtype=np.int16)
         self._spare = np.zeros(1, dtype=np.int64)  # spare slabs, in an array ``admit_spare`` reads
@@ -178,7 +178,7 @@ class Arena:
         """Load (or compile) now, changing nothing, the kernels of slab moves and the packing rule."""
         gid, donors = self.group_ids[0], self.group_ids[1:]
         self.pools[gid].oldest_idle_tick()
-        self._moved_pages(-1, 0, 0)
+        kernels.slab_move_pages(self.owner, -1, 0, *self._slab_ids, 0, self._slab_scratch)
         kernels.take_spare_slabs(self.owner.copy(), 0, self._inner[0], self._straddle[0], 0, self._taken)
         self.plan_spare(np.zeros(len(self.group_ids), dtype=np.int64))
         self._count(gid, 0, self.owner)
@@ -215,12 +215,6 @@ class Arena:
         """Pages ``gid`` gains by taking (or loses by giving) ``slab`` under ``own``."""
         gi = self._index[gid]
         return int(kernels.slab_gain(own, gi, self._inner[gi], self._straddle[gi], slab))
-
-    def _moved_pages(self, donor: int, group: int, slab: int) -> tuple[np.ndarray, np.ndarray]:
-        """``kernels.slab_move_pages`` under the arena's owners (views of scratch)."""
-        out = self._slab_scratch
-        given, n = kernels.slab_move_pages(self.owner, donor, group, *self._slab_ids, slab, out)
-        return out[:given], out[given:n]
 
     # --- planning ---------------------------------------------------------------
     def plan(self, deficit: Mapping[str, int], surplus: Mapping[str, int], scan: IdleScan | None = None, *,
@@ -336,17 +330,17 @@ class Arena:
         spare = [slab for _, slab, donor in grants if donor is None]
         if len(set(spare)) < len(spare) or (self.owner[spare] >= 0).any():
             raise AssertionError("a slab granted is not spare")
-        index = self._index
+        index, out = self._index, self._slab_scratch
         for gid, slab, donor in grants:
             gi, di = index[gid], -1 if donor is None else index[donor]
-            given, gained = self._moved_pages(di, gi, slab)  # the slab's neighbours stay
+            given, n = kernels.slab_move_pages(self.owner, di, gi, *self._slab_ids, slab, out)  # neighbours stay
             if di >= 0:
-                self.pools[donor].revoke(given)
+                self.pools[donor].revoke(out[:given])
                 self.slab_moves += 1
             else:
                 self._spare_changed(-1)
             self.owner[slab] = gi
-            self.pools[gid].grant(gained)
+            self.pools[gid].grant(out[given:n])
 
     # --- checks ---------------------------------------------------------------
     def check_invariants(self) -> None:

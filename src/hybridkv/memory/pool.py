@@ -257,8 +257,6 @@ class PagePool:
         """Make never-granted (or revoked) page ids usable: they go on the free stack,
         the first listed on top (shuffled first with a shuffle seed)."""
         pages = np.asarray(pages, dtype=np.int64)
-        if pages.size == 0:
-            return
         if self._rng is not None:
             pages = pages.copy()
             self._rng.shuffle(pages)
@@ -338,9 +336,7 @@ class PagePool:
             return
         for page in pages:
             low[page] = False
-        idle = self._move_idle(pages)
-        if idle:
-            self._lows[self._slot] -= len(idle)  # ``_low_idle_pages``
+        self._lows[self._slot] -= len(self._move_idle(pages))  # ``_low_idle_pages``
 
     def touch(self, key: Hashable) -> None:
         """Move a normal-priority entry's idle pages to the back of the LRU (the most
@@ -440,7 +436,11 @@ class PageSpace:
         if sum(sizes) >= 2**31:
             raise ValueError("a page space holds fewer than 2**31 pages")
         self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        self._join_page_arrays(sizes)
+        for name in ("ref_counts", "cached", "low_priority", "_stack", "idle_tick", "_lru_prev", "_lru_next"):
+            whole = np.concatenate([getattr(p, name) for p in self.pools])  # the pools' arrays, end to end
+            setattr(self, name.lstrip("_"), whole)
+            for pool, start, n in zip(self.pools, self.offsets.tolist(), sizes):  # every pool views its slice
+                setattr(pool, name, whole[start : start + n])
         self.per_group = np.stack([p._per_group[:, p._slot] for p in self.pools], axis=1)  # the pools' counts
         self.tops, self.lowest_first, self.idle_low_floors = self.per_group[:3]
         self.lru_lengths, self.low_idle = self.per_group[kernels.LRU_PAGES], self.per_group[kernels.LOW_IDLE_PAGES]
@@ -470,15 +470,6 @@ class PageSpace:
             pool._ref_view = memoryview(pool.ref_counts)  # the arrays'
             pool.space = self
             pool.ranker = pool.ranker  # into ``ranked``
-
-    def _join_page_arrays(self, sizes: list[int]) -> None:
-        """Each per-page array of the pools, concatenated in group order; every pool views its slice."""
-        starts = self.offsets.tolist()
-        for name in ("ref_counts", "cached", "low_priority", "_stack", "idle_tick", "_lru_prev", "_lru_next"):
-            whole = np.concatenate([getattr(p, name) for p in self.pools])
-            setattr(self, name.lstrip("_"), whole)
-            for pool, start, n in zip(self.pools, starts, sizes):
-                setattr(pool, name, whole[start : start + n])
 
     def load_kernels(self, tables, counters: np.ndarray) -> None:
         """Load (or compile) now, changing nothing, the kernels of this space's and each pool's methods."""
