@@ -177,16 +177,14 @@ class PagePool:
         ones (those freed count as free), lowest id first; with ``ahead``, below the ``count + ahead`` lowest (or all)
         when one lies below the ``count`` lowest, else none. One batch (:meth:`_low_victims`) where telling of a removal
         cannot change this pool (``evict_many`` set, or no one to tell), else one entry at a time."""
-        top, each = self._top, self.on_removed is not None and self.evict_many is None
+        top, each, freed = self._top, self.on_removed is not None and self.evict_many is None, 0
         end = int(self._stack[top - count]) if top >= count else self.num_pages  # scanned below it
         candidates = self._low_idle_ids(end, 1 if each else _SCAN_PAGES)
         if ahead and candidates:  # one lies below the ids taken: clear more
             count = min(count + ahead, top)
-        elif ahead or not candidates:
-            self._low_floor = max(self._low_floor, end)  # none below it
-            return
-        freed = 0
-        while each:  # one entry at a time, the flags scanned again after each (``on_removed`` may demote entries here)
+        # One entry at a time where telling may change this pool, the flags scanned again after each (``on_removed``
+        # may demote entries here).
+        while each and candidates:
             self._low_floor = candidates[0]  # no idle low-priority page below it; its entry goes now
             freed += self._unpublish_many([self._page_key[candidates[0]]])
             if freed >= count:
@@ -194,9 +192,9 @@ class PagePool:
             top = self._top  # the scan stops at the ``count``-th lowest free id (``num_pages`` while fewer are free)
             end = int(self._stack[top - count]) if top >= count else self.num_pages
             candidates = self._low_idle_ids(end, 1)
-            if not candidates:
-                self._low_floor = max(self._low_floor, end)
-                return
+        if not candidates:
+            self._low_floor = max(self._low_floor, end)  # none below it
+            return
         self._unpublish_many(self._low_victims(count, top, candidates,
                                                candidates[0] + 1 if len(candidates) == _SCAN_PAGES else end))
 
