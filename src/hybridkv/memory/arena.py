@@ -284,9 +284,14 @@ class Arena:
         if donor not in left:
             freed = scan.releasing(self._index[donor]).size if scan.clean else 0
             left[donor] = int(surplus.get(donor, 0)) + freed
-            # Keyed pages of less value count only when the rest might not cover every slab taken from it.
-            if scan.keyed_mode() == 2 and left[donor] < self._most_given(deficit):
-                left[donor] += self._idle(donor, scan)[2]
+            # Keyed pages of less value count only when the rest might not cover every slab taken from it (more pages
+            # than it can give up in a plan for ``deficit``).
+            if scan.keyed_mode() == 2:
+                per_slab = dict(zip(self.group_ids, self._slab_pages.tolist()))
+                slabs = sum(-(-short // per_slab[gid]) if per_slab[gid] > 0 else self.geometry.num_slabs
+                            for gid, short in deficit.items() if short > 0)
+                if left[donor] < slabs * self._most_slab_pages:
+                    left[donor] += self._idle(donor, scan)[2]
         return left[donor]
 
     def replay(self, grants: Sequence[Grant]) -> tuple[np.ndarray, dict[str, int]]:
@@ -300,15 +305,6 @@ class Arena:
             gained[gid] = gained.get(gid, 0) + self._count(gid, slab, own)
             own[slab] = self._index[gid]
         return own, gained
-
-    def _most_given(self, deficit: Mapping[str, int]) -> int:
-        """More pages than a donor can give up in a plan for ``deficit``."""
-        slabs = 0
-        for gid, short in deficit.items():
-            per_slab = int(self._slab_pages[self._index[gid]])
-            if short > 0:
-                slabs += -(-short // per_slab) if per_slab > 0 else self.geometry.num_slabs
-        return slabs * self._most_slab_pages
 
     def _idle(self, gid: str, scan: IdleScan) -> tuple[np.ndarray, np.ndarray, int]:
         """``kernels.idle_slabs`` of ``gid`` (inner idle, edge idle, keyed pages counted), once per scan."""
