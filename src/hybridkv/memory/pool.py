@@ -30,7 +30,6 @@ _IDLE_CLOCK = np.zeros(1, dtype=np.int64)
 _NO_PAGES = np.empty(0, dtype=np.int64)
 _ANY_PAGES = np.zeros(4, dtype=np.int64)[::2]  # a read-only strided view: its type covers every int64 1-D layout
 _ANY_PAGES.flags.writeable = False
-_DROP_ARGS = attrgetter("_drop_args")  # a pool's entries' ``pop``, group and group id (``entry_pops``), no frame
 
 
 def idle_clock_tick() -> int:
@@ -543,7 +542,7 @@ class PageSpace:
     def entry_pops(self, pools: Sequence[PagePool]) -> list[tuple[Callable, int, str]]:
         """Per pool of ``pools`` (this space's), what pops an entry from it (its entries' ``pop``), its index here and
         its group id: an entry popped with it is listed ((index, page count, pages), :meth:`drop_listed`'s)."""
-        return list(map(_DROP_ARGS, pools))
+        return [pool._drop_args for pool in pools]
 
     def drop_listed(self, listed: list[int]) -> np.ndarray:
         """What :meth:`drop_units` does to the pages of entries popped already (``listed``: each its pool's index,
