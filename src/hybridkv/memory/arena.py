@@ -149,7 +149,7 @@ class Arena:
         self._slab_pages = np.asarray([geometry.slab_bytes // geometry.page_bytes[gid] - 1 for gid in self.group_ids],
                                       dtype=np.int64)
         self._most_slab_pages = int(inner.max()) + 2  # a slab's inner pages and its two straddlers
-        self._slab_scratch = np.empty(2 * self._most_slab_pages, dtype=np.int64)  # ``_moved_pages``'
+        self._slab_scratch = np.empty(2 * self._most_slab_pages, dtype=np.int64)  # ``apply``'s slab moves'
         self._index = {gid: i for i, gid in enumerate(self.group_ids)}
         self.owner = np.full(n, -1, dtype=np.int16)
         self._spare = np.zeros(1, dtype=np.int64)  # spare slabs, in an array ``admit_spare`` reads
@@ -178,7 +178,7 @@ class Arena:
         """Load (or compile) now, changing nothing, the kernels of slab moves and the packing rule."""
         gid, donors = self.group_ids[0], self.group_ids[1:]
         self.pools[gid].oldest_idle_tick()
-        self._moved_pages(-1, 0, 0)
+        kernels.slab_move_pages(self.owner, -1, 0, *self._slab_ids, 0, self._slab_scratch)
         kernels.take_spare_slabs(self.owner.copy(), 0, self._inner[0], self._straddle[0], 0, self._taken)
         self.plan_spare(np.zeros(len(self.group_ids), dtype=np.int64))
         self._count(gid, 0, self.owner)
@@ -215,12 +215,6 @@ class Arena:
         """Pages ``gid`` gains by taking (or loses by giving) ``slab`` under ``own``."""
         gi = self._index[gid]
         return int(kernels.slab_gain(own, gi, self._inner[gi], self._straddle[gi], slab))
-
-    def _moved_pages(self, donor: int, group: int, slab: int) -> tuple[np.ndarray, np.ndarray]:
-        """``kernels.slab_move_pages`` under the arena's owners (views of scratch)."""
-        out = self._slab_scratch
-        given, n = kernels.slab_move_pages(self.owner, donor, group, *self._slab_ids, slab, out)
-        return out[:given], out[given:n]
 
     # --- planning ---------------------------------------------------------------
     def plan(self, deficit: Mapping[str, int], surplus: Mapping[str, int], scan: IdleScan | None = None, *,
@@ -290,9 +284,14 @@ class Arena:
         if donor not in left:
             freed = scan.releasing(self._index[donor]).size if scan.clean else 0
             left[donor] = int(surplus.get(donor, 0)) + freed
-            # Keyed pages of less value count only when the rest might not cover every slab taken from it.
-            if scan.keyed_mode() == 2 and left[donor] < self._most_given(deficit):
-                left[donor] += self._idle(donor, scan)[2]
+            # Keyed pages of less value count only when the rest might not cover every slab taken from it (more pages
+            # than it can give up in a plan for ``deficit``).
+            if scan.keyed_mode() == 2:
+                per_slab = dict(zip(self.group_ids, self._slab_pages.tolist()))
+                slabs = sum(-(-short // per_slab[gid]) if per_slab[gid] > 0 else self.geometry.num_slabs
+                            for gid, short in deficit.items() if short > 0)
+                if left[donor] < slabs * self._most_slab_pages:
+                    left[donor] += self._idle(donor, scan)[2]
         return left[donor]
 
     def replay(self, grants: Sequence[Grant]) -> tuple[np.ndarray, dict[str, int]]:
@@ -306,15 +305,6 @@ class Arena:
             gained[gid] = gained.get(gid, 0) + self._count(gid, slab, own)
             own[slab] = self._index[gid]
         return own, gained
-
-    def _most_given(self, deficit: Mapping[str, int]) -> int:
-        """More pages than a donor can give up in a plan for ``deficit``."""
-        slabs = 0
-        for gid, short in deficit.items():
-            per_slab = int(self._slab_pages[self._index[gid]])
-            if short > 0:
-                slabs += -(-short // per_slab) if per_slab > 0 else self.geometry.num_slabs
-        return slabs * self._most_slab_pages
 
     def _idle(self, gid: str, scan: IdleScan) -> tuple[np.ndarray, np.ndarray, int]:
         """``kernels.idle_slabs`` of ``gid`` (inner idle, edge idle, keyed pages counted), once per scan."""
@@ -336,17 +326,17 @@ class Arena:
         spare = [slab for _, slab, donor in grants if donor is None]
         if len(set(spare)) < len(spare) or (self.owner[spare] >= 0).any():
             raise AssertionError("a slab granted is not spare")
-        index = self._index
+        index, out = self._index, self._slab_scratch
         for gid, slab, donor in grants:
             gi, di = index[gid], -1 if donor is None else index[donor]
-            given, gained = self._moved_pages(di, gi, slab)  # the slab's neighbours stay
+            given, n = kernels.slab_move_pages(self.owner, di, gi, *self._slab_ids, slab, out)  # neighbours stay
             if di >= 0:
-                self.pools[donor].revoke(given)
+                self.pools[donor].revoke(out[:given])
                 self.slab_moves += 1
             else:
                 self._spare_changed(-1)
             self.owner[slab] = gi
-            self.pools[gid].grant(gained)
+            self.pools[gid].grant(out[given:n])
 
     # --- checks ---------------------------------------------------------------
     def check_invariants(self) -> None:

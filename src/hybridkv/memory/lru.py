@@ -20,18 +20,13 @@ from hybridkv.runtime.kernels import (BASE, HI, ID_OFFSET, LOW_FLOOR, LOW_IDLE_P
 
 @njit(cache=True, inline="always")
 def append(prev, nxt, off, page):
-    """``page`` (not listed) becomes the tail of the list at ``off``."""
+    """``page`` (not listed) becomes the tail of the list at ``off``; ``append(nxt, prev, off, page)``: its head (the
+    tail of the list read backwards)."""
     tail = prev[off]
     nxt[off + tail] = page
     prev[off + page] = tail
     nxt[off + page] = 0
     prev[off] = page
-
-
-@njit(cache=True, inline="always")
-def push_front(prev, nxt, off, page):
-    """``page`` (not listed) becomes the head of the list at ``off``: the tail of the same list read backwards."""
-    append(nxt, prev, off, page)
 
 
 @njit(cache=True, inline="always")
@@ -58,7 +53,7 @@ def join(idle_tick, low_priority, prev, nxt, lengths, low_idle, low_floors, offs
                 page = pages[i]
                 idle_tick[off + page] = clock[0]
                 if low_priority[off + page]:
-                    push_front(prev, nxt, off, page)
+                    append(nxt, prev, off, page)  # the head
                     low_idle[g] += 1
                     low_floors[g] = min(low_floors[g], page)
                 else:
@@ -153,7 +148,7 @@ def demote_unit(listed, low_priority, prev, nxt, offsets, low_floors, low_idle):
             low_priority[off + page] = True
             if prev[off + page] >= 0:
                 unlink(prev, nxt, off, page)
-                push_front(prev, nxt, off, page)
+                append(nxt, prev, off, page)  # the head
                 n_idle += 1
                 low_floors[g] = min(low_floors[g], page)
         if n_idle and not was_low:

@@ -30,7 +30,6 @@ _IDLE_CLOCK = np.zeros(1, dtype=np.int64)
 _NO_PAGES = np.empty(0, dtype=np.int64)
 _ANY_PAGES = np.zeros(4, dtype=np.int64)[::2]  # a read-only strided view: its type covers every int64 1-D layout
 _ANY_PAGES.flags.writeable = False
-_DROP_ARGS = attrgetter("_drop_args")  # a pool's entries' ``pop``, group and group id (``entry_pops``), no frame
 
 
 def idle_clock_tick() -> int:
@@ -89,7 +88,7 @@ class PagePool:
         self._stack = np.empty(self.num_pages, dtype=np.int32)
         self._bind(np.zeros((kernels.PER_GROUP_ROWS, 1), dtype=np.int64), 0)
         self._per_group[kernels.LOWEST] = self.lowest_first
-        self._floors[0] = self.num_pages  # ``_low_floor``: none yet
+        self._low_floor = self.num_pages  # none yet
         # The LRU of idle keyed pages: a linked list in two arrays (``hybridkv.memory.lru``).
         self._lru_prev = np.full(self.num_pages, -1, dtype=np.int32)
         self._lru_next = np.full(self.num_pages, -1, dtype=np.int32)
@@ -127,25 +126,21 @@ class PagePool:
         """The pool's counts become views of ``per_group``'s rows (its column ``slot``)."""
         self._per_group, self._slot = per_group, slot
         self._tops, self._lows = per_group[kernels.TOP], per_group[kernels.LOW_IDLE_PAGES]
-        self._floors, self._lru_lengths = per_group[kernels.LOW_FLOOR], per_group[kernels.LRU_PAGES]
+        self._lru_lengths = per_group[kernels.LRU_PAGES]
         self.counters.tallies = per_group[kernels.RELEASED_PAGES : kernels.LRU_PAGES, slot]
 
-    _top = _count(kernels.TOP)
-    _low_idle_pages = _count(kernels.LOW_IDLE_PAGES, "Exact count of idle low-priority pages.")
+    _top = num_clean_free_pages = _count(kernels.TOP, "Ids on the free stack.")
     _low_floor = _count(kernels.LOW_FLOOR, "A lower bound of the idle low-priority pages' ids (``num_pages``: none).")
-    _granted_pages = _count(kernels.GRANTED_PAGES)
     peak_used_pages = _count(kernels.PEAK_USED_PAGES, """The most pages held at once, as a page space's steps and
         borrows saw it (``kernels.note_peaks``).""")
-
-    # Pages granted to this pool (all but the null page unless an arena manages it).
-    usable_pages = property(lambda self: self._granted_pages)
+    usable_pages = _count(kernels.GRANTED_PAGES, "Pages granted to this pool (all but the null page unless an arena "
+                          "manages it).")
     # Pages an allocation can get now: free plus cached-evictable.
     num_free_pages = property(lambda self: int(self._tops[self._slot] + self._lru_lengths[self._slot]))
-    num_clean_free_pages = property(lambda self: self._top)
     num_evictable_pages = property(lambda self: int(self._lru_lengths[self._slot]))
     num_used_pages = property(lambda self: self.usable_pages - self.num_free_pages)  # held by a request or more
-    # Idle keyed pages of low-priority entries (evicted before any other).
-    num_low_priority_idle_pages = property(lambda self: self._low_idle_pages)
+    num_low_priority_idle_pages = _count(kernels.LOW_IDLE_PAGES, """Idle keyed pages of low-priority entries
+        (evicted before any other): an exact count.""")
     num_cached_pages = property(lambda self: int(np.count_nonzero(self.cached)))
 
     def make_room(self, count: int, highest: int = 0, packs: bool = False) -> None:
@@ -173,7 +168,7 @@ class PagePool:
     @property
     def pack_ahead_pages(self) -> int:
         """Packing's reserve (``PACK_AHEAD_PAGES``): at most 1/128 of the granted pages, none in a small pool."""
-        granted = self._granted_pages
+        granted = self.usable_pages
         return 0 if granted < PACK_AHEAD_MIN_POOL_PAGES else min(PACK_AHEAD_PAGES, granted >> 7)
 
     def _evict_low_below(self, count: int, ahead: int = 0) -> None:
@@ -181,16 +176,14 @@ class PagePool:
         ones (those freed count as free), lowest id first; with ``ahead``, below the ``count + ahead`` lowest (or all)
         when one lies below the ``count`` lowest, else none. One batch (:meth:`_low_victims`) where telling of a removal
         cannot change this pool (``evict_many`` set, or no one to tell), else one entry at a time."""
-        top, each = self._top, self.on_removed is not None and self.evict_many is None
+        top, each, freed = self._top, self.on_removed is not None and self.evict_many is None, 0
         end = int(self._stack[top - count]) if top >= count else self.num_pages  # scanned below it
         candidates = self._low_idle_ids(end, 1 if each else _SCAN_PAGES)
         if ahead and candidates:  # one lies below the ids taken: clear more
             count = min(count + ahead, top)
-        elif ahead or not candidates:
-            self._low_floor = max(self._low_floor, end)  # none below it
-            return
-        freed = 0
-        while each:  # one entry at a time, the flags scanned again after each (``on_removed`` may demote entries here)
+        # One entry at a time where telling may change this pool, the flags scanned again after each (``on_removed``
+        # may demote entries here).
+        while each and candidates:
             self._low_floor = candidates[0]  # no idle low-priority page below it; its entry goes now
             freed += self._unpublish_many([self._page_key[candidates[0]]])
             if freed >= count:
@@ -198,9 +191,9 @@ class PagePool:
             top = self._top  # the scan stops at the ``count``-th lowest free id (``num_pages`` while fewer are free)
             end = int(self._stack[top - count]) if top >= count else self.num_pages
             candidates = self._low_idle_ids(end, 1)
-            if not candidates:
-                self._low_floor = max(self._low_floor, end)
-                return
+        if not candidates:
+            self._low_floor = max(self._low_floor, end)  # none below it
+            return
         self._unpublish_many(self._low_victims(count, top, candidates,
                                                candidates[0] + 1 if len(candidates) == _SCAN_PAGES else end))
 
@@ -257,13 +250,11 @@ class PagePool:
         """Make never-granted (or revoked) page ids usable: they go on the free stack,
         the first listed on top (shuffled first with a shuffle seed)."""
         pages = np.asarray(pages, dtype=np.int64)
-        if pages.size == 0:
-            return
         if self._rng is not None:
             pages = pages.copy()
             self._rng.shuffle(pages)
         self._top = int(kernels.push_run(self._stack, self._top, self.lowest_first, pages))
-        self._granted_pages += int(pages.size)
+        self.usable_pages += int(pages.size)
 
     def free_page_ids(self) -> np.ndarray:
         """Ids on the free stack (a view; do not keep across calls)."""
@@ -290,7 +281,7 @@ class PagePool:
             # One batch (telling of one removal takes no other entry here); their pages then leave the stack.
             self._unpublish_many(list(dict.fromkeys(map(self._page_key.__getitem__, evictable.tolist()))), REVOKED)
             self._top = int(kernels.drop_ids(self._stack, self._top, evictable))
-        self._granted_pages -= int(pages.size)
+        self.usable_pages -= int(pages.size)
 
     def load_kernels(self) -> None:
         """Load (or compile) now, changing nothing, the kernels of revokes, grants and evictions."""
@@ -338,9 +329,7 @@ class PagePool:
             return
         for page in pages:
             low[page] = False
-        idle = self._move_idle(pages)
-        if idle:
-            self._lows[self._slot] -= len(idle)  # ``_low_idle_pages``
+        self._lows[self._slot] -= len(self._move_idle(pages))  # ``num_low_priority_idle_pages``
 
     def touch(self, key: Hashable) -> None:
         """Move a normal-priority entry's idle pages to the back of the LRU (the most
@@ -421,12 +410,13 @@ class PagePool:
         # Every idle keyed page, and only they, in the LRU: what the arena's idle scans (kernels.idle_slabs) rely on.
         idle_keyed = np.flatnonzero(self.cached & (self.ref_counts == 0))
         assert np.array_equal(idle_keyed, np.sort(listed)), "idle cached page outside the LRU"
-        assert self._low_idle_pages == int(np.count_nonzero(self.low_priority[listed])), "idle low-priority count"
+        low_idle = int(np.count_nonzero(self.low_priority[listed]))
+        assert self.num_low_priority_idle_pages == low_idle, "idle low-priority count"
         assert self.num_cached_pages == sum(map(len, self._entries.values())), "keyed pages outside the entries"
         assert self.ref_counts[NULL_PAGE] == 0
         assert np.all(self.ref_counts >= 0)
         held = int(np.count_nonzero(self.ref_counts > 0))
-        assert held + self.num_free_pages == self._granted_pages, "page leaked"
+        assert held + self.num_free_pages == self.usable_pages, "page leaked"
 
 
 class PageSpace:
@@ -440,7 +430,11 @@ class PageSpace:
         if sum(sizes) >= 2**31:
             raise ValueError("a page space holds fewer than 2**31 pages")
         self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        self._join_page_arrays(sizes)
+        for name in ("ref_counts", "cached", "low_priority", "_stack", "idle_tick", "_lru_prev", "_lru_next"):
+            whole = np.concatenate([getattr(p, name) for p in self.pools])  # the pools' arrays, end to end
+            setattr(self, name.lstrip("_"), whole)
+            for pool, start, n in zip(self.pools, self.offsets.tolist(), sizes):  # every pool views its slice
+                setattr(pool, name, whole[start : start + n])
         self.per_group = np.stack([p._per_group[:, p._slot] for p in self.pools], axis=1)  # the pools' counts
         self.tops, self.lowest_first, self.idle_low_floors = self.per_group[:3]
         self.lru_lengths, self.low_idle = self.per_group[kernels.LRU_PAGES], self.per_group[kernels.LOW_IDLE_PAGES]
@@ -461,8 +455,6 @@ class PageSpace:
         self._free_work = _NO_PAGES  # free_row's cells emptied, then its kernel's scratch (sized at the first call)
         self._free_row_entry = None  # free_row's compiled code (``kernels.entry_point``), at its first call
         self._free_args = (None,) * 14  # its arguments (``_free_call``)
-        self._free_row_args = (self.ref_counts, self.cached, self.stack, self.per_group, self.idle_tick,
-                                self.low_priority, self.lru_prev, self.lru_next, _IDLE_CLOCK)  # its space's arrays
         for g, pool in enumerate(self.pools):  # its counts become views of ``per_group``; what ``entry_pops`` reads
             pool._bind(self.per_group, g)
             pool._drop_args = (pool._entries.pop, g, pool.group_id)
@@ -470,15 +462,6 @@ class PageSpace:
             pool._ref_view = memoryview(pool.ref_counts)  # the arrays'
             pool.space = self
             pool.ranker = pool.ranker  # into ``ranked``
-
-    def _join_page_arrays(self, sizes: list[int]) -> None:
-        """Each per-page array of the pools, concatenated in group order; every pool views its slice."""
-        starts = self.offsets.tolist()
-        for name in ("ref_counts", "cached", "low_priority", "_stack", "idle_tick", "_lru_prev", "_lru_next"):
-            whole = np.concatenate([getattr(p, name) for p in self.pools])
-            setattr(self, name.lstrip("_"), whole)
-            for pool, start, n in zip(self.pools, starts, sizes):
-                setattr(pool, name, whole[start : start + n])
 
     def load_kernels(self, tables, counters: np.ndarray) -> None:
         """Load (or compile) now, changing nothing, the kernels of this space's and each pool's methods."""
@@ -559,7 +542,7 @@ class PageSpace:
     def entry_pops(self, pools: Sequence[PagePool]) -> list[tuple[Callable, int, str]]:
         """Per pool of ``pools`` (this space's), what pops an entry from it (its entries' ``pop``), its index here and
         its group id: an entry popped with it is listed ((index, page count, pages), :meth:`drop_listed`'s)."""
-        return list(map(_DROP_ARGS, pools))
+        return [pool._drop_args for pool in pools]
 
     def drop_listed(self, listed: list[int]) -> np.ndarray:
         """What :meth:`drop_units` does to the pages of entries popped already (``listed``: each its pool's index,
@@ -612,7 +595,8 @@ class PageSpace:
         group, 4 per cell of a row); the kernel's compiled code (``kernels.entry_point``) loaded at the first call."""
         if self._free_work.size != 3 * len(self.pools) + 4 * tables.row_cells:
             self._free_work = np.empty(3 * len(self.pools) + 4 * tables.row_cells, dtype=np.int64)
-        args = (tables.geometry, tables.pages, tables.bounds, *self._free_row_args, counters, self._free_work)
+        args = (tables.geometry, tables.pages, tables.bounds, self.ref_counts, self.cached, self.stack, self.per_group,
+                self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, _IDLE_CLOCK, counters, self._free_work)
         if self._free_row_entry is None:  # the types every call passes: no type dispatch a call
             self._free_row_entry = kernels.entry_point(lru.free_row, (*args, tables.logged, 0, 0, 0))
         return args
