@@ -178,10 +178,17 @@ def commit_unit(geometry, pages, bounds, history, state, unit, out, starts, ref,
             if not good:
                 break
     starts[n_groups] = n
+    for j in range(0 if good else n_groups):  # not claimed: unkey each group's pages (``out[starts[j]:starts[j + 1]]``)
+        offset = geometry[history[j, 0] if j < n_history else state[j - n_history, 0], ID_OFFSET]
+        for i in range(starts[j], starts[j + 1]):
+            keyed[offset + out[i]] = False
     if not good:
-        _unkey(geometry, history, state, out, starts, keyed)
         return -1
-    _flag_low(geometry, history, state, unit, out, starts, low_flags)
+    # Where ``low`` is 2, flag low the pages of each state group's windows before its latest.
+    for j in range(n_history, n_groups if unit[0] == 2 and unit[6] > 0 else n_history):
+        g, _, n_latest = _unit_span(geometry, history, state, unit, j, unit[6])
+        for i in range(starts[j], starts[j + 1] - n_latest):
+            low_flags[geometry[g, ID_OFFSET] + out[i]] = True
     return n
 
 
@@ -197,27 +204,6 @@ def _unit_span(geometry, history, state, unit, j, e):
     t = geometry[g, PAGE_TOKENS]
     lo = max(d - state[j - n_history, 1], 0) // t
     return g, lo, d // t - lo
-
-
-@njit(cache=True, inline="always")
-def _unkey(geometry, history, state, out, starts, keyed):
-    """Unkey the pages of a commit not claimed (``out[starts[j]:starts[j + 1]]``: group ``j``'s)."""
-    n_history = history.shape[0]
-    for j in range(n_history + state.shape[0]):
-        offset = geometry[history[j, 0] if j < n_history else state[j - n_history, 0], ID_OFFSET]
-        for i in range(starts[j], starts[j + 1]):
-            keyed[offset + out[i]] = False
-
-
-@njit(cache=True, inline="always")
-def _flag_low(geometry, history, state, unit, out, starts, low_flags):
-    """Where ``unit``'s ``low`` is 2, flag low the pages of each state group's windows before
-    its latest (``out[starts[j]:starts[j + 1]]`` holds group ``j``'s)."""
-    n_history = history.shape[0]
-    for j in range(n_history, n_history + state.shape[0] if unit[0] == 2 and unit[6] > 0 else n_history):
-        g, _, n = _unit_span(geometry, history, state, unit, j, unit[6])
-        for i in range(starts[j], starts[j + 1] - n):
-            low_flags[geometry[g, ID_OFFSET] + out[i]] = True
 
 
 @njit(cache=True)
@@ -1099,30 +1085,32 @@ def append_token_ids(addresses, rows, known, max_total, tokens, mark, grain_toke
 
 
 @njit(cache=True)
-def live_cells(geometry, bounds, index):
-    """Ring-view index of every live cell (every group, row and logical page in
-    ``[base, hi)``), group-major then row order; returns how many."""
-    n, n_rows = 0, bounds.shape[2]
-    for g in range(geometry.shape[0]):
-        for row in range(n_rows):
-            for logical in range(bounds[BASE, g, row], bounds[HI, g, row]):
-                index[n] = view_cell(geometry, n_rows, g, row, logical)
-                n += 1
-    return n
-
-
-@njit(cache=True)
 def merge_free(stack, top, run):
     """Merge the ascending distinct ids ``run`` into the descending free stack ``stack[:top]``; returns the new
-    top. A long block of stack ids below the next run id is found by bisection and moved at once."""
+    top. A long block of stack ids below the next run id is found by bisection and moved at once (in slices that
+    do not overlap when the move is long, else one by one from the top)."""
     i, j, k = top - 1, 0, top + run.size - 1
     while j < run.size:  # fill from the new top down, lowest first; stack ids left are in place
         if i >= 0 and stack[i] < run[j]:
             if i >= MERGE_BLOCK and stack[i - MERGE_BLOCK] < run[j]:
-                lo = first_below(stack, i - MERGE_BLOCK, run[j])
-                move_up(stack, lo, i + 1 - lo, k - i)
-                k -= i + 1 - lo
-                i = lo - 1
+                lo, hi = -1, i - MERGE_BLOCK  # bisect: stack[lo] >= run[j] (or lo = -1), stack[hi] < run[j]
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if stack[mid] < run[j]:
+                        hi = mid
+                    else:
+                        lo = mid
+                shift, end = k - i, i + 1  # stack[hi : i + 1] up by k - i: in slices that do not overlap if long
+                if shift >= 64:
+                    while end > hi:
+                        start = max(hi, end - shift)
+                        stack[start + shift : end + shift] = stack[start:end]
+                        end = start
+                else:
+                    for t in range(i, hi - 1, -1):
+                        stack[t + shift] = stack[t]
+                k -= i + 1 - hi
+                i = hi - 1
             else:
                 stack[k] = stack[i]
                 i -= 1
@@ -1140,35 +1128,6 @@ def merge_free(stack, top, run):
 
 
 MERGE_BLOCK = 16  # ``merge_free`` moves stack ids one by one up to this many in a row
-
-
-@njit(cache=True)
-def first_below(stack, at, value):
-    """The lowest index ``lo <= at`` with ``stack[lo : at + 1]`` all below ``value``, given
-    ``stack[at] < value`` and ``stack`` descending."""
-    lo, hi = -1, at  # stack[lo] >= value (or lo = -1), stack[hi] < value
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if stack[mid] < value:
-            hi = mid
-        else:
-            lo = mid
-    return hi
-
-
-@njit(cache=True)
-def move_up(stack, lo, n, shift):
-    """``stack[lo : lo + n]`` to ``stack[lo + shift : lo + shift + n]`` (``shift > 0``): in
-    slices that do not overlap when the shift is long, else one by one from the top."""
-    if shift >= 64:
-        end = lo + n
-        while end > lo:
-            start = max(lo, end - shift)
-            stack[start + shift : end + shift] = stack[start:end]
-            end = start
-    else:
-        for t in range(n - 1, -1, -1):
-            stack[lo + shift + t] = stack[lo + t]
 
 
 @njit(cache=True, _nrt=True)
@@ -1582,20 +1541,6 @@ def idle_pages(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, lo,
     return idle, counted
 
 
-@njit(cache=True, inline="always")
-def donor_edges(own, donor, s, donor_straddle, edge_idle):
-    """The straddlers the donor gives up with slab ``s`` (of a boundary with another slab it
-    owns in the plan, ``own``) and whether they are all idle (``edge_idle``). Returns (pages, idle)."""
-    n, pages, idle = own.size, 0, True
-    for b in (s, s + 1):  # the boundaries left and right of the slab
-        near = b - 1 if b == s else b
-        if b < 1 or b > n - 1 or own[near] != donor or donor_straddle[b] < 0:
-            continue
-        pages += 1
-        idle = idle and edge_idle[b]
-    return pages, idle
-
-
 @njit(cache=True)
 def take_donor_slabs(own, donor, group, lo, hi, donor_straddle, inner_pages, straddle, left_pages, short_pages, taken,
                      inner_idle, edge_idle):
@@ -1609,7 +1554,13 @@ def take_donor_slabs(own, donor, group, lo, hi, donor_straddle, inner_pages, str
             break
         if own[s] != donor or not inner_idle[s]:
             continue
-        edge_pages, edges_idle = donor_edges(own, donor, s, donor_straddle, edge_idle)
+        edge_pages, edges_idle = 0, True  # the straddlers given up: of a boundary with another slab the donor owns
+        for b in (s, s + 1):  # the boundaries left and right of the slab
+            near = b - 1 if b == s else b
+            if b < 1 or b > own.size - 1 or own[near] != donor or donor_straddle[b] < 0:
+                continue
+            edge_pages += 1
+            edges_idle = edges_idle and edge_idle[b]
         give = hi[s] - lo[s] + edge_pages
         if give > left_pages or not edges_idle:
             continue

@@ -155,9 +155,13 @@ class TableSet:
         return view
 
     def _live_index(self) -> np.ndarray:
-        index = np.empty(int((self.bounds[kernels.HI] - self.bounds[kernels.BASE]).sum()), dtype=np.int64)
-        kernels.live_cells(self.geometry, self.bounds, index)
-        return index
+        """Ring-view index of every live cell, group after group, row after row, in logical order."""
+        rows, index = np.arange(self.rows_capacity), [np.empty(0, dtype=np.int64)]
+        for g in range(len(self.tables)):
+            lo, hi = self.bounds[kernels.BASE, g], self.bounds[kernels.HI, g]
+            index.append(np.empty(int((hi - lo).sum()), dtype=np.int64))
+            kernels.span_cells(self.geometry, self.bounds, g, rows, lo, hi, np.empty_like(index[-1]), index[-1])
+        return np.concatenate(index)
 
     # --- touched-cell log (incremental block tables) ------------------------
     def set_log(self, on: bool) -> None:
