@@ -178,17 +178,10 @@ def commit_unit(geometry, pages, bounds, history, state, unit, out, starts, ref,
             if not good:
                 break
     starts[n_groups] = n
-    for j in range(0 if good else n_groups):  # not claimed: unkey each group's pages (``out[starts[j]:starts[j + 1]]``)
-        offset = geometry[history[j, 0] if j < n_history else state[j - n_history, 0], ID_OFFSET]
-        for i in range(starts[j], starts[j + 1]):
-            keyed[offset + out[i]] = False
     if not good:
+        _unkey(geometry, history, state, out, starts, keyed)
         return -1
-    # Where ``low`` is 2, flag low the pages of each state group's windows before its latest.
-    for j in range(n_history, n_groups if unit[0] == 2 and unit[6] > 0 else n_history):
-        g, _, n_latest = _unit_span(geometry, history, state, unit, j, unit[6])
-        for i in range(starts[j], starts[j + 1] - n_latest):
-            low_flags[geometry[g, ID_OFFSET] + out[i]] = True
+    _flag_low(geometry, history, state, unit, out, starts, low_flags)
     return n
 
 
@@ -204,6 +197,27 @@ def _unit_span(geometry, history, state, unit, j, e):
     t = geometry[g, PAGE_TOKENS]
     lo = max(d - state[j - n_history, 1], 0) // t
     return g, lo, d // t - lo
+
+
+@njit(cache=True, inline="always")
+def _unkey(geometry, history, state, out, starts, keyed):
+    """Unkey the pages of a commit not claimed (``out[starts[j]:starts[j + 1]]``: group ``j``'s)."""
+    n_history = history.shape[0]
+    for j in range(n_history + state.shape[0]):
+        offset = geometry[history[j, 0] if j < n_history else state[j - n_history, 0], ID_OFFSET]
+        for i in range(starts[j], starts[j + 1]):
+            keyed[offset + out[i]] = False
+
+
+@njit(cache=True, inline="always")
+def _flag_low(geometry, history, state, unit, out, starts, low_flags):
+    """Where ``unit``'s ``low`` is 2, flag low the pages of each state group's windows before
+    its latest (``out[starts[j]:starts[j + 1]]`` holds group ``j``'s)."""
+    n_history = history.shape[0]
+    for j in range(n_history, n_history + state.shape[0] if unit[0] == 2 and unit[6] > 0 else n_history):
+        g, _, n = _unit_span(geometry, history, state, unit, j, unit[6])
+        for i in range(starts[j], starts[j + 1] - n):
+            low_flags[geometry[g, ID_OFFSET] + out[i]] = True
 
 
 @njit(cache=True)
