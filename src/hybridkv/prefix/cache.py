@@ -28,7 +28,7 @@ from hybridkv.prefix.checkpoints import OWN, REUSED, SPECULATIVE, CheckpointOrde
 from hybridkv.prefix.checkpoints import checkpoint_policy as policy_from_options
 from hybridkv.prefix.eviction import GroupValueStats, ValueEviction
 from hybridkv.memory import lru
-from hybridkv.memory.pool import PagePool, idle_clock_tick
+from hybridkv.memory.pool import PagePool
 from hybridkv.runtime.kernels import entry_point
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables.store import CommitPages, GroupTable
@@ -293,8 +293,7 @@ class PrefixCache:
                                  for gid in self.state_ids}
         self._order = None  # "prefill-per-byte": the state pools' eviction order, kept incrementally
         if self.values is not None and self.state_ids:
-            self._order = CheckpointOrder(self.values, [pools[g] for g in self.state_ids], idle_clock_tick,
-                                          self.eviction.beyond_gap)
+            self._order = CheckpointOrder(self.values, [pools[g] for g in self.state_ids], self.eviction.beyond_gap)
             self.eviction.on_mended = self._order.mended
 
     @property
@@ -674,11 +673,11 @@ class PrefixCache:
     def _book_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], pins: list[bool | None],
                           entries: list, status: list[int]) -> list[OwnCheckpoint]:
         """Book each checkpoint the commit published (``status`` 2; ``entries``: each boundary's pages in each state
-        group, None where missing): tier link and checkpoint values (:meth:`_tell_checkpoints`), then
-        ``ValueEviction.stored_checkpoint`` boundary by boundary; the request's own ones (``pins`` not None, after
-        the speculative ones) returned, each held in every state group that has it."""
-        gids, n = self.state_ids, len(self.state_ids)
-        if self.tier_hook is not None or self.values is not None:
+        group, None where missing): tier link (:meth:`_tell_checkpoints`), then boundary by boundary the checkpoint
+        values and ``ValueEviction.stored_checkpoint``; the request's own ones (``pins`` not None, after the
+        speculative ones) returned, each held in every state group that has it."""
+        gids, n, values = self.state_ids, len(self.state_ids), self.values
+        if self.tier_hook is not None:
             self._tell_checkpoints(keys, boundaries, pins, entries, status)
         own_checkpoints = []
         for j in range(pins.count(None), len(pins)):  # the request's own ones (the speculative ones first)
@@ -692,23 +691,20 @@ class PrefixCache:
         for j, (key, parent, boundary) in enumerate(zip(keys, parents, boundaries)):
             part = status[j * n:(j + 1) * n]
             if 2 in part:
+                if values is not None:
+                    values.published(key, boundary, speculative=pins[j] is None)
                 self.eviction.stored_checkpoint([gid for gid, new in zip(gids, part) if new == 2], key, parent,
                                                 boundary)
         return own_checkpoints
 
     def _tell_checkpoints(self, keys: list[int], boundaries: list[int], pins: list[bool | None], entries: list,
                           status: list[int]) -> None:
-        """The tier link of each checkpoint entry the commit published (``status`` 2), boundary
-        by boundary, state group by state group (a speculative one's low priority as claimed),
-        then the checkpoint values of each boundary it published anywhere."""
-        hook, values, gids, n = self.tier_hook, self.values, self.state_ids, len(self.state_ids)
+        """The tier link of each checkpoint entry the commit published (``status`` 2), in one call, boundary
+        by boundary, state group by state group (a speculative one's low priority as claimed)."""
+        values, gids, n = self.values, self.state_ids, len(self.state_ids)
         low = values is None or values.low_priority(SPECULATIVE) if None in pins else False
-        if hook is not None:  # every checkpoint entry published, in one call
-            hook.stored([(gids[place % n], keys[place // n], boundaries[place // n], entries[place],
-                          low and pins[place // n] is None) for place, new in enumerate(status) if new == 2])
-        for j, (key, boundary, pinned) in enumerate(zip(keys, boundaries, pins)) if values is not None else ():
-            if 2 in status[j * n:(j + 1) * n]:
-                values.published(key, boundary, speculative=pinned is None)
+        self.tier_hook.stored([(gids[place % n], keys[place // n], boundaries[place // n], entries[place],
+                                low and pins[place // n] is None) for place, new in enumerate(status) if new == 2])
 
     def _supersede(self, req: CommittingRequest, new_own: list, events: list[tuple], let_go: list[tuple]) -> None:
         """Drop the request's hold on every earlier own checkpoint that is not pinned, group by group (``new_own``
@@ -909,8 +905,10 @@ class PrefixCache:
             for raw in self._raws(items):
                 self.on_event(_event(raw))
             return
+        # The events an item stands for: a raw event one, a commit's record (``_raws``) a block in each history
+        # group and a checkpoint in each state group.
         n, n_history, n_state = 0, len(self._history_events), len(self._checkpoint_events)
-        for item in items:  # ``_events_in`` of each, written out (a frame each, costly run cold)
+        for item in items:
             n += 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
         events = self.events
         events.extend(items)
@@ -922,7 +920,7 @@ class PrefixCache:
         self.dropped_events += excess
         while excess:
             item = events.popleft()
-            size = _events_in(item, n_history, n_state)
+            size = 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
             if size > excess:  # a record cut short: the rest of it kept raw
                 events.extendleft(reversed(list(self._raws((item,)))[excess:]))
                 return
@@ -990,12 +988,6 @@ def _grain(specs: Sequence[CacheGroupSpec], windows: Mapping[str, int], granular
             raise ValueError(f"prefix_granularity {g} is smaller than group {s.group_id!r} checkpoint window "
                              f"({windows[s.group_id]} tokens): checkpoints would overlap")
     return g
-
-
-def _events_in(item: tuple, n_history: int, n_state: int) -> int:
-    """How many events a buffered item stands for: 1 (a raw event), or a commit's record's (``_raws``: a block in
-    each of ``n_history`` history groups, a checkpoint in each of ``n_state`` state groups)."""
-    return 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
 
 
 def _event(raw: tuple) -> CacheEvent:
