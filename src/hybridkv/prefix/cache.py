@@ -526,7 +526,8 @@ class PrefixCache:
               let_go: list[tuple]) -> None:
         """What one commit at a time books of a request's commit claimed whole (``booked``; its entries recorded in the
         groups' pools): its "stored" events (history group by group, then checkpoint by checkpoint every state group's),
-        the state groups' holds of its latest checkpoint, tier link (:meth:`_tell_units`), checkpoint values, one
+        the state groups' holds of its latest checkpoint, tier link (in one call, in its events' order: :meth:`_raws`;
+        the checkpoints before the latest low priority where ``low`` is 2), checkpoint values, one
         ``ValueEviction.stored_commit``, then its earlier checkpoints superseded."""
         keys, parents, ends, checkpoint_keys, _, boundaries = booked
         events.append(booked)  # its "stored" events, expanded when drained (``_raws``)
@@ -537,31 +538,39 @@ class PrefixCache:
             own.entries[gid] = (key, published[key])
             holders[key] = 1
         if self.tier_hook is not None:
-            self._tell_units(booked, low)
+            pools, state = self.pools, self._holders  # a state group's: speculative where not ``key``, the latest
+            self.tier_hook.stored([(gid, k, end, pools[gid].lookup(k), low == 2 and k != key and gid in state)
+                                   for _, gid, k, _, end, _ in self._raws((booked,))])
         if self.values is not None:
             for key, boundary in zip(checkpoint_keys, boundaries):
                 self.values.published(key, boundary, speculative=boundary != boundaries[-1])
         self.eviction.stored_commit(keys, parents, ends, checkpoint_keys)
         self._supersede(req, [own], events, let_go)
 
-    def _tell_units(self, booked: tuple, low: int) -> None:
-        """The tier link of a commit claimed whole (:meth:`_book`'s ``booked``, its entries recorded) in one call, in
-        its events' order (:meth:`_raws`), the checkpoints before the latest low priority where ``low`` is 2."""
-        last, pools, state = booked[3][-1], self.pools, self._holders  # a state group's: speculative where not last
-        self.tier_hook.stored([(gid, key, end, pools[gid].lookup(key), low == 2 and key != last and gid in state)
-                               for _, gid, key, _, end, _ in self._raws((booked,))])
-
     def _commit_one(self, req: CommittingRequest, old_tokens: int, new_tokens: int, stored: list[tuple],
                     let_go: list[tuple]) -> None:
         """One request's commit of tokens ``[old, new)`` (a block crossed at least): history blocks and the checkpoints
-        (:meth:`_checkpoint_boundaries`; their keys, parents and entries: :meth:`_found_checkpoints`), those missing
-        read and claimed in one call (``CommitPages.read``); its "stored" events, then the removals superseding
-        caused, onto ``stored``; what superseding lets go onto ``let_go`` (the earlier requests' let go first)."""
+        (with state groups: the speculative boundaries, crossed, not pinned, kept by the policy, then the request's own
+        ones: the pinned ones crossed, its junction and multiples of ``state_checkpoint_interval``, then the latest;
+        ``pins``: for each whether the request pins it, None for a speculative one; their keys, parents and entries:
+        :meth:`_found_checkpoints`), those missing read and claimed in one call (``CommitPages.read``); its "stored"
+        events, then the removals superseding caused, onto ``stored``; what superseding lets go onto ``let_go`` (the
+        earlier requests' let go first)."""
         g, hashes = self.granularity_tokens, req.hashes
         if let_go:
             self._let_go(let_go)
         first_block, end_block = old_tokens // g, new_tokens // g
-        boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
+        interval, keep, latest = self.state_checkpoint_interval, req.keep_boundaries, end_block * g
+        speculative, own, pins = [], [], []
+        keeps = None if self.checkpoint_policy == "terminal-and-junctions" else self.policy.speculative
+        for d in range((first_block + 1) * g, latest + 1, g) if self.state_ids else ():  # crossed, then the latest
+            if d in keep or (interval is not None and d % interval == 0):
+                own.append(d), pins.append(True)
+            elif d == latest:
+                own.append(d), pins.append(False)
+            elif keeps is not None and keeps(d, req.prompt_tokens):
+                speculative.append(d)
+        boundaries, pins = speculative + own, [None] * len(speculative) + pins
         keys, want = hashes.hashes[first_block:end_block], []
         for lookup in self._history_lookups:  # plain loops, no comprehension: each is a frame, costly run cold
             for key in keys:
@@ -595,25 +604,6 @@ class PrefixCache:
                 found.append(entry)
                 want.append(code if entry is None else 0)
         return checkpoint_keys, parents, found
-
-    def _checkpoint_boundaries(self, req: CommittingRequest, first_block: int,
-                               end_block: int) -> tuple[list[int], list[bool | None]]:
-        """The checkpoints a commit of blocks ``[first_block, end_block)`` publishes, and for each whether the
-        request pins it (None: a speculative one): the speculative boundaries (crossed, not pinned, kept by the
-        policy), then the request's own ones: the pinned ones crossed (its junction, multiples of
-        ``state_checkpoint_interval``), then the latest."""
-        g, interval, keep = self.granularity_tokens, self.state_checkpoint_interval, req.keep_boundaries
-        latest = end_block * g
-        keeps = None if self.checkpoint_policy == "terminal-and-junctions" else self.policy.speculative
-        speculative, own, pins, prompt_tokens = [], [], [], req.prompt_tokens
-        for d in range((first_block + 1) * g, latest + 1, g):  # the boundaries crossed, then the latest
-            if d in keep or (interval is not None and d % interval == 0):
-                own.append(d), pins.append(True)
-            elif d == latest:
-                own.append(d), pins.append(False)
-            elif keeps is not None and keeps(d, prompt_tokens):
-                speculative.append(d)
-        return speculative + own, [None] * len(speculative) + pins
 
     def _publish_blocks(self, hashes: RequestHashes, first_block: int, keys: list[int], pages: list[int],
                         status: list[int], stored: list[tuple]) -> int:
