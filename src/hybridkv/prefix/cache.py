@@ -28,7 +28,7 @@ from hybridkv.prefix.checkpoints import OWN, REUSED, SPECULATIVE, CheckpointOrde
 from hybridkv.prefix.checkpoints import checkpoint_policy as policy_from_options
 from hybridkv.prefix.eviction import GroupValueStats, ValueEviction
 from hybridkv.memory import lru
-from hybridkv.memory.pool import PagePool
+from hybridkv.memory.pool import PagePool, idle_clock_tick
 from hybridkv.runtime.kernels import entry_point
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables.store import CommitPages, GroupTable
@@ -293,7 +293,8 @@ class PrefixCache:
                                  for gid in self.state_ids}
         self._order = None  # "prefill-per-byte": the state pools' eviction order, kept incrementally
         if self.values is not None and self.state_ids:
-            self._order = CheckpointOrder(self.values, [pools[g] for g in self.state_ids], self.eviction.beyond_gap)
+            self._order = CheckpointOrder(self.values, [pools[g] for g in self.state_ids], idle_clock_tick,
+                                          self.eviction.beyond_gap)
             self.eviction.on_mended = self._order.mended
 
     @property

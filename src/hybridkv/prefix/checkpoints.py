@@ -14,7 +14,6 @@ from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from hybridkv._checks import as_int
-from hybridkv.memory.pool import idle_clock_tick
 
 CHECKPOINT_POLICIES = ("prompt-boundaries", "terminal-and-junctions", "interval", "prefill-per-byte")
 DEFAULT_CHECKPOINT_POLICY = "prompt-boundaries"
@@ -227,9 +226,10 @@ class CheckpointOrder:
     request (docs/prefix-caching.md, "Checkpoint policies"). A pool with ``ranker`` set to this object reports pages
     gone idle (:meth:`went_idle`) and takes its normal-priority victims from :meth:`victim`."""
 
-    def __init__(self, values: CheckpointValues, pools: Sequence, beyond_gap: Callable[[Hashable], bool]):
+    def __init__(self, values: CheckpointValues, pools: Sequence, idle_clock, beyond_gap: Callable[[Hashable], bool]):
         self.values = values
         self.pools = list(pools)
+        self._idle_clock = idle_clock  # a tick later than every idle tick so far
         # Whether eviction holds a key's entries low for a gap (never promoted here).
         self._beyond_gap = beyond_gap
         self._mended: dict[Hashable, None] = {}  # keys mended since the last freed request
@@ -258,7 +258,7 @@ class CheckpointOrder:
         kinds = {key: values.kind(key) for key in self._changed_keys(low)}
         self._low = low
         self._reuse = {kind: values.expected_reuse(kind) for kind in CLASSES}
-        self._tick = idle_clock_tick()  # a tick later than every idle tick so far
+        self._tick = self._idle_clock()
         # Demote those of a low-priority class where still normal priority, each to the front of the LRU, the highest
         # score first, so the lowest ends first.
         demoted = sorted((k for k, kind in kinds.items() if kind is not None and low[kind]), key=values.order_key)
