@@ -527,7 +527,8 @@ class PrefixCache:
               let_go: list[tuple]) -> None:
         """What one commit at a time books of a request's commit claimed whole (``booked``; its entries recorded in the
         groups' pools): its "stored" events (history group by group, then checkpoint by checkpoint every state group's),
-        the state groups' holds of its latest checkpoint, tier link (:meth:`_tell_units`), checkpoint values, one
+        the state groups' holds of its latest checkpoint, tier link (in one call, in its events' order: :meth:`_raws`;
+        the checkpoints before the latest low priority where ``low`` is 2), checkpoint values, one
         ``ValueEviction.stored_commit``, then its earlier checkpoints superseded."""
         keys, parents, ends, checkpoint_keys, _, boundaries = booked
         events.append(booked)  # its "stored" events, expanded when drained (``_raws``)
@@ -538,31 +539,39 @@ class PrefixCache:
             own.entries[gid] = (key, published[key])
             holders[key] = 1
         if self.tier_hook is not None:
-            self._tell_units(booked, low)
+            pools, state = self.pools, self._holders  # a state group's: speculative where not ``key``, the latest
+            self.tier_hook.stored([(gid, k, end, pools[gid].lookup(k), low == 2 and k != key and gid in state)
+                                   for _, gid, k, _, end, _ in self._raws((booked,))])
         if self.values is not None:
             for key, boundary in zip(checkpoint_keys, boundaries):
                 self.values.published(key, boundary, speculative=boundary != boundaries[-1])
         self.eviction.stored_commit(keys, parents, ends, checkpoint_keys)
         self._supersede(req, [own], events, let_go)
 
-    def _tell_units(self, booked: tuple, low: int) -> None:
-        """The tier link of a commit claimed whole (:meth:`_book`'s ``booked``, its entries recorded) in one call, in
-        its events' order (:meth:`_raws`), the checkpoints before the latest low priority where ``low`` is 2."""
-        last, pools, state = booked[3][-1], self.pools, self._holders  # a state group's: speculative where not last
-        self.tier_hook.stored([(gid, key, end, pools[gid].lookup(key), low == 2 and key != last and gid in state)
-                               for _, gid, key, _, end, _ in self._raws((booked,))])
-
     def _commit_one(self, req: CommittingRequest, old_tokens: int, new_tokens: int, stored: list[tuple],
                     let_go: list[tuple]) -> None:
         """One request's commit of tokens ``[old, new)`` (a block crossed at least): history blocks and the checkpoints
-        (:meth:`_checkpoint_boundaries`; their keys, parents and entries: :meth:`_found_checkpoints`), those missing
-        read and claimed in one call (``CommitPages.read``); its "stored" events, then the removals superseding
-        caused, onto ``stored``; what superseding lets go onto ``let_go`` (the earlier requests' let go first)."""
+        (with state groups: the speculative boundaries, crossed, not pinned, kept by the policy, then the request's own
+        ones: the pinned ones crossed, its junction and multiples of ``state_checkpoint_interval``, then the latest;
+        ``pins``: for each whether the request pins it, None for a speculative one; their keys, parents and entries:
+        :meth:`_found_checkpoints`), those missing read and claimed in one call (``CommitPages.read``); its "stored"
+        events, then the removals superseding caused, onto ``stored``; what superseding lets go onto ``let_go`` (the
+        earlier requests' let go first)."""
         g, hashes = self.granularity_tokens, req.hashes
         if let_go:
             self._let_go(let_go)
         first_block, end_block = old_tokens // g, new_tokens // g
-        boundaries, pins = self._checkpoint_boundaries(req, first_block, end_block) if self.state_ids else ([], [])
+        interval, keep, latest = self.state_checkpoint_interval, req.keep_boundaries, end_block * g
+        speculative, own, pins = [], [], []
+        keeps = None if self.checkpoint_policy == "terminal-and-junctions" else self.policy.speculative
+        for d in range((first_block + 1) * g, latest + 1, g) if self.state_ids else ():  # crossed, then the latest
+            if d in keep or (interval is not None and d % interval == 0):
+                own.append(d), pins.append(True)
+            elif d == latest:
+                own.append(d), pins.append(False)
+            elif keeps is not None and keeps(d, req.prompt_tokens):
+                speculative.append(d)
+        boundaries, pins = speculative + own, [None] * len(speculative) + pins
         keys, want = hashes.hashes[first_block:end_block], []
         for lookup in self._history_lookups:  # plain loops, no comprehension: each is a frame, costly run cold
             for key in keys:
@@ -596,25 +605,6 @@ class PrefixCache:
                 found.append(entry)
                 want.append(code if entry is None else 0)
         return checkpoint_keys, parents, found
-
-    def _checkpoint_boundaries(self, req: CommittingRequest, first_block: int,
-                               end_block: int) -> tuple[list[int], list[bool | None]]:
-        """The checkpoints a commit of blocks ``[first_block, end_block)`` publishes, and for each whether the
-        request pins it (None: a speculative one): the speculative boundaries (crossed, not pinned, kept by the
-        policy), then the request's own ones: the pinned ones crossed (its junction, multiples of
-        ``state_checkpoint_interval``), then the latest."""
-        g, interval, keep = self.granularity_tokens, self.state_checkpoint_interval, req.keep_boundaries
-        latest = end_block * g
-        keeps = None if self.checkpoint_policy == "terminal-and-junctions" else self.policy.speculative
-        speculative, own, pins, prompt_tokens = [], [], [], req.prompt_tokens
-        for d in range((first_block + 1) * g, latest + 1, g):  # the boundaries crossed, then the latest
-            if d in keep or (interval is not None and d % interval == 0):
-                own.append(d), pins.append(True)
-            elif d == latest:
-                own.append(d), pins.append(False)
-            elif keeps is not None and keeps(d, prompt_tokens):
-                speculative.append(d)
-        return speculative + own, [None] * len(speculative) + pins
 
     def _publish_blocks(self, hashes: RequestHashes, first_block: int, keys: list[int], pages: list[int],
                         status: list[int], stored: list[tuple]) -> int:
@@ -674,11 +664,11 @@ class PrefixCache:
     def _book_checkpoints(self, keys: list[int], parents: list[int], boundaries: list[int], pins: list[bool | None],
                           entries: list, status: list[int]) -> list[OwnCheckpoint]:
         """Book each checkpoint the commit published (``status`` 2; ``entries``: each boundary's pages in each state
-        group, None where missing): tier link and checkpoint values (:meth:`_tell_checkpoints`), then
-        ``ValueEviction.stored_checkpoint`` boundary by boundary; the request's own ones (``pins`` not None, after
-        the speculative ones) returned, each held in every state group that has it."""
-        gids, n = self.state_ids, len(self.state_ids)
-        if self.tier_hook is not None or self.values is not None:
+        group, None where missing): tier link (:meth:`_tell_checkpoints`), then boundary by boundary the checkpoint
+        values and ``ValueEviction.stored_checkpoint``; the request's own ones (``pins`` not None, after the
+        speculative ones) returned, each held in every state group that has it."""
+        gids, n, values = self.state_ids, len(self.state_ids), self.values
+        if self.tier_hook is not None:
             self._tell_checkpoints(keys, boundaries, pins, entries, status)
         own_checkpoints = []
         for j in range(pins.count(None), len(pins)):  # the request's own ones (the speculative ones first)
@@ -692,23 +682,20 @@ class PrefixCache:
         for j, (key, parent, boundary) in enumerate(zip(keys, parents, boundaries)):
             part = status[j * n:(j + 1) * n]
             if 2 in part:
+                if values is not None:
+                    values.published(key, boundary, speculative=pins[j] is None)
                 self.eviction.stored_checkpoint([gid for gid, new in zip(gids, part) if new == 2], key, parent,
                                                 boundary)
         return own_checkpoints
 
     def _tell_checkpoints(self, keys: list[int], boundaries: list[int], pins: list[bool | None], entries: list,
                           status: list[int]) -> None:
-        """The tier link of each checkpoint entry the commit published (``status`` 2), boundary
-        by boundary, state group by state group (a speculative one's low priority as claimed),
-        then the checkpoint values of each boundary it published anywhere."""
-        hook, values, gids, n = self.tier_hook, self.values, self.state_ids, len(self.state_ids)
+        """The tier link of each checkpoint entry the commit published (``status`` 2), in one call, boundary
+        by boundary, state group by state group (a speculative one's low priority as claimed)."""
+        values, gids, n = self.values, self.state_ids, len(self.state_ids)
         low = values is None or values.low_priority(SPECULATIVE) if None in pins else False
-        if hook is not None:  # every checkpoint entry published, in one call
-            hook.stored([(gids[place % n], keys[place // n], boundaries[place // n], entries[place],
-                          low and pins[place // n] is None) for place, new in enumerate(status) if new == 2])
-        for j, (key, boundary, pinned) in enumerate(zip(keys, boundaries, pins)) if values is not None else ():
-            if 2 in status[j * n:(j + 1) * n]:
-                values.published(key, boundary, speculative=pinned is None)
+        self.tier_hook.stored([(gids[place % n], keys[place // n], boundaries[place // n], entries[place],
+                                low and pins[place // n] is None) for place, new in enumerate(status) if new == 2])
 
     def _supersede(self, req: CommittingRequest, new_own: list, events: list[tuple], let_go: list[tuple]) -> None:
         """Drop the request's hold on every earlier own checkpoint that is not pinned, group by group (``new_own``
@@ -909,8 +896,10 @@ class PrefixCache:
             for raw in self._raws(items):
                 self.on_event(_event(raw))
             return
+        # The events an item stands for: a raw event one, a commit's record (``_raws``) a block in each history
+        # group and a checkpoint in each state group.
         n, n_history, n_state = 0, len(self._history_events), len(self._checkpoint_events)
-        for item in items:  # ``_events_in`` of each, written out (a frame each, costly run cold)
+        for item in items:
             n += 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
         events = self.events
         events.extend(items)
@@ -922,7 +911,7 @@ class PrefixCache:
         self.dropped_events += excess
         while excess:
             item = events.popleft()
-            size = _events_in(item, n_history, n_state)
+            size = 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
             if size > excess:  # a record cut short: the rest of it kept raw
                 events.extendleft(reversed(list(self._raws((item,)))[excess:]))
                 return
@@ -990,12 +979,6 @@ def _grain(specs: Sequence[CacheGroupSpec], windows: Mapping[str, int], granular
             raise ValueError(f"prefix_granularity {g} is smaller than group {s.group_id!r} checkpoint window "
                              f"({windows[s.group_id]} tokens): checkpoints would overlap")
     return g
-
-
-def _events_in(item: tuple, n_history: int, n_state: int) -> int:
-    """How many events a buffered item stands for: 1 (a raw event), or a commit's record's (``_raws``: a block in
-    each of ``n_history`` history groups, a checkpoint in each of ``n_state`` state groups)."""
-    return 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
 
 
 def _event(raw: tuple) -> CacheEvent:

@@ -226,13 +226,12 @@ class CheckpointOrder:
     request (docs/prefix-caching.md, "Checkpoint policies"). A pool with ``ranker`` set to this object reports pages
     gone idle (:meth:`went_idle`) and takes its normal-priority victims from :meth:`victim`."""
 
-    def __init__(self, values: CheckpointValues, pools: Sequence, idle_clock,
-                 beyond_gap: Callable[[Hashable], bool] | None = None):
+    def __init__(self, values: CheckpointValues, pools: Sequence, idle_clock, beyond_gap: Callable[[Hashable], bool]):
         self.values = values
         self.pools = list(pools)
         self._idle_clock = idle_clock  # a tick later than every idle tick so far
         # Whether eviction holds a key's entries low for a gap (never promoted here).
-        self._beyond_gap = beyond_gap or (lambda key: False)
+        self._beyond_gap = beyond_gap
         self._mended: dict[Hashable, None] = {}  # keys mended since the last freed request
         self._heaps = {pool.group_id: {kind: [] for kind in CLASSES} for pool in self.pools}
         # Per pool: (page, key, idle tick, key's version) of normal-priority pages gone idle (or promoted back: mended)

@@ -40,7 +40,6 @@ class ValueEviction:
                  granularity_tokens: int, policy: str = "value"):
         if policy not in POLICIES:
             raise ValueError(f"eviction_policy must be one of {POLICIES}, got {policy!r}")
-        self.policy = policy
         # "group-lru": count and report only; every pool evicts by its own LRU alone.
         self.acts = policy == "value"
         self.pools = pools
@@ -116,8 +115,7 @@ class ValueEviction:
         up = nodes.get(parents[0])
         if not self._track or (up[5] if up is not None else boundaries[0] > self.granularity_tokens) or (
                 keys[0] in unborn if len(keys) == 1 else not unborn.keys().isdisjoint(keys)):
-            if self.history_ids:  # as one commit at a time books it
-                self.stored_blocks([(gid, range(len(keys))) for gid in self.history_ids], keys, parents, boundaries)
+            self.stored_blocks([(gid, range(len(keys))) for gid in self.history_ids], keys, parents, boundaries)
             at = dict(zip(keys, zip(parents, boundaries)))
             for key in checkpoints:
                 self.stored_checkpoint(self.state_ids, key, *at[key])
@@ -197,8 +195,9 @@ class ValueEviction:
         return node
 
     def removed(self, gid: str, key: Hashable, cause: str, idle_pages: int) -> None:
-        """An entry left group ``gid`` (``cause`` as the pool reports it, ``UNIT`` for
-        this class's own removals); the rest of its unit follows."""
+        """An entry left group ``gid`` (``cause`` as the pool reports it, ``UNIT`` for this class's own removals); the
+        rest of its unit follows: as evictions ("unit") after an eviction, unpublished after an unpublished entry (a
+        superseded checkpoint, a cleared cache)."""
         node = self._nodes.get(key)
         if cause != UNPUBLISHED:
             self.evicted_pages[gid][self._reason(gid, node, cause)] += idle_pages
@@ -212,20 +211,14 @@ class ValueEviction:
                 self._cut(key)
             node[2] -= 1
             others = self.history_ids + self.state_ids
-        if self.acts:
-            self._take_unit(gid, key, cause, others)
-        self._forget_if_idle(key)
-
-    def _take_unit(self, gid: str, key: Hashable, cause: str, others: Sequence[str]) -> None:
-        """The rest of ``key``'s unit leaves the groups ``others``: as evictions ("unit") after an eviction,
-        unpublished after an unpublished entry (a superseded checkpoint, a cleared cache)."""
         follow = UNPUBLISHED if cause == UNPUBLISHED else UNIT
-        for other in others:
+        for other in others if self.acts else ():
             pool = self.pools[other]
             if other != gid and pool.lookup(key) is not None:
                 freed = pool.unpublish(key, follow)
                 if follow == UNIT:
                     pool.counters.evicted_pages += freed
+        self._forget_if_idle(key)
 
     def unit_evicted(self, gid: str, key: Hashable, cause: str, idle_pages: int,
                      count: int) -> tuple[Hashable | None, int]:
