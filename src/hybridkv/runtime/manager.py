@@ -968,19 +968,29 @@ class CacheManager:
                       out: _StepArrays, write_slots: bool, updates: bool,
                       n_spare: int | None) -> StepBatch | _StepPlan | None:
         """``_step`` once ``kernels.step`` only planned a plan it did not admit (``STEP_PLANNED``, ``STEP_COVERED``): the
-        batch if admitted without ``_admit`` (``_direct_grants``), else the plan or None (``n_spare``: ``admit_spare``'s
-        answer if ``step_spare`` gave it)."""
-        if planned[0] < 0:
+        batch if ``_admit`` would admit it as is or with spare slabs alone, run without it (a clean plan; one
+        ``STEP_COVERED`` granting no slab; else as ``admit_spare`` answers: its spare slabs for ``grant_step``, or
+        ``Arena.apply``'s where none were written), else the plan or None (``n_spare``: ``admit_spare``'s answer if
+        ``step_spare`` gave it)."""
+        n, _, _, clean = planned
+        if n < 0:
             return None
-        grants, n_spare = self._direct_grants(status, planned, n_spare)
-        plan = self._plan_of(*planned)
+        plan, grants, spare = self._plan_of(*planned), [], None
         plan.request_ids = rids
-        if grants is not False or plan.clean:  # admitted: ``_commit_and_run`` grows the buffers where needed
-            plan.grants, plan.spare_grants = [], None if grants is False else grants
-        elif n_spare is not None and n_spare > 0:  # spare slabs, which ``Arena.apply`` moves
-            plan.grants = self.arena.spare_grants(n_spare)
-        else:
-            return plan  # ``_admit`` decides
+        if not clean and not (status == kernels.STEP_COVERED and (self.arena is None or all(  # no slab granted
+                n <= p.num_free_pages for n, p in zip(self._scratch.plan[5][1].tolist(), self._pool_list)
+                if n > p.num_clean_free_pages))):
+            if self.arena is None:
+                return plan  # ``_admit`` decides
+            if n_spare is None:
+                n_spare = self._admit_entry(*self._admit_args(n))
+            if n_spare < 0:
+                return plan
+            if n_spare and self.arena.spare_written is None:  # spare slabs, which ``Arena.apply`` moves
+                grants = self.arena.spare_grants(n_spare)
+            elif n_spare:
+                spare = self.arena.spare_written[:, :n_spare].copy()
+        plan.grants, plan.spare_grants = grants, spare  # admitted: ``_commit_and_run`` grows the buffers where needed
         return self._commit_and_run(plan, write_slots, updates, False)
 
     def _run(self, grants: np.ndarray | None, plan: _StepPlan | tuple, rids: tuple, cells: tuple, out: _StepArrays,
@@ -1015,27 +1025,6 @@ class CacheManager:
             self._space.keyed_idle(sc.released[1], sc.idle_keyed)
         self._last_rows = rows_in
         return self._build_batch(rows_in, rids, out, fixed_width, n_touched if updates else -1, cells)
-
-    def _direct_grants(self, status: int, planned: tuple, n_spare: int | None) -> tuple[Any, int | None]:
-        """How ``_planned_step`` may run a plan that ``_admit`` would admit as is or with spare slabs alone, without
-        it: None (``run_step``: one ``STEP_COVERED`` granting no slab, or one ``admit_spare`` admits as is), the spare
-        slabs ``admit_spare`` grants (``grant_step``'s ``[2, n]``), else False (a clean plan: ``_commit_and_run``);
-        and ``admit_spare``'s answer where it was asked (else ``n_spare``)."""
-        n, _, _, clean = planned
-        if clean:
-            return False, n_spare
-        if status == kernels.STEP_COVERED and (self.arena is None or all(  # ``_admit`` grants no slab then
-                n <= p.num_free_pages for n, p in zip(self._scratch.plan[5][1].tolist(), self._pool_list)
-                if n > p.num_clean_free_pages)):
-            return None, n_spare
-        if self.arena is None:
-            return False, n_spare
-        if n_spare is None:
-            n_spare = self._admit_entry(*self._admit_args(n))
-        written = self.arena.spare_written
-        if n_spare < 0 or (n_spare and written is None):  # ``_admit`` decides, or ``Arena.apply`` moves the slabs
-            return False, n_spare
-        return (written[:, :n_spare].copy() if n_spare else None), n_spare
 
     def _admit_args(self, n_rows: int) -> tuple:
         """``kernels.admit_spare``'s arguments for the plan of ``n_rows`` rows in the scratch buffer."""
