@@ -227,8 +227,7 @@ class PagePool:
                 freed += 1
                 if p < bound:  # it joins the ``count`` lowest; past ``count``, the highest (the bound) leaves
                     insort(lowest, p)
-                    if len(lowest) > count:
-                        lowest.pop()
+                    del lowest[count:]
                     if len(lowest) == count:
                         bound = lowest[-1]
         # None left below the bound the scans stopped at (it only fell meanwhile).
