@@ -287,8 +287,8 @@ class Arena:
             # Keyed pages of less value count only when the rest might not cover every slab taken from it (more pages
             # than it can give up in a plan for ``deficit``).
             if scan.keyed_mode() == 2:
-                per_slab = dict(zip(self.group_ids, self._slab_pages.tolist()))
-                slabs = sum(-(-short // per_slab[gid]) if per_slab[gid] > 0 else self.geometry.num_slabs
+                per_slab, index = self._slab_pages.tolist(), self._index
+                slabs = sum(-(-short // per_slab[index[gid]]) if per_slab[index[gid]] > 0 else self.geometry.num_slabs
                             for gid, short in deficit.items() if short > 0)
                 if left[donor] < slabs * self._most_slab_pages:
                     left[donor] += self._idle(donor, scan)[2]
