@@ -1101,30 +1101,15 @@ def append_token_ids(addresses, rows, known, max_total, tokens, mark, grain_toke
 @njit(cache=True)
 def merge_free(stack, top, run):
     """Merge the ascending distinct ids ``run`` into the descending free stack ``stack[:top]``; returns the new
-    top. A long block of stack ids below the next run id is found by bisection and moved at once (in slices that
-    do not overlap when the move is long, else one by one from the top)."""
+    top. A long block of stack ids below the next run id is found by bisection and moved at once."""
     i, j, k = top - 1, 0, top + run.size - 1
     while j < run.size:  # fill from the new top down, lowest first; stack ids left are in place
         if i >= 0 and stack[i] < run[j]:
             if i >= MERGE_BLOCK and stack[i - MERGE_BLOCK] < run[j]:
-                lo, hi = -1, i - MERGE_BLOCK  # bisect: stack[lo] >= run[j] (or lo = -1), stack[hi] < run[j]
-                while hi - lo > 1:
-                    mid = (lo + hi) // 2
-                    if stack[mid] < run[j]:
-                        hi = mid
-                    else:
-                        lo = mid
-                shift, end = k - i, i + 1  # stack[hi : i + 1] up by k - i: in slices that do not overlap if long
-                if shift >= 64:
-                    while end > hi:
-                        start = max(hi, end - shift)
-                        stack[start + shift : end + shift] = stack[start:end]
-                        end = start
-                else:
-                    for t in range(i, hi - 1, -1):
-                        stack[t + shift] = stack[t]
-                k -= i + 1 - hi
-                i = hi - 1
+                lo = first_below(stack, i - MERGE_BLOCK, run[j])
+                move_up(stack, lo, i + 1 - lo, k - i)
+                k -= i + 1 - lo
+                i = lo - 1
             else:
                 stack[k] = stack[i]
                 i -= 1
@@ -1142,6 +1127,35 @@ def merge_free(stack, top, run):
 
 
 MERGE_BLOCK = 16  # ``merge_free`` moves stack ids one by one up to this many in a row
+
+
+@njit(cache=True)
+def first_below(stack, at, value):
+    """The lowest index ``lo <= at`` with ``stack[lo : at + 1]`` all below ``value``, given
+    ``stack[at] < value`` and ``stack`` descending."""
+    lo, hi = -1, at  # stack[lo] >= value (or lo = -1), stack[hi] < value
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if stack[mid] < value:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+@njit(cache=True)
+def move_up(stack, lo, n, shift):
+    """``stack[lo : lo + n]`` to ``stack[lo + shift : lo + shift + n]`` (``shift > 0``): in
+    slices that do not overlap when the shift is long, else one by one from the top."""
+    if shift >= 64:
+        end = lo + n
+        while end > lo:
+            start = max(lo, end - shift)
+            stack[start + shift : end + shift] = stack[start:end]
+            end = start
+    else:
+        for t in range(n - 1, -1, -1):
+            stack[lo + shift + t] = stack[lo + t]
 
 
 @njit(cache=True, _nrt=True)
