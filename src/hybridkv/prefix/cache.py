@@ -896,10 +896,8 @@ class PrefixCache:
             for raw in self._raws(items):
                 self.on_event(_event(raw))
             return
-        # The events an item stands for: a raw event one, a commit's record (``_raws``) a block in each history
-        # group and a checkpoint in each state group.
         n, n_history, n_state = 0, len(self._history_events), len(self._checkpoint_events)
-        for item in items:
+        for item in items:  # ``_events_in`` of each, written out (a frame each, costly run cold)
             n += 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
         events = self.events
         events.extend(items)
@@ -911,7 +909,7 @@ class PrefixCache:
         self.dropped_events += excess
         while excess:
             item = events.popleft()
-            size = 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
+            size = _events_in(item, n_history, n_state)
             if size > excess:  # a record cut short: the rest of it kept raw
                 events.extendleft(reversed(list(self._raws((item,)))[excess:]))
                 return
@@ -979,6 +977,12 @@ def _grain(specs: Sequence[CacheGroupSpec], windows: Mapping[str, int], granular
             raise ValueError(f"prefix_granularity {g} is smaller than group {s.group_id!r} checkpoint window "
                              f"({windows[s.group_id]} tokens): checkpoints would overlap")
     return g
+
+
+def _events_in(item: tuple, n_history: int, n_state: int) -> int:
+    """How many events a buffered item stands for: 1 (a raw event), or a commit's record's (``_raws``: a block in
+    each of ``n_history`` history groups, a checkpoint in each of ``n_state`` state groups)."""
+    return 1 if item[0].__class__ is str else len(item[0]) * n_history + len(item[3]) * n_state
 
 
 def _event(raw: tuple) -> CacheEvent:
