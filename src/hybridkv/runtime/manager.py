@@ -308,6 +308,7 @@ class CacheManager:
         self._row_owner: dict[int, _Request] = {}
         self._free_rows: list[int] = []
         self._next_row = 0
+        self._row_arrays: list[np.ndarray] = []  # per table row, int64 [1] holding it: a one-row step's rows
         # Per table row, views of one array: computed, committed and known token ids (max total without ids; the step
         # kernel takes these three whole, ``_counters``), the max total, the known ids rewinds keep (prompt; no ids:
         # total) and the address of its request's token ids (``_Request.token_ids``' data, which the request keeps
@@ -725,6 +726,9 @@ class CacheManager:
         """(rows, counts, ids, tokens) of valid-looking pairs, vectorized; None sends the batch to the
         per-item path. The plan checks distinct rows, known tokens and each count's range."""
         try:  # strict: an item of another length among pairs is no pair either
+            if len(items) == 1:  # one pair (a prefill chunk): its count checked as a uniform step's, no unzip
+                (rid, count), = items
+                return self._fast_rows_uniform((rid,), count)
             rids, counts = zip(*items, strict=True)
         except (TypeError, ValueError):
             return None  # not all pairs
@@ -765,10 +769,12 @@ class CacheManager:
         return rows, self._one_count, rids, len(rids) * count
 
     def _rows_of(self, rids: tuple) -> np.ndarray | None:
-        """Table rows of known request ids; None if an id is unknown or unhashable."""
+        """Table rows of known request ids (one id: its row's ``_row_arrays``, no array made); None if an id is
+        unknown or unhashable. Nothing writes the arrays the steps and appends take (``_last_rows`` keeps one)."""
         try:
-            # One C-level lookup of every id (itemgetter of one key returns it bare).
-            found = itemgetter(*rids)(self._row_of) if len(rids) > 1 else (self._row_of[rids[0]],)
+            if len(rids) == 1:
+                return self._row_arrays[self._row_of[rids[0]]]
+            found = itemgetter(*rids)(self._row_of)  # one C-level lookup of every id
         except (KeyError, TypeError):
             return None
         return _int64_array(found, len(rids))
@@ -961,7 +967,7 @@ class CacheManager:
             n_touched = self._after_run(n_touched, n_keyed, self._plan_of(n, settle, n_crossing, clean), out, cells)
         elif n_keyed:  # done whole (the kernel noted the peaks): idle keyed pages join their LRUs
             self._space.keyed_idle(sc.released[1], sc.idle_keyed)
-        self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
+        self._last_rows = rows_in  # the plan's rows after the settling ones (an array of ours nothing writes)
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
 
     def _planned_step(self, status: int, planned: tuple, rids: tuple, rows_in: np.ndarray, cells: tuple,
@@ -1401,6 +1407,7 @@ class CacheManager:
         """A new table row (``add_request`` reuses a free one first)."""
         row = self._next_row
         self._next_row += 1
+        self._row_arrays.append(np.full(1, row, dtype=np.int64))
         self._state = None  # the table store and the counters may grow
         if row >= self._computed.size:
             self._by_row = np.concatenate([self._by_row, np.zeros_like(self._by_row)], axis=1)
