@@ -749,10 +749,10 @@ def join_idle(idle, low_priority, per_group, not_joined, idle_keyed, n_keyed):
 
 
 @njit(cache=True, _nrt=False)
-def grant_step(grants, scratch, arena, idle, geometry, pages, bounds, counters, ref, keyed, low_priority, stack,
+def grant_step(grants, n_grants, scratch, arena, idle, geometry, pages, bounds, counters, ref, keyed, low_priority, stack,
                per_group, transient, plan, n, settle, touched, n_logged, cells, cell_pages, per_request,
                query_start_loc, request_indices, per_token):
-    """``run_step`` granting spare slabs alone (``grants``: groups, slabs) after its releases, counted off the arena's
+    """``run_step`` granting spare slabs alone (``grants``' first ``n_grants`` columns: groups, slabs) after its releases, counted off the arena's
     spare slabs with ``SKIP_PACKING`` following ``Arena.roomy`` (``Arena._spare_changed``); it stops for Python only
     when ``room_groups`` asks (as after the idle keyed pages joined: its ``not_joined``), its marks left in ``arena``'s
     last item (the manager's) for ``make_room``, the keyed pages its releases left idle joined first (``join_idle``).
@@ -768,10 +768,10 @@ def grant_step(grants, scratch, arena, idle, geometry, pages, bounds, counters, 
     owner, lo, hi, straddle, offsets, most_slab_pages, sizes, spare, roomy_slabs, marks = arena
     n_groups = geometry.shape[0]
     gained, granted = scratch[:n_groups], scratch[n_groups:]
-    if grant_spare_slabs(owner, grants[0], grants[1], lo, hi, straddle, granted, gained,
+    if grant_spare_slabs(owner, grants[0, :n_grants], grants[1, :n_grants], lo, hi, straddle, granted, gained,
                          stack, per_group[TOP], offsets, per_group[LOWEST], per_group[GRANTED_PAGES]) < 0:
         return -1, n_touched, n_keyed
-    spare[0] -= grants.shape[1]
+    spare[0] -= n_grants
     per_group[SKIP_PACKING] = 1 if spare[0] >= roomy_slabs else 0  # ``Arena.roomy`` (``Arena._spare_changed``)
     # ``room_groups`` as it answers once the keyed pages gone idle joined their LRUs (they join before it returns).
     if not room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, per_group, ref, keyed,
@@ -783,10 +783,10 @@ def grant_step(grants, scratch, arena, idle, geometry, pages, bounds, counters, 
     return status, n_touched, join_idle(idle, low_priority, per_group, released[1], idle_keyed, n_keyed)
 
 
-def grant_scratch(grants, arena, n_groups, made=None):
-    """``grant_step``'s ``scratch`` for ``grants``: pages per group, then each slab's most pages
+def grant_scratch(n_grants, arena, n_groups, made=None):
+    """``grant_step``'s ``scratch`` for ``n_grants`` slabs: pages per group, then each slab's most pages
     (``arena``: ``grant_step``'s); ``made`` where it is large enough (the kernel reads nothing it did not write)."""
-    size = n_groups + grants.shape[1] * arena[5]
+    size = n_groups + n_grants * arena[5]
     return made if made is not None and made.size >= size else np.empty(size, np.int64)
 
 

@@ -308,6 +308,7 @@ class CacheManager:
         self._row_owner: dict[int, _Request] = {}
         self._free_rows: list[int] = []
         self._next_row = 0
+        self._row_arrays: list[np.ndarray] = []  # per table row, int64 [1] holding it: a one-row step's rows
         # Per table row, views of one array: computed, committed and known token ids (max total without ids; the step
         # kernel takes these three whole, ``_counters``), the max total, the known ids rewinds keep (prompt; no ids:
         # total) and the address of its request's token ids (``_Request.token_ids``' data, which the request keeps
@@ -725,6 +726,9 @@ class CacheManager:
         """(rows, counts, ids, tokens) of valid-looking pairs, vectorized; None sends the batch to the
         per-item path. The plan checks distinct rows, known tokens and each count's range."""
         try:  # strict: an item of another length among pairs is no pair either
+            if len(items) == 1:  # one pair (a prefill chunk): its count checked as a uniform step's, no unzip
+                (rid, count), = items
+                return self._fast_rows_uniform((rid,), count)
             rids, counts = zip(*items, strict=True)
         except (TypeError, ValueError):
             return None  # not all pairs
@@ -765,10 +769,12 @@ class CacheManager:
         return rows, self._one_count, rids, len(rids) * count
 
     def _rows_of(self, rids: tuple) -> np.ndarray | None:
-        """Table rows of known request ids; None if an id is unknown or unhashable."""
+        """Table rows of known request ids (one id: its row's ``_row_arrays``, no array made); None if an id is
+        unknown or unhashable. Nothing writes the arrays the steps and appends take (``_last_rows`` keeps one)."""
         try:
-            # One C-level lookup of every id (itemgetter of one key returns it bare).
-            found = itemgetter(*rids)(self._row_of) if len(rids) > 1 else (self._row_of[rids[0]],)
+            if len(rids) == 1:
+                return self._row_arrays[self._row_of[rids[0]]]
+            found = itemgetter(*rids)(self._row_of)  # one C-level lookup of every id
         except (KeyError, TypeError):
             return None
         return _int64_array(found, len(rids))
@@ -919,6 +925,7 @@ class CacheManager:
         ts.reserve_log(released_pages + allocated_pages)
         grants = self.arena.kernel_grants(plan.grants) if plan.grants else plan.spare_grants
         rows = plan.rows[plan.settle :].copy()  # the plan's arrays are scratch
+        grants = None if grants is None else (grants, grants.shape[1])
         return self._run(grants, plan, plan.request_ids, cells, out, updates, rows, fixed_width)
 
     def _step(self, fast: tuple, write_slots: bool, updates: bool) -> StepBatch | _StepPlan | None:
@@ -951,7 +958,7 @@ class CacheManager:
             status, n, settle, n_crossing, clean, n_touched, n_keyed = self._step_entry(*args)
             n_spare = None
         if status >= kernels.STEP_COMMITS:  # admitted (``STEP_SPARE``: ``admit_spare``'s spare slabs): commit, then run
-            grants = self.arena.spare_written[:, :n_spare].copy() if status == kernels.STEP_SPARE and n_spare else None
+            grants = (self.arena.spare_written, n_spare) if status == kernels.STEP_SPARE and n_spare else None
             return self._run(grants, (n, settle, n_crossing, clean), rids, cells, out, updates, rows_in)
         if status > kernels.STEP_NEEDS_PAGES:  # planned only
             return self._planned_step(status, (n, settle, n_crossing, clean), rids, rows_in, cells, out, write_slots,
@@ -961,7 +968,7 @@ class CacheManager:
             n_touched = self._after_run(n_touched, n_keyed, self._plan_of(n, settle, n_crossing, clean), out, cells)
         elif n_keyed:  # done whole (the kernel noted the peaks): idle keyed pages join their LRUs
             self._space.keyed_idle(sc.released[1], sc.idle_keyed)
-        self._last_rows = rows_in  # the plan's rows after the settling ones (a fresh array of ours)
+        self._last_rows = rows_in  # the plan's rows after the settling ones (an array of ours nothing writes)
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
 
     def _planned_step(self, status: int, planned: tuple, rids: tuple, rows_in: np.ndarray, cells: tuple,
@@ -993,12 +1000,12 @@ class CacheManager:
         plan.grants, plan.spare_grants = grants, spare  # admitted: ``_commit_and_run`` grows the buffers where needed
         return self._commit_and_run(plan, write_slots, updates, False)
 
-    def _run(self, grants: np.ndarray | None, plan: _StepPlan | tuple, rids: tuple, cells: tuple, out: _StepArrays,
+    def _run(self, grants: tuple | None, plan: _StepPlan | tuple, rids: tuple, cells: tuple, out: _StepArrays,
              updates: bool, rows_in: np.ndarray, fixed_width: bool = False) -> StepBatch:
         """Stages 2-4 of an admitted plan in the scratch buffer, its buffers large enough (``plan``: a ``_StepPlan``,
         or ``_step``'s (rows, settling, crossing, clean) of a ``STEP_COMMITS`` or ``STEP_SPARE`` plan; ``rows_in``: its
         rows after the settling ones): the rows crossing a grain commit, then ``run_step`` (``grant_step`` granting
-        ``grants``, spare slabs; ``run_step`` stopping for ``Arena.apply`` of a ``_StepPlan``'s other grants), then
+        ``grants``, spare slabs: the first ``n`` columns of ``(array, n)``; ``run_step`` stopping for ``Arena.apply`` of a ``_StepPlan``'s other grants), then
         the batch."""
         sc, step_plan = self._scratch, plan if type(plan) is _StepPlan else None
         n, settle, n_crossing, _ = plan if step_plan is None else (plan.rows.size, plan.settle, plan.crossing.size, 0)
@@ -1012,10 +1019,10 @@ class CacheManager:
             status, n_touched, n_keyed = self._run_entry(*state, sc.buffer, n, settle, hold, *log, *cells, *out,
                                                          self._space.join_args)
         else:  # ``grant_step`` (its scratch kept for the next) stops only when groups make room, marked already
-            arena = self._grant_args
-            self._grant_room = room = kernels.grant_scratch(grants, arena, len(self.specs), self._grant_room)
-            status, n_touched, n_keyed = self._grant_entry(grants, room, arena, self._space.join_args, *state,
-                                                           sc.buffer, n, settle, *log, *cells, *out)
+            arena, (grants, n_grants) = self._grant_args, grants
+            self._grant_room = room = kernels.grant_scratch(n_grants, arena, len(self.specs), self._grant_room)
+            status, n_touched, n_keyed = self._grant_entry(grants, n_grants, room, arena, self._space.join_args,
+                                                           *state, sc.buffer, n, settle, *log, *cells, *out)
             if status < 0:
                 raise AssertionError("a slab granted is not spare")
         if status != kernels.STEP_DONE:
@@ -1077,7 +1084,7 @@ class CacheManager:
         if self.arena is not None:  # ``_run``'s other kernel: ``grant_step``, granting no slab, by its compiled code
             plan.spare_grants = np.empty((2, 0), dtype=np.int64)
             self._grant_entry = kernels.entry_point(kernels.grant_step, (
-                plan.spare_grants, kernels.grant_scratch(plan.spare_grants, self._grant_args, len(self.specs)),
+                plan.spare_grants, 0, kernels.grant_scratch(0, self._grant_args, len(self.specs)),
                 self._grant_args, self._space.join_args, *head, *tail))
             self._commit_and_run(plan, True, False, False)
 
@@ -1401,6 +1408,7 @@ class CacheManager:
         """A new table row (``add_request`` reuses a free one first)."""
         row = self._next_row
         self._next_row += 1
+        self._row_arrays.append(np.full(1, row, dtype=np.int64))
         self._state = None  # the table store and the counters may grow
         if row >= self._computed.size:
             self._by_row = np.concatenate([self._by_row, np.zeros_like(self._by_row)], axis=1)
