@@ -749,17 +749,17 @@ def join_idle(idle, low_priority, per_group, not_joined, idle_keyed, n_keyed):
 
 
 @njit(cache=True, _nrt=False)
-def grant_step(grants, n_grants, scratch, arena, idle, geometry, pages, bounds, counters, ref, keyed, low_priority, stack,
-               per_group, transient, plan, n, settle, touched, n_logged, cells, cell_pages, per_request,
+def grant_step(grants, n_grants, scratch, arena, idle, geometry, pages, bounds, counters, ref, keyed, low_priority,
+               stack, per_group, transient, plan, n, settle, touched, n_logged, cells, cell_pages, per_request,
                query_start_loc, request_indices, per_token):
-    """``run_step`` granting spare slabs alone (``grants``' first ``n_grants`` columns: groups, slabs) after its releases, counted off the arena's
-    spare slabs with ``SKIP_PACKING`` following ``Arena.roomy`` (``Arena._spare_changed``); it stops for Python only
-    when ``room_groups`` asks (as after the idle keyed pages joined: its ``not_joined``), its marks left in ``arena``'s
-    last item (the manager's) for ``make_room``, the keyed pages its releases left idle joined first (``join_idle``).
-    Status -1 (nothing granted): a slab not spare. A kernel of its own: the
-    grant inside ``run_step`` makes ``step``'s compiled loops slower. ``scratch`` (``grant_scratch``): int64 room for
-    pages per group and every granted slab's pages: the kernel allocates nothing, so it
-    runs without reference counting (``_nrt=False``: its ~30 arrays come in without a MemInfo each, ~8 µs a call).
+    """``run_step`` granting spare slabs alone (``grants``' first ``n_grants`` columns: groups, slabs) after its
+    releases, counted off the arena's spare slabs with ``SKIP_PACKING`` following ``Arena.roomy``
+    (``Arena._spare_changed``); it stops for Python only when ``room_groups`` asks (as after the idle keyed pages
+    joined: its ``not_joined``), its marks left in ``arena``'s last item (the manager's) for ``make_room``, the keyed
+    pages its releases left idle joined first (``join_idle``). Status -1 (nothing granted): a slab not spare. A kernel
+    of its own: the grant inside ``run_step`` makes ``step``'s compiled loops slower. ``scratch`` (``grant_scratch``):
+    int64 room for pages per group and every granted slab's pages: the kernel allocates nothing, so it runs without
+    reference counting (``_nrt=False``: its ~30 arrays come in without a MemInfo each, ~8 µs a call).
     ``idle``: ``PageSpace.join_args``."""
     status, n_touched, n_keyed = run_step(
         geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per_group, transient, plan, n, settle,

@@ -1005,8 +1005,8 @@ class CacheManager:
         """Stages 2-4 of an admitted plan in the scratch buffer, its buffers large enough (``plan``: a ``_StepPlan``,
         or ``_step``'s (rows, settling, crossing, clean) of a ``STEP_COMMITS`` or ``STEP_SPARE`` plan; ``rows_in``: its
         rows after the settling ones): the rows crossing a grain commit, then ``run_step`` (``grant_step`` granting
-        ``grants``, spare slabs: the first ``n`` columns of ``(array, n)``; ``run_step`` stopping for ``Arena.apply`` of a ``_StepPlan``'s other grants), then
-        the batch."""
+        ``grants``, spare slabs: the first ``n`` columns of ``(array, n)``; ``run_step`` stopping for ``Arena.apply``
+        of a ``_StepPlan``'s other grants), then the batch."""
         sc, step_plan = self._scratch, plan if type(plan) is _StepPlan else None
         n, settle, n_crossing, _ = plan if step_plan is None else (plan.rows.size, plan.settle, plan.crossing.size, 0)
         self._version += 1
