@@ -45,6 +45,7 @@ def export_base(rev: str, into: Path) -> None:
     """``src/hybridkv`` at ``rev`` as package ``hybridkv_base`` under ``into``."""
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src/hybridkv"], check=True,
                              capture_output=True).stdout
+    into.mkdir(parents=True, exist_ok=True)
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     package = into / BASE_PACKAGE
     (into / "src" / "hybridkv").rename(package)
