@@ -187,13 +187,10 @@ class TableSet:
 
     def note_cells(self, index: np.ndarray) -> None:
         """Log changed cells (ring-view indices) while logging is on and no resync is due."""
-        n_logged = self.n_logged  # :meth:`log_at` inline: a prefix hit's call the fewer
-        if n_logged is None or self.resync:
-            return
-        if n_logged + index.size > self.logged.size:
-            self.reserve_log(index.size)
-        self.logged[n_logged : n_logged + index.size] = index
-        self.count_logged(index.size)
+        at = self.log_at(index.size)
+        if at >= 0:
+            self.logged[at : at + index.size] = index
+            self.count_logged(index.size)
 
     def log_at(self, n_cells: int) -> int:
         """Where in ``logged`` the next cells logged go, room for ``n_cells`` reserved there; -1 while logging is off
@@ -282,8 +279,7 @@ class CommitPages:
         self._starts = np.empty(len(history) + len(state) + 1, dtype=np.int64)  # read_unit's scratch
         self._unit_pages = self._sizes[0] + self.boundary_pages  # a block's and its checkpoint's, every group's
         self._out = np.empty(max(64, 2 * self._unit_pages), dtype=np.int64)  # room for a one-block unit's
-        self._commit_unit = kernels.commit_unit  # ``read_unit``'s kernel; its compiled code once tables are known
-        if self._set is not None:
+        if self._set is not None:  # ``read_unit``'s kernel, its compiled code
             ts = self._set
             self._commit_unit = kernels.entry_point(kernels.commit_unit, (
                 ts.geometry, ts.pages, ts.bounds, self._history, self._state, (0,) * 8, self._out, self._starts,
@@ -313,7 +309,6 @@ class CommitPages:
                                  *self._claim_in)
         if n < 0:
             raise ValueError(f"page {int(self._out[-1 - n])} is not a held, unpublished page of its group")
-        assert n == size, (n, size)
         return self._out[:n].tolist(), self._status[:n_entries].tolist()
 
     def read_unit(self, unit: tuple[int, ...]) -> list[int] | None:
