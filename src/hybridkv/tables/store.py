@@ -130,14 +130,6 @@ class TableSet:
             stack[: new - have] = np.arange(new - 1, have - 1, -1)
             self.geometry[g, kernels.FREE_COUNT] = free + new - have
 
-    def store_bytes(self) -> tuple[int, int]:
-        """(bytes allocated for the store, bytes of it in use: the narrow rings and the lanes of wide rows)."""
-        rows = self.rows_capacity
-        wide = sum(int(np.count_nonzero(self.bounds[kernels.LANE, g])) * t.capacity_pages
-                   for g, t in enumerate(self.tables))
-        rings = sum(rows * t.ring_pages for t in self.tables)
-        return self.pages.nbytes + self.bounds.nbytes, (rings + wide) * 4 + self.bounds.nbytes
-
     def lanes(self, g: int) -> np.ndarray:
         """Debug view: each row's lane in group ``g`` (-1: narrow; a wide row's pages sit in its lane)."""
         return self.bounds[kernels.LANE, g] - 1
