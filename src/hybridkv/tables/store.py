@@ -249,10 +249,10 @@ class TableSet:
 class CommitPages:
     """The pages prefix commits publish, read (and their entries claimed, where asked) in one compiled call
     (:meth:`read`, :meth:`read_unit`). ``history``: (table, pages per block); ``state``: (table,
-    window tokens ``W``: a checkpoint's ``ceil(W / T)`` pages); ``space`` (to claim entries): the
+    window tokens ``W``: a checkpoint's ``ceil(W / T)`` pages); ``space`` (to claim entries in): the
     ``hybridkv.memory.pool.PageSpace`` of the tables' groups."""
 
-    def __init__(self, history: list[tuple[GroupTable, int]], state: list[tuple[GroupTable, int]], space=None):
+    def __init__(self, history: list[tuple[GroupTable, int]], state: list[tuple[GroupTable, int]], space):
         self._set = (history or state)[0][0].table_set if history or state else None
         self._history = np.asarray([(t.group_index, n) for t, n in history], dtype=np.int64).reshape(-1, 2)
         self._state = np.asarray([(t.group_index, w) for t, w in state], dtype=np.int64).reshape(-1, 2)
@@ -261,12 +261,8 @@ class CommitPages:
         self.boundary_pages = sum(self.checkpoint_pages)  # every state group's pages of one checkpoint
         self._sizes = sum(self.block_pages), self.boundary_pages, len(history), len(state)
         self._layout, self._status = np.empty((16, 3), dtype=np.int64), np.empty(16, dtype=np.int8)
-        if space is None:  # read only: nothing to claim in (same types, so the same compiled kernel)
-            self._claim_in = (np.zeros(1, np.int32), np.zeros(1, np.bool_), np.zeros(1, np.bool_),
-                              np.zeros(1, np.int64))
-        else:
-            self._claim_in = (space.ref_counts, space.cached, space.low_priority,
-                              np.asarray([p.num_pages for p in space.pools], dtype=np.int64))
+        self._claim_in = (space.ref_counts, space.cached, space.low_priority,
+                          np.asarray([p.num_pages for p in space.pools], dtype=np.int64))
         self._no_claims = np.zeros(0, dtype=np.int8)
         self._starts = np.empty(len(history) + len(state) + 1, dtype=np.int64)  # read_unit's scratch
         self._unit_pages = self._sizes[0] + self.boundary_pages  # a block's and its checkpoint's, every group's
