@@ -123,9 +123,9 @@ def test_prefill_per_byte_order_by_hand():
     assert (values.successes, values.failures) == ({SPECULATIVE: 1, OWN: 0, REUSED: 1},
                                                    {SPECULATIVE: 0, OWN: 0, REUSED: 0})
     by_name = {n: k for k, n in names.items()}
-    assert values.score(by_name["256"]) == pytest.approx(math.log2(256.25 * 2 / 3 / 1302) - 3 / 64)
-    assert values.score(by_name["512"]) == pytest.approx(math.log2(513 * 2 / 3 / 1558) - 1 / 64)
-    assert values.score(by_name["a768"]) == pytest.approx(math.log2(770.25 / 2 / 1814) - 3 / 64)
+    assert values.order_key(by_name["256"])[0] == pytest.approx(math.log2(256.25 * 2 / 3 / 1302) - 3 / 64)
+    assert values.order_key(by_name["512"])[0] == pytest.approx(math.log2(513 * 2 / 3 / 1558) - 1 / 64)
+    assert values.order_key(by_name["a768"])[0] == pytest.approx(math.log2(770.25 / 2 / 1814) - 3 / 64)
     assert [names[k] for k in mgr.prefix.rank_checkpoints()] == ["256", "a768", "b768", "c768", "512"]
     assert mgr.pools[SWA].num_low_priority_idle_pages == 0
 
@@ -162,13 +162,13 @@ def test_values_by_hand():
     assert saved_prefill(1024) == 1028  # 1024 + 1024^2 / 262144
     v = CheckpointValues(checkpoint_tokens=1024)
     v.published("k", 1024, speculative=True)
-    assert v.score("k") == pytest.approx(math.log2(1028 * 0.5 / 2048))
+    assert v.order_key("k")[0] == pytest.approx(math.log2(1028 * 0.5 / 2048))
     v.request_freed()
     v.request_freed()
-    assert v.score("k") == pytest.approx(math.log2(1028 * 0.5 / 2048) - 2 / 64)
+    assert v.order_key("k")[0] == pytest.approx(math.log2(1028 * 0.5 / 2048) - 2 / 64)
     v.hit("k")  # a success of speculative; now reused, used now
     assert (v.kind("k"), v.expected_reuse(SPECULATIVE), v.expected_reuse(REUSED)) == (REUSED, 2 / 3, 1 / 2)
-    assert v.score("k") == pytest.approx(math.log2(1028 / 2 / 2048))
+    assert v.order_key("k")[0] == pytest.approx(math.log2(1028 / 2 / 2048))
     v.removed("k")  # left without a hit as reused: a failure of reused
     assert (v.kind("k"), v.failures[REUSED], v.expected_reuse(REUSED)) == (None, 1, 1 / 3)
     for i in range(4):  # four evicted unhit: a class drops to 1/6, below the floor

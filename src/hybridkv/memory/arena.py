@@ -124,19 +124,14 @@ class IdleScan:
 
 
 class Arena:
-    """Slab ownership for the pools of one manager (one ``PageSpace``'s, in its order); pools start with no pages
-    (docs/architecture.md, "Page space": a group uses the pages inside its slabs and those straddling two adjacent
-    ones)."""
+    """Slab ownership for the pools of one manager (one ``PageSpace``'s, in its order: the geometry's groups, each with
+    its view's page ids and none granted, as ``CacheManager`` checks and builds them; docs/architecture.md, "Page
+    space": a group uses the pages inside its slabs and those straddling two adjacent ones)."""
 
     def __init__(self, geometry: ArenaGeometry, pools: Mapping[str, PagePool]):
-        if set(pools) != set(geometry.page_bytes):
-            raise ValueError(f"arena groups {sorted(geometry.page_bytes)} differ from pools {sorted(pools)}")
         self.geometry = geometry
         self.pools = dict(pools)
         self.group_ids = list(pools)
-        for gid, pool in self.pools.items():
-            if pool.num_pages != geometry.view_pages(gid) or pool.usable_pages:
-                raise ValueError(f"group {gid!r}: an arena pool starts empty with {geometry.view_pages(gid)} page ids")
         self._space = self.pools[self.group_ids[0]].space  # the page space holding the pools, in this order
         # Per group (by index) and slab: inner page ids lo .. hi-1, left straddler (-1: none).
         ids = [(*geometry.slab_page_ranges(gid), geometry.boundary_pages(gid)) for gid in self.group_ids]

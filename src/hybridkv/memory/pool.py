@@ -480,12 +480,11 @@ class PageSpace:
         (``lru.release_placing``); then the rankers are told."""
         scratch = np.empty((2, local.size), dtype=np.int64)  # freed, keyed
         counts = np.zeros((2, self.offsets.size), dtype=np.int64)
-        first_tick = int(_IDLE_CLOCK[0]) + 1 if self.ranked else 0
         found = lru.release_placing(local, per_group, self.offsets, limits, self.ref_counts, self.cached, held,
                                     scratch[0], scratch[1], counts, self.stack, self.per_group, self.idle_tick,
                                     self.low_priority, self.lru_prev, self.lru_next, _IDLE_CLOCK)
         if found > 0 and self.ranked:
-            self._tell_rankers(counts[1], scratch[1], first_tick)
+            self._tell_rankers(counts[1], scratch[1])
         return found
 
     def adopt(self, pools: Sequence[PagePool], keys: Sequence[Sequence[Hashable]],
@@ -562,19 +561,16 @@ class PageSpace:
     def keyed_idle(self, per_group: np.ndarray, keyed: np.ndarray) -> None:
         """Keyed pages a release left idle (group after group, ``per_group[g]`` each; both int64) join their LRUs
         (``lru.join``); then the rankers are told."""
-        first_tick = int(_IDLE_CLOCK[0]) + 1 if self.ranked else 0
         self._join(self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, self.lru_lengths, self.low_idle,
                    self.idle_low_floors, self.offsets, per_group, keyed, _IDLE_CLOCK)
         if self.ranked:
-            self._tell_rankers(per_group, keyed, first_tick)
+            self._tell_rankers(per_group, keyed)
 
     def free_row(self, tables, counters: np.ndarray, row: int, grain: int) -> bool:
         """``CacheManager.free``'s release of table row ``row`` in one call (``lru.free_row``; False, nothing changed,
         while ``counters`` show a ``grain`` to commit first), the cells emptied logged by the kernel where
         ``tables.log_at`` says (counted by ``tables.count_logged``). The rankers read the keyed pages left idle where
         the kernel lists them."""
-        ranked = self.ranked
-        first_tick = int(_IDLE_CLOCK[0]) + 1 if ranked else 0
         args = self._free_args  # kept while its arrays are the ones to pass (grown tables or counters: new ones)
         if args[1] is not tables.pages or args[2] is not tables.bounds or args[12] is not counters:
             args = self._free_args = self._free_call(tables, counters)
@@ -584,9 +580,9 @@ class PageSpace:
             return False
         if log_at >= 0:
             tables.count_logged(n)
-        if ranked:
+        if self.ranked:
             g, work = len(self.pools), args[13]
-            self._tell_rankers(work[g : 2 * g], work[3 * g + 3 * tables.row_cells :], first_tick)
+            self._tell_rankers(work[g : 2 * g], work[3 * g + 3 * tables.row_cells :])
         return True
 
     def _free_call(self, tables, counters: np.ndarray) -> tuple:
@@ -600,10 +596,11 @@ class PageSpace:
             self._free_row_entry = kernels.entry_point(lru.free_row, (*args, tables.logged, 0, 0, 0))
         return args
 
-    def _tell_rankers(self, per_group: np.ndarray, keyed: np.ndarray, first_tick: int) -> None:
-        """Each pool with a ranker whose pages joined their LRU (logical order) tells it of the normal-priority ones and
-        their tick (plain loops: no numpy call)."""
-        counts, starts, ticks, start, tick = per_group.tolist(), [], [], 0, first_tick - 1
+    def _tell_rankers(self, per_group: np.ndarray, keyed: np.ndarray) -> None:
+        """Each pool with a ranker whose pages just joined their LRU (logical order) tells it of the normal-priority
+        ones and their tick (``lru.join`` drew one per group with pages, the last just now; plain loops)."""
+        counts, starts, ticks, start = per_group.tolist(), [], [], 0
+        tick = int(_IDLE_CLOCK[0]) - sum(1 for k in counts if k)
         for k in counts:  # where each pool's pages start, and the tick they got (each pool with some, the next)
             tick += 1 if k else 0
             starts.append(start)

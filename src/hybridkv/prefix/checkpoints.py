@@ -184,11 +184,6 @@ class CheckpointValues:
         speculative or reused class rated below ``REUSE_FLOOR``."""
         return kind != OWN and self.expected_reuse(kind) < REUSE_FLOOR
 
-    def score(self, key: Hashable) -> float:
-        """The checkpoint's score now (higher: kept longer); KeyError if not recorded."""
-        boundary, kind, last_use, _, _ = self._records[key]
-        return self.score_of(boundary, last_use, self.expected_reuse(kind))
-
     def score_of(self, boundary_tokens: int, last_use: int, expected_reuse: float) -> float:
         """The score now of a checkpoint at ``boundary_tokens`` last used at ``last_use``
         in a class of that expected reuse."""
@@ -197,10 +192,10 @@ class CheckpointValues:
         return value - (self.freed_requests - last_use) / VALUE_HALF_LIFE_REQUESTS
 
     def order_key(self, key: Hashable) -> tuple:
-        """Where the checkpoint stands in :meth:`eviction_order` among its priority:
-        (score, boundary, publication number)."""
-        record = self._records[key]
-        return self.score(key), record[0], record[4]
+        """Where the checkpoint stands in :meth:`eviction_order` among its priority: (its score now, higher: kept
+        longer; boundary; publication number). KeyError if not recorded."""
+        boundary, kind, last_use, _, number = self._records[key]
+        return self.score_of(boundary, last_use, self.expected_reuse(kind)), boundary, number
 
     def static_key(self, key: Hashable) -> tuple:
         """The checkpoint's place in its class, which no freed request changes: (score less the class's

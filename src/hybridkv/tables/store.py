@@ -130,14 +130,6 @@ class TableSet:
             stack[: new - have] = np.arange(new - 1, have - 1, -1)
             self.geometry[g, kernels.FREE_COUNT] = free + new - have
 
-    def store_bytes(self) -> tuple[int, int]:
-        """(bytes allocated for the store, bytes of it in use: the narrow rings and the lanes of wide rows)."""
-        rows = self.rows_capacity
-        wide = sum(int(np.count_nonzero(self.bounds[kernels.LANE, g])) * t.capacity_pages
-                   for g, t in enumerate(self.tables))
-        rings = sum(rows * t.ring_pages for t in self.tables)
-        return self.pages.nbytes + self.bounds.nbytes, (rings + wide) * 4 + self.bounds.nbytes
-
     def lanes(self, g: int) -> np.ndarray:
         """Debug view: each row's lane in group ``g`` (-1: narrow; a wide row's pages sit in its lane)."""
         return self.bounds[kernels.LANE, g] - 1
@@ -187,13 +179,10 @@ class TableSet:
 
     def note_cells(self, index: np.ndarray) -> None:
         """Log changed cells (ring-view indices) while logging is on and no resync is due."""
-        n_logged = self.n_logged  # :meth:`log_at` inline: a prefix hit's call the fewer
-        if n_logged is None or self.resync:
-            return
-        if n_logged + index.size > self.logged.size:
-            self.reserve_log(index.size)
-        self.logged[n_logged : n_logged + index.size] = index
-        self.count_logged(index.size)
+        at = self.log_at(index.size)
+        if at >= 0:
+            self.logged[at : at + index.size] = index
+            self.count_logged(index.size)
 
     def log_at(self, n_cells: int) -> int:
         """Where in ``logged`` the next cells logged go, room for ``n_cells`` reserved there; -1 while logging is off
@@ -260,10 +249,10 @@ class TableSet:
 class CommitPages:
     """The pages prefix commits publish, read (and their entries claimed, where asked) in one compiled call
     (:meth:`read`, :meth:`read_unit`). ``history``: (table, pages per block); ``state``: (table,
-    window tokens ``W``: a checkpoint's ``ceil(W / T)`` pages); ``space`` (to claim entries): the
+    window tokens ``W``: a checkpoint's ``ceil(W / T)`` pages); ``space`` (to claim entries in): the
     ``hybridkv.memory.pool.PageSpace`` of the tables' groups."""
 
-    def __init__(self, history: list[tuple[GroupTable, int]], state: list[tuple[GroupTable, int]], space=None):
+    def __init__(self, history: list[tuple[GroupTable, int]], state: list[tuple[GroupTable, int]], space):
         self._set = (history or state)[0][0].table_set if history or state else None
         self._history = np.asarray([(t.group_index, n) for t, n in history], dtype=np.int64).reshape(-1, 2)
         self._state = np.asarray([(t.group_index, w) for t, w in state], dtype=np.int64).reshape(-1, 2)
@@ -272,18 +261,13 @@ class CommitPages:
         self.boundary_pages = sum(self.checkpoint_pages)  # every state group's pages of one checkpoint
         self._sizes = sum(self.block_pages), self.boundary_pages, len(history), len(state)
         self._layout, self._status = np.empty((16, 3), dtype=np.int64), np.empty(16, dtype=np.int8)
-        if space is None:  # read only: nothing to claim in (same types, so the same compiled kernel)
-            self._claim_in = (np.zeros(1, np.int32), np.zeros(1, np.bool_), np.zeros(1, np.bool_),
-                              np.zeros(1, np.int64))
-        else:
-            self._claim_in = (space.ref_counts, space.cached, space.low_priority,
-                              np.asarray([p.num_pages for p in space.pools], dtype=np.int64))
+        self._claim_in = (space.ref_counts, space.cached, space.low_priority,
+                          np.asarray([p.num_pages for p in space.pools], dtype=np.int64))
         self._no_claims = np.zeros(0, dtype=np.int8)
         self._starts = np.empty(len(history) + len(state) + 1, dtype=np.int64)  # read_unit's scratch
         self._unit_pages = self._sizes[0] + self.boundary_pages  # a block's and its checkpoint's, every group's
         self._out = np.empty(max(64, 2 * self._unit_pages), dtype=np.int64)  # room for a one-block unit's
-        self._commit_unit = kernels.commit_unit  # ``read_unit``'s kernel; its compiled code once tables are known
-        if self._set is not None:
+        if self._set is not None:  # ``read_unit``'s kernel, its compiled code
             ts = self._set
             self._commit_unit = kernels.entry_point(kernels.commit_unit, (
                 ts.geometry, ts.pages, ts.bounds, self._history, self._state, (0,) * 8, self._out, self._starts,
@@ -313,7 +297,6 @@ class CommitPages:
                                  *self._claim_in)
         if n < 0:
             raise ValueError(f"page {int(self._out[-1 - n])} is not a held, unpublished page of its group")
-        assert n == size, (n, size)
         return self._out[:n].tolist(), self._status[:n_entries].tolist()
 
     def read_unit(self, unit: tuple[int, ...]) -> list[int] | None:
