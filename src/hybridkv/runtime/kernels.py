@@ -1582,15 +1582,9 @@ def take_donor_slabs(own, donor, group, lo, hi, donor_straddle, inner_pages, str
             break
         if own[s] != donor or not inner_idle[s]:
             continue
-        edge_pages, edges_idle = 0, True  # the straddlers given up: of a boundary with another slab the donor owns
-        for b in (s, s + 1):  # the boundaries left and right of the slab
-            near = b - 1 if b == s else b
-            if b < 1 or b > own.size - 1 or own[near] != donor or donor_straddle[b] < 0:
-                continue
-            edge_pages += 1
-            edges_idle = edges_idle and edge_idle[b]
-        give = hi[s] - lo[s] + edge_pages
-        if give > left_pages or not edges_idle:
+        left, right = held_straddlers(own, donor, donor_straddle, s)  # the straddlers given up
+        give = hi[s] - lo[s] + (left >= 0) + (right >= 0)
+        if give > left_pages or left >= 0 and not edge_idle[s] or right >= 0 and not edge_idle[s + 1]:
             continue
         left_pages -= give
         short_pages -= lend_slab(own, group, inner_pages, straddle, s, taken, n_taken)
