@@ -252,7 +252,7 @@ class TierLink:
         # page tokens, entry stride tokens, row bytes), for _take_queue and _offload_objects
         self._offload_shapes = {
             s.group_id: (self._kinds[s.group_id],
-                         self._prefix.checkpoint_window_tokens(s.group_id) if s.is_sliding
+                         self._prefix.checkpoint_windows.get(s.group_id, 0) if s.is_sliding
                          else self._prefix.granularity_tokens,
                          s.page_tokens, s.entry_stride_tokens, self._row_bytes[s.group_id])
             for s in manager.specs}
@@ -933,8 +933,7 @@ class TierLink:
             for end in ends:
                 key = hashes.key(end)
                 yield PlannedObject(ObjectKey("block", gid, key), end - grain, end, end), key
-        for gid in self._prefix.state_ids:
-            window = self._prefix.checkpoint_window_tokens(gid)
+        for gid, window in self._prefix.checkpoint_windows.items():  # the state groups', in order
             for end in ends:
                 key = hashes.key(end)
                 yield PlannedObject(ObjectKey("checkpoint", gid, key), max(0, end - window), end, end), key

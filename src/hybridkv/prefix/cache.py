@@ -834,10 +834,6 @@ class PrefixCache:
                 pool.unpublish(key)
         self._dropping = False
 
-    def checkpoint_window_tokens(self, group_id: str) -> int:
-        """Trailing tokens a checkpoint of state group ``group_id`` stores."""
-        return self._windows[group_id]
-
     def value_report(self) -> dict[str, GroupValueStats]:
         """Per group: cached pages and entries, usable entries, evicted pages by reason
         (:class:`hybridkv.prefix.eviction.GroupValueStats`)."""
