@@ -35,8 +35,6 @@ __all__ = ["Admission", "CacheManager", "CacheManagerError", "GroupStats", "Grou
 _BLOCK_TABLE_MODES = ("full", "updates")
 # Reasons that say the call itself is wrong (a malformed item, an unknown or repeated id): a refusal lists them first.
 _CALL_ERRORS = ("each item must be", "unknown request", "appears twice")
-_HOLD_RANGE = "page ids must lie in [1, {n})"  # hold_pages' refusal of a page out of range
-_RELEASE_HELD = "releasing pages that hold_pages_by_group did not hold"
 
 
 class CacheManagerError(ValueError):
@@ -190,22 +188,10 @@ class _Releases:
         return found
 
 
-_NO_PAGES = np.empty(0, dtype=np.int64)
 _ANY_IDS = np.zeros(4, dtype=np.int32)[::2]  # a read-only strided view: ``_copy_ids``' type for the ids
 _ANY_IDS.flags.writeable = False
 _ANY_TOKENS = np.zeros((2, 4), dtype=np.int32)[:, ::2]  # the same for ``_append_ids``' [n, k] ids
 _ANY_TOKENS.flags.writeable = False
-
-
-def _page_ids(group_id: str, pages: Any) -> np.ndarray:
-    """``pages`` as a flat int64 array of page ids; refused unless it holds integers only."""
-    try:
-        ids = np.asarray(pages)
-    except ValueError:  # ragged nesting
-        ids = None
-    if ids is None or not (ids.dtype.kind in "iu" or (ids.size == 0 and ids.dtype.kind == "f")):
-        raise CacheManagerError(f"group {group_id!r}: pages must be integer page ids, got {pages!r:.80}")
-    return ids.astype(np.int64, copy=False).ravel()
 
 
 class CacheManager:
@@ -1290,27 +1276,19 @@ class CacheManager:
         base = int(table.base[req.row])
         return base, table.pages_in(req.row, base, table.hi[req.row])
 
-    def hold_pages_by_group(self, pages_by_group: Mapping[str, np.ndarray]) -> None:
-        """Hold each group's ``pages`` (held or cached; twice listed, twice held) outside any request
-        until :meth:`release_held_pages_by_group` (a tier offload's rows being copied). Refused whole
-        when an id is out of range or a page is free."""
-        self.hold_pages(*self._space_pages(pages_by_group, _HOLD_RANGE, 1))
-
     def hold_pages(self, local_pages: np.ndarray, pages_per_group: np.ndarray) -> None:
-        """:meth:`hold_pages_by_group` of pages listed group-major (int64, in ``specs`` order),
-        ``pages_per_group[g]`` of group ``g``: one compiled call."""
-        self._outside(local_pages, pages_per_group, self._space.hold_outside, _HOLD_RANGE,
+        """Hold pages (held or cached; twice listed, twice held) outside any request until
+        :meth:`release_held_pages` (a tier offload's rows being copied), in one compiled call. The pages are
+        listed group-major (int64 local ids, in ``specs`` order), ``pages_per_group[g]`` of group ``g``. Refused
+        whole when an id is out of range or a page is free."""
+        self._outside(local_pages, pages_per_group, self._space.hold_outside, "page ids must lie in [1, {n})",
                       lambda bad: f"page {int(local_pages[bad])} is free; only held or cached pages can be held")
 
-    def release_held_pages_by_group(self, pages_by_group: Mapping[str, np.ndarray]) -> None:
-        """Drop holds taken by :meth:`hold_pages_by_group` (as a step's release does); refused whole
-        when a page is released more often than it is held."""
-        self.release_held_pages(*self._space_pages(pages_by_group, _RELEASE_HELD, 0))
-
     def release_held_pages(self, local_pages: np.ndarray, pages_per_group: np.ndarray) -> None:
-        """:meth:`release_held_pages_by_group` of pages listed as :meth:`hold_pages` lists them."""
-        self._outside(local_pages, pages_per_group, self._space.release_outside, _RELEASE_HELD,
-                      lambda bad: _RELEASE_HELD)
+        """Drop holds taken by :meth:`hold_pages` (as a step's release does), the pages listed as it lists
+        them; refused whole when a page is released more often than it is held."""
+        refusal = "releasing pages that hold_pages did not hold"
+        self._outside(local_pages, pages_per_group, self._space.release_outside, refusal, lambda bad: refusal)
 
     def _outside(self, local_pages: Any, pages_per_group: Any, change: Any, range_error: str, refusal: Any) -> None:
         """:meth:`hold_pages` or :meth:`release_held_pages` by ``change`` (``PageSpace.hold_outside`` or
@@ -1336,22 +1314,8 @@ class CacheManager:
         gid = self._group_ids[int(np.searchsorted(np.cumsum(per_group), index, side="right"))]
         raise CacheManagerError(f"group {gid!r}: " + error.format(n=self.pools[gid].num_pages))
 
-    def _space_pages(self, pages_by_group: Mapping[str, np.ndarray], error: str, lowest: int
-                     ) -> tuple[np.ndarray, np.ndarray]:
-        """Every group's pages as group-major local ids and counts per group; a group's value that is not page ids
-        and an unknown group are refused (the latter after ``error`` for a page outside ``[lowest, num_pages)``)."""
-        local = [_page_ids(gid, pages_by_group[gid]) if gid in pages_by_group else _NO_PAGES for gid in self._group_ids]
-        per_group, local = np.array([pages.size for pages in local], dtype=np.int64), np.concatenate(local)
-        unknown = [gid for gid in pages_by_group if gid not in self.pools]
-        if unknown:
-            bad = kernels.first_out_of_range(local, per_group, self._space_limits, lowest)
-            if bad < 0:
-                self._refuse_page(per_group, -1 - bad, error)
-            raise CacheManagerError(f"no group {unknown[0]!r}")
-        return local, per_group
-
     def held_outside_pages(self, group_id: str) -> int:
-        """Holds taken by :meth:`hold_pages_by_group` and not released (a page held twice counts twice)."""
+        """Holds taken by :meth:`hold_pages` and not released (a page held twice counts twice)."""
         held = self._held_outside.get(group_id) if type(group_id) is str else None
         if held is None:
             raise CacheManagerError(f"unknown group {group_id!r}; groups are {list(self._held_outside)}")
