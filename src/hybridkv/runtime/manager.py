@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import itemgetter
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -87,18 +87,8 @@ class _StepPlan:
     spare_grants: np.ndarray | None = None  # or spare slabs alone, as ``kernels.grant_step`` grants them
 
 
-class _StepArrays(NamedTuple):
-    """What ``kernels.run_step`` writes for the batch's ``R`` requests and ``N`` tokens, in
-    its argument order (``kernels.batch_arrays_for``; the batch hands out their rows)."""
-
-    per_request: np.ndarray  # int32 [2 + G, R]: table rows, scheduled tokens, each group's base pages
-    query_start_loc: np.ndarray  # int32 [R + 1]
-    request_indices: np.ndarray  # int32 [N]
-    per_token: np.ndarray  # int64 [1 + G, N]: positions, each group's write slots ([1, N] without them)
-
-
 _INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
-_new_tuple, _new_object, _pack_into = tuple.__new__, object.__new__, struct.pack_into
+_new_object, _pack_into = object.__new__, struct.pack_into
 
 
 _PACK_FROM = 64  # ``_int64_array`` packs this many ints or more
@@ -218,7 +208,7 @@ class CacheManager:
             self.table_widths[s.group_id] for s in self.specs)
         self.tables = {s.group_id: t for s, t in zip(self.specs, self._tableset.tables)}
         self._group_ids = ids
-        # Per group: its id, its base pages' row of ``_StepArrays.per_request`` (0: not sliding) and its write
+        # Per group: its id, its base pages' row of ``per_request`` (``kernels.batch_arrays_for``) (0: not sliding) and its write
         # slots' row of ``per_token`` (``_build_batch``); and "updates" mode's block tables (None for every group).
         self._batch_rows = tuple((s.group_id, 2 + g if s.is_sliding else 0, 1 + g) for g, s in enumerate(self.specs))
         self._no_tables = (None,) * len(self.specs)
@@ -905,8 +895,7 @@ class CacheManager:
         if updates and not ts.resync:
             room = max(2 * len(self.specs) * plan.rows.size + 16, ts.n_logged + released_pages + allocated_pages)
             cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
-        out = _new_tuple(_StepArrays, kernels.batch_arrays_for(len(self.specs), plan.rows.size - plan.settle,
-                                                               n_tokens, write_slots))
+        out = kernels.batch_arrays_for(len(self.specs), plan.rows.size - plan.settle, n_tokens, write_slots)
         self._scratch.reserve(most_released, released_pages)
         ts.reserve_log(released_pages + allocated_pages)
         grants = self.arena.kernel_grants(plan.grants) if plan.grants else plan.spare_grants
@@ -920,9 +909,7 @@ class CacheManager:
         twice, or past its known tokens)."""
         rows_in, counts_in, rids, n_tokens = fast
         sc, n_rows, n_groups = self._scratch, len(rids), len(self._pool_list)
-        out = _new_tuple(_StepArrays, (  # ``kernels.batch_arrays_for``, inline (a call less a step)
-            np.empty((2 + n_groups, n_rows), _INT32), np.empty(n_rows + 1, _INT32), np.empty(n_tokens, _INT32),
-            np.empty((1 + n_groups if write_slots else 1, n_tokens), _INT64)))
+        out = kernels.batch_arrays_for(n_groups, n_rows, n_tokens, write_slots)
         plan_rows = n_rows + self._last_rows.size
         if plan_rows >= sc.plan_rows:
             sc.plan_arrays(plan_rows)
@@ -958,7 +945,7 @@ class CacheManager:
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
 
     def _planned_step(self, status: int, planned: tuple, rids: tuple, rows_in: np.ndarray, cells: tuple,
-                      out: _StepArrays, write_slots: bool, updates: bool,
+                      out: tuple, write_slots: bool, updates: bool,
                       n_spare: int | None) -> StepBatch | _StepPlan | None:
         """``_step`` once ``kernels.step`` only planned a plan it did not admit (``STEP_PLANNED``, ``STEP_COVERED``): the
         batch if ``_admit`` would admit it as is or with spare slabs alone, run without it (a clean plan; one
@@ -986,7 +973,7 @@ class CacheManager:
         plan.grants, plan.spare_grants = grants, spare  # admitted: ``_commit_and_run`` grows the buffers where needed
         return self._commit_and_run(plan, write_slots, updates, False)
 
-    def _run(self, grants: tuple | None, plan: _StepPlan | tuple, rids: tuple, cells: tuple, out: _StepArrays,
+    def _run(self, grants: tuple | None, plan: _StepPlan | tuple, rids: tuple, cells: tuple, out: tuple,
              updates: bool, rows_in: np.ndarray, fixed_width: bool = False) -> StepBatch:
         """Stages 2-4 of an admitted plan in the scratch buffer, its buffers large enough (``plan``: a ``_StepPlan``,
         or ``_step``'s (rows, settling, crossing, clean) of a ``STEP_COMMITS`` or ``STEP_SPARE`` plan; ``rows_in``: its
@@ -1074,7 +1061,7 @@ class CacheManager:
                 self._grant_args, self._space.join_args, *head, *tail))
             self._commit_and_run(plan, True, False, False)
 
-    def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan, out: _StepArrays,
+    def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan, out: tuple,
                    cells: tuple = _NO_CELLS, marked: bool = False) -> int:
         """Stage 3 in Python once the step kernel stopped after its releases (docs/manager.md, "One
         step, in four stages"): keyed pages join the LRU, slabs move, groups make room, ``finish_step``.
@@ -1110,7 +1097,7 @@ class CacheManager:
                 space.stack, space.per_group, space.ref_counts, space.cached, space.low_priority,
                 None if self.arena is None else self.arena.packing, self._scratch.marks, start, None, None)
 
-    def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
+    def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: tuple, fixed_width: bool,
                      n_touched: int, cells: tuple = _NO_CELLS) -> StepBatch:
         """Stage 4: the ``StepBatch`` of ``rows``, block tables or (``n_touched`` >= 0) the cells changed."""
         widths = self._capture_widths if fixed_width else tuple(self._scratch.widths.tolist())
