@@ -289,11 +289,7 @@ class CacheManager:
         # kernel takes these three whole, ``_counters``), the max total, the known ids rewinds keep (prompt; no ids:
         # total) and the address of its request's token ids (``_Request.token_ids``' data, which the request keeps
         # alive; 0 without ids or a request: ``kernels.append_token_ids`` writes there).
-        self._by_row = np.zeros((6, 64), dtype=np.int64)
-        self._counters = self._by_row[:3]
-        self._computed, self._committed, self._known, self._max_total, self._known_floor, self._token_addr = \
-            self._by_row
-        self._in_batch = np.zeros(64, dtype=np.bool_)  # prepare_step's scratch, one flag per row
+        self._set_by_row(np.zeros((6, 64), dtype=np.int64))
         self._one_count = np.zeros(1, dtype=np.int64)  # a uniform step's count, for every row (no array made)
         self._one_count_tokens = 0  # ``_one_count[0]`` as a plain int (written only when it changes)
         self._one_row = np.zeros(1, dtype=np.int64)  # the row ``free`` commits (no array made)
@@ -304,6 +300,11 @@ class CacheManager:
         self._append_ids = kernels.entry_point(kernels.append_token_ids, (self._token_addr, self._one_row, self._known,
                                                self._max_total, _ANY_TOKENS, self._in_batch, 0, self._one_row))
         self._completed_rows = np.empty(64, dtype=np.int64)  # the rows an append completed a block of
+
+    def _set_by_row(self, by_row: np.ndarray) -> None:
+        """``_by_row`` and its views, and ``prepare_step``'s scratch ``_in_batch`` (one flag per row)."""
+        self._by_row, self._counters, self._in_batch = by_row, by_row[:3], np.zeros(by_row.shape[1], dtype=np.bool_)
+        self._computed, self._committed, self._known, self._max_total, self._known_floor, self._token_addr = by_row
 
     @classmethod
     def from_plan(cls, plan: Any, *, page_space: str = "per-group", slab_anchor_pages: int | None = None,
@@ -1227,11 +1228,10 @@ class CacheManager:
         req = self._get(request_id)
         if self.tier_link is not None:
             self.tier_link.on_free(request_id)  # an unconfirmed load is rewound, not committed
-        if self._load_spans:  # its load step's span (a rewound load's request has one)
-            self._load_spans.pop(request_id, None)
-            if request_id in self._rewound_loads:
-                self._rewound_loads.discard(request_id)
-                self.pending_loads.discard(request_id)
+        self._load_spans.pop(request_id, None)  # its load step's span
+        if request_id in self._rewound_loads:
+            self._rewound_loads.discard(request_id)
+            self.pending_loads.discard(request_id)
         row, prefix, tables = req.row, self.prefix, self._tableset
         # Its pages leave the tables, one release, and its row of ``_by_row`` becomes 0 (its token ids go with it); first
         # its last step publishes when it completed a grain.
@@ -1362,11 +1362,7 @@ class CacheManager:
         self._row_arrays.append(np.full(1, row, dtype=np.int64))
         self._state = None  # the table store and the counters may grow
         if row >= self._computed.size:
-            self._by_row = np.concatenate([self._by_row, np.zeros_like(self._by_row)], axis=1)
-            self._counters = self._by_row[:3]
-            self._computed, self._committed, self._known, self._max_total, self._known_floor, self._token_addr = \
-                self._by_row
-            self._in_batch = np.zeros(self._computed.size, dtype=np.bool_)
+            self._set_by_row(np.concatenate([self._by_row, np.zeros_like(self._by_row)], axis=1))
             self._scratch.plan_arrays(2 * self._computed.size)  # room for any step's rows, grown here, not in a step
         self._tableset.ensure_rows(row + 1)
         return row
