@@ -1269,18 +1269,18 @@ class CacheManager:
         listed group-major (int64 local ids, in ``specs`` order), ``pages_per_group[g]`` of group ``g``. Refused
         whole when an id is out of range or a page is free."""
         self._outside(local_pages, pages_per_group, self._space.hold_outside, "page ids must lie in [1, {n})",
-                      lambda bad: f"page {int(local_pages[bad])} is free; only held or cached pages can be held")
+                      "page {page} is free; only held or cached pages can be held")
 
     def release_held_pages(self, local_pages: np.ndarray, pages_per_group: np.ndarray) -> None:
         """Drop holds taken by :meth:`hold_pages` (as a step's release does), the pages listed as it lists
         them; refused whole when a page is released more often than it is held."""
         refusal = "releasing pages that hold_pages did not hold"
-        self._outside(local_pages, pages_per_group, self._space.release_outside, refusal, lambda bad: refusal)
+        self._outside(local_pages, pages_per_group, self._space.release_outside, refusal, refusal)
 
-    def _outside(self, local_pages: Any, pages_per_group: Any, change: Any, range_error: str, refusal: Any) -> None:
+    def _outside(self, local_pages: Any, pages_per_group: Any, change: Any, range_error: str, refusal: str) -> None:
         """:meth:`hold_pages` or :meth:`release_held_pages` by ``change`` (``PageSpace.hold_outside`` or
-        ``release_outside``, which refuse a mislisted list); ``refusal(index)`` words the page it refused (free, or
-        released more than held)."""
+        ``release_outside``, which refuse a mislisted list); ``range_error`` words a page out of range (``{n}``: its
+        pool's page count), ``refusal`` one ``change`` refused (``{page}``: free, or released more than held)."""
         for name, a in (("local_pages", local_pages), ("pages_per_group", pages_per_group)):
             if not (type(a) is np.ndarray and a.dtype == _INT64 and a.ndim == 1):
                 raise CacheManagerError(f"{name} must be a 1-D int64 array")
@@ -1288,18 +1288,14 @@ class CacheManager:
         if found == kernels.MISLISTED:
             raise CacheManagerError(f"pages_per_group must hold {len(self._group_ids)} non-negative counts summing to "
                                     f"the number of pages listed, got {pages_per_group.tolist()}")
-        if found < -local_pages.size:
-            bad = -1 - local_pages.size - found
-            self._refuse_page(pages_per_group, bad, refusal(bad))
-        if found < 0:
-            self._refuse_page(pages_per_group, -1 - found, range_error)
+        if found < 0:  # -1 - the index of a page out of range, or -1 - the list's length - that of one refused
+            bad, error = -1 - found, range_error
+            if bad >= local_pages.size:
+                bad, error = bad - local_pages.size, refusal
+            gid = self._group_ids[int(np.searchsorted(np.cumsum(pages_per_group), bad, side="right"))]
+            raise CacheManagerError(f"group {gid!r}: " + error.format(n=self.pools[gid].num_pages,
+                                                                      page=int(local_pages[bad])))
         self._version += 1  # invalidates a cached admission
-
-    def _refuse_page(self, per_group: np.ndarray, index: int, error: str) -> None:
-        """Raise ``error`` (``{n}``: the pool's page count) for the group of the ``index``-th page of a group-major
-        list, ``per_group[g]`` of group ``g``."""
-        gid = self._group_ids[int(np.searchsorted(np.cumsum(per_group), index, side="right"))]
-        raise CacheManagerError(f"group {gid!r}: " + error.format(n=self.pools[gid].num_pages))
 
     def held_outside_pages(self, group_id: str) -> int:
         """Holds taken by :meth:`hold_pages` and not released (a page held twice counts twice)."""
