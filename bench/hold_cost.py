@@ -1,5 +1,5 @@
-"""Cost of one tier offload's pins (``hold_pages_by_group`` then ``release_held_pages_by_group``
-of a plan's pages), this version against another.
+"""Cost of one tier offload's pins (``hold_pages`` then ``release_held_pages`` of a plan's pages,
+listed group-major as ``TierLink`` lists them), this version against another.
 
     PYTHONPATH=src:/work/base2 .venv/bin/python bench/hold_cost.py --against hybridkv_base
         [--rounds 9] [--calls 300] [--case idle|held]
@@ -50,11 +50,14 @@ def setup(package: str, case: str):
 
 
 def pair_us(manager, pages, calls: int) -> float:
-    """CPU µs of one hold + release of ``pages``, the mean over ``calls`` pairs."""
+    """CPU µs of one hold + release of ``pages`` (by group; listed group-major once, untimed), the mean over
+    ``calls`` pairs."""
+    listed = [pages[spec.group_id] for spec in manager.specs]
+    local, per_group = np.concatenate(listed), np.array([p.size for p in listed], dtype=np.int64)
     start = time.thread_time()
     for _ in range(calls):
-        manager.hold_pages_by_group(pages)
-        manager.release_held_pages_by_group(pages)
+        manager.hold_pages(local, per_group)
+        manager.release_held_pages(local, per_group)
     return (time.thread_time() - start) / calls * 1e6
 
 

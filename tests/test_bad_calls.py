@@ -135,8 +135,8 @@ BAD_CALLS = [
         live[0], 4, batch=None)),
     ("held_outside_pages of an unknown group", "unknown group", lambda m, live, freed: m.held_outside_pages("nope")),
     ("request_pages of an unknown group", "unknown group", lambda m, live, freed: m.request_pages(live[0], "nope")),
-    ("release a page not held", "did not hold", lambda m, live, freed: m.release_held_pages_by_group(
-        {gid: np.array([1], dtype=np.int64) for gid in list(m.pools)[:1]})),
+    ("release a page not held", "did not hold", lambda m, live, freed: m.release_held_pages(
+        np.array([1], dtype=np.int64), np.eye(1, len(m.pools), dtype=np.int64)[0])),
 ]
 
 

@@ -1,5 +1,4 @@
-"""Pages held outside any request (``CacheManager.hold_pages_by_group`` /
-``release_held_pages_by_group``, and ``hold_pages`` / ``release_held_pages`` of the same pages
+"""Pages held outside any request (``CacheManager.hold_pages`` / ``release_held_pages``, the pages
 listed group-major, as a tier offload's pins take them) against a plain reference on a twin
 manager: ``PagePool.incref`` / ``PagePool.decref`` of each group's pages in turn (the pool's own
 rules: a page whose last reference goes is free, or, keyed, joins the LRU in listed order) with
@@ -79,18 +78,12 @@ def group_major(m: CacheManager, pages_by_group: dict) -> tuple[np.ndarray, np.n
     return local, np.array([len(pages_by_group.get(g, ())) for g in gids], dtype=np.int64)
 
 
-def hold(m: CacheManager, pages_by_group: dict, flat: bool) -> None:
-    if flat:
-        m.hold_pages(*group_major(m, pages_by_group))
-    else:
-        m.hold_pages_by_group(pages_by_group)
+def hold(m: CacheManager, pages_by_group: dict) -> None:
+    m.hold_pages(*group_major(m, pages_by_group))
 
 
-def release(m: CacheManager, pages_by_group: dict, flat: bool) -> None:
-    if flat:
-        m.release_held_pages(*group_major(m, pages_by_group))
-    else:
-        m.release_held_pages_by_group(pages_by_group)
+def release(m: CacheManager, pages_by_group: dict) -> None:
+    m.release_held_pages(*group_major(m, pages_by_group))
 
 
 PICKS = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 10_000)), max_size=12)
@@ -99,14 +92,13 @@ OPS = st.lists(st.tuples(st.sampled_from(["hold", "hold", "release", "release", 
                min_size=1, max_size=12)
 
 
-@pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("page_space", ["per-group", "shared"])
 @settings(max_examples=30, deadline=None)
 # A cached idle page held twice, then both holds released in one call: its last reference goes,
 # so it joins the LRU (a fast path once took "every page held more than once" as "held still").
 @example(ops=[("free", []), ("hold", [(0, 0), (0, 0)]), ("release", [(0, 0), (0, 0)])])
 @given(ops=OPS)
-def test_holding_and_releasing_by_group_follows_the_pools_rules(page_space, flat, ops):
+def test_holding_and_releasing_follows_the_pools_rules(page_space, ops):
     m, ref = build(page_space), build(page_space)
     gids = list(m.pools)
     holds: Counter = Counter()
@@ -123,7 +115,7 @@ def test_holding_and_releasing_by_group_follows_the_pools_rules(page_space, flat
                 if pool:
                     chosen.setdefault(gids[g % len(gids)], []).append(pool[k % len(pool)])
             arrays = {gid: np.asarray(p, dtype=np.int64) for gid, p in chosen.items()}
-            hold(m, arrays, flat)
+            hold(m, arrays)
             reference_hold(ref, arrays, holds)
         elif op == "hold free":  # a free page among held ones: refused whole
             gid = gids[picks[0][0] % len(gids)] if picks else gids[-1]
@@ -134,7 +126,7 @@ def test_holding_and_releasing_by_group_follows_the_pools_rules(page_space, flat
             chosen[gid] = chosen[gid] + [int(free[picks[0][1] % free.size] if picks else free[0])]
             before = state(m)
             with pytest.raises(CacheManagerError, match="is free"):
-                hold(m, {g: np.asarray(p, dtype=np.int64) for g, p in chosen.items()}, flat)
+                hold(m, {g: np.asarray(p, dtype=np.int64) for g, p in chosen.items()})
             assert state(m) == before
         else:
             held = sorted(key for key, n in holds.items() for _ in range(n))
@@ -149,11 +141,11 @@ def test_holding_and_releasing_by_group_follows_the_pools_rules(page_space, flat
                     chosen[gid][0])))
                 before = state(m)
                 with pytest.raises(CacheManagerError, match="did not hold"):
-                    release(m, {g: np.asarray(p) for g, p in chosen.items()}, flat)
+                    release(m, {g: np.asarray(p) for g, p in chosen.items()})
                 assert state(m) == before
                 continue
             arrays = {gid: np.asarray(p, dtype=np.int64) for gid, p in chosen.items()}
-            release(m, arrays, flat)
+            release(m, arrays)
             reference_release(ref, arrays, holds)
         assert state(m) == state(ref)
         assert [m.held_outside_pages(g) for g in gids] == [
@@ -169,26 +161,12 @@ def test_a_page_out_of_range_names_the_first_group_in_the_manager_s_order_that_h
     before = state(m)
     out_of_range = {last: np.array([1, m.pools[last].num_pages]), first: np.array([1])}
     with pytest.raises(CacheManagerError, match=f"group {last!r}: page ids must lie in \\[1, {m.pools[last].num_pages}\\)"):
-        m.hold_pages_by_group(out_of_range)
+        hold(m, out_of_range)
     with pytest.raises(CacheManagerError, match=f"group {first!r}: page ids"):
-        m.hold_pages_by_group({last: np.array([m.pools[last].num_pages]), first: np.array([0])})
+        hold(m, {last: np.array([m.pools[last].num_pages]), first: np.array([0])})
     with pytest.raises(CacheManagerError, match=f"group {gids[1]!r}: releasing"):
-        m.release_held_pages_by_group({gids[1]: np.array([-1]), last: np.array([m.pools[last].num_pages])})
+        release(m, {gids[1]: np.array([-1]), last: np.array([m.pools[last].num_pages])})
     assert state(m) == before  # refused whole
-
-
-@pytest.mark.parametrize("method", ["hold_pages_by_group", "release_held_pages_by_group"])
-@pytest.mark.parametrize("bad", [None, "7", [1.0], np.array([True]), [[1], [2, 3]], object()])
-def test_a_group_s_value_that_is_not_page_ids_is_refused_whole_with_its_group_named(method, bad):
-    m = build("shared")
-    first, second = m.specs[0].group_id, m.specs[1].group_id
-    page = candidates(m, first)[0]
-    m.hold_pages_by_group({first: np.array([page])})  # so that a release of it is valid too
-    before = state(m)
-    with pytest.raises(CacheManagerError, match=f"group {second!r}: pages must be integer page ids"):
-        getattr(m, method)({first: np.array([page]), second: bad})
-    assert state(m) == before
-    getattr(m, method)({first: [page], second: []})  # a plain list, and an empty one, are page ids
 
 
 @pytest.mark.parametrize("method", ["hold_pages", "release_held_pages"])
@@ -196,7 +174,7 @@ def test_a_group_major_list_whose_counts_do_not_match_it_is_refused_whole(method
     m = build("shared")
     gid = m.specs[0].group_id
     page = candidates(m, gid)[0]
-    m.hold_pages_by_group({gid: np.array([page])})  # so that a release of it is valid too
+    hold(m, {gid: np.array([page])})  # so that a release of it is valid too
     before, n = state(m), len(m.specs)
     local, counts = group_major(m, {gid: np.array([page])})
     call = getattr(m, method)

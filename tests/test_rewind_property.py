@@ -4,7 +4,7 @@ Random programs as in ``tests/test_reference_equivalence.py`` (its ``Twin`` and 
 helpers), drawn so that rewinds are frequent and reach the edges: back to the
 committed tokens (zero for a request whose first step is its only one), below a
 prefix grain the step crossed (the commit at the next step then publishes less:
-checkpoint supersede), and pages held outside any request (``hold_pages_by_group``,
+checkpoint supersede), and pages held outside any request (``hold_pages``,
 mirrored in the reference as one more reference on each page) or keyed (prefix
 caching on: pages a rewind leaves idle join the LRU, whose order later evictions
 show). Both page spaces: per-group pools (ids compared exactly) and a shared arena
@@ -116,17 +116,20 @@ def hold(twin, data) -> None:
             held[g] = pick
     if not held:
         return
-    twin.mgr.hold_pages_by_group(manager_ids(twin, held))
+    twin.mgr.hold_pages(*manager_ids(twin, held))
     for g, pages in held.items():
         for p in pages:
             twin.ref.pools[g].ref[p] += 1
     twin.holds.append(held)
 
 
-def manager_ids(twin, held: dict) -> dict:
-    """The manager's ids of reference pages (the same ids on per-group pools)."""
-    ids = twin.ids
-    return {g: np.asarray(pages if ids.strict else [ids.fwd[g][p] for p in pages]) for g, pages in held.items()}
+def manager_ids(twin, held: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The manager's ids of reference pages (the same ids on per-group pools), group-major as
+    ``CacheManager.hold_pages`` takes them."""
+    ids, gids = twin.ids, [s.group_id for s in twin.mgr.specs]
+    pages = [held.get(g, []) if ids.strict else [ids.fwd[g][p] for p in held.get(g, [])] for g in gids]
+    local = np.array([p for group in pages for p in group], dtype=np.int64)
+    return local, np.array([len(group) for group in pages], dtype=np.int64)
 
 
 def release(twin, data) -> None:
@@ -134,7 +137,7 @@ def release(twin, data) -> None:
     if not twin.holds:
         return
     held = twin.holds.pop(0)
-    twin.mgr.release_held_pages_by_group(manager_ids(twin, held))
+    twin.mgr.release_held_pages(*manager_ids(twin, held))
     for g, pages in held.items():
         twin.ref.pools[g].release(pages)
 

@@ -520,15 +520,16 @@ def test_an_offload_only_link_plans_no_load():
 
 def test_hold_pages_refuses_bad_ids_and_release_refuses_what_was_not_held():
     engine = Engine()
-    gid = engine.manager.specs[0].group_id
+    counts = np.zeros(len(engine.manager.specs), dtype=np.int64)
+    counts[0] = 1  # one page of the first group
     with pytest.raises(CacheManagerError, match="page ids"):
-        engine.manager.hold_pages_by_group({gid: np.array([0])})
+        engine.manager.hold_pages(np.array([0]), counts)
     with pytest.raises(CacheManagerError, match="is free"):
-        engine.manager.hold_pages_by_group({gid: np.array([1])})
+        engine.manager.hold_pages(np.array([1]), counts)
     with pytest.raises(CacheManagerError, match="did not hold"):
-        engine.manager.release_held_pages_by_group({gid: np.array([1])})
-    with pytest.raises(CacheManagerError, match="no group"):
-        engine.manager.hold_pages_by_group({"nope": np.array([1])})
+        engine.manager.release_held_pages(np.array([1]), counts)
+    with pytest.raises(CacheManagerError, match="counts"):
+        engine.manager.hold_pages(np.array([1]), counts[:1])
     with pytest.raises(ValueError, match="max_pinned_pages"):
         TierLink(engine.store, max_pinned_pages=-1)
 

@@ -696,7 +696,10 @@ def allocate_pages(geometry, pages, bounds, ref, stack, per_group, transient, ro
 
 
 def batch_arrays_for(n_groups, n_requests, n_tokens, write_slots):
-    """Fresh arrays for what ``run_step`` writes for a batch, in its argument order (``_StepArrays``)."""
+    """Fresh arrays for what ``run_step`` writes for a batch of ``R`` requests and ``N`` tokens, in its argument
+    order: per_request int32 ``[2 + G, R]`` (table rows, scheduled tokens, each group's base pages),
+    query_start_loc int32 ``[R + 1]``, request_indices int32 ``[N]``, per_token int64 ``[1 + G, N]`` (positions,
+    each group's write slots; ``[1, N]`` without them)."""
     return (np.empty((2 + n_groups, n_requests), np.int32), np.empty(n_requests + 1, np.int32),
             np.empty(n_tokens, np.int32), np.empty((1 + n_groups if write_slots else 1, n_tokens), np.int64))
 
@@ -924,7 +927,7 @@ def finish_step(geometry, pages, bounds, counters, ref, keyed, low_priority, sta
                 settle, touched, n_touched, cells, cell_pages, per_request, query_start_loc, request_indices,
                 per_token, joined):
     """The rest of ``run_step`` (same arguments; ``keyed``, ``low_priority`` unread) once the stacks hold
-    enough: allocate, computed tokens move on, the batch's arrays of plan rows ``[settle, R)`` (``_StepArrays``:
+    enough: allocate, computed tokens move on, the batch's arrays of plan rows ``[settle, R)`` (``batch_arrays_for``:
     base pages after the step and ``widths[g]``, the widest row's live pages) and write slots; the changed cells read
     into ``cells`` and ``cell_pages`` when they fit; the pools' peaks (``joined``: the keyed pages the
     releases left idle joined their LRUs already, else they join next). Returns the cells changed."""

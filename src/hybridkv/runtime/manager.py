@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import itemgetter
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -35,8 +35,6 @@ __all__ = ["Admission", "CacheManager", "CacheManagerError", "GroupStats", "Grou
 _BLOCK_TABLE_MODES = ("full", "updates")
 # Reasons that say the call itself is wrong (a malformed item, an unknown or repeated id): a refusal lists them first.
 _CALL_ERRORS = ("each item must be", "unknown request", "appears twice")
-_HOLD_RANGE = "page ids must lie in [1, {n})"  # hold_pages' refusal of a page out of range
-_RELEASE_HELD = "releasing pages that hold_pages_by_group did not hold"
 
 
 class CacheManagerError(ValueError):
@@ -89,18 +87,8 @@ class _StepPlan:
     spare_grants: np.ndarray | None = None  # or spare slabs alone, as ``kernels.grant_step`` grants them
 
 
-class _StepArrays(NamedTuple):
-    """What ``kernels.run_step`` writes for the batch's ``R`` requests and ``N`` tokens, in
-    its argument order (``kernels.batch_arrays_for``; the batch hands out their rows)."""
-
-    per_request: np.ndarray  # int32 [2 + G, R]: table rows, scheduled tokens, each group's base pages
-    query_start_loc: np.ndarray  # int32 [R + 1]
-    request_indices: np.ndarray  # int32 [N]
-    per_token: np.ndarray  # int64 [1 + G, N]: positions, each group's write slots ([1, N] without them)
-
-
 _INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
-_new_tuple, _new_object, _pack_into = tuple.__new__, object.__new__, struct.pack_into
+_new_object, _pack_into = object.__new__, struct.pack_into
 
 
 _PACK_FROM = 64  # ``_int64_array`` packs this many ints or more
@@ -190,22 +178,10 @@ class _Releases:
         return found
 
 
-_NO_PAGES = np.empty(0, dtype=np.int64)
 _ANY_IDS = np.zeros(4, dtype=np.int32)[::2]  # a read-only strided view: ``_copy_ids``' type for the ids
 _ANY_IDS.flags.writeable = False
 _ANY_TOKENS = np.zeros((2, 4), dtype=np.int32)[:, ::2]  # the same for ``_append_ids``' [n, k] ids
 _ANY_TOKENS.flags.writeable = False
-
-
-def _page_ids(group_id: str, pages: Any) -> np.ndarray:
-    """``pages`` as a flat int64 array of page ids; refused unless it holds integers only."""
-    try:
-        ids = np.asarray(pages)
-    except ValueError:  # ragged nesting
-        ids = None
-    if ids is None or not (ids.dtype.kind in "iu" or (ids.size == 0 and ids.dtype.kind == "f")):
-        raise CacheManagerError(f"group {group_id!r}: pages must be integer page ids, got {pages!r:.80}")
-    return ids.astype(np.int64, copy=False).ravel()
 
 
 class CacheManager:
@@ -232,7 +208,7 @@ class CacheManager:
             self.table_widths[s.group_id] for s in self.specs)
         self.tables = {s.group_id: t for s, t in zip(self.specs, self._tableset.tables)}
         self._group_ids = ids
-        # Per group: its id, its base pages' row of ``_StepArrays.per_request`` (0: not sliding) and its write
+        # Per group: its id, its base pages' row of ``per_request`` (``kernels.batch_arrays_for``) (0: not sliding) and its write
         # slots' row of ``per_token`` (``_build_batch``); and "updates" mode's block tables (None for every group).
         self._batch_rows = tuple((s.group_id, 2 + g if s.is_sliding else 0, 1 + g) for g, s in enumerate(self.specs))
         self._no_tables = (None,) * len(self.specs)
@@ -313,11 +289,7 @@ class CacheManager:
         # kernel takes these three whole, ``_counters``), the max total, the known ids rewinds keep (prompt; no ids:
         # total) and the address of its request's token ids (``_Request.token_ids``' data, which the request keeps
         # alive; 0 without ids or a request: ``kernels.append_token_ids`` writes there).
-        self._by_row = np.zeros((6, 64), dtype=np.int64)
-        self._counters = self._by_row[:3]
-        self._computed, self._committed, self._known, self._max_total, self._known_floor, self._token_addr = \
-            self._by_row
-        self._in_batch = np.zeros(64, dtype=np.bool_)  # prepare_step's scratch, one flag per row
+        self._set_by_row(np.zeros((6, 64), dtype=np.int64))
         self._one_count = np.zeros(1, dtype=np.int64)  # a uniform step's count, for every row (no array made)
         self._one_count_tokens = 0  # ``_one_count[0]`` as a plain int (written only when it changes)
         self._one_row = np.zeros(1, dtype=np.int64)  # the row ``free`` commits (no array made)
@@ -328,6 +300,11 @@ class CacheManager:
         self._append_ids = kernels.entry_point(kernels.append_token_ids, (self._token_addr, self._one_row, self._known,
                                                self._max_total, _ANY_TOKENS, self._in_batch, 0, self._one_row))
         self._completed_rows = np.empty(64, dtype=np.int64)  # the rows an append completed a block of
+
+    def _set_by_row(self, by_row: np.ndarray) -> None:
+        """``_by_row`` and its views, and ``prepare_step``'s scratch ``_in_batch`` (one flag per row)."""
+        self._by_row, self._counters, self._in_batch = by_row, by_row[:3], np.zeros(by_row.shape[1], dtype=np.bool_)
+        self._computed, self._committed, self._known, self._max_total, self._known_floor, self._token_addr = by_row
 
     @classmethod
     def from_plan(cls, plan: Any, *, page_space: str = "per-group", slab_anchor_pages: int | None = None,
@@ -919,8 +896,7 @@ class CacheManager:
         if updates and not ts.resync:
             room = max(2 * len(self.specs) * plan.rows.size + 16, ts.n_logged + released_pages + allocated_pages)
             cells = np.empty((3, room), _INT64), np.empty(room, _INT32)
-        out = _new_tuple(_StepArrays, kernels.batch_arrays_for(len(self.specs), plan.rows.size - plan.settle,
-                                                               n_tokens, write_slots))
+        out = kernels.batch_arrays_for(len(self.specs), plan.rows.size - plan.settle, n_tokens, write_slots)
         self._scratch.reserve(most_released, released_pages)
         ts.reserve_log(released_pages + allocated_pages)
         grants = self.arena.kernel_grants(plan.grants) if plan.grants else plan.spare_grants
@@ -934,9 +910,7 @@ class CacheManager:
         twice, or past its known tokens)."""
         rows_in, counts_in, rids, n_tokens = fast
         sc, n_rows, n_groups = self._scratch, len(rids), len(self._pool_list)
-        out = _new_tuple(_StepArrays, (  # ``kernels.batch_arrays_for``, inline (a call less a step)
-            np.empty((2 + n_groups, n_rows), _INT32), np.empty(n_rows + 1, _INT32), np.empty(n_tokens, _INT32),
-            np.empty((1 + n_groups if write_slots else 1, n_tokens), _INT64)))
+        out = kernels.batch_arrays_for(n_groups, n_rows, n_tokens, write_slots)
         plan_rows = n_rows + self._last_rows.size
         if plan_rows >= sc.plan_rows:
             sc.plan_arrays(plan_rows)
@@ -972,7 +946,7 @@ class CacheManager:
         return self._build_batch(rows_in, rids, out, False, n_touched if updates else -1, cells)
 
     def _planned_step(self, status: int, planned: tuple, rids: tuple, rows_in: np.ndarray, cells: tuple,
-                      out: _StepArrays, write_slots: bool, updates: bool,
+                      out: tuple, write_slots: bool, updates: bool,
                       n_spare: int | None) -> StepBatch | _StepPlan | None:
         """``_step`` once ``kernels.step`` only planned a plan it did not admit (``STEP_PLANNED``, ``STEP_COVERED``): the
         batch if ``_admit`` would admit it as is or with spare slabs alone, run without it (a clean plan; one
@@ -1000,7 +974,7 @@ class CacheManager:
         plan.grants, plan.spare_grants = grants, spare  # admitted: ``_commit_and_run`` grows the buffers where needed
         return self._commit_and_run(plan, write_slots, updates, False)
 
-    def _run(self, grants: tuple | None, plan: _StepPlan | tuple, rids: tuple, cells: tuple, out: _StepArrays,
+    def _run(self, grants: tuple | None, plan: _StepPlan | tuple, rids: tuple, cells: tuple, out: tuple,
              updates: bool, rows_in: np.ndarray, fixed_width: bool = False) -> StepBatch:
         """Stages 2-4 of an admitted plan in the scratch buffer, its buffers large enough (``plan``: a ``_StepPlan``,
         or ``_step``'s (rows, settling, crossing, clean) of a ``STEP_COMMITS`` or ``STEP_SPARE`` plan; ``rows_in``: its
@@ -1088,7 +1062,7 @@ class CacheManager:
                 self._grant_args, self._space.join_args, *head, *tail))
             self._commit_and_run(plan, True, False, False)
 
-    def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan, out: _StepArrays,
+    def _after_run(self, n_touched: int, n_keyed: int, plan: _StepPlan, out: tuple,
                    cells: tuple = _NO_CELLS, marked: bool = False) -> int:
         """Stage 3 in Python once the step kernel stopped after its releases (docs/manager.md, "One
         step, in four stages"): keyed pages join the LRU, slabs move, groups make room, ``finish_step``.
@@ -1124,7 +1098,7 @@ class CacheManager:
                 space.stack, space.per_group, space.ref_counts, space.cached, space.low_priority,
                 None if self.arena is None else self.arena.packing, self._scratch.marks, start, None, None)
 
-    def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: _StepArrays, fixed_width: bool,
+    def _build_batch(self, rows: np.ndarray, request_ids: tuple, out: tuple, fixed_width: bool,
                      n_touched: int, cells: tuple = _NO_CELLS) -> StepBatch:
         """Stage 4: the ``StepBatch`` of ``rows``, block tables or (``n_touched`` >= 0) the cells changed."""
         widths = self._capture_widths if fixed_width else tuple(self._scratch.widths.tolist())
@@ -1254,11 +1228,10 @@ class CacheManager:
         req = self._get(request_id)
         if self.tier_link is not None:
             self.tier_link.on_free(request_id)  # an unconfirmed load is rewound, not committed
-        if self._load_spans:  # its load step's span (a rewound load's request has one)
-            self._load_spans.pop(request_id, None)
-            if request_id in self._rewound_loads:
-                self._rewound_loads.discard(request_id)
-                self.pending_loads.discard(request_id)
+        self._load_spans.pop(request_id, None)  # its load step's span
+        if request_id in self._rewound_loads:
+            self._rewound_loads.discard(request_id)
+            self.pending_loads.discard(request_id)
         row, prefix, tables = req.row, self.prefix, self._tableset
         # Its pages leave the tables, one release, and its row of ``_by_row`` becomes 0 (its token ids go with it); first
         # its last step publishes when it completed a grain.
@@ -1290,32 +1263,24 @@ class CacheManager:
         base = int(table.base[req.row])
         return base, table.pages_in(req.row, base, table.hi[req.row])
 
-    def hold_pages_by_group(self, pages_by_group: Mapping[str, np.ndarray]) -> None:
-        """Hold each group's ``pages`` (held or cached; twice listed, twice held) outside any request
-        until :meth:`release_held_pages_by_group` (a tier offload's rows being copied). Refused whole
-        when an id is out of range or a page is free."""
-        self.hold_pages(*self._space_pages(pages_by_group, _HOLD_RANGE, 1))
-
     def hold_pages(self, local_pages: np.ndarray, pages_per_group: np.ndarray) -> None:
-        """:meth:`hold_pages_by_group` of pages listed group-major (int64, in ``specs`` order),
-        ``pages_per_group[g]`` of group ``g``: one compiled call."""
-        self._outside(local_pages, pages_per_group, self._space.hold_outside, _HOLD_RANGE,
-                      lambda bad: f"page {int(local_pages[bad])} is free; only held or cached pages can be held")
-
-    def release_held_pages_by_group(self, pages_by_group: Mapping[str, np.ndarray]) -> None:
-        """Drop holds taken by :meth:`hold_pages_by_group` (as a step's release does); refused whole
-        when a page is released more often than it is held."""
-        self.release_held_pages(*self._space_pages(pages_by_group, _RELEASE_HELD, 0))
+        """Hold pages (held or cached; twice listed, twice held) outside any request until
+        :meth:`release_held_pages` (a tier offload's rows being copied), in one compiled call. The pages are
+        listed group-major (int64 local ids, in ``specs`` order), ``pages_per_group[g]`` of group ``g``. Refused
+        whole when an id is out of range or a page is free."""
+        self._outside(local_pages, pages_per_group, self._space.hold_outside, "page ids must lie in [1, {n})",
+                      "page {page} is free; only held or cached pages can be held")
 
     def release_held_pages(self, local_pages: np.ndarray, pages_per_group: np.ndarray) -> None:
-        """:meth:`release_held_pages_by_group` of pages listed as :meth:`hold_pages` lists them."""
-        self._outside(local_pages, pages_per_group, self._space.release_outside, _RELEASE_HELD,
-                      lambda bad: _RELEASE_HELD)
+        """Drop holds taken by :meth:`hold_pages` (as a step's release does), the pages listed as it lists
+        them; refused whole when a page is released more often than it is held."""
+        refusal = "releasing pages that hold_pages did not hold"
+        self._outside(local_pages, pages_per_group, self._space.release_outside, refusal, refusal)
 
-    def _outside(self, local_pages: Any, pages_per_group: Any, change: Any, range_error: str, refusal: Any) -> None:
+    def _outside(self, local_pages: Any, pages_per_group: Any, change: Any, range_error: str, refusal: str) -> None:
         """:meth:`hold_pages` or :meth:`release_held_pages` by ``change`` (``PageSpace.hold_outside`` or
-        ``release_outside``, which refuse a mislisted list); ``refusal(index)`` words the page it refused (free, or
-        released more than held)."""
+        ``release_outside``, which refuse a mislisted list); ``range_error`` words a page out of range (``{n}``: its
+        pool's page count), ``refusal`` one ``change`` refused (``{page}``: free, or released more than held)."""
         for name, a in (("local_pages", local_pages), ("pages_per_group", pages_per_group)):
             if not (type(a) is np.ndarray and a.dtype == _INT64 and a.ndim == 1):
                 raise CacheManagerError(f"{name} must be a 1-D int64 array")
@@ -1323,35 +1288,17 @@ class CacheManager:
         if found == kernels.MISLISTED:
             raise CacheManagerError(f"pages_per_group must hold {len(self._group_ids)} non-negative counts summing to "
                                     f"the number of pages listed, got {pages_per_group.tolist()}")
-        if found < -local_pages.size:
-            bad = -1 - local_pages.size - found
-            self._refuse_page(pages_per_group, bad, refusal(bad))
-        if found < 0:
-            self._refuse_page(pages_per_group, -1 - found, range_error)
+        if found < 0:  # -1 - the index of a page out of range, or -1 - the list's length - that of one refused
+            bad, error = -1 - found, range_error
+            if bad >= local_pages.size:
+                bad, error = bad - local_pages.size, refusal
+            gid = self._group_ids[int(np.searchsorted(np.cumsum(pages_per_group), bad, side="right"))]
+            raise CacheManagerError(f"group {gid!r}: " + error.format(n=self.pools[gid].num_pages,
+                                                                      page=int(local_pages[bad])))
         self._version += 1  # invalidates a cached admission
 
-    def _refuse_page(self, per_group: np.ndarray, index: int, error: str) -> None:
-        """Raise ``error`` (``{n}``: the pool's page count) for the group of the ``index``-th page of a group-major
-        list, ``per_group[g]`` of group ``g``."""
-        gid = self._group_ids[int(np.searchsorted(np.cumsum(per_group), index, side="right"))]
-        raise CacheManagerError(f"group {gid!r}: " + error.format(n=self.pools[gid].num_pages))
-
-    def _space_pages(self, pages_by_group: Mapping[str, np.ndarray], error: str, lowest: int
-                     ) -> tuple[np.ndarray, np.ndarray]:
-        """Every group's pages as group-major local ids and counts per group; a group's value that is not page ids
-        and an unknown group are refused (the latter after ``error`` for a page outside ``[lowest, num_pages)``)."""
-        local = [_page_ids(gid, pages_by_group[gid]) if gid in pages_by_group else _NO_PAGES for gid in self._group_ids]
-        per_group, local = np.array([pages.size for pages in local], dtype=np.int64), np.concatenate(local)
-        unknown = [gid for gid in pages_by_group if gid not in self.pools]
-        if unknown:
-            bad = kernels.first_out_of_range(local, per_group, self._space_limits, lowest)
-            if bad < 0:
-                self._refuse_page(per_group, -1 - bad, error)
-            raise CacheManagerError(f"no group {unknown[0]!r}")
-        return local, per_group
-
     def held_outside_pages(self, group_id: str) -> int:
-        """Holds taken by :meth:`hold_pages_by_group` and not released (a page held twice counts twice)."""
+        """Holds taken by :meth:`hold_pages` and not released (a page held twice counts twice)."""
         held = self._held_outside.get(group_id) if type(group_id) is str else None
         if held is None:
             raise CacheManagerError(f"unknown group {group_id!r}; groups are {list(self._held_outside)}")
@@ -1411,11 +1358,7 @@ class CacheManager:
         self._row_arrays.append(np.full(1, row, dtype=np.int64))
         self._state = None  # the table store and the counters may grow
         if row >= self._computed.size:
-            self._by_row = np.concatenate([self._by_row, np.zeros_like(self._by_row)], axis=1)
-            self._counters = self._by_row[:3]
-            self._computed, self._committed, self._known, self._max_total, self._known_floor, self._token_addr = \
-                self._by_row
-            self._in_batch = np.zeros(self._computed.size, dtype=np.bool_)
+            self._set_by_row(np.concatenate([self._by_row, np.zeros_like(self._by_row)], axis=1))
             self._scratch.plan_arrays(2 * self._computed.size)  # room for any step's rows, grown here, not in a step
         self._tableset.ensure_rows(row + 1)
         return row
