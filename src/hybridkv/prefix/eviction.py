@@ -129,10 +129,7 @@ class ValueEviction:
         if up is None:
             unborn.setdefault(parents[0], {})[keys[0]] = None
             return
-        if up[4] is None:  # its first child (``_add_child``'s 1-tuple, without its frame)
-            up[4] = (keys[0],)
-        else:
-            _add_child(up, keys[0])
+        _add_child(up, keys[0])
         if up[1]:  # supported already: one more, nothing else changes
             up[1] += 1
         else:
