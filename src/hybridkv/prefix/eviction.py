@@ -239,8 +239,7 @@ class ValueEviction:
                 self._drop_support(key)
         node[2] -= count
         node[3] -= count
-        if not node[1] and not node[2] and not node[4]:
-            self._forget_if_idle(key)
+        self._forget_if_idle(key)
         return node[0], node[7]
 
     def _reason(self, gid: str, node: list | None, cause: str) -> str:
