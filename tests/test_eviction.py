@@ -19,6 +19,15 @@ from test_prefix import ALL, C4KV, C128KV, C128S, C4S, HISTORY, IDX, SPECS, STAT
     make_manager, run_request
 
 
+def stored(policy: ValueEviction, gid: str, key, parent, boundary: int) -> None:
+    """One entry published in group ``gid`` of ``policy``: a checkpoint
+    (``stored_checkpoint``) in a state group, else a block (``stored_blocks``)."""
+    if gid in policy.state_ids:
+        policy.stored_checkpoint((gid,), key, parent, boundary)
+    else:
+        policy.stored_blocks([(gid, (0,))], (key,), (parent,), (boundary,))
+
+
 def _checkpoint_key(events, gid: str, tokens: int) -> int:
     [h] = [e.block_hash for e in events if e.kind == "stored" and e.group_id == gid and e.tokens == tokens]
     return int(h, 16)
@@ -244,7 +253,7 @@ def _linked_out_of_order():
     for gid, key, parent, boundary, pages in (("h", "k2", "k1", 512, [h[1]]), ("s", "k2", "k1", 512, [s[0]]),
                                               ("h", "k1", "root", 256, [h[0]])):
         assert publish(pools[gid], key, pages)
-        policy.stored(gid, key, parent, boundary)
+        stored(policy, gid, key, parent, boundary)
     return pools, policy, h, s
 
 
@@ -295,21 +304,21 @@ def test_a_block_published_after_its_parents_node_was_forgotten_is_beyond_a_gap(
     h, s = pools["h"], pools["s"]
     first = allocate(h, 1)
     assert publish(h, "k1", first)
-    policy.stored("h", "k1", "root", 256)
+    stored(policy, "h", "k1", "root", 256)
     decref(h, first)
     allocate(h, 7)  # 6 clean pages and k1's idle one: k1 is evicted
     assert h.lookup("k1") is None and policy.report()["h"].evicted_pages["orphan"] == 1
     decref(h, np.arange(1, 8))
     block, ckpt = allocate(h, 1), allocate(s, 1)
     assert publish(h, "k2", block) and publish(s, "k2", ckpt)
-    policy.stored("h", "k2", "k1", 512)
-    policy.stored("s", "k2", "k1", 512)
+    stored(policy, "h", "k2", "k1", 512)
+    stored(policy, "s", "k2", "k1", 512)
     assert h.low_priority[block[0]] and s.low_priority[ckpt[0]]
     report = policy.report()
     assert (report["s"].usable_entries, report["h"].usable_entries) == (0, 0)
     again = allocate(h, 1)
     assert publish(h, "k1", again)
-    policy.stored("h", "k1", "root", 256)
+    stored(policy, "h", "k1", "root", 256)
     assert not h.low_priority[block[0]] and not h.low_priority[again[0]] and not s.low_priority[ckpt[0]]
     report = policy.report()
     assert (report["s"].usable_entries, report["h"].usable_entries) == (1, 2)
@@ -327,7 +336,7 @@ def test_a_first_block_is_no_gap():
     block, ckpt = allocate(pools["h"], 1), allocate(pools["s"], 1)
     for gid, pages in (("h", block), ("s", ckpt)):
         assert publish(pools[gid], "k1", pages)
-        policy.stored(gid, "k1", "root", 256)
+        stored(policy, gid, "k1", "root", 256)
     assert not pools["h"].low_priority[block[0]] and not pools["s"].low_priority[ckpt[0]]
     assert (policy.report()["s"].usable_entries, policy.report()["h"].usable_entries) == (1, 1)
 
@@ -352,7 +361,7 @@ def test_a_cut_demotes_the_children_of_a_node_in_the_order_they_were_published()
     for key, parent, boundary in ((1, 0, 256), (30, 1, 512), (20, 1, 512), (10, 1, 512), (5, 20, 768)):
         pages = allocate(h, 1)
         assert publish(h, key, pages)
-        policy.stored("h", key, parent, boundary)
+        stored(policy, "h", key, parent, boundary)
         if key != 1:
             decref(h, pages)
     assert _lru_keys(h, (30, 20, 10, 5)) == [30, 20, 10, 5]
@@ -374,12 +383,12 @@ def test_a_parent_published_last_mends_its_waiting_children_in_the_order_they_we
         for gid in ("h", "s"):
             pages = allocate(pools[gid], 1)
             assert publish(pools[gid], key, pages)
-            policy.stored(gid, key, 1, 512)
+            stored(policy, gid, key, 1, 512)
             decref(pools[gid], pages)
     assert _lru_keys(h, (30, 20, 10)) == _lru_keys(s, (30, 20, 10)) == [10, 20, 30]
     assert h.num_low_priority_idle_pages == s.num_low_priority_idle_pages == 3
     assert publish(h, 1, allocate(h, 1))
-    policy.stored("h", 1, 0, 256)
+    stored(policy, "h", 1, 0, 256)
     assert _lru_keys(h, (30, 20, 10)) == _lru_keys(s, (30, 20, 10)) == [30, 20, 10]
     assert h.num_low_priority_idle_pages == s.num_low_priority_idle_pages == 0
     assert policy.report()["s"].usable_entries == 3
@@ -413,7 +422,7 @@ def test_stored_checkpoint_is_stored_in_each_group_in_turn(program):
         for fast, (pools, policy) in enumerate(sides):
             if op == "block" and pools["h"].lookup(key) is None:
                 assert publish(pools["h"], key, allocate(pools["h"], 1))
-                policy.stored("h", key, parent, boundary)
+                stored(policy, "h", key, parent, boundary)
                 decref(pools["h"], pools["h"].lookup(key))  # idle: evictions then free (and count) it
             elif op == "checkpoint":
                 gids = [g for g in ("s1", "s2") if pools[g].lookup(key) is None]
@@ -424,7 +433,7 @@ def test_stored_checkpoint_is_stored_in_each_group_in_turn(program):
                     policy.stored_checkpoint(gids, key, parent, boundary) if gids else None
                 else:
                     for gid in gids:
-                        policy.stored(gid, key, parent, boundary)
+                        stored(policy, gid, key, parent, boundary)
             elif op.startswith("evict") and pools[op[6:]].lookup(key) is not None:
                 pools[op[6:]].unpublish(key, EVICTED)
         _assert_same_pools_and_policy(sides)
@@ -465,10 +474,10 @@ def _commit_both_ways(pools, policy, chain, marks, fast):
         return
     for gid in ("h1", "h2"):
         for entry in chain:
-            policy.stored(gid, *entry)
+            stored(policy, gid, *entry)
     for entry in checkpoints:
         for gid in ("s1", "s2"):
-            policy.stored(gid, *entry)
+            stored(policy, gid, *entry)
 
 
 @settings(max_examples=60, deadline=None)
@@ -499,10 +508,10 @@ def test_units_and_chains_are_stored_in_each_group_in_turn(program):
                 else:
                     for gid in ("h1", "h2"):
                         for entry in chain:
-                            policy.stored(gid, *entry)
+                            stored(policy, gid, *entry)
             elif op == "block h2" and pools["h2"].lookup(chain[0][0]) is None:
                 _publish_idle(pools["h2"], chain[0][0])
-                policy.stored("h2", *chain[0])
+                stored(policy, "h2", *chain[0])
             elif op.startswith("evict") and pools[op[6:]].lookup(chain[0][0]) is not None:
                 pools[op[6:]].unpublish(chain[0][0], EVICTED)
         _assert_same_pools_and_policy(sides)
@@ -543,7 +552,7 @@ def test_commits_with_checkpoints_are_stored_at_once(program):
                         policy.stored_checkpoint(gids, *entry)
                     else:
                         for gid in gids:
-                            policy.stored(gid, *entry)
+                            stored(policy, gid, *entry)
             elif op == "unit" and all(pools[g].lookup(key) is None for g in pools for key, _, _ in chain):
                 _commit_both_ways(pools, policy, chain, sorted({j for j in marks if j < length} | {length - 1}),
                                   fast)

@@ -34,7 +34,8 @@ class ValueEviction:
     """Unit coherence, orphan and gap demotion over one manager's pools (module docstring).
 
     :class:`hybridkv.prefix.cache.PrefixCache` reports every entry it publishes
-    (:meth:`stored`) and every removal its pools report (:meth:`removed`)."""
+    (:meth:`stored_blocks`, :meth:`stored_checkpoint`, :meth:`stored_commit`) and every removal its pools report
+    (:meth:`removed`)."""
 
     def __init__(self, pools: Mapping[str, PagePool], history_ids: Sequence[str], state_ids: Sequence[str],
                  granularity_tokens: int, policy: str = "value"):
@@ -64,19 +65,11 @@ class ValueEviction:
         self.evicted_pages = {gid: dict.fromkeys(REASONS, 0) for gid in pools}
 
     # --- bookkeeping ---------------------------------------------------------------
-    def stored(self, gid: str, key: Hashable, parent: Hashable | None, boundary: int) -> None:
-        """An entry was published under ``key`` (the prefix of ``boundary`` tokens, whose
-        first ``boundary - granularity`` tokens are ``parent``'s) in group ``gid``."""
-        if gid in self._state:
-            self.stored_checkpoint((gid,), key, parent, boundary)
-        else:
-            self.stored_blocks([(gid, (0,))], (key,), (parent,), (boundary,))
-
     def stored_blocks(self, claims: Sequence[tuple[str, Sequence[int]]], keys: Sequence[Hashable],
                       parents: Sequence[Hashable | None], boundaries: Sequence[int]) -> None:
-        """:meth:`stored` of the blocks a commit published, history group by history group
-        in turn: per (group, indices) of ``claims``, ``keys[i]`` (with ``parents[i]`` and
-        ``boundaries[i]``) for each index in order; each key's node looked up once."""
+        """The blocks a commit published, history group by history group in turn: per (group, indices) of ``claims``,
+        ``keys[i]`` (the prefix of ``boundaries[i]`` tokens, whose first ``boundaries[i] - granularity`` are
+        ``parents[i]``'s) for each index in order; each key's node looked up once."""
         nodes, track, n_history = self._nodes, self._track, len(self.history_ids)
         got: list = [None] * len(keys)  # each key's node once found (one it stores in can not go)
         for gid, done in claims:
@@ -129,10 +122,7 @@ class ValueEviction:
         if up is None:
             unborn.setdefault(parents[0], {})[keys[0]] = None
             return
-        if up[4] is None:  # its first child (``_add_child``'s 1-tuple, without its frame)
-            up[4] = (keys[0],)
-        else:
-            _add_child(up, keys[0])
+        _add_child(up, keys[0])
         if up[1]:  # supported already: one more, nothing else changes
             up[1] += 1
         else:
@@ -156,12 +146,12 @@ class ValueEviction:
 
     def origin(self, key: Hashable) -> tuple[Hashable | None, int]:
         """The parent key and boundary tokens of a key published in some group (as
-        :meth:`stored` was told them; (None, 0) if nothing is published under it)."""
+        it was published with them; (None, 0) if nothing is published under it)."""
         node = self._nodes.get(key)
         return (None, 0) if node is None else (node[0], node[7])
 
     def stored_checkpoint(self, gids: Sequence[str], key: Hashable, parent: Hashable | None, boundary: int) -> None:
-        """:meth:`stored` of one checkpoint in each state group of ``gids`` in turn (a
+        """One checkpoint (as :meth:`stored_blocks`' keys) published in each state group of ``gids`` in turn (a
         commit's publications of a boundary), its node looked up once."""
         node = self._nodes.get(key) or self._new_node(key, parent, boundary)
         held = node[3]
@@ -242,8 +232,7 @@ class ValueEviction:
                 self._drop_support(key)
         node[2] -= count
         node[3] -= count
-        if not node[1] and not node[2] and not node[4]:
-            self._forget_if_idle(key)
+        self._forget_if_idle(key)
         return node[0], node[7]
 
     def _reason(self, gid: str, node: list | None, cause: str) -> str:

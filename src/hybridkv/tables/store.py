@@ -174,8 +174,8 @@ class TableSet:
 
     def drained(self) -> None:
         """The log is read (its cells and those a step touched after them: ``drain_updates``, or ``finish_step``'s
-        cells): empty again, logging on."""
-        self.n_logged, self.log_notes = 0, 0
+        cells): empty again, logging on, no resync due."""
+        self.n_logged, self.log_notes, self.resync = 0, 0, False
 
     def note_cells(self, index: np.ndarray) -> None:
         """Log changed cells (ring-view indices) while logging is on and no resync is due."""
@@ -212,7 +212,6 @@ class TableSet:
         index = self._live_index() if reset else self.logged[: (self.n_logged or 0) if n_cells is None else n_cells]
         if self.n_logged is not None:
             self.drained()
-            self.resync = False
         cells = np.empty((3, index.size), dtype=np.int64)
         page = np.empty(index.size, dtype=np.int32)
         group, row, column = cells
