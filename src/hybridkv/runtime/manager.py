@@ -208,8 +208,9 @@ class CacheManager:
             self.table_widths[s.group_id] for s in self.specs)
         self.tables = {s.group_id: t for s, t in zip(self.specs, self._tableset.tables)}
         self._group_ids = ids
-        # Per group: its id, its base pages' row of ``per_request`` (``kernels.batch_arrays_for``) (0: not sliding) and its write
-        # slots' row of ``per_token`` (``_build_batch``); and "updates" mode's block tables (None for every group).
+        # Per group: its id, its base pages' row of ``per_request`` (``kernels.batch_arrays_for``; 0: not sliding) and
+        # its write slots' row of ``per_token`` (``_build_batch``); and "updates" mode's block tables (None for every
+        # group).
         self._batch_rows = tuple((s.group_id, 2 + g if s.is_sliding else 0, 1 + g) for g, s in enumerate(self.specs))
         self._no_tables = (None,) * len(self.specs)
         self._init_registry()
