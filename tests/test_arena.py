@@ -164,6 +164,28 @@ def test_spare_slabs_go_out_lowest_first_and_pools_start_empty():
     arena.check_invariants()
 
 
+def test_a_spare_grant_listing_a_slab_twice_changes_nothing():
+    """``kernels.grant_spare_slabs`` checks every slab before it grants any: a slab listed twice (for two groups)
+    leaves the owners, free stacks and counts as they were; the same grants without the repeat go through."""
+    g = small_geometry()
+    pools = {gid: PagePool(gid, g.view_pages(gid), granted=False, lowest_first=True) for gid in SMALL_BYTES}
+    space = PageSpace(list(pools.values()))
+    arena = Arena(g, pools)
+    owner, lo, hi, straddle, offsets = arena.grant_args[:5]
+
+    def grant(groups, slabs):
+        counts, pages = np.zeros(len(SMALL_BYTES), np.int64), np.empty(64, np.int64)
+        return kernels.grant_spare_slabs(owner, np.array(groups, np.int64), np.array(slabs, np.int64), lo, hi,
+                                         straddle, pages, counts, space.stack, space.per_group[kernels.TOP], offsets,
+                                         space.per_group[kernels.LOWEST], space.per_group[kernels.GRANTED_PAGES])
+
+    before = owner.copy(), space.per_group.copy(), space.stack.copy()
+    assert grant([0, 1], [1, 1]) == -1
+    assert (owner == before[0]).all() and (space.per_group == before[1]).all() and (space.stack == before[2]).all()
+    assert grant([0, 1], [1, 2]) > 0
+    assert owner[1:3].tolist() == [0, 1]
+
+
 def test_reclaim_takes_only_wholly_idle_slabs_and_respects_the_donors_surplus():
     arena, pools = bare_arena()
     arena.apply(arena.plan({"swa": 20}, {}))  # every slab to swa: 4 x 5 inner + 3 straddlers

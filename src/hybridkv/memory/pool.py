@@ -435,7 +435,7 @@ class PageSpace:
             for pool, start, n in zip(self.pools, self.offsets.tolist(), sizes):  # every pool views its slice
                 setattr(pool, name, whole[start : start + n])
         self.per_group = np.stack([p._per_group[:, p._slot] for p in self.pools], axis=1)  # the pools' counts
-        self.tops, self.lowest_first, self.idle_low_floors = self.per_group[:3]
+        self.tops, self.idle_low_floors = self.per_group[kernels.TOP], self.per_group[kernels.LOW_FLOOR]
         self.lru_lengths, self.low_idle = self.per_group[kernels.LRU_PAGES], self.per_group[kernels.LOW_IDLE_PAGES]
         self.skip_packing = self.per_group[kernels.SKIP_PACKING]
         self.ranked: list[int] = []  # the groups whose pool has a ranker (``PagePool.ranker`` keeps it)

@@ -1460,17 +1460,18 @@ def slab_move_pages(owner, donor, group, lo, hi, straddle, s, pages):
 def grant_spare_slabs(owner, groups, slabs, lo, hi, straddle, pages, counts, stack, top, offsets, lowest, granted):
     """Spare slabs granted (``groups[i]`` takes ``slabs[i]``; ``owner`` updated): group ``g``'s ``counts[g]`` gained
     pages to ``pages`` (group after group), then pushed onto its free stack (``push_free``) and counted in
-    ``granted[g]``. Returns the pages in all, or -1 (no page pushed) when a slab is not spare or listed twice."""
-    for i in range(slabs.size):
+    ``granted[g]``. Returns the pages in all, or -1 (nothing changed) when a slab is not spare or listed twice."""
+    for i in range(slabs.size):  # all checked first: nothing changed unless every slab is granted
         if owner[slabs[i]] >= 0:
             return -1
+        for j in range(i):
+            if slabs[j] == slabs[i]:
+                return -1  # listed twice
     n = 0
     for g in range(lo.shape[0]):
         start = n
         for i in range(groups.size):
             if groups[i] == g:
-                if owner[slabs[i]] >= 0:
-                    return -1  # listed twice
                 n = slab_pages(owner, g, lo[g], hi[g], straddle[g], slabs[i], pages, n, lowest[g] != 0)
                 owner[slabs[i]] = g
         counts[g] = n - start
