@@ -363,7 +363,7 @@ class CheckpointOrder:
         outnumber the live ones (amortised O(1) a push)."""
         live = len(self.values)
         for heaps in self._heaps.values():
-            for kind, heap in heaps.items():
+            for heap in heaps.values():
                 if len(heap) > 2 * live + 64:
                     heap[:] = [e for e in heap if self._version.get(e[-1]) == e[-2] and self.values.kind(e[-1])]
                     heapq.heapify(heap)
