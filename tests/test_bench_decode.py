@@ -134,3 +134,13 @@ def test_appended_tokens_are_the_stream_outputs(vs):
     for rid, tokens in side.appended.items():
         assert tokens == stream[rid].output_ids[: len(tokens)].tolist()
         assert np.asarray(tokens).size <= stream[rid].output_tokens
+
+
+def test_hybridkv_side_plans_its_own_page_space(vs):
+    """A budget too small for per-group pools at this many running requests still builds the side on the
+    shared arena (its default), as ``plan_for_budget(page_space="shared")`` allows; per-group refuses it."""
+    options = dict(kv_memory_bytes=2 * 2**30, max_model_len=131072, max_num_batched_tokens=1024, max_num_seqs=512)
+    side = vs.sides.HybridkvSide(**options)
+    assert side.manager.arena is not None and not side.plan.fits_per_group
+    with pytest.raises(ValueError, match="too small"):
+        vs.sides.HybridkvSide(**options, page_space="per-group")

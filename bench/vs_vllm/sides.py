@@ -123,7 +123,7 @@ class HybridkvSide:
         self._error = manager.CacheManagerError
         self.layout = layout.cache_layout("deepseek-v4-flash", indexer="fp8")
         limits = plan.Limits(max_num_seqs, max_num_batched_tokens, max_model_len)
-        self.plan = plan.plan_for_budget(self.layout, kv_memory_bytes, limits)
+        self.plan = plan.plan_for_budget(self.layout, kv_memory_bytes, limits, page_space=page_space)
         self.page_space = page_space
         self.enable_prefix_caching = enable_prefix_caching
         self.manager = manager.CacheManager.from_plan(
