@@ -288,7 +288,7 @@ def test_minimum_budget_is_exactly_one_scheduler_page():
     layout = _layout()
     minimum = _bytes_for(layout, LIMITS, 256)
     assert plan_for_budget(layout, minimum, LIMITS).scheduler_pages == 1
-    with pytest.raises(ValueError, match=f"too small.*at least {minimum:,} B"):
+    with pytest.raises(ValueError, match=f"too small.*at least {minimum:,} B.*page_space='shared'"):
         plan_for_budget(layout, minimum - 1, LIMITS)
 
 

@@ -355,7 +355,8 @@ def plan_for_budget(
         raise ValueError(
             f"KV memory of {budget:,} B ({format_bytes(budget)}) is too small: one "
             f"{grain}-token scheduler page with {limits.max_running_requests:,} running "
-            f"requests needs at least {minimum:,} B ({format_bytes(minimum)})"
+            f"requests needs at least {minimum:,} B ({format_bytes(minimum)}); plan fewer running requests, "
+            "or page_space='shared' (it reserves no pages per running request)"
         )
     # bytes(n) is non-decreasing in n and bytes(n) >= n * growth_bytes, so the
     # answer lies in [1, budget // growth_bytes].
