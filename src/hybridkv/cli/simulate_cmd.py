@@ -37,7 +37,7 @@ def register(subparsers: Any) -> None:
             "preemptions, memory utilization per group and manager time per step."
         ),
     )
-    add_plan_arguments(parser)
+    add_plan_arguments(parser, context_len=False)
     _add_workload_arguments(parser)
     _add_cluster_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
