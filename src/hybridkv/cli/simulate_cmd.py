@@ -54,7 +54,7 @@ def _add_workload_arguments(parser: Any) -> None:
     parser.add_argument(
         "--requests", type=a.number("--requests", maximum=a.MAX_WORKLOAD_REQUESTS), default=None,
         metavar="N", help="number of requests (1k = 1000; default: chat 256, multiturn 128, longctx 8, "
-        "agentic 64 sessions' requests, a trace's all)",
+        "agentic the requests of 64 sessions, a trace all it holds)",
     )
     parser.add_argument(
         "--seed", type=a.number("--seed", minimum=0, maximum=a.MAX_SEED), default=0,
