@@ -77,3 +77,23 @@ def test_manager_engine_loop_snippet_runs():
     assert mgr.stats()["v4.c4a.compressed_kv"].used_pages == 0
     widths = {g: s.block_table.shape[1] for g, s in names["batch"].groups.items()}
     assert widths == names["plan"].table_widths  # fixed_width=True: the plan's capture widths
+
+
+def _keys(value) -> set[str]:
+    if isinstance(value, dict):
+        return set(value) | {k for v in value.values() for k in _keys(v)}
+    if isinstance(value, list):
+        return {k for v in value for k in _keys(v)}
+    return set()
+
+
+def test_planning_names_every_key_of_the_vllm_comparison_json(capsys):
+    import json
+
+    from hybridkv.cli import main
+
+    text = (ROOT / "docs/planning.md").read_text(encoding="utf-8")
+    paragraph = text.split("With `--json`, `--compare vllm` prints", 1)[1].split("\n\n", 1)[0]
+    documented = set(re.findall(r"`([a-z_]+)`", paragraph))
+    assert main(["plan", "--compare", "vllm", "--json"]) == 0
+    assert documented == _keys(json.loads(capsys.readouterr().out))
