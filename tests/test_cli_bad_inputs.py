@@ -180,8 +180,13 @@ BAD = [
     (S + ["--workload", "{t_empty}"], r"t5\.jsonl: trace holds no requests"),
     (S + ["--workload", "{t_negative}"], r"t6\.jsonl: line 1: 'arrival' must be finite and >= 0"),
     (S + ["--workload", "{t_long}", "--max-context", "64k"], r"t7\.jsonl: line 1: .*exceed 65,536, the longest request allowed"),
+    # plan's question, not simulate's: simulate takes no --context-len
+    (S + ["--context-len", "64k"], r"unrecognized arguments: --context-len 64k"),
     # verify's own arguments
-    (["verify", "--seed", "abc"], r"argument --seed: invalid int value: 'abc'"),
+    (["verify", "--seed", "abc"], r"--seed: cannot read 'abc'"),
+    (["verify", "--seed", "-1"], r"--seed must not be negative"),
+    (["verify", "--scenarios", "-1"], r"--scenarios must not be negative"),
+    (["verify", "--scenarios", "1001"], r"--scenarios must be at most 1,000"),
     (["verify", "--inject-fault", "nope"], r"invalid choice: 'nope'"),
 ]
 

@@ -226,3 +226,11 @@ def test_a_load_without_pages_is_asked_again_only_after_a_request_is_freed():
     assert 0 < summary["loads"]["denied"] <= len(reqs) + frees
     assert summary["in_flight"]["waited_out"] == summary["in_flight"]["checkpoint_waits"] == 0
     assert summary["hit_tokens"] >= run_cluster(make(plan), reqs, 2, simulator_options=options).summary()["hit_tokens"]
+
+
+def test_the_cli_title_of_one_instance_says_one_instance(capsys):
+    argv = ["simulate", "--workload", "chat", "--requests", "4", "--kv-memory", "4GiB", "--instances", "1",
+            "--tier", "host", "--tier-memory", "1GiB"]
+    assert main(argv) == 0
+    text = " ".join(capsys.readouterr().out.split())  # the title wraps at the console's width
+    assert "on 1 instance, deepseek-v4-flash, 4.00 GiB;" in text and "1 instances" not in text

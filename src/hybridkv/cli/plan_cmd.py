@@ -48,8 +48,8 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(run=run)
 
 
-def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    """The model and limit options shared by ``plan`` and ``simulate``."""
+def add_plan_arguments(parser: argparse.ArgumentParser, *, context_len: bool = True) -> None:
+    """The model and limit options shared by ``plan`` and ``simulate`` (``--context-len``: ``plan``'s alone)."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
         "--model", type=a.nonempty("--model"), default=None, metavar="NAME",
@@ -77,11 +77,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         default=None, metavar="TOKENS",
         help="max context per request (default and upper bound: the model's max_position_embeddings)",
     )
-    parser.add_argument(
-        "--context-len", type=a.number("--context-len", "tokens", maximum=a.MAX_CONTEXT_TOKENS),
-        default=None, metavar="TOKENS",
-        help="context length of the requests counted (default 128k, or the max context if smaller)",
-    )
+    if context_len:
+        parser.add_argument(
+            "--context-len", type=a.number("--context-len", "tokens", maximum=a.MAX_CONTEXT_TOKENS),
+            default=None, metavar="TOKENS",
+            help="context length of the requests counted (default 128k, or the max context if smaller)",
+        )
     parser.add_argument(
         "--indexer", choices=INDEXER_FORMATS, default=None,
         help="indexer key format (default mxfp4; fp8 with --compare vllm, as vLLM caches it)",
@@ -134,7 +135,7 @@ def resolve_limits(args: argparse.Namespace, layout, *, running_default: int = D
     max_context = args.max_context or model_max
     if max_context is None:
         raise ValueError("the config has no max_position_embeddings: pass --max-context")
-    if args.context_len is None:
+    if getattr(args, "context_len", None) is None:  # simulate has no --context-len
         args.context_len = min(DEFAULT_CONTEXT_TOKENS, max_context)
     if args.context_len > max_context:
         raise ValueError(f"--context-len {args.context_len:,} exceeds the max context {max_context:,}")

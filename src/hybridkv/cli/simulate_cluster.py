@@ -128,8 +128,10 @@ def run_cluster_command(args: argparse.Namespace, plan, requests, build_plan) ->
 def print_cluster_summary(summary: dict, console) -> None:
     from rich.table import Table
 
-    title = (f"simulate: {summary['workload']} ({summary['requests']:,} requests) over {summary['instances']} "
-             f"instances, {summary['model']}, {format_bytes(summary['kv_memory_bytes'])} each; store: "
+    n, memory = summary["instances"], format_bytes(summary["kv_memory_bytes"])
+    where = f"over {n} instances, {summary['model']}, {memory} each" if n > 1 else \
+        f"on 1 instance, {summary['model']}, {memory}"
+    title = (f"simulate: {summary['workload']} ({summary['requests']:,} requests) {where}; store: "
              f"{summary['tier']} {format_bytes(summary['tier_memory_bytes'])}")
     table = Table(title=title)
     for column in ("run", "token hit rate", "from the store", "preemptions", "steps"):

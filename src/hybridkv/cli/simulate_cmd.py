@@ -37,7 +37,7 @@ def register(subparsers: Any) -> None:
             "preemptions, memory utilization per group and manager time per step."
         ),
     )
-    add_plan_arguments(parser)
+    add_plan_arguments(parser, context_len=False)
     _add_workload_arguments(parser)
     _add_cluster_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -53,7 +53,8 @@ def _add_workload_arguments(parser: Any) -> None:
     )
     parser.add_argument(
         "--requests", type=a.number("--requests", maximum=a.MAX_WORKLOAD_REQUESTS), default=None,
-        metavar="N", help="number of requests (1k = 1000)",
+        metavar="N", help="number of requests (1k = 1000; default: chat 256, multiturn 128, longctx 8, "
+        "agentic the requests of 64 sessions, a trace all it holds)",
     )
     parser.add_argument(
         "--seed", type=a.number("--seed", minimum=0, maximum=a.MAX_SEED), default=0,
@@ -105,7 +106,7 @@ def _add_cluster_arguments(parser: Any) -> None:
     )
     parser.add_argument(
         "--tier-memory", type=a.number("--tier-memory", "bytes", maximum=a.MAX_KV_MEMORY_BYTES), default=None,
-        metavar="BYTES", help="the store's capacity (host budget, disk budget, Mooncake segment; default 4GiB)",
+        metavar="SIZE", help="the store's capacity (host budget, disk budget, Mooncake segment; default 4GiB)",
     )
     parser.add_argument(
         "--write-through", action=argparse.BooleanOptionalAction, default=None,
