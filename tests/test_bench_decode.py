@@ -144,3 +144,21 @@ def test_hybridkv_side_plans_its_own_page_space(vs):
     assert side.manager.arena is not None and not side.plan.fits_per_group
     with pytest.raises(ValueError, match="too small"):
         vs.sides.HybridkvSide(**options, page_space="per-group")
+
+
+def test_serving_phase_with_a_filled_cache_evicts_in_its_steps(vs):
+    """``fill_tokens`` leaves the cache holding distinct freed prompts after each reset, so the timed
+    steps' allocations evict cached pages; without it the same steps evict nothing."""
+    shape = vs.workload.ServingShape(**SMALL)
+    options = dict(running=6, steps=4, rounds=1, step_tokens=300, chunk_tokens=128, shape=shape, seed=1)
+    evicted = {}
+    for fill in (0, 1_200_000):
+        side = _side(vs, 6)
+        filled = vs.serving.fill_prefix_cache(side, fill, chunk_tokens=1024, seed=1) if fill else 0
+        assert filled == -(-fill // vs.serving.FILL_PROMPT_TOKENS) and side.manager.num_requests == 0
+        cached = sum(s.cached_pages for s in side.manager.stats().values())
+        assert (cached > 0) == bool(fill)
+        before = sum(s.evicted_pages for s in side.manager.stats().values())
+        vs.serving.measure_serving({"hybridkv": side}, fill_tokens=fill, **options)
+        evicted[fill] = sum(s.evicted_pages for s in side.manager.stats().values()) - before
+    assert evicted[0] == 0 < evicted[1_200_000]

@@ -12,7 +12,9 @@ rounds and report the median round's ratio of totals (vLLM time / hybridkv
 time) and p50 / p99 step times:
 
 * ``serving``: a steady number of running requests with joins, chunked
-  prefills and finishes in every step (``serving``), at each ``--sizes``;
+  prefills and finishes in every step (``serving``), at each ``--sizes``; its
+  prefix caches start empty, or with ``--fill-tokens N`` full of N tokens of
+  freed prompts, as on a server that has run a while (every allocation evicts);
 * ``decode``: steady decode at the same sizes (``decode``); for both, a fit of
   step time = fixed + per request x running over the sizes;
 * ``prefill``: ``--chunk``-token chunks of long unique prompts (``prefill``);

@@ -55,6 +55,7 @@ class BenchConfig:
     other_max_num_seqs: int = 256
     seed: int = 0
     page_space: str = "shared"
+    fill_tokens: int = 0
     prompt_checkpoints: bool = True
     state_checkpoint_interval: int | None = None
 
@@ -98,7 +99,7 @@ def run_sizes(config: BenchConfig, sides: Sides, log: Callable[[str], None]) -> 
             out["serving"][str(size)] = _timed_log(log, f"serving at {size}", lambda: measure_serving(
                 live, running=size, steps=config.serving_steps, rounds=config.rounds,
                 step_tokens=config.step_tokens, chunk_tokens=config.chunk_tokens, shape=config.shape,
-                seed=config.seed))
+                seed=config.seed, fill_tokens=config.fill_tokens))
     out["fits"] = {phase: cost_fits(by_size) for phase, by_size in out.items()}
     return out
 
@@ -228,6 +229,9 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Output]:
                    help="shared system prompt at the start of each prompt (at most half the prompt)")
     p.add_argument("--prefixes", type=int, default=8, help="distinct shared system prompts")
     p.add_argument("--kv-memory-gib", type=float, default=40.0)
+    p.add_argument("--fill-tokens", type=int, default=0,
+                   help="serving: after each reset, prefill and free distinct prompts of this many tokens in all, "
+                        "so the prefix cache starts full, as on a server that has run a while (0: empty)")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {', '.join(PHASES)}")
     p.add_argument("--prefill-requests", type=int, default=4)
     p.add_argument("--prefill-tokens", type=int, default=32_768)
@@ -272,7 +276,7 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Output]:
         prefill_tokens=a.prefill_tokens, conversations=a.conversations, turns=a.turns, context_tokens=a.context,
         capacity_limit=a.capacity_limit, capacity_min_chunk_tokens=a.capacity_min_chunk,
         capacity_max_running=a.capacity_max_running or None, capacity_variants=a.capacity_variants, seed=a.seed,
-        page_space=a.page_space,
+        page_space=a.page_space, fill_tokens=max(0, a.fill_tokens),
         prompt_checkpoints=a.prompt_checkpoints, state_checkpoint_interval=a.state_checkpoint_interval)
     return config, Output(a.json, a.markdown, a.from_json)
 

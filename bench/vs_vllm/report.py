@@ -159,6 +159,11 @@ def _table(title: str, columns: list[str], rows: list[list[str]], markdown: bool
     return table
 
 
+def _filled(config: dict) -> str:
+    tokens = config.get("fill_tokens", 0)
+    return f", the cache first filled with {tokens:,} tokens" if tokens else ""
+
+
 def tables(report: dict, *, markdown: bool = False) -> list[Any]:
     """The report's tables: rich tables, or markdown text for docs/benchmarks.md."""
     results, config = report["results"], report["config"]
@@ -166,7 +171,7 @@ def tables(report: dict, *, markdown: bool = False) -> list[Any]:
     return [
         _table(f"Serving: joins and finishes every step (prompts {shape['prompt_tokens'][0]:,}-"
                f"{shape['prompt_tokens'][1]:,}, outputs {shape['output_tokens'][0]:,}-{shape['output_tokens'][1]:,}, "
-               f"prefix caching on); manager time per step, median of {config['rounds']} rounds",
+               f"prefix caching on{_filled(config)}); manager time per step, median of {config['rounds']} rounds",
                ["running", "finishes/step", "vLLM", "hybridkv", "ratio", "rounds", "vLLM p50 / p99",
                 "hybridkv p50 / p99", "target"], serving_rows(results), markdown),
         _table(f"Steady decode: manager time per step, median of {config['rounds']} rounds",

@@ -28,7 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .sides import CacheSide, advance_settled, step_ns
+import numpy as np
+
+from .sides import CacheSide, advance, advance_settled, step_ns
 from .timing import alternate, summarize_rounds
 from .workload import ServingRequest, ServingShape, serving_requests, steady_start
 
@@ -179,14 +181,36 @@ def _reset(side: CacheSide, phase: str) -> None:
         raise RuntimeError(f"{side.name}: prefix cache could not be reset before {phase}")
 
 
+FILL_PROMPT_TOKENS = 4096
+
+
+def fill_prefix_cache(side: CacheSide, tokens: int, *, chunk_tokens: int, seed: int) -> int:
+    """Prefill and free distinct ``FILL_PROMPT_TOKENS``-token prompts (ids of a seeded stream no serving
+    prompt shares) until ``tokens`` were computed, so the prefix cache holds them (a long-running server's
+    state: later allocations evict). Returns the prompts filled; untimed."""
+    rng, filled = np.random.default_rng([seed, 0xF111]), 0
+    while filled * FILL_PROMPT_TOKENS < tokens:
+        ids = rng.integers(0, 100_000, FILL_PROMPT_TOKENS).tolist()
+        request = side.new_request(f"fill-{filled:06d}", ids, max_tokens=1)
+        side.probe_hit(request)
+        fits = advance(side, request, FILL_PROMPT_TOKENS, chunk_tokens)
+        side.free(request)
+        if not fits:
+            raise RuntimeError(f"{side.name}: a {FILL_PROMPT_TOKENS:,}-token fill prompt does not fit")
+        filled += 1
+    side.take_timings()
+    return filled
+
+
 def measure_serving(sides: dict[str, CacheSide], *, running: int, steps: int, rounds: int, step_tokens: int,
-                    chunk_tokens: int, shape: ServingShape, seed: int) -> dict:
+                    chunk_tokens: int, shape: ServingShape, seed: int, fill_tokens: int = 0) -> dict:
     """``rounds`` rounds of ``steps`` alternating serving steps at ``running`` requests.
 
     Rounds run in segments: each segment sets both sides up afresh in the same
     steady state (prefix caches reset) and then runs as many consecutive rounds
     as its running requests supply finishes for (``steps`` shrinks to that when
-    not even one round fits). Returns ``timing.summarize_rounds``'s figures plus,
+    not even one round fits); with ``fill_tokens``, each side's cache is filled after
+    each reset (:func:`fill_prefix_cache`). Returns ``timing.summarize_rounds``'s figures plus,
     per side, the counts summed over the segments.
     """
     per_step = finishes_per_step(running, shape)
@@ -196,7 +220,8 @@ def measure_serving(sides: dict[str, CacheSide], *, running: int, steps: int, ro
     while len(rounds_ns) < rounds:
         segment = min(rounds - len(rounds_ns), max(1, running // (per_step * steps)))
         rounds_ns += _segment(sides, counts, running=running, steps=steps, rounds=segment, per_step=per_step,
-                              step_tokens=step_tokens, chunk_tokens=chunk_tokens, shape=shape, seed=seed)
+                              step_tokens=step_tokens, chunk_tokens=chunk_tokens, shape=shape, seed=seed,
+                              fill_tokens=fill_tokens)
     out = summarize_rounds(rounds_ns)
     out.update(running=running, finishes_per_step=per_step)
     for name, parts in counts.items():
@@ -206,7 +231,7 @@ def measure_serving(sides: dict[str, CacheSide], *, running: int, steps: int, ro
 
 def _segment(sides: dict[str, CacheSide], counts: dict[str, list[ServingCounts]], *, running: int, steps: int,
              rounds: int, per_step: int, step_tokens: int, chunk_tokens: int, shape: ServingShape,
-             seed: int) -> list:
+             seed: int, fill_tokens: int) -> list:
     """One set-up and ``rounds`` consecutive rounds; appends each side's counts."""
     horizon = steps * rounds
     # Enough arrivals for every finish: the scheduled ones, short outputs, and joiners that finish.
@@ -215,6 +240,8 @@ def _segment(sides: dict[str, CacheSide], counts: dict[str, list[ServingCounts]]
     drivers = {}
     for name, side in sides.items():
         _reset(side, "serving")
+        if fill_tokens:
+            fill_prefix_cache(side, fill_tokens, chunk_tokens=chunk_tokens, seed=seed)
         drivers[name] = ServingDriver(side, stream, running=running, step_tokens=step_tokens,
                                       chunk_tokens=chunk_tokens)
         drivers[name].start(produced)
