@@ -107,3 +107,11 @@ def test_limits_at_the_maxima_still_plan():
     limits = Limits(max_running_requests=1, max_scheduled_tokens=256, max_context_tokens=2**31 - 1)
     plan = plan_for_budget(layout, 40 * 2**30, limits)
     assert plan.table_widths["v4.c4a.compressed_kv"] == -(-(2**31) // 256)
+
+
+@pytest.mark.parametrize("group", [["swa"], {"swa": 1}])
+def test_request_pages_of_a_group_that_is_no_group_id(group):
+    m = _manager()
+    m.add_request("r", [1, 2, 3])
+    with pytest.raises(CacheManagerError, match="unknown group"):
+        m.request_pages("r", group)

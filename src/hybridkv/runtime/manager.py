@@ -1258,9 +1258,9 @@ class CacheManager:
     def request_pages(self, request_id: str, group_id: str) -> tuple[int, np.ndarray]:
         """(base logical page, held page ids in logical order) of one request in one group."""
         req = self._get(request_id)
-        if group_id not in self.tables:
+        table = self.tables.get(group_id) if isinstance(group_id, str) else None  # a list is no group (unhashable)
+        if table is None:
             raise CacheManagerError(f"unknown group {group_id!r}; groups are {list(self.tables)}")
-        table = self.tables[group_id]
         base = int(table.base[req.row])
         return base, table.pages_in(req.row, base, table.hi[req.row])
 
