@@ -109,6 +109,21 @@ def test_limits_at_the_maxima_still_plan():
     assert plan.table_widths["v4.c4a.compressed_kv"] == -(-(2**31) // 256)
 
 
+@pytest.mark.parametrize("ragged", [[[1, 2], [3]], [1, [2, 3]]])
+def test_a_ragged_nesting_of_token_ids_is_refused_clearly(ragged):
+    """numpy refuses to make an array of a ragged nesting with a ValueError of its own; the manager words it."""
+    m = _manager(enable_prefix_caching=True)
+    m.add_request("r", [1, 2], max_new_tokens=8)
+    before = _state(m), m.known_token_ids("r").tolist()
+    for call in (lambda: m.add_request("s", ragged), lambda: m.prepare_prompt(ragged),
+                 lambda: m.append_token_ids("r", ragged)):
+        with pytest.raises(CacheManagerError, match="token ids must be 1-D, got a ragged nesting"):
+            call()
+    with pytest.raises(CacheManagerError, match=r"token_ids must be \[1, k\] for 1 requests, got a ragged"):
+        m.append_token_ids_many(["r"], [ragged])
+    assert (_state(m), m.known_token_ids("r").tolist()) == before and not m.has_request("s")
+
+
 @pytest.mark.parametrize("group", [["swa"], {"swa": 1}])
 def test_request_pages_of_a_group_that_is_no_group_id(group):
     m = _manager()

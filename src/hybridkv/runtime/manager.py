@@ -1419,14 +1419,23 @@ def _small_token_list(token_ids: Any) -> list[int] | None:
 
 def _token_matrix(token_ids: Any, n: int) -> np.ndarray:
     """``append_token_ids_many``'s ids for ``n`` requests as an int32 ``[n, k]`` array, checked."""
-    arr = np.asarray(token_ids)
+    arr = _as_array(token_ids, f"token_ids must be [{n}, k] for {n} requests")
     if arr.ndim != 2 or arr.shape[0] != n:
         raise CacheManagerError(f"token_ids must be [{n}, k] for {n} requests, got {arr.shape}")
     return _token_array(arr.reshape(-1)).reshape(arr.shape)
 
 
+def _as_array(values: Any, shape_rule: str) -> np.ndarray:
+    """``np.asarray(values)``; a ragged nesting, which numpy refuses with its own ``ValueError``, is a
+    ``CacheManagerError`` stating ``shape_rule``."""
+    try:
+        return np.asarray(values)
+    except ValueError:
+        raise CacheManagerError(f"{shape_rule}, got a ragged nesting of sequences") from None
+
+
 def _token_array(token_ids: Any) -> np.ndarray:
-    arr = np.asarray(token_ids)
+    arr = _as_array(token_ids, "token ids must be 1-D")
     if arr.ndim != 1:
         raise CacheManagerError(f"token ids must be 1-D, got shape {arr.shape}")
     kind = arr.dtype.kind
