@@ -514,8 +514,11 @@ class CacheManager:
         ``load``: as a load step (``schedule(..., load=True)``)."""
         check_items(items, CacheManagerError)
         verdict = self._admit(items, fixed_width, load=load)
-        # schedule() right after, with the same items and no mutation between, reuses it.
-        self._admitted = None if load else (self._version, list(items), fixed_width, verdict)
+        # schedule() right after, with the same items and no mutation between, reuses it: kept only when every item
+        # is a tuple, which no one can change after the check (a list or an array item can be edited in place).
+        pairs = list(items)
+        self._admitted = None if load or [*map(type, pairs)].count(tuple) != len(pairs) else (
+            self._version, pairs, fixed_width, verdict)
         answers = list(verdict.answers)  # the verdict keeps None for valid items (schedule's reasons)
         for k, i in enumerate(verdict.ok_idx):
             answers[i] = Admission(True) if verdict.fits[k] else Admission(False, verdict.deny[k])
@@ -848,10 +851,7 @@ class CacheManager:
         if self.tier_link is not None and self.tier_link.loads_in_flight:
             self.tier_link.check_schedule()
         updates = block_tables == "updates"
-        # The last ``check_admission``'s verdict if it checked these items and nothing changed since (used once).
-        verdict = self._admitted
-        if verdict is not None:
-            self._admitted, verdict = None, verdict[3] if verdict[:3] == (self._version, items, fixed_width) else None
+        verdict = self._admitted and self._checked_verdict(items, fixed_width)
         if load:
             verdict = self._admit(items, fixed_width, load=True)
         elif verdict is None and not fixed_width and (self._tableset.n_logged is None) != updates:
@@ -866,6 +866,15 @@ class CacheManager:
         if verdict is None:
             verdict = self._admit(items, fixed_width, uniform)
         return self._run_verdict(verdict, items, uniform, write_slots, updates, fixed_width, load)
+
+    def _checked_verdict(self, items, fixed_width: bool) -> _Verdict | None:
+        """The last ``check_admission``'s verdict if it checked these items and nothing changed since (used once; the
+        items it keeps are tuples: an ndarray item here compares elementwise and is no match)."""
+        admitted, self._admitted = self._admitted, None
+        try:
+            return admitted[3] if admitted[:3] == (self._version, items, fixed_width) else None
+        except ValueError:  # numpy's "truth value of an array ... is ambiguous"
+            return None
 
     def _run_verdict(self, verdict: _Verdict, items, uniform, write_slots: bool, updates: bool, fixed_width: bool,
                      load: bool) -> StepBatch:
