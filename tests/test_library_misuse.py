@@ -130,3 +130,25 @@ def test_request_pages_of_a_group_that_is_no_group_id(group):
     m.add_request("r", [1, 2, 3])
     with pytest.raises(CacheManagerError, match="unknown group"):
         m.request_pages("r", group)
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(table_widths={"swa": 4}), r"table_widths keys \['swa'\] do not match the groups \['swa', 'kv'\]"),
+        (dict(table_widths={"swa": 4, "kv": 4, "x": 1}), "do not match the groups"),
+        (dict(table_widths={"swa": 4, "kv": 0}), r"table_widths\['kv'\] must be positive, got 0"),
+        (dict(table_widths={"swa": 4, "kv": 2.5}), r"table_widths\['kv'\] must be an integer, got 2.5"),
+        (dict(shuffle_seed=1.5), "shuffle_seed must be an integer, got 1.5"),
+        (dict(shuffle_seed="7"), "shuffle_seed must be an integer, got '7'"),
+        (dict(enable_prefix_caching=True, on_event=5), "on_event must be callable"),
+        (dict(group_pages={"swa": 64.0, "kv": 64}), "'swa': num_pages must be an integer, got 64.0"),
+        (dict(group_pages={"swa": "64", "kv": 64}), "'swa': num_pages must be an integer, got '64'"),
+    ],
+)
+def test_construction_options_of_the_wrong_kind_are_refused_clearly(options, match):
+    """Each was taken as is (a width of 0 or 2.5, a float page count) or failed later with a KeyError, a
+    TypeError from numpy's seeding, or, for a non-callable on_event, a TypeError inside a step's commit."""
+    pages = options.pop("group_pages", {"swa": 64, "kv": 64})
+    with pytest.raises(ValueError, match=match):
+        CacheManager([SWA, KV], pages, max_context_tokens=256, **options)

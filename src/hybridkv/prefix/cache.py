@@ -188,6 +188,8 @@ class PrefixCache:
         self.checkpoint_interval_tokens = self.policy.interval_tokens
         # "prefill-per-byte": each checkpoint's saved prefill, hits and last use.
         self.values = CheckpointValues() if self.policy.name == "prefill-per-byte" else None
+        if on_event is not None and not callable(on_event):  # it is called inside a step
+            raise ValueError(f"on_event must be callable (it gets each CacheEvent), got {type(on_event).__name__}")
         self.on_event = on_event
         # Without a callback, events wait for drain_events(); past the bound the oldest are dropped (counted). The
         # buffer holds raw events and commits' records (``_book``'s ``booked``: ``_raws`` expands them).

@@ -202,7 +202,7 @@ class CacheManager:
         self.max_context_tokens = as_int("max_context_tokens", max_context_tokens, minimum=1)
         self.max_step_tokens = as_int("max_step_tokens", self.max_context_tokens if max_step_tokens is None
                                       else max_step_tokens, minimum=1)
-        self.table_widths = dict(table_widths) if table_widths is not None else None
+        self.table_widths = _checked_widths(ids, table_widths)
         self._init_memory(group_pages, shuffle_seed, arena)
         self._capture_widths = None if self.table_widths is None else tuple(
             self.table_widths[s.group_id] for s in self.specs)
@@ -244,6 +244,8 @@ class CacheManager:
     def _init_memory(self, group_pages: dict[str, int], shuffle_seed: int | None,
                      arena: ArenaGeometry | None) -> None:
         """The pools, the page space the kernels own, the arena and the table store."""
+        if shuffle_seed is not None:
+            shuffle_seed = as_int("shuffle_seed", shuffle_seed, minimum=0)
         self.pools = {s.group_id: PagePool(s.group_id, group_pages[s.group_id],
                                            shuffle_seed=None if shuffle_seed is None else shuffle_seed + i,
                                            granted=arena is None, lowest_first=arena is not None)
@@ -1388,6 +1390,15 @@ def _pages_per_group(ids: list[str], group_pages: Mapping[str, int] | None,
     if group_pages is None or set(group_pages) != set(ids):
         raise ValueError(f"group_pages keys {sorted(group_pages or {})} do not match the groups {sorted(ids)}")
     return group_pages
+
+
+def _checked_widths(ids: list[str], table_widths: Mapping[str, int] | None) -> dict[str, int] | None:
+    """The capture widths (table columns) per group: one positive int for every group, no other."""
+    if table_widths is None:
+        return None
+    if set(table_widths) != set(ids):
+        raise ValueError(f"table_widths keys {list(table_widths)} do not match the groups {ids}")
+    return {gid: as_int(f"table_widths[{gid!r}]", table_widths[gid], minimum=1) for gid in ids}
 
 
 def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, int],
