@@ -159,6 +159,19 @@ class _Args:
     cache_salt: Any
 
 
+def _checked_results(results: Any) -> list[tuple[int | None, list]]:
+    """``confirm_offloads``' results as ``(ticket, list of per-object results)`` pairs, or a ``TierLinkError``
+    before any plan is confirmed (one confirmed and then a malformed one would leave its pins held for good)."""
+    try:
+        checked = [(ticket, list(stored)) for ticket, stored in results]
+    except (TypeError, ValueError):
+        checked = None
+    if checked is None or not all(ticket is None or isinstance(ticket, (int, np.integer)) for ticket, _ in checked):
+        raise TierLinkError("confirm_offloads takes (ticket, per-object results) pairs, as OffloadWorker.finished() "
+                            f"gives them, got {results!r}")
+    return checked
+
+
 class TierLink:
     """Offload and load plans between one manager's prefix cache and ``store``.
 
@@ -513,8 +526,8 @@ class TierLink:
         if isinstance(results, list) and not results:
             return  # most steps: no plan finished
         released: list[tuple[np.ndarray, np.ndarray]] = []
-        for ticket, stored in results:
-            held = self._confirm_plan(ticket, list(stored))
+        for ticket, stored in _checked_results(results):  # all checked first: a plan confirmed releases its pins
+            held = self._confirm_plan(ticket, stored)
             if held is not None:
                 released.append(held)
         if not released:
