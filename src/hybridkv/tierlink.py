@@ -172,6 +172,17 @@ def _checked_results(results: Any) -> list[tuple[int | None, list]]:
     return checked
 
 
+def _id_set(request_ids: Any) -> set:
+    """``take_loads``' request ids as a set: refused when a str (it would read as its characters) or not an
+    iterable of hashable ids."""
+    try:
+        if not isinstance(request_ids, (str, bytes)):
+            return set(request_ids)
+    except TypeError:
+        pass
+    raise TierLinkError(f"request_ids must be a sequence of request ids, got {request_ids!r}")
+
+
 class TierLink:
     """Offload and load plans between one manager's prefix cache and ``store``.
 
@@ -598,7 +609,7 @@ class TierLink:
             self.resume_waits()
             rids = list(self._plans)
         else:
-            wanted = set(request_ids)
+            wanted = _id_set(request_ids)
             rids = [rid for rid in self._plans if rid in wanted]
         items = self._admit_loads(rids)
         if not items:
@@ -678,9 +689,11 @@ class TierLink:
     def confirm_load(self, request_id: str, result: LoadResult | int) -> int:
         """Report a taken load: its ``LoadResult`` (or the tokens it loaded). Returns the request's
         computed tokens now; check :meth:`pending` for a further load."""
-        plan = self._plans.get(request_id)
+        plan = self._plans.get(request_id) if isinstance(request_id, str) else None
         if plan is None or not plan.taken:
             raise TierLinkError(f"request {request_id!r} has no tier load in flight")
+        if isinstance(result, bool) or not isinstance(result, (LoadResult, int, np.integer)):
+            raise TierLinkError(f"result must be a LoadResult or the tokens loaded (an int), got {result!r}")
         loaded = result.boundary_tokens if isinstance(result, LoadResult) else int(result)
         del self._plans[request_id]
         self.loads_in_flight = any(p.taken for p in self._plans.values())
