@@ -181,7 +181,9 @@ BAD = [
     (S + ["--workload", "{t_negative}"], r"t6\.jsonl: line 1: 'arrival' must be finite and >= 0"),
     (S + ["--workload", "{t_long}", "--max-context", "64k"], r"t7\.jsonl: line 1: .*exceed 65,536, the longest request allowed"),
     # verify's own arguments
-    (["verify", "--seed", "abc"], r"argument --seed: invalid int value: 'abc'"),
+    (["verify", "--seed", "abc"], r"--seed: cannot read 'abc'"),
+    (["verify", "--seed", "-1"], r"--seed must not be negative, got '-1'"),  # was numpy's words, after the run began
+    (["verify", "--scenarios", "-1"], r"--scenarios must not be negative, got '-1'"),  # was "invalid _non_negative"
     (["verify", "--inject-fault", "nope"], r"invalid choice: 'nope'"),
 ]
 

@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Any
 
+from hybridkv.cli import args as a
 from hybridkv.reference.scenario import FAULTS, TOLERANCE
 
 EXIT_FAIL = 1
@@ -31,8 +32,9 @@ def register(subparsers: Any) -> None:
             "hybridkv's pages against its own cache instead. Prints each check and PASS or FAIL (exit 1)."
         ),
     )
-    parser.add_argument("--seed", type=int, default=0, help="weights and token seed (default 0)")
-    parser.add_argument("--scenarios", type=_non_negative, default=0,
+    parser.add_argument("--seed", type=a.number("--seed", minimum=0, maximum=a.MAX_SEED), default=0,
+                        help="weights and token seed (default 0)")
+    parser.add_argument("--scenarios", type=a.number("--scenarios", minimum=0), default=0,
                         help="random pressure scenarios to add (seeds SEED+1..; default 0)")
     parser.add_argument("--against", choices=("reference", "transformers"), default="reference",
                         help="what the paged path is compared with (default: the dense reference)")
@@ -48,13 +50,6 @@ def register(subparsers: Any) -> None:
              "process for disk and mooncake) hits it from there; B's outputs vs dense, and the faults",
     )
     parser.set_defaults(run=run)
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError(f"--scenarios must be >= 0, got {value}")
-    return value
 
 
 def _progress(message: str) -> None:
