@@ -294,7 +294,9 @@ class PrefixCache:
         self._supersede_books = {gid: (pools[gid].lookup, self._holders[gid], self._space.pools.index(pools[gid]))
                                  for gid in self.state_ids}
         self._order = None  # "prefill-per-byte": the state pools' eviction order, kept incrementally
-        if self.values is not None and self.state_ids:
+        # Not with "group-lru": each pool evicts by its own LRU alone, and a checkpoint one pool lets go of would leave
+        # the order without the pages the other pools still keep idle.
+        if self.values is not None and self.state_ids and self.eviction.acts:
             self._order = CheckpointOrder(self.values, [pools[g] for g in self.state_ids], idle_clock_tick,
                                           self.eviction.beyond_gap)
             self.eviction.on_mended = self._order.mended
@@ -779,7 +781,7 @@ class PrefixCache:
             self.values.request_freed()
             if self._order is not None:
                 self._order.request_freed()
-            else:
+            elif self.eviction.acts:  # "group-lru": no order, each pool by its own LRU
                 self.rank_checkpoints()
 
     def check_holds(self, live: Sequence[CommittingRequest]) -> None:
