@@ -303,3 +303,39 @@ def test_speculative_between_is_speculative_boundary_by_boundary(name, interval_
     expected = [d for d in range(lo, hi, g) if rules.get(name, lambda d: d <= prompt)(d)]
     assert list(policy.speculative_between(lo, hi, g, prompt)) == expected
     assert [d for d in range(lo, hi, g) if policy.speculative(d, prompt)] == expected
+
+
+def test_prefill_per_byte_with_group_lru_evicts_each_pool_by_its_lru():
+    """"group-lru" evicts each pool alone; the "prefill-per-byte" order ranked every state pool's checkpoints as one,
+    so after the c4 state pool let go of a checkpoint the order no longer knew the indexer pool's idle page of it and
+    the next eviction there stopped with "the checkpoint order lost idle pages" (an AssertionError inside schedule,
+    found by an outside-user driver on a shared arena with load steps). With "group-lru" no order is kept."""
+    import numpy as np
+
+    from hybridkv.memory.arena import arena_geometry
+    from hybridkv.models.deepseek_v4 import build_v4_cache_specs
+    from hybridkv.runtime.manager import CacheManager
+
+    specs = build_v4_cache_specs({"sliding_window": 16}, layer_ratio=[0, 4, 128])
+    page_bytes = {SWA: 64, C4S: 64, C4KV: 128, C128S: 32, C128KV: 32, IDX: 64}
+    m = CacheManager(specs, None, arena=arena_geometry(page_bytes, 8000, anchor_group=C4KV, slab_anchor_pages=2),
+                     max_context_tokens=700, enable_prefix_caching=True, prefix_granularity=256,
+                     eviction_policy="group-lru", checkpoint_policy="prefill-per-byte")
+    rng = np.random.default_rng(0)
+    p0 = rng.integers(0, 1000, 330, dtype=np.int32)
+    m.add_request("r0", p0, max_new_tokens=1)
+    m.schedule([("r0", 234)], load=True, write_slots=False)
+    m.schedule([("r0", 74)])
+    m.add_request("r1", prompt_tokens=345, max_new_tokens=355)
+    m.schedule([("r1", 1)])
+    m.add_request("r3", prompt_tokens=74, max_new_tokens=1)
+    m.add_request("r4", np.concatenate([p0[:68], rng.integers(0, 1000, 113, dtype=np.int32)]), max_new_tokens=1)
+    m.add_request("r5", rng.integers(0, 1000, 122, dtype=np.int32), max_new_tokens=578)
+    m.schedule([("r5", 1), ("r1", 46), ("r4", 14), ("r3", 19), ("r0", 4)])
+    m.free("r3")  # the checkpoint at 256 is ranked again
+    m.add_request("r6", prompt_tokens=75, max_new_tokens=439)
+    m.schedule([("r0", 4)], load=True, write_slots=False)
+    evicted = {gid: st.evicted_pages for gid, st in m.stats().items()}
+    m.schedule([("r4", 90), ("r5", 1), ("r0", 6), ("r6", 34)])  # both c4 state pools evict the checkpoint's page
+    assert all(m.stats()[gid].evicted_pages == evicted[gid] + 1 for gid in (C4S, IDX))
+    m.check_invariants()

@@ -184,8 +184,8 @@ BAD = [
     (S + ["--context-len", "64k"], r"unrecognized arguments: --context-len 64k"),
     # verify's own arguments
     (["verify", "--seed", "abc"], r"--seed: cannot read 'abc'"),
-    (["verify", "--seed", "-1"], r"--seed must not be negative"),
-    (["verify", "--scenarios", "-1"], r"--scenarios must not be negative"),
+    (["verify", "--seed", "-1"], r"--seed must not be negative, got '-1'"),  # was numpy's words, after the run began
+    (["verify", "--scenarios", "-1"], r"--scenarios must not be negative, got '-1'"),  # was "invalid _non_negative"
     (["verify", "--scenarios", "1001"], r"--scenarios must be at most 1,000"),
     (["verify", "--inject-fault", "nope"], r"invalid choice: 'nope'"),
 ]

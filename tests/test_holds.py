@@ -177,6 +177,8 @@ def test_a_group_major_list_whose_counts_do_not_match_it_is_refused_whole(method
     hold(m, {gid: np.array([page])})  # so that a release of it is valid too
     before, n = state(m), len(m.specs)
     local, counts = group_major(m, {gid: np.array([page])})
+    wrapped = np.zeros(n, dtype=np.int64)
+    wrapped[:3] = (2**63 - 1, 2**63 - 1, local.size + 2)  # 2**64 + local.size: local.size in int64
     call = getattr(m, method)
     for bad_local, bad_counts in (
         (local, counts + 1),  # more pages counted than listed
@@ -187,6 +189,7 @@ def test_a_group_major_list_whose_counts_do_not_match_it_is_refused_whole(method
         (local.tolist(), counts),
         (local[:0], counts),  # no pages listed, one counted
         (local[:0], np.zeros(n - 1, dtype=np.int64)),  # no pages, a count short
+        (local, wrapped),  # counts whose int64 sum wraps round to the length listed
     ):
         with pytest.raises(CacheManagerError, match="must"):
             call(bad_local, bad_counts)

@@ -306,6 +306,9 @@ def test_bad_indexer_and_speculative_tokens():
         cache_layout("deepseek-v4-flash", indexer="fp4")
     with pytest.raises(ValueError, match="speculative_tokens"):
         cache_layout("deepseek-v4-flash", speculative_tokens=0)
+    for width in (1.5, 2.0, "2", True):  # 1.5 was taken as a width of 1
+        with pytest.raises(ValueError, match="speculative_tokens must be an integer"):
+            cache_layout("deepseek-v4-flash", speculative_tokens=width)
 
 
 def test_bad_sources(tmp_path):

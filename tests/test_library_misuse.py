@@ -107,3 +107,48 @@ def test_limits_at_the_maxima_still_plan():
     limits = Limits(max_running_requests=1, max_scheduled_tokens=256, max_context_tokens=2**31 - 1)
     plan = plan_for_budget(layout, 40 * 2**30, limits)
     assert plan.table_widths["v4.c4a.compressed_kv"] == -(-(2**31) // 256)
+
+
+@pytest.mark.parametrize("ragged", [[[1, 2], [3]], [1, [2, 3]]])
+def test_a_ragged_nesting_of_token_ids_is_refused_clearly(ragged):
+    """numpy refuses to make an array of a ragged nesting with a ValueError of its own; the manager words it."""
+    m = _manager(enable_prefix_caching=True)
+    m.add_request("r", [1, 2], max_new_tokens=8)
+    before = _state(m), m.known_token_ids("r").tolist()
+    for call in (lambda: m.add_request("s", ragged), lambda: m.prepare_prompt(ragged),
+                 lambda: m.append_token_ids("r", ragged)):
+        with pytest.raises(CacheManagerError, match="token ids must be 1-D, got a ragged nesting"):
+            call()
+    with pytest.raises(CacheManagerError, match=r"token_ids must be \[1, k\] for 1 requests, got a ragged"):
+        m.append_token_ids_many(["r"], [ragged])
+    assert (_state(m), m.known_token_ids("r").tolist()) == before and not m.has_request("s")
+
+
+@pytest.mark.parametrize("group", [["swa"], {"swa": 1}])
+def test_request_pages_of_a_group_that_is_no_group_id(group):
+    m = _manager()
+    m.add_request("r", [1, 2, 3])
+    with pytest.raises(CacheManagerError, match="unknown group"):
+        m.request_pages("r", group)
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(table_widths={"swa": 4}), r"table_widths keys \['swa'\] do not match the groups \['swa', 'kv'\]"),
+        (dict(table_widths={"swa": 4, "kv": 4, "x": 1}), "do not match the groups"),
+        (dict(table_widths={"swa": 4, "kv": 0}), r"table_widths\['kv'\] must be positive, got 0"),
+        (dict(table_widths={"swa": 4, "kv": 2.5}), r"table_widths\['kv'\] must be an integer, got 2.5"),
+        (dict(shuffle_seed=1.5), "shuffle_seed must be an integer, got 1.5"),
+        (dict(shuffle_seed="7"), "shuffle_seed must be an integer, got '7'"),
+        (dict(enable_prefix_caching=True, on_event=5), "on_event must be callable"),
+        (dict(group_pages={"swa": 64.0, "kv": 64}), "'swa': num_pages must be an integer, got 64.0"),
+        (dict(group_pages={"swa": "64", "kv": 64}), "'swa': num_pages must be an integer, got '64'"),
+    ],
+)
+def test_construction_options_of_the_wrong_kind_are_refused_clearly(options, match):
+    """Each was taken as is (a width of 0 or 2.5, a float page count) or failed later with a KeyError, a
+    TypeError from numpy's seeding, or, for a non-callable on_event, a TypeError inside a step's commit."""
+    pages = options.pop("group_pages", {"swa": 64, "kv": 64})
+    with pytest.raises(ValueError, match=match):
+        CacheManager([SWA, KV], pages, max_context_tokens=256, **options)

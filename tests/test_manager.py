@@ -387,6 +387,33 @@ def test_pages_the_step_releases_count_as_credit():
     assert not adm.ok and "needs 2 new pages" in adm.reason and "1 free" in adm.reason
 
 
+def test_schedule_after_check_admission_schedules_the_items_as_they_are_now():
+    """An item edited in place after the check (a list, not a tuple) is scheduled as edited: 3 tokens
+    need a second page the pool lacks, so the step is refused, not run with the count checked."""
+    m = manager([KV], 3, ctx=64)  # 2 usable pages of 4 tokens
+    m.add_request("a", prompt_tokens=12)
+    m.schedule([("a", 4)])  # a holds 1 page, 1 free
+    items = [["a", 4]]
+    assert m.check_admission(items) == [Admission(True)]
+    items[0][1] = 8  # needs 2 new pages
+    before = snapshot(m, "a")
+    with pytest.raises(CacheManagerError, match="needs 2 new pages"):
+        m.schedule(items)
+    assert snapshot(m, "a") == before
+    items[0][1] = 4
+    assert m.schedule(items).num_scheduled_tokens.tolist() == [4]
+
+
+def test_schedule_of_array_items_after_checking_them_as_tuples():
+    """Array items compare elementwise with the checked tuples: the step is admitted afresh, not a numpy error."""
+    m = manager([KV], 8, ctx=64)
+    m.add_request("a", prompt_tokens=12)
+    assert m.check_admission([("a", 4)]) == [Admission(True)]
+    assert m.schedule([np.array(["a", 4], dtype=object)]).num_scheduled_tokens.tolist() == [4]
+    assert m.check_admission(np.array([["a", 4]], dtype=object)) == [Admission(True)]
+    assert m.schedule(np.array([["a", 4]], dtype=object)).num_scheduled_tokens.tolist() == [4]
+
+
 def _two_request_credit_setup():
     m = manager([SWA], 7, ctx=64)  # 6 usable pages
     m.add_request("a", prompt_tokens=24)

@@ -93,9 +93,11 @@ def test_allocate_zero_and_negative():
     assert pool.num_free_pages == 3
 
 
-@pytest.mark.parametrize("num_pages", [0, 1, True, 2.5, -4])
-def test_pool_size_is_validated(num_pages):
-    with pytest.raises(ValueError, match="at least 2 pages"):
+@pytest.mark.parametrize("num_pages, match", [(0, "at least 2 pages"), (1, "at least 2 pages"),
+                                              (True, "must be an integer"), (2.5, "must be an integer"),
+                                              (4.0, "must be an integer"), (-4, "at least 2 pages")])
+def test_pool_size_is_validated(num_pages, match):
+    with pytest.raises(ValueError, match=match):
         PagePool("g", num_pages)
 
 

@@ -282,6 +282,21 @@ def test_apply_needs_an_updates_batch():
         BlockTableMirror.for_manager(m).apply(m.schedule([("a", 5)]))
 
 
+def test_block_table_of_no_group_or_before_any_batch_is_refused_clearly():
+    """Was a KeyError (an unknown or unhashable group) or an IndexError (nothing applied yet)."""
+    specs, pages, ctx, step = CONFIGS["odd"]
+    m = CacheManager(specs, pages, max_context_tokens=ctx, max_step_tokens=step)
+    m.add_request("a", prompt_tokens=5)
+    mirror = BlockTableMirror.for_manager(m)
+    with pytest.raises(ValueError, match="needs a batch applied first"):
+        mirror.block_table("s7")
+    mirror.apply(m.schedule([("a", 5)], block_tables="updates"))
+    for group in ("nope", ["s7"]):
+        with pytest.raises(ValueError, match="unknown group"):
+            mirror.block_table(group)
+    assert mirror.block_table("s7").shape == (1, 2)  # 5 tokens of 3 a page
+
+
 def test_updates_of_a_chunk_that_evicts_first_match_the_full_tables():
     """A prefill chunk whose free stacks are short (cached pages evicted before it allocates:
     the step kernel stops after its releases and ``finish_step`` ends it) hands out the

@@ -30,7 +30,7 @@ from hybridkv.plan import Limits, plan_for_tokens
 from hybridkv.reference.config import build_model
 from hybridkv.reference.paged import PagedStack
 from hybridkv.tiers import HostTier, ObjectStore, group_pools_from_layers
-from hybridkv.tierlink import TierLink
+from hybridkv.tierlink import TierLink, TierLinkError
 
 from test_tierlink import ATOL, CONFIG, GRAIN, LAYOUT, Instance, compute_prompt, dense, prompts
 
@@ -154,6 +154,29 @@ def test_a_failed_load_goes_back_to_the_device_hit_with_its_pages():
     b.manager.check_invariants()
     b.manager.free("q")
     assert {gid: st.free_pages for gid, st in b.manager.stats().items()} == free
+
+
+def test_take_loads_and_confirm_load_refuse_ids_and_results_of_the_wrong_kind():
+    """take_loads("q") read the str as its characters (no load taken, no error); an unhashable id was a
+    TypeError; a result of None or "768" a TypeError/ValueError of int(); 767.9 was taken as 767, a failed load."""
+    store = ObjectStore(HostTier(1 << 30), LAYOUT)
+    _, _, other, _ = writer(store)
+    b = Instance(store, 13)
+    b.manager.add_request("q", other, max_new_tokens=8)
+    for ids in ("q", b"q", [["q"]], 5):
+        with pytest.raises(TierLinkError, match="request_ids must be a sequence of request ids"):
+            b.link.take_loads(ids)
+    assert b.link.pending("q")
+    (load,) = b.link.take_loads(["q"])
+    with pytest.raises(TierLinkError, match="no tier load in flight"):
+        b.link.confirm_load(["q"], 768)
+    before = (held(b.manager, "q"), b.manager.num_computed_tokens("q"))
+    for result in (None, "768", 767.9, True):
+        with pytest.raises(TierLinkError, match="result must be a LoadResult or the tokens loaded"):
+            b.link.confirm_load("q", result)
+    assert (held(b.manager, "q"), b.manager.num_computed_tokens("q")) == before
+    assert b.link.confirm_load("q", load.plan.run(store, b.pools, load.targets)) == 768
+    b.manager.check_invariants()
 
 
 def test_a_load_step_needs_prefix_caching():

@@ -21,7 +21,7 @@ from hybridkv.plan import Limits, plan_for_tokens
 from hybridkv.reference.config import ReferenceConfig, build_model
 from hybridkv.reference.dense import dense_forward
 from hybridkv.reference.paged import PagedStack
-from hybridkv.tierlink import TierLink
+from hybridkv.tierlink import TierLink, TierLinkError
 from hybridkv.tiers import (
     DiskTier,
     GroupPages,
@@ -352,6 +352,25 @@ def test_a_dropped_offload_releases_its_pins_and_is_a_clean_miss():
     manager = CacheManager.from_plan(plan_for_tokens(LAYOUT, 2048, LIMITS), enable_prefix_caching=True,
                                      prefix_granularity=256, tier_link=link)
     assert manager.add_request("q", tokens, max_new_tokens=4).hit_tokens == 0 and not link.pending("q")
+
+
+@pytest.mark.parametrize("bad", [(5,), (None, None), "ab", (["t"], [True])])
+def test_a_malformed_result_refuses_the_whole_confirmation_and_leaks_no_pin(bad):
+    """A good plan's result then a malformed one: before, the good plan's pins were dropped from the link
+    and its pages never released (held outside any request for good)."""
+    engine = Engine(total_tokens=2048)
+    compute(engine, "p", np.random.default_rng(5).integers(0, CONFIG.vocab_size, 600))
+    engine.manager.free("p")
+    (ticket, make_objects, num_objects, in_place), = engine.worker.jobs
+    pinned = engine.pinned()
+    assert pinned > 0
+    results = [(ticket, engine.put(make_objects(), in_place))]
+    with pytest.raises(TierLinkError, match="pairs"):
+        engine.link.confirm_offloads(results + [bad])
+    assert engine.pinned() == pinned
+    engine.link.confirm_offloads(results)
+    assert engine.pinned() == 0 and engine.link.stats().offload_stored == num_objects
+    engine.manager.check_invariants()
 
 
 def test_the_worker_drops_what_does_not_fit_its_queue_and_counts_failures():

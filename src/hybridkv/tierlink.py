@@ -159,6 +159,30 @@ class _Args:
     cache_salt: Any
 
 
+def _checked_results(results: Any) -> list[tuple[int | None, list]]:
+    """``confirm_offloads``' results as ``(ticket, list of per-object results)`` pairs, or a ``TierLinkError``
+    before any plan is confirmed (one confirmed and then a malformed one would leave its pins held for good)."""
+    try:
+        checked = [(ticket, list(stored)) for ticket, stored in results]
+    except (TypeError, ValueError):
+        checked = None
+    if checked is None or not all(ticket is None or isinstance(ticket, (int, np.integer)) for ticket, _ in checked):
+        raise TierLinkError("confirm_offloads takes (ticket, per-object results) pairs, as OffloadWorker.finished() "
+                            f"gives them, got {results!r}")
+    return checked
+
+
+def _id_set(request_ids: Any) -> set:
+    """``take_loads``' request ids as a set: refused when a str (it would read as its characters) or not an
+    iterable of hashable ids."""
+    try:
+        if not isinstance(request_ids, (str, bytes)):
+            return set(request_ids)
+    except TypeError:
+        pass
+    raise TierLinkError(f"request_ids must be a sequence of request ids, got {request_ids!r}")
+
+
 class TierLink:
     """Offload and load plans between one manager's prefix cache and ``store``.
 
@@ -513,8 +537,8 @@ class TierLink:
         if isinstance(results, list) and not results:
             return  # most steps: no plan finished
         released: list[tuple[np.ndarray, np.ndarray]] = []
-        for ticket, stored in results:
-            held = self._confirm_plan(ticket, list(stored))
+        for ticket, stored in _checked_results(results):  # all checked first: a plan confirmed releases its pins
+            held = self._confirm_plan(ticket, stored)
             if held is not None:
                 released.append(held)
         if not released:
@@ -585,7 +609,7 @@ class TierLink:
             self.resume_waits()
             rids = list(self._plans)
         else:
-            wanted = set(request_ids)
+            wanted = _id_set(request_ids)
             rids = [rid for rid in self._plans if rid in wanted]
         items = self._admit_loads(rids)
         if not items:
@@ -665,9 +689,11 @@ class TierLink:
     def confirm_load(self, request_id: str, result: LoadResult | int) -> int:
         """Report a taken load: its ``LoadResult`` (or the tokens it loaded). Returns the request's
         computed tokens now; check :meth:`pending` for a further load."""
-        plan = self._plans.get(request_id)
+        plan = self._plans.get(request_id) if isinstance(request_id, str) else None
         if plan is None or not plan.taken:
             raise TierLinkError(f"request {request_id!r} has no tier load in flight")
+        if isinstance(result, bool) or not isinstance(result, (LoadResult, int, np.integer)):
+            raise TierLinkError(f"result must be a LoadResult or the tokens loaded (an int), got {result!r}")
         loaded = result.boundary_tokens if isinstance(result, LoadResult) else int(result)
         del self._plans[request_id]
         self.loads_in_flight = any(p.taken for p in self._plans.values())

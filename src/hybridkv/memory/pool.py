@@ -14,6 +14,7 @@ from operator import attrgetter
 
 import numpy as np
 
+from hybridkv._checks import as_int
 from hybridkv.memory import lru
 from hybridkv.runtime import kernels
 
@@ -76,10 +77,11 @@ class PagePool:
 
     def __init__(self, group_id: str, num_pages: int, *, shuffle_seed: int | None = None, granted: bool = True,
                  lowest_first: bool = False):
-        if isinstance(num_pages, bool) or int(num_pages) != num_pages or num_pages < 2:
+        num_pages = as_int(f"group {group_id!r}: num_pages", num_pages)
+        if num_pages < 2:
             raise ValueError(f"group {group_id!r}: a pool needs at least 2 pages (null page + 1), got {num_pages!r}")
         self.group_id = group_id
-        self.num_pages = int(num_pages)
+        self.num_pages = num_pages
         self.ref_counts = np.zeros(self.num_pages, dtype=np.int32)
         self._rng = None if shuffle_seed is None else np.random.default_rng(shuffle_seed)
         self.lowest_first = bool(lowest_first) and self._rng is None

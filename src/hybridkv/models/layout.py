@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from hybridkv._checks import as_int
 from hybridkv.models import deepseek_v4 as v4
 from hybridkv.spec import CacheGroupSpec
 
@@ -334,6 +335,7 @@ def cache_layout(
     """
     if indexer not in INDEXER_FORMATS:
         raise ValueError(f"indexer must be one of {INDEXER_FORMATS}, got {indexer!r}")
+    speculative_tokens = as_int("speculative_tokens", speculative_tokens, minimum=1)  # 1.5 is no width
     config = load_model_config(source)
     num_main, _, ratios = _layer_ratios(config, bool(include_mtp))
     head_dim = _config_int(config, "head_dim")

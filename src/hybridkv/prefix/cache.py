@@ -188,6 +188,8 @@ class PrefixCache:
         self.checkpoint_interval_tokens = self.policy.interval_tokens
         # "prefill-per-byte": each checkpoint's saved prefill, hits and last use.
         self.values = CheckpointValues() if self.policy.name == "prefill-per-byte" else None
+        if on_event is not None and not callable(on_event):  # it is called inside a step
+            raise ValueError(f"on_event must be callable (it gets each CacheEvent), got {type(on_event).__name__}")
         self.on_event = on_event
         # Without a callback, events wait for drain_events(); past the bound the oldest are dropped (counted). The
         # buffer holds raw events and commits' records (``_book``'s ``booked``: ``_raws`` expands them).
@@ -292,7 +294,9 @@ class PrefixCache:
         self._supersede_books = {gid: (pools[gid].lookup, self._holders[gid], self._space.pools.index(pools[gid]))
                                  for gid in self.state_ids}
         self._order = None  # "prefill-per-byte": the state pools' eviction order, kept incrementally
-        if self.values is not None and self.state_ids:
+        # Not with "group-lru": each pool evicts by its own LRU alone, and a checkpoint one pool lets go of would leave
+        # the order without the pages the other pools still keep idle.
+        if self.values is not None and self.state_ids and self.eviction.acts:
             self._order = CheckpointOrder(self.values, [pools[g] for g in self.state_ids], idle_clock_tick,
                                           self.eviction.beyond_gap)
             self.eviction.on_mended = self._order.mended
@@ -777,7 +781,7 @@ class PrefixCache:
             self.values.request_freed()
             if self._order is not None:
                 self._order.request_freed()
-            else:
+            elif self.eviction.acts:  # "group-lru": no order, each pool by its own LRU
                 self.rank_checkpoints()
 
     def check_holds(self, live: Sequence[CommittingRequest]) -> None:

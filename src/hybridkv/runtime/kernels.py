@@ -1671,7 +1671,7 @@ def first_out_of_range(local, per_group, limits, lowest):
         return MISLISTED
     total = 0
     for g in range(per_group.size):
-        if per_group[g] < 0:
+        if per_group[g] < 0 or per_group[g] > local.size - total:  # the sum is never to wrap past int64
             return MISLISTED
         total += per_group[g]
     if total != local.size:

@@ -202,7 +202,7 @@ class CacheManager:
         self.max_context_tokens = as_int("max_context_tokens", max_context_tokens, minimum=1)
         self.max_step_tokens = as_int("max_step_tokens", self.max_context_tokens if max_step_tokens is None
                                       else max_step_tokens, minimum=1)
-        self.table_widths = dict(table_widths) if table_widths is not None else None
+        self.table_widths = _checked_widths(ids, table_widths)
         self._init_memory(group_pages, shuffle_seed, arena)
         self._capture_widths = None if self.table_widths is None else tuple(
             self.table_widths[s.group_id] for s in self.specs)
@@ -244,6 +244,8 @@ class CacheManager:
     def _init_memory(self, group_pages: dict[str, int], shuffle_seed: int | None,
                      arena: ArenaGeometry | None) -> None:
         """The pools, the page space the kernels own, the arena and the table store."""
+        if shuffle_seed is not None:
+            shuffle_seed = as_int("shuffle_seed", shuffle_seed, minimum=0)
         self.pools = {s.group_id: PagePool(s.group_id, group_pages[s.group_id],
                                            shuffle_seed=None if shuffle_seed is None else shuffle_seed + i,
                                            granted=arena is None, lowest_first=arena is not None)
@@ -514,8 +516,11 @@ class CacheManager:
         ``load``: as a load step (``schedule(..., load=True)``)."""
         check_items(items, CacheManagerError)
         verdict = self._admit(items, fixed_width, load=load)
-        # schedule() right after, with the same items and no mutation between, reuses it.
-        self._admitted = None if load else (self._version, list(items), fixed_width, verdict)
+        # schedule() right after, with the same items and no mutation between, reuses it: kept only when every item
+        # is a tuple, which no one can change after the check (a list or an array item can be edited in place).
+        pairs = list(items)
+        self._admitted = None if load or [*map(type, pairs)].count(tuple) != len(pairs) else (
+            self._version, pairs, fixed_width, verdict)
         answers = list(verdict.answers)  # the verdict keeps None for valid items (schedule's reasons)
         for k, i in enumerate(verdict.ok_idx):
             answers[i] = Admission(True) if verdict.fits[k] else Admission(False, verdict.deny[k])
@@ -848,10 +853,7 @@ class CacheManager:
         if self.tier_link is not None and self.tier_link.loads_in_flight:
             self.tier_link.check_schedule()
         updates = block_tables == "updates"
-        # The last ``check_admission``'s verdict if it checked these items and nothing changed since (used once).
-        verdict = self._admitted
-        if verdict is not None:
-            self._admitted, verdict = None, verdict[3] if verdict[:3] == (self._version, items, fixed_width) else None
+        verdict = self._admitted and self._checked_verdict(items, fixed_width)
         if load:
             verdict = self._admit(items, fixed_width, load=True)
         elif verdict is None and not fixed_width and (self._tableset.n_logged is None) != updates:
@@ -866,6 +868,15 @@ class CacheManager:
         if verdict is None:
             verdict = self._admit(items, fixed_width, uniform)
         return self._run_verdict(verdict, items, uniform, write_slots, updates, fixed_width, load)
+
+    def _checked_verdict(self, items, fixed_width: bool) -> _Verdict | None:
+        """The last ``check_admission``'s verdict if it checked these items and nothing changed since (used once; the
+        items it keeps are tuples: an ndarray item here compares elementwise and is no match)."""
+        admitted, self._admitted = self._admitted, None
+        try:
+            return admitted[3] if admitted[:3] == (self._version, items, fixed_width) else None
+        except ValueError:  # numpy's "truth value of an array ... is ambiguous"
+            return None
 
     def _run_verdict(self, verdict: _Verdict, items, uniform, write_slots: bool, updates: bool, fixed_width: bool,
                      load: bool) -> StepBatch:
@@ -1258,9 +1269,9 @@ class CacheManager:
     def request_pages(self, request_id: str, group_id: str) -> tuple[int, np.ndarray]:
         """(base logical page, held page ids in logical order) of one request in one group."""
         req = self._get(request_id)
-        if group_id not in self.tables:
+        table = self.tables.get(group_id) if isinstance(group_id, str) else None  # a list is no group (unhashable)
+        if table is None:
             raise CacheManagerError(f"unknown group {group_id!r}; groups are {list(self.tables)}")
-        table = self.tables[group_id]
         base = int(table.base[req.row])
         return base, table.pages_in(req.row, base, table.hi[req.row])
 
@@ -1381,6 +1392,15 @@ def _pages_per_group(ids: list[str], group_pages: Mapping[str, int] | None,
     return group_pages
 
 
+def _checked_widths(ids: list[str], table_widths: Mapping[str, int] | None) -> dict[str, int] | None:
+    """The capture widths (table columns) per group: one positive int for every group, no other."""
+    if table_widths is None:
+        return None
+    if set(table_widths) != set(ids):
+        raise ValueError(f"table_widths keys {list(table_widths)} do not match the groups {ids}")
+    return {gid: as_int(f"table_widths[{gid!r}]", table_widths[gid], minimum=1) for gid in ids}
+
+
 def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, int],
                    scan: IdleScan | None) -> list | None:
     """Slab moves that let each group get ``want`` pages out of ``avail`` (``[]``: fit already; None: cannot).
@@ -1419,14 +1439,23 @@ def _small_token_list(token_ids: Any) -> list[int] | None:
 
 def _token_matrix(token_ids: Any, n: int) -> np.ndarray:
     """``append_token_ids_many``'s ids for ``n`` requests as an int32 ``[n, k]`` array, checked."""
-    arr = np.asarray(token_ids)
+    arr = _as_array(token_ids, f"token_ids must be [{n}, k] for {n} requests")
     if arr.ndim != 2 or arr.shape[0] != n:
         raise CacheManagerError(f"token_ids must be [{n}, k] for {n} requests, got {arr.shape}")
     return _token_array(arr.reshape(-1)).reshape(arr.shape)
 
 
+def _as_array(values: Any, shape_rule: str) -> np.ndarray:
+    """``np.asarray(values)``; a ragged nesting, which numpy refuses with its own ``ValueError``, is a
+    ``CacheManagerError`` stating ``shape_rule``."""
+    try:
+        return np.asarray(values)
+    except ValueError:
+        raise CacheManagerError(f"{shape_rule}, got a ragged nesting of sequences") from None
+
+
 def _token_array(token_ids: Any) -> np.ndarray:
-    arr = np.asarray(token_ids)
+    arr = _as_array(token_ids, "token ids must be 1-D")
     if arr.ndim != 1:
         raise CacheManagerError(f"token ids must be 1-D, got shape {arr.shape}")
     kind = arr.dtype.kind

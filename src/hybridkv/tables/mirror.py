@@ -54,7 +54,10 @@ class BlockTableMirror:
 
     def block_table(self, group_id: str) -> np.ndarray:
         """int32 ``[R, width]`` for the last applied batch, as the full mode builds it."""
-        g = self._index[group_id]
+        g = self._index.get(group_id) if isinstance(group_id, str) else None
+        if g is None or not self.widths:
+            raise ValueError(f"unknown group {group_id!r}; groups are {self.group_ids}" if g is None else
+                             "block_table needs a batch applied first (apply)")
         width, cap = self.widths[g], self.capacity_pages[g]
         rows, ring = self.table_rows, self.store[g, :, :cap]
         out = np.full((rows.size, width), -1, dtype=np.int32)
