@@ -1,7 +1,7 @@
 """Where a serving step's time goes: ``bench/vs_vllm``'s serving phase, hybridkv side only.
 
     PYTHONPATH=src:bench .venv/bin/python bench/serving_parts.py [--sizes 32,1024] [--package hybridkv]
-        [--against hybridkv_base] [--cold MIB] [--rounds N]
+        [--against hybridkv_base] [--cold MIB] [--rounds N] [--kv-memory-gib GIB] [--fill-tokens N]
 
 The same workload as ``bench/vs_vllm --phases serving`` (``measure_serving``: 5
 rounds of 32 steps, V4-Flash, 40 GiB shared arena, prefix caching and prompt
@@ -22,7 +22,10 @@ per stage, though the steps' order rotates: one order alone is not an A/B); each
 stage per version and the change (a few % between runs of the same code under load).
 ``--cold MIB``: before every timed step, ``bench/step_profile.py``'s walk of about
 ``MIB`` MiB of Python objects (as ``bench/vs_vllm``, where a vLLM step runs between two
-of ours); ``--rounds``: timed rounds (5).
+of ours); ``--rounds``: timed rounds (5); ``--kv-memory-gib``: the arena's size (40);
+``--fill-tokens N``: each segment's cache starts full (``vs_vllm.serving.fill_prefix_cache``: N tokens of
+distinct prompts prefilled and freed after the reset, untimed), the state of a server that has run a while,
+where every allocation evicts (without it the segments start empty and never evict).
 """
 
 from __future__ import annotations
@@ -95,7 +98,8 @@ class Timers:
         setattr(cls, name, timed)
 
 
-def measure(size: int, packages: list[str], cold: float = 0.0, rounds: int = 5) -> tuple[dict[str, Timers], dict]:
+def measure(size: int, packages: list[str], cold: float = 0.0, rounds: int = 5, kv_memory_gib: float = 40.0,
+            fill_tokens: int = 0) -> tuple[dict[str, Timers], dict]:
     """Each package's stage timers and ``measure_serving``'s figures; two packages: half the rounds in each order."""
     timers = {package: Timers() for package in packages}
     for package, t in timers.items():
@@ -113,8 +117,9 @@ def measure(size: int, packages: list[str], cold: float = 0.0, rounds: int = 5) 
         finally:
             t.on = False
 
-    sides = {package: _side(size, package, timers[package]) for package in packages}
-    options = dict(running=size, step_tokens=8192, chunk_tokens=2048, shape=ServingShape(), seed=0)
+    sides = {package: _side(size, package, timers[package], kv_memory_gib) for package in packages}
+    options = dict(running=size, step_tokens=8192, chunk_tokens=2048, shape=ServingShape(), seed=0,
+                   fill_tokens=fill_tokens)
     # Untimed warm-up: the first call of each compiled kernel loads (or compiles) it, milliseconds
     # that would land in whichever stage first calls it (at 32 running, ~8 ms in one ``free``). A
     # whole round, so that rarer paths (a superseded checkpoint, an eviction) load there too.
@@ -132,10 +137,10 @@ def measure(size: int, packages: list[str], cold: float = 0.0, rounds: int = 5) 
     return timers, out
 
 
-def _side(size: int, package: str, timers: Timers) -> HybridkvSide:
+def _side(size: int, package: str, timers: Timers, kv_memory_gib: float = 40.0) -> HybridkvSide:
     """``package``'s side as ``bench/vs_vllm`` builds it, its token appends (the engine's, outside the step) untimed."""
     side = type("Side", (HybridkvSide,), {"package": package, "name": package})(
-        kv_memory_bytes=40 * GIB, max_model_len=131_072, max_num_batched_tokens=8192, max_num_seqs=size,
+        kv_memory_bytes=int(kv_memory_gib * GIB), max_model_len=131_072, max_num_batched_tokens=8192, max_num_seqs=size,
         page_space="shared", prompt_checkpoints=True)
     append_many = side.append_many
 
@@ -180,10 +185,12 @@ def main() -> None:
     ap.add_argument("--against", default=None, help="a renamed copy of another version, run alongside")
     ap.add_argument("--cold", type=float, default=0.0, help="MiB of Python objects walked before every timed step")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--kv-memory-gib", type=float, default=40.0)
+    ap.add_argument("--fill-tokens", type=int, default=0, help="tokens of freed prompts filling the cache first")
     a = ap.parse_args()
     packages = [a.package] + ([a.against] if a.against else [])
     for size in (int(s) for s in a.sizes.split(",")):
-        timers, figures = measure(size, packages, a.cold, a.rounds)
+        timers, figures = measure(size, packages, a.cold, a.rounds, a.kv_memory_gib, max(0, a.fill_tokens))
         report(size, a.package, timers, figures, a.against)
 
 
