@@ -17,8 +17,8 @@ from hybridkv.runtime.kernels import (BASE, HI, ID_OFFSET, LOW_FLOOR, LOW_IDLE_P
                                       TOP, add_held, first_out_of_range, fit_ring, note_peaks, place_row, push_run,
                                       release_into, take_cells)
 
-# numba's cache of this file's kernels holds the compiled code of the kernels above they call, and is renewed only
-# when this file changes: after a change to one of them in kernels.py, remove __pycache__/lru.*.nbi and .nbc.
+# numba's cache of this file's kernels also holds the compiled code of the kernels.py functions imported above, and
+# is renewed only when this file changes: after changing one of those in kernels.py, remove __pycache__/lru.*.nb[ic].
 
 
 @njit(cache=True, inline="always")
