@@ -152,3 +152,11 @@ def test_construction_options_of_the_wrong_kind_are_refused_clearly(options, mat
     pages = options.pop("group_pages", {"swa": 64, "kv": 64})
     with pytest.raises(ValueError, match=match):
         CacheManager([SWA, KV], pages, max_context_tokens=256, **options)
+
+
+def test_a_max_context_whose_block_tables_cannot_be_allocated_says_so():
+    """It raised numpy's bare "Unable to allocate 1.3 PiB" before: now the error names what sized the tables.
+    A 2**50-token context of 16-token pages is 2**46 cells a row, beyond any machine."""
+    with pytest.raises(MemoryError, match=r"block tables for 64 request rows .* set by the max context of "
+                                          r"1,125,899,906,842,624 tokens\): lower max_context_tokens"):
+        CacheManager([SWA, KV], {"swa": 64, "kv": 64}, max_context_tokens=2**50)

@@ -414,6 +414,22 @@ def test_schedule_of_array_items_after_checking_them_as_tuples():
     assert m.schedule(np.array([["a", 4]], dtype=object)).num_scheduled_tokens.tolist() == [4]
 
 
+@pytest.mark.parametrize("count", [4.0, True, np.float64(4.0)])
+def test_schedule_after_check_admission_refuses_a_count_that_only_equals_the_checked_one(count):
+    """4.0 == 4 and True == 1, but neither is a token count: schedule refuses them after the check as it does alone
+    (the check's verdict was reused for them before)."""
+    m = manager([KV], 8, ctx=64)
+    m.add_request("a", prompt_tokens=12)
+    checked = 1 if count is True else 4
+    assert m.check_admission([("a", checked)]) == [Admission(True)]
+    before = snapshot(m, "a")
+    with pytest.raises(CacheManagerError, match="token count must be an int"):
+        m.schedule([("a", count)])
+    assert snapshot(m, "a") == before
+    with pytest.raises(CacheManagerError, match="token count must be an int"):
+        m.schedule([("a", count)])  # the same alone
+
+
 def _two_request_credit_setup():
     m = manager([SWA], 7, ctx=64)  # 6 usable pages
     m.add_request("a", prompt_tokens=24)

@@ -517,10 +517,11 @@ class CacheManager:
         check_items(items, CacheManagerError)
         verdict = self._admit(items, fixed_width, load=load)
         # schedule() right after, with the same items and no mutation between, reuses it: kept only when every item
-        # is a tuple, which no one can change after the check (a list or an array item can be edited in place).
+        # is a tuple, which no one can change after the check (a list or an array item can be edited in place), and
+        # kept and reused only for plain int counts (1.0 and True equal 1 but are no token counts).
         pairs = list(items)
-        self._admitted = None if load or [*map(type, pairs)].count(tuple) != len(pairs) else (
-            self._version, pairs, fixed_width, verdict)
+        self._admitted = None if load or [*map(type, pairs)].count(tuple) != len(pairs) or not _int_counts(pairs) \
+            else (self._version, pairs, fixed_width, verdict)
         answers = list(verdict.answers)  # the verdict keeps None for valid items (schedule's reasons)
         for k, i in enumerate(verdict.ok_idx):
             answers[i] = Admission(True) if verdict.fits[k] else Admission(False, verdict.deny[k])
@@ -874,9 +875,10 @@ class CacheManager:
         items it keeps are tuples: an ndarray item here compares elementwise and is no match)."""
         admitted, self._admitted = self._admitted, None
         try:
-            return admitted[3] if admitted[:3] == (self._version, items, fixed_width) else None
+            same = admitted[:3] == (self._version, items, fixed_width)
         except ValueError:  # numpy's "truth value of an array ... is ambiguous"
             return None
+        return admitted[3] if same and _int_counts(items) else None
 
     def _run_verdict(self, verdict: _Verdict, items, uniform, write_slots: bool, updates: bool, fixed_width: bool,
                      load: bool) -> StepBatch:
@@ -1399,6 +1401,17 @@ def _checked_widths(ids: list[str], table_widths: Mapping[str, int] | None) -> d
     if set(table_widths) != set(ids):
         raise ValueError(f"table_widths keys {list(table_widths)} do not match the groups {ids}")
     return {gid: as_int(f"table_widths[{gid!r}]", table_widths[gid], minimum=1) for gid in ids}
+
+
+_SECOND = itemgetter(1)
+
+
+def _int_counts(pairs: list[tuple]) -> bool:
+    """Whether every pair's second item is a plain int (``check_admission``'s verdict is kept and reused only then)."""
+    try:
+        return [*map(type, map(_SECOND, pairs))].count(int) == len(pairs)
+    except IndexError:  # a tuple too short to be a pair
+        return False
 
 
 def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, int],

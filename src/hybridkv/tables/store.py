@@ -91,9 +91,11 @@ class TableSet:
             self.geometry[g, kernels.VIEW_COLUMNS] = self.view_columns
         self.geometry[:, kernels.STEP_TOKENS] = max_step_tokens  # ``prepare_step`` refuses larger counts
         rows = max(1, int(initial_rows))
+        self.max_context_tokens = max_context_tokens
+        self.pages, layout = self._new_store(rows)
+        self._set_layout(layout)
         self.bounds = np.zeros((4, len(self.tables), rows), dtype=np.int64)
         self._add_lanes(0, rows)
-        self.pages = self._new_store(rows)
         self.n_logged: int | None = None  # cells logged: the first of ``logged`` (a step's touched cells follow them)
         self.logged = np.empty(0, dtype=np.int64)  # ring-view indices, and the step kernels' touched-cell scratch
         self.log_notes = 0  # ``note_cells`` calls the log holds apart (more than 512: merged into one, unique)
@@ -101,22 +103,32 @@ class TableSet:
 
     rows_capacity = property(lambda self: self.bounds.shape[2])  # table rows now (``ensure_rows`` grows them)
 
-    def _new_store(self, rows: int) -> np.ndarray:
+    def _new_store(self, rows: int) -> tuple[np.ndarray, list[tuple[int, int, int, int]]]:
         """An empty flat store for ``rows`` rows (rings or column-major tables filled with -1, then the lanes,
-        unwritten); writes its layout into ``geometry``."""
-        at = 0
-        for g, t in enumerate(self.tables):
-            self.geometry[g, kernels.RING_START] = at
-            self.geometry[g, kernels.ROW_STRIDE] = t.ring_pages if t.sliding else 1
-            self.geometry[g, kernels.COLUMN_STRIDE] = 1 if t.sliding else rows
+        unwritten) and its layout for :meth:`_set_layout` (per group: ring start, row and column strides, lane start);
+        changes nothing (a store too large for memory raises ``MemoryError``, saying what sized it)."""
+        starts, at = [], 0
+        for t in self.tables:
+            starts.append(at)
             at += rows * t.ring_pages
-        rings = at
-        for g, t in enumerate(self.tables):
-            self.geometry[g, kernels.LANE_START] = at if t.has_lanes else -1
+        rings, layout = at, []
+        for t, start in zip(self.tables, starts):
+            layout.append((start, t.ring_pages if t.sliding else 1, 1 if t.sliding else rows, at if t.has_lanes else -1))
             at += rows * t.capacity_pages if t.has_lanes else 0
-        pages = np.empty(at, dtype=np.int32)
+        try:
+            pages = np.empty(at, dtype=np.int32)
+        except MemoryError:
+            raise MemoryError(f"block tables for {rows} request rows need {at * 4:,} bytes ({at // rows:,} cells a row, "
+                              f"set by the max context of {self.max_context_tokens:,} tokens): lower "
+                              "max_context_tokens") from None
         pages[:rings] = -1
-        return pages
+        return pages, layout
+
+    def _set_layout(self, layout: list[tuple[int, int, int, int]]) -> None:
+        """Write a store's layout (:meth:`_new_store`'s) into ``geometry``."""
+        columns = [kernels.RING_START, kernels.ROW_STRIDE, kernels.COLUMN_STRIDE, kernels.LANE_START]
+        for g, starts in enumerate(layout):
+            self.geometry[g, columns] = starts
 
     def _add_lanes(self, have: int, new: int) -> None:
         """Lanes ``[have, new)`` join each lane group's free stack, below the free ones
@@ -223,10 +235,12 @@ class TableSet:
         if rows <= have:
             return
         new = max(rows, 2 * have)
+        pages, layout = self._new_store(new)  # first: nothing has changed if it raises
+        bounds = np.concatenate([self.bounds, np.zeros((4, len(self.tables), new - have), np.int64)], axis=2)
         old_pages, old_geometry, old_bounds = self.pages, self.geometry.copy(), self.bounds
-        self.bounds = np.concatenate([self.bounds, np.zeros((4, len(self.tables), new - have), np.int64)], axis=2)
+        self.pages, self.bounds = pages, bounds
+        self._set_layout(layout)
         self._add_lanes(have, new)
-        self.pages = self._new_store(new)
         for g in range(len(self.tables)):  # every live cell to its place in the new layout
             rows = np.flatnonzero(old_bounds[kernels.HI, g] > old_bounds[kernels.BASE, g])
             lo, hi = old_bounds[kernels.BASE, g, rows], old_bounds[kernels.HI, g, rows]
