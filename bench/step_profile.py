@@ -1,7 +1,7 @@
 """Step cost of ``CacheManager.schedule`` / ``schedule_uniform``, for profiling.
 
     .venv/bin/python bench/step_profile.py [--sizes 32,128,512,1024] [--steps 300]
-        [--phase decode|serving|prefill|both] [--profile cprofile|none] [--clock wall|cpu] [--json PATH]
+        [--phase decode|decode-pairs|serving|prefill|both] [--profile cprofile|none] [--clock wall|cpu] [--json PATH]
         [--against PACKAGE] [--cold MIB]
 
 Manager as ``bench/vs_vllm/sides.py`` builds it: DeepSeek-V4-Flash (FP8 indexer),
@@ -10,6 +10,9 @@ every step ``block_tables="updates"``. Public API only.
 
 * decode: ``N`` requests (prompts 512-1,536 tokens, prefilled untimed) schedule
   one token each per step (``schedule_uniform``); timed: that call.
+* decode-pairs: the decode steps given to ``schedule`` as a list of ``(id, 1)``
+  pairs (as a caller that does not use ``schedule_uniform`` writes them), the
+  list built untimed (after ``--cold``'s walk); timed: the ``schedule`` call.
 * serving: each step the oldest request finishes (``free``), one joins with a
   512-1,536-token prompt (``add_request``), and one ``schedule`` runs the
   ``N - 1`` decoders (1 token) plus the newcomer's whole prompt; timed: the three
@@ -163,6 +166,23 @@ def decode_steps(work: Workload, steps: int, profiler=None) -> list[int]:
     return out
 
 
+def decode_pairs_steps(work: Workload, steps: int, profiler=None) -> list[int]:
+    m, ids, out = work.manager, tuple(work.live), []
+    for _ in range(steps):
+        if BEFORE_STEP is not None:
+            BEFORE_STEP()
+        items = [(rid, 1) for rid in ids]  # after the walk: a caller builds its list just before the call
+        if profiler:
+            profiler.enable()
+        start = CLOCK()
+        m.schedule(items, block_tables="updates")
+        out.append(CLOCK() - start)
+        if profiler:
+            profiler.disable()
+        work.sample(list(ids))
+    return out
+
+
 def serving_steps(work: Workload, steps: int, profiler=None) -> list[int]:
     m, out = work.manager, []
     for _ in range(steps):
@@ -228,7 +248,8 @@ def prefill_steps(work: PrefillWork, steps: int, profiler=None) -> list[int]:
     return out
 
 
-PHASES = {"decode": (Workload, decode_steps), "serving": (Workload, serving_steps),
+PHASES = {"decode": (Workload, decode_steps), "decode-pairs": (Workload, decode_pairs_steps),
+          "serving": (Workload, serving_steps),
           "prefill": (PrefillWork, prefill_steps)}
 
 

@@ -701,6 +701,43 @@ def test_a_bad_count_in_a_batch_of_many_is_refused_as_alone(bad, message):
     assert batch.num_scheduled_tokens.tolist() == [1 + i % 2 for i in range(200)]
 
 
+BAD_DECODE_ITEMS = {  # each of (the request's id, the step limit)
+    "bool": lambda rid, step: (rid, True), "float": lambda rid, step: (rid, 1.0),
+    "numpy float": lambda rid, step: (rid, np.float64(1)), "numpy bool": lambda rid, step: (rid, np.True_),
+    "zero": lambda rid, step: (rid, 0), "negative": lambda rid, step: (rid, -1),
+    "past the limit": lambda rid, step: (rid, step + 1), "past int64": lambda rid, step: (rid, 2**70),
+    "three": lambda rid, step: (rid, 1, 1), "one": lambda rid, step: (rid,),
+    "mapping": lambda rid, step: {0: rid, 1: 1}, "unknown id": lambda rid, step: ("nope", 1),
+    "repeated id": lambda rid, step: ("r0", 1), "unhashable id": lambda rid, step: ([rid], 1)}
+
+
+@pytest.mark.parametrize("bad", BAD_DECODE_ITEMS.values(), ids=BAD_DECODE_ITEMS)
+def test_a_bad_item_among_decode_pairs_is_refused_as_among_two(bad):
+    """A decode step given to ``schedule`` as (id, 1) pairs (not ``schedule_uniform``): one bad item (a bool,
+    float or numpy bool or float count, a count out of range, an item of another length, a mapping, which
+    unpacks to its keys, an unknown or repeated id) among 2, 70 or 200 pairs is refused with the message a
+    batch of two gets (its size aside), and nothing changes; then numpy-int counts and list pairs give the
+    batch plain ints give."""
+    specs, pages, ctx, step = CONFIGS["odd"]
+    managers = [CacheManager(specs, {gid: 40 * n for gid, n in pages.items()}, max_context_tokens=ctx,
+                             max_step_tokens=step) for _ in range(2)]
+    rids = [f"r{i}" for i in range(200)]
+    for rid in rids:
+        on_both(managers, "add_request", rid, prompt_tokens=30, max_new_tokens=20)
+    m = managers[0]
+    messages = set()
+    for size in (2, 70, 200):
+        items = [(rid, 1) for rid in rids[:size] if rid != "r1"]
+        items.insert(size // 2, bad("r1", step))  # r1's item, amid the others
+        with pytest.raises(CacheManagerError) as refused:
+            m.schedule(items)
+        messages.add(str(refused.value).replace(f" of {size} requests", " of N requests"))
+    assert len(messages) == 1 and messages.pop().startswith("1 of N requests not admissible: ")
+    assert all(m.num_computed_tokens(rid) == 0 for rid in rids)
+    for counts in ([np.int64(1)] * 200, [np.uint8(1)] * 199 + [1]):
+        same(m.schedule([[rid, n] for rid, n in zip(rids, counts)]), managers[1].schedule([(rid, 1) for rid in rids]))
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_steps_on_a_shuffled_arena_match_the_admitted_path(seed):
     """On a shared arena whose pools' free stacks are shuffled (``shuffle_seed``: the arena moves spare slabs in
