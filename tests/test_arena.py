@@ -110,6 +110,21 @@ def test_geometry_worked_by_hand():
     assert g.boundary_pages("kv").tolist() == [-1, -1, -1, -1]
 
 
+@given(sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=4), anchor_pages=st.integers(1, 20),
+       slabs=st.integers(1, 300))
+def test_fewest_slab_pages_is_the_least_of_the_slab_page_ranges(sizes, anchor_pages, slabs):
+    """The plain-int count the planner uses (no numpy) is the least ``hi - lo`` over every slab."""
+    page_bytes = {f"g{i}": size for i, size in enumerate(sizes)}
+    probe = arena_geometry(page_bytes, 2**40, anchor_group="g0", slab_anchor_pages=anchor_pages)
+    g = arena_geometry(page_bytes, probe.reserved_bytes + slabs * probe.slab_bytes, anchor_group="g0",
+                       slab_anchor_pages=anchor_pages)
+    assert g.num_slabs == slabs
+    for gid in page_bytes:
+        lo, hi = g.slab_page_ranges(gid)
+        event(f"{'whole' if g.fewest_slab_pages(gid) == g.slab_bytes // page_bytes[gid] else 'one fewer'}")
+        assert g.fewest_slab_pages(gid) == int((hi - lo).min())
+
+
 def test_slab_holds_at_least_two_of_the_largest_pages():
     g = arena_geometry({"big": 1000, "small": 10}, 10_000, anchor_group="small", slab_anchor_pages=3)
     # head: 1000 B (100 small pages); slab raised from 30 B to ceil(2000/10) * 10 = 2000 B

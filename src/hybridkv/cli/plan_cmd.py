@@ -157,7 +157,7 @@ def build_plan(args: argparse.Namespace):
 
 def shared_report(plan, context_tokens: int) -> dict[str, Any]:
     """The shared-arena section of a plan report."""
-    from hybridkv.memory.arena import shared_arena_for, shared_concurrency
+    from hybridkv.memory.geometry import shared_arena_for, shared_concurrency
 
     geometry = shared_arena_for(plan)
     return {
