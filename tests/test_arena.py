@@ -317,15 +317,38 @@ def test_reclaim_evicts_cached_pages_of_the_donor_slab():
     arena.check_invariants()
 
 
+def test_from_plan_builds_the_plans_page_space_unless_told_otherwise():
+    """``plan_for_budget`` plans a shared arena by default and ``from_plan`` builds the
+    plan's own page space; an explicit ``page_space`` wins (a per-group plan's budget also
+    makes an arena; a shared plan's per-group figures make pools when they fit it)."""
+    layout = cache_layout("deepseek-v4-flash", indexer="fp8")
+    shared = plan_for_budget(layout, 2 << 30, Limits(8, 2048, 32768))
+    per_group = plan_for_budget(layout, 2 << 30, Limits(8, 2048, 32768), page_space="per-group")
+    assert (shared.page_space, per_group.page_space) == ("shared", "per-group")
+    for m in (CacheManager.from_plan(shared), CacheManager.from_plan(per_group, page_space="shared")):
+        assert m.arena is not None and m.arena.geometry == shared_arena_for(shared)
+        assert m.arena.geometry.total_bytes <= 2 << 30
+    for m in (CacheManager.from_plan(per_group), CacheManager.from_plan(shared, page_space="per-group")):
+        assert m.arena is None and {g: p.num_pages for g, p in m.pools.items()} == per_group.group_pages
+    assert CacheManager.from_plan(shared, slab_anchor_pages=4).arena.geometry.slab_bytes == 4 * 963_648
+
+
 def test_from_plan_page_space_errors():
     layout = cache_layout("deepseek-v4-flash", indexer="fp8")
-    plan = plan_for_budget(layout, 2 << 30, Limits(8, 2048, 32768))
+    limits = Limits(8, 2048, 32768)
+    plan = plan_for_budget(layout, 2 << 30, limits)
     with pytest.raises(ValueError, match="page_space must be"):
         CacheManager.from_plan(plan, page_space="global")
     with pytest.raises(ValueError, match="only to page_space='shared'"):
-        CacheManager.from_plan(plan, slab_anchor_pages=4)
-    m = CacheManager.from_plan(plan, page_space="shared")
-    assert m.arena.geometry.total_bytes <= 2 << 30
+        CacheManager.from_plan(plan, page_space="per-group", slab_anchor_pages=4)
+    with pytest.raises(ValueError, match="only to page_space='shared'"):  # the plan's own page space
+        CacheManager.from_plan(plan_for_budget(layout, 2 << 30, limits, page_space="per-group"), slab_anchor_pages=4)
+    # 128 running need 2.40 GiB of per-group pools: a shared plan of 2 GiB builds an arena only.
+    small = plan_for_budget(layout, 2 << 30, Limits(128, 8192, 32768))
+    assert not small.fits_per_group and CacheManager.from_plan(small).arena is not None
+    with pytest.raises(ValueError, match=f"per-group pools of this plan need {small.total_bytes:,} B, beyond its "
+                                         f"{2 << 30:,} B budget: use page_space='shared'"):
+        CacheManager.from_plan(small, page_space="per-group")
 
 
 def test_low_priority_pages_are_packed_under_long_lived_pages_once_the_arena_is_not_roomy():
