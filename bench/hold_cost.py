@@ -4,7 +4,7 @@ listed group-major as ``TierLink`` lists them), this version against another.
     PYTHONPATH=src:/work/base2 .venv/bin/python bench/hold_cost.py --against hybridkv_base
         [--rounds 9] [--calls 300] [--case idle|held]
 
-V4-Flash, 24,576 KV tokens, prefix caching on: request "a" (4,096 tokens) computed and freed
+V4-Flash, 24,576 KV tokens in per-group pools, prefix caching on: request "a" (4,096 tokens) computed and freed
 (its published pages idle in the LRU), request "b" (another 4,096) computed and running. A plan
 names, in every group, 4 pages "b" holds and up to 3 idle cached ones (``--case idle``, 3 in
 every group that has them: the hold takes them out of the LRU, the release puts them back, as in
@@ -33,7 +33,8 @@ def setup(package: str, case: str):
     limits = plan_mod.Limits(max_running_requests=8, max_scheduled_tokens=2048, max_context_tokens=16384,
                              speculative_tokens=1)
     plan = plan_mod.plan_for_tokens(layout_mod.cache_layout("deepseek-v4-flash"), 24576, limits)
-    manager = manager_mod.CacheManager.from_plan(plan, enable_prefix_caching=True, prefix_granularity=256)
+    manager = manager_mod.CacheManager.from_plan(plan, page_space="per-group", enable_prefix_caching=True,
+                                                 prefix_granularity=256)
     rng = np.random.default_rng(1)
     for rid in ("a", "b"):
         manager.add_request(rid, rng.integers(0, 1000, 4096), max_new_tokens=4)

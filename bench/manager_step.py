@@ -5,7 +5,8 @@
         [--profile N | --breakdown N]
 
 Plan: V4-Flash, 80 GiB, Limits(max_running 1024, 8,192 tokens per step, context
-2**20, speculative 4) from ``hybridkv.plan.plan_for_budget``. For each running
+2**20, speculative 4) from ``hybridkv.plan.plan_for_budget``, built as per-group pools
+(``page_space="per-group"``, as the figures docs/benchmarks.md records were). For each running
 count N, N requests with prompts log-uniform in [2,048, 32,768] tokens (the first
 N of one fixed-seed draw of 1,024) go through three timed phases:
 
@@ -88,7 +89,7 @@ class Run:
 
     def __init__(self, plan, prompts: np.ndarray, *, prefix_caching: bool, seed: int, max_new: int,
                  block_tables: str = "full"):
-        self.m = CacheManager.from_plan(plan, enable_prefix_caching=prefix_caching)
+        self.m = CacheManager.from_plan(plan, page_space="per-group", enable_prefix_caching=prefix_caching)
         self.block_tables = block_tables
         self.caching = prefix_caching
         self.rng = np.random.default_rng(seed + 1)

@@ -277,7 +277,7 @@ def run_variant(variant: str, plan, pools, requests, args, tmp: str, index: int)
                         defer_offloads=mode == "defer", plan_loads=not args.no_loads)
         if mode != "sync":
             worker = OffloadWorker(store, max_queued_objects=args.queue_objects, put_batch_objects=args.put_batch)
-    manager = CacheManager.from_plan(plan, enable_prefix_caching=True, tier_link=link)
+    manager = CacheManager.from_plan(plan, page_space="per-group", enable_prefix_caching=True, tier_link=link)
     engine = StepEngine(manager, link, pools, worker, args.forward_ms / 1e3, gate=args.gate,
                         parts_cpu=getattr(args, "parts_cpu", False))
     sim = Simulator(manager, requests, max_running=plan.limits.max_running_requests,

@@ -110,6 +110,21 @@ def test_geometry_worked_by_hand():
     assert g.boundary_pages("kv").tolist() == [-1, -1, -1, -1]
 
 
+@given(sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=4), anchor_pages=st.integers(1, 20),
+       slabs=st.integers(1, 300))
+def test_fewest_slab_pages_is_the_least_of_the_slab_page_ranges(sizes, anchor_pages, slabs):
+    """The plain-int count the planner uses (no numpy) is the least ``hi - lo`` over every slab."""
+    page_bytes = {f"g{i}": size for i, size in enumerate(sizes)}
+    probe = arena_geometry(page_bytes, 2**40, anchor_group="g0", slab_anchor_pages=anchor_pages)
+    g = arena_geometry(page_bytes, probe.reserved_bytes + slabs * probe.slab_bytes, anchor_group="g0",
+                       slab_anchor_pages=anchor_pages)
+    assert g.num_slabs == slabs
+    for gid in page_bytes:
+        lo, hi = g.slab_page_ranges(gid)
+        event(f"{'whole' if g.fewest_slab_pages(gid) == g.slab_bytes // page_bytes[gid] else 'one fewer'}")
+        assert g.fewest_slab_pages(gid) == int((hi - lo).min())
+
+
 def test_slab_holds_at_least_two_of_the_largest_pages():
     g = arena_geometry({"big": 1000, "small": 10}, 10_000, anchor_group="small", slab_anchor_pages=3)
     # head: 1000 B (100 small pages); slab raised from 30 B to ceil(2000/10) * 10 = 2000 B
@@ -302,15 +317,38 @@ def test_reclaim_evicts_cached_pages_of_the_donor_slab():
     arena.check_invariants()
 
 
+def test_from_plan_builds_the_plans_page_space_unless_told_otherwise():
+    """``plan_for_budget`` plans a shared arena by default and ``from_plan`` builds the
+    plan's own page space; an explicit ``page_space`` wins (a per-group plan's budget also
+    makes an arena; a shared plan's per-group figures make pools when they fit it)."""
+    layout = cache_layout("deepseek-v4-flash", indexer="fp8")
+    shared = plan_for_budget(layout, 2 << 30, Limits(8, 2048, 32768))
+    per_group = plan_for_budget(layout, 2 << 30, Limits(8, 2048, 32768), page_space="per-group")
+    assert (shared.page_space, per_group.page_space) == ("shared", "per-group")
+    for m in (CacheManager.from_plan(shared), CacheManager.from_plan(per_group, page_space="shared")):
+        assert m.arena is not None and m.arena.geometry == shared_arena_for(shared)
+        assert m.arena.geometry.total_bytes <= 2 << 30
+    for m in (CacheManager.from_plan(per_group), CacheManager.from_plan(shared, page_space="per-group")):
+        assert m.arena is None and {g: p.num_pages for g, p in m.pools.items()} == per_group.group_pages
+    assert CacheManager.from_plan(shared, slab_anchor_pages=4).arena.geometry.slab_bytes == 4 * 963_648
+
+
 def test_from_plan_page_space_errors():
     layout = cache_layout("deepseek-v4-flash", indexer="fp8")
-    plan = plan_for_budget(layout, 2 << 30, Limits(8, 2048, 32768))
+    limits = Limits(8, 2048, 32768)
+    plan = plan_for_budget(layout, 2 << 30, limits)
     with pytest.raises(ValueError, match="page_space must be"):
         CacheManager.from_plan(plan, page_space="global")
     with pytest.raises(ValueError, match="only to page_space='shared'"):
-        CacheManager.from_plan(plan, slab_anchor_pages=4)
-    m = CacheManager.from_plan(plan, page_space="shared")
-    assert m.arena.geometry.total_bytes <= 2 << 30
+        CacheManager.from_plan(plan, page_space="per-group", slab_anchor_pages=4)
+    with pytest.raises(ValueError, match="only to page_space='shared'"):  # the plan's own page space
+        CacheManager.from_plan(plan_for_budget(layout, 2 << 30, limits, page_space="per-group"), slab_anchor_pages=4)
+    # 128 running need 2.40 GiB of per-group pools: a shared plan of 2 GiB builds an arena only.
+    small = plan_for_budget(layout, 2 << 30, Limits(128, 8192, 32768))
+    assert not small.fits_per_group and CacheManager.from_plan(small).arena is not None
+    with pytest.raises(ValueError, match=f"per-group pools of this plan need {small.total_bytes:,} B, beyond its "
+                                         f"{2 << 30:,} B budget: use page_space='shared'"):
+        CacheManager.from_plan(small, page_space="per-group")
 
 
 def test_low_priority_pages_are_packed_under_long_lived_pages_once_the_arena_is_not_roomy():

@@ -62,10 +62,11 @@ def test_plan_requests_prints_both_page_spaces_per_group(capsys):
 # --- the headline ----------------------------------------------------------------------
 
 def test_headline_says_when_the_running_limit_and_not_memory_decides(capsys):
-    code, out, _ = _run(capsys, "plan", "--max-running", "16")
-    assert code == 0
-    first = out.splitlines()[0]
-    assert first.startswith("40.00 GiB per GPU: 16 requests at 128k run at once (--max-running; memory fits ")
+    for page_space, head in (("per-group", "40.00 GiB per GPU: "), ("shared", "40.00 GiB per GPU as one shared arena: ")):
+        code, out, _ = _run(capsys, "plan", "--max-running", "16", "--page-space", page_space)
+        assert code == 0
+        first = out.splitlines()[0]
+        assert first.startswith(head + "16 requests at 128k run at once (--max-running; memory fits ")
 
 
 def test_headline_names_the_fp8_indexer(capsys):

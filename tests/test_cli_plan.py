@@ -94,12 +94,51 @@ def test_formatting():
 
 # --- the plan command ----------------------------------------------------------------
 
-def test_default_plan(capsys):
+def test_default_plan_is_a_shared_arena(capsys):
+    """``plan`` on defaults describes one shared arena. By hand (docs/planning.md, "Shared page
+    space"), MXFP4: anchor page A = 877,632 B (c4a.compressed_kv), largest M = 1,609,920 B
+    (swa_kv): head 2A = 1,755,264 B, slab 16A = 14,042,112 B, (40 GiB - head) // slab = 3,058
+    slabs. N requests at 128k fit while the slabs their pages (plus one 8,192-token step in each
+    sliding group) fill, counted at each group's fewest pages per slab, are at most 3,058."""
+    head, slab = 2 * 877_632, 16 * 877_632
+    slabs = (40 * GiB - head) // slab
+    assert slabs == 3_058
+    page_bytes = {"swa": 1_609_920, "c4s": 688_128, "c4kv": 877_632, "c128s": 655_360, "c128kv": 34_560,
+                  "idx": 172_032}
+    need = {"swa": 3, "c4s": 3, "c4kv": 513, "c128s": 17, "c128kv": 513, "idx": 3}  # pages a 128k request holds
+    step = {"swa": 8192 // 64 + 1, "c4s": 8192 // 4 + 1, "c4kv": 0, "c128s": 8192 // 8 + 1, "c128kv": 0,
+            "idx": 8192 // 4 + 1}
+    per_slab = {g: min((head + (k + 1) * slab) // size - -(-(head + k * slab) // size) for k in range(slabs))
+                for g, size in page_bytes.items()}
+    assert per_slab == {"swa": 7, "c4s": 19, "c4kv": 16, "c128s": 20, "c128kv": 405, "idx": 80}
+
+    def slabs_for(n):
+        return sum(-(-(n * need[g] + step[g]) // per_slab[g]) for g in need)
+
+    assert slabs_for(81) <= slabs < slabs_for(82)
     code, out, err = _run(capsys, "plan")
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0] == "40.00 GiB per GPU as one shared arena: 81 requests at 128k fit at once"
+    assert lines[1] == "deepseek-v4-flash: 43 layers, MXFP4 indexer keys (68 B/row)"
+    flat = " ".join(out.split())
+    assert (f"shared arena 3,058 slabs x 13.39 MiB + 1.67 MiB of null pages = {head + slabs * slab:,} B "
+            "of 42,949,672,960 B") in flat
+    assert "per-group pools in the same budget fit 81 requests at 128k" in flat
+    rows = {line.split()[0]: line.split() for line in lines if line.startswith("v4.")}
+    assert rows["v4.c4a.compressed_kv"][-3:] == ["877,632", "513", "4,097"]  # page bytes, pages/req, width
+    assert rows["v4.c128a.compressor_state"][-2:] == ["17", "18"]
+    report = json.loads(_run(capsys, "plan", "--json")[1])
+    assert report["page_space"] == "shared" and report["shared_arena"]["max_requests"] == 81
+
+
+def test_per_group_plan(capsys):
+    code, out, err = _run(capsys, "plan", "--page-space", "per-group")
     assert code == 0 and err == ""
     assert out.splitlines()[0] == (
         "40.00 GiB per GPU: 81 requests at 128k fit at once (limited by v4.c4a.compressed_kv)"
     )
+    assert out.splitlines()[3].startswith("page space   per-group pools")
     assert out.splitlines()[1] == "deepseek-v4-flash: 43 layers, MXFP4 indexer keys (68 B/row)"
     assert "41,455 scheduler pages x 256 tokens = 10,612,480 tokens" in out
     # 81 x 131,072 = 10,616,832 > 10,612,480: the spare pages (41,584 = 41,455 + 128 + 1) say why.
@@ -114,7 +153,8 @@ def test_default_plan(capsys):
 
 
 def test_pro_80gib_readable_table(capsys):
-    code, out, _ = _run(capsys, "plan", "--model", "deepseek-v4-pro", "--kv-memory", "80GiB", "--context-len", "128k")
+    code, out, _ = _run(capsys, "plan", "--model", "deepseek-v4-pro", "--kv-memory", "80GiB", "--context-len", "128k",
+                        "--page-space", "per-group")
     assert code == 0
     # By hand: sliding groups fixed at 513 / 2,433 / 3,201 / 2,433 pages; each scheduler page
     # adds 30 * (37,440 + 4,352) + 31 * 1,728 bytes.
@@ -228,7 +268,8 @@ BAD_INPUTS = [
     (["plan", "--kv-memory", "40G"], "GiB"),
     (["plan", "--kv-memory", "forty"], "cannot read 'forty'"),
     (["plan", "--kv-memory", "0"], "--kv-memory must be positive"),
-    (["plan", "--kv-memory", "1MiB"], "too small.*at least 2,578,745,920 B"),
+    (["plan", "--kv-memory", "1MiB"], "1,048,576 B holds no slab: a shared arena needs 15,797,376 B at least"),
+    (["plan", "--kv-memory", "1MiB", "--page-space", "per-group"], "too small.*at least 2,578,745,920 B"),
     (["plan", "--max-running", "-3"], "--max-running must not be negative"),
     (["plan", "--max-running", "0"], "--max-running must be positive"),
     (["plan", "--max-running", "1.5"], "--max-running: '1.5' is not a whole number"),
@@ -286,7 +327,7 @@ def test_installed_console_script():
 def test_shared_page_space_below_the_per_group_minimum(capsys):
     """2 GiB cannot hold per-group pools for 128 running (2.40 GiB): the per-group plan
     is refused; the shared one is printed with a note, and its JSON says so."""
-    code, _, err = _run(capsys, "plan", "--kv-memory", "2GiB")
+    code, _, err = _run(capsys, "plan", "--kv-memory", "2GiB", "--page-space", "per-group")
     assert code == 2 and "at least 2,578,745,920 B" in err
     code, out, _ = _run(capsys, "plan", "--kv-memory", "2GiB", "--page-space", "shared")
     assert code == 0
@@ -321,6 +362,8 @@ def test_shared_page_space_line_and_json(capsys):
         "max_requests": 79,
     }
     code, out, _ = _run(capsys, "plan", "--json", *args)
-    assert "shared_arena" not in json.loads(out)
+    assert json.loads(out)["shared_arena"] == shared  # the default page space
+    code, out, _ = _run(capsys, "plan", "--json", "--page-space", "per-group", *args)
+    assert "shared_arena" not in json.loads(out) and json.loads(out)["page_space"] == "per-group"
     code, _, err = _run(capsys, "plan", "--page-space", "pooled")
     assert code == 2 and "invalid choice" in err

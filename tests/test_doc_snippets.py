@@ -62,8 +62,15 @@ def test_planning_python_api_snippet_runs_and_gives_its_figures():
     names: dict = {}
     exec(compile(block, "docs/planning.md", "exec"), names)
     plan, vllm = names["plan"], names["vllm"]
+    assert plan.page_space == "shared"
     assert plan.group_pages["v4.swa_kv"] == 513
     assert plan.concurrency(128 * 1024) == (117, "v4.c4a.compressed_kv")
+    # V4-Pro, 80 GiB: head 2 x 1,253,760 B, slabs of 16 x 1,253,760 B, so (80 GiB - head) // slab = 4,281;
+    # 117 requests at 128k would fill 4,307 slabs (3,752 of them compressed KV at 16 pages a slab).
+    assert (80 * 2**30 - 2 * 1_253_760) // (16 * 1_253_760) == 4281 and -(-117 * 513 // 16) == 3752
+    from hybridkv.memory.arena import shared_arena_for, shared_concurrency
+
+    assert (shared_arena_for(plan).num_slabs, shared_concurrency(plan, 128 * 1024)) == (4281, 116)
     assert plan.table_widths["v4.swa_kv"] == 4 and plan.table_widths["v4.c4a.compressed_kv"] == 4097
     assert round(vllm.logged_concurrency, 2) == 5.96 and vllm.admitted_requests == 67
 

@@ -42,7 +42,7 @@ class Instance:
         self.model = build_model(CONFIG, seed=0)
         limits = Limits(max_running_requests=8, max_scheduled_tokens=1024, max_context_tokens=1024,
                         speculative_tokens=3)
-        plan = plan_for_tokens(LAYOUT, 4096, limits)
+        plan = plan_for_tokens(LAYOUT, 4096, limits, page_space="per-group")  # the stack holds plan.group_pages
         self.store = store
         rule = rule or InFlightRule(wait=WAIT, ttl=TTL, clock=clock)
         self.link = TierLink(store, write_through=write_through, in_flight=rule)

@@ -16,7 +16,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "hybridkv"
 
 # Lowest first. A module's rank is that of the longest prefix listed here.
 LAYERS = [
-    ("hybridkv._checks", "hybridkv.units", "hybridkv.spec", "hybridkv"),
+    ("hybridkv._checks", "hybridkv.units", "hybridkv.spec", "hybridkv.memory.geometry", "hybridkv"),
     ("hybridkv.models", "hybridkv.codecs", "hybridkv.plan"),
     ("hybridkv.memory.pool", "hybridkv.memory.lru", "hybridkv.tables.store", "hybridkv.runtime.kernels"),
     ("hybridkv.memory.arena", "hybridkv.prefix.eviction", "hybridkv.prefix.checkpoints", "hybridkv.prefix.cache"),

@@ -303,7 +303,7 @@ def test_from_plan_uses_the_plan_capture_widths():
     from hybridkv.plan import Limits, plan_for_tokens
 
     layout = cache_layout("deepseek-v4-flash")
-    plan = plan_for_tokens(layout, 8192, Limits(4, 1024, 4096))
+    plan = plan_for_tokens(layout, 8192, Limits(4, 1024, 4096), page_space="per-group")
     m = CacheManager.from_plan(plan)
     assert m.max_context_tokens == 4096 and m.max_step_tokens == 1024
     assert {g: p.num_pages for g, p in m.pools.items()} == plan.group_pages

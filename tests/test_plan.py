@@ -1,5 +1,6 @@
 """hybridkv.plan: page counts, exact budget fitting, concurrency, widths, report."""
 
+import dataclasses
 import json
 import math
 from functools import lru_cache
@@ -262,10 +263,10 @@ def test_planner_is_exact_and_monotone(model, indexer, limits, budgets):
     for budget in (small, large):
         if budget < minimum:
             with pytest.raises(ValueError, match=f"at least {minimum:,} B"):
-                plan_for_budget(layout, budget, limits)
+                plan_for_budget(layout, budget, limits, page_space="per-group")
             plans.append(None)
             continue
-        plan = plan_for_budget(layout, budget, limits)
+        plan = plan_for_budget(layout, budget, limits, page_space="per-group")
         assert plan.total_tokens % 256 == 0
         assert plan.total_bytes == _bytes_for(layout, limits, plan.total_tokens)
         assert plan.total_bytes <= budget < _bytes_for(layout, limits, plan.total_tokens + 256)
@@ -281,15 +282,15 @@ def test_planner_matches_stepping_from_the_minimum(limits, extra):
     pages = 1
     while _bytes_for(layout, limits, (pages + 1) * 256) <= budget:
         pages += 1
-    assert plan_for_budget(layout, budget, limits).scheduler_pages == pages
+    assert plan_for_budget(layout, budget, limits, page_space="per-group").scheduler_pages == pages
 
 
 def test_minimum_budget_is_exactly_one_scheduler_page():
     layout = _layout()
     minimum = _bytes_for(layout, LIMITS, 256)
-    assert plan_for_budget(layout, minimum, LIMITS).scheduler_pages == 1
-    with pytest.raises(ValueError, match=f"too small.*at least {minimum:,} B.*page_space='shared'"):
-        plan_for_budget(layout, minimum - 1, LIMITS)
+    assert plan_for_budget(layout, minimum, LIMITS, page_space="per-group").scheduler_pages == 1
+    with pytest.raises(ValueError, match=f"too small for per-group pools.*at least {minimum:,} B.*page_space='shared'"):
+        plan_for_budget(layout, minimum - 1, LIMITS, page_space="per-group")
 
 
 def test_shared_page_space_plans_a_budget_too_small_for_per_group_pools():
@@ -302,9 +303,50 @@ def test_shared_page_space_plans_a_budget_too_small_for_per_group_pools():
     assert (plan.scheduler_pages, plan.budget_bytes, plan.fits_per_group) == (1, minimum - 1, False)
     assert plan.total_bytes == minimum
     at_minimum = plan_for_budget(layout, minimum, LIMITS, page_space="shared")
-    assert at_minimum == plan_for_budget(layout, minimum, LIMITS) and at_minimum.fits_per_group
+    per_group = plan_for_budget(layout, minimum, LIMITS, page_space="per-group")
+    assert dataclasses.replace(at_minimum, page_space="per-group") == per_group and at_minimum.fits_per_group
     with pytest.raises(ValueError, match="page_space must be"):
         plan_for_budget(layout, minimum, LIMITS, page_space="arena")
+
+
+def test_a_plan_records_its_page_space_and_shared_is_the_default():
+    """``plan_for_budget`` and ``plan_for_tokens`` make a shared-arena plan unless asked for
+    per-group pools; the page space is part of the plan (and of its report), and both kinds
+    carry the same per-group figures."""
+    layout = _layout()
+    shared, per_group = (plan_for_budget(layout, 40 * GiB, LIMITS, **kw) for kw in ({}, {"page_space": "per-group"}))
+    assert (shared.page_space, per_group.page_space) == ("shared", "per-group") and shared != per_group
+    assert (shared.total_tokens, shared.group_pages) == (per_group.total_tokens, per_group.group_pages)
+    assert (shared.report()["page_space"], per_group.report()["page_space"]) == ("shared", "per-group")
+    assert plan_for_tokens(layout, 512, LIMITS).page_space == "shared"
+    assert plan_for_tokens(layout, 512, LIMITS, page_space="per-group").page_space == "per-group"
+    assert Plan(layout, LIMITS, 512).page_space == "shared"
+    for bad in ("arena", None, "Shared"):
+        with pytest.raises(ValueError, match="page_space must be 'shared' or 'per-group'"):
+            plan_for_tokens(layout, 512, LIMITS, page_space=bad)
+        with pytest.raises(ValueError, match="page_space must be"):
+            Plan(layout, LIMITS, 512, page_space=bad)
+
+
+def test_a_budget_that_holds_no_arena_slab_is_refused_when_planned():
+    """Below one arena slab (plus the head of null pages) a shared plan is refused by
+    ``plan_for_budget`` itself, naming the least the arena needs; at that least it plans.
+    V4-Flash MXFP4: anchor ``c4a.compressed_kv`` 877,632 B, largest page ``swa_kv``
+    1,609,920 B: head 2 x 877,632, slab 16 x 877,632, so 18 x 877,632 = 15,797,376 B."""
+    layout = _layout()
+    least = 18 * C4_KV_PAGE
+    assert least == 15_797_376
+    with pytest.raises(ValueError, match=f"holds no slab: a shared arena needs {least:,} B at least"):
+        plan_for_budget(layout, least - 1, LIMITS)
+    plan = plan_for_budget(layout, least, LIMITS)
+    assert (plan.page_space, plan.budget_bytes, plan.fits_per_group) == ("shared", least, False)
+    # One running request of one token: per-group pools need less than one slab; only they plan it.
+    tiny = Limits(1, 1, 1)
+    minimum = _bytes_for(layout, tiny, 256)
+    assert minimum < least
+    assert plan_for_budget(layout, minimum, tiny, page_space="per-group").scheduler_pages == 1
+    with pytest.raises(ValueError, match="holds no slab"):
+        plan_for_budget(layout, minimum, tiny)
 
 
 # --- validation --------------------------------------------------------------------

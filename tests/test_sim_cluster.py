@@ -212,7 +212,7 @@ def test_a_load_without_pages_is_asked_again_only_after_a_request_is_freed():
     instance (or nothing runs), and the cut waits for nothing: each request is denied at most
     once plus once a free; no wait runs out (the hit rate, 73.5%, is the same before and now)."""
     limits = Limits(max_running_requests=32, max_scheduled_tokens=4096, max_context_tokens=16384)
-    plan = plan_for_budget(LAYOUT, 1 << 30, limits)
+    plan = plan_for_budget(LAYOUT, 1 << 30, limits, page_space="per-group")  # pools squeezed: loads denied
     reqs = multiturn_workload(12, 3, seed=4, system_prompt_tokens=2000)
     store = ObjectStore(HostTier(2 << 30), LAYOUT)
     options = {"max_running": 32, "step_token_budget": 4096}

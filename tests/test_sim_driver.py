@@ -126,7 +126,8 @@ def test_simulate_cli_json_and_plot(tmp_path, capsys):
         (["--workload", "nope"], "workload must be one of"),
         (["--requests", "0"], "--requests must be positive"),
         (["--no-prefix-caching", "--state-checkpoint-interval", "512"], "needs --prefix-caching"),
-        (["--kv-memory", "1MiB"], "too small"),
+        (["--kv-memory", "1MiB"], "holds no slab"),
+        (["--kv-memory", "1MiB", "--page-space", "per-group"], "too small"),
         (["--min-chunk-tokens=-1"], "--min-chunk-tokens must not be negative"),
     ],
 )
@@ -139,12 +140,13 @@ def test_simulate_cli_bad_input_is_one_line_exit_2(argv, message, capsys):
 
 def test_simulate_shared_page_space_needs_no_per_group_minimum(capsys):
     """2 GiB is below the per-group minimum for 128 running (2.40 GiB): refused with
-    per-group pools, run on the shared arena; a budget without one slab is refused."""
+    per-group pools, run on the shared arena (the default); a budget without one slab is refused."""
     argv = ["simulate", "--workload", "chat", "--requests", "8", "--kv-memory", "2GiB", "--max-context", "32k"]
-    assert main(argv) == 2 and "too small" in capsys.readouterr().err
-    assert main([*argv, "--page-space", "shared", "--json"]) == 0
+    assert main([*argv, "--page-space", "per-group"]) == 2 and "too small" in capsys.readouterr().err
+    assert main([*argv, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["requests_finished"] == 8 and summary["kv_memory_bytes"] == 2 * 2**30
+    assert summary["page_space"] == "shared"
     code = main(["simulate", "--page-space", "shared", "--kv-memory", "1MiB"])
     err = capsys.readouterr().err
     assert code == 2 and "holds no slab" in err and err.count("\n") == 1
@@ -153,7 +155,8 @@ def test_simulate_shared_page_space_needs_no_per_group_minimum(capsys):
 def test_simulate_shared_page_space_runs_where_per_group_pools_cannot(capsys):
     """3 GiB, 128 running: per-group pools leave the c4 compressor state too small for
     one chat chunk; the shared arena lends it memory the idle groups do not use."""
-    argv = ["simulate", "--workload", "chat", "--requests", "24", "--kv-memory", "3GiB", "--max-context", "32k"]
+    argv = ["simulate", "--workload", "chat", "--requests", "24", "--kv-memory", "3GiB", "--max-context", "32k",
+            "--page-space", "per-group"]
     code = main([*argv, "--min-chunk-tokens", "0"])
     assert code == 2 and "cannot start" in capsys.readouterr().err
     # Shrinking lets a request that is alone start with a shorter first chunk: the
@@ -162,7 +165,7 @@ def test_simulate_shared_page_space_runs_where_per_group_pools_cannot(capsys):
     assert code == 0
     per_group = json.loads(capsys.readouterr().out)
     assert per_group["requests_finished"] == 24 and per_group["shrunk_chunks"] > 0
-    code = main([*argv, "--page-space", "shared", "--json"])
+    code = main([*argv[:-2], "--page-space", "shared", "--json"])
     assert code == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["page_space"] == "shared" and summary["requests_finished"] == 24

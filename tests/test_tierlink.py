@@ -36,7 +36,7 @@ class Instance:
         self.model = build_model(CONFIG, seed=0)
         limits = Limits(max_running_requests=8, max_scheduled_tokens=step_tokens, max_context_tokens=1024,
                         speculative_tokens=3)
-        plan = plan_for_tokens(LAYOUT, total_tokens, limits)
+        plan = plan_for_tokens(LAYOUT, total_tokens, limits, page_space="per-group")  # the stack holds plan.group_pages
         self.store = store
         self.link = TierLink(store, **link_options)
         options = {} if interval is None else {"state_checkpoint_interval": interval}

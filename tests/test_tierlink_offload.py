@@ -621,7 +621,7 @@ def test_offloads_through_the_worker_serve_another_instance_with_correct_outputs
     tokens = rng.integers(0, CONFIG.vocab_size, 700)
 
     def instance(link, seed, total_tokens=4096):
-        plan = plan_for_tokens(LAYOUT, total_tokens, limits)
+        plan = plan_for_tokens(LAYOUT, total_tokens, limits, page_space="per-group")  # the stack holds plan.group_pages
         mgr = CacheManager.from_plan(plan, shuffle_seed=seed, enable_prefix_caching=True, prefix_granularity=256,
                                      state_checkpoint_interval=256, tier_link=link)
         stack = PagedStack(model, mgr.specs, plan.group_pages)

@@ -262,7 +262,7 @@ def compare_with_vllm(
     block_bytes = max(g.page_bytes_sum for g in groups)
     num_blocks = budget_bytes // block_bytes
     in_flight = BATCHES_IN_FLIGHT * limits.max_scheduled_tokens
-    plan = plan_for_budget(layout, budget_bytes, limits)
+    plan = plan_for_budget(layout, budget_bytes, limits, page_space="per-group")  # the figure it reports
     return VllmComparison(
         model=layout.name,
         budget_bytes=budget_bytes,

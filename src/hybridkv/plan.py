@@ -20,6 +20,7 @@ from functools import cached_property
 from typing import Any, Iterable
 
 from hybridkv._checks import as_int
+from hybridkv.memory.geometry import shared_arena_for
 from hybridkv.models.layout import ModelCacheLayout
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.units import format_bytes
@@ -132,15 +133,35 @@ def _request_pages(spec: CacheGroupSpec, context_tokens: int, horizon_tokens: in
     return whole
 
 
+PAGE_SPACES: tuple[str, ...] = ("shared", "per-group")  # the first is the default
+
+
+def _check_page_space(page_space: object) -> str:
+    """``page_space`` if it names a page space (``PAGE_SPACES``); ``ValueError`` otherwise."""
+    if page_space not in PAGE_SPACES:
+        raise ValueError(f"page_space must be 'shared' or 'per-group', got {page_space!r}")
+    return str(page_space)
+
+
 @dataclass(frozen=True)
 class Plan:
     """Pages per group for a layout, limits and token budget. Build with
-    :func:`plan_for_budget` or :func:`plan_for_tokens`."""
+    :func:`plan_for_budget` or :func:`plan_for_tokens`.
+
+    ``page_space`` is the page space the plan was made for and the one
+    ``CacheManager.from_plan`` builds by default: ``"shared"`` (one arena of
+    ``budget_bytes``, or of ``total_bytes`` without a budget) or ``"per-group"``
+    (one pool per group with ``group_pages``). The per-group figures
+    (``group_pages``, ``concurrency``, ``report``'s groups) are computed either way."""
 
     layout: ModelCacheLayout
     limits: Limits
     total_tokens: int
     budget_bytes: int | None = None
+    page_space: str = PAGE_SPACES[0]
+
+    def __post_init__(self) -> None:
+        _check_page_space(self.page_space)
 
     @property
     def specs(self) -> tuple[CacheGroupSpec, ...]:
@@ -240,6 +261,7 @@ class Plan:
                 "max_context_tokens": limits.max_context_tokens,
                 "speculative_tokens": limits.speculative_tokens,
             },
+            "page_space": self.page_space,
             "budget_bytes": self.budget_bytes,
             "total_bytes": total_bytes,
             "unused_bytes": None if self.budget_bytes is None else self.budget_bytes - total_bytes,
@@ -302,16 +324,20 @@ def _check_layout_limits(layout: ModelCacheLayout, limits: Limits) -> None:
         )
 
 
-def plan_for_tokens(layout: ModelCacheLayout, total_tokens: int, limits: Limits) -> Plan:
-    """The plan for a token budget, a positive multiple of the scheduler page tokens."""
+def plan_for_tokens(
+    layout: ModelCacheLayout, total_tokens: int, limits: Limits, *, page_space: str = PAGE_SPACES[0]
+) -> Plan:
+    """The plan for a token budget, a positive multiple of the scheduler page tokens, made for
+    ``page_space`` (a shared arena of the plan's ``total_bytes``, or per-group pools)."""
     _check_layout_limits(layout, limits)
+    page_space = _check_page_space(page_space)
     total = _positive("total_tokens", total_tokens)
     grain = scheduler_page_tokens(layout.specs)
     if total % grain:
         raise ValueError(
             f"total_tokens={total:,} is not a whole number of {grain}-token scheduler pages"
         )
-    return Plan(layout, limits, total)
+    return Plan(layout, limits, total, page_space=page_space)
 
 
 def _plan_bytes(layout: ModelCacheLayout, limits: Limits, total_tokens: int) -> int:
@@ -320,22 +346,23 @@ def _plan_bytes(layout: ModelCacheLayout, limits: Limits, total_tokens: int) -> 
 
 
 def plan_for_budget(
-    layout: ModelCacheLayout, kv_memory_bytes: int, limits: Limits, *, page_space: str = "per-group"
+    layout: ModelCacheLayout, kv_memory_bytes: int, limits: Limits, *, page_space: str = PAGE_SPACES[0]
 ) -> Plan:
     """The largest plan, in whole scheduler pages, whose bytes fit ``kv_memory_bytes``:
-    ``bytes(plan) <= budget < bytes(plan with one more scheduler page)``.
+    ``bytes(plan) <= budget < bytes(plan with one more scheduler page)``, made for
+    ``page_space`` (default ``"shared"``: one arena of the whole budget; ``"per-group"``:
+    one pool per group with the plan's page counts).
 
-    Raises ``ValueError`` when even one scheduler page does not fit (the message
-    names the minimum), or when no group grows with the token budget.
+    Raises ``ValueError`` when no group grows with the token budget; with
+    ``page_space="per-group"``, when even one scheduler page does not fit (the message
+    names the minimum); with ``"shared"``, when the budget holds no arena slab.
 
-    With ``page_space="shared"`` a budget too small for per-group pools still gives
-    a plan: a shared arena reserves no window or state pages per running request, and
-    uses only the plan's layout, limits and budget (it refuses, itself, a budget
-    that holds no slab). The per-group figures of such a plan are those of one
-    scheduler page and exceed the budget (``Plan.fits_per_group`` is False).
+    A shared arena reserves no window or state pages per running request, so with
+    ``page_space="shared"`` a budget too small for per-group pools still gives a plan:
+    the plan of one scheduler page with the budget kept, whose per-group figures
+    exceed the budget (``Plan.fits_per_group`` is False).
     """
-    if page_space not in ("per-group", "shared"):
-        raise ValueError(f"page_space must be 'per-group' or 'shared', got {page_space!r}")
+    page_space = _check_page_space(page_space)
     _check_layout_limits(layout, limits)
     budget = as_int("kv_memory_bytes", kv_memory_bytes, minimum=0)
     grain = scheduler_page_tokens(layout.specs)
@@ -349,29 +376,31 @@ def plan_for_budget(
             "bounded by memory"
         )
     minimum = _plan_bytes(layout, limits, grain)
-    if minimum > budget and page_space == "shared":
-        return Plan(layout, limits, grain, budget)
-    if minimum > budget:
+    if minimum > budget and page_space == "per-group":
         raise ValueError(
-            f"KV memory of {budget:,} B ({format_bytes(budget)}) is too small: one "
+            f"KV memory of {budget:,} B ({format_bytes(budget)}) is too small for per-group pools: one "
             f"{grain}-token scheduler page with {limits.max_running_requests:,} running "
             f"requests needs at least {minimum:,} B ({format_bytes(minimum)}); plan fewer running requests, "
             "or page_space='shared' (it reserves no pages per running request)"
         )
     # bytes(n) is non-decreasing in n and bytes(n) >= n * growth_bytes, so the
-    # answer lies in [1, budget // growth_bytes].
-    fits, too_big = 1, budget // growth_bytes + 1
+    # answer lies in [1, budget // growth_bytes]; below the minimum (shared only) it is 1.
+    fits, too_big = 1, max(budget // growth_bytes + 1, 2)
     while too_big - fits > 1:
         mid = (fits + too_big) // 2
         if _plan_bytes(layout, limits, mid * grain) <= budget:
             fits = mid
         else:
             too_big = mid
-    return Plan(layout, limits, fits * grain, budget)
+    plan = Plan(layout, limits, fits * grain, budget, page_space)
+    if page_space == "shared":
+        shared_arena_for(plan)  # raises when the budget holds no slab
+    return plan
 
 
 __all__ = [
     "Limits",
+    "PAGE_SPACES",
     "Plan",
     "REPORT_SCHEMA_VERSION",
     "group_page_counts",

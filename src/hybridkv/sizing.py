@@ -80,7 +80,7 @@ def _smallest_per_group_plan(layout: ModelCacheLayout, limits: Limits, requests:
             enough = mid
         else:
             too_few = mid
-    return plan_for_tokens(layout, enough * grain, limits)
+    return plan_for_tokens(layout, enough * grain, limits, page_space="per-group")
 
 
 def _shared_arena(plan: Plan, budget: int):

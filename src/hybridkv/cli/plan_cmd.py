@@ -94,9 +94,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, context_len: bool = T
     )
     parser.add_argument("--include-mtp", action="store_true", help="also cache the MTP layer(s)")
     parser.add_argument(
-        "--page-space", choices=("per-group", "shared"), default="per-group",
-        help="per-group: one pool per cache group, sized by the limits; shared: one arena "
-        "the groups borrow slabs from (docs/planning.md); default per-group",
+        "--page-space", choices=("shared", "per-group"), default="shared",
+        help="shared: one arena the groups borrow slabs from, so idle window and state pages "
+        "stay cached for prefix hits; per-group: one pool per cache group, sized by the limits "
+        "(docs/planning.md); default shared",
     )
 
 
@@ -157,7 +158,7 @@ def build_plan(args: argparse.Namespace):
 
 def shared_report(plan, context_tokens: int) -> dict[str, Any]:
     """The shared-arena section of a plan report."""
-    from hybridkv.memory.arena import shared_arena_for, shared_concurrency
+    from hybridkv.memory.geometry import shared_arena_for, shared_concurrency
 
     geometry = shared_arena_for(plan)
     return {

@@ -1,4 +1,4 @@
-"""Human output of ``hybridkv plan``: headline, per-group table, totals.
+"""Human output of ``hybridkv plan``: headline, page space, per-group table, totals.
 
 The headline states what is true of the run: the budget is one GPU's, the
 requests counted really fit at once (memory and the running-request limit), and
@@ -128,6 +128,7 @@ def render(plan, context_tokens: int, file, shared: dict[str, Any] | None = None
     console = _console(file)
     console.print(headline(plan, context_tokens))
     console.print(model_line(plan.layout, plan.limits))
+    console.print("page space   per-group pools, each sized by the limits (--page-space shared: one arena)")
     table = _table(
         (("group", "left"), ("retention", "left"), ("layers", "right"), ("tok/page", "right"),
          ("pages", "right"), ("page bytes", "right"), ("GiB", "right"), ("share", "right"),

@@ -198,7 +198,7 @@ def check_pool_sizes(plan, page_space: str) -> None:
     """The simulator holds every page of every pool in memory: refuse budgets whose
     pools would not fit this machine before any is allocated."""
     if page_space == "shared":
-        from hybridkv.memory.arena import shared_arena_for
+        from hybridkv.memory.geometry import shared_arena_for
 
         geometry = shared_arena_for(plan)
         pages = {gid: geometry.view_pages(gid) for gid in geometry.page_bytes}

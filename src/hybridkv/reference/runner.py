@@ -325,7 +325,7 @@ def build_runner(
         max_context_tokens=max_context_tokens,
         speculative_tokens=speculative_tokens,
     )
-    plan = plan_for_tokens(layout, total_tokens, limits)
+    plan = plan_for_tokens(layout, total_tokens, limits, page_space="per-group")  # the stack mirrors per-group pools
     options = {}
     if enable_prefix_caching:
         grain = plan.scheduler_page_tokens

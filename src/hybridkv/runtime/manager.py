@@ -310,19 +310,23 @@ class CacheManager:
         self._computed, self._committed, self._known, self._max_total, self._known_floor, self._token_addr = by_row
 
     @classmethod
-    def from_plan(cls, plan: Any, *, page_space: str = "per-group", slab_anchor_pages: int | None = None,
+    def from_plan(cls, plan: Any, *, page_space: str | None = None, slab_anchor_pages: int | None = None,
                   **options: Any) -> CacheManager:
         """Build from a ``hybridkv.plan.Plan`` (pages per group, limits, capture widths).
 
-        ``page_space="per-group"``: one pool per group with the plan's page counts. ``"shared"``: one arena of the
-        plan's budget (its bytes when it has no budget) lent to the groups in slabs (:mod:`hybridkv.memory.arena`)."""
-        arena = None
-        if page_space == "shared":
-            arena = shared_arena_for(plan, slab_anchor_pages)
-        elif page_space != "per-group":
-            raise ValueError(f"page_space must be 'per-group' or 'shared', got {page_space!r}")
-        elif slab_anchor_pages is not None:
+        ``page_space`` (default: the plan's own, ``plan.page_space``): ``"shared"``, one arena of the plan's budget
+        (its bytes when it has no budget) lent to the groups in slabs (:mod:`hybridkv.memory.arena`);
+        ``"per-group"``, one pool per group with the plan's page counts, refused when those exceed the plan's
+        budget (``plan.fits_per_group``)."""
+        page_space = plan.page_space if page_space is None else page_space
+        if page_space not in ("shared", "per-group"):
+            raise ValueError(f"page_space must be 'shared' or 'per-group', got {page_space!r}")
+        if page_space == "per-group" and slab_anchor_pages is not None:
             raise ValueError("slab_anchor_pages applies only to page_space='shared'")
+        if page_space == "per-group" and not plan.fits_per_group:
+            raise ValueError(f"per-group pools of this plan need {plan.total_bytes:,} B, beyond its "
+                             f"{plan.budget_bytes:,} B budget: use page_space='shared', or plan fewer running requests")
+        arena = shared_arena_for(plan, slab_anchor_pages) if page_space == "shared" else None
         return cls(plan.specs, None if arena is not None else plan.group_pages, arena=arena,
                    max_context_tokens=plan.limits.max_context_tokens, max_step_tokens=plan.limits.max_scheduled_tokens,
                    table_widths=plan.table_widths, **options)

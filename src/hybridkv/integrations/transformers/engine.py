@@ -73,7 +73,7 @@ class PagedEngine:
         layout = cache_layout(layout_config(self.config), speculative_tokens=speculative_tokens)
         limits = Limits(max_running_requests=max_running_requests, max_scheduled_tokens=max_context_tokens,
                         max_context_tokens=max_context_tokens, speculative_tokens=speculative_tokens)
-        plan = plan_for_tokens(layout, total_tokens, limits)
+        plan = plan_for_tokens(layout, total_tokens, limits, page_space="per-group")  # pools mirror per-group pools
         options = {}
         if enable_prefix_caching:
             grain = plan.scheduler_page_tokens
