@@ -1422,8 +1422,11 @@ def _grants_to_fit(arena: Arena | None, ids: list[str], want: np.ndarray, avail:
         return []
     if arena is None:
         return None
-    surplus = dict(zip(ids, (avail - want).tolist())) if scan is not None else {}
-    return arena.plan(dict(zip(ids, (want - avail).tolist())), surplus, scan)
+    deficit, surplus = want - avail, avail - want if scan is not None else np.zeros_like(want)
+    if arena.surely_short(deficit, surplus):
+        return None  # (the plan's scan is not clean: its donors give only their surplus)
+    return arena.plan(dict(zip(ids, deficit.tolist())), dict(zip(ids, surplus.tolist())) if scan is not None else {},
+                      scan)
 
 
 def _check_step_options(ids: Sequence, block_tables: str, write_slots: bool) -> None:
