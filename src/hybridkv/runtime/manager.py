@@ -702,13 +702,13 @@ class CacheManager:
         first = int((sums > avail[:, None]).any(axis=0).argmax())
         used, plan.grants = sums[:, first - 1] if first else np.zeros_like(avail), []
         asked = {tuple(net.tolist()): None}
-        for k in np.flatnonzero(fits[first:]).tolist():
-            want = used + need[:, first + k]
+        for k in (np.flatnonzero(fits[first:]) + first).tolist():
+            want = used + need[:, k]
             key = tuple(want.tolist())
-            grants = asked[key] if key in asked else asked.setdefault(key, _grants_to_fit(arena, ids, want, avail,
-                                                                                           scan))
+            if key not in asked:
+                asked[key] = _grants_to_fit(arena, ids, want, avail, scan)
+            grants = asked[key]
             if grants is None:
-                k += first
                 g = int((want > avail).argmax())
                 fits[k] = False
                 deny[k] = (f"group {ids[g]!r} needs {int(alloc[g, k])} new pages "
