@@ -147,6 +147,7 @@ class Arena:
         # Per group: fewest inner pages of a slab, most pages a slab gains (inner and two straddlers).
         self._fewest_inner, self._most_gain = inner.min(axis=1), inner.max(axis=1) + 2
         self._owned = np.empty(len(self.group_ids), dtype=np.int64)  # ``surely_short``'s scratch
+        self._least = np.maximum(self._fewest_inner, 1).tolist()  # the fewest pages a donor gives up with a slab
         self._slab_scratch = np.empty(2 * self._most_slab_pages, dtype=np.int64)  # ``apply``'s slab moves'
         self._index = {gid: i for i, gid in enumerate(self.group_ids)}
         self.owner = np.full(n, -1, dtype=np.int16)
@@ -273,9 +274,10 @@ class Arena:
         for donor in self.group_ids:
             if short <= 0:
                 break
-            if donor == gid or deficit.get(donor, 0) > 0 or self._left(donor, spare, scan, deficit) <= 0:
+            di = self._index[donor]  # (a donor spares no slab with less than its fewest inner pages to spare)
+            if donor == gid or deficit.get(donor, 0) > 0 or self._left(donor, spare, scan, deficit) < self._least[di]:
                 continue
-            left, di = spare[1], self._index[donor]
+            left = spare[1]
             inner_idle, edge_idle = self._idle(donor, scan)[:2]
             n_taken, short, left[donor] = kernels.take_donor_slabs(
                 own, di, gi, *(ids[di] for ids in self._slab_ids), self._inner[gi], self._straddle[gi], left[donor],

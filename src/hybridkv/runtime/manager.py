@@ -186,6 +186,7 @@ class _Releases:
         return credit
 
 
+_ADMITTED = Admission(True)  # (frozen: every admitted item's answer)
 _ANY_IDS = np.zeros(4, dtype=np.int32)[::2]  # a read-only strided view: ``_copy_ids``' type for the ids
 _ANY_IDS.flags.writeable = False
 _ANY_TOKENS = np.zeros((2, 4), dtype=np.int32)[:, ::2]  # the same for ``_append_ids``' [n, k] ids
@@ -530,8 +531,9 @@ class CacheManager:
         self._admitted = None if load or [*map(type, pairs)].count(tuple) != len(pairs) else (
             self._version, pairs, fixed_width, verdict)
         answers = list(verdict.answers)  # the verdict keeps None for valid items (schedule's reasons)
+        fits = verdict.fits.tolist()
         for k, i in enumerate(verdict.ok_idx):
-            answers[i] = Admission(True) if verdict.fits[k] else Admission(False, verdict.deny[k])
+            answers[i] = _ADMITTED if fits[k] else Admission(False, verdict.deny[k])
         return answers
 
     def max_admissible_tokens(self, request_id: str, max_tokens: int, *, batch: Sequence[tuple[str, int]] = (),
