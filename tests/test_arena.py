@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from hypothesis import event, given, settings
 
-from hybridkv.memory.arena import SPREAD_SLABS, Arena, anchor_group_for, arena_geometry, shared_arena_for
+from hybridkv.memory.arena import (SPREAD_SLABS, Arena, IdleScan, anchor_group_for, arena_geometry,
+                                   shared_arena_for)
 from hybridkv.runtime.manager import CacheManager, CacheManagerError
 from hybridkv.models.layout import cache_layout
 from hybridkv.plan import Limits, plan_for_budget
@@ -429,6 +430,40 @@ def test_partial_plan_gives_what_there_is_in_group_order():
     # evicts less); kv, after it, is left short.
     assert arena.plan({"swa": 100, "kv": 3}, {}, partial=True) == [("swa", k, None) for k in range(4)]
     assert arena.plan({"swa": 5, "kv": 3}, {}, partial=True) == [("swa", 0, None), ("kv", 1, None)]
+
+
+def test_surely_short_bounds_the_spare_slabs_and_the_donors_surplus_worked_by_hand():
+    """Four spare slabs gain swa at most 5 inner pages and 2 straddlers each (28); once swa owns them all,
+    kv's deficit is bounded by the slabs swa's surplus can give up, 5 inner pages each at least."""
+    arena, _ = bare_arena()
+    ids = np.zeros(2, dtype=np.int64)
+    assert not arena.surely_short(np.array([28, -1]), ids) and arena.surely_short(np.array([29, -1]), ids)
+    arena.apply(arena.plan({"swa": 20}, {}))
+    assert not arena.surely_short(np.array([-1, 2 * 10]), np.array([10, 0]))  # two slabs, 8 + 2 pages of kv each
+    assert arena.surely_short(np.array([-1, 2 * 10 + 1]), np.array([10, 0]))
+    assert arena.surely_short(np.array([-1, 1]), np.array([4, 0]))  # less than a slab's inner pages to spare
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_surely_short_only_where_the_plan_finds_nothing(data):
+    """Where ``Arena.surely_short`` says a deficit cannot be covered, ``Arena.plan`` with a scan that is not clean
+    answers None: random grants, allocations, entries and releases, any surpluses, and deficits around the most a
+    partial plan gets the group (which a plan covers, so the bound must let it through)."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    _, pools, arena = packing_arena()
+    grant_publish_release(data, rng, pools, arena, data.draw(st.integers(0, 8)), random_priority=True)
+    ids, g = arena.group_ids, data.draw(st.integers(0, len(SMALL_BYTES) - 1))
+    surplus = np.array([data.draw(st.integers(-5, 80)) for _ in ids], dtype=np.int64)
+    deficit = np.array([data.draw(st.integers(-40, 0)) for _ in ids], dtype=np.int64)
+    deficit[g] = 10**6
+    most = arena.replay(arena.plan(dict(zip(ids, deficit.tolist())), dict(zip(ids, surplus.tolist())), IdleScan(),
+                                   partial=True))[1].get(ids[g], 0)
+    deficit[g] = max(most + data.draw(st.integers(-3, 3)), 1)
+    short = arena.surely_short(deficit, surplus)
+    plan = arena.plan(dict(zip(ids, deficit.tolist())), dict(zip(ids, surplus.tolist())), IdleScan())
+    event(f"surely short: {short}, plan: {plan is not None}")
+    assert not (short and plan is not None)
 
 
 def test_pages_that_outlive_a_chunk_get_its_lowest_ids():

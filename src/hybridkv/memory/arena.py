@@ -65,6 +65,10 @@ class Arena:
         self._slab_pages = np.asarray([geometry.slab_bytes // geometry.page_bytes[gid] - 1 for gid in self.group_ids],
                                       dtype=np.int64)
         self._most_slab_pages = int(inner.max()) + 2  # a slab's inner pages and its two straddlers
+        # Per group: fewest inner pages of a slab, most pages a slab gains (inner and two straddlers).
+        self._fewest_inner, self._most_gain = inner.min(axis=1), inner.max(axis=1) + 2
+        self._owned = np.empty(len(self.group_ids), dtype=np.int64)  # ``surely_short``'s scratch
+        self._least = np.maximum(self._fewest_inner, 1).tolist()  # the fewest pages a donor gives up with a slab
         self._slab_scratch = np.empty(2 * self._most_slab_pages, dtype=np.int64)  # ``apply``'s slab moves'
         self._index = {gid: i for i, gid in enumerate(self.group_ids)}
         self.owner = np.full(n, -1, dtype=np.int16)
@@ -97,6 +101,7 @@ class Arena:
         kernels.slab_move_pages(self.owner, -1, 0, *self._slab_ids, 0, self._slab_scratch)
         kernels.take_spare_slabs(self.owner.copy(), 0, self._inner[0], self._straddle[0], 0, self._taken)
         self.plan_spare(np.zeros(len(self.group_ids), dtype=np.int64))
+        self.surely_short(np.zeros(len(self.group_ids), dtype=np.int64), np.zeros(len(self.group_ids), dtype=np.int64))
         self._count(gid, 0, self.owner)
         kernels.must_pack_at(self.pools[gid].ref_counts, 0, self.packing, 0, int(self._slab_ids[0][0, 0]), 0,
                              self._space.per_group, None)
@@ -155,6 +160,12 @@ class Arena:
                 return None
         return grants
 
+    def surely_short(self, deficit: np.ndarray, surplus: np.ndarray) -> bool:
+        """Whether :meth:`plan` of ``deficit`` pages per group (int64, in ``group_ids`` order), donors keeping
+        ``surplus``, with a scan that is not ``clean`` and not ``partial``, surely answers None: some group's
+        deficit passes every spare slab and the slabs each donor's surplus can give up (``kernels.surely_short``)."""
+        return kernels.surely_short(self.owner, deficit, surplus, self._fewest_inner, self._most_gain, self._owned)
+
     def plan_spare(self, short: np.ndarray, owner: np.ndarray | None = None) -> list[Grant] | None:
         """:meth:`plan` of ``short`` pages per group when spare slabs alone surely cover
         (``kernels.take_spare_for``); None when they might not. Pure; ``owner`` as for :meth:`plan`."""
@@ -184,9 +195,10 @@ class Arena:
         for donor in self.group_ids:
             if short <= 0:
                 break
-            if donor == gid or deficit.get(donor, 0) > 0 or self._left(donor, spare, scan, deficit) <= 0:
+            di = self._index[donor]  # (a donor spares no slab with less than its fewest inner pages to spare)
+            if donor == gid or deficit.get(donor, 0) > 0 or self._left(donor, spare, scan, deficit) < self._least[di]:
                 continue
-            left, di = spare[1], self._index[donor]
+            left = spare[1]
             inner_idle, edge_idle = self._idle(donor, scan)[:2]
             n_taken, short, left[donor] = kernels.take_donor_slabs(
                 own, di, gi, *(ids[di] for ids in self._slab_ids), self._inner[gi], self._straddle[gi], left[donor],

@@ -1573,6 +1573,28 @@ def idle_pages(ref, keyed, low_priority, idle_tick, keyed_mode, before_tick, lo,
     return idle, counted
 
 
+@njit(cache=True, _nrt=False)
+def surely_short(owner, deficit, surplus, fewest_inner, most_gain, owned):
+    """Whether some group's ``deficit`` pages pass all ``Arena.plan`` could give it with a scan that is not clean
+    (pure but for the ``owned`` scratch, per group its slabs): every spare slab and, per donor (no deficit), the
+    slabs its ``surplus`` can give up (``take_donor_slabs``: each gives up at least the donor's ``fewest_inner``
+    pages), each slab gaining the group at most ``most_gain`` pages (inner pages and two straddlers)."""
+    owned[:] = 0
+    slabs = 0
+    for s in range(owner.size):
+        if owner[s] < 0:
+            slabs += 1
+        else:
+            owned[owner[s]] += 1
+    for d in range(deficit.size):
+        if deficit[d] <= 0 < surplus[d]:
+            slabs += owned[d] if fewest_inner[d] == 0 else min(owned[d], surplus[d] // fewest_inner[d])
+    for g in range(deficit.size):
+        if deficit[g] > slabs * most_gain[g]:
+            return True
+    return False
+
+
 @njit(cache=True)
 def take_donor_slabs(own, donor, group, lo, hi, donor_straddle, inner_pages, straddle, left_pages, short_pages, taken,
                      inner_idle, edge_idle):

@@ -177,7 +177,16 @@ class _Releases:
             found = self._found[k] = (credit, sole[:n_sole], unkeyed[:n_unkeyed])
         return found
 
+    def credit(self) -> np.ndarray:
+        """Every group's release credit per plan row (``[G, R]``; none where a group releases nothing)."""
+        plan = self.plan
+        credit = np.zeros((plan.sums.shape[1], plan.rows.size), dtype=np.int64)
+        for k in np.flatnonzero(plan.sums[0]).tolist():
+            credit[k] = self.of(k)[0]
+        return credit
 
+
+_ADMITTED = Admission(True)  # (frozen: every admitted item's answer)
 _ANY_IDS = np.zeros(4, dtype=np.int32)[::2]  # a read-only strided view: ``_copy_ids``' type for the ids
 _ANY_IDS.flags.writeable = False
 _ANY_TOKENS = np.zeros((2, 4), dtype=np.int32)[:, ::2]  # the same for ``_append_ids``' [n, k] ids
@@ -526,9 +535,12 @@ class CacheManager:
         pairs = list(items)
         self._admitted = None if load or [*map(type, pairs)].count(tuple) != len(pairs) or not _int_counts(pairs) \
             else (self._version, pairs, fixed_width, verdict)
+        fits = verdict.fits.tolist()
+        if len(fits) == len(verdict.answers) and all(fits):
+            return [_ADMITTED] * len(fits)  # every item valid and admitted (most steps)
         answers = list(verdict.answers)  # the verdict keeps None for valid items (schedule's reasons)
         for k, i in enumerate(verdict.ok_idx):
-            answers[i] = Admission(True) if verdict.fits[k] else Admission(False, verdict.deny[k])
+            answers[i] = _ADMITTED if fits[k] else Admission(False, verdict.deny[k])
         return answers
 
     def max_admissible_tokens(self, request_id: str, max_tokens: int, *, batch: Sequence[tuple[str, int]] = (),
@@ -648,29 +660,27 @@ class CacheManager:
         """Admission when the allocations alone do not fit: spare slabs, else the totals net of release
         credit (a donor's released pages count as idle), else greedy in batch order. Sets ``plan.grants``."""
         plan, ids, arena = releases.plan, self._group_ids, self.arena
-        avail = dict(zip(ids, (self._space.tops + self._space.lru_lengths).tolist()))  # free and evictable
-        # Group id -> pages each plan row allocates (from hi, or from a load row's new base past it).
-        alloc = dict(zip(ids, plan.after[1] - np.maximum(self._tableset.bounds[1][:, plan.rows], plan.after[0])))
-        gross = [int(alloc[g][fits].sum()) for g in ids]  # the rows denied already left out
+        avail = self._space.tops + self._space.lru_lengths  # free and evictable pages per group
+        # Pages each plan row allocates per group (from hi, or from a load row's new base past it).
+        alloc = plan.after[1] - np.maximum(self._tableset.bounds[1][:, plan.rows], plan.after[0])
+        gross = alloc[:, fits].sum(axis=1)  # the rows denied already left out
         # Releases run before allocations: only the admitted totals matter. Gross: spare slabs only.
-        plan.grants = _grants_to_fit(arena, dict(zip(ids, gross)), avail, None)
+        plan.grants = _grants_to_fit(arena, ids, gross, avail, None)
         if plan.grants is None:
             scan = IdleScan(releasing=lambda k: releases.of(k)[1])  # pages only their row holds
-            credit = [releases.of(k)[0] for k in range(len(ids))]
-            net = {g: n - int(credit[k][fits].sum()) for k, (g, n) in enumerate(zip(ids, gross))}
-            plan.grants = _grants_to_fit(arena, net, avail, scan)
+            need = alloc - releases.credit()
+            net = need[:, fits].sum(axis=1)
+            plan.grants = _grants_to_fit(arena, ids, net, avail, scan)
             if plan.grants is None:
-                need = {g: alloc[g] - credit[k] for k, g in enumerate(ids)}
-                self._deny_greedily(alloc, need, avail, fits, deny, arena, scan, plan)
+                self._deny_greedily(alloc, need, avail, net, fits, deny, scan, plan)
                 return
         if arena is not None:
             # A group that would evict cached pages grows instead, after those grants (gross sums: the releases'
             # freed pages count; free: the gross, as credit covered them).
-            wanted = np.asarray(gross, dtype=np.int64)
             own, gained = arena.replay(plan.grants) if plan.grants else (None, {})
             clean = self._space.tops + np.fromiter(map(gained.get, ids, repeat(0)), _INT64, len(ids))
-            if self._short_pages(plan, wanted, clean, wanted):
-                plan.grants = plan.grants + self._grow_instead_of_evicting(self._short, clean - wanted, releases, own)
+            if self._short_pages(plan, gross, clean, gross):
+                plan.grants = plan.grants + self._grow_instead_of_evicting(self._short, clean - gross, releases, own)
 
     def _grow_instead_of_evicting(self, short: np.ndarray, surplus: np.ndarray, releases: _Releases,
                                   own: np.ndarray | None = None) -> list:
@@ -689,26 +699,33 @@ class CacheManager:
             scan.before_tick = min(ticks) if ticks else None
         return self.arena.plan(wanting, spare, scan, partial=True, owner=own)
 
-    @staticmethod
-    def _deny_greedily(alloc, net, avail, fits, deny, arena, scan, plan) -> None:
-        """In batch order, admit a request only if everything admitted so far still fits."""
-        used = {g: 0 for g in avail}
-        plan.grants = []
-        for k in range(fits.size):
-            if not fits[k]:
-                continue
-            want = {g: used[g] + int(net[g][k]) for g in avail}
-            grants = _grants_to_fit(arena, want, avail, scan)
+    def _deny_greedily(self, alloc, need, avail, net, fits, deny, scan, plan) -> None:
+        """In batch order, admit a request only if everything admitted so far still fits (``[G, R]`` arrays
+        ``alloc`` and ``need``, its allocations gross and net; ``net``: the sums of ``need`` over ``fits``, which
+        do not fit). The rows before the first whose running sum passes ``avail`` fit with no slab (one pass);
+        from there each sum asks ``_grants_to_fit`` once (an admitted row that needs nothing, or the last one
+        admitted, repeats a sum already asked)."""
+        ids, arena = self._group_ids, self.arena
+        need = np.where(fits, need, 0)  # the rows denied already add nothing
+        sums = np.cumsum(need, axis=1)
+        first = int((sums > avail[:, None]).any(axis=0).argmax())
+        used, plan.grants = sums[:, first - 1] if first else np.zeros_like(avail), []
+        asked = {tuple(net.tolist()): None}
+        for k in (np.flatnonzero(fits[first:]) + first).tolist():
+            want = used + need[:, k]
+            key = tuple(want.tolist())
+            if key not in asked:
+                asked[key] = _grants_to_fit(arena, ids, want, avail, scan)
+            grants = asked[key]
             if grants is None:
-                g = next(g for g in avail if want[g] > avail[g])
+                g = int((want > avail).argmax())
                 fits[k] = False
-                deny[k] = (f"group {g!r} needs {int(alloc[g][k])} new pages "
-                           f"(after {int(alloc[g][k] - net[g][k])} released), "
-                           f"{max(avail[g] - used[g], 0)} free or evictable"
+                deny[k] = (f"group {ids[g]!r} needs {int(alloc[g, k])} new pages "
+                           f"(after {int(alloc[g, k] - need[g, k])} released), "
+                           f"{max(int(avail[g] - used[g]), 0)} free or evictable"
                            + ("" if arena is None else ", and no slab of the shared arena can be lent"))
             else:
-                used = want
-                plan.grants = grants
+                used, plan.grants = want, grants
 
     def _fast_rows(self, items) -> tuple[np.ndarray, np.ndarray, tuple, int] | None:
         """(rows, counts, ids, tokens) of valid-looking pairs, vectorized; None sends the batch to the
@@ -1418,16 +1435,19 @@ def _int_counts(pairs: list[tuple]) -> bool:
         return False
 
 
-def _grants_to_fit(arena: Arena | None, want: dict[str, int], avail: dict[str, int],
+def _grants_to_fit(arena: Arena | None, ids: list[str], want: np.ndarray, avail: np.ndarray,
                    scan: IdleScan | None) -> list | None:
-    """Slab moves that let each group get ``want`` pages out of ``avail`` (``[]``: fit already; None: cannot).
-    Donors' slabs only with a ``scan``, else spare slabs alone."""
-    if all(want[g] <= avail[g] for g in avail):
+    """Slab moves that let each group (``ids``) get ``want`` pages out of ``avail`` (``[]``: fit already; None:
+    cannot). Donors' slabs only with a ``scan``, else spare slabs alone."""
+    if (want <= avail).all():
         return []
     if arena is None:
         return None
-    surplus = {g: avail[g] - want[g] for g in avail} if scan is not None else {}
-    return arena.plan({g: want[g] - avail[g] for g in avail}, surplus, scan)
+    deficit, surplus = want - avail, avail - want if scan is not None else np.zeros_like(want)
+    if arena.surely_short(deficit, surplus):
+        return None  # (the plan's scan is not clean: its donors give only their surplus)
+    return arena.plan(dict(zip(ids, deficit.tolist())), dict(zip(ids, surplus.tolist())) if scan is not None else {},
+                      scan)
 
 
 def _check_step_options(ids: Sequence, block_tables: str, write_slots: bool) -> None:
