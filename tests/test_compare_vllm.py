@@ -100,6 +100,23 @@ def test_cli_compare_says_what_to_trust(capsys):
     assert report["vllm"]["num_blocks"] == 42_853
 
 
+@pytest.mark.parametrize("page_space, line", [
+    (None, "hybridkv fits 75 requests at 128k (one shared arena)"),
+    ("per-group", "hybridkv fits 74 requests at 128k (per-group pools, 9,695,232-token budget)"),
+])
+def test_cli_compare_counts_hybridkv_in_the_page_space_asked_for(capsys, page_space, line):
+    """hybridkv's figure is the plan's own page space (shared by default): the count `plan` itself prints for
+    the same budget and limits (FP8 indexer keys, as vLLM caches them), not the per-group one it printed before."""
+    extra = [] if page_space is None else ["--page-space", page_space]
+    assert main(["plan", "--compare", "vllm", *extra]) == 0
+    assert line in " ".join(capsys.readouterr().out.split())
+    assert main(["plan", "--indexer", "fp8", *extra]) == 0
+    headline = capsys.readouterr().out.splitlines()[0]
+    assert (" 75 requests at 128k" if page_space is None else " 74 requests at 128k") in headline
+    assert main(["plan", "--compare", "vllm", "--json", *extra]) == 0
+    assert json.loads(capsys.readouterr().out)["hybridkv"]["page_space"] == (page_space or "shared")
+
+
 def _vllm_side():
     if importlib.util.find_spec("vllm") is None:
         return None

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from hybridkv.memory.geometry import shared_concurrency
 from hybridkv.models.layout import ModelCacheLayout
 from hybridkv.plan import Limits, plan_for_budget
 from hybridkv.units import format_bytes, format_tokens, plural
@@ -172,6 +173,7 @@ class VllmComparison:
     hybridkv_requests: int
     hybridkv_total_tokens: int
     hybridkv_max_running: int
+    hybridkv_page_space: str = "per-group"  # the page space ``hybridkv_requests`` counts in
 
     @property
     def logged_concurrency(self) -> float:
@@ -218,6 +220,7 @@ class VllmComparison:
                 "total_tokens": self.hybridkv_total_tokens,
                 "max_requests": self.hybridkv_requests,
                 "max_running_requests": self.hybridkv_max_running,
+                "page_space": self.hybridkv_page_space,
             },
         }
 
@@ -231,7 +234,8 @@ class VllmComparison:
             f"{format_bytes(self.budget_bytes)} per GPU, {self.model} at {at}: vLLM {VLLM_VERSION} "
             f"admits {plural(admitted, 'request')}, logs {logged:.2f}x",
             f"hybridkv     fits {plural(self.hybridkv_requests, 'request')} at {at} "
-            f"(per-group pools, {self.hybridkv_total_tokens:,}-token budget)",
+            + ("(one shared arena)" if self.hybridkv_page_space == "shared"
+               else f"(per-group pools, {self.hybridkv_total_tokens:,}-token budget)"),
             f"vLLM pool    {len(self.groups)} groups share {self.num_blocks:,} blocks x {self.block_bytes:,} B",
             f"vLLM logs    KV cache size {self.logged_tokens:,} tokens; maximum concurrency "
             f"{logged:.2f}x at {self.context_tokens:,} tokens",
@@ -254,15 +258,19 @@ class VllmComparison:
 
 
 def compare_with_vllm(
-    layout: ModelCacheLayout, limits: Limits, budget_bytes: int, context_tokens: int
+    layout: ModelCacheLayout, limits: Limits, budget_bytes: int, context_tokens: int, *,
+    page_space: str = "shared",
 ) -> VllmComparison:
     """vLLM's allocation for ``budget_bytes`` with ``--max-model-len context_tokens`` and
-    ``--max-num-batched-tokens limits.max_scheduled_tokens``, next to hybridkv's plan."""
+    ``--max-num-batched-tokens limits.max_scheduled_tokens``, next to hybridkv's plan in
+    ``page_space`` (``plan_for_budget``'s; the requests it fits counted there)."""
     groups = vllm_groups(vllm_buckets(layout))
     block_bytes = max(g.page_bytes_sum for g in groups)
     num_blocks = budget_bytes // block_bytes
     in_flight = BATCHES_IN_FLIGHT * limits.max_scheduled_tokens
-    plan = plan_for_budget(layout, budget_bytes, limits, page_space="per-group")  # the figure it reports
+    plan = plan_for_budget(layout, budget_bytes, limits, page_space=page_space)
+    fits = (shared_concurrency(plan, context_tokens) if page_space == "shared"
+            else plan.max_concurrent_requests(context_tokens))
     return VllmComparison(
         model=layout.name,
         budget_bytes=budget_bytes,
@@ -273,9 +281,10 @@ def compare_with_vllm(
         num_blocks=num_blocks,
         request_blocks=sum(g.request_blocks(context_tokens, in_flight) for g in groups),
         held_blocks=sum(g.held_blocks(context_tokens) for g in groups),
-        hybridkv_requests=plan.max_concurrent_requests(context_tokens),
+        hybridkv_requests=fits,
         hybridkv_total_tokens=plan.total_tokens,
         hybridkv_max_running=limits.max_running_requests,
+        hybridkv_page_space=page_space,
     )
 
 

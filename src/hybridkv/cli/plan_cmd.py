@@ -233,7 +233,7 @@ def _run_compare(args: argparse.Namespace, render) -> int:
 
     layout = build_layout(args)
     limits = resolve_limits(args, layout)
-    comparison = compare_with_vllm(layout, limits, args.kv_memory, args.context_len)
+    comparison = compare_with_vllm(layout, limits, args.kv_memory, args.context_len, page_space=args.page_space)
     if args.json:
         _emit_json(comparison.report())
     else:
