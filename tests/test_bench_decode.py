@@ -162,3 +162,28 @@ def test_serving_phase_with_a_filled_cache_evicts_in_its_steps(vs):
         vs.serving.measure_serving({"hybridkv": side}, fill_tokens=fill, **options)
         evicted[fill] = sum(s.evicted_pages for s in side.manager.stats().values()) - before
     assert evicted[0] == 0 < evicted[1_200_000]
+
+
+def test_decode_call_pairs_schedules_each_step_through_schedule(vs):
+    """``decode_call="pairs"`` (``--decode-call pairs``): each timed step is one ``schedule`` of (id, 1) pairs,
+    not ``schedule_uniform``, and the requests end where the uniform calls leave them."""
+    shape = vs.workload.ServingShape(**SMALL)
+    ends = {}
+    for call in ("uniform", "pairs"):
+        side = _side(vs, 6)
+        side.decode_call = call
+        calls = {"schedule": 0, "schedule_uniform": 0}
+        for name in calls:
+            method = getattr(side.manager, name)
+
+            def counted(*args, _method=method, _name=name, **kwargs):
+                calls[_name] += 1
+                return _method(*args, **kwargs)
+            setattr(side.manager, name, counted)
+        vs.decode.measure_decode({"hybridkv": side}, running=6, steps=4, rounds=2, chunk_tokens=1024,
+                                 shape=shape, seed=0)
+        ends[call] = side.manager.stats(), calls
+    (uniform_stats, uniform_calls), (pairs_stats, pairs_calls) = ends["uniform"], ends["pairs"]
+    assert uniform_calls["schedule_uniform"] == 8 and pairs_calls["schedule_uniform"] == 0  # 2 rounds of 4 steps
+    assert pairs_calls["schedule"] == uniform_calls["schedule"] + 8  # the set-up's prefill steps, then the 8
+    assert pairs_stats == uniform_stats

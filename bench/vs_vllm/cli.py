@@ -190,7 +190,10 @@ def run(config: BenchConfig, vllm_factory: Callable[..., Any] | str, log: Callab
 
 
 def _config_json(config: BenchConfig) -> dict[str, Any]:
-    return json.loads(json.dumps(asdict(config)))
+    """The run's settings, with how the hybridkv side calls its manager (class-wide, set from the flags)."""
+    calls = dict(block_tables=HybridkvSide.block_tables, write_slots=HybridkvSide.write_slots,
+                 decode_call=HybridkvSide.decode_call)
+    return json.loads(json.dumps(dict(asdict(config), hybridkv_calls=calls)))
 
 
 def _environment(vllm_factory: Any) -> dict[str, Any]:
@@ -251,6 +254,8 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Output]:
     p.add_argument("--state-checkpoint-interval", type=int, default=None, help="hybridkv only")
     p.add_argument("--block-tables", choices=("updates", "full"), default="updates", help="hybridkv only")
     p.add_argument("--write-slots", action=argparse.BooleanOptionalAction, default=True, help="hybridkv only")
+    p.add_argument("--decode-call", choices=("uniform", "pairs"), default="uniform",
+                   help="hybridkv only: a decode step as schedule_uniform(ids, 1) or as schedule() of (id, 1) pairs")
     p.add_argument("--quick", action="store_true",
                    help="smoke test (~1 min on a quiet machine): sizes 32 and 256, 3 rounds of 16 steps, "
                         "smaller prefill, multi-turn and capacity phases")
@@ -260,6 +265,7 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Output]:
                    help="run nothing: print the tables of an earlier run's JSON")
     a = p.parse_args(argv)
     HybridkvSide.block_tables, HybridkvSide.write_slots = a.block_tables, a.write_slots
+    HybridkvSide.decode_call = a.decode_call
     if a.quick:
         a.sizes, a.rounds, a.serving_steps, a.decode_steps = "32,256", 3, 16, 16
         a.prefill_requests, a.prefill_tokens, a.conversations, a.turns = 1, 8_192, 4, 2

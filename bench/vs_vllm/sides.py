@@ -102,6 +102,9 @@ class HybridkvSide:
     # True: every step also computes each group's write slots (the manager's default);
     # False: the engine derives them, as vLLM's model runner derives its slot mapping.
     write_slots = True
+    # "uniform": a decode step is one ``schedule_uniform(ids, 1)``; "pairs": ``schedule([(id, 1), ...])``, as a
+    # caller that builds its batch as pairs calls it (the list built before the timer).
+    decode_call = "uniform"
 
     def __init__(
         self,
@@ -249,11 +252,15 @@ class HybridkvSide:
         return True
 
     def decode_step(self, requests: Sequence[Any]) -> bool:
-        """One token for every request, in one ``schedule_uniform`` call."""
+        """One token for every request, in one ``schedule_uniform`` call (``decode_call="pairs"``: ``schedule``)."""
         ids = tuple(r.request_id for r in requests)
+        pairs = [(rid, 1) for rid in ids] if self.decode_call == "pairs" else None
         start = time.perf_counter_ns()
         try:
-            self.manager.schedule_uniform(ids, 1, block_tables=self.block_tables, write_slots=self.write_slots)
+            if pairs is not None:
+                self.manager.schedule(pairs, block_tables=self.block_tables, write_slots=self.write_slots)
+            else:
+                self.manager.schedule_uniform(ids, 1, block_tables=self.block_tables, write_slots=self.write_slots)
         except self._error:
             return False
         finally:
