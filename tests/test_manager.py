@@ -912,6 +912,21 @@ def test_schedule_after_a_denying_check_names_only_the_denied_requests():
         m.schedule(items)  # reuses the cached check
 
 
+def test_check_admission_denies_an_invalid_item_beside_a_settling_row():
+    """An invalid item is left out of the plan; when it was scheduled last step, its row settles first in the plan
+    (one row per item again): its answer must still deny it, as schedule's error does."""
+    m = manager([KV], 40, ctx=256, step=64)
+    m.add_request("a", prompt_tokens=4)
+    m.add_request("b", prompt_tokens=8)
+    m.schedule([("a", 4)])  # a is done: 4 + 10 passes its declared total, and its row settles in the next plan
+    items = [("a", 10), ("b", 8)]
+    answers = m.check_admission(items)
+    assert [a.ok for a in answers] == [False, True]
+    assert "4 + 10 tokens exceeds its declared total of 4" in answers[0].reason
+    with pytest.raises(CacheManagerError, match="exceeds its declared total"):
+        m.schedule(items)
+
+
 def test_step_objects_are_whole_frozen_dataclasses():
     """The step's objects each carry exactly their fields and refuse assignment, in
     both table modes."""
