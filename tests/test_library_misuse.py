@@ -160,3 +160,12 @@ def test_a_max_context_whose_block_tables_cannot_be_allocated_says_so():
     with pytest.raises(MemoryError, match=r"block tables for 64 request rows .* set by the max context of "
                                           r"1,125,899,906,842,624 tokens\): lower max_context_tokens"):
         CacheManager([SWA, KV], {"swa": 64, "kv": 64}, max_context_tokens=2**50)
+
+
+@pytest.mark.parametrize("context_tokens", [2**56, 2**58])
+def test_a_max_context_past_what_numpy_can_size_says_so_too(context_tokens):
+    """Past about 2**55 tokens numpy refuses the store with a bare ValueError ("array is too big", "Maximum allowed
+    dimension exceeded") before it tries to allocate: the error names what sized the tables all the same."""
+    with pytest.raises(MemoryError, match=rf"block tables for 64 request rows .* set by the max context of "
+                                          rf"{context_tokens:,} tokens\): lower max_context_tokens"):
+        CacheManager([SWA, KV], {"swa": 64, "kv": 64}, max_context_tokens=context_tokens)

@@ -912,6 +912,51 @@ def test_schedule_after_a_denying_check_names_only_the_denied_requests():
         m.schedule(items)  # reuses the cached check
 
 
+def test_check_admission_denies_an_invalid_item_beside_a_settling_row():
+    """An invalid item is left out of the plan; when it was scheduled last step, its row settles first in the plan
+    (one row per item again): its answer must still deny it, as schedule's error does."""
+    m = manager([KV], 40, ctx=256, step=64)
+    m.add_request("a", prompt_tokens=4)
+    m.add_request("b", prompt_tokens=8)
+    m.schedule([("a", 4)])  # a is done: 4 + 10 passes its declared total, and its row settles in the next plan
+    items = [("a", 10), ("b", 8)]
+    answers = m.check_admission(items)
+    assert [a.ok for a in answers] == [False, True]
+    assert "4 + 10 tokens exceeds its declared total of 4" in answers[0].reason
+    with pytest.raises(CacheManagerError, match="exceeds its declared total"):
+        m.schedule(items)
+
+
+@settings(max_examples=60, deadline=None)
+@given(hst.data())
+def test_invalid_items_are_denied_in_any_batch_and_leave_the_valid_answers_alone(data):
+    """Invalid items (past a declared total or the step limit, unknown, no tokens) are left out of the plan: in any
+    batch, after any steps, each is denied, and the other items get the answers they get without them."""
+    m = manager([SWA, KV], data.draw(hst.integers(6, 24)), ctx=64, step=16)
+    totals = {}
+    for i in range(4):
+        prompt, extra = data.draw(hst.integers(1, 40)), data.draw(hst.integers(0, 8))
+        m.add_request(f"r{i}", prompt_tokens=prompt, max_new_tokens=extra)
+        totals[f"r{i}"] = prompt + extra
+    left = lambda rid: totals[rid] - m.num_computed_tokens(rid)  # noqa: E731
+    for _ in range(data.draw(hst.integers(0, 4))):  # steps before (the last one's rows may settle in the next plan)
+        rids = data.draw(hst.lists(hst.sampled_from(sorted(totals)), unique=True, min_size=1, max_size=3))
+        items = [(rid, min(data.draw(hst.integers(1, 16)), left(rid))) for rid in rids if left(rid) > 0]
+        if items and all(a.ok for a in m.check_admission(items)):
+            m.schedule(items)
+    batch, invalid = [], []
+    for rid in data.draw(hst.permutations(sorted(totals) + ["nope"])):
+        if rid != "nope" and left(rid) > 0 and data.draw(hst.booleans()):
+            batch.append((rid, data.draw(hst.integers(1, min(16, left(rid))))))
+        elif data.draw(hst.booleans()):
+            invalid.append(len(batch))
+            batch.append((rid, data.draw(hst.sampled_from([0, 17] + ([] if rid == "nope" else [left(rid) + 1])))))
+    answers = m.check_admission(batch)
+    assert all(not answers[i].ok and answers[i].reason for i in invalid)
+    valid = [i for i in range(len(batch)) if i not in invalid]
+    assert [answers[i] for i in valid] == m.check_admission([batch[i] for i in valid])
+
+
 def test_step_objects_are_whole_frozen_dataclasses():
     """The step's objects each carry exactly their fields and refuse assignment, in
     both table modes."""

@@ -535,9 +535,9 @@ class CacheManager:
         pairs = list(items)
         self._admitted = None if load or [*map(type, pairs)].count(tuple) != len(pairs) or not _int_counts(pairs) \
             else (self._version, pairs, fixed_width, verdict)
-        fits = verdict.fits.tolist()
-        if len(fits) == len(verdict.answers) and all(fits):
-            return [_ADMITTED] * len(fits)  # every item valid and admitted (most steps)
+        fits = verdict.fits.tolist()  # (a clean plan's also holds its settling rows, each admitted)
+        if len(verdict.ok_idx) == len(verdict.answers) and all(fits):
+            return [_ADMITTED] * len(verdict.answers)  # every item valid and admitted (most steps)
         answers = list(verdict.answers)  # the verdict keeps None for valid items (schedule's reasons)
         for k, i in enumerate(verdict.ok_idx):
             answers[i] = _ADMITTED if fits[k] else Admission(False, verdict.deny[k])

@@ -117,7 +117,7 @@ class TableSet:
             at += rows * t.capacity_pages if t.has_lanes else 0
         try:
             pages = np.empty(at, dtype=np.int32)
-        except MemoryError:
+        except (MemoryError, ValueError):  # (numpy refuses a size past what it can index with a ValueError)
             raise MemoryError(f"block tables for {rows} request rows need {at * 4:,} bytes ({at // rows:,} cells a row, "
                               f"set by the max context of {self.max_context_tokens:,} tokens): lower "
                               "max_context_tokens") from None
