@@ -83,7 +83,7 @@ BAD = [
     (P + ["--kv-memory", ""], r"--kv-memory: cannot read ''"),
     (P + ["--kv-memory", "1.5"], r"--kv-memory: a plain byte count must be whole"),
     (P + ["--kv-memory", "1MiB"], r"holds no slab: a shared arena needs 15,797,376 B at least"),
-    (P + ["--kv-memory", "1MiB", "--page-space", "per-group"], r"too small for per-group pools: .*at least 2,578,745,920 B"),
+    (P + ["--kv-memory", "1MiB", "--page-space", "per-group"], r"too small for per-group pools: .*at least 2,578,745,920 B.*or --page-space shared \(it reserves"),
     (P + ["--max-running", "0"], r"--max-running must be positive"),
     (P + ["--max-running", "1.5"], r"--max-running: '1.5' is not a whole number"),
     (P + ["--max-running", "2M"], r"--max-running must be at most 1,048,576"),

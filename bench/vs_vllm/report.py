@@ -190,7 +190,10 @@ def tables(report: dict, *, markdown: bool = False) -> list[Any]:
 def footer(report: dict) -> str:
     env = report["environment"]
     where = f"hybridkv at commit {env.get('commit')}" if env.get("commit") else f"hybridkv from {env.get('hybridkv_path')}"
-    return (f"{where}{' (src modified)' if env.get('src_modified') else ''}, "
+    calls = report.get("config", {}).get("hybridkv_calls", {})  # (runs before it was recorded: none)
+    unusual = ", ".join(f"{name}={value}" for name, value in calls.items()
+                        if value != {"block_tables": "updates", "write_slots": True, "decode_call": "uniform"}.get(name, value))
+    return (f"{where}{' (src modified)' if env.get('src_modified') else ''}{f' ({unusual})' if unusual else ''}, "
             f"vLLM {env.get('vllm')}, {env.get('cpus')} CPUs, load average at the end "
             f"{', '.join(f'{x:.1f}' for x in env.get('load_average', ()))}, {report['wall_seconds']:.0f} s, "
             f"{report['timestamp']}")

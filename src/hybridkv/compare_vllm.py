@@ -173,7 +173,7 @@ class VllmComparison:
     hybridkv_requests: int
     hybridkv_total_tokens: int
     hybridkv_max_running: int
-    hybridkv_page_space: str = "per-group"  # the page space ``hybridkv_requests`` counts in
+    hybridkv_page_space: str = "shared"  # the page space ``hybridkv_requests`` counts in (``compare_with_vllm``'s)
 
     @property
     def logged_concurrency(self) -> float:
