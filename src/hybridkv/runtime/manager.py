@@ -384,9 +384,9 @@ class CacheManager:
         return _Request(request_id, -1, prompt_len, total, buf), buf if buf is None else buf[:prompt_len], address
 
     def _request_again(self, made: _Request) -> _Request:
-        """A fresh request (no id, no row) of the prompt ``made`` (added from a ``PreparedPrompt``, now freed) was
-        made of: its buffer, whose prompt ids no append overwrites (its known ids never fall below the prompt), and
-        its prompt's hashes, copied (what the appends and rewinds of ``made`` did to its own stay there)."""
+        """A fresh request (no id, no row) of the prompt that ``made`` (added from a ``PreparedPrompt``, since freed)
+        was made of: its buffer, whose prompt ids no append overwrote (known ids never fall below the prompt), and a
+        copy of its prompt's hashes (what the appends and rewinds of ``made`` did to its own record stays there)."""
         if self._requests.get(made.request_id) is made:
             raise CacheManagerError(f"this PreparedPrompt's request {made.request_id!r} is live: free it before "
                                     "adding the prompt again (one request at a time)")
