@@ -53,8 +53,10 @@ class _Live:
         return self.request.request_id
 
     def sequence(self) -> np.ndarray:
-        """Prompt plus the outputs produced so far (what a recompute re-adds)."""
+        """Prompt plus the outputs produced so far (what a recompute re-adds): the prompt itself before any."""
         r = self.request
+        if not self.produced:
+            return r.prompt_token_ids
         return np.concatenate([r.prompt_token_ids, r.output_token_ids[: self.produced]])
 
 
