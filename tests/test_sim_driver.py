@@ -5,16 +5,16 @@ import numpy as np
 import pytest
 
 from hybridkv.cli import main
-from hybridkv.runtime.manager import CacheManager
+from hybridkv.runtime.manager import CacheManager, PreparedPrompt
 from hybridkv.models.deepseek_v4 import build_v4_cache_specs
 from hybridkv.sim.driver import SimulationError, Simulator
 from hybridkv.sim.workloads import Request, chat_workload, multiturn_workload
 
 
-def _manager(pages: int, history_pages: int | None = None, **options) -> CacheManager:
+def _manager(pages: int, history_pages: int | None = None, cls: type = CacheManager, **options) -> CacheManager:
     specs = build_v4_cache_specs(SimpleNamespace(sliding_window=128), layer_ratio=[0, 4, 128])
     counts = {s.group_id: pages if s.is_sliding or history_pages is None else history_pages for s in specs}
-    return CacheManager(specs, counts, max_context_tokens=8192, max_step_tokens=1024, **options)
+    return cls(specs, counts, max_context_tokens=8192, max_step_tokens=1024, **options)
 
 
 def _check_conservation(result, requests):
@@ -58,6 +58,33 @@ def test_preempted_requests_recompute_and_finish():
     _check_conservation(result, requests)
     mgr.check_invariants()
     assert all(s.free_pages == s.total_pages for s in mgr.stats().values())
+
+
+class _CountingManager(CacheManager):
+    """Counts the prompts the simulator prepares and the requests it adds (every one from a prepared prompt)."""
+
+    prepared = adds = 0
+
+    def prepare_prompt(self, *args, **kwargs):
+        self.prepared += 1
+        return super().prepare_prompt(*args, **kwargs)
+
+    def add_request(self, request_id, prompt_token_ids=None, **kwargs):
+        assert type(prompt_token_ids) is PreparedPrompt and not kwargs
+        self.adds += 1
+        return super().add_request(request_id, prompt_token_ids, **kwargs)
+
+
+def test_a_request_refused_again_and_again_is_prepared_once_an_incarnation():
+    """Under pressure a waiting request is added, refused and freed at step after step: its ids are prepared
+    (hashed) once, and again only after a preemption (a longer sequence), the same prepared prompt added each time."""
+    requests = [Request(r.request_id, 0, r.prompt_token_ids[:600], 300, np.resize(r.output_token_ids, 300))
+                for r in chat_workload(24, seed=5)]
+    mgr = _manager(2000, history_pages=40, cls=_CountingManager)
+    result = Simulator(mgr, requests, max_running=24, step_token_budget=1024).run()
+    _check_conservation(result, requests)
+    assert mgr.prepared == len(requests) + int(result.preemptions.sum())
+    assert mgr.adds > 2 * mgr.prepared  # refused, freed and added again many times
 
 
 def test_a_prefill_chunk_shrinks_to_fit_before_anyone_is_preempted():

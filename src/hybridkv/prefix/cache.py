@@ -110,6 +110,13 @@ class RequestHashes:
             parent = hash_fn(parent.to_bytes(16, "little") + data[start : start + block_bytes])
             append(parent)
 
+    def prefix_copy(self, num_tokens: int) -> RequestHashes:
+        """A new record holding these hashes of the complete blocks of the first ``num_tokens`` tokens (this one's
+        later extensions and cuts leave it alone)."""
+        copy = RequestHashes(self.root, self.granularity_tokens, self._hash)
+        copy.hashes = self.hashes[: num_tokens // self.granularity_tokens]
+        return copy
+
     def cut_to(self, num_tokens: int) -> None:
         """Forget the hashes of blocks past the first ``num_tokens`` tokens (their ids were rewound)."""
         del self.hashes[num_tokens // self.granularity_tokens :]

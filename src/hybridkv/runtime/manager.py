@@ -55,14 +55,16 @@ class _Request:
 
 class PreparedPrompt:
     """A prompt checked, copied and (with prefix caching) hashed by ``CacheManager.prepare_prompt`` when the
-    request arrives, off the step's path; one ``add_request`` of the same manager takes it."""
+    request arrives, off the step's path; ``add_request`` of the same manager takes it, and again once the request it
+    made is freed (a request refused admission, or preempted to be recomputed from this prompt): hashed once."""
 
     __slots__ = ("prompt_tokens", "total_tokens", "cache_salt", "_manager", "_request", "_prompt", "_address")
 
     def __init__(self, manager: CacheManager, request: _Request, cache_salt: str | bytes | None, address: int):
         self.prompt_tokens, self.total_tokens, self.cache_salt = request.prompt_tokens, request.max_total_tokens, \
             cache_salt
-        self._manager, self._request = manager, request  # the request made here, named and given a row when added
+        # The request made here, named and given a row when added; once named, a later add makes a fresh one of it.
+        self._manager, self._request = manager, request
         # Made here, off the adding step: the prompt's view; the buffer's address (``_prompt_buffer``'s: no ``ctypes``).
         self._prompt, self._address = request.token_ids[: request.prompt_tokens], address
 
@@ -347,16 +349,16 @@ class CacheManager:
         """Register a request; with prefix caching, borrow its cached prefix. Returns the hit.
         ``prompt_token_ids`` may be a ``PreparedPrompt`` of this manager (then give nothing else)."""
         prepared = prompt_token_ids
-        if type(prepared) is PreparedPrompt:  # checked before anything changes; its request is taken once
+        if type(prepared) is PreparedPrompt:  # checked before anything changes
             if prompt_tokens is not None or max_new_tokens != 0 or cache_salt is not None:
                 raise CacheManagerError("a PreparedPrompt carries its length, max_new_tokens and cache_salt: "
                                         "give them to prepare_prompt, not add_request")
             if prepared._manager is not self:
                 raise CacheManagerError("this PreparedPrompt was made by another CacheManager")
-            if prepared._request is None:
-                raise CacheManagerError("this PreparedPrompt was already added (each is used once)")
             self._check_new_id(request_id)
-            req, prepared._request, prompt, address = prepared._request, None, prepared._prompt, prepared._address
+            req, prompt, address = prepared._request, prepared._prompt, prepared._address
+            if req.request_id is not None:  # added before: its request must be freed, then it is made anew
+                req = prepared._request = self._request_again(req)
             req.request_id, cache_salt = request_id, prepared.cache_salt
         else:
             req, prompt, address = self._new_prompt(request_id, prompt_token_ids, prompt_tokens, max_new_tokens,
@@ -389,6 +391,16 @@ class CacheManager:
         buf, prompt_len, total, address = self._prompt_buffer(request_id, prompt_token_ids, prompt_tokens,
                                                               max_new_tokens)
         return _Request(request_id, -1, prompt_len, total, buf), buf if buf is None else buf[:prompt_len], address
+
+    def _request_again(self, made: _Request) -> _Request:
+        """A fresh request (no id, no row) of the prompt that ``made`` (added from a ``PreparedPrompt``, since freed)
+        was made of: its buffer, whose prompt ids no append overwrote (known ids never fall below the prompt), and a
+        copy of its prompt's hashes (what the appends and rewinds of ``made`` did to its own record stays there)."""
+        if self._requests.get(made.request_id) is made:
+            raise CacheManagerError(f"this PreparedPrompt's request {made.request_id!r} is live: free it before "
+                                    "adding the prompt again (one request at a time)")
+        hashes = made.hashes if made.hashes is None else made.hashes.prefix_copy(made.prompt_tokens)
+        return _Request(None, -1, made.prompt_tokens, made.max_total_tokens, made.token_ids, hashes)
 
     def _check_new_id(self, request_id: Any) -> None:
         if not isinstance(request_id, str) or not request_id:
@@ -429,9 +441,10 @@ class CacheManager:
 
     def prepare_prompt(self, prompt_token_ids: Iterable[int] | np.ndarray, *, max_new_tokens: int = 0,
                        cache_salt: str | bytes | None = None) -> PreparedPrompt:
-        """Check and copy a prompt, and with prefix caching hash its blocks, for one later ``add_request``:
-        what an engine does when a request arrives (as vLLM hashes a request's blocks when it is made), so
-        the step that adds the request does not. Nothing in the manager changes."""
+        """Check and copy a prompt, and with prefix caching hash its blocks, for ``add_request``: what an engine
+        does when a request arrives (as vLLM hashes a request's blocks when it is made), so the step that adds the
+        request does not, nor do the adds that follow a ``free`` (one live request of it at a time: the same request
+        as one added from the ids each time). Nothing in the manager changes."""
         check_cache_salt(cache_salt, CacheManagerError)
         if prompt_token_ids is None:
             raise CacheManagerError("prepare_prompt needs prompt_token_ids")

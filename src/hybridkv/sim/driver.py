@@ -3,8 +3,10 @@
 Each step: running requests first (decode 1 token, or their next prefill
 chunk), then waiting requests in arrival order while the step token budget
 and ``max_running`` allow. A new request is probed against the prefix cache
-(``add_request``) and starts prefilling after its hit. When a running request
-cannot grow, the last prefill chunk of the step first shrinks to what fits
+(``add_request`` of its prompt, prepared once however often it is refused and
+added again: ``CacheManager.prepare_prompt``) and starts prefilling after its
+hit. When a running request cannot grow, the last prefill chunk of the step
+first shrinks to what fits
 (``CacheManager.max_admissible_tokens``, not below ``min_chunk_tokens``);
 failing that, the most recently started running request is preempted
 (recompute: freed, and later re-added with its prompt plus the outputs it had
@@ -29,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridkv.runtime.manager import CacheManager
+from hybridkv.runtime.manager import CacheManager, PreparedPrompt
 from hybridkv.sim.workloads import Request
 
 
@@ -44,14 +46,17 @@ class _Live:
     started_step: int = -1
     added: bool = False  # in the manager already: it waited for another request's blocks
     denied_at: int = -1  # the run's frees when its tier load last got no pages (-1: it did not)
+    prepared: PreparedPrompt | None = None  # its sequence of this incarnation, hashed once for every add
 
     @property
     def rid(self) -> str:
         return self.request.request_id
 
     def sequence(self) -> np.ndarray:
-        """Prompt plus the outputs produced so far (what a recompute re-adds)."""
+        """Prompt plus the outputs produced so far (what a recompute re-adds): the prompt itself before any."""
         r = self.request
+        if not self.produced:
+            return r.prompt_token_ids
         return np.concatenate([r.prompt_token_ids, r.output_token_ids[: self.produced]])
 
 
@@ -374,6 +379,7 @@ class Simulator:
             work.preempted += 1
             run.preempt_count[victim.rid] = run.preempt_count.get(victim.rid, 0) + 1
             victim.incarnation += 1
+            victim.prepared = None  # recomputed from a longer sequence: prepared again
             run.waiting.appendleft(victim)
 
     def _refuse(self, live: _Live, work: _StepWork, answer) -> None:
@@ -408,11 +414,10 @@ class Simulator:
         """Add ``live`` to the manager (its prefix hit, and a tier's load) and its first chunk
         to the batch if everything still fits: True; False (freed again) when it does not;
         None when it waits for blocks another request computes."""
-        mgr, seq = self.manager, live.sequence()
+        mgr = self.manager
         t0, denied = time.perf_counter(), False
         if not live.added:  # (added: resumed from waiting for another request's blocks)
-            remaining = live.request.output_tokens - live.produced
-            live.hit_tokens = mgr.add_request(live.rid, seq, max_new_tokens=remaining).hit_tokens
+            self._add(live)
             if self.tier is not None:
                 self.tier.forget(live.rid)
         live.added = False
@@ -429,7 +434,7 @@ class Simulator:
                 run.held.append(run.waiting.popleft())
                 return None
         live.scheduled_tokens = 0
-        live.context_tokens = seq.size
+        live.context_tokens = live.prepared.prompt_tokens
         n = max(1, min(self._prefill_left(live), work.budget))
         # Every item must still fit, not only the new one: its prefix hit borrowed
         # cached pages that the batch admitted so far may have been counting on.
@@ -447,6 +452,14 @@ class Simulator:
         if ok:
             work.add(live, n)
         return ok
+
+    def _add(self, live: _Live) -> None:
+        """Add ``live`` to the manager, its hit noted, from its sequence prepared (hashed) once an incarnation,
+        however often it is refused (freed) and added again."""
+        if live.prepared is None:
+            remaining = live.request.output_tokens - live.produced
+            live.prepared = self.manager.prepare_prompt(live.sequence(), max_new_tokens=remaining)
+        live.hit_tokens = self.manager.add_request(live.rid, live.prepared).hit_tokens
 
     def _run_step(self, run: _Run, work: _StepWork) -> None:
         """Schedule the batch, then "sample": requests whose context is complete produce a
