@@ -340,6 +340,11 @@ def test_from_plan_page_space_errors():
     plan = plan_for_budget(layout, 2 << 30, limits)
     with pytest.raises(ValueError, match="page_space must be"):
         CacheManager.from_plan(plan, page_space="global")
+    for not_a_name in (np.array(["shared"]), ["shared"], b"shared"):  # an array was taken as "shared" (truthy ==)
+        with pytest.raises(ValueError, match="page_space must be 'shared' or 'per-group'"):
+            CacheManager.from_plan(plan, page_space=not_a_name)
+        with pytest.raises(ValueError, match="page_space must be 'shared' or 'per-group'"):
+            plan_for_budget(layout, 2 << 30, limits, page_space=not_a_name)
     with pytest.raises(ValueError, match="only to page_space='shared'"):
         CacheManager.from_plan(plan, page_space="per-group", slab_anchor_pages=4)
     with pytest.raises(ValueError, match="only to page_space='shared'"):  # the plan's own page space

@@ -138,7 +138,7 @@ PAGE_SPACES: tuple[str, ...] = ("shared", "per-group")  # the first is the defau
 
 def _check_page_space(page_space: object) -> str:
     """``page_space`` if it names a page space (``PAGE_SPACES``); ``ValueError`` otherwise."""
-    if page_space not in PAGE_SPACES:
+    if not isinstance(page_space, str) or page_space not in PAGE_SPACES:
         raise ValueError(f"page_space must be 'shared' or 'per-group', got {page_space!r}")
     return str(page_space)
 

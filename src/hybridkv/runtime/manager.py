@@ -330,7 +330,7 @@ class CacheManager:
         ``"per-group"``, one pool per group with the plan's page counts, refused when those exceed the plan's
         budget (``plan.fits_per_group``)."""
         page_space = plan.page_space if page_space is None else page_space
-        if page_space not in ("shared", "per-group"):
+        if not isinstance(page_space, str) or page_space not in ("shared", "per-group"):
             raise ValueError(f"page_space must be 'shared' or 'per-group', got {page_space!r}")
         if page_space == "per-group" and slab_anchor_pages is not None:
             raise ValueError("slab_anchor_pages applies only to page_space='shared'")
