@@ -46,6 +46,7 @@ import importlib
 import json
 import pstats
 import time
+from functools import partial
 
 import numpy as np
 
@@ -150,32 +151,20 @@ class Workload:
             self.manager.append_token_ids_many(tuple(rids), tokens)
 
 
-def decode_steps(work: Workload, steps: int, profiler=None) -> list[int]:
+def decode_steps(work: Workload, steps: int, profiler=None, pairs: bool = False) -> list[int]:
+    """Timed ``schedule_uniform(ids, 1)`` steps; ``pairs`` (``--phase decode-pairs``): ``schedule`` of ``(id, 1)``
+    pairs, the list built after the walk, as a caller builds it just before the call."""
     m, ids, out = work.manager, tuple(work.live), []
+    call, args = (m.schedule, None) if pairs else (m.schedule_uniform, (ids, 1))
     for _ in range(steps):
         if BEFORE_STEP is not None:
             BEFORE_STEP()
+        if pairs:
+            args = ([(rid, 1) for rid in ids],)
         if profiler:
             profiler.enable()
         start = CLOCK()
-        m.schedule_uniform(ids, 1, block_tables="updates")
-        out.append(CLOCK() - start)
-        if profiler:
-            profiler.disable()
-        work.sample(list(ids))
-    return out
-
-
-def decode_pairs_steps(work: Workload, steps: int, profiler=None) -> list[int]:
-    m, ids, out = work.manager, tuple(work.live), []
-    for _ in range(steps):
-        if BEFORE_STEP is not None:
-            BEFORE_STEP()
-        items = [(rid, 1) for rid in ids]  # after the walk: a caller builds its list just before the call
-        if profiler:
-            profiler.enable()
-        start = CLOCK()
-        m.schedule(items, block_tables="updates")
+        call(*args, block_tables="updates")
         out.append(CLOCK() - start)
         if profiler:
             profiler.disable()
@@ -248,7 +237,7 @@ def prefill_steps(work: PrefillWork, steps: int, profiler=None) -> list[int]:
     return out
 
 
-PHASES = {"decode": (Workload, decode_steps), "decode-pairs": (Workload, decode_pairs_steps),
+PHASES = {"decode": (Workload, decode_steps), "decode-pairs": (Workload, partial(decode_steps, pairs=True)),
           "serving": (Workload, serving_steps),
           "prefill": (PrefillWork, prefill_steps)}
 
