@@ -63,7 +63,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from hybridkv.prefix.checkpoints import CHECKPOINT_POLICIES, DEFAULT_CHECKPOINT_POLICY, checkpoint_policy  # noqa: E402
-from hybridkv.cli.simulate_cmd import flag_names  # noqa: E402
+from hybridkv.cli.args import flag_names  # noqa: E402
 from hybridkv.models.layout import cache_layout  # noqa: E402
 from hybridkv.sim.offline_bound import UnitBytes, offline_hit_bound  # noqa: E402
 from hybridkv.sim.workloads import (  # noqa: E402

@@ -75,6 +75,14 @@ def check_path_name(flag: str, path: str) -> None:
         raise ValueError(f"{flag}: path too long ({len(path):,} characters)")
 
 
+def flag_names(message: str) -> str:
+    """A library error in the flags' names (the checkpoint options, the page space)."""
+    for name in ("state_checkpoint_interval", "checkpoint_interval_tokens"):
+        message = message.replace(name, "--" + name.replace("_", "-"))
+    return message.replace("checkpoint_policy=", "--checkpoint-policy ").replace("page_space='shared'",
+                                                                                "--page-space shared")
+
+
 __all__ = [
     "MAX_CHUNK_TOKENS",
     "MAX_CONTEXT_TOKENS",
@@ -84,6 +92,8 @@ __all__ = [
     "MAX_SPECULATIVE_TOKENS",
     "MAX_WORKLOAD_REQUESTS",
     "check_path_name",
+    "flag_names",
     "nonempty",
     "number",
 ]
+

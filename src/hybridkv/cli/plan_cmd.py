@@ -155,8 +155,8 @@ def build_plan(args: argparse.Namespace):
     limits = resolve_limits(args, layout)
     try:
         return plan_for_budget(layout, args.kv_memory, limits, page_space=args.page_space)
-    except ValueError as exc:  # the library's advice in the flags' names
-        raise ValueError(str(exc).replace("page_space='shared'", "--page-space shared")) from None
+    except ValueError as exc:
+        raise ValueError(a.flag_names(str(exc))) from None
 
 
 def shared_report(plan, context_tokens: int) -> dict[str, Any]:

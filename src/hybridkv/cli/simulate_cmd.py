@@ -162,7 +162,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     try:  # the grain's multiple is checked when the manager is built (before the run)
         checkpoint_policy(args.checkpoint_policy, None, args.checkpoint_interval_tokens, 1)
     except ValueError as exc:
-        raise ValueError(flag_names(str(exc))) from None
+        raise ValueError(a.flag_names(str(exc))) from None
     check_tier_arguments(args)
     args.workload = workload_source(args.workload)
     if args.plot is not None:
@@ -233,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         manager = CacheManager.from_plan(plan, page_space=args.page_space, **options)
     except ValueError as exc:
-        raise ValueError(flag_names(str(exc))) from None
+        raise ValueError(a.flag_names(str(exc))) from None
     sim = Simulator(
         manager, requests,
         max_running=plan.limits.max_running_requests,
@@ -256,13 +256,6 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             print(f"plot written to {args.plot}")
     return 0
-
-
-def flag_names(message: str) -> str:
-    """A library error about the checkpoint options, in the flags' names."""
-    for name in ("state_checkpoint_interval", "checkpoint_interval_tokens"):
-        message = message.replace(name, "--" + name.replace("_", "-"))
-    return message.replace("checkpoint_policy=", "--checkpoint-policy ")
 
 
 def checkpoint_options(args: argparse.Namespace) -> dict[str, Any]:
