@@ -2,6 +2,7 @@
 ``page_space="shared"`` mode, and that live pages of different groups never share
 a byte (checked from page ids and page sizes alone, not through the arena)."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -1013,3 +1014,27 @@ def test_a_donor_slab_move_loads_no_kernel_the_arena_did_not_load_when_built():
                           timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+
+def test_a_geometry_the_arena_cannot_lend_is_refused():
+    """A hand-built geometry: ints only, a slab or more, the null pages in the head, a whole page of every group
+    in every slab (``small_geometry``: head 60 B, slabs 240 B, pages 40 B "swa" and 30 B "kv")."""
+    g = small_geometry()
+    swap = lambda **kw: dataclasses.replace(g, **kw)  # noqa: E731
+    with pytest.raises(ValueError, match="num_slabs must be positive, got 0"):
+        swap(num_slabs=0)
+    with pytest.raises(ValueError, match="slab_bytes must be an integer"):
+        swap(slab_bytes=240.0)
+    with pytest.raises(ValueError, match=r"page_bytes\['kv'\] must be positive"):
+        swap(page_bytes={"swa": 40, "kv": 0})
+    with pytest.raises(ValueError, match="at least one group"):
+        swap(page_bytes={})
+    with pytest.raises(ValueError, match="39 B head cannot hold the null page of group 'swa'"):
+        swap(reserved_bytes=39)
+    # 50 B slabs: slab 0 is [60, 110), which holds no 40 B page (they start at 40, 80, 120).
+    with pytest.raises(ValueError, match="slab of 50 B after a 60 B head holds no whole 40 B page of group 'swa'"):
+        swap(slab_bytes=50)
+    # 60 B slabs: [60, 120) holds [80, 120), [120, 180) holds [120, 160), and so on; 30 B pages tile them.
+    assert swap(slab_bytes=60).fewest_slab_pages("swa") == 1
+    assert type(swap(reserved_bytes=np.int64(40)).reserved_bytes) is int

@@ -28,6 +28,25 @@ class ArenaGeometry:
     slab_bytes: int
     num_slabs: int
 
+    def __post_init__(self) -> None:
+        """Refuse a geometry the arena cannot lend (one built by hand; :func:`arena_geometry`'s always passes): ints
+        only, at least one slab, a head holding every group's null page (page 0), and every slab holding a whole
+        page of every group (what the arena's admission bound, ``Arena.surely_short``, relies on)."""
+        sizes = {gid: as_int(f"page_bytes[{gid!r}]", b, minimum=1) for gid, b in dict(self.page_bytes).items()}
+        if not sizes:
+            raise ValueError("an arena needs the page bytes of at least one group")
+        object.__setattr__(self, "page_bytes", sizes)
+        for name, minimum in (("reserved_bytes", 0), ("slab_bytes", 1), ("num_slabs", 1)):
+            object.__setattr__(self, name, as_int(name, getattr(self, name), minimum=minimum))
+        largest = max(sizes, key=sizes.get)
+        if self.reserved_bytes < sizes[largest]:
+            raise ValueError(f"a {self.reserved_bytes:,} B head cannot hold the null page of group {largest!r} "
+                             f"({sizes[largest]:,} B): page 0 of every group lies in the head")
+        for gid in sizes:  # two whole pages' bytes always hold one; one's may not (fewest_slab_pages says)
+            if self.slab_bytes < 2 * sizes[gid] and self.fewest_slab_pages(gid) < 1:
+                raise ValueError(f"a slab of {self.slab_bytes:,} B after a {self.reserved_bytes:,} B head holds no whole "
+                                 f"{sizes[gid]:,} B page of group {gid!r}: every slab must hold a page of every group")
+
     @property
     def total_bytes(self) -> int:
         return self.reserved_bytes + self.num_slabs * self.slab_bytes
