@@ -291,12 +291,7 @@ class PrefixCache:
             pool.on_removed = partial(self._removed, gid)
             if gid in self.state_ids:  # its removals take the rest of a unit from the other groups only
                 pool.evict_many = partial(self._evict_many, gid)
-        # Per state group, the pools its evictions leave: its own, then (the value policy takes whole units) every
-        # other state group's, in order.
-        self._unit_pools = {gid: [pools[gid]] + [pools[o] for o in self.state_ids if o != gid and self.eviction.acts]
-                            for gid in self.state_ids}
-        # Per state group, what pops a superseded checkpoint there from those pools (``_supersede``).
-        self._unit_pops = {gid: self._space.entry_pops(unit) for gid, unit in self._unit_pools.items()}
+        self._init_units_left()
         # Per state group, what superseding reads there: its pool's lookup, holders and index in the page space.
         self._supersede_books = {gid: (pools[gid].lookup, self._holders[gid], self._space.pools.index(pools[gid]))
                                  for gid in self.state_ids}
@@ -307,6 +302,19 @@ class PrefixCache:
             self._order = CheckpointOrder(self.values, [pools[g] for g in self.state_ids], idle_clock_tick,
                                           self.eviction.beyond_gap)
             self.eviction.on_mended = self._order.mended
+
+    def _init_units_left(self) -> None:
+        """Per group storing entries, the pools its evictions leave: its own, then (the value policy takes whole
+        units) those of the other groups its unit holds, in order: a state group's, every other state group; a history
+        group's, every other group (history first, as ``ValueEviction.removed`` takes them), its pool packing then in
+        batches (``PagePool.evict_batch``, each until a block that may demote entries: ``ValueEviction.stirs``)."""
+        pools, acts, history = self.pools, self.eviction.acts, self.history_ids
+        self._unit_pools = {gid: [pools[gid]] + [pools[o] for o in (history if gid in history else []) + self.state_ids
+                                                 if o != gid and acts] for gid in history + self.state_ids}
+        # Per group, what pops a unit's entries from those pools (``_evict_many``, ``_supersede``).
+        self._unit_pops = {gid: self._space.entry_pops(unit) for gid, unit in self._unit_pools.items()}
+        for gid in history if acts else ():
+            pools[gid].stirs, pools[gid].evict_batch = self.eviction.stirs, partial(self._evict_many, gid)
 
     @property
     def checkpoint_windows(self) -> dict[str, int]:
@@ -857,8 +865,9 @@ class PrefixCache:
         self.eviction.removed(gid, key, cause, idle_pages)
 
     def _evict_many(self, gid: str, keys: Sequence[int], cause: str) -> int:
-        """State group ``gid``'s pool's ``evict_many``: entries evicted (or revoked) there, with the rest of their units
-        (the value policy's) from the other state groups ("unit"), in one ``PageSpace.drop_units``; then in the order
+        """State group ``gid``'s pool's ``evict_many`` (a history group's ``evict_batch``): entries evicted (or revoked)
+        there, with the rest of their units (the value policy's) from the other groups ("unit"), in one
+        ``PageSpace.drop_units``; then in the order
         one at a time gives, each key's ``ValueEviction.unit_evicted``, and their removals booked
         (:meth:`_book_removals`, events in one call). The idle pages freed in ``gid``."""
         eviction, pools = self.eviction, self._unit_pools[gid]

@@ -212,12 +212,28 @@ class ValueEviction:
 
     def unit_evicted(self, gid: str, key: Hashable, cause: str, idle_pages: int,
                      count: int) -> tuple[Hashable | None, int]:
-        """:meth:`removed` of an entry evicted (or revoked: ``cause``) from state group ``gid``, ``idle_pages`` freed,
-        the rest of its unit gone with it (``count`` state groups in all; ``PrefixCache._evict_many``): its pages
-        counted by reason, then :meth:`unit_left`. Returns its :meth:`origin` as it was."""
+        """:meth:`removed` of an entry evicted (or revoked: ``cause``) from group ``gid``, ``idle_pages`` freed, the
+        rest of its unit gone with it (``count`` entries in all; ``PrefixCache._evict_many``): its pages counted by
+        reason; a block cuts what lies beyond it off (as :meth:`removed` does) and its blocks are counted out; then
+        :meth:`unit_left` of its checkpoint's entries (none: its node's counts only). Returns its :meth:`origin` as it
+        was."""
         node = self._nodes.get(key)
         self.evicted_pages[gid][self._reason(gid, node, cause)] += idle_pages
-        return (None, 0) if node is None else self.unit_left(key, count, node)
+        if node is None:
+            return None, 0
+        if gid not in self._state:
+            if self._track and not node[5] and node[2] - node[3] == len(self.history_ids):
+                self._cut(key)
+            node[2] -= count - node[3]
+            count = node[3]
+        return self.unit_left(key, count, node)
+
+    def stirs(self, key: Hashable) -> bool:
+        """Whether the eviction of block ``key`` from a history group (its whole unit) may demote entries: where it is
+        not cut off yet (it cuts what lies beyond it off, and its checkpoint's support goes); a block beyond a gap
+        leaves demoting nothing."""
+        node = self._nodes.get(key)
+        return node is not None and not node[5] and self._track
 
     def unit_left(self, key: Hashable, count: int, node: list | None = None) -> tuple[Hashable | None, int]:
         """A checkpoint left ``count`` state groups at once (its unit, evicted or unpublished; :meth:`removed`: one):
