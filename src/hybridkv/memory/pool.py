@@ -119,9 +119,9 @@ class PagePool:
         # Where telling of removals may change the pool (``on_removed`` set, no ``evict_many``): whether telling of the
         # removal of ``key``'s entry may (any, unless a prefix cache knows better), and what evicts packing's batches
         # (keys, cause; the removals of all but the last change nothing here), telling everyone, returning the idle
-        # pages freed here (``_evict_low_below``; by default :meth:`_unpublish_many`, each batch one entry).
+        # pages freed here (``_evict_low_below``; None: :meth:`_unpublish_many`).
         self.stirs: Callable[[Hashable], bool] = _stirs_any
-        self.evict_batch: Callable[[Sequence[Hashable], str], int] = self._unpublish_many
+        self.evict_batch: Callable[[Sequence[Hashable], str], int] | None = None
         # Set by an arena: must an allocation of ``n`` pages up to id ``page`` pack first (None: always).
         self.must_pack: Callable[[int, int], bool] | None = None
         self.space = PageSpace([self])  # the page space whose arrays this pool views (a manager's, once in one)
@@ -204,7 +204,7 @@ class PagePool:
                 self._unpublish_many(keys)
                 return
             scan = stirs(keys[-1])
-            freed += self.evict_batch(keys, EVICTED)
+            freed += (self.evict_batch or self._unpublish_many)(keys, EVICTED)
             if not scan or freed >= count:
                 return
             top = self._top  # the scan stops at the ``count``-th lowest free id (``num_pages`` while fewer are free)
