@@ -15,7 +15,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial, reduce
-from itertools import repeat
+from itertools import islice, repeat
 from math import lcm
 from operator import itemgetter
 from typing import IO, Protocol
@@ -204,6 +204,7 @@ class PrefixCache:
         self.max_buffered_events = max_buffered_events
         self.dropped_events = 0
         self._buffered = 0  # events in the buffer
+        self._front_dropped = 0  # events of its first item dropped already (a record cut short: not drained)
         self._matched = MatchTotals()  # every group's lookups, queried and hit tokens (``match_and_borrow``)
         self.stats = {s.group_id: PrefixGroupStats(self._matched) for s in self.specs}
         # Per state entry, how many requests keep it as an own checkpoint (unpublished at none).
@@ -907,7 +908,7 @@ class PrefixCache:
     def _emit_many(self, items: Sequence[tuple]) -> None:
         """Events, in order (raw tuples, or a commit's record, as :meth:`_raws` reads them): to ``on_event``, or to
         the buffer as they are (expanded, the hex keys formatted, when drained), the oldest events dropped (and
-        counted) past ``max_buffered_events``."""
+        counted) past ``max_buffered_events`` (a record cut short stays whole, its first events not drained)."""
         if self.on_event is not None:
             for raw in self._raws(items):
                 self.on_event(_event(raw))
@@ -923,13 +924,14 @@ class PrefixCache:
         excess = self._buffered - self.max_buffered_events  # the oldest events dropped and counted
         self._buffered -= excess
         self.dropped_events += excess
+        excess += self._front_dropped  # the first item's dropped before: it leaves whole or stays cut short
         while excess:
-            item = events.popleft()
-            size = _events_in(item, n_history, n_state)
-            if size > excess:  # a record cut short: the rest of it kept raw
-                events.extendleft(reversed(list(self._raws((item,)))[excess:]))
-                return
+            size = _events_in(events[0], n_history, n_state)
+            if size > excess:
+                break
+            events.popleft()
             excess -= size
+        self._front_dropped = excess
 
     def _raws(self, items: Sequence[tuple]) -> Iterator[tuple]:
         """The raw events of ``items`` in order: a raw event (kind, group, key, parent, tokens, pages) as it is; a
@@ -949,9 +951,9 @@ class PrefixCache:
                     yield "stored", gid, key, parent, boundary, size
 
     def drain_events(self) -> list[CacheEvent]:
-        out = [_event(raw) for raw in self._raws(self.events)]
+        out = [_event(raw) for raw in islice(self._raws(self.events), self._front_dropped, None)]
         self.events.clear()
-        self._buffered = 0
+        self._buffered = self._front_dropped = 0
         return out
 
     def write_events_jsonl(self, stream: IO[str]) -> int:
