@@ -572,30 +572,57 @@ PAGE_BYTES = {SWA: 37, C4S: 23, C4KV: 50, C128S: 19, C128KV: 7, IDX: 11}  # inve
 def test_state_groups_evict_in_batches_as_one_entry_at_a_time(budget, slab_pages, policy, program):
     """On a shared arena tight enough to pack prompt checkpoints, evict and move slabs:
     the state pools' batches (``evict_many``: each batch and the rest of its units taken from
-    the state groups in one pass) against the same managers with it cleared (each entry,
-    then its unit, one at a time): the same events in the same order, the same value
-    report (entries, usable ones, evicted pages by reason), free ids, slab moves, removed
-    entries per group and ("prefill-per-byte") checkpoint failures."""
+    the state groups in one pass) and the history pools' packing batches (``evict_batch``)
+    against the same managers with them cleared (each entry, then its unit, one at a time):
+    the same events in the same order, the same value report (entries, usable ones, evicted
+    pages by reason), free ids, slab moves, removed entries per group and ("prefill-per-byte")
+    checkpoint failures."""
+    assert _arena_run(budget, slab_pages, policy, program, True) == _arena_run(budget, slab_pages, policy, program,
+                                                                                 False)
+
+
+def test_history_groups_pack_in_batches_as_one_entry_at_a_time():
+    """Packing a history pool's idle low-priority blocks takes them in batches (``PagePool.evict_batch``), each
+    ending with the first block whose eviction may demote entries (``ValueEviction.stirs``: one not cut off yet),
+    the flags scanned again after it: batches of several blocks, some ending with such a block, leave as one block
+    at a time (``stirs`` true of every block, no ``evict_batch``) would: the same events, value report, free ids,
+    slab moves, evicted pages and removed entries."""
+    program = [(3, 0, 1847, 100), (3, 404, 2076, 100), (1, 0, 2898, 100), (3, 2186, 1686, 100), (1, 1541, 1520, 100),
+               (0, 2096, 2701, 100), (1, 0, 2149, 100)]
+    batches = []
+    batched = _arena_run(20000, 1, "prompt-boundaries", program, True, 1024, 3000, 4000, batches)
+    assert batched == _arena_run(20000, 1, "prompt-boundaries", program, False, 1024, 3000, 4000)
+    assert {stirs for n, stirs in batches if n >= 2} == {False, True}  # batches of blocks ending either way
+
+
+def _arena_run(budget, slab_pages, policy, program, batched, chunk_tokens=256, stem_tokens=1400, prompt_tokens=1500,
+               batches=None):
+    """A manager on a shared arena serving ``program`` (stem, tokens shared with it, fresh tokens, answer tokens
+    per request, one after another, its prompt cut to ``prompt_tokens``); without ``batched``, its state pools evict each entry then its unit, its history
+    pools pack one block at a time. ``batches``: each history pool's packing batch (blocks, whether the last stirs)
+    logged there. Returns its events, value report, free ids, slab moves, evicted pages, removed entries and
+    ("prefill-per-byte") checkpoint failures."""
     from hybridkv.memory.arena import arena_geometry
 
-    runs = []
-    for batched in (True, False):
-        geometry = arena_geometry(PAGE_BYTES, budget, anchor_group=C4KV, slab_anchor_pages=slab_pages)
-        mgr = CacheManager(SPECS, None, max_context_tokens=8192, enable_prefix_caching=True, arena=geometry,
-                           prompt_checkpoints=None, checkpoint_policy=policy)
+    geometry = arena_geometry(PAGE_BYTES, budget, anchor_group=C4KV, slab_anchor_pages=slab_pages)
+    mgr = CacheManager(SPECS, None, max_context_tokens=8192, enable_prefix_caching=True, arena=geometry,
+                       prompt_checkpoints=None, checkpoint_policy=policy)
+    for g in STATE if not batched else ():
+        mgr.pools[g].evict_many = None
+    for pool in [mgr.pools[g] for g in HISTORY]:
         if not batched:
-            for g in STATE:
-                mgr.pools[g].evict_many = None
-        stems = [ids(150 + s, 1400) for s in range(4)]
-        for i, (stem, shared, fresh, answer) in enumerate(program):
-            prompt = cat(stems[stem][:shared], ids(1000 + i, fresh))[:1500]
-            run_request(mgr, f"q{i}", prompt, ids(2000 + i, answer + 1), chunk_tokens=256)
-        runs.append((mgr.prefix.drain_events(), mgr.prefix.value_report(),
-                     {g: mgr.pools[g].free_page_ids().tolist() for g in ALL}, mgr.arena.slab_moves,
-                     {g: s.evicted_pages for g, s in mgr.stats().items()},
-                     {g: mgr.prefix.stats[g].removed_entries for g in ALL},
-                     None if mgr.prefix.values is None else dict(mgr.prefix.values.failures)))
-    assert runs[0] == runs[1]
+            pool.stirs, pool.evict_batch = (lambda key: True), None
+        elif batches is not None:
+            pool.evict_batch = lambda keys, cause, evict=pool.evict_batch, stirs=pool.stirs: (
+                batches.append((len(keys), stirs(keys[-1]))), evict(keys, cause))[1]
+    stems = [ids(150 + s, stem_tokens) for s in range(4)]
+    for i, (stem, shared, fresh, answer) in enumerate(program):
+        prompt = cat(stems[stem][:shared], ids(1000 + i, fresh))[:prompt_tokens]
+        run_request(mgr, f"q{i}", prompt, ids(2000 + i, answer + 1), chunk_tokens=chunk_tokens)
+    return (mgr.prefix.drain_events(), mgr.prefix.value_report(), {g: mgr.pools[g].free_page_ids().tolist() for g in ALL},
+            mgr.arena.slab_moves, {g: s.evicted_pages for g, s in mgr.stats().items()},
+            {g: mgr.prefix.stats[g].removed_entries for g in ALL},
+            None if mgr.prefix.values is None else dict(mgr.prefix.values.failures))
 
 
 def _assert_same_pools_and_policy(sides):

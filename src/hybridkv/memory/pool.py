@@ -33,6 +33,11 @@ _ANY_PAGES = np.zeros(4, dtype=np.int64)[::2]  # a read-only strided view: its t
 _ANY_PAGES.flags.writeable = False
 
 
+def _stirs_any(key: Hashable) -> bool:
+    """``PagePool.stirs`` by default: telling of any removal may change the pool."""
+    return True
+
+
 def idle_clock_tick() -> int:
     """A tick of the pools' shared idle clock later than every ``idle_tick`` so far."""
     _IDLE_CLOCK[0] += 1
@@ -111,6 +116,12 @@ class PagePool:
         # ``on_removed``, on a pool whose removals never change it (docs/prefix-caching.md, "Evicting in
         # batches"); returns the idle pages freed here.
         self.evict_many: Callable[[Sequence[Hashable], str], int] | None = None
+        # Where telling of removals may change the pool (``on_removed`` set, no ``evict_many``): whether telling of the
+        # removal of ``key``'s entry may (any, unless a prefix cache knows better), and what evicts packing's batches
+        # (keys, cause; the removals of all but the last change nothing here), telling everyone, returning the idle
+        # pages freed here (``_evict_low_below``; None: :meth:`_unpublish_many`).
+        self.stirs: Callable[[Hashable], bool] = _stirs_any
+        self.evict_batch: Callable[[Sequence[Hashable], str], int] | None = None
         # Set by an arena: must an allocation of ``n`` pages up to id ``page`` pack first (None: always).
         self.must_pack: Callable[[int, int], bool] | None = None
         self.space = PageSpace([self])  # the page space whose arrays this pool views (a manager's, once in one)
@@ -177,37 +188,42 @@ class PagePool:
         """:meth:`make_room`'s packing: evict the idle low-priority entries holding ids below the ``count`` lowest free
         ones (those freed count as free), lowest id first; with ``ahead``, below the ``count + ahead`` lowest (or all)
         when one lies below the ``count`` lowest, else none. One batch (:meth:`_low_victims`) where telling of a removal
-        cannot change this pool (``evict_many`` set, or no one to tell), else one entry at a time."""
-        top, each, freed = self._top, self.on_removed is not None and self.evict_many is None, 0
+        cannot change this pool (``evict_many`` set, or no one to tell), else batches (``evict_batch``) each ending with
+        the first entry whose removal may (``stirs``: ``on_removed`` may demote entries here), the flags scanned again
+        after it."""
+        top, freed = self._top, 0
+        stirs = self.stirs if self.on_removed is not None and self.evict_many is None else None
         end = int(self._stack[top - count]) if top >= count else self.num_pages  # scanned below it
-        candidates = self._low_idle_ids(end, 1 if each else _SCAN_PAGES)
+        candidates = self._low_idle_ids(end, _SCAN_PAGES)
         if ahead and candidates:  # one lies below the ids taken: clear more
             count = min(count + ahead, top)
-        # One entry at a time where telling may change this pool, the flags scanned again after each (``on_removed``
-        # may demote entries here).
-        while each and candidates:
-            self._low_floor = candidates[0]  # no idle low-priority page below it; its entry goes now
-            freed += self._unpublish_many([self._page_key[candidates[0]]])
-            if freed >= count:
+        while candidates:
+            keys = self._low_victims(count, top, candidates,
+                                     candidates[0] + 1 if len(candidates) == _SCAN_PAGES else end, freed, stirs)
+            if stirs is None:
+                self._unpublish_many(keys)
+                return
+            scan = stirs(keys[-1])
+            freed += (self.evict_batch or self._unpublish_many)(keys, EVICTED)
+            if not scan or freed >= count:
                 return
             top = self._top  # the scan stops at the ``count``-th lowest free id (``num_pages`` while fewer are free)
             end = int(self._stack[top - count]) if top >= count else self.num_pages
-            candidates = self._low_idle_ids(end, 1)
-        if not candidates:
-            self._low_floor = max(self._low_floor, end)  # none below it
-            return
-        self._unpublish_many(self._low_victims(count, top, candidates,
-                                               candidates[0] + 1 if len(candidates) == _SCAN_PAGES else end))
+            candidates = self._low_idle_ids(end, _SCAN_PAGES)
+        self._low_floor = max(self._low_floor, end)  # none below it
 
-    def _low_victims(self, count: int, top: int, candidates: list[int], end: int) -> list[Hashable]:
+    def _low_victims(self, count: int, top: int, candidates: list[int], end: int, freed: int = 0,
+                     stirs: Callable[[Hashable], bool] | None = None) -> list[Hashable]:
         """:meth:`_evict_low_below`'s batch: the keys of the idle low-priority entries below the ``count`` lowest free
         ids (those the entries before free count as free), lowest id first, from ``candidates`` (the first scan's) and
         scans of ``_SCAN_PAGES`` ids that each go on where the last stopped (the next from ``end``);
         ``_low_floor`` set to where they stopped. The bound, the ``count``-th lowest of the free ids and those freed,
-        is kept as pages are freed in a sorted list of the ``count`` lowest (``stack[:top]`` has the lowest on top)."""
+        is kept as pages are freed in a sorted list of the ``count`` lowest (``stack[:top]`` has the lowest on top).
+        ``freed``: idle pages freed before (it stops at ``count``); ``stirs``: the batch ends with the first key it
+        is true of (``_low_floor`` its page)."""
         ref, page_key, entries = self._ref_view, self._page_key, self._entries
         lowest = self._stack[top - min(count, top) : top][::-1].tolist()  # ascending; fewer while fewer are free
-        freed, keys, gone, bound = 0, [], set(), lowest[-1] if len(lowest) == count else self.num_pages
+        keys, gone, bound = [], set(), lowest[-1] if len(lowest) == count else self.num_pages
         while True:
             if not candidates:  # the next scan goes on where the last stopped
                 candidates = self._low_idle_ids(bound, _SCAN_PAGES, end)
@@ -221,6 +237,9 @@ class PagePool:
                 self._low_floor = page  # the lowest idle low-priority id left
                 return keys
             keys.append(page_key[page])
+            if stirs is not None and stirs(keys[-1]):  # its removal may change the flags: a scan again after it
+                self._low_floor = page
+                return keys
             pages = entries[keys[-1]]
             gone.update(pages)
             for p in pages:

@@ -15,7 +15,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial, reduce
-from itertools import repeat
+from itertools import islice, repeat
 from math import lcm
 from operator import itemgetter
 from typing import IO, Protocol
@@ -204,6 +204,7 @@ class PrefixCache:
         self.max_buffered_events = max_buffered_events
         self.dropped_events = 0
         self._buffered = 0  # events in the buffer
+        self._front_dropped = 0  # events of its first item dropped already (a record cut short: not drained)
         self._matched = MatchTotals()  # every group's lookups, queried and hit tokens (``match_and_borrow``)
         self.stats = {s.group_id: PrefixGroupStats(self._matched) for s in self.specs}
         # Per state entry, how many requests keep it as an own checkpoint (unpublished at none).
@@ -291,12 +292,7 @@ class PrefixCache:
             pool.on_removed = partial(self._removed, gid)
             if gid in self.state_ids:  # its removals take the rest of a unit from the other groups only
                 pool.evict_many = partial(self._evict_many, gid)
-        # Per state group, the pools its evictions leave: its own, then (the value policy takes whole units) every
-        # other state group's, in order.
-        self._unit_pools = {gid: [pools[gid]] + [pools[o] for o in self.state_ids if o != gid and self.eviction.acts]
-                            for gid in self.state_ids}
-        # Per state group, what pops a superseded checkpoint there from those pools (``_supersede``).
-        self._unit_pops = {gid: self._space.entry_pops(unit) for gid, unit in self._unit_pools.items()}
+        self._init_units_left()
         # Per state group, what superseding reads there: its pool's lookup, holders and index in the page space.
         self._supersede_books = {gid: (pools[gid].lookup, self._holders[gid], self._space.pools.index(pools[gid]))
                                  for gid in self.state_ids}
@@ -307,6 +303,19 @@ class PrefixCache:
             self._order = CheckpointOrder(self.values, [pools[g] for g in self.state_ids], idle_clock_tick,
                                           self.eviction.beyond_gap)
             self.eviction.on_mended = self._order.mended
+
+    def _init_units_left(self) -> None:
+        """Per group storing entries, the pools its evictions leave: its own, then (the value policy takes whole
+        units) those of the other groups its unit holds, in order: a state group's, every other state group; a history
+        group's, every other group (history first, as ``ValueEviction.removed`` takes them), its pool packing then in
+        batches (``PagePool.evict_batch``, each until a block that may demote entries: ``ValueEviction.stirs``)."""
+        pools, acts, history = self.pools, self.eviction.acts, self.history_ids
+        self._unit_pools = {gid: [pools[gid]] + [pools[o] for o in (history if gid in history else []) + self.state_ids
+                                                 if o != gid and acts] for gid in history + self.state_ids}
+        # Per group, what pops a unit's entries from those pools (``_evict_many``, ``_supersede``).
+        self._unit_pops = {gid: self._space.entry_pops(unit) for gid, unit in self._unit_pools.items()}
+        for gid in history if acts else ():
+            pools[gid].stirs, pools[gid].evict_batch = self.eviction.stirs, partial(self._evict_many, gid)
 
     @property
     def checkpoint_windows(self) -> dict[str, int]:
@@ -857,8 +866,9 @@ class PrefixCache:
         self.eviction.removed(gid, key, cause, idle_pages)
 
     def _evict_many(self, gid: str, keys: Sequence[int], cause: str) -> int:
-        """State group ``gid``'s pool's ``evict_many``: entries evicted (or revoked) there, with the rest of their units
-        (the value policy's) from the other state groups ("unit"), in one ``PageSpace.drop_units``; then in the order
+        """State group ``gid``'s pool's ``evict_many`` (a history group's ``evict_batch``): entries evicted (or revoked)
+        there, with the rest of their units (the value policy's) from the other groups ("unit"), in one
+        ``PageSpace.drop_units``; then in the order
         one at a time gives, each key's ``ValueEviction.unit_evicted``, and their removals booked
         (:meth:`_book_removals`, events in one call). The idle pages freed in ``gid``."""
         eviction, pools = self.eviction, self._unit_pools[gid]
@@ -898,7 +908,7 @@ class PrefixCache:
     def _emit_many(self, items: Sequence[tuple]) -> None:
         """Events, in order (raw tuples, or a commit's record, as :meth:`_raws` reads them): to ``on_event``, or to
         the buffer as they are (expanded, the hex keys formatted, when drained), the oldest events dropped (and
-        counted) past ``max_buffered_events``."""
+        counted) past ``max_buffered_events`` (a record cut short stays whole, its first events not drained)."""
         if self.on_event is not None:
             for raw in self._raws(items):
                 self.on_event(_event(raw))
@@ -914,13 +924,14 @@ class PrefixCache:
         excess = self._buffered - self.max_buffered_events  # the oldest events dropped and counted
         self._buffered -= excess
         self.dropped_events += excess
+        excess += self._front_dropped  # the first item's dropped before: it leaves whole or stays cut short
         while excess:
-            item = events.popleft()
-            size = _events_in(item, n_history, n_state)
-            if size > excess:  # a record cut short: the rest of it kept raw
-                events.extendleft(reversed(list(self._raws((item,)))[excess:]))
-                return
+            size = _events_in(events[0], n_history, n_state)
+            if size > excess:
+                break
+            events.popleft()
             excess -= size
+        self._front_dropped = excess
 
     def _raws(self, items: Sequence[tuple]) -> Iterator[tuple]:
         """The raw events of ``items`` in order: a raw event (kind, group, key, parent, tokens, pages) as it is; a
@@ -940,9 +951,9 @@ class PrefixCache:
                     yield "stored", gid, key, parent, boundary, size
 
     def drain_events(self) -> list[CacheEvent]:
-        out = [_event(raw) for raw in self._raws(self.events)]
+        out = [_event(raw) for raw in islice(self._raws(self.events), self._front_dropped, None)]
         self.events.clear()
-        self._buffered = 0
+        self._buffered = self._front_dropped = 0
         return out
 
     def write_events_jsonl(self, stream: IO[str]) -> int:

@@ -63,6 +63,8 @@ class ValueEviction:
         # Told the keys of state entries beyond a gap that regained their value (``CheckpointOrder.mended``).
         self.on_mended: Callable[[list], None] | None = None
         self.evicted_pages = {gid: dict.fromkeys(REASONS, 0) for gid in pools}
+        # Per group, its pool's page space and index there: :meth:`_demote` lists a walk's entries at once.
+        self._places = {gid: (pool.space, pool.space.pools.index(pool)) for gid, pool in pools.items()}
 
     # --- bookkeeping ---------------------------------------------------------------
     def stored_blocks(self, claims: Sequence[tuple[str, Sequence[int]]], keys: Sequence[Hashable],
@@ -94,7 +96,7 @@ class ValueEviction:
         elif complete and (not up[5] if (up := self._nodes.get(node[0])) is not None else node[6]):
             self._mend(key)
         else:
-            self._demote_cut(gid, key)
+            self._demote((gid,), (key,))
 
     def stored_commit(self, keys: Sequence[Hashable], parents: Sequence[Hashable | None], boundaries: Sequence[int],
                       checkpoints: Sequence[Hashable]) -> None:
@@ -158,8 +160,7 @@ class ValueEviction:
         node[2] += len(gids)
         node[3] += len(gids)
         if node[5]:
-            for gid in gids:
-                self._demote_cut(gid, key)  # beyond a missing block: worth nothing yet
+            self._demote(gids, (key,))  # beyond a missing block: worth nothing yet
         elif held < len(self.state_ids) == node[3] and self._track:
             self._add_support(key)
 
@@ -212,12 +213,28 @@ class ValueEviction:
 
     def unit_evicted(self, gid: str, key: Hashable, cause: str, idle_pages: int,
                      count: int) -> tuple[Hashable | None, int]:
-        """:meth:`removed` of an entry evicted (or revoked: ``cause``) from state group ``gid``, ``idle_pages`` freed,
-        the rest of its unit gone with it (``count`` state groups in all; ``PrefixCache._evict_many``): its pages
-        counted by reason, then :meth:`unit_left`. Returns its :meth:`origin` as it was."""
+        """:meth:`removed` of an entry evicted (or revoked: ``cause``) from group ``gid``, ``idle_pages`` freed, the
+        rest of its unit gone with it (``count`` entries in all; ``PrefixCache._evict_many``): its pages counted by
+        reason; a block cuts what lies beyond it off (as :meth:`removed` does) and its blocks are counted out; then
+        :meth:`unit_left` of its checkpoint's entries (none: its node's counts only). Returns its :meth:`origin` as it
+        was."""
         node = self._nodes.get(key)
         self.evicted_pages[gid][self._reason(gid, node, cause)] += idle_pages
-        return (None, 0) if node is None else self.unit_left(key, count, node)
+        if node is None:
+            return None, 0
+        if gid not in self._state:
+            if self._track and not node[5] and node[2] - node[3] == len(self.history_ids):
+                self._cut(key)
+            node[2] -= count - node[3]
+            count = node[3]
+        return self.unit_left(key, count, node)
+
+    def stirs(self, key: Hashable) -> bool:
+        """Whether the eviction of block ``key`` from a history group (its whole unit) may demote entries: where it is
+        not cut off yet (it cuts what lies beyond it off, and its checkpoint's support goes); a block beyond a gap
+        leaves demoting nothing."""
+        node = self._nodes.get(key)
+        return node is not None and not node[5] and self._track
 
     def unit_left(self, key: Hashable, count: int, node: list | None = None) -> tuple[Hashable | None, int]:
         """A checkpoint left ``count`` state groups at once (its unit, evicted or unpublished; :meth:`removed`: one):
@@ -275,10 +292,7 @@ class ValueEviction:
             parent = node[0]
             self._forget_if_idle(key)
             key = parent
-        for key in reversed(orphans) if self.acts else ():
-            for gid in self.history_ids:
-                if self.pools[gid].lookup(key) is not None:
-                    self.pools[gid].demote(key)
+        self._demote(self.history_ids, orphans[::-1])
 
     def _cut(self, key: Hashable, demote_first: bool = False) -> None:
         """The block at ``key`` leaves the history groups: every checkpoint at or beyond it loses its value at once
@@ -296,20 +310,27 @@ class ValueEviction:
             order.append(k)
             if node[4]:
                 todo.extend(node[4])
-        for k in order if demote_first else order[1:]:
-            for gid in self.history_ids + self.state_ids:
-                self._demote_cut(gid, k)
+        self._demote(self.history_ids + self.state_ids, order if demote_first else order[1:])
 
-    def _demote_cut(self, gid: str, key: Hashable) -> None:
-        """Demote an entry beyond a missing block (a state entry that was not low
-        priority is remembered, to be promoted back by :meth:`_mend`)."""
-        pool = self.pools[gid]
-        pages = pool.lookup(key)
-        if pages is None or not self.acts:
+    def _demote(self, gids: Sequence[str], keys: Sequence[Hashable]) -> None:
+        """Demote the entries under ``keys`` in the groups ``gids``, key after key (orphans, or entries beyond a missing
+        block: a state entry that was not low priority is remembered, to be promoted back by :meth:`_mend`), as
+        ``PagePool.demote`` one after another would, in one ``PageSpace.demote`` a page space."""
+        if not (self.acts and keys):
             return
-        if gid in self._state and pages and not pool.low_priority[pages[0]]:
-            self._cut_demoted.add((gid, key))
-        pool.demote(key)
+        spaces: dict = {}
+        for key in keys:
+            for gid in gids:
+                pool = self.pools[gid]
+                pages = pool.lookup(key)
+                if pages is None:
+                    continue
+                if gid in self._state and pages and not pool.low_priority[pages[0]]:
+                    self._cut_demoted.add((gid, key))
+                space, slot = self._places[gid]
+                spaces.setdefault(space, []).extend((slot, len(pages), *pages))
+        for space, listed in spaces.items():
+            space.demote(listed)
 
     def _mend(self, key: Hashable) -> None:
         """The block at ``key`` is back (its chain above is whole): the entries beyond it whose blocks are all cached
