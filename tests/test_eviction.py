@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from hybridkv.runtime.manager import CacheManager
 from hybridkv.prefix.eviction import ValueEviction
-from hybridkv.memory.pool import EVICTED, PagePool
+from hybridkv.memory.pool import EVICTED, PagePool, PageSpace
 from pool_ops import allocate, decref, publish
 from test_prefix import ALL, C4KV, C128KV, C128S, C4S, HISTORY, IDX, SPECS, STATE, SWA, cat, events_of, ids, \
     make_manager, run_request
@@ -265,6 +265,28 @@ def _hand_policy():
     for gid, pool in pools.items():
         pool.on_removed = lambda key, cause, idle, gid=gid: policy.removed(gid, key, cause, idle)
     return pools, policy
+
+
+def test_a_policy_made_before_its_pools_join_a_page_space_demotes_there():
+    """The pools join one page space (as an arena's do) after the policy over them is made: the blocks of a
+    checkpoint that goes are orphans all the same, demoted in that page space (low priority, counted idle, first
+    in their LRU, the tail at the front), not in the arrays the pools viewed before."""
+    pools = {g: PagePool(g, 8) for g in ("h", "s")}
+    policy = ValueEviction(pools, ["h"], ["s"], 256)
+    PageSpace(list(pools.values()))
+    for gid, pool in pools.items():
+        pool.on_removed = lambda key, cause, idle, gid=gid: policy.removed(gid, key, cause, idle)
+    h, s = allocate(pools["h"], 2), allocate(pools["s"], 1)
+    for gid, key, parent, boundary, pages in (("h", "k1", "root", 256, [h[0]]), ("h", "k2", "k1", 512, [h[1]]),
+                                              ("s", "k2", "k1", 512, [s[0]])):
+        assert publish(pools[gid], key, pages)
+        stored(policy, gid, key, parent, boundary)
+    decref(pools["h"], h)
+    pools["s"].unpublish("k2")
+    assert pools["h"].low_priority[h].tolist() == [True, True]
+    assert pools["h"].num_low_priority_idle_pages == 2
+    assert pools["h"].evictable_page_ids().tolist() == [h[1], h[0]]
+    pools["h"].check_invariants()
 
 
 def test_a_block_published_after_the_checkpoint_beyond_it_is_supported_by_it():

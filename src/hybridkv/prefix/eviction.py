@@ -63,7 +63,8 @@ class ValueEviction:
         # Told the keys of state entries beyond a gap that regained their value (``CheckpointOrder.mended``).
         self.on_mended: Callable[[list], None] | None = None
         self.evicted_pages = {gid: dict.fromkeys(REASONS, 0) for gid in pools}
-        # Per group, its pool's page space and index there: :meth:`_demote` lists a walk's entries at once.
+        # Per group, its pool's page space and index there (found again where the pool joined another since):
+        # :meth:`_demote` lists a walk's entries at once.
         self._places = {gid: (pool.space, pool.space.pools.index(pool)) for gid, pool in pools.items()}
 
     # --- bookkeeping ---------------------------------------------------------------
@@ -328,6 +329,8 @@ class ValueEviction:
                 if gid in self._state and pages and not pool.low_priority[pages[0]]:
                     self._cut_demoted.add((gid, key))
                 space, slot = self._places[gid]
+                if space is not pool.space:  # the pool joined another page space since
+                    space, slot = self._places[gid] = pool.space, pool.space.pools.index(pool)
                 spaces.setdefault(space, []).extend((slot, len(pages), *pages))
         for space, listed in spaces.items():
             space.demote(listed)
