@@ -1126,6 +1126,20 @@ def test_event_buffer_drops_the_oldest_and_counts_them():
     assert seen == every and not told.prefix.drain_events() and told.prefix.dropped_events == 0
 
 
+
+@pytest.mark.parametrize("bound", [-1, 2.5, True, "10", None])
+def test_a_bad_event_buffer_bound_is_refused_and_the_old_one_kept(bound):
+    mgr = make_manager()
+    mgr.prefix.max_buffered_events = 3
+    with pytest.raises(ValueError, match="max_buffered_events must be"):
+        mgr.prefix.max_buffered_events = bound
+    assert mgr.prefix.max_buffered_events == 3
+    mgr.add_request("r", ids(0, 700), max_new_tokens=4)
+    for n in (256, 256, 188):
+        mgr.schedule([("r", n)])
+    mgr.free("r")  # blocks and checkpoints published, then removals: more events than 3
+    assert len(mgr.prefix.drain_events()) == 3 and mgr.prefix.dropped_events > 0
+
 def test_block_hashes_do_not_depend_on_the_token_array_layout():
     """The same tokens hash the same from the manager's int32 buffer, an int64 array,
     a big-endian array and a strided view (blocks are hashed as little-endian int32)."""

@@ -201,7 +201,7 @@ class PrefixCache:
         # Without a callback, events wait for drain_events(); past the bound the oldest are dropped (counted). The
         # buffer holds raw events and commits' records (``_book``'s ``booked``: ``_raws`` expands them).
         self.events: deque[tuple] = deque()
-        self.max_buffered_events = max_buffered_events
+        self.max_buffered_events = max_buffered_events  # checked (a property)
         self.dropped_events = 0
         self._buffered = 0  # events in the buffer
         self._front_dropped = 0  # events of its first item dropped already (a record cut short: not drained)
@@ -919,9 +919,9 @@ class PrefixCache:
         events = self.events
         events.extend(items)
         self._buffered += n
-        if self._buffered <= self.max_buffered_events:
+        if self._buffered <= self._max_buffered:
             return
-        excess = self._buffered - self.max_buffered_events  # the oldest events dropped and counted
+        excess = self._buffered - self._max_buffered  # the oldest events dropped and counted
         self._buffered -= excess
         self.dropped_events += excess
         excess += self._front_dropped  # the first item's dropped before: it leaves whole or stays cut short
@@ -949,6 +949,16 @@ class PrefixCache:
             for key, parent, boundary in zip(checkpoint_keys, checkpoint_parents, boundaries):
                 for gid, size in self._checkpoint_events:
                     yield "stored", gid, key, parent, boundary, size
+
+    @property
+    def max_buffered_events(self) -> int:
+        """Events kept for :meth:`drain_events` without ``on_event``; past it the oldest are dropped (counted in
+        ``dropped_events``) at the next event. Set it to any int >= 0."""
+        return self._max_buffered
+
+    @max_buffered_events.setter
+    def max_buffered_events(self, bound: int) -> None:
+        self._max_buffered = as_int("max_buffered_events", bound, minimum=0)
 
     def drain_events(self) -> list[CacheEvent]:
         out = [_event(raw) for raw in islice(self._raws(self.events), self._front_dropped, None)]
