@@ -1140,6 +1140,25 @@ def test_a_bad_event_buffer_bound_is_refused_and_the_old_one_kept(bound):
     mgr.free("r")  # blocks and checkpoints published, then removals: more events than 3
     assert len(mgr.prefix.drain_events()) == 3 and mgr.prefix.dropped_events > 0
 
+
+def test_a_callback_that_is_not_callable_is_refused_and_the_old_one_kept():
+    """``on_event`` is called inside a step: a value that cannot be called is refused when set, not mid-step."""
+    mgr, seen = make_manager(), []
+    mgr.prefix.on_event = seen.append
+    with pytest.raises(ValueError, match="on_event must be callable"):
+        mgr.prefix.on_event = 5
+    assert mgr.prefix.on_event == seen.append
+    mgr.add_request("r", ids(0, 700), max_new_tokens=4)
+    for n in (256, 256, 188):
+        mgr.schedule([("r", n)])
+    assert seen and not mgr.prefix.drain_events()
+    told = len(seen)
+    mgr.prefix.on_event = None  # back to the buffer
+    mgr.add_request("s", ids(1, 300), max_new_tokens=4)
+    for n in (256, 44):
+        mgr.schedule([("s", n)])
+    assert mgr.prefix.drain_events() and len(seen) == told
+
 def test_block_hashes_do_not_depend_on_the_token_array_layout():
     """The same tokens hash the same from the manager's int32 buffer, an int64 array,
     a big-endian array and a strided view (blocks are hashed as little-endian int32)."""

@@ -195,9 +195,7 @@ class PrefixCache:
         self.checkpoint_interval_tokens = self.policy.interval_tokens
         # "prefill-per-byte": each checkpoint's saved prefill, hits and last use.
         self.values = CheckpointValues() if self.policy.name == "prefill-per-byte" else None
-        if on_event is not None and not callable(on_event):  # it is called inside a step
-            raise ValueError(f"on_event must be callable (it gets each CacheEvent), got {type(on_event).__name__}")
-        self.on_event = on_event
+        self.on_event = on_event  # checked (a property)
         # Without a callback, events wait for drain_events(); past the bound the oldest are dropped (counted). The
         # buffer holds raw events and commits' records (``_book``'s ``booked``: ``_raws`` expands them).
         self.events: deque[tuple] = deque()
@@ -909,9 +907,9 @@ class PrefixCache:
         """Events, in order (raw tuples, or a commit's record, as :meth:`_raws` reads them): to ``on_event``, or to
         the buffer as they are (expanded, the hex keys formatted, when drained), the oldest events dropped (and
         counted) past ``max_buffered_events`` (a record cut short stays whole, its first events not drained)."""
-        if self.on_event is not None:
+        if self._on_event is not None:
             for raw in self._raws(items):
-                self.on_event(_event(raw))
+                self._on_event(_event(raw))
             return
         n, n_history, n_state = 0, len(self._history_events), len(self._checkpoint_events)
         for item in items:  # ``_events_in`` of each, written out (a frame each, costly run cold)
@@ -949,6 +947,18 @@ class PrefixCache:
             for key, parent, boundary in zip(checkpoint_keys, checkpoint_parents, boundaries):
                 for gid, size in self._checkpoint_events:
                     yield "stored", gid, key, parent, boundary, size
+
+    @property
+    def on_event(self) -> Callable[[CacheEvent], None] | None:
+        """Called with each :class:`CacheEvent` as it happens, inside the step (None: events are buffered for
+        :meth:`drain_events`). Set it to a callable or None."""
+        return self._on_event
+
+    @on_event.setter
+    def on_event(self, callback: Callable[[CacheEvent], None] | None) -> None:
+        if callback is not None and not callable(callback):  # it is called inside a step
+            raise ValueError(f"on_event must be callable (it gets each CacheEvent), got {type(callback).__name__}")
+        self._on_event = callback
 
     @property
     def max_buffered_events(self) -> int:
