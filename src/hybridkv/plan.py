@@ -20,7 +20,7 @@ from functools import cached_property
 from typing import Any, Iterable
 
 from hybridkv._checks import as_int
-from hybridkv.memory.geometry import shared_arena_for
+from hybridkv.memory.geometry import PAGE_SPACES, check_page_space, shared_arena_for
 from hybridkv.models.layout import ModelCacheLayout
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.units import format_bytes
@@ -133,16 +133,6 @@ def _request_pages(spec: CacheGroupSpec, context_tokens: int, horizon_tokens: in
     return whole
 
 
-PAGE_SPACES: tuple[str, ...] = ("shared", "per-group")  # the first is the default
-
-
-def _check_page_space(page_space: object) -> str:
-    """``page_space`` if it names a page space (``PAGE_SPACES``); ``ValueError`` otherwise."""
-    if not isinstance(page_space, str) or page_space not in PAGE_SPACES:
-        raise ValueError(f"page_space must be 'shared' or 'per-group', got {page_space!r}")
-    return str(page_space)
-
-
 @dataclass(frozen=True)
 class Plan:
     """Pages per group for a layout, limits and token budget. Build with
@@ -161,7 +151,7 @@ class Plan:
     page_space: str = PAGE_SPACES[0]
 
     def __post_init__(self) -> None:
-        _check_page_space(self.page_space)
+        check_page_space(self.page_space)
 
     @property
     def specs(self) -> tuple[CacheGroupSpec, ...]:
@@ -330,7 +320,7 @@ def plan_for_tokens(
     """The plan for a token budget, a positive multiple of the scheduler page tokens, made for
     ``page_space`` (a shared arena of the plan's ``total_bytes``, or per-group pools)."""
     _check_layout_limits(layout, limits)
-    page_space = _check_page_space(page_space)
+    page_space = check_page_space(page_space)
     total = _positive("total_tokens", total_tokens)
     grain = scheduler_page_tokens(layout.specs)
     if total % grain:
@@ -362,7 +352,7 @@ def plan_for_budget(
     the plan of one scheduler page with the budget kept, whose per-group figures
     exceed the budget (``Plan.fits_per_group`` is False).
     """
-    page_space = _check_page_space(page_space)
+    page_space = check_page_space(page_space)
     _check_layout_limits(layout, limits)
     budget = as_int("kv_memory_bytes", kv_memory_bytes, minimum=0)
     grain = scheduler_page_tokens(layout.specs)

@@ -17,6 +17,15 @@ if TYPE_CHECKING:
     import numpy as np
 
 DEFAULT_SLAB_ANCHOR_PAGES = 16
+PAGE_SPACES: tuple[str, ...] = ("shared", "per-group")  # how a budget is laid out; the first is the default
+
+
+def check_page_space(page_space: object) -> str:
+    """``page_space`` if it names a page space (``PAGE_SPACES``: one shared arena, or one pool per group);
+    ``ValueError`` otherwise (for the planner and ``CacheManager.from_plan`` alike)."""
+    if not isinstance(page_space, str) or page_space not in PAGE_SPACES:
+        raise ValueError(f"page_space must be 'shared' or 'per-group', got {page_space!r}")
+    return str(page_space)  # a str subclass as a plain str
 
 
 @dataclass(frozen=True)
@@ -134,5 +143,5 @@ def shared_concurrency(plan: Any, context_tokens: int, geometry: ArenaGeometry |
     return max(too_many - 1, 0)
 
 
-__all__ = ["ArenaGeometry", "DEFAULT_SLAB_ANCHOR_PAGES", "anchor_group_for", "arena_geometry", "shared_arena_for",
-           "shared_concurrency"]
+__all__ = ["ArenaGeometry", "DEFAULT_SLAB_ANCHOR_PAGES", "PAGE_SPACES", "anchor_group_for", "arena_geometry",
+           "check_page_space", "shared_arena_for", "shared_concurrency"]

@@ -21,6 +21,7 @@ import numpy as np
 from hybridkv._checks import (as_int, check_cache_salt, check_empty_token_batch, check_items, check_request_ids,
                               check_token_ids)
 from hybridkv.memory.arena import Arena, ArenaGeometry, IdleScan, shared_arena_for
+from hybridkv.memory.geometry import check_page_space
 from hybridkv.runtime.batch import Admission, GroupStats, GroupStep, StepBatch, TableUpdates
 from hybridkv.memory.pool import PagePool, PageSpace
 from hybridkv.prefix.cache import PrefixCache, PrefixHit, RequestHashes
@@ -329,9 +330,7 @@ class CacheManager:
         (its bytes when it has no budget) lent to the groups in slabs (:mod:`hybridkv.memory.arena`);
         ``"per-group"``, one pool per group with the plan's page counts, refused when those exceed the plan's
         budget (``plan.fits_per_group``)."""
-        page_space = plan.page_space if page_space is None else page_space
-        if not isinstance(page_space, str) or page_space not in ("shared", "per-group"):
-            raise ValueError(f"page_space must be 'shared' or 'per-group', got {page_space!r}")
+        page_space = check_page_space(plan.page_space if page_space is None else page_space)
         if page_space == "per-group" and slab_anchor_pages is not None:
             raise ValueError("slab_anchor_pages applies only to page_space='shared'")
         if page_space == "per-group" and not plan.fits_per_group:
