@@ -30,11 +30,7 @@ TIMED = ("step", "run_step", "finish_step", "read_cells", "release_credit", "pre
 def warm(package: str, steps: int = 40) -> None:
     """Compile (or load from numba's cache) the jitted code a decode workload calls: a jitted kernel that calls
     one of ``TIMED`` must be typed before :func:`time_kernels` swaps it for a Python wrapper numba cannot type."""
-    work = step_profile.Workload(2, package=package)
-    for _ in range(steps):
-        ids = tuple(work.live)
-        work.manager.schedule_uniform(ids, 1, block_tables="updates")
-        work.sample(list(ids))
+    step_profile.decode_steps(step_profile.Workload(2, package=package), steps)
 
 
 def time_kernels(package: str, spent: list[int]) -> None:
