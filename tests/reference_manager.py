@@ -127,7 +127,7 @@ class ReferenceManager:
         d = r["c"] // self.G * self.G if self.caching else 0  # the last boundary crossed, if any
         if not freeing and d <= old:
             return  # no boundary crossed since the last step
-        if not freeing and d > r["prompt"] and r["ids"] is not None:
+        if not freeing and (old // self.G + 1) * self.G > r["prompt"] and r["ids"] is not None:  # all past it
             self.hold(r, d)
             return
         old, r["published"] = r["published"], r["c"]

@@ -80,3 +80,18 @@ def test_the_interval_policy_commits_its_boundaries_and_holds_the_others():
     mgr.free("a")
     mgr.check_invariants()
     assert events_of(mgr.prefix.drain_events(), "stored", SWA) == []  # 1,536 is its latest (1,599 committed)
+
+
+def test_a_step_that_crosses_prompt_boundaries_too_commits_every_one():
+    """600 prompt ids and 400 more appended, computed in one step: its crossings (256, 512 inside the prompt, 768
+    past it) commit at the next step as a prefill's do: the prompt checkpoints and 768, the latest."""
+    mgr = make_manager(prompt_checkpoints=True)
+    mgr.add_request("a", ids(1, 600), max_new_tokens=500)
+    mgr.append_token_ids("a", ids(2, 400))
+    mgr.schedule([("a", 1000)])
+    mgr.append_token_ids("a", [5])
+    mgr.schedule([("a", 1)])
+    events = mgr.prefix.drain_events()
+    assert events_of(events, "stored", SWA) == [256, 512, 768]
+    assert events_of(events, "stored", C4KV) == [256, 512, 768]
+    mgr.check_invariants()

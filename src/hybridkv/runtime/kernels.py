@@ -408,14 +408,15 @@ def settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts):
 def held_boundary(geometry, counters, row, first, grain_shift):
     """The boundary whose checkpoint a step of ``row`` from ``first`` tokens holds (``release_pages``) instead of
     committing it: the last multiple of the grain at or below ``first``, where the row's committed tokens lie in an
-    earlier grain, it lies past the row's ``DEFER_FROM`` tokens and no multiple of ``KEEP_EVERY`` was crossed
-    (those commit); else 0. ``grain_shift``: ``log2_exact`` of the grain."""
+    earlier grain, every boundary crossed lies past the row's ``DEFER_FROM`` tokens and no multiple of
+    ``KEEP_EVERY`` was crossed (those commit); else 0. ``grain_shift``: ``log2_exact`` of the grain."""
     grain = geometry[0, HOLD_GRAIN]
     if grain == 0:
         return 0
-    q, committed = divide(first, grain, grain_shift), counters[1, row]
-    if divide(committed, grain, grain_shift) >= q or q * grain <= counters[DEFER_FROM, row]:
+    q, done = divide(first, grain, grain_shift), divide(counters[1, row], grain, grain_shift)
+    if done >= q or (done + 1) * grain <= counters[DEFER_FROM, row]:
         return 0
+    committed = counters[1, row]
     every = geometry[0, KEEP_EVERY]
     return 0 if every > 0 and q * grain // every > committed // every else q * grain
 
