@@ -116,6 +116,26 @@ def span_cells(geometry, bounds, g, rows, lo, hi, at, view):
     return n
 
 
+@njit(cache=True, inline="always")
+def window_held(bounds, g, row, d):
+    """Whether ``row`` holds its checkpoint at boundary ``d`` (> 0) in group ``g`` (``HELD_AT``)."""
+    return d > 0 and bounds[HELD_AT, g, row] == d
+
+
+@njit(cache=True, inline="always")
+def entry_readable(bounds, g, row, lo, count, held):
+    """Whether an entry's pages ``[lo, lo + count)`` of ``row`` in group ``g`` can be read: the checkpoint it holds
+    (``held``), or live pages."""
+    return held or lo >= bounds[BASE, g, row] and lo + count <= bounds[HI, g, row]
+
+
+@njit(cache=True, inline="always")
+def entry_page(geometry, pages, bounds, g, row, lo, logical, held):
+    """Logical page ``logical`` of an entry from ``lo``: of the checkpoint the row holds (``held``), else its
+    table's."""
+    return bounds[HELD_PAGES + logical - lo, g, row] if held else pages[cell(geometry, bounds, g, row, logical)]
+
+
 @njit(cache=True)
 def commit_pages(geometry, pages, bounds, history, state, row, first_block, end_block, boundaries, out, layout,
                  status, want, ref, keyed, low, limits):
@@ -144,14 +164,12 @@ def commit_pages(geometry, pages, bounds, history, state, row, first_block, end_
             g = state[s, 0]
             t = geometry[g, PAGE_TOKENS]
             lo, hi = max(d - state[s, 1], 0) // t, d // t
-            held = d > 0 and bounds[HELD_AT, g, row] == d  # its pages held outside the live ones
-            good = held or lo >= bounds[BASE, g, row] and hi <= bounds[HI, g, row]
+            held = window_held(bounds, g, row, d)
+            good = entry_readable(bounds, g, row, lo, hi - lo, held)
             layout[e, 0], layout[e, 1], layout[e, 2], status[e] = g, n, hi - lo, 1 if good else 0
             for logical in range(lo, hi):
-                if held:
-                    out[n] = bounds[HELD_PAGES + logical - lo, g, row]
-                elif good:
-                    out[n] = pages[cell(geometry, bounds, g, row, logical)]
+                if good:
+                    out[n] = entry_page(geometry, pages, bounds, g, row, lo, logical, held)
                 n += 1
             e += 1
     if want.size:
@@ -180,11 +198,10 @@ def commit_unit(geometry, pages, bounds, history, state, unit, out, starts, ref,
         starts[j] = n
         for e in range((unit[3] - unit[2] if j < n_history else unit[6] + 1) if good else 0):
             g, lo, count, d = _unit_span(geometry, history, state, unit, j, e)
-            offset, held = geometry[g, ID_OFFSET], d > 0 and bounds[HELD_AT, g, row] == d  # a checkpoint it holds
-            good = j < n_history or held or lo >= bounds[BASE, g, row] and lo + count <= bounds[HI, g, row]  # live
+            offset, held = geometry[g, ID_OFFSET], window_held(bounds, g, row, d)
+            good = entry_readable(bounds, g, row, lo, count, held)
             for logical in range(lo, lo + count if good else lo):
-                page = bounds[HELD_PAGES + logical - lo, g, row] if held else pages[cell(geometry, bounds, g, row,
-                                                                                          logical)]
+                page = entry_page(geometry, pages, bounds, g, row, lo, logical, held)
                 good = 0 < page < limits[g] and ref[offset + page] > 0 and not keyed[offset + page]
                 if not good:
                     break
@@ -421,6 +438,16 @@ def held_boundary(geometry, counters, row, first, grain_shift):
     return 0 if every > 0 and q * grain // every > committed // every else q * grain
 
 
+@njit(cache=True, inline="always")
+def note_crossing(geometry, counters, row, first, grain_shift, crossing, n_cross, n_held):
+    """A row whose step from ``first`` crosses a grain: held (``held_boundary``: counted) or listed in ``crossing``
+    for Python to commit. Returns both counts."""
+    if held_boundary(geometry, counters, row, first, grain_shift):
+        return n_cross, n_held + 1
+    crossing[n_cross] = row
+    return n_cross + 1, n_held
+
+
 @njit(cache=True)
 def prepare_step(geometry, bounds, counters, last_rows, rows_in, counts_in, grain, top, mark, rows, counts, first,
                  after, need, sums, crossing, totals, load_tokens):
@@ -452,11 +479,7 @@ def prepare_step(geometry, bounds, counters, last_rows, rows_in, counts_in, grai
             return -1, 0, 0, False
         totals[0] += counts[r]
         if grain > 0 and divide(committed[row], grain, grain_shift) < divide(first[r], grain, grain_shift):
-            if held_boundary(geometry, counters, row, first[r], grain_shift):
-                n_held += 1  # ``release_pages`` holds its checkpoint
-            else:
-                crossing[n_cross] = row
-                n_cross += 1
+            n_cross, n_held = note_crossing(geometry, counters, row, first[r], grain_shift, crossing, n_cross, n_held)
     clean = True
     for g in range(geometry.shape[0]):  # the group's rows of bounds, after, need as 1-D views: no 3-D indexing a row
         tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
@@ -476,7 +499,7 @@ def prepare_step(geometry, bounds, counters, last_rows, rows_in, counts_in, grai
             released += min(new_base, hi) - base
             allocated += max(hi, held) - max(hi, new_base)
         sums[0, g], sums[1, g] = released, allocated
-        let_go = n_held * (bounds.shape[0] - HELD_PAGES) if geometry[g, HOLD_TOKENS] > 0 else 0  # held pages at most
+        let_go = n_held * (bounds.shape[0] - HELD_PAGES)  # the held pages those rows let go, at most
         totals[1] += released + let_go
         totals[2] = max(totals[2], released + let_go)
         totals[3] += allocated
