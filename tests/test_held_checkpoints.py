@@ -95,3 +95,20 @@ def test_a_step_that_crosses_prompt_boundaries_too_commits_every_one():
     assert events_of(events, "stored", SWA) == [256, 512, 768]
     assert events_of(events, "stored", C4KV) == [256, 512, 768]
     mgr.check_invariants()
+
+
+def test_a_chunk_from_inside_the_prompt_that_crosses_past_it_commits_its_prompt_checkpoint():
+    """1,000-token prompt prefilled to 512 (committed: a grain done), 400 ids appended, one step to 1,400: it crosses
+    768 (inside the prompt) and 1,024 and 1,280 (past it), so it commits at the next step and 768's window is
+    published while live (a hold of 1,280 alone would leave 768 to ``free``, its window gone)."""
+    mgr, prompt, extra = make_manager(prompt_checkpoints=True), ids(1, 1000), ids(2, 400)
+    mgr.add_request("a", prompt, max_new_tokens=1000)
+    mgr.schedule([("a", 512)])
+    mgr.append_token_ids("a", extra)
+    mgr.schedule([("a", 888)])
+    decode(mgr, "a", ids(3, 2))  # the next step: 768 commits
+    mgr.free("a")
+    mgr.check_invariants()
+    assert events_of(mgr.prefix.drain_events(), "stored", SWA) == [256, 512, 768, 1280]
+    assert mgr.add_request("b", cat(prompt, extra[:30]), max_new_tokens=1).hit_tokens == 768
+    mgr.check_invariants()
