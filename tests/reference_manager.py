@@ -1,7 +1,7 @@
 """An independent, slow, plain-Python model of the cache manager's documented rules, written from
 docs/manager.md ("The rules", "Load steps") and docs/prefix-caching.md, never from src/hybridkv. Prefix keys
-are token tuples; a sliding group's checkpoint window is its window. Not modelled: the shared arena's slabs,
-checkpoint intervals, salts, events.
+are token tuples; a sliding group's checkpoint window is its window; a boundary crossed past the prompt is held,
+published at free. Not modelled: the shared arena's slabs, checkpoint intervals, salts, events.
 """
 
 from __future__ import annotations
@@ -81,8 +81,9 @@ class ReferenceManager:
         """Register a request; with prefix caching borrow its hit. Returns the hit's numbers."""
         prompt = len(ids) if ids is not None else prompt_tokens
         r = {"prompt": prompt, "limit": prompt + max_new, "ids": list(ids) if ids is not None else None,
-             "c": 0, "committed": 0, "junction": 0, "serial": next(self.serials),
-             "base": dict.fromkeys(self.pools, 0), "pages": {g: [] for g in self.pools}}  # pages from base up
+             "c": 0, "committed": 0, "published": 0, "junction": 0, "serial": next(self.serials),
+             "base": dict.fromkeys(self.pools, 0), "pages": {g: [] for g in self.pools},  # pages from base up
+             "held_at": 0, "held": {g: [] for g in self.pools}, "let_go": {g: [] for g in self.pools}}
         self.reqs[rid] = r
         return self.borrow(r) if self.caching else {"hit": 0}
 
@@ -108,7 +109,7 @@ class ReferenceManager:
         while d and not all(self.key(r, d) in p.entries for p in self.pools.values() if not p.history):
             d -= self.G
         r["junction"] = history if history > d else 0
-        r["c"] = r["committed"] = d
+        r["c"] = r["committed"] = r["published"] = d
         for g, p in self.pools.items() if d else ():  # borrow history blocks below d, checkpoints at d
             if p.history:
                 pages = [q for e in range(self.G, d + 1, self.G) for q in p.entries[self.key(r, e)]["pages"]]
@@ -119,9 +120,17 @@ class ReferenceManager:
             p.hold(pages)
         return {"hit": d, "groups": reach, "history": history}
 
-    def commit(self, r) -> None:
-        """Publish the grain boundaries its computed tokens crossed, then let go of its older checkpoints."""
+    def commit(self, r, freeing=False) -> None:
+        """Publish the grain boundaries its computed tokens crossed since its last publication, then let go of its
+        older checkpoints; at a step (not ``freeing``) a last boundary crossed past the prompt is held instead."""
         old, r["committed"] = r["committed"], r["c"]
+        d = r["c"] // self.G * self.G if self.caching else 0  # the last boundary crossed, if any
+        if not freeing and d <= old:
+            return  # no boundary crossed since the last step
+        if not freeing and (old // self.G + 1) * self.G > r["prompt"] and r["ids"] is not None:  # all past it
+            self.hold(r, d)
+            return
+        old, r["published"] = r["published"], r["c"]
         crossed = list(range((old // self.G + 1) * self.G, r["c"] + 1, self.G)) if self.caching else []
         for d, p in itertools.product(crossed, self.pools.values()):
             self.publish(r, p, d, own=d in (crossed[-1], r["junction"]))
@@ -134,11 +143,27 @@ class ReferenceManager:
                 elif not e["owners"]:
                     p.unpublish(self.key(r, d))
 
+    def hold(self, r, d) -> None:
+        """Each state group's window below d held (one reference more), the one held before to let go at the
+        slide (before the step's release of the row)."""
+        for g, p in self.pools.items():
+            if p.history:
+                continue
+            r["let_go"][g], r["held"][g] = r["held"][g], self.window(r, p, d) or []
+            p.ref.update((q, p.ref[q] + 1) for q in r["held"][g])
+        r["held_at"] = d
+
+    def window(self, r, p, d):
+        """Group p's pages of the window (history: the block) below d, None where they slid out."""
+        base = r["base"][p.gid]
+        lo, hi = (d - (self.G if p.history else p.W)) // p.T - base, d // p.T - base
+        if not p.history and d == r["held_at"] and r["held"][p.gid]:
+            return list(r["held"][p.gid])
+        return r["pages"][p.gid][lo:hi] if 0 <= lo and hi <= len(r["pages"][p.gid]) else None
+
     def publish(self, r, p, d, own) -> None:
         """Publish the block or checkpoint ending at d in group p, low-priority if a state group's and not own."""
-        key, base = self.key(r, d), r["base"][p.gid]
-        lo, hi = (d - (self.G if p.history else p.W)) // p.T - base, d // p.T - base
-        pages = r["pages"][p.gid][lo:hi] if 0 <= lo and hi <= len(r["pages"][p.gid]) else None  # None: slid out
+        key, pages = self.key(r, d), self.window(r, p, d)
         publish = p.history or pages is not None and (own or self.prompt_cps and d <= r["prompt"])
         if publish and key not in p.entries:
             p.entries[key] = {"pages": pages, "low": not (p.history or own), "owners": set()}
@@ -218,7 +243,8 @@ class ReferenceManager:
             r = self.reqs[rid]
             for g, p in self.pools.items():
                 k = self.new_base(r, p, n, step_load) - r["base"][g]
-                gone[g] += r["pages"][g][:k]
+                gone[g] += r["let_go"][g] + r["pages"][g][:k]
+                r["let_go"][g] = []
                 del r["pages"][g][:k]
                 r["base"][g] += k
         return gone
@@ -253,9 +279,9 @@ class ReferenceManager:
 
     def free(self, rid) -> None:
         r = self.reqs.pop(rid)
-        self.commit(r)
+        self.commit(r, freeing=True)
         for g, p in self.pools.items():
-            p.release(r["pages"][g])
+            p.release(r["pages"][g] + r["held"][g])
 
     def stats(self) -> dict:
         return {g: {"total_pages": p.total, "free_pages": len(p.stack) + len(p.lru), "used_pages": len(p.ref),

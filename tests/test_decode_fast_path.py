@@ -516,17 +516,20 @@ def test_a_short_free_stack_covered_by_the_steps_releases_matches_admission(cach
     """``schedule_uniform`` (the compiled step) against ``check_admission`` then
     ``schedule`` of the same pairs (the admission path) on two equal managers whose
     window pool runs out of free pages: a step whose allocations its own releases
-    cover gives the same batch, free counts and refusals on both."""
+    cover gives the same batch, free counts and refusals on both. With prefix caching each row also holds the
+    checkpoint of the last 16-token boundary it crossed past its prompt (its pages of tokens 16k - 9 .. 16k - 1,
+    logical pages 4k - 3 .. 4k - 1): three pages more a row at the peak."""
     requests = 3
-    managers = [CacheManager(COVER_SPECS, {"w9": 3 * requests + 1, "f16": 64}, max_context_tokens=96,
+    held_pages = 3 * requests if caching else 0
+    managers = [CacheManager(COVER_SPECS, {"w9": 3 * requests + 1 + held_pages, "f16": 64}, max_context_tokens=96,
                              enable_prefix_caching=caching, prefix_granularity=16) for _ in range(2)]
     fast, admitted = managers
     rids = tuple(f"r{i}" for i in range(requests))
     for k, rid in enumerate(rids):
-        on_both(managers, "add_request", rid, np.arange(8, dtype=np.int32) + 100 * k, max_new_tokens=60)
+        on_both(managers, "add_request", rid, np.arange(8, dtype=np.int32) + 100 * k, max_new_tokens=80)
         on_both(managers, "schedule", [(rid, 8)])
     short_steps = 0
-    for step in range(40):
+    for step in range(72):
         on_both(managers, "append_token_ids_many", rids, np.full((requests, 1), step, dtype=np.int32))
         window = fast.pools["w9"]
         if fast.num_computed_tokens(rids[0]) % 4 == 0 and window.num_clean_free_pages < requests:

@@ -178,13 +178,13 @@ def test_shared_system_prompt_is_borrowed_by_every_later_request():
 
 
 def test_superseded_checkpoint_leaves_every_state_group_at_once():
-    """A decode commit unpublishes the checkpoint it supersedes from every state group (one
+    """A commit unpublishes the checkpoint it supersedes from every state group (one
     unit): one "removed" event per state group, in the groups' order, after the new one's
     "stored" events; the same events as "group-lru", where each group lets go of its own."""
     events = {}
     for policy in ("value", "group-lru"):
         mgr = make_manager(eviction_policy=policy)
-        run_request(mgr, "a", ids(30, 300), ids(31, 600))  # committed 899: 256, 512, 768
+        run_request(mgr, "a", ids(30, 899), chunk_tokens=256)  # committed 899: 256, 512, 768, a chunk's commit each
         events[policy] = [(e.kind, e.group_id, e.block_hash, e.parent_hash, e.tokens, e.num_pages)
                           for e in mgr.prefix.drain_events()]
     assert events["value"] == events["group-lru"]
@@ -355,9 +355,10 @@ def test_interval_keeps_checkpoints_crossed_while_decoding():
 
     mgr, seq = run(512)
     ev = mgr.prefix.drain_events()
-    # Boundaries 256 (prefill), then 512, 768, 1024 one token at a time while decoding.
-    assert events_of(ev, "stored", SWA) == [256, 512, 768, 1024]
-    assert events_of(ev, "removed", SWA) == [256, 768]
+    # Boundaries 256 (prefill), then 512 and 1,024 (multiples of the interval) committed while decoding; 768 held
+    # and let go, never published.
+    assert events_of(ev, "stored", SWA) == [256, 512, 1024]
+    assert events_of(ev, "removed", SWA) == [256]
     cases = {600: 512, 800: 512, 1100: 1024}  # shared tokens -> hit
     for shared, expected in cases.items():
         hit = mgr.add_request(f"s{shared}", cat(seq[:shared], ids(62, 40)))
@@ -366,7 +367,8 @@ def test_interval_keeps_checkpoints_crossed_while_decoding():
 
     mgr, seq = run(None)
     ev = mgr.prefix.drain_events()
-    assert events_of(ev, "removed", SWA) == [256, 512, 768]
+    assert events_of(ev, "stored", SWA) == [256, 1024]  # 1,024 held, published by the free
+    assert events_of(ev, "removed", SWA) == [256]
     hits = [mgr.add_request(f"t{n}", cat(seq[:n], ids(62, 40))).hit_tokens for n in (600, 800, 1100)]
     assert hits == [0, 0, 1024]
 
@@ -449,29 +451,33 @@ def test_terminal_survives_when_the_borrowed_checkpoint_is_superseded():
 
 def test_the_last_hold_let_go_unpublishes_a_borrowed_checkpoint():
     # "y" hits "x"'s own checkpoint at 512 while "x" runs: both hold it. "x" crossing 768
-    # leaves it to "y"; "y" crossing 768 lets go of the last hold and it is unpublished.
+    # (published by its free) leaves it to "y"; "y" doing so lets go of the last hold and it is unpublished.
     mgr, x = running_x_with_its_checkpoint_at_512(103)
     assert mgr.add_request("y", cat(x[:540], ids(105, 10)), max_new_tokens=300).hit_tokens == 512
     prefill(mgr, "y", 550)
     mgr.prefix.drain_events()
     decode(mgr, "x", ids(106, 200))  # x: 800 computed, crosses 768
+    mgr.free("x")
     assert events_of(mgr.prefix.drain_events(), "removed", SWA) == []
     decode(mgr, "y", ids(107, 230))  # y: 779 computed, crosses 768
+    mgr.free("y")
     assert events_of(mgr.prefix.drain_events(), "removed", SWA) == [512]
     mgr.check_invariants()
 
 
 def test_the_last_hold_let_go_unpublishes_a_concurrently_computed_checkpoint():
     # Two samples of one prompt: "c" publishes the checkpoint at 512, "a" finds it there and
-    # holds it too. It is unpublished once both have crossed 768, not before.
+    # holds it too. It is unpublished once both have crossed 768 (and published it: freed), not before.
     mgr = make_manager()
     prompt = ids(108, 600)
     mgr.add_request("c", prompt, max_new_tokens=300)
     mgr.add_request("a", prompt, max_new_tokens=300)
     mgr.schedule([("c", 600), ("a", 600)])
     decode(mgr, "c", ids(109, 200))  # c: 799 computed, crosses 768 (and commits a's 600 tokens)
+    mgr.free("c")
     assert events_of(mgr.prefix.drain_events(), "removed", SWA) == []
     decode(mgr, "a", ids(110, 200))
+    mgr.free("a")
     assert events_of(mgr.prefix.drain_events(), "removed", SWA) == [512]
     mgr.check_invariants()
 
@@ -503,7 +509,8 @@ def _swa_events(mgr: CacheManager) -> list[tuple[str, int]]:
 def test_a_lost_hold_is_not_dropped_from_a_republished_checkpoint(shared, policy):
     # "a" publishes its own checkpoint at 8 on page x, slides past it (x idle) and loses it to an
     # eviction; "b" computes the same prefix (its junction: the history reaches 8) and republishes
-    # the key on the same page x. When "a" crosses 16 it must not let go of "b"'s checkpoint.
+    # the key on the same page x. When "a" crosses 16 (held; published by its free) it must not let go of "b"'s
+    # checkpoint.
     mgr = _small_manager(shared, policy)
     a = ids(110, 40)
     mgr.add_request("a", a[:10], max_new_tokens=30)
@@ -530,6 +537,7 @@ def test_a_lost_hold_is_not_dropped_from_a_republished_checkpoint(shared, policy
     for t in range(13, 17):
         mgr.append_token_ids("a", a[t:t + 1])
         mgr.schedule([("a", 1)])
+    mgr.free("a")
     assert _swa_events(mgr) == [("stored", 16)]  # and no removal of "b"'s checkpoint
     mgr.check_invariants()
     mgr.free("b")
@@ -946,11 +954,11 @@ def test_prompt_checkpoints_inside_one_prefill_step_and_not_past_the_prompt():
     prompt = ids(50, 700)
     # One 700-token step: its commit publishes 256 (inside the prompt, unheld, low priority)
     # and 512 (the latest, held). Decoding to 1,100 crosses 768 and 1,024 past the prompt:
-    # those are plain latest checkpoints, superseded and removed as before.
+    # plain latest checkpoints, held in turn; the free publishes 1,024 and demotes 512.
     run_request(mgr, "a", prompt, ids(51, 400), chunk_tokens=2048)
     ev = mgr.prefix.drain_events()
-    assert events_of(ev, "stored", SWA) == [256, 512, 768, 1024]
-    assert events_of(ev, "removed", SWA) == [768]
+    assert events_of(ev, "stored", SWA) == [256, 512, 1024]
+    assert events_of(ev, "removed", SWA) == []
     pool = mgr.pools[SWA]
     assert pool.low_priority[list(pool.lookup(stored_key(ev, SWA, 256)))].all()
     assert pool.low_priority[list(pool.lookup(stored_key(ev, SWA, 512)))].all()  # demoted
@@ -1224,6 +1232,7 @@ def test_every_complete_prompt_block_is_hashed_when_added_so_commits_never_hash(
         run = ids(8 + n, 300)
         prefill(mgr, rid, n, 300)
         decode(mgr, rid, run)
+        mgr.free(rid)  # publishes the blocks decoding completed
     assert not hashed
     assert mgr.prefix.stats[C4KV].stored_entries == (512 + 300 - 1) // 256 + (768 + 299) // 256 + (999 // 256) + 2
 

@@ -58,8 +58,8 @@ def planned(ts, first, count=1):
     computed[0] = first
     out = [np.empty(1, dtype=np.int64) for _ in range(3)]
     after, need = np.empty((2, 1, 1), dtype=np.int64), np.empty((1, 1), dtype=np.int64)
-    kernels.prepare_step(ts.geometry, ts.bounds, computed, computed.copy(), np.full(computed.size, 10**9),
-                         np.zeros(0, dtype=np.int64), ROW0,
+    counters = np.stack([computed, computed, np.full(computed.size, 10**9), computed * 0, computed])
+    kernels.prepare_step(ts.geometry, ts.bounds, counters, np.zeros(0, dtype=np.int64), ROW0,
                          np.array([count]), 0, np.array([10**6]), np.zeros(computed.size, dtype=np.bool_), *out,
                          after, need, np.empty((2, 1), dtype=np.int64), np.empty(1, dtype=np.int64),
                          np.empty(4, dtype=np.int64), np.zeros(0, dtype=np.int64))
@@ -108,7 +108,7 @@ def test_no_plan_for_a_row_listed_twice_or_past_its_known_tokens():
         n = len(rows)
         out = [np.empty(n, dtype=np.int64) for _ in range(3)]
         return kernels.prepare_step(
-            ts.geometry, ts.bounds, computed, computed.copy(), known, np.zeros(0, dtype=np.int64),
+            ts.geometry, ts.bounds, np.stack([computed, computed, known, known * 0, computed]), np.zeros(0, dtype=np.int64),
             np.array(rows), np.array(counts), 0, np.array([10**6]), mark, *out, np.empty((2, 1, n), dtype=np.int64),
             np.empty((1, n), dtype=np.int64), np.empty((2, 1), dtype=np.int64), np.empty(n, dtype=np.int64),
             np.empty(4, dtype=np.int64), np.zeros(0, dtype=np.int64))[0]

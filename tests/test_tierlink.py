@@ -386,16 +386,20 @@ def test_write_through_skips_what_the_store_holds_and_dropped_checkpoints_stay_p
     assert c.load("p") == 512
     c.compute_rest("p", prompt, [1])  # publishes the same blocks and checkpoint: all in the store
     assert first > 0 and c.link.stats().offload_objects == 0 and c.link.stats().offload_skipped == first
-    # write-back, decoding across boundaries: each new checkpoint supersedes the last one,
-    # which is dropped (not evicted): nothing to offload
+    # write-back, decoding across boundaries: each checkpoint past the prompt is held in place of the last (none
+    # published, none evicted); the free publishes the last one: nothing to offload
     d = Instance(ObjectStore(HostTier(1 << 30), LAYOUT), 43)
     rng = np.random.default_rng(3)
     d.manager.add_request("s", rng.integers(0, CONFIG.vocab_size, 250), max_new_tokens=300)
     d.step("s", rng.integers(0, CONFIG.vocab_size, 250))
-    for token in rng.integers(0, CONFIG.vocab_size, 280):
+    swa = d.manager.prefix.stats["v4.swa_kv"]
+    for i, token in enumerate(rng.integers(0, CONFIG.vocab_size, 280)):
         d.manager.append_token_ids("s", [token])
         d.step("s", [token])
-    assert d.manager.prefix.stats["v4.swa_kv"].removed_entries >= 1
+        stored = swa.stored_entries if i == 0 else stored  # the prompt's, committed by the first decode step
+    assert swa.stored_entries == stored and swa.removed_entries == 0
+    d.manager.free("s")
+    assert swa.stored_entries == stored + 1
     assert d.link.stats().offload_objects == 0
 
 

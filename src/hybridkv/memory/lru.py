@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from hybridkv.runtime.kernels import (BASE, HI, ID_OFFSET, LOW_FLOOR, LOW_IDLE_PAGES, LOWEST, LRU_PAGES, PAGE_TOKENS,
-                                      TOP, add_held, first_out_of_range, fit_ring, note_peaks, place_row, push_run,
-                                      release_into, take_cells)
+from hybridkv.runtime.kernels import (BASE, HELD_AT, HELD_PAGES, HI, ID_OFFSET, LOW_FLOOR, LOW_IDLE_PAGES, LOWEST,
+                                      LRU_PAGES, PAGE_TOKENS, PUBLISHED, TOP, add_held, first_out_of_range, fit_ring,
+                                      note_peaks, place_row, push_run, release_into, take_cells)
 
 # numba's cache of this file's kernels also holds the compiled code of the kernels.py functions imported above, and
 # is renewed only when this file changes: after changing one of those in kernels.py, remove __pycache__/lru.*.nb[ic].
@@ -257,29 +257,35 @@ def borrow_row(geometry, pages, bounds, ref, keyed, low_priority, prev, nxt, per
 def free_row(geometry, pages, bounds, ref, keyed, stack, per_group, idle_tick, low_priority, prev, nxt, clock,
              counters, work, logged, log_at, row, grain):
     """``CacheManager.free`` of table row ``row`` in one call (-1, nothing changed, while its computed tokens complete a
-    ``grain`` its committed ones do not (``counters[:2]``): commit first): its live pages (``kernels.take_cells``,
-    group-major) leave the tables (lanes back, base and hi 0) as one release (``kernels.release_into``), the keyed ones
+    ``grain`` its published ones do not (``counters[0]``, ``counters[PUBLISHED]``): commit first): its live pages
+    (``kernels.take_cells``) and the checkpoint it holds (``HELD_PAGES``), group-major, leave the tables (lanes back,
+    base, hi and ``HELD_AT`` 0) as one release (``kernels.release_into``), the keyed ones
     left idle :func:`join` their lists, its counters (``counters[:, row]``) become 0, and the cells emptied are logged
     at ``logged[log_at]`` (-1: not logged). ``work`` (int64: 3 per group, then 4 times the room for a row's every
-    cell) holds its scratch: the cells emptied from ``work[3 * G]`` (``G`` groups; returns how many), the keyed pages
-    left idle from ``work[3 * G + 3 * room]``, how many per group from ``work[G]``. Allocates nothing, counts no
-    reference (``_nrt=False``): a returned array, an allocation or a counted argument would each cost a call from
-    Python cold."""
-    if grain and counters[1, row] // grain < counters[0, row] // grain:
+    cell and held page) holds its scratch: the cells emptied from ``work[3 * G]`` (``G`` groups; returns how many),
+    the keyed pages left idle from ``work[3 * G + 3 * room]``, how many per group from ``work[G]``. Allocates nothing,
+    counts no reference (``_nrt=False``): a returned array, an allocation or a counted argument would each cost a call
+    from Python cold."""
+    if grain and counters[PUBLISHED, row] // grain < counters[0, row] // grain:
         return -1
     n_groups, offsets = geometry.shape[0], geometry[:, ID_OFFSET]
-    at, n = 3 * n_groups, 0
+    at, n, n_held = 3 * n_groups, 0, 0  # n: cells emptied; taken[n_held + n]: the pages let go
     room, counts = (work.size - at) // 4, work[:at].reshape((3, n_groups))
     cells_out, taken = work[at : at + room], work[at + room : at + 2 * room]
     freed, idle_keyed = work[at + 2 * room : at + 3 * room], work[at + 3 * room :]
     counts[:] = 0
     for g in range(n_groups):
-        start = n
-        n = take_cells(geometry, pages, bounds, g, row, bounds[BASE, g, row], taken, cells_out, n)  # all of it
-        counts[2, g] = n - start
+        start = n + n_held
+        n = take_cells(geometry, pages, bounds, g, row, bounds[BASE, g, row], taken[n_held:], cells_out, n)  # all of it
+        for k in range(HELD_PAGES, bounds.shape[0]):  # the checkpoint it holds (``release_pages``)
+            if bounds[k, g, row] > 0:
+                taken[n + n_held] = bounds[k, g, row]
+                n_held += 1
+            bounds[k, g, row] = 0
+        counts[2, g] = n + n_held - start
         fit_ring(geometry, pages, bounds, g, row, 0)  # its lane back
-        bounds[BASE, g, row], bounds[HI, g, row] = 0, 0
-    release_into(ref, keyed, stack, per_group, offsets, taken[:n], counts[2], freed, idle_keyed, counts)
+        bounds[BASE, g, row], bounds[HI, g, row], bounds[HELD_AT, g, row] = 0, 0, 0
+    release_into(ref, keyed, stack, per_group, offsets, taken[: n + n_held], counts[2], freed, idle_keyed, counts)
     join(idle_tick, low_priority, prev, nxt, per_group[LRU_PAGES], per_group[LOW_IDLE_PAGES], per_group[LOW_FLOOR],
          offsets, counts[1], idle_keyed, clock)
     counters[:, row] = 0

@@ -603,14 +603,16 @@ class PageSpace:
             tables.count_logged(n)
         if self.ranked:
             g, work = len(self.pools), args[13]
-            self._tell_rankers(work[g : 2 * g], work[3 * g + 3 * tables.row_cells :])
+            self._tell_rankers(work[g : 2 * g], work[3 * g + 3 * (tables.row_cells + tables.row_held_pages) :])
         return True
 
     def _free_call(self, tables, counters: np.ndarray) -> tuple:
         """:meth:`free_row`'s kernel arguments but the row and grain, the scratch sized for the tables' rows (3 per
-        group, 4 per cell of a row); the kernel's compiled code (``kernels.entry_point``) loaded at the first call."""
-        if self._free_work.size != 3 * len(self.pools) + 4 * tables.row_cells:
-            self._free_work = np.empty(3 * len(self.pools) + 4 * tables.row_cells, dtype=np.int64)
+        group, 4 per cell and held page of a row); the kernel's compiled code (``kernels.entry_point``) loaded at the
+        first call."""
+        size = 3 * len(self.pools) + 4 * (tables.row_cells + tables.row_held_pages)
+        if self._free_work.size != size:
+            self._free_work = np.empty(size, dtype=np.int64)
         args = (tables.geometry, tables.pages, tables.bounds, self.ref_counts, self.cached, self.stack, self.per_group,
                 self.idle_tick, self.low_priority, self.lru_prev, self.lru_next, _IDLE_CLOCK, counters, self._free_work)
         if self._free_row_entry is None:  # the types every call passes: no type dispatch a call

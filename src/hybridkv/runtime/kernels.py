@@ -8,22 +8,29 @@ Python in between (most steps).
 
 Arrays (``G`` groups, ``R`` scheduled rows, ``N`` scheduled tokens):
 
-* ``geometry`` int64 ``[G, 16]``: page tokens ``T``, window tokens ``W`` (0: full history), ring column mask
+* ``geometry`` int64 ``[G, 19]``: page tokens ``T``, window tokens ``W`` (0: full history), ring column mask
   (``capacity - 1`` for sliding groups, -1 for full history), rows per page, entry stride tokens, the group's first id
   in the page space (ids of group ``g`` are ``offset + local id``), then the log2 of page tokens and of stride (-1 where
   not a power of two: a division then), then where the group's cells sit in ``pages`` (below), (the one column the
-  kernels change) how many of its lanes are free, and the most tokens a row writes in a step.
+  kernels change) how many of its lanes are free, the most tokens a row writes in a step, then (``HOLD_TOKENS``) the
+  trailing tokens of a checkpoint a row holds in this group past its prompt (0: none; ``TableSet.hold_checkpoints``)
+  and (``HOLD_GRAIN``, every group's) the grain of those boundaries (0: no row holds any), and (``KEEP_EVERY``) the
+  interval of boundaries that are published past the prompt too (0: none; ``held_boundary``).
 * ``pages`` int32, flat: every group's table cells (docs/manager.md, "The table store's layout"). Group ``g``'s logical
   page ``L`` of a row is at ``RING_START + row * ROW_STRIDE + (L & RING_MASK) * COLUMN_STRIDE`` (a sliding row's narrow
   ring; full history column-major), or for a *wide* row in its lane ``k`` at
   ``LANE_START + k * (COLUMN_MASK + 1) + (L & COLUMN_MASK)`` (``cell``; ``fit_ring`` moves a row between them). Only
   cells of live pages mean anything.
-* ``bounds`` int64 ``[4, G, table rows]``: live logical pages ``[base, hi)``, the row's lane plus one (0: narrow) and,
-  per group, the stack of free lanes (``bounds[FREE_LANES, g, :geometry[g, FREE_COUNT]]``, the lowest on top).
+* ``bounds`` int64 ``[5 + K, G, table rows]``: live logical pages ``[base, hi)``, the row's lane plus one (0: narrow),
+  per group the stack of free lanes (``bounds[FREE_LANES, g, :geometry[g, FREE_COUNT]]``, the lowest on top), then
+  the boundary of the checkpoint the row holds (``HELD_AT``, 0: none) and its ``K`` page ids (``HELD_PAGES`` on, 0
+  past the last), one reference each outside the row's live pages (``release_pages``' holds).
 * The *ring view* (``TableSet.ring_view``, the engine's ``BlockTableMirror``): group ``g``, row, column
   ``L & COLUMN_MASK`` at index ``(g * table rows + row) * VIEW_COLUMNS + column``; the cells a kernel touches are logged
   in that form.
-* ``counters`` int64 ``[3, table rows]``: computed, committed and known tokens per row.
+* ``counters`` int64 ``[5, table rows]``: computed, committed and known tokens per row, the tokens past which its
+  boundaries are held rather than published at its next step (``DEFER_FROM``: its prompt's) and its published tokens
+  (``PUBLISHED``: below its committed ones while it holds a checkpoint).
 * ``per_group`` int64 ``[PER_GROUP_ROWS, G]``: each group's counts (``TOP`` ... ``SKIP_PACKING``).
 * ``ref`` int32 ``[P]``, ``keyed`` bool ``[P]``: per page-space id, its holders and whether it carries a content key (an
   idle keyed page goes to ``hybridkv.memory.lru``'s lists, not to the free stack).
@@ -47,8 +54,11 @@ PAGE_SHIFT, STRIDE_SHIFT = range(6, 8)  # log2 of the page and stride sizes, -1 
 RING_START, ROW_STRIDE, RING_MASK, LANE_START, VIEW_COLUMNS, COLUMN_STRIDE = range(8, 14)  # the store's layout
 FREE_COUNT = 14  # free lanes of the group (kernels change it)
 STEP_TOKENS = 15  # the most tokens a row writes in a step (``max_step_tokens``)
-GEOMETRY_COLUMNS = 16
-BASE, HI, LANE, FREE_LANES = range(4)  # planes of ``bounds``
+HOLD_TOKENS, HOLD_GRAIN, KEEP_EVERY = 16, 17, 18  # a held checkpoint's tokens in the group; the grain (0: none
+# held); the tokens between boundaries a policy publishes past the prompt too (0: none), whose crossings commit
+GEOMETRY_COLUMNS = 19
+BASE, HI, LANE, FREE_LANES, HELD_AT, HELD_PAGES = range(6)  # planes of ``bounds`` (``HELD_PAGES`` and on: ids)
+DEFER_FROM, PUBLISHED = 3, 4  # rows of ``counters`` after computed, committed and known
 TOP, LOWEST, LOW_FLOOR, RELEASED_PAGES, ALLOCATED_PAGES, LRU_PAGES, GRANTED_PAGES, PEAK_USED_PAGES = range(8)
 LOW_IDLE_PAGES, SKIP_PACKING = range(8, 10)
 PER_GROUP_ROWS = 10  # rows of ``per_group`` (``PageSpace.per_group``)
@@ -106,6 +116,26 @@ def span_cells(geometry, bounds, g, rows, lo, hi, at, view):
     return n
 
 
+@njit(cache=True, inline="always")
+def window_held(bounds, g, row, d):
+    """Whether ``row`` holds its checkpoint at boundary ``d`` (> 0) in group ``g`` (``HELD_AT``)."""
+    return d > 0 and bounds[HELD_AT, g, row] == d
+
+
+@njit(cache=True, inline="always")
+def entry_readable(bounds, g, row, lo, count, held):
+    """Whether an entry's pages ``[lo, lo + count)`` of ``row`` in group ``g`` can be read: the checkpoint it holds
+    (``held``), or live pages."""
+    return held or lo >= bounds[BASE, g, row] and lo + count <= bounds[HI, g, row]
+
+
+@njit(cache=True, inline="always")
+def entry_page(geometry, pages, bounds, g, row, lo, logical, held):
+    """Logical page ``logical`` of an entry from ``lo``: of the checkpoint the row holds (``held``), else its
+    table's."""
+    return bounds[HELD_PAGES + logical - lo, g, row] if held else pages[cell(geometry, bounds, g, row, logical)]
+
+
 @njit(cache=True)
 def commit_pages(geometry, pages, bounds, history, state, row, first_block, end_block, boundaries, out, layout,
                  status, want, ref, keyed, low, limits):
@@ -114,11 +144,11 @@ def commit_pages(geometry, pages, bounds, history, state, row, first_block, end_
     block of ``[first_block, end_block)``; then per boundary ``D`` of ``boundaries``, per
     state group ``state[s] = (g, window tokens W)``, the pages of ``[max(D - W, 0), D)``.
     Entry ``e``: ``layout[e]`` = (group, first place in ``out``, pages), ``status[e]`` 1
-    when its pages lie in the row's live pages ``[base, hi)`` (always for history
-    blocks; else 0, the cells left unread). Then, unless ``want`` is empty, the live
-    entries are claimed (``claim_entries``: ``status`` 2 where claimed). Returns how many
-    places it filled, or ``-1 - place`` of the first wanted page that is not held (nothing
-    claimed then)."""
+    when its pages lie in the row's live pages ``[base, hi)`` or are the checkpoint it
+    holds there (``HELD_AT``; always for history blocks; else 0, the cells left unread).
+    Then, unless ``want`` is empty, the live entries are claimed (``claim_entries``:
+    ``status`` 2 where claimed). Returns how many places it filled, or ``-1 - place`` of
+    the first wanted page that is not held (nothing claimed then)."""
     n, e = 0, 0
     for h in range(history.shape[0]):
         g, per_block = history[h, 0], history[h, 1]
@@ -134,11 +164,12 @@ def commit_pages(geometry, pages, bounds, history, state, row, first_block, end_
             g = state[s, 0]
             t = geometry[g, PAGE_TOKENS]
             lo, hi = max(d - state[s, 1], 0) // t, d // t
-            good = lo >= bounds[BASE, g, row] and hi <= bounds[HI, g, row]
+            held = window_held(bounds, g, row, d)
+            good = entry_readable(bounds, g, row, lo, hi - lo, held)
             layout[e, 0], layout[e, 1], layout[e, 2], status[e] = g, n, hi - lo, 1 if good else 0
             for logical in range(lo, hi):
                 if good:
-                    out[n] = pages[cell(geometry, bounds, g, row, logical)]
+                    out[n] = entry_page(geometry, pages, bounds, g, row, lo, logical, held)
                 n += 1
             e += 1
     if want.size:
@@ -155,9 +186,10 @@ def commit_unit(geometry, pages, bounds, history, state, unit, out, starts, ref,
     from ``start``, ``step`` apart (``unit[4:7]``), then its latest (``unit[7]``); its pages: per
     history group ``history[h] = (g, pages per block)`` its blocks ``[first, end)``, then per state
     group ``state[s] = (g, window tokens W)`` each boundary's window ``[D - W, D)``. Where every
-    window is live and every page a held page of its group (``0 < id < limits[g]``, ref count > 0),
-    none keyed, every page is keyed and written into ``out`` (large enough) group by group, entry
-    by entry (a window before the latest flagged low where ``low`` is 2), and their count returned;
+    window is live (or the checkpoint the row holds there: ``HELD_AT``) and every page a held page of its group
+    (``0 < id < limits[g]``, ref count > 0), none keyed, every page is keyed and written into ``out`` (large
+    enough) group by group, entry by entry (a window before the latest flagged low where ``low`` is 2), and their
+    count returned;
     else nothing changes and -1 is returned. ``starts`` (scratch, groups + 1): where each group's
     pages start in ``out``. It allocates nothing, so it runs without reference counting
     (``_nrt=False``: its 11 arrays come in without a MemInfo each)."""
@@ -165,11 +197,11 @@ def commit_unit(geometry, pages, bounds, history, state, unit, out, starts, ref,
     for j in range(n_groups):
         starts[j] = n
         for e in range((unit[3] - unit[2] if j < n_history else unit[6] + 1) if good else 0):
-            g, lo, count = _unit_span(geometry, history, state, unit, j, e)
-            offset = geometry[g, ID_OFFSET]
-            good = j < n_history or lo >= bounds[BASE, g, row] and lo + count <= bounds[HI, g, row]  # a live window
+            g, lo, count, d = _unit_span(geometry, history, state, unit, j, e)
+            offset, held = geometry[g, ID_OFFSET], window_held(bounds, g, row, d)
+            good = entry_readable(bounds, g, row, lo, count, held)
             for logical in range(lo, lo + count if good else lo):
-                page = pages[cell(geometry, bounds, g, row, logical)]
+                page = entry_page(geometry, pages, bounds, g, row, lo, logical, held)
                 good = 0 < page < limits[g] and ref[offset + page] > 0 and not keyed[offset + page]
                 if not good:
                     break
@@ -188,16 +220,16 @@ def commit_unit(geometry, pages, bounds, history, state, unit, out, starts, ref,
 
 @njit(cache=True, inline="always")
 def _unit_span(geometry, history, state, unit, j, e):
-    """Entry ``e`` of group ``j`` in ``unit``: (group, first logical page, pages): block
-    ``first + e``, or the window of boundary ``e`` (a speculative one, else the latest)."""
+    """Entry ``e`` of group ``j`` in ``unit``: (group, first logical page, pages, boundary): block
+    ``first + e`` (boundary 0), or the window of boundary ``e`` (a speculative one, else the latest)."""
     n_history = history.shape[0]
     if j < n_history:
         per_block = history[j, 1]
-        return history[j, 0], (unit[2] + e) * per_block, per_block
+        return history[j, 0], (unit[2] + e) * per_block, per_block, 0
     g, d = state[j - n_history, 0], unit[4] + e * unit[5] if e < unit[6] else unit[7]
     t = geometry[g, PAGE_TOKENS]
     lo = max(d - state[j - n_history, 1], 0) // t
-    return g, lo, d // t - lo
+    return g, lo, d // t - lo, d
 
 
 @njit(cache=True, inline="always")
@@ -216,7 +248,7 @@ def _flag_low(geometry, history, state, unit, out, starts, low_flags):
     its latest (``out[starts[j]:starts[j + 1]]`` holds group ``j``'s)."""
     n_history = history.shape[0]
     for j in range(n_history, n_history + state.shape[0] if unit[0] == 2 and unit[6] > 0 else n_history):
-        g, _, n = _unit_span(geometry, history, state, unit, j, unit[6])
+        g, _, n, _ = _unit_span(geometry, history, state, unit, j, unit[6])
         for i in range(starts[j], starts[j + 1] - n):
             low_flags[geometry[g, ID_OFFSET] + out[i]] = True
 
@@ -389,9 +421,36 @@ def settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts):
     return settle
 
 
+@njit(cache=True, inline="always")
+def held_boundary(geometry, counters, row, first, grain_shift):
+    """The boundary whose checkpoint a step of ``row`` from ``first`` tokens holds (``release_pages``) instead of
+    committing it: the last multiple of the grain at or below ``first``, where the row's committed tokens lie in an
+    earlier grain, every boundary crossed lies past the row's ``DEFER_FROM`` tokens and no multiple of
+    ``KEEP_EVERY`` was crossed (those commit); else 0. ``grain_shift``: ``log2_exact`` of the grain."""
+    grain = geometry[0, HOLD_GRAIN]
+    if grain == 0:
+        return 0
+    q, done = divide(first, grain, grain_shift), divide(counters[1, row], grain, grain_shift)
+    if done >= q or (done + 1) * grain <= counters[DEFER_FROM, row]:
+        return 0
+    committed = counters[1, row]
+    every = geometry[0, KEEP_EVERY]
+    return 0 if every > 0 and q * grain // every > committed // every else q * grain
+
+
+@njit(cache=True, inline="always")
+def note_crossing(geometry, counters, row, first, grain_shift, crossing, n_cross, n_held):
+    """A row whose step from ``first`` crosses a grain: held (``held_boundary``: counted) or listed in ``crossing``
+    for Python to commit. Returns both counts."""
+    if held_boundary(geometry, counters, row, first, grain_shift):
+        return n_cross, n_held + 1
+    crossing[n_cross] = row
+    return n_cross + 1, n_held
+
+
 @njit(cache=True)
-def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in, counts_in, grain, top, mark,
-                 rows, counts, first, after, need, sums, crossing, totals, load_tokens):
+def prepare_step(geometry, bounds, counters, last_rows, rows_in, counts_in, grain, top, mark, rows, counts, first,
+                 after, need, sums, crossing, totals, load_tokens):
     """The plan of a step of ``rows_in`` writing ``counts_in`` tokens each (one count for all when it holds
     one); pure but for ``mark``. -1 rows when a row is listed twice, would pass its ``known`` tokens or writes
     a count outside ``[1, geometry[0, STEP_TOKENS]]``.
@@ -404,11 +463,12 @@ def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_i
     ``load_tokens`` (empty: a step that computes): a load step's rows hold only their last
     ``load_tokens[g]`` tokens' pages in a sliding group (their base may pass their hi)."""
     each = 0 if counts_in.size == 1 else 1  # ``counts_in[r * each]``: row r's count
+    computed, committed, known = counters[0], counters[1], counters[2]
     settle = settling_rows(computed, committed, last_rows, rows_in, mark, rows, counts)
     if settle < 0:
         return -1, 0, 0, False
     n = settle + rows_in.size
-    n_cross, grain_shift = 0, log2_exact(grain)  # a shift per row, not two divisions, for a power of two
+    n_cross, n_held, grain_shift = 0, 0, log2_exact(grain)  # a shift per row, not two divisions, for a power of two
     totals[:] = 0
     for r in range(n):  # one pass: the rows' counts, computed tokens, counts and known tokens checked, crossings
         if r >= settle:
@@ -419,8 +479,7 @@ def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_i
             return -1, 0, 0, False
         totals[0] += counts[r]
         if grain > 0 and divide(committed[row], grain, grain_shift) < divide(first[r], grain, grain_shift):
-            crossing[n_cross] = row
-            n_cross += 1
+            n_cross, n_held = note_crossing(geometry, counters, row, first[r], grain_shift, crossing, n_cross, n_held)
     clean = True
     for g in range(geometry.shape[0]):  # the group's rows of bounds, after, need as 1-D views: no 3-D indexing a row
         tokens, shift, window = geometry[g, PAGE_TOKENS], geometry[g, PAGE_SHIFT], geometry[g, WINDOW_TOKENS]
@@ -440,28 +499,36 @@ def prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_i
             released += min(new_base, hi) - base
             allocated += max(hi, held) - max(hi, new_base)
         sums[0, g], sums[1, g] = released, allocated
-        totals[1] += released
-        totals[2] = max(totals[2], released)
+        let_go = n_held * (bounds.shape[0] - HELD_PAGES)  # the held pages those rows let go, at most
+        totals[1] += released + let_go
+        totals[2] = max(totals[2], released + let_go)
         totals[3] += allocated
         clean &= allocated <= top[g]
     return n, settle, n_cross, clean
 
 
 @njit(cache=True)
-def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after, scratch, idle_keyed,
-                  released, touched, n_touched):
+def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, counters, rows, first, after, scratch,
+                  idle_keyed, released, touched, n_touched):
     """Every row's pages below its new base leave its table, one reference less each; a page whose last
     reference went goes on its free stack (``push_run``), or if keyed to ``idle_keyed`` (group after
-    group, ``drop_released`` of the pages read to ``scratch``). ``released[0|1, g]``: pages gone free and idle
-    keyed. Returns (cells logged, idle keyed pages)."""
+    group, ``drop_released`` of the pages read to ``scratch``). First a row whose step from ``first[r]`` crosses a
+    boundary past its ``DEFER_FROM`` tokens (``counters``' committed ones not moved on yet) holds its checkpoint in
+    each group that keeps one (``hold_checkpoint``), letting go of the one it held. ``released[0|1, g]``: pages gone
+    free and idle keyed. Returns (cells logged, idle keyed pages)."""
     n_rows, top, lowest = bounds.shape[2], per_group[TOP], per_group[LOWEST]
-    n_keyed = 0
+    grain, n_keyed = geometry[0, HOLD_GRAIN], 0
+    grain_shift = log2_exact(grain) if grain > 0 else 0
     for g in range(geometry.shape[0]):
-        offset = geometry[g, ID_OFFSET]
+        offset, holds = geometry[g, ID_OFFSET], geometry[g, HOLD_TOKENS] > 0
         bases, his, lanes, new_bases = bounds[BASE, g], bounds[HI, g], bounds[LANE, g], after[0, g]  # 1-D views
         n, n_free, keyed_from = 0, 0, n_keyed  # n: pages read
         for r in range(rows.size):
             row, new_base = rows[r], new_bases[r]
+            if holds:
+                d = held_boundary(geometry, counters, row, first[r], grain_shift)
+                if d:
+                    n = hold_checkpoint(geometry, pages, bounds, ref, g, row, d, scratch, n)
             if new_base == bases[row] and new_base <= his[row] and not lanes[row]:
                 continue  # nothing to release and nothing to change (most rows of a decode step)
             cells_at, mask, step = row_cells(geometry, bounds, g, row)
@@ -485,6 +552,28 @@ def release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, a
         if n_free:
             top[g] = push_run(stack[offset:], top[g], lowest[g] != 0, scratch[:n_free])
     return n_touched, n_keyed
+
+
+@njit(cache=True)
+def hold_checkpoint(geometry, pages, bounds, ref, g, row, d, out, n):
+    """``row`` holds its checkpoint at boundary ``d`` in group ``g``: the live pages of its last
+    ``geometry[g, HOLD_TOKENS]`` tokens below ``d`` one reference more each, their ids to ``bounds[HELD_PAGES:]``
+    (none where the window is not live), ``HELD_AT`` ``d``; the pages it held before go to ``out`` from ``n`` (their
+    references for the caller to drop, as a release's). Returns the new ``n``."""
+    for k in range(HELD_PAGES, bounds.shape[0]):
+        if bounds[k, g, row] > 0:
+            out[n] = bounds[k, g, row]
+            n += 1
+        bounds[k, g, row] = 0
+    t, offset = geometry[g, PAGE_TOKENS], geometry[g, ID_OFFSET]
+    lo, hi = max(d - geometry[g, HOLD_TOKENS], 0) // t, d // t
+    live = lo >= bounds[BASE, g, row] and hi <= bounds[HI, g, row] and hi - lo <= bounds.shape[0] - HELD_PAGES
+    for logical in range(lo, hi if live else lo):
+        page = pages[cell(geometry, bounds, g, row, logical)]
+        ref[offset + page] += 1
+        bounds[HELD_PAGES + logical - lo, g, row] = page
+    bounds[HELD_AT, g, row] = d if live else 0
+    return n
 
 
 @njit(cache=True, inline="always")
@@ -723,11 +812,11 @@ def run_step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack,
     With ``idle`` (``PageSpace.join_args``) the keyed pages its releases left idle join their LRUs before it returns
     (``join_idle``; none left to Python then)."""
     rows, counts, first, after, sums, released, _, scratch, idle_keyed = run_views(plan, geometry.shape[0], n)
+    n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, counters, rows, first,
+                                       after, scratch, idle_keyed, released, touched, n_logged)
     committed = counters[1]
     for r in range(n):
         committed[rows[r]] = first[r]
-    n_touched, n_keyed = release_pages(geometry, pages, bounds, ref, keyed, stack, per_group, rows, after,
-                                       scratch, idle_keyed, released, touched, n_logged)
     status = STEP_NEEDS_PAGES
     if not (hold or room_groups(geometry, bounds, transient, rows, first, counts, after, sums, stack, per_group, ref,
                                 keyed, low_priority, None, None, 0, released[1], idle_keyed)):
@@ -868,17 +957,16 @@ def step(geometry, pages, bounds, counters, ref, keyed, low_priority, stack, per
     ``release_credit``'s count) or ``STEP_COMMITS`` (a clean plan whose rows cross a grain, the batch's
     arrays and the scratch large enough for it) when only the plan ran (the logged cells left as they were)."""
     rows, counts, first, after, need, sums, crossing, totals = plan_views(plan, geometry.shape[0])[:8]
-    computed, committed, known = counters[0], counters[1], counters[2]
-    n, settle, n_cross, clean = prepare_step(geometry, bounds, computed, committed, known, last_rows, rows_in,
-                                             counts_in, grain, per_group[TOP], mark, rows, counts, first, after, need,
-                                             sums, crossing, totals, counts_in[:0])
+    n, settle, n_cross, clean = prepare_step(geometry, bounds, counters, last_rows, rows_in, counts_in, grain,
+                                             per_group[TOP], mark, rows, counts, first, after, need, sums, crossing,
+                                             totals, counts_in[:0])
     fits = plan_fits(plan, geometry.shape[0], touched.size - n_logged, per_token.shape[1])
     if n < 0 or not clean or n_cross > 0 or not fits:
         covered = n >= 0 and not clean and n_cross == 0
         for g in range(geometry.shape[0] if covered else 0):  # each short group's releases free enough first
             short = sums[1, g] - per_group[TOP, g]
-            if short > 0 and release_credit(geometry, pages, bounds, ref, keyed, g, rows[:n], after[0, g], rows,
-                                            rows, rows, short)[1] < short:
+            if short > 0 and release_credit(geometry, pages, bounds, ref, keyed, counters, g, rows[:n], after[0, g],
+                                            rows, rows, rows, short)[1] < short:
                 covered = False
                 break
         if covered:
@@ -905,7 +993,7 @@ def step_spare(geometry, pages, bounds, counters, ref, keyed, low_priority, stac
         request_indices, per_token)
     n_spare = -1
     if status >= STEP_PLANNED and n >= 0 and not clean:
-        n_spare = admit_spare(geometry, pages, bounds, ref, keyed, per_group, counters[1], grain, window_pages, plan,
+        n_spare = admit_spare(geometry, pages, bounds, ref, keyed, per_group, counters, grain, window_pages, plan,
                               n, scratch, owner, spare_slabs, slab_pages, inner_pages, straddle, taken,
                               grant_groups, grant_slabs)
         if status == STEP_PLANNED and n_spare >= 0 and plan_fits(plan, geometry.shape[0], touched.size - n_logged,
@@ -1241,19 +1329,42 @@ def push_free(stack, top, offsets, lowest, per_group, freed):
 SHORT_RUN = 64  # ``push_free`` leaves a longer run to ``push_run``'s sort
 
 
+@njit(cache=True, inline="always")
+def held_span(geometry, counters, g, row, grain_shift):
+    """The logical pages of group ``g`` that a step of ``row`` from its computed tokens will hold
+    (``release_pages``' ``hold_checkpoint`` of its ``held_boundary``), as ``[lo, hi)``; ``(0, 0)`` where it holds
+    none."""
+    n = geometry[g, HOLD_TOKENS]
+    d = held_boundary(geometry, counters, row, counters[0, row], grain_shift) if n > 0 else 0
+    if d == 0:
+        return 0, 0
+    t = geometry[g, PAGE_TOKENS]
+    return max(d - n, 0) // t, d // t
+
+
 @njit(cache=True)
-def release_credit(geometry, pages, bounds, ref, keyed, g, rows, new_base, credit, sole_pages, unkeyed_pages, enough):
+def release_credit(geometry, pages, bounds, ref, keyed, counters, g, rows, new_base, credit, sole_pages,
+                   unkeyed_pages, enough):
     """Group ``g``'s pages below each row's ``new_base`` only that row holds (pure): ``credit[r]`` per row, the
-    pages to ``sole_pages``, the unkeyed ones (the releases' free pages) also to ``unkeyed_pages``. Returns
-    (sole, unkeyed). With ``enough`` > 0 it only counts the unkeyed pages, up to ``enough`` (arrays unwritten)."""
-    offset, listed = geometry[g, ID_OFFSET], enough <= 0
-    n_sole, n_unkeyed = 0, 0
+    pages to ``sole_pages``, the unkeyed ones (the releases' free pages) also to ``unkeyed_pages``; not those of
+    the checkpoint the row's step will hold (``held_span``), but those of the one it then lets go that nothing else
+    holds. Returns (sole, unkeyed). With ``enough`` > 0 it only counts the unkeyed pages, up to ``enough`` (arrays
+    unwritten)."""
+    offset, listed, grain = geometry[g, ID_OFFSET], enough <= 0, geometry[g, HOLD_GRAIN]
+    n_sole, n_unkeyed, n_held, grain_shift = 0, 0, bounds.shape[0] - HELD_PAGES, log2_exact(grain) if grain else 0
     for r in range(rows.size):
         row = rows[r]
         before, (cells_at, mask, step) = n_sole, row_cells(geometry, bounds, g, row)
-        for logical in range(bounds[BASE, g, row], min(new_base[r], bounds[HI, g, row])):
-            page = pages[cells_at + (logical & mask) * step]
-            if ref[offset + page] == 1:
+        held_lo, held_hi = held_span(geometry, counters, g, row, grain_shift)
+        lo, n_cells = bounds[BASE, g, row], max(min(new_base[r], bounds[HI, g, row]) - bounds[BASE, g, row], 0)
+        for i in range(n_cells + (n_held if held_hi > 0 else 0)):  # its released cells, then the pages let go
+            if i < n_cells:
+                if held_lo <= lo + i < held_hi:
+                    continue  # it stays: the step holds it
+                page = pages[cells_at + ((lo + i) & mask) * step]
+            else:
+                page = bounds[HELD_PAGES + i - n_cells, g, row]
+            if page > 0 and ref[offset + page] == 1:
                 if listed:
                     sole_pages[n_sole] = page
                 n_sole += 1
@@ -1269,7 +1380,7 @@ def release_credit(geometry, pages, bounds, ref, keyed, g, rows, new_base, credi
 
 
 @njit(cache=True)
-def short_pages(geometry, pages, bounds, ref, keyed, rows, new_base, first, committed, grain, window_pages, released,
+def short_pages(geometry, pages, bounds, ref, keyed, rows, new_base, first, counters, grain, window_pages, released,
                 wanted, clean, free, low, short):
     """Per group, the pages it lacks for ``wanted`` (``short``) after its ``clean`` free pages, the releases'
     free pages (less ``window_pages`` a grain the commits complete) and its ``low`` idle low-priority pages.
@@ -1289,10 +1400,10 @@ def short_pages(geometry, pages, bounds, ref, keyed, rows, new_base, first, comm
             if crossed < 0:
                 crossed = 0
                 for r in range(rows.size if grain > 0 else 0):
-                    crossed += max(first[r] // grain - committed[rows[r]] // grain, 0)
+                    crossed += max(first[r] // grain - counters[1, rows[r]] // grain, 0)
             extra = crossed * window_pages[g]
-            freed = max(release_credit(geometry, pages, bounds, ref, keyed, g, rows, new_base[g], first, first,
-                                       first, gap + extra)[1] - extra, 0)
+            freed = max(release_credit(geometry, pages, bounds, ref, keyed, counters, g, rows, new_base[g], first,
+                                       first, first, gap + extra)[1] - extra, 0)
         if gap > freed:
             short[g] = gap - freed
             n_short += 1
@@ -1343,7 +1454,7 @@ def owned_end(owner, spare_slabs):
 
 
 @njit(cache=True, _nrt=False)
-def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain, window_pages, plan, n, scratch,
+def admit_spare(geometry, pages, bounds, ref, keyed, per_group, counters, grain, window_pages, plan, n, scratch,
                 owner, spare_slabs, slab_pages, inner_pages, straddle, taken, grant_groups, grant_slabs):
     """``CacheManager._admit`` of the plan in ``plan`` (first ``n`` rows) on an arena when its answer is spare
     slabs alone (pure): slabs for what a group lacks of free and evictable pages, then for what it would
@@ -1356,7 +1467,7 @@ def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain
     low = scratch[1] if per_group[SKIP_PACKING, 0] != 0 else per_group[LOW_IDLE_PAGES]
     for g in range(n_groups):
         free[g], clean[g] = top[g] + per_group[LRU_PAGES, g], top[g]
-    n_short = short_pages(geometry, pages, bounds, ref, keyed, rows, new_base, first, committed, grain,
+    n_short = short_pages(geometry, pages, bounds, ref, keyed, rows, new_base, first, counters, grain,
                           window_pages, sums[0], wanted, top, free, low, short)
     spare = spare_slabs[0]  # ``owner``'s spare slabs
     if n_short >= 0:
@@ -1376,7 +1487,7 @@ def admit_spare(geometry, pages, bounds, ref, keyed, per_group, committed, grain
                 grant_groups[n_grants], grant_slabs[n_grants], end = g, taken[i], max(end, taken[i] + 1)
                 n_grants += 1
             clean[g] += deficit - left
-    if short_pages(geometry, pages, bounds, ref, keyed, rows, new_base, first, committed, grain, window_pages,
+    if short_pages(geometry, pages, bounds, ref, keyed, rows, new_base, first, counters, grain, window_pages,
                    sums[0], wanted, clean, wanted, low, short) == 0:
         more = 0
     else:

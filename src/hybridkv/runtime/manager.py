@@ -9,6 +9,7 @@ Every public method validates its whole input before it mutates anything.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -109,6 +110,7 @@ def _int64_array(values: tuple, n: int) -> np.ndarray:
 
 _NO_CELLS = np.empty((3, 0), dtype=np.int64), np.empty(0, dtype=np.int32)  # ``kernels.finish_step`` reads no cells
 _COMPUTED = np.empty(0, dtype=np.int64)  # ``prepare_step``'s load_tokens of a step that computes
+_NEVER = 1 << 62  # ``kernels.DEFER_FROM`` of a row that holds no checkpoint (no token ids: it publishes nothing)
 
 
 class _Scratch:
@@ -161,30 +163,31 @@ class _Verdict:
 class _Releases:
     """What a planned step's releases free in each group, worked out once per group asked (pure)."""
 
-    def __init__(self, tableset: TableSet, space: PageSpace, plan: _StepPlan):
-        self._tableset, self._space, self.plan = tableset, space, plan
+    def __init__(self, tableset: TableSet, space: PageSpace, counters: np.ndarray, plan: _StepPlan):
+        self._tableset, self._space, self._counters, self.plan = tableset, space, counters, plan
         self._found: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def of(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Group ``k``: per plan row its release credit (pages below its new base only it holds),
-        those pages, and the ones among them without a key (``kernels.release_credit``)."""
+        """Group ``k``: per plan row its release credit (pages below its new base only it holds, and those of
+        a checkpoint it lets go), those pages, and the ones among them without a key (``kernels.release_credit``)."""
         found = self._found.get(k)
         if found is None:
             plan, ts = self.plan, self._tableset
-            n_pages = int(plan.sums[0, k])  # only windowed groups release
+            n_pages = int(plan.sums[0, k]) + ts.row_held_pages * plan.rows.size  # only windowed groups release
             credit = np.empty(plan.rows.size, dtype=np.int64)
             sole, unkeyed = np.empty(n_pages, dtype=np.int64), np.empty(n_pages, dtype=np.int64)
             n_sole, n_unkeyed = kernels.release_credit(
-                ts.geometry, ts.pages, ts.bounds, self._space.ref_counts, self._space.cached, k, plan.rows,
-                plan.after[0, k], credit, sole, unkeyed, 0)
+                ts.geometry, ts.pages, ts.bounds, self._space.ref_counts, self._space.cached, self._counters, k,
+                plan.rows, plan.after[0, k], credit, sole, unkeyed, 0)
             found = self._found[k] = (credit, sole[:n_sole], unkeyed[:n_unkeyed])
         return found
 
     def credit(self) -> np.ndarray:
-        """Every group's release credit per plan row (``[G, R]``; none where a group releases nothing)."""
+        """Every group's release credit per plan row (``[G, R]``; none where a group releases nothing and holds no
+        checkpoint)."""
         plan = self.plan
         credit = np.zeros((plan.sums.shape[1], plan.rows.size), dtype=np.int64)
-        for k in np.flatnonzero(plan.sums[0]).tolist():
+        for k in np.flatnonzero(plan.sums[0] + self._tableset.geometry[:, kernels.HOLD_TOKENS]).tolist():
             credit[k] = self.of(k)[0]
         return credit
 
@@ -235,6 +238,7 @@ class CacheManager:
                 on_event=on_event, checkpoint_window_tokens=checkpoint_window_tokens, eviction_policy=eviction_policy)
         self._init_windows(ids)
         self._init_holds()
+        self._init_checkpoint_holds(state_checkpoint_interval)
         self._load_kernels()
         self.tier_link = tier_link
         if tier_link is not None:
@@ -252,6 +256,18 @@ class CacheManager:
         # ``short_pages``' answer, the low-priority pages a roomy arena keeps (none), ``admit_spare``'s scratch too.
         self._spare_rows = np.zeros((4, len(ids)), dtype=np.int64)
         self._short, self._no_low = self._spare_rows[0], self._spare_rows[1]
+
+    def _init_checkpoint_holds(self, pin_interval: int | None) -> None:
+        """With prefix caching, a checkpoint a step crosses past its request's prompt is held by the step kernel and
+        published with the blocks below it when the request is freed (docs/prefix-caching.md, "Past the prompt"),
+        but where a policy keeps checkpoints there (multiples of a pinning interval or of the ``"interval"`` policy's:
+        a crossing of one commits at the next step)."""
+        prefix = self.prefix
+        if prefix is None:
+            return
+        keep_every = math.gcd(pin_interval or 0, prefix.checkpoint_interval_tokens or 0)
+        windows = {self.tables[gid].group_index: n for gid, n in prefix.checkpoint_windows.items()}
+        self._tableset.hold_checkpoints(windows, self._grain, keep_every)
 
     def _init_memory(self, group_pages: dict[str, int], shuffle_seed: int | None,
                      arena: ArenaGeometry | None) -> None:
@@ -300,11 +316,13 @@ class CacheManager:
         self._free_rows: list[int] = []
         self._next_row = 0
         self._row_arrays: list[np.ndarray] = []  # per table row, int64 [1] holding it: a one-row step's rows
-        # Per table row, views of one array: computed, committed and known token ids (max total without ids; the step
-        # kernel takes these three whole, ``_counters``), the max total, the known ids rewinds keep (prompt; no ids:
-        # total) and the address of its request's token ids (``_Request.token_ids``' data, which the request keeps
-        # alive; 0 without ids or a request: ``kernels.append_token_ids`` writes there).
-        self._set_by_row(np.zeros((6, 64), dtype=np.int64))
+        # Per table row, views of one array: computed, committed and known token ids (max total without ids), the tokens
+        # past which its step kernels hold checkpoints (its prompt's; ``_NEVER`` without ids) and its published tokens
+        # (the step kernels take these five whole, ``_counters``: ``kernels.DEFER_FROM``, ``PUBLISHED``), the max total,
+        # the known ids rewinds keep (prompt; no ids: total) and the address of its request's token ids
+        # (``_Request.token_ids``' data, which the request keeps alive; 0 without ids or a request:
+        # ``kernels.append_token_ids`` writes there).
+        self._set_by_row(np.zeros((8, 64), dtype=np.int64))
         self._one_count = np.zeros(1, dtype=np.int64)  # a uniform step's count, for every row (no array made)
         self._one_count_tokens = 0  # ``_one_count[0]`` as a plain int (written only when it changes)
         self._one_row = np.zeros(1, dtype=np.int64)  # the row ``free`` commits (no array made)
@@ -318,8 +336,9 @@ class CacheManager:
 
     def _set_by_row(self, by_row: np.ndarray) -> None:
         """``_by_row`` and its views, and ``prepare_step``'s scratch ``_in_batch`` (one flag per row)."""
-        self._by_row, self._counters, self._in_batch = by_row, by_row[:3], np.zeros(by_row.shape[1], dtype=np.bool_)
-        self._computed, self._committed, self._known, self._max_total, self._known_floor, self._token_addr = by_row
+        self._by_row, self._counters, self._in_batch = by_row, by_row[:5], np.zeros(by_row.shape[1], dtype=np.bool_)
+        (self._computed, self._committed, self._known, self._defer_from, self._published, self._max_total,
+         self._known_floor, self._token_addr) = by_row
 
     @classmethod
     def from_plan(cls, plan: Any, *, page_space: str | None = None, slab_anchor_pages: int | None = None,
@@ -368,7 +387,8 @@ class CacheManager:
             hit = self.prefix.match_and_borrow(req, prompt, cache_salt, req.hashes)
         else:
             hit = PrefixHit.none(self.specs)
-        self._computed[row] = self._committed[row] = hit.hit_tokens
+        self._computed[row] = self._committed[row] = self._published[row] = hit.hit_tokens
+        self._defer_from[row] = _NEVER if prompt is None else req.prompt_tokens
         self._requests[request_id] = self._row_owner[row] = req
         self._row_of[request_id] = row
         self._max_total[row] = total = req.max_total_tokens
@@ -609,7 +629,8 @@ class CacheManager:
             return _Verdict(answers, ok_idx, fits, deny, plan)
         if fixed_width:
             self._deny_past_capture_width(plan, fits, deny)
-        releases, space, wanted = _Releases(self._tableset, self._space, plan), self._space, plan.sums[1]
+        releases = _Releases(self._tableset, self._space, self._counters, plan)
+        space, wanted = self._space, plan.sums[1]
         n_short = -1 if deny else self._short_pages(plan, wanted, space.tops, space.tops + space.lru_lengths)
         if n_short >= 0:
             # No credit needed. On an arena, a group that would evict cached pages grows instead.
@@ -664,7 +685,7 @@ class CacheManager:
         ts, space = self._tableset, self._space
         roomy = space.skip_packing[0]  # the arena's ``roomy`` (never set without an arena)
         return kernels.short_pages(ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, plan.rows,
-                                   plan.after[0], plan.first, self._committed, self._grain, self._window_pages,
+                                   plan.after[0], plan.first, self._counters, self._grain, self._window_pages,
                                    plan.sums[0], wanted, clean, free, self._no_low if roomy else space.low_idle,
                                    self._short)
 
@@ -835,9 +856,8 @@ class CacheManager:
             rows_in.size + self._last_rows.size)
         ts = self._tableset
         n, settle, n_crossing, clean = kernels.prepare_step(
-            ts.geometry, ts.bounds, self._computed, self._committed, self._known, self._last_rows, rows_in,
-            counts_in, self._grain, self._space.tops, self._in_batch, rows, counts, first, after, need, sums, crossing,
-            totals, load_tokens)
+            ts.geometry, ts.bounds, self._counters, self._last_rows, rows_in, counts_in, self._grain, self._space.tops,
+            self._in_batch, rows, counts, first, after, need, sums, crossing, totals, load_tokens)
         if n < 0:
             return None  # a row twice, or past its known tokens: the per-item path words it
         return self._plan_of(n, settle, n_crossing, clean)
@@ -1057,7 +1077,7 @@ class CacheManager:
     def _admit_args(self, n_rows: int) -> tuple:
         """``kernels.admit_spare``'s arguments for the plan of ``n_rows`` rows in the scratch buffer."""
         ts, space = self._tableset, self._space
-        return (ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.per_group, self._committed,
+        return (ts.geometry, ts.pages, ts.bounds, space.ref_counts, space.cached, space.per_group, self._counters,
                 self._grain, self._window_pages, self._scratch.buffer, n_rows, self._spare_rows, *self.arena.spare_args)
 
     def _kernel_state(self) -> tuple:
@@ -1097,7 +1117,7 @@ class CacheManager:
         plan = _StepPlan(rows[:0], counts[:0], first[:0], after[:, :, :1], need[:, :0], sums, crossing[:0], 0, True,
                          (0, 0, 0, 0), grants=[])
         self._short_pages(plan, none, none, none)
-        _Releases(self._tableset, self._space, plan).of(0)
+        _Releases(self._tableset, self._space, self._counters, plan).of(0)
         plan.request_ids = ()
         self._room_entry = kernels.entry_point(kernels.room_groups, self._room_args(plan))
         self._commit_and_run(plan, True, False, False)
@@ -1182,16 +1202,17 @@ class CacheManager:
         return batch
 
     def _commit_rows(self, rows: np.ndarray) -> None:
-        """Publish what each row's computed tokens completed since its last commit, in one
+        """Publish what each row's computed tokens completed since its last publication (its held checkpoint too:
+        ``kernels.commit_unit`` reads it), in one
         ``PrefixCache.commit_requests`` call (row by row in order; it reads the blocks' keys that adding the
         requests and appending their ids hashed)."""
-        owners, committed, computed = self._row_owner, self._committed, self._computed
+        owners, committed, published, computed = self._row_owner, self._committed, self._published, self._computed
         reqs, old, new = [], [], []
         for row in rows.tolist():  # a few rows a step: item reads beat two gathers
             req, done = owners[row], computed.item(row)
             if req.token_ids is not None:
-                reqs.append(req), old.append(committed.item(row)), new.append(done)
-            committed[row] = done
+                reqs.append(req), old.append(published.item(row)), new.append(done)
+            committed[row] = published[row] = done
         if reqs:
             self.prefix.commit_requests(reqs, old, new)
 
@@ -1362,6 +1383,7 @@ class CacheManager:
         is its request's and every prefix-cache hold is on a cached entry (:meth:`PrefixCache.check_holds`)."""
         assert self._row_of == {rid: req.row for rid, req in self._requests.items()}, "id -> row map is stale"
         assert np.array_equal(self._token_addresses(), self._token_addr), "a row's token-id address is stale"
+        ts = self._tableset
         for gid in self._group_ids:
             table, pool = self.tables[gid], self.pools[gid]
             expected = np.zeros(pool.num_pages, dtype=np.int64)
@@ -1373,6 +1395,8 @@ class CacheManager:
                     f"{gid}: request {req.request_id} has computed tokens without pages")
                 np.add.at(expected, pages, 1)
             expected += self._held_outside[gid]
+            held = ts.bounds[kernels.HELD_PAGES:, table.group_index]  # the checkpoints rows hold (a page id, or 0)
+            np.add.at(expected, held[held > 0], 1)
             assert np.array_equal(expected, pool.ref_counts), f"{gid}: ref counts differ from tables"
             for name in ("ref_counts", "cached", "low_priority"):  # still the page space's views
                 assert np.shares_memory(getattr(pool, name), getattr(self._space, name)), f"{gid}: {name} rebound"

@@ -94,7 +94,7 @@ class TableSet:
         self.max_context_tokens = max_context_tokens
         self.pages, layout = self._new_store(rows)
         self._set_layout(layout)
-        self.bounds = np.zeros((4, len(self.tables), rows), dtype=np.int64)
+        self.bounds = np.zeros((kernels.HELD_PAGES, len(self.tables), rows), dtype=np.int64)  # none held yet
         self._add_lanes(0, rows)
         self.n_logged: int | None = None  # cells logged: the first of ``logged`` (a step's touched cells follow them)
         self.logged = np.empty(0, dtype=np.int64)  # ring-view indices, and the step kernels' touched-cell scratch
@@ -102,6 +102,24 @@ class TableSet:
         self.resync = False  # the next drain lists every live cell (the log restarted): nothing is logged till then
 
     rows_capacity = property(lambda self: self.bounds.shape[2])  # table rows now (``ensure_rows`` grows them)
+
+    @property
+    def row_held_pages(self) -> int:
+        """The pages a row holds outside its live cells at most: a checkpoint in every group (``hold_checkpoints``)."""
+        return len(self.tables) * (self.bounds.shape[0] - kernels.HELD_PAGES)
+
+    def hold_checkpoints(self, checkpoint_tokens: dict[int, int], grain_tokens: int, keep_every_tokens: int) -> None:
+        """From now on a step's row that crosses a multiple of ``grain_tokens`` past its ``DEFER_FROM`` tokens (and no
+        multiple of ``keep_every_tokens``, if not 0) holds its checkpoint there in each group ``g`` of
+        ``checkpoint_tokens``: the pages of its last ``checkpoint_tokens[g]`` tokens below the boundary, one reference
+        each (``kernels.release_pages``), in place of the one it held. Before any row is taken."""
+        assert not self.bounds[kernels.HI].any(), "hold_checkpoints before any row is taken"
+        most = max((cdiv(n, self.tables[g].page_tokens) for g, n in checkpoint_tokens.items()), default=0)
+        self.bounds = np.concatenate([self.bounds, np.zeros((most, *self.bounds.shape[1:]), np.int64)])
+        for g, n in checkpoint_tokens.items():
+            self.geometry[g, kernels.HOLD_TOKENS] = n
+        self.geometry[:, kernels.HOLD_GRAIN] = grain_tokens if checkpoint_tokens else 0
+        self.geometry[:, kernels.KEEP_EVERY] = keep_every_tokens
 
     def _new_store(self, rows: int) -> tuple[np.ndarray, list[tuple[int, int, int, int]]]:
         """An empty flat store for ``rows`` rows (rings or column-major tables filled with -1, then the lanes,
@@ -236,7 +254,8 @@ class TableSet:
             return
         new = max(rows, 2 * have)
         pages, layout = self._new_store(new)  # first: nothing has changed if it raises
-        bounds = np.concatenate([self.bounds, np.zeros((4, len(self.tables), new - have), np.int64)], axis=2)
+        bounds = np.concatenate([self.bounds, np.zeros((self.bounds.shape[0], len(self.tables), new - have),
+                                                                np.int64)], axis=2)
         old_pages, old_geometry, old_bounds = self.pages, self.geometry.copy(), self.bounds
         self.pages, self.bounds = pages, bounds
         self._set_layout(layout)
