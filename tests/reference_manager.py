@@ -123,11 +123,11 @@ class ReferenceManager:
     def commit(self, r, freeing=False) -> None:
         """Publish the grain boundaries its computed tokens crossed since its last publication, then let go of its
         older checkpoints; at a step (not ``freeing``) a last boundary crossed past the prompt is held instead."""
+        d = 0 if freeing else self.holds_at(r)
         old, r["committed"] = r["committed"], r["c"]
-        d = r["c"] // self.G * self.G if self.caching else 0  # the last boundary crossed, if any
-        if not freeing and d <= old:
+        if not freeing and (not self.caching or r["c"] // self.G * self.G <= old):
             return  # no boundary crossed since the last step
-        if not freeing and (old // self.G + 1) * self.G > r["prompt"] and r["ids"] is not None:  # all past it
+        if d:
             self.hold(r, d)
             return
         old, r["published"] = r["published"], r["c"]
@@ -142,6 +142,13 @@ class ReferenceManager:
                     p.demote(self.key(r, d))
                 elif not e["owners"]:
                     p.unpublish(self.key(r, d))
+
+    def holds_at(self, r) -> int:
+        """The boundary whose checkpoint r's next step holds: the last one its computed tokens crossed since its
+        committed ones, where every boundary crossed lies past its prompt; else 0."""
+        d, old = r["c"] // self.G * self.G if self.caching else 0, r["committed"]
+        past = (old // self.G + 1) * self.G > r["prompt"] and r["ids"] is not None
+        return d if d > old and past else 0
 
     def hold(self, r, d) -> None:
         """Each state group's window below d held (one reference more), the one held before to let go at the
@@ -184,7 +191,9 @@ class ReferenceManager:
         for g, p in self.pools.items():
             base, hi, new_base = r["base"][g], self.hi(r, g), self.new_base(r, p, n, load)
             need = max(cdiv(r["c"] + n, p.T), hi) if n else hi
-            gone = sum(1 for q in r["pages"][g][:new_base - base] if p.ref[q] == 1)
+            held = set(self.window(r, p, d) or []) if (d := self.holds_at(r)) and not p.history else set()
+            let_go = r["held"][g] if d and not p.history else []  # the held pages the hold lets go
+            gone = sum(1 for q in r["pages"][g][:new_base - base] + let_go if p.ref[q] == 1 and q not in held)
             out[g] = (need - new_base, need - max(hi, new_base) - gone)
         return out
 
