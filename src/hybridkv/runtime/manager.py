@@ -173,7 +173,8 @@ class _Releases:
         found = self._found.get(k)
         if found is None:
             plan, ts = self.plan, self._tableset
-            n_pages = int(plan.sums[0, k]) + ts.row_held_pages * plan.rows.size  # only windowed groups release
+            # Only windowed groups release; a row may also let go of the checkpoint it held.
+            n_pages = int(plan.sums[0, k]) + ts.row_held_pages * plan.rows.size
             credit = np.empty(plan.rows.size, dtype=np.int64)
             sole, unkeyed = np.empty(n_pages, dtype=np.int64), np.empty(n_pages, dtype=np.int64)
             n_sole, n_unkeyed = kernels.release_credit(

@@ -254,8 +254,7 @@ class TableSet:
             return
         new = max(rows, 2 * have)
         pages, layout = self._new_store(new)  # first: nothing has changed if it raises
-        bounds = np.concatenate([self.bounds, np.zeros((self.bounds.shape[0], len(self.tables), new - have),
-                                                                np.int64)], axis=2)
+        bounds = np.concatenate([self.bounds, np.zeros((*self.bounds.shape[:2], new - have), np.int64)], axis=2)
         old_pages, old_geometry, old_bounds = self.pages, self.geometry.copy(), self.bounds
         self.pages, self.bounds = pages, bounds
         self._set_layout(layout)
