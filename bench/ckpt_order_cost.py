@@ -72,8 +72,8 @@ def serve(requests: list, budget_bytes: int, order: str) -> dict:
             return moved
 
         room = pool.make_room
-        pool.make_room = timed(evictions, lambda count, room=room, pool=pool, before=before: (
-            before.__setitem__(0, pool.counters.evicted_pages), room(count))[1], evicted)
+        pool.make_room = timed(evictions, lambda *args, room=room, pool=pool, before=before: (
+            before.__setitem__(0, pool.counters.evicted_pages), room(*args))[1], evicted)
     start = time.perf_counter()
     hits = hit_sweep.serve_in_order(side, requests)
     seconds = time.perf_counter() - start
