@@ -245,7 +245,8 @@ PHASES = {"decode": (Workload, decode_steps), "decode-pairs": (Workload, partial
 def summarize(ns: list[int]) -> dict:
     us = np.asarray(ns, dtype=np.float64) / 1e3
     p50, p99 = np.percentile(us, [50, 99])
-    return {"p50_us": round(float(p50), 1), "p99_us": round(float(p99), 1), "steps": len(ns)}
+    return {"mean_us": round(float(us.mean()), 1), "p50_us": round(float(p50), 1), "p99_us": round(float(p99), 1),
+            "steps": len(ns)}
 
 
 def run(sizes, steps, phases, profile, against=None) -> dict:
