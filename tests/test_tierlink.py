@@ -393,10 +393,11 @@ def test_write_through_skips_what_the_store_holds_and_dropped_checkpoints_stay_p
     d.manager.add_request("s", rng.integers(0, CONFIG.vocab_size, 250), max_new_tokens=300)
     d.step("s", rng.integers(0, CONFIG.vocab_size, 250))
     swa = d.manager.prefix.stats["v4.swa_kv"]
-    for i, token in enumerate(rng.integers(0, CONFIG.vocab_size, 280)):
+    stored = None  # the prompt's entries, committed by the first decode step
+    for token in rng.integers(0, CONFIG.vocab_size, 280):
         d.manager.append_token_ids("s", [token])
         d.step("s", [token])
-        stored = swa.stored_entries if i == 0 else stored  # the prompt's, committed by the first decode step
+        stored = swa.stored_entries if stored is None else stored
     assert swa.stored_entries == stored and swa.removed_entries == 0
     d.manager.free("s")
     assert swa.stored_entries == stored + 1
