@@ -106,6 +106,7 @@ class Arena:
         kernels.slab_move_pages(self.owner, -1, 0, *self._slab_ids, 0, self._slab_scratch)
         kernels.take_spare_slabs(self.owner.copy(), 0, self._inner[0], self._straddle[0], 0, self._taken)
         self.plan_spare(np.zeros(len(self.group_ids), dtype=np.int64))
+        kernels.with_ahead(self.owner, self._inner, self._straddle, self._taken, *self._spare_grants, 0, 0, 0)
         self.surely_short(np.zeros(len(self.group_ids), dtype=np.int64), np.zeros(len(self.group_ids), dtype=np.int64))
         self._count(gid, 0, self.owner)
         kernels.must_pack_at(self.pools[gid].ref_counts, 0, self.packing, 0, int(self._slab_ids[0][0, 0]), 0,
