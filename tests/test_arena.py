@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import event, given, settings
 
-from hybridkv.memory.arena import (SPREAD_SLABS, Arena, IdleScan, anchor_group_for, arena_geometry,
+from hybridkv.memory.arena import (SLABS_AHEAD, SPREAD_SLABS, Arena, IdleScan, anchor_group_for, arena_geometry,
                                    shared_arena_for)
 from hybridkv.runtime.manager import CacheManager, CacheManagerError
 from hybridkv.models.layout import cache_layout
@@ -74,9 +74,12 @@ def grant_publish_release(data, rng, pools, arena, steps, random_priority):
         decref(pool, rng.permutation(held)[: data.draw(st.integers(0, held.size))])
 
 
-def small_manager(slabs=4, **kw):
-    return CacheManager([SWA, KV], None, max_context_tokens=256, max_step_tokens=64,
-                        arena=small_geometry(slabs), **kw)
+def small_manager(slabs=4, slabs_ahead=0, **kw):
+    """A manager on a small arena; its worked examples take slabs one step at a time (``slabs_ahead`` 0) unless a
+    test says otherwise."""
+    m = CacheManager([SWA, KV], None, max_context_tokens=256, max_step_tokens=64, arena=small_geometry(slabs), **kw)
+    m.arena.slabs_ahead = slabs_ahead
+    return m
 
 
 def live_byte_ranges_disjoint(m):
@@ -263,6 +266,35 @@ def test_manager_borrows_slabs_on_demand_worked_example():
     assert m.stats()["kv"].total_pages == 8 and m.stats()["swa"].total_pages == 5
     live_byte_ranges_disjoint(m)
     m.check_invariants()
+
+
+def test_a_group_given_a_slab_takes_more_ahead_while_the_arena_stays_roomy():
+    """The worked example above with ``slabs_ahead``: swa and kv each take the slab they need (0 and 1), then, in the
+    order they were given slabs, up to that many more spare slabs each, the one next to their own first, else the
+    lowest, while the spare slabs left stay at least the roomy count (ceil(10% of the slabs))."""
+    m = small_manager(slabs=10, slabs_ahead=2)  # roomy: 1 spare slab; 10 - 2 - 1 = 7 to take ahead
+    m.add_request("a", prompt_tokens=8, max_new_tokens=4)
+    m.schedule([("a", 8)])
+    # swa: slab 2 (the lowest: 1 is kv's), then 3 (next to 2); kv: slab 4 (none spare next to 1), then 5.
+    assert m.arena.owner.tolist() == [0, 1, 0, 0, 1, 1, -1, -1, -1, -1]
+    m.check_invariants()
+    m = small_manager(slabs=4, slabs_ahead=4)  # 4 - 2 - 1 = 1 to take ahead: swa's first only
+    m.add_request("a", prompt_tokens=8, max_new_tokens=4)
+    m.schedule([("a", 8)])
+    assert m.arena.owner.tolist() == [0, 1, 0, -1] and m.arena.num_spare_slabs == 1
+    m.check_invariants()
+
+
+def test_slabs_ahead_takes_a_count():
+    m = small_manager()
+    assert m.arena.slabs_ahead == 0
+    for bad in (-1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match="slabs_ahead"):
+            m.arena.slabs_ahead = bad
+    m.arena.slabs_ahead = np.int64(3)
+    assert m.arena.slabs_ahead == 3
+    built = CacheManager([SWA, KV], None, max_context_tokens=256, max_step_tokens=64, arena=small_geometry(4))
+    assert built.arena.slabs_ahead == SLABS_AHEAD == 4
 
 
 def test_history_grows_into_memory_the_window_group_gave_back():

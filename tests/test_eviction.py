@@ -612,23 +612,26 @@ def test_history_groups_pack_in_batches_as_one_entry_at_a_time():
     program = [(3, 0, 1847, 100), (3, 404, 2076, 100), (1, 0, 2898, 100), (3, 2186, 1686, 100), (1, 1541, 1520, 100),
                (0, 2096, 2701, 100), (1, 0, 2149, 100)]
     batches = []
-    batched = _arena_run(20000, 1, "prompt-boundaries", program, True, 1024, 3000, 4000, batches)
-    assert batched == _arena_run(20000, 1, "prompt-boundaries", program, False, 1024, 3000, 4000)
+    batched = _arena_run(20000, 1, "prompt-boundaries", program, True, 1024, 3000, 4000, batches, slabs_ahead=0)
+    assert batched == _arena_run(20000, 1, "prompt-boundaries", program, False, 1024, 3000, 4000, slabs_ahead=0)
     assert {stirs for n, stirs in batches if n >= 2} == {False, True}  # batches of blocks ending either way
 
 
 def _arena_run(budget, slab_pages, policy, program, batched, chunk_tokens=256, stem_tokens=1400, prompt_tokens=1500,
-               batches=None):
+               batches=None, slabs_ahead=None):
     """A manager on a shared arena serving ``program`` (stem, tokens shared with it, fresh tokens, answer tokens
     per request, one after another, its prompt cut to ``prompt_tokens``); without ``batched``, its state pools evict each entry then its unit, its history
     pools pack one block at a time. ``batches``: each history pool's packing batch (blocks, whether the last stirs)
-    logged there. Returns its events, value report, free ids, slab moves, evicted pages, removed entries and
+    logged there; ``slabs_ahead``: the arena's, if given (the fixed program below packs as it was written to with
+    none). Returns its events, value report, free ids, slab moves, evicted pages, removed entries and
     ("prefill-per-byte") checkpoint failures."""
     from hybridkv.memory.arena import arena_geometry
 
     geometry = arena_geometry(PAGE_BYTES, budget, anchor_group=C4KV, slab_anchor_pages=slab_pages)
     mgr = CacheManager(SPECS, None, max_context_tokens=8192, enable_prefix_caching=True, arena=geometry,
                        prompt_checkpoints=None, checkpoint_policy=policy)
+    if slabs_ahead is not None:
+        mgr.arena.slabs_ahead = slabs_ahead
     for g in STATE if not batched else ():
         mgr.pools[g].evict_many = None
     for pool in [mgr.pools[g] for g in HISTORY]:

@@ -159,6 +159,7 @@ def test_prefill_chunks_take_the_pinned_slabs():
 
     plan = plan_for_budget(cache_layout("deepseek-v4-flash", indexer="fp8"), 40 * 2**30, Limits(32, 8192, 131_072))
     manager = CacheManager.from_plan(plan, page_space="shared", enable_prefix_caching=True)
+    manager.arena.slabs_ahead = 0  # the slabs each chunk's admission grants, none ahead (pinned one at a time)
     rng, totals = np.random.default_rng(0), []
     for k in range(2):
         manager.add_request(f"p{k}", rng.integers(0, 100_000, 32_768, dtype=np.int32), max_new_tokens=1)
@@ -231,6 +232,7 @@ def test_a_step_granting_a_spare_slab_packs_below_a_prefill_chunks_long_lived_pa
     for admission in (contextlib.nullcontext(), general_admission()):
         with admission:
             manager = CacheManager.from_plan(plan, page_space="shared", enable_prefix_caching=True)
+            manager.arena.slabs_ahead = 0  # so the second turn's step is the one that needs a slab
             runs.append(serve_turns(manager, 16, 2))
             assert manager.num_computed_tokens("t1") == 1045
     (first, _), (second, events) = runs[0]

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from hybridkv._checks import as_int
 from hybridkv.memory.geometry import (DEFAULT_SLAB_ANCHOR_PAGES, ArenaGeometry, anchor_group_for, arena_geometry,
                                       shared_arena_for, shared_concurrency)
 from hybridkv.memory.pool import PagePool
@@ -19,6 +20,7 @@ from hybridkv.runtime import kernels
 
 # While at least this share of the slabs is spare, the arena is roomy (Arena.roomy).
 ROOMY_SPARE_FRACTION = 0.1
+SLABS_AHEAD = 4  # spare slabs a group given slabs takes beyond its need while the arena stays roomy (``slabs_ahead``)
 # While roomy, a group's live pages may lie in this many slabs more than they fill.
 SPREAD_SLABS = 2
 
@@ -72,7 +74,9 @@ class Arena:
         self._slab_scratch = np.empty(2 * self._most_slab_pages, dtype=np.int64)  # ``apply``'s slab moves'
         self._index = {gid: i for i, gid in enumerate(self.group_ids)}
         self.owner = np.full(n, -1, dtype=np.int16)
-        self._spare = np.zeros(1, dtype=np.int64)  # spare slabs, in an array ``admit_spare`` reads
+        # Spare slabs, the fewest that slabs taken ahead leave spare (``roomy``'s count) and ``slabs_ahead``, in an
+        # array ``admit_spare`` reads.
+        self._spare = np.zeros(3, dtype=np.int64)
         # The arena's arguments of ``kernels.admit_spare``, ``must_pack_at`` and ``grant_step``.
         self.spare_args = (self.owner, self._spare, self._slab_pages, inner, straddle, self._taken, *self._spare_grants)
         # Per group: page bytes, reserved bytes, slab bytes (``kernels.released_per_slab``), fewest inner pages, spread.
@@ -81,6 +85,7 @@ class Arena:
                                  dtype=np.int64)
         self.packing = (self.owner, *self._slab_ids, self._sizes)
         self._roomy_slabs = math.ceil(ROOMY_SPARE_FRACTION * n)  # the fewest spare slabs of ``roomy``
+        self._spare[1:] = self._roomy_slabs, SLABS_AHEAD
         # ``kernels.grant_step``'s ``arena`` but its last item, the marks it leaves (the manager's ``_Scratch.marks``).
         self.grant_args = (self.owner, *self._slab_ids, self._space.offsets, self._most_slab_pages,
                            self._sizes, self._spare, self._roomy_slabs)
@@ -101,6 +106,7 @@ class Arena:
         kernels.slab_move_pages(self.owner, -1, 0, *self._slab_ids, 0, self._slab_scratch)
         kernels.take_spare_slabs(self.owner.copy(), 0, self._inner[0], self._straddle[0], 0, self._taken)
         self.plan_spare(np.zeros(len(self.group_ids), dtype=np.int64))
+        kernels.with_ahead(self.owner, self._inner, self._straddle, self._taken, *self._spare_grants, 0, 0, 0)
         self.surely_short(np.zeros(len(self.group_ids), dtype=np.int64), np.zeros(len(self.group_ids), dtype=np.int64))
         self._count(gid, 0, self.owner)
         kernels.must_pack_at(self.pools[gid].ref_counts, 0, self.packing, 0, int(self._slab_ids[0][0, 0]), 0,
@@ -173,6 +179,34 @@ class Arena:
         spare = self.num_spare_slabs if owner is None else int(np.count_nonzero(owner < 0))
         n = kernels.take_spare_for(short, self._slab_pages, spare, own, *self.spare_args[3:])  # inner .. slabs
         return None if n < 0 else self.spare_grants(n)  # written to ``_spare_grants``
+
+    @property
+    def slabs_ahead(self) -> int:
+        """How many spare slabs a group given slabs in a step takes beyond its need, while the spare slabs left stay
+        at least the ``roomy`` count (default ``SLABS_AHEAD``; 0: only what it needs). A group growing steadily (a
+        history group as decode contexts grow) then takes a slab once in several steps, not once in a few; the slabs
+        it holds ahead are free pages any admission can lend back (docs/manager.md, stage 1). Settable."""
+        return int(self._spare[2])
+
+    @slabs_ahead.setter
+    def slabs_ahead(self, slabs: int) -> None:
+        self._spare[2] = as_int("slabs_ahead", slabs, minimum=0)
+
+    def ahead(self, grants: Sequence[Grant]) -> list[Grant]:
+        """The spare slabs added to ``grants`` (``kernels.with_ahead``, as ``kernels.admit_spare`` adds them): up to
+        ``slabs_ahead`` more for each group given a slab while the spare slabs left stay ``roomy``."""
+        room = int(self._spare[0] - self._spare[1]) - sum(donor is None for _, _, donor in grants)
+        if not grants or room <= 0 or not self._spare[2]:
+            return []
+        own, index, n = self.replay(grants)[0], self._index, len(grants)
+        groups, slabs = np.empty((2, own.size), dtype=np.int64)
+        groups[:n], slabs[:n] = [index[gid] for gid, _, _ in grants], [slab for _, slab, _ in grants]
+        for slab in slabs[:n].tolist():  # ``with_ahead`` takes them again on spare slabs
+            own[slab] = -1
+        total = kernels.with_ahead(own, self._inner, self._straddle, self._taken, groups, slabs, n, int(self._spare[2]),
+                                   room)
+        ids = self.group_ids
+        return [(ids[g], slab, None) for g, slab in zip(groups[n:total].tolist(), slabs[n:total].tolist())]
 
     def spare_grants(self, n: int) -> list[Grant]:
         """The ``n`` grants ``kernels.admit_spare`` just wrote to its scratch (``spare_args``)."""

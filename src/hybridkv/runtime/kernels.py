@@ -1469,10 +1469,12 @@ def admit_spare(geometry, pages, bounds, ref, keyed, per_group, counters, grain,
         free[g], clean[g] = top[g] + per_group[LRU_PAGES, g], top[g]
     n_short = short_pages(geometry, pages, bounds, ref, keyed, rows, new_base, first, counters, grain,
                           window_pages, sums[0], wanted, top, free, low, short)
-    spare = spare_slabs[0]  # ``owner``'s spare slabs
+    spare, floor, ahead = spare_slabs  # ``owner``'s spare slabs, the fewest slabs taken ahead leave, how many a group
     if n_short >= 0:
-        return 0 if n_short == 0 else take_spare_for(short, slab_pages, spare, owner, inner_pages, straddle, taken,
-                                                     grant_groups, grant_slabs)
+        n_grants = 0 if n_short == 0 else take_spare_for(short, slab_pages, spare, owner, inner_pages, straddle,
+                                                         taken, grant_groups, grant_slabs)
+        return with_ahead(owner, inner_pages, straddle, taken, grant_groups, grant_slabs, n_grants, ahead,
+                          spare - n_grants - floor)
     n_grants, end = 0, owned_end(owner, spare)
     packed = end == owner.size - spare
     for g in range(n_groups):
@@ -1494,7 +1496,44 @@ def admit_spare(geometry, pages, bounds, ref, keyed, per_group, counters, grain,
         more = take_spare_for(short, slab_pages, spare - n_grants, owner, inner_pages, straddle, taken,
                               grant_groups[n_grants:], grant_slabs[n_grants:])
     spare_again(owner, grant_slabs, n_grants)
-    return -1 if more < 0 else n_grants + more
+    if more < 0:
+        return -1
+    return with_ahead(owner, inner_pages, straddle, taken, grant_groups, grant_slabs, n_grants + more, ahead,
+                      spare - n_grants - more - floor)
+
+
+@njit(cache=True, inline="always")
+def first_index(values, value):
+    """Where ``value`` first appears in ``values`` (``values.size`` if nowhere)."""
+    for i in range(values.size):
+        if values[i] == value:
+            return i
+    return values.size
+
+
+@njit(cache=True)
+def with_ahead(owner, inner_pages, straddle, taken, grant_groups, grant_slabs, n_grants, ahead_slabs, room_slabs):
+    """The first ``n_grants`` grants (their slabs spare on ``owner``) and after them up to ``ahead_slabs`` more spare
+    slabs for each group they grant to, in the order the groups first appear (``take_spare_slabs`` of one page at a
+    time: the slab it would take next), at most ``room_slabs`` in all; ``owner`` as it was. Returns how many grants
+    (``n_grants`` when it is 0 or -1). So a group growing while the arena has spare slabs to spare takes its next
+    slabs in the same step, not one step in a few (``Arena.slabs_ahead``; docs/manager.md, stage 1)."""
+    if n_grants <= 0 or room_slabs <= 0 or ahead_slabs <= 0:
+        return n_grants
+    for i in range(n_grants):
+        owner[grant_slabs[i]] = grant_groups[i]
+    n = n_grants
+    for i in range(n_grants):
+        g = grant_groups[i]
+        if first_index(grant_groups, g) < i:
+            continue
+        for _ in range(min(ahead_slabs, room_slabs - (n - n_grants))):
+            if take_spare_slabs(owner, g, inner_pages[g], straddle[g], 1, taken)[0] == 0:
+                break
+            grant_groups[n], grant_slabs[n] = g, taken[0]
+            n += 1
+    spare_again(owner, grant_slabs, n)
+    return n
 
 
 @njit(cache=True)

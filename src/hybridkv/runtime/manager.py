@@ -639,6 +639,8 @@ class CacheManager:
             plan.grants = [] if surplus is None else self._grow_instead_of_evicting(self._short, surplus, releases)
         else:
             self._fit_with_credit(releases, fits, deny)
+        if plan.grants:  # a group given slabs takes more spare ones ahead while the arena is roomy
+            plan.grants = plan.grants + self.arena.ahead(plan.grants)
         off = plan.settle
         return _Verdict(answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items() if k >= off}, plan)
 
