@@ -639,10 +639,14 @@ class CacheManager:
             plan.grants = [] if surplus is None else self._grow_instead_of_evicting(self._short, surplus, releases)
         else:
             self._fit_with_credit(releases, fits, deny)
-        if plan.grants:  # a group given slabs takes more spare ones ahead while the arena is roomy
-            plan.grants = plan.grants + self.arena.ahead(plan.grants)
+        self._slabs_ahead(plan)
         off = plan.settle
         return _Verdict(answers, ok_idx, fits[off:], {k - off: v for k, v in deny.items() if k >= off}, plan)
+
+    def _slabs_ahead(self, plan: _StepPlan) -> None:
+        """A group ``plan`` gives slabs takes more spare ones ahead while the arena stays roomy (``Arena.ahead``)."""
+        if plan.grants:
+            plan.grants = plan.grants + self.arena.ahead(plan.grants)
 
     def _validated_plan(self, items, uniform, load: bool) -> tuple[list, Sequence[int], _StepPlan | None]:
         """(answers, valid indices, plan of the valid items or None): vectorized when all are valid, else item by
