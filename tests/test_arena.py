@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import event, given, settings
 
-from hybridkv.memory.arena import (SLABS_AHEAD, SPREAD_SLABS, Arena, IdleScan, anchor_group_for, arena_geometry,
+from hybridkv.memory.arena import (AHEAD_MIN_SLABS, SLABS_AHEAD, SPREAD_SLABS, Arena, IdleScan, anchor_group_for, arena_geometry,
                                    shared_arena_for)
 from hybridkv.runtime.manager import CacheManager, CacheManagerError
 from hybridkv.models.layout import cache_layout
@@ -293,8 +293,11 @@ def test_slabs_ahead_takes_a_count():
             m.arena.slabs_ahead = bad
     m.arena.slabs_ahead = np.int64(3)
     assert m.arena.slabs_ahead == 3
-    built = CacheManager([SWA, KV], None, max_context_tokens=256, max_step_tokens=64, arena=small_geometry(4))
-    assert built.arena.slabs_ahead == SLABS_AHEAD == 4
+    # The default: SLABS_AHEAD on an arena of AHEAD_MIN_SLABS slabs or more, none on a smaller one.
+    for slabs, ahead in ((AHEAD_MIN_SLABS - 1, 0), (AHEAD_MIN_SLABS, SLABS_AHEAD)):
+        built = CacheManager([SWA, KV], None, max_context_tokens=256, max_step_tokens=64, arena=small_geometry(slabs))
+        assert built.arena.geometry.num_slabs == slabs and built.arena.slabs_ahead == ahead
+    assert (SLABS_AHEAD, AHEAD_MIN_SLABS) == (4, 512)
 
 
 def test_history_grows_into_memory_the_window_group_gave_back():

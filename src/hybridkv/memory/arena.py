@@ -21,6 +21,7 @@ from hybridkv.runtime import kernels
 # While at least this share of the slabs is spare, the arena is roomy (Arena.roomy).
 ROOMY_SPARE_FRACTION = 0.1
 SLABS_AHEAD = 4  # spare slabs a group given slabs takes beyond its need while the arena stays roomy (``slabs_ahead``)
+AHEAD_MIN_SLABS = 512  # the fewest slabs of an arena that takes slabs ahead by default (6.7 GiB of V4-Flash's)
 # While roomy, a group's live pages may lie in this many slabs more than they fill.
 SPREAD_SLABS = 2
 
@@ -85,7 +86,7 @@ class Arena:
                                  dtype=np.int64)
         self.packing = (self.owner, *self._slab_ids, self._sizes)
         self._roomy_slabs = math.ceil(ROOMY_SPARE_FRACTION * n)  # the fewest spare slabs of ``roomy``
-        self._spare[1:] = self._roomy_slabs, SLABS_AHEAD
+        self._spare[1:] = self._roomy_slabs, SLABS_AHEAD if n >= AHEAD_MIN_SLABS else 0
         # ``kernels.grant_step``'s ``arena`` but its last item, the marks it leaves (the manager's ``_Scratch.marks``).
         self.grant_args = (self.owner, *self._slab_ids, self._space.offsets, self._most_slab_pages,
                            self._sizes, self._spare, self._roomy_slabs)
@@ -183,9 +184,11 @@ class Arena:
     @property
     def slabs_ahead(self) -> int:
         """How many spare slabs a group given slabs in a step takes beyond its need, while the spare slabs left stay
-        at least the ``roomy`` count (default ``SLABS_AHEAD``; 0: only what it needs). A group growing steadily (a
-        history group as decode contexts grow) then takes a slab once in several steps, not once in a few; the slabs
-        it holds ahead are free pages any admission can lend back (docs/manager.md, stage 1). Settable."""
+        at least the ``roomy`` count (0: only what it needs; default ``SLABS_AHEAD`` on an arena of at least
+        ``AHEAD_MIN_SLABS`` slabs, else 0: in a small arena slabs taken early sit in the groups that took them when
+        memory turns short, measured to cost hits at 2 GiB). A group growing steadily (a history group as decode
+        contexts grow) then takes a slab once in several steps, not once in a few; the slabs it holds ahead are free
+        pages any admission can lend back (docs/manager.md, stage 1). Settable."""
         return int(self._spare[2])
 
     @slabs_ahead.setter
