@@ -1469,7 +1469,7 @@ def admit_spare(geometry, pages, bounds, ref, keyed, per_group, counters, grain,
         free[g], clean[g] = top[g] + per_group[LRU_PAGES, g], top[g]
     n_short = short_pages(geometry, pages, bounds, ref, keyed, rows, new_base, first, counters, grain,
                           window_pages, sums[0], wanted, top, free, low, short)
-    spare, floor, ahead = spare_slabs  # ``owner``'s spare slabs, the fewest slabs taken ahead leave, how many a group
+    spare, floor, ahead = spare_slabs  # ``owner``'s spare slabs; the fewest left by slabs ahead; ``slabs_ahead``
     if n_short >= 0:
         n_grants = 0 if n_short == 0 else take_spare_for(short, slab_pages, spare, owner, inner_pages, straddle,
                                                          taken, grant_groups, grant_slabs)
