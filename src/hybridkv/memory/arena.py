@@ -201,11 +201,9 @@ class Arena:
         room = int(self._spare[0] - self._spare[1]) - sum(donor is None for _, _, donor in grants)
         if not grants or room <= 0 or not self._spare[2]:
             return []
-        own, index, n = self.replay(grants)[0], self._index, len(grants)
+        own, index, n = self.owner.copy(), self._index, len(grants)  # ``with_ahead`` gives the granted slabs first
         groups, slabs = np.empty((2, own.size), dtype=np.int64)
         groups[:n], slabs[:n] = [index[gid] for gid, _, _ in grants], [slab for _, slab, _ in grants]
-        for slab in slabs[:n].tolist():  # ``with_ahead`` takes them again on spare slabs
-            own[slab] = -1
         total = kernels.with_ahead(own, self._inner, self._straddle, self._taken, groups, slabs, n, int(self._spare[2]),
                                    room)
         ids = self.group_ids

@@ -1513,9 +1513,10 @@ def first_index(values, value):
 
 @njit(cache=True)
 def with_ahead(owner, inner_pages, straddle, taken, grant_groups, grant_slabs, n_grants, ahead_slabs, room_slabs):
-    """The first ``n_grants`` grants (their slabs spare on ``owner``) and after them up to ``ahead_slabs`` more spare
-    slabs for each group they grant to, in the order the groups first appear (``take_spare_slabs`` of one page at a
-    time: the slab it would take next), at most ``room_slabs`` in all; ``owner`` as it was. Returns how many grants
+    """The first ``n_grants`` grants and after them up to ``ahead_slabs`` more spare slabs for each group they grant
+    to, in the order the groups first appear (``take_spare_slabs`` of one page at a time: the slab it would take
+    next), at most ``room_slabs`` in all. On ``owner`` the grants' slabs go to their groups first and every granted
+    slab is spare at the end (as ``admit_spare`` found them; ``Arena.ahead`` passes a copy). Returns how many grants
     (``n_grants`` when it is 0 or -1). So a group growing while the arena has spare slabs to spare takes its next
     slabs in the same step, not one step in a few (``Arena.slabs_ahead``; docs/manager.md, stage 1)."""
     if n_grants <= 0 or room_slabs <= 0 or ahead_slabs <= 0:
