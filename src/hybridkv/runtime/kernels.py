@@ -430,10 +430,10 @@ def held_boundary(geometry, counters, row, first, grain_shift):
     grain = geometry[0, HOLD_GRAIN]
     if grain == 0:
         return 0
-    q, done = divide(first, grain, grain_shift), divide(counters[1, row], grain, grain_shift)
+    committed = counters[1, row]
+    q, done = divide(first, grain, grain_shift), divide(committed, grain, grain_shift)
     if done >= q or (done + 1) * grain <= counters[DEFER_FROM, row]:
         return 0
-    committed = counters[1, row]
     every = geometry[0, KEEP_EVERY]
     return 0 if every > 0 and q * grain // every > committed // every else q * grain
 
