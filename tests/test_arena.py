@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from hypothesis import event, given, settings
 
-from hybridkv.memory.arena import (AHEAD_MIN_SLABS, SLABS_AHEAD, SPREAD_SLABS, Arena, IdleScan, anchor_group_for, arena_geometry,
-                                   shared_arena_for)
+from hybridkv.memory.arena import (AHEAD_MIN_SLABS, SLABS_AHEAD, SPREAD_SLABS, Arena, IdleScan, anchor_group_for,
+                                   arena_geometry, shared_arena_for)
 from hybridkv.runtime.manager import CacheManager, CacheManagerError
 from hybridkv.models.layout import cache_layout
 from hybridkv.plan import Limits, plan_for_budget
