@@ -1,10 +1,7 @@
 """An independent, slow, plain-Python model of the cache manager's documented rules, written from
 docs/manager.md ("The rules", "Load steps") and docs/prefix-caching.md, never from src/hybridkv. Prefix keys
 are token tuples; a sliding group's checkpoint window is its window; a boundary crossed past the prompt is held,
-published at free. Not modelled: the shared arena's slabs, checkpoint intervals, salts, events.
-"""
-
-from __future__ import annotations
+published at free. Not modelled: the shared arena's slabs, checkpoint intervals, salts, events."""
 
 import itertools
 
@@ -41,12 +38,9 @@ class Pool:
     def take(self, n: int) -> list[int]:
         """All or nothing (the caller checked): evict LRU entries while clean pages are short (idle low-priority
         ones up to 16 pages beyond the need), then pop."""
-        short, evicted = n - len(self.stack), 0
-        while short > 0 and self.lru:
-            key = self.key_of[self.lru[0]]
-            if evicted >= short + (16 if self.entries[key]["low"] else 0):
-                break
-            evicted += self.unpublish(key)
+        if len(self.stack) < n:
+            while self.lru and len(self.stack) < n + (16 if self.entries[self.key_of[self.lru[0]]]["low"] else 0):
+                self.unpublish(self.key_of[self.lru[0]])
         out = [self.stack.pop() for _ in range(n)]
         self.ref.update((p, 1) for p in out)
         return out
@@ -55,14 +49,13 @@ class Pool:
         self.lru = [p for p in self.lru if p not in pages]
         self.ref.update((p, self.ref.get(p, 0) + 1) for p in pages)
 
-    def unpublish(self, key) -> int:
-        """Remove an entry; its idle pages become clean free. Returns how many."""
+    def unpublish(self, key) -> None:
+        """Remove an entry; its idle pages become clean free."""
         freed = [p for p in self.entries.pop(key)["pages"] if p not in self.ref]
         self.lru = [p for p in self.lru if p not in freed]
         self.stack += reversed(freed)
         self.cleaned += freed
         self.key_of = {p: k for p, k in self.key_of.items() if k != key}
-        return len(freed)
 
     def demote(self, key) -> None:
         """Make an entry low-priority: its idle pages move to the LRU's evicting end."""
@@ -74,6 +67,7 @@ class Pool:
 class ReferenceManager:
     def __init__(self, specs, pages, *, table_widths=None, caching=False, grain=None, prompt_checkpoints=True):
         self.pools = {s.group_id: Pool(s, pages[s.group_id]) for s in specs}
+        self.states = [p for p in self.pools.values() if not p.history]
         self.widths, self.caching, self.G, self.prompt_cps = table_widths, caching, grain, prompt_checkpoints
         self.reqs, self.last, self.serials = {}, [], itertools.count()  # serials own checkpoints, never reused
 
@@ -104,37 +98,35 @@ class ReferenceManager:
     def borrow(self, r) -> dict:
         """Borrow the longest hit that every history group's blocks and every state group's checkpoint cover."""
         reach = {g: self.group_reach(r, p) for g, p in self.pools.items()}
-        history = min([reach[g] for g, p in self.pools.items() if p.history], default=0)
-        d = history
-        while d and not all(self.key(r, d) in p.entries for p in self.pools.values() if not p.history):
+        d = history = min([reach[g] for g, p in self.pools.items() if p.history], default=0)
+        while d and not all(self.key(r, d) in p.entries for p in self.states):
             d -= self.G
         r["junction"] = history if history > d else 0
         r["c"] = r["committed"] = r["published"] = d
         for g, p in self.pools.items() if d else ():  # borrow history blocks below d, checkpoints at d
-            if p.history:
-                pages = [q for e in range(self.G, d + 1, self.G) for q in p.entries[self.key(r, e)]["pages"]]
-            else:
-                pages = list(p.entries[self.key(r, d)]["pages"])
+            ends = range(self.G, d + 1, self.G) if p.history else [d]
+            pages = [q for e in ends for q in p.entries[self.key(r, e)]["pages"]]
+            if not p.history:
                 p.entries[self.key(r, d)]["owners"].add(r["serial"])
             r["base"][g], r["pages"][g] = d // p.T - len(pages), pages
             p.hold(pages)
         return {"hit": d, "groups": reach, "history": history}
 
     def commit(self, r, freeing=False) -> None:
-        """Publish the grain boundaries its computed tokens crossed since its last publication, then let go of its
-        older checkpoints; at a step (not ``freeing``) a last boundary crossed past the prompt is held instead."""
+        """Publish the grain boundaries crossed since its last publication, then let go of its older checkpoints; at a
+        step (not ``freeing``) a last boundary crossed past the prompt is held instead."""
         d = 0 if freeing else self.holds_at(r)
         old, r["committed"] = r["committed"], r["c"]
-        if not freeing and (not self.caching or r["c"] // self.G * self.G <= old):
+        if not self.caching or not freeing and r["c"] // self.G * self.G <= old:
             return  # no boundary crossed since the last step
         if d:
             self.hold(r, d)
             return
         old, r["published"] = r["published"], r["c"]
-        crossed = list(range((old // self.G + 1) * self.G, r["c"] + 1, self.G)) if self.caching else []
+        crossed = range((old // self.G + 1) * self.G, r["c"] + 1, self.G)
         for d, p in itertools.product(crossed, self.pools.values()):
             self.publish(r, p, d, own=d in (crossed[-1], r["junction"]))
-        for d, p in itertools.product(range(self.G, crossed[-1] if crossed else 0, self.G), self.pools.values()):
+        for d, p in itertools.product(range(self.G, crossed[-1] if crossed else 0, self.G), self.states):
             e = p.entries.get(self.key(r, d), {"owners": set()})
             if d != r["junction"] and r["serial"] in e["owners"]:  # not pinned, still its own (maybe evicted)
                 e["owners"].discard(r["serial"])
@@ -144,28 +136,23 @@ class ReferenceManager:
                     p.unpublish(self.key(r, d))
 
     def holds_at(self, r) -> int:
-        """The boundary whose checkpoint r's next step holds: the last one its computed tokens crossed since its
-        committed ones, where every boundary crossed lies past its prompt; else 0."""
+        """The boundary r's next step holds: the last crossed since its commit if all lie past the prompt, else 0."""
         d, old = r["c"] // self.G * self.G if self.caching else 0, r["committed"]
         past = (old // self.G + 1) * self.G > r["prompt"] and r["ids"] is not None
         return d if d > old and past else 0
 
     def hold(self, r, d) -> None:
-        """Each state group's window below d held (one reference more), the one held before to let go at the
-        slide (before the step's release of the row)."""
-        for g, p in self.pools.items():
-            if p.history:
-                continue
-            r["let_go"][g], r["held"][g] = r["held"][g], self.window(r, p, d) or []
-            p.ref.update((q, p.ref[q] + 1) for q in r["held"][g])
+        """Each state group's window below d held (one reference more), the one held before let go at the slide."""
+        for p in self.states:
+            r["let_go"][p.gid], r["held"][p.gid] = r["held"][p.gid], self.window(r, p, d) or []
+            p.hold(r["held"][p.gid])
         r["held_at"] = d
 
     def window(self, r, p, d):
         """Group p's pages of the window (history: the block) below d, None where they slid out."""
-        base = r["base"][p.gid]
-        lo, hi = (d - (self.G if p.history else p.W)) // p.T - base, d // p.T - base
-        if not p.history and d == r["held_at"] and r["held"][p.gid]:
+        if d == r["held_at"] and r["held"][p.gid]:
             return list(r["held"][p.gid])
+        lo, hi = (d - (self.G if p.history else p.W)) // p.T - r["base"][p.gid], d // p.T - r["base"][p.gid]
         return r["pages"][p.gid][lo:hi] if 0 <= lo and hi <= len(r["pages"][p.gid]) else None
 
     def publish(self, r, p, d, own) -> None:
@@ -182,17 +169,18 @@ class ReferenceManager:
         """A sliding group's base after the release: the first position's window, or a load's end checkpoint."""
         if not p.W:
             return r["base"][p.gid]
-        floor = max(0, r["c"] + n - p.W) // p.T if load else min(max(0, r["c"] - p.W + 1) // p.T, self.hi(r, p.gid))
+        floor = max(0, r["c"] + n - p.W) // p.T if load else max(0, r["c"] - p.W + 1) // p.T
         return max(r["base"][p.gid], floor)
 
     def plan(self, r, n, load=False) -> dict:
         """Per group: (table width after a step of n tokens, pages it takes less pages it frees)."""
+        d = self.holds_at(r)  # a hold at d keeps its window and lets go of r["held"]
         out = {}
         for g, p in self.pools.items():
             base, hi, new_base = r["base"][g], self.hi(r, g), self.new_base(r, p, n, load)
             need = max(cdiv(r["c"] + n, p.T), hi) if n else hi
-            held = set(self.window(r, p, d) or []) if (d := self.holds_at(r)) and not p.history else set()
-            let_go = r["held"][g] if d and not p.history else []  # the held pages the hold lets go
+            held = set(self.window(r, p, d) or []) if d else set()
+            let_go = r["held"][g] if d else []
             gone = sum(1 for q in r["pages"][g][:new_base - base] + let_go if p.ref[q] == 1 and q not in held)
             out[g] = (need - new_base, need - max(hi, new_base) - gone)
         return out
@@ -224,43 +212,36 @@ class ReferenceManager:
         return next((k for k in range(cap, 0, -1) if all(self.check_admission(list(batch) + [(rid, k)]))), 0)
 
     def schedule(self, items, fixed_width=False, load=False) -> dict:
+        """Commit the previous step's requests, paused ones first, then step each group."""
         if not all(self.check_admission(items, fixed_width, load)):
             raise RefError("denied")
-        gone = self.settle_and_slide(items, load)
         reqs = [(self.reqs[rid], n) for rid, n in items]
+        slides = [(self.reqs[rid], 0, False) for rid in self.settling(items)] + [(r, n, load) for r, n in reqs]
+        for r, _, _ in slides:
+            self.commit(r)
+        groups = {g: self.group_step(p, slides, reqs, fixed_width, with_slots=not load) for g, p in self.pools.items()}
         out = {"positions": [pos for r, n in reqs for pos in range(r["c"], r["c"] + n)],
                "request_indices": [i for i, (_, n) in enumerate(items) for _ in range(n)],
-               "qsl": list(itertools.accumulate((n for _, n in items), initial=0)), "groups": {}}
-        for g, p in self.pools.items():  # then one allocation per group, handed out in batch order
-            p.release(gone[g])
-            cells = [r["pages"][g] for r, n in reqs for _ in range(self.hi(r, g), cdiv(r["c"] + n, p.T))]
-            for pages, q in zip(cells, p.take(len(cells))):
-                pages.append(q)
-            out["groups"][g] = self.group_step(reqs, p, fixed_width, with_slots=not load)
+               "qsl": list(itertools.accumulate((n for _, n in items), initial=0)), "groups": groups}
         for r, n in reqs:
             r["c"] += n
         self.last = list(dict(items))
         return out
 
-    def settle_and_slide(self, items, load) -> dict:
-        """Commit the previous step's requests, paused ones first; list each group's one release in that order."""
-        settle = self.settling(items)
-        for rid in settle + list(dict(items)):
-            self.commit(self.reqs[rid])
-        gone = {g: [] for g in self.pools}
-        for rid, n, step_load in [(rid, 0, False) for rid in settle] + [(rid, n, load) for rid, n in items]:
-            r = self.reqs[rid]
-            for g, p in self.pools.items():
-                k = self.new_base(r, p, n, step_load) - r["base"][g]
-                gone[g] += r["let_go"][g] + r["pages"][g][:k]
-                r["let_go"][g] = []
-                del r["pages"][g][:k]
-                r["base"][g] += k
-        return gone
-
-    def group_step(self, reqs, p, fixed_width, with_slots) -> dict:
-        """One group's block table (rows padded with -1), base pages (sliding groups) and write slots."""
-        g, slots = p.gid, []
+    def group_step(self, p, slides, reqs, fixed_width, with_slots) -> dict:
+        """One group's release (each row's let-go hold and slid-out pages, in ``slides`` order) and allocation (in
+        batch order), then its block table (rows padded with -1), base pages (sliding groups) and write slots."""
+        g, gone, slots = p.gid, [], []
+        for r, n, load in slides:
+            k = self.new_base(r, p, n, load) - r["base"][g]
+            gone += r["let_go"][g] + r["pages"][g][:k]
+            r["let_go"][g] = []
+            del r["pages"][g][:k]
+            r["base"][g] += k
+        p.release(gone)
+        cells = [r["pages"][g] for r, n in reqs for _ in range(self.hi(r, g), cdiv(r["c"] + n, p.T))]
+        for pages, q in zip(cells, p.take(len(cells))):
+            pages.append(q)
         for r, n in reqs if with_slots else ():
             for pos in range(r["c"], r["c"] + n):  # a compressed group writes a row at its last token only
                 page = r["pages"][g][pos // p.T - r["base"][g]]
