@@ -386,6 +386,9 @@ def replay(program: str) -> None:
             if want is not None:
                 twin.compare_state()
                 twin.compare_batch(items, want, batch, "full", True)
+        elif op == "append":
+            twin.ref.reqs[rid]["ids"].extend(ast.literal_eval(rest))
+            twin.mgr.append_token_ids(rid, np.asarray(ast.literal_eval(rest), dtype=np.int32))
         elif op == "free":
             twin.ref.free(rid)
             twin.mgr.free(rid)
@@ -431,6 +434,74 @@ def test_a_hit_owns_its_checkpoint_and_a_junction_stays_pinned():
         schedule [('c', 9)]
         schedule [('c', 8)]
         schedule [('c', 1)]
+    """)
+
+
+def test_a_junction_crossed_inside_a_chunk_is_published_pinned():
+    """As above, but c crosses its junction (16) and 24 in one chunk: 16 is not c's latest boundary there, so only its
+    being the junction publishes it (with prompt checkpoints off nothing else would) and pins it; e then hits it."""
+    a = list(range(28))
+    replay(f"""
+        {ROOMY}
+        add a {a} max_new=3
+        schedule [('a', 9)]
+        schedule [('a', 1)]
+        add b {a[:12]} max_new=3
+        schedule [('a', 7)]
+        schedule [('a', 8)]
+        schedule [('a', 1)]
+        add c {a[:20] + [99] * 8} max_new=3
+        schedule [('c', 17)]
+        schedule [('c', 1)]
+        add e {a[:16] + [55] * 8} max_new=3
+    """)
+
+
+def test_a_hold_moving_on_lets_go_of_the_last_as_admission_credit():
+    """b decodes past its 6-token prompt: the step after it crosses 8 holds each state group's window below 8, the
+    step after it crosses 16 holds the one below 16 and lets go of the one below 8. With the cst pool empty, that last
+    step fits only because admission counts the page the hold lets go as freed (found by a search for programs that
+    tell the rule apart; the random programs seldom are this tight)."""
+    pools = "'kv': 13, 'c4': 26, 'swa': 8, 'cst': 7"
+    replay(f"""
+        {ROOMY.replace("'kv': 30, 'c4': 30, 'swa': 30, 'cst': 30", pools).replace("=False", "=True", 1)}
+        add a [2, 1, 2, 0, 2, 0, 1, 0, 0, 2, 2] max_new=25
+        add b [1, 1, 2, 2, 2, 1] max_new=29
+        schedule [('a', 8), ('b', 6)]
+        append b [1, 0]
+        schedule [('a', 2), ('b', 2)]
+        append b [2, 0]
+        schedule [('b', 2), ('a', 1)]
+        append b [0, 0]
+        schedule [('b', 2)]
+        append b [0, 1]
+        schedule [('b', 2)]
+        append a [0]
+        append b [2, 1]
+        schedule [('a', 1), ('b', 2)]
+        append b [2, 0]
+        schedule [('b', 2)]
+    """)
+
+
+@pytest.mark.parametrize("state_pages", [25, 26])
+def test_low_priority_evictions_stop_16_pages_past_the_need(state_pages):
+    """a and b prefill 48-token prompts in 8-token chunks and finish: each leaves its prompt checkpoints at 8-40 low
+    priority (5 entries of 2 window pages in swa and in cst), its last normal; 0 or 1 state pages stay clean. c's
+    first chunk needs 2 pages: low-priority entries go until 18 pages are free, 9 of the 10 entries either way (a
+    slack of 15 would stop at 8 with 1 clean page, one of 17 take all 10 with none)."""
+    pools = f"'kv': 40, 'c4': 40, 'swa': {state_pages}, 'cst': {state_pages}"
+    chunks = "\n".join(["schedule [('a', 8)]"] * 6)
+    replay(f"""
+        {ROOMY.replace("'kv': 30, 'c4': 30, 'swa': 30, 'cst': 30", pools).replace("=False", "=True", 1)}
+        add a {[1] + [0] * 47} max_new=0
+        {chunks}
+        free a
+        add b {[2] + [0] * 47} max_new=0
+        {chunks.replace("'a'", "'b'")}
+        free b
+        add c {[1, 1] + [0] * 6} max_new=0
+        schedule [('c', 8)]
     """)
 
 
