@@ -598,6 +598,27 @@ def test_a_demoted_checkpoint_s_idle_pages_move_to_the_evicting_end():
     """)
 
 
+def test_a_slid_out_page_still_held_for_a_checkpoint_is_no_admission_credit():
+    """a decodes past its 7-token prompt with 3 usable cst pages, holding the window at each boundary it crosses:
+    a page that slides out of its table while that hold keeps it is not freed, and admission does not count it as
+    freed (found by a search for programs that tell the rule apart)."""
+    pools = "'kv': 24, 'c4': 17, 'swa': 8, 'cst': 4"
+    replay(f"""
+        {ROOMY.replace("'kv': 30, 'c4': 30, 'swa': 30, 'cst': 30", pools)}
+        add a [1, 0, 1, 1, 1, 0, 2] max_new=16
+        schedule [('a', 3)]
+        schedule [('a', 1)]
+        schedule [('a', 2)]
+        schedule [('a', 1)]
+        append a [2, 0]
+        schedule [('a', 2)]
+        append a [0, 0]
+        schedule [('a', 2)]
+        append a [1, 1]
+        schedule [('a', 2)]
+    """)
+
+
 def test_a_batch_whose_releases_pay_for_its_first_request_is_admitted_whole():
     """y's 16-token chunk needs 4 window pages with 3 free; x's decode step in the same batch frees 2 and takes 1,
     so the batch fits as a whole and both go, though y alone (greedy, in batch order) would not fit."""
