@@ -388,8 +388,9 @@ def replay(program: str) -> None:
                 twin.compare_state()
                 twin.compare_batch(items, want, batch, "full", True)
         elif op == "append":
-            twin.ref.reqs[rid]["ids"].extend(ast.literal_eval(rest))
-            twin.mgr.append_token_ids(rid, np.asarray(ast.literal_eval(rest), dtype=np.int32))
+            ids = ast.literal_eval(rest)
+            twin.ref.reqs[rid]["ids"].extend(ids)
+            twin.mgr.append_token_ids(rid, np.asarray(ids, dtype=np.int32))
         elif op == "free":
             twin.ref.free(rid)
             twin.mgr.free(rid)
@@ -397,8 +398,14 @@ def replay(program: str) -> None:
         twin.compare_state()
 
 
-ROOMY = ("pages={'kv': 30, 'c4': 30, 'swa': 30, 'cst': 30} widths={'kv': 16, 'c4': 8, 'swa': 8, 'cst': 8}"
-         " prompt_checkpoints=False shared=False")  # a replayed program's first line: nothing denied or evicted
+def program_head(pages: dict | None = None, prompt_checkpoints: bool = False) -> str:
+    """A replayed program's first line: per-group pools of 30 pages but where ``pages`` sets them."""
+    pools = {g: 30 for g in GIDS} | (pages or {})
+    return (f"pages={pools} widths={{'kv': 16, 'c4': 8, 'swa': 8, 'cst': 8}}"
+            f" prompt_checkpoints={prompt_checkpoints} shared=False")
+
+
+ROOMY = program_head()  # nothing denied or evicted
 
 
 def test_paused_requests_commit_before_the_batch_so_the_first_paused_one_publishes():
@@ -417,10 +424,9 @@ def test_paused_requests_commit_before_the_batch_so_the_first_paused_one_publish
     """)
 
 
-def test_a_hit_owns_its_checkpoint_and_a_junction_stays_pinned():
-    """b's hit at 8 makes a's checkpoint there b's own too, so it stays published when a moves on to 16; c's
-    history reaches 16, where no checkpoint is left (a let go of it), so c pins the one it publishes there and
-    keeps it when it moves on to 24. (Rare in the random programs: mutants dropping either hold often pass them.)"""
+def replay_junction(c_steps: str) -> None:
+    """a computes 26 of its 28 tokens (b borrows its checkpoint at 8 on the way, a lets go of the one at 16), then c
+    joins, its history reaching 16 (its junction: no checkpoint left there) and its hit 8, and runs ``c_steps``."""
     a = list(range(28))
     replay(f"""
         {ROOMY}
@@ -432,30 +438,27 @@ def test_a_hit_owns_its_checkpoint_and_a_junction_stays_pinned():
         schedule [('a', 8)]
         schedule [('a', 1)]
         add c {a[:20] + [99] * 8} max_new=3
+        {c_steps.strip()}
+    """)
+
+
+def test_a_hit_owns_its_checkpoint_and_a_junction_stays_pinned():
+    """b's hit at 8 makes a's checkpoint there b's own too, so it stays published when a moves on to 16; c's
+    history reaches 16, where no checkpoint is left (a let go of it), so c pins the one it publishes there and
+    keeps it when it moves on to 24. (Rare in the random programs: mutants dropping either hold often pass them.)"""
+    replay_junction("""
         schedule [('c', 9)]
         schedule [('c', 8)]
-        schedule [('c', 1)]
-    """)
+        schedule [('c', 1)]""")
 
 
 def test_a_junction_crossed_inside_a_chunk_is_published_pinned():
     """As above, but c crosses its junction (16) and 24 in one chunk: 16 is not c's latest boundary there, so only its
     being the junction publishes it (with prompt checkpoints off nothing else would) and pins it; e then hits it."""
-    a = list(range(28))
-    replay(f"""
-        {ROOMY}
-        add a {a} max_new=3
-        schedule [('a', 9)]
-        schedule [('a', 1)]
-        add b {a[:12]} max_new=3
-        schedule [('a', 7)]
-        schedule [('a', 8)]
-        schedule [('a', 1)]
-        add c {a[:20] + [99] * 8} max_new=3
+    replay_junction(f"""
         schedule [('c', 17)]
         schedule [('c', 1)]
-        add e {a[:16] + [55] * 8} max_new=3
-    """)
+        add e {list(range(16)) + [55] * 8} max_new=3""")
 
 
 def test_a_hold_moving_on_lets_go_of_the_last_as_admission_credit():
@@ -463,9 +466,9 @@ def test_a_hold_moving_on_lets_go_of_the_last_as_admission_credit():
     step after it crosses 16 holds the one below 16 and lets go of the one below 8. With the cst pool empty, that last
     step fits only because admission counts the page the hold lets go as freed (found by a search for programs that
     tell the rule apart; the random programs seldom are this tight)."""
-    pools = "'kv': 13, 'c4': 26, 'swa': 8, 'cst': 7"
+    pools = {'kv': 13, 'c4': 26, 'swa': 8, 'cst': 7}
     replay(f"""
-        {ROOMY.replace("'kv': 30, 'c4': 30, 'swa': 30, 'cst': 30", pools).replace("=False", "=True", 1)}
+        {program_head(pools, prompt_checkpoints=True)}
         add a [2, 1, 2, 0, 2, 0, 1, 0, 0, 2, 2] max_new=25
         add b [1, 1, 2, 2, 2, 1] max_new=29
         schedule [('a', 8), ('b', 6)]
@@ -491,10 +494,10 @@ def test_low_priority_evictions_stop_16_pages_past_the_need(state_pages):
     priority (5 entries of 2 window pages in swa and in cst), its last normal; 0 or 1 state pages stay clean. c's
     first chunk needs 2 pages: low-priority entries go until 18 pages are free, 9 of the 10 entries either way (a
     slack of 15 would stop at 8 with 1 clean page, one of 17 take all 10 with none)."""
-    pools = f"'kv': 40, 'c4': 40, 'swa': {state_pages}, 'cst': {state_pages}"
+    pools = {'kv': 40, 'c4': 40, 'swa': state_pages, 'cst': state_pages}
     chunks = "\n".join(["schedule [('a', 8)]"] * 6)
     replay(f"""
-        {ROOMY.replace("'kv': 30, 'c4': 30, 'swa': 30, 'cst': 30", pools).replace("=False", "=True", 1)}
+        {program_head(pools, prompt_checkpoints=True)}
         add a {[1] + [0] * 47} max_new=0
         {chunks}
         free a
@@ -510,7 +513,7 @@ def test_the_prompt_end_checkpoint_stays_published_low_when_its_request_moves_on
     """a's prompt ends on a boundary (16); a decodes past 24 and finishes: freeing publishes 24 and lets go of its
     own checkpoint at 16, which, a prompt boundary, stays published at low priority like the one at 8."""
     replay(f"""
-        {ROOMY.replace("=False", "=True", 1)}
+        {program_head(prompt_checkpoints=True)}
         add a {list(range(16))} max_new=12
         schedule [('a', 16)]
         append a {[0] * 9}
@@ -524,9 +527,9 @@ def test_free_releases_the_live_pages_then_the_held_checkpoint():
     """a decodes past its 11-token prompt, holding each state group's window at the boundaries it crosses, and
     finishes while b runs: its live pages go back before its held window, and with the swa pool this small b's next
     pages depend on that order (found by a search for programs that tell the two orders apart)."""
-    pools = "'kv': 13, 'c4': 10, 'swa': 6, 'cst': 9"
+    pools = {'kv': 13, 'c4': 10, 'swa': 6, 'cst': 9}
     replay(f"""
-        {ROOMY.replace("'kv': 30, 'c4': 30, 'swa': 30, 'cst': 30", pools).replace("=False", "=True", 1)}
+        {program_head(pools, prompt_checkpoints=True)}
         add a [0, 0, 1, 2, 0, 0, 0, 2, 2, 2, 1] max_new=13
         schedule [('a', 11)]
         append a [2, 1]
@@ -573,9 +576,9 @@ def test_a_demoted_checkpoint_s_idle_pages_move_to_the_evicting_end():
     """a's prompt checkpoints are demoted as a moves on and finishes: a demoted entry's idle pages move to the
     evicting end of the LRU, and with pools this small the last steps' evictions tell that apart (found by a search
     for programs that do; the random programs catch it only now and then)."""
-    pools = "'kv': 26, 'c4': 17, 'swa': 8, 'cst': 10"
+    pools = {'kv': 26, 'c4': 17, 'swa': 8, 'cst': 10}
     replay(f"""
-        {ROOMY.replace("'kv': 30, 'c4': 30, 'swa': 30, 'cst': 30", pools).replace("=False", "=True", 1)}
+        {program_head(pools, prompt_checkpoints=True)}
         add a [2, 1, 1, 0, 1, 0, 0, 0, 2] max_new=12
         schedule [('a', 7)]
         schedule [('a', 1)]
@@ -602,9 +605,9 @@ def test_a_slid_out_page_still_held_for_a_checkpoint_is_no_admission_credit():
     """a decodes past its 7-token prompt with 3 usable cst pages, holding the window at each boundary it crosses:
     a page that slides out of its table while that hold keeps it is not freed, and admission does not count it as
     freed (found by a search for programs that tell the rule apart)."""
-    pools = "'kv': 24, 'c4': 17, 'swa': 8, 'cst': 4"
+    pools = {'kv': 24, 'c4': 17, 'swa': 8, 'cst': 4}
     replay(f"""
-        {ROOMY.replace("'kv': 30, 'c4': 30, 'swa': 30, 'cst': 30", pools)}
+        {program_head(pools)}
         add a [1, 0, 1, 1, 1, 0, 2] max_new=16
         schedule [('a', 3)]
         schedule [('a', 1)]
@@ -623,7 +626,7 @@ def test_a_batch_whose_releases_pay_for_its_first_request_is_admitted_whole():
     """y's 16-token chunk needs 4 window pages with 3 free; x's decode step in the same batch frees 2 and takes 1,
     so the batch fits as a whole and both go, though y alone (greedy, in batch order) would not fit."""
     replay(f"""
-        {ROOMY.replace("'swa': 30", "'swa': 8")}
+        {program_head({'swa': 8})}
         add x {list(range(20))} max_new=3
         schedule [('x', 16)]
         add y {list(range(100, 116))} max_new=3
@@ -636,7 +639,7 @@ def test_idle_low_priority_checkpoints_are_evicted_before_older_normal_ones():
     when b slides past them; c's chunk is one window page short and evicts both of b's (low-priority entries go
     up to 16 pages beyond the need), not a's, though a's went idle first."""
     replay(f"""
-        {ROOMY.replace("'swa': 30", "'swa': 13").replace("checkpoints=False", "checkpoints=True")}
+        {program_head({'swa': 13}, prompt_checkpoints=True)}
         add a {list(range(12))} max_new=3
         schedule [('a', 9)]
         schedule [('a', 1)]
