@@ -35,7 +35,7 @@ class BenchConfig:
     sizes: tuple[int, ...] = (32, 128, 512, 1024)
     rounds: int = 5
     serving_steps: int = 32
-    decode_steps: int = 32
+    decode_steps: int = 200  # 5 rounds: 1,000 steps, so a p99 has 10 steps above it
     step_tokens: int = 8192
     chunk_tokens: int = 2048
     shape: ServingShape = field(default_factory=ServingShape)
@@ -223,7 +223,8 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, Output]:
     p.add_argument("--sizes", default="32,128,512,1024", help="running requests of the serving and decode phases")
     p.add_argument("--rounds", type=int, default=5, help="rounds of every timed phase; the median round is reported")
     p.add_argument("--serving-steps", type=int, default=32, help="timed steps per serving round")
-    p.add_argument("--decode-steps", type=int, default=32, help="timed steps per decode round")
+    p.add_argument("--decode-steps", type=int, default=200,
+                   help="timed steps per decode round (200: with 5 rounds, 10 steps lie above the p99)")
     p.add_argument("--step-tokens", type=int, default=8192, help="token budget of a serving step")
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (serving, prefill and other phases)")
     p.add_argument("--prompt-tokens", type=_range, default=(512, 4096), help="serving prompts, LOW:HIGH")
