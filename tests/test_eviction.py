@@ -69,6 +69,29 @@ def test_a_lost_checkpoint_sends_its_history_first_tail_first(policy):
     mgr.check_invariants()
 
 
+def test_idle_prompt_checkpoints_a_state_group_evicts_count_as_prompt():
+    """Worked by hand: with prompt checkpoints, a's 1,100 tokens in 256-token chunks leave
+    256, 512 and 768 as idle low-priority prompt checkpoints and 1,024 as its latest, each a
+    whole window: 2 window-KV pages (128 tokens, 64 a page), 2 in each c4 state group (8
+    tokens, 4 a page), 16 in the c128 one (128 tokens, 8 a page). The window group has 11
+    pages, 3 of them free: x's first chunk needs more, so it evicts the low-priority ones
+    first, all three in one pass (up to 16 pages beyond the need), deepest first, and
+    keeps 1,024. Their 6 window pages count as "prompt", the rest of their units in the
+    other state groups as "unit": 6, 48 and 6 pages."""
+    mgr = make_manager(prompt_checkpoints=True, group_pages={SWA: 12})
+    run_request(mgr, "a", ids(40, 1100), chunk_tokens=256)
+    latest = _checkpoint_key(mgr.prefix.drain_events(), SWA, 1024)
+    assert mgr.pools[SWA].num_low_priority_idle_pages == 6 and mgr.pools[SWA].num_free_pages == 11
+    run_request(mgr, "x", ids(41, 300), chunk_tokens=256)
+    events = mgr.prefix.drain_events()
+    assert {g: events_of(events, "removed", g) for g in STATE} == {g: [768, 512, 256] for g in STATE}
+    assert all(mgr.pools[g].lookup(latest) is not None for g in STATE)
+    report = mgr.prefix.value_report()
+    evicted = {g: {r: n for r, n in report[g].evicted_pages.items() if n} for g in STATE}
+    assert evicted == {SWA: {"prompt": 6}, C4S: {"unit": 6}, C128S: {"unit": 48}, IDX: {"unit": 6}}
+    mgr.check_invariants()
+
+
 def test_a_checkpoint_above_an_orphan_chain_promotes_it_back():
     """a's checkpoint goes (its blocks become orphans, low priority); c then computes a's
     prompt again past it, hits nothing (no checkpoint), pins its junction at 1,024 (a's

@@ -1092,9 +1092,10 @@ def test_a_packing_in_a_large_pool_clears_its_reserve_of_ids_ahead():
     whose page 61 is held. Five pages: packing clears the 5 + 64 lowest of the free ids
     and the ids it frees (2, 10-19, 50, 60, 100, 150, 250 and 301-353), evicting every
     entry below 353 but none above (400) and not the held page 61; the next 60 pages find
-    their ids clear: nothing more is evicted. A pool of fewer than 4,096 pages packs
-    exactly: page 2's entry alone."""
-    for n_pages, reserve in ((8193, 64), (4095, 0)):
+    their ids clear: nothing more is evicted. A pool of 5,999 granted pages reserves 1/128
+    of them, 46 ids (5 + 46: 301-335 cleared, the same entries go). A pool of fewer than
+    4,096 pages packs exactly: page 2's entry alone."""
+    for n_pages, reserve in ((8193, 64), (6000, 46), (4095, 0)):
         pool = PagePool("g", n_pages, lowest_first=True)
         assert pool.pack_ahead_pages == reserve
         pages = allocate(pool, 300)  # 1-300
