@@ -192,7 +192,11 @@ def test_a_load_step_needs_prefix_caching():
     assert mgr.num_computed_tokens("a") == 0
 
 
-def test_a_request_rewound_below_its_load_step_is_refused_until_freed():
+@pytest.mark.parametrize("kept_tokens", [512, 767])
+def test_a_request_rewound_below_its_load_step_is_refused_until_freed(kept_tokens):
+    """Loaded to 768, a request holds only the window below 768 in a sliding group: kept at 767 or fewer tokens
+    (allowed: the 0 committed before the load), it would need the token below that window; kept at 768, nothing
+    changes."""
     store = ObjectStore(HostTier(1 << 30), LAYOUT)
     _, _, other, _ = writer(store)
     b = Instance(store, 13)
@@ -201,7 +205,9 @@ def test_a_request_rewound_below_its_load_step_is_refused_until_freed():
     (load,) = b.take_loads()
     b.link.confirm_load("q", load.plan.run(store, b.pools, load.targets))
     assert mgr.num_computed_tokens("q") == 768
-    mgr.rewind("q", 512)  # allowed (512 >= the 0 committed before the load), but its window is gone
+    mgr.rewind("q", 768)
+    assert mgr.check_admission([("q", 4)])[0].ok
+    mgr.rewind("q", kept_tokens)
     (answer,) = mgr.check_admission([("q", 4)])
     assert not answer.ok and "rewound below its load step" in answer.reason
     with pytest.raises(CacheManagerError, match="free it"):
