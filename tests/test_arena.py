@@ -271,18 +271,22 @@ def test_manager_borrows_slabs_on_demand_worked_example():
 def test_a_group_given_a_slab_takes_more_ahead_while_the_arena_stays_roomy():
     """The worked example above with ``slabs_ahead``: swa and kv each take the slab they need (0 and 1), then, in the
     order they were given slabs, up to that many more spare slabs each, the one next to their own first, else the
-    lowest, while the spare slabs left stay at least the roomy count (ceil(10% of the slabs))."""
+    lowest, while the spare slabs left stay at least the roomy count (ceil(10% of the slabs)), counting the spare
+    slabs the step itself takes; the same whether the step admits itself or reuses ``check_admission``'s verdict."""
     m = small_manager(slabs=10, slabs_ahead=2)  # roomy: 1 spare slab; 10 - 2 - 1 = 7 to take ahead
     m.add_request("a", prompt_tokens=8, max_new_tokens=4)
     m.schedule([("a", 8)])
     # swa: slab 2 (the lowest: 1 is kv's), then 3 (next to 2); kv: slab 4 (none spare next to 1), then 5.
     assert m.arena.owner.tolist() == [0, 1, 0, 0, 1, 1, -1, -1, -1, -1]
     m.check_invariants()
-    m = small_manager(slabs=4, slabs_ahead=4)  # 4 - 2 - 1 = 1 to take ahead: swa's first only
-    m.add_request("a", prompt_tokens=8, max_new_tokens=4)
-    m.schedule([("a", 8)])
-    assert m.arena.owner.tolist() == [0, 1, 0, -1] and m.arena.num_spare_slabs == 1
-    m.check_invariants()
+    for admitted_first in (False, True):  # the step's own admission, or check_admission's (Python) verdict reused
+        m = small_manager(slabs=4, slabs_ahead=4)  # 4 - 2 - 1 = 1 to take ahead: swa's first only
+        m.add_request("a", prompt_tokens=8, max_new_tokens=4)
+        if admitted_first:
+            assert m.check_admission([("a", 8)])[0].ok
+        m.schedule([("a", 8)])
+        assert m.arena.owner.tolist() == [0, 1, 0, -1] and m.arena.num_spare_slabs == 1
+        m.check_invariants()
 
 
 def test_slabs_ahead_takes_a_count():
