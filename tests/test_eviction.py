@@ -203,6 +203,66 @@ def test_prefill_per_byte_keeps_a_checkpoint_beyond_a_gap_low_until_its_block_is
     mgr.check_invariants()
 
 
+def _round_robin(mgr) -> list[tuple[str, int, list[int]]]:
+    """Three conversations a, b, c of 520-token first turns (blocks 256 and 512, a terminal at 512), then each a
+    second turn of 300 tokens more, served one at a time in turn: per request its hit and the blocks it removed."""
+    first = {name: ids(seed, 520) for name, seed in (("a", 1), ("b", 2), ("c", 3))}
+    turns = [*first.items()] + [(f"{name}2", cat(prompt, ids(seed, 300)))
+                                for (name, prompt), seed in zip(first.items(), (4, 5, 6))]
+    out = []
+    for rid, prompt in turns:
+        mgr.prefix.drain_events()
+        hit = run_request(mgr, rid, prompt)
+        out.append((rid, hit.hit_tokens, events_of(mgr.prefix.drain_events(), "removed", C4KV)))
+    return out
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_the_thrash_guard_keeps_part_of_a_round_robin_working_set_hitting(guard):
+    """Worked by hand. Each history group has 6 pages (and its null page); a 520-token prefill takes 3, a 820-token
+    one 4 (the state groups have room). a and b publish 2 blocks each; c, short of one page, evicts the least
+    recently used usable entry, a's block at 512 (its unit: the checkpoint there goes too), and a's block at 256,
+    below no checkpoint now, is demoted. a2 hits nothing (0), but its prompt reaches past that to the checkpoint at
+    512 just evicted: with the guard it is counted, and once freed, what it published (256, 512, 768) is next in line
+    for eviction. It evicts a's orphan 256, then b's 512 and, orphaned, 256; b2 (the same as a2) evicts 3 pages:
+    with the guard, a2's 768, 512, 256, so c keeps its blocks and c2 hits at 512; without, the least recently used:
+    c's 512 and 256, then a2's 768, and c2 hits nothing."""
+    mgr = make_manager(group_pages={C4KV: 7, C128KV: 7})
+    mgr.prefix.thrash_guard = guard
+    served = _round_robin(mgr)
+    assert [(rid, hit) for rid, hit, _ in served] == [("a", 0), ("b", 0), ("c", 0), ("a2", 0), ("b2", 0),
+                                                      ("c2", 512 if guard else 0)]
+    removed = {rid: tokens for rid, _, tokens in served}
+    assert removed["c"] == [512] and removed["a2"] == [256, 512, 256]
+    assert removed["b2"] == ([768, 512, 256] if guard else [512, 256, 768])
+    assert mgr.prefix.thrash_guarded_requests == (2 if guard else 0)
+    mgr.check_invariants()
+
+
+def test_clearing_the_prefix_cache_forgets_what_the_thrash_guard_remembers():
+    """After the round robin, a2's prompt again: its checkpoint at 768 was evicted (b2 took it), so it is guarded;
+    once ``clear_prefix_cache`` unpublishes everything, the same prompt misses with nothing evicted to blame."""
+    mgr = make_manager(group_pages={C4KV: 7, C128KV: 7})
+    _round_robin(mgr)
+    again = cat(ids(1, 520), ids(4, 300), ids(7, 10))
+    assert run_request(mgr, "a3", again).hit_tokens == 0
+    assert mgr.prefix.thrash_guarded_requests == 3
+    mgr.clear_prefix_cache()
+    assert run_request(mgr, "a4", again).hit_tokens == 0
+    assert mgr.prefix.thrash_guarded_requests == 3
+
+
+@pytest.mark.parametrize("options", [dict(eviction_policy="group-lru"),
+                                     dict(prompt_checkpoints=None, checkpoint_policy="prefill-per-byte")])
+def test_the_thrash_guard_acts_with_the_value_policy_alone(options):
+    """The same round robin: each pool by its own LRU ("group-lru") or checkpoints ordered by their class's reuse
+    ("prefill-per-byte") note no eviction for the guard, so no request is guarded and c2 misses as LRU has it."""
+    mgr = make_manager(group_pages={C4KV: 7, C128KV: 7}, **options)
+    served = _round_robin(mgr)
+    assert mgr.prefix.thrash_guarded_requests == 0
+    assert served[-1][1] == 0
+
+
 def test_group_lru_and_value_give_the_same_hits_without_pressure():
     hits = {}
     for policy in ("value", "group-lru"):

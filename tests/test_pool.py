@@ -1483,3 +1483,35 @@ def test_page_space_drop_units_counts_each_call_alone():
     assert space.drop_units(space.entry_pops(pools), ["a"]) == ([["g2"]], [0, 0, 1], [])
     for pool in pools:
         pool.check_invariants()
+
+
+@given(data=st.data())
+@settings(max_examples=60, deadline=None)
+def test_first_in_line_matches_a_list_model(data):
+    """``PageSpace.first_in_line`` (the thrash guard's move): pages of idle entries, some low priority, some held,
+    released in a random order; the listed idle normal-priority pages end just behind the low-priority head, the
+    last listed first, with the oldest normal-priority tick; the rest keep their order and ticks (a list model)."""
+    pool = PagePool("g", 16)
+    pages = allocate(pool, 15).tolist()
+    low = data.draw(st.lists(st.booleans(), min_size=15, max_size=15))
+    for i, page in enumerate(pages):
+        publish(pool, ("entry", i), [page], low_priority=low[i])
+    idle = data.draw(st.permutations(pages))[: data.draw(st.integers(0, 15))]
+    for page in idle:  # one release each: a tick each
+        decref(pool, [page])
+    order_before = pool.evictable_page_ids().tolist()
+    ticks_before = {p: int(pool.idle_tick[p]) for p in order_before}
+    listed = data.draw(st.lists(st.sampled_from(pages), unique=True, max_size=15))
+    space, g = space_of(pool)
+    moved = space.first_in_line([g, len(listed), *listed])
+
+    head = [p for p in order_before if pool.low_priority[p]]
+    normal = [p for p in order_before if not pool.low_priority[p]]
+    movers = [p for p in listed if p in normal]
+    expected = head + movers[::-1] + [p for p in normal if p not in movers]
+    assert moved == len(movers)
+    assert pool.evictable_page_ids().tolist() == expected
+    oldest = ticks_before[normal[0]] if normal else None
+    assert {p: int(pool.idle_tick[p]) for p in expected} == {
+        p: oldest if p in movers else ticks_before[p] for p in expected}
+    pool.check_invariants()

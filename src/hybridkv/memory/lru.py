@@ -160,6 +160,33 @@ def demote_unit(listed, low_priority, prev, nxt, offsets, low_floors, low_idle):
 
 
 @njit(cache=True)
+def first_in_line(listed, idle_tick, low_priority, prev, nxt, offsets):
+    """``PageSpace.first_in_line``: ``listed`` holds, group after group, its group, its page count and its local ids;
+    those listed with normal priority move to just behind their list's low-priority head (the next normal-priority
+    pages evicted), the last one listed first, each given the idle tick of the oldest normal-priority page there, so
+    ticks still rise along the list. Returns how many moved."""
+    at, moved = 0, 0
+    while at < listed.size:
+        g, end = listed[at], at + 2 + listed[at + 1]
+        off, behind = offsets[g], 0
+        page = nxt[off]
+        while page != 0 and low_priority[off + page]:  # past the low-priority head
+            behind, page = page, nxt[off + page]
+        tick = idle_tick[off + page] if page != 0 else 0
+        for i in range(at + 2, end):
+            page = listed[i]
+            if prev[off + page] < 0 or low_priority[off + page]:
+                continue  # not idle, or low priority already
+            unlink(prev, nxt, off, page)
+            after = nxt[off + behind]
+            nxt[off + behind], prev[off + page], nxt[off + page], prev[off + after] = page, behind, after, page
+            idle_tick[off + page] = tick
+            moved += 1
+        at = end
+    return moved
+
+
+@njit(cache=True)
 def order(nxt, out):
     """One pool's listed pages, head first, into ``out``; how many (at most ``out.size``)."""
     n, page = 0, nxt[0]

@@ -488,6 +488,7 @@ class PageSpace:
         self.keyed_idle(np.zeros(len(self.pools), dtype=np.int64), _NO_PAGES)
         self._free_call(tables, counters)
         self.drop_units([], [])  # ``lru.drop_units``, :meth:`drop_units`' kernel too
+        self.first_in_line([])  # ``lru.first_in_line`` (the thrash guard's, first called late in a run)
         for pool in self.pools:
             pool.load_kernels()
 
@@ -530,6 +531,13 @@ class PageSpace:
         in one compiled call (``lru.demote_unit``: ``PagePool.demote``, superseded checkpoints' units kept low; every
         page flagged low, the idle ones moved to the front of their LRU, the last listed first, entry after entry)."""
         self._demote_unit(np.array(listed, dtype=np.int64), *self._demote_arrays)
+
+    def first_in_line(self, listed: list[int]) -> int:
+        """Put pages next in line for eviction (``lru.first_in_line``; ``listed``: per group its index in this space,
+        its page count, its pages): the idle normal-priority ones move to just behind their LRU's low-priority head, the
+        last listed first, with its oldest normal-priority idle tick. Returns how many moved."""
+        return int(lru.first_in_line(np.array(listed, dtype=np.int64), self.idle_tick, self.low_priority,
+                                     self.lru_prev, self.lru_next, self.offsets))
 
     def drop_units(self, pops: list[tuple[Callable, int, str]], keys: Sequence[Hashable],
                    cause: str = UNPUBLISHED) -> tuple[list[list[str]], list[int], list[tuple[Hashable, str, int]]]:

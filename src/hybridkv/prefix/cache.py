@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial, reduce
@@ -28,7 +28,7 @@ from hybridkv.prefix.checkpoints import OWN, REUSED, SPECULATIVE, CheckpointOrde
 from hybridkv.prefix.checkpoints import checkpoint_policy as policy_from_options
 from hybridkv.prefix.eviction import GroupValueStats, ValueEviction
 from hybridkv.memory import lru
-from hybridkv.memory.pool import PagePool, idle_clock_tick
+from hybridkv.memory.pool import UNPUBLISHED, PagePool, idle_clock_tick
 from hybridkv.runtime.kernels import entry_point
 from hybridkv.spec import CacheGroupSpec
 from hybridkv.tables.store import CommitPages, GroupTable
@@ -165,6 +165,7 @@ class CommittingRequest(Protocol):
     own_checkpoints: list[OwnCheckpoint]
     keep_boundaries: frozenset[int]  # boundaries whose checkpoints it pins (its junction)
     token_ids: np.ndarray  # its known tokens (int32), hashed as it is added and as appends complete blocks
+    thrash_hit_tokens: int  # its hit where its prompt reached past it to a checkpoint evicted lately, else -1
 
 
 class PrefixCache:
@@ -214,6 +215,35 @@ class PrefixCache:
         self._dropping = False  # unpublishing a superseded checkpoint (not an eviction)
         self._init_eviction(eviction_policy)
         self._knows = self.eviction.knows  # whether some group may publish a key (False: none does)
+        self._init_thrash_guard()
+
+    def _init_thrash_guard(self) -> None:
+        """The thrash guard (docs/prefix-caching.md, "Eviction by value"): with the value policy and a checkpoint
+        policy that ranks no checkpoint ("prefill-per-byte" orders them itself), the keys of the checkpoints evicted
+        last, as many as the first state group's pool has pages, oldest first; ``thrash_guard = False`` turns it off."""
+        self.thrash_guard = True
+        self.thrash_guarded_requests = 0  # requests whose prompt reached past their hit to a checkpoint evicted lately
+        self._guarding = self.eviction.acts and self.values is None and bool(self.state_ids)
+        self._evicted_checkpoints: OrderedDict[int, None] = OrderedDict()
+        self._evicted_bound = self.pools[self.state_ids[0]].num_pages if self.state_ids else 0
+
+    def _note_evicted(self, keys: Iterator[int] | Sequence[int]) -> None:
+        """Checkpoints evicted (the thrash guard's), each now the newest; past the bound the oldest are forgotten."""
+        evicted = self._evicted_checkpoints
+        for key in keys:
+            evicted[key] = None
+            evicted.move_to_end(key)
+        while len(evicted) > self._evicted_bound:
+            evicted.popitem(last=False)
+
+    def _thrash_hit(self, req: CommittingRequest, blocks: int) -> int:
+        """The hit's tokens where the guard is on and the prompt's blocks past the hit's ``blocks`` name a checkpoint
+        evicted lately (a request that an eviction cost part of its hit), else -1."""
+        evicted = self._evicted_checkpoints
+        if not (evicted and self.thrash_guard) or evicted.keys().isdisjoint(req.hashes.hashes[blocks:]):
+            return -1
+        self.thrash_guarded_requests += 1
+        return blocks * self.granularity_tokens
 
     def _init_commit_reader(self, pools: Mapping[str, PagePool], tables: Mapping[str, GroupTable],
                             windows: Mapping[str, int]) -> None:
@@ -429,6 +459,7 @@ class PrefixCache:
         matched.hit_tokens += d
         hit = _new_object(PrefixHit)  # its fields set as its frozen __init__ would, without the calls (cold: ~2 µs)
         hit.__dict__.update(hit_tokens=d, group_hit_tokens=alone, history_hit_tokens=limit * g)
+        req.thrash_hit_tokens = self._thrash_hit(req, blocks)
         if limit > blocks:
             req.keep_boundaries = frozenset([limit * g])  # its junction
         if d == 0:
@@ -846,6 +877,7 @@ class PrefixCache:
         return order
 
     def clear(self) -> None:
+        self._evicted_checkpoints.clear()  # what the thrash guard remembers goes with the entries
         self._dropping = True
         for pool in self.pools.values():
             for key in pool.entry_keys():  # held pages stay held
@@ -861,6 +893,8 @@ class PrefixCache:
     def _removed(self, gid: str, key: int, cause: str, idle_pages: int) -> None:
         """Group ``gid``'s pool's ``on_removed``: the removal booked, its event emitted, the eviction policy told."""
         self._emit_many(self._book_removals((key,), ((gid,),)))
+        if cause != UNPUBLISHED and self.thrash_guard and self._guarding and gid in self._holders:
+            self._note_evicted((key,))
         self.eviction.removed(gid, key, cause, idle_pages)
 
     def _evict_many(self, gid: str, keys: Sequence[int], cause: str) -> int:
@@ -878,6 +912,9 @@ class PrefixCache:
                 evicted[pool.group_id]["unit"] += idle_pages
         origins = [eviction.unit_evicted(gid, key, told_cause, freed, len(gids))
                    for (key, told_cause, freed), gids in zip(removals, left)]
+        if self.thrash_guard and self._guarding:  # the checkpoints among the units
+            state = self._holders
+            self._note_evicted(removal[0] for removal, gids in zip(removals, left) if any(g in state for g in gids))
         self._emit_many(self._book_removals([removal[0] for removal in removals], left, origins))
         return idle[0]
 

@@ -53,6 +53,7 @@ class _Request:
     hashes: RequestHashes | None = None
     own_checkpoints: list = field(default_factory=list)
     keep_boundaries: frozenset = frozenset()
+    thrash_hit_tokens: int = -1  # the prefix cache's thrash guard (``PrefixCache.match_and_borrow`` sets it)
 
 
 class PreparedPrompt:
@@ -1308,18 +1309,32 @@ class CacheManager:
             self._rewound_loads.discard(request_id)
             self.pending_loads.discard(request_id)
         row, prefix, tables = req.row, self.prefix, self._tableset
+        first_in_line = self._pages_past_hit(req) if req.thrash_hit_tokens >= 0 else None
         # Its pages leave the tables, one release, and its row of ``_by_row`` becomes 0 (its token ids go with it); first
         # its last step publishes when it completed a grain.
         if not self._space.free_row(tables, self._by_row, row, self._grain):
             self._one_row[0] = row
             self._commit_rows(self._one_row)
             self._space.free_row(tables, self._by_row, row, 0)
+        if first_in_line:  # the thrash guard: what it published past its hit is evicted next, not last
+            self._space.first_in_line(first_in_line)
         if prefix is not None and prefix.values is not None:  # else forgetting it changes nothing
             prefix.forget_request(req)
         del self._requests[request_id]
         del self._row_of[request_id]
         del self._row_owner[row]
         self._free_rows.append(row)  # it may stay in _last_rows: it never settles (see there)
+
+    def _pages_past_hit(self, req: _Request) -> list[int]:
+        """A request's pages past its hit (``req.thrash_hit_tokens``; a state group's: all it holds) as
+        ``PageSpace.first_in_line`` lists them: per group its index in the page space, its page count, its pages."""
+        listed, row = [], req.row
+        for index, spec in enumerate(self.specs):
+            table = self.tables[spec.group_id]
+            lo = int(table.base[row]) if spec.is_sliding else -(-req.thrash_hit_tokens // table.page_tokens)
+            pages = table.pages_in(row, lo, max(lo, int(table.hi[row]))).tolist()
+            listed += (index, len(pages), *pages)
+        return listed
 
     # --- observability -------------------------------------------------------
     def stats(self) -> dict[str, GroupStats]:
