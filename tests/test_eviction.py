@@ -252,6 +252,29 @@ def test_clearing_the_prefix_cache_forgets_what_the_thrash_guard_remembers():
     assert mgr.prefix.thrash_guarded_requests == 3
 
 
+def test_a_guarded_request_leaves_the_checkpoint_it_borrowed_in_its_place():
+    """r1 (S + V, 812 tokens) publishes blocks 256, 512 and 768 and a terminal at 768; r2 (S + 18 tokens) finds S's
+    blocks but no checkpoint at 512, so it computes them and pins the junction there (its window pages 7 and 8). x
+    (1,014 unique tokens, 4 pages of each history group's 6) evicts one block, the least recently used: r1's chain's
+    tail, 768, with its checkpoint. r3 (S + V again) hits at 512 and its prompt reaches 768, evicted: it is guarded.
+    Freed before computing anything, it has nothing past its hit: the junction's pages it borrowed go idle at the
+    tail of the window group's LRU (behind x's terminal, 13 and 14), not next in line."""
+    mgr = make_manager(group_pages={C4KV: 7, C128KV: 7})
+    s, v = ids(1, 512), ids(2, 300)
+    run_request(mgr, "r1", cat(s, v))
+    mgr.prefix.drain_events()
+    run_request(mgr, "r2", cat(s, ids(3, 18)))
+    junction = mgr.pools[SWA].lookup(_checkpoint_key(mgr.prefix.drain_events(), SWA, 512))
+    run_request(mgr, "x", ids(4, 1014))
+    assert events_of(mgr.prefix.drain_events(), "removed", C4KV) == [768]
+    assert mgr.pools[SWA].evictable_page_ids().tolist() == [8, 7, 14, 13] and junction == (7, 8)
+    assert mgr.add_request("r3", cat(s, v), max_new_tokens=1).hit_tokens == 512
+    assert mgr.prefix.thrash_guarded_requests == 1
+    mgr.free("r3")
+    assert mgr.pools[SWA].evictable_page_ids().tolist() == [14, 13, 8, 7]
+    mgr.check_invariants()
+
+
 @pytest.mark.parametrize("options", [dict(eviction_policy="group-lru"),
                                      dict(prompt_checkpoints=None, checkpoint_policy="prefill-per-byte")])
 def test_the_thrash_guard_acts_with_the_value_policy_alone(options):

@@ -1326,12 +1326,13 @@ class CacheManager:
         self._free_rows.append(row)  # it may stay in _last_rows: it never settles (see there)
 
     def _pages_past_hit(self, req: _Request) -> list[int]:
-        """A request's pages past its hit (``req.thrash_hit_tokens``; a state group's: all it holds) as
-        ``PageSpace.first_in_line`` lists them: per group its index in the page space, its page count, its pages."""
-        listed, row = [], req.row
+        """A request's pages from the one holding its first token past its hit (``req.thrash_hit_tokens``: the
+        blocks and checkpoint it borrowed stay where they are) as ``PageSpace.first_in_line`` lists them: per group its
+        index in the page space, its page count, its pages."""
+        listed, row, hit_tokens = [], req.row, req.thrash_hit_tokens
         for index, spec in enumerate(self.specs):
             table = self.tables[spec.group_id]
-            lo = int(table.base[row]) if spec.is_sliding else -(-req.thrash_hit_tokens // table.page_tokens)
+            lo = max(int(table.base[row]), hit_tokens // table.page_tokens)
             pages = table.pages_in(row, lo, max(lo, int(table.hi[row]))).tolist()
             listed += (index, len(pages), *pages)
         return listed
