@@ -182,6 +182,8 @@ def group_diagnostics(side: Any) -> dict[str, dict]:
                             evicted_by_reason=v.evicted_pages)
     if manager.arena is not None:
         out["arena"] = dict(slabs_owned=manager.arena.slabs_owned(), slab_moves=manager.arena.slab_moves)
+    if manager.prefix is not None:  # requests the thrash guard put next in line (docs/prefix-caching.md)
+        out["prefix"] = dict(thrash_guarded_requests=manager.prefix.thrash_guarded_requests)
     return out
 
 
@@ -230,7 +232,8 @@ def print_table(results: dict, budgets: list[int], lines: list[str]) -> None:
 
 def print_diagnostics(results: dict, budgets: list[int]) -> None:
     """Per group, after each hybridkv run: pages cached / evicted, usable entries of the
-    cached ones, evicted pages by reason (prompt, orphan, gap, lru, unit, slab), slabs owned."""
+    cached ones, evicted pages by reason (prompt, orphan, gap, lru, unit, slab), slabs owned, requests
+    the thrash guard put next in line."""
     for workload, entry in results.items():
         for line in ("hybridkv shared", "hybridkv per-group"):
             for budget in budgets:
@@ -242,6 +245,9 @@ def print_diagnostics(results: dict, budgets: list[int]) -> None:
                 for gid, g in groups.items():
                     if gid == "arena":
                         print(f"#   arena: slabs owned {g['slabs_owned']}, slab moves {g['slab_moves']:,}")
+                        continue
+                    if gid == "prefix":
+                        print(f"#   thrash guard: {g['thrash_guarded_requests']:,} requests guarded")
                         continue
                     reasons = ", ".join(f"{k} {n:,}" for k, n in g.get("evicted_by_reason", {}).items() if n)
                     print(f"#   {gid.removeprefix('v4.')}: {g['cached_pages']:,} / {g['evicted_pages']:,}; "
