@@ -275,6 +275,26 @@ def test_a_guarded_request_leaves_the_checkpoint_it_borrowed_in_its_place():
     mgr.check_invariants()
 
 
+class _TierHookStub:
+    """What ``PrefixCache.tier_hook`` is told (a ``TierLink`` would offload what is stored): taken and dropped."""
+
+    def stored(self, entries) -> None:
+        list(entries)
+
+    def removed(self, entries, dropping) -> None:
+        pass
+
+
+def test_the_thrash_guard_stands_aside_with_a_tier_link():
+    """With a tier link told of every publication, an evicted checkpoint may be offloaded and loaded back, so the
+    round robin guards no request and goes as LRU has it (c2 misses)."""
+    mgr = make_manager(group_pages={C4KV: 7, C128KV: 7})
+    mgr.prefix.tier_hook = _TierHookStub()
+    served = _round_robin(mgr)
+    assert mgr.prefix.thrash_guarded_requests == 0
+    assert [hit for _, hit, _ in served] == [0] * 6
+
+
 @pytest.mark.parametrize("options", [dict(eviction_policy="group-lru"),
                                      dict(prompt_checkpoints=None, checkpoint_policy="prefill-per-byte")])
 def test_the_thrash_guard_acts_with_the_value_policy_alone(options):

@@ -220,7 +220,8 @@ class PrefixCache:
     def _init_thrash_guard(self) -> None:
         """The thrash guard (docs/prefix-caching.md, "Eviction by value"): with the value policy and a checkpoint
         policy that ranks no checkpoint ("prefill-per-byte" orders them itself), the keys of the checkpoints evicted
-        last, as many as the first state group's pool has pages, oldest first; ``thrash_guard = False`` turns it off."""
+        last, as many as the first state group's pool has pages, oldest first; ``thrash_guard = False`` turns it off.
+        With a tier link it stands aside: an evicted checkpoint may be offloaded, and loading it back loses no hit."""
         self.thrash_guard = True
         self.thrash_guarded_requests = 0  # requests whose prompt reached past their hit to a checkpoint evicted lately
         self._guarding = self.eviction.acts and self.values is None and bool(self.state_ids)
@@ -240,7 +241,8 @@ class PrefixCache:
         """The hit's tokens where the guard is on and the prompt's blocks past the hit's ``blocks`` name a checkpoint
         evicted lately (a request that an eviction cost part of its hit), else -1."""
         evicted = self._evicted_checkpoints
-        if not (evicted and self.thrash_guard) or evicted.keys().isdisjoint(req.hashes.hashes[blocks:]):
+        if not (evicted and self.thrash_guard) or self.tier_hook is not None or evicted.keys().isdisjoint(
+                req.hashes.hashes[blocks:]):
             return -1
         self.thrash_guarded_requests += 1
         return blocks * self.granularity_tokens
