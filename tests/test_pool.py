@@ -1488,30 +1488,44 @@ def test_page_space_drop_units_counts_each_call_alone():
 @given(data=st.data())
 @settings(max_examples=60, deadline=None)
 def test_first_in_line_matches_a_list_model(data):
-    """``PageSpace.first_in_line`` (the thrash guard's move): pages of idle entries, some low priority, some held,
-    released in a random order; the listed idle normal-priority pages end just behind the low-priority head, the
-    last listed first, with the oldest normal-priority tick; the rest keep their order and ticks (a list model)."""
+    """``PageSpace.first_in_line`` (the thrash guard's move), three times: pages of idle entries, some low priority,
+    some held, released in a random order; between calls an entry may be unpublished (the low-priority head's last
+    page, which the space remembers, among them) or another page released. The listed idle normal-priority pages end
+    just behind the low-priority head, the last listed first, with the oldest normal-priority tick; the rest keep
+    their order and ticks (a list model)."""
     pool = PagePool("g", 16)
     pages = allocate(pool, 15).tolist()
     low = data.draw(st.lists(st.booleans(), min_size=15, max_size=15))
     for i, page in enumerate(pages):
         publish(pool, ("entry", i), [page], low_priority=low[i])
-    idle = data.draw(st.permutations(pages))[: data.draw(st.integers(0, 15))]
-    for page in idle:  # one release each: a tick each
+    held = data.draw(st.permutations(pages))
+    cut = data.draw(st.integers(0, 15))
+    for page in held[:cut]:  # one release each: a tick each
         decref(pool, [page])
-    order_before = pool.evictable_page_ids().tolist()
-    ticks_before = {p: int(pool.idle_tick[p]) for p in order_before}
-    listed = data.draw(st.lists(st.sampled_from(pages), unique=True, max_size=15))
+    held = held[cut:]
     space, g = space_of(pool)
-    moved = space.first_in_line([g, len(listed), *listed])
+    for _ in range(3):
+        change = data.draw(st.sampled_from(["none", "unpublish", "unpublish the head's last", "release"]))
+        idle = pool.evictable_page_ids().tolist()
+        last_low = [p for p in idle if pool.low_priority[p]][-1:]
+        if change == "unpublish" and idle:
+            pool.unpublish(("entry", pages.index(data.draw(st.sampled_from(idle)))))
+        elif change == "unpublish the head's last" and last_low:
+            pool.unpublish(("entry", pages.index(last_low[0])))
+        elif change == "release" and held:
+            decref(pool, [held.pop()])
+        order_before = pool.evictable_page_ids().tolist()
+        ticks_before = {p: int(pool.idle_tick[p]) for p in order_before}
+        listed = data.draw(st.lists(st.sampled_from(pages), unique=True, max_size=15))
+        moved = space.first_in_line([g, len(listed), *listed])
 
-    head = [p for p in order_before if pool.low_priority[p]]
-    normal = [p for p in order_before if not pool.low_priority[p]]
-    movers = [p for p in listed if p in normal]
-    expected = head + movers[::-1] + [p for p in normal if p not in movers]
-    assert moved == len(movers)
-    assert pool.evictable_page_ids().tolist() == expected
-    oldest = ticks_before[normal[0]] if normal else None
-    assert {p: int(pool.idle_tick[p]) for p in expected} == {
-        p: oldest if p in movers else ticks_before[p] for p in expected}
-    pool.check_invariants()
+        head = [p for p in order_before if pool.low_priority[p]]
+        normal = [p for p in order_before if not pool.low_priority[p]]
+        movers = [p for p in listed if p in normal]
+        expected = head + movers[::-1] + [p for p in normal if p not in movers]
+        assert moved == len(movers)
+        assert pool.evictable_page_ids().tolist() == expected
+        oldest = ticks_before[normal[0]] if normal else None
+        assert {p: int(pool.idle_tick[p]) for p in expected} == {
+            p: oldest if p in movers else ticks_before[p] for p in expected}
+        pool.check_invariants()

@@ -159,19 +159,38 @@ def demote_unit(listed, low_priority, prev, nxt, offsets, low_floors, low_idle):
         at = end
 
 
+@njit(cache=True, inline="always")
+def low_end(low_priority, prev, nxt, off, known):
+    """The last page of the low-priority head of the list at ``off`` (0: none): ``known`` where it still is (listed,
+    low priority, before a normal-priority page or the end: the head holds every listed low-priority page), else
+    found by a walk from the head."""
+    if known == 0:
+        head = nxt[off]
+        if head == 0 or not low_priority[off + head]:
+            return 0
+    elif prev[off + known] >= 0 and low_priority[off + known]:
+        after = nxt[off + known]
+        if after == 0 or not low_priority[off + after]:
+            return known
+    behind, page = 0, nxt[off]
+    while page != 0 and low_priority[off + page]:
+        behind, page = page, nxt[off + page]
+    return behind
+
+
 @njit(cache=True)
-def first_in_line(listed, idle_tick, low_priority, prev, nxt, offsets):
+def first_in_line(listed, idle_tick, low_priority, prev, nxt, offsets, low_ends):
     """``PageSpace.first_in_line``: ``listed`` holds, group after group, its group, its page count and its local ids;
     those listed with normal priority move to just behind their list's low-priority head (the next normal-priority
     pages evicted), the last one listed first, each given the idle tick of the oldest normal-priority page there, so
-    ticks still rise along the list. Returns how many moved."""
+    ticks still rise along the list. ``low_ends[g]``: where group ``g``'s head ended last time (:func:`low_end`, kept
+    up to date). Returns how many moved."""
     at, moved = 0, 0
     while at < listed.size:
         g, end = listed[at], at + 2 + listed[at + 1]
-        off, behind = offsets[g], 0
-        page = nxt[off]
-        while page != 0 and low_priority[off + page]:  # past the low-priority head
-            behind, page = page, nxt[off + page]
+        off = offsets[g]
+        behind = low_ends[g] = low_end(low_priority, prev, nxt, off, low_ends[g])
+        page = nxt[off + behind]
         tick = idle_tick[off + page] if page != 0 else 0
         for i in range(at + 2, end):
             page = listed[i]

@@ -472,6 +472,7 @@ class PageSpace:
                              self.offsets, self.per_group, self.idle_counts)
         self._drop_units = kernels.entry_point(lru.drop_units, (_NO_PAGES, *self._drop_arrays, _NO_PAGES))
         self._told = np.empty(64, dtype=np.int64)  # drop_listed's ``told`` (scratch)
+        self._low_ends = np.zeros(len(self.pools), dtype=np.int64)  # per LRU, its low-priority head's last page
         self._free_work = _NO_PAGES  # free_row's cells emptied, then its kernel's scratch (sized at the first call)
         self._free_row_entry = None  # free_row's compiled code (``kernels.entry_point``), at its first call
         self._free_args = (None,) * 14  # its arguments (``_free_call``)
@@ -537,7 +538,7 @@ class PageSpace:
         its page count, its pages): the idle normal-priority ones move to just behind their LRU's low-priority head, the
         last listed first, with its oldest normal-priority idle tick. Returns how many moved."""
         return int(lru.first_in_line(np.array(listed, dtype=np.int64), self.idle_tick, self.low_priority,
-                                     self.lru_prev, self.lru_next, self.offsets))
+                                     self.lru_prev, self.lru_next, self.offsets, self._low_ends))
 
     def drop_units(self, pops: list[tuple[Callable, int, str]], keys: Sequence[Hashable],
                    cause: str = UNPUBLISHED) -> tuple[list[list[str]], list[int], list[tuple[Hashable, str, int]]]:
