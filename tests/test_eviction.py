@@ -253,12 +253,15 @@ def test_clearing_the_prefix_cache_forgets_what_the_thrash_guard_remembers():
 
 
 def test_a_guarded_request_leaves_the_checkpoint_it_borrowed_in_its_place():
-    """r1 (S + V, 812 tokens) publishes blocks 256, 512 and 768 and a terminal at 768; r2 (S + 18 tokens) finds S's
-    blocks but no checkpoint at 512, so it computes them and pins the junction there (its window pages 7 and 8). x
-    (1,014 unique tokens, 4 pages of each history group's 6) evicts one block, the least recently used: r1's chain's
-    tail, 768, with its checkpoint. r3 (S + V again) hits at 512 and its prompt reaches 768, evicted: it is guarded.
-    Freed before computing anything, it has nothing past its hit: the junction's pages it borrowed go idle at the
-    tail of the window group's LRU (behind x's terminal, 13 and 14), not next in line."""
+    """r1 (S + V, 812 tokens) publishes blocks 256, 512 and 768 (history pages 1, 2, 3) and a terminal at 768; r2
+    (S + 18 tokens) finds S's blocks but no checkpoint at 512, so it computes them and pins the junction there (its
+    window pages 7 and 8). x (1,014 unique tokens, 4 pages of each history group's 6) evicts one block, the least
+    recently used: r1's chain's tail, 768, with its checkpoint. r3 (S + V again) hits at 512 and its prompt reaches
+    768, evicted: it is guarded. It computes 10 tokens (window pages 7, 8 and 11; 11 holds no entry) and is freed:
+    nothing of its own is published, nothing moves, and the junction's pages it borrowed go idle at the tail. r4 (the
+    same) computes its prompt: short of a page it evicts x's block at 768 (x's 256 and 512 lose their checkpoint and
+    are demoted to the front: 4, 3), publishes 768 on page 5 and a checkpoint on window pages 11 and 12, and is
+    freed: those go next in line, behind the demoted ones, 12 and 5 first."""
     mgr = make_manager(group_pages={C4KV: 7, C128KV: 7})
     s, v = ids(1, 512), ids(2, 300)
     run_request(mgr, "r1", cat(s, v))
@@ -269,9 +272,15 @@ def test_a_guarded_request_leaves_the_checkpoint_it_borrowed_in_its_place():
     assert events_of(mgr.prefix.drain_events(), "removed", C4KV) == [768]
     assert mgr.pools[SWA].evictable_page_ids().tolist() == [8, 7, 14, 13] and junction == (7, 8)
     assert mgr.add_request("r3", cat(s, v), max_new_tokens=1).hit_tokens == 512
-    assert mgr.prefix.thrash_guarded_requests == 1
+    mgr.schedule([("r3", 10)])
+    assert mgr.request_pages("r3", SWA)[1].tolist() == [7, 8, 11]
     mgr.free("r3")
+    assert mgr.prefix.thrash_guarded_requests == 0
     assert mgr.pools[SWA].evictable_page_ids().tolist() == [14, 13, 8, 7]
+    assert run_request(mgr, "r4", cat(s, v)).hit_tokens == 512
+    assert mgr.prefix.thrash_guarded_requests == 1
+    assert mgr.pools[C4KV].evictable_page_ids().tolist() == [4, 3, 5, 2, 1]
+    assert mgr.pools[SWA].evictable_page_ids().tolist() == [12, 11, 8, 7]
     mgr.check_invariants()
 
 

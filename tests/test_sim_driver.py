@@ -153,6 +153,7 @@ def test_simulate_cli_json_and_plot(tmp_path, capsys):
         (["--workload", "nope"], "workload must be one of"),
         (["--requests", "0"], "--requests must be positive"),
         (["--no-prefix-caching", "--state-checkpoint-interval", "512"], "needs --prefix-caching"),
+        (["--no-prefix-caching", "--no-thrash-guard"], "--thrash-guard / --no-thrash-guard needs --prefix-caching"),
         (["--kv-memory", "1MiB"], "holds no slab"),
         (["--kv-memory", "1MiB", "--page-space", "per-group"], "too small"),
         (["--min-chunk-tokens=-1"], "--min-chunk-tokens must not be negative"),
@@ -163,6 +164,20 @@ def test_simulate_cli_bad_input_is_one_line_exit_2(argv, message, capsys):
     err = capsys.readouterr().err
     assert code == 2
     assert err.startswith("hybridkv: error:") and message in err and err.count("\n") == 1
+
+
+def test_simulate_thrash_guard_flag_reaches_the_manager(capsys):
+    """Under pressure (200 multiturn requests, 16 running, 1.5 GiB) the guard puts some requests' pages next in line;
+    with --no-thrash-guard none, and the summary says how many."""
+    argv = ["simulate", "--workload", "multiturn", "--requests", "200", "--kv-memory", "1.5GiB", "--max-running", "16",
+            "--json"]
+    runs = {}
+    for flag in ("--thrash-guard", "--no-thrash-guard"):
+        assert main([*argv, flag]) == 0
+        runs[flag] = json.loads(capsys.readouterr().out)
+    assert runs["--thrash-guard"]["thrash_guarded_requests"] > 0
+    assert runs["--no-thrash-guard"]["thrash_guarded_requests"] == 0
+    assert runs["--thrash-guard"]["requests_finished"] == runs["--no-thrash-guard"]["requests_finished"] == 200
 
 
 def test_simulate_shared_page_space_needs_no_per_group_minimum(capsys):

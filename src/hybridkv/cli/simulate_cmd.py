@@ -80,6 +80,11 @@ def _add_workload_arguments(parser: Any) -> None:
         help="the interval policy's k: a speculative checkpoint every k tokens (a multiple of 256)",
     )
     parser.add_argument(
+        "--thrash-guard", action=argparse.BooleanOptionalAction, default=None,
+        help="a request that an eviction cost part of its hit has what it publishes evicted next "
+        "(docs/prefix-caching.md, \"Eviction by value\"; default on)",
+    )
+    parser.add_argument(
         "--min-chunk-tokens",
         type=a.number("--min-chunk-tokens", "tokens", minimum=0, maximum=a.MAX_CHUNK_TOKENS),
         default=256, metavar="TOKENS",
@@ -156,9 +161,10 @@ def workload_source(text: str) -> str:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Everything that can be checked before planning and the run."""
-    for flag in ("state_checkpoint_interval", "checkpoint_policy", "checkpoint_interval_tokens"):
+    for flag in ("state_checkpoint_interval", "checkpoint_policy", "checkpoint_interval_tokens", "thrash_guard"):
         if getattr(args, flag) is not None and not args.prefix_caching:
-            raise ValueError(f"--{flag.replace('_', '-')} needs --prefix-caching")
+            name = "--thrash-guard / --no-thrash-guard" if flag == "thrash_guard" else f"--{flag.replace('_', '-')}"
+            raise ValueError(f"{name} needs --prefix-caching")
     try:  # the grain's multiple is checked when the manager is built (before the run)
         checkpoint_policy(args.checkpoint_policy, None, args.checkpoint_interval_tokens, 1)
     except ValueError as exc:
@@ -234,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
         manager = CacheManager.from_plan(plan, page_space=args.page_space, **options)
     except ValueError as exc:
         raise ValueError(a.flag_names(str(exc))) from None
+    if args.thrash_guard is not None:
+        manager.prefix.thrash_guard = args.thrash_guard
     sim = Simulator(
         manager, requests,
         max_running=plan.limits.max_running_requests,
@@ -246,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
     summary.update(
         workload=args.workload, requests=len(requests), prefix_caching=args.prefix_caching,
         kv_memory_bytes=plan.budget_bytes, page_space=args.page_space, model=plan.layout.name,
+        thrash_guarded_requests=manager.prefix.thrash_guarded_requests if manager.prefix is not None else 0,
     )
     if args.plot:
         write_plot(result, args.plot, summary)

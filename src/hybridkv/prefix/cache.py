@@ -223,7 +223,7 @@ class PrefixCache:
         last, as many as the first state group's pool has pages, oldest first; ``thrash_guard = False`` turns it off.
         With a tier link it stands aside: an evicted checkpoint may be offloaded, and loading it back loses no hit."""
         self.thrash_guard = True
-        self.thrash_guarded_requests = 0  # requests whose prompt reached past their hit to a checkpoint evicted lately
+        self.thrash_guarded_requests = 0  # requests whose pages the guard put next in line at their free
         self._guarding = self.eviction.acts and self.values is None and bool(self.state_ids)
         self._evicted_checkpoints: OrderedDict[int, None] = OrderedDict()
         self._evicted_bound = self.pools[self.state_ids[0]].num_pages if self.state_ids else 0
@@ -244,7 +244,6 @@ class PrefixCache:
         if not (evicted and self.thrash_guard) or self.tier_hook is not None or evicted.keys().isdisjoint(
                 req.hashes.hashes[blocks:]):
             return -1
-        self.thrash_guarded_requests += 1
         return blocks * self.granularity_tokens
 
     def _init_commit_reader(self, pools: Mapping[str, PagePool], tables: Mapping[str, GroupTable],

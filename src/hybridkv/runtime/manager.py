@@ -1316,8 +1316,8 @@ class CacheManager:
             self._one_row[0] = row
             self._commit_rows(self._one_row)
             self._space.free_row(tables, self._by_row, row, 0)
-        if first_in_line:  # the thrash guard: what it published past its hit is evicted next, not last
-            self._space.first_in_line(first_in_line)
+        if first_in_line and self._space.first_in_line(first_in_line):  # the thrash guard: what it published past
+            prefix.thrash_guarded_requests += 1  # its hit is evicted next, not last
         if prefix is not None and prefix.values is not None:  # else forgetting it changes nothing
             prefix.forget_request(req)
         del self._requests[request_id]
