@@ -284,6 +284,37 @@ def test_a_guarded_request_leaves_the_checkpoint_it_borrowed_in_its_place():
     mgr.check_invariants()
 
 
+def _ticks_rise(pool) -> bool:
+    """Along the pool's LRU, head to tail, the normal-priority pages' idle ticks never fall."""
+    ticks = [int(pool.idle_tick[p]) for p in pool.evictable_page_ids().tolist() if not pool.low_priority[p]]
+    return ticks == sorted(ticks)
+
+
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(1, 700)), min_size=4, max_size=14), st.booleans())
+@settings(max_examples=40, deadline=None)
+def test_round_robins_keep_the_lru_whole_with_or_without_the_guard(turns, guard):
+    """Random turns of five conversations (each turn its conversation's last prompt and 1-700 new tokens, at most
+    1,500 in all), history pools of 6 pages: evictions on most turns, guarded frees on many. After each request the
+    manager's invariants hold, every state group holds the same checkpoints, what no hit can use is low priority,
+    and the normal-priority pages' idle ticks rise along each LRU (the guard gives what it moves the oldest)."""
+    mgr = make_manager(group_pages={C4KV: 7, C128KV: 7}, prompt_checkpoints=None)
+    mgr.prefix.thrash_guard = guard
+    last = {c: ids(300 + c, 200) for c in range(5)}
+    for i, (c, fresh) in enumerate(turns):
+        last[c] = prompt = cat(last[c], ids(400 + i, fresh))[:1500]
+        run_request(mgr, f"t{i}", prompt)
+        report = mgr.prefix.value_report()
+        keys = {g: set(mgr.pools[g].entry_keys()) for g in STATE if g != C128S or report[g].cached_entries}
+        assert len({frozenset(k) for k in keys.values()}) <= 1
+        for g in ALL:
+            pool = mgr.pools[g]
+            low = sum(1 for k in pool.entry_keys() if pool.low_priority[pool.lookup(k)[0]])
+            assert report[g].cached_entries - report[g].usable_entries <= low
+            assert _ticks_rise(pool), g
+    if not guard:
+        assert mgr.prefix.thrash_guarded_requests == 0
+
+
 class _TierHookStub:
     """What ``PrefixCache.tier_hook`` is told (a ``TierLink`` would offload what is stored): taken and dropped."""
 
