@@ -29,7 +29,8 @@ first probe. Lines:
 * ``hybridkv shared`` / ``hybridkv per-group``: ``CacheManager.from_plan`` on
   ``plan_for_budget`` with ``page_space="shared"`` / ``"per-group"``, prefix
   caching on, default options but the checkpoint policy (``--checkpoint-policy``,
-  ``--checkpoint-interval-tokens``; docs/prefix-caching.md), which the JSON records;
+  ``--checkpoint-interval-tokens``; docs/prefix-caching.md) and the thrash guard
+  (``--no-thrash-guard`` turns it off), which the JSON records;
 * ``vLLM default`` / ``vLLM retention None``: vLLM 0.33's ``KVCacheManager`` as
   ``bench/vs_vllm``'s ``VllmSide`` builds it, with
   ``prefix_cache_retention_interval`` 0 (vLLM's default) / ``None`` (a
@@ -153,8 +154,10 @@ def serve_in_order(side: Any, requests: list) -> np.ndarray:
     return hits
 
 
-def make_side(line: str, budget_bytes: int, max_model_len: int, vllm_side: Any, policy: Any = None) -> Any:
-    """``policy``: the hybridkv lines' ``hybridkv.prefix.checkpoints.CheckpointPolicy`` (None: the default)."""
+def make_side(line: str, budget_bytes: int, max_model_len: int, vllm_side: Any, policy: Any = None,
+              thrash_guard: bool = True) -> Any:
+    """``policy``: the hybridkv lines' ``hybridkv.prefix.checkpoints.CheckpointPolicy`` (None: the default);
+    ``thrash_guard``: their prefix cache's (docs/prefix-caching.md, "Eviction by value")."""
     common = dict(kv_memory_bytes=budget_bytes, max_model_len=max_model_len,
                   max_num_batched_tokens=CHUNK_TOKENS, max_num_seqs=MAX_NUM_SEQS)
     if line in PEER_LINES:  # bench/peers: a side with serve(requests)
@@ -162,7 +165,9 @@ def make_side(line: str, budget_bytes: int, max_model_len: int, vllm_side: Any, 
     if line.startswith("hybridkv"):
         options = {} if policy is None else dict(checkpoint_policy=policy.name,
                                                  checkpoint_interval_tokens=policy.interval_tokens)
-        return HybridkvSide(page_space="shared" if line.endswith("shared") else "per-group", **common, **options)
+        side = HybridkvSide(page_space="shared" if line.endswith("shared") else "per-group", **common, **options)
+        side.manager.prefix.thrash_guard = thrash_guard
+        return side
     retention = 0 if line == "vLLM default" else None
     return vllm_side(prefix_cache_retention_interval=retention, **common)
 
@@ -188,7 +193,7 @@ def group_diagnostics(side: Any) -> dict[str, dict]:
 
 
 def run_line(line: str, requests: list, budget_bytes: int, vllm_side: Any, sizes: UnitBytes,
-             policy: Any = None) -> dict:
+             policy: Any = None, thrash_guard: bool = True) -> dict:
     prompt_tokens = sum(r.prompt_tokens for r in requests)
     start = time.perf_counter()
     if line == "offline bound":
@@ -197,7 +202,7 @@ def run_line(line: str, requests: list, budget_bytes: int, vllm_side: Any, sizes
     longest = max(r.prompt_tokens + r.output_tokens for r in requests)
     max_model_len = -(-longest // 4096) * 4096
     try:
-        side = make_side(line, budget_bytes, max_model_len, vllm_side, policy)
+        side = make_side(line, budget_bytes, max_model_len, vllm_side, policy, thrash_guard)
         hits = side.serve(requests) if hasattr(side, "serve") else serve_in_order(side, requests)
     except (RuntimeError, ValueError) as exc:
         return dict(hit_rate=None, error=str(exc)[:300], seconds=time.perf_counter() - start)
@@ -206,6 +211,7 @@ def run_line(line: str, requests: list, budget_bytes: int, vllm_side: Any, sizes
         result["groups"] = group_diagnostics(side)
         result["checkpoint_policy"] = side.manager.prefix.checkpoint_policy
         result["checkpoint_interval_tokens"] = side.manager.prefix.checkpoint_interval_tokens
+        result["thrash_guard"] = side.manager.prefix.thrash_guard
     return result
 
 
@@ -318,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the hybridkv lines' checkpoint policy (docs/prefix-caching.md; default %(default)s)")
     parser.add_argument("--checkpoint-interval-tokens", type=int, default=None, metavar="TOKENS",
                         help="the \"interval\" policy's k: a speculative checkpoint every k tokens (a multiple of 256)")
+    parser.add_argument("--thrash-guard", action=argparse.BooleanOptionalAction, default=True,
+                        help="the hybridkv lines' thrash guard (docs/prefix-caching.md; default on)")
     parser.add_argument("--json", default="bench/out/hit_sweep.json")
     parser.add_argument("--plot", default=None, help="write the plot here (.png, .pdf, .svg)")
     parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
@@ -354,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         for budget in budgets:
             row = entry["budgets"][str(budget)] = {}
             for line in lines:
-                row[line] = run_line(line, requests, budget, vllm_side, sizes, policy)
+                row[line] = run_line(line, requests, budget, vllm_side, sizes, policy, args.thrash_guard)
                 rate = row[line]["hit_rate"]
                 print(f"# {workload} {budget / GIB:g} GiB {line}: "
                       f"{'refused' if rate is None else f'{rate:.1%}'} ({row[line]['seconds']:.0f} s)",

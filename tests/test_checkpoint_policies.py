@@ -282,6 +282,8 @@ def test_hit_sweep_names_the_policy(capsys):
         sys.path.remove(bench)
     side = hit_sweep.make_side("hybridkv shared", 2 << 30, 8192, None, policy_from_options("interval", None, 1024, 256))
     assert (side.manager.prefix.checkpoint_policy, side.manager.prefix.checkpoint_interval_tokens) == ("interval", 1024)
+    assert side.manager.prefix.thrash_guard
+    assert not hit_sweep.make_side("hybridkv shared", 2 << 30, 8192, None, thrash_guard=False).manager.prefix.thrash_guard
     for argv, message in ((["--checkpoint-policy", "nope"], "invalid choice: 'nope'"),
                           (["--checkpoint-policy", "interval"], "'interval' needs --checkpoint-interval-tokens"),
                           (["--checkpoint-policy", "interval", "--checkpoint-interval-tokens", "300"],
