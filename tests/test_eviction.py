@@ -303,14 +303,9 @@ def test_round_robins_keep_the_lru_whole_with_or_without_the_guard(turns, guard)
     for i, (c, fresh) in enumerate(turns):
         last[c] = prompt = cat(last[c], ids(400 + i, fresh))[:1500]
         run_request(mgr, f"t{i}", prompt)
-        report = mgr.prefix.value_report()
-        keys = {g: set(mgr.pools[g].entry_keys()) for g in STATE if g != C128S or report[g].cached_entries}
-        assert len({frozenset(k) for k in keys.values()}) <= 1
+        _assert_units_whole_and_unusable_low(mgr)
         for g in ALL:
-            pool = mgr.pools[g]
-            low = sum(1 for k in pool.entry_keys() if pool.low_priority[pool.lookup(k)[0]])
-            assert report[g].cached_entries - report[g].usable_entries <= low
-            assert _ticks_rise(pool), g
+            assert _ticks_rise(mgr.pools[g]), g
     if not guard:
         assert mgr.prefix.thrash_guarded_requests == 0
 
@@ -363,6 +358,19 @@ def test_unknown_policy_is_refused():
 
 
 @settings(max_examples=10, deadline=None)
+def _assert_units_whole_and_unusable_low(mgr) -> None:
+    """With every request idle: every state group holds the same checkpoints (a unit leaves as a whole), and in
+    every group the entries no hit can use are low priority (evicted before anything usable); every group reports."""
+    report = mgr.prefix.value_report()
+    keys = {g: set(mgr.pools[g].entry_keys()) for g in STATE if g != C128S or report[g].cached_entries}
+    assert len({frozenset(k) for k in keys.values()}) <= 1
+    for g in ALL:
+        pool = mgr.pools[g]
+        low = sum(1 for k in pool.entry_keys() if pool.low_priority[pool.lookup(k)[0]])
+        assert report[g].cached_entries - report[g].usable_entries <= low
+    assert set(ALL) == set(report)
+
+
 @given(st.sampled_from(["prompt-boundaries", "prefill-per-byte"]),
        st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1400), st.integers(1, 1500), st.integers(0, 400)),
                 min_size=3, max_size=8))
@@ -379,14 +387,7 @@ def test_no_group_keeps_what_cannot_produce_a_hit(policy, program):
     for i, (stem, shared, fresh, answer) in enumerate(program):
         prompt = cat(stems[stem][:shared], ids(1000 + i, fresh))[:1500]
         run_request(mgr, f"q{i}", prompt, ids(2000 + i, answer + 1), chunk_tokens=256)
-        report = mgr.prefix.value_report()
-        keys = {g: set(mgr.pools[g].entry_keys()) for g in STATE if g != C128S or report[g].cached_entries}
-        assert len({frozenset(k) for k in keys.values()}) <= 1
-        for g in ALL:
-            pool = mgr.pools[g]
-            low = sum(1 for k in pool.entry_keys() if pool.low_priority[pool.lookup(k)[0]])
-            assert report[g].cached_entries - report[g].usable_entries <= low
-        assert {g for g in ALL} == set(report)
+        _assert_units_whole_and_unusable_low(mgr)
 
 
 def test_checkpoint_policy_names_and_the_older_switch():
