@@ -783,7 +783,9 @@ def test_idle_slabs_and_the_oldest_idle_tick_answer_as_the_whole_pool_scan(data)
     pages and some pages released by the step, ``kernels.idle_slabs`` over the slabs a
     group owns finds the same idle slabs, idle straddlers and keyed pages counted as a
     scan of every idle page of the pool; ``PagePool.oldest_idle_tick`` (a walk of the pool's
-    LRU) the same oldest normal-priority idle page as the pool's flags."""
+    LRU) the same oldest normal-priority idle page as the pool's flags, and
+    ``PagePool.normal_tick_at(n)`` the ``n``-th least tick among those pages (past the
+    last: its tick + 1)."""
     from hybridkv.runtime import kernels
 
     geometry, pools, arena = packing_arena()
@@ -820,6 +822,10 @@ def test_idle_slabs_and_the_oldest_idle_tick_answer_as_the_whole_pool_scan(data)
             assert set(np.flatnonzero(edge_idle).tolist()) <= set(owned.tolist()) | set(released_edges.tolist())
         normal = np.flatnonzero(pool.cached & (pool.ref_counts == 0) & ~pool.low_priority)  # from the flags
         assert pool.oldest_idle_tick() == (int(pool.idle_tick[normal].min()) if normal.size else None)
+        ticks = np.sort(pool.idle_tick[normal])
+        for n in range(1, normal.size + 2):
+            assert pool.normal_tick_at(n) == (None if not normal.size else int(ticks[n - 1]) if n <= normal.size
+                                              else int(ticks[-1]) + 1)
 
 
 def reference_donor_slabs(arena, own, gid, donor, short, left, inner_idle, edge_idle):
@@ -969,6 +975,46 @@ def test_take_donor_slabs_lends_as_the_one_at_a_time_reference(data):
         assert got == (len(slabs), want_short, want_left)
         assert got_taken[: got[0]].tolist() == slabs
         assert np.array_equal(got_own, want_own)
+
+
+def test_a_clean_scan_counts_a_state_donors_entries_up_to_where_the_short_groups_would_evict(monkeypatch):
+    """Every clean scan a step plans with (60 six-turn conversations served in turn on a 2 GiB shared arena): a
+    history donor's keyed pages count idle since before the oldest normal-priority idle tick of the wanting groups,
+    a state donor's since before the latest tick a wanting group's own evictions would reach (its low-priority idle
+    pages first, then ``n`` normal ones: the ``n``-th least tick, past the last one its tick + 1), worked from each
+    pool's flags at that moment."""
+    from bench_support import load_bench_script
+    from hybridkv.sim.workloads import in_waves, multiturn_workload
+
+    sweep = load_bench_script("hit_sweep.py", "hit_sweep_for_ticks")
+    real_plan, checked = Arena.plan, []
+
+    def reference(pools, wanting):
+        oldest, reached = [], []
+        for gid, short in wanting.items():
+            pool = pools[gid]
+            idle = pool.cached & (pool.ref_counts == 0)
+            ticks = np.sort(pool.idle_tick[idle & ~pool.low_priority])
+            if not ticks.size:
+                continue
+            n = short - int(np.count_nonzero(idle & pool.low_priority))
+            oldest.append(int(ticks[0]))
+            reached.append(int(ticks[0]) if n <= 1 else int(ticks[n - 1]) if n <= ticks.size else int(ticks[-1]) + 1)
+        return (min(oldest), max(reached + oldest)) if oldest else (None, None)
+
+    def plan(arena, deficit, surplus, scan=None, **kw):
+        if scan is not None and scan.clean:
+            before, state_tick = reference(arena.pools, {g: n for g, n in deficit.items() if n > 0})
+            assert scan.before_tick == before
+            assert scan.group_ticks == (None if before is None else dict.fromkeys(state_ids, state_tick))
+            checked.append(before is not None)
+        return real_plan(arena, deficit, surplus, scan, **kw)
+
+    side = sweep.make_side("hybridkv shared", 2 * 2**30, 131_072, None)
+    state_ids = side.manager.prefix.state_ids  # the state groups that store checkpoints
+    monkeypatch.setattr(Arena, "plan", plan)
+    sweep.serve_in_order(side, in_waves(multiturn_workload(60, 6, seed=0), 60)[:240])
+    assert sum(checked) > 20
 
 
 def test_a_step_asks_make_room_of_the_same_groups_as_asking_every_allocating_group(vs, monkeypatch):

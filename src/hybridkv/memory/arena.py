@@ -41,6 +41,7 @@ class IdleScan:
     # With ``clean``: idle keyed pages of low priority or idle since before this tick count as idle and
     # spare. None: no keyed page counts.
     before_tick: int | None = None
+    group_ticks: dict[str, int] | None = None  # per donor group, its own ``before_tick`` where that differs
 
     def keyed_mode(self) -> int:
         """``kernels.idle_slabs``' ``keyed_mode``: 1 every idle keyed page counts, 2 ``before_tick``'s, 0 none."""
@@ -104,6 +105,7 @@ class Arena:
         """Load (or compile) now, changing nothing, the kernels of slab moves and the packing rule."""
         gid, donors = self.group_ids[0], self.group_ids[1:]
         self.pools[gid].oldest_idle_tick()
+        self.pools[gid].normal_tick_at(1)
         kernels.slab_move_pages(self.owner, -1, 0, *self._slab_ids, 0, self._slab_scratch)
         kernels.take_spare_slabs(self.owner.copy(), 0, self._inner[0], self._straddle[0], 0, self._taken)
         self.plan_spare(np.zeros(len(self.group_ids), dtype=np.int64))
@@ -276,9 +278,10 @@ class Arena:
             pool, gi, n = self.pools[gid], self._index[gid], self.geometry.num_slabs
             inner_idle, edge_idle = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
             released = _NO_PAGES if scan.releasing is None else scan.releasing(gi)
+            tick = (scan.group_ticks or {}).get(gid, scan.before_tick)
             counted = kernels.idle_slabs(self.owner, gi, *(ids[gi] for ids in self._slab_ids), pool.ref_counts,
                                          pool.cached, pool.low_priority, pool.idle_tick, scan.keyed_mode(),
-                                         scan.before_tick or 0, released, self._sizes[gi], inner_idle, edge_idle)
+                                         tick or 0, released, self._sizes[gi], inner_idle, edge_idle)
             found = scan.idle[gid] = (inner_idle, edge_idle, int(counted))
         return found
 

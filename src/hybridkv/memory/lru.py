@@ -228,6 +228,27 @@ def oldest_normal_tick(nxt, low_priority, idle_tick):
     return -1 if oldest == none else oldest
 
 
+@njit(cache=True)
+def normal_tick_at(nxt, low_priority, idle_tick, n):
+    """The ``n``-th least ``idle_tick`` (``n >= 1``) of one pool's listed pages of normal priority; past the last
+    one, its tick + 1; -1 when it lists none."""
+    count, page = 0, nxt[0]
+    while page:
+        count += not low_priority[page]
+        page = nxt[page]
+    if count == 0:
+        return -1
+    ticks, k, page = np.empty(count, dtype=np.int64), 0, nxt[0]
+    while page:
+        if not low_priority[page]:
+            ticks[k] = idle_tick[page]
+            k += 1
+        page = nxt[page]
+    if n > count:
+        return ticks.max() + 1
+    return np.partition(ticks, n - 1)[n - 1]
+
+
 @njit(cache=True, _nrt=False)
 def drop_units(listed, ref, keyed, low_priority, lru_prev, lru_next, stack, offsets, per_group, idle, told):
     """Entries leaving the groups of a page space (``PageSpace.drop_units``, ``PagePool.evict_entries``): ``listed``

@@ -290,6 +290,12 @@ class PagePool:
         tick = lru.oldest_normal_tick(self._lru_next, self.low_priority, self.idle_tick)
         return None if tick < 0 else int(tick)
 
+    def normal_tick_at(self, n: int) -> int | None:
+        """The idle tick of the ``n``-th least recently idle keyed page of normal priority (``n >= 1``; past the last
+        one, its tick + 1; None: none), in plain ints (``lru.normal_tick_at``)."""
+        tick = lru.normal_tick_at(self._lru_next, self.low_priority, self.idle_tick, n)
+        return None if tick < 0 else int(tick)
+
     def revoke(self, pages: np.ndarray) -> None:
         """Take back page ids that are all free or cached-evictable (their entries unpublished); all or nothing."""
         top, pages, evictable = kernels.revoke_ids(self.ref_counts, self.cached, self._stack, self._top,

@@ -735,10 +735,27 @@ class CacheManager:
         spare = {gid: left for gid, n, left in zip(ids, counts, surplus.tolist()) if n <= 0}
         scan = IdleScan(releasing=lambda k: releases.of(k)[2], clean=True)  # unkeyed: freed
         if self.prefix is not None and self.prefix.eviction.acts:
-            # The oldest idle tick a wanting group would evict: a donor's entries idle since before it count as spare.
-            ticks = [t for t in (self.pools[g].oldest_idle_tick() for g in wanting) if t is not None]
-            scan.before_tick = min(ticks) if ticks else None
+            scan.before_tick, scan.group_ticks = self._worth_less_ticks(wanting)
         return self.arena.plan(wanting, spare, scan, partial=True, owner=own)
+
+    def _worth_less_ticks(self, wanting: dict[str, int]) -> tuple[int | None, dict[str, int] | None]:
+        """A donor's entries idle since before these ticks are worth less than what the ``wanting`` groups (group ->
+        pages short) would evict of their own, and count as spare (docs/prefix-caching.md, "Eviction by value", 5):
+        a history group's, the oldest idle tick a wanting group would evict; a state group's, the latest tick up to
+        which a wanting group's own evictions would reach (its low-priority pages first), since each of its units
+        has an entry in every state group and leaves whole. None: no wanting group holds an entry of normal priority."""
+        oldest = [t for t in (self.pools[g].oldest_idle_tick() for g in wanting) if t is not None]
+        if not oldest:
+            return None, None
+        reached = max(self._tick_reached(g, n) or 0 for g, n in wanting.items())
+        return min(oldest), dict.fromkeys(self.prefix.state_ids, max(reached, min(oldest)))
+
+    def _tick_reached(self, gid: str, short_pages: int) -> int | None:
+        """The idle tick up to which ``gid``'s own evictions would reach for ``short_pages`` pages, its low-priority
+        idle pages first (None: it holds no entry of normal priority)."""
+        pool = self.pools[gid]
+        normal_pages = short_pages - int(pool.num_low_priority_idle_pages)
+        return pool.oldest_idle_tick() if normal_pages <= 1 else pool.normal_tick_at(normal_pages)
 
     def _deny_greedily(self, alloc, need, avail, net, fits, deny, scan, plan) -> None:
         """In batch order, admit a request only if everything admitted so far still fits (``[G, R]`` arrays
