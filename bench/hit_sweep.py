@@ -29,8 +29,9 @@ first probe. Lines:
 * ``hybridkv shared`` / ``hybridkv per-group``: ``CacheManager.from_plan`` on
   ``plan_for_budget`` with ``page_space="shared"`` / ``"per-group"``, prefix
   caching on, default options but the checkpoint policy (``--checkpoint-policy``,
-  ``--checkpoint-interval-tokens``; docs/prefix-caching.md) and the thrash guard
-  (``--no-thrash-guard`` turns it off), which the JSON records;
+  ``--checkpoint-interval-tokens``; docs/prefix-caching.md), the thrash guard
+  (``--no-thrash-guard`` turns it off) and the moved-past demotion
+  (``--no-moved-past-demotion``), which the JSON records;
 * ``vLLM default`` / ``vLLM retention None``: vLLM 0.33's ``KVCacheManager`` as
   ``bench/vs_vllm``'s ``VllmSide`` builds it, with
   ``prefix_cache_retention_interval`` 0 (vLLM's default) / ``None`` (a
@@ -155,9 +156,10 @@ def serve_in_order(side: Any, requests: list) -> np.ndarray:
 
 
 def make_side(line: str, budget_bytes: int, max_model_len: int, vllm_side: Any, policy: Any = None,
-              thrash_guard: bool = True) -> Any:
+              thrash_guard: bool = True, moved_past: bool = True) -> Any:
     """``policy``: the hybridkv lines' ``hybridkv.prefix.checkpoints.CheckpointPolicy`` (None: the default);
-    ``thrash_guard``: their prefix cache's (docs/prefix-caching.md, "Eviction by value")."""
+    ``thrash_guard``, ``moved_past``: their prefix cache's thrash guard and moved-past demotion
+    (docs/prefix-caching.md, "Eviction by value")."""
     common = dict(kv_memory_bytes=budget_bytes, max_model_len=max_model_len,
                   max_num_batched_tokens=CHUNK_TOKENS, max_num_seqs=MAX_NUM_SEQS)
     if line in PEER_LINES:  # bench/peers: a side with serve(requests)
@@ -167,6 +169,7 @@ def make_side(line: str, budget_bytes: int, max_model_len: int, vllm_side: Any, 
                                                  checkpoint_interval_tokens=policy.interval_tokens)
         side = HybridkvSide(page_space="shared" if line.endswith("shared") else "per-group", **common, **options)
         side.manager.prefix.thrash_guard = thrash_guard
+        side.manager.prefix.demote_moved_past = moved_past
         return side
     retention = 0 if line == "vLLM default" else None
     return vllm_side(prefix_cache_retention_interval=retention, **common)
@@ -187,13 +190,14 @@ def group_diagnostics(side: Any) -> dict[str, dict]:
                             evicted_by_reason=v.evicted_pages)
     if manager.arena is not None:
         out["arena"] = dict(slabs_owned=manager.arena.slabs_owned(), slab_moves=manager.arena.slab_moves)
-    if manager.prefix is not None:  # requests the thrash guard put next in line (docs/prefix-caching.md)
-        out["prefix"] = dict(thrash_guarded_requests=manager.prefix.thrash_guarded_requests)
+    if manager.prefix is not None:  # what the thrash guard and the moved-past demotion did (docs/prefix-caching.md)
+        out["prefix"] = dict(thrash_guarded_requests=manager.prefix.thrash_guarded_requests,
+                             moved_past_demoted=manager.prefix.moved_past_demoted)
     return out
 
 
 def run_line(line: str, requests: list, budget_bytes: int, vllm_side: Any, sizes: UnitBytes,
-             policy: Any = None, thrash_guard: bool = True) -> dict:
+             policy: Any = None, thrash_guard: bool = True, moved_past: bool = True) -> dict:
     prompt_tokens = sum(r.prompt_tokens for r in requests)
     start = time.perf_counter()
     if line == "offline bound":
@@ -202,7 +206,7 @@ def run_line(line: str, requests: list, budget_bytes: int, vllm_side: Any, sizes
     longest = max(r.prompt_tokens + r.output_tokens for r in requests)
     max_model_len = -(-longest // 4096) * 4096
     try:
-        side = make_side(line, budget_bytes, max_model_len, vllm_side, policy, thrash_guard)
+        side = make_side(line, budget_bytes, max_model_len, vllm_side, policy, thrash_guard, moved_past)
         hits = side.serve(requests) if hasattr(side, "serve") else serve_in_order(side, requests)
     except (RuntimeError, ValueError) as exc:
         return dict(hit_rate=None, error=str(exc)[:300], seconds=time.perf_counter() - start)
@@ -212,6 +216,7 @@ def run_line(line: str, requests: list, budget_bytes: int, vllm_side: Any, sizes
         result["checkpoint_policy"] = side.manager.prefix.checkpoint_policy
         result["checkpoint_interval_tokens"] = side.manager.prefix.checkpoint_interval_tokens
         result["thrash_guard"] = side.manager.prefix.thrash_guard
+        result["demote_moved_past"] = side.manager.prefix.demote_moved_past
     return result
 
 
@@ -253,7 +258,8 @@ def print_diagnostics(results: dict, budgets: list[int]) -> None:
                         print(f"#   arena: slabs owned {g['slabs_owned']}, slab moves {g['slab_moves']:,}")
                         continue
                     if gid == "prefix":
-                        print(f"#   thrash guard: {g['thrash_guarded_requests']:,} requests guarded")
+                        print(f"#   thrash guard: {g['thrash_guarded_requests']:,} requests guarded; moved-past "
+                              f"demotion: {g.get('moved_past_demoted', 0):,} checkpoints demoted")
                         continue
                     reasons = ", ".join(f"{k} {n:,}" for k, n in g.get("evicted_by_reason", {}).items() if n)
                     print(f"#   {gid.removeprefix('v4.')}: {g['cached_pages']:,} / {g['evicted_pages']:,}; "
@@ -326,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the \"interval\" policy's k: a speculative checkpoint every k tokens (a multiple of 256)")
     parser.add_argument("--thrash-guard", action=argparse.BooleanOptionalAction, default=True,
                         help="the hybridkv lines' thrash guard (docs/prefix-caching.md; default on)")
+    parser.add_argument("--moved-past-demotion", action=argparse.BooleanOptionalAction, default=True,
+                        help="the hybridkv lines' moved-past demotion (docs/prefix-caching.md; default on)")
     parser.add_argument("--json", default="bench/out/hit_sweep.json")
     parser.add_argument("--plot", default=None, help="write the plot here (.png, .pdf, .svg)")
     parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
@@ -362,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         for budget in budgets:
             row = entry["budgets"][str(budget)] = {}
             for line in lines:
-                row[line] = run_line(line, requests, budget, vllm_side, sizes, policy, args.thrash_guard)
+                row[line] = run_line(line, requests, budget, vllm_side, sizes, policy, args.thrash_guard,
+                                     args.moved_past_demotion)
                 rate = row[line]["hit_rate"]
                 print(f"# {workload} {budget / GIB:g} GiB {line}: "
                       f"{'refused' if rate is None else f'{rate:.1%}'} ({row[line]['seconds']:.0f} s)",

@@ -284,6 +284,8 @@ def test_hit_sweep_names_the_policy(capsys):
     assert (side.manager.prefix.checkpoint_policy, side.manager.prefix.checkpoint_interval_tokens) == ("interval", 1024)
     assert side.manager.prefix.thrash_guard
     assert not hit_sweep.make_side("hybridkv shared", 2 << 30, 8192, None, thrash_guard=False).manager.prefix.thrash_guard
+    assert side.manager.prefix.demote_moved_past
+    assert not hit_sweep.make_side("hybridkv shared", 2 << 30, 8192, None, moved_past=False).manager.prefix.demote_moved_past
     for argv, message in ((["--checkpoint-policy", "nope"], "invalid choice: 'nope'"),
                           (["--checkpoint-policy", "interval"], "'interval' needs --checkpoint-interval-tokens"),
                           (["--checkpoint-policy", "interval", "--checkpoint-interval-tokens", "300"],

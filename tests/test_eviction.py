@@ -341,6 +341,85 @@ def test_the_thrash_guard_acts_with_the_value_policy_alone(options):
     assert served[-1][1] == 0
 
 
+def _turn_prompt(turn: int) -> np.ndarray:
+    """Turn 0: 520 tokens; each later turn the last one's prompt and answer (40 tokens, ``ids(20 + turn, 40)``) and
+    300 new tokens."""
+    prompt = ids(1, 520)
+    for k in range(1, turn + 1):
+        prompt = cat(prompt, ids(20 + k - 1, 40), ids(10 + k, 300))
+    return prompt
+
+
+def _conversation(mgr, turns):
+    """A conversation served turn by turn (``_turn_prompt``; no pressure: 1,200 pages a group): per turn its hit, and
+    the key of every checkpoint published at a boundary (from the "stored" events)."""
+    hits, keys = [], {}
+    for turn in range(turns):
+        mgr.prefix.drain_events()
+        hits.append(run_request(mgr, f"t{turn}", _turn_prompt(turn), ids(20 + turn, 40)).hit_tokens)
+        events = mgr.prefix.drain_events()
+        keys.update({e.tokens: int(e.block_hash, 16) for e in events if e.kind == "stored" and e.group_id == SWA})
+    return hits, keys
+
+
+def _low(mgr, key) -> dict[str, bool]:
+    """Per state group, whether its entry under ``key`` is low priority."""
+    return {g: bool(mgr.pools[g].low_priority[mgr.pools[g].lookup(key)[0]]) for g in STATE}
+
+
+def test_a_checkpoint_a_conversation_moved_past_goes_low_once_it_moves_on_again():
+    """Worked by hand. t0 (520 + 40 tokens) leaves a terminal at 512; t1 (its 559 tokens and 300 more: 859) hits at
+    512 and its prompt passes 768, a grain past its hit, so 512 is its moved-past checkpoint; it leaves a terminal at
+    768 (896 tokens computed, the latest boundary 768). 512 stays of normal priority while a retry of t1 could still
+    want it; t2 hits t1's terminal at 768: the conversation moved on twice, and 512 goes low in every state group
+    (history below it keeps its support: 768 and t2's terminal at 1,024 lie beyond)."""
+    mgr = make_manager()
+    hits, keys = _conversation(mgr, 2)
+    assert hits == [0, 512] and _low(mgr, keys[512]) == dict.fromkeys(STATE, False)
+    mgr = make_manager()
+    hits, keys = _conversation(mgr, 3)
+    assert hits == [0, 512, 768] and mgr.prefix.moved_past_demoted == 1
+    assert _low(mgr, keys[512]) == dict.fromkeys(STATE, True)
+    assert _low(mgr, keys[768]) == _low(mgr, keys[1024]) == dict.fromkeys(STATE, False)
+    assert all(mgr.pools[g].num_low_priority_idle_pages == 0 for g in HISTORY)
+    assert mgr.add_request("retry", cat(ids(1, 520), ids(9, 10))).hit_tokens == 512  # low, still cached
+
+
+def test_a_checkpoint_another_prefix_branches_off_or_a_short_turn_keeps_its_priority():
+    """As above, but b (t0's first 512 tokens and 300 others) branches off 512 before t2: two prefixes continue it,
+    so t2's hit demotes nothing. And where t1 adds only 100 tokens (prompt 660: no grain past its hit at 512, as
+    when an agent's branch or a retry may fork at its hit) and answers 150 (a terminal at 768, beyond its hit),
+    nothing is remembered: t2 hits at 768 and 512 keeps its priority."""
+    mgr = make_manager()
+    _, keys = _conversation(mgr, 2)
+    run_request(mgr, "b", cat(ids(1, 512), ids(30, 300)))
+    assert run_request(mgr, "t2", _turn_prompt(2)).hit_tokens == 768
+    assert mgr.prefix.moved_past_demoted == 0 and _low(mgr, keys[512]) == dict.fromkeys(STATE, False)
+    mgr = make_manager()
+    _, keys = _conversation(mgr, 1)
+    t1 = cat(ids(1, 520), ids(20, 40), ids(11, 100))
+    assert run_request(mgr, "t1", t1, ids(21, 150)).hit_tokens == 512
+    assert run_request(mgr, "t2", cat(t1, ids(21, 150), ids(12, 300))).hit_tokens == 768
+    assert mgr.prefix.moved_past_demoted == 0 and _low(mgr, keys[512]) == dict.fromkeys(STATE, False)
+
+
+@pytest.mark.parametrize("options", [dict(eviction_policy="group-lru"),
+                                     dict(prompt_checkpoints=None, checkpoint_policy="prefill-per-byte"),
+                                     dict(switched_off=True), dict(tier_link=True)])
+def test_the_moved_past_demotion_acts_with_the_value_policy_alone(options):
+    """Three turns as above demote nothing where each pool evicts by its own LRU, where "prefill-per-byte" ranks
+    checkpoints itself, with ``demote_moved_past = False``, or with a tier link (a demoted checkpoint may be
+    offloaded, and loading it back loses no hit)."""
+    switched_off, tier_link = options.pop("switched_off", False), options.pop("tier_link", False)
+    mgr = make_manager(**options)
+    mgr.prefix.demote_moved_past = not switched_off
+    if tier_link:
+        mgr.prefix.tier_hook = _TierHookStub()
+    hits, keys = _conversation(mgr, 3)
+    assert hits == [0, 512, 768] and mgr.prefix.moved_past_demoted == 0
+    assert _low(mgr, keys[512]) == dict.fromkeys(STATE, False)
+
+
 def test_group_lru_and_value_give_the_same_hits_without_pressure():
     hits = {}
     for policy in ("value", "group-lru"):

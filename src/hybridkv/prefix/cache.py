@@ -152,6 +152,7 @@ class PrefixGroupStats:
 class OwnCheckpoint:
     boundary_tokens: int
     pinned: bool = False  # an interval or junction checkpoint: never superseded
+    borrowed: bool = False  # the checkpoint its request's hit resumed from
     # gid -> (key, pages): the very tuple the pool published, so ``_supersede`` knows the hold by identity.
     entries: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
 
@@ -166,6 +167,7 @@ class CommittingRequest(Protocol):
     keep_boundaries: frozenset[int]  # boundaries whose checkpoints it pins (its junction)
     token_ids: np.ndarray  # its known tokens (int32), hashed as it is added and as appends complete blocks
     thrash_hit_tokens: int  # its hit where its prompt reached past it to a checkpoint evicted lately, else -1
+    moved_past: list  # the checkpoint it borrowed, once its prompt moved a grain past it: (lookup, key, pages, slot)
 
 
 class PrefixCache:
@@ -227,6 +229,11 @@ class PrefixCache:
         self._guarding = self.eviction.acts and self.values is None and bool(self.state_ids)
         self._evicted_checkpoints: OrderedDict[int, None] = OrderedDict()
         self._evicted_bound = self.pools[self.state_ids[0]].num_pages if self.state_ids else 0
+        # The moved-past demotion ("Eviction by value", 8; ``demote_moved_past = False`` turns it off): per key of a
+        # checkpoint a request left at its free, the entries of the one it borrowed and moved past (as many keys).
+        self.demote_moved_past = True
+        self.moved_past_demoted = 0  # checkpoints it demoted
+        self._moved_past: OrderedDict[int, list] = OrderedDict()
 
     def _note_evicted(self, keys: Iterator[int] | Sequence[int]) -> None:
         """Checkpoints evicted (the thrash guard's), each now the newest; past the bound the oldest are forgotten."""
@@ -236,6 +243,29 @@ class PrefixCache:
             evicted.move_to_end(key)
         while len(evicted) > self._evicted_bound:
             evicted.popitem(last=False)
+
+    def note_moved_past(self, req: CommittingRequest) -> None:
+        """At ``req``'s free: the checkpoint it borrowed and moved past (``req.moved_past``) is remembered under the key
+        of its latest checkpoint, to be demoted when a request hits that one (:meth:`_demote_moved_past`)."""
+        entries = req.own_checkpoints[-1].entries if req.own_checkpoints else None
+        if req.moved_past and entries:
+            remembered = self._moved_past
+            remembered[next(iter(entries.values()))[0]] = req.moved_past
+            while len(remembered) > self._evicted_bound:
+                remembered.popitem(last=False)
+
+    def _demote_moved_past(self, key: int) -> None:
+        """A hit at ``key``: the checkpoint its request moved past, where still published and no other prefix branches
+        off it, goes low priority (its conversation moved on twice: "Eviction by value", 8)."""
+        entries = self._moved_past.pop(key, None)
+        if entries and self.eviction.branches(entries[0][1]) <= 1:
+            listed = []
+            for lookup, passed, pages, slot in entries:
+                if lookup(passed) is pages:  # not evicted (nor re-stored) since
+                    listed += (slot, len(pages), *pages)
+            if listed:
+                self._space.demote(listed)
+                self.moved_past_demoted += 1
 
     def _thrash_hit(self, req: CommittingRequest, blocks: int) -> int:
         """The hit's tokens where the guard is on and the prompt's blocks past the hit's ``blocks`` name a checkpoint
@@ -490,7 +520,9 @@ class PrefixCache:
             holders[key] = holders.get(key, 0) + 1
         if self.values is not None:
             self.values.hit(key)
-        req.own_checkpoints = [OwnCheckpoint(d, False, entries)] if at_hit else []
+        if self._moved_past:
+            self._demote_moved_past(key)
+        req.own_checkpoints = [OwnCheckpoint(d, False, True, entries)] if at_hit else []
         return hit
 
     # --- publication -------------------------------------------------------------
@@ -584,7 +616,7 @@ class PrefixCache:
         events.append(booked)  # its "stored" events, expanded when drained (``_raws``)
         key = checkpoint_keys[-1]
         own = _new_object(OwnCheckpoint)  # its fields stored directly (no ``__init__`` frame)
-        own.boundary_tokens, own.pinned, own.entries = boundaries[-1], False, {}
+        own.boundary_tokens, own.pinned, own.borrowed, own.entries = boundaries[-1], False, False, {}
         for gid, holders, published in self._unit_holders:  # a key no group had: no request holds it yet
             own.entries[gid] = (key, published[key])
             holders[key] = 1
@@ -756,6 +788,7 @@ class PrefixCache:
         their lists at the commit's end (``_let_go``): the same removals, events (onto ``events``) and order as one at a
         time. One function, plain loops: cheaper run cold."""
         pinned, books, values = [], self._supersede_books, self.values
+        moving_on, grain = self.demote_moved_past and self._guarding and self.tier_hook is None, self.granularity_tokens
         for prev in req.own_checkpoints:
             if prev.pinned:
                 pinned.append(prev)
@@ -769,6 +802,8 @@ class PrefixCache:
                 left = holders.pop(key, 1) - 1
                 if left:
                     holders[key] = left
+                    if moving_on and prev.borrowed and prev.boundary_tokens + grain <= req.prompt_tokens:
+                        req.moved_past.append((lookup, key, pages, slot))  # its prompt moved a grain past the hit
                 elif values is not None and self._kept_by_value(key, prev.boundary_tokens, req):
                     continue  # its priority and place: rank_checkpoints
                 elif demote:  # its entry listed (group, page count, pages)
@@ -879,6 +914,7 @@ class PrefixCache:
 
     def clear(self) -> None:
         self._evicted_checkpoints.clear()  # what the thrash guard remembers goes with the entries
+        self._moved_past.clear()
         self._dropping = True
         for pool in self.pools.values():
             for key in pool.entry_keys():  # held pages stay held

@@ -237,6 +237,11 @@ class ValueEviction:
         node = self._nodes.get(key)
         return node is not None and not node[5] and self._track
 
+    def branches(self, key: Hashable) -> int:
+        """How many published keys continue the prefix ``key`` names (its node's children; 0 without a node)."""
+        node = self._nodes.get(key)
+        return 0 if node is None or node[4] is None else len(node[4])
+
     def unit_left(self, key: Hashable, count: int, node: list | None = None) -> tuple[Hashable | None, int]:
         """A checkpoint left ``count`` state groups at once (its unit, evicted or unpublished; :meth:`removed`: one):
         its node's counts, its support where it was complete; evicted pages are not counted.
