@@ -389,11 +389,19 @@ def test_a_checkpoint_another_prefix_branches_off_or_a_short_turn_keeps_its_prio
     """As above, but b (t0's first 512 tokens and 300 others) branches off 512 before t2: two prefixes continue it,
     so t2's hit demotes nothing. And where t1 adds only 100 tokens (prompt 660: no grain past its hit at 512, as
     when an agent's branch or a retry may fork at its hit) and answers 150 (a terminal at 768, beyond its hit),
-    nothing is remembered: t2 hits at 768 and 512 keeps its priority."""
+    nothing is remembered: t2 hits at 768 and 512 keeps its priority; nor where t1 is freed before anything past
+    its hit was published (a later hit at 512 demotes nothing)."""
     mgr = make_manager()
     _, keys = _conversation(mgr, 2)
     run_request(mgr, "b", cat(ids(1, 512), ids(30, 300)))
     assert run_request(mgr, "t2", _turn_prompt(2)).hit_tokens == 768
+    assert mgr.prefix.moved_past_demoted == 0 and _low(mgr, keys[512]) == dict.fromkeys(STATE, False)
+    mgr = make_manager()  # t1 freed after 100 of its tokens (aborted: nothing past its hit published)
+    _, keys = _conversation(mgr, 1)
+    assert mgr.add_request("t1", _turn_prompt(1)).hit_tokens == 512
+    mgr.schedule([("t1", 100)])
+    mgr.free("t1")
+    assert run_request(mgr, "t1b", cat(ids(1, 520), ids(9, 10))).hit_tokens == 512
     assert mgr.prefix.moved_past_demoted == 0 and _low(mgr, keys[512]) == dict.fromkeys(STATE, False)
     mgr = make_manager()
     _, keys = _conversation(mgr, 1)

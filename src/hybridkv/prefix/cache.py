@@ -152,7 +152,6 @@ class PrefixGroupStats:
 class OwnCheckpoint:
     boundary_tokens: int
     pinned: bool = False  # an interval or junction checkpoint: never superseded
-    borrowed: bool = False  # the checkpoint its request's hit resumed from
     # gid -> (key, pages): the very tuple the pool published, so ``_supersede`` knows the hold by identity.
     entries: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
 
@@ -167,7 +166,7 @@ class CommittingRequest(Protocol):
     keep_boundaries: frozenset[int]  # boundaries whose checkpoints it pins (its junction)
     token_ids: np.ndarray  # its known tokens (int32), hashed as it is added and as appends complete blocks
     thrash_hit_tokens: int  # its hit where its prompt reached past it to a checkpoint evicted lately, else -1
-    moved_past: list  # the checkpoint it borrowed, once its prompt moved a grain past it: (lookup, key, pages, slot)
+    hit_checkpoints: list  # the checkpoint its hit resumed from, as its first own checkpoints (none: no hit)
 
 
 class PrefixCache:
@@ -245,19 +244,37 @@ class PrefixCache:
             evicted.popitem(last=False)
 
     def note_moved_past(self, req: CommittingRequest) -> None:
-        """At ``req``'s free: the checkpoint it borrowed and moved past (``req.moved_past``) is remembered under the key
-        of its latest checkpoint, to be demoted when a request hits that one (:meth:`_demote_moved_past`)."""
-        entries = req.own_checkpoints[-1].entries if req.own_checkpoints else None
-        if req.moved_past and entries:
+        """At the free of ``req``, which hit a checkpoint: where its prompt passed that one by a grain and superseded
+        it, and it is still published at normal priority, its entries are remembered under the key of the request's
+        latest checkpoint, to be demoted when a request hits that one (:meth:`_demote_moved_past`)."""
+        hit, own = req.hit_checkpoints[0], req.own_checkpoints
+        entries = self._normal_entries(hit) if self._moved_on(req, hit, own) else None
+        if entries:
             remembered = self._moved_past
-            remembered[next(iter(entries.values()))[0]] = req.moved_past
+            remembered[next(iter(own[-1].entries.values()))[0]] = entries
             while len(remembered) > self._evicted_bound:
                 remembered.popitem(last=False)
+
+    def _moved_on(self, req: CommittingRequest, hit: OwnCheckpoint, own: list) -> bool:
+        """Whether ``req`` (freed, with the demotion acting) superseded the checkpoint it hit, its prompt passing it by
+        a grain, and left one of its own."""
+        return (self.demote_moved_past and self._guarding and self.tier_hook is None and bool(own)
+                and bool(own[-1].entries) and all(c is not hit for c in own)
+                and hit.boundary_tokens + self.granularity_tokens <= req.prompt_tokens)
+
+    def _normal_entries(self, hit: OwnCheckpoint) -> list[tuple]:
+        """``hit``'s entries still published at normal priority, as (lookup, key, pages, page space index)."""
+        entries = []
+        for gid, (key, pages) in hit.entries.items():
+            lookup, _, slot = self._supersede_books[gid]
+            if lookup(key) is pages and not self.pools[gid].low_priority[pages[0]]:
+                entries.append((lookup, key, pages, slot))
+        return entries
 
     def _demote_moved_past(self, key: int) -> None:
         """A hit at ``key``: the checkpoint its request moved past, where still published and no other prefix branches
         off it, goes low priority (its conversation moved on twice: "Eviction by value", 8)."""
-        entries = self._moved_past.pop(key, None)
+        entries = self._moved_past.pop(key, None) if self._moved_past else None
         if entries and self.eviction.branches(entries[0][1]) <= 1:
             listed = []
             for lookup, passed, pages, slot in entries:
@@ -520,9 +537,8 @@ class PrefixCache:
             holders[key] = holders.get(key, 0) + 1
         if self.values is not None:
             self.values.hit(key)
-        if self._moved_past:
-            self._demote_moved_past(key)
-        req.own_checkpoints = [OwnCheckpoint(d, False, True, entries)] if at_hit else []
+        self._demote_moved_past(key)
+        req.hit_checkpoints = req.own_checkpoints = [OwnCheckpoint(d, False, entries)] if at_hit else []
         return hit
 
     # --- publication -------------------------------------------------------------
@@ -616,7 +632,7 @@ class PrefixCache:
         events.append(booked)  # its "stored" events, expanded when drained (``_raws``)
         key = checkpoint_keys[-1]
         own = _new_object(OwnCheckpoint)  # its fields stored directly (no ``__init__`` frame)
-        own.boundary_tokens, own.pinned, own.borrowed, own.entries = boundaries[-1], False, False, {}
+        own.boundary_tokens, own.pinned, own.entries = boundaries[-1], False, {}
         for gid, holders, published in self._unit_holders:  # a key no group had: no request holds it yet
             own.entries[gid] = (key, published[key])
             holders[key] = 1
@@ -788,7 +804,6 @@ class PrefixCache:
         their lists at the commit's end (``_let_go``): the same removals, events (onto ``events``) and order as one at a
         time. One function, plain loops: cheaper run cold."""
         pinned, books, values = [], self._supersede_books, self.values
-        moving_on, grain = self.demote_moved_past and self._guarding and self.tier_hook is None, self.granularity_tokens
         for prev in req.own_checkpoints:
             if prev.pinned:
                 pinned.append(prev)
@@ -802,8 +817,6 @@ class PrefixCache:
                 left = holders.pop(key, 1) - 1
                 if left:
                     holders[key] = left
-                    if moving_on and prev.borrowed and prev.boundary_tokens + grain <= req.prompt_tokens:
-                        req.moved_past.append((lookup, key, pages, slot))  # its prompt moved a grain past the hit
                 elif values is not None and self._kept_by_value(key, prev.boundary_tokens, req):
                     continue  # its priority and place: rank_checkpoints
                 elif demote:  # its entry listed (group, page count, pages)

@@ -54,7 +54,7 @@ class _Request:
     own_checkpoints: list = field(default_factory=list)
     keep_boundaries: frozenset = frozenset()
     thrash_hit_tokens: int = -1  # the prefix cache's thrash guard (``PrefixCache.match_and_borrow`` sets it)
-    moved_past: list = field(default_factory=list)  # the prefix cache's moved-past demotion (``_supersede`` fills)
+    hit_checkpoints: list = field(default_factory=list)  # its hit's checkpoint (``PrefixCache.match_and_borrow``)
 
 
 class PreparedPrompt:
@@ -1336,7 +1336,7 @@ class CacheManager:
             self._space.free_row(tables, self._by_row, row, 0)
         if first_in_line and self._space.first_in_line(first_in_line):  # the thrash guard: what it published past
             prefix.thrash_guarded_requests += 1  # its hit is evicted next, not last
-        if req.moved_past:
+        if req.hit_checkpoints:  # the prefix cache's moved-past demotion
             prefix.note_moved_past(req)
         if prefix is not None and prefix.values is not None:  # else forgetting it changes nothing
             prefix.forget_request(req)
