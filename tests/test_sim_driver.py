@@ -154,6 +154,8 @@ def test_simulate_cli_json_and_plot(tmp_path, capsys):
         (["--requests", "0"], "--requests must be positive"),
         (["--no-prefix-caching", "--state-checkpoint-interval", "512"], "needs --prefix-caching"),
         (["--no-prefix-caching", "--no-thrash-guard"], "--thrash-guard / --no-thrash-guard needs --prefix-caching"),
+        (["--no-prefix-caching", "--moved-past-demotion"],
+         "--moved-past-demotion / --no-moved-past-demotion needs --prefix-caching"),
         (["--kv-memory", "1MiB"], "holds no slab"),
         (["--kv-memory", "1MiB", "--page-space", "per-group"], "too small"),
         (["--min-chunk-tokens=-1"], "--min-chunk-tokens must not be negative"),
@@ -178,6 +180,19 @@ def test_simulate_thrash_guard_flag_reaches_the_manager(capsys):
     assert runs["--thrash-guard"]["thrash_guarded_requests"] > 0
     assert runs["--no-thrash-guard"]["thrash_guarded_requests"] == 0
     assert runs["--thrash-guard"]["requests_finished"] == runs["--no-thrash-guard"]["requests_finished"] == 200
+
+
+def test_simulate_moved_past_demotion_flag_reaches_the_manager(capsys):
+    """One-at-a-time multiturn conversations (16 running, 40 GiB: no pressure) move past their checkpoints: with the
+    demotion on some are demoted, with --no-moved-past-demotion none, the hits the same (nothing is evicted)."""
+    argv = ["simulate", "--workload", "multiturn", "--requests", "120", "--max-running", "16", "--json"]
+    runs = {}
+    for flag in ("--moved-past-demotion", "--no-moved-past-demotion"):
+        assert main([*argv, flag]) == 0
+        runs[flag] = json.loads(capsys.readouterr().out)
+    assert runs["--moved-past-demotion"]["moved_past_demoted"] > 0
+    assert runs["--no-moved-past-demotion"]["moved_past_demoted"] == 0
+    assert runs["--moved-past-demotion"]["token_hit_rate"] == runs["--no-moved-past-demotion"]["token_hit_rate"]
 
 
 def test_simulate_shared_page_space_needs_no_per_group_minimum(capsys):

@@ -85,6 +85,11 @@ def _add_workload_arguments(parser: Any) -> None:
         "(docs/prefix-caching.md, \"Eviction by value\"; default on)",
     )
     parser.add_argument(
+        "--moved-past-demotion", action=argparse.BooleanOptionalAction, default=None,
+        help="a checkpoint a conversation moved past goes low priority once it moves on again "
+        "(docs/prefix-caching.md, \"Eviction by value\"; default on)",
+    )
+    parser.add_argument(
         "--min-chunk-tokens",
         type=a.number("--min-chunk-tokens", "tokens", minimum=0, maximum=a.MAX_CHUNK_TOKENS),
         default=256, metavar="TOKENS",
@@ -161,10 +166,12 @@ def workload_source(text: str) -> str:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Everything that can be checked before planning and the run."""
-    for flag in ("state_checkpoint_interval", "checkpoint_policy", "checkpoint_interval_tokens", "thrash_guard"):
+    switches = ("thrash_guard", "moved_past_demotion")  # on / off flags
+    for flag in ("state_checkpoint_interval", "checkpoint_policy", "checkpoint_interval_tokens", *switches):
         if getattr(args, flag) is not None and not args.prefix_caching:
-            name = "--thrash-guard / --no-thrash-guard" if flag == "thrash_guard" else f"--{flag.replace('_', '-')}"
-            raise ValueError(f"{name} needs --prefix-caching")
+            name = f"--{flag.replace('_', '-')}"
+            raise ValueError(f"{name} / --no-{name[2:]} needs --prefix-caching" if flag in switches else
+                             f"{name} needs --prefix-caching")
     try:  # the grain's multiple is checked when the manager is built (before the run)
         checkpoint_policy(args.checkpoint_policy, None, args.checkpoint_interval_tokens, 1)
     except ValueError as exc:
@@ -242,6 +249,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(a.flag_names(str(exc))) from None
     if args.thrash_guard is not None:
         manager.prefix.thrash_guard = args.thrash_guard
+    if args.moved_past_demotion is not None:
+        manager.prefix.demote_moved_past = args.moved_past_demotion
     sim = Simulator(
         manager, requests,
         max_running=plan.limits.max_running_requests,
@@ -255,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
         workload=args.workload, requests=len(requests), prefix_caching=args.prefix_caching,
         kv_memory_bytes=plan.budget_bytes, page_space=args.page_space, model=plan.layout.name,
         thrash_guarded_requests=manager.prefix.thrash_guarded_requests if manager.prefix is not None else 0,
+        moved_past_demoted=manager.prefix.moved_past_demoted if manager.prefix is not None else 0,
     )
     if args.plot:
         write_plot(result, args.plot, summary)

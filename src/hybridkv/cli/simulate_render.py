@@ -47,6 +47,7 @@ def print_summary(summary: dict, console: Console) -> None:
         ("token hit rate", f"{summary['token_hit_rate']:.1%}"),
         ("preemptions", f"{summary['preemptions']:,}"),
         ("requests the thrash guard put next in line", f"{summary.get('thrash_guarded_requests', 0):,}"),
+        ("checkpoints demoted once moved past", f"{summary.get('moved_past_demoted', 0):,}"),
         ("prefill chunks shrunk to fit", f"{summary['shrunk_chunks']:,}"),
         ("manager µs / step p50", f"{summary['manager_us_per_step_p50']:,.0f}"),
         ("manager µs / step p99", f"{summary['manager_us_per_step_p99']:,.0f}"),
