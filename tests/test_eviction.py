@@ -350,6 +350,20 @@ def _turn_prompt(turn: int) -> np.ndarray:
     return prompt
 
 
+def test_a_step_whose_plan_left_a_group_short_raises_instead_of_allocating_past_its_free_pages(monkeypatch):
+    """The round robin's c is short of a page and must evict one (above). Were making room to fall short (a plan that
+    promised pages it could not free; here ``make_room`` does nothing), the step stops with an error naming the group
+    before the compiled allocation reads past the free stack's top."""
+    mgr = make_manager(group_pages={C4KV: 7, C128KV: 7})
+    for name, seed in (("a", 1), ("b", 2)):
+        run_request(mgr, name, ids(seed, 520))
+    monkeypatch.setattr(PagePool, "make_room", lambda pool, *args, **kwargs: None)
+    mgr.add_request("c", ids(3, 520), max_new_tokens=1)
+    with pytest.raises(AssertionError, match="group 'v4.c4a.compressed_kv': 2 free pages after making room for a "
+                                             "step allocating 3"):
+        mgr.schedule([("c", 520)])
+
+
 def _conversation(mgr, turns):
     """A conversation served turn by turn (``_turn_prompt``; no pressure: 1,200 pages a group): per turn its hit, and
     the key of every checkpoint published at a boundary (from the "stored" events)."""

@@ -1178,6 +1178,11 @@ class CacheManager:
                     if pool.counters.evicted_pages != before and any(allocated[g + 1 :]):
                         self._room_entry(*self._room_args(plan, g + 1))
                         marks = sc.marks.tolist()
+        short = np.flatnonzero(self._space.tops < plan.sums[1])
+        if short.size:  # a plan that did not cover an allocation: an error, not a free stack read past its top
+            g = int(short[0])
+            raise AssertionError(f"group {self._group_ids[g]!r}: {int(self._space.tops[g])} free pages after making "
+                                 f"room for a step allocating {int(plan.sums[1][g])}")
         # ``kernels.finish_step`` of the plan in the scratch buffer, by its compiled code (the same types every call).
         args = (*(self._state or self._kernel_state())[:10], sc.buffer, plan.rows.size, plan.settle,
                 self._tableset.logged, n_touched, *cells, *out, True)
