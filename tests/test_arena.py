@@ -859,23 +859,6 @@ def reference_donor_slabs(arena, own, gid, donor, short, left, inner_idle, edge_
     return slabs, short, left
 
 
-def reference_donor_plan(arena, deficit, surplus, keyed_mode):
-    """Slabs of donors (groups not short) for each short group in group order (``reference_donor_slabs``,
-    idleness from the whole-pool scan). (No spare slab left: only donors lend.)"""
-    own, left, grants = arena.owner.copy(), dict(surplus), []
-    idle = {gid: whole_pool_idle_slabs(arena, gid, keyed_mode, 0, np.empty(0, dtype=np.int64))
-            for gid in arena.group_ids}
-    for gid in arena.group_ids:
-        short = deficit.get(gid, 0)
-        for donor in arena.group_ids:
-            if short <= 0 or donor == gid or deficit.get(donor, 0) > 0 or left.get(donor, 0) <= 0:
-                continue
-            slabs, short, left[donor] = reference_donor_slabs(arena, own, gid, donor, short, left[donor],
-                                                              *idle[donor][:2])
-            grants += [(gid, slab, donor) for slab in slabs]
-    return grants
-
-
 def slab_by_slab_pages(geometry, owner, index, grants):
     """Reference for granting spare slabs: each grant's pages from the geometry alone,
     one slab at a time (inner pages, then the straddler of each boundary with a slab
