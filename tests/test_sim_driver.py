@@ -168,31 +168,33 @@ def test_simulate_cli_bad_input_is_one_line_exit_2(argv, message, capsys):
     assert err.startswith("hybridkv: error:") and message in err and err.count("\n") == 1
 
 
+def _simulate_on_and_off(capsys, argv: list[str], flag: str) -> tuple[dict, dict]:
+    """``simulate`` with ``argv`` and ``--json``, once with ``--<flag>``, once with ``--no-<flag>``: both summaries."""
+    runs = []
+    for switch in (f"--{flag}", f"--no-{flag}"):
+        assert main(["simulate", *argv, "--json", switch]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    return runs[0], runs[1]
+
+
 def test_simulate_thrash_guard_flag_reaches_the_manager(capsys):
     """Under pressure (200 multiturn requests, 16 running, 1.5 GiB) the guard puts some requests' pages next in line;
     with --no-thrash-guard none, and the summary says how many."""
-    argv = ["simulate", "--workload", "multiturn", "--requests", "200", "--kv-memory", "1.5GiB", "--max-running", "16",
-            "--json"]
-    runs = {}
-    for flag in ("--thrash-guard", "--no-thrash-guard"):
-        assert main([*argv, flag]) == 0
-        runs[flag] = json.loads(capsys.readouterr().out)
-    assert runs["--thrash-guard"]["thrash_guarded_requests"] > 0
-    assert runs["--no-thrash-guard"]["thrash_guarded_requests"] == 0
-    assert runs["--thrash-guard"]["requests_finished"] == runs["--no-thrash-guard"]["requests_finished"] == 200
+    on, off = _simulate_on_and_off(capsys, ["--workload", "multiturn", "--requests", "200", "--kv-memory", "1.5GiB",
+                                            "--max-running", "16"], "thrash-guard")
+    assert on["thrash_guarded_requests"] > 0
+    assert off["thrash_guarded_requests"] == 0
+    assert on["requests_finished"] == off["requests_finished"] == 200
 
 
 def test_simulate_moved_past_demotion_flag_reaches_the_manager(capsys):
     """One-at-a-time multiturn conversations (16 running, 40 GiB: no pressure) move past their checkpoints: with the
     demotion on some are demoted, with --no-moved-past-demotion none, the hits the same (nothing is evicted)."""
-    argv = ["simulate", "--workload", "multiturn", "--requests", "120", "--max-running", "16", "--json"]
-    runs = {}
-    for flag in ("--moved-past-demotion", "--no-moved-past-demotion"):
-        assert main([*argv, flag]) == 0
-        runs[flag] = json.loads(capsys.readouterr().out)
-    assert runs["--moved-past-demotion"]["moved_past_demoted"] > 0
-    assert runs["--no-moved-past-demotion"]["moved_past_demoted"] == 0
-    assert runs["--moved-past-demotion"]["token_hit_rate"] == runs["--no-moved-past-demotion"]["token_hit_rate"]
+    on, off = _simulate_on_and_off(capsys, ["--workload", "multiturn", "--requests", "120", "--max-running", "16"],
+                                   "moved-past-demotion")
+    assert on["moved_past_demoted"] > 0
+    assert off["moved_past_demoted"] == 0
+    assert on["token_hit_rate"] == off["token_hit_rate"]
 
 
 def test_simulate_shared_page_space_needs_no_per_group_minimum(capsys):

@@ -18,7 +18,7 @@ from functools import partial, reduce
 from itertools import islice, repeat
 from math import lcm
 from operator import itemgetter
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 import numpy as np
 import xxhash
@@ -234,14 +234,17 @@ class PrefixCache:
         self.moved_past_demoted = 0  # checkpoints it demoted
         self._moved_past: OrderedDict[int, list] = OrderedDict()
 
+    def _remember(self, store: OrderedDict, key: int, value: Any = None) -> None:
+        """``store[key] = value``, now the newest; past the bound (``_evicted_bound``) the oldest are forgotten."""
+        store[key] = value
+        store.move_to_end(key)
+        while len(store) > self._evicted_bound:
+            store.popitem(last=False)
+
     def _note_evicted(self, keys: Iterator[int] | Sequence[int]) -> None:
-        """Checkpoints evicted (the thrash guard's), each now the newest; past the bound the oldest are forgotten."""
-        evicted = self._evicted_checkpoints
+        """Checkpoints evicted (the thrash guard's), each now the newest."""
         for key in keys:
-            evicted[key] = None
-            evicted.move_to_end(key)
-        while len(evicted) > self._evicted_bound:
-            evicted.popitem(last=False)
+            self._remember(self._evicted_checkpoints, key)
 
     def note_moved_past(self, req: CommittingRequest) -> None:
         """At the free of ``req``, which hit a checkpoint: where its prompt passed that one by a grain and superseded
@@ -250,10 +253,7 @@ class PrefixCache:
         hit, own = req.hit_checkpoints[0], req.own_checkpoints
         entries = self._normal_entries(hit) if self._moved_on(req, hit, own) else None
         if entries:
-            remembered = self._moved_past
-            remembered[next(iter(own[-1].entries.values()))[0]] = entries
-            while len(remembered) > self._evicted_bound:
-                remembered.popitem(last=False)
+            self._remember(self._moved_past, next(iter(own[-1].entries.values()))[0], entries)
 
     def _moved_on(self, req: CommittingRequest, hit: OwnCheckpoint, own: list) -> bool:
         """Whether ``req`` (freed, with the demotion acting) superseded the checkpoint it hit, its prompt passing it by

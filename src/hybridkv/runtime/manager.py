@@ -745,18 +745,18 @@ class CacheManager:
         a history group's, the oldest idle tick a wanting group would evict; a state group's, the latest tick up to
         which a wanting group's own evictions would reach (its low-priority pages first), since each of its units
         has an entry in every state group and leaves whole. None: no wanting group holds an entry of normal priority."""
-        oldest = [t for t in (self.pools[g].oldest_idle_tick() for g in wanting) if t is not None]
+        oldest = {g: t for g in wanting if (t := self.pools[g].oldest_idle_tick()) is not None}
         if not oldest:
             return None, None
-        reached = max(self._tick_reached(g, n) or 0 for g, n in wanting.items())
-        return min(oldest), dict.fromkeys(self.prefix.state_ids, max(reached, min(oldest)))
+        reached = max(self._tick_reached(g, wanting[g], tick) for g, tick in oldest.items())
+        return min(oldest.values()), dict.fromkeys(self.prefix.state_ids, reached)
 
-    def _tick_reached(self, gid: str, short_pages: int) -> int | None:
+    def _tick_reached(self, gid: str, short_pages: int, oldest_tick: int) -> int:
         """The idle tick up to which ``gid``'s own evictions would reach for ``short_pages`` pages, its low-priority
-        idle pages first (None: it holds no entry of normal priority)."""
+        idle pages first (``oldest_tick``: its oldest normal-priority idle page's, where one page or none would go)."""
         pool = self.pools[gid]
         normal_pages = short_pages - int(pool.num_low_priority_idle_pages)
-        return pool.oldest_idle_tick() if normal_pages <= 1 else pool.normal_tick_at(normal_pages)
+        return oldest_tick if normal_pages <= 1 else pool.normal_tick_at(normal_pages)
 
     def _deny_greedily(self, alloc, need, avail, net, fits, deny, scan, plan) -> None:
         """In batch order, admit a request only if everything admitted so far still fits (``[G, R]`` arrays
